@@ -46,6 +46,7 @@ MAX_KEY = 128
 MAX_SUBKEY = 64
 MAX_VALUE = 640
 MAX_TTL = 86400.0
+MAX_TTL_S = MAX_TTL
 MAX_CONTACTS = 20
 MAX_RECORDS = 16
 MAX_BODY = 65507  # the largest UDP payload; the MTU limits what a sender actually emits
@@ -146,3 +147,21 @@ def decode(mtype: int, data: bytes) -> dict[str, Any]:
     except Exception as e:  # msgpack raises a zoo of types for bad input
         raise WireError("malformed", f"not msgpack: {type(e).__name__}") from None
     return _VALIDATORS[t](raw)
+
+
+def encode_fitting(mtype: MsgType, body: dict[str, Any], budget: int) -> bytes:
+    """Encode, dropping trailing ``nodes`` then ``records`` entries until the body fits ``budget``.
+
+    Lists are ordered best first (closest nodes, records in page order), so trimming the tail keeps
+    the most useful part; VALUE's ``total`` lets the reader page for what was cut.
+    """
+    data = encode(mtype, body)
+    for name in ("nodes", "records"):
+        items = body.get(name)
+        while len(data) > budget and items:
+            body = {**body, name: items[:-1]}
+            items = body[name]
+            data = encode(mtype, body)
+    if len(data) > budget:
+        raise ValueError(f"{mtype.name} body of {len(data)} bytes does not fit {budget}")
+    return data

@@ -99,9 +99,8 @@ class Opener:
         """Return (header, plaintext body, token state) or raise WireError."""
         header = parse_header(datagram)
         state = self._tokens.get(header.token)
-        if state is not None:
-            if not state.window.would_accept(header.seq):
-                raise WireError("replay", f"sequence {header.seq} of token {header.token:016x} already seen")
+        if state is not None and not state.window.would_accept(header.seq):
+            raise WireError("replay", f"sequence {header.seq} of token {header.token:016x} already seen")
         if self._secret is None:
             if header.sealed:
                 raise WireError("auth", "sealed datagram, but this node runs --insecure")

@@ -1,0 +1,268 @@
+"""The ``peerd`` command line: join | status | keygen | dht | swarm."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from .addresses import parse_hostport
+from .localsock.client import DaemonError, LocalClient, default_socket_path
+
+DEFAULT_PORT = 7411
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    try:
+        return parse_hostport(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _metrics_addr(text: str) -> tuple[str, int]:
+    try:
+        return parse_hostport(text, bare_port_host="127.0.0.1")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _socket_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--socket",
+        default=None,
+        metavar="PATH",
+        help=f"the daemon's local socket (default: $PEERD_SOCKET or {default_socket_path()})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="peerd",
+        description="Decentralized training daemon: joins a swarm, finds peers through a DHT, averages tensors.",
+    )
+    parser.add_argument("--version", action="version", version=f"peerd {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("keygen", help="write a node identity, or (--swarm-key) a new swarm secret")
+    p.add_argument("path", metavar="PATH", nargs="?", help="where to write the node identity (mode 0600)")
+    p.add_argument("--swarm-key", metavar="PATH", help="write a new swarm secret here instead (mode 0600)")
+
+    p = sub.add_parser("join", help="run a daemon that joins (or, without --bootstrap, starts) a swarm")
+    p.add_argument("--listen", type=_hostport, default=("0.0.0.0", DEFAULT_PORT), metavar="HOST:PORT",
+                   help=f"UDP address to listen on (default 0.0.0.0:{DEFAULT_PORT}; port 0 picks a free one)")
+    p.add_argument("--announce", type=_hostport, metavar="HOST:PORT",
+                   help="address peers should use to reach this node (behind NAT or in containers)")
+    p.add_argument("--bootstrap", type=_hostport, action="append", default=[], metavar="HOST:PORT",
+                   help="a member of the swarm to join through (repeatable); none starts a new swarm")
+    p.add_argument("--bootstrap-timeout", type=_positive, default=300.0, metavar="S",
+                   help="give up and exit non-zero if no bootstrap node answers for this long (default 300)")
+    p.add_argument("--identity", metavar="PATH", help="node identity from 'peerd keygen' (default: a fresh one)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--swarm-key-file", metavar="PATH", help="the swarm's secret (from 'peerd keygen --swarm-key')")
+    key.add_argument("--insecure", action="store_true",
+                     help="do not authenticate datagrams: anyone who can reach the port can join (benchmarks only)")
+    _socket_arg(p)
+    p.add_argument("--metrics", type=_metrics_addr, metavar="HOST:PORT",
+                   help="serve Prometheus metrics here (a bare port binds 127.0.0.1)")
+    p.add_argument("--mtu", type=int, default=1200, metavar="BYTES",
+                   help="largest UDP payload to send (default 1200; never relies on IP fragmentation)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    p = sub.add_parser("status", help="show a running daemon's identity and swarm view")
+    _socket_arg(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("dht", help="put and get records in the swarm's DHT, through the local daemon")
+    dht = p.add_subparsers(dest="dht_command", required=True, metavar="ACTION")
+    put = dht.add_parser("put", help="store VALUE under KEY (under this node's subkey)")
+    put.add_argument("key", metavar="KEY")
+    put.add_argument("value", metavar="VALUE")
+    put.add_argument("--ttl", type=_positive, default=3600.0, metavar="SECONDS", help="lifetime (default 3600)")
+    put.add_argument("--subkey", help="subkey to write (default: this node's peer id)")
+    _socket_arg(put)
+    get = dht.add_parser("get", help="read every value under KEY")
+    get.add_argument("key", metavar="KEY")
+    _socket_arg(get)
+    get.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("swarm", help="run N local daemons in one fresh swarm on 127.0.0.1 (Ctrl-C stops them)")
+    p.add_argument("--peers", type=int, default=4, metavar="N", help="how many daemons (default 4)")
+    p.add_argument("--base-port", type=int, default=0, metavar="PORT",
+                   help="UDP port of the first daemon; others follow (default: free ports)")
+    p.add_argument("--dir", metavar="PATH", help="where to keep keys and sockets (default: a new temp dir)")
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args, parser)
+    except DaemonError as e:
+        print(f"peerd: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_keygen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .wire.identity import write_identity, write_swarm_key
+
+    if bool(args.path) == bool(args.swarm_key):
+        parser.error("keygen takes PATH (a node identity) or --swarm-key PATH, not both")
+    target = args.swarm_key or args.path
+    try:
+        if args.swarm_key:
+            write_swarm_key(target)
+            print(f"wrote a new swarm key to {target}; give it (securely) to every member of the swarm")
+        else:
+            ident = write_identity(target)
+            print(f"wrote identity {ident.node_id.hex()} to {target}")
+    except FileExistsError:
+        print(f"peerd: error: {target} exists; refusing to overwrite a key (remove it first)", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"peerd: error: cannot write {target}: {e.strerror}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import trio
+
+    from .daemon import Daemon, DaemonConfig
+    from .daemon import DaemonError as StartError
+
+    if not args.insecure and not args.swarm_key_file:
+        parser.error(
+            "join needs --swarm-key-file PATH (create one with 'peerd keygen --swarm-key PATH'), "
+            "or --insecure for a throwaway swarm"
+        )
+    if not 576 <= args.mtu <= 65507:
+        parser.error("--mtu must be between 576 and 65507 bytes")
+    port = args.listen[1] if args.listen else DEFAULT_PORT
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s peerd[{port}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.insecure:
+        logging.getLogger("peerd").warning(
+            "--insecure: datagrams are NOT authenticated; anyone who reaches this port can join and inject data"
+        )
+    config = DaemonConfig(
+        listen=args.listen,
+        announce=args.announce,
+        bootstrap=args.bootstrap,
+        bootstrap_timeout=args.bootstrap_timeout,
+        identity_path=args.identity,
+        swarm_key_file=args.swarm_key_file,
+        insecure=args.insecure,
+        socket_path=args.socket or default_socket_path(),
+        metrics=args.metrics,
+        mtu=args.mtu,
+    )
+    try:
+        daemon = Daemon(config)
+        trio.run(daemon.run)
+    except StartError as e:
+        print(f"peerd: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with LocalClient(args.socket, timeout=10) as client:
+        reply = client.call("status")
+    reply.pop("ok", None)
+    if args.json:
+        print(json.dumps(reply, indent=2))
+        return 0
+    dropped = reply.get("datagrams_dropped") or {}
+    print(f"peer id    {reply['peer_id']}")
+    print(f"listening  {reply['listen']} (UDP){'  INSECURE' if reply.get('insecure') else ''}")
+    print(f"swarm      {reply['peers']} peers in the routing table, "
+          f"{'joined' if reply.get('joined') else 'still joining'}")
+    print(f"records    {reply.get('records', 0)} held for the DHT")
+    print(f"uptime     {reply['uptime_s']:.0f} s")
+    if dropped:
+        print("dropped    " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
+    return 0
+
+
+def _text(data: bytes) -> dict[str, Any]:
+    try:
+        return {"text": data.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"base64": base64.b64encode(data).decode()}
+
+
+def cmd_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with LocalClient(args.socket, timeout=60) as client:
+        if args.dht_command == "put":
+            reply = client.call("dht_put", key=args.key, value=args.value, ttl=args.ttl, subkey=args.subkey)
+            print(f"stored {args.key!r} on {reply['stored']} node(s) under subkey {reply['subkey']}")
+            return 0
+        reply = client.call("dht_get", key=args.key)
+    values = []
+    for v in reply["values"]:
+        item: dict[str, Any] = {}
+        for name in ("subkey", "value"):
+            decoded = _text(v[name])
+            item[name] = decoded.get("text", decoded.get("base64"))
+            if "base64" in decoded:
+                item[f"{name}_encoding"] = "base64"
+        item["expires_at"] = v["expires_at"]
+        item["owner"] = v["owner"]
+        values.append(item)
+    if args.json:
+        print(json.dumps({"key": args.key, "values": values}, indent=2))
+    elif not values:
+        print(f"no values under {args.key!r}", file=sys.stderr)
+        return 1
+    else:
+        import time
+
+        for item in values:
+            print(f"{item['subkey']}\t{item['value']}\t(expires in {item['expires_at'] - time.time():.0f} s)")
+    return 0
+
+
+def cmd_swarm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .swarm import run_swarm
+
+    if args.peers < 1:
+        parser.error("--peers must be at least 1")
+    return run_swarm(args.peers, base_port=args.base_port, workdir=args.dir)
+
+
+_COMMANDS = {
+    "keygen": cmd_keygen,
+    "join": cmd_join,
+    "status": cmd_status,
+    "dht": cmd_dht,
+    "swarm": cmd_swarm,
+}
+
+if __name__ == "__main__":
+    sys.exit(main(os.sys.argv[1:]))

@@ -1,0 +1,213 @@
+"""Wires the services of one node into one trio nursery, and leaves cleanly on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import signal
+import socket as stdsocket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from prometheus_client import start_http_server
+
+from . import __version__
+from .addresses import family_of, format_hostport, resolve_ip
+from .dht import BootstrapError, DhtService
+from .localsock.server import LocalServer, OpError, SocketInUse
+from .metrics import Metrics
+from .transport import Endpoint
+from .wire.identity import Identity, KeyFileError, load_identity, load_swarm_key, node_id_of
+from .wire.messages import MAX_TTL_S
+
+log = logging.getLogger("peerd")
+
+
+class DaemonError(Exception):
+    """Startup failed in a way the operator can fix; the message says how (one line)."""
+
+
+@dataclass
+class DaemonConfig:
+    listen: tuple[str, int] = ("0.0.0.0", 7411)
+    announce: tuple[str, int] | None = None
+    bootstrap: list[tuple[str, int]] = field(default_factory=list)
+    bootstrap_timeout: float = 300.0
+    identity_path: str | None = None
+    swarm_key_file: str | None = None
+    insecure: bool = False
+    socket_path: str = ""
+    metrics: tuple[str, int] | None = None
+    mtu: int = 1200
+
+
+def _bind_udp(host: str, port: int) -> stdsocket.socket:
+    ip = resolve_ip(host)
+    sock = stdsocket.socket(family_of(ip), stdsocket.SOCK_DGRAM)
+    try:
+        sock.bind((ip, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise DaemonError(
+                f"UDP port {format_hostport(ip, port)} is in use: stop the other daemon or pick another --listen"
+            ) from None
+        raise DaemonError(f"cannot listen on {format_hostport(ip, port)}: {e.strerror}") from None
+    return sock
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.started = time.monotonic()
+        try:
+            self.identity = load_identity(config.identity_path) if config.identity_path else Identity.generate()
+            secret = None if config.insecure else load_swarm_key(config.swarm_key_file or "")
+        except KeyFileError as e:
+            raise DaemonError(str(e)) from None
+        self.metrics = Metrics()
+        try:
+            announce = (resolve_ip(config.announce[0]), config.announce[1]) if config.announce else None
+        except ValueError as e:
+            raise DaemonError(f"--announce: {e}") from None
+        try:
+            self.udp = _bind_udp(*config.listen)
+        except ValueError as e:
+            raise DaemonError(f"--listen: {e}") from None
+        self.listen = self.udp.getsockname()[:2]
+        try:
+            self.local = LocalServer(config.socket_path, self.metrics)
+        except SocketInUse as e:
+            self.udp.close()
+            raise DaemonError(str(e)) from None
+        self.http = None
+        if config.metrics is not None:
+            try:
+                self.http, _ = start_http_server(config.metrics[1], config.metrics[0], registry=self.metrics.registry)
+            except OSError as e:
+                self.close()
+                raise DaemonError(
+                    f"cannot serve metrics on {format_hostport(*config.metrics)}: {e.strerror}; "
+                    f"pick another --metrics port"
+                ) from None
+        self.endpoint = Endpoint(
+            trio.socket.from_stdlib_socket(self.udp),
+            self.identity,
+            secret,
+            self.metrics,
+            announce=announce,
+            mtu=config.mtu,
+        )
+        self.dht = DhtService(self.endpoint, self.metrics)
+        self.metrics.info.info({"version": __version__, "peer_id": self.identity.node_id.hex()})
+        for op, handler in {
+            "status": self._op_status,
+            "dht_put": self._op_dht_put,
+            "dht_get": self._op_dht_get,
+        }.items():
+            self.local.register(op, handler)
+
+    def close(self) -> None:
+        self.local.close()
+        self.udp.close()
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT; raises DaemonError if bootstrapping gives up."""
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._watch_signals, nursery.cancel_scope)
+                await nursery.start(self.endpoint.serve)
+                await nursery.start(self.dht.run)
+                await nursery.start(self.local.serve)
+                log.info(
+                    "peer %s listening on %s, local socket %s%s",
+                    self.identity.node_id.hex()[:16],
+                    format_hostport(*self.listen),
+                    self.config.socket_path,
+                    " (INSECURE: datagrams are not authenticated)" if self.config.insecure else "",
+                )
+                if self.config.bootstrap:
+                    try:
+                        await self.dht.bootstrap(self.config.bootstrap, timeout=self.config.bootstrap_timeout)
+                    except BootstrapError as e:
+                        raise DaemonError(str(e)) from None
+                else:
+                    self.dht.bootstrapped.set()
+                    log.info("started a new swarm (no --bootstrap); others join with --bootstrap %s",
+                             format_hostport(*(self.config.announce or self.listen)))
+        finally:
+            self.close()
+
+    async def _watch_signals(self, scope: trio.CancelScope, *, task_status: trio.TaskStatus[None]) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                log.info("%s: leaving", signal.Signals(signum).name)
+                scope.cancel()
+                return
+
+    # -- local socket ops -------------------------------------------------------------------------
+    async def _op_status(self, request: dict[str, Any]) -> dict[str, Any]:
+        dropped = {}
+        for metric in self.metrics.datagrams_dropped.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    dropped[sample.labels["reason"]] = int(sample.value)
+        return {
+            "peer_id": self.identity.node_id.hex(),
+            "listen": format_hostport(*self.listen),
+            "peers": self.dht.peer_count(),
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "joined": self.dht.bootstrapped.is_set(),
+            "records": len(self.dht.core.store),
+            "insecure": self.config.insecure,
+            "version": __version__,
+            "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
+            "datagrams_dropped": dropped,
+        }
+
+    async def _op_dht_put(self, request: dict[str, Any]) -> dict[str, Any]:
+        key, value = _arg_bytes(request, "key"), _arg_bytes(request, "value")
+        subkey = _arg_bytes(request, "subkey") if request.get("subkey") is not None else None
+        if subkey is None:
+            subkey = self.identity.node_id.hex().encode()
+        ttl = request.get("ttl", 3600)
+        if not isinstance(ttl, int | float) or not 0 < ttl <= MAX_TTL_S:
+            raise OpError(f"ttl must be a number of seconds in (0, {MAX_TTL_S:.0f}]")
+        try:
+            result = await self.dht.put(key, subkey, value, float(ttl))
+        except ValueError as e:
+            raise OpError(str(e)) from None
+        if result.stored == 0:
+            raise OpError(f"no node stored the record (refused: {result.refused or 'no reachable nodes'})")
+        return {"stored": result.stored, "refused": result.refused, "subkey": subkey.decode("utf-8", "replace")}
+
+    async def _op_dht_get(self, request: dict[str, Any]) -> dict[str, Any]:
+        key = _arg_bytes(request, "key")
+        records = await self.dht.get(key)
+        now, wall = trio.current_time(), time.time()
+        return {
+            "values": [
+                {
+                    "subkey": r.subkey,
+                    "value": r.value,
+                    "expires_at": round(wall + r.ttl(now), 3),
+                    "owner": node_id_of(r.owner).hex(),
+                }
+                for r in records
+            ]
+        }
+
+
+def _arg_bytes(request: dict[str, Any], name: str) -> bytes:
+    value = request.get(name)
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, bytes):
+        return value
+    raise OpError(f"{name} must be a string or bytes")

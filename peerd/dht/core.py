@@ -1,0 +1,60 @@
+"""The DHT's request handling (sans-I/O): answers PING, FIND_NODE, FIND_VALUE and STORE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..wire import messages as m
+from ..wire.errors import WireError
+from .records import Record, RecordStore, location
+from .routing import Contact, RoutingTable
+
+
+def pack_contacts(contacts: list[Contact]) -> list[list]:
+    return [m.pack_contact(c.node_id, c.host, c.port) for c in contacts]
+
+
+def unpack_contacts(raw: list[tuple]) -> list[Contact]:
+    return [Contact(node_id, host, port) for node_id, host, port in raw]
+
+
+class DhtCore:
+    def __init__(self, node_id: bytes, *, k: int = 20, store: RecordStore | None = None) -> None:
+        self.node_id = node_id
+        self.k = k
+        self.table = RoutingTable(node_id, k)
+        self.store = store if store is not None else RecordStore()
+        self.refused: dict[str, int] = {}  # STORE refusals by reason, for statistics
+
+    def handle(self, mtype: m.MsgType, body: dict[str, Any], now: float) -> dict[str, Any]:
+        """Response fields for a request (rid/from are the transport's)."""
+        if mtype is m.MsgType.PING:
+            return {}
+        if mtype is m.MsgType.FIND_NODE:
+            return {"nodes": pack_contacts(self.table.closest(body["target"]))}
+        if mtype is m.MsgType.FIND_VALUE:
+            return self._find_value(body["key"], body["offset"], now)
+        if mtype is m.MsgType.STORE:
+            return {"ok": [self._store(fields, now) for fields in body["records"]]}
+        raise WireError("type", f"{mtype.name} is not a DHT request")
+
+    def _find_value(self, key: bytes, offset: int, now: float) -> dict[str, Any]:
+        records = self.store.get(key, now)
+        page = records[offset : offset + m.MAX_RECORDS]
+        return {
+            "records": [r.to_wire(now) for r in page],
+            "total": min(len(records), 65535),
+            "nodes": pack_contacts(self.table.closest(location(key))) if offset == 0 else [],
+        }
+
+    def _store(self, fields: tuple, now: float) -> bool:
+        try:
+            record = Record.from_wire(fields, now)
+        except WireError as e:
+            self.refused[e.reason] = self.refused.get(e.reason, 0) + 1
+            return False
+        why = self.store.store(record, now)
+        if why is not None:
+            self.refused[why] = self.refused.get(why, 0) + 1
+            return False
+        return True

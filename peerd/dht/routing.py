@@ -1,0 +1,125 @@
+"""Kademlia routing table (sans-I/O): XOR metric, k-buckets with least-recently-seen eviction."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+
+ID_BITS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Contact:
+    node_id: bytes
+    host: str
+    port: int
+
+    @property
+    def addr(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+
+def distance(a: bytes, b: bytes) -> int:
+    return int.from_bytes(a, "big") ^ int.from_bytes(b, "big")
+
+
+def bucket_index(own: bytes, other: bytes) -> int:
+    """Bucket i holds ids at XOR distance in [2**i, 2**(i+1))."""
+    return distance(own, other).bit_length() - 1
+
+
+class Bucket:
+    __slots__ = ("contacts", "replacements", "touched", "pinging")
+
+    def __init__(self) -> None:
+        self.contacts: OrderedDict[bytes, Contact] = OrderedDict()  # least recently seen first
+        self.replacements: OrderedDict[bytes, Contact] = OrderedDict()
+        self.touched = 0.0  # last time a lookup targeted this bucket's range
+        self.pinging: bytes | None = None
+
+
+class RoutingTable:
+    def __init__(self, node_id: bytes, k: int = 20) -> None:
+        self.node_id = node_id
+        self.k = k
+        self.buckets = [Bucket() for _ in range(ID_BITS)]
+
+    def __len__(self) -> int:
+        return sum(len(b.contacts) for b in self.buckets)
+
+    def __contains__(self, node_id: bytes) -> bool:
+        return node_id in self._bucket(node_id).contacts
+
+    def contacts(self) -> list[Contact]:
+        return [c for b in self.buckets for c in b.contacts.values()]
+
+    def _bucket(self, node_id: bytes) -> Bucket:
+        return self.buckets[bucket_index(self.node_id, node_id)]
+
+    def observe(self, contact: Contact) -> Contact | None:
+        """Note that ``contact`` was heard from.
+
+        Returns the bucket's least-recently-seen contact when the bucket is full: the caller pings
+        it and reports through ``ping_result``; meanwhile the newcomer waits as a replacement.
+        """
+        if contact.node_id == self.node_id:
+            return None
+        bucket = self._bucket(contact.node_id)
+        if contact.node_id in bucket.contacts:
+            bucket.contacts[contact.node_id] = contact  # the address may have changed
+            bucket.contacts.move_to_end(contact.node_id)
+            return None
+        if len(bucket.contacts) < self.k:
+            bucket.contacts[contact.node_id] = contact
+            bucket.replacements.pop(contact.node_id, None)
+            return None
+        bucket.replacements[contact.node_id] = contact
+        bucket.replacements.move_to_end(contact.node_id)
+        while len(bucket.replacements) > self.k:
+            bucket.replacements.popitem(last=False)
+        if bucket.pinging is not None:
+            return None
+        oldest = next(iter(bucket.contacts.values()))
+        bucket.pinging = oldest.node_id
+        return oldest
+
+    def ping_result(self, contact: Contact, alive: bool) -> None:
+        bucket = self._bucket(contact.node_id)
+        if bucket.pinging == contact.node_id:
+            bucket.pinging = None
+        if alive:
+            if contact.node_id in bucket.contacts:
+                bucket.contacts.move_to_end(contact.node_id)
+        else:
+            self.remove(contact.node_id)
+
+    def remove(self, node_id: bytes) -> None:
+        """Forget a contact that failed to answer; the freshest replacement takes its place."""
+        bucket = self._bucket(node_id)
+        if bucket.contacts.pop(node_id, None) is not None and bucket.replacements:
+            _, replacement = bucket.replacements.popitem(last=True)
+            bucket.contacts[replacement.node_id] = replacement
+
+    def closest(self, target: bytes, count: int | None = None) -> list[Contact]:
+        count = self.k if count is None else count
+        t = int.from_bytes(target, "big")
+        everyone = self.contacts()
+        everyone.sort(key=lambda c: int.from_bytes(c.node_id, "big") ^ t)
+        return everyone[:count]
+
+    def touch(self, target: bytes, now: float) -> None:
+        if target != self.node_id:
+            self._bucket(target).touched = now
+
+    def buckets_to_refresh(self, now: float, interval: float) -> list[int]:
+        """Stale buckets from the closest occupied one outwards (nearer ones are empty by nature)."""
+        occupied = [i for i, b in enumerate(self.buckets) if b.contacts]
+        if not occupied:
+            return []
+        return [i for i in range(occupied[0], ID_BITS) if now - self.buckets[i].touched >= interval]
+
+    def random_id_in_bucket(self, index: int, rng: random.Random) -> bytes:
+        offset = (1 << index) | rng.getrandbits(index) if index else 1
+        value = int.from_bytes(self.node_id, "big") ^ offset
+        return value.to_bytes(ID_BITS // 8, "big")

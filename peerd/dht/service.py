@@ -1,0 +1,284 @@
+"""The trio driver around DhtCore: lookups, put/get, bootstrap with backoff, bucket refresh."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from ..metrics import Metrics
+from ..transport.endpoint import Address, Endpoint, Incoming, Peer, RpcError, retry_delays
+from ..wire import messages as m
+from ..wire.errors import WireError
+from .core import DhtCore, unpack_contacts
+from .lookup import Lookup
+from .records import Record, location, merge_newest
+from .routing import Contact, distance
+
+log = logging.getLogger("peerd.dht")
+
+
+class BootstrapError(Exception):
+    """No bootstrap node answered in time; the message says what to check."""
+
+
+@dataclass
+class PutResult:
+    stored: int  # replicas that accepted the record, this node included
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+Query = Callable[[Contact], Awaitable[list[Contact]]]
+
+
+class DhtService:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        metrics: Metrics,
+        *,
+        k: int = 20,
+        alpha: int = 3,
+        refresh_interval: float = 60.0,
+        wall: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.metrics = metrics
+        self.core = DhtCore(endpoint.identity.node_id, k=k)
+        self.k = k
+        self.alpha = alpha
+        self.refresh_interval = refresh_interval
+        self.bootstrapped = trio.Event()
+        self._wall = wall
+        self._rng = rng or random.Random()
+        self._nursery: trio.Nursery | None = None
+        for t in (m.MsgType.PING, m.MsgType.FIND_NODE, m.MsgType.FIND_VALUE, m.MsgType.STORE):
+            endpoint.on_request(t, self._on_request)
+
+    @property
+    def node_id(self) -> bytes:
+        return self.core.node_id
+
+    def peer_count(self) -> int:
+        return len(self.core.table)
+
+    # -- background work ------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await self._maintain()
+
+    async def _maintain(self) -> None:
+        next_refresh = math.inf
+        while True:
+            await trio.sleep(1.0)
+            now = trio.current_time()
+            self.core.store.expire(now)
+            self.metrics.dht_records.set(len(self.core.store))
+            if self.bootstrapped.is_set() and next_refresh == math.inf:
+                next_refresh = now + self.refresh_interval * self._rng.uniform(0.25, 0.5)
+            if now >= next_refresh:
+                await self.refresh(self.refresh_interval)
+                next_refresh = now + self.refresh_interval * self._rng.uniform(0.25, 0.5)
+
+    async def refresh(self, interval: float) -> None:
+        """Look up a random id in every bucket that no lookup touched for ``interval`` seconds."""
+        table = self.core.table
+        for index in table.buckets_to_refresh(trio.current_time(), interval):
+            await self.find_nodes(table.random_id_in_bucket(index, self._rng))
+
+    # -- the routing table ----------------------------------------------------------------------
+    def _on_request(self, incoming: Incoming) -> dict:
+        self._heard(incoming.peer)
+        return self.core.handle(incoming.mtype, incoming.body, trio.current_time())
+
+    def _heard(self, peer: Peer) -> None:
+        oldest = self.core.table.observe(Contact(peer.node_id, peer.host, peer.port))
+        if oldest is not None and self._nursery is not None:
+            self._nursery.start_soon(self._check_alive, oldest)
+        self.metrics.dht_peers.set(len(self.core.table))
+
+    def _forget(self, node_id: bytes) -> None:
+        self.core.table.remove(node_id)
+        self.metrics.dht_peers.set(len(self.core.table))
+
+    async def _check_alive(self, contact: Contact) -> None:
+        try:
+            await self._rpc(contact, m.MsgType.PING, {})
+            alive = True
+        except RpcError:
+            alive = False
+        self.core.table.ping_result(contact, alive)
+        self.metrics.dht_peers.set(len(self.core.table))
+
+    async def _rpc(self, contact: Contact, mtype: m.MsgType, fields: dict) -> Incoming:
+        try:
+            reply = await self.endpoint.request(contact.addr, mtype, fields)
+        except RpcError:
+            self._forget(contact.node_id)
+            raise
+        if reply.peer.node_id != contact.node_id:
+            self._forget(contact.node_id)
+            self._heard(reply.peer)
+            raise RpcError(f"{contact.host}:{contact.port} is now another node")
+        self._heard(reply.peer)
+        return reply
+
+    # -- lookups --------------------------------------------------------------------------------
+    async def _iterate(self, target: bytes, query: Query) -> list[Contact]:
+        self.core.table.touch(target, trio.current_time())
+        lookup = Lookup(
+            target, self.core.table.closest(target), own_id=self.node_id, k=self.k, alpha=self.alpha
+        )
+        send, receive = trio.open_memory_channel[tuple[bytes, list[Contact] | None]](math.inf)
+
+        async def ask(contact: Contact) -> None:
+            try:
+                found: list[Contact] | None = await query(contact)
+            except RpcError:
+                found = None
+            send.send_nowait((contact.node_id, found))
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                for contact in lookup.next_queries():
+                    nursery.start_soon(ask, contact)
+                if lookup.finished:
+                    break
+                node_id, found = await receive.receive()
+                if found is None:
+                    lookup.on_failure(node_id)
+                else:
+                    lookup.on_reply(node_id, found)
+        return lookup.result()
+
+    async def find_nodes(self, target: bytes) -> list[Contact]:
+        async def query(contact: Contact) -> list[Contact]:
+            reply = await self._rpc(contact, m.MsgType.FIND_NODE, {"target": target})
+            return unpack_contacts(reply.body["nodes"])
+
+        return await self._iterate(target, query)
+
+    async def get(self, key: bytes) -> list[Record]:
+        """Every live record under ``key`` that the k closest nodes hold (newest per subkey)."""
+        found: list[Record] = list(self.core.store.get(key, trio.current_time()))
+
+        async def query(contact: Contact) -> list[Contact]:
+            offset, nodes, total = 0, None, 1
+            while offset < total:
+                reply = await self._rpc(contact, m.MsgType.FIND_VALUE, {"key": key, "offset": offset})
+                body = reply.body
+                if nodes is None:
+                    nodes = unpack_contacts(body["nodes"])
+                total = body["total"]
+                self._collect(key, body["records"], found)
+                if not body["records"]:
+                    break
+                offset += len(body["records"])
+            return nodes or []
+
+        await self._iterate(location(key), query)
+        return merge_newest(found)
+
+    def _collect(self, key: bytes, raw: list[tuple], into: list[Record]) -> None:
+        now = trio.current_time()
+        for fields in raw:
+            try:
+                record = Record.from_wire(fields, now)
+            except WireError as e:
+                self.metrics.datagrams_dropped.labels(e.reason).inc()
+                continue
+            if record.key == key:
+                into.append(record)
+
+    async def put(self, key: bytes, subkey: bytes, value: bytes, ttl: float) -> PutResult:
+        """Sign a record and store it on the k closest nodes (this one too, if it is among them)."""
+        now = trio.current_time()
+        record = Record.create(self.endpoint.identity, key, subkey, value, ttl, wall=self._wall(), now=now)
+        target = location(key)
+        closest = (await self.find_nodes(target))[: self.k]
+        result = PutResult(0)
+        if len(closest) < self.k or distance(self.node_id, target) < distance(closest[-1].node_id, target):
+            why = self.core.store.store(record, now)
+            self._tally(result, why)
+
+        async def store_on(contact: Contact) -> None:
+            try:
+                reply = await self._rpc(contact, m.MsgType.STORE, {"records": [record.to_wire(now)]})
+            except RpcError as e:
+                self._tally(result, "owner" if "owner" in str(e) else "unreachable")
+                return
+            ok = reply.body["ok"]
+            self._tally(result, None if ok and ok[0] else "refused")
+
+        async with trio.open_nursery() as nursery:
+            for contact in closest:
+                nursery.start_soon(store_on, contact)
+        return result
+
+    @staticmethod
+    def _tally(result: PutResult, why: str | None) -> None:
+        if why is None:
+            result.stored += 1
+        else:
+            result.refused[why] = result.refused.get(why, 0) + 1
+
+    # -- joining --------------------------------------------------------------------------------
+    async def bootstrap(self, addrs: list[Address], *, timeout: float) -> None:
+        """Ping bootstrap nodes with backoff until one answers, then fill the routing table."""
+        deadline = trio.current_time() + timeout
+        delay = retry_delays(1.0, 30.0)
+        attempt = 0
+        while True:
+            answered = 0
+            for addr in addrs:
+                for resolved in await _resolve(addr, self.endpoint):
+                    try:
+                        reply = await self.endpoint.request(resolved, m.MsgType.PING, {})
+                    except RpcError as e:
+                        log.info("bootstrap %s:%d: %s", addr[0], addr[1], e)
+                        continue
+                    self._heard(reply.peer)
+                    answered += 1
+            if answered:
+                break
+            left = deadline - trio.current_time()
+            if left <= 0:
+                names = ", ".join(f"{h}:{p}" for h, p in addrs)
+                raise BootstrapError(
+                    f"no bootstrap node answered within {timeout:.0f} s ({names}). Check that the address "
+                    f"and port are right and reachable over UDP, and that this node uses the swarm's key "
+                    f"(--swarm-key-file) or --insecure exactly as the swarm does."
+                )
+            wait = min(delay(attempt), left)
+            attempt += 1
+            log.warning("no bootstrap node answered yet; retrying in %.1f s (gives up in %.0f s)", wait, left)
+            await trio.sleep(wait)
+        await self.find_nodes(self.node_id)
+        await self.refresh(0.0)
+        self.bootstrapped.set()
+        log.info("joined the swarm: %d peers in the routing table", self.peer_count())
+
+
+async def _resolve(addr: Address, endpoint: Endpoint) -> list[Address]:
+    """Resolve a bootstrap name on every attempt (in compose, DNS may come up after us)."""
+    host, port = addr
+    family = getattr(endpoint.sock, "family", trio.socket.AF_INET)
+    try:
+        infos = await trio.socket.getaddrinfo(host, port, family=family, type=trio.socket.SOCK_DGRAM)
+    except OSError as e:
+        log.info("bootstrap %s:%d: cannot resolve: %s", host, port, e)
+        return []
+    seen: list[Address] = []
+    for *_, sockaddr in infos:
+        resolved = (sockaddr[0], sockaddr[1])
+        if resolved not in seen:
+            seen.append(resolved)
+    return seen

@@ -1,0 +1,1 @@
+"""The local socket: length-prefixed msgpack frames between the daemon and local clients."""

@@ -1,0 +1,185 @@
+"""Run several real daemons as processes on 127.0.0.1: for `peerd swarm`, the benches and the tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .localsock.client import DaemonError, LocalClient
+from .wire.identity import write_swarm_key
+
+
+@dataclass
+class Node:
+    index: int
+    proc: subprocess.Popen
+    socket: str
+    log_path: str
+    status: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def listen(self) -> str:
+        return self.status["listen"]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def call(self, op: str, timeout: float = 10.0, **args: Any) -> dict[str, Any]:
+        with LocalClient(self.socket, timeout=timeout) as client:
+            return client.call(op, **args)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class LocalSwarm:
+    """Daemons in one swarm on 127.0.0.1; node 0 starts it and every other node bootstraps from it."""
+
+    def __init__(
+        self,
+        workdir: str | None = None,
+        *,
+        insecure: bool = False,
+        metrics: bool = True,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self._own_dir = workdir is None
+        self.dir = workdir or tempfile.mkdtemp(prefix="peerd-swarm-")
+        os.makedirs(self.dir, exist_ok=True)
+        self.insecure = insecure
+        self.metrics = metrics
+        self.extra_args = extra_args
+        self.key_file = os.path.join(self.dir, "swarm.key")
+        if not insecure and not os.path.exists(self.key_file):
+            write_swarm_key(self.key_file)
+        self.nodes: list[Node] = []
+
+    def command(self, index: int, *, bootstrap: str | None, key_file: str | None = None,
+                extra: tuple[str, ...] = ()) -> list[str]:
+        cmd = [sys.executable, "-m", "peerd", "join", "--listen", "127.0.0.1:0",
+               "--socket", os.path.join(self.dir, f"peer{index}.sock")]
+        cmd += ["--insecure"] if self.insecure else ["--swarm-key-file", key_file or self.key_file]
+        if bootstrap:
+            cmd += ["--bootstrap", bootstrap]
+        if self.metrics:
+            cmd += ["--metrics", "127.0.0.1:0"]
+        return cmd + list(self.extra_args) + list(extra)
+
+    def start(self, *, bootstrap: str | None = None, key_file: str | None = None,
+              extra: tuple[str, ...] = ()) -> Node:
+        """Start one more daemon (bootstrapping from node 0 unless told otherwise); does not wait."""
+        index = len(self.nodes)
+        if bootstrap is None and self.nodes:
+            bootstrap = self.nodes[0].listen
+        log_path = os.path.join(self.dir, f"peer{index}.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                self.command(index, bootstrap=bootstrap, key_file=key_file, extra=extra),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            )
+        node = Node(index, proc, os.path.join(self.dir, f"peer{index}.sock"), log_path)
+        self.nodes.append(node)
+        return node
+
+    def wait_ready(self, node: Node, timeout: float = 60.0) -> dict[str, Any]:
+        """Poll (gently) until the daemon answers on its socket; returns its status."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not node.alive():
+                raise DaemonError(f"peer {node.index} exited with {node.proc.returncode}:\n{node.log_tail()}")
+            try:
+                node.status = node.call("status", timeout=5.0)
+                return node.status
+            except DaemonError:
+                if time.monotonic() > deadline:
+                    raise DaemonError(f"peer {node.index} did not answer within {timeout:.0f} s") from None
+                time.sleep(0.1)
+
+    def start_many(self, count: int, timeout: float = 120.0) -> list[Node]:
+        first = not self.nodes
+        started = []
+        if first:
+            started.append(self.start())
+            self.wait_ready(started[0], timeout)
+            count -= 1
+        started += [self.start() for _ in range(count)]
+        for node in started:
+            self.wait_ready(node, timeout)
+        return started
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for node in self.nodes:
+            if node.alive():
+                node.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            try:
+                node.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+                node.proc.wait()
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+def run_swarm(peers: int, *, base_port: int = 0, workdir: str | None = None) -> int:
+    """`peerd swarm`: start the daemons, say how to reach them, stop them all on Ctrl-C."""
+    swarm = LocalSwarm(workdir)
+    try:
+        print(f"starting {peers} daemons in {swarm.dir} ...", flush=True)
+        for i in range(peers):
+            extra = ("--listen", f"127.0.0.1:{base_port + i}") if base_port else ()
+            node = swarm.start(extra=extra)
+            swarm.wait_ready(node)
+        print(f"\nswarm key: {swarm.key_file}\n")
+        print(f"{'peer':>4}  {'udp':<21} {'metrics':<21} socket")
+        for node in swarm.nodes:
+            s = node.status
+            print(f"{node.index:>4}  {s['listen']:<21} {s.get('metrics') or '-':<21} {node.socket}")
+        first = swarm.nodes[0]
+        print(
+            f"\ntry:   peerd status --socket {first.socket}\n"
+            f"       peerd dht put hello world --socket {first.socket}\n"
+            f"       peerd dht get hello --socket {swarm.nodes[-1].socket}\n"
+            f"join:  peerd join --listen 127.0.0.1:0 --bootstrap {first.listen} "
+            f"--swarm-key-file {swarm.key_file} --socket /tmp/mine.sock\n"
+            f"\nCtrl-C stops them all.",
+            flush=True,
+        )
+        while True:
+            for node in swarm.nodes:
+                if not node.alive():
+                    print(f"peer {node.index} exited with {node.proc.returncode}:\n{node.log_tail()}",
+                          file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nstopping ...", file=sys.stderr)
+        return 0
+    except DaemonError as e:
+        print(f"peerd: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        swarm.stop()
+        if workdir is None:
+            shutil.rmtree(swarm.dir, ignore_errors=True)

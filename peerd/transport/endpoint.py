@@ -1,0 +1,245 @@
+"""One UDP socket per daemon: seal/open every datagram, match responses to requests, demultiplex.
+
+Handlers for control requests are plain functions (they run to completion without awaiting), so a
+request is answered straight from the receive loop. Tensor data (types 0x40..0x7F) goes to raw
+handlers that get the opened body and the sender's token state, never msgpack.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+
+from ..metrics import Metrics
+from ..wire import messages as m
+from ..wire.envelope import Header
+from ..wire.errors import WireError
+from ..wire.identity import Identity, node_id_of, verify_token_binding
+from ..wire.seal import Opener, Sealer, TokenState
+
+log = logging.getLogger("peerd.transport")
+
+Address = tuple[str, int]
+DEFAULT_MTU = 1200
+MAX_DATAGRAM = 65536
+
+
+class DatagramSocket(Protocol):
+    async def sendto(self, data: bytes, address: Address, /) -> int: ...
+    async def recvfrom(self, bufsize: int, /) -> tuple[bytes, Any]: ...
+    def close(self) -> None: ...
+
+
+class RpcError(Exception):
+    """A request that failed: no answer, or an ERROR response."""
+
+
+class RpcTimeout(RpcError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A remote node as proven by its token binding; ``host``/``port`` is where to reach it."""
+
+    node_id: bytes
+    public_key: bytes
+    host: str
+    port: int
+
+
+@dataclass(slots=True)
+class Incoming:
+    mtype: m.MsgType
+    body: dict[str, Any]
+    peer: Peer
+    source: Address
+
+
+RequestHandler = Callable[[Incoming], dict[str, Any] | None]
+RawHandler = Callable[[Header, bytes, TokenState, Address], None]
+
+
+class _Pending:
+    __slots__ = ("expect", "event", "reply")
+
+    def __init__(self, expect: m.MsgType) -> None:
+        self.expect = expect
+        self.event = trio.Event()
+        self.reply: Incoming | None = None
+
+
+class Endpoint:
+    def __init__(
+        self,
+        sock: DatagramSocket,
+        identity: Identity,
+        swarm_secret: bytes | None,
+        metrics: Metrics,
+        *,
+        announce: Address | None = None,
+        mtu: int = DEFAULT_MTU,
+    ) -> None:
+        self.sock = sock
+        self.identity = identity
+        self.metrics = metrics
+        self.mtu = mtu
+        self.sealer = Sealer(swarm_secret)
+        self.opener = Opener(swarm_secret)
+        self._from = {
+            "pk": identity.public_key,
+            "sig": identity.sign_token(self.sealer.token),
+            "addr": m.pack_addr(*announce) if announce else None,
+        }
+        self._handlers: dict[m.MsgType, tuple[m.MsgType, RequestHandler]] = {}
+        self._raw: dict[int, RawHandler] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._type_names = {t.value: t.name.lower() for t in m.MsgType}
+
+    # -- registration -------------------------------------------------------------------------
+    def on_request(self, mtype: m.MsgType, handler: RequestHandler) -> None:
+        """``handler`` returns the response fields (without rid/from), or None to stay silent."""
+        self._handlers[mtype] = (m.REQUESTS[mtype], handler)
+
+    def on_raw(self, mtype: int, handler: RawHandler) -> None:
+        if mtype <= m.CONTROL_MAX:
+            raise ValueError("raw handlers are for tensor data types (0x40..0x7F)")
+        self._raw[mtype] = handler
+
+    # -- sending --------------------------------------------------------------------------------
+    @property
+    def max_body(self) -> int:
+        return self.mtu - self.sealer.overhead
+
+    async def send_raw(self, addr: Address, mtype: int, body: bytes | memoryview) -> None:
+        await self._send(addr, mtype, body)
+
+    async def _send(self, addr: Address, mtype: int, body: bytes | memoryview) -> None:
+        datagram = self.sealer.seal(mtype, body)
+        try:
+            await self.sock.sendto(datagram, addr)
+        except OSError as e:
+            self.metrics.datagrams_dropped.labels("send_error").inc()
+            raise RpcError(f"cannot send to {addr[0]}:{addr[1]}: {e.strerror or e}") from None
+        self.metrics.datagrams_sent.labels(self._type_names.get(mtype, "data")).inc()
+        self.metrics.bytes_sent.inc(len(datagram))
+
+    async def _send_control(self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any]) -> None:
+        body = m.encode_fitting(mtype, {"rid": rid, "from": self._from, **fields}, self.max_body)
+        await self._send(addr, mtype, body)
+
+    async def request(
+        self,
+        addr: Address,
+        mtype: m.MsgType,
+        fields: dict[str, Any],
+        *,
+        timeout: float = 0.5,
+        attempts: int = 3,
+    ) -> Incoming:
+        """Send a request and wait for its response; each retry doubles the wait. Raises RpcError."""
+        rid = secrets.randbits(64)
+        pending = self._pending[rid] = _Pending(m.REQUESTS[mtype])
+        start = trio.current_time()
+        name = mtype.name.lower()
+        try:
+            wait = timeout
+            for _ in range(attempts):
+                await self._send_control(addr, mtype, rid, fields)
+                with trio.move_on_after(wait):
+                    await pending.event.wait()
+                if pending.reply is not None:
+                    reply = pending.reply
+                    if reply.mtype is m.MsgType.ERROR:
+                        raise RpcError(f"{addr[0]}:{addr[1]} refused {name}: {reply.body['detail']}")
+                    self.metrics.rpc_seconds.labels(name).observe(trio.current_time() - start)
+                    return reply
+                wait *= 2
+            self.metrics.rpc_failures.labels(name).inc()
+            raise RpcTimeout(f"no answer to {name} from {addr[0]}:{addr[1]} after {attempts} attempts")
+        finally:
+            del self._pending[rid]
+
+    # -- receiving ------------------------------------------------------------------------------
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            try:
+                data, source = await self.sock.recvfrom(MAX_DATAGRAM)
+            except OSError as e:  # e.g. ICMP errors surfacing on some platforms
+                log.debug("recvfrom: %s", e)
+                continue
+            await self.handle_datagram(data, (source[0], source[1]))
+
+    async def handle_datagram(self, data: bytes, source: Address) -> None:
+        self.metrics.bytes_received.inc(len(data))
+        try:
+            header, body, state = self.opener.open(data)
+            if header.type > m.CONTROL_MAX:
+                raw = self._raw.get(header.type)
+                if raw is None:
+                    raise WireError("type", f"no handler for data type {header.type:#04x}")
+                self.metrics.datagrams_received.labels("data").inc()
+                raw(header, body, state, source)
+                return
+            incoming = self._incoming(header, body, state, source)
+        except WireError as e:
+            self.metrics.datagrams_dropped.labels(e.reason).inc()
+            log.debug("drop from %s: %s", source, e)
+            return
+        self.metrics.datagrams_received.labels(incoming.mtype.name.lower()).inc()
+        rid = incoming.body["rid"]
+        pending = self._pending.get(rid)
+        if pending is not None and incoming.mtype in (pending.expect, m.MsgType.ERROR):
+            if pending.reply is None:
+                pending.reply = incoming
+                pending.event.set()
+            return
+        entry = self._handlers.get(incoming.mtype)
+        if entry is None:
+            self.metrics.datagrams_dropped.labels("unexpected").inc()
+            return
+        response_type, handler = entry
+        try:
+            fields = handler(incoming)
+        except WireError as e:  # semantically bad request: tell the sender why
+            self.metrics.datagrams_dropped.labels(e.reason).inc()
+            fields, response_type = {"code": e.reason, "detail": e.detail[:200]}, m.MsgType.ERROR
+        if fields is None:
+            return
+        try:
+            await self._send_control(source, response_type, rid, fields)
+        except RpcError as e:
+            log.debug("response to %s: %s", source, e)
+
+    def _incoming(self, header: Header, body: bytes, state: TokenState, source: Address) -> Incoming:
+        mtype = m.msg_type(header.type)
+        fields = m.decode(mtype, body)
+        sender = fields["from"]
+        pk = sender["pk"]
+        if state.peer_key is None:
+            verify_token_binding(pk, header.token, sender["sig"])
+            state.peer_key = pk
+        elif state.peer_key != pk:
+            raise WireError("identity", "token is bound to another public key")
+        if pk == self.identity.public_key:
+            raise WireError("self", "datagram from this node's own identity")
+        host, port = sender["addr"] if sender["addr"] is not None else source
+        peer = Peer(node_id_of(pk), pk, host, port)
+        return Incoming(mtype, fields, peer, source)
+
+
+def retry_delays(first: float, cap: float) -> Callable[[int], float]:
+    """Exponential backoff with jitter, for loops that retry whole operations (bootstrap)."""
+
+    def delay(attempt: int) -> float:
+        base = min(cap, first * math.pow(2, attempt))
+        return base * (0.5 + secrets.randbelow(1000) / 2000)
+
+    return delay
