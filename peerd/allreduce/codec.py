@@ -1,0 +1,99 @@
+"""Tensor datagram bodies (protocol/allreduce.md, "Body").
+
+A body is a fixed 19-byte little-endian header followed by raw little-endian float32 values, so the data
+path never encodes per element. 19 bytes is what the 56-byte overhead budget leaves after the 21-byte
+envelope and the 16-byte AEAD tag; it also puts the values at byte 40 of the datagram, 8-byte aligned.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from enum import IntEnum
+from typing import NamedTuple
+
+import numpy as np
+
+from ..wire.errors import WireError
+
+# group id u32, codec u8, stream's data datagram count u32, element offset u32, element count u16,
+# weight f32 (RS: the sender's weight; AG: the total weight that arrived at the owner for this range).
+HEADER = struct.Struct("<IBIIHf")
+HEADER_SIZE = HEADER.size  # 19
+MAX_COUNT = 0xFFFF
+FLOAT32 = np.dtype("<f4")
+CODEC_FLOAT32 = 0
+KNOWN_CODECS = frozenset({CODEC_FLOAT32})  # 1..255 are reserved for compressed encodings
+END_REPEATS = 3  # the driver sends each END body this many times (it is the only loss protection it has)
+
+
+class BodyType(IntEnum):
+    """The envelope's type byte for tensor data (0x40..0x7F are reserved for tensor data)."""
+
+    RS_DATA = 0x40
+    RS_END = 0x41
+    AG_DATA = 0x42
+    AG_END = 0x43
+
+
+TYPES = frozenset(int(t) for t in BodyType)
+DATA_TYPES = frozenset({BodyType.RS_DATA, BodyType.AG_DATA})
+RS_TYPES = frozenset({BodyType.RS_DATA, BodyType.RS_END})
+
+
+class BodyHeader(NamedTuple):
+    group: int
+    codec: int
+    total: int
+    offset: int
+    count: int
+    weight: float
+
+
+def pack_data(group: int, total: int, offset: int, weight: float, values: np.ndarray | memoryview) -> bytes:
+    """A DATA body: header then the values' bytes (one copy: the join)."""
+    count = len(values)
+    header = HEADER.pack(group, CODEC_FLOAT32, total, offset, count, weight)
+    return b"".join((header, values))
+
+
+def pack_end(group: int, total: int, offset: int, weight: float) -> bytes:
+    """An END body: the stream's header with count 0 and no values; offset is the shard start."""
+    return HEADER.pack(group, CODEC_FLOAT32, total, offset, 0, weight)
+
+
+def peek_group(body: bytes | memoryview) -> int:
+    """The group id, for a driver that routes bodies to the right GroupAverage."""
+    if len(body) < 4:
+        raise WireError("malformed", f"tensor body of {len(body)} bytes has no group id")
+    return int.from_bytes(body[:4], "little")
+
+
+def parse_header(mtype: int, body: bytes | memoryview) -> BodyHeader:
+    """Decode and check what can be checked without the group's layout.
+
+    Raises WireError("type") for a type that is not tensor data and WireError("malformed") for a short or
+    inconsistent body, an unknown codec, or a weight that is not finite (RS: not > 0; AG: negative).
+    """
+    if mtype not in TYPES:
+        raise WireError("type", f"{mtype:#04x} is not an all-reduce body type")
+    size = len(body)
+    if size < HEADER_SIZE:
+        raise WireError("malformed", f"tensor body of {size} bytes is shorter than its {HEADER_SIZE}-byte header")
+    h = BodyHeader._make(HEADER.unpack_from(body))
+    if h.codec not in KNOWN_CODECS:
+        raise WireError("malformed", f"unknown codec {h.codec}")
+    if mtype in DATA_TYPES:
+        if h.count == 0 or size != HEADER_SIZE + 4 * h.count:
+            raise WireError("malformed", f"data body of {size} bytes says it holds {h.count} float32 values")
+    elif h.count != 0 or size != HEADER_SIZE:
+        raise WireError("malformed", f"end body of {size} bytes with count {h.count}; it must be a bare header")
+    w = h.weight
+    if not math.isfinite(w) or (w <= 0.0 if mtype in RS_TYPES else w < 0.0):
+        raise WireError("malformed", f"weight {w!r} out of range")
+    return h
+
+
+def values(body: bytes | memoryview, count: int) -> np.ndarray:
+    """The body's values as a read-only float32 view (no copy)."""
+    return np.frombuffer(body, dtype=FLOAT32, count=count, offset=HEADER_SIZE)

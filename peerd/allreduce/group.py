@@ -1,0 +1,650 @@
+"""One group's averaging over lossy datagrams: the sans-I/O state machine (protocol/allreduce.md).
+
+The driver feeds it bodies (``receive``) and timer ticks (``handle_timer``) with an injected ``now``, sends
+what ``next_datagrams`` hands out, and sleeps until ``next_deadline()``. Nothing here blocks, reads a clock
+or touches a socket, so the simulator and the tests run it in virtual time with exact loss patterns.
+
+Cost model (so a trio driver can cut work into ~1 ms slices): ``receive`` is O(1) Python plus O(datagram)
+numpy; ``next_datagrams(limit)`` does at most ``limit`` datagrams of work (plus the division of one block of
+ranges, ~64k elements, when the all-gather reaches it); ``result()`` may copy own values into ranges that
+never arrived, which is O(missing elements).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
+from typing import NamedTuple
+
+import numpy as np
+
+from ..wire.errors import WireError
+from .codec import (
+    END_REPEATS,
+    FLOAT32,
+    BodyType,
+    pack_data,
+    pack_end,
+    parse_header,
+    values,
+)
+from .shards import Layout, elements_per_datagram
+
+DEFAULT_MAX_PAYLOAD = 1200 - 37  # default datagram payload minus envelope (21) and AEAD tag (16)
+DEFAULT_FLOOR_S = 1.0
+DEFAULT_SAFETY = 2.0
+FINALIZE_BLOCK_ELEMENTS = 1 << 16  # the all-gather divides this many elements at a time (~50 us)
+_F32_MAX = float(np.finfo(np.float32).max)
+_GROUP = struct.Struct("<I")
+
+COMPLETION = "completion"
+DEADLINE = "deadline"
+
+
+class Outcome(enum.Enum):
+    """What ``receive`` did with a body that was not malformed."""
+
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"  # a range (or END) this sender already delivered: not counted twice
+    LATE = "late"  # the phase it belongs to has ended at this receiver
+    OTHER_GROUP = "group"  # another group's body (a straggler from an earlier round)
+    UNKNOWN_SENDER = "sender"  # sender index out of range, or this member itself
+
+
+class Outgoing(NamedTuple):
+    """A body to send: to member ``to`` with envelope type ``type``, ``repeat`` times (3 for END markers)."""
+
+    to: int
+    type: int
+    body: bytes
+    repeat: int
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseStats:
+    """One receive phase as this member saw it.
+
+    Datagram counts are data datagrams (END markers not included). Weights are summed per data datagram:
+    reduce-scatter counts this member's own weight for each of its ranges in both columns, and expects
+    each other sender's weight once it has heard from that sender (a sender never heard from is in
+    ``silent`` and adds nothing to ``weight_expected``). All-gather datagrams carry the total weight that
+    arrived at the owner; its ``weight_expected`` assumes every range could reach the weight of all
+    members this member heard from, so it is an approximation.
+    """
+
+    datagrams_expected: int
+    datagrams_received: int
+    weight_expected: float
+    weight_received: float
+    ends_received: int  # streams whose END marker arrived
+    silent: tuple[int, ...]  # live senders from which nothing at all arrived in this phase
+    datagrams_sent: int  # data datagrams this member produced for this phase
+    started_at: float | None
+    ended_at: float | None
+    ended_by: str | None  # "completion", "deadline", or None while running
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.started_at is None or self.ended_at is None:
+            return None
+        return self.ended_at - self.started_at
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    group_id: int
+    n: int
+    index: int
+    reduce_scatter: PhaseStats
+    all_gather: PhaseStats
+    drops: dict[str, int]  # reason -> count: group, sender, duplicate, late, malformed, type
+    # END markers that arrived when no longer needed (a repeat, or after their phase ended): the driver
+    # sends each END 3 times, so these are routine and not counted as drops
+    ends_ignored: int
+
+
+class _Phase:
+    """Stream bookkeeping for one receive phase: which streams are still open, how many data datagrams
+    are still expected from them, and the arrival times the deadline is computed from."""
+
+    __slots__ = (
+        "expected",
+        "received",
+        "done",
+        "end_seen",
+        "open",
+        "remaining",
+        "t0",
+        "t_first",
+        "t_last",
+        "data",
+        "weight_received",
+        "sent",
+        "ended_at",
+        "ended_by",
+    )
+
+    def __init__(self, expected: list[int], me: int, t0: float | None) -> None:
+        self.expected = expected
+        self.received = [0] * len(expected)
+        # a stream with nothing to carry (empty shard, or this member itself) is complete from the start
+        self.done = [s == me or e == 0 for s, e in enumerate(expected)]
+        self.end_seen = [False] * len(expected)
+        self.open = self.done.count(False)
+        self.remaining = sum(e for s, e in enumerate(expected) if not self.done[s])
+        self.t0 = t0
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.data = 0
+        self.weight_received = 0.0
+        self.sent = 0
+        self.ended_at: float | None = None
+        self.ended_by: str | None = None
+
+    def _progress(self, now: float) -> None:
+        if self.t_first is None:
+            self.t_first = now
+        if self.t_last is None or now > self.t_last:
+            self.t_last = now
+
+    def note_data(self, s: int, now: float) -> None:
+        self.data += 1
+        self._progress(now)
+        self.received[s] += 1
+        if not self.done[s]:
+            self.remaining -= 1
+            if self.received[s] >= self.expected[s]:
+                self.done[s] = True
+                self.open -= 1
+
+    def close(self, s: int) -> None:
+        """Stop waiting for stream s (its END arrived, or its sender was removed)."""
+        if not self.done[s]:
+            self.remaining -= self.expected[s] - self.received[s]
+            self.done[s] = True
+            self.open -= 1
+
+    def note_end(self, s: int, now: float) -> None:
+        self.end_seen[s] = True
+        self._progress(now)
+        self.close(s)
+
+    def rate(self) -> float | None:
+        """New data datagrams per second since the phase started (or since the first arrival, if earlier)."""
+        if self.data == 0 or self.t_last is None or self.t_first is None:
+            return None
+        ref = self.t_first if self.t0 is None else min(self.t0, self.t_first)
+        dt = self.t_last - ref
+        return math.inf if dt <= 0 else self.data / dt
+
+    def deadline(
+        self, floor_s: float, safety: float, cap_s: float | None, prior_rate: float | None, slack_s: float
+    ) -> float:
+        """max(t0, t_last) + slack_s + max(floor_s, safety * remaining / rate), capped at t0 + cap_s."""
+        assert self.t0 is not None
+        rate = self.rate() or prior_rate
+        wait = floor_s if rate is None else max(floor_s, safety * self.remaining / rate)
+        base = self.t0 if self.t_last is None else max(self.t0, self.t_last)
+        d = base + slack_s + wait
+        if cap_s is not None:
+            d = min(d, self.t0 + cap_s)
+        return d
+
+    def snapshot(self, weight_expected: float, weight_received: float, live: list[bool], me: int) -> PhaseStats:
+        silent = tuple(
+            s
+            for s in range(len(self.expected))
+            if s != me and live[s] and self.received[s] == 0 and not self.end_seen[s]
+        )
+        return PhaseStats(
+            datagrams_expected=sum(self.expected),
+            datagrams_received=self.data,
+            weight_expected=weight_expected,
+            weight_received=weight_received,
+            ends_received=sum(self.end_seen),
+            silent=silent,
+            datagrams_sent=self.sent,
+            started_at=self.t0,
+            ended_at=self.ended_at,
+            ended_by=self.ended_by,
+        )
+
+
+class GroupAverage:
+    """Member ``index`` of ``n`` averaging ``vector`` (weight = its sample count) in group ``group_id``.
+
+    Reduce-scatter: shard j of the vector goes to member j; this member keeps, per datagram range of its
+    own shard, the weighted sum and the total weight that arrived (its own always counts), and the
+    range's average is sum / weight. All-gather: it sends its averaged shard to every other member and
+    writes the averaged shards it receives into the result; a range that never arrives keeps this
+    member's own value.
+
+    ``out`` receives the result (a new array by default). ``out=vector`` averages in place: safe, because
+    this member never sends its own shard, and an owner's all-gather only overwrites a shard after that
+    owner has stopped accepting this member's reduce-scatter data for it.
+
+    All members of a group must use the same ``max_payload``: the ranges are derived from it, and a body
+    whose range does not match this member's layout is malformed.
+    """
+
+    def __init__(
+        self,
+        group_id: int,
+        n: int,
+        index: int,
+        vector: np.ndarray,
+        weight: float,
+        now: float,
+        *,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        floor_s: float = DEFAULT_FLOOR_S,
+        safety: float = DEFAULT_SAFETY,
+        max_phase_s: float | None = None,
+        out: np.ndarray | None = None,
+    ) -> None:
+        if type(group_id) is not int or not 0 <= group_id <= 0xFFFFFFFF:
+            raise ValueError(f"group_id must be a u32, got {group_id!r}")
+        if type(n) is not int or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        if type(index) is not int or not 0 <= index < n:
+            raise ValueError(f"index must be in 0..{n - 1}, got {index!r}")
+        try:
+            w = float(weight)
+        except (TypeError, ValueError):
+            raise ValueError(f"weight must be a number (the sample count), got {weight!r}") from None
+        with np.errstate(over="ignore"):
+            w32 = np.float32(w)
+        if not (math.isfinite(w) and w > 0 and math.isfinite(float(w32)) and w32 > 0):
+            raise ValueError(
+                f"weight must be finite and > 0 (the sample count behind this vector), got {weight!r};"
+                " a member with nothing to contribute should not join the group"
+            )
+        if not (math.isfinite(floor_s) and floor_s >= 0):
+            raise ValueError(f"floor_s must be finite and >= 0, got {floor_s!r}")
+        if not (math.isfinite(safety) and safety > 0):
+            raise ValueError(f"safety must be finite and > 0, got {safety!r}")
+        if max_phase_s is not None and not max_phase_s > 0:
+            raise ValueError(f"max_phase_s must be > 0 or None, got {max_phase_s!r}")
+        if not isinstance(vector, np.ndarray) or vector.ndim != 1:
+            raise ValueError("vector must be a 1-D numpy array")
+        if out is vector:
+            if vector.dtype != FLOAT32 or not vector.flags.c_contiguous or not vector.flags.writeable:
+                raise ValueError("averaging in place needs a writable, contiguous little-endian float32 vector")
+            vec = vector
+        else:
+            vec = np.ascontiguousarray(vector, dtype=FLOAT32)
+        if out is None:
+            out = np.empty(len(vec), dtype=FLOAT32)
+        elif out is not vec:
+            if (
+                not isinstance(out, np.ndarray)
+                or out.shape != vec.shape
+                or out.dtype != FLOAT32
+                or not out.flags.c_contiguous
+                or not out.flags.writeable
+            ):
+                raise ValueError("out must be a writable contiguous float32 array of the vector's length")
+            if np.may_share_memory(out, vec):
+                raise ValueError("out overlaps vector; pass out=vector to average in place")
+
+        self.group_id = group_id
+        self.n = n
+        self.index = index
+        self.layout = Layout(len(vec), n, elements_per_datagram(max_payload))
+        self.weight = float(w32)  # what travels, so every member uses the same value for it
+        self.floor_s = float(floor_s)
+        self.safety = float(safety)
+        self.max_phase_s = max_phase_s
+        self._vec = vec
+        self._out = out
+        self._inplace = out is vec
+        self._w32 = w32
+        self._lo, self._hi = self.layout.shard(index)
+        self._nranges = self.layout.datagrams(index)
+        self._wsum = np.full(self._nranges, self.weight, dtype=np.float64)  # own weight always arrives
+        self._init = np.zeros(self._nranges, dtype=bool)  # range holds own*weight + what arrived
+        self._rs_seen = np.zeros((n, self._nranges), dtype=bool)
+        self._ag_seen = [np.zeros(self.layout.datagrams(j) if j != index else 0, dtype=bool) for j in range(n)]
+        self._scratch = np.empty(self.layout.per, dtype=FLOAT32)
+        self._sender_weight: list[float | None] = [None] * n
+        self._live = [True] * n
+        self._drops: Counter[str] = Counter()
+        self._ends_ignored = 0
+        self._finalized = 0  # ranges of the own shard already divided into their average
+        self._filled = self._inplace
+        self._rs = _Phase([self._nranges if s != index else 0 for s in range(n)], index, now)
+        self._ag = _Phase([self.layout.datagrams(j) if j != index else 0 for j in range(n)], index, None)
+        self._gen: Iterator[Outgoing] | None = self._rs_stream()
+        self._ag_started = False
+        self._maybe_end(now)
+
+    # ---- state -------------------------------------------------------------------------------------
+
+    @property
+    def reduce_scatter_done(self) -> bool:
+        return self._rs.ended_at is not None
+
+    @property
+    def all_gather_done(self) -> bool:
+        return self._ag.ended_at is not None
+
+    @property
+    def result_ready(self) -> bool:
+        """Both receive phases have ended: ``result()`` may be called."""
+        return self._rs.ended_at is not None and self._ag.ended_at is not None
+
+    @property
+    def finished(self) -> bool:
+        """Result ready and every datagram produced: the driver can forget this group."""
+        return self.result_ready and self._gen is None and self._ag_started
+
+    def next_deadline(self) -> float | None:
+        """When ``handle_timer`` should next be called; None once both receive phases have ended.
+
+        It moves later whenever new data arrives, so re-read it after every ``receive``.
+        """
+        if self._rs.ended_at is None:
+            return self._rs_deadline()
+        if self._ag.ended_at is None:
+            return self._ag_deadline()
+        return None
+
+    def _rs_deadline(self) -> float:
+        return self._rs.deadline(self.floor_s, self.safety, self.max_phase_s, None, 0.0)
+
+    def _ag_deadline(self) -> float:
+        # One extra floor: an owner may end its reduce-scatter (by its own deadline) up to about a floor
+        # after this member ended its own, and only then starts sending its shard.
+        return self._ag.deadline(self.floor_s, self.safety, self.max_phase_s, self._rs.rate(), self.floor_s)
+
+    def handle_timer(self, now: float) -> None:
+        """End whichever phase's deadline has passed; what has not arrived by then is lost."""
+        if self._rs.ended_at is None:
+            if now >= self._rs_deadline():
+                self._end_rs(now, DEADLINE)
+            else:
+                return
+        if self._ag.ended_at is None and now >= self._ag_deadline():
+            self._end_ag(now, DEADLINE)
+
+    def remove_member(self, member: int, now: float) -> None:
+        """Stop waiting for ``member`` (it left the swarm): its missing ranges are averaged out / kept own.
+
+        What it already delivered stays counted; nothing more is sent to it.
+        """
+        if not 0 <= member < self.n or member == self.index:
+            raise ValueError(f"member {member} is not another member of this group")
+        self._live[member] = False
+        self._rs.close(member)
+        self._ag.close(member)
+        self._maybe_end(now)
+
+    def _maybe_end(self, now: float) -> None:
+        if self._rs.ended_at is None and self._rs.open == 0:
+            self._end_rs(now, COMPLETION)
+        if self._rs.ended_at is not None and self._ag.ended_at is None and self._ag.open == 0:
+            self._end_ag(now, COMPLETION)
+
+    def _end_rs(self, now: float, by: str) -> None:
+        self._rs.ended_at = now
+        self._rs.ended_by = by
+        self._ag.t0 = now  # the all-gather clock starts when this member's own shard is final
+        if self._ag.open == 0:
+            self._end_ag(now, COMPLETION)
+
+    def _end_ag(self, now: float, by: str) -> None:
+        self._ag.ended_at = now
+        self._ag.ended_by = by
+
+    # ---- receiving ---------------------------------------------------------------------------------
+
+    def receive(self, sender: int, mtype: int, body: bytes | memoryview, now: float) -> Outcome:
+        """Take one body of envelope type ``mtype`` from member ``sender``.
+
+        Malformed bodies are counted and raise WireError("malformed") (WireError("type") for a type that
+        is not 0x40..0x43); everything else that is not used is counted and reported as an Outcome.
+        """
+        try:
+            return self._receive(sender, mtype, body, now)
+        except WireError as e:
+            self._drops[e.reason] += 1
+            raise
+
+    def _receive(self, sender: int, mtype: int, body: bytes | memoryview, now: float) -> Outcome:
+        if len(body) >= 4 and _GROUP.unpack_from(body)[0] != self.group_id:
+            self._drops["group"] += 1
+            return Outcome.OTHER_GROUP
+        h = parse_header(mtype, body)
+        if type(sender) is not int or not 0 <= sender < self.n or sender == self.index:
+            self._drops["sender"] += 1
+            return Outcome.UNKNOWN_SENDER
+        if mtype <= BodyType.RS_END:
+            rs = self._rs
+            if h.total != self._nranges:
+                raise WireError("malformed", f"stream of {h.total} datagrams, this shard takes {self._nranges}")
+            known = self._sender_weight[sender]
+            if known is None:
+                self._sender_weight[sender] = h.weight
+            elif known != h.weight:
+                raise WireError("malformed", f"sender {sender} changed its weight from {known} to {h.weight}")
+            if mtype == BodyType.RS_DATA:
+                k = self.layout.index_of(self.index, h.offset, h.count)
+                seen = self._rs_seen[sender]
+                if seen[k]:
+                    self._drops["duplicate"] += 1
+                    return Outcome.DUPLICATE
+                if rs.ended_at is not None:
+                    return self._late(mtype)
+                seen[k] = True
+                lo = h.offset
+                hi = lo + h.count
+                acc = self._out[lo:hi]
+                if not self._init[k]:
+                    np.multiply(self._vec[lo:hi], self._w32, out=acc)
+                    self._init[k] = True
+                scaled = self._scratch[: h.count]
+                np.multiply(values(body, h.count), np.float32(h.weight), out=scaled)
+                np.add(acc, scaled, out=acc)
+                self._wsum[k] += h.weight
+                rs.weight_received += h.weight
+                rs.note_data(sender, now)
+            else:
+                if h.offset != self._lo:
+                    raise WireError("malformed", f"END offset {h.offset}, the shard starts at {self._lo}")
+                if rs.end_seen[sender]:
+                    self._ends_ignored += 1
+                    return Outcome.DUPLICATE
+                if rs.ended_at is not None:
+                    return self._late(mtype)
+                rs.note_end(sender, now)
+            if rs.open == 0:
+                self._end_rs(now, COMPLETION)
+            return Outcome.ACCEPTED
+
+        ag = self._ag
+        expected = ag.expected[sender]
+        if h.total != expected:
+            raise WireError("malformed", f"stream of {h.total} datagrams, shard {sender} takes {expected}")
+        if mtype == BodyType.AG_DATA:
+            k = self.layout.index_of(sender, h.offset, h.count)
+            seen = self._ag_seen[sender]
+            if seen[k]:
+                self._drops["duplicate"] += 1
+                return Outcome.DUPLICATE
+            if ag.ended_at is not None:
+                return self._late(mtype)
+            seen[k] = True
+            self._out[h.offset : h.offset + h.count] = values(body, h.count)
+            ag.weight_received += h.weight
+            ag.note_data(sender, now)
+        else:
+            start = self.layout.shard(sender)[0]
+            if h.offset != start:
+                raise WireError("malformed", f"END offset {h.offset}, shard {sender} starts at {start}")
+            if ag.end_seen[sender]:
+                self._ends_ignored += 1
+                return Outcome.DUPLICATE
+            if ag.ended_at is not None:
+                return self._late(mtype)
+            ag.note_end(sender, now)
+        if ag.open == 0 and self._rs.ended_at is not None:
+            self._end_ag(now, COMPLETION)
+        return Outcome.ACCEPTED
+
+    def _late(self, mtype: int) -> Outcome:
+        if mtype in (BodyType.RS_END, BodyType.AG_END):
+            self._ends_ignored += 1  # the repeats of a stream's END routinely outlive its phase
+        else:
+            self._drops["late"] += 1
+        return Outcome.LATE
+
+    # ---- sending -----------------------------------------------------------------------------------
+
+    def next_datagrams(self, limit: int) -> list[Outgoing]:
+        """Up to ``limit`` bodies to send now, reduce-scatter first, then (once this member's reduce-scatter
+        phase has ended) the all-gather. An empty list means nothing to send until something changes."""
+        batch: list[Outgoing] = []
+        while len(batch) < limit:
+            if self._gen is None:
+                if self._ag_started or self._rs.ended_at is None:
+                    break
+                self._ag_started = True
+                self._gen = self._ag_stream()
+            want = limit - len(batch)
+            got = list(islice(self._gen, want))
+            batch.extend(got)
+            if len(got) < want:
+                self._gen = None
+        return batch
+
+    def _rs_stream(self) -> Iterator[Outgoing]:
+        """Round-robin over destinations, so every owner sees a steady stream at the same pace."""
+        layout, per, group, w = self.layout, self.layout.per, self.group_id, self.weight
+        vec = memoryview(self._vec)
+        dests = [j for j in range(self.n) if j != self.index]
+        bounds = {j: layout.shard(j) for j in dests}
+        counts = {j: layout.datagrams(j) for j in dests}
+        rs, live = self._rs, self._live
+        for k in range(max(counts.values(), default=-1) + 1):
+            for j in dests:
+                total = counts[j]
+                if k > total or not live[j]:
+                    continue
+                start, stop = bounds[j]
+                if k < total:
+                    off = start + k * per
+                    rs.sent += 1
+                    yield Outgoing(
+                        j, BodyType.RS_DATA, pack_data(group, total, off, w, vec[off : min(off + per, stop)]), 1
+                    )
+                else:
+                    yield Outgoing(j, BodyType.RS_END, pack_end(group, total, start, w), END_REPEATS)
+
+    def _ag_stream(self) -> Iterator[Outgoing]:
+        """The averaged own shard to every other member; each body is built once and sent to all."""
+        per, group, total = self.layout.per, self.group_id, self._nranges
+        lo, hi = self._lo, self._hi
+        out = memoryview(self._out)
+        dests = [j for j in range(self.n) if j != self.index]
+        block = max(1, FINALIZE_BLOCK_ELEMENTS // per)
+        ag, live = self._ag, self._live
+        for k0 in range(0, total, block):
+            k1 = min(total, k0 + block)
+            self._finalize_through(k1)
+            weights = self._wsum[k0:k1].tolist()
+            for k in range(k0, k1):
+                off = lo + k * per
+                body = pack_data(group, total, off, min(weights[k - k0], _F32_MAX), out[off : min(off + per, hi)])
+                for j in dests:
+                    if live[j]:
+                        ag.sent += 1
+                        yield Outgoing(j, BodyType.AG_DATA, body, 1)
+        end = pack_end(group, total, lo, 0.0)
+        for j in dests:
+            if live[j]:
+                yield Outgoing(j, BodyType.AG_END, end, END_REPEATS)
+
+    # ---- the result --------------------------------------------------------------------------------
+
+    def _finalize_through(self, k_end: int) -> None:
+        """Turn ranges [finalized, k_end) of the own shard from weighted sums into averages."""
+        per = self.layout.per
+        while self._finalized < k_end:
+            k0 = self._finalized
+            k1 = min(k_end, k0 + max(1, FINALIZE_BLOCK_ELEMENTS // per))
+            lo = self._lo + k0 * per
+            hi = min(self._lo + k1 * per, self._hi)
+            full = (hi - lo) // per
+            if full:
+                self._finalize_rows(k0, k0 + full, lo, lo + full * per, per)
+            if k0 + full < k1:  # the shard's short last range
+                self._finalize_rows(k1 - 1, k1, lo + full * per, hi, hi - lo - full * per)
+            self._finalized = k1
+
+    def _finalize_rows(self, k0: int, k1: int, lo: int, hi: int, width: int) -> None:
+        init = self._init[k0:k1]
+        out2d = self._out[lo:hi].reshape(-1, width)
+        if not self._inplace:
+            missing = ~init
+            if missing.all():
+                self._out[lo:hi] = self._vec[lo:hi]
+                return
+            if missing.any():
+                out2d[missing] = self._vec[lo:hi].reshape(-1, width)[missing]
+        if init.any():
+            div = self._wsum[k0:k1].astype(np.float32)
+            div[~init] = 1.0  # ranges nobody else reached still hold the own value, not own * weight
+            np.divide(out2d, div[:, None], out=out2d)
+
+    def _fill_missing(self) -> None:
+        """Ranges of other shards whose all-gather never arrived keep this member's own values."""
+        per = self.layout.per
+        for j in range(self.n):
+            if j == self.index:
+                continue
+            seen = self._ag_seen[j]
+            if seen.all():
+                continue
+            lo, hi = self.layout.shard(j)
+            if not seen.any():
+                self._out[lo:hi] = self._vec[lo:hi]
+                continue
+            full = (hi - lo) // per
+            rows = ~seen[:full]
+            mid = lo + full * per
+            self._out[lo:mid].reshape(-1, per)[rows] = self._vec[lo:mid].reshape(-1, per)[rows]
+            if full < len(seen) and not seen[full]:
+                self._out[mid:hi] = self._vec[mid:hi]
+
+    def result(self) -> np.ndarray:
+        """The averaged vector (``out``). Do not modify it until ``finished``: the all-gather reads from it."""
+        if not self.result_ready:
+            raise RuntimeError("the group's receive phases have not ended yet")
+        self._finalize_through(self._nranges)
+        if not self._filled:
+            self._fill_missing()
+            self._filled = True
+        return self._out
+
+    # ---- statistics --------------------------------------------------------------------------------
+
+    def statistics(self) -> GroupStats:
+        own = self.weight
+        heard = [w for s, w in enumerate(self._sender_weight) if w is not None and s != self.index]
+        rs_expected = self._nranges * (own + sum(heard))
+        rs_received = self._nranges * own + self._rs.weight_received
+        ag_expected = sum(self._ag.expected) * (own + sum(heard))
+        return GroupStats(
+            group_id=self.group_id,
+            n=self.n,
+            index=self.index,
+            reduce_scatter=self._rs.snapshot(rs_expected, rs_received, self._live, self.index),
+            all_gather=self._ag.snapshot(ag_expected, self._ag.weight_received, self._live, self.index),
+            drops=dict(self._drops),
+            ends_ignored=self._ends_ignored,
+        )
