@@ -1,0 +1,689 @@
+#!/usr/bin/env python3
+"""Generate the golden wire-protocol vectors in protocol/vectors/*.json from fixed inputs.
+
+    python protocol/make_vectors.py            # (re)write protocol/vectors/*.json
+    python protocol/make_vectors.py --check    # exit 1 if a checked-in file differs
+
+Everything here is deterministic: fixed Ed25519 seeds (the first two from RFC 8032, section 7.1),
+a fixed swarm secret, fixed tokens, sequence numbers and request ids. Ed25519 signatures are
+deterministic and AES-GCM with a fixed key and nonce is too, so the output never changes unless the
+protocol (or peerd.wire) does. protocol/vectors/README.md describes the JSON conventions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import msgpack  # noqa: E402
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
+
+from peerd.wire import messages as m  # noqa: E402
+from peerd.wire.envelope import FLAG_SEALED, HEADER_SIZE, MAGIC, VERSION, Header  # noqa: E402
+from peerd.wire.errors import WireError  # noqa: E402
+from peerd.wire.identity import TOKEN_BINDING_DOMAIN, Identity  # noqa: E402
+from peerd.wire.replay import DEFAULT_WINDOW, ReplayWindow  # noqa: E402
+from peerd.wire.seal import KDF_INFO, KDF_SALT, Opener, Sealer, derive_key, nonce_for  # noqa: E402
+
+VECTORS = ROOT / "protocol" / "vectors"
+
+# ---- fixed inputs -------------------------------------------------------------------------------
+
+SWARM_SECRET = bytes(range(32))  # 000102..1f
+OTHER_SECRET = bytes(range(32, 64))  # a different swarm
+TOKEN = 0x0123456789ABCDEF
+# RFC 8032 section 7.1, TEST 1 and TEST 2 secret keys (so an implementation can cross-check Ed25519).
+SEED_A = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
+SEED_B = bytes.fromhex("4ccd089b28ff96da9db6c346ec114e0f5b8a319f35aba624da8cf6ed4fb8a6fb")
+SEED_C = bytes(32)  # all zero
+
+RECORD_DOMAIN = "peerd-v1 record"
+
+IDENT_A = Identity.from_seed(SEED_A)  # the sender of every control message in the vectors
+IDENT_B = Identity.from_seed(SEED_B)  # the owner of the records
+IDENT_C = Identity.from_seed(SEED_C)
+
+
+def hx(b: bytes) -> str:
+    return b.hex()
+
+
+def tok(t: int) -> str:
+    return f"{t:016x}"
+
+
+# ---- helpers that are part of the protocol but not (yet) of peerd.wire ----------------------------
+
+
+def record_message(key: bytes, subkey: bytes, value: bytes, expires: float) -> bytes:
+    """The bytes an owner signs for a DHT record (PROTOCOL.md, "Records")."""
+    return msgpack.packb([RECORD_DOMAIN, key, subkey, value, float(expires)], use_bin_type=True)
+
+
+def make_record(ident: Identity, key: bytes, subkey: bytes, value: bytes, expires: float, ttl: float) -> list:
+    sig = ident.sign(record_message(key, subkey, value, expires))
+    return [key, subkey, value, float(expires), float(ttl), ident.public_key, sig]
+
+
+def seal_at(secret: bytes | None, token: int, seq: int, mtype: int, body: bytes, flags: int | None = None) -> bytes:
+    """Seal one datagram at an arbitrary sequence number (a Sealer always starts at 1).
+
+    Built from peerd.wire's own pieces (Header, derive_key, nonce_for); the tests check that it agrees
+    with Sealer byte for byte.
+    """
+    if flags is None:
+        flags = FLAG_SEALED if secret is not None else 0
+    header = Header(mtype, flags, token, seq).pack()
+    if secret is None:
+        return header + body
+    return header + AESGCM(derive_key(secret, token)).encrypt(nonce_for(seq), body, header)
+
+
+def from_field(ident: Identity, token: int, addr: tuple[str, int] | None) -> dict:
+    return {
+        "pk": ident.public_key,
+        "sig": ident.sign_token(token),
+        "addr": None if addr is None else m.pack_addr(*addr),
+    }
+
+
+def jsonable(v: Any) -> Any:
+    """The decoded (semantic) view of a message as JSON: bytes -> hex, tuples -> lists."""
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, dict):
+        return {k: jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    return v
+
+
+def wire_json(v: Any) -> Any:
+    """The msgpack data model as JSON: bytes -> {"bin": hex}, so the exact structure is visible."""
+    if isinstance(v, bytes):
+        return {"bin": v.hex()}
+    if isinstance(v, dict):
+        return {k: wire_json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [wire_json(x) for x in v]
+    return v
+
+
+# ---- the messages -----------------------------------------------------------------------------------
+
+NODE_ID_X = hashlib.sha256(b"peerd test target").digest()
+DHT_KEY = b"run/demo/peers"
+RECORD_EXPIRES = 1767225600.0  # 2026-01-01T00:00:00Z in the writer's clock
+RECORD_TTL = 600.0
+
+
+def records() -> list[list]:
+    return [
+        make_record(IDENT_B, DHT_KEY, b"\x00\x01", b"192.0.2.10:7400", RECORD_EXPIRES, RECORD_TTL),
+        make_record(IDENT_B, DHT_KEY, b"peer-b", b"\x82\xa1n\x01\xa1s\xc3", RECORD_EXPIRES + 0.5, 86400.0),
+    ]
+
+
+def contacts() -> list[list]:
+    return [
+        m.pack_contact(IDENT_B.node_id, "192.0.2.10", 7400),
+        m.pack_contact(IDENT_C.node_id, "2001:db8::c", 65535),
+        m.pack_contact(NODE_ID_X, "198.51.100.255", 1),
+    ]
+
+
+def control_messages() -> list[tuple[str, m.MsgType, dict]]:
+    """(name, type, body) in the order they are sealed (sequence numbers 1, 2, ...)."""
+    a4 = ("203.0.113.7", 7400)
+    a6 = ("2001:db8::a", 7401)
+    recs = records()
+    return [
+        ("ping", m.MsgType.PING, {"rid": 1, "from": from_field(IDENT_A, TOKEN, a4)}),
+        ("pong", m.MsgType.PONG, {"rid": 1, "from": from_field(IDENT_A, TOKEN, None)}),
+        (
+            "find_node",
+            m.MsgType.FIND_NODE,
+            {"rid": 0xFEDCBA9876543210, "from": from_field(IDENT_A, TOKEN, a6), "target": NODE_ID_X},
+        ),
+        (
+            "nodes",
+            m.MsgType.NODES,
+            {"rid": 0xFEDCBA9876543210, "from": from_field(IDENT_A, TOKEN, a4), "nodes": contacts()},
+        ),
+        (
+            "nodes_empty",
+            m.MsgType.NODES,
+            {"rid": 2**64 - 1, "from": from_field(IDENT_A, TOKEN, a4), "nodes": []},
+        ),
+        (
+            "find_value",
+            m.MsgType.FIND_VALUE,
+            {"rid": 300, "from": from_field(IDENT_A, TOKEN, a4), "key": DHT_KEY, "offset": 0},
+        ),
+        (
+            "value",
+            m.MsgType.VALUE,
+            {
+                "rid": 300,
+                "from": from_field(IDENT_A, TOKEN, a4),
+                "records": recs,
+                "total": 2,
+                "nodes": contacts()[:1],
+            },
+        ),
+        (
+            "find_value_page",
+            m.MsgType.FIND_VALUE,
+            {"rid": 301, "from": from_field(IDENT_A, TOKEN, a4), "key": DHT_KEY, "offset": 1},
+        ),
+        (
+            "value_page",
+            m.MsgType.VALUE,
+            {"rid": 301, "from": from_field(IDENT_A, TOKEN, a4), "records": recs[1:], "total": 2, "nodes": []},
+        ),
+        ("store", m.MsgType.STORE, {"rid": 65536, "from": from_field(IDENT_A, TOKEN, a4), "records": recs}),
+        ("stored", m.MsgType.STORED, {"rid": 65536, "from": from_field(IDENT_A, TOKEN, a4), "ok": [True, False]}),
+        (
+            "error",
+            m.MsgType.ERROR,
+            {
+                "rid": 302,
+                "from": from_field(IDENT_A, TOKEN, a4),
+                "code": "busy",
+                "detail": "too many requests, retry later ✓",
+            },
+        ),
+    ]
+
+
+# ---- the files ---------------------------------------------------------------------------------------
+
+
+def envelope_vectors() -> dict:
+    valid = [
+        ("sealed ping", 0x01, FLAG_SEALED, TOKEN, 1),
+        ("insecure pong", 0x02, 0, TOKEN, 2),
+        ("tensor type, large values", 0x40, FLAG_SEALED, 2**64 - 1, 2**64 - 1),
+        ("token 1, sequence 256", 0x3F, FLAG_SEALED, 1, 256),
+    ]
+    out_valid = []
+    for name, mtype, flags, token, seq in valid:
+        out_valid.append(
+            {
+                "name": name,
+                "type": mtype,
+                "flags": flags,
+                "token": tok(token),
+                "seq": seq,
+                "header": hx(Header(mtype, flags, token, seq).pack()),
+            }
+        )
+    good = Header(0x01, FLAG_SEALED, TOKEN, 1).pack()
+    invalid = [
+        ("empty", b"", "malformed"),
+        ("20 bytes: shorter than the header", good[:20], "malformed"),
+        ("bad magic", b"PE" + good[2:], "malformed"),
+        ("lowercase magic", b"pd" + good[2:], "malformed"),
+        ("version 0", good[:2] + b"\x00" + good[3:], "version"),
+        ("version 2", good[:2] + b"\x02" + good[3:], "version"),
+        ("reserved flag bit 1", good[:4] + b"\x03" + good[5:], "malformed"),
+        ("reserved flag bit 7", good[:4] + b"\x80" + good[5:], "malformed"),
+    ]
+    return {
+        "description": "The 21-byte datagram header: magic 'PD', version 1, type u8, flags u8, token u64, "
+        "sequence u64, network byte order (PROTOCOL.md, 'Datagram envelope').",
+        "header_size": HEADER_SIZE,
+        "magic": hx(MAGIC),
+        "version": VERSION,
+        "valid": out_valid,
+        "invalid": [{"name": n, "header": hx(b), "reason": r} for n, b, r in invalid],
+    }
+
+
+def kdf_vectors() -> dict:
+    keys = []
+    for secret, token in [(SWARM_SECRET, TOKEN), (SWARM_SECRET, 1), (SWARM_SECRET, 2**64 - 1), (OTHER_SECRET, TOKEN)]:
+        info = KDF_INFO + token.to_bytes(8, "big")
+        keys.append({"secret": hx(secret), "token": tok(token), "info": hx(info), "key": hx(derive_key(secret, token))})
+    nonces = [{"seq": seq, "nonce": hx(nonce_for(seq))} for seq in (1, 2, 256, 2**32 + 5, 2**64 - 1)]
+    return {
+        "description": "Per-token datagram keys: HKDF-SHA256(ikm=swarm secret, salt='peerd-v1', "
+        "info='peerd v1 datagram key' || token u64 BE, L=32); AES-GCM nonce = 4 zero bytes || sequence u64 BE.",
+        "salt": hx(KDF_SALT),
+        "info_prefix": hx(KDF_INFO),
+        "keys": keys,
+        "nonces": nonces,
+    }
+
+
+def identity_vectors() -> dict:
+    idents = []
+    for name, seed in [("A (RFC 8032 TEST 1)", SEED_A), ("B (RFC 8032 TEST 2)", SEED_B), ("C (zero seed)", SEED_C)]:
+        ident = Identity.from_seed(seed)
+        idents.append({"name": name, "seed": hx(seed), "pk": hx(ident.public_key), "node_id": hx(ident.node_id)})
+    bindings = []
+    for ident, seed, token in [(IDENT_A, SEED_A, TOKEN), (IDENT_A, SEED_A, 1), (IDENT_B, SEED_B, TOKEN)]:
+        msg = TOKEN_BINDING_DOMAIN + token.to_bytes(8, "big")
+        bindings.append(
+            {
+                "seed": hx(seed),
+                "pk": hx(ident.public_key),
+                "token": tok(token),
+                "message": hx(msg),
+                "sig": hx(ident.sign_token(token)),
+            }
+        )
+    forged = [
+        {
+            "name": "A's signature presented with B's key",
+            "pk": hx(IDENT_B.public_key),
+            "token": tok(TOKEN),
+            "sig": hx(IDENT_A.sign_token(TOKEN)),
+            "reason": "identity",
+        },
+        {
+            "name": "A's signature for token 1 presented for another token",
+            "pk": hx(IDENT_A.public_key),
+            "token": tok(TOKEN),
+            "sig": hx(IDENT_A.sign_token(1)),
+            "reason": "identity",
+        },
+        {
+            "name": "signature with one bit flipped",
+            "pk": hx(IDENT_A.public_key),
+            "token": tok(TOKEN),
+            "sig": hx(bytes([IDENT_A.sign_token(TOKEN)[0] ^ 1]) + IDENT_A.sign_token(TOKEN)[1:]),
+            "reason": "identity",
+        },
+    ]
+    return {
+        "description": "Ed25519 identities (node id = SHA-256(pk)) and token bindings: "
+        "sig = Ed25519(sk, 'peerd-v1 token binding' || token u64 BE).",
+        "domain": hx(TOKEN_BINDING_DOMAIN),
+        "identities": idents,
+        "bindings": bindings,
+        "forged": forged,
+    }
+
+
+def record_vectors() -> dict:
+    out = []
+    cases = [
+        ("typical", DHT_KEY, b"\x00\x01", b"192.0.2.10:7400", RECORD_EXPIRES, RECORD_TTL),
+        ("empty subkey and value, integral expires", b"k", b"", b"", 1.0, 0.25),
+        ("maximum sizes", b"K" * m.MAX_KEY, b"S" * m.MAX_SUBKEY, bytes(range(256)) * 2 + b"V" * 128, 1e12, m.MAX_TTL),
+    ]
+    for name, key, subkey, value, expires, ttl in cases:
+        rec = make_record(IDENT_B, key, subkey, value, expires, ttl)
+        out.append(
+            {
+                "name": name,
+                "seed": hx(SEED_B),
+                "pk": hx(IDENT_B.public_key),
+                "key": hx(key),
+                "location": hx(hashlib.sha256(key).digest()),
+                "subkey": hx(subkey),
+                "value": hx(value),
+                "expires": expires,
+                "ttl": ttl,
+                "signed_message": hx(record_message(key, subkey, value, expires)),
+                "sig": hx(rec[6]),
+                "record": hx(msgpack.packb(rec, use_bin_type=True)),
+            }
+        )
+    return {
+        "description": "Signed DHT records: record = [key, subkey, value, expires, ttl, pk, sig]; "
+        "sig = Ed25519 over msgpack(['peerd-v1 record', key, subkey, value, expires]) with expires "
+        "as float64; DHT location = SHA-256(key).",
+        "domain": RECORD_DOMAIN,
+        "records": out,
+    }
+
+
+def message_vectors() -> dict:
+    sealer = Sealer(SWARM_SECRET, token=TOKEN)
+    out = []
+    for seq, (name, mtype, body) in enumerate(control_messages(), start=1):
+        raw = m.encode(mtype, body)
+        datagram = sealer.seal(mtype, raw)
+        assert datagram[HEADER_SIZE - 8 : HEADER_SIZE] == seq.to_bytes(8, "big")
+        out.append(
+            {
+                "name": name,
+                "type": int(mtype),
+                "type_name": mtype.name,
+                "seq": seq,
+                "fields": jsonable(m.decode(mtype, raw)),
+                "msgpack": wire_json(body),
+                "body": hx(raw),
+                "datagram": hx(datagram),
+            }
+        )
+    high_seq = 2**32 + 5
+    ping = m.encode(m.MsgType.PING, {"rid": 7, "from": from_field(IDENT_A, TOKEN, None)})
+    return {
+        "description": "Every control message type: msgpack body and the whole sealed datagram. One Sealer "
+        "(token below) sealed them in this order, so entry i has sequence number i.",
+        "swarm_secret": hx(SWARM_SECRET),
+        "token": tok(TOKEN),
+        "sender_seed": hx(SEED_A),
+        "messages": out,
+        "high_sequence": {
+            "description": "A PING sealed at a sequence number above 2**32 (nonce layout check).",
+            "type": int(m.MsgType.PING),
+            "seq": high_seq,
+            "body": hx(ping),
+            "datagram": hx(seal_at(SWARM_SECRET, TOKEN, high_seq, m.MsgType.PING, ping)),
+        },
+    }
+
+
+def insecure_vectors() -> dict:
+    sealer = Sealer(None, token=TOKEN)
+    out = []
+    for seq, (name, mtype, body) in enumerate(control_messages()[:4], start=1):
+        raw = m.encode(mtype, body)
+        datagram = sealer.seal(mtype, raw)
+        out.append({"name": name, "type": int(mtype), "seq": seq, "body": hx(raw), "datagram": hx(datagram)})
+    return {
+        "description": "--insecure mode (benchmarks only): flags bit 0 clear, no AEAD, the body follows the "
+        "header in the clear. Sealed in this order by one insecure Sealer with the token below.",
+        "token": tok(TOKEN),
+        "datagrams": out,
+    }
+
+
+def replay_vectors() -> dict:
+    w = DEFAULT_WINDOW
+    # fmt: off
+    stream = [
+        5, 5, 1, 2, 3, 4, 3, 7, 6, 6, 8,  # in order, reordered, duplicates
+        100, 99, 50, 100,  # jumps and fill-in
+        100 + w - 1, 100, 101,  # 100 is still inside the window (offset w-1) but seen; 101 was never seen
+        100 + w, 100, 101, 102,  # 100 is now at offset w: too old; 101 (offset w-1) seen; 102 new
+        102 + 3 * w, 103 + 2 * w, 102 + 2 * w + 1, 102 + 2 * w + 2, 102 + 3 * w - 1,  # a jump of several windows
+        2**64 - 1, 2**64 - 2, 2**64 - 1 - w, 2**64 - w,  # the top of the sequence space
+    ]
+    # fmt: on
+    win = ReplayWindow(w)
+    out = []
+    for seq in stream:
+        ok = win.would_accept(seq)
+        if ok:
+            win.accept(seq)
+        out.append([seq, ok])
+    return {
+        "description": "Replay window of one token (size 8192, RFC 4303 style). Feed 'stream' in order to a "
+        "fresh window; each entry is [sequence, accepted]. Accepted sequences are recorded.",
+        "window": w,
+        "stream": out,
+    }
+
+
+def _pack(body: Any) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def invalid_vectors() -> dict:
+    ping = m.encode(m.MsgType.PING, {"rid": 1, "from": from_field(IDENT_A, TOKEN, None)})
+    good = seal_at(SWARM_SECRET, TOKEN, 10, m.MsgType.PING, ping)
+
+    def flip(b: bytes, i: int) -> bytes:
+        return b[:i] + bytes([b[i] ^ 0x01]) + b[i + 1 :]
+
+    datagrams: list[tuple[str, str, list[bytes], bytes, str]] = [
+        ("wrong swarm secret", "sealed", [], seal_at(OTHER_SECRET, TOKEN, 10, 1, ping), "auth"),
+        ("unsealed datagram to a sealed node", "sealed", [], seal_at(None, TOKEN, 10, 1, ping), "auth"),
+        ("sealed datagram to an --insecure node", "insecure", [], good, "auth"),
+        ("body byte flipped", "sealed", [], flip(good, HEADER_SIZE + 3), "auth"),
+        ("tag byte flipped", "sealed", [], flip(good, len(good) - 1), "auth"),
+        ("type byte changed (header is AAD)", "sealed", [], good[:3] + b"\x02" + good[4:], "auth"),
+        ("token changed", "sealed", [], flip(good, 12), "auth"),
+        ("sequence changed", "sealed", [], flip(good, HEADER_SIZE - 1), "auth"),
+        ("sealed flag set, no AEAD applied", "sealed", [], seal_at(None, TOKEN, 10, 1, ping, FLAG_SEALED), "auth"),
+        ("truncated: header + 15 bytes", "sealed", [], good[: HEADER_SIZE + 15], "malformed"),
+        ("truncated: last byte missing", "sealed", [], good[:-1], "auth"),
+        ("truncated: header only", "sealed", [], good[:HEADER_SIZE], "malformed"),
+        ("truncated: 20 bytes", "sealed", [], good[:20], "malformed"),
+        ("version 2", "sealed", [], good[:2] + b"\x02" + good[3:], "version"),
+        ("reserved flag", "sealed", [], good[:4] + b"\x03" + good[5:], "malformed"),
+        ("exact replay", "sealed", [good], good, "replay"),
+        (
+            "older than the window",
+            "sealed",
+            [seal_at(SWARM_SECRET, TOKEN, 10 + DEFAULT_WINDOW, 1, ping)],
+            good,
+            "replay",
+        ),
+    ]
+    ok_cases = [
+        (
+            "oldest sequence still inside the window",
+            "sealed",
+            [seal_at(SWARM_SECRET, TOKEN, 9 + DEFAULT_WINDOW, 1, ping)],
+            good,
+        ),
+        ("reordered: a lower sequence after a higher one", "sealed", [seal_at(SWARM_SECRET, TOKEN, 11, 1, ping)], good),
+        ("same sequence under another token", "sealed", [seal_at(SWARM_SECRET, TOKEN + 1, 10, 1, ping)], good),
+        ("insecure", "insecure", [], seal_at(None, TOKEN, 10, 1, ping)),
+    ]
+
+    frm = {"pk": IDENT_A.public_key, "sig": IDENT_A.sign_token(TOKEN), "addr": None}
+    rec = records()[0]
+    contact = contacts()[0]
+    P = int(m.MsgType.PING)
+    bodies: list[tuple[str, int, bytes, str]] = [
+        ("unknown type 0x00", 0x00, ping, "type"),
+        ("unassigned control type 0x09", 0x09, ping, "type"),
+        ("reserved control type 0x3f", 0x3F, ping, "type"),
+        ("tensor type 0x40 is not a control message", 0x40, ping, "type"),
+        ("empty body", P, b"", "malformed"),
+        ("not msgpack (0xc1)", P, b"\xc1", "malformed"),
+        ("truncated msgpack", P, ping[:-1], "malformed"),
+        ("trailing byte after the map", P, ping + b"\x00", "malformed"),
+        ("array instead of map", P, _pack([1, frm]), "malformed"),
+        ("missing key", P, _pack({"rid": 1}), "malformed"),
+        ("unknown extra key", P, _pack({"rid": 1, "from": frm, "x": 0}), "malformed"),
+        ("bin map key", P, _pack({b"rid": 1, "from": frm}), "malformed"),
+        ("integer map key", P, _pack({1: 1, "from": frm}), "malformed"),
+        ("rid negative", P, _pack({"rid": -1, "from": frm}), "malformed"),
+        ("rid as string", P, _pack({"rid": "1", "from": frm}), "malformed"),
+        ("rid as float", P, _pack({"rid": 1.0, "from": frm}), "malformed"),
+        ("rid as bool", P, _pack({"rid": True, "from": frm}), "malformed"),
+        ("pk of 31 bytes", P, _pack({"rid": 1, "from": {**frm, "pk": frm["pk"][:31]}}), "malformed"),
+        ("pk as str", P, _pack({"rid": 1, "from": {**frm, "pk": "x" * 32}}), "malformed"),
+        ("sig of 65 bytes", P, _pack({"rid": 1, "from": {**frm, "sig": frm["sig"] + b"\0"}}), "malformed"),
+        ("from without addr", P, _pack({"rid": 1, "from": {"pk": frm["pk"], "sig": frm["sig"]}}), "malformed"),
+        ("addr of 5 bytes", P, _pack({"rid": 1, "from": {**frm, "addr": [b"\x01" * 5, 7400]}}), "malformed"),
+        ("addr as text", P, _pack({"rid": 1, "from": {**frm, "addr": ["192.0.2.1", 7400]}}), "malformed"),
+        ("port 0", P, _pack({"rid": 1, "from": {**frm, "addr": [b"\xc0\x00\x02\x01", 0]}}), "malformed"),
+        ("port 65536", P, _pack({"rid": 1, "from": {**frm, "addr": [b"\xc0\x00\x02\x01", 65536]}}), "malformed"),
+        ("addr with 3 items", P, _pack({"rid": 1, "from": {**frm, "addr": [b"\xc0\x00\x02\x01", 1, 1]}}), "malformed"),
+        (
+            "target of 33 bytes",
+            int(m.MsgType.FIND_NODE),
+            _pack({"rid": 1, "from": frm, "target": bytes(33)}),
+            "malformed",
+        ),
+        (
+            "21 contacts",
+            int(m.MsgType.NODES),
+            _pack({"rid": 1, "from": frm, "nodes": [contact] * 21}),
+            "malformed",
+        ),
+        (
+            "contact id of 20 bytes",
+            int(m.MsgType.NODES),
+            _pack({"rid": 1, "from": frm, "nodes": [[bytes(20), contact[1], contact[2]]]}),
+            "malformed",
+        ),
+        ("empty key", int(m.MsgType.FIND_VALUE), _pack({"rid": 1, "from": frm, "key": b"", "offset": 0}), "malformed"),
+        (
+            "key of 129 bytes",
+            int(m.MsgType.FIND_VALUE),
+            _pack({"rid": 1, "from": frm, "key": b"k" * 129, "offset": 0}),
+            "malformed",
+        ),
+        (
+            "offset 65536",
+            int(m.MsgType.FIND_VALUE),
+            _pack({"rid": 1, "from": frm, "key": b"k", "offset": 65536}),
+            "malformed",
+        ),
+        ("17 records", int(m.MsgType.STORE), _pack({"rid": 1, "from": frm, "records": [rec] * 17}), "malformed"),
+        (
+            "record value of 641 bytes",
+            int(m.MsgType.STORE),
+            _pack({"rid": 1, "from": frm, "records": [rec[:2] + [b"v" * 641] + rec[3:]]}),
+            "malformed",
+        ),
+        (
+            "record subkey of 65 bytes",
+            int(m.MsgType.STORE),
+            _pack({"rid": 1, "from": frm, "records": [rec[:1] + [b"s" * 65] + rec[2:]]}),
+            "malformed",
+        ),
+        (
+            "record ttl above 86400",
+            int(m.MsgType.STORE),
+            _pack({"rid": 1, "from": frm, "records": [rec[:4] + [86400.5] + rec[5:]]}),
+            "malformed",
+        ),
+        (
+            "record ttl negative",
+            int(m.MsgType.STORE),
+            _pack({"rid": 1, "from": frm, "records": [rec[:4] + [-1.0] + rec[5:]]}),
+            "malformed",
+        ),
+        (
+            "record expires NaN",
+            int(m.MsgType.STORE),
+            _pack({"rid": 1, "from": frm, "records": [rec[:3] + [float("nan")] + rec[4:]]}),
+            "malformed",
+        ),
+        (
+            "record expires above 1e12",
+            int(m.MsgType.STORE),
+            _pack({"rid": 1, "from": frm, "records": [rec[:3] + [1.5e12] + rec[4:]]}),
+            "malformed",
+        ),
+        (
+            "record with 6 items",
+            int(m.MsgType.STORE),
+            _pack({"rid": 1, "from": frm, "records": [rec[:6]]}),
+            "malformed",
+        ),
+        (
+            "total as negative",
+            int(m.MsgType.VALUE),
+            _pack({"rid": 1, "from": frm, "records": [], "total": -1, "nodes": []}),
+            "malformed",
+        ),
+        ("ok as integers", int(m.MsgType.STORED), _pack({"rid": 1, "from": frm, "ok": [1, 0]}), "malformed"),
+        (
+            "error code of 33 characters",
+            int(m.MsgType.ERROR),
+            _pack({"rid": 1, "from": frm, "code": "c" * 33, "detail": ""}),
+            "malformed",
+        ),
+        (
+            "error detail as bin",
+            int(m.MsgType.ERROR),
+            _pack({"rid": 1, "from": frm, "code": "busy", "detail": b"x"}),
+            "malformed",
+        ),
+        (
+            "invalid UTF-8 in a str",
+            int(m.MsgType.ERROR),
+            _pack({"rid": 1, "from": frm, "code": "busy", "detail": ""})[:-1] + b"\xa1\xff",
+            "malformed",
+        ),
+        ("ext type", P, _pack({"rid": msgpack.ExtType(1, b"\x01"), "from": frm}), "malformed"),
+    ]
+    # Self-check: every case fails (or passes) exactly as documented.
+    for name, mode, prior, dgram, reason in datagrams:
+        opener = Opener(SWARM_SECRET if mode == "sealed" else None)
+        for p in prior:
+            opener.open(p)
+        try:
+            opener.open(dgram)
+        except WireError as e:
+            assert e.reason == reason, (name, e)
+        else:
+            raise AssertionError(f"datagram vector {name!r} was accepted")
+    for _name, mode, prior, dgram in ok_cases:
+        opener = Opener(SWARM_SECRET if mode == "sealed" else None)
+        for p in prior:
+            opener.open(p)
+        opener.open(dgram)
+    for name, mtype, body, reason in bodies:
+        try:
+            m.decode(mtype, body)
+        except WireError as e:
+            assert e.reason == reason, (name, e)
+        else:
+            raise AssertionError(f"body vector {name!r} was accepted")
+    return {
+        "description": "Input that must be dropped, with the drop reason. 'datagrams' go through an opener "
+        "(mode 'sealed': swarm_secret below; 'insecure': no secret) after the 'prior' datagrams were "
+        "opened successfully by the same opener; 'accepted' lists datagrams that must open. 'bodies' "
+        "are control message bodies for messages.decode(type, body).",
+        "swarm_secret": hx(SWARM_SECRET),
+        "datagrams": [
+            {"name": n, "mode": mo, "prior": [hx(p) for p in pr], "datagram": hx(d), "reason": r}
+            for n, mo, pr, d, r in datagrams
+        ],
+        "accepted": [
+            {"name": n, "mode": mo, "prior": [hx(p) for p in pr], "datagram": hx(d)} for n, mo, pr, d in ok_cases
+        ],
+        "bodies": [{"name": n, "type": t, "body": hx(b), "reason": r} for n, t, b, r in bodies],
+    }
+
+
+GENERATORS = {
+    "envelope.json": envelope_vectors,
+    "kdf.json": kdf_vectors,
+    "identity.json": identity_vectors,
+    "records.json": record_vectors,
+    "messages.json": message_vectors,
+    "insecure.json": insecure_vectors,
+    "replay.json": replay_vectors,
+    "invalid.json": invalid_vectors,
+}
+
+
+def render(obj: dict) -> str:
+    return json.dumps(obj, indent=1, ensure_ascii=False, allow_nan=False) + "\n"
+
+
+def build() -> dict[str, str]:
+    return {name: render(gen()) for name, gen in GENERATORS.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="compare with the checked-in files, write nothing")
+    args = ap.parse_args(argv)
+    files = build()
+    if args.check:
+        stale = [n for n, text in files.items() if not (VECTORS / n).is_file() or (VECTORS / n).read_text() != text]
+        for n in stale:
+            print(f"stale: protocol/vectors/{n} (run python protocol/make_vectors.py)", file=sys.stderr)
+        return 1 if stale else 0
+    VECTORS.mkdir(parents=True, exist_ok=True)
+    for n, text in files.items():
+        (VECTORS / n).write_text(text, encoding="utf-8")
+        print(f"wrote protocol/vectors/{n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
