@@ -37,8 +37,8 @@ class BodyType(IntEnum):
 
 
 TYPES = frozenset(int(t) for t in BodyType)
-DATA_TYPES = frozenset({BodyType.RS_DATA, BodyType.AG_DATA})
-RS_TYPES = frozenset({BodyType.RS_DATA, BodyType.RS_END})
+DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})
+RS_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.RS_END)})
 
 
 class BodyHeader(NamedTuple):
@@ -75,21 +75,26 @@ def parse_header(mtype: int, body: bytes | memoryview) -> BodyHeader:
     Raises WireError("type") for a type that is not tensor data and WireError("malformed") for a short or
     inconsistent body, an unknown codec, or a weight that is not finite (RS: not > 0; AG: negative).
     """
+    return BodyHeader._make(check_header(mtype, body))
+
+
+def check_header(mtype: int, body: bytes | memoryview) -> tuple[int, int, int, int, int, float]:
+    """``parse_header`` as a plain tuple, for the per-datagram path (no NamedTuple to build)."""
     if mtype not in TYPES:
         raise WireError("type", f"{mtype:#04x} is not an all-reduce body type")
     size = len(body)
     if size < HEADER_SIZE:
         raise WireError("malformed", f"tensor body of {size} bytes is shorter than its {HEADER_SIZE}-byte header")
-    h = BodyHeader._make(HEADER.unpack_from(body))
-    if h.codec not in KNOWN_CODECS:
-        raise WireError("malformed", f"unknown codec {h.codec}")
+    h = HEADER.unpack_from(body)
+    _, codec, _, _, count, w = h
+    if codec not in KNOWN_CODECS:
+        raise WireError("malformed", f"unknown codec {codec}")
     if mtype in DATA_TYPES:
-        if h.count == 0 or size != HEADER_SIZE + 4 * h.count:
-            raise WireError("malformed", f"data body of {size} bytes says it holds {h.count} float32 values")
-    elif h.count != 0 or size != HEADER_SIZE:
-        raise WireError("malformed", f"end body of {size} bytes with count {h.count}; it must be a bare header")
-    w = h.weight
-    if not math.isfinite(w) or (w <= 0.0 if mtype in RS_TYPES else w < 0.0):
+        if count == 0 or size != HEADER_SIZE + 4 * count:
+            raise WireError("malformed", f"data body of {size} bytes says it holds {count} float32 values")
+    elif count != 0 or size != HEADER_SIZE:
+        raise WireError("malformed", f"end body of {size} bytes with count {count}; it must be a bare header")
+    if not (w > 0.0 if mtype in RS_TYPES else w >= 0.0) or w == math.inf:  # NaN fails both comparisons
         raise WireError("malformed", f"weight {w!r} out of range")
     return h
 

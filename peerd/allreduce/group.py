@@ -4,6 +4,18 @@ The driver feeds it bodies (``receive``) and timer ticks (``handle_timer``) with
 what ``next_datagrams`` hands out, and sleeps until ``next_deadline()``. Nothing here blocks, reads a clock
 or touches a socket, so the simulator and the tests run it in virtual time with exact loss patterns.
 
+A driver's loop, in outline::
+
+    core = GroupAverage(group_id, n, index, vector, weight, now)
+    while not core.finished:
+        while core.wants_to_send:                      # ~1 ms of work per batch; yield between batches
+            for o in core.next_datagrams(64):
+                send(o.to, o.type, o.body, times=o.repeat)   # END bodies: o.repeat == 3
+        wait for a datagram or until core.next_deadline()
+        on a datagram: core.receive(member index of its sender, type, body, now)  # WireError: count, drop
+        on the deadline: core.handle_timer(now)
+    averaged = core.result()
+
 Cost model (so a trio driver can cut work into ~1 ms slices): ``receive`` is O(1) Python plus O(datagram)
 numpy; ``next_datagrams(limit)`` does at most ``limit`` datagrams of work (plus the division of one block of
 ranges, ~64k elements, when the all-gather reaches it); ``result()`` may copy own values into ranges that
@@ -28,9 +40,9 @@ from .codec import (
     END_REPEATS,
     FLOAT32,
     BodyType,
+    check_header,
     pack_data,
     pack_end,
-    parse_header,
     values,
 )
 from .shards import Layout, elements_per_datagram
@@ -41,6 +53,7 @@ DEFAULT_SAFETY = 2.0
 FINALIZE_BLOCK_ELEMENTS = 1 << 16  # the all-gather divides this many elements at a time (~50 us)
 _F32_MAX = float(np.finfo(np.float32).max)
 _GROUP = struct.Struct("<I")
+_RS_DATA, _RS_END, _AG_DATA, _AG_END = (int(t) for t in BodyType)
 
 COMPLETION = "completion"
 DEADLINE = "deadline"
@@ -185,7 +198,10 @@ class _Phase:
     def deadline(
         self, floor_s: float, safety: float, cap_s: float | None, prior_rate: float | None, slack_s: float
     ) -> float:
-        """max(t0, t_last) + slack_s + max(floor_s, safety * remaining / rate), capped at t0 + cap_s."""
+        """max(t0, t_last) + slack_s + max(floor_s, safety * remaining / rate), capped at t0 + cap_s.
+
+        It only moves later as data arrives, and fires once the flow has stopped for long enough that the
+        rest, at the pace seen so far, would have come by now (times ``safety``)."""
         assert self.t0 is not None
         rate = self.rate() or prior_rate
         wait = floor_s if rate is None else max(floor_s, safety * self.remaining / rate)
@@ -305,6 +321,7 @@ class GroupAverage:
         self._inplace = out is vec
         self._w32 = w32
         self._lo, self._hi = self.layout.shard(index)
+        self._per = self.layout.per
         self._nranges = self.layout.datagrams(index)
         self._wsum = np.full(self._nranges, self.weight, dtype=np.float64)  # own weight always arrives
         self._init = np.zeros(self._nranges, dtype=bool)  # range holds own*weight + what arrived
@@ -339,9 +356,14 @@ class GroupAverage:
         return self._rs.ended_at is not None and self._ag.ended_at is not None
 
     @property
+    def wants_to_send(self) -> bool:
+        """``next_datagrams`` may have something: call it (in batches) until it returns short."""
+        return self._gen is not None or (not self._ag_started and self._rs.ended_at is not None)
+
+    @property
     def finished(self) -> bool:
         """Result ready and every datagram produced: the driver can forget this group."""
-        return self.result_ready and self._gen is None and self._ag_started
+        return self.result_ready and not self.wants_to_send
 
     def next_deadline(self) -> float | None:
         """When ``handle_timer`` should next be called; None once both receive phases have ended.
@@ -419,59 +441,66 @@ class GroupAverage:
         if len(body) >= 4 and _GROUP.unpack_from(body)[0] != self.group_id:
             self._drops["group"] += 1
             return Outcome.OTHER_GROUP
-        h = parse_header(mtype, body)
+        _, _, total, offset, count, weight = check_header(mtype, body)
         if type(sender) is not int or not 0 <= sender < self.n or sender == self.index:
             self._drops["sender"] += 1
             return Outcome.UNKNOWN_SENDER
-        if mtype <= BodyType.RS_END:
+        if mtype == _RS_DATA:
+            # the hot path: checks inlined rather than Layout.index_of, O(1) Python, two numpy calls
+            rel = offset - self._lo
+            k, r = divmod(rel, self._per)
+            if total != self._nranges or rel < 0 or r or k >= total or count != min(self._per, self._hi - offset):
+                self.layout.index_of(self.index, offset, count)  # raises the precise error
+                raise WireError("malformed", f"stream of {total} datagrams, this shard takes {self._nranges}")
+            self._check_weight(sender, weight)
+            seen = self._rs_seen[sender]
+            if seen[k]:
+                self._drops["duplicate"] += 1
+                return Outcome.DUPLICATE
             rs = self._rs
-            if h.total != self._nranges:
-                raise WireError("malformed", f"stream of {h.total} datagrams, this shard takes {self._nranges}")
-            known = self._sender_weight[sender]
-            if known is None:
-                self._sender_weight[sender] = h.weight
-            elif known != h.weight:
-                raise WireError("malformed", f"sender {sender} changed its weight from {known} to {h.weight}")
-            if mtype == BodyType.RS_DATA:
-                k = self.layout.index_of(self.index, h.offset, h.count)
-                seen = self._rs_seen[sender]
-                if seen[k]:
-                    self._drops["duplicate"] += 1
-                    return Outcome.DUPLICATE
-                if rs.ended_at is not None:
-                    return self._late(mtype)
-                seen[k] = True
-                lo = h.offset
-                hi = lo + h.count
-                acc = self._out[lo:hi]
-                if not self._init[k]:
-                    np.multiply(self._vec[lo:hi], self._w32, out=acc)
-                    self._init[k] = True
-                scaled = self._scratch[: h.count]
-                np.multiply(values(body, h.count), np.float32(h.weight), out=scaled)
-                np.add(acc, scaled, out=acc)
-                self._wsum[k] += h.weight
-                rs.weight_received += h.weight
-                rs.note_data(sender, now)
-            else:
-                if h.offset != self._lo:
-                    raise WireError("malformed", f"END offset {h.offset}, the shard starts at {self._lo}")
-                if rs.end_seen[sender]:
-                    self._ends_ignored += 1
-                    return Outcome.DUPLICATE
-                if rs.ended_at is not None:
-                    return self._late(mtype)
-                rs.note_end(sender, now)
+            if rs.ended_at is not None:
+                return self._late(mtype)
+            seen[k] = True
+            hi = offset + count
+            acc = self._out[offset:hi]
+            if not self._init[k]:
+                np.multiply(self._vec[offset:hi], self._w32, out=acc)
+                self._init[k] = True
+            scaled = self._scratch[:count]
+            np.multiply(values(body, count), np.float32(weight), out=scaled)
+            np.add(acc, scaled, out=acc)
+            self._wsum[k] += weight
+            rs.weight_received += weight
+            rs.note_data(sender, now)
+            if rs.open == 0:
+                self._end_rs(now, COMPLETION)
+            return Outcome.ACCEPTED
+
+        if mtype == _RS_END:
+            rs = self._rs
+            if total != self._nranges or offset != self._lo:
+                raise WireError(
+                    "malformed",
+                    f"END of a {total}-datagram stream at {offset}; shard [{self._lo}, {self._hi})"
+                    f" takes {self._nranges}",
+                )
+            self._check_weight(sender, weight)
+            if rs.end_seen[sender]:
+                self._ends_ignored += 1
+                return Outcome.DUPLICATE
+            if rs.ended_at is not None:
+                return self._late(mtype)
+            rs.note_end(sender, now)
             if rs.open == 0:
                 self._end_rs(now, COMPLETION)
             return Outcome.ACCEPTED
 
         ag = self._ag
         expected = ag.expected[sender]
-        if h.total != expected:
-            raise WireError("malformed", f"stream of {h.total} datagrams, shard {sender} takes {expected}")
-        if mtype == BodyType.AG_DATA:
-            k = self.layout.index_of(sender, h.offset, h.count)
+        if total != expected:
+            raise WireError("malformed", f"stream of {total} datagrams, shard {sender} takes {expected}")
+        if mtype == _AG_DATA:
+            k = self.layout.index_of(sender, offset, count)
             seen = self._ag_seen[sender]
             if seen[k]:
                 self._drops["duplicate"] += 1
@@ -479,13 +508,13 @@ class GroupAverage:
             if ag.ended_at is not None:
                 return self._late(mtype)
             seen[k] = True
-            self._out[h.offset : h.offset + h.count] = values(body, h.count)
-            ag.weight_received += h.weight
+            self._out[offset : offset + count] = values(body, count)
+            ag.weight_received += weight
             ag.note_data(sender, now)
         else:
             start = self.layout.shard(sender)[0]
-            if h.offset != start:
-                raise WireError("malformed", f"END offset {h.offset}, shard {sender} starts at {start}")
+            if offset != start:
+                raise WireError("malformed", f"END offset {offset}, shard {sender} starts at {start}")
             if ag.end_seen[sender]:
                 self._ends_ignored += 1
                 return Outcome.DUPLICATE
@@ -495,6 +524,14 @@ class GroupAverage:
         if ag.open == 0 and self._rs.ended_at is not None:
             self._end_ag(now, COMPLETION)
         return Outcome.ACCEPTED
+
+    def _check_weight(self, sender: int, weight: float) -> None:
+        """A sender has one weight; a body that says otherwise is corrupt (it would skew the sums)."""
+        known = self._sender_weight[sender]
+        if known is None:
+            self._sender_weight[sender] = weight
+        elif known != weight:
+            raise WireError("malformed", f"sender {sender} changed its weight from {known} to {weight}")
 
     def _late(self, mtype: int) -> Outcome:
         if mtype in (BodyType.RS_END, BodyType.AG_END):
