@@ -435,7 +435,6 @@ def test_identity_file_of_another_key_type(tmp_path) -> None:
     assert "Ed25519" in str(e.value) and "peerd keygen" in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="load_identity lets cryptography's UnsupportedAlgorithm escape")
 def test_identity_file_of_an_unknown_algorithm(tmp_path) -> None:
     """A PKCS#8 PEM whose algorithm OID cryptography does not know must still give KeyFileError."""
     der = ALICE.private_key.private_bytes(
@@ -543,7 +542,6 @@ def test_body_size_limit() -> None:
     expect_drop("malformed", m.decode, m.MsgType.PING, b"\xc0" * (m.MAX_BODY + 1))
 
 
-@pytest.mark.xfail(strict=True, reason="peerd.wire.messages.decode keeps the last of duplicate map keys")
 def test_duplicate_map_keys_are_malformed() -> None:
     frm = from_field(ALICE, 1)
     raw = b"\x83" + b"".join(msgpack.packb(x, use_bin_type=True) for x in ("rid", 1, "rid", 2, "from", frm))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -44,9 +45,10 @@ class RoutingTable:
         self.node_id = node_id
         self.k = k
         self.buckets = [Bucket() for _ in range(ID_BITS)]
+        self._count = 0
 
     def __len__(self) -> int:
-        return sum(len(b.contacts) for b in self.buckets)
+        return self._count
 
     def __contains__(self, node_id: bytes) -> bool:
         return node_id in self._bucket(node_id).contacts
@@ -73,6 +75,7 @@ class RoutingTable:
         if len(bucket.contacts) < self.k:
             bucket.contacts[contact.node_id] = contact
             bucket.replacements.pop(contact.node_id, None)
+            self._count += 1
             return None
         bucket.replacements[contact.node_id] = contact
         bucket.replacements.move_to_end(contact.node_id)
@@ -97,16 +100,18 @@ class RoutingTable:
     def remove(self, node_id: bytes) -> None:
         """Forget a contact that failed to answer; the freshest replacement takes its place."""
         bucket = self._bucket(node_id)
-        if bucket.contacts.pop(node_id, None) is not None and bucket.replacements:
+        if bucket.contacts.pop(node_id, None) is None:
+            return
+        self._count -= 1
+        if bucket.replacements:
             _, replacement = bucket.replacements.popitem(last=True)
             bucket.contacts[replacement.node_id] = replacement
+            self._count += 1
 
     def closest(self, target: bytes, count: int | None = None) -> list[Contact]:
         count = self.k if count is None else count
         t = int.from_bytes(target, "big")
-        everyone = self.contacts()
-        everyone.sort(key=lambda c: int.from_bytes(c.node_id, "big") ^ t)
-        return everyone[:count]
+        return heapq.nsmallest(count, self.contacts(), key=lambda c: int.from_bytes(c.node_id, "big") ^ t)
 
     def touch(self, target: bytes, now: float) -> None:
         if target != self.node_id:

@@ -8,7 +8,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -97,7 +97,7 @@ def load_identity(path: str) -> Identity:
         ) from None
     try:
         key = serialization.load_pem_private_key(data, password=None)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, UnsupportedAlgorithm):
         raise KeyFileError(f"{path} is not a peerd identity (PEM Ed25519 key from 'peerd keygen')") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(f"{path} holds a key that is not Ed25519; create one with 'peerd keygen'")

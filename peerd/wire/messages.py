@@ -9,6 +9,7 @@ token to that key, and optionally the address peers should use to reach it).
 from __future__ import annotations
 
 import ipaddress
+import socket
 from enum import IntEnum
 from typing import Any
 
@@ -61,7 +62,7 @@ def _port(v: Any) -> int:
 def _ip(v: Any) -> str:
     if type(v) is not bytes or len(v) not in (4, 16):
         raise WireError("malformed", "an address is 4 (IPv4) or 16 (IPv6) bytes")
-    return str(ipaddress.ip_address(v))
+    return socket.inet_ntop(socket.AF_INET if len(v) == 4 else socket.AF_INET6, v)
 
 
 ADDR = s.tuple_of(_ip, _port)  # decoded as ("host", port)
@@ -119,6 +120,14 @@ def pack_contact(node_id: bytes, host: str, port: int) -> list:
     return [node_id, ipaddress.ip_address(host).packed, port]
 
 
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict:
+    """Duplicate keys are malformed: decoders disagree on which one wins."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate map key")
+    return out
+
+
 def encode(mtype: MsgType, body: dict[str, Any]) -> bytes:
     """Encode a control body with keys in schema order (canonical)."""
     fields = SCHEMAS[mtype]
@@ -143,6 +152,7 @@ def decode(mtype: int, data: bytes) -> dict[str, Any]:
             max_array_len=256,
             max_map_len=32,
             max_ext_len=0,
+            object_pairs_hook=_unique_map,
         )
     except Exception as e:  # msgpack raises a zoo of types for bad input
         raise WireError("malformed", f"not msgpack: {type(e).__name__}") from None

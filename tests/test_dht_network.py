@@ -1,0 +1,191 @@
+"""The DHT over an in-memory network that drops, duplicates and reorders datagrams (virtual time)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+import trio.testing
+
+from peerd.dht import DhtService
+from peerd.metrics import Metrics
+from peerd.transport import Endpoint
+from peerd.wire.identity import Identity
+
+from .memnet import MemNet
+
+SECRET = bytes(range(32))
+
+
+def counter_value(counter, **labels) -> float:
+    return sum(s.value for m in counter.collect() for s in m.samples
+               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+class SimNode:
+    def __init__(self, net: MemNet, index: int, secret: bytes | None = SECRET) -> None:
+        self.addr = ("127.0.0.1", 20000 + index)
+        self.sock = net.socket(*self.addr)
+        self.metrics = Metrics()
+        self.identity = Identity.generate()
+        self.endpoint = Endpoint(self.sock, self.identity, secret, self.metrics)
+        self.dht = DhtService(self.endpoint, self.metrics, rng=random.Random(index), refresh_interval=30.0)
+        self.scope = trio.CancelScope()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with self.scope:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.endpoint.serve)
+                await nursery.start(self.dht.run)
+                task_status.started()
+
+    def kill(self, net: MemNet) -> None:
+        net.partition(self.addr)
+        self.scope.cancel()
+
+
+async def start_swarm(nursery: trio.Nursery, net: MemNet, count: int) -> list[SimNode]:
+    nodes = [SimNode(net, i) for i in range(count)]
+    for node in nodes:
+        await nursery.start(node.run)
+    nodes[0].dht.bootstrapped.set()
+    for node in nodes[1:]:
+        await node.dht.bootstrap([nodes[0].addr], timeout=60)
+    return nodes
+
+
+def run_virtual(fn, *args) -> None:
+    trio.run(fn, *args, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_lossy_swarm_puts_and_gets(seed: int) -> None:
+    async def main() -> None:
+        net = MemNet(seed=seed, drop=0.10, duplicate=0.05, jitter=0.05)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 32)
+            await trio.sleep(20)  # a refresh round
+            counts = [n.dht.peer_count() for n in nodes]
+            assert min(counts) >= 20, counts  # no node is left with a thin routing table
+
+            result = await nodes[3].dht.put(b"model/step", b"subA", b"hello", ttl=600)
+            assert result.stored >= 15, result
+            for reader in (nodes[0], nodes[17], nodes[31]):
+                records = await reader.dht.get(b"model/step")
+                assert [(r.subkey, r.value) for r in records] == [(b"subA", b"hello")]
+
+            # Duplicates and reordering never double-count or corrupt: replays are dropped as such.
+            assert sum(counter_value(n.metrics.datagrams_dropped, reason="replay") for n in nodes) > 0
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_newest_version_wins_and_only_owner_writes() -> None:
+    async def main() -> None:
+        net = MemNet(seed=7, drop=0.05, jitter=0.01)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 12)
+            await nodes[2].dht.put(b"k", b"shared", b"v1", ttl=100)
+            await trio.sleep(1)
+            await nodes[2].dht.put(b"k", b"shared", b"v2", ttl=100)
+            intruder = await nodes[5].dht.put(b"k", b"shared", b"evil", ttl=100)
+            assert intruder.stored == 0 and intruder.refused, intruder
+            records = await nodes[9].dht.get(b"k")
+            assert [(r.subkey, r.value) for r in records] == [(b"shared", b"v2")]
+            # A different subkey under the same key is the other node's to write.
+            await nodes[5].dht.put(b"k", b"mine", b"ok", ttl=100)
+            records = await nodes[0].dht.get(b"k")
+            assert sorted((r.subkey, r.value) for r in records) == [(b"mine", b"ok"), (b"shared", b"v2")]
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_records_expire_everywhere() -> None:
+    async def main() -> None:
+        net = MemNet(seed=11)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 8)
+            await nodes[1].dht.put(b"short", b"s", b"lived", ttl=5)
+            assert len(await nodes[6].dht.get(b"short")) == 1
+            await trio.sleep(6)
+            assert await nodes[6].dht.get(b"short") == []
+            assert all(len(n.dht.core.store.get(b"short", trio.current_time())) == 0 for n in nodes)
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_survives_dead_nodes() -> None:
+    async def main() -> None:
+        net = MemNet(seed=5, drop=0.05, jitter=0.02)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 30)
+            await nodes[4].dht.put(b"before", b"x", b"1", ttl=600)
+            for victim in nodes[10:18]:
+                victim.kill(net)
+            live = nodes[:10] + nodes[18:]
+            result = await live[-1].dht.put(b"after", b"y", b"2", ttl=600)
+            assert result.stored >= 10
+            for reader in live[:3]:
+                assert [r.value for r in await reader.dht.get(b"after")] == [b"2"]
+                assert [r.value for r in await reader.dht.get(b"before")] == [b"1"]
+            # Lookups forget the dead: after a refresh no live node lists a dead one.
+            await trio.sleep(40)
+            dead_ids = {v.identity.node_id for v in nodes[10:18]}
+            for node in live:
+                await node.dht.find_nodes(node.identity.node_id)
+            assert all(not (dead_ids & {c.node_id for c in n.dht.core.table.contacts()}) for n in live[:5])
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_other_swarm_is_kept_out() -> None:
+    async def main() -> None:
+        net = MemNet(seed=3)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 4)
+            alien = SimNode(net, 99, secret=bytes(32))
+            await nursery.start(alien.run)
+            from peerd.dht import BootstrapError
+
+            with pytest.raises(BootstrapError, match="swarm's key"):
+                await alien.dht.bootstrap([nodes[0].addr], timeout=10)
+            assert alien.dht.peer_count() == 0
+            assert counter_value(nodes[0].metrics.datagrams_dropped, reason="auth") >= 3
+            assert all(alien.identity.node_id not in n.dht.core.table for n in nodes)
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_garbage_datagrams_are_counted_not_fatal() -> None:
+    async def main() -> None:
+        net = MemNet(seed=9)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 3)
+            rng = random.Random(0)
+            target = nodes[0]
+            valid = nodes[1].endpoint.sealer.seal(1, b"\x80")  # sealed, but not a valid PING body
+            junk = [bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 200))) for _ in range(200)]
+            junk += [b"PD" + bytes(30), valid, valid]
+            for data in junk:
+                await target.endpoint.handle_datagram(data, ("127.0.0.1", 1))
+            dropped = sum(counter_value(target.metrics.datagrams_dropped, reason=r)
+                          for r in ("malformed", "auth", "version", "replay", "type", "identity"))
+            assert dropped == len(junk)
+            # ... and the node still works.
+            await nodes[2].dht.put(b"still", b"", b"alive", ttl=60)
+            assert [r.value for r in await target.dht.get(b"still")] == [b"alive"]
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
