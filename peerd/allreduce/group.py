@@ -20,6 +20,11 @@ Cost model (so a trio driver can cut work into ~1 ms slices): ``receive`` is O(1
 numpy; ``next_datagrams(limit)`` does at most ``limit`` datagrams of work (plus the division of one block of
 ranges, ~64k elements, when the all-gather reaches it); ``result()`` may copy own values into ranges that
 never arrived, which is O(missing elements).
+
+Non-finite input (NaN, inf) is the caller's problem: it propagates into the averages of the ranges it
+touches and never raises. numpy may emit a RuntimeWarning (overflow, invalid) from ``receive``; the hot path
+does not pay ~1 us per datagram for ``np.errstate``, so a process that turns warnings into errors should
+call ``receive`` under ``np.errstate(over="ignore", invalid="ignore")``.
 """
 
 from __future__ import annotations
@@ -636,7 +641,8 @@ class GroupAverage:
         if init.any():
             div = self._wsum[k0:k1].astype(np.float32)
             div[~init] = 1.0  # ranges nobody else reached still hold the own value, not own * weight
-            np.divide(out2d, div[:, None], out=out2d)
+            with np.errstate(all="ignore"):  # inf/inf from non-finite input is the caller's problem
+                np.divide(out2d, div[:, None], out=out2d)
 
     def _fill_missing(self) -> None:
         """Ranges of other shards whose all-gather never arrived keep this member's own values."""
