@@ -1,0 +1,128 @@
+"""The CLI as a user meets it: key files, clear one-line errors, and a node still joining."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from peerd.swarm import LocalSwarm
+
+from .conftest import metric_value, peerd, peerd_json, scrape, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def test_keygen_writes_private_files_and_refuses_to_overwrite(tmp_path) -> None:
+    ident, key = str(tmp_path / "id.pem"), str(tmp_path / "swarm.key")
+    out = peerd("keygen", ident).stdout
+    assert "wrote identity" in out
+    peerd("keygen", "--swarm-key", key)
+    for path in (ident, key):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    again = peerd("keygen", ident, check=False)
+    assert again.returncode == 1 and "refusing to overwrite" in again.stderr
+    both = peerd("keygen", ident, "--swarm-key", key, check=False)
+    assert both.returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["join", "--listen", "127.0.0.1:0"], "--swarm-key-file"),
+        (["join", "--listen", "nonsense"], "expected HOST:PORT"),
+        (["join", "--listen", "::1:7000", "--insecure"], "brackets"),
+        (["join", "--insecure", "--bootstrap-timeout", "-3"], "must be positive"),
+        (["dht", "put", "k"], "VALUE"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_hint(args: list[str], needle: str) -> None:
+    proc = peerd(*args, check=False)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_missing_or_bad_key_files(tmp_path) -> None:
+    sock = str(tmp_path / "d.sock")
+    missing = peerd("join", "--listen", "127.0.0.1:0", "--swarm-key-file", str(tmp_path / "nope"),
+                    "--socket", sock, check=False)
+    assert missing.returncode == 1
+    assert missing.stderr.count("\n") == 1 and "peerd keygen --swarm-key" in missing.stderr
+    garbage = tmp_path / "garbage.key"
+    garbage.write_text("not a key\n")
+    bad = peerd("join", "--listen", "127.0.0.1:0", "--swarm-key-file", str(garbage), "--socket", sock,
+                check=False)
+    assert bad.returncode == 1 and "is not a swarm key" in bad.stderr
+    bad_id = peerd("join", "--insecure", "--listen", "127.0.0.1:0", "--identity", str(garbage),
+                   "--socket", sock, check=False)
+    assert bad_id.returncode == 1 and "not a peerd identity" in bad_id.stderr
+    assert not os.path.exists(sock)
+
+
+def test_port_in_use(tmp_path) -> None:
+    taken = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    taken.bind(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        proc = peerd("join", "--insecure", "--listen", f"127.0.0.1:{port}", "--socket",
+                     str(tmp_path / "d.sock"), check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("peerd: error:")]
+        assert proc.returncode == 1 and len(errors) == 1 and "is in use" in errors[0]
+    finally:
+        taken.close()
+
+
+def test_status_without_daemon(tmp_path) -> None:
+    proc = peerd("status", "--socket", str(tmp_path / "none.sock"), check=False)
+    assert proc.returncode == 1 and "peerd join" in proc.stderr
+
+
+def test_unreachable_bootstrap_answers_status_then_gives_up(tmp_path) -> None:
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, never answers
+    silent.bind(("127.0.0.1", 0))
+    sock = str(tmp_path / "d.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "peerd", "join", "--insecure", "--listen", "127.0.0.1:0", "--bootstrap",
+         f"127.0.0.1:{silent.getsockname()[1]}", "--bootstrap-timeout", "8", "--socket", sock],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        status = wait_until(lambda: os.path.exists(sock) and peerd_json("status", "--socket", sock),
+                            timeout=30, interval=0.3, what="the local socket")
+        assert status["peers"] == 0 and status["joined"] is False
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1
+        assert "no bootstrap node answered within 8 s" in err and "--swarm-key-file" in err
+        assert time.monotonic() - start < 30
+        assert not os.path.exists(sock)
+    finally:
+        proc.kill()
+        silent.close()
+
+
+def test_socket_is_private_and_metrics_bind_loopback(tmp_path) -> None:
+    with LocalSwarm(str(tmp_path / "s")) as swarm:
+        node = swarm.start(extra=("--metrics", "0"))  # a bare port binds 127.0.0.1
+        status = swarm.wait_ready(node)
+        assert stat.S_IMODE(os.stat(node.socket).st_mode) == 0o600
+        assert status["metrics"].startswith("127.0.0.1:")
+        text = scrape(status["metrics"])
+        for name in ("peerd_dht_peers", "peerd_dht_records"):
+            assert f"\n{name} " in text
+        for name in ("peerd_datagrams_received_total", "peerd_datagrams_dropped_total", "peerd_rpc_seconds"):
+            assert f"# TYPE {name.removesuffix('_total')}" in text
+        # Garbage on the local socket is answered with an error and does not hurt the daemon.
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(node.socket)
+        raw.sendall(b"\x00\x00\x00\x05hello")
+        raw.settimeout(10)
+        assert b"not msgpack" in raw.recv(1000)
+        raw.close()
+        assert peerd_json("status", "--socket", node.socket)["peers"] == 0
+        assert metric_value(scrape(status["metrics"]), "peerd_local_requests_total", op="status") >= 1
