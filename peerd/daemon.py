@@ -19,6 +19,7 @@ from .dht import BootstrapError, DhtService
 from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
 from .transport import Endpoint
+from .transport.udp import UdpSocket
 from .wire.identity import Identity, KeyFileError, load_identity, load_swarm_key, node_id_of
 from .wire.messages import MAX_TTL_S
 
@@ -41,6 +42,9 @@ class DaemonConfig:
     socket_path: str = ""
     metrics: tuple[str, int] | None = None
     mtu: int = 1200
+    no_gso: bool = False
+    loss: float = 0.0
+    loss_seed: int | None = None
 
 
 def _bind_udp(host: str, port: int) -> stdsocket.socket:
@@ -92,8 +96,9 @@ class Daemon:
                     f"cannot serve metrics on {format_hostport(*config.metrics)}: {e.strerror}; "
                     f"pick another --metrics port"
                 ) from None
+        self.socket = UdpSocket(self.udp, gso=not config.no_gso)
         self.endpoint = Endpoint(
-            trio.socket.from_stdlib_socket(self.udp),
+            self.socket,
             self.identity,
             secret,
             self.metrics,

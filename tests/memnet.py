@@ -65,14 +65,23 @@ class MemSocket:
         self.dead = False
         self.inbox_send, self.inbox = trio.open_memory_channel[tuple[bytes, tuple[str, int]]](math.inf)
 
-    async def sendto(self, data: bytes, addr: tuple[str, int]) -> int:
+    async def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
         await trio.lowlevel.checkpoint()
         if not self.dead:
             self.net.deliver(self.addr, (addr[0], addr[1]), bytes(data))
-        return len(data)
 
-    async def recvfrom(self, bufsize: int) -> tuple[bytes, tuple[str, int]]:
-        return await self.inbox.receive()
+    async def send_many(self, datagrams: list[bytes], addr: tuple[str, int]) -> None:
+        for d in datagrams:
+            await self.sendto(d, addr)
+
+    async def recv_batch(self, max_datagrams: int = 64) -> list[tuple[bytes, tuple[str, int]]]:
+        batch = [await self.inbox.receive()]
+        while len(batch) < max_datagrams:
+            try:
+                batch.append(self.inbox.receive_nowait())
+            except trio.WouldBlock:
+                break
+        return batch
 
     def getsockname(self) -> tuple[str, int]:
         return self.addr

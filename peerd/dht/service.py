@@ -270,7 +270,7 @@ class DhtService:
 async def _resolve(addr: Address, endpoint: Endpoint) -> list[Address]:
     """Resolve a bootstrap name on every attempt (in compose, DNS may come up after us)."""
     host, port = addr
-    family = getattr(endpoint.sock, "family", trio.socket.AF_INET)
+    family = endpoint.sock.family
     try:
         infos = await trio.socket.getaddrinfo(host, port, family=family, type=trio.socket.SOCK_DGRAM)
     except OSError as e:

@@ -1,0 +1,199 @@
+"""The daemon's one UDP socket: batched non-blocking receives, GSO/GRO where Linux has them.
+
+trio's socket wrapper costs a scheduler round trip per call; at tens of thousands of datagrams per
+second that dominates, so this drains the socket in batches after one ``wait_readable`` and sends
+without awaiting unless the kernel buffer is full.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import struct
+import sys
+from dataclasses import dataclass
+
+import trio
+
+log = logging.getLogger("peerd.transport")
+
+# Linux constants (the socket module does not export them on every Python build).
+SOL_UDP = 17
+UDP_SEGMENT = 103
+UDP_GRO = 104
+SO_RXQ_OVFL = 40
+SO_RCVBUFFORCE = 33
+SO_SNDBUFFORCE = 32
+GSO_MAX_SEGMENTS = 64
+GSO_MAX_BYTES = 65000
+WANT_BUFFER = 32 * 1024 * 1024  # ~25k datagrams: a receiver descheduled for tens of ms loses nothing
+RECV_BUFFER = 65536
+U16 = struct.Struct("=H")
+U32 = struct.Struct("=I")
+I32 = struct.Struct("=i")
+
+Address = tuple[str, int]
+
+
+@dataclass
+class SocketStatistics:
+    gso: bool
+    gro: bool
+    rcvbuf: int
+    sndbuf: int
+    kernel_drops: int  # datagrams the kernel dropped at this socket's receive queue (SO_RXQ_OVFL)
+    datagrams_received: int
+    datagrams_sent: int
+    send_calls: int
+
+
+def _set_buffer(sock: socket.socket, force_opt: int, opt: int, size: int) -> int:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, force_opt, size)  # root (CAP_NET_ADMIN): ignores rmem_max
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, opt, size)
+    return sock.getsockopt(socket.SOL_SOCKET, opt) // 2  # Linux reports double the usable size
+
+
+class UdpSocket:
+    def __init__(self, sock: socket.socket, *, gso: bool = True, buffer_bytes: int = WANT_BUFFER) -> None:
+        self.sock = sock
+        self.family = sock.family
+        sock.setblocking(False)
+        linux = sys.platform.startswith("linux")
+        self.rcvbuf = _set_buffer(sock, SO_RCVBUFFORCE, socket.SO_RCVBUF, buffer_bytes)
+        self.sndbuf = _set_buffer(sock, SO_SNDBUFFORCE, socket.SO_SNDBUF, buffer_bytes)
+        if self.rcvbuf < buffer_bytes // 2:
+            log.warning(
+                "UDP receive buffer is %d KiB (wanted %d KiB): bursts may be dropped by the kernel. As root: "
+                "sysctl -w net.core.rmem_max=%d", self.rcvbuf // 1024, buffer_bytes // 1024, buffer_bytes,
+            )
+        self.gso = gso and linux and self._probe_gso()
+        self.gro = False
+        if gso and linux:
+            try:
+                sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+                self.gro = True
+            except OSError:
+                pass
+        self._ovfl = False
+        if linux:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
+                self._ovfl = True
+            except OSError:
+                pass
+        self._buf = bytearray(RECV_BUFFER)
+        self._view = memoryview(self._buf)
+        self.kernel_drops = 0
+        self.received = 0
+        self.sent = 0
+        self.send_calls = 0
+
+    def _probe_gso(self) -> bool:
+        try:
+            self.sock.getsockopt(SOL_UDP, UDP_SEGMENT)
+            return True
+        except OSError:
+            return False
+
+    def statistics(self) -> SocketStatistics:
+        return SocketStatistics(self.gso, self.gro, self.rcvbuf, self.sndbuf, self.kernel_drops,
+                                self.received, self.sent, self.send_calls)
+
+    def getsockname(self) -> Address:
+        return self.sock.getsockname()[:2]
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # -- receiving --------------------------------------------------------------------------------
+    async def recv_batch(self, max_datagrams: int = 64) -> list[tuple[bytes, Address]]:
+        """Wait for at least one datagram, then take what is queued (up to ``max_datagrams``)."""
+        out: list[tuple[bytes, Address]] = []
+        while True:
+            try:
+                while len(out) < max_datagrams:
+                    self._recv_one(out)
+            except BlockingIOError:
+                pass
+            except OSError as e:  # ICMP errors surface here on some kernels; they are not fatal
+                if e.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
+                    raise
+            if out:
+                return out
+            await trio.lowlevel.wait_readable(self.sock)
+
+    def _recv_one(self, out: list[tuple[bytes, Address]]) -> None:
+        size, ancdata, _flags, addr = self.sock.recvmsg_into([self._view], 256)
+        segment = 0
+        for level, kind, data in ancdata:
+            if level == SOL_UDP and kind == UDP_GRO:
+                segment = I32.unpack_from(data)[0] if len(data) >= 4 else U16.unpack_from(data)[0]
+            elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= 4:
+                self.kernel_drops = U32.unpack_from(data)[0]
+        source = (addr[0], addr[1])
+        if segment and size > segment:
+            for start in range(0, size, segment):
+                out.append((self._buf[start : min(start + segment, size)], source))
+                self.received += 1
+        else:
+            out.append((self._buf[:size], source))
+            self.received += 1
+
+    # -- sending ----------------------------------------------------------------------------------
+    async def sendto(self, data: bytes, addr: Address) -> None:
+        while True:
+            try:
+                self.sock.sendto(data, addr)
+                self.sent += 1
+                self.send_calls += 1
+                return
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
+
+    async def send_many(self, datagrams: list[bytes], addr: Address) -> None:
+        """Send to one destination; with GSO, runs of equal-size datagrams go in one syscall."""
+        if not self.gso or len(datagrams) < 2:
+            for d in datagrams:
+                await self.sendto(d, addr)
+            return
+        i = 0
+        while i < len(datagrams):
+            size = len(datagrams[i])
+            j = i + 1
+            limit = min(GSO_MAX_SEGMENTS, max(1, GSO_MAX_BYTES // size))
+            while j < len(datagrams) and j - i < limit and len(datagrams[j]) == size:
+                j += 1
+            if j < len(datagrams) and j - i < limit and len(datagrams[j]) < size:
+                j += 1  # the last segment may be shorter
+            await self._send_segments(datagrams[i:j], size, addr)
+            i = j
+
+    async def _send_segments(self, run: list[bytes], size: int, addr: Address) -> None:
+        if len(run) == 1:
+            await self.sendto(run[0], addr)
+            return
+        payload = b"".join(run)
+        cmsg = [(SOL_UDP, UDP_SEGMENT, U16.pack(size))]
+        while True:
+            try:
+                self.sock.sendmsg([payload], cmsg, 0, addr)
+                self.sent += len(run)
+                self.send_calls += 1
+                return
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
+            except OSError as e:
+                if e.errno in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT):  # no GSO on this path/NIC
+                    log.warning("UDP GSO failed (%s); using one syscall per datagram", os.strerror(e.errno))
+                    self.gso = False
+                    for d in run:
+                        await self.sendto(d, addr)
+                    return
+                raise
