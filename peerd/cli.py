@@ -40,6 +40,15 @@ def _positive(text: str) -> float:
     return value
 
 
+def _size(text: str) -> int:
+    from .bench.allreduce import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _socket_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--socket",
@@ -80,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics here (a bare port binds 127.0.0.1)")
     p.add_argument("--mtu", type=int, default=1200, metavar="BYTES",
                    help="largest UDP payload to send (default 1200; never relies on IP fragmentation)")
+    p.add_argument("--no-gso", action="store_true", help="one syscall per datagram (no UDP GSO/GRO batching)")
+    p.add_argument("--loss", type=float, default=0.0, metavar="P",
+                   help="testing: drop received datagrams with probability P (seeded fault injector)")
+    p.add_argument("--loss-seed", type=int, default=None, metavar="K", help="seed of the --loss injector")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     p = sub.add_parser("status", help="show a running daemon's identity and swarm view")
@@ -98,6 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("key", metavar="KEY")
     _socket_arg(get)
     get.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("bench", help="benchmarks with real daemons on 127.0.0.1")
+    bench = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    b = bench.add_parser("allreduce", help="N daemons average seeded vectors as one group over UDP")
+    b.add_argument("--peers", type=int, default=4, metavar="N", help="daemons in the group (default 4)")
+    b.add_argument("--size", type=_size, default=1_000_000, metavar="S",
+                   help="float32 elements (1000, 250K, 25M) or bytes with a B suffix (100MB); default 1M")
+    b.add_argument("--repeat", type=int, default=5, metavar="R", help="averages to time (default 5; median)")
+    b.add_argument("--loss", type=float, default=0.0, metavar="P",
+                   help="each daemon drops received datagrams with probability P")
+    b.add_argument("--mtu", type=int, default=1200, metavar="B", help="UDP payload bytes (default 1200)")
+    b.add_argument("--insecure", action="store_true", help="no AEAD sealing")
+    b.add_argument("--no-gso", action="store_true", help="one syscall per datagram")
+    b.add_argument("--compare-gloo", action="store_true",
+                   help="also time torch.distributed gloo all-reduce, alternating with peerd (needs torch)")
+    b.add_argument("--seed", type=int, default=0, help="seed of vectors, weights and loss (default 0)")
+    b.add_argument("--json", action="store_true", help="print JSON")
 
     p = sub.add_parser("swarm", help="run N local daemons in one fresh swarm on 127.0.0.1 (Ctrl-C stops them)")
     p.add_argument("--peers", type=int, default=4, metavar="N", help="how many daemons (default 4)")
@@ -181,7 +211,12 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         socket_path=args.socket or default_socket_path(),
         metrics=args.metrics,
         mtu=args.mtu,
+        no_gso=args.no_gso,
+        loss=args.loss,
+        loss_seed=args.loss_seed,
     )
+    if not 0.0 <= args.loss < 1.0:
+        parser.error("--loss must be in [0, 1)")
     try:
         daemon = Daemon(config)
         trio.run(daemon.run)
@@ -256,12 +291,45 @@ def cmd_swarm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run_swarm(args.peers, base_port=args.base_port, workdir=args.dir)
 
 
+def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .bench.allreduce import AllreduceBenchConfig, run_allreduce_bench
+
+    if args.peers < 2:
+        parser.error("--peers must be at least 2")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    if not 0.0 <= args.loss < 1.0:
+        parser.error("--loss must be in [0, 1)")
+    if not 576 <= args.mtu <= 65507:
+        parser.error("--mtu must be between 576 and 65507 bytes")
+    cfg = AllreduceBenchConfig(
+        peers=args.peers, size=args.size, repeat=args.repeat, loss=args.loss, mtu=args.mtu,
+        insecure=args.insecure, no_gso=args.no_gso, compare_gloo=args.compare_gloo, seed=args.seed,
+    )
+    result = run_allreduce_bench(cfg, quiet=False)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"peerd: {result['peerd_s']:.3f} s median over {cfg.repeat} averages of {cfg.size} float32 "
+              f"among {cfg.peers} daemons (mtu {cfg.mtu}, loss {cfg.loss})")
+        if "gloo_s" in result:
+            print(f"gloo:  {result['gloo_s']:.3f} s   ratio peerd/gloo = {result['ratio']:.2f}")
+        print(f"received fraction {result['received_fraction']:.4f}, kernel drops {result['kernel_drops']}, "
+              f"{result['bytes_sent_per_peer'] / 1e6:.1f} MB sent per peer per average")
+        if "max_abs_err" in result:
+            print(f"max abs error vs exact weighted mean: {result['max_abs_err']:.3g}")
+        else:
+            print(f"bias {result['bias']:.3g}, rmse {result['rmse']:.3g}")
+    return 0
+
+
 _COMMANDS = {
     "keygen": cmd_keygen,
     "join": cmd_join,
     "status": cmd_status,
     "dht": cmd_dht,
     "swarm": cmd_swarm,
+    "bench": cmd_bench,
 }
 
 if __name__ == "__main__":

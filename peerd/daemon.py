@@ -15,6 +15,8 @@ from prometheus_client import start_http_server
 
 from . import __version__
 from .addresses import family_of, format_hostport, resolve_ip
+from .allreduce.bench_ops import BenchOps
+from .allreduce.service import AllreduceService
 from .dht import BootstrapError, DhtService
 from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
@@ -104,13 +106,18 @@ class Daemon:
             self.metrics,
             announce=announce,
             mtu=config.mtu,
+            loss=config.loss,
+            loss_seed=config.loss_seed,
         )
         self.dht = DhtService(self.endpoint, self.metrics)
+        self.allreduce = AllreduceService(self.endpoint, self.metrics)
+        self.bench = BenchOps(self.allreduce, self.socket)
         self.metrics.info.info({"version": __version__, "peer_id": self.identity.node_id.hex()})
         for op, handler in {
             "status": self._op_status,
             "dht_put": self._op_dht_put,
             "dht_get": self._op_dht_get,
+            **self.bench.ops(),
         }.items():
             self.local.register(op, handler)
 
@@ -172,6 +179,7 @@ class Daemon:
             "records": len(self.dht.core.store),
             "insecure": self.config.insecure,
             "version": __version__,
+            "gso": self.socket.gso,
             "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
             "datagrams_dropped": dropped,
         }

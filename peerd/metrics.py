@@ -49,3 +49,18 @@ class Metrics:
             "peerd_local_requests_total", "Requests on the local socket, by op and outcome", ["op", "outcome"],
             registry=r,
         )
+        self.allreduce_seconds = Histogram(
+            "peerd_allreduce_seconds", "Time one group average took at this node (after the handshake)",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r,
+        )
+        self.allreduce_bytes_sent = Counter(
+            "peerd_allreduce_bytes_sent_total", "UDP payload bytes sent for group averages", registry=r
+        )
+        self.allreduce_expected = Counter(
+            "peerd_allreduce_datagrams_expected_total", "Tensor datagrams this node expected, by phase",
+            ["phase"], registry=r,
+        )
+        self.allreduce_received = Counter(
+            "peerd_allreduce_datagrams_received_total", "Tensor datagrams this node received, by phase",
+            ["phase"], registry=r,
+        )

@@ -676,6 +676,11 @@ class GroupAverage:
 
     # ---- statistics --------------------------------------------------------------------------------
 
+    def received_per_sender(self, phase: int) -> list[tuple[int, int]]:
+        """(expected, received) data datagrams per sender in phase 0 (reduce-scatter) or 1 (all-gather)."""
+        ph = self._rs if phase == 0 else self._ag
+        return list(zip(ph.expected, ph.received, strict=True))
+
     def statistics(self) -> GroupStats:
         own = self.weight
         heard = [w for s, w in enumerate(self._sender_weight) if w is not None and s != self.index]

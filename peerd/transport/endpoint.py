@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,6 +90,8 @@ class Endpoint:
         *,
         announce: Address | None = None,
         mtu: int = DEFAULT_MTU,
+        loss: float = 0.0,
+        loss_seed: int | None = None,
     ) -> None:
         self.sock = sock
         self.identity = identity
@@ -105,11 +108,22 @@ class Endpoint:
         self._raw: dict[int, RawHandler] = {}
         self._pending: dict[int, _Pending] = {}
         self._type_names = {t.value: t.name.lower() for t in m.MsgType}
+        # Fault injection for benchmarks and tests: drop received datagrams with probability ``loss``.
+        self._loss = loss
+        self._loss_rng = random.Random(loss_seed)
 
     # -- registration -------------------------------------------------------------------------
     def on_request(self, mtype: m.MsgType, handler: RequestHandler) -> None:
         """``handler`` returns the response fields (without rid/from), or None to stay silent."""
         self._handlers[mtype] = (m.REQUESTS[mtype], handler)
+
+    def on_message(self, mtype: m.MsgType, handler: RequestHandler) -> None:
+        """A one-way control message: ``handler`` runs, nothing is sent back."""
+        self._handlers[mtype] = (mtype, handler)
+
+    async def notify(self, addr: Address, mtype: m.MsgType, fields: dict[str, Any]) -> None:
+        """Send a one-way control message (no response, no retry)."""
+        await self._send_control(addr, mtype, secrets.randbits(64), fields)
 
     def on_raw(self, mtype: int, handler: RawHandler) -> None:
         if mtype <= m.CONTROL_MAX:
@@ -188,6 +202,9 @@ class Endpoint:
 
     async def handle_datagram(self, data: bytes, source: Address) -> None:
         self.metrics.bytes_received.inc(len(data))
+        if self._loss and self._loss_rng.random() < self._loss:
+            self.metrics.datagrams_dropped.labels("injected").inc()
+            return
         try:
             header, body, state = self.opener.open(data)
             if header.type > m.CONTROL_MAX:
@@ -217,6 +234,8 @@ class Endpoint:
         response_type, handler = entry
         try:
             fields = handler(incoming)
+            if response_type is incoming.mtype:  # one-way message
+                return
         except WireError as e:  # semantically bad request: tell the sender why
             self.metrics.datagrams_dropped.labels(e.reason).inc()
             fields, response_type = {"code": e.reason, "detail": e.detail[:200]}, m.MsgType.ERROR

@@ -30,6 +30,7 @@ class MsgType(IntEnum):
     STORE = 0x07
     STORED = 0x08
     ERROR = 0x0F
+    REPORT = 0x10  # one-way: a receiver's account of one averaging phase, for the sender's pacing
 
 
 # Control types are 0x01..0x3F (0x10..0x3F reserved for matchmaking and later control);
@@ -101,6 +102,15 @@ SCHEMAS: dict[MsgType, dict[str, s.Validator]] = {
     MsgType.STORE: {**_COMMON, "records": s.array_of(RECORD, MAX_RECORDS)},
     MsgType.STORED: {**_COMMON, "ok": s.array_of(s.boolean, MAX_RECORDS)},
     MsgType.ERROR: {**_COMMON, "code": s.text(32), "detail": s.text(200)},
+    MsgType.REPORT: {
+        **_COMMON,
+        "group": s.uint(32),
+        "phase": s.uint(8),  # 0 reduce-scatter, 1 all-gather
+        "expected": s.uint(32),  # datagrams this receiver expected from the sender in that phase
+        "received": s.uint(32),
+        "seconds": s.number(0.0, 86400.0),  # how long the phase took at the receiver
+        "kernel_drops": s.uint(32),  # datagrams its kernel dropped at the socket during the phase
+    },
 }
 _VALIDATORS = {t: s.struct(f) for t, f in SCHEMAS.items()}
 

@@ -1,0 +1,215 @@
+"""`peerd bench allreduce`: N real daemons average seeded vectors as one group; optional gloo baseline.
+
+peerd and gloo are measured alternately in the same run (peerd, gloo, peerd, gloo, ...) because these
+machines are shared and noisy: only the ratio between them means much.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..localsock.client import DaemonError
+from ..swarm import LocalSwarm, Node
+from .vectors import seeded_vector
+
+
+@dataclass
+class AllreduceBenchConfig:
+    peers: int = 4
+    size: int = 1_000_000
+    repeat: int = 5
+    loss: float = 0.0
+    mtu: int = 1200
+    insecure: bool = False
+    no_gso: bool = False
+    compare_gloo: bool = False
+    seed: int = 0
+
+
+def _progress(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GlooBaseline:
+    """N torch.distributed gloo ranks that stay up across repeats, each run triggered over stdin."""
+
+    def __init__(self, cfg: AllreduceBenchConfig, seeds: list[int], weights: list[float]) -> None:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise DaemonError("--compare-gloo needs torch: pip install 'peerd[torch]' (torch==2.13.0)") from None
+        port = _free_port()
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "peerd.bench.gloo_worker", str(r), str(cfg.peers), str(port),
+                 str(cfg.size), str(seeds[r]), str(weights[r])],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )
+            for r in range(cfg.peers)
+        ]
+        for p in self.procs:
+            if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+                self.close()
+                raise DaemonError("a gloo worker failed to start")
+
+    def run(self) -> float:
+        for p in self.procs:
+            p.stdin.write("go\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+        times = []
+        for p in self.procs:
+            line = p.stdout.readline().split()  # type: ignore[union-attr]
+            if not line or line[0] != "done":
+                raise DaemonError("a gloo worker died mid-run")
+            times.append(float(line[1]))
+        return max(times)
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.write("quit\n")  # type: ignore[union-attr]
+                p.stdin.close()  # type: ignore[union-attr]
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _exact_mean(seeds: list[int], weights: list[float], size: int) -> np.ndarray:
+    acc = np.zeros(size, dtype=np.float64)
+    for seed, w in zip(seeds, weights, strict=True):
+        acc += np.float64(np.float32(w)) * seeded_vector(seed, size)
+    acc /= sum(float(np.float32(w)) for w in weights)
+    return acc
+
+
+def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> dict[str, Any]:
+    rng = random.Random(cfg.seed)
+    seeds = [cfg.seed * 1000 + i for i in range(cfg.peers)]
+    weights = [float(rng.randint(1, 64)) for _ in range(cfg.peers)]
+    workdir = tempfile.mkdtemp(prefix="peerd-bench-")
+    extra: list[str] = ["--mtu", str(cfg.mtu), "--log-level", "warning"]
+    if cfg.no_gso:
+        extra.append("--no-gso")
+    swarm = LocalSwarm(os.path.join(workdir, "swarm"), insecure=cfg.insecure, metrics=False)
+    gloo: GlooBaseline | None = None
+    try:
+        _progress(f"starting {cfg.peers} daemons ...", quiet)
+        nodes: list[Node] = []
+        for i in range(cfg.peers):
+            loss = ("--loss", str(cfg.loss), "--loss-seed", str(cfg.seed * 100 + i)) if cfg.loss else ()
+            nodes.append(swarm.start(extra=(*extra, *loss)))
+            swarm.wait_ready(nodes[-1])
+        members = [[n.status["peer_id"], *n.status["listen"].rsplit(":", 1)] for n in nodes]
+        members = [[pid, host, int(port)] for pid, host, port in members]
+        if cfg.compare_gloo:
+            _progress("starting gloo workers ...", quiet)
+            gloo = GlooBaseline(cfg, seeds, weights)
+        exact = _exact_mean(seeds, weights, cfg.size)
+        peerd_times: list[float] = []
+        gloo_times: list[float] = []
+        runs: list[dict[str, Any]] = []
+        errors: list[float] = []
+        biases: list[float] = []
+        rmses: list[float] = []
+        pool = ThreadPoolExecutor(max_workers=cfg.peers)
+        for r in range(cfg.repeat):
+            group = rng.getrandbits(32)
+            list(pool.map(lambda i, g=group: nodes[i].call(
+                "bench_prepare", timeout=600, group_id=g, members=members, index=i, seed=seeds[i],
+                size=cfg.size, weight=weights[i]), range(cfg.peers)))
+            t0 = time.time()
+            replies = list(pool.map(lambda n, g=group: n.call("bench_run", timeout=600, group_id=g), nodes))
+            elapsed = max(rep["done_at"] for rep in replies) - t0
+            peerd_times.append(elapsed)
+            runs.extend(replies)
+            for i, node in enumerate(nodes):
+                path = os.path.join(workdir, f"result-{i}.npy")
+                node.call("bench_result", timeout=600, group_id=group, path=path)
+                diff = np.load(path).astype(np.float64) - exact
+                os.unlink(path)
+                errors.append(float(np.max(np.abs(diff))) if cfg.size else 0.0)
+                biases.append(float(diff.mean()) if cfg.size else 0.0)
+                rmses.append(float(np.sqrt(np.mean(diff * diff))) if cfg.size else 0.0)
+            line = f"repeat {r + 1}/{cfg.repeat}: peerd {elapsed:.3f} s"
+            if gloo is not None:
+                gloo_times.append(gloo.run())
+                line += f", gloo {gloo_times[-1]:.3f} s"
+            _progress(line, quiet)
+        pool.shutdown()
+        sent = sum(rep["datagrams_sent"] for rep in runs)
+        received = sum(rep["datagrams_received"] for rep in runs)
+        out: dict[str, Any] = {
+            "peers": cfg.peers,
+            "size": cfg.size,
+            "mtu": cfg.mtu,
+            "loss": cfg.loss,
+            "repeat": cfg.repeat,
+            "insecure": cfg.insecure,
+            "gso": bool(nodes[0].status.get("gso")) and not cfg.no_gso,
+            "peerd_s": statistics.median(peerd_times),
+            "peerd_s_all": [round(t, 6) for t in peerd_times],
+            "received_fraction": received / sent if sent else 1.0,
+            "kernel_drops": sum(rep["kernel_drops"] for rep in runs),
+            "bytes_sent_per_peer": statistics.mean(rep["bytes_sent"] for rep in runs),
+            "phases_ended_by_deadline": sum((rep["rs_ended_by"] == "deadline") + (rep["ag_ended_by"] == "deadline")
+                                            for rep in runs),
+        }
+        if cfg.loss == 0:
+            out["max_abs_err"] = max(errors)
+        else:
+            out["bias"] = statistics.mean(biases)
+            out["rmse"] = statistics.mean(rmses)
+        if gloo is not None:
+            out["gloo_s"] = statistics.median(gloo_times)
+            out["gloo_s_all"] = [round(t, 6) for t in gloo_times]
+            out["ratio"] = out["peerd_s"] / out["gloo_s"]
+        return out
+    finally:
+        if gloo is not None:
+            gloo.close()
+        swarm.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def parse_size(text: str) -> int:
+    """Elements of float32: 1000, 250K, 25M; or bytes with a B suffix: 100MB, 4KB."""
+    t = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}
+    as_bytes = t.endswith("B")
+    if as_bytes:
+        t = t[:-1]
+    mult = 1
+    if t and t[-1] in scale:
+        mult, t = scale[t[-1]], t[:-1]
+    try:
+        value = float(t) * mult
+    except ValueError:
+        raise ValueError(f"{text!r}: expected a count like 1000, 250K, 25M or a byte size like 100MB") from None
+    n = int(value // 4) if as_bytes else int(value)
+    if n < 0:
+        raise ValueError(f"{text!r}: size must not be negative")
+    return n
