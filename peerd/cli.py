@@ -219,7 +219,13 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--loss must be in [0, 1)")
     try:
         daemon = Daemon(config)
-        trio.run(daemon.run)
+        profile_path = os.environ.get("PEERD_PROFILE")  # developers: write cProfile stats here on exit
+        if profile_path:
+            import cProfile
+
+            cProfile.runctx("trio.run(daemon.run)", globals(), {"trio": trio, "daemon": daemon}, profile_path)
+        else:
+            trio.run(daemon.run)
     except StartError as e:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
