@@ -145,6 +145,8 @@ class _Phase:
         "sent",
         "ended_at",
         "ended_by",
+        "ending",
+        "grace",
     )
 
     def __init__(self, expected: list[int], me: int, t0: float | None) -> None:
@@ -163,6 +165,9 @@ class _Phase:
         self.sent = 0
         self.ended_at: float | None = None
         self.ended_by: str | None = None
+        # Streams whose END overtook some of their data: sender -> when to stop waiting for the rest.
+        self.ending: dict[int, float] = {}
+        self.grace = 0.0
 
     def _progress(self, now: float) -> None:
         if self.t_first is None:
@@ -179,18 +184,33 @@ class _Phase:
             if self.received[s] >= self.expected[s]:
                 self.done[s] = True
                 self.open -= 1
+                self.ending.pop(s, None)
 
     def close(self, s: int) -> None:
         """Stop waiting for stream s (its END arrived, or its sender was removed)."""
+        self.ending.pop(s, None)
         if not self.done[s]:
             self.remaining -= self.expected[s] - self.received[s]
             self.done[s] = True
             self.open -= 1
 
     def note_end(self, s: int, now: float) -> None:
+        """An END closes its stream, after a short grace when it overtook some of the stream's data
+        (reordering): datagrams sent just before it are usually still in flight."""
         self.end_seen[s] = True
         self._progress(now)
-        self.close(s)
+        if self.done[s]:
+            return
+        if self.grace > 0 and self.received[s] < self.expected[s]:
+            self.ending[s] = now + self.grace
+        else:
+            self.close(s)
+
+    def expire_ending(self, now: float) -> None:
+        for s, until in list(self.ending.items()):
+            if now >= until:
+                del self.ending[s]
+                self.close(s)
 
     def rate(self) -> float | None:
         """New data datagrams per second since the phase started (or since the first arrival, if earlier)."""
@@ -214,6 +234,8 @@ class _Phase:
         d = base + slack_s + wait
         if cap_s is not None:
             d = min(d, self.t0 + cap_s)
+        if self.ending:
+            d = min(d, min(self.ending.values()))
         return d
 
     def snapshot(self, weight_expected: float, weight_received: float, live: list[bool], me: int) -> PhaseStats:
@@ -267,6 +289,7 @@ class GroupAverage:
         safety: float = DEFAULT_SAFETY,
         max_phase_s: float | None = None,
         out: np.ndarray | None = None,
+        end_grace_s: float = 0.0,
     ) -> None:
         if type(group_id) is not int or not 0 <= group_id <= 0xFFFFFFFF:
             raise ValueError(f"group_id must be a u32, got {group_id!r}")
@@ -341,6 +364,7 @@ class GroupAverage:
         self._filled = self._inplace
         self._rs = _Phase([self._nranges if s != index else 0 for s in range(n)], index, now)
         self._ag = _Phase([self.layout.datagrams(j) if j != index else 0 for j in range(n)], index, None)
+        self._rs.grace = self._ag.grace = float(end_grace_s)
         self._gen: Iterator[Outgoing] | None = self._rs_stream()
         self._ag_started = False
         self._maybe_end(now)
@@ -392,12 +416,18 @@ class GroupAverage:
     def handle_timer(self, now: float) -> None:
         """End whichever phase's deadline has passed; what has not arrived by then is lost."""
         if self._rs.ended_at is None:
-            if now >= self._rs_deadline():
-                self._end_rs(now, DEADLINE)
-            else:
-                return
-        if self._ag.ended_at is None and now >= self._ag_deadline():
-            self._end_ag(now, DEADLINE)
+            self._rs.expire_ending(now)
+            self._maybe_end(now)
+            if self._rs.ended_at is None:
+                if now >= self._rs_deadline():
+                    self._end_rs(now, DEADLINE)
+                else:
+                    return
+        if self._ag.ended_at is None:
+            self._ag.expire_ending(now)
+            self._maybe_end(now)
+            if self._ag.ended_at is None and now >= self._ag_deadline():
+                self._end_ag(now, DEADLINE)
 
     def remove_member(self, member: int, now: float) -> None:
         """Stop waiting for ``member`` (it left the swarm): its missing ranges are averaged out / kept own.

@@ -126,6 +126,7 @@ class AllreduceService:
         *,
         floor_s: float = 1.0,
         max_phase_s: float | None = 60.0,
+        end_grace_s: float = 0.05,
         out: np.ndarray | None = None,
     ) -> AverageResult:
         if group_id in self._groups:
@@ -136,6 +137,7 @@ class AllreduceService:
         core = GroupAverage(
             group_id, len(members), index, vector, weight, trio.current_time(),
             max_payload=self.endpoint.max_body, floor_s=floor_s, max_phase_s=max_phase_s, out=out,
+            end_grace_s=end_grace_s,
         )
         run = self._groups[group_id] = _Running(core, members)
         kernel_drops_before = getattr(self.endpoint.sock, "kernel_drops", 0)

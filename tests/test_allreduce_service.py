@@ -1,0 +1,97 @@
+"""The averaging driver over an in-memory network in virtual time: handshake, loss, a dead member."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from peerd.allreduce import Layout, elements_per_datagram
+from peerd.allreduce.service import AllreduceService, Member
+from peerd.metrics import Metrics
+from peerd.transport import Endpoint
+from peerd.wire.identity import Identity
+
+from .memnet import MemNet
+
+SECRET = bytes(range(32))
+
+
+class Node:
+    def __init__(self, net: MemNet, i: int) -> None:
+        self.addr = ("127.0.0.1", 30000 + i)
+        self.metrics = Metrics()
+        self.identity = Identity.generate()
+        self.endpoint = Endpoint(net.socket(*self.addr), self.identity, SECRET, self.metrics)
+        self.service = AllreduceService(self.endpoint, self.metrics)
+
+    def member(self) -> Member:
+        return Member(self.identity.public_key, self.identity.node_id, self.addr)
+
+
+def run_group(n: int, size: int, *, drop: float = 0.0, dead: tuple[int, ...] = (), seed: int = 0):
+    rng = np.random.default_rng(seed)
+    vectors = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+    weights = [float(w) for w in rng.integers(1, 50, n)]
+    results: dict[int, object] = {}
+
+    async def main() -> None:
+        net = MemNet(seed=seed, drop=drop, jitter=0.001)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = [Node(net, i) for i in range(n)]
+            for node in nodes:
+                nursery.start_soon(node.endpoint.serve)
+            for i in dead:
+                net.partition(nodes[i].addr)
+            members = [node.member() for node in nodes]
+
+            async def one(i: int) -> None:
+                results[i] = await nodes[i].service.average(7, members, i, vectors[i], weights[i], floor_s=0.5)
+
+            async with trio.open_nursery() as group:
+                for i in range(n):
+                    if i not in dead:
+                        group.start_soon(one, i)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    return vectors, weights, results
+
+
+def test_exact_weighted_mean_without_loss() -> None:
+    vectors, weights, results = run_group(4, 10_000)
+    exact = sum(w * v.astype(np.float64) for v, w in zip(vectors, weights, strict=True)) / sum(weights)
+    for r in results.values():
+        np.testing.assert_allclose(r.vector, exact, atol=1e-5)
+        assert r.stats.reduce_scatter.ended_by == "completion"
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_lossy_group_completes_with_estimates_between_own_and_mean(seed: int) -> None:
+    vectors, weights, results = run_group(4, 20_000, drop=0.15, seed=seed)
+    assert len(results) == 4
+    for r in results.values():
+        st = r.stats
+        assert 0.7 < st.reduce_scatter.datagrams_received / st.reduce_scatter.datagrams_expected < 0.95
+        assert np.isfinite(r.vector).all()
+        lo = np.minimum.reduce(vectors)
+        hi = np.maximum.reduce(vectors)
+        assert ((r.vector >= lo - 1e-5) & (r.vector <= hi + 1e-5)).all()  # a weighted mean of some values
+
+
+def test_dead_member_is_averaged_out() -> None:
+    vectors, weights, results = run_group(4, 8_000, dead=(2,))
+    assert sorted(results) == [0, 1, 3]
+    live = [0, 1, 3]
+    exact_live = sum(weights[i] * vectors[i].astype(np.float64) for i in live) / sum(weights[i] for i in live)
+    for i, r in results.items():
+        assert 2 in r.stats.reduce_scatter.silent or r.stats.reduce_scatter.ended_by == "deadline"
+        # Shards owned by live members are the weighted mean of the live members.
+        layout = Layout(8_000, 4, elements_per_datagram(1200 - 37))
+        for owner in live:
+            a, b = layout.shard(owner)
+            np.testing.assert_allclose(r.vector[a:b], exact_live[a:b], atol=1e-5)
+        a, b = layout.shard(2)  # the dead owner's shard keeps own values
+        np.testing.assert_array_equal(r.vector[a:b], vectors[i][a:b])
