@@ -186,11 +186,6 @@ def test_remove() -> None:
     assert len(t) == 1 == len(t.contacts())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RoutingTable.remove() ignores a node that is only a replacement, so a node that failed an RPC "
-    "can later be promoted into the bucket",
-)
 def test_remove_forgets_a_waiting_replacement_too() -> None:
     t = RoutingTable(OWN, k=1)
     a, b = (contact(x) for x in in_bucket(255, 2))
@@ -766,11 +761,6 @@ def test_max_records() -> None:
     assert [r.key for r in s.records(25.0)] == [b"c"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RecordStore.store keeps a stale reference to the key's subkey map after _expire_key/expire deleted "
-    "it, so the record goes into an orphaned map: it is lost and len() counts it forever",
-)
 @pytest.mark.parametrize("bound", ["max_subkeys", "max_records"])
 def test_store_at_a_bound_after_the_key_expired_keeps_the_record(bound: str) -> None:
     s = RecordStore(**{bound: 1})

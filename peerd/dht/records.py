@@ -8,6 +8,7 @@ wire, so clock skew between machines cannot break records.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -67,7 +68,9 @@ class Record:
         return max(0.0, self.deadline - now)
 
     def to_wire(self, now: float) -> list:
-        return [self.key, self.subkey, self.value, self.expires, round(self.ttl(now), 3), self.owner, self.signature]
+        """Rounded up, so a live record never travels with ttl 0 (which readers refuse)."""
+        ttl = math.ceil(self.ttl(now) * 1000) / 1000
+        return [self.key, self.subkey, self.value, self.expires, ttl, self.owner, self.signature]
 
 
 class RecordStore:
@@ -101,10 +104,12 @@ class RecordStore:
         else:
             if subkeys is not None and len(subkeys) >= self.max_subkeys:
                 self._expire_key(record.key, now)
-                if len(subkeys) >= self.max_subkeys:
+                subkeys = self._by_key.get(record.key)  # expiry may have dropped the key's map
+                if subkeys is not None and len(subkeys) >= self.max_subkeys:
                     return "full"
             if self._count >= self.max_records:
                 self.expire(now)
+                subkeys = self._by_key.get(record.key)
                 if self._count >= self.max_records:
                     return "full"
         if subkeys is None:

@@ -100,6 +100,7 @@ class RoutingTable:
     def remove(self, node_id: bytes) -> None:
         """Forget a contact that failed to answer; the freshest replacement takes its place."""
         bucket = self._bucket(node_id)
+        bucket.replacements.pop(node_id, None)
         if bucket.contacts.pop(node_id, None) is None:
             return
         self._count -= 1

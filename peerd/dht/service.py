@@ -101,8 +101,11 @@ class DhtService:
 
     def _heard(self, peer: Peer) -> None:
         oldest = self.core.table.observe(Contact(peer.node_id, peer.host, peer.port))
-        if oldest is not None and self._nursery is not None:
-            self._nursery.start_soon(self._check_alive, oldest)
+        if oldest is not None:
+            if self._nursery is not None:
+                self._nursery.start_soon(self._check_alive, oldest)
+            else:  # not running yet: keep the old contact rather than leave the bucket's ping pending
+                self.core.table.ping_result(oldest, alive=True)
         self.metrics.dht_peers.set(len(self.core.table))
 
     def _forget(self, node_id: bytes) -> None:
@@ -167,7 +170,7 @@ class DhtService:
         return await self._iterate(target, query)
 
     async def get(self, key: bytes) -> list[Record]:
-        """Every live record under ``key`` that the k closest nodes hold (newest per subkey)."""
+        """Every live record under ``key`` that the k closest nodes hold (newest per subkey and owner)."""
         found: list[Record] = list(self.core.store.get(key, trio.current_time()))
 
         async def query(contact: Contact) -> list[Contact]:
