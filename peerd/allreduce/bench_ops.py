@@ -64,6 +64,7 @@ class BenchOps:
             "rs_ended_by": st.reduce_scatter.ended_by,
             "ag_ended_by": st.all_gather.ended_by,
             "kernel_drops": self.sock.kernel_drops - drops0,
+            "drops": dict(st.drops),
             "pacer_rate": self.service.pacer.rate,
         }
 

@@ -21,6 +21,7 @@ from ..transport.pacing import Pacer
 from ..wire import messages as m
 from ..wire.envelope import Header
 from ..wire.errors import WireError
+from ..wire.identity import node_id_of
 from ..wire.seal import TokenState
 from .codec import BodyType, peek_group
 from .group import GroupAverage, GroupStats, Outcome
@@ -55,6 +56,9 @@ class _Running:
         self.members = members
         self.by_node = {mb.node_id: i for i, mb in enumerate(members)}
         self.by_token: dict[int, int] = {}
+        self.unbound: dict[int, list[tuple[Header, bytes, TokenState]]] = {}
+        self.unbound_count = 0
+        self.handshake_s = 0.0
         self.wake = trio.Event()
 
 
@@ -69,6 +73,7 @@ class AllreduceService:
         for t in BodyType:
             endpoint.on_raw(int(t), self._on_data)
         endpoint.on_message(m.MsgType.REPORT, self._on_report)
+        endpoint.on_bind(self._on_bind)
 
     # -- receiving ------------------------------------------------------------------------------
     def _on_data(self, header: Header, body: bytes, state: TokenState, source: Address) -> None:
@@ -82,10 +87,12 @@ class AllreduceService:
     def _deliver(self, run: _Running, header: Header, body: bytes, state: TokenState) -> None:
         index = run.by_token.get(header.token)
         if index is None:
-            if state.peer_key is None:
-                raise WireError("unbound", "data from a token no control message has bound to a node")
-            from ..wire.identity import node_id_of
-
+            if state.peer_key is None:  # its sender's PING has not arrived yet: keep it until it does
+                if run.unbound_count >= PENDING_MAX:
+                    raise WireError("unbound", "too much data from tokens no control message has bound")
+                run.unbound.setdefault(header.token, []).append((header, body, state))
+                run.unbound_count += 1
+                return
             index = run.by_node.get(node_id_of(state.peer_key))
             if index is None:
                 raise WireError("sender", "data from a node that is not in this group")
@@ -97,6 +104,20 @@ class AllreduceService:
             self.metrics.datagrams_dropped.labels(outcome.value).inc()
         if (core.wants_to_send, core.finished) != before:
             run.wake.set()
+
+    def _deliver_counted(self, run: _Running, header: Header, body: bytes, state: TokenState) -> None:
+        try:
+            self._deliver(run, header, body, state)
+        except WireError as e:
+            self.metrics.datagrams_dropped.labels(e.reason).inc()
+
+    def _on_bind(self, token: int, public_key: bytes) -> None:
+        for run in self._groups.values():
+            held = run.unbound.pop(token, None)
+            if held:
+                run.unbound_count -= len(held)
+                for header, body, state in held:
+                    self._deliver_counted(run, header, body, state)
 
     def _hold(self, group: int, header: Header, body: bytes, state: TokenState) -> None:
         """Keep data for a group this node has not started yet: its members may start first."""
@@ -131,9 +152,7 @@ class AllreduceService:
     ) -> AverageResult:
         if group_id in self._groups:
             raise ValueError(f"group {group_id:#x} is already averaging on this node")
-        start = trio.current_time()
-        await self._handshake(members, index)
-        handshake_s = trio.current_time() - start
+        wall0 = time.perf_counter()
         core = GroupAverage(
             group_id, len(members), index, vector, weight, trio.current_time(),
             max_payload=self.endpoint.max_body, floor_s=floor_s, max_phase_s=max_phase_s, out=out,
@@ -142,49 +161,55 @@ class AllreduceService:
         run = self._groups[group_id] = _Running(core, members)
         kernel_drops_before = getattr(self.endpoint.sock, "kernel_drops", 0)
         sent_bytes = sent = 0
-        wall0 = time.perf_counter()
         try:
-            for _, header, body, state in self._pending.pop(group_id, []):
-                self._pending_count -= 1
-                try:
-                    self._deliver(run, header, body, state)
-                except WireError as e:
-                    self.metrics.datagrams_dropped.labels(e.reason).inc()
-            rs_reported = False
-            while not core.finished:
-                while core.wants_to_send:
-                    nbytes, count = await self._send_batch(run, core.next_datagrams(BATCH))
-                    sent_bytes += nbytes
-                    sent += count
-                if core.reduce_scatter_done and not rs_reported:
-                    rs_reported = True
-                    await self._report(run, 0, kernel_drops_before)
-                if core.finished:
-                    break
-                run.wake = trio.Event()
-                deadline = core.next_deadline()
-                with trio.move_on_at(deadline if deadline is not None else trio.current_time() + 1.0):
-                    await run.wake.wait()
-                core.handle_timer(trio.current_time())
-            await self._report(run, 1, kernel_drops_before)
+            async with trio.open_nursery() as nursery:
+                # Bind tokens while data already flows: data from a token not bound yet waits for it.
+                nursery.start_soon(self._handshake, run)
+                for _, header, body, state in self._pending.pop(group_id, []):
+                    self._pending_count -= 1
+                    self._deliver_counted(run, header, body, state)
+                rs_reported = False
+                while not core.finished:
+                    while core.wants_to_send:
+                        nbytes, count = await self._send_batch(run, core.next_datagrams(BATCH))
+                        sent_bytes += nbytes
+                        sent += count
+                    if core.reduce_scatter_done and not rs_reported:
+                        rs_reported = True
+                        await self._report(run, 0, kernel_drops_before)
+                    if core.finished:
+                        break
+                    run.wake = trio.Event()
+                    deadline = core.next_deadline()
+                    with trio.move_on_at(deadline if deadline is not None else trio.current_time() + 1.0):
+                        await run.wake.wait()
+                    core.handle_timer(trio.current_time())
+                await self._report(run, 1, kernel_drops_before)
+                nursery.cancel_scope.cancel()  # pings to members that never answered
         finally:
             del self._groups[group_id]
+            unbound = sum(len(v) for v in run.unbound.values())
+            if unbound:
+                self.metrics.datagrams_dropped.labels("unbound").inc(unbound)
         seconds = time.perf_counter() - wall0
         stats = core.statistics()
         self._record(stats, seconds, sent_bytes)
-        return AverageResult(core.result(), stats, seconds, handshake_s, sent_bytes, sent)
+        return AverageResult(core.result(), stats, seconds, run.handshake_s, sent_bytes, sent)
 
-    async def _handshake(self, members: list[Member], index: int) -> None:
+    async def _handshake(self, run: _Running) -> None:
+        start = trio.current_time()
+
         async def ping(mb: Member) -> None:
             try:
                 await self.endpoint.request(mb.addr, m.MsgType.PING, {})
             except RpcError as e:
-                log.info("group member %s unreachable before averaging: %s", mb.node_id.hex()[:12], e)
+                log.info("group member %s unreachable: %s", mb.node_id.hex()[:12], e)
 
         async with trio.open_nursery() as nursery:
-            for i, mb in enumerate(members):
-                if i != index:
+            for i, mb in enumerate(run.members):
+                if i != run.core.index:
                     nursery.start_soon(ping, mb)
+        run.handshake_s = trio.current_time() - start
 
     async def _send_batch(self, run: _Running, batch: list) -> tuple[int, int]:
         by_dest: dict[tuple[int, int], list[bytes]] = {}

@@ -162,6 +162,10 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         pool.shutdown()
         sent = sum(rep["datagrams_sent"] for rep in runs)
         received = sum(rep["datagrams_received"] for rep in runs)
+        drops: dict[str, int] = {}
+        for rep in runs:
+            for reason, count in rep["drops"].items():
+                drops[reason] = drops.get(reason, 0) + count
         out: dict[str, Any] = {
             "peers": cfg.peers,
             "size": cfg.size,
@@ -174,6 +178,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "peerd_s_all": [round(t, 6) for t in peerd_times],
             "received_fraction": received / sent if sent else 1.0,
             "kernel_drops": sum(rep["kernel_drops"] for rep in runs),
+            "drops": drops,  # datagrams the groups did not use, by reason (late, duplicate, ...)
             "bytes_sent_per_peer": statistics.mean(rep["bytes_sent"] for rep in runs),
             "phases_ended_by_deadline": sum((rep["rs_ended_by"] == "deadline") + (rep["ag_ended_by"] == "deadline")
                                             for rep in runs),

@@ -107,6 +107,7 @@ class Endpoint:
         self._handlers: dict[m.MsgType, tuple[m.MsgType, RequestHandler]] = {}
         self._raw: dict[int, RawHandler] = {}
         self._pending: dict[int, _Pending] = {}
+        self._bind_hooks: list[Callable[[int, bytes], None]] = []
         self._type_names = {t.value: t.name.lower() for t in m.MsgType}
         self._data_received = metrics.datagrams_received.labels("data")  # bound once: hot path
         # Fault injection for benchmarks and tests: drop received datagrams with probability ``loss``.
@@ -125,6 +126,10 @@ class Endpoint:
     async def notify(self, addr: Address, mtype: m.MsgType, fields: dict[str, Any]) -> None:
         """Send a one-way control message (no response, no retry)."""
         await self._send_control(addr, mtype, secrets.randbits(64), fields)
+
+    def on_bind(self, hook: Callable[[int, bytes], None]) -> None:
+        """``hook(token, public_key)`` runs when a remote token is first bound to an identity."""
+        self._bind_hooks.append(hook)
 
     def on_raw(self, mtype: int, handler: RawHandler) -> None:
         if mtype <= m.CONTROL_MAX:
@@ -257,6 +262,8 @@ class Endpoint:
         if state.peer_key is None:
             verify_token_binding(pk, header.token, sender["sig"])
             state.peer_key = pk
+            for hook in self._bind_hooks:
+                hook(header.token, pk)
         elif state.peer_key != pk:
             raise WireError("identity", "token is bound to another public key")
         if pk == self.identity.public_key:
