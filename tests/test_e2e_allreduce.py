@@ -1,0 +1,102 @@
+"""End to end: `peerd bench allreduce` runs real daemons; exact without loss, unbiased with it; and real
+kernel packet loss (nftables in a network namespace) when root."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from .conftest import peerd
+
+pytestmark = pytest.mark.e2e
+
+
+def bench(*args: str, timeout: float = 300) -> dict:
+    return json.loads(peerd("bench", "allreduce", *args, "--json", timeout=timeout).stdout)
+
+
+def test_exact_without_loss() -> None:
+    out = bench("--peers", "3", "--size", "60K", "--repeat", "2")
+    assert out["max_abs_err"] < 1e-5
+    assert out["received_fraction"] == 1.0
+    assert out["peers"] == 3 and out["size"] == 60_000 and out["mtu"] == 1200 and out["loss"] == 0.0
+    assert out["peerd_s"] > 0 and len(out["peerd_s_all"]) == 2
+    assert out["kernel_drops"] >= 0
+    # Each peer sends (n-1)/n of the vector out and its shard to n-1 peers: ~2 (n-1)/n * 240 KB + headers.
+    assert 300_000 < out["bytes_sent_per_peer"] < 400_000
+
+
+def test_plain_path_insecure_and_odd_mtu() -> None:
+    out = bench("--peers", "2", "--size", "10001", "--repeat", "1", "--insecure", "--no-gso", "--mtu", "700")
+    assert out["max_abs_err"] < 1e-5 and out["received_fraction"] == 1.0 and out["gso"] is False
+
+
+def test_injected_loss_is_unbiased() -> None:
+    out = bench("--peers", "3", "--size", "200K", "--repeat", "2", "--loss", "0.1")
+    assert 0.85 < out["received_fraction"] < 0.95
+    # Ranges that did not arrive keep own values (rmse ~ sqrt(p) * spread), but nothing is biased.
+    assert abs(out["bias"]) < 0.01
+    assert 0.05 < out["rmse"] < 0.6
+
+
+def test_bad_bench_arguments() -> None:
+    for args, needle in ((["--peers", "1"], "at least 2"), (["--size", "lots"], "expected a count"),
+                         (["--loss", "1.5"], "[0, 1)")):
+        proc = peerd("bench", "allreduce", *args, check=False)
+        assert proc.returncode == 2 and needle in proc.stderr
+
+
+def _can_netns() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and nftables)"
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            return f"needs the {tool!r} command (apt-get install iproute2 nftables)"
+    return None
+
+
+@pytest.mark.skipif(_can_netns() is not None, reason=_can_netns() or "")
+def test_real_kernel_packet_loss_in_a_namespace() -> None:
+    """10 % of UDP datagrams dropped by the kernel (nftables), plain send path as DESIGN.md says."""
+    ns = f"peerd-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        def inside(*cmd: str, **kw):
+            return subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True, **kw)
+
+        inside("ip", "link", "set", "lo", "up")
+        inside("nft", "add table inet lab")
+        inside("nft", "add chain inet lab in { type filter hook input priority 0 ; }")
+        inside("nft", "add rule inet lab in meta l4proto udp numgen random mod 100 < 10 drop")
+        proc = inside(sys.executable, "-m", "peerd", "bench", "allreduce", "--peers", "3", "--size", "200K",
+                      "--repeat", "2", "--no-gso", "--json", capture_output=True, text=True, timeout=300)
+        out = json.loads(proc.stdout)
+        # The bench's no-loss fields: no injected loss, so the loss is the kernel's.
+        assert 0.85 < out["received_fraction"] < 0.95, out
+        assert out["max_abs_err"] > 0  # real loss: ranges kept own values
+        counters = inside("nft", "list ruleset", capture_output=True, text=True).stdout
+        assert "drop" in counters
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_torch(), reason="needs torch (pip install 'peerd[torch]')")
+def test_compare_gloo_alternates_in_one_run() -> None:
+    out = bench("--peers", "2", "--size", "50K", "--repeat", "2", "--compare-gloo")
+    assert len(out["gloo_s_all"]) == len(out["peerd_s_all"]) == 2
+    assert out["gloo_s"] > 0 and out["ratio"] == pytest.approx(out["peerd_s"] / out["gloo_s"])
+    assert out["max_abs_err"] < 1e-5
