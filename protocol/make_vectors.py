@@ -201,6 +201,20 @@ def control_messages() -> list[tuple[str, m.MsgType, dict]]:
                 "detail": "too many requests, retry later ✓",
             },
         ),
+        (
+            "report",
+            m.MsgType.REPORT,
+            {
+                "rid": 303,
+                "from": from_field(IDENT_A, TOKEN, a4),
+                "group": 0xDEADBEEF,
+                "phase": 0,
+                "expected": 4096,
+                "received": 3700,
+                "seconds": 0.25,
+                "kernel_drops": 0,
+            },
+        ),
     ]
 
 
