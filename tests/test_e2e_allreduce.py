@@ -100,3 +100,38 @@ def test_compare_gloo_alternates_in_one_run() -> None:
     assert len(out["gloo_s_all"]) == len(out["peerd_s_all"]) == 2
     assert out["gloo_s"] > 0 and out["ratio"] == pytest.approx(out["peerd_s"] / out["gloo_s"])
     assert out["max_abs_err"] < 1e-5
+
+
+def test_dht_keeps_answering_during_a_100mb_average(swarm, capsys) -> None:
+    """The event loop is never blocked for long: control traffic flows while a 100 MB average runs."""
+    import threading
+    import time
+
+    nodes = swarm.start_many(3)
+    members = [[n.status["peer_id"], *n.status["listen"].rsplit(":", 1)] for n in nodes]
+    members = [[pid, host, int(port)] for pid, host, port in members]
+    size = 25_000_000
+    for i, n in enumerate(nodes):
+        n.call("bench_prepare", timeout=120, group_id=77, members=members, index=i, seed=i, size=size, weight=1.0)
+    replies: dict[int, dict] = {}
+
+    def run(i: int) -> None:
+        replies[i] = nodes[i].call("bench_run", timeout=300, group_id=77)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    latencies = []
+    while any(t.is_alive() for t in threads):
+        start = time.monotonic()
+        nodes[0].call("dht_put", timeout=30, key="during", value=str(len(latencies)), ttl=60)
+        assert nodes[1].call("dht_get", timeout=30, key="during")["values"]
+        latencies.append(time.monotonic() - start)
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    assert len(replies) == 3 and all(r["datagrams_received"] == r["datagrams_expected"] for r in replies.values())
+    assert latencies, "the average finished before a single DHT round trip"
+    with capsys.disabled():
+        print(f"\n[responsiveness] {len(latencies)} put+get during the average: "
+              f"median {sorted(latencies)[len(latencies) // 2] * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms")

@@ -59,6 +59,7 @@ class _Running:
         self.unbound: dict[int, list[tuple[Header, bytes, TokenState]]] = {}
         self.unbound_count = 0
         self.handshake_s = 0.0
+        self.hold_until: float | None = None
         self.wake = trio.Event()
 
 
@@ -116,6 +117,7 @@ class AllreduceService:
             held = run.unbound.pop(token, None)
             if held:
                 run.unbound_count -= len(held)
+                run.wake.set()
                 for header, body, state in held:
                     self._deliver_counted(run, header, body, state)
 
@@ -181,9 +183,16 @@ class AllreduceService:
                         break
                     run.wake = trio.Event()
                     deadline = core.next_deadline()
+                    if deadline is not None and run.unbound:
+                        # Data from a sender whose binding is still in flight would turn up as silence:
+                        # give the handshake's retries up to one more floor before the deadline counts.
+                        if run.hold_until is None:
+                            run.hold_until = trio.current_time() + floor_s
+                        deadline = max(deadline, run.hold_until)
                     with trio.move_on_at(deadline if deadline is not None else trio.current_time() + 1.0):
                         await run.wake.wait()
-                    core.handle_timer(trio.current_time())
+                    if not run.unbound or (run.hold_until is not None and trio.current_time() >= run.hold_until):
+                        core.handle_timer(trio.current_time())
                 await self._report(run, 1, kernel_drops_before)
                 nursery.cancel_scope.cancel()  # pings to members that never answered
         finally:
@@ -200,8 +209,8 @@ class AllreduceService:
         start = trio.current_time()
 
         async def ping(mb: Member) -> None:
-            try:
-                await self.endpoint.request(mb.addr, m.MsgType.PING, {})
+            try:  # quick retries: until both sides are bound, their data waits
+                await self.endpoint.request(mb.addr, m.MsgType.PING, {}, timeout=0.15, attempts=6)
             except RpcError as e:
                 log.info("group member %s unreachable: %s", mb.node_id.hex()[:12], e)
 
