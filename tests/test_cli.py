@@ -126,3 +126,31 @@ def test_socket_is_private_and_metrics_bind_loopback(tmp_path) -> None:
         raw.close()
         assert peerd_json("status", "--socket", node.socket)["peers"] == 0
         assert metric_value(scrape(status["metrics"]), "peerd_local_requests_total", op="status") >= 1
+
+
+def test_peerd_swarm_starts_and_stops_on_ctrl_c(tmp_path) -> None:
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "peerd", "swarm", "--peers", "3", "--dir", str(tmp_path / "s")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C" in line:
+                break
+        text = "".join(lines)
+        assert "Ctrl-C stops them all" in text, text
+        sockets = [str(tmp_path / "s" / f"peer{i}.sock") for i in range(3)]
+        assert all(s in text for s in sockets)
+        wait_until(lambda: peerd_json("status", "--socket", sockets[2])["peers"] == 2, timeout=30,
+                   what="the swarm to connect")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+        assert not any(os.path.exists(s) for s in sockets)
+    finally:
+        proc.kill()
