@@ -180,8 +180,7 @@ def cmd_keygen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import trio
 
-    from .daemon import Daemon, DaemonConfig
-    from .daemon import DaemonError as StartError
+    from .daemon import Daemon, DaemonConfig, StartupError
 
     if not args.insecure and not args.swarm_key_file:
         parser.error(
@@ -226,7 +225,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             cProfile.runctx("trio.run(daemon.run)", globals(), {"trio": trio, "daemon": daemon}, profile_path)
         else:
             trio.run(daemon.run)
-    except StartError as e:
+    except StartupError as e:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
     return 0

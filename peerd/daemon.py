@@ -28,7 +28,7 @@ from .wire.messages import MAX_TTL_S
 log = logging.getLogger("peerd")
 
 
-class DaemonError(Exception):
+class StartupError(Exception):
     """Startup failed in a way the operator can fix; the message says how (one line)."""
 
 
@@ -57,10 +57,10 @@ def _bind_udp(host: str, port: int) -> stdsocket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise DaemonError(
+            raise StartupError(
                 f"UDP port {format_hostport(ip, port)} is in use: stop the other daemon or pick another --listen"
             ) from None
-        raise DaemonError(f"cannot listen on {format_hostport(ip, port)}: {e.strerror}") from None
+        raise StartupError(f"cannot listen on {format_hostport(ip, port)}: {e.strerror}") from None
     return sock
 
 
@@ -72,29 +72,29 @@ class Daemon:
             self.identity = load_identity(config.identity_path) if config.identity_path else Identity.generate()
             secret = None if config.insecure else load_swarm_key(config.swarm_key_file or "")
         except KeyFileError as e:
-            raise DaemonError(str(e)) from None
+            raise StartupError(str(e)) from None
         self.metrics = Metrics()
         try:
             announce = (resolve_ip(config.announce[0]), config.announce[1]) if config.announce else None
         except ValueError as e:
-            raise DaemonError(f"--announce: {e}") from None
+            raise StartupError(f"--announce: {e}") from None
         try:
             self.udp = _bind_udp(*config.listen)
         except ValueError as e:
-            raise DaemonError(f"--listen: {e}") from None
+            raise StartupError(f"--listen: {e}") from None
         self.listen = self.udp.getsockname()[:2]
         try:
             self.local = LocalServer(config.socket_path, self.metrics)
         except SocketInUse as e:
             self.udp.close()
-            raise DaemonError(str(e)) from None
+            raise StartupError(str(e)) from None
         self.http = None
         if config.metrics is not None:
             try:
                 self.http, _ = start_http_server(config.metrics[1], config.metrics[0], registry=self.metrics.registry)
             except OSError as e:
                 self.close()
-                raise DaemonError(
+                raise StartupError(
                     f"cannot serve metrics on {format_hostport(*config.metrics)}: {e.strerror}; "
                     f"pick another --metrics port"
                 ) from None
@@ -129,7 +129,7 @@ class Daemon:
             self.http.server_close()
 
     async def run(self) -> None:
-        """Serve until SIGTERM/SIGINT; raises DaemonError if bootstrapping gives up."""
+        """Serve until SIGTERM/SIGINT; raises StartupError if bootstrapping gives up."""
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._watch_signals, nursery.cancel_scope)
@@ -147,7 +147,7 @@ class Daemon:
                     try:
                         await self.dht.bootstrap(self.config.bootstrap, timeout=self.config.bootstrap_timeout)
                     except BootstrapError as e:
-                        raise DaemonError(str(e)) from None
+                        raise StartupError(str(e)) from None
                 else:
                     self.dht.bootstrapped.set()
                     log.info("started a new swarm (no --bootstrap); others join with --bootstrap %s",
