@@ -128,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time torch.distributed gloo all-reduce, alternating with peerd (needs torch)")
     b.add_argument("--seed", type=int, default=0, help="seed of vectors, weights and loss (default 0)")
     b.add_argument("--json", action="store_true", help="print JSON")
+    b = bench.add_parser("moshpit", help="N daemons average random vectors by Moshpit rounds; deviation per round")
+    b.add_argument("--peers", type=int, default=16, metavar="N", help="daemons in the swarm (default 16)")
+    b.add_argument("--grid", metavar="MxM", help="exact grid conditions: N = M^d peers, one per cell, groups of M")
+    b.add_argument("--rounds", type=int, default=3, metavar="R", help="Moshpit rounds (default 3)")
+    b.add_argument("--size", type=_size, default=10_000, metavar="S", help="float32 elements (default 10000)")
+    b.add_argument("--kill", type=int, default=0, metavar="K",
+                   help="SIGKILL K random peers while round 1's group averaging is under way")
+    b.add_argument("--loss", type=float, default=0.0, metavar="P",
+                   help="each daemon drops received datagrams with probability P")
+    b.add_argument("--window", type=float, default=3.0, metavar="SECONDS",
+                   help="matchmaking window: a group that cannot fill closes after this (default 3)")
+    b.add_argument("--seed", type=int, default=0, help="seed of vectors, cells and victims (default 0)")
+    b.add_argument("--json", action="store_true", help="print JSON")
 
     p = sub.add_parser("swarm", help="run N local daemons in one fresh swarm on 127.0.0.1 (Ctrl-C stops them)")
     p.add_argument("--peers", type=int, default=4, metavar="N", help="how many daemons (default 4)")
@@ -297,6 +310,8 @@ def cmd_swarm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.bench_command == "moshpit":
+        return cmd_bench_moshpit(args, parser)
     from .bench.allreduce import AllreduceBenchConfig, run_allreduce_bench
 
     if args.peers < 2:
@@ -325,6 +340,31 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"max abs error vs exact weighted mean: {result['max_abs_err']:.3g}")
         else:
             print(f"bias {result['bias']:.3g}, rmse {result['rmse']:.3g}")
+    return 0
+
+
+def cmd_bench_moshpit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .bench.moshpit import MoshpitBenchConfig, run_moshpit_bench
+    from .moshpit.keys import Grid
+
+    if not 0.0 <= args.loss < 1.0:
+        parser.error("--loss must be in [0, 1)")
+    if not 0.2 <= args.window <= 600:
+        parser.error("--window must be in [0.2, 600] seconds")
+    try:
+        grid = Grid.parse(args.grid) if args.grid else None
+        cfg = MoshpitBenchConfig(peers=args.peers, grid=grid, rounds=args.rounds, size=args.size, kill=args.kill,
+                                 loss=args.loss, seed=args.seed, window_s=args.window)
+        cfg.check()
+    except ValueError as e:
+        parser.error(str(e))
+    result = run_moshpit_bench(cfg, quiet=False)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for r, (dev, sizes, secs) in enumerate(zip(result["deviation"], result["group_sizes"], result["round_s"],
+                                                   strict=True)):
+            print(f"round {r + 1}: deviation {dev:.3g}, groups {sizes}, {secs:.3f} s")
     return 0
 
 

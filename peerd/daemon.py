@@ -20,6 +20,8 @@ from .allreduce.service import AllreduceService
 from .dht import BootstrapError, DhtService
 from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
+from .moshpit.ops import MoshpitOps
+from .moshpit.service import MoshpitService
 from .transport import Endpoint
 from .transport.udp import UdpSocket
 from .wire.identity import Identity, KeyFileError, load_identity, load_swarm_key, node_id_of
@@ -112,12 +114,16 @@ class Daemon:
         self.dht = DhtService(self.endpoint, self.metrics)
         self.allreduce = AllreduceService(self.endpoint, self.metrics)
         self.bench = BenchOps(self.allreduce, self.socket)
+        self.moshpit = MoshpitService(
+            self.endpoint, self.dht, self.allreduce, self.metrics, address=announce or self.listen
+        )
         self.metrics.info.info({"version": __version__, "peer_id": self.identity.node_id.hex()})
         for op, handler in {
             "status": self._op_status,
             "dht_put": self._op_dht_put,
             "dht_get": self._op_dht_get,
             **self.bench.ops(),
+            **MoshpitOps(self.moshpit).ops(),
         }.items():
             self.local.register(op, handler)
 
@@ -135,6 +141,7 @@ class Daemon:
                 await nursery.start(self._watch_signals, nursery.cancel_scope)
                 await nursery.start(self.endpoint.serve)
                 await nursery.start(self.dht.run)
+                await nursery.start(self.moshpit.run)
                 await nursery.start(self.local.serve)
                 log.info(
                     "peer %s listening on %s, local socket %s%s",
@@ -182,6 +189,7 @@ class Daemon:
             "gso": self.socket.gso,
             "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
             "datagrams_dropped": dropped,
+            "moshpit": self.moshpit.statistics(),
         }
 
     async def _op_dht_put(self, request: dict[str, Any]) -> dict[str, Any]:

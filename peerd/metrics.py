@@ -64,3 +64,45 @@ class Metrics:
             "peerd_allreduce_datagrams_received_total", "Tensor datagrams this node received, by phase",
             ["phase"], registry=r,
         )
+        self.moshpit_rounds = Counter(
+            "peerd_moshpit_rounds_total", "Moshpit rounds this node took part in, by outcome (averaged, alone, failed)",
+            ["outcome"], registry=r,
+        )
+        self.moshpit_group_size = Gauge(
+            "peerd_moshpit_group_size", "Members of this node's group in its last Moshpit round (1: no group)",
+            registry=r,
+        )
+        self.moshpit_round_seconds = Histogram(
+            "peerd_moshpit_round_seconds", "Time one Moshpit round took at this node, matchmaking included",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120), registry=r,
+        )
+        # -- trainer sessions (peerd/trainer): what the local trainers report and how their steps went --
+        self.trainer_loss = Gauge(
+            "peerd_trainer_loss", "Training loss the local trainer reported for its latest step", registry=r
+        )
+        self.trainer_samples_per_second = Gauge(
+            "peerd_trainer_samples_per_second", "Samples per second the local trainer reported", registry=r
+        )
+        self.trainer_steps = Counter(
+            "peerd_trainer_steps_total", "Averaging requests of local trainers, by outcome (averaged, alone, failed)",
+            ["outcome"], registry=r,
+        )
+        self.trainer_sessions = Gauge("peerd_trainer_sessions", "Trainer sessions open on this daemon", registry=r)
+        self.trainer_step_seconds = Histogram(
+            "peerd_trainer_step_seconds", "Time the daemon spent on one averaging request of a trainer",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
+        )
+        self.trainer_group_size = Gauge(
+            "peerd_trainer_group_size", "Members of the group that averaged the trainer's latest request", registry=r
+        )
+        self.trainer_received_fraction = Gauge(
+            "peerd_trainer_received_fraction", "Fraction of tensor data that arrived in the latest average", registry=r
+        )
+        self.trainer_state_bytes_served = Counter(
+            "peerd_trainer_state_bytes_served_total", "State-sync bytes this daemon served to joining peers",
+            registry=r,
+        )
+        self.trainer_state_fetches = Counter(
+            "peerd_trainer_state_fetches_total", "State downloads for joining trainers, by outcome", ["outcome"],
+            registry=r,
+        )

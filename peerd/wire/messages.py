@@ -30,7 +30,14 @@ class MsgType(IntEnum):
     STORE = 0x07
     STORED = 0x08
     ERROR = 0x0F
-    REPORT = 0x10  # one-way: a receiver's account of one averaging phase, for the sender's pacing
+    MM_JOIN = 0x11  # Moshpit matchmaking: ask a leader to take me into its group
+    MM_JOINED = 0x12
+    MM_BEGIN = 0x13  # the leader closed its group: here is the authoritative member list
+    MM_BEGUN = 0x14
+    MM_DISBAND = 0x15  # one-way: the leader will not close this group; look again
+    REPORT = 0x10  # one-way: a receiver's account of an interval of one sender's stream, for its pacing
+    STATE_GET = 0x18  # state sync: ask a donor for a byte range of a training-state snapshot
+    STATE_CHUNK = 0x19  # state sync: the bytes of that range
 
 
 # Control types are 0x01..0x3F (0x10..0x3F reserved for matchmaking and later control);
@@ -41,6 +48,9 @@ REQUESTS = {
     MsgType.FIND_NODE: MsgType.NODES,
     MsgType.FIND_VALUE: MsgType.VALUE,
     MsgType.STORE: MsgType.STORED,
+    MsgType.MM_JOIN: MsgType.MM_JOINED,
+    MsgType.MM_BEGIN: MsgType.MM_BEGUN,
+    MsgType.STATE_GET: MsgType.STATE_CHUNK,
 }
 
 ID_SIZE = 32
@@ -51,7 +61,12 @@ MAX_TTL = 86400.0
 MAX_TTL_S = MAX_TTL
 MAX_CONTACTS = 20
 MAX_RECORDS = 16
+MAX_RUN = 64  # bytes of a run id
+MAX_GROUP = 64  # members of one Moshpit group (the MTU may allow fewer: the leader checks)
 MAX_BODY = 65507  # the largest UDP payload; the MTU limits what a sender actually emits
+MAX_STATE_RUN = 96  # state sync: a run key (a run id of at most 64 bytes, "/", the layout hash)
+MAX_CHUNK = 4096  # state sync: bytes in one STATE_CHUNK (the decoder's binary limit; the MTU is lower)
+SHA256_SIZE = 32
 
 
 def _port(v: Any) -> int:
@@ -105,13 +120,42 @@ SCHEMAS: dict[MsgType, dict[str, s.Validator]] = {
     MsgType.REPORT: {
         **_COMMON,
         "group": s.uint(32),
-        "phase": s.uint(8),  # 0 reduce-scatter, 1 all-gather
-        "expected": s.uint(32),  # datagrams this receiver expected from the sender in that phase
-        "received": s.uint(32),
-        "seconds": s.number(0.0, 86400.0),  # how long the phase took at the receiver
-        "kernel_drops": s.uint(32),  # datagrams its kernel dropped at the socket during the phase
+        "phase": s.uint(8),  # 0 reduce-scatter, 1 all-gather: the phase of the latest data in the interval
+        "expected": s.uint(32),  # data datagrams the sender sent in the interval, as far as the receiver can tell
+        "received": s.uint(32),  # data datagrams that arrived in the interval
+        "bytes": s.uint(64),  # datagram bytes that arrived in the interval (delivered rate = bytes / seconds)
+        "seconds": s.number(0.0, 86400.0),  # the interval, at the receiver
+        "kernel_drops": s.uint(32),  # datagrams its kernel dropped at the socket in the interval (all senders)
+    },
+    MsgType.STATE_GET: {
+        **_COMMON,
+        "run": s.binary(1, MAX_STATE_RUN),  # the run key the snapshot belongs to
+        "sha": s.binary(SHA256_SIZE, SHA256_SIZE),  # SHA-256 of the whole snapshot: names it exactly
+        "offset": s.uint(64),
+        "length": s.uint(16),  # bytes wanted; the donor may send fewer (to fit its MTU), never more
+    },
+    MsgType.STATE_CHUNK: {
+        **_COMMON,
+        "sha": s.binary(SHA256_SIZE, SHA256_SIZE),
+        "offset": s.uint(64),
+        "total": s.uint(64),  # the snapshot's size in bytes
+        "data": s.binary(0, MAX_CHUNK),
     },
 }
+SCHEMAS.update({
+    MsgType.MM_JOIN: {**_COMMON, "run": s.text(MAX_RUN), "round": s.uint(32), "key": s.text(MAX_KEY),
+                      "expiry": s.number(0.0, 1e12)},
+    MsgType.MM_JOINED: {**_COMMON, "ok": s.boolean, "reason": s.text(32)},
+    MsgType.MM_BEGIN: {
+        **_COMMON,
+        "run": s.text(MAX_RUN),
+        "round": s.uint(32),
+        "group": s.uint(32),
+        "members": s.array_of(s.tuple_of(s.binary(PUBLIC_KEY_SIZE, PUBLIC_KEY_SIZE), _ip, _port), MAX_GROUP),
+    },
+    MsgType.MM_BEGUN: {**_COMMON, "ok": s.boolean},
+    MsgType.MM_DISBAND: {**_COMMON, "run": s.text(MAX_RUN), "round": s.uint(32)},
+})
 _VALIDATORS = {t: s.struct(f) for t, f in SCHEMAS.items()}
 
 

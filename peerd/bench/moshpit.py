@@ -1,0 +1,186 @@
+"""`peerd bench moshpit`: N real daemons average random vectors by Moshpit rounds; deviation per round.
+
+Each round every live peer hands its current vector to its daemon (avg_round) at the same moment;
+the bench then measures how far the live peers are from their own mean, relative to before round 1.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..localsock.client import DaemonError
+from ..moshpit.keys import Grid
+from ..swarm import LocalSwarm, Node
+from .vectors import seeded_vector
+
+RUN = "bench-moshpit"
+
+
+@dataclass
+class MoshpitBenchConfig:
+    peers: int
+    grid: Grid | None = None
+    rounds: int = 3
+    size: int = 10_000
+    kill: int = 0
+    loss: float = 0.0
+    seed: int = 0
+    window_s: float = 3.0
+
+    def check(self) -> None:
+        if self.peers < 2:
+            raise ValueError("--peers must be at least 2")
+        if self.grid is not None and self.grid.cells != self.peers:
+            raise ValueError(f"--grid {self.grid} has {self.grid.cells} cells: pass --peers {self.grid.cells}")
+        if not 0 <= self.kill <= self.peers - 2:
+            raise ValueError(f"--kill must leave at least 2 peers alive (0..{self.peers - 2})")
+        if self.rounds < 1 or self.size < 1:
+            raise ValueError("--rounds and --size must be at least 1")
+
+
+def _progress(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def deviation(vectors: list[np.ndarray]) -> float:
+    """RMS distance of the vectors from their mean."""
+    stack = np.stack([v.astype(np.float64) for v in vectors])
+    return float(np.sqrt(np.mean(np.sum((stack - stack.mean(axis=0)) ** 2, axis=1))))
+
+
+def _wait_connected(nodes: list[Node], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = [n.call("status")["peers"] for n in nodes]
+        if min(counts) >= len(nodes) - 1:
+            return
+        if time.monotonic() > deadline:
+            raise DaemonError(f"the daemons do not all see each other after {timeout:.0f} s: peers {counts}")
+        time.sleep(0.2)
+
+
+def _killer(victims: list[Node], killed: list[str], stop: threading.Event) -> None:
+    """SIGKILL each victim as soon as its daemon says it is averaging (or when the round is over)."""
+    pending = list(victims)
+    while pending:
+        for node in list(pending):
+            state = "gone"
+            if not stop.is_set():
+                try:
+                    runs = node.call("status", timeout=2.0).get("moshpit", {})
+                    state = runs.get(RUN, {}).get("state", "idle")
+                except DaemonError:
+                    state = "gone"
+            if state == "averaging" or stop.is_set():
+                node.proc.kill()
+                node.proc.wait()
+                killed.append("averaging" if state == "averaging" else "after_round")
+                pending.remove(node)
+        time.sleep(0.002)
+
+
+def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[str, Any]:
+    cfg.check()
+    rng = random.Random(cfg.seed)
+    workdir = tempfile.mkdtemp(prefix="peerd-bench-moshpit-")
+    extra = ["--log-level", "warning"]
+    swarm = LocalSwarm(os.path.join(workdir, "swarm"), metrics=False)
+    try:
+        _progress(f"starting {cfg.peers} daemons ...", quiet)
+        nodes: list[Node] = []
+        for i in range(cfg.peers):
+            loss = ("--loss", str(cfg.loss), "--loss-seed", str(cfg.seed * 100 + i)) if cfg.loss else ()
+            nodes.append(swarm.start(extra=(*extra, *loss)))
+            swarm.wait_ready(nodes[-1])
+        _wait_connected(nodes)
+        open_args: dict[str, Any] = {"run": RUN, "window_s": cfg.window_s}
+        if cfg.grid is not None:
+            open_args.update(grid=str(cfg.grid), adapt=False)
+        cells = list(range(cfg.peers))
+        rng.shuffle(cells)
+        for i, node in enumerate(nodes):
+            node.call("avg_open", timeout=30, **open_args, **({"cell": cells[i]} if cfg.grid else {}))
+        vectors = {i: seeded_vector(cfg.seed * 1000 + i, cfg.size) for i in range(cfg.peers)}
+        start_dev = deviation(list(vectors.values()))
+        live = set(range(cfg.peers))
+        victims = sorted(rng.sample(range(cfg.peers), cfg.kill))
+        out_dev: list[float] = []
+        group_sizes: list[list[int]] = []
+        round_s: list[float] = []
+        fractions: list[float] = []
+        outcomes: list[dict[str, int]] = []
+        killed: list[str] = []
+        pool = ThreadPoolExecutor(max_workers=cfg.peers + 1)
+
+        def call(i: int) -> dict[str, Any] | None:
+            try:
+                return nodes[i].call("avg_round", timeout=120, run=RUN, vector=vectors[i].tobytes(), weight=1.0,
+                                     timeout_s=60.0)
+            except DaemonError:
+                if nodes[i].alive():
+                    raise
+                return None  # killed
+
+        for r in range(cfg.rounds):
+            stop = threading.Event()
+            killer = None
+            if r == 0 and victims:
+                killer = pool.submit(_killer, [nodes[i] for i in victims], killed, stop)
+            order = sorted(live)
+            replies = list(pool.map(call, order))
+            stop.set()
+            if killer is not None:
+                killer.result()
+                live -= set(victims)
+            stats = {}
+            for i, reply in zip(order, replies, strict=True):
+                if reply is None or i not in live:
+                    continue
+                vectors[i] = np.frombuffer(reply["vector"], dtype="<f4").copy()
+                stats[i] = reply["stats"]
+            out_dev.append(deviation([vectors[i] for i in sorted(live)]) / start_dev)
+            groups: dict[str, int] = {}
+            count: dict[str, int] = {}
+            for i, st in stats.items():
+                count[st["outcome"]] = count.get(st["outcome"], 0) + 1
+                groups[st["group_id"] or f"alone-{i}"] = st["group_size"]
+            group_sizes.append(sorted(groups.values(), reverse=True))
+            round_s.append(statistics.median(st["seconds"] for st in stats.values()))
+            fractions.append(statistics.mean(st["received_fraction"] for st in stats.values()))
+            outcomes.append(count)
+            _progress(f"round {r + 1}/{cfg.rounds}: deviation {out_dev[-1]:.3g}, groups {group_sizes[-1]}, "
+                      f"{round_s[-1]:.3f} s", quiet)
+        pool.shutdown()
+        out: dict[str, Any] = {
+            "peers": cfg.peers,
+            "grid": str(cfg.grid) if cfg.grid else None,
+            "rounds": cfg.rounds,
+            "size": cfg.size,
+            "kill": cfg.kill,
+            "loss": cfg.loss,
+            "deviation": out_dev,
+            "group_sizes": group_sizes,
+            "round_s": round_s,
+            "received_fraction": fractions,
+            "outcomes": outcomes,
+            "survivors": len(live),
+        }
+        if cfg.kill:
+            out["killed_during"] = killed
+        return out
+    finally:
+        swarm.stop()
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,214 @@
+"""Finding this round's group (sans-I/O, injected wall-clock time).
+
+Every peer looking under one key announces ``(expiry, node id)`` in the DHT. Peers are ordered by
+that pair; a peer asks the earliest peer before it to lead it. A leader closes its group when it
+reaches the target size, or at its own expiry with at least the minimum size, else disbands. Only the
+leader's ordered member list (sent in BEGIN) defines the group, so peers that saw different DHT
+contents can never average with different lists.
+
+The driver feeds in what the DHT showed, the JOIN/BEGIN/DISBAND messages and their answers, and
+timer ticks; it performs the actions the matchmaker queues (``take_actions``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from dataclasses import dataclass, field
+
+BUSY_RETRY_S = 0.3  # a candidate that was busy (its own JOIN in flight) is asked again after this
+FOLLOW_SLACK_S = 2.5  # a follower waits this long past its leader's expiry for BEGIN (covers its retries)
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """A peer looking for a group: ordered by (expiry, node id); earlier peers lead."""
+
+    expiry: float  # wall clock, as announced
+    node_id: bytes
+    public_key: bytes = field(compare=False)
+    addr: tuple[str, int] = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Group:
+    group_id: int
+    members: tuple[Candidate, ...]  # the leader's authoritative order
+    index: int  # this peer's position in ``members``
+    leader: bytes  # node id
+
+
+@dataclass(frozen=True)
+class Join:
+    leader: Candidate
+
+
+@dataclass(frozen=True)
+class Begin:
+    group: Group
+    to: tuple[Candidate, ...]
+
+
+@dataclass(frozen=True)
+class Disband:
+    to: tuple[Candidate, ...]
+
+
+Action = Join | Begin | Disband
+
+
+class State(enum.Enum):
+    LEADING = "leading"  # nobody earlier to follow (yet); accepts followers
+    JOINING = "joining"  # a JOIN to ``leader`` is in flight
+    FOLLOWING = "following"  # accepted by ``leader``; waiting for BEGIN
+    DONE = "done"  # in a group, or alone
+
+
+class Matchmaker:
+    def __init__(
+        self, me: Candidate, *, target: int, min_size: int = 2, now: float, rng: random.Random | None = None
+    ) -> None:
+        if not 2 <= min_size <= target:
+            raise ValueError(f"need 2 <= min_size <= target, got min_size={min_size} target={target}")
+        self.me = me
+        self.target = target
+        self.min_size = min_size
+        self.started = now
+        self.rng = rng or random.Random()
+        self.state = State.LEADING
+        self.leader: Candidate | None = None
+        self.follow_deadline = math.inf
+        self.followers: list[Candidate] = []
+        self.group: Group | None = None
+        self.seen = 1  # the most peers (me included) seen announced under the key
+        self._candidates: list[Candidate] = []
+        self._refused: dict[bytes, float] = {}  # node id -> until when not to ask it again
+        self._actions: list[Action] = []
+
+    # -- what the driver reads ------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.state is State.DONE
+
+    def take_actions(self) -> list[Action]:
+        actions, self._actions = self._actions, []
+        return actions
+
+    def next_deadline(self) -> float:
+        if self.state is State.LEADING:
+            return self.me.expiry
+        if self.state is State.FOLLOWING:
+            return self.follow_deadline
+        return self.me.expiry + FOLLOW_SLACK_S
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def on_entries(self, entries: list[Candidate], now: float) -> None:
+        """What a DHT read of the key showed (any order, may include me and stale peers)."""
+        self.seen = max(self.seen, len({c.node_id for c in entries} | {self.me.node_id}))
+        self._candidates = sorted(c for c in entries if c.node_id != self.me.node_id and c.expiry > now)
+        self._look(now)
+
+    def on_join_request(self, peer: Candidate, now: float) -> tuple[bool, str]:
+        """A peer asks me to lead it. Answers (accepted, reason)."""
+        if peer.node_id == self.me.node_id:
+            return False, "self"
+        if self.state is State.DONE:
+            return False, "closed"
+        if self.state is State.FOLLOWING:
+            return False, "following"
+        if self.state is State.JOINING:
+            return False, "busy"
+        if all(f.node_id != peer.node_id for f in self.followers):
+            self.followers.append(peer)
+        if 1 + len(self.followers) >= self.target:
+            self._close()
+        return True, "ok"
+
+    def on_join_response(self, leader: bytes, accepted: bool, reason: str, now: float) -> None:
+        if self.state is not State.JOINING or self.leader is None or self.leader.node_id != leader:
+            return  # an answer we stopped waiting for
+        if accepted:
+            self.state = State.FOLLOWING
+            self.follow_deadline = self.leader.expiry + FOLLOW_SLACK_S
+            return
+        self._refused[leader] = now + BUSY_RETRY_S if reason in ("busy", "not_ready") else math.inf
+        self._lead(now)
+
+    def on_join_failed(self, leader: bytes, now: float) -> None:
+        """The JOIN got no answer after its retries: that peer is gone."""
+        self.on_join_response(leader, False, "unreachable", now)
+
+    def on_begin(self, leader: bytes, group_id: int, members: list[Candidate]) -> bool:
+        """The leader closed its group. Accepted only from the leader I follow (or am joining)."""
+        if self.state not in (State.FOLLOWING, State.JOINING) or self.leader is None:
+            return False
+        if self.leader.node_id != leader:
+            return False
+        index = next((i for i, c in enumerate(members) if c.node_id == self.me.node_id), None)
+        if index is None:
+            return False
+        self.group = Group(group_id, tuple(members), index, leader)
+        self.state = State.DONE
+        return True
+
+    def on_disband(self, leader: bytes, now: float) -> None:
+        if self.state in (State.FOLLOWING, State.JOINING) and self.leader is not None and self.leader.node_id == leader:
+            self._refused[leader] = math.inf
+            self._lead(now)
+
+    def handle_timer(self, now: float) -> None:
+        if self.state is State.LEADING and now >= self.me.expiry:
+            if 1 + len(self.followers) >= self.min_size:
+                self._close()
+            else:
+                self._give_up()
+        elif self.state is State.FOLLOWING and now >= self.follow_deadline:
+            assert self.leader is not None
+            self._refused[self.leader.node_id] = math.inf  # it died or forgot me
+            if now < self.me.expiry:
+                self._lead(now)
+            else:
+                self._give_up()
+        elif self.state is State.JOINING and now >= self.me.expiry + FOLLOW_SLACK_S:
+            self._give_up()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _lead(self, now: float) -> None:
+        self.state = State.LEADING
+        self.leader = None
+        self.follow_deadline = math.inf
+        self._look(now)
+
+    def _look(self, now: float) -> None:
+        """As a leader, follow the earliest peer before me that has not refused me."""
+        if self.state is not State.LEADING:
+            return
+        for c in self._candidates:
+            if c >= self.me:
+                break
+            if self._refused.get(c.node_id, 0.0) > now:
+                continue
+            if self.followers:  # someone earlier leads this key: hand my followers over
+                self._actions.append(Disband(tuple(self.followers)))
+                self.followers = []
+            self.state = State.JOINING
+            self.leader = c
+            self._actions.append(Join(c))
+            return
+
+    def _close(self) -> None:
+        members = tuple(sorted([self.me, *self.followers], key=lambda c: c.node_id))
+        index = members.index(self.me)
+        group_id = self.rng.randrange(1, 2**32)
+        self.group = Group(group_id, members, index, self.me.node_id)
+        self.state = State.DONE
+        if self.followers:
+            self._actions.append(Begin(self.group, tuple(self.followers)))
+
+    def _give_up(self) -> None:
+        if self.followers:
+            self._actions.append(Disband(tuple(self.followers)))
+            self.followers = []
+        self.group = None
+        self.state = State.DONE

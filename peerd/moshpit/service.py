@@ -1,0 +1,420 @@
+"""The Moshpit round scheduler: matchmaking through the DHT, then one group average per round.
+
+One ``RunState`` per run id keeps the grid key and the round counter. A round: announce under
+``run/round/key``, run the ``Matchmaker`` against DHT reads and JOIN/BEGIN/DISBAND messages, then
+average with exactly the leader's member list. A member that dies mid-round is averaged out by the
+group's deadline; a peer that finds no group keeps its own vector and says so.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import trio
+
+from ..allreduce.service import AllreduceService, Member
+from ..dht.records import Record
+from ..dht.service import DhtService
+from ..metrics import Metrics
+from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
+from ..wire import messages as m
+from ..wire.identity import node_id_of
+from .keys import Grid, KeyManager
+from .matchmaking import Begin, Candidate, Disband, Join, Matchmaker
+
+log = logging.getLogger("peerd.moshpit")
+
+DEFAULT_WINDOW_S = 3.0
+POLL_S = (0.05, 0.1, 0.2, 0.3)  # DHT reads of the key: fast at first, then every 0.3 s
+PROGRESS_TTL_S = 600.0
+CONFIG_TTL_S = 3600.0
+
+
+class MoshpitError(Exception):
+    """A request the scheduler refuses (bad run id, vector, grid); the message says what to fix."""
+
+
+@dataclass
+class RoundResult:
+    vector: np.ndarray
+    outcome: str  # "averaged" | "alone" | "failed"
+    group_id: str  # hex; "" when alone
+    group_size: int
+    members: list[str]  # node ids, hex, in the group's order
+    received_fraction: float
+    round: int
+    seconds: float
+    matchmaking_s: float = 0.0
+    key: str = ""
+    seen: int = 1
+    error: str = ""
+
+    def stats(self) -> dict:
+        return {
+            "round": self.round,
+            "outcome": self.outcome,
+            "group_id": self.group_id,
+            "group_size": self.group_size,
+            "members": self.members,
+            "received_fraction": self.received_fraction,
+            "seconds": self.seconds,
+            "matchmaking_s": self.matchmaking_s,
+            "key": self.key,
+            "seen": self.seen,
+            "error": self.error,
+        }
+
+
+@dataclass
+class RunState:
+    run_id: str
+    grid: Grid
+    keys: KeyManager
+    min_size: int = 2
+    window_s: float = DEFAULT_WINDOW_S
+    round: int = 0
+    synced: bool = False  # round number taken from the swarm's progress records
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    last: RoundResult | None = None
+    state: str = "idle"  # idle | matchmaking | averaging
+
+    def statistics(self) -> dict:
+        return {
+            "grid": str(self.grid),
+            "key": self.keys.group_key(self.round),
+            "round": self.round,
+            "state": self.state,
+            "min_size": self.min_size,
+            "window_s": self.window_s,
+            "last": self.last.stats() if self.last else None,
+        }
+
+
+@dataclass
+class _Active:
+    mm: Matchmaker
+    key: str
+    wake: trio.Event = field(default_factory=trio.Event)
+
+
+def check_run_id(run_id: object) -> str:
+    if not isinstance(run_id, str) or not 1 <= len(run_id.encode()) <= m.MAX_RUN or "/" in run_id:
+        raise MoshpitError(f"run id must be 1..{m.MAX_RUN} bytes of text without '/', got {run_id!r:.80}")
+    return run_id
+
+
+class MoshpitService:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        dht: DhtService,
+        allreduce: AllreduceService,
+        metrics: Metrics,
+        *,
+        address: Address,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.dht = dht
+        self.allreduce = allreduce
+        self.metrics = metrics
+        self.address = address
+        self.identity = endpoint.identity
+        self.rng = rng or random.Random()
+        self.runs: dict[str, RunState] = {}
+        self._active: dict[tuple[str, int], _Active] = {}
+        self._nursery: trio.Nursery | None = None
+        endpoint.on_request(m.MsgType.MM_JOIN, self._on_join)
+        endpoint.on_request(m.MsgType.MM_BEGIN, self._on_begin)
+        endpoint.on_message(m.MsgType.MM_DISBAND, self._on_disband)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery for work that outlives a round (BEGIN retries, progress records)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def statistics(self) -> dict:
+        return {run_id: st.statistics() for run_id, st in self.runs.items()}
+
+    # -- runs -----------------------------------------------------------------------------------
+    async def open(
+        self,
+        run_id: str,
+        *,
+        grid: Grid | None = None,
+        cell: int | None = None,
+        min_size: int = 2,
+        window_s: float = DEFAULT_WINDOW_S,
+        adapt: bool | None = None,
+    ) -> RunState:
+        """Start (or reconfigure) a run. Without ``grid``, take the run's published grid or size one
+        from the swarm the DHT sees."""
+        check_run_id(run_id)
+        if not 0.2 <= window_s <= 600:
+            raise MoshpitError(f"window_s must be in [0.2, 600] seconds, got {window_s}")
+        if grid is None:
+            grid = await self._published_grid(run_id)
+            if grid is None:
+                grid = Grid.for_swarm(self.dht.peer_count() + 1)
+        else:
+            self._spawn(self._publish_grid, run_id, grid)
+        if not 2 <= min_size <= grid.size:
+            raise MoshpitError(f"min_size must be in [2, {grid.size}] for a {grid} grid, got {min_size}")
+        self._check_fits(grid.size)
+        chunks = grid.cell_chunks(cell) if cell is not None else None
+        old = self.runs.get(run_id)
+        st = RunState(
+            run_id, grid,
+            KeyManager(grid, self.identity.node_id, chunks=chunks, adapt=cell is None if adapt is None else adapt,
+                       rng=self.rng),
+            min_size=min_size, window_s=window_s,
+        )
+        if old is not None:
+            st.round, st.synced, st.last = old.round, old.synced, old.last
+            st.lock = old.lock
+        self.runs[run_id] = st
+        if not st.synced:
+            await self._sync_round(st)
+        return st
+
+    def _check_fits(self, size: int) -> None:
+        members = [[bytes(32), bytes(4), 65535]] * size
+        body = m.encode(m.MsgType.MM_BEGIN, {"rid": 2**64 - 1, "from": self.endpoint._from, "run": "r" * m.MAX_RUN,
+                                             "round": 2**32 - 1, "group": 2**32 - 1, "members": members})
+        if size > m.MAX_GROUP or len(body) > self.endpoint.max_body:
+            raise MoshpitError(
+                f"groups of {size} do not fit one datagram at --mtu {self.endpoint.mtu}; "
+                f"use a smaller grid side or a larger --mtu"
+            )
+
+    async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0) -> RoundResult:
+        """One Moshpit round for ``run_id``: find a group, average in it. Never raises for churn."""
+        check_run_id(run_id)
+        if vector.dtype != np.float32 or vector.ndim != 1:
+            raise MoshpitError("the vector must be flat float32")
+        if not (math.isfinite(weight) and weight > 0):
+            raise MoshpitError(f"weight must be a positive number (a sample count), got {weight}")
+        if not 1.0 <= timeout_s <= 3600:
+            raise MoshpitError(f"timeout_s must be in [1, 3600], got {timeout_s}")
+        st = self.runs.get(run_id) or await self.open(run_id)
+        async with st.lock:
+            return await self._round(st, vector, float(weight), timeout_s)
+
+    async def _round(self, st: RunState, vector: np.ndarray, weight: float, timeout_s: float) -> RoundResult:
+        round_no = st.round
+        key = st.keys.group_key(round_no)
+        wall0 = time.perf_counter()
+        st.state = "matchmaking"
+        group, seen = None, 1
+        try:
+            with trio.move_on_after(min(timeout_s, st.window_s + 10.0)):
+                group, seen = await self._matchmake(st, round_no, key)
+            mm_s = time.perf_counter() - wall0
+            if group is None:
+                st.keys.after_alone()
+                result = RoundResult(vector.copy(), "alone", "", 1, [self.identity.node_id.hex()], 1.0,
+                                     round_no, mm_s, mm_s, key, seen)
+                st.synced = False  # perhaps the swarm is in another round: look at its progress next time
+            else:
+                st.state = "averaging"
+                result = await self._average_group(st, group, vector, weight, timeout_s - mm_s, round_no, key, seen)
+                result.matchmaking_s = mm_s
+                st.keys.after_group(group.index, len(group.members), seen)
+        finally:
+            st.state = "idle"
+        result.seconds = time.perf_counter() - wall0
+        st.round = round_no + 1
+        st.last = result
+        if not st.synced:
+            await self._sync_round(st)
+        self._spawn(self._publish_progress, st.run_id, round_no)
+        self.metrics.moshpit_rounds.labels(result.outcome).inc()
+        self.metrics.moshpit_group_size.set(result.group_size)
+        self.metrics.moshpit_round_seconds.observe(result.seconds)
+        log.info("run %s round %d: %s, group of %d, %.3f s", st.run_id, round_no, result.outcome,
+                 result.group_size, result.seconds)
+        return result
+
+    async def _average_group(self, st, group, vector, weight, budget_s, round_no, key, seen) -> RoundResult:
+        members = [Member(c.public_key, c.node_id, c.addr) for c in group.members]
+        hexes = [c.node_id.hex() for c in group.members]
+        gid = f"{group.group_id:08x}"
+        try:
+            res = await self.allreduce.average(
+                group.group_id, members, group.index, vector, weight, floor_s=1.0,
+                max_phase_s=max(1.0, budget_s / 2),
+            )
+        except (ValueError, RpcError) as e:  # e.g. the same group id twice: keep my own vector
+            log.warning("run %s round %d: averaging in group %s failed: %s", st.run_id, round_no, gid, e)
+            return RoundResult(vector.copy(), "failed", gid, len(members), hexes, 0.0, round_no, 0.0, 0.0, key,
+                               seen, str(e))
+        rs, ag = res.stats.reduce_scatter, res.stats.all_gather
+        expected = rs.datagrams_expected + ag.datagrams_expected
+        received = rs.datagrams_received + ag.datagrams_received
+        fraction = received / expected if expected else 1.0
+        return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen)
+
+    # -- matchmaking driver ---------------------------------------------------------------------
+    async def _matchmake(self, st: RunState, round_no: int, key: str) -> tuple:
+        now = time.time()
+        me = Candidate(round(now + st.window_s, 3), self.identity.node_id, self.identity.public_key, self.address)
+        mm = Matchmaker(me, target=st.grid.size, min_size=st.min_size, now=now, rng=self.rng)
+        active = self._active[(st.run_id, round_no)] = _Active(mm, key)
+        dht_key = f"{st.run_id}/{round_no}/{key}".encode()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._announce, dht_key, me, st.window_s)
+                nursery.start_soon(self._poll, active, dht_key)
+                while True:
+                    self._perform(active, st.run_id, round_no, nursery)
+                    if mm.done:
+                        break
+                    active.wake = trio.Event()
+                    with trio.move_on_after(max(0.0, mm.next_deadline() - time.time())):
+                        await active.wake.wait()
+                    mm.handle_timer(time.time())
+                nursery.cancel_scope.cancel()
+        finally:
+            del self._active[(st.run_id, round_no)]
+        return mm.group, mm.seen
+
+    def _perform(self, active: _Active, run_id: str, round_no: int, nursery: trio.Nursery) -> None:
+        for action in active.mm.take_actions():
+            if isinstance(action, Join):
+                nursery.start_soon(self._send_join, active, run_id, round_no, action.leader)
+            elif isinstance(action, Begin):
+                members = [[c.public_key, ipaddress.ip_address(c.addr[0]).packed, c.addr[1]]
+                           for c in action.group.members]
+                fields = {"run": run_id, "round": round_no, "group": action.group.group_id, "members": members}
+                for c in action.to:
+                    self._spawn(self._send_begin, c.addr, fields)
+            elif isinstance(action, Disband):
+                for c in action.to:
+                    self._spawn(self.endpoint.notify, c.addr, m.MsgType.MM_DISBAND, {"run": run_id, "round": round_no})
+
+    async def _send_join(self, active: _Active, run_id: str, round_no: int, leader: Candidate) -> None:
+        fields = {"run": run_id, "round": round_no, "key": active.key, "expiry": active.mm.me.expiry}
+        try:
+            reply = await self.endpoint.request(leader.addr, m.MsgType.MM_JOIN, fields, timeout=0.25, attempts=3)
+        except RpcError:
+            active.mm.on_join_failed(leader.node_id, time.time())
+        else:
+            if reply.peer.node_id != leader.node_id:
+                active.mm.on_join_failed(leader.node_id, time.time())  # someone else lives at that address
+            else:
+                active.mm.on_join_response(leader.node_id, reply.body["ok"], reply.body["reason"], time.time())
+        active.wake.set()
+
+    async def _send_begin(self, addr: Address, fields: dict) -> None:
+        try:
+            await self.endpoint.request(addr, m.MsgType.MM_BEGIN, fields, timeout=0.25, attempts=4)
+        except RpcError as e:
+            log.info("BEGIN not acknowledged by %s:%d: %s (it is averaged out)", addr[0], addr[1], e)
+
+    async def _announce(self, dht_key: bytes, me: Candidate, window_s: float) -> None:
+        value = msgpack.packb([me.expiry, ipaddress.ip_address(me.addr[0]).packed, me.addr[1]])
+        await self.dht.put(dht_key, self.identity.node_id, value, ttl=window_s + 10.0)
+
+    async def _poll(self, active: _Active, dht_key: bytes) -> None:
+        for i in range(10**9):
+            records = await self.dht.get(dht_key)
+            entries = [c for c in (self._candidate(r) for r in records) if c is not None]
+            active.mm.on_entries(entries, time.time())
+            active.wake.set()
+            await trio.sleep(POLL_S[min(i, len(POLL_S) - 1)])
+
+    def _candidate(self, record: Record) -> Candidate | None:
+        """A matchmaking record, or None for one that is not well-formed (counted, skipped)."""
+        try:
+            expiry, ip, port = msgpack.unpackb(record.value)
+            node_id = node_id_of(record.owner)
+            if record.subkey != node_id or not isinstance(expiry, float) or not 0 < port < 65536:
+                raise ValueError("fields")
+            host = str(ipaddress.ip_address(ip))
+        except (ValueError, TypeError, msgpack.UnpackException):
+            self.metrics.datagrams_dropped.labels("mm_record").inc()
+            return None
+        if ipaddress.ip_address(host).is_unspecified:  # listening on a wildcard: use the address the DHT saw
+            contact = next((c for c in self.dht.core.table.contacts() if c.node_id == node_id), None)
+            if contact is None:
+                return None
+            host = contact.host
+        return Candidate(expiry, node_id, record.owner, (host, port))
+
+    # -- handlers (synchronous: the endpoint sends what they return) -----------------------------
+    def _on_join(self, incoming: Incoming) -> dict:
+        b = incoming.body
+        active = self._active.get((b["run"], b["round"]))
+        if active is None:
+            st = self.runs.get(b["run"])
+            behind = st is None or st.round <= b["round"]
+            return {"ok": False, "reason": "not_ready" if behind else "closed"}
+        if active.key != b["key"]:
+            return {"ok": False, "reason": "key"}
+        peer = incoming.peer
+        ok, reason = active.mm.on_join_request(
+            Candidate(b["expiry"], peer.node_id, peer.public_key, (peer.host, peer.port)), time.time()
+        )
+        active.wake.set()
+        return {"ok": ok, "reason": reason}
+
+    def _on_begin(self, incoming: Incoming) -> dict:
+        b = incoming.body
+        active = self._active.get((b["run"], b["round"]))
+        if active is None:
+            return {"ok": False}
+        members = [Candidate(0.0, node_id_of(pk), pk, (host, port)) for pk, host, port in b["members"]]
+        ok = active.mm.on_begin(incoming.peer.node_id, b["group"], members)
+        active.wake.set()
+        return {"ok": ok}
+
+    def _on_disband(self, incoming: Incoming) -> None:
+        b = incoming.body
+        active = self._active.get((b["run"], b["round"]))
+        if active is not None:
+            active.mm.on_disband(incoming.peer.node_id, time.time())
+            active.wake.set()
+
+    # -- run-wide records -----------------------------------------------------------------------
+    def _spawn(self, fn, *args) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
+
+    async def _publish_grid(self, run_id: str, grid: Grid) -> None:
+        await self.dht.put(f"{run_id}/config".encode(), b"grid", str(grid).encode(), ttl=CONFIG_TTL_S)
+
+    async def _published_grid(self, run_id: str) -> Grid | None:
+        with trio.move_on_after(5.0):
+            for r in sorted(await self.dht.get(f"{run_id}/config".encode()), key=lambda r: r.owner):
+                try:
+                    return Grid.parse(r.value.decode())
+                except (ValueError, UnicodeDecodeError):
+                    continue
+        return None
+
+    async def _publish_progress(self, run_id: str, round_no: int) -> None:
+        value = msgpack.packb(round_no)
+        await self.dht.put(f"{run_id}/progress".encode(), self.identity.node_id, value, ttl=PROGRESS_TTL_S)
+
+    async def _sync_round(self, st: RunState) -> None:
+        """Start at the round after the latest one any peer of the run finished (for joiners)."""
+        latest = -1
+        with trio.move_on_after(5.0):
+            for r in await self.dht.get(f"{st.run_id}/progress".encode()):
+                try:
+                    value = msgpack.unpackb(r.value)
+                except (ValueError, msgpack.UnpackException):
+                    continue
+                if isinstance(value, int) and 0 <= value < 2**32 - 1:
+                    latest = max(latest, value)
+        st.round = max(st.round, latest + 1)
+        st.synced = True

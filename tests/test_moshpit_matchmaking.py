@@ -1,0 +1,282 @@
+"""Matchmaking in virtual time: leader choice, closing, disbanding, stale and differing DHT views.
+
+A tiny synchronous network delivers each matchmaker's actions to the others after a fixed latency;
+the "DHT" each peer reads is a function the test controls, so peers can see different contents.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peerd.moshpit.matchmaking import Begin, Candidate, Disband, Join, Matchmaker, State
+
+
+def cand(i: int, expiry: float) -> Candidate:
+    return Candidate(expiry, bytes([i]) * 32, bytes([i]) * 32, ("127.0.0.1", 1000 + i))
+
+
+class Net:
+    def __init__(self, peers: list[Candidate], *, target: int, min_size: int = 2, latency: float = 0.01,
+                 dead: set[int] = frozenset(), view: Callable[[int, float], list[Candidate]] | None = None,
+                 start: dict[int, float] | None = None, seed: int = 0) -> None:
+        self.cands = {c.node_id: c for c in peers}
+        self.latency = latency
+        self.dead = {peers[i].node_id for i in dead}
+        self.start = {peers[i].node_id: t for i, t in (start or {}).items()}
+        self.mm = {
+            c.node_id: Matchmaker(c, target=target, min_size=min_size, now=self.start.get(c.node_id, 0.0),
+                                  rng=random.Random(seed * 1000 + i))
+            for i, c in enumerate(peers) if c.node_id not in self.dead
+        }
+        self.view = view or (lambda i, now: list(peers))
+        self.index = {c.node_id: i for i, c in enumerate(peers)}
+        self.queue: list = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.messages = 0
+
+    def at(self, t: float, fn) -> None:
+        heapq.heappush(self.queue, (t, next(self.seq), fn))
+
+    def run(self, until: float = 60.0, poll: float = 0.2) -> None:
+        for nid in self.mm:
+            self.at(self.start.get(nid, 0.0), lambda nid=nid: self.poll(nid, poll))
+        while self.queue and not all(mm.done for mm in self.mm.values()):
+            t, _, fn = heapq.heappop(self.queue)
+            assert t <= until, "matchmaking did not finish"
+            self.now = t
+            fn()
+            for nid, mm in self.mm.items():
+                if not mm.done:
+                    mm.handle_timer(self.now)
+                self.flush(nid)
+
+    def poll(self, nid: bytes, every: float) -> None:
+        mm = self.mm.get(nid)
+        if mm is None or mm.done:
+            return
+        mm.on_entries(self.view(self.index[nid], self.now), self.now)
+        self.flush(nid)
+        self.at(self.now + every, lambda: self.poll(nid, every))
+        self.at(mm.next_deadline(), lambda: None)  # wake for its timer
+
+    def flush(self, nid: bytes) -> None:
+        me = self.mm[nid].me
+        for action in self.mm[nid].take_actions():
+            self.messages += 1
+            if isinstance(action, Join):
+                self.at(self.now + self.latency, lambda a=action: self.deliver_join(me, a.leader))
+            elif isinstance(action, Begin):
+                for f in action.to:
+                    self.at(self.now + self.latency, lambda f=f, g=action.group: self.deliver_begin(f, g))
+            elif isinstance(action, Disband):
+                for f in action.to:
+                    self.at(self.now + self.latency, lambda f=f: self.deliver_disband(f, me))
+
+    def kill(self, i: int) -> None:
+        nid = list(self.cands)[i]
+        self.dead.add(nid)
+        self.mm.pop(nid, None)
+
+    def deliver_join(self, follower: Candidate, leader: Candidate) -> None:
+        mm = self.mm.get(leader.node_id)
+        if mm is None:  # dead: the JOIN's retries run out 3.5 s later
+            self.at(self.now + 3.5, lambda: self.fail(follower, leader))
+            return
+        ok, reason = mm.on_join_request(follower, self.now)
+        self.flush(leader.node_id)
+        self.at(self.now + self.latency, lambda: self.answer(follower, leader, ok, reason))
+
+    def answer(self, follower: Candidate, leader: Candidate, ok: bool, reason: str) -> None:
+        mm = self.mm.get(follower.node_id)
+        if mm is not None:
+            mm.on_join_response(leader.node_id, ok, reason, self.now)
+
+    def fail(self, follower: Candidate, leader: Candidate) -> None:
+        mm = self.mm.get(follower.node_id)
+        if mm is not None:
+            mm.on_join_failed(leader.node_id, self.now)
+
+    def deliver_begin(self, follower: Candidate, group) -> None:
+        mm = self.mm.get(follower.node_id)
+        if mm is not None:
+            mm.on_begin(group.leader, group.group_id, list(group.members))
+
+    def deliver_disband(self, follower: Candidate, leader: Candidate) -> None:
+        mm = self.mm.get(follower.node_id)
+        if mm is not None:
+            mm.on_disband(leader.node_id, self.now)
+
+    def groups(self) -> dict[int, tuple]:
+        """group id -> member list, checking every member agrees on it."""
+        out: dict[int, tuple] = {}
+        for nid, mm in self.mm.items():
+            assert mm.done
+            if mm.group is None:
+                continue
+            g = mm.group
+            assert g.members[g.index].node_id == nid
+            assert out.setdefault(g.group_id, g.members) == g.members, "members disagree on the list"
+        for gid, members in out.items():
+            for c in members:
+                if c.node_id in self.dead:
+                    continue
+                got = self.mm[c.node_id].group
+                assert got is not None and got.group_id == gid, "a listed member is not in the group"
+        return out
+
+
+def test_earliest_peer_leads_and_group_closes_at_target():
+    peers = [cand(i, 10.0 + i * 0.01) for i in range(4)]
+    net = Net(peers, target=4)
+    net.run()
+    groups = net.groups()
+    assert len(groups) == 1
+    (members,) = groups.values()
+    assert len(members) == 4
+    assert {net.mm[c.node_id].group.leader for c in members} == {peers[0].node_id}
+    assert net.now < 1.0, "closing at the target must not wait for the deadline"
+
+
+def test_many_peers_one_key_fill_groups_of_target():
+    peers = [cand(i, 10.0 + i * 0.01) for i in range(16)]
+    net = Net(peers, target=4)
+    net.run()
+    sizes = sorted(len(m) for m in net.groups().values())
+    assert sizes == [4, 4, 4, 4]
+    assert net.now < 10.0
+
+
+def test_group_closes_at_deadline_with_min_size_or_disbands():
+    peers = [cand(i, 3.0 + i * 0.01) for i in range(3)]
+    net = Net(peers, target=4, min_size=2)
+    net.run()
+    (members,) = net.groups().values()
+    assert len(members) == 3
+    assert net.now >= 3.0  # the leader waited for its expiry: the group never reached 4
+
+    lone = [cand(1, 2.0)]
+    net = Net(lone, target=4, min_size=2)
+    net.run()
+    assert net.groups() == {} and net.mm[lone[0].node_id].group is None
+
+
+def test_min_size_not_reached_disbands_followers():
+    peers = [cand(i, 2.0 + i * 0.01) for i in range(2)]
+    net = Net(peers, target=4, min_size=3)
+    net.run()
+    assert net.groups() == {}
+    assert all(mm.group is None for mm in net.mm.values())
+
+
+def test_dead_leader_is_skipped():
+    peers = [cand(i, 5.0 + i * 0.01) for i in range(5)]
+    net = Net(peers, target=4, dead={0})  # its DHT record is still there, it is not
+    net.run()
+    (members,) = net.groups().values()
+    assert peers[0].node_id not in {c.node_id for c in members}
+    assert len(members) == 4
+
+
+def test_leader_that_dies_after_accepting_releases_its_followers():
+    peers = [cand(i, 3.0 + i * 0.01) for i in range(4)]
+    net = Net(peers, target=8, min_size=2)
+    # kill the leader just after it accepted followers
+    net.at(0.5, lambda: net.kill(0))
+    net.run()
+    survivors = [mm for nid, mm in net.mm.items()]
+    assert all(mm.done for mm in survivors)
+    # nobody averages with the dead leader; survivors either regroup or say they are alone
+    for mm in survivors:
+        if mm.group is not None:
+            assert peers[0].node_id not in {c.node_id for c in mm.group.members}
+
+
+def test_peers_that_see_different_dht_contents_never_mix_lists():
+    peers = [cand(i, 5.0 + i * 0.01) for i in range(8)]
+
+    def view(i: int, now: float) -> list[Candidate]:
+        # the first half sees only the first half for a while; the rest see everyone, but late
+        if now < 1.0:
+            return peers[:4] if i < 4 else peers[4:]
+        return peers
+
+    net = Net(peers, target=8, view=view)
+    net.run()
+    groups = net.groups()  # asserts every member agrees on one list
+    assert sum(len(m) for m in groups.values()) == 8
+    assert len(groups) == 1, "once views converge, the later leader hands its followers to the earlier one"
+
+
+def test_late_candidate_earlier_than_current_leader_takes_over_before_close():
+    peers = [cand(i, 5.0 + i * 0.01) for i in range(3)]
+    net = Net(peers, target=3, view=lambda i, now: peers if now >= 0.5 else peers[1:])
+    net.run()
+    (members,) = net.groups().values()
+    assert len(members) == 3
+
+
+def test_join_request_answers():
+    me = cand(1, 5.0)
+    mm = Matchmaker(me, target=3, now=0.0)
+    assert mm.on_join_request(me, 0.0) == (False, "self")
+    assert mm.on_join_request(cand(2, 6.0), 0.0) == (True, "ok")
+    assert mm.on_join_request(cand(2, 6.0), 0.0) == (True, "ok")  # a retried JOIN is idempotent
+    assert mm.state is State.LEADING and len(mm.followers) == 1
+    assert mm.on_join_request(cand(3, 6.0), 0.0) == (True, "ok")
+    assert mm.done and len(mm.group.members) == 3
+    (begin,) = mm.take_actions()
+    assert isinstance(begin, Begin) and len(begin.to) == 2
+    assert mm.on_join_request(cand(4, 6.0), 0.0) == (False, "closed")
+
+
+def test_begin_from_a_stranger_is_refused():
+    me = cand(2, 6.0)
+    mm = Matchmaker(me, target=3, now=0.0)
+    mm.on_entries([cand(1, 5.0), me], 0.0)
+    assert mm.state is State.JOINING
+    members = [cand(9, 1.0), me]
+    assert not mm.on_begin(cand(9, 1.0).node_id, 7, members)
+    assert not mm.on_begin(cand(1, 5.0).node_id, 7, [cand(1, 5.0)])  # a list without me
+    assert mm.on_begin(cand(1, 5.0).node_id, 7, [cand(1, 5.0), me])
+    assert mm.group.index == 1
+
+
+def test_bad_sizes_rejected():
+    with pytest.raises(ValueError):
+        Matchmaker(cand(1, 1.0), target=4, min_size=1, now=0.0)
+    with pytest.raises(ValueError):
+        Matchmaker(cand(1, 1.0), target=3, min_size=4, now=0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(2, 14), target=st.integers(2, 6), seed=st.integers(0, 10_000),
+       skew=st.floats(0.0, 2.0), ndead=st.integers(0, 2))
+def test_random_swarms_always_agree_and_finish(n, target, seed, skew, ndead):
+    rng = random.Random(seed)
+    peers = [cand(i, 4.0 + rng.random() * skew) for i in range(n)]
+    dead = set(rng.sample(range(n), min(ndead, n - 1)))
+    start = {i: rng.random() * 0.5 for i in range(n)}
+
+    def view(i: int, now: float) -> list[Candidate]:
+        # each peer's DHT read misses a random subset early on
+        r = random.Random(hash((seed, i, round(now, 1))))
+        return [c for c in peers if now > 1.5 or r.random() < 0.7]
+
+    net = Net(peers, target=target, dead=dead, view=view, start=start, seed=seed)
+    net.run(until=30.0)
+    groups = net.groups()
+    for members in groups.values():
+        assert 2 <= len(members) <= target
+    in_groups = sum(len(m) for m in groups.values())
+    live = n - len(dead)
+    assert in_groups <= n
+    if live >= 2 and not dead:
+        assert in_groups >= 2  # with nobody dead, at least one group forms
