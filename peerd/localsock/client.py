@@ -1,4 +1,9 @@
-"""Blocking client of the local socket, for the CLI and (later) the trainer."""
+"""Blocking client of the local socket, for the CLI and the trainer.
+
+Every call has a timeout, and a daemon that dies closes the socket, so a caller always gets a
+DaemonError that says what happened rather than a hang. A client whose daemon went away is dead;
+make a new one (the trainer's optimizer does, and re-declares its session) to reconnect.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ def default_socket_path() -> str:
 class LocalClient:
     def __init__(self, path: str | None = None, *, timeout: float = 30.0) -> None:
         self.path = path or default_socket_path()
+        self.timeout = timeout
+        self.broken = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -50,9 +57,20 @@ class LocalClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def call(self, op: str, **args: Any) -> dict[str, Any]:
+    def call(self, op: str, *, fds: tuple[int, ...] | list[int] = (), reply_timeout: float | None = None,
+             **args: Any) -> dict[str, Any]:
+        """Send one request (``fds`` travel as SCM_RIGHTS); wait up to ``reply_timeout`` for the reply."""
+        if self.broken:
+            raise DaemonError(f"the connection to the daemon at {self.path} is broken; reconnect")
+        self._sock.settimeout(self.timeout if reply_timeout is None else reply_timeout)
         try:
-            self._sock.sendall(encode_frame({"op": op, **args}))
+            frame = encode_frame({"op": op, **({"fds": len(fds)} if fds else {}), **args})
+            if fds:
+                sent = socket.send_fds(self._sock, [frame], list(fds))
+                if sent < len(frame):
+                    self._sock.sendall(frame[sent:])
+            else:
+                self._sock.sendall(frame)
             while True:
                 data = self._sock.recv(65536)
                 if not data:
@@ -61,11 +79,18 @@ class LocalClient:
                 if replies:
                     break
         except TimeoutError:
+            # A late reply would be read as the answer to the next request: this connection is done.
+            self.broken = True
             raise DaemonError(f"the daemon at {self.path} did not answer {op!r} in time") from None
         except (BrokenPipeError, ConnectionResetError):
+            self.broken = True
             raise DaemonError(f"the daemon at {self.path} went away during {op!r}") from None
         except FrameError as e:
+            self.broken = True
             raise DaemonError(f"the daemon at {self.path} sent a bad frame: {e}") from None
+        except DaemonError:
+            self.broken = True
+            raise
         reply = replies[0]
         if not reply.get("ok"):
             raise DaemonError(str(reply.get("error", "request failed")))

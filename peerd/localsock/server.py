@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import socket as stdsocket
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +21,53 @@ from .frames import FrameDecoder, FrameError, encode_frame
 log = logging.getLogger("peerd.local")
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+ConnHandler = Callable[[dict[str, Any], "Connection"], Awaitable[dict[str, Any]]]
+
+MAX_FDS = 4  # descriptors one request may carry (a trainer sends one: its arena or a state blob)
+_RECV = 65536
+
+
+class Connection:
+    """One client of the local socket, as seen by handlers registered with ``connection=True``.
+
+    Why handlers need it: a trainer's session (its arena mapping, its run) belongs to its connection,
+    and must be torn down when the trainer goes away, even in the middle of a step. ``fds`` are the
+    descriptors that arrived with the current request; a handler that keeps one takes it out of the
+    list (``take_fd``), the server closes whatever is left after the request.
+    """
+
+    _ids = itertools.count(1)
+
+    def __init__(self) -> None:
+        self.id = next(self._ids)
+        self.fds: list[int] = []
+        self._queued: deque[int] = deque()
+        self._on_close: list[Callable[[], None]] = []
+        self.closed = False
+
+    def take_fd(self) -> int:
+        if not self.fds:
+            raise OpError("this request needs a file descriptor sent with it (socket.send_fds)")
+        return self.fds.pop(0)
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """``callback()`` runs once when the client disconnects (or the server stops); it must not raise."""
+        self._on_close.append(callback)
+
+    def _close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for fd in itertools.chain(self.fds, self._queued):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+        self._queued.clear()
+        for callback in reversed(self._on_close):
+            try:
+                callback()
+            except Exception:  # cleanup of one session must not take the daemon down
+                log.exception("local connection cleanup failed")
 
 
 class OpError(Exception):
@@ -59,11 +109,12 @@ class LocalServer:
     def __init__(self, path: str, metrics: Metrics) -> None:
         self.path = path
         self.metrics = metrics
-        self._ops: dict[str, Handler] = {}
+        self._ops: dict[str, tuple[Handler | ConnHandler, bool]] = {}
         self._sock = bind_unix(path)
 
-    def register(self, op: str, handler: Handler) -> None:
-        self._ops[op] = handler
+    def register(self, op: str, handler: Handler | ConnHandler, *, connection: bool = False) -> None:
+        """``handler(request)``, or with ``connection=True`` ``handler(request, conn)`` (see Connection)."""
+        self._ops[op] = (handler, connection)
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         listener = trio.SocketListener(self._sock)
@@ -79,32 +130,102 @@ class LocalServer:
             os.unlink(self.path)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
-        decoder = FrameDecoder()
+        """Read requests while earlier ones run, so a client that disconnects mid-request is noticed at
+        once (its sessions are torn down, a late result is never written); requests still run in order."""
+        conn = Connection()
+        send, receive = trio.open_memory_channel[dict[str, Any]](16)
         async with stream:
             try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._work, stream, receive, conn)
+                    await self._read(stream, send, conn)
+            finally:
+                conn._close()
+
+    async def _read(self, stream: trio.SocketStream, send: trio.MemorySendChannel, conn: Connection) -> None:
+        decoder = FrameDecoder()
+        sock = stream.socket
+        ancillary = stdsocket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+        async with send:
+            try:
                 while True:
-                    data = await stream.receive_some(65536)
+                    # recvmsg, not receive_some: a request may carry descriptors (SCM_RIGHTS).
+                    data, anc, flags, _ = await sock.recvmsg(_RECV, ancillary)
+                    conn._queued.extend(_fds_of(anc))
+                    if flags & stdsocket.MSG_CTRUNC:
+                        raise FrameError(f"a request carried more than {MAX_FDS} file descriptors")
                     if not data:
-                        return
+                        break
                     for request in decoder.feed(data):
-                        await stream.send_all(encode_frame(await self._dispatch(request)))
+                        await send.send(request)
             except FrameError as e:
                 log.warning("local client sent garbage, closing: %s", e)
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await stream.send_all(encode_frame({"ok": False, "error": str(e)}))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return  # the client went away mid-request; nothing to clean up here
+                await send.send({"op": None, "_frame_error": str(e)})
+                return
+            except OSError:
+                pass  # reset by the client
+        conn._close()  # EOF: the client is gone, even if a request of its is still running
 
-    async def _dispatch(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def _work(self, stream: trio.SocketStream, receive: trio.MemoryReceiveChannel, conn: Connection) -> None:
+        async with receive:
+            async for request in receive:
+                if "_frame_error" in request:
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        await stream.send_all(encode_frame({"ok": False, "error": request["_frame_error"]}))
+                    await stream.aclose()
+                    return
+                reply = await self._dispatch(request, conn)
+                if conn.closed:
+                    continue  # nobody to answer
+                try:
+                    await stream.send_all(encode_frame(reply))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    conn._close()  # the client went away mid-request
+
+    async def _dispatch(self, request: dict[str, Any], conn: Connection | None = None) -> dict[str, Any]:
         op = request.get("op")
-        handler = self._ops.get(op) if isinstance(op, str) else None
-        if handler is None:
-            self.metrics.local_requests.labels("unknown", "error").inc()
-            return {"ok": False, "error": f"unknown op {op!r}; this daemon knows {sorted(self._ops)}"}
+        entry = self._ops.get(op) if isinstance(op, str) else None
+        if conn is not None:
+            # The descriptors a request declares arrived with (or before) its first bytes.
+            want = request.get("fds", 0)
+            if type(want) is not int or not 0 <= want <= MAX_FDS or want > len(conn._queued):
+                self.metrics.local_requests.labels(op if entry else "unknown", "error").inc()
+                return {"ok": False, "error": f"request declares fds={want!r} but {len(conn._queued)} arrived"}
+            conn.fds = [conn._queued.popleft() for _ in range(want)]
         try:
-            reply = await handler(request)
-        except OpError as e:
-            self.metrics.local_requests.labels(op, "error").inc()
-            return {"ok": False, "error": str(e)}
-        self.metrics.local_requests.labels(op, "ok").inc()
-        return {"ok": True, **reply}
+            if entry is None:
+                self.metrics.local_requests.labels("unknown", "error").inc()
+                return {"ok": False, "error": f"unknown op {op!r}; this daemon knows {sorted(self._ops)}"}
+            handler, wants_conn = entry
+            try:
+                if wants_conn:
+                    if conn is None:
+                        raise OpError(f"{op} needs a connection")
+                    reply = await handler(request, conn)  # type: ignore[call-arg]
+                else:
+                    reply = await handler(request)  # type: ignore[call-arg]
+            except OpError as e:
+                self.metrics.local_requests.labels(op, "error").inc()
+                return {"ok": False, "error": str(e)}
+            except Exception as e:  # a bug in one op must not take the daemon (and every other client) down
+                log.exception("local op %s failed", op)
+                self.metrics.local_requests.labels(op, "error").inc()
+                return {"ok": False, "error": f"internal error in {op}: {type(e).__name__}: {e}"}
+            self.metrics.local_requests.labels(op, "ok").inc()
+            return {"ok": True, **reply}
+        finally:
+            if conn is not None:
+                for fd in conn.fds:  # descriptors no handler took
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                conn.fds = []
+
+
+def _fds_of(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == stdsocket.SOL_SOCKET and kind == stdsocket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+    return fds

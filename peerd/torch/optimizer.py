@@ -1,0 +1,302 @@
+"""``peerd.torch.Optimizer``: wraps any torch optimizer so that ``step()`` averages through the local daemon.
+
+::
+
+    opt = peerd.torch.Optimizer(torch.optim.Adam(model.parameters(), lr=1e-3), run="my-run")
+    ...
+    loss.backward()
+    opt.step(samples=len(x), loss=loss.item())   # averaged gradients (weighted by samples), then a local step
+
+Every step the gradients (the mean over the trainer's samples) go into the step's slot of a shared-memory
+arena, the daemon averages them with a Moshpit group and writes the result back, and the wrapped
+optimizer steps. Every ``average_params_every`` steps the parameters themselves are averaged too, which
+pulls replicas back together after lost datagrams or rounds without a group. A new trainer first
+downloads parameters, optimizer state and step number from peers that have them (state sync), and
+publishes its own snapshot every ``state_every`` steps for those who join later.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from ..localsock.arena import Arena, read_blob, write_blob
+from ..localsock.client import DaemonError, LocalClient
+
+log = logging.getLogger("peerd.torch")
+
+NO_GROUP = ("local", "skip", "raise")
+STATE_FORMAT = "peerd-state-v1"
+
+
+class NoGroupError(RuntimeError):
+    """No group formed for a step and the optimizer was told to raise (``no_group="raise"``)."""
+
+
+class Optimizer:
+    """A collaborative wrapper around ``optimizer`` (any ``torch.optim.Optimizer``).
+
+    Options: ``run`` (the run id: trainers with the same run id and model average together),
+    ``socket`` (the daemon's local socket; default $PEERD_SOCKET, ...), ``timeout_s`` (a round's
+    deadline), ``average_params_every`` (K; 0 turns parameter averaging off), ``no_group`` (what to do
+    when no group forms or a round fails: "local" takes a local step and counts it, "skip" skips the
+    step, "raise" raises NoGroupError), ``sync_state`` (download the swarm's state before the first step),
+    ``state_every`` (publish a snapshot for joiners every this many steps; 0: never), ``nslots``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, run: str, socket: str | None = None,
+                 timeout_s: float = 30.0, average_params_every: int = 10, no_group: str = "local",
+                 sync_state: bool = True, state_every: int = 10, state_timeout_s: float = 60.0,
+                 nslots: int = 4) -> None:
+        if no_group not in NO_GROUP:
+            raise ValueError(f"no_group must be one of {NO_GROUP}")
+        self.opt = optimizer
+        self.run = run
+        self.socket = socket
+        self.timeout_s = timeout_s
+        self.average_params_every = average_params_every
+        self.no_group = no_group
+        self.state_every = state_every
+        self.state_timeout_s = state_timeout_s
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not self.params:
+            raise ValueError("the optimizer has no parameters")
+        self.layout = [[f"p{i}", list(p.shape), str(p.dtype).removeprefix("torch.")] for i, p in enumerate(self.params)]
+        self.numels = [p.numel() for p in self.params]
+        self.elems = sum(self.numels)
+        self.arena = Arena.create(nslots, self.elems)
+        self._slots = [torch.from_numpy(self.arena.vector(i)) for i in range(nslots)]
+        self._cuda = any(p.is_cuda for p in self.params)
+        # CUDA: device -> pinned host staging -> arena. A pinned buffer makes the copies true DMA and lets
+        # them run without blocking the host; the arena itself is an mmap that CUDA cannot pin cheaply.
+        self._staging = torch.empty(self.elems, dtype=torch.float32, pin_memory=True) if self._cuda else None
+        self.ticket = 0  # slot/step id of averaging requests (one per request: grads or params)
+        self.step_count = 0  # optimizer steps taken by this replica (taken over from donors on sync)
+        self.outcomes: dict[str, int] = {}
+        self.local_steps = 0  # steps taken on own gradients because no group formed
+        self.last: dict[str, Any] = {}
+        self.synced_from: dict[str, Any] | None = None
+        self._last_end: float | None = None
+        self._client: LocalClient | None = None
+        self.session = 0
+        self.layout_hash = ""
+        self.connect()
+        if sync_state:
+            self.sync_state()
+
+    # -- connection -------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """(Re)connect to the daemon and declare this trainer's layout; refused if the model differs."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        client = LocalClient(self.socket, timeout=self.timeout_s + 30.0)
+        try:
+            reply = client.call("trainer_open", fds=[self.arena.fd], run=self.run, layout=self.layout,
+                                nslots=self.arena.nslots)
+        except BaseException:
+            client.close()
+            raise
+        self._client = client
+        self.session = reply["session"]
+        self.layout_hash = reply["layout_hash"]
+        self.run_key = reply["run_key"]
+
+    def _call(self, op: str, **args: Any) -> dict[str, Any]:
+        if self._client is None or self._client.broken:
+            log.warning("reconnecting to the daemon (the previous connection broke)")
+            self.connect()
+        assert self._client is not None
+        return self._client.call(op, session=self.session, **args)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self.arena.close()
+
+    def __enter__(self) -> Optimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the torch.optim.Optimizer surface --------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.opt.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.opt.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state)
+
+    # -- flat vectors <-> tensors ---------------------------------------------------------------------
+    def _gather(self, slot: torch.Tensor, tensors: list[torch.Tensor | None]) -> None:
+        dst = self._staging if self._cuda else slot
+        off = 0
+        with torch.no_grad():
+            for t, n in zip(tensors, self.numels, strict=True):
+                if t is None:
+                    dst[off: off + n].zero_()
+                else:
+                    dst[off: off + n].copy_(t.detach().reshape(-1), non_blocking=self._cuda)
+                off += n
+            if self._cuda:
+                torch.cuda.synchronize()
+                slot.copy_(dst)
+
+    def _scatter(self, slot: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        src = slot
+        if self._cuda:
+            assert self._staging is not None
+            self._staging.copy_(slot)
+            src = self._staging
+        off = 0
+        with torch.no_grad():
+            for t, n in zip(tensors, self.numels, strict=True):
+                t.copy_(src[off: off + n].view_as(t), non_blocking=self._cuda)
+                off += n
+            if self._cuda:
+                torch.cuda.synchronize()  # the staging buffer is reused by the next gather
+
+    def _average(self, kind: str, tensors: list[torch.Tensor | None], weight: float,
+                 report: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+        self.ticket += 1
+        t = self.ticket
+        slot = self._slots[self.arena.slot_of(t)]
+        self._gather(slot, tensors)
+        self.arena.write_request(t, weight)
+        try:
+            reply = self._call("trainer_step", step=t, kind=kind, timeout_s=self.timeout_s, **report)
+        except DaemonError as e:
+            raise DaemonError(f"averaging {kind} (step {self.step_count}) failed: {e}") from None
+        return reply, torch.from_numpy(self.arena.result(t))
+
+    # -- stepping ---------------------------------------------------------------------------------
+    def step(self, closure: Any = None, *, samples: int | float = 1, loss: float | None = None) -> dict[str, Any]:
+        """Average gradients with the swarm (weight: ``samples``), step, and every K steps average parameters.
+
+        Returns the round's statistics (outcome, group_size, received_fraction, seconds, ...).
+        Raises DaemonError if the daemon went away (the next call reconnects), NoGroupError per ``no_group``.
+        """
+        if closure is not None:
+            raise ValueError("peerd.torch.Optimizer does not take a closure: compute the loss before step()")
+        if samples <= 0:
+            raise ValueError("samples must be positive (it is the averaging weight)")
+        now = time.monotonic()
+        report: dict[str, Any] = {}
+        if loss is not None:
+            report["loss"] = float(loss)
+        if self._last_end is not None and now > self._last_end:
+            report["samples_per_second"] = float(samples) / (now - self._last_end)
+        grads = [p.grad for p in self.params]
+        reply, result = self._average("grad", grads, float(samples), report)
+        outcome = reply["outcome"]
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        if outcome != "averaged":
+            if self.no_group == "raise":
+                raise NoGroupError(f"no group averaged step {self.step_count} ({outcome}: {reply.get('error')})")
+            if self.no_group == "skip":
+                self.last = reply
+                self._last_end = time.monotonic()
+                return reply
+            self.local_steps += 1  # "local": own gradients, which the daemon handed back unchanged
+        with torch.no_grad():
+            self._scatter(result, [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        self.opt.step()
+        self.step_count += 1
+        if self.average_params_every and self.step_count % self.average_params_every == 0:
+            reply["params"] = self.average_parameters()
+        if self.state_every and self.step_count % self.state_every == 0:
+            self.publish_state()
+        self.last = reply
+        self._last_end = time.monotonic()
+        return reply
+
+    def average_parameters(self) -> dict[str, Any]:
+        """Average the parameters themselves with a group (equal weights); returns the round's statistics."""
+        reply, result = self._average("params", list(self.params), 1.0, {})
+        if reply["outcome"] == "averaged":
+            self._scatter(result, [p.data for p in self.params])
+        return reply
+
+    # -- state sync -------------------------------------------------------------------------------
+    def snapshot(self) -> bytes:
+        """Parameters, optimizer state and step number, serialized (tensors only: loadable weights_only)."""
+        flat = torch.empty(self.elems, dtype=torch.float32)
+        self._gather_cpu(flat)
+        buf = io.BytesIO()
+        torch.save({"format": STATE_FORMAT, "layout": self.layout_hash, "step": self.step_count,
+                    "optimizer_class": type(self.opt).__name__, "params": flat,
+                    "optimizer": self.opt.state_dict()}, buf)
+        return buf.getvalue()
+
+    def _gather_cpu(self, flat: torch.Tensor) -> None:
+        off = 0
+        for p, n in zip(self.params, self.numels, strict=True):
+            flat[off: off + n].copy_(p.detach().reshape(-1))
+            off += n
+
+    def load_snapshot(self, blob: bytes) -> int:
+        """Take over a snapshot (from a donor): parameters, optimizer state, step number. Returns the step."""
+        # weights_only: a snapshot comes from another machine, and a full unpickle would run its code.
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError("not a peerd state snapshot")
+        if state.get("layout") != self.layout_hash:
+            raise ValueError("the snapshot is of a different model")
+        if state.get("optimizer_class") != type(self.opt).__name__:
+            raise ValueError(f"the snapshot's optimizer is {state.get('optimizer_class')}, "
+                             f"this trainer's is {type(self.opt).__name__}")
+        flat = state["params"]
+        if flat.numel() != self.elems:
+            raise ValueError("the snapshot's parameters do not match this model")
+        off = 0
+        with torch.no_grad():
+            for p, n in zip(self.params, self.numels, strict=True):
+                p.copy_(flat[off: off + n].view_as(p))
+                off += n
+        self.opt.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step"])
+        return self.step_count
+
+    def publish_state(self) -> dict[str, Any]:
+        blob = self.snapshot()
+        fd = write_blob(blob, name="peerd-state")
+        try:
+            return self._call("state_publish", fds=[fd], step=self.step_count, size=len(blob))
+        finally:
+            os.close(fd)
+
+    def sync_state(self) -> bool:
+        """Download the swarm's state before the first step; False if nobody has any (a new run)."""
+        fd = write_blob(b"", name="peerd-state-in")
+        try:
+            reply = self._call("state_fetch", fds=[fd], timeout_s=self.state_timeout_s,
+                               reply_timeout=self.state_timeout_s + 30)
+            if not reply.get("found"):
+                return False
+            blob = read_blob(fd, reply["size"])
+        finally:
+            os.close(fd)
+        self.load_snapshot(blob)
+        self.synced_from = {k: reply[k] for k in ("step", "size", "sha", "donors", "chunks", "retries")}
+        log.info("state sync: took over step %d from %d donor(s)", reply["step"], reply["donors"])
+        return True

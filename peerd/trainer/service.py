@@ -1,0 +1,315 @@
+"""Daemon side of the trainer API: sessions over the local socket, steps through a shared-memory arena.
+
+A trainer opens a session by declaring its flat parameter layout and passing its arena (a memfd) with
+the request. The daemon hashes the layout itself; the run key it averages under is ``<run>/<hash>``,
+so models that differ never average together, and a trainer whose model differs from the one its run
+is already training (on this daemon, or as advertised in the DHT) is refused with an error that says so.
+
+Each step the trainer writes its vector and sample count into the step's slot and sends ``trainer_step``;
+the daemon copies the vector out, averages it (Moshpit in the daemon; any async callable with the same
+signature in tests), and writes the result back into the slot only if that step is still the session's
+newest (see peerd.localsock.arena). A session belongs to its connection: when the trainer disconnects,
+even mid-step, the session's mapping is released and its result dropped; the daemon carries on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgpack
+import numpy as np
+import trio
+
+from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
+from ..localsock.server import Connection, OpError
+from ..metrics import Metrics
+
+log = logging.getLogger("peerd.trainer")
+
+MAX_RUN_ID = 64
+MAX_TENSORS = 100_000
+MAX_BLOB = 1 << 34
+DTYPES = {"float32", "float16", "bfloat16", "float64"}
+KINDS = ("grad", "params")
+
+
+class RoundLike(Protocol):
+    vector: np.ndarray
+    outcome: str
+    group_id: str
+    group_size: int
+    members: list[str]
+    received_fraction: float
+    round: int
+    seconds: float
+
+
+Average = Callable[..., Awaitable[RoundLike]]
+
+
+def layout_hash(layout: list[tuple[str, tuple[int, ...], str]]) -> str:
+    """Hash of shapes and dtypes in order (names are informative only: two copies of a model may name
+    parameters differently, but a different shape or order means a different model)."""
+    canon = [[list(shape), dtype] for _, shape, dtype in layout]
+    return hashlib.sha256(msgpack.packb(["peerd-layout-v1", canon])).hexdigest()
+
+
+def parse_layout(raw: Any) -> tuple[list[tuple[str, tuple[int, ...], str]], int]:
+    """Validate a declared layout; returns it and its total element count. Raises OpError."""
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_TENSORS:
+        raise OpError(f"layout must be a list of 1..{MAX_TENSORS} [name, shape, dtype] entries")
+    out, total = [], 0
+    for i, entry in enumerate(raw):
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise OpError(f"layout entry {i} must be [name, shape, dtype]")
+        name, shape, dtype = entry
+        if not isinstance(name, str) or not isinstance(shape, list) or dtype not in DTYPES:
+            raise OpError(f"layout entry {i}: name must be a string, shape a list, dtype one of {sorted(DTYPES)}")
+        if not all(type(d) is int and d >= 0 for d in shape):
+            raise OpError(f"layout entry {i} ({name}): shape must hold non-negative integers")
+        out.append((name, tuple(shape), dtype))
+        total += math.prod(shape)
+    if total == 0:
+        raise OpError("the layout holds no elements")
+    return out, total
+
+
+@dataclass
+class Session:
+    id: int
+    run: str
+    run_key: str
+    layout: str  # hash, hex
+    elems: int
+    arena: Arena
+    conn: Connection
+    latest: int = -1  # newest step id requested
+    steps: int = 0
+    late_results: int = 0
+    closed: bool = False
+    last: dict[str, Any] = field(default_factory=dict)
+
+
+class TrainerService:
+    """The trainer_* and state_* ops. ``average`` is Moshpit's ``average(run_id, vector, weight, *, timeout_s)``."""
+
+    def __init__(self, metrics: Metrics, average: Average, *, statesync: Any = None, peer_id: str = "") -> None:
+        self.metrics = metrics
+        self.average = average
+        self.statesync = statesync
+        self.peer_id = peer_id
+        self.sessions: dict[int, Session] = {}
+        self._next = 1
+
+    def ops(self) -> dict[str, Callable[[dict[str, Any], Connection], Awaitable[dict[str, Any]]]]:
+        return {
+            "trainer_open": self._op_open,
+            "trainer_step": self._op_step,
+            "trainer_report": self._op_report,
+            "trainer_close": self._op_close,
+            "state_publish": self._op_state_publish,
+            "state_fetch": self._op_state_fetch,
+        }
+
+    def register(self, server: Any) -> None:
+        for op, handler in self.ops().items():
+            server.register(op, handler, connection=True)
+
+    # -- sessions -------------------------------------------------------------------------------
+    async def _op_open(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        run = req.get("run")
+        if not isinstance(run, str) or not 1 <= len(run.encode()) <= MAX_RUN_ID or "/" in run:
+            raise OpError(f"run must be a string of 1..{MAX_RUN_ID} bytes without '/'")
+        layout, elems = parse_layout(req.get("layout"))
+        nslots = req.get("nslots")
+        digest = layout_hash(layout)
+        run_key = f"{run}/{digest[:16]}"
+        await self._check_model(run, digest)
+        fd = conn.take_fd()
+        try:
+            arena = Arena.attach(fd, nslots, elems)
+        except (ArenaError, OSError, ValueError) as e:
+            os.close(fd)
+            raise OpError(f"cannot map the trainer's arena: {e}") from None
+        sid = self._next
+        self._next += 1
+        session = Session(sid, run, run_key, digest, elems, arena, conn)
+        self.sessions[sid] = session
+        conn.on_close(lambda: self._close(session))
+        self.metrics.trainer_sessions.set(len(self.sessions))
+        if self.statesync is not None:
+            await self.statesync.advertise_state(run, run_key, digest)
+        log.info("trainer session %d: run %s, %d tensors, %d elements, layout %s", sid, run, len(layout), elems,
+                 digest[:16])
+        return {"session": sid, "run_key": run_key, "layout_hash": digest, "elems": elems, "peer_id": self.peer_id}
+
+    async def _check_model(self, run: str, digest: str) -> None:
+        """Refuse a model that differs from the one ``run`` is training here or in the swarm."""
+        for s in self.sessions.values():
+            if s.run == run and s.layout != digest:
+                raise OpError(
+                    f"run {run!r} is training a different model on this daemon (layout {s.layout[:16]}, "
+                    f"this trainer's is {digest[:16]}): models that differ never average together; "
+                    f"use the same model or another --run"
+                )
+        if self.statesync is None:
+            return
+        try:
+            ads = await self.statesync.adverts(run)
+        except Exception as e:  # the DHT being slow must not stop training: the run key still separates models
+            log.warning("could not check run %s's model in the DHT: %s", run, e)
+            return
+        others = {a.layout for a in ads if a.layout != digest}
+        if others:
+            holders = sum(1 for a in ads if a.layout != digest)
+            raise OpError(
+                f"run {run!r} is training a different model in the swarm ({holders} peer(s) advertise layout "
+                f"{sorted(others)[0][:16]}; this trainer's is {digest[:16]}): models that differ never average "
+                f"together; use the same model or another --run"
+            )
+
+    def _session(self, req: dict[str, Any], conn: Connection) -> Session:
+        session = self.sessions.get(req.get("session"))  # type: ignore[arg-type]
+        if session is None or session.conn is not conn:
+            raise OpError("no such session on this connection: call trainer_open first")
+        return session
+
+    def _close(self, session: Session) -> None:
+        if session.closed:
+            return
+        session.closed = True
+        self.sessions.pop(session.id, None)
+        session.arena.close()
+        self.metrics.trainer_sessions.set(len(self.sessions))
+        log.info("trainer session %d (run %s) closed after %d steps", session.id, session.run, session.steps)
+
+    async def _op_close(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        self._close(self._session(req, conn))
+        return {}
+
+    # -- steps ----------------------------------------------------------------------------------
+    async def _op_step(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        session = self._session(req, conn)
+        step, kind, timeout = req.get("step"), req.get("kind", "grad"), req.get("timeout_s", 30.0)
+        if type(step) is not int or step < 0:
+            raise OpError("step must be a non-negative integer")
+        if step <= session.latest:
+            raise OpError(f"step {step} is not after the session's latest step {session.latest}")
+        if kind not in KINDS:
+            raise OpError(f"kind must be one of {KINDS}")
+        if not isinstance(timeout, int | float) or not 0 < timeout <= 3600:
+            raise OpError("timeout_s must be in (0, 3600]")
+        session.latest = step
+        self._report(req)
+        try:
+            weight = session.arena.check_request(step)
+        except ArenaError as e:
+            raise OpError(str(e)) from None
+        vector = session.arena.vector(step).copy()  # averaging must not see the slot change under it
+        if not np.isfinite(vector).all():  # a NaN would poison every peer's average
+            raise OpError(f"step {step}: the vector holds NaN or infinity; not averaging it with the swarm")
+        start = time.monotonic()
+        error = ""
+        try:
+            # The averaging API has its own deadline; this outer one makes sure no bug can hang a trainer.
+            with trio.fail_after(timeout + 10.0):
+                result = await self.average(f"{session.run_key}/{kind}", vector, float(weight), timeout_s=timeout)
+            out = np.asarray(result.vector, dtype=np.float32)
+            if out.shape != vector.shape:
+                raise ValueError(f"averaging returned {out.shape}, expected {vector.shape}")
+            outcome = result.outcome
+        except Exception as e:  # the round failed: the trainer decides what to do with its own vector
+            log.warning("session %d step %d: averaging failed: %s", session.id, step, e)
+            result, out, outcome, error = None, vector, "failed", f"{type(e).__name__}: {e}"
+        seconds = time.monotonic() - start
+        self.metrics.trainer_steps.labels(outcome).inc()
+        self.metrics.trainer_step_seconds.observe(seconds)
+        if session.closed or conn.closed:
+            return {}  # the trainer went away mid-step; nobody to answer
+        if session.latest != step:
+            session.late_results += 1  # a later step was requested meanwhile: never write into it
+            raise OpError(f"step {step}'s result came after step {session.latest} was requested; dropped")
+        session.arena.write_result(step, out)
+        session.steps += 1
+        reply = {
+            "step": step,
+            "outcome": outcome,
+            "group_id": getattr(result, "group_id", ""),
+            "group_size": int(getattr(result, "group_size", 1)),
+            "members": list(getattr(result, "members", [])),
+            "received_fraction": float(getattr(result, "received_fraction", 0.0)),
+            "round": int(getattr(result, "round", 0)),
+            "seconds": round(seconds, 6),
+            "error": error,
+        }
+        if outcome == "averaged":
+            self.metrics.trainer_group_size.set(reply["group_size"])
+            self.metrics.trainer_received_fraction.set(reply["received_fraction"])
+        session.last = reply
+        return reply
+
+    def _report(self, req: dict[str, Any]) -> None:
+        loss, sps = req.get("loss"), req.get("samples_per_second")
+        if isinstance(loss, int | float) and math.isfinite(loss):
+            self.metrics.trainer_loss.set(loss)
+        if isinstance(sps, int | float) and math.isfinite(sps) and sps >= 0:
+            self.metrics.trainer_samples_per_second.set(sps)
+
+    async def _op_report(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        self._session(req, conn)
+        self._report(req)
+        return {}
+
+    # -- state sync -----------------------------------------------------------------------------
+    async def _op_state_publish(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        """The trainer hands over a snapshot (a memfd): keep it for joiners and advertise it."""
+        session = self._session(req, conn)
+        step, size = req.get("step"), req.get("size")
+        if type(step) is not int or step < 0 or type(size) is not int or not 0 < size <= MAX_BLOB:
+            raise OpError("state_publish needs step (int >= 0) and size (bytes > 0)")
+        fd = conn.take_fd()
+        try:
+            blob = read_blob(fd, size)
+        except (ArenaError, OSError) as e:
+            raise OpError(f"cannot read the snapshot: {e}") from None
+        finally:
+            os.close(fd)
+        if self.statesync is None:
+            return {"advertised": False, "sha": hashlib.sha256(blob).hexdigest()}
+        sha = self.statesync.keep(session.run_key, blob)
+        ok = await self.statesync.advertise_state(session.run, session.run_key, session.layout, step=step,
+                                                  size=size, sha=sha)
+        return {"advertised": ok, "sha": sha.hex()}
+
+    async def _op_state_fetch(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        """Download the run's newest snapshot from donors into the memfd the trainer sent."""
+        session = self._session(req, conn)
+        timeout = req.get("timeout_s", 60.0)
+        if not isinstance(timeout, int | float) or not 0 < timeout <= 3600:
+            raise OpError("timeout_s must be in (0, 3600]")
+        fd = conn.take_fd()
+        try:
+            if self.statesync is None:
+                return {"found": False, "reason": "this daemon has no state sync"}
+            from ..statesync import StateSyncError
+
+            try:
+                fetched = await self.statesync.fetch(session.run, session.run_key, timeout=timeout)
+            except StateSyncError as e:
+                raise OpError(f"state sync failed: {e}") from None
+            if fetched is None:
+                return {"found": False, "reason": "no peer advertises a snapshot of this run and model"}
+            fill_blob(fd, fetched.blob)
+            log.info("session %d: downloaded step %d (%d bytes, %d chunks from %d donors, %d retries)",
+                     session.id, fetched.step, len(fetched.blob), fetched.chunks, fetched.donors, fetched.retries)
+            return {"found": True, "step": fetched.step, "size": len(fetched.blob), "sha": fetched.sha.hex(),
+                    "donors": fetched.donors, "chunks": fetched.chunks, "retries": fetched.retries}
+        finally:
+            os.close(fd)

@@ -1,0 +1,134 @@
+"""An in-process daemon for trainer tests: the real local socket server and TrainerService, in a thread,
+averaging with a real in-process averager (exact weighted means across the sessions that meet in a round),
+so trainer-side code can be tested without Moshpit or UDP."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from peerd.localsock.server import LocalServer
+from peerd.metrics import Metrics
+from peerd.trainer import TrainerService
+
+
+@dataclass
+class RoundResult:
+    vector: np.ndarray
+    outcome: str
+    group_id: str
+    group_size: int
+    members: list[str]
+    received_fraction: float
+    round: int
+    seconds: float
+
+
+@dataclass
+class _Round:
+    number: int
+    entries: list[tuple[int, np.ndarray, float]] = field(default_factory=list)
+    done: trio.Event = field(default_factory=trio.Event)
+    mean: np.ndarray | None = None
+    closed: bool = False
+
+
+class InProcessAverager:
+    """Callers of the same run id meet in a round; it closes at ``group_size`` callers or after ``wait_s``,
+    and everyone gets the weighted mean of what the round holds (or their own vector alone)."""
+
+    def __init__(self, group_size: int, wait_s: float = 5.0, delay_s: float = 0.0) -> None:
+        self.group_size = group_size
+        self.wait_s = wait_s
+        self.delay_s = delay_s  # extra time every round takes (to catch a trainer mid-step)
+        self.rounds: dict[str, _Round] = {}
+        self.numbers: dict[str, int] = {}
+        self.calls: list[tuple[str, float]] = []
+        self._ids = 0
+
+    async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0) -> RoundResult:
+        start = time.monotonic()
+        self.calls.append((run_id, weight))
+        rnd = self.rounds.get(run_id)
+        if rnd is None or rnd.closed:
+            self.numbers[run_id] = self.numbers.get(run_id, 0) + 1
+            rnd = self.rounds[run_id] = _Round(self.numbers[run_id])
+        self._ids += 1
+        me = self._ids
+        rnd.entries.append((me, vector.astype(np.float32), weight))
+        if len(rnd.entries) >= self.group_size:
+            self._close(rnd)
+        with trio.move_on_after(min(self.wait_s, timeout_s)):
+            await rnd.done.wait()
+        if not rnd.closed:
+            self._close(rnd)
+        if self.delay_s:
+            await trio.sleep(self.delay_s)
+        n = len(rnd.entries)
+        if n == 1:
+            return RoundResult(vector, "alone", "", 1, [], 0.0, rnd.number, time.monotonic() - start)
+        assert rnd.mean is not None
+        return RoundResult(rnd.mean.copy(), "averaged", f"{rnd.number:08x}", n, [str(e[0]) for e in rnd.entries],
+                           1.0, rnd.number, time.monotonic() - start)
+
+    @staticmethod
+    def _close(rnd: _Round) -> None:
+        rnd.closed = True
+        weights = np.array([w for _, _, w in rnd.entries], dtype=np.float64)
+        stacked = np.stack([v.astype(np.float64) for _, v, _ in rnd.entries])
+        rnd.mean = ((weights[:, None] * stacked).sum(0) / weights.sum()).astype(np.float32)
+        rnd.done.set()
+
+
+class ThreadDaemon:
+    """LocalServer + TrainerService in a trio loop on a thread; ``stop()`` ends it like SIGTERM would."""
+
+    def __init__(self, path: str, averager: InProcessAverager, *, statesync=None) -> None:
+        self.path = path
+        self.metrics = Metrics()
+        self.averager = averager
+        self.server = LocalServer(path, self.metrics)
+        self.service = TrainerService(self.metrics, averager.average, statesync=statesync, peer_id="test")
+        self.service.register(self.server)
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._scope: trio.CancelScope | None = None
+        self._ready = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the in-process daemon did not start")
+
+    def _main(self) -> None:
+        async def run() -> None:
+            self._token = trio.lowlevel.current_trio_token()
+            with trio.CancelScope() as scope:
+                self._scope = scope
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self.server.serve)
+                    self._ready.set()
+        try:
+            trio.run(run)
+        except BaseException as e:  # surfaced by the tests
+            self.error = e
+            self._ready.set()
+
+    def stop(self) -> None:
+        if self._token is not None and self.thread.is_alive():
+            try:
+                trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)  # type: ignore[union-attr]
+            except trio.RunFinishedError:
+                pass
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the in-process daemon did not stop"
+
+    def counter(self, counter, **labels) -> float:
+        return sum(s.value for m in counter.collect() for s in m.samples
+                   if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def gauge(self, gauge) -> float:
+        return next(s.value for m in gauge.collect() for s in m.samples)
