@@ -133,6 +133,9 @@ class _Phase:
     __slots__ = (
         "expected",
         "received",
+        "top",
+        "first_at",
+        "last_at",
         "done",
         "end_seen",
         "open",
@@ -152,6 +155,9 @@ class _Phase:
     def __init__(self, expected: list[int], me: int, t0: float | None) -> None:
         self.expected = expected
         self.received = [0] * len(expected)
+        self.top = [0] * len(expected)  # per sender: one past the highest datagram index that arrived
+        self.first_at = [0.0] * len(expected)  # per sender: when its first data arrived
+        self.last_at = [0.0] * len(expected)  # per sender: when its latest data arrived
         # a stream with nothing to carry (empty shard, or this member itself) is complete from the start
         self.done = [s == me or e == 0 for s, e in enumerate(expected)]
         self.end_seen = [False] * len(expected)
@@ -175,10 +181,15 @@ class _Phase:
         if self.t_last is None or now > self.t_last:
             self.t_last = now
 
-    def note_data(self, s: int, now: float) -> None:
+    def note_data(self, s: int, k: int, now: float) -> None:
         self.data += 1
         self._progress(now)
-        self.received[s] += 1
+        received = self.received[s] = self.received[s] + 1
+        if k >= self.top[s]:
+            self.top[s] = k + 1
+        if received == 1:
+            self.first_at[s] = now
+        self.last_at[s] = now
         if not self.done[s]:
             self.remaining -= 1
             if self.received[s] >= self.expected[s]:
@@ -506,7 +517,7 @@ class GroupAverage:
             np.add(acc, scaled, out=acc)
             self._wsum[k] += weight
             rs.weight_received += weight
-            rs.note_data(sender, now)
+            rs.note_data(sender, k, now)
             if rs.open == 0:
                 self._end_rs(now, COMPLETION)
             return Outcome.ACCEPTED
@@ -545,7 +556,7 @@ class GroupAverage:
             seen[k] = True
             self._out[offset : offset + count] = values(body, count)
             ag.weight_received += weight
-            ag.note_data(sender, now)
+            ag.note_data(sender, k, now)
         else:
             start = self.layout.shard(sender)[0]
             if offset != start:
@@ -710,6 +721,19 @@ class GroupAverage:
         """(expected, received) data datagrams per sender in phase 0 (reduce-scatter) or 1 (all-gather)."""
         ph = self._rs if phase == 0 else self._ag
         return list(zip(ph.expected, ph.received, strict=True))
+
+    def progress(self, phase: int) -> tuple[list[int], list[int], list[int], list[float], list[float]]:
+        """Per sender in phase 0 or 1: (expected, received, top, first and last arrival times), where top is one past
+        the highest datagram index that arrived. Streams go out in index order, so ``top`` is how far the
+        sender has got, as far as this receiver can tell; a driver samples these on a timer to report
+        delivery to the sender (transport.pacing.DeliveryMeter). The lists are live: do not modify them."""
+        ph = self._rs if phase == 0 else self._ag
+        return ph.expected, ph.received, ph.top, ph.first_at, ph.last_at
+
+    def phase_state(self, phase: int) -> tuple[float | None, float | None]:
+        """(started_at, ended_at) of receive phase 0 or 1 (None: not yet)."""
+        ph = self._rs if phase == 0 else self._ag
+        return ph.t0, ph.ended_at
 
     def statistics(self) -> GroupStats:
         own = self.weight

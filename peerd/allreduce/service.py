@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import trio
 
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
-from ..transport.pacing import Pacer
+from ..transport.pacing import DeliveryMeter, Pacer, Report, SendPositions
 from ..wire import messages as m
 from ..wire.envelope import Header
 from ..wire.errors import WireError
@@ -29,6 +29,8 @@ from .group import GroupAverage, GroupStats, Outcome
 log = logging.getLogger("peerd.allreduce")
 
 BATCH = 64  # datagrams per slice of sending work (~0.2-0.5 ms of CPU)
+_DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})
+REPORT_INTERVAL_S = 0.025  # a receiver reports delivery to each sender about this often while data flows
 PENDING_MAX = 200_000  # datagrams held for groups this node has not started yet
 PENDING_AGE_S = 10.0
 
@@ -61,6 +63,10 @@ class _Running:
         self.handshake_s = 0.0
         self.hold_until: float | None = None
         self.wake = trio.Event()
+        # Per member: data datagrams sent to it so far (its reduce-scatter stream, then its all-gather
+        # stream: the positions a receiver's REPORT counts in) and when each batch of them went out.
+        self.positions = [SendPositions() for _ in members]
+        self.sent_to = [0] * len(members)
 
 
 class AllreduceService:
@@ -71,6 +77,7 @@ class AllreduceService:
         self._groups: dict[int, _Running] = {}
         self._pending: OrderedDict[int, list[tuple[float, Header, bytes, TokenState]]] = OrderedDict()
         self._pending_count = 0
+        self._recent: OrderedDict[int, _Running] = OrderedDict()  # finished groups, for their last REPORTs
         for t in BodyType:
             endpoint.on_raw(int(t), self._on_data)
         endpoint.on_message(m.MsgType.REPORT, self._on_report)
@@ -135,7 +142,23 @@ class AllreduceService:
 
     def _on_report(self, incoming: Incoming) -> None:
         b = incoming.body
-        self.pacer.on_report(b["expected"], b["received"], b["seconds"], b["kernel_drops"], self.endpoint.mtu)
+        report = Report(b["expected"], b["received"], b["bytes"], b["seconds"], b["kernel_drops"], b["position"])
+        node = incoming.peer.node_id
+        run = self._groups.get(b["group"]) or self._recent.get(b["group"])
+        span = None
+        if run is not None and (i := run.by_node.get(node)) is not None and report.expected > 0:
+            first = report.position - report.expected
+            if report.position > run.sent_to[i]:
+                # A receiver that gave up on the phase (its deadline) counts what this member has not sent
+                # yet as lost: that is not the path's loss.
+                top = max(first, run.sent_to[i])
+                report = replace(report, expected=top - first, received=min(report.received, top - first),
+                                 position=top)
+            if report.expected > 0:
+                span = run.positions[i].span(max(0, first - 1), report.position - 1)
+        verdict = self.pacer.on_report(node, report, trio.current_time(), span)
+        if verdict.action == "decrease":
+            log.debug("pacing: %.1f MB/s (%s)", verdict.rate / 1e6, verdict.reason)
         return None
 
     # -- one group's average --------------------------------------------------------------------
@@ -161,24 +184,21 @@ class AllreduceService:
             end_grace_s=end_grace_s,
         )
         run = self._groups[group_id] = _Running(core, members)
-        kernel_drops_before = getattr(self.endpoint.sock, "kernel_drops", 0)
         sent_bytes = sent = 0
         try:
             async with trio.open_nursery() as nursery:
                 # Bind tokens while data already flows: data from a token not bound yet waits for it.
                 nursery.start_soon(self._handshake, run)
+                meters = [DeliveryMeter(trio.current_time(), self._kernel_drops()) for _ in members]
+                nursery.start_soon(self._reporter, run, meters)
                 for _, header, body, state in self._pending.pop(group_id, []):
                     self._pending_count -= 1
                     self._deliver_counted(run, header, body, state)
-                rs_reported = False
                 while not core.finished:
                     while core.wants_to_send:
                         nbytes, count = await self._send_batch(run, core.next_datagrams(BATCH))
                         sent_bytes += nbytes
                         sent += count
-                    if core.reduce_scatter_done and not rs_reported:
-                        rs_reported = True
-                        await self._report(run, 0, kernel_drops_before)
                     if core.finished:
                         break
                     run.wake = trio.Event()
@@ -193,10 +213,13 @@ class AllreduceService:
                         await run.wake.wait()
                     if not run.unbound or (run.hold_until is not None and trio.current_time() >= run.hold_until):
                         core.handle_timer(trio.current_time())
-                await self._report(run, 1, kernel_drops_before)
-                nursery.cancel_scope.cancel()  # pings to members that never answered
+                nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
+            await self._report(run, meters, final=True)  # what arrived since the last report, and the lost tail
         finally:
             del self._groups[group_id]
+            self._recent[group_id] = run
+            while len(self._recent) > 4:
+                self._recent.popitem(last=False)
             unbound = sum(len(v) for v in run.unbound.values())
             if unbound:
                 self.metrics.datagrams_dropped.labels("unbound").inc(unbound)
@@ -228,9 +251,13 @@ class AllreduceService:
         nbytes = count = 0
         for (to, mtype), bodies in by_dest.items():
             size = sum(map(len, bodies)) + overhead * len(bodies)
-            wait = self.pacer.reserve(size, trio.current_time())
+            node = run.members[to].node_id
+            wait = self.pacer.reserve(size, trio.current_time(), node)
             if wait > 0:
                 await trio.sleep(wait)
+            if mtype in _DATA_TYPES:
+                run.sent_to[to] += len(bodies)
+                run.positions[to].note(run.sent_to[to], trio.current_time())
             try:
                 await self.endpoint.send_raw(run.members[to].addr, mtype, bodies)
             except RpcError as e:
@@ -241,18 +268,44 @@ class AllreduceService:
         await trio.lowlevel.checkpoint()  # let receives and DHT requests in between slices
         return nbytes, count
 
-    async def _report(self, run: _Running, phase: int, kernel_drops_before: int) -> None:
-        """Tell each sender what arrived from it in this phase, so it can pace the next one."""
-        stats = run.core.statistics()
-        ph = stats.reduce_scatter if phase == 0 else stats.all_gather
-        drops = max(0, getattr(self.endpoint.sock, "kernel_drops", 0) - kernel_drops_before)
-        per_sender = run.core.received_per_sender(phase)
+    def _kernel_drops(self) -> int:
+        return getattr(self.endpoint.sock, "kernel_drops", 0)
+
+    async def _reporter(self, run: _Running, meters: list[DeliveryMeter]) -> None:
+        """Every REPORT_INTERVAL_S, tell each sender what arrived from it since the last report."""
+        while True:
+            await trio.sleep(REPORT_INTERVAL_S)
+            await self._report(run, meters, final=False)
+
+    async def _report(self, run: _Running, meters: list[DeliveryMeter], *, final: bool) -> None:
+        """One sender's flow to this member is its reduce-scatter stream, then its all-gather stream (it
+        sends them one after the other), so the two phases count as one run of datagram indices."""
+        core = run.core
+        rs_expected, rs_received, rs_top, rs_first, rs_at = core.progress(0)
+        ag_expected, ag_received, ag_top, ag_first, ag_at = core.progress(1)
+        drops = self._kernel_drops()
+        now = trio.current_time()
+        size = self.endpoint.mtu
         for i, mb in enumerate(run.members):
-            expected, received = per_sender[i]
-            if i == run.core.index or expected == 0:
+            if i == core.index:
                 continue
-            fields = {"group": run.core.group_id, "phase": phase, "expected": expected, "received": received,
-                      "seconds": min(86400.0, ph.duration_s or 0.0), "kernel_drops": min(drops, 2**32 - 1)}
+            received = rs_received[i] + ag_received[i]
+            phase = 1 if ag_top[i] else 0
+            top = rs_expected[i] + ag_top[i] if ag_top[i] else rs_top[i]
+            last_at = max(rs_at[i], ag_at[i])
+            first_at = rs_first[i] if rs_received[i] else ag_first[i]
+            meter = meters[i]
+            total = rs_expected[i] + ag_expected[i]
+            if final:
+                rep = meter.final(total, received, received * size, first_at, last_at, drops, now)
+            else:
+                rep = meter.sample(received, top, received * size, first_at, last_at, drops, now)
+            if rep is None:
+                continue
+            fields = {"group": core.group_id, "phase": phase, "expected": min(rep.expected, 2**32 - 1),
+                      "received": min(rep.received, 2**32 - 1), "bytes": rep.nbytes,
+                      "seconds": min(86400.0, rep.seconds), "kernel_drops": min(rep.kernel_drops, 2**32 - 1),
+                      "position": min(rep.position, 2**32 - 1)}
             try:
                 await self.endpoint.notify(mb.addr, m.MsgType.REPORT, fields)
             except RpcError:

@@ -126,6 +126,7 @@ SCHEMAS: dict[MsgType, dict[str, s.Validator]] = {
         "bytes": s.uint(64),  # datagram bytes that arrived in the interval (delivered rate = bytes / seconds)
         "seconds": s.number(0.0, 86400.0),  # the interval, at the receiver
         "kernel_drops": s.uint(32),  # datagrams its kernel dropped at the socket in the interval (all senders)
+        "position": s.uint(32),  # one past the highest position of the sender's stream (RS, then AG) that arrived
     },
     MsgType.STATE_GET: {
         **_COMMON,
