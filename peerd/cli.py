@@ -147,6 +147,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-port", type=int, default=0, metavar="PORT",
                    help="UDP port of the first daemon; others follow (default: free ports)")
     p.add_argument("--dir", metavar="PATH", help="where to keep keys and sockets (default: a new temp dir)")
+
+    p = sub.add_parser("demo", help="N daemons and N trainers on 127.0.0.1 train a small model together (needs torch)")
+    p.add_argument("--peers", type=int, default=4, metavar="N", help="daemons and trainers (default 4)")
+    p.add_argument("--steps", type=int, default=200, metavar="S", help="training steps (default 200)")
+    p.add_argument("--loss", type=float, default=0.0, metavar="P", help="every daemon drops datagrams with prob. P")
+    p.add_argument("--compute-jitter", type=float, default=0.0, metavar="X",
+                   help="trainers' micro-batches take 10 ms * (1 + X * Exp(1)) more (for DropCompute)")
+    p.add_argument("--dropcompute", default="off", metavar="off|auto|SECONDS",
+                   help="DropCompute threshold per step (default off)")
+    p.add_argument("--average-every", type=int, default=10, metavar="K", help="average parameters every K steps")
+    p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of weights, data order and loss")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
+
+    p = sub.add_parser("train", help="one collaborative trainer (MLP on digits) beside its daemon (needs torch)")
+    from .demo_train import add_train_arguments
+
+    add_train_arguments(p)
     return parser
 
 
@@ -368,7 +385,34 @@ def cmd_bench_moshpit(args: argparse.Namespace, parser: argparse.ArgumentParser)
     return 0
 
 
+def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .demo import DemoConfig, run_demo
+
+    if args.peers < 1 or args.steps < 1:
+        parser.error("--peers and --steps must be at least 1")
+    if not 0.0 <= args.loss < 1.0:
+        parser.error("--loss must be in [0, 1)")
+    cfg = DemoConfig(peers=args.peers, steps=args.steps, loss=args.loss, compute_jitter=args.compute_jitter,
+                     dropcompute=args.dropcompute, seed=args.seed, average_every=args.average_every, json=args.json)
+    try:
+        summary = run_demo(cfg)
+    except RuntimeError as e:
+        print(f"peerd: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .demo_train import run_train
+
+    return run_train(args)
+
+
 _COMMANDS = {
+    "demo": cmd_demo,
+    "train": cmd_train,
     "keygen": cmd_keygen,
     "join": cmd_join,
     "status": cmd_status,

@@ -22,6 +22,8 @@ from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
 from .moshpit.ops import MoshpitOps
 from .moshpit.service import MoshpitService
+from .statesync import StateSync
+from .trainer import TrainerService
 from .transport import Endpoint
 from .transport.udp import UdpSocket
 from .wire.identity import Identity, KeyFileError, load_identity, load_swarm_key, node_id_of
@@ -126,6 +128,12 @@ class Daemon:
             **MoshpitOps(self.moshpit).ops(),
         }.items():
             self.local.register(op, handler)
+        # Trainers (peerd.torch) over the local socket: sessions average through Moshpit; snapshots for
+        # joining peers are advertised in the DHT and served over STATE_GET/STATE_CHUNK.
+        self.statesync = StateSync(self.endpoint, self.dht, self.metrics, advertise=announce or self.listen)
+        self.trainer = TrainerService(self.metrics, self.moshpit.average, statesync=self.statesync,
+                                      peer_id=self.identity.node_id.hex())
+        self.trainer.register(self.local)
 
     def close(self) -> None:
         self.local.close()

@@ -62,7 +62,7 @@ def test_two_trainers_get_the_weighted_mean_through_the_arena(daemon) -> None:
         reply, result = out[name]
         assert reply["outcome"] == "averaged" and reply["group_size"] == 2
         np.testing.assert_allclose(result, expected, rtol=1e-6)
-    assert daemon.averager.calls[0][0].endswith("/grad")
+    assert daemon.averager.calls[0][0].endswith(".g")
     assert sorted(w for _, w in daemon.averager.calls) == [1.0, 3.0]  # sample count is the weight
     assert daemon.counter(daemon.metrics.trainer_steps, outcome="averaged") == 2
     assert daemon.gauge(daemon.metrics.trainer_loss) == 0.5

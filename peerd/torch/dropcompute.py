@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 INF = float("inf")
+EPS = 1e-9  # "start a micro-batch only while elapsed < tau - EPS": tau at a logged end time excludes it exactly
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def _run_to(times: Sequence[float], tau: float) -> tuple[int, float]:
     """Micro-batches a worker computes under the rule "start one only while elapsed < tau", and its time."""
     elapsed, done = 0.0, 0
     for t in times:
-        if done and elapsed >= tau:
+        if done and elapsed >= tau - EPS:
             break
         elapsed += t
         done += 1
@@ -69,7 +70,7 @@ def choose_threshold(steps: Sequence[Sequence[float]], workers: int, *, overhead
     full = expected_max([sum(s) for s in steps], workers) + overhead_s
     total_mb = sum(len(s) for s in steps)
     best = Threshold(INF, 0.0, 0.0, 0.0)
-    candidates = sorted({round(sum(s[: j + 1]), 12) for s in steps for j in range(len(s) - 1)})
+    candidates = sorted({sum(s[: j + 1]) for s in steps for j in range(len(s) - 1)})
     for tau in candidates:
         done, times = 0, []
         for s in steps:
@@ -145,7 +146,7 @@ class DropCompute:
 
     def keep_going(self) -> bool:
         """Start another micro-batch? Always the first; then only while the step has run under tau."""
-        if not self._times or self._probe or self.elapsed() < self.tau:
+        if not self._times or self._probe or self.elapsed() < self.tau - EPS:
             return True
         self.dropped += 1
         return False

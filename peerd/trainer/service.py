@@ -33,7 +33,7 @@ from ..metrics import Metrics
 
 log = logging.getLogger("peerd.trainer")
 
-MAX_RUN_ID = 64
+MAX_RUN_ID = 48  # so that '<run>.<layout hash>.<g|p>' fits Moshpit's 64-byte run ids
 MAX_TENSORS = 100_000
 MAX_BLOB = 1 << 34
 DTYPES = {"float32", "float16", "bfloat16", "float64"}
@@ -95,6 +95,11 @@ class Session:
     late_results: int = 0
     closed: bool = False
     last: dict[str, Any] = field(default_factory=dict)
+
+    def average_id(self, kind: str) -> str:
+        """The Moshpit run id of this session's gradients or parameters: the layout hash is part of it,
+        so models that differ never meet in a group, and gradients never mix with parameters."""
+        return f"{self.run}.{self.layout[:12]}.{kind[0]}"
 
 
 class TrainerService:
@@ -204,8 +209,8 @@ class TrainerService:
             raise OpError(f"step {step} is not after the session's latest step {session.latest}")
         if kind not in KINDS:
             raise OpError(f"kind must be one of {KINDS}")
-        if not isinstance(timeout, int | float) or not 0 < timeout <= 3600:
-            raise OpError("timeout_s must be in (0, 3600]")
+        if not isinstance(timeout, int | float) or not 1 <= timeout <= 3600:
+            raise OpError("timeout_s must be in [1, 3600]")
         session.latest = step
         self._report(req)
         try:
@@ -220,7 +225,7 @@ class TrainerService:
         try:
             # The averaging API has its own deadline; this outer one makes sure no bug can hang a trainer.
             with trio.fail_after(timeout + 10.0):
-                result = await self.average(f"{session.run_key}/{kind}", vector, float(weight), timeout_s=timeout)
+                result = await self.average(session.average_id(kind), vector, float(weight), timeout_s=timeout)
             out = np.asarray(result.vector, dtype=np.float32)
             if out.shape != vector.shape:
                 raise ValueError(f"averaging returned {out.shape}, expected {vector.shape}")

@@ -1,0 +1,205 @@
+"""`peerd demo`: N daemons and N trainer processes on 127.0.0.1 train one small model together.
+
+Each trainer (`peerd train`, one torch thread) has its own shard of scikit-learn's digits and starts from the
+same seeded weights; its daemon averages gradients through Moshpit every step and parameters every K steps.
+The demo shows live progress, then a summary: held-out loss and accuracy (mean over peers), and the largest
+relative distance between two peers' parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .swarm import LocalSwarm
+
+RUN = "demo"
+
+
+@dataclass
+class DemoConfig:
+    peers: int = 4
+    steps: int = 200
+    loss: float = 0.0
+    compute_jitter: float = 0.0
+    dropcompute: str = "off"
+    seed: int = 0
+    average_every: int = 10
+    timeout_s: float = 15.0
+    json: bool = False
+    join_late: dict[int, int] = field(default_factory=dict)  # peer index -> start when the swarm reaches step
+    workdir: str | None = None
+    wall_limit_s: float = 1200.0
+
+
+def divergence(vectors: list[list[float]]) -> float:
+    """Largest ||a - b|| / mean(||a||, ||b||) over all pairs of peers."""
+    import numpy as np
+
+    arrays = [np.asarray(v, dtype=np.float64) for v in vectors]
+    worst = 0.0
+    for i in range(len(arrays)):
+        for j in range(i + 1, len(arrays)):
+            a, b = arrays[i], arrays[j]
+            scale = (np.linalg.norm(a) + np.linalg.norm(b)) / 2
+            if scale > 0:
+                worst = max(worst, float(np.linalg.norm(a - b) / scale))
+    return worst
+
+
+def _reader(index: int, stream, out: queue.Queue) -> None:
+    for line in stream:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.put((index, json.loads(line)))
+        except json.JSONDecodeError:
+            out.put((index, {"event": "text", "text": line}))
+    out.put((index, {"event": "eof"}))
+
+
+def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - one linear script
+    """Run the demo; returns the summary (the --json fields and more). Raises RuntimeError on failure."""
+    say = (lambda *a, **k: print(*a, file=sys.stderr, flush=True, **k)) if cfg.json else log
+    workdir = cfg.workdir or tempfile.mkdtemp(prefix="peerd-demo-")
+    swarm = LocalSwarm(os.path.join(workdir, "swarm"))
+    procs: dict[int, subprocess.Popen] = {}
+    events: queue.Queue = queue.Queue()
+    start = time.monotonic()
+    try:
+        say(f"starting {cfg.peers} daemons{f' (each drops {cfg.loss:.0%} of datagrams)' if cfg.loss else ''} ...")
+        for i in range(cfg.peers):
+            extra: tuple[str, ...] = ()
+            if cfg.loss:
+                extra = ("--loss", str(cfg.loss), "--loss-seed", str(cfg.seed * 1000 + i))
+            node = swarm.start(extra=extra)
+            swarm.wait_ready(node)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+        def spawn(i: int) -> None:
+            cmd = [sys.executable, "-m", "peerd", "train", "--run", RUN, "--socket", swarm.nodes[i].socket,
+                   "--steps", str(cfg.steps), "--peers", str(cfg.peers), "--index", str(i), "--seed", str(cfg.seed),
+                   "--average-every", str(cfg.average_every), "--timeout", str(cfg.timeout_s),
+                   "--compute-jitter", str(cfg.compute_jitter), "--dropcompute", cfg.dropcompute,
+                   "--progress", "json", "--out", os.path.join(workdir, f"result{i}.json")]
+            if i in cfg.join_late:
+                cmd += ["--init-seed", str(cfg.seed + 1000 + i)]  # different weights: it must take the swarm's
+            else:
+                cmd += ["--no-sync"]  # the founders start together from the same seeded weights
+            err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
+            procs[i] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                                        text=True, env=env)
+            threading.Thread(target=_reader, args=(i, procs[i].stdout, events), daemon=True).start()
+
+        for i in range(cfg.peers):
+            if i not in cfg.join_late:
+                spawn(i)
+        say(f"started {len(procs)} trainers (run {RUN!r}, {cfg.steps} steps, one torch thread each)")
+        done: dict[int, dict] = {}
+        starts: dict[int, dict] = {}
+        latest: dict[int, dict] = {}
+        last_print = 0.0
+        swarm_step = 0
+        while len(done) < cfg.peers:
+            if time.monotonic() - start > cfg.wall_limit_s:
+                raise RuntimeError(f"the demo did not finish within {cfg.wall_limit_s:.0f} s")
+            try:
+                i, ev = events.get(timeout=1.0)
+            except queue.Empty:
+                for i, p in procs.items():
+                    if p.poll() not in (None, 0) and i not in done:
+                        raise RuntimeError(f"trainer {i} exited with {p.returncode}: "
+                                           f"{_tail(os.path.join(workdir, f'trainer{i}.log'))}") from None
+                continue
+            kind = ev.get("event")
+            if kind == "start":
+                starts[i] = ev
+                if ev.get("synced"):
+                    say(f"peer {i} joined at step {ev['step']}: downloaded {ev['synced']['size']} bytes of state "
+                        f"from {ev['synced']['donors']} donor(s) in {ev['synced']['chunks']} chunks; "
+                        f"held-out accuracy {ev['accuracy']:.3f} before its first step")
+            elif kind == "step":
+                latest[i] = ev
+                swarm_step = max(swarm_step, ev["step"])
+                now = time.monotonic()
+                if i == min(latest) and (now - last_print > 1.0 or ev["step"] == cfg.steps):
+                    last_print = now
+                    loss = sum(e["loss"] for e in latest.values()) / len(latest)
+                    acc = ev.get("accuracy")
+                    say(f"step {ev['step']:>4}  loss {loss:.4f}  "
+                        f"{'acc ' + format(acc, '.3f') if acc is not None else '         '}  "
+                        f"group {ev['group_size']}  round {ev['round_s']:.3f} s  "
+                        f"received {ev['received_fraction']:.3f}  ({ev['outcome']})")
+            elif kind == "done":
+                done[i] = ev
+            elif kind == "eof" and i not in done:
+                code = procs[i].wait(10)
+                raise RuntimeError(f"trainer {i} exited with {code} before finishing: "
+                                   f"{_tail(os.path.join(workdir, f'trainer{i}.log'))}")
+            for j, at in cfg.join_late.items():
+                if j not in procs and swarm_step >= at:
+                    say(f"peer {j} joins late (the swarm is at step {swarm_step})")
+                    spawn(j)
+        for p in procs.values():
+            p.wait(30)
+        wall = time.monotonic() - start
+        results = []
+        for i in range(cfg.peers):
+            with open(os.path.join(workdir, f"result{i}.json")) as f:
+                results.append(json.load(f))
+        summary = {
+            "final_loss": sum(r["held_out_loss"] for r in results) / len(results),
+            "accuracy": sum(r["accuracy"] for r in results) / len(results),
+            "max_param_divergence": divergence([r["params"] for r in results]),
+            "steps": cfg.steps,
+            "peers": cfg.peers,
+            "wall_s": round(wall, 2),
+            "loss": cfg.loss,
+            "seed": cfg.seed,
+            "compute_jitter": cfg.compute_jitter,
+            "dropcompute": cfg.dropcompute,
+            "samples_per_second": sum(r["samples"] for r in results) / max(r["wall_s"] for r in results),
+            "outcomes": _sum_outcomes(results),
+            "per_peer": [{k: r[k] for k in ("peer", "first_step", "steps", "held_out_loss", "accuracy", "samples",
+                                             "samples_per_second", "local_steps", "synced", "dropped_microbatches",
+                                             "tau")} for r in results],
+        }
+        say(f"\ndone in {wall:.1f} s: held-out accuracy {summary['accuracy']:.4f}, loss {summary['final_loss']:.4f} "
+            f"(mean over {cfg.peers} peers); largest relative distance between two peers' parameters "
+            f"{summary['max_param_divergence']:.2e}; {summary['samples_per_second']:.0f} samples/s across the swarm; "
+            f"rounds {summary['outcomes']}")
+        return summary
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        swarm.cleanup()
+        if cfg.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _sum_outcomes(results: list[dict]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for r in results:
+        for k, v in r["outcomes"].items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,183 @@
+"""`peerd train`: one collaborative trainer (a small MLP on scikit-learn's handwritten digits) beside its daemon.
+
+`peerd demo` runs one of these per daemon; a compose deployment runs one beside each daemon. Progress goes
+to stdout as one JSON object per line (``--progress json``) or as text; the final result (held-out loss and
+accuracy, the flat parameters) goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+DIGITS_TEST_FRACTION = 0.2
+SPLIT_SEED = 1234  # the train/test split is the same on every peer: the held-out set is shared
+
+
+def load_digits_split() -> tuple[Any, Any, Any, Any]:
+    """Digits (1797 8x8 images, 10 classes), scaled to [0, 1], split 80/20 the same way on every peer."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    y = data.target.astype(np.int64)
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
+    n_test = int(len(x) * DIGITS_TEST_FRACTION)
+    test, train = order[:n_test], order[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+def build_model(hidden: int, seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+
+
+def evaluate(model, x, y) -> tuple[float, float]:
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    with torch.no_grad():
+        out = model(torch.from_numpy(x))
+        loss = F.cross_entropy(out, torch.from_numpy(y)).item()
+        acc = (out.argmax(1).numpy() == y).mean().item()
+    return loss, acc
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="run id: trainers with the same run id and model train together")
+    p.add_argument("--socket", default=None, metavar="PATH", help="the daemon's local socket")
+    p.add_argument("--steps", type=int, default=200, metavar="S", help="train until this step (default 200)")
+    p.add_argument("--peers", type=int, default=1, metavar="N", help="how many peers share the data (default 1)")
+    p.add_argument("--index", type=int, default=0, metavar="I", help="this peer's data shard, 0..N-1")
+    p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of the data order (default 0)")
+    p.add_argument("--init-seed", type=int, default=None, metavar="K",
+                   help="seed of the model's initial weights (default: --seed; a joiner takes the swarm's)")
+    p.add_argument("--batch", type=int, default=32, metavar="B", help="samples per step (default 32)")
+    p.add_argument("--micro", type=int, default=4, metavar="M", help="micro-batches per step (default 4)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP (default 64)")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    p.add_argument("--average-every", type=int, default=10, metavar="K",
+                   help="average parameters every K steps (default 10; 0: never)")
+    p.add_argument("--timeout", type=float, default=15.0, metavar="S", help="averaging deadline (default 15)")
+    p.add_argument("--compute-jitter", type=float, default=0.0, metavar="X",
+                   help="simulate compute: each micro-batch takes 10 ms * (1 + X * Exp(1)) more (default 0: off)")
+    p.add_argument("--dropcompute", default="off", metavar="off|auto|SECONDS",
+                   help="DropCompute threshold per step: off, auto, or seconds (default off)")
+    p.add_argument("--no-sync", action="store_true", help="do not download the swarm's state before starting")
+    p.add_argument("--state-every", type=int, default=10, metavar="S",
+                   help="publish a snapshot for joiners every S steps (default 10)")
+    p.add_argument("--eval-every", type=int, default=10, metavar="S", help="held-out evaluation every S steps")
+    p.add_argument("--progress", choices=["text", "json", "none"], default="text")
+    p.add_argument("--out", metavar="PATH", help="write the final result (JSON, with the parameters) here")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    from .localsock.client import DaemonError
+    from .torch import DropCompute, Optimizer
+
+    torch.set_num_threads(1)
+    if not 0 <= args.index < args.peers:
+        print("peerd: error: --index must be in [0, --peers)", file=sys.stderr)
+        return 2
+    x_train, y_train, x_test, y_test = load_digits_split()
+    shard = np.arange(args.index, len(x_train), args.peers)
+    rng = np.random.default_rng(args.seed * 1000 + args.index)
+    jitter = np.random.default_rng(args.seed * 1000 + args.index + 7)
+    model = build_model(args.hidden, args.seed if args.init_seed is None else args.init_seed)
+    budget: float | str | None
+    budget = None if args.dropcompute == "off" else ("auto" if args.dropcompute == "auto" else float(args.dropcompute))
+    dc = DropCompute(budget, workers=max(2, args.peers))
+
+    def emit(record: dict[str, Any]) -> None:
+        if args.progress == "json":
+            print(json.dumps(record), flush=True)
+        elif args.progress == "text":
+            if record.get("event") == "step":
+                print(f"step {record['step']:>4}  loss {record['loss']:.4f}  "
+                      f"acc {record.get('accuracy', float('nan')):.3f}  group {record['group_size']}  "
+                      f"round {record['round_s']:.3f} s  received {record['received_fraction']:.3f}  "
+                      f"{record['outcome']}", flush=True)
+            else:
+                print(json.dumps(record), flush=True)
+
+    try:
+        opt = Optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,
+                        timeout_s=args.timeout, average_params_every=args.average_every,
+                        sync_state=not args.no_sync, state_every=args.state_every)
+    except DaemonError as e:
+        print(f"peerd: error: {e}", file=sys.stderr)
+        return 1
+    first_step = opt.step_count
+    loss0, acc0 = evaluate(model, x_test, y_test)
+    emit({"event": "start", "peer": args.index, "step": first_step, "synced": opt.synced_from,
+          "held_out_loss": loss0, "accuracy": acc0, "params": opt.elems, "layout": opt.layout_hash[:16]})
+    start = time.monotonic()
+    samples_total = 0
+    compute_s = 0.0
+    micro = max(1, args.batch // args.micro)
+    acc = acc0
+    try:
+        while opt.step_count < args.steps:
+            t0 = time.monotonic()
+            opt.zero_grad()
+            dc.start_step()
+            losses = []
+            for _ in range(args.micro):
+                if not dc.keep_going():
+                    break
+                idx = shard[rng.integers(0, len(shard), micro)]
+                with dc.microbatch(len(idx)):
+                    xb, yb = torch.from_numpy(x_train[idx]), torch.from_numpy(y_train[idx])
+                    loss = F.cross_entropy(model(xb), yb, reduction="sum")
+                    loss.backward()
+                    losses.append(loss.item())
+                    if args.compute_jitter > 0:
+                        time.sleep(0.01 * (1.0 + args.compute_jitter * jitter.exponential()))
+            samples = dc.mean_grads(model.parameters())
+            compute_s += time.monotonic() - t0
+            samples_total += samples
+            train_loss = sum(losses) / samples
+            reply = opt.step(samples=samples, loss=train_loss)
+            # what a threshold cannot shorten (the round) tempers DropCompute's choice of tau
+            dc.overhead_s = reply["seconds"] if dc.steps <= 1 else 0.9 * dc.overhead_s + 0.1 * reply["seconds"]
+            step = opt.step_count
+            record = {"event": "step", "peer": args.index, "step": step, "loss": train_loss, "samples": samples,
+                      "outcome": reply["outcome"], "group_size": reply["group_size"], "round_s": reply["seconds"],
+                      "received_fraction": reply["received_fraction"], "tau": dc.tau if math.isfinite(dc.tau) else None}
+            if args.eval_every and step % args.eval_every == 0:
+                record["held_out_loss"], acc = evaluate(model, x_test, y_test)
+                record["accuracy"] = acc
+            emit(record)
+    except DaemonError as e:
+        print(f"peerd: error: {e}", file=sys.stderr)
+        return 1
+    wall = time.monotonic() - start
+    final_loss, final_acc = evaluate(model, x_test, y_test)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    result = {
+        "event": "done", "peer": args.index, "steps": opt.step_count, "first_step": first_step,
+        "held_out_loss": final_loss, "accuracy": final_acc, "samples": samples_total, "wall_s": wall,
+        "compute_s": compute_s, "samples_per_second": samples_total / wall if wall > 0 else 0.0,
+        "outcomes": opt.outcomes, "local_steps": opt.local_steps, "synced": opt.synced_from,
+        "dropped_microbatches": dc.dropped, "tau": dc.tau if math.isfinite(dc.tau) else None,
+    }
+    emit(result)
+    if args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({**result, "params": flat.tolist()}, f)
+        os.replace(tmp, args.out)
+    opt.close()
+    return 0
