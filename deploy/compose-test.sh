@@ -67,6 +67,10 @@ cleanup() {
 trap cleanup EXIT
 compose down -v -t 5 >/dev/null 2>&1 || true  # leftovers of an interrupted run
 
+if command -v docker-compose >/dev/null; then
+  docker-compose -f docker-compose.yml config -q || fail "docker-compose config -q rejects docker-compose.yml"
+fi
+
 if [ "$PEERD_INSTALL_FROM" = wheels ]; then
   say "wheels for the image (deploy/fetch-wheels.sh)"
   deploy/fetch-wheels.sh || fail "could not fill deploy/wheels/"
