@@ -190,14 +190,21 @@ class StateSync:
                 return None
             errors = []
             for sha, step, donors in _candidates(ads):
-                try:
-                    fetched = await self._download(run_key, sha, step, donors)
-                except StateSyncError as e:
-                    errors.append(str(e))
-                    log.info("state sync: snapshot %s (step %d) failed: %s", sha.hex()[:12], step, e)
-                    continue
-                self.metrics.trainer_state_fetches.labels("ok").inc()
-                return fetched
+                # All donors at once; if the result does not verify (a donor served bad bytes), each
+                # donor alone, so one bad donor cannot keep a joiner from a snapshot others hold.
+                attempts = [donors] + ([[d] for d in donors] if len(donors) > 1 else [])
+                for group in attempts:
+                    try:
+                        fetched = await self._download(run_key, sha, step, group)
+                    except StateSyncError as e:
+                        errors.append(str(e))
+                        log.info("state sync: snapshot %s (step %d) from %d donor(s) failed: %s", sha.hex()[:12],
+                                 step, len(group), e)
+                        if "does not match" not in str(e):
+                            break  # not a bad donor but missing bytes: the next snapshot, if any
+                        continue
+                    self.metrics.trainer_state_fetches.labels("ok").inc()
+                    return fetched
         self.metrics.trainer_state_fetches.labels("failed").inc()
         if scope.cancelled_caught:
             raise StateSyncError(f"state download did not finish within {timeout:.0f} s")

@@ -1,0 +1,123 @@
+"""State sync over an in-memory lossy network (virtual time): a joiner downloads a snapshot in chunks from
+several donors that advertise it in the DHT, verified by hash; donors that lost it or lie are survived."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import trio
+
+from peerd.statesync import StateSync, StateSyncError
+from peerd.statesync.service import Advert, _candidates
+from peerd.wire import messages as m
+
+from .memnet import MemNet
+from .test_dht_network import counter_value, run_virtual, start_swarm
+
+RUN, KEY, LAYOUT = "r", "r/0123456789abcdef", "0123456789abcdef" + "0" * 48
+
+
+async def swarm_with_sync(nursery, net, count):
+    nodes = await start_swarm(nursery, net, count)
+    for n in nodes:
+        n.sync = StateSync(n.endpoint, n.dht, n.metrics, advertise=n.addr)
+    return nodes
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.1])
+def test_joiner_downloads_from_several_donors_and_verifies(drop: float) -> None:
+    blob = os.urandom(60_000)
+
+    async def main() -> None:
+        net = MemNet(seed=7, drop=drop, jitter=0.01)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm_with_sync(nursery, net, 6)
+            donors, joiner = nodes[:3], nodes[5]
+            for d in donors:
+                sha = d.sync.keep(KEY, blob)
+                assert await d.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(blob), sha=sha)
+            fetched = await joiner.sync.fetch(RUN, KEY, timeout=120)
+            assert fetched is not None and fetched.blob == blob and fetched.step == 100
+            assert fetched.sha == hashlib.sha256(blob).digest()
+            assert fetched.donors == 3  # chunks came from every donor
+            assert fetched.chunks >= 60_000 // m.MAX_CHUNK
+            served = [counter_value(d.metrics.trainer_state_bytes_served) for d in donors]
+            assert all(s > 0 for s in served) and sum(served) >= len(blob)
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_nothing_advertised_is_none_and_another_model_is_ignored() -> None:
+    async def main() -> None:
+        net = MemNet(seed=1)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm_with_sync(nursery, net, 4)
+            assert await nodes[3].sync.fetch(RUN, KEY, timeout=30) is None
+            # a donor of a different model (other run key) is never used
+            sha = nodes[0].sync.keep("r/ffffffffffffffff", b"x" * 1000)
+            await nodes[0].sync.advertise_state(RUN, "r/ffffffffffffffff", "f" * 64, step=5, size=1000, sha=sha)
+            # "training, no snapshot yet" adverts are not donors either
+            await nodes[1].sync.advertise_state(RUN, KEY, LAYOUT)
+            assert await nodes[3].sync.fetch(RUN, KEY, timeout=30) is None
+            ads = await nodes[3].sync.adverts(RUN)
+            assert {a.layout for a in ads} == {"f" * 64, LAYOUT}
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_donor_that_forgot_or_lies_is_survived() -> None:
+    good = os.urandom(20_000)
+
+    async def main() -> None:
+        net = MemNet(seed=3)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm_with_sync(nursery, net, 5)
+            honest, forgetful, liar, joiner = nodes[0], nodes[1], nodes[2], nodes[4]
+            sha = hashlib.sha256(good).digest()
+            for d in (honest, forgetful, liar):
+                await d.sync.advertise_state(RUN, KEY, LAYOUT, step=50, size=len(good), sha=sha)
+            honest.sync.keep(KEY, good)
+            # forgetful holds nothing (answers ERROR "gone"); liar serves other bytes under the same hash
+            liar.sync._snapshots[KEY] = {sha: bytes(len(good))}
+            fetched = await joiner.sync.fetch(RUN, KEY, timeout=120)
+            # the liar's chunks fail the hash check; the joiner then tries donors one by one and gets the
+            # honest one's bytes (the forgetful one refuses: "gone")
+            assert fetched is not None and fetched.blob == good and fetched.donors == 1
+            assert counter_value(joiner.metrics.trainer_state_fetches, outcome="ok") == 1
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_a_snapshot_nobody_completes_fails_loudly() -> None:
+    async def main() -> None:
+        net = MemNet(seed=4)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm_with_sync(nursery, net, 4)
+            sha = hashlib.sha256(b"gone").digest()
+            await nodes[0].sync.advertise_state(RUN, KEY, LAYOUT, step=9, size=5000, sha=sha)
+            with pytest.raises(StateSyncError, match="offset"):
+                await nodes[3].sync.fetch(RUN, KEY, timeout=60)
+            assert counter_value(nodes[3].metrics.trainer_state_fetches, outcome="failed") == 1
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_candidates_prefer_newest_then_most_donors() -> None:
+    a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
+    ads = [Advert(bytes([i]) * 32, KEY, LAYOUT, step, 10, sha, None)
+           for i, (step, sha) in enumerate([(100, a), (100, b), (100, b), (90, c)])]
+    ranked = _candidates(ads)
+    assert [r[0] for r in ranked] == [b, a, c]  # newest first; at step 100, b has two donors
+    assert len(ranked[0][2]) == 2 and len(ranked[1][2]) == 1
+    assert Advert.decode(b"x" * 32, b"\x00garbage") is None
+    assert Advert.decode(ads[0].node_id, ads[0].encode()) == ads[0]
