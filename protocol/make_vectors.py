@@ -217,6 +217,30 @@ def control_messages() -> list[tuple[str, m.MsgType, dict]]:
                 "position": 4096,
             },
         ),
+        (
+            "state_get",
+            m.MsgType.STATE_GET,
+            {
+                "rid": 304,
+                "from": from_field(IDENT_A, TOKEN, a4),
+                "run": b"demo/3f2a9c0d11e4b7a5",
+                "sha": hashlib.sha256(b"peerd state snapshot").digest(),
+                "offset": 1800,
+                "length": 900,
+            },
+        ),
+        (
+            "state_chunk",
+            m.MsgType.STATE_CHUNK,
+            {
+                "rid": 304,
+                "from": from_field(IDENT_A, TOKEN, a4),
+                "sha": hashlib.sha256(b"peerd state snapshot").digest(),
+                "offset": 1800,
+                "total": 2000,
+                "data": bytes(range(200)),
+            },
+        ),
     ]
 
 
