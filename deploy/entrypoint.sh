@@ -91,8 +91,10 @@ fi
 starts=0
 start_trainer() {
   starts=$((starts + 1))
+  # Same initial weights everywhere, a different data order per container (unless PEERD_TRAIN_ARGS says else).
+  local seed=${PEERD_TRAIN_SEED:-$(($(printf '%s' "${HOSTNAME:-$$}" | cksum | cut -d' ' -f1) % 100000))}
   # shellcheck disable=SC2206
-  local args=(--run "$run_name" --socket "$socket" ${PEERD_TRAIN_ARGS:-})
+  local args=(--run "$run_name" --socket "$socket" --seed "$seed" --init-seed 0 ${PEERD_TRAIN_ARGS:-})
   say "peerd train ${args[*]} (start $starts)"
   "${peerd[@]}" train "${args[@]}" &
   trainer=$!
@@ -133,7 +135,8 @@ while :; do
     elif [ "$rc" = 0 ]; then
       say "trainer finished (status 0); the daemon keeps running"
     elif [ "$starts" -gt "$train_restarts" ]; then
-      say "TRAINER FAILED (status $rc) $starts times; giving up on it, the daemon keeps running"
+      say "TRAINER FAILED (status $rc) on start $starts of $((train_restarts + 1)); giving up on it," \
+          "the daemon keeps running"
     else
       say "TRAINER FAILED (status $rc); restarting it in 10 s"
       sleep 10 &

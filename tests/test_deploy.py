@@ -6,6 +6,7 @@ The compose swarm itself runs under podman in deploy/compose-test.sh (root only;
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from peerd.metrics import Metrics
 
-from .conftest import peerd_json, scrape, wait_until
+from .conftest import metric_value, peerd_json, scrape, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -380,6 +381,10 @@ def _entrypoint(role: str, tmp_path: Path, name: str, **env: str) -> tuple[subpr
     return proc, log_path, full_env
 
 
+def _torch_ok() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "sklearn"))
+
+
 def _train_exists() -> bool:
     return subprocess.run([sys.executable, "-m", "peerd", "train", "--help"], capture_output=True,
                           timeout=60).returncode == 0
@@ -394,7 +399,7 @@ def test_entrypoint_makes_keys_runs_the_daemon_and_stops_on_sigterm(tmp_path):
         # The peer starts first: it waits for the swarm key that the bootstrap writes.
         peer, peer_log, _ = _entrypoint("peer", tmp_path, "peer", PEERD_LISTEN="127.0.0.1:0",
                                         PEERD_BOOTSTRAP=f"127.0.0.1:{udp}", PEERD_TRAIN="1",
-                                        PEERD_TRAIN_ARGS=os.environ.get("TEST_TRAIN_ARGS", ""))
+                                        PEERD_TRAIN_ARGS="--steps 2 --progress json")
         procs.append(peer)
         wait_until(lambda: "waiting for the swarm key" in peer_log.read_text(), timeout=30, interval=0.2,
                    what="the peer to wait for the key")
@@ -421,13 +426,21 @@ def test_entrypoint_makes_keys_runs_the_daemon_and_stops_on_sigterm(tmp_path):
         assert status["peer_id"] != boot_status["peer_id"]
         assert "peerd_dht_peers 1.0" in scrape(status["metrics"])
 
-        if _train_exists():
-            wait_until(lambda: "peerd train --run demo" in peer_log.read_text(), timeout=60, interval=0.5,
-                       what="the entrypoint to start the trainer")
-        else:
+        if not _train_exists():
             wait_until(lambda: "TRAINER NOT STARTED" in peer_log.read_text(), timeout=30, interval=0.2,
                        what="the entrypoint to say the trainer is missing")
-            assert peer.poll() is None  # the daemon keeps running without it
+        elif not _torch_ok():
+            wait_until(lambda: "TRAINER FAILED" in peer_log.read_text(), timeout=120, interval=0.5,
+                       what="the entrypoint to report the trainer's failure (no torch here)")
+        else:
+            # The demo trainer runs its steps beside the daemon, reports to it, ends; the daemon stays.
+            wait_until(lambda: "trainer finished (status 0)" in peer_log.read_text(), timeout=120, interval=0.5,
+                       what="the demo trainer to finish its 2 steps")
+            assert "peerd train --run demo" in peer_log.read_text()
+            metrics = scrape(status["metrics"])
+            assert metric_value(metrics, "peerd_trainer_loss") > 0
+            assert metric_value(metrics, "peerd_moshpit_rounds_total") >= 2
+        assert peer.poll() is None  # the daemon keeps running, whatever became of the trainer
         assert "peerd train" not in boot_log.read_text()  # PEERD_TRAIN=0
 
         started = time.monotonic()
@@ -462,3 +475,25 @@ def test_entrypoint_exits_with_the_daemons_failure(tmp_path):
     assert proc.wait(60) == 1
     text = log.read_text()
     assert "daemon exited with status 1" in text and "no bootstrap node answered" in text
+
+
+@pytest.mark.e2e
+def test_entrypoint_keeps_the_daemon_when_the_trainer_fails(tmp_path):
+    if not _train_exists():
+        pytest.skip("this peerd has no 'peerd train'")
+    (tmp_path / "swarm").mkdir()
+    # --index outside --peers: the trainer fails at once; with no restarts allowed the entrypoint gives up on it.
+    proc, log, env = _entrypoint("bootstrap", tmp_path, "boot", PEERD_LISTEN="127.0.0.1:0", PEERD_TRAIN="1",
+                                 PEERD_TRAIN_ARGS="--peers 1 --index 5", PEERD_TRAIN_RESTARTS="0")
+    try:
+        wait_until(lambda: "giving up on it, the daemon keeps running" in log.read_text(), timeout=120,
+                   interval=0.5, what="the entrypoint to give up on a failing trainer")
+        assert re.search(r"TRAINER FAILED \(status [1-9]\d*\) on start 1 of 1", log.read_text())
+        assert proc.poll() is None
+        assert peerd_json("status", "--socket", env["PEERD_SOCKET"])["joined"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
