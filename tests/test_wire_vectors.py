@@ -84,7 +84,7 @@ def body_from_fields(fields: dict) -> dict:
         if k == "from":
             addr = None if v["addr"] is None else m.pack_addr(*v["addr"])
             out[k] = {"pk": h(v["pk"]), "sig": h(v["sig"]), "addr": addr}
-        elif k in ("target", "key", "run", "sha", "data"):  # binary fields (run, sha, data: state sync)
+        elif k in ("target", "key", "sha", "data") or (k == "run" and "sha" in fields):  # binary (state sync: bin run)
             out[k] = h(v)
         elif k == "nodes":
             out[k] = [m.pack_contact(h(i), host, port) for i, host, port in v]
