@@ -1,0 +1,170 @@
+"""peerd.torch.Optimizer against an in-process daemon (real local socket, arena and TrainerService; an
+exact in-process averager instead of Moshpit)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from peerd.localsock.client import DaemonError  # noqa: E402
+from peerd.torch import NoGroupError, Optimizer  # noqa: E402
+
+from .trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def model(seed: int = 0, hidden: int = 8) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
+
+
+def flat(m: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def train_step(m, opt, seed, samples=8):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(samples, 4, generator=g), torch.randint(0, 2, (samples,), generator=g)
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(m(x), y)
+    loss.backward()
+    return opt.step(samples=samples, loss=loss.item())
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0))
+    yield d
+    d.stop()
+
+
+def test_two_replicas_stay_identical_and_follow_the_weighted_mean(daemon) -> None:
+    models = [model(0), model(0)]
+    opts = [Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=daemon.path, sync_state=False,
+                      average_params_every=2, state_every=0) for m in models]
+    # what the average should be: the sample-weighted mean of both replicas' gradients, then SGD
+    ref = model(0)
+    replies: list[list[dict]] = [[], []]
+
+    def worker(i: int) -> None:
+        for s in range(4):
+            replies[i].append(train_step(models[i], opts[i], seed=100 * i + s, samples=8 * (i + 1)))
+
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    # replay the same 4 steps centrally
+    for s in range(4):
+        grads = []
+        for i in range(2):
+            g = torch.Generator().manual_seed(100 * i + s)
+            n = 8 * (i + 1)
+            x, y = torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)
+            ref.zero_grad()
+            torch.nn.functional.cross_entropy(ref(x), y).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for p, g0, g1 in zip(ref.parameters(), grads[0], grads[1], strict=True):
+            p.grad = (g0 * 8 + g1 * 16) / 24
+        ref_opt.step()
+    assert torch.equal(flat(models[0]), flat(models[1]))
+    torch.testing.assert_close(flat(models[0]), flat(ref), rtol=1e-5, atol=1e-6)
+    assert all(r["outcome"] == "averaged" and r["group_size"] == 2 for rs in replies for r in rs)
+    assert "params" in replies[0][1] and replies[0][1]["params"]["outcome"] == "averaged"  # K = 2
+    assert opts[0].step_count == 4 and opts[0].outcomes == {"averaged": 4}
+    kinds = [run_id.rsplit(".", 1)[1] for run_id, _ in daemon.averager.calls]
+    assert kinds.count("g") == 8 and kinds.count("p") == 4
+    for o in opts:
+        o.close()
+
+
+def test_no_group_policies(daemon) -> None:
+    daemon.averager.wait_s = 0.1  # nobody else: every round is "alone"
+    m = model(1)
+    before = flat(m).clone()
+    opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=daemon.path, sync_state=False,
+                    no_group="skip", state_every=0)
+    r = train_step(m, opt, 0)
+    assert r["outcome"] == "alone" and torch.equal(flat(m), before) and opt.step_count == 0
+    opt.no_group = "local"
+    train_step(m, opt, 0)
+    assert opt.step_count == 1 and opt.local_steps == 1 and not torch.equal(flat(m), before)
+    opt.no_group = "raise"
+    with pytest.raises(NoGroupError, match="alone"):
+        train_step(m, opt, 0)
+    opt.close()
+
+
+def test_snapshot_carries_params_optimizer_state_and_step(daemon) -> None:
+    daemon.averager.wait_s = 0.1
+    a, b = model(0), model(7)
+    oa = Optimizer(torch.optim.Adam(a.parameters(), lr=0.01), run="t", socket=daemon.path, sync_state=False,
+                   state_every=0)
+    for s in range(3):
+        train_step(a, oa, s)
+    blob = oa.snapshot()
+    ob = Optimizer(torch.optim.Adam(b.parameters(), lr=0.01), run="t", socket=daemon.path, sync_state=False,
+                   state_every=0)
+    assert ob.load_snapshot(blob) == 3 and ob.step_count == 3
+    assert torch.equal(flat(a), flat(b))
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+    # after taking over, both replicas make the same step from the same gradients
+    train_step(a, oa, 9)
+    train_step(b, ob, 9)
+    torch.testing.assert_close(flat(a), flat(b))
+    # another optimizer class or model is refused
+    c = model(0)
+    oc = Optimizer(torch.optim.SGD(c.parameters(), lr=0.1), run="t", socket=daemon.path, sync_state=False)
+    with pytest.raises(ValueError, match="optimizer"):
+        oc.load_snapshot(blob)
+    for o in (oa, ob, oc):
+        o.close()
+
+
+def test_a_different_model_is_refused(daemon) -> None:
+    a = model(0, hidden=8)
+    oa = Optimizer(torch.optim.SGD(a.parameters(), lr=0.1), run="t", socket=daemon.path, sync_state=False)
+    with pytest.raises(DaemonError, match="different model"):
+        Optimizer(torch.optim.SGD(model(0, hidden=9).parameters(), lr=0.1), run="t", socket=daemon.path)
+    oa.close()
+
+
+def test_daemon_death_mid_round_is_a_clear_error_and_the_next_step_reconnects(tmp_path) -> None:
+    path = str(tmp_path / "d.sock")
+    d = ThreadDaemon(path, InProcessAverager(group_size=2, wait_s=30.0))
+    m = model(0)
+    opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=path, sync_state=False,
+                    state_every=0, timeout_s=30)
+    errors: list[str] = []
+
+    def step() -> None:
+        try:
+            train_step(m, opt, 0)
+        except DaemonError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=step)
+    start = time.monotonic()
+    t.start()
+    time.sleep(0.5)
+    d.stop()  # dies while the round waits for a second member
+    t.join(15)
+    assert not t.is_alive() and time.monotonic() - start < 15
+    assert errors and "closed the connection" in errors[0]
+    with pytest.raises(DaemonError, match="no peerd daemon"):
+        train_step(m, opt, 1)  # no daemon yet: a clear error, not a hang
+    d2 = ThreadDaemon(path, InProcessAverager(group_size=1))
+    try:
+        r = train_step(m, opt, 2)  # reconnects: a new session on the new daemon
+        assert r["outcome"] == "alone" and opt.step_count == 1 and opt.local_steps == 1
+    finally:
+        opt.close()
+        d2.stop()
