@@ -170,9 +170,10 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "dropcompute": cfg.dropcompute,
             "samples_per_second": sum(r["samples"] for r in results) / max(r["wall_s"] for r in results),
             "outcomes": _sum_outcomes(results),
-            "per_peer": [{k: r[k] for k in ("peer", "first_step", "steps", "held_out_loss", "accuracy", "samples",
-                                             "samples_per_second", "local_steps", "synced", "dropped_microbatches",
-                                             "tau")} for r in results],
+            "per_peer": [{**{k: r[k] for k in ("peer", "first_step", "steps", "held_out_loss", "accuracy", "samples",
+                                                "samples_per_second", "local_steps", "synced", "dropped_microbatches",
+                                                "tau")},
+                          "start_accuracy": starts.get(r["peer"], {}).get("accuracy")} for r in results],
         }
         say(f"\ndone in {wall:.1f} s: held-out accuracy {summary['accuracy']:.4f}, loss {summary['final_loss']:.4f} "
             f"(mean over {cfg.peers} peers); largest relative distance between two peers' parameters "

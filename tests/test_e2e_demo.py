@@ -1,0 +1,112 @@
+"""End to end with real daemons and real `peerd train` processes on 127.0.0.1 (needs torch + scikit-learn):
+the demo's accuracy and agreement, a late joiner, a trainer killed mid-step, a daemon killed mid-round,
+and a trainer with a different model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .conftest import metric_value, peerd_json, scrape, wait_until
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+pytestmark = pytest.mark.e2e
+
+
+def test_demo_4_peers_200_steps(tmp_path) -> None:
+    result = peerd_json("demo", "--peers", "4", "--steps", "200", timeout=900)
+    assert result["peers"] == 4 and result["steps"] == 200
+    assert result["accuracy"] >= 0.95, result
+    assert result["max_param_divergence"] <= 0.01, result
+    assert result["final_loss"] < 0.5
+    assert result["outcomes"].get("averaged", 0) >= 0.9 * 4 * 200  # averaging happened, not local steps
+
+
+def test_late_joiner_takes_the_swarms_state_before_its_first_step() -> None:
+    from peerd.demo import DemoConfig, run_demo
+
+    summary = run_demo(DemoConfig(peers=3, steps=200, join_late={2: 100}, json=True))
+    late = summary["per_peer"][2]
+    assert late["synced"] is not None and late["synced"]["donors"] >= 1
+    assert 100 <= late["first_step"] == late["synced"]["step"] < 200
+    # its own (differently seeded) weights would score about 0.1; the swarm's score far higher
+    assert late["start_accuracy"] >= 0.8, late
+    assert all(p["steps"] == 200 for p in summary["per_peer"])  # it finishes with the others
+    assert summary["max_param_divergence"] <= 0.01
+    assert summary["accuracy"] >= 0.9
+
+
+def _trainer(node, *extra: str, steps: int = 100000) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "peerd", "train", "--run", "e2e", "--socket", node.socket, "--steps", str(steps),
+         "--no-sync", "--progress", "json", "--timeout", "5", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
+    )
+
+
+def _wait_steps(proc: subprocess.Popen, count: int, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    last: dict = {}
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise AssertionError(f"trainer exited {proc.wait()}: {proc.stderr.read()}")  # type: ignore[union-attr]
+        ev = json.loads(line)
+        if ev.get("event") == "step":
+            last = ev
+            if ev["step"] >= count:
+                return ev
+    raise AssertionError(f"no step {count} within {timeout} s (last {last})")
+
+
+def test_kill_trainer_mid_step_kill_daemon_mid_round_and_a_different_model(swarm) -> None:
+    nodes = swarm.start_many(3)
+    trainers = [_trainer(n) for n in nodes]
+    try:
+        for t in trainers:
+            _wait_steps(t, 5)
+        # 1. a trainer dies mid-step (its steps are nearly all spent in rounds): its daemon stays healthy
+        trainers[0].send_signal(signal.SIGKILL)
+        trainers[0].wait(10)
+        wait_until(lambda: metric_value(scrape(nodes[0].status["metrics"]), "peerd_trainer_sessions") == 0,
+                   timeout=20, interval=0.5, what="the dead trainer's session to close")
+        assert nodes[0].call("status")["peer_id"]
+        assert metric_value(scrape(nodes[0].status["metrics"]), "peerd_trainer_steps_total") >= 5
+
+        # 2. a daemon dies mid-round: its trainer gets a clear error quickly, not a hang
+        nodes[1].proc.send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        code = trainers[1].wait(60)
+        err = trainers[1].stderr.read()  # type: ignore[union-attr]
+        assert code == 1 and time.monotonic() - start < 60
+        assert "peerd: error:" in err and "daemon" in err, err
+        assert "Traceback" not in err
+
+        # the survivor keeps training (alone or with the newcomer below)
+        _wait_steps(trainers[2], _wait_steps(trainers[2], 1)["step"] + 3)
+
+        # 3. a trainer with another model in the same run is refused, with the reason
+        other = _trainer(nodes[0], "--hidden", "32")
+        assert other.wait(120) == 1
+        err = other.stderr.read()  # type: ignore[union-attr]
+        assert "different model" in err, err
+
+        # 4. the daemon whose trainer died serves a new trainer of the right model, which averages again
+        trainers[0] = _trainer(nodes[0])
+        ev = _wait_steps(trainers[0], 5)
+        assert ev["outcome"] in ("averaged", "alone")
+        assert metric_value(scrape(nodes[0].status["metrics"]), "peerd_trainer_steps_total", outcome="averaged") > 0
+    finally:
+        for t in trainers:
+            if t.poll() is None:
+                t.kill()
+                t.wait()
