@@ -130,8 +130,9 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
                 return nodes[i].call("avg_round", timeout=120, run=RUN, vector=vectors[i].tobytes(), weight=1.0,
                                      timeout_s=60.0)
             except DaemonError:
-                if nodes[i].alive():
+                if i not in victims:
                     raise
+                nodes[i].proc.wait(timeout=10)
                 return None  # killed
 
         for r in range(cfg.rounds):

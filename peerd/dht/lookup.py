@@ -12,6 +12,7 @@ class _State(Enum):
     IN_FLIGHT = 1
     ANSWERED = 2
     FAILED = 3
+    SLOW = 4  # no answer yet after the first timeout: ranked like a failure, but a late answer counts
 
 
 class Lookup:
@@ -38,7 +39,7 @@ class Lookup:
                 self._state[c.node_id] = _State.NEW
 
     def _ranked(self) -> list[bytes]:
-        live = [n for n, s in self._state.items() if s is not _State.FAILED]
+        live = [n for n, s in self._state.items() if s not in (_State.FAILED, _State.SLOW)]
         live.sort(key=lambda n: int.from_bytes(n, "big") ^ self._t)
         return live[: self.k]
 
@@ -59,13 +60,18 @@ class Lookup:
         return chosen
 
     def on_reply(self, node_id: bytes, nodes: list[Contact]) -> None:
-        if self._state.get(node_id) is _State.IN_FLIGHT:
+        if self._state.get(node_id) in (_State.IN_FLIGHT, _State.SLOW):
             self._state[node_id] = _State.ANSWERED
         self.add(nodes)
 
     def on_failure(self, node_id: bytes) -> None:
         if node_id in self._state:
             self._state[node_id] = _State.FAILED
+
+    def on_slow(self, node_id: bytes) -> None:
+        """A query is taking long (a dead node, usually): stop waiting for it, free its slot."""
+        if self._state.get(node_id) is _State.IN_FLIGHT:
+            self._state[node_id] = _State.SLOW
 
     @property
     def finished(self) -> bool:

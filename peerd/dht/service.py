@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -21,6 +22,9 @@ from .records import Record, location, merge_newest
 from .routing import Contact, distance
 
 log = logging.getLogger("peerd.dht")
+
+
+SLOW_QUERY_S = 0.6  # a lookup stops waiting for a query after this (the first retry is at 0.5 s)
 
 
 class BootstrapError(Exception):
@@ -140,26 +144,40 @@ class DhtService:
         lookup = Lookup(
             target, self.core.table.closest(target), own_id=self.node_id, k=self.k, alpha=self.alpha
         )
-        send, receive = trio.open_memory_channel[tuple[bytes, list[Contact] | None]](math.inf)
+        send, receive = trio.open_memory_channel[tuple[bytes, list[Contact] | None | str]](math.inf)
 
         async def ask(contact: Contact) -> None:
             try:
                 found: list[Contact] | None = await query(contact)
             except RpcError:
                 found = None
-            send.send_nowait((contact.node_id, found))
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                send.send_nowait((contact.node_id, found))
 
-        async with trio.open_nursery() as nursery:
-            while True:
-                for contact in lookup.next_queries():
-                    nursery.start_soon(ask, contact)
-                if lookup.finished:
-                    break
-                node_id, found = await receive.receive()
-                if found is None:
-                    lookup.on_failure(node_id)
-                else:
-                    lookup.on_reply(node_id, found)
+        async def slow_after(contact: Contact) -> None:
+            await trio.sleep(SLOW_QUERY_S)
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                send.send_nowait((contact.node_id, "slow"))
+
+        # Queries run in the service's nursery: a dead node's retries (3.5 s) finish in the background
+        # and remove it from the table, while this lookup moves on once the query counts as slow.
+        async with trio.open_nursery() as timers:
+            spawn = self._nursery.start_soon if self._nursery is not None else timers.start_soon
+            with receive:
+                while True:
+                    for contact in lookup.next_queries():
+                        spawn(ask, contact)
+                        timers.start_soon(slow_after, contact)
+                    if lookup.finished:
+                        break
+                    node_id, found = await receive.receive()
+                    if found == "slow":
+                        lookup.on_slow(node_id)
+                    elif found is None:
+                        lookup.on_failure(node_id)
+                    else:
+                        lookup.on_reply(node_id, found)  # type: ignore[arg-type]
+            timers.cancel_scope.cancel()
         return lookup.result()
 
     async def find_nodes(self, target: bytes) -> list[Contact]:
