@@ -127,4 +127,35 @@ if [ "$PEERD_TRAIN" = 1 ]; then
   fi
 fi
 
+# Every query of the Grafana dashboard, against this swarm: PromQL errors fail; empty answers are listed.
+python3 - "$prom" <<'PY' || fail "a dashboard query is not valid PromQL here"
+import json, sys, urllib.parse, urllib.request
+prom = sys.argv[1]
+exprs = []
+def walk(n):
+    if isinstance(n, dict):
+        for k, v in n.items():
+            exprs.append(v) if k == "expr" else walk(v)
+    elif isinstance(n, list):
+        for v in n:
+            walk(v)
+walk(json.load(open("deploy/grafana/dashboards/peerd.json")))
+bad, empty = 0, []
+for e in exprs:
+    q = e.replace("$__rate_interval", "1m")
+    try:
+        with urllib.request.urlopen(f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": q}), timeout=10) as r:
+            result = json.load(r)["data"]["result"]
+    except Exception as err:  # 400 with the error for bad PromQL
+        print(f"  dashboard query failed: {q}: {err}", file=sys.stderr)
+        bad += 1
+        continue
+    if not result:
+        empty.append(q)
+print(f"  dashboard: {len(exprs)} queries, {len(exprs) - bad - len(empty)} with data, {len(empty)} empty", file=sys.stderr)
+for q in empty:
+    print(f"    empty: {q}", file=sys.stderr)
+sys.exit(1 if bad else 0)
+PY
+
 say "PASSED: build ${build_s} s, swarm seen ${swarm_s} s after up, $((SECONDS - t0)) s before teardown"
