@@ -82,6 +82,7 @@ class Optimizer:
         self.last: dict[str, Any] = {}
         self.synced_from: dict[str, Any] | None = None
         self._last_end: float | None = None
+        self._last_call: float | None = None
         self._client: LocalClient | None = None
         self.session = 0
         self.layout_hash = ""
@@ -201,8 +202,9 @@ class Optimizer:
         report: dict[str, Any] = {}
         if loss is not None:
             report["loss"] = float(loss)
-        if self._last_end is not None and now > self._last_end:
-            report["samples_per_second"] = float(samples) / (now - self._last_end)
+        if self._last_call is not None and now > self._last_call:  # throughput over the whole step cycle
+            report["samples_per_second"] = float(samples) / (now - self._last_call)
+        self._last_call = now
         grads = [p.grad for p in self.params]
         reply, result = self._average("grad", grads, float(samples), report)
         outcome = reply["outcome"]
@@ -216,10 +218,10 @@ class Optimizer:
                 return reply
             self.local_steps += 1  # "local": own gradients, which the daemon handed back unchanged
         with torch.no_grad():
-            self._scatter(result, [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
             for p in self.params:
-                if p.grad is None:
+                if p.grad is None:  # a parameter this replica did not use still gets the swarm's gradient
                     p.grad = torch.zeros_like(p)
+            self._scatter(result, [p.grad for p in self.params])
         self.opt.step()
         self.step_count += 1
         if self.average_params_every and self.step_count % self.average_params_every == 0:
