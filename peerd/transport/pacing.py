@@ -12,20 +12,23 @@ Why not just "loss means slow down": a lossy link (random drops, independent of 
 collapse the rate, while an overrun bottleneck (a token-bucket link, a slow receiver) must. One report
 cannot tell them apart: in both, delivered ~= sent x (1 - loss). What differs is how loss depends on the
 rate: random loss stays at p at every rate, congestion loss vanishes below the bottleneck. So the pacer
-keeps, per path, the lowest loss seen in recent reports as that path's random-loss floor (0 until it has
-seen a report) and treats only loss clearly above the floor, or receive-buffer overflow, or arrivals that
-lag well behind sends (a queue building), as congestion. The first report on a path with random loss is
-taken for congestion and costs one back-off; the next one, at the lower rate, shows the same loss, and
-from then on that loss is the floor. On a bottleneck, the back-off goes below it, the next reports come in
-clean, and the floor stays near 0: the old heuristic (floor = first report's fraction) learned congestion
-as random loss and never backed off.
+keeps, per path, a random-loss floor (from recent clean reports; 0 until there are some) and treats only
+loss clearly above the floor, or receive-buffer overflow (kernel drops), as congestion. The loss that caused
+a decrease is a suspect: if the next report, sent at the lower rate, shows the same loss, it was random
+loss: it joins the floor and the decrease is undone. On a bottleneck the back-off goes below it, the next
+reports come in clean, and the floor stays near 0. (The old heuristic took the first report's fraction as
+the floor, so it learned congestion as random loss and never backed off.)
+
+Arrivals lagging behind sends (a queue building at a receiver) are not a signal on their own: measured
+with 4 daemons on 2 cores over loopback, receivers short of CPU lag all the time, the 32 MB socket buffers
+absorb it, and backing off on it cut throughput several-fold. The lag does shape how far a decrease goes.
 
 On congestion the rate drops to what the path delivered (the delivered fraction beyond the random loss,
-times a margin), once per interval: reports that cover time before the last decrease are stale. Clean
-reports raise the rate: doubling it every 0.1 s until the first congestion (slow start), then by 30 % a second (a
-constant step would take minutes to recover from a deep cut). A sender that does not use its rate (CPU-bound) does not
-raise it. Reports that cover time before the last decrease are stale: they neither trigger another decrease
-nor enter the floor.
+and the arrival rate against the send rate of the same datagrams, times a margin), once per interval:
+reports about datagrams sent before the last decrease are stale and ignored. Clean reports raise the rate:
+doubling it every 0.1 s until the first congestion (slow start), then by 30 % a second (a constant step
+would take minutes to recover from a deep cut). A sender that does not use its rate (CPU-bound) does not
+raise it.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ MAX_BACKOFF = 0.85  # a decrease is at least this much
 MIN_FACTOR = 0.02  # and at most this much, in one step (an 8x overrun loses ~7/8: that says how far to go)
 MIN_LAG_FACTOR = 0.5
 LOSS_MARGIN = 0.02  # loss this far above the path's floor (plus 3 sigma of sampling noise) is congestion
-LAG_FACTOR = 0.6  # arrivals slower than this fraction of (sends x delivered fraction): a queue is building
 MIN_SAMPLE = 32  # datagrams: fewer carry too little information about loss
 MIN_RATE_SPAN_S = 0.04  # intervals shorter than this say little about rates
 MIN_SPAN_S = 0.002  # ... and shorter than this nothing
@@ -227,22 +229,12 @@ class Pacer:
                 self.ssthresh = max(self.ssthresh, ssthresh_before)
                 undone = True
         path.suspect = None
-        # Arrivals spread well beyond the sends of the same datagrams: a queue is building (a slow receiver).
-        lagging = (
-            sent_span is not None
-            and r.expected >= 4 * MIN_SAMPLE
-            and stop - start >= MIN_RATE_SPAN_S / 2
-            and r.seconds * LAG_FACTOR > stop - start
-        )
-
         reason = ""
         if r.kernel_drops > 0:
             reason = f"{r.kernel_drops} datagrams dropped by the receiver's kernel"
         elif excess:
             reason = f"loss {loss:.3f} above the path's floor {floor:.3f}"
             path.suspect = (loss, expected, self.rate, self.ssthresh)
-        elif lagging:
-            reason = f"arrivals over {r.seconds * 1e3:.0f} ms of sends over {(stop - start) * 1e3:.0f} ms"
         if reason:
             # Down to what the path delivered: the fraction that arrived beyond the random loss, and (over
             # a long enough span) the arrival rate against the send rate of the same datagrams.
