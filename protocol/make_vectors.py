@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import ipaddress
 import json
 import sys
 from pathlib import Path
@@ -217,6 +218,24 @@ def control_messages() -> list[tuple[str, m.MsgType, dict]]:
                 "position": 4096,
             },
         ),
+        (
+            "mm_join",
+            m.MsgType.MM_JOIN,
+            {"rid": 305, "from": from_field(IDENT_A, TOKEN, a4), "run": "demo", "round": 7, "key": "2.0",
+             "expiry": 1767225600.25},
+        ),
+        ("mm_joined", m.MsgType.MM_JOINED, {"rid": 305, "from": from_field(IDENT_A, TOKEN, a4), "ok": False,
+                                            "reason": "following"}),
+        (
+            "mm_begin",
+            m.MsgType.MM_BEGIN,
+            {"rid": 306, "from": from_field(IDENT_A, TOKEN, a4), "run": "demo", "round": 7, "group": 0x1234ABCD,
+             "members": [[IDENT_A.public_key, ipaddress.ip_address("192.0.2.1").packed, 7411],
+                         [IDENT_A.public_key[::-1], ipaddress.ip_address("2001:db8::1").packed, 7412]]},
+        ),
+        ("mm_begun", m.MsgType.MM_BEGUN, {"rid": 306, "from": from_field(IDENT_A, TOKEN, a4), "ok": True}),
+        ("mm_disband", m.MsgType.MM_DISBAND, {"rid": 307, "from": from_field(IDENT_A, TOKEN, a4), "run": "demo",
+                                              "round": 7}),
         (
             "state_get",
             m.MsgType.STATE_GET,

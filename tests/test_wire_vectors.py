@@ -84,9 +84,11 @@ def body_from_fields(fields: dict) -> dict:
         if k == "from":
             addr = None if v["addr"] is None else m.pack_addr(*v["addr"])
             out[k] = {"pk": h(v["pk"]), "sig": h(v["sig"]), "addr": addr}
-        elif k in ("target", "key", "sha", "data") or (k == "run" and "sha" in fields):  # binary (state sync: bin run)
+        elif k in ("target", "sha", "data") or (k == "run" and "sha" in fields):  # binary (state sync: bin run)
             out[k] = h(v)
-        elif k == "nodes":
+        elif k == "key":  # binary in FIND_VALUE, text (a group key) in MM_JOIN
+            out[k] = v if "run" in fields else h(v)
+        elif k in ("nodes", "members"):  # contacts, and MM_BEGIN's [pk, ip, port] (same shape)
             out[k] = [m.pack_contact(h(i), host, port) for i, host, port in v]
         elif k == "records":
             out[k] = [[h(a), h(b), h(c), float(e), float(t), h(pk), h(sig)] for a, b, c, e, t, pk, sig in v]
