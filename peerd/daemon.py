@@ -144,6 +144,7 @@ class Daemon:
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT; raises StartupError if bootstrapping gives up."""
+        failed: list[str] = []
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._watch_signals, nursery.cancel_scope)
@@ -162,13 +163,17 @@ class Daemon:
                     try:
                         await self.dht.bootstrap(self.config.bootstrap, timeout=self.config.bootstrap_timeout)
                     except BootstrapError as e:
-                        raise StartupError(str(e)) from None
+                        # raised after the nursery closes: inside it, trio would wrap it in an ExceptionGroup
+                        failed.append(str(e))
+                        nursery.cancel_scope.cancel()
                 else:
                     self.dht.bootstrapped.set()
                     log.info("started a new swarm (no --bootstrap); others join with --bootstrap %s",
                              format_hostport(*(self.config.announce or self.listen)))
         finally:
             self.close()
+        if failed:
+            raise StartupError(failed[0])
 
     async def _watch_signals(self, scope: trio.CancelScope, *, task_status: trio.TaskStatus[None]) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

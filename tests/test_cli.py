@@ -99,6 +99,8 @@ def test_unreachable_bootstrap_answers_status_then_gives_up(tmp_path) -> None:
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 1
         assert "no bootstrap node answered within 8 s" in err and "--swarm-key-file" in err
+        assert "Traceback" not in err and "ExceptionGroup" not in err, err
+        assert err.strip().splitlines()[-1].startswith("peerd: error: "), err
         assert time.monotonic() - start < 30
         assert not os.path.exists(sock)
     finally:

@@ -107,8 +107,8 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
             swarm.wait_ready(nodes[-1])
         _wait_connected(nodes)
         open_args: dict[str, Any] = {"run": RUN, "window_s": cfg.window_s}
-        if cfg.grid is not None:
-            open_args.update(grid=str(cfg.grid), adapt=False)
+        if cfg.grid is not None:  # Moshpit's exact conditions: groups close at exactly M members
+            open_args.update(grid=str(cfg.grid), adapt=False, min_size=cfg.grid.size)
         cells = list(range(cfg.peers))
         rng.shuffle(cells)
         for i, node in enumerate(nodes):
@@ -146,6 +146,9 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
             if killer is not None:
                 killer.result()
                 live -= set(victims)
+                # from now on a group closes at its deadline with whoever is present
+                for i in sorted(live):
+                    nodes[i].call("avg_open", timeout=30, run=RUN, min_size=2, window_s=cfg.window_s)
             stats = {}
             for i, reply in zip(order, replies, strict=True):
                 if reply is None or i not in live:

@@ -161,7 +161,9 @@ class MoshpitService:
         check_run_id(run_id)
         if not 0.2 <= window_s <= 600:
             raise MoshpitError(f"window_s must be in [0.2, 600] seconds, got {window_s}")
-        if grid is None:
+        if grid is None and run_id in self.runs:
+            grid = self.runs[run_id].grid
+        elif grid is None:
             grid = await self._published_grid(run_id)
             if grid is None:
                 grid = Grid.for_swarm(self.dht.peer_count() + 1)
@@ -170,18 +172,20 @@ class MoshpitService:
         if not 2 <= min_size <= grid.size:
             raise MoshpitError(f"min_size must be in [2, {grid.size}] for a {grid} grid, got {min_size}")
         self._check_fits(grid.size)
-        chunks = grid.cell_chunks(cell) if cell is not None else None
         old = self.runs.get(run_id)
-        st = RunState(
-            run_id, grid,
-            KeyManager(grid, self.identity.node_id, chunks=chunks, adapt=cell is None if adapt is None else adapt,
-                       rng=self.rng),
-            min_size=min_size, window_s=window_s,
-        )
-        if old is not None:
-            st.round, st.synced, st.last = old.round, old.synced, old.last
-            st.lock = old.lock
-        self.runs[run_id] = st
+        if old is not None and cell is None and old.grid == grid:
+            keys = old.keys  # reconfiguring a running run (e.g. its min_size) keeps its place on the grid
+            if adapt is not None:
+                keys.adapt = adapt
+        else:
+            chunks = grid.cell_chunks(cell) if cell is not None else None
+            keys = KeyManager(grid, self.identity.node_id, chunks=chunks,
+                              adapt=cell is None if adapt is None else adapt, rng=self.rng)
+        if old is not None:  # in place: a round under way keeps counting on the same state
+            st = old
+            st.grid, st.keys, st.min_size, st.window_s = grid, keys, min_size, window_s
+        else:
+            st = self.runs[run_id] = RunState(run_id, grid, keys, min_size=min_size, window_s=window_s)
         if not st.synced:
             await self._sync_round(st)
         return st
