@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from peerd.transport.pacing import BURST_S, DeliveryMeter, Pacer, Report
+from peerd.transport.pacing import BURST_S, FIRST_REPORT, DeliveryMeter, Pacer, Report
 
 DATAGRAM = 1200
 BATCH = 21  # datagrams per reservation, as the driver's 64-datagram slices split over 3 destinations
@@ -49,18 +49,19 @@ def test_sent_rate_is_what_was_really_sent_per_destination() -> None:
 def test_delivery_meter_infers_what_was_sent_from_the_highest_index() -> None:
     meter = DeliveryMeter(0.0, kernel_drops=7, interval_s=0.05, min_datagrams=10)
     assert meter.sample(5, 6, 6000, 0.01, 0.05, 7, 0.06) is None  # too few datagrams yet
-    assert meter.sample(90, 100, 108_000, 0.01, 0.03, 7, 0.04) is None  # too soon
-    rep = meter.sample(90, 100, 108_000, 0.01, 0.09, 9, 0.1)
-    # the first arrival span: from the first arrival to the latest
-    assert rep == Report(expected=100, received=90, nbytes=108_000, seconds=pytest.approx(0.08), kernel_drops=2,
-                         position=100)
-    rep = meter.sample(180, 200, 216_000, 0.01, 0.19, 9, 0.2)
-    assert (rep.expected, rep.received, rep.kernel_drops, rep.position) == (100, 90, 0, 200)
+    # The first report comes as soon as FIRST_REPORT positions are in, however short the interval: a sender
+    # far above its path's rate must hear it early.
+    rep = meter.sample(120, FIRST_REPORT + 2, 144_000, 0.01, 0.03, 9, 0.04)
+    assert rep == Report(expected=FIRST_REPORT + 2, received=120, nbytes=144_000, seconds=pytest.approx(0.02),
+                         kernel_drops=2, position=FIRST_REPORT + 2)
+    assert meter.sample(200, 230, 240_000, 0.01, 0.06, 9, 0.07) is None  # too soon after it
+    rep = meter.sample(210, FIRST_REPORT + 102, 252_000, 0.01, 0.13, 9, 0.14)
+    assert (rep.expected, rep.received, rep.kernel_drops, rep.position) == (100, 90, 0, FIRST_REPORT + 102)
     assert rep.seconds == pytest.approx(0.1)  # arrival span: from the last arrival already reported
-    # The phase ends: a lost tail (datagrams 200..249 of a 250-datagram stream) counts as lost.
-    rep = meter.final(250, 185, 222_000, 0.01, 0.21, 9, 0.3)
-    assert (rep.expected, rep.received, rep.position) == (50, 5, 250)
-    assert meter.final(250, 185, 222_000, 0.01, 0.21, 9, 0.4) is None  # nothing more to say
+    # The stream ends: a lost tail (50 positions, 5 of them arrived) counts as lost.
+    rep = meter.final(FIRST_REPORT + 152, 215, 258_000, 0.01, 0.15, 9, 0.3)
+    assert (rep.expected, rep.received, rep.position) == (50, 5, FIRST_REPORT + 152)
+    assert meter.final(FIRST_REPORT + 152, 215, 258_000, 0.01, 0.15, 9, 0.4) is None  # nothing more to say
 
 
 # ---- a path model in virtual time ---------------------------------------------------------------------

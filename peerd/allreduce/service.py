@@ -106,11 +106,11 @@ class AllreduceService:
                 raise WireError("sender", "data from a node that is not in this group")
             run.by_token[header.token] = index
         core = run.core
-        before = (core.wants_to_send, core.finished)
+        before = core.phase_changes
         outcome = core.receive(index, header.type, body, trio.current_time())
         if outcome is not Outcome.ACCEPTED and outcome is not Outcome.DUPLICATE:
             self.metrics.datagrams_dropped.labels(outcome.value).inc()
-        if (core.wants_to_send, core.finished) != before:
+        if core.phase_changes != before:
             run.wake.set()
 
     def _deliver_counted(self, run: _Running, header: Header, body: bytes, state: TokenState) -> None:

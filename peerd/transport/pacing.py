@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-DEFAULT_RATE = 200e6  # bytes/s: a fast start (slow start doubles it every 0.1 s), backed off within ~25 ms
+DEFAULT_RATE = 100e6  # bytes/s: a fast start (slow start doubles it every 0.1 s); a receiver reports early
 MIN_RATE = 0.5e6
 MAX_RATE = 20e9
 BURST_S = 0.002  # a burst may run this far ahead of the average rate
@@ -53,6 +53,7 @@ MIN_FACTOR = 0.02  # and at most this much, in one step (an 8x overrun loses ~7/
 MIN_LAG_FACTOR = 0.5
 LOSS_MARGIN = 0.02  # loss this far above the path's floor (plus 3 sigma of sampling noise) is congestion
 MIN_SAMPLE = 32  # datagrams: fewer carry too little information about loss
+FIRST_REPORT = 4 * MIN_SAMPLE  # positions: a stream's first report comes this early, whatever the interval
 MIN_RATE_SPAN_S = 0.04  # intervals shorter than this say little about rates
 MIN_SPAN_S = 0.002  # ... and shorter than this nothing
 FLOOR_SAMPLES = 8  # reports per path the random-loss floor is taken over
@@ -322,7 +323,10 @@ class DeliveryMeter:
     def sample(
         self, received: int, top: int, nbytes: int, first_at: float, last_at: float, kernel_drops: int, now: float
     ) -> Report | None:
-        if now - self._t < self.interval_s or top - self._top < self.min_datagrams:
+        if self._last_at is None:  # the first report comes as soon as it means something: a sender that
+            if top < FIRST_REPORT:  # starts far above its path loses most of what it sends until then
+                return None
+        elif now - self._t < self.interval_s or top - self._top < self.min_datagrams:
             return None
         return self._take(received, top, nbytes, first_at, last_at, kernel_drops, now)
 
