@@ -21,6 +21,7 @@ pytest.importorskip("sklearn")
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.timeout(900)
 def test_demo_4_peers_200_steps(tmp_path) -> None:
     result = peerd_json("demo", "--peers", "4", "--steps", "200", timeout=900)
     assert result["peers"] == 4 and result["steps"] == 200
@@ -30,7 +31,10 @@ def test_demo_4_peers_200_steps(tmp_path) -> None:
     assert result["outcomes"].get("averaged", 0) >= 0.9 * 4 * 200  # averaging happened, not local steps
 
 
+@pytest.mark.timeout(900)
 def test_late_joiner_takes_the_swarms_state_before_its_first_step() -> None:
+    """Slow (about 6 minutes on 2 cores): its daemon runs from the start, so the swarm's Moshpit groups
+    target 3 members and the two founders' rounds wait for the group deadline until the joiner arrives."""
     from peerd.demo import DemoConfig, run_demo
 
     summary = run_demo(DemoConfig(peers=3, steps=200, join_late={2: 100}, json=True))
