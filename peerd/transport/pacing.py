@@ -53,6 +53,7 @@ MIN_FACTOR = 0.02  # and at most this much, in one step (an 8x overrun loses ~7/
 MIN_LAG_FACTOR = 0.5
 LOSS_MARGIN = 0.02  # loss this far above the path's floor (plus 3 sigma of sampling noise) is congestion
 MIN_SAMPLE = 32  # datagrams: fewer carry too little information about loss
+EPISODE_S = 1.0  # decreases closer together than this are one episode (undone together)
 FIRST_REPORT = 4 * MIN_SAMPLE  # positions: a stream's first report comes this early, whatever the interval
 MIN_RATE_SPAN_S = 0.04  # intervals shorter than this say little about rates
 MIN_SPAN_S = 0.002  # ... and shorter than this nothing
@@ -163,6 +164,7 @@ class Pacer:
         self._next = 0.0  # when the bucket is empty again
         self._last_decrease = -math.inf
         self._last_increase: float | None = None
+        self._undo_rate = 0.0  # the rate before the current episode of decreases (restored if random loss)
         self._paths: dict[Hashable, _Path] = {}
         self._sent: dict[Hashable, _SendLog] = {}
         self._total = _SendLog()
@@ -207,7 +209,9 @@ class Pacer:
         expected = max(r.expected, r.received, 1)
         delivered_fraction = r.received / expected
         loss = 1.0 - delivered_fraction
-        floor, _ = path.floor()
+        floor, floor_n = path.floor()
+        if not floor_n:  # a new path: the lowest floor other paths have shown (a lossy link is often all links)
+            floor = min((f for f, n in (q.floor() for q in self._paths.values()) if n), default=0.0)
         sigma = _sigma(floor, expected)
         if sent_span is not None:
             start, stop = sent_span
@@ -226,7 +230,7 @@ class Pacer:
                 floor = min(loss, before)
                 excess = False
                 # Undo the decrease it caused (it was spurious), as TCP undoes one after a spurious timeout.
-                self.rate = max(self.rate, rate_before)
+                self.rate = max(self.rate, rate_before, self._undo_rate)
                 self.ssthresh = max(self.ssthresh, ssthresh_before)
                 undone = True
         path.suspect = None
@@ -251,6 +255,8 @@ class Pacer:
             actual = self.sent_rate(start, stop) if stop - start >= MIN_RATE_SPAN_S else 0.0
             if 0 < actual < base:
                 base = actual  # back off from what was really sent, not from an unused nominal rate
+            if now - self._last_decrease > EPISODE_S:  # the rate before this episode of decreases
+                self._undo_rate = self.rate
             self.rate = max(self.min_rate, base * factor)
             self.ssthresh = self.rate
             self._last_decrease = now
