@@ -25,14 +25,14 @@ def cand(i: int, expiry: float) -> Candidate:
 class Net:
     def __init__(self, peers: list[Candidate], *, target: int, min_size: int = 2, latency: float = 0.01,
                  dead: set[int] = frozenset(), view: Callable[[int, float], list[Candidate]] | None = None,
-                 start: dict[int, float] | None = None, seed: int = 0) -> None:
+                 start: dict[int, float] | None = None, seed: int = 0, settle: float | None = 0.3) -> None:
         self.cands = {c.node_id: c for c in peers}
         self.latency = latency
         self.dead = {peers[i].node_id for i in dead}
         self.start = {peers[i].node_id: t for i, t in (start or {}).items()}
         self.mm = {
             c.node_id: Matchmaker(c, target=target, min_size=min_size, now=self.start.get(c.node_id, 0.0),
-                                  rng=random.Random(seed * 1000 + i))
+                                  rng=random.Random(seed * 1000 + i), settle_s=settle)
             for i, c in enumerate(peers) if c.node_id not in self.dead
         }
         self.view = view or (lambda i, now: list(peers))
@@ -156,7 +156,7 @@ def test_many_peers_one_key_fill_groups_of_target():
 
 def test_group_closes_at_deadline_with_min_size_or_disbands():
     peers = [cand(i, 3.0 + i * 0.01) for i in range(3)]
-    net = Net(peers, target=4, min_size=2)
+    net = Net(peers, target=4, min_size=2, settle=None)
     net.run()
     (members,) = net.groups().values()
     assert len(members) == 3
@@ -187,7 +187,7 @@ def test_dead_leader_is_skipped():
 
 def test_leader_that_dies_after_accepting_releases_its_followers():
     peers = [cand(i, 3.0 + i * 0.01) for i in range(4)]
-    net = Net(peers, target=8, min_size=2)
+    net = Net(peers, target=8, min_size=2, settle=None)
     # kill the leader just after it accepted followers
     net.at(0.5, lambda: net.kill(0))
     net.run()
@@ -208,7 +208,7 @@ def test_peers_that_see_different_dht_contents_never_mix_lists():
             return peers[:4] if i < 4 else peers[4:]
         return peers
 
-    net = Net(peers, target=8, view=view)
+    net = Net(peers, target=8, view=view, settle=None)  # the partition outlasts any settle time
     net.run()
     groups = net.groups()  # asserts every member agrees on one list
     assert sum(len(m) for m in groups.values()) == 8
@@ -217,7 +217,7 @@ def test_peers_that_see_different_dht_contents_never_mix_lists():
 
 def test_late_candidate_earlier_than_current_leader_takes_over_before_close():
     peers = [cand(i, 5.0 + i * 0.01) for i in range(3)]
-    net = Net(peers, target=3, view=lambda i, now: peers if now >= 0.5 else peers[1:])
+    net = Net(peers, target=3, view=lambda i, now: peers if now >= 0.5 else peers[1:], settle=None)
     net.run()
     (members,) = net.groups().values()
     assert len(members) == 3
@@ -280,3 +280,29 @@ def test_random_swarms_always_agree_and_finish(n, target, seed, skew, ndead):
     assert in_groups <= n
     if live >= 2 and not dead:
         assert in_groups >= 2  # with nobody dead, at least one group forms
+
+
+def test_leader_closes_early_when_everyone_looking_has_joined():
+    peers = [cand(i, 10.0 + i * 0.01) for i in range(3)]
+    net = Net(peers, target=8)
+    net.run()
+    (members,) = net.groups().values()
+    assert len(members) == 3
+    assert net.now < 2.0, "three of a target of eight, all in: no need to wait for the 10 s deadline"
+
+
+def test_exact_grid_mode_waits_for_the_target():
+    peers = [cand(i, 4.0 + i * 0.01) for i in range(3)]
+    net = Net(peers, target=4, min_size=2, settle=None)
+    net.run()
+    (members,) = net.groups().values()
+    assert len(members) == 3 and net.now >= 4.0
+
+
+def test_a_newcomer_in_the_dht_delays_the_early_close():
+    peers = [cand(i, 10.0 + i * 0.01) for i in range(4)]
+    # peer 3 shows up in the DHT at 0.1 s but only starts asking at 1.0 s: the leader must not close without it
+    net = Net(peers, target=8, view=lambda i, now: peers if now >= 0.1 else peers[:3], start={3: 1.0})
+    net.run()
+    (members,) = net.groups().values()
+    assert len(members) == 4

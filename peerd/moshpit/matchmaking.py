@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 BUSY_RETRY_S = 0.3  # a candidate that was busy (its own JOIN in flight) is asked again after this
 FOLLOW_SLACK_S = 2.5  # a follower waits this long past its leader's expiry for BEGIN (covers its retries)
+SETTLE_S = 0.3  # a leader that has everyone looking under its key closes once the DHT showed no newcomer this long
 
 
 @dataclass(frozen=True, order=True)
@@ -67,8 +68,17 @@ class State(enum.Enum):
 
 class Matchmaker:
     def __init__(
-        self, me: Candidate, *, target: int, min_size: int = 2, now: float, rng: random.Random | None = None
+        self,
+        me: Candidate,
+        *,
+        target: int,
+        min_size: int = 2,
+        now: float,
+        rng: random.Random | None = None,
+        settle_s: float | None = SETTLE_S,
     ) -> None:
+        """``settle_s``: close below the target once every peer looking under the key has joined and the DHT
+        showed nobody new for that long (None: wait for the target or the deadline, as on an exact grid)."""
         if not 2 <= min_size <= target:
             raise ValueError(f"need 2 <= min_size <= target, got min_size={min_size} target={target}")
         self.me = me
@@ -85,6 +95,10 @@ class Matchmaker:
         self._candidates: list[Candidate] = []
         self._refused: dict[bytes, float] = {}  # node id -> until when not to ask it again
         self._actions: list[Action] = []
+        self.settle_s = settle_s
+        self._looking: frozenset[bytes] = frozenset([me.node_id])  # live peers the DHT shows under the key
+        self._settled_at = now + (settle_s or 0.0)
+        self._now = now
 
     # -- what the driver reads ------------------------------------------------------------------
     @property
@@ -97,6 +111,8 @@ class Matchmaker:
 
     def next_deadline(self) -> float:
         if self.state is State.LEADING:
+            if self.settle_s is not None and self.followers and self._settled_at > self._now:
+                return min(self.me.expiry, self._settled_at)
             return self.me.expiry
         if self.state is State.FOLLOWING:
             return self.follow_deadline
@@ -107,7 +123,13 @@ class Matchmaker:
         """What a DHT read of the key showed (any order, may include me and stale peers)."""
         self.seen = max(self.seen, len({c.node_id for c in entries} | {self.me.node_id}))
         self._candidates = sorted(c for c in entries if c.node_id != self.me.node_id and c.expiry > now)
+        looking = frozenset([self.me.node_id, *(c.node_id for c in self._candidates)])
+        if looking != self._looking:
+            self._looking = looking
+            self._settled_at = now + (self.settle_s or 0.0)
+        self._now = max(self._now, now)
         self._look(now)
+        self._close_if_all_in(now)
 
     def on_join_request(self, peer: Candidate, now: float) -> tuple[bool, str]:
         """A peer asks me to lead it. Answers (accepted, reason)."""
@@ -123,6 +145,8 @@ class Matchmaker:
             self.followers.append(peer)
         if 1 + len(self.followers) >= self.target:
             self._close()
+        else:
+            self._close_if_all_in(now)
         return True, "ok"
 
     def on_join_response(self, leader: bytes, accepted: bool, reason: str, now: float) -> None:
@@ -158,6 +182,8 @@ class Matchmaker:
             self._lead(now)
 
     def handle_timer(self, now: float) -> None:
+        self._now = max(self._now, now)
+        self._close_if_all_in(now)
         if self.state is State.LEADING and now >= self.me.expiry:
             if 1 + len(self.followers) >= self.min_size:
                 self._close()
@@ -196,6 +222,14 @@ class Matchmaker:
             self.leader = c
             self._actions.append(Join(c))
             return
+
+    def _close_if_all_in(self, now: float) -> None:
+        """Everyone looking under the key follows me: waiting for the target would only wait out the deadline."""
+        if (self.settle_s is None or self.state is not State.LEADING or not self.followers
+                or 1 + len(self.followers) < self.min_size or now < self._settled_at):
+            return
+        if self._looking <= {self.me.node_id, *(f.node_id for f in self.followers)}:
+            self._close()
 
     def _close(self) -> None:
         members = tuple(sorted([self.me, *self.followers], key=lambda c: c.node_id))

@@ -27,7 +27,7 @@ from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
 from ..wire.identity import node_id_of
 from .keys import Grid, KeyManager
-from .matchmaking import Begin, Candidate, Disband, Join, Matchmaker
+from .matchmaking import SETTLE_S, Begin, Candidate, Disband, Join, Matchmaker
 
 log = logging.getLogger("peerd.moshpit")
 
@@ -271,7 +271,9 @@ class MoshpitService:
     async def _matchmake(self, st: RunState, round_no: int, key: str) -> tuple:
         now = time.time()
         me = Candidate(round(now + st.window_s, 3), self.identity.node_id, self.identity.public_key, self.address)
-        mm = Matchmaker(me, target=st.grid.size, min_size=st.min_size, now=now, rng=self.rng)
+        # min_size == M is Moshpit's exact grid: groups close at exactly M, never early
+        settle = None if st.min_size >= st.grid.size else SETTLE_S
+        mm = Matchmaker(me, target=st.grid.size, min_size=st.min_size, now=now, rng=self.rng, settle_s=settle)
         active = self._active[(st.run_id, round_no)] = _Active(mm, key)
         dht_key = f"{st.run_id}/{round_no}/{key}".encode()
         try:
