@@ -59,22 +59,25 @@ def test_weighted_round_and_joiners_are_absorbed(swarm) -> None:
     assert len({s["group_id"] for _, s in results}) == 1
     vectors = [v for v, _ in results]
 
-    # two peers join between rounds: they start at the swarm's next round and land in its groups
+    # the run grows: groups of up to 8 from now on (published in the run's DHT record)
+    for n in nodes:
+        assert n.call("avg_open", run="joiners", grid="8", window_s=2.0)["round"] == 1
+    # two peers join between rounds: they take the run's grid, start at its next round and land in its group
     late = swarm.start_many(2)
     everyone = nodes + late
     wait_until(lambda: min(n.call("status")["peers"] for n in everyone) >= 5, 30, 0.2, what="joiners to be seen")
     for n in late:
-        assert n.call("avg_open", run="joiners", window_s=2.0)["round"] == 1
+        opened = n.call("avg_open", run="joiners", window_s=2.0)
+        assert opened["round"] == 1 and opened["grid"] == "8"
     vectors += [np.full(5000, 10.0, np.float32) for _ in late]
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: _round(everyone[i], "joiners", vectors[i]), range(6)))
     stats = [s for _, s in results]
     assert {s["round"] for s in stats} == {1}
     assert all(s["outcome"] == "averaged" for s in stats), stats
-    old_ids = {n.call("status")["peer_id"] for n in nodes}
-    for s in stats[4:]:
-        assert set(s["members"]) & old_ids, "a joiner averaged only with the other joiner"
-    assert sorted(len(set(s["members"])) for s in stats) == sorted(s["group_size"] for s in stats)
+    ids = {n.call("status")["peer_id"] for n in everyone}
+    assert len({s["group_id"] for s in stats}) == 1, "everyone looking, the 4 the run expects included, is one group"
+    assert all(set(s["members"]) == ids and s["group_size"] == 6 for s in stats)
     metrics = scrape(nodes[0].status["metrics"])
     assert metric_value(metrics, "peerd_moshpit_rounds_total", outcome="averaged") == 2
     assert metric_value(metrics, "peerd_moshpit_group_size") >= 2

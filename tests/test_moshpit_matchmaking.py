@@ -306,3 +306,20 @@ def test_a_newcomer_in_the_dht_delays_the_early_close():
     net.run()
     (members,) = net.groups().values()
     assert len(members) == 4
+
+
+def test_a_peer_the_run_expects_is_waited_for_a_little_longer():
+    peers = [cand(i, 10.0 + i * 0.01) for i in range(4)]
+    # peer 3 finished the last round (the run expects it) but is slow to look this round
+    net = Net(peers, target=8, view=lambda i, now: peers if now >= 1.0 else peers[:3], start={3: 1.0})
+    for mm in net.mm.values():
+        mm.set_expected(frozenset(c.node_id for c in peers), 0.0)
+    net.run()
+    (members,) = net.groups().values()
+    assert len(members) == 4 and net.now < 3.0
+    # with everyone expected in, the close is quick
+    net = Net(peers[:3], target=8)
+    for mm in net.mm.values():
+        mm.set_expected(frozenset(c.node_id for c in peers[:3]), 0.0)
+    net.run()
+    assert len(next(iter(net.groups().values()))) == 3 and net.now < 1.0

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 BUSY_RETRY_S = 0.3  # a candidate that was busy (its own JOIN in flight) is asked again after this
 FOLLOW_SLACK_S = 2.5  # a follower waits this long past its leader's expiry for BEGIN (covers its retries)
 SETTLE_S = 0.3  # a leader that has everyone looking under its key closes once the DHT showed no newcomer this long
+UNEXPECTED_SETTLE_S = 1.5  # ... this long when a peer the run expects (recent progress) has not turned up
 
 
 @dataclass(frozen=True, order=True)
@@ -97,8 +98,9 @@ class Matchmaker:
         self._actions: list[Action] = []
         self.settle_s = settle_s
         self._looking: frozenset[bytes] = frozenset([me.node_id])  # live peers the DHT shows under the key
-        self._settled_at = now + (settle_s or 0.0)
+        self._changed_at = now  # when the set of peers looking last changed
         self._now = now
+        self.expected: frozenset[bytes] | None = None  # peers recently active in the run, if known
 
     # -- what the driver reads ------------------------------------------------------------------
     @property
@@ -111,8 +113,9 @@ class Matchmaker:
 
     def next_deadline(self) -> float:
         if self.state is State.LEADING:
-            if self.settle_s is not None and self.followers and self._settled_at > self._now:
-                return min(self.me.expiry, self._settled_at)
+            settled_at = self._settled_at()
+            if self.settle_s is not None and self.followers and settled_at > self._now:
+                return min(self.me.expiry, settled_at)
             return self.me.expiry
         if self.state is State.FOLLOWING:
             return self.follow_deadline
@@ -126,7 +129,7 @@ class Matchmaker:
         looking = frozenset([self.me.node_id, *(c.node_id for c in self._candidates)])
         if looking != self._looking:
             self._looking = looking
-            self._settled_at = now + (self.settle_s or 0.0)
+            self._changed_at = now
         self._now = max(self._now, now)
         self._look(now)
         self._close_if_all_in(now)
@@ -223,10 +226,21 @@ class Matchmaker:
             self._actions.append(Join(c))
             return
 
+    def set_expected(self, node_ids: frozenset[bytes], now: float) -> None:
+        """Peers the run expects this round (they finished a recent round): wait longer for a missing one."""
+        self.expected = node_ids
+        self._now = max(self._now, now)
+        self._close_if_all_in(now)
+
+    def _settled_at(self) -> float:
+        members = {self.me.node_id, *(f.node_id for f in self.followers)}
+        expected_in = self.expected is not None and self.expected <= members
+        return self._changed_at + ((self.settle_s or 0.0) if expected_in else UNEXPECTED_SETTLE_S)
+
     def _close_if_all_in(self, now: float) -> None:
         """Everyone looking under the key follows me: waiting for the target would only wait out the deadline."""
         if (self.settle_s is None or self.state is not State.LEADING or not self.followers
-                or 1 + len(self.followers) < self.min_size or now < self._settled_at):
+                or 1 + len(self.followers) < self.min_size or now < self._settled_at()):
             return
         if self._looking <= {self.me.node_id, *(f.node_id for f in self.followers)}:
             self._close()

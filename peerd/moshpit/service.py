@@ -280,6 +280,8 @@ class MoshpitService:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._announce, dht_key, me, st.window_s)
                 nursery.start_soon(self._poll, active, dht_key)
+                if st.grid.dims == 1 and st.keys.extra_bits == 0:  # one key: the whole run looks under it
+                    nursery.start_soon(self._expect, active, st.run_id, round_no)
                 while True:
                     self._perform(active, st.run_id, round_no, nursery)
                     if mm.done:
@@ -337,6 +339,27 @@ class MoshpitService:
             active.mm.on_entries(entries, time.time())
             active.wake.set()
             await trio.sleep(POLL_S[min(i, len(POLL_S) - 1)])
+
+    async def _expect(self, active: _Active, run_id: str, round_no: int) -> None:
+        """Tell the matchmaker who finished one of the last rounds: a leader waits a little longer for them."""
+        recent = set()
+        for owner, value in await self._progress_records(run_id):
+            if value >= round_no - 3:
+                recent.add(owner)
+        active.mm.set_expected(frozenset(recent), time.time())
+        active.wake.set()
+
+    async def _progress_records(self, run_id: str) -> list[tuple[bytes, int]]:
+        """(node id, last finished round) of the run's peers."""
+        out = []
+        for r in await self.dht.get(f"{run_id}/progress".encode()):
+            try:
+                value = msgpack.unpackb(r.value)
+            except (ValueError, msgpack.UnpackException):
+                continue
+            if isinstance(value, int) and 0 <= value < 2**32 - 1:
+                out.append((node_id_of(r.owner), value))
+        return out
 
     def _candidate(self, record: Record) -> Candidate | None:
         """A matchmaking record, or None for one that is not well-formed (counted, skipped)."""
@@ -415,12 +438,7 @@ class MoshpitService:
         """Start at the round after the latest one any peer of the run finished (for joiners)."""
         latest = -1
         with trio.move_on_after(5.0):
-            for r in await self.dht.get(f"{st.run_id}/progress".encode()):
-                try:
-                    value = msgpack.unpackb(r.value)
-                except (ValueError, msgpack.UnpackException):
-                    continue
-                if isinstance(value, int) and 0 <= value < 2**32 - 1:
-                    latest = max(latest, value)
+            for _, value in await self._progress_records(st.run_id):
+                latest = max(latest, value)
         st.round = max(st.round, latest + 1)
         st.synced = True
