@@ -200,9 +200,9 @@ class StateSync:
                         errors.append(str(e))
                         log.info("state sync: snapshot %s (step %d) from %d donor(s) failed: %s", sha.hex()[:12],
                                  step, len(group), e)
-                        if "does not match" not in str(e):
-                            break  # not a bad donor but missing bytes: the next snapshot, if any
-                        continue
+                        if group is donors and "does not match" not in str(e):
+                            break  # no donor has some bytes: the next snapshot, if any
+                        continue  # a bad or forgetful donor: try the others, one at a time
                     self.metrics.trainer_state_fetches.labels("ok").inc()
                     return fetched
         self.metrics.trainer_state_fetches.labels("failed").inc()
