@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 BUSY_RETRY_S = 0.3  # a candidate that was busy (its own JOIN in flight) is asked again after this
 FOLLOW_SLACK_S = 2.5  # a follower waits this long past its leader's expiry for BEGIN (covers its retries)
 SETTLE_S = 0.3  # a leader that has everyone looking under its key closes once the DHT showed no newcomer this long
-UNEXPECTED_SETTLE_S = 1.5  # ... this long when a peer the run expects (recent progress) has not turned up
+UNEXPECTED_SETTLE_S = 1.5  # ... this long when the matchmaker does not know whom the run expects
 
 
 @dataclass(frozen=True, order=True)
@@ -233,9 +233,12 @@ class Matchmaker:
         self._close_if_all_in(now)
 
     def _settled_at(self) -> float:
-        members = {self.me.node_id, *(f.node_id for f in self.followers)}
-        expected_in = self.expected is not None and self.expected <= members
-        return self._changed_at + ((self.settle_s or 0.0) if expected_in else UNEXPECTED_SETTLE_S)
+        if self.expected is None:  # nobody told us who to expect: a newcomer-free pause will do
+            return self._changed_at + UNEXPECTED_SETTLE_S
+        if self.expected <= {self.me.node_id, *(f.node_id for f in self.followers)}:
+            return self._changed_at + (self.settle_s or 0.0)
+        # a peer the run expects is missing (a slow step, usually): wait for it, up to the deadline
+        return math.inf
 
     def _close_if_all_in(self, now: float) -> None:
         """Everyone looking under the key follows me: waiting for the target would only wait out the deadline."""
