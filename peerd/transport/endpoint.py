@@ -23,6 +23,7 @@ from ..wire.envelope import Header
 from ..wire.errors import WireError
 from ..wire.identity import Identity, node_id_of, verify_token_binding
 from ..wire.seal import Opener, Sealer, TokenState
+from .rto import RtoEstimator
 
 log = logging.getLogger("peerd.transport")
 
@@ -114,6 +115,7 @@ class Endpoint:
         # Fault injection for benchmarks and tests: drop received datagrams with probability ``loss``.
         self._loss = loss
         self._loss_rng = random.Random(loss_seed)
+        self.rto = RtoEstimator()  # learned retransmission timeouts per destination, for request()
 
     # -- registration -------------------------------------------------------------------------
     def on_request(self, mtype: m.MsgType, handler: RequestHandler) -> None:
@@ -177,26 +179,43 @@ class Endpoint:
         timeout: float = 0.5,
         attempts: int = 3,
     ) -> Incoming:
-        """Send a request and wait for its response; each retry doubles the wait. Raises RpcError."""
+        """Send a request and wait for its response, retransmitting with doubling waits. Raises RpcError.
+
+        It gives up when the fixed schedule ``timeout, 2*timeout, ...`` (``attempts`` waits) would have
+        ended, but the first wait is the destination's learned retransmission timeout (``self.rto``,
+        never above ``timeout``), so under loss a lost datagram costs a few round trips, not 0.5 s.
+        """
+        if not timeout > 0 or attempts < 1:
+            raise ValueError(f"request needs timeout > 0 and attempts >= 1, got {timeout!r}, {attempts!r}")
         rid = secrets.randbits(64)
         pending = self._pending[rid] = _Pending(m.REQUESTS[mtype])
         start = trio.current_time()
+        deadline = start + timeout * (2**attempts - 1)
         name = mtype.name.lower()
         try:
-            wait = timeout
-            for _ in range(attempts):
+            wait = self.rto.timeout(addr, timeout)
+            first = True
+            while True:
+                sent_at = trio.current_time()
                 await self._send_control(addr, mtype, rid, fields)
-                with trio.move_on_after(wait):
+                with trio.move_on_at(min(deadline, sent_at + wait)):
                     await pending.event.wait()
                 if pending.reply is not None:
                     reply = pending.reply
+                    if first:  # Karn's rule: only an unambiguous round trip is a sample
+                        self.rto.sample(addr, trio.current_time() - sent_at)
                     if reply.mtype is m.MsgType.ERROR:
                         raise RpcError(f"{addr[0]}:{addr[1]} refused {name}: {reply.body['detail']}")
                     self.metrics.rpc_seconds.labels(name).observe(trio.current_time() - start)
                     return reply
+                if first:
+                    self.rto.timed_out(addr)
+                    first = False
+                if trio.current_time() >= deadline:
+                    break
                 wait *= 2
             self.metrics.rpc_failures.labels(name).inc()
-            raise RpcTimeout(f"no answer to {name} from {addr[0]}:{addr[1]} after {attempts} attempts")
+            raise RpcTimeout(f"no answer to {name} from {addr[0]}:{addr[1]} within {deadline - start:.2f} s")
         finally:
             del self._pending[rid]
 

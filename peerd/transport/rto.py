@@ -1,0 +1,87 @@
+"""Adaptive retransmission timeouts per destination, in the style of RFC 6298 (sans-I/O).
+
+A request's first retransmission used to wait a fixed 0.5 s. Under datagram loss every control RPC
+(DHT lookups, matchmaking) that loses its request or answer then stalls a round for that long, though
+peers on the same host or LAN answer in a few milliseconds. The estimator learns the round-trip time
+to each address from requests answered on their first transmission (Karn's rule: an answer after a
+retransmission is ambiguous and gives no sample) and proposes ``srtt + 4 * rttvar``, clamped to
+``[min_rto, cap]`` where ``cap`` is the caller's timeout, so a learned RTO never waits longer than
+the caller asked for. Until an address has a sample the caller's timeout is used unchanged.
+
+A timed-out first transmission doubles the address's backoff (RFC 6298 5.5), which later requests
+keep until a fresh sample arrives: a peer that has become slow is not flooded with retransmissions.
+No clock is read here; callers pass the measured round-trip time.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+ALPHA = 1 / 8  # RFC 6298 smoothing gains
+BETA = 1 / 4
+K = 4
+DEFAULT_MIN_RTO = 0.05
+DEFAULT_CAPACITY = 4096
+MAX_BACKOFF = 64
+
+
+@dataclass(slots=True)
+class _State:
+    srtt: float
+    rttvar: float
+    backoff: int = 1
+
+
+class RtoEstimator:
+    """Smoothed round-trip times per destination; ``timeout(dest, cap)`` is the next first wait."""
+
+    def __init__(self, *, min_rto: float = DEFAULT_MIN_RTO, capacity: int = DEFAULT_CAPACITY) -> None:
+        if not min_rto > 0:
+            raise ValueError(f"min_rto must be > 0, got {min_rto!r}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+        self.min_rto = min_rto
+        self.capacity = capacity
+        self._states: OrderedDict[Hashable, _State] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def srtt(self, dest: Hashable) -> float | None:
+        """The smoothed round-trip time to ``dest``, or None before its first sample."""
+        state = self._states.get(dest)
+        return None if state is None else state.srtt
+
+    def sample(self, dest: Hashable, rtt: float) -> None:
+        """Record the round-trip time of a request answered on its first transmission."""
+        if not rtt >= 0 or rtt == float("inf"):
+            raise ValueError(f"rtt must be a finite number >= 0, got {rtt!r}")
+        state = self._states.get(dest)
+        if state is None:
+            state = _State(srtt=rtt, rttvar=rtt / 2)
+            self._states[dest] = state
+            if len(self._states) > self.capacity:
+                self._states.popitem(last=False)  # forget the least recently sampled destination
+        else:
+            state.rttvar = (1 - BETA) * state.rttvar + BETA * abs(state.srtt - rtt)
+            state.srtt = (1 - ALPHA) * state.srtt + ALPHA * rtt
+            state.backoff = 1
+            self._states.move_to_end(dest)
+
+    def timed_out(self, dest: Hashable) -> None:
+        """A first transmission went unanswered: back off until the next sample (no-op before one)."""
+        state = self._states.get(dest)
+        if state is not None:
+            state.backoff = min(state.backoff * 2, MAX_BACKOFF)
+
+    def timeout(self, dest: Hashable, cap: float) -> float:
+        """How long to wait for an answer to a first transmission to ``dest``; never above ``cap``."""
+        if not cap > 0:
+            raise ValueError(f"cap must be > 0, got {cap!r}")
+        state = self._states.get(dest)
+        if state is None:
+            return cap
+        rto = max(self.min_rto, state.srtt + K * state.rttvar) * state.backoff
+        return min(cap, rto)
