@@ -35,7 +35,6 @@ import struct
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import islice
 from typing import NamedTuple
 
 import numpy as np
@@ -47,14 +46,16 @@ from .codec import (
     HEADER_SIZE,
     BodyType,
     check_header,
-    pack_data,
+    pack_block,
     pack_end,
+    view_block,
 )
 from .shards import Layout, elements_per_datagram
 
 DEFAULT_MAX_PAYLOAD = 1200 - 37  # default datagram payload minus envelope (21) and AEAD tag (16)
 DEFAULT_FLOOR_S = 1.0
 DEFAULT_SAFETY = 2.0
+DEFAULT_BLOCK_ROWS = 32  # bodies per OutBlock unless the driver asks for another size (GSO: up to 64)
 FINALIZE_BLOCK_ELEMENTS = 1 << 16  # the all-gather divides this many elements at a time (~50 us)
 _F32_MAX = float(np.finfo(np.float32).max)
 _GROUP = struct.Struct("<I")
@@ -72,6 +73,16 @@ class Outcome(enum.Enum):
     LATE = "late"  # the phase it belongs to has ended at this receiver
     OTHER_GROUP = "group"  # another group's body (a straggler from an earlier round)
     UNKNOWN_SENDER = "sender"  # sender index out of range, or this member itself
+
+
+class OutBlock(NamedTuple):
+    """Bodies of equal size for member ``to``, envelope type ``type``, each sent ``repeat`` times (3 for
+    END markers): ``bodies`` is (rows, body bytes) uint8, one body per row, ready for one GSO send."""
+
+    to: int
+    type: int
+    bodies: np.ndarray
+    repeat: int
 
 
 class Outgoing(NamedTuple):
@@ -205,6 +216,23 @@ class _Phase:
             self.done[s] = True
             self.open -= 1
 
+    def note_block(self, s: int, count: int, k_max: int, now: float) -> None:
+        """``note_data`` for ``count`` new datagrams of stream s at once, the highest index ``k_max``."""
+        self.data += count
+        self._progress(now)
+        received = self.received[s] = self.received[s] + count
+        if k_max >= self.top[s]:
+            self.top[s] = k_max + 1
+        if received == count:
+            self.first_at[s] = now
+        self.last_at[s] = now
+        if not self.done[s]:
+            self.remaining -= count
+            if received >= self.expected[s]:
+                self.done[s] = True
+                self.open -= 1
+                self.ending.pop(s, None)
+
     def note_end(self, s: int, now: float) -> None:
         """An END closes its stream, after a short grace when it overtook some of the stream's data
         (reordering): datagrams sent just before it are usually still in flight."""
@@ -267,6 +295,10 @@ class _Phase:
             ended_at=self.ended_at,
             ended_by=self.ended_by,
         )
+
+
+def _row(body: bytes) -> np.ndarray:
+    return np.frombuffer(body, dtype=np.uint8).reshape(1, -1)
 
 
 class GroupAverage:
@@ -381,7 +413,9 @@ class GroupAverage:
         self._rs = _Phase([self._nranges if s != index else 0 for s in range(n)], index, now)
         self._ag = _Phase([self.layout.datagrams(j) if j != index else 0 for j in range(n)], index, None)
         self._rs.grace = self._ag.grace = float(end_grace_s)
-        self._gen: Iterator[Outgoing] | None = self._rs_stream()
+        self._gen: Iterator[OutBlock] | None = self._rs_blocks()
+        self._block_rows = DEFAULT_BLOCK_ROWS
+        self._left: list[Outgoing] = []  # rows of a block ``next_datagrams`` has not handed out yet
         # Counts phase ends: a driver compares it before and after ``receive`` (cheaper than reading
         # ``finished`` and ``wants_to_send``, the only things a phase end changes) to know when to wake up.
         self.phase_changes = 0
@@ -406,7 +440,9 @@ class GroupAverage:
     @property
     def wants_to_send(self) -> bool:
         """``next_datagrams`` may have something: call it (in batches) until it returns short."""
-        return self._gen is not None or (not self._ag_started and self._rs.ended_at is not None)
+        return (
+            self._gen is not None or bool(self._left) or (not self._ag_started and self._rs.ended_at is not None)
+        )
 
     @property
     def finished(self) -> bool:
@@ -574,6 +610,68 @@ class GroupAverage:
             self._end_ag(now, COMPLETION)
         return Outcome.ACCEPTED
 
+    def receive_block(self, sender: int, mtype: int, bodies: np.ndarray, now: float) -> tuple[int, int, int] | None:
+        """Take many full-size DATA bodies of type ``mtype`` from ``sender`` at once (one GRO block):
+        vectorized checks, one copy into place, O(1) Python. Returns (accepted, duplicates, late), or None
+        when the block is not a clean run of this group's ranges; the caller then feeds it to ``receive``
+        body by body, which finds and counts whatever is wrong."""
+        if mtype != _RS_DATA and mtype != _AG_DATA:
+            return None
+        if type(sender) is not int or not 0 <= sender < self.n or sender == self.index:
+            return None
+        rec = view_block(bodies)
+        per = self._per
+        if rec is None or rec.dtype["values"].shape != (per,):
+            return None
+        weights = rec["weight"]
+        if mtype == _RS_DATA:
+            start, stop, phase, total = self._lo, self._hi, self._rs, self._nranges
+            w0, known = float(weights[0]), self._sender_weight[sender]
+            if not (0.0 < w0 < math.inf) or (known is not None and known != w0) or not (weights == w0).all():
+                return None
+        else:
+            start, stop = self.layout.shard(sender)
+            phase, total = self._ag, self._ag.expected[sender]
+            if not (np.isfinite(weights).all() and (weights >= 0).all()):
+                return None
+        if not ((rec["group"] == self.group_id).all() and (rec["codec"] == 0).all()
+                and (rec["count"] == per).all() and (rec["total"] == total).all()):
+            return None
+        full = (stop - start) // per
+        rel = rec["offset"].astype(np.int64) - start
+        ks = rel // per
+        rows = len(ks)
+        if (rel - ks * per).any() or ks[0] < 0 or ks.max() >= full or (rows > 1 and not (np.diff(ks) > 0).all()):
+            return None
+        if phase.ended_at is not None:
+            self._drops["late"] += rows
+            return 0, 0, rows
+        seen = self._rs_seen[sender] if mtype == _RS_DATA else self._ag_seen[sender]
+        fresh = ~seen[ks]
+        accepted = int(np.count_nonzero(fresh))
+        duplicates = rows - accepted
+        values = rec["values"]
+        if duplicates:
+            self._drops["duplicate"] += duplicates
+            if not accepted:
+                return 0, duplicates, 0
+            ks, values, weights = ks[fresh], values[fresh], weights[fresh]
+        seen[ks] = True
+        if mtype == _RS_DATA:
+            self._sender_weight[sender] = w0
+            self._stage[sender, : full * per].reshape(full, per)[ks] = values
+            phase.weight_received += w0 * accepted
+        else:
+            self._out[start : start + full * per].reshape(full, per)[ks] = values
+            phase.weight_received += float(weights.sum(dtype=np.float64))
+        phase.note_block(sender, accepted, int(ks[-1]), now)
+        if phase.open == 0:
+            if mtype == _RS_DATA:
+                self._end_rs(now, COMPLETION)
+            elif self._rs.ended_at is not None:
+                self._end_ag(now, COMPLETION)
+        return accepted, duplicates, 0
+
     def _check_weight(self, sender: int, weight: float) -> None:
         """A sender has one weight; a body that says otherwise is corrupt (it would skew the sums)."""
         known = self._sender_weight[sender]
@@ -591,69 +689,101 @@ class GroupAverage:
 
     # ---- sending -----------------------------------------------------------------------------------
 
-    def next_datagrams(self, limit: int) -> list[Outgoing]:
-        """Up to ``limit`` bodies to send now, reduce-scatter first, then (once this member's reduce-scatter
-        phase has ended) the all-gather. An empty list means nothing to send until something changes."""
-        batch: list[Outgoing] = []
-        while len(batch) < limit:
+    def next_blocks(self, rows: int, limit: int) -> list[OutBlock]:
+        """Blocks of at most ``rows`` bodies each, about ``limit`` bodies in all, reduce-scatter first, then
+        (once this member's reduce-scatter phase has ended) the all-gather. An empty list means nothing to
+        send until something changes."""
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        self._block_rows = rows
+        batch: list[OutBlock] = []
+        count = 0
+        while count < limit:
             if self._gen is None:
                 if self._ag_started or self._rs.ended_at is None:
                     break
                 self._ag_started = True
-                self._gen = self._ag_stream()
-            want = limit - len(batch)
-            got = list(islice(self._gen, want))
-            batch.extend(got)
-            if len(got) < want:
+                self._gen = self._ag_blocks()
+            block = next(self._gen, None)
+            if block is None:
                 self._gen = None
+                continue
+            batch.append(block)
+            count += len(block.bodies)
         return batch
 
-    def _rs_stream(self) -> Iterator[Outgoing]:
-        """Round-robin over destinations, so every owner sees a steady stream at the same pace."""
+    def next_datagrams(self, limit: int) -> list[Outgoing]:
+        """``next_blocks`` one body at a time, for drivers (and tests) that send datagram by datagram."""
+        batch: list[Outgoing] = []
+        while len(batch) < limit:
+            if not self._left:
+                blocks = self.next_blocks(self._block_rows, 1)
+                if not blocks:
+                    break
+                for b in blocks:
+                    self._left.extend(Outgoing(b.to, b.type, bytes(row), b.repeat) for row in b.bodies)
+            take = min(limit - len(batch), len(self._left))
+            batch.extend(self._left[:take])
+            del self._left[:take]
+        return batch
+
+    def _rs_blocks(self) -> Iterator[OutBlock]:
+        """Round-robin over destinations a block at a time, so every owner sees a steady stream."""
         layout, per, group, w = self.layout, self.layout.per, self.group_id, self.weight
-        vec = memoryview(self._vec)
+        vec = self._vec
         dests = [j for j in range(self.n) if j != self.index]
-        bounds = {j: layout.shard(j) for j in dests}
-        counts = {j: layout.datagrams(j) for j in dests}
+        plan = {j: (*layout.shard(j), layout.datagrams(j)) for j in dests}
         rs, live = self._rs, self._live
-        for k in range(max(counts.values(), default=-1) + 1):
+        top = max((p[2] for p in plan.values()), default=-1)
+        k = 0
+        while k <= top:
+            rows = self._block_rows
             for j in dests:
-                total = counts[j]
+                start, stop, total = plan[j]
                 if k > total or not live[j]:
                     continue
-                start, stop = bounds[j]
-                if k < total:
+                full = (stop - start) // per
+                k1 = min(k + rows, full)
+                if k < k1:
+                    rs.sent += k1 - k
                     off = start + k * per
+                    values = vec[off : start + k1 * per].reshape(k1 - k, per)
+                    yield OutBlock(j, _RS_DATA, pack_block(group, total, off, w, values), 1)
+                if full < total and k <= full < k + rows:  # the shard's short last range
                     rs.sent += 1
-                    yield Outgoing(
-                        j, BodyType.RS_DATA, pack_data(group, total, off, w, vec[off : min(off + per, stop)]), 1
-                    )
-                else:
-                    yield Outgoing(j, BodyType.RS_END, pack_end(group, total, start, w), END_REPEATS)
+                    off = start + full * per
+                    yield OutBlock(j, _RS_DATA, pack_block(group, total, off, w, vec[off:stop].reshape(1, -1)), 1)
+                if k <= total < k + rows:
+                    yield OutBlock(j, _RS_END, _row(pack_end(group, total, start, w)), END_REPEATS)
+            k += rows
 
-    def _ag_stream(self) -> Iterator[Outgoing]:
-        """The averaged own shard to every other member; each body is built once and sent to all."""
+    def _ag_blocks(self) -> Iterator[OutBlock]:
+        """The averaged own shard to every other member; each block is built once and sent to all."""
         per, group, total = self.layout.per, self.group_id, self._nranges
         lo, hi = self._lo, self._hi
-        out = memoryview(self._out)
+        full = (hi - lo) // per
+        out = self._out
         dests = [j for j in range(self.n) if j != self.index]
-        block = max(1, FINALIZE_BLOCK_ELEMENTS // per)
+        ahead = max(1, FINALIZE_BLOCK_ELEMENTS // per)
         ag, live = self._ag, self._live
-        for k0 in range(0, total, block):
-            k1 = min(total, k0 + block)
-            self._finalize_through(k1)
-            weights = self._wsum[k0:k1].tolist()
-            for k in range(k0, k1):
-                off = lo + k * per
-                body = pack_data(group, total, off, min(weights[k - k0], _F32_MAX), out[off : min(off + per, hi)])
-                for j in dests:
-                    if live[j]:
-                        ag.sent += 1
-                        yield Outgoing(j, BodyType.AG_DATA, body, 1)
-        end = pack_end(group, total, lo, 0.0)
+        k = 0
+        while k < total:
+            k1 = min(k + self._block_rows, full) if k < full else total
+            if self._finalized < k1:
+                self._finalize_through(min(total, max(k1, k + ahead)))
+            weights = np.minimum(self._wsum[k:k1], _F32_MAX)
+            off = lo + k * per
+            values = out[off : min(hi, lo + k1 * per)].reshape(k1 - k, -1)
+            bodies = pack_block(group, total, off, weights, values)
+            for j in dests:
+                if live[j]:
+                    ag.sent += k1 - k
+                    yield OutBlock(j, _AG_DATA, bodies, 1)
+            k = k1
+        end = _row(pack_end(group, total, lo, 0.0))
         for j in dests:
             if live[j]:
-                yield Outgoing(j, BodyType.AG_END, end, END_REPEATS)
+                yield OutBlock(j, _AG_END, end, END_REPEATS)
 
     # ---- the result --------------------------------------------------------------------------------
 

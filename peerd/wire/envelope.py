@@ -5,6 +5,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import WireError
 
 MAGIC = b"PD"
@@ -12,6 +14,11 @@ VERSION = 1
 # magic(2) version(u8) type(u8) flags(u8) token(u64) sequence(u64), network byte order.
 HEADER = struct.Struct("!2sBBBQQ")
 HEADER_SIZE = HEADER.size  # 21
+# The same header as a numpy record, to build and check a whole block of datagrams at once.
+HEADER_DTYPE = np.dtype(
+    [("magic", "S2"), ("version", "u1"), ("type", "u1"), ("flags", "u1"), ("token", ">u8"), ("seq", ">u8")]
+)
+SEQ_OFFSET = 13  # where the big-endian sequence starts: the AEAD nonce's last 8 bytes
 FLAG_SEALED = 0x01
 KNOWN_FLAGS = FLAG_SEALED
 MAX_SEQUENCE = 2**64 - 1

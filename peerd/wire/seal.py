@@ -11,13 +11,26 @@ from __future__ import annotations
 
 import secrets
 from collections import OrderedDict
+from dataclasses import dataclass
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from .envelope import FLAG_SEALED, HEADER_SIZE, MAX_SEQUENCE, Header, parse_header
+from .envelope import (
+    FLAG_SEALED,
+    HEADER_DTYPE,
+    HEADER_SIZE,
+    KNOWN_FLAGS,
+    MAGIC,
+    MAX_SEQUENCE,
+    SEQ_OFFSET,
+    VERSION,
+    Header,
+    parse_header,
+)
 from .errors import WireError
 from .replay import DEFAULT_WINDOW, ReplayWindow
 
@@ -68,6 +81,58 @@ class Sealer:
         if self._aead is None:
             return header + bytes(body)
         return header + self._aead.encrypt(nonce_for(self._seq), bytes(body), header)
+
+    def seal_block(self, mtype: int, bodies: np.ndarray) -> np.ndarray:
+        """Seal each row of ``bodies`` (rows x body bytes, uint8) into a row of one (rows x datagram bytes)
+        array that a GSO send takes whole. Headers and nonces are built vectorized; only the AEAD runs
+        per row (about 1 us of AES-GCM per 1200-byte datagram, most of it the call itself)."""
+        rows, size = bodies.shape
+        last = self._seq + rows
+        if last > MAX_SEQUENCE:
+            raise RuntimeError("sequence space exhausted: start a new Sealer (new token)")
+        hdr = np.empty(rows, dtype=HEADER_DTYPE)
+        hdr["magic"] = MAGIC
+        hdr["version"] = VERSION
+        hdr["type"] = mtype
+        hdr["flags"] = self._flags
+        hdr["token"] = self.token
+        hdr["seq"] = np.arange(self._seq + 1, last + 1, dtype=np.uint64)
+        self._seq = last
+        head = hdr.view(np.uint8).reshape(rows, HEADER_SIZE)
+        if self._aead is None:
+            return np.concatenate((head, bodies), axis=1)
+        width = HEADER_SIZE + size + TAG_SIZE
+        out = np.empty((rows, width), dtype=np.uint8)
+        out[:, :HEADER_SIZE] = head
+        nonces, aads = _nonces(head), hdr.tobytes()
+        src = memoryview(np.ascontiguousarray(bodies)).cast("B")
+        dst = memoryview(out).cast("B")
+        encrypt = self._aead.encrypt_into
+        for i in range(rows):
+            o = i * width
+            encrypt(nonces[12 * i : 12 * i + 12], src[i * size : i * size + size],
+                    aads[HEADER_SIZE * i : HEADER_SIZE * (i + 1)], dst[o + HEADER_SIZE : o + width])
+        return out
+
+
+def _nonces(head: np.ndarray) -> bytes:
+    """The 12-byte AEAD nonces of a block's headers (rows x 21 bytes), concatenated: 4 zero bytes, then
+    the big-endian sequence exactly as the header carries it."""
+    nonces = np.zeros((len(head), 12), dtype=np.uint8)
+    nonces[:, 4:] = head[:, SEQ_OFFSET:HEADER_SIZE]
+    return nonces.tobytes()
+
+
+@dataclass(slots=True)
+class OpenedBlock:
+    """What ``Opener.open_block`` made of a block: the bodies that authenticated and were not replays."""
+
+    type: int
+    token: int
+    state: TokenState
+    bodies: np.ndarray  # (accepted rows, body bytes), uint8
+    replays: int
+    auth_failures: int
 
 
 class TokenState:
@@ -124,6 +189,59 @@ class Opener:
         state.window.accept(header.seq)
         self._tokens.move_to_end(header.token)
         return header, body, state
+
+    def open_block(self, datagrams: np.ndarray) -> OpenedBlock | None:
+        """Open a block of equal-size datagrams (rows x bytes, uint8: one GRO receive) in one go.
+
+        None when the block is not one stream of an already known token (mixed types, tokens or flags, a
+        token seen for the first time, a malformed header): the caller then opens it row by row, which
+        gives every datagram its precise error. Replays and rows that fail authentication are dropped
+        from the result and counted in it.
+        """
+        rows, size = datagrams.shape
+        sealed = self._secret is not None
+        if rows == 0 or size < HEADER_SIZE + (TAG_SIZE if sealed else 0):
+            return None
+        head = np.ascontiguousarray(datagrams[:, :HEADER_SIZE])
+        hdr = head.view(HEADER_DTYPE).reshape(rows)
+        first = hdr[0]
+        mtype, flags, token = int(first["type"]), int(first["flags"]), int(first["token"])
+        if flags & ~KNOWN_FLAGS or bool(flags & FLAG_SEALED) != sealed:
+            return None
+        if not (
+            (hdr["magic"] == MAGIC).all() and (hdr["version"] == VERSION).all() and (hdr["type"] == mtype).all()
+            and (hdr["flags"] == flags).all() and (hdr["token"] == token).all()
+        ):
+            return None
+        state = self._tokens.get(token)
+        if state is None:
+            return None
+        seqs = hdr["seq"].astype(np.uint64)
+        ok = state.window.would_accept_block(seqs)
+        replays = rows - int(np.count_nonzero(ok))
+        failures = 0
+        if not sealed:
+            bodies = datagrams[:, HEADER_SIZE:]
+        else:
+            width = size - HEADER_SIZE - TAG_SIZE
+            bodies = np.empty((rows, width), dtype=np.uint8)
+            src = memoryview(np.ascontiguousarray(datagrams)).cast("B")
+            dst = memoryview(bodies).cast("B")
+            nonces, aads = _nonces(head), head.tobytes()
+            decrypt = state.aead.decrypt_into  # type: ignore[union-attr]
+            for i in np.flatnonzero(ok).tolist():
+                o = i * size
+                try:
+                    decrypt(nonces[12 * i : 12 * i + 12], src[o + HEADER_SIZE : o + size],
+                            aads[HEADER_SIZE * i : HEADER_SIZE * (i + 1)], dst[i * width : (i + 1) * width])
+                except InvalidTag:
+                    ok[i] = False
+                    failures += 1
+        if replays or failures:
+            bodies, seqs = bodies[ok], seqs[ok]
+        state.window.accept_block(seqs)
+        self._tokens.move_to_end(token)
+        return OpenedBlock(mtype, token, state, np.ascontiguousarray(bodies), replays, failures)
 
     def _admit(self, token: int, aead: AESGCM | None) -> TokenState:
         state = TokenState(aead, self._window)
