@@ -34,6 +34,7 @@ class DemoConfig:
     dropcompute: str = "off"
     seed: int = 0
     average_every: int = 10
+    final_average: int = 2  # parameter averages after the last step (replicas end together)
     timeout_s: float = 15.0
     json: bool = False
     join_late: dict[int, int] = field(default_factory=dict)  # peer index -> start when the swarm reaches step
@@ -89,7 +90,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
         def spawn(i: int) -> None:
             cmd = [sys.executable, "-m", "peerd", "train", "--run", RUN, "--socket", swarm.nodes[i].socket,
                    "--steps", str(cfg.steps), "--peers", str(cfg.peers), "--index", str(i), "--seed", str(cfg.seed),
-                   "--average-every", str(cfg.average_every), "--timeout", str(cfg.timeout_s),
+                   "--average-every", str(cfg.average_every),
+                   "--final-average", str(cfg.final_average), "--timeout", str(cfg.timeout_s),
                    "--compute-jitter", str(cfg.compute_jitter), "--dropcompute", cfg.dropcompute,
                    "--progress", "json", "--out", os.path.join(workdir, f"result{i}.json")]
             if i in cfg.join_late:

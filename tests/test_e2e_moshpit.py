@@ -115,3 +115,34 @@ def test_bad_requests_get_clear_errors(swarm) -> None:
         with pytest.raises(DaemonError, match=words):
             node.call("avg_open", **args)
     assert node.call("status")["peers"] == 0  # still healthy
+
+
+def _lockstep(nodes, run: str, vectors: list[np.ndarray]) -> list[dict]:
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        return [s for _, s in pool.map(lambda i: _round(nodes[i], run, vectors[i]), range(len(nodes)))]
+
+
+def test_a_complete_group_is_kept_and_re_forms_when_its_leader_dies(swarm) -> None:
+    nodes = swarm.start_many(3)
+    wait_until(lambda: min(n.call("status")["peers"] for n in nodes) >= 2, 30, 0.2, what="peers to see each other")
+    for n in nodes:
+        assert n.call("avg_open", run="sticky", window_s=2.0, keep_rounds=4)["sticky"]["keep_rounds"] == 4
+    vectors = [np.full(1000, float(i), np.float32) for i in range(3)]
+    history = [_lockstep(nodes, "sticky", vectors) for _ in range(5)]
+    kept = [r for stats in history for r in stats if r["kept"]]
+    assert kept, "a complete group of the run's three peers is kept after it forms"
+    assert all(r["group_size"] == 3 and r["matchmaking_s"] < 2.0 for r in kept)
+    ids = {n.call("status")["peer_id"] for n in nodes}
+    statuses = [n.call("status")["moshpit"]["sticky"]["sticky"] for n in nodes]
+    assert sum(s["renewed"] for s in statuses) == len(kept)
+    # Kill the kept group's leader (if it is kept right now; else any peer): the others must not hang.
+    leader = next((s["kept"]["leader"] for s in statuses if s["kept"]), None)
+    victim = next(i for i, n in enumerate(nodes) if n.call("status")["peer_id"] == leader) if leader else 0
+    nodes[victim].proc.kill()
+    nodes[victim].proc.wait(10)
+    survivors = [n for i, n in enumerate(nodes) if i != victim]
+    after = [_lockstep(survivors, "sticky", vectors[:2]) for _ in range(6)]
+    assert all(r["outcome"] in ("averaged", "alone") for stats in after for r in stats), after
+    last = after[-1]
+    assert all(r["outcome"] == "averaged" and r["group_size"] == 2 for r in last), last
+    assert set(last[0]["members"]) == set(last[1]["members"]) < ids

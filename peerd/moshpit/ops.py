@@ -33,6 +33,7 @@ class MoshpitOps:
                 min_size=_opt_int(request, "min_size") or 2,
                 window_s=float(request.get("window_s") or 3.0),
                 adapt=request.get("adapt") if isinstance(request.get("adapt"), bool) else None,
+                keep_rounds=_opt_int(request, "keep_rounds"),
             )
         except (MoshpitError, ValueError) as e:
             raise OpError(str(e)) from None

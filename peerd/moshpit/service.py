@@ -27,13 +27,16 @@ from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
 from ..wire.identity import node_id_of
 from .keys import Grid, KeyManager
-from .matchmaking import SETTLE_S, Begin, Candidate, Disband, Join, Matchmaker
+from .matchmaking import SETTLE_S, Begin, Candidate, Disband, Group, Join, Matchmaker
+from .sticky import Kept, StickyGroups
 
 log = logging.getLogger("peerd.moshpit")
 
 DEFAULT_WINDOW_S = 3.0
 POLL_S = (0.05, 0.1, 0.2, 0.3)  # DHT reads of the key: fast at first, then every 0.3 s
 PROGRESS_TTL_S = 600.0
+DEFAULT_KEEP_ROUNDS = 1  # groups re-form through the DHT every round unless a run asks to keep them (sticky.py)
+OUTSIDER_S = 15.0  # a peer outside a kept group that published progress this recently is still training
 CONFIG_TTL_S = 3600.0
 
 
@@ -55,6 +58,7 @@ class RoundResult:
     key: str = ""
     seen: int = 1
     error: str = ""
+    kept: bool = False  # averaged in a group kept from an earlier round (no matchmaking)
 
     def stats(self) -> dict:
         return {
@@ -69,6 +73,7 @@ class RoundResult:
             "key": self.key,
             "seen": self.seen,
             "error": self.error,
+            "kept": self.kept,
         }
 
 
@@ -84,9 +89,12 @@ class RunState:
     lock: trio.Lock = field(default_factory=trio.Lock)
     last: RoundResult | None = None
     state: str = "idle"  # idle | matchmaking | averaging
+    sticky: StickyGroups | None = None
+    begin_wake: trio.Event = field(default_factory=trio.Event)  # a renewal BEGIN or DISBAND arrived
 
     def statistics(self) -> dict:
         return {
+            "sticky": self.sticky.statistics() if self.sticky else None,
             "grid": str(self.grid),
             "key": self.keys.group_key(self.round),
             "round": self.round,
@@ -120,8 +128,12 @@ class MoshpitService:
         *,
         address: Address,
         rng: random.Random | None = None,
+        keep_rounds: int | None = None,
     ) -> None:
+        """``keep_rounds``: the default for runs that do not set it (None: DEFAULT_KEEP_ROUNDS, i.e. matchmake
+        every round; groups are only ever kept on 1-D grids, where one key holds the whole run)."""
         self.endpoint = endpoint
+        self.keep_rounds = keep_rounds
         self.dht = dht
         self.allreduce = allreduce
         self.metrics = metrics
@@ -155,12 +167,15 @@ class MoshpitService:
         min_size: int = 2,
         window_s: float = DEFAULT_WINDOW_S,
         adapt: bool | None = None,
+        keep_rounds: int | None = None,
     ) -> RunState:
         """Start (or reconfigure) a run. Without ``grid``, take the run's published grid or size one
-        from the swarm the DHT sees."""
+        from the swarm the DHT sees. ``keep_rounds``: keep a complete group this many rounds (1: never)."""
         check_run_id(run_id)
         if not 0.2 <= window_s <= 600:
             raise MoshpitError(f"window_s must be in [0.2, 600] seconds, got {window_s}")
+        if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
+            raise MoshpitError(f"keep_rounds must be an integer in [1, 1000], got {keep_rounds!r}")
         if grid is None and run_id in self.runs:
             grid = self.runs[run_id].grid
         elif grid is None:
@@ -173,6 +188,7 @@ class MoshpitService:
             raise MoshpitError(f"min_size must be in [2, {grid.size}] for a {grid} grid, got {min_size}")
         self._check_fits(grid.size)
         old = self.runs.get(run_id)
+        regrid = old is not None and old.grid != grid
         if old is not None and cell is None and old.grid == grid:
             keys = old.keys  # reconfiguring a running run (e.g. its min_size) keeps its place on the grid
             if adapt is not None:
@@ -186,6 +202,12 @@ class MoshpitService:
             st.grid, st.keys, st.min_size, st.window_s = grid, keys, min_size, window_s
         else:
             st = self.runs[run_id] = RunState(run_id, grid, keys, min_size=min_size, window_s=window_s)
+        if keep_rounds is None and st.sticky is not None and not regrid:
+            keep_rounds = st.sticky.keep_rounds  # reconfiguring without saying: keep what the run had
+        elif keep_rounds is None:
+            keep_rounds = self.keep_rounds if self.keep_rounds is not None else DEFAULT_KEEP_ROUNDS
+        if st.sticky is None or st.sticky.keep_rounds != keep_rounds or regrid:
+            st.sticky = StickyGroups(self.identity.node_id, keep_rounds)
         if not st.synced:
             await self._sync_round(st)
         return st
@@ -218,10 +240,19 @@ class MoshpitService:
         key = st.keys.group_key(round_no)
         wall0 = time.perf_counter()
         st.state = "matchmaking"
-        group, seen = None, 1
+        group: Group | None = None
+        seen, kept = 1, False
+        sticky = st.sticky
+        assert sticky is not None
         try:
-            with trio.move_on_after(min(timeout_s, st.window_s + 10.0)):
-                group, seen = await self._matchmake(st, round_no, key)
+            if sticky.kept is not None:
+                group = await self._renew(st, sticky, round_no, key, timeout_s)
+                kept = group is not None
+            if group is None:
+                expected: list[frozenset[bytes] | None] = [None]
+                with trio.move_on_after(max(0.0, min(timeout_s - (time.perf_counter() - wall0), st.window_s + 10.0))):
+                    group, seen = await self._matchmake(st, round_no, key, expected)
+                sticky.after_matchmaking(group, round_no, seen, expected[0])
             mm_s = time.perf_counter() - wall0
             if group is None:
                 st.keys.after_alone()
@@ -232,7 +263,11 @@ class MoshpitService:
                 st.state = "averaging"
                 result = await self._average_group(st, group, vector, weight, timeout_s - mm_s, round_no, key, seen)
                 result.matchmaking_s = mm_s
-                st.keys.after_group(group.index, len(group.members), seen)
+                result.kept = kept
+                if kept:
+                    sticky.renewed += 1
+                else:  # a kept round skips the key rotation: the group is the one this key formed
+                    st.keys.after_group(group.index, len(group.members), seen)
         finally:
             st.state = "idle"
         result.seconds = time.perf_counter() - wall0
@@ -259,16 +294,21 @@ class MoshpitService:
             )
         except (ValueError, RpcError) as e:  # e.g. the same group id twice: keep my own vector
             log.warning("run %s round %d: averaging in group %s failed: %s", st.run_id, round_no, gid, e)
+            if st.sticky is not None:
+                st.sticky.after_round(True)
             return RoundResult(vector.copy(), "failed", gid, len(members), hexes, 0.0, round_no, 0.0, 0.0, key,
                                seen, str(e))
         rs, ag = res.stats.reduce_scatter, res.stats.all_gather
+        if st.sticky is not None:  # a member never heard from: do not keep averaging with it
+            st.sticky.after_round(bool(rs.silent or ag.silent))
         expected = rs.datagrams_expected + ag.datagrams_expected
         received = rs.datagrams_received + ag.datagrams_received
         fraction = received / expected if expected else 1.0
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen)
 
     # -- matchmaking driver ---------------------------------------------------------------------
-    async def _matchmake(self, st: RunState, round_no: int, key: str) -> tuple:
+    async def _matchmake(self, st: RunState, round_no: int, key: str,
+                         expected: list[frozenset[bytes] | None] | None = None) -> tuple:
         now = time.time()
         me = Candidate(round(now + st.window_s, 3), self.identity.node_id, self.identity.public_key, self.address)
         # min_size == M is Moshpit's exact grid: groups close at exactly M, never early
@@ -293,7 +333,79 @@ class MoshpitService:
                 nursery.cancel_scope.cancel()
         finally:
             del self._active[(st.run_id, round_no)]
+            if expected is not None:
+                expected[0] = mm.expected
         return mm.group, mm.seen
+
+    # -- kept groups ----------------------------------------------------------------------------
+    async def _renew(self, st: RunState, sticky: StickyGroups, round_no: int, key: str,
+                     timeout_s: float) -> Group | None:
+        """This round's group without matchmaking, if the kept group can be renewed; None: matchmake."""
+        kept = sticky.kept
+        if kept is not None and sticky.broken:
+            self._disband_kept(st, kept, round_no)  # the others need not wait for a renewal that will not come
+        kept = sticky.usable(round_no)
+        if kept is None:
+            return None
+        if sticky.leads(kept):
+            group = sticky.renewal(self.rng.randrange(1, 2**32), round_no)
+            members = [[c.public_key, ipaddress.ip_address(c.addr[0]).packed, c.addr[1]] for c in kept.members]
+            fields = {"run": st.run_id, "round": round_no, "group": group.group_id, "members": members}
+            for c in kept.members:
+                if c.node_id != self.identity.node_id:
+                    self._spawn(self._send_renewal, st, sticky, kept, c.addr, fields)
+            self._spawn(self._watch_newcomers, st, sticky, kept, round_no, key)
+            return group
+        # A follower: the leader's BEGIN may already be here (it started this round first), else wait for it.
+        with trio.move_on_after(max(0.0, min(st.window_s, timeout_s / 2))):
+            while True:
+                group = sticky.take_begin(round_no)
+                if group is not None:
+                    return group
+                if sticky.broken or sticky.kept is not kept:
+                    break
+                st.begin_wake = trio.Event()
+                await st.begin_wake.wait()
+        sticky.drop(sticky.broken or "no_begin")  # the leader is gone or slow: look through the DHT
+        return None
+
+    def _disband_kept(self, st: RunState, kept: Kept, round_no: int) -> None:
+        for c in kept.members:
+            if c.node_id != self.identity.node_id:
+                self._spawn(self.endpoint.notify, c.addr, m.MsgType.MM_DISBAND, {"run": st.run_id, "round": round_no})
+
+    async def _send_renewal(self, st: RunState, sticky: StickyGroups, kept: Kept, addr: Address,
+                            fields: dict) -> None:
+        try:
+            reply = await self.endpoint.request(addr, m.MsgType.MM_BEGIN, fields, timeout=0.25, attempts=4)
+        except RpcError as e:
+            log.info("run %s: renewal not acknowledged by %s:%d: %s", st.run_id, addr[0], addr[1], e)
+            sticky.break_("unacknowledged", kept)
+            return
+        if not reply.body["ok"]:
+            sticky.break_("refused", kept)
+
+    async def _watch_newcomers(self, st: RunState, sticky: StickyGroups, kept: Kept, round_no: int,
+                               key: str) -> None:
+        """The leader of a kept group reads the run's group key (this round's and the next) and progress
+        records: a peer outside the group looking for one, or still training, means the group must re-form
+        through the DHT to take it in (else the run would split into groups that never meet)."""
+        ids = kept.node_ids()
+        now = time.time()
+        with trio.move_on_after(st.window_s):
+            for record in await self.dht.get(f"{st.run_id}/progress".encode()):
+                owner = node_id_of(record.owner)
+                if owner not in ids and record.expires - PROGRESS_TTL_S > now - OUTSIDER_S:
+                    log.info("run %s round %d: a peer outside the kept group trains; re-forming", st.run_id, round_no)
+                    sticky.break_("outsider", kept)
+                    return
+            for r in (round_no, round_no + 1):
+                for record in await self.dht.get(f"{st.run_id}/{r}/{key}".encode()):
+                    c = self._candidate(record)
+                    if c is not None and c.node_id not in ids and c.expiry > now:
+                        log.info("run %s round %d: a newcomer looks for a group; re-forming", st.run_id, r)
+                        sticky.break_("newcomer", kept)
+                        return
 
     def _perform(self, active: _Active, run_id: str, round_no: int, nursery: trio.Nursery) -> None:
         for action in active.mm.take_actions():
@@ -399,9 +511,15 @@ class MoshpitService:
     def _on_begin(self, incoming: Incoming) -> dict:
         b = incoming.body
         active = self._active.get((b["run"], b["round"]))
-        if active is None:
-            return {"ok": False}
         members = [Candidate(0.0, node_id_of(pk), pk, (host, port)) for pk, host, port in b["members"]]
+        if active is None:  # no matchmaking waits for it: the renewal of a kept group?
+            st = self.runs.get(b["run"])
+            if st is None or st.sticky is None:
+                return {"ok": False}
+            ok = st.sticky.offer_begin(incoming.peer.node_id, b["round"], st.round, b["group"], members)
+            if ok:
+                st.begin_wake.set()
+            return {"ok": ok}
         ok = active.mm.on_begin(incoming.peer.node_id, b["group"], members)
         active.wake.set()
         return {"ok": ok}
@@ -412,6 +530,12 @@ class MoshpitService:
         if active is not None:
             active.mm.on_disband(incoming.peer.node_id, time.time())
             active.wake.set()
+        st = self.runs.get(b["run"])
+        kept = st.sticky.kept if st is not None and st.sticky is not None else None
+        if kept is not None and b["round"] > kept.formed and incoming.peer.node_id in kept.node_ids():
+            assert st is not None and st.sticky is not None
+            st.sticky.break_("disbanded", kept)  # a member of my kept group will not renew it: re-form
+            st.begin_wake.set()
 
     # -- run-wide records -----------------------------------------------------------------------
     def _spawn(self, fn, *args) -> None:

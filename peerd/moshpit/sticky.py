@@ -1,0 +1,165 @@
+"""Keeping a formed group for several rounds (sans-I/O).
+
+Matchmaking through the DHT costs a few DHT reads and JOIN round trips per round, which under loss is
+most of a small model's round. A group that formed *complete* (everyone the DHT showed under the key,
+and everyone the run expects, is in it) is therefore kept for up to ``keep_rounds`` rounds: in a kept
+round the leader sends the same member list in a fresh MM_BEGIN and nobody touches the DHT's group key.
+The group goes back to DHT matchmaking (so newcomers get in and a changed swarm re-forms) when
+
+- its rounds are used up,
+- a member did not acknowledge the renewal, or refused it,
+- anyone heard nothing from a member during the averaging (it died or stalled),
+- the leader saw a peer outside the group announce under the run's key (a newcomer) or publish
+  progress in the run lately (an outsider still training), or
+- a follower waited the renewal window without a BEGIN (the leader died).
+
+Every case ends in ordinary matchmaking, whose waits are bounded, so a failure costs at most one
+round's deadlines and never hangs. This module holds the per-run decision state; the trio driver
+(``service.MoshpitService``) does the sending and waiting.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .matchmaking import Candidate, Group
+
+MAX_EARLY = 64  # renewal BEGINs held for rounds this node has not started yet (bounded)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A group kept from round ``formed`` for rounds ``formed + 1 .. formed + rounds``."""
+
+    members: tuple[Candidate, ...]
+    index: int
+    leader: bytes  # node id
+    formed: int  # the round it formed in (through the DHT)
+    rounds: int  # how many further rounds it may be renewed for
+
+    @property
+    def leader_candidate(self) -> Candidate:
+        return self.members[next(i for i, c in enumerate(self.members) if c.node_id == self.leader)]
+
+    def node_ids(self) -> frozenset[bytes]:
+        return frozenset(c.node_id for c in self.members)
+
+
+def is_complete(group: Group, seen: int, expected: frozenset[bytes] | None) -> bool:
+    """A group worth keeping holds every peer seen under its key and every peer the run expects
+    (the peers that finished a recent round, from their progress records; unknown or none: not kept).
+
+    A group that closed without some of them (a slow peer, a split key) must not be kept: the peers
+    outside would never meet it while it skips the DHT, and the two halves would drift apart."""
+    ids = {c.node_id for c in group.members}
+    if len(group.members) < 2 or len(ids) < seen or not expected:
+        return False
+    return expected <= ids
+
+
+class StickyGroups:
+    """Per run: the kept group, if any, and renewal BEGINs that arrived before their round."""
+
+    def __init__(self, me: bytes, keep_rounds: int) -> None:
+        if type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000:
+            raise ValueError(f"keep_rounds must be an integer in [1, 1000], got {keep_rounds!r}")
+        self.me = me
+        self.keep_rounds = keep_rounds
+        self.kept: Kept | None = None
+        self.broken: str = ""  # why the kept group will not be renewed next round ("" while it may be)
+        self._early: OrderedDict[int, tuple[int, tuple[Candidate, ...]]] = OrderedDict()  # round -> begin
+        self.renewed = 0  # rounds averaged in a kept group
+        self.dropped: dict[str, int] = {}  # why kept groups ended, counted
+
+    # -- decisions ------------------------------------------------------------------------------
+    def usable(self, round_no: int) -> Kept | None:
+        """The kept group, if round ``round_no`` may reuse it; drops it otherwise."""
+        kept = self.kept
+        if kept is None:
+            return None
+        if self.broken:
+            self.drop(self.broken)
+            return None
+        if round_no <= kept.formed or round_no > kept.formed + kept.rounds:
+            self.drop("used_up" if round_no > kept.formed else "round")
+            return None
+        return kept
+
+    def leads(self, kept: Kept) -> bool:
+        return kept.leader == self.me
+
+    def after_matchmaking(self, group: Group | None, round_no: int, seen: int,
+                          expected: frozenset[bytes] | None) -> None:
+        """A round matchmade through the DHT: keep its group if it is complete."""
+        self._forget_before(round_no + 1)
+        if self.keep_rounds <= 1 or group is None or not is_complete(group, seen, expected):
+            self.kept, self.broken = None, ""
+            return
+        self.kept = Kept(group.members, group.index, group.leader, round_no, self.keep_rounds - 1)
+        self.broken = ""
+
+    def after_round(self, silent: bool) -> None:
+        """An averaging (kept or fresh) ended; ``silent``: some member was never heard from."""
+        if silent and self.kept is not None:
+            self.broken = self.broken or "silent"
+
+    def break_(self, reason: str, kept: Kept | None = None) -> None:
+        """Do not renew the kept group again (a refused or unacknowledged renewal, a newcomer); with
+        ``kept``, only if that is still the kept group (a late answer must not break a newer one)."""
+        if self.kept is not None and not self.broken and (kept is None or kept is self.kept):
+            self.broken = reason
+
+    def drop(self, reason: str) -> None:
+        if self.kept is not None:
+            self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        self.kept, self.broken = None, ""
+
+    # -- renewal BEGINs as a follower -----------------------------------------------------------
+    def offer_begin(self, sender: bytes, round_no: int, current: int, group_id: int,
+                    members: list[Candidate]) -> bool:
+        """A BEGIN that no matchmaking of mine is waiting for: a renewal of my kept group?
+
+        Accepted (and held until the round starts) only from the kept group's leader, for the round
+        this node is in or about to start, with exactly the kept member list."""
+        kept = self.kept
+        if kept is None or self.broken or sender != kept.leader:
+            return False
+        if not current <= round_no <= current + 1 or round_no > kept.formed + kept.rounds:
+            return False
+        if tuple(c.node_id for c in members) != tuple(c.node_id for c in kept.members):
+            return False
+        self._early[round_no] = (group_id, kept.members)
+        while len(self._early) > MAX_EARLY:
+            self._early.popitem(last=False)
+        return True
+
+    def take_begin(self, round_no: int) -> Group | None:
+        """The renewal for ``round_no`` if its BEGIN has arrived."""
+        kept = self.kept
+        begin = self._early.pop(round_no, None)
+        if kept is None or begin is None:
+            return None
+        group_id, members = begin
+        return Group(group_id, members, kept.index, kept.leader)
+
+    def renewal(self, group_id: int, round_no: int) -> Group:
+        """As the leader: the kept group under a fresh group id for ``round_no``."""
+        kept = self.kept
+        assert kept is not None and kept.leader == self.me
+        return Group(group_id, kept.members, kept.index, self.me)
+
+    def _forget_before(self, round_no: int) -> None:
+        for r in [r for r in self._early if r < round_no]:
+            del self._early[r]
+
+    def statistics(self) -> dict:
+        kept = self.kept
+        return {
+            "keep_rounds": self.keep_rounds,
+            "kept": None if kept is None else {"size": len(kept.members), "formed": kept.formed,
+                                              "until": kept.formed + kept.rounds, "leader": kept.leader.hex(),
+                                              "broken": self.broken},
+            "renewed": self.renewed,
+            "dropped": dict(self.dropped),
+        }
