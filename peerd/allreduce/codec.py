@@ -120,15 +120,13 @@ def pack_block(group: int, total: int, offset: int, weight: float | np.ndarray, 
     starting at element ``offset + i * count``; ``weight`` is one value or one per row. Returns
     (rows, body bytes) uint8."""
     rows, count = values.shape
-    rec = np.empty(rows, dtype=block_dtype(count))
-    rec["group"] = group
-    rec["codec"] = CODEC_FLOAT32
-    rec["total"] = total
-    rec["offset"] = np.arange(offset, offset + rows * count, count, dtype=np.uint32)
-    rec["count"] = count
-    rec["weight"] = weight
-    rec["values"] = values
-    return rec.view(np.uint8).reshape(rows, rec.dtype.itemsize)
+    width = HEADER_SIZE + 4 * count
+    out = np.empty((rows, width), dtype=np.uint8)
+    out[:, :HEADER_SIZE] = np.frombuffer(HEADER.pack(group, CODEC_FLOAT32, total, offset, count, 0.0), np.uint8)
+    out[:, 9:13] = np.arange(offset, offset + rows * count, count, dtype="<u4").view(np.uint8).reshape(rows, 4)
+    out[:, 15:19] = np.asarray(weight, dtype="<f4").reshape(-1, 1).view(np.uint8)
+    out[:, HEADER_SIZE:] = np.ascontiguousarray(values, dtype=FLOAT32).view(np.uint8)
+    return out
 
 
 def view_block(bodies: np.ndarray) -> np.ndarray | None:

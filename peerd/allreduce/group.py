@@ -623,39 +623,60 @@ class GroupAverage:
         per = self._per
         if rec is None or rec.dtype["values"].shape != (per,):
             return None
-        weights = rec["weight"]
+        rows = len(rec)
+        first = rec[0]
+        w0 = float(first["weight"])
         if mtype == _RS_DATA:
             start, stop, phase, total = self._lo, self._hi, self._rs, self._nranges
-            w0, known = float(weights[0]), self._sender_weight[sender]
-            if not (0.0 < w0 < math.inf) or (known is not None and known != w0) or not (weights == w0).all():
+            known = self._sender_weight[sender]
+            if not (0.0 < w0 < math.inf) or (known is not None and known != w0):
                 return None
+            same = 19  # group, codec, total, offset (checked below), count and weight: all as in row 0
         else:
             start, stop = self.layout.shard(sender)
             phase, total = self._ag, self._ag.expected[sender]
-            if not (np.isfinite(weights).all() and (weights >= 0).all()):
-                return None
-        if not ((rec["group"] == self.group_id).all() and (rec["codec"] == 0).all()
-                and (rec["count"] == per).all() and (rec["total"] == total).all()):
+            same = 15  # the weight is per range in the all-gather
+        if (int(first["group"]) != self.group_id or int(first["codec"]) != 0 or int(first["count"]) != per
+                or int(first["total"]) != total):
+            return None
+        if rows > 1 and not (
+            (bodies[1:, :9] == bodies[0, :9]).all() and (bodies[1:, 13:same] == bodies[0, 13:same]).all()
+        ):
+            return None
+        if mtype == _AG_DATA and not (np.isfinite(rec["weight"]).all() and (rec["weight"] >= 0).all()):
             return None
         full = (stop - start) // per
-        rel = rec["offset"].astype(np.int64) - start
-        ks = rel // per
-        rows = len(ks)
-        if (rel - ks * per).any() or ks[0] < 0 or ks.max() >= full or (rows > 1 and not (np.diff(ks) > 0).all()):
-            return None
-        if phase.ended_at is not None:
-            self._drops["late"] += rows
-            return 0, 0, rows
+        k0, r = divmod(int(first["offset"]) - start, per)
+        consecutive = rows == 1 or (rec["offset"] == np.arange(
+            first["offset"], first["offset"] + rows * per, per, dtype=np.uint32)).all()
+        if consecutive:
+            if r or k0 < 0 or k0 + rows > full:
+                return None
+            ks: np.ndarray | slice = slice(k0, k0 + rows)
+            k_last = k0 + rows - 1
+        else:
+            rel = rec["offset"].astype(np.int64) - start
+            ks = rel // per
+            if (rel - ks * per).any() or ks[0] < 0 or ks.max() >= full or not (np.diff(ks) > 0).all():
+                return None
+            k_last = int(ks[-1])
         seen = self._rs_seen[sender] if mtype == _RS_DATA else self._ag_seen[sender]
-        fresh = ~seen[ks]
-        accepted = int(np.count_nonzero(fresh))
-        duplicates = rows - accepted
-        values = rec["values"]
+        values, weights = rec["values"], rec["weight"]
+        was = seen[ks]
+        duplicates = int(np.count_nonzero(was)) if was.any() else 0
+        accepted = rows - duplicates
         if duplicates:
             self._drops["duplicate"] += duplicates
+        if phase.ended_at is not None:  # as in ``receive``: a duplicate is a duplicate, the rest is late
+            self._drops["late"] += accepted
+            return 0, duplicates, accepted
+        if duplicates:
             if not accepted:
                 return 0, duplicates, 0
-            ks, values, weights = ks[fresh], values[fresh], weights[fresh]
+            fresh = ~was
+            idx = np.arange(k0, k0 + rows) if isinstance(ks, slice) else ks
+            ks, values, weights = idx[fresh], values[fresh], weights[fresh]
+            k_last = int(ks[-1])
         seen[ks] = True
         if mtype == _RS_DATA:
             self._sender_weight[sender] = w0
@@ -664,7 +685,7 @@ class GroupAverage:
         else:
             self._out[start : start + full * per].reshape(full, per)[ks] = values
             phase.weight_received += float(weights.sum(dtype=np.float64))
-        phase.note_block(sender, accepted, int(ks[-1]), now)
+        phase.note_block(sender, accepted, k_last, now)
         if phase.open == 0:
             if mtype == _RS_DATA:
                 self._end_rs(now, COMPLETION)

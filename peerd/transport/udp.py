@@ -15,6 +15,7 @@ import struct
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import trio
 
 log = logging.getLogger("peerd.transport")
@@ -114,12 +115,24 @@ class UdpSocket:
 
     # -- receiving --------------------------------------------------------------------------------
     async def recv_batch(self, max_datagrams: int = 64) -> list[tuple[bytes, Address]]:
-        """Wait for at least one datagram, then take what is queued (up to ``max_datagrams``)."""
+        """Wait for at least one datagram, then take what is queued (up to about ``max_datagrams``)."""
         out: list[tuple[bytes, Address]] = []
+        for data, source, segment in await self.recv_blocks(max_datagrams):
+            if segment:
+                out.extend((data[i : i + segment], source) for i in range(0, len(data), segment))
+            else:
+                out.append((data, source))
+        return out
+
+    async def recv_blocks(self, max_datagrams: int = 64) -> list[tuple[bytes, Address, int]]:
+        """Like ``recv_batch``, but what one GRO receive coalesced stays one item: (data, source, segment
+        size), every datagram ``segment`` bytes but the last; segment 0: ``data`` is one datagram."""
+        out: list[tuple[bytes, Address, int]] = []
+        count = 0
         while True:
             try:
-                while len(out) < max_datagrams:
-                    self._recv_one(out)
+                while count < max_datagrams:
+                    count += self._recv_one(out)
             except BlockingIOError:
                 pass
             except OSError as e:  # ICMP errors surface here on some kernels; they are not fatal
@@ -129,7 +142,7 @@ class UdpSocket:
                 return out
             await trio.lowlevel.wait_readable(self.sock)
 
-    def _recv_one(self, out: list[tuple[bytes, Address]]) -> None:
+    def _recv_one(self, out: list[tuple[bytes, Address, int]]) -> int:
         size, ancdata, _flags, addr = self.sock.recvmsg_into([self._view], 256)
         segment = 0
         for level, kind, data in ancdata:
@@ -137,14 +150,12 @@ class UdpSocket:
                 segment = I32.unpack_from(data)[0] if len(data) >= 4 else U16.unpack_from(data)[0]
             elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= 4:
                 self.kernel_drops = U32.unpack_from(data)[0]
-        source = (addr[0], addr[1])
-        if segment and size > segment:
-            for start in range(0, size, segment):
-                out.append((self._buf[start : min(start + segment, size)], source))
-                self.received += 1
-        else:
-            out.append((self._buf[:size], source))
-            self.received += 1
+        if not (segment and size > segment):
+            segment = 0
+        out.append((self._buf[:size], (addr[0], addr[1]), segment))
+        count = -(-size // segment) if segment else 1
+        self.received += count
+        return count
 
     # -- sending ----------------------------------------------------------------------------------
     async def sendto(self, data: bytes, addr: Address) -> None:
@@ -174,6 +185,35 @@ class UdpSocket:
                 j += 1  # the last segment may be shorter
             await self._send_segments(datagrams[i:j], size, addr)
             i = j
+
+    async def send_block(self, datagrams: np.ndarray, addr: Address) -> None:
+        """Send each row of a (rows, bytes) uint8 array as one datagram: with GSO, up to 64 rows (64 KB)
+        per syscall straight from the array, without joining them first."""
+        rows, size = datagrams.shape
+        if not self.gso or rows < 2:
+            for row in datagrams:
+                await self.sendto(row, addr)
+            return
+        limit = min(GSO_MAX_SEGMENTS, max(1, GSO_MAX_BYTES // size))
+        cmsg = [(SOL_UDP, UDP_SEGMENT, U16.pack(size))]
+        for i in range(0, rows, limit):
+            run = datagrams[i : i + limit]
+            while True:
+                try:
+                    self.sock.sendmsg([run], cmsg if len(run) > 1 else [], 0, addr)
+                    self.sent += len(run)
+                    self.send_calls += 1
+                    break
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(self.sock)
+                except OSError as e:
+                    if e.errno in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT):  # no GSO on this path/NIC
+                        log.warning("UDP GSO failed (%s); using one syscall per datagram", os.strerror(e.errno))
+                        self.gso = False
+                        for row in run:
+                            await self.sendto(row, addr)
+                        break
+                    raise
 
     async def _send_segments(self, run: list[bytes], size: int, addr: Address) -> None:
         if len(run) == 1:

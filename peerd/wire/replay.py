@@ -55,6 +55,8 @@ class ReplayWindow:
     def would_accept_block(self, seqs: np.ndarray) -> np.ndarray:
         """Per sequence (uint64 array): would it be accepted? A repeat within the block counts once."""
         highest = self.highest
+        if int(seqs[0]) > highest and (len(seqs) == 1 or (seqs[1:] > seqs[:-1]).all()):
+            return np.ones(len(seqs), dtype=bool)  # the common case: a fresh, ordered burst
         if highest < 0:
             ok = np.ones(len(seqs), dtype=bool)
         else:
@@ -62,7 +64,7 @@ class ReplayWindow:
             newer = seqs > h
             in_window = (h - np.minimum(seqs, h)) < np.uint64(self.size)
             ok = newer | (in_window & ~self._seen[(seqs % np.uint64(self.size)).astype(np.intp)])
-        if len(seqs) > 1 and not (np.diff(seqs.astype(np.int64)) > 0).all():
+        if len(seqs) > 1 and not (seqs[1:] > seqs[:-1]).all():
             _, first = np.unique(seqs, return_index=True)
             once = np.zeros(len(seqs), dtype=bool)
             once[first] = True
@@ -76,6 +78,7 @@ class ReplayWindow:
         newest = int(seqs.max())
         if newest > self.highest:
             self._advance(newest)
-        # A sequence the advance pushed out of the window must not mark the newer one in its slot.
-        keep = seqs[(np.uint64(newest) - seqs) < np.uint64(self.size)]
-        self._seen[(keep % np.uint64(self.size)).astype(np.intp)] = True
+        if newest - int(seqs.min()) >= self.size:
+            # A sequence the advance pushed out of the window must not mark the newer one in its slot.
+            seqs = seqs[(np.uint64(newest) - seqs) < np.uint64(self.size)]
+        self._seen[(seqs % np.uint64(self.size)).astype(np.intp)] = True
