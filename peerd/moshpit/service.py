@@ -321,7 +321,7 @@ class MoshpitService:
                 nursery.start_soon(self._announce, dht_key, me, st.window_s)
                 nursery.start_soon(self._poll, active, dht_key)
                 if st.grid.dims == 1 and st.keys.extra_bits == 0:  # one key: the whole run looks under it
-                    nursery.start_soon(self._expect, active, st.run_id, round_no)
+                    nursery.start_soon(self._expect, active, st, round_no)
                 while True:
                     self._perform(active, st.run_id, round_no, nursery)
                     if mm.done:
@@ -452,12 +452,18 @@ class MoshpitService:
             active.wake.set()
             await trio.sleep(POLL_S[min(i, len(POLL_S) - 1)])
 
-    async def _expect(self, active: _Active, run_id: str, round_no: int) -> None:
-        """Tell the matchmaker who finished one of the last rounds: a leader waits a little longer for them."""
+    async def _expect(self, active: _Active, st: RunState, round_no: int) -> None:
+        """Tell the matchmaker who finished one of the last rounds: a leader waits a little longer for them.
+
+        A peer that already finished this round or a later one is ahead: this peer re-reads the run's
+        progress after the round and jumps to it, else two halves of a run that fell out of step (a stall)
+        would wait for each other at different round numbers, every round, forever."""
         recent = set()
-        for owner, value in await self._progress_records(run_id):
+        for owner, value in await self._progress_records(st.run_id):
             if value >= round_no - 3:
                 recent.add(owner)
+            if value >= round_no and owner != self.identity.node_id:
+                st.synced = False
         active.mm.set_expected(frozenset(recent), time.time())
         active.wake.set()
 
