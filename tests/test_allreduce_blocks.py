@@ -145,3 +145,22 @@ def test_open_block_matches_open(secret) -> None:
     assert opener.open_block(mixed) is None
     unknown = Sealer(secret).seal_block(RS_DATA, bodies)
     assert opener.open_block(unknown) is None  # a token's first datagrams take the row-by-row path
+
+
+def test_end_overtaking_data_wakes_the_driver() -> None:
+    """An END that overtakes lost data brings the deadline forward to its short grace; the driver only
+    re-reads the deadline when ``phase_changes`` moves, so it must move (else it sleeps ~1 s too long)."""
+    cores = [
+        GroupAverage(GROUP, 2, i, np.ones(64, np.float32), 1.0, 0.0, max_payload=HEADER_SIZE + 32, end_grace_s=0.05)
+        for i in range(2)
+    ]
+    out = cores[1].next_datagrams(1000)
+    data = [o for o in out if o.to == 0 and o.type == RS_DATA]
+    end = next(o for o in out if o.to == 0 and o.type == RS_END)
+    cores[0].receive(1, RS_DATA, data[0].body, 0.0)  # the rest of the stream is lost
+    before, deadline = cores[0].phase_changes, cores[0].next_deadline()
+    cores[0].receive(1, RS_END, end.body, 0.01)
+    assert cores[0].phase_changes != before
+    assert cores[0].next_deadline() == pytest.approx(0.06) and deadline > 0.5
+    cores[0].handle_timer(0.06)
+    assert cores[0].reduce_scatter_done
