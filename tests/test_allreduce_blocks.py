@@ -162,5 +162,5 @@ def test_end_overtaking_data_wakes_the_driver() -> None:
     cores[0].receive(1, RS_END, end.body, 0.01)
     assert cores[0].phase_changes != before
     assert cores[0].next_deadline() == pytest.approx(0.06) and deadline > 0.5
-    cores[0].handle_timer(0.06)
+    cores[0].handle_timer(0.07)
     assert cores[0].reduce_scatter_done
