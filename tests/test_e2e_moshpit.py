@@ -146,3 +146,33 @@ def test_a_complete_group_is_kept_and_re_forms_when_its_leader_dies(swarm) -> No
     last = after[-1]
     assert all(r["outcome"] == "averaged" and r["group_size"] == 2 for r in last), last
     assert set(last[0]["members"]) == set(last[1]["members"]) < ids
+
+
+def test_a_kept_group_waits_for_a_member_that_starts_its_round_late(swarm) -> None:
+    """Each round one peer (in turn, so sometimes the leader, sometimes a follower) starts 1.5 s after the
+    others, as a trainer busy with its other run's round does. Renewals wait until every member asked
+    (PROTOCOL.md section 16, step 7): the late peer is averaged in, not averaged out as silent."""
+    import time
+
+    nodes = swarm.start_many(3)
+    wait_until(lambda: min(n.call("status")["peers"] for n in nodes) >= 2, 30, 0.2, what="peers to see each other")
+    for n in nodes:
+        n.call("avg_open", run="late", window_s=3.0, keep_rounds=4)
+    vectors = [np.full(500, float(i), np.float32) for i in range(3)]
+
+    def late_round(r: int, i: int) -> dict:
+        if i == r % 3:
+            time.sleep(1.5)
+        return _round(nodes[i], "late", vectors[i])[1]
+
+    history = []
+    for r in range(8):
+        with ThreadPoolExecutor(3) as pool:
+            history.append(list(pool.map(lambda i, r=r: late_round(r, i), range(3))))
+    kept = [s for stats in history for s in stats if s["kept"]]
+    assert len(kept) >= 6, history  # rounds 2-4 and 6-7 are renewals once round 1's group is complete
+    assert all(s["outcome"] == "averaged" and s["group_size"] == 3 for s in kept), kept
+    assert all(s["received_fraction"] == 1.0 for s in kept), kept  # nobody was averaged out
+    for n in nodes:
+        dropped = n.call("status")["moshpit"]["late"]["sticky"]["dropped"]
+        assert not set(dropped) - {"used_up", "round"}, dropped  # no silence, refusal or timeout broke it

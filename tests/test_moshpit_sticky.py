@@ -120,3 +120,51 @@ def test_early_renewals_are_bounded_and_forgotten() -> None:
     s.after_matchmaking(group(me=B), 10_000, 3, IDS)
     assert not s._early
     assert s.statistics()["kept"]["formed"] == 10_000
+
+
+def test_leader_waits_until_every_follower_asked_for_the_round() -> None:
+    s = StickyGroups(A.node_id, keep_rounds=5)
+    s.after_matchmaking(group(), 4, 3, IDS)
+    assert s.missing(5) == {B.node_id, C.node_id}
+    assert s.offer_join(B.node_id, 5, 5)
+    assert s.missing(5) == {C.node_id}
+    # C is still finishing round 4 elsewhere ... its ask for round 6 (early: this node is in 5) is held
+    assert s.offer_join(C.node_id, 6, 5)
+    assert s.missing(5) == {C.node_id} and s.missing(6) == {B.node_id}
+    assert s.offer_join(C.node_id, 5, 5)
+    assert not s.missing(5)
+    assert s.renewal(42, 5).members == (A, B, C)
+    # asks for rounds this node has finished are forgotten as it moves on
+    assert s.offer_join(B.node_id, 6, 6) and s.offer_join(B.node_id, 7, 6)
+    assert 5 not in s._ready and not s.missing(6)
+
+
+def test_leader_refuses_asks_it_cannot_serve() -> None:
+    s = StickyGroups(A.node_id, keep_rounds=3)
+    assert not s.offer_join(B.node_id, 5, 5)  # nothing kept
+    s.after_matchmaking(group(), 4, 3, IDS)
+    assert not s.offer_join(D.node_id, 5, 5)  # not a member
+    assert not s.offer_join(A.node_id, 5, 5)  # myself
+    assert not s.offer_join(B.node_id, 4, 5)  # a round already done
+    assert not s.offer_join(B.node_id, 7, 5)  # too far ahead
+    assert not s.offer_join(B.node_id, 7, 6)  # past the kept rounds (4 + 2)
+    assert s.offer_join(B.node_id, 6, 6)
+    s.break_("silent")
+    assert not s.offer_join(C.node_id, 6, 6)  # broken: the follower matchmakes at once
+    s.drop("silent")
+    assert s.missing(6) == frozenset()  # nothing kept, nothing to wait for
+    # a follower never leads the renewal: asks sent to it are refused
+    f = StickyGroups(B.node_id, keep_rounds=3)
+    f.after_matchmaking(group(me=B), 4, 3, IDS)
+    assert not f.offer_join(C.node_id, 5, 5)
+
+
+def test_a_new_group_forgets_asks_for_the_old_one() -> None:
+    s = StickyGroups(A.node_id, keep_rounds=10)
+    s.after_matchmaking(group(), 1, 3, IDS)
+    assert s.offer_join(B.node_id, 2, 2) and s.offer_join(C.node_id, 2, 2)
+    s.after_matchmaking(group(gid=9), 1, 3, IDS)  # re-formed through the DHT (same round number: a restart)
+    assert s.missing(2) == {B.node_id, C.node_id}
+    s.drop("silent")
+    s.after_matchmaking(group(), 1, 3, IDS)
+    assert s.missing(2) == {B.node_id, C.node_id}

@@ -27,8 +27,8 @@ from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
 from ..wire.identity import node_id_of
 from .keys import Grid, KeyManager
-from .matchmaking import SETTLE_S, Begin, Candidate, Disband, Group, Join, Matchmaker
-from .sticky import Kept, StickyGroups
+from .matchmaking import BUSY_RETRY_S, FOLLOW_SLACK_S, SETTLE_S, Begin, Candidate, Disband, Group, Join, Matchmaker
+from .sticky import RENEW_KEY, Kept, StickyGroups
 
 log = logging.getLogger("peerd.moshpit")
 
@@ -90,7 +90,7 @@ class RunState:
     last: RoundResult | None = None
     state: str = "idle"  # idle | matchmaking | averaging
     sticky: StickyGroups | None = None
-    begin_wake: trio.Event = field(default_factory=trio.Event)  # a renewal BEGIN or DISBAND arrived
+    begin_wake: trio.Event = field(default_factory=trio.Event)  # a renewal BEGIN, JOIN or DISBAND arrived
 
     def statistics(self) -> dict:
         return {
@@ -253,6 +253,11 @@ class MoshpitService:
                 with trio.move_on_after(max(0.0, min(timeout_s - (time.perf_counter() - wall0), st.window_s + 10.0))):
                     group, seen = await self._matchmake(st, round_no, key, expected)
                 sticky.after_matchmaking(group, round_no, seen, expected[0])
+                if (group is not None and sticky.keep_rounds > 1 and sticky.kept is None
+                        and group.leader != self.identity.node_id):
+                    # the leader may think the group complete: tell it now, or it would wait out a window
+                    # next round for this node's renewal request
+                    self._tell_not_kept(st, group, round_no)
             mm_s = time.perf_counter() - wall0
             if group is None:
                 st.keys.after_alone()
@@ -340,39 +345,91 @@ class MoshpitService:
     # -- kept groups ----------------------------------------------------------------------------
     async def _renew(self, st: RunState, sticky: StickyGroups, round_no: int, key: str,
                      timeout_s: float) -> Group | None:
-        """This round's group without matchmaking, if the kept group can be renewed; None: matchmake."""
+        """This round's group without matchmaking, if the kept group can be renewed; None: matchmake.
+
+        Synchronised like matchmaking: each follower asks the leader (MM_JOIN with RENEW_KEY) once it
+        has started the round, and the leader sends the renewal BEGIN only when every follower has asked,
+        so nobody starts averaging while a member is still busy elsewhere. Both waits are bounded; when
+        one runs out, the member tells the others (MM_DISBAND) and the round matchmakes through the DHT."""
         kept = sticky.kept
         if kept is not None and sticky.broken:
             self._disband_kept(st, kept, round_no)  # the others need not wait for a renewal that will not come
         kept = sticky.usable(round_no)
         if kept is None:
             return None
-        if sticky.leads(kept):
-            group = sticky.renewal(self.rng.randrange(1, 2**32), round_no)
-            members = [[c.public_key, ipaddress.ip_address(c.addr[0]).packed, c.addr[1]] for c in kept.members]
-            fields = {"run": st.run_id, "round": round_no, "group": group.group_id, "members": members}
-            for c in kept.members:
-                if c.node_id != self.identity.node_id:
-                    self._spawn(self._send_renewal, st, sticky, kept, c.addr, fields)
+        leads = sticky.leads(kept)
+        if leads:
             self._spawn(self._watch_newcomers, st, sticky, kept, round_no, key)
-            return group
-        # A follower: the leader's BEGIN may already be here (it started this round first), else wait for it.
-        with trio.move_on_after(max(0.0, min(st.window_s, timeout_s / 2))):
-            while True:
-                group = sticky.take_begin(round_no)
+            wait_s = min(st.window_s, timeout_s / 2)
+        else:
+            self._spawn(self._ask_renewal, st, sticky, kept, round_no)
+            wait_s = min(st.window_s + FOLLOW_SLACK_S, timeout_s / 2)
+        with trio.move_on_after(max(0.0, wait_s)):
+            while not sticky.broken and sticky.kept is kept:
+                group = self._renewed(st, sticky, kept, round_no) if leads else sticky.take_begin(round_no)
                 if group is not None:
                     return group
-                if sticky.broken or sticky.kept is not kept:
-                    break
                 st.begin_wake = trio.Event()
                 await st.begin_wake.wait()
-        sticky.drop(sticky.broken or "no_begin")  # the leader is gone or slow: look through the DHT
+        # the wait ran out (a member is gone or slow) or the group broke: everyone looks through the DHT
+        reason = sticky.broken or ("not_ready" if leads else "no_begin")
+        if sticky.kept is kept:
+            self._disband_kept(st, kept, round_no)
+        sticky.drop(reason)
         return None
 
-    def _disband_kept(self, st: RunState, kept: Kept, round_no: int) -> None:
+    def _renewed(self, st: RunState, sticky: StickyGroups, kept: Kept, round_no: int) -> Group | None:
+        """As the leader: once every follower asked for round ``round_no``, send the renewal BEGIN."""
+        if sticky.missing(round_no):
+            return None
+        group = sticky.renewal(self.rng.randrange(1, 2**32), round_no)
+        members = [[c.public_key, ipaddress.ip_address(c.addr[0]).packed, c.addr[1]] for c in kept.members]
+        fields = {"run": st.run_id, "round": round_no, "group": group.group_id, "members": members}
         for c in kept.members:
             if c.node_id != self.identity.node_id:
-                self._spawn(self.endpoint.notify, c.addr, m.MsgType.MM_DISBAND, {"run": st.run_id, "round": round_no})
+                self._spawn(self._send_renewal, st, sticky, kept, c.addr, fields)
+        return group
+
+    async def _ask_renewal(self, st: RunState, sticky: StickyGroups, kept: Kept, round_no: int) -> None:
+        """As a follower: tell the kept group's leader this node is ready for ``round_no``. A refusal
+        (it does not keep the group, or matchmakes this round) or no answer breaks the group at once."""
+        leader = kept.leader_candidate
+        fields = {"run": st.run_id, "round": round_no, "key": RENEW_KEY, "expiry": round(time.time() + st.window_s, 3)}
+        reason = ""
+        with trio.move_on_after(st.window_s + FOLLOW_SLACK_S):
+            while sticky.kept is kept and not sticky.broken:
+                try:
+                    reply = await self.endpoint.request(leader.addr, m.MsgType.MM_JOIN, fields, timeout=0.25,
+                                                        attempts=4)
+                except RpcError as e:
+                    log.info("run %s round %d: the kept group's leader did not answer: %s", st.run_id, round_no, e)
+                    reason = "unreachable"
+                    break
+                if reply.peer.node_id != kept.leader:
+                    reason = "unreachable"
+                    break
+                if reply.body["ok"]:
+                    return
+                if reply.body["reason"] not in ("busy", "not_ready"):
+                    reason = "refused"
+                    break
+                await trio.sleep(BUSY_RETRY_S)
+        if reason:
+            sticky.break_(reason, kept)
+            st.begin_wake.set()
+
+    def _disband_kept(self, st: RunState, kept: Kept, round_no: int) -> None:
+        """Tell the kept group's other members that this node will not renew it (twice: it is one-way)."""
+        for c in kept.members:
+            if c.node_id != self.identity.node_id:
+                for _ in range(2):
+                    self._spawn(self.endpoint.notify, c.addr, m.MsgType.MM_DISBAND,
+                                {"run": st.run_id, "round": round_no})
+
+    def _tell_not_kept(self, st: RunState, group: Group, round_no: int) -> None:
+        leader = next(c for c in group.members if c.node_id == group.leader)
+        for _ in range(2):
+            self._spawn(self.endpoint.notify, leader.addr, m.MsgType.MM_DISBAND, {"run": st.run_id, "round": round_no})
 
     async def _send_renewal(self, st: RunState, sticky: StickyGroups, kept: Kept, addr: Address,
                             fields: dict) -> None:
@@ -501,6 +558,14 @@ class MoshpitService:
     def _on_join(self, incoming: Incoming) -> dict:
         b = incoming.body
         active = self._active.get((b["run"], b["round"]))
+        if active is None and b["key"] == RENEW_KEY:  # a follower of my kept group is ready for this round
+            st = self.runs.get(b["run"])
+            if st is None or st.sticky is None:
+                return {"ok": False, "reason": "closed"}
+            ok = st.sticky.offer_join(incoming.peer.node_id, b["round"], st.round)
+            if ok:
+                st.begin_wake.set()
+            return {"ok": ok, "reason": "ok" if ok else "closed"}
         if active is None:
             st = self.runs.get(b["run"])
             behind = st is None or st.round <= b["round"]
@@ -538,9 +603,12 @@ class MoshpitService:
             active.wake.set()
         st = self.runs.get(b["run"])
         kept = st.sticky.kept if st is not None and st.sticky is not None else None
-        if kept is not None and b["round"] > kept.formed and incoming.peer.node_id in kept.node_ids():
-            assert st is not None and st.sticky is not None
-            st.sticky.break_("disbanded", kept)  # a member of my kept group will not renew it: re-form
+        if kept is None or incoming.peer.node_id not in kept.node_ids():
+            return
+        assert st is not None and st.sticky is not None
+        if b["round"] > kept.formed or (b["round"] == kept.formed and kept.leader == self.identity.node_id):
+            # a member of my kept group will not renew it (for the formation round: it never kept it)
+            st.sticky.break_("disbanded" if b["round"] > kept.formed else "not_kept", kept)
             st.begin_wake.set()
 
     # -- run-wide records -----------------------------------------------------------------------

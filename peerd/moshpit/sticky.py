@@ -4,6 +4,11 @@ Matchmaking through the DHT costs a few DHT reads and JOIN round trips per round
 most of a small model's round. A group that formed *complete* (everyone the DHT showed under the key,
 and everyone the run expects, is in it) is therefore kept for up to ``keep_rounds`` rounds: in a kept
 round the leader sends the same member list in a fresh MM_BEGIN and nobody touches the DHT's group key.
+A kept round synchronises like matchmaking: every follower, once it starts the round, asks the leader
+(MM_JOIN with key ``RENEW_KEY``), and the leader sends the renewal BEGIN only when all of them have asked.
+Without that, a leader that started averaging at once found a follower still busy elsewhere (its other
+run's round, a slow step) and averaged it out as silent, which broke the group every few rounds.
+
 The group goes back to DHT matchmaking (so newcomers get in and a changed swarm re-forms) when
 
 - its rounds are used up,
@@ -11,7 +16,9 @@ The group goes back to DHT matchmaking (so newcomers get in and a changed swarm 
 - anyone heard nothing from a member during the averaging (it died or stalled),
 - the leader saw a peer outside the group announce under the run's key (a newcomer) or publish
   progress in the run lately (an outsider still training), or
-- a follower waited the renewal window without a BEGIN (the leader died).
+- a follower waited the renewal window without a BEGIN (the leader died), or the leader waited its
+  window for a follower's renewal request (the follower died or dropped the group),
+- a member did not keep the group at all (its view of who was looking differed): it tells the leader.
 
 Every case ends in ordinary matchmaking, whose waits are bounded, so a failure costs at most one
 round's deadlines and never hangs. This module holds the per-run decision state; the trio driver
@@ -26,6 +33,8 @@ from dataclasses import dataclass
 from .matchmaking import Candidate, Group
 
 MAX_EARLY = 64  # renewal BEGINs held for rounds this node has not started yet (bounded)
+RENEW_KEY = "kept"  # the key a renewal MM_JOIN carries: no group key looks like it, so a leader that is
+# matchmaking through the DHT this round refuses it ("key") instead of taking the follower in by mistake
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class StickyGroups:
         self.kept: Kept | None = None
         self.broken: str = ""  # why the kept group will not be renewed next round ("" while it may be)
         self._early: OrderedDict[int, tuple[int, tuple[Candidate, ...]]] = OrderedDict()  # round -> begin
+        self._ready: dict[int, set[bytes]] = {}  # as the leader: round -> followers that asked for it
         self.renewed = 0  # rounds averaged in a kept group
         self.dropped: dict[str, int] = {}  # why kept groups ended, counted
 
@@ -93,6 +103,7 @@ class StickyGroups:
                           expected: frozenset[bytes] | None) -> None:
         """A round matchmade through the DHT: keep its group if it is complete."""
         self._forget_before(round_no + 1)
+        self._ready.clear()  # asks were for the group this matchmaking replaces
         if self.keep_rounds <= 1 or group is None or not is_complete(group, seen, expected):
             self.kept, self.broken = None, ""
             return
@@ -114,6 +125,32 @@ class StickyGroups:
         if self.kept is not None:
             self.dropped[reason] = self.dropped.get(reason, 0) + 1
         self.kept, self.broken = None, ""
+        self._ready.clear()
+
+    # -- renewal requests as the leader ---------------------------------------------------------
+    def offer_join(self, sender: bytes, round_no: int, current: int) -> bool:
+        """A follower of my kept group is ready for round ``round_no`` (it asked for the renewal).
+
+        Held for the round this node is in or about to start; refused (the follower then matchmakes
+        through the DHT at once) when I do not lead a kept group holding it, or it is broken or used up."""
+        kept = self.kept
+        if kept is None or self.broken or kept.leader != self.me or sender == self.me:
+            return False
+        if sender not in kept.node_ids() or not current <= round_no <= current + 1:
+            return False
+        if round_no <= kept.formed or round_no > kept.formed + kept.rounds:
+            return False
+        self._ready.setdefault(round_no, set()).add(sender)
+        for r in [r for r in self._ready if r < current]:
+            del self._ready[r]
+        return True
+
+    def missing(self, round_no: int) -> frozenset[bytes]:
+        """As the leader: the kept group's followers that have not asked for round ``round_no`` yet."""
+        kept = self.kept
+        if kept is None:
+            return frozenset()
+        return kept.node_ids() - {self.me} - self._ready.get(round_no, set())
 
     # -- renewal BEGINs as a follower -----------------------------------------------------------
     def offer_begin(self, sender: bytes, round_no: int, current: int, group_id: int,
