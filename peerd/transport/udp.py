@@ -13,6 +13,7 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,31 +196,22 @@ class UdpSocket:
                 await self.sendto(row, addr)
             return
         limit = min(GSO_MAX_SEGMENTS, max(1, GSO_MAX_BYTES // size))
-        cmsg = [(SOL_UDP, UDP_SEGMENT, U16.pack(size))]
         for i in range(0, rows, limit):
             run = datagrams[i : i + limit]
-            while True:
-                try:
-                    self.sock.sendmsg([run], cmsg if len(run) > 1 else [], 0, addr)
-                    self.sent += len(run)
-                    self.send_calls += 1
-                    break
-                except BlockingIOError:
-                    await trio.lowlevel.wait_writable(self.sock)
-                except OSError as e:
-                    if e.errno in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT):  # no GSO on this path/NIC
-                        log.warning("UDP GSO failed (%s); using one syscall per datagram", os.strerror(e.errno))
-                        self.gso = False
-                        for row in run:
-                            await self.sendto(row, addr)
-                        break
-                    raise
+            if len(run) == 1:
+                await self.sendto(run[0], addr)
+            else:
+                await self._send_gso(run, size, run, addr)
 
     async def _send_segments(self, run: list[bytes], size: int, addr: Address) -> None:
         if len(run) == 1:
             await self.sendto(run[0], addr)
             return
-        payload = b"".join(run)
+        await self._send_gso(b"".join(run), size, run, addr)
+
+    async def _send_gso(self, payload: bytes | np.ndarray, size: int, run: Sequence, addr: Address) -> None:
+        """One GSO send of ``payload`` (the datagrams of ``run``, ``size`` bytes each but the last); where
+        the path has no GSO, switch it off for good and send ``run`` one datagram per syscall."""
         cmsg = [(SOL_UDP, UDP_SEGMENT, U16.pack(size))]
         while True:
             try:
