@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dropcompute", default="off", metavar="off|auto|SECONDS",
                    help="DropCompute threshold per step (default off)")
     p.add_argument("--average-every", type=int, default=10, metavar="K", help="average parameters every K steps")
+    p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
+                   help="keep a complete Moshpit group R rounds (1: a new group every round; default: the trainer's)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of weights, data order and loss")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
@@ -392,8 +394,11 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--peers and --steps must be at least 1")
     if not 0.0 <= args.loss < 1.0:
         parser.error("--loss must be in [0, 1)")
+    if args.keep_rounds is not None and not 1 <= args.keep_rounds <= 1000:
+        parser.error("--keep-rounds must be in [1, 1000]")
     cfg = DemoConfig(peers=args.peers, steps=args.steps, loss=args.loss, compute_jitter=args.compute_jitter,
-                     dropcompute=args.dropcompute, seed=args.seed, average_every=args.average_every, json=args.json)
+                     dropcompute=args.dropcompute, seed=args.seed, average_every=args.average_every, json=args.json,
+                     keep_rounds=args.keep_rounds)
     try:
         summary = run_demo(cfg)
     except RuntimeError as e:

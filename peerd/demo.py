@@ -35,6 +35,7 @@ class DemoConfig:
     seed: int = 0
     average_every: int = 10
     final_average: int = 2  # parameter averages after the last step (replicas end together)
+    keep_rounds: int | None = None  # Moshpit kept-group rounds (None: `peerd train`'s default)
     timeout_s: float = 15.0
     json: bool = False
     join_late: dict[int, int] = field(default_factory=dict)  # peer index -> start when the swarm reaches step
@@ -94,6 +95,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                    "--final-average", str(cfg.final_average), "--timeout", str(cfg.timeout_s),
                    "--compute-jitter", str(cfg.compute_jitter), "--dropcompute", cfg.dropcompute,
                    "--progress", "json", "--out", os.path.join(workdir, f"result{i}.json")]
+            if cfg.keep_rounds is not None:
+                cmd += ["--keep-rounds", str(cfg.keep_rounds)]
             if i in cfg.join_late:
                 cmd += ["--init-seed", str(cfg.seed + 1000 + i)]  # different weights: it must take the swarm's
             else:
@@ -170,6 +173,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "seed": cfg.seed,
             "compute_jitter": cfg.compute_jitter,
             "dropcompute": cfg.dropcompute,
+            "keep_rounds": results[0].get("keep_rounds"),
+            "kept_rounds": sum(r.get("kept_rounds", 0) for r in results),  # rounds that skipped matchmaking
             "samples_per_second": sum(r["samples"] for r in results) / max(r["wall_s"] for r in results),
             "outcomes": _sum_outcomes(results),
             "per_peer": [{**{k: r[k] for k in ("peer", "first_step", "steps", "held_out_loss", "accuracy", "samples",

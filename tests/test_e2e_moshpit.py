@@ -104,6 +104,8 @@ def test_bad_requests_get_clear_errors(swarm) -> None:
         ({"run": "x", "vector": b"\0" * 8, "weight": "many"}, "number"),
         ({"run": "x", "vector": np.array([np.nan], np.float32).tobytes()}, "NaN"),
         ({"run": "x", "vector": b"\0" * 8, "timeout_s": 0.01}, "timeout_s"),
+        ({"run": "x", "vector": b"\0" * 8, "round": -1}, "round"),
+        ({"run": "x", "vector": b"\0" * 8, "round": "next"}, "round"),
     ]
     for args, words in cases:
         with pytest.raises(DaemonError, match=words):

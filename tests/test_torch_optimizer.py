@@ -81,8 +81,31 @@ def test_two_replicas_stay_identical_and_follow_the_weighted_mean(daemon) -> Non
     assert opts[0].step_count == 4 and opts[0].outcomes == {"averaged": 4}
     kinds = [run_id.rsplit(".", 1)[1] for run_id, _ in daemon.averager.calls]
     assert kinds.count("g") == 8 and kinds.count("p") == 4
+    # parameter averages are numbered by the step (step // K), gradient rounds by the daemon
+    numbers = [(k, r) for k, r in zip(kinds, daemon.averager.round_numbers, strict=True)]
+    assert sorted(r for k, r in numbers if k == "p") == [1, 1, 2, 2]
+    assert all(r is None for k, r in numbers if k == "g")
     for o in opts:
         o.close()
+
+
+def test_keep_rounds_reaches_every_round_of_the_session(daemon) -> None:
+    daemon.averager.wait_s = 0.1
+    m = model(2)
+    opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="k", socket=daemon.path, sync_state=False,
+                    state_every=0, average_params_every=1, keep_rounds=8)
+    train_step(m, opt, 0)
+    assert daemon.averager.keep_rounds == [8, 8]  # gradients and parameters
+    opt.close()
+    plain = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="k", socket=daemon.path, sync_state=False,
+                      state_every=0, average_params_every=0)
+    train_step(m, plain, 1)
+    assert daemon.averager.keep_rounds[-1] is None  # not asked: the daemon's default
+    plain.close()
+    for bad in (0, 1001, 2.0):
+        with pytest.raises(ValueError, match="keep_rounds"):
+            Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="k", socket=daemon.path, sync_state=False,
+                      keep_rounds=bad)
 
 
 def test_no_group_policies(daemon) -> None:

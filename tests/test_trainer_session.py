@@ -112,6 +112,19 @@ def test_bad_requests_get_clear_errors(daemon) -> None:
     client = LocalClient(daemon.path)
     with pytest.raises(DaemonError, match="no such session"):
         client.call("trainer_step", session=12345, step=1)
+    for bad in (0, 1001, "10", 2.5):
+        client = LocalClient(daemon.path)
+        a = Arena.create(4, 16)
+        with pytest.raises(DaemonError, match="keep_rounds"):
+            client.call("trainer_open", fds=[a.fd], run="r", layout=LAYOUT, nslots=4, keep_rounds=bad)
+        a.close()
+    c, arena, reply = open_session(daemon.path)
+    for t, bad in ((1, -1), (2, "3"), (3, 2**32)):
+        arena.write_request(t, 1)
+        with pytest.raises(DaemonError, match="round"):
+            c.call("trainer_step", session=reply["session"], step=t, round=bad)
+    c.close()
+    arena.close()
     c, arena, reply = open_session(daemon.path)
     arena.vector(1)[:] = np.nan
     arena.write_request(1, 1)

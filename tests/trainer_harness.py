@@ -48,11 +48,16 @@ class InProcessAverager:
         self.rounds: dict[str, _Round] = {}
         self.numbers: dict[str, int] = {}
         self.calls: list[tuple[str, float]] = []
+        self.keep_rounds: list[int | None] = []  # what each call asked for (None: the daemon's default)
+        self.round_numbers: list[int | None] = []  # the round each call named (None: the run's next)
         self._ids = 0
 
-    async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0) -> RoundResult:
+    async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
+                      keep_rounds: int | None = None, round_no: int | None = None) -> RoundResult:
         start = time.monotonic()
         self.calls.append((run_id, weight))
+        self.keep_rounds.append(keep_rounds)
+        self.round_numbers.append(round_no)
         rnd = self.rounds.get(run_id)
         if rnd is None or rnd.closed:
             self.numbers[run_id] = self.numbers.get(run_id, 0) + 1

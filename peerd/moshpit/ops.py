@@ -52,7 +52,7 @@ class MoshpitOps:
             raise OpError("vector holds NaN or infinity: refusing to spread it to the swarm")
         try:
             result = await self.service.average(request.get("run"), vector, float(weight),  # type: ignore[arg-type]
-                                                timeout_s=float(timeout_s))
+                                                timeout_s=float(timeout_s), round_no=_opt_int(request, "round"))
         except MoshpitError as e:
             raise OpError(str(e)) from None
         return {"vector": result.vector.astype("<f4").tobytes(), "stats": result.stats()}

@@ -222,20 +222,38 @@ class MoshpitService:
                 f"use a smaller grid side or a larger --mtu"
             )
 
-    async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0) -> RoundResult:
-        """One Moshpit round for ``run_id``: find a group, average in it. Never raises for churn."""
+    async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
+                      keep_rounds: int | None = None, round_no: int | None = None) -> RoundResult:
+        """One Moshpit round for ``run_id``: find a group, average in it. Never raises for churn.
+
+        ``keep_rounds``: set the run's kept-group rounds (as ``open`` does) if it differs, so a trainer
+        session can choose it without a separate open; None leaves the run as it is.
+        ``round_no``: average in exactly this round (the caller numbers rounds, e.g. a trainer's parameter
+        averages by its step, which every peer shares); None: the run's next round, kept in step with the
+        swarm through progress records. Rounds that happen every K steps need it: a peer that opened the
+        run a moment after others finished its first round would otherwise start one round ahead of them,
+        and the two halves would wait out each other's deadlines every time."""
         check_run_id(run_id)
+        if round_no is not None and (type(round_no) is not int or not 0 <= round_no < 2**32 - 1):
+            raise MoshpitError(f"round must be an integer in [0, 2**32 - 1), got {round_no!r}")
+        if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
+            raise MoshpitError(f"keep_rounds must be an integer in [1, 1000], got {keep_rounds!r}")
         if vector.dtype != np.float32 or vector.ndim != 1:
             raise MoshpitError("the vector must be flat float32")
         if not (math.isfinite(weight) and weight > 0):
             raise MoshpitError(f"weight must be a positive number (a sample count), got {weight}")
         if not 1.0 <= timeout_s <= 3600:
             raise MoshpitError(f"timeout_s must be in [1, 3600], got {timeout_s}")
-        st = self.runs.get(run_id) or await self.open(run_id)
+        st = self.runs.get(run_id) or await self.open(run_id, keep_rounds=keep_rounds)
         async with st.lock:
-            return await self._round(st, vector, float(weight), timeout_s)
+            if keep_rounds is not None and (st.sticky is None or st.sticky.keep_rounds != keep_rounds):
+                st.sticky = StickyGroups(self.identity.node_id, keep_rounds)
+            if round_no is not None:
+                st.round = round_no
+            return await self._round(st, vector, float(weight), timeout_s, numbered=round_no is not None)
 
-    async def _round(self, st: RunState, vector: np.ndarray, weight: float, timeout_s: float) -> RoundResult:
+    async def _round(self, st: RunState, vector: np.ndarray, weight: float, timeout_s: float,
+                     numbered: bool = False) -> RoundResult:
         round_no = st.round
         key = st.keys.group_key(round_no)
         wall0 = time.perf_counter()
@@ -278,7 +296,7 @@ class MoshpitService:
         result.seconds = time.perf_counter() - wall0
         st.round = round_no + 1
         st.last = result
-        if not st.synced:
+        if not st.synced and not numbered:  # the caller numbers this run's rounds: nothing to catch up with
             await self._sync_round(st)
         self._spawn(self._publish_progress, st.run_id, round_no)
         self.metrics.moshpit_rounds.labels(result.outcome).inc()
@@ -521,6 +539,11 @@ class MoshpitService:
                 recent.add(owner)
             if value >= round_no and owner != self.identity.node_id:
                 st.synced = False
+        if not recent:
+            # nobody finished a recent round (a run's first round): whom to expect is unknown, so the
+            # leader waits for a pause without newcomers (1.5 s), not 0.3 s: peers whose first step took a
+            # moment longer would otherwise find the others' round over and start out of step
+            return
         active.mm.set_expected(frozenset(recent), time.time())
         active.wake.set()
 

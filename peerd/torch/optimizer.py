@@ -46,15 +46,20 @@ class Optimizer:
     deadline), ``average_params_every`` (K; 0 turns parameter averaging off), ``no_group`` (what to do
     when no group forms or a round fails: "local" takes a local step and counts it, "skip" skips the
     step, "raise" raises NoGroupError), ``sync_state`` (download the swarm's state before the first step),
-    ``state_every`` (publish a snapshot for joiners every this many steps; 0: never), ``nslots``.
+    ``state_every`` (publish a snapshot for joiners every this many steps; 0: never), ``nslots``,
+    ``keep_rounds`` (keep a Moshpit group that formed complete for this many rounds, renewed without the
+    DHT, so matchmaking does not dominate a step; 1: a new group every round; None: the daemon's default).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, run: str, socket: str | None = None,
                  timeout_s: float = 30.0, average_params_every: int = 10, no_group: str = "local",
                  sync_state: bool = True, state_every: int = 10, state_timeout_s: float = 60.0,
-                 nslots: int = 4) -> None:
+                 nslots: int = 4, keep_rounds: int | None = None) -> None:
         if no_group not in NO_GROUP:
             raise ValueError(f"no_group must be one of {NO_GROUP}")
+        if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
+            raise ValueError(f"keep_rounds must be an integer in [1, 1000] or None, got {keep_rounds!r}")
+        self.keep_rounds = keep_rounds
         self.opt = optimizer
         self.run = run
         self.socket = socket
@@ -79,6 +84,7 @@ class Optimizer:
         self.step_count = 0  # optimizer steps taken by this replica (taken over from donors on sync)
         self.outcomes: dict[str, int] = {}
         self.local_steps = 0  # steps taken on own gradients because no group formed
+        self.kept_rounds = 0  # rounds (gradients or parameters) averaged in a kept group, without matchmaking
         self.last: dict[str, Any] = {}
         self.synced_from: dict[str, Any] | None = None
         self._last_end: float | None = None
@@ -98,8 +104,9 @@ class Optimizer:
             self._client = None
         client = LocalClient(self.socket, timeout=self.timeout_s + 30.0)
         try:
+            extra = {} if self.keep_rounds is None else {"keep_rounds": self.keep_rounds}
             reply = client.call("trainer_open", fds=[self.arena.fd], run=self.run, layout=self.layout,
-                                nslots=self.arena.nslots)
+                                nslots=self.arena.nslots, **extra)
         except BaseException:
             client.close()
             raise
@@ -175,16 +182,19 @@ class Optimizer:
                 torch.cuda.synchronize()  # the staging buffer is reused by the next gather
 
     def _average(self, kind: str, tensors: list[torch.Tensor | None], weight: float,
-                 report: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+                 report: dict[str, Any], round_no: int | None = None) -> tuple[dict[str, Any], torch.Tensor]:
         self.ticket += 1
         t = self.ticket
         slot = self._slots[self.arena.slot_of(t)]
         self._gather(slot, tensors)
         self.arena.write_request(t, weight)
+        if round_no is not None:
+            report = {**report, "round": round_no}
         try:
             reply = self._call("trainer_step", step=t, kind=kind, timeout_s=self.timeout_s, **report)
         except DaemonError as e:
             raise DaemonError(f"averaging {kind} (step {self.step_count}) failed: {e}") from None
+        self.kept_rounds += bool(reply.get("kept"))
         return reply, torch.from_numpy(self.arena.result(t))
 
     # -- stepping ---------------------------------------------------------------------------------
@@ -225,16 +235,21 @@ class Optimizer:
         self.opt.step()
         self.step_count += 1
         if self.average_params_every and self.step_count % self.average_params_every == 0:
-            reply["params"] = self.average_parameters()
+            # numbered by the step, which every replica shares (a joiner takes it over), so all replicas
+            # average parameters in the same Moshpit round however their first rounds fell out
+            reply["params"] = self.average_parameters(round_no=self.step_count // self.average_params_every)
         if self.state_every and self.step_count % self.state_every == 0:
             self.publish_state()
         self.last = reply
         self._last_end = time.monotonic()
         return reply
 
-    def average_parameters(self) -> dict[str, Any]:
-        """Average the parameters themselves with a group (equal weights); returns the round's statistics."""
-        reply, result = self._average("params", list(self.params), 1.0, {})
+    def average_parameters(self, round_no: int | None = None) -> dict[str, Any]:
+        """Average the parameters themselves with a group (equal weights); returns the round's statistics.
+
+        ``round_no``: the Moshpit round to average in (every replica must name the same one); None: the
+        run's next round (e.g. the extra averages after the last step, which every replica makes)."""
+        reply, result = self._average("params", list(self.params), 1.0, {}, round_no)
         if reply["outcome"] == "averaged":
             self._scatter(result, [p.data for p in self.params])
         return reply

@@ -95,6 +95,7 @@ class Session:
     late_results: int = 0
     closed: bool = False
     last: dict[str, Any] = field(default_factory=dict)
+    keep_rounds: int | None = None  # Moshpit kept-group rounds for this session's runs (None: the daemon's)
 
     def average_id(self, kind: str) -> str:
         """The Moshpit run id of this session's gradients or parameters: the layout hash is part of it,
@@ -103,7 +104,9 @@ class Session:
 
 
 class TrainerService:
-    """The trainer_* and state_* ops. ``average`` is Moshpit's ``average(run_id, vector, weight, *, timeout_s)``."""
+    """The trainer_* and state_* ops. ``average`` is Moshpit's ``average(run_id, vector, weight, *, timeout_s)``
+    (called with ``keep_rounds`` too when a session asked for kept groups, and ``round_no`` when the trainer
+    numbers the round)."""
 
     def __init__(self, metrics: Metrics, average: Average, *, statesync: Any = None, peer_id: str = "") -> None:
         self.metrics = metrics
@@ -134,6 +137,10 @@ class TrainerService:
             raise OpError(f"run must be a string of 1..{MAX_RUN_ID} bytes without '/'")
         layout, elems = parse_layout(req.get("layout"))
         nslots = req.get("nslots")
+        keep_rounds = req.get("keep_rounds")
+        if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
+            raise OpError(f"keep_rounds must be an integer in [1, 1000] (1: a new group every round), "
+                          f"got {keep_rounds!r}")
         digest = layout_hash(layout)
         run_key = f"{run}/{digest[:16]}"
         await self._check_model(run, digest)
@@ -145,7 +152,7 @@ class TrainerService:
             raise OpError(f"cannot map the trainer's arena: {e}") from None
         sid = self._next
         self._next += 1
-        session = Session(sid, run, run_key, digest, elems, arena, conn)
+        session = Session(sid, run, run_key, digest, elems, arena, conn, keep_rounds=keep_rounds)
         self.sessions[sid] = session
         conn.on_close(lambda: self._close(session))
         self.metrics.trainer_sessions.set(len(self.sessions))
@@ -211,6 +218,9 @@ class TrainerService:
             raise OpError(f"kind must be one of {KINDS}")
         if not isinstance(timeout, int | float) or not 1 <= timeout <= 3600:
             raise OpError("timeout_s must be in [1, 3600]")
+        round_no = req.get("round")
+        if round_no is not None and (type(round_no) is not int or not 0 <= round_no < 2**32 - 1):
+            raise OpError("round must be an integer in [0, 2**32 - 1) (e.g. the step // K of a parameter average)")
         session.latest = step
         self._report(req)
         try:
@@ -225,7 +235,11 @@ class TrainerService:
         try:
             # The averaging API has its own deadline; this outer one makes sure no bug can hang a trainer.
             with trio.fail_after(timeout + 10.0):
-                result = await self.average(session.average_id(kind), vector, float(weight), timeout_s=timeout)
+                extra: dict[str, int] = {} if session.keep_rounds is None else {"keep_rounds": session.keep_rounds}
+                if round_no is not None:
+                    extra["round_no"] = round_no
+                result = await self.average(session.average_id(kind), vector, float(weight), timeout_s=timeout,
+                                            **extra)
             out = np.asarray(result.vector, dtype=np.float32)
             if out.shape != vector.shape:
                 raise ValueError(f"averaging returned {out.shape}, expected {vector.shape}")
@@ -252,6 +266,8 @@ class TrainerService:
             "received_fraction": float(getattr(result, "received_fraction", 0.0)),
             "round": int(getattr(result, "round", 0)),
             "seconds": round(seconds, 6),
+            "matchmaking_s": round(float(getattr(result, "matchmaking_s", 0.0)), 6),
+            "kept": bool(getattr(result, "kept", False)),
             "error": error,
         }
         if outcome == "averaged":
