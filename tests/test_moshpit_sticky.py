@@ -94,7 +94,9 @@ def test_follower_takes_the_leaders_renewal_even_before_its_round() -> None:
     g = s.take_begin(5)
     assert g is not None and g.group_id == 122 and g.index == 1 and g.leader == A.node_id
     assert s.take_begin(5) is None
+    assert s.begun == 5
     assert s.take_begin(6).group_id == 123
+    assert s.begun == 6  # a late refusal of an ask for round 5 or 6 no longer breaks the group
 
 
 def test_follower_refuses_renewals_it_cannot_trust() -> None:

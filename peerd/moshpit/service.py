@@ -420,14 +420,16 @@ class MoshpitService:
                     reply = await self.endpoint.request(leader.addr, m.MsgType.MM_JOIN, fields, timeout=0.25,
                                                         attempts=4)
                 except RpcError as e:
+                    if sticky.begun >= round_no:
+                        return
                     log.info("run %s round %d: the kept group's leader did not answer: %s", st.run_id, round_no, e)
                     reason = "unreachable"
                     break
+                if reply.body["ok"] or sticky.begun >= round_no:
+                    return  # (a late answer to a retry after the renewal already began: not a refusal)
                 if reply.peer.node_id != kept.leader:
                     reason = "unreachable"
                     break
-                if reply.body["ok"]:
-                    return
                 if reply.body["reason"] not in ("busy", "not_ready"):
                     reason = "refused"
                     break

@@ -80,6 +80,7 @@ class StickyGroups:
         self._early: OrderedDict[int, tuple[int, tuple[Candidate, ...]]] = OrderedDict()  # round -> begin
         self._ready: dict[int, set[bytes]] = {}  # as the leader: round -> followers that asked for it
         self.renewed = 0  # rounds averaged in a kept group
+        self.begun = -1  # the latest round whose renewal BEGIN this node (a follower) took
         self.dropped: dict[str, int] = {}  # why kept groups ended, counted
 
     # -- decisions ------------------------------------------------------------------------------
@@ -178,6 +179,7 @@ class StickyGroups:
         if kept is None or begin is None:
             return None
         group_id, members = begin
+        self.begun = max(self.begun, round_no)
         return Group(group_id, members, kept.index, kept.leader)
 
     def renewal(self, group_id: int, round_no: int) -> Group:
