@@ -36,6 +36,7 @@ DEFAULT_WINDOW_S = 3.0
 POLL_S = (0.05, 0.1, 0.2, 0.3)  # DHT reads of the key: fast at first, then every 0.3 s
 PROGRESS_TTL_S = 600.0
 DEFAULT_KEEP_ROUNDS = 1  # groups re-form through the DHT every round unless a run asks to keep them (sticky.py)
+WATCH_S = 1.0  # how long a kept group's leader reads the DHT for outsiders before it renews anyway
 OUTSIDER_S = 15.0  # a peer outside a kept group that published progress this recently is still training
 CONFIG_TTL_S = 3600.0
 
@@ -377,14 +378,18 @@ class MoshpitService:
             return None
         leads = sticky.leads(kept)
         if leads:
-            self._spawn(self._watch_newcomers, st, sticky, kept, round_no, key)
+            watched = trio.Event()  # the DHT check for peers outside the group is done (begin only then)
+            self._spawn(self._watch_newcomers, st, sticky, kept, round_no, key, watched)
             wait_s = min(st.window_s, timeout_s / 2)
         else:
             self._spawn(self._ask_renewal, st, sticky, kept, round_no)
             wait_s = min(st.window_s + FOLLOW_SLACK_S, timeout_s / 2)
         with trio.move_on_after(max(0.0, wait_s)):
             while not sticky.broken and sticky.kept is kept:
-                group = self._renewed(st, sticky, kept, round_no) if leads else sticky.take_begin(round_no)
+                if leads:
+                    group = self._renewed(st, sticky, kept, round_no) if watched.is_set() else None
+                else:
+                    group = sticky.take_begin(round_no)
                 if group is not None:
                     return group
                 st.begin_wake = trio.Event()
@@ -463,26 +468,41 @@ class MoshpitService:
             sticky.break_("refused", kept)
 
     async def _watch_newcomers(self, st: RunState, sticky: StickyGroups, kept: Kept, round_no: int,
-                               key: str) -> None:
+                               key: str, done: trio.Event) -> None:
         """The leader of a kept group reads the run's group key (this round's and the next) and progress
         records: a peer outside the group looking for one, or still training, means the group must re-form
-        through the DHT to take it in (else the run would split into groups that never meet)."""
+        through the DHT to take it in (else the run would split into groups that never meet). The leader
+        begins a renewal only after this check (the reads run while it waits for its followers anyway), so
+        a newcomer is taken in this round, not a round later: for a run that averages every K steps, a
+        round later is K steps later."""
         ids = kept.node_ids()
         now = time.time()
-        with trio.move_on_after(st.window_s):
+
+        async def progress() -> None:
             for record in await self.dht.get(f"{st.run_id}/progress".encode()):
                 owner = node_id_of(record.owner)
                 if owner not in ids and record.expires - PROGRESS_TTL_S > now - OUTSIDER_S:
                     log.info("run %s round %d: a peer outside the kept group trains; re-forming", st.run_id, round_no)
                     sticky.break_("outsider", kept)
                     return
-            for r in (round_no, round_no + 1):
-                for record in await self.dht.get(f"{st.run_id}/{r}/{key}".encode()):
-                    c = self._candidate(record)
-                    if c is not None and c.node_id not in ids and c.expiry > now:
-                        log.info("run %s round %d: a newcomer looks for a group; re-forming", st.run_id, r)
-                        sticky.break_("newcomer", kept)
-                        return
+
+        async def looking(r: int) -> None:
+            for record in await self.dht.get(f"{st.run_id}/{r}/{key}".encode()):
+                c = self._candidate(record)
+                if c is not None and c.node_id not in ids and c.expiry > now:
+                    log.info("run %s round %d: a newcomer looks for a group; re-forming", st.run_id, r)
+                    sticky.break_("newcomer", kept)
+                    return
+
+        try:
+            with trio.move_on_after(min(WATCH_S, st.window_s / 2)):  # a slow DHT delays a renewal this much at most
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(progress)
+                    nursery.start_soon(looking, round_no)
+                    nursery.start_soon(looking, round_no + 1)
+        finally:
+            done.set()
+            st.begin_wake.set()
 
     def _perform(self, active: _Active, run_id: str, round_no: int, nursery: trio.Nursery) -> None:
         for action in active.mm.take_actions():
