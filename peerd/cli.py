@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DropCompute threshold per step (default off)")
     p.add_argument("--average-every", type=int, default=10, metavar="K", help="average parameters every K steps")
     p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
-                   help="keep a complete Moshpit group R rounds (1: a new group every round; default: the trainer's)")
+                   help="keep a complete Moshpit group R rounds (1: a new group every round; default 10)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of weights, data order and loss")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 

@@ -17,7 +17,6 @@ from typing import Any
 
 DIGITS_TEST_FRACTION = 0.2
 SPLIT_SEED = 1234  # the train/test split is the same on every peer: the held-out set is shared
-DEFAULT_KEEP_ROUNDS = 1  # chosen by measuring the demo with and without kept groups (see the README)
 
 
 def load_digits_split() -> tuple[Any, Any, Any, Any]:
@@ -69,9 +68,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="average parameters every K steps (default 10; 0: never)")
     p.add_argument("--final-average", type=int, default=2, metavar="R",
                    help="after the last step, average parameters R more times so replicas end together (default 2)")
-    p.add_argument("--keep-rounds", type=int, default=DEFAULT_KEEP_ROUNDS, metavar="R",
+    p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
                    help="keep a Moshpit group that formed complete for R rounds, renewed without the DHT "
-                        f"(1: a new group every round; default {DEFAULT_KEEP_ROUNDS})")
+                        "(1: a new group every round; default: peerd.torch.Optimizer's, 10)")
     p.add_argument("--timeout", type=float, default=15.0, metavar="S", help="averaging deadline (default 15)")
     p.add_argument("--compute-jitter", type=float, default=0.0, metavar="X",
                    help="simulate compute: each micro-batch takes 10 ms * (1 + X * Exp(1)) more (default 0: off)")
@@ -121,7 +120,8 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         opt = Optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,
                         timeout_s=args.timeout, average_params_every=args.average_every,
-                        sync_state=not args.no_sync, state_every=args.state_every, keep_rounds=args.keep_rounds)
+                        sync_state=not args.no_sync, state_every=args.state_every,
+                        **({} if args.keep_rounds is None else {"keep_rounds": args.keep_rounds}))
     except DaemonError as e:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
@@ -189,7 +189,7 @@ def run_train(args: argparse.Namespace) -> int:
         "compute_s": compute_s, "samples_per_second": samples_total / wall if wall > 0 else 0.0,
         "outcomes": opt.outcomes, "local_steps": opt.local_steps, "synced": opt.synced_from,
         "dropped_microbatches": dc.dropped, "tau": dc.tau if math.isfinite(dc.tau) else None,
-        "final_average": final_rounds, "keep_rounds": args.keep_rounds,
+        "final_average": final_rounds, "keep_rounds": opt.keep_rounds,
         "kept_rounds": opt.kept_rounds,
     }
     emit(result)

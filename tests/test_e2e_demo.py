@@ -44,9 +44,10 @@ def test_late_joiner_takes_the_swarms_state_before_its_first_step() -> None:
     # its own (differently seeded) weights would score about 0.1; the swarm's score far higher
     assert late["start_accuracy"] >= 0.8, late
     assert all(p["steps"] == 200 for p in summary["per_peer"])  # it finishes with the others
-    # Measured 0.075: the joiner starts a few steps behind the founders (they keep stepping while it
-    # starts torch and downloads), and its last steps, after the founders finished, are local. Within 0.1.
-    assert summary["max_param_divergence"] <= 0.1
+    # The replicas end with parameter averages that include the joiner (numbered by the swarm's gradient
+    # round, not by its step count, which trails the founders' by the steps they took while it downloaded).
+    # Measured 0.0 without kept groups and 0.003 with them (it was 0.075 before the final averages).
+    assert summary["max_param_divergence"] <= 0.02
     assert summary["accuracy"] >= 0.9
 
 

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from peerd.localsock.client import DaemonError  # noqa: E402
 from peerd.torch import NoGroupError, Optimizer  # noqa: E402
+from peerd.torch.optimizer import DEFAULT_KEEP_ROUNDS  # noqa: E402
 
 from .trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
 
@@ -98,10 +99,15 @@ def test_keep_rounds_reaches_every_round_of_the_session(daemon) -> None:
     assert daemon.averager.keep_rounds == [8, 8]  # gradients and parameters
     opt.close()
     plain = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="k", socket=daemon.path, sync_state=False,
-                      state_every=0, average_params_every=0)
+                      state_every=0, average_params_every=0, keep_rounds=None)
     train_step(m, plain, 1)
-    assert daemon.averager.keep_rounds[-1] is None  # not asked: the daemon's default
+    assert daemon.averager.keep_rounds[-1] is None  # None: the daemon's default
     plain.close()
+    default = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="k", socket=daemon.path, sync_state=False,
+                        state_every=0, average_params_every=0)
+    train_step(m, default, 2)
+    assert daemon.averager.keep_rounds[-1] == DEFAULT_KEEP_ROUNDS > 1  # kept groups are on by default
+    default.close()
     for bad in (0, 1001, 2.0):
         with pytest.raises(ValueError, match="keep_rounds"):
             Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="k", socket=daemon.path, sync_state=False,

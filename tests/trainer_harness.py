@@ -60,7 +60,7 @@ class InProcessAverager:
         self.round_numbers.append(round_no)
         rnd = self.rounds.get(run_id)
         if rnd is None or rnd.closed:
-            self.numbers[run_id] = self.numbers.get(run_id, 0) + 1
+            self.numbers[run_id] = self.numbers.get(run_id, -1) + 1  # from 0, as Moshpit numbers rounds
             rnd = self.rounds[run_id] = _Round(self.numbers[run_id])
         self._ids += 1
         me = self._ids

@@ -556,8 +556,14 @@ class MoshpitService:
         progress after the round and jumps to it, else two halves of a run that fell out of step (a stall)
         would wait for each other at different round numbers, every round, forever."""
         recent = set()
-        for owner, value in await self._progress_records(st.run_id):
-            if value >= round_no - 3:
+        # With kept groups, a peer whose progress lags (a joiner chasing a kept group: the group's rounds
+        # take milliseconds, so the joiner's jump ahead always lands on a round the group already left) is
+        # still expected while it keeps trying: its record was refreshed within two windows. The group,
+        # broken by this outsider, then waits for it in this round, where the joiner's next jump lands.
+        lagging_s = 2 * st.window_s if st.sticky is not None and st.sticky.keep_rounds > 1 else None
+        now = time.time()
+        for owner, value, stored in await self._progress_records(st.run_id, stamped=True):
+            if value >= round_no - 3 or (lagging_s is not None and stored > now - lagging_s):
                 recent.add(owner)
             if value >= round_no and owner != self.identity.node_id:
                 st.synced = False
@@ -569,16 +575,17 @@ class MoshpitService:
         active.mm.set_expected(frozenset(recent), time.time())
         active.wake.set()
 
-    async def _progress_records(self, run_id: str) -> list[tuple[bytes, int]]:
-        """(node id, last finished round) of the run's peers."""
-        out = []
+    async def _progress_records(self, run_id: str, stamped: bool = False) -> list:
+        """(node id, last finished round) of the run's peers; with ``stamped``, (node id, round, when stored)."""
+        out: list = []
         for r in await self.dht.get(f"{run_id}/progress".encode()):
             try:
                 value = msgpack.unpackb(r.value)
             except (ValueError, msgpack.UnpackException):
                 continue
             if isinstance(value, int) and 0 <= value < 2**32 - 1:
-                out.append((node_id_of(r.owner), value))
+                owner = node_id_of(r.owner)
+                out.append((owner, value, r.expires - PROGRESS_TTL_S) if stamped else (owner, value))
         return out
 
     def _candidate(self, record: Record) -> Candidate | None:
