@@ -31,9 +31,10 @@ from ..localsock.client import DaemonError, LocalClient
 log = logging.getLogger("peerd.torch")
 
 NO_GROUP = ("local", "skip", "raise")
-# Kept groups by default: `peerd demo` (4 peers, 200 steps) took 23-26 s with them and 34-37 s without,
-# with the same accuracy over 3 seeds; under 10 % loss 77-101 s against 118-128 s (accuracy within 0.6 points).
-DEFAULT_KEEP_ROUNDS = 10
+# Kept groups are opt-in (keep_rounds=10: `peerd demo`, 4 peers, 200 steps, took 23-26 s against 34-37 s,
+# same accuracy over 3 seeds; under 10 % loss 77-101 s against 118-128 s). With them on by default a CI
+# run saw a late joiner never get into the founders' kept group (divergence 0.12), so 1 until that is fixed.
+DEFAULT_KEEP_ROUNDS = 1
 STATE_FORMAT = "peerd-state-v1"
 
 
