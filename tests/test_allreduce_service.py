@@ -72,9 +72,12 @@ def test_exact_weighted_mean_without_loss() -> None:
 def test_lossy_group_completes_with_estimates_between_own_and_mean(seed: int) -> None:
     vectors, weights, results = run_group(4, 20_000, drop=0.15, seed=seed)
     assert len(results) == 4
+    # Trio's scheduler is not seeded, so which datagrams the 15 % injector hits varies from run to run: judge the
+    # fraction over all peers and both phases (about 430 datagrams, sd 0.017), not per peer (54, sd 0.05).
+    phases = [p for r in results.values() for p in (r.stats.reduce_scatter, r.stats.all_gather)]
+    received = sum(p.datagrams_received for p in phases) / sum(p.datagrams_expected for p in phases)
+    assert 0.75 < received < 0.95
     for r in results.values():
-        st = r.stats
-        assert 0.7 < st.reduce_scatter.datagrams_received / st.reduce_scatter.datagrams_expected < 0.95
         assert np.isfinite(r.vector).all()
         lo = np.minimum.reduce(vectors)
         hi = np.maximum.reduce(vectors)
