@@ -54,3 +54,54 @@ def test_receive_buffer_is_large() -> None:
     finally:
         tx.close()
         rx.close()
+
+
+def _header(mtype: int, token: int) -> bytes:
+    """The first bytes receives are merged on (magic, version, type, flags, token), then filler."""
+    return b"PD" + bytes([1, mtype, 0]) + token.to_bytes(8, "big")
+
+
+def test_receives_merge_into_blocks_of_one_stream_only() -> None:
+    """Consecutive receives from one source whose datagrams have one size and start alike become one block;
+    a different type, token, size or source starts a new one, and so does a datagram after a short one."""
+    async def main() -> None:
+        tx, rx = _pair(True)
+        other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        other.bind(("127.0.0.1", 0))
+        try:
+            a, b = _header(0x40, 1), _header(0x41, 1)
+            plan = [a + bytes([i]) * 987 for i in range(100)]  # one stream: 100 x 1000 bytes
+            plan += [b + bytes([i]) * 987 for i in range(10)]  # another type
+            plan += [_header(0x41, 2) + bytes(987)] * 3  # another token
+            plan += [b + bytes(108)]  # a short datagram of the second stream: a block of its own
+            plan += [b + bytes(987)] * 2  # after a short one: a new block
+            for d in plan:
+                await tx.sendto(d, rx.getsockname())
+            other.sendto(a + bytes(987), rx.getsockname())  # same bytes, another source
+            got: list[tuple[bytes, tuple, int]] = []
+            with trio.fail_after(10):
+                while sum(len(d) for d, _, _ in got) < sum(map(len, plan)) + 1000:
+                    got += [(bytes(d), src, seg) for d, src, seg in await rx.recv_blocks(4096)]
+            me, them = tx.getsockname(), other.getsockname()
+            assert [(len(d), src, seg) for d, src, seg in got] == [
+                (100_000, me, 1000), (10_000, me, 1000), (3000, me, 1000), (121, me, 0), (2000, me, 1000),
+                (1000, them, 0),
+            ]
+            assert b"".join(d for d, src, _ in got if src == me) == b"".join(plan)
+            st = rx.statistics()
+            assert st.datagrams_received == len(plan) + 1 and st.receive_passes >= 1
+        finally:
+            other.close()
+            tx.close()
+            rx.close()
+
+    trio.run(main)
+
+
+def test_arena_must_hold_one_receive() -> None:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        with pytest.raises(ValueError, match="arena_bytes"):
+            UdpSocket(s, arena_bytes=1000)
+    finally:
+        s.close()

@@ -180,6 +180,13 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "kernel_drops": sum(rep["kernel_drops"] for rep in runs),
             "drops": drops,  # datagrams the groups did not use, by reason (late, duplicate, ...)
             "bytes_sent_per_peer": statistics.mean(rep["bytes_sent"] for rep in runs),
+            # CPU seconds one daemon spends per average (mean over peers and repeats): steadier than peerd_s
+            # on a shared machine, and what an optimization of the data path should move.
+            "cpu_s_per_peer": statistics.mean(rep.get("cpu_s", 0.0) for rep in runs),
+            # Syscall batching per average and peer: recvmsg calls, receive passes (wake-ups), sendmsg calls.
+            "receive_calls_per_peer": statistics.mean(rep.get("receive_calls", 0) for rep in runs),
+            "receive_passes_per_peer": statistics.mean(rep.get("receive_passes", 0) for rep in runs),
+            "send_calls_per_peer": statistics.mean(rep.get("send_calls", 0) for rep in runs),
             "phases_ended_by_deadline": sum((rep["rs_ended_by"] == "deadline") + (rep["ag_ended_by"] == "deadline")
                                             for rep in runs),
         }

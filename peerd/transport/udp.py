@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
+from ..wire.envelope import SEQ_OFFSET
+
 log = logging.getLogger("peerd.transport")
 
 # Linux constants (the socket module does not export them on every Python build).
@@ -31,7 +33,9 @@ SO_SNDBUFFORCE = 32
 GSO_MAX_SEGMENTS = 64
 GSO_MAX_BYTES = 65000
 WANT_BUFFER = 32 * 1024 * 1024  # ~25k datagrams: a receiver descheduled for tens of ms loses nothing
-RECV_BUFFER = 65536
+RECV_BUFFER = 65536  # one receive: a GRO block is at most 64 KB
+ARENA_BYTES = 16 * RECV_BUFFER  # receives per recv_blocks call land here, one after another
+MERGE_PREFIX = SEQ_OFFSET  # envelope bytes before the sequence number: magic, version, type, flags, token
 U16 = struct.Struct("=H")
 U32 = struct.Struct("=I")
 I32 = struct.Struct("=i")
@@ -49,6 +53,8 @@ class SocketStatistics:
     datagrams_received: int
     datagrams_sent: int
     send_calls: int
+    receive_passes: int  # recv_blocks calls that returned data (datagrams_received / this: datagrams per pass)
+    receive_calls: int  # recvmsg syscalls that returned a datagram or a GRO block
 
 
 def _set_buffer(sock: socket.socket, force_opt: int, opt: int, size: int) -> int:
@@ -60,7 +66,10 @@ def _set_buffer(sock: socket.socket, force_opt: int, opt: int, size: int) -> int
 
 
 class UdpSocket:
-    def __init__(self, sock: socket.socket, *, gso: bool = True, buffer_bytes: int = WANT_BUFFER) -> None:
+    def __init__(self, sock: socket.socket, *, gso: bool = True, buffer_bytes: int = WANT_BUFFER,
+                 arena_bytes: int = ARENA_BYTES) -> None:
+        if arena_bytes < RECV_BUFFER:
+            raise ValueError(f"arena_bytes must be at least {RECV_BUFFER}")
         self.sock = sock
         self.family = sock.family
         sock.setblocking(False)
@@ -87,12 +96,15 @@ class UdpSocket:
                 self._ovfl = True
             except OSError:
                 pass
-        self._buf = bytearray(RECV_BUFFER)
-        self._view = memoryview(self._buf)
+        self._arena = bytearray(arena_bytes)
+        self._view = memoryview(self._arena)
+        self._used = 0
         self.kernel_drops = 0
         self.received = 0
         self.sent = 0
         self.send_calls = 0
+        self.receive_passes = 0
+        self.receive_calls = 0
 
     def _probe_gso(self) -> bool:
         try:
@@ -103,7 +115,8 @@ class UdpSocket:
 
     def statistics(self) -> SocketStatistics:
         return SocketStatistics(self.gso, self.gro, self.rcvbuf, self.sndbuf, self.kernel_drops,
-                                self.received, self.sent, self.send_calls)
+                                self.received, self.sent, self.send_calls, self.receive_passes,
+                                self.receive_calls)
 
     def getsockname(self) -> Address:
         return self.sock.getsockname()[:2]
@@ -120,19 +133,26 @@ class UdpSocket:
         out: list[tuple[bytes, Address]] = []
         for data, source, segment in await self.recv_blocks(max_datagrams):
             if segment:
-                out.extend((data[i : i + segment], source) for i in range(0, len(data), segment))
+                out.extend((bytes(data[i : i + segment]), source) for i in range(0, len(data), segment))
             else:
-                out.append((data, source))
+                out.append((bytes(data), source))
         return out
 
-    async def recv_blocks(self, max_datagrams: int = 64) -> list[tuple[bytes, Address, int]]:
-        """Like ``recv_batch``, but what one GRO receive coalesced stays one item: (data, source, segment
-        size), every datagram ``segment`` bytes but the last; segment 0: ``data`` is one datagram."""
-        out: list[tuple[bytes, Address, int]] = []
+    async def recv_blocks(self, max_datagrams: int = 64) -> list[tuple[memoryview, Address, int]]:
+        """Like ``recv_batch``, but datagrams stay together in blocks: (data, source, segment size), every
+        datagram in ``data`` ``segment`` bytes but the last; segment 0: ``data`` is one datagram.
+
+        Receives land one after another in one arena, and consecutive receives from one source whose
+        datagrams have the same size and start alike (one sender's stream) merge into one block, so a
+        consumer's per-block work (numpy calls) is paid once per many GRO receives. The views are valid
+        until the next call: a consumer copies what it keeps.
+        """
+        out: list[list] = []  # [start, size, source, row size, prefix]
         count = 0
+        self._used = 0
         while True:
             try:
-                while count < max_datagrams:
+                while count < max_datagrams and self._used + RECV_BUFFER <= len(self._arena):
                     count += self._recv_one(out)
             except BlockingIOError:
                 pass
@@ -140,22 +160,36 @@ class UdpSocket:
                 if e.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
                     raise
             if out:
-                return out
+                self.receive_passes += 1
+                view = self._view
+                return [(view[start : start + size], source, row if size > row else 0)
+                        for start, size, source, row, _ in out]
             await trio.lowlevel.wait_readable(self.sock)
 
-    def _recv_one(self, out: list[tuple[bytes, Address, int]]) -> int:
-        size, ancdata, _flags, addr = self.sock.recvmsg_into([self._view], 256)
+    def _recv_one(self, out: list[list]) -> int:
+        start = self._used
+        size, ancdata, _flags, addr = self.sock.recvmsg_into([self._view[start : start + RECV_BUFFER]], 256)
         segment = 0
         for level, kind, data in ancdata:
             if level == SOL_UDP and kind == UDP_GRO:
                 segment = I32.unpack_from(data)[0] if len(data) >= 4 else U16.unpack_from(data)[0]
             elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= 4:
                 self.kernel_drops = U32.unpack_from(data)[0]
-        if not (segment and size > segment):
-            segment = 0
-        out.append((self._buf[:size], (addr[0], addr[1]), segment))
-        count = -(-size // segment) if segment else 1
+        row = segment if 0 < segment < size else size
+        count = -(-size // row) if row else 1
         self.received += count
+        self.receive_calls += 1
+        self._used = start + size
+        source = (addr[0], addr[1])
+        prefix = bytes(self._view[start : start + MERGE_PREFIX])
+        if out:
+            last = out[-1]
+            # Append to the previous block: same source, same datagram size, the previous block's rows all
+            # full (its end is where this receive starts), and the same first bytes (type, token).
+            if last[3] == row and last[1] % row == 0 and last[2] == source and last[4] == prefix and row:
+                last[1] += size
+                return count
+        out.append([start, size, source, row, prefix])
         return count
 
     # -- sending ----------------------------------------------------------------------------------
