@@ -76,6 +76,10 @@ def test_blocks_match_datagrams(n, length, per, rows, seed, loss, dup, shuffle) 
                 done = None
                 if len(sizes) == 1:
                     arr = np.frombuffer(b"".join(kept), dtype=np.uint8).reshape(len(kept), -1)
+                    if rnd.random() < 0.5:  # as unsealed blocks arrive: rows cut out of whole datagrams
+                        wide = np.zeros((len(kept), 21 + arr.shape[1]), dtype=np.uint8)
+                        wide[:, 21:] = arr
+                        arr = wide[:, 21:]
                     done = b[blk.to].receive_block(i, blk.type, arr, now)
                 if done is None:
                     _feed_rows(b[blk.to], i, blk.type, kept, now)
@@ -134,6 +138,8 @@ def test_open_block_matches_open(secret) -> None:
         assert plain == body.tobytes() and header.type == RS_DATA
     opened = opener.open_block(block)
     assert opened is not None and np.array_equal(opened.bodies, bodies)
+    if secret is None:  # unsealed: the bodies are a view of the datagrams, not a copy
+        assert np.shares_memory(opened.bodies, block)
     again = opener.open_block(block)
     assert again is not None and again.replays == 6 and len(again.bodies) == 0
     fresh = sealer.seal_block(RS_DATA, bodies)

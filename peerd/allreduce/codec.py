@@ -133,6 +133,8 @@ def view_block(bodies: np.ndarray) -> np.ndarray | None:
     """A (rows, body bytes) uint8 block as records, or None when its rows are not whole DATA bodies."""
     rows, size = bodies.shape
     count, rest = divmod(size - HEADER_SIZE, 4)
-    if rest or not 1 <= count <= MAX_COUNT or not bodies.flags.c_contiguous:
+    if rest or not 1 <= count <= MAX_COUNT or bodies.strides[1] != 1:
         return None
-    return bodies.reshape(-1).view(block_dtype(count))
+    # Rows need not be adjacent (bodies cut out of datagrams, past their envelope): numpy views each
+    # contiguous row as one record.
+    return bodies.view(block_dtype(count)).reshape(rows)

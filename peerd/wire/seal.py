@@ -130,7 +130,7 @@ class OpenedBlock:
     type: int
     token: int
     state: TokenState
-    bodies: np.ndarray  # (accepted rows, body bytes), uint8
+    bodies: np.ndarray  # (accepted rows, body bytes), uint8; unsealed: a view of the datagrams (rows apart)
     replays: int
     auth_failures: int
 
@@ -242,7 +242,7 @@ class Opener:
             bodies, seqs = bodies[ok], seqs[ok]
         state.window.accept_block(seqs)
         self._tokens.move_to_end(token)
-        return OpenedBlock(mtype, token, state, np.ascontiguousarray(bodies), replays, failures)
+        return OpenedBlock(mtype, token, state, bodies, replays, failures)
 
     def _admit(self, token: int, aead: AESGCM | None) -> TokenState:
         state = TokenState(aead, self._window)
