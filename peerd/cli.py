@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DropCompute threshold per step (default off)")
     p.add_argument("--average-every", type=int, default=10, metavar="K", help="average parameters every K steps")
     p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
-                   help="keep a complete Moshpit group R rounds (1: a new group every round; default 10)")
+                   help="keep a complete Moshpit group R rounds (1: a new group every round; default 1)")
+    p.add_argument("--micro", type=int, default=None, metavar="M",
+                   help="micro-batches per step of 32 samples (default 8 with --compute-jitter, else 4)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of weights, data order and loss")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
@@ -396,9 +398,11 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--loss must be in [0, 1)")
     if args.keep_rounds is not None and not 1 <= args.keep_rounds <= 1000:
         parser.error("--keep-rounds must be in [1, 1000]")
+    if args.micro is not None and not 1 <= args.micro <= 32:
+        parser.error("--micro must be in [1, 32]")
     cfg = DemoConfig(peers=args.peers, steps=args.steps, loss=args.loss, compute_jitter=args.compute_jitter,
                      dropcompute=args.dropcompute, seed=args.seed, average_every=args.average_every, json=args.json,
-                     keep_rounds=args.keep_rounds)
+                     keep_rounds=args.keep_rounds, micro=args.micro)
     try:
         summary = run_demo(cfg)
     except RuntimeError as e:

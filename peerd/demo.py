@@ -23,6 +23,9 @@ from typing import Any
 from .swarm import LocalSwarm
 
 RUN = "demo"
+# With --compute-jitter, each step takes this many micro-batches (of batch / micro samples): DropCompute can
+# only drop whole micro-batches, and with 4 of them a threshold cuts a step in quarters.
+JITTER_MICRO = 8
 
 
 @dataclass
@@ -36,11 +39,19 @@ class DemoConfig:
     average_every: int = 10
     final_average: int = 2  # parameter averages after the last step (replicas end together)
     keep_rounds: int | None = None  # Moshpit kept-group rounds (None: `peerd train`'s default)
+    micro: int | None = None  # micro-batches per step (None: JITTER_MICRO with compute jitter, else the trainer's 4)
     timeout_s: float = 15.0
     json: bool = False
     join_late: dict[int, int] = field(default_factory=dict)  # peer index -> start when the swarm reaches step
     workdir: str | None = None
     wall_limit_s: float = 1200.0
+
+
+def micro_batches(cfg: DemoConfig) -> int | None:
+    """The trainers' --micro: the configured one, else JITTER_MICRO when compute is jittered (else theirs)."""
+    if cfg.micro is not None:
+        return cfg.micro
+    return JITTER_MICRO if cfg.compute_jitter > 0 else None
 
 
 def divergence(vectors: list[list[float]]) -> float:
@@ -97,6 +108,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                    "--progress", "json", "--out", os.path.join(workdir, f"result{i}.json")]
             if cfg.keep_rounds is not None:
                 cmd += ["--keep-rounds", str(cfg.keep_rounds)]
+            if micro_batches(cfg) is not None:
+                cmd += ["--micro", str(micro_batches(cfg))]
             if i in cfg.join_late:
                 cmd += ["--init-seed", str(cfg.seed + 1000 + i)]  # different weights: it must take the swarm's
             else:
@@ -110,6 +123,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             if i not in cfg.join_late:
                 spawn(i)
         say(f"started {len(procs)} trainers (run {RUN!r}, {cfg.steps} steps, one torch thread each)")
+        # with a workdir of its own choosing, the caller gets every step record (all peers) in steps.jsonl
+        trace = open(os.path.join(workdir, "steps.jsonl"), "w") if cfg.workdir else None  # noqa: SIM115
         done: dict[int, dict] = {}
         starts: dict[int, dict] = {}
         latest: dict[int, dict] = {}
@@ -135,6 +150,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                         f"held-out accuracy {ev['accuracy']:.3f} before its first step")
             elif kind == "step":
                 latest[i] = ev
+                if trace is not None:
+                    trace.write(json.dumps(ev) + "\n")
                 swarm_step = max(swarm_step, ev["step"])
                 now = time.monotonic()
                 if i == min(latest) and (now - last_print > 1.0 or ev["step"] == cfg.steps):
@@ -155,6 +172,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 if j not in procs and swarm_step >= at:
                     say(f"peer {j} joins late (the swarm is at step {swarm_step})")
                     spawn(j)
+        if trace is not None:
+            trace.close()
         for p in procs.values():
             p.wait(30)
         wall = time.monotonic() - start
@@ -173,13 +192,15 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "seed": cfg.seed,
             "compute_jitter": cfg.compute_jitter,
             "dropcompute": cfg.dropcompute,
+            "micro": micro_batches(cfg) or 4,
             "keep_rounds": results[0].get("keep_rounds"),
             "kept_rounds": sum(r.get("kept_rounds", 0) for r in results),  # rounds that skipped matchmaking
             "samples_per_second": sum(r["samples"] for r in results) / max(r["wall_s"] for r in results),
             "outcomes": _sum_outcomes(results),
             "per_peer": [{**{k: r[k] for k in ("peer", "first_step", "steps", "held_out_loss", "accuracy", "samples",
                                                 "samples_per_second", "local_steps", "synced", "dropped_microbatches",
-                                                "tau")},
+                                                "tau", "wall_s", "compute_s")},
+                          **{k: r.get(k) for k in ("round_s", "matchmaking_s", "overhead_s", "predicted_speedup")},
                           "start_accuracy": starts.get(r["peer"], {}).get("accuracy")} for r in results],
         }
         say(f"\ndone in {wall:.1f} s: held-out accuracy {summary['accuracy']:.4f}, loss {summary['final_loss']:.4f} "

@@ -70,7 +70,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="after the last step, average parameters R more times so replicas end together (default 2)")
     p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
                    help="keep a Moshpit group that formed complete for R rounds, renewed without the DHT "
-                        "(1: a new group every round; default: peerd.torch.Optimizer's, 10)")
+                        "(1: a new group every round; default: peerd.torch.Optimizer's, 1)")
     p.add_argument("--timeout", type=float, default=15.0, metavar="S", help="averaging deadline (default 15)")
     p.add_argument("--compute-jitter", type=float, default=0.0, metavar="X",
                    help="simulate compute: each micro-batch takes 10 ms * (1 + X * Exp(1)) more (default 0: off)")
@@ -132,6 +132,7 @@ def run_train(args: argparse.Namespace) -> int:
     start = time.monotonic()
     samples_total = 0
     compute_s = 0.0
+    round_s = mm_s = 0.0
     micro = max(1, args.batch // args.micro)
     acc = acc0
     try:
@@ -152,17 +153,19 @@ def run_train(args: argparse.Namespace) -> int:
                     if args.compute_jitter > 0:
                         time.sleep(0.01 * (1.0 + args.compute_jitter * jitter.exponential()))
             samples = dc.mean_grads(model.parameters())
-            compute_s += time.monotonic() - t0
+            t1 = time.monotonic()
+            compute_s += t1 - t0
             samples_total += samples
             train_loss = sum(losses) / samples
             reply = opt.step(samples=samples, loss=train_loss)
-            # what a threshold cannot shorten (the round) tempers DropCompute's choice of tau
-            dc.overhead_s = reply["seconds"] if dc.steps <= 1 else 0.9 * dc.overhead_s + 0.1 * reply["seconds"]
+            round_s += reply["seconds"]
+            mm_s += reply.get("matchmaking_s", 0.0)
             step = opt.step_count
             record = {"event": "step", "peer": args.index, "step": step, "loss": train_loss, "samples": samples,
                       "outcome": reply["outcome"], "group_size": reply["group_size"], "round_s": reply["seconds"],
                       "received_fraction": reply["received_fraction"], "tau": dc.tau if math.isfinite(dc.tau) else None,
-                      "kept": reply.get("kept", False), "mm_s": reply.get("matchmaking_s", 0.0)}
+                      "kept": reply.get("kept", False), "mm_s": reply.get("matchmaking_s", 0.0),
+                      "micro": len(losses), "t0": t0, "compute_s": t1 - t0}
             if "params" in reply:
                 params = reply["params"]
                 record["params"] = {"outcome": params["outcome"], "group_size": params["group_size"],
@@ -186,9 +189,11 @@ def run_train(args: argparse.Namespace) -> int:
     result = {
         "event": "done", "peer": args.index, "steps": opt.step_count, "first_step": first_step,
         "held_out_loss": final_loss, "accuracy": final_acc, "samples": samples_total, "wall_s": wall,
-        "compute_s": compute_s, "samples_per_second": samples_total / wall if wall > 0 else 0.0,
+        "compute_s": compute_s, "round_s": round_s, "matchmaking_s": mm_s,
+        "samples_per_second": samples_total / wall if wall > 0 else 0.0,
         "outcomes": opt.outcomes, "local_steps": opt.local_steps, "synced": opt.synced_from,
         "dropped_microbatches": dc.dropped, "tau": dc.tau if math.isfinite(dc.tau) else None,
+        "overhead_s": dc.overhead_estimate, "predicted_speedup": dc.choice.speedup if dc.choice else None,
         "final_average": final_rounds, "keep_rounds": opt.keep_rounds,
         "kept_rounds": opt.kept_rounds,
     }

@@ -78,7 +78,8 @@ def run_step(dc: DropCompute, clock: FakeClock, times: list[float], per_mb: int 
 
 def test_auto_logs_warmup_then_thresholds_and_counts_samples() -> None:
     clock = FakeClock()
-    dc = DropCompute("auto", workers=16, warmup_steps=10, probe_every=5, overhead_s=0.1, clock=clock)
+    dc = DropCompute("auto", workers=16, estimate="steps", warmup_steps=10, probe_every=5, overhead_s=0.1,
+                     clock=clock)
     pattern = lambda k: [0.010] * 7 + ([0.200] if k % 5 == 0 else [0.010])  # noqa: E731
     for k in range(10):  # warm-up: full steps, no threshold yet
         assert run_step(dc, clock, pattern(k)) == 64
