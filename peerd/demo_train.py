@@ -159,6 +159,8 @@ def run_train(args: argparse.Namespace) -> int:
             train_loss = sum(losses) / samples
             reply = opt.step(samples=samples, loss=train_loss)
             round_s += reply["seconds"]
+            if reply["outcome"] == "averaged":
+                dc.workers = reply["group_size"]  # DropCompute's N: the members that wait for each other
             mm_s += reply.get("matchmaking_s", 0.0)
             step = opt.step_count
             record = {"event": "step", "peer": args.index, "step": step, "loss": train_loss, "samples": samples,
