@@ -196,6 +196,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "keep_rounds": results[0].get("keep_rounds"),
             "kept_rounds": sum(r.get("kept_rounds", 0) for r in results),  # rounds that skipped matchmaking
             "samples_per_second": sum(r["samples"] for r in results) / max(r["wall_s"] for r in results),
+            "overhead_s": sum(r.get("overhead_s", 0.0) for r in results) / len(results),
             "outcomes": _sum_outcomes(results),
             "per_peer": [{**{k: r[k] for k in ("peer", "first_step", "steps", "held_out_loss", "accuracy", "samples",
                                                 "samples_per_second", "local_steps", "synced", "dropped_microbatches",

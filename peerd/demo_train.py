@@ -91,6 +91,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from .localsock.client import DaemonError
     from .torch import DropCompute, Optimizer
+    from .torch.dropcompute import estimate_overhead
 
     torch.set_num_threads(1)
     if not 0 <= args.index < args.peers:
@@ -195,7 +196,10 @@ def run_train(args: argparse.Namespace) -> int:
         "samples_per_second": samples_total / wall if wall > 0 else 0.0,
         "outcomes": opt.outcomes, "local_steps": opt.local_steps, "synced": opt.synced_from,
         "dropped_microbatches": dc.dropped, "tau": dc.tau if math.isfinite(dc.tau) else None,
-        "overhead_s": dc.overhead_estimate, "predicted_speedup": dc.choice.speedup if dc.choice else None,
+        # per-step time outside the slowest member's compute (rounds, the loop), measured in every mode: it
+        # bounds what DropCompute can gain, and it rises with the machine's load
+        "overhead_s": estimate_overhead(list(dc.computes), list(dc.cycles), dc.workers),
+        "predicted_speedup": dc.choice.speedup if dc.choice else None,
         "final_average": final_rounds, "keep_rounds": opt.keep_rounds,
         "kept_rounds": opt.kept_rounds,
     }
