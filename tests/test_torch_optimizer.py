@@ -28,13 +28,32 @@ def flat(m: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 
-def train_step(m, opt, seed, samples=8):
+def train_step(m, opt, seed, samples=8, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(samples, 4, generator=g), torch.randint(0, 2, (samples,), generator=g)
+    x, y = x.to(device), y.to(device)
     opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(m(x), y)
     loss.backward()
     return opt.step(samples=samples, loss=loss.item())
+
+
+def replay_weighted_sgd(ref: torch.nn.Module, steps: int) -> None:
+    """What two replicas training on seeds 100 i + s with 8 (i + 1) samples should reach: SGD (lr 0.1) on
+    the sample-weighted mean of their gradients, computed centrally."""
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for s in range(steps):
+        grads = []
+        for i in range(2):
+            g = torch.Generator().manual_seed(100 * i + s)
+            n = 8 * (i + 1)
+            x, y = torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)
+            ref.zero_grad()
+            torch.nn.functional.cross_entropy(ref(x), y).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for p, g0, g1 in zip(ref.parameters(), grads[0], grads[1], strict=True):
+            p.grad = (g0 * 8 + g1 * 16) / 24
+        ref_opt.step()
 
 
 @pytest.fixture
@@ -56,25 +75,12 @@ def test_two_replicas_stay_identical_and_follow_the_weighted_mean(daemon) -> Non
         for s in range(4):
             replies[i].append(train_step(models[i], opts[i], seed=100 * i + s, samples=8 * (i + 1)))
 
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    # replay the same 4 steps centrally
-    for s in range(4):
-        grads = []
-        for i in range(2):
-            g = torch.Generator().manual_seed(100 * i + s)
-            n = 8 * (i + 1)
-            x, y = torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)
-            ref.zero_grad()
-            torch.nn.functional.cross_entropy(ref(x), y).backward()
-            grads.append([p.grad.clone() for p in ref.parameters()])
-        for p, g0, g1 in zip(ref.parameters(), grads[0], grads[1], strict=True):
-            p.grad = (g0 * 8 + g1 * 16) / 24
-        ref_opt.step()
+    replay_weighted_sgd(ref, 4)
     assert torch.equal(flat(models[0]), flat(models[1]))
     torch.testing.assert_close(flat(models[0]), flat(ref), rtol=1e-5, atol=1e-6)
     assert all(r["outcome"] == "averaged" and r["group_size"] == 2 for rs in replies for r in rs)
@@ -86,6 +92,33 @@ def test_two_replicas_stay_identical_and_follow_the_weighted_mean(daemon) -> Non
     numbers = [(k, r) for k, r in zip(kinds, daemon.averager.round_numbers, strict=True)]
     assert sorted(r for k, r in numbers if k == "p") == [1, 1, 2, 2]
     assert all(r is None for k, r in numbers if k == "g")
+    for o in opts:
+        o.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the pinned-staging path)")
+def test_cuda_replicas_average_through_pinned_staging(daemon) -> None:
+    """CUDA parameters: gradients go device -> pinned host buffer -> arena and back; the result is the
+    same weighted-mean SGD as on the CPU (to float tolerance: CUDA kernels round differently)."""
+    models = [model(0).cuda(), model(0).cuda()]
+    opts = [Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="cuda", socket=daemon.path,
+                      sync_state=False, average_params_every=0, state_every=0) for m in models]
+    assert all(o._staging is not None and o._staging.is_pinned() for o in opts)
+
+    def worker(i: int) -> None:
+        for s in range(3):
+            train_step(models[i], opts[i], seed=100 * i + s, samples=8 * (i + 1), device="cuda")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    ref = model(0)
+    replay_weighted_sgd(ref, 3)
+    assert torch.equal(flat(models[0]), flat(models[1]))
+    torch.testing.assert_close(flat(models[0]).cpu(), flat(ref), rtol=1e-4, atol=1e-5)
+    assert opts[0].outcomes == {"averaged": 3}
     for o in opts:
         o.close()
 
