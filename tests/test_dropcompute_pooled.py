@@ -20,6 +20,8 @@ from peerd.torch.dropcompute import (
     expected_max,
 )
 
+from .test_dropcompute import FakeClock, run_step
+
 
 def jittered(rng: np.random.Generator, n: int, jitter: float = 3.0) -> list[float]:
     """The demo's simulated micro-batch: 10 ms * (1 + jitter * Exp(1)), plus 1 ms of real compute."""
@@ -96,24 +98,6 @@ def test_overhead_is_the_cycle_less_the_expected_slowest_compute() -> None:
 
 # -- DropCompute, pooled, under a fake clock -----------------------------------------------------------
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def compute_step(dc: DropCompute, clock: FakeClock, times: list[float], per_mb: int = 4) -> int:
-    dc.start_step()
-    for t in times:
-        if not dc.keep_going():
-            break
-        with dc.microbatch(per_mb):
-            clock.t += t
-    return dc.end_step()
-
-
 def test_pooled_auto_warms_up_then_thresholds_without_probes_and_measures_the_gap() -> None:
     clock = FakeClock()
     dc = DropCompute("auto", workers=4, warmup_steps=5, refit_every=3, clock=clock)
@@ -121,7 +105,7 @@ def test_pooled_auto_warms_up_then_thresholds_without_probes_and_measures_the_ga
     rng = np.random.default_rng(3)
     for _ in range(5):
         assert math.isinf(dc.tau)  # no threshold before the warm-up ends
-        assert compute_step(dc, clock, jittered(rng, 8)) == 32  # warm-up: full steps
+        assert run_step(dc, clock, jittered(rng, 8), per_mb=4) == 32  # warm-up: full steps
         clock.t += 0.02  # the round and the rest of the loop
     assert dc.choice is not None and dc.micro == 8 and len(dc.computes) == 4
     # the gap after each step, less what waiting for the slowest of 4 would take by this worker's times
@@ -132,7 +116,7 @@ def test_pooled_auto_warms_up_then_thresholds_without_probes_and_measures_the_ga
         times = jittered(rng, 8)
         taus.add(dc.tau)
         ruled.append(_run_to(times, dc.tau)[0] * 4)
-        done.append(compute_step(dc, clock, times))
+        done.append(run_step(dc, clock, times, per_mb=4))
         clock.t += 0.02
     assert done == ruled and min(done) < 32
     assert all(math.isfinite(t) for t in taus) and len(taus) > 1  # re-picked every refit_every steps
@@ -144,7 +128,7 @@ def test_overhead_of_a_lone_worker_is_its_whole_gap() -> None:
     clock = FakeClock()
     dc = DropCompute("auto", workers=1, warmup_steps=4, clock=clock)
     for k in range(4):
-        compute_step(dc, clock, [0.01 * (k + 1)] * 8)
+        run_step(dc, clock, [0.01 * (k + 1)] * 8, per_mb=4)
         clock.t += 0.05
     assert dc.overhead_estimate == pytest.approx(0.05)
 
@@ -153,7 +137,7 @@ def test_fixed_overhead_is_used_as_given() -> None:
     clock = FakeClock()
     dc = DropCompute("auto", workers=4, warmup_steps=3, overhead_s=0.5, clock=clock)
     for _ in range(3):
-        compute_step(dc, clock, [0.01] * 8)
+        run_step(dc, clock, [0.01] * 8, per_mb=4)
         clock.t += 2.0
     assert dc.overhead_estimate == 0.5
 
@@ -175,7 +159,7 @@ def run_group(mode: str | None, *, workers: int = 4, micro: int = 8, steps: int 
         ends = []
         for dc, clock, rng in zip(dcs, clocks, rngs, strict=True):
             clock.t = now
-            samples += compute_step(dc, clock, jittered(rng, micro))
+            samples += run_step(dc, clock, jittered(rng, micro), per_mb=4)
             ends.append(clock.t)
         now = max(ends) + overhead_s
     return samples / now, dcs
