@@ -102,6 +102,31 @@ class Metrics:
             "peerd_trainer_state_bytes_served_total", "State-sync bytes this daemon served to joining peers",
             registry=r,
         )
+        # -- hostile members and faults: what was refused, and background work that failed --
+        self.background_errors = Counter(
+            "peerd_background_errors_total",
+            "Background tasks that failed (logged and counted, never fatal to the daemon), by task", ["task"],
+            registry=r,
+        )
+        self.dht_store_refused = Counter(
+            "peerd_dht_store_refused_total", "DHT records this node refused to store, by reason", ["reason"],
+            registry=r,
+        )
+        self.ignored_records = Counter(
+            "peerd_ignored_records_total",
+            "Records read from the DHT and ignored (out of range, wrong layout, too far ahead), by kind and reason",
+            ["kind", "reason"], registry=r,
+        )
+        self.contributions_refused = Counter(
+            "peerd_contributions_refused_total",
+            "Tensor contributions refused or limited by the shard owner (nonfinite, weight_capped, clipped, ...)",
+            ["reason"], registry=r,
+        )
+        self.local_refused = Counter(
+            "peerd_local_refused_total",
+            "Local-socket connections or arenas refused (uid, unsealed arena, oversized reply), by reason",
+            ["reason"], registry=r,
+        )
         self.trainer_state_fetches = Counter(
             "peerd_trainer_state_fetches_total", "State downloads for joining trainers, by outcome", ["outcome"],
             registry=r,
