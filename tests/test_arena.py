@@ -104,6 +104,12 @@ def test_blobs_round_trip_and_short_blobs_are_refused() -> None:
         assert read_blob(fd, len(data)) == data
         with pytest.raises(ArenaError, match="expected"):
             read_blob(fd, len(data) + 1)
+        with pytest.raises(ArenaError, match="empty"):
+            fill_blob(fd, b"short")  # sealed against shrinking: only an empty blob is filled
+    finally:
+        os.close(fd)
+    fd = write_blob(b"")
+    try:
         fill_blob(fd, b"short")
         assert read_blob(fd, 5) == b"short"
         assert os.fstat(fd).st_size == 5

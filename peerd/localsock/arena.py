@@ -6,6 +6,11 @@ anonymous memory, has no name to leak, and dies with the last descriptor or mapp
 it (mode 0600 is implied: nobody else can open it without the descriptor) and hands the descriptor to
 its daemon with ``socket.send_fds``; both map it, so a step moves no gradient bytes through the socket.
 
+Why sealed: a mapping of a file that shrinks under it raises SIGBUS on the next touch, which would kill
+the daemon. So the trainer creates the memfd with MFD_ALLOW_SEALING and seals it against shrinking
+(F_SEAL_SHRINK, then F_SEAL_SEAL so the seals cannot change); the daemon refuses a descriptor whose
+seals lack F_SEAL_SHRINK, and one smaller than the declared layout, before it maps anything.
+
 Layout (all integers little-endian)::
 
     header (64 bytes): magic "PEERDAR1", version u32, nslots u32, elems u64, slot_stride u64, reserved
@@ -24,6 +29,7 @@ later step, even when the daemon finishes a timed-out round after the trainer ha
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
@@ -41,8 +47,32 @@ MAX_SLOTS = 64
 MAX_ELEMS = 2**34  # 64 GiB of float32: far beyond any arena a daemon should accept, but bounded
 
 
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # what every arena and blob is sealed with
+
+
 class ArenaError(Exception):
-    """The arena is malformed, too small, or a slot does not hold what the caller expects."""
+    """The arena is malformed, too small, unsealed, or a slot does not hold what the caller expects."""
+
+
+def _sealed_memfd(name: str) -> int:
+    return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+
+
+def _seal(fd: int) -> None:
+    """Seal a fresh memfd (already at its final size) against shrinking; no seal can be changed after."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+
+
+def check_sealed(fd: int, what: str = "arena") -> None:
+    """Raise ArenaError unless ``fd`` is a memfd sealed against shrinking (so mapping it cannot SIGBUS us)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        raise ArenaError(f"the {what} is not a sealable memfd ({e.strerror}): create it with "
+                         f"peerd.localsock.arena (memfd_create with MFD_ALLOW_SEALING)") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise ArenaError(f"the {what} is not sealed against shrinking (seals {seals:#x}): seal it with "
+                         f"fcntl(F_ADD_SEALS, F_SEAL_SHRINK) before sending it; upgrade peerd on the trainer side")
 
 
 def slot_stride(elems: int) -> int:
@@ -71,10 +101,11 @@ class Arena:
     @classmethod
     def create(cls, nslots: int, elems: int, *, name: str = "peerd-arena") -> Arena:
         _check_shape(nslots, elems)
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd = _sealed_memfd(name)
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, arena_size(nslots, elems))
+            _seal(fd)
             arena = cls(fd, nslots, elems)
         except BaseException:
             os.close(fd)
@@ -84,10 +115,11 @@ class Arena:
 
     @classmethod
     def attach(cls, fd: int, nslots: int, elems: int) -> Arena:
-        """Map a descriptor a trainer sent; checks size and header against what the trainer declared.
+        """Map a descriptor a trainer sent; checks seals, size and header against what the trainer declared.
 
         On success the arena owns ``fd`` (closes it); on failure the caller still does."""
         _check_shape(nslots, elems)
+        check_sealed(fd)
         size = os.fstat(fd).st_size
         if size < arena_size(nslots, elems):
             raise ArenaError(f"arena is {size} bytes, the declared layout needs {arena_size(nslots, elems)}")
@@ -167,14 +199,16 @@ def _check_shape(nslots: int, elems: int) -> None:
 
 
 def write_blob(data: bytes, *, name: str = "peerd-blob") -> int:
-    """A fresh memfd (mode 0600) holding ``data``; for state snapshots, which are too rare to need slots."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    """A fresh memfd (mode 0600, sealed against shrinking) holding ``data``; for state snapshots, which are
+    too rare to need slots. It can still grow: the daemon fills an empty one on a state fetch."""
+    fd = _sealed_memfd(name)
     try:
         os.fchmod(fd, 0o600)
         view = memoryview(data)
         while view:
             n = os.write(fd, view)
             view = view[n:]
+        _seal(fd)
     except BaseException:
         os.close(fd)
         raise
@@ -182,7 +216,8 @@ def write_blob(data: bytes, *, name: str = "peerd-blob") -> int:
 
 
 def read_blob(fd: int, size: int) -> bytes:
-    """Read exactly ``size`` bytes from the start of ``fd``; raises ArenaError if it is shorter."""
+    """Read exactly ``size`` bytes from the start of ``fd``; raises ArenaError if it is shorter or unsealed."""
+    check_sealed(fd, "blob")
     have = os.fstat(fd).st_size
     if have < size:
         raise ArenaError(f"blob is {have} bytes, expected {size}")
@@ -196,8 +231,15 @@ def read_blob(fd: int, size: int) -> bytes:
 
 
 def fill_blob(fd: int, data: bytes) -> None:
-    """Replace the contents of a memfd someone else created with ``data`` (daemon side of a fetch)."""
-    os.ftruncate(fd, len(data))
+    """Write ``data`` into an empty sealed memfd someone else created (daemon side of a fetch)."""
+    check_sealed(fd, "blob")
+    have = os.fstat(fd).st_size
+    if have > len(data):
+        raise ArenaError(f"the blob to fill holds {have} bytes already; send an empty one (write_blob(b''))")
+    try:
+        os.ftruncate(fd, len(data))
+    except OSError as e:
+        raise ArenaError(f"cannot grow the blob to {len(data)} bytes: {e.strerror}") from None
     view = memoryview(data)
     off = 0
     while off < len(view):

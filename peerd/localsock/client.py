@@ -11,21 +11,14 @@ import os
 import socket
 from typing import Any
 
-from .frames import FrameDecoder, FrameError, encode_frame
+from .access import AccessError, check_client_dir, default_socket_path, peer_uid, same_uid_only
+from .frames import FrameDecoder, FrameError, FrameTooLarge, encode_frame
+
+__all__ = ["DaemonError", "LocalClient", "default_socket_path"]
 
 
 class DaemonError(Exception):
     """The daemon is unreachable, went away, or refused the request; the message says what to do."""
-
-
-def default_socket_path() -> str:
-    env = os.environ.get("PEERD_SOCKET")
-    if env:
-        return env
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        return os.path.join(runtime, "peerd.sock")
-    return f"/tmp/peerd-{os.getuid()}.sock"
 
 
 class LocalClient:
@@ -33,6 +26,10 @@ class LocalClient:
         self.path = path or default_socket_path()
         self.timeout = timeout
         self.broken = False
+        try:
+            check_client_dir(self.path)
+        except AccessError as e:
+            raise DaemonError(str(e)) from None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -46,6 +43,16 @@ class LocalClient:
         except PermissionError:
             self._sock.close()
             raise DaemonError(f"no permission to use {self.path}: run as the daemon's user") from None
+        except OSError as e:
+            self._sock.close()
+            raise DaemonError(f"cannot connect to {self.path}: {e.strerror or e}") from None
+        uid = peer_uid(self._sock)
+        if not same_uid_only(uid):
+            self._sock.close()
+            raise DaemonError(
+                f"the socket {self.path} is served by uid {uid}, not by you (uid {os.geteuid()}): refusing to "
+                f"hand it gradients; start your own daemon ('peerd join') or use --socket / PEERD_SOCKET"
+            )
         self._decoder = FrameDecoder()
 
     def close(self) -> None:
@@ -65,6 +72,11 @@ class LocalClient:
         self._sock.settimeout(self.timeout if reply_timeout is None else reply_timeout)
         try:
             frame = encode_frame({"op": op, **({"fds": len(fds)} if fds else {}), **args})
+        except FrameTooLarge as e:
+            raise DaemonError(f"request {op!r} is too large for the local socket ({e}): send less per call") from None
+        except (TypeError, ValueError, OverflowError) as e:
+            raise DaemonError(f"request {op!r} cannot be encoded: {e}") from None
+        try:
             if fds:
                 sent = socket.send_fds(self._sock, [frame], list(fds))
                 if sent < len(frame):

@@ -19,10 +19,15 @@ class FrameError(Exception):
     """A peer on the local socket sent something that is not a frame; the connection is closed."""
 
 
+class FrameTooLarge(FrameError):
+    """A message to send encodes to more than MAX_FRAME bytes (the receiver would refuse it)."""
+
+
 def encode_frame(message: dict[str, Any]) -> bytes:
+    """Length prefix + msgpack; raises FrameTooLarge over MAX_FRAME (msgpack's own errors pass through)."""
     payload = msgpack.packb(message, use_bin_type=True)
     if len(payload) > MAX_FRAME:
-        raise FrameError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME}")
+        raise FrameTooLarge(f"frame of {len(payload)} bytes exceeds {MAX_FRAME}")
     return LENGTH.pack(len(payload)) + payload
 
 

@@ -1,4 +1,4 @@
-"""Daemon side of the local socket: a Unix stream socket, mode 0600, one task per connection."""
+"""Daemon side of the local socket: a Unix stream socket, mode 0600, own uid only, one task per connection."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from typing import Any
 import trio
 
 from ..metrics import Metrics
-from .frames import FrameDecoder, FrameError, encode_frame
+from .access import AccessError, peer_uid, prepare_socket_dir, same_uid_only
+from .frames import FrameDecoder, FrameError, FrameTooLarge, encode_frame
 
 log = logging.getLogger("peerd.local")
 
@@ -79,7 +80,14 @@ class SocketInUse(Exception):
 
 
 def bind_unix(path: str) -> trio.socket.SocketType:
-    """Bind ``path`` with mode 0600, replacing a stale file but never a live daemon's socket."""
+    """Bind ``path`` with mode 0600, replacing a stale file but never a live daemon's socket.
+
+    In the per-user fallback directory (/tmp/peerd-UID) the directory is created 0700 and refused if
+    it is someone else's or open to others (SocketInUse, with what to do)."""
+    try:
+        prepare_socket_dir(path)
+    except AccessError as e:
+        raise SocketInUse(str(e)) from None
     if os.path.exists(path):
         probe = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
         try:
@@ -130,11 +138,34 @@ class LocalServer:
             os.unlink(self.path)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        """One client; whatever goes wrong in it is logged and counted, never fatal to the daemon
+        (trio.serve_listeners would otherwise take every other client and the daemon down with it)."""
+        try:
+            await self._serve_client(stream)
+        except Exception:
+            log.exception("local connection failed")
+            self.metrics.background_errors.labels("local_connection").inc()
+
+    async def _serve_client(self, stream: trio.SocketStream) -> None:
         """Read requests while earlier ones run, so a client that disconnects mid-request is noticed at
         once (its sessions are torn down, a late result is never written); requests still run in order."""
-        conn = Connection()
-        send, receive = trio.open_memory_channel[dict[str, Any]](16)
         async with stream:
+            try:
+                uid = peer_uid(stream.socket)  # type: ignore[arg-type]
+            except OSError as e:
+                log.warning("local client: cannot read its credentials (%s), closing", e)
+                self.metrics.local_refused.labels("uid").inc()
+                return
+            if not same_uid_only(uid):
+                log.warning("refused a local client of uid %d: this daemon serves uid %d only", uid, os.geteuid())
+                self.metrics.local_refused.labels("uid").inc()
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    await stream.send_all(encode_frame({"ok": False, "error": (
+                        f"this peerd daemon serves uid {os.geteuid()} only, you are uid {uid}: run the trainer "
+                        f"as the daemon's user, or start your own daemon ('peerd join')")}))
+                return
+            conn = Connection()
+            send, receive = trio.open_memory_channel[dict[str, Any]](16)
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._work, stream, receive, conn)
@@ -178,9 +209,25 @@ class LocalServer:
                 if conn.closed:
                     continue  # nobody to answer
                 try:
-                    await stream.send_all(encode_frame(reply))
+                    await stream.send_all(self._encode_reply(request, reply))
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     conn._close()  # the client went away mid-request
+
+    def _encode_reply(self, request: dict[str, Any], reply: dict[str, Any]) -> bytes:
+        """The reply's frame, or an error reply in its place if it cannot be sent (too large, unencodable):
+        the client learns why, and the connection stays in step (one reply per request)."""
+        op = request.get("op")
+        name = op if isinstance(op, str) and op in self._ops else "unknown"
+        try:
+            return encode_frame(reply)
+        except FrameTooLarge as e:
+            self.metrics.local_refused.labels("reply_too_large").inc()
+            error = f"the reply to {name} is too large for the local socket ({e}): ask for less (a smaller vector)"
+        except Exception as e:  # a handler returned something msgpack cannot encode: a bug, not the client's
+            log.exception("local op %s: reply cannot be encoded", name)
+            self.metrics.local_refused.labels("reply_unencodable").inc()
+            error = f"internal error: the reply to {name} cannot be encoded ({type(e).__name__}: {str(e)[:200]})"
+        return encode_frame({"ok": False, "error": error})
 
     async def _dispatch(self, request: dict[str, Any], conn: Connection | None = None) -> dict[str, Any]:
         op = request.get("op")
