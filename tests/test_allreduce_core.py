@@ -431,13 +431,21 @@ def test_float64_input_is_converted():
 
 
 def test_nan_and_inf_do_not_crash():
+    """Non-finite own values stay (the caller's problem); another member's are refused, range by range, in
+    both phases: shard 0 is [0, 3) in ranges [0, 2), [2, 3); shard 1 is [3, 6) in [3, 5), [5, 6)."""
     xs = [np.array([np.nan, 1, np.inf, -np.inf, 2, 3], np.float32), np.array([1, np.inf, 1, np.inf, 2, 3], np.float32)]
     m = make_group(xs, [1.0, 1.0], per=2)
-    with np.errstate(all="ignore"):
-        Net(m).run()
-    r = m[0].result()
-    assert np.isnan(r[0]) and r[2] == np.inf and np.isnan(r[3])
-    np.testing.assert_array_equal(r[4:], [2, 3])
+    Net(m).run()
+    r0, r1 = m[0].result(), m[1].result()
+    # member 0 owns [0, 3): member 1's [1, inf] is refused, its [1] at 2 is taken (own inf stays inf)
+    assert np.isnan(r0[0]) and r0[1] == 1 and r0[2] == np.inf
+    # member 1 owns [3, 6): member 0's [-inf, 2] is refused; its all-gather [inf, 2] is refused at member 0,
+    # which keeps its own [-inf, 2]
+    np.testing.assert_array_equal(r1[3:], [np.inf, 2, 3])
+    np.testing.assert_array_equal(r0[3:], [-np.inf, 2, 3])
+    np.testing.assert_array_equal(r1[:3], xs[1][:3])  # owner 0's averages hold NaN and inf: refused at 1
+    assert m[0].statistics().refused == {"nonfinite": 2}  # an RS range and an AG range
+    assert m[1].statistics().refused == {"nonfinite": 3}  # an RS range and two AG ranges
 
 
 # ---- drops and malformed bodies --------------------------------------------------------------------------

@@ -21,20 +21,31 @@ numpy; ``next_datagrams(limit)`` does at most ``limit`` datagrams of work (plus 
 ranges, ~64k elements, when the all-gather reaches it); ``result()`` may copy own values into ranges that
 never arrived, which is O(missing elements).
 
-Non-finite input (NaN, inf) is the caller's problem: it propagates into the averages of the ranges it
-touches and never raises. numpy may emit a RuntimeWarning (overflow, invalid) from ``receive``; the hot path
-does not pay ~1 us per datagram for ``np.errstate``, so a process that turns warnings into errors should
-call ``receive`` under ``np.errstate(over="ignore", invalid="ignore")``.
+Members are not trusted (every member holds the swarm key). The owner of a shard refuses what would
+poison it, and counts it in ``GroupStats.refused``:
+
+* ``nonfinite``: a reduce-scatter range holding NaN or inf is not averaged in (as if it had been lost);
+  the check costs one numpy call per block of ranges at finalization, none per datagram. An all-gather
+  range holding NaN or inf is dropped at the member, which keeps its own values for it.
+* ``weight_capped``: every weight (the own one too) is capped at ``max_weight`` (default 2**24 samples),
+  so one member cannot claim the whole average by announcing weight 3e38.
+* ``clipped`` (``robust`` only, see ``peerd.allreduce.robust``): a member whose contribution to this shard
+  is more than C times the median norm is scaled down to it.
+
+Sums are formed in float32 and checked per block; a block that overflowed (finite values times capped
+weights) is summed again in float64, where it cannot, so finite own input never gives a non-finite
+result. Non-finite *own* input is the caller's problem: it stays in the ranges it touches.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import struct
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -50,6 +61,8 @@ from .codec import (
     pack_end,
     view_block,
 )
+from .robust import MODES as ROBUST_MODES
+from .robust import Robust
 from .shards import Layout, elements_per_datagram
 
 DEFAULT_MAX_PAYLOAD = 1200 - 37  # default datagram payload minus envelope (21) and AEAD tag (16)
@@ -57,8 +70,16 @@ DEFAULT_FLOOR_S = 1.0
 DEFAULT_SAFETY = 2.0
 DEFAULT_BLOCK_ROWS = 32  # bodies per OutBlock unless the driver asks for another size (GSO: up to 64)
 FINALIZE_BLOCK_ELEMENTS = 1 << 16  # the all-gather divides this many elements at a time (~50 us)
+DEFAULT_MAX_WEIGHT = float(2**24)  # samples: the cap on any member's weight unless the caller gives one
+# Fault injection for demos and benches only: how a node corrupts its own reduce-scatter contributions.
+BYZANTINE_MODES = ("scale", "signflip", "nan", "random")
+BYZANTINE_SCALE = 1000.0
+BYZANTINE_NOISE = 100.0  # times the vector's RMS
 _F32_MAX = float(np.finfo(np.float32).max)
 _GROUP = struct.Struct("<I")
+_DONE = object()  # a send generator that is exhausted
+
+log = logging.getLogger("peerd.allreduce")
 _RS_DATA, _RS_END, _AG_DATA, _AG_END = (int(t) for t in BodyType)
 
 COMPLETION = "completion"
@@ -135,6 +156,9 @@ class GroupStats:
     # END markers that arrived when no longer needed (a repeat, or after their phase ended): the driver
     # sends each END 3 times, so these are routine and not counted as drops
     ends_ignored: int
+    # Contributions refused or limited (reason -> count): nonfinite (ranges, both phases), weight_capped
+    # (members), clipped (members, robust only). The driver adds them to contributions_refused.
+    refused: dict[str, int] = field(default_factory=dict)
 
 
 class _Phase:
@@ -333,6 +357,10 @@ class GroupAverage:
         max_phase_s: float | None = None,
         out: np.ndarray | None = None,
         end_grace_s: float = 0.0,
+        max_weight: float | None = None,
+        robust: Robust | None = None,
+        center: np.ndarray | None = None,
+        byzantine: str | None = None,
     ) -> None:
         if type(group_id) is not int or not 0 <= group_id <= 0xFFFFFFFF:
             raise ValueError(f"group_id must be a u32, got {group_id!r}")
@@ -351,6 +379,23 @@ class GroupAverage:
                 f"weight must be finite and > 0 (the sample count behind this vector), got {weight!r};"
                 " a member with nothing to contribute should not join the group"
             )
+        if max_weight is None:
+            max_weight = DEFAULT_MAX_WEIGHT
+        try:
+            cap = float(max_weight)
+        except (TypeError, ValueError):
+            raise ValueError(f"max_weight must be a number (samples), got {max_weight!r}") from None
+        if not (math.isfinite(cap) and 0 < cap <= _F32_MAX and np.float32(cap) > 0):
+            raise ValueError(f"max_weight must be finite and > 0 (the most samples a member may claim), got {cap!r}")
+        refused: Counter[str] = Counter()
+        if w > cap:
+            refused["weight_capped"] += 1
+            w32 = np.float32(cap)
+        if robust is not None and (not isinstance(robust, Robust) or robust.mode not in ROBUST_MODES
+                                   or not (math.isfinite(robust.c) and robust.c > 0)):
+            raise ValueError(f"robust must be None or a Robust (parse_robust: clip[:C], centered[:C]), got {robust!r}")
+        if byzantine is not None and byzantine not in BYZANTINE_MODES:
+            raise ValueError(f"byzantine must be None or one of {', '.join(BYZANTINE_MODES)}, got {byzantine!r}")
         if not (math.isfinite(floor_s) and floor_s >= 0):
             raise ValueError(f"floor_s must be finite and >= 0, got {floor_s!r}")
         if not (math.isfinite(safety) and safety > 0):
@@ -389,6 +434,34 @@ class GroupAverage:
         self.max_phase_s = max_phase_s
         self._vec = vec
         self._out = out
+        self._max_weight = cap
+        self._robust = robust
+        self._refused = refused
+        self._center: np.ndarray | None = None
+        if robust is not None and robust.mode == "centered" and center is not None:
+            if not isinstance(center, np.ndarray) or center.shape != vec.shape:
+                raise ValueError("center must be a float32 vector of the averaged vector's length (or None)")
+            lo, hi = self.layout.shard(index)
+            own_center = np.array(center[lo:hi], dtype=FLOAT32)  # a copy: the caller may reuse its array
+            if not np.isfinite(own_center).all():
+                raise ValueError("center must be finite (the previous round's average); pass None for none")
+            self._center = own_center
+        # robust: per member, the factor (<= 1) its contribution is scaled by; None until computed, after
+        # the reduce-scatter (it needs every contribution), by ``_robust_step`` a slice at a time
+        self._scale: list[float] | None = None
+        self._norm_pos = 0  # ranges of the own shard whose norms are summed so far
+        self._sumsq = [0.0] * n
+        self._elements = [0] * n
+        self._byzantine = byzantine
+        self._noise_rms = 0.0
+        self._noise = None
+        if byzantine is not None:
+            log.warning("BYZANTINE FAULT INJECTION: this node corrupts its own reduce-scatter contributions (%s)"
+                        " in group %#x; for demos and benchmarks only", byzantine, group_id)
+            if byzantine == "random":
+                rms = math.sqrt(float(np.mean(np.square(vec, dtype=np.float64)))) if len(vec) else 0.0
+                self._noise_rms = BYZANTINE_NOISE * (rms if math.isfinite(rms) and rms > 0 else 1.0)
+                self._noise = np.random.default_rng((group_id, index))
         self._out_bytes = memoryview(out).cast("B")
         self._inplace = out is vec
         self._w32 = w32
@@ -413,7 +486,7 @@ class GroupAverage:
         self._rs = _Phase([self._nranges if s != index else 0 for s in range(n)], index, now)
         self._ag = _Phase([self.layout.datagrams(j) if j != index else 0 for j in range(n)], index, None)
         self._rs.grace = self._ag.grace = float(end_grace_s)
-        self._gen: Iterator[OutBlock] | None = self._rs_blocks()
+        self._gen: Iterator[OutBlock | None] | None = self._rs_blocks()
         self._block_rows = DEFAULT_BLOCK_ROWS
         self._left: list[Outgoing] = []  # rows of a block ``next_datagrams`` has not handed out yet
         # Counts phase ends and deadlines brought forward (an END that overtook data starts a short grace):
@@ -596,8 +669,13 @@ class GroupAverage:
             if ag.ended_at is not None:
                 return self._late(mtype)
             seen[k] = True
-            self._out_bytes[4 * offset : 4 * (offset + count)] = memoryview(body)[HEADER_SIZE:]
-            ag.weight_received += weight
+            if np.isfinite(np.frombuffer(body, FLOAT32, count, HEADER_SIZE)).all():
+                self._out_bytes[4 * offset : 4 * (offset + count)] = memoryview(body)[HEADER_SIZE:]
+                ag.weight_received += weight
+            else:  # a broken or hostile owner: this range keeps the own values (counts as arrived)
+                self._refused["nonfinite"] += 1
+                if not self._inplace:
+                    self._out[offset : offset + count] = self._vec[offset : offset + count]
             ag.note_data(sender, k, now)
         else:
             start = self.layout.shard(sender)[0]
@@ -648,8 +726,11 @@ class GroupAverage:
             (bodies[1:, :9] == bodies[0, :9]).all() and (bodies[1:, 13:same] == bodies[0, 13:same]).all()
         ):
             return None
-        if mtype == _AG_DATA and not (np.isfinite(rec["weight"]).all() and (rec["weight"] >= 0).all()):
-            return None
+        if mtype == _AG_DATA and not (
+            np.isfinite(rec["weight"]).all() and (rec["weight"] >= 0).all()
+            and np.isfinite(bodies[:, HEADER_SIZE:].view(FLOAT32)).all()
+        ):
+            return None  # body by body: ``receive`` finds the range that is not finite and keeps own values
         full = (stop - start) // per
         k0, r = divmod(int(first["offset"]) - start, per)
         consecutive = rows == 1 or (rec["offset"] == np.arange(
@@ -686,7 +767,8 @@ class GroupAverage:
             k_last = int(ks[-1])
         seen[ks] = True
         if mtype == _RS_DATA:
-            self._sender_weight[sender] = w0
+            if known is None:
+                self._check_weight(sender, w0)
             self._stage[sender, : full * per].view(np.uint8).reshape(full, 4 * per)[ks] = values
             phase.weight_received += w0 * accepted
         else:
@@ -705,6 +787,8 @@ class GroupAverage:
         known = self._sender_weight[sender]
         if known is None:
             self._sender_weight[sender] = weight
+            if weight > self._max_weight:
+                self._refused["weight_capped"] += 1
         elif known != weight:
             raise WireError("malformed", f"sender {sender} changed its weight from {known} to {weight}")
 
@@ -732,10 +816,12 @@ class GroupAverage:
                     break
                 self._ag_started = True
                 self._gen = self._ag_blocks()
-            block = next(self._gen, None)
-            if block is None:
+            block = next(self._gen, _DONE)
+            if block is _DONE:
                 self._gen = None
                 continue
+            if block is None:  # a slice of work with nothing to send (robust norms): the driver's turn
+                break
             batch.append(block)
             count += len(block.bodies)
         return batch
@@ -776,17 +862,38 @@ class GroupAverage:
                     rs.sent += k1 - k
                     off = start + k * per
                     values = vec[off : start + k1 * per].reshape(k1 - k, per)
+                    if self._byzantine is not None:
+                        values = self._corrupt(values)
                     yield OutBlock(j, _RS_DATA, pack_block(group, total, off, w, values), 1)
                 if full < total and k <= full < k + rows:  # the shard's short last range
                     rs.sent += 1
                     off = start + full * per
-                    yield OutBlock(j, _RS_DATA, pack_block(group, total, off, w, vec[off:stop].reshape(1, -1)), 1)
+                    values = vec[off:stop].reshape(1, -1)
+                    if self._byzantine is not None:
+                        values = self._corrupt(values)
+                    yield OutBlock(j, _RS_DATA, pack_block(group, total, off, w, values), 1)
                 if k <= total < k + rows:
                     yield OutBlock(j, _RS_END, _row(pack_end(group, total, start, w)), END_REPEATS)
             k += rows
 
-    def _ag_blocks(self) -> Iterator[OutBlock]:
-        """The averaged own shard to every other member; each block is built once and sent to all."""
+    def _corrupt(self, values: np.ndarray) -> np.ndarray:
+        """Fault injection (demos and benches only): what a hostile member would send instead of ``values``."""
+        mode = self._byzantine
+        with np.errstate(over="ignore"):
+            if mode == "scale":
+                return values * np.float32(BYZANTINE_SCALE)
+            if mode == "signflip":
+                return -values
+            if mode == "nan":
+                return np.full_like(values, np.nan)
+            assert self._noise is not None
+            return (self._noise.standard_normal(values.shape) * self._noise_rms).astype(FLOAT32)
+
+    def _ag_blocks(self) -> Iterator[OutBlock | None]:
+        """The averaged own shard to every other member; each block is built once and sent to all. With
+        ``robust``, the contributions' norms are measured first, a slice per step (None: no block yet)."""
+        while self._robust is not None and not self._robust_step():
+            yield None
         per, group, total = self.layout.per, self.group_id, self._nranges
         lo, hi = self._lo, self._hi
         full = (hi - lo) // per
@@ -815,54 +922,188 @@ class GroupAverage:
 
     # ---- the result --------------------------------------------------------------------------------
 
-    def _finalize_through(self, k_end: int) -> None:
-        """Turn ranges [finalized, k_end) of the own shard from weighted sums into averages."""
+    def _pieces(self, k_start: int, k_end: int) -> Iterator[tuple[int, int, int, int, int]]:
+        """Ranges [k_start, k_end) of the own shard as (k0, k1, lo, hi, width) pieces of equal-width ranges,
+        at most about FINALIZE_BLOCK_ELEMENTS elements each (the short last range is a piece of its own)."""
         per = self.layout.per
-        while self._finalized < k_end:
-            k0 = self._finalized
-            k1 = min(k_end, k0 + max(1, FINALIZE_BLOCK_ELEMENTS // per))
+        step = max(1, FINALIZE_BLOCK_ELEMENTS // per)
+        k0 = k_start
+        while k0 < k_end:
+            k1 = min(k_end, k0 + step)
             lo = self._lo + k0 * per
             hi = min(self._lo + k1 * per, self._hi)
             full = (hi - lo) // per
             if full:
-                self._finalize_rows(k0, k0 + full, lo, lo + full * per, per)
+                yield k0, k0 + full, lo, lo + full * per, per
             if k0 + full < k1:  # the shard's short last range
-                self._finalize_rows(k1 - 1, k1, lo + full * per, hi, hi - lo - full * per)
+                yield k1 - 1, k1, lo + full * per, hi, hi - lo - full * per
+            k0 = k1
+
+    def _finalize_through(self, k_end: int) -> None:
+        """Turn ranges [finalized, k_end) of the own shard from weighted sums into averages."""
+        while self._robust is not None and not self._robust_step():
+            pass
+        step = max(1, FINALIZE_BLOCK_ELEMENTS // self.layout.per)
+        while self._finalized < k_end:
+            k1 = min(k_end, self._finalized + step)
+            for piece in self._pieces(self._finalized, k1):
+                self._finalize_rows(*piece)
             self._finalized = k1
 
     def _finalize_rows(self, k0: int, k1: int, lo: int, hi: int, width: int) -> None:
         """Ranges [k0, k1) (elements [lo, hi), ``width`` each): own * weight plus each sender's staged values
-        times its weight where they arrived, divided by the weight that arrived. A range nothing arrived
-        for keeps the own value exactly."""
+        times its (capped) weight where they arrived, divided by the weight that arrived. A range nothing
+        arrived for keeps the own value exactly.
+
+        Fast path: a float32 sum, checked with one numpy call; if it is not finite (a sender's NaN or inf,
+        or an overflow), ``_finalize_careful`` refuses the non-finite ranges and sums again in float64."""
         rows = k1 - k0
         own = self._vec[lo:hi].reshape(rows, width)
         out2d = self._out[lo:hi].reshape(rows, width)
         seen = self._rs_seen[:, k0:k1]
-        arrived = seen.any(axis=0)
-        if not arrived.any():
+        if not seen.any():
             if not self._inplace:
                 out2d[...] = own
             return
+        if self._robust is not None:
+            self._finalize_careful(k0, k1, lo, width, own, out2d)
+            return
+        arrived = seen.any(axis=0)
         acc = own * self._w32
         wsum = np.full(rows, self.weight, dtype=np.float64)
         base = lo - self._lo
+        with np.errstate(all="ignore"):  # overflow and NaN are found below, in one call
+            for s in range(self.n):
+                mask = seen[s]
+                if s == self.index or not mask.any():
+                    continue
+                ws = min(self._sender_weight[s], self._max_weight)  # type: ignore[type-var]
+                staged = self._stage[s, base : base + rows * width].reshape(rows, width)
+                if mask.all():
+                    acc += staged * np.float32(ws)
+                else:
+                    acc[mask] += staged[mask] * np.float32(ws)
+                wsum += mask * ws
+        if not np.isfinite(acc).all():
+            self._finalize_careful(k0, k1, lo, width, own, out2d)
+            return
+        self._wsum[k0:k1] = wsum
+        np.divide(acc, wsum.astype(np.float32)[:, None], out=acc)
+        if not arrived.all():
+            acc[~arrived] = own[~arrived]
+        out2d[...] = acc
+
+    def _finalize_careful(self, k0: int, k1: int, lo: int, width: int, own: np.ndarray, out2d: np.ndarray) -> None:
+        """``_finalize_rows`` in float64, where capped weights times finite float32 values cannot overflow:
+        ranges holding NaN or inf are refused (as if lost), and with ``robust`` each member's contribution
+        is scaled by its factor (around the center, if any). The result is a convex combination of finite
+        float32 values (and the center), so it is finite whenever the own values are."""
+        rows = k1 - k0
+        base = lo - self._lo
+        scale = self._scale
+        seen = self._rs_seen[:, k0:k1]  # a view: refused ranges are cleared in place (as if lost)
+        center = None
+        if self._center is not None:
+            center = self._center[base : base + rows * width].reshape(rows, width).astype(np.float64)
+        acc = own.astype(np.float64)
+        if center is not None:
+            acc -= center
+        acc *= self.weight * (scale[self.index] if scale is not None else 1.0)
+        wsum = np.full(rows, self.weight, dtype=np.float64)
         for s in range(self.n):
             mask = seen[s]
             if s == self.index or not mask.any():
                 continue
-            ws = self._sender_weight[s]
             staged = self._stage[s, base : base + rows * width].reshape(rows, width)
+            if scale is None:  # (robust: ``_robust_step`` has refused them already)
+                with np.errstate(invalid="ignore"):  # unused rows of the stage hold anything
+                    bad = mask & ~np.isfinite(staged).all(axis=1)
+                if bad.any():
+                    self._refused["nonfinite"] += int(np.count_nonzero(bad))
+                    mask &= ~bad
+                    if not mask.any():
+                        continue
+            ws = min(self._sender_weight[s], self._max_weight)  # type: ignore[type-var]
+            factor = ws * (scale[s] if scale is not None else 1.0)
+            x = staged.astype(np.float64) if mask.all() else staged[mask].astype(np.float64)
+            if center is not None:
+                x -= center if mask.all() else center[mask]
+            x *= factor
             if mask.all():
-                acc += staged * np.float32(ws)
+                acc += x
             else:
-                acc[mask] += staged[mask] * np.float32(ws)
+                acc[mask] += x
             wsum += mask * ws
         self._wsum[k0:k1] = wsum
-        with np.errstate(all="ignore"):  # inf/inf from non-finite input is the caller's problem
-            np.divide(acc, wsum.astype(np.float32)[:, None], out=acc)
+        acc /= wsum[:, None]
+        if center is not None:
+            acc += center
+        result = acc.astype(FLOAT32)
+        arrived = seen.any(axis=0)
         if not arrived.all():
-            acc[~arrived] = own[~arrived]
-        out2d[...] = acc
+            result[~arrived] = own[~arrived]
+        out2d[...] = result
+
+    def _robust_step(self) -> bool:
+        """Measure the next slice of the contributions' norms (robust); True once the factors are known.
+
+        Per member (the own contribution included): the sum of squares of its finite ranges (minus the
+        center, if any) and how many elements they hold; a range holding NaN or inf is refused here. Then
+        the RMS per element delivered (so a member that lost datagrams is neither favoured nor penalized),
+        the median over the members that delivered anything, and each member's factor min(1, C * median /
+        its RMS)."""
+        assert self._robust is not None
+        if self._scale is not None:
+            return True
+        if self._norm_pos < self._nranges:
+            k_end = min(self._nranges, self._norm_pos + max(1, FINALIZE_BLOCK_ELEMENTS // self.layout.per))
+            for k0, k1, lo, _hi, width in self._pieces(self._norm_pos, k_end):
+                self._measure(k0, k1, lo, width)
+            self._norm_pos = k_end
+            return False
+        rms = [math.sqrt(self._sumsq[s] / self._elements[s]) if self._elements[s] else math.nan
+               for s in range(self.n)]
+        heard = [r for r in rms if math.isfinite(r)]
+        scale = [1.0] * self.n
+        if heard:
+            med = float(np.median(heard))
+            limit = self._robust.c * med
+            for s, r in enumerate(rms):
+                if math.isfinite(r) and r > limit:
+                    scale[s] = limit / r
+                    self._refused["clipped"] += 1
+        self._scale = scale
+        return True
+
+    def _measure(self, k0: int, k1: int, lo: int, width: int) -> None:
+        rows = k1 - k0
+        base = lo - self._lo
+        seen = self._rs_seen[:, k0:k1]
+        center = None
+        if self._center is not None:
+            center = self._center[base : base + rows * width].reshape(rows, width).astype(np.float64)
+        for s in range(self.n):
+            if s == self.index:
+                x = self._vec[lo : lo + rows * width].reshape(rows, width).astype(np.float64)
+                mask = None
+            else:
+                mask = seen[s]
+                if not mask.any():
+                    continue
+                staged = self._stage[s, base : base + rows * width].reshape(rows, width)
+                x = staged.astype(np.float64) if mask.all() else staged[mask].astype(np.float64)
+            if center is not None:
+                x -= center if mask is None or mask.all() else center[mask]
+            with np.errstate(invalid="ignore"):
+                ss = np.einsum("ij,ij->i", x, x)  # finite float32 values: at most 1.2e77 per element
+            ok = np.isfinite(ss)
+            if mask is not None and not ok.all():
+                bad = np.zeros(rows, dtype=bool)
+                bad[np.flatnonzero(mask)[~ok]] = True
+                self._refused["nonfinite"] += int(np.count_nonzero(bad))
+                mask &= ~bad  # a view of _rs_seen: refused as if lost
+            self._sumsq[s] += float(ss[ok].sum())
+            self._elements[s] += int(np.count_nonzero(ok)) * width
 
     def _fill_missing(self) -> None:
         """Ranges of other shards whose all-gather never arrived keep this member's own values."""
@@ -928,4 +1169,5 @@ class GroupAverage:
             all_gather=self._ag.snapshot(ag_expected, self._ag.weight_received, self._live, self.index),
             drops=dict(self._drops),
             ends_ignored=self._ends_ignored,
+            refused=dict(self._refused),
         )
