@@ -49,6 +49,12 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _robust(text: str) -> str:
+    from .demo_train import robust_option
+
+    return robust_option(text)
+
+
 def _socket_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--socket",
@@ -93,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", type=float, default=0.0, metavar="P",
                    help="testing: drop received datagrams with probability P (seeded fault injector)")
     p.add_argument("--loss-seed", type=int, default=None, metavar="K", help="seed of the --loss injector")
+    # testing only (hidden): this daemon corrupts its own reduce-scatter contributions, to test robust averaging
+    p.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     p = sub.add_parser("status", help="show a running daemon's identity and swarm view")
@@ -162,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro", type=int, default=None, metavar="M",
                    help="micro-batches per step of 32 samples (default 8 with --compute-jitter, else 4)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of weights, data order and loss")
+    p.add_argument("--byzantine", type=int, default=0, metavar="K",
+                   help="K of the peers' daemons corrupt their contributions (a test; default 0); the summary's "
+                        "accuracy and loss are the honest peers'")
+    p.add_argument("--byzantine-mode", default="nan", choices=["scale", "signflip", "nan", "random"],
+                   help="how the --byzantine daemons corrupt their contributions (default nan)")
+    p.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
+                   help="robust aggregation every trainer asks for (default off)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
     p = sub.add_parser("train", help="one collaborative trainer (MLP on digits) beside its daemon (needs torch)")
@@ -233,6 +249,11 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         logging.getLogger("peerd").warning(
             "--insecure: datagrams are NOT authenticated; anyone who reaches this port can join and inject data"
         )
+    if args.fault_byzantine:
+        logging.getLogger("peerd").warning(
+            "--fault-byzantine %s: FAULT INJECTION, this daemon CORRUPTS its own averaging contributions "
+            "(a test of robust averaging); never run it in a real swarm", args.fault_byzantine
+        )
     config = DaemonConfig(
         listen=args.listen,
         announce=args.announce,
@@ -247,6 +268,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         no_gso=args.no_gso,
         loss=args.loss,
         loss_seed=args.loss_seed,
+        byzantine=args.fault_byzantine,
     )
     if not 0.0 <= args.loss < 1.0:
         parser.error("--loss must be in [0, 1)")
@@ -400,9 +422,12 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--keep-rounds must be in [1, 1000]")
     if args.micro is not None and not 1 <= args.micro <= 32:
         parser.error("--micro must be in [1, 32]")
+    if not 0 <= args.byzantine < args.peers:
+        parser.error("--byzantine must be in [0, --peers): at least one peer must be honest")
     cfg = DemoConfig(peers=args.peers, steps=args.steps, loss=args.loss, compute_jitter=args.compute_jitter,
                      dropcompute=args.dropcompute, seed=args.seed, average_every=args.average_every, json=args.json,
-                     keep_rounds=args.keep_rounds, micro=args.micro)
+                     keep_rounds=args.keep_rounds, micro=args.micro, byzantine=args.byzantine,
+                     byzantine_mode=args.byzantine_mode, robust=args.robust)
     try:
         summary = run_demo(cfg)
     except RuntimeError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import inspect
 import logging
 import signal
 import socket as stdsocket
@@ -51,6 +52,23 @@ class DaemonConfig:
     no_gso: bool = False
     loss: float = 0.0
     loss_seed: int | None = None
+    byzantine: str | None = None  # testing only: corrupt this node's own contributions (see BYZANTINE_MODES)
+
+
+BYZANTINE_MODES = ("scale", "signflip", "nan", "random")
+
+
+def _allreduce_kwargs(config: DaemonConfig) -> dict[str, Any]:
+    """AllreduceService's optional arguments; the fault injector only when asked for, and only if this build's
+    AllreduceService has the hook (never silently an honest node that the test believes corrupt)."""
+    if config.byzantine is None:
+        return {}
+    if config.byzantine not in BYZANTINE_MODES:
+        raise StartupError(f"--fault-byzantine must be one of {', '.join(BYZANTINE_MODES)}, not {config.byzantine!r}")
+    if "byzantine" not in inspect.signature(AllreduceService).parameters:
+        raise StartupError("--fault-byzantine: this build's AllreduceService has no byzantine= fault injector; "
+                           "update peerd (or drop the flag)")
+    return {"byzantine": config.byzantine}
 
 
 def _bind_udp(host: str, port: int) -> stdsocket.socket:
@@ -78,6 +96,7 @@ class Daemon:
         except KeyFileError as e:
             raise StartupError(str(e)) from None
         self.metrics = Metrics()
+        allreduce_kwargs = _allreduce_kwargs(config)
         try:
             announce = (resolve_ip(config.announce[0]), config.announce[1]) if config.announce else None
         except ValueError as e:
@@ -114,7 +133,7 @@ class Daemon:
             loss_seed=config.loss_seed,
         )
         self.dht = DhtService(self.endpoint, self.metrics)
-        self.allreduce = AllreduceService(self.endpoint, self.metrics)
+        self.allreduce = AllreduceService(self.endpoint, self.metrics, **allreduce_kwargs)
         self.bench = BenchOps(self.allreduce, self.socket)
         self.moshpit = MoshpitService(
             self.endpoint, self.dht, self.allreduce, self.metrics, address=announce or self.listen

@@ -45,6 +45,14 @@ class DemoConfig:
     join_late: dict[int, int] = field(default_factory=dict)  # peer index -> start when the swarm reaches step
     workdir: str | None = None
     wall_limit_s: float = 1200.0
+    byzantine: int = 0  # the last K peers' daemons corrupt their own contributions (--fault-byzantine)
+    byzantine_mode: str = "nan"
+    robust: str = "off"  # every trainer's robust aggregation option
+
+
+def byzantine_peers(cfg: DemoConfig) -> set[int]:
+    """The peers whose daemons run with --fault-byzantine: the last K (peer 0, the bootstrap node, stays honest)."""
+    return set(range(cfg.peers - cfg.byzantine, cfg.peers)) if cfg.byzantine > 0 else set()
 
 
 def micro_batches(cfg: DemoConfig) -> int | None:
@@ -89,12 +97,20 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
     procs: dict[int, subprocess.Popen] = {}
     events: queue.Queue = queue.Queue()
     start = time.monotonic()
+    byzantine = byzantine_peers(cfg)
+    if not 0 <= cfg.byzantine < cfg.peers:
+        raise RuntimeError(f"byzantine must be in [0, {cfg.peers}): at least one peer must be honest")
     try:
         say(f"starting {cfg.peers} daemons{f' (each drops {cfg.loss:.0%} of datagrams)' if cfg.loss else ''} ...")
+        if byzantine:
+            say(f"peers {sorted(byzantine)} run with --fault-byzantine {cfg.byzantine_mode} (they corrupt their "
+                f"contributions); trainers ask for robust {cfg.robust}")
         for i in range(cfg.peers):
             extra: tuple[str, ...] = ()
             if cfg.loss:
                 extra = ("--loss", str(cfg.loss), "--loss-seed", str(cfg.seed * 1000 + i))
+            if i in byzantine:
+                extra += ("--fault-byzantine", cfg.byzantine_mode)
             node = swarm.start(extra=extra)
             swarm.wait_ready(node)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -110,6 +126,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 cmd += ["--keep-rounds", str(cfg.keep_rounds)]
             if micro_batches(cfg) is not None:
                 cmd += ["--micro", str(micro_batches(cfg))]
+            if cfg.robust != "off":
+                cmd += ["--robust", cfg.robust]
             if i in cfg.join_late:
                 cmd += ["--init-seed", str(cfg.seed + 1000 + i)]  # different weights: it must take the swarm's
             else:
@@ -181,10 +199,11 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
         for i in range(cfg.peers):
             with open(os.path.join(workdir, f"result{i}.json")) as f:
                 results.append(json.load(f))
+        honest = [r for r in results if r["peer"] not in byzantine]  # all peers without --byzantine
         summary = {
-            "final_loss": sum(r["held_out_loss"] for r in results) / len(results),
-            "accuracy": sum(r["accuracy"] for r in results) / len(results),
-            "max_param_divergence": divergence([r["params"] for r in results]),
+            "final_loss": sum(r["held_out_loss"] for r in honest) / len(honest),
+            "accuracy": sum(r["accuracy"] for r in honest) / len(honest),
+            "max_param_divergence": divergence([r["params"] for r in honest]),
             "steps": cfg.steps,
             "peers": cfg.peers,
             "wall_s": round(wall, 2),
@@ -198,14 +217,20 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "samples_per_second": sum(r["samples"] for r in results) / max(r["wall_s"] for r in results),
             "overhead_s": sum(r.get("overhead_s", 0.0) for r in results) / len(results),
             "outcomes": _sum_outcomes(results),
+            "byzantine": cfg.byzantine,
+            "byzantine_mode": cfg.byzantine_mode if cfg.byzantine else None,
+            "robust": cfg.robust,
             "per_peer": [{**{k: r[k] for k in ("peer", "first_step", "steps", "held_out_loss", "accuracy", "samples",
                                                 "samples_per_second", "local_steps", "synced", "dropped_microbatches",
                                                 "tau", "wall_s", "compute_s")},
                           **{k: r.get(k) for k in ("round_s", "matchmaking_s", "overhead_s", "predicted_speedup")},
-                          "start_accuracy": starts.get(r["peer"], {}).get("accuracy")} for r in results],
+                          "start_accuracy": starts.get(r["peer"], {}).get("accuracy"),
+                          "byzantine": r["peer"] in byzantine, "nonfinite_rounds": r.get("nonfinite_rounds", 0),
+                          "params_finite": r.get("params_finite")} for r in results],
         }
         say(f"\ndone in {wall:.1f} s: held-out accuracy {summary['accuracy']:.4f}, loss {summary['final_loss']:.4f} "
-            f"(mean over {cfg.peers} peers); largest relative distance between two peers' parameters "
+            f"(mean over {len(honest)} {'honest ' if byzantine else ''}peers); "
+            f"largest relative distance between two peers' parameters "
             f"{summary['max_param_divergence']:.2e}; {summary['samples_per_second']:.0f} samples/s across the swarm; "
             f"rounds {summary['outcomes']}")
         return summary

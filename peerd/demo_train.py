@@ -51,6 +51,27 @@ def evaluate(model, x, y) -> tuple[float, float]:
     return loss, acc
 
 
+def robust_option(text: str) -> str:
+    """argparse type of --robust: off, clip[:C] or centered[:C] (checked here, applied by the daemons)."""
+    from .allreduce.robust import parse_robust
+
+    try:
+        parse_robust(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _max_samples(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"--max-samples must be a positive number, not {text!r}")
+    return value
+
+
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run id: trainers with the same run id and model train together")
     p.add_argument("--socket", default=None, metavar="PATH", help="the daemon's local socket")
@@ -72,6 +93,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep a Moshpit group that formed complete for R rounds, renewed without the DHT "
                         "(1: a new group every round; default: peerd.torch.Optimizer's, 1)")
     p.add_argument("--timeout", type=float, default=15.0, metavar="S", help="averaging deadline (default 15)")
+    p.add_argument("--robust", type=robust_option, default=None, metavar="off|clip[:C]|centered[:C]",
+                   help="robust aggregation this trainer's rounds ask for (default: the daemon's)")
+    p.add_argument("--max-samples", type=_max_samples, default=None, metavar="N",
+                   help="the largest sample count (averaging weight) a member may claim in this run's rounds")
     p.add_argument("--compute-jitter", type=float, default=0.0, metavar="X",
                    help="simulate compute: each micro-batch takes 10 ms * (1 + X * Exp(1)) more (default 0: off)")
     p.add_argument("--dropcompute", default="off", metavar="off|auto|SECONDS",
@@ -122,6 +147,7 @@ def run_train(args: argparse.Namespace) -> int:
         opt = Optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,
                         timeout_s=args.timeout, average_params_every=args.average_every,
                         sync_state=not args.no_sync, state_every=args.state_every,
+                        robust=args.robust, max_samples=args.max_samples,
                         **({} if args.keep_rounds is None else {"keep_rounds": args.keep_rounds}))
     except DaemonError as e:
         print(f"peerd: error: {e}", file=sys.stderr)
@@ -201,7 +227,8 @@ def run_train(args: argparse.Namespace) -> int:
         "overhead_s": estimate_overhead(list(dc.computes), list(dc.cycles), dc.workers),
         "predicted_speedup": dc.choice.speedup if dc.choice else None,
         "final_average": final_rounds, "keep_rounds": opt.keep_rounds,
-        "kept_rounds": opt.kept_rounds,
+        "kept_rounds": opt.kept_rounds, "nonfinite_rounds": opt.nonfinite_rounds, "robust": args.robust,
+        "params_finite": bool(np.isfinite(flat).all()),
     }
     emit(result)
     if args.out:

@@ -156,3 +156,42 @@ def test_peerd_swarm_starts_and_stops_on_ctrl_c(tmp_path) -> None:
         assert not any(os.path.exists(s) for s in sockets)
     finally:
         proc.kill()
+
+
+def test_fault_byzantine_is_hidden_and_never_silently_honest(monkeypatch) -> None:
+    from peerd import daemon as daemon_mod
+    from peerd.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert "fault-byzantine" not in sub["join"].format_help()
+    assert build_parser().parse_args(["join", "--fault-byzantine", "nan"]).fault_byzantine == "nan"
+    assert daemon_mod._allreduce_kwargs(daemon_mod.DaemonConfig()) == {}
+
+    class WithoutHook:
+        def __init__(self, endpoint, metrics, *, pacer=None) -> None: ...
+
+    class WithHook:
+        def __init__(self, endpoint, metrics, *, pacer=None, byzantine=None) -> None: ...
+
+    monkeypatch.setattr(daemon_mod, "AllreduceService", WithoutHook)
+    with pytest.raises(daemon_mod.StartupError, match="no byzantine= fault injector"):
+        daemon_mod._allreduce_kwargs(daemon_mod.DaemonConfig(byzantine="nan"))
+    monkeypatch.setattr(daemon_mod, "AllreduceService", WithHook)
+    assert daemon_mod._allreduce_kwargs(daemon_mod.DaemonConfig(byzantine="scale")) == {"byzantine": "scale"}
+    with pytest.raises(daemon_mod.StartupError, match="must be one of"):
+        daemon_mod._allreduce_kwargs(daemon_mod.DaemonConfig(byzantine="evil"))
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["demo", "--peers", "2", "--byzantine", "2"], "at least one peer must be honest"),
+        (["demo", "--robust", "median"], "robust must be off"),
+        (["demo", "--byzantine-mode", "evil"], "invalid choice"),
+        (["train", "--run", "r", "--max-samples", "0"], "positive"),
+        (["join", "--insecure", "--fault-byzantine", "evil"], "invalid choice"),
+    ],
+)
+def test_byzantine_and_robust_arguments_are_checked(args: list[str], needle: str) -> None:
+    proc = peerd(*args, check=False)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr

@@ -230,3 +230,55 @@ def test_daemon_death_mid_round_is_a_clear_error_and_the_next_step_reconnects(tm
     finally:
         opt.close()
         d2.stop()
+
+
+class NanAverager(InProcessAverager):
+    """Every round 'averages' to NaN: what a daemon that let a Byzantine member's NaN through would hand back."""
+
+    async def average(self, run_id, vector, weight, **kwargs):
+        result = await super().average(run_id, vector, weight, **kwargs)
+        result.vector = result.vector * float("nan")
+        result.outcome = "averaged"
+        return result
+
+
+def test_a_non_finite_average_never_reaches_the_model(tmp_path) -> None:
+    d = ThreadDaemon(str(tmp_path / "nan.sock"), NanAverager(group_size=1, wait_s=0.1))
+    try:
+        m = model(3)
+        before = flat(m).clone()
+        opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=d.path, sync_state=False,
+                        state_every=0, average_params_every=2)
+        for s in range(4):
+            r = train_step(m, opt, s)
+            assert r["outcome"] == "nonfinite"
+            assert torch.isfinite(flat(m)).all()
+        assert opt.step_count == 4 and opt.local_steps == 4  # own gradients instead ("local")
+        assert opt.nonfinite_rounds == 4 + 2  # and two parameter averages dropped
+        assert not torch.equal(flat(m), before)
+        assert opt.average_parameters()["outcome"] == "nonfinite" and torch.isfinite(flat(m)).all()
+        opt.close()
+    finally:
+        d.stop()
+
+
+def test_robust_and_max_samples_travel_in_trainer_open(daemon) -> None:
+    seen: list[dict] = []
+    handler, wants_conn = daemon.server._ops["trainer_open"]
+
+    async def recording(request, conn):
+        seen.append(dict(request))
+        return await handler(request, conn)
+
+    daemon.server.register("trainer_open", recording, connection=True)
+    m = model(0)
+    opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=daemon.path, sync_state=False,
+                    robust="clip:3", max_samples=64)
+    opt.close()
+    plain = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=daemon.path, sync_state=False)
+    plain.close()
+    assert seen[0]["robust"] == "clip:3" and seen[0]["max_samples"] == 64.0
+    assert "robust" not in seen[1] and "max_samples" not in seen[1]  # unset: the daemon's defaults
+    for bad in ({"robust": "median"}, {"robust": "clip:-1"}, {"max_samples": 0}, {"max_samples": float("nan")}):
+        with pytest.raises(ValueError):
+            Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=daemon.path, sync_state=False, **bad)

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import time
 from typing import Any
 
 import torch
 
+from ..allreduce.robust import parse_robust
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
 
@@ -53,15 +55,27 @@ class Optimizer:
     ``state_every`` (publish a snapshot for joiners every this many steps; 0: never), ``nslots``,
     ``keep_rounds`` (keep a Moshpit group that formed complete for this many rounds, renewed without the
     DHT, so matchmaking does not dominate a step; 1: a new group every round; None: the daemon's default;
-    default DEFAULT_KEEP_ROUNDS).
+    default DEFAULT_KEEP_ROUNDS), ``robust`` (how shard owners limit each member's contribution: "off",
+    "clip[:C]" or "centered[:C]"; None: the daemon's default), ``max_samples`` (the largest sample count a
+    member may claim as its averaging weight in this run; None: the daemon's default).
+
+    A round whose result holds a non-finite number is never applied: the step goes on with this replica's
+    own gradients (counted in ``nonfinite_rounds``), a parameter average is dropped.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, run: str, socket: str | None = None,
                  timeout_s: float = 30.0, average_params_every: int = 10, no_group: str = "local",
                  sync_state: bool = True, state_every: int = 10, state_timeout_s: float = 60.0,
-                 nslots: int = 4, keep_rounds: int | None = DEFAULT_KEEP_ROUNDS) -> None:
+                 nslots: int = 4, keep_rounds: int | None = DEFAULT_KEEP_ROUNDS, robust: str | None = None,
+                 max_samples: float | None = None) -> None:
         if no_group not in NO_GROUP:
             raise ValueError(f"no_group must be one of {NO_GROUP}")
+        parse_robust(robust)  # raises ValueError that says what is accepted
+        if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int | float)
+                                        or not (math.isfinite(max_samples) and max_samples > 0)):
+            raise ValueError(f"max_samples must be a positive finite number or None, got {max_samples!r}")
+        self.robust = robust
+        self.max_samples = None if max_samples is None else float(max_samples)
         if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
             raise ValueError(f"keep_rounds must be an integer in [1, 1000] or None, got {keep_rounds!r}")
         self.keep_rounds = keep_rounds
@@ -90,6 +104,7 @@ class Optimizer:
         self.outcomes: dict[str, int] = {}
         self.local_steps = 0  # steps taken on own gradients because no group formed
         self.kept_rounds = 0  # rounds (gradients or parameters) averaged in a kept group, without matchmaking
+        self.nonfinite_rounds = 0  # averaged results refused because they held NaN or infinity
         self.last: dict[str, Any] = {}
         self.synced_from: dict[str, Any] | None = None
         self._last_end: float | None = None
@@ -109,7 +124,11 @@ class Optimizer:
             self._client = None
         client = LocalClient(self.socket, timeout=self.timeout_s + 30.0)
         try:
-            extra = {} if self.keep_rounds is None else {"keep_rounds": self.keep_rounds}
+            extra: dict[str, Any] = {} if self.keep_rounds is None else {"keep_rounds": self.keep_rounds}
+            if self.robust is not None:
+                extra["robust"] = self.robust
+            if self.max_samples is not None:
+                extra["max_samples"] = self.max_samples
             reply = client.call("trainer_open", fds=[self.arena.fd], run=self.run, layout=self.layout,
                                 nslots=self.arena.nslots, **extra)
         except BaseException:
@@ -222,6 +241,9 @@ class Optimizer:
         self._last_call = now
         grads = [p.grad for p in self.params]
         reply, result = self._average("grad", grads, float(samples), report)
+        if reply["outcome"] == "averaged" and not self._finite(result, "gradient"):
+            # never into the model: go on as if no group had formed (own gradients are still in p.grad)
+            reply = {**reply, "outcome": "nonfinite"}
         outcome = reply["outcome"]
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
         if outcome != "averaged":
@@ -236,7 +258,12 @@ class Optimizer:
             for p in self.params:
                 if p.grad is None:  # a parameter this replica did not use still gets the swarm's gradient
                     p.grad = torch.zeros_like(p)
-            self._scatter(result, [p.grad for p in self.params])
+            if outcome != "nonfinite":  # else the slot holds the refused result; p.grad is still our own
+                self._scatter(result, [p.grad for p in self.params])
+            elif not all(bool(torch.isfinite(p.grad).all()) for p in self.params):
+                self.last = reply  # our own gradients are no better: skip the step
+                self._last_end = time.monotonic()
+                return reply
         self.opt.step()
         self.step_count += 1
         due = self._params_due(reply)
@@ -270,8 +297,21 @@ class Optimizer:
         run's next round (e.g. the extra averages after the last step, which every replica makes)."""
         reply, result = self._average("params", list(self.params), 1.0, {}, round_no)
         if reply["outcome"] == "averaged":
-            self._scatter(result, [p.data for p in self.params])
+            if self._finite(result, "parameter"):
+                self._scatter(result, [p.data for p in self.params])
+            else:
+                reply = {**reply, "outcome": "nonfinite"}
         return reply
+
+    def _finite(self, result: torch.Tensor, what: str) -> bool:
+        """False (logged, counted) if the daemon's result holds NaN or infinity: a member sent garbage and
+        the daemons let it through; it must not reach the model."""
+        if bool(torch.isfinite(result).all()):
+            return True
+        self.nonfinite_rounds += 1
+        log.warning("the averaged %s of step %d holds non-finite numbers: not applied (%d so far)", what,
+                    self.step_count, self.nonfinite_rounds)
+        return False
 
     # -- state sync -------------------------------------------------------------------------------
     def snapshot(self) -> bytes:
