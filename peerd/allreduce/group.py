@@ -969,10 +969,10 @@ class GroupAverage:
             self._finalize_careful(k0, k1, lo, width, own, out2d)
             return
         arrived = seen.any(axis=0)
-        acc = own * self._w32
         wsum = np.full(rows, self.weight, dtype=np.float64)
         base = lo - self._lo
         with np.errstate(all="ignore"):  # overflow and NaN are found below, in one call
+            acc = own * self._w32
             for s in range(self.n):
                 mask = seen[s]
                 if s == self.index or not mask.any():

@@ -24,7 +24,9 @@ from ..wire.errors import WireError
 from ..wire.identity import node_id_of
 from ..wire.seal import TokenState
 from .codec import BodyType, peek_group
-from .group import GroupAverage, GroupStats, OutBlock, Outcome
+from .group import BYZANTINE_MODES, GroupAverage, GroupStats, OutBlock, Outcome
+from .held import HeldData
+from .robust import Robust
 
 log = logging.getLogger("peerd.allreduce")
 
@@ -33,8 +35,7 @@ BLOCK_BYTES = 512 * 1024  # a block is built and sealed in one pass (~1 ms seale
 GSO_BYTES = 65000  # one GSO send (and one pacing reservation) is at most 64 segments, 64 KB
 _DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})
 REPORT_INTERVAL_S = 0.025  # a receiver reports delivery to each sender about this often while data flows
-PENDING_MAX = 200_000  # datagrams held for groups this node has not started yet
-PENDING_AGE_S = 10.0
+RECENT_GROUPS = 4  # finished groups whose members' last REPORTs still count
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,6 @@ class _Running:
         self.members = members
         self.by_node = {mb.node_id: i for i, mb in enumerate(members)}
         self.by_token: dict[int, int] = {}
-        self.unbound: dict[int, list[tuple[int, int, bytes, TokenState]]] = {}  # token -> (type, token, ..)
-        self.unbound_count = 0
         self.handshake_s = 0.0
         self.hold_until: float | None = None
         self.wake = trio.Event()
@@ -72,13 +71,27 @@ class _Running:
 
 
 class AllreduceService:
-    def __init__(self, endpoint: Endpoint, metrics: Metrics, *, pacer: Pacer | None = None) -> None:
+    """``byzantine``: a fault-injection hook for demos and benches ONLY. Set to one of "scale", "signflip",
+    "nan", "random", this node corrupts its own reduce-scatter contributions before sending them (x1000,
+    x-1, NaN, gaussian noise of 100x the vector's RMS); its own shard and its all-gather stay honest."""
+
+    def __init__(
+        self, endpoint: Endpoint, metrics: Metrics, *, pacer: Pacer | None = None, byzantine: str | None = None
+    ) -> None:
+        if byzantine is not None and byzantine not in BYZANTINE_MODES:
+            raise ValueError(f"byzantine must be one of {', '.join(BYZANTINE_MODES)} (or None), got {byzantine!r}")
         self.endpoint = endpoint
         self.metrics = metrics
         self.pacer = pacer or Pacer()
+        self.byzantine = byzantine
+        if byzantine is not None:
+            log.warning("!!! BYZANTINE FAULT INJECTION ON: this node corrupts every reduce-scatter contribution it"
+                        " sends (%s). For demos and benchmarks only; never in a real swarm !!!", byzantine)
         self._groups: dict[int, _Running] = {}
-        self._pending: OrderedDict[int, list[tuple[float, int, int, bytes, TokenState]]] = OrderedDict()
-        self._pending_count = 0
+        # Bodies for groups this node has not started yet, and from tokens not bound yet: bounded in bytes
+        # (total and per token) and in time (``run`` expires them on a timer).
+        self._held = HeldData()
+        self._expiring = False  # the expiry timer task is running
         self._recent: OrderedDict[int, _Running] = OrderedDict()  # finished groups, for their last REPORTs
         for t in BodyType:
             endpoint.on_raw(int(t), self._on_data)
@@ -90,6 +103,9 @@ class AllreduceService:
     # -- receiving ------------------------------------------------------------------------------
     def _on_data(self, header: Header, body: bytes, state: TokenState, source: Address) -> None:
         group = peek_group(body)
+        if len(body) > self.endpoint.max_body:  # no group of this node takes it: do not even hold it
+            raise WireError("malformed", f"tensor body of {len(body)} bytes; this node's bodies are at most"
+                            f" {self.endpoint.max_body}")
         run = self._groups.get(group)
         if run is None:
             self._hold(group, header.type, header.token, body, state)
@@ -112,6 +128,8 @@ class AllreduceService:
                 if core.phase_changes != before:
                     run.wake.set()
                 return
+        if bodies.shape[1] > self.endpoint.max_body:
+            raise WireError("malformed", f"tensor bodies of {bodies.shape[1]} bytes")
         for row in bodies:
             body = row.tobytes()
             run = self._groups.get(peek_group(body))
@@ -133,10 +151,8 @@ class AllreduceService:
         index = self._sender_index(run, token, state)
         if index is None:
             if state.peer_key is None:  # its sender's PING has not arrived yet: keep it until it does
-                if run.unbound_count >= PENDING_MAX:
-                    raise WireError("unbound", "too much data from tokens no control message has bound")
-                run.unbound.setdefault(token, []).append((mtype, token, body, state))
-                run.unbound_count += 1
+                if not self._keep(run.core.group_id, mtype, token, body, state):
+                    raise WireError("unbound", "too much held data from this token")
                 return
             raise WireError("sender", "data from a node that is not in this group")
         core = run.core
@@ -154,33 +170,57 @@ class AllreduceService:
             self.metrics.datagrams_dropped.labels(e.reason).inc()
 
     def _on_bind(self, token: int, public_key: bytes) -> None:
-        for run in self._groups.values():
-            held = run.unbound.pop(token, None)
+        for run in list(self._groups.values()):
+            held = self._held.pop(run.core.group_id, token)
             if held:
-                run.unbound_count -= len(held)
                 run.wake.set()
                 for item in held:
                     self._deliver_counted(run, *item)
 
     def _hold(self, group: int, mtype: int, token: int, body: bytes, state: TokenState) -> None:
         """Keep data for a group this node has not started yet: its members may start first."""
-        now = trio.current_time()
-        while self._pending and (
-            self._pending_count >= PENDING_MAX or next(iter(self._pending.values()))[0][0] < now - PENDING_AGE_S
-        ):
-            _, dropped = self._pending.popitem(last=False)
-            self._pending_count -= len(dropped)
-            self.metrics.datagrams_dropped.labels("group").inc(len(dropped))
-        self._pending.setdefault(group, []).append((now, mtype, token, body, state))
-        self._pending_count += 1
+        if not self._keep(group, mtype, token, body, state):
+            self.metrics.datagrams_dropped.labels("held").inc()
+
+    def _keep(self, group: int, mtype: int, token: int, body: bytes, state: TokenState) -> bool:
+        """Hold a body within the bounds (False: refused, its token holds too much already)."""
+        kept, dropped = self._held.add(group, token, (mtype, token, body, state), len(body), trio.current_time())
+        if dropped:
+            self.metrics.datagrams_dropped.labels("held").inc(dropped)
+        if kept and not self._expiring:
+            # A timer frees held data on an idle node too; it runs while anything is held. (A system task:
+            # this service has no nursery of its own, and the task must outlive the one that received.)
+            self._expiring = True
+            trio.lowlevel.spawn_system_task(self._expire_held, name="peerd.allreduce.expire_held")
+        return kept
+
+    async def _expire_held(self) -> None:
+        """Expire held bodies on a timer, not only when the next one arrives; ends when nothing is held."""
+        try:
+            while (at := self._held.next_expiry()) is not None:
+                await trio.sleep_until(at)
+                dropped = self._held.expire(trio.current_time())
+                if dropped:
+                    self.metrics.datagrams_dropped.labels("held").inc(dropped)
+        except Exception:  # never take the daemon down (a system task's error would end the whole run)
+            log.exception("allreduce: expiring held data failed")
+            self.metrics.background_errors.labels("allreduce_held").inc()
+        finally:
+            self._expiring = False
 
     def _on_report(self, incoming: Incoming) -> None:
         b = incoming.body
         report = Report(b["expected"], b["received"], b["bytes"], b["seconds"], b["kernel_drops"], b["position"])
         node = incoming.peer.node_id
         run = self._groups.get(b["group"]) or self._recent.get(b["group"])
+        i = run.by_node.get(node) if run is not None else None
+        if run is None or i is None or i == run.core.index:
+            # Only a member of a running or recent group with that id speaks for a path this node sends on:
+            # anyone else (every member holds the swarm key) could throttle this node's sending.
+            self.metrics.datagrams_dropped.labels("report").inc()
+            return None
         span = None
-        if run is not None and (i := run.by_node.get(node)) is not None and report.expected > 0:
+        if report.expected > 0:
             first = report.position - report.expected
             if report.position > run.sent_to[i]:
                 # A receiver that gave up on the phase (its deadline) counts what this member has not sent
@@ -208,14 +248,22 @@ class AllreduceService:
         max_phase_s: float | None = 60.0,
         end_grace_s: float = 0.05,
         out: np.ndarray | None = None,
+        max_weight: float | None = None,
+        robust: Robust | None = None,
+        center: np.ndarray | None = None,
     ) -> AverageResult:
+        """Average ``vector`` (weight: its sample count) with ``members`` as member ``index`` of group
+        ``group_id``. ``max_weight``: the most samples any member's weight counts for (None: 2**24), from
+        the local trainer's ``max_samples``. ``robust``: norm clipping at the shard owner (robust.py; it
+        bounds how far one member moves the average, it does not stop a sign-flipped gradient of normal
+        size); ``center``: the previous round's average, for ``centered`` (None: clip around zero)."""
         if group_id in self._groups:
             raise ValueError(f"group {group_id:#x} is already averaging on this node")
         wall0 = time.perf_counter()
         core = GroupAverage(
             group_id, len(members), index, vector, weight, trio.current_time(),
             max_payload=self.endpoint.max_body, floor_s=floor_s, max_phase_s=max_phase_s, out=out,
-            end_grace_s=end_grace_s,
+            end_grace_s=end_grace_s, max_weight=max_weight, robust=robust, center=center, byzantine=self.byzantine,
         )
         run = self._groups[group_id] = _Running(core, members)
         sent_bytes = sent = 0
@@ -225,8 +273,7 @@ class AllreduceService:
                 nursery.start_soon(self._handshake, run)
                 meters = [DeliveryMeter(trio.current_time(), self._kernel_drops()) for _ in members]
                 nursery.start_soon(self._reporter, run, meters)
-                for _, *item in self._pending.pop(group_id, []):
-                    self._pending_count -= 1
+                for item in self._held.pop_group(group_id):
                     self._deliver_counted(run, *item)
                 # Blocks are built and sealed whole (numpy calls cost per block, not per datagram) and go
                 # out one GSO send at a time, each paced; without GSO, 16 datagrams keep bursts short.
@@ -242,7 +289,7 @@ class AllreduceService:
                         break
                     run.wake = trio.Event()
                     deadline = core.next_deadline()
-                    if deadline is not None and run.unbound:
+                    if deadline is not None and self._held.holds(group_id):
                         # Data from a sender whose binding is still in flight would turn up as silence:
                         # give the handshake's retries up to one more floor before the deadline counts.
                         if run.hold_until is None:
@@ -250,16 +297,18 @@ class AllreduceService:
                         deadline = max(deadline, run.hold_until)
                     with trio.move_on_at(deadline if deadline is not None else trio.current_time() + 1.0):
                         await run.wake.wait()
-                    if not run.unbound or (run.hold_until is not None and trio.current_time() >= run.hold_until):
+                    if not self._held.holds(group_id) or (
+                        run.hold_until is not None and trio.current_time() >= run.hold_until
+                    ):
                         core.handle_timer(trio.current_time())
                 nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
             await self._report(run, meters, final=True)  # what arrived since the last report, and the lost tail
         finally:
             del self._groups[group_id]
             self._recent[group_id] = run
-            while len(self._recent) > 4:
+            while len(self._recent) > RECENT_GROUPS:
                 self._recent.popitem(last=False)
-            unbound = sum(len(v) for v in run.unbound.values())
+            unbound = len(self._held.pop_group(group_id))
             if unbound:
                 self.metrics.datagrams_dropped.labels("unbound").inc(unbound)
         seconds = time.perf_counter() - wall0
@@ -355,6 +404,8 @@ class AllreduceService:
         mt = self.metrics
         mt.allreduce_seconds.observe(seconds)
         mt.allreduce_bytes_sent.inc(sent_bytes)
+        for reason, count in stats.refused.items():
+            mt.contributions_refused.labels(reason).inc(count)
         for phase, ph in (("reduce_scatter", stats.reduce_scatter), ("all_gather", stats.all_gather)):
             mt.allreduce_expected.labels(phase).inc(ph.datagrams_expected)
             mt.allreduce_received.labels(phase).inc(ph.datagrams_received)

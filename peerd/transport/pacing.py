@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -62,6 +62,7 @@ LOG_QUANTUM_S = 0.005
 LOG_HISTORY_S = 4.0
 APP_LIMITED = 0.5  # a sender using less than this fraction of its rate (over the last APP_WINDOW_S) does not
 APP_WINDOW_S = 0.1  # raise it: an unused rate says nothing about the path
+MAX_PATHS = 1024  # per-destination state kept (reports, send logs); the least recently used goes first
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +165,7 @@ class Pacer:
         *,
         min_rate: float = MIN_RATE,
         max_rate: float = MAX_RATE,
+        max_paths: int = MAX_PATHS,
     ) -> None:
         self.rate = float(rate)
         self.min_rate = min_rate
@@ -173,8 +175,11 @@ class Pacer:
         self._last_decrease = -math.inf
         self._last_increase: float | None = None
         self._undo_rate = 0.0  # the rate before the current episode of decreases (restored if random loss)
-        self._paths: dict[Hashable, _Path] = {}
-        self._sent: dict[Hashable, _SendLog] = {}
+        # Per destination, bounded (the driver only feeds reports from group members, but a node meets many
+        # over its life): the least recently used destination's state goes first.
+        self.max_paths = max_paths
+        self._paths: OrderedDict[Hashable, _Path] = OrderedDict()
+        self._sent: OrderedDict[Hashable, _SendLog] = OrderedDict()
         self._total = _SendLog()
         self.decreases = 0
         self.increases = 0
@@ -189,6 +194,10 @@ class Pacer:
         log = self._sent.get(dest)
         if log is None:
             log = self._sent[dest] = _SendLog()
+            while len(self._sent) > self.max_paths:
+                self._sent.popitem(last=False)
+        else:
+            self._sent.move_to_end(dest)
         log.add(at, nbytes)
         return at - now
 
@@ -214,6 +223,10 @@ class Pacer:
         path = self._paths.get(dest)
         if path is None:
             path = self._paths[dest] = _Path()
+            while len(self._paths) > self.max_paths:
+                self._paths.popitem(last=False)
+        else:
+            self._paths.move_to_end(dest)
         expected = max(r.expected, r.received, 1)
         delivered_fraction = r.received / expected
         loss = 1.0 - delivered_fraction

@@ -1,0 +1,126 @@
+"""Tensor bodies kept until they can be used (sans-I/O: every call takes ``now``).
+
+A member may start sending before this node has started the group (its data is held for the group), and
+its data may arrive before the control message that binds its sealing token to its identity (held for
+the token). Every member holds the swarm key and may invent tokens and group ids, so what is held is
+bounded in bytes, in total and per token, and in time: a bucket of bodies (one group, one token) is
+dropped ``max_age_s`` after its first body arrived, on a timer (``expire``) as well as on arrival.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+MAX_BYTES = 64 << 20  # all held bodies together
+MAX_TOKEN_BYTES = 16 << 20  # held bodies of one sealing token
+MAX_AGE_S = 10.0
+ENTRY_OVERHEAD = 128  # bytes charged per body for its bookkeeping (tuple, list slot, bytes header)
+
+
+class _Bucket:
+    __slots__ = ("first_at", "nbytes", "items")
+
+    def __init__(self, first_at: float) -> None:
+        self.first_at = first_at
+        self.nbytes = 0
+        self.items: list[Any] = []
+
+
+class HeldData:
+    """Bodies held per (group, token), oldest bucket first.
+
+    ``add`` refuses a body that would take its token over ``max_token_bytes`` (a flood from one token
+    cannot push out the others' data) and evicts the oldest buckets while the total would exceed
+    ``max_bytes`` (new tokens cost nothing to invent, so the total is what bounds memory)."""
+
+    def __init__(
+        self, *, max_bytes: int = MAX_BYTES, max_token_bytes: int = MAX_TOKEN_BYTES, max_age_s: float = MAX_AGE_S
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.max_token_bytes = max_token_bytes
+        self.max_age_s = max_age_s
+        self._buckets: OrderedDict[tuple[int, int], _Bucket] = OrderedDict()
+        self._by_group: dict[int, set[int]] = {}
+        self._token_bytes: dict[int, int] = {}
+        self.nbytes = 0
+        self.count = 0
+
+    def add(self, group: int, token: int, item: Any, nbytes: int, now: float) -> tuple[bool, int]:
+        """Hold ``item`` (a body of ``nbytes``). Returns (held, bodies dropped to make room or expired)."""
+        dropped = self.expire(now)
+        size = nbytes + ENTRY_OVERHEAD
+        if self._token_bytes.get(token, 0) + size > self.max_token_bytes or size > self.max_bytes:
+            return False, dropped
+        while self.nbytes + size > self.max_bytes and self._buckets:
+            dropped += self._drop(next(iter(self._buckets)))
+        key = (group, token)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket(now)
+            self._by_group.setdefault(group, set()).add(token)
+        bucket.items.append(item)
+        bucket.nbytes += size
+        self._token_bytes[token] = self._token_bytes.get(token, 0) + size
+        self.nbytes += size
+        self.count += 1
+        return True, dropped
+
+    def pop(self, group: int, token: int) -> list[Any]:
+        """What is held for ``group`` from ``token`` (its binding arrived), oldest first."""
+        bucket = self._take((group, token))
+        return bucket.items if bucket is not None else []
+
+    def pop_group(self, group: int) -> list[Any]:
+        """Everything held for ``group`` (it starts), oldest bucket first."""
+        items: list[Any] = []
+        for token in sorted(self._by_group.get(group, ()), key=lambda t: self._buckets[(group, t)].first_at):
+            bucket = self._take((group, token))
+            if bucket is not None:
+                items.extend(bucket.items)
+        return items
+
+    def holds(self, group: int) -> bool:
+        return bool(self._by_group.get(group))
+
+    def count_of(self, group: int) -> int:
+        return sum(len(self._buckets[(group, t)].items) for t in self._by_group.get(group, ()))
+
+    def expire(self, now: float) -> int:
+        """Drop buckets older than ``max_age_s``; returns how many bodies went."""
+        dropped = 0
+        horizon = now - self.max_age_s
+        while self._buckets:
+            key, bucket = next(iter(self._buckets.items()))
+            if bucket.first_at > horizon:
+                break
+            dropped += self._drop(key)
+        return dropped
+
+    def next_expiry(self) -> float | None:
+        """When the oldest bucket expires (None: nothing held)."""
+        for bucket in self._buckets.values():
+            return bucket.first_at + self.max_age_s
+        return None
+
+    def _drop(self, key: tuple[int, int]) -> int:
+        bucket = self._take(key)
+        return len(bucket.items) if bucket is not None else 0
+
+    def _take(self, key: tuple[int, int]) -> _Bucket | None:
+        bucket = self._buckets.pop(key, None)
+        if bucket is None:
+            return None
+        group, token = key
+        tokens = self._by_group[group]
+        tokens.discard(token)
+        if not tokens:
+            del self._by_group[group]
+        left = self._token_bytes[token] - bucket.nbytes
+        if left > 0:
+            self._token_bytes[token] = left
+        else:
+            del self._token_bytes[token]
+        self.nbytes -= bucket.nbytes
+        self.count -= len(bucket.items)
+        return bucket
