@@ -18,7 +18,7 @@ import trio
 from peerd.localsock import access
 from peerd.localsock.arena import HEADER, MAGIC, VERSION, Arena, ArenaError, arena_size, read_blob, write_blob
 from peerd.localsock.client import DaemonError, LocalClient
-from peerd.localsock.frames import MAX_FRAME, FrameDecoder, encode_frame
+from peerd.localsock.frames import LENGTH, MAX_FRAME, FrameDecoder, encode_frame
 from peerd.localsock.server import LocalServer, SocketInUse
 from peerd.metrics import Metrics
 
@@ -60,6 +60,47 @@ def test_an_oversized_reply_is_an_error_reply_and_the_daemon_keeps_serving(daemo
         assert other.call("ping")["pong"]
     assert daemon.error is None and daemon.thread.is_alive()
     assert daemon.counter(daemon.metrics.local_refused, reason="reply_too_large") == 1
+
+
+def test_connections_frames_and_descriptors_are_bounded(daemon, monkeypatch) -> None:
+    """Same-uid clients are still bounded: connections at once, time to finish a frame, stray descriptors."""
+    from peerd.localsock import server as server_mod
+
+    monkeypatch.setattr(server_mod, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(server_mod, "FRAME_TIMEOUT_S", 0.3)
+    a, b = LocalClient(daemon.path, timeout=20), LocalClient(daemon.path, timeout=20)
+    assert a.call("ping")["pong"] and b.call("ping")["pong"]
+    with LocalClient(daemon.path, timeout=20) as c, pytest.raises(DaemonError, match="already serves 2"):
+        c.call("ping")
+    assert daemon.counter(daemon.metrics.local_refused, reason="connections") == 1
+    b.close()
+    time.sleep(0.2)
+    # a frame that never completes: an error frame, then the connection closes
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(daemon.path)
+    s.sendall(encode_frame({"op": "ping"})[:3])
+    assert "stayed incomplete" in FrameDecoder().feed(s.recv(65536))[0]["error"]
+    assert s.recv(65536) == b""
+    s.close()
+    time.sleep(0.2)
+    # descriptors sent ahead of any request that declares them
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(daemon.path)
+    r, w = os.pipe()
+    try:
+        s.sendall(LENGTH.pack(1000))  # a request under way, whose bytes bring descriptors nobody declared
+        with contextlib.suppress(OSError):
+            for _ in range(8):
+                socket.send_fds(s, [b"a"], [r, w, r, w])
+        assert "ahead of their requests" in FrameDecoder().feed(s.recv(65536))[0]["error"]
+    finally:
+        s.close()
+        os.close(r)
+        os.close(w)
+    assert a.call("ping")["pong"] and daemon.error is None
+    a.close()
 
 
 def _unsealed_arena(nslots: int, elems: int) -> int:

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import itertools
 import logging
+import math
 import os
 import socket as stdsocket
 from collections import deque
@@ -25,6 +26,9 @@ Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 ConnHandler = Callable[[dict[str, Any], "Connection"], Awaitable[dict[str, Any]]]
 
 MAX_FDS = 4  # descriptors one request may carry (a trainer sends one: its arena or a state blob)
+MAX_QUEUED_FDS = 4 * MAX_FDS  # descriptors received ahead of the requests that declare them
+MAX_CONNECTIONS = 256  # clients served at once (each may buffer up to one 16 MiB frame)
+FRAME_TIMEOUT_S = 30.0  # a frame that has begun must be complete within this (a local socket is fast)
 _RECV = 65536
 
 
@@ -119,6 +123,7 @@ class LocalServer:
         self.metrics = metrics
         self._ops: dict[str, tuple[Handler | ConnHandler, bool]] = {}
         self._sock = bind_unix(path)
+        self._active = 0
 
     def register(self, op: str, handler: Handler | ConnHandler, *, connection: bool = False) -> None:
         """``handler(request)``, or with ``connection=True`` ``handler(request, conn)`` (see Connection)."""
@@ -140,11 +145,22 @@ class LocalServer:
     async def _connection(self, stream: trio.SocketStream) -> None:
         """One client; whatever goes wrong in it is logged and counted, never fatal to the daemon
         (trio.serve_listeners would otherwise take every other client and the daemon down with it)."""
+        if self._active >= MAX_CONNECTIONS:
+            self.metrics.local_refused.labels("connections").inc()
+            log.warning("refused a local client: %d connections already", self._active)
+            async with stream:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    await stream.send_all(encode_frame({"ok": False, "error": (
+                        f"this daemon already serves {MAX_CONNECTIONS} local connections: close some and retry")}))
+            return
+        self._active += 1
         try:
             await self._serve_client(stream)
         except Exception:
             log.exception("local connection failed")
             self.metrics.background_errors.labels("local_connection").inc()
+        finally:
+            self._active -= 1
 
     async def _serve_client(self, stream: trio.SocketStream) -> None:
         """Read requests while earlier ones run, so a client that disconnects mid-request is noticed at
@@ -181,10 +197,16 @@ class LocalServer:
             try:
                 while True:
                     # recvmsg, not receive_some: a request may carry descriptors (SCM_RIGHTS).
-                    data, anc, flags, _ = await sock.recvmsg(_RECV, ancillary)
+                    with trio.move_on_after(FRAME_TIMEOUT_S if decoder.pending else math.inf) as wait:
+                        data, anc, flags, _ = await sock.recvmsg(_RECV, ancillary)
+                    if wait.cancelled_caught:
+                        raise FrameError(f"a frame stayed incomplete for {FRAME_TIMEOUT_S:g} s "
+                                         f"({decoder.pending} bytes of it arrived)")
                     conn._queued.extend(_fds_of(anc))
                     if flags & stdsocket.MSG_CTRUNC:
                         raise FrameError(f"a request carried more than {MAX_FDS} file descriptors")
+                    if len(conn._queued) > MAX_QUEUED_FDS:  # descriptors no request has claimed yet
+                        raise FrameError(f"more than {MAX_QUEUED_FDS} file descriptors sent ahead of their requests")
                     if not data:
                         break
                     for request in decoder.feed(data):
