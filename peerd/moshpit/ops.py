@@ -6,10 +6,12 @@ for the sizes a bench or a small model sends (the trainer's shared-memory arena 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
+from ..allreduce.robust import Robust, parse_robust
 from ..localsock.server import OpError
 from .keys import Grid
 from .service import MoshpitError, MoshpitService
@@ -34,6 +36,7 @@ class MoshpitOps:
                 window_s=float(request.get("window_s") or 3.0),
                 adapt=request.get("adapt") if isinstance(request.get("adapt"), bool) else None,
                 keep_rounds=_opt_int(request, "keep_rounds"),
+                **_averaging_options(request),
             )
         except (MoshpitError, ValueError) as e:
             raise OpError(str(e)) from None
@@ -52,10 +55,31 @@ class MoshpitOps:
             raise OpError("vector holds NaN or infinity: refusing to spread it to the swarm")
         try:
             result = await self.service.average(request.get("run"), vector, float(weight),  # type: ignore[arg-type]
-                                                timeout_s=float(timeout_s), round_no=_opt_int(request, "round"))
+                                                timeout_s=float(timeout_s), round_no=_opt_int(request, "round"),
+                                                **_averaging_options(request))
         except MoshpitError as e:
             raise OpError(str(e)) from None
         return {"vector": result.vector.astype("<f4").tobytes(), "stats": result.stats()}
+
+
+def _averaging_options(request: dict[str, Any]) -> dict[str, Any]:
+    """``max_samples`` (a positive finite number: owners count no member's weight above it) and ``robust``
+    (``off``, ``clip[:C]``, ``centered[:C]``), each only when the request has it: the run keeps what it had."""
+    out: dict[str, Any] = {}
+    cap = request.get("max_samples")
+    if cap is not None:
+        if type(cap) not in (int, float) or not (math.isfinite(cap) and cap > 0):
+            raise OpError(f"max_samples must be a positive finite number (the largest weight one member may "
+                          f"have), got {cap!r:.40}")
+        out["max_weight"] = float(cap)
+    robust = request.get("robust")
+    if robust is not None:
+        try:
+            mode: Robust | None = parse_robust(robust)
+        except ValueError as e:
+            raise OpError(str(e)) from None
+        out["robust"] = mode if mode is not None else "off"
+    return out
 
 
 def _opt_int(request: dict[str, Any], name: str) -> int | None:

@@ -4,6 +4,10 @@ One ``RunState`` per run id keeps the grid key and the round counter. A round: a
 ``run/round/key``, run the ``Matchmaker`` against DHT reads and JOIN/BEGIN/DISBAND messages, then
 average with exactly the leader's member list. A member that dies mid-round is averaged out by the
 group's deadline; a peer that finds no group keeps its own vector and says so.
+
+Members are not trusted: background sends and DHT work are guarded (a failure is logged and counted in
+``peerd_background_errors_total{task}``, never fatal), progress records far ahead of the run are ignored,
+and an average that is not finite never replaces the caller's vector.
 """
 
 from __future__ import annotations
@@ -12,13 +16,16 @@ import ipaddress
 import logging
 import math
 import random
+import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
 import trio
 
+from ..allreduce.robust import Robust, parse_robust
 from ..allreduce.service import AllreduceService, Member
 from ..dht.records import Record
 from ..dht.service import DhtService
@@ -39,6 +46,14 @@ DEFAULT_KEEP_ROUNDS = 1  # groups re-form through the DHT every round unless a r
 WATCH_S = 1.0  # how long a kept group's leader reads the DHT for outsiders before it renews anyway
 OUTSIDER_S = 15.0  # a peer outside a kept group that published progress this recently is still training
 CONFIG_TTL_S = 3600.0
+# Rounds travel as uint32; 2**32 - 1 is never used, so the last round a run can average is MAX_ROUND. A run
+# that reaches it stops with a MoshpitError (use a new run id): nothing wraps, so no round number repeats.
+MAX_ROUND = 2**32 - 2
+# A progress record more than MAX_AHEAD rounds ahead of both this node's round and the median of the fresh
+# records is ignored (counted): one member's record could otherwise move the whole run to its last round.
+MAX_AHEAD = 1000
+PROGRESS_FRESH_S = 60.0  # records stored this recently make the median (stale ones only when none is fresh)
+FINITE_SLICE = 1 << 20  # elements per isfinite pass (a 4 MB slice: no 100 MB temporary)
 
 
 class MoshpitError(Exception):
@@ -92,6 +107,9 @@ class RunState:
     state: str = "idle"  # idle | matchmaking | averaging
     sticky: StickyGroups | None = None
     begin_wake: trio.Event = field(default_factory=trio.Event)  # a renewal BEGIN, JOIN or DISBAND arrived
+    max_weight: float | None = None  # owners cap each member's weight (sample count) at this; None: no cap
+    robust: Robust | None = None  # owners clip contributions (allreduce/robust.py); None: plain mean
+    center: np.ndarray | None = None  # the last averaged vector: the center of robust "centered" mode
 
     def statistics(self) -> dict:
         return {
@@ -102,6 +120,8 @@ class RunState:
             "state": self.state,
             "min_size": self.min_size,
             "window_s": self.window_s,
+            "max_weight": self.max_weight,
+            "robust": str(self.robust) if self.robust else "off",
             "last": self.last.stats() if self.last else None,
         }
 
@@ -111,6 +131,45 @@ class _Active:
     mm: Matchmaker
     key: str
     wake: trio.Event = field(default_factory=trio.Event)
+
+
+def check_max_weight(max_weight: object) -> float | None:
+    """A weight cap: a positive number (math.inf: no cap, stored as None)."""
+    if type(max_weight) not in (int, float) or not max_weight > 0:  # type: ignore[operator]
+        raise MoshpitError(f"max_weight must be a positive number of samples (inf: no cap), got {max_weight!r:.40}")
+    return None if math.isinf(max_weight) else float(max_weight)  # type: ignore[arg-type]
+
+
+def check_robust(robust: object) -> Robust | None:
+    """A Robust, or its text (``off``, ``clip[:C]``, ``centered[:C]``, parsed as the CLI does)."""
+    if isinstance(robust, Robust):
+        return robust
+    try:
+        return parse_robust(robust)
+    except ValueError as e:
+        raise MoshpitError(str(e)) from None
+
+
+def plausible_progress(records: list[tuple[bytes, int, float]], own_round: int, now: float,
+                       ) -> tuple[list[tuple[bytes, int, float]], int]:
+    """The progress records (owner, round, stored) to believe, and how many were ignored as too far ahead.
+
+    Node ids are free to mint, so agreement among owners proves nothing; what one member can not do alone is
+    move the median. A record is ignored when it is more than MAX_AHEAD rounds past both this node's round
+    and the (lower) median of the fresh records, so a joiner with no round of its own follows the majority,
+    and a member that fell far behind a real majority still catches up with it."""
+    if not records:
+        return [], 0
+    values = sorted(v for _, v, stored in records if stored > now - PROGRESS_FRESH_S) or sorted(
+        v for _, v, _ in records)
+    limit = max(own_round, values[(len(values) - 1) // 2]) + MAX_AHEAD
+    kept = [r for r in records if r[1] <= limit]
+    return kept, len(records) - len(kept)
+
+
+def all_finite(vector: np.ndarray) -> bool:
+    """No NaN or infinity, checked a slice at a time (no temporary as large as the vector)."""
+    return all(np.isfinite(vector[i:i + FINITE_SLICE]).all() for i in range(0, vector.size, FINITE_SLICE))
 
 
 def check_run_id(run_id: object) -> str:
@@ -169,10 +228,17 @@ class MoshpitService:
         window_s: float = DEFAULT_WINDOW_S,
         adapt: bool | None = None,
         keep_rounds: int | None = None,
+        max_weight: float | None = None,
+        robust: Robust | str | None = None,
     ) -> RunState:
         """Start (or reconfigure) a run. Without ``grid``, take the run's published grid or size one
-        from the swarm the DHT sees. ``keep_rounds``: keep a complete group this many rounds (1: never)."""
+        from the swarm the DHT sees. ``keep_rounds``: keep a complete group this many rounds (1: never).
+        ``max_weight``: shard owners count no member's weight above this (math.inf: no cap); ``robust``:
+        how owners clip contributions (a Robust or ``off``/``clip[:C]``/``centered[:C]``). Both are kept by
+        the run; None leaves what the run had."""
         check_run_id(run_id)
+        cap = check_max_weight(max_weight) if max_weight is not None else None
+        robust_mode = check_robust(robust) if robust is not None else None
         if not 0.2 <= window_s <= 600:
             raise MoshpitError(f"window_s must be in [0.2, 600] seconds, got {window_s}")
         if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
@@ -209,12 +275,23 @@ class MoshpitService:
             keep_rounds = self.keep_rounds if self.keep_rounds is not None else DEFAULT_KEEP_ROUNDS
         if st.sticky is None or st.sticky.keep_rounds != keep_rounds or regrid:
             st.sticky = StickyGroups(self.identity.node_id, keep_rounds)
+        self._configure(st, max_weight, cap, robust, robust_mode)
         if not st.synced:
             await self._sync_round(st)
         return st
 
+    @staticmethod
+    def _configure(st: RunState, max_weight: object, cap: float | None, robust: object,
+                   robust_mode: Robust | None) -> None:
+        if max_weight is not None:
+            st.max_weight = cap
+        if robust is not None:
+            if robust_mode is None or robust_mode.mode != "centered":
+                st.center = None
+            st.robust = robust_mode
+
     def _check_fits(self, size: int) -> None:
-        members = [[bytes(32), bytes(4), 65535]] * size
+        members = [[bytes(32), ipaddress.ip_address(self._loopback()).packed, 65535]] * size
         body = m.encode(m.MsgType.MM_BEGIN, {"rid": 2**64 - 1, "from": self.endpoint._from, "run": "r" * m.MAX_RUN,
                                              "round": 2**32 - 1, "group": 2**32 - 1, "members": members})
         if size > m.MAX_GROUP or len(body) > self.endpoint.max_body:
@@ -224,7 +301,8 @@ class MoshpitService:
             )
 
     async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
-                      keep_rounds: int | None = None, round_no: int | None = None) -> RoundResult:
+                      keep_rounds: int | None = None, round_no: int | None = None,
+                      max_weight: float | None = None, robust: Robust | str | None = None) -> RoundResult:
         """One Moshpit round for ``run_id``: find a group, average in it. Never raises for churn.
 
         ``keep_rounds``: set the run's kept-group rounds (as ``open`` does) if it differs, so a trainer
@@ -233,10 +311,16 @@ class MoshpitService:
         averages by its step, which every peer shares); None: the run's next round, kept in step with the
         swarm through progress records. Rounds that happen every K steps need it: a peer that opened the
         run a moment after others finished its first round would otherwise start one round ahead of them,
-        and the two halves would wait out each other's deadlines every time."""
+        and the two halves would wait out each other's deadlines every time.
+        ``max_weight``, ``robust``: set the run's weight cap and robust mode (as ``open`` does); None leaves them.
+
+        The result is never non-finite: an average that holds NaN or infinity is reported ``failed`` and the
+        caller gets its own vector back. A run past its last round (MAX_ROUND) raises MoshpitError."""
         check_run_id(run_id)
-        if round_no is not None and (type(round_no) is not int or not 0 <= round_no < 2**32 - 1):
-            raise MoshpitError(f"round must be an integer in [0, 2**32 - 1), got {round_no!r}")
+        if round_no is not None and (type(round_no) is not int or not 0 <= round_no <= MAX_ROUND):
+            raise MoshpitError(f"round must be an integer in [0, {MAX_ROUND}], got {round_no!r}")
+        cap = check_max_weight(max_weight) if max_weight is not None else None
+        robust_mode = check_robust(robust) if robust is not None else None
         if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
             raise MoshpitError(f"keep_rounds must be an integer in [1, 1000], got {keep_rounds!r}")
         if vector.dtype != np.float32 or vector.ndim != 1:
@@ -249,8 +333,12 @@ class MoshpitService:
         async with st.lock:
             if keep_rounds is not None and (st.sticky is None or st.sticky.keep_rounds != keep_rounds):
                 st.sticky = StickyGroups(self.identity.node_id, keep_rounds)
+            self._configure(st, max_weight, cap, robust, robust_mode)
             if round_no is not None:
                 st.round = round_no
+            if st.round > MAX_ROUND:
+                raise MoshpitError(f"run {run_id!r} has averaged its last round ({MAX_ROUND}): round numbers are "
+                                   f"uint32 and do not wrap; continue under a new run id")
             return await self._round(st, vector, float(weight), timeout_s, numbered=round_no is not None)
 
     async def _round(self, st: RunState, vector: np.ndarray, weight: float, timeout_s: float,
@@ -311,17 +399,36 @@ class MoshpitService:
         members = [Member(c.public_key, c.node_id, c.addr) for c in group.members]
         hexes = [c.node_id.hex() for c in group.members]
         gid = f"{group.group_id:08x}"
+        extra: dict = {}  # only what the run set (an allreduce without these options still serves the rest)
+        if st.max_weight is not None:
+            extra["max_weight"] = st.max_weight
+        if st.robust is not None:
+            extra["robust"] = st.robust
+            if st.robust.mode == "centered" and st.center is not None and st.center.shape == vector.shape:
+                extra["center"] = st.center
         try:
             res = await self.allreduce.average(
                 group.group_id, members, group.index, vector, weight, floor_s=1.0,
-                max_phase_s=max(1.0, budget_s / 2),
+                max_phase_s=max(1.0, budget_s / 2), **extra,
             )
+            finite = await self._finite(res.vector)
         except (ValueError, RpcError) as e:  # e.g. the same group id twice: keep my own vector
             log.warning("run %s round %d: averaging in group %s failed: %s", st.run_id, round_no, gid, e)
             if st.sticky is not None:
                 st.sticky.after_round(True)
             return RoundResult(vector.copy(), "failed", gid, len(members), hexes, 0.0, round_no, 0.0, 0.0, key,
                                seen, str(e))
+        if not finite:  # a member sent NaN/inf that got through, or the sums overflowed: never hand it over
+            self.metrics.contributions_refused.labels("nonfinite_average").inc()
+            log.warning("run %s round %d: the average in group %s holds NaN or infinity; keeping this node's "
+                        "own vector", st.run_id, round_no, gid)
+            if st.sticky is not None:
+                st.sticky.after_round(True)  # do not keep averaging with whoever caused it
+            return RoundResult(vector.copy(), "failed", gid, len(members), hexes, 0.0, round_no, 0.0, 0.0, key,
+                               seen, "the group's average held NaN or infinity (a member sent non-finite values, "
+                               "or the sum overflowed float32): kept this node's own vector")
+        if st.robust is not None and st.robust.mode == "centered":
+            st.center = res.vector.copy()  # only an averaged, finite round becomes the next center
         rs, ag = res.stats.reduce_scatter, res.stats.all_gather
         if st.sticky is not None:  # a member never heard from: do not keep averaging with it
             st.sticky.after_round(bool(rs.silent or ag.silent))
@@ -329,6 +436,12 @@ class MoshpitService:
         received = rs.datagrams_received + ag.datagrams_received
         fraction = received / expected if expected else 1.0
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen)
+
+    @staticmethod
+    async def _finite(vector: np.ndarray) -> bool:
+        if vector.size <= FINITE_SLICE:
+            return all_finite(vector)
+        return await trio.to_thread.run_sync(all_finite, vector)  # ~50 ms for 100 MB: not on the event loop
 
     # -- matchmaking driver ---------------------------------------------------------------------
     async def _matchmake(self, st: RunState, round_no: int, key: str,
@@ -342,10 +455,10 @@ class MoshpitService:
         dht_key = f"{st.run_id}/{round_no}/{key}".encode()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._announce, dht_key, me, st.window_s)
-                nursery.start_soon(self._poll, active, dht_key)
+                nursery.start_soon(self._guarded, self._announce, dht_key, me, st.window_s)
+                nursery.start_soon(self._guarded, self._poll, active, dht_key)
                 if st.grid.dims == 1 and st.keys.extra_bits == 0:  # one key: the whole run looks under it
-                    nursery.start_soon(self._expect, active, st, round_no)
+                    nursery.start_soon(self._guarded, self._expect, active, st, round_no)
                 while True:
                     self._perform(active, st.run_id, round_no, nursery)
                     if mm.done:
@@ -406,8 +519,8 @@ class MoshpitService:
         if sticky.missing(round_no):
             return None
         group = sticky.renewal(self.rng.randrange(1, 2**32), round_no)
-        members = [[c.public_key, ipaddress.ip_address(c.addr[0]).packed, c.addr[1]] for c in kept.members]
-        fields = {"run": st.run_id, "round": round_no, "group": group.group_id, "members": members}
+        fields = {"run": st.run_id, "round": round_no, "group": group.group_id,
+                  "members": self._pack_members(kept.members)}
         for c in kept.members:
             if c.node_id != self.identity.node_id:
                 self._spawn(self._send_renewal, st, sticky, kept, c.addr, fields)
@@ -507,16 +620,30 @@ class MoshpitService:
     def _perform(self, active: _Active, run_id: str, round_no: int, nursery: trio.Nursery) -> None:
         for action in active.mm.take_actions():
             if isinstance(action, Join):
-                nursery.start_soon(self._send_join, active, run_id, round_no, action.leader)
+                nursery.start_soon(self._guarded, self._send_join, active, run_id, round_no, action.leader)
             elif isinstance(action, Begin):
-                members = [[c.public_key, ipaddress.ip_address(c.addr[0]).packed, c.addr[1]]
-                           for c in action.group.members]
-                fields = {"run": run_id, "round": round_no, "group": action.group.group_id, "members": members}
+                fields = {"run": run_id, "round": round_no, "group": action.group.group_id,
+                          "members": self._pack_members(action.group.members)}
                 for c in action.to:
                     self._spawn(self._send_begin, c.addr, fields)
             elif isinstance(action, Disband):
                 for c in action.to:
                     self._spawn(self.endpoint.notify, c.addr, m.MsgType.MM_DISBAND, {"run": run_id, "round": round_no})
+
+    def _loopback(self) -> str:
+        return "::1" if self.endpoint.family == socket.AF_INET6 else "127.0.0.1"
+
+    def _pack_members(self, members: tuple[Candidate, ...] | list[Candidate]) -> list[list]:
+        """MM_BEGIN's member list. This node's own entry may hold the wildcard it listens on (no --announce),
+        which no decoder accepts: it travels as loopback, and receivers reach the sender of a BEGIN where
+        the BEGIN came from anyway (``_on_begin``)."""
+        out = []
+        for c in members:
+            host = c.addr[0]
+            if c.node_id == self.identity.node_id and ipaddress.ip_address(host).is_unspecified:
+                host = self._loopback()
+            out.append([c.public_key, ipaddress.ip_address(host).packed, c.addr[1]])
+        return out
 
     async def _send_join(self, active: _Active, run_id: str, round_no: int, leader: Candidate) -> None:
         fields = {"run": run_id, "round": round_no, "key": active.key, "expiry": active.mm.me.expiry}
@@ -562,7 +689,7 @@ class MoshpitService:
         # broken by this outsider, then waits for it in this round, where the joiner's next jump lands.
         lagging_s = 2 * st.window_s if st.sticky is not None and st.sticky.keep_rounds > 1 else None
         now = time.time()
-        for owner, value, stored in await self._progress_records(st.run_id, stamped=True):
+        for owner, value, stored in await self._progress_records(st, stamped=True):
             if value >= round_no - 3 or (lagging_s is not None and stored > now - lagging_s):
                 recent.add(owner)
             if value >= round_no and owner != self.identity.node_id:
@@ -575,18 +702,26 @@ class MoshpitService:
         active.mm.set_expected(frozenset(recent), time.time())
         active.wake.set()
 
-    async def _progress_records(self, run_id: str, stamped: bool = False) -> list:
-        """(node id, last finished round) of the run's peers; with ``stamped``, (node id, round, when stored)."""
+    async def _progress_records(self, st: RunState, stamped: bool = False) -> list:
+        """(node id, last finished round) of the run's peers; with ``stamped``, (node id, round, when stored).
+        Malformed records and those too far ahead (``plausible_progress``) are counted and left out."""
         out: list = []
-        for r in await self.dht.get(f"{run_id}/progress".encode()):
+        ignored = self.metrics.ignored_records
+        for r in await self.dht.get(f"{st.run_id}/progress".encode()):
             try:
                 value = msgpack.unpackb(r.value)
             except (ValueError, msgpack.UnpackException):
+                ignored.labels("progress", "malformed").inc()
                 continue
-            if isinstance(value, int) and 0 <= value < 2**32 - 1:
-                owner = node_id_of(r.owner)
-                out.append((owner, value, r.expires - PROGRESS_TTL_S) if stamped else (owner, value))
-        return out
+            if type(value) is int and 0 <= value <= MAX_ROUND:
+                out.append((node_id_of(r.owner), value, r.expires - PROGRESS_TTL_S))
+            else:
+                ignored.labels("progress", "range").inc()
+        out, ahead = plausible_progress(out, st.round, time.time())
+        if ahead:
+            ignored.labels("progress", "ahead").inc(ahead)
+            log.info("run %s: ignored %d progress record(s) more than %d rounds ahead", st.run_id, ahead, MAX_AHEAD)
+        return out if stamped else [(owner, value) for owner, value, _ in out]
 
     def _candidate(self, record: Record) -> Candidate | None:
         """A matchmaking record, or None for one that is not well-formed (counted, skipped)."""
@@ -604,6 +739,11 @@ class MoshpitService:
             if contact is None:
                 return None
             host = contact.host
+        why = self.endpoint.unreachable(host)
+        if why:  # broadcast, multicast, the other family: a JOIN or BEGIN sent there would fail or spray
+            self.metrics.ignored_records.labels("matchmaking", "address").inc()
+            log.debug("matchmaking record of %s ignored: %s is %s", node_id.hex()[:12], host, why)
+            return None
         return Candidate(expiry, node_id, record.owner, (host, port))
 
     # -- handlers (synchronous: the endpoint sends what they return) -----------------------------
@@ -634,7 +774,15 @@ class MoshpitService:
     def _on_begin(self, incoming: Incoming) -> dict:
         b = incoming.body
         active = self._active.get((b["run"], b["round"]))
-        members = [Candidate(0.0, node_id_of(pk), pk, (host, port)) for pk, host, port in b["members"]]
+        peer = incoming.peer
+        members = []
+        for pk, host, port in b["members"]:
+            if pk == peer.public_key:  # the leader: reach it where its BEGIN came from (it may list a wildcard)
+                host, port = peer.host, peer.port
+            elif self.endpoint.unreachable(host):  # (the decoder refused the rest; this is the other family)
+                self.metrics.datagrams_dropped.labels("address").inc()
+                return {"ok": False}
+            members.append(Candidate(0.0, node_id_of(pk), pk, (host, port)))
         if active is None:  # no matchmaking waits for it: the renewal of a kept group?
             st = self.runs.get(b["run"])
             if st is None or st.sticky is None:
@@ -664,9 +812,23 @@ class MoshpitService:
             st.begin_wake.set()
 
     # -- run-wide records -----------------------------------------------------------------------
-    def _spawn(self, fn, *args) -> None:
+    def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         if self._nursery is not None:
-            self._nursery.start_soon(fn, *args)
+            self._nursery.start_soon(self._guarded, fn, *args)
+
+    async def _guarded(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Run background work so that its failure (a send the kernel refuses, a DHT error, a bug) is logged
+        and counted in ``peerd_background_errors_total{task}``, never raised into the service's nursery,
+        which would take the daemon down."""
+        try:
+            await fn(*args)
+        except Exception as e:
+            task = "moshpit_" + getattr(fn, "__name__", "task").lstrip("_")
+            self.metrics.background_errors.labels(task).inc()
+            if isinstance(e, RpcError):  # a lost route, an address the kernel refuses: expected under churn
+                log.info("%s: %s", task, e)
+            else:
+                log.warning("%s failed", task, exc_info=True)
 
     async def _publish_grid(self, run_id: str, grid: Grid) -> None:
         await self.dht.put(f"{run_id}/config".encode(), b"grid", str(grid).encode(), ttl=CONFIG_TTL_S)
@@ -688,7 +850,7 @@ class MoshpitService:
         """Start at the round after the latest one any peer of the run finished (for joiners)."""
         latest = -1
         with trio.move_on_after(5.0):
-            for _, value in await self._progress_records(st.run_id):
+            for _, value in await self._progress_records(st):
                 latest = max(latest, value)
         st.round = max(st.round, latest + 1)
         st.synced = True

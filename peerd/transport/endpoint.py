@@ -3,14 +3,19 @@
 Handlers for control requests are plain functions (they run to completion without awaiting), so a
 request is answered straight from the receive loop. Tensor data (types 0x40..0x7F) goes to raw
 handlers that get the opened body and the sender's token state, never msgpack.
+
+Sending never raises anything but RpcError: a send the kernel refuses (no route, a broadcast address) or a
+body this node must not send (one its peers would drop) is an RpcError the caller handles, like a timeout.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import random
 import secrets
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -99,6 +104,12 @@ class Endpoint:
         loss_seed: int | None = None,
     ) -> None:
         self.sock = sock
+        self.family = getattr(sock, "family", None)
+        if announce is not None:
+            why = self.unreachable(announce[0])
+            if why or not 1 <= announce[1] <= 65535:
+                raise ValueError(f"cannot announce {announce[0]}:{announce[1]}: {why or 'port 0'}; announce the "
+                                 f"address and port peers reach this node at")
         self.identity = identity
         self.metrics = metrics
         self.mtu = mtu
@@ -151,6 +162,21 @@ class Endpoint:
             raise ValueError("register the per-datagram raw handler first: blocks fall back to it")
         self._raw_block[mtype] = handler
 
+    def unreachable(self, host: str) -> str:
+        """Why this node must not send to ``host`` (an IP literal), or "" when it may: an address its peers'
+        decoders refuse (unspecified, broadcast, multicast), or one of the other family than this node's
+        socket (the send would fail)."""
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return "not an IP address"
+        why = m.unusable_ip(ip.packed)
+        if why:
+            return why
+        if self.family is not None and (ip.version == 6) != (self.family == socket.AF_INET6):
+            return f"IPv{ip.version}, but this node's socket is IPv{6 if self.family == socket.AF_INET6 else 4}"
+        return ""
+
     # -- sending --------------------------------------------------------------------------------
     @property
     def max_body(self) -> int:
@@ -201,7 +227,11 @@ class Endpoint:
         self.metrics.bytes_sent.inc(len(datagram))
 
     async def _send_control(self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any]) -> None:
-        body = m.encode_fitting(mtype, {"rid": rid, "from": self._from, **fields}, self.max_body)
+        try:
+            body = m.encode_fitting(mtype, {"rid": rid, "from": self._from, **fields}, self.max_body)
+        except ValueError as e:  # WireError included: fields a peer would refuse are never sent
+            self.metrics.datagrams_dropped.labels("unsendable").inc()
+            raise RpcError(f"not sending {mtype.name.lower()} to {addr[0]}:{addr[1]}: {e}") from None
         await self._send(addr, mtype, body)
 
     async def request(
@@ -378,7 +408,13 @@ class Endpoint:
             raise WireError("identity", "token is bound to another public key")
         if pk == self.identity.public_key:
             raise WireError("self", "datagram from this node's own identity")
-        host, port = sender["addr"] if sender["addr"] is not None else source
+        if sender["addr"] is not None:
+            host, port = sender["addr"]
+            why = self.unreachable(host)
+            if why:  # (the decoder already refused unusable addresses: this is the other family)
+                raise WireError("address", f"the sender announces {host}, which is {why}")
+        else:
+            host, port = source
         peer = Peer(node_id_of(pk), pk, host, port)
         return Incoming(mtype, fields, peer, source)
 

@@ -75,9 +75,40 @@ def _port(v: Any) -> int:
     return v
 
 
+def unusable_ip(packed: bytes) -> str:
+    """Why a peer's address (4 or 16 raw bytes) must not be used as a destination, or "" when it may.
+
+    Refused: unspecified and "this network" (0.0.0.0/8, ``::``: a datagram sent there reaches the sender's own
+    host, so a member could turn a peer's traffic onto the peer's local services), the limited broadcast
+    255.255.255.255 and multicast (224.0.0.0/4, ff00::/8: one datagram to many hosts, or a send that fails),
+    also when written as IPv4-mapped IPv6. Loopback, private and link-local addresses are allowed (labs, LANs).
+    """
+    if len(packed) == 16 and packed[:12] == _V4_MAPPED:
+        packed = packed[12:]
+    if len(packed) == 4:
+        if packed[0] == 0:
+            return "unspecified"
+        if packed == b"\xff\xff\xff\xff":
+            return "broadcast"
+        if 224 <= packed[0] <= 239:
+            return "multicast"
+        return ""
+    if packed == bytes(16):
+        return "unspecified"
+    if packed[0] == 0xFF:
+        return "multicast"
+    return ""
+
+
+_V4_MAPPED = bytes(10) + b"\xff\xff"
+
+
 def _ip(v: Any) -> str:
     if type(v) is not bytes or len(v) not in (4, 16):
         raise WireError("malformed", "an address is 4 (IPv4) or 16 (IPv6) bytes")
+    why = unusable_ip(v)
+    if why:
+        raise WireError("malformed", f"a peer address must not be {why}")
     return socket.inet_ntop(socket.AF_INET if len(v) == 4 else socket.AF_INET6, v)
 
 
@@ -183,12 +214,25 @@ def _unique_map(pairs: list[tuple[Any, Any]]) -> dict:
     return out
 
 
-def encode(mtype: MsgType, body: dict[str, Any]) -> bytes:
-    """Encode a control body with keys in schema order (canonical)."""
+def encode(mtype: MsgType, body: dict[str, Any], *, check: bool = True) -> bytes:
+    """Encode a control body with keys in schema order (canonical).
+
+    ``check``: run the decoder's validation on the result and raise its WireError for anything a peer
+    would refuse (a round past uint32, an unusable address, a string too long), so a node never sends what
+    its peers drop. Only tests that build refused bodies on purpose pass False."""
     fields = SCHEMAS[mtype]
     if body.keys() != fields.keys():
         raise ValueError(f"{mtype.name} takes exactly {list(fields)}, got {list(body)}")
-    return msgpack.packb({k: body[k] for k in fields}, use_bin_type=True)
+    try:
+        data = msgpack.packb({k: body[k] for k in fields}, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:  # an int past 64 bits, a type msgpack has no form for
+        raise WireError("malformed", f"{mtype.name} cannot be encoded: {e}") from None
+    if check:
+        try:
+            decode(mtype, data)
+        except WireError as e:
+            raise WireError(e.reason, f"refusing to send a {mtype.name} its peers would drop: {e.detail}") from None
+    return data
 
 
 def decode(mtype: int, data: bytes) -> dict[str, Any]:

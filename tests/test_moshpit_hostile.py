@@ -1,0 +1,401 @@
+"""Hostile members and faults at the Moshpit layer (issue 11): what a member holding the swarm key can send
+must not crash a daemon, stall a run, or put NaN into a model. Virtual time over the in-memory network."""
+
+from __future__ import annotations
+
+import errno
+import math
+import random
+import socket
+from types import SimpleNamespace
+
+import msgpack
+import numpy as np
+import pytest
+import trio
+
+from peerd.allreduce.robust import Robust
+from peerd.localsock.server import OpError
+from peerd.metrics import Metrics
+from peerd.moshpit import service as svc_mod
+from peerd.moshpit.keys import Grid
+from peerd.moshpit.matchmaking import Candidate, Group
+from peerd.moshpit.ops import MoshpitOps, _averaging_options
+from peerd.moshpit.service import MAX_AHEAD, MAX_ROUND, MoshpitError, MoshpitService, plausible_progress
+from peerd.transport.endpoint import Endpoint, RpcError, RpcTimeout
+from peerd.wire import messages as m
+from peerd.wire.errors import WireError
+from peerd.wire.identity import Identity
+
+from .memnet import MemNet, MemSocket
+from .test_dht_network import SECRET, SimNode, counter_value, run_virtual
+
+BAD_IPS = ["0.0.0.0", "0.1.2.3", "::", "255.255.255.255", "224.0.0.1", "239.255.255.250", "ff02::1",
+           "::ffff:255.255.255.255", "::ffff:0.0.0.0", "::ffff:224.0.0.5"]
+GOOD_IPS = ["127.0.0.1", "10.0.0.1", "192.0.2.255", "::1", "fe80::1", "2001:db8::1"]
+
+
+class FlakySocket(MemSocket):
+    """A MemSocket whose kernel refuses some destinations, as a real one does: no route, a broadcast
+    address without SO_BROADCAST, an address of the other family."""
+
+    def __init__(self, net: MemNet, addr: tuple[str, int], refuse: dict[tuple[str, int], int]) -> None:
+        super().__init__(net, addr)
+        self.refuse = refuse
+
+    async def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
+        if ":" in addr[0]:
+            raise socket.gaierror(socket.EAI_ADDRFAMILY, "Address family for hostname not supported")
+        code = self.refuse.get((addr[0], addr[1]))
+        if code is not None:
+            raise OSError(code, "refused by the test's kernel")
+        await super().sendto(data, addr)
+
+
+class V6Socket(MemSocket):
+    family = socket.AF_INET6
+
+
+def node(net: MemNet, index: int, *, sock: MemSocket | None = None, allreduce=None) -> SimpleNamespace:
+    """A DHT node (tests/test_dht_network.SimNode) with a MoshpitService on top."""
+    n = SimNode(net, index)
+    if sock is not None:
+        net.sockets[n.addr] = sock
+        n.sock = sock
+        n.endpoint = Endpoint(sock, n.identity, SECRET, n.metrics)
+        n.dht = type(n.dht)(n.endpoint, n.metrics, rng=random.Random(index), refresh_interval=30.0)
+    n.moshpit = MoshpitService(n.endpoint, n.dht, allreduce or SimpleNamespace(), n.metrics, address=n.addr,
+                               rng=random.Random(index))
+    return n
+
+
+async def start(nursery: trio.Nursery, n) -> None:
+    await nursery.start(n.run)
+    await nursery.start(n.moshpit.run)
+    n.dht.bootstrapped.set()
+
+
+# ---- addresses: refused at decode, never encoded ----------------------------------------------------------
+
+
+def _bodies(packed: bytes, frm: dict) -> list[tuple[m.MsgType, dict]]:
+    pk = Identity.generate().public_key
+    return [
+        (m.MsgType.PING, {"rid": 1, "from": {**frm, "addr": [packed, 7411]}}),
+        (m.MsgType.NODES, {"rid": 1, "from": frm, "nodes": [[bytes(32), packed, 7411]]}),
+        (m.MsgType.MM_BEGIN, {"rid": 1, "from": frm, "run": "r", "round": 0, "group": 1,
+                              "members": [[pk, packed, 7411]]}),
+    ]
+
+
+@pytest.mark.parametrize("ip", BAD_IPS + GOOD_IPS)
+def test_unusable_addresses_are_refused_by_decoder_and_encoder(ip: str) -> None:
+    import ipaddress
+
+    ident = Identity.generate()
+    frm = {"pk": ident.public_key, "sig": ident.sign_token(1), "addr": None}
+    for mtype, body in _bodies(ipaddress.ip_address(ip).packed, frm):
+        raw = m.encode(mtype, body, check=False)
+        if ip in GOOD_IPS:
+            m.decode(mtype, raw)
+            assert m.encode(mtype, body) == raw
+        else:
+            with pytest.raises(WireError, match="must not be") as e:
+                m.decode(mtype, raw)
+            assert e.value.reason == "malformed"
+            with pytest.raises(WireError, match="refusing to send"):
+                m.encode(mtype, body)
+
+
+def test_encoder_refuses_a_round_past_uint32_and_the_endpoint_turns_it_into_rpc_error() -> None:
+    ident = Identity.generate()
+    frm = {"pk": ident.public_key, "sig": ident.sign_token(1), "addr": None}
+    m.encode(m.MsgType.MM_DISBAND, {"rid": 1, "from": frm, "run": "r", "round": 2**32 - 1})
+    for bad in (2**32, 2**64, -1, "r", 1.5):
+        with pytest.raises(WireError):
+            m.encode(m.MsgType.MM_DISBAND, {"rid": 1, "from": frm, "run": "r", "round": bad})
+
+    async def main() -> None:
+        net = MemNet()
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            ep = Endpoint(net.socket("127.0.0.1", 1), ident, SECRET, Metrics())
+            with pytest.raises(RpcError, match="not sending mm_disband"):
+                await ep.notify(("127.0.0.1", 2), m.MsgType.MM_DISBAND, {"run": "r", "round": 2**32})
+            assert counter_value(ep.metrics.datagrams_dropped, reason="unsendable") == 1
+            assert net.sent == 0
+
+    run_virtual(main)
+
+
+def test_announcing_an_unusable_address_is_refused_at_startup() -> None:
+    net = MemNet()
+    for addr, words in [(("0.0.0.0", 7411), "unspecified"), (("255.255.255.255", 7411), "broadcast"),
+                        (("::1", 7411), "IPv6"), (("10.0.0.1", 0), "port 0")]:
+        with pytest.raises(ValueError, match=words):
+            Endpoint(net.socket("127.0.0.1", 1), Identity.generate(), SECRET, Metrics(), announce=addr)
+
+
+# ---- finding 1: a member cannot crash a daemon ------------------------------------------------------------
+
+
+def test_a_background_send_that_fails_is_counted_not_fatal() -> None:
+    """A lost route (ENETUNREACH) or a broadcast address (EACCES) under a DISBAND: the send's RpcError used to
+    escape the service's nursery and end the daemon."""
+
+    async def main() -> None:
+        net = MemNet()
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            sock = FlakySocket(net, ("127.0.0.1", 20000), {("10.9.9.9", 7): errno.ENETUNREACH,
+                                                            ("10.9.9.10", 7): errno.EACCES})
+            a = node(net, 0, sock=sock)
+            await start(nursery, a)
+            for host in ("10.9.9.9", "10.9.9.10", "2001:db8::5"):
+                a.moshpit._spawn(a.endpoint.notify, (host, 7), m.MsgType.MM_DISBAND, {"run": "r", "round": 0})
+            await trio.sleep(1.0)
+            assert counter_value(a.metrics.background_errors, task="moshpit_notify") == 3
+            assert counter_value(a.metrics.datagrams_dropped, reason="send_error") == 3
+            # the service still serves: a DHT put and a matchmaking JOIN are answered
+            assert await a.dht.put(b"k", b"s", b"v", ttl=10.0) is not None
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_join_from_the_other_family_is_dropped_and_the_leader_survives() -> None:
+    """A member announces an IPv6 address to an IPv4 node and joins its group: the old leader took it in,
+    then its DISBAND to that address raised out of the nursery. Now the JOIN is dropped (counted) and the
+    round ends alone, the daemon alive."""
+
+    async def main() -> None:
+        net = MemNet()
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            victim = node(net, 0, sock=FlakySocket(net, ("127.0.0.1", 20000), {}))
+            await start(nursery, victim)
+            ident = Identity.generate()
+            attacker = Endpoint(V6Socket(net, ("127.0.0.1", 20001)), ident, SECRET, Metrics(),
+                                announce=("2001:db8::66", 7411))
+            net.sockets[("127.0.0.1", 20001)] = attacker.sock
+            nursery.start_soon(attacker.serve)
+            await victim.moshpit.open("run", grid=Grid(1, 4), min_size=3, window_s=1.0)
+            key = victim.moshpit.runs["run"].keys.group_key(0)
+
+            async def attack() -> None:
+                await trio.sleep(0.2)
+                with pytest.raises(RpcTimeout):
+                    await attacker.request(victim.addr, m.MsgType.MM_JOIN,
+                                           {"run": "run", "round": 0, "key": key, "expiry": 1e9}, timeout=0.1)
+
+            nursery.start_soon(attack)
+            result = await victim.moshpit.average("run", np.ones(8, np.float32), 1.0, timeout_s=10.0)
+            assert result.outcome == "alone"
+            assert counter_value(victim.metrics.datagrams_dropped, reason="address") >= 1
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_begin_members_other_family_refused_and_the_leader_is_reached_where_it_sent_from() -> None:
+    async def main() -> None:
+        net = MemNet()
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            a = node(net, 0)
+            me, leader, other = a.identity, Identity.generate(), Identity.generate()
+            peer = SimpleNamespace(node_id=leader.node_id, public_key=leader.public_key, host="127.0.0.7", port=9)
+            members = [(leader.public_key, "127.0.0.1", 7411), (me.public_key, "127.0.0.1", 20000)]
+            st = await a.moshpit.open("r", grid=Grid(1, 4), window_s=1.0)
+            st.sticky.offer_begin = lambda *args: (seen.append(args[-1]), True)[1]
+            seen: list = []
+            incoming = SimpleNamespace(body={"run": "r", "round": 0, "group": 5, "members": members}, peer=peer)
+            assert a.moshpit._on_begin(incoming) == {"ok": True}
+            assert seen[0][0].addr == ("127.0.0.7", 9)  # the leader's listed wildcard/loopback is not used
+            incoming.body["members"] = members + [(other.public_key, "2001:db8::1", 7411)]
+            assert a.moshpit._on_begin(incoming) == {"ok": False}
+            assert counter_value(a.metrics.datagrams_dropped, reason="address") == 1
+            # a leader listening on a wildcard lists itself as loopback, never as 0.0.0.0
+            a.moshpit.address = ("0.0.0.0", 20000)
+            cands = [Candidate(1.0, me.node_id, me.public_key, ("0.0.0.0", 20000)),
+                     Candidate(1.0, other.node_id, other.public_key, ("10.0.0.2", 7411))]
+            packed = a.moshpit._pack_members(cands)
+            assert [p[1] for p in packed] == [bytes([127, 0, 0, 1]), bytes([10, 0, 0, 2])]
+            m.encode(m.MsgType.MM_BEGIN, {"rid": 1, "from": a.endpoint._from, "run": "r", "round": 0, "group": 1,
+                                          "members": packed})
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+# ---- finding 2: one progress record cannot stall a run ----------------------------------------------------
+
+
+def test_plausible_progress_follows_the_median_not_the_max() -> None:
+    now = 1000.0
+    honest = [(bytes([i]) * 32, 40 + i, now - 1) for i in range(3)]
+    evil = (b"e" * 32, MAX_ROUND, now - 1)
+    kept, ignored = plausible_progress([*honest, evil], 42, now)
+    assert kept == honest and ignored == 1
+    # a joiner (no round of its own) follows the median, and one hostile record among two does not move it
+    kept, ignored = plausible_progress([honest[0], evil], 0, now)
+    assert kept == [honest[0]] and ignored == 1
+    # a node far behind a real majority still catches up with it
+    ahead = [(bytes([i]) * 32, 5000 + i, now - 1) for i in range(3)]
+    assert plausible_progress(ahead, 3, now) == (ahead, 0)
+    # up to MAX_AHEAD past this node's round is believed
+    near = (b"n" * 32, 42 + MAX_AHEAD, now - 1)
+    assert plausible_progress([*honest, near], 42, now) == ([*honest, near], 0)
+    # stale records (left peers) do not hold back the median while fresh ones exist
+    stale = [(bytes([9, i]) * 16, 1, now - 500) for i in range(5)]
+    assert plausible_progress([*stale, *ahead], 0, now) == ([*stale, *ahead], 0)
+    assert plausible_progress([], 7, now) == ([], 0)
+
+
+def test_a_record_at_the_last_round_does_not_move_a_joiner_or_the_run() -> None:
+    async def main() -> None:
+        net = MemNet()
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            a = node(net, 0)
+            await start(nursery, a)
+            now = trio.current_time()  # (virtual; progress records are stamped in wall time below)
+            del now
+            import time as _time
+
+            def rec(value, owner: Identity) -> SimpleNamespace:
+                return SimpleNamespace(value=msgpack.packb(value), owner=owner.public_key,
+                                       expires=_time.time() + svc_mod.PROGRESS_TTL_S)
+
+            records = [rec(6, Identity.generate()), rec(7, Identity.generate()), rec(MAX_ROUND, Identity.generate()),
+                       rec(2**40, Identity.generate()), rec("x", Identity.generate())]
+
+            async def get(key: bytes):
+                return records if key.endswith(b"/progress") else []
+
+            a.dht.get = get
+            st = await a.moshpit.open("run", grid=Grid(1, 4), window_s=1.0)
+            assert st.round == 8  # the round after the latest believable one, not 2**32 - 1
+            assert counter_value(a.metrics.ignored_records, kind="progress", reason="ahead") == 1
+            assert counter_value(a.metrics.ignored_records, kind="progress", reason="range") == 2
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_rounds_stop_at_the_last_one_with_a_clear_error() -> None:
+    async def main() -> None:
+        net = MemNet()
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            a = node(net, 0)
+            await start(nursery, a)
+            await a.moshpit.open("run", grid=Grid(1, 4), window_s=0.5)
+            vec = np.arange(4, dtype=np.float32)
+            result = await a.moshpit.average("run", vec, 1.0, timeout_s=5.0, round_no=MAX_ROUND)
+            assert result.outcome == "alone" and result.round == MAX_ROUND
+            assert a.moshpit.runs["run"].round == MAX_ROUND + 1
+            with pytest.raises(MoshpitError, match="last round"):
+                await a.moshpit.average("run", vec, 1.0, timeout_s=5.0)
+            with pytest.raises(MoshpitError, match="round must be"):
+                await a.moshpit.average("run", vec, 1.0, round_no=MAX_ROUND + 1)
+            await trio.sleep(1.0)  # the progress record for MAX_ROUND was published, nothing failed
+            assert counter_value(a.metrics.background_errors) == 0
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+# ---- finding 8 and the robust-aggregation plumbing -------------------------------------------------------
+
+
+class FakeAllreduce:
+    """Returns a chosen vector; records the keyword arguments the service passed."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.next: np.ndarray | None = None
+
+    async def average(self, group_id, members, index, vector, weight, **kwargs):
+        self.calls.append(kwargs)
+        phase = SimpleNamespace(silent=(), datagrams_expected=4, datagrams_received=4)
+        out = self.next if self.next is not None else vector * 2
+        return SimpleNamespace(vector=out, stats=SimpleNamespace(reduce_scatter=phase, all_gather=phase))
+
+
+def _group(a) -> Group:
+    other = Identity.generate()
+    members = (Candidate(1.0, a.identity.node_id, a.identity.public_key, a.addr),
+               Candidate(1.0, other.node_id, other.public_key, ("127.0.0.1", 7)))
+    return Group(77, members, 0, a.identity.node_id)
+
+
+def test_a_non_finite_average_never_replaces_the_vector_and_options_reach_the_owner() -> None:
+    async def main() -> None:
+        net = MemNet()
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            fake = FakeAllreduce()
+            a = node(net, 0, allreduce=fake)
+            st = await a.moshpit.open("run", grid=Grid(1, 4), window_s=1.0, max_weight=64, robust="centered:3")
+            assert st.max_weight == 64.0 and st.robust == Robust("centered", 3.0)
+            vec = np.ones(6, np.float32)
+
+            async def avg(v):
+                return await a.moshpit._average_group(st, _group(a), v, 1.0, 10.0, 0, "k", 2)
+
+            res = await avg(vec)
+            assert res.outcome == "averaged" and fake.calls[-1] == {
+                "floor_s": 1.0, "max_phase_s": 5.0, "max_weight": 64.0, "robust": Robust("centered", 3.0)}
+            res = await avg(vec)  # the previous averaged vector is the center
+            assert np.array_equal(fake.calls[-1]["center"], np.full(6, 2, np.float32))
+            for bad in (np.nan, np.inf, -np.inf):
+                fake.next = np.full(6, 2, np.float32)
+                fake.next[3] = bad
+                res = await avg(vec)
+                assert res.outcome == "failed" and "NaN or infinity" in res.error
+                assert np.array_equal(res.vector, vec) and res.vector is not vec
+            assert counter_value(a.metrics.contributions_refused, reason="nonfinite_average") == 3
+            assert np.array_equal(st.center, np.full(6, 2, np.float32))  # a failed round is never a center
+            fake.next = None
+            await avg(np.ones(5, np.float32))  # another length: no center
+            assert "center" not in fake.calls[-1]
+            # average() sets them per run too; None leaves them; off/inf clear them
+            await a.moshpit.open("run", robust="clip")
+            assert st.robust == Robust("clip", 2.0) and st.center is None and st.max_weight == 64.0
+            await a.moshpit.open("run", robust="off", max_weight=math.inf)
+            assert st.robust is None and st.max_weight is None
+            await avg(vec)
+            assert fake.calls[-1] == {"floor_s": 1.0, "max_phase_s": 5.0}
+            for kwargs, words in [({"max_weight": 0}, "max_weight"), ({"max_weight": float("nan")}, "max_weight"),
+                                  ({"robust": "median"}, "clip"), ({"robust": "clip:-1"}, "C")]:
+                with pytest.raises(MoshpitError, match=words):
+                    await a.moshpit.average("run", vec, 1.0, **kwargs)
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_ops_accept_max_samples_and_robust() -> None:
+    assert _averaging_options({}) == {}
+    assert _averaging_options({"max_samples": 32, "robust": "clip:4"}) == {
+        "max_weight": 32.0, "robust": Robust("clip", 4.0)}
+    assert _averaging_options({"robust": "off"}) == {"robust": "off"}
+    for bad in (0, -1, float("inf"), float("nan"), "8", True):
+        with pytest.raises(OpError, match="max_samples must be a positive finite number"):
+            _averaging_options({"max_samples": bad})
+    for bad in ("median", 3, "clip:x"):
+        with pytest.raises(OpError, match="clip"):
+            _averaging_options({"robust": bad})
+
+    got: dict = {}
+
+    class Service:
+        async def average(self, run, vector, weight, **kwargs):
+            got.update(kwargs)
+            return SimpleNamespace(vector=vector, stats=lambda: {})
+
+    ops = MoshpitOps(Service())  # type: ignore[arg-type]
+    trio.run(ops.round, {"run": "r", "vector": np.ones(2, "<f4").tobytes(), "max_samples": 8.5,
+                         "robust": "centered"})
+    assert got["max_weight"] == 8.5 and got["robust"] == Robust("centered", 2.0)
