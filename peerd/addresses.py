@@ -5,6 +5,8 @@ from __future__ import annotations
 import ipaddress
 import socket
 
+from .wire.messages import unusable_ip
+
 
 def parse_hostport(text: str, *, bare_port_host: str | None = None) -> tuple[str, int]:
     """``host:port``, ``[v6]:port``, or (when ``bare_port_host`` is given) just ``port``."""
@@ -50,3 +52,15 @@ def resolve_ip(host: str) -> str:
 
 def family_of(ip: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
+
+
+def peer_address(host: str, port: int) -> tuple[str, int]:
+    """An address to announce to peers (``--announce``): resolved to one IP literal, and one that peers accept
+    (never unspecified, broadcast or multicast, port 1..65535; PROTOCOL.md, addresses). Raises ValueError."""
+    ip = resolve_ip(host)
+    why = unusable_ip(ipaddress.ip_address(ip).packed)
+    if why:
+        raise ValueError(f"{format_hostport(ip, port)} is {why}: announce the address peers reach this node at")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{format_hostport(ip, port)}: announce a port from 1 to 65535")
+    return ip, port

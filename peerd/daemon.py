@@ -15,7 +15,7 @@ import trio
 from prometheus_client import start_http_server
 
 from . import __version__
-from .addresses import family_of, format_hostport, resolve_ip
+from .addresses import family_of, format_hostport, peer_address, resolve_ip
 from .allreduce.bench_ops import BenchOps
 from .allreduce.service import AllreduceService
 from .dht import BootstrapError, DhtService
@@ -98,7 +98,7 @@ class Daemon:
         self.metrics = Metrics()
         allreduce_kwargs = _allreduce_kwargs(config)
         try:
-            announce = (resolve_ip(config.announce[0]), config.announce[1]) if config.announce else None
+            announce = peer_address(*config.announce) if config.announce else None
         except ValueError as e:
             raise StartupError(f"--announce: {e}") from None
         try:

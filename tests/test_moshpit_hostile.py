@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import trio
 
+from peerd.addresses import peer_address
 from peerd.allreduce.robust import Robust
 from peerd.localsock.server import OpError
 from peerd.metrics import Metrics
@@ -129,6 +130,11 @@ def test_encoder_refuses_a_round_past_uint32_and_the_endpoint_turns_it_into_rpc_
 
 
 def test_announcing_an_unusable_address_is_refused_at_startup() -> None:
+    for addr, words in [(("0.0.0.0", 7411), "unspecified"), (("255.255.255.255", 1), "broadcast"),
+                        (("ff02::1", 1), "multicast"), (("127.0.0.1", 0), "port")]:
+        with pytest.raises(ValueError, match=words):  # the daemon's --announce: a one-line StartupError
+            peer_address(*addr)
+    assert peer_address("127.0.0.1", 7411) == ("127.0.0.1", 7411)
     net = MemNet()
     for addr, words in [(("0.0.0.0", 7411), "unspecified"), (("255.255.255.255", 7411), "broadcast"),
                         (("::1", 7411), "IPv6"), (("10.0.0.1", 0), "port 0")]:
@@ -156,7 +162,7 @@ def test_a_background_send_that_fails_is_counted_not_fatal() -> None:
             await trio.sleep(1.0)
             assert counter_value(a.metrics.background_errors, task="moshpit_notify") == 3
             assert counter_value(a.metrics.datagrams_dropped, reason="send_error") == 3
-            # the service still serves: a DHT put and a matchmaking JOIN are answered
+            # the service still serves
             assert await a.dht.put(b"k", b"s", b"v", ttl=10.0) is not None
             nursery.cancel_scope.cancel()
 
@@ -399,3 +405,42 @@ def test_ops_accept_max_samples_and_robust() -> None:
     trio.run(ops.round, {"run": "r", "vector": np.ones(2, "<f4").tobytes(), "max_samples": 8.5,
                          "robust": "centered"})
     assert got["max_weight"] == 8.5 and got["robust"] == Robust("centered", 2.0)
+
+
+def test_weight_cap_reaches_the_real_owners_through_a_round() -> None:
+    """Both members set max_samples 10 on the run: a member claiming 100 samples counts as 10."""
+    from peerd.allreduce.service import AllreduceService
+
+    async def main() -> None:
+        net = MemNet(seed=3)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = []
+            for i in range(2):
+                n = SimNode(net, i)
+                n.moshpit = MoshpitService(n.endpoint, n.dht, AllreduceService(n.endpoint, n.metrics), n.metrics,
+                                           address=n.addr, rng=random.Random(i))
+                await start(nursery, n)
+                nodes.append(n)
+            cands = tuple(sorted((Candidate(1.0, n.identity.node_id, n.identity.public_key, n.addr) for n in nodes),
+                                 key=lambda c: c.node_id))
+            vecs = [np.zeros(300, np.float32), np.ones(300, np.float32)]
+            weights = [1.0, 100.0]
+            out: list = [None, None]
+
+            async def one(i: int) -> None:
+                n = nodes[i]
+                st = await n.moshpit.open("cap", grid=Grid(1, 2), window_s=1.0, max_weight=10, robust="clip:1e6")
+                index = next(j for j, c in enumerate(cands) if c.node_id == n.identity.node_id)
+                group = Group(99, cands, index, cands[0].node_id)
+                out[i] = await n.moshpit._average_group(st, group, vecs[i], weights[i], 20.0, 0, "k", 2)
+
+            async with trio.open_nursery() as inner:
+                for i in range(2):
+                    inner.start_soon(one, i)
+            for res in out:
+                assert res.outcome == "averaged", res.error
+                assert np.allclose(res.vector, 10 / 11, atol=1e-5)  # not 100 / 101
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
