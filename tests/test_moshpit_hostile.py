@@ -444,3 +444,23 @@ def test_weight_cap_reaches_the_real_owners_through_a_round() -> None:
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
+
+
+def test_a_handler_that_raises_does_not_end_the_receive_loop() -> None:
+    async def main() -> None:
+        net = MemNet()
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            a, b = (Endpoint(net.socket("127.0.0.1", 1 + i), Identity.generate(), SECRET, Metrics()) for i in range(2))
+            for ep in (a, b):
+                nursery.start_soon(ep.serve)
+            b.on_request(m.MsgType.PING, lambda incoming: {}["missing"])  # a bug that a peer's input reaches
+            with pytest.raises(RpcTimeout):
+                await a.request(("127.0.0.1", 2), m.MsgType.PING, {}, timeout=0.1, attempts=2)
+            assert counter_value(b.metrics.datagrams_dropped, reason="handler_error") == 2
+            assert counter_value(b.metrics.background_errors, task="endpoint_ping") == 2
+            b.on_request(m.MsgType.PING, lambda incoming: {})
+            assert (await a.request(("127.0.0.1", 2), m.MsgType.PING, {})).mtype is m.MsgType.PONG
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)

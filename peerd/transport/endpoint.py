@@ -133,6 +133,7 @@ class Endpoint:
         self._loss_rng = random.Random(loss_seed)
         self._loss_np = np.random.default_rng(loss_seed)
         self.rto = RtoEstimator()  # learned retransmission timeouts per destination, for request()
+        self._handler_errors = 0
 
     # -- registration -------------------------------------------------------------------------
     def on_request(self, mtype: m.MsgType, handler: RequestHandler) -> None:
@@ -337,6 +338,8 @@ class Endpoint:
                     handler(opened.type, opened.token, opened.state, opened.bodies, source)  # type: ignore[misc]
                 except WireError as e:
                     self.metrics.datagrams_dropped.labels(e.reason).inc(len(opened.bodies))
+                except Exception:
+                    self._handler_failed(opened.type, len(opened.bodies))
         if tail:
             await self.handle_datagram(tail, source, counted=True)
 
@@ -367,6 +370,9 @@ class Endpoint:
             self.metrics.datagrams_dropped.labels(e.reason).inc()
             log.debug("drop from %s: %s", source, e)
             return
+        except Exception:  # a handler's bug must not end the receive loop (and with it the daemon)
+            self._handler_failed(data[3] if len(data) > 3 else 0)
+            return
         self.metrics.datagrams_received.labels(incoming.mtype.name.lower()).inc()
         rid = incoming.body["rid"]
         pending = self._pending.get(rid)
@@ -387,12 +393,26 @@ class Endpoint:
         except WireError as e:  # semantically bad request: tell the sender why
             self.metrics.datagrams_dropped.labels(e.reason).inc()
             fields, response_type = {"code": e.reason, "detail": e.detail[:200]}, m.MsgType.ERROR
+        except Exception:
+            self._handler_failed(int(incoming.mtype))
+            return
         if fields is None:
             return
         try:
             await self._send_control(source, response_type, rid, fields)
         except RpcError as e:
             log.debug("response to %s: %s", source, e)
+
+    def _handler_failed(self, mtype: int, count: int = 1) -> None:
+        """A handler raised something other than WireError (a bug a peer's input reached): drop the input,
+        count it (``datagrams_dropped{reason="handler_error"}``, ``background_errors{task="endpoint_<type>"}``)
+        and keep serving. The first few are logged with their traceback."""
+        name = self._type_names.get(mtype, f"type_{mtype:#04x}")
+        self.metrics.datagrams_dropped.labels("handler_error").inc(count)
+        self.metrics.background_errors.labels(f"endpoint_{name}").inc()
+        self._handler_errors += 1
+        if self._handler_errors <= 10:
+            log.exception("the handler for %s failed; input dropped", name)
 
     def _incoming(self, header: Header, body: bytes, state: TokenState, source: Address) -> Incoming:
         mtype = m.msg_type(header.type)
