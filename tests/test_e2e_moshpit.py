@@ -108,6 +108,9 @@ def test_bad_requests_get_clear_errors(swarm) -> None:
         ({"run": "x", "vector": b"\0" * 8, "timeout_s": 0.01}, "timeout_s"),
         ({"run": "x", "vector": b"\0" * 8, "round": -1}, "round"),
         ({"run": "x", "vector": b"\0" * 8, "round": "next"}, "round"),
+        ({"run": "x", "vector": b"\0" * 8, "round": 2**32 - 1}, "round"),
+        ({"run": "x", "vector": b"\0" * 8, "max_samples": 0}, "max_samples"),
+        ({"run": "x", "vector": b"\0" * 8, "robust": "median"}, "clip"),
     ]
     for args, words in cases:
         with pytest.raises(DaemonError, match=words):
@@ -115,7 +118,8 @@ def test_bad_requests_get_clear_errors(swarm) -> None:
     for args, words in [({"run": "x", "grid": "4x5"}, "equal"), ({"run": "x", "grid": "64x64"}, "fit"),
                         ({"run": "x", "grid": "4x4", "min_size": 9}, "min_size"),
                         ({"run": "x", "window_s": 0.01}, "window_s"),
-                        ({"run": "x", "grid": "4x4", "cell": 99}, "cell")]:
+                        ({"run": "x", "grid": "4x4", "cell": 99}, "cell"),
+                        ({"run": "x", "max_samples": -1.5}, "max_samples"), ({"run": "x", "robust": "clip:0"}, "C")]:
         with pytest.raises(DaemonError, match=words):
             node.call("avg_open", **args)
     assert node.call("status")["peers"] == 0  # still healthy

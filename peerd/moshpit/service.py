@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
+import numbers
 import random
 import socket
 import time
@@ -135,9 +136,9 @@ class _Active:
 
 def check_max_weight(max_weight: object) -> float | None:
     """A weight cap: a positive number (math.inf: no cap, stored as None)."""
-    if type(max_weight) not in (int, float) or not max_weight > 0:  # type: ignore[operator]
+    if not isinstance(max_weight, numbers.Real) or isinstance(max_weight, bool) or not max_weight > 0:
         raise MoshpitError(f"max_weight must be a positive number of samples (inf: no cap), got {max_weight!r:.40}")
-    return None if math.isinf(max_weight) else float(max_weight)  # type: ignore[arg-type]
+    return None if math.isinf(max_weight) else float(max_weight)
 
 
 def check_robust(robust: object) -> Robust | None:
