@@ -595,7 +595,7 @@ def test_record_round_trip_property(
     assert (back.key, back.subkey, back.value, back.expires, back.owner, back.signature) == (
         key, subkey, value, r.expires, r.owner, r.signature,
     )
-    assert back.deadline == pytest.approx(later + ttl, abs=1e-3)
+    assert back.deadline == pytest.approx(later + ttl, abs=1.01e-3)  # ttl goes up to the next ms (float: +1 ms)
 
 
 def test_bad_signature_is_rejected() -> None:
@@ -749,16 +749,19 @@ def test_max_subkeys() -> None:
     assert len(s2) == 2
 
 
-def test_max_records() -> None:
-    s = RecordStore(max_records=2)
-    assert s.store(make(key=b"a", ttl=10.0), 0.0) is None
-    assert s.store(make(key=b"b", ttl=20.0), 0.0) is None
-    assert s.store(make(key=b"c"), 1.0) == "full"
-    assert s.store(make(key=b"a", expires=1001.0), 1.0) is None  # replacing does not grow the store
+def test_max_records_keeps_the_keys_nearest_own_id() -> None:
+    s = RecordStore(OWN, max_records=2)
+    near, mid, far = sorted((b"a", b"b", b"c", b"d", b"e"), key=s.distance)[:3]
+    assert s.store(make(key=mid, ttl=10.0), 0.0) is None
+    assert s.store(make(key=far, ttl=20.0), 0.0) is None
+    assert s.store(make(key=near, ttl=30.0), 1.0) is None  # nearer than the farthest: evicts it
+    assert sorted(r.key for r in s.records(1.0)) == sorted([near, mid]) and len(s) == 2
+    assert s.store(make(key=far, ttl=20.0), 1.0) == "full"  # farther than every key held: refused
+    assert s.store(make(key=mid, expires=1001.0), 1.0) is None  # replacing does not grow the store
     assert len(s) == 2
-    assert s.store(make(key=b"c", now=25.0), 25.0) is None  # both expired: room again
+    assert s.store(make(key=far, now=35.0), 35.0) is None  # both expired: room again
     assert len(s) == 1
-    assert [r.key for r in s.records(25.0)] == [b"c"]
+    assert [r.key for r in s.records(35.0)] == [far]
 
 
 @pytest.mark.parametrize("bound", ["max_subkeys", "max_records"])

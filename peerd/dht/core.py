@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..wire import messages as m
@@ -19,12 +20,22 @@ def unpack_contacts(raw: list[tuple]) -> list[Contact]:
 
 
 class DhtCore:
-    def __init__(self, node_id: bytes, *, k: int = 20, store: RecordStore | None = None) -> None:
+    """``on_refused(reason)`` is told of every STORE record refused (the driver counts it in metrics)."""
+
+    def __init__(
+        self,
+        node_id: bytes,
+        *,
+        k: int = 20,
+        store: RecordStore | None = None,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
         self.node_id = node_id
         self.k = k
         self.table = RoutingTable(node_id, k)
-        self.store = store if store is not None else RecordStore()
+        self.store = store if store is not None else RecordStore(node_id)
         self.refused: dict[str, int] = {}  # STORE refusals by reason, for statistics
+        self._on_refused = on_refused
 
     def handle(self, mtype: m.MsgType, body: dict[str, Any], now: float) -> dict[str, Any]:
         """Response fields for a request (rid/from are the transport's)."""
@@ -47,14 +58,38 @@ class DhtCore:
             "nodes": pack_contacts(self.table.closest(location(key))) if offset == 0 else [],
         }
 
+    def responsible(self, key: bytes) -> bool:
+        """Whether this node is among the 2k nodes it knows closest to ``key`` (k of slack for tables
+        that differ): a writer's lookup would pick it as one of the k to store on."""
+        return self.table.closer_than_me(location(key), 2 * self.k) < 2 * self.k
+
+    def admit(self, record: Record, now: float) -> str | None:
+        """Why a STOREd record is refused, decided before its signature is checked (cheap refusals).
+
+        Beyond the store's own rules: a node over half full takes no new slot under a key it is not
+        responsible for ("far"), so members cannot fill it with keys that belong elsewhere."""
+        why = self.store.check(record, now)
+        if (
+            why is None
+            and self.store.loaded
+            and not self.store.holds(record.key, record.subkey)
+            and not self.responsible(record.key)
+        ):
+            why = "far"
+        return why
+
     def _store(self, fields: tuple, now: float) -> bool:
         try:
-            record = Record.from_wire(fields, now)
+            record = Record.from_wire(fields, now, check=False)
+            why = self.admit(record, now)
+            if why is None:
+                record.check_signature()
+                why = self.store.store(record, now)
         except WireError as e:
-            self.refused[e.reason] = self.refused.get(e.reason, 0) + 1
-            return False
-        why = self.store.store(record, now)
+            why = e.reason
         if why is not None:
             self.refused[why] = self.refused.get(why, 0) + 1
+            if self._on_refused is not None:
+                self._on_refused(why)
             return False
         return True

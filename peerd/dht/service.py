@@ -18,13 +18,16 @@ from ..wire import messages as m
 from ..wire.errors import WireError
 from .core import DhtCore, unpack_contacts
 from .lookup import Lookup
-from .records import Record, location, merge_newest
+from .records import MAX_SUBKEYS, Record, location, merge_newest, slot_allows
 from .routing import Contact, distance
 
 log = logging.getLogger("peerd.dht")
 
 
 SLOW_QUERY_S = 0.6  # a lookup stops waiting for a query after this (the first retry is at 0.5 s)
+# VALUE pages read from one responder: what an honest node can hold under one key (MAX_SUBKEYS subkeys,
+# MAX_RECORDS a page), whatever ``total`` it claims; each page costs up to MAX_RECORDS signature checks
+MAX_PAGES = -(-MAX_SUBKEYS // m.MAX_RECORDS)
 
 
 class BootstrapError(Exception):
@@ -54,7 +57,7 @@ class DhtService:
     ) -> None:
         self.endpoint = endpoint
         self.metrics = metrics
-        self.core = DhtCore(endpoint.identity.node_id, k=k)
+        self.core = DhtCore(endpoint.identity.node_id, k=k, on_refused=self._count_refused)
         self.k = k
         self.alpha = alpha
         self.refresh_interval = refresh_interval
@@ -64,6 +67,9 @@ class DhtService:
         self._nursery: trio.Nursery | None = None
         for t in (m.MsgType.PING, m.MsgType.FIND_NODE, m.MsgType.FIND_VALUE, m.MsgType.STORE):
             endpoint.on_request(t, self._on_request)
+
+    def _count_refused(self, reason: str) -> None:
+        self.metrics.dht_store_refused.labels(reason).inc()
 
     @property
     def node_id(self) -> bytes:
@@ -188,36 +194,83 @@ class DhtService:
         return await self._iterate(target, query)
 
     async def get(self, key: bytes) -> list[Record]:
-        """Every live record under ``key`` that the k closest nodes hold (newest per subkey and owner)."""
+        """Every live record under ``key`` that the k closest nodes hold (newest per subkey and owner).
+
+        A responder is read for at most MAX_PAGES pages, and no longer than the lookup runs: page
+        fetches still going when it ends are cancelled. A responder that sends one record an honest
+        node would not hold (a bad signature, another key, a slot taken from its node, subkeys out of
+        order) is read no further."""
         found: list[Record] = list(self.core.store.get(key, trio.current_time()))
+        verified = {_signed_part(r) for r in found}  # records seen verified: a copy needs no second check
+        paging: list[trio.CancelScope] = []
+        over = False
 
         async def query(contact: Contact) -> list[Contact]:
-            offset, nodes, total = 0, None, 1
-            while offset < total:
-                reply = await self._rpc(contact, m.MsgType.FIND_VALUE, {"key": key, "offset": offset})
-                body = reply.body
-                if nodes is None:
-                    nodes = unpack_contacts(body["nodes"])
-                total = body["total"]
-                self._collect(key, body["records"], found)
-                if not body["records"]:
-                    break
-                offset += len(body["records"])
-            return nodes or []
+            reply = await self._rpc(contact, m.MsgType.FIND_VALUE, {"key": key, "offset": 0})
+            body = reply.body
+            nodes = unpack_contacts(body["nodes"])
+            if over:
+                return nodes  # a slow answer after the lookup ended: nobody reads it
+            ok, last = self._collect(key, body["records"], found, verified, None)
+            offset = len(body["records"])
+            total = min(body["total"], MAX_PAGES * m.MAX_RECORDS)
+            with trio.CancelScope() as scope:
+                paging.append(scope)
+                pages = 1
+                while ok and offset and offset < total and pages < MAX_PAGES:
+                    try:
+                        reply = await self._rpc(contact, m.MsgType.FIND_VALUE, {"key": key, "offset": offset})
+                    except RpcError:
+                        break  # it answered the lookup's query; a lost page only loses its records
+                    records = reply.body["records"]
+                    if not records:
+                        break
+                    ok, last = self._collect(key, records, found, verified, last)
+                    offset += len(records)
+                    pages += 1
+            return nodes
 
-        await self._iterate(location(key), query)
+        try:
+            await self._iterate(location(key), query)
+        finally:
+            over = True
+            for scope in paging:
+                scope.cancel()
         return merge_newest(found)
 
-    def _collect(self, key: bytes, raw: list[tuple], into: list[Record]) -> None:
+    def _collect(
+        self, key: bytes, raw: list[tuple], into: list[Record], verified: set[tuple], after: bytes | None
+    ) -> tuple[bool, bytes | None]:
+        """Check one VALUE page and add its records. Returns (ok, the last subkey so far): not ok when
+        the page holds a record no honest node sends (the caller then stops reading that responder)."""
         now = trio.current_time()
         for fields in raw:
             try:
-                record = Record.from_wire(fields, now)
+                record = Record.from_wire(fields, now, check=False)
             except WireError as e:
                 self.metrics.datagrams_dropped.labels(e.reason).inc()
-                continue
-            if record.key == key:
-                into.append(record)
+                return False, after
+            why = None
+            if record.key != key:
+                why = "key"
+            elif after is not None and record.subkey <= after:
+                why = "order"  # an honest node pages its records sorted by subkey, each once
+            elif not slot_allows(record.subkey, record.owner):
+                why = "slot"  # signed by a member that took a slot naming another node
+            if why is not None:
+                self.metrics.ignored_records.labels("dht", why).inc()
+                return False, after
+            signed = _signed_part(record)
+            if signed not in verified:
+                try:
+                    record.check_signature()
+                except WireError as e:
+                    self.metrics.datagrams_dropped.labels(e.reason).inc()
+                    return False, after
+                verified.add(signed)
+            into.append(record)
+            after = record.subkey
+        return True, after
 
     async def put(self, key: bytes, subkey: bytes, value: bytes, ttl: float) -> PutResult:
         """Sign a record and store it on the k closest nodes (this one too, if it is among them)."""
@@ -286,6 +339,10 @@ class DhtService:
         await self.refresh(0.0)
         self.bootstrapped.set()
         log.info("joined the swarm: %d peers in the routing table", self.peer_count())
+
+
+def _signed_part(record: Record) -> tuple:
+    return (record.key, record.subkey, record.value, record.expires, record.owner, record.signature)
 
 
 async def _resolve(addr: Address, endpoint: Endpoint) -> list[Address]:
