@@ -150,3 +150,16 @@ def test_robust_arguments_are_checked() -> None:
         GroupAverage(GROUP, 2, 0, v, 1.0, 0.0, robust=Robust("centered"), center=np.zeros(7, np.float32))
     with pytest.raises(ValueError, match="center"):
         GroupAverage(GROUP, 2, 0, v, 1.0, 0.0, robust=Robust("centered"), center=np.full(8, np.nan, np.float32))
+
+
+def test_huge_finite_values_are_clipped_not_refused() -> None:
+    """Squares of 1e30 overflow float32: the norms are taken again in float64, so a huge but finite member
+    is clipped (not refused as non-finite), and the result stays finite and near the honest mean."""
+    xs, ws, _ = honest_inputs(6)
+    xs[0] = (xs[0] * np.float32(1e30)).astype(np.float32)
+    m = run(xs, ws, robust=Robust("clip", 2.0))
+    honest = weighted_mean(xs, ws, range(1, N))
+    for core in m[1:]:
+        assert core.statistics().refused == {"clipped": 1}
+        assert np.isfinite(core.result()).all()
+    assert np.sqrt(np.mean((m[1].result() - honest) ** 2)) < 2.0

@@ -12,6 +12,7 @@ import trio
 from ..bench.vectors import seeded_vector
 from ..localsock.server import OpError
 from ..transport.udp import UdpSocket
+from .robust import Robust, parse_robust
 from .service import AllreduceService, AverageResult, Member
 
 MAX_BENCH_ELEMENTS = 1 << 28  # 1 GiB of float32
@@ -21,7 +22,7 @@ class BenchOps:
     def __init__(self, service: AllreduceService, sock: UdpSocket) -> None:
         self.service = service
         self.sock = sock
-        self._prepared: dict[int, tuple[list[Member], int, np.ndarray, float]] = {}
+        self._prepared: dict[int, tuple[list[Member], int, np.ndarray, float, Robust | None]] = {}
         self._results: dict[int, AverageResult] = {}
 
     def ops(self) -> dict[str, Any]:
@@ -32,24 +33,25 @@ class BenchOps:
             group = int(req["group_id"])
             members = [Member(None, bytes.fromhex(pid), (host, int(port))) for pid, host, port in req["members"]]
             index, seed, size, weight = int(req["index"]), int(req["seed"]), int(req["size"]), float(req["weight"])
+            robust = parse_robust(req.get("robust"))
         except (KeyError, ValueError, TypeError) as e:
             raise OpError(f"bench_prepare: bad arguments ({e})") from None
         if not 0 <= size <= MAX_BENCH_ELEMENTS or not 0 <= index < len(members):
             raise OpError("bench_prepare: size or index out of range")
         vector = await trio.to_thread.run_sync(seeded_vector, seed, size)
-        self._prepared[group] = (members, index, vector, weight)
+        self._prepared[group] = (members, index, vector, weight, robust)
         return {}
 
     async def run(self, req: dict[str, Any]) -> dict[str, Any]:
         group = int(req.get("group_id", -1))
         if group not in self._prepared:
             raise OpError(f"bench_run: group {group} was not prepared")
-        members, index, vector, weight = self._prepared.pop(group)
+        members, index, vector, weight, robust = self._prepared.pop(group)
         drops0 = self.sock.kernel_drops
         cpu0 = time.process_time()
         sock0 = self.sock.statistics()
         try:
-            result = await self.service.average(group, members, index, vector, weight, out=vector)
+            result = await self.service.average(group, members, index, vector, weight, out=vector, robust=robust)
         except ValueError as e:
             raise OpError(str(e)) from None
         done = time.time()
@@ -69,6 +71,7 @@ class BenchOps:
             "ag_ended_by": st.all_gather.ended_by,
             "kernel_drops": self.sock.kernel_drops - drops0,
             "drops": dict(st.drops),
+            "refused": dict(st.refused),
             "pacer_rate": self.service.pacer.rate,
             "receive_passes": self.sock.receive_passes - sock0.receive_passes,
             "receive_calls": self.sock.receive_calls - sock0.receive_calls,

@@ -340,6 +340,13 @@ class GroupAverage:
 
     All members of a group must use the same ``max_payload``: the ranges are derived from it, and a body
     whose range does not match this member's layout is malformed.
+
+    ``max_weight`` caps every weight this owner uses, its own included (None: 2**24 samples). ``robust``
+    (``robust.Robust``) clips each member's contribution to this shard to C times the median norm, around
+    ``center`` (a full-length vector, the previous round's average) for "centered"; it bounds one member's
+    pull on the average but does not stop a sign-flipped contribution of normal size. ``byzantine`` is a
+    fault-injection hook for demos and benches only: this member corrupts the reduce-scatter values it
+    sends (BYZANTINE_MODES); its own shard and its all-gather stay honest.
     """
 
     def __init__(
@@ -955,6 +962,7 @@ class GroupAverage:
         times its (capped) weight where they arrived, divided by the weight that arrived. A range nothing
         arrived for keeps the own value exactly.
 
+        With ``robust``, each member's contribution is scaled by its factor (around the center, if any).
         Fast path: a float32 sum, checked with one numpy call; if it is not finite (a sender's NaN or inf,
         or an overflow), ``_finalize_careful`` refuses the non-finite ranges and sums again in float64."""
         rows = k1 - k0
@@ -965,30 +973,37 @@ class GroupAverage:
             if not self._inplace:
                 out2d[...] = own
             return
-        if self._robust is not None:
-            self._finalize_careful(k0, k1, lo, width, own, out2d)
-            return
         arrived = seen.any(axis=0)
+        scale = self._scale
         wsum = np.full(rows, self.weight, dtype=np.float64)
         base = lo - self._lo
+        center = None
+        if self._center is not None:
+            center = self._center[base : base + rows * width].reshape(rows, width)
         with np.errstate(all="ignore"):  # overflow and NaN are found below, in one call
-            acc = own * self._w32
+            acc = own - center if center is not None else own.copy()
+            acc *= np.float32(self.weight * (scale[self.index] if scale is not None else 1.0))
             for s in range(self.n):
                 mask = seen[s]
                 if s == self.index or not mask.any():
                     continue
                 ws = min(self._sender_weight[s], self._max_weight)  # type: ignore[type-var]
+                factor = np.float32(ws * (scale[s] if scale is not None else 1.0))
                 staged = self._stage[s, base : base + rows * width].reshape(rows, width)
                 if mask.all():
-                    acc += staged * np.float32(ws)
+                    acc += (staged - center) * factor if center is not None else staged * factor
+                elif center is not None:
+                    acc[mask] += (staged[mask] - center[mask]) * factor
                 else:
-                    acc[mask] += staged[mask] * np.float32(ws)
+                    acc[mask] += staged[mask] * factor
                 wsum += mask * ws
         if not np.isfinite(acc).all():
             self._finalize_careful(k0, k1, lo, width, own, out2d)
             return
         self._wsum[k0:k1] = wsum
         np.divide(acc, wsum.astype(np.float32)[:, None], out=acc)
+        if center is not None:
+            acc += center
         if not arrived.all():
             acc[~arrived] = own[~arrived]
         out2d[...] = acc
@@ -1076,32 +1091,42 @@ class GroupAverage:
         return True
 
     def _measure(self, k0: int, k1: int, lo: int, width: int) -> None:
+        """Add ranges [k0, k1) to each member's sum of squares: in float32 (one einsum per member), rows
+        that overflowed again in float64 (finite float32 values cannot overflow there), and rows still not
+        finite (NaN or inf in the values) refused."""
         rows = k1 - k0
         base = lo - self._lo
         seen = self._rs_seen[:, k0:k1]
         center = None
         if self._center is not None:
-            center = self._center[base : base + rows * width].reshape(rows, width).astype(np.float64)
+            center = self._center[base : base + rows * width].reshape(rows, width)
         for s in range(self.n):
             if s == self.index:
-                x = self._vec[lo : lo + rows * width].reshape(rows, width).astype(np.float64)
+                x = self._vec[lo : lo + rows * width].reshape(rows, width)
                 mask = None
             else:
                 mask = seen[s]
                 if not mask.any():
                     continue
                 staged = self._stage[s, base : base + rows * width].reshape(rows, width)
-                x = staged.astype(np.float64) if mask.all() else staged[mask].astype(np.float64)
-            if center is not None:
-                x -= center if mask is None or mask.all() else center[mask]
-            with np.errstate(invalid="ignore"):
-                ss = np.einsum("ij,ij->i", x, x)  # finite float32 values: at most 1.2e77 per element
-            ok = np.isfinite(ss)
-            if mask is not None and not ok.all():
-                bad = np.zeros(rows, dtype=bool)
-                bad[np.flatnonzero(mask)[~ok]] = True
-                self._refused["nonfinite"] += int(np.count_nonzero(bad))
-                mask &= ~bad  # a view of _rs_seen: refused as if lost
+                x = staged if mask.all() else staged[mask]
+                mask = None if mask.all() else mask
+            c = None if center is None else (center if mask is None else center[mask])
+            with np.errstate(all="ignore"):
+                d = x - c if c is not None else x
+                ss = np.einsum("ij,ij->i", d, d).astype(np.float64)
+                ok = np.isfinite(ss)
+                if not ok.all():  # overflowed in float32, or NaN / inf: float64 tells which
+                    redo = x[~ok].astype(np.float64)
+                    if c is not None:
+                        redo -= c[~ok]
+                    ss[~ok] = np.einsum("ij,ij->i", redo, redo)
+                    ok = np.isfinite(ss)
+            if s != self.index and not ok.all():
+                rows_of = np.flatnonzero(seen[s])  # the rows x holds, in order
+                bad = rows_of[~ok]
+                self._refused["nonfinite"] += len(bad)
+                seen[s, bad] = False  # a view of _rs_seen: refused as if lost
             self._sumsq[s] += float(ss[ok].sum())
             self._elements[s] += int(np.count_nonzero(ok)) * width
 

@@ -1,10 +1,23 @@
-"""Robust aggregation options: how a shard owner limits each member's contribution.
+"""Robust aggregation options: how a shard owner limits each member's contribution (GroupAverage(robust=)).
 
-``clip[:C]``: each member's contribution to a range is scaled down to at most C times the median norm of the
-contributions that arrived for it. ``centered[:C]``: the same, measured as the distance from a center (the
-previous round's average), and the result is the center plus the mean of the clipped differences. Norm
-clipping bounds what one member can move the average by; it does not stop a sign-flipped gradient of normal
-size.
+``clip[:C]``: once its reduce-scatter has ended (it needs every contribution before any range is final),
+the owner measures each member's contribution to its shard (its own included) as the RMS per element over
+the ranges that member delivered (so a member that lost datagrams is neither favoured nor penalized),
+takes the median over the members that delivered anything, and scales every contribution whose RMS
+exceeds C times that median down to it. Then it averages by weight as without ``robust``: a range that
+lost a sender is averaged over the senders that arrived (with their factors), and a range only the owner
+reached keeps the owner's value exactly.
+
+``centered[:C]``: the same, measured as the distance from a center (the previous round's average, passed
+by the caller), and the result is the center plus the weighted mean of the clipped differences. Without a
+center it is clip around zero.
+
+Limits, by design: norm clipping bounds how far one member moves the average (a member at x1000 counts
+as at most C times a typical one, times its weight share); it does NOT stop a sign-flipped or otherwise
+misdirected gradient of normal size, nor several colluding members that shift the median. Weights are
+capped separately (max_weight), and ranges holding NaN or inf are refused before any norm is taken.
+Cost: one more read of the shard's contributions (measured at 25M elements, 4 peers: ~15-30 ms per
+average on a loaded 2-core machine, against ~2 s for the average).
 """
 
 from __future__ import annotations

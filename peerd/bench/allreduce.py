@@ -37,6 +37,7 @@ class AllreduceBenchConfig:
     no_gso: bool = False
     compare_gloo: bool = False
     seed: int = 0
+    robust: str = "off"  # off | clip[:C] | centered[:C]: norm clipping at each shard owner (robust.py)
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -140,7 +141,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             group = rng.getrandbits(32)
             list(pool.map(lambda i, g=group: nodes[i].call(
                 "bench_prepare", timeout=600, group_id=g, members=members, index=i, seed=seeds[i],
-                size=cfg.size, weight=weights[i]), range(cfg.peers)))
+                size=cfg.size, weight=weights[i], robust=cfg.robust), range(cfg.peers)))
             t0 = time.time()
             replies = list(pool.map(lambda n, g=group: n.call("bench_run", timeout=600, group_id=g), nodes))
             elapsed = max(rep["done_at"] for rep in replies) - t0
@@ -173,6 +174,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "loss": cfg.loss,
             "repeat": cfg.repeat,
             "insecure": cfg.insecure,
+            "robust": cfg.robust,
             "gso": bool(nodes[0].status.get("gso")) and not cfg.no_gso,
             "peerd_s": statistics.median(peerd_times),
             "peerd_s_all": [round(t, 6) for t in peerd_times],
