@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare-gloo", action="store_true",
                    help="also time torch.distributed gloo all-reduce, alternating with peerd (needs torch)")
     b.add_argument("--seed", type=int, default=0, help="seed of vectors, weights and loss (default 0)")
+    b.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
+                   help="norm clipping at each shard owner, to time what it costs (default off)")
     b.add_argument("--json", action="store_true", help="print JSON")
     b = bench.add_parser("moshpit", help="N daemons average random vectors by Moshpit rounds; deviation per round")
     b.add_argument("--peers", type=int, default=16, metavar="N", help="daemons in the swarm (default 16)")
@@ -368,6 +370,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cfg = AllreduceBenchConfig(
         peers=args.peers, size=args.size, repeat=args.repeat, loss=args.loss, mtu=args.mtu,
         insecure=args.insecure, no_gso=args.no_gso, compare_gloo=args.compare_gloo, seed=args.seed,
+        robust=args.robust,
     )
     result = run_allreduce_bench(cfg, quiet=False)
     if args.json:
