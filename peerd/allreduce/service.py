@@ -89,7 +89,7 @@ class AllreduceService:
                         " sends (%s). For demos and benchmarks only; never in a real swarm !!!", byzantine)
         self._groups: dict[int, _Running] = {}
         # Bodies for groups this node has not started yet, and from tokens not bound yet: bounded in bytes
-        # (total and per token) and in time (``run`` expires them on a timer).
+        # (total and per token) and in time (a timer task, ``_expire_held``, frees them).
         self._held = HeldData()
         self._expiring = False  # the expiry timer task is running
         self._recent: OrderedDict[int, _Running] = OrderedDict()  # finished groups, for their last REPORTs
