@@ -127,6 +127,10 @@ class Metrics:
             "Local-socket connections or arenas refused (uid, unsealed arena, oversized reply), by reason",
             ["reason"], registry=r,
         )
+        self.pacing_rate = Gauge(
+            "peerd_pacing_rate_bytes", "The sender pacer's current rate, bytes per second (0 until the first REPORT)",
+            registry=r,
+        )
         self.trainer_state_fetches = Counter(
             "peerd_trainer_state_fetches_total", "State downloads for joining trainers, by outcome", ["outcome"],
             registry=r,

@@ -231,6 +231,7 @@ class AllreduceService:
             if report.expected > 0:
                 span = run.positions[i].span(max(0, first - 1), report.position - 1)
         verdict = self.pacer.on_report(node, report, trio.current_time(), span)
+        self.metrics.pacing_rate.set(verdict.rate)
         if verdict.action == "decrease":
             log.debug("pacing: %.1f MB/s (%s)", verdict.rate / 1e6, verdict.reason)
         return None
