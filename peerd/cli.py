@@ -152,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="matchmaking window: a group that cannot fill closes after this (default 3)")
     b.add_argument("--seed", type=int, default=0, help="seed of vectors, cells and victims (default 0)")
     b.add_argument("--json", action="store_true", help="print JSON")
+    b = bench.add_parser("soak", help="4 sealed daemons average while a member attacker and an outsider flood them")
+    b.add_argument("--datagrams", type=int, default=1_000_000, metavar="N", help="attack datagrams (default 1M)")
+    b.add_argument("--size", type=_size, default=1_000_000, metavar="S", help="float32 elements averaged (default 1M)")
+    b.add_argument("--rate", type=float, default=6000.0, metavar="R", help="attack datagrams/s outside the burst")
+    b.add_argument("--burst-share", type=float, default=0.3, metavar="F", help="share sent as fast as possible")
+    b.add_argument("--calm", type=float, default=8.0, metavar="SECONDS", help="no-attack phase first (default 8)")
+    b.add_argument("--seed", type=int, default=0, help="seed of inputs and attacks (default 0)")
+    b.add_argument("--json", action="store_true", help="print JSON only (no progress lines)")
 
     p = sub.add_parser("swarm", help="run N local daemons in one fresh swarm on 127.0.0.1 (Ctrl-C stops them)")
     p.add_argument("--peers", type=int, default=4, metavar="N", help="how many daemons (default 4)")
@@ -357,6 +365,9 @@ def cmd_swarm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.bench_command == "moshpit":
         return cmd_bench_moshpit(args, parser)
+    if args.bench_command == "soak":
+        from .bench.soak import cmd_bench_soak
+        return cmd_bench_soak(args, parser)
     from .bench.allreduce import AllreduceBenchConfig, run_allreduce_bench
 
     if args.peers < 2:

@@ -1,0 +1,513 @@
+"""`peerd bench soak`: 4 sealed daemons average continuously while a member attacker and an outsider replay
+every wire attack of issue 11 ("Hostile members and faults") at them.
+
+Phases: a calm phase (averaging only: the no-attack pacing rate, ping and memory baselines), the attack (a
+separate process, peerd/bench/soak_attack.py: steady, a burst as fast as it goes, a steady tail), then a
+last round after it. Every honest average is checked exact against the weighted mean of its group's known
+inputs; a member's PING round trip to the daemons is sampled all along; RSS comes from /proc/PID/status and
+the refusal counters from each daemon's Prometheus metrics. Only 127.0.0.1 daemons this bench started are
+ever sent to; every process and temp dir is removed at the end, also on failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..localsock.client import DaemonError
+from ..swarm import LocalSwarm, Node
+from ..wire import messages as m
+from ..wire.identity import Identity, load_swarm_key
+from ..wire.seal import Opener, Sealer
+from .moshpit import _wait_connected
+from .soak_attack import CLASSES
+
+RUN = "bench-soak"
+PEERS = 4
+DROP_METRICS = ("peerd_datagrams_dropped_total", "peerd_dht_store_refused_total", "peerd_ignored_records_total",
+                "peerd_contributions_refused_total", "peerd_background_errors_total")
+RATE_METRIC = "peerd_pacing_rate_bytes"
+SAMPLE_S = 0.5  # RSS and pacing-rate samples
+PING_S = 0.02  # one member PING to an honest daemon this often
+PING_TIMEOUT_S = 1.0  # a PING unanswered this long counts as this long in the percentiles
+TOLERANCE = 1e-5  # relative: max |result - exact| <= TOLERANCE * max |exact|
+GOALS = {"rss_growth_mb": 256.0, "ping_p99_ms": 50.0, "seconds_per_million": 300.0}
+
+
+@dataclass
+class SoakConfig:
+    datagrams: int = 1_000_000
+    size: int = 1_000_000
+    rate: float = 6000.0  # datagrams/s outside the burst
+    burst_share: float = 0.3  # of the datagrams, sent as fast as the attacker can
+    calm_s: float = 8.0  # the no-attack phase lasts at least this long (and two averages)
+    window_s: float = 3.0
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.datagrams < len(CLASSES) * 10:
+            raise ValueError(f"--datagrams must be at least {len(CLASSES) * 10} (ten per attack class)")
+        if self.size < 1:
+            raise ValueError("--size must be at least 1")
+        if not 100 <= self.rate <= 1e6:
+            raise ValueError("--rate must be 100..1000000 datagrams/s")
+        if not 0 <= self.burst_share <= 1:
+            raise ValueError("--burst-share must be in [0, 1]")
+        if not 0 <= self.calm_s <= 600:
+            raise ValueError("--calm must be 0..600 seconds")
+
+
+def _progress(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _scrape(addr: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """One daemon's metrics as {(sample name, labels): value}; {} when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=2.0) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return float(np.percentile(np.asarray(values), q))
+
+
+class _Monitor:
+    """Samples every daemon's RSS and pacing rate, tagged with the bench's current phase."""
+
+    def __init__(self, nodes: list[Node]) -> None:
+        self.nodes = nodes
+        self.phase = "calm"
+        self.rss: dict[str, list[float]] = {}  # phase -> samples (max over daemons)
+        self.rss_by_node: list[float] = [0.0] * len(nodes)
+        self.rates: dict[str, list[float]] = {}  # phase -> nonzero pacing rates seen (any daemon)
+        self.exited: set[int] = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="soak-monitor", daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(SAMPLE_S):
+            self.sample()
+
+    def sample(self) -> None:
+        phase = self.phase
+        top = 0.0
+        for i, node in enumerate(self.nodes):
+            if not node.alive():
+                self.exited.add(i)
+                continue
+            rss = _rss_mb(node.proc.pid)
+            if rss is not None:
+                self.rss_by_node[i] = rss
+                top = max(top, rss)
+                self.rss.setdefault(f"{phase}:{i}", []).append(rss)
+            metrics = node.status.get("metrics")
+            if metrics:
+                rate = _scrape(metrics).get((RATE_METRIC, ()), 0.0)
+                if rate > 0:
+                    self.rates.setdefault(phase, []).append(rate)
+        self.rss.setdefault(phase, []).append(top)
+
+
+class _Prober:
+    """A member (its own identity, the swarm key) that PINGs the honest daemons and times the PONGs."""
+
+    def __init__(self, key_file: str, targets: list[tuple[str, int]]) -> None:
+        import socket
+
+        secret = load_swarm_key(key_file)
+        self.ident = Identity.generate()
+        self.sealer = Sealer(secret)
+        self.opener = Opener(secret)
+        self.frm = {"pk": self.ident.public_key, "sig": self.ident.sign_token(self.sealer.token), "addr": None}
+        self.targets = targets
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.phase = "calm"
+        self.rtt: dict[str, list[float]] = {}
+        self.lost: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="soak-prober", daemon=True)
+
+    def _loop(self) -> None:
+        i = 0
+        while not self.stop.wait(PING_S):
+            phase = self.phase
+            rtt = self.ping(self.targets[i % len(self.targets)])
+            i += 1
+            if rtt is None:
+                self.lost[phase] = self.lost.get(phase, 0) + 1
+                rtt = PING_TIMEOUT_S
+            self.rtt.setdefault(phase, []).append(rtt * 1000)
+        self.sock.close()
+
+    def ping(self, target: tuple[str, int]) -> float | None:
+        rid = random.getrandbits(64)
+        body = m.encode(m.MsgType.PING, {"rid": rid, "from": self.frm})
+        sent = time.perf_counter()
+        try:
+            self.sock.sendto(self.sealer.seal(m.MsgType.PING, body), target)
+        except OSError:
+            return None
+        deadline = sent + PING_TIMEOUT_S
+        while (left := deadline - time.perf_counter()) > 0:
+            self.sock.settimeout(left)
+            try:
+                data, source = self.sock.recvfrom(65535)
+            except OSError:  # timeout
+                return None
+            try:
+                header, plain, _ = self.opener.open(data)
+                if header.type == m.MsgType.PONG and m.decode(header.type, plain)["rid"] == rid:
+                    return time.perf_counter() - sent
+            except Exception:  # noqa: BLE001 - anything else the daemon sent us (its own requests): ignore
+                continue
+        return None
+
+
+class _Averager:
+    """Moshpit rounds of the 4 daemons, back to back, each with known inputs; every result checked exact."""
+
+    def __init__(self, nodes: list[Node], cfg: SoakConfig) -> None:
+        self.nodes = nodes
+        self.cfg = cfg
+        self.ids = {n.status["peer_id"]: i for i, n in enumerate(nodes)}
+        self.ok = self.failed = self.alone = 0
+        self.rounds = 0
+        self.round_s: list[float] = []
+        self.errors: list[str] = []
+        self.alone_notes: list[str] = []
+        self.max_rel_err = 0.0
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(max_workers=len(nodes))
+        self.thread = threading.Thread(target=self._loop, name="soak-averager", daemon=True)
+
+    def _inputs(self, r: int) -> tuple[list[np.ndarray], list[float]]:
+        vectors, weights = [], []
+        for i in range(len(self.nodes)):
+            rng = np.random.default_rng([self.cfg.seed, r, i])
+            vectors.append(rng.standard_normal(self.cfg.size, dtype=np.float32))
+            weights.append(float(rng.integers(1, 100)))
+        return vectors, weights
+
+    def _loop(self) -> None:
+        r = 0
+        while not self.stop.is_set():
+            vectors, weights = self._inputs(r)
+            t0 = time.monotonic()
+
+            def call(i: int, vectors: list[np.ndarray] = vectors, weights: list[float] = weights) -> Any:
+                try:
+                    return self.nodes[i].call("avg_round", timeout=150, run=RUN, vector=vectors[i].tobytes(),
+                                              weight=weights[i], timeout_s=60.0)
+                except (DaemonError, OSError) as e:
+                    return e
+
+            replies = list(self.pool.map(call, range(len(self.nodes))))
+            for i, reply in enumerate(replies):
+                self._check(i, reply, vectors, weights)
+            self.round_s.append(time.monotonic() - t0)
+            self.rounds += 1
+            r += 1
+            if all(not n.alive() for n in self.nodes):
+                break
+
+    def _check(self, i: int, reply: Any, vectors: list[np.ndarray], weights: list[float]) -> None:
+        if isinstance(reply, Exception):
+            self.failed += 1
+            self.errors.append(f"peer {i}: {reply}"[:200])
+            return
+        stats = reply["stats"]
+        result = np.frombuffer(reply["vector"], dtype="<f4")
+        if stats["outcome"] == "alone":
+            self.alone += 1
+            if len(self.alone_notes) < 10:
+                self.alone_notes.append(f"peer {i} round {stats['round']}: alone after seeing {stats['seen']} "
+                                        f"({stats['matchmaking_s']:.2f} s matchmaking) {stats.get('error', '')}"[:200])
+            if not np.array_equal(result, vectors[i]):
+                self.failed += 1
+                self.errors.append(f"peer {i}: alone, but its vector changed")
+            return
+        if stats["outcome"] != "averaged":
+            self.failed += 1
+            self.errors.append(f"peer {i}: {stats['outcome']}: {stats.get('error', '')}"[:200])
+            return
+        members = [self.ids.get(h) for h in stats["members"]]
+        if None in members or i not in members:
+            self.failed += 1
+            self.errors.append(f"peer {i}: a group with members that are not the bench's daemons")
+            return
+        acc = np.zeros(self.cfg.size, dtype=np.float64)
+        total = 0.0
+        for j in members:
+            acc += weights[j] * vectors[j].astype(np.float64)
+            total += weights[j]
+        exact = acc / total
+        err = float(np.max(np.abs(result - exact))) / max(float(np.max(np.abs(exact))), 1e-30)
+        self.max_rel_err = max(self.max_rel_err, err)
+        if err <= TOLERANCE:
+            self.ok += 1
+        else:
+            self.failed += 1
+            self.errors.append(f"peer {i}: relative error {err:.3g} (received fraction "
+                               f"{stats['received_fraction']:.4f}, group of {stats['group_size']})")
+
+
+def _counters(nodes: list[Node]) -> dict[int, dict]:
+    out = {}
+    for i, node in enumerate(nodes):
+        addr = node.status.get("metrics")
+        if addr and node.alive():
+            out[i] = _scrape(addr)
+    return out
+
+
+def _drops(before: dict[int, dict], after: dict[int, dict]) -> dict[str, dict[str, int]]:
+    """The refusal counters' growth during the attack, summed over the daemons, by label values."""
+    out: dict[str, dict[str, int]] = {name: {} for name in DROP_METRICS}
+    for i, samples in after.items():
+        base = before.get(i, {})
+        for (name, labels), value in samples.items():
+            if name not in out:
+                continue
+            delta = int(value - base.get((name, labels), 0.0))
+            if delta:
+                label = "/".join(v for _, v in labels) or "total"
+                out[name][label] = out[name].get(label, 0) + delta
+    return out
+
+
+def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
+    cfg.check()
+    begin = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix="peerd-bench-soak-")
+    swarm = LocalSwarm(os.path.join(workdir, "swarm"), metrics=True, extra_args=("--log-level", "warning"))
+    attacker: subprocess.Popen | None = None
+    threads: list[Any] = []
+    averager: _Averager | None = None
+    try:
+        _progress(f"starting {PEERS} sealed daemons ...", quiet)
+        nodes = swarm.start_many(PEERS)
+        _wait_connected(nodes)
+        for i, node in enumerate(nodes):
+            node.call("avg_open", timeout=30, run=RUN, grid=str(PEERS), adapt=False, min_size=PEERS, cell=i,
+                      window_s=cfg.window_s)
+        monitor = _Monitor(nodes)
+        prober = _Prober(swarm.key_file, [_hostport(n.listen) for n in nodes])
+        averager = _Averager(nodes, cfg)
+        threads = [monitor, prober, averager]
+        for t in threads:
+            t.thread.start()
+
+        # -- calm: the no-attack baselines ------------------------------------------------------------------
+        _progress(f"calm phase: averaging {cfg.size} float32 without attack ...", quiet)
+        calm_end = time.monotonic() + cfg.calm_s
+        hard = time.monotonic() + 180.0
+        while (time.monotonic() < calm_end or averager.rounds < 2) and time.monotonic() < hard:
+            if monitor.exited:
+                raise DaemonError(f"a daemon exited before the attack: peers {sorted(monitor.exited)}")
+            time.sleep(0.2)
+        if averager.rounds < 1:
+            raise DaemonError("no honest average completed in the calm phase: "
+                              + "; ".join(averager.errors[-3:]))
+        monitor.sample()
+        calm_ok, calm_failed = averager.ok, averager.failed
+        rss_base = list(monitor.rss_by_node)
+        before = _counters(nodes)
+        status = nodes[0].call("status").get("moshpit", {}).get(RUN, {})
+
+        # -- the attack -----------------------------------------------------------------------------------------
+        for t in threads:
+            t.phase = "attack"
+        attack_cfg = {
+            "targets": [list(_hostport(n.listen)) for n in nodes], "key_file": swarm.key_file, "run": RUN,
+            "victims": [n.status["peer_id"] for n in nodes], "round": int(status.get("round", 0)),
+            "group_key": status.get("key", ""), "datagrams": cfg.datagrams, "rate": cfg.rate,
+            "burst_share": cfg.burst_share, "seed": cfg.seed,
+        }
+        with open(os.path.join(workdir, "attacker.log"), "wb") as log:
+            attacker = subprocess.Popen([sys.executable, "-m", "peerd.bench.soak_attack", json.dumps(attack_cfg)],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
+        _progress(f"attack: {cfg.datagrams} datagrams, {len(CLASSES)} classes, steady {cfg.rate:.0f}/s "
+                  f"and a burst of {cfg.burst_share:.0%} ...", quiet)
+        t_attack = time.monotonic()
+        summary: dict[str, Any] = {}
+        last_print = 0.0
+        assert attacker.stdout is not None
+        for line in attacker.stdout:  # ends when the attacker exits (it sends a bounded number)
+            try:
+                info = json.loads(line)
+            except ValueError:
+                continue
+            if info.get("done"):
+                summary = info
+            now = time.monotonic()
+            if now - last_print >= 3.0:
+                last_print = now
+                p99 = _percentile(prober.rtt.get("attack", []), 99)
+                speed = info["sent"] / max(now - t_attack, 1e-9)
+                _progress(f"  {info.get('phase', '?'):6s} sent {info['sent']:>9,} ({speed:,.0f}/s)"
+                          f"  averages ok {averager.ok} failed {averager.failed} alone {averager.alone}"
+                          f"  rss max {max(monitor.rss_by_node):.0f} MB  ping p99 "
+                          f"{'-' if p99 is None else f'{p99:.1f}'} ms  exited {sorted(monitor.exited)}", quiet)
+        rc = attacker.wait(timeout=30)
+        attack_s = time.monotonic() - t_attack
+        if rc != 0 or not summary:
+            with open(os.path.join(workdir, "attacker.log"), errors="replace") as f:
+                raise RuntimeError(f"the attacker failed (exit {rc}):\n{f.read()[-2000:]}")
+
+        # -- after: one more complete round, to see the swarm still averages ---------------------------------
+        for t in threads:
+            t.phase = "after"
+        rounds_then = averager.rounds
+        hard = time.monotonic() + 150.0
+        while averager.rounds < rounds_then + 2 and time.monotonic() < hard and averager.thread.is_alive():
+            time.sleep(0.2)
+        monitor.sample()
+        after = _counters(nodes)
+        averager.stop.set()
+        prober.stop.set()
+        monitor.stop.set()
+        averager.thread.join(timeout=150)
+        crashes = sum(1 for n in nodes if not n.alive())
+
+        growth = 0.0
+        for i in range(len(nodes)):
+            seen = monitor.rss.get(f"attack:{i}", []) + monitor.rss.get(f"after:{i}", [])
+            if seen:
+                growth = max(growth, max(seen) - rss_base[i])
+        attack_rtt = prober.rtt.get("attack", [])
+        calm_rates = monitor.rates.get("calm", [])
+        attack_rates = monitor.rates.get("attack", []) + monitor.rates.get("after", [])
+        sent = int(summary["sent"])
+        out: dict[str, Any] = {
+            "datagrams_sent": sent,
+            "sent_by_class": summary["by_class"],
+            "crashes": crashes,
+            "rss_growth_mb": round(growth, 1),
+            "ping_p99_ms": _round(_percentile(attack_rtt, 99)),
+            "averages_ok": averager.ok,
+            "averages_failed": averager.failed,
+            "rate_floor": min(attack_rates) if attack_rates else None,
+            "rate_no_attack": min(calm_rates) if calm_rates else None,
+            "drops": _drops(before, after),
+            "seconds": round(attack_s, 2),
+            "datagrams_per_second": round(sent / attack_s, 1) if attack_s > 0 else 0.0,
+            # more detail
+            "burst_datagrams_per_second": round(summary.get("burst_datagrams_per_second", 0.0), 1),
+            "responder_answers": summary.get("responder_answers", 0),
+            "averages_alone": averager.alone,
+            "alone_notes": averager.alone_notes,
+            "averages_ok_calm": calm_ok,
+            "averages_failed_calm": calm_failed,
+            "rounds": averager.rounds,
+            "round_s_median": _round(statistics.median(averager.round_s) if averager.round_s else None),
+            "max_rel_err": averager.max_rel_err,
+            "average_errors": averager.errors[:10],
+            "ping_p50_ms": _round(_percentile(attack_rtt, 50)),
+            "ping_p99_ms_no_attack": _round(_percentile(prober.rtt.get("calm", []), 99)),
+            "ping_lost": prober.lost.get("attack", 0),
+            "ping_samples": len(attack_rtt),
+            "rss_base_mb": [round(x, 1) for x in rss_base],
+            "rate_median_no_attack": statistics.median(calm_rates) if calm_rates else None,
+            "rate_median_attack": statistics.median(attack_rates) if attack_rates else None,
+            "total_seconds": round(time.monotonic() - begin, 2),
+            "config": asdict(cfg),
+        }
+        out["goals"] = {
+            "no_crashes": crashes == 0,
+            "rss_growth": growth <= GOALS["rss_growth_mb"],
+            "averages_exact": averager.failed == 0 and averager.ok > 0,
+            "ping_p99": out["ping_p99_ms"] is not None and out["ping_p99_ms"] <= GOALS["ping_p99_ms"],
+            "rate_floor": out["rate_floor"] is None or out["rate_no_attack"] is None
+            or out["rate_floor"] >= out["rate_no_attack"],
+            "speed": attack_s <= GOALS["seconds_per_million"] * sent / 1e6,
+            "every_class_sent": all(summary["by_class"].get(c, 0) > 0 for c in CLASSES),
+        }
+        return out
+    finally:
+        if attacker is not None and attacker.poll() is None:
+            attacker.kill()
+            attacker.wait()
+        for t in threads:
+            t.stop.set()
+        swarm.stop()
+        if averager is not None:
+            averager.pool.shutdown(wait=False, cancel_futures=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+def cmd_bench_soak(args: Any, parser: Any) -> int:
+    """`peerd bench soak` (argparse glue kept here, so cli.py carries only the parser and one dispatch line)."""
+    cfg = SoakConfig(datagrams=args.datagrams, size=args.size, rate=args.rate, burst_share=args.burst_share,
+                     calm_s=args.calm, seed=args.seed)
+    try:
+        cfg.check()
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        result = run_soak(cfg, quiet=args.json)
+    except KeyboardInterrupt:
+        print("\nstopped (every daemon and temp dir removed)", file=sys.stderr)
+        return 130
+    except (DaemonError, RuntimeError) as e:
+        print(f"peerd: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{result['datagrams_sent']:,} datagrams in {result['seconds']:.1f} s "
+          f"({result['datagrams_per_second']:,.0f}/s, burst {result['burst_datagrams_per_second']:,.0f}/s)")
+    print(f"crashes {result['crashes']}, rss growth {result['rss_growth_mb']} MB, ping p99 {result['ping_p99_ms']} ms "
+          f"(no attack: {result['ping_p99_ms_no_attack']} ms)")
+    print(f"averages ok {result['averages_ok']}, failed {result['averages_failed']}, alone {result['averages_alone']}; "
+          f"pacing floor {result['rate_floor']} B/s (no attack: {result['rate_no_attack']} B/s)")
+    for name, by in result["drops"].items():
+        print(f"{name}: " + (", ".join(f"{k} {v}" for k, v in sorted(by.items())) or "-"))
+    print("goals: " + ", ".join(f"{k} {'ok' if v else 'NOT MET'}" for k, v in result["goals"].items()))
+    return 0

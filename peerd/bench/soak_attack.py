@@ -1,0 +1,387 @@
+"""The hostile side of `peerd bench soak`: one member attacker (holds the swarm key, many identities) and one
+outsider (no key), in their own process so their CPU and GIL do not skew the bench's own measurements.
+
+Run as ``python -m peerd.bench.soak_attack CONFIG_JSON``. It sends exactly ``datagrams`` datagrams (a bounded
+loop), only to the daemons' 127.0.0.1 addresses named in the config, round-robin over the attack classes:
+a steady phase at ``rate`` datagrams/s, then a burst as fast as it can, then a steady tail. It also answers
+the daemons' DHT requests to one of its identities (FIND_VALUE with ``total`` = 65535 pages). Every
+``PROGRESS_S`` it prints one JSON line on stdout ({"sent", "by_class", "phase"}); the last has "done": true.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import random
+import selectors
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..allreduce.codec import HEADER as BODY_HEADER
+from ..allreduce.codec import BodyType
+from ..dht.records import Record
+from ..statesync.service import Advert, ad_key
+from ..wire import messages as m
+from ..wire.errors import WireError
+from ..wire.identity import Identity, load_swarm_key
+from ..wire.seal import Opener, Sealer
+
+PROGRESS_S = 0.5
+IDENTITIES = 64  # member identities the attacker signs and seals with
+FLOOD_PER_STORE = 5  # records in one flood STORE (fits a 1200-byte datagram)
+BURST_CHUNK = 256  # datagrams sent between two looks at the clock in the burst
+MEMBER_CLASSES = ("mm_join_bad_addr", "progress_far_ahead", "dht_store_flood", "state_advert_huge",
+                  "report_throttle", "held_data", "slot_squat", "nonfinite_data", "huge_weight", "find_value_pages",
+                  "replay")
+OUTSIDER_CLASSES = ("random", "mutated", "wrong_key")
+CLASSES = MEMBER_CLASSES + OUTSIDER_CLASSES
+Target = tuple[str, int]
+
+
+class _Member:
+    """One attacker identity with its own sealing token (bound to it by the ``from`` of its control bodies)."""
+
+    def __init__(self, secret: bytes, ident: Identity | None = None) -> None:
+        self.ident = ident or Identity.generate()
+        self.sealer = Sealer(secret)
+        self.frm: dict[str, Any] = {"pk": self.ident.public_key, "sig": self.ident.sign_token(self.sealer.token),
+                                    "addr": None}
+
+    def body(self, mtype: m.MsgType, fields: dict[str, Any], frm: dict[str, Any] | None = None) -> bytes:
+        """Encoded without the encoder's validation: these bodies are meant to be refused."""
+        return m.encode(mtype, {"rid": random.getrandbits(64), "from": frm or self.frm, **fields}, check=False)
+
+    def record(self, key: bytes, subkey: bytes, value: bytes, ttl: float = 600.0) -> list:
+        now = time.monotonic()
+        return Record.create(self.ident, key, subkey, value, ttl, wall=time.time(), now=now).to_wire(now)
+
+
+class Attack:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.get("seed", 0))
+        self.targets: list[Target] = [(h, int(p)) for h, p in cfg["targets"]]
+        for host, _ in self.targets:  # never anything but loopback
+            if not ipaddress.ip_address(host).is_loopback:
+                raise ValueError(f"refusing to attack {host}: the soak only sends to 127.0.0.1")
+        self.secret = load_swarm_key(cfg["key_file"])
+        self.run_id: str = cfg["run"]
+        self.victims = [bytes.fromhex(v) for v in cfg["victims"]]
+        self.round0: int = int(cfg.get("round", 0))
+        self.group_key: str = cfg.get("group_key", "")
+        self.sent = dict.fromkeys(CLASSES, 0)
+        self.answered = 0
+        self.phase = "setup"
+        self.stop = threading.Event()
+        self.msock = _udp()  # the member attacker's flood socket
+        self.rsock = _udp()  # its DHT responder (one identity, answers the daemons' requests)
+        self.osock = _udp()  # the outsider
+        self.members = [_Member(self.secret) for _ in range(IDENTITIES)]
+        self.responder = _Member(self.secret)
+        self.wrong = [_Member(os.urandom(32)) for _ in range(4)]
+        self.captured: list[bytes] = []  # datagrams seen (own sealed ones, and what daemons sent us): to mutate
+        self.last_sealed: list[bytes] = []
+        self._builders: dict[str, Callable[[], tuple[socket.socket, bytes]]] = {
+            c: getattr(self, f"_b_{c}") for c in CLASSES
+        }
+        self._prepare()
+
+    # -- pools of bodies, signed once (an Ed25519 signature costs ~50 us: not per datagram) ---------------
+    def _prepare(self) -> None:
+        rng, run = self.rng, self.run_id
+        n = int(self.cfg["datagrams"])
+        self.join_bodies = []
+        for i, mb in enumerate(self.members[:16]):
+            bad = [[b"\0" * 15 + b"\1", 4000 + i], [b"\xff" * 4, 4000 + i], [b"\0" * 4, 9],
+                   [bytes([224, 0, 0, 1]), 5353], [b"\xff\x02" + b"\0" * 13 + b"\1", 7]][i % 5]
+            frm = {**mb.frm, "addr": bad}
+            fields = {"run": run, "round": self.round0 + i % 3, "key": self.group_key, "expiry": time.time() + 30}
+            self.join_bodies.append((mb, mb.body(m.MsgType.MM_JOIN, fields, frm)))
+        self.progress_bodies = []
+        for i, mb in enumerate(self.members):
+            value = msgpack.packb([2**32 - 2, 2**32 - 3, 2**31, self.round0 + 5000][i % 4])
+            rec = mb.record(f"{run}/progress".encode(), mb.ident.node_id, value)
+            self.progress_bodies.append((mb, mb.body(m.MsgType.STORE, {"records": [rec]})))
+        distinct = max(1, min(n // len(CLASSES) // max(1, len(self.targets)), int(self.cfg.get("flood_stores", 4000))))
+        self.flood_bodies = []
+        for i in range(distinct):
+            mb = self.members[i % len(self.members)]
+            recs = [mb.record(b"flood/" + rng.randbytes(12).hex().encode(), b"", rng.randbytes(24))
+                    for _ in range(FLOOD_PER_STORE)]
+            self.flood_bodies.append((mb, mb.body(m.MsgType.STORE, {"records": recs})))
+        self.advert_bodies = []
+        for i, mb in enumerate(self.members[:16]):
+            size = [2**33, 2**63 - 1, 2**40, 10**15][i % 4]
+            ad = Advert(mb.ident.node_id, f"{run}/layout", "layout", 10**9, size, rng.randbytes(32),
+                        ("127.0.0.1", self.rsock.getsockname()[1]))
+            rec = mb.record(ad_key(run), mb.ident.node_id.hex().encode(), ad.encode())
+            self.advert_bodies.append((mb, mb.body(m.MsgType.STORE, {"records": [rec]})))
+        self.squat_bodies = []
+        keys = [f"{run}/progress".encode(), ad_key(run)] + [
+            f"{run}/{r}/{self.group_key}".encode() for r in range(self.round0, self.round0 + 40)]
+        for j, key in enumerate(keys):
+            for k, victim in enumerate(self.victims):
+                mb = self.members[(j + k) % len(self.members)]
+                subkey = victim if (j + k) % 2 else victim.hex().encode()
+                value = msgpack.packb([time.time() + 5, b"\x7f\0\0\1", 9]) if j > 1 else msgpack.packb(2**32 - 2)
+                self.squat_bodies.append((mb, mb.body(m.MsgType.STORE, {"records": [mb.record(key, subkey, value)]})))
+        self.report_bodies = []
+        for i in range(64):
+            mb = self.members[i % len(self.members)]
+            group = rng.getrandbits(32) if i % 2 else i  # random ids, and the small ones
+            fields = {"group": group, "phase": i % 2, "expected": 100_000, "received": 1, "bytes": 1200,
+                      "seconds": 0.05, "kernel_drops": 0, "position": 100_000 + i}
+            self.report_bodies.append((mb, mb.body(m.MsgType.REPORT, fields)))
+        self.value_bodies = []
+        for i in range(16):
+            mb = self.members[i]
+            key = f"{run}/progress".encode() if i % 2 else f"{run}/{self.round0}/{self.group_key}".encode()
+            rec = mb.record(key, f"pg{i:04d}".encode(), b"x")
+            self.value_bodies.append((mb, mb.body(m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": []})))
+        count = 275  # 1100 bytes of values
+        self.data_values = {
+            "held_data": np.asarray(rng.random(), dtype="<f4").repeat(count).tobytes(),
+            "nonfinite_data": np.array([np.nan, np.inf, -np.inf, 1.0] * (count // 4 + 1), "<f4")[:count].tobytes(),
+            "huge_weight": np.full(count, 1e30, "<f4").tobytes(),
+        }
+        self.big_held = np.zeros(16000, "<f4").tobytes()  # a 64 KB body
+
+    # -- one datagram per call -------------------------------------------------------------------------------
+    def _seal(self, mb: _Member, mtype: int, body: bytes) -> bytes:
+        d = mb.sealer.seal(mtype, body)
+        if len(self.last_sealed) < 256:
+            self.last_sealed.append(d)
+        else:
+            self.last_sealed[self.rng.randrange(256)] = d
+        return d
+
+    def _pick(self, pool: list[tuple[_Member, bytes]], mtype: m.MsgType) -> tuple[socket.socket, bytes]:
+        mb, body = pool[self.rng.randrange(len(pool))]
+        return self.msock, self._seal(mb, mtype, body)
+
+    def _b_mm_join_bad_addr(self) -> tuple[socket.socket, bytes]:
+        return self._pick(self.join_bodies, m.MsgType.MM_JOIN)
+
+    def _b_progress_far_ahead(self) -> tuple[socket.socket, bytes]:
+        return self._pick(self.progress_bodies, m.MsgType.STORE)
+
+    def _b_dht_store_flood(self) -> tuple[socket.socket, bytes]:
+        self._flood_i = (getattr(self, "_flood_i", -1) + 1) % len(self.flood_bodies)
+        mb, body = self.flood_bodies[self._flood_i]
+        return self.msock, self._seal(mb, m.MsgType.STORE, body)
+
+    def _b_state_advert_huge(self) -> tuple[socket.socket, bytes]:
+        return self._pick(self.advert_bodies, m.MsgType.STORE)
+
+    def _b_report_throttle(self) -> tuple[socket.socket, bytes]:
+        return self._pick(self.report_bodies, m.MsgType.REPORT)
+
+    def _data(self, kind: str, weight: float, big: bool = False) -> tuple[socket.socket, bytes]:
+        mb = self.members[self.rng.randrange(len(self.members))]
+        group = self.rng.getrandbits(32) if self.rng.random() < 0.9 else self.rng.randrange(16)
+        values = self.big_held if big else self.data_values[kind]
+        count = len(values) // 4
+        header = BODY_HEADER.pack(group, 0, 1 << 20, self.rng.randrange((1 << 20) - count), count, weight)
+        return self.msock, self._seal(mb, int(BodyType.RS_DATA), header + values)
+
+    def _b_held_data(self) -> tuple[socket.socket, bytes]:
+        return self._data("held_data", 1.0, big=self.rng.random() < 0.1)
+
+    def _b_nonfinite_data(self) -> tuple[socket.socket, bytes]:
+        return self._data("nonfinite_data", [1.0, float("nan"), float("inf")][self.rng.randrange(3)])
+
+    def _b_huge_weight(self) -> tuple[socket.socket, bytes]:
+        return self._data("huge_weight", 3.0e38)
+
+    def _b_slot_squat(self) -> tuple[socket.socket, bytes]:
+        return self._pick(self.squat_bodies, m.MsgType.STORE)
+
+    def _b_find_value_pages(self) -> tuple[socket.socket, bytes]:
+        return self._pick(self.value_bodies, m.MsgType.VALUE)  # unsolicited; answers go from the responder
+
+    def _b_replay(self) -> tuple[socket.socket, bytes]:
+        if not self.last_sealed:
+            return self._b_report_throttle()
+        return self.msock, self.last_sealed[self.rng.randrange(len(self.last_sealed))]
+
+    def _b_random(self) -> tuple[socket.socket, bytes]:
+        size = self.rng.randrange(1, 1201)
+        data = self.rng.randbytes(size)
+        if self.rng.random() < 0.5 and size > 21:  # a plausible header: magic, version, a known type, sealed
+            data = struct.pack("!2sBBB", b"PD", 1, self.rng.choice([1, 3, 5, 7, 0x10, 0x11, 0x40]), 1) + data[5:]
+        return self.osock, data
+
+    def _b_mutated(self) -> tuple[socket.socket, bytes]:
+        pool = self.captured if self.captured and self.rng.random() < 0.5 else self.last_sealed
+        if not pool:
+            return self._b_random()
+        data = bytearray(pool[self.rng.randrange(len(pool))])
+        for _ in range(self.rng.randrange(1, 4)):
+            data[self.rng.randrange(len(data))] ^= 1 << self.rng.randrange(8)
+        if self.rng.random() < 0.2:
+            data = data[: self.rng.randrange(1, len(data))]
+        return self.osock, bytes(data)
+
+    def _b_wrong_key(self) -> tuple[socket.socket, bytes]:
+        mb = self.wrong[self.rng.randrange(len(self.wrong))]
+        kind = self.rng.randrange(3)
+        if kind == 0:
+            return self.osock, mb.sealer.seal(m.MsgType.PING, mb.body(m.MsgType.PING, {}))
+        if kind == 1:
+            return self.osock, mb.sealer.seal(m.MsgType.REPORT, self.report_bodies[0][1])
+        return self.osock, mb.sealer.seal(int(BodyType.RS_DATA), BODY_HEADER.pack(1, 0, 8, 0, 1, 1.0) + b"\0" * 4)
+
+    # -- the responder: answers the daemons' requests to its identity, FIND_VALUE with 65535 pages ----------
+    def _serve(self) -> None:
+        opener = Opener(self.secret)
+        sel = selectors.DefaultSelector()
+        for s in (self.rsock, self.msock, self.osock):
+            s.setblocking(False)
+            sel.register(s, selectors.EVENT_READ)
+        r = self.responder
+        next_ping = 0.0
+        while not self.stop.is_set():
+            now = time.monotonic()
+            if now >= next_ping:  # stay in the daemons' routing tables, so their lookups ask us
+                next_ping = now + 1.0
+                for t in self.targets:
+                    self._send(self.rsock, r.sealer.seal(m.MsgType.PING, r.body(m.MsgType.PING, {})), t,
+                               "find_value_pages")
+            for key, _ in sel.select(0.1):
+                sock: socket.socket = key.fileobj  # type: ignore[assignment]
+                for _ in range(256):
+                    try:
+                        data, source = sock.recvfrom(65535)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError:
+                        break
+                    if len(self.captured) < 512:
+                        self.captured.append(data)
+                    if sock is self.rsock and source in self.targets:
+                        self._answer(opener, data, source)
+        sel.close()
+
+    def _answer(self, opener: Opener, data: bytes, source: Target) -> None:
+        try:
+            header, body, _ = opener.open(data)
+            if header.type > m.CONTROL_MAX:
+                return
+            mtype = m.msg_type(header.type)
+            fields = m.decode(mtype, body)
+        except WireError:
+            return
+        r = self.responder
+        reply: tuple[m.MsgType, dict[str, Any]] | None = None
+        if mtype is m.MsgType.PING:
+            reply = (m.MsgType.PONG, {})
+        elif mtype is m.MsgType.FIND_NODE:
+            reply = (m.MsgType.NODES, {"nodes": []})
+        elif mtype is m.MsgType.STORE:
+            reply = (m.MsgType.STORED, {"ok": [True] * len(fields["records"])})
+        elif mtype is m.MsgType.FIND_VALUE:
+            offset = fields["offset"]
+            rec = r.record(fields["key"], f"pg{offset:08d}".encode(), b"x")
+            reply = (m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": []})
+        if reply is None:
+            return
+        out = m.encode(reply[0], {"rid": fields["rid"], "from": r.frm, **reply[1]}, check=False)
+        self.answered += 1
+        self._send(self.rsock, r.sealer.seal(reply[0], out), source, "find_value_pages")
+
+    def _send(self, sock: socket.socket, data: bytes, target: Target, cls: str) -> None:
+        try:
+            sock.sendto(data, target)
+        except (BlockingIOError, InterruptedError):
+            pass  # a full send buffer drops it, like the network would
+        except OSError:
+            pass
+        self.sent[cls] += 1
+
+    # -- the bounded send loop ----------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        n = int(self.cfg["datagrams"])
+        rate = float(self.cfg.get("rate", 6000))
+        burst_share = float(self.cfg.get("burst_share", 0.3))
+        burst = int(n * burst_share)
+        steady1 = (n - burst) * 2 // 3
+        phases = [("steady", steady1), ("burst", burst), ("steady", n - burst - steady1)]
+        server = threading.Thread(target=self._serve, name="soak-responder", daemon=True)
+        server.start()
+        parent = os.getppid()
+        order = list(CLASSES)
+        start = time.monotonic()
+        last_report = 0.0
+        burst_s = 0.0
+        total = 0
+        ci = ti = 0
+        for name, count in phases:
+            self.phase = name
+            t0 = time.monotonic()
+            done = 0
+            while done < count:
+                chunk = min(count - done, BURST_CHUNK if name == "burst" else 32)
+                for _ in range(chunk):
+                    cls = order[ci]
+                    ci = (ci + 1) % len(order)
+                    sock, data = self._builders[cls]()
+                    self._send(sock, data, self.targets[ti], cls)
+                    ti = (ti + 1) % len(self.targets)
+                done += chunk
+                total += chunk
+                now = time.monotonic()
+                if name == "steady":
+                    ahead = t0 + done / rate - now
+                    if ahead > 0:
+                        time.sleep(ahead)
+                if now - last_report >= PROGRESS_S:
+                    last_report = now
+                    if os.getppid() != parent:  # the bench is gone: stop
+                        self.stop.set()
+                        return self._summary(start, burst_s, burst)
+                    self._emit(total, start)
+            if name == "burst":
+                burst_s = time.monotonic() - t0
+        self.stop.set()
+        server.join(timeout=2.0)
+        return self._summary(start, burst_s, burst)
+
+    def _emit(self, total: int, start: float) -> None:
+        line = {"sent": total, "by_class": self.sent, "phase": self.phase, "seconds": time.monotonic() - start}
+        print(json.dumps(line), flush=True)
+
+    def _summary(self, start: float, burst_s: float, burst: int) -> dict[str, Any]:
+        seconds = time.monotonic() - start
+        return {"done": True, "sent": sum(self.sent.values()), "by_class": dict(self.sent), "seconds": seconds,
+                "burst_datagrams": burst, "burst_seconds": burst_s,
+                "burst_datagrams_per_second": burst / burst_s if burst_s > 0 else 0.0,
+                "responder_answers": self.answered}
+
+
+def _udp() -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    return s
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m peerd.bench.soak_attack CONFIG_JSON", file=sys.stderr)
+        return 2
+    attack = Attack(json.loads(argv[0]))
+    print(json.dumps(attack.run()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

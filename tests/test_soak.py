@@ -1,0 +1,38 @@
+"""End to end: `peerd bench soak` (issue 11): 4 sealed daemons average while a member attacker and an
+outsider replay every wire attack at them; no daemon exits and every honest average stays exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from peerd.bench.soak_attack import CLASSES
+
+from .conftest import peerd
+
+pytestmark = pytest.mark.e2e
+
+FIELDS = ("datagrams_sent", "sent_by_class", "crashes", "rss_growth_mb", "ping_p99_ms", "averages_ok",
+          "averages_failed", "rate_floor", "rate_no_attack", "drops", "seconds", "datagrams_per_second")
+DROP_METRICS = ("peerd_datagrams_dropped_total", "peerd_dht_store_refused_total", "peerd_ignored_records_total",
+                "peerd_contributions_refused_total", "peerd_background_errors_total")
+
+
+def test_small_soak_no_crash_and_exact_averages() -> None:
+    run = peerd("bench", "soak", "--datagrams", "20000", "--size", "100000", "--calm", "3", "--json", timeout=180)
+    out = json.loads(run.stdout)  # stdout is pure JSON
+    for name in FIELDS:
+        assert name in out, name
+    assert set(DROP_METRICS) <= set(out["drops"])
+    assert out["crashes"] == 0, out
+    assert out["averages_failed"] == 0, out["average_errors"]
+    assert out["averages_ok"] > 0
+    assert set(out["sent_by_class"]) == set(CLASSES)
+    assert all(count > 0 for count in out["sent_by_class"].values()), out["sent_by_class"]
+    assert out["datagrams_sent"] >= 20000
+    # the attacks arrived and were refused: bad seals, replays, squatted slots, REPORTs from non-members
+    dropped = out["drops"]["peerd_datagrams_dropped_total"]
+    for reason in ("auth", "replay", "report", "malformed"):
+        assert dropped.get(reason, 0) > 0, dropped
+    assert out["drops"]["peerd_dht_store_refused_total"].get("slot", 0) > 0, out["drops"]
