@@ -274,6 +274,11 @@ class DhtService:
 
     async def put(self, key: bytes, subkey: bytes, value: bytes, ttl: float) -> PutResult:
         """Sign a record and store it on the k closest nodes (this one too, if it is among them)."""
+        if not slot_allows(subkey, self.endpoint.identity.public_key):
+            raise ValueError(
+                "this subkey names another node (a subkey of 32 bytes, or of 64 lowercase hex digits, is a node "
+                "id): only that node may write it; leave the subkey out to write under this node's own id"
+            )
         now = trio.current_time()
         record = Record.create(self.endpoint.identity, key, subkey, value, ttl, wall=self._wall(), now=now)
         target = location(key)
