@@ -117,7 +117,7 @@ def test_candidates_prefer_newest_then_most_donors() -> None:
     ads = [Advert(bytes([i]) * 32, KEY, LAYOUT, step, 10, sha, None)
            for i, (step, sha) in enumerate([(100, a), (100, b), (100, b), (90, c)])]
     ranked = _candidates(ads)
-    assert [r[0] for r in ranked] == [b, a, c]  # newest first; at step 100, b has two donors
-    assert len(ranked[0][2]) == 2 and len(ranked[1][2]) == 1
+    assert [r.sha for r in ranked] == [b, a, c]  # newest first; at step 100, b has two donors
+    assert len(ranked[0].donors) == 2 and len(ranked[1].donors) == 1
     assert Advert.decode(b"x" * 32, b"\x00garbage") is None
     assert Advert.decode(ads[0].node_id, ads[0].encode()) == ads[0]

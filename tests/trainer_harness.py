@@ -50,11 +50,15 @@ class InProcessAverager:
         self.calls: list[tuple[str, float]] = []
         self.keep_rounds: list[int | None] = []  # what each call asked for (None: the daemon's default)
         self.round_numbers: list[int | None] = []  # the round each call named (None: the run's next)
+        self.options: list[dict] = []  # the max_weight / robust keywords each call passed (only those set)
+        self.poison: float | None = None  # if set, every averaged result holds this value (e.g. NaN) at [0]
         self._ids = 0
 
     async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
-                      keep_rounds: int | None = None, round_no: int | None = None) -> RoundResult:
+                      keep_rounds: int | None = None, round_no: int | None = None, **options) -> RoundResult:
+        assert set(options) <= {"max_weight", "robust"}, options
         start = time.monotonic()
+        self.options.append(options)
         self.calls.append((run_id, weight))
         self.keep_rounds.append(keep_rounds)
         self.round_numbers.append(round_no)
@@ -77,7 +81,10 @@ class InProcessAverager:
         if n == 1:
             return RoundResult(vector, "alone", "", 1, [], 0.0, rnd.number, time.monotonic() - start)
         assert rnd.mean is not None
-        return RoundResult(rnd.mean.copy(), "averaged", f"{rnd.number:08x}", n, [str(e[0]) for e in rnd.entries],
+        mean = rnd.mean.copy()
+        if self.poison is not None:
+            mean[0] = self.poison
+        return RoundResult(mean, "averaged", f"{rnd.number:08x}", n, [str(e[0]) for e in rnd.entries],
                            1.0, rnd.number, time.monotonic() - start)
 
     @staticmethod

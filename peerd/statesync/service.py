@@ -5,21 +5,30 @@ opaque blob to the daemon) keeps the last few snapshots in memory and advertises
 under ``peerd/state/<run id>`` (subkey: its node id). The value names the snapshot exactly: run key
 (run id and layout hash), step, size and SHA-256.
 
-Joiners: read every advertisement, keep those of the same run key (same model), pick the snapshot that
-the most donors hold among the newest steps, and download it in chunks spread over all donors that hold
-it, over the endpoint's request/response (STATE_GET -> STATE_CHUNK, PROTOCOL.md section 15). Why reuse
-the endpoint's request/response rather than a new reliable stream: it already retries with backoff,
-matches responses by request id, and authenticates every datagram with the swarm key; a chunk is one
-datagram, so there is nothing to reassemble but the blob itself. A chunk that fails at one donor is asked
-of the next; the whole blob is verified against the advertised hash before anyone uses it, and a blob that
-does not verify is thrown away and the next candidate snapshot is tried.
+Joiners: read every advertisement, keep those of the same run key and layout (same model) whose size is
+within what the local model can produce (a bound from its layout), rank the snapshots (donors this node
+has averaged with first, then a step that is not far ahead of the swarm's median, then the newest step,
+then the most donors agreeing on the same bytes), and download the best in chunks spread over all donors
+that hold it, with a fixed pool of workers, over the endpoint's request/response (STATE_GET -> STATE_CHUNK,
+PROTOCOL.md section 15). Why reuse the endpoint's request/response rather than a new reliable stream: it
+already retries with backoff, matches responses by request id, and authenticates every datagram with the
+swarm key; a chunk is one datagram, so there is nothing to reassemble but the blob itself. A chunk that
+fails at one donor is asked of the next; the whole blob is verified against the advertised hash before
+anyone uses it, and a blob that does not verify is thrown away and the next candidate snapshot is tried.
+Every failure (no donor has some bytes, a donor sends other bytes, the hash does not match, no memory for
+the blob) moves on to the next candidate; only the overall deadline ends the search.
+
+Members are not trusted: an advertisement is a claim by someone who holds the swarm key, and ids are free
+to mint. So the advertised size must fit the local model (no allocation from a stranger's number), the
+advertised step cannot lift a stranger above donors this node averaged with, and a step far ahead of the
+swarm's median only counts after every step that is not.
 
 Several donors can hold byte-identical snapshots because replicas that averaged in the same group apply
-the same averaged gradients; when donors disagree, the most widely held newest snapshot wins and the
-others are not mixed in (mixing chunks of different snapshots would fail the hash).
+the same averaged gradients; when donors disagree, the best ranked snapshot wins and the others are not
+mixed in (mixing chunks of different snapshots would fail the hash).
 
-The advertisement also carries the layout hash, so a daemon can refuse a trainer whose model differs
-from the one the run is training (see peerd.trainer).
+The advertisement also carries the layout hash; an advertisement of another layout is ignored (counted
+as ``ignored_records{kind="state_advert",reason="layout"}``), never a reason to refuse a local trainer.
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import logging
+import statistics
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgpack
@@ -44,12 +55,22 @@ log = logging.getLogger("peerd.statesync")
 
 KEEP = 4  # snapshots kept per run: a joiner mid-download keeps its snapshot while donors move on
 AD_TTL_S = 120.0  # an advertisement lives this long unless refreshed (every publish refreshes it)
-PARALLEL = 16  # chunk requests in flight
+WORKERS = 16  # chunk workers per download, each with one request in flight (a queue of chunks, not a task each)
 CHUNK_OVERHEAD = 320  # bytes of a STATE_CHUNK body that are not data (rid, from, sha, offsets, keys)
+MIN_PIECE = 256  # a STATE_CHUNK with fewer data bytes than this (short of the range's end) is a donor's fault
+MAX_SNAPSHOT = 1 << 34  # the largest snapshot a joiner downloads when the caller gives no bound of its own
+MAX_STEP = 2**63 - 1
+AHEAD_STEPS = 10_000  # a snapshot this many steps past the median advertised step ranks after all others
+MAX_SOLO = 8  # after a hash mismatch, the donors (known ones first) tried one at a time
+MAX_NOTED = 1024  # peers remembered from this node's own averaging rounds
 
 
 class StateSyncError(Exception):
     """No usable snapshot could be downloaded; the message says why."""
+
+
+class _Mismatch(StateSyncError):
+    """The bytes downloaded do not hash to the advertised SHA-256 (some donor served other bytes)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +108,8 @@ class Advert:
         except Exception:
             return None
         ok = (isinstance(ad.run_key, str) and isinstance(ad.layout, str) and type(ad.step) is int
-              and type(ad.size) is int and ad.size >= 0 and isinstance(ad.sha, bytes) and len(ad.sha) == 32)
+              and -1 <= ad.step <= MAX_STEP and type(ad.size) is int and 0 <= ad.size <= MAX_STEP
+              and isinstance(ad.sha, bytes) and len(ad.sha) == 32)
         return ad if ok else None
 
 
@@ -106,14 +128,49 @@ class Fetched:
 
 
 class StateSync:
+    """Donor and joiner sides of state sync. ``known_peers`` (a set of hex node ids, or a callable returning
+    them, e.g. the members of the Moshpit rounds this node averaged in) ranks those donors' snapshots above
+    strangers'; peers seen through ``note_peers`` count too."""
+
     def __init__(self, endpoint: Endpoint, dht: DhtService | None, metrics: Metrics, *,
-                 advertise: Address | None = None) -> None:
+                 advertise: Address | None = None,
+                 known_peers: Callable[[], Iterable[str]] | Iterable[str] | None = None) -> None:
         self.endpoint = endpoint
         self.dht = dht
         self.metrics = metrics
         self.advertise = advertise
         self._snapshots: dict[str, OrderedDict[bytes, bytes]] = {}  # run key -> sha -> blob
+        self._known_source: Callable[[], Iterable[str]] | Iterable[str] | None = None
+        self._noted: OrderedDict[str, None] = OrderedDict()  # hex ids of peers averaged with, newest last
+        self.set_known_peers(known_peers)
         endpoint.on_request(m.MsgType.STATE_GET, self._on_get)
+
+    def set_known_peers(self, source: Callable[[], Iterable[str]] | Iterable[str] | None) -> None:
+        """Where the ids of peers this node has averaged with come from (hex strings); None: only noted ones."""
+        self._known_source = source
+
+    def note_peers(self, members: Iterable[object]) -> None:
+        """Remember the members of a round this node averaged in (hex node ids; anything else is skipped)."""
+        for i, member in enumerate(members):
+            if i >= 256:
+                break
+            if isinstance(member, str) and len(member) == 64:
+                self._noted[member.lower()] = None
+                self._noted.move_to_end(member.lower())
+        while len(self._noted) > MAX_NOTED:
+            self._noted.popitem(last=False)
+
+    def known_peers(self) -> set[str]:
+        """Hex ids of the peers this node has averaged with (noted, plus the injected source)."""
+        known = set(self._noted)
+        source = self._known_source
+        try:
+            extra = source() if callable(source) else source
+            if extra is not None:
+                known.update(str(k).lower() for k in extra)
+        except Exception as e:  # a ranking hint: never a reason to fail a download
+            log.warning("state sync: reading the known peers failed: %s", e)
+        return known
 
     @property
     def node_id(self) -> bytes:
@@ -177,37 +234,66 @@ class StateSync:
         return {"sha": body["sha"], "offset": offset, "total": len(blob), "data": data}
 
     # -- joiner side ----------------------------------------------------------------------------
-    async def fetch(self, run: str, run_key: str, *, timeout: float = 60.0, min_step: int = 0) -> Fetched | None:
+    def usable(self, ads: list[Advert], run_key: str, *, layout: str | None = None, min_step: int = 0,
+               max_size: int = MAX_SNAPSHOT) -> list[Advert]:
+        """The adverts a joiner may download from: same run key and layout, a snapshot (step >= min_step,
+        size > 0) of at most ``max_size`` bytes, not this node's. Others' layouts and sizes are counted."""
+        out = []
+        for a in ads:
+            if a.node_id == self.node_id:
+                continue
+            if a.run_key != run_key or (layout is not None and a.layout != layout):
+                self.metrics.ignored_records.labels("state_advert", "layout").inc()
+                continue
+            if a.step < min_step or a.size == 0:
+                continue  # "training, no snapshot yet", or older than asked for
+            if a.size > max_size:
+                self.metrics.ignored_records.labels("state_advert", "size").inc()
+                log.info("state sync: ignoring %s's snapshot of %d bytes (this model's snapshots hold at most %d)",
+                         a.node_id.hex()[:12], a.size, max_size)
+                continue
+            out.append(a)
+        return out
+
+    async def fetch(self, run: str, run_key: str, *, timeout: float = 60.0, min_step: int = 0,
+                    max_size: int | None = None, layout: str | None = None) -> Fetched | None:
         """Download the best snapshot of ``run_key`` that others advertise; None if nobody has one.
 
-        Raises StateSyncError if snapshots are advertised but none could be downloaded and verified.
+        ``max_size``: the most bytes a snapshot of the local model can hold (adverts of larger ones are
+        ignored and counted; default MAX_SNAPSHOT); ``layout``: the local model's layout hash (adverts of
+        another layout are ignored and counted). Raises StateSyncError if snapshots are advertised but none
+        could be downloaded and verified within ``timeout``.
         """
+        bound = MAX_SNAPSHOT if max_size is None else max(0, min(max_size, MAX_SNAPSHOT))
+        errors: list[str] = []
         with trio.move_on_after(timeout) as scope:
-            ads = [a for a in await self.adverts(run, timeout=timeout / 3)
-                   if a.run_key == run_key and a.step >= min_step and a.size > 0 and a.node_id != self.node_id]
+            ads = self.usable(await self.adverts(run, timeout=timeout / 3), run_key, layout=layout,
+                              min_step=min_step, max_size=bound)
             if not ads:
                 self.metrics.trainer_state_fetches.labels("none").inc()
                 return None
-            errors = []
-            for sha, step, donors in _candidates(ads):
-                # All donors at once; if the result does not verify (a donor served bad bytes), each
-                # donor alone, so one bad donor cannot keep a joiner from a snapshot others hold.
-                attempts = [donors] + ([[d] for d in donors] if len(donors) > 1 else [])
+            for cand in _candidates(ads, self.known_peers()):
+                # All donors at once; if the result does not verify (a donor served bad bytes), each donor
+                # alone (known ones first), so one bad donor cannot keep a joiner from a snapshot others hold.
+                donors = cand.donors
+                attempts = [donors] + ([[d] for d in donors[:MAX_SOLO]] if len(donors) > 1 else [])
                 for group in attempts:
                     try:
-                        fetched = await self._download(run_key, sha, step, group)
-                    except StateSyncError as e:
-                        errors.append(str(e))
-                        log.info("state sync: snapshot %s (step %d) from %d donor(s) failed: %s", sha.hex()[:12],
-                                 step, len(group), e)
-                        if group is donors and "does not match" not in str(e):
-                            break  # no donor has some bytes: the next snapshot, if any
+                        fetched = await self._download(run_key, cand.sha, cand.size, cand.step, group)
+                    except (StateSyncError, RpcError, MemoryError, OSError) as e:
+                        why = "no memory for the snapshot" if isinstance(e, MemoryError) else str(e)
+                        errors.append(why)
+                        log.info("state sync: snapshot %s (step %d, %d bytes) from %d donor(s) failed: %s",
+                                 cand.sha.hex()[:12], cand.step, cand.size, len(group), why)
+                        if group is donors and not isinstance(e, _Mismatch):
+                            break  # nobody has some bytes, or no memory: the next snapshot, if any
                         continue  # a bad or forgetful donor: try the others, one at a time
                     self.metrics.trainer_state_fetches.labels("ok").inc()
                     return fetched
         self.metrics.trainer_state_fetches.labels("failed").inc()
         if scope.cancelled_caught:
-            raise StateSyncError(f"state download did not finish within {timeout:.0f} s")
+            raise StateSyncError(f"state download did not finish within {timeout:.0f} s"
+                                 + (f" ({'; '.join(errors[:3])})" if errors else ""))
         raise StateSyncError("no advertised snapshot could be downloaded: " + "; ".join(errors[:3]))
 
     async def _resolve(self, ad: Advert) -> Address | None:
@@ -223,21 +309,24 @@ class StateSync:
                 return contact.addr
         return None
 
-    async def _download(self, run_key: str, sha: bytes, step: int, donors: list[Advert]) -> Fetched:
-        size = donors[0].size
-        addrs = [a for a in [await self._resolve(d) for d in donors] if a is not None]
+    async def _download(self, run_key: str, sha: bytes, size: int, step: int, donors: list[Advert]) -> Fetched:
+        """``size`` bytes named by ``sha`` from ``donors``: WORKERS tasks take chunks off one queue; a chunk
+        that fails at one donor is asked of the next; one that fails at all of them ends the download."""
+        addrs = list(dict.fromkeys(a for a in [await self._resolve(d) for d in donors] if a is not None))
         if not addrs:
             raise StateSyncError("no donor address could be found")
         chunk = max(1, min(m.MAX_CHUNK, self.endpoint.max_body - CHUNK_OVERHEAD))
-        offsets = list(range(0, size, chunk))
-        buf = bytearray(size)
+        count = -(-size // chunk)
+        buf = bytearray(size)  # size is within the caller's bound (MemoryError: the caller moves on)
         dead: set[Address] = set()
-        retries = 0
         used: set[Address] = set()
-        limit = trio.CapacityLimiter(PARALLEL)
+        retries = 0
+        queue = iter(range(count))
+        failed: list[int] = []
 
-        async def get(i: int, offset: int) -> None:
+        async def get(i: int) -> bool:
             nonlocal retries
+            offset = i * chunk
             want = min(chunk, size - offset)
             got = 0
             # Start at donor i mod d, so chunks spread over all donors; move on when one fails.
@@ -246,47 +335,81 @@ class StateSync:
                 if attempt:
                     retries += 1
                 try:
-                    async with limit:
-                        while got < want:
-                            reply = await self.endpoint.request(
-                                addr, m.MsgType.STATE_GET,
-                                {"run": run_key.encode(), "sha": sha, "offset": offset + got, "length": want - got},
-                                timeout=0.3, attempts=4,
-                            )
-                            body = reply.body
-                            data = body["data"]
-                            if body["sha"] != sha or body["total"] != size or body["offset"] != offset + got \
-                                    or not data or len(data) > want - got:
-                                raise StateSyncError(f"{addr[0]}:{addr[1]} answered for another range or snapshot")
-                            buf[offset + got: offset + got + len(data)] = data
-                            got += len(data)
+                    while got < want:
+                        reply = await self.endpoint.request(
+                            addr, m.MsgType.STATE_GET,
+                            {"run": run_key.encode(), "sha": sha, "offset": offset + got, "length": want - got},
+                            timeout=0.3, attempts=4,
+                        )
+                        body = reply.body
+                        data = body["data"]
+                        if body["sha"] != sha or body["total"] != size or body["offset"] != offset + got \
+                                or len(data) > want - got:
+                            dead.add(addr)  # it lies about what it holds: ask it nothing more
+                            raise StateSyncError(f"{addr[0]}:{addr[1]} answered for another range or snapshot")
+                        if len(data) < min(want - got, MIN_PIECE):
+                            dead.add(addr)  # a trickle would keep a joiner busy for ever
+                            raise StateSyncError(f"{addr[0]}:{addr[1]} sent {len(data)} bytes of {want - got}")
+                        buf[offset + got: offset + got + len(data)] = data
+                        got += len(data)
                     used.add(addr)
-                    return
+                    return True
                 except (RpcError, StateSyncError) as e:
                     if "refused" in str(e):
                         dead.add(addr)  # it no longer holds the snapshot: ask it nothing more
                     log.debug("state chunk at %d from %s: %s", offset, addr, e)
-            failed.append(offset)
-            nursery.cancel_scope.cancel()  # the snapshot cannot be completed: stop asking for the rest
+            return False
 
-        failed: list[int] = []
+        async def worker(nursery: trio.Nursery) -> None:
+            for i in queue:  # shared by all workers: each chunk is taken once
+                if not await get(i):
+                    failed.append(i * chunk)
+                    nursery.cancel_scope.cancel()  # the snapshot cannot be completed: stop asking for the rest
+                    return
+
         async with trio.open_nursery() as nursery:
-            for i, offset in enumerate(offsets):
-                nursery.start_soon(get, i, offset)
+            for _ in range(min(WORKERS, count)):
+                nursery.start_soon(worker, nursery)
         if failed:
             raise StateSyncError(f"no donor delivered the bytes at offset {failed[0]} (of {size})")
-        blob = bytes(buf)
-        if hashlib.sha256(blob).digest() != sha:
-            raise StateSyncError("the downloaded snapshot does not match its advertised SHA-256")
-        return Fetched(step, blob, sha, len(used), len(offsets), retries)
+        if hashlib.sha256(buf).digest() != sha:
+            raise _Mismatch("the downloaded snapshot does not match its advertised SHA-256")
+        return Fetched(step, bytes(buf), sha, len(used), count, retries)
 
 
-def _candidates(ads: list[Advert]) -> list[tuple[bytes, int, list[Advert]]]:
-    """Snapshots to try, best first: newest step, then held by the most donors (more to download from)."""
-    by_sha: dict[bytes, list[Advert]] = {}
+@dataclass
+class Candidate:
+    """One snapshot (named by its hash and size) and the donors that advertise it, ranked by ``rank``."""
+
+    sha: bytes
+    size: int
+    step: int
+    donors: list[Advert]
+    known: bool
+    far_ahead: bool
+
+    def rank(self) -> tuple:
+        return (not self.known, self.far_ahead, -self.step, -len(self.donors), self.sha)
+
+
+def _candidates(ads: list[Advert], known: set[str] | frozenset[str] = frozenset(), *,
+                ahead: int = AHEAD_STEPS) -> list[Candidate]:
+    """Snapshots to try, best first: held by a donor this node averaged with; then not far ahead of the median
+    advertised step (a stranger's far-ahead claim cannot outrank the swarm); then newest; then the most
+    donors holding the same bytes. A snapshot's step is the one most of its donors claim (ties: the higher),
+    so a donor that claims a higher step for bytes others hold does not move it."""
+    by_snapshot: dict[tuple[bytes, int], list[Advert]] = {}
     for a in ads:
-        by_sha.setdefault(a.sha, []).append(a)
-    ranked = [(sha, max(a.step for a in group), [a for a in group if a.size == group[0].size])
-              for sha, group in by_sha.items()]
-    ranked.sort(key=lambda c: (-c[1], -len(c[2]), c[0]))
-    return ranked
+        by_snapshot.setdefault((a.sha, a.size), []).append(a)
+    median = statistics.median_low([a.step for a in ads]) if ads else 0
+    out = []
+    for (sha, size), group in by_snapshot.items():
+        counts: dict[int, int] = {}
+        for a in group:
+            counts[a.step] = counts.get(a.step, 0) + 1
+        step = max(counts, key=lambda s: (counts[s], s))
+        donors = sorted(group, key=lambda a: a.node_id.hex() not in known)  # known donors first (stable)
+        out.append(Candidate(sha, size, step, donors, any(a.node_id.hex() in known for a in group),
+                             step > median + ahead))
+    out.sort(key=Candidate.rank)
+    return out

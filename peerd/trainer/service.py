@@ -3,13 +3,17 @@
 A trainer opens a session by declaring its flat parameter layout and passing its arena (a memfd) with
 the request. The daemon hashes the layout itself; the run key it averages under is ``<run>/<hash>``,
 so models that differ never average together, and a trainer whose model differs from the one its run
-is already training (on this daemon, or as advertised in the DHT) is refused with an error that says so.
+is already training on this daemon is refused with an error that says so. The swarm's adverts are claims
+of members (anyone with the swarm key): one of another layout is ignored and counted, never a reason to
+refuse a trainer (the reply warns when the swarm advertises only other layouts).
 
 Each step the trainer writes its vector and sample count into the step's slot and sends ``trainer_step``;
 the daemon copies the vector out, averages it (Moshpit in the daemon; any async callable with the same
 signature in tests), and writes the result back into the slot only if that step is still the session's
-newest (see peerd.localsock.arena). A session belongs to its connection: when the trainer disconnects,
-even mid-step, the session's mapping is released and its result dropped; the daemon carries on.
+newest (see peerd.localsock.arena) and finite: a result holding NaN or infinity is never written (the
+trainer's own vector is, and the step is reported failed). A session belongs to its connection: when the
+trainer disconnects, even mid-step, the session's mapping is released and its result dropped; the daemon
+carries on.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import msgpack
 import numpy as np
 import trio
 
+from ..allreduce.robust import Robust, parse_robust
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
+from ..moshpit.service import all_finite
 
 log = logging.getLogger("peerd.trainer")
 
@@ -37,7 +43,16 @@ MAX_RUN_ID = 48  # so that '<run>.<layout hash>.<g|p>' fits Moshpit's 64-byte ru
 MAX_TENSORS = 100_000
 MAX_BLOB = 1 << 34
 DTYPES = {"float32", "float16", "bfloat16", "float64"}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 KINDS = ("grad", "params")
+MAX_SAMPLES = float(2**53)  # the largest max_samples a trainer may ask for (exact in a float)
+ADVERT_CHECK_S = 5.0  # how long trainer_open reads the swarm's adverts for its warning
+# A snapshot (peerd.torch: torch.save of the flat float32 parameters, the optimizer's state dict and a few
+# numbers) is bounded by its layout: the parameters, SNAPSHOT_STATE_COPIES optimizer tensors per parameter
+# (Adam with amsgrad holds 3) at no less than 4 bytes an element, container bytes per tensor, a fixed slack.
+SNAPSHOT_STATE_COPIES = 4
+SNAPSHOT_TENSOR_OVERHEAD = 4096
+SNAPSHOT_SLACK = 1 << 20
 
 
 class RoundLike(Protocol):
@@ -81,6 +96,26 @@ def parse_layout(raw: Any) -> tuple[list[tuple[str, tuple[int, ...], str]], int]
     return out, total
 
 
+def snapshot_bound(layout: list[tuple[str, tuple[int, ...], str]]) -> int:
+    """The most bytes a snapshot of a model with ``layout`` can hold (see SNAPSHOT_STATE_COPIES): a joiner
+    allocates no more than this for a download, whatever a donor advertises."""
+    elems = sum(math.prod(shape) for _, shape, _ in layout)
+    state = sum(math.prod(shape) * max(4, ITEMSIZE[dtype]) for _, shape, dtype in layout)
+    bound = (4 * elems + SNAPSHOT_STATE_COPIES * state
+             + (SNAPSHOT_STATE_COPIES + 1) * len(layout) * SNAPSHOT_TENSOR_OVERHEAD + SNAPSHOT_SLACK)
+    return min(bound, MAX_BLOB)
+
+
+def parse_max_samples(raw: Any) -> float | None:
+    """trainer_open's ``max_samples``: None, or a positive finite number up to MAX_SAMPLES. Raises OpError."""
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not (math.isfinite(raw) and 0 < raw <= MAX_SAMPLES):
+        raise OpError(f"max_samples must be a positive finite number of samples (at most 2**53), got {raw!r:.40}; "
+                      f"leave it out for the averaging layer's cap of 2**24")
+    return float(raw)
+
+
 @dataclass
 class Session:
     id: int
@@ -96,6 +131,9 @@ class Session:
     closed: bool = False
     last: dict[str, Any] = field(default_factory=dict)
     keep_rounds: int | None = None  # Moshpit kept-group rounds for this session's runs (None: the daemon's)
+    max_samples: float | None = None  # the most samples one member's contribution may claim (None: the default)
+    robust: Robust | None = None  # robust aggregation asked for by the trainer (None: off)
+    snapshot_max: int = MAX_BLOB  # the most bytes a snapshot of this model can hold (a download's bound)
 
     def average_id(self, kind: str) -> str:
         """The Moshpit run id of this session's gradients or parameters: the layout hash is part of it,
@@ -105,8 +143,8 @@ class Session:
 
 class TrainerService:
     """The trainer_* and state_* ops. ``average`` is Moshpit's ``average(run_id, vector, weight, *, timeout_s)``
-    (called with ``keep_rounds`` too when a session asked for kept groups, and ``round_no`` when the trainer
-    numbers the round)."""
+    (called with ``keep_rounds`` too when a session asked for kept groups, ``round_no`` when the trainer
+    numbers the round, ``max_weight`` and ``robust`` when the session set ``max_samples`` and ``robust``)."""
 
     def __init__(self, metrics: Metrics, average: Average, *, statesync: Any = None, peer_id: str = "") -> None:
         self.metrics = metrics
@@ -141,9 +179,16 @@ class TrainerService:
         if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
             raise OpError(f"keep_rounds must be an integer in [1, 1000] (1: a new group every round), "
                           f"got {keep_rounds!r}")
+        max_samples = parse_max_samples(req.get("max_samples"))
+        try:
+            robust = parse_robust(req.get("robust"))
+        except ValueError as e:
+            raise OpError(f"{e} (robust is optional: off, clip, clip:C, centered or centered:C with 0 < C <= 1e6)") \
+                from None
         digest = layout_hash(layout)
         run_key = f"{run}/{digest[:16]}"
-        await self._check_model(run, digest)
+        self._check_model(run, digest)
+        warning = await self._swarm_warning(run, digest)
         fd = conn.take_fd()
         try:
             arena = Arena.attach(fd, nslots, elems)
@@ -152,7 +197,8 @@ class TrainerService:
             raise OpError(f"cannot map the trainer's arena: {e}") from None
         sid = self._next
         self._next += 1
-        session = Session(sid, run, run_key, digest, elems, arena, conn, keep_rounds=keep_rounds)
+        session = Session(sid, run, run_key, digest, elems, arena, conn, keep_rounds=keep_rounds,
+                          max_samples=max_samples, robust=robust, snapshot_max=snapshot_bound(layout))
         self.sessions[sid] = session
         conn.on_close(lambda: self._close(session))
         self.metrics.trainer_sessions.set(len(self.sessions))
@@ -160,10 +206,14 @@ class TrainerService:
             await self.statesync.advertise_state(run, run_key, digest)
         log.info("trainer session %d: run %s, %d tensors, %d elements, layout %s", sid, run, len(layout), elems,
                  digest[:16])
-        return {"session": sid, "run_key": run_key, "layout_hash": digest, "elems": elems, "peer_id": self.peer_id}
+        reply = {"session": sid, "run_key": run_key, "layout_hash": digest, "elems": elems, "peer_id": self.peer_id}
+        if warning:
+            reply["warning"] = warning
+        return reply
 
-    async def _check_model(self, run: str, digest: str) -> None:
-        """Refuse a model that differs from the one ``run`` is training here or in the swarm."""
+    def _check_model(self, run: str, digest: str) -> None:
+        """Refuse a model that differs from the one ``run`` is training on this daemon (a local fact; what
+        the swarm advertises is a claim of members and only ever warns, see _swarm_warning)."""
         for s in self.sessions.values():
             if s.run == run and s.layout != digest:
                 raise OpError(
@@ -171,21 +221,27 @@ class TrainerService:
                     f"this trainer's is {digest[:16]}): models that differ never average together; "
                     f"use the same model or another --run"
                 )
+
+    async def _swarm_warning(self, run: str, digest: str) -> str:
+        """A warning (or "") when the swarm advertises ``run`` only with other layouts: likely a wrong model
+        or --run, but an advert is anyone's claim, so it never refuses a trainer. Other layouts are counted."""
         if self.statesync is None:
-            return
+            return ""
         try:
-            ads = await self.statesync.adverts(run)
+            ads = await self.statesync.adverts(run, timeout=ADVERT_CHECK_S)
         except Exception as e:  # the DHT being slow must not stop training: the run key still separates models
-            log.warning("could not check run %s's model in the DHT: %s", run, e)
-            return
-        others = {a.layout for a in ads if a.layout != digest}
-        if others:
-            holders = sum(1 for a in ads if a.layout != digest)
-            raise OpError(
-                f"run {run!r} is training a different model in the swarm ({holders} peer(s) advertise layout "
-                f"{sorted(others)[0][:16]}; this trainer's is {digest[:16]}): models that differ never average "
-                f"together; use the same model or another --run"
-            )
+            log.info("could not read run %s's adverts in the DHT: %s", run, e)
+            return ""
+        others = [a for a in ads if a.layout != digest]
+        for _ in others:
+            self.metrics.ignored_records.labels("state_advert", "layout").inc()
+        if not others or any(a.layout == digest for a in ads):
+            return ""
+        warning = (f"run {run!r} is advertised in the swarm only with other models ({len(others)} peer(s), e.g. "
+                   f"layout {sorted(a.layout for a in others)[0][:16]}; this trainer's is {digest[:16]}): this "
+                   f"trainer averages only with peers of the same model; check the model and --run")
+        log.warning("%s", warning)
+        return warning
 
     def _session(self, req: dict[str, Any], conn: Connection) -> Session:
         session = self.sessions.get(req.get("session"))  # type: ignore[arg-type]
@@ -228,16 +284,20 @@ class TrainerService:
         except ArenaError as e:
             raise OpError(str(e)) from None
         vector = session.arena.vector(step).copy()  # averaging must not see the slot change under it
-        if not np.isfinite(vector).all():  # a NaN would poison every peer's average
+        if not all_finite(vector):  # a NaN would poison every peer's average
             raise OpError(f"step {step}: the vector holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
         error = ""
         try:
             # The averaging API has its own deadline; this outer one makes sure no bug can hang a trainer.
             with trio.fail_after(timeout + 10.0):
-                extra: dict[str, int] = {} if session.keep_rounds is None else {"keep_rounds": session.keep_rounds}
+                extra: dict[str, Any] = {} if session.keep_rounds is None else {"keep_rounds": session.keep_rounds}
                 if round_no is not None:
                     extra["round_no"] = round_no
+                if session.max_samples is not None:  # only when set: averagers without these keywords still work
+                    extra["max_weight"] = session.max_samples
+                if session.robust is not None:
+                    extra["robust"] = session.robust
                 result = await self.average(session.average_id(kind), vector, float(weight), timeout_s=timeout,
                                             **extra)
             out = np.asarray(result.vector, dtype=np.float32)
@@ -247,6 +307,15 @@ class TrainerService:
         except Exception as e:  # the round failed: the trainer decides what to do with its own vector
             log.warning("session %d step %d: averaging failed: %s", session.id, step, e)
             result, out, outcome, error = None, vector, "failed", f"{type(e).__name__}: {e}"
+        if outcome != "failed" and not all_finite(out):  # non-finite numbers never reach a model
+            self.metrics.contributions_refused.labels("nonfinite_result").inc()
+            log.warning("session %d step %d: the %s average holds NaN or infinity; the trainer keeps its own "
+                        "vector", session.id, step, kind)
+            out, outcome = vector, "failed"
+            error = (f"the averaged {kind} vector of round {getattr(result, 'round', '?')} holds NaN or infinity "
+                     f"(a group member sent non-finite data); not applied: this trainer's own vector is in the slot")
+        elif outcome == "averaged" and self.statesync is not None and hasattr(self.statesync, "note_peers"):
+            self.statesync.note_peers(getattr(result, "members", ()))  # donors to trust first in state sync
         seconds = time.monotonic() - start
         self.metrics.trainer_steps.labels(outcome).inc()
         self.metrics.trainer_step_seconds.observe(seconds)
@@ -315,6 +384,11 @@ class TrainerService:
         timeout = req.get("timeout_s", 60.0)
         if not isinstance(timeout, int | float) or not 0 < timeout <= 3600:
             raise OpError("timeout_s must be in (0, 3600]")
+        max_size = req.get("max_size", session.snapshot_max)
+        if type(max_size) is not int or max_size <= 0:
+            raise OpError(f"max_size must be a positive integer of bytes (the largest snapshot this trainer "
+                          f"accepts), got {max_size!r:.40}")
+        max_size = min(max_size, session.snapshot_max)  # never more than this model's snapshots can hold
         fd = conn.take_fd()
         try:
             if self.statesync is None:
@@ -322,7 +396,8 @@ class TrainerService:
             from ..statesync import StateSyncError
 
             try:
-                fetched = await self.statesync.fetch(session.run, session.run_key, timeout=timeout)
+                fetched = await self.statesync.fetch(session.run, session.run_key, timeout=timeout,
+                                                     max_size=max_size, layout=session.layout)
             except StateSyncError as e:
                 raise OpError(f"state sync failed: {e}") from None
             if fetched is None:
