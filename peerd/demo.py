@@ -226,7 +226,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                           **{k: r.get(k) for k in ("round_s", "matchmaking_s", "overhead_s", "predicted_speedup")},
                           "start_accuracy": starts.get(r["peer"], {}).get("accuracy"),
                           "byzantine": r["peer"] in byzantine, "nonfinite_rounds": r.get("nonfinite_rounds", 0),
-                          "params_finite": r.get("params_finite")} for r in results],
+                          "params_finite": r.get("params_finite"), "diverged": r.get("diverged", False)}
+                         for r in results],
         }
         say(f"\ndone in {wall:.1f} s: held-out accuracy {summary['accuracy']:.4f}, loss {summary['final_loss']:.4f} "
             f"(mean over {len(honest)} {'honest ' if byzantine else ''}peers); "

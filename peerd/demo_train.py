@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 DIGITS_TEST_FRACTION = 0.2
+MAX_SKIPPED = 20  # consecutive steps with non-finite gradients after which a trainer stops as diverged
 SPLIT_SEED = 1234  # the train/test split is the same on every peer: the held-out set is shared
 
 
@@ -162,9 +163,12 @@ def run_train(args: argparse.Namespace) -> int:
     round_s = mm_s = 0.0
     micro = max(1, args.batch // args.micro)
     acc = acc0
+    skipped = 0  # consecutive steps skipped for non-finite gradients
+    diverged = False
     try:
         while opt.step_count < args.steps:
             t0 = time.monotonic()
+            step_before = opt.step_count
             opt.zero_grad()
             dc.start_step()
             losses = []
@@ -185,6 +189,12 @@ def run_train(args: argparse.Namespace) -> int:
             samples_total += samples
             train_loss = sum(losses) / samples
             reply = opt.step(samples=samples, loss=train_loss)
+            skipped = skipped + 1 if reply["outcome"] == "nonfinite" and opt.step_count == step_before else 0
+            if skipped >= MAX_SKIPPED:
+                diverged = True  # the model itself has diverged (e.g. poisoned averages): stop, report it
+                print(f"peerd: the model diverged: {skipped} steps in a row had non-finite gradients",
+                      file=sys.stderr)
+                break
             round_s += reply["seconds"]
             if reply["outcome"] == "averaged":
                 dc.workers = reply["group_size"]  # DropCompute's N: the members that wait for each other
@@ -205,7 +215,7 @@ def run_train(args: argparse.Namespace) -> int:
             emit(record)
         # Lost datagrams and rounds without a group leave replicas slightly apart: end on a common point.
         final_rounds = []
-        for _ in range(max(0, args.final_average)):
+        for _ in range(0 if diverged else max(0, args.final_average)):
             reply = opt.average_parameters()
             final_rounds.append({"outcome": reply["outcome"], "group_size": reply["group_size"],
                                  "received_fraction": reply["received_fraction"]})
@@ -228,7 +238,7 @@ def run_train(args: argparse.Namespace) -> int:
         "predicted_speedup": dc.choice.speedup if dc.choice else None,
         "final_average": final_rounds, "keep_rounds": opt.keep_rounds,
         "kept_rounds": opt.kept_rounds, "nonfinite_rounds": opt.nonfinite_rounds, "robust": args.robust,
-        "params_finite": bool(np.isfinite(flat).all()),
+        "params_finite": bool(np.isfinite(flat).all()), "diverged": diverged,
     }
     emit(result)
     if args.out:

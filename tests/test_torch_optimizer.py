@@ -282,3 +282,21 @@ def test_robust_and_max_samples_travel_in_trainer_open(daemon) -> None:
     for bad in ({"robust": "median"}, {"robust": "clip:-1"}, {"max_samples": 0}, {"max_samples": float("nan")}):
         with pytest.raises(ValueError):
             Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=daemon.path, sync_state=False, **bad)
+
+
+def test_non_finite_own_gradients_skip_the_step_without_asking_the_daemon(daemon) -> None:
+    m = model(4)
+    opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=daemon.path, sync_state=False,
+                    state_every=0)
+    before = flat(m).clone()
+    calls = len(daemon.averager.calls)
+    opt.zero_grad()
+    for p in m.parameters():
+        p.grad = torch.full_like(p, float("inf"))
+    r = opt.step(samples=8)
+    assert r["outcome"] == "nonfinite" and opt.step_count == 0 and opt.nonfinite_rounds == 1
+    assert torch.equal(flat(m), before) and len(daemon.averager.calls) == calls  # nothing sent
+    opt.no_group = "raise"
+    with pytest.raises(NoGroupError, match="not finite"):
+        opt.step(samples=8)
+    opt.close()

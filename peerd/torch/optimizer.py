@@ -60,7 +60,8 @@ class Optimizer:
     member may claim as its averaging weight in this run; None: the daemon's default).
 
     A round whose result holds a non-finite number is never applied: the step goes on with this replica's
-    own gradients (counted in ``nonfinite_rounds``), a parameter average is dropped.
+    own gradients (counted in ``nonfinite_rounds``), a parameter average is dropped. A step whose own
+    gradients are not finite is skipped without averaging (outcome "nonfinite", step_count unchanged).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, run: str, socket: str | None = None,
@@ -240,6 +241,18 @@ class Optimizer:
             report["samples_per_second"] = float(samples) / (now - self._last_call)
         self._last_call = now
         grads = [p.grad for p in self.params]
+        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+            # as torch.amp.GradScaler does: skip the step (the daemons would refuse the vector anyway)
+            self.nonfinite_rounds += 1
+            self.outcomes["nonfinite"] = self.outcomes.get("nonfinite", 0) + 1
+            log.warning("step %d: this replica's gradients hold NaN or infinity; step skipped", self.step_count)
+            reply = {"outcome": "nonfinite", "group_size": 1, "members": [], "received_fraction": 0.0,
+                     "seconds": 0.0, "error": "this replica's gradients are not finite (diverged, or a bug)"}
+            if self.no_group == "raise":
+                raise NoGroupError(f"step {self.step_count}: {reply['error']}")
+            self.last = reply
+            self._last_end = time.monotonic()
+            return reply
         reply, result = self._average("grad", grads, float(samples), report)
         if reply["outcome"] == "averaged" and not self._finite(result, "gradient"):
             # never into the model: go on as if no group had formed (own gradients are still in p.grad)
