@@ -17,7 +17,7 @@ from peerd.dht import records as records_module
 from peerd.dht.core import DhtCore
 from peerd.dht.records import Record, RecordStore, location, named_node, slot_allows
 from peerd.dht.routing import Contact, RoutingTable, distance
-from peerd.dht.service import MAX_PAGES
+from peerd.dht.service import MAX_READ
 from peerd.transport.endpoint import Incoming
 from peerd.wire import messages as m
 from peerd.wire.identity import Identity
@@ -250,7 +250,7 @@ def serve_hostile_values(node, handler) -> list[int]:
     return asked
 
 
-def test_get_reads_a_hostile_responder_for_max_pages_and_no_longer() -> None:
+def test_get_reads_a_hostile_responder_for_max_read_records_and_no_longer() -> None:
     async def main() -> None:
         net = MemNet(seed=21)
         async with trio.open_nursery() as nursery:
@@ -262,7 +262,14 @@ def test_get_reads_a_hostile_responder_for_max_pages_and_no_longer() -> None:
             records = await nodes[0].dht.get(b"big")
             assert (b"honest", b"1") in [(r.subkey, r.value) for r in records]
             pages = len(asked)
-            assert 1 <= pages <= MAX_PAGES, pages
+            assert max(asked) < MAX_READ, asked  # it claims 65535 records: at most MAX_READ are read
+            await trio.sleep(60)
+            assert len(asked) == pages
+            # One record a page: a reader would page for seconds. It does no longer than its lookup runs.
+            asked = serve_hostile_values(nodes[5], lambda b: ([attacker_record(b["key"], b["offset"])], 65535))
+            await nodes[0].dht.get(b"big")
+            pages = len(asked)
+            assert pages < MAX_READ, pages
             await trio.sleep(60)
             assert len(asked) == pages  # nothing went on reading after the get returned
             nursery.cancel_scope.cancel()

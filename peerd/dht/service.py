@@ -25,9 +25,10 @@ log = logging.getLogger("peerd.dht")
 
 
 SLOW_QUERY_S = 0.6  # a lookup stops waiting for a query after this (the first retry is at 0.5 s)
-# VALUE pages read from one responder: what an honest node can hold under one key (MAX_SUBKEYS subkeys,
-# MAX_RECORDS a page), whatever ``total`` it claims; each page costs up to MAX_RECORDS signature checks
-MAX_PAGES = -(-MAX_SUBKEYS // m.MAX_RECORDS)
+# Records read from one responder for one get, whatever ``total`` it claims: what an honest node can hold
+# under one key. Each costs at most one signature check, and each VALUE page must bring at least one, so
+# this bounds the pages too (a page holds 1 to MAX_RECORDS records: ~5 progress records at MTU 1200).
+MAX_READ = MAX_SUBKEYS
 
 
 class BootstrapError(Exception):
@@ -196,7 +197,7 @@ class DhtService:
     async def get(self, key: bytes) -> list[Record]:
         """Every live record under ``key`` that the k closest nodes hold (newest per subkey and owner).
 
-        A responder is read for at most MAX_PAGES pages, and no longer than the lookup runs: page
+        A responder is read for at most MAX_READ records, and no longer than the lookup runs: page
         fetches still going when it ends are cancelled. A responder that sends one record an honest
         node would not hold (a bad signature, another key, a slot taken from its node, subkeys out of
         order) is read no further."""
@@ -213,11 +214,10 @@ class DhtService:
                 return nodes  # a slow answer after the lookup ended: nobody reads it
             ok, last = self._collect(key, body["records"], found, verified, None)
             offset = len(body["records"])
-            total = min(body["total"], MAX_PAGES * m.MAX_RECORDS)
+            total = min(body["total"], MAX_READ)
             with trio.CancelScope() as scope:
                 paging.append(scope)
-                pages = 1
-                while ok and offset and offset < total and pages < MAX_PAGES:
+                while ok and offset and offset < total:
                     try:
                         reply = await self._rpc(contact, m.MsgType.FIND_VALUE, {"key": key, "offset": offset})
                     except RpcError:
@@ -227,7 +227,6 @@ class DhtService:
                         break
                     ok, last = self._collect(key, records, found, verified, last)
                     offset += len(records)
-                    pages += 1
             return nodes
 
         try:
