@@ -7,6 +7,7 @@ import errno
 import math
 import random
 import socket
+import time
 from types import SimpleNamespace
 
 import msgpack
@@ -34,6 +35,27 @@ from .test_dht_network import SECRET, SimNode, counter_value, run_virtual
 BAD_IPS = ["0.0.0.0", "0.1.2.3", "::", "255.255.255.255", "224.0.0.1", "239.255.255.250", "ff02::1",
            "::ffff:255.255.255.255", "::ffff:0.0.0.0", "::ffff:224.0.0.5"]
 GOOD_IPS = ["127.0.0.1", "10.0.0.1", "192.0.2.255", "::1", "fe80::1", "2001:db8::1"]
+
+
+class VirtualWall:
+    """The service reads wall time (matchmaking deadlines, record expiries): under trio's MockClock, make it
+    follow virtual time, or a deadline would spin the loop until real seconds pass."""
+
+    def __init__(self) -> None:
+        self.base = time.time()
+
+    def time(self) -> float:
+        return self.base + trio.current_time()
+
+    def perf_counter(self) -> float:
+        return trio.current_time()
+
+
+@pytest.fixture(autouse=True)
+def virtual_wall(monkeypatch: pytest.MonkeyPatch) -> VirtualWall:
+    wall = VirtualWall()
+    monkeypatch.setattr(svc_mod, "time", wall)
+    return wall
 
 
 class FlakySocket(MemSocket):
@@ -265,13 +287,9 @@ def test_a_record_at_the_last_round_does_not_move_a_joiner_or_the_run() -> None:
             net.nursery = nursery
             a = node(net, 0)
             await start(nursery, a)
-            now = trio.current_time()  # (virtual; progress records are stamped in wall time below)
-            del now
-            import time as _time
-
             def rec(value, owner: Identity) -> SimpleNamespace:
                 return SimpleNamespace(value=msgpack.packb(value), owner=owner.public_key,
-                                       expires=_time.time() + svc_mod.PROGRESS_TTL_S)
+                                       expires=svc_mod.time.time() + svc_mod.PROGRESS_TTL_S)
 
             records = [rec(6, Identity.generate()), rec(7, Identity.generate()), rec(MAX_ROUND, Identity.generate()),
                        rec(2**40, Identity.generate()), rec("x", Identity.generate())]
@@ -461,6 +479,42 @@ def test_a_handler_that_raises_does_not_end_the_receive_loop() -> None:
             assert counter_value(b.metrics.background_errors, task="endpoint_ping") == 2
             b.on_request(m.MsgType.PING, lambda incoming: {})
             assert (await a.request(("127.0.0.1", 2), m.MsgType.PING, {})).mtype is m.MsgType.PONG
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_peers_listening_on_a_wildcard_average_through_matchmaking() -> None:
+    """No --announce, listening on 0.0.0.0: the leader's BEGIN lists itself as loopback (decoders refuse
+    0.0.0.0) and followers reach it where the BEGIN came from. A whole round through the DHT, real averaging."""
+    from peerd.allreduce.service import AllreduceService
+
+    from .test_dht_network import start_swarm
+
+    async def main() -> None:
+        net = MemNet(seed=5)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 3)
+            for i, n in enumerate(nodes):
+                n.moshpit = MoshpitService(n.endpoint, n.dht, AllreduceService(n.endpoint, n.metrics), n.metrics,
+                                           address=("0.0.0.0", n.addr[1]), rng=random.Random(i))
+                await nursery.start(n.moshpit.run)
+            out: list = [None] * 3
+
+            async def one(i: int) -> None:
+                await nodes[i].moshpit.open("wild", grid=Grid(1, 3), min_size=3, window_s=2.0)
+                out[i] = await nodes[i].moshpit.average("wild", np.full(50, float(i), np.float32), 1.0, timeout_s=20)
+
+            async with trio.open_nursery() as inner:
+                for i in range(3):
+                    inner.start_soon(one, i)
+            for res in out:
+                assert res.outcome == "averaged" and res.group_size == 3, res.stats()
+                assert np.allclose(res.vector, 1.0)
+            for n in nodes:
+                assert counter_value(n.metrics.datagrams_dropped, reason="malformed") == 0
+                assert counter_value(n.metrics.background_errors) == 0
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
