@@ -38,6 +38,8 @@ from .moshpit import _wait_connected
 from .soak_attack import CLASSES
 
 RUN = "bench-soak"
+BAIT_RUN = "bench-soak-bait"
+BAIT_SIZE = 4096
 PEERS = 4
 DROP_METRICS = ("peerd_datagrams_dropped_total", "peerd_dht_store_refused_total", "peerd_ignored_records_total",
                 "peerd_contributions_refused_total", "peerd_background_errors_total")
@@ -58,6 +60,7 @@ class SoakConfig:
     calm_s: float = 8.0  # the no-attack phase lasts at least this long (and two averages)
     window_s: float = 3.0
     seed: int = 0
+    identities: int = 64  # member identities the attacker signs with (a Sybil: node ids are free to mint)
 
     def check(self) -> None:
         if self.datagrams < len(CLASSES) * 10:
@@ -68,6 +71,8 @@ class SoakConfig:
             raise ValueError("--rate must be 100..1000000 datagrams/s")
         if not 0 <= self.burst_share <= 1:
             raise ValueError("--burst-share must be in [0, 1]")
+        if not 1 <= self.identities <= 4096:
+            raise ValueError("--identities must be 1..4096")
         if not 0 <= self.calm_s <= 600:
             raise ValueError("--calm must be 0..600 seconds")
 
@@ -118,6 +123,7 @@ class _Monitor:
         self.rss_by_node: list[float] = [0.0] * len(nodes)
         self.rates: dict[str, list[float]] = {}  # phase -> nonzero pacing rates seen (any daemon)
         self.exited: set[int] = set()
+        self.peers: dict[str, list[float]] = {}  # phase -> routing-table sizes seen (peerd_dht_peers)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="soak-monitor", daemon=True)
 
@@ -139,7 +145,9 @@ class _Monitor:
                 self.rss.setdefault(f"{phase}:{i}", []).append(rss)
             metrics = node.status.get("metrics")
             if metrics:
-                rate = _scrape(metrics).get((RATE_METRIC, ()), 0.0)
+                samples = _scrape(metrics)
+                rate = samples.get((RATE_METRIC, ()), 0.0)
+                self.peers.setdefault(phase, []).append(samples.get(("peerd_dht_peers", ()), 0.0))
                 if rate > 0:
                     self.rates.setdefault(phase, []).append(rate)
         self.rss.setdefault(phase, []).append(top)
@@ -213,6 +221,8 @@ class _Averager:
         self.round_s: list[float] = []
         self.errors: list[str] = []
         self.alone_notes: list[str] = []
+        self.phase = "calm"
+        self.by_phase: dict[str, dict[str, int]] = {}
         self.max_rel_err = 0.0
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(max_workers=len(nodes))
@@ -231,6 +241,7 @@ class _Averager:
         while not self.stop.is_set():
             vectors, weights = self._inputs(r)
             t0 = time.monotonic()
+            phase = self.phase
 
             def call(i: int, vectors: list[np.ndarray] = vectors, weights: list[float] = weights) -> Any:
                 try:
@@ -241,14 +252,22 @@ class _Averager:
 
             replies = list(self.pool.map(call, range(len(self.nodes))))
             for i, reply in enumerate(replies):
-                self._check(i, reply, vectors, weights)
+                self._check(i, reply, vectors, weights, phase)
             self.round_s.append(time.monotonic() - t0)
             self.rounds += 1
             r += 1
             if all(not n.alive() for n in self.nodes):
                 break
 
-    def _check(self, i: int, reply: Any, vectors: list[np.ndarray], weights: list[float]) -> None:
+    def _check(self, i: int, reply: Any, vectors: list[np.ndarray], weights: list[float], phase: str) -> None:
+        """Count one daemon's result of one round, also by the phase the round started in."""
+        counts = (self.ok, self.failed, self.alone)
+        self._verdict(i, reply, vectors, weights)
+        tally = self.by_phase.setdefault(phase, {"ok": 0, "failed": 0, "alone": 0})
+        for name, was, now in zip(("ok", "failed", "alone"), counts, (self.ok, self.failed, self.alone), strict=True):
+            tally[name] += now - was
+
+    def _verdict(self, i: int, reply: Any, vectors: list[np.ndarray], weights: list[float]) -> None:
         if isinstance(reply, Exception):
             self.failed += 1
             self.errors.append(f"peer {i}: {reply}"[:200])
@@ -287,6 +306,40 @@ class _Averager:
             self.failed += 1
             self.errors.append(f"peer {i}: relative error {err:.3g} (received fraction "
                                f"{stats['received_fraction']:.4f}, group of {stats['group_size']})")
+
+
+class _Bait:
+    """A second hostile member: a real daemon run with ``--fault-byzantine nan`` that averages a small side run
+    with one honest daemon, asking for a weight of 1e30. The honest shard owner must refuse its non-finite
+    contributions and cap its weight (``peerd_contributions_refused_total``), and its result stay finite."""
+
+    def __init__(self, honest: Node, hostile: Node) -> None:
+        self.honest, self.hostile = honest, hostile
+        self.rounds = self.finite = 0
+        self.stop = threading.Event()
+        self.phase = "calm"
+        self.pool = ThreadPoolExecutor(max_workers=2)
+        self.thread = threading.Thread(target=self._loop, name="soak-bait", daemon=True)
+
+    def _loop(self) -> None:
+        ones = np.ones(BAIT_SIZE, dtype="<f4")
+        while not self.stop.wait(1.0):
+            if self.phase == "calm":
+                continue
+
+            def call(node: Node, weight: float) -> Any:
+                try:
+                    return node.call("avg_round", timeout=60, run=BAIT_RUN, vector=ones.tobytes(), weight=weight,
+                                     timeout_s=20.0)
+                except (DaemonError, OSError) as e:
+                    return e
+
+            honest = self.pool.submit(call, self.honest, 1.0)
+            self.pool.submit(call, self.hostile, 1e30)
+            reply = honest.result()
+            self.rounds += 1
+            if not isinstance(reply, Exception) and np.isfinite(np.frombuffer(reply["vector"], "<f4")).all():
+                self.finite += 1
 
 
 def _counters(nodes: list[Node]) -> dict[int, dict]:
@@ -328,10 +381,15 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
         for i, node in enumerate(nodes):
             node.call("avg_open", timeout=30, run=RUN, grid=str(PEERS), adapt=False, min_size=PEERS, cell=i,
                       window_s=cfg.window_s)
+        hostile = swarm.start(extra=("--fault-byzantine", "nan"))
+        swarm.wait_ready(hostile)
+        for node in (nodes[-1], hostile):
+            node.call("avg_open", timeout=30, run=BAIT_RUN, grid="2", adapt=False, min_size=2, window_s=cfg.window_s)
+        bait = _Bait(nodes[-1], hostile)
         monitor = _Monitor(nodes)
         prober = _Prober(swarm.key_file, [_hostport(n.listen) for n in nodes])
         averager = _Averager(nodes, cfg)
-        threads = [monitor, prober, averager]
+        threads = [monitor, prober, averager, bait]
         for t in threads:
             t.thread.start()
 
@@ -359,7 +417,7 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             "targets": [list(_hostport(n.listen)) for n in nodes], "key_file": swarm.key_file, "run": RUN,
             "victims": [n.status["peer_id"] for n in nodes], "round": int(status.get("round", 0)),
             "group_key": status.get("key", ""), "datagrams": cfg.datagrams, "rate": cfg.rate,
-            "burst_share": cfg.burst_share, "seed": cfg.seed,
+            "burst_share": cfg.burst_share, "seed": cfg.seed, "identities": cfg.identities,
         }
         with open(os.path.join(workdir, "attacker.log"), "wb") as log:
             attacker = subprocess.Popen([sys.executable, "-m", "peerd.bench.soak_attack", json.dumps(attack_cfg)],
@@ -402,6 +460,7 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
         monitor.sample()
         after = _counters(nodes)
         averager.stop.set()
+        bait.stop.set()
         prober.stop.set()
         monitor.stop.set()
         averager.thread.join(timeout=150)
@@ -433,6 +492,10 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             "burst_datagrams_per_second": round(summary.get("burst_datagrams_per_second", 0.0), 1),
             "responder_answers": summary.get("responder_answers", 0),
             "averages_alone": averager.alone,
+            "averages_by_phase": averager.by_phase,
+            "dht_peers_max": {p: int(max(v)) for p, v in monitor.peers.items() if v},
+            "bait_rounds": bait.rounds,
+            "bait_results_finite": bait.finite,
             "alone_notes": averager.alone_notes,
             "averages_ok_calm": calm_ok,
             "averages_failed_calm": calm_failed,
@@ -485,7 +548,7 @@ def _round(x: float | None) -> float | None:
 def cmd_bench_soak(args: Any, parser: Any) -> int:
     """`peerd bench soak` (argparse glue kept here, so cli.py carries only the parser and one dispatch line)."""
     cfg = SoakConfig(datagrams=args.datagrams, size=args.size, rate=args.rate, burst_share=args.burst_share,
-                     calm_s=args.calm, seed=args.seed)
+                     calm_s=args.calm, seed=args.seed, identities=getattr(args, "identities", 64))
     try:
         cfg.check()
     except ValueError as e:

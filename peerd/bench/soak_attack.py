@@ -85,7 +85,7 @@ class Attack:
         self.msock = _udp()  # the member attacker's flood socket
         self.rsock = _udp()  # its DHT responder (one identity, answers the daemons' requests)
         self.osock = _udp()  # the outsider
-        self.members = [_Member(self.secret) for _ in range(IDENTITIES)]
+        self.members = [_Member(self.secret) for _ in range(max(1, int(cfg.get("identities", IDENTITIES))))]
         self.responder = _Member(self.secret)
         self.wrong = [_Member(os.urandom(32)) for _ in range(4)]
         self.captured: list[bytes] = []  # datagrams seen (own sealed ones, and what daemons sent us): to mutate
@@ -100,14 +100,16 @@ class Attack:
         rng, run = self.rng, self.run_id
         n = int(self.cfg["datagrams"])
         self.join_bodies = []
-        for i, mb in enumerate(self.members[:16]):
+        for i in range(16):
+            mb = self.members[i % len(self.members)]
             bad = [[b"\0" * 15 + b"\1", 4000 + i], [b"\xff" * 4, 4000 + i], [b"\0" * 4, 9],
                    [bytes([224, 0, 0, 1]), 5353], [b"\xff\x02" + b"\0" * 13 + b"\1", 7]][i % 5]
             frm = {**mb.frm, "addr": bad}
             fields = {"run": run, "round": self.round0 + i % 3, "key": self.group_key, "expiry": time.time() + 30}
             self.join_bodies.append((mb, mb.body(m.MsgType.MM_JOIN, fields, frm)))
         self.progress_bodies = []
-        for i, mb in enumerate(self.members):
+        for i in range(max(4, len(self.members))):
+            mb = self.members[i % len(self.members)]
             value = msgpack.packb([2**32 - 2, 2**32 - 3, 2**31, self.round0 + 5000][i % 4])
             rec = mb.record(f"{run}/progress".encode(), mb.ident.node_id, value)
             self.progress_bodies.append((mb, mb.body(m.MsgType.STORE, {"records": [rec]})))
@@ -119,7 +121,8 @@ class Attack:
                     for _ in range(FLOOD_PER_STORE)]
             self.flood_bodies.append((mb, mb.body(m.MsgType.STORE, {"records": recs})))
         self.advert_bodies = []
-        for i, mb in enumerate(self.members[:16]):
+        for i in range(16):
+            mb = self.members[i % len(self.members)]
             size = [2**33, 2**63 - 1, 2**40, 10**15][i % 4]
             ad = Advert(mb.ident.node_id, f"{run}/layout", "layout", 10**9, size, rng.randbytes(32),
                         ("127.0.0.1", self.rsock.getsockname()[1]))
@@ -143,7 +146,7 @@ class Attack:
             self.report_bodies.append((mb, mb.body(m.MsgType.REPORT, fields)))
         self.value_bodies = []
         for i in range(16):
-            mb = self.members[i]
+            mb = self.members[i % len(self.members)]
             key = f"{run}/progress".encode() if i % 2 else f"{run}/{self.round0}/{self.group_key}".encode()
             rec = mb.record(key, f"pg{i:04d}".encode(), b"x")
             self.value_bodies.append((mb, mb.body(m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": []})))
