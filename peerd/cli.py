@@ -160,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--calm", type=float, default=8.0, metavar="SECONDS", help="no-attack phase first (default 8)")
     b.add_argument("--seed", type=int, default=0, help="seed of inputs and attacks (default 0)")
     b.add_argument("--identities", type=int, default=64, metavar="K", help="attacker identities (default 64)")
+    b.add_argument("--classes", metavar="A,B", help="only these attack classes (default: all)")
     b.add_argument("--json", action="store_true", help="print JSON only (no progress lines)")
 
     p = sub.add_parser("swarm", help="run N local daemons in one fresh swarm on 127.0.0.1 (Ctrl-C stops them)")

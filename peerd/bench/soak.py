@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -31,11 +30,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ..localsock.client import DaemonError
 from ..swarm import LocalSwarm, Node
-from ..wire import messages as m
-from ..wire.identity import Identity, load_swarm_key
-from ..wire.seal import Opener, Sealer
 from .moshpit import _wait_connected
 from .soak_attack import CLASSES
+from .soak_probe import PING_TIMEOUT_S
 
 RUN = "bench-soak"
 BAIT_RUN = "bench-soak-bait"
@@ -45,8 +42,6 @@ DROP_METRICS = ("peerd_datagrams_dropped_total", "peerd_dht_store_refused_total"
                 "peerd_contributions_refused_total", "peerd_background_errors_total")
 RATE_METRIC = "peerd_pacing_rate_bytes"
 SAMPLE_S = 0.5  # RSS and pacing-rate samples
-PING_S = 0.02  # one member PING to an honest daemon this often
-PING_TIMEOUT_S = 1.0  # a PING unanswered this long counts as this long in the percentiles
 TOLERANCE = 1e-5  # relative: max |result - exact| <= TOLERANCE * max |exact|
 GOALS = {"rss_growth_mb": 256.0, "ping_p99_ms": 50.0, "seconds_per_million": 300.0}
 
@@ -61,6 +56,7 @@ class SoakConfig:
     window_s: float = 3.0
     seed: int = 0
     identities: int = 64  # member identities the attacker signs with (a Sybil: node ids are free to mint)
+    classes: tuple[str, ...] = CLASSES  # the attack classes to send (all by default)
 
     def check(self) -> None:
         if self.datagrams < len(CLASSES) * 10:
@@ -71,6 +67,9 @@ class SoakConfig:
             raise ValueError("--rate must be 100..1000000 datagrams/s")
         if not 0 <= self.burst_share <= 1:
             raise ValueError("--burst-share must be in [0, 1]")
+        unknown = set(self.classes) - set(CLASSES)
+        if unknown or not self.classes:
+            raise ValueError(f"--classes: unknown {sorted(unknown)}; choose from {', '.join(CLASSES)}")
         if not 1 <= self.identities <= 4096:
             raise ValueError("--identities must be 1..4096")
         if not 0 <= self.calm_s <= 600:
@@ -153,60 +152,58 @@ class _Monitor:
         self.rss.setdefault(phase, []).append(top)
 
 
-class _Prober:
-    """A member (its own identity, the swarm key) that PINGs the honest daemons and times the PONGs."""
+class _Probe:
+    """The PING prober (peerd/bench/soak_probe.py) in its own process; its samples are cut into the bench's
+    phases by their CLOCK_MONOTONIC timestamps (the same clock in every process)."""
 
-    def __init__(self, key_file: str, targets: list[tuple[str, int]]) -> None:
-        import socket
+    def __init__(self, workdir: str, key_file: str, targets: list[tuple[str, int]]) -> None:
+        self.path = os.path.join(workdir, "pings.txt")
+        cfg = {"key_file": key_file, "targets": [list(t) for t in targets], "out": self.path, "max_s": 3600}
+        self.proc = subprocess.Popen([sys.executable, "-m", "peerd.bench.soak_probe", json.dumps(cfg)],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.marks: list[tuple[float, str]] = [(0.0, "calm")]
+        self.stop = threading.Event()  # (the interface of the bench's other workers)
 
-        secret = load_swarm_key(key_file)
-        self.ident = Identity.generate()
-        self.sealer = Sealer(secret)
-        self.opener = Opener(secret)
-        self.frm = {"pk": self.ident.public_key, "sig": self.ident.sign_token(self.sealer.token), "addr": None}
-        self.targets = targets
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.phase = "calm"
-        self.rtt: dict[str, list[float]] = {}
-        self.lost: dict[str, int] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="soak-prober", daemon=True)
+    @property
+    def phase(self) -> str:
+        return self.marks[-1][1]
 
-    def _loop(self) -> None:
-        i = 0
-        while not self.stop.wait(PING_S):
-            phase = self.phase
-            rtt = self.ping(self.targets[i % len(self.targets)])
-            i += 1
-            if rtt is None:
-                self.lost[phase] = self.lost.get(phase, 0) + 1
-                rtt = PING_TIMEOUT_S
-            self.rtt.setdefault(phase, []).append(rtt * 1000)
-        self.sock.close()
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self.marks.append((time.monotonic(), name))
 
-    def ping(self, target: tuple[str, int]) -> float | None:
-        rid = random.getrandbits(64)
-        body = m.encode(m.MsgType.PING, {"rid": rid, "from": self.frm})
-        sent = time.perf_counter()
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def samples(self, now: float | None = None) -> tuple[dict[str, list[float]], dict[str, int]]:
+        """Round trips (ms, a lost PING counted as PING_TIMEOUT_S) and lost PINGs, by phase."""
+        rtt: dict[str, list[float]] = {}
+        lost: dict[str, int] = {}
         try:
-            self.sock.sendto(self.sealer.seal(m.MsgType.PING, body), target)
+            with open(self.path) as f:
+                lines = f.read().splitlines()
         except OSError:
-            return None
-        deadline = sent + PING_TIMEOUT_S
-        while (left := deadline - time.perf_counter()) > 0:
-            self.sock.settimeout(left)
+            return rtt, lost
+        for line in lines:
             try:
-                data, source = self.sock.recvfrom(65535)
-            except OSError:  # timeout
-                return None
-            try:
-                header, plain, _ = self.opener.open(data)
-                if header.type == m.MsgType.PONG and m.decode(header.type, plain)["rid"] == rid:
-                    return time.perf_counter() - sent
-            except Exception:  # noqa: BLE001 - anything else the daemon sent us (its own requests): ignore
-                continue
-        return None
+                t, ms = (float(x) for x in line.split())
+            except ValueError:
+                continue  # a line cut short
+            phase = self.marks[0][1]
+            for at, name in self.marks:
+                if t >= at:
+                    phase = name
+            if ms < 0:
+                lost[phase] = lost.get(phase, 0) + 1
+                ms = PING_TIMEOUT_S * 1000
+            rtt.setdefault(phase, []).append(ms)
+        return rtt, lost
 
 
 class _Averager:
@@ -387,10 +384,10 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             node.call("avg_open", timeout=30, run=BAIT_RUN, grid="2", adapt=False, min_size=2, window_s=cfg.window_s)
         bait = _Bait(nodes[-1], hostile)
         monitor = _Monitor(nodes)
-        prober = _Prober(swarm.key_file, [_hostport(n.listen) for n in nodes])
+        prober = _Probe(workdir, swarm.key_file, [_hostport(n.listen) for n in nodes])
         averager = _Averager(nodes, cfg)
         threads = [monitor, prober, averager, bait]
-        for t in threads:
+        for t in (monitor, averager, bait):
             t.thread.start()
 
         # -- calm: the no-attack baselines ------------------------------------------------------------------
@@ -418,11 +415,12 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             "victims": [n.status["peer_id"] for n in nodes], "round": int(status.get("round", 0)),
             "group_key": status.get("key", ""), "datagrams": cfg.datagrams, "rate": cfg.rate,
             "burst_share": cfg.burst_share, "seed": cfg.seed, "identities": cfg.identities,
+            "classes": list(cfg.classes),
         }
         with open(os.path.join(workdir, "attacker.log"), "wb") as log:
             attacker = subprocess.Popen([sys.executable, "-m", "peerd.bench.soak_attack", json.dumps(attack_cfg)],
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
-        _progress(f"attack: {cfg.datagrams} datagrams, {len(CLASSES)} classes, steady {cfg.rate:.0f}/s "
+        _progress(f"attack: {cfg.datagrams} datagrams, {len(cfg.classes)} classes, steady {cfg.rate:.0f}/s "
                   f"and a burst of {cfg.burst_share:.0%} ...", quiet)
         t_attack = time.monotonic()
         summary: dict[str, Any] = {}
@@ -438,7 +436,7 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             now = time.monotonic()
             if now - last_print >= 3.0:
                 last_print = now
-                p99 = _percentile(prober.rtt.get("attack", []), 99)
+                p99 = _percentile(prober.samples()[0].get("attack", []), 99)
                 speed = info["sent"] / max(now - t_attack, 1e-9)
                 _progress(f"  {info.get('phase', '?'):6s} sent {info['sent']:>9,} ({speed:,.0f}/s)"
                           f"  averages ok {averager.ok} failed {averager.failed} alone {averager.alone}"
@@ -471,7 +469,9 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             seen = monitor.rss.get(f"attack:{i}", []) + monitor.rss.get(f"after:{i}", [])
             if seen:
                 growth = max(growth, max(seen) - rss_base[i])
-        attack_rtt = prober.rtt.get("attack", [])
+        prober.close()
+        rtts, lost = prober.samples()
+        attack_rtt = rtts.get("attack", [])
         calm_rates = monitor.rates.get("calm", [])
         attack_rates = monitor.rates.get("attack", []) + monitor.rates.get("after", [])
         sent = int(summary["sent"])
@@ -504,8 +504,10 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             "max_rel_err": averager.max_rel_err,
             "average_errors": averager.errors[:10],
             "ping_p50_ms": _round(_percentile(attack_rtt, 50)),
-            "ping_p99_ms_no_attack": _round(_percentile(prober.rtt.get("calm", []), 99)),
-            "ping_lost": prober.lost.get("attack", 0),
+            "ping_p99_ms_no_attack": _round(_percentile(rtts.get("calm", []), 99)),
+            "ping_p99_ms_after": _round(_percentile(rtts.get("after", []), 99)),
+            "ping_lost": lost.get("attack", 0),
+            "ping_lost_no_attack": lost.get("calm", 0),
             "ping_samples": len(attack_rtt),
             "rss_base_mb": [round(x, 1) for x in rss_base],
             "rate_median_no_attack": statistics.median(calm_rates) if calm_rates else None,
@@ -521,7 +523,7 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             "rate_floor": out["rate_floor"] is None or out["rate_no_attack"] is None
             or out["rate_floor"] >= out["rate_no_attack"],
             "speed": attack_s <= GOALS["seconds_per_million"] * sent / 1e6,
-            "every_class_sent": all(summary["by_class"].get(c, 0) > 0 for c in CLASSES),
+            "every_class_sent": all(summary["by_class"].get(c, 0) > 0 for c in cfg.classes),
         }
         return out
     finally:
@@ -530,6 +532,8 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             attacker.wait()
         for t in threads:
             t.stop.set()
+            if isinstance(t, _Probe):
+                t.close()
         swarm.stop()
         if averager is not None:
             averager.pool.shutdown(wait=False, cancel_futures=True)
@@ -548,7 +552,8 @@ def _round(x: float | None) -> float | None:
 def cmd_bench_soak(args: Any, parser: Any) -> int:
     """`peerd bench soak` (argparse glue kept here, so cli.py carries only the parser and one dispatch line)."""
     cfg = SoakConfig(datagrams=args.datagrams, size=args.size, rate=args.rate, burst_share=args.burst_share,
-                     calm_s=args.calm, seed=args.seed, identities=getattr(args, "identities", 64))
+                     calm_s=args.calm, seed=args.seed, identities=getattr(args, "identities", 64),
+                     classes=tuple(args.classes.split(",")) if getattr(args, "classes", None) else CLASSES)
     try:
         cfg.check()
     except ValueError as e:

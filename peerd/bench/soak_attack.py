@@ -197,7 +197,8 @@ class Attack:
         return self.msock, self._seal(mb, int(BodyType.RS_DATA), header + values)
 
     def _b_held_data(self) -> tuple[socket.socket, bytes]:
-        return self._data("held_data", 1.0, big=self.rng.random() < 0.1)
+        # 64 KB bodies (finding 6) in the steady phases; the burst sends MTU-sized ones, for its rate
+        return self._data("held_data", 1.0, big=self.phase != "burst" and self.rng.random() < 0.1)
 
     def _b_nonfinite_data(self) -> tuple[socket.socket, bytes]:
         return self._data("nonfinite_data", [1.0, float("nan"), float("inf")][self.rng.randrange(3)])
@@ -321,7 +322,7 @@ class Attack:
         server = threading.Thread(target=self._serve, name="soak-responder", daemon=True)
         server.start()
         parent = os.getppid()
-        order = list(CLASSES)
+        order = list(self.cfg.get("classes") or CLASSES)
         start = time.monotonic()
         last_report = 0.0
         burst_s = 0.0

@@ -1,0 +1,85 @@
+"""The PING prober of `peerd bench soak`: a member (its own identity, the swarm key) that PINGs the honest
+daemons every ``PING_S`` and writes one line per PING, ``<CLOCK_MONOTONIC seconds> <round trip ms>``
+(-1: no PONG within ``PING_TIMEOUT_S``), to the file it is given.
+
+Its own process, so that the bench's threads (checking averages, scraping metrics) never hold a GIL the
+timing waits on: the figure is the daemons' latency, not the bench's.
+Run as ``python -m peerd.bench.soak_probe CONFIG_JSON``; it stops after ``max_s``, on SIGTERM, or when the
+bench that started it is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import sys
+import time
+
+from ..wire import messages as m
+from ..wire.identity import Identity, load_swarm_key
+from ..wire.seal import Opener, Sealer
+
+PING_S = 0.02
+PING_TIMEOUT_S = 1.0
+
+
+class Prober:
+    def __init__(self, key_file: str, targets: list[tuple[str, int]]) -> None:
+        secret = load_swarm_key(key_file)
+        self.ident = Identity.generate()
+        self.sealer = Sealer(secret)
+        self.opener = Opener(secret)
+        self.frm = {"pk": self.ident.public_key, "sig": self.ident.sign_token(self.sealer.token), "addr": None}
+        self.targets = targets
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+
+    def ping(self, target: tuple[str, int]) -> float | None:
+        """One PING; the round trip in seconds, or None when no PONG came back in time."""
+        rid = random.getrandbits(64)
+        body = m.encode(m.MsgType.PING, {"rid": rid, "from": self.frm})
+        sent = time.perf_counter()
+        try:
+            self.sock.sendto(self.sealer.seal(m.MsgType.PING, body), target)
+        except OSError:
+            return None
+        deadline = sent + PING_TIMEOUT_S
+        while (left := deadline - time.perf_counter()) > 0:
+            self.sock.settimeout(left)
+            try:
+                data, _ = self.sock.recvfrom(65535)
+            except OSError:  # timed out
+                return None
+            try:
+                header, plain, _ = self.opener.open(data)
+                if header.type == m.MsgType.PONG and m.decode(header.type, plain)["rid"] == rid:
+                    return time.perf_counter() - sent
+            except Exception:  # noqa: BLE001 - whatever else a daemon sends this member (its requests): ignore
+                continue
+        return None
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m peerd.bench.soak_probe CONFIG_JSON", file=sys.stderr)
+        return 2
+    cfg = json.loads(argv[0])
+    targets = [(h, int(p)) for h, p in cfg["targets"]]
+    prober = Prober(cfg["key_file"], targets)
+    parent = os.getppid()
+    end = time.monotonic() + float(cfg.get("max_s", 3600))
+    i = 0
+    with open(cfg["out"], "w", buffering=1) as out:
+        while time.monotonic() < end and os.getppid() == parent:
+            start = time.monotonic()
+            rtt = prober.ping(targets[i % len(targets)])
+            i += 1
+            out.write(f"{start:.6f} {-1 if rtt is None else rtt * 1000:.3f}\n")
+            time.sleep(max(0.0, PING_S - (time.monotonic() - start)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
