@@ -120,7 +120,7 @@ def ad_key(run: str) -> bytes:
 @dataclass
 class Fetched:
     step: int
-    blob: bytes
+    blob: bytes | bytearray
     sha: bytes
     donors: int
     chunks: int
@@ -374,7 +374,7 @@ class StateSync:
             raise StateSyncError(f"no donor delivered the bytes at offset {failed[0]} (of {size})")
         if hashlib.sha256(buf).digest() != sha:
             raise _Mismatch("the downloaded snapshot does not match its advertised SHA-256")
-        return Fetched(step, bytes(buf), sha, len(used), count, retries)
+        return Fetched(step, buf, sha, len(used), count, retries)  # no copy: a snapshot can be GBs
 
 
 @dataclass
