@@ -343,3 +343,33 @@ def test_honest_keys_of_many_subkeys_are_read_in_full() -> None:
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
+
+
+def test_a_key_written_to_between_pages_is_still_read_in_full() -> None:
+    async def main() -> None:
+        net = MemNet(seed=25)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 6)
+            holder = nodes[5]
+            now = trio.current_time()
+            writers = [Identity.from_seed(bytes([i + 10]) * 32) for i in range(30)]
+            records = [Record.create(w, b"run/progress", b"%03d" % (i + 1), b"%d" % i, 600.0, wall=time.time(),
+                                     now=now) for i, w in enumerate(writers)]
+            for r in records:
+                assert holder.dht.core.store.store(r, now) is None
+            late = Record.create(BOB, b"run/progress", b"000", b"late", 600.0, wall=time.time(), now=now)
+
+            def on_find_value(incoming: Incoming) -> dict:
+                t = trio.current_time()
+                response = holder.dht.core.handle(incoming.mtype, incoming.body, t)
+                if incoming.body["offset"] == 0:  # a new subkey sorts first: every later page shifts by one
+                    assert holder.dht.core.store.store(late, t) is None
+                return response
+
+            holder.endpoint.on_request(m.MsgType.FIND_VALUE, on_find_value)
+            got = await nodes[0].dht.get(b"run/progress")
+            assert {(r.subkey, r.value) for r in records} <= {(r.subkey, r.value) for r in got}
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
