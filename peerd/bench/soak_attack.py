@@ -102,8 +102,10 @@ class Attack:
         self.join_bodies = []
         for i in range(16):
             mb = self.members[i % len(self.members)]
+            # IPv6 to an IPv4 node, the limited broadcast (also IPv4-mapped), unspecified ("this host"). No
+            # multicast: a daemon without the fix would send there, and that may leave the machine.
             bad = [[b"\0" * 15 + b"\1", 4000 + i], [b"\xff" * 4, 4000 + i], [b"\0" * 4, 9],
-                   [bytes([224, 0, 0, 1]), 5353], [b"\xff\x02" + b"\0" * 13 + b"\1", 7]][i % 5]
+                   [b"\0" * 10 + b"\xff" * 6, 4000 + i]][i % 4]
             frm = {**mb.frm, "addr": bad}
             fields = {"run": run, "round": self.round0 + i % 3, "key": self.group_key, "expiry": time.time() + 30}
             self.join_bodies.append((mb, mb.body(m.MsgType.MM_JOIN, fields, frm)))
