@@ -518,3 +518,19 @@ def test_peers_listening_on_a_wildcard_average_through_matchmaking() -> None:
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
+
+
+def test_the_run_grid_is_what_most_publishers_name_and_a_squatter_cannot_hide_it() -> None:
+    """A shared ``grid`` subkey belonged to its first writer; now each publisher writes under its own id and a
+    joiner takes the grid named most often, among grids that parse and fit."""
+    from peerd.moshpit.service import published_grid
+
+    def rec(owner: int, value: bytes) -> SimpleNamespace:
+        return SimpleNamespace(owner=bytes([owner]) * 32, value=value)
+
+    honest = [rec(i, b"4x4") for i in range(3)]
+    squatter = [rec(9, b"2x2x2x2x2x2x2x2"), rec(8, b"junk"), rec(7, b"\xff")]
+    assert published_grid(honest + squatter) == Grid(2, 4)
+    assert published_grid([rec(1, b"8x8"), rec(2, b"4x4")]) == Grid(2, 4)  # a tie: the smaller grid
+    assert published_grid([rec(1, b"64x64")], lambda g: g.size <= 24) is None  # does not fit this node's MTU
+    assert published_grid(squatter[1:]) is None

@@ -179,6 +179,25 @@ def check_run_id(run_id: object) -> str:
     return run_id
 
 
+def published_grid(records: list[Record], fits: Callable[[Grid], bool] = lambda g: True) -> Grid | None:
+    """The grid a run's publishers name most often (ties: the smaller grid), among grids that parse and fit.
+
+    Each publisher writes under its own node id, so no member can hide another's record; ids are free to mint,
+    though, so a Sybil member can still outvote: runs that must not be steered pass their grid explicitly."""
+    votes: dict[Grid, int] = {}
+    for r in records:
+        try:
+            grid = Grid.parse(r.value.decode())
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if not fits(grid):
+            continue
+        votes[grid] = votes.get(grid, 0) + 1
+    if not votes:
+        return None
+    return min(votes, key=lambda g: (-votes[g], g.size, g.dims))
+
+
 class MoshpitService:
     def __init__(
         self,
@@ -832,16 +851,21 @@ class MoshpitService:
                 log.warning("%s failed", task, exc_info=True)
 
     async def _publish_grid(self, run_id: str, grid: Grid) -> None:
-        await self.dht.put(f"{run_id}/config".encode(), b"grid", str(grid).encode(), ttl=CONFIG_TTL_S)
+        # Under this node's own id: a shared subkey would belong to whoever wrote it first (slot squatting).
+        await self.dht.put(f"{run_id}/config".encode(), self.identity.node_id, str(grid).encode(), ttl=CONFIG_TTL_S)
 
     async def _published_grid(self, run_id: str) -> Grid | None:
+        records: list[Record] = []
         with trio.move_on_after(5.0):
-            for r in sorted(await self.dht.get(f"{run_id}/config".encode()), key=lambda r: r.owner):
-                try:
-                    return Grid.parse(r.value.decode())
-                except (ValueError, UnicodeDecodeError):
-                    continue
-        return None
+            records = await self.dht.get(f"{run_id}/config".encode())
+        return published_grid(records, self._fits)
+
+    def _fits(self, grid: Grid) -> bool:
+        try:
+            self._check_fits(grid.size)
+        except MoshpitError:
+            return False
+        return True
 
     async def _publish_progress(self, run_id: str, round_no: int) -> None:
         value = msgpack.packb(round_no)
