@@ -1,0 +1,175 @@
+"""`peerd bench dht`: N real daemons (one process each, bootstrapped from node 0) put and get K keys.
+
+Each key is written by one daemon and read by another through the local API, the way a trainer or
+`peerd dht` would: the times include the local socket. ``rpcs_per_get`` is read from the reader's
+Prometheus counters (FIND_VALUE and FIND_NODE requests answered or failed, paging included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from ..localsock.client import DaemonError, LocalClient
+from ..swarm import LocalSwarm, Node
+
+
+@dataclass
+class DhtBenchConfig:
+    peers: int = 32
+    keys: int = 200
+    seed: int = 0
+    insecure: bool = False
+
+    def check(self) -> None:
+        if self.peers < 2:
+            raise ValueError("--peers must be at least 2")
+        if self.keys < 1:
+            raise ValueError("--keys must be at least 1")
+
+
+def _progress(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _lookup_rpcs(node: Node) -> float:
+    """FIND_VALUE + FIND_NODE requests this daemon sent so far (answered or failed)."""
+    with urllib.request.urlopen(f"http://{node.status['metrics']}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("peerd_rpc_seconds_count", "peerd_rpc_failures_total")) and (
+            'type="find_value"' in line or 'type="find_node"' in line
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _rss_mib(node: Node) -> float:
+    try:
+        with open(f"/proc/{node.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _wait_tables(nodes: list[Node], want: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            counts = [n.call("status")["peers"] for n in nodes]
+        except DaemonError:  # a busy socket refused a connection: ask again (a dead daemon fails below)
+            counts = [0]
+            if not all(n.alive() for n in nodes):
+                raise
+        if min(counts) >= want:
+            return
+        if time.monotonic() > deadline:
+            raise DaemonError(f"routing tables not full after {timeout:.0f} s (want {want}): {sorted(counts)[:8]}...")
+        time.sleep(0.05)
+
+
+def run_dht_bench(cfg: DhtBenchConfig, *, quiet: bool = False) -> dict[str, Any]:
+    cfg.check()
+    rng = random.Random(cfg.seed)
+    workdir = tempfile.mkdtemp(prefix="peerd-bench-dht-")
+    swarm = LocalSwarm(os.path.join(workdir, "swarm"), insecure=cfg.insecure, metrics=True,
+                       extra_args=("--log-level", "warning"))
+    clients: list[LocalClient] = []
+    try:
+        _progress(f"starting {cfg.peers} daemons ...", quiet)
+        nodes = swarm.start_many(cfg.peers)
+        t0 = time.monotonic()  # every socket answers
+        want = min(cfg.peers - 1, 20)
+        _wait_tables(nodes, want)
+        tables_full_s = time.monotonic() - t0
+        _progress(f"every routing table holds {want}+ contacts after {tables_full_s:.2f} s", quiet)
+        clients = [LocalClient(n.socket, timeout=30.0) for n in nodes]
+        put_ms: list[float] = []
+        get_ms: list[float] = []
+        rpcs: list[float] = []
+        missing = 0
+        for i in range(cfg.keys):
+            writer, reader = rng.sample(range(cfg.peers), 2)
+            key, value = f"bench-dht/{cfg.seed}/{i}", f"v{i}-{rng.getrandbits(64):x}"
+            t = time.perf_counter()
+            clients[writer].call("dht_put", key=key, value=value, ttl=600)
+            put_ms.append((time.perf_counter() - t) * 1000)
+            before = _lookup_rpcs(nodes[reader])
+            t = time.perf_counter()
+            reply = clients[reader].call("dht_get", key=key)
+            get_ms.append((time.perf_counter() - t) * 1000)
+            rpcs.append(_lookup_rpcs(nodes[reader]) - before)
+            values = [v["value"] for v in reply["values"]]
+            if values != [value.encode()] and values != [value]:
+                missing += 1
+        rss = [_rss_mib(n) for n in nodes]
+        return {
+            "peers": cfg.peers,
+            "keys": cfg.keys,
+            "sealed": not cfg.insecure,
+            "put_p50_ms": round(statistics.median(put_ms), 3),
+            "put_p99_ms": round(_pct(put_ms, 0.99), 3),
+            "get_p50_ms": round(statistics.median(get_ms), 3),
+            "get_p99_ms": round(_pct(get_ms, 0.99), 3),
+            "rpcs_per_get": round(statistics.mean(rpcs), 2),
+            "gets_missing_value": missing,
+            "tables_full_s": round(tables_full_s, 3),
+            "rss_mib": {"median": round(statistics.median(rss), 1), "max": round(max(rss), 1)},
+            "load": os.getloadavg()[0],
+        }
+    finally:
+        for c in clients:
+            c.close()
+        swarm.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def add_parser(bench: Any) -> None:
+    """The `bench dht` sub-parser (kept here so cli.py carries one call and one dispatch line)."""
+    b = bench.add_parser("dht", help="N daemons put and get K keys through the local API; latency and RPCs per get")
+    b.add_argument("--peers", type=int, default=32, metavar="N", help="daemons (default 32)")
+    b.add_argument("--keys", type=int, default=200, metavar="K", help="keys written and read (default 200)")
+    b.add_argument("--seed", type=int, default=0, help="seed of writers, readers and values (default 0)")
+    b.add_argument("--insecure", action="store_true", help="unsealed datagrams (default: a sealed swarm)")
+    b.add_argument("--json", action="store_true", help="print JSON only (no progress lines)")
+
+
+def cmd_bench_dht(args: Any, parser: Any) -> int:
+    cfg = DhtBenchConfig(peers=args.peers, keys=args.keys, seed=args.seed, insecure=args.insecure)
+    try:
+        cfg.check()
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        result = run_dht_bench(cfg, quiet=args.json)
+    except KeyboardInterrupt:
+        print("\nstopped (every daemon and temp dir removed)", file=sys.stderr)
+        return 130
+    except DaemonError as e:
+        print(f"peerd: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for name, value in result.items():
+            print(f"{name:>20}: {value}")
+    return 0 if result["gets_missing_value"] == 0 else 1
