@@ -4,9 +4,13 @@ every wire attack of issue 11 ("Hostile members and faults") at them.
 Phases: a calm phase (averaging only: the no-attack pacing rate, ping and memory baselines), the attack (a
 separate process, peerd/bench/soak_attack.py: steady, a burst as fast as it goes, a steady tail), then a
 last round after it. Every honest average is checked exact against the weighted mean of its group's known
-inputs; a member's PING round trip to the daemons is sampled all along; RSS comes from /proc/PID/status and
-the refusal counters from each daemon's Prometheus metrics. Only 127.0.0.1 daemons this bench started are
-ever sent to; every process and temp dir is removed at the end, also on failure or Ctrl-C.
+inputs; a member's PING round trip to the daemons is sampled all along (its own process: soak_probe.py; a
+PING unanswered for 1 s counts as 1000 ms); RSS comes from /proc/PID/status and the refusal counters from
+each daemon's Prometheus metrics. A fifth daemon run with ``--fault-byzantine nan`` (a hostile member
+too) averages a small side run with one honest daemon at weight 1e30, for the owners' refusal of
+non-finite and outsized contributions, which the wire attacker (not a group member) cannot reach.
+Only 127.0.0.1 daemons this bench started are ever sent to; every process and temp dir is removed at the
+end, also on failure or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -156,9 +160,10 @@ class _Probe:
     """The PING prober (peerd/bench/soak_probe.py) in its own process; its samples are cut into the bench's
     phases by their CLOCK_MONOTONIC timestamps (the same clock in every process)."""
 
-    def __init__(self, workdir: str, key_file: str, targets: list[tuple[str, int]]) -> None:
+    def __init__(self, workdir: str, key_file: str, targets: list[tuple[str, int]], ids: list[str]) -> None:
         self.path = os.path.join(workdir, "pings.txt")
-        cfg = {"key_file": key_file, "targets": [list(t) for t in targets], "out": self.path, "max_s": 3600}
+        cfg = {"key_file": key_file, "targets": [list(t) for t in targets], "ids": ids, "out": self.path,
+               "max_s": 3600}
         self.proc = subprocess.Popen([sys.executable, "-m", "peerd.bench.soak_probe", json.dumps(cfg)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.marks: list[tuple[float, str]] = [(0.0, "calm")]
@@ -384,7 +389,8 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             node.call("avg_open", timeout=30, run=BAIT_RUN, grid="2", adapt=False, min_size=2, window_s=cfg.window_s)
         bait = _Bait(nodes[-1], hostile)
         monitor = _Monitor(nodes)
-        prober = _Probe(workdir, swarm.key_file, [_hostport(n.listen) for n in nodes])
+        prober = _Probe(workdir, swarm.key_file, [_hostport(n.listen) for n in nodes],
+                        [n.status["peer_id"] for n in nodes])
         averager = _Averager(nodes, cfg)
         threads = [monitor, prober, averager, bait]
         for t in (monitor, averager, bait):
@@ -506,6 +512,7 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             "max_rel_err": averager.max_rel_err,
             "average_errors": averager.errors[:10],
             "ping_p50_ms": _round(_percentile(attack_rtt, 50)),
+            "ping_p95_ms": _round(_percentile(attack_rtt, 95)),
             "ping_p99_ms_no_attack": _round(_percentile(rtts.get("calm", []), 99)),
             "ping_p99_ms_after": _round(_percentile(rtts.get("after", []), 99)),
             "ping_lost": lost.get("attack", 0),

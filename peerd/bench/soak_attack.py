@@ -31,9 +31,11 @@ from ..allreduce.codec import BodyType
 from ..dht.records import Record
 from ..statesync.service import Advert, ad_key
 from ..wire import messages as m
+from ..wire.envelope import VERSION
 from ..wire.errors import WireError
-from ..wire.identity import Identity, load_swarm_key
+from ..wire.identity import Identity, load_swarm_key, node_id_of
 from ..wire.seal import Opener, Sealer
+from .soak_probe import opener_for, seal_for
 
 PROGRESS_S = 0.5
 IDENTITIES = 64  # member identities the attacker signs and seals with
@@ -89,7 +91,8 @@ class Attack:
         self.responder = _Member(self.secret)
         self.wrong = [_Member(os.urandom(32)) for _ in range(4)]
         self.captured: list[bytes] = []  # datagrams seen (own sealed ones, and what daemons sent us): to mutate
-        self.last_sealed: list[bytes] = []
+        self.last_sealed: dict[int, list[bytes]] = {}  # per target: a datagram is sealed for its receiver
+        self._to = 0  # the target the datagram being built is for
         self._builders: dict[str, Callable[[], tuple[socket.socket, bytes]]] = {
             c: getattr(self, f"_b_{c}") for c in CLASSES
         }
@@ -162,11 +165,12 @@ class Attack:
 
     # -- one datagram per call -------------------------------------------------------------------------------
     def _seal(self, mb: _Member, mtype: int, body: bytes) -> bytes:
-        d = mb.sealer.seal(mtype, body)
-        if len(self.last_sealed) < 256:
-            self.last_sealed.append(d)
+        d = seal_for(mb.sealer, mtype, body, self.victims[self._to])
+        kept = self.last_sealed.setdefault(self._to, [])
+        if len(kept) < 256:
+            kept.append(d)
         else:
-            self.last_sealed[self.rng.randrange(256)] = d
+            kept[self.rng.randrange(256)] = d
         return d
 
     def _pick(self, pool: list[tuple[_Member, bytes]], mtype: m.MsgType) -> tuple[socket.socket, bytes]:
@@ -215,19 +219,20 @@ class Attack:
         return self._pick(self.value_bodies, m.MsgType.VALUE)  # unsolicited; answers go from the responder
 
     def _b_replay(self) -> tuple[socket.socket, bytes]:
-        if not self.last_sealed:
+        kept = self.last_sealed.get(self._to)
+        if not kept:
             return self._b_report_throttle()
-        return self.msock, self.last_sealed[self.rng.randrange(len(self.last_sealed))]
+        return self.msock, kept[self.rng.randrange(len(kept))]
 
     def _b_random(self) -> tuple[socket.socket, bytes]:
         size = self.rng.randrange(1, 1201)
         data = self.rng.randbytes(size)
         if self.rng.random() < 0.5 and size > 21:  # a plausible header: magic, version, a known type, sealed
-            data = struct.pack("!2sBBB", b"PD", 1, self.rng.choice([1, 3, 5, 7, 0x10, 0x11, 0x40]), 1) + data[5:]
+            data = struct.pack("!2sBBB", b"PD", VERSION, self.rng.choice([1, 3, 5, 7, 0x10, 0x11, 0x40]), 1) + data[5:]
         return self.osock, data
 
     def _b_mutated(self) -> tuple[socket.socket, bytes]:
-        pool = self.captured if self.captured and self.rng.random() < 0.5 else self.last_sealed
+        pool = self.captured if self.captured and self.rng.random() < 0.5 else self.last_sealed.get(self._to)
         if not pool:
             return self._b_random()
         data = bytearray(pool[self.rng.randrange(len(pool))])
@@ -240,15 +245,17 @@ class Attack:
     def _b_wrong_key(self) -> tuple[socket.socket, bytes]:
         mb = self.wrong[self.rng.randrange(len(self.wrong))]
         kind = self.rng.randrange(3)
+        to = self.victims[self._to]
         if kind == 0:
-            return self.osock, mb.sealer.seal(m.MsgType.PING, mb.body(m.MsgType.PING, {}))
+            return self.osock, seal_for(mb.sealer, m.MsgType.PING, mb.body(m.MsgType.PING, {}), to)
         if kind == 1:
-            return self.osock, mb.sealer.seal(m.MsgType.REPORT, self.report_bodies[0][1])
-        return self.osock, mb.sealer.seal(int(BodyType.RS_DATA), BODY_HEADER.pack(1, 0, 8, 0, 1, 1.0) + b"\0" * 4)
+            return self.osock, seal_for(mb.sealer, m.MsgType.REPORT, self.report_bodies[0][1], to)
+        body = BODY_HEADER.pack(1, 0, 8, 0, 1, 1.0) + b"\0" * 4
+        return self.osock, seal_for(mb.sealer, int(BodyType.RS_DATA), body, to)
 
     # -- the responder: answers the daemons' requests to its identity, FIND_VALUE with 65535 pages ----------
     def _serve(self) -> None:
-        opener = Opener(self.secret)
+        opener = opener_for(self.secret, self.responder.ident.node_id)
         sel = selectors.DefaultSelector()
         for s in (self.rsock, self.msock, self.osock):
             s.setblocking(False)
@@ -259,8 +266,8 @@ class Attack:
             now = time.monotonic()
             if now >= next_ping:  # stay in the daemons' routing tables, so their lookups ask us
                 next_ping = now + 1.0
-                for t in self.targets:
-                    self._send(self.rsock, r.sealer.seal(m.MsgType.PING, r.body(m.MsgType.PING, {})), t,
+                for t, to in zip(self.targets, self.victims, strict=True):
+                    self._send(self.rsock, seal_for(r.sealer, m.MsgType.PING, r.body(m.MsgType.PING, {}), to), t,
                                "find_value_pages")
             for key, _ in sel.select(0.1):
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
@@ -302,7 +309,8 @@ class Attack:
             return
         out = m.encode(reply[0], {"rid": fields["rid"], "from": r.frm, **reply[1]}, check=False)
         self.answered += 1
-        self._send(self.rsock, r.sealer.seal(reply[0], out), source, "find_value_pages")
+        to = node_id_of(fields["from"]["pk"])
+        self._send(self.rsock, seal_for(r.sealer, reply[0], out, to), source, "find_value_pages")
 
     def _send(self, sock: socket.socket, data: bytes, target: Target, cls: str) -> None:
         try:
@@ -339,6 +347,7 @@ class Attack:
                 for _ in range(chunk):
                     cls = order[ci]
                     ci = (ci + 1) % len(order)
+                    self._to = ti
                     sock, data = self._builders[cls]()
                     self._send(sock, data, self.targets[ti], cls)
                     ti = (ti + 1) % len(self.targets)

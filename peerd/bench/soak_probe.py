@@ -10,6 +10,7 @@ bench that started it is gone.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -23,26 +24,43 @@ from ..wire.seal import Opener, Sealer
 
 PING_S = 0.02
 PING_TIMEOUT_S = 1.0
+# Protocol version 2 binds the receiver's node id into each datagram's associated data; the soak speaks
+# whichever version this checkout's wire code does.
+_SEAL_RECEIVER = "receiver" in inspect.signature(Sealer.seal).parameters
+_OPEN_RECEIVER = "receiver" in inspect.signature(Opener.__init__).parameters
+
+
+def seal_for(sealer: Sealer, mtype: int, body: bytes, receiver: bytes | None) -> bytes:
+    """Seal for ``receiver`` (a node id) where the wire binds datagrams to their receiver, else as v1 did."""
+    if _SEAL_RECEIVER:
+        return sealer.seal(mtype, body, receiver)  # type: ignore[call-arg]
+    return sealer.seal(mtype, body)
+
+
+def opener_for(secret: bytes, own_id: bytes) -> Opener:
+    """An opener for datagrams sealed for ``own_id``."""
+    return Opener(secret, receiver=own_id) if _OPEN_RECEIVER else Opener(secret)  # type: ignore[call-arg]
 
 
 class Prober:
-    def __init__(self, key_file: str, targets: list[tuple[str, int]]) -> None:
+    def __init__(self, key_file: str, targets: list[tuple[str, int]], ids: list[bytes]) -> None:
         secret = load_swarm_key(key_file)
         self.ident = Identity.generate()
         self.sealer = Sealer(secret)
-        self.opener = Opener(secret)
+        self.opener = opener_for(secret, self.ident.node_id)
+        self.ids = ids
         self.frm = {"pk": self.ident.public_key, "sig": self.ident.sign_token(self.sealer.token), "addr": None}
         self.targets = targets
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
 
-    def ping(self, target: tuple[str, int]) -> float | None:
+    def ping(self, target: tuple[str, int], receiver: bytes) -> float | None:
         """One PING; the round trip in seconds, or None when no PONG came back in time."""
         rid = random.getrandbits(64)
         body = m.encode(m.MsgType.PING, {"rid": rid, "from": self.frm})
         sent = time.perf_counter()
         try:
-            self.sock.sendto(self.sealer.seal(m.MsgType.PING, body), target)
+            self.sock.sendto(seal_for(self.sealer, m.MsgType.PING, body, receiver), target)
         except OSError:
             return None
         deadline = sent + PING_TIMEOUT_S
@@ -67,14 +85,14 @@ def main(argv: list[str]) -> int:
         return 2
     cfg = json.loads(argv[0])
     targets = [(h, int(p)) for h, p in cfg["targets"]]
-    prober = Prober(cfg["key_file"], targets)
+    prober = Prober(cfg["key_file"], targets, [bytes.fromhex(h) for h in cfg["ids"]])
     parent = os.getppid()
     end = time.monotonic() + float(cfg.get("max_s", 3600))
     i = 0
     with open(cfg["out"], "w", buffering=1) as out:
         while time.monotonic() < end and os.getppid() == parent:
             start = time.monotonic()
-            rtt = prober.ping(targets[i % len(targets)])
+            rtt = prober.ping(targets[i % len(targets)], prober.ids[i % len(targets)])
             i += 1
             out.write(f"{start:.6f} {-1 if rtt is None else rtt * 1000:.3f}\n")
             time.sleep(max(0.0, PING_S - (time.monotonic() - start)))
