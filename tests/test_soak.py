@@ -20,7 +20,10 @@ DROP_METRICS = ("peerd_datagrams_dropped_total", "peerd_dht_store_refused_total"
 
 
 def test_small_soak_no_crash_and_exact_averages() -> None:
-    run = peerd("bench", "soak", "--datagrams", "20000", "--size", "100000", "--calm", "3", "--json", timeout=180)
+    # A gentler rate and a short burst than the full soak's: a burst that overflows the daemons' socket buffers
+    # loses honest tensor data too, and an average with a lost range is (by design) not the exact mean.
+    run = peerd("bench", "soak", "--datagrams", "20000", "--size", "100000", "--calm", "3", "--rate", "3000",
+                "--burst-share", "0.15", "--json", timeout=180)
     out = json.loads(run.stdout)  # stdout is pure JSON
     for name in FIELDS:
         assert name in out, name
