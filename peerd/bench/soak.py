@@ -400,10 +400,15 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
         _progress(f"calm phase: averaging {cfg.size} float32 without attack ...", quiet)
         calm_end = time.monotonic() + cfg.calm_s
         hard = time.monotonic() + 180.0
+        last_print = time.monotonic()
         while (time.monotonic() < calm_end or averager.rounds < 2) and time.monotonic() < hard:
             if monitor.exited:
                 raise DaemonError(f"a daemon exited before the attack: peers {sorted(monitor.exited)}")
             time.sleep(0.2)
+            if time.monotonic() - last_print >= 3.0:
+                last_print = time.monotonic()
+                _progress(f"  calm   rounds {averager.rounds}  averages ok {averager.ok} failed {averager.failed}"
+                          f"  rss max {max(monitor.rss_by_node):.0f} MB", quiet)
         if averager.rounds < 1:
             raise DaemonError("no honest average completed in the calm phase: "
                               + "; ".join(averager.errors[-3:]))
@@ -459,8 +464,14 @@ def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
             t.phase = "after"
         rounds_then = averager.rounds
         hard = time.monotonic() + 150.0
+        _progress("after the attack: two more rounds ...", quiet)
+        last_print = time.monotonic()
         while averager.rounds < rounds_then + 2 and time.monotonic() < hard and averager.thread.is_alive():
             time.sleep(0.2)
+            if time.monotonic() - last_print >= 3.0:
+                last_print = time.monotonic()
+                _progress(f"  after  rounds {averager.rounds}  averages ok {averager.ok} failed {averager.failed}"
+                          f" alone {averager.alone}  exited {sorted(monitor.exited)}", quiet)
         monitor.sample()
         after = _counters(nodes)
         averager.stop.set()
