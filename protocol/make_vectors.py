@@ -28,7 +28,7 @@ import msgpack  # noqa: E402
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
 
 from peerd.wire import messages as m  # noqa: E402
-from peerd.wire.envelope import FLAG_SEALED, HEADER_SIZE, MAGIC, VERSION, Header  # noqa: E402
+from peerd.wire.envelope import FLAG_NO_RECEIVER, FLAG_SEALED, HEADER_SIZE, MAGIC, VERSION, Header  # noqa: E402
 from peerd.wire.errors import WireError  # noqa: E402
 from peerd.wire.identity import TOKEN_BINDING_DOMAIN, Identity  # noqa: E402
 from peerd.wire.replay import DEFAULT_WINDOW, ReplayWindow  # noqa: E402
@@ -51,6 +51,7 @@ RECORD_DOMAIN = "peerd-v1 record"
 IDENT_A = Identity.from_seed(SEED_A)  # the sender of every control message in the vectors
 IDENT_B = Identity.from_seed(SEED_B)  # the owner of the records
 IDENT_C = Identity.from_seed(SEED_C)
+RECEIVER = IDENT_B.node_id  # every datagram in the vectors is sealed for B unless it says otherwise
 
 
 def hx(b: bytes) -> str:
@@ -74,18 +75,27 @@ def make_record(ident: Identity, key: bytes, subkey: bytes, value: bytes, expire
     return [key, subkey, value, float(expires), float(ttl), ident.public_key, sig]
 
 
-def seal_at(secret: bytes | None, token: int, seq: int, mtype: int, body: bytes, flags: int | None = None) -> bytes:
-    """Seal one datagram at an arbitrary sequence number (a Sealer always starts at 1).
+def seal_at(
+    secret: bytes | None,
+    token: int,
+    seq: int,
+    mtype: int,
+    body: bytes,
+    flags: int | None = None,
+    receiver: bytes | None = RECEIVER,
+) -> bytes:
+    """Seal one datagram at an arbitrary sequence number (a Sealer always starts at 1), for ``receiver``
+    (its node id is the AAD after the header) or, with ``receiver=None``, for no receiver (FLAG_NO_RECEIVER).
 
     Built from peerd.wire's own pieces (Header, derive_key, nonce_for); the tests check that it agrees
     with Sealer byte for byte.
     """
     if flags is None:
-        flags = FLAG_SEALED if secret is not None else 0
+        flags = (FLAG_SEALED if secret is not None else 0) | (FLAG_NO_RECEIVER if receiver is None else 0)
     header = Header(mtype, flags, token, seq).pack()
     if secret is None:
         return header + body
-    return header + AESGCM(derive_key(secret, token)).encrypt(nonce_for(seq), body, header)
+    return header + AESGCM(derive_key(secret, token)).encrypt(nonce_for(seq), body, header + (receiver or b""))
 
 
 def from_field(ident: Identity, token: int, addr: tuple[str, int] | None) -> dict:
@@ -269,6 +279,7 @@ def control_messages() -> list[tuple[str, m.MsgType, dict]]:
 def envelope_vectors() -> dict:
     valid = [
         ("sealed ping", 0x01, FLAG_SEALED, TOKEN, 1),
+        ("sealed ping for no receiver", 0x01, FLAG_SEALED | FLAG_NO_RECEIVER, TOKEN, 1),
         ("insecure pong", 0x02, 0, TOKEN, 2),
         ("tensor type, large values", 0x40, FLAG_SEALED, 2**64 - 1, 2**64 - 1),
         ("token 1, sequence 256", 0x3F, FLAG_SEALED, 1, 256),
@@ -292,13 +303,17 @@ def envelope_vectors() -> dict:
         ("bad magic", b"PE" + good[2:], "malformed"),
         ("lowercase magic", b"pd" + good[2:], "malformed"),
         ("version 0", good[:2] + b"\x00" + good[3:], "version"),
-        ("version 2", good[:2] + b"\x02" + good[3:], "version"),
-        ("reserved flag bit 1", good[:4] + b"\x03" + good[5:], "malformed"),
+        ("version 1", good[:2] + b"\x01" + good[3:], "version"),
+        ("version 3", good[:2] + b"\x03" + good[3:], "version"),
+        ("reserved flag bit 2", good[:4] + b"\x05" + good[5:], "malformed"),
+        ("no-receiver flag on a FIND_NODE", Header(0x03, FLAG_SEALED | FLAG_NO_RECEIVER, TOKEN, 1).pack(), "malformed"),
+        ("no-receiver flag on tensor data", Header(0x40, FLAG_SEALED | FLAG_NO_RECEIVER, TOKEN, 1).pack(), "malformed"),
         ("reserved flag bit 7", good[:4] + b"\x80" + good[5:], "malformed"),
     ]
     return {
-        "description": "The 21-byte datagram header: magic 'PD', version 1, type u8, flags u8, token u64, "
-        "sequence u64, network byte order (PROTOCOL.md, 'Datagram envelope').",
+        "description": "The 21-byte datagram header: magic 'PD', version 2, type u8, flags u8 (0x01 sealed, "
+        "0x02 no receiver: PING only), token u64, sequence u64, network byte order (PROTOCOL.md, 'Datagram "
+        "envelope').",
         "header_size": HEADER_SIZE,
         "magic": hx(MAGIC),
         "version": VERSION,
@@ -412,7 +427,7 @@ def message_vectors() -> dict:
     out = []
     for seq, (name, mtype, body) in enumerate(control_messages(), start=1):
         raw = m.encode(mtype, body)
-        datagram = sealer.seal(mtype, raw)
+        datagram = sealer.seal(mtype, raw, RECEIVER)
         assert datagram[HEADER_SIZE - 8 : HEADER_SIZE] == seq.to_bytes(8, "big")
         out.append(
             {
@@ -430,10 +445,13 @@ def message_vectors() -> dict:
     ping = m.encode(m.MsgType.PING, {"rid": 7, "from": from_field(IDENT_A, TOKEN, None)})
     return {
         "description": "Every control message type: msgpack body and the whole sealed datagram. One Sealer "
-        "(token below) sealed them in this order, so entry i has sequence number i.",
+        "(token below) sealed them in this order for the receiver below (AAD = header || receiver node id), "
+        "so entry i has sequence number i. 'high_sequence' and 'no_receiver' are PINGs sealed apart.",
         "swarm_secret": hx(SWARM_SECRET),
         "token": tok(TOKEN),
         "sender_seed": hx(SEED_A),
+        "receiver_seed": hx(SEED_B),
+        "receiver": hx(RECEIVER),
         "messages": out,
         "high_sequence": {
             "description": "A PING sealed at a sequence number above 2**32 (nonce layout check).",
@@ -441,6 +459,14 @@ def message_vectors() -> dict:
             "seq": high_seq,
             "body": hx(ping),
             "datagram": hx(seal_at(SWARM_SECRET, TOKEN, high_seq, m.MsgType.PING, ping)),
+        },
+        "no_receiver": {
+            "description": "A PING sealed for no receiver (flags 0x03, AAD = the header alone), as sent to a "
+            "bootstrap address whose node id is unknown; any member opens it.",
+            "type": int(m.MsgType.PING),
+            "seq": 3,
+            "body": hx(ping),
+            "datagram": hx(seal_at(SWARM_SECRET, TOKEN, 3, m.MsgType.PING, ping, receiver=None)),
         },
     }
 
@@ -450,7 +476,7 @@ def insecure_vectors() -> dict:
     out = []
     for seq, (name, mtype, body) in enumerate(control_messages()[:4], start=1):
         raw = m.encode(mtype, body)
-        datagram = sealer.seal(mtype, raw)
+        datagram = sealer.seal(mtype, raw, RECEIVER)
         out.append({"name": name, "type": int(mtype), "seq": seq, "body": hx(raw), "datagram": hx(datagram)})
     return {
         "description": "--insecure mode (benchmarks only): flags bit 0 clear, no AEAD, the body follows the "
@@ -512,8 +538,15 @@ def invalid_vectors() -> dict:
         ("truncated: last byte missing", "sealed", [], good[:-1], "auth"),
         ("truncated: header only", "sealed", [], good[:HEADER_SIZE], "malformed"),
         ("truncated: 20 bytes", "sealed", [], good[:20], "malformed"),
-        ("version 2", "sealed", [], good[:2] + b"\x02" + good[3:], "version"),
-        ("reserved flag", "sealed", [], good[:4] + b"\x03" + good[5:], "malformed"),
+        ("version 1", "sealed", [], good[:2] + b"\x01" + good[3:], "version"),
+        ("reserved flag", "sealed", [], good[:4] + b"\x05" + good[5:], "malformed"),
+        ("sealed for another receiver (C)", "sealed", [],
+         seal_at(SWARM_SECRET, TOKEN, 10, 1, ping, receiver=IDENT_C.node_id), "auth"),
+        ("sealed for B, no-receiver flag set", "sealed", [], good[:4] + b"\x03" + good[5:], "auth"),
+        ("sealed for no receiver, flag clear", "sealed", [],
+         seal_at(SWARM_SECRET, TOKEN, 10, 1, ping, flags=FLAG_SEALED, receiver=None), "auth"),
+        ("no-receiver flag on a FIND_NODE", "sealed", [],
+         seal_at(SWARM_SECRET, TOKEN, 10, 3, ping, receiver=None), "malformed"),
         ("exact replay", "sealed", [good], good, "replay"),
         (
             "older than the window",
@@ -533,6 +566,7 @@ def invalid_vectors() -> dict:
         ("reordered: a lower sequence after a higher one", "sealed", [seal_at(SWARM_SECRET, TOKEN, 11, 1, ping)], good),
         ("same sequence under another token", "sealed", [seal_at(SWARM_SECRET, TOKEN + 1, 10, 1, ping)], good),
         ("insecure", "insecure", [], seal_at(None, TOKEN, 10, 1, ping)),
+        ("a PING sealed for no receiver", "sealed", [], seal_at(SWARM_SECRET, TOKEN, 10, 1, ping, receiver=None)),
     ]
 
     frm = {"pk": IDENT_A.public_key, "sig": IDENT_A.sign_token(TOKEN), "addr": None}
@@ -669,7 +703,7 @@ def invalid_vectors() -> dict:
     ]
     # Self-check: every case fails (or passes) exactly as documented.
     for name, mode, prior, dgram, reason in datagrams:
-        opener = Opener(SWARM_SECRET if mode == "sealed" else None)
+        opener = Opener(SWARM_SECRET if mode == "sealed" else None, RECEIVER)
         for p in prior:
             opener.open(p)
         try:
@@ -679,7 +713,7 @@ def invalid_vectors() -> dict:
         else:
             raise AssertionError(f"datagram vector {name!r} was accepted")
     for _name, mode, prior, dgram in ok_cases:
-        opener = Opener(SWARM_SECRET if mode == "sealed" else None)
+        opener = Opener(SWARM_SECRET if mode == "sealed" else None, RECEIVER)
         for p in prior:
             opener.open(p)
         opener.open(dgram)
@@ -692,10 +726,12 @@ def invalid_vectors() -> dict:
             raise AssertionError(f"body vector {name!r} was accepted")
     return {
         "description": "Input that must be dropped, with the drop reason. 'datagrams' go through an opener "
-        "(mode 'sealed': swarm_secret below; 'insecure': no secret) after the 'prior' datagrams were "
+        "(mode 'sealed': swarm_secret below; 'insecure': no secret), run by the receiver below (B), after the "
+        "'prior' datagrams were "
         "opened successfully by the same opener; 'accepted' lists datagrams that must open. 'bodies' "
         "are control message bodies for messages.decode(type, body).",
         "swarm_secret": hx(SWARM_SECRET),
+        "receiver": hx(RECEIVER),
         "datagrams": [
             {"name": n, "mode": mo, "prior": [hx(p) for p in pr], "datagram": hx(d), "reason": r}
             for n, mo, pr, d, r in datagrams

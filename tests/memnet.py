@@ -23,6 +23,8 @@ class MemNet:
         self.sockets: dict[tuple[str, int], MemSocket] = {}
         self.sent = self.dropped = self.duplicated = 0
         self.nursery: trio.Nursery | None = None
+        # (source, destination, datagram) of every datagram sent, when a test wants to replay or measure them
+        self.captured: list[tuple[tuple[str, int], tuple[str, int], bytes]] | None = None
 
     def socket(self, host: str, port: int) -> MemSocket:
         sock = MemSocket(self, (host, port))
@@ -36,7 +38,10 @@ class MemNet:
             sock.dead = True
 
     def deliver(self, src: tuple[str, int], dst: tuple[str, int], data: bytes) -> None:
+        """Send ``data`` from ``src`` to ``dst`` (a test may call it with any ``src``: a spoofed source)."""
         self.sent += 1
+        if self.captured is not None:
+            self.captured.append((src, dst, data))
         if self.rng.random() < self.drop:
             self.dropped += 1
             return

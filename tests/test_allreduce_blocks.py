@@ -127,12 +127,13 @@ def test_receive_block_declines_what_is_not_a_clean_run() -> None:
 def test_open_block_matches_open(secret) -> None:
     """Sealing a block and opening it whole gives the bodies; a replayed block gives nothing; a forged row
     is dropped and counted; a mixed block is declined for the row-by-row path."""
-    sealer, opener = Sealer(secret), Opener(secret)
-    opener.open(sealer.seal(RS_DATA, b"\0" * 40))  # the token becomes known
+    me = bytes(32)  # the receiver's node id: tensor data is sealed for one receiver
+    sealer, opener = Sealer(secret), Opener(secret, me)
+    opener.open(sealer.seal(RS_DATA, b"\0" * 40, me))  # the token becomes known
     bodies = np.random.default_rng(0).integers(0, 256, (6, 50), dtype=np.uint8)
-    block = sealer.seal_block(RS_DATA, bodies)
-    check = Opener(secret)
-    check.open(Sealer(secret, token=sealer.token).seal(RS_DATA, b"\0" * 40))
+    block = sealer.seal_block(RS_DATA, bodies, me)
+    check = Opener(secret, me)
+    check.open(Sealer(secret, token=sealer.token).seal(RS_DATA, b"\0" * 40, me))
     for row, body in zip(block, bodies, strict=True):  # each row is an ordinary sealed datagram
         header, plain, _ = check.open(row.tobytes())
         assert plain == body.tobytes() and header.type == RS_DATA
@@ -142,14 +143,14 @@ def test_open_block_matches_open(secret) -> None:
         assert np.shares_memory(opened.bodies, block)
     again = opener.open_block(block)
     assert again is not None and again.replays == 6 and len(again.bodies) == 0
-    fresh = sealer.seal_block(RS_DATA, bodies)
+    fresh = sealer.seal_block(RS_DATA, bodies, me)
     if secret is not None:
         fresh[3, -1] ^= 1
         got = opener.open_block(fresh)
         assert got is not None and got.auth_failures == 1 and len(got.bodies) == 5
-    mixed = np.vstack([sealer.seal_block(RS_DATA, bodies[:2]), sealer.seal_block(AG_DATA, bodies[:2])])
+    mixed = np.vstack([sealer.seal_block(RS_DATA, bodies[:2], me), sealer.seal_block(AG_DATA, bodies[:2], me)])
     assert opener.open_block(mixed) is None
-    unknown = Sealer(secret).seal_block(RS_DATA, bodies)
+    unknown = Sealer(secret).seal_block(RS_DATA, bodies, me)
     assert opener.open_block(unknown) is None  # a token's first datagrams take the row-by-row path
 
 

@@ -243,7 +243,7 @@ def test_held_data_expires_on_a_timer_and_oversized_bodies_are_not_held() -> Non
             for node in (a, b):
                 nursery.start_soon(node.endpoint.serve)
             bodies = [pack_data(77, 10, 286 * k, 1.0, np.ones(286, np.float32)) for k in range(10)]
-            await b.endpoint.send_raw(a.addr, RS_DATA, bodies)
+            await b.endpoint.send_raw(a.addr, RS_DATA, bodies, node_id=a.endpoint.identity.node_id)
             await trio.sleep(1.0)
             held = a.service._held
             assert held.count == 10 and held.holds(77)

@@ -180,6 +180,7 @@ def test_a_background_send_that_fails_is_counted_not_fatal() -> None:
             a = node(net, 0, sock=sock)
             await start(nursery, a)
             for host in ("10.9.9.9", "10.9.9.10", "2001:db8::5"):
+                a.endpoint.learn((host, 7), bytes(32))  # a node id to seal for (wire v2 binds the receiver)
                 a.moshpit._spawn(a.endpoint.notify, (host, 7), m.MsgType.MM_DISBAND, {"run": "r", "round": 0})
             await trio.sleep(1.0)
             assert counter_value(a.metrics.background_errors, task="moshpit_notify") == 3

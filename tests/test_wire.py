@@ -33,6 +33,7 @@ from peerd.wire.replay import DEFAULT_WINDOW, ReplayWindow
 
 SECRET = bytes(range(32))
 OTHER = bytes(range(1, 33))
+RECV = bytes(range(100, 132))  # the receiver's node id, bound into every non-PING datagram's AAD
 ALICE = Identity.from_seed(bytes(range(100, 132)))
 BOB = Identity.from_seed(bytes(range(200, 232)))
 REASONS = {"malformed", "version", "auth", "replay", "identity", "type"}
@@ -211,11 +212,11 @@ def test_replay_each_in_window_number_exactly_once(nums: list[int], rnd) -> None
 
 @pytest.mark.parametrize("secret", [SECRET, None], ids=["sealed", "insecure"])
 def test_seal_round_trip(secret: bytes | None) -> None:
-    sealer, opener = Sealer(secret), Opener(secret)
+    sealer, opener = Sealer(secret), Opener(secret, RECV)
     assert sealer.sealed == (secret is not None)
     assert sealer.overhead == HEADER_SIZE + (TAG_SIZE if secret else 0) == (37 if secret else 21)
     for i, body in enumerate([b"", b"x", bytes(range(256)) * 4, b"\0" * 1163], start=1):
-        datagram = sealer.seal(0x05, body)
+        datagram = sealer.seal(0x05, body, RECV)
         assert len(datagram) == sealer.overhead + len(body)
         header, plain, state = opener.open(datagram)
         assert header == Header(0x05, 1 if secret else 0, sealer.token, i)
@@ -262,8 +263,8 @@ def test_sealed_insecure_mismatch_is_auth() -> None:
 
 
 def test_every_tampered_byte_is_dropped() -> None:
-    sealer, opener = Sealer(SECRET), Opener(SECRET)
-    datagram = sealer.seal(0x03, b"a body of some length")
+    sealer, opener = Sealer(SECRET), Opener(SECRET, RECV)
+    datagram = sealer.seal(0x03, b"a body of some length", RECV)
     for i in range(len(datagram)):
         for bit in (0x01, 0x80):
             bad = datagram[:i] + bytes([datagram[i] ^ bit]) + datagram[i + 1 :]
@@ -356,7 +357,7 @@ def test_tokens_have_independent_windows_and_keys() -> None:
 
 def test_header_layout() -> None:
     raw = Header(0x06, 1, 0x0102030405060708, 0x1112131415161718).pack()
-    assert raw == b"PD\x01\x06\x01" + bytes(range(1, 9)) + bytes(range(0x11, 0x19))
+    assert raw == b"PD\x02\x06\x01" + bytes(range(1, 9)) + bytes(range(0x11, 0x19))
     assert len(raw) == HEADER_SIZE == 21
 
 
@@ -566,7 +567,7 @@ def test_largest_record_fits_the_default_mtu() -> None:
         (m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": []}),
     ]:
         body = m.encode(mtype, {"rid": 2**64 - 1, "from": frm, **extra})
-        assert len(Sealer(SECRET).seal(mtype, body)) <= 1200
+        assert len(Sealer(SECRET).seal(mtype, body, RECV)) <= 1200
 
 
 def test_body_size_limit() -> None:
@@ -583,8 +584,8 @@ def test_duplicate_map_keys_are_malformed() -> None:
 
 _SEALER = Sealer(SECRET, token=7)
 _PLAIN = Sealer(None, token=8)
-VALID_DATAGRAMS = [_SEALER.seal(t, m.encode(t, b)) for t, b in sample_bodies(7)]
-VALID_PLAIN = [_PLAIN.seal(t, m.encode(t, b)) for t, b in sample_bodies(8)]
+VALID_DATAGRAMS = [_SEALER.seal(t, m.encode(t, b), RECV) for t, b in sample_bodies(7)]
+VALID_PLAIN = [_PLAIN.seal(t, m.encode(t, b), RECV) for t, b in sample_bodies(8)]
 VALID_BODIES = [(t, m.encode(t, b)) for t, b in sample_bodies()]
 
 
@@ -620,23 +621,23 @@ def mutated(draw, seeds: list[bytes]) -> bytes:
 
 
 @FAST
-@given(st.binary(max_size=200) | st.binary(max_size=200).map(lambda b: b"PD\x01" + b))
+@given(st.binary(max_size=200) | st.binary(max_size=200).map(lambda b: b"PD\x02" + b))
 def test_fuzz_open_random_bytes(data: bytes) -> None:
-    open_and_decode(Opener(SECRET), data)
-    open_and_decode(Opener(None), data)
+    open_and_decode(Opener(SECRET, RECV), data)
+    open_and_decode(Opener(None, RECV), data)
 
 
 @FAST
 @given(mutated(VALID_DATAGRAMS))
 def test_fuzz_open_mutated_sealed(data: bytes) -> None:
-    open_and_decode(Opener(SECRET), data)
+    open_and_decode(Opener(SECRET, RECV), data)
 
 
 @FAST
 @given(mutated(VALID_PLAIN))
 def test_fuzz_open_mutated_insecure(data: bytes) -> None:
     """In --insecure mode the mutated body reaches the msgpack decoder."""
-    open_and_decode(Opener(None), data)
+    open_and_decode(Opener(None, RECV), data)
 
 
 @FAST

@@ -1,4 +1,4 @@
-"""Golden vectors of wire protocol v1 (protocol/vectors/*.json) against peerd.wire.
+"""Golden vectors of wire protocol v2 (protocol/vectors/*.json) against peerd.wire.
 
 Every vector is re-encoded from its inputs with peerd.wire and compared byte for byte, and every golden
 encoding is decoded back and compared with the inputs. A small reference implementation written from
@@ -54,7 +54,7 @@ def cases(name: str, key: str) -> list:
 
 
 def ref_header(mtype: int, flags: int, token: int, seq: int) -> bytes:
-    return struct.pack(">2sBBBQQ", b"PD", 1, mtype, flags, token, seq)
+    return struct.pack(">2sBBBQQ", b"PD", 2, mtype, flags, token, seq)
 
 
 def ref_key(secret: bytes, token: int) -> bytes:
@@ -62,12 +62,14 @@ def ref_key(secret: bytes, token: int) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=b"peerd-v1", info=info).derive(secret)
 
 
-def ref_seal(secret: bytes | None, token: int, seq: int, mtype: int, body: bytes) -> bytes:
-    header = ref_header(mtype, 0 if secret is None else 1, token, seq)
+def ref_seal(secret: bytes | None, token: int, seq: int, mtype: int, body: bytes, receiver: bytes | None) -> bytes:
+    """``receiver``: the receiver's node id (AAD = header || node id), or None: flag 0x02, AAD = header."""
+    flags = (0 if secret is None else 1) | (2 if receiver is None else 0)
+    header = ref_header(mtype, flags, token, seq)
     if secret is None:
         return header + body
     nonce = bytes(4) + seq.to_bytes(8, "big")
-    return header + AESGCM(ref_key(secret, token)).encrypt(nonce, body, header)
+    return header + AESGCM(ref_key(secret, token)).encrypt(nonce, body, header + (receiver or b""))
 
 
 def ref_record_message(key: bytes, subkey: bytes, value: bytes, expires: float) -> bytes:
@@ -118,12 +120,12 @@ def from_wire_json(v: Any) -> Any:
     return v
 
 
-def seal_nth(secret: bytes | None, token: int, seq: int, mtype: int, body: bytes) -> bytes:
+def seal_nth(secret: bytes | None, token: int, seq: int, mtype: int, body: bytes, receiver: bytes | None) -> bytes:
     """What a fresh Sealer emits as its ``seq``-th datagram (a Sealer always starts at 1)."""
     sealer = Sealer(secret, token=token)
     for _ in range(seq - 1):
         sealer.seal(0x01, b"")
-    return sealer.seal(mtype, body)
+    return sealer.seal(mtype, body, receiver)
 
 
 # ---- envelope -----------------------------------------------------------------------------------------
@@ -255,13 +257,17 @@ def test_message_body(v: dict) -> None:
 @pytest.mark.parametrize("v", cases("messages.json", "messages"))
 def test_message_datagram(v: dict) -> None:
     d = load("messages.json")
-    secret, token = h(d["swarm_secret"]), tok(d["token"])
+    secret, token, receiver = h(d["swarm_secret"]), tok(d["token"]), h(d["receiver"])
+    assert receiver == Identity.from_seed(h(d["receiver_seed"])).node_id
     body = h(v["body"])
-    assert seal_nth(secret, token, v["seq"], v["type"], body).hex() == v["datagram"]
-    assert ref_seal(secret, token, v["seq"], v["type"], body).hex() == v["datagram"]
+    assert seal_nth(secret, token, v["seq"], v["type"], body, receiver).hex() == v["datagram"]
+    assert ref_seal(secret, token, v["seq"], v["type"], body, receiver).hex() == v["datagram"]
     datagram = h(v["datagram"])
     assert len(datagram) == HEADER_SIZE + len(body) + 16
-    header, plain, state = Opener(secret).open(datagram)
+    with pytest.raises(WireError) as e:  # sealed for B: no other node opens it
+        Opener(secret, bytes(32)).open(datagram)
+    assert e.value.reason == "auth"
+    header, plain, state = Opener(secret, receiver).open(datagram)
     assert header == Header(v["type"], 1, token, v["seq"])
     assert plain == body
     assert state.window.highest == v["seq"]
@@ -281,10 +287,10 @@ def test_one_sealer_in_order() -> None:
     """The vectors are one Sealer's output: sealing them in order reproduces every datagram."""
     d = load("messages.json")
     sealer = Sealer(h(d["swarm_secret"]), token=tok(d["token"]))
-    opener = Opener(h(d["swarm_secret"]))
+    opener = Opener(h(d["swarm_secret"]), h(d["receiver"]))
     for i, v in enumerate(d["messages"], start=1):
         assert v["seq"] == i
-        datagram = sealer.seal(v["type"], h(v["body"]))
+        datagram = sealer.seal(v["type"], h(v["body"]), h(d["receiver"]))
         assert datagram.hex() == v["datagram"]
         assert opener.open(datagram)[1] == h(v["body"])
 
@@ -293,24 +299,37 @@ def test_high_sequence() -> None:
     d = load("messages.json")
     v = d["high_sequence"]
     secret, token = h(d["swarm_secret"]), tok(d["token"])
-    assert ref_seal(secret, token, v["seq"], v["type"], h(v["body"])).hex() == v["datagram"]
-    header, plain, _ = Opener(secret).open(h(v["datagram"]))
+    assert ref_seal(secret, token, v["seq"], v["type"], h(v["body"]), h(d["receiver"])).hex() == v["datagram"]
+    header, plain, _ = Opener(secret, h(d["receiver"])).open(h(v["datagram"]))
     assert (header.seq, header.type, plain) == (v["seq"], v["type"], h(v["body"]))
     m.decode(header.type, plain)
+
+
+def test_no_receiver_ping() -> None:
+    """A PING sealed for no receiver opens at any member (and at an opener that has no node id)."""
+    d = load("messages.json")
+    v = d["no_receiver"]
+    secret, token = h(d["swarm_secret"]), tok(d["token"])
+    assert ref_seal(secret, token, v["seq"], v["type"], h(v["body"]), None).hex() == v["datagram"]
+    assert seal_nth(secret, token, v["seq"], v["type"], h(v["body"]), None).hex() == v["datagram"]
+    for receiver in (h(d["receiver"]), bytes(32), None):
+        header, plain, _ = Opener(secret, receiver).open(h(v["datagram"]))
+        assert header.to_anyone and plain == h(v["body"])
 
 
 @pytest.mark.parametrize("v", cases("insecure.json", "datagrams"))
 def test_insecure_datagram(v: dict) -> None:
     token = tok(load("insecure.json")["token"])
     body = h(v["body"])
-    assert seal_nth(None, token, v["seq"], v["type"], body).hex() == v["datagram"]
-    assert ref_seal(None, token, v["seq"], v["type"], body).hex() == v["datagram"]
-    header, plain, _ = Opener(None).open(h(v["datagram"]))
+    receiver = h(load("messages.json")["receiver"])
+    assert seal_nth(None, token, v["seq"], v["type"], body, receiver).hex() == v["datagram"]
+    assert ref_seal(None, token, v["seq"], v["type"], body, receiver).hex() == v["datagram"]
+    header, plain, _ = Opener(None, receiver).open(h(v["datagram"]))
     assert header == Header(v["type"], 0, token, v["seq"]) and not header.sealed
     assert plain == body
     m.decode(header.type, plain)
     with pytest.raises(WireError) as e:
-        Opener(h(load("messages.json")["swarm_secret"])).open(h(v["datagram"]))
+        Opener(h(load("messages.json")["swarm_secret"]), receiver).open(h(v["datagram"]))
     assert e.value.reason == "auth"
 
 
@@ -332,7 +351,7 @@ def test_replay_stream_through_opener() -> None:
     secret, token = bytes(range(32)), 0x0123456789ABCDEF
     opener = Opener(secret)
     for seq, accepted in load("replay.json")["stream"]:
-        datagram = ref_seal(secret, token, seq, 0x01, b"")
+        datagram = ref_seal(secret, token, seq, 0x01, b"", None)
         if accepted:
             assert opener.open(datagram)[0].seq == seq
         else:
@@ -346,7 +365,7 @@ def test_replay_stream_through_opener() -> None:
 
 def _opener(v: dict) -> Opener:
     secret = h(load("invalid.json")["swarm_secret"]) if v["mode"] == "sealed" else None
-    opener = Opener(secret)
+    opener = Opener(secret, h(load("invalid.json")["receiver"]))
     for p in v["prior"]:
         opener.open(h(p))
     return opener

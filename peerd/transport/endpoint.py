@@ -16,6 +16,7 @@ import math
 import random
 import secrets
 import socket
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -36,6 +37,7 @@ log = logging.getLogger("peerd.transport")
 Address = tuple[str, int]
 DEFAULT_MTU = 1200
 RECV_DATAGRAMS = 1024  # per receive pass (the socket's arena caps it near 1 MB: ~1 ms of opening when sealed)
+MAX_KNOWN_IDS = 4096  # addresses whose node id this endpoint remembers (LRU), to seal for their receiver
 
 
 class DatagramSocket(Protocol):
@@ -114,7 +116,10 @@ class Endpoint:
         self.metrics = metrics
         self.mtu = mtu
         self.sealer = Sealer(swarm_secret)
-        self.opener = Opener(swarm_secret)
+        self.opener = Opener(swarm_secret, identity.node_id)
+        # address -> node id of the node there, learned from datagrams sealed for this node (an outsider cannot
+        # make one) and from callers that know it (DHT contacts): every datagram is sealed for its receiver.
+        self._ids: OrderedDict[Address, bytes] = OrderedDict()
         self._from = {
             "pk": identity.public_key,
             "sig": identity.sign_token(self.sealer.token),
@@ -144,9 +149,31 @@ class Endpoint:
         """A one-way control message: ``handler`` runs, nothing is sent back."""
         self._handlers[mtype] = (mtype, handler)
 
-    async def notify(self, addr: Address, mtype: m.MsgType, fields: dict[str, Any]) -> None:
-        """Send a one-way control message (no response, no retry)."""
-        await self._send_control(addr, mtype, secrets.randbits(64), fields)
+    async def notify(
+        self, addr: Address, mtype: m.MsgType, fields: dict[str, Any], *, node_id: bytes | None = None
+    ) -> None:
+        """Send a one-way control message (no response, no retry) to the node ``node_id`` (default: the one
+        this endpoint knows at ``addr``; RpcError if none)."""
+        await self._send_control(addr, mtype, secrets.randbits(64), fields, node_id or self.node_id_at(addr))
+
+    # -- receivers' node ids ----------------------------------------------------------------------
+    def learn(self, addr: Address, node_id: bytes) -> None:
+        """Remember that the node ``node_id`` is at ``addr`` (what this endpoint seals datagrams to it for)."""
+        ids = self._ids
+        ids[addr] = node_id
+        ids.move_to_end(addr)
+        while len(ids) > MAX_KNOWN_IDS:
+            ids.popitem(last=False)
+
+    def node_id_at(self, addr: Address) -> bytes | None:
+        return self._ids.get(addr)
+
+    def _receiver(self, addr: Address, node_id: bytes | None) -> bytes:
+        receiver = node_id or self._ids.get(addr)
+        if receiver is None:
+            self.metrics.datagrams_dropped.labels("unknown_receiver").inc()
+            raise RpcError(f"no node id known at {addr[0]}:{addr[1]}: PING it first")
+        return receiver
 
     def on_bind(self, hook: Callable[[int, bytes], None]) -> None:
         """``hook(token, public_key)`` runs when a remote token is first bound to an identity."""
@@ -183,10 +210,13 @@ class Endpoint:
     def max_body(self) -> int:
         return self.mtu - self.sealer.overhead
 
-    async def send_raw(self, addr: Address, mtype: int, bodies: list[bytes]) -> None:
+    async def send_raw(
+        self, addr: Address, mtype: int, bodies: list[bytes], *, node_id: bytes | None = None
+    ) -> None:
         """Seal and send tensor-data bodies to one destination (batched: GSO where available)."""
+        receiver = self._receiver(addr, node_id)
         seal = self.sealer.seal
-        datagrams = [seal(mtype, b) for b in bodies]
+        datagrams = [seal(mtype, b, receiver) for b in bodies]
         try:
             await self.sock.send_many(datagrams, addr)
         except OSError as e:
@@ -195,10 +225,12 @@ class Endpoint:
         self.metrics.datagrams_sent.labels("data").inc(len(datagrams))
         self.metrics.bytes_sent.inc(sum(map(len, datagrams)))
 
-    async def send_block(self, addr: Address, mtype: int, bodies: np.ndarray) -> int:
+    async def send_block(
+        self, addr: Address, mtype: int, bodies: np.ndarray, *, node_id: bytes | None = None
+    ) -> int:
         """Seal and send each row of ``bodies`` (rows, body bytes) to one destination: vectorized headers,
         GSO straight from the sealed array. Returns the bytes sent."""
-        return await self.send_sealed(addr, self.sealer.seal_block(mtype, bodies))
+        return await self.send_sealed(addr, self.sealer.seal_block(mtype, bodies, self._receiver(addr, node_id)))
 
     async def send_sealed(self, addr: Address, datagrams: np.ndarray) -> int:
         """Send rows that ``sealer.seal_block`` made (a caller that paces a big block sends it in parts).
@@ -217,8 +249,8 @@ class Endpoint:
         self.metrics.bytes_sent.inc(datagrams.size)
         return datagrams.size
 
-    async def _send(self, addr: Address, mtype: int, body: bytes | memoryview) -> None:
-        datagram = self.sealer.seal(mtype, body)
+    async def _send(self, addr: Address, mtype: int, body: bytes | memoryview, receiver: bytes | None) -> None:
+        datagram = self.sealer.seal(mtype, body, receiver)
         try:
             await self.sock.sendto(datagram, addr)
         except OSError as e:
@@ -227,13 +259,18 @@ class Endpoint:
         self.metrics.datagrams_sent.labels(self._type_names.get(mtype, "data")).inc()
         self.metrics.bytes_sent.inc(len(datagram))
 
-    async def _send_control(self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any]) -> None:
+    async def _send_control(
+        self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any], receiver: bytes | None
+    ) -> None:
+        """``receiver``: the node id at ``addr``; None only for a PING (sealed for no receiver)."""
         try:
             body = m.encode_fitting(mtype, {"rid": rid, "from": self._from, **fields}, self.max_body)
         except ValueError as e:  # WireError included: fields a peer would refuse are never sent
             self.metrics.datagrams_dropped.labels("unsendable").inc()
             raise RpcError(f"not sending {mtype.name.lower()} to {addr[0]}:{addr[1]}: {e}") from None
-        await self._send(addr, mtype, body)
+        if receiver is None and mtype is not m.MsgType.PING:
+            receiver = self._receiver(addr, None)
+        await self._send(addr, mtype, body, receiver)
 
     async def request(
         self,
@@ -243,15 +280,23 @@ class Endpoint:
         *,
         timeout: float = 0.5,
         attempts: int = 3,
+        node_id: bytes | None = None,
     ) -> Incoming:
         """Send a request and wait for its response, retransmitting with doubling waits. Raises RpcError.
 
         It gives up when the fixed schedule ``timeout, 2*timeout, ...`` (``attempts`` waits) would have
         ended, but the first wait is the destination's learned retransmission timeout (``self.rto``,
         never above ``timeout``), so under loss a lost datagram costs a few round trips, not 0.5 s.
+
+        The request is sealed for ``node_id`` (default: the node this endpoint knows at ``addr``). A PING to
+        an address whose node is unknown is sealed for no receiver; any other request first PINGs such an
+        address to learn who is there (one more round trip, once).
         """
         if not timeout > 0 or attempts < 1:
             raise ValueError(f"request needs timeout > 0 and attempts >= 1, got {timeout!r}, {attempts!r}")
+        receiver = node_id or self._ids.get(addr)
+        if receiver is None and mtype is not m.MsgType.PING:
+            receiver = (await self.request(addr, m.MsgType.PING, {}, timeout=timeout, attempts=attempts)).peer.node_id
         rid = secrets.randbits(64)
         pending = self._pending[rid] = _Pending(m.REQUESTS[mtype])
         start = trio.current_time()
@@ -262,7 +307,7 @@ class Endpoint:
             first = True
             while True:
                 sent_at = trio.current_time()
-                await self._send_control(addr, mtype, rid, fields)
+                await self._send_control(addr, mtype, rid, fields, receiver)
                 with trio.move_on_at(min(deadline, sent_at + wait)):
                     await pending.event.wait()
                 if pending.reply is not None:
@@ -399,7 +444,7 @@ class Endpoint:
         if fields is None:
             return
         try:
-            await self._send_control(source, response_type, rid, fields)
+            await self._send_control(source, response_type, rid, fields, incoming.peer.node_id)
         except RpcError as e:
             log.debug("response to %s: %s", source, e)
 
@@ -436,6 +481,8 @@ class Endpoint:
         else:
             host, port = source
         peer = Peer(node_id_of(pk), pk, host, port)
+        if not header.to_anyone:  # sealed for this node by a member: the sender is at ``source``
+            self.learn(source, peer.node_id)
         return Incoming(mtype, fields, peer, source)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from .errors import WireError
 
 MAGIC = b"PD"
-VERSION = 1
+VERSION = 2  # 2: the receiver's node id is part of the AEAD's associated data (PROTOCOL.md 4.1)
 # magic(2) version(u8) type(u8) flags(u8) token(u64) sequence(u64), network byte order.
 HEADER = struct.Struct("!2sBBBQQ")
 HEADER_SIZE = HEADER.size  # 21
@@ -20,7 +20,11 @@ HEADER_DTYPE = np.dtype(
 )
 SEQ_OFFSET = 13  # where the big-endian sequence starts: the AEAD nonce's last 8 bytes
 FLAG_SEALED = 0x01
-KNOWN_FLAGS = FLAG_SEALED
+# Sealed without the receiver's node id in the associated data: only a PING to an address whose node id the
+# sender does not know yet (a bootstrap address) may carry it, so a receiver never tries two openings.
+FLAG_NO_RECEIVER = 0x02
+KNOWN_FLAGS = FLAG_SEALED | FLAG_NO_RECEIVER
+PING_TYPE = 0x01  # the one type that may carry FLAG_NO_RECEIVER (messages.MsgType.PING)
 MAX_SEQUENCE = 2**64 - 1
 
 
@@ -34,6 +38,11 @@ class Header:
     @property
     def sealed(self) -> bool:
         return bool(self.flags & FLAG_SEALED)
+
+    @property
+    def to_anyone(self) -> bool:
+        """Sealed for whoever receives it (FLAG_NO_RECEIVER): not bound to a receiver's node id."""
+        return bool(self.flags & FLAG_NO_RECEIVER)
 
     def pack(self) -> bytes:
         return HEADER.pack(MAGIC, VERSION, self.type, self.flags, self.token, self.seq)
@@ -50,4 +59,6 @@ def parse_header(datagram: bytes | memoryview) -> Header:
         raise WireError("version", f"protocol version {version}, this node speaks {VERSION}")
     if flags & ~KNOWN_FLAGS:
         raise WireError("malformed", f"reserved flag bits set: {flags:#x}")
+    if flags & FLAG_NO_RECEIVER and mtype != PING_TYPE:
+        raise WireError("malformed", f"type {mtype:#04x} sealed for no receiver: only a PING may be")
     return Header(mtype, flags, token, seq)

@@ -20,12 +20,14 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .envelope import (
+    FLAG_NO_RECEIVER,
     FLAG_SEALED,
     HEADER_DTYPE,
     HEADER_SIZE,
     KNOWN_FLAGS,
     MAGIC,
     MAX_SEQUENCE,
+    PING_TYPE,
     SEQ_OFFSET,
     VERSION,
     Header,
@@ -38,6 +40,16 @@ TAG_SIZE = 16
 KDF_SALT = b"peerd-v1"
 KDF_INFO = b"peerd v1 datagram key"
 SECRET_SIZE = 32
+NODE_ID_SIZE = 32
+
+
+def _receiver_bytes(receiver: bytes | None) -> bytes:
+    """The associated data after the header: the receiver's node id, or nothing (FLAG_NO_RECEIVER)."""
+    if receiver is None:
+        return b""
+    if len(receiver) != NODE_ID_SIZE:
+        raise ValueError(f"a receiver is a {NODE_ID_SIZE}-byte node id, got {len(receiver)} bytes")
+    return bytes(receiver)
 
 
 def derive_key(swarm_secret: bytes, token: int) -> bytes:
@@ -73,19 +85,32 @@ class Sealer:
     def overhead(self) -> int:
         return HEADER_SIZE + (TAG_SIZE if self._aead is not None else 0)
 
-    def seal(self, mtype: int, body: bytes | memoryview) -> bytes:
+    def seal(self, mtype: int, body: bytes | memoryview, receiver: bytes | None = None) -> bytes:
+        """Seal one datagram for ``receiver`` (its node id, bound into the associated data so that no other
+        node opens it). ``receiver=None`` only for a PING to an address whose node id is unknown: it is then
+        sealed for whoever receives it (FLAG_NO_RECEIVER)."""
+        tail = _receiver_bytes(receiver)
+        flags = self._flags
+        if receiver is None:
+            if mtype != PING_TYPE:
+                raise ValueError(f"type {mtype:#04x} needs a receiver: only a PING may be sealed for no receiver")
+            flags |= FLAG_NO_RECEIVER
         self._seq += 1
         if self._seq > MAX_SEQUENCE:
             raise RuntimeError("sequence space exhausted: start a new Sealer (new token)")
-        header = Header(mtype, self._flags, self.token, self._seq).pack()
+        header = Header(mtype, flags, self.token, self._seq).pack()
         if self._aead is None:
             return header + bytes(body)
-        return header + self._aead.encrypt(nonce_for(self._seq), bytes(body), header)
+        return header + self._aead.encrypt(nonce_for(self._seq), bytes(body), header + tail)
 
-    def seal_block(self, mtype: int, bodies: np.ndarray) -> np.ndarray:
-        """Seal each row of ``bodies`` (rows x body bytes, uint8) into a row of one (rows x datagram bytes)
-        array that a GSO send takes whole. Headers and nonces are built vectorized; only the AEAD runs
-        per row (about 1 us of AES-GCM per 1200-byte datagram, most of it the call itself)."""
+    def seal_block(self, mtype: int, bodies: np.ndarray, receiver: bytes) -> np.ndarray:
+        """Seal each row of ``bodies`` (rows x body bytes, uint8) for ``receiver`` (a node id) into a row of
+        one (rows x datagram bytes) array that a GSO send takes whole. Headers and nonces are built
+        vectorized; only the AEAD runs per row (about 1 us of AES-GCM per 1200-byte datagram, most of it the
+        call itself)."""
+        tail = _receiver_bytes(receiver)
+        if not tail:
+            raise ValueError("tensor data is always sealed for one receiver")
         rows, size = bodies.shape
         last = self._seq + rows
         if last > MAX_SEQUENCE:
@@ -104,14 +129,15 @@ class Sealer:
         width = HEADER_SIZE + size + TAG_SIZE
         out = np.empty((rows, width), dtype=np.uint8)
         out[:, :HEADER_SIZE] = head
-        nonces, aads = _nonces(head), hdr.tobytes()
+        nonces, aads = _nonces(head), _aads(head, tail)
         src = memoryview(np.ascontiguousarray(bodies)).cast("B")
         dst = memoryview(out).cast("B")
         encrypt = self._aead.encrypt_into
+        a = len(aads) // rows
         for i in range(rows):
             o = i * width
             encrypt(nonces[12 * i : 12 * i + 12], src[i * size : i * size + size],
-                    aads[HEADER_SIZE * i : HEADER_SIZE * (i + 1)], dst[o + HEADER_SIZE : o + width])
+                    aads[a * i : a * (i + 1)], dst[o + HEADER_SIZE : o + width])
         return out
 
 
@@ -121,6 +147,16 @@ def _nonces(head: np.ndarray) -> bytes:
     nonces = np.zeros((len(head), 12), dtype=np.uint8)
     nonces[:, 4:] = head[:, SEQ_OFFSET:HEADER_SIZE]
     return nonces.tobytes()
+
+
+def _aads(head: np.ndarray, tail: bytes) -> bytes:
+    """The associated data of a block's rows, concatenated: each header, then the receiver's node id."""
+    if not tail:
+        return head.tobytes()
+    aad = np.empty((len(head), HEADER_SIZE + len(tail)), dtype=np.uint8)
+    aad[:, :HEADER_SIZE] = head
+    aad[:, HEADER_SIZE:] = np.frombuffer(tail, dtype=np.uint8)
+    return aad.tobytes()
 
 
 @dataclass(slots=True)
@@ -150,9 +186,17 @@ class Opener:
     """Authenticates incoming datagrams and rejects replays. Bounded memory: LRU over tokens."""
 
     def __init__(
-        self, swarm_secret: bytes | None, *, max_tokens: int = 4096, window: int = DEFAULT_WINDOW
+        self,
+        swarm_secret: bytes | None,
+        receiver: bytes | None = None,
+        *,
+        max_tokens: int = 4096,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
+        """``receiver``: this node's id, which every datagram sealed for it binds into its associated data
+        (None: an opener that opens only datagrams sealed for no receiver, PINGs)."""
         self._secret = swarm_secret
+        self._receiver = _receiver_bytes(receiver)
         self._tokens: OrderedDict[int, TokenState] = OrderedDict()
         self._max_tokens = max_tokens
         self._window = window
@@ -177,11 +221,14 @@ class Opener:
                 raise WireError("auth", "unsealed datagram (sender runs --insecure?)")
             if len(datagram) < HEADER_SIZE + TAG_SIZE:
                 raise WireError("malformed", "sealed datagram shorter than header and tag")
+            aad = bytes(datagram[:HEADER_SIZE])
+            if not header.to_anyone:
+                if not self._receiver:
+                    raise WireError("auth", "datagram sealed for a receiver, but this opener has no node id")
+                aad += self._receiver
             aead = state.aead if state is not None else AESGCM(derive_key(self._secret, header.token))
             try:
-                body = aead.decrypt(
-                    nonce_for(header.seq), bytes(datagram[HEADER_SIZE:]), bytes(datagram[:HEADER_SIZE])
-                )
+                body = aead.decrypt(nonce_for(header.seq), bytes(datagram[HEADER_SIZE:]), aad)
             except InvalidTag:
                 raise WireError("auth", "authentication failed (wrong swarm key?)") from None
             if state is None:
@@ -212,7 +259,9 @@ class Opener:
         mtype, flags, token = int(first["type"]), int(first["flags"]), int(first["token"])
         if first["magic"] != MAGIC or int(first["version"]) != VERSION:
             return None
-        if flags & ~KNOWN_FLAGS or bool(flags & FLAG_SEALED) != sealed:
+        if flags & ~KNOWN_FLAGS or flags & FLAG_NO_RECEIVER or bool(flags & FLAG_SEALED) != sealed:
+            return None
+        if sealed and not self._receiver:
             return None
         state = self._tokens.get(token)
         if state is None:
@@ -228,20 +277,22 @@ class Opener:
             bodies = np.empty((rows, width), dtype=np.uint8)
             src = memoryview(np.ascontiguousarray(datagrams)).cast("B")
             dst = memoryview(bodies).cast("B")
-            nonces, aads = _nonces(head), head.tobytes()
+            nonces, aads = _nonces(head), _aads(head, self._receiver)
+            a = len(aads) // rows
             decrypt = state.aead.decrypt_into  # type: ignore[union-attr]
             for i in np.flatnonzero(ok).tolist():
                 o = i * size
                 try:
                     decrypt(nonces[12 * i : 12 * i + 12], src[o + HEADER_SIZE : o + size],
-                            aads[HEADER_SIZE * i : HEADER_SIZE * (i + 1)], dst[i * width : (i + 1) * width])
+                            aads[a * i : a * (i + 1)], dst[i * width : (i + 1) * width])
                 except InvalidTag:
                     ok[i] = False
                     failures += 1
         if replays or failures:
             bodies, seqs = bodies[ok], seqs[ok]
-        state.window.accept_block(seqs)
-        self._tokens.move_to_end(token)
+        if len(seqs):  # a block whose every row failed changes nothing, not even the LRU order
+            state.window.accept_block(seqs)
+            self._tokens.move_to_end(token)
         return OpenedBlock(mtype, token, state, bodies, replays, failures)
 
     def _admit(self, token: int, aead: AESGCM | None) -> TokenState:
