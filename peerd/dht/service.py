@@ -134,7 +134,7 @@ class DhtService:
 
     async def _rpc(self, contact: Contact, mtype: m.MsgType, fields: dict) -> Incoming:
         try:
-            reply = await self.endpoint.request(contact.addr, mtype, fields)
+            reply = await self.endpoint.request(contact.addr, mtype, fields, node_id=contact.node_id)
         except RpcError:
             self._forget(contact.node_id)
             raise
