@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -368,8 +369,23 @@ def _drops(before: dict[int, dict], after: dict[int, dict]) -> dict[str, dict[st
     return out
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_soak(cfg: SoakConfig, *, quiet: bool = False) -> dict[str, Any]:
+    """Run the soak; SIGTERM, like Ctrl-C, stops it and still removes every process and temp dir."""
     cfg.check()
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupted) if main else None
+    try:
+        return _run_soak(cfg, quiet)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
     begin = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="peerd-bench-soak-")
     swarm = LocalSwarm(os.path.join(workdir, "swarm"), metrics=True, extra_args=("--log-level", "warning"))
