@@ -111,6 +111,16 @@ def _rss_mb(pid: int) -> float | None:
     return None
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (/proc/PID/stat), 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -432,6 +442,7 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
         calm_ok, calm_failed = averager.ok, averager.failed
         rss_base = list(monitor.rss_by_node)
         before = _counters(nodes)
+        cpu_before = [_cpu_s(n.proc.pid) for n in nodes]
         status = nodes[0].call("status").get("moshpit", {}).get(RUN, {})
 
         # -- the attack -----------------------------------------------------------------------------------------
@@ -470,6 +481,7 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
                           f"  rss max {max(monitor.rss_by_node):.0f} MB  ping p99 "
                           f"{'-' if p99 is None else f'{p99:.1f}'} ms  exited {sorted(monitor.exited)}", quiet)
         rc = attacker.wait(timeout=30)
+        cpu_attack = sum(_cpu_s(n.proc.pid) - c for n, c in zip(nodes, cpu_before, strict=True))
         attack_s = time.monotonic() - t_attack
         if rc != 0 or not summary:
             with open(os.path.join(workdir, "attacker.log"), errors="replace") as f:
@@ -523,6 +535,9 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
             "seconds": round(summary["seconds"], 2),
             "datagrams_per_second": round(sent / summary["seconds"], 1) if summary["seconds"] > 0 else 0.0,
             "attack_wall_seconds": round(attack_s, 2),
+            # CPU the 4 honest daemons used during the attack (averaging included), and per attack datagram
+            "daemon_cpu_s": round(cpu_attack, 2),
+            "daemon_cpu_us_per_datagram": round(cpu_attack / max(sent, 1) * 1e6, 1),
             # more detail
             "burst_datagrams_per_second": round(summary.get("burst_datagrams_per_second", 0.0), 1),
             "responder_answers": summary.get("responder_answers", 0),
