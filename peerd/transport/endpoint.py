@@ -30,6 +30,7 @@ from ..wire.envelope import Header
 from ..wire.errors import WireError
 from ..wire.identity import Identity, node_id_of, verify_token_binding
 from ..wire.seal import Opener, Sealer, TokenState
+from .guard import AmplificationGuard, AuthLimiter
 from .rto import RtoEstimator
 
 log = logging.getLogger("peerd.transport")
@@ -38,6 +39,8 @@ Address = tuple[str, int]
 DEFAULT_MTU = 1200
 RECV_DATAGRAMS = 1024  # per receive pass (the socket's arena caps it near 1 MB: ~1 ms of opening when sealed)
 MAX_KNOWN_IDS = 4096  # addresses whose node id this endpoint remembers (LRU), to seal for their receiver
+MAX_HELD_ADDRESSES = 256  # unvalidated addresses with answers held until their address validation completes
+MAX_HELD_PER_ADDRESS = 4
 
 
 class DatagramSocket(Protocol):
@@ -139,6 +142,13 @@ class Endpoint:
         self._loss_np = np.random.default_rng(loss_seed)
         self.rto = RtoEstimator()  # learned retransmission timeouts per destination, for request()
         self._handler_errors = 0
+        # Outsiders: forged datagrams under unknown tokens are rationed before any crypto (auth_limited), and an
+        # address that has not proven it receives what this node sends gets at most 3x its bytes in answers.
+        self.auth_limiter = AuthLimiter()
+        self.guard = AmplificationGuard()
+        self._held: OrderedDict[Address, list[tuple[m.MsgType, bytes]]] = OrderedDict()  # answers over budget
+        self._challenges: OrderedDict[int, Address] = OrderedDict()  # rid of a validating PING -> its address
+        self.on_request(m.MsgType.PING, lambda incoming: {})  # the DHT replaces it; a PING is always answered
 
     # -- registration -------------------------------------------------------------------------
     def on_request(self, mtype: m.MsgType, handler: RequestHandler) -> None:
@@ -250,7 +260,9 @@ class Endpoint:
         return datagrams.size
 
     async def _send(self, addr: Address, mtype: int, body: bytes | memoryview, receiver: bytes | None) -> None:
-        datagram = self.sealer.seal(mtype, body, receiver)
+        await self._send_datagram(addr, mtype, self.sealer.seal(mtype, body, receiver))
+
+    async def _send_datagram(self, addr: Address, mtype: int, datagram: bytes) -> None:
         try:
             await self.sock.sendto(datagram, addr)
         except OSError as e:
@@ -263,6 +275,11 @@ class Endpoint:
         self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any], receiver: bytes | None
     ) -> None:
         """``receiver``: the node id at ``addr``; None only for a PING (sealed for no receiver)."""
+        await self._send_datagram(addr, mtype, self._control_datagram(addr, mtype, rid, fields, receiver))
+
+    def _control_datagram(
+        self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any], receiver: bytes | None
+    ) -> bytes:
         try:
             body = m.encode_fitting(mtype, {"rid": rid, "from": self._from, **fields}, self.max_body)
         except ValueError as e:  # WireError included: fields a peer would refuse are never sent
@@ -270,7 +287,45 @@ class Endpoint:
             raise RpcError(f"not sending {mtype.name.lower()} to {addr[0]}:{addr[1]}: {e}") from None
         if receiver is None and mtype is not m.MsgType.PING:
             receiver = self._receiver(addr, None)
-        await self._send(addr, mtype, body, receiver)
+        return self.sealer.seal(mtype, body, receiver)
+
+    async def _answer(
+        self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any], receiver: bytes
+    ) -> None:
+        """Answer a request from ``addr``, within 3x the bytes received from it while it is not validated. An
+        answer over that budget is held, and ``addr`` is sent a PING (sealed for ``receiver``): its PONG
+        validates the address and releases the held answers. A spoofed source gets the PING, nothing more."""
+        datagram = self._control_datagram(addr, mtype, rid, fields, receiver)
+        if self.guard.may_send(addr, len(datagram)):
+            await self._send_datagram(addr, mtype, datagram)
+            return
+        self.metrics.datagrams_dropped.labels("unvalidated").inc()
+        held = self._held.get(addr)
+        if held is None:
+            held = self._held[addr] = []
+            while len(self._held) > MAX_HELD_ADDRESSES:
+                self._held.popitem(last=False)
+        if len(held) < MAX_HELD_PER_ADDRESS:
+            held.append((mtype, datagram))
+        if addr in self._challenges.values():
+            return
+        challenge = secrets.randbits(64)
+        ping = self._control_datagram(addr, m.MsgType.PING, challenge, {}, receiver)
+        if not self.guard.may_send(addr, len(ping)):
+            return
+        self._challenges[challenge] = addr
+        while len(self._challenges) > MAX_HELD_ADDRESSES:
+            self._challenges.popitem(last=False)
+        await self._send_datagram(addr, m.MsgType.PING, ping)
+
+    async def _validated(self, addr: Address) -> None:
+        """``addr`` answered this node's PING: no budget any more; send what was held for it."""
+        self.guard.validate(addr)
+        for mtype, datagram in self._held.pop(addr, ()):
+            try:
+                await self._send_datagram(addr, mtype, datagram)
+            except RpcError as e:
+                log.debug("held answer to %s: %s", addr, e)
 
     async def request(
         self,
@@ -312,6 +367,8 @@ class Endpoint:
                     await pending.event.wait()
                 if pending.reply is not None:
                     reply = pending.reply
+                    if reply.source == addr:  # it read this request's rid: it receives at this address
+                        self.guard.validate(addr)
                     if first:  # Karn's rule: only an unambiguous round trip is a sample
                         self.rto.sample(addr, trio.current_time() - sent_at)
                     if reply.mtype is m.MsgType.ERROR:
@@ -377,6 +434,7 @@ class Endpoint:
                 self.metrics.datagrams_dropped.labels("replay").inc(opened.replays)
             if opened.auth_failures:
                 self.metrics.datagrams_dropped.labels("auth").inc(opened.auth_failures)
+                self.auth_limiter.failed(source, trio.current_time(), opened.auth_failures)
             if len(opened.bodies):
                 self._data_count += len(opened.bodies)
                 try:
@@ -399,7 +457,9 @@ class Endpoint:
             self.metrics.datagrams_dropped.labels("injected").inc()
             return
         try:
-            header, body, state = self.opener.open(data)
+            header, body, state = self.opener.open(
+                data, lambda: self.auth_limiter.may_derive(source, trio.current_time())
+            )
             if header.type > m.CONTROL_MAX:
                 raw = self._raw.get(header.type)
                 if raw is None:
@@ -411,7 +471,10 @@ class Endpoint:
                 raw(header, body, state, source)
                 return
             incoming = self._incoming(header, body, state, source)
+            self.guard.received(source, len(data))
         except WireError as e:
+            if e.reason == "auth":
+                self.auth_limiter.failed(source, trio.current_time())
             self.metrics.datagrams_dropped.labels(e.reason).inc()
             log.debug("drop from %s: %s", source, e)
             return
@@ -420,6 +483,10 @@ class Endpoint:
             return
         self.metrics.datagrams_received.labels(incoming.mtype.name.lower()).inc()
         rid = incoming.body["rid"]
+        if incoming.mtype is m.MsgType.PONG and self._challenges.get(rid) == source:
+            del self._challenges[rid]
+            await self._validated(source)
+            return
         pending = self._pending.get(rid)
         if pending is not None and incoming.mtype in (pending.expect, m.MsgType.ERROR):
             if pending.reply is None:
@@ -444,7 +511,7 @@ class Endpoint:
         if fields is None:
             return
         try:
-            await self._send_control(source, response_type, rid, fields, incoming.peer.node_id)
+            await self._answer(source, response_type, rid, fields, incoming.peer.node_id)
         except RpcError as e:
             log.debug("response to %s: %s", source, e)
 
