@@ -34,6 +34,8 @@ def test_small_soak_no_crash_and_exact_averages() -> None:
     assert set(out["sent_by_class"]) == set(CLASSES)
     assert all(count > 0 for count in out["sent_by_class"].values()), out["sent_by_class"]
     assert out["datagrams_sent"] >= 20000
+    assert out["rss_growth_mb"] <= 256  # measured 3-63 MB, also over 1,000,000 datagrams
+    # not asserted (machine load and other fixes decide them): ping_p99_ms <= 50, rate_floor >= rate_no_attack
     # the attacks arrived and were refused (reasons other fixes may rename are not pinned here)
     dropped = out["drops"]["peerd_datagrams_dropped_total"]
     assert dropped.get("auth", 0) > 0 and dropped.get("replay", 0) > 0, dropped  # the outsider, replays
