@@ -395,7 +395,7 @@ def drive(
             assert c.node_id != swarm.me
             queried.add(c.node_id)
         outstanding += new
-        assert len(outstanding) <= lookup.alpha
+        assert len(outstanding) <= lookup.width
         assert lookup.in_flight() == len(outstanding)
         if lookup.finished:
             assert not outstanding

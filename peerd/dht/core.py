@@ -7,7 +7,7 @@ from typing import Any
 
 from ..wire import messages as m
 from ..wire.errors import WireError
-from .records import Record, RecordStore, location
+from .records import Record, RecordStore, VerifiedCache, location
 from .routing import Contact, RoutingTable
 
 
@@ -35,6 +35,7 @@ class DhtCore:
         self.table = RoutingTable(node_id, k)
         self.store = store if store is not None else RecordStore(node_id)
         self.refused: dict[str, int] = {}  # STORE refusals by reason, for statistics
+        self.verified = VerifiedCache()  # shared with the driver's reads: a record is checked once
         self._on_refused = on_refused
 
     def handle(self, mtype: m.MsgType, body: dict[str, Any], now: float) -> dict[str, Any]:
@@ -83,7 +84,7 @@ class DhtCore:
             record = Record.from_wire(fields, now, check=False)
             why = self.admit(record, now)
             if why is None:
-                record.check_signature()
+                self.verified.check(record)
                 why = self.store.store(record, now)
         except WireError as e:
             why = e.reason

@@ -20,35 +20,64 @@ class Lookup:
 
     Ends when no query is in flight and every one of the k closest non-failed candidates seen so
     far has answered (Kademlia's termination rule).
+
+    Queries go alpha at a time until an answer brings no contact closer than the closest already
+    seen; from then on every one of the k closest not yet asked is asked at once (the Kademlia
+    paper's rule). On a routing table that already holds the k closest, that is two round trips
+    instead of k/alpha. ``wide`` starts that way: for seeds that are a recent lookup's result.
     """
 
-    def __init__(self, target: bytes, seeds: list[Contact], *, own_id: bytes, k: int = 20, alpha: int = 3):
+    def __init__(
+        self,
+        target: bytes,
+        seeds: list[Contact],
+        *,
+        own_id: bytes,
+        k: int = 20,
+        alpha: int = 3,
+        wide: bool = False,
+        widen: bool = True,
+    ):
         self.target = target
         self.k = k
         self.alpha = alpha
+        self.wide = wide
+        self._widen = widen
+        self._stalled = False  # an answer brought no contact closer than the closest seen before it
         self._own = own_id
         self._contacts: dict[bytes, Contact] = {}
         self._state: dict[bytes, _State] = {}
+        self._dist: dict[bytes, int] = {}
         self._t = int.from_bytes(target, "big")
         self.add(seeds)
+
+    @property
+    def width(self) -> int:
+        """Queries in flight at most: alpha, or k once widened."""
+        return max(self.k, self.alpha) if self.wide else self.alpha
 
     def add(self, contacts: list[Contact]) -> None:
         for c in contacts:
             if c.node_id != self._own and c.node_id not in self._state:
                 self._contacts[c.node_id] = c
                 self._state[c.node_id] = _State.NEW
+                self._dist[c.node_id] = int.from_bytes(c.node_id, "big") ^ self._t
 
     def _ranked(self) -> list[bytes]:
         live = [n for n, s in self._state.items() if s not in (_State.FAILED, _State.SLOW)]
-        live.sort(key=lambda n: int.from_bytes(n, "big") ^ self._t)
+        live.sort(key=self._dist.__getitem__)
         return live[: self.k]
+
+    def _closest_seen(self) -> int | None:
+        live = [d for n, d in self._dist.items() if self._state[n] not in (_State.FAILED, _State.SLOW)]
+        return min(live) if live else None
 
     def in_flight(self) -> int:
         return sum(1 for s in self._state.values() if s is _State.IN_FLIGHT)
 
     def next_queries(self) -> list[Contact]:
         """Contacts to query now (marked in flight); empty when nothing more is worth asking."""
-        budget = self.alpha - self.in_flight()
+        budget = self.width - self.in_flight()
         chosen = []
         for node_id in self._ranked():
             if budget <= 0:
@@ -62,7 +91,13 @@ class Lookup:
     def on_reply(self, node_id: bytes, nodes: list[Contact]) -> None:
         if self._state.get(node_id) in (_State.IN_FLIGHT, _State.SLOW):
             self._state[node_id] = _State.ANSWERED
+        best = self._closest_seen()
         self.add(nodes)
+        if best is not None and not self._stalled:
+            after = self._closest_seen()
+            self._stalled = after is not None and after >= best
+        if self._widen and self._stalled:
+            self.wide = True  # nothing closer came: ask the rest at once
 
     def on_failure(self, node_id: bytes) -> None:
         if node_id in self._state:
@@ -78,6 +113,21 @@ class Lookup:
         if self.in_flight():
             return False
         return all(self._state[n] is _State.ANSWERED for n in self._ranked())
+
+    @property
+    def settled(self) -> bool:
+        """The neighbourhood is known: an answer brought nothing closer and the alpha closest have answered.
+
+        A writer may stop here and STORE on the k closest seen (its STOREs show which are alive)
+        instead of waiting for each of them to answer a FIND_NODE first."""
+        if not self._stalled:
+            return self.finished
+        near = self._ranked()[: self.alpha]
+        return bool(near) and all(self._state[n] is _State.ANSWERED for n in near)
+
+    def candidates(self) -> list[Contact]:
+        """The k closest seen that have not failed, answered or not."""
+        return [self._contacts[n] for n in self._ranked()]
 
     def result(self) -> list[Contact]:
         answered = [n for n in self._ranked() if self._state[n] is _State.ANSWERED]

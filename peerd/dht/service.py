@@ -7,6 +7,7 @@ import logging
 import math
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from ..wire import messages as m
 from ..wire.errors import WireError
 from .core import DhtCore, unpack_contacts
 from .lookup import Lookup
+from .reads import Enough
 from .records import MAX_SUBKEYS, Record, location, merge_newest, slot_allows
 from .routing import Contact, distance
 
@@ -29,6 +31,11 @@ SLOW_QUERY_S = 0.6  # a lookup stops waiting for a query after this (the first r
 # under one key. Each costs at most one signature check, and each VALUE page must bring at least one, so
 # this bounds the pages too (a page holds 1 to MAX_RECORDS records: ~5 progress records at MTU 1200).
 MAX_READ = MAX_SUBKEYS
+# A finished lookup's k closest are reused for this long: a put after a get of the same key (a Moshpit
+# announce, then its polls; progress written, then read) stores without a second lookup, and a get asks
+# them all at once. Bounded: RECENT_LOOKUPS targets, the oldest forgotten first.
+RECENT_S = 10.0
+RECENT_LOOKUPS = 256
 
 
 class BootstrapError(Exception):
@@ -66,6 +73,8 @@ class DhtService:
         self._wall = wall
         self._rng = rng or random.Random()
         self._nursery: trio.Nursery | None = None
+        self._recent: OrderedDict[bytes, tuple[float, list[Contact]]] = OrderedDict()
+        self.lookups = 0  # lookups run (statistics; the bench reads RPC counts from the metrics)
         for t in (m.MsgType.PING, m.MsgType.FIND_NODE, m.MsgType.FIND_VALUE, m.MsgType.STORE):
             endpoint.on_request(t, self._on_request)
 
@@ -146,11 +155,41 @@ class DhtService:
         return reply
 
     # -- lookups --------------------------------------------------------------------------------
-    async def _iterate(self, target: bytes, query: Query) -> list[Contact]:
-        self.core.table.touch(target, trio.current_time())
+    def _recent_result(self, target: bytes) -> list[Contact] | None:
+        """The k closest a lookup for ``target`` found within RECENT_S, less those that failed since."""
+        entry = self._recent.get(target)
+        if entry is None or trio.current_time() - entry[0] > RECENT_S:
+            return None
+        table = self.core.table
+        alive = [c for c in entry[1] if c.node_id in table]
+        return alive if len(alive) >= min(self.k, len(table)) else None
+
+    def _remember(self, target: bytes, result: list[Contact]) -> None:
+        self._recent[target] = (trio.current_time(), result)
+        self._recent.move_to_end(target)
+        while len(self._recent) > RECENT_LOOKUPS:
+            self._recent.popitem(last=False)
+
+    async def _iterate(
+        self, target: bytes, query: Query, enough: Callable[[], bool] | None = None, *, settle: bool = False
+    ) -> list[Contact]:
+        """Run a lookup; with ``enough``, stop as soon as it says so (the result is then partial). With
+        ``settle``, stop once the lookup is settled and return the k closest seen, not all confirmed."""
+        now = trio.current_time()
+        self.core.table.touch(target, now)
+        self.lookups += 1
+        recent = self._recent_result(target)
+        seeds = self.core.table.closest(target)
+        # Only a lookup that must hear from all k closest asks them all at once (from a recent result,
+        # or once an answer brings nothing closer). A writer settles on the alpha closest, and a read
+        # that may end early asks alpha at a time, so that it ends before the rest were asked.
+        full = enough is None and not settle
         lookup = Lookup(
-            target, self.core.table.closest(target), own_id=self.node_id, k=self.k, alpha=self.alpha
+            target, recent + seeds if recent else seeds, own_id=self.node_id, k=self.k, alpha=self.alpha,
+            wide=full and recent is not None, widen=full,
         )
+        if enough is not None and enough():
+            return []
         send, receive = trio.open_memory_channel[tuple[bytes, list[Contact] | None | str]](math.inf)
 
         async def ask(contact: Contact) -> None:
@@ -175,7 +214,7 @@ class DhtService:
                     for contact in lookup.next_queries():
                         spawn(ask, contact)
                         timers.start_soon(slow_after, contact)
-                    if lookup.finished:
+                    if lookup.finished or (settle and lookup.settled):
                         break
                     node_id, found = await receive.receive()
                     if found == "slow":
@@ -184,24 +223,32 @@ class DhtService:
                         lookup.on_failure(node_id)
                     else:
                         lookup.on_reply(node_id, found)  # type: ignore[arg-type]
+                        if enough is not None and enough():
+                            break
             timers.cancel_scope.cancel()
-        return lookup.result()
+        if lookup.finished:
+            self._remember(target, lookup.result())
+            return lookup.result()
+        return lookup.candidates() if settle else lookup.result()
 
-    async def find_nodes(self, target: bytes) -> list[Contact]:
+    async def find_nodes(self, target: bytes, *, settle: bool = False) -> list[Contact]:
         async def query(contact: Contact) -> list[Contact]:
             reply = await self._rpc(contact, m.MsgType.FIND_NODE, {"target": target})
             return unpack_contacts(reply.body["nodes"])
 
-        return await self._iterate(target, query)
+        return await self._iterate(target, query, settle=settle)
 
-    async def get(self, key: bytes) -> list[Record]:
+    async def get(self, key: bytes, enough: Enough | None = None) -> list[Record]:
         """Every live record under ``key`` that the k closest nodes hold (newest per subkey and owner).
 
-        A responder is read for at most MAX_READ records, and no longer than the lookup runs: page
-        fetches still going when it ends are cancelled. A responder that sends one record an honest
-        node would not hold (a bad signature, another key, a slot taken from its node) is read no further."""
+        With ``enough`` (see reads.py), the lookup ends as soon as the records read so far satisfy it;
+        without, every one of the k closest is read. A responder is read for at most MAX_READ records,
+        and no longer than the lookup runs: page fetches still going when it ends are cancelled. A
+        responder that sends one record an honest node would not hold (a bad signature, another key,
+        a slot taken from its node) is read no further."""
         found: list[Record] = list(self.core.store.get(key, trio.current_time()))
         verified = {_signed_part(r) for r in found}  # records seen verified: a copy needs no second check
+        holders: list[frozenset[bytes]] = []  # per responder read in full: the signatures it sent
         paging: list[trio.CancelScope] = []
         over = False
 
@@ -211,7 +258,8 @@ class DhtService:
             nodes = unpack_contacts(body["nodes"])
             if over:
                 return nodes  # a slow answer after the lookup ended: nobody reads it
-            ok, last = self._collect(key, body["records"], found, verified, None)
+            mine: list[Record] = []  # this responder's records (also in found, as they come)
+            ok, last = self._collect(key, body["records"], found, verified, None, mine)
             offset = len(body["records"])
             total = min(body["total"], MAX_READ)
             with trio.CancelScope() as scope:
@@ -224,12 +272,17 @@ class DhtService:
                     records = reply.body["records"]
                     if not records:
                         break
-                    ok, last = self._collect(key, records, found, verified, last)
+                    ok, last = self._collect(key, records, found, verified, last, mine)
                     offset += len(records)
+            if ok and offset >= body["total"] and not scope.cancelled_caught:  # read in full: a holder
+                holders.append(frozenset(r.signature for r in mine))
             return nodes
 
+        def satisfied() -> bool:
+            return enough is not None and enough.done(found, holders)
+
         try:
-            await self._iterate(location(key), query)
+            await self._iterate(location(key), query, satisfied if enough is not None else None)
         finally:
             over = True
             for scope in paging:
@@ -237,7 +290,8 @@ class DhtService:
         return merge_newest(found)
 
     def _collect(
-        self, key: bytes, raw: list[tuple], into: list[Record], verified: set[tuple], after: bytes | None
+        self, key: bytes, raw: list[tuple], into: list[Record], verified: set[tuple], after: bytes | None,
+        mine: list[Record],
     ) -> tuple[bool, bytes | None]:
         """Check one VALUE page and add its records. Returns (ok, the last subkey so far): not ok when
         the page holds a record no honest node sends (the caller then stops reading that responder)."""
@@ -263,12 +317,13 @@ class DhtService:
             signed = _signed_part(record)
             if signed not in verified:
                 try:
-                    record.check_signature()
+                    self.core.verified.check(record)  # a copy verified by an earlier read or STORE is not again
                 except WireError as e:
                     self.metrics.datagrams_dropped.labels(e.reason).inc()
                     return False, after
                 verified.add(signed)
             into.append(record)
+            mine.append(record)
             after = record.subkey
         return True, after
 
@@ -282,11 +337,15 @@ class DhtService:
         now = trio.current_time()
         record = Record.create(self.endpoint.identity, key, subkey, value, ttl, wall=self._wall(), now=now)
         target = location(key)
-        closest = (await self.find_nodes(target))[: self.k]
+        # the k closest: from a recent lookup, or a lookup that stops once settled (STORE shows who is alive)
+        closest = self._recent_result(target) or await self.find_nodes(target, settle=True)
+        closest = closest[: self.k]
         result = PutResult(0)
         if len(closest) < self.k or distance(self.node_id, target) < distance(closest[-1].node_id, target):
             why = self.core.store.store(record, now)
             self._tally(result, why)
+
+        answered: list[Contact] = []
 
         async def store_on(contact: Contact) -> None:
             try:
@@ -294,12 +353,15 @@ class DhtService:
             except RpcError as e:
                 self._tally(result, "owner" if "owner" in str(e) else "unreachable")
                 return
+            answered.append(contact)
             ok = reply.body["ok"]
             self._tally(result, None if ok and ok[0] else "refused")
 
         async with trio.open_nursery() as nursery:
             for contact in closest:
                 nursery.start_soon(store_on, contact)
+        if len(answered) == len(closest):
+            self._remember(target, sorted(answered, key=lambda c: distance(c.node_id, target)))
         return result
 
     @staticmethod

@@ -28,6 +28,7 @@ import trio
 
 from ..allreduce.robust import Robust, parse_robust
 from ..allreduce.service import AllreduceService, Member
+from ..dht.reads import Agreed
 from ..dht.records import Record
 from ..dht.service import DhtService
 from ..metrics import Metrics
@@ -39,6 +40,9 @@ from .matchmaking import BUSY_RETRY_S, FOLLOW_SLACK_S, SETTLE_S, Begin, Candidat
 from .sticky import RENEW_KEY, Kept, StickyGroups
 
 log = logging.getLogger("peerd.moshpit")
+# Reads that are polled (matchmaking, the kept group's watch, the published grid) stop once three of the
+# key's holders agree on its records: a write racing the read shows up at the next poll.
+POLL_READ = Agreed(3)
 
 DEFAULT_WINDOW_S = 3.0
 POLL_S = (0.05, 0.1, 0.2, 0.3)  # DHT reads of the key: fast at first, then every 0.3 s
@@ -612,7 +616,7 @@ class MoshpitService:
         now = time.time()
 
         async def progress() -> None:
-            for record in await self.dht.get(f"{st.run_id}/progress".encode()):
+            for record in await self.dht.get(f"{st.run_id}/progress".encode(), enough=POLL_READ):
                 owner = node_id_of(record.owner)
                 if owner not in ids and record.expires - PROGRESS_TTL_S > now - OUTSIDER_S:
                     log.info("run %s round %d: a peer outside the kept group trains; re-forming", st.run_id, round_no)
@@ -620,7 +624,7 @@ class MoshpitService:
                     return
 
         async def looking(r: int) -> None:
-            for record in await self.dht.get(f"{st.run_id}/{r}/{key}".encode()):
+            for record in await self.dht.get(f"{st.run_id}/{r}/{key}".encode(), enough=POLL_READ):
                 c = self._candidate(record)
                 if c is not None and c.node_id not in ids and c.expiry > now:
                     log.info("run %s round %d: a newcomer looks for a group; re-forming", st.run_id, r)
@@ -690,7 +694,7 @@ class MoshpitService:
 
     async def _poll(self, active: _Active, dht_key: bytes) -> None:
         for i in range(10**9):
-            records = await self.dht.get(dht_key)
+            records = await self.dht.get(dht_key, enough=POLL_READ)
             entries = [c for c in (self._candidate(r) for r in records) if c is not None]
             active.mm.on_entries(entries, time.time())
             active.wake.set()
@@ -857,7 +861,7 @@ class MoshpitService:
     async def _published_grid(self, run_id: str) -> Grid | None:
         records: list[Record] = []
         with trio.move_on_after(5.0):
-            records = await self.dht.get(f"{run_id}/config".encode())
+            records = await self.dht.get(f"{run_id}/config".encode(), enough=POLL_READ)
         return published_grid(records, self._fits)
 
     def _fits(self, grid: Grid) -> bool:

@@ -45,6 +45,7 @@ import msgpack
 import trio
 
 from ..dht import DhtService
+from ..dht.reads import Agreed
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
@@ -203,11 +204,12 @@ class StateSync:
         return False
 
     async def adverts(self, run: str, *, timeout: float = 10.0) -> list[Advert]:
-        """Every live advertisement under ``run`` (this node's included)."""
+        """The live advertisements under ``run`` (this node's included) that three of its holders agree on."""
         if self.dht is None:
             return []
         with trio.move_on_after(timeout):
-            records = await self.dht.get(ad_key(run))
+            # adverts change slowly and are read again at every attempt: three holders that agree suffice
+            records = await self.dht.get(ad_key(run), enough=Agreed(3))
             out = []
             for r in records:
                 owner = node_id_of(r.owner)

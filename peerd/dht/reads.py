@@ -1,0 +1,78 @@
+"""What a DHT read needs before it may stop (sans-I/O): ``DhtService.get(key, enough=...)``.
+
+A get without ``enough`` reads every one of the k closest nodes (PROTOCOL.md 10.5). A get with one ends
+its lookup as soon as the records read so far satisfy it, and otherwise runs to the end like a full read,
+so an early form never returns less than it says: it only stops sooner when the answer is known.
+
+``done`` is asked after each responder has been read, with every verified record so far (this node's
+own copies included) and, per responder read in full, the signatures it sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from ..wire.identity import node_id_of
+from .records import Record, merge_newest
+
+
+class Enough:
+    """Never enough: the full read."""
+
+    def done(self, records: Sequence[Record], holders: Sequence[frozenset[bytes]]) -> bool:
+        return False
+
+
+class Newer(Enough):
+    """Any record of ``subkey`` (of ``owner``'s node id, if given) whose ``expires`` is after ``after``."""
+
+    def __init__(self, subkey: bytes, after: float, owner: bytes | None = None) -> None:
+        self.subkey, self.after, self.owner = subkey, after, owner
+
+    def done(self, records: Sequence[Record], holders: Sequence[frozenset[bytes]]) -> bool:
+        return any(
+            r.subkey == self.subkey and r.expires > self.after
+            and (self.owner is None or node_id_of(r.owner) == self.owner)
+            for r in records
+        )
+
+
+class Owners(Enough):
+    """A record of each of these owners (node ids)."""
+
+    def __init__(self, owners: Iterable[bytes]) -> None:
+        self.owners = frozenset(owners)
+
+    def done(self, records: Sequence[Record], holders: Sequence[frozenset[bytes]]) -> bool:
+        return self.owners <= {node_id_of(r.owner) for r in records}
+
+
+class Agreed(Enough):
+    """``n`` responders, each read in full, that all hold the newest version of every record seen so far.
+
+    The answer "what the first n holders agree on": every writer stores on the same k closest nodes, so
+    when n of them hold the same records, the rest hold them too unless a write is racing this read (a
+    reader that polls sees it next time) or writers saw other nodes (churn). A responder that holds
+    less, an older version or nothing (a stale or hostile node) does not count, and the read goes on;
+    with no n agreeing it is a full read. Meant for keys that are polled: matchmaking, progress, adverts."""
+
+    def __init__(self, n: int = 3) -> None:
+        if n < 1:
+            raise ValueError("Agreed needs n >= 1")
+        self.n = n
+
+    def done(self, records: Sequence[Record], holders: Sequence[frozenset[bytes]]) -> bool:
+        if len(holders) < self.n:
+            return False
+        newest = {r.signature for r in merge_newest(list(records))}
+        return sum(1 for h in holders if newest <= h) >= self.n
+
+
+class AnyOf(Enough):
+    """Enough when any of ``forms`` is."""
+
+    def __init__(self, *forms: Enough) -> None:
+        self.forms = forms
+
+    def done(self, records: Sequence[Record], holders: Sequence[frozenset[bytes]]) -> bool:
+        return any(f.done(records, holders) for f in self.forms)
