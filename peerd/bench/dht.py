@@ -3,6 +3,11 @@
 Each key is written by one daemon and read by another through the local API, the way a trainer or
 `peerd dht` would: the times include the local socket. ``rpcs_per_get`` is read from the reader's
 Prometheus counters (FIND_VALUE and FIND_NODE requests answered or failed, paging included).
+
+The local API's read is the full one (every one of the k closest). The reads Moshpit and state sync
+use stop once 3 holders agree (``Agreed(3)``); the API cannot ask for them, so the bench then joins
+the swarm itself as one more member (a DHT node in this process, over UDP like the daemons) and reads
+every key both ways: ``member_full`` and ``member_agreed``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -19,8 +25,16 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+import trio
+
+from ..dht import DhtService
+from ..dht.reads import Agreed
 from ..localsock.client import DaemonError, LocalClient
+from ..metrics import Metrics
 from ..swarm import LocalSwarm, Node
+from ..transport.endpoint import Endpoint
+from ..transport.udp import UdpSocket
+from ..wire.identity import Identity, load_swarm_key
 
 
 @dataclass
@@ -87,6 +101,60 @@ def _wait_tables(nodes: list[Node], want: int, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def _rpcs(metrics: Metrics) -> float:
+    total = 0.0
+    for metric in (metrics.rpc_seconds, metrics.rpc_failures):
+        for family in metric.collect():
+            for s in family.samples:
+                if s.labels.get("type") in ("find_value", "find_node") and s.name.endswith(("_count", "_total")):
+                    total += s.value
+    return total
+
+
+def _member_reads(cfg: DhtBenchConfig, bootstrap: str, secret: bytes | None, keys: list[tuple[str, str]]) -> dict:
+    """Join the swarm as one more DHT node and read every key fully and with Agreed(3)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+    metrics = Metrics()
+    endpoint = Endpoint(UdpSocket(sock), Identity.generate(), secret, metrics)
+    dht = DhtService(endpoint, metrics)
+    host, port = bootstrap.rsplit(":", 1)
+    out: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(endpoint.serve)
+            await nursery.start(dht.run)
+            await dht.bootstrap([(host, int(port))], timeout=30)
+            await trio.sleep(1.0)
+            forms = {"member_full": None, "member_agreed": Agreed(3)}
+            times: dict[str, list[float]] = {name: [] for name in forms}
+            rpcs: dict[str, list[float]] = {name: [] for name in forms}
+            missing = dict.fromkeys(forms, 0)
+            for i, (key, value) in enumerate(keys):
+                for name in sorted(forms, reverse=i % 2 == 1):  # each form goes first on every other key
+                    before = _rpcs(metrics)
+                    t = time.perf_counter()
+                    records = await dht.get(key.encode(), enough=forms[name])
+                    times[name].append((time.perf_counter() - t) * 1000)
+                    await trio.sleep(0.05)  # late answers to a read that ended early land before counting
+                    rpcs[name].append(_rpcs(metrics) - before)
+                    missing[name] += [r.value for r in records] != [value.encode()]
+            for name in forms:
+                out[name] = {"get_p50_ms": round(statistics.median(times[name]), 3),
+                             "get_p99_ms": round(_pct(times[name], 0.99), 3),
+                             "rpcs_per_get": round(statistics.mean(rpcs[name]), 2),
+                             "gets_missing_value": missing[name]}
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        sock.close()
+    return out
+
+
 def run_dht_bench(cfg: DhtBenchConfig, *, quiet: bool = False) -> dict[str, Any]:
     cfg.check()
     rng = random.Random(cfg.seed)
@@ -107,11 +175,13 @@ def run_dht_bench(cfg: DhtBenchConfig, *, quiet: bool = False) -> dict[str, Any]
         get_ms: list[float] = []
         rpcs: list[float] = []
         missing = 0
+        written: list[tuple[str, str]] = []
         for i in range(cfg.keys):
             writer, reader = rng.sample(range(cfg.peers), 2)
             key, value = f"bench-dht/{cfg.seed}/{i}", f"v{i}-{rng.getrandbits(64):x}"
             t = time.perf_counter()
             clients[writer].call("dht_put", key=key, value=value, ttl=600)
+            written.append((key, value))
             put_ms.append((time.perf_counter() - t) * 1000)
             before = _lookup_rpcs(nodes[reader])
             t = time.perf_counter()
@@ -122,6 +192,9 @@ def run_dht_bench(cfg: DhtBenchConfig, *, quiet: bool = False) -> dict[str, Any]
             if values != [value.encode()] and values != [value]:
                 missing += 1
         rss = [_rss_mib(n) for n in nodes]
+        _progress("reading every key again as a member of the swarm (full, then Agreed(3)) ...", quiet)
+        secret = None if cfg.insecure else load_swarm_key(swarm.key_file)
+        member = _member_reads(cfg, nodes[0].listen, secret, written)
         return {
             "peers": cfg.peers,
             "keys": cfg.keys,
@@ -134,6 +207,7 @@ def run_dht_bench(cfg: DhtBenchConfig, *, quiet: bool = False) -> dict[str, Any]
             "gets_missing_value": missing,
             "tables_full_s": round(tables_full_s, 3),
             "rss_mib": {"median": round(statistics.median(rss), 1), "max": round(max(rss), 1)},
+            **member,
             "load": os.getloadavg()[0],
         }
     finally:
@@ -172,4 +246,6 @@ def cmd_bench_dht(args: Any, parser: Any) -> int:
     else:
         for name, value in result.items():
             print(f"{name:>20}: {value}")
-    return 0 if result["gets_missing_value"] == 0 else 1
+    missing = result["gets_missing_value"]
+    missing += sum(result[f]["gets_missing_value"] for f in ("member_full", "member_agreed"))
+    return 0 if missing == 0 else 1
