@@ -338,7 +338,7 @@ class AllreduceService:
         for b in blocks:
             bodies = b.bodies if b.repeat == 1 else np.repeat(b.bodies, b.repeat, axis=0)
             member = run.members[b.to]
-            datagrams = self.endpoint.sealer.seal_block(b.type, bodies, member.node_id)
+            datagrams = self.endpoint.data_sealer(member.node_id).seal_block(b.type, bodies, member.node_id)
             for i in range(0, len(datagrams), part):
                 chunk = datagrams[i : i + part]
                 rows = len(chunk)

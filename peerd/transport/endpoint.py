@@ -41,6 +41,11 @@ RECV_DATAGRAMS = 1024  # per receive pass (the socket's arena caps it near 1 MB:
 MAX_KNOWN_IDS = 4096  # addresses whose node id this endpoint remembers (LRU), to seal for their receiver
 MAX_HELD_ADDRESSES = 256  # unvalidated addresses with answers held until their address validation completes
 MAX_HELD_PER_ADDRESS = 4
+# A sealer is replaced after this many datagrams (PROTOCOL.md 4.2: AES-GCM's confidentiality bound). The next one
+# is drawn at 3/4 of it and seals control messages at once (each carries its signed binding); data to a receiver
+# moves to it once a request sealed with it was answered by that receiver (which bound it), and all data moves
+# when the two together have sealed ROTATE_AFTER.
+ROTATE_AFTER = 2**28
 
 
 class DatagramSocket(Protocol):
@@ -107,6 +112,7 @@ class Endpoint:
         mtu: int = DEFAULT_MTU,
         loss: float = 0.0,
         loss_seed: int | None = None,
+        rotate_after: int = ROTATE_AFTER,
     ) -> None:
         self.sock = sock
         self.family = getattr(sock, "family", None)
@@ -118,7 +124,15 @@ class Endpoint:
         self.identity = identity
         self.metrics = metrics
         self.mtu = mtu
-        self.sealer = Sealer(swarm_secret)
+        if rotate_after < 4:
+            raise ValueError(f"rotate_after must be >= 4 datagrams, got {rotate_after}")
+        self._secret = swarm_secret
+        self.sealer = Sealer(swarm_secret)  # seals data (and control while no rotation is under way)
+        self.rotate_after = rotate_after
+        self.rotations = 0
+        self._next: Sealer | None = None  # the sealer being rotated in: control now, data once bound
+        self._next_from: dict[str, Any] = {}
+        self._next_bound: set[bytes] = set()  # receivers that answered a request sealed by ``_next``
         self.opener = Opener(swarm_secret, identity.node_id)
         # address -> node id of the node there, learned from datagrams sealed for this node (an outsider cannot
         # make one) and from callers that know it (DHT contacts): every datagram is sealed for its receiver.
@@ -220,12 +234,41 @@ class Endpoint:
     def max_body(self) -> int:
         return self.mtu - self.sealer.overhead
 
+    # -- token rotation -------------------------------------------------------------------------
+    def _rotate(self) -> None:
+        """Start a rotation at 3/4 of ``rotate_after`` datagrams, finish it at ``rotate_after``."""
+        old = self.sealer
+        if self._next is None:
+            if old.sent >= self.rotate_after * 3 // 4:
+                self._next = Sealer(self._secret)
+                self._next_from = {**self._from, "sig": self.identity.sign_token(self._next.token)}
+                self._next_bound = set()
+        elif old.sent + self._next.sent >= self.rotate_after:
+            self.sealer, self._from = self._next, self._next_from
+            self._next, self._next_bound = None, set()
+            self.rotations += 1
+            log.info("sealing token rotated (%d datagrams): %016x", self.rotate_after, self.sealer.token)
+
+    def data_sealer(self, receiver: bytes) -> Sealer:
+        """The sealer for tensor data to ``receiver``: the next one only once the receiver has bound it."""
+        self._rotate()
+        if self._next is not None and receiver in self._next_bound:
+            return self._next
+        return self.sealer
+
+    def _control_sealer(self) -> tuple[Sealer, dict[str, Any]]:
+        """Control messages carry their token's binding, so they use the next sealer as soon as there is one."""
+        self._rotate()
+        if self._next is not None:
+            return self._next, self._next_from
+        return self.sealer, self._from
+
     async def send_raw(
         self, addr: Address, mtype: int, bodies: list[bytes], *, node_id: bytes | None = None
     ) -> None:
         """Seal and send tensor-data bodies to one destination (batched: GSO where available)."""
         receiver = self._receiver(addr, node_id)
-        seal = self.sealer.seal
+        seal = self.data_sealer(receiver).seal
         datagrams = [seal(mtype, b, receiver) for b in bodies]
         try:
             await self.sock.send_many(datagrams, addr)
@@ -240,7 +283,8 @@ class Endpoint:
     ) -> int:
         """Seal and send each row of ``bodies`` (rows, body bytes) to one destination: vectorized headers,
         GSO straight from the sealed array. Returns the bytes sent."""
-        return await self.send_sealed(addr, self.sealer.seal_block(mtype, bodies, self._receiver(addr, node_id)))
+        receiver = self._receiver(addr, node_id)
+        return await self.send_sealed(addr, self.data_sealer(receiver).seal_block(mtype, bodies, receiver))
 
     async def send_sealed(self, addr: Address, datagrams: np.ndarray) -> int:
         """Send rows that ``sealer.seal_block`` made (a caller that paces a big block sends it in parts).
@@ -258,9 +302,6 @@ class Endpoint:
         self.metrics.datagrams_sent.labels("data").inc(rows)
         self.metrics.bytes_sent.inc(datagrams.size)
         return datagrams.size
-
-    async def _send(self, addr: Address, mtype: int, body: bytes | memoryview, receiver: bytes | None) -> None:
-        await self._send_datagram(addr, mtype, self.sealer.seal(mtype, body, receiver))
 
     async def _send_datagram(self, addr: Address, mtype: int, datagram: bytes) -> None:
         try:
@@ -280,14 +321,15 @@ class Endpoint:
     def _control_datagram(
         self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any], receiver: bytes | None
     ) -> bytes:
+        sealer, frm = self._control_sealer()
         try:
-            body = m.encode_fitting(mtype, {"rid": rid, "from": self._from, **fields}, self.max_body)
+            body = m.encode_fitting(mtype, {"rid": rid, "from": frm, **fields}, self.max_body)
         except ValueError as e:  # WireError included: fields a peer would refuse are never sent
             self.metrics.datagrams_dropped.labels("unsendable").inc()
             raise RpcError(f"not sending {mtype.name.lower()} to {addr[0]}:{addr[1]}: {e}") from None
         if receiver is None and mtype is not m.MsgType.PING:
             receiver = self._receiver(addr, None)
-        return self.sealer.seal(mtype, body, receiver)
+        return sealer.seal(mtype, body, receiver)
 
     async def _answer(
         self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any], receiver: bytes
@@ -362,6 +404,7 @@ class Endpoint:
             first = True
             while True:
                 sent_at = trio.current_time()
+                sealed_by = self._next
                 await self._send_control(addr, mtype, rid, fields, receiver)
                 with trio.move_on_at(min(deadline, sent_at + wait)):
                     await pending.event.wait()
@@ -369,6 +412,8 @@ class Endpoint:
                     reply = pending.reply
                     if reply.source == addr:  # it read this request's rid: it receives at this address
                         self.guard.validate(addr)
+                    if sealed_by is not None and sealed_by is self._next:  # it opened, so bound, the next token
+                        self._next_bound.add(reply.peer.node_id)
                     if first:  # Karn's rule: only an unambiguous round trip is a sample
                         self.rto.sample(addr, trio.current_time() - sent_at)
                     if reply.mtype is m.MsgType.ERROR:

@@ -83,6 +83,11 @@ class Sealer:
         return self._aead is not None
 
     @property
+    def sent(self) -> int:
+        """Datagrams sealed so far (the last sequence number used)."""
+        return self._seq
+
+    @property
     def overhead(self) -> int:
         return HEADER_SIZE + (TAG_SIZE if self._aead is not None else 0)
 
