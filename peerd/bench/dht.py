@@ -85,6 +85,19 @@ def _rss_mib(node: Node) -> float:
     return 0.0
 
 
+def _cpu_ms(nodes: list[Node]) -> float:
+    """CPU time (user + system) the daemons used so far: what an operation costs the whole swarm."""
+    ticks = 0
+    for node in nodes:
+        try:
+            with open(f"/proc/{node.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return ticks * 1000 / os.sysconf("SC_CLK_TCK")
+
+
 def _wait_tables(nodes: list[Node], want: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -176,17 +189,22 @@ def run_dht_bench(cfg: DhtBenchConfig, *, quiet: bool = False) -> dict[str, Any]
         rpcs: list[float] = []
         missing = 0
         written: list[tuple[str, str]] = []
+        put_cpu = get_cpu = 0.0
         for i in range(cfg.keys):
             writer, reader = rng.sample(range(cfg.peers), 2)
             key, value = f"bench-dht/{cfg.seed}/{i}", f"v{i}-{rng.getrandbits(64):x}"
+            cpu = _cpu_ms(nodes)
             t = time.perf_counter()
             clients[writer].call("dht_put", key=key, value=value, ttl=600)
-            written.append((key, value))
             put_ms.append((time.perf_counter() - t) * 1000)
+            put_cpu += _cpu_ms(nodes) - cpu
+            written.append((key, value))
             before = _lookup_rpcs(nodes[reader])
+            cpu = _cpu_ms(nodes)
             t = time.perf_counter()
             reply = clients[reader].call("dht_get", key=key)
             get_ms.append((time.perf_counter() - t) * 1000)
+            get_cpu += _cpu_ms(nodes) - cpu
             rpcs.append(_lookup_rpcs(nodes[reader]) - before)
             values = [v["value"] for v in reply["values"]]
             if values != [value.encode()] and values != [value]:
@@ -205,6 +223,8 @@ def run_dht_bench(cfg: DhtBenchConfig, *, quiet: bool = False) -> dict[str, Any]
             "get_p99_ms": round(_pct(get_ms, 0.99), 3),
             "rpcs_per_get": round(statistics.mean(rpcs), 2),
             "gets_missing_value": missing,
+            "swarm_cpu_ms_per_put": round(put_cpu / cfg.keys, 2),  # every daemon's CPU, at clock-tick grain
+            "swarm_cpu_ms_per_get": round(get_cpu / cfg.keys, 2),
             "tables_full_s": round(tables_full_s, 3),
             "rss_mib": {"median": round(statistics.median(rss), 1), "max": round(max(rss), 1)},
             **member,
