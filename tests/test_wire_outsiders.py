@@ -242,3 +242,30 @@ def test_amplification_guard_budget() -> None:
     assert g.allowance(addr) == 30
     g.validate(addr)
     assert g.allowance(addr) is None and g.may_send(addr, 10**6)
+
+
+def test_a_lost_validating_pong_costs_a_retransmission_not_the_answer() -> None:
+    """B's PING to A (or A's PONG) is lost: A's retransmitted request brings budget for another PING."""
+
+    class LosePong(MemNet):
+        lost = 0
+
+        def deliver(self, src, dst, data) -> None:
+            if data[3] == 0x02 and not self.lost:
+                self.lost += 1
+                return
+            super().deliver(src, dst, data)
+
+    async def main() -> None:
+        net = LosePong()
+        a, b = node(net, 0), node(net, 1)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            for ep in (a, b):
+                nursery.start_soon(ep.serve)
+            a.learn(b.sock.addr, b.identity.node_id)
+            reply = await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)})
+            assert net.lost == 1 and len(reply.body["nodes"]) == 20  # (the retransmission's budget, or a new PING)
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)

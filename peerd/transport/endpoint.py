@@ -160,7 +160,8 @@ class Endpoint:
         # address that has not proven it receives what this node sends gets at most 3x its bytes in answers.
         self.auth_limiter = AuthLimiter()
         self.guard = AmplificationGuard()
-        self._held: OrderedDict[Address, list[tuple[m.MsgType, bytes]]] = OrderedDict()  # answers over budget
+        # answers over budget, sealed only when sent (a held datagram could fall behind receivers' replay windows)
+        self._held: OrderedDict[Address, list[tuple[m.MsgType, int, dict[str, Any], bytes]]] = OrderedDict()
         self._challenges: OrderedDict[int, Address] = OrderedDict()  # rid of a validating PING -> its address
         self.on_request(m.MsgType.PING, lambda incoming: {})  # the DHT replaces it; a PING is always answered
 
@@ -335,8 +336,12 @@ class Endpoint:
         self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any], receiver: bytes
     ) -> None:
         """Answer a request from ``addr``, within 3x the bytes received from it while it is not validated. An
-        answer over that budget is held, and ``addr`` is sent a PING (sealed for ``receiver``): its PONG
-        validates the address and releases the held answers. A spoofed source gets the PING, nothing more."""
+        answer over that budget is held, and ``addr`` is sent a PING (sealed for ``receiver``, within the budget;
+        a retransmitted request brings budget for another): its PONG validates the address and releases the
+        held answers. A spoofed source gets the PINGs, nothing more."""
+        if self.guard.is_validated(addr):
+            await self._send_control(addr, mtype, rid, fields, receiver)
+            return
         datagram = self._control_datagram(addr, mtype, rid, fields, receiver)
         if self.guard.may_send(addr, len(datagram)):
             await self._send_datagram(addr, mtype, datagram)
@@ -348,9 +353,7 @@ class Endpoint:
             while len(self._held) > MAX_HELD_ADDRESSES:
                 self._held.popitem(last=False)
         if len(held) < MAX_HELD_PER_ADDRESS:
-            held.append((mtype, datagram))
-        if addr in self._challenges.values():
-            return
+            held.append((mtype, rid, fields, receiver))
         challenge = secrets.randbits(64)
         ping = self._control_datagram(addr, m.MsgType.PING, challenge, {}, receiver)
         if not self.guard.may_send(addr, len(ping)):
@@ -363,9 +366,9 @@ class Endpoint:
     async def _validated(self, addr: Address) -> None:
         """``addr`` answered this node's PING: no budget any more; send what was held for it."""
         self.guard.validate(addr)
-        for mtype, datagram in self._held.pop(addr, ()):
+        for mtype, rid, fields, receiver in self._held.pop(addr, ()):
             try:
-                await self._send_datagram(addr, mtype, datagram)
+                await self._send_control(addr, mtype, rid, fields, receiver)
             except RpcError as e:
                 log.debug("held answer to %s: %s", addr, e)
 
@@ -529,7 +532,8 @@ class Endpoint:
         self.metrics.datagrams_received.labels(incoming.mtype.name.lower()).inc()
         rid = incoming.body["rid"]
         if incoming.mtype is m.MsgType.PONG and self._challenges.get(rid) == source:
-            del self._challenges[rid]
+            for challenge in [c for c, a in self._challenges.items() if a == source]:
+                del self._challenges[challenge]
             await self._validated(source)
             return
         pending = self._pending.get(rid)
