@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,8 +12,15 @@ from .records import Record, RecordStore, VerifiedCache, location
 from .routing import Contact, RoutingTable
 
 
+@functools.lru_cache(maxsize=4096)
+def _packed(contact: Contact) -> tuple:
+    """A contact's wire form: parsing its address costs more than the rest of a NODES answer, and every
+    FIND_NODE/FIND_VALUE sends the same few contacts again (bounded: at most 4096 kept)."""
+    return tuple(m.pack_contact(contact.node_id, contact.host, contact.port))
+
+
 def pack_contacts(contacts: list[Contact]) -> list[list]:
-    return [m.pack_contact(c.node_id, c.host, c.port) for c in contacts]
+    return [list(_packed(c)) for c in contacts]
 
 
 def unpack_contacts(raw: list[tuple]) -> list[Contact]:

@@ -55,7 +55,14 @@ class RoutingTable:
         return node_id in self._bucket(node_id).contacts
 
     def contacts(self) -> list[Contact]:
-        return [c for b in self.buckets for c in b.contacts.values()]
+        """Every contact, from the occupied buckets only (a table has a handful of its 256 occupied)."""
+        out: list[Contact] = []
+        bits = self._occupied
+        while bits:
+            i = bits.bit_length() - 1
+            out.extend(self.buckets[i].contacts.values())
+            bits ^= 1 << i
+        return out
 
     def _bucket(self, node_id: bytes) -> Bucket:
         return self.buckets[bucket_index(self.node_id, node_id)]
