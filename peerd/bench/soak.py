@@ -138,6 +138,7 @@ class _Monitor:
         self.rates: dict[str, list[float]] = {}  # phase -> nonzero pacing rates seen (any daemon)
         self.exited: set[int] = set()
         self.peers: dict[str, list[float]] = {}  # phase -> routing-table sizes seen (peerd_dht_peers)
+        self.records: dict[str, list[float]] = {}  # phase -> DHT store sizes seen (peerd_dht_records)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="soak-monitor", daemon=True)
 
@@ -162,6 +163,7 @@ class _Monitor:
                 samples = _scrape(metrics)
                 rate = samples.get((RATE_METRIC, ()), 0.0)
                 self.peers.setdefault(phase, []).append(samples.get(("peerd_dht_peers", ()), 0.0))
+                self.records.setdefault(phase, []).append(samples.get(("peerd_dht_records", ()), 0.0))
                 if rate > 0:
                     self.rates.setdefault(phase, []).append(rate)
         self.rss.setdefault(phase, []).append(top)
@@ -544,6 +546,7 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
             "averages_alone": averager.alone,
             "averages_by_phase": averager.by_phase,
             "dht_peers_max": {p: int(max(v)) for p, v in monitor.peers.items() if v},
+            "dht_records_max": {p: int(max(v)) for p, v in monitor.records.items() if v},
             "bait_rounds": bait.rounds,
             "bait_results_finite": bait.finite,
             "alone_notes": averager.alone_notes,
