@@ -40,9 +40,15 @@ from .matchmaking import BUSY_RETRY_S, FOLLOW_SLACK_S, SETTLE_S, Begin, Candidat
 from .sticky import RENEW_KEY, Kept, StickyGroups
 
 log = logging.getLogger("peerd.moshpit")
-# Reads that are polled (matchmaking, the kept group's watch, the published grid) stop once three of the
-# key's holders agree on its records: a write racing the read shows up at the next poll.
+# Reads that are polled (matchmaking, the kept group's watch) stop once three of the key's holders agree
+# on its records: a write racing the read shows up at the next poll. Every FULL_READ_EVERY-th poll reads
+# all k holders, so members that minted ids nearest a key can hide a record for a few polls at most.
 POLL_READ = Agreed(3)
+FULL_READ_EVERY = 4
+
+
+def _poll_read(i: int) -> Agreed | None:
+    return None if i % FULL_READ_EVERY == FULL_READ_EVERY - 1 else POLL_READ
 
 DEFAULT_WINDOW_S = 3.0
 POLL_S = (0.05, 0.1, 0.2, 0.3)  # DHT reads of the key: fast at first, then every 0.3 s
@@ -616,7 +622,7 @@ class MoshpitService:
         now = time.time()
 
         async def progress() -> None:
-            for record in await self.dht.get(f"{st.run_id}/progress".encode(), enough=POLL_READ):
+            for record in await self.dht.get(f"{st.run_id}/progress".encode(), enough=_poll_read(round_no)):
                 owner = node_id_of(record.owner)
                 if owner not in ids and record.expires - PROGRESS_TTL_S > now - OUTSIDER_S:
                     log.info("run %s round %d: a peer outside the kept group trains; re-forming", st.run_id, round_no)
@@ -624,7 +630,7 @@ class MoshpitService:
                     return
 
         async def looking(r: int) -> None:
-            for record in await self.dht.get(f"{st.run_id}/{r}/{key}".encode(), enough=POLL_READ):
+            for record in await self.dht.get(f"{st.run_id}/{r}/{key}".encode(), enough=_poll_read(round_no)):
                 c = self._candidate(record)
                 if c is not None and c.node_id not in ids and c.expiry > now:
                     log.info("run %s round %d: a newcomer looks for a group; re-forming", st.run_id, r)
@@ -694,7 +700,7 @@ class MoshpitService:
 
     async def _poll(self, active: _Active, dht_key: bytes) -> None:
         for i in range(10**9):
-            records = await self.dht.get(dht_key, enough=POLL_READ)
+            records = await self.dht.get(dht_key, enough=_poll_read(i))
             entries = [c for c in (self._candidate(r) for r in records) if c is not None]
             active.mm.on_entries(entries, time.time())
             active.wake.set()
@@ -861,7 +867,7 @@ class MoshpitService:
     async def _published_grid(self, run_id: str) -> Grid | None:
         records: list[Record] = []
         with trio.move_on_after(5.0):
-            records = await self.dht.get(f"{run_id}/config".encode(), enough=POLL_READ)
+            records = await self.dht.get(f"{run_id}/config".encode())
         return published_grid(records, self._fits)
 
     def _fits(self, grid: Grid) -> bool:

@@ -45,7 +45,6 @@ import msgpack
 import trio
 
 from ..dht import DhtService
-from ..dht.reads import Agreed
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
@@ -204,12 +203,15 @@ class StateSync:
         return False
 
     async def adverts(self, run: str, *, timeout: float = 10.0) -> list[Advert]:
-        """The live advertisements under ``run`` (this node's included) that three of its holders agree on."""
+        """Every live advertisement under ``run`` (this node's included).
+
+        A full read, not one that ends when a few holders agree: adverts are read when a trainer opens
+        or joins, and the members nearest the key could otherwise show a joiner only their own (the
+        donor ranking counts on seeing the honest majority)."""
         if self.dht is None:
             return []
         with trio.move_on_after(timeout):
-            # adverts change slowly and are read again at every attempt: three holders that agree suffice
-            records = await self.dht.get(ad_key(run), enough=Agreed(3))
+            records = await self.dht.get(ad_key(run))
             out = []
             for r in records:
                 owner = node_id_of(r.owner)
