@@ -190,7 +190,7 @@ class DhtService:
         )
         if enough is not None and enough():
             return []
-        send, receive = trio.open_memory_channel[tuple[bytes, list[Contact] | None | str]](math.inf)
+        send, receive = trio.open_memory_channel[tuple[bytes, list[Contact] | None]](math.inf)
 
         async def ask(contact: Contact) -> None:
             try:
@@ -200,32 +200,37 @@ class DhtService:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 send.send_nowait((contact.node_id, found))
 
-        async def slow_after(contact: Contact) -> None:
-            await trio.sleep(SLOW_QUERY_S)
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                send.send_nowait((contact.node_id, "slow"))
-
         # Queries run in the service's nursery: a dead node's retries (3.5 s) finish in the background
-        # and remove it from the table, while this lookup moves on once the query counts as slow.
-        async with trio.open_nursery() as timers:
-            spawn = self._nursery.start_soon if self._nursery is not None else timers.start_soon
+        # and remove it from the table, while this lookup moves on once the query counts as slow. The
+        # slow deadlines are kept here, not as a timer task per query (a task per RPC costs CPU).
+        slow_at: dict[bytes, float] = {}
+        async with trio.open_nursery() as fallback:
+            spawn = self._nursery.start_soon if self._nursery is not None else fallback.start_soon
             with receive:
                 while True:
                     for contact in lookup.next_queries():
                         spawn(ask, contact)
-                        timers.start_soon(slow_after, contact)
+                        slow_at[contact.node_id] = trio.current_time() + SLOW_QUERY_S
                     if lookup.finished or (settle and lookup.settled):
                         break
-                    node_id, found = await receive.receive()
-                    if found == "slow":
-                        lookup.on_slow(node_id)
-                    elif found is None:
+                    answer = None
+                    with trio.move_on_at(min(slow_at.values(), default=math.inf)):
+                        answer = await receive.receive()
+                    if answer is None:
+                        now = trio.current_time()
+                        for node_id in [n for n, at in slow_at.items() if at <= now]:
+                            del slow_at[node_id]
+                            lookup.on_slow(node_id)
+                        continue
+                    node_id, found = answer
+                    slow_at.pop(node_id, None)
+                    if found is None:
                         lookup.on_failure(node_id)
                     else:
-                        lookup.on_reply(node_id, found)  # type: ignore[arg-type]
+                        lookup.on_reply(node_id, found)
                         if enough is not None and enough():
                             break
-            timers.cancel_scope.cancel()
+            fallback.cancel_scope.cancel()
         if lookup.finished:
             self._remember(target, lookup.result())
             return lookup.result()
