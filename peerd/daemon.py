@@ -80,7 +80,8 @@ def _bind_udp(host: str, port: int) -> stdsocket.socket:
         sock.close()
         if e.errno == errno.EADDRINUSE:
             raise StartupError(
-                f"UDP port {format_hostport(ip, port)} is in use: stop the other daemon or pick another --listen"
+                f"UDP port {format_hostport(ip, port)} is in use (another peerd on this host?): stop it, or give "
+                f"this node its own --listen HOST:PORT (port 0 picks a free one) and --socket PATH"
             ) from None
         raise StartupError(f"cannot listen on {format_hostport(ip, port)}: {e.strerror}") from None
     return sock
@@ -106,32 +107,43 @@ class Daemon:
         except ValueError as e:
             raise StartupError(f"--listen: {e}") from None
         self.listen = self.udp.getsockname()[:2]
-        try:
-            self.local = LocalServer(config.socket_path, self.metrics)
-        except SocketInUse as e:
-            self.udp.close()
-            raise StartupError(str(e)) from None
+        self.local: LocalServer | None = None
         self.http = None
+        try:
+            self._start(config, secret, announce, allreduce_kwargs)
+        except BaseException:
+            self.close()  # a failed startup leaves no socket file and no bound port behind
+            raise
+
+    def _start(self, config: DaemonConfig, secret: Any, announce: Any, allreduce_kwargs: dict[str, Any]) -> None:
+        """Everything after the UDP bind; the caller closes what was opened if this raises."""
+        try:
+            self.local = local = LocalServer(config.socket_path, self.metrics)
+        except SocketInUse as e:
+            raise StartupError(str(e)) from None
         if config.metrics is not None:
             try:
                 self.http, _ = start_http_server(config.metrics[1], config.metrics[0], registry=self.metrics.registry)
             except OSError as e:
-                self.close()
+                busy = " (another peerd on this host?)" if e.errno == errno.EADDRINUSE else ""
                 raise StartupError(
-                    f"cannot serve metrics on {format_hostport(*config.metrics)}: {e.strerror}; "
-                    f"pick another --metrics port"
+                    f"cannot serve metrics on {format_hostport(*config.metrics)}: {e.strerror}{busy}; give this "
+                    f"node its own --metrics PORT (0 picks a free one), or leave --metrics out"
                 ) from None
         self.socket = UdpSocket(self.udp, gso=not config.no_gso)
-        self.endpoint = Endpoint(
-            self.socket,
-            self.identity,
-            secret,
-            self.metrics,
-            announce=announce,
-            mtu=config.mtu,
-            loss=config.loss,
-            loss_seed=config.loss_seed,
-        )
+        try:
+            self.endpoint = Endpoint(
+                self.socket,
+                self.identity,
+                secret,
+                self.metrics,
+                announce=announce,
+                mtu=config.mtu,
+                loss=config.loss,
+                loss_seed=config.loss_seed,
+            )
+        except ValueError as e:
+            raise StartupError(f"--announce: {e}") from None
         self.dht = DhtService(self.endpoint, self.metrics)
         self.allreduce = AllreduceService(self.endpoint, self.metrics, **allreduce_kwargs)
         self.bench = BenchOps(self.allreduce, self.socket)
@@ -146,16 +158,17 @@ class Daemon:
             **self.bench.ops(),
             **MoshpitOps(self.moshpit).ops(),
         }.items():
-            self.local.register(op, handler)
+            local.register(op, handler)
         # Trainers (peerd.torch) over the local socket: sessions average through Moshpit; snapshots for
         # joining peers are advertised in the DHT and served over STATE_GET/STATE_CHUNK.
         self.statesync = StateSync(self.endpoint, self.dht, self.metrics, advertise=announce or self.listen)
         self.trainer = TrainerService(self.metrics, self.moshpit.average, statesync=self.statesync,
                                       peer_id=self.identity.node_id.hex())
-        self.trainer.register(self.local)
+        self.trainer.register(local)
 
     def close(self) -> None:
-        self.local.close()
+        if self.local is not None:
+            self.local.close()
         self.udp.close()
         if self.http is not None:
             self.http.shutdown()
@@ -183,16 +196,33 @@ class Daemon:
                         await self.dht.bootstrap(self.config.bootstrap, timeout=self.config.bootstrap_timeout)
                     except BootstrapError as e:
                         # raised after the nursery closes: inside it, trio would wrap it in an ExceptionGroup
-                        failed.append(str(e))
+                        failed.append(f"{e} {self._bootstrap_hint()}")
                         nursery.cancel_scope.cancel()
                 else:
                     self.dht.bootstrapped.set()
                     log.info("started a new swarm (no --bootstrap); others join with --bootstrap %s",
-                             format_hostport(*(self.config.announce or self.listen)))
+                             self._bootstrap_address())
         finally:
             self.close()
         if failed:
             raise StartupError(failed[0])
+
+    def _bootstrap_address(self) -> str:
+        """What another host should pass to --bootstrap: never 0.0.0.0 or ::, which only mean "every address"."""
+        host, port = self.config.announce or self.listen
+        if host in ("0.0.0.0", "::"):
+            guess = _primary_ip(family_of(host))
+            return (f"{format_hostport(guess, port)} (this host's address on its default route; on this host "
+                    f"{format_hostport('127.0.0.1' if host == '0.0.0.0' else '::1', port)} also works)"
+                    if guess else f"THIS_HOST_IP:{port}")
+        return format_hostport(host, port)
+
+    def _bootstrap_hint(self) -> str:
+        """Why a bootstrap node can be up and still never answer: it drops what it cannot accept, silently."""
+        reuse = f" (--identity {self.config.identity_path})" if self.config.identity_path else ""
+        return (f"Likely causes: a different swarm key from the swarm's; another node already running with this "
+                f"identity{reuse}; a firewall or a wrong address/port. 'peerd status' on the bootstrap node shows "
+                f"its dropped datagrams by reason (auth: wrong swarm key; self: identity in use twice).")
 
     async def _watch_signals(self, scope: trio.CancelScope, *, task_status: trio.TaskStatus[None]) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -255,6 +285,18 @@ class Daemon:
                 for r in records
             ]
         }
+
+
+def _primary_ip(family: int) -> str | None:
+    """The source address of this host's default route (no packet is sent), or None without one."""
+    probe = stdsocket.socket(family, stdsocket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9) if family == stdsocket.AF_INET else ("2001:db8::1", 9))
+        return str(probe.getsockname()[0])
+    except OSError:
+        return None
+    finally:
+        probe.close()
 
 
 def _arg_bytes(request: dict[str, Any], name: str) -> bytes:

@@ -83,8 +83,11 @@ class SocketInUse(Exception):
     pass
 
 
-def bind_unix(path: str) -> trio.socket.SocketType:
+def bind_unix(path: str) -> stdsocket.socket:
     """Bind ``path`` with mode 0600, replacing a stale file but never a live daemon's socket.
+
+    A plain socket, not a trio one: startup binds it before trio runs, and a startup that fails later (a busy
+    metrics port) must be able to close it and remove the file outside trio.
 
     In the per-user fallback directory (/tmp/peerd-UID) the directory is created 0700 and refused if
     it is someone else's or open to others (SocketInUse, with what to do)."""
@@ -112,9 +115,15 @@ def bind_unix(path: str) -> trio.socket.SocketType:
         raise SocketInUse(f"cannot create local socket {path}: {hint}") from None
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
-    sock.listen(64)
-    return trio.socket.from_stdlib_socket(sock)
+    try:
+        os.chmod(path, 0o600)
+        sock.listen(64)
+    except OSError as e:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise SocketInUse(f"cannot listen on local socket {path}: {e.strerror}") from None
+    return sock
 
 
 class LocalServer:
@@ -123,6 +132,7 @@ class LocalServer:
         self.metrics = metrics
         self._ops: dict[str, tuple[Handler | ConnHandler, bool]] = {}
         self._sock = bind_unix(path)
+        self._trio_sock: trio.socket.SocketType | None = None  # once serving (inside trio)
         self._active = 0
 
     def register(self, op: str, handler: Handler | ConnHandler, *, connection: bool = False) -> None:
@@ -130,7 +140,8 @@ class LocalServer:
         self._ops[op] = (handler, connection)
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        listener = trio.SocketListener(self._sock)
+        self._trio_sock = trio.socket.from_stdlib_socket(self._sock)
+        listener = trio.SocketListener(self._trio_sock)
         task_status.started()
         try:
             await trio.serve_listeners(self._connection, [listener])
@@ -138,6 +149,9 @@ class LocalServer:
             self.close()
 
     def close(self) -> None:
+        """Close the socket and remove its file; safe outside trio (a failed startup) and more than once."""
+        if self._trio_sock is not None:
+            self._trio_sock.close()  # tells trio first (only ever set inside trio)
         self._sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
