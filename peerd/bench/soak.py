@@ -473,10 +473,15 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
                 continue
             if info.get("done"):
                 summary = info
+            elif info.get("phase") in ("steady", "burst"):  # the PINGs of the burst are told apart too
+                mark = "burst" if info["phase"] == "burst" else "attack"
+                if prober.phase != mark:
+                    prober.phase = mark
             now = time.monotonic()
             if now - last_print >= 3.0:
                 last_print = now
-                p99 = _percentile(prober.samples()[0].get("attack", []), 99)
+                got = prober.samples()[0]
+                p99 = _percentile(got.get("attack", []) + got.get("burst", []), 99)
                 speed = info["sent"] / max(now - t_attack, 1e-9)
                 _progress(f"  {info.get('phase', '?'):6s} sent {info['sent']:>9,} ({speed:,.0f}/s)"
                           f"  averages ok {averager.ok} failed {averager.failed} alone {averager.alone}"
@@ -518,7 +523,8 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
                 growth = max(growth, max(seen) - rss_base[i])
         prober.close()
         rtts, lost = prober.samples()
-        attack_rtt = rtts.get("attack", [])
+        steady_rtt = rtts.get("attack", [])
+        attack_rtt = steady_rtt + rtts.get("burst", [])
         calm_rates = monitor.rates.get("calm", [])
         attack_rates = monitor.rates.get("attack", []) + monitor.rates.get("after", [])
         sent = int(summary["sent"])
@@ -558,9 +564,11 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
             "average_errors": averager.errors[:10],
             "ping_p50_ms": _round(_percentile(attack_rtt, 50)),
             "ping_p95_ms": _round(_percentile(attack_rtt, 95)),
+            "ping_p99_ms_steady": _round(_percentile(steady_rtt, 99)),
+            "ping_p99_ms_burst": _round(_percentile(rtts.get("burst", []), 99)),
             "ping_p99_ms_no_attack": _round(_percentile(rtts.get("calm", []), 99)),
             "ping_p99_ms_after": _round(_percentile(rtts.get("after", []), 99)),
-            "ping_lost": lost.get("attack", 0),
+            "ping_lost": lost.get("attack", 0) + lost.get("burst", 0),
             "ping_lost_no_attack": lost.get("calm", 0),
             "ping_samples": len(attack_rtt),
             "rss_base_mb": [round(x, 1) for x in rss_base],

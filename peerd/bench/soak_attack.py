@@ -340,6 +340,7 @@ class Attack:
         ci = ti = 0
         for name, count in phases:
             self.phase = name
+            self._emit(total, start)  # at once: the bench tells the burst's PINGs apart by it
             t0 = time.monotonic()
             done = 0
             while done < count:
