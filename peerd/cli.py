@@ -17,6 +17,8 @@ DEFAULT_PORT = 7411
 
 
 def _hostport(text: str) -> tuple[str, int]:
+    if "://" in text:
+        raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT (a UDP address), not a URL")
     try:
         return parse_hostport(text)
     except ValueError as e:
@@ -75,12 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keygen", help="write a node identity, or (--swarm-key) a new swarm secret")
     p.add_argument("path", metavar="PATH", nargs="?", help="where to write the node identity (mode 0600)")
     p.add_argument("--swarm-key", metavar="PATH", help="write a new swarm secret here instead (mode 0600)")
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
 
     p = sub.add_parser("join", help="run a daemon that joins (or, without --bootstrap, starts) a swarm")
     p.add_argument("--listen", type=_hostport, default=("0.0.0.0", DEFAULT_PORT), metavar="HOST:PORT",
                    help=f"UDP address to listen on (default 0.0.0.0:{DEFAULT_PORT}; port 0 picks a free one)")
     p.add_argument("--announce", type=_hostport, metavar="HOST:PORT",
-                   help="address peers should use to reach this node (behind NAT or in containers)")
+                   help="address peers should use to reach this node, behind NAT or in containers (default: the "
+                        "address packets come from)")
     p.add_argument("--bootstrap", type=_hostport, action="append", default=[], metavar="HOST:PORT",
                    help="a member of the swarm to join through (repeatable); none starts a new swarm")
     p.add_argument("--bootstrap-timeout", type=_positive, default=300.0, metavar="S",
@@ -92,17 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="do not authenticate datagrams: anyone who can reach the port can join (benchmarks only)")
     _socket_arg(p)
     p.add_argument("--metrics", type=_metrics_addr, metavar="HOST:PORT",
-                   help="serve Prometheus metrics here (a bare port binds 127.0.0.1)")
+                   help="serve Prometheus metrics here (a bare port binds 127.0.0.1; 0 picks a free port; "
+                        "default: off)")
     p.add_argument("--mtu", type=int, default=1200, metavar="BYTES",
                    help="largest UDP payload to send (default 1200; never relies on IP fragmentation)")
     p.add_argument("--no-gso", action="store_true", help="one syscall per datagram (no UDP GSO/GRO batching)")
     p.add_argument("--loss", type=float, default=0.0, metavar="P",
-                   help="testing: drop received datagrams with probability P (seeded fault injector)")
-    p.add_argument("--loss-seed", type=int, default=None, metavar="K", help="seed of the --loss injector")
+                   help="testing: drop received datagrams with probability P (seeded fault injector; default 0)")
+    p.add_argument("--loss-seed", type=int, default=None, metavar="K",
+                   help="seed of the --loss injector (default: random)")
     # testing only (hidden): this daemon corrupts its own reduce-scatter contributions, to test robust averaging
     p.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random"],
                    help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="how much the daemon logs to stderr (default info)")
 
     p = sub.add_parser("status", help="show a running daemon's identity and swarm view")
     _socket_arg(p)
@@ -116,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     put.add_argument("--ttl", type=_positive, default=3600.0, metavar="SECONDS", help="lifetime (default 3600)")
     put.add_argument("--subkey", help="subkey to write (default: this node's peer id)")
     _socket_arg(put)
+    put.add_argument("--json", action="store_true", help="print JSON")
     get = dht.add_parser("get", help="read every value under KEY")
     get.add_argument("key", metavar="KEY")
     _socket_arg(get)
@@ -170,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-port", type=int, default=0, metavar="PORT",
                    help="UDP port of the first daemon; others follow (default: free ports)")
     p.add_argument("--dir", metavar="PATH", help="where to keep keys and sockets (default: a new temp dir)")
+    p.add_argument("--json", action="store_true",
+                   help="once every daemon answers, print them as one JSON line (then run until Ctrl-C)")
 
     p = sub.add_parser("demo", help="N daemons and N trainers on 127.0.0.1 train a small model together (needs torch)")
     p.add_argument("--peers", type=int, default=4, metavar="N", help="daemons and trainers (default 4)")
@@ -222,16 +232,21 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_keygen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .wire.identity import write_identity, write_swarm_key
 
-    if bool(args.path) == bool(args.swarm_key):
+    if args.path and args.swarm_key:
         parser.error("keygen takes PATH (a node identity) or --swarm-key PATH, not both")
+    if not args.path and not args.swarm_key:
+        parser.error("keygen needs PATH (to write a node identity) or --swarm-key PATH (to write a new swarm secret)")
     target = args.swarm_key or args.path
     try:
         if args.swarm_key:
             write_swarm_key(target)
-            print(f"wrote a new swarm key to {target}; give it (securely) to every member of the swarm")
+            out: dict[str, Any] = {"kind": "swarm_key", "path": target}
+            text = f"wrote a new swarm key to {target}; give it (securely) to every member of the swarm"
         else:
             ident = write_identity(target)
-            print(f"wrote identity {ident.node_id.hex()} to {target}")
+            out = {"kind": "identity", "path": target, "peer_id": ident.node_id.hex()}
+            text = f"wrote identity {ident.node_id.hex()} to {target}"
+        print(json.dumps(out) if args.json else text)
     except FileExistsError:
         print(f"peerd: error: {target} exists; refusing to overwrite a key (remove it first)", file=sys.stderr)
         return 1
@@ -253,21 +268,10 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     if not 576 <= args.mtu <= 65507:
         parser.error("--mtu must be between 576 and 65507 bytes")
-    port = args.listen[1] if args.listen else DEFAULT_PORT
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s peerd[{port}] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if args.insecure:
-        logging.getLogger("peerd").warning(
-            "--insecure: datagrams are NOT authenticated; anyone who reaches this port can join and inject data"
-        )
-    if args.fault_byzantine:
-        logging.getLogger("peerd").warning(
-            "--fault-byzantine %s: FAULT INJECTION, this daemon CORRUPTS its own averaging contributions "
-            "(a test of robust averaging); never run it in a real swarm", args.fault_byzantine
-        )
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    _log_format(args.listen[1] or "?")  # port 0: the bound port, once known
+    if not 0.0 <= args.loss < 1.0:
+        parser.error("--loss must be in [0, 1)")
     config = DaemonConfig(
         listen=args.listen,
         announce=args.announce,
@@ -284,10 +288,22 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         loss_seed=args.loss_seed,
         byzantine=args.fault_byzantine,
     )
-    if not 0.0 <= args.loss < 1.0:
-        parser.error("--loss must be in [0, 1)")
     try:
         daemon = Daemon(config)
+    except StartupError as e:
+        print(f"peerd: error: {e}", file=sys.stderr)
+        return 1
+    _log_format(daemon.listen[1])
+    if args.insecure:
+        logging.getLogger("peerd").warning(
+            "--insecure: datagrams are NOT authenticated; anyone who reaches this port can join and inject data"
+        )
+    if args.fault_byzantine:
+        logging.getLogger("peerd").warning(
+            "--fault-byzantine %s: FAULT INJECTION, this daemon CORRUPTS its own averaging contributions "
+            "(a test of robust averaging); never run it in a real swarm", args.fault_byzantine
+        )
+    try:
         profile_path = os.environ.get("PEERD_PROFILE")  # developers: write cProfile stats here on exit
         if profile_path:
             import cProfile
@@ -299,6 +315,13 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _log_format(port: int | str) -> None:
+    """The daemon's log lines carry its UDP port (several daemons on one host share a terminal)."""
+    fmt = logging.Formatter(f"%(asctime)s peerd[{port}] %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(fmt)
 
 
 def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -317,7 +340,19 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     print(f"uptime     {reply['uptime_s']:.0f} s")
     if dropped:
         print("dropped    " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
+        for reason, why in DROP_HINTS.items():
+            if dropped.get(reason):
+                print(f"           {reason}: {why}")
     return 0
+
+
+# Drops that mean a misconfigured node, not noise: the node that sent them only sees timeouts, so say it here.
+DROP_HINTS = {
+    "auth": "datagrams that do not open with this swarm's key: a node with another --swarm-key-file "
+            "(or --insecure) is trying to join",
+    "self": "datagrams signed with this node's own identity: another node runs with the same --identity "
+            "(give each node its own 'peerd keygen' file)",
+}
 
 
 def _text(data: bytes) -> dict[str, Any]:
@@ -331,7 +366,11 @@ def cmd_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with LocalClient(args.socket, timeout=60) as client:
         if args.dht_command == "put":
             reply = client.call("dht_put", key=args.key, value=args.value, ttl=args.ttl, subkey=args.subkey)
-            print(f"stored {args.key!r} on {reply['stored']} node(s) under subkey {reply['subkey']}")
+            if args.json:
+                print(json.dumps({"key": args.key, "subkey": reply["subkey"], "stored": reply["stored"],
+                                  "refused": reply.get("refused") or {}, "ttl": args.ttl}, indent=2))
+            else:
+                print(f"stored {args.key} on {reply['stored']} node(s) under subkey {reply['subkey']}")
             return 0
         reply = client.call("dht_get", key=args.key)
     values = []
@@ -347,14 +386,15 @@ def cmd_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         values.append(item)
     if args.json:
         print(json.dumps({"key": args.key, "values": values}, indent=2))
-    elif not values:
-        print(f"no values under {args.key!r}", file=sys.stderr)
+    if not values:  # exit 1 with and without --json: a script can test the exit code alone
+        print(f"no values under {args.key}", file=sys.stderr)
         return 1
-    else:
-        import time
+    if args.json:
+        return 0
+    import time
 
-        for item in values:
-            print(f"{item['subkey']}\t{item['value']}\t(expires in {item['expires_at'] - time.time():.0f} s)")
+    for item in values:
+        print(f"{item['subkey']}\t{item['value']}\t(expires in {item['expires_at'] - time.time():.0f} s)")
     return 0
 
 
@@ -363,7 +403,7 @@ def cmd_swarm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.peers < 1:
         parser.error("--peers must be at least 1")
-    return run_swarm(args.peers, base_port=args.base_port, workdir=args.dir)
+    return run_swarm(args.peers, base_port=args.base_port, workdir=args.dir, as_json=args.json)
 
 
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -450,7 +490,7 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      keep_rounds=args.keep_rounds, micro=args.micro, byzantine=args.byzantine,
                      byzantine_mode=args.byzantine_mode, robust=args.robust)
     try:
-        summary = run_demo(cfg)
+        summary = run_demo(cfg, log=lambda *a: print(*a, flush=True))  # progress as it happens, even piped
     except RuntimeError as e:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1

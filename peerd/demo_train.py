@@ -106,8 +106,32 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-every", type=int, default=10, metavar="S",
                    help="publish a snapshot for joiners every S steps (default 10)")
     p.add_argument("--eval-every", type=int, default=10, metavar="S", help="held-out evaluation every S steps")
-    p.add_argument("--progress", choices=["text", "json", "none"], default="text")
+    p.add_argument("--progress", choices=["text", "json", "none"], default="text",
+                   help="text: a line per step and a summary; json: one JSON object per line; none: quiet "
+                        "(default text)")
+    p.add_argument("--json", action="store_true",
+                   help="print only the final result, as one JSON object (text progress goes to stderr)")
     p.add_argument("--out", metavar="PATH", help="write the final result (JSON, with the parameters) here")
+
+
+def _progress_line(record: dict[str, Any]) -> str:
+    """One event of ``peerd train`` in words; accuracy only where it was measured."""
+    event = record.get("event")
+    if event == "step":
+        acc = f"  acc {record['accuracy']:.3f}" if record.get("accuracy") is not None else ""
+        return (f"step {record['step']:>4}  loss {record['loss']:.4f}{acc}  group {record['group_size']}  "
+                f"round {record['round_s']:.3f} s  received {record['received_fraction']:.3f}  {record['outcome']}")
+    if event == "start":
+        synced = f", state synced from {record['synced']}" if record.get("synced") else ""
+        return (f"peer {record['peer']}: starting at step {record['step']} with {record['params']} parameters"
+                f"{synced}; held-out loss {record['held_out_loss']:.4f}, accuracy {record['accuracy']:.3f}")
+    if event == "done":
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted((record.get("outcomes") or {}).items())) or "none"
+        return (f"peer {record['peer']}: done after {record['steps']} steps in {record['wall_s']:.1f} s "
+                f"({record['samples_per_second']:.0f} samples/s); held-out loss {record['held_out_loss']:.4f}, "
+                f"accuracy {record['accuracy']:.3f}; rounds: {outcomes}"
+                f"{'; the model DIVERGED' if record.get('diverged') else ''}")
+    return " ".join(f"{k} {v}" for k, v in record.items())
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -133,16 +157,11 @@ def run_train(args: argparse.Namespace) -> int:
     dc = DropCompute(budget, workers=max(2, args.peers))
 
     def emit(record: dict[str, Any]) -> None:
-        if args.progress == "json":
+        """Progress as one format only: JSON lines, or text lines (never JSON mixed into text)."""
+        if args.progress == "json" and not args.json:
             print(json.dumps(record), flush=True)
         elif args.progress == "text":
-            if record.get("event") == "step":
-                print(f"step {record['step']:>4}  loss {record['loss']:.4f}  "
-                      f"acc {record.get('accuracy', float('nan')):.3f}  group {record['group_size']}  "
-                      f"round {record['round_s']:.3f} s  received {record['received_fraction']:.3f}  "
-                      f"{record['outcome']}", flush=True)
-            else:
-                print(json.dumps(record), flush=True)
+            print(_progress_line(record), file=sys.stderr if args.json else sys.stdout, flush=True)
 
     try:
         opt = Optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,
@@ -241,6 +260,8 @@ def run_train(args: argparse.Namespace) -> int:
         "params_finite": bool(np.isfinite(flat).all()), "diverged": diverged,
     }
     emit(result)
+    if args.json:
+        print(json.dumps(result), flush=True)
     if args.out:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -142,20 +143,27 @@ class LocalSwarm:
         self.cleanup()
 
 
-def run_swarm(peers: int, *, base_port: int = 0, workdir: str | None = None) -> int:
-    """`peerd swarm`: start the daemons, say how to reach them, stop them all on Ctrl-C."""
+def run_swarm(peers: int, *, base_port: int = 0, workdir: str | None = None, as_json: bool = False) -> int:
+    """`peerd swarm`: start the daemons, say how to reach them, stop them all on Ctrl-C.
+
+    With ``as_json`` the table is one JSON line on stdout (for scripts) and the words go to stderr."""
     swarm = LocalSwarm(workdir)
+    out = sys.stderr if as_json else sys.stdout
     try:
-        print(f"starting {peers} daemons in {swarm.dir} ...", flush=True)
+        print(f"starting {peers} daemon{'s' if peers != 1 else ''} in {swarm.dir} ...", file=out, flush=True)
         for i in range(peers):
             extra = ("--listen", f"127.0.0.1:{base_port + i}") if base_port else ()
             node = swarm.start(extra=extra)
             swarm.wait_ready(node)
-        print(f"\nswarm key: {swarm.key_file}\n")
-        print(f"{'peer':>4}  {'udp':<21} {'metrics':<21} socket")
+        if as_json:
+            print(json.dumps({"dir": swarm.dir, "swarm_key": swarm.key_file, "peers": [
+                {"index": n.index, "peer_id": n.status["peer_id"], "listen": n.status["listen"],
+                 "metrics": n.status.get("metrics"), "socket": n.socket} for n in swarm.nodes]}), flush=True)
+        print(f"\nswarm key: {swarm.key_file}\n", file=out)
+        print(f"{'peer':>4}  {'udp':<21} {'metrics':<21} socket", file=out)
         for node in swarm.nodes:
             s = node.status
-            print(f"{node.index:>4}  {s['listen']:<21} {s.get('metrics') or '-':<21} {node.socket}")
+            print(f"{node.index:>4}  {s['listen']:<21} {s.get('metrics') or '-':<21} {node.socket}", file=out)
         first = swarm.nodes[0]
         print(
             f"\ntry:   peerd status --socket {first.socket}\n"
@@ -164,6 +172,7 @@ def run_swarm(peers: int, *, base_port: int = 0, workdir: str | None = None) -> 
             f"join:  peerd join --listen 127.0.0.1:0 --bootstrap {first.listen} "
             f"--swarm-key-file {swarm.key_file} --socket /tmp/mine.sock\n"
             f"\nCtrl-C stops them all.",
+            file=out,
             flush=True,
         )
         while True:
