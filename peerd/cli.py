@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address peers should use to reach this node, behind NAT or in containers (default: the "
                         "address packets come from)")
     p.add_argument("--bootstrap", type=_hostport, action="append", default=[], metavar="HOST:PORT",
-                   help="a member of the swarm to join through (repeatable); none starts a new swarm")
+                   help="a member of the swarm to join through (repeatable; default: none, which starts a new swarm)")
     p.add_argument("--bootstrap-timeout", type=_positive, default=300.0, metavar="S",
                    help="give up and exit non-zero if no bootstrap node answers for this long (default 300)")
     p.add_argument("--identity", metavar="PATH", help="node identity from 'peerd keygen' (default: a fresh one)")
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32 elements (1000, 250K, 25M) or bytes with a B suffix (100MB); default 1M")
     b.add_argument("--repeat", type=int, default=5, metavar="R", help="averages to time (default 5; median)")
     b.add_argument("--loss", type=float, default=0.0, metavar="P",
-                   help="each daemon drops received datagrams with probability P")
+                   help="each daemon drops received datagrams with probability P (default 0)")
     b.add_argument("--mtu", type=int, default=1200, metavar="B", help="UDP payload bytes (default 1200)")
     b.add_argument("--insecure", action="store_true", help="no AEAD sealing")
     b.add_argument("--no-gso", action="store_true", help="one syscall per datagram")
@@ -153,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=3, metavar="R", help="Moshpit rounds (default 3)")
     b.add_argument("--size", type=_size, default=10_000, metavar="S", help="float32 elements (default 10000)")
     b.add_argument("--kill", type=int, default=0, metavar="K",
-                   help="SIGKILL K random peers while round 1's group averaging is under way")
+                   help="SIGKILL K random peers while round 1's group averaging is under way (default 0)")
     b.add_argument("--loss", type=float, default=0.0, metavar="P",
-                   help="each daemon drops received datagrams with probability P")
+                   help="each daemon drops received datagrams with probability P (default 0)")
     b.add_argument("--window", type=float, default=3.0, metavar="SECONDS",
                    help="matchmaking window: a group that cannot fill closes after this (default 3)")
     b.add_argument("--seed", type=int, default=0, help="seed of vectors, cells and victims (default 0)")
@@ -165,8 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = bench.add_parser("soak", help="4 sealed daemons average while a member attacker and an outsider flood them")
     b.add_argument("--datagrams", type=int, default=1_000_000, metavar="N", help="attack datagrams (default 1M)")
     b.add_argument("--size", type=_size, default=1_000_000, metavar="S", help="float32 elements averaged (default 1M)")
-    b.add_argument("--rate", type=float, default=6000.0, metavar="R", help="attack datagrams/s outside the burst")
-    b.add_argument("--burst-share", type=float, default=0.3, metavar="F", help="share sent as fast as possible")
+    b.add_argument("--rate", type=float, default=6000.0, metavar="R",
+                   help="attack datagrams/s outside the burst (default 6000)")
+    b.add_argument("--burst-share", type=float, default=0.3, metavar="F",
+                   help="share sent as fast as possible (default 0.3)")
     b.add_argument("--calm", type=float, default=8.0, metavar="SECONDS", help="no-attack phase first (default 8)")
     b.add_argument("--seed", type=int, default=0, help="seed of inputs and attacks (default 0)")
     b.add_argument("--identities", type=int, default=64, metavar="K", help="attacker identities (default 64)")
@@ -184,17 +186,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="N daemons and N trainers on 127.0.0.1 train a small model together (needs torch)")
     p.add_argument("--peers", type=int, default=4, metavar="N", help="daemons and trainers (default 4)")
     p.add_argument("--steps", type=int, default=200, metavar="S", help="training steps (default 200)")
-    p.add_argument("--loss", type=float, default=0.0, metavar="P", help="every daemon drops datagrams with prob. P")
+    p.add_argument("--loss", type=float, default=0.0, metavar="P",
+                   help="every daemon drops datagrams with prob. P (default 0)")
     p.add_argument("--compute-jitter", type=float, default=0.0, metavar="X",
-                   help="trainers' micro-batches take 10 ms * (1 + X * Exp(1)) more (for DropCompute)")
+                   help="trainers' micro-batches take 10 ms * (1 + X * Exp(1)) more (for DropCompute; default 0)")
     p.add_argument("--dropcompute", default="off", metavar="off|auto|SECONDS",
                    help="DropCompute threshold per step (default off)")
-    p.add_argument("--average-every", type=int, default=10, metavar="K", help="average parameters every K steps")
+    p.add_argument("--average-every", type=int, default=10, metavar="K",
+                   help="average parameters every K steps (default 10)")
     p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
                    help="keep a complete Moshpit group R rounds (1: a new group every round; default 1)")
     p.add_argument("--micro", type=int, default=None, metavar="M",
                    help="micro-batches per step of 32 samples (default 8 with --compute-jitter, else 4)")
-    p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of weights, data order and loss")
+    p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of weights, data order and loss (default 0)")
     p.add_argument("--byzantine", type=int, default=0, metavar="K",
                    help="K of the peers' daemons corrupt their contributions (a test; default 0); the summary's "
                         "accuracy and loss are the honest peers'")

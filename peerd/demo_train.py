@@ -75,10 +75,11 @@ def _max_samples(text: str) -> float:
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run id: trainers with the same run id and model train together")
-    p.add_argument("--socket", default=None, metavar="PATH", help="the daemon's local socket")
+    p.add_argument("--socket", default=None, metavar="PATH",
+                   help="the daemon's local socket (default: $PEERD_SOCKET or the per-user default)")
     p.add_argument("--steps", type=int, default=200, metavar="S", help="train until this step (default 200)")
     p.add_argument("--peers", type=int, default=1, metavar="N", help="how many peers share the data (default 1)")
-    p.add_argument("--index", type=int, default=0, metavar="I", help="this peer's data shard, 0..N-1")
+    p.add_argument("--index", type=int, default=0, metavar="I", help="this peer's data shard, 0..N-1 (default 0)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of the data order (default 0)")
     p.add_argument("--init-seed", type=int, default=None, metavar="K",
                    help="seed of the model's initial weights (default: --seed; a joiner takes the swarm's)")
@@ -105,7 +106,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sync", action="store_true", help="do not download the swarm's state before starting")
     p.add_argument("--state-every", type=int, default=10, metavar="S",
                    help="publish a snapshot for joiners every S steps (default 10)")
-    p.add_argument("--eval-every", type=int, default=10, metavar="S", help="held-out evaluation every S steps")
+    p.add_argument("--eval-every", type=int, default=10, metavar="S",
+                   help="held-out evaluation every S steps (default 10)")
     p.add_argument("--progress", choices=["text", "json", "none"], default="text",
                    help="text: a line per step and a summary; json: one JSON object per line; none: quiet "
                         "(default text)")
