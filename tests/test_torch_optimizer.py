@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -232,18 +233,18 @@ def test_daemon_death_mid_round_is_a_clear_error_and_the_next_step_reconnects(tm
         d2.stop()
 
 
-class NanAverager(InProcessAverager):
-    """Every round 'averages' to NaN: what a daemon that let a Byzantine member's NaN through would hand back."""
-
-    async def average(self, run_id, vector, weight, **kwargs):
-        result = await super().average(run_id, vector, weight, **kwargs)
-        result.vector = result.vector * float("nan")
-        result.outcome = "averaged"
-        return result
-
-
 def test_a_non_finite_average_never_reaches_the_model(tmp_path) -> None:
-    d = ThreadDaemon(str(tmp_path / "nan.sock"), NanAverager(group_size=1, wait_s=0.1))
+    """What a daemon that let a Byzantine member's NaN through would hand back: NaN in the result slot."""
+    d = ThreadDaemon(str(tmp_path / "nan.sock"), InProcessAverager(group_size=1, wait_s=0.1))
+    handler, _ = d.server._ops["trainer_step"]
+
+    async def poisoned(request, conn):
+        reply = await handler(request, conn)
+        session = d.service.sessions[request["session"]]
+        session.arena.write_result(request["step"], np.full(session.elems, np.nan, np.float32))
+        return {**reply, "outcome": "averaged"}
+
+    d.server.register("trainer_step", poisoned, connection=True)
     try:
         m = model(3)
         before = flat(m).clone()

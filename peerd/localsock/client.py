@@ -58,6 +58,20 @@ class LocalClient:
     def close(self) -> None:
         self._sock.close()
 
+    def _parting_error(self) -> str | None:
+        """The error frame a daemon sent before it closed the connection, if one is already here."""
+        try:
+            self._sock.settimeout(0.5)
+            while True:
+                data = self._sock.recv(65536)
+                if not data:
+                    return None
+                for reply in self._decoder.feed(data):
+                    if not reply.get("ok") and isinstance(reply.get("error"), str):
+                        return reply["error"]
+        except (OSError, FrameError):
+            return None
+
     def __enter__(self) -> LocalClient:
         return self
 
@@ -96,7 +110,8 @@ class LocalClient:
             raise DaemonError(f"the daemon at {self.path} did not answer {op!r} in time") from None
         except (BrokenPipeError, ConnectionResetError):
             self.broken = True
-            raise DaemonError(f"the daemon at {self.path} went away during {op!r}") from None
+            why = self._parting_error()  # a daemon that refuses a connection says why, then closes it
+            raise DaemonError(why or f"the daemon at {self.path} went away during {op!r}") from None
         except FrameError as e:
             self.broken = True
             raise DaemonError(f"the daemon at {self.path} sent a bad frame: {e}") from None
