@@ -38,6 +38,8 @@ def test_keygen_writes_private_files_and_refuses_to_overwrite(tmp_path) -> None:
         (["join", "--listen", "nonsense"], "expected HOST:PORT"),
         (["join", "--listen", "::1:7000", "--insecure"], "brackets"),
         (["join", "--insecure", "--bootstrap-timeout", "-3"], "must be positive"),
+        (["join", "--insecure", "--bootstrap", "http://10.0.0.1:7411"], "not a URL"),
+        (["keygen"], "needs PATH"),
         (["dht", "put", "k"], "VALUE"),
         (["frobnicate"], "invalid choice"),
     ],
