@@ -26,6 +26,8 @@ def _hostport(text: str) -> tuple[str, int]:
 
 
 def _metrics_addr(text: str) -> tuple[str, int]:
+    if "://" in text:
+        raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT or a bare PORT, not a URL")
     try:
         return parse_hostport(text, bare_port_host="127.0.0.1")
     except ValueError as e:
@@ -472,7 +474,8 @@ def cmd_bench_moshpit(args: argparse.Namespace, parser: argparse.ArgumentParser)
     else:
         for r, (dev, sizes, secs) in enumerate(zip(result["deviation"], result["group_sizes"], result["round_s"],
                                                    strict=True)):
-            print(f"round {r + 1}: deviation {dev:.3g}, groups {sizes}, {secs:.3f} s")
+            groups = ", ".join(str(n) for n in sizes) or "none"
+            print(f"round {r + 1}: deviation {dev:.3g}, {len(sizes)} group(s) of {groups} peers, {secs:.3f} s")
     return 0
 
 
