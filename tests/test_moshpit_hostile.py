@@ -374,6 +374,11 @@ def test_a_non_finite_average_never_replaces_the_vector_and_options_reach_the_ow
                 "floor_s": 1.0, "max_phase_s": 5.0, "max_weight": 64.0, "robust": Robust("centered", 3.0)}
             res = await avg(vec)  # the previous averaged vector is the center
             assert np.array_equal(fake.calls[-1]["center"], np.full(6, 2, np.float32))
+            own = np.full(6, 7, np.float32)  # a center the caller gives (its own parameters) wins for that round
+            await a.moshpit._average_group(st, _group(a), vec, 1.0, 10.0, 0, "k", 2, own)
+            assert fake.calls[-1]["center"] is own
+            with pytest.raises(MoshpitError, match="center"):
+                await a.moshpit.average("run", vec, 1.0, center=np.ones(5, np.float32))
             for bad in (np.nan, np.inf, -np.inf):
                 fake.next = np.full(6, 2, np.float32)
                 fake.next[3] = bad

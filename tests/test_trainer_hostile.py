@@ -122,6 +122,11 @@ def test_max_samples_and_robust_reach_the_averager(synced) -> None:
                         robust="clip:3")
     step(client, arena, reply, 1, np.ones(16), 1)
     assert synced.averager.options[-1] == {"max_weight": 64.0, "robust": Robust("clip", 3.0)}
+    # parameter averages clip around the trainer's own parameters (honest replicas stay close to them)
+    step(client, arena, reply, 2, np.full(16, 5.0), 1, kind="params")
+    opts = synced.averager.options[-1]
+    assert opts["robust"] == Robust("centered", 3.0) and opts["max_weight"] == 64.0
+    np.testing.assert_array_equal(opts["center"], np.full(16, 5.0, np.float32))
     client.close()
     arena.close()
     for bad in (0, -1, math.inf, math.nan, "10", True, 2.0**60):

@@ -56,7 +56,7 @@ class InProcessAverager:
 
     async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
                       keep_rounds: int | None = None, round_no: int | None = None, **options) -> RoundResult:
-        assert set(options) <= {"max_weight", "robust"}, options
+        assert set(options) <= {"max_weight", "robust", "center"}, options
         start = time.monotonic()
         self.options.append(options)
         self.calls.append((run_id, weight))

@@ -332,7 +332,8 @@ class MoshpitService:
 
     async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
                       keep_rounds: int | None = None, round_no: int | None = None,
-                      max_weight: float | None = None, robust: Robust | str | None = None) -> RoundResult:
+                      max_weight: float | None = None, robust: Robust | str | None = None,
+                      center: np.ndarray | None = None) -> RoundResult:
         """One Moshpit round for ``run_id``: find a group, average in it. Never raises for churn.
 
         ``keep_rounds``: set the run's kept-group rounds (as ``open`` does) if it differs, so a trainer
@@ -343,6 +344,8 @@ class MoshpitService:
         run a moment after others finished its first round would otherwise start one round ahead of them,
         and the two halves would wait out each other's deadlines every time.
         ``max_weight``, ``robust``: set the run's weight cap and robust mode (as ``open`` does); None leaves them.
+        ``center``: the center of robust "centered" mode for this round only (e.g. the caller's own parameters,
+        which honest replicas stay close to); None: the run's last average.
 
         The result is never non-finite: an average that holds NaN or infinity is reported ``failed`` and the
         caller gets its own vector back. A run past its last round (MAX_ROUND) raises MoshpitError."""
@@ -355,6 +358,9 @@ class MoshpitService:
             raise MoshpitError(f"keep_rounds must be an integer in [1, 1000], got {keep_rounds!r}")
         if vector.dtype != np.float32 or vector.ndim != 1:
             raise MoshpitError("the vector must be flat float32")
+        if center is not None and (center.dtype != np.float32 or center.shape != vector.shape
+                                   or not np.isfinite(center).all()):
+            raise MoshpitError("the center must be a finite float32 vector of the vector's shape")
         if not (math.isfinite(weight) and weight > 0):
             raise MoshpitError(f"weight must be a positive number (a sample count), got {weight}")
         if not 1.0 <= timeout_s <= 3600:
@@ -369,10 +375,11 @@ class MoshpitService:
             if st.round > MAX_ROUND:
                 raise MoshpitError(f"run {run_id!r} has averaged its last round ({MAX_ROUND}): round numbers are "
                                    f"uint32 and do not wrap; continue under a new run id")
-            return await self._round(st, vector, float(weight), timeout_s, numbered=round_no is not None)
+            return await self._round(st, vector, float(weight), timeout_s, numbered=round_no is not None,
+                                     center=center)
 
     async def _round(self, st: RunState, vector: np.ndarray, weight: float, timeout_s: float,
-                     numbered: bool = False) -> RoundResult:
+                     numbered: bool = False, center: np.ndarray | None = None) -> RoundResult:
         round_no = st.round
         key = st.keys.group_key(round_no)
         wall0 = time.perf_counter()
@@ -403,7 +410,8 @@ class MoshpitService:
                 st.synced = False  # perhaps the swarm is in another round: look at its progress next time
             else:
                 st.state = "averaging"
-                result = await self._average_group(st, group, vector, weight, timeout_s - mm_s, round_no, key, seen)
+                result = await self._average_group(st, group, vector, weight, timeout_s - mm_s, round_no, key, seen,
+                                                   center)
                 result.matchmaking_s = mm_s
                 result.kept = kept
                 if kept:
@@ -425,7 +433,8 @@ class MoshpitService:
                  result.group_size, result.seconds)
         return result
 
-    async def _average_group(self, st, group, vector, weight, budget_s, round_no, key, seen) -> RoundResult:
+    async def _average_group(self, st, group, vector, weight, budget_s, round_no, key, seen,
+                             center: np.ndarray | None = None) -> RoundResult:
         members = [Member(c.public_key, c.node_id, c.addr) for c in group.members]
         hexes = [c.node_id.hex() for c in group.members]
         gid = f"{group.group_id:08x}"
@@ -434,7 +443,9 @@ class MoshpitService:
             extra["max_weight"] = st.max_weight
         if st.robust is not None:
             extra["robust"] = st.robust
-            if st.robust.mode == "centered" and st.center is not None and st.center.shape == vector.shape:
+            if st.robust.mode == "centered" and center is not None:
+                extra["center"] = center
+            elif st.robust.mode == "centered" and st.center is not None and st.center.shape == vector.shape:
                 extra["center"] = st.center
         try:
             res = await self.allreduce.average(

@@ -296,7 +296,13 @@ class TrainerService:
                     extra["round_no"] = round_no
                 if session.max_samples is not None:  # only when set: averagers without these keywords still work
                     extra["max_weight"] = session.max_samples
-                if session.robust is not None:
+                if session.robust is not None and kind == "params":
+                    # Honest replicas' parameters stay close to each other, so each owner clips around its own
+                    # (centered): plain clipping around zero lets a scaled member still add C times a whole
+                    # parameter vector, and a sign-flipped one shrink every model.
+                    extra["robust"] = Robust("centered", session.robust.c)
+                    extra["center"] = vector
+                elif session.robust is not None:
                     extra["robust"] = session.robust
                 result = await self.average(session.average_id(kind), vector, float(weight), timeout_s=timeout,
                                             **extra)
