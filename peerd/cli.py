@@ -497,7 +497,7 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      keep_rounds=args.keep_rounds, micro=args.micro, byzantine=args.byzantine,
                      byzantine_mode=args.byzantine_mode, robust=args.robust)
     try:
-        summary = run_demo(cfg, log=lambda *a: print(*a, flush=True))  # progress as it happens, even piped
+        summary = run_demo(cfg, log=lambda *a, **k: print(*a, **k, flush=True))  # progress as it happens, even piped
     except RuntimeError as e:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
