@@ -101,7 +101,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
     if not 0 <= cfg.byzantine < cfg.peers:
         raise RuntimeError(f"byzantine must be in [0, {cfg.peers}): at least one peer must be honest")
     try:
-        say(f"starting {cfg.peers} daemons{f' (each drops {cfg.loss:.0%} of datagrams)' if cfg.loss else ''} ...")
+        drops = f" (each drops {cfg.loss:.0%} of datagrams)" if cfg.loss else ""
+        say(f"starting {cfg.peers} daemon{'s' if cfg.peers != 1 else ''}{drops} ...")
         if byzantine:
             say(f"peers {sorted(byzantine)} run with --fault-byzantine {cfg.byzantine_mode} (they corrupt their "
                 f"contributions); trainers ask for robust {cfg.robust}")
@@ -233,7 +234,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             f"(mean over {len(honest)} {'honest ' if byzantine else ''}peers); "
             f"largest relative distance between two peers' parameters "
             f"{summary['max_param_divergence']:.2e}; {summary['samples_per_second']:.0f} samples/s across the swarm; "
-            f"rounds {summary['outcomes']}")
+            f"rounds: {', '.join(f'{n} {k}' for k, n in sorted(summary['outcomes'].items())) or 'none'}")
         return summary
     finally:
         for p in procs.values():
