@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from enum import Enum
 
 from .routing import Contact, distance
@@ -47,7 +48,8 @@ class Lookup:
         self._own = own_id
         self._contacts: dict[bytes, Contact] = {}
         self._state: dict[bytes, _State] = {}
-        self._dist: dict[bytes, int] = {}
+        self._order: list[tuple[int, bytes]] = []  # (distance, id) of every contact seen, closest first
+        self._flying = 0  # queries in flight
         self._t = int.from_bytes(target, "big")
         self.add(seeds)
 
@@ -61,19 +63,26 @@ class Lookup:
             if c.node_id != self._own and c.node_id not in self._state:
                 self._contacts[c.node_id] = c
                 self._state[c.node_id] = _State.NEW
-                self._dist[c.node_id] = int.from_bytes(c.node_id, "big") ^ self._t
+                bisect.insort(self._order, (int.from_bytes(c.node_id, "big") ^ self._t, c.node_id))
 
     def _ranked(self) -> list[bytes]:
-        live = [n for n, s in self._state.items() if s not in (_State.FAILED, _State.SLOW)]
-        live.sort(key=self._dist.__getitem__)
-        return live[: self.k]
+        """The k closest contacts not failed or slow (kept in order as they come, never re-sorted)."""
+        out = []
+        for _, node_id in self._order:
+            if self._state[node_id] not in (_State.FAILED, _State.SLOW):
+                out.append(node_id)
+                if len(out) == self.k:
+                    break
+        return out
 
     def _closest_seen(self) -> int | None:
-        live = [d for n, d in self._dist.items() if self._state[n] not in (_State.FAILED, _State.SLOW)]
-        return min(live) if live else None
+        for d, node_id in self._order:
+            if self._state[node_id] not in (_State.FAILED, _State.SLOW):
+                return d
+        return None
 
     def in_flight(self) -> int:
-        return sum(1 for s in self._state.values() if s is _State.IN_FLIGHT)
+        return self._flying
 
     def next_queries(self) -> list[Contact]:
         """Contacts to query now (marked in flight); empty when nothing more is worth asking."""
@@ -84,12 +93,15 @@ class Lookup:
                 break
             if self._state[node_id] is _State.NEW:
                 self._state[node_id] = _State.IN_FLIGHT
+                self._flying += 1
                 chosen.append(self._contacts[node_id])
                 budget -= 1
         return chosen
 
     def on_reply(self, node_id: bytes, nodes: list[Contact]) -> None:
-        if self._state.get(node_id) in (_State.IN_FLIGHT, _State.SLOW):
+        state = self._state.get(node_id)
+        if state in (_State.IN_FLIGHT, _State.SLOW):
+            self._flying -= state is _State.IN_FLIGHT
             self._state[node_id] = _State.ANSWERED
         best = self._closest_seen()
         self.add(nodes)
@@ -101,11 +113,13 @@ class Lookup:
 
     def on_failure(self, node_id: bytes) -> None:
         if node_id in self._state:
+            self._flying -= self._state[node_id] is _State.IN_FLIGHT
             self._state[node_id] = _State.FAILED
 
     def on_slow(self, node_id: bytes) -> None:
         """A query is taking long (a dead node, usually): stop waiting for it, free its slot."""
         if self._state.get(node_id) is _State.IN_FLIGHT:
+            self._flying -= 1
             self._state[node_id] = _State.SLOW
 
     @property
