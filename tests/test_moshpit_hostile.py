@@ -281,6 +281,29 @@ def test_plausible_progress_follows_the_median_not_the_max() -> None:
     assert plausible_progress([], 7, now) == ([], 0)
 
 
+def test_a_node_that_averaged_believes_its_peers_not_a_crowd_of_strangers() -> None:
+    """Ids are free to mint: 64 strangers agreeing on a far round outvote any median (bench soak moved four
+    honest daemons to round 2**31 that way). A node that has averaged follows strangers only a few rounds."""
+    from peerd.moshpit.service import STRANGER_AHEAD, RunState
+    now = 1000.0
+    peers = [bytes([i]) * 32 for i in range(3)]
+    sybils = [(bytes([100, i]) * 16, 2**31, now - 1) for i in range(64)]
+    honest = [(p, 41, now - 1) for p in peers]
+    kept, ignored = plausible_progress([*honest, *sybils], 42, now, set(peers))
+    assert kept == honest and ignored == 64
+    # a stranger slightly ahead (a peer that averaged elsewhere in the swarm) is followed; a known peer further
+    near = (b"s" * 32, 42 + STRANGER_AHEAD, now - 1)
+    far_known = (peers[0], 42 + MAX_AHEAD, now - 1)
+    assert plausible_progress([near, far_known], 42, now, set(peers)) == ([near, far_known], 0)
+    assert plausible_progress([(b"s" * 32, 43 + STRANGER_AHEAD, now - 1)], 42, now, set(peers))[1] == 1
+    # without known peers (a joiner), the crowd wins: documented, a joiner trusts the swarm it first sees
+    assert plausible_progress([*honest, *sybils], 0, now)[1] == 0
+    st = RunState("r", Grid(1, 4), None)  # type: ignore[arg-type]
+    for r in range(300):
+        st.note_members([r.to_bytes(32, "big")], r)
+    assert len(st.known) == svc_mod.KNOWN_PEERS and (299).to_bytes(32, "big") in st.known
+
+
 def test_a_record_at_the_last_round_does_not_move_a_joiner_or_the_run() -> None:
     async def main() -> None:
         net = MemNet()

@@ -63,6 +63,10 @@ MAX_ROUND = 2**32 - 2
 # A progress record more than MAX_AHEAD rounds ahead of both this node's round and the median of the fresh
 # records is ignored (counted): one member's record could otherwise move the whole run to its last round.
 MAX_AHEAD = 1000
+# A node that has averaged in a run follows peers it averaged with up to MAX_AHEAD rounds ahead, strangers (ids are
+# free to mint, so any number of them may agree) at most STRANGER_AHEAD: an honest swarm's rounds move together.
+STRANGER_AHEAD = 16
+KNOWN_PEERS = 256  # the last peers this node averaged with, per run
 PROGRESS_FRESH_S = 60.0  # records stored this recently make the median (stale ones only when none is fresh)
 FINITE_SLICE = 1 << 20  # elements per isfinite pass (a 4 MB slice: no 100 MB temporary)
 
@@ -121,6 +125,15 @@ class RunState:
     max_weight: float | None = None  # owners cap each member's weight (sample count) at this; None: no cap
     robust: Robust | None = None  # owners clip contributions (allreduce/robust.py); None: plain mean
     center: np.ndarray | None = None  # the last averaged vector: the center of robust "centered" mode
+    known: dict[bytes, int] = field(default_factory=dict)  # node id -> last round averaged with it (bounded)
+
+    def note_members(self, members: list[bytes], round_no: int) -> None:
+        """Remember whom this node averaged with: their progress records are believed further than strangers'."""
+        for node_id in members:
+            self.known.pop(node_id, None)
+            self.known[node_id] = round_no
+        while len(self.known) > KNOWN_PEERS:
+            del self.known[next(iter(self.known))]
 
     def statistics(self) -> dict:
         return {
@@ -162,15 +175,21 @@ def check_robust(robust: object) -> Robust | None:
 
 
 def plausible_progress(records: list[tuple[bytes, int, float]], own_round: int, now: float,
+                       known: frozenset[bytes] | set[bytes] | dict = frozenset(),
                        ) -> tuple[list[tuple[bytes, int, float]], int]:
     """The progress records (owner, round, stored) to believe, and how many were ignored as too far ahead.
 
-    Node ids are free to mint, so agreement among owners proves nothing; what one member can not do alone is
-    move the median. A record is ignored when it is more than MAX_AHEAD rounds past both this node's round
-    and the (lower) median of the fresh records, so a joiner with no round of its own follows the majority,
-    and a member that fell far behind a real majority still catches up with it."""
+    Node ids are free to mint, so agreement among owners proves nothing. A node that has averaged in the run
+    (``known``: whom with) believes those peers up to MAX_AHEAD rounds past its own round and strangers up to
+    STRANGER_AHEAD, however many of them agree. A joiner knows nobody: it ignores records more than MAX_AHEAD
+    rounds past both its round and the (lower) median of the fresh records, which one member alone cannot move
+    (a member with many ids can: a joiner trusts the swarm it first sees)."""
     if not records:
         return [], 0
+    if known:
+        kept = [r for r in records
+                if r[1] <= own_round + (MAX_AHEAD if r[0] in known else STRANGER_AHEAD)]
+        return kept, len(records) - len(kept)
     values = sorted(v for _, v, stored in records if stored > now - PROGRESS_FRESH_S) or sorted(
         v for _, v, _ in records)
     limit = max(own_round, values[(len(values) - 1) // 2]) + MAX_AHEAD
@@ -476,6 +495,7 @@ class MoshpitService:
         expected = rs.datagrams_expected + ag.datagrams_expected
         received = rs.datagrams_received + ag.datagrams_received
         fraction = received / expected if expected else 1.0
+        st.note_members([c.node_id for c in group.members if c.node_id != self.identity.node_id], round_no)
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen)
 
     @staticmethod
@@ -758,7 +778,7 @@ class MoshpitService:
                 out.append((node_id_of(r.owner), value, r.expires - PROGRESS_TTL_S))
             else:
                 ignored.labels("progress", "range").inc()
-        out, ahead = plausible_progress(out, st.round, time.time())
+        out, ahead = plausible_progress(out, st.round, time.time(), st.known)
         if ahead:
             ignored.labels("progress", "ahead").inc(ahead)
             log.info("run %s: ignored %d progress record(s) more than %d rounds ahead", st.run_id, ahead, MAX_AHEAD)
