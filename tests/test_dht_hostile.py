@@ -373,3 +373,31 @@ def test_a_key_written_to_between_pages_is_still_read_in_full() -> None:
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
+
+
+def test_a_request_sender_enters_the_table_only_once_it_answers() -> None:
+    """Identities that send requests but never answer (free to mint) must not crowd the routing table: bench soak
+    saw 64 of them fill every table (5 -> 56 contacts) and every lookup stall on them."""
+    from peerd.wire import messages as wm
+
+    from .memnet import MemNet
+    from .test_dht_network import SimNode, run_virtual
+
+    async def main() -> None:
+        net = MemNet()
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            a, honest, mute = SimNode(net, 0), SimNode(net, 1), SimNode(net, 2)
+            for node in (a, honest, mute):
+                await nursery.start(node.run)
+            mute.endpoint.on_request(wm.MsgType.PING, lambda incoming: None)  # it asks, and never answers
+            for sender in (honest, mute):
+                await sender.endpoint.request(a.addr, wm.MsgType.FIND_NODE, {"target": bytes(32)},
+                                              node_id=a.identity.node_id)
+            await trio.sleep(10)
+            assert honest.identity.node_id in a.dht.core.table
+            assert mute.identity.node_id not in a.dht.core.table
+            assert len(a.dht._verifying) == 0
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)

@@ -36,6 +36,7 @@ MAX_READ = MAX_SUBKEYS
 # them all at once. Bounded: RECENT_LOOKUPS targets, the oldest forgotten first.
 RECENT_S = 10.0
 RECENT_LOOKUPS = 256
+VERIFY_MAX = 64  # request senders PINGed at once before they may enter the routing table (more: not added yet)
 
 
 class BootstrapError(Exception):
@@ -74,6 +75,7 @@ class DhtService:
         self._rng = rng or random.Random()
         self._nursery: trio.Nursery | None = None
         self._recent: OrderedDict[bytes, tuple[float, list[Contact]]] = OrderedDict()
+        self._verifying: set[bytes] = set()  # request senders being PINGed before they may enter the table
         self.lookups = 0  # lookups run (statistics; the bench reads RPC counts from the metrics)
         for t in (m.MsgType.PING, m.MsgType.FIND_NODE, m.MsgType.FIND_VALUE, m.MsgType.STORE):
             endpoint.on_request(t, self._on_request)
@@ -116,8 +118,33 @@ class DhtService:
 
     # -- the routing table ----------------------------------------------------------------------
     def _on_request(self, incoming: Incoming) -> dict:
-        self._heard(incoming.peer)
+        peer = incoming.peer
+        if peer.node_id in self.core.table or self._nursery is None:
+            self._heard(peer)
+        else:
+            self._verify(peer)
         return self.core.handle(incoming.mtype, incoming.body, trio.current_time())
+
+    def _verify(self, peer: Peer) -> None:
+        """A sender not in the table enters it only once it answers a PING of ours: ids are free to mint, and
+        identities that send but never answer would otherwise crowd the table and stall every lookup."""
+        if peer.node_id in self._verifying or len(self._verifying) >= VERIFY_MAX or self._nursery is None:
+            return
+        self._verifying.add(peer.node_id)
+        self._nursery.start_soon(self._check_newcomer, Contact(peer.node_id, peer.host, peer.port))
+
+    async def _check_newcomer(self, contact: Contact) -> None:
+        try:
+            reply = await self.endpoint.request(contact.addr, m.MsgType.PING, {}, node_id=contact.node_id)
+            if reply.peer.node_id == contact.node_id:
+                self._heard(reply.peer)
+        except RpcError:
+            self.metrics.ignored_records.labels("dht_contact", "unanswered").inc()
+        except Exception as e:  # background work never takes the daemon down
+            log.warning("checking DHT newcomer %s failed: %s", contact.node_id.hex()[:12], e)
+            self.metrics.background_errors.labels("dht_verify").inc()
+        finally:
+            self._verifying.discard(contact.node_id)
 
     def _heard(self, peer: Peer) -> None:
         oldest = self.core.table.observe(Contact(peer.node_id, peer.host, peer.port))
