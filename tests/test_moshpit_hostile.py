@@ -415,7 +415,7 @@ def test_a_non_finite_average_never_replaces_the_vector_and_options_reach_the_ow
             assert "center" not in fake.calls[-1]
             # average() sets them per run too; None leaves them; off/inf clear them
             await a.moshpit.open("run", robust="clip")
-            assert st.robust == Robust("clip", 2.0) and st.center is None and st.max_weight == 64.0
+            assert st.robust == Robust("clip", 1.0) and st.center is None and st.max_weight == 64.0
             await a.moshpit.open("run", robust="off", max_weight=math.inf)
             assert st.robust is None and st.max_weight is None
             await avg(vec)
@@ -451,7 +451,7 @@ def test_ops_accept_max_samples_and_robust() -> None:
     ops = MoshpitOps(Service())  # type: ignore[arg-type]
     trio.run(ops.round, {"run": "r", "vector": np.ones(2, "<f4").tobytes(), "max_samples": 8.5,
                          "robust": "centered"})
-    assert got["max_weight"] == 8.5 and got["robust"] == Robust("centered", 2.0)
+    assert got["max_weight"] == 8.5 and got["robust"] == Robust("centered", 1.0)
 
 
 def test_weight_cap_reaches_the_real_owners_through_a_round() -> None:

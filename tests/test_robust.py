@@ -43,7 +43,7 @@ def weighted_mean(xs, ws, members) -> np.ndarray:
 
 def test_parse_robust() -> None:
     assert parse_robust(None) is None and parse_robust("off") is None and parse_robust("") is None
-    assert parse_robust("clip") == Robust("clip", 2.0)
+    assert parse_robust("clip") == Robust("clip", 1.0)
     assert parse_robust("centered:3.5") == Robust("centered", 3.5)
     for bad in ("median", "clip:0", "clip:x", "clip:inf", 3):
         with pytest.raises(ValueError):

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 MODES = ("clip", "centered")
-DEFAULT_C = 2.0
+DEFAULT_C = 1.0  # 8-peer demo: a random member at C=2 raised final_loss 15 %, at C=1 5 %; honest runs unchanged
 MAX_C = 1e6
 
 
