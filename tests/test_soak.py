@@ -39,4 +39,13 @@ def test_small_soak_no_crash_and_exact_averages() -> None:
     # the attacks arrived and were refused (reasons other fixes may rename are not pinned here)
     dropped = out["drops"]["peerd_datagrams_dropped_total"]
     assert dropped.get("auth", 0) > 0 and dropped.get("replay", 0) > 0, dropped  # the outsider, replays
+    # issue 12: a datagram sealed for one daemon is refused at the others, random tokens are rationed
+    assert out["sent_by_class"]["cross_receiver_replay"] > 0 and out["sent_by_class"]["random_token"] > 0
+    assert dropped.get("auth_limited", 0) > 0, dropped
+    # the outsider-only phase: its daemon CPU per datagram (the <= 5 us goal is not asserted: a shared machine)
+    cpu = out["outsider_cpu_us_per_datagram"]
+    assert isinstance(cpu, float) and cpu > 0, out.get("outsider_cpu_us_per_datagram_by_daemon")
+    assert out["outsider_datagrams"] > 0
+    outsider_dropped = out["outsider_drops"]["peerd_datagrams_dropped_total"]
+    assert outsider_dropped.get("auth", 0) + outsider_dropped.get("auth_limited", 0) > 0, outsider_dropped
     assert sum(dropped.values()) >= 1000, dropped

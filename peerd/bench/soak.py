@@ -1,12 +1,13 @@
 """`peerd bench soak`: 4 sealed daemons average continuously while a member attacker and an outsider replay
 every wire attack of issue 11 ("Hostile members and faults") at them.
 
-Phases: a calm phase (averaging only: the no-attack pacing rate, ping and memory baselines), the attack (a
-separate process, peerd/bench/soak_attack.py: steady, a burst as fast as it goes, a steady tail), then a
-last round after it. Every honest average is checked exact against the weighted mean of its group's known
-inputs; a member's PING round trip to the daemons is sampled all along (its own process: soak_probe.py; a
-PING unanswered for 1 s counts as 1000 ms); RSS comes from /proc/PID/status and the refusal counters from
-each daemon's Prometheus metrics. A fifth daemon run with ``--fault-byzantine nan`` (a hostile member
+Phases: a calm phase (averaging only: the no-attack pacing rate, ping and memory baselines), an outsider-only
+phase (averages paused: an idle baseline, then only keyless datagrams, for the daemons' CPU per datagram that no
+key opens), the attack (a separate process, peerd/bench/soak_attack.py: steady, a burst as fast as it goes, a
+steady tail), then a last round after it. Every honest average is checked exact against the weighted mean
+of its group's known inputs; a member's PING round trip to the daemons is sampled all along (its own process:
+soak_probe.py; a PING unanswered for 1 s counts as 1000 ms); RSS comes from /proc/PID/status and the refusal
+counters from each daemon's Prometheus metrics. A fifth daemon run with ``--fault-byzantine nan`` (a hostile member
 too) averages a small side run with one honest daemon at weight 1e30, for the owners' refusal of
 non-finite and outsized contributions, which the wire attacker (not a group member) cannot reach.
 Only 127.0.0.1 daemons this bench started are ever sent to; every process and temp dir is removed at the
@@ -36,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..localsock.client import DaemonError
 from ..swarm import LocalSwarm, Node
 from .moshpit import _wait_connected
-from .soak_attack import CLASSES
+from .soak_attack import CLASSES, OUTSIDER_CPU_CLASSES
 from .soak_probe import PING_TIMEOUT_S
 
 RUN = "bench-soak"
@@ -48,7 +49,8 @@ DROP_METRICS = ("peerd_datagrams_dropped_total", "peerd_dht_store_refused_total"
 RATE_METRIC = "peerd_pacing_rate_bytes"
 SAMPLE_S = 0.5  # RSS and pacing-rate samples
 TOLERANCE = 1e-5  # relative: max |result - exact| <= TOLERANCE * max |exact|
-GOALS = {"rss_growth_mb": 256.0, "ping_p99_ms": 50.0, "seconds_per_million": 300.0}
+GOALS = {"rss_growth_mb": 256.0, "ping_p99_ms": 50.0, "seconds_per_million": 300.0, "outsider_cpu_us": 5.0}
+SETTLE_S = 0.5  # after the averages pause, before the idle baseline
 
 
 @dataclass
@@ -62,6 +64,8 @@ class SoakConfig:
     seed: int = 0
     identities: int = 64  # member identities the attacker signs with (a Sybil: node ids are free to mint)
     classes: tuple[str, ...] = CLASSES  # the attack classes to send (all by default)
+    outsider_s: float = 3.0  # the outsider-only phase (its daemon CPU per datagram); 0 skips it
+    outsider_rate: float = 20000.0  # datagrams/s in it
 
     def check(self) -> None:
         if self.datagrams < len(CLASSES) * 10:
@@ -79,6 +83,8 @@ class SoakConfig:
             raise ValueError("--identities must be 1..4096")
         if not 0 <= self.calm_s <= 600:
             raise ValueError("--calm must be 0..600 seconds")
+        if not 0 <= self.outsider_s <= 60 or not 100 <= self.outsider_rate <= 1e6:
+            raise ValueError("the outsider phase must last 0..60 s at 100..1000000 datagrams/s")
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -240,6 +246,8 @@ class _Averager:
         self.by_phase: dict[str, dict[str, int]] = {}
         self.max_rel_err = 0.0
         self.stop = threading.Event()
+        self.hold = threading.Event()  # set: start no new round (the outsider phase measures idle daemons)
+        self.idle = threading.Event()  # set by the loop once it holds (no round in flight)
         self.pool = ThreadPoolExecutor(max_workers=len(nodes))
         self.thread = threading.Thread(target=self._loop, name="soak-averager", daemon=True)
 
@@ -254,6 +262,11 @@ class _Averager:
     def _loop(self) -> None:
         r = 0
         while not self.stop.is_set():
+            if self.hold.is_set():
+                self.idle.set()
+                time.sleep(0.05)
+                continue
+            self.idle.clear()
             vectors, weights = self._inputs(r)
             t0 = time.monotonic()
             phase = self.phase
@@ -339,7 +352,7 @@ class _Bait:
     def _loop(self) -> None:
         ones = np.ones(BAIT_SIZE, dtype="<f4")
         while not self.stop.wait(1.0):
-            if self.phase == "calm":
+            if self.phase in ("calm", "outsider"):
                 continue
 
             def call(node: Node, weight: float) -> Any:
@@ -379,6 +392,92 @@ def _drops(before: dict[int, dict], after: dict[int, dict]) -> dict[str, dict[st
                 label = "/".join(v for _, v in labels) or "total"
                 out[name][label] = out[name].get(label, 0) + delta
     return out
+
+
+def _handled(samples: dict) -> float:
+    """Datagrams one daemon took off its socket: accepted plus dropped (what its kernel dropped is not seen)."""
+    return sum(v for (name, _), v in samples.items()
+               if name in ("peerd_datagrams_received_total", "peerd_datagrams_dropped_total"))
+
+
+def _outsider_phase(cfg: SoakConfig, nodes: list[Node], key_file: str, workdir: str, averager: _Averager,
+                    threads: list[Any], quiet: bool) -> dict[str, Any]:
+    """The daemons' CPU per outsider datagram: ONLY the outsider sends (random_token, random, mutated, wrong_key at
+    ``outsider_rate``), for ``outsider_s``.
+
+    The honest averages are paused for both windows (a round's CPU would swamp the figure): first an idle baseline
+    of ``outsider_s`` (daemons idle but for the PING prober and the metrics scrapes, which go on in both windows),
+    then the outsider window. Per daemon: (CPU in the window - baseline CPU scaled to the window's length) /
+    (datagrams it handled in the window - those of the baseline, scaled the same way)."""
+    averager.hold.set()
+    attacker: subprocess.Popen | None = None
+    try:
+        if not averager.idle.wait(timeout=150):
+            raise DaemonError("the averages did not pause for the outsider phase")
+        for t in threads:
+            t.phase = "outsider"
+        _progress(f"outsider only: idle baseline {cfg.outsider_s:.0f} s, then {cfg.outsider_rate:.0f} datagrams/s "
+                  f"for {cfg.outsider_s:.0f} s ...", quiet)
+        time.sleep(SETTLE_S)
+        pids = [n.proc.pid for n in nodes]
+        t0, cpu0, got0 = time.monotonic(), [_cpu_s(p) for p in pids], _counters(nodes)
+        time.sleep(cfg.outsider_s)
+        t1, cpu1, got1 = time.monotonic(), [_cpu_s(p) for p in pids], _counters(nodes)
+        out_cfg = {
+            "targets": [list(_hostport(n.listen)) for n in nodes], "key_file": key_file, "run": RUN,
+            "victims": [n.status["peer_id"] for n in nodes], "datagrams": int(cfg.outsider_rate * cfg.outsider_s),
+            "rate": cfg.outsider_rate, "burst_share": 0.0, "seed": cfg.seed + 1, "identities": 4,
+            "classes": list(OUTSIDER_CPU_CLASSES), "responder": False, "flood_stores": 1,
+        }
+        with open(os.path.join(workdir, "outsider.log"), "wb") as log:
+            attacker = subprocess.Popen([sys.executable, "-m", "peerd.bench.soak_attack", json.dumps(out_cfg)],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
+        assert attacker.stdout is not None
+        t2 = cpu2 = got2 = None
+        summary: dict[str, Any] = {}
+        for line in attacker.stdout:
+            try:
+                info = json.loads(line)
+            except ValueError:
+                continue
+            if t2 is None:  # its first line comes as it starts sending (its signing before is not counted)
+                t2, cpu2, got2 = time.monotonic(), [_cpu_s(p) for p in pids], _counters(nodes)
+            if info.get("done"):
+                summary = info
+        t3, cpu3, got3 = time.monotonic(), [_cpu_s(p) for p in pids], _counters(nodes)
+        rc = attacker.wait(timeout=30)
+        if rc != 0 or not summary or t2 is None or cpu2 is None or got2 is None:
+            with open(os.path.join(workdir, "outsider.log"), errors="replace") as f:
+                raise RuntimeError(f"the outsider failed (exit {rc}):\n{f.read()[-2000:]}")
+    finally:
+        if attacker is not None and attacker.poll() is None:
+            attacker.kill()
+            attacker.wait()
+        averager.hold.clear()
+    scale = (t3 - t2) / max(t1 - t0, 1e-9)
+    sent = int(summary["sent"])
+    per_daemon: list[float | None] = []
+    handled: list[int] = []
+    for i in range(len(nodes)):
+        n = _handled(got3.get(i, {})) - _handled(got2.get(i, {}))
+        n -= scale * (_handled(got1.get(i, {})) - _handled(got0.get(i, {})))
+        if n <= 0:
+            n = sent / len(nodes)  # no metrics: what was sent to it
+        cpu = (cpu3[i] - cpu2[i]) - scale * (cpu1[i] - cpu0[i])
+        handled.append(int(n))
+        per_daemon.append(round(cpu / n * 1e6, 2))
+    values = [v for v in per_daemon if v is not None]
+    return {
+        "outsider_cpu_us_per_datagram": max(values) if values else None,
+        "outsider_cpu_us_per_datagram_by_daemon": per_daemon,
+        "outsider_datagrams": sent,
+        "outsider_datagrams_handled_by_daemon": handled,
+        "outsider_seconds": round(summary["seconds"], 2),
+        "outsider_datagrams_per_second": round(sent / summary["seconds"], 1) if summary["seconds"] > 0 else 0.0,
+        "outsider_sent_by_class": {k: v for k, v in summary["by_class"].items() if v},
+        "outsider_drops": _drops(got2, got3),
+        "outsider_baseline_cpu_s": [round(b - a, 3) for a, b in zip(cpu0, cpu1, strict=True)],
+    }
 
 
 def _interrupted(signum: int, frame: object) -> None:
@@ -443,6 +542,14 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
         monitor.sample()
         calm_ok, calm_failed = averager.ok, averager.failed
         rss_base = list(monitor.rss_by_node)
+
+        # -- outsider only: the daemons' CPU per datagram that no key opens ----------------------------------
+        outsider: dict[str, Any] = {"outsider_cpu_us_per_datagram": None}
+        if cfg.outsider_s > 0:
+            outsider = _outsider_phase(cfg, nodes, swarm.key_file, workdir, averager, threads, quiet)
+            _progress(f"  outsider {outsider['outsider_datagrams']:,} datagrams "
+                      f"({outsider['outsider_datagrams_per_second']:,.0f}/s): daemon CPU "
+                      f"{outsider['outsider_cpu_us_per_datagram']} us/datagram (max over daemons)", quiet)
         before = _counters(nodes)
         cpu_before = [_cpu_s(n.proc.pid) for n in nodes]
         status = nodes[0].call("status").get("moshpit", {}).get(RUN, {})
@@ -546,9 +653,12 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
             # CPU the 4 honest daemons used during the attack (averaging included), and per attack datagram
             "daemon_cpu_s": round(cpu_attack, 2),
             "daemon_cpu_us_per_datagram": round(cpu_attack / max(sent, 1) * 1e6, 1),
+            **outsider,
             # more detail
             "burst_datagrams_per_second": round(summary.get("burst_datagrams_per_second", 0.0), 1),
             "responder_answers": summary.get("responder_answers", 0),
+            # datagrams the daemons sent back to the cross-receiver replayer (expected 0)
+            "cross_receiver_answers": summary.get("cross_receiver_answers", 0),
             "averages_alone": averager.alone,
             "averages_by_phase": averager.by_phase,
             "dht_peers_max": {p: int(max(v)) for p, v in monitor.peers.items() if v},
@@ -568,6 +678,7 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
             "ping_p99_ms_burst": _round(_percentile(rtts.get("burst", []), 99)),
             "ping_p99_ms_no_attack": _round(_percentile(rtts.get("calm", []), 99)),
             "ping_p99_ms_after": _round(_percentile(rtts.get("after", []), 99)),
+            "ping_p99_ms_outsider": _round(_percentile(rtts.get("outsider", []), 99)),
             "ping_lost": lost.get("attack", 0) + lost.get("burst", 0),
             "ping_lost_no_attack": lost.get("calm", 0),
             "ping_samples": len(attack_rtt),
@@ -585,6 +696,8 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
             "rate_floor": out["rate_floor"] is None or out["rate_no_attack"] is None
             or out["rate_floor"] >= out["rate_no_attack"],
             "speed": summary["seconds"] <= GOALS["seconds_per_million"] * sent / 1e6,
+            "outsider_cpu": out["outsider_cpu_us_per_datagram"] is None
+            or out["outsider_cpu_us_per_datagram"] <= GOALS["outsider_cpu_us"],
             "every_class_sent": all(summary["by_class"].get(c, 0) > 0 for c in cfg.classes),
         }
         return out
@@ -633,6 +746,8 @@ def cmd_bench_soak(args: Any, parser: Any) -> int:
         return 0
     print(f"{result['datagrams_sent']:,} datagrams in {result['seconds']:.1f} s "
           f"({result['datagrams_per_second']:,.0f}/s, burst {result['burst_datagrams_per_second']:,.0f}/s)")
+    print(f"outsider only: daemon CPU {result['outsider_cpu_us_per_datagram']} us/datagram (max over daemons, "
+          f"goal <= {GOALS['outsider_cpu_us']:g})")
     print(f"crashes {result['crashes']}, rss growth {result['rss_growth_mb']} MB, ping p99 {result['ping_p99_ms']} ms "
           f"(no attack: {result['ping_p99_ms_no_attack']} ms)")
     print(f"averages ok {result['averages_ok']}, failed {result['averages_failed']}, alone {result['averages_alone']}; "

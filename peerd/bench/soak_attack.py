@@ -31,7 +31,7 @@ from ..allreduce.codec import BodyType
 from ..dht.records import Record
 from ..statesync.service import Advert, ad_key
 from ..wire import messages as m
-from ..wire.envelope import VERSION
+from ..wire.envelope import FLAG_SEALED, HEADER, MAGIC, VERSION
 from ..wire.errors import WireError
 from ..wire.identity import Identity, load_swarm_key, node_id_of
 from ..wire.seal import Opener, Sealer
@@ -43,8 +43,11 @@ FLOOD_PER_STORE = 5  # records in one flood STORE (fits a 1200-byte datagram)
 BURST_CHUNK = 256  # datagrams sent between two looks at the clock in the burst
 MEMBER_CLASSES = ("mm_join_bad_addr", "progress_far_ahead", "dht_store_flood", "state_advert_huge",
                   "report_throttle", "held_data", "slot_squat", "nonfinite_data", "huge_weight", "find_value_pages",
-                  "replay")
-OUTSIDER_CLASSES = ("random", "mutated", "wrong_key")
+                  "replay", "cross_receiver_replay")
+OUTSIDER_CLASSES = ("random", "mutated", "wrong_key", "random_token")
+# the outsider-only phase of the bench (its daemon CPU per datagram): no key, so none of these can be opened
+OUTSIDER_CPU_CLASSES = ("random_token", "random", "mutated", "wrong_key")
+CONTROL_TYPES = (0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x10, 0x11, 0x12, 0x18)
 CLASSES = MEMBER_CLASSES + OUTSIDER_CLASSES
 Target = tuple[str, int]
 
@@ -87,6 +90,8 @@ class Attack:
         self.msock = _udp()  # the member attacker's flood socket
         self.rsock = _udp()  # its DHT responder (one identity, answers the daemons' requests)
         self.osock = _udp()  # the outsider
+        self.xsock = _udp()  # the on-path replayer of cross_receiver_replay (its own source: its own ration)
+        self.xanswers = 0  # datagrams that came back to it (must stay 0)
         self.members = [_Member(self.secret) for _ in range(max(1, int(cfg.get("identities", IDENTITIES))))]
         self.responder = _Member(self.secret)
         self.wrong = [_Member(os.urandom(32)) for _ in range(4)]
@@ -97,6 +102,14 @@ class Attack:
             c: getattr(self, f"_b_{c}") for c in CLASSES
         }
         self._prepare()
+        if not set(cfg.get("classes") or CLASSES) & set(MEMBER_CLASSES):
+            # outsider only: nothing member-sealed is sent, so give `mutated` sealed datagrams to flip bits in
+            # (sealed here, never sent: as if captured on the path)
+            for to in range(len(self.targets)):
+                self._to = to
+                for mb, body in self.report_bodies[:32]:
+                    self._seal(mb, m.MsgType.REPORT, body)
+            self._to = 0
 
     # -- pools of bodies, signed once (an Ed25519 signature costs ~50 us: not per datagram) ---------------
     def _prepare(self) -> None:
@@ -162,6 +175,18 @@ class Attack:
             "huge_weight": np.full(count, 1e30, "<f4").tobytes(),
         }
         self.big_held = np.zeros(16000, "<f4").tobytes()  # a 64 KB body
+        # requests sealed for one daemon and replayed to the others: valid bodies, so only the seal refuses them
+        # (a join of a run no daemon has: the one copy that does open, at its receiver, matches nobody)
+        self.xr_bodies = []
+        for i in range(16):
+            mb = self.members[i % len(self.members)]
+            mtype, fields = [
+                (m.MsgType.FIND_NODE, {"target": rng.randbytes(32)}),
+                (m.MsgType.FIND_VALUE, {"key": b"xr/" + rng.randbytes(8).hex().encode(), "offset": 0}),
+                (m.MsgType.STATE_GET, {"run": b"xr", "sha": rng.randbytes(32), "offset": 0, "length": 1024}),
+                (m.MsgType.MM_JOIN, {"run": f"{run}-xr", "round": 0, "key": "xr", "expiry": time.time() + 30}),
+            ][i % 4]
+            self.xr_bodies.append((mb, mtype, mb.body(mtype, fields)))
 
     # -- one datagram per call -------------------------------------------------------------------------------
     def _seal(self, mb: _Member, mtype: int, body: bytes) -> bytes:
@@ -224,6 +249,25 @@ class Attack:
             return self._b_report_throttle()
         return self.msock, kept[self.rng.randrange(len(kept))]
 
+    def _b_cross_receiver_replay(self) -> tuple[socket.socket, bytes]:
+        """Sealed for daemon B (this datagram's target) and, as an on-path outsider would, the same bytes sent to
+        every other daemon, which must drop them (``auth``: their node id is not in the associated data); the
+        returned copy goes to B a second time (``replay``). Nothing may come back for the copies."""
+        mb, mtype, body = self.xr_bodies[self.rng.randrange(len(self.xr_bodies))]
+        data = seal_for(mb.sealer, mtype, body, self.victims[self._to])
+        self._send(self.msock, data, self.targets[self._to], "cross_receiver_replay")  # the original, to B
+        for j, target in enumerate(self.targets):
+            if j != self._to:
+                self._send(self.xsock, data, target, "cross_receiver_replay")
+        return self.xsock, data
+
+    def _b_random_token(self) -> tuple[socket.socket, bytes]:
+        """A well-formed sealed control header under a random token and sequence, then random bytes: only the
+        AEAD (a key derivation per new token) can refuse it, which the daemons ration (``auth_limited``)."""
+        header = HEADER.pack(MAGIC, VERSION, self.rng.choice(CONTROL_TYPES), FLAG_SEALED, self.rng.getrandbits(64),
+                             self.rng.getrandbits(64))
+        return self.osock, header + self.rng.randbytes(self.rng.randrange(16, 1164))
+
     def _b_random(self) -> tuple[socket.socket, bytes]:
         size = self.rng.randrange(1, 1201)
         data = self.rng.randbytes(size)
@@ -257,7 +301,7 @@ class Attack:
     def _serve(self) -> None:
         opener = opener_for(self.secret, self.responder.ident.node_id)
         sel = selectors.DefaultSelector()
-        for s in (self.rsock, self.msock, self.osock):
+        for s in (self.rsock, self.msock, self.osock, self.xsock):
             s.setblocking(False)
             sel.register(s, selectors.EVENT_READ)
         r = self.responder
@@ -278,6 +322,9 @@ class Attack:
                         break
                     except OSError:
                         break
+                    if sock is self.xsock:
+                        self.xanswers += 1
+                        continue
                     if len(self.captured) < 512:
                         self.captured.append(data)
                     if sock is self.rsock and source in self.targets:
@@ -330,7 +377,8 @@ class Attack:
         steady1 = (n - burst) * 2 // 3
         phases = [("steady", steady1), ("burst", burst), ("steady", n - burst - steady1)]
         server = threading.Thread(target=self._serve, name="soak-responder", daemon=True)
-        server.start()
+        if self.cfg.get("responder", True):  # off in the outsider-only phase: no member datagram at all
+            server.start()
         parent = os.getppid()
         order = list(self.cfg.get("classes") or CLASSES)
         start = time.monotonic()
@@ -368,7 +416,8 @@ class Attack:
             if name == "burst":
                 burst_s = time.monotonic() - t0
         self.stop.set()
-        server.join(timeout=2.0)
+        if server.is_alive():
+            server.join(timeout=2.0)
         return self._summary(start, burst_s, burst)
 
     def _emit(self, total: int, start: float) -> None:
@@ -380,7 +429,7 @@ class Attack:
         return {"done": True, "sent": sum(self.sent.values()), "by_class": dict(self.sent), "seconds": seconds,
                 "burst_datagrams": burst, "burst_seconds": burst_s,
                 "burst_datagrams_per_second": burst / burst_s if burst_s > 0 else 0.0,
-                "responder_answers": self.answered}
+                "responder_answers": self.answered, "cross_receiver_answers": self.xanswers}
 
 
 def _udp() -> socket.socket:
