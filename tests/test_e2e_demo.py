@@ -102,8 +102,10 @@ def test_kill_trainer_mid_step_kill_daemon_mid_round_and_a_different_model(swarm
         # the survivor keeps training (alone or with the newcomer below)
         _wait_steps(trainers[2], _wait_steps(trainers[2], 1)["step"] + 3)
 
-        # 3. a trainer with another model in the same run is refused, with the reason
-        other = _trainer(nodes[0], "--hidden", "32")
+        # 3. a trainer with another model in the same run, on a daemon that trains the run's model, is refused
+        #    with the reason (swarm adverts of another layout are only counted: a member's advert cannot make
+        #    every trainer_open fail)
+        other = _trainer(nodes[2], "--hidden", "32")
         assert other.wait(120) == 1
         err = other.stderr.read()  # type: ignore[union-attr]
         assert "different model" in err, err
