@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib
 import json
 import logging
 import os
@@ -214,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .demo_train import add_train_arguments
 
     add_train_arguments(p)
+
+    p = sub.add_parser("sim", help="virtual-time swarm of many peers' real protocol cores in one process")
+    sim = p.add_subparsers(dest="sim_command", required=True, metavar="{dht,moshpit}")
+    for name in ("dht", "moshpit"):
+        importlib.import_module(f".sim.{name}", __package__).add_arguments(sim)
     return parser
 
 
@@ -512,7 +518,12 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run_train(args)
 
 
+def cmd_sim(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    return importlib.import_module(f".sim.{args.sim_command}", __package__).run(args, parser)
+
+
 _COMMANDS = {
+    "sim": cmd_sim,
     "demo": cmd_demo,
     "train": cmd_train,
     "keygen": cmd_keygen,
