@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     put.add_argument("--json", action="store_true", help="print JSON")
     get = dht.add_parser("get", help="read every value under KEY")
     get.add_argument("key", metavar="KEY")
+    get.add_argument("--agreed", type=int, metavar="N",
+                     help="end the read once N responders hold the same newest records (faster; default: read "
+                          "all k closest nodes)")
+    get.add_argument("--owner", action="append", metavar="PEER_ID",
+                     help="end the read once a record of this peer id is found (repeatable)")
     _socket_arg(get)
     get.add_argument("--json", action="store_true", help="print JSON")
 
@@ -384,7 +389,12 @@ def cmd_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             else:
                 print(f"stored {args.key} on {reply['stored']} node(s) under subkey {reply['subkey']}")
             return 0
-        reply = client.call("dht_get", key=args.key)
+        early: dict[str, Any] = {}
+        if args.agreed is not None:
+            early["agreed"] = args.agreed
+        if args.owner:
+            early["owners"] = args.owner
+        reply = client.call("dht_get", key=args.key, **early)
     values = []
     for v in reply["values"]:
         item: dict[str, Any] = {}

@@ -19,6 +19,7 @@ from .addresses import family_of, format_hostport, peer_address, resolve_ip
 from .allreduce.bench_ops import BenchOps
 from .allreduce.service import AllreduceService
 from .dht import BootstrapError, DhtService
+from .dht.reads import Agreed, AnyOf, Enough, Owners
 from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
 from .moshpit.ops import MoshpitOps
@@ -28,7 +29,7 @@ from .trainer import TrainerService
 from .transport import Endpoint
 from .transport.udp import UdpSocket
 from .wire.identity import Identity, KeyFileError, load_identity, load_swarm_key, node_id_of
-from .wire.messages import MAX_TTL_S
+from .wire.messages import MAX_CONTACTS, MAX_TTL_S
 
 log = logging.getLogger("peerd")
 
@@ -272,7 +273,7 @@ class Daemon:
 
     async def _op_dht_get(self, request: dict[str, Any]) -> dict[str, Any]:
         key = _arg_bytes(request, "key")
-        records = await self.dht.get(key)
+        records = await self.dht.get(key, _enough(request))
         now, wall = trio.current_time(), time.time()
         return {
             "values": [
@@ -297,6 +298,35 @@ def _primary_ip(family: int) -> str | None:
         return None
     finally:
         probe.close()
+
+
+MAX_OWNERS = 64  # node ids one early read may wait for
+
+
+def _enough(request: dict[str, Any]) -> Enough | None:
+    """The early-read form a dht_get asks for (dht/reads.py): ``agreed`` (n responders that hold the same
+    newest records) and/or ``owners`` (node ids, hex: a record of each); either satisfied ends the read.
+    Neither: the full read."""
+    forms: list[Enough] = []
+    agreed = request.get("agreed")
+    if agreed is not None:
+        if not isinstance(agreed, int) or isinstance(agreed, bool) or not 1 <= agreed <= MAX_CONTACTS:
+            raise OpError(f"agreed must be a whole number of responders from 1 to {MAX_CONTACTS} (k)")
+        forms.append(Agreed(agreed))
+    owners = request.get("owners")
+    if owners is not None:
+        if not isinstance(owners, list) or not 1 <= len(owners) <= MAX_OWNERS:
+            raise OpError(f"owners must be a list of 1 to {MAX_OWNERS} node ids (64 hex digits each)")
+        try:
+            ids = [bytes.fromhex(o) for o in owners if isinstance(o, str) and len(o) == 64]
+        except ValueError:
+            ids = []
+        if len(ids) != len(owners):
+            raise OpError("owners must be node ids: 64 hex digits each (see 'peerd status')")
+        forms.append(Owners(ids))
+    if not forms:
+        return None
+    return forms[0] if len(forms) == 1 else AnyOf(*forms)
 
 
 def _arg_bytes(request: dict[str, Any], name: str) -> bytes:

@@ -45,6 +45,28 @@ def test_sixteen_daemons(swarm: LocalSwarm, tmp_path, capsys) -> None:
     (value,) = full["values"]
     assert value["subkey"] == nodes[5].status["peer_id"] and value["expires_at"] > time.time() + 500
 
+    # Early reads (dht/reads.py through the local API): the same value from fewer lookup RPCs than a full read,
+    # which asks every one of the k closest nodes (all 15 others here).
+    def lookup_rpcs(node) -> float:
+        text = scrape(node.status["metrics"])
+        return sum(metric_value(text, name, type=t) for name in ("peerd_rpc_seconds_count", "peerd_rpc_failures_total")
+                   for t in ("find_value", "find_node"))
+
+    reader, writer_id = nodes[11], nodes[5].status["peer_id"]
+    spent = {}
+    for form, args in (("full", ()), ("agreed", ("--agreed", "2")), ("owner", ("--owner", writer_id))):
+        before = lookup_rpcs(reader)
+        got = peerd_json("dht", "get", "run/alpha", *args, "--socket", reader.socket)
+        spent[form] = lookup_rpcs(reader) - before
+        assert [v["value"] for v in got["values"]] == ["hello swarm"], form
+    with capsys.disabled():
+        print(f"[early reads] lookup RPCs per get of run/alpha at node 11: {spent}")
+    assert spent["agreed"] < spent["full"] and spent["owner"] < spent["full"], spent
+    bad = peerd("dht", "get", "run/alpha", "--agreed", "0", "--socket", reader.socket, check=False)
+    assert bad.returncode != 0 and "agreed must be" in bad.stderr
+    bad = peerd("dht", "get", "run/alpha", "--owner", "xyz", "--socket", reader.socket, check=False)
+    assert bad.returncode != 0 and "64 hex digits" in bad.stderr
+
     # A daemon with another swarm key stays up, learns nobody, and its datagrams are counted as auth drops.
     alien_key = str(tmp_path / "alien.key")
     write_swarm_key(alien_key)
