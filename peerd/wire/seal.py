@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from . import native as _dataplane
 from .envelope import (
     FLAG_NO_RECEIVER,
     FLAG_SEALED,
@@ -67,16 +68,48 @@ def new_token() -> int:
     return secrets.randbits(64) or 1
 
 
-class Sealer:
-    """Seals this process's outgoing datagrams. ``swarm_secret=None`` is insecure mode (no AEAD)."""
+def dataplane() -> str:
+    """"native" or "python": which data path this process's sealers and openers use by default."""
+    return _dataplane.dataplane()
 
-    def __init__(self, swarm_secret: bytes | None, token: int | None = None) -> None:
+
+def _use_native(native: bool | None) -> bool:
+    """Resolve a sealer's or opener's ``native`` argument: None is the process's choice (``peerd.wire.native``);
+    True needs the extension; False is the Python reference path."""
+    _dataplane.announce()
+    if native is None:
+        return _dataplane.native is not None
+    if native and _dataplane.native is None:
+        raise RuntimeError(f"the native data plane was asked for, but {_dataplane.reason}")
+    return bool(native)
+
+
+def _prefix(mtype: int, flags: int, token: int) -> bytes:
+    """The first 13 header bytes, which every row of a block shares: magic, version, type, flags, token."""
+    return MAGIC + bytes((VERSION, mtype, flags)) + token.to_bytes(8, "big")
+
+
+class Sealer:
+    """Seals this process's outgoing datagrams. ``swarm_secret=None`` is insecure mode (no AEAD).
+
+    ``native``: seal blocks with the C extension (None: the process's choice, see ``peerd.wire.native``; False:
+    the Python reference path, which puts the same bytes on the wire)."""
+
+    def __init__(self, swarm_secret: bytes | None, token: int | None = None, *, native: bool | None = None) -> None:
         if swarm_secret is not None and len(swarm_secret) != SECRET_SIZE:
             raise ValueError(f"swarm secret must be {SECRET_SIZE} bytes")
         self.token = new_token() if token is None else token
-        self._aead = AESGCM(derive_key(swarm_secret, self.token)) if swarm_secret is not None else None
+        key = derive_key(swarm_secret, self.token) if swarm_secret is not None else None
+        self._aead = AESGCM(key) if key is not None else None
         self._flags = FLAG_SEALED if self._aead is not None else 0
         self._seq = 0
+        self._native = _dataplane.native if _use_native(native) else None
+        # The AEAD context for whole blocks, its key schedule set up once for this token.
+        self._ctx = self._native.Aead(key) if self._native is not None and key is not None else None
+
+    @property
+    def dataplane(self) -> str:
+        return "native" if self._native is not None else "python"
 
     @property
     def sealed(self) -> bool:
@@ -117,10 +150,16 @@ class Sealer:
         tail = _receiver_bytes(receiver)
         if not tail:
             raise ValueError("tensor data is always sealed for one receiver")
+        if not isinstance(bodies, np.ndarray) or bodies.ndim != 2 or bodies.dtype != np.uint8:
+            raise ValueError("bodies must be a (rows, body bytes) uint8 array")
+        if type(mtype) is not int or not 0 <= mtype <= 0xFF:
+            raise ValueError(f"type must be a u8, got {mtype!r}")
         rows, size = bodies.shape
         last = self._seq + rows
         if last > MAX_SEQUENCE:
             raise RuntimeError("sequence space exhausted: start a new Sealer (new token)")
+        if self._native is not None:
+            return self._seal_block_native(mtype, bodies, tail, rows, size)
         hdr = np.empty(rows, dtype=HEADER_DTYPE)
         hdr["magic"] = MAGIC
         hdr["version"] = VERSION
@@ -134,6 +173,8 @@ class Sealer:
             return np.concatenate((head, bodies), axis=1)
         width = HEADER_SIZE + size + TAG_SIZE
         out = np.empty((rows, width), dtype=np.uint8)
+        if rows == 0:
+            return out
         out[:, :HEADER_SIZE] = head
         nonces, aads = _nonces(head), _aads(head, tail)
         src = memoryview(np.ascontiguousarray(bodies)).cast("B")
@@ -144,6 +185,21 @@ class Sealer:
             o = i * width
             encrypt(nonces[12 * i : 12 * i + 12], src[i * size : i * size + size],
                     aads[a * i : a * (i + 1)], dst[o + HEADER_SIZE : o + width])
+        return out
+
+    def _seal_block_native(self, mtype: int, bodies: np.ndarray, tail: bytes, rows: int, size: int) -> np.ndarray:
+        """``seal_block`` in C: headers, nonces and AEAD in one pass over the block, the GIL released."""
+        assert self._native is not None
+        prefix = _prefix(mtype, self._flags, self.token)
+        first = self._seq + 1
+        src = np.ascontiguousarray(bodies, dtype=np.uint8)
+        if self._ctx is None:
+            out = np.empty((rows, HEADER_SIZE + size), dtype=np.uint8)
+            self._native.frame_block(prefix, first, rows, src, 0, size, size, out, 0, out.shape[1])
+        else:
+            out = np.empty((rows, HEADER_SIZE + size + TAG_SIZE), dtype=np.uint8)
+            self._ctx.seal_block(prefix, first, rows, src, 0, size, size, tail, out, 0, out.shape[1])
+        self._seq += rows
         return out
 
 
@@ -180,10 +236,12 @@ class OpenedBlock:
 class TokenState:
     """What an opener knows about one remote sealer."""
 
-    __slots__ = ("aead", "window", "peer_key")
+    __slots__ = ("aead", "window", "peer_key", "key", "ctx")
 
-    def __init__(self, aead: AESGCM | None, window: int) -> None:
+    def __init__(self, aead: AESGCM | None, window: int, key: bytes | None = None) -> None:
         self.aead = aead
+        self.key = key  # the raw AES key behind ``aead``: the native data plane sets up its own context from it
+        self.ctx = None  # that native context, made when the token's first block is opened in C
         self.window = ReplayWindow(window)
         self.peer_key: bytes | None = None  # Ed25519 public key the token is bound to, once proven
 
@@ -198,9 +256,11 @@ class Opener:
         *,
         max_tokens: int = 4096,
         window: int = DEFAULT_WINDOW,
+        native: bool | None = None,
     ) -> None:
         """``receiver``: this node's id, which every datagram sealed for it binds into its associated data
-        (None: an opener that opens only datagrams sealed for no receiver, PINGs)."""
+        (None: an opener that opens only datagrams sealed for no receiver, PINGs). ``native``: as for Sealer."""
+        self._native = _dataplane.native if _use_native(native) else None
         self._secret = swarm_secret
         self._receiver = _receiver_bytes(receiver)
         self._tokens: OrderedDict[int, TokenState] = OrderedDict()
@@ -242,13 +302,14 @@ class Opener:
             elif may_derive is not None and not may_derive():
                 raise WireError("auth_limited", f"unknown token {header.token:016x}: too many failures to try it")
             else:
-                aead = AESGCM(derive_key(self._secret, header.token))
+                key = derive_key(self._secret, header.token)
+                aead = AESGCM(key)
             try:
                 body = aead.decrypt(nonce_for(header.seq), bytes(datagram[HEADER_SIZE:]), aad)
             except InvalidTag:
                 raise WireError("auth", "authentication failed (wrong swarm key?)") from None
             if state is None:
-                state = self._admit(header.token, aead)
+                state = self._admit(header.token, aead, key)
         state.window.accept(header.seq)
         self._tokens.move_to_end(header.token)
         return header, body, state
@@ -288,6 +349,15 @@ class Opener:
         failures = 0
         if not sealed:
             bodies = datagrams[:, HEADER_SIZE:]
+        elif self._native is not None and state.key is not None:
+            width = size - HEADER_SIZE - TAG_SIZE
+            bodies = np.empty((rows, width), dtype=np.uint8)
+            if state.ctx is None:
+                state.ctx = self._native.Aead(state.key)
+            mask = np.array(ok, dtype=np.uint8)  # C clears the rows that fail
+            failures = state.ctx.open_block(np.ascontiguousarray(datagrams), 0, size, size, rows, self._receiver,
+                                            bodies, 0, width, mask)
+            ok = mask.view(bool)
         else:
             width = size - HEADER_SIZE - TAG_SIZE
             bodies = np.empty((rows, width), dtype=np.uint8)
@@ -311,8 +381,8 @@ class Opener:
             self._tokens.move_to_end(token)
         return OpenedBlock(mtype, token, state, bodies, replays, failures)
 
-    def _admit(self, token: int, aead: AESGCM | None) -> TokenState:
-        state = TokenState(aead, self._window)
+    def _admit(self, token: int, aead: AESGCM | None, key: bytes | None = None) -> TokenState:
+        state = TokenState(aead, self._window, key)
         self._tokens[token] = state
         while len(self._tokens) > self._max_tokens:
             self._tokens.popitem(last=False)

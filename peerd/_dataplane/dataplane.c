@@ -1,0 +1,432 @@
+/* peerd._dataplane._native: the per-datagram hot loops of the data plane over whole blocks of rows.
+ *
+ * Python (numpy) parses and validates every header and decides which rows to open (the replay window);
+ * these functions only do the work over rows whose layout they are told explicitly (offsets, strides,
+ * counts), and check every bound again before touching memory: a wrong argument raises, it never reads
+ * or writes out of bounds. The GIL is released over a whole block.
+ *
+ * Wire format (protocol/PROTOCOL.md 4): a datagram is a 21-byte header (magic, version, type, flags:
+ * 5 bytes; token: 8; sequence: 8, big-endian) then the body sealed with AES-256-GCM: nonce = 4 zero bytes
+ * || the header's 8 sequence bytes, associated data = header || the receiver's 32-byte node id (or nothing
+ * for a datagram sealed for no receiver), 16-byte tag after the ciphertext.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/opensslv.h>
+
+#define HEADER_SIZE 21
+#define PREFIX_SIZE 13 /* magic .. token: what every row of a block shares */
+#define SEQ_OFFSET 13
+#define TAG_SIZE 16
+#define NONCE_SIZE 12
+#define KEY_SIZE 32
+#define RECEIVER_SIZE 32
+#define AAD_MAX (HEADER_SIZE + RECEIVER_SIZE)
+/* A body or datagram longer than the largest UDP payload is a caller's bug: refuse it before EVP's int
+ * lengths could overflow. */
+#define MAX_ROW 65535
+
+static EVP_CIPHER *aes_gcm = NULL; /* fetched once: an EVP_*Init with a named cipher fetches every time */
+
+/* ---- Aead: one AES-256-GCM key with its cached contexts ------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    EVP_CIPHER_CTX *enc;
+    EVP_CIPHER_CTX *dec;
+    int busy; /* set (under the GIL) while a call runs without it: a second thread must not share a ctx */
+} AeadObject;
+
+static void Aead_dealloc(AeadObject *self) {
+    if (self->enc) EVP_CIPHER_CTX_free(self->enc);
+    if (self->dec) EVP_CIPHER_CTX_free(self->dec);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Aead_init(AeadObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"key", NULL};
+    Py_buffer key;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*", kwlist, &key)) return -1;
+    if (self->enc || self->dec) {
+        PyBuffer_Release(&key);
+        PyErr_SetString(PyExc_RuntimeError, "an Aead's key is set once");
+        return -1;
+    }
+    if (key.len != KEY_SIZE) {
+        PyBuffer_Release(&key);
+        PyErr_Format(PyExc_ValueError, "an AES-256-GCM key is %d bytes, got %zd", KEY_SIZE, key.len);
+        return -1;
+    }
+    self->enc = EVP_CIPHER_CTX_new();
+    self->dec = EVP_CIPHER_CTX_new();
+    int ok = self->enc && self->dec
+        && EVP_EncryptInit_ex(self->enc, aes_gcm, NULL, key.buf, NULL) == 1
+        && EVP_DecryptInit_ex(self->dec, aes_gcm, NULL, key.buf, NULL) == 1;
+    PyBuffer_Release(&key);
+    if (!ok) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL could not set up AES-256-GCM");
+        return -1;
+    }
+    return 0;
+}
+
+static int claim(AeadObject *self) {
+    if (!self->enc || !self->dec) {
+        PyErr_SetString(PyExc_RuntimeError, "Aead has no key (its __init__ did not run)");
+        return 0;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "Aead is in use by another thread");
+        return 0;
+    }
+    self->busy = 1;
+    return 1;
+}
+
+/* ---- bounds ---------------------------------------------------------------------------------------- */
+
+/* Rows [0, rows) of ``len`` bytes at ``offset + i * stride`` lie inside a buffer of ``size`` bytes, and
+ * do not overlap one another (stride >= len). Overflow-safe. */
+static int rows_fit(const char *what, Py_ssize_t size, Py_ssize_t offset, Py_ssize_t stride, Py_ssize_t len,
+                    Py_ssize_t rows) {
+    if (offset < 0 || stride < 0 || len < 0 || rows < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: negative offset, stride, length or rows", what);
+        return 0;
+    }
+    if (rows == 0) return 1;
+    if (stride < len) {
+        PyErr_Format(PyExc_ValueError, "%s: stride %zd is shorter than a row of %zd bytes", what, stride, len);
+        return 0;
+    }
+    if (offset > size) goto out_of_bounds;
+    Py_ssize_t room = size - offset;
+    if (len > room) goto out_of_bounds;
+    if (rows > 1 && (stride == 0 || (rows - 1) > (room - len) / stride)) goto out_of_bounds;
+    return 1;
+out_of_bounds:
+    PyErr_Format(PyExc_ValueError, "%s: %zd rows of %zd bytes, %zd apart, from offset %zd do not fit in %zd bytes",
+                 what, rows, len, stride, offset, size);
+    return 0;
+}
+
+/* The byte spans two row sets cover overlap (the output must not alias the input: partial overlap makes
+ * AES-GCM's output undefined). */
+static int spans_overlap(const Py_buffer *a, Py_ssize_t a_off, Py_ssize_t a_stride, Py_ssize_t a_len,
+                         const Py_buffer *b, Py_ssize_t b_off, Py_ssize_t b_stride, Py_ssize_t b_len,
+                         Py_ssize_t rows) {
+    if (rows == 0) return 0;
+    uintptr_t a0 = (uintptr_t)a->buf + (uintptr_t)a_off;
+    uintptr_t a1 = a0 + (uintptr_t)((rows - 1) * a_stride + a_len);
+    uintptr_t b0 = (uintptr_t)b->buf + (uintptr_t)b_off;
+    uintptr_t b1 = b0 + (uintptr_t)((rows - 1) * b_stride + b_len);
+    return a0 < b1 && b0 < a1;
+}
+
+static int check_receiver(const Py_buffer *receiver) {
+    if (receiver->len != 0 && receiver->len != RECEIVER_SIZE) {
+        PyErr_Format(PyExc_ValueError, "a receiver is a %d-byte node id (or empty), got %zd bytes", RECEIVER_SIZE,
+                     receiver->len);
+        return 0;
+    }
+    return 1;
+}
+
+/* ---- seal ------------------------------------------------------------------------------------------ */
+
+/* Seal one row: ``out`` receives header || ciphertext || tag. Returns 1 on success. */
+static int seal_row(EVP_CIPHER_CTX *ctx, const unsigned char *prefix, uint64_t seq, const unsigned char *body,
+                    int body_len, const unsigned char *receiver, int receiver_len, unsigned char *out) {
+    unsigned char aad[AAD_MAX];
+    unsigned char nonce[NONCE_SIZE];
+    int n;
+    memcpy(aad, prefix, PREFIX_SIZE);
+    for (int b = 0; b < 8; b++) aad[SEQ_OFFSET + b] = (unsigned char)(seq >> (56 - 8 * b));
+    memcpy(aad + HEADER_SIZE, receiver, (size_t)receiver_len);
+    memset(nonce, 0, 4);
+    memcpy(nonce + 4, aad + SEQ_OFFSET, 8);
+    memcpy(out, aad, HEADER_SIZE);
+    if (EVP_EncryptInit_ex(ctx, NULL, NULL, NULL, nonce) != 1) return 0;
+    if (EVP_EncryptUpdate(ctx, NULL, &n, aad, HEADER_SIZE + receiver_len) != 1) return 0;
+    if (body_len > 0 && EVP_EncryptUpdate(ctx, out + HEADER_SIZE, &n, body, body_len) != 1) return 0;
+    if (EVP_EncryptFinal_ex(ctx, out + HEADER_SIZE + body_len, &n) != 1) return 0;
+    return EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, TAG_SIZE, out + HEADER_SIZE + body_len) == 1;
+}
+
+PyDoc_STRVAR(Aead_seal_block_doc,
+"seal_block(prefix, first_seq, rows, src, src_offset, src_stride, body_len, receiver, out, out_offset, out_stride)\n"
+"--\n\n"
+"Seal ``rows`` bodies of ``body_len`` bytes (row i at src[src_offset + i * src_stride]) into datagrams\n"
+"header || ciphertext || tag at out[out_offset + i * out_stride]; row i's header is ``prefix`` (13 bytes:\n"
+"magic, version, type, flags, token) then first_seq + i, big-endian. ``receiver``: the 32-byte node id\n"
+"bound into the associated data, or b'' for none.");
+
+static PyObject *Aead_seal_block(AeadObject *self, PyObject *args) {
+    Py_buffer prefix = {0}, src = {0}, receiver = {0}, out = {0};
+    unsigned long long first_seq;
+    Py_ssize_t rows, src_offset, src_stride, body_len, out_offset, out_stride;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*Kny*nnny*w*nn", &prefix, &first_seq, &rows, &src, &src_offset, &src_stride,
+                          &body_len, &receiver, &out, &out_offset, &out_stride))
+        return NULL;
+    Py_ssize_t width = HEADER_SIZE + body_len + TAG_SIZE;
+    if (prefix.len != PREFIX_SIZE) {
+        PyErr_Format(PyExc_ValueError, "the header prefix is %d bytes, got %zd", PREFIX_SIZE, prefix.len);
+        goto done;
+    }
+    if (!check_receiver(&receiver)) goto done;
+    if (body_len < 0 || body_len > MAX_ROW) {
+        PyErr_Format(PyExc_ValueError, "body_len %zd out of range 0..%d", body_len, MAX_ROW);
+        goto done;
+    }
+    if (rows < 0 || rows > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "rows %zd out of range", rows);
+        goto done;
+    }
+    if (first_seq == 0 || (rows > 0 && first_seq > UINT64_MAX - (unsigned long long)(rows - 1))) {
+        PyErr_SetString(PyExc_OverflowError, "sequence numbers run from 1 to 2**64 - 1");
+        goto done;
+    }
+    if (!rows_fit("src", src.len, src_offset, src_stride, body_len, rows)) goto done;
+    if (!rows_fit("out", out.len, out_offset, out_stride, width, rows)) goto done;
+    if (spans_overlap(&src, src_offset, src_stride, body_len, &out, out_offset, out_stride, width, rows)) {
+        PyErr_SetString(PyExc_ValueError, "out overlaps src");
+        goto done;
+    }
+    if (!claim(self)) goto done;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *s = (const unsigned char *)src.buf + src_offset;
+    unsigned char *o = (unsigned char *)out.buf + out_offset;
+    for (Py_ssize_t i = 0; i < rows && ok; i++) {
+        ok = seal_row(self->enc, prefix.buf, (uint64_t)first_seq + (uint64_t)i, s + i * src_stride, (int)body_len,
+                      receiver.buf, (int)receiver.len, o + i * out_stride);
+    }
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (!ok) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL failed to seal a row");
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&receiver);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* ---- open ------------------------------------------------------------------------------------------ */
+
+/* Open one datagram of ``row_len`` bytes into ``out`` (row_len - 37 bytes). 1: authentic; 0: not (``out``
+ * is zeroed: no unauthenticated plaintext is left behind); -1: OpenSSL failed. */
+static int open_row(EVP_CIPHER_CTX *ctx, const unsigned char *row, int row_len, const unsigned char *receiver,
+                    int receiver_len, unsigned char *out) {
+    unsigned char aad[AAD_MAX];
+    unsigned char nonce[NONCE_SIZE];
+    unsigned char tag[TAG_SIZE];
+    int n, body_len = row_len - HEADER_SIZE - TAG_SIZE;
+    memcpy(aad, row, HEADER_SIZE);
+    memcpy(aad + HEADER_SIZE, receiver, (size_t)receiver_len);
+    memset(nonce, 0, 4);
+    memcpy(nonce + 4, row + SEQ_OFFSET, 8);
+    memcpy(tag, row + HEADER_SIZE + body_len, TAG_SIZE);
+    if (EVP_DecryptInit_ex(ctx, NULL, NULL, NULL, nonce) != 1) return -1;
+    if (EVP_DecryptUpdate(ctx, NULL, &n, aad, HEADER_SIZE + receiver_len) != 1) return -1;
+    if (body_len > 0 && EVP_DecryptUpdate(ctx, out, &n, row + HEADER_SIZE, body_len) != 1) return -1;
+    if (EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, TAG_SIZE, tag) != 1) return -1;
+    if (EVP_DecryptFinal_ex(ctx, out + body_len, &n) == 1) return 1;
+    memset(out, 0, (size_t)body_len);
+    return 0;
+}
+
+PyDoc_STRVAR(Aead_open_block_doc,
+"open_block(src, src_offset, src_stride, row_len, rows, receiver, out, out_offset, out_stride, mask)\n"
+"--\n\n"
+"Open the datagrams of ``row_len`` bytes at src[src_offset + i * src_stride] whose mask[i] is non-zero,\n"
+"writing each body (row_len - 37 bytes) to out[out_offset + i * out_stride]. A row that fails\n"
+"authentication gets mask[i] = 0 and a zeroed body. Returns how many failed. Rows whose mask is 0 are\n"
+"neither read nor written.");
+
+static PyObject *Aead_open_block(AeadObject *self, PyObject *args) {
+    Py_buffer src = {0}, receiver = {0}, out = {0}, mask = {0};
+    Py_ssize_t src_offset, src_stride, row_len, rows, out_offset, out_stride;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*nnnny*w*nnw*", &src, &src_offset, &src_stride, &row_len, &rows, &receiver, &out,
+                          &out_offset, &out_stride, &mask))
+        return NULL;
+    Py_ssize_t body_len = row_len - HEADER_SIZE - TAG_SIZE;
+    if (!check_receiver(&receiver)) goto done;
+    if (row_len < HEADER_SIZE + TAG_SIZE || row_len > MAX_ROW) {
+        PyErr_Format(PyExc_ValueError, "row_len %zd out of range %d..%d", row_len, HEADER_SIZE + TAG_SIZE, MAX_ROW);
+        goto done;
+    }
+    if (rows < 0 || rows > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "rows %zd out of range", rows);
+        goto done;
+    }
+    if (mask.len < rows) {
+        PyErr_Format(PyExc_ValueError, "mask of %zd bytes for %zd rows", mask.len, rows);
+        goto done;
+    }
+    if (!rows_fit("src", src.len, src_offset, src_stride, row_len, rows)) goto done;
+    if (!rows_fit("out", out.len, out_offset, out_stride, body_len, rows)) goto done;
+    if (spans_overlap(&src, src_offset, src_stride, row_len, &out, out_offset, out_stride, body_len, rows)
+        || spans_overlap(&mask, 0, 1, 1, &out, out_offset, out_stride, body_len, rows)
+        || spans_overlap(&mask, 0, 1, 1, &src, src_offset, src_stride, row_len, rows)) {
+        PyErr_SetString(PyExc_ValueError, "out, src and mask must not overlap");
+        goto done;
+    }
+    if (!claim(self)) goto done;
+    Py_ssize_t failures = 0;
+    int broken = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *s = (const unsigned char *)src.buf + src_offset;
+    unsigned char *o = (unsigned char *)out.buf + out_offset;
+    unsigned char *m = (unsigned char *)mask.buf;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        if (!m[i]) continue;
+        int r = open_row(self->dec, s + i * src_stride, (int)row_len, receiver.buf, (int)receiver.len,
+                         o + i * out_stride);
+        if (r < 0) {
+            broken = 1;
+            break;
+        }
+        if (r == 0) {
+            m[i] = 0;
+            failures++;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (broken) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL failed to open a row");
+        goto done;
+    }
+    result = PyLong_FromSsize_t(failures);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&receiver);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&mask);
+    return result;
+}
+
+static PyMethodDef Aead_methods[] = {
+    {"seal_block", (PyCFunction)Aead_seal_block, METH_VARARGS, Aead_seal_block_doc},
+    {"open_block", (PyCFunction)Aead_open_block, METH_VARARGS, Aead_open_block_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(Aead_doc,
+"Aead(key)\n--\n\nAES-256-GCM under one 32-byte key, its OpenSSL contexts set up once (cache one per token).");
+
+static PyTypeObject AeadType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "peerd._dataplane._native.Aead",
+    .tp_basicsize = sizeof(AeadObject),
+    .tp_dealloc = (destructor)Aead_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Aead_doc,
+    .tp_methods = Aead_methods,
+    .tp_init = (initproc)Aead_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ---- row copies without crypto ---------------------------------------------------------------------- */
+
+PyDoc_STRVAR(frame_block_doc,
+"frame_block(prefix, first_seq, rows, src, src_offset, src_stride, body_len, out, out_offset, out_stride)\n"
+"--\n\n"
+"Unsealed datagrams (--insecure): header (``prefix`` then first_seq + i, big-endian) || body, row i at\n"
+"out[out_offset + i * out_stride].");
+
+static PyObject *frame_block(PyObject *module, PyObject *args) {
+    Py_buffer prefix = {0}, src = {0}, out = {0};
+    unsigned long long first_seq;
+    Py_ssize_t rows, src_offset, src_stride, body_len, out_offset, out_stride;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*Kny*nnnw*nn", &prefix, &first_seq, &rows, &src, &src_offset, &src_stride,
+                          &body_len, &out, &out_offset, &out_stride))
+        return NULL;
+    Py_ssize_t width = HEADER_SIZE + body_len;
+    if (prefix.len != PREFIX_SIZE) {
+        PyErr_Format(PyExc_ValueError, "the header prefix is %d bytes, got %zd", PREFIX_SIZE, prefix.len);
+        goto done;
+    }
+    if (body_len < 0 || body_len > MAX_ROW || rows < 0 || rows > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "body_len %zd or rows %zd out of range", body_len, rows);
+        goto done;
+    }
+    if (first_seq == 0 || (rows > 0 && first_seq > UINT64_MAX - (unsigned long long)(rows - 1))) {
+        PyErr_SetString(PyExc_OverflowError, "sequence numbers run from 1 to 2**64 - 1");
+        goto done;
+    }
+    if (!rows_fit("src", src.len, src_offset, src_stride, body_len, rows)) goto done;
+    if (!rows_fit("out", out.len, out_offset, out_stride, width, rows)) goto done;
+    if (spans_overlap(&src, src_offset, src_stride, body_len, &out, out_offset, out_stride, width, rows)) {
+        PyErr_SetString(PyExc_ValueError, "out overlaps src");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *s = (const unsigned char *)src.buf + src_offset;
+    unsigned char *o = (unsigned char *)out.buf + out_offset;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        unsigned char *row = o + i * out_stride;
+        uint64_t seq = (uint64_t)first_seq + (uint64_t)i;
+        memcpy(row, prefix.buf, PREFIX_SIZE);
+        for (int b = 0; b < 8; b++) row[SEQ_OFFSET + b] = (unsigned char)(seq >> (56 - 8 * b));
+        memcpy(row + HEADER_SIZE, s + i * src_stride, (size_t)body_len);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"frame_block", frame_block, METH_VARARGS, frame_block_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int module_exec(PyObject *m) {
+    if (aes_gcm == NULL) {
+        aes_gcm = EVP_CIPHER_fetch(NULL, "AES-256-GCM", NULL);
+        if (aes_gcm == NULL) {
+            PyErr_SetString(PyExc_ImportError, "OpenSSL has no AES-256-GCM");
+            return -1;
+        }
+    }
+    if (PyType_Ready(&AeadType) < 0) return -1;
+    if (PyModule_AddObjectRef(m, "Aead", (PyObject *)&AeadType) < 0) return -1;
+    if (PyModule_AddStringConstant(m, "OPENSSL_VERSION", OpenSSL_version(OPENSSL_VERSION)) < 0) return -1;
+    if (PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0) return -1;
+    if (PyModule_AddIntConstant(m, "TAG_SIZE", TAG_SIZE) < 0) return -1;
+    if (PyModule_AddIntConstant(m, "MAX_ROW", MAX_ROW) < 0) return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "peerd._dataplane._native",
+    .m_doc = "peerd's native data plane: AES-256-GCM over whole blocks of datagrams (OpenSSL libcrypto).",
+    .m_size = 0,
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModuleDef_Init(&moduledef); }

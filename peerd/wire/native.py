@@ -1,0 +1,60 @@
+"""Which data plane this process runs: the C extension (``peerd._dataplane._native``) or the Python reference.
+
+Decided once, at import: ``PEERD_DATAPLANE=python`` forces the Python path; ``native`` requires the extension
+(a process that cannot load it refuses to start sealing, rather than running slower than asked); unset or
+``auto`` takes the extension when it is built. Both paths put the same bytes on the wire (the golden vectors hold
+for both, and tests/test_dataplane.py compares them row by row).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+
+ENV = "PEERD_DATAPLANE"
+CHOICES = ("auto", "native", "python")
+
+log = logging.getLogger("peerd.dataplane")
+
+
+def _load() -> tuple[ModuleType | None, str, str]:
+    """(the extension or None, what was asked for, why this path runs)."""
+    asked = os.environ.get(ENV, "").strip().lower() or "auto"
+    if asked not in CHOICES:
+        return None, asked, f"{ENV}={asked!r} is not one of {', '.join(CHOICES)}"
+    if asked == "python":
+        return None, asked, f"{ENV}=python"
+    try:
+        from .._dataplane import _native
+    except ImportError as e:
+        return None, asked, (f"the native extension is not built ({e}); a source install needs a C compiler and "
+                             "OpenSSL's headers (Debian: gcc libssl-dev), then pip install again")
+    return _native, asked, f"the native extension is built ({_native.OPENSSL_VERSION})"
+
+
+native, _asked, reason = _load()
+_announced = False
+
+
+def dataplane() -> str:
+    """"native" or "python": the data path this process seals and opens blocks with (status and bench JSON)."""
+    return "native" if native is not None else "python"
+
+
+def announce() -> None:
+    """Say once per process which data path runs and why (called when the first sealer or opener is made, so
+    the daemon's logging is set up by then). Raises RuntimeError where ``PEERD_DATAPLANE`` asks for what cannot
+    run: ``native`` without the extension, or an unknown value."""
+    global _announced
+    if _asked not in CHOICES:
+        raise RuntimeError(f"{reason}; unset it for the default")
+    if _asked == "native" and native is None:
+        raise RuntimeError(f"{ENV}=native, but {reason}")
+    if _announced:
+        return
+    _announced = True
+    if native is None and _asked == "auto":
+        log.warning("data plane: python (%s); sealed averaging costs several times the CPU", reason)
+    else:
+        log.info("data plane: %s (%s)", dataplane(), reason)
