@@ -4,8 +4,6 @@ test_allreduce_core; driver scenarios run AllreduceService over the in-memory ne
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import trio
@@ -15,7 +13,8 @@ from peerd.allreduce import HEADER_SIZE, GroupAverage, Layout, pack_data
 from peerd.allreduce.codec import pack_block
 from peerd.allreduce.group import DEFAULT_MAX_WEIGHT
 from peerd.allreduce.held import ENTRY_OVERHEAD, HeldData
-from peerd.allreduce.service import AllreduceService, _Running
+from peerd.allreduce.host import RECENT_GROUPS, AveragingHost, Dropped, PacerVerdict
+from peerd.allreduce.service import AllreduceService
 from peerd.transport.pacing import Pacer, Report
 from peerd.wire.errors import WireError
 
@@ -194,35 +193,36 @@ def test_held_data_refuses_a_body_larger_than_the_caps() -> None:
 
 
 def test_reports_count_only_from_members_of_a_running_or_recent_group() -> None:
+    """The host, fed REPORTs directly: a stranger, a non-member and a member naming another group change
+    nothing; a member of a recent (finished) group still moves the pacer."""
     fields = {"group": 5, "phase": 0, "expected": 1000, "received": 0, "bytes": 0, "seconds": 0.1,
               "kernel_drops": 0, "position": 1000}
+    a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
+    host = AveragingHost(max_body=HEADER_SIZE + 4, mtu=HEADER_SIZE + 41)  # one element per datagram
+    rate = host.pacer.rate
 
-    async def main() -> None:
-        net = MemNet()
-        a, b, c = Node(net, 0), Node(net, 1), Node(net, 2)
-        svc = a.service
-        rate = svc.pacer.rate
+    def report(peer: bytes, group: int, now: float) -> list:
+        return host.on_report(peer, {**fields, "group": group}, now)
 
-        def report(node: Node, group: int) -> None:
-            svc._on_report(SimpleNamespace(body={**fields, "group": group}, peer=SimpleNamespace(
-                node_id=node.identity.node_id)))
-
-        report(b, 5)  # no such group here: a stranger (any member of the swarm) must not throttle us
-        assert svc.pacer.rate == rate and len(svc.pacer._paths) == 0
-        core = GroupAverage(5, 2, 0, np.zeros(1000, np.float32), 1.0, trio.current_time())
-        run = _Running(core, [a.member(), b.member()])
-        run.sent_to[1] = 1000
-        run.positions[1].note(1000, trio.current_time())
-        svc._recent[5] = run
-        report(c, 5)  # not a member of group 5
-        report(b, 6)  # a member, but of no group 6
-        assert svc.pacer.rate == rate
-        await trio.sleep(0.1)
-        report(b, 5)  # a member of a recent group 5: its path counts
-        assert svc.pacer.rate < rate
-        assert a.metrics.datagrams_dropped.labels("report")._value.get() == 3
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert report(b, 5, 0.0) == [Dropped("report")]  # no such group here: a stranger must not throttle us
+    assert host.pacer.rate == rate and len(host.pacer._paths) == 0
+    host.start(5, [a, b], 0, np.zeros(2000, np.float32), 1.0, 0.0)
+    blocks = host.next_sends(5, 1000)
+    assert sum(len(blk.bodies) for blk in blocks) >= 1000
+    for blk in blocks:  # member 1's whole reduce-scatter stream goes out (and is paced)
+        host.pace(blk, len(blk.bodies), blk.bodies.size, 0.0)
+    host.finish(5, 0.05, 0)  # cancelled before it finished: still a recent group
+    assert report(c, 5, 0.1) == [Dropped("report")]  # not a member of group 5
+    assert report(b, 6, 0.1) == [Dropped("report")]  # a member, but of no group 6
+    assert report(a, 5, 0.1) == [Dropped("report")]  # this node itself
+    assert host.pacer.rate == rate
+    out = report(b, 5, 0.1)  # a member of a recent group 5: its path counts
+    assert len(out) == 1 and isinstance(out[0], PacerVerdict) and out[0].verdict.action == "decrease"
+    assert host.pacer.rate < rate
+    for g in range(6, 6 + RECENT_GROUPS):  # four later groups push group 5 out of the recent ones
+        host.start(g, [a, b], 0, np.zeros(10, np.float32), 1.0, 0.2)
+        host.finish(g, 0.2, 0)
+    assert report(b, 5, 0.3) == [Dropped("report")]
 
 
 def test_pacer_paths_are_bounded() -> None:
@@ -245,7 +245,7 @@ def test_held_data_expires_on_a_timer_and_oversized_bodies_are_not_held() -> Non
             bodies = [pack_data(77, 10, 286 * k, 1.0, np.ones(286, np.float32)) for k in range(10)]
             await b.endpoint.send_raw(a.addr, RS_DATA, bodies, node_id=a.endpoint.identity.node_id)
             await trio.sleep(1.0)
-            held = a.service._held
+            held = a.service.host.held
             assert held.count == 10 and held.holds(77)
             await trio.sleep(10.0)  # nothing else arrives: the timer frees them
             assert held.count == 0 and held.nbytes == 0
@@ -253,8 +253,7 @@ def test_held_data_expires_on_a_timer_and_oversized_bodies_are_not_held() -> Non
             # a body larger than a's payload size fits no group of a's: dropped at once
             oversize = pack_data(78, 1, 0, 1.0, np.ones((a.endpoint.max_body - HEADER_SIZE) // 4 + 1, np.float32))
             with pytest.raises(WireError, match="malformed"):
-                a.service._on_data(SimpleNamespace(type=RS_DATA, token=1), oversize,
-                                   SimpleNamespace(peer_key=None), b.addr)
+                a.service.host.on_data(None, 1, RS_DATA, oversize, trio.current_time())
             assert held.count == 0
             nursery.cancel_scope.cancel()
 

@@ -1,0 +1,563 @@
+"""The averaging host: every group this node is averaging in, and what they share (sans-I/O).
+
+One ``GroupAverage`` is one group's arithmetic. The host is what sits around all of them: which group a
+tensor body belongs to, which member sent it, data kept for a group this node has not started yet or from a
+sealing token not bound yet, how long a phase waits for such data, the delivery meters behind each REPORT
+this node sends, what REPORTs it accepts, and when each paced part of a block may go out. It takes the
+sender's token and, once the transport has bound that token, its node id (the transport resolves tokens to
+peers; data datagrams carry no node id), an injected ``now`` on every call, and returns typed actions. It
+never waits, reads a clock or touches a socket, so the trio driver (service.py), the simulator and the tests
+run the same decisions; nothing here draws random numbers (the byzantine hook's noise is seeded per group
+inside ``GroupAverage``).
+
+A driver's loop for one group, in outline (service.py is the real one)::
+
+    actions = host.start(group_id, peers, index, vector, weight, now)   # Bind: PING these members
+    while not host.finished(group_id):
+        while host.wants_to_send(group_id):
+            for block in host.next_sends(group_id):                     # seal each block whole
+                for each part of block.part rows:
+                    sleep until host.pace(block, rows, nbytes, now); send the part
+        sleep until host.deadline(group_id, now), or a Wake(group_id) action
+        run(host.on_timer(group_id, now))
+    run(host.finish(group_id, now, kernel_drops))                       # final REPORTs, Completed
+    # meanwhile: every REPORT_INTERVAL_S (host.next_report) send host.reports(...)
+
+and for everything that arrives: ``on_data``, ``on_block``, ``on_bind``, ``on_report``; held data expires at
+``held_expiry()`` (``expire_held``). What a member may make this node spend is bounded here
+(protocol/PROTOCOL.md 17.3): held bytes (HeldData), accepted REPORTs (members of running or recent groups),
+remembered token bindings and the pacer's paths (both LRU).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from ..transport.pacing import DeliveryMeter, Pacer, Report, SendPositions, Verdict
+from ..wire.errors import WireError
+from .codec import BodyType, peek_group
+from .group import BYZANTINE_MODES, GroupAverage, GroupStats, Outcome
+from .held import HeldData
+from .robust import Robust
+
+BATCH = 128  # datagrams per slice of sending work at least (a slice is one block or more)
+BLOCK_BYTES = 512 * 1024  # a block is built and sealed in one pass (~1 ms sealed), then sent in GSO parts
+GSO_BYTES = 65000  # one GSO send (and one pacing reservation) is at most 64 segments, 64 KB
+REPORT_INTERVAL_S = 0.025  # a receiver reports delivery to each sender about this often while data flows
+RECENT_GROUPS = 4  # finished groups whose members' last REPORTs still count
+MAX_BINDINGS = 4096  # token -> node id bindings remembered for data held before its group started
+IDLE_WAIT_S = 1.0  # a group with no deadline (it only has sending left) is looked at again this often
+_DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})
+_NONE: tuple[()] = ()
+
+
+# ---- actions ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """Count ``count`` inputs dropped for ``reason`` (peerd_datagrams_dropped_total{reason})."""
+
+    reason: str
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Group ``group_id`` changed (a phase ended, a deadline moved up, held data arrived): its driver should
+    send what it wants now and re-read its deadline."""
+
+    group_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeldTimer:
+    """Something is held and nothing was before: call ``expire_held`` at ``at``, then at ``held_expiry()``
+    while that is not None (held data is freed on a timer, also on a node that receives nothing more)."""
+
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Bind:
+    """PING member ``to`` (node id ``peer``) of ``group_id``: the request binds this node's token there, the
+    response the member's here. Data from a token not bound yet is held until its binding arrives."""
+
+    group_id: int
+    to: int
+    peer: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SendReport:
+    """Send a REPORT (``fields``, the message's) to member ``to`` (node id ``peer``) of ``group_id``."""
+
+    group_id: int
+    to: int
+    peer: bytes
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PacerVerdict:
+    """What a member's REPORT did to the pacer (``verdict``: decrease, increase, hold, ...); ``rate`` is the
+    sending rate now, bytes/s."""
+
+    rate: float
+    verdict: Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """Group ``group_id`` is done: ``vector`` is the average (the caller's ``out`` when it gave one)."""
+
+    group_id: int
+    vector: np.ndarray
+    stats: GroupStats
+
+
+@dataclass(frozen=True, slots=True)
+class SendBlock:
+    """Bodies for member ``to`` (node id ``peer``) of ``group_id``, envelope type ``type``: ``bodies`` is
+    (rows, body bytes) uint8, END markers already repeated. Seal it whole, then send it ``part`` rows at a
+    time (one GSO send), each part when ``AveragingHost.pace`` says."""
+
+    group_id: int
+    to: int
+    peer: bytes
+    type: int
+    bodies: np.ndarray
+    part: int
+
+
+Action = Dropped | Wake | HeldTimer | Bind | SendReport | PacerVerdict | Completed
+
+
+def send_shape(mtu: int, gso: bool) -> tuple[int, int]:
+    """(rows per paced send, rows per block) for datagrams of ``mtu`` bytes. Blocks are built and sealed
+    whole (numpy calls cost per block, not per datagram) and go out one GSO send at a time, each paced;
+    without GSO, 16 datagrams keep bursts short."""
+    part = max(1, min(64 if gso else 16, GSO_BYTES // mtu))
+    rows = max(part, BLOCK_BYTES // mtu // part * part)
+    return part, rows
+
+
+class _Group:
+    __slots__ = ("core", "peers", "by_peer", "by_token", "meters", "positions", "sent_to", "hold_until",
+                 "floor_s", "report_at", "part", "rows")
+
+    def __init__(self, core: GroupAverage, peers: list[bytes], now: float, kernel_drops: int, floor_s: float,
+                 part: int, rows: int, report_at: float) -> None:
+        self.core = core
+        self.peers = peers
+        self.by_peer = {p: i for i, p in enumerate(peers)}
+        self.by_token: dict[int, int] = {}  # tokens seen bound to a member (a cache of the transport's answer)
+        self.meters = [DeliveryMeter(now, kernel_drops) for _ in peers]
+        # Per member: data datagrams sent to it so far (its reduce-scatter stream, then its all-gather stream:
+        # the positions a receiver's REPORT counts in) and when each part of them went out.
+        self.positions = [SendPositions() for _ in peers]
+        self.sent_to = [0] * len(peers)
+        self.hold_until: float | None = None
+        self.floor_s = floor_s
+        self.report_at = report_at
+        self.part = part
+        self.rows = rows
+
+
+class AveragingHost:
+    """The groups of one node and the data, meters and pacing they share; see the module docstring.
+
+    ``max_body``: the largest tensor body this node's groups take (its payload size: a larger one is
+    dropped at once, never held); ``mtu``: datagram size, for block shapes and REPORT byte counts.
+    ``byzantine``: a fault-injection hook for demos and benches ONLY (group.BYZANTINE_MODES)."""
+
+    def __init__(
+        self,
+        *,
+        max_body: int,
+        mtu: int,
+        pacer: Pacer | None = None,
+        held: HeldData | None = None,
+        byzantine: str | None = None,
+        report_interval_s: float = REPORT_INTERVAL_S,
+        recent_groups: int = RECENT_GROUPS,
+        max_bindings: int = MAX_BINDINGS,
+    ) -> None:
+        if byzantine is not None and byzantine not in BYZANTINE_MODES:
+            raise ValueError(f"byzantine must be one of {', '.join(BYZANTINE_MODES)} (or None), got {byzantine!r}")
+        if max_body < 1 or mtu < max_body:
+            raise ValueError(f"need 1 <= max_body <= mtu, got max_body={max_body}, mtu={mtu}")
+        self.max_body = max_body
+        self.mtu = mtu
+        self.pacer = pacer or Pacer()
+        self.held = held or HeldData()
+        self.byzantine = byzantine
+        self.report_interval_s = report_interval_s
+        self.recent_groups = recent_groups
+        self.max_bindings = max_bindings
+        self._groups: dict[int, _Group] = {}
+        self._recent: OrderedDict[int, _Group] = OrderedDict()  # finished groups, for their last REPORTs
+        # Tokens whose binding this host was told about: data held for a group not started yet carries the
+        # peer it had on arrival (None: unbound), and is resolved through this when the group starts.
+        self._bound: OrderedDict[int, bytes] = OrderedDict()
+
+    # ---- groups ---------------------------------------------------------------------------------------
+
+    def start(
+        self,
+        group_id: int,
+        peers: Sequence[bytes],
+        index: int,
+        vector: np.ndarray,
+        weight: float,
+        now: float,
+        *,
+        kernel_drops: int = 0,
+        gso: bool = False,
+        floor_s: float = 1.0,
+        max_phase_s: float | None = 60.0,
+        end_grace_s: float = 0.05,
+        out: np.ndarray | None = None,
+        max_weight: float | None = None,
+        robust: Robust | None = None,
+        center: np.ndarray | None = None,
+    ) -> list[Action]:
+        """Start averaging ``vector`` (weight: its sample count) as member ``index`` of ``peers`` (node ids,
+        in the group's order). Returns a Bind per other member, and what the data held for this group did.
+        ValueError: a group of that id is running here, the members are not distinct, or GroupAverage's own
+        argument checks (weight, max_weight, robust, ...)."""
+        if group_id in self._groups:
+            raise ValueError(f"group {group_id:#x} is already averaging on this node")
+        peers = list(peers)
+        if len(set(peers)) != len(peers):
+            raise ValueError("a group's members must be distinct nodes")
+        if not 0 <= index < len(peers):
+            raise ValueError(f"index must be in 0..{len(peers) - 1}, got {index!r}")
+        core = GroupAverage(
+            group_id, len(peers), index, vector, weight, now,
+            max_payload=self.max_body, floor_s=floor_s, max_phase_s=max_phase_s, out=out,
+            end_grace_s=end_grace_s, max_weight=max_weight, robust=robust, center=center, byzantine=self.byzantine,
+        )
+        part, rows = send_shape(self.mtu, gso)
+        g = _Group(core, peers, now, kernel_drops, floor_s, part, rows, now + self.report_interval_s)
+        self._recent.pop(group_id, None)  # (a group id used again: its old REPORTs no longer count)
+        self._groups[group_id] = g
+        actions: list[Action] = [Bind(group_id, i, p) for i, p in enumerate(peers) if i != index]
+        drops: Counter[str] = Counter()
+        for mtype, token, body, peer in self.held.pop_group(group_id):
+            if peer is None:
+                peer = self._bound.get(token)
+            self._deliver_counted(g, peer, token, mtype, body, now, drops, actions)
+        _flush(drops, actions)
+        return actions
+
+    def running(self, group_id: int) -> bool:
+        return group_id in self._groups
+
+    def wants_to_send(self, group_id: int) -> bool:
+        """``next_sends`` may have something (it may still return nothing for a slice: call it again)."""
+        return self._groups[group_id].core.wants_to_send
+
+    def finished(self, group_id: int) -> bool:
+        """Both receive phases have ended and everything is sent: call ``finish``."""
+        return self._groups[group_id].core.finished
+
+    def next_sends(self, group_id: int, limit: int = BATCH) -> list[SendBlock]:
+        """About ``limit`` datagrams' worth of blocks, reduce-scatter first (may be empty for a slice of
+        robust work: the driver's turn to let other tasks run)."""
+        g = self._groups[group_id]
+        out = []
+        for b in g.core.next_blocks(g.rows, limit):
+            bodies = b.bodies if b.repeat == 1 else np.repeat(b.bodies, b.repeat, axis=0)
+            out.append(SendBlock(group_id, b.to, g.peers[b.to], b.type, bodies, g.part))
+        return out
+
+    def pace(self, block: SendBlock, rows: int, nbytes: int, now: float) -> float:
+        """When ``rows`` datagrams (``nbytes`` sealed) of ``block`` may go out: the pacer's reservation,
+        noted with the stream positions they take (what REPORTs from the member are matched against)."""
+        at = now + max(0.0, self.pacer.reserve(nbytes, now, block.peer))
+        if block.type in _DATA_TYPES:
+            g = self._groups.get(block.group_id) or self._recent.get(block.group_id)
+            if g is not None:
+                g.sent_to[block.to] += rows
+                g.positions[block.to].note(g.sent_to[block.to], at)
+        return at
+
+    def deadline(self, group_id: int, now: float) -> float:
+        """When to call ``on_timer`` next (a Wake may come first). While data from a token not bound yet is
+        held for the group, its sender's binding is still in flight (the handshake retries): the phase
+        deadline waits up to one more ``floor_s`` for it, or that sender would turn up as silence."""
+        g = self._groups[group_id]
+        at = g.core.next_deadline()
+        if at is None:
+            return now + IDLE_WAIT_S
+        if self.held.holds(group_id):
+            if g.hold_until is None:
+                g.hold_until = now + g.floor_s
+            at = max(at, g.hold_until)
+        return at
+
+    def on_timer(self, group_id: int, now: float) -> list[Action]:
+        """The group's deadline passed or it was woken: end whichever phase's deadline has passed (unless
+        unbound data still waits for its binding, within the extension)."""
+        g = self._groups[group_id]
+        if self.held.holds(group_id) and (g.hold_until is None or now < g.hold_until):
+            return []
+        before = g.core.phase_changes
+        g.core.handle_timer(now)
+        return [Wake(group_id)] if g.core.phase_changes != before else []
+
+    def next_report(self, group_id: int) -> float:
+        """When to call ``reports`` for the group next."""
+        return self._groups[group_id].report_at
+
+    def reports(self, group_id: int, now: float, kernel_drops: int) -> list[SendReport]:
+        """A REPORT to each sender from which enough arrived since the last one (``kernel_drops``: the
+        socket's cumulative counter)."""
+        g = self._groups[group_id]
+        g.report_at = now + self.report_interval_s
+        return self._reports(g, now, kernel_drops, final=False)
+
+    def finish(self, group_id: int, now: float, kernel_drops: int) -> list[Action]:
+        """The group's driver is done with it (finished, or cancelled: then nothing to send). A finished
+        group's last REPORTs (what arrived since the last one, and the lost tail) and its Completed; the
+        group's REPORTs keep counting while it is among the ``recent_groups`` latest, and what is still held
+        for it (from tokens never bound) is dropped (``unbound``)."""
+        g = self._groups.pop(group_id)
+        actions: list[Action] = []
+        if g.core.finished:
+            actions.extend(self._reports(g, now, kernel_drops, final=True))
+            actions.append(Completed(group_id, g.core.result(), g.core.statistics()))
+        self._recent[group_id] = g
+        while len(self._recent) > self.recent_groups:
+            self._recent.popitem(last=False)
+        unbound = len(self.held.pop_group(group_id))
+        if unbound:
+            actions.append(Dropped("unbound", unbound))
+        return actions
+
+    # ---- what arrives ---------------------------------------------------------------------------------
+
+    def on_data(self, peer: bytes | None, token: int, mtype: int, body: bytes, now: float) -> Sequence[Action]:
+        """One tensor body from ``token`` (``peer``: the node id it is bound to, None while unbound).
+        WireError for a body no group of this node takes (malformed, oversized) or from a node that is not
+        a member of its group; ``Dropped("unbound")`` for one from an unbound token that holds too much."""
+        group = peek_group(body)
+        if len(body) > self.max_body:  # no group of this node takes it: do not even hold it
+            raise WireError("malformed", f"tensor body of {len(body)} bytes; this node's bodies are at most"
+                            f" {self.max_body}")
+        g = self._groups.get(group)
+        if g is None:
+            return self._hold(group, token, peer, mtype, body, now)
+        return self._deliver(g, peer, token, mtype, body, now)
+
+    def on_block(self, peer: bytes | None, token: int, mtype: int, bodies: np.ndarray, now: float
+                 ) -> Sequence[Action]:
+        """A GRO block of one sender's data (``bodies``: rows x body bytes): handed to its group whole when
+        it is a clean run of its ranges, else body by body (which counts whatever is wrong with each)."""
+        if not len(bodies):
+            return _NONE
+        g = self._groups.get(int.from_bytes(bodies[0, :4].tobytes(), "little"))
+        index = self._index(g, token, peer) if g is not None else None
+        if g is not None and index is not None:
+            core = g.core
+            before = core.phase_changes
+            result = core.receive_block(index, mtype, bodies, now)
+            if result is not None:
+                actions: list[Action] = []
+                if result[2]:
+                    actions.append(Dropped(Outcome.LATE.value, result[2]))
+                if core.phase_changes != before:
+                    actions.append(Wake(core.group_id))
+                return actions
+        if bodies.shape[1] > self.max_body:
+            raise WireError("malformed", f"tensor bodies of {bodies.shape[1]} bytes")
+        actions = []
+        drops: Counter[str] = Counter()
+        for row in bodies:
+            body = row.tobytes()
+            try:
+                actions.extend(self.on_data(peer, token, mtype, body, now))
+            except WireError as e:
+                drops[e.reason] += 1
+        _flush(drops, actions)
+        return _merge(actions)
+
+    def on_bind(self, token: int, peer: bytes, now: float) -> list[Action]:
+        """``token`` was just bound to node ``peer``: what running groups held from it is delivered."""
+        self._bound[token] = peer
+        self._bound.move_to_end(token)
+        while len(self._bound) > self.max_bindings:
+            self._bound.popitem(last=False)
+        actions: list[Action] = []
+        drops: Counter[str] = Counter()
+        for g in list(self._groups.values()):
+            held = self.held.pop(g.core.group_id, token)
+            if held:
+                actions.append(Wake(g.core.group_id))
+                for mtype, tok, body, _ in held:
+                    self._deliver_counted(g, peer, tok, mtype, body, now, drops, actions)
+        _flush(drops, actions)
+        return _merge(actions)
+
+    def on_report(self, peer: bytes, fields: dict[str, Any], now: float) -> list[Action]:
+        """A REPORT (decoded, so its numbers are in range) from node ``peer``. Only a member of a running or
+        recent group with that id speaks for a path this node sends on: anyone else (every member holds
+        the swarm key) could throttle this node's sending."""
+        b = fields
+        g = self._groups.get(b["group"]) or self._recent.get(b["group"])
+        i = g.by_peer.get(peer) if g is not None else None
+        if g is None or i is None or i == g.core.index:
+            return [Dropped("report")]
+        report = Report(b["expected"], b["received"], b["bytes"], b["seconds"], b["kernel_drops"], b["position"])
+        span = None
+        if report.expected > 0:
+            first = report.position - report.expected
+            if report.position > g.sent_to[i]:
+                # A receiver that gave up on the phase (its deadline) counts what this member has not sent
+                # yet as lost: that is not the path's loss.
+                top = max(first, g.sent_to[i])
+                report = replace(report, expected=top - first, received=min(report.received, top - first),
+                                 position=top)
+            if report.expected > 0:
+                span = g.positions[i].span(max(0, first - 1), report.position - 1)
+        verdict = self.pacer.on_report(peer, report, now, span)
+        return [PacerVerdict(verdict.rate, verdict)]
+
+    # ---- held data ------------------------------------------------------------------------------------
+
+    def held_expiry(self) -> float | None:
+        """When the oldest held bucket expires (None: nothing held)."""
+        return self.held.next_expiry()
+
+    def expire_held(self, now: float) -> list[Action]:
+        dropped = self.held.expire(now)
+        return [Dropped("held", dropped)] if dropped else []
+
+    # ---- internals ------------------------------------------------------------------------------------
+
+    def _index(self, g: _Group, token: int, peer: bytes | None) -> int | None:
+        """The member index behind a token; None while the token is not bound (or not to a member)."""
+        index = g.by_token.get(token)
+        if index is None and peer is not None:
+            index = g.by_peer.get(peer)
+            if index is not None:
+                if len(g.by_token) >= 4 * len(g.peers):  # members rotate tokens rarely; bound the cache
+                    g.by_token.clear()
+                g.by_token[token] = index
+        return index
+
+    def _hold(self, group: int, token: int, peer: bytes | None, mtype: int, body: bytes, now: float
+              ) -> Sequence[Action]:
+        """Keep data for a group this node has not started yet: its members may start first. A group that
+        finished here takes nothing more: its stragglers are late, not worth holding."""
+        if group in self._recent:
+            return (Dropped(Outcome.LATE.value),)
+        kept, dropped, timer = self._keep(group, token, peer, mtype, body, now)
+        if not kept:
+            dropped += 1
+        if not dropped:
+            return (timer,) if timer is not None else _NONE
+        return [Dropped("held", dropped), *((timer,) if timer is not None else ())]
+
+    def _keep(self, group: int, token: int, peer: bytes | None, mtype: int, body: bytes, now: float
+              ) -> tuple[bool, int, HeldTimer | None]:
+        """Hold a body within the bounds: (held, bodies dropped to make room or expired, timer to set)."""
+        was_empty = self.held.count == 0
+        kept, dropped = self.held.add(group, token, (mtype, token, body, peer), len(body), now)
+        timer = None
+        if kept and was_empty:
+            at = self.held.next_expiry()
+            timer = HeldTimer(at) if at is not None else None
+        return kept, dropped, timer
+
+    def _deliver(self, g: _Group, peer: bytes | None, token: int, mtype: int, body: bytes, now: float
+                 ) -> Sequence[Action]:
+        index = self._index(g, token, peer)
+        if index is None:
+            if peer is None:  # its sender's PING has not arrived yet: keep it until it does
+                kept, dropped, timer = self._keep(g.core.group_id, token, None, mtype, body, now)
+                if kept and not dropped and timer is None:
+                    return _NONE
+                out: list[Action] = [] if kept else [Dropped("unbound")]  # its token holds too much already
+                if dropped:
+                    out.append(Dropped("held", dropped))
+                if timer is not None:
+                    out.append(timer)
+                return out
+            raise WireError("sender", "data from a node that is not in this group")
+        core = g.core
+        before = core.phase_changes
+        outcome = core.receive(index, mtype, body, now)
+        if outcome is Outcome.ACCEPTED or outcome is Outcome.DUPLICATE:
+            return (Wake(core.group_id),) if core.phase_changes != before else _NONE
+        if core.phase_changes != before:
+            return (Dropped(outcome.value), Wake(core.group_id))
+        return (Dropped(outcome.value),)
+
+    def _deliver_counted(self, g: _Group, peer: bytes | None, token: int, mtype: int, body: bytes, now: float,
+                         drops: Counter[str], actions: list[Action]) -> None:
+        try:
+            actions.extend(self._deliver(g, peer, token, mtype, body, now))
+        except WireError as e:
+            drops[e.reason] += 1
+
+    def _reports(self, g: _Group, now: float, kernel_drops: int, *, final: bool) -> list[SendReport]:
+        """One sender's flow to this member is its reduce-scatter stream, then its all-gather stream (it
+        sends them one after the other), so the two phases count as one run of datagram indices."""
+        core = g.core
+        rs_expected, rs_received, rs_top, rs_first, rs_at = core.progress(0)
+        ag_expected, ag_received, ag_top, ag_first, ag_at = core.progress(1)
+        size = self.mtu
+        out = []
+        for i, peer in enumerate(g.peers):
+            if i == core.index:
+                continue
+            received = rs_received[i] + ag_received[i]
+            phase = 1 if ag_top[i] else 0
+            top = rs_expected[i] + ag_top[i] if ag_top[i] else rs_top[i]
+            last_at = max(rs_at[i], ag_at[i])
+            first_at = rs_first[i] if rs_received[i] else ag_first[i]
+            meter = g.meters[i]
+            if final:
+                total = rs_expected[i] + ag_expected[i]
+                rep = meter.final(total, received, received * size, first_at, last_at, kernel_drops, now)
+            else:
+                rep = meter.sample(received, top, received * size, first_at, last_at, kernel_drops, now)
+            if rep is None:
+                continue
+            fields = {"group": core.group_id, "phase": phase, "expected": min(rep.expected, 2**32 - 1),
+                      "received": min(rep.received, 2**32 - 1), "bytes": min(rep.nbytes, 2**64 - 1),
+                      "seconds": min(86400.0, rep.seconds), "kernel_drops": min(rep.kernel_drops, 2**32 - 1),
+                      "position": min(rep.position, 2**32 - 1)}
+            out.append(SendReport(core.group_id, i, peer, fields))
+        return out
+
+
+def _flush(drops: Counter[str], actions: list[Action]) -> None:
+    actions.extend(Dropped(reason, count) for reason, count in drops.items())
+
+
+def _merge(actions: list[Action]) -> list[Action]:
+    """One Dropped per reason and one Wake per group (a block fed body by body makes many of each)."""
+    if len(actions) < 2:
+        return actions
+    drops: Counter[str] = Counter()
+    out: list[Action] = []
+    woken: set[int] = set()
+    for a in actions:
+        if type(a) is Dropped:
+            drops[a.reason] += a.count
+        elif type(a) is Wake:
+            if a.group_id not in woken:
+                woken.add(a.group_id)
+                out.append(a)
+        else:
+            out.append(a)
+    _flush(drops, out)
+    return out
