@@ -1,0 +1,708 @@
+"""The Moshpit round machine (sans-I/O): one run's rounds on one node, from start to the next round number.
+
+It composes the grid keys (keys.py), the matchmaker (matchmaking.py) and kept groups (sticky.py) with the
+run's DHT records (records.py), and decides everything a round decides: renew a kept group or matchmake,
+what to announce and read, whom to JOIN, BEGIN or DISBAND, when to give up, which group to average with,
+how the key moves on and which round comes next. Time comes in as ``now`` (wall-clock seconds: expiries
+are compared across peers), randomness from the injected rng. The driver (service.py's trio shell, or
+the simulator in sim/moshpit.py) executes the actions it takes from ``take_actions`` and feeds back:
+
+- ``on_records(token, records, now)``: the answer to a ``Get`` (records under the key, any order);
+- ``on_reply(token, sender, ok, reason, now)`` / ``on_failed(token, now)``: the answer to a ``Request``,
+  or none after its retries;
+- ``on_join``, ``on_begin``, ``on_disband``: the MM_* messages peers send (the driver answers a request
+  with what these return);
+- ``on_timer(now)`` once ``next_deadline()`` has passed;
+- ``on_averaged(...)`` once the ``Average`` it asked for is over.
+
+A round is over when ``done`` is true; ``outcome`` then says whether this node averaged.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..dht.reads import Agreed
+from ..wire import messages as m
+from .keys import Grid, KeyManager
+from .matchmaking import BUSY_RETRY_S, FOLLOW_SLACK_S, SETTLE_S, Begin, Candidate, Disband, Group, Join, Matchmaker
+from .records import (
+    PROGRESS_TTL_S,
+    RecordLike,
+    decode_announce,
+    decode_progress,
+    encode_announce,
+    encode_progress,
+    group_dht_key,
+    plausible_progress,
+    progress_key,
+)
+from .sticky import RENEW_KEY, Kept, StickyGroups
+
+# Reads that are polled (matchmaking, the kept group's watch) stop once three of the key's holders agree
+# on its records: a write racing the read shows up at the next poll. Every FULL_READ_EVERY-th poll reads
+# all k holders, so members that minted ids nearest a key can hide a record for a few polls at most.
+POLL_READ = Agreed(3)
+FULL_READ_EVERY = 4
+POLL_S = (0.05, 0.1, 0.2, 0.3)  # DHT reads of the key: fast at first, then every 0.3 s
+DEFAULT_WINDOW_S = 3.0
+WATCH_S = 1.0  # how long a kept group's leader reads the DHT for outsiders before it renews anyway
+OUTSIDER_S = 15.0  # a peer outside a kept group that published progress this recently is still training
+SYNC_S = 5.0  # a read of the run's progress (to catch up with the swarm) waits this long at most
+MATCH_SLACK_S = 10.0  # matchmaking gives up this long past the window (the matchmaker's own waits end first)
+KNOWN_PEERS = 256  # the last peers this node averaged with, per run
+JOIN_TIMEOUT_S, JOIN_ATTEMPTS = 0.25, 3
+BEGIN_TIMEOUT_S, BEGIN_ATTEMPTS = 0.25, 4
+
+
+def poll_read(i: int) -> Agreed | None:
+    return None if i % FULL_READ_EVERY == FULL_READ_EVERY - 1 else POLL_READ
+
+
+# -- actions ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Put:
+    """Store ``value`` under ``key`` in the DHT, subkey this node's id (fire and forget)."""
+
+    key: bytes
+    value: bytes
+    ttl: float
+
+
+@dataclass(frozen=True)
+class Get:
+    """Read every record under ``key``; answer with ``on_records(token, ...)`` (an empty list on failure)."""
+
+    key: bytes
+    token: int
+    enough: Agreed | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    """Send an MM_JOIN or MM_BEGIN request; answer with ``on_reply(token, ...)`` or ``on_failed(token, ...)``.
+    ``detached``: the answer matters past this round (a BEGIN's ack): do not cancel it when the round ends."""
+
+    to: Candidate
+    mtype: m.MsgType
+    fields: dict
+    token: int
+    timeout: float
+    attempts: int
+    detached: bool = False
+
+
+@dataclass(frozen=True)
+class Notify:
+    """Send a one-way message (MM_DISBAND)."""
+
+    to: Candidate
+    mtype: m.MsgType
+    fields: dict
+
+
+@dataclass(frozen=True)
+class Average:
+    """Average in ``group`` now; report the result with ``on_averaged``."""
+
+    group: Group
+    kept: bool
+
+
+@dataclass(frozen=True)
+class Count:
+    """Count a refused input: ``metric`` is a Metrics counter name, ``labels`` its label values."""
+
+    metric: str
+    labels: tuple[str, ...]
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something an operator may want in the log (info level)."""
+
+    text: str
+
+
+Action = Put | Get | Request | Notify | Average | Count | Note
+
+
+@dataclass
+class _Watch:
+    """A kept group's leader reading the DHT for peers outside it (reads outstanding, by token)."""
+
+    kept: Kept
+    started: float
+    deadline: float
+    pending: dict[int, str] = field(default_factory=dict)  # token -> "progress" | "key"
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+
+@dataclass
+class _Ask:
+    """A kept group's follower asking its leader to renew round ``round_no``."""
+
+    kept: Kept
+    round_no: int
+    expiry: float
+    deadline: float
+    token: int | None = None  # the request in flight
+    retry_at: float = math.inf
+
+
+class RoundMachine:
+    """One run on one node: its place on the grid, its round number, and the round under way."""
+
+    def __init__(
+        self,
+        run_id: str,
+        grid: Grid,
+        keys: KeyManager,
+        me: Candidate,
+        *,
+        min_size: int = 2,
+        window_s: float = DEFAULT_WINDOW_S,
+        keep_rounds: int = 1,
+        rng: random.Random,
+        resolve: Callable[[bytes, str], str | None] = lambda node_id, host: host,
+    ) -> None:
+        """``me``: this node (its expiry is ignored); ``resolve(node_id, host)``: the host to reach a peer
+        that announced ``host`` at, or None when it cannot be reached from here (the driver knows its
+        sockets; it counts what it refuses)."""
+        self.run_id = run_id
+        self.grid = grid
+        self.keys = keys
+        self.me = me
+        self.min_size = min_size
+        self.window_s = window_s
+        self.sticky = StickyGroups(me.node_id, keep_rounds)
+        self.rng = rng
+        self.resolve = resolve
+        self.round = 0  # the round under way, or the next one
+        self.synced = False  # round number taken from the swarm's progress records
+        self.known: dict[bytes, int] = {}  # node id -> last round averaged with it (bounded)
+        self.phase = "idle"  # idle | renew | match | average | sync | done
+        self.outcome = ""  # "averaged" | "alone" (set when the round is over)
+        self.group: Group | None = None
+        self.kept_round = False
+        self.seen = 1
+        self.key = ""
+        self._actions: list[Action] = []
+        self._token = 0
+        self._gets: dict[int, tuple[str, int]] = {}  # token -> (purpose, round)
+        self._requests: dict[int, tuple] = {}  # token -> (purpose, context...)
+        self._numbered = False
+        self._started = 0.0
+        self._timeout_s = 30.0
+        self._mm: Matchmaker | None = None
+        self._mm_key = b""
+        self._mm_deadline = math.inf
+        self._poll_i = 0
+        self._poll_at = math.inf  # next poll of the key (inf while one is in flight)
+        self._renew_deadline = math.inf
+        self._renew_kept: Kept | None = None
+        self._watch: _Watch | None = None
+        self._ask: _Ask | None = None
+        self._sync_deadline = math.inf
+
+    # -- what the driver reads ------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.phase == "done"
+
+    def take_actions(self) -> list[Action]:
+        actions, self._actions = self._actions, []
+        return actions
+
+    def next_deadline(self) -> float:
+        t = math.inf
+        if self._ask is not None:
+            t = min(t, self._ask.retry_at, self._ask.deadline)
+        if self.phase == "renew":
+            t = min(t, self._renew_deadline)
+            if self._watch is not None and not self._watch.done:
+                t = min(t, self._watch.deadline)
+        elif self.phase == "match":
+            assert self._mm is not None
+            t = min(t, self._mm.next_deadline(), self._poll_at, self._mm_deadline)
+        elif self.phase == "sync":
+            t = min(t, self._sync_deadline)
+        return t
+
+    def note_members(self, members: list[bytes], round_no: int) -> None:
+        """Remember whom this node averaged with: their progress records are believed further than strangers'."""
+        for node_id in members:
+            self.known.pop(node_id, None)
+            self.known[node_id] = round_no
+        while len(self.known) > KNOWN_PEERS:
+            del self.known[next(iter(self.known))]
+
+    def set_keep_rounds(self, keep_rounds: int) -> None:
+        if self.sticky.keep_rounds != keep_rounds:
+            self.sticky = StickyGroups(self.me.node_id, keep_rounds)
+
+    # -- a round --------------------------------------------------------------------------------
+    def start_round(self, now: float, *, timeout_s: float = 30.0, numbered: bool = False) -> None:
+        """Begin round ``self.round``: renew the kept group if it may be, else matchmake through the DHT.
+        ``numbered``: the caller numbers the rounds (no catching up with the swarm's progress afterwards)."""
+        if self.phase not in ("idle", "done"):
+            raise RuntimeError(f"round {self.round} is still {self.phase}")
+        self.outcome, self.group, self.kept_round, self.seen = "", None, False, 1
+        self.key = self.keys.group_key(self.round)
+        self._numbered = numbered
+        self._started = now
+        self._timeout_s = timeout_s
+        self._gets.clear()
+        sticky = self.sticky
+        if sticky.kept is not None and sticky.broken:
+            self._disband_kept(sticky.kept)  # the others need not wait for a renewal that will not come
+        kept = sticky.usable(self.round)
+        if kept is None:
+            self._start_match(now)
+            return
+        self.phase = "renew"
+        self._renew_kept = kept
+        if sticky.leads(kept):
+            self._renew_deadline = now + max(0.0, min(self.window_s, timeout_s / 2))
+            self._watch = _Watch(kept, now, now + min(WATCH_S, self.window_s / 2))
+            enough = poll_read(self.round)
+            for purpose, key in (("progress", progress_key(self.run_id)),
+                                 ("key", group_dht_key(self.run_id, self.round, self.key)),
+                                 ("key", group_dht_key(self.run_id, self.round + 1, self.key))):
+                token = self._get(key, "watch", enough)
+                self._watch.pending[token] = purpose
+        else:
+            self._renew_deadline = now + max(0.0, min(self.window_s + FOLLOW_SLACK_S, timeout_s / 2))
+            self._ask = _Ask(kept, self.round, round(now + self.window_s, 3), now + self.window_s + FOLLOW_SLACK_S)
+            self._send_ask(now)
+        self._check_renewal(now)
+
+    def on_averaged(self, now: float, *, averaged: bool, silent: bool = False,
+                    members: list[bytes] | None = None) -> None:
+        """The ``Average`` is over. ``averaged``: this node got the group's mean (False: it kept its own
+        vector: the average failed or was refused); ``silent``: some member was never heard from;
+        ``members``: the node ids averaged with (they are believed further in progress records)."""
+        self.after_average(averaged=averaged, silent=silent, members=members)
+        if self.phase != "average":
+            return
+        group = self.group
+        assert group is not None
+        if averaged:
+            self.outcome = "averaged"
+        else:
+            self.outcome = "failed"
+        if self.kept_round:
+            self.sticky.renewed += 1
+        else:  # a kept round skips the key rotation: the group is the one this key formed
+            self.keys.after_group(group.index, len(group.members), self.seen)
+        self._finish(now)
+
+    def after_average(self, *, averaged: bool, silent: bool = False, members: list[bytes] | None = None) -> None:
+        """What an average teaches about the group, also outside a round: a group with a silent member
+        (or one whose average failed) is not kept; peers averaged with are believed further ahead."""
+        self.sticky.after_round(silent or not averaged)
+        if averaged and members:
+            self.note_members([n for n in members if n != self.me.node_id], self.round)
+
+    def on_timer(self, now: float) -> None:
+        ask = self._ask
+        if ask is not None:
+            if now >= ask.deadline:
+                self._ask = None
+            elif now >= ask.retry_at:
+                ask.retry_at = math.inf
+                self._send_ask(now)
+        if self.phase == "renew":
+            watch = self._watch
+            if watch is not None and not watch.done and now >= watch.deadline:
+                watch.pending.clear()  # a slow DHT delays a renewal this much at most
+            self._check_renewal(now)
+        elif self.phase == "match":
+            mm = self._mm
+            assert mm is not None
+            if now >= self._mm_deadline:
+                self._end_match(now, timed_out=True)
+                return
+            if now >= self._poll_at:
+                self._poll_at = math.inf
+                self._get(self._mm_key, "poll", poll_read(self._poll_i))
+                self._poll_i += 1
+            mm.handle_timer(now)
+            self._pump(now)
+        elif self.phase == "sync" and now >= self._sync_deadline:
+            self.synced = True
+            self.phase = "done"
+
+    def on_records(self, token: int, records: list[RecordLike], now: float) -> None:
+        got = self._gets.pop(token, None)
+        if got is None:
+            return  # a read this round no longer waits for
+        purpose, round_no = got
+        if purpose == "poll" and self.phase == "match" and round_no == self.round:
+            mm = self._mm
+            assert mm is not None
+            mm.on_entries(self._candidates(records), now)
+            self._poll_at = now + POLL_S[min(self._poll_i - 1, len(POLL_S) - 1)]
+            self._pump(now)
+        elif purpose == "expect" and self.phase == "match" and round_no == self.round:
+            self._expect(records, now)
+        elif purpose == "watch" and self.phase == "renew" and self._watch is not None:
+            self._watched(token, records)
+            self._check_renewal(now)
+        elif purpose == "sync" and self.phase == "sync":
+            self.apply_sync(records, now)
+            self.phase = "done"
+
+    def on_reply(self, token: int, sender: bytes, ok: bool, reason: str, now: float) -> None:
+        """The answer to a ``Request`` (``sender``: the node id that answered; ``reason``: JOIN's)."""
+        req = self._requests.pop(token, None)
+        if req is None:
+            return
+        purpose = req[0]
+        if purpose == "join":
+            _, mm, leader = req
+            if mm is self._mm and self.phase == "match":
+                if sender != leader:
+                    mm.on_join_failed(leader, now)  # someone else lives at that address
+                else:
+                    mm.on_join_response(leader, ok, reason, now)
+                self._pump(now)
+        elif purpose == "ask":
+            self._asked(req[1], sender, ok, reason, now)
+        elif purpose == "renewal" and not ok:
+            self.sticky.break_("refused", req[1])
+
+    def on_failed(self, token: int, now: float) -> None:
+        """A ``Request`` got no answer after its retries."""
+        req = self._requests.pop(token, None)
+        if req is None:
+            return
+        purpose = req[0]
+        if purpose == "join":
+            _, mm, leader = req
+            if mm is self._mm and self.phase == "match":
+                mm.on_join_failed(leader, now)
+                self._pump(now)
+        elif purpose == "ask":
+            self._asked(req[1], None, False, "unreachable", now)
+        elif purpose == "renewal":
+            self.sticky.break_("unacknowledged", req[1])
+            self._actions.append(Note(f"run {self.run_id}: a kept group's member did not acknowledge its renewal"))
+
+    # -- messages from peers --------------------------------------------------------------------
+    def on_join(self, peer: Candidate, round_no: int, key: str, now: float) -> tuple[bool, str]:
+        """An MM_JOIN: a peer asks this node to lead it (or, with RENEW_KEY, to renew the kept group)."""
+        if self.phase == "match" and round_no == self.round:
+            if key != self.key:
+                return False, "key"
+            assert self._mm is not None
+            ok, reason = self._mm.on_join_request(peer, now)
+            self._pump(now)
+            return ok, reason
+        if key == RENEW_KEY:  # a follower of my kept group is ready for this round
+            ok = self.sticky.offer_join(peer.node_id, round_no, self.round)
+            if ok:
+                self._check_renewal(now)
+            return ok, "ok" if ok else "closed"
+        return False, "not_ready" if self.round <= round_no else "closed"
+
+    def on_begin(self, sender: bytes, round_no: int, group_id: int, members: list[Candidate], now: float) -> bool:
+        """An MM_BEGIN (members already checked for addresses this node can reach)."""
+        if self.phase == "match" and round_no == self.round:
+            assert self._mm is not None
+            ok = self._mm.on_begin(sender, group_id, members)
+            self._pump(now)
+            return ok
+        ok = self.sticky.offer_begin(sender, round_no, self.round, group_id, members)
+        if ok:
+            self._check_renewal(now)
+        return ok
+
+    def on_disband(self, sender: bytes, round_no: int, now: float) -> None:
+        if self.phase == "match" and round_no == self.round:
+            assert self._mm is not None
+            self._mm.on_disband(sender, now)
+            self._pump(now)
+        sticky = self.sticky
+        kept = sticky.kept
+        if kept is None or sender not in kept.node_ids():
+            return
+        if round_no > kept.formed or (round_no == kept.formed and kept.leader == self.me.node_id):
+            # a member of my kept group will not renew it (for the formation round: it never kept it)
+            sticky.break_("disbanded" if round_no > kept.formed else "not_kept", kept)
+            self._check_renewal(now)
+
+    # -- kept groups ----------------------------------------------------------------------------
+    def _check_renewal(self, now: float) -> None:
+        """In the renew phase: begin the renewal once it is ready, or matchmake once it cannot be."""
+        if self.phase != "renew":
+            return
+        sticky, kept = self.sticky, self._renew_kept
+        assert kept is not None
+        group = None
+        if not sticky.broken and sticky.kept is kept:
+            if sticky.leads(kept):
+                if self._watch is not None and self._watch.done and not sticky.missing(self.round):
+                    group = self._renewal(kept)
+            else:
+                group = sticky.take_begin(self.round)
+            if group is not None:
+                self._watch = None
+                self._start_average(group, kept=True)
+                return
+            if now < self._renew_deadline:
+                return
+        # the wait ran out (a member is gone or slow) or the group broke: everyone looks through the DHT
+        reason = sticky.broken or ("not_ready" if sticky.leads(kept) else "no_begin")
+        if sticky.kept is kept:
+            self._disband_kept(kept)
+        sticky.drop(reason)
+        self._watch = None
+        self._start_match(now)
+
+    def _renewal(self, kept: Kept) -> Group:
+        """As the leader, every follower having asked: the kept group under a fresh id, BEGIN to each."""
+        group = self.sticky.renewal(self.rng.randrange(1, 2**32), self.round)
+        fields = {"run": self.run_id, "round": self.round, "group": group.group_id, "members": list(kept.members)}
+        for c in kept.members:
+            if c.node_id != self.me.node_id:
+                self._request(c, m.MsgType.MM_BEGIN, fields, ("renewal", kept), BEGIN_TIMEOUT_S, BEGIN_ATTEMPTS,
+                              detached=True)
+        return group
+
+    def _send_ask(self, now: float) -> None:
+        ask = self._ask
+        assert ask is not None
+        fields = {"run": self.run_id, "round": ask.round_no, "key": RENEW_KEY, "expiry": ask.expiry}
+        ask.token = self._request(ask.kept.leader_candidate, m.MsgType.MM_JOIN, fields, ("ask", ask),
+                                  BEGIN_TIMEOUT_S, BEGIN_ATTEMPTS, detached=True)
+
+    def _asked(self, ask: _Ask, sender: bytes | None, ok: bool, reason: str, now: float) -> None:
+        """The leader's answer to a renewal request (None: no answer). A refusal (it does not keep the
+        group, or matchmakes this round) or no answer breaks the group at once."""
+        sticky = self.sticky
+        if self._ask is not ask:
+            return
+        self._ask = None
+        if sticky.kept is not ask.kept or sticky.broken:
+            return
+        if ok or sticky.begun >= ask.round_no:
+            return  # (a late answer to a retry after the renewal already began: not a refusal)
+        if sender is None:
+            self._actions.append(Note(f"run {self.run_id} round {ask.round_no}: the kept group's leader did "
+                                      f"not answer"))
+            why = "unreachable"
+        elif sender != ask.kept.leader:
+            why = "unreachable"
+        elif reason in ("busy", "not_ready"):
+            if now + BUSY_RETRY_S < ask.deadline:
+                ask.retry_at = now + BUSY_RETRY_S
+                self._ask = ask
+            return
+        else:
+            why = "refused"
+        sticky.break_(why, ask.kept)
+        self._check_renewal(now)
+
+    def _watched(self, token: int, records: list[RecordLike]) -> None:
+        """The leader's read for outsiders: a peer outside the group looking for one, or still training,
+        means the group must re-form through the DHT to take it in (else the run would split into groups
+        that never meet). Read while the leader waits for its followers anyway, so a newcomer is taken in
+        this round, not a round later (for a run that averages every K steps, K steps later)."""
+        watch = self._watch
+        assert watch is not None
+        purpose = watch.pending.pop(token, None)
+        if purpose is None:
+            return
+        ids, t0 = watch.kept.node_ids(), watch.started
+        if purpose == "progress":
+            for owner, _, stored in decode_progress(records)[0]:
+                if owner not in ids and stored > t0 - OUTSIDER_S:
+                    self._actions.append(Note(f"run {self.run_id} round {self.round}: a peer outside the kept "
+                                              f"group trains; re-forming"))
+                    self.sticky.break_("outsider", watch.kept)
+                    return
+        else:
+            for c in self._candidates(records):
+                if c.node_id not in ids and c.expiry > t0:
+                    self._actions.append(Note(f"run {self.run_id} round {self.round}: a newcomer looks for a "
+                                              f"group; re-forming"))
+                    self.sticky.break_("newcomer", watch.kept)
+                    return
+
+    def _disband_kept(self, kept: Kept) -> None:
+        """Tell the kept group's other members that this node will not renew it (twice: it is one-way)."""
+        for c in kept.members:
+            if c.node_id != self.me.node_id:
+                for _ in range(2):
+                    self._actions.append(Notify(c, m.MsgType.MM_DISBAND, {"run": self.run_id, "round": self.round}))
+
+    # -- matchmaking ----------------------------------------------------------------------------
+    def _start_match(self, now: float) -> None:
+        self.phase = "match"
+        me = Candidate(round(now + self.window_s, 3), self.me.node_id, self.me.public_key, self.me.addr)
+        # min_size == M is Moshpit's exact grid: groups close at exactly M, never early
+        settle = None if self.min_size >= self.grid.size else SETTLE_S
+        self._mm = Matchmaker(me, target=self.grid.size, min_size=self.min_size, now=now, rng=self.rng,
+                              settle_s=settle)
+        self._mm_key = group_dht_key(self.run_id, self.round, self.key)
+        self._mm_deadline = now + max(0.0, min(self._timeout_s - (now - self._started),
+                                               self.window_s + MATCH_SLACK_S))
+        self._poll_i = 0
+        self._poll_at = math.inf
+        self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1]),
+                                 self.window_s + 10.0))
+        self._get(self._mm_key, "poll", poll_read(0))
+        self._poll_i = 1
+        if self.grid.dims == 1 and self.keys.extra_bits == 0:  # one key: the whole run looks under it
+            self._get(progress_key(self.run_id), "expect", None)
+        self._pump(now)
+
+    def _pump(self, now: float) -> None:
+        """Turn the matchmaker's decisions into messages; end matchmaking once it is done."""
+        mm = self._mm
+        if mm is None or self.phase != "match":
+            return
+        for action in mm.take_actions():
+            if isinstance(action, Join):
+                fields = {"run": self.run_id, "round": self.round, "key": self.key, "expiry": mm.me.expiry}
+                self._request(action.leader, m.MsgType.MM_JOIN, fields, ("join", mm, action.leader.node_id),
+                              JOIN_TIMEOUT_S, JOIN_ATTEMPTS)
+            elif isinstance(action, Begin):
+                fields = {"run": self.run_id, "round": self.round, "group": action.group.group_id,
+                          "members": list(action.group.members)}
+                for c in action.to:
+                    self._request(c, m.MsgType.MM_BEGIN, fields, ("begin",), BEGIN_TIMEOUT_S, BEGIN_ATTEMPTS,
+                                  detached=True)
+            elif isinstance(action, Disband):
+                for c in action.to:
+                    self._actions.append(Notify(c, m.MsgType.MM_DISBAND, {"run": self.run_id, "round": self.round}))
+        if mm.done:
+            self._end_match(now)
+
+    def _end_match(self, now: float, timed_out: bool = False) -> None:
+        mm = self._mm
+        assert mm is not None
+        group, seen = (None, 1) if timed_out else (mm.group, mm.seen)
+        self._mm = None
+        self._poll_at = math.inf
+        self.seen = seen
+        sticky = self.sticky
+        sticky.after_matchmaking(group, self.round, seen, mm.expected)
+        if group is not None and sticky.keep_rounds > 1 and sticky.kept is None and group.leader != self.me.node_id:
+            # the leader may think the group complete: tell it now, or it would wait out a window next
+            # round for this node's renewal request
+            leader = next(c for c in group.members if c.node_id == group.leader)
+            for _ in range(2):
+                self._actions.append(Notify(leader, m.MsgType.MM_DISBAND, {"run": self.run_id, "round": self.round}))
+        if group is None:
+            self.keys.after_alone()
+            self.outcome = "alone"
+            self.synced = False  # perhaps the swarm is in another round: look at its progress next time
+            self._finish(now)
+            return
+        self._start_average(group, kept=False)
+
+    def _expect(self, records: list[RecordLike], now: float) -> None:
+        """Tell the matchmaker who finished one of the last rounds: a leader waits a little longer for them.
+
+        A peer that already finished this round or a later one is ahead: this peer re-reads the run's
+        progress after the round and jumps to it, else two halves of a run that fell out of step (a stall)
+        would wait for each other at different round numbers, every round, forever."""
+        mm = self._mm
+        assert mm is not None
+        recent = set()
+        # With kept groups, a peer whose progress lags (a joiner chasing a kept group: the group's rounds
+        # take milliseconds, so the joiner's jump ahead always lands on a round the group already left) is
+        # still expected while it keeps trying: its record was refreshed within two windows. The group,
+        # broken by this outsider, then waits for it in this round, where the joiner's next jump lands.
+        lagging_s = 2 * self.window_s if self.sticky.keep_rounds > 1 else None
+        for owner, value, stored in self._progress(records, now):
+            if value >= self.round - 3 or (lagging_s is not None and stored > now - lagging_s):
+                recent.add(owner)
+            if value >= self.round and owner != self.me.node_id:
+                self.synced = False
+        if not recent:
+            # nobody finished a recent round (a run's first round): whom to expect is unknown, so the
+            # leader waits for a pause without newcomers (1.5 s), not 0.3 s: peers whose first step took a
+            # moment longer would otherwise find the others' round over and start out of step
+            return
+        mm.set_expected(frozenset(recent), now)
+        self._pump(now)
+
+    def _candidates(self, records: list[RecordLike]) -> list[Candidate]:
+        out = []
+        for r in records:
+            a = decode_announce(r)
+            if a is None:
+                self._actions.append(Count("datagrams_dropped", ("mm_record",)))
+                continue
+            host = self.resolve(a.node_id, a.host)
+            if host is not None:
+                out.append(Candidate(a.expiry, a.node_id, a.public_key, (host, a.port)))
+        return out
+
+    # -- the end of a round ---------------------------------------------------------------------
+    def _start_average(self, group: Group, *, kept: bool) -> None:
+        self.phase = "average"
+        self.group = group
+        self.kept_round = kept
+        self._actions.append(Average(group, kept))
+
+    def _finish(self, now: float) -> None:
+        round_no = self.round
+        self.round = round_no + 1
+        self._actions.append(Put(progress_key(self.run_id), encode_progress(round_no), PROGRESS_TTL_S))
+        if not self.synced and not self._numbered:  # the caller numbers this run's rounds: nothing to catch up
+            self.sync(now)
+        else:
+            self.phase = "done"
+
+    def sync(self, now: float) -> None:
+        """Read the run's progress and move to the round after the latest one any peer finished (joiners)."""
+        self.phase = "sync"
+        self._sync_deadline = now + SYNC_S
+        self._get(progress_key(self.run_id), "sync", None)
+
+    def apply_sync(self, records: list[RecordLike], now: float) -> None:
+        """Start at the round after the latest one any (believable) peer of the run finished."""
+        latest = -1
+        for _, value, _ in self._progress(records, now):
+            latest = max(latest, value)
+        self.round = max(self.round, latest + 1)
+        self.synced = True
+
+    def _progress(self, records: list[RecordLike], now: float) -> list[tuple[bytes, int, float]]:
+        """Progress records to believe (``plausible_progress``); the others are counted."""
+        out, skipped = decode_progress(records)
+        for reason, n in skipped.items():
+            if n:
+                self._actions.append(Count("ignored_records", ("progress", reason), n))
+        out, ahead = plausible_progress(out, self.round, now, self.known)
+        if ahead:
+            self._actions.append(Count("ignored_records", ("progress", "ahead"), ahead))
+            self._actions.append(Note(f"run {self.run_id}: ignored {ahead} progress record(s) too far ahead"))
+        return out
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _get(self, key: bytes, purpose: str, enough: Agreed | None) -> int:
+        self._token += 1
+        self._gets[self._token] = (purpose, self.round)
+        self._actions.append(Get(key, self._token, enough))
+        return self._token
+
+    def _request(self, to: Candidate, mtype: m.MsgType, fields: dict, context: tuple, timeout: float,
+                 attempts: int, *, detached: bool = False) -> int:
+        self._token += 1
+        self._requests[self._token] = context
+        if len(self._requests) > 4096:  # answers that never came (a driver that dropped them): forget the oldest
+            del self._requests[next(iter(self._requests))]
+        self._actions.append(Request(to, mtype, fields, self._token, timeout, attempts, detached))
+        return self._token
