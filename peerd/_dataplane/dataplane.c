@@ -107,7 +107,7 @@ static int rows_fit(const char *what, Py_ssize_t size, Py_ssize_t offset, Py_ssi
     if (offset > size) goto out_of_bounds;
     Py_ssize_t room = size - offset;
     if (len > room) goto out_of_bounds;
-    if (rows > 1 && (stride == 0 || (rows - 1) > (room - len) / stride)) goto out_of_bounds;
+    if (rows > 1 && stride > 0 && (rows - 1) > (room - len) / stride) goto out_of_bounds; /* stride 0: len 0 */
     return 1;
 out_of_bounds:
     PyErr_Format(PyExc_ValueError, "%s: %zd rows of %zd bytes, %zd apart, from offset %zd do not fit in %zd bytes",

@@ -3,7 +3,9 @@ timed part is the average alone and no 100 MB vector crosses the local socket.""
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,10 +14,88 @@ import trio
 from ..bench.vectors import seeded_vector
 from ..localsock.server import OpError
 from ..transport.udp import UdpSocket
+from ..wire import seal as _seal
+from . import group as _group
 from .robust import Robust, parse_robust
 from .service import AllreduceService, AverageResult, Member
 
 MAX_BENCH_ELEMENTS = 1 << 28  # 1 GiB of float32
+
+# What ``--profile`` times, stage -> (class, method): each a synchronous call over a block (or one datagram),
+# so a wrapper's microsecond is small beside it. Nested stages are exclusive: the all-gather's finalize runs
+# inside ``next_blocks`` and counts as finalize only.
+STAGES: dict[str, tuple[type, str]] = {
+    "seal": (_seal.Sealer, "seal_block"),
+    "seal_one": (_seal.Sealer, "seal"),
+    "open": (_seal.Opener, "open_block"),
+    "open_one": (_seal.Opener, "open"),
+    "pack": (_group.GroupAverage, "next_blocks"),
+    "finalize": (_group.GroupAverage, "_finalize_through"),
+    "receive_block": (_group.GroupAverage, "receive_block"),
+    "receive_one": (_group.GroupAverage, "receive"),
+}
+SYSCALLS = {"recv_syscall": "recvmsg_into", "send_syscall": "sendmsg", "sendto_syscall": "sendto"}
+
+
+class StageClock:
+    """CPU seconds (this thread's) by stage, exclusive of nested stages: a bench-only instrument that wraps
+    methods in place, so nothing in the data path pays for it unless a bench asks for ``profile``."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._stack: list[float] = []  # per open stage: CPU time its nested stages took
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.thread_time
+        totals, stack = self.totals, self._stack
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            stack.append(0.0)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = clock() - t0
+                totals[name] = totals.get(name, 0.0) + spent - stack.pop()
+                if stack:
+                    stack[-1] += spent
+
+        timed.__peerd_stage__ = True  # type: ignore[attr-defined]
+        return timed
+
+    def reset(self) -> None:
+        self.totals.clear()
+
+
+class _TimedSocket:
+    """A socket whose receive and send syscalls are timed by a StageClock; everything else passes through
+    (trio waits on it through ``fileno``)."""
+
+    def __init__(self, sock: Any, clock: StageClock) -> None:
+        self._sock = sock
+        for stage, method in SYSCALLS.items():
+            setattr(self, method, clock.wrap(stage, getattr(sock, method)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+_CLOCK: StageClock | None = None
+
+
+def install_profiler(sock: UdpSocket) -> StageClock:
+    """Wrap the data path's stages (once per process) and ``sock``'s syscalls; returns the clock."""
+    global _CLOCK
+    if _CLOCK is None:
+        _CLOCK = StageClock()
+        for name, (cls, method) in STAGES.items():
+            fn = getattr(cls, method)
+            if not getattr(fn, "__peerd_stage__", False):
+                setattr(cls, method, _CLOCK.wrap(name, fn))
+    if not isinstance(sock.sock, _TimedSocket):
+        sock.sock = _TimedSocket(sock.sock, _CLOCK)  # type: ignore[assignment]
+    return _CLOCK
 
 
 class BenchOps:
@@ -24,6 +104,7 @@ class BenchOps:
         self.sock = sock
         self._prepared: dict[int, tuple[list[Member], int, np.ndarray, float, Robust | None]] = {}
         self._results: dict[int, AverageResult] = {}
+        self._clock: StageClock | None = None
 
     def ops(self) -> dict[str, Any]:
         return {"bench_prepare": self.prepare, "bench_run": self.run, "bench_result": self.result}
@@ -34,10 +115,13 @@ class BenchOps:
             members = [Member(None, bytes.fromhex(pid), (host, int(port))) for pid, host, port in req["members"]]
             index, seed, size, weight = int(req["index"]), int(req["seed"]), int(req["size"]), float(req["weight"])
             robust = parse_robust(req.get("robust"))
+            profile = bool(req.get("profile", False))
         except (KeyError, ValueError, TypeError) as e:
             raise OpError(f"bench_prepare: bad arguments ({e})") from None
         if not 0 <= size <= MAX_BENCH_ELEMENTS or not 0 <= index < len(members):
             raise OpError("bench_prepare: size or index out of range")
+        if profile and self._clock is None:
+            self._clock = install_profiler(self.sock)
         vector = await trio.to_thread.run_sync(seeded_vector, seed, size)
         self._prepared[group] = (members, index, vector, weight, robust)
         return {}
@@ -48,6 +132,8 @@ class BenchOps:
             raise OpError(f"bench_run: group {group} was not prepared")
         members, index, vector, weight, robust = self._prepared.pop(group)
         drops0 = self.sock.kernel_drops
+        if self._clock is not None:
+            self._clock.reset()
         cpu0 = time.process_time()
         sock0 = self.sock.statistics()
         try:
@@ -58,7 +144,13 @@ class BenchOps:
         cpu = time.process_time() - cpu0  # the whole daemon: in a bench it does nothing else
         self._results[group] = result
         st = result.stats
-        return {
+        reply: dict[str, Any] = {}
+        if self._clock is not None:
+            stages = {k: round(v, 6) for k, v in sorted(self._clock.totals.items())}
+            stages["other"] = round(cpu - sum(stages.values()), 6)  # trio, handlers, metrics, reports
+            reply["stages"] = stages
+        return reply | {
+            "dataplane": _seal.dataplane(),
             "done_at": done,
             "seconds": result.seconds,
             "cpu_s": cpu,

@@ -38,6 +38,9 @@ class AllreduceBenchConfig:
     compare_gloo: bool = False
     seed: int = 0
     robust: str = "off"  # off | clip[:C] | centered[:C]: norm clipping at each shard owner (robust.py)
+    # CPU seconds per daemon by stage of the data path (seal, open, pack, finalize, syscalls, ...) in the JSON;
+    # PEERD_BENCH_PROFILE=1 turns it on too (for a CLI without --profile)
+    profile: bool = False
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -115,6 +118,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
     extra: list[str] = ["--mtu", str(cfg.mtu), "--log-level", "warning"]
     if cfg.no_gso:
         extra.append("--no-gso")
+    profile = cfg.profile or os.environ.get("PEERD_BENCH_PROFILE", "") == "1"
     swarm = LocalSwarm(os.path.join(workdir, "swarm"), insecure=cfg.insecure, metrics=False)
     gloo: GlooBaseline | None = None
     try:
@@ -141,7 +145,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             group = rng.getrandbits(32)
             list(pool.map(lambda i, g=group: nodes[i].call(
                 "bench_prepare", timeout=600, group_id=g, members=members, index=i, seed=seeds[i],
-                size=cfg.size, weight=weights[i], robust=cfg.robust), range(cfg.peers)))
+                size=cfg.size, weight=weights[i], robust=cfg.robust, profile=profile), range(cfg.peers)))
             t0 = time.time()
             replies = list(pool.map(lambda n, g=group: n.call("bench_run", timeout=600, group_id=g), nodes))
             elapsed = max(rep["done_at"] for rep in replies) - t0
@@ -167,7 +171,9 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         for rep in runs:
             for reason, count in rep["drops"].items():
                 drops[reason] = drops.get(reason, 0) + count
+        planes = sorted({rep.get("dataplane", "unknown") for rep in runs})
         out: dict[str, Any] = {
+            "dataplane": planes[0] if len(planes) == 1 else planes,  # "native" or "python" (every daemon's)
             "peers": cfg.peers,
             "size": cfg.size,
             "mtu": cfg.mtu,
@@ -192,6 +198,12 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "phases_ended_by_deadline": sum((rep["rs_ended_by"] == "deadline") + (rep["ag_ended_by"] == "deadline")
                                             for rep in runs),
         }
+        if profile:
+            # CPU seconds per daemon per average by stage (mean over peers and repeats); "other" is the rest
+            # of cpu_s_per_peer: trio, handlers, metrics, reports
+            stages = sorted({k for rep in runs for k in rep.get("stages", {})})
+            out["profile"] = {k: round(statistics.mean(rep.get("stages", {}).get(k, 0.0) for rep in runs), 4)
+                              for k in stages}
         if cfg.loss == 0:
             out["max_abs_err"] = max(errors)
         # Also without --loss: real loss (a namespace's nftables or tc) is measured by these.

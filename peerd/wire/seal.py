@@ -177,8 +177,7 @@ class Sealer:
             return out
         out[:, :HEADER_SIZE] = head
         nonces, aads = _nonces(head), _aads(head, tail)
-        src = memoryview(np.ascontiguousarray(bodies)).cast("B")
-        dst = memoryview(out).cast("B")
+        src, dst = _flat(np.ascontiguousarray(bodies)), _flat(out)
         encrypt = self._aead.encrypt_into
         a = len(aads) // rows
         for i in range(rows):
@@ -201,6 +200,11 @@ class Sealer:
             self._ctx.seal_block(prefix, first, rows, src, 0, size, size, tail, out, 0, out.shape[1])
         self._seq += rows
         return out
+
+
+def _flat(a: np.ndarray) -> memoryview:
+    """A contiguous array's bytes as one flat memoryview (an empty one too, which ``cast`` refuses)."""
+    return memoryview(a).cast("B") if a.size else memoryview(bytearray())
 
 
 def _nonces(head: np.ndarray) -> bytes:
@@ -361,8 +365,7 @@ class Opener:
         else:
             width = size - HEADER_SIZE - TAG_SIZE
             bodies = np.empty((rows, width), dtype=np.uint8)
-            src = memoryview(np.ascontiguousarray(datagrams)).cast("B")
-            dst = memoryview(bodies).cast("B")
+            src, dst = _flat(np.ascontiguousarray(datagrams)), _flat(bodies)
             nonces, aads = _nonces(head), _aads(head, self._receiver)
             a = len(aads) // rows
             decrypt = state.aead.decrypt_into  # type: ignore[union-attr]
