@@ -292,6 +292,19 @@ def test_closest_is_the_true_closest_by_xor(ids: list[bytes], target: bytes, cou
     assert t.closest(target) == brute[:20]
 
 
+@FAST
+@given(st.lists(st.tuples(st.integers(0, ID_BITS - 1), st.integers(0, 2**64)), max_size=120), node_ids,
+       st.integers(0, 45))
+def test_closest_across_many_buckets(picks: list[tuple[int, int]], target: bytes, count: int) -> None:
+    # ids spread over every bucket (random ids fill only the top few): closest() reads buckets in XOR order
+    t = RoutingTable(OWN, k=4)
+    for index, bits in picks:
+        t.observe(contact(as_id(as_int(OWN) ^ ((1 << index) | (bits % (1 << index) if index else 0)))))
+    for aim in (target, OWN, t.contacts()[0].node_id if len(t) else target):
+        brute = sorted(t.contacts(), key=lambda c: as_int(c.node_id) ^ as_int(aim))
+        assert t.closest(aim, count) == brute[:count]
+
+
 def test_closest_when_everything_fits() -> None:
     rng = random.Random(5)
     ids = [as_id(rng.getrandbits(256)) for _ in range(30)]

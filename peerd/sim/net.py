@@ -1,0 +1,237 @@
+"""One in-memory datagram network in virtual time, for the simulator and the tests.
+
+Nodes are handlers by address. Every datagram's fate (lost, duplicated, delayed, reordered by jitter,
+queued behind earlier ones on a link of limited bandwidth) is drawn from one injected ``random.Random``,
+and everything that happens is an event on one heap ordered by (time, sequence): the same seed and the
+same calls give the same events, in the same order, with no wall clock anywhere. Partitions cut links
+between groups of nodes until healed; a crashed node loses what was in flight to it and its timers, and
+may restart at the same address with new state.
+
+``Link.fate`` is the per-datagram decision on its own, for a network whose clock is another's (the trio
+tests' ``MemNet`` runs it under trio's MockClock).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+Address = Hashable
+Handler = Callable[[Address, Any], None]  # handler(source, payload), called at delivery with net.now set
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """How a directed link treats each datagram.
+
+    ``loss`` and ``duplicate`` are probabilities per datagram; a copy arrives ``latency`` plus a uniform
+    draw in [0, ``jitter``) seconds after it leaves (jitter reorders); ``bandwidth`` (bytes per second,
+    None: unlimited) serialises datagrams on the link, so a burst leaves one after another."""
+
+    loss: float = 0.0
+    duplicate: float = 0.0
+    latency: float = 0.0
+    jitter: float = 0.0
+    bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("loss", "duplicate"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+        for name in ("latency", "jitter"):
+            value = getattr(self, name)
+            if not 0.0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if self.bandwidth is not None and not 0.0 < self.bandwidth < float("inf"):
+            raise ValueError(f"bandwidth must be a finite number of bytes per second > 0, got {self.bandwidth!r}")
+
+    def fate(self, rng: random.Random) -> list[float]:
+        """Delays of the copies that arrive (empty: lost). Draws: loss; if it arrives, duplication and one
+        per copy (the order tests/memnet.py always drew in, so their seeds keep their loss patterns)."""
+        if rng.random() < self.loss:
+            return []
+        copies = 2 if rng.random() < self.duplicate else 1
+        return [self.latency + rng.random() * self.jitter for _ in range(copies)]
+
+
+class Timer:
+    """A callback at a virtual time; ``cancel`` stops it (it stays on the heap, skipped when it comes up)."""
+
+    __slots__ = ("at", "fn", "args", "cancelled", "owner", "epoch")
+
+    def __init__(self, at: float, fn: Callable[..., None], args: tuple, owner: Address | None, epoch: int) -> None:
+        self.at = at
+        self.fn = fn
+        self.args = args
+        self.cancelled = False
+        self.owner = owner
+        self.epoch = epoch
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Network:
+    """Virtual-time datagram network. ``run`` pops events until a time, a count, or none is left.
+
+    ``trace``: when a list, every datagram sent, lost, delivered or dropped is appended to it as
+    ``(time, what, source, destination, size)``, for tests that compare runs."""
+
+    def __init__(self, rng: random.Random, *, default: Link | None = None, trace: list | None = None) -> None:
+        self.rng = rng
+        self.now = 0.0
+        self.default = default if default is not None else Link()
+        self.links: dict[tuple[Address, Address], Link] = {}
+        self.trace = trace
+        self._heap: list[tuple[float, int, Any]] = []
+        self._seq = 0
+        self._handlers: dict[Address, Handler] = {}
+        self._epoch: dict[Address, int] = {}  # incarnation per address: bumped by crash
+        self._crashed_at: dict[tuple[Address, int], float] = {}  # (address, incarnation) -> when it crashed
+        self._side: dict[Address, int] = {}  # partition group per address (0: not named in any group)
+        self._busy: dict[tuple[Address, Address], float] = {}  # when a link with bandwidth is free again
+        self.sent = self.lost = self.duplicated = self.delivered = self.dropped = 0
+        self.events = 0  # events run (timers and arrivals), for profiling
+
+    # -- nodes ----------------------------------------------------------------------------------
+    def attach(self, addr: Address, handler: Handler) -> None:
+        """Put a node at ``addr`` (a restart after ``crash`` is an attach with the new state's handler)."""
+        if addr in self._handlers:
+            raise ValueError(f"{addr!r} is already attached")
+        self._handlers[addr] = handler
+        self._epoch.setdefault(addr, 0)
+
+    def crash(self, addr: Address) -> None:
+        """The node at ``addr`` dies: what is in flight to it is lost, its timers never fire, and what it
+        queued on a link but had not sent yet by now never leaves."""
+        if self._handlers.pop(addr, None) is None:
+            raise ValueError(f"{addr!r} is not attached")
+        epoch = self._epoch[addr]
+        self._crashed_at[(addr, epoch)] = self.now
+        self._epoch[addr] = epoch + 1
+        for key in [key for key in self._busy if key[0] == addr]:
+            del self._busy[key]  # its queues died with it
+
+    def alive(self, addr: Address) -> bool:
+        return addr in self._handlers
+
+    def set_link(self, src: Address, dst: Address, link: Link) -> None:
+        """The link from ``src`` to ``dst`` (one direction) behaves as ``link``; others keep the default."""
+        self.links[(src, dst)] = link
+
+    def partition(self, *groups: set | frozenset | list | tuple) -> None:
+        """Cut the network: nodes reach only nodes of their own group (every address named in no group
+        forms one more group). Datagrams in flight across a cut are lost when they arrive."""
+        self._side = {}
+        for i, group in enumerate(groups, start=1):
+            for addr in group:
+                if addr in self._side:
+                    raise ValueError(f"{addr!r} is named in two groups")
+                self._side[addr] = i
+
+    def heal(self) -> None:
+        """Undo ``partition``: every node reaches every other again."""
+        self._side = {}
+
+    def reachable(self, src: Address, dst: Address) -> bool:
+        side = self._side
+        return not side or side.get(src, 0) == side.get(dst, 0)
+
+    # -- datagrams ------------------------------------------------------------------------------
+    def send(self, src: Address, dst: Address, payload: Any, size: int = 1) -> None:
+        """``src`` sends ``payload`` (``size`` bytes on the wire) to ``dst``. A test may send from any
+        ``src`` (a spoofed source); a crashed sender's datagrams never leave."""
+        self.sent += 1
+        if self.trace is not None:
+            self.trace.append((self.now, "send", src, dst, size))
+        link = self.links.get((src, dst), self.default)
+        delays = link.fate(self.rng)
+        if not delays or not self.reachable(src, dst):
+            self.lost += 1
+            if self.trace is not None:
+                self.trace.append((self.now, "lost", src, dst, size))
+            return
+        depart = self.now
+        if link.bandwidth is not None:
+            key = (src, dst)
+            start = max(self.now, self._busy.get(key, 0.0))
+            depart = start + size / link.bandwidth
+            self._busy[key] = depart
+        if len(delays) > 1:
+            self.duplicated += 1
+        src_epoch = self._epoch.get(src, 0)
+        dst_epoch = self._epoch.get(dst, 0)
+        for delay in delays:
+            self._push(depart + delay, (src, dst, payload, size, src_epoch, dst_epoch, depart))
+
+    def _arrive(self, src: Address, dst: Address, payload: Any, size: int, src_epoch: int, dst_epoch: int,
+                depart: float) -> None:
+        handler = self._handlers.get(dst)
+        died = self._crashed_at.get((src, src_epoch))
+        if (
+            handler is None
+            or self._epoch.get(dst, 0) != dst_epoch
+            or (died is not None and depart > died)  # queued on the link when its sender crashed
+            or not self.reachable(src, dst)
+        ):
+            self.dropped += 1
+            if self.trace is not None:
+                self.trace.append((self.now, "drop", src, dst, size))
+            return
+        self.delivered += 1
+        if self.trace is not None:
+            self.trace.append((self.now, "recv", src, dst, size))
+        handler(src, payload)
+
+    # -- timers ---------------------------------------------------------------------------------
+    def call_at(self, at: float, fn: Callable[..., None], *args: Any, owner: Address | None = None) -> Timer:
+        """Call ``fn(*args)`` at virtual time ``at`` (never earlier than now). With ``owner``, the call is
+        dropped if that node has crashed since."""
+        epoch = self._epoch.get(owner, 0) if owner is not None else 0
+        timer = Timer(max(at, self.now), fn, args, owner, epoch)
+        self._push(timer.at, timer)
+        return timer
+
+    def call_later(self, delay: float, fn: Callable[..., None], *args: Any, owner: Address | None = None) -> Timer:
+        return self.call_at(self.now + delay, fn, *args, owner=owner)
+
+    def _push(self, at: float, item: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, item))
+
+    # -- running --------------------------------------------------------------------------------
+    def next_time(self) -> float | None:
+        """When the next event is due, or None when nothing is left."""
+        return self._heap[0][0] if self._heap else None
+
+    def run(self, until: float | None = None, *, max_events: int | None = None) -> int:
+        """Run events in order until the next is after ``until`` (then now = ``until``), ``max_events``
+        have run, or none is left. Returns the number run."""
+        heap = self._heap
+        epochs = self._epoch
+        count = 0
+        while heap:
+            at = heap[0][0]
+            if until is not None and at > until:
+                break
+            if max_events is not None and count >= max_events:
+                self.events += count
+                return count
+            _, _, item = heapq.heappop(heap)
+            self.now = at
+            if type(item) is Timer:
+                if item.cancelled or (item.owner is not None and epochs.get(item.owner, 0) != item.epoch):
+                    continue
+                count += 1
+                item.fn(*item.args)
+            else:
+                count += 1
+                self._arrive(*item)
+        if until is not None and until > self.now:
+            self.now = until
+        self.events += count
+        return count
