@@ -1,0 +1,158 @@
+"""Fuzz every entry point of the native data plane (peerd._dataplane._native) under AddressSanitizer.
+
+Run by tests/fuzz/run.sh, which builds an ASan copy of the extension into a temp dir and preloads gcc's libasan
+(``PEERD_ASAN_NATIVE`` is that copy's path). Each input picks an entry point (Aead(), seal_block, open_block,
+frame_block) and arguments: buffers of exact sizes (ctypes arrays, malloc'd apart under PYTHONMALLOC=malloc, so a
+byte read or written past one is an ASan report), offsets, strides, counts and lengths that are right, nearly
+right or wild. A call may raise ValueError, OverflowError or TypeError (the bounds it checks); anything else, or
+a sealed block that does not open back to its bodies, is a crash.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+import atheris
+
+HEADER, TAG, KEY = 21, 16, 32
+ALLOWED = (ValueError, OverflowError, TypeError)
+ENTRIES = ("Aead", "seal_block", "open_block", "frame_block")
+# gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
+# feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
+# pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
+# and printed now and then, so a run shows it called every entry point with good and bad arguments.
+seen: collections.Counter[str] = collections.Counter()
+
+
+def report() -> None:
+    print("fuzz: outcomes", dict(sorted(seen.items())), file=sys.stderr, flush=True)
+
+
+atexit.register(report)
+
+
+def _load_native():  # type: ignore[no-untyped-def]
+    path = os.environ.get("PEERD_ASAN_NATIVE")
+    if not path:
+        sys.exit("PEERD_ASAN_NATIVE: the path of an ASan build of peerd._dataplane._native (tests/fuzz/run.sh)")
+    loader = importlib.machinery.ExtensionFileLoader("peerd._dataplane._native", path)
+    spec = importlib.util.spec_from_file_location("peerd._dataplane._native", path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+native = _load_native()
+
+
+def buffer(fdp: atheris.FuzzedDataProvider, size: int) -> ctypes.Array:
+    """A writable buffer of exactly ``size`` bytes (no slack after it for an overflow to hide in)."""
+    buf = (ctypes.c_char * size)()
+    data = fdp.ConsumeBytes(min(size, fdp.remaining_bytes()))
+    ctypes.memmove(buf, data, len(data))
+    return buf
+
+
+def number(fdp: atheris.FuzzedDataProvider, right: int) -> int:
+    """``right``, or a value next to it, or a wild one: where bound checks go wrong."""
+    kind = fdp.ConsumeIntInRange(0, 7)
+    if kind <= 3:
+        return right
+    if kind <= 5:
+        return right + fdp.ConsumeIntInRange(-3, 3)
+    return fdp.ConsumeIntInRange(-(2**63), 2**63 - 1)
+
+
+def layout(fdp: atheris.FuzzedDataProvider, rows: int, length: int) -> tuple[int, int, int]:
+    """(offset, stride, buffer size) for ``rows`` rows of ``length`` bytes: usually exact, sometimes off."""
+    offset = fdp.ConsumeIntInRange(0, 16)
+    stride = length + fdp.ConsumeIntInRange(0, 16)
+    need = offset + (rows - 1) * stride + length if rows else offset
+    size = max(0, need + fdp.ConsumeIntInRange(-2, 2) if fdp.ConsumeBool() else need)
+    return number(fdp, offset), number(fdp, stride), min(size, 1 << 20)
+
+
+def one_input(data: bytes) -> None:
+    fdp = atheris.FuzzedDataProvider(hashlib.shake_256(data).digest(4096))
+    which = fdp.ConsumeIntInRange(0, 3)
+    seen["inputs"] += 1
+    if seen["inputs"] & 0x1FFF == 0:
+        report()
+    try:
+        call(fdp, which)
+        seen[f"{ENTRIES[which]} ok"] += 1
+    except ALLOWED:
+        seen[f"{ENTRIES[which]} refused"] += 1
+
+
+def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
+    """One call of entry point ``which`` with arguments read from ``fdp``."""
+    key = fdp.ConsumeBytes(KEY if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeIntInRange(0, 40))
+    if which == 0:
+        native.Aead(key)
+        return
+    rows = fdp.ConsumeIntInRange(0, 40)
+    body_len = fdp.ConsumeIntInRange(0, 300) if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeIntInRange(0, 70000)
+    receiver = fdp.ConsumeBytes(32 if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 40))
+    prefix = fdp.ConsumeBytes(13 if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeIntInRange(0, 20))
+    first = number(fdp, fdp.ConsumeIntInRange(1, 2**64 - 1))
+    s_off, s_stride, s_size = layout(fdp, rows, body_len)
+    width = HEADER + body_len + (TAG if which != 3 else 0)
+    o_off, o_stride, o_size = layout(fdp, rows, width)
+    src, out = buffer(fdp, s_size), buffer(fdp, o_size)
+    n_rows = number(fdp, rows)
+    n_len = number(fdp, body_len)
+    if which == 3:
+        native.frame_block(prefix, first, n_rows, src, s_off, s_stride, n_len, out, o_off, o_stride)
+        return
+    aead = native.Aead(key)
+    if which == 1:
+        aead.seal_block(prefix, first, n_rows, src, s_off, s_stride, n_len, receiver, out, o_off, o_stride)
+        sealed_ok = (n_rows, n_len, s_off, s_stride, o_off, o_stride) == (
+            rows, body_len, s_off, s_stride, o_off, o_stride)
+        if not sealed_ok or rows == 0:
+            return
+        # Round trip: what was sealed opens back to the bodies (a few rows tampered first fail alone).
+        d_off, d_stride, d_size = layout(fdp, rows, body_len)
+        dst, mask = buffer(fdp, d_size), (ctypes.c_char * rows)(*([b"\x01"] * rows))
+        bad = set()
+        for _ in range(fdp.ConsumeIntInRange(0, 3)):
+            r = fdp.ConsumeIntInRange(0, rows - 1)
+            at = o_off + r * o_stride + fdp.ConsumeIntInRange(0, width - 1)
+            out[at] = bytes([out[at][0] ^ (1 << fdp.ConsumeIntInRange(0, 7))])
+            bad.add(r)
+        try:
+            failures = aead.open_block(out, o_off, o_stride, width, rows, receiver, dst, d_off, d_stride, mask)
+        except ALLOWED:
+            return
+        seen["round trip"] += 1
+        if failures != len(bad) or [mask[i] == b"\x01" for i in range(rows)] != [i not in bad for i in range(rows)]:
+            raise AssertionError(f"{failures} rows failed, {len(bad)} were tampered")
+        for i in range(rows):
+            if i not in bad and bytes(dst[d_off + i * d_stride : d_off + i * d_stride + body_len]) != bytes(
+                    src[s_off + i * s_stride : s_off + i * s_stride + body_len]):
+                raise AssertionError(f"row {i} opened to other bytes than were sealed")
+        return
+    # open_block over arbitrary bytes as datagrams
+    row_len = number(fdp, width)
+    d_off, d_stride, d_size = layout(fdp, rows, max(0, body_len))
+    dst = buffer(fdp, d_size)
+    mask = buffer(fdp, max(0, number(fdp, rows)) % 64)
+    aead.open_block(out, o_off, o_stride, row_len, n_rows, receiver, dst, d_off, d_stride, mask)
+
+
+def main() -> None:
+    atheris.Setup(sys.argv, one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
