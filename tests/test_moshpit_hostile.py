@@ -284,7 +284,9 @@ def test_plausible_progress_follows_the_median_not_the_max() -> None:
 def test_a_node_that_averaged_believes_its_peers_not_a_crowd_of_strangers() -> None:
     """Ids are free to mint: 64 strangers agreeing on a far round outvote any median (bench soak moved four
     honest daemons to round 2**31 that way). A node that has averaged follows strangers only a few rounds."""
-    from peerd.moshpit.service import STRANGER_AHEAD, RunState
+    from peerd.moshpit.keys import KeyManager
+    from peerd.moshpit.rounds import RoundMachine
+    from peerd.moshpit.service import STRANGER_AHEAD
     now = 1000.0
     peers = [bytes([i]) * 32 for i in range(3)]
     sybils = [(bytes([100, i]) * 16, 2**31, now - 1) for i in range(64)]
@@ -298,7 +300,8 @@ def test_a_node_that_averaged_believes_its_peers_not_a_crowd_of_strangers() -> N
     assert plausible_progress([(b"s" * 32, 43 + STRANGER_AHEAD, now - 1)], 42, now, set(peers))[1] == 1
     # without known peers (a joiner), the crowd wins: documented, a joiner trusts the swarm it first sees
     assert plausible_progress([*honest, *sybils], 0, now)[1] == 0
-    st = RunState("r", Grid(1, 4), None)  # type: ignore[arg-type]
+    me = Candidate(0.0, b"m" * 32, b"m" * 32, ("127.0.0.1", 1))
+    st = RoundMachine("r", Grid(1, 4), KeyManager(Grid(1, 4), me.node_id), me, rng=random.Random(0))
     for r in range(300):
         st.note_members([r.to_bytes(32, "big")], r)
     assert len(st.known) == svc_mod.KNOWN_PEERS and (299).to_bytes(32, "big") in st.known

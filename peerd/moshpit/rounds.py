@@ -244,6 +244,14 @@ class RoundMachine:
         while len(self.known) > KNOWN_PEERS:
             del self.known[next(iter(self.known))]
 
+    def abandon(self) -> None:
+        """The driver stopped the round under way (its caller was cancelled): the round number stays, so
+        the next round is this one again; what was pending is forgotten."""
+        if self.phase not in ("idle", "done"):
+            self.phase = "idle"
+        self._mm, self._watch, self._ask = None, None, None
+        self._gets.clear()
+
     def set_keep_rounds(self, keep_rounds: int) -> None:
         if self.sticky.keep_rounds != keep_rounds:
             self.sticky = StickyGroups(self.me.node_id, keep_rounds)
@@ -260,6 +268,8 @@ class RoundMachine:
         self._started = now
         self._timeout_s = timeout_s
         self._gets.clear()
+        for token in [t for t, req in self._requests.items() if req[0] == "join"]:
+            del self._requests[token]  # JOINs of an earlier round: their answers no longer matter
         sticky = self.sticky
         if sticky.kept is not None and sticky.broken:
             self._disband_kept(sticky.kept)  # the others need not wait for a renewal that will not come

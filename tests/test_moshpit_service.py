@@ -1,0 +1,312 @@
+"""The Moshpit service in one process, in virtual time: real daemons' services (endpoint, DHT, allreduce,
+Moshpit) over tests/memnet.py under trio's MockClock, with one clock for the service and the DHT.
+
+These replace what tests/test_e2e_moshpit.py could only show with sleeps and tolerances: a round forming,
+joiners, kept groups, a leader killed, a member 1.5 s late every round, a full grid, members killed
+mid-average. No load can make them flaky: their timing is exact."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from peerd.allreduce.service import AllreduceService
+from peerd.dht.service import DhtService
+from peerd.metrics import Metrics
+from peerd.moshpit.keys import Grid
+from peerd.moshpit.service import MoshpitService, RoundResult
+from peerd.transport.endpoint import Endpoint
+from peerd.wire.identity import Identity
+
+from .memnet import MemNet
+from .test_dht_network import SECRET, counter_value
+
+BASE = 1_800_000_000.0  # the wall clock at virtual time 0
+
+
+def clock() -> float:
+    return BASE + trio.current_time()
+
+
+class Node:
+    """One daemon's services over the in-memory network, all on the virtual wall clock."""
+
+    def __init__(self, net: MemNet, index: int) -> None:
+        self.addr = ("127.0.0.1", 21000 + index)
+        self.metrics = Metrics()
+        self.identity = Identity.from_seed(index.to_bytes(32, "big"))
+        self.endpoint = Endpoint(net.socket(*self.addr), self.identity, SECRET, self.metrics)
+        self.dht = DhtService(self.endpoint, self.metrics, rng=random.Random(index), refresh_interval=30.0,
+                              wall=clock)
+        self.allreduce = AllreduceService(self.endpoint, self.metrics)
+        self.moshpit = MoshpitService(self.endpoint, self.dht, self.allreduce, self.metrics, address=self.addr,
+                                      rng=random.Random(index), clock=clock)
+        self.scope = trio.CancelScope()  # the daemon
+        self.calls: set[trio.CancelScope] = set()  # its trainer's calls under way
+        self.alive = True
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with self.scope:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.endpoint.serve)
+                await nursery.start(self.dht.run)
+                await nursery.start(self.moshpit.run)
+                task_status.started()
+
+    def kill(self, net: MemNet) -> None:
+        """SIGKILL: nothing reaches it, it sends nothing, its calls end."""
+        self.alive = False
+        net.partition(self.addr)
+        self.scope.cancel()
+        for scope in self.calls:
+            scope.cancel()
+
+
+async def swarm(nursery: trio.Nursery, net: MemNet, count: int, first: int = 0, bootstrap: Node | None = None
+                ) -> list[Node]:
+    nodes = [Node(net, first + i) for i in range(count)]
+    for n in nodes:
+        await nursery.start(n.run)
+    if bootstrap is None:
+        bootstrap = nodes[0]
+        bootstrap.dht.bootstrapped.set()
+    for n in nodes:
+        if n is not bootstrap:
+            await n.dht.bootstrap([bootstrap.addr], timeout=60)
+    return nodes
+
+
+async def lockstep(nodes: list[Node], run: str, vectors: list[np.ndarray], *, weights: list[float] | None = None,
+                   late: int | None = None, late_s: float = 1.5) -> list[RoundResult | None]:
+    """Every node averages one round at the same moment (``late``: that one starts ``late_s`` later).
+    A node killed during the round gives None."""
+    out: list[RoundResult | None] = [None] * len(nodes)
+
+    async def one(i: int) -> None:
+        with trio.CancelScope() as scope:
+            nodes[i].calls.add(scope)
+            if i == late:
+                await trio.sleep(late_s)
+            out[i] = await nodes[i].moshpit.average(run, vectors[i], weights[i] if weights else 1.0, timeout_s=30.0)
+        nodes[i].calls.discard(scope)
+
+    async with trio.open_nursery() as nursery:
+        for i, n in enumerate(nodes):
+            if n.alive:
+                nursery.start_soon(one, i)
+    return out
+
+
+def run_virtual(fn) -> None:
+    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def deviation(vectors: list[np.ndarray]) -> float:
+    stack = np.stack([v.astype(np.float64) for v in vectors])
+    return float(np.sqrt(np.mean(np.sum((stack - stack.mean(axis=0)) ** 2, axis=1))))
+
+
+def test_a_round_forms_weighted_and_joiners_land_in_the_runs_group() -> None:
+    async def main() -> None:
+        net = MemNet(seed=1)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm(nursery, net, 4)
+            for n in nodes:
+                st = await n.moshpit.open("joiners", window_s=2.0)
+                assert str(st.grid) == "4" and st.round == 0
+            rng = np.random.default_rng(0)
+            vectors = [rng.standard_normal(500).astype(np.float32) for _ in nodes]
+            weights = [1.0, 2.0, 3.0, 4.0]
+            exact = sum(w * v.astype(np.float64) for w, v in zip(weights, vectors, strict=True)) / sum(weights)
+            t0 = trio.current_time()
+            results = await lockstep(nodes, "joiners", vectors, weights=weights)
+            # everyone under the one key joined: the leader closes at the target at once, no window waited out
+            assert trio.current_time() - t0 < 1.0
+            assert {r.group_id for r in results} != {""} and len({r.group_id for r in results}) == 1
+            for r in results:
+                assert r.outcome == "averaged" and r.group_size == 4 and r.round == 0 and r.received_fraction == 1
+                assert np.abs(r.vector - exact).max() < 1e-5  # a sample-weighted mean
+            # the run grows to groups of 8; two peers join between rounds and take its grid and next round
+            for n in nodes:
+                assert (await n.moshpit.open("joiners", grid=Grid(1, 8), window_s=2.0)).round == 1
+            late = await swarm(nursery, net, 2, first=4, bootstrap=nodes[0])
+            for n in late:
+                st = await n.moshpit.open("joiners", window_s=2.0)
+                assert st.round == 1 and str(st.grid) == "8"
+            everyone = nodes + late
+            vectors = [r.vector for r in results] + [np.full(500, 10.0, np.float32) for _ in late]
+            results = await lockstep(everyone, "joiners", vectors)
+            ids = {n.identity.node_id.hex() for n in everyone}
+            assert all(r.outcome == "averaged" and r.round == 1 and set(r.members) == ids for r in results), results
+            assert len({r.group_id for r in results}) == 1
+            assert np.allclose(results[0].vector, np.mean(np.stack(vectors), axis=0), atol=1e-5)
+            assert counter_value(nodes[0].metrics.moshpit_rounds, outcome="averaged") == 2
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_a_lonely_peer_waits_its_window_and_keeps_its_vector() -> None:
+    async def main() -> None:
+        net = MemNet(seed=2)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            (node,) = await swarm(nursery, net, 1)
+            await node.moshpit.open("alone", window_s=0.5)
+            vec = np.arange(100, dtype=np.float32)
+            t0 = trio.current_time()
+            (r,) = await lockstep([node], "alone", [vec])
+            assert r is not None and r.outcome == "alone" and r.group_size == 1 and r.group_id == ""
+            assert np.array_equal(r.vector, vec) and r.vector is not vec
+            assert 0.5 <= trio.current_time() - t0 < 1.0  # its window, then it gives up
+            assert node.moshpit.statistics()["alone"]["last"]["outcome"] == "alone"
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_a_complete_group_is_kept_and_re_forms_when_its_leader_dies() -> None:
+    async def main() -> None:
+        net = MemNet(seed=3)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm(nursery, net, 3)
+            for n in nodes:
+                assert (await n.moshpit.open("sticky", window_s=2.0, keep_rounds=4)).sticky.keep_rounds == 4
+            vectors = [np.full(300, float(i), np.float32) for i in range(3)]
+            history = [await lockstep(nodes, "sticky", vectors) for _ in range(4)]
+            # round 0 matchmakes with nobody to expect yet (not kept); round 1's group holds everyone the run
+            # expects and is kept; rounds 2 and 3 renew it without reading the DHT
+            assert [[r.kept for r in stats] for stats in history] == [[False] * 3] * 2 + [[True] * 3] * 2
+            assert all(r.outcome == "averaged" and r.group_size == 3 for stats in history for r in stats)
+            kept = [r for stats in history for r in stats if r.kept]
+            assert all(r.matchmaking_s < 0.05 for r in kept), [r.matchmaking_s for r in kept]
+            stats = [n.moshpit.runs["sticky"].sticky for n in nodes]
+            assert sum(s.renewed for s in stats) == len(kept) == 6
+            # kill the kept group's leader before round 4, a renewal: the followers must not hang
+            leader = stats[0].kept.leader
+            assert all(s.kept is not None and s.kept.leader == leader for s in stats)
+            victim = next(i for i, n in enumerate(nodes) if n.identity.node_id == leader)
+            nodes[victim].kill(net)
+            survivors = [n for n in nodes if n.alive]
+            t0 = trio.current_time()
+            after = await lockstep(survivors, "sticky", vectors[:2])
+            # each follower's renewal request went unanswered (1 s of retries), then they matchmade without it,
+            # the leader waiting its window for the dead peer the run still expects
+            assert trio.current_time() - t0 < 1.0 + 2 * 2.0 + 2.0
+            assert [n.moshpit.runs["sticky"].sticky.dropped for n in survivors] == [{"unreachable": 1}] * 2
+            after = [after] + [await lockstep(survivors, "sticky", vectors[:2]) for _ in range(3)]
+            assert all(r.outcome == "averaged" and r.group_size == 2 for stats in after for r in stats), after
+            ids = {n.identity.node_id.hex() for n in survivors}
+            assert set(after[-1][0].members) == set(after[-1][1].members) == ids
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_a_kept_group_waits_for_a_member_that_starts_its_round_late() -> None:
+    """Each round one peer (in turn: sometimes the leader, sometimes a follower) starts 1.5 s after the others,
+    as a trainer busy with its other run's round does. Renewals wait until every member asked (PROTOCOL.md
+    section 16, step 7): the late peer is averaged in, never averaged out, and no renewal is ever refused
+    (the e2e version tolerates one refusal under a loaded CI machine; in virtual time there is none)."""
+
+    async def main() -> None:
+        net = MemNet(seed=4)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm(nursery, net, 3)
+            for n in nodes:
+                await n.moshpit.open("late", window_s=3.0, keep_rounds=4)
+            vectors = [np.full(200, float(i), np.float32) for i in range(3)]
+            history = [await lockstep(nodes, "late", vectors, late=r % 3) for r in range(8)]
+            assert all(r.outcome == "averaged" and r.group_size == 3 for stats in history for r in stats)
+            assert all(r.received_fraction == 1.0 for stats in history for r in stats)  # nobody averaged out
+            kept = [[r.kept for r in stats] for stats in history]
+            # round 1's group is the first that holds everyone the run expects: rounds 2-4 renew it, 5 re-forms
+            # it (used up) and keeps it again, 6-7 renew that one
+            assert kept == [[False] * 3] * 2 + [[True] * 3] * 3 + [[False] * 3] + [[True] * 3] * 2, kept
+            for n in nodes:
+                assert n.moshpit.runs["late"].sticky.dropped == {"used_up": 1}
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+async def _grid_run(nursery: trio.Nursery, net: MemNet, *, kill: int, rounds: int, seed: int
+                    ) -> tuple[list[float], list[list[RoundResult | None]], list[Node]]:
+    """`peerd bench moshpit --peers 16 --grid 4x4` in one process: exact grid (groups close at 4), cells
+    shuffled; ``kill`` peers die as soon as they start averaging in round 0 (then groups close at 2)."""
+    grid = Grid(2, 4)
+    rng = random.Random(seed)
+    nodes = await swarm(nursery, net, grid.cells)
+    cells = list(range(grid.cells))
+    rng.shuffle(cells)
+    for n, cell in zip(nodes, cells, strict=True):
+        await n.moshpit.open("grid", grid=grid, cell=cell, adapt=False, min_size=grid.size, window_s=3.0)
+    victims = set(rng.sample(range(len(nodes)), kill))
+    for i in victims:
+        inner = nodes[i].allreduce.average
+
+        async def dying(*args, _i=i, _inner=inner, **kwargs):
+            nursery.start_soon(_kill_soon, nodes[_i], net)
+            return await _inner(*args, **kwargs)
+
+        nodes[i].allreduce.average = dying  # type: ignore[method-assign]
+    data = np.random.default_rng(seed)
+    vectors = [data.standard_normal(1000).astype(np.float32) for _ in nodes]
+    start = deviation(vectors)
+    devs, history = [], []
+    for r in range(rounds):
+        results = await lockstep(nodes, "grid", vectors)
+        history.append(results)
+        vectors = [res.vector if res is not None else v for res, v in zip(results, vectors, strict=True)]
+        if r == 0 and victims:
+            for n in nodes:
+                if n.alive:
+                    await n.moshpit.open("grid", min_size=2, window_s=3.0)
+        devs.append(deviation([v for n, v in zip(nodes, vectors, strict=True) if n.alive]) / start)
+    return devs, history, nodes
+
+
+async def _kill_soon(node: Node, net: MemNet) -> None:
+    await trio.sleep(0.001)  # mid-average: its reduce-scatter has started
+    node.kill(net)
+
+
+def test_a_full_grid_is_exact_in_two_rounds() -> None:
+    async def main() -> None:
+        net = MemNet(seed=5)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            devs, history, _ = await _grid_run(nursery, net, kill=0, rounds=2, seed=5)
+            for results in history:
+                sizes = sorted(r.group_size for r in results if r is not None)
+                assert sizes == [4] * 16 and len({r.group_id for r in results if r is not None}) == 4
+                assert all(r is not None and r.received_fraction == 1.0 for r in results)
+            assert devs[0] > 0.1 and devs[1] <= 1e-6, devs
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_survivors_finish_every_round_after_two_die_mid_average(seed: int) -> None:
+    async def main() -> None:
+        net = MemNet(seed=seed)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            devs, history, nodes = await _grid_run(nursery, net, kill=2, rounds=4, seed=seed)
+            alive = [i for i, n in enumerate(nodes) if n.alive]
+            assert len(alive) == 14
+            for results in history:
+                assert all(results[i] is not None and results[i].outcome in ("averaged", "alone") for i in alive)
+            assert all(d2 <= d1 + 1e-9 for d1, d2 in zip(devs, devs[1:], strict=False)), devs
+            assert devs[-1] <= 0.05, devs
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
