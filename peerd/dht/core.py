@@ -3,13 +3,34 @@
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..wire import messages as m
 from ..wire.errors import WireError
+from .lookup import Lookup
 from .records import Record, RecordStore, VerifiedCache, location
-from .routing import Contact, RoutingTable
+from .routing import Contact, RoutingTable, distance
+
+# A finished lookup's k closest are reused for this long: a put after a get of the same key (a Moshpit
+# announce, then its polls; progress written, then read) stores without a second lookup, and a get asks
+# them all at once. Bounded: RECENT_LOOKUPS targets, the oldest forgotten first.
+RECENT_S = 10.0
+RECENT_LOOKUPS = 256
+VERIFY_MAX = 64  # request senders PINGed at once before they may enter the routing table (more: not added yet)
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Action: PING ``contact`` and report the outcome with ``DhtCore.pinged``.
+
+    ``why`` is "verify" (a request's sender not in the table: it enters only once it answers) or "evict"
+    (a full bucket's least-recently-seen contact: it stays if it answers, else the newcomer takes its place)."""
+
+    contact: Contact
+    why: str
 
 
 @functools.lru_cache(maxsize=4096)
@@ -44,7 +65,74 @@ class DhtCore:
         self.store = store if store is not None else RecordStore(node_id)
         self.refused: dict[str, int] = {}  # STORE refusals by reason, for statistics
         self.verified = VerifiedCache()  # shared with the driver's reads: a record is checked once
+        self.verifying: set[bytes] = set()  # request senders being PINGed before they may enter the table
+        self.recent = RecentLookups()
         self._on_refused = on_refused
+
+    # -- the routing table: who enters it ---------------------------------------------------------
+    def heard(self, contact: Contact) -> Ping | None:
+        """``contact`` answered us (or is known and sent a request): note it. A full bucket asks for its
+        least-recently-seen contact to be PINGed (the Kademlia eviction rule)."""
+        oldest = self.table.observe(contact)
+        return Ping(oldest, "evict") if oldest is not None else None
+
+    def request_from(self, contact: Contact) -> Ping | None:
+        """A request came from ``contact``. A sender already in the table is heard; any other enters it only
+        once it answers a PING of ours: ids are free to mint, and identities that send but never answer would
+        otherwise crowd the table and stall every lookup. At most VERIFY_MAX such PINGs at once."""
+        if contact.node_id in self.table:
+            return self.heard(contact)
+        if contact.node_id in self.verifying or len(self.verifying) >= VERIFY_MAX:
+            return None
+        self.verifying.add(contact.node_id)
+        return Ping(contact, "verify")
+
+    def pinged(self, ping: Ping, answer: Contact | None) -> Ping | None:
+        """The outcome of a ``Ping``: ``answer`` is the contact that answered as ``ping.contact``'s node (its
+        address as seen), or None (no answer, or another node answered)."""
+        if ping.why == "verify":
+            self.verifying.discard(ping.contact.node_id)
+            return self.heard(answer) if answer is not None else None
+        self.table.ping_result(ping.contact, answer is not None)
+        return None
+
+    def failed(self, node_id: bytes) -> None:
+        """A request to ``node_id`` went unanswered: it leaves the table (its freshest replacement enters)."""
+        self.table.remove(node_id)
+
+    # -- lookups ----------------------------------------------------------------------------------
+    def start_lookup(self, target: bytes, now: float, *, alpha: int, early: bool = False,
+                     settle: bool = False) -> Lookup:
+        """A lookup for ``target``, seeded from the table (and a recent lookup's result for the same target).
+
+        Only a lookup that must hear from all k closest (neither ``early``, a read that may end once its
+        records suffice, nor ``settle``, a writer's) asks them all at once: from a recent result, or once an
+        answer brings nothing closer. The others go alpha at a time, so that they end before the rest are asked."""
+        self.table.touch(target, now)
+        recent = self.recent.get(target, now, self.table, self.k)
+        seeds = self.table.closest(target)
+        full = not early and not settle
+        return Lookup(
+            target, recent + seeds if recent else seeds, own_id=self.node_id, k=self.k, alpha=alpha,
+            wide=full and recent is not None, widen=full,
+        )
+
+    def end_lookup(self, lookup: Lookup, now: float, *, settle: bool = False) -> list[Contact]:
+        """What a lookup found: the k closest that answered (remembered for RECENT_S when it finished), or,
+        for a writer's (``settle``) that stopped before then, the k closest seen."""
+        if lookup.finished:
+            result = lookup.result()
+            self.recent.remember(lookup.target, now, result)
+            return result
+        return lookup.candidates() if settle else lookup.result()
+
+    def stores_here(self, target: bytes, closest: list[Contact]) -> bool:
+        """Whether a writer keeps its own record too: it is one of the k closest to ``target`` it knows."""
+        return len(closest) < self.k or distance(self.node_id, target) < distance(closest[-1].node_id, target)
+
+    def stored_on(self, target: bytes, now: float, answered: list[Contact]) -> None:
+        """A put reached every one of its k closest: they are the closest, for the next read or write."""
+        self.recent.remember(target, now, sorted(answered, key=lambda c: distance(c.node_id, target)))
 
     def handle(self, mtype: m.MsgType, body: dict[str, Any], now: float) -> dict[str, Any]:
         """Response fields for a request (rid/from are the transport's)."""
@@ -102,3 +190,26 @@ class DhtCore:
                 self._on_refused(why)
             return False
         return True
+
+
+class RecentLookups:
+    """The k closest that recent lookups found, per target: reused for RECENT_S (bounded: RECENT_LOOKUPS)."""
+
+    def __init__(self, ttl: float = RECENT_S, size: int = RECENT_LOOKUPS) -> None:
+        self.ttl = ttl
+        self.size = size
+        self._entries: OrderedDict[bytes, tuple[float, list[Contact]]] = OrderedDict()
+
+    def get(self, target: bytes, now: float, table: RoutingTable, k: int) -> list[Contact] | None:
+        """The k closest a lookup for ``target`` found within ``ttl``, less those that have left the table."""
+        entry = self._entries.get(target)
+        if entry is None or now - entry[0] > self.ttl:
+            return None
+        alive = [c for c in entry[1] if c.node_id in table]
+        return alive if len(alive) >= min(k, len(table)) else None
+
+    def remember(self, target: bytes, now: float, result: list[Contact]) -> None:
+        self._entries[target] = (now, result)
+        self._entries.move_to_end(target)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)

@@ -7,6 +7,8 @@ from enum import Enum
 
 from .routing import Contact, distance
 
+SLOW_QUERY_S = 0.6  # a lookup stops waiting for a query after this (the first retry is at 0.5 s)
+
 
 class _State(Enum):
     NEW = 0

@@ -11,9 +11,66 @@ own copies included) and, per responder read in full, the signatures it sent.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
+from ..wire.errors import WireError
 from ..wire.identity import node_id_of
-from .records import Record, merge_newest
+from .records import Record, VerifiedCache, merge_newest, slot_allows
+
+
+@dataclass(slots=True)
+class Page:
+    """One VALUE page read: the records it added, the last subkey so far, and why the responder is read no
+    further (``dropped``: a record that does not decode or verify; ``ignored``: "key" or "slot", a record no
+    honest node would hold)."""
+
+    records: list[Record] = field(default_factory=list)
+    last: bytes | None = None
+    dropped: str | None = None
+    ignored: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.dropped is None and self.ignored is None
+
+
+def read_page(key: bytes, raw: list, now: float, after: bytes | None, verified: set[tuple],
+              cache: VerifiedCache) -> Page:
+    """Check one VALUE page of a read of ``key``; ``after`` is the last subkey read from this responder.
+
+    Pages come sorted by subkey; a record written between two pages shifts the next one, so a page may start
+    with subkeys already read: those are skipped, never checked twice. ``verified`` holds the signed parts
+    of records this read has seen verified (a copy needs no second check); ``cache`` is the node's."""
+    page = Page(last=after)
+    for fields in raw:
+        try:
+            record = Record.from_wire(fields, now, check=False)
+        except WireError as e:
+            page.dropped = e.reason
+            return page
+        if after is not None and record.subkey <= after:
+            continue
+        if record.key != key:
+            page.ignored = "key"
+            return page
+        if not slot_allows(record.subkey, record.owner):
+            page.ignored = "slot"  # signed by a member that took a slot naming another node
+            return page
+        signed = signed_part(record)
+        if signed not in verified:
+            try:
+                cache.check(record)  # a copy verified by an earlier read or STORE is not again
+            except WireError as e:
+                page.dropped = e.reason
+                return page
+            verified.add(signed)
+        page.records.append(record)
+        page.last = after = record.subkey
+    return page
+
+
+def signed_part(record: Record) -> tuple:
+    return (record.key, record.subkey, record.value, record.expires, record.owner, record.signature)
 
 
 class Enough:

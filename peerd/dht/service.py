@@ -7,7 +7,6 @@ import logging
 import math
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -16,27 +15,21 @@ import trio
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, Peer, RpcError, retry_delays
 from ..wire import messages as m
-from ..wire.errors import WireError
-from .core import DhtCore, unpack_contacts
-from .lookup import Lookup
-from .reads import Enough
+from .core import RECENT_LOOKUPS, RECENT_S, VERIFY_MAX, DhtCore, Ping, unpack_contacts
+from .lookup import SLOW_QUERY_S
+from .reads import Enough, read_page, signed_part
 from .records import MAX_SUBKEYS, Record, location, merge_newest, slot_allows
-from .routing import Contact, distance
+from .routing import Contact
 
 log = logging.getLogger("peerd.dht")
 
 
-SLOW_QUERY_S = 0.6  # a lookup stops waiting for a query after this (the first retry is at 0.5 s)
 # Records read from one responder for one get, whatever ``total`` it claims: what an honest node can hold
 # under one key. Each costs at most one signature check, and each VALUE page must bring at least one, so
 # this bounds the pages too (a page holds 1 to MAX_RECORDS records: ~5 progress records at MTU 1200).
 MAX_READ = MAX_SUBKEYS
-# A finished lookup's k closest are reused for this long: a put after a get of the same key (a Moshpit
-# announce, then its polls; progress written, then read) stores without a second lookup, and a get asks
-# them all at once. Bounded: RECENT_LOOKUPS targets, the oldest forgotten first.
-RECENT_S = 10.0
-RECENT_LOOKUPS = 256
-VERIFY_MAX = 64  # request senders PINGed at once before they may enter the routing table (more: not added yet)
+__all__ = ["MAX_READ", "RECENT_LOOKUPS", "RECENT_S", "SLOW_QUERY_S", "VERIFY_MAX", "BootstrapError", "DhtService",
+           "PutResult"]
 
 
 class BootstrapError(Exception):
@@ -74,8 +67,7 @@ class DhtService:
         self._wall = wall
         self._rng = rng or random.Random()
         self._nursery: trio.Nursery | None = None
-        self._recent: OrderedDict[bytes, tuple[float, list[Contact]]] = OrderedDict()
-        self._verifying: set[bytes] = set()  # request senders being PINGed before they may enter the table
+        self._verifying = self.core.verifying  # request senders being PINGed before they may enter the table
         self.lookups = 0  # lookups run (statistics; the bench reads RPC counts from the metrics)
         for t in (m.MsgType.PING, m.MsgType.FIND_NODE, m.MsgType.FIND_VALUE, m.MsgType.STORE):
             endpoint.on_request(t, self._on_request)
@@ -119,53 +111,48 @@ class DhtService:
     # -- the routing table ----------------------------------------------------------------------
     def _on_request(self, incoming: Incoming) -> dict:
         peer = incoming.peer
-        if peer.node_id in self.core.table or self._nursery is None:
+        if self._nursery is None:  # not running yet: nobody to PING with
             self._heard(peer)
         else:
-            self._verify(peer)
+            self._act(self.core.request_from(_contact(peer)))
         return self.core.handle(incoming.mtype, incoming.body, trio.current_time())
 
-    def _verify(self, peer: Peer) -> None:
-        """A sender not in the table enters it only once it answers a PING of ours: ids are free to mint, and
-        identities that send but never answer would otherwise crowd the table and stall every lookup."""
-        if peer.node_id in self._verifying or len(self._verifying) >= VERIFY_MAX or self._nursery is None:
+    def _act(self, ping: Ping | None) -> None:
+        """Carry out the core's PING (a newcomer to verify, a full bucket's oldest contact to check)."""
+        if ping is None:
             return
-        self._verifying.add(peer.node_id)
-        self._nursery.start_soon(self._check_newcomer, Contact(peer.node_id, peer.host, peer.port))
+        if self._nursery is not None:
+            self._nursery.start_soon(self._ping, ping)
+        else:  # not running yet: keep the old contact rather than leave the bucket's ping pending
+            self.core.pinged(ping, ping.contact)
+        self.metrics.dht_peers.set(len(self.core.table))
 
-    async def _check_newcomer(self, contact: Contact) -> None:
+    async def _ping(self, ping: Ping) -> None:
+        contact = ping.contact
+        answer: Contact | None = None
         try:
-            reply = await self.endpoint.request(contact.addr, m.MsgType.PING, {}, node_id=contact.node_id)
-            if reply.peer.node_id == contact.node_id:
-                self._heard(reply.peer)
+            if ping.why == "verify":
+                reply = await self.endpoint.request(contact.addr, m.MsgType.PING, {}, node_id=contact.node_id)
+                if reply.peer.node_id == contact.node_id:
+                    answer = _contact(reply.peer)
+            else:
+                await self._rpc(contact, m.MsgType.PING, {})
+                answer = contact
         except RpcError:
-            self.metrics.ignored_records.labels("dht_contact", "unanswered").inc()
+            if ping.why == "verify":
+                self.metrics.ignored_records.labels("dht_contact", "unanswered").inc()
         except Exception as e:  # background work never takes the daemon down
-            log.warning("checking DHT newcomer %s failed: %s", contact.node_id.hex()[:12], e)
+            log.warning("checking DHT contact %s failed: %s", contact.node_id.hex()[:12], e)
             self.metrics.background_errors.labels("dht_verify").inc()
-        finally:
-            self._verifying.discard(contact.node_id)
+        self._act(self.core.pinged(ping, answer))
+        self.metrics.dht_peers.set(len(self.core.table))
 
     def _heard(self, peer: Peer) -> None:
-        oldest = self.core.table.observe(Contact(peer.node_id, peer.host, peer.port))
-        if oldest is not None:
-            if self._nursery is not None:
-                self._nursery.start_soon(self._check_alive, oldest)
-            else:  # not running yet: keep the old contact rather than leave the bucket's ping pending
-                self.core.table.ping_result(oldest, alive=True)
+        self._act(self.core.heard(_contact(peer)))
         self.metrics.dht_peers.set(len(self.core.table))
 
     def _forget(self, node_id: bytes) -> None:
-        self.core.table.remove(node_id)
-        self.metrics.dht_peers.set(len(self.core.table))
-
-    async def _check_alive(self, contact: Contact) -> None:
-        try:
-            await self._rpc(contact, m.MsgType.PING, {})
-            alive = True
-        except RpcError:
-            alive = False
-        self.core.table.ping_result(contact, alive)
+        self.core.failed(node_id)
         self.metrics.dht_peers.set(len(self.core.table))
 
     async def _rpc(self, contact: Contact, mtype: m.MsgType, fields: dict) -> Incoming:
@@ -184,36 +171,16 @@ class DhtService:
     # -- lookups --------------------------------------------------------------------------------
     def _recent_result(self, target: bytes) -> list[Contact] | None:
         """The k closest a lookup for ``target`` found within RECENT_S, less those that failed since."""
-        entry = self._recent.get(target)
-        if entry is None or trio.current_time() - entry[0] > RECENT_S:
-            return None
-        table = self.core.table
-        alive = [c for c in entry[1] if c.node_id in table]
-        return alive if len(alive) >= min(self.k, len(table)) else None
-
-    def _remember(self, target: bytes, result: list[Contact]) -> None:
-        self._recent[target] = (trio.current_time(), result)
-        self._recent.move_to_end(target)
-        while len(self._recent) > RECENT_LOOKUPS:
-            self._recent.popitem(last=False)
+        return self.core.recent.get(target, trio.current_time(), self.core.table, self.k)
 
     async def _iterate(
         self, target: bytes, query: Query, enough: Callable[[], bool] | None = None, *, settle: bool = False
     ) -> list[Contact]:
         """Run a lookup; with ``enough``, stop as soon as it says so (the result is then partial). With
         ``settle``, stop once the lookup is settled and return the k closest seen, not all confirmed."""
-        now = trio.current_time()
-        self.core.table.touch(target, now)
         self.lookups += 1
-        recent = self._recent_result(target)
-        seeds = self.core.table.closest(target)
-        # Only a lookup that must hear from all k closest asks them all at once (from a recent result,
-        # or once an answer brings nothing closer). A writer settles on the alpha closest, and a read
-        # that may end early asks alpha at a time, so that it ends before the rest were asked.
-        full = enough is None and not settle
-        lookup = Lookup(
-            target, recent + seeds if recent else seeds, own_id=self.node_id, k=self.k, alpha=self.alpha,
-            wide=full and recent is not None, widen=full,
+        lookup = self.core.start_lookup(
+            target, trio.current_time(), alpha=self.alpha, early=enough is not None, settle=settle
         )
         if enough is not None and enough():
             return []
@@ -258,10 +225,7 @@ class DhtService:
                         if enough is not None and enough():
                             break
             fallback.cancel_scope.cancel()
-        if lookup.finished:
-            self._remember(target, lookup.result())
-            return lookup.result()
-        return lookup.candidates() if settle else lookup.result()
+        return self.core.end_lookup(lookup, trio.current_time(), settle=settle)
 
     async def find_nodes(self, target: bytes, *, settle: bool = False) -> list[Contact]:
         async def query(contact: Contact) -> list[Contact]:
@@ -279,7 +243,7 @@ class DhtService:
         responder that sends one record an honest node would not hold (a bad signature, another key,
         a slot taken from its node) is read no further."""
         found: list[Record] = list(self.core.store.get(key, trio.current_time()))
-        verified = {_signed_part(r) for r in found}  # records seen verified: a copy needs no second check
+        verified = {signed_part(r) for r in found}  # records seen verified: a copy needs no second check
         holders: list[frozenset[bytes]] = []  # per responder read in full: the signatures it sent
         paging: list[trio.CancelScope] = []
         over = False
@@ -325,39 +289,16 @@ class DhtService:
         self, key: bytes, raw: list[tuple], into: list[Record], verified: set[tuple], after: bytes | None,
         mine: list[Record],
     ) -> tuple[bool, bytes | None]:
-        """Check one VALUE page and add its records. Returns (ok, the last subkey so far): not ok when
-        the page holds a record no honest node sends (the caller then stops reading that responder)."""
-        now = trio.current_time()
-        for fields in raw:
-            try:
-                record = Record.from_wire(fields, now, check=False)
-            except WireError as e:
-                self.metrics.datagrams_dropped.labels(e.reason).inc()
-                return False, after
-            if after is not None and record.subkey <= after:
-                # pages come sorted by subkey; a record written between two pages shifts the next one,
-                # so a page may start with subkeys already read: skipped, never checked twice
-                continue
-            why = None
-            if record.key != key:
-                why = "key"
-            elif not slot_allows(record.subkey, record.owner):
-                why = "slot"  # signed by a member that took a slot naming another node
-            if why is not None:
-                self.metrics.ignored_records.labels("dht", why).inc()
-                return False, after
-            signed = _signed_part(record)
-            if signed not in verified:
-                try:
-                    self.core.verified.check(record)  # a copy verified by an earlier read or STORE is not again
-                except WireError as e:
-                    self.metrics.datagrams_dropped.labels(e.reason).inc()
-                    return False, after
-                verified.add(signed)
-            into.append(record)
-            mine.append(record)
-            after = record.subkey
-        return True, after
+        """Check one VALUE page (``read_page``) and add its records. Returns (ok, the last subkey so far): not
+        ok when the page holds a record no honest node sends (the caller then stops reading that responder)."""
+        page = read_page(key, raw, trio.current_time(), after, verified, self.core.verified)
+        into.extend(page.records)
+        mine.extend(page.records)
+        if page.dropped is not None:
+            self.metrics.datagrams_dropped.labels(page.dropped).inc()
+        elif page.ignored is not None:
+            self.metrics.ignored_records.labels("dht", page.ignored).inc()
+        return page.ok, page.last
 
     async def put(self, key: bytes, subkey: bytes, value: bytes, ttl: float) -> PutResult:
         """Sign a record and store it on the k closest nodes (this one too, if it is among them)."""
@@ -373,7 +314,7 @@ class DhtService:
         closest = self._recent_result(target) or await self.find_nodes(target, settle=True)
         closest = closest[: self.k]
         result = PutResult(0)
-        if len(closest) < self.k or distance(self.node_id, target) < distance(closest[-1].node_id, target):
+        if self.core.stores_here(target, closest):
             why = self.core.store.store(record, now)
             self._tally(result, why)
 
@@ -393,7 +334,7 @@ class DhtService:
             for contact in closest:
                 nursery.start_soon(store_on, contact)
         if len(answered) == len(closest):
-            self._remember(target, sorted(answered, key=lambda c: distance(c.node_id, target)))
+            self.core.stored_on(target, trio.current_time(), answered)
         return result
 
     @staticmethod
@@ -440,8 +381,8 @@ class DhtService:
         log.info("joined the swarm: %d peers in the routing table", self.peer_count())
 
 
-def _signed_part(record: Record) -> tuple:
-    return (record.key, record.subkey, record.value, record.expires, record.owner, record.signature)
+def _contact(peer: Peer) -> Contact:
+    return Contact(peer.node_id, peer.host, peer.port)
 
 
 async def _resolve(addr: Address, endpoint: Endpoint) -> list[Address]:
