@@ -1,0 +1,187 @@
+"""The Moshpit round machine (moshpit/rounds.py) driven by hand: exact inputs, exact actions, no I/O."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import msgpack
+import pytest
+
+from peerd.moshpit.keys import Grid, KeyManager
+from peerd.moshpit.matchmaking import Candidate, Group
+from peerd.moshpit.records import PROGRESS_TTL_S, STRANGER_AHEAD, encode_announce
+from peerd.moshpit.rounds import POLL_S, Average, Count, Get, Notify, Put, Request, RoundMachine
+from peerd.moshpit.sticky import RENEW_KEY
+from peerd.sim.moshpit import SimRecord
+from peerd.wire import messages as m
+from peerd.wire.identity import node_id_of
+
+T0 = 1_800_000_000.0
+LINE = Grid(1, 4)
+
+
+def peer(i: int) -> Candidate:
+    pk = hashlib.sha256(b"pk%d" % i).digest()
+    return Candidate(0.0, node_id_of(pk), pk, (f"10.0.0.{i + 1}", 7411))
+
+
+def machine(i: int = 0, grid: Grid = LINE, **kw) -> RoundMachine:
+    me = peer(i)
+    rng = random.Random(i)
+    return RoundMachine("run", grid, KeyManager(grid, me.node_id, rng=rng), me, rng=rng, **kw)
+
+
+def announce(c: Candidate, expiry: float) -> SimRecord:
+    return SimRecord(c.node_id, encode_announce(expiry, c.addr[0], c.addr[1]), expiry, c.public_key)
+
+
+def progress(c: Candidate, round_no: int, stored: float) -> SimRecord:
+    return SimRecord(c.node_id, msgpack.packb(round_no), stored + PROGRESS_TTL_S, c.public_key)
+
+
+def of(actions: list, kind: type) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_a_lonely_round_announces_polls_gives_up_at_its_expiry_and_publishes_progress() -> None:
+    mc = machine(window_s=1.0)
+    mc.synced = True
+    mc.start_round(T0)
+    acts = mc.take_actions()
+    (put,) = of(acts, Put)
+    assert put.key == b"run/0/-" and put.ttl == 11.0 and msgpack.unpackb(put.value)[0] == T0 + 1.0
+    gets = of(acts, Get)
+    assert [g.key for g in gets] == [b"run/0/-", b"run/progress"]  # the poll, and whom the run expects
+    mc.on_records(gets[0].token, [announce(mc.me, T0 + 1.0)], T0 + 0.02)
+    mc.on_records(gets[1].token, [], T0 + 0.02)
+    assert mc.next_deadline() == pytest.approx(T0 + 0.02 + POLL_S[0])
+    t = T0 + 0.02
+    while not mc.done:  # every poll shows only this node until its expiry
+        t = mc.next_deadline()
+        mc.on_timer(t)
+        for g in of(mc.take_actions(), Get):
+            mc.on_records(g.token, [announce(mc.me, T0 + 1.0)], t)
+    assert t == pytest.approx(T0 + 1.0) and mc.outcome == "alone" and mc.round == 1
+
+
+def test_join_outside_a_round_says_whether_the_sender_is_early_or_late() -> None:
+    mc = machine()
+    mc.round = 5
+    other = peer(1)
+    assert mc.on_join(other, 5, "-", T0) == (False, "not_ready")
+    assert mc.on_join(other, 6, "-", T0) == (False, "not_ready")
+    assert mc.on_join(other, 4, "-", T0) == (False, "closed")
+    assert mc.on_join(other, 5, RENEW_KEY, T0) == (False, "closed")  # no kept group to renew
+    assert mc.take_actions() == []
+
+
+def test_a_group_forms_through_join_and_begin_and_the_key_moves_on() -> None:
+    a, b = machine(0, Grid(2, 2)), machine(1, Grid(2, 2))
+    for mc in (a, b):
+        mc.keys.chunks = (1,)
+        mc.synced = True
+        mc.start_round(T0 if mc is a else T0 + 0.01)
+    records = [announce(a.me, T0 + 3.0), announce(b.me, T0 + 3.01)]
+    for mc in (a, b):
+        for g in of(mc.take_actions(), Get):
+            mc.on_records(g.token, records if g.key.startswith(b"run/0/") else [], T0 + 0.05)
+    (join,) = of(b.take_actions(), Request)  # b is later: it asks a to lead it
+    assert join.to.node_id == a.me.node_id and join.mtype is m.MsgType.MM_JOIN and join.fields["key"] == "1"
+    ok, reason = a.on_join(Candidate(join.fields["expiry"], b.me.node_id, b.me.public_key, b.me.addr), 0, "1",
+                           T0 + 0.06)
+    assert ok and reason == "ok"
+    acts = a.take_actions()
+    (begin,) = of(acts, Request)
+    (avg_a,) = of(acts, Average)  # the target (2) is reached: a closes at once
+    assert begin.mtype is m.MsgType.MM_BEGIN and begin.detached and avg_a.group.leader == a.me.node_id
+    b.on_reply(join.token, a.me.node_id, True, "ok", T0 + 0.07)
+    assert b.on_begin(a.me.node_id, 0, begin.fields["group"], list(begin.fields["members"]), T0 + 0.08)
+    (avg_b,) = of(b.take_actions(), Average)
+    assert avg_b.group == Group(avg_a.group.group_id, avg_a.group.members, 1 - avg_a.group.index, a.me.node_id)
+    for mc, avg in ((a, avg_a), (b, avg_b)):
+        mc.on_averaged(T0 + 0.2, averaged=True, members=[c.node_id for c in avg.group.members])
+        assert mc.done and mc.outcome == "averaged" and mc.round == 1
+        assert mc.keys.chunks == (avg.group.index,)  # its index in the group is its next key
+        (put,) = of(mc.take_actions(), Put)
+        assert put.key == b"run/progress" and msgpack.unpackb(put.value) == 0
+    assert b.known == {a.me.node_id: 0}
+
+
+def _kept(mc: RoundMachine, members: list[Candidate], leader: bytes) -> None:
+    members = sorted(members, key=lambda c: c.node_id)
+    index = next(i for i, c in enumerate(members) if c.node_id == mc.me.node_id)
+    mc.sticky.keep_rounds = 4
+    mc.sticky.after_matchmaking(Group(7, tuple(members), index, leader), 0, len(members),
+                                frozenset(c.node_id for c in members))
+    mc.round, mc.synced = 1, True
+
+
+def test_a_kept_groups_leader_re_forms_it_when_a_newcomer_looks_under_its_key() -> None:
+    a, b, newcomer = peer(0), peer(1), peer(2)
+    leader_id = min(a.node_id, b.node_id)
+    mc = machine(0 if a.node_id == leader_id else 1, window_s=2.0)
+    follower = b if mc.me.node_id == a.node_id else a
+    _kept(mc, [a, b], leader_id)
+    mc.start_round(T0)
+    acts = mc.take_actions()
+    assert mc.phase == "renew" and of(acts, Put) == []  # a renewal reads, it does not announce
+    watch = of(acts, Get)
+    assert [g.key for g in watch] == [b"run/progress", b"run/1/-", b"run/2/-"]
+    assert mc.on_join(follower, 1, RENEW_KEY, T0 + 0.01) == (True, "ok")
+    mc.on_records(watch[0].token, [progress(follower, 0, T0 - 1)], T0 + 0.02)
+    mc.on_records(watch[2].token, [], T0 + 0.02)
+    assert mc.phase == "renew" and mc.take_actions() == []  # one read still out: no BEGIN yet
+    mc.on_records(watch[1].token, [announce(newcomer, T0 + 2.5)], T0 + 0.03)
+    acts = mc.take_actions()
+    assert mc.phase == "match" and mc.sticky.dropped == {"newcomer": 1}
+    assert [a.to.node_id for a in of(acts, Notify)] == [follower.node_id] * 2  # DISBAND, twice
+    assert of(acts, Put)[0].key == b"run/1/-"  # matchmaking through the DHT, newcomer included
+
+
+def test_a_follower_whose_leader_does_not_answer_matchmakes_at_once() -> None:
+    a, b = peer(0), peer(1)
+    leader = min((a, b), key=lambda c: c.node_id)
+    mc = machine(1 if leader is a else 0, window_s=2.0)
+    _kept(mc, [a, b], leader.node_id)
+    mc.start_round(T0)
+    (ask,) = of(mc.take_actions(), Request)
+    assert ask.to.node_id == leader.node_id and ask.fields["key"] == RENEW_KEY
+    mc.on_reply(ask.token, leader.node_id, False, "busy", T0 + 0.1)  # busy: asked again 0.3 s later
+    assert mc.next_deadline() == pytest.approx(T0 + 0.4)
+    mc.on_timer(T0 + 0.4)
+    (again,) = of(mc.take_actions(), Request)
+    mc.on_failed(again.token, T0 + 1.4)
+    acts = mc.take_actions()
+    assert mc.phase == "match" and mc.sticky.dropped == {"unreachable": 1}
+    assert of(acts, Put) and [n.to.node_id for n in of(acts, Notify)] == [leader.node_id] * 2
+
+
+def test_strangers_far_ahead_do_not_move_a_node_that_averaged() -> None:
+    mc = machine()
+    mc.note_members([peer(1).node_id], 41)
+    mc.round = 42
+    strangers = [progress(peer(10 + i), 2**31, T0 - 1) for i in range(64)]
+    near = progress(peer(5), 42 + STRANGER_AHEAD, T0 - 1)
+    mc.apply_sync([*strangers, near, progress(peer(1), 41, T0 - 1)], T0)
+    assert mc.round == 43 + STRANGER_AHEAD
+    assert Count("ignored_records", ("progress", "ahead"), 64) in mc.take_actions()
+    bad = SimRecord(b"", b"\xc1", T0, peer(3).public_key)
+    mc.apply_sync([bad, progress(peer(4), -1 % 2**64, T0)], T0)
+    acts = mc.take_actions()
+    assert Count("ignored_records", ("progress", "malformed"), 1) in acts
+    assert Count("ignored_records", ("progress", "range"), 1) in acts
+
+
+def test_an_abandoned_round_is_started_again_under_the_same_number() -> None:
+    mc = machine()
+    mc.round = 3
+    mc.start_round(T0)
+    with pytest.raises(RuntimeError, match="still match"):
+        mc.start_round(T0)
+    gets = of(mc.take_actions(), Get)
+    mc.abandon()
+    mc.on_records(gets[0].token, [announce(peer(1), T0 + 2)], T0)  # an answer for the abandoned round
+    assert mc.take_actions() == [] and mc.round == 3
+    mc.start_round(T0 + 1)
+    assert of(mc.take_actions(), Put)[0].key == b"run/3/-"
