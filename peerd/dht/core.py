@@ -139,21 +139,27 @@ class DhtCore:
         if mtype is m.MsgType.PING:
             return {}
         if mtype is m.MsgType.FIND_NODE:
-            return {"nodes": pack_contacts(self.table.closest(body["target"]))}
+            return {"nodes": pack_contacts(self.find_node(body["target"]))}
         if mtype is m.MsgType.FIND_VALUE:
-            return self._find_value(body["key"], body["offset"], now)
+            records, total, nodes = self.find_value(body["key"], body["offset"], now)
+            return {"records": records, "total": total, "nodes": pack_contacts(nodes)}
         if mtype is m.MsgType.STORE:
-            return {"ok": [self._store(fields, now) for fields in body["records"]]}
+            return {"ok": self.store_records(body["records"], now)}
         raise WireError("type", f"{mtype.name} is not a DHT request")
 
-    def _find_value(self, key: bytes, offset: int, now: float) -> dict[str, Any]:
+    # The answers, before the wire form (the simulator passes them as they are).
+    def find_node(self, target: bytes) -> list[Contact]:
+        return self.table.closest(target)
+
+    def find_value(self, key: bytes, offset: int, now: float) -> tuple[list[list], int, list[Contact]]:
+        """(one page of records in wire form, how many there are in all, the closest contacts on page 0)."""
         records = self.store.get(key, now)
         page = records[offset : offset + m.MAX_RECORDS]
-        return {
-            "records": [r.to_wire(now) for r in page],
-            "total": min(len(records), 65535),
-            "nodes": pack_contacts(self.table.closest(location(key))) if offset == 0 else [],
-        }
+        nodes = self.table.closest(location(key)) if offset == 0 else []
+        return [r.to_wire(now) for r in page], min(len(records), 65535), nodes
+
+    def store_records(self, records: list[tuple], now: float) -> list[bool]:
+        return [self._store(fields, now) for fields in records]
 
     def responsible(self, key: bytes) -> bool:
         """Whether this node is among the 2k nodes it knows closest to ``key`` (k of slack for tables

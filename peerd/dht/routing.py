@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 ID_BITS = 256
@@ -39,11 +40,37 @@ class Bucket:
         self.pinging: bytes | None = None
 
 
+class Buckets:
+    """The table's ID_BITS buckets, each made when first used: a table has a handful occupied, and ten
+    thousand tables of 256 made up front (the simulator's) would cost about 850 MB."""
+
+    __slots__ = ("made",)
+
+    def __init__(self) -> None:
+        self.made: dict[int, Bucket] = {}
+
+    def __getitem__(self, index: int) -> Bucket:
+        if index < 0:
+            index += ID_BITS  # as a list would (own id's "bucket" -1: it is never added, see observe)
+        bucket = self.made.get(index)
+        if bucket is None:
+            if not 0 <= index < ID_BITS:
+                raise IndexError(f"bucket index {index} out of range")
+            bucket = self.made[index] = Bucket()
+        return bucket
+
+    def __len__(self) -> int:
+        return ID_BITS
+
+    def __iter__(self) -> Iterator[Bucket]:
+        return (self[i] for i in range(ID_BITS))
+
+
 class RoutingTable:
     def __init__(self, node_id: bytes, k: int = 20) -> None:
         self.node_id = node_id
         self.k = k
-        self.buckets = [Bucket() for _ in range(ID_BITS)]
+        self.buckets = Buckets()
         self._count = 0
         self._occupied = 0  # bit i set: bucket i holds contacts
         self._own = int.from_bytes(node_id, "big")
@@ -52,7 +79,8 @@ class RoutingTable:
         return self._count
 
     def __contains__(self, node_id: bytes) -> bool:
-        return node_id in self._bucket(node_id).contacts
+        bucket = self.buckets.made.get(bucket_index(self.node_id, node_id))
+        return bucket is not None and node_id in bucket.contacts
 
     def contacts(self) -> list[Contact]:
         """Every contact, from the occupied buckets only (a table has a handful of its 256 occupied)."""
@@ -169,10 +197,11 @@ class RoutingTable:
 
     def buckets_to_refresh(self, now: float, interval: float) -> list[int]:
         """Stale buckets from the closest occupied one outwards (nearer ones are empty by nature)."""
-        occupied = [i for i, b in enumerate(self.buckets) if b.contacts]
-        if not occupied:
+        if not self._occupied:
             return []
-        return [i for i in range(occupied[0], ID_BITS) if now - self.buckets[i].touched >= interval]
+        made = self.buckets.made
+        first = (self._occupied & -self._occupied).bit_length() - 1
+        return [i for i in range(first, ID_BITS) if now - (made[i].touched if i in made else 0.0) >= interval]
 
     def random_id_in_bucket(self, index: int, rng: random.Random) -> bytes:
         offset = (1 << index) | rng.getrandbits(index) if index else 1
