@@ -393,8 +393,92 @@ done:
     return result;
 }
 
+/* ---- placing opened rows --------------------------------------------------------------------------- */
+
+/* No little-endian float32 in ``row`` (``n`` bytes, a multiple of 4) is NaN or inf: no exponent is all ones.
+ * Branch-free over the row so that the compiler can vectorize it. */
+static int row_finite(const unsigned char *row, Py_ssize_t n) {
+    uint32_t special = 0;
+    for (Py_ssize_t j = 0; j < n; j += 4) {
+        uint32_t x = (uint32_t)row[j] | (uint32_t)row[j + 1] << 8 | (uint32_t)row[j + 2] << 16
+            | (uint32_t)row[j + 3] << 24;
+        special |= (x & 0x7F800000u) == 0x7F800000u;
+    }
+    return !special;
+}
+
+PyDoc_STRVAR(first_nonfinite_doc,
+"first_nonfinite(src, src_offset, src_stride, rows, length)\n"
+"--\n\n"
+"The first of ``rows`` rows of ``length`` bytes of little-endian float32 values (row i at\n"
+"src[src_offset + i * src_stride]) that holds a NaN or an inf, or -1 when every value is finite.");
+
+static PyObject *first_nonfinite(PyObject *module, PyObject *args) {
+    Py_buffer src = {0};
+    Py_ssize_t src_offset, src_stride, rows, length;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*nnnn", &src, &src_offset, &src_stride, &rows, &length)) return NULL;
+    if (rows < 0 || length < 0 || length % 4) {
+        PyErr_Format(PyExc_ValueError, "rows %zd or length %zd out of range (float32 rows: a multiple of 4)", rows,
+                     length);
+        goto done;
+    }
+    if (!rows_fit("src", src.len, src_offset, src_stride, length, rows)) goto done;
+    Py_ssize_t bad = -1;
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *s = (const unsigned char *)src.buf + src_offset;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        if (!row_finite(s + i * src_stride, length)) {
+            bad = i;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(bad);
+done:
+    PyBuffer_Release(&src);
+    return result;
+}
+
+PyDoc_STRVAR(place_rows_doc,
+"place_rows(src, src_offset, src_stride, rows, length, dst, dst_offset, dst_stride)\n"
+"--\n\n"
+"Copy ``rows`` rows of ``length`` bytes from src[src_offset + i * src_stride] to dst[dst_offset + i * dst_stride]:\n"
+"opened tensor values into a group's stage or result, one pass, the GIL released.");
+
+static PyObject *place_rows(PyObject *module, PyObject *args) {
+    Py_buffer src = {0}, dst = {0};
+    Py_ssize_t src_offset, src_stride, rows, length, dst_offset, dst_stride;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*nnnnw*nn", &src, &src_offset, &src_stride, &rows, &length, &dst, &dst_offset,
+                          &dst_stride))
+        return NULL;
+    if (!rows_fit("src", src.len, src_offset, src_stride, length, rows)) goto done;
+    if (!rows_fit("dst", dst.len, dst_offset, dst_stride, length, rows)) goto done;
+    if (spans_overlap(&src, src_offset, src_stride, length, &dst, dst_offset, dst_stride, length, rows)) {
+        PyErr_SetString(PyExc_ValueError, "dst overlaps src");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *s = (const unsigned char *)src.buf + src_offset;
+    unsigned char *d = (unsigned char *)dst.buf + dst_offset;
+    if (src_stride == length && dst_stride == length) {
+        memcpy(d, s, (size_t)(rows * length));
+    } else {
+        for (Py_ssize_t i = 0; i < rows; i++) memcpy(d + i * dst_stride, s + i * src_stride, (size_t)length);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"frame_block", frame_block, METH_VARARGS, frame_block_doc},
+    {"place_rows", place_rows, METH_VARARGS, place_rows_doc},
+    {"first_nonfinite", first_nonfinite, METH_VARARGS, first_nonfinite_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -43,11 +43,12 @@ class StageClock:
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
         self._stack: list[float] = []  # per open stage: CPU time its nested stages took
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         clock = time.thread_time
-        totals, stack = self.totals, self._stack
+        totals, calls, stack = self.totals, self.calls, self._stack
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -58,6 +59,7 @@ class StageClock:
             finally:
                 spent = clock() - t0
                 totals[name] = totals.get(name, 0.0) + spent - stack.pop()
+                calls[name] = calls.get(name, 0) + 1
                 if stack:
                     stack[-1] += spent
 
@@ -66,6 +68,7 @@ class StageClock:
 
     def reset(self) -> None:
         self.totals.clear()
+        self.calls.clear()
 
 
 class _TimedSocket:
@@ -149,6 +152,7 @@ class BenchOps:
             stages = {k: round(v, 6) for k, v in sorted(self._clock.totals.items())}
             stages["other"] = round(cpu - sum(stages.values()), 6)  # trio, handlers, metrics, reports
             reply["stages"] = stages
+            reply["stage_calls"] = dict(sorted(self._clock.calls.items()))
         return reply | {
             "dataplane": _seal.dataplane(),
             "done_at": done,

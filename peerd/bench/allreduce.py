@@ -204,6 +204,9 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             stages = sorted({k for rep in runs for k in rep.get("stages", {})})
             out["profile"] = {k: round(statistics.mean(rep.get("stages", {}).get(k, 0.0) for rep in runs), 4)
                               for k in stages}
+            # calls per daemon per average by stage: CPU per call tells per-call cost from per-byte cost
+            out["profile_calls"] = {k: round(statistics.mean(rep.get("stage_calls", {}).get(k, 0) for rep in runs))
+                                    for k in stages if k != "other"}
         if cfg.loss == 0:
             out["max_abs_err"] = max(errors)
         # Also without --loss: real loss (a namespace's nftables or tc) is measured by these.
