@@ -40,7 +40,8 @@ needs_native = pytest.mark.skipif(_native is None, reason=WHY_NOT or "built")
 VECTORS = Path(__file__).resolve().parent.parent / "protocol" / "vectors"
 RS_DATA = 0x40
 PREFIX_SIZE = 13
-FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=200, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 def test_native_is_built_where_required() -> None:
@@ -412,3 +413,45 @@ def test_native_releases_the_gil() -> None:
     assert outs[0].tobytes() == outs[1].tobytes()
     last = outs[0][-(size + 37) :].tobytes()
     assert last == _ref_seal(key, prefix, rows, src[-size:].tobytes(), bytes(32))
+
+
+# ---- placing opened rows (allreduce.group's receive_block) --------------------------------------------------
+
+
+@needs_native
+@FAST
+@given(
+    rows=st.integers(1, 20),
+    per=st.integers(1, 40),
+    gap=st.integers(0, 21),
+    special=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([np.inf, -np.inf, np.nan, 3e38, -0.0])),
+                     max_size=3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_block_values_native_matches_numpy(monkeypatch: pytest.MonkeyPatch, rows: int, per: int, gap: int,
+                                           special: list, seed: int) -> None:
+    """group._values_finite and group._place, native and numpy, over bodies cut out of a wider arena (rows
+    ``gap`` bytes apart, values at odd offsets): the same verdict and the same bytes placed."""
+    from peerd.allreduce import group
+    from peerd.allreduce.codec import HEADER_SIZE as BODY_HEADER
+
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((rows, per)).astype("<f4")
+    for where, v in special:
+        values.flat[where % values.size] = v
+    width = BODY_HEADER + 4 * per
+    arena = rng.integers(0, 256, (rows, width + gap), dtype=np.uint8)
+    arena[:, gap + BODY_HEADER : gap + width] = values.view(np.uint8)
+    bodies = arena[:, gap : gap + width]
+    outs, verdicts = [], []
+    for mod in (None, _native):
+        monkeypatch.setattr(group, "_native", mod)
+        verdicts.append(group._values_finite(bodies, 4 * per))
+        dst = np.zeros(rows * per + 7, np.float32)
+        if not group._place(bodies, dst, 4 * 3, 4 * per):
+            assert mod is None
+            dst[3 : 3 + rows * per].view(np.uint8).reshape(rows, 4 * per)[:] = bodies[:, BODY_HEADER:]
+        outs.append(dst.tobytes())
+    assert verdicts[0] == verdicts[1] == bool(np.isfinite(values).all())
+    assert outs[0] == outs[1]
+    assert outs[1][12 : 12 + values.nbytes] == values.tobytes()

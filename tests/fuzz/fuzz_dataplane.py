@@ -23,7 +23,7 @@ import atheris
 
 HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
-ENTRIES = ("Aead", "seal_block", "open_block", "frame_block")
+ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -82,7 +82,7 @@ def layout(fdp: atheris.FuzzedDataProvider, rows: int, length: int) -> tuple[int
 
 def one_input(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(hashlib.shake_256(data).digest(4096))
-    which = fdp.ConsumeIntInRange(0, 3)
+    which = fdp.ConsumeIntInRange(0, len(ENTRIES) - 1)
     seen["inputs"] += 1
     if seen["inputs"] & 0x1FFF == 0:
         report()
@@ -98,6 +98,9 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
     key = fdp.ConsumeBytes(KEY if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeIntInRange(0, 40))
     if which == 0:
         native.Aead(key)
+        return
+    if which >= 4:
+        rows_only(fdp, which)
         return
     rows = fdp.ConsumeIntInRange(0, 40)
     body_len = fdp.ConsumeIntInRange(0, 300) if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeIntInRange(0, 70000)
@@ -147,6 +150,40 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
     dst = buffer(fdp, d_size)
     mask = buffer(fdp, max(0, number(fdp, rows)) % 64)
     aead.open_block(out, o_off, o_stride, row_len, n_rows, receiver, dst, d_off, d_stride, mask)
+
+
+def rows_only(fdp: atheris.FuzzedDataProvider, which: int) -> None:
+    """place_rows and first_nonfinite: rows of float32 values (some NaN or inf) copied and checked; a copy that
+    is accepted must land exactly, and the first non-finite row must be the one planted."""
+    rows = fdp.ConsumeIntInRange(0, 40)
+    length = 4 * fdp.ConsumeIntInRange(0, 80) + (0 if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(1, 3))
+    s_off, s_stride, s_size = layout(fdp, rows, length)
+    src = buffer(fdp, s_size)
+    n_rows, n_len = number(fdp, rows), number(fdp, length)
+    if which == 5:
+        fits = s_off >= 0 and s_stride >= length and s_off + max(0, rows - 1) * s_stride + length <= s_size
+        exact = (n_rows, n_len) == (rows, length) and length % 4 == 0 and fits
+        planted = fdp.ConsumeIntInRange(0, rows) if exact and length and rows else rows
+        if exact:  # every value finite (exponent < 255), then one inf or NaN in row ``planted``
+            for i in range(rows):
+                for j in range(0, length, 4):
+                    at = s_off + i * s_stride + j + 3
+                    if 0 <= at < s_size:
+                        src[at] = bytes([src[at][0] & 0xBF])
+        if exact and planted < rows:
+            at = s_off + planted * s_stride + 4 * fdp.ConsumeIntInRange(0, length // 4 - 1)
+            src[at + 2], src[at + 3] = bytes([src[at + 2][0] | 0x80]), bytes([src[at + 3][0] | 0x7F])
+        got = native.first_nonfinite(src, s_off, s_stride, n_rows, n_len)
+        if exact and got != (planted if planted < rows else -1):
+            raise AssertionError(f"first_nonfinite said {got}, row {planted} of {rows} holds the inf/NaN")
+        return
+    d_off, d_stride, d_size = layout(fdp, rows, length)
+    dst = buffer(fdp, d_size)
+    native.place_rows(src, s_off, s_stride, n_rows, n_len, dst, d_off, d_stride)
+    for i in range(n_rows):
+        a, b = s_off + i * s_stride, d_off + i * d_stride
+        if bytes(dst[b : b + n_len]) != bytes(src[a : a + n_len]):
+            raise AssertionError(f"row {i} was not placed")
 
 
 def main() -> None:
