@@ -89,10 +89,11 @@ class HeldData:
     def expire(self, now: float) -> int:
         """Drop buckets older than ``max_age_s``; returns how many bodies went."""
         dropped = 0
-        horizon = now - self.max_age_s
         while self._buckets:
             key, bucket = next(iter(self._buckets.items()))
-            if bucket.first_at > horizon:
+            # the same sum as ``next_expiry``: a timer set for it must find the bucket expired (now - max_age_s
+            # may round below first_at, and a timer loop would spin at that instant)
+            if bucket.first_at + self.max_age_s > now:
                 break
             dropped += self._drop(key)
         return dropped

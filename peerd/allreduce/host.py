@@ -455,9 +455,9 @@ class AveragingHost:
     def _hold(self, group: int, token: int, peer: bytes | None, mtype: int, body: bytes, now: float
               ) -> Sequence[Action]:
         """Keep data for a group this node has not started yet: its members may start first. A group that
-        finished here takes nothing more: its stragglers are late, not worth holding."""
-        if group in self._recent:
-            return (Dropped(Outcome.LATE.value),)
+        finished here takes nothing more: its stragglers are late, not worth holding for 10 s."""
+        if group in self._recent:  # (END repeats routinely outlive their phase: not worth a count either)
+            return (Dropped(Outcome.LATE.value),) if mtype in _DATA_TYPES else _NONE
         kept, dropped, timer = self._keep(group, token, peer, mtype, body, now)
         if not kept:
             dropped += 1
@@ -494,7 +494,9 @@ class AveragingHost:
         core = g.core
         before = core.phase_changes
         outcome = core.receive(index, mtype, body, now)
-        if outcome is Outcome.ACCEPTED or outcome is Outcome.DUPLICATE:
+        if outcome is Outcome.ACCEPTED or outcome is Outcome.DUPLICATE or (
+            outcome is Outcome.LATE and mtype not in _DATA_TYPES  # END repeats routinely outlive their phase
+        ):
             return (Wake(core.group_id),) if core.phase_changes != before else _NONE
         if core.phase_changes != before:
             return (Dropped(outcome.value), Wake(core.group_id))

@@ -1,0 +1,507 @@
+"""The averaging host in virtual time, with no trio and no sockets: several nodes' AveragingHosts over an
+in-test network with exact loss patterns, token bindings that arrive when the test says, and start times per
+node. The harness plays the trio shell's part (it executes the host's actions and calls it back at the times
+it names) and the transport's (a token's peer is None until its binding arrives at the receiver).
+
+Expected averages come from the inputs and the network's own log of which data bodies arrived, by the
+reconstruction rule of protocol/allreduce.md (test_allreduce_core.expected_results).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from peerd.allreduce import HEADER_SIZE, BodyType, Layout, pack_data, parse_header
+from peerd.allreduce.held import ENTRY_OVERHEAD, HeldData
+from peerd.allreduce.host import (
+    AveragingHost,
+    Bind,
+    Completed,
+    Dropped,
+    HeldTimer,
+    PacerVerdict,
+    SendBlock,
+    SendReport,
+    Wake,
+    send_shape,
+)
+
+from .test_allreduce_core import expected_results
+
+RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
+DATA = (RS_DATA, AG_DATA)
+PER = 16  # float32 elements per datagram
+MAX_BODY = HEADER_SIZE + 4 * PER
+MTU = MAX_BODY + 37
+INF = float("inf")
+
+
+@dataclass
+class Node:
+    i: int
+    peer: bytes
+    token: int
+    host: AveragingHost
+    drops: Counter[str] = field(default_factory=Counter)
+    done: dict[int, Completed] = field(default_factory=dict)
+    binds: list[Bind] = field(default_factory=list)
+    verdicts: list[PacerVerdict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Datagram:
+    """One datagram on the wire: ``k`` counts the datagrams of its link (src, dst) so far."""
+
+    src: int
+    dst: int
+    mtype: int
+    body: bytes
+    k: int
+
+
+class Lab:
+    """Nodes and a network in virtual time. ``drop(d)`` loses a datagram, ``dup(d)`` delivers it twice (the
+    copy ``dup_delay`` later); ``bind_at[(src, dst)]``: when src's token is bound at dst (default 0: before
+    anything arrives; INF: never). Data datagrams of one paced part travel as one block (as GRO hands them
+    over), less those dropped; anything else one by one."""
+
+    def __init__(self, n: int, *, drop: Callable[[Datagram], bool] = lambda d: False,
+                 dup: Callable[[Datagram], bool] = lambda d: False, dup_delay: float = 0.005,
+                 latency: float = 0.01, bind_at: dict[tuple[int, int], float] | None = None,
+                 held: Callable[[], HeldData] | None = None) -> None:
+        self.nodes = [Node(i, bytes([i + 1]) * 32, 0x1000 + i,
+                           AveragingHost(max_body=MAX_BODY, mtu=MTU, held=held() if held else None))
+                      for i in range(n)]
+        self.by_peer = {nd.peer: nd for nd in self.nodes}
+        self.drop, self.dup, self.dup_delay, self.latency = drop, dup, dup_delay, latency
+        self.bind_at = bind_at or {}
+        self.now = 0.0
+        self._queue: list[tuple[float, int, str, tuple]] = []
+        self._order = 0
+        self._link: Counter[tuple[int, int]] = Counter()
+        self._timer: dict[tuple[int, int], float] = {}
+        self.arrived: list[Datagram] = []  # every data datagram that reached its receiver's host
+        self.members: dict[int, list[int]] = {}  # group id -> node indices in the group's order
+
+    # -- scheduling --------------------------------------------------------------------------------
+    def at(self, t: float, kind: str, *args: Any) -> None:
+        heapq.heappush(self._queue, (t, self._order, kind, args))
+        self._order += 1
+
+    def start(self, t: float, group: int, members: list[int], xs: list[np.ndarray], ws: list[float], **kw: Any
+              ) -> None:
+        """Members start ``group`` at ``t`` (a dict ``t`` gives start times per member; None: never)."""
+        self.members[group] = members
+        for gi, node in enumerate(members):
+            when = t.get(node, 0.0) if isinstance(t, dict) else t
+            if when is not None:
+                self.at(when, "start", node, group, gi, xs[gi], ws[gi], kw)
+
+    def call(self, t: float, fn: Callable[[], None]) -> None:
+        self.at(t, "call", fn)
+
+    def run(self, until: float = 1000.0) -> None:
+        for (src, dst), t in self.bind_at.items():
+            if t < INF:
+                self.at(t, "bind", src, dst)
+        while self._queue and self._queue[0][0] <= until:
+            t, _, kind, args = heapq.heappop(self._queue)
+            assert t >= self.now - 1e-12
+            self.now = max(self.now, t)
+            getattr(self, "_" + kind)(*args)
+
+    # -- events ------------------------------------------------------------------------------------
+    def _start(self, i: int, group: int, gi: int, x: np.ndarray, w: float, kw: dict) -> None:
+        node = self.nodes[i]
+        peers = [self.nodes[j].peer for j in self.members[group]]
+        self.apply(node, node.host.start(group, peers, gi, x, w, self.now, **kw))
+        self.at(node.host.next_report(group), "report_timer", i, group)
+        self._step(i, group, timer=False)
+
+    def _step(self, i: int, group: int, timer: bool = True) -> None:
+        """What the shell's loop does when it wakes: the timer, everything to send, finish or sleep."""
+        host = self.nodes[i].host
+        if not host.running(group):
+            return
+        if timer:
+            self.apply(self.nodes[i], host.on_timer(group, self.now))
+        while host.wants_to_send(group):
+            for block in host.next_sends(group):
+                self.send(i, block)
+        if host.finished(group):
+            self.apply(self.nodes[i], host.finish(group, self.now, 0))
+            return
+        at = host.deadline(group, self.now)
+        self._timer[(i, group)] = at
+        self.at(at, "deadline", i, group, at)
+
+    def _deadline(self, i: int, group: int, at: float) -> None:
+        if self._timer.get((i, group)) == at:  # else a later wake set another
+            self._step(i, group)
+
+    def _wake(self, i: int, group: int) -> None:
+        self._step(i, group)
+
+    def _report_timer(self, i: int, group: int) -> None:
+        host = self.nodes[i].host
+        if host.running(group):
+            self.apply(self.nodes[i], host.reports(group, self.now, 0))
+            self.at(host.next_report(group), "report_timer", i, group)
+
+    def _report(self, src: int, dst: int, fields: dict) -> None:
+        node = self.nodes[dst]
+        self.apply(node, node.host.on_report(self.nodes[src].peer, fields, self.now))
+
+    def _arrive(self, src: int, dst: int, mtype: int, datagrams: list[Datagram]) -> None:
+        node, sender = self.nodes[dst], self.nodes[src]
+        peer = sender.peer if self.bind_at.get((src, dst), 0.0) <= self.now else None
+        if mtype in DATA:
+            self.arrived.extend(datagrams)
+        if mtype in DATA and len(datagrams) > 1:
+            bodies = np.frombuffer(b"".join(d.body for d in datagrams), np.uint8).reshape(len(datagrams), -1)
+            self.apply(node, node.host.on_block(peer, sender.token, mtype, bodies, self.now))
+        else:
+            for d in datagrams:
+                self.apply(node, node.host.on_data(peer, sender.token, mtype, d.body, self.now))
+
+    def _bind(self, src: int, dst: int) -> None:
+        node = self.nodes[dst]
+        self.apply(node, node.host.on_bind(self.nodes[src].token, self.nodes[src].peer, self.now))
+
+    def _expire(self, i: int) -> None:
+        host = self.nodes[i].host
+        self.apply(self.nodes[i], host.expire_held(self.now))
+        if (at := host.held_expiry()) is not None:
+            self.at(max(at, self.now), "expire", i)
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    # -- the shell's part --------------------------------------------------------------------------
+    def send(self, i: int, block: SendBlock) -> None:
+        """Each part of ``block`` leaves when the host's pacing says and arrives ``latency`` later."""
+        dst = self.members[block.group_id][block.to]
+        assert self.nodes[dst].peer == block.peer
+        host = self.nodes[i].host
+        for a in range(0, len(block.bodies), block.part):
+            rows = block.bodies[a : a + block.part]
+            sent_at = host.pace(block, len(rows), rows.size, self.now)
+            assert sent_at >= self.now
+            kept, copies = [], []
+            for row in rows:
+                d = Datagram(i, dst, block.type, row.tobytes(), self._link[(i, dst)])
+                self._link[(i, dst)] += 1
+                if not self.drop(d):
+                    kept.append(d)
+                    if self.dup(d):
+                        copies.append(d)
+            if kept:
+                self.at(sent_at + self.latency, "arrive", i, dst, block.type, kept)
+            if copies:
+                self.at(sent_at + self.latency + self.dup_delay, "arrive", i, dst, block.type, copies)
+
+    def apply(self, node: Node, actions: Any) -> None:
+        for a in actions:
+            if isinstance(a, Dropped):
+                node.drops[a.reason] += a.count
+            elif isinstance(a, Wake):
+                self.at(self.now, "wake", node.i, a.group_id)
+            elif isinstance(a, HeldTimer):
+                self.at(a.at, "expire", node.i)
+            elif isinstance(a, Bind):
+                node.binds.append(a)
+            elif isinstance(a, SendReport):
+                self.at(self.now + self.latency, "report", node.i, self.by_peer[a.peer].i, a.fields)
+            elif isinstance(a, PacerVerdict):
+                node.verdicts.append(a)
+            elif isinstance(a, Completed):
+                node.done[a.group_id] = a
+            else:
+                raise AssertionError(f"unknown action {a!r}")
+
+    # -- checking ----------------------------------------------------------------------------------
+    def delivered(self, group: int) -> set[tuple[int, int, int, int]]:
+        """(sender, receiver, type, offset) in the group's member indices, of data that arrived."""
+        pos = {node: gi for gi, node in enumerate(self.members[group])}
+        out = set()
+        for d in self.arrived:
+            h = parse_header(d.mtype, d.body)
+            if h.group == group:
+                out.add((pos[d.src], pos[d.dst], d.mtype, h.offset))
+        return out
+
+    def check(self, group: int, xs: list[np.ndarray], ws: list[float]) -> None:
+        """Every member's result is what the arrived data gives, exactly where a range is one member's."""
+        exp, exact = expected_results(xs, ws, PER, self.delivered(group))
+        for gi, node in enumerate(self.members[group]):
+            got = self.nodes[node].done[group].vector
+            np.testing.assert_allclose(got, exp[gi], rtol=0, atol=1e-5)
+            np.testing.assert_array_equal(got[exact[gi]], exp[gi][exact[gi]].astype(np.float32))
+
+
+def inputs(n: int, length: int, seed: int = 1) -> tuple[list[np.ndarray], list[float]]:
+    rng = np.random.default_rng(seed)
+    return ([rng.standard_normal(length).astype(np.float32) * (i + 1) for i in range(n)],
+            [float(rng.integers(1, 100)) for _ in range(n)])
+
+
+def mean(xs: list[np.ndarray], ws: list[float]) -> np.ndarray:
+    return sum(w * x.astype(np.float64) for x, w in zip(xs, ws, strict=True)) / sum(ws)
+
+
+def every(k: int) -> Callable[[Datagram], bool]:
+    """Drops every k-th datagram of every link, END markers included."""
+    return lambda d: d.k % k == k - 1
+
+
+# ---- several groups, loss, duplicates -----------------------------------------------------------------
+
+
+def test_several_groups_at_once_over_a_lossy_network() -> None:
+    """Three groups share nodes (node 1 and 2 average in two at once, node 0 in two): each group's result is
+    what its own arrived data gives, with every 7th datagram of every link lost."""
+    lab = Lab(5, drop=every(7))
+    groups = {11: [0, 1, 2], 12: [1, 2, 3, 4], 13: [4, 0]}
+    data = {g: inputs(len(m), 40 * PER + 5, seed=g) for g, m in groups.items()}
+    for g, m in groups.items():
+        lab.start(0.001 * (g - 11), g, m, *data[g], floor_s=0.2)
+    lab.run()
+    for g, m in groups.items():
+        lab.check(g, *data[g])
+        for node in m:
+            assert lab.nodes[node].drops["late"] == 0
+    assert all(not nd.host.held.count and not nd.host._groups for nd in lab.nodes)
+    # the loss pattern did lose data, and some of it was averaged out
+    assert any(nd.done[g].stats.reduce_scatter.datagrams_received < nd.done[g].stats.reduce_scatter.datagrams_expected
+               for g, m in groups.items() for nd in (lab.nodes[i] for i in m))
+
+
+def test_the_same_inputs_give_the_same_run() -> None:
+    """No clock and no randomness inside: two runs of the same scenario agree bit for bit."""
+    def once() -> tuple:
+        lab = Lab(4, drop=lambda d: (d.k * 2654435761 + d.src * 7 + d.dst) % 11 == 0)
+        xs, ws = inputs(4, 30 * PER)
+        lab.start(0.0, 9, [0, 1, 2, 3], xs, ws, floor_s=0.3)
+        lab.run()
+        return tuple((nd.done[9].vector.tobytes(), nd.done[9].stats, tuple(sorted(nd.drops.items())),
+                      tuple(v.verdict for v in nd.verdicts)) for nd in lab.nodes) + (lab.now,)
+
+    assert once() == once()
+
+
+def test_duplicated_and_late_blocks_change_nothing() -> None:
+    xs, ws = inputs(3, 25 * PER)
+    lab = Lab(3, dup=lambda d: True)  # every datagram twice, the copy 5 ms later
+    lab.start(0.0, 21, [0, 1, 2], xs, ws, floor_s=0.2)
+    lab.run()
+    for nd in lab.nodes:
+        np.testing.assert_allclose(nd.done[21].vector, mean(xs, ws), atol=1e-5)
+        assert nd.done[21].stats.drops.get("duplicate", 0) + nd.drops["late"] > 0
+    # a block that turns up after its group finished is late: counted, not held for a group that is over
+    node = lab.nodes[0]
+    late = [d for d in lab.arrived if d.dst == 0 and d.mtype == RS_DATA][:3]
+    bodies = np.frombuffer(b"".join(d.body for d in late), np.uint8).reshape(len(late), -1)
+    before = node.drops["late"]
+    lab.apply(node, node.host.on_block(lab.nodes[late[0].src].peer, 0x1000 + late[0].src, RS_DATA, bodies, 99.0))
+    assert node.drops["late"] == before + 3 and node.host.held.count == 0
+
+
+# ---- data before its group, tokens bound late ---------------------------------------------------------
+
+
+def test_data_for_a_group_not_started_yet_is_held_and_used() -> None:
+    """Node 2 starts 0.15 s after the others: their data waits for it, and nothing is lost."""
+    xs, ws = inputs(3, 20 * PER)
+    lab = Lab(3)
+    lab.start({0: 0.0, 1: 0.0, 2: 0.15}, 31, [0, 1, 2], xs, ws, floor_s=0.5)
+    seen = []
+    lab.call(0.1, lambda: seen.append((lab.nodes[2].host.held.count, lab.nodes[2].host.running(31))))
+    lab.run()
+    assert seen[0][0] > 0 and not seen[0][1]  # held while node 2 had not started
+    for nd in lab.nodes:
+        np.testing.assert_allclose(nd.done[31].vector, mean(xs, ws), atol=1e-5)
+        assert nd.done[31].stats.reduce_scatter.ended_by == "completion"
+        assert not nd.drops and nd.host.held.count == 0
+    assert [b.to for b in lab.nodes[2].binds] == [0, 1]  # it asked to PING the other two
+
+
+def test_an_unbound_token_is_resolved_when_its_group_starts() -> None:
+    """Node 1's data reaches node 0 before node 0 has started the group and before 1's token is bound there;
+    the binding arrives (node 0 remembers it) and only then does node 0 start: the held data is used."""
+    xs, ws = inputs(2, 10 * PER)
+    lab = Lab(2, bind_at={(1, 0): 0.05})
+    lab.start({0: 0.1, 1: 0.0}, 41, [0, 1], xs, ws, floor_s=0.5)
+    lab.run()
+    for nd in lab.nodes:
+        np.testing.assert_allclose(nd.done[41].vector, mean(xs, ws), atol=1e-5)
+        assert not nd.drops
+
+
+def test_data_from_an_unbound_token_waits_for_its_binding() -> None:
+    """Node 1's token is bound at node 0 only at 0.3 s, long after its data arrived: held, then delivered."""
+    xs, ws = inputs(3, 20 * PER)
+    lab = Lab(3, bind_at={(1, 0): 0.3})
+    lab.start(0.0, 51, [0, 1, 2], xs, ws, floor_s=0.5)
+    held = []
+    lab.call(0.2, lambda: held.append(lab.nodes[0].host.held.count))
+    lab.run()
+    assert held[0] > 0
+    lab.check(51, xs, ws)
+    for nd in lab.nodes:
+        np.testing.assert_allclose(nd.done[51].vector, mean(xs, ws), atol=1e-5)
+        assert not nd.drops and nd.host.held.count == 0
+
+
+def test_the_deadline_waits_one_floor_for_a_binding_in_flight() -> None:
+    """While unbound data waits for its binding, the phase deadline waits up to one floor_s more than for
+    silence: a binding that comes in that time still counts, one that comes later does not."""
+    floor = 0.4
+    xs, ws = inputs(3, 20 * PER)
+
+    def run(**kw: Any) -> Lab:
+        lab = Lab(3, **kw)
+        lab.start(0.0, 61, [0, 1, 2], xs, ws, floor_s=floor)
+        lab.run()
+        return lab
+
+    silent = run(drop=lambda d: (d.src, d.dst) == (1, 0))  # nothing of node 1's reaches node 0
+    t_silent = silent.nodes[0].done[61].stats.reduce_scatter.ended_at
+    never = run(bind_at={(1, 0): INF})  # it reaches node 0 but is never bound there
+    st = never.nodes[0].done[61].stats.reduce_scatter
+    assert st.ended_by == "deadline" and t_silent < st.ended_at <= t_silent + floor + 1e-9
+    assert never.nodes[0].drops["unbound"] > 0 and never.nodes[0].host.held.count == 0
+    both = [silent.nodes[0].done[61].vector, never.nodes[0].done[61].vector]
+    np.testing.assert_array_equal(both[0], both[1])  # node 1 averaged out alike
+
+    in_time = run(bind_at={(1, 0): (t_silent + st.ended_at) / 2})
+    in_time.check(61, xs, ws)
+    np.testing.assert_allclose(in_time.nodes[0].done[61].vector, mean(xs, ws), atol=1e-5)
+    assert not in_time.nodes[0].drops
+
+    # too late for the reduce-scatter (node 1 is averaged out of node 0's shard), in time for the all-gather
+    too_late = run(bind_at={(1, 0): st.ended_at + 0.01})
+    done = too_late.nodes[0].done[61]
+    assert done.stats.reduce_scatter.silent == (1,) and not done.stats.all_gather.silent
+    a, b = Layout(len(xs[0]), 3, PER).shard(0)
+    np.testing.assert_array_equal(done.vector[a:b], both[0][a:b])
+    np.testing.assert_allclose(done.vector[b:], in_time.nodes[0].done[61].vector[b:], atol=1e-5)
+
+
+# ---- members that are silent, strangers, hostile volumes ----------------------------------------------
+
+
+def test_a_member_that_never_sends_is_averaged_out_at_a_finite_deadline() -> None:
+    xs, ws = inputs(4, 24 * PER)
+    lab = Lab(4)
+    lab.start({0: 0.0, 1: 0.0, 2: None, 3: 0.0}, 71, [0, 1, 2, 3], xs, ws, floor_s=0.3, max_phase_s=5.0)
+    lab.run()
+    live = [0, 1, 3]
+    want = mean([xs[i] for i in live], [ws[i] for i in live])
+    layout = Layout(len(xs[0]), 4, PER)
+    for i in live:
+        done = lab.nodes[i].done[71]
+        assert done.stats.reduce_scatter.ended_by == "deadline" and 2 in done.stats.reduce_scatter.silent
+        assert done.stats.all_gather.ended_at < 5.0
+        for owner in live:
+            a, b = layout.shard(owner)
+            np.testing.assert_allclose(done.vector[a:b], want[a:b], atol=1e-5)
+        a, b = layout.shard(2)
+        np.testing.assert_array_equal(done.vector[a:b], xs[i][a:b])  # the silent owner's shard: own values
+    # what the others sent to node 2, which never started, is held there and freed on its timer
+    assert lab.nodes[2].drops["held"] > 0 and lab.nodes[2].host.held.count == 0
+
+
+def test_a_report_from_a_non_member_moves_nothing() -> None:
+    """Node 3 is not in group 81 and claims total loss on node 0's path: dropped; members' REPORTs count."""
+    xs, ws = inputs(3, 200 * PER)
+    lab = Lab(4)
+    lab.start(0.0, 81, [0, 1, 2], xs, ws, floor_s=0.3)
+    fields = {"group": 81, "phase": 0, "expected": 500, "received": 0, "bytes": 0, "seconds": 0.01,
+              "kernel_drops": 0, "position": 500}
+    rates = []
+    lab.call(0.005, lambda: rates.append(lab.nodes[0].host.pacer.rate))
+    lab.call(0.006, lambda: lab._report(3, 0, fields))
+    lab.call(0.007, lambda: rates.append(lab.nodes[0].host.pacer.rate))
+    lab.run()
+    assert rates[0] == rates[1] and lab.nodes[0].drops["report"] == 1
+    assert lab.nodes[0].verdicts  # the members' own REPORTs reached the pacer
+    assert all(lab.nodes[0].verdicts[k].verdict.action != "decrease" for k in range(len(lab.nodes[0].verdicts)))
+    for nd in lab.nodes[:3]:
+        np.testing.assert_allclose(nd.done[81].vector, mean(xs, ws), atol=1e-5)
+
+
+def test_held_data_stays_within_its_bounds_under_a_flood() -> None:
+    """A member invents tokens and group ids: what is held stays under the total and per-token caps, old
+    buckets go first, remembered bindings and the per-group token cache stay bounded."""
+    body = pack_data(1, 10, 0, 1.0, np.ones(PER, np.float32))
+    size = len(body) + ENTRY_OVERHEAD
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU, held=HeldData(max_bytes=50 * size, max_token_bytes=8 * size),
+                         max_bindings=64)
+    drops: Counter[str] = Counter()
+    for k in range(2000):
+        group, token = 1000 + k % 37, 5000 + k % 13
+        b = pack_data(group, 10, 0, 1.0, np.ones(PER, np.float32))
+        for a in host.on_data(None, token, RS_DATA, b, k * 1e-3):
+            if isinstance(a, Dropped):
+                drops[a.reason] += a.count
+        assert host.held.nbytes <= 50 * size
+        assert all(v <= 8 * size for v in host.held._token_bytes.values())
+    assert drops["held"] >= 2000 - 50
+    assert host.held.count == 50
+    for t in range(1000):
+        host.on_bind(t, bytes([t % 251]) * 32, 3.0)
+    assert len(host._bound) == 64
+    # one member's many tokens: the group's token cache stays within 4 per member
+    peers = [b"a" * 32, b"b" * 32]
+    host.start(7, peers, 0, np.zeros(4 * PER, np.float32), 1.0, 3.0)
+    rs = pack_data(7, 2, 0, 1.0, np.ones(PER, np.float32))  # member 1's first range of shard 0
+    for t in range(100):
+        host.on_data(peers[1], 90_000 + t, RS_DATA, rs, 3.0)
+    assert len(host._groups[7].by_token) <= 8
+    # and the held data of everything else expires on time
+    assert host.expire_held(3.0 + host.held.max_age_s + 2.1) and host.held.count == 0 and host.held.nbytes == 0
+
+
+def test_host_refuses_what_no_group_takes() -> None:
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
+    big = pack_data(1, 10, 0, 1.0, np.ones(PER + 1, np.float32))
+    with pytest.raises(Exception, match="bytes"):
+        host.on_data(None, 1, RS_DATA, big, 0.0)
+    assert host.held.count == 0
+    host.start(3, [b"a" * 32, b"b" * 32], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
+    rs = pack_data(3, 2, 0, 1.0, np.ones(PER, np.float32))
+    with pytest.raises(Exception, match="not in this group"):
+        host.on_data(b"z" * 32, 9, RS_DATA, rs, 0.0)
+    with pytest.raises(ValueError, match="already averaging"):
+        host.start(3, [b"a" * 32, b"b" * 32], 0, np.zeros(4, np.float32), 1.0, 0.0)
+    with pytest.raises(ValueError, match="distinct"):
+        host.start(4, [b"a" * 32, b"a" * 32], 0, np.zeros(4, np.float32), 1.0, 0.0)
+    with pytest.raises(ValueError, match="byzantine"):
+        AveragingHost(max_body=MAX_BODY, mtu=MTU, byzantine="evil")
+
+
+def test_send_shape() -> None:
+    assert send_shape(1200, True) == (54, 432)  # 64 KB GSO sends, ~512 KB blocks
+    assert send_shape(1200, False) == (16, 432)
+    assert send_shape(9000, True) == (7, 56)
+
+
+def test_held_data_is_expired_by_the_timer_it_asks_for() -> None:
+    """A timer set for ``held_expiry()`` finds the bucket expired even where ``now - max_age_s`` rounds below
+    the bucket's arrival time (here (t + 10) - 10 < t): a driver looping on the timer would spin at that
+    instant (under trio's MockClock: forever)."""
+    t = 0.13436424411240122
+    assert (t + 10.0) - 10.0 < t
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
+    actions = host.on_data(None, 5, RS_DATA, pack_data(1, 10, 0, 1.0, np.ones(PER, np.float32)), t)
+    timers = [a for a in actions if isinstance(a, HeldTimer)]
+    assert timers == [HeldTimer(host.held_expiry())]
+    assert host.expire_held(timers[0].at) == [Dropped("held", 1)]
+    assert host.held_expiry() is None
