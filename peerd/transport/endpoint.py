@@ -1,8 +1,15 @@
-"""One UDP socket per daemon: seal/open every datagram, match responses to requests, demultiplex.
+"""One UDP socket per daemon: the trio shell around the transport core (transport/core.py).
 
-Handlers for control requests are plain functions (they run to completion without awaiting), so a
-request is answered straight from the receive loop. Tensor data (types 0x40..0x7F) goes to raw
-handlers that get the opened body and the sender's token state, never msgpack.
+The core decides (request ids, retransmission schedule, what an incoming message is, what an unvalidated
+address may be sent); this shell seals, opens, sends and waits. Handlers for control requests are plain
+functions (they run to completion without awaiting), so a request is answered straight from the receive loop.
+Tensor data (types 0x40..0x7F) goes to raw handlers that get the opened body and the sender's token state,
+never msgpack.
+
+The receive loop takes a batch off the socket and sorts it without awaiting: junk (a bad header, an unknown
+token past its ration) is refused before anything is built for it and counted in plain ints, PINGs and PONGs go
+before the rest of a batch, and the answers a batch produced are sent after it; counters reach Prometheus once
+per batch.
 
 Sending never raises anything but RpcError: a send the kernel refuses (no route, a broadcast address) or a
 body this node must not send (one its peers would drop) is an RpcError the caller handles, like a timeout.
@@ -14,9 +21,7 @@ import ipaddress
 import logging
 import math
 import random
-import secrets
 import socket
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,10 +31,23 @@ import trio
 
 from ..metrics import Metrics
 from ..wire import messages as m
-from ..wire.envelope import Header
+from ..wire.envelope import FLAG_SEALED, HEADER_SIZE, Header, peek
 from ..wire.errors import WireError
 from ..wire.identity import Identity, node_id_of, verify_token_binding
-from ..wire.seal import Opener, Sealer, TokenState
+from ..wire.seal import TAG_SIZE, Opener, Sealer, TokenState
+from .caps import SocketCaps, plain_caps
+from .core import (
+    MAX_HELD_ADDRESSES,
+    MAX_HELD_PER_ADDRESS,
+    MAX_KNOWN_IDS,
+    Answered,
+    PendingFull,
+    Route,
+    Transmit,
+    TransportCore,
+    WaitUntil,
+)
+from .faults import LossySocket
 from .guard import AmplificationGuard, AuthLimiter
 from .rto import RtoEstimator
 
@@ -38,18 +56,21 @@ log = logging.getLogger("peerd.transport")
 Address = tuple[str, int]
 DEFAULT_MTU = 1200
 RECV_DATAGRAMS = 1024  # per receive pass (the socket's arena caps it near 1 MB: ~1 ms of opening when sealed)
-MAX_KNOWN_IDS = 4096  # addresses whose node id this endpoint remembers (LRU), to seal for their receiver
-MAX_HELD_ADDRESSES = 256  # unvalidated addresses with answers held until their address validation completes
-MAX_HELD_PER_ADDRESS = 4
+URGENT_BYTES = 512  # a PING or PONG at most this long goes before the rest of its receive batch
 # A sealer is replaced after this many datagrams (PROTOCOL.md 4.2: AES-GCM's confidentiality bound). The next one
 # is drawn at 3/4 of it and seals control messages at once (each carries its signed binding); data to a receiver
 # moves to it once a request sealed with it was answered by that receiver (which bound it), and all data moves
 # when the two together have sealed ROTATE_AFTER.
 ROTATE_AFTER = 2**28
+_PING, _PONG = int(m.MsgType.PING), int(m.MsgType.PONG)
+
+__all__ = ["Address", "DEFAULT_MTU", "Endpoint", "Incoming", "MAX_HELD_ADDRESSES", "MAX_HELD_PER_ADDRESS",
+           "MAX_KNOWN_IDS", "Peer", "RpcError", "RpcTimeout", "retry_delays"]
 
 
 class DatagramSocket(Protocol):
-    """What the endpoint needs of a socket: transport.udp.UdpSocket, or an in-memory one in tests."""
+    """What the endpoint needs of a socket: transport.udp.UdpSocket, or an in-memory one in tests. A socket
+    declares what more it can do in ``caps`` (transport/caps.py); one without ``caps`` has none of it."""
 
     family: int
 
@@ -91,13 +112,8 @@ RawHandler = Callable[[Header, bytes, TokenState, Address], None]
 BlockHandler = Callable[[int, int, TokenState, np.ndarray, Address], None]
 
 
-class _Pending:
-    __slots__ = ("expect", "event", "reply")
-
-    def __init__(self, expect: m.MsgType) -> None:
-        self.expect = expect
-        self.event = trio.Event()
-        self.reply: Incoming | None = None
+def _yes() -> bool:
+    return True
 
 
 class Endpoint:
@@ -113,8 +129,18 @@ class Endpoint:
         loss: float = 0.0,
         loss_seed: int | None = None,
         rotate_after: int = ROTATE_AFTER,
+        rng: random.Random | None = None,
+        core: TransportCore | None = None,
     ) -> None:
+        """``rng`` draws sealing tokens, request ids and jitter (default: os entropy; a seeded one only for tests
+        and simulations, since two processes that draw the same token under one swarm key reuse AEAD nonces).
+        ``loss``/``loss_seed``: fault injection, by a ``LossySocket`` wrapped around ``sock``."""
+        self.rng = rng if rng is not None else random.SystemRandom()
+        if loss:
+            sock = LossySocket(sock, loss, np.random.default_rng(loss_seed),  # type: ignore[assignment]
+                               on_drop=lambda n: self.metrics.datagrams_dropped.labels("injected").inc(n))
         self.sock = sock
+        self.caps: SocketCaps = getattr(sock, "caps", None) or plain_caps()  # declared by the socket, read once
         self.family = getattr(sock, "family", None)
         if announce is not None:
             why = self.unreachable(announce[0])
@@ -126,75 +152,88 @@ class Endpoint:
         self.mtu = mtu
         if rotate_after < 4:
             raise ValueError(f"rotate_after must be >= 4 datagrams, got {rotate_after}")
+        self.core = core if core is not None else TransportCore(self.rng)
         self._secret = swarm_secret
-        self.sealer = Sealer(swarm_secret)  # seals data (and control while no rotation is under way)
+        self.sealer = Sealer(swarm_secret, self._new_token())  # seals data (and control while no rotation runs)
         self.rotate_after = rotate_after
         self.rotations = 0
         self._next: Sealer | None = None  # the sealer being rotated in: control now, data once bound
         self._next_from: dict[str, Any] = {}
         self._next_bound: set[bytes] = set()  # receivers that answered a request sealed by ``_next``
         self.opener = Opener(swarm_secret, identity.node_id)
-        # address -> node id of the node there, learned from datagrams sealed for this node (an outsider cannot
-        # make one) and from callers that know it (DHT contacts): every datagram is sealed for its receiver.
-        self._ids: OrderedDict[Address, bytes] = OrderedDict()
+        self._sealed = swarm_secret is not None
         self._from = {
             "pk": identity.public_key,
             "sig": identity.sign_token(self.sealer.token),
             "addr": m.pack_addr(*announce) if announce else None,
         }
-        self._handlers: dict[m.MsgType, tuple[m.MsgType, RequestHandler]] = {}
+        self._handlers: dict[int, RequestHandler] = {}
         self._raw: dict[int, RawHandler] = {}
         self._raw_block: dict[int, BlockHandler] = {}
-        self._pending: dict[int, _Pending] = {}
+        self._events: dict[int, trio.Event] = {}  # rid of an open request -> what its caller waits on
         self._bind_hooks: list[Callable[[int, bytes], None]] = []
         self._type_names = {t.value: t.name.lower() for t in m.MsgType}
-        self._data_received = metrics.datagrams_received.labels("data")  # bound once: hot path
-        self._data_count = 0  # data datagrams in the receive batch being handled
-        # Fault injection for benchmarks and tests: drop received datagrams with probability ``loss``.
-        self._loss = loss
-        self._loss_rng = random.Random(loss_seed)
-        self._loss_np = np.random.default_rng(loss_seed)
-        self.rto = RtoEstimator()  # learned retransmission timeouts per destination, for request()
         self._handler_errors = 0
-        # Outsiders: forged datagrams under unknown tokens are rationed before any crypto (auth_limited), and an
-        # address that has not proven it receives what this node sends gets at most 3x its bytes in answers.
-        self.auth_limiter = AuthLimiter()
-        self.guard = AmplificationGuard()
-        # answers over budget, sealed only when sent (a held datagram could fall behind receivers' replay windows)
-        self._held: OrderedDict[Address, list[tuple[m.MsgType, int, dict[str, Any], bytes]]] = OrderedDict()
-        self._challenges: OrderedDict[int, Address] = OrderedDict()  # rid of a validating PING -> its address
+        # Counted in plain ints while a batch is handled, and handed to Prometheus once per batch (an inc with
+        # labels costs about a microsecond, as much as refusing the datagram).
+        self._drops: dict[str, int] = {}
+        self._received: dict[int, int] = {}  # message type -> datagrams accepted
+        self._drop_counters: dict[str, Any] = {}
+        self._received_counters: dict[int, Any] = {}
+        self._outbox: list[tuple[Any, ...]] = []  # answers and validations a batch produced, sent after it
+        self._junk = 0  # datagrams of the current pass refused unopened or failing to open (see receive_pause)
         self.on_request(m.MsgType.PING, lambda incoming: {})  # the DHT replaces it; a PING is always answered
+
+    def _new_token(self) -> int:
+        return self.rng.getrandbits(64) or 1
+
+    # -- the core's state, under the names callers and tests use ---------------------------------------------
+    @property
+    def rto(self) -> RtoEstimator:
+        """Learned retransmission timeouts per destination, for request()."""
+        return self.core.rto
+
+    @property
+    def guard(self) -> AmplificationGuard:
+        return self.core.guard
+
+    @property
+    def auth_limiter(self) -> AuthLimiter:
+        return self.core.auth_limiter
+
+    @property
+    def kernel_drops(self) -> int:
+        """Datagrams the kernel dropped at this socket's receive queue (0 where the socket cannot tell)."""
+        return int(getattr(self.sock, "kernel_drops", 0)) if self.caps.kernel_drops else 0
 
     # -- registration -------------------------------------------------------------------------
     def on_request(self, mtype: m.MsgType, handler: RequestHandler) -> None:
         """``handler`` returns the response fields (without rid/from), or None to stay silent."""
-        self._handlers[mtype] = (m.REQUESTS[mtype], handler)
+        self._handlers[int(mtype)] = handler
+        self.core.register(int(mtype), int(m.REQUESTS[mtype]))
 
     def on_message(self, mtype: m.MsgType, handler: RequestHandler) -> None:
         """A one-way control message: ``handler`` runs, nothing is sent back."""
-        self._handlers[mtype] = (mtype, handler)
+        self._handlers[int(mtype)] = handler
+        self.core.register(int(mtype), int(mtype))
 
     async def notify(
         self, addr: Address, mtype: m.MsgType, fields: dict[str, Any], *, node_id: bytes | None = None
     ) -> None:
         """Send a one-way control message (no response, no retry) to the node ``node_id`` (default: the one
         this endpoint knows at ``addr``; RpcError if none)."""
-        await self._send_control(addr, mtype, secrets.randbits(64), fields, node_id or self.node_id_at(addr))
+        await self._send_control(addr, mtype, self.core.new_id(), fields, node_id or self.node_id_at(addr))
 
     # -- receivers' node ids ----------------------------------------------------------------------
     def learn(self, addr: Address, node_id: bytes) -> None:
         """Remember that the node ``node_id`` is at ``addr`` (what this endpoint seals datagrams to it for)."""
-        ids = self._ids
-        ids[addr] = node_id
-        ids.move_to_end(addr)
-        while len(ids) > MAX_KNOWN_IDS:
-            ids.popitem(last=False)
+        self.core.learn(addr, node_id)
 
     def node_id_at(self, addr: Address) -> bytes | None:
-        return self._ids.get(addr)
+        return self.core.node_id_at(addr)
 
     def _receiver(self, addr: Address, node_id: bytes | None) -> bytes:
-        receiver = node_id or self._ids.get(addr)
+        receiver = node_id or self.core.node_id_at(addr)
         if receiver is None:
             self.metrics.datagrams_dropped.labels("unknown_receiver").inc()
             raise RpcError(f"no node id known at {addr[0]}:{addr[1]}: PING it first")
@@ -241,7 +280,7 @@ class Endpoint:
         old = self.sealer
         if self._next is None:
             if old.sent >= self.rotate_after * 3 // 4:
-                self._next = Sealer(self._secret)
+                self._next = Sealer(self._secret, self._new_token())
                 self._next_from = {**self._from, "sig": self.identity.sign_token(self._next.token)}
                 self._next_bound = set()
         elif old.sent + self._next.sent >= self.rotate_after:
@@ -292,9 +331,8 @@ class Endpoint:
         Returns the bytes sent."""
         rows = len(datagrams)
         try:
-            send_block = getattr(self.sock, "send_block", None)
-            if send_block is not None:
-                await send_block(datagrams, addr)
+            if self.caps.block_send:
+                await self.sock.send_block(datagrams, addr)  # type: ignore[attr-defined]
             else:
                 await self.sock.send_many([row.tobytes() for row in datagrams], addr)
         except OSError as e:
@@ -339,34 +377,26 @@ class Endpoint:
         answer over that budget is held, and ``addr`` is sent a PING (sealed for ``receiver``, within the budget;
         a retransmitted request brings budget for another): its PONG validates the address and releases the
         held answers. A spoofed source gets the PINGs, nothing more."""
-        if self.guard.is_validated(addr):
+        core = self.core
+        if core.guard.is_validated(addr):
             await self._send_control(addr, mtype, rid, fields, receiver)
             return
         datagram = self._control_datagram(addr, mtype, rid, fields, receiver)
-        if self.guard.may_send(addr, len(datagram)):
+        if core.may_answer(addr, len(datagram)):
             await self._send_datagram(addr, mtype, datagram)
             return
         self.metrics.datagrams_dropped.labels("unvalidated").inc()
-        held = self._held.get(addr)
-        if held is None:
-            held = self._held[addr] = []
-            while len(self._held) > MAX_HELD_ADDRESSES:
-                self._held.popitem(last=False)
-        if len(held) < MAX_HELD_PER_ADDRESS:
-            held.append((mtype, rid, fields, receiver))
-        challenge = secrets.randbits(64)
+        core.hold(addr, (mtype, rid, fields, receiver))
+        challenge = core.challenge(addr)
         ping = self._control_datagram(addr, m.MsgType.PING, challenge, {}, receiver)
-        if not self.guard.may_send(addr, len(ping)):
+        if not core.may_answer(addr, len(ping)):
             return
-        self._challenges[challenge] = addr
-        while len(self._challenges) > MAX_HELD_ADDRESSES:
-            self._challenges.popitem(last=False)
+        core.challenge_sent(challenge, addr)
         await self._send_datagram(addr, m.MsgType.PING, ping)
 
     async def _validated(self, addr: Address) -> None:
-        """``addr`` answered this node's PING: no budget any more; send what was held for it."""
-        self.guard.validate(addr)
-        for mtype, rid, fields, receiver in self._held.pop(addr, ()):
+        """``addr`` answered this node's PING (the core validated it): send what was held for it."""
+        for mtype, rid, fields, receiver in self.core.release(addr):
             try:
                 await self._send_control(addr, mtype, rid, fields, receiver)
             except RpcError as e:
@@ -387,6 +417,7 @@ class Endpoint:
         It gives up when the fixed schedule ``timeout, 2*timeout, ...`` (``attempts`` waits) would have
         ended, but the first wait is the destination's learned retransmission timeout (``self.rto``,
         never above ``timeout``), so under loss a lost datagram costs a few round trips, not 0.5 s.
+        (The schedule is the core's: ``TransportCore.step``.)
 
         The request is sealed for ``node_id`` (default: the node this endpoint knows at ``addr``). A PING to
         an address whose node is unknown is sealed for no receiver; any other request first PINGs such an
@@ -394,182 +425,276 @@ class Endpoint:
         """
         if not timeout > 0 or attempts < 1:
             raise ValueError(f"request needs timeout > 0 and attempts >= 1, got {timeout!r}, {attempts!r}")
-        receiver = node_id or self._ids.get(addr)
+        receiver = node_id or self.core.node_id_at(addr)
         if receiver is None and mtype is not m.MsgType.PING:
             receiver = (await self.request(addr, m.MsgType.PING, {}, timeout=timeout, attempts=attempts)).peer.node_id
-        rid = secrets.randbits(64)
-        pending = self._pending[rid] = _Pending(m.REQUESTS[mtype])
-        start = trio.current_time()
-        deadline = start + timeout * (2**attempts - 1)
         name = mtype.name.lower()
+        core = self.core
+        start = trio.current_time()
         try:
-            wait = self.rto.timeout(addr, timeout)
-            first = True
+            rid = core.open_request(addr, int(m.REQUESTS[mtype]), start, timeout=timeout, attempts=attempts)
+        except PendingFull as e:
+            self.metrics.rpc_failures.labels(name).inc()
+            raise RpcError(f"not sending {name} to {addr[0]}:{addr[1]}: {e}") from None
+        event = self._events[rid] = trio.Event()
+        sealed_by: Sealer | None = None
+        try:
             while True:
-                sent_at = trio.current_time()
-                sealed_by = self._next
-                await self._send_control(addr, mtype, rid, fields, receiver)
-                with trio.move_on_at(min(deadline, sent_at + wait)):
-                    await pending.event.wait()
-                if pending.reply is not None:
-                    reply = pending.reply
-                    if reply.source == addr:  # it read this request's rid: it receives at this address
-                        self.guard.validate(addr)
+                step = core.step(rid, trio.current_time())
+                if isinstance(step, Transmit):
+                    sealed_by = self._next
+                    await self._send_control(addr, mtype, rid, fields, receiver)
+                elif isinstance(step, WaitUntil):
+                    with trio.move_on_at(step.at):
+                        await event.wait()
+                elif isinstance(step, Answered):
+                    reply: Incoming = step.reply
                     if sealed_by is not None and sealed_by is self._next:  # it opened, so bound, the next token
                         self._next_bound.add(reply.peer.node_id)
-                    if first:  # Karn's rule: only an unambiguous round trip is a sample
-                        self.rto.sample(addr, trio.current_time() - sent_at)
                     if reply.mtype is m.MsgType.ERROR:
                         raise RpcError(f"{addr[0]}:{addr[1]} refused {name}: {reply.body['detail']}")
                     self.metrics.rpc_seconds.labels(name).observe(trio.current_time() - start)
                     return reply
-                if first:
-                    self.rto.timed_out(addr)
-                    first = False
-                if trio.current_time() >= deadline:
-                    break
-                wait *= 2
-            self.metrics.rpc_failures.labels(name).inc()
-            raise RpcTimeout(f"no answer to {name} from {addr[0]}:{addr[1]} within {deadline - start:.2f} s")
+                else:
+                    self.metrics.rpc_failures.labels(name).inc()
+                    raise RpcTimeout(f"no answer to {name} from {addr[0]}:{addr[1]} within {step.waited:.2f} s")
         finally:
-            del self._pending[rid]
+            core.close(rid)
+            del self._events[rid]
 
     # -- receiving ------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        bytes_received = self.metrics.bytes_received
-        recv_blocks = getattr(self.sock, "recv_blocks", None)
+        sock = self.sock
+        if self.caps.block_receive:
+            receive = sock.recv_blocks  # type: ignore[attr-defined]
+            limit = RECV_DATAGRAMS
+        else:
+            receive, limit = None, 64
         while True:
-            if recv_blocks is not None:
-                batch = await recv_blocks(RECV_DATAGRAMS)
+            if receive is not None:
+                batch = await receive(limit)
             else:
-                batch = [(data, source, 0) for data, source in await self.sock.recv_batch(64)]
-            self._data_count = 0
-            nbytes = 0
-            for data, source, segment in batch:
-                nbytes += len(data)
-                if segment:
-                    await self.handle_block(data, source, segment)
-                else:
-                    await self.handle_datagram(data, source, counted=True)
-            # Counters once per batch, not per datagram (a Prometheus inc costs about a microsecond).
-            bytes_received.inc(nbytes)
-            if self._data_count:
-                self._data_received.inc(self._data_count)
-            # A busy socket always has data: yield so senders and timers are not starved.
-            await trio.lowlevel.checkpoint()
+                batch = [(data, source, 0) for data, source in await sock.recv_batch(limit)]
+            self._junk = 0
+            datagrams = self.receive_batch(batch, trio.current_time())
+            await self.flush()
+            pause = self.core.receive_pause(trio.current_time(), datagrams, self._junk, limit)
+            if pause > 0:
+                await trio.sleep(pause)
+            else:  # a busy socket always has data: yield so senders and timers are not starved
+                await trio.lowlevel.checkpoint()
+
+    def receive_batch(self, batch: list[tuple[Any, Address, int]], now: float) -> int:
+        """Handle one receive's datagrams and GRO blocks (data, source, segment) without awaiting: what to
+        send in answer waits in the outbox for ``flush``. Small PINGs and PONGs go first, so that a member's
+        liveness check does not queue behind a batch of junk or tensor data. Returns the datagrams handled."""
+        nbytes = datagrams = 0
+        rest = batch
+        if len(batch) > 1:
+            urgent = [i for i, (data, _, segment) in enumerate(batch)
+                      if not segment and 3 < len(data) <= URGENT_BYTES and data[3] in (_PING, _PONG)]
+            if urgent:
+                for i in urgent:
+                    data, source, _ = batch[i]
+                    nbytes += len(data)
+                    self._datagram(data, source, now)
+                datagrams = len(urgent)
+                skip = set(urgent)
+                rest = [item for i, item in enumerate(batch) if i not in skip]
+        for data, source, segment in rest:
+            nbytes += len(data)
+            if segment:
+                datagrams += -(-len(data) // segment)
+                self._block(data, source, segment, now)
+            else:
+                datagrams += 1
+                self._datagram(data, source, now)
+        self.metrics.bytes_received.inc(nbytes)
+        return datagrams
+
+    async def flush(self) -> None:
+        """Send what the handled datagrams produced (answers, held answers of validated addresses), then hand
+        the batch's counts to Prometheus."""
+        while self._outbox:
+            outbox, self._outbox = self._outbox, []
+            for item in outbox:
+                try:
+                    if item[0] == "answer":
+                        await self._answer(*item[1:])
+                    else:
+                        await self._validated(item[1])
+                except RpcError as e:
+                    log.debug("response to %s: %s", item[1], e)
+        self._flush_counts()
+
+    def _flush_counts(self) -> None:
+        if self._drops:
+            counters = self._drop_counters
+            for reason, n in self._drops.items():
+                counter = counters.get(reason)
+                if counter is None:
+                    counter = counters[reason] = self.metrics.datagrams_dropped.labels(reason)
+                counter.inc(n)
+            self._drops.clear()
+        if self._received:
+            counters = self._received_counters
+            for mtype, n in self._received.items():
+                counter = counters.get(mtype)
+                if counter is None:
+                    name = self._type_names.get(mtype, "data") if mtype <= m.CONTROL_MAX else "data"
+                    counter = counters[mtype] = self.metrics.datagrams_received.labels(name)
+                counter.inc(n)
+            self._received.clear()
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self._drops[reason] = self._drops.get(reason, 0) + n
+
+    def _count_received(self, mtype: int, n: int = 1) -> None:
+        key = mtype if mtype <= m.CONTROL_MAX else 0x40  # every data type is counted as "data"
+        self._received[key] = self._received.get(key, 0) + n
 
     async def handle_block(self, data: bytes, source: Address, segment: int) -> None:
+        """What one GRO receive coalesced (see ``_block``), handled and flushed at once."""
+        self.metrics.bytes_received.inc(len(data))
+        self._block(data, source, segment, trio.current_time())
+        await self.flush()
+
+    def _block(self, data: Any, source: Address, segment: int, now: float) -> None:
         """What one GRO receive coalesced: datagrams of ``segment`` bytes (the last may be shorter). A block
         of one known sender's tensor data is opened and handed over whole; anything else goes datagram
-        by datagram. Received bytes are the caller's to count (``serve``)."""
+        by datagram."""
         rows = len(data) // segment
         tail = data[rows * segment :]
         block = np.frombuffer(data, dtype=np.uint8, count=rows * segment).reshape(rows, segment)
-        if self._loss:
-            keep = self._loss_np.random(rows) >= self._loss
-            dropped = rows - int(np.count_nonzero(keep))
-            if dropped:
-                self.metrics.datagrams_dropped.labels("injected").inc(dropped)
-                block = block[keep]
         handler = self._raw_block.get(int(block[0, 3])) if len(block) > 1 else None
         opened = self.opener.open_block(block) if handler is not None else None
         if opened is None:
             for row in block:
-                await self.handle_datagram(row.tobytes(), source, counted=True, inject=False)
+                self._datagram(row.tobytes(), source, now)
         else:
             if opened.replays:
-                self.metrics.datagrams_dropped.labels("replay").inc(opened.replays)
+                self._drop("replay", opened.replays)
             if opened.auth_failures:
-                self.metrics.datagrams_dropped.labels("auth").inc(opened.auth_failures)
-                self.auth_limiter.failed(source, trio.current_time(), opened.auth_failures)
+                self._drop("auth", opened.auth_failures)
+                self.core.auth_limiter.failed(source, now, opened.auth_failures)
             if len(opened.bodies):
-                self._data_count += len(opened.bodies)
+                self._count_received(opened.type, len(opened.bodies))
                 try:
                     handler(opened.type, opened.token, opened.state, opened.bodies, source)  # type: ignore[misc]
                 except WireError as e:
-                    self.metrics.datagrams_dropped.labels(e.reason).inc(len(opened.bodies))
+                    self._drop(e.reason, len(opened.bodies))
                 except Exception:
                     self._handler_failed(opened.type, len(opened.bodies))
         if tail:
-            await self.handle_datagram(tail, source, counted=True)
+            self._datagram(tail, source, now)
 
     async def handle_datagram(
         self, data: bytes, source: Address, *, counted: bool = False, inject: bool = True
     ) -> None:
-        """``counted``: the caller (``serve``) counts received bytes and data datagrams for a whole batch.
-        ``inject=False``: the fault injector already decided about this datagram (``handle_block``)."""
+        """Handle one datagram and send what it asks for. ``counted``: the caller counted its bytes.
+        (``inject`` is kept for callers of the old signature: fault injection is the socket's now.)"""
         if not counted:
             self.metrics.bytes_received.inc(len(data))
-        if inject and self._loss and self._loss_rng.random() < self._loss:
-            self.metrics.datagrams_dropped.labels("injected").inc()
+        self._datagram(data, source, trio.current_time())
+        await self.flush()
+
+    def _datagram(self, data: Any, source: Address, now: float) -> None:
+        """One datagram, without awaiting. Junk is sorted out before any object is built for it: a bad header,
+        and a datagram under a token this node has no key for once its source or this node is out of
+        authentication failures (``auth_limited``: no key derivation, no AEAD)."""
+        head = peek(data)
+        if head.__class__ is str:
+            self._drop(head)  # type: ignore[arg-type]
+            self._junk += 1
             return
-        try:
-            header, body, state = self.opener.open(
-                data, lambda: self.auth_limiter.may_derive(source, trio.current_time())
-            )
-            if header.type > m.CONTROL_MAX:
-                raw = self._raw.get(header.type)
-                if raw is None:
-                    raise WireError("type", f"no handler for data type {header.type:#04x}")
-                if counted:
-                    self._data_count += 1
-                else:
-                    self._data_received.inc()
-                raw(header, body, state, source)
+        mtype, flags, token = head  # type: ignore[misc]
+        may_derive = None
+        if self._sealed and self.opener.token_state(token) is None:
+            if not flags & FLAG_SEALED:
+                self._drop("auth")
+                self._junk += 1
+                self.core.auth_limiter.failed(source, now)
                 return
-            incoming = self._incoming(header, body, state, source)
-            self.guard.received(source, len(data))
+            if len(data) < HEADER_SIZE + TAG_SIZE:
+                self._drop("malformed")
+                self._junk += 1
+                return
+            if not self.core.auth_limiter.may_derive(source, now):
+                self._drop("auth_limited")
+                self._junk += 1
+                return
+            may_derive = _yes  # charged just now
+        try:
+            header, body, state = self.opener.open(data, may_derive)
         except WireError as e:
             if e.reason == "auth":
-                self.auth_limiter.failed(source, trio.current_time())
-            self.metrics.datagrams_dropped.labels(e.reason).inc()
+                self.core.auth_limiter.failed(source, now)
+            self._drop(e.reason)
+            self._junk += 1
+            return
+        except Exception:  # a bug the input reached must not end the receive loop (and with it the daemon)
+            self._handler_failed(mtype)
+            return
+        if mtype > m.CONTROL_MAX:
+            raw = self._raw.get(mtype)
+            if raw is None:
+                self._drop("type")
+                return
+            self._count_received(mtype)
+            try:
+                raw(header, body, state, source)
+            except WireError as e:
+                self._drop(e.reason)
+            except Exception:  # a handler's bug must not end the receive loop (and with it the daemon)
+                self._handler_failed(mtype)
+            return
+        try:
+            incoming = self._incoming(header, body, state, source)
+        except WireError as e:
+            self._drop(e.reason)
             log.debug("drop from %s: %s", source, e)
             return
-        except Exception:  # a handler's bug must not end the receive loop (and with it the daemon)
-            self._handler_failed(data[3] if len(data) > 3 else 0)
+        except Exception:
+            self._handler_failed(mtype)
             return
-        self.metrics.datagrams_received.labels(incoming.mtype.name.lower()).inc()
+        self.core.guard.received(source, len(data))
+        self._count_received(mtype)
         rid = incoming.body["rid"]
-        if incoming.mtype is m.MsgType.PONG and self._challenges.get(rid) == source:
-            for challenge in [c for c, a in self._challenges.items() if a == source]:
-                del self._challenges[challenge]
-            await self._validated(source)
+        route = self.core.route(mtype, rid, source, incoming, now)
+        if route is Route.ANSWER:
+            self._events[rid].set()
             return
-        pending = self._pending.get(rid)
-        if pending is not None and incoming.mtype in (pending.expect, m.MsgType.ERROR):
-            if pending.reply is None:
-                pending.reply = incoming
-                pending.event.set()
+        if route is Route.VALIDATION:
+            self._outbox.append(("validated", source))
             return
-        entry = self._handlers.get(incoming.mtype)
-        if entry is None:
-            self.metrics.datagrams_dropped.labels("unexpected").inc()
+        if route is Route.DUPLICATE:
             return
-        response_type, handler = entry
+        if route is Route.UNEXPECTED:
+            self._drop("unexpected")
+            return
+        response_type = self.core.response_type(mtype)
+        handler = self._handlers[mtype]
         try:
             fields = handler(incoming)
-            if response_type is incoming.mtype:  # one-way message
+            if response_type == mtype:  # one-way message
                 return
         except WireError as e:  # semantically bad request: tell the sender why
-            self.metrics.datagrams_dropped.labels(e.reason).inc()
-            fields, response_type = {"code": e.reason, "detail": e.detail[:200]}, m.MsgType.ERROR
+            self._drop(e.reason)
+            fields, response_type = {"code": e.reason, "detail": e.detail[:200]}, int(m.MsgType.ERROR)
         except Exception:
-            self._handler_failed(int(incoming.mtype))
+            self._handler_failed(mtype)
             return
         if fields is None:
             return
-        try:
-            await self._answer(source, response_type, rid, fields, incoming.peer.node_id)
-        except RpcError as e:
-            log.debug("response to %s: %s", source, e)
+        self._outbox.append(("answer", source, m.MsgType(response_type), rid, fields, incoming.peer.node_id))
 
     def _handler_failed(self, mtype: int, count: int = 1) -> None:
         """A handler raised something other than WireError (a bug a peer's input reached): drop the input,
         count it (``datagrams_dropped{reason="handler_error"}``, ``background_errors{task="endpoint_<type>"}``)
         and keep serving. The first few are logged with their traceback."""
         name = self._type_names.get(mtype, f"type_{mtype:#04x}")
-        self.metrics.datagrams_dropped.labels("handler_error").inc(count)
+        self._drop("handler_error", count)
         self.metrics.background_errors.labels(f"endpoint_{name}").inc()
         self._handler_errors += 1
         if self._handler_errors <= 10:
@@ -602,11 +727,13 @@ class Endpoint:
         return Incoming(mtype, fields, peer, source)
 
 
-def retry_delays(first: float, cap: float) -> Callable[[int], float]:
-    """Exponential backoff with jitter, for loops that retry whole operations (bootstrap)."""
+def retry_delays(first: float, cap: float, rng: random.Random | None = None) -> Callable[[int], float]:
+    """Exponential backoff with jitter, for loops that retry whole operations (bootstrap). ``rng``: the jitter's
+    source (default: os entropy)."""
+    jitter = rng if rng is not None else random.SystemRandom()
 
     def delay(attempt: int) -> float:
         base = min(cap, first * math.pow(2, attempt))
-        return base * (0.5 + secrets.randbelow(1000) / 2000)
+        return base * (0.5 + jitter.randrange(1000) / 2000)
 
     return delay

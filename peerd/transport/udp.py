@@ -20,6 +20,7 @@ import numpy as np
 import trio
 
 from ..wire.envelope import SEQ_OFFSET
+from .caps import SocketCaps
 
 log = logging.getLogger("peerd.transport")
 
@@ -81,21 +82,25 @@ class UdpSocket:
                 "UDP receive buffer is %d KiB (wanted %d KiB): bursts may be dropped by the kernel. As root: "
                 "sysctl -w net.core.rmem_max=%d", self.rcvbuf // 1024, buffer_bytes // 1024, buffer_bytes,
             )
-        self.gso = gso and linux and self._probe_gso()
-        self.gro = False
+        has_gso = gso and linux and self._probe_gso()
+        gro = False
         if gso and linux:
             try:
                 sock.setsockopt(SOL_UDP, UDP_GRO, 1)
-                self.gro = True
+                gro = True
             except OSError:
                 pass
-        self._ovfl = False
+        ovfl = False
         if linux:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
-                self._ovfl = True
+                ovfl = True
             except OSError:
                 pass
+        # declared once, here: what the endpoint and the averaging host may use (no probing at each send)
+        self.caps = SocketCaps(gso=has_gso, gro=gro, block_receive=True, block_send=True, kernel_drops=ovfl,
+                               rcvbuf=self.rcvbuf, sndbuf=self.sndbuf,
+                               gso_segments=GSO_MAX_SEGMENTS if has_gso else 1)
         self._arena = bytearray(arena_bytes)
         self._view = memoryview(self._arena)
         self._used = 0
@@ -105,6 +110,14 @@ class UdpSocket:
         self.send_calls = 0
         self.receive_passes = 0
         self.receive_calls = 0
+
+    @property
+    def gso(self) -> bool:
+        return self.caps.gso
+
+    @property
+    def gro(self) -> bool:
+        return self.caps.gro
 
     def _probe_gso(self) -> bool:
         try:
@@ -147,50 +160,53 @@ class UdpSocket:
         consumer's per-block work (numpy calls) is paid once per many GRO receives. The views are valid
         until the next call: a consumer copies what it keeps.
         """
-        out: list[list] = []  # [start, size, source, row size, prefix]
-        count = 0
-        self._used = 0
+        out: list[list] = []  # [start, size, source, row size]
+        count = calls = 0
+        used = 0
+        last_start = len(self._arena) - RECV_BUFFER  # a receive needs RECV_BUFFER bytes of room
+        view = self._view
+        recvmsg_into = self.sock.recvmsg_into
         while True:
             try:
-                while count < max_datagrams and self._used + RECV_BUFFER <= len(self._arena):
-                    count += self._recv_one(out)
+                # One loop, no call per datagram but the syscall: under a flood of junk this loop and the
+                # endpoint's triage are the whole per-datagram cost.
+                while count < max_datagrams and used <= last_start:
+                    size, ancdata, _flags, addr = recvmsg_into([view[used : used + RECV_BUFFER]], 256)
+                    calls += 1
+                    segment = 0
+                    for level, kind, data in ancdata:
+                        if level == SOL_UDP and kind == UDP_GRO:
+                            segment = I32.unpack_from(data)[0] if len(data) >= 4 else U16.unpack_from(data)[0]
+                        elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= 4:
+                            self.kernel_drops = U32.unpack_from(data)[0]
+                    row = segment if 0 < segment < size else size
+                    count += -(-size // row) if row else 1
+                    source = addr if len(addr) == 2 else (addr[0], addr[1])
+                    if out and row:
+                        last = out[-1]
+                        # Append to the previous block: same source, same datagram size, the previous block's
+                        # rows all full (its end is where this receive starts), the same first bytes (type,
+                        # token).
+                        if (last[3] == row and last[1] % row == 0 and last[2] == source
+                                and view[last[0] : last[0] + MERGE_PREFIX] == view[used : used + MERGE_PREFIX]):
+                            last[1] += size
+                            used += size
+                            continue
+                    out.append([used, size, source, row])
+                    used += size
             except BlockingIOError:
                 pass
             except OSError as e:  # ICMP errors surface here on some kernels; they are not fatal
                 if e.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
                     raise
             if out:
+                self.received += count
+                self.receive_calls += calls
                 self.receive_passes += 1
-                view = self._view
+                self._used = used
                 return [(view[start : start + size], source, row if size > row else 0)
-                        for start, size, source, row, _ in out]
+                        for start, size, source, row in out]
             await trio.lowlevel.wait_readable(self.sock)
-
-    def _recv_one(self, out: list[list]) -> int:
-        start = self._used
-        size, ancdata, _flags, addr = self.sock.recvmsg_into([self._view[start : start + RECV_BUFFER]], 256)
-        segment = 0
-        for level, kind, data in ancdata:
-            if level == SOL_UDP and kind == UDP_GRO:
-                segment = I32.unpack_from(data)[0] if len(data) >= 4 else U16.unpack_from(data)[0]
-            elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= 4:
-                self.kernel_drops = U32.unpack_from(data)[0]
-        row = segment if 0 < segment < size else size
-        count = -(-size // row) if row else 1
-        self.received += count
-        self.receive_calls += 1
-        self._used = start + size
-        source = (addr[0], addr[1])
-        prefix = bytes(self._view[start : start + MERGE_PREFIX])
-        if out:
-            last = out[-1]
-            # Append to the previous block: same source, same datagram size, the previous block's rows all
-            # full (its end is where this receive starts), and the same first bytes (type, token).
-            if last[3] == row and last[1] % row == 0 and last[2] == source and last[4] == prefix and row:
-                last[1] += size
-                return count
-        out.append([start, size, source, row, prefix])
-        return count
 
     # -- sending ----------------------------------------------------------------------------------
     async def sendto(self, data: bytes, addr: Address) -> None:
@@ -258,7 +274,7 @@ class UdpSocket:
             except OSError as e:
                 if e.errno in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT):  # no GSO on this path/NIC
                     log.warning("UDP GSO failed (%s); using one syscall per datagram", os.strerror(e.errno))
-                    self.gso = False
+                    self.caps.lose_gso()
                     for d in run:
                         await self.sendto(d, addr)
                     return

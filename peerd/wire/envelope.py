@@ -62,3 +62,19 @@ def parse_header(datagram: bytes | memoryview) -> Header:
     if flags & FLAG_NO_RECEIVER and mtype != PING_TYPE:
         raise WireError("malformed", f"type {mtype:#04x} sealed for no receiver: only a PING may be")
     return Header(mtype, flags, token, seq)
+
+
+def peek(datagram: bytes | memoryview) -> tuple[int, int, int] | str:
+    """(type, flags, token) of a datagram whose header is valid, else the drop reason ``parse_header`` would
+    give ("malformed" or "version"). No exception and no object: the receive path sorts a flood of junk with
+    this before anything is built for it."""
+    if len(datagram) < HEADER_SIZE:
+        return "malformed"
+    magic, version, mtype, flags, token, _ = HEADER.unpack_from(datagram)
+    if magic != MAGIC:
+        return "malformed"
+    if version != VERSION:
+        return "version"
+    if flags & ~KNOWN_FLAGS or (flags & FLAG_NO_RECEIVER and mtype != PING_TYPE):
+        return "malformed"
+    return mtype, flags, token

@@ -1,0 +1,314 @@
+"""The transport's decisions, sans-I/O: every input carries ``now``, request ids come from an injected rng.
+
+- **Requests.** ``open_request`` draws a request id (never one already pending) and ``step`` says what the
+  request needs next: ``Transmit`` (send it now, first time or again), ``WaitUntil`` (nothing before that time
+  unless its answer comes), ``Answered`` or ``Expired``. The schedule: the first wait is the destination's
+  learned retransmission timeout (``rto``, never above the caller's ``timeout``), each later wait doubles, and the
+  request gives up when the fixed schedule ``timeout, 2*timeout, ...`` (``attempts`` waits) would have ended.
+  Karn's rule: only an answer to a request sent once is a round-trip sample; a first wait that runs out backs the
+  destination off (RFC 6298 5.5). At most ``max_pending`` requests are open at once.
+- **Demultiplexing.** ``route`` says what an authenticated control message is: the answer to a pending request
+  (``ANSWER``: stored for ``step``; a second answer is a ``DUPLICATE``), the PONG to this node's address-validation
+  PING (``VALIDATION``), a message for a registered handler (``HANDLER``), or nothing this node expects
+  (``UNEXPECTED``: a late answer, an unsolicited response).
+- **Outsiders.** The amplification guard, the answers held for addresses not yet validated, the validation
+  challenges, and the rationing of authentication failures (``AuthLimiter``) live here, bounded.
+- **Receivers.** Which node id is at which address (an LRU), to seal each datagram for its receiver.
+
+The trio endpoint (transport/endpoint.py) seals, sends and waits; the simulator and the tests drive this class
+directly in virtual time.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from .guard import AmplificationGuard, AuthLimiter
+from .rto import RtoEstimator
+
+MAX_PENDING = 16384  # requests open at once (a DHT lookup has alpha=3 in flight; thousands mean a bug or a flood)
+MAX_KNOWN_IDS = 4096  # addresses whose node id this node remembers (LRU), to seal for their receiver
+MAX_HELD_ADDRESSES = 256  # unvalidated addresses with answers held until their address validation completes
+MAX_HELD_PER_ADDRESS = 4
+# Under a flood of junk (datagrams refused before any crypto), every wakeup of the receive loop costs 50-100 us of
+# CPU (the process sleeps and is woken, epoll, the scheduler) and brings only a few datagrams. While junk arrives
+# faster than JUNK_RATE a second, the loop pauses after a pass that drained the socket, long enough for about
+# JUNK_BATCH datagrams of junk to queue (at most JUNK_PAUSE_S), and takes them in one wakeup: interrupt
+# moderation. What arrives meanwhile (PINGs included) waits at most JUNK_PAUSE_S; a full pass never pauses,
+# and quiet traffic never does.
+JUNK_RATE = 1000.0
+JUNK_BATCH = 64
+JUNK_PAUSE_S = 0.008
+JUNK_WINDOW_S = 0.1  # the junk rate is measured over windows of this length
+RID_DRAWS = 64  # attempts at a fresh request id before the pending map is called full (2^64 ids: never reached)
+
+PING = 0x01
+PONG = 0x02
+ERROR = 0x0F
+
+
+class PendingFull(Exception):
+    """No room for another open request (``max_pending``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transmit:
+    """Send the request now. ``attempt`` 0 is the first transmission."""
+
+    rid: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitUntil:
+    """Nothing to do for this request before ``at`` (unless its answer arrives)."""
+
+    rid: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The request's answer (what ``route`` was given with it); ``rtt`` is the Karn sample taken, or None."""
+
+    rid: int
+    reply: Any
+    rtt: float | None
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """No answer within the schedule; ``waited``: from the first transmission to the deadline."""
+
+    rid: int
+    waited: float
+    attempts: int
+
+
+Step = Transmit | WaitUntil | Answered | Expired
+
+
+class Route(enum.Enum):
+    ANSWER = "answer"
+    DUPLICATE = "duplicate"
+    VALIDATION = "validation"
+    HANDLER = "handler"
+    UNEXPECTED = "unexpected"
+
+
+@dataclass(slots=True)
+class Pending:
+    """One open request: where it goes, what answers it, and where it is in its schedule."""
+
+    rid: int
+    addr: Hashable
+    expect: int  # the response type (an ERROR answers too)
+    deadline: float
+    wait: float  # the current wait after a transmission
+    start: float = 0.0
+    sent_at: float | None = None  # last transmission; None before the first
+    next_at: float = 0.0  # when the current wait ends
+    attempts: int = 0
+    reply: Any = None
+    answered_at: float | None = None
+    karn: bool = True  # no wait has run out yet: an answer now is an unambiguous round trip
+    done: bool = False
+
+
+class TransportCore:
+    """Request matching, retransmission schedule, demultiplexing and outsider bookkeeping for one node.
+
+    ``rng``: draws request ids and validation challenges (a daemon passes one seeded from os entropy; tests and the
+    simulator a seeded ``random.Random``)."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        *,
+        rto: RtoEstimator | None = None,
+        guard: AmplificationGuard | None = None,
+        auth_limiter: AuthLimiter | None = None,
+        max_pending: int = MAX_PENDING,
+        max_known_ids: int = MAX_KNOWN_IDS,
+        max_held_addresses: int = MAX_HELD_ADDRESSES,
+        max_held_per_address: int = MAX_HELD_PER_ADDRESS,
+        junk_pause_s: float = JUNK_PAUSE_S,
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.rng = rng
+        self.rto = rto or RtoEstimator()
+        self.guard = guard or AmplificationGuard()
+        self.auth_limiter = auth_limiter or AuthLimiter()
+        self.max_pending = max_pending
+        self.max_known_ids = max_known_ids
+        self.max_held_addresses = max_held_addresses
+        self.max_held_per_address = max_held_per_address
+        self.junk_pause_s = junk_pause_s
+        self.junk_rate = 0.0  # junk datagrams a second, over the last whole window
+        self._junk_at = -math.inf
+        self._junk_count = 0
+        self._pending: dict[int, Pending] = {}
+        self._handled: dict[int, int] = {}  # registered message type -> its response type (itself: one-way)
+        self._ids: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._held: OrderedDict[Hashable, list[Any]] = OrderedDict()
+        self._challenges: OrderedDict[int, Hashable] = OrderedDict()  # rid of a validating PING -> its address
+
+    # -- ids -------------------------------------------------------------------------------------------------
+    def new_id(self) -> int:
+        """A 64-bit id for a message that expects no answer (a notification's rid)."""
+        return self.rng.getrandbits(64)
+
+    def _fresh_rid(self) -> int:
+        for _ in range(RID_DRAWS):
+            rid = self.rng.getrandbits(64)
+            if rid not in self._pending and rid not in self._challenges:
+                return rid
+        raise PendingFull("no fresh request id found")  # only with a broken rng
+
+    # -- the receive loop's pace ----------------------------------------------------------------------------------
+    def receive_pause(self, now: float, datagrams: int, junk: int, limit: int) -> float:
+        """How long the receive loop waits before its next pass, after one at ``now`` that took ``datagrams``
+        (of at most ``limit``) of which ``junk`` were refused unopened (see JUNK_RATE)."""
+        if now - self._junk_at >= JUNK_WINDOW_S:
+            elapsed = now - self._junk_at
+            self.junk_rate = self._junk_count / elapsed if elapsed < 2 * JUNK_WINDOW_S else 0.0
+            self._junk_at, self._junk_count = now, 0
+        self._junk_count += junk
+        if not junk or datagrams >= limit or self.junk_rate < JUNK_RATE:
+            return 0.0
+        return min(self.junk_pause_s, JUNK_BATCH / self.junk_rate)
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def open_request(self, addr: Hashable, expect: int, now: float, *, timeout: float, attempts: int) -> int:
+        """Open a request to ``addr`` answered by type ``expect``; returns its id (then call ``step``)."""
+        if not timeout > 0 or attempts < 1:
+            raise ValueError(f"request needs timeout > 0 and attempts >= 1, got {timeout!r}, {attempts!r}")
+        if len(self._pending) >= self.max_pending:
+            raise PendingFull(f"{len(self._pending)} requests already open")
+        rid = self._fresh_rid()
+        self._pending[rid] = Pending(rid, addr, expect, deadline=now + timeout * (2**attempts - 1),
+                                     wait=self.rto.timeout(addr, timeout), start=now)
+        return rid
+
+    def pending(self, rid: int) -> Pending | None:
+        return self._pending.get(rid)
+
+    def open_requests(self) -> int:
+        return len(self._pending)
+
+    def step(self, rid: int, now: float) -> Step:
+        """What request ``rid`` needs at ``now``. ``Answered`` and ``Expired`` close it."""
+        p = self._pending[rid]
+        if p.reply is not None:
+            rtt = None
+            if p.karn and p.sent_at is not None and p.answered_at is not None:
+                rtt = max(0.0, p.answered_at - p.sent_at)
+                self.rto.sample(p.addr, rtt)
+            self.close(rid)
+            return Answered(rid, p.reply, rtt, p.attempts)
+        if p.sent_at is None:
+            return self._transmit(p, now)
+        if now < p.next_at:
+            return WaitUntil(rid, p.next_at)
+        if p.karn:  # the first wait ran out: this destination backs off until its next sample
+            self.rto.timed_out(p.addr)
+            p.karn = False
+        if now >= p.deadline:
+            self.close(rid)
+            return Expired(rid, p.deadline - p.start, p.attempts)
+        p.wait *= 2
+        return self._transmit(p, now)
+
+    def _transmit(self, p: Pending, now: float) -> Transmit:
+        p.sent_at = now
+        p.next_at = min(p.deadline, now + p.wait)
+        p.attempts += 1
+        return Transmit(p.rid, p.attempts - 1)
+
+    def next_deadline(self) -> float | None:
+        """The earliest time a request needs a ``step`` (a simulator's next timer), or None."""
+        times = [p.next_at for p in self._pending.values() if p.sent_at is not None and p.reply is None]
+        return min(times, default=None)
+
+    def close(self, rid: int) -> None:
+        """Forget request ``rid`` (answered, expired, or abandoned by its caller); later answers are unexpected."""
+        p = self._pending.pop(rid, None)
+        if p is not None:
+            p.done = True
+
+    # -- demultiplexing --------------------------------------------------------------------------------------
+    def register(self, mtype: int, response: int) -> None:
+        """A handler takes messages of ``mtype`` and answers with ``response`` (``mtype`` itself: one-way)."""
+        self._handled[mtype] = response
+
+    def response_type(self, mtype: int) -> int | None:
+        return self._handled.get(mtype)
+
+    def route(self, mtype: int, rid: int, source: Hashable, reply: Any, now: float) -> Route:
+        """What an authenticated control message of ``mtype`` with ``rid`` from ``source`` is. An ``ANSWER``
+        is stored (``reply``) for its request's next ``step``; a ``VALIDATION`` validates ``source`` (then
+        ``release`` what was held for it)."""
+        if mtype == PONG and self._challenges.get(rid) == source:
+            for challenge in [c for c, a in self._challenges.items() if a == source]:
+                del self._challenges[challenge]
+            self.guard.validate(source)
+            return Route.VALIDATION
+        p = self._pending.get(rid)
+        if p is not None and (mtype == p.expect or mtype == ERROR):
+            if p.reply is not None:
+                return Route.DUPLICATE
+            p.reply, p.answered_at = reply, now
+            if source == p.addr:  # it read this request's random rid: it receives at this address
+                self.guard.validate(source)
+            return Route.ANSWER
+        if mtype in self._handled:
+            return Route.HANDLER
+        return Route.UNEXPECTED
+
+    # -- answers to addresses not yet validated -----------------------------------------------------------------
+    def may_answer(self, addr: Hashable, nbytes: int) -> bool:
+        """Whether an answer of ``nbytes`` to ``addr`` fits its amplification budget (if so it is charged)."""
+        return self.guard.may_send(addr, nbytes)
+
+    def hold(self, addr: Hashable, answer: Any) -> None:
+        """Keep ``answer`` until ``addr`` is validated (at most ``max_held_per_address`` for at most
+        ``max_held_addresses`` addresses: the oldest address is forgotten first)."""
+        held = self._held.get(addr)
+        if held is None:
+            held = self._held[addr] = []
+            while len(self._held) > self.max_held_addresses:
+                self._held.popitem(last=False)
+        if len(held) < self.max_held_per_address:
+            held.append(answer)
+
+    def challenge(self, addr: Hashable) -> int:
+        """A request id for a PING that validates ``addr`` (call ``challenge_sent`` once it went out)."""
+        return self._fresh_rid()
+
+    def challenge_sent(self, rid: int, addr: Hashable) -> None:
+        self._challenges[rid] = addr
+        while len(self._challenges) > self.max_held_addresses:
+            self._challenges.popitem(last=False)
+
+    def release(self, addr: Hashable) -> list[Any]:
+        """The answers held for ``addr`` (now validated), oldest first."""
+        return self._held.pop(addr, [])
+
+    # -- receivers' node ids -----------------------------------------------------------------------------------
+    def learn(self, addr: Hashable, node_id: bytes) -> None:
+        ids = self._ids
+        ids[addr] = node_id
+        ids.move_to_end(addr)
+        while len(ids) > self.max_known_ids:
+            ids.popitem(last=False)
+
+    def node_id_at(self, addr: Hashable) -> bytes | None:
+        return self._ids.get(addr)

@@ -1,0 +1,419 @@
+"""The transport core (peerd/transport/core.py) in virtual time: exact retransmission schedules under
+deterministic loss patterns, duplicate and late answers, request-id collisions, the bounded pending map,
+address validation; and the socket-side pieces that left the endpoint (fault injection, capabilities)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import trio
+
+from peerd.metrics import Metrics
+from peerd.transport.caps import SocketCaps, plain_caps
+from peerd.transport.core import (
+    ERROR,
+    PING,
+    PONG,
+    Answered,
+    Expired,
+    PendingFull,
+    Route,
+    Transmit,
+    TransportCore,
+    WaitUntil,
+)
+from peerd.transport.endpoint import Endpoint
+from peerd.transport.faults import LossySocket
+from peerd.transport.rto import DEFAULT_MIN_RTO
+from peerd.wire import messages as m
+from peerd.wire.envelope import FLAG_SEALED, HEADER, MAGIC, VERSION
+from peerd.wire.identity import Identity
+from peerd.wire.seal import Sealer
+
+from .test_wire_outsiders import counter_value
+
+A = ("10.0.0.1", 7000)
+B = ("10.0.0.2", 7000)
+FIND_NODE, NODES = 0x03, 0x04
+
+
+def drive(core: TransportCore, addr: tuple[str, int], *, timeout: float, attempts: int, rtt: float,
+          lost: set[int], start: float = 0.0) -> tuple[list[float], object]:
+    """Run one request in virtual time: transmission ``i`` (0-based) is lost when ``i in lost``, otherwise its
+    answer arrives ``rtt`` later. Returns the transmission times and the final step."""
+    now = start
+    rid = core.open_request(addr, PONG, now, timeout=timeout, attempts=attempts)
+    sent: list[float] = []
+    arrivals: list[float] = []
+    while True:
+        step = core.step(rid, now)
+        if isinstance(step, Transmit):
+            assert step.attempt == len(sent)
+            if len(sent) not in lost:
+                arrivals.append(now + rtt)
+            sent.append(now)
+            continue
+        if isinstance(step, WaitUntil):
+            nxt = min([t for t in arrivals if t > now] + [step.at])
+            now = nxt
+            if now in arrivals:
+                assert core.route(PONG, rid, addr, ("reply", now), now) is Route.ANSWER
+            continue
+        return sent, step
+
+
+def test_retransmission_schedule_is_exact_and_doubles() -> None:
+    core = TransportCore(random.Random(1))
+    sent, step = drive(core, A, timeout=0.5, attempts=3, rtt=0.01, lost={0, 1, 2, 3})
+    assert sent == pytest.approx([0.0, 0.5, 1.5])  # waits 0.5, 1.0, then the last 2.0 runs to the deadline
+    assert isinstance(step, Expired) and step.waited == pytest.approx(3.5) and step.attempts == 3
+    assert core.open_requests() == 0
+
+
+def test_answer_after_a_loss_is_not_a_round_trip_sample() -> None:
+    core = TransportCore(random.Random(2))
+    sent, step = drive(core, A, timeout=0.5, attempts=3, rtt=0.02, lost={0})
+    assert sent == pytest.approx([0.0, 0.5])
+    assert isinstance(step, Answered) and step.rtt is None and step.attempts == 2  # Karn: ambiguous
+    assert core.rto.srtt(A) is None
+    sent, step = drive(core, A, timeout=0.5, attempts=3, rtt=0.02, lost=set(), start=10.0)
+    assert isinstance(step, Answered) and step.rtt == pytest.approx(0.02) and sent == [10.0]
+    assert core.rto.srtt(A) == pytest.approx(0.02)
+
+
+def test_learned_timeout_shortens_the_first_wait_and_a_timeout_backs_off() -> None:
+    core = TransportCore(random.Random(3))
+    for i in range(8):
+        drive(core, A, timeout=0.5, attempts=3, rtt=0.004, lost=set(), start=float(i))
+    first = core.rto.timeout(A, 0.5)
+    assert first == pytest.approx(DEFAULT_MIN_RTO)  # srtt + 4 rttvar is below the floor
+    sent, step = drive(core, A, timeout=0.5, attempts=3, rtt=0.004, lost={0}, start=100.0)
+    assert sent == pytest.approx([100.0, 100.0 + first])  # the first wait was the learned one
+    assert isinstance(step, Answered)
+    assert core.rto.timeout(A, 0.5) == pytest.approx(2 * first)  # backed off until a fresh sample
+    # the schedule's end is the caller's, whatever the first wait: 0.5 * (2**3 - 1) after the start
+    sent, step = drive(core, A, timeout=0.5, attempts=3, rtt=0.004, lost=set(range(10)), start=200.0)
+    assert isinstance(step, Expired) and step.waited == pytest.approx(3.5)
+    assert sent == pytest.approx([200.0 + 2 * first * (2**i - 1) for i in range(len(sent))])
+    assert sent[-1] < 203.5
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_loss_patterns_follow_the_schedule(seed: int) -> None:
+    """For any pattern of lost transmissions: sends at the doubling schedule until the first that is not lost,
+    answered exactly rtt later; or expiry at the deadline when all are lost."""
+    rng = random.Random(seed)
+    lost = {i for i in range(6) if rng.random() < 0.5}
+    core = TransportCore(random.Random(seed))
+    sent, step = drive(core, B, timeout=0.1, attempts=4, rtt=0.03, lost=lost)
+    expected = [0.1 * (2**i - 1) for i in range(4)]
+    got_through = [i for i in range(4) if i not in lost]
+    if not got_through:
+        assert isinstance(step, Expired) and sent == pytest.approx(expected)
+        return
+    k = got_through[0]
+    # the answer lands 0.03 after transmission k; a later transmission may go out before it only if due sooner
+    assert isinstance(step, Answered)
+    assert sent[: k + 1] == pytest.approx(expected[: k + 1])
+    assert step.rtt == (pytest.approx(0.03) if k == 0 else None)
+
+
+def test_duplicate_and_late_answers() -> None:
+    core = TransportCore(random.Random(4))
+    rid = core.open_request(A, PONG, 0.0, timeout=0.5, attempts=2)
+    assert isinstance(core.step(rid, 0.0), Transmit)
+    assert core.route(PONG, rid, A, "first", 0.01) is Route.ANSWER
+    assert core.route(PONG, rid, A, "second", 0.02) is Route.DUPLICATE  # before the caller took the first
+    step = core.step(rid, 0.03)
+    assert isinstance(step, Answered) and step.reply == "first"
+    assert core.route(PONG, rid, A, "late", 0.04) is Route.UNEXPECTED  # closed: nothing waits for it
+    # an answer of the wrong type never matches; an ERROR does
+    rid = core.open_request(A, NODES, 1.0, timeout=0.5, attempts=2)
+    core.step(rid, 1.0)
+    assert core.route(PONG, rid, A, "wrong type", 1.01) is Route.UNEXPECTED
+    assert core.route(ERROR, rid, A, "refused", 1.02) is Route.ANSWER
+    assert core.step(rid, 1.02).reply == "refused"  # type: ignore[union-attr]
+
+
+def test_an_answer_from_another_address_matches_but_does_not_validate() -> None:
+    core = TransportCore(random.Random(5))
+    rid = core.open_request(A, PONG, 0.0, timeout=0.5, attempts=2)
+    core.step(rid, 0.0)
+    assert core.route(PONG, rid, B, "via B", 0.01) is Route.ANSWER
+    assert not core.guard.is_validated(A) and not core.guard.is_validated(B)
+    rid = core.open_request(A, PONG, 1.0, timeout=0.5, attempts=2)
+    core.step(rid, 1.0)
+    core.route(PONG, rid, A, "from A", 1.01)
+    assert core.guard.is_validated(A)
+
+
+class CollidingRandom(random.Random):
+    """Gives the same 64-bit value ``repeat`` times before moving on."""
+
+    def __init__(self, values: list[int]) -> None:
+        super().__init__(0)
+        self.values = values
+
+    def getrandbits(self, k: int) -> int:
+        return self.values.pop(0)
+
+
+def test_request_ids_never_collide_with_a_pending_one() -> None:
+    core = TransportCore(CollidingRandom([7, 7, 7, 9, 7, 11]))
+    first = core.open_request(A, PONG, 0.0, timeout=1, attempts=1)
+    second = core.open_request(A, PONG, 0.0, timeout=1, attempts=1)
+    assert (first, second) == (7, 9)  # the two draws of 7 while 7 was pending were thrown away
+    core.close(first)
+    assert core.open_request(A, PONG, 0.0, timeout=1, attempts=1) == 7  # free again
+
+
+def test_a_broken_rng_is_refused_not_looped_on() -> None:
+    core = TransportCore(CollidingRandom([5] * 200))
+    core.open_request(A, PONG, 0.0, timeout=1, attempts=1)
+    with pytest.raises(PendingFull):
+        core.open_request(A, PONG, 0.0, timeout=1, attempts=1)
+
+
+def test_pending_map_is_bounded() -> None:
+    core = TransportCore(random.Random(6), max_pending=8)
+    rids = [core.open_request(A, PONG, 0.0, timeout=1, attempts=1) for _ in range(8)]
+    with pytest.raises(PendingFull):
+        core.open_request(A, PONG, 0.0, timeout=1, attempts=1)
+    core.step(rids[0], 0.0)
+    assert isinstance(core.step(rids[0], 5.0), Expired)  # an expired request frees its slot
+    core.open_request(A, PONG, 5.0, timeout=1, attempts=1)
+    assert core.open_requests() == 8
+
+
+def test_same_seed_same_ids() -> None:
+    a, b = TransportCore(random.Random(42)), TransportCore(random.Random(42))
+    ids_a = [a.open_request(A, PONG, 0.0, timeout=1, attempts=1) for _ in range(5)] + [a.new_id()]
+    ids_b = [b.open_request(A, PONG, 0.0, timeout=1, attempts=1) for _ in range(5)] + [b.new_id()]
+    assert ids_a == ids_b and len(set(ids_a)) == 6
+
+
+def test_next_deadline_is_the_earliest_wait() -> None:
+    core = TransportCore(random.Random(7))
+    assert core.next_deadline() is None
+    r1 = core.open_request(A, PONG, 0.0, timeout=0.5, attempts=2)
+    r2 = core.open_request(B, PONG, 0.0, timeout=0.2, attempts=2)
+    assert core.next_deadline() is None  # nothing sent yet
+    core.step(r1, 0.0)
+    core.step(r2, 0.1)
+    assert core.next_deadline() == pytest.approx(0.3)
+
+
+def test_demultiplexing_of_requests_and_one_way_messages() -> None:
+    core = TransportCore(random.Random(8))
+    core.register(FIND_NODE, NODES)
+    core.register(0x13, 0x13)  # one-way
+    assert core.route(FIND_NODE, 123, A, None, 0.0) is Route.HANDLER
+    assert core.response_type(FIND_NODE) == NODES and core.response_type(0x13) == 0x13
+    assert core.route(NODES, 123, A, None, 0.0) is Route.UNEXPECTED  # an unsolicited response
+    assert core.response_type(0x14) is None
+
+
+def test_validation_challenge_releases_held_answers_in_order_and_bounded() -> None:
+    core = TransportCore(random.Random(9), max_held_addresses=2, max_held_per_address=2)
+    for i in range(3):
+        core.hold(A, i)
+    rid = core.challenge(A)
+    core.challenge_sent(rid, A)
+    assert core.route(PONG, rid, B, None, 0.0) is not Route.VALIDATION  # the PONG must come from A
+    assert core.route(PONG, rid, A, None, 0.0) is Route.VALIDATION
+    assert core.guard.is_validated(A)
+    assert core.release(A) == [0, 1]  # at most 2 held per address
+    assert core.route(PONG, rid, A, None, 0.0) is Route.UNEXPECTED  # a challenge answers once
+    for addr in (("10.0.0.3", 1), ("10.0.0.4", 1), ("10.0.0.5", 1)):
+        core.hold(addr, addr)
+    assert core.release(("10.0.0.3", 1)) == []  # the oldest address was forgotten
+    assert core.release(("10.0.0.5", 1)) == [("10.0.0.5", 1)]
+
+
+def test_receive_pause_only_under_a_junk_flood_and_never_on_a_full_batch() -> None:
+    core = TransportCore(random.Random(10), junk_pause_s=0.008)
+    for i in range(11):  # 20 junk datagrams every 10 ms: 2000 a second (no pause before a window is measured)
+        assert core.receive_pause(i / 100, 20, 20, 1024) == 0.0 or i == 10
+    now = 0.1
+    assert core.junk_rate == pytest.approx(2000, rel=0.15)
+    assert core.receive_pause(now, 20, 20, 1024) == 0.008  # 64 would take 32 ms to come: the cap
+    assert core.receive_pause(now, 20, 0, 1024) == 0.0  # a pass without junk
+    assert core.receive_pause(now, 1024, 1000, 1024) == 0.0  # a backlog: at once
+    for _ in range(30):  # 300 a second: below the floor
+        now += 0.01
+        core.receive_pause(now, 3, 3, 1024)
+    assert core.receive_pause(now, 3, 3, 1024) == 0.0
+    for _ in range(30):  # 20,000 a second: the pause shrinks, the batch stays near 64
+        now += 0.01
+        core.receive_pause(now, 200, 200, 1024)
+    assert core.receive_pause(now, 200, 200, 1024) == pytest.approx(64 / 20000, rel=0.2)
+    now += 5.0  # a long quiet spell forgets the rate
+    core.receive_pause(now, 1, 1, 1024)
+    assert core.junk_rate == 0.0
+
+
+def test_known_ids_are_an_lru() -> None:
+    core = TransportCore(random.Random(11), max_known_ids=2)
+    core.learn(A, b"a" * 32)
+    core.learn(B, b"b" * 32)
+    core.learn(A, b"A" * 32)  # refreshed
+    core.learn(("10.0.0.3", 1), b"c" * 32)
+    assert core.node_id_at(A) == b"A" * 32 and core.node_id_at(B) is None
+
+
+def test_ping_constant_matches_the_wire() -> None:
+    assert (int(m.MsgType.PING), int(m.MsgType.PONG), int(m.MsgType.ERROR)) == (PING, PONG, ERROR)
+
+
+# -- fault injection and capabilities ------------------------------------------------------------------------
+class BlockSocket:
+    """Hands out prepared receives (GRO blocks and single datagrams)."""
+
+    family = 2
+    caps = SocketCaps(gro=True, block_receive=True)
+
+    def __init__(self, receives: list[list[tuple[bytes, tuple[str, int], int]]]) -> None:
+        self.receives = receives
+
+    async def recv_blocks(self, max_datagrams: int = 64) -> list[tuple[memoryview, tuple[str, int], int]]:
+        await trio.lowlevel.checkpoint()
+        return [(memoryview(d), s, seg) for d, s, seg in self.receives.pop(0)]
+
+    async def recv_batch(self, max_datagrams: int = 64) -> list[tuple[bytes, tuple[str, int]]]:
+        await trio.lowlevel.checkpoint()
+        return [(d, s) for d, s, _ in self.receives.pop(0)]
+
+
+def test_lossy_socket_cuts_blocks_into_the_runs_that_survive() -> None:
+    rows = [bytes([i]) * 10 for i in range(40)]
+    block = b"".join(rows) + b"\xff" * 4  # 40 full rows and a short last one
+    receives = [[(block, A, 10), (b"single", B, 0)] for _ in range(30)]
+    dropped: list[int] = []
+    lossy = LossySocket(BlockSocket(receives), 0.3, np.random.default_rng(5), on_drop=dropped.append)
+    assert lossy.caps.block_receive and lossy.caps.gro  # declares what it wraps
+
+    async def main() -> tuple[int, int]:
+        kept = total = 0
+        for _ in range(30):
+            for data, source, segment in await lossy.recv_blocks(64):
+                data = bytes(data)
+                if source == B:
+                    assert data == b"single" and segment == 0
+                    kept += 1
+                    continue
+                size = segment or len(data)
+                for i in range(0, len(data), size):
+                    row = data[i : i + size]
+                    assert row in rows or row == b"\xff" * 4  # whole rows only, never a cut one
+                    kept += 1
+            total += 42
+        return kept, total
+
+    kept, total = trio.run(main)
+    assert kept + sum(dropped) == total and lossy.dropped == sum(dropped)
+    assert 0.2 < sum(dropped) / total < 0.4
+
+
+def test_lossy_socket_is_deterministic_for_a_seed() -> None:
+    def pattern(seed: int) -> list[bytes]:
+        receives = [[(bytes([i, j]), A, 0) for j in range(8)] for i in range(20)]
+        lossy = LossySocket(BlockSocket(receives), 0.5, np.random.default_rng(seed))
+
+        async def main() -> list[bytes]:
+            out: list[bytes] = []
+            while lossy.inner.receives:
+                out += [d for d, _ in await lossy.recv_batch(64)]
+            return out
+
+        return trio.run(main)
+
+    assert pattern(1) == pattern(1) != pattern(2)
+
+
+def test_lossy_socket_refuses_certain_loss() -> None:
+    with pytest.raises(ValueError):
+        LossySocket(BlockSocket([]), 1.0, np.random.default_rng(0))
+
+
+def test_caps_declare_once_and_only_lose_gso() -> None:
+    caps = SocketCaps(gso=True, gso_segments=64)
+    caps.lose_gso()
+    assert not caps.gso and caps.gso_segments == 1
+    assert plain_caps() == SocketCaps() and not plain_caps().block_receive
+
+
+# -- the trio endpoint over the core ------------------------------------------------------------------------
+SECRET = bytes(range(32))
+
+
+def _endpoint(rng: random.Random | None = None, **kw) -> Endpoint:
+    class NullSocket:
+        family = 2
+
+        def __init__(self) -> None:
+            self.sent: list[tuple[bytes, tuple[str, int]]] = []
+
+        async def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
+            self.sent.append((bytes(data), addr))
+
+        async def send_many(self, datagrams: list[bytes], addr: tuple[str, int]) -> None:
+            self.sent += [(bytes(d), addr) for d in datagrams]
+
+        async def recv_batch(self, max_datagrams: int = 64) -> list:
+            await trio.sleep_forever()
+            return []
+
+        def close(self) -> None:
+            pass
+
+    return Endpoint(NullSocket(), Identity.generate(), SECRET, Metrics(), rng=rng, **kw)  # type: ignore[arg-type]
+
+
+def test_a_seeded_endpoint_draws_the_same_tokens_and_ids() -> None:
+    a, b = _endpoint(random.Random(3)), _endpoint(random.Random(3))
+    assert a.sealer.token == b.sealer.token
+    assert [a.core.new_id() for _ in range(3)] == [b.core.new_id() for _ in range(3)]
+    assert _endpoint().sealer.token != _endpoint().sealer.token  # default: os entropy
+
+
+def test_junk_is_refused_before_the_opener_and_counted_in_bulk(monkeypatch: pytest.MonkeyPatch) -> None:
+    ep = _endpoint(random.Random(4))
+    rng = random.Random(5)
+    forged = [HEADER.pack(MAGIC, VERSION, 0x03, FLAG_SEALED, rng.getrandbits(64), 1) + rng.randbytes(100)
+              for _ in range(200)]
+    short = [b"PD", b"\x00" * 10]
+    bad_version = [HEADER.pack(MAGIC, VERSION + 1, 0x03, FLAG_SEALED, 1, 1) + b"\0" * 40]
+    opened = []
+    real_open = ep.opener.open
+    monkeypatch.setattr(ep.opener, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k))
+    batch = [(d, ("10.9.9.9", 1), 0) for d in forged + short + bad_version]
+    assert ep.receive_batch(batch, 0.0) == len(batch)
+    # the source's ration: 32 failures at once, and each tried datagram cost one opening
+    assert len(opened) == ep.auth_limiter.failure_burst
+    assert ep._drops == {"auth": 32, "auth_limited": 168, "malformed": 2, "version": 1}
+    assert ep._junk == len(batch)
+    trio.run(ep.flush)
+    assert ep._drops == {}
+    assert counter_value(ep.metrics.datagrams_dropped, reason="auth_limited") == 168
+
+
+def test_pings_go_before_the_rest_of_their_batch() -> None:
+    ep = _endpoint(random.Random(6))
+    member = Identity.generate()
+    sealer = Sealer(SECRET, 99)
+    frm = {"pk": member.public_key, "sig": member.sign_token(sealer.token), "addr": None}
+    order: list[str] = []
+    ep.on_request(m.MsgType.FIND_NODE, lambda inc: order.append("find_node") or {"nodes": []})
+    ep.on_request(m.MsgType.PING, lambda inc: order.append("ping") or {})
+    me = ep.identity.node_id
+    find = sealer.seal(m.MsgType.FIND_NODE, m.encode(m.MsgType.FIND_NODE, {"rid": 1, "from": frm,
+                                                                            "target": bytes(32)}), me)
+    ping = sealer.seal(m.MsgType.PING, m.encode(m.MsgType.PING, {"rid": 2, "from": frm}), me)
+    src = ("10.1.1.1", 5)
+    ep.receive_batch([(find, src, 0), (b"junk", src, 0), (ping, src, 0)], 0.0)
+    assert order == ["ping", "find_node"]
+    trio.run(ep.flush)
+    answered = [d[3] for d, _ in ep.sock.sent]  # type: ignore[attr-defined]
+    assert answered == [int(m.MsgType.PONG), int(m.MsgType.NODES)]  # answers in the order handled
