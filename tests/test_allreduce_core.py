@@ -1,4 +1,4 @@
-"""The sans-I/O all-reduce core over an in-test network with exact loss patterns and virtual time.
+"""The sans-I/O all-reduce core over the one in-memory network with exact loss patterns and virtual time.
 
 The expected results are computed independently of the core: from the inputs and the network's own log
 of which data bodies it delivered, by the reconstruction rule of protocol/allreduce.md.
@@ -6,8 +6,8 @@ of which data bodies it delivered, by the reconstruction rule of protocol/allred
 
 from __future__ import annotations
 
-import heapq
 import math
+import random
 import re
 import struct
 from collections.abc import Callable
@@ -34,6 +34,7 @@ from peerd.allreduce import (
     parse_header,
     peek_group,
 )
+from peerd.sim.net import Link, Network
 from peerd.wire.errors import WireError
 
 RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
@@ -62,10 +63,11 @@ class Wire:
 
 
 class Net:
-    """Delivers bodies between cores in virtual time: each sender's link sends one copy every ``gap``
-    seconds, each copy arrives ``latency`` (+ optional jitter, which reorders; + ``end_delay`` for END
-    markers) later unless ``drop`` says otherwise; ``dup`` delivers a copy twice. Time jumps to the next
-    delivery or core deadline."""
+    """Delivers bodies between cores over the one in-memory network (peerd/sim/net.py) in virtual time:
+    each sender sends one copy every ``gap`` seconds (all its links together), each copy arrives
+    ``latency`` (+ optional jitter, which reorders; + ``end_delay`` for END markers) later unless ``drop``
+    says otherwise; ``dup`` delivers a copy twice. The network's heap holds the sends and arrivals; time
+    jumps to the next of them or the next core deadline."""
 
     def __init__(
         self,
@@ -83,19 +85,28 @@ class Net:
         self.m = members
         self.n = len(members)
         self.drop, self.dup = drop, dup
-        self.latency, self.gap, self.jitter, self.end_delay = latency, gap, jitter, end_delay
-        self.rng = np.random.default_rng(seed)
+        self.gap, self.end_delay = gap, end_delay
+        self.net = Network(random.Random(seed), default=Link(latency=latency, jitter=jitter))
+        for i in range(self.n):
+            self.net.attach(i, self._arrive)
         self.batch = batch
-        self.now = 0.0
         self.link_free = [0.0] * self.n
         self.link_seq: dict[tuple[int, int], int] = {}
-        self.inflight: list[tuple[float, int, Wire]] = []
-        self.order = 0
         self.delivered: set[tuple[int, int, int, int]] = set()  # (src, dst, type, offset) of DATA bodies
         self.sent_bodies: list[Wire] = []
         self.max_body = 0
 
+    @property
+    def now(self) -> float:
+        return self.net.now
+
+    def _arrive(self, src: object, w: Wire) -> None:
+        outcome = self.m[w.dst].receive(w.src, w.mtype, w.body, self.net.now)
+        if w.mtype in (RS_DATA, AG_DATA) and outcome is Outcome.ACCEPTED:
+            self.delivered.add((w.src, w.dst, w.mtype, w.offset))
+
     def _pump(self) -> None:
+        net = self.net
         for i, core in enumerate(self.m):
             while core.wants_to_send:
                 out = core.next_datagrams(self.batch)
@@ -109,35 +120,30 @@ class Net:
                         self.link_seq[key] = seq + 1
                         w = Wire(i, o.to, o.type, o.body, offset, c, seq)
                         self.sent_bodies.append(w)
-                        t_send = max(self.now, self.link_free[i])
+                        t_send = max(net.now, self.link_free[i])
                         self.link_free[i] = t_send + self.gap
                         if self.drop(w):
                             continue
-                        t = t_send + self.latency + (self.rng.uniform(0, self.jitter) if self.jitter else 0.0)
                         if o.type in (RS_END, AG_END):
-                            t += self.end_delay
+                            t_send += self.end_delay
                         for _ in range(2 if self.dup(w) else 1):
-                            heapq.heappush(self.inflight, (t, self.order, w))
-                            self.order += 1
+                            net.call_at(t_send, net.send, i, o.to, w, len(o.body))
 
     def run(self, limit_s: float = 1e4, allow_late: bool = False) -> None:
+        net = self.net
         self._pump()
         while True:
             deadlines = [d for d in (c.next_deadline() for c in self.m) if d is not None]
-            t_next = min(([self.inflight[0][0]] if self.inflight else []) + deadlines, default=None)
+            pending = net.next_time()
+            t_next = min(([pending] if pending is not None else []) + deadlines, default=None)
             if t_next is None:
                 break
             assert math.isfinite(t_next) and t_next < limit_s, "a deadline must be finite"
-            self.now = max(self.now, t_next)
-            while self.inflight and self.inflight[0][0] <= self.now:
-                _, _, w = heapq.heappop(self.inflight)
-                outcome = self.m[w.dst].receive(w.src, w.mtype, w.body, self.now)
-                if w.mtype in (RS_DATA, AG_DATA) and outcome is Outcome.ACCEPTED:
-                    self.delivered.add((w.src, w.dst, w.mtype, w.offset))
+            net.run(until=max(net.now, t_next))  # sends and arrivals up to then
             for c in self.m:
                 d = c.next_deadline()
-                if d is not None and d <= self.now:
-                    c.handle_timer(self.now)
+                if d is not None and d <= net.now:
+                    c.handle_timer(net.now)
             self._pump()
         for c in self.m:
             assert c.finished
