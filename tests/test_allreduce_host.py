@@ -1,7 +1,8 @@
-"""The averaging host in virtual time, with no trio and no sockets: several nodes' AveragingHosts over an
-in-test network with exact loss patterns, token bindings that arrive when the test says, and start times per
-node. The harness plays the trio shell's part (it executes the host's actions and calls it back at the times
-it names) and the transport's (a token's peer is None until its binding arrives at the receiver).
+"""The averaging host in virtual time, with no trio and no sockets: several nodes' AveragingHosts over the
+one in-memory network (peerd/sim/net.py) with exact loss patterns, token bindings that arrive when the test
+says, and start times per node. The harness plays the trio shell's part (it executes the host's actions
+and calls it back at the times it names) and the transport's (a token's peer is None until its binding
+arrives at the receiver; GRO blocks).
 
 Expected averages come from the inputs and the network's own log of which data bodies arrived, by the
 reconstruction rule of protocol/allreduce.md (test_allreduce_core.expected_results).
@@ -9,7 +10,8 @@ reconstruction rule of protocol/allreduce.md (test_allreduce_core.expected_resul
 
 from __future__ import annotations
 
-import heapq
+import functools
+import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from peerd.allreduce.host import (
     Wake,
     send_shape,
 )
+from peerd.sim.net import Link, Network
 
 from .test_allreduce_core import expected_results
 
@@ -67,62 +70,61 @@ class Datagram:
 
 
 class Lab:
-    """Nodes and a network in virtual time. ``drop(d)`` loses a datagram, ``dup(d)`` delivers it twice (the
-    copy ``dup_delay`` later); ``bind_at[(src, dst)]``: when src's token is bound at dst (default 0: before
-    anything arrives; INF: never). Data datagrams of one paced part travel as one block (as GRO hands them
-    over), less those dropped; anything else one by one."""
+    """Nodes on the one in-memory network (peerd/sim/net.py), in virtual time. ``link``: every link's loss,
+    duplication, latency and jitter, drawn from the network's seeded rng; on top of it, ``drop(d)`` loses a
+    datagram and ``dup(d)`` sends it again ``dup_delay`` later (exact patterns). ``bind_at[(src, dst)]``: when
+    src's token is bound at dst (default 0: before anything arrives; INF: never). Datagrams of one sender
+    that arrive at the same instant reach the host as one block (as GRO hands them over); anything else one
+    by one."""
 
     def __init__(self, n: int, *, drop: Callable[[Datagram], bool] = lambda d: False,
                  dup: Callable[[Datagram], bool] = lambda d: False, dup_delay: float = 0.005,
-                 latency: float = 0.01, bind_at: dict[tuple[int, int], float] | None = None,
+                 link: Link | None = None, seed: int = 0, bind_at: dict[tuple[int, int], float] | None = None,
                  held: Callable[[], HeldData] | None = None) -> None:
+        self.net = Network(random.Random(seed), default=link or Link(latency=0.01))
         self.nodes = [Node(i, bytes([i + 1]) * 32, 0x1000 + i,
                            AveragingHost(max_body=MAX_BODY, mtu=MTU, held=held() if held else None))
                       for i in range(n)]
+        for i in range(n):
+            self.net.attach(i, functools.partial(self._receive, i))
         self.by_peer = {nd.peer: nd for nd in self.nodes}
-        self.drop, self.dup, self.dup_delay, self.latency = drop, dup, dup_delay, latency
+        self.drop, self.dup, self.dup_delay = drop, dup, dup_delay
         self.bind_at = bind_at or {}
-        self.now = 0.0
-        self._queue: list[tuple[float, int, str, tuple]] = []
-        self._order = 0
         self._link: Counter[tuple[int, int]] = Counter()
         self._timer: dict[tuple[int, int], float] = {}
+        self._inbox: dict[int, list[Datagram]] = {}  # arrived at this instant, not handed over yet
         self.arrived: list[Datagram] = []  # every data datagram that reached its receiver's host
         self.members: dict[int, list[int]] = {}  # group id -> node indices in the group's order
+        for (src, dst), t in self.bind_at.items():
+            if t < INF:
+                self.at(t, self._bind, src, dst)
 
-    # -- scheduling --------------------------------------------------------------------------------
-    def at(self, t: float, kind: str, *args: Any) -> None:
-        heapq.heappush(self._queue, (t, self._order, kind, args))
-        self._order += 1
+    @property
+    def now(self) -> float:
+        return self.net.now
 
-    def start(self, t: float, group: int, members: list[int], xs: list[np.ndarray], ws: list[float], **kw: Any
-              ) -> None:
+    def at(self, t: float, fn: Callable[..., None], *args: Any, owner: int | None = None) -> None:
+        """Call ``fn(*args)`` at ``t``; with ``owner``, not if that node has crashed by then."""
+        self.net.call_at(t, fn, *args, owner=owner)
+
+    def start(self, t: float | dict[int, float | None], group: int, members: list[int], xs: list[np.ndarray],
+              ws: list[float], **kw: Any) -> None:
         """Members start ``group`` at ``t`` (a dict ``t`` gives start times per member; None: never)."""
         self.members[group] = members
         for gi, node in enumerate(members):
             when = t.get(node, 0.0) if isinstance(t, dict) else t
             if when is not None:
-                self.at(when, "start", node, group, gi, xs[gi], ws[gi], kw)
+                self.at(when, self._start, node, group, gi, xs[gi], ws[gi], kw, owner=node)
 
-    def call(self, t: float, fn: Callable[[], None]) -> None:
-        self.at(t, "call", fn)
+    def run(self, until: float | None = None) -> None:
+        self.net.run(until)
 
-    def run(self, until: float = 1000.0) -> None:
-        for (src, dst), t in self.bind_at.items():
-            if t < INF:
-                self.at(t, "bind", src, dst)
-        while self._queue and self._queue[0][0] <= until:
-            t, _, kind, args = heapq.heappop(self._queue)
-            assert t >= self.now - 1e-12
-            self.now = max(self.now, t)
-            getattr(self, "_" + kind)(*args)
-
-    # -- events ------------------------------------------------------------------------------------
+    # -- the shell's part: what the trio driver does ---------------------------------------------------
     def _start(self, i: int, group: int, gi: int, x: np.ndarray, w: float, kw: dict) -> None:
         node = self.nodes[i]
         peers = [self.nodes[j].peer for j in self.members[group]]
         self.apply(node, node.host.start(group, peers, gi, x, w, self.now, **kw))
-        self.at(node.host.next_report(group), "report_timer", i, group)
+        self.at(node.host.next_report(group), self._report_timer, i, group, owner=i)
         self._step(i, group, timer=False)
 
     def _step(self, i: int, group: int, timer: bool = True) -> None:
@@ -140,53 +142,26 @@ class Lab:
             return
         at = host.deadline(group, self.now)
         self._timer[(i, group)] = at
-        self.at(at, "deadline", i, group, at)
+        self.at(at, self._deadline, i, group, at, owner=i)
 
     def _deadline(self, i: int, group: int, at: float) -> None:
         if self._timer.get((i, group)) == at:  # else a later wake set another
             self._step(i, group)
 
-    def _wake(self, i: int, group: int) -> None:
-        self._step(i, group)
-
     def _report_timer(self, i: int, group: int) -> None:
         host = self.nodes[i].host
         if host.running(group):
             self.apply(self.nodes[i], host.reports(group, self.now, 0))
-            self.at(host.next_report(group), "report_timer", i, group)
-
-    def _report(self, src: int, dst: int, fields: dict) -> None:
-        node = self.nodes[dst]
-        self.apply(node, node.host.on_report(self.nodes[src].peer, fields, self.now))
-
-    def _arrive(self, src: int, dst: int, mtype: int, datagrams: list[Datagram]) -> None:
-        node, sender = self.nodes[dst], self.nodes[src]
-        peer = sender.peer if self.bind_at.get((src, dst), 0.0) <= self.now else None
-        if mtype in DATA:
-            self.arrived.extend(datagrams)
-        if mtype in DATA and len(datagrams) > 1:
-            bodies = np.frombuffer(b"".join(d.body for d in datagrams), np.uint8).reshape(len(datagrams), -1)
-            self.apply(node, node.host.on_block(peer, sender.token, mtype, bodies, self.now))
-        else:
-            for d in datagrams:
-                self.apply(node, node.host.on_data(peer, sender.token, mtype, d.body, self.now))
-
-    def _bind(self, src: int, dst: int) -> None:
-        node = self.nodes[dst]
-        self.apply(node, node.host.on_bind(self.nodes[src].token, self.nodes[src].peer, self.now))
+            self.at(host.next_report(group), self._report_timer, i, group, owner=i)
 
     def _expire(self, i: int) -> None:
         host = self.nodes[i].host
         self.apply(self.nodes[i], host.expire_held(self.now))
         if (at := host.held_expiry()) is not None:
-            self.at(max(at, self.now), "expire", i)
+            self.at(at, self._expire, i, owner=i)
 
-    def _call(self, fn: Callable[[], None]) -> None:
-        fn()
-
-    # -- the shell's part --------------------------------------------------------------------------
     def send(self, i: int, block: SendBlock) -> None:
-        """Each part of ``block`` leaves when the host's pacing says and arrives ``latency`` later."""
+        """Each part of ``block`` leaves when the host's pacing says."""
         dst = self.members[block.group_id][block.to]
         assert self.nodes[dst].peer == block.peer
         host = self.nodes[i].host
@@ -202,29 +177,69 @@ class Lab:
                     kept.append(d)
                     if self.dup(d):
                         copies.append(d)
-            if kept:
-                self.at(sent_at + self.latency, "arrive", i, dst, block.type, kept)
+            self.at(sent_at, self._send, kept, owner=i)
             if copies:
-                self.at(sent_at + self.latency + self.dup_delay, "arrive", i, dst, block.type, copies)
+                self.at(sent_at + self.dup_delay, self._send, copies, owner=i)
+
+    def _send(self, datagrams: list[Datagram]) -> None:
+        for d in datagrams:
+            self.net.send(d.src, d.dst, d, len(d.body))
 
     def apply(self, node: Node, actions: Any) -> None:
         for a in actions:
             if isinstance(a, Dropped):
                 node.drops[a.reason] += a.count
             elif isinstance(a, Wake):
-                self.at(self.now, "wake", node.i, a.group_id)
+                self.at(self.now, self._step, node.i, a.group_id, owner=node.i)
             elif isinstance(a, HeldTimer):
-                self.at(a.at, "expire", node.i)
+                self.at(a.at, self._expire, node.i, owner=node.i)
             elif isinstance(a, Bind):
                 node.binds.append(a)
             elif isinstance(a, SendReport):
-                self.at(self.now + self.latency, "report", node.i, self.by_peer[a.peer].i, a.fields)
+                self.net.send(node.i, self.by_peer[a.peer].i, a.fields, 100)
             elif isinstance(a, PacerVerdict):
                 node.verdicts.append(a)
             elif isinstance(a, Completed):
                 node.done[a.group_id] = a
             else:
                 raise AssertionError(f"unknown action {a!r}")
+
+    # -- the transport's part: tokens, blocks ----------------------------------------------------------
+    def _receive(self, dst: int, src: int, payload: Datagram | dict) -> None:
+        node = self.nodes[dst]
+        if isinstance(payload, dict):  # a REPORT
+            self.apply(node, node.host.on_report(self.nodes[src].peer, payload, self.now))
+            return
+        inbox = self._inbox.setdefault(dst, [])
+        if not inbox:
+            self.at(self.now, self._hand_over, dst, owner=dst)
+        inbox.append(payload)
+
+    def _hand_over(self, dst: int) -> None:
+        """What arrived at this instant: one sender's run of equal-size data bodies of one type as a block."""
+        node, inbox = self.nodes[dst], self._inbox.pop(dst, [])
+        k = 0
+        while k < len(inbox):
+            first = inbox[k]
+            run = [first]
+            while (k + len(run) < len(inbox) and inbox[k + len(run)].src == first.src
+                   and inbox[k + len(run)].mtype == first.mtype and len(inbox[k + len(run)].body) == len(first.body)):
+                run.append(inbox[k + len(run)])
+            k += len(run)
+            sender = self.nodes[first.src]
+            peer = sender.peer if self.bind_at.get((first.src, dst), 0.0) <= self.now else None
+            if first.mtype in DATA:
+                self.arrived.extend(run)
+            if first.mtype in DATA and len(run) > 1:
+                bodies = np.frombuffer(b"".join(d.body for d in run), np.uint8).reshape(len(run), -1)
+                self.apply(node, node.host.on_block(peer, sender.token, first.mtype, bodies, self.now))
+            else:
+                for d in run:
+                    self.apply(node, node.host.on_data(peer, sender.token, d.mtype, d.body, self.now))
+
+    def _bind(self, src: int, dst: int) -> None:
+        node = self.nodes[dst]
+        self.apply(node, node.host.on_bind(self.nodes[src].token, self.nodes[src].peer, self.now))
 
     # -- checking ----------------------------------------------------------------------------------
     def delivered(self, group: int) -> set[tuple[int, int, int, int]]:
@@ -237,10 +252,13 @@ class Lab:
                 out.add((pos[d.src], pos[d.dst], d.mtype, h.offset))
         return out
 
-    def check(self, group: int, xs: list[np.ndarray], ws: list[float]) -> None:
-        """Every member's result is what the arrived data gives, exactly where a range is one member's."""
+    def check(self, group: int, xs: list[np.ndarray], ws: list[float], skip: tuple[int, ...] = ()) -> None:
+        """Every member's result (but ``skip``'s) is what the arrived data gives, exactly where a range is
+        one member's."""
         exp, exact = expected_results(xs, ws, PER, self.delivered(group))
         for gi, node in enumerate(self.members[group]):
+            if node in skip:
+                continue
             got = self.nodes[node].done[group].vector
             np.testing.assert_allclose(got, exp[gi], rtol=0, atol=1e-5)
             np.testing.assert_array_equal(got[exact[gi]], exp[gi][exact[gi]].astype(np.float32))
@@ -283,6 +301,36 @@ def test_several_groups_at_once_over_a_lossy_network() -> None:
                for g, m in groups.items() for nd in (lab.nodes[i] for i in m))
 
 
+@pytest.mark.parametrize("seed", [3, 4])
+def test_random_loss_duplication_and_reordering_of_the_network(seed: int) -> None:
+    """The network's own seeded faults (10 % loss, 5 % duplicates, jitter that reorders): every result is
+    what arrived, END markers lost too."""
+    xs, ws = inputs(4, 50 * PER + 3, seed=seed)
+    lab = Lab(4, link=Link(loss=0.1, duplicate=0.05, latency=0.01, jitter=0.003), seed=seed)
+    lab.start(0.0, 91, [0, 1, 2, 3], xs, ws, floor_s=0.3)
+    lab.run()
+    lab.check(91, xs, ws)
+    assert lab.net.lost > 0 and lab.net.duplicated > 0
+    assert all(nd.drops["late"] == 0 and nd.done[91].stats.drops.get("late", 0) == 0 for nd in lab.nodes)
+
+
+def test_a_member_that_crashes_mid_average() -> None:
+    """Node 3 dies 5 ms in, its reduce-scatter on the wire and its all-gather not sent yet: the others use
+    its contributions, keep their own values for its shard, and end their all-gather by deadline."""
+    xs, ws = inputs(4, 60 * PER, seed=5)
+    lab = Lab(4, link=Link(latency=0.01))
+    lab.start(0.0, 95, [0, 1, 2, 3], xs, ws, floor_s=0.3)
+    lab.at(0.005, lab.net.crash, 3)
+    lab.run()
+    lab.check(95, xs, ws, skip=(3,))
+    got = lab.delivered(95)
+    assert any(s == 3 for s, _, t, _ in got if t == RS_DATA)
+    assert not any(s == 3 for s, _, t, _ in got if t == AG_DATA)
+    for nd in lab.nodes[:3]:
+        st = nd.done[95].stats
+        assert st.all_gather.ended_by == "deadline" and 3 in st.all_gather.silent
+
+
 def test_the_same_inputs_give_the_same_run() -> None:
     """No clock and no randomness inside: two runs of the same scenario agree bit for bit."""
     def once() -> tuple:
@@ -322,7 +370,7 @@ def test_data_for_a_group_not_started_yet_is_held_and_used() -> None:
     lab = Lab(3)
     lab.start({0: 0.0, 1: 0.0, 2: 0.15}, 31, [0, 1, 2], xs, ws, floor_s=0.5)
     seen = []
-    lab.call(0.1, lambda: seen.append((lab.nodes[2].host.held.count, lab.nodes[2].host.running(31))))
+    lab.at(0.1, lambda: seen.append((lab.nodes[2].host.held.count, lab.nodes[2].host.running(31))))
     lab.run()
     assert seen[0][0] > 0 and not seen[0][1]  # held while node 2 had not started
     for nd in lab.nodes:
@@ -350,7 +398,7 @@ def test_data_from_an_unbound_token_waits_for_its_binding() -> None:
     lab = Lab(3, bind_at={(1, 0): 0.3})
     lab.start(0.0, 51, [0, 1, 2], xs, ws, floor_s=0.5)
     held = []
-    lab.call(0.2, lambda: held.append(lab.nodes[0].host.held.count))
+    lab.at(0.2, lambda: held.append(lab.nodes[0].host.held.count))
     lab.run()
     assert held[0] > 0
     lab.check(51, xs, ws)
@@ -426,9 +474,9 @@ def test_a_report_from_a_non_member_moves_nothing() -> None:
     fields = {"group": 81, "phase": 0, "expected": 500, "received": 0, "bytes": 0, "seconds": 0.01,
               "kernel_drops": 0, "position": 500}
     rates = []
-    lab.call(0.005, lambda: rates.append(lab.nodes[0].host.pacer.rate))
-    lab.call(0.006, lambda: lab._report(3, 0, fields))
-    lab.call(0.007, lambda: rates.append(lab.nodes[0].host.pacer.rate))
+    lab.at(0.005, lambda: rates.append(lab.nodes[0].host.pacer.rate))
+    lab.at(0.006, lambda: lab.net.send(3, 0, fields, 100))
+    lab.at(0.017, lambda: rates.append(lab.nodes[0].host.pacer.rate))
     lab.run()
     assert rates[0] == rates[1] and lab.nodes[0].drops["report"] == 1
     assert lab.nodes[0].verdicts  # the members' own REPORTs reached the pacer
