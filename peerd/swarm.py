@@ -1,4 +1,8 @@
-"""Run several real daemons as processes on 127.0.0.1: for `peerd swarm`, the benches and the tests."""
+"""Run several real daemons as processes on 127.0.0.1: for `peerd swarm`, the benches and the tests.
+
+With a link lab (peerd.lab.LinkLab, root) daemon i runs in peer i's network namespace instead and listens on its
+lab address, so the daemons talk over shaped, lossy links; their local sockets stay on the shared file system.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .localsock.client import DaemonError, LocalClient
 from .wire.identity import write_swarm_key
+
+if TYPE_CHECKING:
+    from .lab.links import LinkLab
 
 
 @dataclass
@@ -24,6 +31,7 @@ class Node:
     socket: str
     log_path: str
     status: dict[str, Any] = field(default_factory=dict)
+    netns: str | None = None  # the lab namespace it runs in (its metrics listen on that namespace's loopback)
 
     @property
     def listen(self) -> str:
@@ -45,7 +53,11 @@ class Node:
 
 
 class LocalSwarm:
-    """Daemons in one swarm on 127.0.0.1; node 0 starts it and every other node bootstraps from it."""
+    """Daemons in one swarm on 127.0.0.1; node 0 starts it and every other node bootstraps from it.
+
+    With ``lab``, daemon i runs inside the lab's peer i (``ip netns exec``) on ``lab.addr(i)``, so the bootstrap
+    address is node 0's lab address; a daemon's metrics (``--metrics``) then listen on its namespace's loopback:
+    scrape them inside ``lab.entered(i)``. The swarm must be stopped before the lab closes."""
 
     def __init__(
         self,
@@ -54,6 +66,7 @@ class LocalSwarm:
         insecure: bool = False,
         metrics: bool = True,
         extra_args: tuple[str, ...] = (),
+        lab: LinkLab | None = None,
     ) -> None:
         self._own_dir = workdir is None
         self.dir = workdir or tempfile.mkdtemp(prefix="peerd-swarm-")
@@ -65,10 +78,15 @@ class LocalSwarm:
         if not insecure and not os.path.exists(self.key_file):
             write_swarm_key(self.key_file)
         self.nodes: list[Node] = []
+        self.lab = lab
 
     def command(self, index: int, *, bootstrap: str | None, key_file: str | None = None,
                 extra: tuple[str, ...] = ()) -> list[str]:
-        cmd = [sys.executable, "-m", "peerd", "join", "--listen", "127.0.0.1:0",
+        if self.lab is not None and index >= self.lab.peers:
+            raise ValueError(f"daemon {index}: the link lab has only {self.lab.peers} peers")
+        host = self.lab.addr(index) if self.lab is not None else "127.0.0.1"
+        prefix = self.lab.exec_prefix(index) if self.lab is not None else []
+        cmd = [*prefix, sys.executable, "-m", "peerd", "join", "--listen", f"{host}:0",
                "--socket", os.path.join(self.dir, f"peer{index}.sock")]
         cmd += ["--insecure"] if self.insecure else ["--swarm-key-file", key_file or self.key_file]
         if bootstrap:
@@ -89,7 +107,8 @@ class LocalSwarm:
                 self.command(index, bootstrap=bootstrap, key_file=key_file, extra=extra),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             )
-        node = Node(index, proc, os.path.join(self.dir, f"peer{index}.sock"), log_path)
+        node = Node(index, proc, os.path.join(self.dir, f"peer{index}.sock"), log_path,
+                    netns=self.lab.netns(index) if self.lab is not None else None)
         self.nodes.append(node)
         return node
 
