@@ -252,7 +252,8 @@ PyDoc_STRVAR(Aead_open_block_doc,
 "Open the datagrams of ``row_len`` bytes at src[src_offset + i * src_stride] whose mask[i] is non-zero,\n"
 "writing each body (row_len - 37 bytes) to out[out_offset + i * out_stride]. A row that fails\n"
 "authentication gets mask[i] = 0 and a zeroed body. Returns how many failed. Rows whose mask is 0 are\n"
-"neither read nor written.");
+"neither read nor written. ``out`` may be ``src`` itself at src_offset + 21 with the same stride (each body\n"
+"opened over its ciphertext); any other overlap is refused.");
 
 static PyObject *Aead_open_block(AeadObject *self, PyObject *args) {
     Py_buffer src = {0}, receiver = {0}, out = {0}, mask = {0};
@@ -277,7 +278,11 @@ static PyObject *Aead_open_block(AeadObject *self, PyObject *args) {
     }
     if (!rows_fit("src", src.len, src_offset, src_stride, row_len, rows)) goto done;
     if (!rows_fit("out", out.len, out_offset, out_stride, body_len, rows)) goto done;
-    if (spans_overlap(&src, src_offset, src_stride, row_len, &out, out_offset, out_stride, body_len, rows)
+    /* In place is allowed exactly: each body written over its own ciphertext (AES-GCM's output may be its
+     * input, not partly overlap it); the header and tag it reads are copied out before the row is opened. */
+    int in_place = src.buf == out.buf && out_offset == src_offset + HEADER_SIZE && out_stride == src_stride;
+    if ((!in_place && spans_overlap(&src, src_offset, src_stride, row_len, &out, out_offset, out_stride, body_len,
+                                    rows))
         || spans_overlap(&mask, 0, 1, 1, &out, out_offset, out_stride, body_len, rows)
         || spans_overlap(&mask, 0, 1, 1, &src, src_offset, src_stride, row_len, rows)) {
         PyErr_SetString(PyExc_ValueError, "out, src and mask must not overlap");
