@@ -95,12 +95,16 @@ class AllreduceService:
 
     # -- what arrives (the endpoint's handlers: synchronous) --------------------------------------
     def _on_data(self, header: Header, body: bytes, state: TokenState, source: Address) -> None:
-        peer = None if state.peer_key is None else _node_id(state.peer_key)
-        self._run(self.host.on_data(peer, header.token, header.type, body, trio.current_time()))
+        key = state.peer_key
+        actions = self.host.on_data(None if key is None else _node_id(key), header.token, header.type, body,
+                                    trio.current_time())
+        if actions:  # (most bodies: none; this path runs per datagram)
+            self._run(actions)
 
     def _on_block(self, mtype: int, token: int, state: TokenState, bodies: np.ndarray, source: Address) -> None:
-        peer = None if state.peer_key is None else _node_id(state.peer_key)
-        self._run(self.host.on_block(peer, token, mtype, bodies, trio.current_time()))
+        key = state.peer_key
+        self._run(self.host.on_block(None if key is None else _node_id(key), token, mtype, bodies,
+                                     trio.current_time()))
 
     def _on_bind(self, token: int, public_key: bytes) -> None:
         self._run(self.host.on_bind(token, _node_id(public_key), trio.current_time()))
