@@ -1,6 +1,9 @@
-"""An in-memory datagram network for tests: deterministic drop, duplication and reordering.
+"""The in-memory network for trio tests: peerd/sim/net.py's link model under trio's clock.
 
-Runs under trio's MockClock, so seconds of protocol time take milliseconds.
+Each datagram's fate (lost, duplicated, its delay and so its order) is ``Link.fate`` of the one network the
+simulator uses, drawn from one seeded ``random.Random`` in the same order as always, so a seed keeps its loss
+pattern. Delivery waits on trio (run under trio's MockClock, seconds of protocol time take milliseconds),
+since the services under test are trio code; ``peerd.sim.net.Network`` is the same model on its own heap.
 """
 
 from __future__ import annotations
@@ -11,20 +14,35 @@ import socket
 
 import trio
 
+from peerd.sim.net import Link
+
 
 class MemNet:
     def __init__(self, *, seed: int = 0, drop: float = 0.0, duplicate: float = 0.0, jitter: float = 0.0,
                  latency: float = 0.002) -> None:
         self.rng = random.Random(seed)
-        self.drop = drop
-        self.duplicate = duplicate
-        self.jitter = jitter
-        self.latency = latency
+        self.link = Link(loss=drop, duplicate=duplicate, latency=latency, jitter=jitter)
         self.sockets: dict[tuple[str, int], MemSocket] = {}
         self.sent = self.dropped = self.duplicated = 0
         self.nursery: trio.Nursery | None = None
         # (source, destination, datagram) of every datagram sent, when a test wants to replay or measure them
         self.captured: list[tuple[tuple[str, int], tuple[str, int], bytes]] | None = None
+
+    @property
+    def drop(self) -> float:
+        return self.link.loss
+
+    @property
+    def duplicate(self) -> float:
+        return self.link.duplicate
+
+    @property
+    def jitter(self) -> float:
+        return self.link.jitter
+
+    @property
+    def latency(self) -> float:
+        return self.link.latency
 
     def socket(self, host: str, port: int) -> MemSocket:
         sock = MemSocket(self, (host, port))
@@ -42,16 +60,14 @@ class MemNet:
         self.sent += 1
         if self.captured is not None:
             self.captured.append((src, dst, data))
-        if self.rng.random() < self.drop:
+        delays = self.link.fate(self.rng)  # jitter reorders datagrams
+        if not delays:
             self.dropped += 1
             return
-        copies = 1
-        if self.rng.random() < self.duplicate:
-            copies = 2
+        if len(delays) > 1:
             self.duplicated += 1
-        for _ in range(copies):
-            delay = self.latency + self.rng.random() * self.jitter  # jitter reorders datagrams
-            assert self.nursery is not None
+        assert self.nursery is not None
+        for delay in delays:
             self.nursery.start_soon(self._arrive, delay, src, dst, data)
 
     async def _arrive(self, delay: float, src: tuple[str, int], dst: tuple[str, int], data: bytes) -> None:

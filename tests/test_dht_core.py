@@ -18,6 +18,7 @@ from peerd.dht.core import DhtCore, pack_contacts, unpack_contacts
 from peerd.dht.lookup import Lookup
 from peerd.dht.records import Record, RecordStore, location, merge_newest, signed_message
 from peerd.dht.routing import ID_BITS, Contact, RoutingTable, bucket_index, distance
+from peerd.sim.net import Link, Network
 from peerd.wire import messages as m
 from peerd.wire.errors import WireError
 from peerd.wire.identity import Identity
@@ -358,7 +359,8 @@ def test_buckets_to_refresh() -> None:
 
 
 class Swarm:
-    """A simulated id space: every node answers FIND_NODE from a Kademlia routing table of its own."""
+    """A simulated id space: every node answers FIND_NODE from a Kademlia routing table of its own (over the
+    in-memory network: see ``drive``)."""
 
     def __init__(self, n: int, seed: int, *, k: int = 20, dead_fraction: float = 0.0, stale: bool = False):
         rng = random.Random(seed)
@@ -397,31 +399,60 @@ class Swarm:
 def drive(
     lookup: Lookup, swarm: Swarm, rng: random.Random, outstanding: list[Contact] | None = None
 ) -> tuple[list[Contact], set[bytes]]:
-    """Runs a lookup to the end, answering in-flight queries in random order; returns (result, seen ids)."""
-    outstanding = list(outstanding or [])
-    queried: set[bytes] = {c.node_id for c in outstanding}
+    """Runs a lookup to the end over the in-memory network (peerd/sim/net.py): every live node answers
+    FIND_NODE from its table, jitter delivers answers in an order drawn from ``rng``, and a query to a dead
+    node (attached nowhere) fails when its timer runs out. Returns (result, seen ids)."""
+    net = Network(rng, default=Link(latency=0.010, jitter=0.030))
+    flying: set[bytes] = set()
+    queried: set[bytes] = set()
     seen: set[bytes] = set()
-    for _ in range(10 * len(swarm.ids)):
-        new = lookup.next_queries()
-        for c in new:
-            assert c.node_id not in queried, "queried twice"
-            assert c.node_id != swarm.me
-            queried.add(c.node_id)
-        outstanding += new
-        assert len(outstanding) <= lookup.width
-        assert lookup.in_flight() == len(outstanding)
+    timeout = 1.0  # far beyond any round trip here (at most 0.08 s)
+
+    def answer_from(node_id: bytes):
+        def handle(src: bytes, target: bytes) -> None:
+            net.send(node_id, src, (node_id, swarm.answer(node_id, target)))
+        return handle
+
+    def timed_out(node_id: bytes) -> None:
+        if node_id in flying:
+            flying.discard(node_id)
+            lookup.on_failure(node_id)
+            pump()
+
+    def send(c: Contact) -> None:
+        assert c.node_id not in queried, "queried twice"
+        assert c.node_id != swarm.me
+        queried.add(c.node_id)
+        flying.add(c.node_id)
+        if c.node_id not in swarm.dead and not net.alive(c.node_id):
+            net.attach(c.node_id, answer_from(c.node_id))
+        net.send(swarm.me, c.node_id, lookup.target)
+        net.call_later(timeout, timed_out, c.node_id)
+
+    def pump() -> None:
+        for c in lookup.next_queries():
+            send(c)
+        assert len(flying) <= lookup.width
+        assert lookup.in_flight() == len(flying)
         if lookup.finished:
-            assert not outstanding
-            return lookup.result(), seen
-        assert outstanding, "stalled: nothing in flight, nothing to ask, yet not finished"
-        c = outstanding.pop(rng.randrange(len(outstanding)))
-        if c.node_id in swarm.dead:
-            lookup.on_failure(c.node_id)
+            assert not flying
         else:
-            nodes = swarm.answer(c.node_id, lookup.target)
-            seen.update(x.node_id for x in nodes)
-            lookup.on_reply(c.node_id, nodes)
-    raise AssertionError("lookup did not terminate")
+            assert flying, "stalled: nothing in flight, nothing to ask, yet not finished"
+
+    def on_answer(src: bytes, payload: tuple[bytes, list[Contact]]) -> None:
+        node_id, nodes = payload
+        flying.discard(node_id)
+        seen.update(x.node_id for x in nodes)
+        lookup.on_reply(node_id, nodes)
+        pump()
+
+    net.attach(swarm.me, on_answer)
+    for c in outstanding or []:
+        send(c)
+    pump()
+    net.run(max_events=100 * len(swarm.ids))
+    assert lookup.finished, "lookup did not terminate"
+    return lookup.result(), seen
 
 
 def start(swarm: Swarm, target: bytes, *, k: int = 20, alpha: int = 3) -> tuple[Lookup, set[bytes]]:

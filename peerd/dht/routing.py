@@ -79,7 +79,7 @@ class RoutingTable:
         return self._count
 
     def __contains__(self, node_id: bytes) -> bool:
-        bucket = self.buckets.made.get(bucket_index(self.node_id, node_id))
+        bucket = self.buckets.made.get(self._index(node_id))
         return bucket is not None and node_id in bucket.contacts
 
     def contacts(self) -> list[Contact]:
@@ -92,8 +92,12 @@ class RoutingTable:
             bits ^= 1 << i
         return out
 
+    def _index(self, node_id: bytes) -> int:
+        """bucket_index(own id, node_id), with own id's integer computed once."""
+        return (self._own ^ int.from_bytes(node_id, "big")).bit_length() - 1
+
     def _bucket(self, node_id: bytes) -> Bucket:
-        return self.buckets[bucket_index(self.node_id, node_id)]
+        return self.buckets[self._index(node_id)]
 
     def observe(self, contact: Contact) -> Contact | None:
         """Note that ``contact`` was heard from.
@@ -103,7 +107,8 @@ class RoutingTable:
         """
         if contact.node_id == self.node_id:
             return None
-        bucket = self._bucket(contact.node_id)
+        index = self._index(contact.node_id)
+        bucket = self.buckets[index]
         if contact.node_id in bucket.contacts:
             bucket.contacts[contact.node_id] = contact  # the address may have changed
             bucket.contacts.move_to_end(contact.node_id)
@@ -112,7 +117,7 @@ class RoutingTable:
             bucket.contacts[contact.node_id] = contact
             bucket.replacements.pop(contact.node_id, None)
             self._count += 1
-            self._occupied |= 1 << bucket_index(self.node_id, contact.node_id)
+            self._occupied |= 1 << index
             return None
         bucket.replacements[contact.node_id] = contact
         bucket.replacements.move_to_end(contact.node_id)
