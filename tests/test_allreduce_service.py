@@ -98,3 +98,37 @@ def test_dead_member_is_averaged_out() -> None:
             np.testing.assert_allclose(r.vector[a:b], exact_live[a:b], atol=1e-5)
         a, b = layout.shard(2)  # the dead owner's shard keeps own values
         np.testing.assert_array_equal(r.vector[a:b], vectors[i][a:b])
+
+
+def test_paced_parts_follow_the_sockets_declared_gso() -> None:
+    """The shell reads GSO from the socket's declared capabilities when a group starts: 54 datagrams per
+    paced send with it (64 KB), 16 without; and a socket that loses GSO mid-run gets 16 from the next group."""
+    sizes: list[int] = []
+
+    async def main() -> None:
+        net = MemNet(seed=3)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = [Node(net, i) for i in range(2)]
+            for node in nodes:
+                nursery.start_soon(node.endpoint.serve)
+                send_many = node.endpoint.sock.send_many
+
+                async def counted(datagrams, addr, send_many=send_many):
+                    sizes.append(len(datagrams))
+                    await send_many(datagrams, addr)
+
+                node.endpoint.sock.send_many = counted
+            members = [node.member() for node in nodes]
+            vectors = [np.full(200_000, float(i), np.float32) for i in range(2)]
+            for gid, gso in ((1, True), (2, False)):
+                for node in nodes:
+                    node.endpoint.caps.gso = gso
+                sizes.clear()
+                async with trio.open_nursery() as group:
+                    for i in range(2):
+                        group.start_soon(nodes[i].service.average, gid, members, i, vectors[i], 1.0)
+                assert max(sizes) == (54 if gso else 16)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -147,11 +147,11 @@ class AllreduceService:
             self._expiring = False
 
     def _kernel_drops(self) -> int:
-        return getattr(self.endpoint.sock, "kernel_drops", 0)
+        return self.endpoint.kernel_drops
 
     def _gso(self) -> bool:
-        """Whether the socket sends GSO batches now (it may turn them off after a failed send)."""
-        return bool(getattr(self.endpoint.sock, "gso", False))
+        """Whether the socket sends GSO batches now (its declared capabilities: it may lose GSO at a send)."""
+        return self.endpoint.caps.gso
 
     # -- one group's average --------------------------------------------------------------------
     async def average(
