@@ -417,3 +417,29 @@ def test_pings_go_before_the_rest_of_their_batch() -> None:
     trio.run(ep.flush)
     answered = [d[3] for d, _ in ep.sock.sent]  # type: ignore[attr-defined]
     assert answered == [int(m.MsgType.PONG), int(m.MsgType.NODES)]  # answers in the order handled
+
+
+def test_peek_agrees_with_parse_header_on_any_bytes() -> None:
+    """The receive path's junk sorter gives the reason the full header parser would, or its fields."""
+    from peerd.wire.envelope import Header, parse_header, peek
+    from peerd.wire.errors import WireError
+
+    rng = random.Random(12)
+    good = Header(0x03, FLAG_SEALED, 0x1122334455667788, 9).pack() + b"x" * 30
+    samples = [good, good[:20], good[:21], b"", Header(0x01, 0x02 | FLAG_SEALED, 1, 1).pack(),
+               Header(0x03, 0x02, 1, 1).pack(), Header(0x03, 0x80, 1, 1).pack()]
+    for _ in range(3000):
+        data = bytearray(good)
+        for _ in range(rng.randrange(1, 3)):
+            data[rng.randrange(13)] = rng.randrange(256)  # the checked bytes: magic, version, type, flags, token
+        samples.append(bytes(data[: rng.choice([len(data), rng.randrange(len(data))])]))
+    reasons = set()
+    for data in samples:
+        try:
+            h = parse_header(data)
+            expected: object = (h.type, h.flags, h.token)
+        except WireError as e:
+            expected = e.reason
+        assert peek(data) == expected == peek(memoryview(data)), data.hex()
+        reasons.add(expected if isinstance(expected, str) else "ok")
+    assert reasons == {"ok", "malformed", "version"}

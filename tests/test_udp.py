@@ -105,3 +105,45 @@ def test_arena_must_hold_one_receive() -> None:
             UdpSocket(s, arena_bytes=1000)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("gso", [True, False])
+def test_capabilities_are_declared_once_at_creation(gso: bool) -> None:
+    tx, rx = _pair(gso)
+    try:
+        caps = rx.caps
+        assert caps.block_receive and caps.block_send  # what the endpoint may call on it
+        assert caps.rcvbuf == rx.statistics().rcvbuf and caps.sndbuf == rx.statistics().sndbuf
+        assert caps.gso == rx.gso and caps.gro == rx.gro
+        if not gso:
+            assert not caps.gso and not caps.gro and caps.gso_segments == 1
+        elif caps.gso:
+            assert caps.gso_segments > 1
+            caps.lose_gso()  # what a path that refuses GSO does: the socket and its readers see it at once
+            assert not rx.gso and rx.caps.gso_segments == 1
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_receive_pass_counts_calls_and_datagrams() -> None:
+    """Many single datagrams in one pass (the flood path: one loop, no call per datagram but the syscall)."""
+    async def main() -> None:
+        tx, rx = _pair(False)
+        try:
+            datagrams = [bytes([i]) * (10 + i) for i in range(200)]  # sizes differ: nothing merges
+            for d in datagrams:
+                await tx.sendto(d, rx.getsockname())
+            got: list[bytes] = []
+            with trio.fail_after(10):
+                while len(got) < len(datagrams):
+                    got += [bytes(d) for d, _, seg in await rx.recv_blocks(1024)]
+            assert got == datagrams
+            st = rx.statistics()
+            assert st.receive_calls == st.datagrams_received == len(datagrams)
+            assert st.receive_passes <= 3  # sent before the first pass: taken together
+        finally:
+            tx.close()
+            rx.close()
+
+    trio.run(main)
