@@ -553,3 +553,27 @@ def test_held_data_is_expired_by_the_timer_it_asks_for() -> None:
     assert timers == [HeldTimer(host.held_expiry())]
     assert host.expire_held(timers[0].at) == [Dropped("held", 1)]
     assert host.held_expiry() is None
+
+
+def test_a_report_counts_only_what_was_sent() -> None:
+    """A receiver that gave up on a phase reports positions this node never sent as lost: the host cuts the
+    REPORT down to what it sent, so a clean path is not taken for a congested one; loss within what was
+    sent still counts."""
+    a, b = b"a" * 32, b"b" * 32
+
+    def verdict(received: int) -> str:
+        host = AveragingHost(max_body=HEADER_SIZE + 4, mtu=HEADER_SIZE + 41)  # one element per datagram
+        host.start(5, [a, b], 0, np.zeros(400, np.float32), 1.0, 0.0)
+        sent = 0
+        for blk in host.next_sends(5, 100):
+            if blk.to == 1 and blk.type == RS_DATA:
+                sent += len(blk.bodies)
+                host.pace(blk, len(blk.bodies), blk.bodies.size, 0.0)
+        assert sent == 200
+        fields = {"group": 5, "phase": 0, "expected": 1000, "received": received, "bytes": received * 80,
+                  "seconds": 0.05, "kernel_drops": 0, "position": 1000}
+        (out,) = host.on_report(b, fields, 0.1)
+        return out.verdict.action
+
+    assert verdict(200) != "decrease"  # all it sent arrived: 800 "lost" positions were never sent
+    assert verdict(100) == "decrease"  # half of what it sent was lost
