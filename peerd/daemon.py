@@ -30,6 +30,8 @@ from .transport import Endpoint
 from .transport.udp import UdpSocket
 from .wire.identity import Identity, KeyFileError, load_identity, load_swarm_key, node_id_of
 from .wire.messages import MAX_CONTACTS, MAX_TTL_S
+from .wire.native import announce as announce_dataplane
+from .wire.native import dataplane
 
 log = logging.getLogger("peerd")
 
@@ -92,6 +94,10 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.started = time.monotonic()
+        try:
+            announce_dataplane()  # says which data path runs; refuses a PEERD_DATAPLANE that cannot be honoured
+        except RuntimeError as e:
+            raise StartupError(str(e)) from None
         try:
             self.identity = load_identity(config.identity_path) if config.identity_path else Identity.generate()
             secret = None if config.insecure else load_swarm_key(config.swarm_key_file or "")
@@ -250,6 +256,7 @@ class Daemon:
             "insecure": self.config.insecure,
             "version": __version__,
             "gso": self.socket.gso,
+            "dataplane": dataplane(),
             "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
             "datagrams_dropped": dropped,
             "moshpit": self.moshpit.statistics(),

@@ -45,6 +45,16 @@ def test_busy_metrics_port_is_one_line_and_leaves_no_socket(tmp_path) -> None:
     assert os.listdir(tmp_path) == []  # no stale socket file
 
 
+def test_a_data_plane_that_cannot_run_is_one_line(tmp_path) -> None:
+    sock = str(tmp_path / "d.sock")
+    env = {**os.environ, "PEERD_DATAPLANE": "fastest"}
+    proc = subprocess.run([sys.executable, "-m", "peerd", "join", "--insecure", "--listen", "127.0.0.1:0", "--socket",
+                           sock], capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    error = _one_error(proc)
+    assert "PEERD_DATAPLANE" in error and "native, python" in error, error
+    assert os.listdir(tmp_path) == []
+
+
 def test_announce_of_the_other_family_is_one_line(tmp_path) -> None:
     sock = str(tmp_path / "d.sock")
     proc = peerd("join", "--insecure", "--listen", "127.0.0.1:0", "--announce", "[2001:db8::1]:7411",
