@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from peerd.metrics import Metrics
 from peerd.transport.caps import SocketCaps, plain_caps
@@ -354,6 +355,7 @@ def _endpoint(rng: random.Random | None = None, **kw) -> Endpoint:
 
         def __init__(self) -> None:
             self.sent: list[tuple[bytes, tuple[str, int]]] = []
+            self.inbox: list[list[tuple[bytes, tuple[str, int]]]] = []  # receives to hand out, then none
 
         async def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
             self.sent.append((bytes(data), addr))
@@ -362,6 +364,9 @@ def _endpoint(rng: random.Random | None = None, **kw) -> Endpoint:
             self.sent += [(bytes(d), addr) for d in datagrams]
 
         async def recv_batch(self, max_datagrams: int = 64) -> list:
+            if self.inbox:
+                await trio.lowlevel.checkpoint()
+                return self.inbox.pop(0)
             await trio.sleep_forever()
             return []
 
@@ -443,3 +448,29 @@ def test_peek_agrees_with_parse_header_on_any_bytes() -> None:
         assert peek(data) == expected == peek(memoryview(data)), data.hex()
         reasons.add(expected if isinstance(expected, str) else "ok")
     assert reasons == {"ok", "malformed", "version"}
+
+
+def test_serve_answers_a_ping_before_it_handles_the_rest_of_its_batch() -> None:
+    ep = _endpoint(random.Random(7))
+    member = Identity.generate()
+    sealer = Sealer(SECRET, 77)
+    frm = {"pk": member.public_key, "sig": member.sign_token(sealer.token), "addr": None}
+    sent_when_handled: list[int] = []
+    ep.on_request(m.MsgType.FIND_NODE, lambda inc: sent_when_handled.append(len(ep.sock.sent)) or {"nodes": []})
+    me = ep.identity.node_id
+    finds = [sealer.seal(m.MsgType.FIND_NODE, m.encode(m.MsgType.FIND_NODE, {"rid": 10 + i, "from": frm,
+                                                                              "target": bytes(32)}), me)
+             for i in range(3)]
+    ping = sealer.seal(m.MsgType.PING, m.encode(m.MsgType.PING, {"rid": 2, "from": frm}), me)
+    src = ("10.1.1.1", 5)
+    ep.sock.inbox.append([(finds[0], src), (finds[1], src), (ping, src), (finds[2], src)])  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ep.serve)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert sent_when_handled == [1, 1, 1]  # the PONG was out before any FIND_NODE ran
+    assert [d[3] for d, _ in ep.sock.sent] == [int(m.MsgType.PONG)] + [int(m.MsgType.NODES)] * 3  # type: ignore

@@ -477,7 +477,12 @@ class Endpoint:
             else:
                 batch = [(data, source, 0) for data, source in await sock.recv_batch(limit)]
             self._junk = 0
-            datagrams = self.receive_batch(batch, trio.current_time())
+            now = trio.current_time()
+            batch, datagrams = self._receive_urgent(batch, now)
+            if datagrams:  # PONGs go out, and requests that waited on a PONG go on, before the rest is handled
+                await self.flush()
+                await trio.lowlevel.checkpoint()
+            datagrams += self._receive_rest(batch, now)
             await self.flush()
             pause = self.core.receive_pause(trio.current_time(), datagrams, self._junk, limit)
             if pause > 0:
@@ -487,22 +492,33 @@ class Endpoint:
 
     def receive_batch(self, batch: list[tuple[Any, Address, int]], now: float) -> int:
         """Handle one receive's datagrams and GRO blocks (data, source, segment) without awaiting: what to
-        send in answer waits in the outbox for ``flush``. Small PINGs and PONGs go first, so that a member's
-        liveness check does not queue behind a batch of junk or tensor data. Returns the datagrams handled."""
+        send in answer waits in the outbox for ``flush``. Small PINGs and PONGs go first (``serve`` sends
+        their answers before it handles the rest). Returns the datagrams handled."""
+        rest, urgent = self._receive_urgent(batch, now)
+        return urgent + self._receive_rest(rest, now)
+
+    def _receive_urgent(self, batch: list[tuple[Any, Address, int]], now: float) -> tuple[list, int]:
+        """Handle the batch's small PINGs and PONGs, so that a member's liveness check and this node's own
+        requests do not queue behind a batch of junk or tensor data; returns the rest of the batch and how
+        many were handled."""
+        if len(batch) < 2:
+            return batch, 0
+        urgent = [i for i, (data, _, segment) in enumerate(batch)
+                  if not segment and 3 < len(data) <= URGENT_BYTES and data[3] in (_PING, _PONG)]
+        if not urgent:
+            return batch, 0
+        nbytes = 0
+        for i in urgent:
+            data, source, _ = batch[i]
+            nbytes += len(data)
+            self._datagram(data, source, now)
+        self.metrics.bytes_received.inc(nbytes)
+        skip = set(urgent)
+        return [item for i, item in enumerate(batch) if i not in skip], len(urgent)
+
+    def _receive_rest(self, batch: list[tuple[Any, Address, int]], now: float) -> int:
         nbytes = datagrams = 0
-        rest = batch
-        if len(batch) > 1:
-            urgent = [i for i, (data, _, segment) in enumerate(batch)
-                      if not segment and 3 < len(data) <= URGENT_BYTES and data[3] in (_PING, _PONG)]
-            if urgent:
-                for i in urgent:
-                    data, source, _ = batch[i]
-                    nbytes += len(data)
-                    self._datagram(data, source, now)
-                datagrams = len(urgent)
-                skip = set(urgent)
-                rest = [item for i, item in enumerate(batch) if i not in skip]
-        for data, source, segment in rest:
+        for data, source, segment in batch:
             nbytes += len(data)
             if segment:
                 datagrams += -(-len(data) // segment)
