@@ -236,7 +236,7 @@ class AveragingHost:
         peers = list(peers)
         if len(set(peers)) != len(peers):
             raise ValueError("a group's members must be distinct nodes")
-        if not 0 <= index < len(peers):
+        if type(index) is not int or not 0 <= index < len(peers):
             raise ValueError(f"index must be in 0..{len(peers) - 1}, got {index!r}")
         core = GroupAverage(
             group_id, len(peers), index, vector, weight, now,
