@@ -109,6 +109,13 @@ done
 swarm_s=$((SECONDS - tu))
 say "Prometheus scrapes 5 daemons, each sees the 4 others: $swarm_s s after up"
 
+# The image must run the native data plane (issue 15): the daemons say which one in their status.
+for c in $(podman ps --filter "label=io.podman.compose.project=$project" --format '{{.Names}}' | grep -v prometheus); do
+  dp=$(podman exec "$c" peerd status --json 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin)["dataplane"])')
+  [ "$dp" = native ] || { show_state; fail "$c runs the '${dp:-unknown}' data plane, not the native one"; }
+done
+say "every daemon runs the native data plane"
+
 if [ "$PEERD_TRAIN" = 1 ]; then
   if podman run --rm --entrypoint peerd localhost/peerd:dev train --help >/dev/null 2>&1; then
     while :; do
