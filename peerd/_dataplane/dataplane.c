@@ -401,13 +401,16 @@ done:
 /* ---- placing opened rows --------------------------------------------------------------------------- */
 
 /* No little-endian float32 in ``row`` (``n`` bytes, a multiple of 4) is NaN or inf: no exponent is all ones.
- * Branch-free over the row so that the compiler can vectorize it. */
+ * Branch-free over the row, whole 32-bit loads, so that the compiler vectorizes it (several GB/s). */
 static int row_finite(const unsigned char *row, Py_ssize_t n) {
     uint32_t special = 0;
     for (Py_ssize_t j = 0; j < n; j += 4) {
-        uint32_t x = (uint32_t)row[j] | (uint32_t)row[j + 1] << 8 | (uint32_t)row[j + 2] << 16
-            | (uint32_t)row[j + 3] << 24;
-        special |= (x & 0x7F800000u) == 0x7F800000u;
+        uint32_t x;
+        memcpy(&x, row + j, 4);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        x = __builtin_bswap32(x);
+#endif
+        special |= (uint32_t)((x & 0x7F800000u) == 0x7F800000u);
     }
     return !special;
 }
