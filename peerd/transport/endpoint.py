@@ -162,6 +162,8 @@ class Endpoint:
         self._next_bound: set[bytes] = set()  # receivers that answered a request sealed by ``_next``
         self.opener = Opener(swarm_secret, identity.node_id)
         self._sealed = swarm_secret is not None
+        self._token_state = self.opener.token_state  # bound once: the junk path's per-datagram calls
+        self._may_derive = self.core.auth_limiter.may_derive
         self._from = {
             "pk": identity.public_key,
             "sig": identity.sign_token(self.sealer.token),
@@ -566,6 +568,12 @@ class Endpoint:
     def _drop(self, reason: str, n: int = 1) -> None:
         self._drops[reason] = self._drops.get(reason, 0) + n
 
+    def _refuse(self, reason: str) -> None:
+        """A datagram refused before or at opening (junk: what paces the receive loop under a flood)."""
+        drops = self._drops
+        drops[reason] = drops.get(reason, 0) + 1
+        self._junk += 1
+
     def _count_received(self, mtype: int, n: int = 1) -> None:
         key = mtype if mtype <= m.CONTROL_MAX else 0x40  # every data type is counted as "data"
         self._received[key] = self._received.get(key, 0) + n
@@ -621,24 +629,20 @@ class Endpoint:
         authentication failures (``auth_limited``: no key derivation, no AEAD)."""
         head = peek(data)
         if head.__class__ is str:
-            self._drop(head)  # type: ignore[arg-type]
-            self._junk += 1
+            self._refuse(head)  # type: ignore[arg-type]
             return
         mtype, flags, token = head  # type: ignore[misc]
         may_derive = None
-        if self._sealed and self.opener.token_state(token) is None:
+        if self._sealed and self._token_state(token) is None:
             if not flags & FLAG_SEALED:
-                self._drop("auth")
-                self._junk += 1
+                self._refuse("auth")
                 self.core.auth_limiter.failed(source, now)
                 return
             if len(data) < HEADER_SIZE + TAG_SIZE:
-                self._drop("malformed")
-                self._junk += 1
+                self._refuse("malformed")
                 return
-            if not self.core.auth_limiter.may_derive(source, now):
-                self._drop("auth_limited")
-                self._junk += 1
+            if not self._may_derive(source, now):
+                self._refuse("auth_limited")
                 return
             may_derive = _yes  # charged just now
         try:
@@ -646,8 +650,7 @@ class Endpoint:
         except WireError as e:
             if e.reason == "auth":
                 self.core.auth_limiter.failed(source, now)
-            self._drop(e.reason)
-            self._junk += 1
+            self._refuse(e.reason)
             return
         except Exception:  # a bug the input reached must not end the receive loop (and with it the daemon)
             self._handler_failed(mtype)
