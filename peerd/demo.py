@@ -3,7 +3,9 @@
 Each trainer (`peerd train`, one torch thread) has its own shard of scikit-learn's digits and starts from the
 same seeded weights; its daemon averages gradients through Moshpit every step and parameters every K steps.
 The demo shows live progress, then a summary: held-out loss and accuracy (mean over peers), and the largest
-relative distance between two peers' parameters.
+relative distance between two peers' parameters. With ``link`` (root) every peer, daemon and trainer, runs in its
+own network namespace of a link lab (peerd.lab): links shaped at that rate both ways, losing ``link_loss`` of what
+arrives at each peer in the kernel, for every protocol.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .lab.links import LinkLab
 from .swarm import LocalSwarm
 
 RUN = "demo"
@@ -48,6 +51,8 @@ class DemoConfig:
     byzantine: int = 0  # the last K peers' daemons corrupt their own contributions (--fault-byzantine)
     byzantine_mode: str = "nan"
     robust: str = "off"  # every trainer's robust aggregation option
+    link: str | None = None  # a link lab (root): every peer in its own namespace on a link shaped at this rate
+    link_loss: float = 0.0  # ... dropping this fraction of each peer's incoming packets (nftables, all protocols)
 
 
 def byzantine_peers(cfg: DemoConfig) -> set[int]:
@@ -92,8 +97,21 @@ def _reader(index: int, stream, out: queue.Queue) -> None:
 def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - one linear script
     """Run the demo; returns the summary (the --json fields and more). Raises RuntimeError on failure."""
     say = (lambda *a, **k: print(*a, file=sys.stderr, flush=True, **k)) if cfg.json else log
+    if cfg.link_loss and not cfg.link:
+        raise RuntimeError("link_loss needs a link rate (--link RATE)")
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="peerd-demo-")
-    swarm = LocalSwarm(os.path.join(workdir, "swarm"))
+    lab: LinkLab | None = None
+    if cfg.link:
+        lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss)
+        say(f"building a link lab: {cfg.peers} namespaces on {cfg.link} links, link loss {cfg.link_loss} "
+            f"(no delay: no netem here) ...")
+        try:
+            lab.start()  # raises LabError (not root, a tool missing); tears down what it built
+        except BaseException:
+            if cfg.workdir is None:
+                shutil.rmtree(workdir, ignore_errors=True)
+            raise
+    swarm = LocalSwarm(os.path.join(workdir, "swarm"), lab=lab)
     procs: dict[int, subprocess.Popen] = {}
     events: queue.Queue = queue.Queue()
     start = time.monotonic()
@@ -133,6 +151,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 cmd += ["--init-seed", str(cfg.seed + 1000 + i)]  # different weights: it must take the swarm's
             else:
                 cmd += ["--no-sync"]  # the founders start together from the same seeded weights
+            if lab is not None:  # the trainer lives with its daemon (it reaches it over the shared file system)
+                cmd = [*lab.exec_prefix(i), *cmd]
             err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
             procs[i] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
                                         text=True, env=env)
@@ -221,6 +241,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "byzantine": cfg.byzantine,
             "byzantine_mode": cfg.byzantine_mode if cfg.byzantine else None,
             "robust": cfg.robust,
+            **(_link_summary(lab) if lab is not None else {}),
             "per_peer": [{**{k: r[k] for k in ("peer", "first_step", "steps", "held_out_loss", "accuracy", "samples",
                                                 "samples_per_second", "local_steps", "synced", "dropped_microbatches",
                                                 "tau", "wall_s", "compute_s")},
@@ -242,8 +263,20 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 p.kill()
                 p.wait()
         swarm.cleanup()
+        if lab is not None:
+            lab.close()
         if cfg.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _link_summary(lab: LinkLab) -> dict[str, Any]:
+    """The lab's fields in the summary: its rate and loss, and the drop fraction its counters measured."""
+    counters = [lab.counters(i) for i in range(lab.peers)]
+    seen = sum(c.seen for c in counters)
+    dropped = sum(c.dropped for c in counters)
+    info = lab.describe()
+    return {"link_rate": info["link_rate"], "link_loss": info["link_loss"],
+            "link_drop_fraction": dropped / seen if seen else 0.0, "link_packets_seen": seen}
 
 
 def _sum_outcomes(results: list[dict]) -> dict[str, int]:
