@@ -474,3 +474,39 @@ def test_serve_answers_a_ping_before_it_handles_the_rest_of_its_batch() -> None:
     trio.run(main)
     assert sent_when_handled == [1, 1, 1]  # the PONG was out before any FIND_NODE ran
     assert [d[3] for d, _ in ep.sock.sent] == [int(m.MsgType.PONG)] + [int(m.MsgType.NODES)] * 3  # type: ignore
+
+
+# -- token rotation's decisions -----------------------------------------------------------------------------
+class Counter:
+    def __init__(self, name: str) -> None:
+        self.name, self.sent = name, 0
+
+
+def test_rotation_schedule_and_binding() -> None:
+    from peerd.transport.rotation import Rotation
+
+    made: list[Counter] = []
+
+    def make() -> Counter:
+        made.append(Counter(f"s{len(made) + 1}"))
+        return made[-1]
+
+    rot = Rotation(make(), 100, make)
+    old = rot.current
+    old.sent = 74
+    assert not rot.step() and rot.next is None  # below 3/4
+    old.sent = 75
+    assert not rot.step() and rot.next is made[1]  # started: control moves at once, data waits for a binding
+    new = rot.next
+    assert rot.for_control() is new and rot.for_data(b"B") is old
+    rot.answered(old, b"B")  # an answer to a request sealed by the old one binds nothing new
+    assert rot.for_data(b"B") is old
+    rot.answered(new, b"B")
+    assert rot.for_data(b"B") is new and rot.for_data(b"C") is old
+    new.sent = 24
+    assert not rot.step()  # 99 together
+    new.sent = 25
+    assert rot.step() and rot.current is new and rot.next is None and rot.rotations == 1
+    assert rot.for_data(b"C") is new and rot.for_control() is new
+    with pytest.raises(ValueError):
+        Rotation(Counter("x"), 3, make)

@@ -49,6 +49,7 @@ from .core import (
 )
 from .faults import LossySocket
 from .guard import AmplificationGuard, AuthLimiter
+from .rotation import Rotation
 from .rto import RtoEstimator
 
 log = logging.getLogger("peerd.transport")
@@ -150,25 +151,16 @@ class Endpoint:
         self.identity = identity
         self.metrics = metrics
         self.mtu = mtu
-        if rotate_after < 4:
-            raise ValueError(f"rotate_after must be >= 4 datagrams, got {rotate_after}")
         self.core = core if core is not None else TransportCore(self.rng)
         self._secret = swarm_secret
-        self.sealer = Sealer(swarm_secret, self._new_token())  # seals data (and control while no rotation runs)
-        self.rotate_after = rotate_after
-        self.rotations = 0
-        self._next: Sealer | None = None  # the sealer being rotated in: control now, data once bound
-        self._next_from: dict[str, Any] = {}
-        self._next_bound: set[bytes] = set()  # receivers that answered a request sealed by ``_next``
+        self._announce = m.pack_addr(*announce) if announce else None
+        self._bindings: dict[int, dict[str, Any]] = {}  # token -> the ``from`` its control messages carry
+        # seals data (and control while no rotation runs); the next sealer's token is drawn when one starts
+        self.rotation = Rotation(self._new_sealer(), rotate_after, self._new_sealer)
         self.opener = Opener(swarm_secret, identity.node_id)
         self._sealed = swarm_secret is not None
         self._token_state = self.opener.token_state  # bound once: the junk path's per-datagram calls
         self._may_derive = self.core.auth_limiter.may_derive
-        self._from = {
-            "pk": identity.public_key,
-            "sig": identity.sign_token(self.sealer.token),
-            "addr": m.pack_addr(*announce) if announce else None,
-        }
         self._handlers: dict[int, RequestHandler] = {}
         self._raw: dict[int, RawHandler] = {}
         self._raw_block: dict[int, BlockHandler] = {}
@@ -188,6 +180,30 @@ class Endpoint:
 
     def _new_token(self) -> int:
         return self.rng.getrandbits(64) or 1
+
+    def _new_sealer(self) -> Sealer:
+        sealer = Sealer(self._secret, self._new_token())
+        self._bindings[sealer.token] = {"pk": self.identity.public_key,
+                                        "sig": self.identity.sign_token(sealer.token), "addr": self._announce}
+        return sealer
+
+    @property
+    def sealer(self) -> Sealer:
+        """The current sealer (data to receivers that have not bound the next one yet)."""
+        return self.rotation.current
+
+    @property
+    def rotate_after(self) -> int:
+        return self.rotation.rotate_after
+
+    @property
+    def rotations(self) -> int:
+        return self.rotation.rotations
+
+    @property
+    def _from(self) -> dict[str, Any]:
+        """The ``from`` field (identity, token binding, announced address) of the current sealer's messages."""
+        return self._bindings[self.rotation.current.token]
 
     # -- the core's state, under the names callers and tests use ---------------------------------------------
     @property
@@ -276,34 +292,22 @@ class Endpoint:
     def max_body(self) -> int:
         return self.mtu - self.sealer.overhead
 
-    # -- token rotation -------------------------------------------------------------------------
+    # -- token rotation (the decisions are transport/rotation.py's) -----------------------------
     def _rotate(self) -> None:
-        """Start a rotation at 3/4 of ``rotate_after`` datagrams, finish it at ``rotate_after``."""
-        old = self.sealer
-        if self._next is None:
-            if old.sent >= self.rotate_after * 3 // 4:
-                self._next = Sealer(self._secret, self._new_token())
-                self._next_from = {**self._from, "sig": self.identity.sign_token(self._next.token)}
-                self._next_bound = set()
-        elif old.sent + self._next.sent >= self.rotate_after:
-            self.sealer, self._from = self._next, self._next_from
-            self._next, self._next_bound = None, set()
-            self.rotations += 1
+        if self.rotation.step():
+            self._bindings = {t: b for t, b in self._bindings.items() if t == self.sealer.token}
             log.info("sealing token rotated (%d datagrams): %016x", self.rotate_after, self.sealer.token)
 
     def data_sealer(self, receiver: bytes) -> Sealer:
         """The sealer for tensor data to ``receiver``: the next one only once the receiver has bound it."""
         self._rotate()
-        if self._next is not None and receiver in self._next_bound:
-            return self._next
-        return self.sealer
+        return self.rotation.for_data(receiver)
 
     def _control_sealer(self) -> tuple[Sealer, dict[str, Any]]:
         """Control messages carry their token's binding, so they use the next sealer as soon as there is one."""
         self._rotate()
-        if self._next is not None:
-            return self._next, self._next_from
-        return self.sealer, self._from
+        sealer = self.rotation.for_control()
+        return sealer, self._bindings[sealer.token]
 
     async def send_raw(
         self, addr: Address, mtype: int, bodies: list[bytes], *, node_id: bytes | None = None
@@ -444,15 +448,14 @@ class Endpoint:
             while True:
                 step = core.step(rid, trio.current_time())
                 if isinstance(step, Transmit):
-                    sealed_by = self._next
+                    sealed_by = self.rotation.next
                     await self._send_control(addr, mtype, rid, fields, receiver)
                 elif isinstance(step, WaitUntil):
                     with trio.move_on_at(step.at):
                         await event.wait()
                 elif isinstance(step, Answered):
                     reply: Incoming = step.reply
-                    if sealed_by is not None and sealed_by is self._next:  # it opened, so bound, the next token
-                        self._next_bound.add(reply.peer.node_id)
+                    self.rotation.answered(sealed_by, reply.peer.node_id)  # it opened, so bound, that token
                     if reply.mtype is m.MsgType.ERROR:
                         raise RpcError(f"{addr[0]}:{addr[1]} refused {name}: {reply.body['detail']}")
                     self.metrics.rpc_seconds.labels(name).observe(trio.current_time() - start)
