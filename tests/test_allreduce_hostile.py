@@ -1,6 +1,7 @@
-"""Hostile or broken members (every member holds the swarm key): what a shard owner and the averaging
-driver refuse, cap and bound. Core scenarios run the sans-I/O GroupAverage over the in-test network of
-test_allreduce_core; driver scenarios run AllreduceService over the in-memory network in virtual time."""
+"""Hostile or broken members (every member holds the swarm key): what a shard owner, the averaging host and
+its driver refuse, cap and bound. Core scenarios run the sans-I/O GroupAverage over the in-test network of
+test_allreduce_core; host scenarios feed AveragingHost directly; driver scenarios run AllreduceService over
+the in-memory network in virtual time."""
 
 from __future__ import annotations
 

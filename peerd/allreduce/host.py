@@ -52,7 +52,7 @@ REPORT_INTERVAL_S = 0.025  # a receiver reports delivery to each sender about th
 RECENT_GROUPS = 4  # finished groups whose members' last REPORTs still count
 MAX_BINDINGS = 4096  # token -> node id bindings remembered for data held before its group started
 IDLE_WAIT_S = 1.0  # a group with no deadline (it only has sending left) is looked at again this often
-_DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})
+DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})  # the types a GRO block may carry
 _NONE: tuple[()] = ()
 
 
@@ -281,7 +281,7 @@ class AveragingHost:
         """When ``rows`` datagrams (``nbytes`` sealed) of ``block`` may go out: the pacer's reservation,
         noted with the stream positions they take (what REPORTs from the member are matched against)."""
         at = now + max(0.0, self.pacer.reserve(nbytes, now, block.peer))
-        if block.type in _DATA_TYPES:
+        if block.type in DATA_TYPES:
             g = self._groups.get(block.group_id) or self._recent.get(block.group_id)
             if g is not None:
                 g.sent_to[block.to] += rows
@@ -457,7 +457,7 @@ class AveragingHost:
         """Keep data for a group this node has not started yet: its members may start first. A group that
         finished here takes nothing more: its stragglers are late, not worth holding for 10 s."""
         if group in self._recent:  # (END repeats routinely outlive their phase: not worth a count either)
-            return (Dropped(Outcome.LATE.value),) if mtype in _DATA_TYPES else _NONE
+            return (Dropped(Outcome.LATE.value),) if mtype in DATA_TYPES else _NONE
         kept, dropped, timer = self._keep(group, token, peer, mtype, body, now)
         if not kept:
             dropped += 1
@@ -495,7 +495,7 @@ class AveragingHost:
         before = core.phase_changes
         outcome = core.receive(index, mtype, body, now)
         if outcome is Outcome.ACCEPTED or outcome is Outcome.DUPLICATE or (
-            outcome is Outcome.LATE and mtype not in _DATA_TYPES  # END repeats routinely outlive their phase
+            outcome is Outcome.LATE and mtype not in DATA_TYPES  # END repeats routinely outlive their phase
         ):
             return (Wake(core.group_id),) if core.phase_changes != before else _NONE
         if core.phase_changes != before:

@@ -26,6 +26,7 @@ from ..wire.seal import TokenState
 from .codec import BodyType
 from .group import GroupStats
 from .host import (
+    DATA_TYPES,
     Action,
     AveragingHost,
     Bind,
@@ -41,7 +42,6 @@ from .robust import Robust
 
 log = logging.getLogger("peerd.allreduce")
 
-_DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})
 _node_id = functools.lru_cache(maxsize=4096)(node_id_of)  # a token's key -> node id, once per key
 
 
@@ -80,7 +80,7 @@ class AllreduceService:
         self._expiring = False  # the held-data expiry task is running
         for t in BodyType:
             endpoint.on_raw(int(t), self._on_data)
-        for t in _DATA_TYPES:
+        for t in DATA_TYPES:
             endpoint.on_raw_block(t, self._on_block)
         endpoint.on_message(m.MsgType.REPORT, self._on_report)
         endpoint.on_bind(self._on_bind)
