@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -172,10 +173,14 @@ def test_daemons_find_each_other_across_the_bridge(lab2: LinkLab, tmp_path) -> N
         got = peerd_json("dht", "get", "lab/hello", "--socket", nodes[1].socket)
         assert [v["value"] for v in got["values"]] == ["across the bridge"]
         assert lab2.counters(0).seen > 0 and lab2.counters(1).seen > 0  # it went over the links
-        # Metrics listen on the namespace's loopback: reachable from inside it, as entered() allows.
+        # Metrics listen on the namespace's loopback: reachable from inside it, as entered() allows; the
+        # thread is back in the host's namespace afterwards.
+        home = os.readlink("/proc/thread-self/ns/net")
         with lab2.entered(0), urllib.request.urlopen(f"http://{nodes[0].status['metrics']}/metrics",
                                                      timeout=10) as r:
+            assert os.readlink("/proc/thread-self/ns/net") != home
             assert b"peerd_dht_peers" in r.read()
+        assert os.readlink("/proc/thread-self/ns/net") == home
         with pytest.raises(ValueError, match="only 2 peers"):
             swarm.command(2, bootstrap=None)
 
