@@ -212,6 +212,7 @@ class AllreduceService:
             if host.running(group_id):  # cancelled or failed: nothing more to send for it
                 self._run(a for a in host.finish(group_id, trio.current_time(), self._kernel_drops())
                           if type(a) is Dropped)
+        assert completed is not None  # (a finished group's finish always completes it)
         seconds = time.perf_counter() - wall0
         self._record(completed.stats, seconds, sent[0])
         return AverageResult(completed.vector, completed.stats, seconds, handshake[0], sent[0], sent[1])
