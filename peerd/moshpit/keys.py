@@ -107,6 +107,12 @@ class KeyManager:
             self.extra_bits = max(0, self.extra_bits - 1)
 
     def after_alone(self) -> None:
-        """No group formed: my key was too lonely."""
+        """No group formed: my key was too lonely. Move on as if index 0 of a group: every group has a
+        member 0, so that key is never empty while the run has peers. Keeping the key instead left a peer
+        whose key emptied (a swarm shrinking under failures) alone for good: on a 16x16x16 grid losing 10 %
+        of its peers a round, the spread stopped falling at 2.4e-4 (peerd sim moshpit, seed 0); with this rule
+        it reaches 1e-6 in 10 rounds."""
+        if self.chunks:
+            self.chunks = (*self.chunks[1:], 0)
         if self.adapt:
             self.extra_bits = max(0, self.extra_bits - 1)
