@@ -181,6 +181,7 @@ def ring(peers: int, rate: str, losses: list[float], *, seconds: float = 3.0, ov
             seen = sum(c.seen for c in counters)
             dropped = sum(c.dropped for c in counters)
             rows.append({"rate": rate, "loss": loss, "peers": peers, "seconds": seconds, "size": size,
+                         "offered_bps_mean": round(statistics.mean(lk["offered_bps"] for lk in links)),
                          "goodput_bps_min": min(lk["goodput_bps"] for lk in links),
                          "goodput_bps_mean": round(statistics.mean(lk["goodput_bps"] for lk in links)),
                          "goodput_ceiling_bps": round(lab.rate_bps * size / (size + 42)),
@@ -227,9 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(rows))
         else:
-            print(f"{'loss':>6} {'goodput min':>12} {'goodput mean':>13} {'ceiling':>9} {'nft drop':>9} {'seen':>8}")
+            print(f"{'loss':>6} {'offered mean':>13} {'goodput min':>12} {'goodput mean':>13} {'ceiling':>9} "
+                  f"{'nft drop':>9} {'seen':>8}")
             for row in rows:
-                print(f"{row['loss']:>6} {row['goodput_bps_min'] / 1e6:>9.2f} Mb"
+                print(f"{row['loss']:>6} {row['offered_bps_mean'] / 1e6:>10.2f} Mb"
+                      f" {row['goodput_bps_min'] / 1e6:>9.2f} Mb"
                       f" {row['goodput_bps_mean'] / 1e6:>10.2f} Mb {row['goodput_ceiling_bps'] / 1e6:>6.2f} Mb"
                       f" {row['drop_fraction']:>9.4f} {row['nft_seen']:>8}")
     return 0
