@@ -457,3 +457,47 @@ def test_block_values_native_matches_numpy(monkeypatch: pytest.MonkeyPatch, rows
     assert verdicts[0] == verdicts[1] == bool(np.isfinite(values).all())
     assert outs[0] == outs[1]
     assert outs[1][12 : 12 + values.nbytes] == values.tobytes()
+
+
+# ---- the loader ---------------------------------------------------------------------------------------------
+
+_WITHOUT_EXTENSION = """
+import importlib.abc, json, logging, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "peerd._dataplane._native":
+            raise ImportError("hidden by the test: as if it were not built")
+sys.meta_path.insert(0, Hide())
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+from peerd.wire import native
+from peerd.wire.seal import Sealer, dataplane
+try:
+    Sealer(bytes(32))
+    Sealer(bytes(32))
+    made = True
+except RuntimeError as e:
+    made = str(e)
+print(json.dumps({"plane": dataplane(), "reason": native.reason, "made": made}))
+"""
+
+
+@pytest.mark.parametrize("asked", ["", "auto", "python", "native", "fast"])
+def test_loader_without_the_extension(asked: str) -> None:
+    """Without the extension (a source install with no compiler): the Python path runs and says why once, at the
+    first sealer, as a warning; PEERD_DATAPLANE=native refuses to run slower than asked, and so does a value
+    that means nothing."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PEERD_DATAPLANE": asked}
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_EXTENSION], env=env, capture_output=True, text=True,
+                          timeout=60, check=True)
+    got = json.loads(done.stdout)
+    assert got["plane"] == "python"
+    if asked in ("", "auto"):
+        assert got["made"] is True and "not built" in got["reason"] and "libssl-dev" in got["reason"]
+        assert done.stderr.count("data plane: python") == 1 and done.stderr.startswith("WARNING")
+    elif asked == "python":
+        assert got["made"] is True and done.stderr.count("data plane: python (PEERD_DATAPLANE=python)") == 1
+    else:
+        assert "PEERD_DATAPLANE" in got["made"] and "data plane" not in done.stderr
