@@ -31,9 +31,11 @@ def test_survivors_finish_every_round_after_two_die_mid_average() -> None:
     out = bench("--peers", "16", "--grid", "4x4", "--rounds", "4", "--kill", "2")
     assert out["survivors"] == 14
     assert all(sum(o.values()) == 14 for o in out["outcomes"]), out["outcomes"]
-    # 4 rounds take the spread down by an order of magnitude or more: measured
-    # 0.017 and (on a clean CI run) 0.059 after round 4, from 0.47-0.50 after round 1.
-    assert out["deviation"][-1] <= 0.1, out["deviation"]
+    # The protocol takes the spread to about 0.012 after round 4 (tests/test_moshpit_service.py, in virtual time:
+    # 0.010-0.013 over 12 seeds; here 0.010 and 0.011 on two runs), from 0.47-0.53 after round 1. The bound
+    # leaves room for a loaded machine, where a group may close at its deadline without a slow member (once
+    # 0.059 on CI, before this bound): the outcomes and group sizes say which round that was.
+    assert out["deviation"][-1] <= 0.05, (out["deviation"], out["outcomes"], out["group_sizes"])
     assert all(d2 <= d1 + 1e-9 for d1, d2 in zip(out["deviation"], out["deviation"][1:], strict=False))
 
 
@@ -125,67 +127,5 @@ def test_bad_requests_get_clear_errors(swarm) -> None:
     assert node.call("status")["peers"] == 0  # still healthy
 
 
-def _lockstep(nodes, run: str, vectors: list[np.ndarray]) -> list[dict]:
-    with ThreadPoolExecutor(len(nodes)) as pool:
-        return [s for _, s in pool.map(lambda i: _round(nodes[i], run, vectors[i]), range(len(nodes)))]
-
-
-def test_a_complete_group_is_kept_and_re_forms_when_its_leader_dies(swarm) -> None:
-    nodes = swarm.start_many(3)
-    wait_until(lambda: min(n.call("status")["peers"] for n in nodes) >= 2, 30, 0.2, what="peers to see each other")
-    for n in nodes:
-        assert n.call("avg_open", run="sticky", window_s=2.0, keep_rounds=4)["sticky"]["keep_rounds"] == 4
-    vectors = [np.full(1000, float(i), np.float32) for i in range(3)]
-    history = [_lockstep(nodes, "sticky", vectors) for _ in range(5)]
-    kept = [r for stats in history for r in stats if r["kept"]]
-    assert kept, "a complete group of the run's three peers is kept after it forms"
-    assert all(r["group_size"] == 3 and r["matchmaking_s"] < 2.0 for r in kept)
-    ids = {n.call("status")["peer_id"] for n in nodes}
-    statuses = [n.call("status")["moshpit"]["sticky"]["sticky"] for n in nodes]
-    assert sum(s["renewed"] for s in statuses) == len(kept)
-    # Kill the kept group's leader (if it is kept right now; else any peer): the others must not hang.
-    leader = next((s["kept"]["leader"] for s in statuses if s["kept"]), None)
-    victim = next(i for i, n in enumerate(nodes) if n.call("status")["peer_id"] == leader) if leader else 0
-    nodes[victim].proc.kill()
-    nodes[victim].proc.wait(10)
-    survivors = [n for i, n in enumerate(nodes) if i != victim]
-    after = [_lockstep(survivors, "sticky", vectors[:2]) for _ in range(6)]
-    assert all(r["outcome"] in ("averaged", "alone") for stats in after for r in stats), after
-    last = after[-1]
-    assert all(r["outcome"] == "averaged" and r["group_size"] == 2 for r in last), last
-    assert set(last[0]["members"]) == set(last[1]["members"]) < ids
-
-
-def test_a_kept_group_waits_for_a_member_that_starts_its_round_late(swarm) -> None:
-    """Each round one peer (in turn, so sometimes the leader, sometimes a follower) starts 1.5 s after the
-    others, as a trainer busy with its other run's round does. Renewals wait until every member asked
-    (PROTOCOL.md section 16, step 7): the late peer is averaged in, not averaged out as silent."""
-    import time
-
-    nodes = swarm.start_many(3)
-    wait_until(lambda: min(n.call("status")["peers"] for n in nodes) >= 2, 30, 0.2, what="peers to see each other")
-    for n in nodes:
-        n.call("avg_open", run="late", window_s=3.0, keep_rounds=4)
-    vectors = [np.full(500, float(i), np.float32) for i in range(3)]
-
-    def late_round(r: int, i: int) -> dict:
-        if i == r % 3:
-            time.sleep(1.5)
-        return _round(nodes[i], "late", vectors[i])[1]
-
-    history = []
-    for r in range(8):
-        with ThreadPoolExecutor(3) as pool:
-            history.append(list(pool.map(lambda i, r=r: late_round(r, i), range(3))))
-    kept = [s for stats in history for s in stats if s["kept"]]
-    assert len(kept) >= 6, history  # rounds 2-4 and 6-7 are renewals once round 1's group is complete
-    assert all(s["outcome"] == "averaged" and s["group_size"] == 3 for s in kept), kept
-    assert all(s["received_fraction"] == 1.0 for s in kept), kept  # nobody was averaged out
-    # No silence broke it. Under a heavily loaded CI machine one renewal was once refused (a retry that came
-    # too late); the group then re-formed through the DHT, as it must, and the rounds above still held.
-    broken = []
-    for n in nodes:
-        dropped = n.call("status")["moshpit"]["late"]["sticky"]["dropped"]
-        assert "silent" not in dropped, dropped
-        broken.append(sum(v for k, v in dropped.items() if k not in ("used_up", "round")))
-    assert sum(broken) <= 1, broken
+# Kept groups (formed, renewed, their leader killed, a member 1.5 s late each round) are tested in virtual time
+# in tests/test_moshpit_service.py: exact timings, no sleeps, no tolerance for a loaded machine.
