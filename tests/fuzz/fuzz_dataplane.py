@@ -56,17 +56,20 @@ native = _load_native()
 def buffer(fdp: atheris.FuzzedDataProvider, size: int) -> ctypes.Array:
     """A writable buffer of exactly ``size`` bytes (no slack after it for an overflow to hide in)."""
     buf = (ctypes.c_char * size)()
-    data = fdp.ConsumeBytes(min(size, fdp.remaining_bytes()))
-    ctypes.memmove(buf, data, len(data))
+    # At most 64 bytes of the input, repeated: a big buffer must not use up the choices that come after it.
+    data = fdp.ConsumeBytes(min(size, 64))
+    if data:
+        fill = (data * (size // len(data) + 1))[:size]
+        ctypes.memmove(buf, fill, size)
     return buf
 
 
 def number(fdp: atheris.FuzzedDataProvider, right: int) -> int:
     """``right``, or a value next to it, or a wild one: where bound checks go wrong."""
-    kind = fdp.ConsumeIntInRange(0, 7)
-    if kind <= 3:
+    kind = fdp.ConsumeIntInRange(0, 15)
+    if kind <= 12:
         return right
-    if kind <= 5:
+    if kind <= 14:
         return right + fdp.ConsumeIntInRange(-3, 3)
     return fdp.ConsumeIntInRange(-(2**63), 2**63 - 1)
 
