@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerd.moshpit.matchmaking import Begin, Candidate, Disband, Join, Matchmaker, State
+from peerd.moshpit.matchmaking import PROBE_S, Begin, Candidate, Disband, Join, Matchmaker, Probe, State
 
 
 def cand(i: int, expiry: float) -> Candidate:
@@ -41,6 +41,7 @@ class Net:
         self.seq = itertools.count()
         self.now = 0.0
         self.messages = 0
+        self.probes = 0
 
     def at(self, t: float, fn) -> None:
         heapq.heappush(self.queue, (t, next(self.seq), fn))
@@ -79,6 +80,9 @@ class Net:
             elif isinstance(action, Disband):
                 for f in action.to:
                     self.at(self.now + self.latency, lambda f=f: self.deliver_disband(f, me))
+            elif isinstance(action, Probe):
+                self.probes += 1
+                self.at(self.now + self.latency, lambda a=action: self.deliver_probe(me, a.leader))
 
     def kill(self, i: int) -> None:
         nid = list(self.cands)[i]
@@ -93,6 +97,18 @@ class Net:
         ok, reason = mm.on_join_request(follower, self.now)
         self.flush(leader.node_id)
         self.at(self.now + self.latency, lambda: self.answer(follower, leader, ok, reason))
+
+    def deliver_probe(self, follower: Candidate, leader: Candidate) -> None:
+        """A probe is the same MM_JOIN: a live leader answers it (whatever it says), a dead one never does."""
+        mm = self.mm.get(leader.node_id)
+        if mm is None:  # the JOIN's retries (3 x 0.25 s) run out
+            self.at(self.now + 0.75, lambda: self.mm[follower.node_id].on_probe_failed(leader.node_id, self.now)
+                    if follower.node_id in self.mm else None)
+            return
+        mm.on_join_request(follower, self.now)
+        self.flush(leader.node_id)
+        self.at(self.now + self.latency, lambda: self.mm[follower.node_id].on_probe_answered(leader.node_id, self.now)
+                if follower.node_id in self.mm else None)
 
     def answer(self, follower: Candidate, leader: Candidate, ok: bool, reason: str) -> None:
         mm = self.mm.get(follower.node_id)
@@ -197,6 +213,31 @@ def test_leader_that_dies_after_accepting_releases_its_followers():
     for mm in survivors:
         if mm.group is not None:
             assert peers[0].node_id not in {c.node_id for c in mm.group.members}
+
+
+def test_followers_of_a_leader_that_died_before_closing_regroup_before_their_expiry():
+    """The leader waits for the target (8) and dies at 0.5 s holding 3 followers. They probe it every PROBE_S;
+    no answer for 0.75 s, and they matchmake again among themselves, well before their expiry (3 s). Without
+    probes they waited for BEGIN until the leader's expiry plus 2.5 s, past their own, and were all alone."""
+    peers = [cand(i, 3.0 + i * 0.01) for i in range(4)]
+    net = Net(peers, target=8, min_size=2, settle=None)
+    net.at(0.5, lambda: net.kill(0))
+    net.run()
+    (members,) = net.groups().values()
+    assert {c.node_id for c in members} == {p.node_id for p in peers[1:]}
+    assert all(mm.group is not None for mm in net.mm.values())
+    assert net.now <= 3.0 + 0.1  # closed at the new leader's expiry (no target, no settle), not later
+    assert net.probes >= 3 * 2  # each follower probed, at least once before and once after the death
+
+
+def test_a_live_leader_is_probed_and_followed_until_it_closes():
+    peers = [cand(i, 2.0 + i * 0.01) for i in range(3)]
+    net = Net(peers, target=8, min_size=2, settle=None)
+    net.run()
+    (members,) = net.groups().values()
+    assert len(members) == 3 and net.now == pytest.approx(2.0, abs=0.05)  # the leader's expiry
+    # each follower probed about every PROBE_S plus a round trip while it waited, and none left its leader
+    assert 2 * (1.5 / (PROBE_S + 0.02)) <= net.probes <= 2 * (2.0 / PROBE_S) + 2
 
 
 def test_peers_that_see_different_dht_contents_never_mix_lists():

@@ -21,6 +21,12 @@ BUSY_RETRY_S = 0.3  # a candidate that was busy (its own JOIN in flight) is aske
 FOLLOW_SLACK_S = 2.5  # a follower waits this long past its leader's expiry for BEGIN (covers its retries)
 SETTLE_S = 0.3  # a leader that has everyone looking under its key closes once the DHT showed no newcomer this long
 UNEXPECTED_SETTLE_S = 1.5  # ... this long when the matchmaker does not know whom the run expects
+# A follower asks its leader again (the same MM_JOIN) this long after each answer while it waits for BEGIN: no
+# answer at all means the leader is gone, and the follower looks again at once. Without it the followers of a
+# leader that died before closing waited until its expiry plus FOLLOW_SLACK_S, past their own expiries, and
+# all gave up alone: in peerd sim moshpit that was most of the peers alone (86 of 106 at 256 peers, 10 %
+# failures; 82 of 133 at 1024 peers, 1 %).
+PROBE_S = 0.5
 
 
 @dataclass(frozen=True, order=True)
@@ -57,7 +63,15 @@ class Disband:
     to: tuple[Candidate, ...]
 
 
-Action = Join | Begin | Disband
+@dataclass(frozen=True)
+class Probe:
+    """Send ``leader`` my MM_JOIN again: any answer says it is alive (``on_probe_answered``), none says it is
+    gone (``on_probe_failed``)."""
+
+    leader: Candidate
+
+
+Action = Join | Begin | Disband | Probe
 
 
 class State(enum.Enum):
@@ -90,6 +104,7 @@ class Matchmaker:
         self.state = State.LEADING
         self.leader: Candidate | None = None
         self.follow_deadline = math.inf
+        self._probe_at = math.inf  # when to probe the leader I follow (inf: not following, or a probe is out)
         self.followers: list[Candidate] = []
         self.group: Group | None = None
         self.seen = 1  # the most peers (me included) seen announced under the key
@@ -118,7 +133,7 @@ class Matchmaker:
                 return min(self.me.expiry, settled_at)
             return self.me.expiry
         if self.state is State.FOLLOWING:
-            return self.follow_deadline
+            return min(self.follow_deadline, self._probe_at)
         return self.me.expiry + FOLLOW_SLACK_S
 
     # -- inputs ---------------------------------------------------------------------------------
@@ -158,6 +173,7 @@ class Matchmaker:
         if accepted:
             self.state = State.FOLLOWING
             self.follow_deadline = self.leader.expiry + FOLLOW_SLACK_S
+            self._probe_at = now + PROBE_S
             return
         self._refused[leader] = now + BUSY_RETRY_S if reason in ("busy", "not_ready") else math.inf
         self._lead(now)
@@ -165,6 +181,22 @@ class Matchmaker:
     def on_join_failed(self, leader: bytes, now: float) -> None:
         """The JOIN got no answer after its retries: that peer is gone."""
         self.on_join_response(leader, False, "unreachable", now)
+
+    def on_probe_answered(self, leader: bytes, now: float) -> None:
+        """The leader I follow answered a probe (whatever it said: ``closed`` means its BEGIN is on the way,
+        ``busy`` or ``following`` that its DISBAND is): it is alive, keep waiting."""
+        if self.state is State.FOLLOWING and self.leader is not None and self.leader.node_id == leader:
+            self._probe_at = now + PROBE_S
+
+    def on_probe_failed(self, leader: bytes, now: float) -> None:
+        """The leader I follow did not answer a probe after its retries: it is gone. Look again (or give up,
+        past my own expiry)."""
+        if self.state is State.FOLLOWING and self.leader is not None and self.leader.node_id == leader:
+            self._refused[leader] = math.inf
+            if now < self.me.expiry:
+                self._lead(now)
+            else:
+                self._give_up()
 
     def on_begin(self, leader: bytes, group_id: int, members: list[Candidate]) -> bool:
         """The leader closed its group. Accepted only from the leader I follow (or am joining)."""
@@ -199,6 +231,10 @@ class Matchmaker:
                 self._lead(now)
             else:
                 self._give_up()
+        elif self.state is State.FOLLOWING and now >= self._probe_at:
+            assert self.leader is not None
+            self._probe_at = math.inf  # until it answers
+            self._actions.append(Probe(self.leader))
         elif self.state is State.JOINING and now >= self.me.expiry + FOLLOW_SLACK_S:
             self._give_up()
 
@@ -207,6 +243,7 @@ class Matchmaker:
         self.state = State.LEADING
         self.leader = None
         self.follow_deadline = math.inf
+        self._probe_at = math.inf
         self._look(now)
 
     def _look(self, now: float) -> None:

@@ -28,7 +28,18 @@ from dataclasses import dataclass, field
 from ..dht.reads import Agreed
 from ..wire import messages as m
 from .keys import Grid, KeyManager
-from .matchmaking import BUSY_RETRY_S, FOLLOW_SLACK_S, SETTLE_S, Begin, Candidate, Disband, Group, Join, Matchmaker
+from .matchmaking import (
+    BUSY_RETRY_S,
+    FOLLOW_SLACK_S,
+    SETTLE_S,
+    Begin,
+    Candidate,
+    Disband,
+    Group,
+    Join,
+    Matchmaker,
+    Probe,
+)
 from .records import (
     PROGRESS_TTL_S,
     RecordLike,
@@ -268,7 +279,7 @@ class RoundMachine:
         self._started = now
         self._timeout_s = timeout_s
         self._gets.clear()
-        for token in [t for t, req in self._requests.items() if req[0] == "join"]:
+        for token in [t for t, req in self._requests.items() if req[0] in ("join", "probe")]:
             del self._requests[token]  # JOINs of an earlier round: their answers no longer matter
         sticky = self.sticky
         if sticky.kept is not None and sticky.broken:
@@ -384,6 +395,14 @@ class RoundMachine:
                 else:
                     mm.on_join_response(leader, ok, reason, now)
                 self._pump(now)
+        elif purpose == "probe":
+            _, mm, leader = req
+            if mm is self._mm and self.phase == "match":
+                if sender == leader:
+                    mm.on_probe_answered(leader, now)
+                else:
+                    mm.on_probe_failed(leader, now)  # someone else lives at that address
+                self._pump(now)
         elif purpose == "ask":
             self._asked(req[1], sender, ok, reason, now)
         elif purpose == "renewal" and not ok:
@@ -399,6 +418,11 @@ class RoundMachine:
             _, mm, leader = req
             if mm is self._mm and self.phase == "match":
                 mm.on_join_failed(leader, now)
+                self._pump(now)
+        elif purpose == "probe":
+            _, mm, leader = req
+            if mm is self._mm and self.phase == "match":
+                mm.on_probe_failed(leader, now)
                 self._pump(now)
         elif purpose == "ask":
             self._asked(req[1], None, False, "unreachable", now)
@@ -581,9 +605,10 @@ class RoundMachine:
         if mm is None or self.phase != "match":
             return
         for action in mm.take_actions():
-            if isinstance(action, Join):
+            if isinstance(action, Join | Probe):
                 fields = {"run": self.run_id, "round": self.round, "key": self.key, "expiry": mm.me.expiry}
-                self._request(action.leader, m.MsgType.MM_JOIN, fields, ("join", mm, action.leader.node_id),
+                purpose = "join" if isinstance(action, Join) else "probe"
+                self._request(action.leader, m.MsgType.MM_JOIN, fields, (purpose, mm, action.leader.node_id),
                               JOIN_TIMEOUT_S, JOIN_ATTEMPTS)
             elif isinstance(action, Begin):
                 fields = {"run": self.run_id, "round": self.round, "group": action.group.group_id,
