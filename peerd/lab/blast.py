@@ -9,19 +9,22 @@ packet for packet.
     python -m peerd.lab.blast send 10.77.0.2:9000 --rate 20mbit --seconds 2 [--size 1472]
     python -m peerd.lab.blast ring --peers 4 --rate 100mbit --losses 0,0.01,0.05,0.1 [--json]   (root)
 
-``recv`` prints ``ready`` once bound, then one JSON line; ``send`` prints one JSON line. ``ring`` builds a lab and
-blasts every peer to the next one at once (each link carries one flow up and one down) at each loss.
+``recv`` prints ``ready`` once bound, then one JSON line when it stops (SIGINT/SIGTERM, idle or max); ``send``
+prints one JSON line. ``ring`` builds a lab and blasts every peer to the next one at once (each link carries one
+flow up and one down) at each loss.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -39,57 +42,82 @@ def _hostport(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def receive(port: int, *, idle_s: float = 1.0, max_s: float = 30.0, host: str = "0.0.0.0",
-            ready: Any = None) -> dict[str, Any]:
-    """Count datagrams until ``idle_s`` passes without one (after the first) or ``max_s`` in all.
+class _Stop(Exception):
+    """SIGINT/SIGTERM to a receiver: stop waiting, count what the socket already holds, report."""
 
-    goodput_bps is payload bits between the first and the last arrival (kernel timestamps), not counting the
-    first datagram's bytes, which arrive at the interval's start."""
+
+def _stop(signum: int, frame: object) -> None:
+    raise _Stop
+
+
+def receive(port: int, *, idle_s: float | None = 1.0, max_s: float = 30.0, host: str = "0.0.0.0",
+            ready: Any = None) -> dict[str, Any]:
+    """Count datagrams until told to stop (SIGINT/SIGTERM), ``idle_s`` passes without one after the first
+    (None: never), or ``max_s`` in all; on a signal, what already sits in the socket is counted too.
+
+    A signal is the exact way to end a measurement: a sender that the scheduler starves for longer than
+    ``idle_s`` on a loaded machine would end an idle-based one early. goodput_bps is payload bits between the
+    first and the last arrival (kernel timestamps), not counting the first datagram's bytes, which arrive at the
+    interval's start."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
     sock.bind((host, port))
-    if ready is not None:
-        ready()
-    packets = nbytes = first_len = 0
-    first_ns = last_ns = 0
-    socket_drops = 0
-    max_seq = -1
-    started = time.monotonic()
-    sock.settimeout(max_s)
+    old = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    counts = {"packets": 0, "bytes": 0, "first_len": 0, "first_ns": 0, "last_ns": 0, "socket_drops": 0,
+              "max_seq": -1}
     cmsg_space = socket.CMSG_SPACE(16) + socket.CMSG_SPACE(4)
-    while True:
-        remaining = max_s - (time.monotonic() - started)
-        if remaining <= 0:
-            break
-        sock.settimeout(min(remaining, idle_s) if packets else remaining)
-        try:
-            data, ancdata, _flags, _addr = sock.recvmsg(MAX_PAYLOAD, cmsg_space)
-        except TimeoutError:
-            if packets:
+    try:
+        if ready is not None:
+            ready()
+        started = time.monotonic()
+        while True:
+            remaining = max_s - (time.monotonic() - started)
+            if remaining <= 0:
                 break
-            continue
-        stamp = 0
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
-                sec, nsec = struct.unpack("qq", payload[:16])
-                stamp = sec * 1_000_000_000 + nsec
-            elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(payload) >= 4:
-                socket_drops = struct.unpack("I", payload[:4])[0]
-        if not stamp:
-            stamp = time.time_ns()
-        if not packets:
-            first_ns, first_len = stamp, len(data)
-        last_ns = stamp
-        packets += 1
-        nbytes += len(data)
-        if len(data) >= 8:
-            max_seq = max(max_seq, struct.unpack_from("!Q", data)[0])
+            sock.settimeout(min(remaining, idle_s) if counts["packets"] and idle_s is not None else remaining)
+            try:
+                _count(counts, *sock.recvmsg(MAX_PAYLOAD, cmsg_space)[:2])
+            except TimeoutError:
+                if counts["packets"] and idle_s is not None:
+                    break
+    except _Stop:
+        pass
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    sock.setblocking(False)
+    while True:  # what arrived before the stop is still in the socket
+        try:
+            _count(counts, *sock.recvmsg(MAX_PAYLOAD, cmsg_space)[:2])
+        except BlockingIOError:
+            break
     sock.close()
-    span = (last_ns - first_ns) / 1e9
-    return {"packets": packets, "bytes": nbytes, "span_s": span, "socket_drops": socket_drops,
-            "max_seq": max_seq, "goodput_bps": (nbytes - first_len) * 8 / span if span > 0 else 0.0}
+    span = (counts["last_ns"] - counts["first_ns"]) / 1e9
+    return {"packets": counts["packets"], "bytes": counts["bytes"], "span_s": span,
+            "socket_drops": counts["socket_drops"], "max_seq": counts["max_seq"],
+            "goodput_bps": (counts["bytes"] - counts["first_len"]) * 8 / span if span > 0 else 0.0}
+
+
+def _count(counts: dict[str, int], data: bytes, ancdata: list[tuple[int, int, bytes]]) -> None:
+    stamp = 0
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
+            sec, nsec = struct.unpack("qq", payload[:16])
+            stamp = sec * 1_000_000_000 + nsec
+        elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(payload) >= 4:
+            counts["socket_drops"] = struct.unpack("I", payload[:4])[0]
+    if not stamp:
+        stamp = time.time_ns()
+    if not counts["packets"]:
+        counts["first_ns"], counts["first_len"] = stamp, len(data)
+    counts["last_ns"] = stamp
+    counts["packets"] += 1
+    counts["bytes"] += len(data)
+    if len(data) >= 8:
+        counts["max_seq"] = max(counts["max_seq"], struct.unpack_from("!Q", data)[0])
 
 
 def send(host: str, port: int, *, rate_bps: float, seconds: float, size: int = 1472,
@@ -154,7 +182,7 @@ def ring(peers: int, rate: str, losses: list[float], *, seconds: float = 3.0, ov
             lab.set_loss(loss)
             before = [lab.qdisc_stats(i) for i in range(peers)]
             recvs = [lab.popen(i, [sys.executable, "-m", "peerd.lab.blast", "recv", "--port", str(port),
-                                   "--max-seconds", str(seconds + 20)], stdout=subprocess.PIPE,
+                                   "--idle", "0", "--max-seconds", str(seconds + 60)], stdout=subprocess.PIPE,
                                text=True) for i in range(peers)]
             for r in recvs:
                 if r.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
@@ -164,7 +192,10 @@ def ring(peers: int, rate: str, losses: list[float], *, seconds: float = 3.0, ov
                                    "--seconds", str(seconds), "--size", str(size), "--gso", str(gso)],
                                stdout=subprocess.PIPE, text=True) for i in range(peers)]
             sent = [json.loads(s.communicate(timeout=seconds + 60)[0]) for s in sends]
-            got = [json.loads(r.communicate(timeout=seconds + 60)[0]) for r in recvs]
+            time.sleep(0.2)  # the tbf queues (20 ms) drain
+            for r in recvs:
+                r.send_signal(signal.SIGINT)
+            got = [json.loads(r.communicate(timeout=30)[0]) for r in recvs]
             counters = [lab.counters(i) for i in range(peers)]
             after = [lab.qdisc_stats(i) for i in range(peers)]
             links = []
@@ -198,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("recv")
     r.add_argument("--port", type=int, required=True)
-    r.add_argument("--idle", type=float, default=1.0)
+    r.add_argument("--idle", type=float, default=1.0, help="stop this long after the last datagram (0: only on "
+                   "SIGINT/SIGTERM or --max-seconds)")
     r.add_argument("--max-seconds", type=float, default=30.0)
     s = sub.add_parser("send")
     s.add_argument("target", type=_hostport)
@@ -217,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.cmd == "recv":
-        print(json.dumps(receive(args.port, idle_s=args.idle, max_s=args.max_seconds,
+        print(json.dumps(receive(args.port, idle_s=args.idle or None, max_s=args.max_seconds,
                                  ready=lambda: print("ready", flush=True))), flush=True)
     elif args.cmd == "send":
         print(json.dumps(send(*args.target, rate_bps=parse_rate(args.rate), seconds=args.seconds, size=args.size,

@@ -58,7 +58,6 @@ TOOLS = {
     "tc": "apt-get install -y iproute2",
     "nft": "apt-get install -y nftables",
     "ethtool": "apt-get install -y ethtool",
-    "sysctl": "apt-get install -y procps",
 }
 CLONE_NEWNET = 0x40000000
 
@@ -370,9 +369,11 @@ class LinkLab:
     def _add_netns(self, ns: str) -> None:
         _run(["ip", "netns", "add", ns])
         self._created.append(ns)
-        # Before any veth exists here, so none gets an IPv6 address that would chatter onto the link.
-        _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
-              "net.ipv6.conf.default.disable_ipv6=1"])
+        # Before any veth exists here, so none gets an IPv6 address that would chatter onto the link (a kernel
+        # without IPv6 has nothing to turn off). /proc/sys/net is the opener's namespace's.
+        _run(["ip", "netns", "exec", ns, "sh", "-c", "[ ! -d /proc/sys/net/ipv6 ] || { "
+              "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && "
+              "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6; }"])
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
     def _tbf(self, ns: str, dev: str) -> None:
