@@ -176,6 +176,7 @@ class Endpoint:
         self._received_counters: dict[int, Any] = {}
         self._outbox: list[tuple[Any, ...]] = []  # answers and validations a batch produced, sent after it
         self._junk = 0  # datagrams of the current pass refused unopened or failing to open (see receive_pause)
+        self._answers = 0  # answers to this node's requests in the current pass
         self.on_request(m.MsgType.PING, lambda incoming: {})  # the DHT replaces it; a PING is always answered
 
     def _new_token(self) -> int:
@@ -483,8 +484,9 @@ class Endpoint:
                 batch = [(data, source, 0) for data, source in await sock.recv_batch(limit)]
             self._junk = 0
             now = trio.current_time()
+            self._answers = 0
             batch, datagrams = self._receive_urgent(batch, now)
-            if datagrams:  # PONGs go out, and requests that waited on a PONG go on, before the rest is handled
+            if self._outbox or self._answers:  # PONGs go out, and requests that waited on one go on, first
                 await self.flush()
                 await trio.lowlevel.checkpoint()
             datagrams += self._receive_rest(batch, now)
@@ -686,6 +688,7 @@ class Endpoint:
         route = self.core.route(mtype, rid, source, incoming, now)
         if route is Route.ANSWER:
             self._events[rid].set()
+            self._answers += 1
             return
         if route is Route.VALIDATION:
             self._outbox.append(("validated", source))
