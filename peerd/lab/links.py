@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -289,12 +290,12 @@ class LinkLab:
         net = ipaddress.ip_network(subnet)
         if net.version != 4 or not net.is_private:
             raise ValueError(f"{subnet}: the lab needs a private IPv4 subnet")
-        hosts = list(net.hosts())
-        if peers > len(hosts):
-            raise ValueError(f"{subnet} has room for {len(hosts)} peers, not {peers}")
+        room = max(0, net.num_addresses - 2)  # no network or broadcast address
+        if peers > room:
+            raise ValueError(f"{subnet} has room for {room} peers, not {peers}")
         self.peers = peers
         self.prefixlen = net.prefixlen
-        self._addrs = [str(h) for h in hosts[:peers]]
+        self._addrs = [str(h) for h in itertools.islice(net.hosts(), peers)]
         self.loss = self._check_loss(loss)
         self.prefix = f"{NAME_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
         self.bridge_ns = f"{self.prefix}-br"
