@@ -280,6 +280,8 @@ class BlockSocket:
 
     async def recv_blocks(self, max_datagrams: int = 64) -> list[tuple[memoryview, tuple[str, int], int]]:
         await trio.lowlevel.checkpoint()
+        if not self.receives:
+            await trio.sleep_forever()
         return [(memoryview(d), s, seg) for d, s, seg in self.receives.pop(0)]
 
     async def recv_batch(self, max_datagrams: int = 64) -> list[tuple[bytes, tuple[str, int]]]:
@@ -510,3 +512,18 @@ def test_rotation_schedule_and_binding() -> None:
     assert rot.for_data(b"C") is new and rot.for_control() is new
     with pytest.raises(ValueError):
         Rotation(Counter("x"), 3, make)
+
+
+def test_endpoint_loss_is_the_socket_wrappers_and_counted() -> None:
+    receives = [[(b"XX" + bytes(40), ("10.0.0.9", 1), 0) for _ in range(50)] for _ in range(4)]
+    ep = Endpoint(BlockSocket(receives), Identity.generate(), SECRET, Metrics(), loss=0.5, loss_seed=3)  # type: ignore
+    assert isinstance(ep.sock, LossySocket) and ep.caps.block_receive  # the wrapped socket's capabilities
+
+    async def main() -> None:
+        with trio.move_on_after(1):
+            await ep.serve()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    injected = counter_value(ep.metrics.datagrams_dropped, reason="injected")
+    assert injected == ep.sock.dropped and 60 < injected < 140  # type: ignore[attr-defined]
+    assert injected + counter_value(ep.metrics.datagrams_dropped, reason="malformed") == 200
