@@ -301,22 +301,57 @@ class StateSync:
         raise StateSyncError("no advertised snapshot could be downloaded: " + "; ".join(errors[:3]))
 
     async def _resolve(self, ad: Advert) -> Address | None:
-        if ad.addr is not None and not ipaddress.ip_address(ad.addr[0]).is_unspecified:
-            return ad.addr
+        return await self.resolve(ad.node_id, ad.addr)
+
+    async def resolve(self, node_id: bytes, addr: Address | None) -> Address | None:
+        """Where to reach ``node_id``: the address it announced, else where the DHT knows it; None if nowhere."""
+        if addr is not None and not ipaddress.ip_address(addr[0]).is_unspecified:
+            return addr
         if self.dht is None:
             return None
         for contact in self.dht.core.table.contacts():
-            if contact.node_id == ad.node_id:
+            if contact.node_id == node_id:
                 return contact.addr
-        for contact in await self.dht.find_nodes(ad.node_id):
-            if contact.node_id == ad.node_id:
+        for contact in await self.dht.find_nodes(node_id):
+            if contact.node_id == node_id:
                 return contact.addr
         return None
 
+    async def fetch_range(self, addr: Address, run_key: str, sha: bytes, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` of the blob ``sha`` that ``addr`` holds under ``run_key`` (e.g. one
+        shard of a DiLoCo outer average, repaired from its owner). The caller verifies what it gets (a range
+        cannot be checked against the whole blob's hash). Raises StateSyncError or RpcError."""
+        if not 0 <= length <= MAX_SNAPSHOT:
+            raise StateSyncError(f"a range of {length} bytes is out of bounds")
+        chunk = max(1, min(m.MAX_CHUNK, self.endpoint.max_body - CHUNK_OVERHEAD))
+        out = bytearray()
+        while len(out) < length:
+            want = min(chunk, length - len(out))
+            reply = await self.endpoint.request(
+                addr, m.MsgType.STATE_GET,
+                {"run": run_key.encode(), "sha": sha, "offset": offset + len(out), "length": want},
+                timeout=0.3, attempts=6,
+            )
+            body = reply.body
+            data = body["data"]
+            if body["sha"] != sha or body["offset"] != offset + len(out) or len(data) > want \
+                    or len(data) < min(want, MIN_PIECE):
+                raise StateSyncError(f"{addr[0]}:{addr[1]} answered for another range or blob")
+            out += data
+        return bytes(out)
+
+    async def download(self, run_key: str, sha: bytes, size: int, addrs: list[Address]) -> bytes | bytearray:
+        """The whole blob ``sha`` of ``size`` bytes held under ``run_key`` by the nodes at ``addrs``, in chunks
+        spread over them and verified against ``sha``. Raises StateSyncError (or RpcError)."""
+        return (await self._download_from(run_key, sha, size, 0, list(dict.fromkeys(addrs)))).blob
+
     async def _download(self, run_key: str, sha: bytes, size: int, step: int, donors: list[Advert]) -> Fetched:
-        """``size`` bytes named by ``sha`` from ``donors``: WORKERS tasks take chunks off one queue; a chunk
-        that fails at one donor is asked of the next; one that fails at all of them ends the download."""
         addrs = list(dict.fromkeys(a for a in [await self._resolve(d) for d in donors] if a is not None))
+        return await self._download_from(run_key, sha, size, step, addrs)
+
+    async def _download_from(self, run_key: str, sha: bytes, size: int, step: int, addrs: list[Address]) -> Fetched:
+        """``size`` bytes named by ``sha`` from the donors at ``addrs``: WORKERS tasks take chunks off one queue;
+        a chunk that fails at one donor is asked of the next; one that fails at all of them ends the download."""
         if not addrs:
             raise StateSyncError("no donor address could be found")
         chunk = max(1, min(m.MAX_CHUNK, self.endpoint.max_body - CHUNK_OVERHEAD))

@@ -36,6 +36,7 @@ from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
 from ..moshpit.service import all_finite
+from .outer import DhtBoard, OuterError, agree, store_key
 
 log = logging.getLogger("peerd.trainer")
 
@@ -45,6 +46,7 @@ MAX_BLOB = 1 << 34
 DTYPES = {"float32", "float16", "bfloat16", "float64"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 KINDS = ("grad", "params")
+OUTER_KEPT_ROUNDS = 8  # outer rounds whose blobs a daemon keeps for members still repairing or adopting
 MAX_SAMPLES = float(2**53)  # the largest max_samples a trainer may ask for (exact in a float)
 ADVERT_CHECK_S = 5.0  # how long trainer_open reads the swarm's adverts for its warning
 # A snapshot (peerd.torch: torch.save of the flat float32 parameters, the optimizer's state dict and a few
@@ -134,6 +136,7 @@ class Session:
     max_samples: float | None = None  # the most samples one member's contribution may claim (None: the default)
     robust: Robust | None = None  # robust aggregation asked for by the trainer (None: off)
     snapshot_max: int = MAX_BLOB  # the most bytes a snapshot of this model can hold (a download's bound)
+    outer_rounds: list[int] = field(default_factory=list)  # outer rounds whose blobs this daemon still keeps
 
     def average_id(self, kind: str) -> str:
         """The Moshpit run id of this session's gradients or parameters: the layout hash is part of it,
@@ -158,6 +161,7 @@ class TrainerService:
         return {
             "trainer_open": self._op_open,
             "trainer_step": self._op_step,
+            "trainer_outer": self._op_outer,
             "trainer_report": self._op_report,
             "trainer_close": self._op_close,
             "state_publish": self._op_state_publish,
@@ -350,6 +354,96 @@ class TrainerService:
             self.metrics.trainer_received_fraction.set(reply["received_fraction"])
         session.last = reply
         return reply
+
+    async def _op_outer(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        """A DiLoCo outer average (peerd.torch.DiLoCo): average the pseudo-gradient in the slot's first
+        ``length`` elements through Moshpit round ``round`` (every member numbers it alike: its step), then
+        make every member hold the same bytes (outer.py: shards repaired from their owners, one final hash
+        across the swarm) and write that into the slot. ``state``: the SHA-256 of the trainer's outer state
+        before the step, published beside the average so members see whether they started alike.
+        An average that cannot agree is an OpError that says so: the trainer must not apply it."""
+        session = self._session(req, conn)
+        step, timeout, length = req.get("step"), req.get("timeout_s", 60.0), req.get("length")
+        round_no, state = req.get("round"), req.get("state", b"")
+        if type(step) is not int or step < 0 or step <= session.latest:
+            raise OpError(f"step must be an integer after the session's latest step {session.latest}")
+        if type(round_no) is not int or not 0 <= round_no < 2**32 - 1:
+            raise OpError("round must be an integer in [0, 2**32 - 1) (the trainer's step of the outer sync)")
+        if type(length) is not int or not 1 <= length <= session.elems:
+            raise OpError(f"length must be an integer in [1, {session.elems}] (elements of the fragment)")
+        if not isinstance(timeout, int | float) or not 1 <= timeout <= 3600:
+            raise OpError("timeout_s must be in [1, 3600]")
+        if not isinstance(state, bytes) or len(state) not in (0, 32):
+            raise OpError("state must be the 32-byte SHA-256 of the trainer's outer state (or empty)")
+        session.latest = step
+        try:
+            weight = session.arena.check_request(step)
+        except ArenaError as e:
+            raise OpError(str(e)) from None
+        vector = session.arena.vector(step)[:length].copy()
+        if not all_finite(vector):
+            raise OpError(f"step {step}: the pseudo-gradient holds NaN or infinity; not averaging it with the swarm")
+        start = time.monotonic()
+        extra: dict[str, Any] = {"round_no": round_no}
+        if session.max_samples is not None:
+            extra["max_weight"] = session.max_samples
+        with trio.fail_after(timeout + 10.0):
+            result = await self.average(session.average_id("outer"), vector, float(weight), timeout_s=timeout,
+                                        **extra)
+        out = np.asarray(result.vector, dtype=np.float32)
+        outcome = result.outcome
+        if out.shape != vector.shape or (outcome != "failed" and not all_finite(out)):
+            self.metrics.contributions_refused.labels("nonfinite_result").inc()
+            out, outcome = vector, "failed"  # own vector: the agreement below replaces it with the swarm's
+        group = result.group_id if outcome == "averaged" else ""
+        members = list(getattr(result, "members", [])) if group else []
+        me = self.peer_id
+        index = members.index(me) if me in members else 0
+        if group and me not in members:
+            group = ""  # (an averager that names members otherwise, e.g. in tests): treat as alone
+        reply: dict[str, Any] = {"step": step, "outcome": outcome, "group_size": len(members) or 1,
+                                 "round": round_no, "received_fraction": float(result.received_fraction)}
+        if self.statesync is not None and getattr(self.statesync, "dht", None) is not None:
+            board = DhtBoard(self.statesync, session.run_key, round_no)
+            try:
+                agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
+                                        state=state, repair_s=min(timeout, 30.0), deadline_s=timeout,
+                                        addr=board.addr)
+            except OuterError as e:
+                raise OpError(f"outer round {round_no}: {e}") from None
+            finally:
+                self._forget_outer(session, round_no)
+            out = agreement.vector
+            reply.update(sha=agreement.final, repaired_bytes=agreement.repaired_bytes,
+                         adopted_bytes=agreement.adopted_bytes, adopted=agreement.adopted,
+                         agreed_members=agreement.members, dissent=agreement.dissent, state_agreed=agreement.states,
+                         state_winner=agreement.state_winner)
+        else:  # no swarm to agree with (an in-process daemon in tests): the average is what it is
+            reply.update(sha=hashlib.sha256(out.tobytes()).digest(), repaired_bytes=0, adopted_bytes=0,
+                         adopted=False, agreed_members=1, state_agreed=1, state_winner=state)
+        if not all_finite(out):
+            raise OpError(f"outer round {round_no}: the agreed average holds NaN or infinity; not applied")
+        reply["seconds"] = round(time.monotonic() - start, 6)
+        self.metrics.trainer_steps.labels("outer_" + outcome).inc()
+        if session.closed or conn.closed:
+            return {}
+        if session.latest != step:
+            raise OpError(f"step {step}'s result came after step {session.latest} was requested; dropped")
+        full = session.arena.vector(step).copy()
+        full[:length] = out
+        session.arena.write_result(step, full)
+        session.steps += 1
+        session.last = reply
+        return reply
+
+    def _forget_outer(self, session: Session, round_no: int) -> None:
+        """Keep the blobs of the last OUTER_KEPT_ROUNDS outer rounds (others may still repair from them)."""
+        if round_no not in session.outer_rounds:
+            session.outer_rounds.append(round_no)
+        while len(session.outer_rounds) > OUTER_KEPT_ROUNDS:
+            old = session.outer_rounds.pop(0)
+            if self.statesync is not None:
+                self.statesync.forget(store_key(session.run_key, old))
 
     def _report(self, req: dict[str, Any]) -> None:
         loss, sps = req.get("loss"), req.get("samples_per_second")

@@ -1,0 +1,280 @@
+"""``peerd.torch.DiLoCo``: H local steps with any inner optimizer, then an outer step averaged with the swarm.
+
+::
+
+    opt = peerd.torch.DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-3), run="my-run",
+                             sync_every=50, fragments=1)
+    ...
+    loss.backward()
+    opt.step(samples=len(x))   # an inner step; every H steps (per fragment) also an outer step
+
+The outer step (DiLoCo, Douillard et al. 2023): the pseudo-gradient ``global - local`` is averaged through
+the daemon, weighted by the samples each member took since its last outer step, and Nesterov SGD
+(``outer_lr``, ``outer_momentum``) moves the global parameters by it; the model restarts from the new
+global parameters. The daemon makes every member hold the same averaged bytes (shards repaired from their
+owners, one hash across the swarm: peerd.trainer.outer), so every member applies the same update to the
+same state and the global parameters and momentum stay identical: ``state_sha`` (SHA-256 of global
+parameters and momentum) is published with every outer step, and a member whose state differs from the
+swarm's raises DiLoCoError instead of drifting apart.
+
+Streaming (``fragments=F``): the parameters are cut into F fragments of whole tensors of about equal size,
+and fragment f has its outer step at the steps where ``step % H == f * H // F``, so only 1/F of the model
+travels at a time. A late joiner takes global parameters, outer momentum, the step and the inner
+optimizer's state from a member by state sync (``sync_state=True``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from ..localsock.client import DaemonError
+from .optimizer import Optimizer
+
+log = logging.getLogger("peerd.torch.diloco")
+
+DILOCO_FORMAT = "peerd-diloco-v1"
+
+
+class DiLoCoError(RuntimeError):
+    """An outer step could not be applied in agreement with the swarm (the message says why)."""
+
+
+def fragment_bounds(numels: list[int], fragments: int) -> list[tuple[int, int]]:
+    """Cut tensors (sizes ``numels``, in order) into ``fragments`` contiguous runs of whole tensors of about
+    equal elements; returns each fragment's [start, stop) in the flat vector. Every fragment holds at least
+    one tensor, so there can be no more fragments than tensors."""
+    if type(fragments) is not int or not 1 <= fragments <= len(numels):
+        raise ValueError(f"fragments must be an integer in [1, {len(numels)}] (the model's tensors), got {fragments!r}")
+    total = sum(numels)
+    bounds, start, off, cut = [], 0, 0, 1
+    for i, n in enumerate(numels):
+        off += n
+        left_tensors = len(numels) - i - 1
+        left_frags = fragments - cut
+        if cut < fragments and (off >= total * cut / fragments or left_tensors == left_frags):
+            bounds.append((start, off))
+            start, cut = off, cut + 1
+    bounds.append((start, total))
+    return bounds
+
+
+def due_fragments(step: int, sync_every: int, fragments: int) -> list[int]:
+    """The fragments whose outer step comes after inner step ``step`` (1-based): f where step % H == f*H//F
+    (fragment 0 at multiples of H)."""
+    if step <= 0:
+        return []
+    phase = step % sync_every
+    return [f for f in range(fragments) if phase == f * sync_every // fragments]
+
+
+def nesterov_outer(global_: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float,
+                   mu: float) -> None:
+    """The outer rule in place (torch.optim.SGD with nesterov=True, dampening 0): m = mu*m + d;
+    global -= lr * (d + mu*m). Plain float32 ops in a fixed order, so equal inputs give equal bits."""
+    momentum.mul_(mu).add_(delta)
+    global_.sub_(delta.add(momentum, alpha=mu), alpha=lr)
+
+
+class DiLoCo(Optimizer):
+    """DiLoCo around ``inner_optimizer`` (over ``model``'s parameters). Options as peerd.torch.Optimizer's
+    (``run``, ``socket``, ``timeout_s``, ``sync_state``, ``state_every``: publish the outer state every this
+    many outer steps of fragment 0, ...) plus ``outer_lr``, ``outer_momentum``, ``sync_every`` (H),
+    ``fragments`` (F). ``compression`` other than None is not implemented and raises.
+
+    Gradients are never averaged (each inner step is local); sync mode's per-K parameter averages are off."""
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, run: str,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, sync_every: int = 500, fragments: int = 1,
+                 compression: str | None = None, socket: str | None = None, timeout_s: float = 60.0,
+                 sync_state: bool = True, state_every: int = 1, state_timeout_s: float = 60.0,
+                 max_samples: float | None = None, nslots: int = 4) -> None:
+        if compression is not None:
+            raise NotImplementedError("DiLoCo's outer averages travel in float32; compression is not implemented")
+        if type(sync_every) is not int or sync_every < 1:
+            raise ValueError(f"sync_every must be a positive integer (H inner steps), got {sync_every!r}")
+        if not (math.isfinite(outer_lr) and outer_lr > 0 and math.isfinite(outer_momentum)
+                and 0 <= outer_momentum < 1):
+            raise ValueError("outer_lr must be positive and outer_momentum in [0, 1)")
+        model_params = {id(p) for p in model.parameters()}
+        inner = [p for g in inner_optimizer.param_groups for p in g["params"]]
+        if not inner or any(id(p) not in model_params for p in inner):
+            raise ValueError("the inner optimizer must optimize the model's parameters")
+        self.model = model
+        self.outer_lr = float(outer_lr)
+        self.outer_momentum = float(outer_momentum)
+        self.sync_every = sync_every
+        self.outer_state_every = state_every
+        super().__init__(inner_optimizer, run=run, socket=socket, timeout_s=timeout_s, average_params_every=0,
+                         sync_state=False, state_every=0, state_timeout_s=state_timeout_s, nslots=nslots,
+                         max_samples=max_samples)
+        if fragments > sync_every:
+            raise ValueError(f"fragments ({fragments}) cannot exceed sync_every ({sync_every}): each needs a step")
+        self.bounds = fragment_bounds(self.numels, fragments)
+        self.fragments = fragments
+        with torch.no_grad():
+            self.global_params = torch.empty(self.elems, dtype=torch.float32)
+            self._gather_cpu(self.global_params)
+        self.momentum = torch.zeros(self.elems, dtype=torch.float32)
+        self.samples_since = [0.0] * fragments  # averaging weight of each fragment's next outer step
+        self.outer_steps = 0
+        self.history: list[dict[str, Any]] = []  # per outer step: step, fragment, sha of the state after it
+        self.outer_bytes = 0  # float32 bytes of pseudo-gradients this trainer handed to its daemon
+        if sync_state:
+            self.sync_state()
+
+    # -- the outer state ----------------------------------------------------------------------------------
+    def state_sha(self, fragment: int | None = None) -> bytes:
+        """SHA-256 of the global parameters and outer momentum (of one fragment, or all): equal on every member
+        after every outer step."""
+        a, b = (0, self.elems) if fragment is None else self.bounds[fragment]
+        h = hashlib.sha256()
+        h.update(self.global_params[a:b].numpy().tobytes())
+        h.update(self.momentum[a:b].numpy().tobytes())
+        return h.digest()
+
+    def _local_flat(self) -> torch.Tensor:
+        flat = torch.empty(self.elems, dtype=torch.float32)
+        self._gather_cpu(flat)
+        return flat
+
+    def _load_local(self, a: int, b: int) -> None:
+        """Restart the model's parameters in [a, b) from the global parameters."""
+        off = 0
+        with torch.no_grad():
+            for p, n in zip(self.params, self.numels, strict=True):
+                lo, hi = max(a, off), min(b, off + n)
+                if lo < hi:
+                    p.view(-1)[lo - off: hi - off].copy_(self.global_params[lo:hi])
+                off += n
+
+    # -- stepping -------------------------------------------------------------------------------------
+    def step(self, closure: Any = None, *, samples: int | float = 1, loss: float | None = None) -> dict[str, Any]:
+        """An inner step on this replica's own gradients, then the outer steps that are due.
+
+        Returns the step's statistics (outcome "local", or the last outer step's outcome, with "outer": a
+        list of the outer steps taken). Raises DaemonError if the daemon went away, DiLoCoError if an outer
+        step could not agree with the swarm."""
+        if closure is not None:
+            raise ValueError("peerd.torch.DiLoCo does not take a closure: compute the loss before step()")
+        if samples <= 0:
+            raise ValueError("samples must be positive (it is the averaging weight)")
+        t0 = time.monotonic()
+        grads = [p.grad for p in self.params]
+        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+            self.nonfinite_rounds += 1
+            self.outcomes["nonfinite"] = self.outcomes.get("nonfinite", 0) + 1
+            log.warning("step %d: this replica's gradients hold NaN or infinity; step skipped", self.step_count)
+            reply = {"outcome": "nonfinite", "group_size": 1, "members": [], "received_fraction": 0.0,
+                     "seconds": 0.0, "error": "this replica's gradients are not finite"}
+            self.last = reply
+            return reply
+        self.opt.step()
+        self.step_count += 1
+        for f in range(self.fragments):
+            self.samples_since[f] += float(samples)
+        reply: dict[str, Any] = {"outcome": "local", "group_size": 1, "members": [], "received_fraction": 1.0,
+                                 "seconds": 0.0, "matchmaking_s": 0.0, "error": ""}
+        outer = [self.outer_step(f) for f in due_fragments(self.step_count, self.sync_every, self.fragments)]
+        if outer:
+            reply = {**outer[-1], "outer": outer}
+        self.outcomes[reply["outcome"]] = self.outcomes.get(reply["outcome"], 0) + 1
+        reply["seconds"] = time.monotonic() - t0
+        self.last = reply
+        if outer and 0 in [o["fragment"] for o in outer] and self.outer_state_every \
+                and (self.outer_steps_of0 % self.outer_state_every == 0):
+            self.publish_state()
+        return reply
+
+    @property
+    def outer_steps_of0(self) -> int:
+        return sum(1 for h in self.history if h["fragment"] == 0)
+
+    def outer_step(self, fragment: int) -> dict[str, Any]:
+        """Average fragment ``fragment``'s pseudo-gradient with the swarm and apply the outer rule to it."""
+        a, b = self.bounds[fragment]
+        local = self._local_flat()[a:b]
+        delta = self.global_params[a:b] - local
+        weight = self.samples_since[fragment]
+        if not bool(torch.isfinite(delta).all()):
+            # a diverged replica contributes nothing (a zero delta at a negligible weight) but still takes
+            # the swarm's step, so it stays in agreement
+            log.warning("outer step at %d: this replica's parameters are not finite; contributing nothing",
+                        self.step_count)
+            delta = torch.zeros_like(delta)
+            weight = 1e-6
+        self.ticket += 1
+        t = self.ticket
+        slot = self._slots[self.arena.slot_of(t)]
+        slot[: b - a].copy_(delta)
+        self.arena.write_request(t, max(weight, 1e-6))
+        before = self.state_sha(fragment)
+        try:
+            reply = self._call("trainer_outer", step=t, round=self.step_count, length=b - a, state=before,
+                               timeout_s=self.timeout_s, reply_timeout=3 * self.timeout_s + 30)
+        except DaemonError as e:
+            raise DaemonError(f"outer step of fragment {fragment} at step {self.step_count} failed: {e}") from None
+        self.outer_bytes += 4 * (b - a)
+        if reply.get("state_winner") and reply["state_winner"] != before:
+            raise DiLoCoError(
+                f"outer step at step {self.step_count}: this replica's outer state (sha {before.hex()[:12]}) "
+                f"differs from the swarm's ({reply['state_winner'].hex()[:12]}); resync the state (sync_state)")
+        avg = torch.from_numpy(self.arena.result(t)[: b - a].copy())
+        if hashlib.sha256(avg.numpy().tobytes()).digest() != reply["sha"]:
+            raise DiLoCoError(f"outer step at step {self.step_count}: the daemon's result does not match the "
+                              f"agreed hash")
+        applied = bool(torch.isfinite(avg).all())  # the daemon refuses non-finite results; never into the model
+        if applied:
+            nesterov_outer(self.global_params[a:b], self.momentum[a:b], avg, self.outer_lr, self.outer_momentum)
+        else:
+            self.nonfinite_rounds += 1
+        self._load_local(a, b)
+        self.samples_since[fragment] = 0.0
+        self.outer_steps += 1
+        out = {"outcome": reply["outcome"], "fragment": fragment, "step": self.step_count,
+               "group_size": reply.get("group_size", 1), "received_fraction": reply.get("received_fraction", 0.0),
+               "sha": self.state_sha(fragment).hex(), "repaired_bytes": reply.get("repaired_bytes", 0),
+               "adopted": reply.get("adopted", False), "agreed_members": reply.get("agreed_members", 1),
+               "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": 0.0}
+        self.history.append(out)
+        return out
+
+    # -- state sync -------------------------------------------------------------------------------------
+    def snapshot(self) -> bytes:
+        """The outer state (global parameters, outer momentum), the step, each fragment's samples and the
+        inner optimizer's state, serialized as tensors (loadable weights_only)."""
+        buf = io.BytesIO()
+        torch.save({"format": DILOCO_FORMAT, "layout": self.layout_hash, "step": self.step_count,
+                    "optimizer_class": type(self.opt).__name__, "global": self.global_params.clone(),
+                    "momentum": self.momentum.clone(), "samples": torch.tensor(self.samples_since, dtype=torch.float64),
+                    "fragments": self.fragments, "sync_every": self.sync_every, "optimizer": self.opt.state_dict()},
+                   buf)
+        return buf.getvalue()
+
+    def load_snapshot(self, blob: bytes) -> int:
+        """Take over a member's outer state; the model restarts from its global parameters. Returns the step."""
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or state.get("format") != DILOCO_FORMAT:
+            raise ValueError("not a peerd DiLoCo state snapshot")
+        if state.get("layout") != self.layout_hash:
+            raise ValueError("the snapshot is of a different model")
+        if (state.get("fragments"), state.get("sync_every")) != (self.fragments, self.sync_every):
+            raise ValueError(f"the snapshot's schedule (fragments {state.get('fragments')}, sync_every "
+                             f"{state.get('sync_every')}) differs from this trainer's")
+        g, mom = state["global"], state["momentum"]
+        if g.numel() != self.elems or mom.numel() != self.elems or g.dtype != torch.float32:
+            raise ValueError("the snapshot's outer state does not match this model")
+        self.global_params.copy_(g)
+        self.momentum.copy_(mom)
+        self._load_local(0, self.elems)
+        if state.get("optimizer_class") == type(self.opt).__name__:
+            self.opt.load_state_dict(state["optimizer"])
+        self.samples_since = [float(x) for x in state["samples"].tolist()][: self.fragments]
+        self.step_count = int(state["step"])
+        return self.step_count

@@ -1,0 +1,319 @@
+"""Agreement on a DiLoCo outer average: every member of the swarm ends an outer step with the same bytes.
+
+A Moshpit group average is not exact: a range lost in the all-gather leaves a member with its own value
+there, and a member that missed the group holds only its own vector. Parameter averaging pulls sync-mode
+replicas back together, but DiLoCo's global parameters and outer momentum are applied from this vector,
+so any difference would stay for good. After the group average every member therefore:
+
+1. **Repairs from owners.** In a group of n, member j owns shard j (elements [j*L//n, (j+1)*L//n), as
+   peerd.allreduce.shards cuts them): its shard never crosses the all-gather, so the owner's bytes are the
+   group's average there. Each member publishes (in the DHT, under the run key and the outer round) the
+   SHA-256 of the shard it owns and of its whole vector, keeps the vector for others to read (state sync's
+   STATE_GET), and fetches every shard whose hash differs from its owner's, verified against that hash.
+   Without loss nothing is fetched; after repair every member of a group holds the owners' concatenation.
+2. **Agrees across the swarm.** Each member publishes the SHA-256 of its repaired vector (``final``). The
+   final that most members hold wins (ties: the one from the larger group, then the lower hash); a member
+   holding another downloads the winner (verified against its hash) and publishes it. The step ends when
+   this member holds the winner and every member it has read has published the same final (after half the
+   deadline: members that never publish one are no longer waited for); a member that cannot get the winner
+   by the deadline raises OuterError, never diverges silently.
+
+The decisions (which shards to repair, which final wins, when the step is agreed) are pure functions of
+the records; ``agree`` only waits on a ``Board`` (the DHT and state sync in a daemon, memory in tests).
+Records are members' claims: they are bounded on decode, and every byte fetched is checked against a hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import msgpack
+import numpy as np
+import trio
+
+from ..transport.endpoint import Address
+
+log = logging.getLogger("peerd.trainer.outer")
+
+OUTER_TTL_S = 600.0  # a round's records outlive the slowest member's agreement by far
+POLL_S = 0.25  # how often a member re-reads the round's records while it waits
+MAX_GROUP = 64  # members of one group (Moshpit's MAX_GROUP)
+MAX_LENGTH = 2**32 - 1  # elements (allreduce offsets are u32)
+SHA = 32
+
+
+class OuterError(Exception):
+    """The members of an outer step could not agree on its average within the deadline."""
+
+
+@dataclass(frozen=True)
+class OuterRecord:
+    """One member's claim about an outer round: its group, the hash of the shard it owns and of its averaged
+    vector (``avg``), the hash of its repaired vector once it has one (``final``; empty before), the hash
+    of its outer state before the step (``state``), the vector's length in elements, where to fetch."""
+
+    node: bytes
+    group: str
+    size: int
+    index: int
+    shard: bytes
+    avg: bytes
+    final: bytes
+    state: bytes
+    length: int
+    addr: Address | None = None
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"g": self.group, "n": self.size, "i": self.index, "s": self.shard, "a": self.avg,
+                              "f": self.final, "t": self.state, "l": self.length,
+                              "d": list(self.addr) if self.addr else None}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, node: bytes, value: bytes) -> OuterRecord | None:
+        """None for anything that is not a well-formed record (DHT values are untrusted input)."""
+        try:
+            v = msgpack.unpackb(value, raw=False, max_bin_len=64, max_str_len=64, max_array_len=4, max_map_len=16)
+            addr = v["d"]
+            if addr is not None:
+                host, port = addr
+                if not isinstance(host, str) or type(port) is not int or not 1 <= port <= 65535:
+                    return None
+                addr = (host, port)
+            rec = cls(node, v["g"], v["n"], v["i"], v["s"], v["a"], v["f"], v["t"], v["l"], addr)
+        except Exception:
+            return None
+        ok = (isinstance(rec.group, str) and len(rec.group) <= 16 and type(rec.size) is int
+              and 1 <= rec.size <= MAX_GROUP and type(rec.index) is int and 0 <= rec.index < rec.size
+              and all(isinstance(h, bytes) and len(h) == SHA for h in (rec.shard, rec.avg))
+              and isinstance(rec.final, bytes) and len(rec.final) in (0, SHA)
+              and isinstance(rec.state, bytes) and len(rec.state) in (0, SHA)
+              and type(rec.length) is int and 1 <= rec.length <= MAX_LENGTH)
+        return rec if ok else None
+
+
+def shard_bounds(length: int, n: int, j: int) -> tuple[int, int]:
+    """Member j's shard of a group of n (peerd.allreduce.shards.Layout.shard: boundaries every member derives)."""
+    return (j * length) // n, ((j + 1) * length) // n
+
+
+def sha256(data: bytes | bytearray | memoryview) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def repairs(data: bytes | bytearray, me: OuterRecord, records: list[OuterRecord]) -> list[OuterRecord]:
+    """The owners in my group whose shard I hold other bytes of (so I must fetch it from them)."""
+    out = []
+    for r in records:
+        if r.node == me.node or r.group != me.group or r.size != me.size or r.length != me.length or not me.group:
+            continue
+        start, stop = shard_bounds(me.length, me.size, r.index)
+        if stop > start and sha256(memoryview(data)[4 * start: 4 * stop]) != r.shard:
+            out.append(r)
+    return out
+
+
+def winner(records: list[OuterRecord]) -> bytes | None:
+    """The final hash the swarm converges on: held by the most members, then from the largest group, then
+    the lowest hash (any total order that every member computes alike from the same records)."""
+    holders: dict[bytes, list[OuterRecord]] = {}
+    for r in records:
+        if r.final:
+            holders.setdefault(r.final, []).append(r)
+    if not holders:
+        return None
+    return min(holders, key=lambda h: (-len(holders[h]), -max(r.size for r in holders[h]), h))
+
+
+def agreed(me: OuterRecord, records: list[OuterRecord], *, patient: bool = True) -> bool:
+    """Whether this member may end the step: it holds the winning final, and (``patient``: until half the
+    deadline) every member it has read has published a final and it equals this one. After that, members
+    that never publish a final (dead) are not waited for, and one that still holds another final is left to
+    adopt the winner itself (each member checks that it holds the winner; one that cannot raises)."""
+    if winner([*records, me]) != me.final:
+        return False
+    if patient:
+        return all(r.final == me.final for r in records if r.node != me.node)
+    return True
+
+
+class Board(Protocol):
+    """Where a round's records are published and read, and blobs kept and fetched (DHT + state sync)."""
+
+    def keep(self, blob: bytes) -> bytes: ...
+    async def publish(self, record: OuterRecord) -> None: ...
+    async def read(self) -> list[OuterRecord]: ...
+    async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes: ...
+    async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray: ...
+
+
+@dataclass
+class Agreement:
+    vector: np.ndarray
+    final: bytes
+    repaired_bytes: int = 0  # fetched from shard owners
+    adopted_bytes: int = 0  # fetched because another final won
+    adopted: bool = False
+    members: int = 1  # records whose final equals ours when the step ended
+    dissent: int = 0  # records without our final when the step ended (dead, or still to adopt it)
+    states: int = 1  # of those, how many named our pre-step state hash
+    state_winner: bytes = b""  # the pre-step state hash most members named
+
+
+async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, size: int, index: int,
+                state: bytes, repair_s: float, deadline_s: float, addr: Address | None = None,
+                clock: Callable[[], float] = trio.current_time) -> Agreement:
+    """Run both phases (module docstring) for this member's averaged ``vector``; raises OuterError."""
+    if not group:  # alone: a group of one owns every shard
+        size, index = 1, 0
+    data = bytearray(np.ascontiguousarray(vector, dtype=np.float32).tobytes())
+    length = len(data) // 4
+    start, stop = shard_bounds(length, size, index)
+    avg = board.keep(bytes(data))
+    me = OuterRecord(node, group, size, index, sha256(memoryview(data)[4 * start: 4 * stop]), avg, b"", state,
+                     length, addr)
+    await board.publish(me)
+    t0 = clock()
+    out = Agreement(vector, b"")
+    # 1. every shard from its owner (an owner that never publishes leaves its shard as it is)
+    done: set[int] = {index}
+    with trio.move_on_after(max(0.0, repair_s)):
+        while len(done) < size:
+            records = await board.read()
+            for r in records:
+                if r.group != group or r.size != size or r.length != length or r.index in done or r.node == node:
+                    continue
+                if r not in repairs(data, me, [r]):
+                    done.add(r.index)
+                    continue
+                a, b = shard_bounds(length, size, r.index)
+                try:
+                    got = await board.fetch_range(r, r.avg, 4 * a, 4 * (b - a))
+                except Exception as e:  # the owner went away or lost the blob: the swarm phase settles it
+                    log.info("outer repair: shard %d from %s failed: %s", r.index, r.node.hex()[:12], e)
+                    continue
+                if sha256(got) == r.shard:
+                    data[4 * a: 4 * b] = got
+                    out.repaired_bytes += len(got)
+                    done.add(r.index)
+            if len(done) < size:
+                await trio.sleep(POLL_S)
+    # 2. one final across the swarm
+    final = board.keep(bytes(data))
+    me = replace(me, final=final)
+    await board.publish(me)
+    last_view: list[OuterRecord] = []
+    while True:
+        records = [r for r in await board.read() if r.length == length and r.node != node]
+        last_view = records
+        win = winner([*records, me])
+        log.debug("outer %s: mine %s win %s view %s", node.hex()[:6], me.final.hex()[:8], win and win.hex()[:8],
+                  [(r.node.hex()[:6], r.final.hex()[:8], r.group, r.index) for r in records])
+        if win is not None and win != me.final:
+            holders = [r for r in records if r.final == win]
+            try:
+                got = await board.fetch(win, len(data), holders)
+            except Exception as e:
+                log.info("outer agreement: fetching the winning average %s failed: %s", win.hex()[:12], e)
+            else:
+                if sha256(got) == win:
+                    data = bytearray(got)
+                    out.adopted_bytes += len(got)
+                    out.adopted = True
+                    board.keep(bytes(data))
+                    me = replace(me, final=win)
+                    await board.publish(me)
+                    continue
+        if agreed(me, records, patient=clock() - t0 < deadline_s / 2):
+            break
+        if clock() - t0 > deadline_s:
+            finals = sorted({r.final.hex()[:12] for r in records if r.final} | {me.final.hex()[:12]})
+            raise OuterError(f"the outer average did not agree within {deadline_s:.0f} s: finals {finals} "
+                             f"({len(records) + 1} members read)")
+        await trio.sleep(POLL_S)
+    out.vector = np.frombuffer(bytes(data), dtype=np.float32).copy()
+    out.final = me.final
+    same = [r for r in last_view if r.final == me.final]
+    out.members = 1 + len(same)
+    out.dissent = sum(1 for r in last_view if r.final != me.final)
+    counts: dict[bytes, int] = {}
+    for r in [*same, me]:
+        if r.state:
+            counts[r.state] = counts.get(r.state, 0) + 1
+    if counts:
+        out.state_winner = min(counts, key=lambda h: (-counts[h], h))
+        out.states = counts.get(state, 0)
+    return out
+
+
+def record_key(run_key: str, round_no: int) -> bytes:
+    """The DHT key of an outer round's records (subkeys: the members' node ids)."""
+    return f"peerd/outer/{run_key}/{round_no}".encode()
+
+
+def store_key(run_key: str, round_no: int) -> str:
+    """The state-sync key an outer round's blobs are kept under (STATE_GET names it)."""
+    return f"{run_key}/o{round_no}"
+
+
+class DhtBoard:
+    """A Board over a daemon's DHT and state sync (``statesync``: peerd.statesync.StateSync)."""
+
+    def __init__(self, statesync: object, run_key: str, round_no: int, *, read_timeout: float = 5.0) -> None:
+        self.sync = statesync
+        self.key = record_key(run_key, round_no)
+        self.store = store_key(run_key, round_no)
+        self.read_timeout = read_timeout
+
+    @property
+    def node(self) -> bytes:
+        return self.sync.node_id  # type: ignore[attr-defined]
+
+    @property
+    def addr(self) -> Address | None:
+        return self.sync.advertise  # type: ignore[attr-defined]
+
+    def keep(self, blob: bytes) -> bytes:
+        return self.sync.keep(self.store, blob)  # type: ignore[attr-defined]
+
+    async def publish(self, record: OuterRecord) -> None:
+        dht = self.sync.dht  # type: ignore[attr-defined]
+        await dht.put(self.key, self.node.hex().encode(), record.encode(), OUTER_TTL_S)
+
+    async def read(self) -> list[OuterRecord]:
+        from ..wire.identity import node_id_of
+
+        dht = self.sync.dht  # type: ignore[attr-defined]
+        records = []
+        with trio.move_on_after(self.read_timeout):
+            records = await dht.get(self.key)
+        out = []
+        for r in records:
+            owner = node_id_of(r.owner)
+            if r.subkey != owner.hex().encode():
+                continue  # a record is valid only under its owner's own subkey
+            rec = OuterRecord.decode(owner, r.value)
+            if rec is not None:
+                out.append(rec)
+        return out
+
+    async def _addr(self, holder: OuterRecord) -> Address:
+        addr = await self.sync.resolve(holder.node, holder.addr)  # type: ignore[attr-defined]
+        if addr is None:
+            raise OuterError(f"no address for {holder.node.hex()[:12]}")
+        return addr
+
+    async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes:
+        return await self.sync.fetch_range(await self._addr(holder), self.store, sha, offset, length)  # type: ignore
+
+    async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray:
+        addrs = []
+        for h in holders[:16]:
+            try:
+                addrs.append(await self._addr(h))
+            except OuterError:
+                continue
+        return await self.sync.download(self.store, sha, size, addrs)  # type: ignore[attr-defined]

@@ -1,0 +1,361 @@
+"""peerd.torch.DiLoCo and the outer-step agreement (peerd.trainer.outer).
+
+- the outer rule and the fragment schedule, against a pure-torch replay (no daemon);
+- three DiLoCo trainers on an in-process daemon (real socket, arena, TrainerService) against a replay of
+  DiLoCo computed centrally, with and without streaming fragments;
+- the agreement over a real DHT and state sync on an in-memory lossy network (virtual time): members whose
+  all-gather lost ranges repair them from the owners, a member that missed the group adopts the group's
+  average, and a disagreement that cannot be repaired is an error;
+- a joiner taking global parameters and outer momentum from a member's snapshot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+import trio
+
+torch = pytest.importorskip("torch")
+
+from peerd.torch import DiLoCo  # noqa: E402
+from peerd.torch.diloco import due_fragments, fragment_bounds, nesterov_outer  # noqa: E402
+from peerd.trainer.outer import (  # noqa: E402
+    DhtBoard,
+    OuterError,
+    OuterRecord,
+    agree,
+    shard_bounds,
+    winner,
+)
+
+from .trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def flat(ps) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in ps])
+
+
+def batch(i: int, s: int):
+    g = torch.Generator().manual_seed(1000 * i + s)
+    n = 4 * (i + 1)  # members take different sample counts: the average is weighted
+    return torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)
+
+
+# -- the rule and the schedule ---------------------------------------------------------------------------
+def test_nesterov_outer_is_torch_sgd_with_nesterov() -> None:
+    torch.manual_seed(3)
+    p = torch.randn(50)
+    mine, mom = p.clone(), torch.zeros(50)
+    ref = torch.nn.Parameter(p.clone())
+    sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(5):
+        d = torch.randn(50)
+        nesterov_outer(mine, mom, d, 0.7, 0.9)
+        ref.grad = d.clone()
+        sgd.step()
+        torch.testing.assert_close(mine, ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mom, sgd.state[ref]["momentum_buffer"], rtol=1e-6, atol=1e-6)
+
+
+def test_fragments_cut_whole_tensors_and_stagger_their_steps() -> None:
+    assert fragment_bounds([10, 10, 10, 10], 1) == [(0, 40)]
+    assert fragment_bounds([10, 10, 10, 10], 2) == [(0, 20), (20, 40)]
+    assert fragment_bounds([100, 1, 1, 1], 4) == [(0, 100), (100, 101), (101, 102), (102, 103)]
+    assert fragment_bounds([1, 1, 1, 100], 2) == [(0, 3), (3, 103)]
+    with pytest.raises(ValueError):
+        fragment_bounds([1, 2], 3)
+    # fragment f at steps where step % H == f * H // F
+    got = {s: due_fragments(s, 8, 4) for s in range(1, 17)}
+    assert got[8] == got[16] == [0] and got[2] == got[10] == [1] and got[4] == [2] and got[6] == [3]
+    assert sum(len(v) for v in got.values()) == 8  # every fragment twice in 2H steps, one at a time
+    assert due_fragments(5, 5, 1) == [0] and due_fragments(0, 5, 1) == []
+
+
+def replay(members: int, steps: int, sync_every: int, fragments: int, lr: float = 0.1) -> tuple[torch.Tensor, ...]:
+    """DiLoCo computed centrally: every member SGD-steps from the shared global parameters on its batches;
+    at each fragment's sync, the sample-weighted mean of (global - local) drives Nesterov SGD."""
+    ref = [model(0) for _ in range(members)]
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in ref]
+    numels = [p.numel() for p in ref[0].parameters()]
+    bounds = fragment_bounds(numels, fragments)
+    glob = flat(ref[0].parameters()).clone()
+    mom = torch.zeros_like(glob)
+    since = [[0.0] * fragments for _ in range(members)]
+    for s in range(1, steps + 1):
+        for i, (m, o) in enumerate(zip(ref, opts, strict=True)):
+            x, y = batch(i, s)
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+            for f in range(fragments):
+                since[i][f] += len(x)
+        for f in due_fragments(s, sync_every, fragments):
+            a, b = bounds[f]
+            deltas = [glob[a:b] - flat(m.parameters())[a:b] for m in ref]
+            w = [since[i][f] for i in range(members)]
+            avg = sum(d * wi for d, wi in zip(deltas, w, strict=True)) / sum(w)
+            mom[a:b] = 0.9 * mom[a:b] + avg
+            glob[a:b] = glob[a:b] - 0.7 * (avg + 0.9 * mom[a:b])
+            for i, m in enumerate(ref):
+                since[i][f] = 0.0
+                off = 0
+                with torch.no_grad():
+                    for p in m.parameters():
+                        lo, hi = max(a, off), min(b, off + p.numel())
+                        if lo < hi:
+                            p.view(-1)[lo - off: hi - off] = glob[lo:hi]
+                        off += p.numel()
+    return glob, mom
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_three_trainers_follow_a_replay_of_diloco(tmp_path, fragments: int) -> None:
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=3, wait_s=10.0))
+    try:
+        models = [model(0) for _ in range(3)]
+        opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=4,
+                       fragments=fragments, sync_state=False, state_every=0) for m in models]
+        errors: list[BaseException] = []
+
+        def worker(i: int) -> None:
+            try:
+                for s in range(1, 9):
+                    x, y = batch(i, s)
+                    opts[i].zero_grad()
+                    torch.nn.functional.cross_entropy(models[i](x), y).backward()
+                    opts[i].step(samples=len(x))
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        glob, mom = replay(3, 8, 4, fragments)
+        for o, m in zip(opts, models, strict=True):
+            assert o.outer_steps == 2 * fragments
+            torch.testing.assert_close(o.global_params, glob, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(o.momentum, mom, rtol=1e-5, atol=1e-6)
+            assert not torch.equal(mom, torch.zeros_like(mom))
+            # the step ended on an outer step of fragment 0 (fragments > 1: fragment 1 synced at step 6 and the
+            # model drifted from it since), so at least fragment 0 restarts from the global parameters
+            a, b = o.bounds[0]
+            assert torch.equal(flat(m.parameters())[a:b], o.global_params[a:b])
+        shas = {o.state_sha() for o in opts}
+        assert len(shas) == 1  # identical global parameters and momentum
+        # every outer step used the round numbered by the step, under the outer run id
+        outer_calls = [r for r in daemon.averager.round_numbers if r is not None]
+        assert sorted(set(outer_calls)) == sorted({h["step"] for h in opts[0].history})
+        for o in opts:
+            o.close()
+    finally:
+        daemon.stop()
+
+
+def test_a_joiner_takes_global_parameters_and_outer_momentum(tmp_path) -> None:
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=1.0))
+    try:
+        m = model(0)
+        opt = DiLoCo(m, torch.optim.Adam(m.parameters(), lr=0.01), run="dl", socket=daemon.path, sync_every=3,
+                     sync_state=False, state_every=0)
+        for s in range(1, 7):
+            x, y = batch(0, s)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            opt.step(samples=len(x))
+        assert opt.outer_steps == 2 and bool(opt.momentum.abs().sum() > 0)
+        blob = opt.snapshot()
+        late = model(5)  # other initial weights
+        joiner = DiLoCo(late, torch.optim.Adam(late.parameters(), lr=0.01), run="dl2", socket=daemon.path,
+                        sync_every=3, sync_state=False, state_every=0)
+        assert joiner.load_snapshot(blob) == 6
+        assert torch.equal(joiner.momentum, opt.momentum) and torch.equal(joiner.global_params, opt.global_params)
+        assert joiner.state_sha() == opt.state_sha()
+        assert torch.equal(flat(late.parameters()), opt.global_params)  # restarts from the global parameters
+        third = model(0)
+        other = DiLoCo(third, torch.optim.Adam(third.parameters()), run="dl3", socket=daemon.path,
+                       sync_every=4, sync_state=False, state_every=0)
+        with pytest.raises(ValueError, match="schedule"):
+            other.load_snapshot(blob)
+        for o in (opt, joiner, other):
+            o.close()
+    finally:
+        daemon.stop()
+
+
+def test_options_are_checked() -> None:
+    m = model(0)
+    with pytest.raises(NotImplementedError):
+        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="x", compression="int8")
+    with pytest.raises(ValueError):
+        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="x", sync_every=0)
+    with pytest.raises(ValueError):
+        DiLoCo(m, torch.optim.SGD(model(1).parameters(), lr=0.1), run="x")
+
+
+# -- agreement ------------------------------------------------------------------------------------------
+def test_records_are_bounded_and_the_winner_is_the_most_held() -> None:
+    h = [bytes([i]) * 32 for i in range(4)]
+    rec = OuterRecord(b"n" * 32, "0000abcd", 3, 1, h[0], h[1], h[2], h[3], 100, ("127.0.0.1", 5))
+    assert OuterRecord.decode(rec.node, rec.encode()) == rec
+    assert OuterRecord.decode(rec.node, b"\x93garbage") is None
+    bad = OuterRecord(b"n" * 32, "g", 3, 3, h[0], h[1], b"", b"", 100).encode()  # index outside its group
+    assert OuterRecord.decode(b"n" * 32, bad) is None
+
+    def r(node: int, final: bytes, size: int = 2) -> OuterRecord:
+        return OuterRecord(bytes([node]) * 32, "g", size, 0, h[0], h[0], final, b"", 10)
+
+    assert winner([r(1, h[3]), r(2, h[3]), r(3, h[1])]) == h[3]  # most holders
+    assert winner([r(1, h[3], size=3), r(2, h[1], size=2)]) == h[3]  # then the larger group
+    assert winner([r(1, h[3]), r(2, h[1])]) == h[1]  # then the lower hash
+    assert winner([r(1, b"")]) is None
+
+
+async def _swarm(nursery, net, count):
+    from peerd.statesync import StateSync
+
+    from .test_dht_network import start_swarm
+
+    nodes = await start_swarm(nursery, net, count)
+    for n in nodes:
+        n.sync = StateSync(n.endpoint, n.dht, n.metrics, advertise=n.addr)
+    return nodes
+
+
+def _lossy_copies(truth: np.ndarray, n: int, rng: np.random.Generator, per: int = 290) -> list[np.ndarray]:
+    """What each of n group members holds after an all-gather that lost datagrams: member i has the truth in
+    its own shard, and in others' shards some ranges of ``per`` elements keep its own (different) values."""
+    out = []
+    for i in range(n):
+        v = truth.copy()
+        for j in range(n):
+            if j == i:
+                continue
+            a, b = shard_bounds(truth.size, n, j)
+            for off in range(a, b, per):
+                if rng.random() < 0.3:
+                    v[off: min(b, off + per)] = rng.standard_normal(min(b, off + per) - off)
+        out.append(v)
+    return out
+
+
+def test_members_repair_lost_ranges_and_a_straggler_adopts_the_groups_average() -> None:
+    from .memnet import MemNet
+    from .test_dht_network import run_virtual
+
+    truth = np.random.default_rng(1).standard_normal(20_000).astype(np.float32)
+    rng = np.random.default_rng(2)
+    held = _lossy_copies(truth, 3, rng)
+    assert all(not np.array_equal(v, truth) for v in held)  # every member lost something
+
+    async def main() -> None:
+        net = MemNet(seed=5, drop=0.1, jitter=0.01)  # the repair itself also runs over a lossy network
+        results: dict[int, object] = {}
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await _swarm(nursery, net, 5)
+            members = nodes[:3]
+            straggler = nodes[3]  # it missed the group: it holds its own vector alone
+
+            async def one(i: int, node, vector, group: str, size: int, index: int) -> None:
+                board = DhtBoard(node.sync, "run/0123456789abcdef", 7)
+                results[i] = await agree(board, node.identity.node_id, vector, group=group, size=size, index=index,
+                                         state=b"s" * 32, repair_s=60, deadline_s=120, addr=node.addr)
+
+            async with trio.open_nursery() as inner:
+                for i, node in enumerate(members):
+                    inner.start_soon(one, i, node, held[i], "0000beef", 3, i)
+                inner.start_soon(one, 3, straggler, rng.standard_normal(truth.size).astype(np.float32), "", 1, 0)
+            nursery.cancel_scope.cancel()
+        finals = {results[i].final for i in range(4)}
+        assert finals == {hashlib.sha256(truth.tobytes()).digest()}
+        for i in range(4):
+            np.testing.assert_array_equal(results[i].vector, truth)
+        assert all(results[i].repaired_bytes > 0 for i in range(3))  # fetched from owners, not whole
+        assert all(results[i].repaired_bytes < truth.nbytes for i in range(3))
+        assert results[3].adopted and results[3].adopted_bytes == truth.nbytes
+        assert all(results[i].states == results[i].members for i in range(4))
+
+    run_virtual(main)
+
+
+def test_without_loss_nothing_is_fetched_and_a_lost_owner_ends_in_one_final() -> None:
+    from .memnet import MemNet
+    from .test_dht_network import run_virtual
+
+    truth = np.random.default_rng(3).standard_normal(9_000).astype(np.float32)
+    held = _lossy_copies(truth, 3, np.random.default_rng(4))
+
+    async def main() -> None:
+        net = MemNet(seed=6)
+        results: dict[int, object] = {}
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await _swarm(nursery, net, 4)
+
+            async def one(i: int, vector, group: str, size: int, index: int, repair_s: float = 30) -> None:
+                node = nodes[i]
+                board = DhtBoard(node.sync, "run/0123456789abcdef", 8 if group == "a" else 9)
+                results[(group, i)] = await agree(board, node.identity.node_id, vector, group=group, size=size,
+                                                  index=index, state=b"", repair_s=repair_s, deadline_s=60,
+                                                  addr=node.addr)
+
+            async with trio.open_nursery() as inner:  # round 8: three members that all received everything
+                for i in range(3):
+                    inner.start_soon(one, i, truth.copy(), "a", 3, i)
+            assert all(results[("a", i)].repaired_bytes == 0 and not results[("a", i)].adopted for i in range(3))
+            # round 9: the owner of shard 2 never publishes (it died after the average): members 0 and 1 keep
+            # what they hold of shard 2, which differs between them, and still end on one final
+            async with trio.open_nursery() as inner:
+                for i in range(2):
+                    inner.start_soon(one, i, held[i], "b", 3, i, 5)
+            nursery.cancel_scope.cancel()
+        assert results[("b", 0)].final == results[("b", 1)].final
+        np.testing.assert_array_equal(results[("b", 0)].vector, results[("b", 1)].vector)
+        assert sum(results[("b", i)].adopted for i in range(2)) == 1
+
+    run_virtual(main)
+
+
+class _DeafBoard:
+    """A board where this member sees another final but can never fetch it (its holder's blob is gone)."""
+
+    def __init__(self) -> None:
+        self.other = OuterRecord(b"o" * 32, "g", 2, 1, b"x" * 32, b"y" * 32, b"\x00" * 32, b"", 100)
+        self.mine: OuterRecord | None = None
+
+    def keep(self, blob: bytes) -> bytes:
+        return hashlib.sha256(blob).digest()
+
+    async def publish(self, record: OuterRecord) -> None:
+        self.mine = record
+
+    async def read(self) -> list[OuterRecord]:
+        return [self.other, *([self.mine] if self.mine else [])]
+
+    async def fetch_range(self, holder, sha, offset, length) -> bytes:
+        raise OSError("gone")
+
+    async def fetch(self, sha, size, holders) -> bytes:
+        raise OSError("gone")
+
+
+def test_a_disagreement_that_cannot_be_repaired_is_an_error() -> None:
+    async def main() -> None:
+        with pytest.raises(OuterError, match="did not agree"):
+            await agree(_DeafBoard(), b"m" * 32, np.ones(100, np.float32), group="g", size=2, index=0, state=b"",
+                        repair_s=2, deadline_s=10)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
