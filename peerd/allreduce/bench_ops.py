@@ -4,6 +4,7 @@ timed part is the average alone and no 100 MB vector crosses the local socket.""
 from __future__ import annotations
 
 import functools
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -138,6 +139,7 @@ class BenchOps:
         if self._clock is not None:
             self._clock.reset()
         cpu0 = time.process_time()
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
         sock0 = self.sock.statistics()
         try:
             result = await self.service.average(group, members, index, vector, weight, out=vector, robust=robust)
@@ -145,6 +147,7 @@ class BenchOps:
             raise OpError(str(e)) from None
         done = time.time()
         cpu = time.process_time() - cpu0  # the whole daemon: in a bench it does nothing else
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         self._results[group] = result
         st = result.stats
         reply: dict[str, Any] = {}
@@ -158,6 +161,10 @@ class BenchOps:
             "done_at": done,
             "seconds": result.seconds,
             "cpu_s": cpu,
+            # On a loaded machine every page fault (fresh memory: a group's stage) is a point where the daemon
+            # is preempted: these two tell a wall time lost to the scheduler from one spent computing.
+            "page_faults": usage.ru_minflt - usage0.ru_minflt,
+            "preempted": usage.ru_nivcsw - usage0.ru_nivcsw,
             "handshake_s": result.handshake_s,
             "bytes_sent": result.bytes_sent,
             "datagrams_sent": st.reduce_scatter.datagrams_sent + st.all_gather.datagrams_sent,

@@ -191,6 +191,10 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             # CPU seconds one daemon spends per average (mean over peers and repeats): steadier than peerd_s
             # on a shared machine, and what an optimization of the data path should move.
             "cpu_s_per_peer": statistics.mean(rep.get("cpu_s", 0.0) for rep in runs),
+            # Minor page faults and involuntary context switches per daemon per average: on a shared machine the
+            # wall time a daemon loses to other processes shows here, not in cpu_s_per_peer
+            "page_faults_per_peer": statistics.mean(rep.get("page_faults", 0) for rep in runs),
+            "preempted_per_peer": statistics.mean(rep.get("preempted", 0) for rep in runs),
             # Syscall batching per average and peer: recvmsg calls, receive passes (wake-ups), sendmsg calls.
             "receive_calls_per_peer": statistics.mean(rep.get("receive_calls", 0) for rep in runs),
             "receive_passes_per_peer": statistics.mean(rep.get("receive_passes", 0) for rep in runs),
