@@ -114,6 +114,25 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print only the final result, as one JSON object (text progress goes to stderr)")
     p.add_argument("--out", metavar="PATH", help="write the final result (JSON, with the parameters) here")
+    p.add_argument("--mode", choices=["sync", "diloco"], default="sync",
+                   help="sync: average gradients every step (and parameters every K); diloco: H local Adam steps, "
+                        "then an outer Nesterov step on the swarm's averaged pseudo-gradient (default sync)")
+    p.add_argument("--sync-every", type=_positive_int, default=50, metavar="H",
+                   help="diloco: inner steps between a fragment's outer steps (default 50)")
+    p.add_argument("--fragments", type=_positive_int, default=1, metavar="F",
+                   help="diloco: sync the model in F fragments at staggered steps (streaming DiLoCo; default 1)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer learning rate (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco: outer Nesterov momentum (default 0.9)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return value
 
 
 def _progress_line(record: dict[str, Any]) -> str:
@@ -142,7 +161,7 @@ def run_train(args: argparse.Namespace) -> int:
     import torch.nn.functional as F  # noqa: N812
 
     from .localsock.client import DaemonError
-    from .torch import DropCompute, Optimizer
+    from .torch import DiLoCo, DiLoCoError, DropCompute, Optimizer
     from .torch.dropcompute import estimate_overhead
 
     torch.set_num_threads(1)
@@ -165,13 +184,22 @@ def run_train(args: argparse.Namespace) -> int:
         elif args.progress == "text":
             print(_progress_line(record), file=sys.stderr if args.json else sys.stdout, flush=True)
 
+    diloco = getattr(args, "mode", "sync") == "diloco"
     try:
-        opt = Optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,
-                        timeout_s=args.timeout, average_params_every=args.average_every,
-                        sync_state=not args.no_sync, state_every=args.state_every,
-                        robust=args.robust, max_samples=args.max_samples,
-                        **({} if args.keep_rounds is None else {"keep_rounds": args.keep_rounds}))
-    except DaemonError as e:
+        if diloco:
+            # the per-K parameter averages of sync mode are off: the outer steps keep the replicas together
+            opt = DiLoCo(model, torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,
+                         sync_every=args.sync_every, fragments=args.fragments, outer_lr=args.outer_lr,
+                         outer_momentum=args.outer_momentum, timeout_s=max(args.timeout, 30.0),
+                         sync_state=not args.no_sync, state_every=1 if args.state_every else 0,
+                         max_samples=args.max_samples)
+        else:
+            opt = Optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,
+                            timeout_s=args.timeout, average_params_every=args.average_every,
+                            sync_state=not args.no_sync, state_every=args.state_every,
+                            robust=args.robust, max_samples=args.max_samples,
+                            **({} if args.keep_rounds is None else {"keep_rounds": args.keep_rounds}))
+    except (DaemonError, ValueError) as e:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
     first_step = opt.step_count
@@ -185,6 +213,9 @@ def run_train(args: argparse.Namespace) -> int:
     micro = max(1, args.batch // args.micro)
     acc = acc0
     skipped = 0  # consecutive steps skipped for non-finite gradients
+    tensor_bytes = 0  # float32 bytes of the vectors this trainer averaged (gradients, parameters, pseudo-gradients)
+    step_times: list[float] = []
+    outer_log: list[dict[str, Any]] = []
     diverged = False
     try:
         while opt.step_count < args.steps:
@@ -210,6 +241,14 @@ def run_train(args: argparse.Namespace) -> int:
             samples_total += samples
             train_loss = sum(losses) / samples
             reply = opt.step(samples=samples, loss=train_loss)
+            if reply["outcome"] == "averaged" and not diloco:
+                tensor_bytes += 4 * opt.elems  # the gradient vector went through a group average
+            for o in reply.get("outer", []):
+                tensor_bytes += 4 * (opt.bounds[o["fragment"]][1] - opt.bounds[o["fragment"]][0])
+                tensor_bytes += o["repaired_bytes"] + o.get("adopted_bytes", 0)
+                outer_log.append({k: o[k] for k in ("step", "fragment", "sha", "outcome", "group_size",
+                                                    "agreed_members", "repaired_bytes", "adopted")})
+            step_times.append(time.monotonic() - t0)
             skipped = skipped + 1 if reply["outcome"] == "nonfinite" and opt.step_count == step_before else 0
             if skipped >= MAX_SKIPPED:
                 diverged = True  # the model itself has diverged (e.g. poisoned averages): stop, report it
@@ -226,8 +265,12 @@ def run_train(args: argparse.Namespace) -> int:
                       "received_fraction": reply["received_fraction"], "tau": dc.tau if math.isfinite(dc.tau) else None,
                       "kept": reply.get("kept", False), "mm_s": reply.get("matchmaking_s", 0.0),
                       "micro": len(losses), "t0": t0, "compute_s": t1 - t0}
+            if "outer" in reply:
+                record["outer"] = [{k: o[k] for k in ("fragment", "sha", "group_size", "agreed_members",
+                                                      "repaired_bytes", "adopted")} for o in reply["outer"]]
             if "params" in reply:
                 params = reply["params"]
+                tensor_bytes += 4 * opt.elems if params["outcome"] == "averaged" else 0
                 record["params"] = {"outcome": params["outcome"], "group_size": params["group_size"],
                                     "s": params["seconds"], "kept": params.get("kept", False)}
             if args.eval_every and step % args.eval_every == 0:
@@ -236,13 +279,16 @@ def run_train(args: argparse.Namespace) -> int:
             emit(record)
         # Lost datagrams and rounds without a group leave replicas slightly apart: end on a common point.
         final_rounds = []
-        for _ in range(0 if diverged else max(0, args.final_average)):
+        for _ in range(0 if diverged or diloco else max(0, args.final_average)):
             reply = opt.average_parameters()
+            tensor_bytes += 4 * opt.elems if reply["outcome"] == "averaged" else 0
             final_rounds.append({"outcome": reply["outcome"], "group_size": reply["group_size"],
                                  "received_fraction": reply["received_fraction"]})
-    except DaemonError as e:
+    except (DaemonError, DiLoCoError) as e:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
+    if diloco:  # the swarm's model: the global parameters, identical on every member
+        opt._load_local(0, opt.elems)
     wall = time.monotonic() - start
     final_loss, final_acc = evaluate(model, x_test, y_test)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
@@ -260,7 +306,12 @@ def run_train(args: argparse.Namespace) -> int:
         "final_average": final_rounds, "keep_rounds": opt.keep_rounds,
         "kept_rounds": opt.kept_rounds, "nonfinite_rounds": opt.nonfinite_rounds, "robust": args.robust,
         "params_finite": bool(np.isfinite(flat).all()), "diverged": diverged,
+        "mode": "diloco" if diloco else "sync", "tensor_bytes": tensor_bytes,
+        "step_s": float(np.median(step_times)) if step_times else 0.0,
     }
+    if diloco:
+        result.update(sync_every=args.sync_every, fragments=args.fragments, outer_steps=opt.outer_steps,
+                      state_sha=opt.state_sha().hex(), outer=outer_log)
     emit(result)
     if args.json:
         print(json.dumps(result), flush=True)

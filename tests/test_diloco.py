@@ -359,3 +359,54 @@ def test_a_disagreement_that_cannot_be_repaired_is_an_error() -> None:
                         repair_s=2, deadline_s=10)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# -- end to end: real daemons, real `peerd train --mode diloco` processes -------------------------------
+def _diloco_trainer(node, index: int, *extra: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "peerd", "train", "--run", "dl-e2e", "--socket", node.socket, "--peers", "3",
+         "--index", str(index), "--steps", "30", "--mode", "diloco", "--sync-every", "10", "--no-sync",
+         "--state-every", "0", "--eval-every", "0", "--json", "--progress", "none", "--timeout", "30", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loss", [0.0, 0.1])
+def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float) -> None:
+    """3 daemons (``--loss``: each drops received datagrams, all-gather ones included) and 3 DiLoCo trainers:
+    after every outer step all members hold global parameters and momentum of the same SHA-256."""
+    import json
+
+    pytest.importorskip("sklearn")
+    from peerd.swarm import LocalSwarm
+
+    extra = ("--loss", str(loss), "--loss-seed", "3") if loss else ()
+    with LocalSwarm(str(tmp_path / "swarm"), extra_args=extra) as swarm:
+        nodes = swarm.start_many(3)
+        trainers = [_diloco_trainer(n, i, *(("--fragments", "2") if loss else ())) for i, n in enumerate(nodes)]
+        results = []
+        for t in trainers:
+            out, err = t.communicate(timeout=240)
+            assert t.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    fragments = 2 if loss else 1
+    for r in results:
+        assert r["mode"] == "diloco" and r["outer_steps"] == 3 * fragments, r
+        assert r["params_finite"]
+    by_step = [{(o["step"], o["fragment"]): o["sha"] for o in r["outer"]} for r in results]
+    assert by_step[0].keys() == by_step[1].keys() == by_step[2].keys()
+    for key in by_step[0]:
+        assert by_step[0][key] == by_step[1][key] == by_step[2][key], key
+    assert len({r["state_sha"] for r in results}) == 1
+    groups = [o["group_size"] for r in results for o in r["outer"]]
+    assert max(groups) == 3  # the outer averages were with the swarm, not alone
+    if loss:  # lost all-gather ranges were repaired (or a straggler adopted the swarm's average)
+        assert sum(o["repaired_bytes"] + o["adopted"] for r in results for o in r["outer"]) > 0
+    assert min(r["accuracy"] for r in results) > 0.5
