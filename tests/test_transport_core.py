@@ -236,22 +236,22 @@ def test_validation_challenge_releases_held_answers_in_order_and_bounded() -> No
 def test_receive_pause_only_under_a_junk_flood_and_never_on_a_full_batch() -> None:
     core = TransportCore(random.Random(10), junk_pause_s=0.008)
     for i in range(11):  # 20 junk datagrams every 10 ms: 2000 a second (no pause before a window is measured)
-        assert core.receive_pause(i / 100, 20, 20, 1024) == 0.0 or i == 10
+        assert core.receive_pause(i / 100, 20, False) == 0.0 or i == 10
     now = 0.1
     assert core.junk_rate == pytest.approx(2000, rel=0.15)
-    assert core.receive_pause(now, 20, 20, 1024) == 0.008  # 64 would take 32 ms to come: the cap
-    assert core.receive_pause(now, 20, 0, 1024) == 0.0  # a pass without junk
-    assert core.receive_pause(now, 1024, 1000, 1024) == 0.0  # a backlog: at once
+    assert core.receive_pause(now, 20, False) == 0.008  # 64 would take 32 ms to come: the cap
+    assert core.receive_pause(now, 0, False) == 0.0  # a pass without junk
+    assert core.receive_pause(now, 1000, True) == 0.0  # a backlog (the pass stopped at a limit): at once
     for _ in range(30):  # 300 a second: below the floor
         now += 0.01
-        core.receive_pause(now, 3, 3, 1024)
-    assert core.receive_pause(now, 3, 3, 1024) == 0.0
+        core.receive_pause(now, 3, False)
+    assert core.receive_pause(now, 3, False) == 0.0
     for _ in range(30):  # 20,000 a second: the pause shrinks, the batch stays near 64
         now += 0.01
-        core.receive_pause(now, 200, 200, 1024)
-    assert core.receive_pause(now, 200, 200, 1024) == pytest.approx(64 / 20000, rel=0.2)
+        core.receive_pause(now, 200, False)
+    assert core.receive_pause(now, 200, False) == pytest.approx(64 / 20000, rel=0.2)
     now += 5.0  # a long quiet spell forgets the rate
-    core.receive_pause(now, 1, 1, 1024)
+    core.receive_pause(now, 1, False)
     assert core.junk_rate == 0.0
 
 

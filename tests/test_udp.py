@@ -147,3 +147,24 @@ def test_a_receive_pass_counts_calls_and_datagrams() -> None:
             rx.close()
 
     trio.run(main)
+
+
+def test_drained_says_whether_a_pass_emptied_the_socket() -> None:
+    """The receive loop pauses under a junk flood only after a pass that emptied the socket: a pass that stopped
+    at its datagram limit (or its arena) leaves a backlog, taken at once."""
+    async def main() -> None:
+        tx, rx = _pair(False)
+        try:
+            assert rx.caps.drained_flag
+            for i in range(30):
+                await tx.sendto(bytes([i]) * (20 + i), rx.getsockname())
+            await trio.sleep(0.05)
+            first = await rx.recv_blocks(10)
+            assert len(first) == 10 and not rx.drained
+            rest = await rx.recv_blocks(1024)
+            assert len(rest) == 20 and rx.drained
+        finally:
+            tx.close()
+            rx.close()
+
+    trio.run(main)

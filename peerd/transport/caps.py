@@ -20,6 +20,7 @@ class SocketCaps:
     block_receive: bool = False  # recv_blocks(max) -> [(data, source, segment)]; else recv_batch(max)
     block_send: bool = False  # send_block(rows x bytes array, address) sends each row as one datagram
     kernel_drops: bool = False  # SO_RXQ_OVFL: the socket's ``kernel_drops`` counts receive-queue overflows
+    drained_flag: bool = False  # its ``drained`` says whether the last receive emptied the socket
     rcvbuf: int = 0  # usable receive buffer bytes (0: unknown)
     sndbuf: int = 0  # usable send buffer bytes (0: unknown)
     gso_segments: int = 1  # most datagrams one send may carry (1 without GSO)

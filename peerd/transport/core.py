@@ -174,15 +174,16 @@ class TransportCore:
         raise PendingFull("no fresh request id found")  # only with a broken rng
 
     # -- the receive loop's pace ----------------------------------------------------------------------------------
-    def receive_pause(self, now: float, datagrams: int, junk: int, limit: int) -> float:
-        """How long the receive loop waits before its next pass, after one at ``now`` that took ``datagrams``
-        (of at most ``limit``) of which ``junk`` were refused unopened (see JUNK_RATE)."""
+    def receive_pause(self, now: float, junk: int, backlog: bool) -> float:
+        """How long the receive loop waits before its next pass, after one at ``now`` in which ``junk`` datagrams
+        were refused unopened; ``backlog``: the pass stopped at its limit (datagrams or arena), not because the
+        socket was empty, so the next pass starts at once (see JUNK_RATE)."""
         if now - self._junk_at >= JUNK_WINDOW_S:
             elapsed = now - self._junk_at
             self.junk_rate = self._junk_count / elapsed if elapsed < 2 * JUNK_WINDOW_S else 0.0
             self._junk_at, self._junk_count = now, 0
         self._junk_count += junk
-        if not junk or datagrams >= limit or self.junk_rate < JUNK_RATE:
+        if not junk or backlog or self.junk_rate < JUNK_RATE:
             return 0.0
         return min(self.junk_pause_s, JUNK_BATCH / self.junk_rate)
 

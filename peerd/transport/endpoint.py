@@ -491,7 +491,8 @@ class Endpoint:
                 await trio.lowlevel.checkpoint()
             datagrams += self._receive_rest(batch, now)
             await self.flush()
-            pause = self.core.receive_pause(trio.current_time(), datagrams, self._junk, limit)
+            backlog = not sock.drained if self.caps.drained_flag else datagrams >= limit  # type: ignore[attr-defined]
+            pause = self.core.receive_pause(trio.current_time(), self._junk, backlog)
             if pause > 0:
                 await trio.sleep(pause)
             else:  # a busy socket always has data: yield so senders and timers are not starved

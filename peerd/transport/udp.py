@@ -99,11 +99,13 @@ class UdpSocket:
                 pass
         # declared once, here: what the endpoint and the averaging host may use (no probing at each send)
         self.caps = SocketCaps(gso=has_gso, gro=gro, block_receive=True, block_send=True, kernel_drops=ovfl,
+                               drained_flag=True,
                                rcvbuf=self.rcvbuf, sndbuf=self.sndbuf,
                                gso_segments=GSO_MAX_SEGMENTS if has_gso else 1)
         self._arena = bytearray(arena_bytes)
         self._view = memoryview(self._arena)
         self._used = 0
+        self.drained = True  # the last recv_blocks stopped because the socket was empty (not at a limit)
         self.kernel_drops = 0
         self.received = 0
         self.sent = 0
@@ -162,6 +164,7 @@ class UdpSocket:
         """
         out: list[list] = []  # [start, size, source, row size]
         count = calls = 0
+        drained = False
         used = 0
         last_start = len(self._arena) - RECV_BUFFER  # a receive needs RECV_BUFFER bytes of room
         view = self._view
@@ -195,11 +198,12 @@ class UdpSocket:
                     out.append([used, size, source, row])
                     used += size
             except BlockingIOError:
-                pass
+                drained = True
             except OSError as e:  # ICMP errors surface here on some kernels; they are not fatal
                 if e.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
                     raise
             if out:
+                self.drained = drained
                 self.received += count
                 self.receive_calls += calls
                 self.receive_passes += 1
