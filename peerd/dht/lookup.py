@@ -65,7 +65,7 @@ class Lookup:
             if c.node_id != self._own and c.node_id not in self._state:
                 self._contacts[c.node_id] = c
                 self._state[c.node_id] = _State.NEW
-                bisect.insort(self._order, (int.from_bytes(c.node_id, "big") ^ self._t, c.node_id))
+                bisect.insort(self._order, (c.num ^ self._t, c.node_id))
 
     def _ranked(self) -> list[bytes]:
         """The k closest contacts not failed or slow (kept in order as they come, never re-sorted)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ID_BITS = 256
 
@@ -15,6 +15,11 @@ class Contact:
     node_id: bytes
     host: str
     port: int
+    # the id as an integer, for XOR distances: computed once, not in every sort and comparison of a lookup
+    num: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num", int.from_bytes(self.node_id, "big"))
 
     @property
     def addr(self) -> tuple[str, int]:
@@ -107,7 +112,7 @@ class RoutingTable:
         """
         if contact.node_id == self.node_id:
             return None
-        index = self._index(contact.node_id)
+        index = (self._own ^ contact.num).bit_length() - 1
         bucket = self.buckets[index]
         if contact.node_id in bucket.contacts:
             bucket.contacts[contact.node_id] = contact  # the address may have changed
@@ -178,7 +183,7 @@ class RoutingTable:
             low = bits & -bits
             picked.extend(buckets[low.bit_length() - 1].contacts.values())
             bits ^= low
-        picked.sort(key=lambda c: int.from_bytes(c.node_id, "big") ^ t)
+        picked.sort(key=lambda c: c.num ^ t)
         del picked[count:]
         return picked
 

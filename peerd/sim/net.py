@@ -148,9 +148,9 @@ class Network:
         self.sent += 1
         if self.trace is not None:
             self.trace.append((self.now, "send", src, dst, size))
-        link = self.links.get((src, dst), self.default)
+        link = self.links.get((src, dst), self.default) if self.links else self.default
         delays = link.fate(self.rng)
-        if not delays or not self.reachable(src, dst):
+        if not delays or (self._side and not self.reachable(src, dst)):
             self.lost += 1
             if self.trace is not None:
                 self.trace.append((self.now, "lost", src, dst, size))
@@ -163,20 +163,22 @@ class Network:
             self._busy[key] = depart
         if len(delays) > 1:
             self.duplicated += 1
-        src_epoch = self._epoch.get(src, 0)
-        dst_epoch = self._epoch.get(dst, 0)
+        epochs = self._epoch
+        item = (src, dst, payload, size, epochs.get(src, 0), epochs.get(dst, 0), depart)
+        heap = self._heap
         for delay in delays:
-            self._push(depart + delay, (src, dst, payload, size, src_epoch, dst_epoch, depart))
+            self._seq += 1
+            heapq.heappush(heap, (depart + delay, self._seq, item))
 
     def _arrive(self, src: Address, dst: Address, payload: Any, size: int, src_epoch: int, dst_epoch: int,
                 depart: float) -> None:
         handler = self._handlers.get(dst)
-        died = self._crashed_at.get((src, src_epoch))
+        died = self._crashed_at.get((src, src_epoch)) if self._crashed_at else None
         if (
             handler is None
             or self._epoch.get(dst, 0) != dst_epoch
             or (died is not None and depart > died)  # queued on the link when its sender crashed
-            or not self.reachable(src, dst)
+            or (self._side and not self.reachable(src, dst))
         ):
             self.dropped += 1
             if self.trace is not None:
