@@ -195,6 +195,60 @@ def test_a_joiner_takes_global_parameters_and_outer_momentum(tmp_path) -> None:
         daemon.stop()
 
 
+class MemorySync:
+    """The state-sync surface the trainer service uses, holding the last published snapshot in memory (no
+    DHT: the outer op averages without the swarm agreement, which the memnet tests below cover)."""
+
+    def __init__(self) -> None:
+        self.blob: bytes | None = None
+        self.step = -1
+
+    def keep(self, run_key: str, blob: bytes) -> bytes:
+        self.blob = blob
+        return hashlib.sha256(blob).digest()
+
+    async def advertise_state(self, run, run_key, layout, *, step: int = -1, **kwargs) -> bool:
+        self.step = max(self.step, step)
+        return True
+
+    async def adverts(self, run: str, *, timeout: float = 10.0) -> list:
+        return []
+
+    async def fetch(self, run: str, run_key: str, **kwargs):
+        from peerd.statesync import Fetched
+
+        if self.blob is None:
+            return None
+        return Fetched(self.step, self.blob, hashlib.sha256(self.blob).digest(), 1, 1, 0)
+
+
+def test_a_joiner_gets_the_outer_state_by_state_sync(tmp_path) -> None:
+    sync = MemorySync()
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=1.0), statesync=sync)
+    try:
+        m = model(0)
+        founder = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=3,
+                         state_every=1)
+        assert founder.synced_from is None  # nobody had a state yet
+        for s in range(1, 8):
+            x, y = batch(0, s)
+            founder.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            founder.step(samples=len(x))
+        assert sync.step == 6  # published after its outer step at 6, not at 7
+        late = model(9)
+        joiner = DiLoCo(late, torch.optim.SGD(late.parameters(), lr=0.1), run="dl", socket=daemon.path,
+                        sync_every=3)
+        assert joiner.synced_from is not None and joiner.step_count == 6
+        assert bool(joiner.momentum.abs().sum() > 0) and torch.equal(joiner.momentum, founder.momentum)
+        assert joiner.state_sha() == founder.state_sha()
+        assert torch.equal(flat(late.parameters()), founder.global_params)
+        for o in (founder, joiner):
+            o.close()
+    finally:
+        daemon.stop()
+
+
 def test_options_are_checked() -> None:
     m = model(0)
     with pytest.raises(NotImplementedError):

@@ -46,7 +46,7 @@ MAX_BLOB = 1 << 34
 DTYPES = {"float32", "float16", "bfloat16", "float64"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 KINDS = ("grad", "params")
-OUTER_KEPT_ROUNDS = 8  # outer rounds whose blobs a daemon keeps for members still repairing or adopting
+OUTER_KEPT_ROUNDS = 3  # outer rounds whose blobs a daemon keeps (up to 3 vectors each) for members still repairing
 MAX_SAMPLES = float(2**53)  # the largest max_samples a trainer may ask for (exact in a float)
 ADVERT_CHECK_S = 5.0  # how long trainer_open reads the swarm's adverts for its warning
 # A snapshot (peerd.torch: torch.save of the flat float32 parameters, the optimizer's state dict and a few
