@@ -27,6 +27,10 @@ Several donors can hold byte-identical snapshots because replicas that averaged 
 the same averaged gradients; when donors disagree, the best ranked snapshot wins and the others are not
 mixed in (mixing chunks of different snapshots would fail the hash).
 
+DiLoCo outer steps (peerd.trainer.outer) reuse the donor side and the chunked download for their averaged
+vectors: ``fetch_range`` reads one shard of a member's vector (checked by the caller against the shard's
+published hash), ``download`` the whole vector that won the agreement (checked against its hash).
+
 The advertisement also carries the layout hash; an advertisement of another layout is ignored (counted
 as ``ignored_records{kind="state_advert",reason="layout"}``), never a reason to refuse a local trainer.
 """

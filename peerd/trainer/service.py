@@ -14,6 +14,9 @@ newest (see peerd.localsock.arena) and finite: a result holding NaN or infinity 
 trainer's own vector is, and the step is reported failed). A session belongs to its connection: when the
 trainer disconnects, even mid-step, the session's mapping is released and its result dropped; the daemon
 carries on.
+
+``trainer_outer`` is DiLoCo's outer average (peerd.torch.DiLoCo): a Moshpit round numbered by the trainers'
+step, then an agreement (outer.py) after which every member holds the same bytes, or an error that says why.
 """
 
 from __future__ import annotations
