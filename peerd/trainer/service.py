@@ -390,11 +390,15 @@ class TrainerService:
         extra: dict[str, Any] = {"round_no": round_no}
         if session.max_samples is not None:
             extra["max_weight"] = session.max_samples
-        with trio.fail_after(timeout + 10.0):
-            result = await self.average(session.average_id("outer"), vector, float(weight), timeout_s=timeout,
-                                        **extra)
-        out = np.asarray(result.vector, dtype=np.float32)
-        outcome = result.outcome
+        result: Any = None
+        try:
+            with trio.fail_after(timeout + 10.0):
+                result = await self.average(session.average_id("outer"), vector, float(weight), timeout_s=timeout,
+                                            **extra)
+            out, outcome = np.asarray(result.vector, dtype=np.float32), result.outcome
+        except Exception as e:  # no average: this member holds its own vector, and the agreement gives it the swarm's
+            log.warning("session %d outer round %d: averaging failed: %s", session.id, round_no, e)
+            out, outcome = vector, "failed"
         if out.shape != vector.shape or (outcome != "failed" and not all_finite(out)):
             self.metrics.contributions_refused.labels("nonfinite_result").inc()
             out, outcome = vector, "failed"  # own vector: the agreement below replaces it with the swarm's
@@ -405,12 +409,13 @@ class TrainerService:
         if group and me not in members:
             group = ""  # (an averager that names members otherwise, e.g. in tests): treat as alone
         reply: dict[str, Any] = {"step": step, "outcome": outcome, "group_size": len(members) or 1,
-                                 "round": round_no, "received_fraction": float(result.received_fraction)}
+                                 "round": round_no,
+                                 "received_fraction": float(getattr(result, "received_fraction", 0.0))}
         if self.statesync is not None and getattr(self.statesync, "dht", None) is not None:
             board = DhtBoard(self.statesync, session.run_key, round_no)
             try:
                 agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
-                                        state=state, repair_s=min(timeout, 30.0), deadline_s=timeout,
+                                        state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
                                         addr=board.addr)
             except OuterError as e:
                 raise OpError(f"outer round {round_no}: {e}") from None
