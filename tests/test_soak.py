@@ -49,3 +49,13 @@ def test_small_soak_no_crash_and_exact_averages() -> None:
     outsider_dropped = out["outsider_drops"]["peerd_datagrams_dropped_total"]
     assert outsider_dropped.get("auth", 0) + outsider_dropped.get("auth_limited", 0) > 0, outsider_dropped
     assert sum(dropped.values()) >= 1000, dropped
+
+
+def test_outsider_endpoints_measure_the_receive_path_alone() -> None:
+    """The bench's receive-path figure without daemons: bare endpoints under the outsider's classes."""
+    from peerd.bench.soak import main, outsider_endpoints
+
+    out = outsider_endpoints(2, 4000.0, 1.0)
+    assert out["endpoints"] == 2 and out["datagrams"] == 4000
+    assert 0 < out["cpu_us_per_datagram"] < 1000, out  # not pinned: a shared machine
+    assert main(["outsider", "0"]) == 2 and main(["bogus"]) == 2

@@ -756,3 +756,124 @@ def cmd_bench_soak(args: Any, parser: Any) -> int:
         print(f"{name}: " + (", ".join(f"{k} {v}" for k, v in sorted(by.items())) or "-"))
     print("goals: " + ", ".join(f"{k} {'ok' if v else 'NOT MET'}" for k, v in result["goals"].items()))
     return 0
+
+
+# -- the receive path alone: bare endpoints under the outsider's classes (no daemons, no averaging) -------------
+def _task_cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of ``pid`` from /proc/PID/task/*/schedstat (nanoseconds: /proc/PID/stat's
+    ticks are 10 ms, too coarse for a few seconds of a few percent)."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
+
+
+def _serve_endpoint(key_file: str) -> None:
+    """One sealed Endpoint on a UDP socket of 127.0.0.1 (what a daemon's receive loop is, without the rest);
+    prints {"port", "id"} and serves until killed."""
+    import socket
+
+    import trio
+
+    from ..metrics import Metrics
+    from ..transport.endpoint import Endpoint
+    from ..transport.udp import UdpSocket
+    from ..wire.identity import Identity, load_swarm_key
+
+    async def main() -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+        ident = Identity.generate()
+        endpoint = Endpoint(UdpSocket(sock), ident, load_swarm_key(key_file), Metrics())
+        print(json.dumps({"port": sock.getsockname()[1], "id": ident.node_id.hex()}), flush=True)
+        await endpoint.serve()
+
+    trio.run(main)
+
+
+def outsider_endpoints(endpoints: int = 4, rate: float = 20000.0, seconds: float = 3.0, seed: int = 1) -> dict:
+    """CPU per outsider datagram of the receive path alone: ``endpoints`` bare endpoints (each its own process)
+    take ``rate`` datagrams/s in all of the outsider's classes (soak_attack, as in the soak's outsider phase) for
+    ``seconds``; (CPU in the window - idle CPU over as long) / datagrams sent. About 10 s in all; what the soak's
+    ``outsider_cpu_us_per_datagram`` measures, without 4 daemons' averaging and DHT around it."""
+    from ..wire.identity import write_swarm_key
+
+    workdir = tempfile.mkdtemp(prefix="peerd-bench-outsider-")
+    servers: list[subprocess.Popen] = []
+    attacker: subprocess.Popen | None = None
+    try:
+        key = os.path.join(workdir, "swarm.key")
+        write_swarm_key(key)
+        for _ in range(endpoints):
+            servers.append(subprocess.Popen([sys.executable, "-m", "peerd.bench.soak", "endpoint", key],
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True))
+        infos = [json.loads(s.stdout.readline()) for s in servers]  # type: ignore[union-attr]
+
+        def cpu() -> float:
+            return sum(_task_cpu_s(s.pid) for s in servers)
+
+        time.sleep(1.0)
+        t0, c0 = time.monotonic(), cpu()
+        time.sleep(2.0)
+        idle = (cpu() - c0) / (time.monotonic() - t0)
+        cfg = {"targets": [["127.0.0.1", i["port"]] for i in infos], "key_file": key, "run": RUN,
+               "victims": [i["id"] for i in infos], "datagrams": int(rate * seconds), "rate": rate,
+               "burst_share": 0.0, "seed": seed, "identities": 4, "classes": list(OUTSIDER_CPU_CLASSES),
+               "responder": False, "flood_stores": 1}
+        attacker = subprocess.Popen([sys.executable, "-m", "peerd.bench.soak_attack", json.dumps(cfg)],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        t1 = c1 = None
+        summary: dict[str, Any] = {}
+        for line in attacker.stdout:  # type: ignore[union-attr]
+            if t1 is None:  # its first line comes as it starts sending
+                t1, c1 = time.monotonic(), cpu()
+            info = json.loads(line)
+            if info.get("done"):
+                summary = info
+        attacker.wait(timeout=30)
+        time.sleep(0.1)  # what is queued is taken
+        t2, c2 = time.monotonic(), cpu()
+        if not summary or t1 is None or c1 is None:
+            raise RuntimeError("the outsider sent nothing")
+        sent = int(summary["sent"])
+        used = (c2 - c1) - idle * (t2 - t1)
+        return {"endpoints": endpoints, "datagrams": sent, "seconds": round(t2 - t1, 2),
+                "datagrams_per_second": round(sent / summary["seconds"], 1) if summary["seconds"] > 0 else 0.0,
+                "cpu_s": round(c2 - c1, 4), "idle_cpu_s_per_s": round(idle, 5),
+                "cpu_us_per_datagram": round(used / max(sent, 1) * 1e6, 2)}
+    finally:
+        for p in ([attacker] if attacker is not None else []) + servers:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m peerd.bench.soak outsider [ENDPOINTS [RATE [SECONDS]]]``: prints outsider_endpoints() as JSON.
+    (``endpoint KEY_FILE`` is its server process.)"""
+    if argv[:1] == ["endpoint"] and len(argv) == 2:
+        _serve_endpoint(argv[1])
+        return 0
+    if argv[:1] == ["outsider"] and len(argv) <= 4:
+        try:
+            args = [int(argv[1]) if len(argv) > 1 else 4] + [float(x) for x in argv[2:]]
+        except ValueError:
+            args = []
+        if args and 1 <= args[0] <= 16 and all(x > 0 for x in args[1:]):
+            print(json.dumps(outsider_endpoints(*args)))  # type: ignore[arg-type]
+            return 0
+    print("usage: python -m peerd.bench.soak outsider [ENDPOINTS (1..16) [RATE [SECONDS]]]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
