@@ -392,6 +392,18 @@ def test_native_bounds_are_checked() -> None:
     for key in (b"", bytes(16), bytes(33)):
         with pytest.raises(ValueError):
             _native.Aead(key)
+    # Sources of rows: contiguous, or 2-D of contiguous rows (bounds from its first byte to its last row's end).
+    wide = np.arange(5 * 12, dtype=np.uint8).reshape(5, 12)
+    dst = bytearray(40)
+    _native.place_rows(wide[:, 2:10], 2, 12, 5, 6, dst, 0, 8)
+    assert bytes(dst) == b"".join(bytes(wide[i, 4:10]) + bytes(2) for i in range(5))
+    for bad_rows in (wide.T, wide[:, ::2], wide[::-1]):  # rows not contiguous, or backwards
+        with pytest.raises(ValueError, match="contiguous rows"):
+            _native.place_rows(bad_rows, 0, 1, 1, 1, dst, 0, 1)
+        with pytest.raises(ValueError, match="contiguous rows"):
+            _native.first_nonfinite(bad_rows, 0, 4, 1, 4)
+    with pytest.raises(ValueError):  # the view spans 56 bytes (4 strides of 12, then 8): a row to byte 57 is out
+        _native.place_rows(wide[:, 2:10], 2, 12, 5, 7, bytearray(100), 0, 7)
 
 
 @needs_native

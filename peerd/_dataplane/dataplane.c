@@ -137,6 +137,25 @@ static int check_receiver(const Py_buffer *receiver) {
     return 1;
 }
 
+/* A source of rows: any C-contiguous buffer (its bytes), or a 2-D byte array whose rows are each contiguous and
+ * ``strides[0]`` apart (rows cut out of a wider block, e.g. bodies past their envelope), seen as the bytes from its
+ * first row's start to its last row's end, all inside the exporter's one allocation. ``*span`` gets that length. */
+static int get_rows(PyObject *obj, Py_buffer *view, Py_ssize_t *span) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_STRIDED_RO) < 0) return 0;
+    if (PyBuffer_IsContiguous(view, 'C')) {
+        *span = view->len;
+        return 1;
+    }
+    if (view->ndim == 2 && view->itemsize == 1 && view->strides[1] == 1 && view->shape[0] > 0
+        && view->strides[0] >= view->shape[1]) {
+        *span = (view->shape[0] - 1) * view->strides[0] + view->shape[1];
+        return 1;
+    }
+    PyBuffer_Release(view);
+    PyErr_SetString(PyExc_ValueError, "rows must be a contiguous buffer or a 2-D byte array of contiguous rows");
+    return 0;
+}
+
 /* ---- seal ------------------------------------------------------------------------------------------ */
 
 /* Seal one row: ``out`` receives header || ciphertext || tag. Returns 1 on success. */
@@ -423,15 +442,17 @@ PyDoc_STRVAR(first_nonfinite_doc,
 
 static PyObject *first_nonfinite(PyObject *module, PyObject *args) {
     Py_buffer src = {0};
-    Py_ssize_t src_offset, src_stride, rows, length;
+    PyObject *src_obj;
+    Py_ssize_t src_offset, src_stride, rows, length, src_len;
     PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*nnnn", &src, &src_offset, &src_stride, &rows, &length)) return NULL;
+    if (!PyArg_ParseTuple(args, "Onnnn", &src_obj, &src_offset, &src_stride, &rows, &length)) return NULL;
+    if (!get_rows(src_obj, &src, &src_len)) return NULL;
     if (rows < 0 || length < 0 || length % 4) {
         PyErr_Format(PyExc_ValueError, "rows %zd or length %zd out of range (float32 rows: a multiple of 4)", rows,
                      length);
         goto done;
     }
-    if (!rows_fit("src", src.len, src_offset, src_stride, length, rows)) goto done;
+    if (!rows_fit("src", src_len, src_offset, src_stride, length, rows)) goto done;
     Py_ssize_t bad = -1;
     Py_BEGIN_ALLOW_THREADS
     const unsigned char *s = (const unsigned char *)src.buf + src_offset;
@@ -452,16 +473,22 @@ PyDoc_STRVAR(place_rows_doc,
 "place_rows(src, src_offset, src_stride, rows, length, dst, dst_offset, dst_stride)\n"
 "--\n\n"
 "Copy ``rows`` rows of ``length`` bytes from src[src_offset + i * src_stride] to dst[dst_offset + i * dst_stride]:\n"
-"opened tensor values into a group's stage or result, one pass, the GIL released.");
+"opened tensor values into a group's stage or result, one pass, the GIL released. ``src``: a contiguous buffer,\n"
+"or a 2-D byte array of contiguous rows (offsets from its first byte, rows its own stride apart).");
 
 static PyObject *place_rows(PyObject *module, PyObject *args) {
     Py_buffer src = {0}, dst = {0};
-    Py_ssize_t src_offset, src_stride, rows, length, dst_offset, dst_stride;
+    PyObject *src_obj;
+    Py_ssize_t src_offset, src_stride, rows, length, dst_offset, dst_stride, src_len;
     PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*nnnnw*nn", &src, &src_offset, &src_stride, &rows, &length, &dst, &dst_offset,
+    if (!PyArg_ParseTuple(args, "Onnnnw*nn", &src_obj, &src_offset, &src_stride, &rows, &length, &dst, &dst_offset,
                           &dst_stride))
         return NULL;
-    if (!rows_fit("src", src.len, src_offset, src_stride, length, rows)) goto done;
+    if (!get_rows(src_obj, &src, &src_len)) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (!rows_fit("src", src_len, src_offset, src_stride, length, rows)) goto done;
     if (!rows_fit("dst", dst.len, dst_offset, dst_stride, length, rows)) goto done;
     if (spans_overlap(&src, src_offset, src_stride, length, &dst, dst_offset, dst_stride, length, rows)) {
         PyErr_SetString(PyExc_ValueError, "dst overlaps src");

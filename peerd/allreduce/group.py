@@ -322,34 +322,28 @@ class _Phase:
         )
 
 
-def _span(bodies: np.ndarray) -> np.ndarray | None:
-    """A block of bodies (rows, bytes: each row's bytes adjacent, rows ``strides[0]`` apart) as one flat uint8 view
-    from its first byte to its last, which the native data plane takes with that stride; None if it is not such
-    a block."""
-    rows, width = bodies.shape
-    stride = bodies.strides[0]
-    if bodies.dtype != np.uint8 or bodies.strides[1] != 1 or stride < width or not rows:
-        return None
-    return np.lib.stride_tricks.as_strided(bodies, shape=((rows - 1) * stride + width,), strides=(1,))
+def _native_rows(bodies: np.ndarray) -> bool:
+    """The native data plane takes this block of bodies as it is: a 2-D byte array whose rows are each contiguous
+    and ``strides[0]`` apart (a view past the datagrams' envelopes too), no copy."""
+    return (_native is not None and bodies.dtype == np.uint8 and bodies.ndim == 2 and len(bodies) > 0
+            and bodies.strides[1] == 1 and bodies.strides[0] >= bodies.shape[1])
 
 
 def _values_finite(bodies: np.ndarray, length: int) -> bool:
     """No NaN or inf among the float32 values (``length`` bytes after each body's header) of a block: one native
     pass where the extension is built (numpy's check of unaligned float32 is several times slower)."""
-    span = _span(bodies) if _native is not None else None
-    if span is None:
+    if not _native_rows(bodies):
         return bool(np.isfinite(bodies[:, HEADER_SIZE : HEADER_SIZE + length].view(FLOAT32)).all())
-    return _native.first_nonfinite(span, HEADER_SIZE, bodies.strides[0], len(bodies), length) < 0
+    return _native.first_nonfinite(bodies, HEADER_SIZE, bodies.strides[0], len(bodies), length) < 0
 
 
 def _place(bodies: np.ndarray, dst: np.ndarray, at: int, length: int) -> bool:
     """Copy each body's values (``length`` bytes after its header) into ``dst`` (contiguous) from byte ``at`` on,
     one after the other, in one native pass; False (nothing copied) where the extension is not built or the block
     is not laid out for it, and numpy does it."""
-    span = _span(bodies) if _native is not None else None
-    if span is None:
+    if not _native_rows(bodies):
         return False
-    _native.place_rows(span, HEADER_SIZE, bodies.strides[0], len(bodies), length, dst, at, length)
+    _native.place_rows(bodies, HEADER_SIZE, bodies.strides[0], len(bodies), length, dst, at, length)
     return True
 
 
