@@ -26,6 +26,7 @@ VERIFY_MAX = 64  # request senders PINGed at once before they may enter the rout
 # of a random id in it that stops once the bucket holds this many contacts (alpha: enough to route through).
 # A full lookup per bucket, as a periodic refresh does, cost 800 RPCs per join at 1,000 nodes (sim dht).
 FILL = 1
+FILL_ALPHA = 1  # a fill lookup asks one contact at a time: it ends at the first answer from inside its bucket
 
 
 @dataclass(frozen=True, slots=True)

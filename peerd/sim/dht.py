@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..dht.core import DhtCore, Ping
+from ..dht.core import FILL_ALPHA, DhtCore, Ping
 from ..dht.lookup import SLOW_QUERY_S, Lookup
 from ..dht.reads import Enough, Owners, read_page, signed_part
 from ..dht.records import Record, location, merge_newest
@@ -260,8 +260,8 @@ class Node:
         self.request(bootstrap, PING, None, pinged)
 
     def fill(self, done: Callable[[], None]) -> None:
-        """DhtService.fill_buckets: after the lookup of its own id, a lookup of a random id in each farther
-        bucket, one after another, each ending once that bucket holds FILL contacts."""
+        """After the lookup of its own id, a lookup of a random id in each farther bucket, one after another,
+        each asking one contact at a time and ending once that bucket holds FILL contacts (DhtCore)."""
         todo = self.core.fill_targets(self.sim.rng)
         todo.reverse()
 
@@ -270,7 +270,7 @@ class Node:
                 done()
                 return
             index, target = todo.pop()
-            walk = Walk(self, target, FIND_NODE, target, step, enough=_Filled(self.core, index))
+            walk = Walk(self, target, FIND_NODE, target, step, enough=_Filled(self.core, index), alpha=FILL_ALPHA)
             walk.start()
 
         step()
@@ -311,7 +311,7 @@ class Walk:
                  "queries", "over", "found", "verified", "holders", "started")
 
     def __init__(self, node: Node, target: bytes, mtype: m.MsgType, body: bytes, done: Callable[..., None], *,
-                 settle: bool = False, enough: Enough | None = None) -> None:
+                 settle: bool = False, enough: Enough | None = None, alpha: int = ALPHA) -> None:
         self.node = node
         self.mtype = mtype
         self.body = body
@@ -320,7 +320,7 @@ class Walk:
         self.enough = enough
         now = node.net.now
         self.lookup: Lookup = node.core.start_lookup(
-            target, now, alpha=ALPHA, early=enough is not None, settle=settle
+            target, now, alpha=alpha, early=enough is not None, settle=settle
         )
         self.slow: set[bytes] = set()
         self.depth: dict[bytes, int] = {}
@@ -538,6 +538,7 @@ class DhtSim:
             net.call_at(start + (i + 0.5) * cfg.duration / cfg.lookups, self.read)
         net.run(until=start + cfg.duration)
         self._run_while(lambda: len(self.results) < cfg.lookups, net.now + 600.0, "the reads")
+        self._run_while(lambda: self.joins_done < cfg.peers + self.replaced, net.now + 600.0, "the last joins")
 
         n = len(self.alive)
         want = min(n - 1, K)
