@@ -20,6 +20,7 @@ import os
 import sys
 
 import atheris
+import numpy as np
 
 HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
@@ -166,6 +167,10 @@ def rows_only(fdp: atheris.FuzzedDataProvider, which: int) -> None:
     s_off, s_stride, s_size = layout(fdp, rows, length)
     src = buffer(fdp, s_size)
     n_rows, n_len = number(fdp, rows), number(fdp, length)
+    rows_of = src  # what the call takes: the buffer, or a 2-D view of contiguous rows cut out of it
+    if fdp.ConsumeBool() and rows and length and s_stride >= length and rows * s_stride <= s_size:
+        rows_of = np.frombuffer(src, np.uint8)[: rows * s_stride].reshape(rows, s_stride)[:, :length]
+        s_off = 0  # offsets count from the view's first byte
     if which == 5:
         fits = s_off >= 0 and s_stride >= length and s_off + max(0, rows - 1) * s_stride + length <= s_size
         exact = (n_rows, n_len) == (rows, length) and length % 4 == 0 and fits
@@ -179,13 +184,13 @@ def rows_only(fdp: atheris.FuzzedDataProvider, which: int) -> None:
         if exact and planted < rows:
             at = s_off + planted * s_stride + 4 * fdp.ConsumeIntInRange(0, length // 4 - 1)
             src[at + 2], src[at + 3] = bytes([src[at + 2][0] | 0x80]), bytes([src[at + 3][0] | 0x7F])
-        got = native.first_nonfinite(src, s_off, s_stride, n_rows, n_len)
+        got = native.first_nonfinite(rows_of, s_off, s_stride, n_rows, n_len)
         if exact and got != (planted if planted < rows else -1):
             raise AssertionError(f"first_nonfinite said {got}, row {planted} of {rows} holds the inf/NaN")
         return
     d_off, d_stride, d_size = layout(fdp, rows, length)
     dst = buffer(fdp, d_size)
-    native.place_rows(src, s_off, s_stride, n_rows, n_len, dst, d_off, d_stride)
+    native.place_rows(rows_of, s_off, s_stride, n_rows, n_len, dst, d_off, d_stride)
     for i in range(n_rows):
         a, b = s_off + i * s_stride, d_off + i * d_stride
         if bytes(dst[b : b + n_len]) != bytes(src[a : a + n_len]):
