@@ -383,6 +383,47 @@ def test_without_loss_nothing_is_fetched_and_a_lost_owner_ends_in_one_final() ->
     run_virtual(main)
 
 
+def test_a_member_that_missed_its_group_is_not_waited_for_and_does_not_leave_alone() -> None:
+    """Members 1 and 2 averaged in a group of 3 whose member 0 never knew it formed (it averaged alone): they
+    must not wait out the repair phase for shard 0, and member 0 must not end with its own vector while
+    they are still repairing (measured in CI before the fix: member 0 left alone, the others waited 33 s)."""
+    from .memnet import MemNet
+    from .test_dht_network import run_virtual
+
+    truth = np.random.default_rng(5).standard_normal(12_000).astype(np.float32)
+    held = _lossy_copies(truth, 3, np.random.default_rng(6))
+    own = np.random.default_rng(7).standard_normal(truth.size).astype(np.float32)
+
+    async def main() -> None:
+        net = MemNet(seed=8)
+        results: dict[int, object] = {}
+        took: dict[int, float] = {}
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await _swarm(nursery, net, 4)
+            ids = [n.identity.node_id for n in nodes[:3]]
+
+            async def one(i: int, vector, group: str, size: int, index: int, delay: float) -> None:
+                await trio.sleep(delay)
+                t0 = trio.current_time()
+                board = DhtBoard(nodes[i].sync, "run/0123456789abcdef", 11)
+                results[i] = await agree(board, ids[i], vector, group=group, size=size, index=index, state=b"",
+                                         repair_s=30, deadline_s=60, addr=nodes[i].addr,
+                                         members=ids if group else None, expect=3)
+                took[i] = trio.current_time() - t0
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(one, 0, own, "", 1, 0, 0.0)
+                for i in (1, 2):
+                    inner.start_soon(one, i, held[i], "0000cafe", 3, i, 1.0)  # a moment later
+            nursery.cancel_scope.cancel()
+        assert len({results[i].final for i in range(3)}) == 1
+        assert results[0].adopted  # it took the group's vector, not the other way round
+        assert max(took[1], took[2]) < 15  # not the 30 s repair phase
+
+    run_virtual(main)
+
+
 class _DeafBoard:
     """A board where this member sees another final but can never fetch it (its holder's blob is gone)."""
 

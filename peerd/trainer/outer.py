@@ -41,6 +41,7 @@ log = logging.getLogger("peerd.trainer.outer")
 
 OUTER_TTL_S = 600.0  # a round's records outlive the slowest member's agreement by far
 POLL_S = 0.25  # how often a member re-reads the round's records while it waits
+ALONE_SETTLE_S = 1.0  # a member that averaged alone reads this long before it may end with its own vector
 MAX_GROUP = 64  # members of one group (Moshpit's MAX_GROUP)
 MAX_LENGTH = 2**32 - 1  # elements (allreduce offsets are u32)
 SHA = 32
@@ -128,16 +129,19 @@ def winner(records: list[OuterRecord]) -> bytes | None:
     return min(holders, key=lambda h: (-len(holders[h]), -max(r.size for r in holders[h]), h))
 
 
-def agreed(me: OuterRecord, records: list[OuterRecord], *, patient: bool = True) -> bool:
+def agreed(me: OuterRecord, records: list[OuterRecord], *, patient: bool = True, expect: int = 1) -> bool:
     """Whether this member may end the step: it holds the winning final, and (``patient``: until half the
-    deadline) every member it has read has published a final and it equals this one. After that, members
-    that never publish a final (dead) are not waited for, and one that still holds another final is left to
-    adopt the winner itself (each member checks that it holds the winner; one that cannot raises)."""
-    if winner([*records, me]) != me.final:
+    deadline) every member it has read has published a final and it equals this one. After that, a member
+    that never publishes a final (dead) is no longer waited for, but this member's final must be held by a
+    strict majority of the members read, pending ones counted against it: a member that left its group (or
+    found none) must not leave with its own vector while the group is still repairing. ``expect``: how many
+    members (this one included) the round is known to have: a patient member waits until it has read them."""
+    others = [r for r in records if r.node != me.node]
+    if winner([*others, me]) != me.final:
         return False
     if patient:
-        return all(r.final == me.final for r in records if r.node != me.node)
-    return True
+        return 1 + len(others) >= expect and all(r.final == me.final for r in others)
+    return 2 * (1 + sum(r.final == me.final for r in others)) > 1 + len(others)
 
 
 class Board(Protocol):
@@ -165,8 +169,12 @@ class Agreement:
 
 async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, size: int, index: int,
                 state: bytes, repair_s: float, deadline_s: float, addr: Address | None = None,
+                members: list[bytes] | None = None, expect: int = 1,
                 clock: Callable[[], float] = trio.current_time) -> Agreement:
-    """Run both phases (module docstring) for this member's averaged ``vector``; raises OuterError."""
+    """Run both phases (module docstring) for this member's averaged ``vector``; raises OuterError.
+    ``members``: the group's node ids in its order, if known: an owner whose record names another group (it
+    left the group, or never knew it formed) is not waited for. ``expect``: how many members the round has
+    (e.g. the peers matchmaking saw): a member that averaged alone waits for them rather than end alone."""
     if not group:  # alone: a group of one owns every shard
         size, index = 1, 0
     data = bytearray(np.ascontiguousarray(vector, dtype=np.float32).tobytes())
@@ -184,6 +192,9 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
         while len(done) < size:
             records = await board.read()
             for r in records:
+                if members and len(members) == size and r.node in members and r.group != group:
+                    done.add(members.index(r.node))  # its own account has it outside the group: nothing to fetch
+                    continue
                 if r.group != group or r.size != size or r.length != length or r.index in done or r.node == node:
                     continue
                 if r not in repairs(data, me, [r]):
@@ -227,7 +238,8 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                     me = replace(me, final=win)
                     await board.publish(me)
                     continue
-        if agreed(me, records, patient=clock() - t0 < deadline_s / 2):
+        settled = bool(group) or clock() - t0 >= ALONE_SETTLE_S  # alone: give the others time to publish
+        if settled and agreed(me, records, patient=clock() - t0 < deadline_s / 2, expect=max(expect, size)):
             break
         if clock() - t0 > deadline_s:
             finals = sorted({r.final.hex()[:12] for r in records if r.final} | {me.final.hex()[:12]})

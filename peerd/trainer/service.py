@@ -416,7 +416,8 @@ class TrainerService:
             try:
                 agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
                                         state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
-                                        addr=board.addr)
+                                        addr=board.addr, members=[bytes.fromhex(h) for h in members] if group else None,
+                                        expect=min(64, max(1, int(getattr(result, "seen", 1) or 1))))
             except OuterError as e:
                 raise OpError(f"outer round {round_no}: {e}") from None
             finally:
