@@ -249,6 +249,37 @@ def test_a_joiner_gets_the_outer_state_by_state_sync(tmp_path) -> None:
         daemon.stop()
 
 
+def test_a_non_finite_outer_average_never_reaches_the_model(tmp_path) -> None:
+    averager = InProcessAverager(group_size=2, wait_s=10.0)
+    averager.poison = float("nan")  # every averaged result holds a NaN
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), averager)
+    try:
+        models = [model(0), model(0)]
+        opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=2,
+                       sync_state=False, state_every=0) for m in models]
+        replies: list[dict] = [{}, {}]
+
+        def worker(i: int) -> None:
+            for s in range(1, 3):
+                x, y = batch(i, s)
+                opts[i].zero_grad()
+                torch.nn.functional.cross_entropy(models[i](x), y).backward()
+                replies[i] = opts[i].step(samples=len(x))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for o, m, r in zip(opts, models, replies, strict=True):
+            assert r["outer"][0]["outcome"] == "failed"  # the daemon refused the average, kept the own delta
+            assert bool(torch.isfinite(o.global_params).all()) and bool(torch.isfinite(o.momentum).all())
+            assert bool(torch.isfinite(flat(m.parameters())).all())
+            o.close()
+    finally:
+        daemon.stop()
+
+
 def test_options_are_checked() -> None:
     m = model(0)
     with pytest.raises(NotImplementedError):
