@@ -1,0 +1,96 @@
+"""fp32, fp16 and bf16 bodies: raw little-endian values, no scales (protocol/codecs.md, "Float codecs").
+
+fp16 and bf16 halve the bytes with round-to-nearest-even; a finite float32 that would become infinite (fp16
+beyond 65504, bf16 beyond about 3.39e38) is refused at encode rather than sent as inf, and a decoded non-finite
+value is a malformed body: no member can poison an average with inf through a narrower codec.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import FLOAT32, Codec
+from .rounding import RoundingKey
+
+FLOAT16 = np.dtype("<f2")
+U16 = np.dtype("<u2")
+
+
+class Float32Codec(Codec):
+    """Today's encoding: the values' own bytes."""
+
+    name = "fp32"
+    wire_id = 0
+
+    def body_size(self, count: int) -> int:
+        return 4 * count
+
+    def _encode_rows(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
+        return values.astype(FLOAT32, copy=False).view(np.uint8)
+
+    def _decode_rows(self, bodies: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+        v = np.ascontiguousarray(bodies).view(FLOAT32).copy()
+        ok = np.isfinite(v).all(axis=1)
+        v[~ok] = 0.0
+        return v, ok
+
+
+class Float16Codec(Codec):
+    """IEEE binary16, round to nearest even."""
+
+    name = "fp16"
+    wire_id = 1
+
+    def body_size(self, count: int) -> int:
+        return 2 * count
+
+    def _encode_rows(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            h = values.astype(FLOAT16)
+        if not np.isfinite(h).all():
+            raise ValueError("fp16: refusing to encode a value beyond the fp16 range (it would be sent as inf)")
+        return h.view(np.uint8)
+
+    def _decode_rows(self, bodies: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+        v = np.ascontiguousarray(bodies).view(FLOAT16).astype(FLOAT32)
+        ok = np.isfinite(v).all(axis=1)
+        v[~ok] = 0.0
+        return v, ok
+
+
+def to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) of finite float32 values, rounded to nearest even."""
+    u = np.ascontiguousarray(values, dtype=FLOAT32).view(np.uint32)
+    r = (u >> np.uint32(16)) & np.uint32(1)
+    r += np.uint32(0x7FFF)
+    r += u
+    r >>= np.uint32(16)
+    return r.astype(U16)
+
+
+def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bits (exact: bf16 is float32's top half)."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(FLOAT32)
+
+
+class BFloat16Codec(Codec):
+    """bfloat16: float32's exponent range with 8 significant bits, round to nearest even."""
+
+    name = "bf16"
+    wire_id = 2
+
+    def body_size(self, count: int) -> int:
+        return 2 * count
+
+    def _encode_rows(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
+        bits = to_bf16_bits(values)
+        if ((bits & np.uint16(0x7F80)) == np.uint16(0x7F80)).any():
+            raise ValueError("bf16: refusing to encode a value that rounds to inf")
+        return bits.view(np.uint8)
+
+    def _decode_rows(self, bodies: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+        bits = np.ascontiguousarray(bodies).view(U16)
+        ok = ((bits & np.uint16(0x7F80)) != np.uint16(0x7F80)).all(axis=1)
+        v = from_bf16_bits(bits)
+        v[~ok] = 0.0
+        return v, ok
