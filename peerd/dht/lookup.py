@@ -87,17 +87,30 @@ class Lookup:
         return self._flying
 
     def next_queries(self) -> list[Contact]:
-        """Contacts to query now (marked in flight); empty when nothing more is worth asking."""
-        budget = self.width - self.in_flight()
-        chosen = []
-        for node_id in self._ranked():
-            if budget <= 0:
-                break
-            if self._state[node_id] is _State.NEW:
-                self._state[node_id] = _State.IN_FLIGHT
+        """Contacts to query now (marked in flight); empty when nothing more is worth asking.
+
+        The new ones among the k closest not failed or slow, walked in place (no ranked list is built:
+        this runs after every answer)."""
+        budget = self.width - self._flying
+        chosen: list[Contact] = []
+        if budget <= 0:
+            return chosen
+        state = self._state
+        ranked = 0
+        for _, node_id in self._order:
+            s = state[node_id]
+            if s is _State.FAILED or s is _State.SLOW:
+                continue
+            if s is _State.NEW:
+                state[node_id] = _State.IN_FLIGHT
                 self._flying += 1
                 chosen.append(self._contacts[node_id])
                 budget -= 1
+                if budget <= 0:
+                    break
+            ranked += 1
+            if ranked == self.k:
+                break
         return chosen
 
     def on_reply(self, node_id: bytes, nodes: list[Contact]) -> None:
@@ -126,9 +139,21 @@ class Lookup:
 
     @property
     def finished(self) -> bool:
-        if self.in_flight():
+        """Nothing in flight, and each of the k closest not failed or slow has answered."""
+        if self._flying:
             return False
-        return all(self._state[n] is _State.ANSWERED for n in self._ranked())
+        state = self._state
+        ranked = 0
+        for _, node_id in self._order:
+            s = state[node_id]
+            if s is _State.FAILED or s is _State.SLOW:
+                continue
+            if s is not _State.ANSWERED:
+                return False
+            ranked += 1
+            if ranked == self.k:
+                break
+        return True
 
     @property
     def settled(self) -> bool:
