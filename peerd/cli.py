@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of vectors, weights and loss (default 0)")
     b.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
                    help="norm clipping at each shard owner, to time what it costs (default off)")
+    b.add_argument("--profile", action="store_true",
+                   help="add CPU seconds per daemon by stage (seal, open, receive, syscalls, ...) to the JSON")
+    _link_args(b)
     b.add_argument("--json", action="store_true", help="print JSON")
     b = bench.add_parser("moshpit", help="N daemons average random vectors by Moshpit rounds; deviation per round")
     b.add_argument("--peers", type=int, default=16, metavar="N", help="daemons in the swarm (default 16)")
@@ -214,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the --byzantine daemons corrupt their contributions (default nan)")
     p.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
                    help="robust aggregation every trainer asks for (default off)")
+    _link_args(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
     p = sub.add_parser("train", help="one collaborative trainer (MLP on digits) beside its daemon (needs torch)")
@@ -428,6 +432,41 @@ def cmd_swarm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run_swarm(args.peers, base_port=args.base_port, workdir=args.dir, as_json=args.json)
 
 
+def _link_rate(text: str) -> str:
+    from .lab.links import parse_rate
+
+    try:
+        parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _link_args(p: argparse.ArgumentParser) -> None:
+    """--link / --link-loss: every peer in its own network namespace on a shaped, lossy link (root)."""
+    p.add_argument("--link", type=_link_rate, metavar="RATE",
+                   help="run each peer in its own network namespace on a link shaped at RATE both ways "
+                        "(tc tbf; 100mbit, 1gbit, 500kbit); needs root, ip, tc, nft and ethtool")
+    p.add_argument("--link-loss", type=float, default=0.0, metavar="P",
+                   help="with --link: the kernel drops P of each peer's incoming packets at random, every "
+                        "protocol (nftables); --loss then drops in the daemon on top, independently (default 0)")
+
+
+def _check_link_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if not 0.0 <= args.link_loss < 1.0:
+        parser.error("--link-loss must be in [0, 1)")
+    if args.link_loss and not args.link:
+        parser.error("--link-loss needs --link RATE")
+    if args.link and getattr(args, "mtu", 0) > 1472:
+        parser.error("--mtu above 1472 is refused with --link: nothing may rely on IP fragmentation")
+    if args.link:
+        from .lab.links import lab_unavailable
+
+        why = lab_unavailable()
+        if why:
+            parser.error(f"--link: {why}")
+
+
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.bench_command == "moshpit":
         return cmd_bench_moshpit(args, parser)
@@ -447,10 +486,11 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--loss must be in [0, 1)")
     if not 576 <= args.mtu <= 65507:
         parser.error("--mtu must be between 576 and 65507 bytes")
+    _check_link_args(args, parser)
     cfg = AllreduceBenchConfig(
         peers=args.peers, size=args.size, repeat=args.repeat, loss=args.loss, mtu=args.mtu,
         insecure=args.insecure, no_gso=args.no_gso, compare_gloo=args.compare_gloo, seed=args.seed,
-        robust=args.robust,
+        robust=args.robust, link=args.link, link_loss=args.link_loss, profile=args.profile,
     )
     result = run_allreduce_bench(cfg, quiet=False)
     if args.json:
@@ -458,6 +498,9 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         print(f"peerd: {result['peerd_s']:.3f} s median over {cfg.repeat} averages of {cfg.size} float32 "
               f"among {cfg.peers} daemons (mtu {cfg.mtu}, loss {cfg.loss})")
+        if "link_rate" in result:
+            print(f"links: {result['link_rate']}, link loss {cfg.link_loss} (nftables dropped "
+                  f"{result['link_drop_fraction']:.4f}), utilization {result['link_utilization']:.3f}")
         if "gloo_s" in result:
             print(f"gloo:  {result['gloo_s']:.3f} s   ratio peerd/gloo = {result['ratio']:.2f}")
         print(f"received fraction {result['received_fraction']:.4f}, kernel drops {result['kernel_drops']}, "
@@ -508,10 +551,12 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--micro must be in [1, 32]")
     if not 0 <= args.byzantine < args.peers:
         parser.error("--byzantine must be in [0, --peers): at least one peer must be honest")
+    _check_link_args(args, parser)
     cfg = DemoConfig(peers=args.peers, steps=args.steps, loss=args.loss, compute_jitter=args.compute_jitter,
                      dropcompute=args.dropcompute, seed=args.seed, average_every=args.average_every, json=args.json,
                      keep_rounds=args.keep_rounds, micro=args.micro, byzantine=args.byzantine,
-                     byzantine_mode=args.byzantine_mode, robust=args.robust)
+                     byzantine_mode=args.byzantine_mode, robust=args.robust, link=args.link,
+                     link_loss=args.link_loss)
     try:
         summary = run_demo(cfg, log=lambda *a, **k: print(*a, **k, flush=True))  # progress as it happens, even piped
     except RuntimeError as e:

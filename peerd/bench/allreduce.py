@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..lab.links import PEER_IF, LinkLab, QdiscStats
 from ..localsock.client import DaemonError
 from ..swarm import LocalSwarm, Node
 from .vectors import seeded_vector
@@ -38,6 +39,8 @@ class AllreduceBenchConfig:
     compare_gloo: bool = False
     seed: int = 0
     robust: str = "off"  # off | clip[:C] | centered[:C]: norm clipping at each shard owner (robust.py)
+    link: str | None = None  # a link lab (root): every peer in its own namespace on a link shaped at this rate
+    link_loss: float = 0.0  # ... which drops this fraction of what arrives at each peer (nftables, all protocols)
     # CPU seconds per daemon by stage of the data path (seal, open, pack, finalize, syscalls, ...) in the JSON;
     # PEERD_BENCH_PROFILE=1 turns it on too (for a CLI without --profile)
     profile: bool = False
@@ -57,20 +60,26 @@ def _free_port() -> int:
 class GlooBaseline:
     """N torch.distributed gloo ranks that stay up across repeats, each run triggered over stdin."""
 
-    def __init__(self, cfg: AllreduceBenchConfig, seeds: list[int], weights: list[float]) -> None:
+    def __init__(self, cfg: AllreduceBenchConfig, seeds: list[int], weights: list[float],
+                 lab: LinkLab | None = None) -> None:
         try:
             import torch  # noqa: F401
         except ImportError:
             raise DaemonError("--compare-gloo needs torch: pip install 'peerd[torch]' (torch==2.13.0)") from None
-        port = _free_port()
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "peerd.bench.gloo_worker", str(r), str(cfg.peers), str(port),
-                 str(cfg.size), str(seeds[r]), str(weights[r])],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            )
-            for r in range(cfg.peers)
-        ]
+        # In a lab, rank r runs in peer r's namespace and rank 0's store listens on peer 0's lab address (a fresh
+        # namespace: the port is free); gloo binds the lab interface, so its TCP crosses the same links.
+        port = 29500 if lab is not None else _free_port()
+        env = dict(os.environ)
+        if lab is not None:
+            env.update(MASTER_ADDR=lab.addr(0), GLOO_SOCKET_IFNAME=PEER_IF)
+
+        def start(r: int) -> subprocess.Popen:
+            argv = [sys.executable, "-m", "peerd.bench.gloo_worker", str(r), str(cfg.peers), str(port),
+                    str(cfg.size), str(seeds[r]), str(weights[r])]
+            kw: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
+            return lab.popen(r, argv, **kw) if lab is not None else subprocess.Popen(argv, **kw)
+
+        self.procs = [start(r) for r in range(cfg.peers)]
         for p in self.procs:
             if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                 self.close()
@@ -119,7 +128,19 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
     if cfg.no_gso:
         extra.append("--no-gso")
     profile = cfg.profile or os.environ.get("PEERD_BENCH_PROFILE", "") == "1"
-    swarm = LocalSwarm(os.path.join(workdir, "swarm"), insecure=cfg.insecure, metrics=False)
+    lab: LinkLab | None = None
+    try:
+        if cfg.link:
+            lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss)
+            _progress(f"building a link lab: {cfg.peers} namespaces at {cfg.link}, link loss {cfg.link_loss} ...",
+                      quiet)
+            lab.start()  # LabError (not root, a tool missing) before anything else starts; it cleans up itself
+        swarm = LocalSwarm(os.path.join(workdir, "swarm"), insecure=cfg.insecure, metrics=False, lab=lab)
+    except BaseException:
+        if lab is not None:
+            lab.close(raise_errors=False)
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
     gloo: GlooBaseline | None = None
     try:
         _progress(f"starting {cfg.peers} daemons ...", quiet)
@@ -132,7 +153,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         members = [[pid, host, int(port)] for pid, host, port in members]
         if cfg.compare_gloo:
             _progress("starting gloo workers ...", quiet)
-            gloo = GlooBaseline(cfg, seeds, weights)
+            gloo = GlooBaseline(cfg, seeds, weights, lab)
         exact = _exact_mean(seeds, weights, cfg.size)
         peerd_times: list[float] = []
         gloo_times: list[float] = []
@@ -140,15 +161,20 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         errors: list[float] = []
         biases: list[float] = []
         rmses: list[float] = []
+        uplink_bytes: list[int] = []  # bytes every peer's uplink tbf sent during the peerd averages (lab only)
+        if lab is not None:
+            lab.reset_counters()  # the drop fraction below covers the averages, not the daemons' startup
         pool = ThreadPoolExecutor(max_workers=cfg.peers)
         for r in range(cfg.repeat):
             group = rng.getrandbits(32)
             list(pool.map(lambda i, g=group: nodes[i].call(
                 "bench_prepare", timeout=600, group_id=g, members=members, index=i, seed=seeds[i],
                 size=cfg.size, weight=weights[i], robust=cfg.robust, profile=profile), range(cfg.peers)))
+            up_before = _uplinks(lab)
             t0 = time.time()
             replies = list(pool.map(lambda n, g=group: n.call("bench_run", timeout=600, group_id=g), nodes))
             elapsed = max(rep["done_at"] for rep in replies) - t0
+            uplink_bytes += [a.bytes - b.bytes for a, b in zip(_uplinks(lab), up_before, strict=True)]
             peerd_times.append(elapsed)
             runs.extend(replies)
             for i, node in enumerate(nodes):
@@ -211,11 +237,13 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             # calls per daemon per average by stage: CPU per call tells per-call cost from per-byte cost
             out["profile_calls"] = {k: round(statistics.mean(rep.get("stage_calls", {}).get(k, 0) for rep in runs))
                                     for k in stages if k != "other"}
-        if cfg.loss == 0:
+        if cfg.loss == 0 and cfg.link_loss == 0:
             out["max_abs_err"] = max(errors)
         # Also without --loss: real loss (a namespace's nftables or tc) is measured by these.
         out["bias"] = statistics.mean(biases)
         out["rmse"] = statistics.mean(rmses)
+        if lab is not None:
+            out.update(_link_fields(lab, cfg, peerd_times, uplink_bytes))
         if gloo is not None:
             out["gloo_s"] = statistics.median(gloo_times)
             out["gloo_s_all"] = [round(t, 6) for t in gloo_times]
@@ -225,7 +253,34 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         if gloo is not None:
             gloo.close()
         swarm.stop()
+        if lab is not None:
+            lab.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _uplinks(lab: LinkLab | None) -> list[QdiscStats]:
+    return [lab.qdisc_stats(i)["up"] for i in range(lab.peers)] if lab is not None else []
+
+
+def _link_fields(lab: LinkLab, cfg: AllreduceBenchConfig, peerd_times: list[float],
+                 uplink_bytes: list[int]) -> dict[str, Any]:
+    """The lab's share of the JSON: its parameters, what its counters saw, how full peerd kept the links."""
+    counters = [lab.counters(i) for i in range(lab.peers)]
+    seen = sum(c.seen for c in counters)
+    dropped = sum(c.dropped for c in counters)
+    wire_s = sum(peerd_times) * lab.peers  # peer-seconds of uplink during the averages
+    return {
+        "link_rate": lab.describe()["link_rate"],
+        "link_loss": cfg.link_loss,
+        "link_tbf": {"burst_bytes": lab.tbf.burst_bytes, "limit_bytes": lab.tbf.limit_bytes,
+                     "queue_ms": lab.tbf.queue_ms},
+        # What nftables dropped of everything that arrived on the links (peerd's and, with --compare-gloo,
+        # gloo's packets): the realized link loss, next to the configured one.
+        "link_drop_fraction": dropped / seen if seen else 0.0,
+        "link_packets_seen": seen,
+        # Wire bytes (Ethernet frames, as tbf counts them) over rate x time, every uplink over every average.
+        "link_utilization": sum(uplink_bytes) * 8 / (lab.rate_bps * wire_s) if wire_s > 0 else 0.0,
+    }
 
 
 def parse_size(text: str) -> int:
