@@ -1,0 +1,241 @@
+"""arc-topk building blocks: sketch, per-shard selection agreed under loss, selection bodies, EF21M replay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peerd.allreduce import codec as tensor_codec
+from peerd.compress import CodecError, codec
+from peerd.compress.topk import EF21M, TopKLayout, ratio_formula
+from peerd.wire.envelope import HEADER_SIZE as ENVELOPE_SIZE
+from peerd.wire.seal import TAG_SIZE
+
+from .test_codecs import bytes_sent_per_peer
+
+SHAPES = ((40, 9), (17,), (3, 5, 2), (), (25, 3), (0, 4))
+
+
+def layout(n: int = 4, ratio: float = 0.25, shapes=SHAPES) -> TopKLayout:
+    return TopKLayout(shapes, n, ratio)
+
+
+def test_layout_partitions_rows_and_fixes_dense_sizes():
+    for n in (1, 2, 3, 4, 7):
+        lay = layout(n)
+        assert lay.rows == 40 + 3 + 25 and lay.whole_length == 17 + 1
+        covered = []
+        for j in range(n):
+            lo, hi = lay.row_shard(j)
+            assert sum(p.hi - p.lo for p in lay.pieces(j)) == hi - lo
+            assert all(p.k == -(-(p.hi - p.lo) // 4) for p in lay.pieces(j))
+            covered.append(lay.shard_elements(j))
+            assert lay.dense_shard(j)[1] - lay.dense_shard(j)[0] == lay.dense_size(j)
+        allidx = np.sort(np.concatenate(covered))
+        assert np.array_equal(allidx, np.arange(lay.length))  # every element in exactly one shard
+        assert lay.dense_shard(n - 1)[1] == lay.dense_length
+
+
+def test_sketch_is_g_v_with_a_shared_pm1_matrix():
+    lay = layout()
+    x = np.random.default_rng(0).standard_normal(lay.length).astype(np.float32)
+    s = lay.sketch(x, 7, 3).reshape(-1, 4)
+    v = lay.sketch_matrix(7, 3, 0)
+    assert set(np.unique(v).tolist()) == {-1.0, 1.0} and v.shape == (9, 4)
+    assert np.allclose(s[:40], x[:360].reshape(40, 9) @ v)
+    assert np.allclose(s[40:43], x[377:407].reshape(3, 10) @ lay.sketch_matrix(7, 3, 2))
+    assert np.array_equal(v, TopKLayout(SHAPES, 2, 0.5).sketch_matrix(7, 3, 0))  # shared: run and round only
+    assert not np.array_equal(v, lay.sketch_matrix(7, 4, 0))
+
+
+def test_select_takes_the_top_rows_of_each_piece():
+    lay = layout(3)
+    sk = np.random.default_rng(1).standard_normal(lay.sketch_length).astype(np.float32)
+    for j in range(3):
+        lo, hi = lay.sketch_shard(j)
+        sel = lay.select(j, sk[lo:hi])
+        score = (sk[lo:hi].reshape(-1, 4).astype(np.float64) ** 2).sum(1)
+        at = 0
+        for p, rows in zip(lay.pieces(j), sel, strict=True):
+            sc = score[at : at + p.hi - p.lo]
+            chosen = rows - p.lo
+            assert len(rows) == p.k and (np.diff(rows) > 0).all()
+            rest = np.setdiff1d(np.arange(p.hi - p.lo), chosen)
+            assert len(rest) == 0 or sc[chosen].min() >= sc[rest].max()
+            at += p.hi - p.lo
+
+
+def test_planted_rows_are_found():
+    lay = TopKLayout(((200, 64),), 4, 0.05)
+    rng = np.random.default_rng(2)
+    g = rng.standard_normal((200, 64)).astype(np.float32) * 0.1
+    planted = np.array([3, 60, 61, 120, 199])
+    g[planted] *= 50
+    sk = lay.sketch(g.reshape(-1), 1, 1)
+    got = np.concatenate([lay.select(j, sk[slice(*lay.sketch_shard(j))])[0] for j in range(4)])
+    assert set(planted) <= set(got.tolist())
+
+
+def test_selection_bodies_roundtrip_and_refuse_malformed():
+    lay = layout(3)
+    sk = np.random.default_rng(3).standard_normal(lay.sketch_length).astype(np.float32)
+    for j in range(3):
+        sel = lay.select(j, sk[slice(*lay.sketch_shard(j))])
+        body = lay.encode_selection(j, sel)
+        assert len(body) == lay.selection_size(j)
+        back = lay.decode_selection(j, body)
+        assert all(np.array_equal(a, b) for a, b in zip(sel, back, strict=True))
+        with pytest.raises(CodecError):
+            lay.decode_selection(j, body[:-1])
+        with pytest.raises(CodecError):
+            lay.decode_selection(j, body + b"\0")
+        flipped = bytearray(body)
+        flipped[0] ^= 1  # one row more or fewer in the first piece
+        with pytest.raises(CodecError):
+            lay.decode_selection(j, bytes(flipped))
+        lo, hi = lay.row_shard(j)
+        if (hi - lo) % 8:
+            pad = bytearray(body)
+            pad[-1] |= 0x80
+            with pytest.raises(CodecError):
+                lay.decode_selection(j, bytes(pad))
+
+
+@settings(max_examples=200, deadline=None)
+@given(j=st.integers(0, 2), data=st.binary(max_size=12))
+def test_fuzz_selection_bodies(j, data):
+    lay = layout(3)
+    try:
+        sel = lay.decode_selection(j, data)
+    except CodecError:
+        return
+    for p, rows in zip(lay.pieces(j), sel, strict=True):
+        assert len(rows) == p.k and ((rows >= p.lo) & (rows < p.hi)).all()
+
+
+def test_selection_agreed_under_loss():
+    """Four members, 30 % loss on every datagram but the owner's own: sketch reduce-scatter, owner selects and
+    sends its selection, dense reduce-scatter and all-gather. Every member that holds a selection holds the
+    owner's; one that lost it sends nothing for that shard and keeps its own values; every averaged row is the
+    weighted mean of exactly the contributions that arrived."""
+    n, lay = 4, layout(4, 0.2)
+    rng = np.random.default_rng(4)
+    for rnd in range(20):
+        xs = [rng.standard_normal(lay.length).astype(np.float32) for _ in range(n)]
+        w = rng.uniform(0.5, 2.0, n)
+        arrive = rng.random((n, n, 3)) >= 0.3  # [sender, receiver, phase]
+        arrive[np.arange(n), np.arange(n), :] = True
+        sketches = [lay.sketch(x, 9, rnd) for x in xs]
+        results = [x.copy() for x in xs]
+        for j in range(n):
+            sl = slice(*lay.sketch_shard(j))
+            senders = [i for i in range(n) if arrive[i, j, 0]]
+            avg_sk = sum(w[i] * sketches[i][sl] for i in senders) / w[senders].sum()
+            sel = lay.select(j, avg_sk.astype(np.float32))
+            body = lay.encode_selection(j, sel)
+            known = {}
+            for i in range(n):
+                if arrive[j, i, 1]:
+                    known[i] = lay.decode_selection(j, body)
+                    assert all(np.array_equal(a, b) for a, b in zip(known[i], sel, strict=True))
+            contrib = [i for i in known if arrive[i, j, 2]]  # dense RS: only members that know the rows
+            assert j in contrib
+            dense = sum(w[i] * lay.gather(xs[i], j, known[i]) for i in contrib) / w[contrib].sum()
+            idx = lay.dense_index(j, sel)
+            exact = sum(w[i] * xs[i][idx].astype(np.float64) for i in contrib) / w[contrib].sum()
+            assert np.allclose(dense, exact, rtol=1e-5, atol=1e-6)
+            for i in known:
+                if i == j or arrive[j, i, 2]:  # dense AG (reusing the phase draw for the way back)
+                    lay.scatter(results[i], j, known[i], dense.astype(np.float32))
+            for i in set(range(n)) - set(known):
+                own = lay.shard_elements(j)
+                assert np.array_equal(results[i][own], xs[i][own])  # kept its own values
+
+
+def test_wire_ratio_6250x1000_at_ratio_0_1():
+    """4 peers, four 6250 x 1000 matrices (25M elements), ratio 0.1, fp32 values, 1200-byte sealed datagrams:
+    sketch reduce-scatter + selection bodies (3 copies to each member) + dense reduce-scatter and all-gather,
+    over the dense fp32 all-reduce of the same vector."""
+    n = 4
+    lay = TopKLayout(((6250, 1000),) * 4, n, 0.1)
+    overhead = ENVELOPE_SIZE + TAG_SIZE + tensor_codec.HEADER_SIZE
+    fp32 = codec("fp32")
+    per = fp32.max_count(1200 - overhead)
+
+    def stream(elements: int) -> int:
+        full, tail = divmod(elements, per)
+        return full * 1200 + (overhead + 4 * tail if tail else 0) + tensor_codec.END_REPEATS * overhead
+
+    me = 0
+    sent = sum(stream(lay.sketch_shard(j)[1] - lay.sketch_shard(j)[0]) for j in range(n) if j != me)
+    assert lay.selection_size(me) <= 1200 - overhead
+    sent += (n - 1) * 3 * (overhead + lay.selection_size(me))
+    sent += sum(stream(lay.dense_size(j)) for j in range(n) if j != me) + (n - 1) * stream(lay.dense_size(me))
+    ratio = sent / bytes_sent_per_peer(fp32, lay.length, n, 1200)
+    assert 0.1 < ratio <= 0.11, ratio
+    assert abs(ratio - ratio_formula(lay)) < 0.002
+
+
+# ---- EF21M ---------------------------------------------------------------------------------------------
+
+
+def reference_replay(grads, sends, gots, avgs, stales, eta):
+    """The update rule written out element by element (float32 scalars, same operation order)."""
+    f = np.float32
+    h = e = u = None
+    vs, us = [], []
+    for g, sent, got, avg, stale in zip(grads, sends, gots, avgs, stales, strict=True):
+        if h is None:
+            h, e, u = list(g), [f(0)] * len(g), [f(0)] * len(g)
+        else:
+            h = [f(hi * (f(1) - f(eta))) + f(f(eta) * gi) for hi, gi in zip(h, g, strict=True)]
+        v = [f(hi - ei) for hi, ei in zip(h, e, strict=True)]
+        for k in range(len(g)):
+            if sent[k]:
+                e[k] = f(e[k] + v[k])
+            if got[k]:
+                u[k] = f(u[k] + avg[k])
+            if (sent[k] and not got[k]) or stale[k]:
+                u[k] = e[k]
+        vs.append(np.array(v, np.float32))
+        us.append(np.array(u, np.float32))
+    return vs, us
+
+
+def test_ef21m_matches_a_reference_replay():
+    rng = np.random.default_rng(5)
+    size, rounds, eta = 60, 25, 0.2
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(rounds)]
+    sends = [rng.random(size) < 0.4 for _ in range(rounds)]
+    stales = [(rng.random(size) < 0.1) & ~s for s in sends]
+    gots = [s & (rng.random(size) < 0.8) for s in sends]
+    avgs = [rng.standard_normal(size).astype(np.float32) for _ in range(rounds)]
+    ref_v, ref_u = reference_replay(grads, sends, gots, avgs, stales, eta)
+    ef = EF21M(eta)
+    for r in range(rounds):
+        v = ef.begin(grads[r], key="k")
+        assert np.array_equal(v, ref_v[r])
+        u = ef.finish(v, sent=sends[r], got=gots[r], avg=avgs[r], stale=stales[r])
+        assert np.array_equal(u, ref_u[r])
+
+
+def test_ef21m_without_loss_tracks_the_mean_and_resets():
+    """With no loss every member's u equals the mean of the members' e (the EF21 invariant), and a new key
+    (layout or group change) starts over."""
+    n, size = 3, 50
+    rng = np.random.default_rng(6)
+    efs = [EF21M(0.3) for _ in range(n)]
+    for _ in range(10):
+        vs = [ef.begin(rng.standard_normal(size).astype(np.float32), key=("L", 1)) for ef in efs]
+        sent = rng.random(size) < 0.3
+        mean_cv = np.mean([np.where(sent, v, 0) for v in vs], axis=0).astype(np.float32)
+        us = [ef.finish(v, sent=sent, got=sent, avg=mean_cv) for ef, v in zip(efs, vs, strict=True)]
+        assert all(np.array_equal(us[0], u) for u in us)
+        assert np.allclose(us[0], np.mean([ef.e for ef in efs], axis=0), atol=1e-5)
+    g = rng.standard_normal(size).astype(np.float32)
+    v = efs[0].begin(g, key=("L", 2))
+    assert np.array_equal(v, g) and not efs[0].u.any() and not efs[0].e.any()
+    with pytest.raises(ValueError):
+        EF21M(0.0)
