@@ -40,6 +40,7 @@ from .optimizer import Optimizer
 log = logging.getLogger("peerd.torch.diloco")
 
 DILOCO_FORMAT = "peerd-diloco-v1"
+HISTORY = 10_000  # outer steps remembered in DiLoCo.history
 
 
 class DiLoCoError(RuntimeError):
@@ -124,7 +125,8 @@ class DiLoCo(Optimizer):
         self.momentum = torch.zeros(self.elems, dtype=torch.float32)
         self.samples_since = [0.0] * fragments  # averaging weight of each fragment's next outer step
         self.outer_steps = 0
-        self.history: list[dict[str, Any]] = []  # per outer step: step, fragment, sha of the state after it
+        self.history: list[dict[str, Any]] = []  # the last HISTORY outer steps: step, fragment, state sha after it
+        self.outer_steps_of0 = 0
         self.outer_bytes = 0  # float32 bytes of pseudo-gradients this trainer handed to its daemon
         if sync_state:
             self.sync_state()
@@ -187,14 +189,10 @@ class DiLoCo(Optimizer):
         self.outcomes[reply["outcome"]] = self.outcomes.get(reply["outcome"], 0) + 1
         reply["seconds"] = time.monotonic() - t0
         self.last = reply
-        if outer and 0 in [o["fragment"] for o in outer] and self.outer_state_every \
-                and (self.outer_steps_of0 % self.outer_state_every == 0):
-            self.publish_state()
+        if any(o["fragment"] == 0 for o in outer) and self.outer_state_every \
+                and self.outer_steps_of0 % self.outer_state_every == 0:
+            self.publish_state()  # after fragment 0's step: a joiner starts a new cycle with the swarm
         return reply
-
-    @property
-    def outer_steps_of0(self) -> int:
-        return sum(1 for h in self.history if h["fragment"] == 0)
 
     def outer_step(self, fragment: int) -> dict[str, Any]:
         """Average fragment ``fragment``'s pseudo-gradient with the swarm and apply the outer rule to it."""
@@ -244,6 +242,8 @@ class DiLoCo(Optimizer):
                "agreed_members": reply.get("agreed_members", 1),
                "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": 0.0}
         self.history.append(out)
+        del self.history[:-HISTORY]
+        self.outer_steps_of0 += fragment == 0
         return out
 
     # -- state sync -------------------------------------------------------------------------------------

@@ -221,8 +221,9 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
         records = [r for r in await board.read() if r.length == length and r.node != node]
         last_view = records
         win = winner([*records, me])
-        log.debug("outer %s: mine %s win %s view %s", node.hex()[:6], me.final.hex()[:8], win and win.hex()[:8],
-                  [(r.node.hex()[:6], r.final.hex()[:8], r.group, r.index) for r in records])
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("outer %s: mine %s, winner %s, read %s", node.hex()[:6], me.final.hex()[:8],
+                      win.hex()[:8] if win else None, [(r.node.hex()[:6], r.final.hex()[:8], r.group) for r in records])
         if win is not None and win != me.final:
             holders = [r for r in records if r.final == win]
             try:
