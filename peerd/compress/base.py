@@ -104,10 +104,11 @@ class Codec(ABC):
         Raises CodecError when the block's width is not ``body_size(count)`` (the sizes are checked before
         anything is allocated); a row that fails the per-row checks comes back zero with ok False, so the
         caller drops and counts exactly that datagram."""
-        if not isinstance(count, int) or not 1 <= count <= MAX_COUNT:
+        if not isinstance(count, (int, np.integer)) or not 1 <= count <= MAX_COUNT:
             raise CodecError(f"element count {count!r} out of 1..{MAX_COUNT}")
         if bodies.ndim != 2 or bodies.dtype != np.uint8:
             raise CodecError(f"bodies must be a (rows, bytes) uint8 block, got {bodies.dtype} {bodies.shape}")
+        count = int(count)
         rows, size = bodies.shape
         want = self.body_size(count)
         if size != want:
