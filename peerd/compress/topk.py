@@ -120,11 +120,12 @@ class TopKLayout:
         self._cache[("pieces", j)] = out
         return out
 
+    @cached_property
+    def _by_tensor(self) -> dict[int, tuple[int, int, int, int]]:
+        return {m[0]: m for m in self.matrices}
+
     def _matrix(self, t: int) -> tuple[int, int, int, int]:
-        for m in self.matrices:
-            if m[0] == t:
-                return m
-        raise KeyError(t)
+        return self._by_tensor[t]
 
     def whole_shard(self, j: int) -> tuple[int, int]:
         """Bounds of shard j of the concatenated whole (1-D) tensors."""
@@ -136,14 +137,20 @@ class TopKLayout:
         lo, hi = self.whole_shard(j)
         return sum(p.k * self._matrix(p.tensor)[3] for p in self.pieces(j)) + hi - lo
 
+    @cached_property
+    def _dense_starts(self) -> list[int]:
+        starts = [0]
+        for j in range(self.n):
+            starts.append(starts[-1] + self.dense_size(j))
+        return starts
+
     def dense_shard(self, j: int) -> tuple[int, int]:
         """Bounds of dense shard j in the dense vector (the concatenation of the n dense shards)."""
-        start = sum(self.dense_size(i) for i in range(j))
-        return start, start + self.dense_size(j)
+        return self._dense_starts[j], self._dense_starts[j + 1]
 
     @property
     def dense_length(self) -> int:
-        return sum(self.dense_size(j) for j in range(self.n))
+        return self._dense_starts[-1]
 
     @property
     def sketch_length(self) -> int:
