@@ -156,6 +156,27 @@ def test_constant_groups_are_exact(name):
     assert np.array_equal(c.decode(c.encode(x, key=RoundingKey(0, 0, 0)), 40), x)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("group", [[70000.0, 70001.0, 90000.0], [-65504.0, 65504.0, 0.0], [1e-30, 2e-30, -1e-30],
+                                   [65504.0, 65504.0, 65504.0], [-1e-3, 9e5, 3.0]])
+def test_extreme_groups_stay_within_a_step(name, group):
+    """Groups at the edges of what fp16 scales and mins hold: still covered, still within one step (nearest:
+    half a step) of every value."""
+    x = np.array(group * 3, np.float32)
+    for rounding, bound in (("nearest", 0.5), ("stochastic", 1.0)):
+        c = codec(name, group=3, rounding=rounding)
+        body = c.encode(x, key=RoundingKey(0, 0, 0))
+        y = c.decode(body, len(x))
+        step = c.step(body, len(x))
+        assert (np.abs(y.astype(np.float64) - x) <= step * bound + 4e-7 * (np.abs(x) + step * c.levels)).all()
+
+
+def test_int4_range_beyond_fp16_scales_is_refused():
+    with pytest.raises(ValueError):  # 1e6 / 15 > 65504: no fp16 scale covers it
+        codec("int4").encode(np.array([0.0, 1e6], np.float32), key=RoundingKey(0, 0, 0))
+    codec("int8").encode(np.array([0.0, 1e6], np.float32), key=RoundingKey(0, 0, 0))  # 1e6 / 255 fits
+
+
 # ---- stochastic rounding: unbiased, at the rate the variance predicts ----------------------------------------
 
 
