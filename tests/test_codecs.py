@@ -261,6 +261,53 @@ def test_two_step_average_is_unbiased():
     assert np.mean((err / sem) ** 2) < 1.3
 
 
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4"])
+def test_two_step_over_the_layout_with_loss(name):
+    """The seam as the averaging core will use it, over the core's own Layout: each member encodes its datagram
+    ranges (reduce-scatter draws), 20 % of the bodies are lost, the owner decodes what arrived and keeps per
+    range the weighted mean of exactly those decoded contributions (its own always arrives), then encodes its
+    shard again (all-gather draws); a receiver that gets an all-gather body holds exactly the owner's own
+    result there, one that loses it keeps its own value."""
+    c = codec(name)
+    n, size = 4, 20_000
+    per = c.max_count(1200 - ENVELOPE_SIZE - TAG_SIZE - tensor_codec.HEADER_SIZE)
+    layout = Layout(size, n, per)
+    rng = np.random.default_rng(12)
+    xs = [vec(size, 30 + i) for i in range(n)]
+    w = np.array([1.0, 3.0, 2.0, 0.5], np.float32)
+    results = [x.copy() for x in xs]
+    for j in range(n):
+        start, stop = layout.shard(j)
+        owner = np.empty(stop - start, np.float32)
+        for k in range(layout.datagrams(j)):
+            off, cnt = layout.range(j, k)
+            total, wsum, arrived = np.zeros(cnt, np.float32), np.float32(0), []
+            for i in range(n):
+                body = c.encode(xs[i][off : off + cnt], key=RoundingKey(1, 77, i, PHASE_RS), offset=off)
+                assert len(body) == c.body_size(cnt) <= 1144
+                if i != j and rng.random() < 0.2:
+                    continue
+                arrived.append((i, c.decode(body, cnt)))
+                total += w[i] * arrived[-1][1]
+                wsum += w[i]
+            owner[off - start : off - start + cnt] = total / wsum
+            exact = sum(w[i] * d.astype(np.float64) for i, d in arrived) / sum(w[i] for i, _ in arrived)
+            assert np.allclose(owner[off - start : off - start + cnt], exact, rtol=1e-5, atol=1e-6)
+        key = RoundingKey(1, 77, j, PHASE_AG)
+        mine = c.roundtrip(owner, per, key=key, offset=start)
+        results[j][start:stop] = mine
+        for k, body in enumerate(c.encode_ranges(owner, per, key=key, offset=start)):
+            off, cnt = layout.range(j, k)
+            for i in range(n):
+                if i == j:
+                    continue
+                if rng.random() < 0.2:
+                    assert np.array_equal(results[i][off : off + cnt], xs[i][off : off + cnt])
+                    continue
+                results[i][off : off + cnt] = c.decode(body, cnt)
+                assert np.array_equal(results[i][off : off + cnt], mine[off - start : off - start + cnt])
+
+
 # ---- malformed bodies --------------------------------------------------------------------------------------
 
 
