@@ -510,10 +510,273 @@ done:
     return result;
 }
 
+/* ---- receiving: one pass over a UDP socket ---------------------------------------------------------- */
+
+#ifdef __linux__
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#define RECV_VLEN 64           /* messages per recvmmsg */
+#define RECV_CONTROL 64        /* control bytes per message: UDP_GRO and SO_RXQ_OVFL, an int and a u32 */
+#define RECV_MAX_ENTRIES 65536 /* max_datagrams is at most this */
+#define MERGE_PREFIX PREFIX_SIZE
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
+#ifndef SO_RXQ_OVFL
+#define SO_RXQ_OVFL 40
+#endif
+
+/* A source address as Python's socket module gives it: family, port and address bytes (flow info and scope
+ * id are not part of Python's (host, port), so they are not compared either). */
+typedef struct {
+    int family; /* AF_INET, AF_INET6, or 0: none Python would make a (host, port) of */
+    uint16_t port;
+    unsigned char addr[16];
+} Source;
+
+typedef struct {
+    Py_ssize_t start, size, row;
+    Source source;
+} Block;
+
+static void source_of(const struct sockaddr_storage *ss, socklen_t len, Source *out) {
+    memset(out, 0, sizeof(*out));
+    if (ss->ss_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)ss;
+        out->family = AF_INET;
+        out->port = ntohs(a->sin_port);
+        memcpy(out->addr, &a->sin_addr, 4);
+    } else if (ss->ss_family == AF_INET6 && len >= (socklen_t)sizeof(struct sockaddr_in6)) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)ss;
+        out->family = AF_INET6;
+        out->port = ntohs(a->sin6_port);
+        memcpy(out->addr, &a->sin6_addr, 16);
+    }
+}
+
+static int same_source(const Source *a, const Source *b) {
+    return a->family == b->family && a->port == b->port && memcmp(a->addr, b->addr, 16) == 0;
+}
+
+/* (host, port) as socket.recvmsg gives it (inet_ntop), or None for an address of another family. */
+static PyObject *source_tuple(const Source *s) {
+    char host[INET6_ADDRSTRLEN];
+    if (s->family == 0) return Py_NewRef(Py_None);
+    if (inet_ntop(s->family, s->addr, host, sizeof(host)) == NULL) return PyErr_SetFromErrno(PyExc_OSError);
+    return Py_BuildValue("(sI)", host, (unsigned int)s->port);
+}
+
+PyDoc_STRVAR(recv_batch_doc,
+"recv_batch(fd, arena, max_datagrams, slot) -> (blocks, used, datagrams, receives, drained, kernel_drops)\n"
+"--\n\n"
+"One receive pass over the non-blocking UDP socket ``fd`` with the GIL released: recvmmsg(MSG_DONTWAIT) into\n"
+"``arena`` (a writable memoryview), each message given ``slot`` bytes, then moved down to follow the previous one.\n"
+"It stops when the socket is empty (``drained``), at ``max_datagrams`` datagrams (GRO segments counted), or when\n"
+"less than ``slot`` bytes are left after the data. Consecutive receives from one source whose datagrams have one\n"
+"size and the same first 13 bytes (one stream) merge into one block, as UdpSocket.recv_blocks' Python loop does:\n"
+"``blocks`` is [(arena[start:start + size], (host, port), segment)], segment 0 for a single datagram.\n"
+"``used``: bytes of the arena used; ``receives``: messages received; ``kernel_drops``: the last SO_RXQ_OVFL count\n"
+"seen, or -1. ECONNREFUSED, EHOSTUNREACH and ENETUNREACH (ICMP errors) end the pass, not drained; any other error\n"
+"raises OSError (what was received before it is lost, as in the Python loop).");
+
+static PyObject *recv_batch(PyObject *module, PyObject *args) {
+    int fd;
+    PyObject *arena_obj;
+    Py_ssize_t max_datagrams, slot;
+    if (!PyArg_ParseTuple(args, "iOnn", &fd, &arena_obj, &max_datagrams, &slot)) return NULL;
+    if (fd < 0) {
+        PyErr_Format(PyExc_ValueError, "fd %d is not a file descriptor", fd);
+        return NULL;
+    }
+    if (max_datagrams < 1 || max_datagrams > RECV_MAX_ENTRIES) {
+        PyErr_Format(PyExc_ValueError, "max_datagrams %zd out of range 1..%d", max_datagrams, RECV_MAX_ENTRIES);
+        return NULL;
+    }
+    if (slot < 1 || slot > (Py_ssize_t)1 << 20) {
+        PyErr_Format(PyExc_ValueError, "slot %zd out of range 1..%d", slot, 1 << 20);
+        return NULL;
+    }
+    Py_buffer arena = {0};
+    if (PyObject_GetBuffer(arena_obj, &arena, PyBUF_WRITABLE) < 0) return NULL;
+    PyObject *result = NULL;
+    Block *blocks = NULL;
+    if (arena.len < slot) {
+        PyErr_Format(PyExc_ValueError, "an arena of %zd bytes holds no slot of %zd", arena.len, slot);
+        goto done;
+    }
+    /* Every message is at least one datagram: at most max_datagrams messages, so as many blocks. */
+    blocks = PyMem_RawMalloc(sizeof(Block) * (size_t)max_datagrams);
+    if (blocks == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    struct mmsghdr msgs[RECV_VLEN];
+    struct iovec iov[RECV_VLEN];
+    struct sockaddr_storage names[RECV_VLEN];
+    union {
+        struct cmsghdr align;
+        unsigned char buf[RECV_CONTROL];
+    } control[RECV_VLEN];
+    Py_ssize_t used = 0, datagrams = 0, receives = 0, nblocks = 0;
+    long long kernel_drops = -1;
+    int drained = 0, err = 0;
+    unsigned char *base = arena.buf;
+    Py_BEGIN_ALLOW_THREADS
+    while (datagrams < max_datagrams && arena.len - used >= slot) {
+        Py_ssize_t k = (arena.len - used) / slot;
+        if (k > RECV_VLEN) k = RECV_VLEN;
+        if (k > max_datagrams - datagrams) k = max_datagrams - datagrams;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            iov[i].iov_base = base + used + i * slot;
+            iov[i].iov_len = (size_t)slot;
+            memset(&msgs[i].msg_hdr, 0, sizeof(msgs[i].msg_hdr));
+            msgs[i].msg_hdr.msg_name = &names[i];
+            msgs[i].msg_hdr.msg_namelen = sizeof(names[i]);
+            msgs[i].msg_hdr.msg_iov = &iov[i];
+            msgs[i].msg_hdr.msg_iovlen = 1;
+            msgs[i].msg_hdr.msg_control = control[i].buf;
+            msgs[i].msg_hdr.msg_controllen = sizeof(control[i].buf);
+            msgs[i].msg_len = 0;
+        }
+        int n = recvmmsg(fd, msgs, (unsigned int)k, MSG_DONTWAIT, NULL);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) drained = 1;
+            else if (errno != ECONNREFUSED && errno != EHOSTUNREACH && errno != ENETUNREACH) err = errno;
+            break; /* EINTR too: the caller checks signals and passes again */
+        }
+        if (n > k) n = (int)k; /* never: the kernel fills at most k */
+        for (int i = 0; i < n; i++) {
+            struct msghdr *h = &msgs[i].msg_hdr;
+            Py_ssize_t size = (Py_ssize_t)msgs[i].msg_len;
+            if (size > slot) size = slot; /* never: a message is at most its iov */
+            Py_ssize_t segment = 0;
+            if (!(h->msg_flags & MSG_CTRUNC) && h->msg_controllen <= sizeof(control[i].buf)) {
+                for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c != NULL; c = CMSG_NXTHDR(h, c)) {
+                    size_t have = c->cmsg_len >= CMSG_LEN(0) ? c->cmsg_len - CMSG_LEN(0) : 0;
+                    if ((unsigned char *)CMSG_DATA(c) + have > control[i].buf + h->msg_controllen) break;
+                    if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+                        if (have >= 4) {
+                            int32_t v;
+                            memcpy(&v, CMSG_DATA(c), 4);
+                            segment = v;
+                        } else if (have >= 2) {
+                            uint16_t v;
+                            memcpy(&v, CMSG_DATA(c), 2);
+                            segment = v;
+                        }
+                    } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SO_RXQ_OVFL && have >= 4) {
+                        uint32_t v;
+                        memcpy(&v, CMSG_DATA(c), 4);
+                        kernel_drops = v;
+                    }
+                }
+            }
+            unsigned char *at = iov[i].iov_base; /* where it landed; it moves down to follow the data before it */
+            Source source;
+            source_of(&names[i], h->msg_namelen, &source);
+            Py_ssize_t row = (segment > 0 && segment < size) ? segment : size;
+            datagrams += row ? (size + row - 1) / row : 1;
+            receives++;
+            /* ``used`` has grown by at most ``slot`` per message before this one, so the destination is never
+             * past ``at``: the move goes down, over slots already moved, never over a later message's slot */
+            Py_ssize_t dest = used;
+            unsigned char *to = base + dest;
+            if (to != at && size > 0) memmove(to, at, (size_t)size);
+            if (nblocks > 0 && row) {
+                Block *last = &blocks[nblocks - 1];
+                Py_ssize_t prefix = row < MERGE_PREFIX ? row : MERGE_PREFIX;
+                if (last->row == row && last->size % row == 0 && last->start + last->size == dest
+                    && same_source(&last->source, &source) && memcmp(base + last->start, to, (size_t)prefix) == 0) {
+                    last->size += size;
+                    used += size;
+                    continue;
+                }
+            }
+            if (nblocks >= max_datagrams) { /* never: every message counts at least one datagram */
+                err = EOVERFLOW;
+                break;
+            }
+            blocks[nblocks].start = dest;
+            blocks[nblocks].size = size;
+            blocks[nblocks].row = row;
+            blocks[nblocks].source = source;
+            nblocks++;
+            used += size;
+        }
+        if (err) break;
+        if (n < k) { /* MSG_DONTWAIT: recvmmsg returns short only when the queue ran empty (or on an error, which
+                      * the next call reports) */
+            drained = 1;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    if (nblocks == 0 && !drained && PyErr_CheckSignals() < 0) goto done;
+    PyObject *list = PyList_New(nblocks);
+    if (list == NULL) goto done;
+    PyObject *prev_tuple = NULL;
+    const Source *prev = NULL;
+    for (Py_ssize_t i = 0; i < nblocks; i++) {
+        Block *b = &blocks[i];
+        PyObject *source;
+        if (prev != NULL && same_source(prev, &b->source)) {
+            source = Py_NewRef(prev_tuple);
+        } else {
+            source = source_tuple(&b->source);
+            if (source == NULL) {
+                Py_DECREF(list);
+                goto done;
+            }
+            prev_tuple = source;
+            prev = &b->source;
+        }
+        PyObject *data = PySequence_GetSlice(arena_obj, b->start, b->start + b->size);
+        if (data == NULL) {
+            Py_DECREF(source);
+            Py_DECREF(list);
+            goto done;
+        }
+        PyObject *item = PyTuple_New(3);
+        PyObject *seg = PyLong_FromSsize_t(b->size > b->row ? b->row : 0);
+        if (item == NULL || seg == NULL) {
+            Py_XDECREF(item);
+            Py_XDECREF(seg);
+            Py_DECREF(data);
+            Py_DECREF(source);
+            Py_DECREF(list);
+            goto done;
+        }
+        PyTuple_SET_ITEM(item, 0, data);
+        PyTuple_SET_ITEM(item, 1, source); /* the list keeps prev_tuple alive for the next block */
+        PyTuple_SET_ITEM(item, 2, seg);
+        PyList_SET_ITEM(list, i, item);
+    }
+    result = Py_BuildValue("(NnnnOL)", list, used, datagrams, receives, drained ? Py_True : Py_False, kernel_drops);
+done:
+    PyMem_RawFree(blocks);
+    PyBuffer_Release(&arena);
+    return result;
+}
+#endif /* __linux__ */
+
 static PyMethodDef module_methods[] = {
     {"frame_block", frame_block, METH_VARARGS, frame_block_doc},
     {"place_rows", place_rows, METH_VARARGS, place_rows_doc},
     {"first_nonfinite", first_nonfinite, METH_VARARGS, first_nonfinite_doc},
+#ifdef __linux__
+    {"recv_batch", recv_batch, METH_VARARGS, recv_batch_doc},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,6 +20,7 @@ import numpy as np
 import trio
 
 from ..wire.envelope import SEQ_OFFSET
+from ..wire.native import native
 from .caps import SocketCaps
 
 log = logging.getLogger("peerd.transport")
@@ -42,6 +43,11 @@ U32 = struct.Struct("=I")
 I32 = struct.Struct("=i")
 
 Address = tuple[str, int]
+# The C receive pass (dataplane.c recv_batch: recvmmsg, GRO and source parsing and the merging below, the GIL
+# released), where the extension is loaded and has it. PEERD_DATAPLANE=python (no extension at all) or
+# PEERD_NATIVE_RECV=0 (the receive pass alone, for A/B measurements) run the Python loop, the reference.
+NATIVE_RECV = (getattr(native, "recv_batch", None)
+               if sys.platform.startswith("linux") and os.environ.get("PEERD_NATIVE_RECV", "1") != "0" else None)
 
 
 @dataclass
@@ -68,7 +74,11 @@ def _set_buffer(sock: socket.socket, force_opt: int, opt: int, size: int) -> int
 
 class UdpSocket:
     def __init__(self, sock: socket.socket, *, gso: bool = True, buffer_bytes: int = WANT_BUFFER,
-                 arena_bytes: int = ARENA_BYTES) -> None:
+                 arena_bytes: int = ARENA_BYTES, native_receive: bool | None = None) -> None:
+        """``native_receive``: take receive passes with the C extension's recv_batch (None: where it is loaded;
+        True: required, ValueError without it; False: the Python loop)."""
+        if native_receive and NATIVE_RECV is None:
+            raise ValueError("native_receive: the native extension's recv_batch is not loaded")
         if arena_bytes < RECV_BUFFER:
             raise ValueError(f"arena_bytes must be at least {RECV_BUFFER}")
         self.sock = sock
@@ -102,6 +112,7 @@ class UdpSocket:
                                drained_flag=True,
                                rcvbuf=self.rcvbuf, sndbuf=self.sndbuf,
                                gso_segments=GSO_MAX_SEGMENTS if has_gso else 1)
+        self._native_recv = NATIVE_RECV if native_receive is None or native_receive else None
         self._arena = bytearray(arena_bytes)
         self._view = memoryview(self._arena)
         self._used = 0
@@ -162,6 +173,31 @@ class UdpSocket:
         consumer's per-block work (numpy calls) is paid once per many GRO receives. The views are valid
         until the next call: a consumer copies what it keeps.
         """
+        if self._native_recv is not None:
+            return await self._recv_blocks_native(max_datagrams)
+        return await self._recv_blocks_python(max_datagrams)
+
+    async def _recv_blocks_native(self, max_datagrams: int) -> list[tuple[memoryview, Address, int]]:
+        """recv_blocks by one C call per pass (recvmmsg with the GIL released; see _recv_blocks_python)."""
+        recv = self._native_recv
+        fd = self.sock.fileno()
+        view = self._view
+        limit = max(1, min(max_datagrams, 65536))
+        while True:
+            blocks, used, count, calls, drained, drops = recv(fd, view, limit, RECV_BUFFER)  # type: ignore[misc]
+            if drops >= 0:
+                self.kernel_drops = drops
+            if blocks:
+                self.drained = drained
+                self.received += count
+                self.receive_calls += calls
+                self.receive_passes += 1
+                self._used = used
+                return blocks
+            await trio.lowlevel.wait_readable(self.sock)
+
+    async def _recv_blocks_python(self, max_datagrams: int) -> list[tuple[memoryview, Address, int]]:
+        """The reference receive pass: one recvmsg_into per datagram or GRO block."""
         out: list[list] = []  # [start, size, source, row size]
         count = calls = 0
         drained = False
@@ -189,9 +225,10 @@ class UdpSocket:
                         last = out[-1]
                         # Append to the previous block: same source, same datagram size, the previous block's
                         # rows all full (its end is where this receive starts), the same first bytes (type,
-                        # token).
+                        # token; a row shorter than them: its bytes).
+                        n = MERGE_PREFIX if row >= MERGE_PREFIX else row
                         if (last[3] == row and last[1] % row == 0 and last[2] == source
-                                and view[last[0] : last[0] + MERGE_PREFIX] == view[used : used + MERGE_PREFIX]):
+                                and view[last[0] : last[0] + n] == view[used : used + n]):
                             last[1] += size
                             used += size
                             continue

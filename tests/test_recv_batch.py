@@ -1,0 +1,280 @@
+"""The C receive pass (peerd._dataplane._native.recv_batch) against the Python loop it replaces: the same traffic
+gives the same blocks, sources, segment sizes and counts (GRO blocks, IPv4 and IPv6, tiny and empty datagrams, the
+datagram and arena limits), and every bound is checked."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+import numpy as np
+import pytest
+import trio
+
+from peerd.transport.udp import NATIVE_RECV, RECV_BUFFER, UdpSocket
+
+pytestmark = pytest.mark.skipif(NATIVE_RECV is None, reason="the native extension (recv_batch) is not built")
+
+
+def _header(mtype: int, token: int) -> bytes:
+    return b"PD" + bytes([1, mtype, 0]) + token.to_bytes(8, "big")
+
+
+def _bind(family: int) -> socket.socket:
+    s = socket.socket(family, socket.SOCK_DGRAM)
+    s.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
+    return s
+
+
+def _has_ipv6() -> bool:
+    try:
+        _bind(socket.AF_INET6).close()
+        return True
+    except OSError:
+        return False
+
+
+FAMILIES = [socket.AF_INET] + ([socket.AF_INET6] if _has_ipv6() else [])
+
+
+def _traffic(rng: np.random.Generator) -> list[tuple[int, str, bytes | list[bytes]]]:
+    """(sender, kind, payload): GSO blocks of several streams (and a short last row), single datagrams of many sizes,
+    tiny ones (shorter than the merge prefix) and empty ones, from two senders, interleaved."""
+    plan: list[tuple[int, str, bytes | list[bytes]]] = []
+    a, b = _header(0x40, 1), _header(0x41, 7)
+    for step in range(40):
+        sender = int(rng.integers(0, 2))
+        kind = int(rng.integers(0, 6))
+        if kind == 0:  # a GSO block of one stream: rows of one size, sometimes a shorter last one
+            size = int(rng.integers(40, 1400))
+            rows = [a + rng.bytes(size - len(a)) for _ in range(int(rng.integers(2, 30)))]
+            if rng.integers(0, 2):
+                rows.append(a + rng.bytes(int(rng.integers(0, size - len(a)))))
+            plan.append((sender, "block", rows))
+        elif kind == 1:  # several single datagrams of one stream, one size: they merge
+            size = int(rng.integers(30, 1200))
+            for _ in range(int(rng.integers(1, 6))):
+                plan.append((sender, "one", b + rng.bytes(size - len(b))))
+        elif kind == 2:  # tiny: shorter than the 13 bytes merges compare
+            n = int(rng.integers(1, 13))
+            for _ in range(int(rng.integers(1, 4))):
+                plan.append((sender, "one", bytes([step % 3]) * n))
+        elif kind == 3:
+            plan.append((sender, "one", b""))
+        else:
+            plan.append((sender, "one", rng.bytes(int(rng.integers(1, 1500)))))
+    return plan
+
+
+async def _send(plan: list, senders: list[UdpSocket], dest: tuple) -> int:
+    count = 0
+    for sender, kind, payload in plan:
+        if kind == "block":
+            await senders[sender].send_many(payload, dest)  # type: ignore[arg-type]
+            count += len(payload)
+        else:
+            await senders[sender].sendto(payload, dest)  # type: ignore[arg-type]
+            count += 1
+    return count
+
+
+async def _passes(rx: UdpSocket, expected: int, limit: int) -> list[list[tuple[bytes, tuple, int]]]:
+    passes: list[list[tuple[bytes, tuple, int]]] = []
+    with trio.fail_after(10):
+        while rx.received < expected:
+            passes.append([(bytes(d), src, seg) for d, src, seg in await rx.recv_blocks(limit)])
+    return passes
+
+
+def _flat(passes: list[list[tuple[bytes, tuple, int]]]) -> list[tuple[bytes, tuple]]:
+    out = []
+    for p in passes:
+        for data, src, seg in p:
+            if seg:
+                out += [(data[i : i + seg], src) for i in range(0, len(data), seg)]
+            else:
+                out.append((data, src))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("limit", "arena"), [(4096, 16 * RECV_BUFFER), (7, 16 * RECV_BUFFER), (4096, 2 * RECV_BUFFER)])
+def test_native_and_python_passes_agree(family: int, limit: int, arena: int) -> None:
+    """The same traffic, queued whole, to a socket read by the C pass and one read by the Python loop: the same
+    passes (blocks, bytes, sources, segment sizes), the same counts; and the datagrams are the ones sent."""
+    async def main() -> None:
+        senders = [UdpSocket(_bind(family), buffer_bytes=4 << 20) for _ in range(2)]
+        native = UdpSocket(_bind(family), buffer_bytes=8 << 20, arena_bytes=arena, native_receive=True)
+        python = UdpSocket(_bind(family), buffer_bytes=8 << 20, arena_bytes=arena, native_receive=False)
+        try:
+            plan = _traffic(np.random.default_rng(limit + arena + family))
+            n = await _send(plan, senders, native.getsockname())
+            assert await _send(plan, senders, python.getsockname()) == n
+            await trio.sleep(0.05)
+            got_native = await _passes(native, n, limit)
+            got_python = await _passes(python, n, limit)
+            sent: list[tuple[bytes, tuple]] = []
+            for sender, kind, payload in plan:
+                src = senders[sender].getsockname()
+                sent += [(d, src) for d in payload] if kind == "block" else [(payload, src)]  # type: ignore[misc]
+            assert _flat(got_native) == sent
+            if limit >= 64:  # passes end at the same receive (the arena, or the socket running empty)
+                assert got_native == got_python
+                assert native.receive_passes == python.receive_passes
+            else:  # a recvmmsg of up to ``limit - taken`` receives may pass the limit by its GRO blocks' segments
+                assert _flat(got_python) == sent
+                assert len(got_native) > 1 and native.receive_passes == len(got_native)
+                assert all(sum(-(-len(d) // s) if s else 1 for d, _, s in p) <= 64 * limit for p in got_native)
+            assert native.received == python.received == n
+            assert native.receive_calls == python.receive_calls
+            if family == socket.AF_INET6:
+                assert all(len(src) == 2 and ":" in src[0] for _, src in sent)
+            if native.gro:
+                assert any(seg for p in got_native for _, _, seg in p)  # GRO blocks were received whole
+            assert native.kernel_drops == python.kernel_drops == 0
+            if limit >= 64:  # (7: whether the last pass ended at its limit or at the empty socket depends on where)
+                assert native.drained and python.drained
+        finally:
+            for s in [*senders, native, python]:
+                s.close()
+
+    trio.run(main)
+
+
+def test_a_pass_stops_at_its_limit_and_says_it_was_not_drained() -> None:
+    a, b = _bind(socket.AF_INET), _bind(socket.AF_INET)
+    b.setblocking(False)
+    try:
+        for i in range(30):
+            a.sendto(bytes([i]) * (20 + i), b.getsockname())
+        arena = memoryview(bytearray(4 * RECV_BUFFER))
+        blocks, used, datagrams, receives, drained, drops = NATIVE_RECV(b.fileno(), arena, 10, RECV_BUFFER)
+        assert (len(blocks), datagrams, receives, drained) == (10, 10, 10, False)
+        assert used == sum(20 + i for i in range(10))
+        assert [bytes(d) for d, _, _ in blocks] == [bytes([i]) * (20 + i) for i in range(10)]
+        assert {src for _, src, _ in blocks} == {a.getsockname()}
+        blocks, used, datagrams, receives, drained, drops = NATIVE_RECV(b.fileno(), arena, 1024, RECV_BUFFER)
+        assert (len(blocks), datagrams, drained) == (20, 20, True)
+        assert NATIVE_RECV(b.fileno(), arena, 1024, RECV_BUFFER) == ([], 0, 0, 0, True, -1)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_slots_are_bounded_by_the_arena() -> None:
+    """With room for only two slots, a pass takes two receives (even of tiny datagrams) and stops, not drained."""
+    a, b = _bind(socket.AF_INET), _bind(socket.AF_INET)
+    b.setblocking(False)
+    try:
+        for i in range(5):
+            a.sendto(bytes([i]) * 100, b.getsockname())
+        arena = memoryview(bytearray(2 * 1000 + 999))
+        blocks, used, datagrams, receives, drained, _ = NATIVE_RECV(b.fileno(), arena, 1024, 1000)
+        # slots of 1000 bytes: 2 fit at first; after 200 bytes of data, (2999 - 200) // 1000 = 2 more; then 1 more
+        assert receives == 5 and used == 500 and drained
+        arena = memoryview(bytearray(1000))
+        for i in range(3):
+            a.sendto(bytes([i]) * 600, b.getsockname())
+        blocks, used, datagrams, receives, drained, _ = NATIVE_RECV(b.fileno(), arena, 1024, 1000)
+        assert receives == 1 and used == 600 and not drained  # 400 bytes left: no room for another slot
+        assert bytes(blocks[0][0]) == bytes([0]) * 600
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_datagram_longer_than_its_slot_is_cut_as_recvmsg_cuts_it() -> None:
+    a, b = _bind(socket.AF_INET), _bind(socket.AF_INET)
+    b.setblocking(False)
+    try:
+        a.sendto(b"x" * 3000, b.getsockname())
+        a.sendto(b"y" * 10, b.getsockname())
+        arena = memoryview(bytearray(8192))
+        blocks, used, *_ = NATIVE_RECV(b.fileno(), arena, 16, 1024)
+        assert [bytes(d) for d, _, _ in blocks] == [b"x" * 1024, b"y" * 10] and used == 1034
+    finally:
+        a.close()
+        b.close()
+
+
+def test_icmp_errors_end_a_pass_without_raising() -> None:
+    """A connected socket learns of an unreachable port from ICMP: the pass ends, not drained, nothing raised
+    (the Python loop ignores ECONNREFUSED the same way)."""
+    closed = _bind(socket.AF_INET)
+    port = closed.getsockname()
+    closed.close()
+    s = _bind(socket.AF_INET)
+    s.setblocking(False)
+    try:
+        s.connect(port)
+        s.send(b"ping")
+        arena = memoryview(bytearray(RECV_BUFFER))
+        for _ in range(100):  # the ICMP error arrives asynchronously (loopback: at once)
+            got = NATIVE_RECV(s.fileno(), arena, 16, RECV_BUFFER)
+            if not got[4]:
+                break
+        assert got == ([], 0, 0, 0, False, -1)
+        assert NATIVE_RECV(s.fileno(), arena, 16, RECV_BUFFER) == ([], 0, 0, 0, True, -1)  # error consumed
+    finally:
+        s.close()
+
+
+def test_arguments_are_checked() -> None:
+    s = _bind(socket.AF_INET)
+    s.setblocking(False)
+    arena = memoryview(bytearray(RECV_BUFFER))
+    try:
+        with pytest.raises(ValueError, match="fd"):
+            NATIVE_RECV(-1, arena, 16, RECV_BUFFER)
+        for bad in (0, -5, 65537):
+            with pytest.raises(ValueError, match="max_datagrams"):
+                NATIVE_RECV(s.fileno(), arena, bad, RECV_BUFFER)
+        for bad in (0, -1, (1 << 20) + 1):
+            with pytest.raises(ValueError, match="slot"):
+                NATIVE_RECV(s.fileno(), arena, 16, bad)
+        with pytest.raises(ValueError, match="holds no slot"):
+            NATIVE_RECV(s.fileno(), memoryview(bytearray(100)), 16, RECV_BUFFER)
+        with pytest.raises((TypeError, BufferError)):
+            NATIVE_RECV(s.fileno(), b"\0" * RECV_BUFFER, 16, RECV_BUFFER)  # read-only
+        r, w = os.pipe()
+        try:
+            with pytest.raises(OSError) as e:
+                NATIVE_RECV(r, arena, 16, RECV_BUFFER)
+            assert e.value.errno == errno.ENOTSOCK
+        finally:
+            os.close(r)
+            os.close(w)
+    finally:
+        s.close()
+
+
+def test_kernel_drops_are_read_from_the_ancillary_data() -> None:
+    """A small receive buffer overflows; both paths report SO_RXQ_OVFL's count (carried by the next datagram
+    queued), and what was received plus what the kernel dropped is what was sent."""
+    async def main() -> None:
+        for native_receive in (True, False):
+            tx = UdpSocket(_bind(socket.AF_INET), gso=False, buffer_bytes=4 << 20)
+            rx = UdpSocket(_bind(socket.AF_INET), gso=False, buffer_bytes=16384, native_receive=native_receive)
+            try:
+                if not rx.caps.kernel_drops:
+                    pytest.skip("no SO_RXQ_OVFL")
+                for i in range(300):
+                    await tx.sendto(bytes([i % 256]) * 1000, rx.getsockname())
+                await trio.sleep(0.05)
+                while True:
+                    await rx.recv_blocks(1024)
+                    if rx.drained:
+                        break
+                # the count rides on datagrams queued after the drops: one more, once there is room
+                await tx.sendto(b"late", rx.getsockname())
+                with trio.fail_after(5):
+                    while not any(bytes(d) == b"late" for d, _, _ in await rx.recv_blocks(1024)):
+                        pass
+                assert rx.kernel_drops > 0
+                assert rx.received + rx.kernel_drops == 301
+            finally:
+                tx.close()
+                rx.close()
+
+    trio.run(main)
