@@ -83,6 +83,11 @@ class RoutingTable:
     def __len__(self) -> int:
         return self._count
 
+    def holds(self, contact: Contact) -> bool:
+        """``contact.node_id in self``, from the id's integer the contact already carries."""
+        bucket = self.buckets.made.get((self._own ^ contact.num).bit_length() - 1)
+        return bucket is not None and contact.node_id in bucket.contacts
+
     def __contains__(self, node_id: bytes) -> bool:
         bucket = self.buckets.made.get(self._index(node_id))
         return bucket is not None and node_id in bucket.contacts
@@ -171,17 +176,17 @@ class RoutingTable:
             return []
         t = int.from_bytes(target, "big")
         d = self._own ^ t
-        buckets = self.buckets
+        made = self.buckets.made  # every occupied bucket has been made
         picked: list[Contact] = []
         bits = d & self._occupied
         while bits and len(picked) < count:
             i = bits.bit_length() - 1
-            picked.extend(buckets[i].contacts.values())
+            picked.extend(made[i].contacts.values())
             bits ^= 1 << i
         bits = self._occupied & ~d
         while bits and len(picked) < count:
             low = bits & -bits
-            picked.extend(buckets[low.bit_length() - 1].contacts.values())
+            picked.extend(made[low.bit_length() - 1].contacts.values())
             bits ^= low
         picked.sort(key=lambda c: c.num ^ t)
         del picked[count:]

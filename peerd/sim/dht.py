@@ -148,7 +148,9 @@ class Node:
     def receive(self, src: Any, payload: tuple) -> None:
         if payload[0]:
             _, rid, mtype, body, sender = payload
-            self.act(self.core.request_from(sender))
+            ping = self.core.request_from(sender)
+            if ping is not None:
+                self.act(ping)
             now = self.net.now
             if mtype is FIND_NODE:
                 reply: Any = self.core.find_node(body)
@@ -187,7 +189,9 @@ class Node:
             if sender is None:
                 self.core.failed(contact.node_id)
             else:
-                self.act(self.core.heard(sender))
+                ping = self.core.heard(sender)
+                if ping is not None:
+                    self.act(ping)
             done(reply, sender)
         self.request(contact, mtype, body, answered)
 
@@ -353,7 +357,7 @@ class Walk:
                 self.hops = hop
             self.queries += 1
             self.slow.add(node_id)
-            node.net.call_later(SLOW_QUERY_S, self.on_slow, node_id, owner=node.addr)
+            node.net.call_at(node.net.now + SLOW_QUERY_S, self.on_slow, node_id, owner=node.addr)
             node.rpc(contact, self.mtype, self.body,
                      lambda reply, sender, c=node_id, h=hop: self.on_answer(c, h, reply, sender))
         if lookup.finished or (self.settle and lookup.settled):
