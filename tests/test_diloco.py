@@ -280,6 +280,34 @@ def test_a_non_finite_outer_average_never_reaches_the_model(tmp_path) -> None:
         daemon.stop()
 
 
+def test_a_replica_whose_outer_state_differs_from_the_swarms_raises(tmp_path) -> None:
+    """The daemon reports the pre-step state hash most members named; a replica that started the outer step
+    from another state must not apply the swarm's average to it and drift on: it raises DiLoCoError."""
+    from peerd.torch import DiLoCoError
+
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=1.0))
+    original = daemon.service._op_outer
+
+    async def swarm_started_elsewhere(req, conn):
+        reply = await original(req, conn)
+        return {**reply, "state_winner": b"\x01" * 32}
+
+    daemon.server.register("trainer_outer", swarm_started_elsewhere, connection=True)
+    try:
+        m = model(0)
+        opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=1,
+                     sync_state=False, state_every=0)
+        before = opt.global_params.clone()
+        x, y = batch(0, 1)
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        with pytest.raises(DiLoCoError, match="differs from the swarm"):
+            opt.step(samples=len(x))
+        assert torch.equal(opt.global_params, before)  # nothing applied
+        opt.close()
+    finally:
+        daemon.stop()
+
+
 def test_options_are_checked() -> None:
     m = model(0)
     with pytest.raises(NotImplementedError):
