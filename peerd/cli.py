@@ -218,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
                    help="robust aggregation every trainer asks for (default off)")
     _link_args(p)
+    p.add_argument("--mode", choices=["sync", "diloco"], default="sync",
+                   help="sync: average gradients every step; diloco: H local steps, then an outer step (default sync)")
+    p.add_argument("--sync-every", type=int, default=50, metavar="H", help="diloco: inner steps per outer step")
+    p.add_argument("--fragments", type=int, default=1, metavar="F", help="diloco: streaming fragments (default 1)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
     p = sub.add_parser("train", help="one collaborative trainer (MLP on digits) beside its daemon (needs torch)")
@@ -552,11 +556,13 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not 0 <= args.byzantine < args.peers:
         parser.error("--byzantine must be in [0, --peers): at least one peer must be honest")
     _check_link_args(args, parser)
+    if args.sync_every < 1 or not 1 <= args.fragments <= args.sync_every:
+        parser.error("--sync-every must be at least 1 and --fragments in [1, --sync-every]")
     cfg = DemoConfig(peers=args.peers, steps=args.steps, loss=args.loss, compute_jitter=args.compute_jitter,
                      dropcompute=args.dropcompute, seed=args.seed, average_every=args.average_every, json=args.json,
                      keep_rounds=args.keep_rounds, micro=args.micro, byzantine=args.byzantine,
                      byzantine_mode=args.byzantine_mode, robust=args.robust, link=args.link,
-                     link_loss=args.link_loss)
+                     link_loss=args.link_loss, mode=args.mode, sync_every=args.sync_every, fragments=args.fragments)
     try:
         summary = run_demo(cfg, log=lambda *a, **k: print(*a, **k, flush=True))  # progress as it happens, even piped
     except RuntimeError as e:

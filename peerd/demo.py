@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,9 @@ class DemoConfig:
     robust: str = "off"  # every trainer's robust aggregation option
     link: str | None = None  # a link lab (root): every peer in its own namespace on a link shaped at this rate
     link_loss: float = 0.0  # ... dropping this fraction of each peer's incoming packets (nftables, all protocols)
+    mode: str = "sync"  # sync | diloco (`peerd train --mode`)
+    sync_every: int = 50  # diloco: H
+    fragments: int = 1  # diloco: F (streaming)
 
 
 def byzantine_peers(cfg: DemoConfig) -> set[int]:
@@ -143,6 +147,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                    "--progress", "json", "--out", os.path.join(workdir, f"result{i}.json")]
             if cfg.keep_rounds is not None:
                 cmd += ["--keep-rounds", str(cfg.keep_rounds)]
+            if cfg.mode != "sync":
+                cmd += ["--mode", cfg.mode, "--sync-every", str(cfg.sync_every), "--fragments", str(cfg.fragments)]
             if micro_batches(cfg) is not None:
                 cmd += ["--micro", str(micro_batches(cfg))]
             if cfg.robust != "off":
@@ -241,6 +247,12 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "byzantine": cfg.byzantine,
             "byzantine_mode": cfg.byzantine_mode if cfg.byzantine else None,
             "robust": cfg.robust,
+            "mode": cfg.mode,
+            **({"sync_every": cfg.sync_every, "fragments": cfg.fragments,
+                "state_sha_agree": len({r.get("state_sha") for r in honest}) == 1} if cfg.mode == "diloco" else {}),
+            # float32 bytes of the vectors each trainer averaged (gradients, parameters, pseudo-gradients, repairs)
+            "bytes_sent_per_peer": sum(r.get("tensor_bytes", 0) for r in results) / len(results),
+            "step_s": statistics.median(r.get("step_s", 0.0) for r in results),
             **(_link_summary(lab) if lab is not None else {}),
             "per_peer": [{**{k: r[k] for k in ("peer", "first_step", "steps", "held_out_loss", "accuracy", "samples",
                                                 "samples_per_second", "local_steps", "synced", "dropped_microbatches",

@@ -29,6 +29,19 @@ def test_demo_4_peers_200_steps(tmp_path) -> None:
     assert result["max_param_divergence"] <= 0.01, result
     assert result["final_loss"] < 0.5
     assert result["outcomes"].get("averaged", 0) >= 0.9 * 4 * 200  # averaging happened, not local steps
+    assert result["mode"] == "sync" and result["bytes_sent_per_peer"] > 0 and result["step_s"] > 0, result
+
+
+@pytest.mark.timeout(600)
+def test_demo_diloco_members_agree_and_send_a_fraction_of_sync() -> None:
+    """`--mode diloco`: 3 peers, an outer step every 20 inner steps; every member ends on the same global state
+    (SHA-256), and the bytes sent are about steps/H outer averages, not one per step."""
+    result = peerd_json("demo", "--peers", "3", "--steps", "100", "--mode", "diloco", "--sync-every", "20",
+                        timeout=600)
+    assert result["mode"] == "diloco" and result["sync_every"] == 20 and result["state_sha_agree"] is True, result
+    assert result["accuracy"] >= 0.9, result
+    # 100 / 20 = 5 outer steps of the MLP's 4,810 float32 parameters (19.2 KB each); sync would send 100.
+    assert 0 < result["bytes_sent_per_peer"] < 20 * 4 * 4810, result
 
 
 @pytest.mark.timeout(900)
