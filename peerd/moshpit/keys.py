@@ -15,6 +15,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from ..entropy import default_rng
+
 MAX_EXTRA_BITS = 8
 
 
@@ -79,7 +81,7 @@ class KeyManager:
         self.grid = grid
         self.node_id = node_id
         self.adapt = adapt
-        rng = rng or random.Random()
+        rng = default_rng(rng)
         if chunks is None:
             chunks = tuple(rng.randrange(grid.size) for _ in range(grid.dims - 1))
         if len(chunks) != grid.dims - 1 or not all(0 <= c < grid.size for c in chunks):

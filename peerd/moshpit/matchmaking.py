@@ -17,6 +17,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from ..entropy import default_rng
+
 BUSY_RETRY_S = 0.3  # a candidate that was busy (its own JOIN in flight) is asked again after this
 FOLLOW_SLACK_S = 2.5  # a follower waits this long past its leader's expiry for BEGIN (covers its retries)
 SETTLE_S = 0.3  # a leader that has everyone looking under its key closes once the DHT showed no newcomer this long
@@ -100,7 +102,7 @@ class Matchmaker:
         self.target = target
         self.min_size = min_size
         self.started = now
-        self.rng = rng or random.Random()
+        self.rng = default_rng(rng)
         self.state = State.LEADING
         self.leader: Candidate | None = None
         self.follow_deadline = math.inf

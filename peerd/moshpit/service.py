@@ -31,6 +31,7 @@ from ..allreduce.robust import Robust, parse_robust
 from ..allreduce.service import AllreduceService, Member
 from ..dht.records import Record
 from ..dht.service import DhtService
+from ..entropy import default_rng
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
@@ -224,7 +225,7 @@ class MoshpitService:
         self.metrics = metrics
         self.address = address
         self.identity = endpoint.identity
-        self.rng = rng or random.Random()
+        self.rng = default_rng(rng)
         self.clock = clock or time.time
         self.runs: dict[str, RunState] = {}
         self._nursery: trio.Nursery | None = None
