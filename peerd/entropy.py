@@ -13,3 +13,10 @@ import random
 def default_rng(rng: random.Random | None) -> random.Random:
     """``rng`` itself, or a fresh OS-seeded generator where none was injected."""
     return rng if rng is not None else random.Random()
+
+
+def default_token_rng(rng: random.Random | None) -> random.Random:
+    """``rng`` itself, or the OS's generator where none was injected: sealing tokens must differ between
+    processes even across a fork (a forked Mersenne state would repeat the parent's tokens, and a token drawn
+    twice under one swarm key reuses AES-GCM nonces)."""
+    return rng if rng is not None else random.SystemRandom()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..entropy import default_rng
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, Peer, RpcError, retry_delays
 from ..wire import messages as m
@@ -65,7 +66,7 @@ class DhtService:
         self.refresh_interval = refresh_interval
         self.bootstrapped = trio.Event()
         self._wall = wall
-        self._rng = rng or random.Random()
+        self._rng = default_rng(rng)
         self._nursery: trio.Nursery | None = None
         self._verifying = self.core.verifying  # request senders being PINGed before they may enter the table
         self.lookups = 0  # lookups run (statistics; the bench reads RPC counts from the metrics)
@@ -348,7 +349,7 @@ class DhtService:
     async def bootstrap(self, addrs: list[Address], *, timeout: float) -> None:
         """Ping bootstrap nodes with backoff until one answers, then fill the routing table."""
         deadline = trio.current_time() + timeout
-        delay = retry_delays(1.0, 30.0)
+        delay = retry_delays(1.0, 30.0, self._rng)
         attempt = 0
         while True:
             answered = 0
