@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -278,3 +280,15 @@ def test_kernel_drops_are_read_from_the_ancillary_data() -> None:
                 rx.close()
 
     trio.run(main)
+
+
+def test_the_native_pass_is_the_default_and_the_python_loop_can_be_forced() -> None:
+    s = _bind(socket.AF_INET)
+    try:
+        assert UdpSocket(s)._native_recv is NATIVE_RECV
+        assert UdpSocket(s, native_receive=False)._native_recv is None
+    finally:
+        s.close()
+    for env in ({"PEERD_NATIVE_RECV": "0"}, {"PEERD_DATAPLANE": "python"}):
+        code = "import peerd.transport.udp as u; assert u.NATIVE_RECV is None, u.NATIVE_RECV"
+        assert subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}).returncode == 0

@@ -7,21 +7,32 @@ import socket
 import pytest
 import trio
 
-from peerd.transport.udp import UdpSocket
+from peerd.transport.udp import NATIVE_RECV, UdpSocket
+
+# The receive pass in C (dataplane.c recv_batch) where the extension has it, and the Python loop (the reference):
+# every receive test runs on both.
+RECEIVE_PATHS = [pytest.param(False, id="python"), pytest.param(True, id="native", marks=pytest.mark.skipif(
+    NATIVE_RECV is None, reason="the native extension (recv_batch) is not built"))]
 
 
-def _pair(gso: bool) -> tuple[UdpSocket, UdpSocket]:
+@pytest.fixture(params=RECEIVE_PATHS)
+def native_receive(request: pytest.FixtureRequest) -> bool:
+    return request.param
+
+
+def _pair(gso: bool, native_receive: bool | None = None) -> tuple[UdpSocket, UdpSocket]:
     a = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     b = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     a.bind(("127.0.0.1", 0))
     b.bind(("127.0.0.1", 0))
-    return UdpSocket(a, gso=gso, buffer_bytes=4 << 20), UdpSocket(b, gso=gso, buffer_bytes=4 << 20)
+    rx = UdpSocket(b, gso=gso, buffer_bytes=4 << 20, native_receive=native_receive)
+    return UdpSocket(a, gso=gso, buffer_bytes=4 << 20), rx
 
 
 @pytest.mark.parametrize("gso", [True, False])
-def test_batches_arrive_whole_and_in_order(gso: bool) -> None:
+def test_batches_arrive_whole_and_in_order(gso: bool, native_receive: bool) -> None:
     async def main() -> None:
-        tx, rx = _pair(gso)
+        tx, rx = _pair(gso, native_receive)
         try:
             sizes = [1200] * 150 + [333] + [900] * 10 + [17]
             datagrams = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
@@ -61,11 +72,11 @@ def _header(mtype: int, token: int) -> bytes:
     return b"PD" + bytes([1, mtype, 0]) + token.to_bytes(8, "big")
 
 
-def test_receives_merge_into_blocks_of_one_stream_only() -> None:
+def test_receives_merge_into_blocks_of_one_stream_only(native_receive: bool) -> None:
     """Consecutive receives from one source whose datagrams have one size and start alike become one block;
     a different type, token, size or source starts a new one, and so does a datagram after a short one."""
     async def main() -> None:
-        tx, rx = _pair(True)
+        tx, rx = _pair(True, native_receive)
         other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         other.bind(("127.0.0.1", 0))
         try:
@@ -126,10 +137,10 @@ def test_capabilities_are_declared_once_at_creation(gso: bool) -> None:
         rx.close()
 
 
-def test_a_receive_pass_counts_calls_and_datagrams() -> None:
+def test_a_receive_pass_counts_calls_and_datagrams(native_receive: bool) -> None:
     """Many single datagrams in one pass (the flood path: one loop, no call per datagram but the syscall)."""
     async def main() -> None:
-        tx, rx = _pair(False)
+        tx, rx = _pair(False, native_receive)
         try:
             datagrams = [bytes([i]) * (10 + i) for i in range(200)]  # sizes differ: nothing merges
             for d in datagrams:
@@ -149,11 +160,11 @@ def test_a_receive_pass_counts_calls_and_datagrams() -> None:
     trio.run(main)
 
 
-def test_drained_says_whether_a_pass_emptied_the_socket() -> None:
+def test_drained_says_whether_a_pass_emptied_the_socket(native_receive: bool) -> None:
     """The receive loop pauses under a junk flood only after a pass that emptied the socket: a pass that stopped
     at its datagram limit (or its arena) leaves a backlog, taken at once."""
     async def main() -> None:
-        tx, rx = _pair(False)
+        tx, rx = _pair(False, native_receive)
         try:
             assert rx.caps.drained_flag
             for i in range(30):

@@ -2,8 +2,9 @@
 
 Run by tests/fuzz/run.sh, which builds an ASan copy of the extension into a temp dir and preloads gcc's libasan
 (``PEERD_ASAN_NATIVE`` is that copy's path). Each input picks an entry point (Aead(), seal_block, open_block,
-frame_block) and arguments: buffers of exact sizes (ctypes arrays, malloc'd apart under PYTHONMALLOC=malloc, so a
-byte read or written past one is an ASan report), offsets, strides, counts and lengths that are right, nearly
+frame_block, place_rows, first_nonfinite, recv_batch over a loopback socket) and arguments: buffers of exact
+sizes (ctypes arrays, malloc'd apart under PYTHONMALLOC=malloc, so a byte read or written past one is an ASan
+report), offsets, strides, counts and lengths that are right, nearly
 right or wild. A call may raise ValueError, OverflowError or TypeError (the bounds it checks); anything else, or
 a sealed block that does not open back to its bodies, is a crash.
 """
@@ -17,6 +18,8 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import socket
+import struct
 import sys
 
 import atheris
@@ -24,7 +27,7 @@ import numpy as np
 
 HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
-ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite")
+ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -102,6 +105,9 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
     key = fdp.ConsumeBytes(KEY if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeIntInRange(0, 40))
     if which == 0:
         native.Aead(key)
+        return
+    if which == 6:
+        receive(fdp)
         return
     if which >= 4:
         rows_only(fdp, which)
@@ -195,6 +201,82 @@ def rows_only(fdp: atheris.FuzzedDataProvider, which: int) -> None:
         a, b = s_off + i * s_stride, d_off + i * d_stride
         if bytes(dst[b : b + n_len]) != bytes(src[a : a + n_len]):
             raise AssertionError(f"row {i} was not placed")
+
+
+_pair: tuple[socket.socket, socket.socket] | None = None
+
+
+def _sockets() -> tuple[socket.socket, socket.socket]:
+    """One sender and one non-blocking receiver (UDP_GRO on, SO_RXQ_OVFL on) on loopback, made once."""
+    global _pair
+    if _pair is None:
+        tx, rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        tx.bind(("127.0.0.1", 0))
+        rx.bind(("127.0.0.1", 0))
+        rx.setblocking(False)
+        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        for level, opt in ((17, 104), (socket.SOL_SOCKET, 40)):  # UDP_GRO, SO_RXQ_OVFL
+            try:
+                rx.setsockopt(level, opt, 1)
+            except OSError:
+                pass
+        _pair = tx, rx
+    return _pair
+
+
+def receive(fdp: atheris.FuzzedDataProvider) -> None:
+    """recv_batch over datagrams of fuzzed sizes (empty, tiny, MTU-sized; GSO sends that arrive as GRO blocks)
+    into an arena of a fuzzed size, with a fuzzed slot and datagram limit. Every block must lie in the arena and,
+    where the slot holds every receive, the datagrams must be the ones sent, in order."""
+    tx, rx = _sockets()
+    dest = rx.getsockname()
+    sent: list[bytes] = []
+    biggest = 0
+    for i in range(fdp.ConsumeIntInRange(0, 12)):
+        if fdp.ConsumeIntInRange(0, 3) == 0:  # one GSO send: rows of one size, maybe a shorter last one
+            size = fdp.ConsumeIntInRange(1, 1400)
+            rows = [bytes([i, r % 256]) * (size // 2) + b"z" * (size % 2) for r in range(fdp.ConsumeIntInRange(2, 40))]
+            if fdp.ConsumeBool():
+                rows.append(b"t" * fdp.ConsumeIntInRange(1, size))
+            try:
+                tx.sendmsg([b"".join(rows)], [(17, 103, struct.pack("=H", size))], 0, dest)  # UDP_SEGMENT
+            except OSError:
+                continue
+            sent += rows
+            biggest = max(biggest, sum(map(len, rows)))
+        else:
+            d = bytes([i]) * fdp.ConsumeIntInRange(0, 1500)
+            tx.sendto(d, dest)
+            sent.append(d)
+            biggest = max(biggest, len(d))
+    arena_size = fdp.ConsumeIntInRange(0, 1 << 18) if fdp.ConsumeIntInRange(0, 3) else fdp.ConsumeIntInRange(0, 4096)
+    slot = number(fdp, 65536 if fdp.ConsumeBool() else fdp.ConsumeIntInRange(1, 4096))
+    limit = number(fdp, fdp.ConsumeIntInRange(1, 2048))
+    arena = buffer(fdp, arena_size)
+    view = memoryview(arena).cast("B")
+    try:
+        blocks, used, datagrams, receives, drained, drops = native.recv_batch(rx.fileno(), view, limit, slot)
+    finally:
+        while True:  # leave the socket empty for the next input
+            try:
+                rx.recv(1 << 16)
+            except BlockingIOError:
+                break
+    if not 0 <= used <= arena_size or receives > limit or datagrams < receives:
+        raise AssertionError(f"used {used} of {arena_size}, {receives} receives, {datagrams} datagrams")
+    got: list[bytes] = []
+    end = 0
+    for data, source, segment in blocks:
+        if source != tx.getsockname() or len(data) > used or not 0 <= segment <= len(data):
+            raise AssertionError(f"block of {len(data)} from {source}, segment {segment}, {used} used")
+        end += len(data)
+        got += [bytes(data[j : j + segment]) for j in range(0, len(data), segment)] if segment else [bytes(data)]
+    if end != used:
+        raise AssertionError(f"blocks cover {end} bytes, {used} used")
+    if slot >= biggest:
+        seen["recv_batch exact"] += 1
+        if got != sent[: len(got)] or (drained and len(got) != len(sent)):
+            raise AssertionError(f"received {len(got)} datagrams other than the {len(sent)} sent")
 
 
 def main() -> None:
