@@ -45,6 +45,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    return value
+
+
 def _size(text: str) -> int:
     from .bench.allreduce import parse_size
 
@@ -143,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", type=int, default=4, metavar="N", help="daemons in the group (default 4)")
     b.add_argument("--size", type=_size, default=1_000_000, metavar="S",
                    help="float32 elements (1000, 250K, 25M) or bytes with a B suffix (100MB); default 1M")
-    b.add_argument("--repeat", type=int, default=5, metavar="R", help="averages to time (default 5; median)")
+    b.add_argument("--repeat", type=int, default=5, metavar="R",
+                   help="averages to time (default 5; median); peerd_p99_s and gloo_p99_s mean something only "
+                        "with R >= 20 (below that they are close to the slowest run)")
     b.add_argument("--loss", type=float, default=0.0, metavar="P",
                    help="each daemon drops received datagrams with probability P (default 0)")
     b.add_argument("--mtu", type=int, default=1200, metavar="B", help="UDP payload bytes (default 1200)")
@@ -170,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--window", type=float, default=3.0, metavar="SECONDS",
                    help="matchmaking window: a group that cannot fill closes after this (default 3)")
     b.add_argument("--seed", type=int, default=0, help="seed of vectors, cells and victims (default 0)")
+    _link_args(b)
     b.add_argument("--json", action="store_true", help="print JSON")
     from .bench.dht import add_parser as add_dht_parser
     add_dht_parser(bench)
@@ -222,6 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sync: average gradients every step; diloco: H local steps, then an outer step (default sync)")
     p.add_argument("--sync-every", type=int, default=50, metavar="H", help="diloco: inner steps per outer step")
     p.add_argument("--fragments", type=int, default=1, metavar="F", help="diloco: streaming fragments (default 1)")
+    p.add_argument("--model", choices=["mlp", "wide"], default="mlp",
+                   help="mlp: 4,810 parameters; wide: 64-2048-1024-10, 2.24 M parameters, so a 100 Mbit link "
+                        "matters (default mlp)")
+    p.add_argument("--baseline", choices=["gloo"], default=None,
+                   help="then train the same model on the same data, seeds and links with torch DDP over gloo "
+                        "(in the same namespaces with --link) and report both times to --target-accuracy")
+    p.add_argument("--target-accuracy", type=_fraction, default=0.93, metavar="A",
+                   help="time_to_accuracy_s: until the peers' mean held-out accuracy (every 10 steps) reaches A "
+                        "(default 0.93)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
     p = sub.add_parser("train", help="one collaborative trainer (MLP on digits) beside its daemon (needs torch)")
@@ -524,10 +546,12 @@ def cmd_bench_moshpit(args: argparse.Namespace, parser: argparse.ArgumentParser)
         parser.error("--loss must be in [0, 1)")
     if not 0.2 <= args.window <= 600:
         parser.error("--window must be in [0.2, 600] seconds")
+    _check_link_args(args, parser)
     try:
         grid = Grid.parse(args.grid) if args.grid else None
         cfg = MoshpitBenchConfig(peers=args.peers, grid=grid, rounds=args.rounds, size=args.size, kill=args.kill,
-                                 loss=args.loss, seed=args.seed, window_s=args.window)
+                                 loss=args.loss, seed=args.seed, window_s=args.window, link=args.link,
+                                 link_loss=args.link_loss)
         cfg.check()
     except ValueError as e:
         parser.error(str(e))
@@ -558,11 +582,14 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_link_args(args, parser)
     if args.sync_every < 1 or not 1 <= args.fragments <= args.sync_every:
         parser.error("--sync-every must be at least 1 and --fragments in [1, --sync-every]")
+    if args.baseline and (args.mode != "sync" or args.byzantine or args.dropcompute != "off"):
+        parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")
     cfg = DemoConfig(peers=args.peers, steps=args.steps, loss=args.loss, compute_jitter=args.compute_jitter,
                      dropcompute=args.dropcompute, seed=args.seed, average_every=args.average_every, json=args.json,
                      keep_rounds=args.keep_rounds, micro=args.micro, byzantine=args.byzantine,
                      byzantine_mode=args.byzantine_mode, robust=args.robust, link=args.link,
-                     link_loss=args.link_loss, mode=args.mode, sync_every=args.sync_every, fragments=args.fragments)
+                     link_loss=args.link_loss, mode=args.mode, sync_every=args.sync_every, fragments=args.fragments,
+                     model=args.model, baseline=args.baseline, target_accuracy=args.target_accuracy)
     try:
         summary = run_demo(cfg, log=lambda *a, **k: print(*a, **k, flush=True))  # progress as it happens, even piped
     except RuntimeError as e:

@@ -5,7 +5,9 @@ same seeded weights; its daemon averages gradients through Moshpit every step an
 The demo shows live progress, then a summary: held-out loss and accuracy (mean over peers), and the largest
 relative distance between two peers' parameters. With ``link`` (root) every peer, daemon and trainer, runs in its
 own network namespace of a link lab (peerd.lab): links shaped at that rate both ways, losing ``link_loss`` of what
-arrives at each peer in the kernel, for every protocol.
+arrives at each peer in the kernel, for every protocol. With ``baseline="gloo"`` the same model then trains on the
+same data, seeds and links under torch DDP over gloo (peerd.bench.ddp_baseline), and both report the seconds from
+the first trainer's start until the peers' mean held-out accuracy reached ``target_accuracy``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .bench.ddp_baseline import DDPConfig, run_ddp_baseline, time_to_accuracy
 from .lab.links import LinkLab
 from .swarm import LocalSwarm
 
@@ -57,6 +60,9 @@ class DemoConfig:
     mode: str = "sync"  # sync | diloco (`peerd train --mode`)
     sync_every: int = 50  # diloco: H
     fragments: int = 1  # diloco: F (streaming)
+    model: str = "mlp"  # mlp (4,810 parameters) | wide (2.24 M: communication matters at 100 Mbit)
+    baseline: str | None = None  # gloo: then train the same under torch DDP over gloo, on the same links
+    target_accuracy: float = 0.93  # time_to_accuracy_s: until the peers' mean held-out accuracy reaches this
 
 
 def byzantine_peers(cfg: DemoConfig) -> set[int]:
@@ -122,6 +128,11 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
     byzantine = byzantine_peers(cfg)
     if not 0 <= cfg.byzantine < cfg.peers:
         raise RuntimeError(f"byzantine must be in [0, {cfg.peers}): at least one peer must be honest")
+    if cfg.baseline not in (None, "gloo"):
+        raise RuntimeError(f"baseline {cfg.baseline!r}: expected gloo")
+    if cfg.baseline and (cfg.mode != "sync" or cfg.byzantine or cfg.join_late or cfg.dropcompute != "off"):
+        raise RuntimeError("baseline gloo compares plain training: no diloco, byzantine peers, late joiners or "
+                           "DropCompute with it")
     try:
         drops = f" (each drops {cfg.loss:.0%} of datagrams)" if cfg.loss else ""
         say(f"starting {cfg.peers} daemon{'s' if cfg.peers != 1 else ''}{drops} ...")
@@ -144,7 +155,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                    "--average-every", str(cfg.average_every),
                    "--final-average", str(cfg.final_average), "--timeout", str(cfg.timeout_s),
                    "--compute-jitter", str(cfg.compute_jitter), "--dropcompute", cfg.dropcompute,
-                   "--progress", "json", "--out", os.path.join(workdir, f"result{i}.json")]
+                   "--progress", "json", "--out", os.path.join(workdir, f"result{i}.json"), "--model", cfg.model]
             if cfg.keep_rounds is not None:
                 cmd += ["--keep-rounds", str(cfg.keep_rounds)]
             if cfg.mode != "sync":
@@ -173,6 +184,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
         done: dict[int, dict] = {}
         starts: dict[int, dict] = {}
         latest: dict[int, dict] = {}
+        evals: dict[int, dict[int, tuple[float, float]]] = {}  # step -> peer -> (held-out accuracy, time)
         last_print = 0.0
         swarm_step = 0
         while len(done) < cfg.peers:
@@ -195,6 +207,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                         f"held-out accuracy {ev['accuracy']:.3f} before its first step")
             elif kind == "step":
                 latest[i] = ev
+                if ev.get("accuracy") is not None and "t" in ev:
+                    evals.setdefault(ev["step"], {})[i] = (ev["accuracy"], ev["t"])
                 if trace is not None:
                     trace.write(json.dumps(ev) + "\n")
                 swarm_step = max(swarm_step, ev["step"])
@@ -227,6 +241,9 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             with open(os.path.join(workdir, f"result{i}.json")) as f:
                 results.append(json.load(f))
         honest = [r for r in results if r["peer"] not in byzantine]  # all peers without --byzantine
+        t_start = min((ev["t"] for ev in starts.values() if "t" in ev), default=None)
+        founders = cfg.peers - len(cfg.join_late)
+        link_fields = _link_summary(lab) if lab is not None else {}  # peerd's traffic only, before any baseline
         summary = {
             "final_loss": sum(r["held_out_loss"] for r in honest) / len(honest),
             "accuracy": sum(r["accuracy"] for r in honest) / len(honest),
@@ -248,12 +265,19 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "byzantine_mode": cfg.byzantine_mode if cfg.byzantine else None,
             "robust": cfg.robust,
             "mode": cfg.mode,
+            "model": cfg.model,
+            "target_accuracy": cfg.target_accuracy,
+            # from the first trainer's start to the first evaluation (every 10 steps) at which the peers' mean
+            # held-out accuracy reached the target; None: never during training
+            "time_to_accuracy_s": (time_to_accuracy(evals, t_start, cfg.target_accuracy, founders)
+                                   if t_start is not None else None),
+            "train_wall_s": round(max(r["wall_s"] for r in results), 3),  # training only, as the baseline's wall_s
             **({"sync_every": cfg.sync_every, "fragments": cfg.fragments,
                 "state_sha_agree": len({r.get("state_sha") for r in honest}) == 1} if cfg.mode == "diloco" else {}),
             # float32 bytes of the vectors each trainer averaged (gradients, parameters, pseudo-gradients, repairs)
             "bytes_sent_per_peer": sum(r.get("tensor_bytes", 0) for r in results) / len(results),
             "step_s": statistics.median(r.get("step_s", 0.0) for r in results),
-            **(_link_summary(lab) if lab is not None else {}),
+            **link_fields,
             "per_peer": [{**{k: r[k] for k in ("peer", "first_step", "steps", "held_out_loss", "accuracy", "samples",
                                                 "samples_per_second", "local_steps", "synced", "dropped_microbatches",
                                                 "tau", "wall_s", "compute_s")},
@@ -268,6 +292,17 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             f"largest relative distance between two peers' parameters "
             f"{summary['max_param_divergence']:.2e}; {summary['samples_per_second']:.0f} samples/s across the swarm; "
             f"rounds: {', '.join(f'{n} {k}' for k, n in sorted(summary['outcomes'].items())) or 'none'}")
+        if cfg.baseline == "gloo":
+            swarm.stop()  # the baseline gets the CPU and the links to itself, as peerd had them
+            base = run_ddp_baseline(
+                DDPConfig(world=cfg.peers, steps=cfg.steps, seed=cfg.seed, model=cfg.model, micro=micro_batches(cfg)
+                          or 4, compute_jitter=cfg.compute_jitter),
+                target=cfg.target_accuracy, lab=lab, workdir=workdir, wall_limit_s=cfg.wall_limit_s, say=say)
+            summary["baseline"] = base
+            tta = summary["time_to_accuracy_s"]
+            say(f"baseline (torch DDP over gloo): held-out accuracy {base['accuracy']:.4f}, loss "
+                f"{base['final_loss']:.4f}, {base['wall_s']:.1f} s of training; time to {cfg.target_accuracy:.0%}: "
+                f"peerd {_secs(tta)}, gloo {_secs(base['time_to_accuracy_s'])}")
         return summary
     finally:
         for p in procs.values():
@@ -289,6 +324,10 @@ def _link_summary(lab: LinkLab) -> dict[str, Any]:
     info = lab.describe()
     return {"link_rate": info["link_rate"], "link_loss": info["link_loss"],
             "link_drop_fraction": dropped / seen if seen else 0.0, "link_packets_seen": seen}
+
+
+def _secs(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
 
 
 def _sum_outcomes(results: list[dict]) -> dict[str, int]:

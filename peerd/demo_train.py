@@ -34,11 +34,29 @@ def load_digits_split() -> tuple[Any, Any, Any, Any]:
     return x[train], y[train], x[test], y[test]
 
 
-def build_model(hidden: int, seed: int):
+MODELS = ("mlp", "wide")
+WIDE_HIDDEN = (2048, 1024)  # the wide model's hidden layers: 2,242,570 parameters (9 MB of float32)
+
+
+def build_model(hidden: int, seed: int, model: str = "mlp"):
+    """``mlp``: 64 -> hidden -> 10 (4,810 parameters at hidden 64), compute-bound even on slow links.
+    ``wide``: 64 -> 2048 -> 1024 -> 10 (2.24 M parameters), so a 100 Mbit link, not the CPU, sets the step time."""
     import torch
 
     torch.manual_seed(seed)
+    if model == "wide":
+        a, b = WIDE_HIDDEN
+        return torch.nn.Sequential(torch.nn.Linear(64, a), torch.nn.ReLU(), torch.nn.Linear(a, b), torch.nn.ReLU(),
+                                   torch.nn.Linear(b, 10))
+    if model != "mlp":
+        raise ValueError(f"model {model!r}: expected one of {', '.join(MODELS)}")
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+
+
+def sample_batch(shard, rng, batch: int, micro: int) -> list:
+    """The step's micro-batches of sample indices, as `peerd train` draws them (the DDP baseline draws the same)."""
+    size = max(1, batch // micro)
+    return [shard[rng.integers(0, len(shard), size)] for _ in range(micro)]
 
 
 def evaluate(model, x, y) -> tuple[float, float]:
@@ -85,7 +103,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed of the model's initial weights (default: --seed; a joiner takes the swarm's)")
     p.add_argument("--batch", type=int, default=32, metavar="B", help="samples per step (default 32)")
     p.add_argument("--micro", type=int, default=4, metavar="M", help="micro-batches per step (default 4)")
-    p.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP (default 64)")
+    p.add_argument("--model", choices=MODELS, default="mlp",
+                   help="mlp: 64-hidden-10 (4,810 parameters); wide: 64-2048-1024-10 (2.24 M parameters, so a "
+                        "100 Mbit link matters); default mlp")
+    p.add_argument("--hidden", type=int, default=64, help="hidden units of the mlp model (default 64)")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
     p.add_argument("--average-every", type=int, default=10, metavar="K",
                    help="average parameters every K steps (default 10; 0: never)")
@@ -172,7 +193,8 @@ def run_train(args: argparse.Namespace) -> int:
     shard = np.arange(args.index, len(x_train), args.peers)
     rng = np.random.default_rng(args.seed * 1000 + args.index)
     jitter = np.random.default_rng(args.seed * 1000 + args.index + 7)
-    model = build_model(args.hidden, args.seed if args.init_seed is None else args.init_seed)
+    model = build_model(args.hidden, args.seed if args.init_seed is None else args.init_seed,
+                        getattr(args, "model", "mlp"))
     budget: float | str | None
     budget = None if args.dropcompute == "off" else ("auto" if args.dropcompute == "auto" else float(args.dropcompute))
     dc = DropCompute(budget, workers=max(2, args.peers))
@@ -204,8 +226,10 @@ def run_train(args: argparse.Namespace) -> int:
         return 1
     first_step = opt.step_count
     loss0, acc0 = evaluate(model, x_test, y_test)
+    # "t": this host's monotonic clock (shared by every process and namespace here), for time-to-accuracy
     emit({"event": "start", "peer": args.index, "step": first_step, "synced": opt.synced_from,
-          "held_out_loss": loss0, "accuracy": acc0, "params": opt.elems, "layout": opt.layout_hash[:16]})
+          "held_out_loss": loss0, "accuracy": acc0, "params": opt.elems, "layout": opt.layout_hash[:16],
+          "t": time.monotonic()})
     start = time.monotonic()
     samples_total = 0
     compute_s = 0.0
@@ -276,6 +300,7 @@ def run_train(args: argparse.Namespace) -> int:
             if args.eval_every and step % args.eval_every == 0:
                 record["held_out_loss"], acc = evaluate(model, x_test, y_test)
                 record["accuracy"] = acc
+                record["t"] = time.monotonic()
             emit(record)
         # Lost datagrams and rounds without a group leave replicas slightly apart: end on a common point.
         final_rounds = []

@@ -242,11 +242,18 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         # Also without --loss: real loss (a namespace's nftables or tc) is measured by these.
         out["bias"] = statistics.mean(biases)
         out["rmse"] = statistics.mean(rmses)
+        # Tail latency of one average: only meaningful with --repeat >= 20 (below that it is near the worst run)
+        out["peerd_p99_s"] = p99(peerd_times)
+        # What was lost beyond what was injected (--loss and --link-loss, independent: 1 - (1-a)(1-b)): the
+        # data path's own losses (the pacer's overrun of the link, a full socket buffer), floored at 0.
+        out["excess_loss"] = max(0.0, 1.0 - out["received_fraction"] - injected_loss(cfg.loss, cfg.link_loss))
         if lab is not None:
             out.update(_link_fields(lab, cfg, peerd_times, uplink_bytes))
+            out["bus_fraction"] = bus_fraction(cfg.peers, cfg.size, out["peerd_s"], lab.rate_bps)
         if gloo is not None:
             out["gloo_s"] = statistics.median(gloo_times)
             out["gloo_s_all"] = [round(t, 6) for t in gloo_times]
+            out["gloo_p99_s"] = p99(gloo_times)
             out["ratio"] = out["peerd_s"] / out["gloo_s"]
         return out
     finally:
@@ -256,6 +263,25 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         if lab is not None:
             lab.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def p99(times: list[float]) -> float:
+    """The 99th percentile (linear interpolation) of the averages' times; with few repeats, near the worst."""
+    return float(np.percentile(np.asarray(times, dtype=np.float64), 99)) if times else 0.0
+
+
+def injected_loss(loss: float, link_loss: float) -> float:
+    """The loss the bench injects: the daemon's --loss and the link's nftables drop act independently."""
+    return 1.0 - (1.0 - loss) * (1.0 - link_loss)
+
+
+def bus_fraction(peers: int, size: int, seconds: float, rate_bps: int) -> float:
+    """How close one average came to the link's bound: a butterfly all-reduce must move 2(N-1)/N x 4S bytes
+    through each peer's uplink, so at RATE it cannot take less than that over RATE (frame overhead caps the
+    fraction near 0.92 at a 1200-byte payload)."""
+    if seconds <= 0 or rate_bps <= 0:
+        return 0.0
+    return 2 * (peers - 1) / peers * 4 * size / seconds / (rate_bps / 8)
 
 
 def _uplinks(lab: LinkLab | None) -> list[QdiscStats]:

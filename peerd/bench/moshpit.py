@@ -2,6 +2,8 @@
 
 Each round every live peer hands its current vector to its daemon (avg_round) at the same moment;
 the bench then measures how far the live peers are from their own mean, relative to before round 1.
+With ``link`` (root) every daemon runs in its own namespace of a link lab (peerd.lab): links shaped at that rate
+both ways, losing ``link_loss`` of what arrives at each peer in the kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..lab.links import LinkLab
 from ..localsock.client import DaemonError
 from ..moshpit.keys import Grid
 from ..swarm import LocalSwarm, Node
@@ -38,6 +41,8 @@ class MoshpitBenchConfig:
     loss: float = 0.0
     seed: int = 0
     window_s: float = 3.0
+    link: str | None = None  # a link lab (root): every daemon in its own namespace on a link shaped at this rate
+    link_loss: float = 0.0  # ... which drops this fraction of what arrives at each peer (nftables, all protocols)
 
     def check(self) -> None:
         if self.peers < 2:
@@ -48,6 +53,10 @@ class MoshpitBenchConfig:
             raise ValueError(f"--kill must leave at least 2 peers alive (0..{self.peers - 2})")
         if self.rounds < 1 or self.size < 1:
             raise ValueError("--rounds and --size must be at least 1")
+        if not 0.0 <= self.link_loss < 1.0:
+            raise ValueError("--link-loss must be in [0, 1)")
+        if self.link_loss and not self.link:
+            raise ValueError("--link-loss needs --link RATE")
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -97,7 +106,19 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
     rng = random.Random(cfg.seed)
     workdir = tempfile.mkdtemp(prefix="peerd-bench-moshpit-")
     extra = ["--log-level", "warning"]
-    swarm = LocalSwarm(os.path.join(workdir, "swarm"), metrics=False)
+    lab: LinkLab | None = None
+    try:
+        if cfg.link:
+            lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss)
+            _progress(f"building a link lab: {cfg.peers} namespaces at {cfg.link}, link loss {cfg.link_loss} ...",
+                      quiet)
+            lab.start()  # LabError (not root, a tool missing) before anything else starts; it cleans up itself
+        swarm = LocalSwarm(os.path.join(workdir, "swarm"), metrics=False, lab=lab)
+    except BaseException:
+        if lab is not None:
+            lab.close(raise_errors=False)
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
     try:
         _progress(f"starting {cfg.peers} daemons ...", quiet)
         nodes: list[Node] = []
@@ -106,6 +127,8 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
             nodes.append(swarm.start(extra=(*extra, *loss)))
             swarm.wait_ready(nodes[-1])
         _wait_connected(nodes)
+        if lab is not None:
+            lab.reset_counters()  # the drop fraction below covers the rounds, not the daemons' startup
         open_args: dict[str, Any] = {"run": RUN, "window_s": cfg.window_s}
         if cfg.grid is not None:  # Moshpit's exact conditions: groups close at exactly M members
             open_args.update(grid=str(cfg.grid), adapt=False, min_size=cfg.grid.size)
@@ -184,7 +207,15 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
         }
         if cfg.kill:
             out["killed_during"] = killed
+        if lab is not None:
+            counters = [lab.counters(i) for i in range(lab.peers)]
+            seen = sum(c.seen for c in counters)
+            out.update(link_rate=lab.describe()["link_rate"], link_loss=cfg.link_loss,
+                       link_drop_fraction=sum(c.dropped for c in counters) / seen if seen else 0.0,
+                       link_packets_seen=seen)
         return out
     finally:
         swarm.stop()
+        if lab is not None:
+            lab.close()
         shutil.rmtree(workdir, ignore_errors=True)
