@@ -37,6 +37,7 @@ from peerd.allreduce.host import (
     send_shape,
 )
 from peerd.sim.net import Link, Network
+from peerd.transport.pacing import Pacer, Report
 
 from .test_allreduce_core import expected_results
 
@@ -587,23 +588,36 @@ def test_held_data_is_expired_by_the_timer_it_asks_for() -> None:
 
 def test_a_report_counts_only_what_was_sent() -> None:
     """A receiver that gave up on a phase reports positions this node never sent as lost: the host cuts the
-    REPORT down to what it sent, so a clean path is not taken for a congested one; loss within what was
-    sent still counts."""
+    REPORT down to what it sent before the pacer sees it, so a clean path is not taken for a congested one;
+    loss within what was sent still counts, with the send span of those positions."""
     a, b = b"a" * 32, b"b" * 32
 
-    def verdict(received: int) -> str:
-        host = AveragingHost(max_body=HEADER_SIZE + 4, mtu=HEADER_SIZE + 41)  # one element per datagram
+    class Recording(Pacer):
+        def on_report(self, dest, report, now, sent_span=None):  # type: ignore[override]
+            seen.append((dest, report, sent_span))
+            return super().on_report(dest, report, now, sent_span)
+
+    seen: list = []
+
+    def report(received: int) -> Report:
+        seen.clear()
+        host = AveragingHost(max_body=HEADER_SIZE + 4, mtu=HEADER_SIZE + 41, pacer=Recording())
         host.start(5, [a, b], 0, np.zeros(400, np.float32), 1.0, 0.0)
         sent = 0
         for blk in host.next_sends(5, 100):
             if blk.to == 1 and blk.type == RS_DATA:
                 sent += len(blk.bodies)
-                host.pace(blk, len(blk.bodies), blk.bodies.size, 0.0)
+                host.pace(blk, len(blk.bodies), blk.bodies.size, 0.01 * sent / 100)
         assert sent == 200
         fields = {"group": 5, "phase": 0, "expected": 1000, "received": received, "bytes": received * 80,
                   "seconds": 0.05, "kernel_drops": 0, "position": 1000}
         (out,) = host.on_report(b, fields, 0.1)
-        return out.verdict.action
+        assert isinstance(out, PacerVerdict)
+        ((dest, rep, span),) = seen
+        assert dest == b and span is not None and 0.0 <= span[0] <= span[1] <= 0.02
+        return rep
 
-    assert verdict(200) != "decrease"  # all it sent arrived: 800 "lost" positions were never sent
-    assert verdict(100) == "decrease"  # half of what it sent was lost
+    rep = report(200)  # all it sent arrived: 800 "lost" positions were never sent
+    assert (rep.expected, rep.received, rep.position) == (200, 200, 200)
+    rep = report(100)  # half of what it sent was lost
+    assert (rep.expected, rep.received, rep.position) == (200, 100, 200)

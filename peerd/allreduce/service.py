@@ -194,7 +194,8 @@ class AllreduceService:
                 self._run(a for a in actions if type(a) is not Bind)
                 while not host.finished(group_id):
                     while host.wants_to_send(group_id):
-                        await self._send_blocks(host.next_sends(group_id), members, sent)
+                        await self._send_blocks(host.next_sends(group_id, host.send_window(group_id)), members,
+                                                sent)
                     if host.finished(group_id):
                         break
                     wake = self._wake[group_id] = trio.Event()
@@ -232,13 +233,24 @@ class AllreduceService:
         took[0] = trio.current_time() - start
 
     async def _send_blocks(self, blocks: list[SendBlock], members: list[Member], sent: list[int]) -> None:
-        """Seal each block whole, then send it ``part`` datagrams (one GSO send) at a time, when the host's
-        pacing says."""
+        """Seal each block whole, then send the blocks' parts (``part`` datagrams, one GSO send each) in turn,
+        a part of each block at a time, each when the host's pacing says: the destinations share the uplink
+        evenly at every moment (see ``AveragingHost.send_window``)."""
+        sealed = []
         for b in blocks:
             member = members[b.to]
             datagrams = self.endpoint.data_sealer(member.node_id).seal_block(b.type, b.bodies, member.node_id)
-            for i in range(0, len(datagrams), b.part):
-                chunk = datagrams[i : i + b.part]
+            sealed.append([b, member, datagrams, 0])  # the block, its member, its datagrams, the next part's row
+            if len(blocks) > 1:
+                await trio.lowlevel.checkpoint()  # (each block is ~1 ms of sealing)
+        while sealed:
+            live = []
+            for entry in sealed:
+                b, member, datagrams, row = entry
+                chunk = datagrams[row : row + b.part]
+                if not len(chunk):
+                    continue
+                entry[3] = row + b.part
                 now = trio.current_time()
                 at = self.host.pace(b, len(chunk), chunk.size, now)
                 if at > now:
@@ -247,9 +259,11 @@ class AllreduceService:
                     await self.endpoint.send_sealed(member.addr, chunk)
                 except RpcError as e:
                     log.debug("%s", e)
-                    break
+                    continue
                 sent[0] += chunk.size
                 sent[1] += len(chunk)
+                live.append(entry)
+            sealed = live
         await trio.lowlevel.checkpoint()  # let receives and DHT requests in between slices
 
     async def _reporter(self, group_id: int, members: list[Member]) -> None:

@@ -5,30 +5,54 @@ Two halves of one feedback loop:
 * ``DeliveryMeter`` (receiver side) turns cumulative per-sender counters of a running phase into
   interval reports: over the last ``seconds``, of the data datagrams the sender sent (inferred from the
   highest datagram index that arrived: streams are sent in index order), ``received`` arrived, carrying
-  ``nbytes`` bytes. It is sampled from a timer every ~50 ms, so it costs nothing per datagram.
-* ``Pacer`` (sender side) is a token bucket whose rate follows those reports.
+  ``nbytes`` bytes. It is sampled from a timer every ~25 ms, so it costs nothing per datagram.
+* ``Pacer`` (sender side) is a token bucket for the node's whole uplink (every destination shares it: the
+  bottleneck is usually the sender's own uplink) plus, for a destination whose own path congests while the
+  uplink does not, a second bucket capping that destination alone.
 
-Why not just "loss means slow down": a lossy link (random drops, independent of the rate) must not
-collapse the rate, while an overrun bottleneck (a token-bucket link, a slow receiver) must. One report
-cannot tell them apart: in both, delivered ~= sent x (1 - loss). What differs is how loss depends on the
-rate: random loss stays at p at every rate, congestion loss vanishes below the bottleneck. So the pacer
-keeps, per path, a random-loss floor (from recent clean reports; 0 until there are some) and treats only
-loss clearly above the floor, or receive-buffer overflow (kernel drops), as congestion. The loss that caused
-a decrease is a suspect: if the next report, sent at the lower rate, shows the same loss, it was random
-loss: it joins the floor and the decrease is undone. On a bottleneck the back-off goes below it, the next
-reports come in clean, and the floor stays near 0. (The old heuristic took the first report's fraction as
-the floor, so it learned congestion as random loss and never backed off.)
+What the pacer knows: no usable RTT (a tbf bottleneck with no delay), only what receivers' REPORTs say,
+about 25-50 ms late, and what it sent when. So it runs in **phases** of ``PHASE_S`` (two REPORT intervals)
+at one rate each, pools every REPORT into the phase its datagrams were sent in, and judges a phase once its
+REPORTs are in (``JUDGE_LAG_S`` after it ends): its loss, over all destinations, against the **random-loss
+floor**, which is the pooled loss of recent clean phases sent at a clearly lower rate (``FLOOR_RATE``).
+That is the whole distinction between random loss and congestion: random loss is the same at every rate,
+overflow at the bottleneck appears only above its rate. A phase lossier than its floor (beyond its sampling
+noise) is congestion; a phase no lossier is clean, whatever its loss. Random loss alone never slows it.
 
-Arrivals lagging behind sends (a queue building at a receiver) are not a signal on their own: measured
-with 4 daemons on 2 cores over loopback, receivers short of CPU lag all the time, the 32 MB socket buffers
-absorb it, and backing off on it cut throughput several-fold. The lag does shape how far a decrease goes.
+The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
 
-On congestion the rate drops to what the path delivered (the delivered fraction beyond the random loss,
-and the arrival rate against the send rate of the same datagrams, times a margin), once per interval:
-reports about datagrams sent before the last decrease are stale and ignored. Clean reports raise the rate:
-doubling it every 0.1 s until the first congestion (slow start), then by 30 % a second (a constant step
-would take minutes to recover from a deep cut). A sender that does not use its rate (CPU-bound) does not
-raise it.
+* **Startup** at ``START_RATE`` (low: 16 Mbit/s): two clean phases at the current rate double it (a queue
+  absorbs a first phase's overshoot: it looks clean; the second shows it). The first congested phase ends it.
+* **Congestion** sets ``btl`` to what the congested phase delivered beyond random loss: its actual send rate
+  x (1 - loss) / (1 - floor), ``CUT_MARGIN`` under (a phase the queue filled only late understates its
+  loss). Unlike a multiplicative cut this is right however far the rate overshot, and a false alarm costs
+  only the few percent it measured. It never raises ``btl`` (a late judgement of an older phase cannot undo
+  a newer cut); a phase sent below the new ``btl`` while the overshoot's queue drained is not held against
+  it; a drain phase's loss is the probe's queue, not evidence against ``btl``; a probe that overflowed
+  takes ``btl`` a further ``PROBE_FAIL_CUT`` down (its cruise rate was too high too). Then a drain phase.
+* **Probe cycle** afterwards, one phase each: x1.25 (probe), x0.75 (drain: empties what the probe queued),
+  then four at x0.97 (a little under, so a slightly high ``btl`` does not fill the queue). A queue absorbs a
+  probe, so a clean probe does not measure headroom; it raises ``btl`` by a step that starts at 2 % and
+  doubles with each clean probe in a row, up to 8 % (an overshoot then costs a phase of tail drops) and,
+  after five clean probes in a row, up to 50 % (the link got faster). Congestion restarts it at 2 %.
+* A phase in which the sender used under ``APP_LIMITED`` of its rate (CPU-bound, or out of data) raises
+  nothing: an unused rate says nothing about the path.
+* Kernel drops at a receiver (its socket buffer overflowed) above ``KERNEL_DROPS`` of a phase's datagrams are
+  congestion too.
+
+Arrival times are not used: receivers stamp datagrams when their event loop gets to them, and on the lab's
+2 loaded cores the ratio of send to arrival time read 0.7 at a third of the link rate (no queue at all).
+
+Per destination: a destination clearly lossier than the rest of a phase (its downlink or its CPU is the
+bottleneck, not this uplink) is left out of the uplink's judgement, and once it stays so for
+``PATH_PERSIST`` phases gets a cap of what its path delivered, raised ``PATH_GROWTH``-fold per clean phase
+until it no longer binds. (A tail drop at a full uplink queue takes a part or two, all of one destination:
+one phase's concentration says little.) The driver sends destinations in turn, so a capped destination slows
+the others too; an average needs all its destinations' data anyway.
+
+Measured (tests/test_pacing.py, 4 nodes on 100 Mbit/s tbf links with a 20 ms queue, random loss 0-10 %):
+uplinks 93-96 % full after startup; the loss the pacer adds, 0.8-1.5 % in steady state, 1.2-2.3 % with
+startup.
 """
 
 from __future__ import annotations
@@ -39,30 +63,45 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-DEFAULT_RATE = 100e6  # bytes/s: a fast start (slow start doubles it every 0.1 s); a receiver reports early
-MIN_RATE = 0.5e6
+START_RATE = 2e6  # bytes/s (16 Mbit/s): low, so a thin link is not overrun 8x at the first average
+DEFAULT_RATE = START_RATE
+MIN_RATE = 0.25e6
 MAX_RATE = 20e9
 BURST_S = 0.002  # a burst may run this far ahead of the average rate
 
-SLOW_START_DOUBLING_S = 0.1  # until the first congestion, clean reports double the rate this often
-ADDITIVE_PER_S = 0.3  # afterwards they add this fraction of the rate per second (recovers from a deep cut)
-MAX_STEP_S = 0.1  # an increase covers at most this much time since the last one
-BACKOFF_MARGIN = 0.9  # go this far below what the path delivered
-MAX_BACKOFF = 0.85  # a decrease is at least this much
-MIN_FACTOR = 0.02  # and at most this much, in one step (an 8x overrun loses ~7/8: that says how far to go)
-MIN_LAG_FACTOR = 0.5
-LOSS_MARGIN = 0.02  # loss this far above the path's floor (plus 3 sigma of sampling noise) is congestion
-MIN_SAMPLE = 32  # datagrams: fewer carry too little information about loss
-EPISODE_S = 1.0  # decreases closer together than this are one episode (undone together)
-FIRST_REPORT = 4 * MIN_SAMPLE  # positions: a stream's first report comes this early, whatever the interval
-MIN_RATE_SPAN_S = 0.04  # intervals shorter than this say little about rates
-MIN_SPAN_S = 0.002  # ... and shorter than this nothing
-FLOOR_SAMPLES = 8  # reports per path the random-loss floor is taken over
-LOG_QUANTUM_S = 0.005
-LOG_HISTORY_S = 4.0
-APP_LIMITED = 0.5  # a sender using less than this fraction of its rate (over the last APP_WINDOW_S) does not
-APP_WINDOW_S = 0.1  # raise it: an unused rate says nothing about the path
-MAX_PATHS = 1024  # per-destination state kept (reports, send logs); the least recently used goes first
+STARTUP_GROWTH = 2.0  # startup's step: an overshoot past the bottleneck is at most this much ...
+STARTUP_PHASES = 2  # ... for a phase or two: a rate is raised after this many clean phases at it (a queue
+# absorbs a first phase's overshoot: it looks clean)
+PHASE_S = 0.05  # one phase of the cycle: two REPORT intervals (a phase needs a few REPORTs per destination)
+JUDGE_LAG_S = 0.05  # a phase is judged this long after it ended: its REPORTs are in by then
+CYCLE = (1.25, 0.75, 0.97, 0.97, 0.97, 0.97)  # gains on btl: probe, drain, four cruise phases a little under
+PROBE, DRAIN = 0, 1
+PROBE_STEP = 0.02  # a clean probe raises btl this much at first, doubling with every clean probe in a row ...
+MAX_PROBE_STEP = 0.08  # ... up to this (the overshoot a cruise phase then pays for), and after FAST_PROBES
+FAST_PROBES = 5  # clean probes in a row (+28 % in all: the link got faster) up to MAX_FAST_STEP
+MAX_FAST_STEP = 0.5
+CUT_MARGIN = 0.92  # congestion sets btl this far under what the congested phase delivered
+PROBE_FAIL_CUT = 0.95  # a probe that overflowed the queue takes btl this much lower
+LOSS_MARGIN = 0.005  # loss this far over the floor (plus Z sigma of both samples' noise) is congestion
+Z = 2.0
+STARTUP_MARGIN = 0.05  # in startup, floors rest on a few small phases: ask for more
+STARTUP_Z = 3.0
+PATH_MARGIN = 0.02  # one destination's share of a phase is a third of the sample (with 3 destinations), and
+PATH_Z = 3.0  # there are as many chances of a false alarm as destinations: a cap needs clearer evidence
+FLOOR_RATE = 0.85  # clean phases sent at most this fraction of a judged phase's rate give its floor
+FLOOR_PHASES = 8  # pooled over at most this many
+HISTORY = 32  # clean phases remembered (1.6 s)
+MAX_PENDING = 64  # phases waiting for their judgement (more: the oldest go unjudged)
+MIN_SAMPLE = 32  # datagrams: a phase (or a destination's share of one) with fewer says too little
+FIRST_REPORT = MIN_SAMPLE  # positions: a stream's first report comes this early, whatever the interval
+KERNEL_DROPS = 0.005  # receivers' kernel drops above this fraction of a phase's datagrams are congestion
+APP_LIMITED = 0.5  # a phase that used less of its rate than this raises nothing (a 64 KB part is 30 ms at
+# 2 MB/s: a phase's own send rate is coarse at low rates)
+PATH_PERSIST = 2  # judged phases in a row a destination must be clearly lossier than the rest to get a cap
+PATH_GROWTH = 1.25  # a capped destination's cap grows this much per clean phase
+LOG_QUANTUM_S = 0.001
+LOG_HISTORY_S = 2.0
+MAX_PATHS = 1024  # per-destination state kept (caps, send logs); the least recently used goes first
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,45 +121,51 @@ class Report:
 class Verdict:
     """What a report did to the rate (for tests, metrics and logs)."""
 
-    action: str  # "decrease", "increase", "hold", "stale", "small"
+    action: str  # "decrease", "increase", "hold" (judged, nothing to change), "pooled" (waits for its
+    # phase's judgement), "stale" (its phase was judged or forgotten), "small" (nothing in it)
     reason: str
     rate: float
 
 
-class _Path:
-    __slots__ = ("losses", "suspect")
-
-    def __init__(self) -> None:
-        self.losses: deque[tuple[float, int]] = deque(maxlen=FLOOR_SAMPLES)  # (loss, datagrams)
-        # The loss that caused the last decrease: congestion if the next report (at the lower rate) shows
-        # less, the path's random loss if it shows as much.
-        self.suspect: tuple[float, int, float, float] | None = None  # loss, datagrams, rate and ssthresh before
-
-    def floor(self) -> tuple[float, int]:
-        """(the path's random-loss estimate, the sample size behind it); (0, 0) before any report.
-
-        The lowest upper confidence bound (Wilson, 2 sigma) over recent clean reports: a lower estimate
-        would let the noise of small samples (at low rates) read as congestion and spiral the rate down;
-        taking the lowest keeps mild congestion that slipped under the threshold from ratcheting the floor
-        up. (A plain loss + 2 sigma bound gave a small sample with no loss a bound near 0.06, and a 10 %
-        random-loss path then read as congested every few reports.)"""
-        best, best_n = 0.0, 0
-        for loss, n in self.losses:
-            bound = _upper_bound(loss, n)
-            if not best_n or bound < best:
-                best, best_n = bound, n
-        return min(best, 1.0), best_n
+def _var(p: float, n: int) -> float:
+    """Sampling variance of a loss fraction measured over n datagrams (at least that of 1 in n)."""
+    return max(p, 1.0 / n) * (1.0 - min(p, 0.999)) / n
 
 
-def _upper_bound(p: float, n: int, z: float = 2.0) -> float:
-    """Wilson score upper bound of a loss fraction p measured over n datagrams."""
-    z2n = z * z / n
-    return (p + z2n / 2 + z * math.sqrt(p * (1 - p) / n + z2n / (4 * n))) / (1 + z2n)
+class _Phase:
+    """An interval sent at one rate, and what the REPORTs about its datagrams said."""
+
+    __slots__ = ("start", "end", "rate", "kind", "expected", "lost", "drops", "paths")
+
+    def __init__(self, start: float, rate: float, kind: str) -> None:
+        self.start = start
+        self.end: float | None = None  # None: the current phase
+        self.rate = rate
+        self.kind = kind  # startup, probe, drain, cruise
+        self.expected = 0
+        self.lost = 0
+        self.drops = 0
+        self.paths: dict[Hashable, list[int]] = {}  # dest -> [expected, lost, kernel drops]
 
 
-def _sigma(p: float, n: int) -> float:
-    """Standard deviation of a loss fraction measured over n datagrams (at least that of 1 in n)."""
-    return math.sqrt(max(p, 1.0 / n) * (1.0 - min(p, 0.999)) / n)
+class _Record:
+    """A clean, judged phase: what floors are pooled from."""
+
+    __slots__ = ("sent", "expected", "lost", "paths")
+
+    def __init__(self, sent: float, expected: int, lost: int, paths: dict[Hashable, tuple[int, int, float]]) -> None:
+        self.sent = sent  # bytes/s actually sent, all destinations
+        self.expected = expected
+        self.lost = lost
+        self.paths = paths  # dest -> (expected, lost, bytes/s actually sent to it)
+
+
+class _Cap:
+    __slots__ = ("rate", "next")
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.next = 0.0
 
 
 class _SendLog:
@@ -144,51 +189,72 @@ class _SendLog:
 
     def rate(self, start: float, stop: float) -> float:
         """Bytes per second sent in [start, stop)."""
-        if stop <= start:
-            return 0.0
         b0, b1 = math.floor(start / LOG_QUANTUM_S), math.floor(stop / LOG_QUANTUM_S)
+        if b1 <= b0:
+            return 0.0
         total = 0
         for b, n in reversed(self.buckets):
             if b < b0:
                 break
             if b < b1:
                 total += n
-        return total / ((b1 - b0) * LOG_QUANTUM_S) if b1 > b0 else 0.0
+        return total / ((b1 - b0) * LOG_QUANTUM_S)
 
 
 class Pacer:
-    """A token bucket whose rate follows receivers' reports (see the module docstring)."""
+    """The uplink's token bucket, per-destination caps, and the phases that set them (module docstring)."""
 
     def __init__(
         self,
-        rate: float = DEFAULT_RATE,
+        rate: float = START_RATE,
         *,
         min_rate: float = MIN_RATE,
         max_rate: float = MAX_RATE,
         max_paths: int = MAX_PATHS,
+        phase_s: float = PHASE_S,
+        judge_lag_s: float = JUDGE_LAG_S,
     ) -> None:
-        self.rate = float(rate)
         self.min_rate = min_rate
         self.max_rate = max_rate
-        self.ssthresh = math.inf  # rate found at the last congestion; slow start below it
-        self._next = 0.0  # when the bucket is empty again
-        self._last_decrease = -math.inf
-        self._last_increase: float | None = None
-        self._undo_rate = 0.0  # the rate before the current episode of decreases (restored if random loss)
-        # Per destination, bounded (the driver only feeds reports from group members, but a node meets many
-        # over its life): the least recently used destination's state goes first.
+        self.rate = min(max_rate, max(min_rate, float(rate)))
+        self.btl: float | None = None  # the bottleneck estimate; None during startup
+        self.phase_s = phase_s
+        self.judge_lag_s = judge_lag_s
         self.max_paths = max_paths
-        self._paths: OrderedDict[Hashable, _Path] = OrderedDict()
+        self._cycle_at = PROBE
+        self._step = PROBE_STEP
+        self._clean_probes = 0  # clean probes since the last congestion
+        self._clean_at_level = 0  # startup: clean phases judged at the current rate
+        self._next = 0.0  # when the uplink bucket is empty again
+        self._quiet_until = -math.inf  # phases that started before this drain the last overshoot's queue
+        self._phases: deque[_Phase] = deque()  # not judged yet; the current one last
+        self._history: deque[_Record] = deque(maxlen=HISTORY)
+        self._caps: OrderedDict[Hashable, _Cap] = OrderedDict()
+        self._hot: dict[Hashable, int] = {}  # destinations lossier than the rest, phases in a row
         self._sent: OrderedDict[Hashable, _SendLog] = OrderedDict()
         self._total = _SendLog()
         self.decreases = 0
         self.increases = 0
 
+    @property
+    def mode(self) -> str:
+        return "startup" if self.btl is None else "cycle"
+
+    def cap(self, dest: Hashable) -> float | None:
+        """The destination's own cap, bytes/s (None: only the uplink's rate binds)."""
+        c = self._caps.get(dest)
+        return None if c is None else c.rate
+
     # -- sending -----------------------------------------------------------------------------------
     def reserve(self, nbytes: int, now: float, dest: Hashable = None) -> float:
         """Account for sending ``nbytes`` to ``dest`` now; returns how long to wait before sending them."""
+        self._advance(now)
         start = max(self._next, now - BURST_S)
         self._next = start + nbytes / self.rate
+        cap = self._caps.get(dest) if self._caps else None
+        if cap is not None:
+            start = max(start, cap.next, now - BURST_S)
+            cap.next = start + nbytes / cap.rate
         at = max(start, now)
         self._total.add(at, nbytes)
         log = self._sent.get(dest)
@@ -208,96 +274,243 @@ class Pacer:
         log = self._sent.get(dest)
         return 0.0 if log is None else log.rate(start, stop)
 
+    # -- phases ------------------------------------------------------------------------------------
+    def _advance(self, now: float) -> None:
+        """Close the current phase once it has run ``phase_s`` (a gap with nothing sent: at its end)."""
+        phases = self._phases
+        if phases:
+            cur = phases[-1]
+            if now < cur.start + self.phase_s:
+                return
+            cur.end = min(now, cur.start + self.phase_s)
+        self._open(now)
+
+    def _open(self, now: float) -> None:
+        if self.btl is None:
+            kind = "startup"
+        else:
+            i = self._cycle_at
+            self._cycle_at = (i + 1) % len(CYCLE)
+            kind = "probe" if i == PROBE else "drain" if i == DRAIN else "cruise"
+            self.rate = min(self.max_rate, max(self.min_rate, CYCLE[i] * self.btl))
+        self._phases.append(_Phase(now, self.rate, kind))
+        while len(self._phases) > MAX_PENDING:
+            self._phases.popleft()
+
+    def _restart(self, now: float) -> None:
+        """The rate changed: the current phase ends now and a new one starts at the new rate."""
+        if self._phases and self._phases[-1].end is None:
+            cur = self._phases[-1]
+            cur.end = max(cur.start, now)
+        self._open(now)
+
+    def _floor(self, sent: float, dest: Hashable = None) -> tuple[float, float, int]:
+        """(random-loss floor, its sampling variance, datagrams behind it) for a phase sent at ``sent``
+        bytes/s (to ``dest``; None: all destinations): the pooled loss of recent clean phases sent at
+        most FLOOR_RATE of that. (0, 0, 0) when there are none."""
+        limit = FLOOR_RATE * sent
+        expected = lost = used = 0
+        for rec in reversed(self._history):
+            if dest is None:
+                e, lo, s = rec.expected, rec.lost, rec.sent
+            else:
+                p = rec.paths.get(dest)
+                if p is None:
+                    continue
+                e, lo, s = p
+            if s <= limit and e > 0:
+                expected += e
+                lost += lo
+                used += 1
+                if used >= FLOOR_PHASES:
+                    break
+        if not expected:
+            return 0.0, 0.0, 0
+        f = lost / expected
+        return f, _var(f, expected), expected
+
     # -- feedback ----------------------------------------------------------------------------------
     def on_report(
         self, dest: Hashable, report: Report, now: float, sent_span: tuple[float, float] | None = None
     ) -> Verdict:
-        """Adapt the rate to one receiver's interval report, received at ``now``.
+        """Pool one receiver's interval report, received at ``now``, into the phase its datagrams were
+        sent in; judge the phases whose reports are all in.
 
         ``sent_span``: when this sender sent the first and the last datagram of the interval (the driver
-        knows from ``report.position``). Without it the interval is taken to be the last ``seconds``.
-        """
+        knows from ``report.position``). Without it the interval is taken to end ``now``."""
+        self._advance(now)
         r = report
-        if r.expected < MIN_SAMPLE and r.kernel_drops == 0:
-            return Verdict("small", f"{r.expected} datagrams", self.rate)
-        path = self._paths.get(dest)
-        if path is None:
-            path = self._paths[dest] = _Path()
-            while len(self._paths) > self.max_paths:
-                self._paths.popitem(last=False)
+        if r.expected <= 0:
+            verdict = Verdict("small", "no datagrams", self.rate)
         else:
-            self._paths.move_to_end(dest)
-        expected = max(r.expected, r.received, 1)
-        delivered_fraction = r.received / expected
-        loss = 1.0 - delivered_fraction
-        floor, floor_n = path.floor()
-        if not floor_n:  # a new path: the lowest floor other paths have shown (a lossy link is often all links)
-            floor = min((f for f, n in (q.floor() for q in self._paths.values()) if n), default=0.0)
-        sigma = _sigma(floor, expected)
-        if sent_span is not None:
-            start, stop = sent_span
+            mid = (sent_span[0] + sent_span[1]) / 2 if sent_span is not None else now - r.seconds / 2
+            phase = None
+            for ph in reversed(self._phases):
+                if ph.start <= mid:
+                    if ph.end is None or mid < ph.end:
+                        phase = ph
+                    break
+            if phase is None:
+                verdict = Verdict("stale", "its phase was judged already", self.rate)
+            else:
+                expected = max(r.expected, r.received)
+                lost = expected - r.received
+                phase.expected += expected
+                phase.lost += lost
+                phase.drops += r.kernel_drops
+                p = phase.paths.get(dest)
+                if p is None:
+                    phase.paths[dest] = [expected, lost, r.kernel_drops]
+                else:
+                    p[0] += expected
+                    p[1] += lost
+                    p[2] += r.kernel_drops
+                verdict = Verdict("pooled", "waits for its phase's judgement", self.rate)
+        judged = self._judge_due(now)
+        return judged if judged is not None else verdict
+
+    def _judge_due(self, now: float) -> Verdict | None:
+        out: Verdict | None = None
+        phases = self._phases
+        while phases and phases[0].end is not None and now >= phases[0].end + self.judge_lag_s:
+            v = self._judge(phases.popleft(), now)
+            if v is not None and (out is None or out.action != "decrease"):
+                out = v
+        return out
+
+    def _judge(self, ph: _Phase, now: float) -> Verdict | None:
+        assert ph.end is not None
+        # (at low rates a phase holds a part or two: the log's count may overstate its rate, never the bucket)
+        sent = min(ph.rate, self.sent_rate(ph.start, ph.end))
+        if ph.expected < MIN_SAMPLE or sent <= 0:
+            return None
+        startup = self.btl is None
+        margin, z = (STARTUP_MARGIN, STARTUP_Z) if startup else (LOSS_MARGIN, Z)
+        # Destinations first: one whose own path congests while the rest of the uplink's traffic is clean has
+        # a bottleneck of its own (its downlink, its CPU): a cap for it, not a cut of the uplink's rate.
+        paths: dict[Hashable, tuple[int, int, float]] = {}
+        hot: dict[Hashable, tuple[float, float]] = {}  # dest -> (its loss, what its path delivered)
+        for dest, (e, lo, drops) in ph.paths.items():
+            s = self.sent_rate(ph.start, ph.end, dest)
+            paths[dest] = (e, lo, s)
+            if e >= MIN_SAMPLE and s > 0:
+                found = self._path_congested(dest, e, lo, drops, s, max(margin, PATH_MARGIN), max(z, PATH_Z))
+                if found is not None:
+                    hot[dest] = found
+        expected, lost, drops = ph.expected, ph.lost, ph.drops
+        if hot and len(hot) < sum(1 for e, _, s in paths.values() if e >= MIN_SAMPLE and s > 0):
+            rest_e = expected - sum(ph.paths[d][0] for d in hot)
+            rest = (lost - sum(ph.paths[d][1] for d in hot)) / rest_e
+            # Only a destination clearly lossier than the rest of the phase is a path of its own: an uplink
+            # overflow hits every destination alike, and one of them crossing its threshold is noise.
+            hot = {d: v for d, v in hot.items() if ph.paths[d][2] > KERNEL_DROPS * ph.paths[d][0]
+                   or v[0] > rest + PATH_MARGIN + PATH_Z * math.sqrt(_var(rest, ph.paths[d][0]) + _var(rest, rest_e))}
+            # It is left out of the uplink's judgement, but capped only once it stays so: a tail drop at a
+            # full uplink queue takes a part or two, all of one destination, and the next phase shows it.
+            for d in hot:
+                self._hot[d] = self._hot.pop(d, 0) + 1
+                if len(self._hot) > self.max_paths:
+                    del self._hot[next(iter(self._hot))]
+            for dest in hot:  # judge the uplink by the rest
+                expected -= ph.paths[dest][0]
+                lost -= ph.paths[dest][1]
+                drops -= ph.paths[dest][2]
         else:
-            start, stop = now - r.seconds, now
-        # The datagrams of a report sent before the last decrease say nothing about the new rate.
-        if start < self._last_decrease:
-            return Verdict("stale", "sent before the last decrease", self.rate)
-        excess = r.expected >= MIN_SAMPLE and loss > floor + LOSS_MARGIN + 3 * sigma
-        undone = False
-        if excess and path.suspect is not None:
-            before, before_n, rate_before, ssthresh_before = path.suspect
-            noise = 3 * _sigma(before, min(expected, before_n))
-            if abs(loss - before) <= LOSS_MARGIN + noise:  # backing off did not change it: rate-independent
-                path.losses.append((before, before_n))
-                floor = min(loss, before)
-                excess = False
-                # Undo the decrease it caused (it was spurious), as TCP undoes one after a spurious timeout.
-                self.rate = max(self.rate, rate_before, self._undo_rate)
-                self.ssthresh = max(self.ssthresh, ssthresh_before)
-                undone = True
-        path.suspect = None
+            hot = {}
+        for d in list(self._hot):
+            if d in ph.paths and d not in hot and ph.paths[d][0] >= MIN_SAMPLE:
+                del self._hot[d]
+        loss = lost / expected
+        floor, floor_var, floor_n = self._floor(sent)
         reason = ""
-        if r.kernel_drops > 0:
-            reason = f"{r.kernel_drops} datagrams dropped by the receiver's kernel"
-        elif excess:
-            reason = f"loss {loss:.3f} above the path's floor {floor:.3f}"
-            path.suspect = (loss, expected, self.rate, self.ssthresh)
+        if drops > KERNEL_DROPS * expected:
+            reason = f"{drops} datagrams dropped by receivers' kernels"
+        elif floor_n and loss > floor + margin + z * math.sqrt(floor_var + _var(floor, expected)):
+            reason = f"loss {loss:.3f} above the floor {floor:.3f} ({ph.kind} at {sent / 1e6:.2f} MB/s)"
+        if reason and ph.kind == "drain":
+            # The probe before it filled the queue (or the overshoot before the last cut did): says nothing
+            # against btl. (A path too slow even for the drain rate congests the cruise phases after it.)
+            return Verdict("hold", "the probe's queue: " + reason, self.rate)
+        if reason and ph.start < self._quiet_until and (self.btl is None or ph.rate < self.btl):
+            # Sent below the new estimate while the queue the last overshoot filled was still draining:
+            # its loss is that overshoot's, already acted on. (One sent at or above it says how far the
+            # overshoot really went: a phase the queue filled only late in understates it.)
+            return Verdict("stale", "sent before the last decrease drained: " + reason, self.rate)
         if reason:
-            # Down to what the path delivered: the fraction that arrived beyond the random loss, and (over
-            # a long enough span) the arrival rate against the send rate of the same datagrams.
-            # Arrival times are when the receiver got round to the datagrams, so a receiver short of CPU
-            # stretches them: the time-based factor alone never cuts deeper than MIN_LAG_FACTOR.
-            factor = delivered_fraction / max(1e-9, 1.0 - floor)
-            if stop - start >= MIN_SPAN_S and r.seconds > 0:
-                factor = min(factor, max(MIN_LAG_FACTOR, (stop - start) / r.seconds) * factor)
-            if r.kernel_drops:  # as if this sender's datagrams were all that the kernel dropped
-                factor = min(factor, r.received / (r.received + r.kernel_drops))
-            factor = min(MAX_BACKOFF, max(MIN_FACTOR, factor * BACKOFF_MARGIN))
-            base = self.rate
-            actual = self.sent_rate(start, stop) if stop - start >= MIN_RATE_SPAN_S else 0.0
-            if 0 < actual < base:
-                base = actual  # back off from what was really sent, not from an unused nominal rate
-            if now - self._last_decrease > EPISODE_S:  # the rate before this episode of decreases
-                self._undo_rate = self.rate
-            self.rate = max(self.min_rate, base * factor)
-            self.ssthresh = self.rate
-            self._last_decrease = now
+            # What the path delivered beyond its random loss (exact when the queue stayed full all phase; a
+            # phase it filled only late understates its loss: hence the margin).
+            delivered = sent * (1.0 - loss) / max(1e-9, 1.0 - floor)
+            delivered = min(self.max_rate, max(self.min_rate, delivered * CUT_MARGIN))
+            self.btl = delivered if self.btl is None else min(self.btl, delivered)
+            if ph.kind == "probe":
+                # A probe that overflowed says the queue was not empty, so the cruise rate under it was too
+                # high as well (what it delivered is no bound on that: a probe's gain is on top).
+                self.btl = max(self.min_rate, self.btl * PROBE_FAIL_CUT)
+            self._cycle_at = DRAIN
+            self._step = PROBE_STEP
+            self._clean_probes = 0
+            self._restart(now)
+            self._quiet_until = now + self.phase_s
             self.decreases += 1
             return Verdict("decrease", reason, self.rate)
+        path_verdict = None
+        for dest in paths:
+            cap = self._caps.get(dest)
+            if dest in hot and self._hot.get(dest, 0) < PATH_PERSIST:
+                path_verdict = Verdict("hold", f"destination {dest!r} lossier than the rest", self.rate)
+            elif dest in hot:
+                path_loss, rate = hot[dest]
+                if cap is None:
+                    self._caps[dest] = _Cap(rate)
+                    while len(self._caps) > self.max_paths:
+                        self._caps.popitem(last=False)
+                else:
+                    cap.rate = min(cap.rate, rate)
+                    self._caps.move_to_end(dest)
+                self.decreases += 1
+                path_verdict = Verdict("decrease", f"destination {dest!r}: loss {path_loss:.3f} above its floor",
+                                       self.rate)
+            elif cap is not None:
+                cap.rate *= PATH_GROWTH
+                if cap.rate >= self.rate:
+                    del self._caps[dest]
+        self._history.append(_Record(sent, ph.expected, ph.lost,
+                                     {d: v for d, v in paths.items() if d not in hot}))
+        if hot:  # (the aggregate floor keeps them: their loss is part of what this uplink's phases see)
+            return path_verdict
+        if sent < APP_LIMITED * ph.rate:
+            return Verdict("hold", f"sender used {sent / ph.rate:.2f} of its rate", self.rate)
+        if startup:
+            if ph.rate < self.rate:  # an older level: the current one has not been judged yet
+                return Verdict("hold", "startup: an older rate", self.rate)
+            self._clean_at_level += 1
+            if self._clean_at_level < STARTUP_PHASES:  # the queue may have hidden the first one's overshoot
+                return Verdict("hold", "startup: one clean phase at this rate", self.rate)
+            self._clean_at_level = 0
+            self.rate = min(self.max_rate, self.rate * STARTUP_GROWTH)
+            self._restart(now)
+            self.increases += 1
+            return Verdict("increase", "startup: clean", self.rate)
+        if ph.kind == "probe":
+            assert self.btl is not None
+            self.btl = min(self.max_rate, self.btl * (1.0 + self._step))
+            self._clean_probes += 1
+            cap = MAX_PROBE_STEP if self._clean_probes < FAST_PROBES else MAX_FAST_STEP
+            self._step = min(cap, 2 * self._step)
+            self.increases += 1
+            return Verdict("increase", f"clean probe: btl {self.btl / 1e6:.2f} MB/s", self.rate)
+        return Verdict("hold", "clean", self.rate)
 
-        if r.expected >= MIN_SAMPLE:
-            path.losses.append((loss, expected))
-        if self.sent_rate(now - APP_WINDOW_S, now) < APP_LIMITED * self.rate:
-            return Verdict("hold", "sender did not use its rate", self.rate)
-        dt = MIN_RATE_SPAN_S if self._last_increase is None else now - self._last_increase
-        dt = min(MAX_STEP_S, max(0.0, dt))
-        self._last_increase = now
-        if self.rate < self.ssthresh:
-            self.rate = min(self.rate * 2 ** (dt / SLOW_START_DOUBLING_S), max(self.ssthresh, self.rate))
-        else:
-            self.rate += ADDITIVE_PER_S * dt * self.rate
-        self.rate = min(self.max_rate, self.rate)
-        self.increases += 1
-        return Verdict("increase", "random loss: last decrease undone" if undone else "clean", self.rate)
+    def _path_congested(self, dest: Hashable, expected: int, lost: int, drops: int, sent: float, margin: float,
+                        z: float) -> tuple[float, float] | None:
+        """One destination's share of a phase: (its loss, what its path delivered, a little under) when it
+        is lossier than that destination's own floor or its receiver's kernel dropped; else None."""
+        loss = lost / expected
+        floor, floor_var, floor_n = self._floor(sent, dest)
+        if drops > KERNEL_DROPS * expected or (
+                floor_n > 0 and loss > floor + margin + z * math.sqrt(floor_var + _var(floor, expected))):
+            return loss, max(self.min_rate, sent * (1.0 - loss) / max(1e-9, 1.0 - floor) * CUT_MARGIN)
+        return None
 
 
 class SendPositions:
