@@ -18,17 +18,19 @@ from hypothesis import strategies as st
 
 from peerd.allreduce import HEADER_SIZE, BodyType, GroupAverage
 from peerd.allreduce.codec import pack_block, pack_data, view_block
+from peerd.compress import codec
 from peerd.wire import Opener, Sealer
 
 RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
 GROUP = 0x5EED0001
 
 
-def _group(n: int, length: int, per: int, seed: int) -> list[GroupAverage]:
+def _group(n: int, length: int, per: int, seed: int, name: str = "fp32") -> list[GroupAverage]:
     rng = np.random.default_rng(seed)
+    c = codec(name)
     return [
         GroupAverage(GROUP, n, i, rng.standard_normal(length).astype(np.float32), 1.0 + i, 0.0,
-                     max_payload=HEADER_SIZE + 4 * per, floor_s=1.0)
+                     max_payload=HEADER_SIZE + c.body_size(per), floor_s=1.0, codec=c, run=seed)
         for i in range(n)
     ]
 
@@ -38,7 +40,7 @@ def _feed_rows(core: GroupAverage, sender: int, mtype: int, rows: list[bytes], n
         core.receive(sender, mtype, body, now)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(2, 4),
     length=st.integers(0, 300),
@@ -48,9 +50,10 @@ def _feed_rows(core: GroupAverage, sender: int, mtype: int, rows: list[bytes], n
     loss=st.sampled_from([0.0, 0.1, 0.5]),
     dup=st.sampled_from([0.0, 0.2]),
     shuffle=st.booleans(),
+    name=st.sampled_from(["fp32", "fp16", "bf16", "int8", "int4"]),
 )
-def test_blocks_match_datagrams(n, length, per, rows, seed, loss, dup, shuffle) -> None:
-    a, b = _group(n, length, per, seed), _group(n, length, per, seed)
+def test_blocks_match_datagrams(n, length, per, rows, seed, loss, dup, shuffle, name) -> None:
+    a, b = _group(n, length, per, seed, name), _group(n, length, per, seed, name)
     rnd = random.Random(seed)
     now = 0.0
     for _ in range(10_000):

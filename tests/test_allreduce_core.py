@@ -498,7 +498,7 @@ def test_malformed_bodies_raise_wire_error_and_are_counted():
     cases = [
         (RS_DATA, good[:10]),  # shorter than the header
         (RS_DATA, good + b"\0\0\0\0"),  # longer than count says
-        (RS_DATA, mutate(good, 4, "<B", 1)),  # unknown codec
+        (RS_DATA, mutate(good, 4, "<B", 5)),  # unknown codec (5..255 reserved)
         (RS_DATA, mutate(good, 5, "<I", 4)),  # wrong stream length
         (RS_DATA, mutate(good, 9, "<I", 1)),  # not a range boundary
         (RS_DATA, mutate(good, 9, "<I", 12)),  # outside the receiver's shard
@@ -520,7 +520,10 @@ def test_malformed_bodies_raise_wire_error_and_are_counted():
     with pytest.raises(WireError) as e:
         a.receive(1, 0x44, good, 0.0)
     assert e.value.reason == "type"
-    assert a.statistics().drops == {"malformed": len(cases), "type": 1}
+    with pytest.raises(WireError) as e:  # a known codec, not this group's (fp16 bytes would even fit the size)
+        a.receive(1, RS_DATA, mutate(good, 4, "<B", 1), 0.0)
+    assert e.value.reason == "codec"
+    assert a.statistics().drops == {"malformed": len(cases), "type": 1, "codec": 1}
     assert a.receive(1, RS_DATA, good, 0.0) is Outcome.ACCEPTED  # still works
 
 

@@ -1,8 +1,10 @@
 """Tensor datagram bodies (protocol/allreduce.md, "Body").
 
-A body is a fixed 19-byte little-endian header followed by raw little-endian float32 values, so the data
-path never encodes per element. 19 bytes is what the 56-byte overhead budget leaves after the 21-byte
-envelope and the 16-byte AEAD tag; it also puts the values at byte 40 of the datagram, 8-byte aligned.
+A body is a fixed 19-byte little-endian header followed by a codec body (protocol/codecs.md): for codec 0,
+raw little-endian float32 values, so the fp32 data path never encodes per element; for codecs 1..4 (fp16,
+bf16, int8, int4) a self-contained body that ``peerd.compress`` encodes and validates. 19 bytes is what the
+56-byte overhead budget leaves after the 21-byte envelope and the 16-byte AEAD tag; it also puts the values
+at byte 40 of the datagram, 8-byte aligned.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..compress import NAMES as CODEC_NAMES
+from ..compress import Codec
 from ..wire.errors import WireError
 
 # group id u32, codec u8, stream's data datagram count u32, element offset u32, element count u16,
@@ -24,7 +28,7 @@ HEADER_SIZE = HEADER.size  # 19
 MAX_COUNT = 0xFFFF
 FLOAT32 = np.dtype("<f4")
 CODEC_FLOAT32 = 0
-KNOWN_CODECS = frozenset({CODEC_FLOAT32})  # 1..255 are reserved for compressed encodings
+KNOWN_CODECS = frozenset(range(len(CODEC_NAMES)))  # fp32, fp16, bf16, int8, int4; 5..255 are reserved
 END_REPEATS = 3  # the driver sends each END body this many times (it is the only loss protection it has)
 
 
@@ -58,9 +62,9 @@ def pack_data(group: int, total: int, offset: int, weight: float, values: np.nda
     return b"".join((header, values))
 
 
-def pack_end(group: int, total: int, offset: int, weight: float) -> bytes:
+def pack_end(group: int, total: int, offset: int, weight: float, codec: int = CODEC_FLOAT32) -> bytes:
     """An END body: the stream's header with count 0 and no values; offset is the shard start."""
-    return HEADER.pack(group, CODEC_FLOAT32, total, offset, 0, weight)
+    return HEADER.pack(group, codec, total, offset, 0, weight)
 
 
 def peek_group(body: bytes | memoryview) -> int:
@@ -79,20 +83,28 @@ def parse_header(mtype: int, body: bytes | memoryview) -> BodyHeader:
     return BodyHeader._make(check_header(mtype, body))
 
 
-def check_header(mtype: int, body: bytes | memoryview) -> tuple[int, int, int, int, int, float]:
-    """``parse_header`` as a plain tuple, for the per-datagram path (no NamedTuple to build)."""
+def check_header(mtype: int, body: bytes | memoryview, codec: Codec | None = None
+                 ) -> tuple[int, int, int, int, int, float]:
+    """``parse_header`` as a plain tuple, for the per-datagram path (no NamedTuple to build).
+
+    ``codec``: the group's codec (None: fp32). A body in another known codec raises WireError("codec"): the
+    members disagree on the run's configuration, which an operator must be able to tell from corruption."""
     if mtype not in TYPES:
         raise WireError("type", f"{mtype:#04x} is not an all-reduce body type")
     size = len(body)
     if size < HEADER_SIZE:
         raise WireError("malformed", f"tensor body of {size} bytes is shorter than its {HEADER_SIZE}-byte header")
     h = HEADER.unpack_from(body)
-    _, codec, _, _, count, w = h
-    if codec not in KNOWN_CODECS:
-        raise WireError("malformed", f"unknown codec {codec}")
+    _, cid, _, _, count, w = h
+    want = CODEC_FLOAT32 if codec is None else codec.wire_id
+    if cid != want:
+        if cid not in KNOWN_CODECS:
+            raise WireError("malformed", f"unknown codec {cid}")
+        raise WireError("codec", f"a body in codec {CODEC_NAMES[cid]}; this group averages in {CODEC_NAMES[want]}")
     if mtype in DATA_TYPES:
-        if count == 0 or size != HEADER_SIZE + 4 * count:
-            raise WireError("malformed", f"data body of {size} bytes says it holds {count} float32 values")
+        need = 4 * count if codec is None or want == CODEC_FLOAT32 else codec.body_size(count)
+        if count == 0 or size != HEADER_SIZE + need:
+            raise WireError("malformed", f"data body of {size} bytes says it holds {count} values in codec {want}")
     elif count != 0 or size != HEADER_SIZE:
         raise WireError("malformed", f"end body of {size} bytes with count {count}; it must be a bare header")
     if not (w > 0.0 if mtype in RS_TYPES else w >= 0.0) or w == math.inf:  # NaN fails both comparisons
@@ -127,6 +139,36 @@ def pack_block(group: int, total: int, offset: int, weight: float | np.ndarray, 
     out[:, 15:19] = np.asarray(weight, dtype="<f4").reshape(-1, 1).view(np.uint8)
     out[:, HEADER_SIZE:] = np.ascontiguousarray(values, dtype=FLOAT32).view(np.uint8)
     return out
+
+
+def pack_coded(group: int, codec: int, total: int, offset: int, count: int, weight: float | np.ndarray,
+               bodies: np.ndarray) -> np.ndarray:
+    """DATA bodies of a compressed codec: ``bodies`` is (rows, codec body bytes) uint8, row i the range at
+    element ``offset + i * count`` (``Codec.encode_block``); ``weight`` is one value or one per row. Returns
+    (rows, header + body bytes) uint8: the tensor header is the same as fp32's but for the codec byte."""
+    rows, width = bodies.shape
+    out = np.empty((rows, HEADER_SIZE + width), dtype=np.uint8)
+    out[:, :HEADER_SIZE] = np.frombuffer(HEADER.pack(group, codec, total, offset, count, 0.0), np.uint8)
+    out[:, 9:13] = np.arange(offset, offset + rows * count, count, dtype="<u4").view(np.uint8).reshape(rows, 4)
+    out[:, 15:19] = np.asarray(weight, dtype="<f4").reshape(-1, 1).view(np.uint8)
+    out[:, HEADER_SIZE:] = bodies
+    return out
+
+
+@lru_cache(maxsize=64)
+def coded_dtype(width: int) -> np.dtype:
+    """``block_dtype`` for a compressed codec: the header's fields, then ``width`` body bytes."""
+    return np.dtype(
+        [("group", "<u4"), ("codec", "u1"), ("total", "<u4"), ("offset", "<u4"), ("count", "<u2"),
+         ("weight", "<f4"), ("body", "u1", (width,))]
+    )
+
+
+def view_coded(bodies: np.ndarray) -> np.ndarray | None:
+    """``view_block`` for a compressed codec: records of header fields and body bytes (None: not 2-D rows)."""
+    if bodies.ndim != 2 or bodies.shape[1] <= HEADER_SIZE or bodies.strides[1] != 1:
+        return None
+    return bodies.view(coded_dtype(bodies.shape[1] - HEADER_SIZE)).reshape(len(bodies))
 
 
 def view_block(bodies: np.ndarray) -> np.ndarray | None:

@@ -32,6 +32,15 @@ poison it, and counts it in ``GroupStats.refused``:
 * ``clipped`` (``robust`` only, see ``peerd.allreduce.robust``): a member whose contribution to this shard
   is more than C times the median norm is scaled down to it.
 
+Codecs (protocol/codecs.md): with ``codec`` fp32 (the default) the values travel as their own bytes and land
+by one copy. With fp16, bf16, int8 or int4 every body is a self-contained codec body: each reduce-scatter range
+is encoded by its sender (rounding draws keyed by (run, group id, sender index, phase 0)), decoded and
+validated at the owner (a row that fails is a ``malformed`` drop, a body in another codec a ``codec`` drop),
+summed in float32 as above, and each averaged range is encoded again for the all-gather (phase 1 draws); the
+owner keeps as its own result exactly what its bodies decode to, so replicas agree bit for bit. A range this
+member cannot encode (a value beyond the codec's range, or not finite) is not sent, and counted under
+``refused["unencodable"]``: to its receiver it is a lost range.
+
 Sums are formed in float32 and checked per block; a block that overflowed (finite values times capped
 weights) is summed again in float64, where it cannot, so finite own input never gives a non-finite
 result. Non-finite *own* input is the caller's problem: it stays in the ranges it touches.
@@ -50,6 +59,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..compress import PHASE_AG, PHASE_RS, Codec, RoundingKey
+from ..compress.floats import Float32Codec
 from ..wire.errors import WireError
 from ..wire.native import native as _native
 from .codec import (
@@ -59,8 +70,10 @@ from .codec import (
     BodyType,
     check_header,
     pack_block,
+    pack_coded,
     pack_end,
     view_block,
+    view_coded,
 )
 from .robust import MODES as ROBUST_MODES
 from .robust import Robust
@@ -79,6 +92,8 @@ BYZANTINE_NOISE = 100.0  # times the vector's RMS
 _F32_MAX = float(np.finfo(np.float32).max)
 _GROUP = struct.Struct("<I")
 _DONE = object()  # a send generator that is exhausted
+_U64 = (1 << 64) - 1
+FP32 = Float32Codec()
 
 log = logging.getLogger("peerd.allreduce")
 _RS_DATA, _RS_END, _AG_DATA, _AG_END = (int(t) for t in BodyType)
@@ -373,6 +388,11 @@ class GroupAverage:
     pull on the average but does not stop a sign-flipped contribution of normal size. ``byzantine`` is a
     fault-injection hook for demos and benches only: this member corrupts the reduce-scatter values it
     sends (BYZANTINE_MODES); its own shard and its all-gather stay honest.
+
+    ``codec`` (a ``peerd.compress`` body codec; None: fp32) must be the one every member of the group uses:
+    it fixes the ranges too. ``run`` (u64) keys the stochastic rounding draws with the group id, this
+    member's index and the phase, so draws are independent across runs, groups, senders and phases and a
+    test replays them exactly.
     """
 
     def __init__(
@@ -394,6 +414,8 @@ class GroupAverage:
         robust: Robust | None = None,
         center: np.ndarray | None = None,
         byzantine: str | None = None,
+        codec: Codec | None = None,
+        run: int = 0,
     ) -> None:
         if type(group_id) is not int or not 0 <= group_id <= 0xFFFFFFFF:
             raise ValueError(f"group_id must be a u32, got {group_id!r}")
@@ -435,6 +457,12 @@ class GroupAverage:
             raise ValueError(f"safety must be finite and > 0, got {safety!r}")
         if max_phase_s is not None and not max_phase_s > 0:
             raise ValueError(f"max_phase_s must be > 0 or None, got {max_phase_s!r}")
+        if codec is None:
+            codec = FP32
+        if not isinstance(codec, Codec):
+            raise ValueError(f"codec must be a peerd.compress body codec (compress.codec(name)), got {codec!r}")
+        if type(run) is not int or not 0 <= run <= _U64:
+            raise ValueError(f"run must be a u64 (the run's rounding key), got {run!r}")
         if not isinstance(vector, np.ndarray) or vector.ndim != 1:
             raise ValueError("vector must be a 1-D numpy array")
         if out is vector:
@@ -460,7 +488,8 @@ class GroupAverage:
         self.group_id = group_id
         self.n = n
         self.index = index
-        self.layout = Layout(len(vec), n, elements_per_datagram(max_payload))
+        self.codec = codec
+        self.layout = Layout(len(vec), n, elements_per_datagram(max_payload, codec))
         self.weight = float(w32)  # what travels, so every member uses the same value for it
         self.floor_s = float(floor_s)
         self.safety = float(safety)
@@ -509,6 +538,19 @@ class GroupAverage:
         self._stage = np.empty((n, self._hi - self._lo), dtype=FLOAT32)
         self._stage_bytes = [memoryview(row).cast("B") for row in self._stage]
         self._rs_seen = np.zeros((n, self._nranges), dtype=bool)
+        # A compressed codec: its byte, the body size of a full range, the rounding keys, and the own shard's
+        # all-gather bodies, encoded once when each range is finalized (the owner's own result is what they
+        # decode to) with a mask of the ranges that could be encoded (the rest is not sent).
+        self._cid = codec.wire_id
+        self._coded = codec.wire_id != FP32.wire_id
+        self._rs_key = RoundingKey(run, group_id, index, PHASE_RS)
+        self._ag_key = RoundingKey(run, group_id, index, PHASE_AG)
+        if self._coded:
+            full = (self._hi - self._lo) // self._per
+            self._body_per = codec.body_size(self._per)
+            self._ag_full = np.empty((full, self._body_per), dtype=np.uint8)
+            self._ag_tail: np.ndarray | None = None
+            self._ag_sendable = np.ones(self._nranges, dtype=bool)
         self._ag_seen = [np.zeros(self.layout.datagrams(j) if j != index else 0, dtype=bool) for j in range(n)]
         self._sender_weight: list[float | None] = [None] * n
         self._live = [True] * n
@@ -640,7 +682,7 @@ class GroupAverage:
         if len(body) >= 4 and _GROUP.unpack_from(body)[0] != self.group_id:
             self._drops["group"] += 1
             return Outcome.OTHER_GROUP
-        _, _, total, offset, count, weight = check_header(mtype, body)
+        _, _, total, offset, count, weight = check_header(mtype, body, self.codec)
         if type(sender) is not int or not 0 <= sender < self.n or sender == self.index:
             self._drops["sender"] += 1
             return Outcome.UNKNOWN_SENDER
@@ -659,9 +701,12 @@ class GroupAverage:
             rs = self._rs
             if rs.ended_at is not None:
                 return self._late(mtype)
+            if self._coded:  # decoded and validated before anything is marked: CodecError is a malformed drop
+                self._stage[sender, rel : rel + count] = self.codec.decode(memoryview(body)[HEADER_SIZE:], count)
+            else:
+                at = 4 * rel
+                self._stage_bytes[sender][at : at + 4 * count] = memoryview(body)[HEADER_SIZE:]
             seen[k] = True
-            at = 4 * rel
-            self._stage_bytes[sender][at : at + 4 * count] = memoryview(body)[HEADER_SIZE:]
             rs.weight_received += weight
             rs.note_data(sender, k, now)
             if rs.open == 0:
@@ -701,11 +746,16 @@ class GroupAverage:
                 return Outcome.DUPLICATE
             if ag.ended_at is not None:
                 return self._late(mtype)
-            seen[k] = True
-            if np.isfinite(np.frombuffer(body, FLOAT32, count, HEADER_SIZE)).all():
+            if self._coded:  # a valid body decodes to finite values
+                self._out[offset : offset + count] = self.codec.decode(memoryview(body)[HEADER_SIZE:], count)
+                seen[k] = True
+                ag.weight_received += weight
+            elif np.isfinite(np.frombuffer(body, FLOAT32, count, HEADER_SIZE)).all():
+                seen[k] = True
                 self._out_bytes[4 * offset : 4 * (offset + count)] = memoryview(body)[HEADER_SIZE:]
                 ag.weight_received += weight
             else:  # a broken or hostile owner: this range keeps the own values (counts as arrived)
+                seen[k] = True
                 self._refused["nonfinite"] += 1
                 if not self._inplace:
                     self._out[offset : offset + count] = self._vec[offset : offset + count]
@@ -735,9 +785,14 @@ class GroupAverage:
             return None
         if type(sender) is not int or not 0 <= sender < self.n or sender == self.index:
             return None
-        rec = view_block(bodies)
-        per = self._per
-        if rec is None or rec.dtype["values"].shape != (per,):
+        per, coded = self._per, self._coded
+        if coded:
+            rec = view_coded(bodies) if bodies.shape[1] == HEADER_SIZE + self._body_per else None
+        else:
+            rec = view_block(bodies)
+            if rec is not None and rec.dtype["values"].shape != (per,):
+                return None
+        if rec is None:
             return None
         rows = len(rec)
         first = rec[0]
@@ -752,7 +807,7 @@ class GroupAverage:
             start, stop = self.layout.shard(sender)
             phase, total = self._ag, self._ag.expected[sender]
             same = 15  # the weight is per range in the all-gather
-        if (int(first["group"]) != self.group_id or int(first["codec"]) != 0 or int(first["count"]) != per
+        if (int(first["group"]) != self.group_id or int(first["codec"]) != self._cid or int(first["count"]) != per
                 or int(first["total"]) != total):
             return None
         if rows > 1 and not (
@@ -761,7 +816,7 @@ class GroupAverage:
             return None
         if mtype == _AG_DATA and not (
             np.isfinite(rec["weight"]).all() and (rec["weight"] >= 0).all()
-            and _values_finite(bodies, 4 * per)
+            and (coded or _values_finite(bodies, 4 * per))
         ):
             return None  # body by body: ``receive`` finds the range that is not finite and keeps own values
         full = (stop - start) // per
@@ -786,27 +841,37 @@ class GroupAverage:
         was = seen[ks]
         duplicates = int(np.count_nonzero(was)) if was.any() else 0
         accepted = rows - duplicates
-        if duplicates:
-            self._drops["duplicate"] += duplicates
-        if phase.ended_at is not None:  # as in ``receive``: a duplicate is a duplicate, the rest is late
-            self._drops["late"] += accepted
-            return 0, duplicates, accepted
-        if duplicates:
-            if not accepted:
-                return 0, duplicates, 0
+        late = phase.ended_at is not None
+        if duplicates and accepted and not late:
             fresh = ~was
             idx = np.arange(k0, k0 + rows) if isinstance(ks, slice) else ks
             ks, values, weights = idx[fresh], values[fresh], weights[fresh]
             k_last = int(ks[-1])
+        decoded = None
+        if coded and accepted and not late:  # decoded before anything changes: a bad row sends the block back
+            decoded, ok = self.codec.decode_block(values, per)
+            if not ok.all():
+                return None  # body by body: ``receive`` counts exactly the malformed rows
+        if duplicates:
+            self._drops["duplicate"] += duplicates
+        if late:  # as in ``receive``: a duplicate is a duplicate, the rest is late
+            self._drops["late"] += accepted
+            return 0, duplicates, accepted
+        if not accepted:
+            return 0, duplicates, 0
         seen[ks] = True
         if mtype == _RS_DATA:
             if known is None:
                 self._check_weight(sender, w0)
-            if not (isinstance(ks, slice) and _place(bodies, self._stage[sender], 4 * per * ks.start, 4 * per)):
+            if decoded is not None:
+                self._stage[sender, : full * per].reshape(full, per)[ks] = decoded
+            elif not (isinstance(ks, slice) and _place(bodies, self._stage[sender], 4 * per * ks.start, 4 * per)):
                 self._stage[sender, : full * per].view(np.uint8).reshape(full, 4 * per)[ks] = values
             phase.weight_received += w0 * accepted
         else:
-            if not (isinstance(ks, slice) and _place(bodies, self._out, 4 * (start + per * ks.start), 4 * per)):
+            if decoded is not None:
+                self._out[start : start + full * per].reshape(full, per)[ks] = decoded
+            elif not (isinstance(ks, slice) and _place(bodies, self._out, 4 * (start + per * ks.start), 4 * per)):
                 self._out[start : start + full * per].view(np.uint8).reshape(full, 4 * per)[ks] = values
             phase.weight_received += float(weights.sum(dtype=np.float64))
         phase.note_block(sender, accepted, k_last, now)
@@ -882,7 +947,7 @@ class GroupAverage:
         vec = self._vec
         dests = [j for j in range(self.n) if j != self.index]
         plan = {j: (*layout.shard(j), layout.datagrams(j)) for j in dests}
-        rs, live = self._rs, self._live
+        rs, live, cid = self._rs, self._live, self._cid
         top = max((p[2] for p in plan.values()), default=-1)
         k = 0
         while k <= top:
@@ -893,23 +958,54 @@ class GroupAverage:
                     continue
                 full = (stop - start) // per
                 k1 = min(k + rows, full)
+                pieces = []
                 if k < k1:
-                    rs.sent += k1 - k
                     off = start + k * per
-                    values = vec[off : start + k1 * per].reshape(k1 - k, per)
-                    if self._byzantine is not None:
-                        values = self._corrupt(values)
-                    yield OutBlock(j, _RS_DATA, pack_block(group, total, off, w, values), 1)
+                    pieces.append((off, vec[off : start + k1 * per].reshape(k1 - k, per)))
                 if full < total and k <= full < k + rows:  # the shard's short last range
-                    rs.sent += 1
                     off = start + full * per
-                    values = vec[off:stop].reshape(1, -1)
+                    pieces.append((off, vec[off:stop].reshape(1, -1)))
+                for off, values in pieces:
                     if self._byzantine is not None:
                         values = self._corrupt(values)
-                    yield OutBlock(j, _RS_DATA, pack_block(group, total, off, w, values), 1)
+                    if self._coded:
+                        bodies = self._pack_coded(total, off, w, values, self._rs_key)
+                    else:
+                        bodies = pack_block(group, total, off, w, values)
+                    if len(bodies):
+                        rs.sent += len(bodies)
+                        yield OutBlock(j, _RS_DATA, bodies, 1)
                 if k <= total < k + rows:
-                    yield OutBlock(j, _RS_END, _row(pack_end(group, total, start, w)), END_REPEATS)
+                    yield OutBlock(j, _RS_END, _row(pack_end(group, total, start, w, cid)), END_REPEATS)
             k += rows
+
+    def _encode(self, values: np.ndarray, key: RoundingKey, offset: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Codec bodies of ``values`` (rows of equal ranges from element ``offset``), and None, or when some row
+        cannot be encoded (a value beyond the codec's range, or not finite: a local ValueError, never the
+        network's), a mask of the rows that could; the others are zero and counted ``unencodable``."""
+        codec = self.codec
+        try:
+            return codec.encode_block(values, key=key, offset=offset), None
+        except ValueError:
+            pass
+        rows, count = values.shape
+        out = np.zeros((rows, codec.body_size(count)), dtype=np.uint8)
+        ok = np.ones(rows, dtype=bool)
+        for i in range(rows):
+            try:
+                out[i] = codec.encode_block(values[i : i + 1], key=key, offset=offset + i * count)[0]
+            except ValueError:
+                ok[i] = False
+        self._refused["unencodable"] += int(np.count_nonzero(~ok))
+        return out, ok
+
+    def _pack_coded(self, total: int, offset: int, weight: float | np.ndarray, values: np.ndarray,
+                    key: RoundingKey) -> np.ndarray:
+        """Reduce-scatter DATA bodies of a compressed codec; rows that cannot be encoded are left out."""
+        count = values.shape[1]
+        bodies, ok = self._encode(values, key, offset)
+        block = pack_coded(self.group_id, self._cid, total, offset, count, weight, bodies)
+        return block if ok is None else block[ok]
 
     def _corrupt(self, values: np.ndarray) -> np.ndarray:
         """Fault injection (demos and benches only): what a hostile member would send instead of ``values``."""
@@ -943,14 +1039,23 @@ class GroupAverage:
                 self._finalize_through(min(total, max(k1, k + ahead)))
             weights = np.minimum(self._wsum[k:k1], _F32_MAX)
             off = lo + k * per
-            values = out[off : min(hi, lo + k1 * per)].reshape(k1 - k, -1)
-            bodies = pack_block(group, total, off, weights, values)
-            for j in dests:
-                if live[j]:
-                    ag.sent += k1 - k
-                    yield OutBlock(j, _AG_DATA, bodies, 1)
+            if self._coded:  # the bodies encoded when these ranges were finalized
+                coded = self._ag_full[k:k1] if k < full else self._ag_tail
+                assert coded is not None
+                bodies = pack_coded(group, self._cid, total, off, per if k < full else hi - off, weights, coded)
+                sendable = self._ag_sendable[k:k1]
+                if not sendable.all():
+                    bodies = bodies[sendable]
+            else:
+                values = out[off : min(hi, lo + k1 * per)].reshape(k1 - k, -1)
+                bodies = pack_block(group, total, off, weights, values)
+            if len(bodies):
+                for j in dests:
+                    if live[j]:
+                        ag.sent += len(bodies)
+                        yield OutBlock(j, _AG_DATA, bodies, 1)
             k = k1
-        end = _row(pack_end(group, total, lo, 0.0))
+        end = _row(pack_end(group, total, lo, 0.0, self._cid))
         for j in dests:
             if live[j]:
                 yield OutBlock(j, _AG_END, end, END_REPEATS)
@@ -983,7 +1088,25 @@ class GroupAverage:
             k1 = min(k_end, self._finalized + step)
             for piece in self._pieces(self._finalized, k1):
                 self._finalize_rows(*piece)
+                if self._coded:
+                    self._encode_ag(*piece)
             self._finalized = k1
+
+    def _encode_ag(self, k0: int, k1: int, lo: int, hi: int, width: int) -> None:
+        """Encode finalized ranges [k0, k1) for the all-gather and keep, as this owner's own result, exactly
+        what its bodies decode to (every replica then holds the same bits). A range that cannot be encoded is
+        not sent; the owner keeps its float32 average there and the others their own values, as if lost."""
+        out2d = self._out[lo:hi].reshape(k1 - k0, width)
+        bodies, ok = self._encode(out2d, self._ag_key, lo)
+        decoded, valid = self.codec.decode_block(bodies, width)
+        if ok is not None:
+            valid &= ok
+            self._ag_sendable[k0:k1] = ok
+        out2d[valid] = decoded[valid]
+        if width == self._per:
+            self._ag_full[k0:k1] = bodies
+        else:
+            self._ag_tail = bodies
 
     def _finalize_rows(self, k0: int, k1: int, lo: int, hi: int, width: int) -> None:
         """Ranges [k0, k1) (elements [lo, hi), ``width`` each): own * weight plus each sender's staged values

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..compress import Codec
 from ..wire.errors import WireError
 from .codec import HEADER_SIZE, MAX_COUNT
 
 MAX_ELEMENTS = 2**32 - 1  # offsets travel as u32
 
 
-def elements_per_datagram(max_payload: int) -> int:
-    """Float32 elements that fit one body of ``max_payload`` bytes after the header (at most 65535)."""
-    per = min((max_payload - HEADER_SIZE) // 4, MAX_COUNT)
+def elements_per_datagram(max_payload: int, codec: Codec | None = None) -> int:
+    """Elements whose body fits ``max_payload`` bytes after the header (at most 65535): float32 values, or
+    the largest count whose ``codec`` body fits (protocol/codecs.md), which fixes the group's ranges."""
+    if codec is None or codec.wire_id == 0:
+        per = min((max_payload - HEADER_SIZE) // 4, MAX_COUNT)
+    else:
+        per = codec.max_count(max_payload - HEADER_SIZE, MAX_COUNT) if max_payload > HEADER_SIZE else 0
     if per < 1:
         raise ValueError(
-            f"max_payload={max_payload} leaves no room for one float32 after the {HEADER_SIZE}-byte header"
+            f"max_payload={max_payload} leaves no room for one element after the {HEADER_SIZE}-byte header"
         )
     return per
 
