@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -14,7 +15,14 @@ import numpy as np
 import pytest
 import trio
 
+from peerd.metrics import Metrics
+from peerd.transport.core import TransportCore
+from peerd.transport.endpoint import Endpoint
+from peerd.transport.guard import AuthLimiter
 from peerd.transport.udp import NATIVE_RECV, RECV_BUFFER, UdpSocket
+from peerd.wire import Identity
+from peerd.wire import messages as m
+from peerd.wire.envelope import FLAG_NO_RECEIVER, FLAG_SEALED, HEADER, MAGIC, VERSION
 
 pytestmark = pytest.mark.skipif(NATIVE_RECV is None, reason="the native extension (recv_batch) is not built")
 
@@ -292,3 +300,92 @@ def test_the_native_pass_is_the_default_and_the_python_loop_can_be_forced() -> N
     for env in ({"PEERD_NATIVE_RECV": "0"}, {"PEERD_DATAPLANE": "python"}):
         code = "import peerd.transport.udp as u; assert u.NATIVE_RECV is None, u.NATIVE_RECV"
         assert subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}).returncode == 0
+
+
+# -- the endpoint's junk screen (the native pass's ``screen``) against the Python triage ---------------------------
+SECRET = bytes(range(32))
+
+
+def _dropped(ep) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    return {s.labels["reason"]: s.value for mm in ep.metrics.datagrams_dropped.collect() for s in mm.samples
+            if s.name.endswith("_total")}
+
+
+def _junk(rng: random.Random) -> list[bytes]:
+    """Every kind the screen sorts: bad magic, bad version, unknown flags, FLAG_NO_RECEIVER on a non-PING, too
+    short for a header, empty; sealed under unknown tokens (long: rationed; short: malformed); unsealed under an
+    unknown token (refused as auth, counted against the source); a known member's token with a forged tag."""
+    out: list[bytes] = []
+    for i in range(300):
+        kind = i % 9
+        token, seq = rng.getrandbits(64), rng.getrandbits(64)
+        if kind == 0:
+            out.append(b"XX" + rng.randbytes(rng.randrange(0, 200)))
+        elif kind == 1:
+            out.append(HEADER.pack(MAGIC, VERSION + 1, 1, FLAG_SEALED, token, seq) + rng.randbytes(40))
+        elif kind == 2:
+            out.append(HEADER.pack(MAGIC, VERSION, 1, 0x80 | FLAG_SEALED, token, seq) + rng.randbytes(40))
+        elif kind == 3:
+            out.append(HEADER.pack(MAGIC, VERSION, 3, FLAG_SEALED | FLAG_NO_RECEIVER, token, seq) + rng.randbytes(40))
+        elif kind == 4:
+            out.append(rng.randbytes(rng.randrange(0, 21)))
+        elif kind == 5:
+            out.append(HEADER.pack(MAGIC, VERSION, 1, FLAG_SEALED, token, seq) + rng.randbytes(rng.randrange(0, 16)))
+        elif kind == 6:
+            out.append(HEADER.pack(MAGIC, VERSION, 0x40, 0, token, seq) + rng.randbytes(40))
+        else:
+            out.append(HEADER.pack(MAGIC, VERSION, rng.choice([1, 3, 5]), FLAG_SEALED, token, seq)
+                       + rng.randbytes(rng.randrange(16, 1100)))
+    return out
+
+
+def test_the_screen_refuses_what_the_python_triage_refuses_and_answers_members() -> None:
+    """The same junk (all kinds) and a member's PINGs (its token unknown until its first one opens) to an endpoint
+    on the native pass with the screen and to one on the Python loop: the same refusals, counted the same, and the
+    member is answered by both. The rationing is made deterministic (a source gets 2 failures, then none)."""
+    async def main() -> None:
+        eps = []
+        for native_receive in (True, False):
+            sock = UdpSocket(_bind(socket.AF_INET), buffer_bytes=4 << 20, native_receive=native_receive)
+            core = TransportCore(random.Random(1), auth_limiter=AuthLimiter(failure_rate=1e-6, failure_burst=2))
+            eps.append(Endpoint(sock, Identity.generate(), SECRET, Metrics(), core=core))
+        member = Endpoint(UdpSocket(_bind(socket.AF_INET)), Identity.generate(), SECRET, Metrics())
+        attacker, other = _bind(socket.AF_INET), _bind(socket.AF_INET)  # other: the unsealed ones (kind 6)
+        junk = _junk(random.Random(3))
+        async with trio.open_nursery() as nursery:
+            for ep in (*eps, member):
+                nursery.start_soon(ep.serve)
+            assert getattr(eps[0].sock, "screens", False) and not eps[1].sock.screens
+            for ep in eps:
+                addr = ep.sock.getsockname()
+                for i, d in enumerate(junk):
+                    (other if i % 9 == 6 else attacker).sendto(d, addr)
+                with trio.fail_after(10):
+                    await member.request(addr, m.MsgType.PING, {})  # first contact: its token is unknown
+                    await member.request(addr, m.MsgType.PING, {})
+                    while ep.sock.received < len(junk) + 2:
+                        await trio.sleep(0.01)
+                await trio.sleep(0.05)
+                ep._flush_counts()
+            nursery.cancel_scope.cancel()
+        attacker.close()
+        other.close()
+        native, python = (_dropped(ep) for ep in eps)
+        assert native == python
+        assert {"malformed", "version", "auth", "auth_limited"} <= set(native)
+        # the attacker's source: two derivations that failed, then rationed; the other's: 33 unsealed, each auth
+        sealed_long = sum(1 for i in range(300) if i % 9 >= 7)  # kinds 7 and 8
+        assert native["auth"] == 2 + 33 and native["auth_limited"] == sealed_long - 2
+        for ep in eps:
+            assert counter_value(ep.metrics.datagrams_received, type="ping") == 2
+            ep.sock.close()
+        assert counter_value(eps[0].metrics.bytes_received) == counter_value(eps[1].metrics.bytes_received)
+        assert counter_value(eps[0].metrics.bytes_received) > sum(map(len, junk))
+        member.sock.close()
+
+    trio.run(main)
+
+
+def counter_value(counter, **labels) -> float:  # type: ignore[no-untyped-def]
+    return sum(s.value for mm in counter.collect() for s in mm.samples
+               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))

@@ -545,6 +545,23 @@ typedef struct {
     Source source;
 } Block;
 
+/* The header checks of peerd.wire.envelope.peek, with its constants given by the caller (``screen``). */
+typedef struct {
+    unsigned char lead[3]; /* magic, version */
+    int known_flags, no_receiver_flag, ping_type, sealed_flag;
+    Py_ssize_t min_sealed;
+    PyObject *tokens; /* borrowed: the known tokens (a dict keyed by int) */
+} Screen;
+
+/* 0: a valid header; 1: malformed; 2: an unknown version (what peek refuses, and why). */
+static int bad_header(const Screen *sc, const unsigned char *d, Py_ssize_t size) {
+    if (size < HEADER_SIZE) return 1;
+    if (memcmp(d, sc->lead, 3) != 0) return memcmp(d, sc->lead, 2) != 0 ? 1 : 2;
+    int mtype = d[3], flags = d[4];
+    if ((flags & ~sc->known_flags) || ((flags & sc->no_receiver_flag) && mtype != sc->ping_type)) return 1;
+    return 0;
+}
+
 static void source_of(const struct sockaddr_storage *ss, socklen_t len, Source *out) {
     memset(out, 0, sizeof(*out));
     if (ss->ss_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
@@ -573,7 +590,8 @@ static PyObject *source_tuple(const Source *s) {
 }
 
 PyDoc_STRVAR(recv_batch_doc,
-"recv_batch(fd, arena, max_datagrams, slot) -> (blocks, used, datagrams, receives, drained, kernel_drops)\n"
+"recv_batch(fd, arena, max_datagrams, slot, screen=None)\n"
+"    -> (blocks, used, datagrams, receives, drained, kernel_drops[, screened])\n"
 "--\n\n"
 "One receive pass over the non-blocking UDP socket ``fd`` with the GIL released: recvmmsg(MSG_DONTWAIT) into\n"
 "``arena`` (a writable memoryview), each message given ``slot`` bytes, then moved down to follow the previous one.\n"
@@ -583,13 +601,36 @@ PyDoc_STRVAR(recv_batch_doc,
 "``blocks`` is [(arena[start:start + size], (host, port), segment)], segment 0 for a single datagram.\n"
 "``used``: bytes of the arena used; ``receives``: messages received; ``kernel_drops``: the last SO_RXQ_OVFL count\n"
 "seen, or -1. ECONNREFUSED, EHOSTUNREACH and ENETUNREACH (ICMP errors) end the pass, not drained; any other error\n"
-"raises OSError (what was received before it is lost, as in the Python loop).");
+"raises OSError (what was received before it is lost, as in the Python loop).\n\n"
+"``screen``: (lead, known_flags, no_receiver_flag, ping_type, sealed_flag, min_sealed, tokens), the constants of\n"
+"peerd.wire.envelope.peek and the receiver's known tokens (a dict keyed by int). A single datagram (not a GRO\n"
+"block) whose header peek refuses is then counted and left out (never merged), and one with a valid header,\n"
+"the sealed flag and a token not in ``tokens`` is counted as malformed when shorter than ``min_sealed``, else\n"
+"handed back apart: ``screened`` is (unknown: [(arena[start:start + size], (host, port))], malformed, version,\n"
+"screened_bytes: the bytes of those counted).");
 
 static PyObject *recv_batch(PyObject *module, PyObject *args) {
     int fd;
     PyObject *arena_obj;
     Py_ssize_t max_datagrams, slot;
-    if (!PyArg_ParseTuple(args, "iOnn", &fd, &arena_obj, &max_datagrams, &slot)) return NULL;
+    PyObject *screen_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "iOnn|O", &fd, &arena_obj, &max_datagrams, &slot, &screen_obj)) return NULL;
+    Screen screen = {{0}, 0, 0, 0, 0, 0, NULL};
+    int screening = screen_obj != Py_None;
+    if (screening) {
+        const char *lead;
+        Py_ssize_t lead_len;
+        if (!PyArg_ParseTuple(screen_obj, "y#iiiinO!;screen: (lead, known_flags, no_receiver_flag, ping_type, "
+                              "sealed_flag, min_sealed, tokens)", &lead, &lead_len, &screen.known_flags,
+                              &screen.no_receiver_flag, &screen.ping_type, &screen.sealed_flag, &screen.min_sealed,
+                              &PyDict_Type, &screen.tokens))
+            return NULL;
+        if (lead_len != 3) {
+            PyErr_Format(PyExc_ValueError, "screen: the lead is 3 bytes (magic, version), got %zd", lead_len);
+            return NULL;
+        }
+        memcpy(screen.lead, lead, 3);
+    }
     if (fd < 0) {
         PyErr_Format(PyExc_ValueError, "fd %d is not a file descriptor", fd);
         return NULL;
@@ -623,7 +664,7 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
         struct cmsghdr align;
         unsigned char buf[RECV_CONTROL];
     } control[RECV_VLEN];
-    Py_ssize_t used = 0, datagrams = 0, receives = 0, nblocks = 0;
+    Py_ssize_t used = 0, datagrams = 0, receives = 0, nblocks = 0, malformed = 0, version = 0, screened_bytes = 0;
     long long kernel_drops = -1;
     int drained = 0, err = 0;
     unsigned char *base = arena.buf;
@@ -683,6 +724,15 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             Py_ssize_t row = (segment > 0 && segment < size) ? segment : size;
             datagrams += row ? (size + row - 1) / row : 1;
             receives++;
+            if (screening && row == size) { /* a single datagram: one peek refuses is counted, not kept */
+                int bad = bad_header(&screen, at, size);
+                if (bad) {
+                    if (bad == 1) malformed++;
+                    else version++;
+                    screened_bytes += size;
+                    continue;
+                }
+            }
             /* ``used`` has grown by at most ``slot`` per message before this one, so the destination is never
              * past ``at``: the move goes down, over slots already moved, never over a later message's slot */
             Py_ssize_t dest = used;
@@ -723,8 +773,13 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
         goto done;
     }
     if (nblocks == 0 && !drained && PyErr_CheckSignals() < 0) goto done;
-    PyObject *list = PyList_New(nblocks);
+    PyObject *list = PyList_New(0);
     if (list == NULL) goto done;
+    PyObject *unknown = NULL;
+    if (screening && (unknown = PyList_New(0)) == NULL) {
+        Py_DECREF(list);
+        goto done;
+    }
     PyObject *prev_tuple = NULL;
     const Source *prev = NULL;
     for (Py_ssize_t i = 0; i < nblocks; i++) {
@@ -734,18 +789,50 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             source = Py_NewRef(prev_tuple);
         } else {
             source = source_tuple(&b->source);
-            if (source == NULL) {
-                Py_DECREF(list);
-                goto done;
-            }
-            prev_tuple = source;
+            if (source == NULL) goto fail;
+            Py_XSETREF(prev_tuple, Py_NewRef(source));
             prev = &b->source;
+        }
+        int apart = 0; /* a single sealed datagram under a token the receiver does not know */
+        if (screening && b->size == b->row && b->size >= HEADER_SIZE) {
+            const unsigned char *d = base + b->start;
+            if (d[4] & screen.sealed_flag) {
+                uint64_t token = 0;
+                for (int j = 0; j < 8; j++) token = (token << 8) | d[5 + j];
+                PyObject *key = PyLong_FromUnsignedLongLong(token);
+                int known = key == NULL ? -1 : PyDict_Contains(screen.tokens, key);
+                Py_XDECREF(key);
+                if (known < 0) {
+                    Py_DECREF(source);
+                    goto fail;
+                }
+                if (!known && b->size < screen.min_sealed) {
+                    malformed++;
+                    screened_bytes += b->size;
+                    Py_DECREF(source); /* prev_tuple holds its own reference */
+                    continue;
+                }
+                apart = !known;
+            }
         }
         PyObject *data = PySequence_GetSlice(arena_obj, b->start, b->start + b->size);
         if (data == NULL) {
             Py_DECREF(source);
-            Py_DECREF(list);
-            goto done;
+            goto fail;
+        }
+        if (apart) {
+            PyObject *pair = PyTuple_New(2);
+            if (pair == NULL) {
+                Py_DECREF(data);
+                Py_DECREF(source);
+                goto fail;
+            }
+            PyTuple_SET_ITEM(pair, 0, data);
+            PyTuple_SET_ITEM(pair, 1, source);
+            int r = PyList_Append(unknown, pair);
+            Py_DECREF(pair);
+            if (r < 0) goto fail;
+            continue;
         }
         PyObject *item = PyTuple_New(3);
         PyObject *seg = PyLong_FromSsize_t(b->size > b->row ? b->row : 0);
@@ -754,15 +841,27 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             Py_XDECREF(seg);
             Py_DECREF(data);
             Py_DECREF(source);
-            Py_DECREF(list);
-            goto done;
+            goto fail;
         }
         PyTuple_SET_ITEM(item, 0, data);
-        PyTuple_SET_ITEM(item, 1, source); /* the list keeps prev_tuple alive for the next block */
+        PyTuple_SET_ITEM(item, 1, source);
         PyTuple_SET_ITEM(item, 2, seg);
-        PyList_SET_ITEM(list, i, item);
+        int r = PyList_Append(list, item);
+        Py_DECREF(item);
+        if (r < 0) goto fail;
     }
-    result = Py_BuildValue("(NnnnOL)", list, used, datagrams, receives, drained ? Py_True : Py_False, kernel_drops);
+    if (screening)
+        result = Py_BuildValue("(NnnnOL(Nnnn))", list, used, datagrams, receives, drained ? Py_True : Py_False,
+                               kernel_drops, unknown, malformed, version, screened_bytes);
+    else
+        result = Py_BuildValue("(NnnnOL)", list, used, datagrams, receives, drained ? Py_True : Py_False,
+                               kernel_drops);
+    Py_XDECREF(prev_tuple);
+    goto done;
+fail:
+    Py_XDECREF(prev_tuple);
+    Py_DECREF(list);
+    Py_XDECREF(unknown);
 done:
     PyMem_RawFree(blocks);
     PyBuffer_Release(&arena);

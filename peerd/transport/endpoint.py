@@ -31,7 +31,17 @@ import trio
 
 from ..metrics import Metrics
 from ..wire import messages as m
-from ..wire.envelope import FLAG_SEALED, HEADER_SIZE, Header, peek
+from ..wire.envelope import (
+    FLAG_NO_RECEIVER,
+    FLAG_SEALED,
+    HEADER_SIZE,
+    KNOWN_FLAGS,
+    MAGIC,
+    PING_TYPE,
+    VERSION,
+    Header,
+    peek,
+)
 from ..wire.errors import WireError
 from ..wire.identity import Identity, node_id_of, verify_token_binding
 from ..wire.seal import TAG_SIZE, Opener, Sealer, TokenState
@@ -477,15 +487,35 @@ class Endpoint:
             limit = RECV_DATAGRAMS
         else:
             receive, limit = None, 64
+        # The native receive pass screens junk before Python sees it (see _receive_screened): sealed endpoints only,
+        # with the opener's table of known tokens (re-read every pass: the screen must never use a stale one).
+        screening = self._sealed and receive is not None and getattr(sock, "screens", False)
+        screen: tuple | None = None
         while True:
-            if receive is not None:
-                batch = await receive(limit)
+            screened = 0
+            if screening:
+                tokens = getattr(self.opener, "_tokens", None)
+                if not isinstance(tokens, dict):
+                    screening = False
+                    continue
+                if screen is None or screen[-1] is not tokens:
+                    screen = (MAGIC + bytes([VERSION]), KNOWN_FLAGS, FLAG_NO_RECEIVER, PING_TYPE, FLAG_SEALED,
+                              HEADER_SIZE + TAG_SIZE, tokens)
+                batch, unknown, malformed, version, nbytes = await sock.recv_screened(limit, screen)  # type: ignore
+                self._junk = 0
+                now = trio.current_time()
+                self._answers = 0
+                screened = self._receive_screened(unknown, malformed, version, nbytes, now)
             else:
-                batch = [(data, source, 0) for data, source in await sock.recv_batch(limit)]
-            self._junk = 0
-            now = trio.current_time()
-            self._answers = 0
+                if receive is not None:
+                    batch = await receive(limit)
+                else:
+                    batch = [(data, source, 0) for data, source in await sock.recv_batch(limit)]
+                self._junk = 0
+                now = trio.current_time()
+                self._answers = 0
             batch, datagrams = self._receive_urgent(batch, now)
+            datagrams += screened
             if self._outbox or self._answers:  # PONGs go out, and requests that waited on one go on, first
                 await self.flush()
                 await trio.lowlevel.checkpoint()
@@ -523,6 +553,44 @@ class Endpoint:
         self.metrics.bytes_received.inc(nbytes)
         skip = set(urgent)
         return [item for i, item in enumerate(batch) if i not in skip], len(urgent)
+
+    def _receive_screened(self, unknown: list[tuple[Any, Address]], malformed: int, version: int, nbytes: int,
+                          now: float) -> int:
+        """What the native receive pass screened out of a pass (UdpSocket.recv_screened): ``malformed`` and
+        ``version`` datagrams refused by their header (as ``peek`` would), and sealed single datagrams under tokens
+        this node did not know (``unknown``), which go through the rationing of ``_datagram``. Once a source is
+        refused a derivation in a pass it stays refused for the rest of it (``now`` is the same and the limiter's
+        buckets only empty within a pass), so the rest of a flood from it costs a set lookup each. Once a key was
+        derived in the pass, later ones go through ``_datagram`` whole (their token may be known now). Returns
+        the datagrams handled."""
+        drops = self._drops
+        if malformed:
+            drops["malformed"] = drops.get("malformed", 0) + malformed
+        if version:
+            drops["version"] = drops.get("version", 0) + version
+        refused = 0
+        if unknown:
+            limited: set[Address] = set()
+            may_derive = self._may_derive
+            derived = False
+            for data, source in unknown:
+                nbytes += len(data)
+                if source in limited:
+                    refused += 1
+                elif derived:
+                    self._datagram(data, source, now)
+                elif may_derive(source, now):
+                    derived = True
+                    self._open(data, source, now, data[3], _yes)
+                else:
+                    limited.add(source)
+                    refused += 1
+            if refused:
+                drops["auth_limited"] = drops.get("auth_limited", 0) + refused
+        self._junk += malformed + version + refused
+        if nbytes:
+            self.metrics.bytes_received.inc(nbytes)
+        return malformed + version + len(unknown)
 
     def _receive_rest(self, batch: list[tuple[Any, Address, int]], now: float) -> int:
         nbytes = datagrams = 0
@@ -651,6 +719,10 @@ class Endpoint:
                 self._refuse("auth_limited")
                 return
             may_derive = _yes  # charged just now
+        self._open(data, source, now, mtype, may_derive)
+
+    def _open(self, data: Any, source: Address, now: float, mtype: int, may_derive: Callable[[], bool] | None) -> None:
+        """Open and handle a datagram whose header ``_datagram`` (or the native screen) passed."""
         try:
             header, body, state = self.opener.open(data, may_derive)
         except WireError as e:

@@ -196,6 +196,37 @@ class UdpSocket:
                 return blocks
             await trio.lowlevel.wait_readable(self.sock)
 
+    @property
+    def screens(self) -> bool:
+        """Whether ``recv_screened`` is there (the native receive pass)."""
+        return self._native_recv is not None
+
+    async def recv_screened(self, max_datagrams: int, screen: tuple) -> tuple[list, list, int, int, int]:
+        """recv_blocks, with the junk screen of the native pass (dataplane.c recv_batch's ``screen``: the header
+        constants of wire.envelope.peek and the known tokens): (blocks, unknown, malformed, version, screened_bytes).
+        Single datagrams whose header peek refuses are only counted (``malformed``, ``version``, their bytes in
+        ``screened_bytes``), as are sealed ones shorter than ``min_sealed`` under an unknown token; the other sealed
+        single datagrams under an unknown token come apart in ``unknown`` as (data, source). Only where
+        ``screens``."""
+        recv = self._native_recv
+        if recv is None:
+            raise RuntimeError("recv_screened needs the native receive pass")
+        fd = self.sock.fileno()
+        view = self._view
+        limit = max(1, min(max_datagrams, 65536))
+        while True:
+            blocks, used, count, calls, drained, drops, screened = recv(fd, view, limit, RECV_BUFFER, screen)
+            if drops >= 0:
+                self.kernel_drops = drops
+            if count:
+                self.drained = drained
+                self.received += count
+                self.receive_calls += calls
+                self.receive_passes += 1
+                self._used = used
+                return (blocks, *screened)
+            await trio.lowlevel.wait_readable(self.sock)
+
     async def _recv_blocks_python(self, max_datagrams: int) -> list[tuple[memoryview, Address, int]]:
         """The reference receive pass: one recvmsg_into per datagram or GRO block."""
         out: list[list] = []  # [start, size, source, row size]

@@ -254,8 +254,26 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
     limit = number(fdp, fdp.ConsumeIntInRange(1, 2048))
     arena = buffer(fdp, arena_size)
     view = memoryview(arena).cast("B")
+    screen = None
+    if fdp.ConsumeIntInRange(0, 2) == 0:  # the junk screen: peek's constants (sometimes off), a few known tokens
+        lead = b"PD\x02" if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 5))
+        tokens = {fdp.ConsumeIntInRange(0, 2**64 - 1): None for _ in range(fdp.ConsumeIntInRange(0, 3))}
+        screen = (lead, 3, 2, 1, 1, number(fdp, 37), tokens)
+        if fdp.ConsumeIntInRange(0, 15) == 0:
+            screen = screen[: fdp.ConsumeIntInRange(0, 6)]
     try:
-        blocks, used, datagrams, receives, drained, drops = native.recv_batch(rx.fileno(), view, limit, slot)
+        if screen is None:
+            blocks, used, datagrams, receives, drained, drops = native.recv_batch(rx.fileno(), view, limit, slot)
+        else:
+            blocks, used, datagrams, receives, drained, drops, screened = native.recv_batch(
+                rx.fileno(), view, limit, slot, screen)
+            unknown, malformed, version, screened_bytes = screened
+            seen["recv_batch screened"] += 1
+            for data, source in unknown:
+                if source != tx.getsockname() or len(data) > used or data[4] & 1 == 0:
+                    raise AssertionError(f"an unknown-token datagram of {len(data)} bytes from {source}")
+            if min(malformed, version, screened_bytes) < 0 or malformed + version + len(unknown) > receives:
+                raise AssertionError(f"screened {malformed}, {version}, {len(unknown)} of {receives} receives")
     finally:
         while True:  # leave the socket empty for the next input
             try:
@@ -271,6 +289,8 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
             raise AssertionError(f"block of {len(data)} from {source}, segment {segment}, {used} used")
         end += len(data)
         got += [bytes(data[j : j + segment]) for j in range(0, len(data), segment)] if segment else [bytes(data)]
+    if screen is not None:
+        return  # blocks and unknown datagrams are interleaved in the arena: checked above
     if end != used:
         raise AssertionError(f"blocks cover {end} bytes, {used} used")
     if slot >= biggest:
