@@ -13,6 +13,9 @@ import numpy as np
 import trio
 
 from ..bench.vectors import seeded_vector
+from ..compress import NAMES as CODEC_NAMES
+from ..compress import Codec
+from ..compress import codec as make_codec
 from ..localsock.server import OpError
 from ..transport.udp import UdpSocket
 from ..wire import seal as _seal
@@ -102,11 +105,24 @@ def install_profiler(sock: UdpSocket) -> StageClock:
     return _CLOCK
 
 
+def bench_codec(req: dict[str, Any]) -> Codec:
+    """The codec a bench_prepare request names: ``compression`` (fp32 when absent), and for int8/int4
+    ``quant_group`` (default 128) and ``rounding`` (default stochastic). ValueError on anything else."""
+    name = req.get("compression") or "fp32"
+    if name not in CODEC_NAMES:
+        raise ValueError(f"compression must be one of {', '.join(CODEC_NAMES)}, got {name!r}")
+    if not str(name).startswith("int"):
+        return make_codec(name)
+    group = req.get("quant_group")
+    rounding = req.get("rounding") or "stochastic"
+    return make_codec(name, group=128 if group is None else int(group), rounding=str(rounding))
+
+
 class BenchOps:
     def __init__(self, service: AllreduceService, sock: UdpSocket) -> None:
         self.service = service
         self.sock = sock
-        self._prepared: dict[int, tuple[list[Member], int, np.ndarray, float, Robust | None]] = {}
+        self._prepared: dict[int, tuple[list[Member], int, np.ndarray, float, Robust | None, Codec, int]] = {}
         self._results: dict[int, AverageResult] = {}
         self._clock: StageClock | None = None
 
@@ -120,6 +136,10 @@ class BenchOps:
             index, seed, size, weight = int(req["index"]), int(req["seed"]), int(req["size"]), float(req["weight"])
             robust = parse_robust(req.get("robust"))
             profile = bool(req.get("profile", False))
+            codec = bench_codec(req)
+            run = int(req.get("run", 0))
+            if not 0 <= run < 1 << 64:
+                raise ValueError(f"run {run} is not a u64")
         except (KeyError, ValueError, TypeError) as e:
             raise OpError(f"bench_prepare: bad arguments ({e})") from None
         if not 0 <= size <= MAX_BENCH_ELEMENTS or not 0 <= index < len(members):
@@ -127,14 +147,16 @@ class BenchOps:
         if profile and self._clock is None:
             self._clock = install_profiler(self.sock)
         vector = await trio.to_thread.run_sync(seeded_vector, seed, size)
-        self._prepared[group] = (members, index, vector, weight, robust)
+        self._prepared[group] = (members, index, vector, weight, robust, codec, run)
         return {}
 
     async def run(self, req: dict[str, Any]) -> dict[str, Any]:
         group = int(req.get("group_id", -1))
         if group not in self._prepared:
             raise OpError(f"bench_run: group {group} was not prepared")
-        members, index, vector, weight, robust = self._prepared.pop(group)
+        members, index, vector, weight, robust, codec, run = self._prepared.pop(group)
+        # fp32 goes the way it always went (a service without the codec arguments runs it unchanged)
+        coded: dict[str, Any] = {} if codec.wire_id == 0 else {"codec": codec, "run": run}
         drops0 = self.sock.kernel_drops
         if self._clock is not None:
             self._clock.reset()
@@ -142,9 +164,12 @@ class BenchOps:
         usage0 = resource.getrusage(resource.RUSAGE_SELF)
         sock0 = self.sock.statistics()
         try:
-            result = await self.service.average(group, members, index, vector, weight, out=vector, robust=robust)
+            result = await self.service.average(group, members, index, vector, weight, out=vector, robust=robust,
+                                                **coded)
         except ValueError as e:
             raise OpError(str(e)) from None
+        except TypeError as e:  # a daemon whose AllreduceService does not pass a codec through yet
+            raise OpError(f"bench_run: this daemon cannot average in {codec.name} ({e})") from None
         done = time.time()
         cpu = time.process_time() - cpu0  # the whole daemon: in a bench it does nothing else
         usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -157,6 +182,7 @@ class BenchOps:
             reply["stages"] = stages
             reply["stage_calls"] = dict(sorted(self._clock.calls.items()))
         return reply | {
+            "compression": codec.name,
             "dataplane": _seal.dataplane(),
             "done_at": done,
             "seconds": result.seconds,
