@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from peerd.allreduce import HEADER_SIZE, BodyType, GroupAverage, Layout, Outcome
 from peerd.compress import PHASE_RS, Codec, RoundingKey, codec
@@ -360,3 +362,28 @@ def test_bad_codec_arguments():
         GroupAverage(1, 2, 0, x, 1.0, 0.0, codec=codec("int8"), run=-1)
     with pytest.raises(ValueError):
         GroupAverage(1, 2, 0, x, 1.0, 0.0, codec=codec("int8"), max_payload=HEADER_SIZE + 4)  # not one element
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(CODECS), mtype=st.sampled_from([RS_DATA, RS_END, AG_DATA, AG_END]),
+       pos=st.integers(0, 10_000), edits=st.binary(min_size=1, max_size=8), cut=st.integers(0, 3))
+def test_mutated_compressed_bodies_only_raise_wire_error(name, mtype, pos, edits, cut):
+    """Valid bodies of every type with bytes overwritten or cut: the member raises WireError (malformed, codec,
+    ...) or takes them, and still finishes with a finite result where its inputs are finite."""
+    (a, b), xs = two(name, length=900, payload=150)
+    b.handle_timer(100.0)  # b's reduce-scatter ends (a silent): its all-gather comes out too
+    valid = [o.body for o in b.next_datagrams(1000) if o.type == mtype] or [o.body for o in b.next_datagrams(1)]
+    body = bytearray(valid[pos % len(valid)])
+    for k, v in enumerate(edits):
+        body[(pos + 13 * k) % len(body)] = v
+    body = body[: len(body) - cut]
+    try:
+        outcome = a.receive(1, mtype, bytes(body), 1.0)
+    except WireError as e:
+        assert e.reason in ("malformed", "codec")
+    else:
+        assert isinstance(outcome, Outcome)
+    a.handle_timer(200.0)
+    a.handle_timer(300.0)
+    a.next_datagrams(1000)
+    assert a.result_ready and np.isfinite(a.result()).all()

@@ -645,7 +645,7 @@ def test_garbage_only_ever_raises_wire_error(g):
         try:
             outcome = target.receive(sender, mtype, body, 0.0)
         except WireError as e:
-            assert e.reason in ("malformed", "type")
+            assert e.reason in ("malformed", "type", "codec")  # codec: a mutated codec byte names another one
         else:
             assert isinstance(outcome, Outcome)
         target.handle_timer(50.0)
