@@ -233,24 +233,30 @@ class AllreduceService:
         took[0] = trio.current_time() - start
 
     async def _send_blocks(self, blocks: list[SendBlock], members: list[Member], sent: list[int]) -> None:
-        """Seal each block whole, then send the blocks' parts (``part`` datagrams, one GSO send each) in turn,
-        a part of each block at a time, each when the host's pacing says: the destinations share the uplink
-        evenly at every moment (see ``AveragingHost.send_window``)."""
-        sealed = []
+        """Seal each block whole, then send parts (``part`` datagrams, one GSO send each) of each destination's
+        blocks in turn, each part when the host's pacing says: the destinations share the uplink evenly at
+        every moment (see ``AveragingHost.send_window``). One destination's blocks go strictly in order: its
+        END markers must not overtake its data (a receiver ends the phase on them)."""
+        queues: dict[int, list[list]] = {}
         for b in blocks:
             member = members[b.to]
             datagrams = self.endpoint.data_sealer(member.node_id).seal_block(b.type, b.bodies, member.node_id)
-            sealed.append([b, member, datagrams, 0])  # the block, its member, its datagrams, the next part's row
+            queues.setdefault(b.to, []).append([b, member, datagrams, 0])  # ..., the next part's first row
             if len(blocks) > 1:
                 await trio.lowlevel.checkpoint()  # (each block is ~1 ms of sealing)
-        while sealed:
-            live = []
-            for entry in sealed:
+        while queues:
+            for to in list(queues):
+                queue = queues[to]
+                entry = queue[0]
                 b, member, datagrams, row = entry
                 chunk = datagrams[row : row + b.part]
+                entry[3] = row + b.part
+                if entry[3] >= len(datagrams):
+                    queue.pop(0)
+                if not queue:
+                    del queues[to]
                 if not len(chunk):
                     continue
-                entry[3] = row + b.part
                 now = trio.current_time()
                 at = self.host.pace(b, len(chunk), chunk.size, now)
                 if at > now:
@@ -259,11 +265,10 @@ class AllreduceService:
                     await self.endpoint.send_sealed(member.addr, chunk)
                 except RpcError as e:
                     log.debug("%s", e)
+                    queues.pop(to, None)  # the rest for this member (as before: its blocks are abandoned)
                     continue
                 sent[0] += chunk.size
                 sent[1] += len(chunk)
-                live.append(entry)
-            sealed = live
         await trio.lowlevel.checkpoint()  # let receives and DHT requests in between slices
 
     async def _reporter(self, group_id: int, members: list[Member]) -> None:
