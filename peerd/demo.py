@@ -271,7 +271,10 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             # held-out accuracy reached the target; None: never during training
             "time_to_accuracy_s": (time_to_accuracy(evals, t_start, cfg.target_accuracy, founders)
                                    if t_start is not None else None),
-            "train_wall_s": round(max(r["wall_s"] for r in results), 3),  # training only, as the baseline's wall_s
+            # training only (first trainer's start to last one's end), as the baseline's wall_s
+            "train_wall_s": (max(r["t_end"] for r in results) - t_start
+                             if t_start is not None and all("t_end" in r for r in results)
+                             else max(r["wall_s"] for r in results)),
             **({"sync_every": cfg.sync_every, "fragments": cfg.fragments,
                 "state_sha_agree": len({r.get("state_sha") for r in honest}) == 1} if cfg.mode == "diloco" else {}),
             # float32 bytes of the vectors each trainer averaged (gradients, parameters, pseudo-gradients, repairs)

@@ -197,3 +197,25 @@ def test_fault_byzantine_is_hidden_and_never_silently_honest(monkeypatch) -> Non
 def test_byzantine_and_robust_arguments_are_checked(args: list[str], needle: str) -> None:
     proc = peerd(*args, check=False)
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["demo", "--model", "huge"], "invalid choice"),
+        (["train", "--run", "r", "--model", "huge"], "invalid choice"),
+        (["demo", "--baseline", "nccl"], "invalid choice"),
+        (["demo", "--target-accuracy", "1.5"], "(0, 1]"),
+        (["demo", "--target-accuracy", "lots"], "not a number"),
+        (["demo", "--baseline", "gloo", "--mode", "diloco"], "compares plain training"),
+        (["demo", "--baseline", "gloo", "--dropcompute", "auto"], "compares plain training"),
+        (["demo", "--link-loss", "0.1"], "needs --link"),
+        (["bench", "moshpit", "--link-loss", "0.1"], "needs --link"),
+        (["bench", "moshpit", "--link", "100mbit", "--link-loss", "1.5"], "[0, 1)"),
+        (["bench", "moshpit", "--link", "5bit"], "at least 8kbit"),
+        (["bench", "moshpit", "--link", "100mbps"], "expected a link rate"),
+    ],
+)
+def test_link_model_and_baseline_arguments_are_checked(args: list[str], needle: str) -> None:
+    proc = peerd(*args, check=False)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr

@@ -44,6 +44,21 @@ def test_demo_diloco_members_agree_and_send_a_fraction_of_sync() -> None:
     assert 0 < result["bytes_sent_per_peer"] < 20 * 4 * 4810, result
 
 
+@pytest.mark.timeout(600)
+def test_demo_wide_model_matches_gloo_ddp_without_loss() -> None:
+    """`--model wide --baseline gloo` on loopback, no loss: peerd's gradient averages are exact here, so its two
+    peers must train the 2.24 M-parameter model as torch DDP does (same seeds, shards, draws, Adam): the same
+    held-out loss and accuracy up to float rounding, and both report a time to the target."""
+    out = peerd_json("demo", "--peers", "2", "--steps", "10", "--model", "wide", "--baseline", "gloo",
+                     "--target-accuracy", "0.5", timeout=600)
+    base = out["baseline"]
+    assert out["model"] == "wide" and base["kind"] == "gloo", out
+    assert out["final_loss"] == pytest.approx(base["final_loss"], rel=1e-3), out
+    assert abs(out["accuracy"] - base["accuracy"]) <= 0.003, out  # one test digit of 359
+    assert out["time_to_accuracy_s"] > 0 and base["time_to_accuracy_s"] > 0, out
+    assert base["wall_s"] > 0 and base["step_s"] > 0, base
+
+
 @pytest.mark.timeout(900)
 def test_late_joiner_takes_the_swarms_state_before_its_first_step() -> None:
     """Slow (about 6 minutes on 2 cores): its daemon runs from the start, so the swarm's Moshpit groups
