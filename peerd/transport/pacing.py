@@ -451,10 +451,14 @@ class Pacer:
         if reason:
             # What the path delivered beyond its random loss (exact when the queue stayed full all phase; a
             # phase it filled only late understates its loss: hence the margin).
-            delivered = sent * (1.0 - loss) / max(1e-9, 1.0 - floor)
+            # A sender short of CPU (it used under APP_LIMITED of its rate) sends in bursts at its paced rate:
+            # those overran the queue, so what they delivered is a share of that rate, not of the phase's
+            # average (which took btl to a fifth of the link in the lab, 2 loaded cores, 4 daemons).
+            base = ph.rate if sent < APP_LIMITED * ph.rate else sent
+            delivered = base * (1.0 - loss) / max(1e-9, 1.0 - floor)
             # (at most MAX_CUT in one step: a phase that lost nearly everything, as one a receiver's bogus
             # or misaligned REPORT makes, would otherwise take the rate to the floor in one go)
-            delivered = min(self.max_rate, max(self.min_rate, MAX_CUT * sent, delivered * CUT_MARGIN))
+            delivered = min(self.max_rate, max(self.min_rate, MAX_CUT * base, delivered * CUT_MARGIN))
             self.btl = delivered if self.btl is None else min(self.btl, delivered)
             if ph.kind == "probe":
                 # A probe that overflowed says the queue was not empty, so the cruise rate under it was too
