@@ -84,6 +84,11 @@ DEFAULT_FLOOR_S = 1.0
 DEFAULT_SAFETY = 2.0
 DEFAULT_BLOCK_ROWS = 32  # bodies per OutBlock unless the driver asks for another size (GSO: up to 64)
 FINALIZE_BLOCK_ELEMENTS = 1 << 16  # the all-gather divides this many elements at a time (~50 us)
+# A compressed codec encodes as it packs (int4 stochastic: ~30 ms for a block of 432 full datagrams): its blocks
+# hold at most this many elements, and a ``next_blocks`` batch stops after about four of them, so one call stays
+# a few milliseconds of work however many datagrams the driver asks for (fp32 packs by copying: no cap)
+CODED_BLOCK_ELEMENTS = 1 << 16
+CODED_BATCH_ELEMENTS = 1 << 18
 DEFAULT_MAX_WEIGHT = float(2**24)  # samples: the cap on any member's weight unless the caller gives one
 # Fault injection for demos and benches only: how a node corrupts its own reduce-scatter contributions.
 BYZANTINE_MODES = ("scale", "signflip", "nan", "random")
@@ -907,6 +912,9 @@ class GroupAverage:
         send until something changes."""
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
+        if self._coded:
+            rows = min(rows, max(1, CODED_BLOCK_ELEMENTS // self._per))
+            limit = min(limit, max(1, CODED_BATCH_ELEMENTS // self._per))
         self._block_rows = rows
         batch: list[OutBlock] = []
         count = 0
