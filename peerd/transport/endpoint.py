@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import trio
 
+from ..entropy import default_rng, default_token_rng
 from ..metrics import Metrics
 from ..wire import messages as m
 from ..wire.envelope import (
@@ -146,7 +147,7 @@ class Endpoint:
         """``rng`` draws sealing tokens, request ids and jitter (default: os entropy; a seeded one only for tests
         and simulations, since two processes that draw the same token under one swarm key reuse AEAD nonces).
         ``loss``/``loss_seed``: fault injection, by a ``LossySocket`` wrapped around ``sock``."""
-        self.rng = rng if rng is not None else random.SystemRandom()
+        self.rng = default_token_rng(rng)
         if loss:
             sock = LossySocket(sock, loss, np.random.default_rng(loss_seed),  # type: ignore[assignment]
                                on_drop=lambda n: self.metrics.datagrams_dropped.labels("injected").inc(n))
@@ -828,7 +829,7 @@ class Endpoint:
 def retry_delays(first: float, cap: float, rng: random.Random | None = None) -> Callable[[int], float]:
     """Exponential backoff with jitter, for loops that retry whole operations (bootstrap). ``rng``: the jitter's
     source (default: os entropy)."""
-    jitter = rng if rng is not None else random.SystemRandom()
+    jitter = default_rng(rng)
 
     def delay(attempt: int) -> float:
         base = min(cap, first * math.pow(2, attempt))
