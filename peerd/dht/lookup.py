@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import bisect
+from bisect import insort
 from enum import Enum
 
 from .routing import Contact, distance
@@ -16,6 +16,9 @@ class _State(Enum):
     ANSWERED = 2
     FAILED = 3
     SLOW = 4  # no answer yet after the first timeout: ranked like a failure, but a late answer counts
+
+
+_NEW = _State.NEW
 
 
 class Lookup:
@@ -61,11 +64,17 @@ class Lookup:
         return max(self.k, self.alpha) if self.wide else self.alpha
 
     def add(self, contacts: list[Contact]) -> None:
+        state = self._state
+        known = self._contacts
+        order = self._order
+        own = self._own
+        t = self._t
         for c in contacts:
-            if c.node_id != self._own and c.node_id not in self._state:
-                self._contacts[c.node_id] = c
-                self._state[c.node_id] = _State.NEW
-                bisect.insort(self._order, (c.num ^ self._t, c.node_id))
+            node_id = c.node_id
+            if node_id not in state and node_id != own:
+                known[node_id] = c
+                state[node_id] = _NEW
+                insort(order, (c.num ^ t, node_id))
 
     def _ranked(self) -> list[bytes]:
         """The k closest contacts not failed or slow (kept in order as they come, never re-sorted)."""

@@ -188,9 +188,12 @@ class RoutingTable:
             low = bits & -bits
             picked.extend(made[low.bit_length() - 1].contacts.values())
             bits ^= low
-        picked.sort(key=lambda c: c.num ^ t)
-        del picked[count:]
-        return picked
+        if len(picked) <= 1:
+            return picked
+        # sorted by (distance, contact) pairs: no key function called per contact (ids differ, so the
+        # distances do, and contacts are never compared)
+        ranked = sorted([(c.num ^ t, c) for c in picked])
+        return [c for _, c in ranked[:count]]
 
     def closer_than_me(self, target: bytes, limit: int) -> int:
         """How many contacts are closer to ``target`` than this node is, counted up to ``limit``.
