@@ -139,6 +139,10 @@ def test_compare_gloo_alternates_in_one_run() -> None:
     assert len(out["gloo_s_all"]) == len(out["peerd_s_all"]) == 2
     assert out["gloo_s"] > 0 and out["ratio"] == pytest.approx(out["peerd_s"] / out["gloo_s"])
     assert out["max_abs_err"] < 1e-5
+    # p99 of two runs: interpolated near the slower one (meaningful only with --repeat >= 20)
+    assert out["gloo_s"] <= out["gloo_p99_s"] <= max(out["gloo_s_all"]) + 1e-6, out
+    assert out["peerd_s"] <= out["peerd_p99_s"] <= max(out["peerd_s_all"]) + 1e-6, out
+    assert out["excess_loss"] == 0.0 and "bus_fraction" not in out, out  # no loss, no lab: no link bound
 
 
 def test_dht_keeps_answering_during_a_100mb_average(swarm, capsys) -> None:
@@ -186,5 +190,10 @@ def test_bench_on_lab_links_reports_the_link() -> None:
     assert 0.07 < out["link_drop_fraction"] < 0.13 and out["link_packets_seen"] > 1000, out
     assert 0.6 < out["received_fraction"] < 0.95, out
     assert 0 < out["link_utilization"] <= 1.0, out
+    # bus_fraction: 2 (N-1)/N x 4S bytes over the median time and the link's 12.5 MB/s
+    assert out["bus_fraction"] == pytest.approx(2 * 2 / 3 * 4 * 200_000 / out["peerd_s"] / 12.5e6), out
+    assert 0 < out["bus_fraction"] <= 1.0, out
+    assert out["excess_loss"] == pytest.approx(max(0.0, 1 - out["received_fraction"] - 0.1)), out
+    assert out["peerd_p99_s"] >= out["peerd_s"], out
     bad = peerd("bench", "allreduce", "--mtu", "1500", "--link", "100mbit", check=False)
     assert bad.returncode == 2 and "fragmentation" in bad.stderr
