@@ -527,3 +527,13 @@ def test_endpoint_loss_is_the_socket_wrappers_and_counted() -> None:
     injected = counter_value(ep.metrics.datagrams_dropped, reason="injected")
     assert injected == ep.sock.dropped and 60 < injected < 140  # type: ignore[attr-defined]
     assert injected + counter_value(ep.metrics.datagrams_dropped, reason="malformed") == 200
+
+
+def test_lossy_socket_turns_off_the_native_screen_it_would_bypass() -> None:
+    """The native screen reads the socket below the wrapper: left on, `--loss` lost nothing (received_fraction 1.0
+    in tests/test_e2e_allreduce.py::test_injected_loss_is_unbiased)."""
+    class Screening(BlockSocket):
+        screens = True
+
+    lossy = LossySocket(Screening([]), 0.1, np.random.default_rng(0))
+    assert lossy.screens is False

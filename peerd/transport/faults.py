@@ -22,6 +22,10 @@ class LossySocket:
     """Drops each received datagram with probability ``loss`` (``rng``: a numpy Generator; seed it for a
     reproducible pattern). ``on_drop(n)`` is told how many datagrams each receive dropped (for a counter)."""
 
+    # The native receive screen (UdpSocket.recv_screened) reads the wrapped socket itself: through __getattr__ it
+    # would bypass the loss. Off here, so every datagram passes through recv_blocks and its loss.
+    screens = False
+
     def __init__(self, sock: Any, loss: float, rng: np.random.Generator,
                  on_drop: Callable[[int], None] | None = None) -> None:
         if not 0.0 <= loss < 1.0:
