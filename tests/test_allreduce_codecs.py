@@ -9,6 +9,9 @@ member that received a range holds the owner's bits.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -387,3 +390,28 @@ def test_mutated_compressed_bodies_only_raise_wire_error(name, mtype, pos, edits
     a.handle_timer(300.0)
     a.next_datagrams(1000)
     assert a.result_ready and np.isfinite(a.result()).all()
+
+
+def test_fp16_golden_vectors_match_the_spec_byte_for_byte():
+    text = (Path(__file__).resolve().parents[1] / "protocol" / "allreduce.md").read_text()
+    block = re.search(r"```golden-fp16\n(.*?)```", text, re.S)
+    assert block is not None
+    golden = {line.split()[0]: bytes.fromhex("".join(line.split()[1:])) for line in block.group(1).splitlines()}
+    x0 = np.array([1, 2, 3, 4, 5], np.float32)
+    x1 = np.array([10, 20, 30, 40, 50], np.float32)
+    m0 = GroupAverage(0x01020304, 2, 0, x0, 3.0, 0.0, max_payload=23, codec=codec("fp16"))
+    m1 = GroupAverage(0x01020304, 2, 1, x1, 1.0, 0.0, max_payload=23, codec=codec("fp16"))
+    out0 = m0.next_datagrams(100)
+    assert out0[0].type == RS_DATA and out0[0].body == golden["RS_DATA"]
+    assert next(o for o in out0 if o.type == RS_END).body == golden["RS_END"]
+    for o in out0:
+        m1.receive(0, o.type, o.body, 0.0)
+    out1 = m1.next_datagrams(100)
+    assert next(o for o in out1 if o.type == AG_DATA).body == golden["AG_DATA"]
+    assert next(o for o in out1 if o.type == AG_END).body == golden["AG_END"]
+    for o in out1:
+        m0.receive(1, o.type, o.body, 0.0)
+    for o in m0.next_datagrams(100):
+        m1.receive(0, o.type, o.body, 0.0)
+    for core in (m0, m1):
+        np.testing.assert_array_equal(core.result(), [3.25, 6.5, 9.75, 13, 16.25])
