@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ..compress import Codec
 from ..transport.pacing import DeliveryMeter, Pacer, Report, SendPositions, Verdict
 from ..wire.errors import WireError
 from .codec import BodyType, peek_group
@@ -226,6 +227,8 @@ class AveragingHost:
         max_weight: float | None = None,
         robust: Robust | None = None,
         center: np.ndarray | None = None,
+        codec: Codec | None = None,
+        run: int = 0,
     ) -> list[Action]:
         """Start averaging ``vector`` (weight: its sample count) as member ``index`` of ``peers`` (node ids,
         in the group's order). Returns a Bind per other member, and what the data held for this group did.
@@ -242,6 +245,7 @@ class AveragingHost:
             group_id, len(peers), index, vector, weight, now,
             max_payload=self.max_body, floor_s=floor_s, max_phase_s=max_phase_s, out=out,
             end_grace_s=end_grace_s, max_weight=max_weight, robust=robust, center=center, byzantine=self.byzantine,
+            codec=codec, run=run,
         )
         part, rows = send_shape(self.mtu, gso)
         g = _Group(core, peers, now, kernel_drops, floor_s, part, rows, now + self.report_interval_s)

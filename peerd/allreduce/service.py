@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
+from ..compress import Codec
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..transport.pacing import Pacer
@@ -169,18 +170,23 @@ class AllreduceService:
         max_weight: float | None = None,
         robust: Robust | None = None,
         center: np.ndarray | None = None,
+        codec: Codec | None = None,
+        run: int = 0,
     ) -> AverageResult:
         """Average ``vector`` (weight: its sample count) with ``members`` as member ``index`` of group
         ``group_id``. ``max_weight``: the most samples any member's weight counts for (None: 2**24), from
         the local trainer's ``max_samples``. ``robust``: norm clipping at the shard owner (robust.py; it
         bounds how far one member moves the average, it does not stop a sign-flipped gradient of normal
-        size); ``center``: the previous round's average, for ``centered`` (None: clip around zero)."""
+        size); ``center``: the previous round's average, for ``centered`` (None: clip around zero).
+        ``codec``: the run's body codec (peerd.compress; None: fp32), the same for every member; ``run``: the
+        run's u64 key for the codec's stochastic rounding draws."""
         host = self.host
         wall0 = time.perf_counter()
         actions = host.start(
             group_id, [mb.node_id for mb in members], index, vector, weight, trio.current_time(),
             kernel_drops=self._kernel_drops(), gso=self._gso(), floor_s=floor_s, max_phase_s=max_phase_s,
             end_grace_s=end_grace_s, out=out, max_weight=max_weight, robust=robust, center=center,
+            codec=codec, run=run,
         )
         self._wake[group_id] = trio.Event()
         handshake = [0.0]
