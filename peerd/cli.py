@@ -168,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="norm clipping at each shard owner, to time what it costs (default off)")
     b.add_argument("--profile", action="store_true",
                    help="add CPU seconds per daemon by stage (seal, open, receive, syscalls, ...) to the JSON")
+    b.add_argument("--compression", default="fp32", choices=("fp32", "fp16", "bf16", "int8", "int4"),
+                   help="the codec of every tensor body (protocol/codecs.md; default fp32)")
+    b.add_argument("--quant-group", type=int, default=128, metavar="G",
+                   help="int8/int4: values per scale and min, 1..65535 (default 128)")
+    b.add_argument("--rounding", default="stochastic", choices=("stochastic", "nearest"),
+                   help="int8/int4 rounding (default stochastic: unbiased)")
     _link_args(b)
     b.add_argument("--json", action="store_true", help="print JSON")
     b = bench.add_parser("moshpit", help="N daemons average random vectors by Moshpit rounds; deviation per round")
@@ -513,10 +519,13 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not 576 <= args.mtu <= 65507:
         parser.error("--mtu must be between 576 and 65507 bytes")
     _check_link_args(args, parser)
+    if not 1 <= args.quant_group <= 65535:
+        parser.error("--quant-group must be 1..65535")
     cfg = AllreduceBenchConfig(
         peers=args.peers, size=args.size, repeat=args.repeat, loss=args.loss, mtu=args.mtu,
         insecure=args.insecure, no_gso=args.no_gso, compare_gloo=args.compare_gloo, seed=args.seed,
         robust=args.robust, link=args.link, link_loss=args.link_loss, profile=args.profile,
+        compression=args.compression, quant_group=args.quant_group, rounding=args.rounding,
     )
     result = run_allreduce_bench(cfg, quiet=False)
     if args.json:

@@ -197,3 +197,16 @@ def test_bench_on_lab_links_reports_the_link() -> None:
     assert out["peerd_p99_s"] >= out["peerd_s"], out
     bad = peerd("bench", "allreduce", "--mtu", "1500", "--link", "100mbit", check=False)
     assert bad.returncode == 2 and "fragmentation" in bad.stderr
+
+
+def test_compressed_averages_send_their_share_of_fp32s_bytes() -> None:
+    """`--compression`: real daemons average in each codec; the bytes on the wire against fp32's for the same size
+    (issue 17's ratios at 25M elements: fp16/bf16 <= 0.51, int8 <= 0.27, int4 <= 0.145) and the error each
+    codec's two roundings allow (the vectors are N(0, 1)-like; int4 has 16 levels per group of 128)."""
+    limits = {"fp16": (0.51, 0.002), "int8": (0.27, 0.02), "int4": (0.145, 0.25)}
+    for codec, (ratio, rmse) in limits.items():
+        out = bench("--peers", "3", "--size", "300K", "--repeat", "1", "--compression", codec)
+        assert out["compression"] == codec and out["received_fraction"] == 1.0, out
+        assert out["wire_ratio"] <= ratio and out["rmse"] < rmse, out
+    bad = peerd("bench", "allreduce", "--compression", "int8", "--quant-group", "0", check=False)
+    assert bad.returncode == 2 and "--quant-group" in bad.stderr

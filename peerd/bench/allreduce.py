@@ -44,6 +44,9 @@ class AllreduceBenchConfig:
     # CPU seconds per daemon by stage of the data path (seal, open, pack, finalize, syscalls, ...) in the JSON;
     # PEERD_BENCH_PROFILE=1 turns it on too (for a CLI without --profile)
     profile: bool = False
+    compression: str = "fp32"  # fp32 | fp16 | bf16 | int8 | int4 (protocol/codecs.md)
+    quant_group: int = 128  # int8/int4: values per scale and min
+    rounding: str = "stochastic"  # int8/int4: stochastic | nearest
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -111,6 +114,28 @@ class GlooBaseline:
                 p.kill()
 
 
+def fp32_bytes_per_peer(size: int, peers: int, mtu: int, insecure: bool) -> float:
+    """What a member sends in one fp32 average of ``size`` elements, on average over the members (data datagrams
+    and END repeats, sealed): the denominator of ``wire_ratio``."""
+    from ..allreduce.codec import END_REPEATS
+    from ..allreduce.codec import HEADER_SIZE as TENSOR_HEADER
+    from ..allreduce.shards import Layout, elements_per_datagram
+    from ..wire.envelope import HEADER_SIZE as ENVELOPE
+    from ..wire.seal import TAG_SIZE
+
+    overhead = ENVELOPE + (0 if insecure else TAG_SIZE) + TENSOR_HEADER
+    per = elements_per_datagram(mtu - overhead + TENSOR_HEADER)
+    layout = Layout(size, peers, per)
+
+    def stream(j: int) -> int:
+        start, stop = layout.shard(j)
+        full, tail = divmod(stop - start, per)
+        return full * (overhead + 4 * per) + (overhead + 4 * tail if tail else 0) + END_REPEATS * overhead
+
+    s = [stream(j) for j in range(peers)]
+    return sum(sum(s) - s[i] + (peers - 1) * s[i] for i in range(peers)) / peers
+
+
 def _exact_mean(seeds: list[int], weights: list[float], size: int) -> np.ndarray:
     acc = np.zeros(size, dtype=np.float64)
     for seed, w in zip(seeds, weights, strict=True):
@@ -169,7 +194,8 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             group = rng.getrandbits(32)
             list(pool.map(lambda i, g=group: nodes[i].call(
                 "bench_prepare", timeout=600, group_id=g, members=members, index=i, seed=seeds[i],
-                size=cfg.size, weight=weights[i], robust=cfg.robust, profile=profile), range(cfg.peers)))
+                size=cfg.size, weight=weights[i], robust=cfg.robust, profile=profile, compression=cfg.compression,
+                quant_group=cfg.quant_group, rounding=cfg.rounding, run=cfg.seed), range(cfg.peers)))
             up_before = _uplinks(lab)
             t0 = time.time()
             replies = list(pool.map(lambda n, g=group: n.call("bench_run", timeout=600, group_id=g), nodes))
@@ -207,6 +233,9 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "repeat": cfg.repeat,
             "insecure": cfg.insecure,
             "robust": cfg.robust,
+            "compression": cfg.compression,
+            **({"quant_group": cfg.quant_group, "rounding": cfg.rounding} if cfg.compression.startswith("int")
+               else {}),
             "gso": bool(nodes[0].status.get("gso")) and not cfg.no_gso,
             "peerd_s": statistics.median(peerd_times),
             "peerd_s_all": [round(t, 6) for t in peerd_times],
@@ -228,6 +257,9 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "phases_ended_by_deadline": sum((rep["rs_ended_by"] == "deadline") + (rep["ag_ended_by"] == "deadline")
                                             for rep in runs),
         }
+        # bytes a member sent over what it sends in fp32 for the same size (computed: the fp32 layout is fixed)
+        out["wire_ratio"] = out["bytes_sent_per_peer"] / fp32_bytes_per_peer(cfg.size, cfg.peers, cfg.mtu,
+                                                                             cfg.insecure)
         if profile:
             # CPU seconds per daemon per average by stage (mean over peers and repeats); "other" is the rest
             # of cpu_s_per_peer: trio, handlers, metrics, reports
