@@ -347,6 +347,9 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
     _log_format(daemon.listen[1])
+    from .wire.native import announce
+
+    announce(now=True)  # which data plane runs, and why: once the log lines carry the port
     if args.insecure:
         logging.getLogger("peerd").warning(
             "--insecure: datagrams are NOT authenticated; anyone who reaches this port can join and inject data"

@@ -30,8 +30,9 @@ from .transport import Endpoint
 from .transport.udp import UdpSocket
 from .wire.identity import Identity, KeyFileError, load_identity, load_swarm_key, node_id_of
 from .wire.messages import MAX_CONTACTS, MAX_TTL_S
-from .wire.native import announce as announce_dataplane
+from .wire.native import check as check_dataplane
 from .wire.native import dataplane
+from .wire.native import hold as hold_dataplane_announcement
 
 log = logging.getLogger("peerd")
 
@@ -95,13 +96,14 @@ class Daemon:
         self.config = config
         self.started = time.monotonic()
         try:
-            announce_dataplane()  # says which data path runs; refuses a PEERD_DATAPLANE that cannot be honoured
-        except RuntimeError as e:
-            raise StartupError(str(e)) from None
-        try:
             self.identity = load_identity(config.identity_path) if config.identity_path else Identity.generate()
             secret = None if config.insecure else load_swarm_key(config.swarm_key_file or "")
         except KeyFileError as e:
+            raise StartupError(str(e)) from None
+        try:  # after the keys: a startup that fails on them says only that
+            check_dataplane()  # a PEERD_DATAPLANE that cannot be honoured is a startup error
+            hold_dataplane_announcement()  # said by cmd_join once the log lines carry the port
+        except RuntimeError as e:
             raise StartupError(str(e)) from None
         self.metrics = Metrics()
         allreduce_kwargs = _allreduce_kwargs(config)

@@ -35,6 +35,7 @@ def _load() -> tuple[ModuleType | None, str, str]:
 
 native, _asked, reason = _load()
 _announced = False
+_held = False
 
 
 def dataplane() -> str:
@@ -42,16 +43,28 @@ def dataplane() -> str:
     return "native" if native is not None else "python"
 
 
-def announce() -> None:
-    """Say once per process which data path runs and why (called when the first sealer or opener is made, so
-    the daemon's logging is set up by then). Raises RuntimeError where ``PEERD_DATAPLANE`` asks for what cannot
-    run: ``native`` without the extension, or an unknown value."""
-    global _announced
+def check() -> None:
+    """Raise RuntimeError where ``PEERD_DATAPLANE`` asks for what cannot run: ``native`` without the extension,
+    or an unknown value (every sealer and opener checks; the daemon checks first, for a one-line error)."""
     if _asked not in CHOICES:
         raise RuntimeError(f"{reason}; unset it for the default")
     if _asked == "native" and native is None:
         raise RuntimeError(f"{ENV}=native, but {reason}")
-    if _announced:
+
+
+def hold() -> None:
+    """Sealers and openers no longer announce: the process (the daemon) says it itself with ``announce(now=True)``,
+    once its log lines carry its port."""
+    global _held
+    _held = True
+
+
+def announce(*, now: bool = False) -> None:
+    """Say once per process which data path runs and why: at the first sealer or opener, or, after ``hold``, when
+    asked ``now``. Raises as ``check`` does."""
+    global _announced
+    check()
+    if _announced or (_held and not now):
         return
     _announced = True
     if native is None and _asked == "auto":
