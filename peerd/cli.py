@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     _link_args(p)
     p.add_argument("--mode", choices=["sync", "diloco"], default="sync",
                    help="sync: average gradients every step; diloco: H local steps, then an outer step (default sync)")
-    p.add_argument("--sync-every", type=int, default=50, metavar="H", help="diloco: inner steps per outer step")
+    p.add_argument("--sync-every", type=int, default=50, metavar="H",
+                   help="diloco: inner steps per outer step (default 50)")
     p.add_argument("--fragments", type=int, default=1, metavar="F", help="diloco: streaming fragments (default 1)")
     p.add_argument("--model", choices=["mlp", "wide"], default="mlp",
                    help="mlp: 4,810 parameters; wide: 64-2048-1024-10, 2.24 M parameters, so a 100 Mbit link "
