@@ -65,8 +65,14 @@ class Metrics:
             ["phase"], registry=r,
         )
         self.moshpit_rounds = Counter(
-            "peerd_moshpit_rounds_total", "Moshpit rounds this node took part in, by outcome (averaged, alone, failed)",
-            ["outcome"], registry=r,
+            "peerd_moshpit_rounds_total",
+            "Moshpit rounds this node took part in, by outcome (averaged, alone, failed) and the run's codec",
+            ["outcome", "codec"], registry=r,
+        )
+        self.moshpit_bytes_sent = Counter(
+            "peerd_moshpit_bytes_sent_total",
+            "UDP payload bytes this node sent for the group averages of Moshpit rounds, by the run's codec "
+            "(fp32, fp16, bf16, int8, int4)", ["codec"], registry=r,
         )
         self.moshpit_group_size = Gauge(
             "peerd_moshpit_group_size", "Members of this node's group in its last Moshpit round (1: no group)",

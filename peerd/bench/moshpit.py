@@ -43,6 +43,9 @@ class MoshpitBenchConfig:
     window_s: float = 3.0
     link: str | None = None  # a link lab (root): every daemon in its own namespace on a link shaped at this rate
     link_loss: float = 0.0  # ... which drops this fraction of what arrives at each peer (nftables, all protocols)
+    compression: str | None = None  # the run's codec (None: fp32); quant_group and rounding for int8/int4
+    quant_group: int | None = None
+    rounding: str | None = None
 
     def check(self) -> None:
         if self.peers < 2:
@@ -57,6 +60,20 @@ class MoshpitBenchConfig:
             raise ValueError("--link-loss must be in [0, 1)")
         if self.link_loss and not self.link:
             raise ValueError("--link-loss needs --link RATE")
+        if self.compression is not None:
+            from ..moshpit.service import MoshpitError, check_compression
+
+            try:
+                check_compression(self.compression, self.quant_group, self.rounding)
+            except MoshpitError as e:
+                raise ValueError(str(e)) from None
+        elif self.quant_group is not None or self.rounding is not None:
+            raise ValueError("--quant-group and --rounding go with --compression int8 or int4")
+
+    def codec_options(self) -> dict[str, Any]:
+        """avg_open's codec keywords: only those set."""
+        return {k: v for k, v in (("compression", self.compression), ("quant_group", self.quant_group),
+                                  ("rounding", self.rounding)) if v is not None}
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -129,7 +146,7 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
         _wait_connected(nodes)
         if lab is not None:
             lab.reset_counters()  # the drop fraction below covers the rounds, not the daemons' startup
-        open_args: dict[str, Any] = {"run": RUN, "window_s": cfg.window_s}
+        open_args: dict[str, Any] = {"run": RUN, "window_s": cfg.window_s, **cfg.codec_options()}
         if cfg.grid is not None:  # Moshpit's exact conditions: groups close at exactly M members
             open_args.update(grid=str(cfg.grid), adapt=False, min_size=cfg.grid.size)
         cells = list(range(cfg.peers))
@@ -144,6 +161,7 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
         group_sizes: list[list[int]] = []
         round_s: list[float] = []
         fractions: list[float] = []
+        sent: list[float] = []  # bytes sent per averaged peer, per round
         outcomes: list[dict[str, int]] = []
         killed: list[str] = []
         pool = ThreadPoolExecutor(max_workers=cfg.peers + 1)
@@ -187,6 +205,8 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
             group_sizes.append(sorted(groups.values(), reverse=True))
             round_s.append(statistics.median(st["seconds"] for st in stats.values()))
             fractions.append(statistics.mean(st["received_fraction"] for st in stats.values()))
+            averaged = [st.get("bytes_sent", 0) for st in stats.values() if st["outcome"] == "averaged"]
+            sent.append(statistics.mean(averaged) if averaged else 0.0)
             outcomes.append(count)
             _progress(f"round {r + 1}/{cfg.rounds}: deviation {out_dev[-1]:.3g}, groups {group_sizes[-1]}, "
                       f"{round_s[-1]:.3f} s", quiet)
@@ -202,6 +222,12 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
             "group_sizes": group_sizes,
             "round_s": round_s,
             "received_fraction": fractions,
+            "compression": cfg.compression or "fp32",
+            **({"quant_group": cfg.quant_group or 128, "rounding": cfg.rounding or "stochastic"}
+               if (cfg.compression or "").startswith("int") else {}),
+            # UDP payload bytes one averaged peer sent for its group's average, per round (compare codecs at
+            # the same --size and --grid: the group size sets the fp32 figure, 2 (M-1)/M x 4 x size + headers)
+            "bytes_sent_per_peer": sent,
             "outcomes": outcomes,
             "survivors": len(live),
         }

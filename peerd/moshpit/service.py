@@ -14,6 +14,7 @@ Members are not trusted: background sends and DHT work are guarded (a failure is
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import math
@@ -29,6 +30,8 @@ import trio
 
 from ..allreduce.robust import Robust, parse_robust
 from ..allreduce.service import AllreduceService, Member
+from ..compress import Codec
+from ..compress import codec as make_codec
 from ..dht.records import Record
 from ..dht.service import DhtService
 from ..entropy import default_rng
@@ -70,13 +73,14 @@ from .sticky import RENEW_KEY, StickyGroups
 
 __all__ = [
     "CONFIG_TTL_S", "DEFAULT_WINDOW_S", "KNOWN_PEERS", "MAX_AHEAD", "MAX_ROUND", "PROGRESS_FRESH_S", "PROGRESS_TTL_S",
-    "STRANGER_AHEAD", "MoshpitError", "MoshpitService", "RoundResult", "RunState", "all_finite", "check_max_weight",
-    "check_robust", "check_run_id", "plausible_progress", "published_grid",
+    "STRANGER_AHEAD", "MoshpitError", "MoshpitService", "RoundResult", "RunState", "all_finite", "check_compression",
+    "check_max_weight", "check_robust", "check_run_id", "codec_run_key", "plausible_progress", "published_grid",
 ]
 
 log = logging.getLogger("peerd.moshpit")
 DEFAULT_KEEP_ROUNDS = 1  # groups re-form through the DHT every round unless a run asks to keep them (sticky.py)
 FINITE_SLICE = 1 << 20  # elements per isfinite pass (a 4 MB slice: no 100 MB temporary)
+MOSHPIT_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")  # body codecs a run may average in (protocol/codecs.md)
 
 
 @dataclass
@@ -94,6 +98,8 @@ class RoundResult:
     seen: int = 1
     error: str = ""
     kept: bool = False  # averaged in a group kept from an earlier round (no matchmaking)
+    compression: str = "fp32"  # the body codec the group averaged in
+    bytes_sent: int = 0  # UDP payload bytes this node sent for the group average
     silent: bool = field(default=False, repr=False)  # some member was never heard from (not in stats)
 
     def stats(self) -> dict:
@@ -110,6 +116,8 @@ class RoundResult:
             "seen": self.seen,
             "error": self.error,
             "kept": self.kept,
+            "compression": self.compression,
+            "bytes_sent": self.bytes_sent,
         }
 
 
@@ -127,6 +135,12 @@ class RunState:
     max_weight: float | None = None  # owners cap each member's weight (sample count) at this; None: no cap
     robust: Robust | None = None  # owners clip contributions (allreduce/robust.py); None: plain mean
     center: np.ndarray | None = None  # the last averaged vector: the center of robust "centered" mode
+    codec: Codec | None = None  # the body codec every average of the run uses (None: fp32, the zero-copy path)
+
+    @property
+    def compression(self) -> str:
+        """The codec's name, as metrics label it."""
+        return self.codec.name if self.codec is not None else "fp32"
 
     # the machine's state, read through (the shell decides none of it)
     @property
@@ -176,6 +190,9 @@ class RunState:
             "window_s": self.window_s,
             "max_weight": self.max_weight,
             "robust": str(self.robust) if self.robust else "off",
+            "compression": self.compression,
+            **({"quant_group": self.codec.group, "rounding": self.codec.rounding}  # type: ignore[attr-defined]
+               if self.compression.startswith("int") else {}),
             "last": self.last.stats() if self.last else None,
         }
 
@@ -195,6 +212,44 @@ def check_robust(robust: object) -> Robust | None:
         return parse_robust(robust)
     except ValueError as e:
         raise MoshpitError(str(e)) from None
+
+
+def check_compression(compression: object, quant_group: object = None, rounding: object = None) -> Codec | None:
+    """The run's body codec from its configuration: ``compression`` one of MOSHPIT_CODECS (or a Codec),
+    ``quant_group`` (int8/int4: values per scale and min, default 128) and ``rounding`` (int8/int4: stochastic,
+    the default, or nearest). None for fp32 (averages keep fp32's zero-copy path). MoshpitError otherwise.
+
+    Every member of a group must use the same codec: a body in another codec is a counted drop at its receiver
+    (``peerd_datagrams_dropped_total{reason="codec"}``), so trainers of one run declare the same configuration."""
+    if isinstance(compression, Codec):
+        return None if compression.wire_id == 0 else compression
+    if compression == "arc-topk":
+        raise MoshpitError("compression arc-topk is not available in Moshpit rounds (it needs the trainer's "
+                           "layout and three phases; see peerd.allreduce.arctopk): use fp16, bf16, int8 or int4")
+    if not isinstance(compression, str) or compression not in MOSHPIT_CODECS:
+        raise MoshpitError(f"compression must be one of {', '.join(MOSHPIT_CODECS)}, got {compression!r:.40}")
+    params: dict[str, object] = {}
+    if compression.startswith("int"):
+        if quant_group is not None:
+            if type(quant_group) is not int or not 1 <= quant_group <= 0xFFFF:
+                raise MoshpitError(f"quant_group must be an integer in [1, 65535], got {quant_group!r:.40}")
+            params["group"] = quant_group
+        if rounding is not None:
+            if rounding not in ("stochastic", "nearest"):
+                raise MoshpitError(f"rounding must be stochastic or nearest, got {rounding!r:.40}")
+            params["rounding"] = rounding
+    elif quant_group is not None or rounding is not None:
+        raise MoshpitError(f"quant_group and rounding apply to int8 and int4, not to {compression}")
+    made = make_codec(compression, **params)
+    return None if made.wire_id == 0 else made
+
+
+def codec_run_key(run_id: str, round_no: int) -> int:
+    """The u64 ``run`` of a round's stochastic-rounding draws (peerd.compress.rounding): from the run id and the
+    round, so draws differ from round to round and run to run (the group id and sender make the rest of the
+    key) while every member derives the same value."""
+    digest = hashlib.sha256(f"peerd-codec-run-v1/{run_id}/{round_no}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def all_finite(vector: np.ndarray) -> bool:
@@ -256,15 +311,20 @@ class MoshpitService:
         keep_rounds: int | None = None,
         max_weight: float | None = None,
         robust: Robust | str | None = None,
+        compression: str | Codec | None = None,
+        quant_group: int | None = None,
+        rounding: str | None = None,
     ) -> RunState:
         """Start (or reconfigure) a run. Without ``grid``, take the run's published grid or size one
         from the swarm the DHT sees. ``keep_rounds``: keep a complete group this many rounds (1: never).
         ``max_weight``: shard owners count no member's weight above this (math.inf: no cap); ``robust``:
-        how owners clip contributions (a Robust or ``off``/``clip[:C]``/``centered[:C]``). Both are kept by
-        the run; None leaves what the run had."""
+        how owners clip contributions (a Robust or ``off``/``clip[:C]``/``centered[:C]``). ``compression``,
+        ``quant_group``, ``rounding``: the body codec of every average of the run (check_compression). All are
+        kept by the run; None leaves what the run had."""
         check_run_id(run_id)
         cap = check_max_weight(max_weight) if max_weight is not None else None
         robust_mode = check_robust(robust) if robust is not None else None
+        codec = self._check_codec(compression, quant_group, rounding)
         if not 0.2 <= window_s <= 600:
             raise MoshpitError(f"window_s must be in [0.2, 600] seconds, got {window_s}")
         if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
@@ -305,14 +365,25 @@ class MoshpitService:
             core = RoundMachine(run_id, grid, keys, me, min_size=min_size, window_s=window_s,
                                 keep_rounds=keep_rounds, rng=self.rng, resolve=self._resolve)
             st = self.runs[run_id] = RunState(core)
-        self._configure(st, max_weight, cap, robust, robust_mode)
+        self._configure(st, max_weight, cap, robust, robust_mode, codec)
         if not st.synced:
             await self._sync_round(st)
         return st
 
     @staticmethod
+    def _check_codec(compression: object, quant_group: object, rounding: object) -> tuple[Codec | None] | None:
+        """(codec,) when the caller names a compression (None inside: fp32), None when it leaves the run's."""
+        if compression is None:
+            if quant_group is not None or rounding is not None:
+                raise MoshpitError("quant_group and rounding need compression (int8 or int4)")
+            return None
+        return (check_compression(compression, quant_group, rounding),)
+
+    @staticmethod
     def _configure(st: RunState, max_weight: object, cap: float | None, robust: object,
-                   robust_mode: Robust | None) -> None:
+                   robust_mode: Robust | None, codec: tuple[Codec | None] | None = None) -> None:
+        if codec is not None:
+            st.codec = codec[0]
         if max_weight is not None:
             st.max_weight = cap
         if robust is not None:
@@ -333,7 +404,8 @@ class MoshpitService:
     async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
                       keep_rounds: int | None = None, round_no: int | None = None,
                       max_weight: float | None = None, robust: Robust | str | None = None,
-                      center: np.ndarray | None = None) -> RoundResult:
+                      center: np.ndarray | None = None, compression: str | Codec | None = None,
+                      quant_group: int | None = None, rounding: str | None = None) -> RoundResult:
         """One Moshpit round for ``run_id``: find a group, average in it. Never raises for churn.
 
         ``keep_rounds``: set the run's kept-group rounds (as ``open`` does) if it differs, so a trainer
@@ -346,6 +418,7 @@ class MoshpitService:
         ``max_weight``, ``robust``: set the run's weight cap and robust mode (as ``open`` does); None leaves them.
         ``center``: the center of robust "centered" mode for this round only (e.g. the caller's own parameters,
         which honest replicas stay close to); None: the run's last average.
+        ``compression``, ``quant_group``, ``rounding``: set the run's body codec (as ``open`` does); None leaves it.
 
         The result is never non-finite: an average that holds NaN or infinity is reported ``failed`` and the
         caller gets its own vector back. A run past its last round (MAX_ROUND) raises MoshpitError."""
@@ -354,6 +427,7 @@ class MoshpitService:
             raise MoshpitError(f"round must be an integer in [0, {MAX_ROUND}], got {round_no!r}")
         cap = check_max_weight(max_weight) if max_weight is not None else None
         robust_mode = check_robust(robust) if robust is not None else None
+        codec = self._check_codec(compression, quant_group, rounding)
         if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
             raise MoshpitError(f"keep_rounds must be an integer in [1, 1000], got {keep_rounds!r}")
         if vector.dtype != np.float32 or vector.ndim != 1:
@@ -369,7 +443,7 @@ class MoshpitService:
         async with st.lock:
             if keep_rounds is not None:
                 st.core.set_keep_rounds(keep_rounds)
-            self._configure(st, max_weight, cap, robust, robust_mode)
+            self._configure(st, max_weight, cap, robust, robust_mode, codec)
             if round_no is not None:
                 st.core.round = round_no
             if st.round > MAX_ROUND:
@@ -422,9 +496,10 @@ class MoshpitService:
             result = RoundResult(vector.copy(), "alone", "", 1, [self.identity.node_id.hex()], 1.0, round_no, 0.0,
                                  0.0, key, core.seen)
         result.matchmaking_s = mm_s if mm_s is not None else 0.0
+        result.compression = st.compression
         result.seconds = self.clock() - t0
         st.last = result
-        self.metrics.moshpit_rounds.labels(result.outcome).inc()
+        self.metrics.moshpit_rounds.labels(result.outcome, st.compression).inc()
         self.metrics.moshpit_group_size.set(result.group_size)
         self.metrics.moshpit_round_seconds.observe(result.seconds)
         log.info("run %s round %d: %s, group of %d, %.3f s", st.run_id, round_no, result.outcome,
@@ -447,6 +522,9 @@ class MoshpitService:
                 extra["center"] = center
             elif st.robust.mode == "centered" and st.center is not None and st.center.shape == vector.shape:
                 extra["center"] = st.center
+        if st.codec is not None:  # fp32 goes the way it always went (its zero-copy path, no codec arguments)
+            extra["codec"] = st.codec
+            extra["run"] = codec_run_key(st.run_id, round_no)
         try:
             res = await self.allreduce.average(
                 group.group_id, members, group.index, vector, weight, floor_s=1.0,
@@ -466,18 +544,13 @@ class MoshpitService:
                                "or the sum overflowed float32): kept this node's own vector")
         if st.robust is not None and st.robust.mode == "centered":
             st.center = res.vector.copy()  # only an averaged, finite round becomes the next center
+        self.metrics.moshpit_bytes_sent.labels(st.compression).inc(res.bytes_sent)
         rs, ag = res.stats.reduce_scatter, res.stats.all_gather
         expected = rs.datagrams_expected + ag.datagrams_expected
         received = rs.datagrams_received + ag.datagrams_received
         fraction = received / expected if expected else 1.0
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
-                           silent=bool(rs.silent or ag.silent))
-
-    @staticmethod
-    async def _finite(vector: np.ndarray) -> bool:
-        if vector.size <= FINITE_SLICE:
-            return all_finite(vector)
-        return await trio.to_thread.run_sync(all_finite, vector)  # ~50 ms for 100 MB: not on the event loop
+                           silent=bool(rs.silent or ag.silent), bytes_sent=res.bytes_sent)
 
     @staticmethod
     async def _finite(vector: np.ndarray) -> bool:
