@@ -7,6 +7,10 @@ same calls give the same events, in the same order, with no wall clock anywhere.
 between groups of nodes until healed; a crashed node loses what was in flight to it and its timers, and
 may restart at the same address with new state.
 
+NATs (``add_nat``): nodes behind a NAT box send from a public address the box maps them to, and only what the
+box's filter lets in reaches them (a port-restricted cone, or a symmetric NAT with a new port per destination);
+mappings expire when unused, in virtual time. Addresses behind or of a box are ``(host, port)`` tuples.
+
 ``Link.fate`` is the per-datagram decision on its own, for a network whose clock is another's (the trio
 tests' ``MemNet`` runs it under trio's MockClock).
 """
@@ -59,6 +63,76 @@ class Link:
         return [self.latency + rng.random() * self.jitter for _ in range(copies)]
 
 
+NAT_UNREPLIED_S = 30.0  # Linux conntrack: a UDP flow that never saw a reply (nf_conntrack_udp_timeout)
+NAT_REPLIED_S = 120.0  # ... and one that did (nf_conntrack_udp_timeout_stream)
+
+
+class NatBox:
+    """One NAT router with one public IP, in front of some internal addresses.
+
+    ``cone``: one mapping per internal socket, port-preserving where the port is free (Linux ``masquerade``);
+    replies are filtered by remote address *and* port (port-restricted cone). ``symmetric``: a new public port
+    per (internal socket, destination) (``masquerade random``), filtered the same way. A permission for one
+    remote lives ``NAT_UNREPLIED_S`` after its last outbound datagram until something comes back from that
+    remote, ``NAT_REPLIED_S`` after the last datagram either way from then on."""
+
+    KINDS = ("cone", "symmetric")
+
+    def __init__(self, host: str, kind: str, *, first_port: int = 20000) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"NAT kind must be one of {self.KINDS}, got {kind!r}")
+        self.host = host
+        self.kind = kind
+        self._next_port = first_port
+        self._map: dict[tuple, int] = {}  # (internal,) or (internal, remote) -> public port
+        self._back: dict[int, Address] = {}  # public port -> internal address
+        self._perm: dict[int, dict[Address, tuple[float, bool]]] = {}  # port -> remote -> (last, replied)
+        self.filtered = 0  # inbound datagrams dropped by the filter
+
+    @staticmethod
+    def _alive(entry: tuple[float, bool] | None, now: float) -> bool:
+        if entry is None:
+            return False
+        last, replied = entry
+        return now - last <= (NAT_REPLIED_S if replied else NAT_UNREPLIED_S)
+
+    def outbound(self, internal: Address, remote: Address, now: float) -> Address:
+        """The public source address of a datagram ``internal`` sends to ``remote`` now (mapping it)."""
+        key = (internal, remote) if self.kind == "symmetric" else (internal,)
+        port = self._map.get(key)
+        if port is not None and not any(self._alive(e, now) for e in self._perm[port].values()):
+            del self._map[key], self._back[port], self._perm[port]  # expired: every permission timed out
+            port = None
+        if port is None:
+            want = internal[1] if self.kind == "cone" and isinstance(internal, tuple) else None
+            if want is None or want in self._back:
+                while self._next_port in self._back:
+                    self._next_port += 1
+                want = self._next_port
+                self._next_port += 1
+            port = want
+            self._map[key] = port
+            self._back[port] = internal
+            self._perm[port] = {}
+        perms = self._perm[port]
+        old = perms.get(remote)
+        perms[remote] = (now, old is not None and old[1] and self._alive(old, now))
+        return (self.host, port)
+
+    def inbound(self, port: int, remote: Address, now: float) -> Address | None:
+        """Where a datagram from ``remote`` to this box's ``port`` goes, or None (filtered)."""
+        internal = self._back.get(port)
+        perms = self._perm.get(port)
+        if internal is None or perms is None or not self._alive(perms.get(remote), now):
+            self.filtered += 1
+            return None
+        perms[remote] = (now, True)
+        return internal
+
+    def mappings(self) -> int:
+        return len(self._map)
+
+
 class Timer:
     """A callback at a virtual time; ``cancel`` stops it (it stays on the heap, skipped when it comes up)."""
 
@@ -95,6 +169,8 @@ class Network:
         self._crashed_at: dict[tuple[Address, int], float] = {}  # (address, incarnation) -> when it crashed
         self._side: dict[Address, int] = {}  # partition group per address (0: not named in any group)
         self._busy: dict[tuple[Address, Address], float] = {}  # when a link with bandwidth is free again
+        self._nat_of: dict[Address, NatBox] = {}  # internal address -> its NAT box
+        self._nat_at: dict[str, NatBox] = {}  # a box's public host -> the box
         self.sent = self.lost = self.duplicated = self.delivered = self.dropped = 0
         self.events = 0  # events run (timers and arrivals), for profiling
 
@@ -142,6 +218,34 @@ class Network:
         side = self._side
         return not side or side.get(src, 0) == side.get(dst, 0)
 
+    def add_nat(self, host: str, kind: str, internals: list | tuple = (), *, first_port: int = 20000) -> NatBox:
+        """Put a NAT box with public IP ``host`` in front of the ``internals`` (``(host, port)`` addresses,
+        attached as usual). Datagrams they send leave from the box's mapped address; datagrams to the box's
+        address reach them only through its filter."""
+        if host in self._nat_at:
+            raise ValueError(f"a NAT box already has {host!r}")
+        box = NatBox(host, kind, first_port=first_port)
+        self._nat_at[host] = box
+        for addr in internals:
+            self.behind(addr, box)
+        return box
+
+    def behind(self, addr: Address, box: NatBox) -> None:
+        if not isinstance(addr, tuple) or len(addr) != 2:
+            raise ValueError(f"a node behind a NAT needs a (host, port) address, got {addr!r}")
+        self._nat_of[addr] = box
+
+    def nat_of(self, addr: Address) -> NatBox | None:
+        return self._nat_of.get(addr)
+
+    def _nat_in(self, dst: Address, src: Address) -> Address | None:
+        """A datagram arriving at ``dst``, a box's public address: the internal node it goes to, or None."""
+        if isinstance(dst, tuple) and len(dst) == 2:
+            box = self._nat_at.get(dst[0])
+            if box is not None:
+                return box.inbound(dst[1], src, self.now)
+        return None
+
     # -- datagrams ------------------------------------------------------------------------------
     def send(self, src: Address, dst: Address, payload: Any, size: int = 1) -> None:
         """``src`` sends ``payload`` (``size`` bytes on the wire) to ``dst``. A test may send from any
@@ -150,6 +254,10 @@ class Network:
         ``Link.fate`` is inlined here (the same draws in the same order, so seeds keep their runs): this
         runs for every datagram of a simulation, millions at 10,000 nodes."""
         self.sent += 1
+        if self._nat_of:
+            box = self._nat_of.get(src)
+            if box is not None and self.alive(src):
+                src = box.outbound(src, dst, self.now)
         trace = self.trace
         if trace is not None:
             trace.append((self.now, "send", src, dst, size))
@@ -187,6 +295,10 @@ class Network:
     def _arrive(self, src: Address, dst: Address, payload: Any, size: int, src_epoch: int, dst_epoch: int,
                 depart: float) -> None:
         handler = self._handlers.get(dst)
+        if handler is None and self._nat_at:
+            inner = self._nat_in(dst, src)
+            if inner is not None:
+                dst, handler, dst_epoch = inner, self._handlers.get(inner), self._epoch.get(inner, 0)
         died = self._crashed_at.get((src, src_epoch)) if self._crashed_at else None
         if (
             handler is None
@@ -260,6 +372,11 @@ class Network:
             count += 1
             src, dst, payload, size, src_epoch, dst_epoch, depart = item
             handler = handlers.get(dst)
+            if handler is None and self._nat_at:
+                inner = self._nat_in(dst, src)
+                if inner is not None:
+                    dst, handler = inner, handlers.get(inner)
+                    dst_epoch = epochs.get(inner, 0)
             if (
                 handler is None
                 or epochs.get(dst, 0) != dst_epoch

@@ -1,0 +1,186 @@
+"""Hole punching, sans I/O (PROTOCOL.md section 18.3).
+
+To reach a NATed peer T, a node asks an introducer both can reach (INTRO): the introducer answers with T's
+address as it reached it (INTRO_OK ``peer``: T's mapped address) and passes the requester's address as it saw
+it on to T (CONNECT). Both then PING each other's mapped address at once, a few times: each side's first PING
+opens its own NAT's filter for the other, and the next ones get through. A PONG settles the path; it is
+remembered per peer and held open by keepalives (under the 30 s a NAT keeps an unreplied UDP flow) while the
+path is used. A punch that gets no PONG by ``deadline`` fails: the caller falls back to a relay.
+
+Inputs carry ``now``; outputs are actions (``Intro``, ``Ping``, ``Punched``, ``Failed``) and ``wake_at``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Address = tuple[str, int]
+
+PUNCH_PINGS = 6  # PINGs per punch, ``PUNCH_GAP`` apart
+PUNCH_GAP = 0.25
+PUNCH_DEADLINE = 3.0  # seconds from the start of a punch to its failure
+KEEPALIVE_S = 20.0  # under 30 s: Linux conntrack drops an unreplied UDP flow after 30 s
+IDLE_S = 120.0  # a path unused this long gets no more keepalives
+RETRY_FAILED_S = 60.0  # a failed punch to a peer is not tried again before this
+MAX_PUNCHES = 64  # punches under way at once
+MAX_PATHS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Intro:
+    """Send INTRO(target) to the introducer; report ``intro_answered``."""
+
+    introducer: Address
+    introducer_id: bytes
+    target: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Send a PING (sealed for ``node_id``) to ``addr``: a punch or a keepalive."""
+
+    node_id: bytes
+    addr: Address
+    keepalive: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Punched:
+    node_id: bytes
+    addr: Address
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    node_id: bytes
+
+
+Action = Intro | Ping | Punched | Failed
+
+
+@dataclass(slots=True)
+class _Punch:
+    addr: Address | None  # None: waiting for INTRO_OK
+    started: float
+    pings_left: int = PUNCH_PINGS
+    next_ping: float = 0.0
+
+
+@dataclass(slots=True)
+class _Path:
+    addr: Address
+    used: float
+    pinged: float
+
+
+@dataclass(slots=True)
+class Puncher:
+    """Punches and punched paths of one node."""
+
+    _punches: dict[bytes, _Punch] = field(default_factory=dict)
+    paths: dict[bytes, _Path] = field(default_factory=dict)
+    _failed: dict[bytes, float] = field(default_factory=dict)
+    punched: int = 0
+    failures: int = 0
+
+    def path(self, node_id: bytes) -> Address | None:
+        p = self.paths.get(node_id)
+        return p.addr if p is not None else None
+
+    def punching(self, node_id: bytes) -> bool:
+        return node_id in self._punches
+
+    def want(self, target: bytes, introducer_id: bytes, introducer: Address, now: float) -> list[Action]:
+        """Start a punch to ``target`` through ``introducer`` (unless one runs, a path exists, or it failed
+        recently)."""
+        if target in self._punches or target in self.paths or len(self._punches) >= MAX_PUNCHES:
+            return []
+        failed = self._failed.get(target)
+        if failed is not None and now - failed < RETRY_FAILED_S:
+            return [Failed(target)]
+        self._punches[target] = _Punch(None, now)
+        return [Intro(introducer, introducer_id, target)]
+
+    def intro_answered(self, target: bytes, addr: Address | None, now: float) -> list[Action]:
+        """INTRO_OK: ``addr`` is the target's mapped address (None: the introducer has not reached it)."""
+        punch = self._punches.get(target)
+        if punch is None or punch.addr is not None:
+            return []
+        if addr is None:
+            return self._fail(target, now)
+        punch.addr = addr
+        punch.next_ping = now
+        return self.poll(now)
+
+    def connect(self, peer: bytes, addr: Address, now: float) -> list[Action]:
+        """CONNECT from an introducer: ``peer`` wants to talk, from ``addr``; punch towards it at once."""
+        if peer in self.paths and self.paths[peer].addr == addr:
+            return [Ping(peer, addr)]
+        if peer not in self._punches and len(self._punches) >= MAX_PUNCHES:
+            return []
+        self._punches[peer] = _Punch(addr, now, next_ping=now)
+        return self.poll(now)
+
+    def pong(self, peer: bytes, addr: Address, now: float) -> list[Action]:
+        """A PONG (or any authenticated answer) came from ``peer`` at ``addr``: the path works."""
+        punch = self._punches.pop(peer, None)
+        known = self.paths.get(peer)
+        if known is not None and known.addr == addr:
+            known.pinged = now
+            return []
+        if punch is None and known is None:
+            return []
+        if len(self.paths) >= MAX_PATHS:
+            oldest = min(self.paths, key=lambda n: self.paths[n].used)
+            del self.paths[oldest]
+        self.paths[peer] = _Path(addr, now, now)
+        self._failed.pop(peer, None)
+        self.punched += 1
+        return [Punched(peer, addr)]
+
+    def used(self, peer: bytes, now: float) -> None:
+        """The path to ``peer`` carried something: keep it open."""
+        p = self.paths.get(peer)
+        if p is not None:
+            p.used = now
+
+    def forget(self, peer: bytes) -> None:
+        self.paths.pop(peer, None)
+        self._punches.pop(peer, None)
+
+    def wake_at(self) -> float | None:
+        times = []
+        for punch in self._punches.values():
+            times.append(punch.started + PUNCH_DEADLINE)
+            if punch.addr is not None and punch.pings_left:
+                times.append(punch.next_ping)
+        for p in self.paths.values():
+            due = p.pinged + KEEPALIVE_S
+            if due - p.used <= IDLE_S:
+                times.append(due)
+        return min(times) if times else None
+
+    def poll(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for target, punch in list(self._punches.items()):
+            if now >= punch.started + PUNCH_DEADLINE:
+                actions += self._fail(target, now)
+                continue
+            while punch.addr is not None and punch.pings_left and punch.next_ping <= now:
+                actions.append(Ping(target, punch.addr))
+                punch.pings_left -= 1
+                punch.next_ping += PUNCH_GAP
+        for peer, p in list(self.paths.items()):
+            if now - p.pinged >= KEEPALIVE_S and now - p.used <= IDLE_S:
+                p.pinged = now
+                actions.append(Ping(peer, p.addr, keepalive=True))
+        return actions
+
+    def _fail(self, target: bytes, now: float) -> list[Action]:
+        self._punches.pop(target, None)
+        self._failed[target] = now
+        if len(self._failed) > MAX_PATHS:
+            self._failed.pop(next(iter(self._failed)))
+        self.failures += 1
+        return [Failed(target)]
+

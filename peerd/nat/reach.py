@@ -1,0 +1,273 @@
+"""Reachability, sans I/O: what a node's NAT does to it, learned by verification only (PROTOCOL.md section 18).
+
+The node asks several peers where they see it (OBSERVE -> OBSERVED ``seen``). One seen address from every
+observer: one mapping for all destinations (no NAT, or a cone NAT). Different seen addresses: the NAT maps per
+destination (``symmetric-nat``). Then it asks a helper to have a *third* node, one it has not sent to, PROBE it
+unsolicited at the seen address (REACH_PROBE); the PROBE arriving proves that anyone can reach it (``public``);
+none arriving within ``probe_timeout`` from ``probes`` helpers: only peers it sent to first can (``cone-nat``).
+Address ranges never decide anything (a private address can be reachable in a LAN, a public one firewalled).
+
+The shell feeds in peers it has reached, answers, probes and ``now``; the core returns actions (``Observe``,
+``AskProbe``) and ``wake_at`` for its timer. Randomness (nonces, helper choice) comes from the injected rng.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+PUBLIC, CONE, SYMMETRIC, UNKNOWN = "public", "cone-nat", "symmetric-nat", "unknown"
+VERDICTS = (PUBLIC, CONE, SYMMETRIC, UNKNOWN)
+
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Observe:
+    """Send OBSERVE to ``node_id`` at ``addr``; report ``observed`` or ``failed``."""
+
+    node_id: bytes
+    addr: Address
+
+
+@dataclass(frozen=True, slots=True)
+class AskProbe:
+    """Send REACH_PROBE(``nonce``, ``avoid``) to the helper; report ``probe_asked``."""
+
+    node_id: bytes
+    addr: Address
+    nonce: bytes
+    avoid: tuple[bytes, ...]
+
+
+Action = Observe | AskProbe
+
+
+@dataclass(slots=True)
+class _Probe:
+    nonce: bytes
+    helper: bytes
+    deadline: float
+
+
+@dataclass(slots=True)
+class Reach:
+    """One node's reachability. ``observers``: distinct peers whose OBSERVED answers decide the mapping;
+    ``probes``: helpers asked before it settles on ``cone-nat``; ``recheck``: seconds between runs once
+    settled (a router reboot or a new network changes everything)."""
+
+    rng: random.Random
+    observers: int = 3
+    probes: int = 2
+    probe_timeout: float = 4.0
+    observe_timeout: float = 3.0
+    recheck: float = 300.0
+    max_avoid: int = 16
+    verdict: str = UNKNOWN
+    observed_addr: Address | None = None
+    changed_at: float = 0.0
+    _peers: dict[bytes, Address] = field(default_factory=dict)  # peers reached (node id -> address)
+    _seen: dict[bytes, Address] = field(default_factory=dict)  # observer -> where it saw this node
+    _asked: dict[bytes, float] = field(default_factory=dict)  # observer asked -> deadline
+    _failed: set[bytes] = field(default_factory=set)
+    _helpers_tried: list[bytes] = field(default_factory=list)
+    _probe: _Probe | None = None
+    _sent_to: dict[Address, float] = field(default_factory=dict)  # recent destinations (shell reports them)
+    _next_run: float = float("inf")  # not before ``start``
+    _running: bool = False
+    _probes_arranged: int = 0  # helpers that found a prober in this run
+    local: set[Address] = field(default_factory=set)  # this node's own socket addresses (the shell's view)
+    basis: str = ""  # why the verdict: "probe", "no-probe", "mappings", "no-translation"
+
+    # -- inputs -----------------------------------------------------------------------------------------
+    def add_peer(self, node_id: bytes, addr: Address) -> None:
+        """A peer this node has reached (it answered a request): a possible observer or helper."""
+        if len(self._peers) < 256 or node_id in self._peers:
+            self._peers[node_id] = addr
+
+    def remove_peer(self, node_id: bytes) -> None:
+        self._peers.pop(node_id, None)
+
+    def sent(self, addr: Address, now: float) -> None:
+        """This node sent a datagram to ``addr`` (a probe from there would not be unsolicited)."""
+        sent_to = self._sent_to
+        sent_to[addr] = now
+        if len(sent_to) > 4096:
+            for key in list(sent_to)[:1024]:  # insertion order: the oldest first
+                del sent_to[key]
+
+    def observed(self, node_id: bytes, seen: Address, now: float) -> None:
+        if self._asked.pop(node_id, None) is None:
+            return  # nobody asked it (or its time was up)
+        self._seen[node_id] = seen
+
+    def failed(self, node_id: bytes, now: float) -> None:
+        """An OBSERVE or REACH_PROBE got no answer."""
+        self._asked.pop(node_id, None)
+        self._failed.add(node_id)
+        if self._probe is not None and self._probe.helper == node_id:
+            self._probe.deadline = now  # no answer: no probe will come; try the next helper
+
+    def probe_asked(self, node_id: bytes, ok: bool, now: float) -> None:
+        """The helper's REACH_PROBED: ``ok`` false means it had no third node to ask."""
+        if self._probe is None or self._probe.helper != node_id:
+            return
+        if ok:
+            self._probes_arranged += 1
+        else:
+            self._probe.deadline = now
+
+    def probe_received(self, nonce: bytes, source: Address, now: float) -> bool:
+        """A PROBE arrived from ``source``. True when it proves this node reachable: it carries the nonce of
+        the probe under way and comes from an address this node has not sent to within ``NAT_WINDOW`` (else its
+        own NAT's mapping let it in, which proves nothing)."""
+        probe = self._probe
+        if probe is None or nonce != probe.nonce:
+            return False
+        last = self._sent_to.get(source)
+        if last is not None and now - last <= NAT_WINDOW:
+            return False
+        self._probe = None
+        self._settle(PUBLIC, now, "probe")
+        return True
+
+    # -- the machine ------------------------------------------------------------------------------------
+    def start(self, now: float) -> None:
+        """Run again now (the shell calls it at startup, when the network changed, or after peers came)."""
+        self._next_run = now
+        self._running = False
+
+    def wake_at(self) -> float:
+        """When ``poll`` has something to do next."""
+        times = [self._next_run] if not self._running else []
+        times += self._asked.values()
+        if self._probe is not None:
+            times.append(self._probe.deadline)
+        return min(times) if times else self._next_run
+
+    def poll(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        if not self._running:
+            if now < self._next_run:
+                return actions
+            self._running = True
+            self._seen.clear()
+            self._asked.clear()
+            self._failed.clear()
+            self._helpers_tried.clear()
+            self._probe = None
+            self._probes_arranged = 0
+        for node_id, deadline in list(self._asked.items()):
+            if now >= deadline:
+                self.failed(node_id, now)
+        # 1. observers, until ``observers`` answered (or nobody is left to ask)
+        if len(self._seen) + len(self._asked) < self.observers:
+            fresh = [n for n in sorted(self._peers) if n not in self._seen and n not in self._asked
+                     and n not in self._failed]
+            self.rng.shuffle(fresh)
+            for node_id in fresh[: self.observers - len(self._seen) - len(self._asked)]:
+                self._asked[node_id] = now + self.observe_timeout
+                actions.append(Observe(node_id, self._peers[node_id]))
+        if self._asked:
+            return actions  # wait for the observers
+        seen = set(self._seen.values())
+        if not seen:
+            return self._give_up(now, actions)
+        if len(seen) > 1:
+            self.observed_addr = max(seen, key=list(self._seen.values()).count)
+            self._settle(SYMMETRIC, now, "mappings")
+            return actions
+        self.observed_addr = next(iter(seen))
+        # 2. probes from a third node
+        probe = self._probe
+        if probe is not None and now < probe.deadline:
+            return actions
+        if probe is not None:
+            self._probe = None
+        helpers = [n for n in sorted(self._seen) if n not in self._helpers_tried and n not in self._failed]
+        if not helpers:
+            helpers = [n for n in sorted(self._peers) if n not in self._helpers_tried and n not in self._failed]
+        if len(self._helpers_tried) >= self.probes or not helpers:
+            return self._no_probe(now, actions)
+        helper = self.rng.choice(helpers)
+        self._helpers_tried.append(helper)
+        nonce = self.rng.getrandbits(128).to_bytes(16, "big")
+        self._probe = _Probe(nonce, helper, now + self.probe_timeout)
+        actions.append(AskProbe(helper, self._peers[helper], nonce, self._avoid(now)))
+        return actions
+
+    def _avoid(self, now: float) -> tuple[bytes, ...]:
+        """Node ids of peers this node sent to recently: a probe from them would pass its own NAT's filter."""
+        recent = {addr for addr, t in self._sent_to.items() if now - t <= NAT_WINDOW}
+        ids = [n for n, addr in self._peers.items() if addr in recent]
+        ids.sort(key=lambda n: -self._sent_to[self._peers[n]])  # the most recent first
+        return tuple(ids[: self.max_avoid])
+
+    def _no_probe(self, now: float, actions: list[Action]) -> list[Action]:
+        """No unsolicited PROBE came. Probes were sent and lost in its NAT's filter: ``cone-nat`` (one mapping,
+        seen by at least 2 observers). None could be arranged (every candidate prober is a peer this node
+        sent to) and no observer saw a translated address: ``public`` on that evidence. Else undecided."""
+        if self._probes_arranged and len(self._seen) >= 2:
+            self._settle(CONE, now, "no-probe")
+            return actions
+        if not self._probes_arranged and self.observed_addr in self.local:
+            self._settle(PUBLIC, now, "no-translation")
+            return actions
+        if len(self._seen) >= 2 and self._helpers_tried:
+            self._settle(CONE, now, "no-probe")
+            return actions
+        return self._give_up(now, actions)
+
+    def _give_up(self, now: float, actions: list[Action]) -> list[Action]:
+        """Not enough peers to decide: stay as it is and try again soon."""
+        self._running = False
+        self._next_run = now + min(self.recheck, 30.0)
+        return actions
+
+    def _settle(self, verdict: str, now: float, basis: str) -> None:
+        if verdict != self.verdict:
+            self.changed_at = now
+        self.verdict = verdict
+        self.basis = basis
+        self._running = False
+        self._asked.clear()
+        self._next_run = now + self.recheck
+
+
+NAT_WINDOW = 180.0  # seconds a NAT may keep a filter open after this node sent (Linux: 30 s unreplied, 120 s replied)
+
+
+def choose_prober(requester: bytes, avoid: tuple[bytes, ...] | list[bytes], reached: dict[bytes, Address],
+                  rng: random.Random) -> tuple[bytes, Address] | None:
+    """The helper's side of REACH_PROBE: a third node it has reached itself, neither the requester nor one the
+    requester asked it to avoid (peers the requester sent to: their probe would pass its NAT's filter)."""
+    skip = set(avoid)
+    skip.add(requester)
+    candidates = sorted(n for n in reached if n not in skip)
+    if not candidates:
+        return None
+    node_id = rng.choice(candidates)
+    return node_id, reached[node_id]
+
+
+@dataclass(slots=True)
+class ProbeLimiter:
+    """The prober's side of PROBE_ASK: a member can make this node send unsolicited PROBEs to an address of its
+    choosing, so it sends at most ``per_target`` per ``window`` seconds to one IP and ``total`` per window in
+    all (one PROBE per PROBE_ASK, of about its size: no amplification)."""
+
+    per_target: int = 2
+    total: int = 20
+    window: float = 10.0
+    _sent: dict[str, list[float]] = field(default_factory=dict)
+    refused: int = 0
+
+    def allow(self, host: str, now: float) -> bool:
+        cut = now - self.window
+        self._sent = {h: kept for h, ts in self._sent.items() if (kept := [t for t in ts if t > cut])}
+        mine = self._sent.get(host, [])
+        if len(mine) >= self.per_target or sum(map(len, self._sent.values())) >= self.total:
+            self.refused += 1
+            return False
+        self._sent.setdefault(host, []).append(now)
+        return True

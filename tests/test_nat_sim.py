@@ -1,0 +1,179 @@
+"""NAT traversal cores over the in-memory network's NAT model: reachability verdicts, punching, relaying."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+
+from peerd.nat.reach import CONE, PUBLIC, SYMMETRIC, UNKNOWN
+from peerd.nat.simnode import DIRECT, PUNCHED, RELAYED, SimNatNode
+from peerd.sim.net import NAT_UNREPLIED_S, Network
+
+KINDS = {"p1": None, "p2": None, "c1": "cone", "c2": "cone", "s1": "symmetric", "s2": "symmetric"}
+EXPECT = {"p1": PUBLIC, "p2": PUBLIC, "c1": CONE, "c2": CONE, "s1": SYMMETRIC, "s2": SYMMETRIC}
+
+
+def nid(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest()
+
+
+def lab(seed: int) -> tuple[Network, dict[str, SimNatNode], dict[str, tuple[str, int]]]:
+    """2 public nodes, 2 behind their own port-restricted cone NAT, 2 behind their own symmetric NAT; each node
+    PINGs both public ones, and they PING back (as the DHT does before admitting a sender)."""
+    net = Network(random.Random(seed))
+    nodes: dict[str, SimNatNode] = {}
+    public: dict[str, tuple[str, int]] = {}
+    for i, (name, kind) in enumerate(KINDS.items()):
+        if kind is None:
+            addr = (f"203.0.113.{i + 1}", 7000)
+            public[name] = addr
+        else:
+            addr = (f"10.0.{i}.2", 7000)
+            net.add_nat(f"203.0.113.{100 + i}", kind, [addr])
+        nodes[name] = SimNatNode(net, addr, nid(name), random.Random(seed * 100 + i))
+    for name, node in nodes.items():
+        for p, paddr in public.items():
+            if p != name:
+                node.ping(paddr, lambda msg, src, p=p: None)
+    net.run(until=1.0)
+    for p, paddr in public.items():  # the public nodes ping back whoever pinged them, at its mapped address
+        pub = nodes[p]
+        for name, node in nodes.items():
+            if name != p:
+                seen = [a for n, a in nodes[p].reached.items() if n == node.node_id] or [_mapped(net, node, paddr)]
+                pub.ping(seen[0])
+    net.run(until=2.0)
+    return net, nodes, public
+
+
+def _mapped(net: Network, node: SimNatNode, toward: tuple[str, int]) -> tuple[str, int]:
+    box = net.nat_of(node.addr)
+    if box is None:
+        return node.addr
+    return box.outbound(node.addr, toward, net.now)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reachability_verdicts_by_verification(seed: int) -> None:
+    net, nodes, public = lab(seed)
+    for node in nodes.values():
+        assert node.reach.verdict == UNKNOWN
+        node.start()
+    net.run(until=30.0)
+    got = {name: node.reach.verdict for name, node in nodes.items()}
+    assert got == EXPECT
+    # the observed address is the mapped one: the box's public IP for NATed nodes, its own for public ones
+    for name, node in nodes.items():
+        host = node.reach.observed_addr[0]
+        assert host.startswith("203.0.113.") and (host == node.addr[0]) == (KINDS[name] is None)
+    assert nodes["c1"].reach.basis == "no-probe" and nodes["s1"].reach.basis == "mappings"
+    assert nodes["p2"].reach.basis in ("probe", "no-translation")
+
+
+def test_a_probe_from_a_peer_this_node_sent_to_proves_nothing() -> None:
+    net, nodes, _ = lab(3)
+    c1 = nodes["c1"]
+    c1.start()
+    net.run(until=0.01 + net.now)
+    probe = c1.reach._probe
+    # whatever happens, a PROBE with the right nonce from a public node c1 pinged is not accepted
+    if probe is not None:
+        assert not c1.reach.probe_received(probe.nonce, ("203.0.113.1", 7000), net.now)
+        assert not c1.reach.probe_received(b"x" * 16, ("198.51.100.9", 7000), net.now)
+
+
+def test_symmetric_nat_maps_per_destination_and_mappings_expire() -> None:
+    net = Network(random.Random(0))
+    box = net.add_nat("203.0.113.50", "symmetric", [("10.0.0.2", 7000)])
+    a = box.outbound(("10.0.0.2", 7000), ("203.0.113.1", 7000), 0.0)
+    b = box.outbound(("10.0.0.2", 7000), ("203.0.113.2", 7000), 0.0)
+    assert a != b and a[0] == b[0] == "203.0.113.50"
+    cone = net.add_nat("203.0.113.51", "cone", [("10.0.1.2", 7000)])
+    c = cone.outbound(("10.0.1.2", 7000), ("203.0.113.1", 7000), 0.0)
+    assert c == cone.outbound(("10.0.1.2", 7000), ("203.0.113.2", 7000), 0.0) == ("203.0.113.51", 7000)
+    # filtered by remote address and port; open to the remote it sent to, until 30 s unreplied
+    assert cone.inbound(7000, ("203.0.113.1", 7001), 1.0) is None
+    assert cone.inbound(7000, ("203.0.113.1", 7000), 1.0) == ("10.0.1.2", 7000)
+    d = cone.outbound(("10.0.1.2", 7000), ("203.0.113.3", 7000), 1.0)
+    assert cone.inbound(d[1], ("203.0.113.3", 7000), 1.0 + NAT_UNREPLIED_S + 0.1) is None
+
+
+def test_punch_cone_to_cone_and_relay_for_symmetric() -> None:
+    net, nodes, public = lab(4)
+    for node in nodes.values():
+        node.start()
+    net.run(until=30.0)
+    p1 = nodes["p1"]
+    relays = [(p1.node_id, public["p1"])]
+    introducer = (p1.node_id, public["p1"])
+    names = list(nodes)
+    pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
+    for a, b in pairs:
+        addr_b = nodes[b].reach.observed_addr if KINDS[b] else nodes[b].addr
+        nodes[a].connect(nodes[b].node_id, addr_b, introducer, relays)
+        net.run(until=net.now + 10.0)
+    kinds = {(a, b): nodes[a].kind.get(nodes[b].node_id) for a, b in pairs}
+    for (a, b), kind in kinds.items():
+        ka, kb = KINDS[a], KINDS[b]
+        # public with anyone, cone with cone: direct, or punched where the NATed side had to open its mapping
+        # first (direct where a reachability PROBE between them opened the way already)
+        if ka is None or kb is None or ka == kb == "cone":
+            assert kind in (DIRECT, PUNCHED), (a, b, kind)
+        else:
+            assert kind == RELAYED, (a, b, kind)
+    assert sum(k == RELAYED for k in kinds.values()) == 5
+    # application data flows both ways on every path; the relay counted what it carried
+    for a, b in pairs:
+        addr_b = nodes[b].reach.observed_addr if KINDS[b] else nodes[b].addr
+        nodes[a].send_app(nodes[b].node_id, addr_b, (a, b))
+    net.run(until=net.now + 2.0)
+    for a, b in pairs:
+        assert (nodes[a].node_id, (a, b)) in nodes[b].app, (a, b, kinds[(a, b)])
+    assert p1.relay.relayed > 0 and not p1.relay.refused.get("relay_budget")
+
+
+def test_punched_path_stays_open_with_keepalives() -> None:
+    net, nodes, public = lab(5)
+    for node in nodes.values():
+        node.start()
+    net.run(until=30.0)
+    c1, c2 = nodes["c1"], nodes["c2"]
+    intro = (nodes["p1"].node_id, public["p1"])
+    c1.connect(c2.node_id, c2.reach.observed_addr, intro, [])
+    net.run(until=net.now + 10.0)
+    assert c1.kind[c2.node_id] == PUNCHED
+    for _ in range(6):  # 90 s of use, in bursts 15 s apart: well past the 30 s an idle mapping lives
+        c1.send_app(c2.node_id, c2.reach.observed_addr, "x")
+        net.run(until=net.now + 15.0)
+    before = len(c2.app)
+    c1.send_app(c2.node_id, c2.reach.observed_addr, "late")
+    net.run(until=net.now + 1.0)
+    assert len(c2.app) == before + 1
+
+
+def test_relay_refuses_unreached_destinations_and_over_budget() -> None:
+    from peerd.nat.relay import RelayServer
+
+    r = RelayServer(rate=1000.0, burst=2000.0)
+    a, t = nid("a"), nid("t")
+    assert r.forward(a, t, 100, 0.0) == "relay_unreached"
+    r.reached(t, ("203.0.113.9", 1), 0.0)
+    assert r.forward(a, t, 100, 0.0) == "relay_unreached"  # the sender must be reached too
+    r.reached(a, ("203.0.113.8", 1), 0.0)
+    assert r.forward(a, t, 1500, 0.0) == ("203.0.113.9", 1)
+    assert r.forward(a, t, 1500, 0.0) == "relay_budget"
+    assert r.forward(a, t, 1000, 1.0) == ("203.0.113.9", 1)  # refilled at 1000 B/s
+    assert r.forward(a, a, 10, 1.0) == "relay_loop"
+    assert r.forward(a, t, 10, 1000.0) == "relay_unreached"  # routes expire
+    assert RelayServer(enabled=False).forward(a, t, 1, 0.0) == "relay_off"
+
+
+def test_probe_limiter_bounds_unsolicited_probes() -> None:
+    from peerd.nat.reach import ProbeLimiter
+
+    lim = ProbeLimiter(per_target=2, total=3, window=10.0)
+    assert [lim.allow("h", 0.0) for _ in range(3)] == [True, True, False]
+    assert lim.allow("g", 0.0) and not lim.allow("f", 0.0)
+    assert lim.allow("h", 10.5)
