@@ -1,9 +1,11 @@
-"""Test labs that put peers on real (shaped, lossy) links in network namespaces: see links.py (root only)."""
+"""Test labs that put peers on real (shaped, lossy) links in network namespaces (links.py) and behind the kernel's
+NAT (nat.py): root only."""
 
 from .links import (
     LabError,
     LinkCounters,
     LinkLab,
+    NetnsLab,
     QdiscStats,
     TbfParams,
     check_environment,
@@ -13,11 +15,14 @@ from .links import (
     sweep_stale,
     tbf_params,
 )
+from .nat import NatLab
 
 __all__ = [
     "LabError",
     "LinkCounters",
     "LinkLab",
+    "NatLab",
+    "NetnsLab",
     "QdiscStats",
     "TbfParams",
     "check_environment",

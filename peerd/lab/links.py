@@ -161,18 +161,19 @@ class QdiscStats:
     backlog_bytes: int
 
 
-def _missing_tools() -> list[str]:
-    return [tool for tool in TOOLS if shutil.which(tool) is None]
+def _missing_tools(tools: Sequence[str] = tuple(TOOLS)) -> list[str]:
+    return [tool for tool in tools if shutil.which(tool) is None]
 
 
-def check_environment() -> None:
+def check_environment(what: str = "link lab", root_error: str = ROOT_ERROR,
+                      tools: Sequence[str] = tuple(TOOLS)) -> None:
     """Raise LabError unless this process can build a lab: root and every tool (with how to install it)."""
     if os.geteuid() != 0:
-        raise LabError(ROOT_ERROR)
-    missing = _missing_tools()
+        raise LabError(root_error)
+    missing = _missing_tools(tools)
     if missing:
         hints = "; ".join(f"{tool}: {TOOLS[tool]}" for tool in missing)
-        raise LabError(f"the link lab needs {', '.join(missing)} (install with {hints})")
+        raise LabError(f"the {what} needs {', '.join(missing)} (install with {hints})")
 
 
 def lab_unavailable() -> str | None:
@@ -271,34 +272,29 @@ def _setns(fd: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
-class LinkLab:
-    """``peers`` namespaces on one bridge, each link shaped at ``rate`` both ways and losing ``loss`` on arrival.
+class NetnsLab:
+    """What every lab shares: named namespaces, one veth ``lab0`` per peer (optionally shaped and lossy), processes
+    inside a peer's namespace, and teardown on exit, failure, SIGINT and SIGTERM.
 
-    Use as a context manager; ``addr(i)`` is peer i's address, ``popen(i, argv)`` / ``run(i, argv)`` start a
-    process inside peer i's namespace, ``counters(i)`` reads its nftables counters. ``loss`` is one fraction for
-    every peer or one per peer (what peer i loses of what arrives at it)."""
+    A subclass builds its topology in ``_build`` (with ``_add_netns`` and ``_peer_link``) and says where the far
+    end of each peer's veth is (``_far_end``). ``rate`` None: no tbf (links at veth speed), offloads left on."""
 
-    def __init__(self, peers: int, rate: str | int, loss: float | Sequence[float] = 0.0, *,
-                 mtu: int = 1500, queue_ms: float = 20.0, subnet: str = "10.77.0.0/24") -> None:
+    what = "lab"  # for error messages: "link lab", "NAT lab"
+    root_error = ROOT_ERROR
+    tools: tuple[str, ...] = tuple(TOOLS)
+
+    def __init__(self, peers: int, rate: str | int | None, loss: float | Sequence[float] = 0.0, *,
+                 mtu: int = 1500, queue_ms: float = 20.0) -> None:
         if peers < 1:
-            raise ValueError("a link lab needs at least one peer")
-        self.rate_bps = parse_rate(rate)
+            raise ValueError(f"a {self.what} needs at least one peer")
+        self.rate_bps = parse_rate(rate) if rate is not None else None
         if not 576 <= mtu <= 9000:
             raise ValueError(f"mtu {mtu}: expected 576-9000")
         self.mtu = mtu
-        self.tbf = tbf_params(self.rate_bps, mtu, queue_ms)
-        net = ipaddress.ip_network(subnet)
-        if net.version != 4 or not net.is_private:
-            raise ValueError(f"{subnet}: the lab needs a private IPv4 subnet")
-        room = max(0, net.num_addresses - 2)  # no network or broadcast address
-        if peers > room:
-            raise ValueError(f"{subnet} has room for {room} peers, not {peers}")
+        self.tbf = tbf_params(self.rate_bps, mtu, queue_ms) if self.rate_bps is not None else None
         self.peers = peers
-        self.prefixlen = net.prefixlen
-        self._addrs = [str(h) for h in itertools.islice(net.hosts(), peers)]
         self.loss = self._check_loss(loss)
         self.prefix = f"{NAME_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.bridge_ns = f"{self.prefix}-br"
         self._peer_ns = [f"{self.prefix}-p{i}" for i in range(peers)]
         self._created: list[str] = []  # namespaces that exist, in creation order
         self._procs: list[subprocess.Popen] = []
@@ -326,39 +322,36 @@ class LinkLab:
         return self._peer_ns[self._peer(peer)]
 
     def addr(self, peer: int) -> str:
-        """Peer ``peer``'s IPv4 address on the lab's bridge."""
-        return self._addrs[self._peer(peer)]
-
-    def bridge_port(self, peer: int) -> str:
-        """The bridge-side end of peer ``peer``'s veth (inside the bridge namespace)."""
-        return f"v{self._peer(peer)}"
+        """The address peer ``peer`` binds (its ``lab0``'s)."""
+        raise NotImplementedError
 
     def exec_prefix(self, peer: int) -> list[str]:
         """argv prefix that runs a command inside peer ``peer``'s namespace."""
         return ["ip", "netns", "exec", self.netns(peer)]
 
-    def describe(self) -> dict[str, Any]:
-        """The lab's parameters, for a benchmark's JSON."""
-        return {"link_rate": format_rate(self.rate_bps), "link_rate_bps": self.rate_bps,
-                "link_loss": self.loss[0] if len(set(self.loss)) == 1 else self.loss,
-                "tbf_burst_bytes": self.tbf.burst_bytes, "tbf_limit_bytes": self.tbf.limit_bytes,
-                "tbf_queue_ms": self.tbf.queue_ms, "mtu": self.mtu, "peers": self.peers,
-                "addresses": list(self._addrs), "delay": "none (no netem)"}
+    def _far_end(self, peer: int) -> tuple[str, str]:
+        """(namespace, interface) of the other end of peer ``peer``'s veth."""
+        raise NotImplementedError
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 
-    def __enter__(self) -> LinkLab:
+    def __enter__(self) -> NetnsLab:
         self.start()
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.close(raise_errors=exc_type is None)
 
+    def check_environment(self) -> None:
+        """Raise LabError unless this process can build this lab (root, its tools)."""
+        tools = self.tools if self.rate_bps is not None else tuple(t for t in self.tools if t != "ethtool")
+        check_environment(self.what, self.root_error, tools)
+
     def start(self) -> None:
         """Build the lab; on any failure (or a signal) tear down what was built and raise."""
         if self._open:
             raise LabError("this lab is already up")
-        check_environment()
+        self.check_environment()
         self._install_signal_handlers()
         self._open = True
         try:
@@ -366,6 +359,9 @@ class LinkLab:
         except BaseException:
             self.close(raise_errors=False)
             raise
+
+    def _build(self) -> None:
+        raise NotImplementedError
 
     def _add_netns(self, ns: str) -> None:
         _run(["ip", "netns", "add", ns])
@@ -379,6 +375,7 @@ class LinkLab:
 
     def _tbf(self, ns: str, dev: str) -> None:
         t = self.tbf
+        assert t is not None
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{t.rate_bps}bit",
               "burst", str(t.burst_bytes), "limit", str(t.limit_bytes)])
 
@@ -386,27 +383,29 @@ class LinkLab:
         _run(["ip", "netns", "exec", ns, "ethtool", "-K", dev, "gso", "off", "tso", "off",
               "tx-udp-segmentation", "off", "gro", "off"])
 
-    def _build(self) -> None:
-        br = self.bridge_ns
-        self._add_netns(br)
-        _run(["ip", "-n", br, "link", "add", BRIDGE_IF, "type", "bridge"])
-        _run(["ip", "-n", br, "link", "set", BRIDGE_IF, "up"])
-        for i, ns in enumerate(self._peer_ns):
-            port = self.bridge_port(i)
-            self._add_netns(ns)
-            # Created inside the peer's namespace with its other end placed straight into the bridge's:
-            # neither end ever exists in the host's namespace.
-            _run(["ip", "-n", ns, "link", "add", PEER_IF, "mtu", str(self.mtu), "type", "veth",
-                  "peer", "name", port, "mtu", str(self.mtu), "netns", br])
-            _run(["ip", "-n", ns, "addr", "add", f"{self._addrs[i]}/{self.prefixlen}", "dev", PEER_IF])
-            _run(["ip", "-n", br, "link", "set", port, "master", BRIDGE_IF])
+    def _peer_link(self, peer: int, cidr: str, *, master: str | None = None, far_cidr: str | None = None) -> None:
+        """Peer ``peer``'s veth: ``lab0`` at ``cidr`` in its namespace (created with ``_add_netns`` first), the far
+        end (``_far_end``) in a namespace that exists, enslaved to ``master`` or addressed ``far_cidr``; shaped
+        both ways when the lab has a rate; the peer's loss table; both ends up."""
+        ns = self.netns(peer)
+        far_ns, far_if = self._far_end(peer)
+        # Created inside the peer's namespace with its other end placed straight into the far namespace:
+        # neither end ever exists in the host's namespace.
+        _run(["ip", "-n", ns, "link", "add", PEER_IF, "mtu", str(self.mtu), "type", "veth",
+              "peer", "name", far_if, "mtu", str(self.mtu), "netns", far_ns])
+        _run(["ip", "-n", ns, "addr", "add", cidr, "dev", PEER_IF])
+        if master is not None:
+            _run(["ip", "-n", far_ns, "link", "set", far_if, "master", master])
+        if far_cidr is not None:
+            _run(["ip", "-n", far_ns, "addr", "add", far_cidr, "dev", far_if])
+        if self.tbf is not None:
             self._offloads_off(ns, PEER_IF)
-            self._offloads_off(br, port)
+            self._offloads_off(far_ns, far_if)
             self._tbf(ns, PEER_IF)  # upload
-            self._tbf(br, port)  # download
-            self._write_nft(i)
-            _run(["ip", "-n", br, "link", "set", port, "up"])
-            _run(["ip", "-n", ns, "link", "set", PEER_IF, "up"])
+            self._tbf(far_ns, far_if)  # download
+        self._write_nft(peer)
+        _run(["ip", "-n", far_ns, "link", "set", far_if, "up"])
+        _run(["ip", "-n", ns, "link", "set", PEER_IF, "up"])
 
     def _nft_script(self, peer: int, *, replace: bool) -> str:
         threshold = round(self.loss[peer] * 1_000_000)
@@ -433,6 +432,11 @@ class LinkLab:
         for i in range(self.peers):
             self._write_nft(i, replace=True)
 
+    def _teardown_order(self) -> list[str]:
+        """Leaves first: deleting a hub first would also work, but this order never leaves a namespace holding a
+        veth whose other end is already gone."""
+        return list(reversed(self._created))
+
     def close(self, raise_errors: bool = True) -> None:
         """End the lab's processes and delete its namespaces (and with them every veth, qdisc, bridge, table).
 
@@ -451,10 +455,7 @@ class LinkLab:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            # Peers first: deleting the bridge namespace first would also work, but this order never leaves a
-            # peer holding a veth whose other end is already gone.
-            errors = _delete_netns([ns for ns in reversed(self._created) if ns != self.bridge_ns]
-                                   + [ns for ns in self._created if ns == self.bridge_ns])
+            errors = _delete_netns(self._teardown_order())
             left = set(self._created) & set(_list_netns())
             if left:
                 errors.append(f"namespaces still present after teardown: {sorted(left)}")
@@ -464,7 +465,7 @@ class LinkLab:
         finally:
             self._restore_signals(held)
         if errors:
-            msg = "link lab teardown: " + "; ".join(errors)
+            msg = f"{self.what} teardown: " + "; ".join(errors)
             if raise_errors:
                 raise LabError(msg)
             log.error("%s", msg)
@@ -497,7 +498,7 @@ class LinkLab:
 
     def _require_open(self) -> None:
         if not self._open:
-            raise LabError("the link lab is not up (use it inside `with LinkLab(...)`)")
+            raise LabError(f"the {self.what} is not up (use it inside `with {type(self).__name__}(...)`)")
 
     # ---- processes in a peer's namespace --------------------------------------------------------------------
 
@@ -555,10 +556,70 @@ class LinkLab:
             _run([*self.exec_prefix(i), "nft", "reset", "counters", "table", "inet", NFT_TABLE])
 
     def qdisc_stats(self, peer: int) -> dict[str, QdiscStats]:
-        """Peer ``peer``'s two token buckets: ``up`` (its lab0) and ``down`` (the bridge's port toward it)."""
+        """Peer ``peer``'s two token buckets: ``up`` (its lab0) and ``down`` (the far end's, toward it)."""
         self._require_open()
-        return {"up": _tbf_stats(self.netns(peer), PEER_IF), "down": _tbf_stats(self.bridge_ns,
-                                                                                 self.bridge_port(peer))}
+        if self.tbf is None:
+            raise LabError(f"this {self.what} has no shaped links (no rate): no token buckets to read")
+        far_ns, far_if = self._far_end(peer)
+        return {"up": _tbf_stats(self.netns(peer), PEER_IF), "down": _tbf_stats(far_ns, far_if)}
+
+
+class LinkLab(NetnsLab):
+    """``peers`` namespaces on one bridge, each link shaped at ``rate`` both ways and losing ``loss`` on arrival.
+
+    Use as a context manager; ``addr(i)`` is peer i's address, ``popen(i, argv)`` / ``run(i, argv)`` start a
+    process inside peer i's namespace, ``counters(i)`` reads its nftables counters. ``loss`` is one fraction for
+    every peer or one per peer (what peer i loses of what arrives at it)."""
+
+    what = "link lab"
+
+    def __init__(self, peers: int, rate: str | int, loss: float | Sequence[float] = 0.0, *,
+                 mtu: int = 1500, queue_ms: float = 20.0, subnet: str = "10.77.0.0/24") -> None:
+        if peers < 1:
+            raise ValueError("a link lab needs at least one peer")
+        super().__init__(peers, rate, loss, mtu=mtu, queue_ms=queue_ms)
+        net = ipaddress.ip_network(subnet)
+        if net.version != 4 or not net.is_private:
+            raise ValueError(f"{subnet}: the lab needs a private IPv4 subnet")
+        room = max(0, net.num_addresses - 2)  # no network or broadcast address
+        if peers > room:
+            raise ValueError(f"{subnet} has room for {room} peers, not {peers}")
+        self.prefixlen = net.prefixlen
+        self._addrs = [str(h) for h in itertools.islice(net.hosts(), peers)]
+        self.bridge_ns = f"{self.prefix}-br"
+
+    def addr(self, peer: int) -> str:
+        """Peer ``peer``'s IPv4 address on the lab's bridge."""
+        return self._addrs[self._peer(peer)]
+
+    def bridge_port(self, peer: int) -> str:
+        """The bridge-side end of peer ``peer``'s veth (inside the bridge namespace)."""
+        return f"v{self._peer(peer)}"
+
+    def _far_end(self, peer: int) -> tuple[str, str]:
+        return self.bridge_ns, self.bridge_port(peer)
+
+    def describe(self) -> dict[str, Any]:
+        """The lab's parameters, for a benchmark's JSON."""
+        assert self.rate_bps is not None and self.tbf is not None
+        return {"link_rate": format_rate(self.rate_bps), "link_rate_bps": self.rate_bps,
+                "link_loss": self.loss[0] if len(set(self.loss)) == 1 else self.loss,
+                "tbf_burst_bytes": self.tbf.burst_bytes, "tbf_limit_bytes": self.tbf.limit_bytes,
+                "tbf_queue_ms": self.tbf.queue_ms, "mtu": self.mtu, "peers": self.peers,
+                "addresses": list(self._addrs), "delay": "none (no netem)"}
+
+    def __enter__(self) -> LinkLab:
+        self.start()
+        return self
+
+    def _build(self) -> None:
+        br = self.bridge_ns
+        self._add_netns(br)
+        _run(["ip", "-n", br, "link", "add", BRIDGE_IF, "type", "bridge"])
+        _run(["ip", "-n", br, "link", "set", BRIDGE_IF, "up"])
+        for i in range(self.peers):
+            self._add_netns(self.netns(i))
+            self._peer_link(i, f"{self._addrs[i]}/{self.prefixlen}", master=BRIDGE_IF)
 
 
 def _tbf_stats(ns: str, dev: str) -> QdiscStats:
