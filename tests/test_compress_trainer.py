@@ -1,0 +1,175 @@
+"""Compression in the trainer path: trainers declare the codec in trainer_open, and every average of their run
+goes through Moshpit and the averaging core in it. Real daemon pieces (TrainerService with a real arena and
+connection, MoshpitService, AllreduceService, endpoints, DHT) over tests/memnet.py in virtual time."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import trio
+
+import peerd.trainer.service as trainer_service
+from peerd.localsock.arena import Arena
+from peerd.localsock.server import Connection, OpError
+from peerd.moshpit.service import MoshpitError, check_compression, codec_run_key
+from peerd.trainer import TrainerService
+
+from .memnet import MemNet
+from .test_dht_network import counter_value
+from .test_moshpit_service import run_virtual, swarm
+
+needs_patch = pytest.mark.skipif(not hasattr(trainer_service, "parse_compression"),
+                                reason="trainer_open has no compression yet (/work/patches/compress17-*.diff)")
+
+LAYOUT = [["w", [40, 50], "float32"], ["b", [50], "float32"]]  # 2,050 elements
+ELEMS = 40 * 50 + 50
+WEIGHTS = [1.0, 2.0, 3.0]
+
+
+class Trainer:
+    """One trainer's session on one daemon: its arena and connection, as the local socket server hands them over."""
+
+    def __init__(self, service: TrainerService) -> None:
+        self.service = service
+        self.arena = Arena.create(4, ELEMS)
+        self.conn = Connection()
+        self.session = 0
+        self.step_no = 0
+
+    async def open(self, **options: object) -> dict:
+        self.conn.fds = [os.dup(self.arena.fd)]
+        reply = await self.service._op_open({"run": "c", "layout": LAYOUT, "nslots": 4, **options}, self.conn)
+        self.session = reply["session"]
+        return reply
+
+    async def step(self, vector: np.ndarray, samples: float) -> tuple[dict, np.ndarray]:
+        self.step_no += 1
+        self.arena.vector(self.step_no)[:] = vector
+        self.arena.write_request(self.step_no, samples)
+        reply = await self.service._op_step({"session": self.session, "step": self.step_no, "timeout_s": 30.0},
+                                            self.conn)
+        return reply, self.arena.result(self.step_no).copy()
+
+    def close(self) -> None:
+        self.conn._close()
+        self.arena.close()
+
+
+async def _steps(trainers: list[Trainer], vectors: list[np.ndarray], weights: list[float]) -> list[tuple]:
+    out: list = [None] * len(trainers)
+
+    async def one(i: int) -> None:
+        out[i] = await trainers[i].step(vectors[i], weights[i])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(trainers)):
+            nursery.start_soon(one, i)
+    return out
+
+
+def _three_trainers(options: dict, rounds: int = 2) -> tuple[list, list]:
+    """Three daemons, one trainer each, ``rounds`` gradient steps of seeded vectors; the trainers' results."""
+    results: list = []
+    metrics: list = []
+
+    async def main() -> None:
+        net = MemNet(seed=17)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm(nursery, net, 3)
+            trainers = [Trainer(TrainerService(n.metrics, n.moshpit.average, peer_id=n.identity.node_id.hex()))
+                        for n in nodes]
+            for t in trainers:
+                reply = await t.open(**options)
+                assert reply.get("compression") == options.get("compression")
+            rng = np.random.default_rng(5)
+            for _ in range(rounds):
+                vectors = [rng.standard_normal(ELEMS).astype(np.float32) * (i + 1) for i in range(3)]
+                results.append((vectors, await _steps(trainers, vectors, WEIGHTS)))
+            metrics.extend(n.metrics for n in nodes)
+            for t in trainers:
+                t.close()
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+    return results, metrics
+
+
+@needs_patch
+def test_int8_trainers_average_through_the_daemons_and_every_member_holds_the_same_bytes() -> None:
+    results, metrics = _three_trainers({"compression": "int8", "quant_group": 64})
+    weights = WEIGHTS
+    for vectors, steps in results:
+        exact = sum(w * v.astype(np.float64) for w, v in zip(weights, vectors, strict=True)) / sum(weights)
+        replies = [r for r, _ in steps]
+        outs = [o for _, o in steps]
+        assert all(r["outcome"] == "averaged" and r["group_size"] == 3 for r in replies), replies
+        assert all(np.array_equal(outs[0], o) for o in outs[1:])  # replicas agree bit for bit
+        err = np.abs(outs[0] - exact)
+        # two int8 steps (reduce-scatter, all-gather) of groups of 64: each within a step of the group's range
+        step = (np.abs(np.stack(vectors)).max() * 2) / 255
+        assert err.max() < 2 * step * sum(weights)
+        assert err.max() > 1e-6  # it was quantized: an fp32 average is exact to ~1e-7 here
+        assert abs(float(np.mean(outs[0] - exact))) < 0.01 * step  # no systematic shift
+    for m in metrics:
+        assert counter_value(m.moshpit_rounds, outcome="averaged", codec="int8") == 2
+        assert counter_value(m.moshpit_bytes_sent, codec="int8") > 0
+        assert counter_value(m.moshpit_bytes_sent, codec="fp32") == 0
+
+
+@needs_patch
+def test_the_codec_cuts_the_bytes_each_member_sends() -> None:
+    sent = {}
+    for name in ("fp32", "int8", "int4"):
+        _, metrics = _three_trainers({"compression": name}, rounds=1)
+        sent[name] = sum(counter_value(m.moshpit_bytes_sent, codec=name) for m in metrics)
+    # 2,050 elements: datagram and tensor headers weigh more than at 25M (int8 0.258, int4 0.133 there)
+    assert sent["int8"] < 0.35 * sent["fp32"] and sent["int4"] < 0.7 * sent["int8"], sent
+
+
+@needs_patch
+def test_trainer_open_refuses_unknown_codecs_and_a_second_codec_in_one_run() -> None:
+    async def main() -> None:
+        calls: list[dict] = []
+
+        async def average(run_id, vector, weight, **kw):  # noqa: ANN001, ANN202 - a recorder
+            calls.append(kw)
+            raise RuntimeError("no swarm")
+
+        from peerd.metrics import Metrics
+
+        service = TrainerService(Metrics(), average)
+        bad = [({"compression": "int9"}, "compression must be one of"),
+               ({"compression": "arc-topk"}, "arc-topk is not available"),
+               ({"compression": "fp16", "quant_group": 64}, "int8 and int4"),
+               ({"compression": "int4", "rounding": "up"}, "rounding must be"),
+               ({"compression": "int8", "quant_group": 0}, "quant_group")]
+        for options, message in bad:
+            t = Trainer(service)
+            with pytest.raises(OpError, match=message):
+                await t.open(**options)
+            t.close()
+        first, second, third = Trainer(service), Trainer(service), Trainer(service)
+        assert (await first.open(compression="int4", rounding="nearest"))["quant_group"] == 128
+        with pytest.raises(OpError, match="same compression"):
+            await second.open(compression="int8")
+        with pytest.raises(OpError, match="same compression"):
+            await third.open()
+        await first.step(np.ones(ELEMS, np.float32), 1.0)  # the averager fails: the trainer keeps its vector
+        assert calls == [{"timeout_s": 30.0, "compression": "int4", "quant_group": 128, "rounding": "nearest"}]
+        for t in (first, second, third):
+            t.close()
+
+    trio.run(main)
+
+
+def test_check_compression_and_the_rounding_run_key() -> None:
+    assert check_compression("fp32") is None
+    assert check_compression("int8", 32, "nearest").group == 32  # type: ignore[union-attr]
+    with pytest.raises(MoshpitError):
+        check_compression("int8", 70000)
+    keys = {codec_run_key("r", n) for n in range(100)} | {codec_run_key("s", 0)}
+    assert len(keys) == 101 and all(0 <= k < 2**64 for k in keys)
+    assert codec_run_key("r", 3) == codec_run_key("r", 3)
