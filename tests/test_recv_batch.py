@@ -389,3 +389,193 @@ def test_the_screen_refuses_what_the_python_triage_refuses_and_answers_members()
 def counter_value(counter, **labels) -> float:  # type: ignore[no-untyped-def]
     return sum(s.value for mm in counter.collect() for s in mm.samples
                if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+# -- rationing in C (dataplane.c Ration, recv_batch's ``ration``) against guard.AuthLimiter and the Python loop -----
+RATION = getattr(__import__("peerd.wire.native", fromlist=["native"]).native, "Ration", None)
+needs_ration = pytest.mark.skipif(RATION is None, reason="the native extension has no Ration")
+
+
+def _state(limiter, source) -> tuple[float, float] | None:  # type: ignore[no-untyped-def]
+    """A source's bucket (tokens, at) in either limiter; None: it has none."""
+    from peerd.transport.guard import NativeAuthLimiter
+
+    if isinstance(limiter, NativeAuthLimiter):
+        found = limiter.table.bucket(source)
+        if found is None and source in limiter._other._sources:
+            b = limiter._other._sources[source]
+            return (b.tokens, b.at)
+        return found
+    b = limiter._sources.get(source)
+    return None if b is None else (b.tokens, b.at)
+
+
+def _derive_state(limiter) -> tuple[float, float] | None:  # type: ignore[no-untyped-def]
+    from peerd.transport.guard import NativeAuthLimiter
+
+    if isinstance(limiter, NativeAuthLimiter):
+        return limiter.table.bucket(None)
+    b = limiter._derive
+    return None if b is None else (b.tokens, b.at)
+
+
+@needs_ration
+@pytest.mark.parametrize("seed", range(6))
+def test_the_c_table_makes_the_decisions_of_auth_limiter(seed: int) -> None:
+    """The same random calls (IPv4, IPv6; a table small enough to evict; time that stands still and jumps) give the
+    same answers and the same buckets, down to the bit, and the same eviction order. Sources that are no IP
+    (host, port) (a test socket's name, a scoped IPv6 host, a 4-tuple) keep their buckets in Python beside the table
+    (their own bound), with the table's derivations: alone, they too are decided as the reference does."""
+    from peerd.transport.guard import NativeAuthLimiter
+
+    rng = random.Random(seed)
+    kw = {"failure_rate": rng.choice([0.5, 10.0]), "failure_burst": rng.choice([1.0, 3.0, 32.0]),
+          "derive_rate": rng.choice([2.0, 1000.0]), "derive_burst": rng.choice([1.0, 5.0, 1000.0]),
+          "max_sources": rng.choice([1, 4, 16])}
+    ref, c = AuthLimiter(**kw), NativeAuthLimiter(**kw, seed=rng.getrandbits(64))
+    ip = [("127.0.0.1", p) for p in range(1, 9)] + [("::1", 7), ("::1", 8), ("10.1.2.3", 65535)]
+    other = [("peer", 1), ("fe80::1%lo", 7), ("127.0.0.1", 99, 0, 0)]
+    sources = rng.choice([ip, other])
+    now = 100.0
+    for _ in range(3000):
+        if rng.random() < 0.05:
+            now += rng.choice([0.0, 0.01, 0.3, 5.0])
+        s = rng.choice(sources)
+        if rng.random() < 0.5:
+            assert ref.may_derive(s, now) == c.may_derive(s, now)
+        else:
+            n = rng.choice([1, 1, 2, 40])
+            ref.failed(s, now, n)
+            c.failed(s, now, n)
+        assert _state(ref, s) == _state(c, s), (s, now)
+        assert _derive_state(ref) == _derive_state(c)
+    assert list(ref._sources) == (c.table.sources() if sources is ip else list(c._other._sources))
+    assert len(c.table) <= kw["max_sources"]
+
+
+@needs_ration
+def test_the_c_table_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        RATION(max_sources=0)
+    with pytest.raises(ValueError):
+        RATION(max_sources=(1 << 20) + 1)
+    with pytest.raises(ValueError):
+        RATION(failure_rate=float("nan"))
+    with pytest.raises(TypeError):
+        RATION(10.0)  # keyword-only
+    r = RATION()
+    with pytest.raises(RuntimeError):
+        r.__init__()
+    assert r.may_derive(("not an address", 1), 0.0) is None and r.failed(("::1", 70000), 0.0) is False
+    assert r.may_derive(("x\0y", 1), 0.0) is None and r.may_derive((b"127.0.0.1", 1), 0.0) is None
+    s = _bind(socket.AF_INET)
+    try:
+        arena = memoryview(bytearray(4 * RECV_BUFFER))
+        screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {})
+        with pytest.raises(TypeError):
+            NATIVE_RECV(s.fileno(), arena, 8, RECV_BUFFER, None, r, 0.0)  # a ration needs a screen
+        with pytest.raises(TypeError):
+            NATIVE_RECV(s.fileno(), arena, 8, RECV_BUFFER, screen, object(), 0.0)
+        with pytest.raises(ValueError):
+            NATIVE_RECV(s.fileno(), arena, 8, RECV_BUFFER, screen, r, float("inf"))
+    finally:
+        s.close()
+
+
+def _pass_decisions(seed: int) -> None:
+    """One receive pass of sealed datagrams under unknown tokens from several sources (some already rationed,
+    some tokens a member's: a derivation opens them and makes them known) through the C rationing, and the same
+    datagrams through the reference (the Python loop of Endpoint._receive_screened with guard.AuthLimiter), each
+    opened by a stand-in opener: the same datagrams opened in the same order, the same refusals, the same buckets."""
+    from peerd.transport.guard import NativeAuthLimiter
+
+    rng = random.Random(seed)
+    kw = {"failure_rate": 10.0, "failure_burst": rng.choice([2.0, 4.0, 32.0]),
+          "derive_rate": 1000.0, "derive_burst": rng.choice([1.0, 3.0, 1000.0]), "max_sources": rng.choice([2, 64])}
+    ref, c = AuthLimiter(**kw), NativeAuthLimiter(**kw)
+    senders = [_bind(socket.AF_INET) for _ in range(5)]
+    rx = [_bind(socket.AF_INET) for _ in range(2)]
+    try:
+        now = 50.0
+        addrs = [s.getsockname() for s in senders]
+        for a in addrs[:2]:  # rationed before the pass: no failures left
+            ref.failed(a, now - 0.01, 100)
+            c.failed(a, now - 0.01, 100)
+        good = {rng.getrandbits(64) for _ in range(3)}  # a member's tokens: they open
+        known_token = rng.getrandbits(64)
+        plan = []
+        for _ in range(rng.randrange(20, 200)):
+            token = rng.choice([*good, *([known_token] * 2), *(rng.getrandbits(64) for _ in range(3))])
+            data = HEADER.pack(MAGIC, VERSION, rng.choice([1, 3, 0x40]), FLAG_SEALED, token,
+                               rng.getrandbits(64)) + rng.randbytes(rng.randrange(16, 300))
+            plan.append((rng.randrange(len(senders)), data))
+        for i, data in plan:
+            for r in rx:
+                senders[i].sendto(data, r.getsockname())
+        screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {known_token: None})
+        arena = memoryview(bytearray(64 * RECV_BUFFER))
+
+        def opener(limiter, known: set[int], opened: list[bytes]):  # type: ignore[no-untyped-def]
+            counts = {"auth": 0, "auth_limited": 0}
+
+            def open_(data: bytes, source) -> None:  # type: ignore[no-untyped-def]
+                token = int.from_bytes(data[5:13], "big")
+                if token in good:
+                    known.add(token)
+                    opened.append(data)
+                else:
+                    counts["auth"] += 1
+                    limiter.failed(source, now)
+
+            def datagram(data: bytes, source) -> None:  # type: ignore[no-untyped-def]
+                if int.from_bytes(data[5:13], "big") not in known and not limiter.may_derive(source, now):
+                    counts["auth_limited"] += 1
+                    return
+                open_(data, source)
+
+            return open_, datagram, counts
+
+        # the reference: every unknown datagram back from C, rationed by the Python loop
+        blocks, _, n, _, _, _, (unknown, _, _, _) = NATIVE_RECV(rx[1].fileno(), arena, 4096, RECV_BUFFER, screen)
+        assert n == len(plan) and len(unknown) == sum(1 for _, d in plan if d[5:13] != known_token.to_bytes(8, "big"))
+        ref_opened: list[bytes] = []
+        open_, datagram, ref_counts = opener(ref, {known_token}, ref_opened)
+        refusing: set = set()
+        derived = False
+        for data, source in unknown:
+            if source in refusing:
+                ref_counts["auth_limited"] += 1
+            elif derived:
+                datagram(bytes(data), source)
+            elif ref.may_derive(source, now):
+                derived = True
+                open_(bytes(data), source)
+            else:
+                refusing.add(source)
+                ref_counts["auth_limited"] += 1
+        # C: rationed in the pass; the first handed back is charged, the rest go through _datagram
+        blocks, _, n, _, _, _, screened = NATIVE_RECV(rx[0].fileno(), arena, 4096, RECV_BUFFER, screen, c.table, now)
+        unknown_c, malformed, version, nbytes, limited = screened
+        assert malformed == version == 0 and n == len(plan)
+        c_opened: list[bytes] = []
+        open_, datagram, c_counts = opener(c, {known_token}, c_opened)
+        c_counts["auth_limited"] += limited
+        for i, (data, source) in enumerate(unknown_c):
+            (datagram if i else open_)(bytes(data), source)
+        assert c_opened == ref_opened
+        assert c_counts == ref_counts
+        assert nbytes == sum(len(d) for _, d in plan if d[5:13] != known_token.to_bytes(8, "big")) - sum(
+            len(d) for d, _ in unknown_c)
+        for a in addrs:
+            assert _state(ref, a) == _state(c, a), a
+        assert _derive_state(ref) == _derive_state(c)
+        return limited
+    finally:
+        for s in senders + rx:
+            s.close()
+
+
+@needs_ration
+def test_rationing_in_the_pass_makes_the_python_loops_decisions() -> None:
+    limited = [_pass_decisions(seed) for seed in range(24)]
+    assert sum(limited) > 0 and min(limited) >= 0  # C did refuse, and only what the reference refused

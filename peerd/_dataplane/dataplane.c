@@ -515,6 +515,7 @@ done:
 #ifdef __linux__
 #include <arpa/inet.h>
 #include <errno.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 
@@ -589,8 +590,352 @@ static PyObject *source_tuple(const Source *s) {
     return Py_BuildValue("(sI)", host, (unsigned int)s->port);
 }
 
+/* ---- Ration: guard.AuthLimiter's table in C, so that recv_batch can refuse junk before Python sees it ---- */
+
+/* The same decisions as peerd.transport.guard.AuthLimiter (the reference; tests/test_recv_batch.py compares them
+ * call by call): a token bucket per source address that failed to authenticate (failure_rate a second,
+ * failure_burst at once), at most max_sources of them (least recently failed evicted first), and one bucket for
+ * the node's key derivations (derive_rate, derive_burst), made at the first may_derive. Fixed size: every entry
+ * is allocated at construction; a lookup hashes the address with a per-table random seed (a chain an attacker
+ * cannot grow on purpose). Only ever used with the GIL held. */
+typedef struct {
+    Source source;
+    double tokens, at;
+    uint64_t limited_pass; /* the recv_batch pass that refused this source a derivation (see recv_batch) */
+    int32_t prev, next;    /* least recently failed first; -1 ends */
+    int32_t chain;         /* next entry in the same hash slot, or the next free entry */
+} RationEntry;
+
+typedef struct {
+    PyObject_HEAD
+    double failure_rate, failure_burst, derive_rate, derive_burst;
+    double derive_tokens, derive_at;
+    int derive_started;
+    Py_ssize_t max_sources, count;
+    uint64_t seed, passes;
+    RationEntry *entries;
+    int32_t *slots; /* nslots heads of hash chains, -1: empty */
+    Py_ssize_t nslots;
+    int32_t oldest, newest, free;
+} RationObject;
+
+#define RATION_MAX_SOURCES (1 << 20)
+#define RATION_TOKENS 64 /* tokens of a pass's handed-back datagrams remembered (past them: Python decides) */
+
+/* TokenBucket._refill / has / take, with the same arithmetic. */
+static inline void bucket_refill(double *tokens, double *at, double rate, double burst, double now) {
+    if (now > *at) {
+        double t = *tokens + (now - *at) * rate;
+        *tokens = burst < t ? burst : t;
+        *at = now;
+    }
+}
+
+static inline int bucket_take(double *tokens, double *at, double rate, double burst, double now, double n) {
+    bucket_refill(tokens, at, rate, burst, now);
+    if (*tokens < 1) return 0;
+    *tokens -= n;
+    return 1;
+}
+
+static uint64_t mix64(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+static Py_ssize_t ration_slot(const RationObject *r, const Source *s) {
+    uint64_t a, b;
+    memcpy(&a, s->addr, 8);
+    memcpy(&b, s->addr + 8, 8);
+    uint64_t h = mix64(r->seed ^ ((uint64_t)s->family << 16 | s->port));
+    h = mix64(h ^ a);
+    h = mix64(h ^ b);
+    return (Py_ssize_t)(h & (uint64_t)(r->nslots - 1));
+}
+
+static int32_t ration_find(const RationObject *r, const Source *s) {
+    for (int32_t i = r->slots[ration_slot(r, s)]; i >= 0; i = r->entries[i].chain)
+        if (same_source(&r->entries[i].source, s)) return i;
+    return -1;
+}
+
+static void lru_unlink(RationObject *r, int32_t i) {
+    RationEntry *e = &r->entries[i];
+    if (e->prev >= 0) r->entries[e->prev].next = e->next;
+    else r->oldest = e->next;
+    if (e->next >= 0) r->entries[e->next].prev = e->prev;
+    else r->newest = e->prev;
+    e->prev = e->next = -1;
+}
+
+static void lru_append(RationObject *r, int32_t i) {
+    RationEntry *e = &r->entries[i];
+    e->prev = r->newest;
+    e->next = -1;
+    if (r->newest >= 0) r->entries[r->newest].next = i;
+    else r->oldest = i;
+    r->newest = i;
+}
+
+static void ration_remove(RationObject *r, int32_t i) {
+    int32_t *link = &r->slots[ration_slot(r, &r->entries[i].source)];
+    while (*link != i) link = &r->entries[*link].chain; /* i is in its chain */
+    *link = r->entries[i].chain;
+    lru_unlink(r, i);
+    r->entries[i].chain = r->free;
+    r->free = i;
+    r->count--;
+}
+
+/* AuthLimiter.may_derive: refills the source's bucket (when it has one) and takes from the node's. */
+static int ration_may_derive(RationObject *r, const Source *s, double now) {
+    int32_t i = ration_find(r, s);
+    if (i >= 0) {
+        RationEntry *e = &r->entries[i];
+        bucket_refill(&e->tokens, &e->at, r->failure_rate, r->failure_burst, now);
+        if (e->tokens < 1) return 0;
+    }
+    if (!r->derive_started) {
+        r->derive_tokens = r->derive_burst;
+        r->derive_at = now;
+        r->derive_started = 1;
+    }
+    return bucket_take(&r->derive_tokens, &r->derive_at, r->derive_rate, r->derive_burst, now, 1);
+}
+
+/* AuthLimiter.failed: the source's bucket (a new one full), made the most recent, then ``count`` taken. */
+static void ration_failed(RationObject *r, const Source *s, double now, double count) {
+    int32_t i = ration_find(r, s);
+    if (i >= 0) {
+        lru_unlink(r, i);
+    } else {
+        if (r->count >= r->max_sources) ration_remove(r, r->oldest);
+        i = r->free;
+        RationEntry *e = &r->entries[i];
+        r->free = e->chain;
+        e->source = *s;
+        e->tokens = r->failure_burst;
+        e->at = now;
+        e->limited_pass = 0;
+        Py_ssize_t slot = ration_slot(r, s);
+        e->chain = r->slots[slot];
+        r->slots[slot] = i;
+        r->count++;
+    }
+    lru_append(r, i);
+    RationEntry *e = &r->entries[i];
+    bucket_take(&e->tokens, &e->at, r->failure_rate, r->failure_burst, now, count);
+}
+
+/* (host, port) as recv_batch gives it (source_tuple) into a Source; 0: not such a pair (a scoped IPv6 host too:
+ * the Python loop keys it with its scope, which a Source has not; the caller decides), -1: an error set. */
+static int parse_source(PyObject *obj, Source *out) {
+    memset(out, 0, sizeof(*out));
+    if (!PyTuple_CheckExact(obj) || PyTuple_GET_SIZE(obj) != 2) return 0;
+    PyObject *host = PyTuple_GET_ITEM(obj, 0), *port = PyTuple_GET_ITEM(obj, 1);
+    if (!PyUnicode_Check(host) || !PyLong_Check(port)) return 0;
+    long p = PyLong_AsLong(port);
+    if (p == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (p < 0 || p > 65535) return 0;
+    Py_ssize_t len;
+    const char *text = PyUnicode_AsUTF8AndSize(host, &len);
+    if (text == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    char buf[INET6_ADDRSTRLEN + 1];
+    Py_ssize_t n = len;
+    if (n <= 0 || n >= (Py_ssize_t)sizeof(buf) || memchr(text, '\0', (size_t)n) || memchr(text, '%', (size_t)n))
+        return 0;
+    memcpy(buf, text, (size_t)n);
+    buf[n] = '\0';
+    if (inet_pton(AF_INET, buf, out->addr) == 1) out->family = AF_INET;
+    else if (inet_pton(AF_INET6, buf, out->addr) == 1) out->family = AF_INET6;
+    else return 0;
+    out->port = (uint16_t)p;
+    return 1;
+}
+
+static void Ration_dealloc(RationObject *self) {
+    PyMem_Free(self->entries);
+    PyMem_Free(self->slots);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Ration_init(RationObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"failure_rate", "failure_burst", "derive_rate", "derive_burst", "max_sources", "seed",
+                             NULL};
+    double fr = 10.0, fb = 32.0, dr = 1000.0, db = 1000.0;
+    Py_ssize_t max_sources = 4096;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$ddddnK", kwlist, &fr, &fb, &dr, &db, &max_sources, &seed))
+        return -1;
+    if (self->entries) {
+        PyErr_SetString(PyExc_RuntimeError, "a Ration is set up once");
+        return -1;
+    }
+    if (!(fr >= 0 && fb >= 0 && dr >= 0 && db >= 0 && fr < 1e300 && fb < 1e300 && dr < 1e300 && db < 1e300)) {
+        PyErr_SetString(PyExc_ValueError, "rates and bursts are finite and >= 0");
+        return -1;
+    }
+    if (max_sources < 1 || max_sources > RATION_MAX_SOURCES) {
+        PyErr_Format(PyExc_ValueError, "max_sources %zd out of range 1..%d", max_sources, RATION_MAX_SOURCES);
+        return -1;
+    }
+    Py_ssize_t nslots = 1;
+    while (nslots < 2 * max_sources) nslots <<= 1;
+    self->entries = PyMem_Calloc((size_t)max_sources, sizeof(RationEntry));
+    self->slots = PyMem_Malloc(sizeof(int32_t) * (size_t)nslots);
+    if (self->entries == NULL || self->slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nslots; i++) self->slots[i] = -1;
+    for (Py_ssize_t i = 0; i < max_sources; i++) {
+        self->entries[i].chain = i + 1 < max_sources ? (int32_t)(i + 1) : -1;
+        self->entries[i].prev = self->entries[i].next = -1;
+    }
+    self->failure_rate = fr;
+    self->failure_burst = fb;
+    self->derive_rate = dr;
+    self->derive_burst = db;
+    self->max_sources = max_sources;
+    self->nslots = nslots;
+    self->seed = mix64((uint64_t)seed + 0x9e3779b97f4a7c15ULL);
+    self->oldest = self->newest = -1;
+    self->free = 0;
+    return 0;
+}
+
+static int ration_ready(RationObject *self) {
+    if (self->entries == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Ration.__init__ was not called");
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(Ration_may_derive_doc,
+"may_derive(source, now) -> bool or None\n--\n\n"
+"AuthLimiter.may_derive; None (nothing changed) when ``source`` is not an IP (host, port).");
+
+static PyObject *Ration_may_derive(RationObject *self, PyObject *args) {
+    PyObject *src;
+    double now;
+    if (!PyArg_ParseTuple(args, "Od", &src, &now) || !ration_ready(self)) return NULL;
+    Source s;
+    int ok = parse_source(src, &s);
+    if (ok < 0) return NULL;
+    if (!ok) Py_RETURN_NONE;
+    return PyBool_FromLong(ration_may_derive(self, &s, now));
+}
+
+PyDoc_STRVAR(Ration_failed_doc,
+"failed(source, now, count=1) -> bool\n--\n\n"
+"AuthLimiter.failed; False (nothing recorded) when ``source`` is not an IP (host, port).");
+
+static PyObject *Ration_failed(RationObject *self, PyObject *args) {
+    PyObject *src;
+    double now, count = 1;
+    if (!PyArg_ParseTuple(args, "Od|d", &src, &now, &count) || !ration_ready(self)) return NULL;
+    Source s;
+    int ok = parse_source(src, &s);
+    if (ok < 0) return NULL;
+    if (!ok) Py_RETURN_FALSE;
+    ration_failed(self, &s, now, count);
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(Ration_derive_doc,
+"derive(now) -> bool\n--\n\nTake one key derivation from the node's bucket (a source that is no IP address).");
+
+static PyObject *Ration_derive(RationObject *self, PyObject *args) {
+    double now;
+    if (!PyArg_ParseTuple(args, "d", &now) || !ration_ready(self)) return NULL;
+    if (!self->derive_started) {
+        self->derive_tokens = self->derive_burst;
+        self->derive_at = now;
+        self->derive_started = 1;
+    }
+    return PyBool_FromLong(bucket_take(&self->derive_tokens, &self->derive_at, self->derive_rate, self->derive_burst,
+                                       now, 1));
+}
+
+PyDoc_STRVAR(Ration_bucket_doc,
+"bucket(source) -> (tokens, at) or None\n--\n\n"
+"The source's bucket as it stands (not refilled), or None; ``bucket(None)``: the derivations' bucket.");
+
+static PyObject *Ration_bucket(RationObject *self, PyObject *src) {
+    if (!ration_ready(self)) return NULL;
+    if (src == Py_None) {
+        if (!self->derive_started) Py_RETURN_NONE;
+        return Py_BuildValue("(dd)", self->derive_tokens, self->derive_at);
+    }
+    Source s;
+    int ok = parse_source(src, &s);
+    if (ok < 0) return NULL;
+    int32_t i = ok ? ration_find(self, &s) : -1;
+    if (i < 0) Py_RETURN_NONE;
+    return Py_BuildValue("(dd)", self->entries[i].tokens, self->entries[i].at);
+}
+
+static PyObject *Ration_sources(RationObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!ration_ready(self)) return NULL;
+    PyObject *list = PyList_New(0);
+    if (list == NULL) return NULL;
+    for (int32_t i = self->oldest; i >= 0; i = self->entries[i].next) {
+        PyObject *t = source_tuple(&self->entries[i].source);
+        if (t == NULL || PyList_Append(list, t) < 0) {
+            Py_XDECREF(t);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(t);
+    }
+    return list;
+}
+
+static Py_ssize_t Ration_len(RationObject *self) { return self->count; }
+
+static PyMethodDef Ration_methods[] = {
+    {"may_derive", (PyCFunction)Ration_may_derive, METH_VARARGS, Ration_may_derive_doc},
+    {"failed", (PyCFunction)Ration_failed, METH_VARARGS, Ration_failed_doc},
+    {"derive", (PyCFunction)Ration_derive, METH_VARARGS, Ration_derive_doc},
+    {"bucket", (PyCFunction)Ration_bucket, METH_O, Ration_bucket_doc},
+    {"sources", (PyCFunction)Ration_sources, METH_NOARGS, "sources() -> [(host, port)], least recently failed first"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods Ration_as_sequence = {.sq_length = (lenfunc)Ration_len};
+
+PyDoc_STRVAR(Ration_doc,
+"Ration(*, failure_rate=10.0, failure_burst=32.0, derive_rate=1000.0, derive_burst=1000.0, max_sources=4096, "
+"seed=0)\n--\n\n"
+"peerd.transport.guard.AuthLimiter's buckets in a fixed-size C table keyed by IP source address, which\n"
+"recv_batch consults (its ``ration``) to refuse a rationed source's junk before it becomes a Python object.");
+
+static PyTypeObject RationType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "peerd._dataplane._native.Ration",
+    .tp_basicsize = sizeof(RationObject),
+    .tp_dealloc = (destructor)Ration_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Ration_doc,
+    .tp_methods = Ration_methods,
+    .tp_as_sequence = &Ration_as_sequence,
+    .tp_init = (initproc)Ration_init,
+    .tp_new = PyType_GenericNew,
+};
+
 PyDoc_STRVAR(recv_batch_doc,
-"recv_batch(fd, arena, max_datagrams, slot, screen=None)\n"
+"recv_batch(fd, arena, max_datagrams, slot, screen=None, ration=None, now=0.0)\n"
 "    -> (blocks, used, datagrams, receives, drained, kernel_drops[, screened])\n"
 "--\n\n"
 "One receive pass over the non-blocking UDP socket ``fd`` with the GIL released: recvmmsg(MSG_DONTWAIT) into\n"
@@ -607,14 +952,34 @@ PyDoc_STRVAR(recv_batch_doc,
 "block) whose header peek refuses is then counted and left out (never merged), and one with a valid header,\n"
 "the sealed flag and a token not in ``tokens`` is counted as malformed when shorter than ``min_sealed``, else\n"
 "handed back apart: ``screened`` is (unknown: [(arena[start:start + size], (host, port))], malformed, version,\n"
-"screened_bytes: the bytes of those counted).");
+"screened_bytes: the bytes of those counted).\n\n"
+"``ration`` (a Ration, with a screen) and ``now``: those under unknown tokens are rationed as the endpoint's\n"
+"_receive_screened does, with the same decisions (see the comment in the code): ``unknown`` then holds only\n"
+"those Python must still decide, the first of them with its key derivation already granted (charged), and\n"
+"``screened`` gains a fifth item, ``limited``: those refused (``auth_limited``, their bytes in screened_bytes),\n"
+"which never became Python objects.");
 
 static PyObject *recv_batch(PyObject *module, PyObject *args) {
     int fd;
     PyObject *arena_obj;
     Py_ssize_t max_datagrams, slot;
-    PyObject *screen_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "iOnn|O", &fd, &arena_obj, &max_datagrams, &slot, &screen_obj)) return NULL;
+    PyObject *screen_obj = Py_None, *ration_obj = Py_None;
+    double now = 0.0;
+    if (!PyArg_ParseTuple(args, "iOnn|OOd", &fd, &arena_obj, &max_datagrams, &slot, &screen_obj, &ration_obj, &now))
+        return NULL;
+    RationObject *ration = NULL;
+    if (ration_obj != Py_None) {
+        if (screen_obj == Py_None || !PyObject_TypeCheck(ration_obj, &RationType)) {
+            PyErr_SetString(PyExc_TypeError, "ration: a Ration, and only with a screen");
+            return NULL;
+        }
+        ration = (RationObject *)ration_obj;
+        if (!ration_ready(ration)) return NULL;
+        if (!isfinite(now)) {
+            PyErr_SetString(PyExc_ValueError, "now must be finite");
+            return NULL;
+        }
+    }
     Screen screen = {{0}, 0, 0, 0, 0, 0, NULL};
     int screening = screen_obj != Py_None;
     if (screening) {
@@ -782,17 +1147,19 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
     }
     PyObject *prev_tuple = NULL;
     const Source *prev = NULL;
+    /* The rationing of the endpoint's _receive_screened over the datagrams under unknown tokens, in arrival
+     * order, with the ration's state as it stands (nothing else changes it until Python has handled this pass):
+     * until a derivation is granted, each is asked may_derive; a source refused one is refused for the rest
+     * of the pass (limited_pass). The first granted is handed back first in ``unknown``, its derivation charged;
+     * after it, Python decides each again (_datagram: its token may be known by then), so only those certain to
+     * be refused there are refused here: their source's bucket is empty now, their token is none that a
+     * datagram handed back could have made known, and the table cannot evict the bucket before Python sees it. */
+    Py_ssize_t limited = 0, handed = 0;
+    int derived = 0, tokens_overflow = 0, ntokens = 0;
+    uint64_t handed_tokens[RATION_TOKENS];
+    uint64_t pass = ration ? ++ration->passes : 0;
     for (Py_ssize_t i = 0; i < nblocks; i++) {
         Block *b = &blocks[i];
-        PyObject *source;
-        if (prev != NULL && same_source(prev, &b->source)) {
-            source = Py_NewRef(prev_tuple);
-        } else {
-            source = source_tuple(&b->source);
-            if (source == NULL) goto fail;
-            Py_XSETREF(prev_tuple, Py_NewRef(source));
-            prev = &b->source;
-        }
         int apart = 0; /* a single sealed datagram under a token the receiver does not know */
         if (screening && b->size == b->row && b->size >= HEADER_SIZE) {
             const unsigned char *d = base + b->start;
@@ -802,18 +1169,54 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
                 PyObject *key = PyLong_FromUnsignedLongLong(token);
                 int known = key == NULL ? -1 : PyDict_Contains(screen.tokens, key);
                 Py_XDECREF(key);
-                if (known < 0) {
-                    Py_DECREF(source);
-                    goto fail;
-                }
+                if (known < 0) goto fail;
                 if (!known && b->size < screen.min_sealed) {
                     malformed++;
                     screened_bytes += b->size;
-                    Py_DECREF(source); /* prev_tuple holds its own reference */
                     continue;
                 }
                 apart = !known;
+                if (apart && ration) {
+                    int refuse = 0;
+                    int32_t e = ration_find(ration, &b->source);
+                    if (e >= 0 && ration->entries[e].limited_pass == pass) {
+                        refuse = 1;
+                    } else if (!derived) {
+                        if (ration_may_derive(ration, &b->source, now)) derived = 1;
+                        else {
+                            refuse = 1;
+                            if (e >= 0) ration->entries[e].limited_pass = pass;
+                        }
+                    } else if (e >= 0 && !tokens_overflow && ration->count + handed < ration->max_sources) {
+                        RationEntry *en = &ration->entries[e];
+                        bucket_refill(&en->tokens, &en->at, ration->failure_rate, ration->failure_burst, now);
+                        refuse = en->tokens < 1;
+                        for (int j = 0; refuse && j < ntokens; j++)
+                            if (handed_tokens[j] == token) refuse = 0;
+                    }
+                    if (refuse) {
+                        limited++;
+                        screened_bytes += b->size;
+                        continue;
+                    }
+                    handed++;
+                    int seen = 0;
+                    for (int j = 0; !seen && j < ntokens; j++) seen = handed_tokens[j] == token;
+                    if (!seen) {
+                        if (ntokens < RATION_TOKENS) handed_tokens[ntokens++] = token;
+                        else tokens_overflow = 1;
+                    }
+                }
             }
+        }
+        PyObject *source;
+        if (prev != NULL && same_source(prev, &b->source)) {
+            source = Py_NewRef(prev_tuple);
+        } else {
+            source = source_tuple(&b->source);
+            if (source == NULL) goto fail;
+            Py_XSETREF(prev_tuple, Py_NewRef(source));
+            prev = &b->source;
         }
         PyObject *data = PySequence_GetSlice(arena_obj, b->start, b->start + b->size);
         if (data == NULL) {
@@ -850,7 +1253,10 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
         Py_DECREF(item);
         if (r < 0) goto fail;
     }
-    if (screening)
+    if (ration)
+        result = Py_BuildValue("(NnnnOL(Nnnnn))", list, used, datagrams, receives, drained ? Py_True : Py_False,
+                               kernel_drops, unknown, malformed, version, screened_bytes, limited);
+    else if (screening)
         result = Py_BuildValue("(NnnnOL(Nnnn))", list, used, datagrams, receives, drained ? Py_True : Py_False,
                                kernel_drops, unknown, malformed, version, screened_bytes);
     else
@@ -889,6 +1295,10 @@ static int module_exec(PyObject *m) {
     }
     if (PyType_Ready(&AeadType) < 0) return -1;
     if (PyModule_AddObjectRef(m, "Aead", (PyObject *)&AeadType) < 0) return -1;
+#ifdef __linux__
+    if (PyType_Ready(&RationType) < 0) return -1;
+    if (PyModule_AddObjectRef(m, "Ration", (PyObject *)&RationType) < 0) return -1;
+#endif
     if (PyModule_AddStringConstant(m, "OPENSSL_VERSION", OpenSSL_version(OPENSSL_VERSION)) < 0) return -1;
     if (PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0) return -1;
     if (PyModule_AddIntConstant(m, "TAG_SIZE", TAG_SIZE) < 0) return -1;

@@ -29,7 +29,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from .guard import AmplificationGuard, AuthLimiter
+from ..entropy import default_rng
+from .guard import AmplificationGuard, AuthLimiter, NativeAuthLimiter
+from .guard import auth_limiter as default_auth_limiter
 from .rto import RtoEstimator
 
 MAX_PENDING = 16384  # requests open at once (a DHT lookup has alpha=3 in flight; thousands mean a bug or a flood)
@@ -134,7 +136,7 @@ class TransportCore:
         *,
         rto: RtoEstimator | None = None,
         guard: AmplificationGuard | None = None,
-        auth_limiter: AuthLimiter | None = None,
+        auth_limiter: AuthLimiter | NativeAuthLimiter | None = None,
         max_pending: int = MAX_PENDING,
         max_known_ids: int = MAX_KNOWN_IDS,
         max_held_addresses: int = MAX_HELD_ADDRESSES,
@@ -146,7 +148,9 @@ class TransportCore:
         self.rng = rng
         self.rto = rto or RtoEstimator()
         self.guard = guard or AmplificationGuard()
-        self.auth_limiter = auth_limiter or AuthLimiter()
+        # the C table where the native receive pass runs (it rations junk in C); its hash seed only places entries,
+        # every decision is the same whatever it is, so it need not come from ``rng``
+        self.auth_limiter = auth_limiter or default_auth_limiter(default_rng(None).getrandbits(64))
         self.max_pending = max_pending
         self.max_known_ids = max_known_ids
         self.max_held_addresses = max_held_addresses

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
+from ..wire.native import native
+
 AMPLIFICATION_FACTOR = 3
 MAX_ADDRESSES = 4096  # per table: sources with failures, addresses with a budget, validated addresses
 
@@ -91,6 +93,56 @@ class AuthLimiter:
             bucket = TokenBucket(self.failure_rate, self.failure_burst, now)
         _lru_put(self._sources, source, bucket, self.max_sources)
         bucket.take(now, count)
+
+
+class NativeAuthLimiter:
+    """``AuthLimiter`` with its buckets in the C extension's fixed-size table (``_native.Ration``), the same
+    decisions, so that the native receive pass can ration junk from a refused source before Python sees it
+    (``table``: what ``UdpSocket.recv_screened`` hands to C). A source that is not an IP (host, port) (in-memory
+    test sockets) keeps its bucket in a Python ``AuthLimiter`` beside it, sharing the table's derivations."""
+
+    def __init__(
+        self,
+        *,
+        failure_rate: float = 10.0,
+        failure_burst: float = 32.0,
+        derive_rate: float = 1000.0,
+        derive_burst: float = 1000.0,
+        max_sources: int = MAX_ADDRESSES,
+        seed: int = 0,
+    ) -> None:
+        ration = getattr(native, "Ration", None)
+        if ration is None:
+            raise RuntimeError("NativeAuthLimiter needs the native extension's Ration (Linux, built)")
+        self.table = ration(failure_rate=failure_rate, failure_burst=failure_burst, derive_rate=derive_rate,
+                            derive_burst=derive_burst, max_sources=max_sources, seed=seed & (2**64 - 1))
+        self._other = AuthLimiter(failure_rate=failure_rate, failure_burst=failure_burst, max_sources=max_sources)
+        self.failure_rate, self.failure_burst = failure_rate, failure_burst
+        self.derive_rate, self.derive_burst = derive_rate, derive_burst
+        self.max_sources = max_sources
+
+    def may_derive(self, source: Hashable, now: float) -> bool:
+        allowed = self.table.may_derive(source, now)
+        if allowed is not None:
+            return allowed
+        bucket = self._other._sources.get(source)
+        if bucket is not None and not bucket.has(now):
+            return False
+        return self.table.derive(now)
+
+    def failed(self, source: Hashable, now: float, count: int = 1) -> None:
+        if not self.table.failed(source, now, count):
+            self._other.failed(source, now, count)
+
+
+def auth_limiter(seed: int = 0) -> AuthLimiter | NativeAuthLimiter:
+    """The limiter a node's transport core gets: the C table where the native receive pass runs (it consults
+    the table), else the Python reference."""
+    from .udp import NATIVE_RECV
+
+    if NATIVE_RECV is not None and getattr(native, "Ration", None) is not None:
+        return NativeAuthLimiter(seed=seed)
+    return AuthLimiter()
 
 
 class AmplificationGuard:

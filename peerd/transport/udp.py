@@ -201,21 +201,33 @@ class UdpSocket:
         """Whether ``recv_screened`` is there (the native receive pass)."""
         return self._native_recv is not None
 
-    async def recv_screened(self, max_datagrams: int, screen: tuple) -> tuple[list, list, int, int, int]:
+    async def recv_screened(self, max_datagrams: int, screen: tuple, limiter: object = None) -> tuple:
         """recv_blocks, with the junk screen of the native pass (dataplane.c recv_batch's ``screen``: the header
         constants of wire.envelope.peek and the known tokens): (blocks, unknown, malformed, version, screened_bytes).
         Single datagrams whose header peek refuses are only counted (``malformed``, ``version``, their bytes in
         ``screened_bytes``), as are sealed ones shorter than ``min_sealed`` under an unknown token; the other sealed
         single datagrams under an unknown token come apart in ``unknown`` as (data, source). Only where
-        ``screens``."""
+        ``screens``.
+
+        ``limiter``: the endpoint's AuthLimiter. Given, the result gains (limited, rationed, now): where it is a
+        NativeAuthLimiter (``rationed`` True) the pass rations the datagrams under unknown tokens in C at ``now``
+        (the time the pass began, which the caller's decisions on the rest must use): ``limited`` were refused
+        (``auth_limited``, never Python objects, their bytes in screened_bytes), and ``unknown[0]``, where there
+        is one, has its key derivation granted already; the rest of ``unknown`` is for the caller to decide."""
         recv = self._native_recv
         if recv is None:
             raise RuntimeError("recv_screened needs the native receive pass")
+        table = getattr(limiter, "table", None)
         fd = self.sock.fileno()
         view = self._view
         limit = max(1, min(max_datagrams, 65536))
         while True:
-            blocks, used, count, calls, drained, drops, screened = recv(fd, view, limit, RECV_BUFFER, screen)
+            now = trio.current_time()
+            if table is not None:
+                result = recv(fd, view, limit, RECV_BUFFER, screen, table, now)
+            else:
+                result = recv(fd, view, limit, RECV_BUFFER, screen)
+            blocks, used, count, calls, drained, drops, screened = result
             if drops >= 0:
                 self.kernel_drops = drops
             if count:
@@ -224,7 +236,11 @@ class UdpSocket:
                 self.receive_calls += calls
                 self.receive_passes += 1
                 self._used = used
-                return (blocks, *screened)
+                if limiter is None:
+                    return (blocks, *screened)
+                if table is None:
+                    return (blocks, *screened, 0, False, now)
+                return (blocks, *screened, True, now)
             await trio.lowlevel.wait_readable(self.sock)
 
     async def _recv_blocks_python(self, max_datagrams: int) -> list[tuple[memoryview, Address, int]]:
