@@ -182,6 +182,16 @@ class Arena:
         got, samples, _, _ = SLOT_HEADER.unpack_from(self.map, off)
         SLOT_HEADER.pack_into(self.map, off, got, samples, RESULT, step)
 
+    def write_range(self, step: int, offset: int, result: np.ndarray) -> None:
+        """Daemon: write one bucket of ``step``'s result in place (overlap: buckets finish one by one; the
+        trainer learns that a bucket is done from the reply to its request, so the slot is not stamped)."""
+        if not 0 <= offset <= offset + result.size <= self.elems:
+            raise ArenaError(f"range [{offset}, {offset + result.size}) is outside the {self.elems} elements")
+        got, _, state, _ = self.read_header(step)
+        if got != step or state != REQUEST:
+            raise ArenaError(f"slot {self.slot_of(step)} holds step {got} (state {state}), not step {step}'s request")
+        self.vector(step)[offset: offset + result.size] = result
+
     def result(self, step: int) -> np.ndarray:
         """Trainer: ``step``'s result view; raises ArenaError unless the daemon stamped it for this step."""
         got, _, state, result_step = self.read_header(step)

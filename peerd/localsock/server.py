@@ -29,6 +29,11 @@ MAX_FDS = 4  # descriptors one request may carry (a trainer sends one: its arena
 MAX_QUEUED_FDS = 4 * MAX_FDS  # descriptors received ahead of the requests that declare them
 MAX_CONNECTIONS = 256  # clients served at once (each may buffer up to one 16 MiB frame)
 FRAME_TIMEOUT_S = 30.0  # a frame that has begun must be complete within this (a local socket is fast)
+# A request that carries an ``id`` (an integer in [0, 2**32)) runs beside the connection's other requests and
+# its reply carries the same id: a trainer with overlap hands the daemon each gradient bucket as backward
+# produces it and collects the results later. At most this many run at once per connection; the next waits.
+MAX_INFLIGHT = 64
+MAX_REQUEST_ID = 2**32
 _RECV = 65536
 
 
@@ -234,20 +239,51 @@ class LocalServer:
         conn._close()  # EOF: the client is gone, even if a request of its is still running
 
     async def _work(self, stream: trio.SocketStream, receive: trio.MemoryReceiveChannel, conn: Connection) -> None:
-        async with receive:
+        """Requests without an ``id`` run in order; one with an id (and no descriptors, which must be claimed in
+        order) runs concurrently, at most MAX_INFLIGHT at once, and its reply echoes the id."""
+        lock = trio.Lock()  # one frame at a time on the stream
+        slots = trio.Semaphore(MAX_INFLIGHT)
+        async with receive, trio.open_nursery() as nursery:
             async for request in receive:
                 if "_frame_error" in request:
                     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                        await stream.send_all(encode_frame({"ok": False, "error": request["_frame_error"]}))
+                        async with lock:
+                            await stream.send_all(encode_frame({"ok": False, "error": request["_frame_error"]}))
                     await stream.aclose()
+                    nursery.cancel_scope.cancel()
                     return
-                reply = await self._dispatch(request, conn)
-                if conn.closed:
-                    continue  # nobody to answer
-                try:
-                    await stream.send_all(self._encode_reply(request, reply))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    conn._close()  # the client went away mid-request
+                rid = request.get("id")
+                if rid is None:
+                    await self._answer(stream, lock, conn, request, None)
+                    continue
+                if type(rid) is not int or not 0 <= rid < MAX_REQUEST_ID or request.get("fds"):
+                    await self._reply(stream, lock, conn, request, {"ok": False, "error": (
+                        f"request id must be an integer in [0, 2**32) on a request without descriptors, got "
+                        f"{rid!r:.40}")}, None)
+                    continue
+                await slots.acquire()  # backpressure: the reader stops taking frames while MAX_INFLIGHT run
+                nursery.start_soon(self._answer, stream, lock, conn, request, rid, slots)
+
+    async def _answer(self, stream: trio.SocketStream, lock: trio.Lock, conn: Connection, request: dict[str, Any],
+                      rid: int | None, slots: trio.Semaphore | None = None) -> None:
+        try:
+            reply = await self._dispatch(request, conn, claim_fds=rid is None)
+            await self._reply(stream, lock, conn, request, reply, rid)
+        finally:
+            if slots is not None:
+                slots.release()
+
+    async def _reply(self, stream: trio.SocketStream, lock: trio.Lock, conn: Connection, request: dict[str, Any],
+                     reply: dict[str, Any], rid: int | None) -> None:
+        if conn.closed:
+            return  # nobody to answer
+        if rid is not None:
+            reply = {**reply, "id": rid}
+        try:
+            async with lock:
+                await stream.send_all(self._encode_reply(request, reply))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            conn._close()  # the client went away mid-request
 
     def _encode_reply(self, request: dict[str, Any], reply: dict[str, Any]) -> bytes:
         """The reply's frame, or an error reply in its place if it cannot be sent (too large, unencodable):
@@ -263,18 +299,22 @@ class LocalServer:
             log.exception("local op %s: reply cannot be encoded", name)
             self.metrics.local_refused.labels("reply_unencodable").inc()
             error = f"internal error: the reply to {name} cannot be encoded ({type(e).__name__}: {str(e)[:200]})"
-        return encode_frame({"ok": False, "error": error})
+        return encode_frame({"ok": False, "error": error, **({"id": reply["id"]} if "id" in reply else {})})
 
-    async def _dispatch(self, request: dict[str, Any], conn: Connection | None = None) -> dict[str, Any]:
+    async def _dispatch(self, request: dict[str, Any], conn: Connection | None = None, *,
+                        claim_fds: bool = True) -> dict[str, Any]:
+        """``claim_fds``: False for a concurrent request (it carries none, and must not touch the descriptors of
+        the in-order request running beside it)."""
         op = request.get("op")
         entry = self._ops.get(op) if isinstance(op, str) else None
-        if conn is not None:
+        conn_fds = conn if claim_fds else None
+        if conn_fds is not None:
             # The descriptors a request declares arrived with (or before) its first bytes.
             want = request.get("fds", 0)
-            if type(want) is not int or not 0 <= want <= MAX_FDS or want > len(conn._queued):
+            if type(want) is not int or not 0 <= want <= MAX_FDS or want > len(conn_fds._queued):
                 self.metrics.local_requests.labels(op if entry else "unknown", "error").inc()
-                return {"ok": False, "error": f"request declares fds={want!r} but {len(conn._queued)} arrived"}
-            conn.fds = [conn._queued.popleft() for _ in range(want)]
+                return {"ok": False, "error": f"request declares fds={want!r} but {len(conn_fds._queued)} arrived"}
+            conn_fds.fds = [conn_fds._queued.popleft() for _ in range(want)]
         try:
             if entry is None:
                 self.metrics.local_requests.labels("unknown", "error").inc()
@@ -297,11 +337,11 @@ class LocalServer:
             self.metrics.local_requests.labels(op, "ok").inc()
             return {"ok": True, **reply}
         finally:
-            if conn is not None:
-                for fd in conn.fds:  # descriptors no handler took
+            if conn_fds is not None:
+                for fd in conn_fds.fds:  # descriptors no handler took
                     with contextlib.suppress(OSError):
                         os.close(fd)
-                conn.fds = []
+                conn_fds.fds = []
 
 
 def _fds_of(ancillary: list[tuple[int, int, bytes]]) -> list[int]:

@@ -29,6 +29,7 @@ import torch
 from ..allreduce.robust import parse_robust
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
+from .overlap import DEFAULT_BUCKET_MB, Overlap
 
 log = logging.getLogger("peerd.torch")
 
@@ -59,6 +60,14 @@ class Optimizer:
     "clip[:C]" or "centered[:C]"; None: the daemon's default), ``max_samples`` (the largest sample count a
     member may claim as its averaging weight in this run; None: the daemon's default).
 
+    ``overlap=True`` (with ``model``, CPU tensors): DeAR-style overlap (peerd.torch.overlap). Gradients go to the
+    daemon in buckets of about ``bucket_mb`` MB as backward produces them, and each layer's update is applied
+    just before its next forward, so averaging overlaps computation. Call ``last_microbatch(samples)`` before the
+    forward of the step's last micro-batch (without it, ``step()`` sends every bucket after backward); ``step()``
+    then returns the statistics of the last step whose updates are all applied, and ``flush()`` applies what is
+    still due (``average_parameters``, ``snapshot`` and ``state_dict`` call it). The update of a step is applied
+    at the next forward, so a learning-rate scheduler stepped after ``step()`` is one step early.
+
     A round whose result holds a non-finite number is never applied: the step goes on with this replica's
     own gradients (counted in ``nonfinite_rounds``), a parameter average is dropped. A step whose own
     gradients are not finite is skipped without averaging (outcome "nonfinite", step_count unchanged).
@@ -68,7 +77,8 @@ class Optimizer:
                  timeout_s: float = 30.0, average_params_every: int = 10, no_group: str = "local",
                  sync_state: bool = True, state_every: int = 10, state_timeout_s: float = 60.0,
                  nslots: int = 4, keep_rounds: int | None = DEFAULT_KEEP_ROUNDS, robust: str | None = None,
-                 max_samples: float | None = None) -> None:
+                 max_samples: float | None = None, overlap: bool = False, model: torch.nn.Module | None = None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
         if no_group not in NO_GROUP:
             raise ValueError(f"no_group must be one of {NO_GROUP}")
         parse_robust(robust)  # raises ValueError that says what is accepted
@@ -113,6 +123,15 @@ class Optimizer:
         self._client: LocalClient | None = None
         self.session = 0
         self.layout_hash = ""
+        self._overlap: Overlap | None = None
+        if overlap:
+            if model is None:
+                raise ValueError("overlap=True needs model= (its forward pre-hooks apply each layer's update)")
+            if self._cuda:
+                raise ValueError("overlap=True is implemented for CPU tensors only (CUDA: use overlap=False)")
+            if not (isinstance(bucket_mb, int | float) and 0 < bucket_mb <= 1024):
+                raise ValueError(f"bucket_mb must be in (0, 1024], got {bucket_mb!r}")
+            self._overlap = Overlap(self, model, max(1, int(bucket_mb * 2**20 / 4)))
         self.connect()
         if sync_state:
             self.sync_state()
@@ -148,6 +167,8 @@ class Optimizer:
         return self._client.call(op, session=self.session, **args)
 
     def close(self) -> None:
+        if self._overlap is not None:
+            self._overlap.remove()
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -172,6 +193,7 @@ class Optimizer:
         self.opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
+        self.flush()
         return self.opt.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -223,6 +245,22 @@ class Optimizer:
         return reply, torch.from_numpy(self.arena.result(t))
 
     # -- stepping ---------------------------------------------------------------------------------
+    @property
+    def overlap(self) -> bool:
+        return self._overlap is not None
+
+    def last_microbatch(self, samples: int | float) -> None:
+        """Overlap: the next backward is this step's last, over ``samples`` samples in all (the averaging weight;
+        gradients are summed over them, as DropCompute accumulates them): its gradients go to the daemon bucket
+        by bucket as backward produces them. Without overlap: nothing to do."""
+        if self._overlap is not None:
+            self._overlap.arm(samples, 1.0 / float(samples))
+
+    def flush(self) -> None:
+        """Overlap: wait for every bucket still out and apply every update still due. Without overlap: nothing."""
+        if self._overlap is not None:
+            self._overlap.flush()
+
     def step(self, closure: Any = None, *, samples: int | float = 1, loss: float | None = None) -> dict[str, Any]:
         """Average gradients with the swarm (weight: ``samples``), step, and every K steps average parameters.
 
@@ -233,6 +271,8 @@ class Optimizer:
             raise ValueError("peerd.torch.Optimizer does not take a closure: compute the loss before step()")
         if samples <= 0:
             raise ValueError("samples must be positive (it is the averaging weight)")
+        if self._overlap is not None:
+            return self._step_overlap(samples, loss)
         now = time.monotonic()
         report: dict[str, Any] = {}
         if loss is not None:
@@ -288,6 +328,16 @@ class Optimizer:
         self._last_end = time.monotonic()
         return reply
 
+    def _step_overlap(self, samples: int | float, loss: float | None) -> dict[str, Any]:
+        reply = self._overlap.step(samples, loss)  # type: ignore[union-attr]
+        k = self.average_params_every
+        if k and self.step_count % k == 0:  # numbered by step count: replicas in step name the same round
+            reply["params"] = self.average_parameters(round_no=self.step_count // k)
+        if self.state_every and self.step_count % self.state_every == 0:
+            self.publish_state()
+        self._last_end = time.monotonic()
+        return reply
+
     def _params_due(self, reply: dict[str, Any]) -> int | None:
         """The Moshpit round to average parameters in after this step, or None (not due).
 
@@ -308,6 +358,7 @@ class Optimizer:
 
         ``round_no``: the Moshpit round to average in (every replica must name the same one); None: the
         run's next round (e.g. the extra averages after the last step, which every replica makes)."""
+        self.flush()
         reply, result = self._average("params", list(self.params), 1.0, {}, round_no)
         if reply["outcome"] == "averaged":
             if self._finite(result, "parameter"):
@@ -329,6 +380,7 @@ class Optimizer:
     # -- state sync -------------------------------------------------------------------------------
     def snapshot(self) -> bytes:
         """Parameters, optimizer state and step number, serialized (tensors only: loadable weights_only)."""
+        self.flush()
         flat = torch.empty(self.elems, dtype=torch.float32)
         self._gather_cpu(flat)
         buf = io.BytesIO()

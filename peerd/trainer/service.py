@@ -49,6 +49,7 @@ MAX_BLOB = 1 << 34
 DTYPES = {"float32", "float16", "bfloat16", "float64"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 KINDS = ("grad", "params")
+MAX_BUCKETS = 1000  # gradient buckets of one step (overlap); '<run>.<hash8>.b999' fits Moshpit's 64-byte run ids
 OUTER_KEPT_ROUNDS = 3  # outer rounds whose blobs a daemon keeps (up to 3 vectors each) for members still repairing
 MAX_SAMPLES = float(2**53)  # the largest max_samples a trainer may ask for (exact in a float)
 ADVERT_CHECK_S = 5.0  # how long trainer_open reads the swarm's adverts for its warning
@@ -146,6 +147,11 @@ class Session:
         so models that differ never meet in a group, and gradients never mix with parameters."""
         return f"{self.run}.{self.layout[:12]}.{kind[0]}"
 
+    def bucket_id(self, bucket: int) -> str:
+        """The Moshpit run id of gradient bucket ``bucket`` (overlap): one run per bucket, so buckets of a step
+        average concurrently (a run averages one round at a time)."""
+        return f"{self.run}.{self.layout[:8]}.b{bucket}"
+
 
 class TrainerService:
     """The trainer_* and state_* ops. ``average`` is Moshpit's ``average(run_id, vector, weight, *, timeout_s)``
@@ -164,6 +170,7 @@ class TrainerService:
         return {
             "trainer_open": self._op_open,
             "trainer_step": self._op_step,
+            "trainer_bucket": self._op_bucket,
             "trainer_outer": self._op_outer,
             "trainer_report": self._op_report,
             "trainer_close": self._op_close,
@@ -294,6 +301,29 @@ class TrainerService:
         if not all_finite(vector):  # a NaN would poison every peer's average
             raise OpError(f"step {step}: the vector holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
+        result, out, outcome, error = await self._average_vector(session, session.average_id(kind), kind, vector,
+                                                                 float(weight), timeout, round_no, step)
+        seconds = time.monotonic() - start
+        self.metrics.trainer_steps.labels(outcome).inc()
+        self.metrics.trainer_step_seconds.observe(seconds)
+        if session.closed or conn.closed:
+            return {}  # the trainer went away mid-step; nobody to answer
+        if session.latest != step:
+            session.late_results += 1  # a later step was requested meanwhile: never write into it
+            raise OpError(f"step {step}'s result came after step {session.latest} was requested; dropped")
+        session.arena.write_result(step, out)
+        session.steps += 1
+        reply = self._round_reply(step, outcome, result, seconds, error)
+        if outcome == "averaged":
+            self.metrics.trainer_group_size.set(reply["group_size"])
+            self.metrics.trainer_received_fraction.set(reply["received_fraction"])
+        session.last = reply
+        return reply
+
+    async def _average_vector(self, session: Session, run_id: str, kind: str, vector: np.ndarray, weight: float,
+                              timeout: float, round_no: int | None, step: int) -> tuple[Any, np.ndarray, str, str]:
+        """Average ``vector`` under ``run_id``: (result, the vector to hand back, outcome, error). A failed or
+        non-finite average hands back the trainer's own vector (outcome "failed")."""
         error = ""
         try:
             # The averaging API has its own deadline; this outer one makes sure no bug can hang a trainer.
@@ -311,8 +341,7 @@ class TrainerService:
                     extra["center"] = vector
                 elif session.robust is not None:
                     extra["robust"] = session.robust
-                result = await self.average(session.average_id(kind), vector, float(weight), timeout_s=timeout,
-                                            **extra)
+                result = await self.average(run_id, vector, weight, timeout_s=timeout, **extra)
             out = np.asarray(result.vector, dtype=np.float32)
             if out.shape != vector.shape:
                 raise ValueError(f"averaging returned {out.shape}, expected {vector.shape}")
@@ -329,17 +358,11 @@ class TrainerService:
                      f"(a group member sent non-finite data); not applied: this trainer's own vector is in the slot")
         elif outcome == "averaged" and self.statesync is not None and hasattr(self.statesync, "note_peers"):
             self.statesync.note_peers(getattr(result, "members", ()))  # donors to trust first in state sync
-        seconds = time.monotonic() - start
-        self.metrics.trainer_steps.labels(outcome).inc()
-        self.metrics.trainer_step_seconds.observe(seconds)
-        if session.closed or conn.closed:
-            return {}  # the trainer went away mid-step; nobody to answer
-        if session.latest != step:
-            session.late_results += 1  # a later step was requested meanwhile: never write into it
-            raise OpError(f"step {step}'s result came after step {session.latest} was requested; dropped")
-        session.arena.write_result(step, out)
-        session.steps += 1
-        reply = {
+        return result, out, outcome, error
+
+    @staticmethod
+    def _round_reply(step: int, outcome: str, result: Any, seconds: float, error: str) -> dict[str, Any]:
+        return {
             "step": step,
             "outcome": outcome,
             "group_id": getattr(result, "group_id", ""),
@@ -352,10 +375,53 @@ class TrainerService:
             "kept": bool(getattr(result, "kept", False)),
             "error": error,
         }
+
+    async def _op_bucket(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        """One bucket of a step's gradients (overlap, peerd.torch.overlap): elements [offset, offset + length)
+        of the step's slot, averaged as soon as backward produced them while the trainer goes on; every bucket
+        of a step shares the step id (and the slot's sample count: one weight per member for every range).
+        Bucket b averages under its own Moshpit run (``Session.bucket_id``), so buckets run concurrently."""
+        session = self._session(req, conn)
+        step, bucket, offset, length = req.get("step"), req.get("bucket"), req.get("offset"), req.get("length")
+        timeout = req.get("timeout_s", 30.0)
+        if type(step) is not int or step < 0:
+            raise OpError("step must be a non-negative integer")
+        if step < session.latest:
+            raise OpError(f"step {step} is before the session's latest step {session.latest}")
+        if type(bucket) is not int or not 0 <= bucket < MAX_BUCKETS:
+            raise OpError(f"bucket must be an integer in [0, {MAX_BUCKETS})")
+        if type(offset) is not int or type(length) is not int or not 0 <= offset < offset + length <= session.elems:
+            raise OpError(f"offset and length must pick a non-empty range of the {session.elems} elements")
+        if not isinstance(timeout, int | float) or not 1 <= timeout <= 3600:
+            raise OpError("timeout_s must be in [1, 3600]")
+        session.latest = step
+        self._report(req)
+        try:
+            weight = session.arena.check_request(step)
+        except ArenaError as e:
+            raise OpError(str(e)) from None
+        vector = session.arena.vector(step)[offset: offset + length].copy()
+        if not all_finite(vector):
+            raise OpError(f"step {step} bucket {bucket}: the vector holds NaN or infinity; not averaging it")
+        start = time.monotonic()
+        result, out, outcome, error = await self._average_vector(session, session.bucket_id(bucket), "grad", vector,
+                                                                 float(weight), timeout, None, step)
+        seconds = time.monotonic() - start
+        self.metrics.trainer_steps.labels(outcome).inc()
+        self.metrics.trainer_step_seconds.observe(seconds)
+        if session.closed or conn.closed:
+            return {}
+        if session.latest != step:
+            session.late_results += 1
+            raise OpError(f"step {step}'s bucket {bucket} came after step {session.latest} was requested; dropped")
+        try:
+            session.arena.write_range(step, offset, out)
+        except ArenaError as e:
+            raise OpError(f"step {step} bucket {bucket}: {e}") from None
+        reply = {**self._round_reply(step, outcome, result, seconds, error), "bucket": bucket}
         if outcome == "averaged":
             self.metrics.trainer_group_size.set(reply["group_size"])
             self.metrics.trainer_received_fraction.set(reply["received_fraction"])
-        session.last = reply
         return reply
 
     async def _op_outer(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:

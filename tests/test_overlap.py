@@ -1,0 +1,308 @@
+"""DeAR overlap (peerd.torch.overlap): the bucket plan, the schedule against a replay, and overlap=True against
+synchronous steps through an in-process daemon (real local socket, arena and TrainerService)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from peerd.localsock.client import DaemonError, LocalClient  # noqa: E402
+from peerd.torch import Optimizer  # noqa: E402
+from peerd.torch.overlap import Schedule, plan_buckets, summarize  # noqa: E402
+
+from .trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8), torch.nn.ReLU(),
+                               torch.nn.Linear(8, 2))
+
+
+def flat(m: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def batch(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)
+
+
+# -- the plan and the schedule (no torch, no daemon) ---------------------------------------------------------
+def test_buckets_are_consecutive_ranges_from_the_last_parameter_back() -> None:
+    numels = [64, 16, 128, 8, 16, 2]  # 3 linear layers: weight, bias each
+    buckets = plan_buckets(numels, 20)
+    assert [b.params for b in buckets] == [(3, 4, 5), (2,), (0, 1)]  # 2 + 16 < 20 <= 2 + 16 + 8
+    # every element is in exactly one bucket, each bucket one contiguous range of the flat vector
+    covered = sorted((b.offset, b.offset + b.length) for b in buckets)
+    assert covered[0][0] == 0 and covered[-1][1] == sum(numels)
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))
+    assert [b.index for b in buckets] == [0, 1, 2]
+    assert [(b.offset, b.length) for b in buckets] == [(208, 26), (80, 128), (0, 80)]
+    assert len(plan_buckets([1] * 5000, 1)) == 1000  # capped at the daemon's MAX_BUCKETS
+    assert len(plan_buckets(numels, 10**9)) == 1
+
+
+def test_schedule_replay_submits_in_backward_order_and_layers_wait_only_for_their_buckets() -> None:
+    numels = [64, 16, 128, 8, 16, 2]
+    s = Schedule(numels, 20)
+    s.arm(7, 8.0)
+    out = []
+    for i in reversed(range(6)):  # backward: last parameters first
+        b = s.grad_ready(i)
+        if b is not None:
+            s.submitted(b, f"rid{b.index}")
+            out.append(b.index)
+    assert out == [0, 1, 2] and s.unsubmitted() == []
+    s.close_step()
+    with pytest.raises(RuntimeError):  # one armed step at a time
+        s.arm(8, 1.0)
+        s.arm(9, 1.0)
+    s.current = None
+    # the next forward: layer 0 (params 0, 1) needs bucket 2 only, layer 2 (4, 5) bucket 0 only
+    assert s.waits_for([0, 1]) == [2] and s.waits_for([4, 5]) == [0]
+    s.collected(2, {"outcome": "averaged"})
+    assert s.due([0, 1]) == [0, 1] and s.due([4, 5]) == []
+    s.applied([0, 1])
+    assert s.finished() is None
+    for b in (1, 0):
+        s.collected(b, {"outcome": "averaged", "group_size": 3, "seconds": 0.1 * b})
+    s.applied([2, 3, 4, 5])
+    done = s.finished()
+    assert done is not None and s.pending is None
+    summary = summarize(done)
+    assert summary["outcome"] == "averaged" and summary["buckets"] == 3 and summary["seconds"] == pytest.approx(0.1)
+    kinds = [e[0] for e in s.events]
+    assert kinds == ["submit"] * 3 + ["collect", "apply"] + ["collect"] * 2 + ["apply"]
+
+
+def test_summary_reports_the_worst_bucket() -> None:
+    s = Schedule([4, 4], 4)
+    st = s.arm(1, 1.0)
+    st.replies = {0: {"outcome": "averaged", "group_size": 3}, 1: {"outcome": "alone", "group_size": 1}}
+    assert summarize(st)["outcome"] == "alone" and summarize(st)["group_size"] == 1
+    st.replies[0] = {"outcome": "failed", "error": "x"}
+    assert summarize(st)["outcome"] == "failed" and summarize(st)["error"] == "x"
+
+
+# -- against an in-process daemon ----------------------------------------------------------------------------
+@pytest.fixture
+def daemon(tmp_path):
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0))
+    yield d
+    d.stop()
+
+
+def run_pair(daemon, *, overlap: bool, steps: int, micro: int = 1, run: str = "o", opt_cls=torch.optim.Adam,
+             bucket_mb: float = 0.0001, average_every: int = 0, log: list | None = None) -> list[torch.nn.Module]:
+    """Two replicas (seeds alike, data apart) for ``steps`` steps of ``micro`` micro-batches each."""
+    models = [mlp(0), mlp(0)]
+    kw = {"overlap": True, "model": None, "bucket_mb": bucket_mb} if overlap else {}
+    opts = []
+    for m in models:
+        if overlap:
+            kw["model"] = m
+        opts.append(Optimizer(opt_cls(m.parameters(), lr=0.01), run=run, socket=daemon.path, sync_state=False,
+                              state_every=0, average_params_every=average_every, **kw))
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            m, opt = models[i], opts[i]
+            for s in range(steps):
+                opt.zero_grad()
+                n = 4 * (i + 1)
+                for k in range(micro):
+                    if overlap and k == micro - 1:
+                        opt.last_microbatch(n * micro)
+                    x, y = batch(1000 * i + 10 * s + k, n)
+                    torch.nn.functional.cross_entropy(m(x), y, reduction="sum").backward()
+                if not overlap:
+                    for p in m.parameters():
+                        p.grad.div_(n * micro)
+                reply = opt.step(samples=n * micro)
+                if log is not None:
+                    log.append((i, s, reply))
+            opt.flush()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for o in opts:
+        assert o.outcomes.get("averaged", 0) == steps, o.outcomes
+        o.close()
+    return models
+
+
+def test_overlap_gives_the_parameters_of_synchronous_steps(daemon) -> None:
+    """Loss-free: the same seeds give the same parameters (float32 round-off), with several buckets, micro-batches
+    and parameter averages every 2 steps."""
+    log: list = []
+    sync = run_pair(daemon, overlap=False, steps=5, micro=2, run="s", average_every=2)
+    over = run_pair(daemon, overlap=True, steps=5, micro=2, run="v", average_every=2, log=log)
+    assert torch.equal(flat(over[0]), flat(over[1]))
+    torch.testing.assert_close(flat(over[0]), flat(sync[0]), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(flat(over[0]), flat(mlp(0)))  # it trained
+    buckets = {r for r, _ in daemon.averager.calls if ".b" in r}
+    assert len(buckets) >= 3  # several buckets, each its own run
+    assert log[0][2]["outcome"] == "pending"  # the first step's statistics come with the next step
+    assert all(r["outcome"] == "averaged" and r["group_size"] == 2 and r["buckets"] == 3 for _, s, r in log if s >= 1)
+    assert [r["params"]["outcome"] for i, s, r in log if i == 0 and "params" in r] == ["averaged", "averaged"]
+
+
+def test_overlap_hooks_apply_each_layers_update_before_its_forward_and_send_buckets_in_backward_order(tmp_path):
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.1))
+    try:
+        m = mlp(1)
+        opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="h", socket=d.path, sync_state=False,
+                        state_every=0, average_params_every=0, overlap=True, model=m, bucket_mb=0.0001)
+        sched = opt._overlap.schedule
+        linears = [mod for mod in m if isinstance(mod, torch.nn.Linear)]
+        index = {id(p): k for k, p in enumerate(opt.params)}
+        seen: list[tuple] = []  # (step, layer, events so far) at each layer's forward, after the optimizer's hook
+        step = [0]
+        for j, mod in enumerate(linears):
+            mod.register_forward_pre_hook(lambda _m, _a, j=j: seen.append((step[0], j, len(sched.events))))
+        before = [mod.weight.detach().clone() for mod in linears]
+        for s in range(3):
+            step[0] = s
+            opt.zero_grad()
+            opt.last_microbatch(8)
+            x, y = batch(s, 8)
+            torch.nn.functional.cross_entropy(m(x), y, reduction="sum").backward()
+            opt.step(samples=8)
+        assert len(sched.buckets) == 3
+        # every step sent its buckets last parameters first: bucket 0 (the last layer) first, all of them
+        per_step: dict[int, list[int]] = {}
+        for e in sched.events:
+            if e[0] == "submit":
+                per_step.setdefault(e[1], []).append(e[2])
+        assert list(per_step.values()) == [[0, 1, 2]] * 3
+        tickets = sorted(per_step)
+        # in steps 1 and 2, each layer's update of the step before was applied before that layer's forward ran,
+        # and the last layer's update only after the first layer's forward had begun (not all at once)
+        for s, j, n in seen:
+            if s == 0:
+                continue
+            w = index[id(linears[j].weight)]
+            prev = [e for e in sched.events[:n] if e[0] == "apply" and e[1] == tickets[s - 1]]
+            assert any(w in e[2] for e in prev), (s, j)
+            if j == 0:
+                last = index[id(linears[-1].weight)]
+                assert not any(last in e[2] for e in prev), (s, "the last layer was updated before the first ran")
+        # and the weights moved only through those applies: after flush, all three steps are in
+        opt.flush()
+        assert all(not torch.equal(b, mod.weight) for b, mod in zip(before, linears, strict=True))
+        assert opt.outcomes == {"alone": 3} and opt.local_steps == 3
+        opt.close()
+    finally:
+        d.stop()
+
+
+def test_overlap_matches_sync_alone_including_the_last_step(tmp_path) -> None:
+    """A lone trainer: overlap after flush() equals synchronous SGD steps exactly (own gradients back)."""
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.05))
+    try:
+        out = []
+        for overlap in (False, True):
+            m = mlp(3)
+            kw = {"overlap": True, "model": m, "bucket_mb": 0.0002} if overlap else {}
+            opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), run=f"a{overlap}", socket=d.path,
+                            sync_state=False, state_every=0, average_params_every=0, **kw)
+            for s in range(4):
+                opt.zero_grad()
+                x, y = batch(s, 6)
+                torch.nn.functional.cross_entropy(m(x), y).backward()
+                opt.step(samples=6)  # not armed: every bucket goes out after backward (grads are means)
+            opt.flush()
+            out.append(flat(m))
+            opt.close()
+        torch.testing.assert_close(out[0], out[1], rtol=1e-6, atol=1e-7)
+    finally:
+        d.stop()
+
+
+def test_overlap_daemon_death_is_a_clear_error(tmp_path) -> None:
+    path = str(tmp_path / "d.sock")
+    d = ThreadDaemon(path, InProcessAverager(group_size=2, wait_s=30.0))
+    m = mlp(0)
+    opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=path, sync_state=False, state_every=0,
+                    average_params_every=0, timeout_s=30, overlap=True, model=m, bucket_mb=0.0003)
+    opt.zero_grad()
+    opt.last_microbatch(4)
+    x, y = batch(0, 4)
+    torch.nn.functional.cross_entropy(m(x), y, reduction="sum").backward()
+    opt.step(samples=4)  # the buckets wait for a second member
+    start = time.monotonic()
+    threading.Timer(0.5, d.stop).start()
+    with pytest.raises(DaemonError, match="bucket .* failed: .*closed the connection"):
+        m(x)  # the first layer's forward waits for its bucket: the daemon dies meanwhile
+    assert time.monotonic() - start < 15
+    assert opt._overlap.schedule.pending is None  # nothing left in flight to wait for
+    opt.close()
+
+
+def test_non_finite_own_gradients_skip_the_overlapped_step(daemon) -> None:
+    daemon.averager.group_size = 1
+    daemon.averager.wait_s = 0.05
+    m = mlp(0)
+    opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="n", socket=daemon.path, sync_state=False,
+                    state_every=0, average_params_every=0, overlap=True, model=m, bucket_mb=0.0003)
+    before = flat(m).clone()
+    opt.zero_grad()
+    opt.last_microbatch(4)
+    x, y = batch(0, 4)
+    (torch.nn.functional.cross_entropy(m(x), y) * float("nan")).backward()
+    opt.step(samples=4)
+    opt.flush()
+    assert torch.equal(flat(m), before) and opt.outcomes == {"nonfinite": 1}
+    opt.close()
+
+
+def test_concurrent_requests_on_one_connection_answer_by_id(daemon) -> None:
+    """Two submitted requests and a plain call in between: each reply finds its caller, whatever the order."""
+    c = LocalClient(daemon.path, timeout=10)
+    try:
+        a = c.submit("trainer_step", session=99, step=1)  # no such session: an error reply with id a
+        b = c.submit("trainer_close", session=98)
+        with pytest.raises(DaemonError, match="no such session"):
+            c.call("trainer_report", session=97)
+        with pytest.raises(DaemonError, match="no such session"):
+            c.collect(b)
+        with pytest.raises(DaemonError, match="no such session"):
+            c.collect(a)
+        with pytest.raises(ValueError):
+            c.collect(a)  # collected already
+    finally:
+        c.close()
+
+
+def test_bucket_requests_are_bounded(daemon) -> None:
+    m = mlp(0)
+    opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="b", socket=daemon.path, sync_state=False,
+                    state_every=0)
+    c = opt._client
+    elems = opt.elems
+    opt.arena.write_request(5, 1.0)
+    for bad, match in [({"bucket": -1}, "bucket"), ({"bucket": 1000}, "bucket"), ({"offset": elems}, "range"),
+                       ({"length": 0}, "range"), ({"offset": -1}, "range"), ({"timeout_s": 0}, "timeout_s"),
+                       ({"step": 4}, "slot")]:
+        args = {"step": 5, "bucket": 0, "offset": 0, "length": 4, "timeout_s": 5, **bad}
+        with pytest.raises(DaemonError, match=match):
+            c.call("trainer_bucket", session=opt.session, **args)
+    opt.arena.vector(5)[:] = np.nan
+    with pytest.raises(DaemonError, match="NaN"):
+        c.call("trainer_bucket", session=opt.session, step=5, bucket=0, offset=0, length=4)
+    opt.close()
