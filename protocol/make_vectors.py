@@ -151,6 +151,11 @@ def contacts() -> list[list]:
     ]
 
 
+NAT_NONCE = bytes(range(0xA0, 0xB0))
+# a relayed datagram is an opaque sealed datagram: here a header (type PING, sealed) and 37 bytes after it
+NAT_INNER = bytes.fromhex("50440201010000000000000007000000000000000b") + bytes(range(37))
+
+
 def control_messages() -> list[tuple[str, m.MsgType, dict]]:
     """(name, type, body) in the order they are sealed (sequence numbers 1, 2, ...)."""
     a4 = ("203.0.113.7", 7400)
@@ -270,6 +275,29 @@ def control_messages() -> list[tuple[str, m.MsgType, dict]]:
                 "data": bytes(range(200)),
             },
         ),
+        # NAT traversal (section 18)
+        ("observe", m.MsgType.OBSERVE, {"rid": 401, "from": from_field(IDENT_A, TOKEN, None)}),
+        ("observed", m.MsgType.OBSERVED, {"rid": 401, "from": from_field(IDENT_A, TOKEN, a4),
+                                          "seen": m.pack_addr("198.51.100.7", 40312)}),
+        ("reach_probe", m.MsgType.REACH_PROBE, {"rid": 402, "from": from_field(IDENT_A, TOKEN, None),
+                                                "nonce": NAT_NONCE, "avoid": [IDENT_A.node_id[::-1]]}),
+        ("reach_probed", m.MsgType.REACH_PROBED, {"rid": 402, "from": from_field(IDENT_A, TOKEN, a4), "ok": True}),
+        ("probe_ask", m.MsgType.PROBE_ASK, {"rid": 403, "from": from_field(IDENT_A, TOKEN, a4),
+                                            "target": m.pack_contact(IDENT_A.node_id[::-1], "198.51.100.7", 40312),
+                                            "nonce": NAT_NONCE}),
+        ("probe", m.MsgType.PROBE, {"rid": 404, "from": from_field(IDENT_A, TOKEN, a4), "nonce": NAT_NONCE}),
+        ("intro", m.MsgType.INTRO, {"rid": 405, "from": from_field(IDENT_A, TOKEN, None),
+                                    "target": IDENT_A.node_id[::-1]}),
+        ("intro_ok", m.MsgType.INTRO_OK, {"rid": 405, "from": from_field(IDENT_A, TOKEN, a4),
+                                          "peer": m.pack_contact(IDENT_A.node_id[::-1], "198.51.100.9", 20001)}),
+        ("intro_ok unknown", m.MsgType.INTRO_OK, {"rid": 406, "from": from_field(IDENT_A, TOKEN, a4),
+                                                  "peer": None}),
+        ("connect", m.MsgType.CONNECT, {"rid": 407, "from": from_field(IDENT_A, TOKEN, a4),
+                                        "peer": m.pack_contact(IDENT_A.node_id, "198.51.100.7", 40312)}),
+        ("relay", m.MsgType.RELAY, {"rid": 408, "from": from_field(IDENT_A, TOKEN, None),
+                                    "to": IDENT_A.node_id[::-1], "data": NAT_INNER}),
+        ("relayed", m.MsgType.RELAYED, {"rid": 409, "from": from_field(IDENT_A, TOKEN, a4),
+                                        "src": IDENT_A.node_id, "data": NAT_INNER}),
     ]
 
 
@@ -700,6 +728,28 @@ def invalid_vectors() -> dict:
             "malformed",
         ),
         ("ext type", P, _pack({"rid": msgpack.ExtType(1, b"\x01"), "from": frm}), "malformed"),
+        # NAT traversal (section 18)
+        ("observed without seen", int(m.MsgType.OBSERVED), _pack({"rid": 1, "from": frm}), "malformed"),
+        ("observed seen unspecified", int(m.MsgType.OBSERVED),
+         _pack({"rid": 1, "from": frm, "seen": [bytes(4), 7000]}), "malformed"),
+        ("observed seen port 0", int(m.MsgType.OBSERVED),
+         _pack({"rid": 1, "from": frm, "seen": [bytes([198, 51, 100, 7]), 0]}), "malformed"),
+        ("reach_probe short nonce", int(m.MsgType.REACH_PROBE),
+         _pack({"rid": 1, "from": frm, "nonce": bytes(15), "avoid": []}), "malformed"),
+        ("reach_probe 17 avoided", int(m.MsgType.REACH_PROBE),
+         _pack({"rid": 1, "from": frm, "nonce": NAT_NONCE, "avoid": [bytes(32)] * 17}), "malformed"),
+        ("probe_ask multicast target", int(m.MsgType.PROBE_ASK),
+         _pack({"rid": 1, "from": frm, "target": [bytes(32), bytes([224, 0, 0, 1]), 7000], "nonce": NAT_NONCE}),
+         "malformed"),
+        ("intro target of 31 bytes", int(m.MsgType.INTRO), _pack({"rid": 1, "from": frm, "target": bytes(31)}),
+         "malformed"),
+        ("connect without peer", int(m.MsgType.CONNECT), _pack({"rid": 1, "from": frm, "peer": None}), "malformed"),
+        ("relay data shorter than a sealed datagram", int(m.MsgType.RELAY),
+         _pack({"rid": 1, "from": frm, "to": bytes(32), "data": bytes(36)}), "malformed"),
+        ("relay data over 4096 bytes", int(m.MsgType.RELAY),
+         _pack({"rid": 1, "from": frm, "to": bytes(32), "data": bytes(4097)}), "malformed"),
+        ("relayed data as str", int(m.MsgType.RELAYED),
+         _pack({"rid": 1, "from": frm, "src": bytes(32), "data": "x" * 40}), "malformed"),
     ]
     # Self-check: every case fails (or passes) exactly as documented.
     for name, mode, prior, dgram, reason in datagrams:

@@ -86,8 +86,16 @@ def body_from_fields(fields: dict) -> dict:
         if k == "from":
             addr = None if v["addr"] is None else m.pack_addr(*v["addr"])
             out[k] = {"pk": h(v["pk"]), "sig": h(v["sig"]), "addr": addr}
-        elif k in ("target", "sha", "data") or (k == "run" and "sha" in fields):  # binary (state sync: bin run)
-            out[k] = h(v)
+        elif k == "target" and isinstance(v, list):  # PROBE_ASK: a contact
+            out[k] = m.pack_contact(h(v[0]), v[1], v[2])
+        elif k in ("target", "sha", "data", "nonce", "to", "src") or (k == "run" and "sha" in fields):  # binary
+            out[k] = h(v)  # (state sync: a bin run)
+        elif k == "seen":  # OBSERVED: an address
+            out[k] = m.pack_addr(*v)
+        elif k == "peer":  # INTRO_OK, CONNECT: a contact, or nil
+            out[k] = None if v is None else m.pack_contact(h(v[0]), v[1], v[2])
+        elif k == "avoid":  # REACH_PROBE: node ids
+            out[k] = [h(i) for i in v]
         elif k == "key":  # binary in FIND_VALUE, text (a group key) in MM_JOIN
             out[k] = v if "run" in fields else h(v)
         elif k in ("nodes", "members"):  # contacts, and MM_BEGIN's [pk, ip, port] (same shape)

@@ -38,6 +38,18 @@ class MsgType(IntEnum):
     REPORT = 0x10  # one-way: a receiver's account of an interval of one sender's stream, for its pacing
     STATE_GET = 0x18  # state sync: ask a donor for a byte range of a training-state snapshot
     STATE_CHUNK = 0x19  # state sync: the bytes of that range
+    # NAT traversal (PROTOCOL.md section 18): 0x20..0x2F
+    OBSERVE = 0x20  # where do you see me? (answered with the request's source address)
+    OBSERVED = 0x21
+    REACH_PROBE = 0x22  # have a third node probe me unsolicited, at the address you see
+    REACH_PROBED = 0x23
+    PROBE_ASK = 0x24  # one-way, helper -> prober: send a PROBE to this contact
+    PROBE = 0x25  # one-way, prober -> target: the unsolicited datagram
+    INTRO = 0x26  # introducer, tell this node to punch towards me
+    INTRO_OK = 0x27
+    CONNECT = 0x28  # one-way, introducer -> target: punch towards this peer now
+    RELAY = 0x29  # one-way: relay, pass this sealed datagram on to that node
+    RELAYED = 0x2A  # one-way, relay -> destination: a sealed datagram from that node
 
 
 # Control types are 0x01..0x3F (0x10..0x3F reserved for matchmaking and later control);
@@ -51,6 +63,9 @@ REQUESTS = {
     MsgType.MM_JOIN: MsgType.MM_JOINED,
     MsgType.MM_BEGIN: MsgType.MM_BEGUN,
     MsgType.STATE_GET: MsgType.STATE_CHUNK,
+    MsgType.OBSERVE: MsgType.OBSERVED,
+    MsgType.REACH_PROBE: MsgType.REACH_PROBED,
+    MsgType.INTRO: MsgType.INTRO_OK,
 }
 
 ID_SIZE = 32
@@ -67,6 +82,13 @@ MAX_BODY = 65507  # the largest UDP payload; the MTU limits what a sender actual
 MAX_STATE_RUN = 96  # state sync: a run key (a run id of at most 64 bytes, "/", the layout hash)
 MAX_CHUNK = 4096  # state sync: bytes in one STATE_CHUNK (the decoder's binary limit; the MTU is lower)
 SHA256_SIZE = 32
+NONCE_SIZE = 16  # NAT traversal: a reachability probe's nonce
+MAX_AVOID = 16  # NAT traversal: node ids a REACH_PROBE asks the helper not to use as prober
+MIN_RELAYED = 37  # a sealed datagram: 21-byte header and 16-byte tag, at least
+MAX_RELAYED = 4096  # NAT traversal: bytes of one relayed datagram (the MTU keeps it lower)
+# What a RELAY (or RELAYED) adds around its inner datagram, sealed, at most: header and tag (37), ``rid`` and
+# ``from`` with an IPv6 ``addr`` (at most 154 - 1 for the map header), the keys, a node id and a bin16 header.
+RELAY_OVERHEAD = 240
 
 
 def _port(v: Any) -> int:
@@ -187,6 +209,20 @@ SCHEMAS.update({
     },
     MsgType.MM_BEGUN: {**_COMMON, "ok": s.boolean},
     MsgType.MM_DISBAND: {**_COMMON, "run": s.text(MAX_RUN), "round": s.uint(32)},
+})
+SCHEMAS.update({
+    MsgType.OBSERVE: dict(_COMMON),
+    MsgType.OBSERVED: {**_COMMON, "seen": ADDR},  # the OBSERVE's source address, as the responder saw it
+    MsgType.REACH_PROBE: {**_COMMON, "nonce": s.binary(NONCE_SIZE, NONCE_SIZE),
+                          "avoid": s.array_of(NODE_ID, MAX_AVOID)},
+    MsgType.REACH_PROBED: {**_COMMON, "ok": s.boolean},  # true: a prober was asked
+    MsgType.PROBE_ASK: {**_COMMON, "target": CONTACT, "nonce": s.binary(NONCE_SIZE, NONCE_SIZE)},
+    MsgType.PROBE: {**_COMMON, "nonce": s.binary(NONCE_SIZE, NONCE_SIZE)},
+    MsgType.INTRO: {**_COMMON, "target": NODE_ID},
+    MsgType.INTRO_OK: {**_COMMON, "peer": s.optional(CONTACT)},  # the target as the introducer reached it
+    MsgType.CONNECT: {**_COMMON, "peer": CONTACT},  # the requester as the introducer saw it
+    MsgType.RELAY: {**_COMMON, "to": NODE_ID, "data": s.binary(MIN_RELAYED, MAX_RELAYED)},
+    MsgType.RELAYED: {**_COMMON, "src": NODE_ID, "data": s.binary(MIN_RELAYED, MAX_RELAYED)},
 })
 _VALIDATORS = {t: s.struct(f) for t, f in SCHEMAS.items()}
 
