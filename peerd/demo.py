@@ -57,7 +57,8 @@ class DemoConfig:
     robust: str = "off"  # every trainer's robust aggregation option
     link: str | None = None  # a link lab (root): every peer in its own namespace on a link shaped at this rate
     link_loss: float = 0.0  # ... dropping this fraction of each peer's incoming packets (nftables, all protocols)
-    mode: str = "sync"  # sync | diloco (`peerd train --mode`)
+    mode: str = "sync"  # sync | overlap | diloco (`peerd train --mode`)
+    bucket_mb: float | None = None  # overlap: gradient bucket size (None: `peerd train`'s default)
     sync_every: int = 50  # diloco: H
     fragments: int = 1  # diloco: F (streaming)
     model: str = "mlp"  # mlp (4,810 parameters) | wide (2.24 M: communication matters at 100 Mbit)
@@ -130,7 +131,9 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
         raise RuntimeError(f"byzantine must be in [0, {cfg.peers}): at least one peer must be honest")
     if cfg.baseline not in (None, "gloo"):
         raise RuntimeError(f"baseline {cfg.baseline!r}: expected gloo")
-    if cfg.baseline and (cfg.mode != "sync" or cfg.byzantine or cfg.join_late or cfg.dropcompute != "off"):
+    if cfg.mode not in ("sync", "overlap", "diloco"):
+        raise RuntimeError(f"mode {cfg.mode!r}: expected sync, overlap or diloco")
+    if cfg.baseline and (cfg.mode == "diloco" or cfg.byzantine or cfg.join_late or cfg.dropcompute != "off"):
         raise RuntimeError("baseline gloo compares plain training: no diloco, byzantine peers, late joiners or "
                            "DropCompute with it")
     try:
@@ -158,8 +161,12 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                    "--progress", "json", "--out", os.path.join(workdir, f"result{i}.json"), "--model", cfg.model]
             if cfg.keep_rounds is not None:
                 cmd += ["--keep-rounds", str(cfg.keep_rounds)]
-            if cfg.mode != "sync":
+            if cfg.mode == "diloco":
                 cmd += ["--mode", cfg.mode, "--sync-every", str(cfg.sync_every), "--fragments", str(cfg.fragments)]
+            elif cfg.mode != "sync":
+                cmd += ["--mode", cfg.mode]
+            if cfg.mode == "overlap" and cfg.bucket_mb is not None:
+                cmd += ["--bucket-mb", str(cfg.bucket_mb)]
             if micro_batches(cfg) is not None:
                 cmd += ["--micro", str(micro_batches(cfg))]
             if cfg.robust != "off":

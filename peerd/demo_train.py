@@ -35,6 +35,7 @@ def load_digits_split() -> tuple[Any, Any, Any, Any]:
 
 
 MODELS = ("mlp", "wide")
+BUCKET_MB = 4.0  # --bucket-mb's default: peerd.torch.overlap.DEFAULT_BUCKET_MB (not imported: no torch here)
 WIDE_HIDDEN = (2048, 1024)  # the wide model's hidden layers: 2,241,546 parameters (9 MB of float32)
 
 
@@ -135,9 +136,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print only the final result, as one JSON object (text progress goes to stderr)")
     p.add_argument("--out", metavar="PATH", help="write the final result (JSON, with the parameters) here")
-    p.add_argument("--mode", choices=["sync", "diloco"], default="sync",
-                   help="sync: average gradients every step (and parameters every K); diloco: H local Adam steps, "
-                        "then an outer Nesterov step on the swarm's averaged pseudo-gradient (default sync)")
+    p.add_argument("--mode", choices=["sync", "overlap", "diloco"], default="sync",
+                   help="sync: average gradients every step (and parameters every K); overlap: the same, each "
+                        "bucket's average overlapping backward and the next forward (DeAR); diloco: H local Adam "
+                        "steps, then an outer Nesterov step on the swarm's averaged pseudo-gradient (default sync)")
+    p.add_argument("--bucket-mb", type=float, default=BUCKET_MB, metavar="MB",
+                   help=f"overlap: gradient bucket size in MB of float32 (default {BUCKET_MB:g})")
     p.add_argument("--sync-every", type=_positive_int, default=50, metavar="H",
                    help="diloco: inner steps between a fragment's outer steps (default 50)")
     p.add_argument("--fragments", type=_positive_int, default=1, metavar="F",
@@ -207,6 +211,7 @@ def run_train(args: argparse.Namespace) -> int:
             print(_progress_line(record), file=sys.stderr if args.json else sys.stdout, flush=True)
 
     diloco = getattr(args, "mode", "sync") == "diloco"
+    overlap = getattr(args, "mode", "sync") == "overlap"
     try:
         if diloco:
             # the per-K parameter averages of sync mode are off: the outer steps keep the replicas together
@@ -219,7 +224,8 @@ def run_train(args: argparse.Namespace) -> int:
             opt = Optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,
                             timeout_s=args.timeout, average_params_every=args.average_every,
                             sync_state=not args.no_sync, state_every=args.state_every,
-                            robust=args.robust, max_samples=args.max_samples,
+                            robust=args.robust, max_samples=args.max_samples, overlap=overlap, model=model,
+                            bucket_mb=getattr(args, "bucket_mb", BUCKET_MB),
                             **({} if args.keep_rounds is None else {"keep_rounds": args.keep_rounds}))
     except (DaemonError, ValueError) as e:
         print(f"peerd: error: {e}", file=sys.stderr)
@@ -248,10 +254,12 @@ def run_train(args: argparse.Namespace) -> int:
             opt.zero_grad()
             dc.start_step()
             losses = []
-            for _ in range(args.micro):
+            for k in range(args.micro):
                 if not dc.keep_going():
                     break
                 idx = shard[rng.integers(0, len(shard), micro)]
+                if overlap and dc.decide_last(k, args.micro):
+                    opt.last_microbatch(dc.samples + len(idx))  # its backward hands the buckets out
                 with dc.microbatch(len(idx)):
                     xb, yb = torch.from_numpy(x_train[idx]), torch.from_numpy(y_train[idx])
                     loss = F.cross_entropy(model(xb), yb, reduction="sum")
@@ -302,6 +310,7 @@ def run_train(args: argparse.Namespace) -> int:
                 record["accuracy"] = acc
                 record["t"] = time.monotonic()
             emit(record)
+        opt.flush()  # overlap: the last step's updates
         # Lost datagrams and rounds without a group leave replicas slightly apart: end on a common point.
         final_rounds = []
         for _ in range(0 if diverged or diloco else max(0, args.final_average)):
@@ -331,7 +340,7 @@ def run_train(args: argparse.Namespace) -> int:
         "final_average": final_rounds, "keep_rounds": opt.keep_rounds,
         "kept_rounds": opt.kept_rounds, "nonfinite_rounds": opt.nonfinite_rounds, "robust": args.robust,
         "params_finite": bool(np.isfinite(flat).all()), "diverged": diverged,
-        "mode": "diloco" if diloco else "sync", "tensor_bytes": tensor_bytes,
+        "mode": args.mode if hasattr(args, "mode") else "sync", "tensor_bytes": tensor_bytes,
         "step_s": float(np.median(step_times)) if step_times else 0.0,
         "t_end": time.monotonic(),  # monotonic clock, shared by the host's processes (the start event has "t")
     }

@@ -306,3 +306,24 @@ def test_bucket_requests_are_bounded(daemon) -> None:
     with pytest.raises(DaemonError, match="NaN"):
         c.call("trainer_bucket", session=opt.session, step=5, bucket=0, offset=0, length=4)
     opt.close()
+
+
+def test_dropcompute_decides_the_last_micro_batch_before_its_forward() -> None:
+    from peerd.torch import DropCompute
+
+    now = [0.0]
+    dc = DropCompute(0.25, workers=2, clock=lambda: now[0])
+    dc.start_step()
+    decided = []
+    for k in range(8):
+        if not dc.keep_going():
+            break
+        decided.append(dc.decide_last(k, 8))
+        with dc.microbatch(4):
+            now[0] += 0.1
+    # after 2 micro-batches (0.2 s) the third would end at 0.3 s > tau: it is the last, decided before it ran
+    assert decided == [False, False, True] and dc.samples == 12 and dc.dropped == 1
+    dc.end_step()
+    dc2 = DropCompute(None, workers=2, clock=lambda: now[0])
+    dc2.start_step()
+    assert [dc2.decide_last(k, 3) for k in range(3)] == [False, False, True]  # no threshold: the last of total

@@ -226,6 +226,7 @@ class DropCompute:
         self._start = 0.0
         self._last: tuple[float, float] | None = None  # (start, compute time) of the step before this one
         self._probe = False
+        self._closing = False  # decide_last said the micro-batch under way is the step's last
 
     def start_step(self) -> None:
         now = self.clock()
@@ -237,6 +238,7 @@ class DropCompute:
         self._start = now
         self._times = []
         self.samples = 0
+        self._closing = False
         # "auto" runs the warm-up in full; "steps" also runs one probe step every ``probe_every``. Those
         # estimates log only full steps, never thresholded ones, whose times the threshold itself cut short.
         self._probe = self.mode == "auto" and (
@@ -249,10 +251,23 @@ class DropCompute:
 
     def keep_going(self) -> bool:
         """Start another micro-batch? Always the first; then only while the step has run under tau."""
-        if not self._times or self._probe or self.elapsed() < self.tau - EPS:
+        if not self._times or (not self._closing and (self._probe or self.elapsed() < self.tau - EPS)):
             return True
         self.dropped += 1
         return False
+
+    def decide_last(self, index: int, total: int) -> bool:
+        """Before the forward of micro-batch ``index`` (0-based) of ``total``, which keep_going() allowed: will it
+        be the step's last? With overlap its backward already sends the gradients (peerd.torch.Optimizer's
+        ``last_microbatch``), so this is decided before it runs: the last of ``total``, or (thresholded) when the
+        step will have run past tau by its end at this step's mean micro-batch time. A True commits: keep_going()
+        refuses the next one."""
+        last = index >= total - 1
+        if not last and not self._probe and self.tau < INF and self._times:
+            mean = sum(self._times) / len(self._times)
+            last = self.elapsed() + mean >= self.tau - EPS
+        self._closing = self._closing or last
+        return last
 
     @contextmanager
     def microbatch(self, samples: int) -> Iterator[None]:
