@@ -1,0 +1,255 @@
+"""arc-topk in the average (peerd/allreduce/arctopk.py): three unchanged GroupAverage phases over the one in-memory
+network (peerd/sim/net.py, via tests/test_allreduce_core.Net) with exact loss patterns. The selection is agreed
+(or known not to be) under loss, members that do not know a selection are counted out of its rows, and EF21M
+through the wired path matches a reference replay of its update rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from peerd.allreduce import GroupAverage
+from peerd.allreduce.arctopk import (
+    SELECTION_COPIES,
+    ArcTopKPlan,
+    arc_topk_average,
+    matrix_shapes,
+    phase_group_id,
+    ratio_of_plan,
+)
+from peerd.allreduce.codec import peek_group
+from peerd.compress import codec
+from peerd.compress.topk import EF21M
+
+from .test_allreduce_core import AG_DATA, RS_DATA, Net, Wire
+
+SHAPES = [(48, 10), (30,), (20, 6), (9, 2, 3)]
+PAYLOAD = 4 * 40 + 20  # 40 fp32 values a datagram (the tensor header is 20 bytes)
+GROUP = 0x00A7C0DE
+RUN, ROUND = 0xFEED, 7
+
+
+def plan_for(n: int, ratio: float = 0.25, shapes=SHAPES, payload: int = PAYLOAD, dense=None) -> ArcTopKPlan:
+    return ArcTopKPlan.build(shapes, n, ratio, payload, dense)
+
+
+def run_group(plan: ArcTopKPlan, xs: list[np.ndarray], ws: list[float], drop=lambda phase, w: False,
+              efs: list[EF21M] | None = None, rnd: int = ROUND, dense=None) -> tuple[list, list]:
+    """Every member's arc_topk_average, phase by phase: a phase's GroupAverages run over one Net once every
+    member has handed in its vector. Returns (results, per phase: the Net that carried it)."""
+    n = len(xs)
+    nets: list = []
+    results: list = [None] * n
+
+    async def main() -> None:
+        pending: dict[int, dict[int, np.ndarray]] = {0: {}, 1: {}, 2: {}}
+        done = {p: trio.Event() for p in range(3)}
+        out: dict[int, list] = {}
+
+        def phase_of(w: Wire) -> int:
+            return [phase_group_id(GROUP, p) for p in range(3)].index(peek_group(w.body))
+
+        async def average(i: int, phase: int, gid: int, vector: np.ndarray):
+            pending[phase][i] = vector
+            if len(pending[phase]) == n:
+                c = dense if phase == 2 else None
+                cores = [GroupAverage(gid, n, k, pending[phase][k], ws[k], 0.0, max_payload=PAYLOAD, codec=c,
+                                      run=RUN) for k in range(n)]
+                net = Net(cores, drop=lambda w: drop(phase_of(w), w))
+                net.run(allow_late=True)
+                nets.append(net)
+                out[phase] = [c.result().copy() for c in cores]
+                done[phase].set()
+            await done[phase].wait()
+            return out[phase][i], None, 0
+
+        async def member(i: int) -> None:
+            results[i] = await arc_topk_average(lambda p, g, v: average(i, p, g, v), plan, GROUP, i, xs[i],
+                                                run=RUN, round=rnd, ef=efs[i] if efs else None, ef_key="g")
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(member, i)
+
+    trio.run(main)
+    return results, nets
+
+
+def inputs(n: int, length: int, seed: int) -> tuple[list[np.ndarray], list[float]]:
+    rng = np.random.default_rng(seed)
+    return ([(rng.standard_normal(length) * (1 + i)).astype(np.float32) for i in range(n)],
+            [float(w) for w in rng.integers(1, 20, n)])
+
+
+def wmean(vs: list[np.ndarray], ws: list[float], who) -> np.ndarray:
+    who = list(who)
+    return sum(ws[k] * vs[k].astype(np.float64) for k in who) / sum(ws[k] for k in who)
+
+
+def exact_selection(plan: ArcTopKPlan, vs, ws, who=None) -> list[list[np.ndarray]]:
+    lay = plan.layout
+    sk = wmean([lay.sketch(v, RUN, ROUND) for v in vs], ws, who or range(len(vs))).astype(np.float32)
+    return [lay.select(j, sk[slice(*lay.sketch_shard(j))]) for j in range(lay.n)]
+
+
+def test_no_loss_every_member_knows_every_selection_and_holds_the_same_rows() -> None:
+    plan = plan_for(4)
+    xs, ws = inputs(4, plan.layout.length, 1)
+    res, nets = run_group(plan, xs, ws)
+    lay = plan.layout
+    sel = exact_selection(plan, xs, ws)
+    exact = wmean(xs, ws, range(4))
+    for r in res:
+        assert r.known == 4 and r.got_fraction == 1.0
+    for j in range(4):
+        idx = lay.dense_index(j, sel[j])
+        for i, r in enumerate(res):
+            np.testing.assert_allclose(r.vector[idx], exact[idx], rtol=0, atol=1e-5)
+            assert np.array_equal(r.vector[idx], res[0].vector[idx])  # replicas agree bit for bit
+            rest = np.setdiff1d(lay.shard_elements(j), idx)
+            assert np.array_equal(r.vector[rest], xs[i][rest])  # rows not selected: own values
+        # top-k per (tensor, shard) piece: k = ceil(ratio * rows of the piece)
+        assert [len(s) for s in sel[j]] == [p.k for p in lay.pieces(j)]
+    # whole tensors are always averaged: the 30-element vector
+    whole = np.arange(480, 510)
+    np.testing.assert_allclose(res[2].vector[whole], exact[whole], atol=1e-5)
+
+
+def test_a_member_that_lost_every_copy_of_a_selection_is_counted_out_of_its_rows() -> None:
+    plan = plan_for(4)
+    xs, ws = inputs(4, plan.layout.length, 2)
+    lay = plan.layout
+
+    def drop(phase: int, w: Wire) -> bool:  # member 2 never hears owner 0's selection (every copy)
+        return phase == 1 and w.mtype == AG_DATA and w.src == 0 and w.dst == 2
+
+    res, _ = run_group(plan, xs, ws, drop)
+    assert [r.known for r in res] == [4, 4, 3, 4]
+    sel = exact_selection(plan, xs, ws)
+    idx = lay.dense_index(0, sel[0])
+    without_2 = wmean(xs, ws, (0, 1, 3))  # member 2's rows never reach owner 0: not averaged into any row
+    for i in (0, 1, 3):
+        np.testing.assert_allclose(res[i].vector[idx], without_2[idx], rtol=0, atol=1e-5)
+        assert np.array_equal(res[i].vector[idx], res[0].vector[idx])
+    shard0 = lay.shard_elements(0)
+    assert np.array_equal(res[2].vector[shard0], xs[2][shard0])  # it keeps its own values there
+    for j in (1, 2, 3):  # the other shards are averaged by everyone
+        jdx = lay.dense_index(j, sel[j])
+        assert all(np.array_equal(r.vector[jdx], res[j].vector[jdx]) for r in res)
+
+
+def test_one_lost_copy_is_not_a_lost_selection_and_hostile_words_are_refused() -> None:
+    plan = plan_for(3)
+    xs, ws = inputs(3, plan.layout.length, 3)
+    copy0 = plan.copy_size
+
+    def drop(phase: int, w: Wire) -> bool:  # the first datagram of copy 0 of every owner's selection, to everyone
+        j = w.src
+        return phase == 1 and w.mtype == AG_DATA and w.offset == j * plan.selection_segment
+
+    res, _ = run_group(plan, xs, ws, drop)
+    assert all(r.known == 3 for r in res)
+
+    def drop_all(phase: int, w: Wire) -> bool:  # the first datagram of every copy: nobody learns another's
+        starts = {w.src * plan.selection_segment + c * copy0 for c in range(SELECTION_COPIES)}
+        return phase == 1 and w.mtype == AG_DATA and w.offset in starts
+
+    res, _ = run_group(plan, xs, ws, drop_all)
+    assert all(r.known == 1 for r in res)
+    for i, r in enumerate(res):  # each averaged only its own shard's rows (alone there: its own values)
+        assert np.array_equal(np.delete(r.vector, plan.layout.shard_elements(i)),
+                              np.delete(xs[i], plan.layout.shard_elements(i)))
+    # a selection vector whose words name the wrong number of rows, or are not integers, is no selection
+    sel = plan.layout.select(0, plan.own_sketch(plan.sketch_vector(xs[0], RUN, ROUND), 0))
+    good = plan.selection_vector(0, sel)
+    assert plan.read_selection(good, 0) is not None
+    for bad_value in (0.5, -1.0, float(1 << 24)):
+        bad = good.copy()
+        for c in range(SELECTION_COPIES):
+            bad[c * copy0] = bad_value
+        assert plan.read_selection(bad, 0) is None
+    flipped = good.copy()
+    for c in range(SELECTION_COPIES):
+        flipped[c * copy0] = float(int(good[c * copy0]) ^ 1)  # one row more or less in a piece
+    assert plan.read_selection(flipped, 0) is None
+
+
+def test_lost_dense_ranges_count_only_their_rows() -> None:
+    plan = plan_for(4)
+    xs, ws = inputs(4, plan.layout.length, 4)
+    lay = plan.layout
+    seg1 = plan.dense_segment  # owner 1's dense segment starts here
+
+    def drop(phase: int, w: Wire) -> bool:
+        if phase != 2:
+            return False
+        if w.mtype == RS_DATA and w.src == 3 and w.dst == 1 and w.offset == seg1:  # 3's first range to owner 1
+            return True
+        return w.mtype == AG_DATA and w.src == 1 and w.dst == 2 and w.offset == seg1  # 1's first range to 2
+
+    res, _ = run_group(plan, xs, ws, drop)
+    sel = exact_selection(plan, xs, ws)
+    idx = lay.dense_index(1, sel[1])
+    first = idx[: plan.dense_per - 1]  # the values of the first range (after its canary)
+    np.testing.assert_allclose(res[1].vector[first], wmean(xs, ws, (0, 1, 2))[first], atol=1e-5)
+    np.testing.assert_allclose(res[1].vector[idx[len(first):]], wmean(xs, ws, range(4))[idx[len(first):]], atol=1e-5)
+    assert np.array_equal(res[2].vector[first], xs[2][first])  # its all-gather range was lost: own values
+    assert np.array_equal(res[0].vector[first], res[1].vector[first])
+    assert res[2].got_fraction < 1.0 and res[0].got_fraction == 1.0
+
+
+def reference_ef21m(plan: ArcTopKPlan, grads: list[list[np.ndarray]], ws: list[float], eta: float) -> list:
+    """EF21M's rule replayed without any of the wired code: h, e per member; v = h - e; rows selected from the
+    exact weighted mean of the sketches of v; u += weighted mean of C(v) on them; e += C(v)."""
+    n, lay = len(ws), plan.layout
+    h = [None] * n
+    e = [np.zeros(lay.length, np.float64) for _ in range(n)]
+    u = np.zeros(lay.length, np.float64)
+    for rnd, gs in enumerate(grads):
+        for i in range(n):
+            h[i] = gs[i].astype(np.float64) if h[i] is None else (1 - eta) * h[i] + eta * gs[i]
+        vs = [(h[i] - e[i]).astype(np.float32) for i in range(n)]
+        sk = wmean([lay.sketch(v, RUN, rnd) for v in vs], ws, range(n)).astype(np.float32)
+        mask = np.zeros(lay.length, bool)
+        for j in range(n):
+            mask[lay.dense_index(j, lay.select(j, sk[slice(*lay.sketch_shard(j))]))] = True
+        u[mask] += wmean(vs, ws, range(n))[mask]
+        for i in range(n):
+            e[i][mask] += vs[i][mask]
+    return u
+
+
+def test_ef21m_through_the_wired_path_matches_a_reference_replay() -> None:
+    plan = plan_for(3, ratio=0.2)
+    n, eta = 3, 0.3
+    rng = np.random.default_rng(9)
+    grads = [[rng.standard_normal(plan.layout.length).astype(np.float32) for _ in range(n)] for _ in range(5)]
+    ws = [1.0, 2.0, 5.0]
+    efs = [EF21M(eta) for _ in range(n)]
+    for rnd, gs in enumerate(grads):
+        res, _ = run_group(plan, gs, ws, efs=efs, rnd=rnd)
+        assert all(np.array_equal(r.vector, res[0].vector) for r in res)  # every member's u is the same
+    u = reference_ef21m(plan, grads, ws, eta)
+    np.testing.assert_allclose(res[0].vector, u, rtol=0, atol=1e-4)
+    assert np.abs(u).max() > 0.1  # (not a vacuous comparison)
+
+
+def test_bf16_dense_rows_and_the_codecs_it_refuses() -> None:
+    bf16 = codec("bf16")
+    plan = plan_for(3, dense=bf16)
+    xs, ws = inputs(3, plan.layout.length, 5)
+    res, _ = run_group(plan, xs, ws, dense=bf16)
+    sel = exact_selection(plan, xs, ws)
+    idx = plan.layout.dense_index(1, sel[1])
+    np.testing.assert_allclose(res[0].vector[idx], wmean(xs, ws, range(3))[idx], rtol=2**-7, atol=1e-2)
+    assert all(np.array_equal(r.vector[idx], res[0].vector[idx]) for r in res)
+    for name in ("fp16", "int8"):
+        with pytest.raises(ValueError, match="dense rows travel in"):
+            plan_for(3, dense=codec(name))
+
+
+def test_wire_ratio_of_the_plan_at_6250x1000() -> None:
+    plan = ArcTopKPlan.build(matrix_shapes(25_000_000, 6250, 1000), 4, 0.1, 1200 - 37)
+    assert ratio_of_plan(plan) <= 0.106
+    assert matrix_shapes(10, 2, 3) == [(2, 3), (4,)]
