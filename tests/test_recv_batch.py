@@ -5,6 +5,7 @@ datagram and arena limits), and every bound is checked."""
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import random
 import socket
@@ -23,8 +24,10 @@ from peerd.transport.udp import NATIVE_RECV, RECV_BUFFER, UdpSocket
 from peerd.wire import Identity
 from peerd.wire import messages as m
 from peerd.wire.envelope import FLAG_NO_RECEIVER, FLAG_SEALED, HEADER, MAGIC, VERSION
+from peerd.wire.native import native
 
 pytestmark = pytest.mark.skipif(NATIVE_RECV is None, reason="the native extension (recv_batch) is not built")
+RATION = getattr(native, "Ration", None)
 
 
 def _header(mtype: int, token: int) -> bytes:
@@ -339,32 +342,54 @@ def _junk(rng: random.Random) -> list[bytes]:
     return out
 
 
-def test_the_screen_refuses_what_the_python_triage_refuses_and_answers_members() -> None:
+@pytest.mark.parametrize("in_c", [False, True], ids=["python-limiter", "c-table"])
+def test_the_screen_refuses_what_the_python_triage_refuses_and_answers_members(in_c: bool) -> None:
     """The same junk (all kinds) and a member's PINGs (its token unknown until its first one opens) to an endpoint
     on the native pass with the screen and to one on the Python loop: the same refusals, counted the same, and the
-    member is answered by both. The rationing is made deterministic (a source gets 2 failures, then none)."""
+    member is answered by both. The rationing is made deterministic (a source gets 2 failures, then none).
+    ``in_c``: the screening endpoint's limiter is the C table, so the pass rations in C (dataplane.c recv_batch's
+    ``ration``); the Python loop keeps the reference AuthLimiter."""
+    from peerd.transport.guard import NativeAuthLimiter
+
+    if in_c and RATION is None:
+        pytest.skip("the native extension has no Ration")
+
     async def main() -> None:
         eps = []
         for native_receive in (True, False):
             sock = UdpSocket(_bind(socket.AF_INET), buffer_bytes=4 << 20, native_receive=native_receive)
-            core = TransportCore(random.Random(1), auth_limiter=AuthLimiter(failure_rate=1e-6, failure_burst=2))
+            kind = NativeAuthLimiter if in_c and native_receive else AuthLimiter
+            core = TransportCore(random.Random(1), auth_limiter=kind(failure_rate=1e-6, failure_burst=2))
             eps.append(Endpoint(sock, Identity.generate(), SECRET, Metrics(), core=core))
+        limited: list[int] = []  # what the C pass refused itself, pass by pass
+        recv_screened = eps[0].sock.recv_screened
+
+        async def spy(*args):  # type: ignore[no-untyped-def]
+            result = await recv_screened(*args)
+            if len(result) > 5 and result[6]:
+                limited.append(result[5])
+            return result
+
+        eps[0].sock.recv_screened = spy  # type: ignore[method-assign]
         member = Endpoint(UdpSocket(_bind(socket.AF_INET)), Identity.generate(), SECRET, Metrics())
         attacker, other = _bind(socket.AF_INET), _bind(socket.AF_INET)  # other: the unsealed ones (kind 6)
         junk = _junk(random.Random(3))
+        waves = 2  # the second in passes of its own: a source rationed in the first is refused in C in the second
         async with trio.open_nursery() as nursery:
             for ep in (*eps, member):
                 nursery.start_soon(ep.serve)
             assert getattr(eps[0].sock, "screens", False) and not eps[1].sock.screens
             for ep in eps:
                 addr = ep.sock.getsockname()
-                for i, d in enumerate(junk):
-                    (other if i % 9 == 6 else attacker).sendto(d, addr)
-                with trio.fail_after(10):
-                    await member.request(addr, m.MsgType.PING, {})  # first contact: its token is unknown
-                    await member.request(addr, m.MsgType.PING, {})
-                    while ep.sock.received < len(junk) + 2:
-                        await trio.sleep(0.01)
+                for wave in range(waves):
+                    for i, d in enumerate(junk):
+                        (other if i % 9 == 6 else attacker).sendto(d, addr)
+                    with trio.fail_after(10):
+                        if not wave:
+                            await member.request(addr, m.MsgType.PING, {})  # first contact: its token is unknown
+                            await member.request(addr, m.MsgType.PING, {})
+                        while ep.sock.received < (wave + 1) * len(junk) + 2:
+                            await trio.sleep(0.01)
                 await trio.sleep(0.05)
                 ep._flush_counts()
             nursery.cancel_scope.cancel()
@@ -375,12 +400,14 @@ def test_the_screen_refuses_what_the_python_triage_refuses_and_answers_members()
         assert {"malformed", "version", "auth", "auth_limited"} <= set(native)
         # the attacker's source: two derivations that failed, then rationed; the other's: 33 unsealed, each auth
         sealed_long = sum(1 for i in range(300) if i % 9 >= 7)  # kinds 7 and 8
-        assert native["auth"] == 2 + 33 and native["auth_limited"] == sealed_long - 2
+        assert native["auth"] == 2 + 33 * waves and native["auth_limited"] == waves * sealed_long - 2
+        if in_c and "rationed" in inspect.signature(Endpoint._receive_screened).parameters:
+            assert sum(limited) >= sealed_long  # the second wave's, at least, never left C
         for ep in eps:
             assert counter_value(ep.metrics.datagrams_received, type="ping") == 2
             ep.sock.close()
         assert counter_value(eps[0].metrics.bytes_received) == counter_value(eps[1].metrics.bytes_received)
-        assert counter_value(eps[0].metrics.bytes_received) > sum(map(len, junk))
+        assert counter_value(eps[0].metrics.bytes_received) > waves * sum(map(len, junk))
         member.sock.close()
 
     trio.run(main)
@@ -392,7 +419,6 @@ def counter_value(counter, **labels) -> float:  # type: ignore[no-untyped-def]
 
 
 # -- rationing in C (dataplane.c Ration, recv_batch's ``ration``) against guard.AuthLimiter and the Python loop -----
-RATION = getattr(__import__("peerd.wire.native", fromlist=["native"]).native, "Ration", None)
 needs_ration = pytest.mark.skipif(RATION is None, reason="the native extension has no Ration")
 
 

@@ -822,6 +822,13 @@ static int ration_ready(RationObject *self) {
     return 1;
 }
 
+/* A non-finite time or count would stick in a bucket (NaN compares false: never empty again): refused. */
+static int finite_args(double now, double count) {
+    if (isfinite(now) && isfinite(count)) return 1;
+    PyErr_SetString(PyExc_ValueError, "now and count must be finite");
+    return 0;
+}
+
 PyDoc_STRVAR(Ration_may_derive_doc,
 "may_derive(source, now) -> bool or None\n--\n\n"
 "AuthLimiter.may_derive; None (nothing changed) when ``source`` is not an IP (host, port).");
@@ -829,7 +836,7 @@ PyDoc_STRVAR(Ration_may_derive_doc,
 static PyObject *Ration_may_derive(RationObject *self, PyObject *args) {
     PyObject *src;
     double now;
-    if (!PyArg_ParseTuple(args, "Od", &src, &now) || !ration_ready(self)) return NULL;
+    if (!PyArg_ParseTuple(args, "Od", &src, &now) || !ration_ready(self) || !finite_args(now, 1)) return NULL;
     Source s;
     int ok = parse_source(src, &s);
     if (ok < 0) return NULL;
@@ -844,7 +851,8 @@ PyDoc_STRVAR(Ration_failed_doc,
 static PyObject *Ration_failed(RationObject *self, PyObject *args) {
     PyObject *src;
     double now, count = 1;
-    if (!PyArg_ParseTuple(args, "Od|d", &src, &now, &count) || !ration_ready(self)) return NULL;
+    if (!PyArg_ParseTuple(args, "Od|d", &src, &now, &count) || !ration_ready(self) || !finite_args(now, count))
+        return NULL;
     Source s;
     int ok = parse_source(src, &s);
     if (ok < 0) return NULL;
@@ -858,7 +866,7 @@ PyDoc_STRVAR(Ration_derive_doc,
 
 static PyObject *Ration_derive(RationObject *self, PyObject *args) {
     double now;
-    if (!PyArg_ParseTuple(args, "d", &now) || !ration_ready(self)) return NULL;
+    if (!PyArg_ParseTuple(args, "d", &now) || !ration_ready(self) || !finite_args(now, 1)) return NULL;
     if (!self->derive_started) {
         self->derive_tokens = self->derive_burst;
         self->derive_at = now;

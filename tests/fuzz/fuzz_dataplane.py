@@ -2,7 +2,8 @@
 
 Run by tests/fuzz/run.sh, which builds an ASan copy of the extension into a temp dir and preloads gcc's libasan
 (``PEERD_ASAN_NATIVE`` is that copy's path). Each input picks an entry point (Aead(), seal_block, open_block,
-frame_block, place_rows, first_nonfinite, recv_batch over a loopback socket) and arguments: buffers of exact
+frame_block, place_rows, first_nonfinite, recv_batch over a loopback socket, with its junk screen and a Ration
+table; Ration's methods) and arguments: buffers of exact
 sizes (ctypes arrays, malloc'd apart under PYTHONMALLOC=malloc, so a byte read or written past one is an ASan
 report), offsets, strides, counts and lengths that are right, nearly
 right or wild. A call may raise ValueError, OverflowError or TypeError (the bounds it checks); anything else, or
@@ -27,7 +28,7 @@ import numpy as np
 
 HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
-ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch")
+ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -108,6 +109,10 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
         return
     if which == 6:
         receive(fdp)
+        return
+    if which == 7:
+        ration(fdp)
+        return
         return
     if which >= 4:
         rows_only(fdp, which)
@@ -224,6 +229,72 @@ def _sockets() -> tuple[socket.socket, socket.socket]:
     return _pair
 
 
+# Tables that live across inputs (so that eviction, refills and passes build up), and the sources they are fed.
+RATIONS: list = []
+HOSTS = ("127.0.0.1", "10.0.0.1", "::1", "fe80::1", "::ffff:1.2.3.4", "255.255.255.255", "0.0.0.0")
+
+
+def _source(fdp: atheris.FuzzedDataProvider) -> object:
+    kind = fdp.ConsumeIntInRange(0, 15)
+    if kind < 11:
+        return (HOSTS[kind % len(HOSTS)], fdp.ConsumeIntInRange(0, 70000) if kind > 8 else fdp.ConsumeIntInRange(0, 9))
+    if kind == 11:
+        return (fdp.ConsumeUnicode(fdp.ConsumeIntInRange(0, 60)), fdp.ConsumeIntInRange(-5, 5))
+    if kind == 12:
+        return ("::1%lo", 1)
+    if kind == 13:
+        return ("127.0.0.1", 1, 0, 0)
+    if kind == 14:
+        return (b"127.0.0.1", 1)
+    return None
+
+
+def _table(fdp: atheris.FuzzedDataProvider):  # type: ignore[no-untyped-def]
+    if RATIONS and fdp.ConsumeIntInRange(0, 7):
+        return RATIONS[fdp.ConsumeIntInRange(0, len(RATIONS) - 1)]
+    kw = {"failure_rate": fdp.ConsumeRegularFloat(), "failure_burst": float(fdp.ConsumeIntInRange(0, 40)),
+          "derive_rate": float(fdp.ConsumeIntInRange(0, 2000)), "derive_burst": fdp.ConsumeFloat(),
+          "max_sources": number(fdp, fdp.ConsumeIntInRange(1, 64)), "seed": fdp.ConsumeIntInRange(0, 2**64 - 1)}
+    for name in list(kw):
+        if fdp.ConsumeIntInRange(0, 7) == 0:
+            del kw[name]
+    table = native.Ration(**kw)
+    RATIONS.append(table)
+    del RATIONS[:-8]
+    return table
+
+
+def ration(fdp: atheris.FuzzedDataProvider) -> None:
+    """Ration's methods with fuzzed sources (IP and not, wrong types), times and counts (sometimes not finite):
+    the table never holds more than its bound, and sources() lists exactly its entries."""
+    table = _table(fdp)
+    now = float(fdp.ConsumeIntInRange(0, 1000)) / 10
+    for _ in range(fdp.ConsumeIntInRange(0, 64)):
+        op = fdp.ConsumeIntInRange(0, 5)
+        if fdp.ConsumeIntInRange(0, 7) == 0:
+            now += fdp.ConsumeFloat() if fdp.ConsumeIntInRange(0, 3) == 0 else fdp.ConsumeIntInRange(0, 100) / 100
+        src = _source(fdp)
+        try:
+            if op == 0:
+                table.may_derive(src, now)
+            elif op == 1:
+                table.failed(src, now, fdp.ConsumeIntInRange(0, 50) if fdp.ConsumeIntInRange(0, 7) else
+                             fdp.ConsumeFloat())
+            elif op == 2:
+                table.derive(now)
+            elif op == 3:
+                table.bucket(src)
+            elif op == 4:
+                table.bucket(None)
+            else:
+                table.failed(src, now)
+        except ALLOWED:
+            seen["Ration op refused"] += 1
+    listed = table.sources()
+    if len(listed) != len(table) or len(set(listed)) != len(listed):
+        raise AssertionError(f"Ration lists {len(listed)} sources, holds {len(table)}")
+
+
 def receive(fdp: atheris.FuzzedDataProvider) -> None:
     """recv_batch over datagrams of fuzzed sizes (empty, tiny, MTU-sized; GSO sends that arrive as GRO blocks)
     into an arena of a fuzzed size, with a fuzzed slot and datagram limit. Every block must lie in the arena and,
@@ -244,6 +315,12 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
                 continue
             sent += rows
             biggest = max(biggest, sum(map(len, rows)))
+        elif fdp.ConsumeIntInRange(0, 2) == 0:  # a sealed header under a token of a few (screened, rationed)
+            d = struct.pack("!3sBBQQ", b"PD\x02", 1, 1, fdp.ConsumeIntInRange(0, 3), fdp.ConsumeIntInRange(0, 9))
+            d = (d + b"s" * fdp.ConsumeIntInRange(0, 1500))[: fdp.ConsumeIntInRange(0, 1521)]
+            tx.sendto(d, dest)
+            sent.append(d)
+            biggest = max(biggest, len(d))
         else:
             d = bytes([i]) * fdp.ConsumeIntInRange(0, 1500)
             tx.sendto(d, dest)
@@ -261,19 +338,30 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
         screen = (lead, 3, 2, 1, 1, number(fdp, 37), tokens)
         if fdp.ConsumeIntInRange(0, 15) == 0:
             screen = screen[: fdp.ConsumeIntInRange(0, 6)]
-    try:
-        if screen is None:
+    table = None
+    limited = 0
+    try:  # (a Ration refused at construction leaves the socket empty too)
+        if fdp.ConsumeIntInRange(0, 1):  # rationed in C: a Ration (or sometimes something else), at a fuzzed time
+            table = _table(fdp) if fdp.ConsumeIntInRange(0, 15) else object()
+            now = fdp.ConsumeIntInRange(0, 10000) / 100 if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeFloat()
+        if screen is None and table is None:
             blocks, used, datagrams, receives, drained, drops = native.recv_batch(rx.fileno(), view, limit, slot)
         else:
-            blocks, used, datagrams, receives, drained, drops, screened = native.recv_batch(
-                rx.fileno(), view, limit, slot, screen)
-            unknown, malformed, version, screened_bytes = screened
+            args = (rx.fileno(), view, limit, slot, screen) + ((table, now) if table is not None else ())
+            blocks, used, datagrams, receives, drained, drops, screened = native.recv_batch(*args)
+            if table is not None:
+                unknown, malformed, version, screened_bytes, limited = screened
+                seen["recv_batch rationed"] += 1
+            else:
+                unknown, malformed, version, screened_bytes = screened
             seen["recv_batch screened"] += 1
             for data, source in unknown:
                 if source != tx.getsockname() or len(data) > used or data[4] & 1 == 0:
                     raise AssertionError(f"an unknown-token datagram of {len(data)} bytes from {source}")
-            if min(malformed, version, screened_bytes) < 0 or malformed + version + len(unknown) > receives:
-                raise AssertionError(f"screened {malformed}, {version}, {len(unknown)} of {receives} receives")
+            if min(malformed, version, screened_bytes, limited) < 0 or (
+                    malformed + version + len(unknown) + limited > receives):
+                raise AssertionError(f"screened {malformed}, {version}, {len(unknown)}, {limited} of {receives} "
+                                     "receives")
     finally:
         while True:  # leave the socket empty for the next input
             try:
