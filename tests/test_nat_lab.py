@@ -27,15 +27,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from peerd.lab.links import lab_unavailable
+from peerd.bench.allreduce import AllreduceBenchConfig, NatReportMissing, nat_fields, nat_kinds, run_allreduce_bench
+from peerd.lab import links as links_mod
+from peerd.lab.links import LabError, lab_unavailable
 from peerd.lab.nat import SYMMETRIC_PORTS, NatLab
 from peerd.swarm import LocalSwarm, Node
 
 from .conftest import peerd, peerd_json, wait_until
 
 NOT_ROOT = os.geteuid() != 0
-pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(NOT_ROOT, reason="the NAT lab needs root: network namespaces and nftables")]
+needs_root = pytest.mark.skipif(NOT_ROOT, reason="the NAT lab needs root: network namespaces and nftables")
 
 KINDS = ["public", "public", "cone", "cone", "symmetric", "symmetric"]
 VERDICT = {"public": "public", "cone": "cone-nat", "symmetric": "symmetric-nat"}
@@ -83,12 +84,16 @@ def natswarm(tmp_path_factory):
                 print(f"--- daemon {node.index} ({KINDS[node.index]}) log tail ---\n{node.log_tail(30)}")
 
 
+@pytest.mark.e2e
+@needs_root
 def test_daemons_listen_on_their_own_side_of_the_nat(natswarm) -> None:
     lab, swarm = natswarm
     for i, node in enumerate(swarm.nodes):
         assert node.status["listen"].rsplit(":", 1)[0] == lab.addr(i)
 
 
+@pytest.mark.e2e
+@needs_root
 def test_reachability_and_observed_address(natswarm) -> None:
     lab, swarm = natswarm
     status_field(swarm.nodes[0], "reachability")  # fails at once, with what is missing, if the field is not there
@@ -109,6 +114,8 @@ def test_reachability_and_observed_address(natswarm) -> None:
             assert int(port) == listen_port, (i, port, listen_port)  # public: itself; cone: the port kept
 
 
+@pytest.mark.e2e
+@needs_root
 def test_every_daemon_knows_the_five_others(natswarm) -> None:
     _, swarm = natswarm
     ids = [n.status["peer_id"] for n in swarm.nodes]
@@ -121,6 +128,8 @@ def test_every_daemon_knows_the_five_others(natswarm) -> None:
         assert set(status_field(node, "peers_known")) == set(ids) - {ids[i]}, i
 
 
+@pytest.mark.e2e
+@needs_root
 def test_dht_put_and_get_from_every_node(natswarm) -> None:
     """Each node puts a key; each reads the key of a node of another kind (public <-> symmetric, cone <-> ...)."""
     _, swarm = natswarm
@@ -135,6 +144,8 @@ def test_dht_put_and_get_from_every_node(natswarm) -> None:
         assert [v["value"] for v in out["values"]] == [f"from {KINDS[key]} {key}"], (reader, key, out)
 
 
+@pytest.mark.e2e
+@needs_root
 def test_moshpit_round_over_all_six_is_exact(natswarm) -> None:
     _, swarm = natswarm
     nodes = swarm.nodes
@@ -161,6 +172,8 @@ def test_moshpit_round_over_all_six_is_exact(natswarm) -> None:
     assert len({s["group_id"] for _, s in results}) == 1
 
 
+@pytest.mark.e2e
+@needs_root
 def test_direct_and_relayed_paths(natswarm) -> None:
     """After the round: every pair's path, as both ends see it. 10 direct, 5 relayed."""
     _, swarm = natswarm
@@ -178,3 +191,57 @@ def test_direct_and_relayed_paths(natswarm) -> None:
     want = {(a, b): (expected_path(a, b),) * 2 for a, b in combinations(range(6), 2)}
     assert got == want
     assert sum(1 for p in want.values() if p[0] == "relayed") == 5
+
+
+# ---- no root needed: the lab's and the bench's arguments and arithmetic ------------------------------------------
+
+def test_nat_lab_arguments(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="one of public, cone, symmetric"):
+        NatLab(["public", "full-cone"])
+    with pytest.raises(ValueError, match="room for 80 peers"):
+        NatLab(["cone"] * 81)
+    lab = NatLab(["public", "cone", "symmetric"])
+    assert [lab.addr(i) for i in range(3)] == ["203.0.113.10", "10.88.1.2", "10.88.2.2"]
+    assert [lab.public_addr(i) for i in range(3)] == ["203.0.113.10", "203.0.113.101", "203.0.113.102"]
+    with pytest.raises(LabError, match="public: it has no router"):
+        lab.router_ns(0)
+    monkeypatch.setattr(links_mod.os, "geteuid", lambda: 1000)
+    with pytest.raises(LabError, match=r"^the NAT lab needs root: network namespaces and nftables"):
+        lab.start()
+
+
+def test_bench_nat_kinds() -> None:
+    assert nat_kinds(4, "cone") == ["public", "cone", "cone", "cone"]
+    assert nat_kinds(3, "symmetric") == ["public", "symmetric", "symmetric", "public"]  # the relay last
+    with pytest.raises(ValueError, match="--nat 'none'"):
+        nat_kinds(3, "none")
+    with pytest.raises(ValueError, match="--compare-gloo cannot run behind --nat"):
+        run_allreduce_bench(AllreduceBenchConfig(peers=2, nat="cone", compare_gloo=True), quiet=True)
+
+
+class _FakeNode:
+    def __init__(self, index: int, status: dict) -> None:
+        self.index, self._status = index, status
+
+    def call(self, op: str, timeout: float = 10.0, **args: Any) -> dict:
+        assert op == "status"
+        return self._status
+
+
+def test_bench_nat_fields_are_what_the_daemons_report() -> None:
+    """3 members: 0 public, 1 and 2 symmetric; 0<->1 and 0<->2 direct (one end says punched), 1<->2 relayed."""
+    paths = [{"b": "direct", "c": "direct"}, {"a": "direct", "c": {"kind": "relayed"}},
+             {"a": "punched", "b": "relayed"}]
+    nodes = [_FakeNode(i, {"peer_id": pid, "reachability": r, "observed_addr": "203.0.113.10:1", "paths": p})
+             for i, (pid, r, p) in enumerate(zip("abc", ["public", "symmetric-nat", "symmetric-nat"], paths,
+                                                 strict=True))]
+    runs = [{"bytes_sent": 1000, "bytes_relayed": 0}, {"bytes_sent": 1000, "bytes_relayed": 500},
+            {"bytes_sent": 2000, "bytes_relayed": 1000}]
+    out = nat_fields(nodes, runs)
+    assert out == {"relayed_fraction": 1500 / 4000, "direct_pairs": 2, "member_pairs": 3,
+                   "reachability": ["public", "symmetric-nat", "symmetric-nat"]}
+    with pytest.raises(NatReportMissing, match="no bytes_relayed"):
+        nat_fields(nodes, [{"bytes_sent": 1000}])
+    bare = [_FakeNode(0, {"peer_id": "a", "reachability": "public"})]
+    with pytest.raises(NatReportMissing, match="daemon 0's `peerd status --json` has no observed_addr, paths"):
+        nat_fields(bare, [{"bytes_sent": 1, "bytes_relayed": 0}])

@@ -2,6 +2,13 @@
 
 peerd and gloo are measured alternately in the same run (peerd, gloo, peerd, gloo, ...) because these
 machines are shared and noisy: only the ratio between them means much.
+
+``--nat cone|symmetric`` (root) puts the daemons in the NAT lab (peerd/lab/nat.py): the first peer public, every
+other peer behind its own router of that kind, and for ``symmetric`` one more public daemon outside the group for
+the members to relay through. Members are addressed where the public segment sees them (their ``observed_addr``);
+how a datagram gets there (direct, punched, relayed) is the daemons' business, and the JSON reports what they say
+they did: ``relayed_fraction`` (of the tensor bytes the members sent) and ``direct_pairs``. Nothing is estimated:
+a daemon that does not report these fails the bench with what is missing.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from ..lab.links import PEER_IF, LinkLab, QdiscStats
+from ..lab.links import PEER_IF, LinkLab, NetnsLab, QdiscStats
+from ..lab.nat import NatLab
 from ..localsock.client import DaemonError
 from ..swarm import LocalSwarm, Node
 from .vectors import seeded_vector
@@ -47,6 +55,7 @@ class AllreduceBenchConfig:
     compression: str = "fp32"  # fp32 | fp16 | bf16 | int8 | int4 (protocol/codecs.md)
     quant_group: int = 128  # int8/int4: values per scale and min
     rounding: str = "stochastic"  # int8/int4: stochastic | nearest
+    nat: str = "none"  # none | cone | symmetric: the NAT lab (root); see the module's docstring
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -64,7 +73,7 @@ class GlooBaseline:
     """N torch.distributed gloo ranks that stay up across repeats, each run triggered over stdin."""
 
     def __init__(self, cfg: AllreduceBenchConfig, seeds: list[int], weights: list[float],
-                 lab: LinkLab | None = None) -> None:
+                 lab: NetnsLab | None = None) -> None:
         try:
             import torch  # noqa: F401
         except ImportError:
@@ -136,6 +145,71 @@ def fp32_bytes_per_peer(size: int, peers: int, mtu: int, insecure: bool) -> floa
     return sum(sum(s) - s[i] + (peers - 1) * s[i] for i in range(peers)) / peers
 
 
+NAT_KINDS = ("none", "cone", "symmetric")
+NAT_SETTLE_S = 90.0  # how long the daemons get to settle their reachability before the first average
+NAT_STATUS = ("reachability", "observed_addr", "paths")  # what the bench reads from `peerd status` (issue 19)
+
+
+class NatReportMissing(DaemonError):
+    """The daemons do not report what ``--nat`` needs (issue 19's daemon side); the message says what."""
+
+
+def nat_kinds(peers: int, nat: str) -> list[str]:
+    """The NAT lab's peers for ``peers`` members: the first public, the rest behind ``nat``; a relay for symmetric."""
+    if nat not in NAT_KINDS[1:]:
+        raise ValueError(f"--nat {nat!r}: expected one of {', '.join(NAT_KINDS)}")
+    return ["public"] + [nat] * (peers - 1) + (["public"] if nat == "symmetric" else [])
+
+
+def _nat_status(node: Node) -> dict[str, Any]:
+    st = node.call("status", timeout=30)
+    missing = [k for k in NAT_STATUS if k not in st]
+    if missing:
+        raise NatReportMissing(
+            f"bench allreduce --nat: daemon {node.index}'s `peerd status --json` has no {', '.join(missing)}: the "
+            "daemon side of NAT traversal (issue 19: reachability, observed address, per-peer paths) is not there, "
+            "so there is nothing true to report")
+    return st
+
+
+def _nat_members(nodes: list[Node], quiet: bool) -> list[list[Any]]:
+    """Wait until every daemon has a reachability verdict; members at their observed (mapped) addresses."""
+    deadline = time.monotonic() + NAT_SETTLE_S
+    while True:
+        statuses = [_nat_status(n) for n in nodes]
+        if all(st["reachability"] != "unknown" and st["observed_addr"] for st in statuses):
+            break
+        if time.monotonic() > deadline:
+            pending = [n.index for n, st in zip(nodes, statuses, strict=True) if st["reachability"] == "unknown"]
+            raise DaemonError(f"bench allreduce --nat: daemons {pending} had no reachability verdict after "
+                              f"{NAT_SETTLE_S:.0f} s")
+        time.sleep(1.0)
+    _progress("reachability: " + ", ".join(st["reachability"] for st in statuses), quiet)
+    return [[st["peer_id"], *st["observed_addr"].rsplit(":", 1)] for st in statuses]
+
+
+def nat_fields(nodes: list[Node], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """``relayed_fraction``: tensor bytes the members sent through a relay over all they sent (each bench_run's
+    ``bytes_relayed`` over its ``bytes_sent``); ``direct_pairs``: member pairs both of whose ends report a direct
+    (or punched) path to the other in their status ``paths``."""
+    if any("bytes_relayed" not in rep for rep in runs):
+        raise NatReportMissing("bench allreduce --nat: the daemons' bench_run replies carry no bytes_relayed (tensor "
+                               "bytes sent through a relay; issue 19's daemon side), so relayed_fraction is unknown")
+    sent = sum(rep["bytes_sent"] for rep in runs)
+    statuses = [_nat_status(n) for n in nodes]
+    ids = [st["peer_id"] for st in statuses]
+
+    def kind(a: int, b: int) -> str | None:
+        how = statuses[a]["paths"].get(ids[b])
+        return how if how is None or isinstance(how, str) else how.get("kind")
+
+    pairs = [(a, b) for a in range(len(nodes)) for b in range(a + 1, len(nodes))]
+    direct = sum(1 for a, b in pairs if kind(a, b) in ("direct", "punched") and kind(b, a) in ("direct", "punched"))
+    return {"relayed_fraction": sum(rep["bytes_relayed"] for rep in runs) / sent if sent else 0.0,
+            "direct_pairs": direct, "member_pairs": len(pairs),
+            "reachability": [st["reachability"] for st in statuses]}
+
+
 def _exact_mean(seeds: list[int], weights: list[float], size: int) -> np.ndarray:
     acc = np.zeros(size, dtype=np.float64)
     for seed, w in zip(seeds, weights, strict=True):
@@ -145,6 +219,8 @@ def _exact_mean(seeds: list[int], weights: list[float], size: int) -> np.ndarray
 
 
 def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> dict[str, Any]:
+    if cfg.nat != "none" and cfg.compare_gloo:
+        raise ValueError("--compare-gloo cannot run behind --nat (gloo's TCP does not traverse NATs)")
     rng = random.Random(cfg.seed)
     seeds = [cfg.seed * 1000 + i for i in range(cfg.peers)]
     weights = [float(rng.randint(1, 64)) for _ in range(cfg.peers)]
@@ -153,9 +229,16 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
     if cfg.no_gso:
         extra.append("--no-gso")
     profile = cfg.profile or os.environ.get("PEERD_BENCH_PROFILE", "") == "1"
-    lab: LinkLab | None = None
+    lab: NetnsLab | None = None
     try:
-        if cfg.link:
+        if cfg.nat != "none":
+            kinds = nat_kinds(cfg.peers, cfg.nat)
+            lab = NatLab(kinds, cfg.link, cfg.link_loss)
+            _progress(f"building a NAT lab: 1 public peer, {cfg.peers - 1} behind {cfg.nat} NATs"
+                      + (", 1 public relay" if cfg.nat == "symmetric" else "")
+                      + (f", links at {cfg.link}" if cfg.link else "") + " ...", quiet)
+            lab.start()
+        elif cfg.link:
             lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss)
             _progress(f"building a link lab: {cfg.peers} namespaces at {cfg.link}, link loss {cfg.link_loss} ...",
                       quiet)
@@ -174,7 +257,12 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             loss = ("--loss", str(cfg.loss), "--loss-seed", str(cfg.seed * 100 + i)) if cfg.loss else ()
             nodes.append(swarm.start(extra=(*extra, *loss)))
             swarm.wait_ready(nodes[-1])
-        members = [[n.status["peer_id"], *n.status["listen"].rsplit(":", 1)] for n in nodes]
+        if cfg.nat == "symmetric":  # the relay: a public daemon in the swarm, not in the group
+            swarm.wait_ready(swarm.start(extra=tuple(extra)))
+        if cfg.nat != "none":
+            members = _nat_members(nodes, quiet)
+        else:
+            members = [[n.status["peer_id"], *n.status["listen"].rsplit(":", 1)] for n in nodes]
         members = [[pid, host, int(port)] for pid, host, port in members]
         if cfg.compare_gloo:
             _progress("starting gloo workers ...", quiet)
@@ -279,7 +367,10 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         # What was lost beyond what was injected (--loss and --link-loss, independent: 1 - (1-a)(1-b)): the
         # data path's own losses (the pacer's overrun of the link, a full socket buffer), floored at 0.
         out["excess_loss"] = max(0.0, 1.0 - out["received_fraction"] - injected_loss(cfg.loss, cfg.link_loss))
-        if lab is not None:
+        if cfg.nat != "none":
+            out["nat"] = cfg.nat
+            out.update(nat_fields(nodes, runs))
+        if lab is not None and lab.rate_bps is not None:
             out.update(_link_fields(lab, cfg, peerd_times, uplink_bytes))
             out["bus_fraction"] = bus_fraction(cfg.peers, cfg.size, out["peerd_s"], lab.rate_bps)
         if gloo is not None:
@@ -316,17 +407,17 @@ def bus_fraction(peers: int, size: int, seconds: float, rate_bps: int) -> float:
     return 2 * (peers - 1) / peers * 4 * size / seconds / (rate_bps / 8)
 
 
-def _uplinks(lab: LinkLab | None) -> list[QdiscStats]:
-    return [lab.qdisc_stats(i)["up"] for i in range(lab.peers)] if lab is not None else []
+def _uplinks(lab: NetnsLab | None) -> list[QdiscStats]:
+    return [lab.qdisc_stats(i)["up"] for i in range(lab.peers)] if lab is not None and lab.tbf is not None else []
 
 
-def _link_fields(lab: LinkLab, cfg: AllreduceBenchConfig, peerd_times: list[float],
+def _link_fields(lab: NetnsLab, cfg: AllreduceBenchConfig, peerd_times: list[float],
                  uplink_bytes: list[int]) -> dict[str, Any]:
     """The lab's share of the JSON: its parameters, what its counters saw, how full peerd kept the links."""
     counters = [lab.counters(i) for i in range(lab.peers)]
     seen = sum(c.seen for c in counters)
     dropped = sum(c.dropped for c in counters)
-    wire_s = sum(peerd_times) * lab.peers  # peer-seconds of uplink during the averages
+    wire_s = sum(peerd_times) * lab.peers  # peer-seconds of uplink during the averages (a NAT lab's relay included)
     return {
         "link_rate": lab.describe()["link_rate"],
         "link_loss": cfg.link_loss,
