@@ -174,3 +174,101 @@ def test_end_overtaking_data_wakes_the_driver() -> None:
     assert cores[0].next_deadline() == pytest.approx(0.06) and deadline > 0.5
     cores[0].handle_timer(0.07)
     assert cores[0].reduce_scatter_done
+
+
+def _average(cores: list[GroupAverage], loss: float, seed: int) -> list[np.ndarray]:
+    """Run a group to the end, blocks through ``receive_block`` (body by body where it declines), ``loss`` of the
+    bodies lost; returns copies of the results."""
+    rnd = random.Random(seed)
+    now = 0.0
+    for _ in range(10_000):
+        if all(c.finished for c in cores):
+            break
+        now += 0.3
+        for i, core in enumerate(cores):
+            for blk in core.next_blocks(4, 10**9):
+                kept = [r for r in blk.bodies for _ in range(blk.repeat) if rnd.random() >= loss]
+                if not kept:
+                    continue
+                arr = np.stack(kept)
+                if blk.type in (RS_END, AG_END) or cores[blk.to].receive_block(i, blk.type, arr, now) is None:
+                    _feed_rows(cores[blk.to], i, blk.type, [bytes(r) for r in kept], now)
+        for core in cores:
+            core.handle_timer(now)
+    assert all(c.finished for c in cores)
+    return [c.result().copy() for c in cores]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(2, 4),
+    length=st.integers(0, 200),
+    per=st.sampled_from([1, 3, 8]),
+    seed=st.integers(0, 2**16),
+    loss=st.sampled_from([0.0, 0.3]),
+    robust=st.sampled_from([None, "clip:1.5"]),
+    name=st.sampled_from(["fp32", "int8"]),
+    junk=st.sampled_from([np.nan, np.inf, 3e38, 0.0]),
+)
+def test_a_reused_stage_gives_the_same_result(n, length, per, seed, loss, robust, name, junk) -> None:
+    """A stage handed from one group to the next (AveragingHost keeps one between averages) holds the last group's
+    values, or anything: the result is the same bits as with fresh memory, whatever was lost."""
+    from peerd.allreduce.group import stage_elements
+    from peerd.allreduce.robust import parse_robust
+
+    rob = parse_robust(robust)
+    c = codec(name)
+
+    def cores(stages: list[np.ndarray | None]) -> list[GroupAverage]:
+        rng = np.random.default_rng(seed)
+        return [GroupAverage(GROUP, n, i, rng.standard_normal(length).astype(np.float32), 1.0 + i, 0.0,
+                             max_payload=HEADER_SIZE + c.body_size(per), codec=c, run=seed, robust=rob,
+                             stage=stages[i]) for i in range(n)]
+
+    fresh = _average(cores([None] * n), loss, seed)
+    stages: list[np.ndarray | None] = [np.full(stage_elements(length, n) + i, junk, np.float32) for i in range(n)]
+    reused = cores(stages)
+    assert all(core.stage_buffer is stages[i] for i, core in enumerate(reused))
+    first = _average(reused, loss, seed)
+    second = _average(cores([core.stage_buffer for core in reused]), loss, seed)  # holds the first's values now
+    for f, x, y in zip(fresh, first, second, strict=True):
+        assert np.array_equal(f, x, equal_nan=True) and np.array_equal(f, y, equal_nan=True)
+
+
+def test_stage_must_fit_and_not_overlap() -> None:
+    vec = np.ones(64, np.float32)
+    with pytest.raises(ValueError, match="stage"):
+        GroupAverage(GROUP, 4, 0, vec, 1.0, 0.0, stage=np.empty(63, np.float32))
+    with pytest.raises(ValueError, match="stage"):
+        GroupAverage(GROUP, 4, 0, vec, 1.0, 0.0, stage=np.empty(64, np.float64))
+    big = np.empty(200, np.float32)
+    with pytest.raises(ValueError, match="overlaps"):
+        GroupAverage(GROUP, 4, 0, big[:64], 1.0, 0.0, stage=big[64:200], out=big[100:164])
+    assert GroupAverage(GROUP, 4, 0, vec, 1.0, 0.0, stage=big).stage_buffer is big
+
+
+def test_the_host_hands_a_finished_groups_stage_to_the_next() -> None:
+    from peerd.allreduce.host import AveragingHost, Completed
+
+    host = AveragingHost(max_body=HEADER_SIZE + 32, mtu=1200)
+    me, other = b"a" * 32, b"b" * 32
+
+    def run(group: int, length: int, peers: list[bytes], finish: bool = True) -> GroupAverage:
+        host.start(group, peers, 0, np.arange(length, dtype=np.float32), 1.0, 0.0)
+        core = host._groups[group].core
+        while finish and host.wants_to_send(group):
+            host.next_sends(group)
+        done = host.finish(group, 1.0, 0)
+        assert any(type(a) is Completed for a in done) == finish
+        return core
+
+    first = run(1, 100, [me])
+    assert run(2, 100, [me]).stage_buffer is first.stage_buffer  # same size: the same memory
+    assert run(3, 20, [me, other], finish=False).stage_buffer is first.stage_buffer  # smaller fits; cancelled too
+    bigger = run(4, 1000, [me])
+    assert bigger.stage_buffer is not first.stage_buffer  # did not fit: fresh, and kept as the larger one
+    assert run(5, 1000, [me]).stage_buffer is bigger.stage_buffer
+    stingy = AveragingHost(max_body=HEADER_SIZE + 32, mtu=1200, spare_stage_bytes=100)
+    stingy.start(1, [me], 0, np.ones(1000, np.float32), 1.0, 0.0)
+    stingy.finish(1, 1.0, 0)
+    assert stingy._spare is None  # over the bound: not kept

@@ -367,6 +367,23 @@ def _place(bodies: np.ndarray, dst: np.ndarray, at: int, length: int) -> bool:
     return True
 
 
+def stage_elements(length: int, n: int) -> int:
+    """float32 elements of the stage a member of an ``n``-member group averaging ``length`` elements needs (its
+    largest shard, once per member): what a ``stage`` buffer passed to ``GroupAverage`` must hold at least."""
+    return n * (-(-length // n)) if n > 0 else 0
+
+
+def _stage_rows(stage: np.ndarray | None, n: int, width: int) -> np.ndarray:
+    """(n, width) float32 rows for the stage: a view of ``stage`` when it is a big enough writable contiguous
+    float32 buffer, else fresh memory."""
+    if stage is None:
+        return np.empty((n, width), dtype=FLOAT32)
+    if (not isinstance(stage, np.ndarray) or stage.dtype != FLOAT32 or stage.ndim != 1
+            or not stage.flags.c_contiguous or not stage.flags.writeable or stage.size < n * width):
+        raise ValueError(f"stage must be a writable contiguous 1-D float32 buffer of at least {n * width} elements")
+    return stage[: n * width].reshape(n, width)
+
+
 def _row(body: bytes) -> np.ndarray:
     return np.frombuffer(body, dtype=np.uint8).reshape(1, -1)
 
@@ -398,6 +415,9 @@ class GroupAverage:
     it fixes the ranges too. ``run`` (u64) keys the stochastic rounding draws with the group id, this
     member's index and the phase, so draws are independent across runs, groups, senders and phases and a
     test replays them exactly.
+
+    ``stage``: scratch memory for the reduce-scatter's staged values (``stage_elements(len(vector), n)`` float32
+    elements at least, contents ignored); ``stage_buffer`` hands it back for the next group once this one is done.
     """
 
     def __init__(
@@ -421,6 +441,7 @@ class GroupAverage:
         byzantine: str | None = None,
         codec: Codec | None = None,
         run: int = 0,
+        stage: np.ndarray | None = None,
     ) -> None:
         if type(group_id) is not int or not 0 <= group_id <= 0xFFFFFFFF:
             raise ValueError(f"group_id must be a u32, got {group_id!r}")
@@ -540,7 +561,13 @@ class GroupAverage:
         # Reduce-scatter values land unweighted, one row per sender (one memoryview copy per datagram, no
         # numpy call); the weighted sums are formed block by block, vectorized, when the all-gather reaches
         # them. Costs one shard per member of memory (about the vector's size) to save ~2 us per datagram.
-        self._stage = np.empty((n, self._hi - self._lo), dtype=FLOAT32)
+        # ``stage``: a caller's scratch buffer to hold it (``stage_elements``; its contents do not matter), so a
+        # node that averages again and again does not allocate and fault in ~a vector's worth of fresh pages each
+        # time (AveragingHost keeps one between averages).
+        self._stage = _stage_rows(stage, n, self._hi - self._lo)
+        if stage is not None and (np.may_share_memory(stage, vec) or np.may_share_memory(stage, out)):
+            raise ValueError("stage overlaps the vector or out")
+        self._stage_buffer = self._stage.reshape(-1) if stage is None else stage
         self._stage_bytes = [memoryview(row).cast("B") for row in self._stage]
         self._rs_seen = np.zeros((n, self._nranges), dtype=bool)
         # A compressed codec: its byte, the body size of a full range, the rounding keys, and the own shard's
@@ -577,6 +604,12 @@ class GroupAverage:
         self._maybe_end(now)
 
     # ---- state -------------------------------------------------------------------------------------
+
+    @property
+    def stage_buffer(self) -> np.ndarray:
+        """The 1-D float32 buffer under the stage (the caller's ``stage``, or this group's own): a driver done with
+        this group (its result taken, or given up) may pass it to the next one as ``stage``."""
+        return self._stage_buffer
 
     @property
     def reduce_scatter_done(self) -> bool:
