@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -268,6 +269,48 @@ async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, i
                          int(np.count_nonzero(got & sent)) / contributed if contributed else 1.0, sent_bytes, phases)
 
 
+async def service_arc_topk(service: Any, group_id: int, members: list, index: int, vector: np.ndarray,
+                           weight: float, plan: ArcTopKPlan, *, run: int, round: int, codec: Codec | None = None,
+                           ef: EF21M | None = None, **options: Any) -> ArcTopKResult:
+    """arc_topk_average through an AllreduceService (``service.average``): the three phases under derived group
+    ids, with the same members, weight and ``options`` (floor_s, max_phase_s, max_weight); ``codec`` the dense
+    rows' (the plan's). ``result.phases`` holds the three AverageResults. The EF21M key is the member list."""
+    if options.get("robust") is not None:
+        raise ValueError("arc-topk does not clip (robust): the selection phase relies on NaN being refused")
+
+    async def average(phase: int, gid: int, values: np.ndarray) -> tuple[np.ndarray, object, int]:
+        coded = {"codec": codec, "run": run} if phase == 2 and codec is not None and codec.wire_id != 0 else {}
+        res = await service.average(gid, members, index, values, weight, **options, **coded)
+        return res.vector, res, res.bytes_sent
+
+    key = tuple(getattr(m, "node_id", m) for m in members)
+    return await arc_topk_average(average, plan, group_id, index, vector, run=run, round=round, ef=ef, ef_key=key)
+
+
+def phase_totals(phases: list) -> dict[str, Any]:
+    """What a bench reports of one arc-topk average, summed over its three AverageResults: seconds, bytes and
+    data datagrams, drops and refusals (NaN selection ranges from non-owners are ``nonfinite``: by design),
+    and how the phases ended (``deadline`` if any of them did)."""
+    out: dict[str, Any] = {"seconds": 0.0, "handshake_s": 0.0, "bytes_sent": 0, "datagrams_sent": 0,
+                           "datagrams_received": 0, "datagrams_expected": 0, "drops": {}, "refused": {},
+                           "rs_ended_by": "completion", "ag_ended_by": "completion"}
+    for res in phases:
+        st = res.stats
+        out["seconds"] += res.seconds
+        out["handshake_s"] += res.handshake_s
+        out["bytes_sent"] += res.bytes_sent
+        for ph, name in ((st.reduce_scatter, "rs_ended_by"), (st.all_gather, "ag_ended_by")):
+            out["datagrams_sent"] += ph.datagrams_sent
+            out["datagrams_received"] += ph.datagrams_received
+            out["datagrams_expected"] += ph.datagrams_expected
+            if ph.ended_by != "completion":
+                out[name] = ph.ended_by
+        for field_name in ("drops", "refused"):
+            for reason, count in getattr(st, field_name).items():
+                out[field_name][reason] = out[field_name].get(reason, 0) + count
+    return out
+
+
 def ratio_of_plan(plan: ArcTopKPlan, dense_bytes: int = 4) -> float:
     """Value bytes one member sends per average over a dense fp32 average's (both count (n - 1)/n of their
     vectors in each direction; headers left out): the three phases as built here, padding and canaries included,
@@ -292,4 +335,4 @@ def matrix_shapes(size: int, rows: int, cols: int) -> list[tuple[int, ...]]:
 
 
 __all__ = ["DENSE_CODECS", "PHASES", "SELECTION_COPIES", "ArcTopKPlan", "ArcTopKResult", "arc_topk_average",
-           "matrix_shapes", "phase_group_id", "ratio_of_plan"]
+           "matrix_shapes", "phase_group_id", "phase_totals", "ratio_of_plan", "service_arc_topk"]
