@@ -17,12 +17,16 @@ from peerd.allreduce.arctopk import (
     matrix_shapes,
     phase_group_id,
     ratio_of_plan,
+    service_arc_topk,
 )
 from peerd.allreduce.codec import peek_group
+from peerd.allreduce.service import Member
 from peerd.compress import codec
 from peerd.compress.topk import EF21M
 
+from .memnet import MemNet
 from .test_allreduce_core import AG_DATA, RS_DATA, Net, Wire
+from .test_moshpit_service import run_virtual, swarm
 
 SHAPES = [(48, 10), (30,), (20, 6), (9, 2, 3)]
 PAYLOAD = 4 * 40 + 20  # 40 fp32 values a datagram (the tensor header is 20 bytes)
@@ -253,3 +257,45 @@ def test_wire_ratio_of_the_plan_at_6250x1000() -> None:
     plan = ArcTopKPlan.build(matrix_shapes(25_000_000, 6250, 1000), 4, 0.1, 1200 - 37)
     assert ratio_of_plan(plan) <= 0.106
     assert matrix_shapes(10, 2, 3) == [(2, 3), (4,)]
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.1])
+def test_through_the_allreduce_service_selections_agree_and_nothing_unknown_lands(drop: float) -> None:
+    """Real daemons' endpoints and AllreduceService over memnet (seeded loss), virtual time."""
+    results: list = []
+
+    async def main() -> None:
+        net = MemNet(seed=11, drop=drop)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm(nursery, net, 4)
+            members = [Member(n.identity.public_key, n.identity.node_id, n.addr) for n in nodes]
+            plan = ArcTopKPlan.build(SHAPES, 4, 0.25, nodes[0].allreduce.host.max_body)
+            xs, ws = inputs(4, plan.layout.length, 6)
+            out: list = [None] * 4
+
+            async def one(i: int) -> None:
+                out[i] = await service_arc_topk(nodes[i].allreduce, GROUP, members, i, xs[i], ws[i], plan, run=RUN,
+                                                round=ROUND, max_phase_s=5.0)
+
+            async with trio.open_nursery() as inner:
+                for i in range(4):
+                    inner.start_soon(one, i)
+            results.extend([plan, xs, ws, out])
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+    plan, xs, ws, out = results
+    for j in range(4):
+        known = [r.selections[j] for r in out if r.selections[j] is not None]
+        assert out[j].selections[j] is not None  # an owner knows its own
+        assert all(all(np.array_equal(a, b) for a, b in zip(k, known[0], strict=True)) for k in known)
+    for r in out:
+        assert np.isfinite(r.vector).all() and len(r.phases) == 3 and r.bytes_sent > 0
+    if drop == 0.0:
+        assert all(r.known == 4 and r.got_fraction == 1.0 for r in out)
+        sel = exact_selection(plan, xs, ws)
+        assert all(all(np.array_equal(a, b) for a, b in zip(out[0].selections[j], sel[j], strict=True))
+                   for j in range(4))
+        idx = np.concatenate([plan.layout.dense_index(j, sel[j]) for j in range(4)])
+        np.testing.assert_allclose(out[3].vector[idx], wmean(xs, ws, range(4))[idx], atol=1e-5)

@@ -223,6 +223,7 @@ class ArcTopKResult:
     got_fraction: float  # of this member's contributed elements, the share whose average arrived
     bytes_sent: int = 0
     phases: list = field(default_factory=list)  # what the injected average returned per phase
+    selections: list = field(default_factory=list)  # per row shard: the agreed selection, None where not known
 
 
 Average = Callable[[int, int, np.ndarray], Awaitable[tuple[np.ndarray, object, int]]]
@@ -266,7 +267,8 @@ async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, i
         out[got] = avg[got]
     contributed = int(np.count_nonzero(sent))
     return ArcTopKResult(out, sum(s is not None for s in selections),
-                         int(np.count_nonzero(got & sent)) / contributed if contributed else 1.0, sent_bytes, phases)
+                         int(np.count_nonzero(got & sent)) / contributed if contributed else 1.0, sent_bytes, phases,
+                         selections)
 
 
 async def service_arc_topk(service: Any, group_id: int, members: list, index: int, vector: np.ndarray,
