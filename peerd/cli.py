@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--window", type=float, default=3.0, metavar="SECONDS",
                    help="matchmaking window: a group that cannot fill closes after this (default 3)")
     b.add_argument("--seed", type=int, default=0, help="seed of vectors, cells and victims (default 0)")
+    from .demo_train import add_compression_arguments
+
+    add_compression_arguments(b)
     _link_args(b)
     b.add_argument("--json", action="store_true", help="print JSON")
     from .bench.dht import add_parser as add_dht_parser
@@ -236,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the --byzantine daemons corrupt their contributions (default nan)")
     p.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
                    help="robust aggregation every trainer asks for (default off)")
+    add_compression_arguments(p)
     _link_args(p)
     p.add_argument("--mode", choices=["sync", "diloco"], default="sync",
                    help="sync: average gradients every step; diloco: H local steps, then an outer step (default sync)")
@@ -564,7 +568,8 @@ def cmd_bench_moshpit(args: argparse.Namespace, parser: argparse.ArgumentParser)
         grid = Grid.parse(args.grid) if args.grid else None
         cfg = MoshpitBenchConfig(peers=args.peers, grid=grid, rounds=args.rounds, size=args.size, kill=args.kill,
                                  loss=args.loss, seed=args.seed, window_s=args.window, link=args.link,
-                                 link_loss=args.link_loss)
+                                 link_loss=args.link_loss, compression=args.compression,
+                                 quant_group=args.quant_group, rounding=args.rounding)
         cfg.check()
     except ValueError as e:
         parser.error(str(e))
@@ -597,12 +602,17 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--sync-every must be at least 1 and --fragments in [1, --sync-every]")
     if args.baseline and (args.mode != "sync" or args.byzantine or args.dropcompute != "off"):
         parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")
+    if args.mode == "diloco" and args.compression is not None:
+        parser.error("--compression applies to --mode sync (DiLoCo's outer averages travel in float32)")
+    if (args.quant_group is not None or args.rounding is not None) and args.compression not in ("int8", "int4"):
+        parser.error("--quant-group and --rounding go with --compression int8 or int4")
     cfg = DemoConfig(peers=args.peers, steps=args.steps, loss=args.loss, compute_jitter=args.compute_jitter,
                      dropcompute=args.dropcompute, seed=args.seed, average_every=args.average_every, json=args.json,
                      keep_rounds=args.keep_rounds, micro=args.micro, byzantine=args.byzantine,
                      byzantine_mode=args.byzantine_mode, robust=args.robust, link=args.link,
                      link_loss=args.link_loss, mode=args.mode, sync_every=args.sync_every, fragments=args.fragments,
-                     model=args.model, baseline=args.baseline, target_accuracy=args.target_accuracy)
+                     model=args.model, baseline=args.baseline, target_accuracy=args.target_accuracy,
+                     compression=args.compression, quant_group=args.quant_group, rounding=args.rounding)
     try:
         summary = run_demo(cfg, log=lambda *a, **k: print(*a, **k, flush=True))  # progress as it happens, even piped
     except RuntimeError as e:

@@ -64,6 +64,9 @@ class DemoConfig:
     model: str = "mlp"  # mlp (4,810 parameters) | wide (2.24 M: communication matters at 100 Mbit)
     baseline: str | None = None  # gloo: then train the same under torch DDP over gloo, on the same links
     target_accuracy: float = 0.93  # time_to_accuracy_s: until the peers' mean held-out accuracy reaches this
+    compression: str | None = None  # every trainer's codec (`peerd train --compression`; None: fp32)
+    quant_group: int | None = None  # int8/int4: values per scale and min (None: 128)
+    rounding: str | None = None  # int8/int4: stochastic | nearest (None: stochastic)
 
 
 def byzantine_peers(cfg: DemoConfig) -> set[int]:
@@ -171,6 +174,10 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 cmd += ["--micro", str(micro_batches(cfg))]
             if cfg.robust != "off":
                 cmd += ["--robust", cfg.robust]
+            for flag, value in (("--compression", cfg.compression), ("--quant-group", cfg.quant_group),
+                                ("--rounding", cfg.rounding)):
+                if value is not None:
+                    cmd += [flag, str(value)]
             if i in cfg.join_late:
                 cmd += ["--init-seed", str(cfg.seed + 1000 + i)]  # different weights: it must take the swarm's
             else:
@@ -271,6 +278,9 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "byzantine": cfg.byzantine,
             "byzantine_mode": cfg.byzantine_mode if cfg.byzantine else None,
             "robust": cfg.robust,
+            "compression": cfg.compression or "fp32",
+            **({"quant_group": cfg.quant_group or 128, "rounding": cfg.rounding or "stochastic"}
+               if (cfg.compression or "").startswith("int") else {}),
             "mode": cfg.mode,
             "model": cfg.model,
             "target_accuracy": cfg.target_accuracy,

@@ -92,6 +92,34 @@ def _max_samples(text: str) -> float:
     return value
 
 
+def _quant_group(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"--quant-group must be 1..65535, not {text!r}")
+    return value
+
+
+def add_compression_arguments(p: argparse.ArgumentParser) -> None:
+    """--compression, --quant-group, --rounding (peerd train, peerd demo, peerd bench moshpit): None when not given,
+    so a trainer that names nothing leaves the run's codec (fp32) as it is."""
+    p.add_argument("--compression", default=None, choices=("fp32", "fp16", "bf16", "int8", "int4"),
+                   help="the codec of every average of the run (protocol/codecs.md); every member must use the "
+                        "same (default fp32)")
+    p.add_argument("--quant-group", type=_quant_group, default=None, metavar="G",
+                   help="int8/int4: values per scale and min, 1..65535 (default 128)")
+    p.add_argument("--rounding", default=None, choices=("stochastic", "nearest"),
+                   help="int8/int4 rounding (default stochastic: unbiased)")
+
+
+def compression_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The codec keywords of peerd.torch.Optimizer from parsed arguments: only those given."""
+    return {k: getattr(args, k) for k in ("compression", "quant_group", "rounding")
+            if getattr(args, k, None) is not None}
+
+
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run id: trainers with the same run id and model train together")
     p.add_argument("--socket", default=None, metavar="PATH",
@@ -121,6 +149,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="robust aggregation this trainer's rounds ask for (default: the daemon's)")
     p.add_argument("--max-samples", type=_max_samples, default=None, metavar="N",
                    help="the largest sample count (averaging weight) a member may claim in this run's rounds")
+    add_compression_arguments(p)
     p.add_argument("--compute-jitter", type=float, default=0.0, metavar="X",
                    help="simulate compute: each micro-batch takes 10 ms * (1 + X * Exp(1)) more (default 0: off)")
     p.add_argument("--dropcompute", default="off", metavar="off|auto|SECONDS",
@@ -219,15 +248,16 @@ def run_train(args: argparse.Namespace) -> int:
                          sync_every=args.sync_every, fragments=args.fragments, outer_lr=args.outer_lr,
                          outer_momentum=args.outer_momentum, timeout_s=max(args.timeout, 30.0),
                          sync_state=not args.no_sync, state_every=1 if args.state_every else 0,
-                         max_samples=args.max_samples)
+                         max_samples=args.max_samples, compression=getattr(args, "compression", None))
         else:
             opt = Optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,
                             timeout_s=args.timeout, average_params_every=args.average_every,
                             sync_state=not args.no_sync, state_every=args.state_every,
                             robust=args.robust, max_samples=args.max_samples, overlap=overlap, model=model,
+                            **compression_options(args),
                             bucket_mb=getattr(args, "bucket_mb", BUCKET_MB),
                             **({} if args.keep_rounds is None else {"keep_rounds": args.keep_rounds}))
-    except (DaemonError, ValueError) as e:
+    except (DaemonError, ValueError, NotImplementedError) as e:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
     first_step = opt.step_count
@@ -339,6 +369,7 @@ def run_train(args: argparse.Namespace) -> int:
         "predicted_speedup": dc.choice.speedup if dc.choice else None,
         "final_average": final_rounds, "keep_rounds": opt.keep_rounds,
         "kept_rounds": opt.kept_rounds, "nonfinite_rounds": opt.nonfinite_rounds, "robust": args.robust,
+        "compression": getattr(args, "compression", None) or "fp32",
         "params_finite": bool(np.isfinite(flat).all()), "diverged": diverged,
         "mode": args.mode if hasattr(args, "mode") else "sync", "tensor_bytes": tensor_bytes,
         "step_s": float(np.median(step_times)) if step_times else 0.0,

@@ -63,8 +63,9 @@ class MoshpitOps:
 
 
 def _averaging_options(request: dict[str, Any]) -> dict[str, Any]:
-    """``max_samples`` (a positive finite number: owners count no member's weight above it) and ``robust``
-    (``off``, ``clip[:C]``, ``centered[:C]``), each only when the request has it: the run keeps what it had."""
+    """``max_samples`` (a positive finite number: owners count no member's weight above it), ``robust``
+    (``off``, ``clip[:C]``, ``centered[:C]``) and ``compression`` with ``quant_group`` and ``rounding`` (the run's
+    codec, checked by the service), each only when the request has it: the run keeps what it had."""
     out: dict[str, Any] = {}
     cap = request.get("max_samples")
     if cap is not None:
@@ -79,6 +80,9 @@ def _averaging_options(request: dict[str, Any]) -> dict[str, Any]:
         except ValueError as e:
             raise OpError(str(e)) from None
         out["robust"] = mode if mode is not None else "off"
+    for name in ("compression", "quant_group", "rounding"):
+        if request.get(name) is not None:
+            out[name] = request[name]
     return out
 
 

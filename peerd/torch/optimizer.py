@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..allreduce.robust import parse_robust
+from ..compress import NAMES as CODECS
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
 from .overlap import DEFAULT_BUCKET_MB, Overlap
@@ -58,7 +59,10 @@ class Optimizer:
     DHT, so matchmaking does not dominate a step; 1: a new group every round; None: the daemon's default;
     default DEFAULT_KEEP_ROUNDS), ``robust`` (how shard owners limit each member's contribution: "off",
     "clip[:C]" or "centered[:C]"; None: the daemon's default), ``max_samples`` (the largest sample count a
-    member may claim as its averaging weight in this run; None: the daemon's default).
+    member may claim as its averaging weight in this run; None: the daemon's default), ``compression`` (the
+    codec of every average of the run: "fp32", "fp16", "bf16", "int8" or "int4"; every trainer of the run must
+    pass the same; None: the run's, fp32 unless set), ``quant_group`` and ``rounding`` (int8/int4: values per
+    scale and min, default 128; "stochastic", the default, or "nearest").
 
     ``overlap=True`` (with ``model``, CPU tensors): DeAR-style overlap (peerd.torch.overlap). Gradients go to the
     daemon in buckets of about ``bucket_mb`` MB as backward produces them, and each layer's update is applied
@@ -78,9 +82,17 @@ class Optimizer:
                  sync_state: bool = True, state_every: int = 10, state_timeout_s: float = 60.0,
                  nslots: int = 4, keep_rounds: int | None = DEFAULT_KEEP_ROUNDS, robust: str | None = None,
                  max_samples: float | None = None, overlap: bool = False, model: torch.nn.Module | None = None,
-                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+                 bucket_mb: float = DEFAULT_BUCKET_MB, compression: str | None = None,
+                 quant_group: int | None = None, rounding: str | None = None) -> None:
         if no_group not in NO_GROUP:
             raise ValueError(f"no_group must be one of {NO_GROUP}")
+        if compression is not None and compression not in CODECS:
+            raise ValueError(f"compression must be one of {CODECS} or None, got {compression!r}")
+        if (quant_group is not None or rounding is not None) and compression not in ("int8", "int4"):
+            raise ValueError("quant_group and rounding go with compression int8 or int4")
+        self.compression = compression
+        self.codec_options = {k: v for k, v in (("compression", compression), ("quant_group", quant_group),
+                                                ("rounding", rounding)) if v is not None}
         parse_robust(robust)  # raises ValueError that says what is accepted
         if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int | float)
                                         or not (math.isfinite(max_samples) and max_samples > 0)):
@@ -149,6 +161,7 @@ class Optimizer:
                 extra["robust"] = self.robust
             if self.max_samples is not None:
                 extra["max_samples"] = self.max_samples
+            extra.update(self.codec_options)  # the daemon checks them (an older one ignores what it does not know)
             reply = client.call("trainer_open", fds=[self.arena.fd], run=self.run, layout=self.layout,
                                 nslots=self.arena.nslots, **extra)
         except BaseException:

@@ -38,7 +38,7 @@ from ..allreduce.robust import Robust, parse_robust
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
-from ..moshpit.service import all_finite
+from ..moshpit.service import MoshpitError, all_finite, check_compression
 from .outer import DhtBoard, OuterError, agree, store_key
 
 log = logging.getLogger("peerd.trainer")
@@ -102,6 +102,27 @@ def parse_layout(raw: Any) -> tuple[list[tuple[str, tuple[int, ...], str]], int]
     return out, total
 
 
+def parse_compression(req: dict[str, Any]) -> dict[str, Any]:
+    """trainer_open's ``compression`` (fp32, fp16, bf16, int8, int4), ``quant_group`` and ``rounding`` (int8/int4):
+    the keywords every average of the session passes to Moshpit (empty when the trainer names none: the run's
+    codec, fp32 unless set). All members of a run must declare the same: a body in another codec is a counted drop.
+    Raises OpError."""
+    name, group, rounding = req.get("compression"), req.get("quant_group"), req.get("rounding")
+    if name is None and group is None and rounding is None:
+        return {}
+    try:
+        codec = check_compression("fp32" if name is None else name, group, rounding)
+    except MoshpitError as e:
+        raise OpError(f"{e} (compression is optional: fp32, fp16, bf16, int8 or int4; quant_group and rounding "
+                      f"go with int8 and int4)") from None
+    if codec is None:
+        return {"compression": "fp32"}
+    out: dict[str, Any] = {"compression": codec.name}
+    if codec.name.startswith("int"):
+        out.update(quant_group=codec.group, rounding=codec.rounding)  # type: ignore[attr-defined]
+    return out
+
+
 def snapshot_bound(layout: list[tuple[str, tuple[int, ...], str]]) -> int:
     """The most bytes a snapshot of a model with ``layout`` can hold (see SNAPSHOT_STATE_COPIES): a joiner
     allocates no more than this for a download, whatever a donor advertises."""
@@ -141,6 +162,7 @@ class Session:
     robust: Robust | None = None  # robust aggregation asked for by the trainer (None: off)
     snapshot_max: int = MAX_BLOB  # the most bytes a snapshot of this model can hold (a download's bound)
     outer_rounds: list[int] = field(default_factory=list)  # outer rounds whose blobs this daemon still keeps
+    compression: dict[str, Any] = field(default_factory=dict)  # the run's codec keywords (parse_compression)
 
     def average_id(self, kind: str) -> str:
         """The Moshpit run id of this session's gradients or parameters: the layout hash is part of it,
@@ -156,7 +178,8 @@ class Session:
 class TrainerService:
     """The trainer_* and state_* ops. ``average`` is Moshpit's ``average(run_id, vector, weight, *, timeout_s)``
     (called with ``keep_rounds`` too when a session asked for kept groups, ``round_no`` when the trainer
-    numbers the round, ``max_weight`` and ``robust`` when the session set ``max_samples`` and ``robust``)."""
+    numbers the round, ``max_weight`` and ``robust`` when the session set ``max_samples`` and ``robust``,
+    ``compression`` (and ``quant_group``, ``rounding``) when it named a codec)."""
 
     def __init__(self, metrics: Metrics, average: Average, *, statesync: Any = None, peer_id: str = "") -> None:
         self.metrics = metrics
@@ -199,9 +222,11 @@ class TrainerService:
         except ValueError as e:
             raise OpError(f"{e} (robust is optional: off, clip, clip:C, centered or centered:C with 0 < C <= 1e6)") \
                 from None
+        compression = parse_compression(req)
         digest = layout_hash(layout)
         run_key = f"{run}/{digest[:16]}"
         self._check_model(run, digest)
+        self._check_codec(run, compression)
         warning = await self._swarm_warning(run, digest)
         fd = conn.take_fd()
         try:
@@ -212,15 +237,17 @@ class TrainerService:
         sid = self._next
         self._next += 1
         session = Session(sid, run, run_key, digest, elems, arena, conn, keep_rounds=keep_rounds,
-                          max_samples=max_samples, robust=robust, snapshot_max=snapshot_bound(layout))
+                          max_samples=max_samples, robust=robust, snapshot_max=snapshot_bound(layout),
+                          compression=compression)
         self.sessions[sid] = session
         conn.on_close(lambda: self._close(session))
         self.metrics.trainer_sessions.set(len(self.sessions))
         if self.statesync is not None:
             await self.statesync.advertise_state(run, run_key, digest)
-        log.info("trainer session %d: run %s, %d tensors, %d elements, layout %s", sid, run, len(layout), elems,
-                 digest[:16])
-        reply = {"session": sid, "run_key": run_key, "layout_hash": digest, "elems": elems, "peer_id": self.peer_id}
+        log.info("trainer session %d: run %s, %d tensors, %d elements, layout %s, %s", sid, run, len(layout), elems,
+                 digest[:16], compression.get("compression", "the run's codec"))
+        reply = {"session": sid, "run_key": run_key, "layout_hash": digest, "elems": elems, "peer_id": self.peer_id,
+                 **compression}
         if warning:
             reply["warning"] = warning
         return reply
@@ -234,6 +261,17 @@ class TrainerService:
                     f"run {run!r} is training a different model on this daemon (layout {s.layout[:16]}, "
                     f"this trainer's is {digest[:16]}): models that differ never average together; "
                     f"use the same model or another --run"
+                )
+
+    def _check_codec(self, run: str, compression: dict[str, Any]) -> None:
+        """Refuse a codec that differs from the one ``run``'s other sessions on this daemon declared: the daemon
+        averages a run in one codec (its members' bodies in another are drops)."""
+        for s in self.sessions.values():
+            if s.run == run and s.compression != compression:
+                raise OpError(
+                    f"run {run!r} averages with {s.compression or 'the default codec (fp32)'} on this daemon, this "
+                    f"trainer asks for {compression or 'the default codec (fp32)'}: every member of a run must "
+                    f"declare the same compression"
                 )
 
     async def _swarm_warning(self, run: str, digest: str) -> str:
@@ -329,6 +367,7 @@ class TrainerService:
             # The averaging API has its own deadline; this outer one makes sure no bug can hang a trainer.
             with trio.fail_after(timeout + 10.0):
                 extra: dict[str, Any] = {} if session.keep_rounds is None else {"keep_rounds": session.keep_rounds}
+                extra.update(session.compression)  # only when declared: averagers without codecs still work
                 if round_no is not None:
                     extra["round_no"] = round_no
                 if session.max_samples is not None:  # only when set: averagers without these keywords still work
@@ -453,7 +492,7 @@ class TrainerService:
         if not all_finite(vector):
             raise OpError(f"step {step}: the pseudo-gradient holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
-        extra: dict[str, Any] = {"round_no": round_no}
+        extra: dict[str, Any] = {"round_no": round_no, **session.compression}
         if session.max_samples is not None:
             extra["max_weight"] = session.max_samples
         result: Any = None
