@@ -299,3 +299,46 @@ def test_through_the_allreduce_service_selections_agree_and_nothing_unknown_land
                    for j in range(4))
         idx = np.concatenate([plan.layout.dense_index(j, sel[j]) for j in range(4)])
         np.testing.assert_allclose(out[3].vector[idx], wmean(xs, ws, range(4))[idx], atol=1e-5)
+
+
+def test_a_moshpit_run_in_arc_topk_keeps_its_ef21m_state_and_every_member_holds_the_same_u() -> None:
+    from .test_dht_network import counter_value
+
+    results: list = []
+    xs, ws = inputs(3, 48 * 10 + 30 + 20 * 6 + 9 * 6, 8)
+
+    async def main() -> None:
+        net = MemNet(seed=21)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm(nursery, net, 3)
+            shapes = [list(s) for s in SHAPES]
+
+            async def one(i: int, rnd: int, out: list) -> None:
+                out[i] = await nodes[i].moshpit.average("topk", xs[i] * (rnd + 1), ws[i], timeout_s=30.0,
+                                                        compression="arc-topk", topk_layout=shapes, topk_ratio=0.25,
+                                                        ef_eta=0.5)
+
+            for rnd in range(2):
+                out: list = [None] * 3
+                async with trio.open_nursery() as inner:
+                    for i in range(3):
+                        inner.start_soon(one, i, rnd, out)
+                results.append(out)
+            st = nodes[0].moshpit.runs["topk"]
+            results.append((st.statistics(), st.topk.ef.h.copy()))
+            results.append([counter_value(n.metrics.moshpit_rounds, codec="arc-topk") for n in nodes])
+            with pytest.raises(Exception, match="layout holds"):
+                await nodes[0].moshpit.average("topk2", xs[0][:10], 1.0, compression="arc-topk", topk_layout=shapes)
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+    for out in results[:2]:
+        assert all(r.outcome == "averaged" and r.group_size == 3 and r.compression == "arc-topk" for r in out)
+        assert all(np.array_equal(r.vector, out[0].vector) for r in out)  # the same u everywhere
+        assert all(r.bytes_sent > 0 for r in out)
+    stats, h = results[2]
+    assert stats["compression"] == "arc-topk" and stats["topk_ratio"] == 0.25 and stats["ef"]
+    assert results[3] == [2, 2, 2]
+    # the same layout and group in round 2: the run kept its state, h = 0.5 x + 0.5 (2 x) (a reset: h = 2 x)
+    np.testing.assert_allclose(h, 1.5 * xs[0], rtol=1e-6)

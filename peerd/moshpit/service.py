@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
+from ..allreduce.arctopk import ArcTopKPlan, phase_totals, service_arc_topk
 from ..allreduce.robust import Robust, parse_robust
 from ..allreduce.service import AllreduceService, Member
 from ..compress import Codec
 from ..compress import codec as make_codec
+from ..compress.topk import EF21M
 from ..dht.records import Record
 from ..dht.service import DhtService
 from ..entropy import default_rng
@@ -122,6 +124,39 @@ class RoundResult:
 
 
 @dataclass
+class TopK:
+    """A run's arc-topk configuration and its EF21M state (peerd.allreduce.arctopk): the trainer's tensor shapes
+    (1-D tensors go whole), the share of rows averaged, and EF21M (None: no error feedback). The state is the
+    run's: it resets when the layout or the group (its members, in order) changes, so with a new Moshpit group
+    every round (keep_rounds 1) it holds one round; kept groups keep it."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    ratio: float
+    ef: EF21M | None
+
+    @property
+    def length(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def check_topk(shapes: object, ratio: object, eta: object) -> TopK:
+    """arc-topk's configuration; MoshpitError unless ``shapes`` is a list of shapes (lists of non-negative ints)
+    with at least one element, ``ratio`` in (0, 1], ``eta`` None (no error feedback) or in (0, 1]."""
+    if not isinstance(shapes, list | tuple) or not 1 <= len(shapes) <= 100_000 or not all(
+            isinstance(sh, list | tuple) and len(sh) <= 8 and all(type(d) is int and d >= 0 for d in sh)
+            for sh in shapes):
+        raise MoshpitError("arc-topk needs the layout: a list of tensor shapes (lists of non-negative integers)")
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 < ratio <= 1.0:
+        raise MoshpitError(f"topk_ratio must be in (0, 1], got {ratio!r:.40}")
+    if eta is not None and (isinstance(eta, bool) or not isinstance(eta, int | float) or not 0.0 < eta <= 1.0):
+        raise MoshpitError(f"ef_eta must be in (0, 1] (or None: no error feedback), got {eta!r:.40}")
+    topk = TopK(tuple(tuple(sh) for sh in shapes), float(ratio), None if eta is None else EF21M(float(eta)))
+    if topk.length == 0:
+        raise MoshpitError("the arc-topk layout holds no elements")
+    return topk
+
+
+@dataclass
 class RunState:
     """One run as the shell holds it: the round machine, plus what only the shell needs (the lock that
     serialises rounds, the wake-up for the round under way, the averaging options, the last result)."""
@@ -136,10 +171,13 @@ class RunState:
     robust: Robust | None = None  # owners clip contributions (allreduce/robust.py); None: plain mean
     center: np.ndarray | None = None  # the last averaged vector: the center of robust "centered" mode
     codec: Codec | None = None  # the body codec every average of the run uses (None: fp32, the zero-copy path)
+    topk: TopK | None = None  # arc-topk instead of a body codec (then ``codec`` is None)
 
     @property
     def compression(self) -> str:
         """The codec's name, as metrics label it."""
+        if self.topk is not None:
+            return "arc-topk"
         return self.codec.name if self.codec is not None else "fp32"
 
     # the machine's state, read through (the shell decides none of it)
@@ -191,6 +229,7 @@ class RunState:
             "max_weight": self.max_weight,
             "robust": str(self.robust) if self.robust else "off",
             "compression": self.compression,
+            **({"topk_ratio": self.topk.ratio, "ef": self.topk.ef is not None} if self.topk is not None else {}),
             **({"quant_group": self.codec.group, "rounding": self.codec.rounding}  # type: ignore[attr-defined]
                if self.compression.startswith("int") else {}),
             "last": self.last.stats() if self.last else None,
@@ -224,8 +263,9 @@ def check_compression(compression: object, quant_group: object = None, rounding:
     if isinstance(compression, Codec):
         return None if compression.wire_id == 0 else compression
     if compression == "arc-topk":
-        raise MoshpitError("compression arc-topk is not available in Moshpit rounds (it needs the trainer's "
-                           "layout and three phases; see peerd.allreduce.arctopk): use fp16, bf16, int8 or int4")
+        raise MoshpitError("compression arc-topk is not a body codec: it needs the layout (open/average with "
+                           "compression='arc-topk', topk_layout=[shapes], topk_ratio, ef_eta; see "
+                           "peerd.allreduce.arctopk)")
     if not isinstance(compression, str) or compression not in MOSHPIT_CODECS:
         raise MoshpitError(f"compression must be one of {', '.join(MOSHPIT_CODECS)}, got {compression!r:.40}")
     params: dict[str, object] = {}
@@ -314,6 +354,9 @@ class MoshpitService:
         compression: str | Codec | None = None,
         quant_group: int | None = None,
         rounding: str | None = None,
+        topk_layout: list | None = None,
+        topk_ratio: float = 0.1,
+        ef_eta: float | None = 0.1,
     ) -> RunState:
         """Start (or reconfigure) a run. Without ``grid``, take the run's published grid or size one
         from the swarm the DHT sees. ``keep_rounds``: keep a complete group this many rounds (1: never).
@@ -324,7 +367,7 @@ class MoshpitService:
         check_run_id(run_id)
         cap = check_max_weight(max_weight) if max_weight is not None else None
         robust_mode = check_robust(robust) if robust is not None else None
-        codec = self._check_codec(compression, quant_group, rounding)
+        codec = self._check_codec(compression, quant_group, rounding, topk_layout, topk_ratio, ef_eta)
         if not 0.2 <= window_s <= 600:
             raise MoshpitError(f"window_s must be in [0.2, 600] seconds, got {window_s}")
         if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
@@ -371,19 +414,35 @@ class MoshpitService:
         return st
 
     @staticmethod
-    def _check_codec(compression: object, quant_group: object, rounding: object) -> tuple[Codec | None] | None:
-        """(codec,) when the caller names a compression (None inside: fp32), None when it leaves the run's."""
+    def _check_codec(compression: object, quant_group: object, rounding: object, topk_layout: object = None,
+                     topk_ratio: object = 0.1, ef_eta: object = 0.1) -> tuple[Codec | TopK | None] | None:
+        """(codec,) when the caller names a compression (None inside: fp32; a TopK for arc-topk), None when it
+        leaves the run's."""
         if compression is None:
-            if quant_group is not None or rounding is not None:
-                raise MoshpitError("quant_group and rounding need compression (int8 or int4)")
+            if quant_group is not None or rounding is not None or topk_layout is not None:
+                raise MoshpitError("quant_group, rounding and topk_layout need compression (int8, int4, arc-topk)")
             return None
+        if compression == "arc-topk":
+            if quant_group is not None or rounding is not None:
+                raise MoshpitError("quant_group and rounding apply to int8 and int4, not to arc-topk")
+            return (check_topk(topk_layout, topk_ratio, ef_eta),)
+        if topk_layout is not None:
+            raise MoshpitError(f"topk_layout applies to arc-topk, not to {compression}")
         return (check_compression(compression, quant_group, rounding),)
 
     @staticmethod
     def _configure(st: RunState, max_weight: object, cap: float | None, robust: object,
-                   robust_mode: Robust | None, codec: tuple[Codec | None] | None = None) -> None:
+                   robust_mode: Robust | None, codec: tuple[Codec | TopK | None] | None = None) -> None:
         if codec is not None:
-            st.codec = codec[0]
+            chosen = codec[0]
+            if isinstance(chosen, TopK):
+                same = st.topk is not None and (st.topk.shapes, st.topk.ratio) == (chosen.shapes, chosen.ratio) \
+                    and (st.topk.ef is None) == (chosen.ef is None)
+                if not same:  # a new configuration: a new EF21M state (the same one keeps the run's)
+                    st.topk = chosen
+                st.codec = None
+            else:
+                st.codec, st.topk = chosen, None
         if max_weight is not None:
             st.max_weight = cap
         if robust is not None:
@@ -405,7 +464,8 @@ class MoshpitService:
                       keep_rounds: int | None = None, round_no: int | None = None,
                       max_weight: float | None = None, robust: Robust | str | None = None,
                       center: np.ndarray | None = None, compression: str | Codec | None = None,
-                      quant_group: int | None = None, rounding: str | None = None) -> RoundResult:
+                      quant_group: int | None = None, rounding: str | None = None, topk_layout: list | None = None,
+                      topk_ratio: float = 0.1, ef_eta: float | None = 0.1) -> RoundResult:
         """One Moshpit round for ``run_id``: find a group, average in it. Never raises for churn.
 
         ``keep_rounds``: set the run's kept-group rounds (as ``open`` does) if it differs, so a trainer
@@ -419,6 +479,9 @@ class MoshpitService:
         ``center``: the center of robust "centered" mode for this round only (e.g. the caller's own parameters,
         which honest replicas stay close to); None: the run's last average.
         ``compression``, ``quant_group``, ``rounding``: set the run's body codec (as ``open`` does); None leaves it.
+        ``compression="arc-topk"`` with ``topk_layout`` (the tensor shapes of the vector), ``topk_ratio`` and
+        ``ef_eta`` (None: no error feedback) averages the top rows instead (peerd.allreduce.arctopk); with EF21M
+        the result is its update direction u, not an average of the vectors.
 
         The result is never non-finite: an average that holds NaN or infinity is reported ``failed`` and the
         caller gets its own vector back. A run past its last round (MAX_ROUND) raises MoshpitError."""
@@ -427,7 +490,7 @@ class MoshpitService:
             raise MoshpitError(f"round must be an integer in [0, {MAX_ROUND}], got {round_no!r}")
         cap = check_max_weight(max_weight) if max_weight is not None else None
         robust_mode = check_robust(robust) if robust is not None else None
-        codec = self._check_codec(compression, quant_group, rounding)
+        codec = self._check_codec(compression, quant_group, rounding, topk_layout, topk_ratio, ef_eta)
         if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
             raise MoshpitError(f"keep_rounds must be an integer in [1, 1000], got {keep_rounds!r}")
         if vector.dtype != np.float32 or vector.ndim != 1:
@@ -439,6 +502,8 @@ class MoshpitService:
             raise MoshpitError(f"weight must be a positive number (a sample count), got {weight}")
         if not 1.0 <= timeout_s <= 3600:
             raise MoshpitError(f"timeout_s must be in [1, 3600], got {timeout_s}")
+        if codec is not None and isinstance(codec[0], TopK) and codec[0].length != vector.size:
+            raise MoshpitError(f"the arc-topk layout holds {codec[0].length} elements, the vector {vector.size}")
         st = self.runs.get(run_id) or await self.open(run_id, keep_rounds=keep_rounds)
         async with st.lock:
             if keep_rounds is not None:
@@ -525,6 +590,8 @@ class MoshpitService:
         if st.codec is not None:  # fp32 goes the way it always went (its zero-copy path, no codec arguments)
             extra["codec"] = st.codec
             extra["run"] = codec_run_key(st.run_id, round_no)
+        if st.topk is not None:
+            return await self._average_topk(st, group, members, hexes, vector, weight, budget_s, round_no, key, seen)
         try:
             res = await self.allreduce.average(
                 group.group_id, members, group.index, vector, weight, floor_s=1.0,
@@ -551,6 +618,42 @@ class MoshpitService:
         fraction = received / expected if expected else 1.0
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
                            silent=bool(rs.silent or ag.silent), bytes_sent=res.bytes_sent)
+
+    async def _average_topk(self, st: RunState, group: Group, members: list[Member], hexes: list[str],
+                            vector: np.ndarray, weight: float, budget_s: float, round_no: int, key: str, seen: int
+                            ) -> RoundResult:
+        """An arc-topk round: three group averages (sketch, selection, dense rows) and the run's EF21M state."""
+        topk = st.topk
+        assert topk is not None
+        gid = f"{group.group_id:08x}"
+        if vector.size != topk.length:
+            return RoundResult(vector.copy(), "failed", gid, len(members), hexes, 0.0, round_no, 0.0, 0.0, key, seen,
+                               f"the arc-topk layout holds {topk.length} elements, the vector {vector.size}")
+        options: dict = {} if st.max_weight is None else {"max_weight": st.max_weight}
+        try:
+            plan = ArcTopKPlan.build(topk.shapes, len(members), topk.ratio, self.allreduce.host.max_body)
+            res = await service_arc_topk(self.allreduce, group.group_id, members, group.index, vector, weight, plan,
+                                         run=codec_run_key(st.run_id, round_no), round=round_no, ef=topk.ef,
+                                         floor_s=1.0, max_phase_s=max(1.0, budget_s / 6), **options)
+            finite = await self._finite(res.vector)
+        except (ValueError, RpcError) as e:
+            log.warning("run %s round %d: arc-topk in group %s failed: %s", st.run_id, round_no, gid, e)
+            if topk.ef is not None:
+                topk.ef.reset()  # its h, e may hold half a round
+            return RoundResult(vector.copy(), "failed", gid, len(members), hexes, 0.0, round_no, 0.0, 0.0, key,
+                               seen, str(e))
+        if not finite:
+            self.metrics.contributions_refused.labels("nonfinite_average").inc()
+            if topk.ef is not None:
+                topk.ef.reset()
+            return RoundResult(vector.copy(), "failed", gid, len(members), hexes, 0.0, round_no, 0.0, 0.0, key,
+                               seen, "the arc-topk result held NaN or infinity: kept this node's own vector")
+        totals = phase_totals(res.phases)
+        self.metrics.moshpit_bytes_sent.labels("arc-topk").inc(res.bytes_sent)
+        fraction = totals["datagrams_received"] / totals["datagrams_expected"] if totals["datagrams_expected"] else 1.0
+        silent = any(p.stats.reduce_scatter.silent or p.stats.all_gather.silent for p in res.phases)
+        return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
+                           silent=silent, bytes_sent=res.bytes_sent)
 
     @staticmethod
     async def _finite(vector: np.ndarray) -> bool:
