@@ -142,7 +142,7 @@ def test_trainer_open_refuses_unknown_codecs_and_a_second_codec_in_one_run() -> 
 
         service = TrainerService(Metrics(), average)
         bad = [({"compression": "int9"}, "compression must be one of"),
-               ({"compression": "arc-topk"}, "arc-topk is not available"),
+               ({"compression": "arc-topk"}, "arc-topk is not a body codec"),
                ({"compression": "fp16", "quant_group": 64}, "int8 and int4"),
                ({"compression": "int4", "rounding": "up"}, "rounding must be"),
                ({"compression": "int8", "quant_group": 0}, "quant_group")]
