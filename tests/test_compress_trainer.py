@@ -142,7 +142,9 @@ def test_trainer_open_refuses_unknown_codecs_and_a_second_codec_in_one_run() -> 
 
         service = TrainerService(Metrics(), average)
         bad = [({"compression": "int9"}, "compression must be one of"),
-               ({"compression": "arc-topk"}, "arc-topk is not a body codec"),
+               (({"compression": "arc-topk", "topk_ratio": 2}, "topk_ratio must be")
+                if hasattr(trainer_service, "codec_keywords")  # (before compress17-arctopk-trainer-service.diff)
+                else ({"compression": "arc-topk"}, "arc-topk is not a body codec")),
                ({"compression": "fp16", "quant_group": 64}, "int8 and int4"),
                ({"compression": "int4", "rounding": "up"}, "rounding must be"),
                ({"compression": "int8", "quant_group": 0}, "quant_group")]
@@ -173,3 +175,24 @@ def test_check_compression_and_the_rounding_run_key() -> None:
     keys = {codec_run_key("r", n) for n in range(100)} | {codec_run_key("s", 0)}
     assert len(keys) == 101 and all(0 <= k < 2**64 for k in keys)
     assert codec_run_key("r", 3) == codec_run_key("r", 3)
+
+
+@pytest.mark.skipif(not hasattr(trainer_service, "codec_keywords"),
+                    reason="trainer_open has no arc-topk yet (/work/patches/compress17-arctopk-*.diff)")
+def test_arc_topk_trainers_get_the_same_ef21m_direction_and_their_parameter_averages_stay_fp32() -> None:
+    results, metrics = _three_trainers({"compression": "arc-topk", "topk_ratio": 0.25}, rounds=2)
+    for _, steps in results:
+        replies = [r for r, _ in steps]
+        outs = [o for _, o in steps]
+        assert all(r["outcome"] == "averaged" and r["group_size"] == 3 for r in replies), replies
+        assert all(np.array_equal(outs[0], o) for o in outs[1:]) and np.isfinite(outs[0]).all()
+    for m in metrics:
+        assert counter_value(m.moshpit_rounds, outcome="averaged", codec="arc-topk") == 2
+    # round 1 (a fresh EF21M state): u is the weighted mean of the selected rows and whole tensors, 0 elsewhere
+    vectors, steps = results[0]
+    exact = sum(w * v.astype(np.float64) for w, v in zip(WEIGHTS, vectors, strict=True)) / sum(WEIGHTS)
+    u = steps[0][1]
+    picked = u != 0
+    assert 0.2 < picked.mean() < 0.4  # a quarter of the 40 rows and the 50-element bias
+    np.testing.assert_allclose(u[picked], exact[picked], atol=1e-5)
+    assert picked[2000:].all()  # the 1-D tensor goes whole
