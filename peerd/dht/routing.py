@@ -36,13 +36,24 @@ def bucket_index(own: bytes, other: bytes) -> int:
 
 
 class Bucket:
-    __slots__ = ("contacts", "replacements", "touched", "pinging")
+    """``contacts`` is changed only through the table, which drops ``_view`` whenever the set of contacts (not
+    their order) changes: ``closest`` reads the view, a tuple, instead of walking the OrderedDict per call."""
+
+    __slots__ = ("contacts", "replacements", "touched", "pinging", "_view")
 
     def __init__(self) -> None:
         self.contacts: OrderedDict[bytes, Contact] = OrderedDict()  # least recently seen first
         self.replacements: OrderedDict[bytes, Contact] = OrderedDict()
         self.touched = 0.0  # last time a lookup targeted this bucket's range
         self.pinging: bytes | None = None
+        self._view: tuple[Contact, ...] | None = None
+
+    def view(self) -> tuple[Contact, ...]:
+        """The contacts, in no particular order (cached until one enters, leaves or changes address)."""
+        view = self._view
+        if view is None:
+            view = self._view = tuple(self.contacts.values())
+        return view
 
 
 class Buckets:
@@ -79,18 +90,17 @@ class RoutingTable:
         self._count = 0
         self._occupied = 0  # bit i set: bucket i holds contacts
         self._own = int.from_bytes(node_id, "big")
+        self._ids: set[bytes] = set()  # every contact's id: membership without finding its bucket
 
     def __len__(self) -> int:
         return self._count
 
     def holds(self, contact: Contact) -> bool:
-        """``contact.node_id in self``, from the id's integer the contact already carries."""
-        bucket = self.buckets.made.get((self._own ^ contact.num).bit_length() - 1)
-        return bucket is not None and contact.node_id in bucket.contacts
+        """``contact.node_id in self`` (kept for callers that hold a Contact)."""
+        return contact.node_id in self._ids
 
     def __contains__(self, node_id: bytes) -> bool:
-        bucket = self.buckets.made.get(self._index(node_id))
-        return bucket is not None and node_id in bucket.contacts
+        return node_id in self._ids
 
     def contacts(self) -> list[Contact]:
         """Every contact, from the occupied buckets only (a table has a handful of its 256 occupied)."""
@@ -119,13 +129,20 @@ class RoutingTable:
             return None
         index = (self._own ^ contact.num).bit_length() - 1
         bucket = self.buckets[index]
-        if contact.node_id in bucket.contacts:
-            bucket.contacts[contact.node_id] = contact  # the address may have changed
-            bucket.contacts.move_to_end(contact.node_id)
+        contacts = bucket.contacts
+        node_id = contact.node_id
+        if node_id in self._ids:
+            old = contacts[node_id]
+            if old is not contact and old != contact:
+                contacts[node_id] = contact  # the address changed
+                bucket._view = None
+            contacts.move_to_end(node_id)
             return None
-        if len(bucket.contacts) < self.k:
-            bucket.contacts[contact.node_id] = contact
-            bucket.replacements.pop(contact.node_id, None)
+        if len(contacts) < self.k:
+            contacts[node_id] = contact
+            bucket._view = None
+            self._ids.add(node_id)
+            bucket.replacements.pop(node_id, None)
             self._count += 1
             self._occupied |= 1 << index
             return None
@@ -155,10 +172,13 @@ class RoutingTable:
         bucket.replacements.pop(node_id, None)
         if bucket.contacts.pop(node_id, None) is None:
             return
+        bucket._view = None
+        self._ids.discard(node_id)
         self._count -= 1
         if bucket.replacements:
             _, replacement = bucket.replacements.popitem(last=True)
             bucket.contacts[replacement.node_id] = replacement
+            self._ids.add(replacement.node_id)
             self._count += 1
         elif not bucket.contacts:
             self._occupied &= ~(1 << bucket_index(self.node_id, node_id))
@@ -181,19 +201,20 @@ class RoutingTable:
         bits = d & self._occupied
         while bits and len(picked) < count:
             i = bits.bit_length() - 1
-            picked.extend(made[i].contacts.values())
+            picked += made[i].view()
             bits ^= 1 << i
         bits = self._occupied & ~d
         while bits and len(picked) < count:
             low = bits & -bits
-            picked.extend(made[low.bit_length() - 1].contacts.values())
+            picked += made[low.bit_length() - 1].view()
             bits ^= low
         if len(picked) <= 1:
             return picked
-        # sorted by (distance, contact) pairs: no key function called per contact (ids differ, so the
-        # distances do, and contacts are never compared)
-        ranked = sorted([(c.num ^ t, c) for c in picked])
-        return [c for _, c in ranked[:count]]
+        # ids differ, so the distances do: the order is total (a key per contact sorts faster than pairs)
+        picked.sort(key=lambda c: c.num ^ t)
+        if len(picked) > count:
+            del picked[count:]
+        return picked
 
     def closer_than_me(self, target: bytes, limit: int) -> int:
         """How many contacts are closer to ``target`` than this node is, counted up to ``limit``.

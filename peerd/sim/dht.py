@@ -61,7 +61,9 @@ FIND_VALUE = m.MsgType.FIND_VALUE
 STORE = m.MsgType.STORE
 PING = m.MsgType.PING
 
-Done = Callable[[Any, Contact | None], None]  # (reply body, the contact that answered) or (None, None)
+# done(rpc, reply body, the contact that answered), or done(rpc, None, None): the request's _Rpc comes first, so
+# a caller reads what it passed (contact, arg) from it instead of binding a closure per request
+Done = Callable[["_Rpc", Any, "Contact | None"], None]
 
 
 @dataclass(frozen=True)
@@ -81,18 +83,27 @@ class Config:
     join_refresh: bool = False
 
 
-class _Rpc:
-    __slots__ = ("contact", "mtype", "body", "done", "start", "sent_at", "wait", "first", "deadline")
+DEADLINE_S = RPC_TIMEOUT_S * (2**RPC_ATTEMPTS - 1)
 
-    def __init__(self, contact: Contact, mtype: m.MsgType, body: Any, done: Done, now: float, wait: float) -> None:
+
+class _Rpc:
+    """One request in flight. ``table``: the answer or its absence updates the routing table (DhtService._rpc);
+    ``arg`` is the caller's (a lookup's hop, a put's contact)."""
+
+    __slots__ = ("contact", "mtype", "body", "done", "arg", "table", "sent_at", "wait", "first", "deadline")
+
+    def __init__(self, contact: Contact, mtype: m.MsgType, body: Any, done: Done, arg: Any, table: bool,
+                 now: float, wait: float) -> None:
         self.contact = contact
         self.mtype = mtype
         self.body = body
         self.done = done
-        self.start = self.sent_at = now
+        self.arg = arg
+        self.table = table
+        self.sent_at = now
         self.wait = wait
         self.first = True
-        self.deadline = now + RPC_TIMEOUT_S * (2**RPC_ATTEMPTS - 1)
+        self.deadline = now + DEADLINE_S
 
 
 class Node:
@@ -114,17 +125,20 @@ class Node:
         self.alive = True
 
     # -- the endpoint: requests, retransmission, answers ---------------------------------------------
-    def request(self, contact: Contact, mtype: m.MsgType, body: Any, done: Done) -> None:
+    def request(self, contact: Contact, mtype: m.MsgType, body: Any, done: Done, arg: Any = None,
+                table: bool = False) -> None:
         """Endpoint.request: retransmit with doubling waits until an answer or the deadline."""
         sim = self.sim
         sim.rid += 1
         rid = sim.rid
         addr = contact.addr
-        rpc = _Rpc(contact, mtype, body, done, self.net.now, self.rto.timeout(addr, RPC_TIMEOUT_S))
+        net = self.net
+        now = net.now
+        rpc = _Rpc(contact, mtype, body, done, arg, table, now, self.rto.timeout(addr, RPC_TIMEOUT_S))
         self.pending[rid] = rpc
         sim.rpcs += 1
-        self.net.send(self.addr, addr, (True, rid, mtype, body, self.contact))
-        self.net.call_at(min(rpc.deadline, rpc.sent_at + rpc.wait), self._waited, rid, owner=self.addr)
+        net.send(self.addr, addr, (True, rid, mtype, body, self.contact))
+        net.call_at(min(rpc.deadline, now + rpc.wait), self._waited, rid, owner=self.addr)
 
     def _waited(self, rid: int) -> None:
         rpc = self.pending.get(rid)
@@ -137,7 +151,9 @@ class Node:
             rpc.first = False
         if now >= rpc.deadline:
             del self.pending[rid]
-            rpc.done(None, None)
+            if rpc.table:
+                self.core.failed(rpc.contact.node_id)
+            rpc.done(rpc, None, None)
             return
         rpc.wait *= 2
         rpc.sent_at = now
@@ -168,7 +184,11 @@ class Node:
             return  # a duplicate, or an answer after the request gave up
         if rpc.first:  # Karn's rule: only an unambiguous round trip is a sample
             self.rto.sample(src, self.net.now - rpc.sent_at)
-        rpc.done(reply, sender)
+        if rpc.table:
+            ping = self.core.heard(sender)
+            if ping is not None:
+                self.act(ping)
+        rpc.done(rpc, reply, sender)
 
     # -- the DHT shell (DhtService's, without trio) -------------------------------------------------
     def act(self, ping: Ping | None) -> None:
@@ -176,24 +196,21 @@ class Node:
         if ping is None:
             return
         if ping.why == "verify":
-            def verified(reply: Any, sender: Contact | None) -> None:
-                ok = sender is not None and sender.node_id == ping.contact.node_id
-                self.act(self.core.pinged(ping, sender if ok else None))
-            self.request(ping.contact, PING, None, verified)
+            self.request(ping.contact, PING, None, self._verified, ping)
         else:
-            self.rpc(ping.contact, PING, None, lambda reply, sender: self.act(self.core.pinged(ping, sender)))
+            self.request(ping.contact, PING, None, self._checked, ping, table=True)
 
-    def rpc(self, contact: Contact, mtype: m.MsgType, body: Any, done: Done) -> None:
+    def _verified(self, rpc: _Rpc, reply: Any, sender: Contact | None) -> None:
+        ping = rpc.arg
+        ok = sender is not None and sender.node_id == ping.contact.node_id
+        self.act(self.core.pinged(ping, sender if ok else None))
+
+    def _checked(self, rpc: _Rpc, reply: Any, sender: Contact | None) -> None:
+        self.act(self.core.pinged(rpc.arg, sender))
+
+    def rpc(self, contact: Contact, mtype: m.MsgType, body: Any, done: Done, arg: Any = None) -> None:
         """DhtService._rpc: an answer is heard (it may enter the table); no answer removes the contact."""
-        def answered(reply: Any, sender: Contact | None) -> None:
-            if sender is None:
-                self.core.failed(contact.node_id)
-            else:
-                ping = self.core.heard(sender)
-                if ping is not None:
-                    self.act(ping)
-            done(reply, sender)
-        self.request(contact, mtype, body, answered)
+        self.request(contact, mtype, body, done, arg, table=True)
 
     def find_nodes(self, target: bytes, done: Callable[[Walk, list[Contact]], None], *, settle: bool = False) -> Walk:
         walk = Walk(self, target, FIND_NODE, target, done, settle=settle)
@@ -226,9 +243,9 @@ class Node:
             answered: list[Contact] = []
             wire = [record.to_wire(now)]
 
-            def stored_on(contact: Contact, reply: Any, sender: Contact | None) -> None:
+            def stored_on(rpc: _Rpc, reply: Any, sender: Contact | None) -> None:
                 if sender is not None:
-                    answered.append(contact)
+                    answered.append(rpc.contact)
                     left[1] += bool(reply and reply[0])
                 left[0] -= 1
                 if not left[0]:
@@ -237,7 +254,7 @@ class Node:
                     done(left[1])
 
             for contact in closest:
-                self.rpc(contact, STORE, wire, lambda reply, sender, c=contact: stored_on(c, reply, sender))
+                self.rpc(contact, STORE, wire, stored_on)
 
         recent = self.core.recent.get(target, now, self.core.table, K)
         if recent:
@@ -248,7 +265,7 @@ class Node:
     def join(self, bootstrap: Contact, done: Callable[[], None]) -> None:
         """DhtService.bootstrap: PING the bootstrap node until it answers, then look up our own id (and, with
         --join-refresh, refresh every bucket as the daemon does)."""
-        def pinged(reply: Any, sender: Contact | None) -> None:
+        def pinged(rpc: _Rpc, reply: Any, sender: Contact | None) -> None:
             if sender is None:
                 self.net.call_later(BOOTSTRAP_RETRY_S, self.join, bootstrap, done, owner=self.addr)
                 return
@@ -358,8 +375,7 @@ class Walk:
             self.queries += 1
             self.slow.add(node_id)
             node.net.call_at(node.net.now + SLOW_QUERY_S, self.on_slow, node_id, owner=node.addr)
-            node.rpc(contact, self.mtype, self.body,
-                     lambda reply, sender, c=node_id, h=hop: self.on_answer(c, h, reply, sender))
+            node.request(contact, self.mtype, self.body, self.on_answer, hop, True)
         if lookup.finished or (self.settle and lookup.settled):
             self.finish()
 
@@ -370,9 +386,11 @@ class Walk:
         self.lookup.on_slow(node_id)
         self.pump()
 
-    def on_answer(self, node_id: bytes, hop: int, reply: Any, sender: Contact | None) -> None:
+    def on_answer(self, rpc: _Rpc, reply: Any, sender: Contact | None) -> None:
         if self.over:
             return  # a slow answer after the lookup ended: nobody reads it
+        node_id = rpc.contact.node_id
+        hop = rpc.arg
         self.slow.discard(node_id)
         if sender is None:
             self.lookup.on_failure(node_id)
