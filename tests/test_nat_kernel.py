@@ -229,3 +229,16 @@ def test_nat_lab_leaves_nothing_behind() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sweep_removes_what_a_killed_nat_lab_left() -> None:
+    """SIGKILL leaves the namespaces (routers included); sweep_stale removes them."""
+    proc = subprocess.Popen([sys.executable, "-m", "peerd.lab.nat", "hold", "--kinds", "cone,public"],
+                            stdout=subprocess.PIPE, text=True)
+    info = json.loads(proc.stdout.readline())
+    proc.kill()
+    proc.wait()
+    names = {info["bridge"], *info["namespaces"], *info["routers"]}
+    assert names <= set(links_mod._list_netns())
+    assert names <= set(links_mod.sweep_stale())
+    assert not names & set(links_mod._list_netns())
