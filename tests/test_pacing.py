@@ -16,7 +16,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from peerd.transport.pacing import BURST_S, FIRST_REPORT, DeliveryMeter, Pacer, Report, SendPositions, Verdict
+from peerd.transport.pacing import (
+    BURST_S,
+    FIRST_REPORT,
+    START_RATE,
+    DeliveryMeter,
+    Pacer,
+    Report,
+    SendPositions,
+    Verdict,
+)
 
 
 def test_token_bucket_spaces_sends_at_the_rate() -> None:
@@ -102,15 +111,28 @@ class Swarm:
     (after its downlink, as nftables drops there); every node streams to every other, destinations in turn
     one part at a time (as the driver does), each part when its Pacer says. Receivers sample a
     DeliveryMeter per sender every 25 ms (each at its own offset) and their REPORTs land ``report_delay``
-    later. ``rx_capacity``/``rx_buffer``: a receiver that takes that many datagrams/s off a socket buffer
-    of that many (kernel drops beyond). Deterministic for a seed."""
+    later (plus an exponential ``report_jitter`` of that mean: loaded event loops answer late and unevenly).
+    ``rx_capacity``/``rx_buffer``: a receiver that takes that many datagrams/s off a socket buffer of that
+    many (kernel drops beyond). ``stall=(every, length)``: each receiver's CPU stops for ``length`` seconds
+    every ``every`` (at its own offset), as a daemon descheduled on 2 loaded cores: nothing is taken off its
+    socket buffer and no REPORT leaves until it runs again. ``volume``/``idle``: each sender stops after
+    ``volume`` bytes (an average), idles ``idle`` seconds, and starts the next. Deterministic for a seed."""
 
     def __init__(self, n: int, rate: float, loss: float = 0.0, *, seed: int = 0, queue: float = 250_000,
                  report_delay: float = 0.002, rx_capacity: float | None = None, rx_buffer: int = 0,
-                 pacer_rate: float | None = None) -> None:
+                 pacer_rate: float | None = None, report_jitter: float = 0.0,
+                 stall: tuple[float, float] | None = None, volume: float | None = None, idle: float = 0.0) -> None:
         self.n = n
         self.loss = loss
         self.rng = random.Random(seed)
+        self.jitter_rng = random.Random(seed + 1000)  # (its own stream: the loss draws stay as without it)
+        self.report_jitter = report_jitter
+        self.stall = stall
+        self.volume = volume
+        self.idle = idle
+        self.sent_bytes = [0] * n  # in the current average
+        self.averages: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # (start, end) per sender
+        self.started = [0.0] * n
         self.up = [Tbf(rate, limit=queue) for _ in range(n)]
         self.down = [Tbf(rate, limit=queue) for _ in range(n)]
         self.pacers = [Pacer() if pacer_rate is None else Pacer(rate=pacer_rate) for _ in range(n)]
@@ -152,7 +174,25 @@ class Swarm:
         for link in self.up + self.down:
             link.rate = rate
 
+    def _stalled_until(self, t: float, d: int) -> float:
+        """When receiver ``d``'s CPU runs again (``t`` if it is not stalled then)."""
+        if self.stall is None:
+            return t
+        every, length = self.stall
+        offset = every * d / self.n
+        k = (t - offset) // every
+        start = offset + k * every
+        return start + length if start <= t < start + length else t
+
     def _send(self, t: float, i: int) -> None:
+        if self.volume is not None and self.sent_bytes[i] >= self.volume:
+            self.averages[i].append((self.started[i], t))
+            self.sent_bytes[i] = 0
+            self.started[i] = t + self.idle
+            self.push(t + self.idle, "send", i)
+            return
+        if self.volume is not None:
+            self.sent_bytes[i] += PART * DATAGRAM
         d = self.turn[i]
         self.turn[i] = (d + 1) % self.n if (d + 1) % self.n != i else (d + 2) % self.n
         wait = self.pacers[i].reserve(PART * DATAGRAM, t, d)
@@ -182,7 +222,8 @@ class Swarm:
             if len(q) >= self.rx_buffer:
                 self.kernel_drops[d] += 1
                 return
-            at = self.rx_busy[d] = max(at, self.rx_busy[d]) + 1.0 / self.rx_capacity
+            start = self._stalled_until(max(at, self.rx_busy[d]), d)
+            at = self.rx_busy[d] = start + 1.0 / self.rx_capacity
             q.append(at)
         self.push(at, "arrive", i, d, k, b)
 
@@ -196,6 +237,10 @@ class Swarm:
         self.got_bins[b] = self.got_bins.get(b, 0) + 1
 
     def _tick(self, t: float, d: int) -> None:
+        resume = self._stalled_until(t, d)
+        if resume > t:  # a stalled receiver samples (and reports) when it runs again
+            self.push(resume, "tick", d)
+            return
         for i in range(self.n):
             if i == d:
                 continue
@@ -205,7 +250,8 @@ class Swarm:
             rep = self.meters[d][i].sample(received, top, received * DATAGRAM, first, last,
                                            self.kernel_drops[d], t)
             if rep is not None:
-                self.push(t + self.report_delay, "report", i, d, rep)
+                jitter = self.jitter_rng.expovariate(1.0 / self.report_jitter) if self.report_jitter else 0.0
+                self.push(t + self.report_delay + jitter, "report", i, d, rep)
         self.push(t + 0.025, "tick", d)
 
     def _report(self, t: float, i: int, d: int, rep: Report) -> None:
@@ -232,10 +278,11 @@ def lossy_swarm(loss: float, seed: int, seconds: float = 3.0) -> Swarm:
 
 
 def feed(pacer: Pacer, seconds: float, loss_of, *, t0: float = 0.0, dests=("a", "b", "c"), drops_of=None,
-         lag: float = 0.01, seed: int = 0) -> float:
+         lag: float = 0.01, seed: int = 0, burst: int = 0, gap: float = 0.0) -> float:
     """Drive one Pacer with no link model: it sends all the time, destinations in turn, a part at a time when
     its bucket says; every 25 ms each destination reports what was sent to it up to ``lag`` ago, of which
-    ``loss_of(dest, t)`` was lost at random (and ``drops_of(dest, t)`` kernel drops). Returns the end time."""
+    ``loss_of(dest, t)`` was lost at random (and ``drops_of(dest, t)`` kernel drops). ``burst``/``gap``: after
+    every ``burst`` parts the sender waits ``gap`` seconds for data. Returns the end time."""
     rng = random.Random(seed)
     t, tick = t0, t0 + 0.025
     sent = {d: [] for d in dests}  # per destination: send time of every datagram
@@ -244,6 +291,8 @@ def feed(pacer: Pacer, seconds: float, loss_of, *, t0: float = 0.0, dests=("a", 
     while t < t0 + seconds:
         d = dests[k % len(dests)]
         k += 1
+        if burst and k % burst == 0:
+            t += gap
         t += max(0.0, pacer.reserve(PART * DATAGRAM, t, d))
         sent[d].extend([t] * PART)
         while tick <= t:
@@ -332,13 +381,14 @@ def test_one_destination_congested_alone_gets_its_own_cap() -> None:
         return 0.3 if share > 4e6 else 0.0
 
     pacer = Pacer(max_rate=30e6)
-    feed(pacer, 2.0, loss_of)
+    end = feed(pacer, 2.0, loss_of)
     cap = pacer.cap("b")
     assert cap is not None and cap < 10e6, cap
     assert pacer.cap("a") is None and pacer.cap("c") is None
     assert pacer.btl is None or pacer.btl >= 20e6
-    # a capped destination waits for its own bucket; the others only for the uplink's
-    t = 100.0
+    # a capped destination waits for its own bucket; the others only for the uplink's (right away: after an
+    # idle gap the cap relaxes with its age, test_memory_between_averages_ages)
+    t = end + 0.01
     waits_b = [pacer.reserve(PART * DATAGRAM, t, "b") for _ in range(20)]
     assert waits_b[-1] >= 19 * PART * DATAGRAM / cap * 0.9
 
@@ -378,3 +428,111 @@ def test_the_same_inputs_give_the_same_run() -> None:
     a.run(1.5)
     b.run(1.5)
     assert [v for _, v in a.verdicts[0]] == [v for _, v in b.verdicts[0]] and a.up[0].bins == b.up[0].bins
+
+
+# ---- late REPORTs, stalled receivers, and memory between averages (issue 16) --------------------------------
+
+
+def test_late_jittery_reports_still_catch_the_overflow() -> None:
+    """REPORTs 50 ms late plus an exponential jitter of 100 ms more (the lab's loaded event loops: ~60 % came
+    after a fixed 50 ms judging lag), 5 % random loss. The judging lag follows the measured REPORT delay, a
+    phase is judged once every destination has reported past it (in order: a gap waits), a clear overflow is
+    judged at once, and no probe goes out before the last one was heard of. Measured (seeds 1-2): uplinks
+    0.86-0.90 full, excess loss 0.016-0.019, 8-9 % of REPORTs stale. The fixed lag: excess 0.037-0.091 (the
+    overflow's REPORTs mostly came too late to count), 85 % stale."""
+    rate = 100 * MBIT
+    sw = Swarm(4, rate, 0.05, seed=1, report_delay=0.05, report_jitter=0.1)
+    sw.run(5.0)
+    util, excess = sw.utilization(1.0, 4.8, rate), sw.excess_loss(1.0, 4.7)
+    stale = sum(v.action == "stale" for _, v in sw.verdicts[0]) / len(sw.verdicts[0])
+    assert util >= 0.82 and excess <= 0.025 and stale <= 0.2, (util, excess, stale)
+    assert all(0.15 <= p.judge_lag() <= 1.0 for p in sw.pacers), [p.judge_lag() for p in sw.pacers]
+
+
+def test_cpu_stalled_receivers_with_room_do_not_slow_the_sender() -> None:
+    """Each receiver's CPU stops 60 ms in every 200 ms (descheduled on 2 loaded cores): its REPORTs wait, its
+    socket buffer (4000 datagrams) absorbs what arrives meanwhile. Nothing is lost to it: the links stay full
+    (measured 0.90-0.95, excess 0.007-0.010)."""
+    rate = 100 * MBIT
+    sw = Swarm(4, rate, 0.01, seed=1, stall=(0.2, 0.06), rx_capacity=40_000, rx_buffer=4000, report_delay=0.01,
+               report_jitter=0.02)
+    sw.run(5.0)
+    util, excess = sw.utilization(1.0, 4.8, rate), sw.excess_loss(1.0, 4.7)
+    assert sw.kernel_drops == [0] * 4
+    assert util >= 0.88 and excess <= 0.015, (util, excess)
+
+
+def test_receivers_overflowing_while_stalled_slow_the_sender() -> None:
+    """The same stalls with a 300-datagram socket buffer (29 ms of the link): the buffers overflow while their
+    receiver is stalled. That is congestion (kernel drops in REPORTs), not random loss: the senders slow down
+    (measured: btl 1-11 MB/s, 0.4 of the link on average) and keep what receivers' kernels drop small."""
+    rate = 100 * MBIT
+    sw = Swarm(4, rate, 0.0, seed=1, stall=(0.2, 0.06), rx_capacity=40_000, rx_buffer=300, report_delay=0.01,
+               report_jitter=0.02)
+    sw.run(5.0)
+    sent = sum(sw.sent_bins.values())
+    btls = [p.btl for p in sw.pacers]
+    assert all(b is not None for b in btls) and sum(btls) / len(btls) < 0.7 * rate, btls
+    assert sum(sw.kernel_drops) / sent <= 0.04, (sw.kernel_drops, sent)
+
+
+def test_an_average_starts_where_the_last_one_left_off() -> None:
+    """Averages of 4 MB per sender with 1 s idle between them (a bench's repeats): the first starts at
+    START_RATE and pays for startup, the next ones start at what the path carried (the remembered btl, a
+    cruise phase), so they take close to the link's time for 4 MB."""
+    rate = 100 * MBIT
+    sw = Swarm(4, rate, 0.01, seed=3, volume=4e6, idle=1.0)
+    sw.run(7.0)
+    for i, avgs in enumerate(sw.averages):
+        assert len(avgs) >= 3, avgs
+        first, later = avgs[0][1] - avgs[0][0], [b - a for a, b in avgs[1:]]
+        assert max(later) < 0.75 * first, (first, later)
+        assert max(later) <= 1.3 * 4e6 / rate, later
+        assert sw.pacers[i].resumes >= 2
+
+
+def test_memory_between_averages_ages() -> None:
+    """What a sender learnt decays with the time it has been idle: a minute later the rate it starts at is
+    half-way back to START_RATE, ten minutes later it is START_RATE; a destination's cap relaxes as much."""
+    cap = 12e6
+
+    def loss_of(d, t):
+        over = max(0.0, 1.0 - cap / pacer.sent_rate(t - 0.02, t)) if pacer.sent_rate(t - 0.02, t) else 0.0
+        return over
+
+    pacer = Pacer()
+    end = feed(pacer, 4.0, loss_of) + 1.0
+    pacer.reserve(1200, end, "a")  # a new average a second later (the last phases are judged first)
+    btl = pacer.btl
+    assert pacer.resumes == 1 and btl is not None and 0.6 * cap <= btl <= 1.25 * cap, btl
+    pacer.reserve(1200, end + 60.0, "a")  # and one a minute after that
+    assert pacer.resumes == 2
+    half = START_RATE + (btl - START_RATE) / 2
+    assert pacer.btl == pytest.approx(half, rel=1e-6)
+    assert pacer.rate == pytest.approx(0.97 * half, rel=1e-6)  # it starts with a cruise phase, not a probe
+    pacer.reserve(1200, end + 660.0, "a")  # ten minutes more: all but forgotten
+    assert pacer.btl == pytest.approx(START_RATE, rel=0.01)
+
+    def path_loss(d, t):  # b's own path loses 30 % above 4 MB/s of b's share: b gets a cap
+        return 0.3 if d == "b" and capped.sent_rate(t - 0.05, t, "b") > 4e6 else 0.0
+
+    capped = Pacer(max_rate=30e6)
+    end = feed(capped, 2.0, path_loss) + 1.0
+    capped.reserve(1200, end, "a")
+    cap_b = capped.cap("b")
+    assert cap_b is not None and cap_b < 10e6
+    capped.reserve(1200, end + 30.0, "a")  # half a minute later the cap is sqrt(2) looser
+    assert capped.cap("b") is None or capped.cap("b") == pytest.approx(2 ** 0.5 * cap_b, rel=1e-6)
+    capped.reserve(1200, end + 300.0, "a")  # and gone once it no longer binds
+    assert capped.cap("b") is None
+
+
+def test_a_bursty_sender_held_back_by_its_rate_still_raises_it() -> None:
+    """A sender that waits for data and then sends what it has (the all-gather waits for the reduce-scatter)
+    uses under half its rate on average, but in its bursts the bucket holds it back: the rate binds, so clean
+    phases raise it. (Before, such phases counted as application-limited: on loopback the rate stayed at 32
+    MB/s for good, well under what the daemons could send.)"""
+    pacer = Pacer(max_rate=200e6)
+    feed(pacer, 4.0, lambda d, t: 0.0, burst=12, gap=0.1)
+    assert pacer.decreases == 0
+    assert pacer.rate >= 100e6, pacer.rate
