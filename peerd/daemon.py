@@ -24,6 +24,7 @@ from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
 from .moshpit.ops import MoshpitOps
 from .moshpit.service import MoshpitService
+from .nat.service import NatService
 from .statesync import StateSync
 from .trainer import TrainerService
 from .transport import Endpoint
@@ -56,6 +57,7 @@ class DaemonConfig:
     no_gso: bool = False
     loss: float = 0.0
     loss_seed: int | None = None
+    relay: bool = True  # relay for NATed peers when this node is public (PROTOCOL.md 18.4)
     byzantine: str | None = None  # testing only: corrupt this node's own contributions (see BYZANTINE_MODES)
 
 
@@ -154,6 +156,9 @@ class Daemon:
         except ValueError as e:
             raise StartupError(f"--announce: {e}") from None
         self.dht = DhtService(self.endpoint, self.metrics)
+        # NAT traversal (PROTOCOL.md section 18): reachability, punching through introducers, relaying
+        self.nat = NatService(self.endpoint, self.metrics, relay=config.relay, contact_of=self._dht_contact,
+                              on_verdict=self._on_reachability)
         self.allreduce = AllreduceService(self.endpoint, self.metrics, **allreduce_kwargs)
         self.bench = BenchOps(self.allreduce, self.socket)
         self.moshpit = MoshpitService(
@@ -191,6 +196,7 @@ class Daemon:
                 await nursery.start(self._watch_signals, nursery.cancel_scope)
                 await nursery.start(self.endpoint.serve)
                 await nursery.start(self.dht.run)
+                await nursery.start(self.nat.run)
                 await nursery.start(self.moshpit.run)
                 await nursery.start(self.local.serve)
                 log.info(
@@ -207,7 +213,10 @@ class Daemon:
                         # raised after the nursery closes: inside it, trio would wrap it in an ExceptionGroup
                         failed.append(f"{e} {self._bootstrap_hint()}")
                         nursery.cancel_scope.cancel()
+                    else:
+                        self.nat.start()  # the peers it reached while joining are its first observers
                 else:
+                    self.nat.start()  # (undecided until peers join: it tries again every 30 s)
                     self.dht.bootstrapped.set()
                     log.info("started a new swarm (no --bootstrap); others join with --bootstrap %s",
                              self._bootstrap_address())
@@ -232,6 +241,18 @@ class Daemon:
         return (f"Likely causes: a different swarm key from the swarm's; another node already running with this "
                 f"identity{reuse}; a firewall or a wrong address/port. 'peerd status' on the bootstrap node shows "
                 f"its dropped datagrams by reason (auth: wrong swarm key; self: identity in use twice).")
+
+    def _dht_contact(self, node_id: bytes) -> tuple[str, int] | None:
+        """Where the DHT knows ``node_id`` (for a peer first heard of through a relay)."""
+        return next((c.addr for c in self.dht.core.table.contacts() if c.node_id == node_id), None)
+
+    def _on_reachability(self, verdict: str, observed: tuple[str, int] | None) -> None:
+        """A NATed node publishes its mapped address: Moshpit's records carry it instead of the listen address
+        (which peers cannot reach), unless --announce names one."""
+        if self.config.announce or observed is None or verdict not in ("cone-nat", "symmetric-nat"):
+            return
+        self.moshpit.address = observed
+        log.info("behind a NAT (%s): publishing the mapped address %s", verdict, format_hostport(*observed))
 
     async def _watch_signals(self, scope: trio.CancelScope, *, task_status: trio.TaskStatus[None]) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -262,6 +283,7 @@ class Daemon:
             "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
             "datagrams_dropped": dropped,
             "moshpit": self.moshpit.statistics(),
+            **self.nat.status(),  # reachability, observed_addr, peers_known, paths, path_datagrams, ...
         }
 
     async def _op_dht_put(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -77,7 +77,7 @@ ROTATE_AFTER = 2**28
 _PING, _PONG = int(m.MsgType.PING), int(m.MsgType.PONG)
 
 __all__ = ["Address", "DEFAULT_MTU", "Endpoint", "Incoming", "MAX_HELD_ADDRESSES", "MAX_HELD_PER_ADDRESS",
-           "MAX_KNOWN_IDS", "Peer", "RpcError", "RpcTimeout", "retry_delays"]
+           "MAX_KNOWN_IDS", "NatHooks", "PATH_KINDS", "Peer", "RpcError", "RpcTimeout", "retry_delays"]
 
 
 class DatagramSocket(Protocol):
@@ -90,6 +90,17 @@ class DatagramSocket(Protocol):
     async def send_many(self, datagrams: list[bytes], address: Address, /) -> None: ...
     async def recv_batch(self, max_datagrams: int = 64, /) -> list[tuple[bytes, Address]]: ...
     def close(self) -> None: ...
+
+
+class NatHooks(Protocol):
+    """What NAT traversal (peerd/nat/service.py) hears from the endpoint: the shell calls these, never awaits."""
+
+    def sent(self, addr: Address, now: float) -> None: ...
+    def answered(self, addr: Address, reply: Incoming, now: float) -> None: ...
+    def silent(self, addr: Address, node_id: bytes, now: float) -> None: ...
+
+
+PATH_KINDS = ("direct", "punched", "relayed")
 
 
 class RpcError(Exception):
@@ -188,6 +199,11 @@ class Endpoint:
         self._outbox: list[tuple[Any, ...]] = []  # answers and validations a batch produced, sent after it
         self._junk = 0  # datagrams of the current pass refused unopened or failing to open (see receive_pause)
         self._answers = 0  # answers to this node's requests in the current pass
+        # NAT traversal (peerd/nat): who hears about sends and answers, and where a peer's datagrams go
+        self.nat: NatHooks | None = None
+        self._relayed: dict[Address, tuple[bytes, bytes, Address]] = {}  # addr -> (peer id, relay id, relay addr)
+        self._punched: set[Address] = set()
+        self.path_counts: dict[str, list[int]] = {k: [0, 0] for k in PATH_KINDS}  # kind -> [datagrams, bytes]
         self.on_request(m.MsgType.PING, lambda incoming: {})  # the DHT replaces it; a PING is always answered
 
     def _new_token(self) -> int:
@@ -328,13 +344,18 @@ class Endpoint:
         receiver = self._receiver(addr, node_id)
         seal = self.data_sealer(receiver).seal
         datagrams = [seal(mtype, b, receiver) for b in bodies]
+        if self._relayed and addr in self._relayed:
+            await self._send_relayed(addr, datagrams)
+            return
         try:
             await self.sock.send_many(datagrams, addr)
         except OSError as e:
             self.metrics.datagrams_dropped.labels("send_error").inc(len(datagrams))
             raise RpcError(f"cannot send to {addr[0]}:{addr[1]}: {e.strerror or e}") from None
         self.metrics.datagrams_sent.labels("data").inc(len(datagrams))
-        self.metrics.bytes_sent.inc(sum(map(len, datagrams)))
+        nbytes = sum(map(len, datagrams))
+        self.metrics.bytes_sent.inc(nbytes)
+        self._count_path(addr, len(datagrams), nbytes)
 
     async def send_block(
         self, addr: Address, mtype: int, bodies: np.ndarray, *, node_id: bytes | None = None
@@ -348,6 +369,8 @@ class Endpoint:
         """Send rows that ``sealer.seal_block`` made (a caller that paces a big block sends it in parts).
         Returns the bytes sent."""
         rows = len(datagrams)
+        if self._relayed and addr in self._relayed:
+            return await self._send_relayed(addr, [row.tobytes() for row in datagrams])
         try:
             if self.caps.block_send:
                 await self.sock.send_block(datagrams, addr)  # type: ignore[attr-defined]
@@ -358,9 +381,13 @@ class Endpoint:
             raise RpcError(f"cannot send to {addr[0]}:{addr[1]}: {e.strerror or e}") from None
         self.metrics.datagrams_sent.labels("data").inc(rows)
         self.metrics.bytes_sent.inc(datagrams.size)
+        self._count_path(addr, rows, datagrams.size)
         return datagrams.size
 
     async def _send_datagram(self, addr: Address, mtype: int, datagram: bytes) -> None:
+        if self._relayed and addr in self._relayed:
+            await self._send_relayed(addr, [datagram])
+            return
         try:
             await self.sock.sendto(datagram, addr)
         except OSError as e:
@@ -368,6 +395,69 @@ class Endpoint:
             raise RpcError(f"cannot send to {addr[0]}:{addr[1]}: {e.strerror or e}") from None
         self.metrics.datagrams_sent.labels(self._type_names.get(mtype, "data")).inc()
         self.metrics.bytes_sent.inc(len(datagram))
+        self._count_path(addr, 1, len(datagram))
+        if self.nat is not None:
+            self.nat.sent(addr, trio.current_time())
+
+    # -- NAT traversal: paths ---------------------------------------------------------------------
+    def _count_path(self, addr: Address, datagrams: int, nbytes: int) -> None:
+        kind = "punched" if self._punched and addr in self._punched else "direct"
+        counts = self.path_counts[kind]
+        counts[0] += datagrams
+        counts[1] += nbytes
+
+    def set_relay(self, addr: Address, peer_id: bytes, relay_id: bytes, relay: Address) -> None:
+        """From now on, what this node sends to ``addr`` (the node ``peer_id``) goes through ``relay``, wrapped
+        in RELAYs, still sealed for ``peer_id`` (PROTOCOL.md 18.4)."""
+        if addr == relay:
+            raise ValueError("a peer cannot be its own relay")
+        self._relayed[addr] = (peer_id, relay_id, relay)
+        self._punched.discard(addr)
+        self.core.learn(addr, peer_id)
+
+    def clear_relay(self, addr: Address) -> None:
+        self._relayed.pop(addr, None)
+
+    def relay_of(self, addr: Address) -> tuple[bytes, bytes, Address] | None:
+        return self._relayed.get(addr)
+
+    def set_punched(self, addr: Address) -> None:
+        """``addr`` was reached by hole punching (counted as such in ``path_counts``)."""
+        self._punched.add(addr)
+        self._relayed.pop(addr, None)
+
+    async def _send_relayed(self, addr: Address, datagrams: list[bytes]) -> int:
+        """Wrap each (sealed) datagram for ``addr`` in a RELAY to its relay. A datagram whose RELAY would not fit
+        the MTU is not sent (``relay_too_big``): tensor data is cut to the MTU, so a relayed peer gets control
+        messages, and tensor data only where its rows leave room (see PROTOCOL.md 18.4)."""
+        peer_id, relay_id, relay = self._relayed[addr]
+        sent = 0
+        for inner in datagrams:
+            if len(inner) + m.RELAY_OVERHEAD > self.mtu:
+                self._drop("relay_too_big")
+                continue
+            outer = self._control_datagram(relay, m.MsgType.RELAY, self.core.new_id(), {"to": peer_id, "data": inner},
+                                           relay_id)
+            try:
+                await self.sock.sendto(outer, relay)
+            except OSError as e:
+                self.metrics.datagrams_dropped.labels("send_error").inc()
+                raise RpcError(f"cannot send to relay {relay[0]}:{relay[1]}: {e.strerror or e}") from None
+            sent += len(outer)
+            counts = self.path_counts["relayed"]
+            counts[0] += 1
+            counts[1] += len(inner)
+        self.metrics.datagrams_sent.labels("relay").inc(len(datagrams))
+        self.metrics.bytes_sent.inc(sent)
+        if self.nat is not None:
+            self.nat.sent(relay, trio.current_time())
+        return sent
+
+    def receive_relayed(self, data: bytes, source: Address) -> None:
+        """A datagram a relay passed on (RELAYED ``data``), handled as if it came from ``source``: the address
+        this node uses for its sender, so answers go back through the relay. Called from a handler, so what it
+        produces is sent when the receive loop flushes."""
+        self._datagram(data, source, trio.current_time())
 
     async def _send_control(
         self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any], receiver: bytes | None
@@ -379,8 +469,9 @@ class Endpoint:
         self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any], receiver: bytes | None
     ) -> bytes:
         sealer, frm = self._control_sealer()
+        budget = self.max_body - (m.RELAY_OVERHEAD if addr in self._relayed else 0)
         try:
-            body = m.encode_fitting(mtype, {"rid": rid, "from": frm, **fields}, self.max_body)
+            body = m.encode_fitting(mtype, {"rid": rid, "from": frm, **fields}, budget)
         except ValueError as e:  # WireError included: fields a peer would refuse are never sent
             self.metrics.datagrams_dropped.labels("unsendable").inc()
             raise RpcError(f"not sending {mtype.name.lower()} to {addr[0]}:{addr[1]}: {e}") from None
@@ -456,11 +547,15 @@ class Endpoint:
             raise RpcError(f"not sending {name} to {addr[0]}:{addr[1]}: {e}") from None
         event = self._events[rid] = trio.Event()
         sealed_by: Sealer | None = None
+        transmits = 0
         try:
             while True:
                 step = core.step(rid, trio.current_time())
                 if isinstance(step, Transmit):
                     sealed_by = self.rotation.next
+                    transmits += 1
+                    if transmits == 2 and self.nat is not None and receiver is not None:
+                        self.nat.silent(addr, receiver, trio.current_time())  # maybe a NAT: punch, or relay
                     await self._send_control(addr, mtype, rid, fields, receiver)
                 elif isinstance(step, WaitUntil):
                     with trio.move_on_at(step.at):
@@ -468,6 +563,8 @@ class Endpoint:
                 elif isinstance(step, Answered):
                     reply: Incoming = step.reply
                     self.rotation.answered(sealed_by, reply.peer.node_id)  # it opened, so bound, that token
+                    if self.nat is not None:
+                        self.nat.answered(addr, reply, trio.current_time())
                     if reply.mtype is m.MsgType.ERROR:
                         raise RpcError(f"{addr[0]}:{addr[1]} refused {name}: {reply.body['detail']}")
                     self.metrics.rpc_seconds.labels(name).observe(trio.current_time() - start)

@@ -1,0 +1,467 @@
+"""NAT traversal in the daemon: the trio shell around the reach, punch and relay cores (PROTOCOL.md section 18).
+
+It answers OBSERVE, REACH_PROBE and INTRO, acts on PROBE_ASK, PROBE, CONNECT, RELAY and RELAYED, runs this
+node's reachability, and, when a request to a peer goes unanswered (``silent``, from the endpoint), punches a
+hole through an introducer and falls back to a relay. Every decision is a core's; this module sends and waits.
+The endpoint tells it what was sent and answered (``NatHooks``) and carries relayed datagrams (``set_relay``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import math
+import random
+import socket
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from prometheus_client import Counter, Gauge
+
+from ..entropy import default_rng
+from ..metrics import Metrics
+from ..transport.endpoint import PATH_KINDS, Address, Endpoint, Incoming, RpcError
+from ..wire import messages as m
+from ..wire.identity import node_id_of
+from .punch import Failed, Intro, Ping, Punched, Puncher
+from .reach import UNKNOWN, AskProbe, Observe, ProbeLimiter, Reach, choose_prober
+from .relay import RelayServer
+
+log = logging.getLogger("peerd.nat")
+
+MAX_REACHED = 4096  # peers remembered as reached (LRU)
+MAX_INTRODUCERS = 4096  # contacts remembered with the peer that named them
+MAX_ACTIVE = 32  # punches/relay set-ups running at once
+RELAY_TRIES = 3  # relays asked for one peer before giving up (each costs a PING's timeout when it refuses)
+
+
+class NatMetrics:
+    """The NAT traversal metrics, in the daemon's registry (peerd/metrics.py keeps the others)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        r = metrics.registry
+        self.paths = Gauge("peerd_nat_paths", "Peers this node talks to, by path kind (direct, punched, relayed)",
+                           ["kind"], registry=r)
+        self.datagrams = Counter("peerd_nat_datagrams_total", "Datagrams sent, by path kind", ["kind"], registry=r)
+        self.bytes = Counter("peerd_nat_bytes_total", "Bytes sent (inner datagrams for relayed), by path kind",
+                             ["kind"], registry=r)
+        self.relay_bytes = Counter("peerd_relay_bytes_total", "Bytes this node relayed for other peers", registry=r)
+        self.relay_refused = Counter("peerd_relay_refused_total", "RELAYs this node refused, by reason", ["reason"],
+                                     registry=r)
+        self.punches = Counter("peerd_nat_punches_total", "Hole punches, by outcome", ["outcome"], registry=r)
+        self.reachability = Gauge("peerd_nat_reachability", "1 for this node's reachability verdict",
+                                  ["verdict"], registry=r)
+
+
+class NatService:
+    def __init__(self, endpoint: Endpoint, metrics: Metrics, *, rng: random.Random | None = None,
+                 relay: bool = True, contact_of: Callable[[bytes], Address | None] | None = None,
+                 on_verdict: Callable[[str, Address | None], None] | None = None) -> None:
+        """``relay``: agree to relay for others (a relay still refuses unless its verdict is ``public``);
+        ``contact_of``: the address the DHT knows a node at (used for peers first heard through a relay);
+        ``on_verdict(verdict, observed_addr)``: runs when the verdict changes (the daemon republishes)."""
+        self.endpoint = endpoint
+        self.metrics = NatMetrics(metrics)
+        self.base = metrics
+        self.rng = default_rng(rng)
+        self.reach = Reach(self.rng)
+        self.puncher = Puncher()
+        self.relay = RelayServer(enabled=relay)
+        self.limiter = ProbeLimiter()
+        self.contact_of = contact_of
+        self.on_verdict = on_verdict
+        self.reached: OrderedDict[bytes, Address] = OrderedDict()  # node id -> where it answered this node
+        self.introducer: OrderedDict[bytes, bytes] = OrderedDict()  # node id -> the peer that named it
+        self.kind: dict[bytes, str] = {}  # peer -> path kind, for peers this node set a path up for
+        self._active: set[bytes] = set()
+        self._target_addr: OrderedDict[bytes, Address] = OrderedDict()  # punch/relay target -> its address
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._published: dict[str, tuple[int, int]] = {}
+        self._verdict = UNKNOWN
+        endpoint.nat = self
+        local = endpoint.sock
+        try:
+            host, port = local.getsockname()[:2]  # type: ignore[attr-defined]
+            self.reach.local = {(host, port)}
+        except (AttributeError, OSError):
+            pass
+        endpoint.on_request(m.MsgType.OBSERVE, self._on_observe)
+        endpoint.on_request(m.MsgType.REACH_PROBE, self._on_reach_probe)
+        endpoint.on_request(m.MsgType.INTRO, self._on_intro)
+        endpoint.on_message(m.MsgType.PROBE_ASK, self._on_probe_ask)
+        endpoint.on_message(m.MsgType.PROBE, self._on_probe)
+        endpoint.on_message(m.MsgType.CONNECT, self._on_connect)
+        endpoint.on_message(m.MsgType.RELAY, self._on_relay)
+        endpoint.on_message(m.MsgType.RELAYED, self._on_relayed)
+
+    # -- status -----------------------------------------------------------------------------------------
+    @property
+    def verdict(self) -> str:
+        return self.reach.verdict
+
+    def peers_known(self) -> list[bytes]:
+        """Peers this node can talk to: reached directly (within the NAT window) or through a relay."""
+        out = set(self.reached)
+        out.update(n for n, k in self.kind.items() if k == "relayed")
+        return sorted(out)
+
+    def status(self) -> dict[str, Any]:
+        observed = self.reach.observed_addr
+        kinds = {kind: 0 for kind in PATH_KINDS}
+        for k in self.kind.values():
+            kinds[k] += 1
+        return {
+            "reachability": self.reach.verdict,
+            "reachability_basis": self.reach.basis,
+            "observed_addr": f"{observed[0]}:{observed[1]}" if observed else None,
+            "peers_known": [n.hex() for n in self.peers_known()],
+            "paths": {n.hex(): k for n, k in sorted(self.kind.items())},
+            "path_datagrams": {k: v[0] for k, v in self.endpoint.path_counts.items()},
+            "path_bytes": {k: v[1] for k, v in self.endpoint.path_counts.items()},
+            "relayed_for_others": {"datagrams": self.relay.relayed, "bytes": self.relay.relayed_bytes,
+                                   "refused": dict(self.relay.refused)},
+        }
+
+    def _publish_metrics(self) -> None:
+        for kind, (n, b) in self.endpoint.path_counts.items():
+            old_n, old_b = self._published.get(kind, (0, 0))
+            if n > old_n:
+                self.metrics.datagrams.labels(kind).inc(n - old_n)
+            if b > old_b:
+                self.metrics.bytes.labels(kind).inc(b - old_b)
+            self._published[kind] = (n, b)
+        counts = {kind: 0 for kind in PATH_KINDS}
+        for k in self.kind.values():
+            counts[k] += 1
+        counts["direct"] += sum(1 for n in self.reached if n not in self.kind)
+        for kind, n in counts.items():
+            self.metrics.paths.labels(kind).set(n)
+        for v in ("public", "cone-nat", "symmetric-nat", "unknown"):
+            self.metrics.reachability.labels(v).set(1 if v == self.reach.verdict else 0)
+
+    # -- hooks from the endpoint (never await) ----------------------------------------------------------
+    def sent(self, addr: Address, now: float) -> None:
+        self.reach.sent(addr, now)
+
+    def answered(self, addr: Address, reply: Incoming, now: float) -> None:
+        node_id = reply.peer.node_id
+        if self.endpoint.relay_of(addr) is None:
+            self._reached(node_id, addr, now)
+        nodes = reply.body.get("nodes")
+        if nodes:
+            intro = self.introducer
+            for contact in nodes:
+                intro[contact[0]] = node_id
+                intro.move_to_end(contact[0])
+            while len(intro) > MAX_INTRODUCERS:
+                intro.popitem(last=False)
+
+    def _reached(self, node_id: bytes, addr: Address, now: float) -> None:
+        self.reached[node_id] = addr
+        self.reached.move_to_end(node_id)
+        while len(self.reached) > MAX_REACHED:
+            gone, _ = self.reached.popitem(last=False)
+            self.reach.remove_peer(gone)
+        self.reach.add_peer(node_id, addr)
+        self.relay.reached(node_id, addr, now)
+        self._act(self.puncher.pong(node_id, addr, now))
+
+    def silent(self, addr: Address, node_id: bytes, now: float) -> None:
+        """A request to ``node_id`` at ``addr`` went unanswered once: if it may sit behind a NAT and some peer
+        named it to this node, punch through that peer, and relay through it if the punch fails."""
+        if self.endpoint.relay_of(addr) is not None or node_id in self._active:
+            return
+        other = self._relay_entry(node_id)
+        if other is not None:  # relayed at another address already: the same relay serves this one
+            self.endpoint.set_relay(addr, node_id, other[1], other[2])
+            return
+        if node_id in self.kind or node_id in self.reached or len(self._active) >= MAX_ACTIVE:
+            return
+        intro_id = self.introducer.get(node_id)
+        if intro_id is None or intro_id not in self.reached or intro_id == node_id:
+            # the peer that named it is out of reach: ask the peer that answered this node last (alive, and
+            # likely to have reached the target: public peers answer everyone)
+            intro_id = next((n for n in reversed(self.reached) if n != node_id), None)
+        intro_addr = self.reached.get(intro_id) if intro_id is not None else None
+        if intro_id is None or intro_addr is None:
+            return
+        self._active.add(node_id)
+        self._target_addr[node_id] = addr
+        while len(self._target_addr) > MAX_INTRODUCERS:
+            self._target_addr.popitem(last=False)
+        self._act(self.puncher.want(node_id, intro_id, intro_addr, now))
+
+    # -- handlers (synchronous: the endpoint sends what they return) -------------------------------------
+    def _on_observe(self, incoming: Incoming) -> dict:
+        return {"seen": m.pack_addr(*incoming.source)}
+
+    def _on_reach_probe(self, incoming: Incoming) -> dict:
+        requester = incoming.peer.node_id
+        reached = {n: a for n, a in self.reached.items() if self.endpoint.relay_of(a) is None}
+        prober = choose_prober(requester, incoming.body["avoid"], reached, self.rng)
+        if prober is not None:
+            host, port = incoming.source
+            self._spawn(self._notify, prober[1], m.MsgType.PROBE_ASK,
+                        {"target": m.pack_contact(requester, host, port), "nonce": incoming.body["nonce"]}, prober[0])
+        return {"ok": prober is not None}
+
+    def _on_probe_ask(self, incoming: Incoming) -> None:
+        if incoming.peer.node_id not in self.reached:  # (one-way: refused silently, and counted)
+            self.base.datagrams_dropped.labels("unreached").inc()
+            return None
+        target_id, host, port = incoming.body["target"]
+        if self.endpoint.unreachable(host) or not self.limiter.allow(host, trio.current_time()):
+            return None
+        self._spawn(self._notify, (host, port), m.MsgType.PROBE, {"nonce": incoming.body["nonce"]}, target_id)
+        return None
+
+    def _on_probe(self, incoming: Incoming) -> None:
+        if self.reach.probe_received(incoming.body["nonce"], incoming.source, trio.current_time()):
+            self._changed()
+        return None
+
+    def _on_intro(self, incoming: Incoming) -> dict:
+        target = incoming.body["target"]
+        addr = self.reached.get(target)
+        if addr is None or target == incoming.peer.node_id or self.endpoint.relay_of(addr) is not None:
+            return {"peer": None}
+        host, port = incoming.source
+        self._spawn(self._notify, addr, m.MsgType.CONNECT,
+                    {"peer": m.pack_contact(incoming.peer.node_id, host, port)}, target)
+        return {"peer": m.pack_contact(target, *addr)}
+
+    def _on_connect(self, incoming: Incoming) -> None:
+        if incoming.peer.node_id not in self.reached:
+            self.base.datagrams_dropped.labels("unreached").inc()
+            return None
+        peer_id, host, port = incoming.body["peer"]
+        if peer_id == self.endpoint.identity.node_id or self.endpoint.unreachable(host):
+            return None
+        self._act(self.puncher.connect(peer_id, (host, port), trio.current_time()))
+        return None
+
+    def _on_relay(self, incoming: Incoming) -> None:
+        body = incoming.body
+        data = body["data"]
+        if self.reach.verdict != "public":
+            where: Address | str = "relay_off"
+            self.relay.refused["relay_off"] = self.relay.refused.get("relay_off", 0) + 1
+        else:
+            where = self.relay.forward(incoming.peer.node_id, body["to"], len(data), trio.current_time())
+        if isinstance(where, str):
+            self.metrics.relay_refused.labels(where).inc()
+            return None
+        self.metrics.relay_bytes.inc(len(data))
+        self._spawn(self._notify, where, m.MsgType.RELAYED, {"src": incoming.peer.node_id, "data": data},
+                    body["to"])
+        return None
+
+    def _on_relayed(self, incoming: Incoming) -> None:
+        relay_id = incoming.peer.node_id
+        src = incoming.body["src"]
+        data = incoming.body["data"]
+        token = int.from_bytes(data[5:13], "big") if len(data) >= 21 else 0
+        state = self.endpoint.opener.token_state(token)
+        why = ""
+        if self.reached.get(relay_id) != incoming.source:
+            why = "unreached"  # only a relay this node reached, at that address
+        elif src == self.endpoint.identity.node_id:
+            why = "self"
+        elif state is not None and state.peer_key is not None and node_id_of(state.peer_key) != src:
+            why = "identity"  # src is not the identity bound to the inner datagram's token
+        if why:
+            self.base.datagrams_dropped.labels(why).inc()
+            return None
+        addr = self._address_for(src)
+        if self.endpoint.relay_of(addr) is None:  # it came through a relay: so do the answers
+            self.endpoint.set_relay(addr, src, relay_id, incoming.source)
+            self.kind[src] = "relayed"
+        self.endpoint.receive_relayed(data, addr)
+        return None
+
+    def _relay_entry(self, node_id: bytes) -> tuple[bytes, bytes, Address] | None:
+        for entry in self.endpoint._relayed.values():
+            if entry[0] == node_id:
+                return entry
+        return None
+
+    def _address_for(self, node_id: bytes) -> Address:
+        """The address this node uses for ``node_id``: the one it set a relay up for, the DHT's, or a stand-in
+        (an address from 240.0.0.0/4 or 100::/64, never routed) that only this node's relay table knows."""
+        for addr, entry in self.endpoint._relayed.items():
+            if entry[0] == node_id:
+                return addr
+        addr = self._target_addr.get(node_id)
+        if addr is None and self.contact_of is not None:
+            addr = self.contact_of(node_id)
+        if addr is not None:
+            return addr
+        digest = hashlib.sha256(b"peerd relayed " + node_id).digest()
+        if self.endpoint.family == socket.AF_INET6:
+            host = str(ipaddress.IPv6Address(b"\x01\x00" + bytes(6) + digest[:8]))
+        else:
+            host = str(ipaddress.IPv4Address(bytes([240 | (digest[0] & 0x0F)]) + digest[1:4]))
+        return (host, 1 + int.from_bytes(digest[4:6], "big") % 65535)
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run reachability now (after joining: the peers it reached are its observers)."""
+        self.reach.start(trio.current_time())
+        self._wake.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                now = trio.current_time()
+                try:
+                    self._act(self.reach.poll(now))
+                    self._act(self.puncher.poll(now))
+                    self._publish_metrics()
+                except Exception:  # background work never takes the daemon down
+                    log.exception("NAT traversal step failed")
+                    self.base.background_errors.labels("nat").inc()
+                if self.reach.verdict != self._verdict:
+                    self._changed()
+                wake = min(self.reach.wake_at(), self.puncher.wake_at() or math.inf, now + 5.0)
+                self._wake = trio.Event()
+                with trio.move_on_at(max(wake, now + 0.01)):
+                    await self._wake.wait()
+
+    def _changed(self) -> None:
+        verdict, observed = self.reach.verdict, self.reach.observed_addr
+        if verdict == self._verdict:
+            return
+        self._verdict = verdict
+        log.info("reachability: %s (observed %s, basis %s)", verdict, observed, self.reach.basis)
+        if self.on_verdict is not None:
+            try:
+                self.on_verdict(verdict, observed)
+            except Exception:
+                log.exception("acting on the reachability verdict failed")
+                self.base.background_errors.labels("nat").inc()
+
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
+
+    def _act(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Observe):
+                self._spawn(self._observe, a)
+            elif isinstance(a, AskProbe):
+                self._spawn(self._ask_probe, a)
+            elif isinstance(a, Intro):
+                self._spawn(self._intro, a)
+            elif isinstance(a, Ping):
+                self._spawn(self._ping, a)
+            elif isinstance(a, Punched):
+                self.metrics.punches.labels("punched").inc()
+                self.kind[a.node_id] = "punched"
+                self.endpoint.set_punched(a.addr)
+                self._active.discard(a.node_id)
+            elif isinstance(a, Failed):
+                self.metrics.punches.labels("failed").inc()
+                self._spawn(self._relay_to, a.node_id)
+        if actions:
+            self._wake.set()
+
+    # -- actions ------------------------------------------------------------------------------------------
+    async def _notify(self, addr: Address, mtype: m.MsgType, fields: dict, node_id: bytes) -> None:
+        try:
+            await self.endpoint.notify(addr, mtype, fields, node_id=node_id)
+        except RpcError as e:
+            log.debug("%s to %s: %s", mtype.name, addr, e)
+
+    async def _observe(self, a: Observe) -> None:
+        try:
+            reply = await self.endpoint.request(a.addr, m.MsgType.OBSERVE, {}, node_id=a.node_id, attempts=2)
+        except RpcError:
+            self.reach.failed(a.node_id, trio.current_time())
+        else:
+            self._local_toward(a.addr)
+            self.reach.observed(a.node_id, tuple(reply.body["seen"]), trio.current_time())
+        self._wake.set()
+
+    def _local_toward(self, addr: Address) -> None:
+        """This node's own address on the path to ``addr`` (the kernel's source choice: a connected UDP socket
+        sends nothing), for the "no translation" test of a wildcard-bound socket."""
+        try:
+            port = self.endpoint.sock.getsockname()[1]  # type: ignore[attr-defined]
+            with socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect(addr)
+                host = s.getsockname()[0]
+        except (AttributeError, OSError, TypeError, IndexError):
+            return
+        if len(self.reach.local) < 64:
+            self.reach.local.add((host, port))
+
+    async def _ask_probe(self, a: AskProbe) -> None:
+        try:
+            reply = await self.endpoint.request(a.addr, m.MsgType.REACH_PROBE,
+                                                {"nonce": a.nonce, "avoid": list(a.avoid)}, node_id=a.node_id,
+                                                attempts=2)
+        except RpcError:
+            self.reach.failed(a.node_id, trio.current_time())
+        else:
+            self.reach.probe_asked(a.node_id, reply.body["ok"], trio.current_time())
+        self._wake.set()
+
+    async def _intro(self, a: Intro) -> None:
+        addr: Address | None = None
+        try:
+            reply = await self.endpoint.request(a.introducer, m.MsgType.INTRO, {"target": a.target},
+                                                node_id=a.introducer_id, attempts=2)
+            peer = reply.body["peer"]
+            if peer is not None and peer[0] == a.target:
+                addr = (peer[1], peer[2])
+        except RpcError:
+            pass
+        self._act(self.puncher.intro_answered(a.target, addr, trio.current_time()))
+
+    async def _ping(self, a: Ping) -> None:
+        try:
+            reply = await self.endpoint.request(a.addr, m.MsgType.PING, {}, node_id=a.node_id, timeout=0.25,
+                                                attempts=1)
+        except RpcError:
+            return
+        if reply.peer.node_id == a.node_id:
+            self._act(self.puncher.pong(a.node_id, a.addr, trio.current_time()))
+
+    async def _relay_to(self, node_id: bytes) -> None:
+        """The punch failed: talk to ``node_id`` through a relay. Candidates: the peer that introduced it (it
+        reached both), then the peers that answered this node most recently, at most ``RELAY_TRIES``; a relayed
+        PING answered settles it (a relay that is not public, or has not reached the target, refuses)."""
+        try:
+            addr = self._target_addr.get(node_id)
+            if addr is None:
+                return
+            intro_id = self.introducer.get(node_id)
+            candidates = [intro_id] if intro_id is not None else []
+            candidates += [n for n in reversed(self.reached) if n != intro_id]
+            tried = 0
+            for relay_id in candidates:
+                relay = self.reached.get(relay_id) if relay_id is not None else None
+                if relay is None or relay_id == node_id or relay == addr or self.endpoint.relay_of(relay):
+                    continue
+                if tried >= RELAY_TRIES:
+                    return
+                tried += 1
+                self.endpoint.set_relay(addr, node_id, relay_id, relay)
+                try:
+                    reply = await self.endpoint.request(addr, m.MsgType.PING, {}, node_id=node_id, attempts=2)
+                except RpcError:
+                    self.endpoint.clear_relay(addr)
+                    continue
+                if reply.peer.node_id != node_id:
+                    self.endpoint.clear_relay(addr)
+                    return
+                self.kind[node_id] = "relayed"
+                return
+        finally:
+            self._active.discard(node_id)
