@@ -611,13 +611,14 @@ class MoshpitService:
                                "or the sum overflowed float32): kept this node's own vector")
         if st.robust is not None and st.robust.mode == "centered":
             st.center = res.vector.copy()  # only an averaged, finite round becomes the next center
-        self.metrics.moshpit_bytes_sent.labels(st.compression).inc(res.bytes_sent)
+        sent = int(getattr(res, "bytes_sent", 0))  # (an averager without it, in tests, sent nothing we know of)
+        self.metrics.moshpit_bytes_sent.labels(st.compression).inc(sent)
         rs, ag = res.stats.reduce_scatter, res.stats.all_gather
         expected = rs.datagrams_expected + ag.datagrams_expected
         received = rs.datagrams_received + ag.datagrams_received
         fraction = received / expected if expected else 1.0
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
-                           silent=bool(rs.silent or ag.silent), bytes_sent=res.bytes_sent)
+                           silent=bool(rs.silent or ag.silent), bytes_sent=sent)
 
     async def _average_topk(self, st: RunState, group: Group, members: list[Member], hexes: list[str],
                             vector: np.ndarray, weight: float, budget_s: float, round_no: int, key: str, seen: int
