@@ -97,7 +97,7 @@ DELAY_GAIN, DEV_GAIN = 0.125, 0.25  # the smoothing of both (RFC 6298's alpha an
 MAX_PENDING_REPORTS = 16  # REPORTs beyond a gap kept per destination (more: the gap is given up on)
 EARLY_SAMPLE = 64  # datagrams reported of a phase before it may be judged early (congested) ...
 EARLY_Z = 4.0  # ... when its loss is this many sigma above its floor
-IDLE_S = 0.25  # a sender idle this long ended an average: its next send starts from what it remembers
+IDLE_S = 0.25  # a sender idle this long ended an average (or waited for data in one: aged by next to nothing)
 MEMORY_HALF_LIFE_S = 60.0  # an idle sender's remembered rates lose half their excess over START_RATE this often
 CYCLE = (1.25, 0.75, 0.97, 0.97, 0.97, 0.97)  # gains on btl: probe, drain, four cruise phases a little under
 PROBE, DRAIN = 0, 1
@@ -385,12 +385,10 @@ class Pacer:
             self._cycle_at = DRAIN + 1
         else:
             self.rate = min(self.max_rate, max(self.min_rate, aged(self.rate)))
-            self._clean_at_level = 0
         for dest, cap in list(self._caps.items()):
             cap.rate /= decay
             if cap.rate >= (self.btl if self.btl is not None else self.rate):
                 del self._caps[dest]
-        self._quiet_until = -math.inf
         self.resumes += 1
         self._restart(now)
 
