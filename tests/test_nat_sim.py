@@ -73,15 +73,55 @@ def test_reachability_verdicts_by_verification(seed: int) -> None:
 
 
 def test_a_probe_from_a_peer_this_node_sent_to_proves_nothing() -> None:
-    net, nodes, _ = lab(3)
-    c1 = nodes["c1"]
-    c1.start()
-    net.run(until=0.01 + net.now)
-    probe = c1.reach._probe
-    # whatever happens, a PROBE with the right nonce from a public node c1 pinged is not accepted
-    if probe is not None:
-        assert not c1.reach.probe_received(probe.nonce, ("203.0.113.1", 7000), net.now)
-        assert not c1.reach.probe_received(b"x" * 16, ("198.51.100.9", 7000), net.now)
+    from peerd.nat.reach import AskProbe, Observe, Reach
+
+    r = Reach(random.Random(1), observers=2)
+    peers = {nid(f"o{i}"): (f"198.51.100.{i}", 7000) for i in range(3)}
+    for n, a in peers.items():
+        r.add_peer(n, a)
+    assert r.poll(0.0) == []  # not before start
+    r.start(0.0)
+    obs = r.poll(0.0)
+    assert len(obs) == 2 and all(isinstance(a, Observe) for a in obs)
+    for a in obs:
+        r.sent(a.addr, 0.0)
+        r.observed(a.node_id, ("203.0.113.9", 4000), 0.1)
+    ask = r.poll(0.2)
+    assert len(ask) == 1 and isinstance(ask[0], AskProbe)
+    assert set(ask[0].avoid) == {a.node_id for a in obs}  # the peers it sent to: their probe proves nothing
+    nonce = ask[0].nonce
+    assert not r.probe_received(nonce, obs[0].addr, 0.5)  # from an address it sent to: its NAT let it in
+    assert not r.probe_received(b"x" * 16, ("192.0.2.77", 7000), 0.5)  # another nonce
+    assert r.verdict == UNKNOWN
+    assert r.probe_received(nonce, ("192.0.2.77", 7000), 0.6)
+    assert (r.verdict, r.basis, r.observed_addr) == (PUBLIC, "probe", ("203.0.113.9", 4000))
+
+
+def test_different_mappings_mean_symmetric_and_no_probe_means_cone() -> None:
+    from peerd.nat.reach import AskProbe, Reach
+
+    r = Reach(random.Random(2), observers=2, probes=1, probe_timeout=4.0)
+    for i in range(2):
+        r.add_peer(nid(f"o{i}"), (f"198.51.100.{i}", 7000))
+    r.start(0.0)
+    obs = r.poll(0.0)
+    r.observed(obs[0].node_id, ("203.0.113.9", 4000), 0.1)
+    r.observed(obs[1].node_id, ("203.0.113.9", 4001), 0.1)
+    assert r.poll(0.2) == [] and (r.verdict, r.basis) == (SYMMETRIC, "mappings")
+    c = Reach(random.Random(3), observers=2, probes=1, probe_timeout=4.0)
+    for i in range(2):
+        c.add_peer(nid(f"o{i}"), (f"198.51.100.{i}", 7000))
+    c.start(0.0)
+    for a in c.poll(0.0):
+        c.observed(a.node_id, ("203.0.113.9", 4000), 0.1)
+    ask = c.poll(0.2)
+    assert isinstance(ask[0], AskProbe)
+    c.probe_asked(ask[0].node_id, True, 0.3)
+    assert c.poll(1.0) == [] and c.verdict == UNKNOWN  # still waiting for the probe
+    assert c.wake_at() == pytest.approx(4.2)
+    c.poll(4.2)
+    assert (c.verdict, c.basis) == (CONE, "no-probe")
+    assert c.wake_at() == pytest.approx(4.2 + c.recheck)
 
 
 def test_symmetric_nat_maps_per_destination_and_mappings_expire() -> None:

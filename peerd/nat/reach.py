@@ -137,6 +137,11 @@ class Reach:
         self._next_run = now
         self._running = False
 
+    def soon(self, now: float, delay: float) -> None:
+        """Run within ``delay`` seconds if idle (a new peer while undecided)."""
+        if not self._running and self._next_run > now + delay:
+            self._next_run = now + delay
+
     def wake_at(self) -> float:
         """When ``poll`` has something to do next."""
         times = [self._next_run] if not self._running else []

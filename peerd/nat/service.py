@@ -26,7 +26,7 @@ from ..metrics import Metrics
 from ..transport.endpoint import PATH_KINDS, Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
 from ..wire.identity import node_id_of
-from .punch import Failed, Intro, Ping, Punched, Puncher
+from .punch import KEEPALIVE_S, Failed, Intro, Ping, Punched, Puncher
 from .reach import UNKNOWN, AskProbe, Observe, ProbeLimiter, Reach, choose_prober
 from .relay import RelayServer
 
@@ -82,6 +82,8 @@ class NatService:
         self._nursery: trio.Nursery | None = None
         self._published: dict[str, tuple[int, int]] = {}
         self._verdict = UNKNOWN
+        self._started = False
+        self._next_keepalive = 0.0
         endpoint.nat = self
         local = endpoint.sock
         try:
@@ -169,6 +171,8 @@ class NatService:
         self.reach.add_peer(node_id, addr)
         self.relay.reached(node_id, addr, now)
         self._act(self.puncher.pong(node_id, addr, now))
+        if self._started and self.reach.verdict == UNKNOWN:
+            self.reach.soon(now, 2.0)  # undecided for want of peers: a new one may be enough
 
     def silent(self, addr: Address, node_id: bytes, now: float) -> None:
         """A request to ``node_id`` at ``addr`` went unanswered once: if it may sit behind a NAT and some peer
@@ -310,6 +314,7 @@ class NatService:
     # -- the loop -------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Run reachability now (after joining: the peers it reached are its observers)."""
+        self._started = True
         self.reach.start(trio.current_time())
         self._wake.set()
 
@@ -322,6 +327,9 @@ class NatService:
                 try:
                     self._act(self.reach.poll(now))
                     self._act(self.puncher.poll(now))
+                    if now >= self._next_keepalive:
+                        self._next_keepalive = now + KEEPALIVE_S
+                        self._keepalives()
                     self._publish_metrics()
                 except Exception:  # background work never takes the daemon down
                     log.exception("NAT traversal step failed")
@@ -332,6 +340,19 @@ class NatService:
                 self._wake = trio.Event()
                 with trio.move_on_at(max(wake, now + 0.01)):
                     await self._wake.wait()
+
+    def _keepalives(self) -> None:
+        """Hold open the NAT mappings this node depends on (a NAT forgets an idle UDP flow after 30 s): toward
+        every relay it uses, and, when it is behind a NAT, toward the 2 peers that answered it last (so that
+        an introducer's CONNECT and a relay's RELAYED can still come in)."""
+        targets: dict[Address, bytes] = {}
+        for _peer, relay_id, relay in list(self.endpoint._relayed.values())[:64]:
+            targets[relay] = relay_id
+        if self.reach.verdict in ("cone-nat", "symmetric-nat"):
+            for node_id in list(reversed(self.reached))[:2]:
+                targets.setdefault(self.reached[node_id], node_id)
+        for addr, node_id in targets.items():
+            self._spawn(self._ping, Ping(node_id, addr, keepalive=True))
 
     def _changed(self) -> None:
         verdict, observed = self.reach.verdict, self.reach.observed_addr
