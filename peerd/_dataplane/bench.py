@@ -24,6 +24,7 @@ from ..allreduce.group import DEFAULT_MAX_PAYLOAD
 from ..wire import native as loader
 from ..wire.envelope import HEADER_SIZE
 from ..wire.seal import TAG_SIZE, Opener, Sealer
+from .heap import keep_freed_memory
 
 _DATA = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})
 
@@ -97,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=448, help="bodies per block (default 448: 512 KB blocks)")
     p.add_argument("--insecure", action="store_true", help="no AEAD")
     p.add_argument("--repeat", type=int, default=2, help="averages per path (default 2; the lower CPU counts)")
+    p.add_argument("--keep-heap", action="store_true",
+                   help="keep freed block buffers in the heap (heap.keep_freed_memory), as a daemon does")
     p.add_argument("--fresh-stage", action="store_true",
                    help="a fresh stage buffer for every average (default: reuse the last one's, as a daemon does)")
     args = p.parse_args(argv)
+    if args.keep_heap and not keep_freed_memory():
+        print("--keep-heap: not glibc, nothing changed", file=sys.stderr)
     paths = [False] + ([True] if loader.native is not None else [])
     if loader.native is None:
         print(f"native path not measured: {loader.reason}", file=sys.stderr)
