@@ -55,6 +55,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _layout(text: str) -> tuple[int, int]:
+    rows, sep, cols = text.lower().partition("x")
+    if not (sep and rows.isdigit() and cols.isdigit() and int(rows) > 0 and int(cols) > 0):
+        raise argparse.ArgumentTypeError(f"--layout takes ROWSxCOLS (e.g. 6250x1000), not {text!r}")
+    return int(rows), int(cols)
+
+
 def _size(text: str) -> int:
     from .bench.allreduce import parse_size
 
@@ -168,13 +175,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="norm clipping at each shard owner, to time what it costs (default off)")
     b.add_argument("--profile", action="store_true",
                    help="add CPU seconds per daemon by stage (seal, open, receive, syscalls, ...) to the JSON")
-    b.add_argument("--compression", default="fp32", choices=("fp32", "fp16", "bf16", "int8", "int4"),
-                   help="the codec of every tensor body (protocol/codecs.md; default fp32)")
+    b.add_argument("--compression", default="fp32", choices=("fp32", "fp16", "bf16", "int8", "int4", "arc-topk"),
+                   help="the codec of every tensor body, or arc-topk (sketch, agreed row selection, dense rows; "
+                        "needs --layout) (protocol/codecs.md; default fp32)")
+    b.add_argument("--layout", type=_layout, default=None, metavar="RxC",
+                   help="arc-topk: the vector as a stack of R x C matrices, any rest a 1-D tail (default: none)")
+    b.add_argument("--topk-ratio", type=float, default=0.1, metavar="R",
+                   help="arc-topk: share of each (matrix, shard) piece's rows averaged, in (0, 1] (default 0.1)")
     b.add_argument("--quant-group", type=int, default=128, metavar="G",
                    help="int8/int4: values per scale and min, 1..65535 (default 128)")
     b.add_argument("--rounding", default="stochastic", choices=("stochastic", "nearest"),
                    help="int8/int4 rounding (default stochastic: unbiased)")
     _link_args(b)
+    b.add_argument("--nat", default="none", choices=("none", "cone", "symmetric"),
+                   help="root: the first peer public, every other behind its own NAT router of this kind in "
+                        "network namespaces (cone: port-preserving masquerade; symmetric: a new random port per "
+                        "destination, plus a public relay daemon outside the group); JSON adds relayed_fraction "
+                        "and direct_pairs (default none)")
     b.add_argument("--json", action="store_true", help="print JSON")
     b = bench.add_parser("moshpit", help="N daemons average random vectors by Moshpit rounds; deviation per round")
     b.add_argument("--peers", type=int, default=16, metavar="N", help="daemons in the swarm (default 16)")
@@ -241,8 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="robust aggregation every trainer asks for (default off)")
     add_compression_arguments(p)
     _link_args(p)
-    p.add_argument("--mode", choices=["sync", "diloco"], default="sync",
-                   help="sync: average gradients every step; diloco: H local steps, then an outer step (default sync)")
+    p.add_argument("--mode", choices=["sync", "overlap", "diloco"], default="sync",
+                   help="sync: average gradients every step; overlap: the same, each bucket's average overlapping "
+                        "backward and the next forward (DeAR); diloco: H local steps, then an outer step "
+                        "(default sync)")
+    p.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
+                   help="overlap: gradient bucket size in MB of float32 (default: peerd train's, 4)")
     p.add_argument("--sync-every", type=int, default=50, metavar="H",
                    help="diloco: inner steps per outer step (default 50)")
     p.add_argument("--fragments", type=int, default=1, metavar="F", help="diloco: streaming fragments (default 1)")
@@ -527,13 +548,31 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not 576 <= args.mtu <= 65507:
         parser.error("--mtu must be between 576 and 65507 bytes")
     _check_link_args(args, parser)
+    if args.nat != "none":
+        if args.compare_gloo:
+            parser.error("--compare-gloo cannot run with --nat (gloo's TCP does not traverse NATs)")
+        if args.mtu > 1472:
+            parser.error("--mtu above 1472 is refused with --nat: nothing may rely on IP fragmentation")
+        from .lab.links import LabError
+        from .lab.nat import NatLab
+
+        lab = NatLab(["public", args.nat], args.link)
+        try:
+            lab.check_environment()
+        except LabError as e:
+            parser.error(f"--nat: {e}")
     if not 1 <= args.quant_group <= 65535:
         parser.error("--quant-group must be 1..65535")
+    if args.compression == "arc-topk" and args.layout is None:
+        parser.error("--compression arc-topk needs --layout RxC")
+    if not 0.0 < args.topk_ratio <= 1.0:
+        parser.error("--topk-ratio must be in (0, 1]")
     cfg = AllreduceBenchConfig(
         peers=args.peers, size=args.size, repeat=args.repeat, loss=args.loss, mtu=args.mtu,
         insecure=args.insecure, no_gso=args.no_gso, compare_gloo=args.compare_gloo, seed=args.seed,
         robust=args.robust, link=args.link, link_loss=args.link_loss, profile=args.profile,
-        compression=args.compression, quant_group=args.quant_group, rounding=args.rounding,
+        compression=args.compression, quant_group=args.quant_group, rounding=args.rounding, nat=args.nat,
+        layout=args.layout, topk_ratio=args.topk_ratio,
     )
     result = run_allreduce_bench(cfg, quiet=False)
     if args.json:
@@ -544,6 +583,10 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if "link_rate" in result:
             print(f"links: {result['link_rate']}, link loss {cfg.link_loss} (nftables dropped "
                   f"{result['link_drop_fraction']:.4f}), utilization {result['link_utilization']:.3f}")
+        if "nat" in result:
+            print(f"nat: {result['nat']} ({', '.join(result['reachability'])}), direct pairs "
+                  f"{result['direct_pairs']}/{result['member_pairs']}, relayed fraction "
+                  f"{result['relayed_fraction']:.3f}")
         if "gloo_s" in result:
             print(f"gloo:  {result['gloo_s']:.3f} s   ratio peerd/gloo = {result['ratio']:.2f}")
         print(f"received fraction {result['received_fraction']:.4f}, kernel drops {result['kernel_drops']}, "
@@ -600,7 +643,9 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_link_args(args, parser)
     if args.sync_every < 1 or not 1 <= args.fragments <= args.sync_every:
         parser.error("--sync-every must be at least 1 and --fragments in [1, --sync-every]")
-    if args.baseline and (args.mode != "sync" or args.byzantine or args.dropcompute != "off"):
+    if args.bucket_mb is not None and not 0 < args.bucket_mb <= 1024:
+        parser.error("--bucket-mb must be in (0, 1024]")
+    if args.baseline and (args.mode == "diloco" or args.byzantine or args.dropcompute != "off"):
         parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")
     if args.mode == "diloco" and args.compression is not None:
         parser.error("--compression applies to --mode sync (DiLoCo's outer averages travel in float32)")
@@ -612,7 +657,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      byzantine_mode=args.byzantine_mode, robust=args.robust, link=args.link,
                      link_loss=args.link_loss, mode=args.mode, sync_every=args.sync_every, fragments=args.fragments,
                      model=args.model, baseline=args.baseline, target_accuracy=args.target_accuracy,
-                     compression=args.compression, quant_group=args.quant_group, rounding=args.rounding)
+                     compression=args.compression, quant_group=args.quant_group, rounding=args.rounding,
+                     bucket_mb=args.bucket_mb)
     try:
         summary = run_demo(cfg, log=lambda *a, **k: print(*a, **k, flush=True))  # progress as it happens, even piped
     except RuntimeError as e:

@@ -20,6 +20,7 @@ from ..localsock.server import OpError
 from ..transport.udp import UdpSocket
 from ..wire import seal as _seal
 from . import group as _group
+from .arctopk import ArcTopKPlan, matrix_shapes, phase_totals, service_arc_topk
 from .robust import Robust, parse_robust
 from .service import AllreduceService, AverageResult, Member
 
@@ -105,6 +106,21 @@ def install_profiler(sock: UdpSocket) -> StageClock:
     return _CLOCK
 
 
+def bench_arc_topk(req: dict[str, Any], size: int) -> tuple[list[tuple[int, ...]], float] | None:
+    """arc-topk's (shapes, ratio) when a bench_prepare request names ``compression`` arc-topk: ``layout``
+    [rows, cols] (the vector as a stack of rows x cols matrices, any rest a 1-D tail) and ``topk_ratio``
+    (default 0.1). None for the body codecs. ValueError on anything else."""
+    if req.get("compression") != "arc-topk":
+        return None
+    layout = req.get("layout")
+    if not isinstance(layout, list | tuple) or len(layout) != 2:
+        raise ValueError("arc-topk needs layout [rows, cols]")
+    ratio = float(req.get("topk_ratio", 0.1))
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"topk_ratio must be in (0, 1], got {ratio}")
+    return matrix_shapes(size, int(layout[0]), int(layout[1])), ratio
+
+
 def bench_codec(req: dict[str, Any]) -> Codec:
     """The codec a bench_prepare request names: ``compression`` (fp32 when absent), and for int8/int4
     ``quant_group`` (default 128) and ``rounding`` (default stochastic). ValueError on anything else."""
@@ -123,6 +139,7 @@ class BenchOps:
         self.service = service
         self.sock = sock
         self._prepared: dict[int, tuple[list[Member], int, np.ndarray, float, Robust | None, Codec, int]] = {}
+        self._arc: dict[int, tuple[list[tuple[int, ...]], float]] = {}  # arc-topk groups: (shapes, ratio)
         self._results: dict[int, AverageResult] = {}
         self._clock: StageClock | None = None
 
@@ -136,7 +153,8 @@ class BenchOps:
             index, seed, size, weight = int(req["index"]), int(req["seed"]), int(req["size"]), float(req["weight"])
             robust = parse_robust(req.get("robust"))
             profile = bool(req.get("profile", False))
-            codec = bench_codec(req)
+            arc = bench_arc_topk(req, size)
+            codec = bench_codec(req) if arc is None else make_codec("fp32")  # arc-topk: fp32 dense rows
             run = int(req.get("run", 0))
             if not 0 <= run < 1 << 64:
                 raise ValueError(f"run {run} is not a u64")
@@ -148,6 +166,8 @@ class BenchOps:
             self._clock = install_profiler(self.sock)
         vector = await trio.to_thread.run_sync(seeded_vector, seed, size)
         self._prepared[group] = (members, index, vector, weight, robust, codec, run)
+        if arc is not None:
+            self._arc[group] = arc
         return {}
 
     async def run(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -155,6 +175,8 @@ class BenchOps:
         if group not in self._prepared:
             raise OpError(f"bench_run: group {group} was not prepared")
         members, index, vector, weight, robust, codec, run = self._prepared.pop(group)
+        if group in self._arc:
+            return await self._run_arc(group, members, index, vector, weight, run, *self._arc.pop(group))
         # fp32 goes the way it always went (a service without the codec arguments runs it unchanged)
         coded: dict[str, Any] = {} if codec.wire_id == 0 else {"codec": codec, "run": run}
         drops0 = self.sock.kernel_drops
@@ -205,6 +227,34 @@ class BenchOps:
             "receive_passes": self.sock.receive_passes - sock0.receive_passes,
             "receive_calls": self.sock.receive_calls - sock0.receive_calls,
             "send_calls": self.sock.send_calls - sock0.send_calls,
+        }
+
+    async def _run_arc(self, group: int, members: list[Member], index: int, vector: np.ndarray, weight: float,
+                       run: int, shapes: list[tuple[int, ...]], ratio: float) -> dict[str, Any]:
+        """One arc-topk average (peerd.allreduce.arctopk: three group averages), timed like ``run``."""
+        drops0 = self.sock.kernel_drops
+        cpu0 = time.process_time()
+        try:
+            plan = ArcTopKPlan.build(shapes, len(members), ratio, self.service.host.max_body)
+            res = await service_arc_topk(self.service, group, members, index, vector, weight, plan, run=run,
+                                         round=group)
+        except ValueError as e:
+            raise OpError(str(e)) from None
+        done = time.time()
+        totals = phase_totals(res.phases)
+        last = res.phases[-1]
+        self._results[group] = AverageResult(res.vector, last.stats, totals["seconds"], totals["handshake_s"],
+                                             totals["bytes_sent"], totals["datagrams_sent"])
+        return totals | {
+            "compression": "arc-topk",
+            "topk_ratio": ratio,
+            "known_selections": res.known,
+            "got_fraction": res.got_fraction,
+            "dataplane": _seal.dataplane(),
+            "done_at": done,
+            "cpu_s": time.process_time() - cpu0,
+            "kernel_drops": self.sock.kernel_drops - drops0,
+            "pacer_rate": self.service.pacer.rate,
         }
 
     async def result(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,8 @@ machines are shared and noisy: only the ratio between them means much.
 other peer behind its own router of that kind, and for ``symmetric`` one more public daemon outside the group for
 the members to relay through. Members are addressed where the public segment sees them (their ``observed_addr``);
 how a datagram gets there (direct, punched, relayed) is the daemons' business, and the JSON reports what they say
-they did: ``relayed_fraction`` (of the tensor bytes the members sent) and ``direct_pairs``. Nothing is estimated:
-a daemon that does not report these fails the bench with what is missing.
+they did: ``relayed_fraction`` (of the bytes the members sent during the averages) and ``direct_pairs``. Nothing
+is estimated: a daemon that does not report these fails the bench with what is missing.
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ class AllreduceBenchConfig:
     # CPU seconds per daemon by stage of the data path (seal, open, pack, finalize, syscalls, ...) in the JSON;
     # PEERD_BENCH_PROFILE=1 turns it on too (for a CLI without --profile)
     profile: bool = False
-    compression: str = "fp32"  # fp32 | fp16 | bf16 | int8 | int4 (protocol/codecs.md)
+    compression: str = "fp32"  # fp32 | fp16 | bf16 | int8 | int4 | arc-topk (protocol/codecs.md)
+    layout: tuple[int, int] | None = None  # arc-topk: the vector as a stack of rows x cols matrices (--layout RxC)
+    topk_ratio: float = 0.1  # arc-topk: rows selected per (matrix, shard) piece
     quant_group: int = 128  # int8/int4: values per scale and min
     rounding: str = "stochastic"  # int8/int4: stochastic | nearest
     nat: str = "none"  # none | cone | symmetric: the NAT lab (root); see the module's docstring
@@ -147,7 +149,7 @@ def fp32_bytes_per_peer(size: int, peers: int, mtu: int, insecure: bool) -> floa
 
 NAT_KINDS = ("none", "cone", "symmetric")
 NAT_SETTLE_S = 90.0  # how long the daemons get to settle their reachability before the first average
-NAT_STATUS = ("reachability", "observed_addr", "paths")  # what the bench reads from `peerd status` (issue 19)
+NAT_STATUS = ("reachability", "observed_addr", "paths", "path_bytes")  # read from `peerd status` (issue 19)
 
 
 class NatReportMissing(DaemonError):
@@ -188,14 +190,18 @@ def _nat_members(nodes: list[Node], quiet: bool) -> list[list[Any]]:
     return [[st["peer_id"], *st["observed_addr"].rsplit(":", 1)] for st in statuses]
 
 
-def nat_fields(nodes: list[Node], runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """``relayed_fraction``: tensor bytes the members sent through a relay over all they sent (each bench_run's
-    ``bytes_relayed`` over its ``bytes_sent``); ``direct_pairs``: member pairs both of whose ends report a direct
-    (or punched) path to the other in their status ``paths``."""
-    if any("bytes_relayed" not in rep for rep in runs):
-        raise NatReportMissing("bench allreduce --nat: the daemons' bench_run replies carry no bytes_relayed (tensor "
-                               "bytes sent through a relay; issue 19's daemon side), so relayed_fraction is unknown")
-    sent = sum(rep["bytes_sent"] for rep in runs)
+def path_bytes(nodes: list[Node]) -> list[dict[str, int]]:
+    """Each member's bytes sent so far by path kind (direct, punched, relayed), from its status ``path_bytes``."""
+    return [{k: int(v) for k, v in _nat_status(n)["path_bytes"].items()} for n in nodes]
+
+
+def nat_fields(nodes: list[Node], before: list[dict[str, int]], after: list[dict[str, int]]) -> dict[str, Any]:
+    """``relayed_fraction``: of the bytes the members sent during the averages (their ``path_bytes`` counters
+    before and after: the tensors, and the little control traffic of that window), those sent through a relay;
+    ``direct_pairs``: member pairs both of whose ends report a direct (or punched) path to the other in ``paths``."""
+    delta = [{k: a.get(k, 0) - b.get(k, 0) for k in a.keys() | b.keys()} for a, b in zip(after, before, strict=True)]
+    sent = sum(sum(d.values()) for d in delta)
+    relayed = sum(d.get("relayed", 0) for d in delta)
     statuses = [_nat_status(n) for n in nodes]
     ids = [st["peer_id"] for st in statuses]
 
@@ -205,7 +211,7 @@ def nat_fields(nodes: list[Node], runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     pairs = [(a, b) for a in range(len(nodes)) for b in range(a + 1, len(nodes))]
     direct = sum(1 for a, b in pairs if kind(a, b) in ("direct", "punched") and kind(b, a) in ("direct", "punched"))
-    return {"relayed_fraction": sum(rep["bytes_relayed"] for rep in runs) / sent if sent else 0.0,
+    return {"relayed_fraction": relayed / sent if sent else 0.0,
             "direct_pairs": direct, "member_pairs": len(pairs),
             "reachability": [st["reachability"] for st in statuses]}
 
@@ -277,13 +283,19 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         uplink_bytes: list[int] = []  # bytes every peer's uplink tbf sent during the peerd averages (lab only)
         if lab is not None:
             lab.reset_counters()  # the drop fraction below covers the averages, not the daemons' startup
+        nat_before = path_bytes(nodes) if cfg.nat != "none" else []
         pool = ThreadPoolExecutor(max_workers=cfg.peers)
+        arc: dict[str, Any] = {}
+        if cfg.compression == "arc-topk":
+            if cfg.layout is None:
+                raise ValueError("arc-topk needs a layout (--layout RxC)")
+            arc = {"layout": list(cfg.layout), "topk_ratio": cfg.topk_ratio}
         for r in range(cfg.repeat):
             group = rng.getrandbits(32)
             list(pool.map(lambda i, g=group: nodes[i].call(
                 "bench_prepare", timeout=600, group_id=g, members=members, index=i, seed=seeds[i],
                 size=cfg.size, weight=weights[i], robust=cfg.robust, profile=profile, compression=cfg.compression,
-                quant_group=cfg.quant_group, rounding=cfg.rounding, run=cfg.seed), range(cfg.peers)))
+                quant_group=cfg.quant_group, rounding=cfg.rounding, run=cfg.seed, **arc), range(cfg.peers)))
             up_before = _uplinks(lab)
             t0 = time.time()
             replies = list(pool.map(lambda n, g=group: n.call("bench_run", timeout=600, group_id=g), nodes))
@@ -324,6 +336,12 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "compression": cfg.compression,
             **({"quant_group": cfg.quant_group, "rounding": cfg.rounding} if cfg.compression.startswith("int")
                else {}),
+            # arc-topk: rows x cols of the layout, the ratio, and per average and peer the row shards whose
+            # selection it knew and the share of its contributed rows whose average came back
+            **({"layout": "x".join(map(str, cfg.layout or ())), "topk_ratio": cfg.topk_ratio,
+                "known_selections": statistics.mean(rep.get("known_selections", 0) for rep in runs),
+                "got_fraction": statistics.mean(rep.get("got_fraction", 0.0) for rep in runs)}
+               if cfg.compression == "arc-topk" else {}),
             "gso": bool(nodes[0].status.get("gso")) and not cfg.no_gso,
             "peerd_s": statistics.median(peerd_times),
             "peerd_s_all": [round(t, 6) for t in peerd_times],
@@ -369,7 +387,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         out["excess_loss"] = max(0.0, 1.0 - out["received_fraction"] - injected_loss(cfg.loss, cfg.link_loss))
         if cfg.nat != "none":
             out["nat"] = cfg.nat
-            out.update(nat_fields(nodes, runs))
+            out.update(nat_fields(nodes, nat_before, path_bytes(nodes)))
         if lab is not None and lab.rate_bps is not None:
             out.update(_link_fields(lab, cfg, peerd_times, uplink_bytes))
             out["bus_fraction"] = bus_fraction(cfg.peers, cfg.size, out["peerd_s"], lab.rate_bps)
