@@ -25,6 +25,7 @@ from ..entropy import default_rng
 from ..metrics import Metrics
 from ..transport.endpoint import PATH_KINDS, Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
+from ..wire.errors import WireError
 from ..wire.identity import node_id_of
 from .punch import KEEPALIVE_S, Failed, Intro, Ping, Punched, Puncher
 from .reach import UNKNOWN, AskProbe, Observe, ProbeLimiter, Reach, choose_prober
@@ -260,9 +261,14 @@ class NatService:
             self.metrics.relay_refused.labels(where).inc()
             return None
         self.metrics.relay_bytes.inc(len(data))
-        self._spawn(self._notify, where, m.MsgType.RELAYED, {"src": incoming.peer.node_id, "data": data},
-                    body["to"])
+        self._spawn(self._pass_on, where, body["to"], incoming.peer.node_id, data)
         return None
+
+    async def _pass_on(self, addr: Address, node_id: bytes, src: bytes, data: bytes) -> None:
+        try:
+            await self.endpoint.pass_on(addr, node_id, src, data)
+        except (RpcError, WireError) as e:
+            log.debug("RELAYED to %s: %s", addr, e)
 
     def _on_relayed(self, incoming: Incoming) -> None:
         relay_id = incoming.peer.node_id

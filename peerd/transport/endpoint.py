@@ -427,17 +427,17 @@ class Endpoint:
         self._relayed.pop(addr, None)
 
     async def _send_relayed(self, addr: Address, datagrams: list[bytes]) -> int:
-        """Wrap each (sealed) datagram for ``addr`` in a RELAY to its relay. A datagram whose RELAY would not fit
-        the MTU is not sent (``relay_too_big``): tensor data is cut to the MTU, so a relayed peer gets control
-        messages, and tensor data only where its rows leave room (see PROTOCOL.md 18.4)."""
+        """Wrap each (sealed) datagram for ``addr`` in a RELAY to its relay. Control messages to a relayed address
+        are trimmed so their RELAY fits the MTU; a tensor datagram (cut to the MTU, and to one payload size for
+        the whole group) may make a RELAY of up to MTU + RELAY_OVERHEAD bytes (PROTOCOL.md 18.4); past that it is
+        not sent (``relay_too_big``)."""
         peer_id, relay_id, relay = self._relayed[addr]
         sent = 0
         for inner in datagrams:
-            if len(inner) + m.RELAY_OVERHEAD > self.mtu:
+            if len(inner) > self.mtu:
                 self._drop("relay_too_big")
                 continue
-            outer = self._control_datagram(relay, m.MsgType.RELAY, self.core.new_id(), {"to": peer_id, "data": inner},
-                                           relay_id)
+            outer = self._relay_datagram(relay, relay_id, peer_id, inner)
             try:
                 await self.sock.sendto(outer, relay)
             except OSError as e:
@@ -452,6 +452,22 @@ class Endpoint:
         if self.nat is not None:
             self.nat.sent(relay, trio.current_time())
         return sent
+
+    def _relay_datagram(self, relay: Address, relay_id: bytes, peer_id: bytes, inner: bytes) -> bytes:
+        sealer, frm = self._control_sealer()
+        body = m.encode(m.MsgType.RELAY, {"rid": self.core.new_id(), "from": frm, "to": peer_id, "data": inner})
+        return sealer.seal(m.MsgType.RELAY, body, relay_id)
+
+    async def pass_on(self, addr: Address, node_id: bytes, src: bytes, data: bytes) -> None:
+        """As a relay: send ``node_id`` at ``addr`` a RELAYED of ``data`` from ``src`` (one RELAYED per RELAY; it
+        may exceed the MTU by what the RELAY did, PROTOCOL.md 18.4)."""
+        sealer, frm = self._control_sealer()
+        body = m.encode(m.MsgType.RELAYED, {"rid": self.core.new_id(), "from": frm, "src": src, "data": data})
+        datagram = sealer.seal(m.MsgType.RELAYED, body, node_id)
+        if len(datagram) > self.mtu + m.RELAY_OVERHEAD:
+            self._drop("relay_too_big")
+            return
+        await self._send_datagram(addr, m.MsgType.RELAYED, datagram)
 
     def receive_relayed(self, data: bytes, source: Address) -> None:
         """A datagram a relay passed on (RELAYED ``data``), handled as if it came from ``source``: the address
@@ -599,11 +615,13 @@ class Endpoint:
                 if screen is None or screen[-1] is not tokens:
                     screen = (MAGIC + bytes([VERSION]), KNOWN_FLAGS, FLAG_NO_RECEIVER, PING_TYPE, FLAG_SEALED,
                               HEADER_SIZE + TAG_SIZE, tokens)
-                batch, unknown, malformed, version, nbytes = await sock.recv_screened(limit, screen)  # type: ignore
+                # the pass's junk under unknown tokens is rationed in C where the limiter is the C table, at the
+                # time the pass began (``now``: the rest of the pass is decided at it too)
+                batch, unknown, malformed, version, nbytes, limited, rationed, now = await sock.recv_screened(
+                    limit, screen, self.core.auth_limiter)  # type: ignore[attr-defined]
                 self._junk = 0
-                now = trio.current_time()
                 self._answers = 0
-                screened = self._receive_screened(unknown, malformed, version, nbytes, now)
+                screened = self._receive_screened(unknown, malformed, version, nbytes, now, limited, rationed)
             else:
                 if receive is not None:
                     batch = await receive(limit)
@@ -653,27 +671,41 @@ class Endpoint:
         return [item for i, item in enumerate(batch) if i not in skip], len(urgent)
 
     def _receive_screened(self, unknown: list[tuple[Any, Address]], malformed: int, version: int, nbytes: int,
-                          now: float) -> int:
+                          now: float, limited: int = 0, rationed: bool = False) -> int:
         """What the native receive pass screened out of a pass (UdpSocket.recv_screened): ``malformed`` and
         ``version`` datagrams refused by their header (as ``peek`` would), and sealed single datagrams under tokens
         this node did not know (``unknown``), which go through the rationing of ``_datagram``. Once a source is
         refused a derivation in a pass it stays refused for the rest of it (``now`` is the same and the limiter's
         buckets only empty within a pass), so the rest of a flood from it costs a set lookup each. Once a key was
         derived in the pass, later ones go through ``_datagram`` whole (their token may be known now). Returns
-        the datagrams handled."""
+        the datagrams handled.
+
+        ``rationed``: the native pass did that rationing itself, in C with the limiter's table (dataplane.c
+        recv_batch, the same decisions): ``limited`` datagrams were refused there (``auth_limited``), the first of
+        ``unknown`` has its derivation granted, and the rest go through ``_datagram``."""
         drops = self._drops
         if malformed:
             drops["malformed"] = drops.get("malformed", 0) + malformed
         if version:
             drops["version"] = drops.get("version", 0) + version
         refused = 0
-        if unknown:
-            limited: set[Address] = set()
+        if rationed:
+            if limited:
+                drops["auth_limited"] = drops.get("auth_limited", 0) + limited
+            for i, (data, source) in enumerate(unknown):
+                nbytes += len(data)
+                if i:
+                    self._datagram(data, source, now)
+                else:
+                    self._open(data, source, now, data[3], _yes)
+            refused = limited
+        elif unknown:
+            refusing: set[Address] = set()
             may_derive = self._may_derive
             derived = False
             for data, source in unknown:
                 nbytes += len(data)
-                if source in limited:
+                if source in refusing:
                     refused += 1
                 elif derived:
                     self._datagram(data, source, now)
@@ -681,14 +713,14 @@ class Endpoint:
                     derived = True
                     self._open(data, source, now, data[3], _yes)
                 else:
-                    limited.add(source)
+                    refusing.add(source)
                     refused += 1
             if refused:
                 drops["auth_limited"] = drops.get("auth_limited", 0) + refused
         self._junk += malformed + version + refused
         if nbytes:
             self.metrics.bytes_received.inc(nbytes)
-        return malformed + version + len(unknown)
+        return malformed + version + len(unknown) + (limited if rationed else 0)
 
     def _receive_rest(self, batch: list[tuple[Any, Address, int]], now: float) -> int:
         nbytes = datagrams = 0
@@ -764,7 +796,10 @@ class Endpoint:
         tail = data[rows * segment :]
         block = np.frombuffer(data, dtype=np.uint8, count=rows * segment).reshape(rows, segment)
         handler = self._raw_block.get(int(block[0, 3])) if len(block) > 1 else None
-        opened = self.opener.open_block(block) if handler is not None else None
+        # In place: the bodies are opened over their own ciphertext in the receive arena (one pass and one buffer
+        # less per block). Every block handler copies what it keeps (the allreduce host: into its stage or result,
+        # or bytes per body), and the arena is reused by the next receive anyway.
+        opened = self.opener.open_block(block, in_place=True) if handler is not None else None
         if opened is None:
             for row in block:
                 self._datagram(row.tobytes(), source, now)
