@@ -59,11 +59,12 @@ def status_field(node: Node, name: str) -> Any:
 
 
 def paths(node: Node) -> dict[str, str]:
-    """peer id -> how this daemon reaches it: direct, punched or relayed (its status ``paths``)."""
-    raw = status_field(node, "paths")
-    out = {}
-    for peer, how in raw.items():
-        kind = how if isinstance(how, str) else how.get("kind") or how.get("path")
+    """peer id -> how this daemon reaches it: its status ``paths`` lists the peers it punched to or relays to
+    (``punched`` counts as direct here: a direct path, opened by punching); the other peers it knows
+    (``peers_known``) it reaches at their own address: direct."""
+    out = {peer: "direct" for peer in status_field(node, "peers_known")}
+    for peer, how in status_field(node, "paths").items():
+        kind = how if isinstance(how, str) else how.get("kind")
         out[peer] = "direct" if kind == "punched" else kind
     return out
 
@@ -191,6 +192,15 @@ def test_direct_and_relayed_paths(natswarm) -> None:
     want = {(a, b): (expected_path(a, b),) * 2 for a, b in combinations(range(6), 2)}
     assert got == want
     assert sum(1 for p in want.values() if p[0] == "relayed") == 5
+    # The counters agree: public peers sent nothing through a relay, every home did (each has a relayed partner);
+    # only public peers relayed for others, and they did.
+    sent_relayed = [status_field(n, "path_bytes").get("relayed", 0) for n in nodes]
+    relayed_for = [status_field(n, "relayed_for_others")["bytes"] for n in nodes]
+    for i, kind in enumerate(KINDS):
+        assert (sent_relayed[i] > 0) == (kind != "public"), (i, sent_relayed)
+        if kind != "public":
+            assert relayed_for[i] == 0, (i, relayed_for)
+    assert sum(relayed_for) > 0, relayed_for
 
 
 # ---- no root needed: the lab's and the bench's arguments and arithmetic ------------------------------------------
@@ -232,16 +242,15 @@ def test_bench_nat_fields_are_what_the_daemons_report() -> None:
     """3 members: 0 public, 1 and 2 symmetric; 0<->1 and 0<->2 direct (one end says punched), 1<->2 relayed."""
     paths = [{"b": "direct", "c": "direct"}, {"a": "direct", "c": {"kind": "relayed"}},
              {"a": "punched", "b": "relayed"}]
-    nodes = [_FakeNode(i, {"peer_id": pid, "reachability": r, "observed_addr": "203.0.113.10:1", "paths": p})
+    nodes = [_FakeNode(i, {"peer_id": pid, "reachability": r, "observed_addr": "203.0.113.10:1", "paths": p,
+                           "path_bytes": {}})
              for i, (pid, r, p) in enumerate(zip("abc", ["public", "symmetric-nat", "symmetric-nat"], paths,
                                                  strict=True))]
-    runs = [{"bytes_sent": 1000, "bytes_relayed": 0}, {"bytes_sent": 1000, "bytes_relayed": 500},
-            {"bytes_sent": 2000, "bytes_relayed": 1000}]
-    out = nat_fields(nodes, runs)
+    before = [{"direct": 100}, {"direct": 50, "relayed": 10}, {}]
+    after = [{"direct": 1100}, {"direct": 550, "relayed": 510}, {"punched": 1000, "relayed": 1000}]
+    out = nat_fields(nodes, before, after)  # sent 1000 + 1000 + 2000, relayed 500 + 1000
     assert out == {"relayed_fraction": 1500 / 4000, "direct_pairs": 2, "member_pairs": 3,
                    "reachability": ["public", "symmetric-nat", "symmetric-nat"]}
-    with pytest.raises(NatReportMissing, match="no bytes_relayed"):
-        nat_fields(nodes, [{"bytes_sent": 1000}])
     bare = [_FakeNode(0, {"peer_id": "a", "reachability": "public"})]
-    with pytest.raises(NatReportMissing, match="daemon 0's `peerd status --json` has no observed_addr, paths"):
-        nat_fields(bare, [{"bytes_sent": 1, "bytes_relayed": 0}])
+    with pytest.raises(NatReportMissing, match="daemon 0's `peerd status --json` has no observed_addr, paths, path_b"):
+        nat_fields(bare, [{}], [{}])
