@@ -248,7 +248,9 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
         if trace is not None:
             trace.close()
         for p in procs.values():
-            p.wait(30)
+            # after "done" a trainer still writes its result with every parameter as JSON: 2.24 M numbers for
+            # --model wide, which took over 30 s with the machine's 2 cores at load 16-25
+            p.wait(300)
         wall = time.monotonic() - start
         results = []
         for i in range(cfg.peers):
