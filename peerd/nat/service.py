@@ -78,6 +78,7 @@ class NatService:
         self.introducer: OrderedDict[bytes, bytes] = OrderedDict()  # node id -> the peer that named it
         self.kind: dict[bytes, str] = {}  # peer -> path kind, for peers this node set a path up for
         self._active: set[bytes] = set()
+        self._connecting: set[Address] = set()
         self._target_addr: OrderedDict[bytes, Address] = OrderedDict()  # punch/relay target -> its address
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -316,6 +317,50 @@ class NatService:
         else:
             host = str(ipaddress.IPv4Address(bytes([240 | (digest[0] & 0x0F)]) + digest[1:4]))
         return (host, 1 + int.from_bytes(digest[4:6], "big") % 65535)
+
+    # -- connecting on purpose -------------------------------------------------------------------------------
+    def path_to(self, addr: Address, node_id: bytes) -> str | None:
+        """How this node talks to ``node_id`` at ``addr`` now: "direct", "punched", "relayed", or None (no path
+        known: it has not answered this node there)."""
+        if self.endpoint.relay_of(addr) is not None:
+            return "relayed"
+        if self.reached.get(node_id) == addr:
+            return "punched" if self.kind.get(node_id) == "punched" else "direct"
+        return None
+
+    async def connect(self, addr: Address, node_id: bytes, *, timeout: float = 15.0) -> str | None:
+        """Make sure this node can talk to ``node_id`` at ``addr`` (e.g. a group member before tensor data goes
+        out, which has no retries): a PING; unanswered, the punch and then the relay that ``silent`` starts.
+        Returns the path kind, or None when nothing worked within ``timeout``."""
+        kind = self.path_to(addr, node_id)
+        if kind is not None:
+            return kind
+        with trio.move_on_after(timeout):
+            while True:
+                try:
+                    await self.endpoint.request(addr, m.MsgType.PING, {}, node_id=node_id, attempts=2)
+                except RpcError:
+                    pass
+                kind = self.path_to(addr, node_id)
+                if kind is not None:
+                    return kind
+                await trio.sleep(1.0)  # a punch (3 s) or a relay set-up is under way
+        return self.path_to(addr, node_id)
+
+    def unreached(self, addr: Address, node_id: bytes) -> None:
+        """Tensor data is about to go to ``addr`` with no path known there: set one up in the background (what is
+        sent before it works is lost, as on any lossy link)."""
+        if (self._nursery is None or addr in self._connecting or len(self._connecting) >= MAX_ACTIVE
+                or self.path_to(addr, node_id) is not None):
+            return
+        self._connecting.add(addr)
+        self._nursery.start_soon(self._connect_once, addr, node_id)
+
+    async def _connect_once(self, addr: Address, node_id: bytes) -> None:
+        try:
+            await self.connect(addr, node_id)
+        finally:
+            self._connecting.discard(addr)
 
     # -- the loop -------------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -98,6 +98,7 @@ class NatHooks(Protocol):
     def sent(self, addr: Address, now: float) -> None: ...
     def answered(self, addr: Address, reply: Incoming, now: float) -> None: ...
     def silent(self, addr: Address, node_id: bytes, now: float) -> None: ...
+    def unreached(self, addr: Address, node_id: bytes) -> None: ...
 
 
 PATH_KINDS = ("direct", "punched", "relayed")
@@ -342,6 +343,8 @@ class Endpoint:
     ) -> None:
         """Seal and send tensor-data bodies to one destination (batched: GSO where available)."""
         receiver = self._receiver(addr, node_id)
+        if self.nat is not None:
+            self.nat.unreached(addr, receiver)
         seal = self.data_sealer(receiver).seal
         datagrams = [seal(mtype, b, receiver) for b in bodies]
         if self._relayed and addr in self._relayed:
@@ -369,6 +372,10 @@ class Endpoint:
         """Send rows that ``sealer.seal_block`` made (a caller that paces a big block sends it in parts).
         Returns the bytes sent."""
         rows = len(datagrams)
+        if self.nat is not None:
+            receiver = self.core.node_id_at(addr)
+            if receiver is not None:
+                self.nat.unreached(addr, receiver)  # no path known there yet: NAT traversal sets one up
         if self._relayed and addr in self._relayed:
             return await self._send_relayed(addr, [row.tobytes() for row in datagrams])
         try:
