@@ -1,7 +1,8 @@
 """Run several real daemons as processes on 127.0.0.1: for `peerd swarm`, the benches and the tests.
 
-With a link lab (peerd.lab.LinkLab, root) daemon i runs in peer i's network namespace instead and listens on its
-lab address, so the daemons talk over shaped, lossy links; their local sockets stay on the shared file system.
+With a lab (peerd.lab.LinkLab or NatLab, root) daemon i runs in peer i's network namespace instead and listens on
+its lab address, so the daemons talk over shaped, lossy links or through NAT routers; their local sockets stay on
+the shared file system.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .localsock.client import DaemonError, LocalClient
 from .wire.identity import write_swarm_key
 
 if TYPE_CHECKING:
-    from .lab.links import LinkLab
+    from .lab.links import NetnsLab
 
 
 @dataclass
@@ -66,7 +67,7 @@ class LocalSwarm:
         insecure: bool = False,
         metrics: bool = True,
         extra_args: tuple[str, ...] = (),
-        lab: LinkLab | None = None,
+        lab: NetnsLab | None = None,
     ) -> None:
         self._own_dir = workdir is None
         self.dir = workdir or tempfile.mkdtemp(prefix="peerd-swarm-")

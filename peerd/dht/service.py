@@ -148,8 +148,12 @@ class DhtService:
         self._act(self.core.pinged(ping, answer))
         self.metrics.dht_peers.set(len(self.core.table))
 
-    def _heard(self, peer: Peer) -> None:
-        self._act(self.core.heard(_contact(peer)))
+    def _heard(self, peer: Peer, reached: Address | None = None) -> None:
+        """``peer`` answered (or sent a request while known). ``reached``: the address this node sent the request
+        to and got the answer from: that is the address the table keeps, never one the peer merely announces
+        (PROTOCOL.md 18: no node puts an address it has not reached into a routing table)."""
+        contact = _contact(peer) if reached is None else Contact(peer.node_id, reached[0], reached[1])
+        self._act(self.core.heard(contact))
         self.metrics.dht_peers.set(len(self.core.table))
 
     def _forget(self, node_id: bytes) -> None:
@@ -164,9 +168,9 @@ class DhtService:
             raise
         if reply.peer.node_id != contact.node_id:
             self._forget(contact.node_id)
-            self._heard(reply.peer)
+            self._heard(reply.peer, contact.addr)
             raise RpcError(f"{contact.host}:{contact.port} is now another node")
-        self._heard(reply.peer)
+        self._heard(reply.peer, contact.addr)
         return reply
 
     # -- lookups --------------------------------------------------------------------------------
@@ -360,7 +364,7 @@ class DhtService:
                     except RpcError as e:
                         log.info("bootstrap %s:%d: %s", addr[0], addr[1], e)
                         continue
-                    self._heard(reply.peer)
+                    self._heard(reply.peer, resolved)
                     answered += 1
             if answered:
                 break
