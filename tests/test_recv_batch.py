@@ -605,3 +605,77 @@ def _pass_decisions(seed: int) -> None:
 def test_rationing_in_the_pass_makes_the_python_loops_decisions() -> None:
     limited = [_pass_decisions(seed) for seed in range(24)]
     assert sum(limited) > 0 and min(limited) >= 0  # C did refuse, and only what the reference refused
+
+
+# -- an overloaded pass sheds max-min fairly (recv_batch's ``shed``, UdpSocket's OVERLOAD_BYTES) -------------------
+def _flood(rx: socket.socket, plan: list[tuple[socket.socket, int, int, int]]) -> None:
+    """(sender, type, count, body size) in turn, one datagram of each at a time, under the known token 5."""
+    for k in range(max(n for _, _, n, _ in plan)):
+        for tx, mtype, n, size in plan:
+            if k < n:
+                tx.sendto(HEADER.pack(MAGIC, VERSION, mtype, FLAG_SEALED, 5, k) + b"x" * size, rx.getsockname())
+
+
+def _kept(blocks) -> dict[int, int]:  # type: ignore[no-untyped-def]
+    got: dict[int, int] = {}
+    for data, source, segment in blocks:
+        got[source[1]] = got.get(source[1], 0) + (-(-len(data) // segment) if segment else 1)
+    return got
+
+
+def test_an_overloaded_pass_keeps_fair_shares_and_every_ping() -> None:
+    """A heavy source (900 datagrams, merged into blocks), a light one (30) and a prober's PINGs (30): with room for
+    100, the light source keeps all it sent, the heavy one the rest of the 100, every PING is kept, and what was
+    shed is counted with its bytes. With room for everything nothing is shed."""
+    rx = _bind(socket.AF_INET)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    rx.setblocking(False)
+    heavy, light, prober = (_bind(socket.AF_INET) for _ in range(3))
+    screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {5: None})
+    arena = memoryview(bytearray(8 << 20))
+    try:
+        for keep, shed_expected in ((100, 830), (4096, 0)):
+            _flood(rx, [(heavy, 0x40, 900, 200), (light, 0x40, 30, 300), (prober, 0x01, 30, 50)])
+            blocks, _, n, _, drained, _, screened = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen, None,
+                                                                0.0, (keep, 512, 1, 2))
+            assert n == 960 and drained
+            _, malformed, version, nbytes, limited, shed = screened[0], *screened[1:]
+            got = _kept(blocks)
+            assert shed == shed_expected and limited == malformed == version == 0
+            assert got[light.getsockname()[1]] == 30 and got[prober.getsockname()[1]] == 30
+            assert got[heavy.getsockname()[1]] == 900 - shed_expected
+            assert nbytes == shed_expected * (HEADER.size + 200)
+    finally:
+        for s in (rx, heavy, light, prober):
+            s.close()
+
+
+def test_a_socket_sheds_only_past_its_overload_depth() -> None:
+    """UdpSocket.recv_screened sheds when the kernel queue is deeper than ``overload_bytes`` (SO_MEMINFO), and
+    returns the count; a shallow queue is taken whole."""
+    async def main() -> None:
+        from peerd.transport.guard import AuthLimiter
+
+        for overload, expect_shed in ((64 * 1024, True), (None, False)):
+            sock = UdpSocket(_bind(socket.AF_INET), buffer_bytes=8 << 20, native_receive=True,
+                             overload_bytes=overload)
+            heavy, prober = _bind(socket.AF_INET), _bind(socket.AF_INET)
+            _flood(sock.sock, [(heavy, 0x40, 3000, 200), (prober, 0x01, 20, 50)])
+            assert sock.queued() > 64 * 1024
+            screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {5: None})
+            got: dict[int, int] = {}
+            shed = 0
+            while sum(got.values()) + shed < 3020:
+                blocks, *_, rationed, now, shed_now = await sock.recv_screened(256, screen, AuthLimiter(),
+                                                                               shedding=True)
+                assert rationed is False and isinstance(now, float)
+                shed += shed_now
+                for port, n in _kept(blocks).items():
+                    got[port] = got.get(port, 0) + n
+            assert got[prober.getsockname()[1]] == 20
+            assert (shed > 0) == expect_shed and sock.shed == shed
+            assert got[heavy.getsockname()[1]] == 3000 - shed
+            for s in (sock.sock, heavy, prober):
+                s.close()
+
+    trio.run(main)

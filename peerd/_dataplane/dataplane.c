@@ -942,8 +942,106 @@ static PyTypeObject RationType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* ---- shedding an overloaded pass: max-min fair shares per source --------------------------------------------- */
+
+/* recv_batch's ``shed``: when the kernel queue holds more than the receive loop can take in time (the caller
+ * decides: UdpSocket reads the queue's depth), a pass reads far more than Python will handle, and keeps at most
+ * about ``keep`` datagrams of it, shared max-min fairly among their sources (water-filling): a source sending less
+ * than its share keeps everything, the heaviest are cut to the level. Small PINGs and PONGs (the liveness checks,
+ * ``urgent_bytes`` at most) are never shed nor counted. What the kernel would tail-drop from whoever comes last
+ * when its queue overflows is instead dropped from the sources that fill it, and a PING waits one pass, not a
+ * queue of tens of thousands. */
+typedef struct {
+    Py_ssize_t keep, urgent_bytes;
+    int ping, pong;
+} Shed;
+
+typedef struct {
+    Source *keys;
+    Py_ssize_t *kept;    /* per source: datagrams counted (then kept) in this pass */
+    unsigned char *used; /* per slot: 1 when it holds a source */
+    Py_ssize_t nslots;
+} PassSources;
+
+static int pass_sources_init(PassSources *ps, Py_ssize_t nblocks) {
+    Py_ssize_t n = 4;
+    while (n < 2 * nblocks) n <<= 1;
+    ps->nslots = n;
+    ps->keys = PyMem_RawMalloc(sizeof(Source) * (size_t)n);
+    ps->kept = PyMem_RawCalloc((size_t)n, sizeof(Py_ssize_t));
+    ps->used = PyMem_RawCalloc((size_t)n, 1);
+    if (ps->keys == NULL || ps->kept == NULL || ps->used == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* The count of ``s`` in this pass (its slot made on first sight; at most nblocks sources in 2 * nblocks slots). */
+static Py_ssize_t *pass_source(PassSources *ps, const Source *s) {
+    uint64_t a, b;
+    memcpy(&a, s->addr, 8);
+    memcpy(&b, s->addr + 8, 8);
+    uint64_t h = mix64(mix64(mix64((uint64_t)s->family << 16 | s->port) ^ a) ^ b);
+    Py_ssize_t i = (Py_ssize_t)(h & (uint64_t)(ps->nslots - 1));
+    while (ps->used[i] && !same_source(&ps->keys[i], s)) i = (i + 1) & (ps->nslots - 1);
+    if (!ps->used[i]) {
+        ps->used[i] = 1;
+        ps->keys[i] = *s;
+    }
+    return &ps->kept[i];
+}
+
+static int is_urgent(const Shed *sh, const Block *b, const unsigned char *base) {
+    if (b->size != b->row || b->size > sh->urgent_bytes || b->size < 4) return 0;
+    int t = base[b->start + 3];
+    return t == sh->ping || t == sh->pong;
+}
+
+static int cmp_ssize(const void *x, const void *y) {
+    Py_ssize_t a = *(const Py_ssize_t *)x, b = *(const Py_ssize_t *)y;
+    return a < b ? -1 : a > b;
+}
+
+/* The water level: counts every source's datagrams of the pass (urgent ones left out), then the largest L with
+ * sum(min(count, L)) <= keep; infinity when everything fits. The counts are reset to 0 (they count what is kept). */
+static double shed_level(PassSources *ps, const Block *blocks, Py_ssize_t nblocks, const unsigned char *base,
+                         const Shed *sh) {
+    Py_ssize_t total = 0, n = 0;
+    for (Py_ssize_t i = 0; i < nblocks; i++) {
+        const Block *b = &blocks[i];
+        if (is_urgent(sh, b, base)) continue;
+        Py_ssize_t rows = b->row ? (b->size + b->row - 1) / b->row : 1;
+        *pass_source(ps, &b->source) += rows;
+        total += rows;
+    }
+    double level = INFINITY;
+    if (total > sh->keep) {
+        Py_ssize_t *counts = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)ps->nslots);
+        if (counts != NULL) {
+            for (Py_ssize_t i = 0; i < ps->nslots; i++)
+                if (ps->kept[i] > 0) counts[n++] = ps->kept[i];
+            qsort(counts, (size_t)n, sizeof(Py_ssize_t), cmp_ssize);
+            double left = (double)sh->keep;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                double share = left / (double)(n - i);
+                if ((double)counts[i] > share) {
+                    level = share < 1 ? 1 : share;
+                    break;
+                }
+                left -= (double)counts[i];
+            }
+            PyMem_RawFree(counts);
+        } else {
+            level = (double)sh->keep / (double)(nblocks > 0 ? nblocks : 1); /* no memory: an even cut */
+        }
+    }
+    for (Py_ssize_t i = 0; i < ps->nslots; i++) ps->kept[i] = 0;
+    return level;
+}
+
 PyDoc_STRVAR(recv_batch_doc,
-"recv_batch(fd, arena, max_datagrams, slot, screen=None, ration=None, now=0.0)\n"
+"recv_batch(fd, arena, max_datagrams, slot, screen=None, ration=None, now=0.0, shed=None)\n"
 "    -> (blocks, used, datagrams, receives, drained, kernel_drops[, screened])\n"
 "--\n\n"
 "One receive pass over the non-blocking UDP socket ``fd`` with the GIL released: recvmmsg(MSG_DONTWAIT) into\n"
@@ -965,16 +1063,36 @@ PyDoc_STRVAR(recv_batch_doc,
 "_receive_screened does, with the same decisions (see the comment in the code): ``unknown`` then holds only\n"
 "those Python must still decide, the first of them with its key derivation already granted (charged), and\n"
 "``screened`` gains a fifth item, ``limited``: those refused (``auth_limited``, their bytes in screened_bytes),\n"
-"which never became Python objects.");
+"which never became Python objects.\n\n"
+"``shed`` (with a screen): (keep, urgent_bytes, ping_type, pong_type), for a pass over a queue that overflows:\n"
+"of the datagrams left after the screen, about ``keep`` are kept, shared max-min fairly among their sources (the\n"
+"heaviest cut to the water level), PINGs and PONGs of at most urgent_bytes always kept; ``screened`` then ends\n"
+"with ``limited`` (0 without a ration) and ``shed``: the datagrams dropped so (their bytes in screened_bytes).");
 
 static PyObject *recv_batch(PyObject *module, PyObject *args) {
     int fd;
     PyObject *arena_obj;
     Py_ssize_t max_datagrams, slot;
-    PyObject *screen_obj = Py_None, *ration_obj = Py_None;
+    PyObject *screen_obj = Py_None, *ration_obj = Py_None, *shed_obj = Py_None;
     double now = 0.0;
-    if (!PyArg_ParseTuple(args, "iOnn|OOd", &fd, &arena_obj, &max_datagrams, &slot, &screen_obj, &ration_obj, &now))
+    if (!PyArg_ParseTuple(args, "iOnn|OOdO", &fd, &arena_obj, &max_datagrams, &slot, &screen_obj, &ration_obj, &now,
+                          &shed_obj))
         return NULL;
+    Shed shed = {0, 0, -1, -1};
+    if (shed_obj != Py_None) {
+        if (screen_obj == Py_None) {
+            PyErr_SetString(PyExc_TypeError, "shed: only with a screen");
+            return NULL;
+        }
+        if (!PyArg_ParseTuple(shed_obj, "nnii;shed: (keep, urgent_bytes, ping_type, pong_type)", &shed.keep,
+                              &shed.urgent_bytes, &shed.ping, &shed.pong))
+            return NULL;
+        if (shed.keep < 1 || shed.urgent_bytes < 0) {
+            PyErr_Format(PyExc_ValueError, "shed: keep %zd must be >= 1, urgent_bytes %zd >= 0", shed.keep,
+                         shed.urgent_bytes);
+            return NULL;
+        }
+    }
     RationObject *ration = NULL;
     if (ration_obj != Py_None) {
         if (screen_obj == Py_None || !PyObject_TypeCheck(ration_obj, &RationType)) {
@@ -1020,6 +1138,7 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
     if (PyObject_GetBuffer(arena_obj, &arena, PyBUF_WRITABLE) < 0) return NULL;
     PyObject *result = NULL;
     Block *blocks = NULL;
+    PassSources ps = {0}; /* shed's per-source counts (freed at done) */
     if (arena.len < slot) {
         PyErr_Format(PyExc_ValueError, "an arena of %zd bytes holds no slot of %zd", arena.len, slot);
         goto done;
@@ -1162,10 +1281,15 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
      * after it, Python decides each again (_datagram: its token may be known by then), so only those certain to
      * be refused there are refused here: their source's bucket is empty now, their token is none that a
      * datagram handed back could have made known, and the table cannot evict the bucket before Python sees it. */
-    Py_ssize_t limited = 0, handed = 0;
+    Py_ssize_t limited = 0, handed = 0, shed_count = 0;
     int derived = 0, tokens_overflow = 0, ntokens = 0;
     uint64_t handed_tokens[RATION_TOKENS];
     uint64_t pass = ration ? ++ration->passes : 0;
+    double level = 0;
+    if (shed.keep > 0) {
+        if (pass_sources_init(&ps, nblocks) < 0) goto fail;
+        level = shed_level(&ps, blocks, nblocks, base, &shed);
+    }
     for (Py_ssize_t i = 0; i < nblocks; i++) {
         Block *b = &blocks[i];
         int apart = 0; /* a single sealed datagram under a token the receiver does not know */
@@ -1217,6 +1341,26 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
                 }
             }
         }
+        if (shed.keep > 0 && !is_urgent(&shed, b, base)) {
+            /* past its fair share of this overloaded pass: shed before any Python object is made (a merged block
+             * keeps its first rows) */
+            Py_ssize_t *kept = pass_source(&ps, &b->source);
+            Py_ssize_t rows = b->row ? (b->size + b->row - 1) / b->row : 1;
+            double room = level - (double)*kept;
+            Py_ssize_t allowed = room >= (double)rows ? rows : room > 0 ? (Py_ssize_t)ceil(room) : 0;
+            if (allowed <= 0) {
+                shed_count += rows;
+                screened_bytes += b->size;
+                continue;
+            }
+            if (allowed < rows) {
+                Py_ssize_t size = allowed * b->row;
+                shed_count += rows - allowed;
+                screened_bytes += b->size - size;
+                b->size = size;
+            }
+            *kept += allowed;
+        }
         PyObject *source;
         if (prev != NULL && same_source(prev, &b->source)) {
             source = Py_NewRef(prev_tuple);
@@ -1261,7 +1405,10 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
         Py_DECREF(item);
         if (r < 0) goto fail;
     }
-    if (ration)
+    if (shed.keep > 0)
+        result = Py_BuildValue("(NnnnOL(Nnnnnn))", list, used, datagrams, receives, drained ? Py_True : Py_False,
+                               kernel_drops, unknown, malformed, version, screened_bytes, limited, shed_count);
+    else if (ration)
         result = Py_BuildValue("(NnnnOL(Nnnnn))", list, used, datagrams, receives, drained ? Py_True : Py_False,
                                kernel_drops, unknown, malformed, version, screened_bytes, limited);
     else if (screening)
@@ -1274,9 +1421,13 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
     goto done;
 fail:
     Py_XDECREF(prev_tuple);
-    Py_DECREF(list);
+    Py_XDECREF(list);
     Py_XDECREF(unknown);
+    result = NULL;
 done:
+    PyMem_RawFree(ps.keys);
+    PyMem_RawFree(ps.kept);
+    PyMem_RawFree(ps.used);
     PyMem_RawFree(blocks);
     PyBuffer_Release(&arena);
     return result;

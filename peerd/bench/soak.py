@@ -51,6 +51,7 @@ SAMPLE_S = 0.5  # RSS and pacing-rate samples
 TOLERANCE = 1e-5  # relative: max |result - exact| <= TOLERANCE * max |exact|
 GOALS = {"rss_growth_mb": 256.0, "ping_p99_ms": 50.0, "seconds_per_million": 300.0, "outsider_cpu_us": 5.0}
 SETTLE_S = 0.5  # after the averages pause, before the idle baseline
+QUEUE_S = 0.05  # the daemons' kernel receive queues are sampled this often
 
 
 @dataclass
@@ -175,6 +176,57 @@ class _Monitor:
         self.rss.setdefault(phase, []).append(top)
 
 
+def _udp_queues(ports: set[int]) -> dict[int, tuple[int, int]]:
+    """Port -> (bytes queued in its receive buffer, datagrams the kernel dropped there) from /proc/net/udp (and
+    udp6): where a PING waits, or is lost, before a daemon's receive loop sees it."""
+    out: dict[int, tuple[int, int]] = {}
+    for name in ("/proc/net/udp", "/proc/net/udp6"):
+        try:
+            with open(name) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            try:
+                port = int(cols[1].rsplit(":", 1)[1], 16)
+                if port in ports:
+                    out[port] = (int(cols[4].split(":")[1], 16), int(cols[-1]))
+            except (IndexError, ValueError):
+                continue
+    return out
+
+
+class _Queues:
+    """Samples the honest daemons' kernel receive queues every QUEUE_S, tagged with the bench's phase: the
+    deepest queue seen and the kernel's drops, per phase."""
+
+    def __init__(self, nodes: list[Node]) -> None:
+        self.ports = {_hostport(n.listen)[1] for n in nodes}
+        self.phase = "calm"
+        self.deepest: dict[str, int] = {}  # phase -> the most bytes queued at one daemon
+        self.drops: dict[str, int] = {}  # phase -> datagrams dropped by the kernel (all daemons)
+        self._last: dict[int, int] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="soak-queues", daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(QUEUE_S):
+            self.sample()
+
+    def sample(self) -> None:
+        phase = self.phase
+        for port, (queued, dropped) in _udp_queues(self.ports).items():
+            self.deepest[phase] = max(self.deepest.get(phase, 0), queued)
+            if port in self._last and dropped > self._last[port]:
+                self.drops[phase] = self.drops.get(phase, 0) + dropped - self._last[port]
+            self._last[port] = dropped
+
+    def report(self) -> dict[str, dict[str, float]]:
+        return {p: {"deepest_queue_kb": round(self.deepest.get(p, 0) / 1024, 1), "kernel_drops": self.drops.get(p, 0)}
+                for p in self.deepest}
+
+
 class _Probe:
     """The PING prober (peerd/bench/soak_probe.py) in its own process; its samples are cut into the bench's
     phases by their CLOCK_MONOTONIC timestamps (the same clock in every process)."""
@@ -216,7 +268,7 @@ class _Probe:
             return rtt, lost
         for line in lines:
             try:
-                t, ms = (float(x) for x in line.split())
+                t, ms = (float(x) for x in line.split()[:2])  # (a third column: the daemon it went to)
             except ValueError:
                 continue  # a line cut short
             phase = self.marks[0][1]
@@ -516,11 +568,12 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
             node.call("avg_open", timeout=30, run=BAIT_RUN, grid="2", adapt=False, min_size=2, window_s=cfg.window_s)
         bait = _Bait(nodes[-1], hostile)
         monitor = _Monitor(nodes)
+        queues = _Queues(nodes)
         prober = _Probe(workdir, swarm.key_file, [_hostport(n.listen) for n in nodes],
                         [n.status["peer_id"] for n in nodes])
         averager = _Averager(nodes, cfg)
-        threads = [monitor, prober, averager, bait]
-        for t in (monitor, averager, bait):
+        threads = [monitor, queues, prober, averager, bait]
+        for t in (monitor, queues, averager, bait):
             t.thread.start()
 
         # -- calm: the no-attack baselines ------------------------------------------------------------------
@@ -584,6 +637,7 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
                 mark = "burst" if info["phase"] == "burst" else "attack"
                 if prober.phase != mark:
                     prober.phase = mark
+                    queues.phase = mark
             now = time.monotonic()
             if now - last_print >= 3.0:
                 last_print = now
@@ -620,6 +674,7 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
         bait.stop.set()
         prober.stop.set()
         monitor.stop.set()
+        queues.stop.set()
         averager.thread.join(timeout=150)
         crashes = sum(1 for n in nodes if not n.alive())
 
@@ -681,6 +736,10 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
             "ping_p99_ms_outsider": _round(_percentile(rtts.get("outsider", []), 99)),
             "ping_lost": lost.get("attack", 0) + lost.get("burst", 0),
             "ping_lost_no_attack": lost.get("calm", 0),
+            "ping_lost_by_phase": lost,
+            "ping_samples_by_phase": {p: len(v) for p, v in rtts.items()},
+            # the daemons' kernel receive queues by phase: where PINGs wait (or are lost) before the receive loop
+            "kernel_by_phase": queues.report(),
             "ping_samples": len(attack_rtt),
             "rss_base_mb": [round(x, 1) for x in rss_base],
             "rate_median_no_attack": statistics.median(calm_rates) if calm_rates else None,

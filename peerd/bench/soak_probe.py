@@ -1,6 +1,6 @@
 """The PING prober of `peerd bench soak`: a member (its own identity, the swarm key) that PINGs the honest
-daemons every ``PING_S`` and writes one line per PING, ``<CLOCK_MONOTONIC seconds> <round trip ms>``
-(-1: no PONG within ``PING_TIMEOUT_S``), to the file it is given.
+daemons every ``PING_S`` and writes one line per PING, ``<CLOCK_MONOTONIC seconds> <round trip ms> <daemon>``
+(-1: no PONG within ``PING_TIMEOUT_S``; daemon: its index in the targets), to the file it is given.
 
 Its own process, so that the bench's threads (checking averages, scraping metrics) never hold a GIL the
 timing waits on: the figure is the daemons' latency, not the bench's.
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
             start = time.monotonic()
             rtt = prober.ping(targets[i % len(targets)], prober.ids[i % len(targets)])
             i += 1
-            out.write(f"{start:.6f} {-1 if rtt is None else rtt * 1000:.3f}\n")
+            out.write(f"{start:.6f} {-1 if rtt is None else rtt * 1000:.3f} {(i - 1) % len(targets)}\n")
             time.sleep(max(0.0, PING_S - (time.monotonic() - start)))
     return 0
 

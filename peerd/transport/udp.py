@@ -38,6 +38,19 @@ WANT_BUFFER = 32 * 1024 * 1024  # ~25k datagrams: a receiver descheduled for ten
 RECV_BUFFER = 65536  # one receive: a GRO block is at most 64 KB
 ARENA_BYTES = 16 * RECV_BUFFER  # receives per recv_blocks call land here, one after another
 MERGE_PREFIX = SEQ_OFFSET  # envelope bytes before the sequence number: magic, version, type, flags, token
+# An overloaded receive loop (PROTOCOL-free, local policy): when the kernel queue holds more than OVERLOAD_BYTES
+# (SO_MEMINFO's receive allocation: about 2 KB a datagram on loopback, so about 4000), the loop is behind by tens of
+# ms and a PING waits behind all of it, or is lost when the queue overflows. Such a pass reads up to
+# OVERLOAD_DATAGRAMS into an arena of its own and keeps about the usual pass's worth (its max_datagrams), shared
+# max-min fairly among the sources (dataplane.c recv_batch's ``shed``): the sources filling the queue lose their
+# excess before any Python object is made, PINGs and PONGs are never shed, and the queue drains.
+OVERLOAD_BYTES = 4 * 1024 * 1024
+OVERLOAD_DATAGRAMS = 16384
+OVERLOAD_ARENA = 24 * 1024 * 1024
+URGENT_BYTES = 512  # a PING or PONG at most this long is never shed (the endpoint answers those first)
+PING_TYPE, PONG_TYPE = 0x01, 0x02
+SO_MEMINFO = 55
+SK_MEMINFO = struct.Struct("=9I")  # [0]: SK_MEMINFO_RMEM_ALLOC, bytes queued for receiving
 U16 = struct.Struct("=H")
 U32 = struct.Struct("=I")
 I32 = struct.Struct("=i")
@@ -74,9 +87,11 @@ def _set_buffer(sock: socket.socket, force_opt: int, opt: int, size: int) -> int
 
 class UdpSocket:
     def __init__(self, sock: socket.socket, *, gso: bool = True, buffer_bytes: int = WANT_BUFFER,
-                 arena_bytes: int = ARENA_BYTES, native_receive: bool | None = None) -> None:
+                 arena_bytes: int = ARENA_BYTES, native_receive: bool | None = None,
+                 overload_bytes: int | None = OVERLOAD_BYTES) -> None:
         """``native_receive``: take receive passes with the C extension's recv_batch (None: where it is loaded;
-        True: required, ValueError without it; False: the Python loop)."""
+        True: required, ValueError without it; False: the Python loop). ``overload_bytes``: the kernel queue
+        depth past which a screened pass sheds (see OVERLOAD_BYTES; None: never)."""
         if native_receive and NATIVE_RECV is None:
             raise ValueError("native_receive: the native extension's recv_batch is not loaded")
         if arena_bytes < RECV_BUFFER:
@@ -116,6 +131,10 @@ class UdpSocket:
         self._arena = bytearray(arena_bytes)
         self._view = memoryview(self._arena)
         self._used = 0
+        self.overload_bytes = overload_bytes
+        self._overload_view: memoryview | None = None  # the overloaded passes' arena, made at the first one
+        self.shed = 0  # datagrams shed by overloaded passes
+        self.overloaded_passes = 0
         self.drained = True  # the last recv_blocks stopped because the socket was empty (not at a limit)
         self.kernel_drops = 0
         self.received = 0
@@ -201,7 +220,8 @@ class UdpSocket:
         """Whether ``recv_screened`` is there (the native receive pass)."""
         return self._native_recv is not None
 
-    async def recv_screened(self, max_datagrams: int, screen: tuple, limiter: object = None) -> tuple:
+    async def recv_screened(self, max_datagrams: int, screen: tuple, limiter: object = None, *,
+                            shedding: bool = False) -> tuple:
         """recv_blocks, with the junk screen of the native pass (dataplane.c recv_batch's ``screen``: the header
         constants of wire.envelope.peek and the known tokens): (blocks, unknown, malformed, version, screened_bytes).
         Single datagrams whose header peek refuses are only counted (``malformed``, ``version``, their bytes in
@@ -209,25 +229,41 @@ class UdpSocket:
         single datagrams under an unknown token come apart in ``unknown`` as (data, source). Only where
         ``screens``.
 
-        ``limiter``: the endpoint's AuthLimiter. Given, the result gains (limited, rationed, now): where it is a
+        ``limiter``: the endpoint's AuthLimiter. Given, the result gains (limited, rationed, now, shed): where it is a
         NativeAuthLimiter (``rationed`` True) the pass rations the datagrams under unknown tokens in C at ``now``
         (the time the pass began, which the caller's decisions on the rest must use): ``limited`` were refused
         (``auth_limited``, never Python objects, their bytes in screened_bytes), and ``unknown[0]``, where there
-        is one, has its key derivation granted already; the rest of ``unknown`` is for the caller to decide."""
+        is one, has its key derivation granted already; the rest of ``unknown`` is for the caller to decide.
+        ``shedding`` (with a limiter): an overloaded pass sheds (see OVERLOAD_BYTES), and the result ends with
+        ``shed``, the datagrams it dropped (their bytes in screened_bytes); without it nothing is shed."""
         recv = self._native_recv
         if recv is None:
             raise RuntimeError("recv_screened needs the native receive pass")
         table = getattr(limiter, "table", None)
         fd = self.sock.fileno()
-        view = self._view
         limit = max(1, min(max_datagrams, 65536))
         while True:
             now = trio.current_time()
-            if table is not None:
-                result = recv(fd, view, limit, RECV_BUFFER, screen, table, now)
+            view, most, shed = self._view, limit, None
+            if (shedding and limiter is not None and self.overload_bytes is not None
+                    and self.queued() > self.overload_bytes):
+                if self._overload_view is None:
+                    self._overload_view = memoryview(bytearray(OVERLOAD_ARENA))
+                view, most = self._overload_view, max(limit, OVERLOAD_DATAGRAMS)
+                shed = (limit, URGENT_BYTES, PING_TYPE, PONG_TYPE)
+            if shed is not None:
+                result = recv(fd, view, most, RECV_BUFFER, screen, table, now, shed)
+            elif table is not None:
+                result = recv(fd, view, most, RECV_BUFFER, screen, table, now)
             else:
-                result = recv(fd, view, limit, RECV_BUFFER, screen)
+                result = recv(fd, view, most, RECV_BUFFER, screen)
             blocks, used, count, calls, drained, drops, screened = result
+            if shed is not None:
+                *screened, shed_now = screened
+                self.shed += shed_now
+                self.overloaded_passes += 1
+                if table is None:
+                    screened = screened[:4]
             if drops >= 0:
                 self.kernel_drops = drops
             if count:
@@ -238,10 +274,18 @@ class UdpSocket:
                 self._used = used
                 if limiter is None:
                     return (blocks, *screened)
+                tail = (shed_now if shed is not None else 0,) if shedding else ()
                 if table is None:
-                    return (blocks, *screened, 0, False, now)
-                return (blocks, *screened, True, now)
+                    return (blocks, *screened, 0, False, now, *tail)
+                return (blocks, *screened, True, now, *tail)
             await trio.lowlevel.wait_readable(self.sock)
+
+    def queued(self) -> int:
+        """Bytes the kernel holds for this socket to receive (SO_MEMINFO; 0 where it cannot say)."""
+        try:
+            return SK_MEMINFO.unpack(self.sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, SK_MEMINFO.size))[0]
+        except (OSError, struct.error):
+            return 0
 
     async def _recv_blocks_python(self, max_datagrams: int) -> list[tuple[memoryview, Address, int]]:
         """The reference receive pass: one recvmsg_into per datagram or GRO block."""

@@ -339,17 +339,29 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
         if fdp.ConsumeIntInRange(0, 15) == 0:
             screen = screen[: fdp.ConsumeIntInRange(0, 6)]
     table = None
-    limited = 0
+    shed = None
+    limited = shed_count = 0
     try:  # (a Ration refused at construction leaves the socket empty too)
         if fdp.ConsumeIntInRange(0, 1):  # rationed in C: a Ration (or sometimes something else), at a fuzzed time
             table = _table(fdp) if fdp.ConsumeIntInRange(0, 15) else object()
             now = fdp.ConsumeIntInRange(0, 10000) / 100 if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeFloat()
-        if screen is None and table is None:
+        if fdp.ConsumeIntInRange(0, 2) == 0:  # an overloaded pass: keep a fuzzed number, fair shares
+            shed = (number(fdp, fdp.ConsumeIntInRange(1, 64)), number(fdp, 512), 1, 2)
+            if table is None:
+                table, now = None, 0.0
+        if screen is None and table is None and shed is None:
             blocks, used, datagrams, receives, drained, drops = native.recv_batch(rx.fileno(), view, limit, slot)
         else:
             args = (rx.fileno(), view, limit, slot, screen) + ((table, now) if table is not None else ())
+            if shed is not None:
+                args = (rx.fileno(), view, limit, slot, screen, table, now if table is not None else 0.0, shed)
             blocks, used, datagrams, receives, drained, drops, screened = native.recv_batch(*args)
-            if table is not None:
+            if shed is not None:
+                unknown, malformed, version, screened_bytes, limited, shed_count = screened
+                seen["recv_batch shed"] += 1
+                if shed_count > receives * 64 or shed_count < 0:
+                    raise AssertionError(f"shed {shed_count} of {receives} receives")
+            elif table is not None:
                 unknown, malformed, version, screened_bytes, limited = screened
                 seen["recv_batch rationed"] += 1
             else:
