@@ -651,6 +651,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--compression applies to --mode sync (DiLoCo's outer averages travel in float32)")
     if (args.quant_group is not None or args.rounding is not None) and args.compression not in ("int8", "int4"):
         parser.error("--quant-group and --rounding go with --compression int8 or int4")
+    if args.topk_ratio is not None and args.compression != "arc-topk":
+        parser.error("--topk-ratio goes with --compression arc-topk")
     cfg = DemoConfig(peers=args.peers, steps=args.steps, loss=args.loss, compute_jitter=args.compute_jitter,
                      dropcompute=args.dropcompute, seed=args.seed, average_every=args.average_every, json=args.json,
                      keep_rounds=args.keep_rounds, micro=args.micro, byzantine=args.byzantine,
@@ -658,7 +660,7 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      link_loss=args.link_loss, mode=args.mode, sync_every=args.sync_every, fragments=args.fragments,
                      model=args.model, baseline=args.baseline, target_accuracy=args.target_accuracy,
                      compression=args.compression, quant_group=args.quant_group, rounding=args.rounding,
-                     bucket_mb=args.bucket_mb)
+                     bucket_mb=args.bucket_mb, topk_ratio=args.topk_ratio)
     try:
         summary = run_demo(cfg, log=lambda *a, **k: print(*a, **k, flush=True))  # progress as it happens, even piped
     except RuntimeError as e:

@@ -67,6 +67,7 @@ class DemoConfig:
     compression: str | None = None  # every trainer's codec (`peerd train --compression`; None: fp32)
     quant_group: int | None = None  # int8/int4: values per scale and min (None: 128)
     rounding: str | None = None  # int8/int4: stochastic | nearest (None: stochastic)
+    topk_ratio: float | None = None  # arc-topk: share of each matrix's rows averaged per shard (None: 0.1)
 
 
 def byzantine_peers(cfg: DemoConfig) -> set[int]:
@@ -175,7 +176,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             if cfg.robust != "off":
                 cmd += ["--robust", cfg.robust]
             for flag, value in (("--compression", cfg.compression), ("--quant-group", cfg.quant_group),
-                                ("--rounding", cfg.rounding)):
+                                ("--rounding", cfg.rounding), ("--topk-ratio", cfg.topk_ratio)):
                 if value is not None:
                     cmd += [flag, str(value)]
             if i in cfg.join_late:
@@ -283,6 +284,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "compression": cfg.compression or "fp32",
             **({"quant_group": cfg.quant_group or 128, "rounding": cfg.rounding or "stochastic"}
                if (cfg.compression or "").startswith("int") else {}),
+            **({"topk_ratio": cfg.topk_ratio or 0.1} if cfg.compression == "arc-topk" else {}),
             "mode": cfg.mode,
             "model": cfg.model,
             "target_accuracy": cfg.target_accuracy,

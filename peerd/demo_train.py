@@ -105,18 +105,30 @@ def _quant_group(text: str) -> int:
 def add_compression_arguments(p: argparse.ArgumentParser) -> None:
     """--compression, --quant-group, --rounding (peerd train, peerd demo, peerd bench moshpit): None when not given,
     so a trainer that names nothing leaves the run's codec (fp32) as it is."""
-    p.add_argument("--compression", default=None, choices=("fp32", "fp16", "bf16", "int8", "int4"),
-                   help="the codec of every average of the run (protocol/codecs.md); every member must use the "
-                        "same (default fp32)")
+    p.add_argument("--compression", default=None, choices=("fp32", "fp16", "bf16", "int8", "int4", "arc-topk"),
+                   help="the codec of every average of the run (protocol/codecs.md), or arc-topk (gradients: top "
+                        "rows with EF21M, trainers only); every member must use the same (default fp32)")
     p.add_argument("--quant-group", type=_quant_group, default=None, metavar="G",
                    help="int8/int4: values per scale and min, 1..65535 (default 128)")
     p.add_argument("--rounding", default=None, choices=("stochastic", "nearest"),
                    help="int8/int4 rounding (default stochastic: unbiased)")
+    p.add_argument("--topk-ratio", type=_topk_ratio, default=None, metavar="R",
+                   help="arc-topk: share of each matrix's rows averaged per shard, in (0, 1] (default 0.1)")
+
+
+def _topk_ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"--topk-ratio must be in (0, 1], not {text!r}")
+    return value
 
 
 def compression_options(args: argparse.Namespace) -> dict[str, Any]:
     """The codec keywords of peerd.torch.Optimizer from parsed arguments: only those given."""
-    return {k: getattr(args, k) for k in ("compression", "quant_group", "rounding")
+    return {k: getattr(args, k) for k in ("compression", "quant_group", "rounding", "topk_ratio")
             if getattr(args, k, None) is not None}
 
 

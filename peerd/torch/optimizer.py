@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..allreduce.robust import parse_robust
-from ..compress import NAMES as CODECS
+from ..compress import COMPRESSIONS as CODECS
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
 from .overlap import DEFAULT_BUCKET_MB, Overlap
@@ -62,7 +62,10 @@ class Optimizer:
     member may claim as its averaging weight in this run; None: the daemon's default), ``compression`` (the
     codec of every average of the run: "fp32", "fp16", "bf16", "int8" or "int4"; every trainer of the run must
     pass the same; None: the run's, fp32 unless set), ``quant_group`` and ``rounding`` (int8/int4: values per
-    scale and min, default 128; "stochastic", the default, or "nearest").
+    scale and min, default 128; "stochastic", the default, or "nearest"). ``compression="arc-topk"`` averages the
+    top ``topk_ratio`` (default 0.1) of each matrix's rows per shard with EF21M error feedback in the daemon
+    (peerd.allreduce.arctopk): the gradients the step applies are EF21M's update direction; parameter averages
+    stay fp32; not with ``overlap``.
 
     ``overlap=True`` (with ``model``, CPU tensors): DeAR-style overlap (peerd.torch.overlap). Gradients go to the
     daemon in buckets of about ``bucket_mb`` MB as backward produces them, and each layer's update is applied
@@ -83,16 +86,20 @@ class Optimizer:
                  nslots: int = 4, keep_rounds: int | None = DEFAULT_KEEP_ROUNDS, robust: str | None = None,
                  max_samples: float | None = None, overlap: bool = False, model: torch.nn.Module | None = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB, compression: str | None = None,
-                 quant_group: int | None = None, rounding: str | None = None) -> None:
+                 quant_group: int | None = None, rounding: str | None = None, topk_ratio: float | None = None) -> None:
         if no_group not in NO_GROUP:
             raise ValueError(f"no_group must be one of {NO_GROUP}")
         if compression is not None and compression not in CODECS:
             raise ValueError(f"compression must be one of {CODECS} or None, got {compression!r}")
         if (quant_group is not None or rounding is not None) and compression not in ("int8", "int4"):
             raise ValueError("quant_group and rounding go with compression int8 or int4")
+        if topk_ratio is not None and (compression != "arc-topk" or not 0.0 < topk_ratio <= 1.0):
+            raise ValueError(f"topk_ratio goes with compression arc-topk and must be in (0, 1], got {topk_ratio!r}")
+        if compression == "arc-topk" and overlap:
+            raise ValueError("arc-topk averages whole gradient vectors: not with overlap (its buckets)")
         self.compression = compression
         self.codec_options = {k: v for k, v in (("compression", compression), ("quant_group", quant_group),
-                                                ("rounding", rounding)) if v is not None}
+                                                ("rounding", rounding), ("topk_ratio", topk_ratio)) if v is not None}
         parse_robust(robust)  # raises ValueError that says what is accepted
         if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int | float)
                                         or not (math.isfinite(max_samples) and max_samples > 0)):

@@ -110,6 +110,8 @@ def parse_compression(req: dict[str, Any]) -> dict[str, Any]:
     name, group, rounding = req.get("compression"), req.get("quant_group"), req.get("rounding")
     if name is None and group is None and rounding is None:
         return {}
+    if name == "arc-topk":
+        return _parse_topk(req)
     try:
         codec = check_compression("fp32" if name is None else name, group, rounding)
     except MoshpitError as e:
@@ -121,6 +123,33 @@ def parse_compression(req: dict[str, Any]) -> dict[str, Any]:
     if codec.name.startswith("int"):
         out.update(quant_group=codec.group, rounding=codec.rounding)  # type: ignore[attr-defined]
     return out
+
+
+def _parse_topk(req: dict[str, Any]) -> dict[str, Any]:
+    """arc-topk's keywords: ``topk_ratio`` (default 0.1) and ``ef_eta`` (EF21M's eta, default 0.1; None: no error
+    feedback). The layout's shapes are added by trainer_open (``topk_layout``)."""
+    if req.get("quant_group") is not None or req.get("rounding") is not None:
+        raise OpError("quant_group and rounding go with int8 and int4, not with arc-topk")
+    ratio, eta = req.get("topk_ratio", 0.1), req.get("ef_eta", 0.1)
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 < ratio <= 1.0:
+        raise OpError(f"topk_ratio must be in (0, 1], got {ratio!r:.40}")
+    if eta is not None and (isinstance(eta, bool) or not isinstance(eta, int | float) or not 0.0 < eta <= 1.0):
+        raise OpError(f"ef_eta must be in (0, 1] or None (no error feedback), got {eta!r:.40}")
+    return {"compression": "arc-topk", "topk_ratio": float(ratio), "ef_eta": None if eta is None else float(eta)}
+
+
+def codec_keywords(session: Any, kind: str, size: int) -> dict[str, Any]:
+    """What an average of ``kind`` over ``size`` elements passes to Moshpit for the session's codec: arc-topk only
+    for whole gradient vectors (the layout's shapes fit nothing else; parameter and outer averages of such a
+    session go in fp32, under their own run ids), the body codecs for every average."""
+    opts = session.compression
+    if opts.get("compression") != "arc-topk":
+        return dict(opts)
+    if kind != "grad":
+        return {}
+    if size != session.elems:
+        raise OpError("arc-topk averages whole gradient vectors: not with overlap buckets (use a body codec)")
+    return {**opts, "topk_layout": session.shapes}
 
 
 def snapshot_bound(layout: list[tuple[str, tuple[int, ...], str]]) -> int:
@@ -163,6 +192,7 @@ class Session:
     snapshot_max: int = MAX_BLOB  # the most bytes a snapshot of this model can hold (a download's bound)
     outer_rounds: list[int] = field(default_factory=list)  # outer rounds whose blobs this daemon still keeps
     compression: dict[str, Any] = field(default_factory=dict)  # the run's codec keywords (parse_compression)
+    shapes: list[list[int]] = field(default_factory=list)  # the layout's shapes (arc-topk's rows and columns)
 
     def average_id(self, kind: str) -> str:
         """The Moshpit run id of this session's gradients or parameters: the layout hash is part of it,
@@ -238,7 +268,7 @@ class TrainerService:
         self._next += 1
         session = Session(sid, run, run_key, digest, elems, arena, conn, keep_rounds=keep_rounds,
                           max_samples=max_samples, robust=robust, snapshot_max=snapshot_bound(layout),
-                          compression=compression)
+                          compression=compression, shapes=[list(shape) for _, shape, _ in layout])
         self.sessions[sid] = session
         conn.on_close(lambda: self._close(session))
         self.metrics.trainer_sessions.set(len(self.sessions))
@@ -367,7 +397,7 @@ class TrainerService:
             # The averaging API has its own deadline; this outer one makes sure no bug can hang a trainer.
             with trio.fail_after(timeout + 10.0):
                 extra: dict[str, Any] = {} if session.keep_rounds is None else {"keep_rounds": session.keep_rounds}
-                extra.update(session.compression)  # only when declared: averagers without codecs still work
+                extra.update(codec_keywords(session, kind, vector.size))  # only when declared
                 if round_no is not None:
                     extra["round_no"] = round_no
                 if session.max_samples is not None:  # only when set: averagers without these keywords still work
@@ -492,7 +522,7 @@ class TrainerService:
         if not all_finite(vector):
             raise OpError(f"step {step}: the pseudo-gradient holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
-        extra: dict[str, Any] = {"round_no": round_no, **session.compression}
+        extra: dict[str, Any] = {"round_no": round_no, **codec_keywords(session, "outer", length)}
         if session.max_samples is not None:
             extra["max_weight"] = session.max_samples
         result: Any = None
