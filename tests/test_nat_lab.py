@@ -176,8 +176,8 @@ def test_moshpit_round_over_all_six_is_exact(natswarm) -> None:
     for i, (_, stats) in enumerate(results):
         assert stats["outcome"] == "averaged" and stats["group_size"] == 6, (i, stats)
         assert set(stats["members"]) == ids, (i, stats)
-    assert not wrong, ("members whose average is off: (elements, first, last, equal to own input)", wrong,
-                       [s for _, s in results])
+    assert not wrong, (f"members whose average is off: (elements, first, last, equal to own input) {wrong}; "
+                       f"their stats: {[s for _, s in results]}")
     assert len({s["group_id"] for _, s in results}) == 1
 
 
