@@ -88,8 +88,9 @@ class DhtCore:
         """A request came from ``contact``. A sender already in the table is heard; any other enters it only
         once it answers a PING of ours: ids are free to mint, and identities that send but never answer would
         otherwise crowd the table and stall every lookup. At most VERIFY_MAX such PINGs at once."""
-        if self.table.holds(contact):
-            return self.heard(contact)
+        if contact.node_id in self.table.ids:
+            oldest = self.table.observe(contact)
+            return Ping(oldest, "evict") if oldest is not None else None
         if contact.node_id in self.verifying or len(self.verifying) >= VERIFY_MAX:
             return None
         self.verifying.add(contact.node_id)

@@ -90,17 +90,17 @@ class RoutingTable:
         self._count = 0
         self._occupied = 0  # bit i set: bucket i holds contacts
         self._own = int.from_bytes(node_id, "big")
-        self._ids: set[bytes] = set()  # every contact's id: membership without finding its bucket
+        self.ids: set[bytes] = set()  # every contact's id (read-only outside): membership without finding its bucket
 
     def __len__(self) -> int:
         return self._count
 
     def holds(self, contact: Contact) -> bool:
         """``contact.node_id in self`` (kept for callers that hold a Contact)."""
-        return contact.node_id in self._ids
+        return contact.node_id in self.ids
 
     def __contains__(self, node_id: bytes) -> bool:
-        return node_id in self._ids
+        return node_id in self.ids
 
     def contacts(self) -> list[Contact]:
         """Every contact, from the occupied buckets only (a table has a handful of its 256 occupied)."""
@@ -128,10 +128,10 @@ class RoutingTable:
         if contact.node_id == self.node_id:
             return None
         index = (self._own ^ contact.num).bit_length() - 1
-        bucket = self.buckets[index]
+        bucket = self.buckets.made.get(index) or self.buckets[index]
         contacts = bucket.contacts
         node_id = contact.node_id
-        if node_id in self._ids:
+        if node_id in self.ids:
             old = contacts[node_id]
             if old is not contact and old != contact:
                 contacts[node_id] = contact  # the address changed
@@ -141,7 +141,7 @@ class RoutingTable:
         if len(contacts) < self.k:
             contacts[node_id] = contact
             bucket._view = None
-            self._ids.add(node_id)
+            self.ids.add(node_id)
             bucket.replacements.pop(node_id, None)
             self._count += 1
             self._occupied |= 1 << index
@@ -173,12 +173,12 @@ class RoutingTable:
         if bucket.contacts.pop(node_id, None) is None:
             return
         bucket._view = None
-        self._ids.discard(node_id)
+        self.ids.discard(node_id)
         self._count -= 1
         if bucket.replacements:
             _, replacement = bucket.replacements.popitem(last=True)
             bucket.contacts[replacement.node_id] = replacement
-            self._ids.add(replacement.node_id)
+            self.ids.add(replacement.node_id)
             self._count += 1
         elif not bucket.contacts:
             self._occupied &= ~(1 << bucket_index(self.node_id, node_id))
