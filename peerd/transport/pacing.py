@@ -82,7 +82,9 @@ START_RATE = 2e6  # bytes/s (16 Mbit/s): low, so a thin link is not overrun 8x a
 DEFAULT_RATE = START_RATE
 MIN_RATE = 0.25e6
 MAX_RATE = 20e9
-BURST_S = 0.002  # a burst may run this far ahead of the average rate
+BURST_S = 0.002  # a burst may run this far ahead of the average rate ...
+CATCHUP_S = 0.008  # ... and this far for a sender the rate held back, whose wake-up came late (a loaded CPU:
+# what it slept through past its time would otherwise be lost for good; 8 ms is under half the lab's queue)
 
 MIN_SAMPLE_BYTES = 32 * 1200  # MIN_SAMPLE datagrams of the default payload
 STARTUP_GROWTH = 2.0  # startup's step: an overshoot past the bottleneck is at most this much ...
@@ -272,6 +274,7 @@ class Pacer:
         self._sent: OrderedDict[Hashable, _SendLog] = OrderedDict()
         self._total = _SendLog()
         self._last_send: float | None = None  # when the last reserved part goes out
+        self._held = False  # the last reservation had to wait: the sender is backlogged
         self._reported: OrderedDict[Hashable, _Frontier] = OrderedDict()  # dest -> what its REPORTs cover
         self._delay: float | None = None  # smoothed REPORT delay: from a report's last send to its arrival
         self._delay_dev = 0.0
@@ -294,13 +297,15 @@ class Pacer:
         if self._last_send is not None and now - self._last_send >= IDLE_S:
             self._resume(now, now - self._last_send)
         self._advance(now)
-        start = max(self._next, now - BURST_S)
+        credit = CATCHUP_S if self._held and now - self._next < IDLE_S else BURST_S
+        start = max(self._next, now - credit)
         self._next = start + nbytes / self.rate
         cap = self._caps.get(dest) if self._caps else None
         if cap is not None:
             start = max(start, cap.next, now - BURST_S)
             cap.next = start + nbytes / cap.rate
         at = max(start, now)
+        self._held = at > now
         self._last_send = at if self._last_send is None else max(self._last_send, at)
         cur = self._phases[-1]
         cur.last_sent[dest] = at
