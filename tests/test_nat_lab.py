@@ -247,18 +247,19 @@ class _FakeNode:
 
 
 def test_bench_nat_fields_are_what_the_daemons_report() -> None:
-    """3 members: 0 public, 1 and 2 symmetric; 0<->1 and 0<->2 direct (one end says punched), 1<->2 relayed."""
-    paths = [{"b": "direct", "c": "direct"}, {"a": "direct", "c": {"kind": "relayed"}},
-             {"a": "punched", "b": "relayed"}]
+    """3 members: 0 public, 1 and 2 symmetric; 0<->1 and 0<->2 direct (one end says punched, the others list the
+    peer only as known), 1<->2 relayed; 3 is not known to 0 at all (no direct pair)."""
+    paths = [{}, {"c": {"kind": "relayed"}}, {"a": "punched", "b": "relayed"}, {}]
+    known = [["b", "c"], ["a", "c"], ["a", "b"], ["a"]]
     nodes = [_FakeNode(i, {"peer_id": pid, "reachability": r, "observed_addr": "203.0.113.10:1", "paths": p,
-                           "path_bytes": {}})
-             for i, (pid, r, p) in enumerate(zip("abc", ["public", "symmetric-nat", "symmetric-nat"], paths,
-                                                 strict=True))]
-    before = [{"direct": 100}, {"direct": 50, "relayed": 10}, {}]
-    after = [{"direct": 1100}, {"direct": 550, "relayed": 510}, {"punched": 1000, "relayed": 1000}]
+                           "path_bytes": {}, "peers_known": k})
+             for i, (pid, r, p, k) in enumerate(zip("abcd", ["public", "symmetric-nat", "symmetric-nat", "cone-nat"],
+                                                    paths, known, strict=True))]
+    before = [{"direct": 100}, {"direct": 50, "relayed": 10}, {}, {}]
+    after = [{"direct": 1100}, {"direct": 550, "relayed": 510}, {"punched": 1000, "relayed": 1000}, {}]
     out = nat_fields(nodes, before, after)  # sent 1000 + 1000 + 2000, relayed 500 + 1000
-    assert out == {"relayed_fraction": 1500 / 4000, "direct_pairs": 2, "member_pairs": 3,
-                   "reachability": ["public", "symmetric-nat", "symmetric-nat"]}
+    assert out == {"relayed_fraction": 1500 / 4000, "direct_pairs": 2, "member_pairs": 6,
+                   "reachability": ["public", "symmetric-nat", "symmetric-nat", "cone-nat"]}
     bare = [_FakeNode(0, {"peer_id": "a", "reachability": "public"})]
-    with pytest.raises(NatReportMissing, match="daemon 0's `peerd status --json` has no observed_addr, paths, path_b"):
+    with pytest.raises(NatReportMissing, match="daemon 0's .* has no observed_addr, peers_known, paths, path_bytes"):
         nat_fields(bare, [{}], [{}])

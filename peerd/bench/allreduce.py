@@ -149,7 +149,7 @@ def fp32_bytes_per_peer(size: int, peers: int, mtu: int, insecure: bool) -> floa
 
 NAT_KINDS = ("none", "cone", "symmetric")
 NAT_SETTLE_S = 90.0  # how long the daemons get to settle their reachability before the first average
-NAT_STATUS = ("reachability", "observed_addr", "paths", "path_bytes")  # read from `peerd status` (issue 19)
+NAT_STATUS = ("reachability", "observed_addr", "peers_known", "paths", "path_bytes")  # `peerd status` (issue 19)
 
 
 class NatReportMissing(DaemonError):
@@ -198,7 +198,8 @@ def path_bytes(nodes: list[Node]) -> list[dict[str, int]]:
 def nat_fields(nodes: list[Node], before: list[dict[str, int]], after: list[dict[str, int]]) -> dict[str, Any]:
     """``relayed_fraction``: of the bytes the members sent during the averages (their ``path_bytes`` counters
     before and after: the tensors, and the little control traffic of that window), those sent through a relay;
-    ``direct_pairs``: member pairs both of whose ends report a direct (or punched) path to the other in ``paths``."""
+    ``direct_pairs``: member pairs both of whose ends reach the other directly: punched (``paths``), or known
+    (``peers_known``) and not in ``paths``, which lists only the peers a node punched to or relays to."""
     delta = [{k: a.get(k, 0) - b.get(k, 0) for k in a.keys() | b.keys()} for a, b in zip(after, before, strict=True)]
     sent = sum(sum(d.values()) for d in delta)
     relayed = sum(d.get("relayed", 0) for d in delta)
@@ -207,7 +208,9 @@ def nat_fields(nodes: list[Node], before: list[dict[str, int]], after: list[dict
 
     def kind(a: int, b: int) -> str | None:
         how = statuses[a]["paths"].get(ids[b])
-        return how if how is None or isinstance(how, str) else how.get("kind")
+        if how is None:
+            return "direct" if ids[b] in statuses[a]["peers_known"] else None
+        return how if isinstance(how, str) else how.get("kind")
 
     pairs = [(a, b) for a in range(len(nodes)) for b in range(a + 1, len(nodes))]
     direct = sum(1 for a, b in pairs if kind(a, b) in ("direct", "punched") and kind(b, a) in ("direct", "punched"))
