@@ -156,3 +156,94 @@ def test_six_nodes_behind_nats_verdicts_and_paths() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_moshpit_round_over_six_nodes_behind_nats_is_exact() -> None:
+    """The lab's Moshpit round in one process: 2 public nodes, 2 behind cone NATs, 2 behind symmetric NATs, one
+    group of 6. NATed nodes publish their mapped address (as Daemon._on_reachability does); before tensor data,
+    each member makes sure of a path to every other (the patch natcore-peerd-moshpit-service.py.diff; emulated
+    here around AllreduceService.average). Every member gets the exact mean."""
+    import numpy as np
+
+    from peerd.allreduce.service import AllreduceService
+    from peerd.moshpit.keys import Grid
+    from peerd.moshpit.service import MoshpitService
+
+    base = 1_800_000_000.0
+
+    def clock() -> float:
+        return base + trio.current_time()
+
+    async def main() -> None:
+        net = NatMemNet(seed=11, latency=0.005)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = {name: Node(net, name, i) for i, name in enumerate(KINDS)}
+            for node in nodes.values():
+                node.dht = DhtService(node.endpoint, node.metrics, rng=random.Random(node.addr[1]),
+                                      refresh_interval=30.0, wall=clock)
+                node.allreduce = AllreduceService(node.endpoint, node.metrics)
+                node.moshpit = MoshpitService(node.endpoint, node.dht, node.allreduce, node.metrics,
+                                              address=node.addr, rng=random.Random(len(node.name)), clock=clock)
+                inner = node.allreduce.average
+
+                async def connecting(group_id, members, *args, _node=node, _inner=inner, **kwargs):
+                    async with trio.open_nursery() as n:
+                        for mem in members:
+                            if mem.node_id != _node.identity.node_id:
+                                n.start_soon(_node.nat.connect, mem.addr, mem.node_id)
+                    return await _inner(group_id, members, *args, **kwargs)
+
+                node.allreduce.average = connecting  # type: ignore[method-assign]
+
+            async def run(node: Node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                async with trio.open_nursery() as n:
+                    await n.start(node.endpoint.serve)
+                    await n.start(node.dht.run)
+                    await n.start(node.nat.run)
+                    await n.start(node.moshpit.run)
+                    task_status.started()
+
+            for node in nodes.values():
+                await nursery.start(run, node)
+            p1 = nodes["p1"]
+            p1.dht.bootstrapped.set()
+            for node in list(nodes.values())[1:]:
+                await node.dht.bootstrap([p1.addr], timeout=30)
+            for node in nodes.values():
+                node.nat.start()
+            await trio.sleep(40)
+            got = {name: n.nat.verdict for name, n in nodes.items()}
+            assert got == EXPECT, (got, {k: (n.nat.reach.basis, n.nat.reach.probe_source) for k, n in nodes.items()})
+            for node in nodes.values():
+                if KINDS[node.name]:
+                    node.moshpit.address = node.nat.reach.observed_addr
+            grid = Grid(1, 6)
+            for cell, node in enumerate(nodes.values()):
+                await node.moshpit.open("nat", grid=grid, cell=cell, adapt=False, min_size=6, window_s=20.0)
+            rng = np.random.default_rng(3)
+            vectors = {name: rng.standard_normal(3000).astype(np.float32) for name in nodes}
+            results: dict[str, object] = {}
+
+            async def one(name: str) -> None:
+                results[name] = await nodes[name].moshpit.average("nat", vectors[name], 1.0, timeout_s=60.0)
+
+            async with trio.open_nursery() as n:
+                for name in nodes:
+                    n.start_soon(one, name)
+            mean = np.mean(np.stack([vectors[k].astype(np.float64) for k in nodes]), axis=0)
+            nodes_by_id = {n.identity.node_id: k for k, n in nodes.items()}
+            for name, res in results.items():
+                assert res.group_size == 6, (name, res)
+                info = {k: (dict(n.nat.relay.refused), n.nat.relay.relayed, dict(n.endpoint._drops),
+                            {nodes_by_id[i]: kd for i, kd in n.nat.kind.items()},
+                            {kk: v[0] for kk, v in n.endpoint.path_counts.items()}) for k, n in nodes.items()}
+                assert res.received_fraction == 1.0, (name, res.received_fraction, info)
+                np.testing.assert_allclose(res.vector, mean, rtol=1e-5, atol=1e-5, err_msg=name)
+            relayed = {(a.name, b.name) for a in nodes.values() for b in nodes.values()
+                       if a.nat.kind.get(b.identity.node_id) == "relayed"}
+            assert relayed and all("s1" in p or "s2" in p for p in relayed), relayed
+            assert all(nodes[k].endpoint.path_counts["relayed"][0] > 0 for k in ("s1", "s2"))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -77,6 +77,7 @@ class Reach:
     _running: bool = False
     _probes_arranged: int = 0  # helpers that found a prober in this run
     local: set[Address] = field(default_factory=set)  # this node's own socket addresses (the shell's view)
+    probe_source: Address | None = None  # where the PROBE that proved ``public`` came from
     basis: str = ""  # why the verdict: "probe", "no-probe", "mappings", "no-translation"
 
     # -- inputs -----------------------------------------------------------------------------------------
@@ -128,6 +129,7 @@ class Reach:
         if last is not None and now - last <= NAT_WINDOW:
             return False
         self._probe = None
+        self.probe_source = source
         self._settle(PUBLIC, now, "probe")
         return True
 

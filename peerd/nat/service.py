@@ -36,6 +36,9 @@ log = logging.getLogger("peerd.nat")
 MAX_REACHED = 4096  # peers remembered as reached (LRU)
 MAX_INTRODUCERS = 4096  # contacts remembered with the peer that named them
 MAX_ACTIVE = 32  # punches/relay set-ups running at once
+DISCOVER_S = 5.0  # how often _discover looks for peers the DHT named that this node cannot talk to yet
+DISCOVER_PER_PASS = 4
+RETRY_DISCOVER_S = 300.0
 RELAY_TRIES = 3  # relays asked for one peer before giving up (each costs a PING's timeout when it refuses)
 
 
@@ -76,6 +79,9 @@ class NatService:
         self.on_verdict = on_verdict
         self.reached: OrderedDict[bytes, Address] = OrderedDict()  # node id -> where it answered this node
         self.introducer: OrderedDict[bytes, bytes] = OrderedDict()  # node id -> the peer that named it
+        self.named_at: dict[bytes, Address] = {}  # node id -> the address it was named at (same keys)
+        self._tried: dict[bytes, float] = {}  # node id -> when ``_discover`` last tried to connect to it
+        self._next_discover = 0.0
         self.kind: dict[bytes, str] = {}  # peer -> path kind, for peers this node set a path up for
         self._active: set[bytes] = set()
         self._connecting: set[Address] = set()
@@ -158,11 +164,16 @@ class NatService:
         nodes = reply.body.get("nodes")
         if nodes:
             intro = self.introducer
+            me = self.endpoint.identity.node_id
             for contact in nodes:
+                if contact[0] == me:
+                    continue
                 intro[contact[0]] = node_id
                 intro.move_to_end(contact[0])
+                self.named_at[contact[0]] = (contact[1], contact[2])
             while len(intro) > MAX_INTRODUCERS:
-                intro.popitem(last=False)
+                gone, _ = intro.popitem(last=False)
+                self.named_at.pop(gone, None)
 
     def _reached(self, node_id: bytes, addr: Address, now: float) -> None:
         self.reached[node_id] = addr
@@ -185,6 +196,11 @@ class NatService:
         if other is not None:  # relayed at another address already: the same relay serves this one
             self.endpoint.set_relay(addr, node_id, other[1], other[2])
             return
+        elsewhere = self.reached.get(node_id)
+        if elsewhere is not None and elsewhere != addr and self.endpoint.relay_of(elsewhere) is None:
+            # it answers this node at another address (its NAT's mapping toward this node): send there
+            self.endpoint.set_alias(addr, elsewhere)
+            return
         if node_id in self.kind or node_id in self.reached or len(self._active) >= MAX_ACTIVE:
             return
         intro_id = self.introducer.get(node_id)
@@ -202,10 +218,18 @@ class NatService:
         self._act(self.puncher.want(node_id, intro_id, intro_addr, now))
 
     # -- handlers (synchronous: the endpoint sends what they return) -------------------------------------
-    def _on_observe(self, incoming: Incoming) -> dict:
+    def _relayed_in(self, incoming: Incoming) -> bool:
+        """Whether ``incoming`` came through a relay (its source stands for the sender; no NAT saw it there)."""
+        return self.endpoint.relay_of(incoming.source) is not None
+
+    def _on_observe(self, incoming: Incoming) -> dict | None:
+        if self._relayed_in(incoming):
+            return None  # the relay's address is all a relayed OBSERVE could report
         return {"seen": m.pack_addr(*incoming.source)}
 
     def _on_reach_probe(self, incoming: Incoming) -> dict:
+        if self._relayed_in(incoming):
+            return {"ok": False}
         requester = incoming.peer.node_id
         reached = {n: a for n, a in self.reached.items() if self.endpoint.relay_of(a) is None}
         prober = choose_prober(requester, incoming.body["avoid"], reached, self.rng)
@@ -220,12 +244,16 @@ class NatService:
             self.base.datagrams_dropped.labels("unreached").inc()
             return None
         target_id, host, port = incoming.body["target"]
+        if self.endpoint.relay_of((host, port)) is not None:
+            return None  # a relayed PROBE would pass any NAT and prove nothing
         if self.endpoint.unreachable(host) or not self.limiter.allow(host, trio.current_time()):
             return None
         self._spawn(self._notify, (host, port), m.MsgType.PROBE, {"nonce": incoming.body["nonce"]}, target_id)
         return None
 
     def _on_probe(self, incoming: Incoming) -> None:
+        if self._relayed_in(incoming):
+            return None  # it came through a relay, not through this node's NAT: proves nothing
         if self.reach.probe_received(incoming.body["nonce"], incoming.source, trio.current_time()):
             self._changed()
         return None
@@ -233,7 +261,8 @@ class NatService:
     def _on_intro(self, incoming: Incoming) -> dict:
         target = incoming.body["target"]
         addr = self.reached.get(target)
-        if addr is None or target == incoming.peer.node_id or self.endpoint.relay_of(addr) is not None:
+        if (addr is None or target == incoming.peer.node_id or self.endpoint.relay_of(addr) is not None
+                or self._relayed_in(incoming)):
             return {"peer": None}
         host, port = incoming.source
         self._spawn(self._notify, addr, m.MsgType.CONNECT,
@@ -241,7 +270,7 @@ class NatService:
         return {"peer": m.pack_contact(target, *addr)}
 
     def _on_connect(self, incoming: Incoming) -> None:
-        if incoming.peer.node_id not in self.reached:
+        if incoming.peer.node_id not in self.reached or self._relayed_in(incoming):
             self.base.datagrams_dropped.labels("unreached").inc()
             return None
         peer_id, host, port = incoming.body["peer"]
@@ -251,6 +280,9 @@ class NatService:
         return None
 
     def _on_relay(self, incoming: Incoming) -> None:
+        if self._relayed_in(incoming):  # no relaying of relayed datagrams (no loops, no chains)
+            self.relay.refused["relay_loop"] = self.relay.refused.get("relay_loop", 0) + 1
+            return None
         body = incoming.body
         data = body["data"]
         if self.reach.verdict != "public":
@@ -272,6 +304,9 @@ class NatService:
             log.debug("RELAYED to %s: %s", addr, e)
 
     def _on_relayed(self, incoming: Incoming) -> None:
+        if self._relayed_in(incoming):
+            self.base.datagrams_dropped.labels("relay_loop").inc()
+            return None
         relay_id = incoming.peer.node_id
         src = incoming.body["src"]
         data = incoming.body["data"]
@@ -322,6 +357,7 @@ class NatService:
     def path_to(self, addr: Address, node_id: bytes) -> str | None:
         """How this node talks to ``node_id`` at ``addr`` now: "direct", "punched", "relayed", or None (no path
         known: it has not answered this node there)."""
+        addr = self.endpoint.alias_of(addr)
         if self.endpoint.relay_of(addr) is not None:
             return "relayed"
         if self.reached.get(node_id) == addr:
@@ -335,6 +371,17 @@ class NatService:
         kind = self.path_to(addr, node_id)
         if kind is not None:
             return kind
+        other = self._relay_entry(node_id)
+        if other is not None and self.kind.get(node_id) == "relayed":  # relayed at another address already
+            self.endpoint.set_relay(addr, node_id, other[1], other[2])
+            return "relayed"
+        elsewhere = self.reached.get(node_id)
+        if elsewhere is not None and elsewhere != addr and self.endpoint.relay_of(elsewhere) is None:
+            try:  # it may answer at ``addr`` too (a cone NAT, a moved peer): else use where it answers
+                await self.endpoint.request(addr, m.MsgType.PING, {}, node_id=node_id, attempts=1)
+            except RpcError:
+                self.endpoint.set_alias(addr, elsewhere)
+            return self.path_to(addr, node_id)
         with trio.move_on_after(timeout):
             while True:
                 try:
@@ -378,6 +425,9 @@ class NatService:
                 try:
                     self._act(self.reach.poll(now))
                     self._act(self.puncher.poll(now))
+                    if now >= self._next_discover:
+                        self._next_discover = now + DISCOVER_S
+                        self._discover(now)
                     if now >= self._next_keepalive:
                         self._next_keepalive = now + KEEPALIVE_S
                         self._keepalives()
@@ -391,6 +441,26 @@ class NatService:
                 self._wake = trio.Event()
                 with trio.move_on_at(max(wake, now + 0.01)):
                     await self._wake.wait()
+
+    def _discover(self, now: float) -> None:
+        """Set paths up to peers the DHT named (NODES) that this node cannot talk to yet, a few per pass, each at
+        most once per ``RETRY_DISCOVER_S``: so ``peers_known`` fills, and a group's members have their paths
+        before tensor data (which has no retries) goes out."""
+        if not self._started or self._nursery is None:
+            return
+        known = set(self.peers_known())
+        started = 0
+        for node_id in reversed(self.introducer):
+            if started >= DISCOVER_PER_PASS or len(self._connecting) >= MAX_ACTIVE:
+                break
+            addr = self.named_at.get(node_id)
+            if node_id in known or addr is None or now - self._tried.get(node_id, -math.inf) < RETRY_DISCOVER_S:
+                continue
+            self._tried[node_id] = now
+            started += 1
+            self.unreached(addr, node_id)
+        if len(self._tried) > MAX_INTRODUCERS:
+            self._tried = {n: t for n, t in self._tried.items() if now - t < RETRY_DISCOVER_S}
 
     def _keepalives(self) -> None:
         """Hold open the NAT mappings this node depends on (a NAT forgets an idle UDP flow after 30 s): toward

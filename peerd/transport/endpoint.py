@@ -204,6 +204,7 @@ class Endpoint:
         self.nat: NatHooks | None = None
         self._relayed: dict[Address, tuple[bytes, bytes, Address]] = {}  # addr -> (peer id, relay id, relay addr)
         self._punched: set[Address] = set()
+        self._alias: dict[Address, Address] = {}  # an address a peer is known at -> where it answers (NAT mapping)
         self.path_counts: dict[str, list[int]] = {k: [0, 0] for k in PATH_KINDS}  # kind -> [datagrams, bytes]
         self.on_request(m.MsgType.PING, lambda incoming: {})  # the DHT replaces it; a PING is always answered
 
@@ -345,6 +346,8 @@ class Endpoint:
         receiver = self._receiver(addr, node_id)
         if self.nat is not None:
             self.nat.unreached(addr, receiver)
+        if self._alias:
+            addr = self._alias.get(addr, addr)
         seal = self.data_sealer(receiver).seal
         datagrams = [seal(mtype, b, receiver) for b in bodies]
         if self._relayed and addr in self._relayed:
@@ -376,6 +379,8 @@ class Endpoint:
             receiver = self.core.node_id_at(addr)
             if receiver is not None:
                 self.nat.unreached(addr, receiver)  # no path known there yet: NAT traversal sets one up
+        if self._alias:
+            addr = self._alias.get(addr, addr)
         if self._relayed and addr in self._relayed:
             return await self._send_relayed(addr, [row.tobytes() for row in datagrams])
         try:
@@ -392,6 +397,8 @@ class Endpoint:
         return datagrams.size
 
     async def _send_datagram(self, addr: Address, mtype: int, datagram: bytes) -> None:
+        if self._alias:
+            addr = self._alias.get(addr, addr)
         if self._relayed and addr in self._relayed:
             await self._send_relayed(addr, [datagram])
             return
@@ -424,6 +431,19 @@ class Endpoint:
 
     def clear_relay(self, addr: Address) -> None:
         self._relayed.pop(addr, None)
+
+    def set_alias(self, addr: Address, to: Address) -> None:
+        """Send what goes to ``addr`` to ``to`` instead: the same node answers there (a symmetric NAT maps it to
+        another port for each peer, so the address it published works only for some). At most 4096."""
+        if addr == to:
+            self._alias.pop(addr, None)
+            return
+        if addr not in self._alias and len(self._alias) >= MAX_KNOWN_IDS:
+            self._alias.pop(next(iter(self._alias)))
+        self._alias[addr] = to
+
+    def alias_of(self, addr: Address) -> Address:
+        return self._alias.get(addr, addr) if self._alias else addr
 
     def relay_of(self, addr: Address) -> tuple[bytes, bytes, Address] | None:
         return self._relayed.get(addr)
