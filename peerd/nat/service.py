@@ -34,11 +34,12 @@ from .relay import RelayServer
 log = logging.getLogger("peerd.nat")
 
 MAX_REACHED = 4096  # peers remembered as reached (LRU)
+KNOWN_S = 180.0  # a peer that answered this long ago is no longer counted in peers_known
 MAX_INTRODUCERS = 4096  # contacts remembered with the peer that named them
 MAX_ACTIVE = 32  # punches/relay set-ups running at once
 DISCOVER_S = 5.0  # how often _discover looks for peers the DHT named that this node cannot talk to yet
 DISCOVER_PER_PASS = 4
-RETRY_DISCOVER_S = 300.0
+RETRY_DISCOVER_S = 120.0  # (under KNOWN_S: a named peer drops out of peers_known only while it does not answer)
 RELAY_TRIES = 3  # relays asked for one peer before giving up (each costs a PING's timeout when it refuses)
 
 
@@ -78,6 +79,7 @@ class NatService:
         self.contact_of = contact_of
         self.on_verdict = on_verdict
         self.reached: OrderedDict[bytes, Address] = OrderedDict()  # node id -> where it answered this node
+        self._answered_at: dict[bytes, float] = {}  # node id -> when it last answered (same keys as reached)
         self.introducer: OrderedDict[bytes, bytes] = OrderedDict()  # node id -> the peer that named it
         self.named_at: dict[bytes, Address] = {}  # node id -> the address it was named at (same keys)
         self._tried: dict[bytes, float] = {}  # node id -> when ``_discover`` last tried to connect to it
@@ -113,9 +115,11 @@ class NatService:
     def verdict(self) -> str:
         return self.reach.verdict
 
-    def peers_known(self) -> list[bytes]:
-        """Peers this node can talk to: reached directly (within the NAT window) or through a relay."""
-        out = set(self.reached)
+    def peers_known(self, now: float | None = None) -> list[bytes]:
+        """Peers this node can talk to: answered it directly within ``KNOWN_S`` (a NAT forgets a mapping after
+        120 s), or reached through a relay."""
+        now = trio.current_time() if now is None else now
+        out = {n for n, t in self._answered_at.items() if now - t <= KNOWN_S and n in self.reached}
         out.update(n for n, k in self.kind.items() if k == "relayed")
         return sorted(out)
 
@@ -177,9 +181,11 @@ class NatService:
 
     def _reached(self, node_id: bytes, addr: Address, now: float) -> None:
         self.reached[node_id] = addr
+        self._answered_at[node_id] = now
         self.reached.move_to_end(node_id)
         while len(self.reached) > MAX_REACHED:
             gone, _ = self.reached.popitem(last=False)
+            self._answered_at.pop(gone, None)
             self.reach.remove_peer(gone)
         self.reach.add_peer(node_id, addr)
         self.relay.reached(node_id, addr, now)
