@@ -193,6 +193,12 @@ class NatService:
         if self._started and self.reach.verdict == UNKNOWN:
             self.reach.soon(now, 2.0)  # undecided for want of peers: a new one may be enough
 
+    def heard(self, source: Address, node_id: bytes, now: float) -> None:
+        """A request from ``node_id`` came in from ``source`` (not through a relay). When this node is punching
+        towards it, that settles the punch: its NAT chose ``source`` for this node (a symmetric NAT's new port)."""
+        if self.puncher.punching(node_id) and self.endpoint.relay_of(source) is None:
+            self._act(self.puncher.pong(node_id, source, now))
+
     def silent(self, addr: Address, node_id: bytes, now: float) -> None:
         """A request to ``node_id`` at ``addr`` went unanswered once: if it may sit behind a NAT and some peer
         named it to this node, punch through that peer, and relay through it if the punch fails."""
@@ -512,6 +518,9 @@ class NatService:
                 self.metrics.punches.labels("punched").inc()
                 self.kind[a.node_id] = "punched"
                 self.endpoint.set_punched(a.addr)
+                target = self._target_addr.get(a.node_id)
+                if target is not None and target != a.addr:  # it answers elsewhere than where it was asked for
+                    self.endpoint.set_alias(target, a.addr)
                 self._active.discard(a.node_id)
             elif isinstance(a, Failed):
                 self.metrics.punches.labels("failed").inc()

@@ -99,6 +99,7 @@ class NatHooks(Protocol):
     def answered(self, addr: Address, reply: Incoming, now: float) -> None: ...
     def silent(self, addr: Address, node_id: bytes, now: float) -> None: ...
     def unreached(self, addr: Address, node_id: bytes) -> None: ...
+    def heard(self, source: Address, node_id: bytes, now: float) -> None: ...
 
 
 PATH_KINDS = ("direct", "punched", "relayed")
@@ -933,6 +934,8 @@ class Endpoint:
             return
         response_type = self.core.response_type(mtype)
         handler = self._handlers[mtype]
+        if self.nat is not None:
+            self.nat.heard(source, incoming.peer.node_id, now)  # a punch's PING from the other side comes here
         try:
             fields = handler(incoming)
             if response_type == mtype:  # one-way message
