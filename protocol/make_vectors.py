@@ -182,7 +182,7 @@ def control_messages() -> list[tuple[str, m.MsgType, dict]]:
         (
             "find_value",
             m.MsgType.FIND_VALUE,
-            {"rid": 300, "from": from_field(IDENT_A, TOKEN, a4), "key": DHT_KEY, "offset": 0},
+            {"rid": 300, "from": from_field(IDENT_A, TOKEN, a4), "key": DHT_KEY, "offset": 0, "held": []},
         ),
         (
             "value",
@@ -193,17 +193,19 @@ def control_messages() -> list[tuple[str, m.MsgType, dict]]:
                 "records": recs,
                 "total": 2,
                 "nodes": contacts()[:1],
+                "have": b"",
             },
         ),
         (
             "find_value_page",
             m.MsgType.FIND_VALUE,
-            {"rid": 301, "from": from_field(IDENT_A, TOKEN, a4), "key": DHT_KEY, "offset": 1},
+            {"rid": 301, "from": from_field(IDENT_A, TOKEN, a4), "key": DHT_KEY, "offset": 1, "held": []},
         ),
         (
             "value_page",
             m.MsgType.VALUE,
-            {"rid": 301, "from": from_field(IDENT_A, TOKEN, a4), "records": recs[1:], "total": 2, "nodes": []},
+            {"rid": 301, "from": from_field(IDENT_A, TOKEN, a4), "records": recs[1:], "total": 2, "nodes": [],
+             "have": b""},
         ),
         ("store", m.MsgType.STORE, {"rid": 65536, "from": from_field(IDENT_A, TOKEN, a4), "records": recs}),
         ("stored", m.MsgType.STORED, {"rid": 65536, "from": from_field(IDENT_A, TOKEN, a4), "ok": [True, False]}),
@@ -298,6 +300,12 @@ def control_messages() -> list[tuple[str, m.MsgType, dict]]:
                                     "to": IDENT_A.node_id[::-1], "data": NAT_INNER}),
         ("relayed", m.MsgType.RELAYED, {"rid": 409, "from": from_field(IDENT_A, TOKEN, a4),
                                         "src": IDENT_A.node_id, "data": NAT_INNER}),
+        # the asker holds recs[0] and a record the responder does not: it gets recs[1] alone, have = 0b01
+        ("find_value_held", m.MsgType.FIND_VALUE, {"rid": 302, "from": from_field(IDENT_A, TOKEN, a4),
+                                                   "key": DHT_KEY, "offset": 0,
+                                                   "held": [bytes(recs[0][6][:8]), bytes(8)]}),
+        ("value_held", m.MsgType.VALUE, {"rid": 302, "from": from_field(IDENT_A, TOKEN, a4), "records": recs[1:],
+                                         "total": 1, "nodes": [], "have": b"\x01"}),
     ]
 
 

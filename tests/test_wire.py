@@ -57,8 +57,9 @@ def sample_bodies(token: int = 1) -> list[tuple[m.MsgType, dict]]:
         (m.MsgType.PONG, {"rid": 1, "from": from_field(ALICE, token, None)}),
         (m.MsgType.FIND_NODE, {"rid": 2, "from": frm, "target": bytes(32)}),
         (m.MsgType.NODES, {"rid": 2, "from": frm, "nodes": [contact] * 3}),
-        (m.MsgType.FIND_VALUE, {"rid": 3, "from": frm, "key": b"key", "offset": 5}),
-        (m.MsgType.VALUE, {"rid": 3, "from": frm, "records": [record()], "total": 6, "nodes": [contact]}),
+        (m.MsgType.FIND_VALUE, {"rid": 3, "from": frm, "key": b"key", "offset": 5, "held": [bytes(8)]}),
+        (m.MsgType.VALUE, {"rid": 3, "from": frm, "records": [record()], "total": 6, "nodes": [contact],
+                           "have": b"\x01"}),
         (m.MsgType.STORE, {"rid": 2**64 - 1, "from": frm, "records": [record(), record(subkey=b"")]}),
         (m.MsgType.STORED, {"rid": 2**64 - 1, "from": frm, "ok": [True, False]}),
         (m.MsgType.ERROR, {"rid": 0, "from": frm, "code": "busy", "detail": "later"}),
@@ -538,9 +539,12 @@ def test_limits_at_the_boundary() -> None:
 
     ok(m.MsgType.NODES, {"nodes": [contact] * 20})
     bad(m.MsgType.NODES, {"nodes": [contact] * 21})
-    ok(m.MsgType.FIND_VALUE, {"key": b"k" * 128, "offset": 65535})
-    bad(m.MsgType.FIND_VALUE, {"key": b"k" * 129, "offset": 0})
-    bad(m.MsgType.FIND_VALUE, {"key": b"k", "offset": 65536})
+    ok(m.MsgType.FIND_VALUE, {"key": b"k" * 128, "offset": 65535, "held": [bytes(8)] * 64})
+    bad(m.MsgType.FIND_VALUE, {"key": b"k" * 129, "offset": 0, "held": []})
+    bad(m.MsgType.FIND_VALUE, {"key": b"k", "offset": 65536, "held": []})
+    bad(m.MsgType.FIND_VALUE, {"key": b"k", "offset": 0, "held": [bytes(8)] * 65})
+    bad(m.MsgType.FIND_VALUE, {"key": b"k", "offset": 0, "held": [bytes(7)]})
+    bad(m.MsgType.VALUE, {"records": [], "total": 0, "nodes": [], "have": bytes(9)})
     ok(m.MsgType.STORE, {"records": [record(key=b"k" * 128, subkey=b"s" * 64, value=b"v" * 640)] * 16})
     bad(m.MsgType.STORE, {"records": [record()] * 17})
     bad(m.MsgType.STORE, {"records": [record(value=b"v" * 641)]})
@@ -564,7 +568,8 @@ def test_largest_record_fits_the_default_mtu() -> None:
     rec[6] = bytes(64)
     for mtype, extra in [
         (m.MsgType.STORE, {"records": [rec]}),
-        (m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": []}),
+        (m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": [], "have": bytes(8)}),
+        (m.MsgType.FIND_VALUE, {"key": b"k" * 128, "offset": 65535, "held": [bytes(8)] * 64}),
     ]:
         body = m.encode(mtype, {"rid": 2**64 - 1, "from": frm, **extra})
         assert len(Sealer(SECRET).seal(mtype, body, RECV)) <= 1200

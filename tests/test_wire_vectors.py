@@ -94,8 +94,10 @@ def body_from_fields(fields: dict) -> dict:
             out[k] = m.pack_addr(*v)
         elif k == "peer":  # INTRO_OK, CONNECT: a contact, or nil
             out[k] = None if v is None else m.pack_contact(h(v[0]), v[1], v[2])
-        elif k == "avoid":  # REACH_PROBE: node ids
+        elif k in ("avoid", "held"):  # REACH_PROBE: node ids; FIND_VALUE: signature prefixes
             out[k] = [h(i) for i in v]
+        elif k == "have":  # VALUE: a bitmap
+            out[k] = h(v)
         elif k == "key":  # binary in FIND_VALUE, text (a group key) in MM_JOIN
             out[k] = v if "run" in fields else h(v)
         elif k in ("nodes", "members"):  # contacts, and MM_BEGIN's [pk, ip, port] (same shape)

@@ -72,6 +72,8 @@ ID_SIZE = 32
 MAX_KEY = 128
 MAX_SUBKEY = 64
 MAX_VALUE = 640
+HELD_PREFIX = 8  # FIND_VALUE held: signature prefix bytes
+MAX_HELD = 64  # FIND_VALUE held: entries
 MAX_TTL = 86400.0
 MAX_TTL_S = MAX_TTL
 MAX_CONTACTS = 20
@@ -160,12 +162,20 @@ SCHEMAS: dict[MsgType, dict[str, s.Validator]] = {
     MsgType.PONG: dict(_COMMON),
     MsgType.FIND_NODE: {**_COMMON, "target": NODE_ID},
     MsgType.NODES: {**_COMMON, "nodes": s.array_of(CONTACT, MAX_CONTACTS)},
-    MsgType.FIND_VALUE: {**_COMMON, "key": s.binary(1, MAX_KEY), "offset": s.uint(16)},
+    # held: the first 8 bytes of the signatures of records the asker holds under key (left out of the answer);
+    # have: a bitmap over held (bit i of byte i // 8, least significant first) of those the responder holds
+    MsgType.FIND_VALUE: {
+        **_COMMON,
+        "key": s.binary(1, MAX_KEY),
+        "offset": s.uint(16),
+        "held": s.array_of(s.binary(HELD_PREFIX, HELD_PREFIX), MAX_HELD),
+    },
     MsgType.VALUE: {
         **_COMMON,
         "records": s.array_of(RECORD, MAX_RECORDS),
         "total": s.uint(16),
         "nodes": s.array_of(CONTACT, MAX_CONTACTS),
+        "have": s.binary(0, (MAX_HELD + 7) // 8),
     },
     MsgType.STORE: {**_COMMON, "records": s.array_of(RECORD, MAX_RECORDS)},
     MsgType.STORED: {**_COMMON, "ok": s.array_of(s.boolean, MAX_RECORDS)},
