@@ -117,16 +117,22 @@ def test_reachability_and_observed_address(natswarm) -> None:
             assert int(port) == listen_port, (i, port, listen_port)  # public: itself; cone: the port kept
 
 
-@pytest.mark.e2e
-@needs_root
-def test_every_daemon_knows_the_five_others(natswarm) -> None:
-    _, swarm = natswarm
+def wait_known(swarm: LocalSwarm) -> None:
+    """Until every daemon's peers_known holds the 5 others (at most SETTLE_S)."""
     ids = [n.status["peer_id"] for n in swarm.nodes]
 
     def complete() -> bool:
         return all(set(status_field(n, "peers_known")) >= set(ids) - {ids[i]} for i, n in enumerate(swarm.nodes))
 
     wait_until(complete, SETTLE_S, 1.0, what="peers_known to hold the 5 others on every daemon")
+
+
+@pytest.mark.e2e
+@needs_root
+def test_every_daemon_knows_the_five_others(natswarm) -> None:
+    _, swarm = natswarm
+    ids = [n.status["peer_id"] for n in swarm.nodes]
+    wait_known(swarm)
     for i, node in enumerate(swarm.nodes):
         assert set(status_field(node, "peers_known")) == set(ids) - {ids[i]}, i
 
@@ -152,6 +158,7 @@ def test_dht_put_and_get_from_every_node(natswarm) -> None:
 def test_moshpit_round_over_all_six_is_exact(natswarm) -> None:
     _, swarm = natswarm
     nodes = swarm.nodes
+    wait_known(swarm)  # (when run alone) the group is everyone the daemons know
     for n in nodes:
         opened = n.call("avg_open", run="nat", window_s=5.0)
         assert opened["round"] == 0
@@ -168,16 +175,20 @@ def test_moshpit_round_over_all_six_is_exact(natswarm) -> None:
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(one, range(6)))
     ids = {n.status["peer_id"] for n in nodes}
-    wrong = {}  # member -> (elements off, first, last, of which equal to its own input)
-    for i, (vec, _) in enumerate(results):
+    order = sorted(ids)
+    wrong = []  # members whose average is off: where (element runs), how many kept their own input, stats
+    for i, (vec, stats) in enumerate(results):
         off = np.flatnonzero(np.abs(vec - exact) >= 1e-5)
         if off.size:
-            wrong[i] = (int(off.size), int(off[0]), int(off[-1]), int(np.sum(vec[off] == vectors[i][off])))
+            cuts = np.flatnonzero(np.diff(off) > 1)
+            runs = [(int(off[a]), int(off[b])) for a, b in zip([0, *(cuts + 1)], [*cuts, off.size - 1], strict=True)]
+            wrong.append(f"daemon {i} ({KINDS[i]}, member {order.index(nodes[i].status['peer_id'])}): off at "
+                         f"{runs}, {int(np.sum(vec[off] == vectors[i][off]))} equal to its own input, "
+                         f"received_fraction {stats.get('received_fraction')}, {stats.get('seconds', 0):.1f} s")
     for i, (_, stats) in enumerate(results):
         assert stats["outcome"] == "averaged" and stats["group_size"] == 6, (i, stats)
         assert set(stats["members"]) == ids, (i, stats)
-    assert not wrong, (f"members whose average is off: (elements, first, last, equal to own input) {wrong}; "
-                       f"their stats: {[s for _, s in results]}")
+    assert not wrong, "averages off (members in peer-id order):\n" + "\n".join(wrong)
     assert len({s["group_id"] for _, s in results}) == 1
 
 
