@@ -274,3 +274,21 @@ def test_bench_nat_fields_are_what_the_daemons_report() -> None:
     bare = [_FakeNode(0, {"peer_id": "a", "reachability": "public"})]
     with pytest.raises(NatReportMissing, match="daemon 0's .* has no observed_addr, peers_known, paths, path_bytes"):
         nat_fields(bare, [{}], [{}])
+
+
+@pytest.mark.e2e
+@needs_root
+@pytest.mark.parametrize("nat", ["cone", "symmetric"])
+def test_bench_allreduce_behind_nats(nat: str) -> None:
+    """`peerd bench allreduce --nat`: 3 members (one public), exact; cone: every pair direct, nothing relayed;
+    symmetric: the two NATed members through the public relay (1 of 3 pairs), the rest direct."""
+    out = peerd_json("bench", "allreduce", "--nat", nat, "--peers", "3", "--size", "20000", "--repeat", "1",
+                     timeout=240)
+    assert out["nat"] == nat and out["reachability"] == ["public", VERDICT[nat], VERDICT[nat]], out
+    assert out["max_abs_err"] < 1e-5 and out["received_fraction"] == 1.0, out
+    assert out["member_pairs"] == 3, out
+    if nat == "cone":
+        assert out["direct_pairs"] == 3 and out["relayed_fraction"] == 0.0, out
+    else:
+        # the NATed pair's share of what the members send: about a third; bounds for control traffic
+        assert out["direct_pairs"] == 2 and 0.15 < out["relayed_fraction"] < 0.5, out
