@@ -175,16 +175,20 @@ def _nat_status(node: Node) -> dict[str, Any]:
 
 
 def _nat_members(nodes: list[Node], quiet: bool) -> list[list[Any]]:
-    """Wait until every daemon has a reachability verdict; members at their observed (mapped) addresses."""
+    """Wait until every daemon has a reachability verdict and knows every other member (a path, direct or
+    relayed, is set up: what is sent before it is lost); members at their observed (mapped) addresses."""
     deadline = time.monotonic() + NAT_SETTLE_S
     while True:
         statuses = [_nat_status(n) for n in nodes]
-        if all(st["reachability"] != "unknown" and st["observed_addr"] for st in statuses):
+        ids = {st["peer_id"] for st in statuses}
+        pending = [n.index for n, st in zip(nodes, statuses, strict=True)
+                   if st["reachability"] == "unknown" or not st["observed_addr"]
+                   or not ids - {st["peer_id"]} <= set(st["peers_known"])]
+        if not pending:
             break
         if time.monotonic() > deadline:
-            pending = [n.index for n, st in zip(nodes, statuses, strict=True) if st["reachability"] == "unknown"]
-            raise DaemonError(f"bench allreduce --nat: daemons {pending} had no reachability verdict after "
-                              f"{NAT_SETTLE_S:.0f} s")
+            raise DaemonError(f"bench allreduce --nat: daemons {pending} had no reachability verdict or did not "
+                              f"know every other member after {NAT_SETTLE_S:.0f} s")
         time.sleep(1.0)
     _progress("reachability: " + ", ".join(st["reachability"] for st in statuses), quiet)
     return [[st["peer_id"], *st["observed_addr"].rsplit(":", 1)] for st in statuses]
