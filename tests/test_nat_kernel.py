@@ -242,3 +242,18 @@ def test_sweep_removes_what_a_killed_nat_lab_left() -> None:
     assert names <= set(links_mod._list_netns())
     assert names <= set(links_mod.sweep_stale())
     assert not names & set(links_mod._list_netns())
+
+
+def test_shaped_nat_lab_has_a_token_bucket_each_way_on_every_peer() -> None:
+    """With a rate, each peer's own veth is shaped both ways: a home's toward its router, a public peer's toward
+    the bridge; what a home sends crosses its uplink bucket (then the router's NAT)."""
+    with NatLab(["public", "cone"], "10mbit") as lab:
+        assert lab.describe()["link_rate"] == "10mbit"
+        before = {i: lab.qdisc_stats(i) for i in (0, 1)}
+        finish(tool(lab, 1, "probe", 40000, 0.1, f"{lab.addr(0)}:9"))  # nothing listens: 20 tries, no answer
+        after = {i: lab.qdisc_stats(i) for i in (0, 1)}
+        assert after[1]["up"].packets - before[1]["up"].packets >= 20, after  # the home's uplink
+        assert after[0]["down"].packets - before[0]["down"].packets >= 20, after  # the public peer's downlink
+        # peer 0 answers with ICMP port unreachable (rate-limited by its kernel): back through both buckets
+        assert after[0]["up"].packets > before[0]["up"].packets, after
+        assert after[1]["down"].packets > before[1]["down"].packets, after
