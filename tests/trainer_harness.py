@@ -51,13 +51,18 @@ class InProcessAverager:
         self.keep_rounds: list[int | None] = []  # what each call asked for (None: the daemon's default)
         self.round_numbers: list[int | None] = []  # the round each call named (None: the run's next)
         self.options: list[dict] = []  # the max_weight / robust keywords each call passed (only those set)
+        self.readies: list[bool] = []  # whether each call came with ready= (a deferred bucket)
         self.poison: float | None = None  # if set, every averaged result holds this value (e.g. NaN) at [0]
         self._ids = 0
 
     async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
-                      keep_rounds: int | None = None, round_no: int | None = None, **options) -> RoundResult:
+                      keep_rounds: int | None = None, round_no: int | None = None, ready=None,
+                      **options) -> RoundResult:
         assert set(options) <= {"max_weight", "robust", "center"}, options
         start = time.monotonic()
+        self.readies.append(ready is not None)
+        if ready is not None:  # as Moshpit with ready=: (the group would form here) then the vector is read
+            await ready()
         self.options.append(options)
         self.calls.append((run_id, weight))
         self.keep_rounds.append(keep_rounds)
@@ -99,12 +104,12 @@ class InProcessAverager:
 class ThreadDaemon:
     """LocalServer + TrainerService in a trio loop on a thread; ``stop()`` ends it like SIGTERM would."""
 
-    def __init__(self, path: str, averager: InProcessAverager, *, statesync=None) -> None:
+    def __init__(self, path: str, averager: InProcessAverager, *, statesync=None, ready: bool = True) -> None:
         self.path = path
         self.metrics = Metrics()
         self.averager = averager
         self.server = LocalServer(path, self.metrics)
-        self.service = TrainerService(self.metrics, averager.average, statesync=statesync, peer_id="test")
+        self.service = TrainerService(self.metrics, averager.average, statesync=statesync, peer_id="test", ready=ready)
         self.service.register(self.server)
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None

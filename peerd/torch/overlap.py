@@ -81,6 +81,8 @@ class StepState:
     replies: dict[int, dict[str, Any]] = field(default_factory=dict)  # bucket -> the daemon's reply
     applied: set[int] = field(default_factory=set)  # parameters whose update is applied
     nonfinite: bool = False  # this replica's own gradients held NaN/inf: no update from this step
+    requests: dict[int, Any] = field(default_factory=dict)  # bucket -> its deferred request (sent when armed)
+    signals: list[Any] = field(default_factory=list)  # "ready" requests to collect
 
 
 class Schedule:
@@ -207,11 +209,14 @@ class Overlap:
     that call), so an element-wise optimizer (SGD, Adam, AdamW, ...) gives what a synchronous step gives; one
     that couples parameters (a global gradient-norm clip, LAMB's trust ratio over a group) does not."""
 
-    def __init__(self, owner: Any, model: Any, bucket_elems: int) -> None:
+    def __init__(self, owner: Any, model: Any, bucket_elems: int, *, deferred: bool = True) -> None:
         import torch
 
         self.torch = torch
         self.o = owner
+        # deferred: every bucket's request goes out when the step is armed, so the daemon matchmakes while
+        # backward runs, and the hook only says "ready"; else a bucket's request goes out when it is complete
+        self.deferred = deferred
         self.schedule = Schedule(owner.numels, bucket_elems)
         self.offsets = [0]
         for n in owner.numels:
@@ -251,7 +256,16 @@ class Overlap:
         o.ticket += 1
         o.arena.write_request(o.ticket, float(samples))  # the weight of every bucket; vectors follow
         self.scale = scale
-        self.schedule.arm(o.ticket, float(samples))
+        st = self.schedule.arm(o.ticket, float(samples))
+        if self.deferred:
+            try:
+                for b in self.schedule.buckets:
+                    st.requests[b.index] = o._client.submit(
+                        "trainer_bucket", session=o.session, step=st.step, bucket=b.index, offset=b.offset,
+                        length=b.length, timeout_s=o.timeout_s, deferred=True)
+            except Exception as e:
+                self._lost(str(e))
+                raise _daemon_error(f"starting the averages of step {o.step_count} failed: {e}") from None
 
     def _on_grad(self, i: int) -> None:
         bucket = self.schedule.grad_ready(i)
@@ -278,6 +292,17 @@ class Overlap:
             if not st.nonfinite:
                 log.warning("step %d: this replica's gradients hold NaN or infinity; step skipped", o.step_count)
             st.nonfinite = True
+        if bucket.index in st.requests:  # deferred: its average waits (in its group) for this
+            try:
+                st.signals.append(o._client.submit("trainer_bucket_ready", session=o.session, step=st.step,
+                                                   bucket=bucket.index, skip=not finite))
+            except Exception as e:
+                self._lost(str(e))
+                raise _daemon_error(f"handing gradient bucket {bucket.index} of step {o.step_count} to the daemon "
+                                    f"failed: {e}") from None
+            self.schedule.submitted(bucket, st.requests[bucket.index])
+            return
+        if not finite:
             self.schedule.submitted(bucket, None)
             return
         try:
@@ -301,7 +326,16 @@ class Overlap:
                              f"averaging weight went out with the gradients")
         for bucket in self.schedule.unsubmitted():
             self._submit(bucket)
-        self.schedule.close_step()
+        if self.schedule.pending is not None:
+            self.flush()
+        st = self.schedule.close_step()
+        try:
+            for rid in st.signals:  # answered at once: the daemon only wakes the bucket's average
+                o._client.collect(rid, timeout=o.timeout_s)
+        except Exception as e:
+            self._lost(str(e))
+            raise _daemon_error(f"handing the gradients of step {o.step_count} to the daemon failed: {e}") from None
+        st.signals.clear()
         if loss is not None and math.isfinite(loss):
             try:
                 o._client.call("trainer_report", session=o.session, loss=float(loss))

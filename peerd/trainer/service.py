@@ -49,6 +49,7 @@ MAX_BLOB = 1 << 34
 DTYPES = {"float32", "float16", "bfloat16", "float64"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 KINDS = ("grad", "params")
+MAX_DEFERRED_STEPS = 2  # steps whose deferred buckets a session may hold at once (the one averaging, the next)
 MAX_BUCKETS = 1000  # gradient buckets of one step (overlap); '<run>.<hash8>.b999' fits Moshpit's 64-byte run ids
 OUTER_KEPT_ROUNDS = 3  # outer rounds whose blobs a daemon keeps (up to 3 vectors each) for members still repairing
 MAX_SAMPLES = float(2**53)  # the largest max_samples a trainer may ask for (exact in a float)
@@ -191,6 +192,9 @@ class Session:
     robust: Robust | None = None  # robust aggregation asked for by the trainer (None: off)
     snapshot_max: int = MAX_BLOB  # the most bytes a snapshot of this model can hold (a download's bound)
     outer_rounds: list[int] = field(default_factory=list)  # outer rounds whose blobs this daemon still keeps
+    # overlap: (step, bucket) -> the event a deferred bucket waits on and whether it was skipped (bounded by
+    # MAX_BUCKETS per step and MAX_DEFERRED_STEPS steps)
+    deferred: dict[tuple[int, int], tuple[trio.Event, list[bool]]] = field(default_factory=dict)
     compression: dict[str, Any] = field(default_factory=dict)  # the run's codec keywords (parse_compression)
     shapes: list[list[int]] = field(default_factory=list)  # the layout's shapes (arc-topk's rows and columns)
 
@@ -211,9 +215,14 @@ class TrainerService:
     numbers the round, ``max_weight`` and ``robust`` when the session set ``max_samples`` and ``robust``,
     ``compression`` (and ``quant_group``, ``rounding``) when it named a codec)."""
 
-    def __init__(self, metrics: Metrics, average: Average, *, statesync: Any = None, peer_id: str = "") -> None:
+    def __init__(self, metrics: Metrics, average: Average, *, statesync: Any = None, peer_id: str = "",
+                 ready: bool | None = None) -> None:
+        """``ready``: ``average`` takes ``ready=`` (an async callable it awaits once the group is known, before
+        it reads the vector), so a deferred bucket's matchmaking overlaps backward; None: ask the averager
+        (its ``accepts_ready`` attribute). Without it a deferred bucket waits for its gradients, then averages."""
         self.metrics = metrics
         self.average = average
+        self.ready = bool(getattr(average, "accepts_ready", False)) if ready is None else ready
         self.statesync = statesync
         self.peer_id = peer_id
         self.sessions: dict[int, Session] = {}
@@ -224,6 +233,7 @@ class TrainerService:
             "trainer_open": self._op_open,
             "trainer_step": self._op_step,
             "trainer_bucket": self._op_bucket,
+            "trainer_bucket_ready": self._op_bucket_ready,
             "trainer_outer": self._op_outer,
             "trainer_report": self._op_report,
             "trainer_close": self._op_close,
@@ -336,6 +346,10 @@ class TrainerService:
             return
         session.closed = True
         self.sessions.pop(session.id, None)
+        for event, skipped in session.deferred.values():  # deferred buckets waiting on a trainer that left
+            skipped.append(True)
+            event.set()
+        session.deferred.clear()
         session.arena.close()
         self.metrics.trainer_sessions.set(len(self.sessions))
         log.info("trainer session %d (run %s) closed after %d steps", session.id, session.run, session.steps)
@@ -389,7 +403,8 @@ class TrainerService:
         return reply
 
     async def _average_vector(self, session: Session, run_id: str, kind: str, vector: np.ndarray, weight: float,
-                              timeout: float, round_no: int | None, step: int) -> tuple[Any, np.ndarray, str, str]:
+                              timeout: float, round_no: int | None, step: int,
+                              **more: Any) -> tuple[Any, np.ndarray, str, str]:
         """Average ``vector`` under ``run_id``: (result, the vector to hand back, outcome, error). A failed or
         non-finite average hands back the trainer's own vector (outcome "failed")."""
         error = ""
@@ -398,6 +413,7 @@ class TrainerService:
             with trio.fail_after(timeout + 10.0):
                 extra: dict[str, Any] = {} if session.keep_rounds is None else {"keep_rounds": session.keep_rounds}
                 extra.update(codec_keywords(session, kind, vector.size))  # only when declared
+                extra.update(more)  # ready= of a deferred bucket
                 if round_no is not None:
                     extra["round_no"] = round_no
                 if session.max_samples is not None:  # only when set: averagers without these keywords still work
@@ -447,12 +463,16 @@ class TrainerService:
 
     async def _op_bucket(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
         """One bucket of a step's gradients (overlap, peerd.torch.overlap): elements [offset, offset + length)
-        of the step's slot, averaged as soon as backward produced them while the trainer goes on; every bucket
-        of a step shares the step id (and the slot's sample count: one weight per member for every range).
-        Bucket b averages under its own Moshpit run (``Session.bucket_id``), so buckets run concurrently."""
+        of the step's slot, averaged while the trainer goes on; every bucket of a step shares the step id (and
+        the slot's sample count: one weight per member for every range). Bucket b averages under its own Moshpit
+        run (``Session.bucket_id``), so buckets run concurrently.
+
+        ``deferred``: sent at the start of the step, before backward produced the bucket: matchmaking starts at
+        once, and the average waits for ``trainer_bucket_ready`` (the gradients are in the slot, or skipped).
+        A result is written while the slot still belongs to the step (fewer than nslots later steps asked)."""
         session = self._session(req, conn)
         step, bucket, offset, length = req.get("step"), req.get("bucket"), req.get("offset"), req.get("length")
-        timeout = req.get("timeout_s", 30.0)
+        timeout, deferred = req.get("timeout_s", 30.0), req.get("deferred", False)
         if type(step) is not int or step < 0:
             raise OpError("step must be a non-negative integer")
         if step < session.latest:
@@ -463,28 +483,65 @@ class TrainerService:
             raise OpError(f"offset and length must pick a non-empty range of the {session.elems} elements")
         if not isinstance(timeout, int | float) or not 1 <= timeout <= 3600:
             raise OpError("timeout_s must be in [1, 3600]")
-        session.latest = step
-        self._report(req)
+        if type(deferred) is not bool:
+            raise OpError("deferred must be true or false")
         try:
             weight = session.arena.check_request(step)
         except ArenaError as e:
             raise OpError(str(e)) from None
-        vector = session.arena.vector(step)[offset: offset + length].copy()
-        if not all_finite(vector):
-            raise OpError(f"step {step} bucket {bucket}: the vector holds NaN or infinity; not averaging it")
+        if deferred:
+            steps = {s for s, _ in session.deferred}
+            if (step, bucket) in session.deferred or (step not in steps and len(steps) >= MAX_DEFERRED_STEPS):
+                raise OpError(f"step {step} bucket {bucket}: already deferred, or {MAX_DEFERRED_STEPS} steps hold "
+                              f"deferred buckets already")
+        session.latest = step
+        self._report(req)
         start = time.monotonic()
-        result, out, outcome, error = await self._average_vector(session, session.bucket_id(bucket), "grad", vector,
-                                                                 float(weight), timeout, None, step)
+        extra: dict[str, Any] = {}
+        if deferred:
+            event, skipped = session.deferred[(step, bucket)] = (trio.Event(), [])
+            vector = np.empty(length, dtype=np.float32)
+
+            async def ready() -> None:
+                """The group is known: wait for the trainer's gradients, then read them (the average's input)."""
+                await event.wait()
+                session.deferred.pop((step, bucket), None)
+                if skipped or session.closed:
+                    raise OpError(f"step {step} bucket {bucket}: the trainer skipped it (non-finite gradients) or left")
+                vector[:] = session.arena.vector(step)[offset: offset + length]
+                if not all_finite(vector):
+                    raise OpError(f"step {step} bucket {bucket}: the vector holds NaN or infinity; not averaging it")
+
+            if self.ready:
+                extra["ready"] = ready
+            else:
+                try:
+                    with trio.fail_after(timeout):
+                        await ready()
+                except (OpError, trio.TooSlowError) as e:
+                    session.deferred.pop((step, bucket), None)
+                    raise OpError(f"step {step} bucket {bucket}: {e or 'its gradients did not come in time'}") from None
+        else:
+            vector = session.arena.vector(step)[offset: offset + length].copy()
+            if not all_finite(vector):
+                raise OpError(f"step {step} bucket {bucket}: the vector holds NaN or infinity; not averaging it")
+        try:
+            result, out, outcome, error = await self._average_vector(session, session.bucket_id(bucket), "grad",
+                                                                     vector, float(weight), timeout, None, step,
+                                                                     **extra)
+        finally:
+            session.deferred.pop((step, bucket), None)
         seconds = time.monotonic() - start
         self.metrics.trainer_steps.labels(outcome).inc()
         self.metrics.trainer_step_seconds.observe(seconds)
         if session.closed or conn.closed:
             return {}
-        if session.latest != step:
-            session.late_results += 1
+        if session.latest - step >= session.arena.nslots:
+            session.late_results += 1  # the slot belongs to a later step now: never write into it
             raise OpError(f"step {step}'s bucket {bucket} came after step {session.latest} was requested; dropped")
         try:
-            session.arena.write_range(step, offset, out)
+            if not (deferred and outcome == "failed"):  # deferred and failed: the slot holds the trainer's own vector
+                session.arena.write_range(step, offset, out)
         except ArenaError as e:
             raise OpError(f"step {step} bucket {bucket}: {e}") from None
         reply = {**self._round_reply(step, outcome, result, seconds, error), "bucket": bucket}
@@ -492,6 +549,18 @@ class TrainerService:
             self.metrics.trainer_group_size.set(reply["group_size"])
             self.metrics.trainer_received_fraction.set(reply["received_fraction"])
         return reply
+
+    async def _op_bucket_ready(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        """A deferred bucket's gradients are in the slot (``skip``: they are not finite; the bucket drops out)."""
+        session = self._session(req, conn)
+        key = (req.get("step"), req.get("bucket"))
+        entry = session.deferred.get(key)  # type: ignore[arg-type]
+        if entry is None:  # its average ended already (failed before the group formed): nothing waits
+            return {"waiting": False}
+        if req.get("skip", False):
+            entry[1].append(True)
+        entry[0].set()
+        return {"waiting": True}
 
     async def _op_outer(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
         """A DiLoCo outer average (peerd.torch.DiLoCo): average the pseudo-gradient in the slot's first
