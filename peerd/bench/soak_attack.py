@@ -49,6 +49,10 @@ OUTSIDER_CLASSES = ("random", "mutated", "wrong_key", "random_token")
 OUTSIDER_CPU_CLASSES = ("random_token", "random", "mutated", "wrong_key")
 CONTROL_TYPES = (0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x10, 0x11, 0x12, 0x18)
 CLASSES = MEMBER_CLASSES + OUTSIDER_CLASSES
+# FIND_VALUE's records the asker holds already, and VALUE's bitmap of those the responder has (PROTOCOL.md 8.4),
+# where this checkout's wire has them
+FIND_VALUE_EXTRA: dict[str, Any] = {"held": []} if "held" in m.SCHEMAS[m.MsgType.FIND_VALUE] else {}
+VALUE_EXTRA: dict[str, Any] = {"have": b""} if "have" in m.SCHEMAS[m.MsgType.VALUE] else {}
 Target = tuple[str, int]
 
 
@@ -167,7 +171,8 @@ class Attack:
             mb = self.members[i % len(self.members)]
             key = f"{run}/progress".encode() if i % 2 else f"{run}/{self.round0}/{self.group_key}".encode()
             rec = mb.record(key, f"pg{i:04d}".encode(), b"x")
-            self.value_bodies.append((mb, mb.body(m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": []})))
+            self.value_bodies.append((mb, mb.body(m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": [],
+                                                                    **VALUE_EXTRA})))
         count = 275  # 1100 bytes of values
         self.data_values = {
             "held_data": np.asarray(rng.random(), dtype="<f4").repeat(count).tobytes(),
@@ -182,7 +187,8 @@ class Attack:
             mb = self.members[i % len(self.members)]
             mtype, fields = [
                 (m.MsgType.FIND_NODE, {"target": rng.randbytes(32)}),
-                (m.MsgType.FIND_VALUE, {"key": b"xr/" + rng.randbytes(8).hex().encode(), "offset": 0}),
+                (m.MsgType.FIND_VALUE, {"key": b"xr/" + rng.randbytes(8).hex().encode(), "offset": 0,
+                                        **FIND_VALUE_EXTRA}),
                 (m.MsgType.STATE_GET, {"run": b"xr", "sha": rng.randbytes(32), "offset": 0, "length": 1024}),
                 (m.MsgType.MM_JOIN, {"run": f"{run}-xr", "round": 0, "key": "xr", "expiry": time.time() + 30}),
             ][i % 4]
@@ -351,7 +357,7 @@ class Attack:
         elif mtype is m.MsgType.FIND_VALUE:
             offset = fields["offset"]
             rec = r.record(fields["key"], f"pg{offset:08d}".encode(), b"x")
-            reply = (m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": []})
+            reply = (m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": [], **VALUE_EXTRA})
         if reply is None:
             return
         out = m.encode(reply[0], {"rid": fields["rid"], "from": r.frm, **reply[1]}, check=False)

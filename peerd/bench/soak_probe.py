@@ -19,7 +19,7 @@ import sys
 import time
 
 from ..wire import messages as m
-from ..wire.identity import Identity, load_swarm_key
+from ..wire.identity import Identity, load_swarm_key, node_id_of
 from ..wire.seal import Opener, Sealer
 
 PING_S = 0.02
@@ -54,6 +54,16 @@ class Prober:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
 
+    def _pong(self, fields: dict, source: tuple[str, int]) -> None:
+        """Answer a daemon's PING, as a member does: a daemon checks a new contact (and validates its address)
+        with one, and a member that never answers is one it stops reaching directly (it punches, then relays
+        through another node), so this prober's own PONGs would no longer come back the way it reads them."""
+        body = m.encode(m.MsgType.PONG, {"rid": fields["rid"], "from": self.frm})
+        try:
+            self.sock.sendto(seal_for(self.sealer, m.MsgType.PONG, body, node_id_of(fields["from"]["pk"])), source)
+        except OSError:
+            pass
+
     def ping(self, target: tuple[str, int], receiver: bytes) -> float | None:
         """One PING; the round trip in seconds, or None when no PONG came back in time."""
         rid = random.getrandbits(64)
@@ -67,13 +77,15 @@ class Prober:
         while (left := deadline - time.perf_counter()) > 0:
             self.sock.settimeout(left)
             try:
-                data, _ = self.sock.recvfrom(65535)
+                data, source = self.sock.recvfrom(65535)
             except OSError:  # timed out
                 return None
             try:
                 header, plain, _ = self.opener.open(data)
                 if header.type == m.MsgType.PONG and m.decode(header.type, plain)["rid"] == rid:
                     return time.perf_counter() - sent
+                if header.type == m.MsgType.PING:
+                    self._pong(m.decode(header.type, plain), source)
             except Exception:  # noqa: BLE001 - whatever else a daemon sends this member (its requests): ignore
                 continue
         return None
