@@ -24,6 +24,7 @@ from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
 from .moshpit.ops import MoshpitOps
 from .moshpit.service import MoshpitService
+from .nat.averager import PathsFirst
 from .nat.service import NatService
 from .statesync import StateSync
 from .trainer import TrainerService
@@ -160,10 +161,11 @@ class Daemon:
         self.nat = NatService(self.endpoint, self.metrics, relay=config.relay, contact_of=self._dht_contact,
                               on_verdict=self._on_reachability)
         self.allreduce = AllreduceService(self.endpoint, self.metrics, **allreduce_kwargs)
-        self.bench = BenchOps(self.allreduce, self.socket)
+        self.bench = BenchOps(PathsFirst(self.allreduce, self.nat), self.socket)
         self.moshpit = MoshpitService(
-            self.endpoint, self.dht, self.allreduce, self.metrics, address=announce or self.listen
-        )
+            self.endpoint, self.dht, PathsFirst(self.allreduce, self.nat), self.metrics,
+            address=announce or self.listen,
+        )  # (a path to every group member before tensor data: peerd/nat/averager.py)
         self.metrics.info.info({"version": __version__, "peer_id": self.identity.node_id.hex()})
         for op, handler in {
             "status": self._op_status,

@@ -161,13 +161,14 @@ def test_six_nodes_behind_nats_verdicts_and_paths() -> None:
 def test_a_moshpit_round_over_six_nodes_behind_nats_is_exact() -> None:
     """The lab's Moshpit round in one process: 2 public nodes, 2 behind cone NATs, 2 behind symmetric NATs, one
     group of 6. NATed nodes publish their mapped address (as Daemon._on_reachability does); before tensor data,
-    each member makes sure of a path to every other (the patch natcore-peerd-moshpit-service.py.diff; emulated
-    here around AllreduceService.average). Every member gets the exact mean."""
+    each member makes sure of a path to every other (peerd/nat/averager.py's PathsFirst, as in the daemon). Every
+    member gets the exact mean."""
     import numpy as np
 
     from peerd.allreduce.service import AllreduceService
     from peerd.moshpit.keys import Grid
     from peerd.moshpit.service import MoshpitService
+    from peerd.nat.averager import PathsFirst
 
     base = 1_800_000_000.0
 
@@ -183,18 +184,9 @@ def test_a_moshpit_round_over_six_nodes_behind_nats_is_exact() -> None:
                 node.dht = DhtService(node.endpoint, node.metrics, rng=random.Random(node.addr[1]),
                                       refresh_interval=30.0, wall=clock)
                 node.allreduce = AllreduceService(node.endpoint, node.metrics)
-                node.moshpit = MoshpitService(node.endpoint, node.dht, node.allreduce, node.metrics,
-                                              address=node.addr, rng=random.Random(len(node.name)), clock=clock)
-                inner = node.allreduce.average
-
-                async def connecting(group_id, members, *args, _node=node, _inner=inner, **kwargs):
-                    async with trio.open_nursery() as n:
-                        for mem in members:
-                            if mem.node_id != _node.identity.node_id:
-                                n.start_soon(_node.nat.connect, mem.addr, mem.node_id)
-                    return await _inner(group_id, members, *args, **kwargs)
-
-                node.allreduce.average = connecting  # type: ignore[method-assign]
+                node.moshpit = MoshpitService(node.endpoint, node.dht, PathsFirst(node.allreduce, node.nat),
+                                              node.metrics, address=node.addr, rng=random.Random(len(node.name)),
+                                              clock=clock)
 
             async def run(node: Node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
                 async with trio.open_nursery() as n:

@@ -34,6 +34,7 @@ from .relay import RelayServer
 log = logging.getLogger("peerd.nat")
 
 MAX_REACHED = 4096  # peers remembered as reached (LRU)
+HEARD_S = 60.0  # a request's source counts as a path to its sender this long (a NAT keeps a flow 30-120 s)
 KNOWN_S = 180.0  # a peer that answered this long ago is no longer counted in peers_known
 MAX_INTRODUCERS = 4096  # contacts remembered with the peer that named them
 MAX_ACTIVE = 32  # punches/relay set-ups running at once
@@ -80,6 +81,7 @@ class NatService:
         self.on_verdict = on_verdict
         self.reached: OrderedDict[bytes, Address] = OrderedDict()  # node id -> where it answered this node
         self._answered_at: dict[bytes, float] = {}  # node id -> when it last answered (same keys as reached)
+        self._heard_at: OrderedDict[bytes, tuple[Address, float]] = OrderedDict()  # requests' sources, not relayed
         self.introducer: OrderedDict[bytes, bytes] = OrderedDict()  # node id -> the peer that named it
         self.named_at: dict[bytes, Address] = {}  # node id -> the address it was named at (same keys)
         self._tried: dict[bytes, float] = {}  # node id -> when ``_discover`` last tried to connect to it
@@ -196,8 +198,28 @@ class NatService:
     def heard(self, source: Address, node_id: bytes, now: float) -> None:
         """A request from ``node_id`` came in from ``source`` (not through a relay). When this node is punching
         towards it, that settles the punch: its NAT chose ``source`` for this node (a symmetric NAT's new port)."""
-        if self.puncher.punching(node_id) and self.endpoint.relay_of(source) is None:
+        if self.endpoint.relay_of(source) is not None:
+            return
+        heard = self._heard_at
+        heard[node_id] = (source, now)
+        heard.move_to_end(node_id)
+        if len(heard) > MAX_REACHED:
+            heard.popitem(last=False)
+        if self.puncher.punching(node_id):
             self._act(self.puncher.pong(node_id, source, now))
+
+    def _elsewhere(self, node_id: bytes, addr: Address, now: float) -> Address | None:
+        """Another address ``node_id`` can be sent to: where it answered this node, else where an authenticated
+        request from it came from within ``HEARD_S`` (its NAT maps it toward this node there: a symmetric NAT's
+        port for this node, which its published address is not)."""
+        for candidate in (self.reached.get(node_id), self._recent_source(node_id, now)):
+            if candidate is not None and candidate != addr and self.endpoint.relay_of(candidate) is None:
+                return candidate
+        return None
+
+    def _recent_source(self, node_id: bytes, now: float) -> Address | None:
+        entry = self._heard_at.get(node_id)
+        return entry[0] if entry is not None and now - entry[1] <= HEARD_S else None
 
     def silent(self, addr: Address, node_id: bytes, now: float) -> None:
         """A request to ``node_id`` at ``addr`` went unanswered once: if it may sit behind a NAT and some peer
@@ -208,9 +230,8 @@ class NatService:
         if other is not None:  # relayed at another address already: the same relay serves this one
             self.endpoint.set_relay(addr, node_id, other[1], other[2])
             return
-        elsewhere = self.reached.get(node_id)
-        if elsewhere is not None and elsewhere != addr and self.endpoint.relay_of(elsewhere) is None:
-            # it answers this node at another address (its NAT's mapping toward this node): send there
+        elsewhere = self._elsewhere(node_id, addr, now)
+        if elsewhere is not None:  # it answers (or sends) from another address (its NAT's mapping): send there
             self.endpoint.set_alias(addr, elsewhere)
             return
         if node_id in self.kind or node_id in self.reached or len(self._active) >= MAX_ACTIVE:
@@ -372,7 +393,7 @@ class NatService:
         addr = self.endpoint.alias_of(addr)
         if self.endpoint.relay_of(addr) is not None:
             return "relayed"
-        if self.reached.get(node_id) == addr:
+        if self.reached.get(node_id) == addr or self._recent_source(node_id, trio.current_time()) == addr:
             return "punched" if self.kind.get(node_id) == "punched" else "direct"
         return None
 
@@ -387,8 +408,8 @@ class NatService:
         if other is not None and self.kind.get(node_id) == "relayed":  # relayed at another address already
             self.endpoint.set_relay(addr, node_id, other[1], other[2])
             return "relayed"
-        elsewhere = self.reached.get(node_id)
-        if elsewhere is not None and elsewhere != addr and self.endpoint.relay_of(elsewhere) is None:
+        elsewhere = self._elsewhere(node_id, addr, trio.current_time())
+        if elsewhere is not None:
             try:  # it may answer at ``addr`` too (a cone NAT, a moved peer): else use where it answers
                 await self.endpoint.request(addr, m.MsgType.PING, {}, node_id=node_id, attempts=1)
             except RpcError:
@@ -405,6 +426,18 @@ class NatService:
                     return kind
                 await trio.sleep(1.0)  # a punch (3 s) or a relay set-up is under way
         return self.path_to(addr, node_id)
+
+    async def connect_all(self, peers: list[tuple[Address, bytes]], timeout: float) -> dict[bytes, str | None]:
+        """``connect`` to each of ``peers`` (address, node id) at once; their path kinds (None: none found)."""
+        out: dict[bytes, str | None] = {}
+
+        async def one(addr: Address, node_id: bytes) -> None:
+            out[node_id] = await self.connect(addr, node_id, timeout=timeout)
+
+        async with trio.open_nursery() as nursery:
+            for addr, node_id in peers:
+                nursery.start_soon(one, addr, node_id)
+        return out
 
     def unreached(self, addr: Address, node_id: bytes) -> None:
         """Tensor data is about to go to ``addr`` with no path known there: set one up in the background (what is
