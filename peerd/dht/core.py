@@ -6,7 +6,7 @@ import functools
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,12 @@ VERIFY_MAX = 64  # request senders PINGed at once before they may enter the rout
 # per join in a 1,000-node build-up in peerd sim dht; own-id lookup plus these fills, 91.
 FILL = 1
 FILL_ALPHA = 1  # a fill lookup asks one contact at a time: it ends at the first answer from inside its bucket
+# FIND_VALUE's ``held`` (PROTOCOL.md 10.5): the first HELD_PREFIX bytes of the signatures of records the asker
+# holds already, at most MAX_HELD of them; the answer leaves those records out and says in ``have`` (a bitmap
+# over ``held``) which of them it holds. Present only once the wire schema carries the fields (``HELD_ON_WIRE``).
+HELD_PREFIX = 8
+MAX_HELD = 64
+HELD_ON_WIRE = "held" in m.SCHEMAS[m.MsgType.FIND_VALUE]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +63,8 @@ def unpack_contacts(raw: list[tuple]) -> list[Contact]:
 
 
 class DhtCore:
-    """``on_refused(reason)`` is told of every STORE record refused (the driver counts it in metrics)."""
+    """``on_refused(reason)`` is told of every STORE record refused (the driver counts it in metrics).
+    ``wide_start``: a full lookup starts wide from a table complete near its target (see start_lookup)."""
 
     def __init__(
         self,
@@ -66,6 +73,7 @@ class DhtCore:
         k: int = 20,
         store: RecordStore | None = None,
         on_refused: Callable[[str], None] | None = None,
+        wide_start: bool = True,
     ) -> None:
         self.node_id = node_id
         self.k = k
@@ -76,6 +84,7 @@ class DhtCore:
         self.verifying: set[bytes] = set()  # request senders being PINGed before they may enter the table
         self.recent = RecentLookups()
         self._on_refused = on_refused
+        self.wide_start = wide_start
 
     # -- the routing table: who enters it ---------------------------------------------------------
     def heard(self, contact: Contact) -> Ping | None:
@@ -115,15 +124,18 @@ class DhtCore:
         """A lookup for ``target``, seeded from the table (and a recent lookup's result for the same target).
 
         Only a lookup that must hear from all k closest (neither ``early``, a read that may end once its
-        records suffice, nor ``settle``, a writer's) asks them all at once: from a recent result, or once an
-        answer brings nothing closer. The others go alpha at a time, so that they end before the rest are asked."""
+        records suffice, nor ``settle``, a writer's) asks them all at once: from a recent result, from a table
+        that holds every node it heard of near the target (``complete_near``: one round trip instead of two in
+        a small swarm), or once an answer brings nothing closer. The others go alpha at a time, so that they
+        end before the rest are asked."""
         self.table.touch(target, now)
         recent = self.recent.get(target, now, self.table, self.k)
         seeds = self.table.closest(target)
         full = not early and not settle
+        wide = full and (recent is not None or (self.wide_start and self.table.complete_near(target)))
         return Lookup(
             target, recent + seeds if recent else seeds, own_id=self.node_id, k=self.k, alpha=alpha,
-            wide=full and recent is not None, widen=full,
+            wide=wide, widen=full,
         )
 
     def end_lookup(self, lookup: Lookup, now: float, *, settle: bool = False) -> list[Contact]:
@@ -161,8 +173,12 @@ class DhtCore:
         if mtype is m.MsgType.FIND_NODE:
             return {"nodes": pack_contacts(self.find_node(body["target"]))}
         if mtype is m.MsgType.FIND_VALUE:
-            records, total, nodes = self.find_value(body["key"], body["offset"], now)
-            return {"records": records, "total": total, "nodes": pack_contacts(nodes)}
+            held = body.get("held")
+            records, total, nodes = self.find_value(body["key"], body["offset"], now, held or ())
+            out = {"records": records, "total": total, "nodes": pack_contacts(nodes)}
+            if HELD_ON_WIRE:
+                out["have"] = self.have(body["key"], held or (), now)
+            return out
         if mtype is m.MsgType.STORE:
             return {"ok": self.store_records(body["records"], now)}
         raise WireError("type", f"{mtype.name} is not a DHT request")
@@ -171,12 +187,31 @@ class DhtCore:
     def find_node(self, target: bytes) -> list[Contact]:
         return self.table.closest(target)
 
-    def find_value(self, key: bytes, offset: int, now: float) -> tuple[list[list], int, list[Contact]]:
-        """(one page of records in wire form, how many there are in all, the closest contacts on page 0)."""
+    def find_value(self, key: bytes, offset: int, now: float, held: Sequence[bytes] = ()
+                   ) -> tuple[list[list], int, list[Contact]]:
+        """(one page of records in wire form, how many there are in all, the closest contacts on page 0).
+
+        ``held``: signature prefixes of records the asker holds; those are left out of the pages and of the
+        total (an asker pages with the same ``held``, so offsets stay consistent)."""
         records = self.store.get(key, now)
+        if held:
+            skip = frozenset(held)
+            records = [r for r in records if r.signature[:HELD_PREFIX] not in skip]
         page = records[offset : offset + m.MAX_RECORDS]
         nodes = self.table.closest(location(key)) if offset == 0 else []
         return [r.to_wire(now) for r in page], min(len(records), 65535), nodes
+
+    def have(self, key: bytes, held: Sequence[bytes], now: float) -> bytes:
+        """Which of ``held`` (signature prefixes) this node holds a live record of under ``key``: bit i of byte
+        i // 8 (least significant first) for held[i]."""
+        if not held:
+            return b""
+        mine = {r.signature[:HELD_PREFIX] for r in self.store.get(key, now)}
+        bits = bytearray((len(held) + 7) // 8)
+        for i, prefix in enumerate(held):
+            if prefix in mine:
+                bits[i >> 3] |= 1 << (i & 7)
+        return bytes(bits)
 
     def store_records(self, records: list[tuple], now: float) -> list[bool]:
         return [self._store(fields, now) for fields in records]
@@ -216,6 +251,17 @@ class DhtCore:
                 self._on_refused(why)
             return False
         return True
+
+
+def held_prefixes(records: Sequence[Record]) -> list[bytes]:
+    """FIND_VALUE's ``held`` for records a reader holds: their signature prefixes, distinct, at most MAX_HELD."""
+    out = list(dict.fromkeys(r.signature[:HELD_PREFIX] for r in records))
+    return out[:MAX_HELD]
+
+
+def had(held: Sequence[bytes], have: bytes) -> list[int]:
+    """The positions in ``held`` that a VALUE's ``have`` bitmap marks (bits past ``held`` are ignored)."""
+    return [i for i in range(min(len(held), 8 * len(have))) if have[i >> 3] >> (i & 7) & 1]
 
 
 class RecentLookups:

@@ -216,6 +216,28 @@ class RoutingTable:
             del picked[count:]
         return picked
 
+    def complete_near(self, target: bytes, count: int | None = None) -> bool:
+        """Whether ``closest(target, count)`` finds ``count`` contacts, in buckets that each hold fewer than k.
+
+        A bucket turns a newcomer away only when full, so a bucket below k holds every live node this node
+        has heard of in its range: the table's closest are then the closest it knows of, as a lookup's
+        first answers would show (a small swarm, or the ranges next to a node's own id)."""
+        count = self.k if count is None else count
+        if count <= 0 or not self._count:
+            return False
+        d = self._own ^ int.from_bytes(target, "big")
+        made = self.buckets.made
+        seen = 0
+        for bits, high_first in ((d & self._occupied, True), (self._occupied & ~d, False)):
+            while bits and seen < count:
+                i = bits.bit_length() - 1 if high_first else (bits & -bits).bit_length() - 1
+                size = len(made[i].contacts)
+                if size >= self.k:
+                    return False
+                seen += size
+                bits ^= 1 << i
+        return seen >= count
+
     def closer_than_me(self, target: bytes, limit: int) -> int:
         """How many contacts are closer to ``target`` than this node is, counted up to ``limit``.
 

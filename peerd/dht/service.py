@@ -16,7 +16,18 @@ from ..entropy import default_rng
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, Peer, RpcError, retry_delays
 from ..wire import messages as m
-from .core import RECENT_LOOKUPS, RECENT_S, VERIFY_MAX, DhtCore, Ping, unpack_contacts
+from .core import (
+    HELD_ON_WIRE,
+    HELD_PREFIX,
+    RECENT_LOOKUPS,
+    RECENT_S,
+    VERIFY_MAX,
+    DhtCore,
+    Ping,
+    had,
+    held_prefixes,
+    unpack_contacts,
+)
 from .lookup import SLOW_QUERY_S
 from .reads import Enough, read_page, signed_part
 from .records import MAX_SUBKEYS, Record, location, merge_newest, slot_allows
@@ -254,12 +265,23 @@ class DhtService:
         over = False
 
         async def query(contact: Contact) -> list[Contact]:
-            reply = await self._rpc(contact, m.MsgType.FIND_VALUE, {"key": key, "offset": 0})
+            # what this read holds so far is not sent again (``held``, kept for every page of this responder);
+            # the answer's ``have`` says which of it the responder holds
+            fields: dict = {"key": key, "offset": 0}
+            held: list[bytes] = []
+            sigs: dict[bytes, bytes] = {}
+            if HELD_ON_WIRE:
+                held = held_prefixes(found)
+                for r in found:
+                    sigs.setdefault(r.signature[:HELD_PREFIX], r.signature)
+                fields["held"] = held
+            reply = await self._rpc(contact, m.MsgType.FIND_VALUE, fields)
             body = reply.body
             nodes = unpack_contacts(body["nodes"])
             if over:
                 return nodes  # a slow answer after the lookup ended: nobody reads it
             mine: list[Record] = []  # this responder's records (also in found, as they come)
+            also = [sigs[held[i]] for i in had(held, body.get("have", b""))]  # held, and held by it too
             ok, last = self._collect(key, body["records"], found, verified, None, mine)
             offset = len(body["records"])
             total = min(body["total"], MAX_READ)
@@ -267,7 +289,7 @@ class DhtService:
                 paging.append(scope)
                 while ok and offset and offset < total:
                     try:
-                        reply = await self._rpc(contact, m.MsgType.FIND_VALUE, {"key": key, "offset": offset})
+                        reply = await self._rpc(contact, m.MsgType.FIND_VALUE, {**fields, "offset": offset})
                     except RpcError:
                         break  # it answered the lookup's query; a lost page only loses its records
                     records = reply.body["records"]
@@ -276,7 +298,7 @@ class DhtService:
                     ok, last = self._collect(key, records, found, verified, last, mine)
                     offset += len(records)
             if ok and offset >= body["total"] and not scope.cancelled_caught:  # read in full: a holder
-                holders.append(frozenset(r.signature for r in mine))
+                holders.append(frozenset([*(r.signature for r in mine), *also]))
             return nodes
 
         def satisfied() -> bool:
