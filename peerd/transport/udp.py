@@ -41,10 +41,13 @@ MERGE_PREFIX = SEQ_OFFSET  # envelope bytes before the sequence number: magic, v
 # An overloaded receive loop (PROTOCOL-free, local policy): when the kernel queue holds more than OVERLOAD_BYTES
 # (SO_MEMINFO's receive allocation: about 2 KB a datagram on loopback, so about 4000), the loop is behind by tens of
 # ms and a PING waits behind all of it, or is lost when the queue overflows. Such a pass reads up to
-# OVERLOAD_DATAGRAMS into an arena of its own and keeps about the usual pass's worth (its max_datagrams), shared
+# OVERLOAD_DATAGRAMS into an arena of its own and keeps OVERLOAD_KEEP (or its max_datagrams, if fewer), shared
 # max-min fairly among the sources (dataplane.c recv_batch's ``shed``): the sources filling the queue lose their
-# excess before any Python object is made, PINGs and PONGs are never shed, and the queue drains.
+# excess before any Python object is made, PINGs and PONGs are never shed, and the queue drains. OVERLOAD_KEEP is
+# a short pass (a quarter of the usual 1024): an overloaded daemon is short of CPU, and a PING that arrives during a
+# pass waits for its end.
 OVERLOAD_BYTES = 4 * 1024 * 1024
+OVERLOAD_KEEP = 256
 OVERLOAD_DATAGRAMS = 16384
 OVERLOAD_ARENA = 24 * 1024 * 1024
 URGENT_BYTES = 512  # a PING or PONG at most this long is never shed (the endpoint answers those first)
@@ -250,7 +253,7 @@ class UdpSocket:
                 if self._overload_view is None:
                     self._overload_view = memoryview(bytearray(OVERLOAD_ARENA))
                 view, most = self._overload_view, max(limit, OVERLOAD_DATAGRAMS)
-                shed = (limit, URGENT_BYTES, PING_TYPE, PONG_TYPE)
+                shed = (min(limit, OVERLOAD_KEEP), URGENT_BYTES, PING_TYPE, PONG_TYPE)
             if shed is not None:
                 result = recv(fd, view, most, RECV_BUFFER, screen, table, now, shed)
             elif table is not None:
