@@ -364,8 +364,8 @@ def test_the_screen_refuses_what_the_python_triage_refuses_and_answers_members(i
         limited: list[int] = []  # what the C pass refused itself, pass by pass
         recv_screened = eps[0].sock.recv_screened
 
-        async def spy(*args):  # type: ignore[no-untyped-def]
-            result = await recv_screened(*args)
+        async def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+            result = await recv_screened(*args, **kwargs)
             if len(result) > 5 and result[6]:
                 limited.append(result[5])
             return result
