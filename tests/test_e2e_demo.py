@@ -148,3 +148,14 @@ def test_kill_trainer_mid_step_kill_daemon_mid_round_and_a_different_model(swarm
             if t.poll() is None:
                 t.kill()
                 t.wait()
+
+
+@pytest.mark.timeout(600)
+def test_demo_overlap_trains_and_keeps_replicas_together() -> None:
+    """`--mode overlap` (DeAR buckets through real daemons): every step averaged, replicas together, learning."""
+    from peerd.demo import DemoConfig, run_demo
+
+    s = run_demo(DemoConfig(peers=3, steps=60, mode="overlap", bucket_mb=0.005, json=True), log=lambda *a, **k: None)
+    assert s["mode"] == "overlap" and s["step_s"] > 0, s
+    assert s["outcomes"].get("averaged", 0) >= 0.9 * 3 * 60, s["outcomes"]
+    assert s["max_param_divergence"] <= 0.01 and s["accuracy"] >= 0.8, s

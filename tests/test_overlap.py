@@ -330,3 +330,14 @@ def test_dropcompute_decides_the_last_micro_batch_before_its_forward() -> None:
     dc2 = DropCompute(None, workers=2, clock=lambda: now[0])
     dc2.start_step()
     assert [dc2.decide_last(k, 3) for k in range(3)] == [False, False, True]  # no threshold: the last of total
+
+
+def test_deferred_buckets_wait_for_their_gradients_without_an_averager_that_takes_ready(tmp_path) -> None:
+    """An averager without ready=: the daemon waits for trainer_bucket_ready, then averages (same parameters)."""
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0), ready=False)
+    try:
+        over = run_pair(d, overlap=True, steps=3, run="f")
+        assert torch.equal(flat(over[0]), flat(over[1])) and not torch.equal(flat(over[0]), flat(mlp(0)))
+        assert d.averager.readies and not any(d.averager.readies)
+    finally:
+        d.stop()
