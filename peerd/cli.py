@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="testing: drop received datagrams with probability P (seeded fault injector; default 0)")
     p.add_argument("--loss-seed", type=int, default=None, metavar="K",
                    help="seed of the --loss injector (default: random)")
+    p.add_argument("--no-relay", action="store_true",
+                   help="never relay datagrams for NATed peers (default: relay, budgeted, when this node is public)")
     # testing only (hidden): this daemon corrupts its own reduce-scatter contributions, to test robust averaging
     p.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random"],
                    help=argparse.SUPPRESS)
@@ -365,6 +367,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         no_gso=args.no_gso,
         loss=args.loss,
         loss_seed=args.loss_seed,
+        relay=not args.no_relay,
         byzantine=args.fault_byzantine,
     )
     try:

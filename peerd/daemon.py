@@ -15,6 +15,7 @@ import trio
 from prometheus_client import start_http_server
 
 from . import __version__
+from ._dataplane.heap import keep_freed_memory
 from .addresses import family_of, format_hostport, peer_address, resolve_ip
 from .allreduce.bench_ops import BenchOps
 from .allreduce.service import AllreduceService
@@ -192,6 +193,7 @@ class Daemon:
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT; raises StartupError if bootstrapping gives up."""
+        keep_freed_memory()  # block buffers are reused, not faulted in afresh per block (peerd/_dataplane/heap.py)
         failed: list[str] = []
         try:
             async with trio.open_nursery() as nursery:

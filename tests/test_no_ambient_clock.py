@@ -15,7 +15,7 @@ import pytest
 PEERD = Path(__file__).resolve().parent.parent / "peerd"
 
 # Packages whose decisions must be reproducible from (inputs, now, rng).
-PROTOCOL_PACKAGES = ("wire", "transport", "dht", "allreduce", "moshpit", "statesync", "sim", "compress")
+PROTOCOL_PACKAGES = ("wire", "transport", "dht", "allreduce", "moshpit", "statesync", "sim", "compress", "nat")
 
 AMBIENT = re.compile(
     r"\btime\.(time|monotonic|perf_counter|time_ns|monotonic_ns)\(\)"
