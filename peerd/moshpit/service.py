@@ -465,8 +465,13 @@ class MoshpitService:
                       max_weight: float | None = None, robust: Robust | str | None = None,
                       center: np.ndarray | None = None, compression: str | Codec | None = None,
                       quant_group: int | None = None, rounding: str | None = None, topk_layout: list | None = None,
-                      topk_ratio: float = 0.1, ef_eta: float | None = 0.1) -> RoundResult:
+                      topk_ratio: float = 0.1, ef_eta: float | None = 0.1,
+                      ready: Callable[[], Awaitable[None]] | None = None) -> RoundResult:
         """One Moshpit round for ``run_id``: find a group, average in it. Never raises for churn.
+
+        ``ready``: awaited once the group is known (or none formed), before ``vector`` is read: the caller fills
+        ``vector`` meanwhile (a trainer's gradient bucket that backward is still producing: matchmaking overlaps
+        it, peerd.torch.overlap); what it raises ends the round. Its time comes out of the average's budget.
 
         ``keep_rounds``: set the run's kept-group rounds (as ``open`` does) if it differs, so a trainer
         session can choose it without a separate open; None leaves the run as it is.
@@ -515,10 +520,13 @@ class MoshpitService:
                 raise MoshpitError(f"run {run_id!r} has averaged its last round ({MAX_ROUND}): round numbers are "
                                    f"uint32 and do not wrap; continue under a new run id")
             return await self._round(st, vector, float(weight), timeout_s, numbered=round_no is not None,
-                                     center=center)
+                                     center=center, ready=ready)
+
+    average.accepts_ready = True  # type: ignore[attr-defined]  # (peerd.trainer.service asks for it)
 
     async def _round(self, st: RunState, vector: np.ndarray, weight: float, timeout_s: float,
-                     numbered: bool = False, center: np.ndarray | None = None) -> RoundResult:
+                     numbered: bool = False, center: np.ndarray | None = None,
+                     ready: Callable[[], Awaitable[None]] | None = None) -> RoundResult:
         """Drive the machine through one round: execute its actions, wait for an input or its deadline."""
         core = st.core
         t0 = self.clock()
@@ -539,8 +547,13 @@ class MoshpitService:
                         st.state = "averaging"
                         assert mm_s is not None
                         group = average.group
-                        result = await self._average_group(st, group, vector, weight, timeout_s - mm_s, round_no, key,
-                                                           core.seen, center)
+                        waited = 0.0
+                        if ready is not None:
+                            w0 = self.clock()
+                            await ready()
+                            ready, waited = None, self.clock() - w0
+                        result = await self._average_group(st, group, vector, weight, timeout_s - mm_s - waited,
+                                                           round_no, key, core.seen, center)
                         core.on_averaged(self.clock(), averaged=result.outcome == "averaged", silent=result.silent,
                                          members=[c.node_id for c in group.members])
                         result.kept = average.kept
@@ -558,6 +571,8 @@ class MoshpitService:
                 core.abandon()
             self._drain(st)
         if result is None:  # no group formed
+            if ready is not None:
+                await ready()
             result = RoundResult(vector.copy(), "alone", "", 1, [self.identity.node_id.hex()], 1.0, round_no, 0.0,
                                  0.0, key, core.seen)
         result.matchmaking_s = mm_s if mm_s is not None else 0.0

@@ -645,8 +645,12 @@ class Endpoint:
                               HEADER_SIZE + TAG_SIZE, tokens)
                 # the pass's junk under unknown tokens is rationed in C where the limiter is the C table, at the
                 # time the pass began (``now``: the rest of the pass is decided at it too)
-                batch, unknown, malformed, version, nbytes, limited, rationed, now = await sock.recv_screened(
-                    limit, screen, self.core.auth_limiter)  # type: ignore[attr-defined]
+                # an overloaded pass sheds the excess of the sources that fill the kernel queue, max-min fairly, PINGs
+                # and PONGs kept (``shed``: see UdpSocket's OVERLOAD_BYTES)
+                batch, unknown, malformed, version, nbytes, limited, rationed, now, shed = await sock.recv_screened(
+                    limit, screen, self.core.auth_limiter, shedding=True)  # type: ignore[attr-defined]
+                if shed:
+                    self._drops["overload"] = self._drops.get("overload", 0) + shed
                 self._junk = 0
                 self._answers = 0
                 screened = self._receive_screened(unknown, malformed, version, nbytes, now, limited, rationed)
