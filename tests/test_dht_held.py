@@ -87,7 +87,7 @@ def contacts(n: int, seed: int) -> list[Contact]:
 
 def test_a_full_read_starts_wide_only_from_a_table_that_is_complete_near_the_target() -> None:
     target = location(KEY)
-    small = DhtCore(bytes(32))
+    small = DhtCore(bytes(32), wide_start=True)
     for c in contacts(31, 1):  # a 32-node swarm: no bucket is full
         small.heard(c)
     assert small.table.complete_near(target)
@@ -98,7 +98,7 @@ def test_a_full_read_starts_wide_only_from_a_table_that_is_complete_near_the_tar
     settle = small.start_lookup(target, 0.0, alpha=3, settle=True)
     assert len(settle.next_queries()) == 3
 
-    few = DhtCore(bytes(32))
+    few = DhtCore(bytes(32), wide_start=True)
     for c in contacts(5, 2):  # fewer than k known: its first answers may well bring closer nodes
         few.heard(c)
     assert not few.table.complete_near(target)
@@ -109,7 +109,7 @@ def test_a_full_read_starts_wide_only_from_a_table_that_is_complete_near_the_tar
         big.observe(c)
     far = bytes([0x80]) + bytes(31)  # in the full bucket's range
     assert not big.complete_near(far)
-    off = DhtCore(bytes(32), wide_start=False)
+    off = DhtCore(bytes(32))  # the default
     for c in contacts(31, 1):
         off.heard(c)
     assert len(off.start_lookup(target, 0.0, alpha=3).next_queries()) == 3
