@@ -5,10 +5,12 @@ Why: a synchronous step hands the whole gradient to the daemon after backward an
 communication and computation never overlap. DeAR splits the all-reduce in two: the reduce-scatter of a bucket
 starts as soon as backward has produced its gradients (while backward goes on with earlier layers), and the
 all-gather plus the optimizer update of a layer is only waited for just before that layer's next forward.
-peerd's daemon runs the whole average of a bucket (reduce-scatter and all-gather) in one request, so here a
-bucket's request goes out from a gradient hook and its reply is collected, and the layer's update applied, from
-a forward pre-hook of the next step: the average of the last layers overlaps the backward of the first ones,
-and the average of the first buckets overlaps the forward of the layers before them.
+peerd's daemon runs the whole average of a bucket (reduce-scatter and all-gather) in one request, so here every
+bucket's request goes out when the step is armed (before the last micro-batch's forward: matchmaking runs while
+the trainer computes), a gradient hook tells the daemon when backward has written the bucket into the arena, and
+the reply is collected, and the layer's update applied, from a forward pre-hook of the next step: the average of
+the last layers overlaps the backward of the first ones, and the average of the first buckets overlaps the
+forward of the layers before them. Each bucket is its own Moshpit run (one matchmaking per bucket and step).
 
 Buckets are runs of consecutive parameters taken from the last one back (backward produces the last layers'
 gradients first), cut once a bucket holds ``bucket_elems`` elements: each bucket is one contiguous range of the
