@@ -57,6 +57,22 @@ def test_a_backlogged_sender_that_wakes_late_catches_up() -> None:
     assert p.reserve(part, 20.0) == 0.0 and p.reserve(part, 20.0) == pytest.approx(part / p.rate - BURST_S)
 
 
+def test_a_report_spanning_a_pause_counts() -> None:
+    """The sender pauses 0.1 s for data (between reduce-scatter and all-gather): no phase runs then. A REPORT
+    whose datagrams went out on both sides of the pause, its middle in it, is pooled into the phase after the
+    pause, not dropped as stale (a third of the lab's REPORTs were); one about a judged phase still is."""
+    p = Pacer(rate=10e6)
+    t = 0.0
+    while t < 0.03:
+        t += p.reserve(12_000, t, "a") + 0.001
+    t = 0.15
+    while t < 0.18:
+        t += p.reserve(12_000, t, "a") + 0.001
+    assert p.on_report("a", Report(40, 40, 48_000, 0.1, 0, 40), 0.19, (0.0, 0.17)).action == "pooled"
+    assert p.on_report("a", Report(10, 10, 12_000, 0.1, 0, 50), 2.0, (0.17, 0.18)).action != "pooled"
+    assert p.on_report("a", Report(10, 10, 12_000, 0.1, 0, 60), 2.1, (0.0, 0.02)).action == "stale"
+
+
 def test_sent_rate_is_what_was_really_sent_per_destination() -> None:
     p = Pacer(rate=10e6)
     t = 0.0

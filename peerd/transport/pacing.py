@@ -165,7 +165,7 @@ class _Phase:
     """An interval sent at one rate, and what the REPORTs about its datagrams said."""
 
     __slots__ = ("start", "end", "rate", "kind", "expected", "lost", "drops", "paths", "last_sent", "nbytes",
-                 "held", "busy_until")
+                 "held", "busy_until", "pause_from")
 
     def __init__(self, start: float, rate: float, kind: str) -> None:
         self.start = start
@@ -180,6 +180,7 @@ class _Phase:
         self.nbytes = 0  # bytes reserved in the phase ...
         self.held = 0  # ... and of those, how many the bucket held back (the rate bound the sender)
         self.busy_until = start  # when the last part reserved in the phase is through the bucket
+        self.pause_from = start  # when the phase before ended, if nothing ran in between (a pause)
 
     def stop(self) -> float:
         """Where the phase's send rate is measured to: its end, or its last send if the sender ran out of data
@@ -342,6 +343,8 @@ class Pacer:
                 return
             cur.end = min(now, cur.start + length)
         self._open(now)
+        if len(phases) > 1 and phases[-2].end is not None and phases[-2].end < now:
+            phases[-1].pause_from = phases[-2].end
 
     @staticmethod
     def _span(rate: float, seconds: float) -> float:
@@ -369,16 +372,23 @@ class Pacer:
 
     def _restart(self, now: float) -> None:
         """The rate changed: the current phase ends now and a new one starts at the new rate."""
+        pause_from = now
         if self._phases and self._phases[-1].end is None:
             cur = self._phases[-1]
-            cur.end = max(cur.start, now)
+            if cur.start >= now and not cur.nbytes:  # (opened just now, nothing in it: replaced)
+                self._phases.pop()
+                pause_from = cur.pause_from
+            else:
+                cur.end = max(cur.start, now)
         self._open(now)
+        self._phases[-1].pause_from = pause_from
 
     def _resume(self, now: float, idle: float) -> None:
         """A new average after ``idle`` seconds without sending: start from what the paths carried last time
         (the uplink's ``btl``, or the rate startup reached; each destination's cap), aged: what was learnt
         long ago is less sure, so a remembered rate decays toward START_RATE (a cap relaxes away from it:
         the path may have got faster). The first phase is a cruise phase, not a probe."""
+        self._advance(now)  # (the last phase ends where it ran out, not after the pause)
         self._judge_due(now)  # the last average's phases whose REPORTs are in or overdue
         decay = 0.5 ** (idle / MEMORY_HALF_LIFE_S)
 
@@ -475,12 +485,14 @@ class Pacer:
             verdict = Verdict("small", "no datagrams", self.rate)
         else:
             mid = (sent_span[0] + sent_span[1]) / 2 if sent_span is not None else now - r.seconds / 2
-            phase = None
-            for ph in reversed(self._phases):
-                if ph.start <= mid:
-                    if ph.end is None or mid < ph.end:
-                        phase = ph
-                    break
+            phase = self._phase_at(mid)
+            if phase is None:
+                # Its middle may have fallen in a pause (the sender waited for data, as between reduce-scatter
+                # and all-gather, and no phase ran): its datagrams went out around it, the last ones in the
+                # phase after the pause. (Not a phase judged early: its REPORTs are stale.)
+                nxt = next((ph for ph in self._phases if ph.start > mid), None)
+                if nxt is not None and nxt.pause_from <= mid:
+                    phase = nxt
             if phase is None:
                 verdict = Verdict("stale", "its phase was judged already", self.rate)
             else:
@@ -499,6 +511,13 @@ class Pacer:
                 verdict = Verdict("pooled", "waits for its phase's judgement", self.rate)
         judged = self._judge_due(now)
         return judged if judged is not None else verdict
+
+    def _phase_at(self, t: float) -> _Phase | None:
+        """The unjudged phase that was running at ``t`` (None: judged already, or a pause before a phase)."""
+        for ph in reversed(self._phases):
+            if ph.start <= t:
+                return ph if ph.end is None or t < ph.end else None
+        return None
 
     def _judge_due(self, now: float) -> Verdict | None:
         out: Verdict | None = None
