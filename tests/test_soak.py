@@ -28,6 +28,10 @@ def test_small_soak_no_crash_and_exact_averages() -> None:
     for name in FIELDS:
         assert name in out, name
     assert set(DROP_METRICS) <= set(out["drops"])
+    # where PINGs wait or are lost: the daemons' kernel receive queues, sampled in every phase the soak ran
+    assert {"calm", "attack"} <= set(out["kernel_by_phase"]), out["kernel_by_phase"]
+    assert all(v["deepest_queue_kb"] >= 0 and v["kernel_drops"] >= 0 for v in out["kernel_by_phase"].values())
+    assert set(out["ping_lost_by_phase"]) <= set(out["ping_samples_by_phase"]) | {"calm"}
     assert out["crashes"] == 0, out
     assert out["averages_failed"] == 0, out["average_errors"]
     assert out["averages_ok"] > 0
