@@ -35,7 +35,7 @@ def load_digits_split() -> tuple[Any, Any, Any, Any]:
 
 
 MODELS = ("mlp", "wide")
-BUCKET_MB = 4.0  # --bucket-mb's default: peerd.torch.overlap.DEFAULT_BUCKET_MB (not imported: no torch here)
+BUCKET_MB = 25.0  # --bucket-mb's default: peerd.torch.overlap.DEFAULT_BUCKET_MB (not imported: no torch here)
 WIDE_HIDDEN = (2048, 1024)  # the wide model's hidden layers: 2,241,546 parameters (9 MB of float32)
 
 
