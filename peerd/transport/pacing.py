@@ -42,9 +42,9 @@ The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
   doubles with each clean probe in a row, up to 8 % (an overshoot then costs a phase of tail drops) and,
   after five clean probes in a row, up to 50 % (the link got faster). Congestion restarts it at 2 %.
 * A phase in which the sender used under ``APP_LIMITED`` of its rate (CPU-bound, or out of data) raises
-  nothing: an unused rate says nothing about the path; unless the bucket held back ``HELD_SHARE`` of what
-  it sent (a bursty sender, waiting for data and then sending at the rate: the rate binds). A phase's send
-  rate is measured up to its last send (the end of an average leaves a phase half empty).
+  nothing: an unused rate says nothing about the path. (Also a bursty sender's, held back by the rate in
+  its bursts: raising it on that overran the lab's queues.) A phase's send rate is measured up to its last
+  send (the end of an average leaves a phase half empty).
 * Kernel drops at a receiver (its socket buffer overflowed) above ``KERNEL_DROPS`` of a phase's datagrams are
   congestion too.
 
@@ -125,7 +125,6 @@ FIRST_REPORT = MIN_SAMPLE  # positions: a stream's first report comes this early
 KERNEL_DROPS = 0.005  # receivers' kernel drops above this fraction of a phase's datagrams are congestion
 APP_LIMITED = 0.5  # a phase that used less of its rate than this raises nothing (a 64 KB part is 30 ms at
 # 2 MB/s: a phase's own send rate is coarse at low rates)
-HELD_SHARE = 0.5  # ... unless the bucket held back at least this share of the bytes it sent (a bursty sender)
 PATH_PERSIST = 2  # judged phases in a row a destination must be clearly lossier than the rest to get a cap
 PATH_GROWTH = 1.25  # a capped destination's cap grows this much per clean phase
 LOG_QUANTUM_S = 0.001
@@ -165,7 +164,7 @@ class _Phase:
     """An interval sent at one rate, and what the REPORTs about its datagrams said."""
 
     __slots__ = ("start", "end", "rate", "kind", "expected", "lost", "drops", "paths", "last_sent", "nbytes",
-                 "held", "busy_until", "pause_from")
+                 "busy_until", "pause_from")
 
     def __init__(self, start: float, rate: float, kind: str) -> None:
         self.start = start
@@ -177,8 +176,7 @@ class _Phase:
         self.drops = 0
         self.paths: dict[Hashable, list[int]] = {}  # dest -> [expected, lost, kernel drops]
         self.last_sent: dict[Hashable, float] = {}  # dest -> when its last part reserved in this phase goes out
-        self.nbytes = 0  # bytes reserved in the phase ...
-        self.held = 0  # ... and of those, how many the bucket held back (the rate bound the sender)
+        self.nbytes = 0  # bytes reserved in the phase
         self.busy_until = start  # when the last part reserved in the phase is through the bucket
         self.pause_from = start  # when the phase before ended, if nothing ran in between (a pause)
 
@@ -298,7 +296,9 @@ class Pacer:
         if self._last_send is not None and now - self._last_send >= IDLE_S:
             self._resume(now, now - self._last_send)
         self._advance(now)
-        credit = CATCHUP_S if self._held and now - self._next < IDLE_S else BURST_S
+        # (only at a rate the path is known to carry: in startup a catch-up burst at twice the last clean
+        # rate is 16 ms of a link's rate, most of its queue)
+        credit = CATCHUP_S if self._held and self.btl is not None and now - self._next < IDLE_S else BURST_S
         start = max(self._next, now - credit)
         self._next = start + nbytes / self.rate
         cap = self._caps.get(dest) if self._caps else None
@@ -311,8 +311,6 @@ class Pacer:
         cur = self._phases[-1]
         cur.last_sent[dest] = at
         cur.nbytes += nbytes
-        if at > now:
-            cur.held += nbytes
         cur.busy_until = max(cur.busy_until, at + nbytes / self.rate)
         self._total.add(at, nbytes)
         log = self._sent.get(dest)
@@ -665,9 +663,9 @@ class Pacer:
                                      {d: v for d, v in paths.items() if d not in hot}))
         if hot:  # (the aggregate floor keeps them: their loss is part of what this uplink's phases see)
             return path_verdict
-        if sent < APP_LIMITED * ph.rate and ph.held < HELD_SHARE * ph.nbytes:
-            # (a bursty sender, one that waits for data and then sends what it has, is held back by the
-            # rate in its bursts: that says the rate binds, whatever its average)
+        if sent < APP_LIMITED * ph.rate:
+            # (also a bursty sender held back by the rate in its bursts: raising its rate on that, tried,
+            # let its bursts overrun the lab's 20 ms queue, and its btl grew past the link on clean probes)
             return Verdict("hold", f"sender used {sent / ph.rate:.2f} of its rate", self.rate)
         if startup:
             if ph.rate < self.rate:  # an older level: the current one has not been judged yet
