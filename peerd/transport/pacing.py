@@ -65,9 +65,10 @@ phase; only a sender's first average starts at START_RATE.
 
 Measured (tests/test_pacing.py, 4 nodes on 100 Mbit/s tbf links with a 20 ms queue, random loss 0-10 %):
 uplinks 90-95 % full after startup; the loss the pacer adds, 0.9-1.7 % in steady state, 1.3-2.2 % with
-startup (the issue's goal is 1 %: not met). REPORTs 50 ms + 100 ms (exponential) late: 0.86-0.90 full,
-excess 1.6-1.9 % (a fixed 50 ms lag: 3.7-9.1 %). Receivers stalled 60 ms in every 200 ms: 0.90-0.95 full
-with room in their socket buffers; with none, the kernel drops slow the senders to ~0.4 of the link.
+startup (the issue's goal is 1 %: not met). REPORTs 50 ms + 100 ms (exponential) late, 5 % loss: 0.87-0.90
+full, excess 1.8-1.9 %, 3-7 % of REPORTs stale (a fixed 50 ms lag: excess 3.7-9.1 %, 85 % stale). Receivers
+stalled 60 ms in every 200 ms: 0.92-0.95 full with room in their socket buffers; with none, the kernel
+drops slow the senders to ~0.5 of the link.
 """
 
 from __future__ import annotations
