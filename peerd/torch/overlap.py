@@ -33,8 +33,8 @@ from typing import Any
 log = logging.getLogger("peerd.torch")
 
 # float32 megabytes per bucket: torch DDP's bucket_cap_mb. Each bucket is its own Moshpit run, so each costs a
-# matchmaking: `peerd demo --model wide` (9 MB, 4 peers, 20 steps, one loaded 2-core host) took step_s 2.25 s with
-# one bucket (25 MB) against 2.64 s in sync mode, and 5.35 s with 4 MB buckets (two) against 3.71 s at a higher load.
+# matchmaking: `peerd demo --model wide --steps 20` (9 MB, 4 peers, one 2-core host at load 4-6) took step_s 0.36 s
+# with one 25 MB bucket and 0.82 s with two 4 MB buckets, against 0.30 s in sync mode.
 DEFAULT_BUCKET_MB = 25.0
 MAX_BUCKETS = 1000  # the daemon's bound (peerd.trainer.service.MAX_BUCKETS)
 
