@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "backward and the next forward (DeAR); diloco: H local steps, then an outer step "
                         "(default sync)")
     p.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
-                   help="overlap: gradient bucket size in MB of float32 (default: peerd train's, 4)")
+                   help="overlap: gradient bucket size in MB of float32 (default: peerd train's, 25)")
     p.add_argument("--sync-every", type=int, default=50, metavar="H",
                    help="diloco: inner steps per outer step (default 50)")
     p.add_argument("--fragments", type=int, default=1, metavar="F", help="diloco: streaming fragments (default 1)")
