@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -373,6 +373,12 @@ class NetnsLab:
               "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6; }"])
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
+    def _add_bridge(self) -> None:
+        """The bridge namespace with its bridge up: the shared segment every peer's veth joins."""
+        self._add_netns(self.bridge_ns)
+        _run(["ip", "-n", self.bridge_ns, "link", "add", BRIDGE_IF, "type", "bridge"])
+        _run(["ip", "-n", self.bridge_ns, "link", "set", BRIDGE_IF, "up"])
+
     def _tbf(self, ns: str, dev: str) -> None:
         t = self.tbf
         assert t is not None
@@ -613,10 +619,7 @@ class LinkLab(NetnsLab):
         return self
 
     def _build(self) -> None:
-        br = self.bridge_ns
-        self._add_netns(br)
-        _run(["ip", "-n", br, "link", "add", BRIDGE_IF, "type", "bridge"])
-        _run(["ip", "-n", br, "link", "set", BRIDGE_IF, "up"])
+        self._add_bridge()
         for i in range(self.peers):
             self._add_netns(self.netns(i))
             self._peer_link(i, f"{self._addrs[i]}/{self.prefixlen}", master=BRIDGE_IF)
@@ -654,12 +657,22 @@ def _main(argv: list[str] | None = None) -> int:
             for ns in sweep_stale():
                 print(f"deleted {ns}")
             return 0
-        with LinkLab(args.peers, args.rate, args.loss) as lab:
+        return hold(lambda: LinkLab(args.peers, args.rate, args.loss), lambda lab: {}, args.fail_after)
+    except LabError as e:
+        print(f"peerd lab: error: {e}", file=sys.stderr)
+        return 1
+
+
+def hold(make: Callable[[], NetnsLab], extra: Callable[[Any], dict[str, Any]], fail_after: float | None) -> int:
+    """`... hold`: build the lab ``make`` returns, print it as one JSON line (plus ``extra(lab)``), keep it up until
+    SIGINT/SIGTERM, or raise after ``fail_after`` seconds (tests); an exit code for the command line."""
+    try:
+        with make() as lab:
             print(json.dumps({"prefix": lab.prefix, "bridge": lab.bridge_ns,
-                              "namespaces": [lab.netns(i) for i in range(lab.peers)], **lab.describe()}),
-                  flush=True)
+                              "namespaces": [lab.netns(i) for i in range(lab.peers)], **extra(lab),
+                              **lab.describe()}), flush=True)
             started = time.monotonic()
-            while args.fail_after is None or time.monotonic() - started < args.fail_after:
+            while fail_after is None or time.monotonic() - started < fail_after:
                 time.sleep(0.2)
             raise LabError("failing on purpose (--fail-after)")
     except KeyboardInterrupt:

@@ -31,12 +31,10 @@ SIGTERM) and :func:`peerd.lab.links.sweep_stale` cover it. No delay: there is no
 from __future__ import annotations
 
 import json
-import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from .links import BRIDGE_IF, LabError, NetnsLab, _run, format_rate
+from .links import BRIDGE_IF, LabError, NetnsLab, _run, format_rate, hold
 
 KINDS = ("public", "cone", "symmetric")
 PUBLIC_NET = "203.0.113.0/24"  # TEST-NET-3 (RFC 5737)
@@ -161,10 +159,7 @@ class NatLab(NetnsLab):
         return self
 
     def _build(self) -> None:
-        br = self.bridge_ns
-        self._add_netns(br)
-        _run(["ip", "-n", br, "link", "add", BRIDGE_IF, "type", "bridge"])
-        _run(["ip", "-n", br, "link", "set", BRIDGE_IF, "up"])
+        self._add_bridge()
         for i, kind in enumerate(self.kinds):
             if kind == "public":
                 self._add_netns(self.netns(i))
@@ -214,21 +209,9 @@ def _main(argv: list[str] | None = None) -> int:
     h.add_argument("--rate", default=None)
     h.add_argument("--fail-after", type=float, default=None, help="raise an error after this many seconds (tests)")
     args = p.parse_args(argv)
-    try:
-        with NatLab(args.kinds.split(","), args.rate) as lab:
-            print(json.dumps({"prefix": lab.prefix, "bridge": lab.bridge_ns,
-                              "namespaces": [lab.netns(i) for i in range(lab.peers)],
-                              "routers": [lab.router_ns(i) for i in range(lab.peers) if lab.kind(i) != "public"],
-                              **lab.describe()}), flush=True)
-            started = time.monotonic()
-            while args.fail_after is None or time.monotonic() - started < args.fail_after:
-                time.sleep(0.2)
-            raise LabError("failing on purpose (--fail-after)")
-    except KeyboardInterrupt:
-        return 130
-    except (LabError, ValueError) as e:
-        print(f"peerd lab: error: {e}", file=sys.stderr)
-        return 1
+    return hold(lambda: NatLab(args.kinds.split(","), args.rate),
+                lambda lab: {"routers": [lab.router_ns(i) for i in range(lab.peers) if lab.kind(i) != "public"]},
+                args.fail_after)
 
 
 if __name__ == "__main__":
