@@ -133,7 +133,7 @@ class DhtCore:
         alpha at a time, so that they end before the rest are asked."""
         self.table.touch(target, now)
         recent = self.recent.get(target, now, self.table, self.k)
-        seeds = self.table.closest(target)
+        seeds = self.table.closest(target, ordered=False)  # Lookup ranks what it is given
         full = not early and not settle
         wide = full and (recent is not None or (self.wide_start and self.table.complete_near(target)))
         return Lookup(
@@ -187,12 +187,15 @@ class DhtCore:
         raise WireError("type", f"{mtype.name} is not a DHT request")
 
     # The answers, before the wire form (the simulator passes them as they are).
-    def find_node(self, target: bytes) -> list[Contact]:
-        return self.table.closest(target)
+    def find_node(self, target: bytes, *, ordered: bool = True) -> list[Contact]:
+        """The k closest contacts to ``target``, nearest first (``ordered``: the wire's; the simulator, whose
+        lookups rank them anyway, leaves them unsorted)."""
+        return self.table.closest(target, ordered=ordered)
 
-    def find_value(self, key: bytes, offset: int, now: float, held: Sequence[bytes] = ()
+    def find_value(self, key: bytes, offset: int, now: float, held: Sequence[bytes] = (), *, ordered: bool = True
                    ) -> tuple[list[list], int, list[Contact]]:
-        """(one page of records in wire form, how many there are in all, the closest contacts on page 0).
+        """(one page of records in wire form, how many there are in all, the closest contacts on page 0, nearest
+        first if ``ordered``).
 
         ``held``: signature prefixes of records the asker holds; those are left out of the pages and of the
         total (an asker pages with the same ``held``, so offsets stay consistent)."""
@@ -201,7 +204,7 @@ class DhtCore:
             skip = frozenset(held)
             records = [r for r in records if r.signature[:HELD_PREFIX] not in skip]
         page = records[offset : offset + m.MAX_RECORDS]
-        nodes = self.table.closest(location(key)) if offset == 0 else []
+        nodes = self.table.closest(location(key), ordered=ordered) if offset == 0 else []
         return [r.to_wire(now) for r in page], min(len(records), 65535), nodes
 
     def have(self, key: bytes, held: Sequence[bytes], now: float) -> bytes:

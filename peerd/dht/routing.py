@@ -183,8 +183,9 @@ class RoutingTable:
         elif not bucket.contacts:
             self._occupied &= ~(1 << bucket_index(self.node_id, node_id))
 
-    def closest(self, target: bytes, count: int | None = None) -> list[Contact]:
-        """The ``count`` contacts nearest ``target`` by XOR, nearest first.
+    def closest(self, target: bytes, count: int | None = None, *, ordered: bool = True) -> list[Contact]:
+        """The ``count`` contacts nearest ``target`` by XOR, nearest first (``ordered``; else in no particular
+        order, for callers that rank them themselves: only the last bucket read is sorted, to pick from it).
 
         Reads only the buckets that can hold them. Bucket i's contacts share distance(own, target)'s bits
         above i and differ from it at bit i, so the buckets at set bits of that distance come first (highest
@@ -198,17 +199,26 @@ class RoutingTable:
         d = self._own ^ t
         made = self.buckets.made  # every occupied bucket has been made
         picked: list[Contact] = []
+        last: tuple[Contact, ...] = ()
         bits = d & self._occupied
         while bits and len(picked) < count:
             i = bits.bit_length() - 1
-            picked += made[i].view()
+            last = made[i].view()
+            picked += last
             bits ^= 1 << i
         bits = self._occupied & ~d
         while bits and len(picked) < count:
             low = bits & -bits
-            picked += made[low.bit_length() - 1].view()
+            last = made[low.bit_length() - 1].view()
+            picked += last
             bits ^= low
         if len(picked) <= 1:
+            return picked
+        if not ordered:
+            if len(picked) > count:  # the buckets before the last are nearer than all of it: pick from the last
+                before = len(picked) - len(last)
+                del picked[before:]
+                picked += sorted(last, key=lambda c: c.num ^ t)[: count - before]
             return picked
         # ids differ, so the distances do: the order is total (a key per contact sorts faster than pairs)
         picked.sort(key=lambda c: c.num ^ t)

@@ -138,7 +138,7 @@ class Node:
         self.pending[rid] = rpc
         sim.rpcs += 1
         net.send(self.addr, addr, (True, rid, mtype, body, self.contact))
-        net.call_at(min(rpc.deadline, now + rpc.wait), self._waited, rid, owner=self.addr)
+        net.schedule(min(rpc.deadline, now + rpc.wait), self._waited, (rid,), self.addr)
 
     def _waited(self, rid: int) -> None:
         rpc = self.pending.get(rid)
@@ -159,7 +159,7 @@ class Node:
         rpc.sent_at = now
         self.sim.retransmits += 1
         self.net.send(self.addr, addr, (True, rid, rpc.mtype, rpc.body, self.contact))
-        self.net.call_at(min(rpc.deadline, now + rpc.wait), self._waited, rid, owner=self.addr)
+        self.net.schedule(min(rpc.deadline, now + rpc.wait), self._waited, (rid,), self.addr)
 
     def receive(self, src: Any, payload: tuple) -> None:
         if payload[0]:
@@ -169,9 +169,9 @@ class Node:
                 self.act(ping)
             now = self.net.now
             if mtype is FIND_NODE:
-                reply: Any = self.core.find_node(body)
+                reply: Any = self.core.find_node(body, ordered=False)  # Walk and Lookup rank them: no sort
             elif mtype is FIND_VALUE:
-                reply = self.core.find_value(body, 0, now)
+                reply = self.core.find_value(body, 0, now, ordered=False)
             elif mtype is STORE:
                 reply = self.core.store_records(body, now)
             else:
@@ -380,7 +380,7 @@ class Walk:
                 self.hops = hop
             self.queries += 1
             self.slow.add(node_id)
-            node.net.call_at(node.net.now + SLOW_QUERY_S, self.on_slow, node_id, owner=node.addr)
+            node.net.schedule(node.net.now + SLOW_QUERY_S, self.on_slow, (node_id,), node.addr)
             node.request(contact, self.mtype, self.body, self.on_answer, hop, True)
         if lookup.finished or (self.settle and lookup.settled):
             self.finish()

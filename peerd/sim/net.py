@@ -162,7 +162,9 @@ class Network:
         self.default = default if default is not None else Link()
         self.links: dict[tuple[Address, Address], Link] = {}
         self.trace = trace
-        self._heap: list[tuple[float, int, Any]] = []
+        # (time, sequence, ...): a Timer (call_at), fn, args, owner, epoch (schedule), or an arrival's source,
+        # destination, payload, size, source and destination incarnations and departure time (send)
+        self._heap: list[tuple] = []
         self._seq = 0
         self._handlers: dict[Address, Handler] = {}
         self._epoch: dict[Address, int] = {}  # incarnation per address: bumped by crash
@@ -283,14 +285,15 @@ class Network:
             depart = start + size / link.bandwidth
             self._busy[key] = depart
         epochs = self._epoch
-        item = (src, dst, payload, size, epochs.get(src, 0), epochs.get(dst, 0), depart)
+        src_epoch = epochs.get(src, 0)
+        dst_epoch = epochs.get(dst, 0)
         heap = self._heap
-        self._seq += 1
-        heappush(heap, (depart + delay, self._seq, item))
+        seq = self._seq = self._seq + 1
+        heappush(heap, (depart + delay, seq, src, dst, payload, size, src_epoch, dst_epoch, depart))
         if duplicate:
             self.duplicated += 1
-            self._seq += 1
-            heappush(heap, (depart + delay2, self._seq, item))
+            seq = self._seq = seq + 1
+            heappush(heap, (depart + delay2, seq, src, dst, payload, size, src_epoch, dst_epoch, depart))
 
     def _arrive(self, src: Address, dst: Address, payload: Any, size: int, src_epoch: int, dst_epoch: int,
                 depart: float) -> None:
@@ -327,12 +330,16 @@ class Network:
         heappush(self._heap, (at, self._seq, timer))
         return timer
 
+    def schedule(self, at: float, fn: Callable[..., None], args: tuple, owner: Address | None = None) -> None:
+        """``call_at`` without a Timer to cancel: the heap entry is a plain tuple (the simulator's per-request
+        timers, most of which find their request answered and do nothing)."""
+        if at < self.now:
+            at = self.now
+        seq = self._seq = self._seq + 1
+        heappush(self._heap, (at, seq, fn, args, owner, self._epoch.get(owner, 0) if owner is not None else 0))
+
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any, owner: Address | None = None) -> Timer:
         return self.call_at(self.now + delay, fn, *args, owner=owner)
-
-    def _push(self, at: float, item: Any) -> None:
-        self._seq += 1
-        heappush(self._heap, (at, self._seq, item))
 
     # -- running --------------------------------------------------------------------------------
     def next_time(self) -> float | None:
@@ -362,15 +369,23 @@ class Network:
                 return count
             heappop(heap)
             self.now = at
-            item = entry[2]
-            if type(item) is Timer:
+            size = len(entry)
+            if size == 6:  # schedule's: (at, seq, fn, args, owner, epoch)
+                _, _, fn, args, owner, epoch = entry
+                if owner is not None and epochs.get(owner, 0) != epoch:
+                    continue
+                count += 1
+                fn(*args)
+                continue
+            if size == 3:  # call_at's: (at, seq, Timer)
+                item = entry[2]
                 if item.cancelled or (item.owner is not None and epochs.get(item.owner, 0) != item.epoch):
                     continue
                 count += 1
                 item.fn(*item.args)
                 continue
             count += 1
-            src, dst, payload, size, src_epoch, dst_epoch, depart = item
+            _, _, src, dst, payload, size, src_epoch, dst_epoch, depart = entry
             handler = handlers.get(dst)
             if handler is None and self._nat_at:
                 inner = self._nat_in(dst, src)
@@ -380,7 +395,9 @@ class Network:
             if (
                 handler is None
                 or epochs.get(dst, 0) != dst_epoch
-                or (crashed and (died := crashed.get((src, src_epoch))) is not None and depart > died)
+                # a sender still in the incarnation it sent from has not crashed since (no tuple key to look up)
+                or (crashed and epochs.get(src, 0) != src_epoch and (died := crashed.get((src, src_epoch))) is not None
+                    and depart > died)
                 or (self._side and not self.reachable(src, dst))
             ):
                 self.dropped += 1

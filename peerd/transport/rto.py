@@ -25,6 +25,7 @@ K = 4
 DEFAULT_MIN_RTO = 0.05
 DEFAULT_CAPACITY = 4096
 MAX_BACKOFF = 64
+_INF = float("inf")
 
 
 @dataclass(slots=True)
@@ -56,7 +57,7 @@ class RtoEstimator:
 
     def sample(self, dest: Hashable, rtt: float) -> None:
         """Record the round-trip time of a request answered on its first transmission."""
-        if not rtt >= 0 or rtt == float("inf"):
+        if not 0 <= rtt < _INF:
             raise ValueError(f"rtt must be a finite number >= 0, got {rtt!r}")
         state = self._states.get(dest)
         if state is None:
