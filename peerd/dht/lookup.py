@@ -18,7 +18,13 @@ class _State(Enum):
     SLOW = 4  # no answer yet after the first timeout: ranked like a failure, but a late answer counts
 
 
+# The members as module constants: ``_State.FAILED`` is a class attribute lookup through the enum's metaclass
+# (about 0.14 us on CPython 3.11, ten times a local's), and these loops test every contact seen per call
 _NEW = _State.NEW
+_IN_FLIGHT = _State.IN_FLIGHT
+_ANSWERED = _State.ANSWERED
+_FAILED = _State.FAILED
+_SLOW = _State.SLOW
 
 
 class Lookup:
@@ -79,16 +85,23 @@ class Lookup:
     def _ranked(self) -> list[bytes]:
         """The k closest contacts not failed or slow (kept in order as they come, never re-sorted)."""
         out = []
+        state = self._state
+        k = self.k
+        failed, slow = _FAILED, _SLOW
         for _, node_id in self._order:
-            if self._state[node_id] not in (_State.FAILED, _State.SLOW):
+            s = state[node_id]
+            if s is not failed and s is not slow:
                 out.append(node_id)
-                if len(out) == self.k:
+                if len(out) == k:
                     break
         return out
 
     def _closest_seen(self) -> int | None:
+        state = self._state
+        failed, slow = _FAILED, _SLOW
         for d, node_id in self._order:
-            if self._state[node_id] not in (_State.FAILED, _State.SLOW):
+            s = state[node_id]
+            if s is not failed and s is not slow:
                 return d
         return None
 
@@ -105,28 +118,31 @@ class Lookup:
         if budget <= 0:
             return chosen
         state = self._state
+        contacts = self._contacts
+        k = self.k
+        failed, slow, new, in_flight = _FAILED, _SLOW, _NEW, _IN_FLIGHT
         ranked = 0
         for _, node_id in self._order:
             s = state[node_id]
-            if s is _State.FAILED or s is _State.SLOW:
+            if s is failed or s is slow:
                 continue
-            if s is _State.NEW:
-                state[node_id] = _State.IN_FLIGHT
+            if s is new:
+                state[node_id] = in_flight
                 self._flying += 1
-                chosen.append(self._contacts[node_id])
+                chosen.append(contacts[node_id])
                 budget -= 1
                 if budget <= 0:
                     break
             ranked += 1
-            if ranked == self.k:
+            if ranked == k:
                 break
         return chosen
 
     def on_reply(self, node_id: bytes, nodes: list[Contact]) -> None:
         state = self._state.get(node_id)
-        if state in (_State.IN_FLIGHT, _State.SLOW):
-            self._flying -= state is _State.IN_FLIGHT
-            self._state[node_id] = _State.ANSWERED
+        if state is _IN_FLIGHT or state is _SLOW:
+            self._flying -= state is _IN_FLIGHT
+            self._state[node_id] = _ANSWERED
         best = self._closest_seen()
         self.add(nodes)
         if best is not None and not self._stalled:
@@ -137,14 +153,14 @@ class Lookup:
 
     def on_failure(self, node_id: bytes) -> None:
         if node_id in self._state:
-            self._flying -= self._state[node_id] is _State.IN_FLIGHT
-            self._state[node_id] = _State.FAILED
+            self._flying -= self._state[node_id] is _IN_FLIGHT
+            self._state[node_id] = _FAILED
 
     def on_slow(self, node_id: bytes) -> None:
         """A query is taking long (a dead node, usually): stop waiting for it, free its slot."""
-        if self._state.get(node_id) is _State.IN_FLIGHT:
+        if self._state.get(node_id) is _IN_FLIGHT:
             self._flying -= 1
-            self._state[node_id] = _State.SLOW
+            self._state[node_id] = _SLOW
 
     @property
     def finished(self) -> bool:
@@ -152,15 +168,17 @@ class Lookup:
         if self._flying:
             return False
         state = self._state
+        k = self.k
+        failed, slow, answered = _FAILED, _SLOW, _ANSWERED
         ranked = 0
         for _, node_id in self._order:
             s = state[node_id]
-            if s is _State.FAILED or s is _State.SLOW:
+            if s is failed or s is slow:
                 continue
-            if s is not _State.ANSWERED:
+            if s is not answered:
                 return False
             ranked += 1
-            if ranked == self.k:
+            if ranked == k:
                 break
         return True
 
@@ -173,14 +191,14 @@ class Lookup:
         if not self._stalled:
             return self.finished
         near = self._ranked()[: self.alpha]
-        return bool(near) and all(self._state[n] is _State.ANSWERED for n in near)
+        return bool(near) and all(self._state[n] is _ANSWERED for n in near)
 
     def candidates(self) -> list[Contact]:
         """The k closest seen that have not failed, answered or not."""
         return [self._contacts[n] for n in self._ranked()]
 
     def result(self) -> list[Contact]:
-        answered = [n for n in self._ranked() if self._state[n] is _State.ANSWERED]
+        answered = [n for n in self._ranked() if self._state[n] is _ANSWERED]
         return [self._contacts[n] for n in answered]
 
     def closest_distance(self) -> int | None:
