@@ -84,13 +84,15 @@ class Config:
 
 
 DEADLINE_S = RPC_TIMEOUT_S * (2**RPC_ATTEMPTS - 1)
+# Node.request schedules a lookup's slow-query timer when the first wait ends, which must come first
+assert RPC_TIMEOUT_S < SLOW_QUERY_S
 
 
 class _Rpc:
     """One request in flight. ``table``: the answer or its absence updates the routing table (DhtService._rpc);
     ``arg`` is the caller's (a lookup's hop, a put's contact)."""
 
-    __slots__ = ("contact", "mtype", "body", "done", "arg", "table", "sent_at", "wait", "first", "deadline")
+    __slots__ = ("contact", "mtype", "body", "done", "arg", "table", "sent_at", "wait", "first", "deadline", "slow")
 
     def __init__(self, contact: Contact, mtype: m.MsgType, body: Any, done: Done, arg: Any, table: bool,
                  now: float, wait: float) -> None:
@@ -104,6 +106,7 @@ class _Rpc:
         self.wait = wait
         self.first = True
         self.deadline = now + DEADLINE_S
+        self.slow: tuple | None = None  # a lookup's slow-query call: (at, reserved seq, fn, args), see Walk.pump
 
 
 class Node:
@@ -126,8 +129,12 @@ class Node:
 
     # -- the endpoint: requests, retransmission, answers ---------------------------------------------
     def request(self, contact: Contact, mtype: m.MsgType, body: Any, done: Done, arg: Any = None,
-                table: bool = False) -> None:
-        """Endpoint.request: retransmit with doubling waits until an answer or the deadline."""
+                table: bool = False, slow: tuple | None = None) -> None:
+        """Endpoint.request: retransmit with doubling waits until an answer or the deadline.
+
+        ``slow``: (at, seq, fn, args), a call reserved in the network's order (Walk.pump's slow-query timer)
+        that is scheduled only if this request is still unanswered when its first wait ends (at most 0.5 s,
+        before SLOW_QUERY_S): answered earlier, the call would do nothing, and most are."""
         sim = self.sim
         sim.rid += 1
         rid = sim.rid
@@ -135,6 +142,7 @@ class Node:
         net = self.net
         now = net.now
         rpc = _Rpc(contact, mtype, body, done, arg, table, now, self.rto.timeout(addr, RPC_TIMEOUT_S))
+        rpc.slow = slow
         self.pending[rid] = rpc
         sim.rpcs += 1
         net.send(self.addr, addr, (True, rid, mtype, body, self.contact))
@@ -149,6 +157,10 @@ class Node:
         if rpc.first:
             self.rto.timed_out(addr)
             rpc.first = False
+            slow = rpc.slow
+            if slow is not None:
+                at, seq, fn, args = slow
+                self.net.schedule(at, fn, args, self.addr, seq)
         if now >= rpc.deadline:
             del self.pending[rid]
             if rpc.table:
@@ -380,8 +392,10 @@ class Walk:
                 self.hops = hop
             self.queries += 1
             self.slow.add(node_id)
-            node.net.schedule(node.net.now + SLOW_QUERY_S, self.on_slow, (node_id,), node.addr)
-            node.request(contact, self.mtype, self.body, self.on_answer, hop, True)
+            # the slow-query timer keeps its place in the order (reserved now) but is scheduled only if the
+            # request is unanswered after its first wait (Node.request): an answered one would do nothing here
+            slow = (node.net.now + SLOW_QUERY_S, node.net.reserve(), self.on_slow, (node_id,))
+            node.request(contact, self.mtype, self.body, self.on_answer, hop, True, slow)
         if lookup.finished or (self.settle and lookup.settled):
             self.finish()
 

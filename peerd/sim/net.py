@@ -330,13 +330,25 @@ class Network:
         heappush(self._heap, (at, self._seq, timer))
         return timer
 
-    def schedule(self, at: float, fn: Callable[..., None], args: tuple, owner: Address | None = None) -> None:
+    def schedule(self, at: float, fn: Callable[..., None], args: tuple, owner: Address | None = None,
+                 seq: int | None = None) -> None:
         """``call_at`` without a Timer to cancel: the heap entry is a plain tuple (the simulator's per-request
-        timers, most of which find their request answered and do nothing)."""
+        timers, most of which find their request answered and do nothing).
+
+        ``seq``: one ``reserve`` gave earlier. The call then runs exactly where one scheduled at that moment
+        would have, among calls due at the same time, as long as it is scheduled before ``at`` (and the owner
+        has not crashed in between: the owner's incarnation is read now)."""
         if at < self.now:
             at = self.now
-        seq = self._seq = self._seq + 1
+        if seq is None:
+            seq = self._seq = self._seq + 1
         heappush(self._heap, (at, seq, fn, args, owner, self._epoch.get(owner, 0) if owner is not None else 0))
+
+    def reserve(self) -> int:
+        """A place in the order of events, for a call that ``schedule(..., seq=)`` may add later (or never:
+        one that would find nothing to do need not cost a heap entry)."""
+        seq = self._seq = self._seq + 1
+        return seq
 
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any, owner: Address | None = None) -> Timer:
         return self.call_at(self.now + delay, fn, *args, owner=owner)
