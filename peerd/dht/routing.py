@@ -17,13 +17,12 @@ class Contact:
     port: int
     # the id as an integer, for XOR distances: computed once, not in every sort and comparison of a lookup
     num: int = field(init=False, repr=False, compare=False)
+    # (host, port), made once: every request to the contact reads it
+    addr: tuple[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num", int.from_bytes(self.node_id, "big"))
-
-    @property
-    def addr(self) -> tuple[str, int]:
-        return (self.host, self.port)
+        object.__setattr__(self, "addr", (self.host, self.port))
 
 
 def distance(a: bytes, b: bytes) -> int:
@@ -203,13 +202,15 @@ class RoutingTable:
         bits = d & self._occupied
         while bits and len(picked) < count:
             i = bits.bit_length() - 1
-            last = made[i].view()
+            bucket = made[i]
+            last = bucket._view or bucket.view()  # the cached view, without a call (a bucket in use is not empty)
             picked += last
             bits ^= 1 << i
         bits = self._occupied & ~d
         while bits and len(picked) < count:
             low = bits & -bits
-            last = made[low.bit_length() - 1].view()
+            bucket = made[low.bit_length() - 1]
+            last = bucket._view or bucket.view()
             picked += last
             bits ^= low
         if len(picked) <= 1:
