@@ -146,7 +146,8 @@ class Node:
         self.pending[rid] = rpc
         sim.rpcs += 1
         net.send(self.addr, addr, (True, rid, mtype, body, self.contact))
-        net.schedule(min(rpc.deadline, now + rpc.wait), self._waited, (rid,), self.addr)
+        # the first wait (at most RPC_TIMEOUT_S) ends before the deadline; an answered request's wait is skipped
+        net.schedule_while(now + rpc.wait, self._waited, rid, self.pending, self.addr)
 
     def _waited(self, rid: int) -> None:
         rpc = self.pending.get(rid)
@@ -171,7 +172,7 @@ class Node:
         rpc.sent_at = now
         self.sim.retransmits += 1
         self.net.send(self.addr, addr, (True, rid, rpc.mtype, rpc.body, self.contact))
-        self.net.schedule(min(rpc.deadline, now + rpc.wait), self._waited, (rid,), self.addr)
+        self.net.schedule_while(min(rpc.deadline, now + rpc.wait), self._waited, rid, self.pending, self.addr)
 
     def receive(self, src: Any, payload: tuple) -> None:
         if payload[0]:

@@ -162,7 +162,8 @@ class Network:
         self.default = default if default is not None else Link()
         self.links: dict[tuple[Address, Address], Link] = {}
         self.trace = trace
-        # (time, sequence, ...): a Timer (call_at), fn, args, owner, epoch (schedule), or an arrival's source,
+        # (time, sequence, ...): a Timer (call_at), fn, args, owner, epoch (schedule; and live, schedule_while's),
+        # or an arrival's source,
         # destination, payload, size, source and destination incarnations and departure time (send)
         self._heap: list[tuple] = []
         self._seq = 0
@@ -344,6 +345,15 @@ class Network:
             seq = self._seq = self._seq + 1
         heappush(self._heap, (at, seq, fn, args, owner, self._epoch.get(owner, 0) if owner is not None else 0))
 
+    def schedule_while(self, at: float, fn: Callable[..., None], key: Hashable, live: Any, owner: Address) -> None:
+        """``schedule(at, fn, (key,), owner)``, skipped without a call when ``key`` is no longer in ``live`` by
+        then (a dict or set the caller keeps: a request's retransmission timer, ``live`` its requests in flight).
+        A skipped call counts in no ``events``, as a cancelled Timer."""
+        if at < self.now:
+            at = self.now
+        seq = self._seq = self._seq + 1
+        heappush(self._heap, (at, seq, fn, key, owner, self._epoch.get(owner, 0), live))
+
     def reserve(self) -> int:
         """A place in the order of events, for a call that ``schedule(..., seq=)`` may add later (or never:
         one that would find nothing to do need not cost a heap entry)."""
@@ -382,6 +392,13 @@ class Network:
             heappop(heap)
             self.now = at
             size = len(entry)
+            if size == 7:  # schedule_while's: (at, seq, fn, key, owner, epoch, live)
+                _, _, fn, key, owner, epoch, live = entry
+                if key not in live or epochs.get(owner, 0) != epoch:
+                    continue
+                count += 1
+                fn(key)
+                continue
             if size == 6:  # schedule's: (at, seq, fn, args, owner, epoch)
                 _, _, fn, args, owner, epoch = entry
                 if owner is not None and epochs.get(owner, 0) != epoch:

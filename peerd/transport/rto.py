@@ -26,6 +26,8 @@ DEFAULT_MIN_RTO = 0.05
 DEFAULT_CAPACITY = 4096
 MAX_BACKOFF = 64
 _INF = float("inf")
+_KEEP_VAR = 1 - BETA  # the same floats as computed per sample, once
+_KEEP_SRTT = 1 - ALPHA
 
 
 @dataclass(slots=True)
@@ -66,8 +68,8 @@ class RtoEstimator:
             if len(self._states) > self.capacity:
                 self._states.popitem(last=False)  # forget the least recently sampled destination
         else:
-            state.rttvar = (1 - BETA) * state.rttvar + BETA * abs(state.srtt - rtt)
-            state.srtt = (1 - ALPHA) * state.srtt + ALPHA * rtt
+            state.rttvar = _KEEP_VAR * state.rttvar + BETA * abs(state.srtt - rtt)
+            state.srtt = _KEEP_SRTT * state.srtt + ALPHA * rtt
             state.backoff = 1
             self._states.move_to_end(dest)
 
@@ -84,5 +86,6 @@ class RtoEstimator:
         state = self._states.get(dest)
         if state is None:
             return cap
-        rto = max(self.min_rto, state.srtt + K * state.rttvar) * state.backoff
-        return min(cap, rto)
+        rto = state.srtt + K * state.rttvar
+        rto = (rto if rto > self.min_rto else self.min_rto) * state.backoff  # max(min_rto, ...) without a call
+        return rto if rto < cap else cap  # min(cap, rto)
