@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +12,13 @@ import urllib.request
 import pytest
 
 from peerd.swarm import LocalSwarm
+
+# A shell without job control starts background jobs (`cmd &`) with SIGINT ignored, and an ignored signal stays
+# ignored across exec: every `peerd swarm`, lab holder and daemon a test starts would then ignore the Ctrl-C the
+# test sends it (three Ctrl-C tests timed out that way under `nohup .ci/run &`). A handler installed here is reset
+# to the default in children, so they get Python's usual KeyboardInterrupt.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def peerd(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
