@@ -607,7 +607,7 @@ def test_rationing_in_the_pass_makes_the_python_loops_decisions() -> None:
     assert sum(limited) > 0 and min(limited) >= 0  # C did refuse, and only what the reference refused
 
 
-# -- an overloaded pass sheds max-min fairly (recv_batch's ``shed``, UdpSocket's OVERLOAD_BYTES) -------------------
+# -- an overloaded pass sheds max-min fairly (recv_batch's ``shed``, UdpSocket's overload_bytes) -------------------
 def _flood(rx: socket.socket, plan: list[tuple[socket.socket, int, int, int]]) -> None:
     """(sender, type, count, body size) in turn, one datagram of each at a time, under the known token 5."""
     for k in range(max(n for _, _, n, _ in plan)):

@@ -646,7 +646,7 @@ class Endpoint:
                 # the pass's junk under unknown tokens is rationed in C where the limiter is the C table, at the
                 # time the pass began (``now``: the rest of the pass is decided at it too)
                 # an overloaded pass sheds the excess of the sources that fill the kernel queue, max-min fairly, PINGs
-                # and PONGs kept (``shed``: see UdpSocket's OVERLOAD_BYTES)
+                # and PONGs kept (``shed``: see UdpSocket's OVERLOAD_FRACTION)
                 batch, unknown, malformed, version, nbytes, limited, rationed, now, shed = await sock.recv_screened(
                     limit, screen, self.core.auth_limiter, shedding=True)  # type: ignore[attr-defined]
                 if shed:

@@ -38,18 +38,20 @@ WANT_BUFFER = 32 * 1024 * 1024  # ~25k datagrams: a receiver descheduled for ten
 RECV_BUFFER = 65536  # one receive: a GRO block is at most 64 KB
 ARENA_BYTES = 16 * RECV_BUFFER  # receives per recv_blocks call land here, one after another
 MERGE_PREFIX = SEQ_OFFSET  # envelope bytes before the sequence number: magic, version, type, flags, token
-# An overloaded receive loop (PROTOCOL-free, local policy): when the kernel queue holds more than OVERLOAD_BYTES
-# (SO_MEMINFO's receive allocation: about 2 KB a datagram on loopback, so about 4000), the loop is behind by tens of
+# An overloaded receive loop (PROTOCOL-free, local policy): when the kernel queue holds more than overload_bytes
+# (SO_MEMINFO's receive allocation: about 2 KB a datagram on loopback), the loop is behind by tens of
 # ms and a PING waits behind all of it, or is lost when the queue overflows. Such a pass reads up to
 # OVERLOAD_DATAGRAMS into an arena of its own and keeps OVERLOAD_KEEP (or its max_datagrams, if fewer), shared
 # max-min fairly among the sources (dataplane.c recv_batch's ``shed``): the sources filling the queue lose their
 # excess before any Python object is made, PINGs and PONGs are never shed, and the queue drains. OVERLOAD_KEEP is
 # a short pass (a quarter of the usual 1024): an overloaded daemon is short of CPU, and a PING that arrives during a
-# pass waits for its end. The threshold is 24 MiB, not lower: shedding also cuts honest members' tensor data, and a
-# busy node's queue passes 4 MiB in an honest 100 MB average (test_dht_keeps_answering_during_a_100mb_average lost
-# 7 % of one member's data at 4 MiB, with no kernel drop); the kernel's own limit is twice the 32 MB SO_RCVBUF, and
-# a member attack filled it to 55-64 MB.
-OVERLOAD_BYTES = 24 * 1024 * 1024
+# pass waits for its end. Shedding also cuts honest members' tensor data, so it starts only where the kernel is about
+# to drop anyway: at OVERLOAD_FRACTION of the socket's receive limit (SO_RCVBUF as the kernel reports it, twice the
+# usable size: 64 MB for the 32 MB asked). Lower thresholds lost honest data with no kernel drop: at 4 MiB 7 % of one
+# member's data in test_dht_keeps_answering_during_a_100mb_average, at 24 MiB 0.6-2.2 % in 6 of 9 loss-free
+# `bench allreduce --peers 4 --size 25000000` runs; a member attack fills the queue to 55-64 MB.
+OVERLOAD_FRACTION = 0.875
+OVERLOAD_AUTO = -1  # overload_bytes: OVERLOAD_FRACTION of this socket's receive limit
 OVERLOAD_KEEP = 256
 OVERLOAD_DATAGRAMS = 16384
 OVERLOAD_ARENA = 24 * 1024 * 1024
@@ -94,10 +96,11 @@ def _set_buffer(sock: socket.socket, force_opt: int, opt: int, size: int) -> int
 class UdpSocket:
     def __init__(self, sock: socket.socket, *, gso: bool = True, buffer_bytes: int = WANT_BUFFER,
                  arena_bytes: int = ARENA_BYTES, native_receive: bool | None = None,
-                 overload_bytes: int | None = OVERLOAD_BYTES) -> None:
+                 overload_bytes: int | None = OVERLOAD_AUTO) -> None:
         """``native_receive``: take receive passes with the C extension's recv_batch (None: where it is loaded;
         True: required, ValueError without it; False: the Python loop). ``overload_bytes``: the kernel queue
-        depth past which a screened pass sheds (see OVERLOAD_BYTES; None: never)."""
+        depth past which a screened pass sheds (OVERLOAD_AUTO: near the kernel's limit, see OVERLOAD_FRACTION;
+        None: never)."""
         if native_receive and NATIVE_RECV is None:
             raise ValueError("native_receive: the native extension's recv_batch is not loaded")
         if arena_bytes < RECV_BUFFER:
@@ -137,6 +140,8 @@ class UdpSocket:
         self._arena = bytearray(arena_bytes)
         self._view = memoryview(self._arena)
         self._used = 0
+        if overload_bytes == OVERLOAD_AUTO:
+            overload_bytes = int(2 * self.rcvbuf * OVERLOAD_FRACTION)
         self.overload_bytes = overload_bytes
         self._overload_view: memoryview | None = None  # the overloaded passes' arena, made at the first one
         self.shed = 0  # datagrams shed by overloaded passes
@@ -240,7 +245,7 @@ class UdpSocket:
         (the time the pass began, which the caller's decisions on the rest must use): ``limited`` were refused
         (``auth_limited``, never Python objects, their bytes in screened_bytes), and ``unknown[0]``, where there
         is one, has its key derivation granted already; the rest of ``unknown`` is for the caller to decide.
-        ``shedding`` (with a limiter): an overloaded pass sheds (see OVERLOAD_BYTES), and the result ends with
+        ``shedding`` (with a limiter): an overloaded pass sheds (see OVERLOAD_FRACTION), and the result ends with
         ``shed``, the datagrams it dropped (their bytes in screened_bytes); without it nothing is shed."""
         recv = self._native_recv
         if recv is None:
