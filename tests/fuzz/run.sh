@@ -31,7 +31,7 @@ log="${TMPDIR:-/tmp}/peerd-fuzz.log"
 rc=0
 PEERD_ASAN_NATIVE="$so" PYTHONMALLOC=malloc LD_PRELOAD="$asan" \
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
-  python tests/fuzz/fuzz_dataplane.py -max_total_time="$seconds" -rss_limit_mb=4096 -print_final_stats=1 \
+  python tests/fuzz/fuzz_dataplane.py -max_total_time="$seconds" -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 \
   -artifact_prefix="${TMPDIR:-/tmp}/peerd-fuzz-" "$tmp/corpus" >"$log" 2>&1 || rc=$?
 grep -E "^fuzz:|^Done|^stat::(number_of_executed_units|average_exec_per_sec|peak_rss_mb)" "$log" | tail -5
 if [ "$rc" != 0 ]; then
