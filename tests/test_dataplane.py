@@ -477,6 +477,20 @@ def test_seal_split_bounds_are_checked() -> None:
             pytest.fail(name)
     with pytest.raises(TypeError):  # out must be writable
         aead.seal_split(*good[:12], bytes(4 * width), *good[13:])
+    # frame_split (insecure): the same layouts less the receiver, rows without a tag
+    fgood = good[:11] + (bytearray(4 * (width - TAG_SIZE)), 0, width - TAG_SIZE)
+    _native.frame_split(*fgood)
+    assert bytes(fgood[11][HEADER_SIZE : HEADER_SIZE + 19]) == bytes(head[:19])
+    for name, args in bad.items():
+        if name in ("receiver", "out short", "out stride", "out over src", "out over head"):
+            continue
+        with pytest.raises((ValueError, OverflowError)):
+            _native.frame_split(*args[:11], *fgood[11:])
+            pytest.fail(name)
+    for fbad in (fgood[:11] + (bytearray(4 * (width - TAG_SIZE) - 1), 0, width - TAG_SIZE),
+                 fgood[:13] + (width - TAG_SIZE - 1,), fgood[:7] + (fgood[11],) + fgood[8:]):
+        with pytest.raises(ValueError):
+            _native.frame_split(*fbad)
 
 
 @needs_native

@@ -524,6 +524,66 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(frame_split_doc,
+"frame_split(prefix, first_seq, rows, head, head_offset, head_stride, head_len, src, src_offset, src_stride,\n"
+"            body_len, out, out_offset, out_stride)\n"
+"--\n\n"
+"frame_block over bodies in two pieces (as Aead.seal_split): row i is the header, then the ``head_len`` bytes at\n"
+"head[head_offset + i * head_stride], then the ``body_len`` bytes at src[src_offset + i * src_stride].");
+
+static PyObject *frame_split(PyObject *module, PyObject *args) {
+    Py_buffer prefix = {0}, head = {0}, src = {0}, out = {0};
+    unsigned long long first_seq;
+    Py_ssize_t rows, head_offset, head_stride, head_len, src_offset, src_stride, body_len, out_offset, out_stride;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*Kny*nnny*nnnw*nn", &prefix, &first_seq, &rows, &head, &head_offset, &head_stride,
+                          &head_len, &src, &src_offset, &src_stride, &body_len, &out, &out_offset, &out_stride))
+        return NULL;
+    if (prefix.len != PREFIX_SIZE) {
+        PyErr_Format(PyExc_ValueError, "the header prefix is %d bytes, got %zd", PREFIX_SIZE, prefix.len);
+        goto done;
+    }
+    if (head_len < 0 || body_len < 0 || head_len > MAX_ROW || body_len > MAX_ROW - head_len || rows < 0
+        || rows > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "head_len %zd, body_len %zd or rows %zd out of range", head_len, body_len,
+                     rows);
+        goto done;
+    }
+    if (first_seq == 0 || (rows > 0 && first_seq > UINT64_MAX - (unsigned long long)(rows - 1))) {
+        PyErr_SetString(PyExc_OverflowError, "sequence numbers run from 1 to 2**64 - 1");
+        goto done;
+    }
+    Py_ssize_t width = HEADER_SIZE + head_len + body_len;
+    if (!rows_fit("head", head.len, head_offset, head_stride, head_len, rows)) goto done;
+    if (!rows_fit("src", src.len, src_offset, src_stride, body_len, rows)) goto done;
+    if (!rows_fit("out", out.len, out_offset, out_stride, width, rows)) goto done;
+    if (spans_overlap(&src, src_offset, src_stride, body_len, &out, out_offset, out_stride, width, rows)
+        || spans_overlap(&head, head_offset, head_stride, head_len, &out, out_offset, out_stride, width, rows)) {
+        PyErr_SetString(PyExc_ValueError, "out overlaps head or src");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *h = (const unsigned char *)head.buf + head_offset;
+    const unsigned char *s = (const unsigned char *)src.buf + src_offset;
+    unsigned char *o = (unsigned char *)out.buf + out_offset;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        unsigned char *row = o + i * out_stride;
+        uint64_t seq = (uint64_t)first_seq + (uint64_t)i;
+        memcpy(row, prefix.buf, PREFIX_SIZE);
+        for (int b = 0; b < 8; b++) row[SEQ_OFFSET + b] = (unsigned char)(seq >> (56 - 8 * b));
+        memcpy(row + HEADER_SIZE, h + i * head_stride, (size_t)head_len);
+        memcpy(row + HEADER_SIZE + head_len, s + i * src_stride, (size_t)body_len);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 /* ---- placing opened rows --------------------------------------------------------------------------- */
 
 /* No little-endian float32 in ``row`` (``n`` bytes, a multiple of 4) is NaN or inf: no exponent is all ones.
@@ -1543,6 +1603,7 @@ done:
 
 static PyMethodDef module_methods[] = {
     {"frame_block", frame_block, METH_VARARGS, frame_block_doc},
+    {"frame_split", frame_split, METH_VARARGS, frame_split_doc},
     {"place_rows", place_rows, METH_VARARGS, place_rows_doc},
     {"first_nonfinite", first_nonfinite, METH_VARARGS, first_nonfinite_doc},
 #ifdef __linux__

@@ -2,8 +2,8 @@
 
 Run by tests/fuzz/run.sh, which builds an ASan copy of the extension into a temp dir and preloads gcc's libasan
 (``PEERD_ASAN_NATIVE`` is that copy's path). Each input picks an entry point (Aead(), seal_block, open_block,
-frame_block, seal_split, place_rows, first_nonfinite, recv_batch over a loopback socket, with its junk screen and a
-Ration table; Ration's methods) and arguments: buffers of exact
+frame_block, seal_split, frame_split, place_rows, first_nonfinite, recv_batch over a loopback socket, with its junk
+screen and a Ration table; Ration's methods) and arguments: buffers of exact
 sizes (ctypes arrays, malloc'd apart under PYTHONMALLOC=malloc, so a byte read or written past one is an ASan
 report), offsets, strides, counts and lengths that are right, nearly
 right or wild. A call may raise ValueError, OverflowError or TypeError (the bounds it checks); anything else, or
@@ -404,8 +404,8 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
 
 
 def seal_split(fdp: atheris.FuzzedDataProvider, key: bytes) -> None:
-    """Aead.seal_split: headers and bodies from two buffers, each layout right, nearly right or wild; a call that is
-    accepted with the right layout must open back (open_block) to head || body, row by row."""
+    """Aead.seal_split (or frame_split): headers and bodies from two buffers, each layout right, nearly right or
+    wild; a call accepted with the right layout must open back (open_block) to head || body, row by row."""
     rows = fdp.ConsumeIntInRange(0, 40)
     head_len = fdp.ConsumeIntInRange(0, 70) if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeIntInRange(0, 70000)
     body_len = fdp.ConsumeIntInRange(0, 300) if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 12000)
@@ -414,10 +414,22 @@ def seal_split(fdp: atheris.FuzzedDataProvider, key: bytes) -> None:
     first = number(fdp, fdp.ConsumeIntInRange(1, 2**64 - 1))
     h_off, h_stride, h_size = layout(fdp, rows, head_len)
     s_off, s_stride, s_size = layout(fdp, rows, body_len)
-    width = HEADER + head_len + body_len + TAG
+    framed = fdp.ConsumeIntInRange(0, 3) == 0  # frame_split, the insecure twin
+    width = HEADER + head_len + body_len + (0 if framed else TAG)
     o_off, o_stride, o_size = layout(fdp, rows, width)
     head, src, out = buffer(fdp, h_size), buffer(fdp, s_size), buffer(fdp, o_size)
     n_rows, n_head, n_body = number(fdp, rows), number(fdp, head_len), number(fdp, body_len)
+    if framed:
+        native.frame_split(prefix, first, n_rows, head, h_off, h_stride, n_head, src, s_off, s_stride, n_body, out,
+                           o_off, o_stride)
+        seen["frame_split ok"] += 1
+        if (n_rows, n_head, n_body) == (rows, head_len, body_len):
+            for i in range(rows):
+                a, b, o = h_off + i * h_stride, s_off + i * s_stride, o_off + i * o_stride + HEADER
+                if bytes(out[o : o + head_len + body_len]) != bytes(head[a : a + head_len]) + bytes(
+                        src[b : b + body_len]):
+                    raise AssertionError(f"frame_split row {i} holds other bytes than head || body")
+        return
     aead = native.Aead(key)
     aead.seal_split(prefix, first, n_rows, head, h_off, h_stride, n_head, src, s_off, s_stride, n_body, receiver, out,
                     o_off, o_stride)
