@@ -187,7 +187,7 @@ def _average(cores: list[GroupAverage], loss: float, seed: int) -> list[np.ndarr
         now += 0.3
         for i, core in enumerate(cores):
             for blk in core.next_blocks(4, 10**9):
-                kept = [r for r in blk.bodies for _ in range(blk.repeat) if rnd.random() >= loss]
+                kept = [r for r in blk.whole() for _ in range(blk.repeat) if rnd.random() >= loss]
                 if not kept:
                     continue
                 arr = np.stack(kept)
@@ -233,6 +233,58 @@ def test_a_reused_stage_gives_the_same_result(n, length, per, seed, loss, robust
     second = _average(cores([core.stage_buffer for core in reused]), loss, seed)  # holds the first's values now
     for f, x, y in zip(fresh, first, second, strict=True):
         assert np.array_equal(f, x, equal_nan=True) and np.array_equal(f, y, equal_nan=True)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(2, 4),
+    length=st.integers(0, 200),
+    per=st.sampled_from([1, 3, 8]),
+    seed=st.integers(0, 2**16),
+    loss=st.sampled_from([0.0, 0.3]),
+    inplace=st.booleans(),
+)
+def test_split_values_send_the_same_bodies(n, length, per, seed, loss, inplace) -> None:
+    """With ``split_values`` a group's DATA blocks carry tensor headers and views of the values apart (for a sealer
+    that reads them in place): joined, they are the packed bodies, block for block, and the results are the same
+    bits, also when the result is the input vector itself (``out is vec``) and averages land in it meanwhile."""
+    rnd = random.Random(seed)
+
+    def cores(split: bool) -> list[GroupAverage]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for i in range(n):
+            vec = rng.standard_normal(length).astype(np.float32)
+            core = GroupAverage(GROUP, n, i, vec, 1.0 + i, 0.0, max_payload=HEADER_SIZE + 4 * per, run=seed,
+                                out=vec if inplace else None)
+            core.split_values = split
+            out.append(core)
+        return out
+
+    a, b = cores(False), cores(True)
+    now = 0.0
+    for _ in range(10_000):
+        if all(c.finished for c in a):
+            break
+        now += 0.3
+        for i in range(n):
+            blocks_a, blocks_b = a[i].next_blocks(4, 10**9), b[i].next_blocks(4, 10**9)
+            assert [(x.to, x.type, x.repeat, x.bodies.tobytes()) for x in blocks_a] == [
+                (x.to, x.type, x.repeat, x.whole().tobytes()) for x in blocks_b]
+            assert all((x.values is not None) == (x.type in (RS_DATA, AG_DATA)) for x in blocks_b)
+            for blk in blocks_a:
+                kept = [r for r in blk.bodies for _ in range(blk.repeat) if rnd.random() >= loss]
+                for cores_ in (a, b):
+                    arr = np.stack(kept) if kept else None
+                    if arr is None:
+                        continue
+                    if blk.type in (RS_END, AG_END) or cores_[blk.to].receive_block(i, blk.type, arr, now) is None:
+                        _feed_rows(cores_[blk.to], i, blk.type, [bytes(r) for r in kept], now)
+        for core in a + b:
+            core.handle_timer(now)
+    assert all(c.finished for c in a + b)
+    for x, y in zip(a, b, strict=True):
+        assert x.result().tobytes() == y.result().tobytes()
 
 
 def test_stage_must_fit_and_not_overlap() -> None:

@@ -407,6 +407,93 @@ def test_native_bounds_are_checked() -> None:
 
 
 @needs_native
+@FAST
+@given(
+    sealed=st.booleans(),
+    token=st.integers(1, 2**64 - 1),
+    seq=st.one_of(st.integers(0, 2**20), st.integers(2**64 - 200, 2**64 - 101)),
+    rows=st.integers(0, 16),
+    head_len=st.sampled_from([0, 1, 19, 31, 64, 65]),
+    count=st.integers(0, 80),
+    big=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_seal_split_is_seal_block_of_the_joined_bodies(sealed: bool, token: int, seq: int, rows: int, head_len: int,
+                                                       count: int, big: bool, seed: int) -> None:
+    """Sealing headers and float32 values apart (straight from a vector) puts the same datagrams on the wire as
+    sealing the packed bodies, on both paths; ``big`` rows are past the C code's stack buffer (its other branch)."""
+    rng = np.random.default_rng(seed)
+    if big:
+        count += 2400  # 9,600+ value bytes: over SPLIT_ROW_MAX
+    secret = rng.bytes(32) if sealed else None
+    receiver = rng.bytes(32)
+    heads = rng.integers(0, 256, (rows, head_len), dtype=np.uint8)
+    vector = rng.standard_normal(rows * count + 3).astype(np.float32)
+    values = vector[3:].reshape(rows, count)  # a view at an odd float offset, as a shard's ranges are
+    joined = np.concatenate((heads, values.view(np.uint8)), axis=1)
+    py, c = _pair_sealers(secret, token, seq)
+    ref = Sealer(secret, token, native=True)
+    ref._seq = seq
+    want = ref.seal_block(RS_DATA, joined, receiver)
+    for s in (py, c):
+        got = s.seal_split(RS_DATA, heads, values, receiver)
+        assert got.tobytes() == want.tobytes() and got.shape == want.shape
+        assert s.sent == seq + rows
+
+
+@needs_native
+def test_seal_split_bounds_are_checked() -> None:
+    """The C entry point refuses every layout that does not fit, before it touches memory."""
+    aead = _native.Aead(bytes(32))
+    rx, prefix = bytes(32), bytes(PREFIX_SIZE)
+    head, src = bytearray(4 * 19), bytearray(4 * 40)
+    width = HEADER_SIZE + 19 + 40 + TAG_SIZE
+    out = bytearray(4 * width)
+    good = (prefix, 1, 4, head, 0, 19, 19, src, 0, 40, 40, rx, out, 0, width)
+    aead.seal_split(*good)
+    bad = {
+        "prefix": (bytes(12),) + good[1:],
+        "seq 0": good[:1] + (0,) + good[2:],
+        "seq wraps": good[:1] + (2**64 - 2,) + good[2:],
+        "rows": good[:2] + (5,) + good[3:],
+        "negative rows": good[:2] + (-1,) + good[3:],
+        "head short": good[:3] + (bytearray(4 * 19 - 1),) + good[4:],
+        "head stride": good[:5] + (18,) + good[6:],
+        "head offset": good[:4] + (1,) + good[5:],
+        "src short": good[:7] + (bytearray(159),) + good[8:],
+        "src stride": good[:9] + (39,) + good[10:],
+        "body_len": good[:10] + (41,) + good[11:],
+        "too long": good[:6] + (65535,) + good[7:10] + (1,) + good[11:],
+        "negative len": good[:6] + (-1,) + good[7:],
+        "receiver": good[:11] + (b"x",) + good[12:],
+        "out short": good[:12] + (bytearray(4 * width - 1),) + good[13:],
+        "out stride": good[:14] + (width - 1,),
+        "out over src": good[:7] + (out,) + good[8:12] + (out,) + good[13:],
+        "out over head": good[:3] + (out,) + good[4:12] + (out,) + good[13:],
+    }
+    for name, args in bad.items():
+        with pytest.raises((ValueError, OverflowError)):
+            aead.seal_split(*args)
+            pytest.fail(name)
+    with pytest.raises(TypeError):  # out must be writable
+        aead.seal_split(*good[:12], bytes(4 * width), *good[13:])
+    # frame_split (insecure): the same layouts less the receiver, rows without a tag
+    fgood = good[:11] + (bytearray(4 * (width - TAG_SIZE)), 0, width - TAG_SIZE)
+    _native.frame_split(*fgood)
+    assert bytes(fgood[11][HEADER_SIZE : HEADER_SIZE + 19]) == bytes(head[:19])
+    for name, args in bad.items():
+        if name in ("receiver", "out short", "out stride", "out over src", "out over head"):
+            continue
+        with pytest.raises((ValueError, OverflowError)):
+            _native.frame_split(*args[:11], *fgood[11:])
+            pytest.fail(name)
+    for fbad in (fgood[:11] + (bytearray(4 * (width - TAG_SIZE) - 1), 0, width - TAG_SIZE),
+                 fgood[:13] + (width - TAG_SIZE - 1,), fgood[:7] + (fgood[11],) + fgood[8:]):
+        with pytest.raises(ValueError):
+            _native.frame_split(*fbad)
+
+
+@needs_native
 def test_native_releases_the_gil() -> None:
     """Two threads seal at once with their own contexts; both blocks come out right (the GIL is released over a
     block, so this is where a shared buffer or context would show)."""

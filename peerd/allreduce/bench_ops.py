@@ -32,6 +32,7 @@ MAX_BENCH_ELEMENTS = 1 << 28  # 1 GiB of float32
 STAGES: dict[str, tuple[type, str]] = {
     "seal": (_seal.Sealer, "seal_block"),
     "seal_one": (_seal.Sealer, "seal"),
+    "seal_split": (_seal.Sealer, "seal_split"),
     "open": (_seal.Opener, "open_block"),
     "open_one": (_seal.Opener, "open"),
     "pack": (_group.GroupAverage, "next_blocks"),

@@ -64,8 +64,10 @@ from ..compress.floats import Float32Codec
 from ..wire.errors import WireError
 from ..wire.native import native as _native
 from .codec import (
+    CODEC_FLOAT32,
     END_REPEATS,
     FLOAT32,
+    HEADER,
     HEADER_SIZE,
     BodyType,
     check_header,
@@ -125,6 +127,15 @@ class OutBlock(NamedTuple):
     type: int
     bodies: np.ndarray
     repeat: int
+    # With ``GroupAverage.split_values``: ``bodies`` holds only each body's tensor header and ``values`` the float32
+    # values (rows, count) that follow it, a view of the vector or result: sealed straight from there, no packed copy.
+    values: np.ndarray | None = None
+
+    def whole(self) -> np.ndarray:
+        """The complete bodies (rows, body bytes) uint8: ``bodies`` itself, or headers and values joined."""
+        if self.values is None:
+            return self.bodies
+        return np.concatenate((self.bodies, np.ascontiguousarray(self.values, dtype=FLOAT32).view(np.uint8)), axis=1)
 
 
 class Outgoing(NamedTuple):
@@ -342,6 +353,17 @@ class _Phase:
         )
 
 
+def _heads(group: int, total: int, offset: int, weight: float | np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor headers ``pack_block`` puts before (rows, count) values from element ``offset`` on, alone:
+    (rows, HEADER_SIZE) uint8, for a sealer that reads the values from where they are."""
+    rows, count = shape
+    out = np.empty((rows, HEADER_SIZE), dtype=np.uint8)
+    out[:] = np.frombuffer(HEADER.pack(group, CODEC_FLOAT32, total, offset, count, 0.0), np.uint8)
+    out[:, 9:13] = np.arange(offset, offset + rows * count, count, dtype="<u4").view(np.uint8).reshape(rows, 4)
+    out[:, 15:19] = np.asarray(weight, dtype="<f4").reshape(-1, 1).view(np.uint8)
+    return out
+
+
 def _native_rows(bodies: np.ndarray) -> bool:
     """The native data plane takes this block of bodies as it is: a 2-D byte array whose rows are each contiguous
     and ``strides[0]`` apart (a view past the datagrams' envelopes too), no copy."""
@@ -552,6 +574,11 @@ class GroupAverage:
                 self._noise = np.random.default_rng((group_id, index))
         self._out_bytes = memoryview(out).cast("B")
         self._inplace = out is vec
+        # Blocks carry headers and value views apart (OutBlock.values), for a driver that seals from them. Values
+        # are then read when sealed, not when the block is made: with ``out is vec`` a member's average of its shard
+        # can land in the vector in between, but only once that member's reduce-scatter has ended, when it drops
+        # whatever reduce-scatter data still comes as late; the own shard's average is final before it is sent.
+        self.split_values = False
         self._w32 = w32
         self._lo, self._hi = self.layout.shard(index)
         self._per = self.layout.per
@@ -976,7 +1003,7 @@ class GroupAverage:
                 if not blocks:
                     break
                 for b in blocks:
-                    self._left.extend(Outgoing(b.to, b.type, bytes(row), b.repeat) for row in b.bodies)
+                    self._left.extend(Outgoing(b.to, b.type, bytes(row), b.repeat) for row in b.whole())
             take = min(limit - len(batch), len(self._left))
             batch.extend(self._left[:take])
             del self._left[:take]
@@ -1011,6 +1038,10 @@ class GroupAverage:
                         values = self._corrupt(values)
                     if self._coded:
                         bodies = self._pack_coded(total, off, w, values, self._rs_key)
+                    elif self.split_values:
+                        rs.sent += len(values)
+                        yield OutBlock(j, _RS_DATA, _heads(group, total, off, w, values.shape), 1, values)
+                        continue
                     else:
                         bodies = pack_block(group, total, off, w, values)
                     if len(bodies):
@@ -1089,6 +1120,14 @@ class GroupAverage:
                     bodies = bodies[sendable]
             else:
                 values = out[off : min(hi, lo + k1 * per)].reshape(k1 - k, -1)
+                if self.split_values:
+                    heads = _heads(group, total, off, weights, values.shape)
+                    for j in dests:
+                        if live[j]:
+                            ag.sent += len(heads)
+                            yield OutBlock(j, _AG_DATA, heads, 1, values)
+                    k = k1
+                    continue
                 bodies = pack_block(group, total, off, weights, values)
             if len(bodies):
                 for j in dests:

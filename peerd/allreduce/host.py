@@ -137,6 +137,7 @@ class SendBlock:
     type: int
     bodies: np.ndarray
     part: int
+    values: np.ndarray | None = None  # OutBlock.values: ``bodies`` is then only the tensor headers
 
 
 Action = Dropped | Wake | HeldTimer | Bind | SendReport | PacerVerdict | Completed
@@ -192,6 +193,7 @@ class AveragingHost:
         recent_groups: int = RECENT_GROUPS,
         max_bindings: int = MAX_BINDINGS,
         spare_stage_bytes: int = SPARE_STAGE_BYTES,
+        split_values: bool = False,
     ) -> None:
         if byzantine is not None and byzantine not in BYZANTINE_MODES:
             raise ValueError(f"byzantine must be one of {', '.join(BYZANTINE_MODES)} (or None), got {byzantine!r}")
@@ -206,6 +208,9 @@ class AveragingHost:
         self.recent_groups = recent_groups
         self.max_bindings = max_bindings
         self.spare_stage_bytes = spare_stage_bytes
+        # SendBlocks of float32 data carry their values apart (SendBlock.values) for a driver that seals them in
+        # place (Sealer.seal_split); off, each block's bodies are whole.
+        self.split_values = split_values
         self._spare: np.ndarray | None = None  # one finished group's stage, for the next group that fits in it
         self._groups: dict[int, _Group] = {}
         self._recent: OrderedDict[int, _Group] = OrderedDict()  # finished groups, for their last REPORTs
@@ -258,6 +263,7 @@ class AveragingHost:
         )
         if spare is not None:
             self._spare = None
+        core.split_values = self.split_values
         part, rows = send_shape(self.mtu, gso)
         g = _Group(core, peers, now, kernel_drops, floor_s, part, rows, now + self.report_interval_s)
         self._recent.pop(group_id, None)  # (a group id used again: its old REPORTs no longer count)
@@ -297,7 +303,7 @@ class AveragingHost:
         out = []
         for b in g.core.next_blocks(g.rows, limit):
             bodies = b.bodies if b.repeat == 1 else np.repeat(b.bodies, b.repeat, axis=0)
-            out.append(SendBlock(group_id, b.to, g.peers[b.to], b.type, bodies, g.part))
+            out.append(SendBlock(group_id, b.to, g.peers[b.to], b.type, bodies, g.part, b.values))
         return out
 
     def pace(self, block: SendBlock, rows: int, nbytes: int, now: float) -> float:

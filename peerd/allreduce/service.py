@@ -73,7 +73,8 @@ class AllreduceService:
     ) -> None:
         self.endpoint = endpoint
         self.metrics = metrics
-        self.host = AveragingHost(max_body=endpoint.max_body, mtu=endpoint.mtu, pacer=pacer, byzantine=byzantine)
+        self.host = AveragingHost(max_body=endpoint.max_body, mtu=endpoint.mtu, pacer=pacer, byzantine=byzantine,
+                                  split_values=True)
         if byzantine is not None:
             log.warning("!!! BYZANTINE FAULT INJECTION ON: this node corrupts every reduce-scatter contribution it"
                         " sends (%s). For demos and benchmarks only; never in a real swarm !!!", byzantine)
@@ -246,7 +247,11 @@ class AllreduceService:
         queues: dict[int, list[list]] = {}
         for b in blocks:
             member = members[b.to]
-            datagrams = self.endpoint.data_sealer(member.node_id).seal_block(b.type, b.bodies, member.node_id)
+            sealer = self.endpoint.data_sealer(member.node_id)
+            if b.values is None:
+                datagrams = sealer.seal_block(b.type, b.bodies, member.node_id)
+            else:  # tensor headers, then values sealed straight from the vector or result
+                datagrams = sealer.seal_split(b.type, b.bodies, b.values, member.node_id)
             queues.setdefault(b.to, []).append([b, member, datagrams, 0])  # ..., the next part's first row
             if len(blocks) > 1:
                 await trio.lowlevel.checkpoint()  # (each block is ~1 ms of sealing)

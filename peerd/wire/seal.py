@@ -186,6 +186,36 @@ class Sealer:
                     aads[a * i : a * (i + 1)], dst[o + HEADER_SIZE : o + width])
         return out
 
+    def seal_split(self, mtype: int, heads: np.ndarray, values: np.ndarray, receiver: bytes) -> np.ndarray:
+        """``seal_block`` of bodies given in two pieces: row i's body is ``heads[i]`` (uint8) then ``values[i]``'s
+        bytes (a tensor header, then values straight from the vector). The native path seals (insecure: frames) them
+        in place, without the packed copy; the same datagrams either way."""
+        if (self._native is None or not isinstance(heads, np.ndarray) or not isinstance(values, np.ndarray)
+                or heads.ndim != 2 or values.ndim != 2 or heads.dtype != np.uint8 or len(heads) != len(values)
+                or not heads.flags.c_contiguous or not values.flags.c_contiguous):
+            joined = np.concatenate((heads, np.ascontiguousarray(values).view(np.uint8)), axis=1)
+            return self.seal_block(mtype, joined, receiver)
+        tail = _receiver_bytes(receiver)
+        if not tail:
+            raise ValueError("tensor data is always sealed for one receiver")
+        if type(mtype) is not int or not 0 <= mtype <= 0xFF:
+            raise ValueError(f"type must be a u8, got {mtype!r}")
+        rows, hl = heads.shape
+        vb = values.shape[1] * values.itemsize
+        if self._seq + rows > MAX_SEQUENCE:
+            raise RuntimeError("sequence space exhausted: start a new Sealer (new token)")
+        prefix = _prefix(mtype, self._flags, self.token)
+        if self._ctx is None:  # insecure: framed, in one copy
+            out = np.empty((rows, HEADER_SIZE + hl + vb), dtype=np.uint8)
+            self._native.frame_split(prefix, self._seq + 1, rows, heads, 0, hl, hl, values, 0, vb, vb, out, 0,
+                                     out.shape[1])
+        else:
+            out = np.empty((rows, HEADER_SIZE + hl + vb + TAG_SIZE), dtype=np.uint8)
+            self._ctx.seal_split(prefix, self._seq + 1, rows, heads, 0, hl, hl, values, 0, vb, vb, tail, out, 0,
+                                 out.shape[1])
+        self._seq += rows
+        return out
+
     def _seal_block_native(self, mtype: int, bodies: np.ndarray, tail: bytes, rows: int, size: int) -> np.ndarray:
         """``seal_block`` in C: headers, nonces and AEAD in one pass over the block, the GIL released."""
         assert self._native is not None

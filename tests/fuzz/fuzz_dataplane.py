@@ -2,8 +2,8 @@
 
 Run by tests/fuzz/run.sh, which builds an ASan copy of the extension into a temp dir and preloads gcc's libasan
 (``PEERD_ASAN_NATIVE`` is that copy's path). Each input picks an entry point (Aead(), seal_block, open_block,
-frame_block, place_rows, first_nonfinite, recv_batch over a loopback socket, with its junk screen and a Ration
-table; Ration's methods) and arguments: buffers of exact
+frame_block, seal_split, frame_split, place_rows, first_nonfinite, recv_batch over a loopback socket, with its junk
+screen and a Ration table; Ration's methods) and arguments: buffers of exact
 sizes (ctypes arrays, malloc'd apart under PYTHONMALLOC=malloc, so a byte read or written past one is an ASan
 report), offsets, strides, counts and lengths that are right, nearly
 right or wild. A call may raise ValueError, OverflowError or TypeError (the bounds it checks); anything else, or
@@ -28,7 +28,8 @@ import numpy as np
 
 HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
-ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration")
+ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration",
+           "seal_split")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -112,6 +113,9 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
         return
     if which == 7:
         ration(fdp)
+        return
+    if which == 8:
+        seal_split(fdp, key)
         return
         return
     if which >= 4:
@@ -400,6 +404,49 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
         seen["recv_batch exact"] += 1
         if got != sent[: len(got)] or (drained and len(got) != len(sent)):
             raise AssertionError(f"received {len(got)} datagrams other than the {len(sent)} sent")
+
+
+def seal_split(fdp: atheris.FuzzedDataProvider, key: bytes) -> None:
+    """Aead.seal_split (or frame_split): headers and bodies from two buffers, each layout right, nearly right or
+    wild; a call accepted with the right layout must open back (open_block) to head || body, row by row."""
+    rows = fdp.ConsumeIntInRange(0, 40)
+    head_len = fdp.ConsumeIntInRange(0, 70) if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeIntInRange(0, 70000)
+    body_len = fdp.ConsumeIntInRange(0, 300) if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 12000)
+    receiver = fdp.ConsumeBytes(32 if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 40))
+    prefix = fdp.ConsumeBytes(13 if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeIntInRange(0, 20))
+    first = number(fdp, fdp.ConsumeIntInRange(1, 2**64 - 1))
+    h_off, h_stride, h_size = layout(fdp, rows, head_len)
+    s_off, s_stride, s_size = layout(fdp, rows, body_len)
+    framed = fdp.ConsumeIntInRange(0, 3) == 0  # frame_split, the insecure twin
+    width = HEADER + head_len + body_len + (0 if framed else TAG)
+    o_off, o_stride, o_size = layout(fdp, rows, width)
+    head, src, out = buffer(fdp, h_size), buffer(fdp, s_size), buffer(fdp, o_size)
+    n_rows, n_head, n_body = number(fdp, rows), number(fdp, head_len), number(fdp, body_len)
+    if framed:
+        native.frame_split(prefix, first, n_rows, head, h_off, h_stride, n_head, src, s_off, s_stride, n_body, out,
+                           o_off, o_stride)
+        seen["frame_split ok"] += 1
+        if (n_rows, n_head, n_body) == (rows, head_len, body_len):
+            for i in range(rows):
+                a, b, o = h_off + i * h_stride, s_off + i * s_stride, o_off + i * o_stride + HEADER
+                if bytes(out[o : o + head_len + body_len]) != bytes(head[a : a + head_len]) + bytes(
+                        src[b : b + body_len]):
+                    raise AssertionError(f"frame_split row {i} holds other bytes than head || body")
+        return
+    aead = native.Aead(key)
+    aead.seal_split(prefix, first, n_rows, head, h_off, h_stride, n_head, src, s_off, s_stride, n_body, receiver, out,
+                    o_off, o_stride)
+    if (n_rows, n_head, n_body) != (rows, head_len, body_len) or rows == 0:
+        return
+    plain = head_len + body_len
+    dst, mask = (ctypes.c_char * (rows * plain + 1))(), (ctypes.c_char * rows)(*([b"\x01"] * rows))
+    failures = aead.open_block(out, o_off, o_stride, width, rows, receiver, dst, 0, plain, mask)
+    seen["seal_split round trip"] += 1
+    for i in range(rows):
+        a, b = h_off + i * h_stride, s_off + i * s_stride
+        want = bytes(head[a : a + head_len]) + bytes(src[b : b + body_len])
+        if failures or bytes(dst[i * plain : (i + 1) * plain]) != want:
+            raise AssertionError(f"seal_split row {i} opened to other bytes than head || body ({failures} failed)")
 
 
 def main() -> None:
