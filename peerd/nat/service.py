@@ -226,7 +226,7 @@ class NatService:
         named it to this node, punch through that peer, and relay through it if the punch fails."""
         if self.endpoint.relay_of(addr) is not None or node_id in self._active:
             return
-        other = self._relay_entry(node_id)
+        other = self.relay_entry(node_id)
         if other is not None:  # relayed at another address already: the same relay serves this one
             self.endpoint.set_relay(addr, node_id, other[1], other[2])
             return
@@ -362,7 +362,7 @@ class NatService:
         self.endpoint.receive_relayed(data, addr)
         return None
 
-    def _relay_entry(self, node_id: bytes) -> tuple[bytes, bytes, Address] | None:
+    def relay_entry(self, node_id: bytes) -> tuple[bytes, bytes, Address] | None:
         for entry in self.endpoint._relayed.values():
             if entry[0] == node_id:
                 return entry
@@ -404,7 +404,7 @@ class NatService:
         kind = self.path_to(addr, node_id)
         if kind is not None:
             return kind
-        other = self._relay_entry(node_id)
+        other = self.relay_entry(node_id)
         if other is not None and self.kind.get(node_id) == "relayed":  # relayed at another address already
             self.endpoint.set_relay(addr, node_id, other[1], other[2])
             return "relayed"
