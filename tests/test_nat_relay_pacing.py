@@ -59,3 +59,32 @@ def test_paths_first_limits_relayed_members_only() -> None:
     pf.pace_relayed({b"a": "direct", b"b": "relayed", b"c": "relayed", b"d": None})
     assert set(pacer._limits) == {b"b", b"c"}
     assert pacer._limits[b"b"][0] is pacer._limits[b"c"][0]  # one bucket: the relay's grant is per sender
+
+
+def test_a_relay_passes_datagrams_on_in_the_order_they_came() -> None:
+    """One forwarder, not a task per RELAY: trio runs a batch of tasks backwards half the time, and receivers
+    took the reordering for loss (their REPORTs cut the senders' pacers to 0.25-2 MB/s)."""
+    import trio
+    import trio.testing
+
+    from tests.test_nat_service import NatMemNet, Node
+
+    async def main() -> None:
+        node = Node(NatMemNet(), "p1", 0)
+        out: list[bytes] = []
+
+        async def pass_on(addr, node_id, src, data) -> None:  # noqa: ANN001
+            out.append(data)
+            await trio.sleep(0)
+
+        node.endpoint.pass_on = pass_on  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node.nat._pass_on_all)
+            sent = [i.to_bytes(2, "big") for i in range(500)]
+            for data in sent:
+                node.nat._relay_in.send_nowait((("203.0.113.9", 1), b"t" * 32, b"s" * 32, data))
+            await trio.sleep(1)
+            assert out == sent
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
