@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import inspect
 import logging
@@ -23,6 +24,7 @@ from .dht import BootstrapError, DhtService
 from .dht.reads import Agreed, AnyOf, Enough, Owners
 from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
+from .moshpit.matchmaking import REACH_RANK, REACH_UNKNOWN
 from .moshpit.ops import MoshpitOps
 from .moshpit.service import MoshpitService
 from .nat.averager import PathsFirst
@@ -252,7 +254,11 @@ class Daemon:
 
     def _on_reachability(self, verdict: str, observed: tuple[str, int] | None) -> None:
         """A NATed node publishes its mapped address: Moshpit's records carry it instead of the listen address
-        (which peers cannot reach), unless --announce names one."""
+        (which peers cannot reach), unless --announce names one. Every verdict goes into its announcements:
+        matchmaking lets the most reachable members lead."""
+        self.moshpit.reach = REACH_RANK.get(verdict, REACH_UNKNOWN)
+        for st in self.moshpit.runs.values():  # (runs joined before the verdict: their next round has it)
+            st.core.me = dataclasses.replace(st.core.me, reach=self.moshpit.reach)
         if self.config.announce or observed is None or verdict not in ("cone-nat", "symmetric-nat"):
             return
         self.moshpit.address = observed

@@ -223,6 +223,19 @@ def nat_fields(nodes: list[Node], before: list[dict[str, int]], after: list[dict
             "reachability": [st["reachability"] for st in statuses]}
 
 
+def relayed_for_others(nodes: list[Node]) -> dict[str, Any]:
+    """What the nodes relayed for others, summed (a public member relays too): datagrams, bytes, and refusals
+    by reason (``relay_budget``: a sender faster than its relay's grant; data lost, never retransmitted)."""
+    out: dict[str, Any] = {"datagrams": 0, "bytes": 0, "refused": {}}
+    for node in nodes:
+        mine = _nat_status(node).get("relayed_for_others") or {}
+        out["datagrams"] += int(mine.get("datagrams", 0))
+        out["bytes"] += int(mine.get("bytes", 0))
+        for why, n in (mine.get("refused") or {}).items():
+            out["refused"][why] = out["refused"].get(why, 0) + int(n)
+    return out
+
+
 def _exact_mean(seeds: list[int], weights: list[float], size: int) -> np.ndarray:
     acc = np.zeros(size, dtype=np.float64)
     for seed, w in zip(seeds, weights, strict=True):
@@ -238,7 +251,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
     seeds = [cfg.seed * 1000 + i for i in range(cfg.peers)]
     weights = [float(rng.randint(1, 64)) for _ in range(cfg.peers)]
     workdir = tempfile.mkdtemp(prefix="peerd-bench-")
-    extra: list[str] = ["--mtu", str(cfg.mtu), "--log-level", "warning"]
+    extra: list[str] = ["--mtu", str(cfg.mtu), "--log-level", os.environ.get("PEERD_BENCH_LOG", "warning")]
     if cfg.no_gso:
         extra.append("--no-gso")
     profile = cfg.profile or os.environ.get("PEERD_BENCH_PROFILE", "") == "1"
@@ -260,7 +273,8 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
     except BaseException:
         if lab is not None:
             lab.close(raise_errors=False)
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not os.environ.get("PEERD_BENCH_LOG"):  # (set: the daemons log at that level, and their logs stay)
+            shutil.rmtree(workdir, ignore_errors=True)
         raise
     gloo: GlooBaseline | None = None
     try:
@@ -270,8 +284,10 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             loss = ("--loss", str(cfg.loss), "--loss-seed", str(cfg.seed * 100 + i)) if cfg.loss else ()
             nodes.append(swarm.start(extra=(*extra, *loss)))
             swarm.wait_ready(nodes[-1])
+        relay_node: Node | None = None
         if cfg.nat == "symmetric":  # the relay: a public daemon in the swarm, not in the group
-            swarm.wait_ready(swarm.start(extra=tuple(extra)))
+            relay_node = swarm.start(extra=tuple(extra))
+            swarm.wait_ready(relay_node)
         if cfg.nat != "none":
             members = _nat_members(nodes, quiet)
         else:
@@ -395,6 +411,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         if cfg.nat != "none":
             out["nat"] = cfg.nat
             out.update(nat_fields(nodes, nat_before, path_bytes(nodes)))
+            out["relayed_for_others"] = relayed_for_others(nodes + ([relay_node] if relay_node else []))
         if lab is not None and lab.rate_bps is not None:
             out.update(_link_fields(lab, cfg, peerd_times, uplink_bytes))
             out["bus_fraction"] = bus_fraction(cfg.peers, cfg.size, out["peerd_s"], lab.rate_bps)
@@ -410,7 +427,8 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         swarm.stop()
         if lab is not None:
             lab.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not os.environ.get("PEERD_BENCH_LOG"):  # (set: the daemons log at that level, and their logs stay)
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def p99(times: list[float]) -> float:

@@ -1,7 +1,9 @@
 """Finding this round's group (sans-I/O, injected wall-clock time).
 
 Every peer looking under one key announces ``(expiry, node id)`` in the DHT. Peers are ordered by
-that pair; a peer asks the earliest peer before it to lead it. A leader closes its group when it
+that pair; a peer asks the earliest peer before it to lead it. Reachability comes first (``lead_key``): a
+public peer leads before a peer behind a cone NAT, which leads before the rest, so that followers behind NATs
+can reach their leader (NAT traversal, issue 19); who is in a group stays the key's. A leader closes its group when it
 reaches the target size, or at its own expiry with at least the minimum size, else disbands. Only the
 leader's ordered member list (sent in BEGIN) defines the group, so peers that saw different DHT
 contents can never average with different lists.
@@ -33,12 +35,26 @@ PROBE_S = 0.5
 
 @dataclass(frozen=True, order=True)
 class Candidate:
-    """A peer looking for a group: ordered by (expiry, node id); earlier peers lead."""
+    """A peer looking for a group: ordered by (expiry, node id); earlier peers lead (after ``reach``:
+    ``lead_key``)."""
 
     expiry: float  # wall clock, as announced
     node_id: bytes
     public_key: bytes = field(compare=False)
     addr: tuple[str, int] = field(compare=False)
+    reach: int = field(default=2, compare=False)  # REACH_*, as announced: who may lead first
+
+
+REACH_PUBLIC, REACH_CONE, REACH_UNKNOWN, REACH_SYMMETRIC = 0, 1, 2, 3
+REACH_RANK = {"public": REACH_PUBLIC, "cone-nat": REACH_CONE, "unknown": REACH_UNKNOWN,
+              "symmetric-nat": REACH_SYMMETRIC}
+
+
+def lead_key(c: Candidate) -> tuple[int, float, bytes]:
+    """Who leads whom: reachable peers first (anyone can reach a public one; a symmetric NAT's peer only
+    through a relay), then the earliest expiry, then the node id. Every peer sees the same announced values,
+    so all agree on it."""
+    return (c.reach, c.expiry, c.node_id)
 
 
 @dataclass(frozen=True)
@@ -142,7 +158,8 @@ class Matchmaker:
     def on_entries(self, entries: list[Candidate], now: float) -> None:
         """What a DHT read of the key showed (any order, may include me and stale peers)."""
         self.seen = max(self.seen, len({c.node_id for c in entries} | {self.me.node_id}))
-        self._candidates = sorted(c for c in entries if c.node_id != self.me.node_id and c.expiry > now)
+        self._candidates = sorted((c for c in entries if c.node_id != self.me.node_id and c.expiry > now),
+                                  key=lead_key)
         looking = frozenset([self.me.node_id, *(c.node_id for c in self._candidates)])
         if looking != self._looking:
             self._looking = looking
@@ -252,8 +269,9 @@ class Matchmaker:
         """As a leader, follow the earliest peer before me that has not refused me."""
         if self.state is not State.LEADING:
             return
+        mine = lead_key(self.me)
         for c in self._candidates:
-            if c >= self.me:
+            if lead_key(c) >= mine:
                 break
             if self._refused.get(c.node_id, 0.0) > now:
                 continue

@@ -3,7 +3,7 @@
 Three keys per run, each written by every peer under its own node id (a shared subkey would belong to
 whoever wrote it first):
 
-- ``run/round/key``: "looking for a group under this key" (``[expiry, ip, port]``, msgpack);
+- ``run/round/key``: "looking for a group under this key" (``[expiry, ip, port, reach?]``, msgpack);
 - ``run/progress``: the last round the writer finished (a msgpack uint);
 - ``run/config``: the run's grid (``"4x4"``, text).
 
@@ -24,6 +24,7 @@ import msgpack
 from ..wire import messages as m
 from ..wire.identity import node_id_of
 from .keys import Grid
+from .matchmaking import REACH_PUBLIC, REACH_SYMMETRIC, REACH_UNKNOWN
 
 PROGRESS_TTL_S = 600.0
 CONFIG_TTL_S = 3600.0
@@ -71,8 +72,10 @@ def config_key(run_id: str) -> bytes:
 
 
 # -- run/round/key ------------------------------------------------------------------------------------
-def encode_announce(expiry: float, host: str, port: int) -> bytes:
-    return msgpack.packb([expiry, ipaddress.ip_address(host).packed, port])
+def encode_announce(expiry: float, host: str, port: int, reach: int = REACH_UNKNOWN) -> bytes:
+    """``reach``: the announcer's reachability rank (matchmaking's REACH_*), a 4th element only when known."""
+    fields = [expiry, ipaddress.ip_address(host).packed, port]
+    return msgpack.packb(fields if reach == REACH_UNKNOWN else [*fields, reach])
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,7 @@ class Announce:
     public_key: bytes
     host: str
     port: int
+    reach: int = REACH_UNKNOWN
 
 
 def decode_announce(record: RecordLike) -> Announce | None:
@@ -92,14 +96,17 @@ def decode_announce(record: RecordLike) -> Announce | None:
 @functools.lru_cache(maxsize=8192)  # every poll of a key re-reads the same records (bounded: LRU)
 def _decode_announce(owner: bytes, subkey: bytes, value: bytes) -> Announce | None:
     try:
-        expiry, ip, port = msgpack.unpackb(value)
+        expiry, ip, port, *rest = msgpack.unpackb(value)
         node_id = node_id_of(owner)
         if subkey != node_id or not isinstance(expiry, float) or type(port) is not int or not 0 < port < 65536:
             raise ValueError("fields")
+        reach = rest[0] if len(rest) == 1 else REACH_UNKNOWN if not rest else -1
+        if type(reach) is not int or not REACH_PUBLIC <= reach <= REACH_SYMMETRIC:
+            raise ValueError("reach")
         host = str(ipaddress.ip_address(ip))
     except (ValueError, TypeError, msgpack.UnpackException):
         return None
-    return Announce(expiry, node_id, owner, host, port)
+    return Announce(expiry, node_id, owner, host, port, reach)
 
 
 # -- run/progress -------------------------------------------------------------------------------------

@@ -581,7 +581,8 @@ class RoundMachine:
     # -- matchmaking ----------------------------------------------------------------------------
     def _start_match(self, now: float) -> None:
         self.phase = "match"
-        me = Candidate(round(now + self.window_s, 3), self.me.node_id, self.me.public_key, self.me.addr)
+        me = Candidate(round(now + self.window_s, 3), self.me.node_id, self.me.public_key, self.me.addr,
+                       self.me.reach)
         # min_size == M is Moshpit's exact grid: groups close at exactly M, never early
         settle = None if self.min_size >= self.grid.size else SETTLE_S
         self._mm = Matchmaker(me, target=self.grid.size, min_size=self.min_size, now=now, rng=self.rng,
@@ -591,7 +592,7 @@ class RoundMachine:
                                                self.window_s + MATCH_SLACK_S))
         self._poll_i = 0
         self._poll_at = math.inf
-        self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1]),
+        self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1], me.reach),
                                  self.window_s + 10.0))
         self._get(self._mm_key, "poll", poll_read(0))
         self._poll_i = 1
@@ -681,7 +682,7 @@ class RoundMachine:
                 continue
             host = self.resolve(a.node_id, a.host)
             if host is not None:
-                out.append(Candidate(a.expiry, a.node_id, a.public_key, (host, a.port)))
+                out.append(Candidate(a.expiry, a.node_id, a.public_key, (host, a.port), a.reach))
         return out
 
     # -- the end of a round ---------------------------------------------------------------------

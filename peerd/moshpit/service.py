@@ -42,7 +42,7 @@ from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
 from ..wire.identity import node_id_of
 from .keys import Grid, KeyManager
-from .matchmaking import Candidate, Group
+from .matchmaking import REACH_UNKNOWN, Candidate, Group
 from .records import (
     CONFIG_TTL_S,
     MAX_AHEAD,
@@ -319,6 +319,7 @@ class MoshpitService:
         self.allreduce = allreduce
         self.metrics = metrics
         self.address = address
+        self.reach = REACH_UNKNOWN  # this node's reachability rank (the daemon sets it): who leads first
         self.identity = endpoint.identity
         self.rng = default_rng(rng)
         self.clock = clock or time.time
@@ -404,7 +405,7 @@ class MoshpitService:
             if core.sticky.keep_rounds != keep_rounds or regrid:
                 core.sticky = StickyGroups(self.identity.node_id, keep_rounds)
         else:
-            me = Candidate(0.0, self.identity.node_id, self.identity.public_key, self.address)
+            me = Candidate(0.0, self.identity.node_id, self.identity.public_key, self.address, self.reach)
             core = RoundMachine(run_id, grid, keys, me, min_size=min_size, window_s=window_s,
                                 keep_rounds=keep_rounds, rng=self.rng, resolve=self._resolve)
             st = self.runs[run_id] = RunState(core)

@@ -201,11 +201,12 @@ class _Record:
 
 
 class _Cap:
-    __slots__ = ("rate", "next")
+    __slots__ = ("rate", "next", "key")
 
     def __init__(self, rate: float) -> None:
         self.rate = rate
         self.next = 0.0
+        self.key: Hashable = None  # a stated limit's: the destinations sharing it
 
 
 class _SendLog:
@@ -270,6 +271,7 @@ class Pacer:
         self._phases: deque[_Phase] = deque()  # not judged yet; the current one last
         self._history: deque[_Record] = deque(maxlen=HISTORY)
         self._caps: OrderedDict[Hashable, _Cap] = OrderedDict()
+        self._limits: OrderedDict[Hashable, tuple[_Cap, float]] = OrderedDict()  # dest -> (stated limit, slack s)
         self._hot: dict[Hashable, int] = {}  # destinations lossier than the rest, phases in a row
         self._sent: OrderedDict[Hashable, _SendLog] = OrderedDict()
         self._total = _SendLog()
@@ -291,6 +293,23 @@ class Pacer:
         c = self._caps.get(dest)
         return None if c is None else c.rate
 
+    def limit(self, dest: Hashable, key: Hashable | None = None, rate: float = 0.0, burst: float = 0.0) -> None:
+        """Send to ``dest`` at most ``rate`` bytes/s, one bucket shared by every destination limited under
+        ``key``: a limit the path states (a relay grants each sender ``rate``, ``burst`` at once), not one learnt
+        from loss, so it is neither judged nor aged. ``key`` None lifts ``dest``'s limit."""
+        if key is None:
+            self._limits.pop(dest, None)
+            return
+        shared = next((c for c, _ in self._limits.values() if c.key == key), None) if self._limits else None
+        if shared is None:
+            shared = _Cap(rate)
+            shared.key = key
+        shared.rate = rate
+        self._limits[dest] = (shared, 0.5 * burst / rate)  # (a late wake-up may catch up half the burst)
+        self._limits.move_to_end(dest)
+        while len(self._limits) > self.max_paths:
+            self._limits.popitem(last=False)
+
     # -- sending -----------------------------------------------------------------------------------
     def reserve(self, nbytes: int, now: float, dest: Hashable = None) -> float:
         """Account for sending ``nbytes`` to ``dest`` now; returns how long to wait before sending them."""
@@ -306,6 +325,11 @@ class Pacer:
         if cap is not None:
             start = max(start, cap.next, now - BURST_S)
             cap.next = start + nbytes / cap.rate
+        limit = self._limits.get(dest) if self._limits else None
+        if limit is not None:
+            lim, slack = limit
+            start = max(start, lim.next, now - slack)
+            lim.next = start + nbytes / lim.rate
         at = max(start, now)
         self._held = at > now
         self._last_send = at if self._last_send is None else max(self._last_send, at)
