@@ -291,12 +291,14 @@ class _Phase:
 
     def note_end(self, s: int, now: float) -> None:
         """An END closes its stream, after a short grace when it overtook some of the stream's data
-        (reordering): datagrams sent just before it are usually still in flight."""
+        (reordering): datagrams sent just before it are usually still in flight. Not when the stream's last
+        datagram is in: what is missing was sent before one that arrived, so it is lost, not late (under
+        random loss nearly every stream misses some, and the grace cost every phase its full length)."""
         self.end_seen[s] = True
         self._progress(now)
         if self.done[s]:
             return
-        if self.grace > 0 and self.received[s] < self.expected[s]:
+        if self.grace > 0 and self.top[s] < self.expected[s]:
             self.ending[s] = now + self.grace
         else:
             self.close(s)
