@@ -48,10 +48,27 @@ class BootstrapError(Exception):
     """No bootstrap node answered in time; the message says what to check."""
 
 
+# A put returns once this share of its k closest accepted the record (a majority: any later full read, and
+# any read that hears from more than half of them, finds it); the other STOREs were sent at the same time and
+# are awaited in the background (retransmitted like any request), so none is dropped. Waiting for the last
+# acknowledgement cost a put the slowest of 20 round trips.
+PUT_QUORUM = 0.5
+
+
 @dataclass
 class PutResult:
+    """What a put achieved. ``stored`` and ``refused`` keep counting while STOREs still run in the background
+    after the put returned (``pending`` of them at return); ``await finished()`` waits for them all."""
+
     stored: int  # replicas that accepted the record, this node included
     refused: dict[str, int] = field(default_factory=dict)
+    pending: int = 0  # STOREs still unanswered when the put returned
+    _done: trio.Event | None = field(default=None, repr=False, compare=False)
+
+    async def finished(self) -> None:
+        """Wait until every STORE of the put has been answered or has failed."""
+        if self._done is not None:
+            await self._done.wait()
 
 
 Query = Callable[[Contact], Awaitable[list[Contact]]]
@@ -346,22 +363,49 @@ class DhtService:
             self._tally(result, why)
 
         answered: list[Contact] = []
+        # the put returns once a majority of the remote closest accepted it, or every STORE ended (so refusals
+        # and failures are all counted when no majority can accept it)
+        need = int(len(closest) * PUT_QUORUM) + 1 if closest else 0
+        ended = 0
+        accepted = 0
+        done = result._done = trio.Event()
+        enough = trio.Event()
+        if need == 0:
+            done.set()
+            enough.set()
 
         async def store_on(contact: Contact) -> None:
+            nonlocal ended, accepted
             try:
                 reply = await self._rpc(contact, m.MsgType.STORE, {"records": [record.to_wire(now)]})
+                answered.append(contact)
+                ok = reply.body["ok"]
+                accepted += bool(ok and ok[0])
+                self._tally(result, None if ok and ok[0] else "refused")
             except RpcError as e:
                 self._tally(result, "owner" if "owner" in str(e) else "unreachable")
-                return
-            answered.append(contact)
-            ok = reply.body["ok"]
-            self._tally(result, None if ok and ok[0] else "refused")
+            except Exception as e:  # it may run in the background, after the put returned: never crash the daemon
+                log.warning("storing on DHT node %s failed: %s", contact.node_id.hex()[:12], e)
+                self.metrics.background_errors.labels("dht_store").inc()
+                self._tally(result, "unreachable")
+            finally:
+                ended += 1
+                if accepted >= need or ended == len(closest):
+                    enough.set()
+                if ended == len(closest):
+                    if len(answered) == len(closest):
+                        self.core.stored_on(target, trio.current_time(), answered)
+                    done.set()
 
-        async with trio.open_nursery() as nursery:
+        if self._nursery is not None:
             for contact in closest:
-                nursery.start_soon(store_on, contact)
-        if len(answered) == len(closest):
-            self.core.stored_on(target, trio.current_time(), answered)
+                self._nursery.start_soon(store_on, contact)
+            await enough.wait()
+        else:  # not running: no nursery to leave STOREs in, so wait for them all
+            async with trio.open_nursery() as nursery:
+                for contact in closest:
+                    nursery.start_soon(store_on, contact)
+        result.pending = len(closest) - ended
         return result
 
     @staticmethod
