@@ -26,7 +26,6 @@ from .core import (
     Ping,
     had,
     held_prefixes,
-    unpack_contacts,
 )
 from .lookup import SLOW_QUERY_S
 from .reads import Enough, read_page, signed_part
@@ -71,7 +70,9 @@ class PutResult:
             await self._done.wait()
 
 
-Query = Callable[[Contact], Awaitable[list[Contact]]]
+# A lookup's query: the (node id, host, port) of the contacts an answer names (the lookup makes Contacts of only
+# those it has not seen)
+Query = Callable[[Contact], Awaitable[list[tuple[bytes, str, int]]]]
 
 
 class DhtService:
@@ -217,11 +218,11 @@ class DhtService:
         )
         if enough is not None and enough():
             return []
-        send, receive = trio.open_memory_channel[tuple[bytes, list[Contact] | None]](math.inf)
+        send, receive = trio.open_memory_channel[tuple[bytes, list[tuple[bytes, str, int]] | None]](math.inf)
 
         async def ask(contact: Contact) -> None:
             try:
-                found: list[Contact] | None = await query(contact)
+                found: list[tuple[bytes, str, int]] | None = await query(contact)
             except RpcError:
                 found = None
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
@@ -254,16 +255,16 @@ class DhtService:
                     if found is None:
                         lookup.on_failure(node_id)
                     else:
-                        lookup.on_reply(node_id, found)
+                        lookup.on_reply(node_id, lookup.unseen(found))
                         if enough is not None and enough():
                             break
             fallback.cancel_scope.cancel()
         return self.core.end_lookup(lookup, trio.current_time(), settle=settle)
 
     async def find_nodes(self, target: bytes, *, settle: bool = False) -> list[Contact]:
-        async def query(contact: Contact) -> list[Contact]:
+        async def query(contact: Contact) -> list[tuple[bytes, str, int]]:
             reply = await self._rpc(contact, m.MsgType.FIND_NODE, {"target": target})
-            return unpack_contacts(reply.body["nodes"])
+            return reply.body["nodes"]
 
         return await self._iterate(target, query, settle=settle)
 
@@ -281,7 +282,7 @@ class DhtService:
         paging: list[trio.CancelScope] = []
         over = False
 
-        async def query(contact: Contact) -> list[Contact]:
+        async def query(contact: Contact) -> list[tuple[bytes, str, int]]:
             # what this read holds so far is not sent again (``held``, kept for every page of this responder);
             # the answer's ``have`` says which of it the responder holds
             fields: dict = {"key": key, "offset": 0}
@@ -294,7 +295,7 @@ class DhtService:
                 fields["held"] = held
             reply = await self._rpc(contact, m.MsgType.FIND_VALUE, fields)
             body = reply.body
-            nodes = unpack_contacts(body["nodes"])
+            nodes = body["nodes"]
             if over:
                 return nodes  # a slow answer after the lookup ended: nobody reads it
             mine: list[Record] = []  # this responder's records (also in found, as they come)
