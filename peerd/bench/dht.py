@@ -7,9 +7,9 @@ Prometheus counters (FIND_VALUE and FIND_NODE requests answered or failed, pagin
 ``get_p50_ms`` is the local API's default read, the full one (every one of the k closest: what `peerd dht get`
 does unless asked for less). The reads Moshpit and state sync use stop once 3 holders agree (``Agreed(3)``): the
 same reader reads each key that way too, through the API (`peerd dht get --agreed 3`), reported apart as
-``api_agreed`` (each form goes first on every other key). The bench then joins the swarm itself as one more member
-(a DHT node in this process, over UDP like the daemons) and reads every key both ways: ``member_full`` and
-``member_agreed``.
+``api_agreed`` (in a second pass, after every put and full read, so the full reads are timed as before). The
+bench then joins the swarm itself as one more member (a DHT node in this process, over UDP like the daemons) and
+reads every key both ways: ``member_full`` and ``member_agreed``.
 
 A put returns once a majority of its k closest accepted the record (its other STOREs finish in the background):
 ``put_stored_min`` is the fewest replicas a put reported when it returned.
@@ -196,6 +196,7 @@ def run_dht_bench(cfg: DhtBenchConfig, *, quiet: bool = False) -> dict[str, Any]
         agreed_rpcs: list[float] = []
         agreed_missing = 0
         stored: list[int] = []
+        readers: list[int] = []
         missing = 0
         written: list[tuple[str, str]] = []
         put_cpu = get_cpu = 0.0
@@ -209,27 +210,28 @@ def run_dht_bench(cfg: DhtBenchConfig, *, quiet: bool = False) -> dict[str, Any]
             put_cpu += _cpu_ms(nodes) - cpu
             stored.append(put["stored"])
             written.append((key, value))
-            for form in ("agreed", "full") if i % 2 else ("full", "agreed"):
-                before = _lookup_rpcs(nodes[reader])
-                if form == "agreed":
-                    t = time.perf_counter()
-                    reply = clients[reader].call("dht_get", key=key, agreed=3)
-                    agreed_ms.append((time.perf_counter() - t) * 1000)
-                    time.sleep(0.05)  # late answers to a read that ended early land before counting
-                    agreed_rpcs.append(_lookup_rpcs(nodes[reader]) - before)
-                else:
-                    cpu = _cpu_ms(nodes)
-                    t = time.perf_counter()
-                    reply = clients[reader].call("dht_get", key=key)
-                    get_ms.append((time.perf_counter() - t) * 1000)
-                    get_cpu += _cpu_ms(nodes) - cpu
-                    rpcs.append(_lookup_rpcs(nodes[reader]) - before)
-                values = [v["value"] for v in reply["values"]]
-                if values != [value.encode()] and values != [value]:
-                    if form == "agreed":
-                        agreed_missing += 1
-                    else:
-                        missing += 1
+            readers.append(reader)
+            before = _lookup_rpcs(nodes[reader])
+            cpu = _cpu_ms(nodes)
+            t = time.perf_counter()
+            reply = clients[reader].call("dht_get", key=key)
+            get_ms.append((time.perf_counter() - t) * 1000)
+            get_cpu += _cpu_ms(nodes) - cpu
+            rpcs.append(_lookup_rpcs(nodes[reader]) - before)
+            values = [v["value"] for v in reply["values"]]
+            if values != [value.encode()] and values != [value]:
+                missing += 1
+        # the same readers again, each key read with agreed=3, after every full read (so neither warms the other)
+        for reader, (key, value) in zip(readers, written, strict=True):
+            before = _lookup_rpcs(nodes[reader])
+            t = time.perf_counter()
+            reply = clients[reader].call("dht_get", key=key, agreed=3)
+            agreed_ms.append((time.perf_counter() - t) * 1000)
+            time.sleep(0.05)  # late answers to a read that ended early land before counting
+            agreed_rpcs.append(_lookup_rpcs(nodes[reader]) - before)
+            values = [v["value"] for v in reply["values"]]
+            if values != [value.encode()] and values != [value]:
+                agreed_missing += 1
         rss = [_rss_mib(n) for n in nodes]
         _progress("reading every key again as a member of the swarm (full, then Agreed(3)) ...", quiet)
         secret = None if cfg.insecure else load_swarm_key(swarm.key_file)
