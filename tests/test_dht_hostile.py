@@ -317,6 +317,7 @@ def test_a_member_cannot_squat_another_nodes_subkey() -> None:
                     assert reply.body["ok"] == [False]
                     assert counter_value(node.metrics.dht_store_refused, reason="slot") == 1
             result = await victim.dht.put(b"peerd/state/run", slot, b"mine", ttl=600)
+            await result.finished()
             assert result.stored >= 5, result
             records = await nodes[0].dht.get(b"peerd/state/run")
             assert [(r.subkey, r.value) for r in records] == [(slot, b"mine")]

@@ -71,6 +71,7 @@ def test_lossy_swarm_puts_and_gets(seed: int) -> None:
             assert min(counts) >= 20, counts  # no node is left with a thin routing table
 
             result = await nodes[3].dht.put(b"model/step", b"subA", b"hello", ttl=600)
+            await result.finished()
             assert result.stored >= 15, result
             for reader in (nodes[0], nodes[17], nodes[31]):
                 records = await reader.dht.get(b"model/step")
@@ -132,6 +133,7 @@ def test_survives_dead_nodes() -> None:
                 victim.kill(net)
             live = nodes[:10] + nodes[18:]
             result = await live[-1].dht.put(b"after", b"y", b"2", ttl=600)
+            await result.finished()
             assert result.stored >= 10
             for reader in live[:3]:
                 assert [r.value for r in await reader.dht.get(b"after")] == [b"2"]

@@ -244,13 +244,47 @@ def test_a_put_after_a_lookup_of_its_key_reuses_it() -> None:
             before = rpc_count(node, "find_node")
             result = await node.dht.put(b"run/0/key", node.identity.node_id, b"me", ttl=60)
             assert rpc_count(node, "find_node") == before  # no second lookup
+            await result.finished()  # the STOREs past the majority end in the background
             assert result.stored >= 20, result
             # a put with no lookup to reuse stops its lookup once settled: fewer FIND_NODEs than k
             before = rpc_count(node, "find_node")
             result = await node.dht.put(b"other", b"s", b"v", ttl=60)
+            await result.finished()
             assert 0 < rpc_count(node, "find_node") - before < 20 and result.stored >= 20, result
             readers = [n for n in nodes if n is not node]
             assert [r.value for r in await readers[7].dht.get(b"other")] == [b"v"]
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_a_put_returns_at_a_majority_and_its_other_stores_still_land() -> None:
+    """PUT_QUORUM: the put returns once a majority of its k closest accepted; the STOREs to nodes that have not
+    answered yet keep retransmitting in the background, and land when those nodes come back."""
+
+    async def main() -> None:
+        net = MemNet(seed=35)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 24)
+            writer = nodes[4]
+            await writer.dht.get(b"quorum")  # the k closest, for the put to reuse
+            by_addr = {n.addr: n for n in nodes}
+            closest = writer.dht.core.recent.get(location(b"quorum"), trio.current_time(), writer.dht.core.table, 20)
+            assert closest is not None and len(closest) == 20
+            away = [by_addr[c.addr] for c in closest[:3]]
+            for node in away:  # unreachable for a moment: their STOREs go unanswered
+                net.sockets.pop(node.addr)
+            start = trio.current_time()
+            result = await writer.dht.put(b"quorum", b"s", b"v", ttl=60)
+            assert trio.current_time() - start < 0.2  # not the 0.5 s of a first retransmission
+            assert result.pending >= 3 and result.stored >= 11, result
+            assert not any(n.dht.core.store.holds(b"quorum", b"s") for n in away)
+            for node in away:
+                net.sockets[node.addr] = node.sock
+            await result.finished()
+            assert result.pending >= 3 and result.stored >= 20 and not result.refused, result
+            assert all(by_addr[c.addr].dht.core.store.holds(b"quorum", b"s") for c in closest)
             nursery.cancel_scope.cancel()
 
     run_virtual(main)

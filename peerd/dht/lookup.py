@@ -82,6 +82,13 @@ class Lookup:
                 state[node_id] = _NEW
                 insort(order, (c.num ^ t, node_id))
 
+    def unseen(self, raw: list[tuple[bytes, str, int]]) -> list[Contact]:
+        """Contacts for the (node id, host, port) of an answer that this lookup has not seen yet: in a small
+        swarm every answer repeats the same k, and making a Contact of each cost a reader more than the rest of
+        the answer."""
+        state = self._state
+        return [Contact(node_id, host, port) for node_id, host, port in raw if node_id not in state]
+
     def _ranked(self) -> list[bytes]:
         """The k closest contacts not failed or slow (kept in order as they come, never re-sorted)."""
         out = []

@@ -26,7 +26,6 @@ from .core import (
     Ping,
     had,
     held_prefixes,
-    unpack_contacts,
 )
 from .lookup import SLOW_QUERY_S
 from .reads import Enough, read_page, signed_part
@@ -48,13 +47,32 @@ class BootstrapError(Exception):
     """No bootstrap node answered in time; the message says what to check."""
 
 
+# A put returns once this share of its k closest accepted the record (a majority: any later full read, and
+# any read that hears from more than half of them, finds it); the other STOREs were sent at the same time and
+# are awaited in the background (retransmitted like any request), so none is dropped. Waiting for the last
+# acknowledgement cost a put the slowest of 20 round trips.
+PUT_QUORUM = 0.5
+
+
 @dataclass
 class PutResult:
+    """What a put achieved. ``stored`` and ``refused`` keep counting while STOREs still run in the background
+    after the put returned (``pending`` of them at return); ``await finished()`` waits for them all."""
+
     stored: int  # replicas that accepted the record, this node included
     refused: dict[str, int] = field(default_factory=dict)
+    pending: int = 0  # STOREs still unanswered when the put returned
+    _done: trio.Event | None = field(default=None, repr=False, compare=False)
+
+    async def finished(self) -> None:
+        """Wait until every STORE of the put has been answered or has failed."""
+        if self._done is not None:
+            await self._done.wait()
 
 
-Query = Callable[[Contact], Awaitable[list[Contact]]]
+# A lookup's query: the (node id, host, port) of the contacts an answer names (the lookup makes Contacts of only
+# those it has not seen)
+Query = Callable[[Contact], Awaitable[list[tuple[bytes, str, int]]]]
 
 
 class DhtService:
@@ -200,11 +218,11 @@ class DhtService:
         )
         if enough is not None and enough():
             return []
-        send, receive = trio.open_memory_channel[tuple[bytes, list[Contact] | None]](math.inf)
+        send, receive = trio.open_memory_channel[tuple[bytes, list[tuple[bytes, str, int]] | None]](math.inf)
 
         async def ask(contact: Contact) -> None:
             try:
-                found: list[Contact] | None = await query(contact)
+                found: list[tuple[bytes, str, int]] | None = await query(contact)
             except RpcError:
                 found = None
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
@@ -237,16 +255,16 @@ class DhtService:
                     if found is None:
                         lookup.on_failure(node_id)
                     else:
-                        lookup.on_reply(node_id, found)
+                        lookup.on_reply(node_id, lookup.unseen(found))
                         if enough is not None and enough():
                             break
             fallback.cancel_scope.cancel()
         return self.core.end_lookup(lookup, trio.current_time(), settle=settle)
 
     async def find_nodes(self, target: bytes, *, settle: bool = False) -> list[Contact]:
-        async def query(contact: Contact) -> list[Contact]:
+        async def query(contact: Contact) -> list[tuple[bytes, str, int]]:
             reply = await self._rpc(contact, m.MsgType.FIND_NODE, {"target": target})
-            return unpack_contacts(reply.body["nodes"])
+            return reply.body["nodes"]
 
         return await self._iterate(target, query, settle=settle)
 
@@ -264,7 +282,7 @@ class DhtService:
         paging: list[trio.CancelScope] = []
         over = False
 
-        async def query(contact: Contact) -> list[Contact]:
+        async def query(contact: Contact) -> list[tuple[bytes, str, int]]:
             # what this read holds so far is not sent again (``held``, kept for every page of this responder);
             # the answer's ``have`` says which of it the responder holds
             fields: dict = {"key": key, "offset": 0}
@@ -277,7 +295,7 @@ class DhtService:
                 fields["held"] = held
             reply = await self._rpc(contact, m.MsgType.FIND_VALUE, fields)
             body = reply.body
-            nodes = unpack_contacts(body["nodes"])
+            nodes = body["nodes"]
             if over:
                 return nodes  # a slow answer after the lookup ended: nobody reads it
             mine: list[Record] = []  # this responder's records (also in found, as they come)
@@ -346,22 +364,49 @@ class DhtService:
             self._tally(result, why)
 
         answered: list[Contact] = []
+        # the put returns once a majority of the remote closest accepted it, or every STORE ended (so refusals
+        # and failures are all counted when no majority can accept it)
+        need = int(len(closest) * PUT_QUORUM) + 1 if closest else 0
+        ended = 0
+        accepted = 0
+        done = result._done = trio.Event()
+        enough = trio.Event()
+        if need == 0:
+            done.set()
+            enough.set()
 
         async def store_on(contact: Contact) -> None:
+            nonlocal ended, accepted
             try:
                 reply = await self._rpc(contact, m.MsgType.STORE, {"records": [record.to_wire(now)]})
+                answered.append(contact)
+                ok = reply.body["ok"]
+                accepted += bool(ok and ok[0])
+                self._tally(result, None if ok and ok[0] else "refused")
             except RpcError as e:
                 self._tally(result, "owner" if "owner" in str(e) else "unreachable")
-                return
-            answered.append(contact)
-            ok = reply.body["ok"]
-            self._tally(result, None if ok and ok[0] else "refused")
+            except Exception as e:  # it may run in the background, after the put returned: never crash the daemon
+                log.warning("storing on DHT node %s failed: %s", contact.node_id.hex()[:12], e)
+                self.metrics.background_errors.labels("dht_store").inc()
+                self._tally(result, "unreachable")
+            finally:
+                ended += 1
+                if accepted >= need or ended == len(closest):
+                    enough.set()
+                if ended == len(closest):
+                    if len(answered) == len(closest):
+                        self.core.stored_on(target, trio.current_time(), answered)
+                    done.set()
 
-        async with trio.open_nursery() as nursery:
+        if self._nursery is not None:
             for contact in closest:
-                nursery.start_soon(store_on, contact)
-        if len(answered) == len(closest):
-            self.core.stored_on(target, trio.current_time(), answered)
+                self._nursery.start_soon(store_on, contact)
+            await enough.wait()
+        else:  # not running: no nursery to leave STOREs in, so wait for them all
+            async with trio.open_nursery() as nursery:
+                for contact in closest:
+                    nursery.start_soon(store_on, contact)
+        result.pending = len(closest) - ended
         return result
 
     @staticmethod
