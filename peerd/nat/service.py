@@ -93,6 +93,7 @@ class NatService:
         self._next_discover = 0.0
         self.kind: dict[bytes, str] = {}  # peer -> path kind, for peers this node set a path up for
         self._active: set[bytes] = set()
+        self._attempts: OrderedDict[bytes, int] = OrderedDict()  # punch-then-relay attempts started, per peer
         self._connecting: set[Address] = set()
         self._target_addr: OrderedDict[bytes, Address] = OrderedDict()  # punch/relay target -> its address
         self._wake = trio.Event()
@@ -250,6 +251,9 @@ class NatService:
         if intro_id is None or intro_addr is None:
             return
         self._active.add(node_id)
+        self._attempts[node_id] = self._attempts.pop(node_id, 0) + 1
+        while len(self._attempts) > MAX_INTRODUCERS:
+            self._attempts.popitem(last=False)
         self._target_addr[node_id] = addr
         while len(self._target_addr) > MAX_INTRODUCERS:
             self._target_addr.popitem(last=False)
@@ -429,6 +433,8 @@ class NatService:
             except RpcError:
                 self.endpoint.set_alias(addr, elsewhere)
             return self.path_to(addr, node_id)
+        idle = 0  # PING rounds in a row that failed with no punch or relay under way
+        first = self._attempts.get(node_id, 0)
         with trio.move_on_after(timeout):
             while True:
                 try:
@@ -436,10 +442,17 @@ class NatService:
                 except RpcError:
                     pass
                 kind = self.path_to(addr, node_id)
-                if kind is not None:
-                    return kind
+                if kind is not None and not (kind == "relayed" and node_id in self._active):
+                    return kind  # (a relay being tried is set before its PING: not a path until answered)
+                idle = 0 if node_id in self._active else idle + 1
+                if idle >= 2 or self._attempts.get(node_id, 0) - first >= 2:
+                    # nothing could be tried, or a whole attempt (punch, then relays) failed and the next one
+                    # began: waiting out ``timeout`` would only hold up the caller (a group's average, where
+                    # every member waits for the slowest start)
+                    return None
                 await trio.sleep(1.0)  # a punch (3 s) or a relay set-up is under way
-        return self.path_to(addr, node_id)
+        kind = self.path_to(addr, node_id)
+        return None if kind == "relayed" and node_id in self._active else kind
 
     async def connect_all(self, peers: list[tuple[Address, bytes]], timeout: float) -> dict[bytes, str | None]:
         """``connect`` to each of ``peers`` (address, node id) at once; their path kinds (None: none found)."""
