@@ -29,6 +29,7 @@ class PathsFirst:
     def __init__(self, allreduce: Any, nat: NatService, *, timeout: float = CONNECT_S) -> None:
         self._inner = allreduce
         self._nat = nat
+        nat.uplink = getattr(allreduce, "pacer", None)  # what it relays shares the uplink with its own data
         self._timeout = timeout
 
     def __getattr__(self, name: str) -> Any:

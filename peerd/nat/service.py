@@ -77,6 +77,7 @@ class NatService:
         self.reach = Reach(self.rng)
         self.puncher = Puncher()
         self.relay = RelayServer(enabled=relay)
+        self.uplink: Any = None  # the node's uplink pacer (a transport.pacing.Pacer), when it averages
         # One task passes RELAYs on, in the order they came: a task each let trio's scheduler reorder a batch
         # (it runs a batch backwards half the time), and the receivers' delivery REPORTs took the reordering
         # for loss: the senders' pacers fell to 0.25-2 MB/s and an average took 17-24 s instead of 3.
@@ -347,8 +348,14 @@ class NatService:
         return None
 
     async def _pass_on_all(self) -> None:
-        """Pass RELAYs on in the order they came (the channel's order; one sender at a time)."""
+        """Pass RELAYs on in the order they came (the channel's order; one sender at a time). A relay that
+        averages too shares its uplink's pacer (``uplink``): unpaced, its RELAYEDs on top of its own tensor
+        data overflowed its link (2.5k tail drops an average in the lab, all of it relayed members' data)."""
         async for addr, node_id, src, data in self._relay_out:
+            if self.uplink is not None:
+                wait = self.uplink.reserve_cross(len(data) + m.RELAY_OVERHEAD, trio.current_time())
+                if wait > 0.001:
+                    await trio.sleep(wait)
             try:
                 await self.endpoint.pass_on(addr, node_id, src, data)
             except (RpcError, WireError) as e:
