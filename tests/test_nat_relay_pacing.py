@@ -88,3 +88,12 @@ def test_a_relay_passes_datagrams_on_in_the_order_they_came() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_what_a_relay_passes_on_shares_its_uplink_while_it_averages() -> None:
+    pacer = Pacer(rate=10e6, max_rate=10e6)
+    assert pacer.reserve_cross(1_000_000, 0.0) == 0.0  # idle (a relay that averages nothing): never held
+    pacer.reserve(1232, 1.0, "a")  # it averages now
+    assert pacer.reserve_cross(1_000_000, 1.0) < 0.01  # taken from the uplink's bucket ...
+    assert pacer.reserve(1232, 1.0, "a") > 0.09  # ... so its own data waits for it: 1 MB at 10 MB/s
+    assert pacer.reserve_cross(1232, 1.0) > 0.09  # and so does more relayed data

@@ -239,3 +239,28 @@ def test_a_moshpit_round_over_six_nodes_behind_nats_is_exact() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_connect_to_a_peer_nothing_can_reach_gives_up_before_its_timeout() -> None:
+    """A member with no path holds up its whole group's average (``PathsFirst``): once the punch and the relays
+    have failed (or nothing could be tried), ``connect`` says so instead of waiting out its timeout."""
+
+    async def main() -> None:
+        net = NatMemNet(latency=0.01)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            p1, p2 = Node(net, "p1", 0), Node(net, "p2", 1)
+            for n in (p1, p2):
+                await nursery.start(n.run)
+            await p1.endpoint.request(p2.addr, m.MsgType.PING, {}, node_id=p2.identity.node_id)
+            p1.nat.reached[p2.identity.node_id] = p2.addr  # (an introducer and a relay to try)
+            t0 = trio.current_time()
+            kind = await p1.nat.connect(("203.0.113.77", 7000), bytes(range(32)), timeout=30.0)
+            took = trio.current_time() - t0
+            assert kind is None
+            assert took < 6.0, took  # one attempt (INTRO, punch, relays) and the PINGs around it
+            await trio.sleep(10)
+            assert not p1.nat._active  # the attempt its last PING began ends by itself
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -15,7 +15,8 @@ from .service import NatService
 
 log = logging.getLogger("peerd.nat")
 
-CONNECT_S = 10.0  # at most this long for the paths, then the average starts with what there is
+CONNECT_S = 10.0  # at most this long for the paths (less: NatService.connect gives up on a member once one whole
+# attempt, punch then relays, failed), then the average starts with what there is
 RELAY_SHARE = 0.9  # of a relay's grant per sender that this node's share uses (clocks and wake-ups differ)
 RELAY_CATCHUP = 256_000.0  # bytes: a sender that woke late catches up at most half this at once (a relay's
 # burst is bigger; the link's queue, 262 KB in the lab at 100 Mbit/s, is not)
@@ -28,6 +29,7 @@ class PathsFirst:
     def __init__(self, allreduce: Any, nat: NatService, *, timeout: float = CONNECT_S) -> None:
         self._inner = allreduce
         self._nat = nat
+        nat.uplink = getattr(allreduce, "pacer", None)  # what it relays shares the uplink with its own data
         self._timeout = timeout
 
     def __getattr__(self, name: str) -> Any:

@@ -77,6 +77,7 @@ class NatService:
         self.reach = Reach(self.rng)
         self.puncher = Puncher()
         self.relay = RelayServer(enabled=relay)
+        self.uplink: Any = None  # the node's uplink pacer (a transport.pacing.Pacer), when it averages
         # One task passes RELAYs on, in the order they came: a task each let trio's scheduler reorder a batch
         # (it runs a batch backwards half the time), and the receivers' delivery REPORTs took the reordering
         # for loss: the senders' pacers fell to 0.25-2 MB/s and an average took 17-24 s instead of 3.
@@ -93,6 +94,7 @@ class NatService:
         self._next_discover = 0.0
         self.kind: dict[bytes, str] = {}  # peer -> path kind, for peers this node set a path up for
         self._active: set[bytes] = set()
+        self._attempts: OrderedDict[bytes, int] = OrderedDict()  # punch-then-relay attempts started, per peer
         self._connecting: set[Address] = set()
         self._target_addr: OrderedDict[bytes, Address] = OrderedDict()  # punch/relay target -> its address
         self._wake = trio.Event()
@@ -250,6 +252,9 @@ class NatService:
         if intro_id is None or intro_addr is None:
             return
         self._active.add(node_id)
+        self._attempts[node_id] = self._attempts.pop(node_id, 0) + 1
+        while len(self._attempts) > MAX_INTRODUCERS:
+            self._attempts.popitem(last=False)
         self._target_addr[node_id] = addr
         while len(self._target_addr) > MAX_INTRODUCERS:
             self._target_addr.popitem(last=False)
@@ -343,8 +348,14 @@ class NatService:
         return None
 
     async def _pass_on_all(self) -> None:
-        """Pass RELAYs on in the order they came (the channel's order; one sender at a time)."""
+        """Pass RELAYs on in the order they came (the channel's order; one sender at a time). A relay that
+        averages too shares its uplink's pacer (``uplink``): unpaced, its RELAYEDs on top of its own tensor
+        data overflowed its link (2.5k tail drops an average in the lab, all of it relayed members' data)."""
         async for addr, node_id, src, data in self._relay_out:
+            if self.uplink is not None:
+                wait = self.uplink.reserve_cross(len(data) + m.RELAY_OVERHEAD, trio.current_time())
+                if wait > 0.001:
+                    await trio.sleep(wait)
             try:
                 await self.endpoint.pass_on(addr, node_id, src, data)
             except (RpcError, WireError) as e:
@@ -429,6 +440,8 @@ class NatService:
             except RpcError:
                 self.endpoint.set_alias(addr, elsewhere)
             return self.path_to(addr, node_id)
+        idle = 0  # PING rounds in a row that failed with no punch or relay under way
+        first = self._attempts.get(node_id, 0)
         with trio.move_on_after(timeout):
             while True:
                 try:
@@ -436,10 +449,17 @@ class NatService:
                 except RpcError:
                     pass
                 kind = self.path_to(addr, node_id)
-                if kind is not None:
-                    return kind
+                if kind is not None and not (kind == "relayed" and node_id in self._active):
+                    return kind  # (a relay being tried is set before its PING: not a path until answered)
+                idle = 0 if node_id in self._active else idle + 1
+                if idle >= 2 or self._attempts.get(node_id, 0) - first >= 2:
+                    # nothing could be tried, or a whole attempt (punch, then relays) failed and the next one
+                    # began: waiting out ``timeout`` would only hold up the caller (a group's average, where
+                    # every member waits for the slowest start)
+                    return None
                 await trio.sleep(1.0)  # a punch (3 s) or a relay set-up is under way
-        return self.path_to(addr, node_id)
+        kind = self.path_to(addr, node_id)
+        return None if kind == "relayed" and node_id in self._active else kind
 
     async def connect_all(self, peers: list[tuple[Address, bytes]], timeout: float) -> dict[bytes, str | None]:
         """``connect`` to each of ``peers`` (address, node id) at once; their path kinds (None: none found)."""

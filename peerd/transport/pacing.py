@@ -310,6 +310,17 @@ class Pacer:
         while len(self._limits) > self.max_paths:
             self._limits.popitem(last=False)
 
+    def reserve_cross(self, nbytes: int, now: float) -> float:
+        """Bytes this node sends for others on the same uplink (a relay's RELAYEDs) while it sends its own: they
+        take the uplink's rate like its own, but no destination reports on them. Idle, it does not hold them
+        (a relay that averages nothing has no rate learnt). Returns how long to wait."""
+        if self._last_send is None or now - self._last_send >= IDLE_S:
+            return 0.0
+        self._advance(now)
+        start = max(self._next, now - BURST_S)
+        self._next = start + nbytes / self.rate
+        return max(0.0, start - now)
+
     # -- sending -----------------------------------------------------------------------------------
     def reserve(self, nbytes: int, now: float, dest: Hashable = None) -> float:
         """Account for sending ``nbytes`` to ``dest`` now; returns how long to wait before sending them."""
