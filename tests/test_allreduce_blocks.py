@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from peerd.allreduce import HEADER_SIZE, BodyType, GroupAverage
 from peerd.allreduce.codec import pack_block, pack_data, view_block
+from peerd.allreduce.group import IN_ORDER_GRACE_S
 from peerd.compress import codec
 from peerd.wire import Opener, Sealer
 
@@ -176,10 +177,7 @@ def test_end_overtaking_data_wakes_the_driver() -> None:
     assert cores[0].reduce_scatter_done
 
 
-def test_end_after_the_streams_last_datagram_closes_it_at_once() -> None:
-    """What is missing before a stream's last datagram was sent before one that arrived: lost, not late. The END
-    closes the stream with no grace (under random loss nearly every stream misses some: the grace cost every
-    phase its length)."""
+def _two_cores() -> tuple[list[GroupAverage], list, object]:
     cores = [
         GroupAverage(GROUP, 2, i, np.ones(64, np.float32), 1.0, 0.0, max_payload=HEADER_SIZE + 32, end_grace_s=0.05)
         for i in range(2)
@@ -188,9 +186,31 @@ def test_end_after_the_streams_last_datagram_closes_it_at_once() -> None:
     data = [o for o in out if o.to == 0 and o.type == RS_DATA]
     end = next(o for o in out if o.to == 0 and o.type == RS_END)
     assert len(data) > 2
+    return cores, data, end
+
+
+def test_end_after_an_in_order_streams_last_datagram_waits_only_briefly() -> None:
+    """What is missing before a stream's last datagram was sent before one that arrived: lost, not late, when the
+    stream came in order. The END closes it after IN_ORDER_GRACE_S, not the full grace (under random loss
+    nearly every stream misses some: the grace cost every phase its length)."""
+    cores, data, end = _two_cores()
     cores[0].receive(1, RS_DATA, data[0].body, 0.0)
     cores[0].receive(1, RS_DATA, data[-1].body, 0.0)  # the middle is lost
     cores[0].receive(1, RS_END, end.body, 0.01)
+    assert cores[0].next_deadline() == pytest.approx(0.01 + IN_ORDER_GRACE_S)
+    cores[0].handle_timer(0.011 + IN_ORDER_GRACE_S)
+    assert cores[0].reduce_scatter_done
+
+
+def test_end_of_a_reordered_stream_keeps_the_full_grace() -> None:
+    cores, data, end = _two_cores()
+    cores[0].receive(1, RS_DATA, data[-1].body, 0.0)
+    cores[0].receive(1, RS_DATA, data[0].body, 0.0)  # came after a later one: this path reorders
+    cores[0].receive(1, RS_END, end.body, 0.01)
+    assert cores[0].next_deadline() == pytest.approx(0.06)
+    cores[0].receive(1, RS_DATA, data[1].body, 0.05)  # late, still in time
+    assert not cores[0].reduce_scatter_done and cores[0]._rs.received[1] == 3
+    cores[0].handle_timer(0.061)
     assert cores[0].reduce_scatter_done
 
 

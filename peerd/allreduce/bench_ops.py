@@ -225,6 +225,7 @@ class BenchOps:
             "drops": dict(st.drops),
             "refused": dict(st.refused),
             "pacer_rate": self.service.pacer.rate,
+            "pacer_decreases": self.service.pacer.decreases,
             "receive_passes": self.sock.receive_passes - sock0.receive_passes,
             "receive_calls": self.sock.receive_calls - sock0.receive_calls,
             "send_calls": self.sock.send_calls - sock0.send_calls,

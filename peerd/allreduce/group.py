@@ -84,6 +84,7 @@ from .shards import Layout, elements_per_datagram
 DEFAULT_MAX_PAYLOAD = 1200 - 37  # default datagram payload minus envelope (21) and AEAD tag (16)
 DEFAULT_FLOOR_S = 1.0
 DEFAULT_SAFETY = 2.0
+IN_ORDER_GRACE_S = 0.01  # an END after its stream's last datagram, the stream in order: the wait for the rest
 DEFAULT_BLOCK_ROWS = 32  # bodies per OutBlock unless the driver asks for another size (GSO: up to 64)
 FINALIZE_BLOCK_ELEMENTS = 1 << 16  # the all-gather divides this many elements at a time (~50 us)
 # A compressed codec encodes as it packs (int4 stochastic: ~30 ms for a block of 432 full datagrams): its blocks
@@ -201,6 +202,7 @@ class _Phase:
         "expected",
         "received",
         "top",
+        "reordered",
         "first_at",
         "last_at",
         "done",
@@ -223,6 +225,7 @@ class _Phase:
         self.expected = expected
         self.received = [0] * len(expected)
         self.top = [0] * len(expected)  # per sender: one past the highest datagram index that arrived
+        self.reordered = [False] * len(expected)  # per sender: a datagram arrived after one sent later
         self.first_at = [0.0] * len(expected)  # per sender: when its first data arrived
         self.last_at = [0.0] * len(expected)  # per sender: when its latest data arrived
         # a stream with nothing to carry (empty shard, or this member itself) is complete from the start
@@ -254,6 +257,8 @@ class _Phase:
         received = self.received[s] = self.received[s] + 1
         if k >= self.top[s]:
             self.top[s] = k + 1
+        else:
+            self.reordered[s] = True
         if received == 1:
             self.first_at[s] = now
         self.last_at[s] = now
@@ -277,6 +282,8 @@ class _Phase:
         self.data += count
         self._progress(now)
         received = self.received[s] = self.received[s] + count
+        if k_max - count + 1 < self.top[s]:  # (the block's lowest index is at most this: in order it is not)
+            self.reordered[s] = True
         if k_max >= self.top[s]:
             self.top[s] = k_max + 1
         if received == count:
@@ -292,14 +299,19 @@ class _Phase:
     def note_end(self, s: int, now: float) -> None:
         """An END closes its stream, after a short grace when it overtook some of the stream's data
         (reordering): datagrams sent just before it are usually still in flight. Not when the stream's last
-        datagram is in: what is missing was sent before one that arrived, so it is lost, not late (under
-        random loss nearly every stream misses some, and the grace cost every phase its full length)."""
+        datagram is in and the stream came in order so far: what is missing was sent before one that arrived,
+        so it is nearly surely lost, not late, and the wait is IN_ORDER_GRACE_S at most (under random loss
+        nearly every stream misses some, and the full grace cost every phase its length; waiting not at all
+        lost reordered data in 10 of 24 seeds of the 3 ms-jitter test). A stream seen reordered keeps the
+        grace."""
         self.end_seen[s] = True
         self._progress(now)
         if self.done[s]:
             return
-        if self.grace > 0 and self.top[s] < self.expected[s]:
+        if self.grace > 0 and (self.top[s] < self.expected[s] or self.reordered[s]):
             self.ending[s] = now + self.grace
+        elif self.grace > 0 and self.received[s] < self.expected[s]:
+            self.ending[s] = now + min(self.grace, IN_ORDER_GRACE_S)
         else:
             self.close(s)
 

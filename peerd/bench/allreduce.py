@@ -383,6 +383,11 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "receive_calls_per_peer": statistics.mean(rep.get("receive_calls", 0) for rep in runs),
             "receive_passes_per_peer": statistics.mean(rep.get("receive_passes", 0) for rep in runs),
             "send_calls_per_peer": statistics.mean(rep.get("send_calls", 0) for rep in runs),
+            # The pacer at each average's end (median over peers and repeats, MB/s) and its decreases over the
+            # run (mean per peer): under injected random loss it must not decrease (issue 16)
+            "pacer_rate_mb_s": round(statistics.median(rep.get("pacer_rate", 0.0) for rep in runs) / 1e6, 3),
+            "pacer_decreases_per_peer": (statistics.mean(rep.get("pacer_decreases", 0) for rep in runs[-cfg.peers:])
+                                         if runs else 0),
             "phases_ended_by_deadline": sum((rep["rs_ended_by"] == "deadline") + (rep["ag_ended_by"] == "deadline")
                                             for rep in runs),
         }
