@@ -159,8 +159,9 @@ def test_open_block_matches_open(secret) -> None:
 
 
 def test_end_overtaking_data_wakes_the_driver() -> None:
-    """An END that overtakes lost data brings the deadline forward to its short grace; the driver only
-    re-reads the deadline when ``phase_changes`` moves, so it must move (else it sleeps ~1 s too long)."""
+    """An END that overtakes lost data brings the deadline forward to its short grace (an in-order stream:
+    IN_ORDER_GRACE_S); the driver only re-reads the deadline when ``phase_changes`` moves, so it must move
+    (else it sleeps ~1 s too long)."""
     cores = [
         GroupAverage(GROUP, 2, i, np.ones(64, np.float32), 1.0, 0.0, max_payload=HEADER_SIZE + 32, end_grace_s=0.05)
         for i in range(2)
@@ -172,8 +173,8 @@ def test_end_overtaking_data_wakes_the_driver() -> None:
     before, deadline = cores[0].phase_changes, cores[0].next_deadline()
     cores[0].receive(1, RS_END, end.body, 0.01)
     assert cores[0].phase_changes != before
-    assert cores[0].next_deadline() == pytest.approx(0.06) and deadline > 0.5
-    cores[0].handle_timer(0.07)
+    assert cores[0].next_deadline() == pytest.approx(0.01 + IN_ORDER_GRACE_S) and deadline > 0.5
+    cores[0].handle_timer(0.011 + IN_ORDER_GRACE_S)
     assert cores[0].reduce_scatter_done
 
 
