@@ -127,6 +127,32 @@ def test_receive_block_declines_what_is_not_a_clean_run() -> None:
     assert a[0].statistics().drops["duplicate"] == 4
 
 
+@pytest.mark.parametrize("byte", [*range(9), *range(13, 19)])
+def test_receive_block_declines_one_changed_header_byte(byte: int) -> None:
+    """Every header byte that must match row 0's (all but the offset, 9..13) is compared: one changed byte in
+    the last row declines the block, and nothing is taken from it."""
+    a = _group(2, 64, 8, 1)
+    rows = [o.bodies for o in a[1].next_blocks(4, 100) if o.to == 0 and o.type == RS_DATA][0].copy()
+    rows[-1, byte] ^= 1
+    assert a[0].receive_block(1, RS_DATA, rows, 0.0) is None
+    assert a[0].statistics().drops.get("duplicate", 0) == 0
+
+
+@pytest.mark.parametrize("byte", range(13))
+def test_open_block_declines_one_changed_lead_byte(byte: int) -> None:
+    """Magic, version, type, flags and token (bytes 0..13) must be row 0's in every row: one changed byte in
+    the last row sends the block to the row-by-row path (None), and the replay window is untouched."""
+    me, secret = bytes(32), os.urandom(32)
+    sealer, opener = Sealer(secret), Opener(secret, me)
+    opener.open(sealer.seal(RS_DATA, b"\0" * 40, me))
+    block = sealer.seal_block(RS_DATA, np.zeros((3, 50), np.uint8), me).copy()
+    block[-1, byte] ^= 1
+    assert opener.open_block(block) is None
+    block[-1, byte] ^= 1
+    opened = opener.open_block(block)
+    assert opened is not None and len(opened.bodies) == 3 and opened.replays == 0
+
+
 @pytest.mark.parametrize("secret", [os.urandom(32), None], ids=["sealed", "insecure"])
 def test_open_block_matches_open(secret) -> None:
     """Sealing a block and opening it whole gives the bodies; a replayed block gives nothing; a forged row
