@@ -181,15 +181,20 @@ def test_wire_ratio_6250x1000_at_ratio_0_1():
 # ---- EF21M ---------------------------------------------------------------------------------------------
 
 
-def reference_replay(grads, sends, gots, avgs, stales, eta):
-    """The update rule written out element by element (float32 scalars, same operation order)."""
+def reference_replay(grads, sends, gots, avgs, stales, eta, groups=None):
+    """The update rule written out element by element (float32 scalars, same operation order). ``groups``: the
+    round's member set; a change keeps h and e (the member's own) and restarts u from e."""
     f = np.float32
     h = e = u = None
     vs, us = [], []
-    for g, sent, got, avg, stale in zip(grads, sends, gots, avgs, stales, strict=True):
+    groups = groups or [None] * len(grads)
+    last = None
+    for g, sent, got, avg, stale, grp in zip(grads, sends, gots, avgs, stales, groups, strict=True):
         if h is None:
             h, e, u = list(g), [f(0)] * len(g), [f(0)] * len(g)
         else:
+            if grp != last:
+                u = list(e)
             h = [f(hi * (f(1) - f(eta))) + f(f(eta) * gi) for hi, gi in zip(h, g, strict=True)]
         v = [f(hi - ei) for hi, ei in zip(h, e, strict=True)]
         for k in range(len(g)):
@@ -199,6 +204,7 @@ def reference_replay(grads, sends, gots, avgs, stales, eta):
                 u[k] = f(u[k] + avg[k])
             if (sent[k] and not got[k]) or stale[k]:
                 u[k] = e[k]
+        last = grp
         vs.append(np.array(v, np.float32))
         us.append(np.array(u, np.float32))
     return vs, us
@@ -239,3 +245,55 @@ def test_ef21m_without_loss_tracks_the_mean_and_resets():
     assert np.array_equal(v, g) and not efs[0].u.any() and not efs[0].e.any()
     with pytest.raises(ValueError):
         EF21M(0.0)
+
+
+def test_ef21m_state_survives_group_changes_as_the_reference_replay():
+    """h and e belong to the member's run: a new group (member set) keeps them and restarts u from e, exactly as
+    the rule replayed element by element; only a new layout resets everything."""
+    rng = np.random.default_rng(7)
+    size, rounds, eta = 40, 30, 0.2
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(rounds)]
+    sends = [rng.random(size) < 0.3 for _ in range(rounds)]
+    stales = [(rng.random(size) < 0.05) & ~s for s in sends]
+    gots = [s & (rng.random(size) < 0.9) for s in sends]
+    avgs = [rng.standard_normal(size).astype(np.float32) for _ in range(rounds)]
+    groups = [("a", "b", "c") if r % 7 < 3 else ("a", "d") if r % 7 < 5 else ("a", "b") for r in range(rounds)]
+    ref_v, ref_u = reference_replay(grads, sends, gots, avgs, stales, eta, groups)
+    ef = EF21M(eta)
+    for r in range(rounds):
+        v = ef.begin(grads[r], key="L", group=groups[r])
+        assert np.array_equal(v, ref_v[r])
+        u = ef.finish(v, sent=sends[r], got=gots[r], avg=avgs[r], stale=stales[r])
+        assert np.array_equal(u, ref_u[r])
+    h, e = ef.h.copy(), ef.e.copy()
+    assert e.any()
+    ef.begin(grads[0], key="L", group=("z",))  # a new group: h folds the gradient in, e and u = e kept
+    np.testing.assert_allclose(ef.h, (1 - eta) * h + eta * grads[0], rtol=1e-6)
+    assert np.array_equal(ef.e, e) and np.array_equal(ef.u, e)
+    v = ef.begin(grads[1], key="L2", group=("z",))  # a new layout: a reset
+    assert np.array_equal(v, grads[1]) and not ef.e.any() and not ef.u.any()
+
+
+def test_ef21m_the_same_members_keep_the_mean_of_e_across_groups():
+    """Members that meet again in a group (another id, another order) keep u = mean of their e exactly; after a
+    round in other groups each restarts u from its own e, so u_i - u_k stays e_i - e_k from that round."""
+    n, size = 3, 50
+    rng = np.random.default_rng(8)
+    efs = [EF21M(0.3) for _ in range(n)]
+
+    def one_round(members, group):
+        vs = {i: efs[i].begin(rng.standard_normal(size).astype(np.float32), key="L", group=group) for i in members}
+        sent = rng.random(size) < 0.3
+        mean_cv = np.mean([np.where(sent, vs[i], 0) for i in members], axis=0).astype(np.float32)
+        return {i: efs[i].finish(vs[i], sent=sent, got=sent, avg=mean_cv).copy() for i in members}
+
+    for _ in range(8):
+        us = one_round(range(n), tuple(sorted(("a", "b", "c"))))
+        assert np.allclose(us[0], np.mean([ef.e for ef in efs], axis=0), atol=1e-5)
+    one_round([0, 1], ("a", "b"))
+    one_round([2], ("c",))
+    e_before = [ef.e.copy() for ef in efs]
+    us = one_round(range(n), ("a", "b", "c"))
+    for i in range(n):
+        for k in range(n):
+            np.testing.assert_allclose(us[i] - us[k], e_before[i] - e_before[k], atol=1e-5)

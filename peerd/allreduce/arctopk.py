@@ -237,7 +237,8 @@ async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, i
     ``average(phase, group_id, vector)`` runs one ordinary group average (the same members, weight and options;
     the caller picks the value codec: fp32 for phases 0 and 1, the plan's dense codec for phase 2) and returns
     (result, what to keep in ``phases``, bytes sent). ``run`` (u64) and ``round`` seed the shared sketch matrix.
-    ``ef``: this run's EF21M state; ``ef_key`` names the layout and group it is valid for (a change resets it).
+    ``ef``: this run's EF21M state; ``ef_key`` names the group (its member set: a new one restarts u from e, a
+    new layout resets all; see EF21M).
     Without ``ef`` the output is this member's vector with the averaged rows written in."""
     lay = plan.layout
     flat = np.ascontiguousarray(vector, dtype=FLOAT32)
@@ -245,7 +246,7 @@ async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, i
         raise ValueError(f"vector of {flat.shape} for a layout of {lay.length} elements")
     if not np.isfinite(flat).all():
         raise ValueError("arc-topk: refusing to average a vector holding NaN or infinity")
-    v = ef.begin(flat, (lay.fingerprint(), ef_key)) if ef is not None else flat
+    v = ef.begin(flat, lay.fingerprint(), ef_key) if ef is not None else flat
     phases: list = []
     sent_bytes = 0
     sketch, info, b = await average(0, phase_group_id(group_id, 0), plan.sketch_vector(v, run, round))
@@ -276,7 +277,8 @@ async def service_arc_topk(service: Any, group_id: int, members: list, index: in
                            ef: EF21M | None = None, **options: Any) -> ArcTopKResult:
     """arc_topk_average through an AllreduceService (``service.average``): the three phases under derived group
     ids, with the same members, weight and ``options`` (floor_s, max_phase_s, max_weight); ``codec`` the dense
-    rows' (the plan's). ``result.phases`` holds the three AverageResults. The EF21M key is the member list."""
+    rows' (the plan's). ``result.phases`` holds the three AverageResults. The EF21M group is the member set
+    (sorted: the same members in another order or round are the same group)."""
     if options.get("robust") is not None:
         raise ValueError("arc-topk does not clip (robust): the selection phase relies on NaN being refused")
 
@@ -285,7 +287,7 @@ async def service_arc_topk(service: Any, group_id: int, members: list, index: in
         res = await service.average(gid, members, index, values, weight, **options, **coded)
         return res.vector, res, res.bytes_sent
 
-    key = tuple(getattr(m, "node_id", m) for m in members)
+    key = tuple(sorted(repr(getattr(m, "node_id", m)) for m in members))
     return await arc_topk_average(average, plan, group_id, index, vector, run=run, round=round, ef=ef, ef_key=key)
 
 

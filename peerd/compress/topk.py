@@ -260,8 +260,9 @@ class TopKLayout:
         return self.dense_index(j, full)
 
     def fingerprint(self) -> tuple:
-        """What an EF21M state is valid for: the layout and the group size (see EF21M.begin)."""
-        return (self.shapes, self.n, self.ratio, self.rank)
+        """What an EF21M state (h, e: per element) is valid for: the tensor shapes alone, not the group size or
+        ratio (see EF21M.begin)."""
+        return self.shapes
 
 
 def ratio_formula(layout: TopKLayout) -> float:
@@ -286,7 +287,13 @@ class EF21M:
     Where the member sent values but their all-gather range was lost, or where it never learnt the selection
     (its selection body was lost), it sets u = e there: its own state, the rule the dense codecs follow for a
     lost range (keep your own value). So members' u differ by at most how far their e differ, not by an
-    error that accumulates round over round. A new layout or group (``fingerprint``) resets everything to 0.
+    error that accumulates round over round.
+
+    h and e are the member's own (its gradients and what it sent), per element, so they belong to the member's
+    run and survive group changes; only u is a group's (its copy of the group's mean of e). A new layout
+    (``key``) resets everything; a new group (``group``: its member set) keeps h and e and restarts u from this
+    member's own e, the same keep-your-own rule (the new group's mean of e would take a dense round). The same
+    member set in another order or under another group id is the same group: u stays the mean of its e.
     """
 
     def __init__(self, eta: float = 0.1) -> None:
@@ -294,24 +301,29 @@ class EF21M:
             raise ValueError(f"eta must be in (0, 1], got {eta}")
         self.eta = np.float32(eta)
         self.key: object = None
+        self.group: object = None
         self.h: np.ndarray | None = None
         self.e: np.ndarray | None = None
         self.u: np.ndarray | None = None
 
     def reset(self) -> None:
-        self.key = None
+        self.key = self.group = None
         self.h = self.e = self.u = None
 
-    def begin(self, grad: np.ndarray, key: object) -> np.ndarray:
+    def begin(self, grad: np.ndarray, key: object, group: object = None) -> np.ndarray:
         """Fold this round's gradient into h; returns v = h - e, the vector to compress. ``key`` names the
-        layout and group (e.g. ``(layout.fingerprint(), group id)``); a different key resets the state."""
+        layout (a different one resets the state), ``group`` the group's member set (a different one restarts
+        u from e, see the class)."""
         g = np.asarray(grad, dtype=FLOAT32)
         if key != self.key or self.h is None or self.h.shape != g.shape:
-            self.key = key
+            self.key, self.group = key, group
             self.h = g.copy()
             self.e = np.zeros_like(g)
             self.u = np.zeros_like(g)
         else:
+            if group != self.group:
+                self.group = group
+                self.u = self.e.copy()
             self.h *= np.float32(1) - self.eta
             self.h += self.eta * g
         return self.h - self.e
