@@ -78,6 +78,10 @@ class Metrics:
             "peerd_moshpit_group_size", "Members of this node's group in its last Moshpit round (1: no group)",
             registry=r,
         )
+        self.moshpit_led = Counter(
+            "peerd_moshpit_led_total", "Moshpit rounds whose group this node led (closed and sent BEGIN for)",
+            registry=r,
+        )
         self.moshpit_round_seconds = Histogram(
             "peerd_moshpit_round_seconds", "Time one Moshpit round took at this node, matchmaking included",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120), registry=r,

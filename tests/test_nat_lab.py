@@ -190,6 +190,11 @@ def test_moshpit_round_over_all_six_is_exact(natswarm) -> None:
         assert set(stats["members"]) == ids, (i, stats)
     assert not wrong, "averages off (members in peer-id order):\n" + "\n".join(wrong)
     assert len({s["group_id"] for _, s in results}) == 1
+    # the leader is a public member (leaders are chosen by reachability): every member names it, it alone led
+    (leader,) = {s["leader"] for _, s in results}
+    led = [i for i, (_, s) in enumerate(results) if s["led"]]
+    assert led == [[n.status["peer_id"] for n in nodes].index(leader)], (leader, led)
+    assert KINDS[led[0]] == "public", (led, KINDS)
 
 
 @pytest.mark.e2e

@@ -102,6 +102,8 @@ class RoundResult:
     kept: bool = False  # averaged in a group kept from an earlier round (no matchmaking)
     compression: str = "fp32"  # the body codec the group averaged in
     bytes_sent: int = 0  # UDP payload bytes this node sent for the group average
+    leader: str = ""  # node id (hex) of the member that closed the group ("" when alone): NAT labs check it is public
+    led: bool = False  # this node led its group
     silent: bool = field(default=False, repr=False)  # some member was never heard from (not in stats)
 
     def stats(self) -> dict:
@@ -120,6 +122,8 @@ class RoundResult:
             "kept": self.kept,
             "compression": self.compression,
             "bytes_sent": self.bytes_sent,
+            "leader": self.leader,
+            "led": self.led,
         }
 
 
@@ -558,6 +562,7 @@ class MoshpitService:
                         core.on_averaged(self.clock(), averaged=result.outcome == "averaged", silent=result.silent,
                                          members=[c.node_id for c in group.members])
                         result.kept = average.kept
+                        result.leader, result.led = group.leader.hex(), group.leader == self.identity.node_id
                         continue
                     if core.done:
                         break
@@ -582,6 +587,8 @@ class MoshpitService:
         st.last = result
         self.metrics.moshpit_rounds.labels(result.outcome, st.compression).inc()
         self.metrics.moshpit_group_size.set(result.group_size)
+        if result.led:
+            self.metrics.moshpit_led.inc()
         self.metrics.moshpit_round_seconds.observe(result.seconds)
         log.info("run %s round %d: %s, group of %d, %.3f s", st.run_id, round_no, result.outcome,
                  result.group_size, result.seconds)
