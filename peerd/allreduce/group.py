@@ -899,8 +899,8 @@ class GroupAverage:
             return None  # body by body: ``receive`` finds the range that is not finite and keeps own values
         full = (stop - start) // per
         k0, r = divmod(int(first["offset"]) - start, per)
-        consecutive = rows == 1 or (rec["offset"] == np.arange(
-            first["offset"], first["offset"] + rows * per, per, dtype=np.uint32)).all()
+        consecutive = rows == 1 or rec["offset"].tobytes() == np.arange(  # as bytes: a third of numpy's ==
+            first["offset"], first["offset"] + rows * per, per, dtype="<u4").tobytes()
         if consecutive:
             if r or k0 < 0 or k0 + rows > full:
                 return None
