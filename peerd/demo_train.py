@@ -260,7 +260,8 @@ def run_train(args: argparse.Namespace) -> int:
                          sync_every=args.sync_every, fragments=args.fragments, outer_lr=args.outer_lr,
                          outer_momentum=args.outer_momentum, timeout_s=max(args.timeout, 30.0),
                          sync_state=not args.no_sync, state_every=1 if args.state_every else 0,
-                         max_samples=args.max_samples, compression=getattr(args, "compression", None))
+                         max_samples=args.max_samples, compression=getattr(args, "compression", None),
+                         quant_group=getattr(args, "quant_group", None), rounding=getattr(args, "rounding", None))
         else:
             opt = Optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,
                             timeout_s=args.timeout, average_params_every=args.average_every,

@@ -87,17 +87,21 @@ class DiLoCo(Optimizer):
     """DiLoCo around ``inner_optimizer`` (over ``model``'s parameters). Options as peerd.torch.Optimizer's
     (``run``, ``socket``, ``timeout_s``, ``sync_state``, ``state_every``: publish the outer state every this
     many outer steps of fragment 0, ...) plus ``outer_lr``, ``outer_momentum``, ``sync_every`` (H),
-    ``fragments`` (F). ``compression`` other than None is not implemented and raises.
+    ``fragments`` (F), ``compression`` (fp16, bf16, int8, int4: the run's body codec, with ``quant_group`` and
+    ``rounding`` for int8/int4; None: fp32). A compressed outer average still agrees bit-for-bit: an owner keeps as
+    its own result exactly what its all-gather bodies decode to, and the agreement (outer.py) hashes those bytes.
 
     Gradients are never averaged (each inner step is local); sync mode's per-K parameter averages are off."""
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, run: str,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, sync_every: int = 500, fragments: int = 1,
-                 compression: str | None = None, socket: str | None = None, timeout_s: float = 60.0,
+                 compression: str | None = None, quant_group: int | None = None, rounding: str | None = None,
+                 socket: str | None = None, timeout_s: float = 60.0,
                  sync_state: bool = True, state_every: int = 1, state_timeout_s: float = 60.0,
                  max_samples: float | None = None, nslots: int = 4) -> None:
-        if compression is not None:
-            raise NotImplementedError("DiLoCo's outer averages travel in float32; compression is not implemented")
+        if compression == "arc-topk":
+            # the daemon averages outer vectors of an arc-topk session in fp32: refuse rather than mislead
+            raise ValueError("DiLoCo's outer averages take a body codec (fp32, fp16, bf16, int8, int4), not arc-topk")
         if type(sync_every) is not int or sync_every < 1:
             raise ValueError(f"sync_every must be a positive integer (H inner steps), got {sync_every!r}")
         if not (math.isfinite(outer_lr) and outer_lr > 0 and math.isfinite(outer_momentum)
@@ -114,7 +118,8 @@ class DiLoCo(Optimizer):
         self.outer_state_every = state_every
         super().__init__(inner_optimizer, run=run, socket=socket, timeout_s=timeout_s, average_params_every=0,
                          sync_state=False, state_every=0, state_timeout_s=state_timeout_s, nslots=nslots,
-                         max_samples=max_samples)
+                         max_samples=max_samples, compression=compression, quant_group=quant_group,
+                         rounding=rounding)
         if fragments > sync_every:
             raise ValueError(f"fragments ({fragments}) cannot exceed sync_every ({sync_every}): each needs a step")
         self.bounds = fragment_bounds(self.numels, fragments)
