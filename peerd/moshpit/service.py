@@ -131,8 +131,8 @@ class RoundResult:
 class TopK:
     """A run's arc-topk configuration and its EF21M state (peerd.allreduce.arctopk): the trainer's tensor shapes
     (1-D tensors go whole), the share of rows averaged, and EF21M (None: no error feedback). The state is the
-    run's: it resets when the layout or the group (its members, in order) changes, so with a new Moshpit group
-    every round (keep_rounds 1) it holds one round; kept groups keep it."""
+    run's: h and e survive group changes (they come from this member's own gradients), u restarts from e when the
+    member set changes, and everything resets on a new layout or a failed round (see EF21M)."""
 
     shapes: tuple[tuple[int, ...], ...]
     ratio: float
