@@ -186,6 +186,8 @@ class BenchOps:
         cpu0 = time.process_time()
         usage0 = resource.getrusage(resource.RUSAGE_SELF)
         sock0 = self.sock.statistics()
+        dropped0 = self._endpoint_drops()
+        relayed0 = self._relayed()
         try:
             result = await self.service.average(group, members, index, vector, weight, out=vector, robust=robust,
                                                 **coded)
@@ -223,6 +225,11 @@ class BenchOps:
             "ag_ended_by": st.all_gather.ended_by,
             "kernel_drops": self.sock.kernel_drops - drops0,
             "drops": dict(st.drops),
+            # every datagram the endpoint dropped, by reason (counted after the lossy socket: ``injected``), and
+            # what this node sent through a relay: a relayed path's data is lost at the relay too (its own
+            # ``injected``, ``relay_queue``), which no receiver's group counts
+            "endpoint_drops": _delta(self._endpoint_drops(), dropped0),
+            "datagrams_relayed": self._relayed() - relayed0,
             "refused": dict(st.refused),
             "pacer_rate": self.service.pacer.rate,
             "pacer_decreases": self.service.pacer.decreases,
@@ -230,6 +237,24 @@ class BenchOps:
             "receive_calls": self.sock.receive_calls - sock0.receive_calls,
             "send_calls": self.sock.send_calls - sock0.send_calls,
         }
+
+    def _endpoint_drops(self) -> dict[str, float]:
+        """The endpoint's datagrams_dropped counters by reason (injected loss, replay, auth, overload, ...): what
+        never reached the group, so a bench can tell every datagram that went missing from silent loss."""
+        metrics = getattr(self.service, "metrics", None)
+        counter = getattr(metrics, "datagrams_dropped", None)
+        if counter is None:
+            return {}
+        out: dict[str, float] = {}
+        for family in counter.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels.get("reason", "")] = sample.value
+        return out
+
+    def _relayed(self) -> int:
+        counts = getattr(getattr(self.service, "endpoint", None), "path_counts", None)
+        return int(counts["relayed"][0]) if counts else 0
 
     async def _run_arc(self, group: int, members: list[Member], index: int, vector: np.ndarray, weight: float,
                        run: int, shapes: list[tuple[int, ...]], ratio: float) -> dict[str, Any]:
@@ -268,3 +293,8 @@ class BenchOps:
         if isinstance(path, str):
             await trio.to_thread.run_sync(np.save, path, result.vector)
         return {}
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    """Counters that moved between two readings."""
+    return {k: int(v - before.get(k, 0)) for k, v in sorted(after.items()) if v != before.get(k, 0)}

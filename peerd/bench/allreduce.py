@@ -346,6 +346,10 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         for rep in runs:
             for reason, count in rep["drops"].items():
                 drops[reason] = drops.get(reason, 0) + count
+        endpoint_drops: dict[str, int] = {}
+        for rep in runs:
+            for reason, count in rep.get("endpoint_drops", {}).items():
+                endpoint_drops[reason] = endpoint_drops.get(reason, 0) + count
         planes = sorted({rep.get("dataplane", "unknown") for rep in runs})
         out: dict[str, Any] = {
             "dataplane": planes[0] if len(planes) == 1 else planes,  # "native" or "python" (every daemon's)
@@ -371,6 +375,10 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "received_fraction": received / sent if sent else 1.0,
             "kernel_drops": sum(rep["kernel_drops"] for rep in runs),
             "drops": drops,  # datagrams the groups did not use, by reason (late, duplicate, ...)
+            # datagrams the daemons' endpoints dropped, by reason (injected, overload, replay, at relays too), and
+            # tensor datagrams sent through a relay (a loopback run that relays lost a punch: its data is lost twice)
+            "endpoint_drops": dict(sorted(endpoint_drops.items())),
+            "datagrams_relayed": sum(rep.get("datagrams_relayed", 0) for rep in runs),
             "bytes_sent_per_peer": statistics.mean(rep["bytes_sent"] for rep in runs),
             # CPU seconds one daemon spends per average (mean over peers and repeats): steadier than peerd_s
             # on a shared machine, and what an optimization of the data path should move.
