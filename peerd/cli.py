@@ -650,8 +650,9 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--bucket-mb must be in (0, 1024]")
     if args.baseline and (args.mode == "diloco" or args.byzantine or args.dropcompute != "off"):
         parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")
-    if args.mode == "diloco" and args.compression is not None:
-        parser.error("--compression applies to --mode sync (DiLoCo's outer averages travel in float32)")
+    if args.mode == "diloco" and args.compression == "arc-topk":
+        parser.error("--mode diloco takes --compression fp16, bf16, int8 or int4 (arc-topk's row selection and "
+                     "error feedback are built for gradient vectors, not pseudo-gradients)")
     if (args.quant_group is not None or args.rounding is not None) and args.compression not in ("int8", "int4"):
         parser.error("--quant-group and --rounding go with --compression int8 or int4")
     if args.topk_ratio is not None and args.compression != "arc-topk":
