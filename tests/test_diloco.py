@@ -616,10 +616,11 @@ def _diloco_trainer(node, index: int, *extra: str):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("loss", [0.0, 0.1])
-def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float) -> None:
+@pytest.mark.parametrize(("loss", "compression"), [(0.0, None), (0.1, None), (0.1, "int8")])
+def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float, compression: str | None) -> None:
     """3 daemons (``--loss``: each drops received datagrams, all-gather ones included) and 3 DiLoCo trainers:
-    after every outer step all members hold global parameters and momentum of the same SHA-256."""
+    after every outer step all members hold global parameters and momentum of the same SHA-256 (also with an
+    int8 outer average: a lost range is repaired with its owner's dequantized shard)."""
     import json
 
     pytest.importorskip("sklearn")
@@ -628,7 +629,9 @@ def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float) -> None:
     extra = ("--loss", str(loss), "--loss-seed", "3") if loss else ()
     with LocalSwarm(str(tmp_path / "swarm"), extra_args=extra) as swarm:
         nodes = swarm.start_many(3)
-        trainers = [_diloco_trainer(n, i, *(("--fragments", "2") if loss else ())) for i, n in enumerate(nodes)]
+        codec = ("--compression", compression) if compression else ()
+        trainers = [_diloco_trainer(n, i, *(("--fragments", "2") if loss else ()), *codec)
+                    for i, n in enumerate(nodes)]
         results = []
         for t in trainers:
             out, err = t.communicate(timeout=240)
@@ -637,7 +640,7 @@ def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float) -> None:
     fragments = 2 if loss else 1
     for r in results:
         assert r["mode"] == "diloco" and r["outer_steps"] == 3 * fragments, r
-        assert r["params_finite"]
+        assert r["params_finite"] and r["compression"] == (compression or "fp32")
     by_step = [{(o["step"], o["fragment"]): o["sha"] for o in r["outer"]} for r in results]
     assert by_step[0].keys() == by_step[1].keys() == by_step[2].keys()
     for key in by_step[0]:
