@@ -191,7 +191,7 @@ class CodecAverager(InProcessAverager):
         return dataclasses.replace(res, vector=got)
 
 
-@pytest.mark.parametrize("compression", ["int8", "fp16"])
+@pytest.mark.parametrize("compression", ["int8", "int4", "fp16", "bf16"])
 def test_compressed_outer_averages_agree_and_follow_the_rule_on_the_dequantized_average(tmp_path,
                                                                                        compression: str) -> None:
     """DiLoCo(compression=C): the daemon averages the pseudo-gradients in C, every member ends with the same
@@ -201,7 +201,7 @@ def test_compressed_outer_averages_agree_and_follow_the_rule_on_the_dequantized_
 
     averager = CodecAverager(group_size=3, wait_s=10.0)
     daemon = ThreadDaemon(str(tmp_path / "d.sock"), averager)
-    extra = {"rounding": "nearest"} if compression == "int8" else {}
+    extra = {"rounding": "nearest"} if compression.startswith("int") else {}
     try:
         models = [model(0) for _ in range(3)]
         start = flat(models[0].parameters()).clone()
@@ -236,7 +236,7 @@ def test_compressed_outer_averages_agree_and_follow_the_rule_on_the_dequantized_
         ref_glob, _ = replay(3, 8, 4, 1)  # the float32 DiLoCo: close, but not the same bytes
         torch.testing.assert_close(glob, ref_glob, rtol=0.0, atol=0.05)
         assert not torch.equal(glob, ref_glob)
-        c = codec(compression, **({"group": 128, "rounding": "nearest"} if compression == "int8" else {}))
+        c = codec(compression, **({"group": 128, **extra} if extra else {}))
         for o in opts:
             assert o.outer_bytes == 2 * c.body_size(o.elems) < 2 * 4 * o.elems
             assert all(h["payload_bytes"] == c.body_size(o.elems) for h in o.history)
