@@ -651,7 +651,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.baseline and (args.mode == "diloco" or args.byzantine or args.dropcompute != "off"):
         parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")
     if args.mode == "diloco" and args.compression == "arc-topk":
-        parser.error("--compression arc-topk averages gradients: DiLoCo's outer averages take fp32/fp16/bf16/int8/int4")
+        parser.error("--mode diloco takes --compression fp16, bf16, int8 or int4 (arc-topk's row selection and "
+                     "error feedback are built for gradient vectors, not pseudo-gradients)")
     if (args.quant_group is not None or args.rounding is not None) and args.compression not in ("int8", "int4"):
         parser.error("--quant-group and --rounding go with --compression int8 or int4")
     if args.topk_ratio is not None and args.compression != "arc-topk":

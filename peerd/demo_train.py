@@ -260,8 +260,8 @@ def run_train(args: argparse.Namespace) -> int:
                          sync_every=args.sync_every, fragments=args.fragments, outer_lr=args.outer_lr,
                          outer_momentum=args.outer_momentum, timeout_s=max(args.timeout, 30.0),
                          sync_state=not args.no_sync, state_every=1 if args.state_every else 0,
-                         max_samples=args.max_samples, compression=getattr(args, "compression", None),
-                         quant_group=getattr(args, "quant_group", None), rounding=getattr(args, "rounding", None))
+                         max_samples=args.max_samples,
+                         **{k: v for k, v in compression_options(args).items() if k != "topk_ratio"})
         else:
             opt = Optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,
                             timeout_s=args.timeout, average_params_every=args.average_every,
@@ -319,7 +319,7 @@ def run_train(args: argparse.Namespace) -> int:
             if reply["outcome"] == "averaged" and not diloco:
                 tensor_bytes += 4 * opt.elems  # the gradient vector went through a group average
             for o in reply.get("outer", []):
-                tensor_bytes += 4 * (opt.bounds[o["fragment"]][1] - opt.bounds[o["fragment"]][0])
+                tensor_bytes += o["payload_bytes"]  # the fragment, encoded in the run's codec
                 tensor_bytes += o["repaired_bytes"] + o.get("adopted_bytes", 0)
                 outer_log.append({k: o[k] for k in ("step", "fragment", "sha", "outcome", "group_size",
                                                     "agreed_members", "repaired_bytes", "adopted")})

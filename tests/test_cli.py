@@ -208,6 +208,7 @@ def test_byzantine_and_robust_arguments_are_checked(args: list[str], needle: str
         (["demo", "--target-accuracy", "1.5"], "(0, 1]"),
         (["demo", "--target-accuracy", "lots"], "not a number"),
         (["demo", "--baseline", "gloo", "--mode", "diloco"], "compares plain training"),
+        (["demo", "--mode", "diloco", "--compression", "arc-topk"], "not pseudo-gradients"),
         (["demo", "--baseline", "gloo", "--dropcompute", "auto"], "compares plain training"),
         (["demo", "--link-loss", "0.1"], "needs --link"),
         (["bench", "moshpit", "--link-loss", "0.1"], "needs --link"),

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 
@@ -164,6 +165,87 @@ def test_three_trainers_follow_a_replay_of_diloco(tmp_path, fragments: int) -> N
         daemon.stop()
 
 
+class CodecAverager(InProcessAverager):
+    """InProcessAverager through a body codec, as Moshpit averages a compressed run: each member's vector is
+    encoded for the reduce, and every member (the shard owners too) gets the dequantized encoding of the mean
+    from the all-gather. Records the codec keywords of every call and every result it hands out."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.codecs: list[dict] = []
+        self.results: dict[int | None, np.ndarray] = {}
+
+    async def average(self, run_id, vector, weight, *, compression=None, quant_group=None, rounding=None,
+                      **kw):
+        from peerd.compress import codec
+
+        self.codecs.append({"compression": compression, "quant_group": quant_group, "rounding": rounding})
+        c = codec(compression, **({"group": quant_group, "rounding": "nearest"} if quant_group else {}))
+        n = vector.size
+        sent = c.decode(c.encode(vector), n)  # the reduce-scatter's bodies
+        res = await super().average(run_id, sent, weight, **kw)
+        if res.outcome != "averaged":
+            return res
+        got = c.decode(c.encode(res.vector), n)  # the all-gather's, the owners' own shard included
+        self.results[kw.get("round_no")] = got
+        return dataclasses.replace(res, vector=got)
+
+
+@pytest.mark.parametrize("compression", ["int8", "int4", "fp16", "bf16"])
+def test_compressed_outer_averages_agree_and_follow_the_rule_on_the_dequantized_average(tmp_path,
+                                                                                       compression: str) -> None:
+    """DiLoCo(compression=C): the daemon averages the pseudo-gradients in C, every member ends with the same
+    global parameters and momentum, they are the outer rule replayed on the dequantized averages (not the
+    float32 ones), and the bytes of each outer step are the codec's, fewer than float32's."""
+    from peerd.compress import codec
+
+    averager = CodecAverager(group_size=3, wait_s=10.0)
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), averager)
+    extra = {"rounding": "nearest"} if compression.startswith("int") else {}
+    try:
+        models = [model(0) for _ in range(3)]
+        start = flat(models[0].parameters()).clone()
+        opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dlc", socket=daemon.path, sync_every=4,
+                       compression=compression, sync_state=False, state_every=0, **extra) for m in models]
+        errors: list[BaseException] = []
+
+        def worker(i: int) -> None:
+            try:
+                for s in range(1, 9):
+                    x, y = batch(i, s)
+                    opts[i].zero_grad()
+                    torch.nn.functional.cross_entropy(models[i](x), y).backward()
+                    opts[i].step(samples=len(x))
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert {c["compression"] for c in averager.codecs} == {compression}  # the outer averages went in C
+        assert sorted(averager.results) == [4, 8]
+        assert len({o.state_sha() for o in opts}) == 1  # identical global parameters and momentum
+        glob, mom = start.clone(), torch.zeros_like(start)
+        for r in (4, 8):  # the rule on the dequantized averages, bit for bit
+            nesterov_outer(glob, mom, torch.from_numpy(averager.results[r]), 0.7, 0.9)
+        for o in opts:
+            assert torch.equal(o.global_params, glob) and torch.equal(o.momentum, mom)
+        ref_glob, _ = replay(3, 8, 4, 1)  # the float32 DiLoCo: close, but not the same bytes
+        torch.testing.assert_close(glob, ref_glob, rtol=0.0, atol=0.05)
+        assert not torch.equal(glob, ref_glob)
+        c = codec(compression, **({"group": 128, **extra} if extra else {}))
+        for o in opts:
+            assert o.outer_bytes == 2 * c.body_size(o.elems) < 2 * 4 * o.elems
+            assert all(h["payload_bytes"] == c.body_size(o.elems) for h in o.history)
+        for o in opts:
+            o.close()
+    finally:
+        daemon.stop()
+
+
 def test_a_joiner_takes_global_parameters_and_outer_momentum(tmp_path) -> None:
     daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=1.0))
     try:
@@ -310,10 +392,10 @@ def test_a_replica_whose_outer_state_differs_from_the_swarms_raises(tmp_path) ->
 
 def test_options_are_checked() -> None:
     m = model(0)
-    with pytest.raises(ValueError):  # the outer average takes a body codec only
+    with pytest.raises(ValueError, match="arc-topk.*gradient vectors"):
         DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="x", compression="arc-topk")
-    with pytest.raises(ValueError):
-        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="x", compression="int9")
+    with pytest.raises(ValueError, match="compression must be one of"):
+        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="x", compression="int3")
     with pytest.raises(ValueError):
         DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="x", sync_every=0)
     with pytest.raises(ValueError):
@@ -534,11 +616,11 @@ def _diloco_trainer(node, index: int, *extra: str):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("loss", "codec"), [(0.0, None), (0.1, None), (0.1, "int8")])
-def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float, codec: str | None) -> None:
+@pytest.mark.parametrize(("loss", "compression"), [(0.0, None), (0.1, None), (0.1, "int8")])
+def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float, compression: str | None) -> None:
     """3 daemons (``--loss``: each drops received datagrams, all-gather ones included) and 3 DiLoCo trainers:
-    after every outer step all members hold global parameters and momentum of the same SHA-256, also when the
-    pseudo-gradients travel in int8 (an owner's own shard is what its bodies decode to, not its float32 sum)."""
+    after every outer step all members hold global parameters and momentum of the same SHA-256 (also with an
+    int8 outer average: a lost range is repaired with its owner's dequantized shard)."""
     import json
 
     pytest.importorskip("sklearn")
@@ -547,8 +629,8 @@ def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float, codec: s
     extra = ("--loss", str(loss), "--loss-seed", "3") if loss else ()
     with LocalSwarm(str(tmp_path / "swarm"), extra_args=extra) as swarm:
         nodes = swarm.start_many(3)
-        codec_args = ("--compression", codec) if codec else ()
-        trainers = [_diloco_trainer(n, i, *(("--fragments", "2") if loss else ()), *codec_args)
+        codec = ("--compression", compression) if compression else ()
+        trainers = [_diloco_trainer(n, i, *(("--fragments", "2") if loss else ()), *codec)
                     for i, n in enumerate(nodes)]
         results = []
         for t in trainers:
@@ -558,7 +640,7 @@ def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float, codec: s
     fragments = 2 if loss else 1
     for r in results:
         assert r["mode"] == "diloco" and r["outer_steps"] == 3 * fragments, r
-        assert r["params_finite"]
+        assert r["params_finite"] and r["compression"] == (compression or "fp32")
     by_step = [{(o["step"], o["fragment"]): o["sha"] for o in r["outer"]} for r in results]
     assert by_step[0].keys() == by_step[1].keys() == by_step[2].keys()
     for key in by_step[0]:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..compress import NAMES, codec
 from ..localsock.client import DaemonError
 from .optimizer import Optimizer
 
@@ -87,9 +88,13 @@ class DiLoCo(Optimizer):
     """DiLoCo around ``inner_optimizer`` (over ``model``'s parameters). Options as peerd.torch.Optimizer's
     (``run``, ``socket``, ``timeout_s``, ``sync_state``, ``state_every``: publish the outer state every this
     many outer steps of fragment 0, ...) plus ``outer_lr``, ``outer_momentum``, ``sync_every`` (H),
-    ``fragments`` (F), ``compression`` (fp16, bf16, int8, int4: the run's body codec, with ``quant_group`` and
-    ``rounding`` for int8/int4; None: fp32). A compressed outer average still agrees bit-for-bit: an owner keeps as
-    its own result exactly what its all-gather bodies decode to, and the agreement (outer.py) hashes those bytes.
+    ``fragments`` (F), ``compression`` (the codec of the pseudo-gradient averages: "fp32", "fp16", "bf16",
+    "int8" or "int4", with ``quant_group`` and ``rounding`` for the int codecs; None: fp32; every member of the
+    run must pass the same). A compressed average still ends identical on every member: each shard owner's
+    own result is the dequantized value the others receive, and repairs and adoption copy those bytes, so the
+    outer rule applies to the same (dequantized) average everywhere. "arc-topk" is refused: its row selection
+    and error feedback are built for gradient vectors of the layout's matrices, not for pseudo-gradient
+    fragments (the daemon would average these in fp32).
 
     Gradients are never averaged (each inner step is local); sync mode's per-K parameter averages are off."""
 
@@ -100,8 +105,11 @@ class DiLoCo(Optimizer):
                  sync_state: bool = True, state_every: int = 1, state_timeout_s: float = 60.0,
                  max_samples: float | None = None, nslots: int = 4) -> None:
         if compression == "arc-topk":
-            # the daemon averages outer vectors of an arc-topk session in fp32: refuse rather than mislead
-            raise ValueError("DiLoCo's outer averages take a body codec (fp32, fp16, bf16, int8, int4), not arc-topk")
+            raise ValueError("DiLoCo does not take compression='arc-topk': its top-k row selection and EF21M error "
+                             "feedback are built for whole gradient vectors, not pseudo-gradient fragments; use "
+                             "fp16, bf16, int8 or int4")
+        if compression is not None and compression not in NAMES:
+            raise ValueError(f"compression must be one of {NAMES} or None, got {compression!r}")
         if type(sync_every) is not int or sync_every < 1:
             raise ValueError(f"sync_every must be a positive integer (H inner steps), got {sync_every!r}")
         if not (math.isfinite(outer_lr) and outer_lr > 0 and math.isfinite(outer_momentum)
@@ -120,6 +128,8 @@ class DiLoCo(Optimizer):
                          sync_state=False, state_every=0, state_timeout_s=state_timeout_s, nslots=nslots,
                          max_samples=max_samples, compression=compression, quant_group=quant_group,
                          rounding=rounding)
+        params = {k: v for k, v in (("group", quant_group), ("rounding", rounding)) if v is not None}
+        self.outer_codec = codec(compression or "fp32", **(params if (compression or "").startswith("int") else {}))
         if fragments > sync_every:
             raise ValueError(f"fragments ({fragments}) cannot exceed sync_every ({sync_every}): each needs a step")
         self.bounds = fragment_bounds(self.numels, fragments)
@@ -132,7 +142,7 @@ class DiLoCo(Optimizer):
         self.outer_steps = 0
         self.history: list[dict[str, Any]] = []  # the last HISTORY outer steps: step, fragment, state sha after it
         self.outer_steps_of0 = 0
-        self.outer_bytes = 0  # float32 bytes of pseudo-gradients this trainer handed to its daemon
+        self.outer_bytes = 0  # encoded bytes of the pseudo-gradients this trainer averaged (in the run's codec)
         if sync_state:
             self.sync_state()
 
@@ -223,7 +233,8 @@ class DiLoCo(Optimizer):
                                timeout_s=self.timeout_s, reply_timeout=3 * self.timeout_s + 30)
         except DaemonError as e:
             raise DaemonError(f"outer step of fragment {fragment} at step {self.step_count} failed: {e}") from None
-        self.outer_bytes += 4 * (b - a)
+        payload = self.outer_codec.body_size(b - a)  # one encoded copy of the fragment (fp32: 4 bytes a value)
+        self.outer_bytes += payload
         if reply.get("state_winner") and reply["state_winner"] != before:
             raise DiLoCoError(
                 f"outer step at step {self.step_count}: this replica's outer state (sha {before.hex()[:12]}) "
@@ -244,7 +255,7 @@ class DiLoCo(Optimizer):
                "group_size": reply.get("group_size", 1), "received_fraction": reply.get("received_fraction", 0.0),
                "sha": self.state_sha(fragment).hex(), "repaired_bytes": reply.get("repaired_bytes", 0),
                "adopted": reply.get("adopted", False), "adopted_bytes": reply.get("adopted_bytes", 0),
-               "agreed_members": reply.get("agreed_members", 1),
+               "agreed_members": reply.get("agreed_members", 1), "payload_bytes": payload,
                "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": 0.0}
         self.history.append(out)
         del self.history[:-HISTORY]

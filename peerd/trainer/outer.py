@@ -11,6 +11,8 @@ so any difference would stay for good. After the group average every member ther
    SHA-256 of the shard it owns and of its whole vector, keeps the vector for others to read (state sync's
    STATE_GET), and fetches every shard whose hash differs from its owner's, verified against that hash.
    Without loss nothing is fetched; after repair every member of a group holds the owners' concatenation.
+   With a codec (the run's compression), an owner keeps the dequantized encoding of its shard, the value the
+   all-gather hands the others, so the hashes and the repaired bytes are those dequantized values too.
 2. **Agrees across the swarm.** Each member publishes the SHA-256 of its repaired vector (``final``). The
    final that most members hold wins (ties: the one from the larger group, then the lower hash); a member
    holding another downloads the winner (verified against its hash) and publishes it. The step ends when
