@@ -252,8 +252,9 @@ class UdpSocket:
         is one, has its key derivation granted already; the rest of ``unknown`` is for the caller to decide.
         ``shedding`` (with a limiter): an overloaded pass sheds (see OVERLOAD_FRACTION), and the result ends with
         ``shed``, the datagrams it dropped (their bytes in screened_bytes); without it nothing is shed.
-        ``protected`` (with ``shedding``): tokens whose sealed datagrams are never shed; given (non-empty), a pass
-        sheds the others from PROTECTED_OVERLOAD_BYTES of queue, and past overload_bytes sheds as without it."""
+        ``protected`` (with ``shedding``): tokens whose sealed datagrams are never shed; given (even empty: no group
+        runs, no tensor data to spare), a pass sheds the others from PROTECTED_OVERLOAD_BYTES of queue, and past
+        overload_bytes sheds as without it."""
         recv = self._native_recv
         if recv is None:
             raise RuntimeError("recv_screened needs the native receive pass")
@@ -269,7 +270,7 @@ class UdpSocket:
                 if queued > self.overload_bytes:
                     over = True
                 else:
-                    over = bool(protected) and queued > min(PROTECTED_OVERLOAD_BYTES, self.overload_bytes)
+                    over = protected is not None and queued > min(PROTECTED_OVERLOAD_BYTES, self.overload_bytes)
                     keep = protected
                 if over:
                     if self._overload_view is None:
