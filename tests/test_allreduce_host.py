@@ -621,3 +621,24 @@ def test_a_report_counts_only_what_was_sent() -> None:
     assert (rep.expected, rep.received, rep.position) == (200, 200, 200)
     rep = report(100)  # half of what it sent was lost
     assert (rep.expected, rep.received, rep.position) == (200, 100, 200)
+
+
+def test_protected_tokens_are_those_of_the_running_groups_members() -> None:
+    """The receive pass never sheds these (issue 11): the tokens bound to a member of a running group, not an
+    outsider's (an attacker's session is as known as a member's), and none once the group has ended."""
+    a, b, c, outsider = (bytes([i]) * 32 for i in b"abcz")
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
+    host.on_bind(11, b, 0.0)
+    host.on_bind(99, outsider, 0.0)
+    assert host.protected_tokens() == {}
+    host.start(3, [a, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
+    assert host.protected_tokens() == {11: None}
+    assert host.protected_tokens() is host.protected_tokens()  # the pass may keep it until something changes
+    host.on_bind(12, b, 0.1)  # b's next token
+    host.start(4, [a, c], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
+    host.on_bind(13, c, 0.2)
+    assert host.protected_tokens() == {11: None, 12: None, 13: None}
+    host.finish(3, 1.0, 0)
+    assert host.protected_tokens() == {13: None}
+    host.finish(4, 1.0, 0)
+    assert host.protected_tokens() == {}

@@ -679,3 +679,110 @@ def test_a_socket_sheds_only_past_its_overload_depth() -> None:
                 s.close()
 
     trio.run(main)
+
+
+# -- protected tokens: never shed, not counted in the others' fair shares (issue 11) ----------------------------
+def _shed_reference(plan: list[tuple[int, int, bool]], keep: int) -> list[int]:
+    """What a shedding pass keeps of each source's (count, token, protected) sent: the protected all, the others
+    max-min fairly in ``keep`` (water-filling, the level at least 1; a source keeps up to the level, rounded up)."""
+    counts = sorted(n for n, _, p in plan if not p)
+    level = float("inf")
+    if sum(counts) > keep:
+        left = float(keep)
+        for i, n in enumerate(counts):
+            share = left / (len(counts) - i)
+            if n > share:
+                level = max(1.0, share)
+                break
+            left -= n
+    return [n if p or level == float("inf") else min(n, int(np.ceil(level))) for n, _, p in plan]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_protected_tokens_are_never_shed_and_the_rest_is_shed_as_the_reference_says(seed: int) -> None:
+    """Random floods from 2-5 sources, each under its own token, some protected: the C pass keeps every datagram
+    under a protected token and every PING, and of the rest what the Python reference's water level keeps."""
+    rng = random.Random(seed)
+    rx = _bind(socket.AF_INET)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+    rx.setblocking(False)
+    senders = [_bind(socket.AF_INET) for _ in range(rng.randint(2, 5))]
+    prober = _bind(socket.AF_INET)
+    plan = [(rng.randint(1, 400), 100 + i, rng.random() < 0.4) for i in range(len(senders))]
+    sizes = [rng.randint(50, 300) for _ in senders]
+    keep = rng.randint(10, 300)
+    tokens: dict[int, None] = {t: None for _, t, _ in plan}
+    protected = {t: None for _, t, p in plan if p}
+    screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, tokens)
+    arena = memoryview(bytearray(8 << 20))
+    try:
+        for k in range(max(n for n, _, _ in plan)):
+            for tx, (n, token, _), size in zip(senders, plan, sizes, strict=True):
+                if k < n:
+                    tx.sendto(HEADER.pack(MAGIC, VERSION, 0x40, FLAG_SEALED, token, k) + b"x" * size,
+                              rx.getsockname())
+            if k < 20:
+                prober.sendto(HEADER.pack(MAGIC, VERSION, 0x01, FLAG_SEALED, 100, k) + b"p" * 30, rx.getsockname())
+        total = sum(n for n, _, _ in plan) + min(20, max(n for n, _, _ in plan))
+        blocks, _, n, _, drained, _, screened = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen, None,
+                                                            0.0, (keep, 512, 1, 2, protected))
+        assert n == total and drained
+        got = _kept(blocks)
+        expected = _shed_reference(plan, keep)
+        assert [got.get(tx.getsockname()[1], 0) for tx in senders] == expected
+        assert got[prober.getsockname()[1]] == total - sum(n for n, _, _ in plan)
+        assert screened[-1] == sum(n for n, _, _ in plan) - sum(expected)
+        assert screened[-1] == 0 or not all(p for _, _, p in plan)
+    finally:
+        for s in (rx, prober, *senders):
+            s.close()
+
+
+def test_the_protected_argument_is_checked() -> None:
+    rx = _bind(socket.AF_INET)
+    rx.setblocking(False)
+    screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {})
+    arena = memoryview(bytearray(1 << 20))
+    try:
+        with pytest.raises(TypeError, match="protected"):
+            NATIVE_RECV(rx.fileno(), arena, 64, RECV_BUFFER, screen, None, 0.0, (10, 512, 1, 2, [5]))
+        out = NATIVE_RECV(rx.fileno(), arena, 64, RECV_BUFFER, screen, None, 0.0, (10, 512, 1, 2, None))
+        assert out[2] == 0
+    finally:
+        rx.close()
+
+
+def test_a_socket_with_protected_tokens_sheds_the_others_from_a_low_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below overload_bytes, UdpSocket.recv_screened sheds only with ``protected`` (a dict, even empty) and past
+    PROTECTED_OVERLOAD_BYTES: the protected member's datagrams all arrive, the flooder's are cut."""
+    from peerd.transport import udp
+
+    monkeypatch.setattr(udp, "PROTECTED_OVERLOAD_BYTES", 64 * 1024)
+
+    async def main() -> None:
+        for protected, expect_shed in (({7: None}, True), (None, False), ({}, True)):
+            sock = UdpSocket(_bind(socket.AF_INET), buffer_bytes=8 << 20, native_receive=True)
+            flooder, member = _bind(socket.AF_INET), _bind(socket.AF_INET)
+            for k in range(3000):
+                flooder.sendto(HEADER.pack(MAGIC, VERSION, 0x40, FLAG_SEALED, 5, k) + b"x" * 200,
+                               sock.sock.getsockname())
+                if k < 600:
+                    member.sendto(HEADER.pack(MAGIC, VERSION, 0x40, FLAG_SEALED, 7, k) + b"y" * 200,
+                                  sock.sock.getsockname())
+            assert 64 * 1024 < sock.queued() < sock.overload_bytes
+            screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {5: None, 7: None})
+            got: dict[int, int] = {}
+            shed = 0
+            while sum(got.values()) + shed < 3600:
+                blocks, *_, shed_now = await sock.recv_screened(256, screen, AuthLimiter(), shedding=True,
+                                                                protected=protected)
+                shed += shed_now
+                for port, n in _kept(blocks).items():
+                    got[port] = got.get(port, 0) + n
+            assert (shed > 0) == expect_shed and sum(got.values()) == 3600 - shed
+            if protected:
+                assert got[member.getsockname()[1]] == 600 and got[flooder.getsockname()[1]] == 3000 - shed
+            for s in (sock.sock, flooder, member):
+                s.close()
+
+    trio.run(main)

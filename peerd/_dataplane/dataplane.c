@@ -1125,6 +1125,8 @@ static PyTypeObject RationType = {
 typedef struct {
     Py_ssize_t keep, urgent_bytes;
     int ping, pong;
+    int sealed_flag;     /* the screen's: only sealed datagrams carry a session token */
+    PyObject *protected; /* borrowed: tokens never shed (a dict keyed by int), or NULL */
 } Shed;
 
 typedef struct {
@@ -1163,7 +1165,20 @@ static Py_ssize_t *pass_source(PassSources *ps, const Source *s) {
     return &ps->kept[i];
 }
 
+/* Never shed nor counted: a small PING or PONG, or (``protected``) a sealed datagram or block under a protected
+ * token (the sessions of the members of running groups: their tensor data must not pay for a flood; a merged
+ * block shares its first 13 bytes, so its token). A failed lookup (no memory) counts as unprotected. */
 static int is_urgent(const Shed *sh, const Block *b, const unsigned char *base) {
+    if (sh->protected != NULL && b->size >= HEADER_SIZE && (base[b->start + 4] & sh->sealed_flag)) {
+        const unsigned char *d = base + b->start;
+        uint64_t token = 0;
+        for (int j = 0; j < 8; j++) token = (token << 8) | d[5 + j];
+        PyObject *key = PyLong_FromUnsignedLongLong(token);
+        int in = key == NULL ? -1 : PyDict_Contains(sh->protected, key);
+        Py_XDECREF(key);
+        if (in > 0) return 1;
+        if (in < 0) PyErr_Clear();
+    }
     if (b->size != b->row || b->size > sh->urgent_bytes || b->size < 4) return 0;
     int t = base[b->start + 3];
     return t == sh->ping || t == sh->pong;
@@ -1237,7 +1252,9 @@ PyDoc_STRVAR(recv_batch_doc,
 "which never became Python objects.\n\n"
 "``shed`` (with a screen): (keep, urgent_bytes, ping_type, pong_type), for a pass over a queue that overflows:\n"
 "of the datagrams left after the screen, about ``keep`` are kept, shared max-min fairly among their sources (the\n"
-"heaviest cut to the water level), PINGs and PONGs of at most urgent_bytes always kept; ``screened`` then ends\n"
+"heaviest cut to the water level), PINGs and PONGs of at most urgent_bytes always kept, and so is every sealed\n"
+"datagram under a token of the optional fifth item ``protected`` (a dict keyed by int, or None), none of them\n"
+"counted in the shares; ``screened`` then ends\n"
 "with ``limited`` (0 without a ration) and ``shed``: the datagrams dropped so (their bytes in screened_bytes).");
 
 static PyObject *recv_batch(PyObject *module, PyObject *args) {
@@ -1249,15 +1266,23 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iOnn|OOdO", &fd, &arena_obj, &max_datagrams, &slot, &screen_obj, &ration_obj, &now,
                           &shed_obj))
         return NULL;
-    Shed shed = {0, 0, -1, -1};
+    Shed shed = {0, 0, -1, -1, 0, NULL};
     if (shed_obj != Py_None) {
         if (screen_obj == Py_None) {
             PyErr_SetString(PyExc_TypeError, "shed: only with a screen");
             return NULL;
         }
-        if (!PyArg_ParseTuple(shed_obj, "nnii;shed: (keep, urgent_bytes, ping_type, pong_type)", &shed.keep,
-                              &shed.urgent_bytes, &shed.ping, &shed.pong))
+        PyObject *protected = Py_None;
+        if (!PyArg_ParseTuple(shed_obj, "nnii|O;shed: (keep, urgent_bytes, ping_type, pong_type[, protected])",
+                              &shed.keep, &shed.urgent_bytes, &shed.ping, &shed.pong, &protected))
             return NULL;
+        if (protected != Py_None) {
+            if (!PyDict_Check(protected)) {
+                PyErr_SetString(PyExc_TypeError, "shed: protected must be a dict keyed by int, or None");
+                return NULL;
+            }
+            shed.protected = protected;
+        }
         if (shed.keep < 1 || shed.urgent_bytes < 0) {
             PyErr_Format(PyExc_ValueError, "shed: keep %zd must be >= 1, urgent_bytes %zd >= 0", shed.keep,
                          shed.urgent_bytes);
@@ -1292,6 +1317,7 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             return NULL;
         }
         memcpy(screen.lead, lead, 3);
+        shed.sealed_flag = screen.sealed_flag;
     }
     if (fd < 0) {
         PyErr_Format(PyExc_ValueError, "fd %d is not a file descriptor", fd);

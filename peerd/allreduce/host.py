@@ -217,6 +217,7 @@ class AveragingHost:
         # Tokens whose binding this host was told about: data held for a group not started yet carries the
         # peer it had on arrival (None: unbound), and is resolved through this when the group starts.
         self._bound: OrderedDict[int, bytes] = OrderedDict()
+        self._protected: dict[int, None] | None = None  # protected_tokens' answer, until a group or binding changes
 
     # ---- groups ---------------------------------------------------------------------------------------
 
@@ -268,6 +269,7 @@ class AveragingHost:
         g = _Group(core, peers, now, kernel_drops, floor_s, part, rows, now + self.report_interval_s)
         self._recent.pop(group_id, None)  # (a group id used again: its old REPORTs no longer count)
         self._groups[group_id] = g
+        self._protected = None
         actions: list[Action] = [Bind(group_id, i, p) for i, p in enumerate(peers) if i != index]
         drops: Counter[str] = Counter()
         for mtype, token, body, peer in self.held.pop_group(group_id):
@@ -276,6 +278,15 @@ class AveragingHost:
             self._deliver_counted(g, peer, token, mtype, body, now, drops, actions)
         _flush(drops, actions)
         return actions
+
+    def protected_tokens(self) -> dict[int, None]:
+        """The tokens bound to members of the groups running now: the receive pass never sheds their datagrams
+        (UdpSocket.recv_screened's ``protected``), so a flood from others does not cost the groups their data.
+        The same dict until a group starts or ends or a token is bound (the pass reads it each time)."""
+        if self._protected is None:
+            members = {p for g in self._groups.values() for p in g.peers}
+            self._protected = {t: None for t, p in self._bound.items() if p in members}
+        return self._protected
 
     def running(self, group_id: int) -> bool:
         return group_id in self._groups
@@ -358,6 +369,7 @@ class AveragingHost:
         group's REPORTs keep counting while it is among the ``recent_groups`` latest, and what is still held
         for it (from tokens never bound) is dropped (``unbound``)."""
         g = self._groups.pop(group_id)
+        self._protected = None
         actions: list[Action] = []
         if g.core.finished:
             actions.extend(self._reports(g, now, kernel_drops, final=True))
@@ -425,6 +437,7 @@ class AveragingHost:
         """``token`` was just bound to node ``peer``: what running groups held from it is delivered."""
         self._bound[token] = peer
         self._bound.move_to_end(token)
+        self._protected = None
         while len(self._bound) > self.max_bindings:
             self._bound.popitem(last=False)
         actions: list[Action] = []

@@ -86,6 +86,7 @@ class AllreduceService:
             endpoint.on_raw_block(t, self._on_block)
         endpoint.on_message(m.MsgType.REPORT, self._on_report)
         endpoint.on_bind(self._on_bind)
+        endpoint.protected_tokens = self.host.protected_tokens  # running groups' data is never shed
 
     @property
     def pacer(self) -> Pacer:

@@ -190,6 +190,8 @@ class Endpoint:
         self._raw_block: dict[int, BlockHandler] = {}
         self._events: dict[int, trio.Event] = {}  # rid of an open request -> what its caller waits on
         self._bind_hooks: list[Callable[[int, bytes], None]] = []
+        # the tokens an overloaded receive pass never sheds (the averaging host's running groups' members)
+        self.protected_tokens: Callable[[], dict[int, None]] | None = None
         self._type_names = {t.value: t.name.lower() for t in m.MsgType}
         self._handler_errors = 0
         # Counted in plain ints while a batch is handled, and handed to Prometheus once per batch (an inc with
@@ -647,8 +649,10 @@ class Endpoint:
                 # time the pass began (``now``: the rest of the pass is decided at it too)
                 # an overloaded pass sheds the excess of the sources that fill the kernel queue, max-min fairly, PINGs
                 # and PONGs kept (``shed``: see UdpSocket's OVERLOAD_FRACTION)
+                protected = self.protected_tokens() if self.protected_tokens is not None else None
                 batch, unknown, malformed, version, nbytes, limited, rationed, now, shed = await sock.recv_screened(
-                    limit, screen, self.core.auth_limiter, shedding=True)  # type: ignore[attr-defined]
+                    limit, screen, self.core.auth_limiter, shedding=True,  # type: ignore[attr-defined]
+                    protected=protected)
                 if shed:
                     self._drops["overload"] = self._drops.get("overload", 0) + shed
                 self._junk = 0

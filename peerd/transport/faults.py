@@ -72,11 +72,12 @@ class LossySocket:
                 return out
 
     async def recv_screened(self, max_datagrams: int, screen: tuple, limiter: object = None, *,
-                            shedding: bool = False) -> tuple:
+                            shedding: bool = False, protected: dict[int, object] | None = None) -> tuple:
         """The wrapped socket's screened receive (UdpSocket.recv_screened), less the datagrams lost: its blocks
         thinned as ``recv_blocks`` does, and its single datagrams under unknown tokens dropped alike. What the
         screen refused is counted there, not here (it never reached the consumer)."""
-        result = await self.inner.recv_screened(max_datagrams, screen, limiter, shedding=shedding)
+        more = {"protected": protected} if protected is not None else {}  # (inner sockets without it still work)
+        result = await self.inner.recv_screened(max_datagrams, screen, limiter, shedding=shedding, **more)
         blocks, unknown = result[0], result[1]
         out: list[tuple[memoryview, Address, int]] = []
         for data, source, segment in blocks:

@@ -354,6 +354,10 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
             now = fdp.ConsumeIntInRange(0, 10000) / 100 if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeFloat()
         if fdp.ConsumeIntInRange(0, 2) == 0:  # an overloaded pass: keep a fuzzed number, fair shares
             shed = (number(fdp, fdp.ConsumeIntInRange(1, 64)), number(fdp, 512), 1, 2)
+            if fdp.ConsumeBool():  # with protected tokens (never shed), a few of those sent; sometimes not a dict
+                protected = ({fdp.ConsumeIntInRange(0, 3): None for _ in range(fdp.ConsumeIntInRange(0, 3))}
+                             if fdp.ConsumeIntInRange(0, 15) else [0])
+                shed = (*shed, protected)
             if table is None:
                 table, now = None, 0.0
         if screen is None and table is None and shed is None:
@@ -366,6 +370,7 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
             if shed is not None:
                 unknown, malformed, version, screened_bytes, limited, shed_count = screened
                 seen["recv_batch shed"] += 1
+                seen["recv_batch shed protected"] += len(shed) > 4
                 if shed_count > receives * 64 or shed_count < 0:
                     raise AssertionError(f"shed {shed_count} of {receives} receives")
             elif table is not None:
