@@ -119,6 +119,28 @@ def replay(members: int, steps: int, sync_every: int, fragments: int, lr: float 
     return glob, mom
 
 
+def train_in_threads(models: list, opts: list, steps: int) -> None:
+    """Each trainer takes ``steps`` inner steps on its own batches in its own thread; errors are raised here."""
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for s in range(1, steps + 1):
+                x, y = batch(i, s)
+                opts[i].zero_grad()
+                torch.nn.functional.cross_entropy(models[i](x), y).backward()
+                opts[i].step(samples=len(x))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(opts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+
+
 @pytest.mark.parametrize("fragments", [1, 2])
 def test_three_trainers_follow_a_replay_of_diloco(tmp_path, fragments: int) -> None:
     daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=3, wait_s=10.0))
@@ -126,24 +148,7 @@ def test_three_trainers_follow_a_replay_of_diloco(tmp_path, fragments: int) -> N
         models = [model(0) for _ in range(3)]
         opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=4,
                        fragments=fragments, sync_state=False, state_every=0) for m in models]
-        errors: list[BaseException] = []
-
-        def worker(i: int) -> None:
-            try:
-                for s in range(1, 9):
-                    x, y = batch(i, s)
-                    opts[i].zero_grad()
-                    torch.nn.functional.cross_entropy(models[i](x), y).backward()
-                    opts[i].step(samples=len(x))
-            except BaseException as e:  # surfaced below
-                errors.append(e)
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        train_in_threads(models, opts, steps=8)
         glob, mom = replay(3, 8, 4, fragments)
         for o, m in zip(opts, models, strict=True):
             assert o.outer_steps == 2 * fragments
@@ -207,24 +212,7 @@ def test_compressed_outer_averages_agree_and_follow_the_rule_on_the_dequantized_
         start = flat(models[0].parameters()).clone()
         opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dlc", socket=daemon.path, sync_every=4,
                        compression=compression, sync_state=False, state_every=0, **extra) for m in models]
-        errors: list[BaseException] = []
-
-        def worker(i: int) -> None:
-            try:
-                for s in range(1, 9):
-                    x, y = batch(i, s)
-                    opts[i].zero_grad()
-                    torch.nn.functional.cross_entropy(models[i](x), y).backward()
-                    opts[i].step(samples=len(x))
-            except BaseException as e:  # surfaced below
-                errors.append(e)
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        train_in_threads(models, opts, steps=8)
         assert {c["compression"] for c in averager.codecs} == {compression}  # the outer averages went in C
         assert sorted(averager.results) == [4, 8]
         assert len({o.state_sha() for o in opts}) == 1  # identical global parameters and momentum
