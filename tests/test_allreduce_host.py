@@ -642,3 +642,27 @@ def test_protected_tokens_are_those_of_the_running_groups_members() -> None:
     assert host.protected_tokens() == {13: None}
     host.finish(4, 1.0, 0)
     assert host.protected_tokens() == {}
+
+
+def test_tokens_holding_data_for_a_group_not_started_here_are_protected() -> None:
+    """A group that started elsewhere first sends its data before it starts here: with no group running here,
+    the low shedding depth cut exactly that data (issue 11, round 3: every datagram shed in a 4-peer bench).
+    Tokens holding data are protected while they hold it, and not once it is delivered or expired."""
+    a, b = b"a" * 32, b"b" * 32
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
+    host.on_bind(11, b, 0.0)
+    assert host.protected_tokens() == {}
+    body = pack_data(7, 2, 0, 1.0, np.ones(PER, np.float32))  # member 1's first range of shard 0
+    host.on_data(b, 11, RS_DATA, body, 0.0)
+    host.on_data(None, 12, RS_DATA, body, 0.0)  # a token not bound yet
+    assert host.protected_tokens() == {11: None, 12: None}
+    host.start(7, [a, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.1)  # 11's data delivered; 12's still waits
+    assert host.protected_tokens() == {11: None, 12: None}
+    host.on_bind(12, b, 0.2)
+    assert host.protected_tokens() == {11: None, 12: None}  # both bound to a running group's member now
+    host.finish(7, 1.0, 0)
+    assert host.protected_tokens() == {}
+    host.on_data(None, 13, RS_DATA, pack_data(8, 2, 0, 1.0, np.ones(PER, np.float32)), 2.0)
+    assert host.protected_tokens() == {13: None}
+    host.expire_held(2.0 + host.held.max_age_s + 1)
+    assert host.protected_tokens() == {}

@@ -66,6 +66,10 @@ class HeldData:
         self.count += 1
         return True, dropped
 
+    def tokens(self) -> dict[int, int]:
+        """The tokens holding data now (read-only: bytes held per token)."""
+        return self._token_bytes
+
     def pop(self, group: int, token: int) -> list[Any]:
         """What is held for ``group`` from ``token`` (its binding arrived), oldest first."""
         bucket = self._take((group, token))

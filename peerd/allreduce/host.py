@@ -282,11 +282,17 @@ class AveragingHost:
     def protected_tokens(self) -> dict[int, None]:
         """The tokens bound to members of the groups running now: the receive pass never sheds their datagrams
         (UdpSocket.recv_screened's ``protected``), so a flood from others does not cost the groups their data.
-        The same dict until a group starts or ends or a token is bound (the pass reads it each time)."""
+        The same dict until a group starts or ends or a token is bound (the pass reads it each time). Tokens
+        with held data are protected too: a group that started elsewhere first sends its data before it starts
+        here, and with no group running here that data was shed (issue 11, round 3: every datagram shed in a
+        4-peer bench was such data). Held data is bounded per token (HeldData), so this protection is too."""
         if self._protected is None:
             members = {p for g in self._groups.values() for p in g.peers}
             self._protected = {t: None for t, p in self._bound.items() if p in members}
-        return self._protected
+        held = self.held.tokens()
+        if not held:
+            return self._protected
+        return {**self._protected, **dict.fromkeys(held)}
 
     def running(self, group_id: int) -> bool:
         return group_id in self._groups

@@ -56,8 +56,10 @@ OVERLOAD_FRACTION = 0.875
 # (a member attack drains in a pass or two instead of ~1.5 s of a 28 MB queue). Past OVERLOAD_FRACTION
 # everything is shed as without them (a member inside a running group could fill the queue itself).
 # OFF by default (the maximum): at 4 MiB `bench allreduce --peers 4 --size 25000000` lost 0.1-0.5 % of honest
-# data (received_fraction 0.995-0.999, 3 of 4 runs; main 1.0), cause not yet found (tensor data under tokens not yet
-# protected?). PEERD_PROTECTED_OVERLOAD_BYTES=4194304 turns it on (soak 200k: ping p99 42 -> 34 ms, 0 pings lost).
+# data (received_fraction 0.995-0.999, 3 of 4 runs; main 1.0): data held for a group not started here yet, now
+# protected too (AveragingHost.protected_tokens; then 4 of 4 runs 1.0). Still off: soak 200k with it on lost one
+# round of honest averages (4 members, received fraction 0.77-0.78) in 1 of 3 runs (ping p99 29-38 ms; off: 108 ms,
+# 0 failed). PEERD_PROTECTED_OVERLOAD_BYTES=4194304 turns it on.
 PROTECTED_OVERLOAD_BYTES = int(os.environ.get("PEERD_PROTECTED_OVERLOAD_BYTES", str(2**62)))
 OVERLOAD_AUTO = -1  # overload_bytes: OVERLOAD_FRACTION of this socket's receive limit
 OVERLOAD_KEEP = 256
