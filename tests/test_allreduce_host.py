@@ -83,10 +83,11 @@ class Lab:
     def __init__(self, n: int, *, drop: Callable[[Datagram], bool] = lambda d: False,
                  dup: Callable[[Datagram], bool] = lambda d: False, dup_delay: float = 0.005,
                  link: Link | None = None, seed: int = 0, bind_at: dict[tuple[int, int], float] | None = None,
-                 held: Callable[[], HeldData] | None = None) -> None:
+                 held: Callable[[], HeldData] | None = None, end_spacing_s: tuple[float, ...] | None = None) -> None:
         self.net = Network(random.Random(seed), default=link or Link(latency=0.01))
         self.nodes = [Node(i, bytes([i + 1]) * 32, 0x1000 + i,
-                           AveragingHost(max_body=MAX_BODY, mtu=MTU, held=held() if held else None))
+                           AveragingHost(max_body=MAX_BODY, mtu=MTU, held=held() if held else None,
+                                         end_spacing_s=end_spacing_s))
                       for i in range(n)]
         for i in range(n):
             self.net.attach(i, functools.partial(self._receive, i))
@@ -140,7 +141,11 @@ class Lab:
         while host.wants_to_send(group):
             for block in host.next_sends(group):
                 self.send(i, block)
+        for block in host.due_copies(group, self.now):
+            self.send(i, block)
         if host.finished(group):
+            for block in host.due_copies(group, INF):
+                self.send(i, block)
             self.apply(self.nodes[i], host.finish(group, self.now, 0))
             return
         at = host.deadline(group, self.now)
@@ -315,6 +320,58 @@ def test_random_loss_duplication_and_reordering_of_the_network(seed: int) -> Non
     lab.check(91, xs, ws)
     assert lab.net.lost > 0 and lab.net.duplicated > 0
     assert all(nd.drops["late"] == 0 and nd.done[91].stats.drops.get("late", 0) == 0 for nd in lab.nodes)
+
+
+@pytest.mark.parametrize("spacing", [None, (0.008, 0.03)])
+def test_an_end_whose_first_copy_dies_in_a_burst_costs_a_spacing_not_the_floor(spacing) -> None:
+    """A burst of loss (a full queue's tail drop) that takes a stream's last data datagram and everything
+    sent with it: the END's copies sent together all die, and the receiver waits out its phase floor; with
+    the copies spaced (the daemon's END_SPACING_S), the second one closes the stream 8 ms later."""
+    burst: list[float] = []
+
+    def drop(d: Datagram) -> bool:
+        if d.src != 1 or d.dst != 0 or d.mtype not in (RS_DATA, RS_END):
+            return False
+        if d.mtype == RS_END and not burst:
+            burst.append(lab.now)  # the instant the first END copy goes: everything 1 sends 0 then is lost
+        return d.mtype == RS_DATA and d.k == 0 or bool(burst) and lab.now == burst[0]
+
+    xs, ws = inputs(3, 30 * PER + 3)
+    lab = Lab(3, drop=drop, end_spacing_s=spacing)
+    lab.start(0.0, 61, [0, 1, 2], xs, ws, floor_s=0.5)
+    lab.run()
+    lab.check(61, xs, ws)
+    rs = lab.nodes[0].done[61].stats.reduce_scatter
+    assert rs.datagrams_received < rs.datagrams_expected
+    if spacing is None:
+        assert rs.ended_by == "deadline" and rs.ended_at - rs.started_at >= 0.5
+    else:
+        assert rs.ended_by == "completion" and rs.ended_at - rs.started_at < 0.1
+        assert all(not nd.host._groups for nd in lab.nodes)
+
+
+def test_end_copies_are_spaced_from_when_the_first_goes() -> None:
+    """``next_sends`` hands out one copy of each END (``later`` = 2); ``pace`` schedules the others from the
+    first's departure; ``deadline`` wakes the driver for them and ``due_copies(inf)`` flushes the rest."""
+    a, b = bytes([1]) * 32, bytes([2]) * 32
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU, end_spacing_s=(0.008, 0.03))
+    host.start(5, [a, b], 0, np.ones(3 * PER, np.float32), 1.0, 0.0, floor_s=1.0)
+    ends = [blk for blk in host.next_sends(5, 100) if blk.type == RS_END]
+    assert len(ends) == 1 and len(ends[0].bodies) == 1 and ends[0].later == 2
+    assert host.due_copies(5, INF) == []  # nothing before the first copy is paced
+    at = host.pace(ends[0], 1, ends[0].bodies.size, 0.25)
+    assert host.deadline(5, at) == pytest.approx(at + 0.008)
+    assert host.due_copies(5, at + 0.0079) == []
+    (second,) = host.due_copies(5, at + 0.008)
+    assert second.later == 0 and second.bodies.tobytes() == ends[0].bodies.tobytes()
+    (third,) = host.due_copies(5, INF)
+    assert host.due_copies(5, INF) == []
+    with pytest.raises(ValueError, match="end_spacing_s"):
+        AveragingHost(max_body=MAX_BODY, mtu=MTU, end_spacing_s=(float("nan"),))
+    # without spacing the copies go together, as before
+    plain = AveragingHost(max_body=MAX_BODY, mtu=MTU)
+    plain.start(5, [a, b], 0, np.ones(3 * PER, np.float32), 1.0, 0.0)
+    assert [len(blk.bodies) for blk in plain.next_sends(5, 100) if blk.type == RS_END] == [3]
 
 
 def test_a_member_that_crashes_mid_average() -> None:

@@ -27,7 +27,7 @@ def test_paced_average_over_lossy_shaped_links() -> None:
     full = run_allreduce_bench(cfg, quiet=True)
     # (the figures a failure needs first: pytest cuts a long dict short)
     keys = ("peerd_s_all", "phases_ended_by_deadline", "excess_loss", "link_drop_fraction", "received_fraction",
-            "drops", "kernel_drops", "cpu_s_per_peer", "link_utilization")
+            "deadline_phases", "drops", "kernel_drops", "cpu_s_per_peer", "link_utilization")
     out = {k: full[k] for k in keys if k in full} | full
     # 5 % link loss realized (nftables counters), so the loss below is measured against a real floor
     assert 0.03 <= out["link_drop_fraction"] <= 0.07, out

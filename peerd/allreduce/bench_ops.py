@@ -223,6 +223,10 @@ class BenchOps:
             "datagrams_expected": st.reduce_scatter.datagrams_expected + st.all_gather.datagrams_expected,
             "rs_ended_by": st.reduce_scatter.ended_by,
             "ag_ended_by": st.all_gather.ended_by,
+            # a phase its deadline ended: what it had when it gave up (a failing lab test shows this first)
+            "deadline_phases": [_phase_detail(name, ph) for name, ph in (("rs", st.reduce_scatter),
+                                                                               ("ag", st.all_gather))
+                                if ph.ended_by == "deadline"],
             "kernel_drops": self.sock.kernel_drops - drops0,
             "drops": dict(st.drops),
             # every datagram the endpoint dropped, by reason (counted after the lossy socket: ``injected``), and
@@ -293,6 +297,13 @@ class BenchOps:
         if isinstance(path, str):
             await trio.to_thread.run_sync(np.save, path, result.vector)
         return {}
+
+
+def _phase_detail(name: str, ph: Any) -> dict[str, Any]:
+    """One phase's stats, for a phase that ended by its deadline: which streams were silent, how many ENDs came."""
+    return {"phase": name, "ends_received": ph.ends_received, "silent": list(ph.silent),
+            "datagrams_expected": ph.datagrams_expected, "datagrams_received": ph.datagrams_received,
+            "length_s": None if ph.started_at is None or ph.ended_at is None else round(ph.ended_at - ph.started_at, 4)}
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:

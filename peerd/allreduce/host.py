@@ -31,6 +31,8 @@ remembered token bindings and the pacer's paths (both LRU).
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -57,6 +59,9 @@ IDLE_WAIT_S = 1.0  # a group with no deadline (it only has sending left) is look
 # 100 MB again and again then reuses warm pages instead of faulting in 75-100 MB of fresh ones per average.
 SPARE_STAGE_BYTES = 1 << 30
 DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})  # the types a GRO block may carry
+# The daemon's END spacing (AveragingHost ``end_spacing_s``): the second and third copies of each END this long
+# after the first, past a full 20 ms queue's drain (the link lab's tbf) and still far inside a phase's 1 s floor.
+END_SPACING_S = (0.008, 0.03)
 _NONE: tuple[()] = ()
 
 
@@ -138,6 +143,7 @@ class SendBlock:
     bodies: np.ndarray
     part: int
     values: np.ndarray | None = None  # OutBlock.values: ``bodies`` is then only the tensor headers
+    later: int = 0  # END copies still to send after this one, spaced in time (AveragingHost ``end_spacing_s``)
 
 
 Action = Dropped | Wake | HeldTimer | Bind | SendReport | PacerVerdict | Completed
@@ -154,7 +160,7 @@ def send_shape(mtu: int, gso: bool) -> tuple[int, int]:
 
 class _Group:
     __slots__ = ("core", "peers", "by_peer", "by_token", "meters", "positions", "sent_to", "hold_until",
-                 "floor_s", "report_at", "part", "rows")
+                 "floor_s", "report_at", "part", "rows", "copies")
 
     def __init__(self, core: GroupAverage, peers: list[bytes], now: float, kernel_drops: int, floor_s: float,
                  part: int, rows: int, report_at: float) -> None:
@@ -172,6 +178,7 @@ class _Group:
         self.report_at = report_at
         self.part = part
         self.rows = rows
+        self.copies: list[tuple[float, int, SendBlock]] = []  # END copies due later: (when, order, block), a heap
 
 
 class AveragingHost:
@@ -194,6 +201,7 @@ class AveragingHost:
         max_bindings: int = MAX_BINDINGS,
         spare_stage_bytes: int = SPARE_STAGE_BYTES,
         split_values: bool = False,
+        end_spacing_s: Sequence[float] | None = None,
     ) -> None:
         if byzantine is not None and byzantine not in BYZANTINE_MODES:
             raise ValueError(f"byzantine must be one of {', '.join(BYZANTINE_MODES)} (or None), got {byzantine!r}")
@@ -211,6 +219,14 @@ class AveragingHost:
         # SendBlocks of float32 data carry their values apart (SendBlock.values) for a driver that seals them in
         # place (Sealer.seal_split); off, each block's bodies are whole.
         self.split_values = split_values
+        # END markers: with None each END's copies go out together; else copy i goes ``end_spacing_s[i - 1]``
+        # seconds after the first (``due_copies``). Copies sent together die together when a queue on the path
+        # is full as they arrive (a tbf's tail drop at the end of a burst: all three were lost about once in 700
+        # streams of the 5 %-loss link lab, and the receiver then waited out its phase floor, 1 s).
+        if end_spacing_s is not None and not all(math.isfinite(d) and d >= 0 for d in end_spacing_s):
+            raise ValueError(f"end_spacing_s must be finite delays >= 0, got {end_spacing_s!r}")
+        self.end_spacing_s = None if end_spacing_s is None else tuple(float(d) for d in end_spacing_s)
+        self._copy_order = 0
         self._spare: np.ndarray | None = None  # one finished group's stage, for the next group that fits in it
         self._groups: dict[int, _Group] = {}
         self._recent: OrderedDict[int, _Group] = OrderedDict()  # finished groups, for their last REPORTs
@@ -318,15 +334,39 @@ class AveragingHost:
         robust work: the driver's turn to let other tasks run)."""
         g = self._groups[group_id]
         out = []
+        spacing = self.end_spacing_s
         for b in g.core.next_blocks(g.rows, limit):
-            bodies = b.bodies if b.repeat == 1 else np.repeat(b.bodies, b.repeat, axis=0)
-            out.append(SendBlock(group_id, b.to, g.peers[b.to], b.type, bodies, g.part, b.values))
+            if b.repeat == 1:
+                out.append(SendBlock(group_id, b.to, g.peers[b.to], b.type, b.bodies, g.part, b.values))
+            elif spacing is None:
+                out.append(SendBlock(group_id, b.to, g.peers[b.to], b.type, np.repeat(b.bodies, b.repeat, axis=0),
+                                     g.part, b.values))
+            else:  # the first copy now, the others once ``pace`` knows when it goes
+                later = min(b.repeat - 1, len(spacing))
+                first = np.repeat(b.bodies, b.repeat - later, axis=0)
+                out.append(SendBlock(group_id, b.to, g.peers[b.to], b.type, first, g.part, b.values, later))
+        return out
+
+    def due_copies(self, group_id: int, now: float) -> list[SendBlock]:
+        """The spaced END copies due by ``now`` (``math.inf``: all of them, for a driver whose group is done:
+        nothing waits for them, they go at once)."""
+        g = self._groups[group_id]
+        out = []
+        while g.copies and g.copies[0][0] <= now:
+            out.append(heapq.heappop(g.copies)[2])
         return out
 
     def pace(self, block: SendBlock, rows: int, nbytes: int, now: float) -> float:
         """When ``rows`` datagrams (``nbytes`` sealed) of ``block`` may go out: the pacer's reservation,
         noted with the stream positions they take (what REPORTs from the member are matched against)."""
         at = now + max(0.0, self.pacer.reserve(nbytes, now, block.peer))
+        if block.later and self.end_spacing_s is not None:
+            g = self._groups.get(block.group_id)
+            if g is not None:
+                copy = replace(block, later=0)
+                for delay in self.end_spacing_s[: block.later]:
+                    self._copy_order += 1
+                    heapq.heappush(g.copies, (at + delay, self._copy_order, copy))
         if block.type in DATA_TYPES:
             g = self._groups.get(block.group_id) or self._recent.get(block.group_id)
             if g is not None:
@@ -341,12 +381,12 @@ class AveragingHost:
         g = self._groups[group_id]
         at = g.core.next_deadline()
         if at is None:
-            return now + IDLE_WAIT_S
-        if self.held.holds(group_id):
+            at = now + IDLE_WAIT_S
+        elif self.held.holds(group_id):
             if g.hold_until is None:
                 g.hold_until = now + g.floor_s
             at = max(at, g.hold_until)
-        return at
+        return min(at, g.copies[0][0]) if g.copies else at
 
     def on_timer(self, group_id: int, now: float) -> list[Action]:
         """The group's deadline passed or it was woken: end whichever phase's deadline has passed (unless

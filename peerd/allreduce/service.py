@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from .codec import BodyType
 from .group import GroupStats
 from .host import (
     DATA_TYPES,
+    END_SPACING_S,
     Action,
     AveragingHost,
     Bind,
@@ -74,7 +76,7 @@ class AllreduceService:
         self.endpoint = endpoint
         self.metrics = metrics
         self.host = AveragingHost(max_body=endpoint.max_body, mtu=endpoint.mtu, pacer=pacer, byzantine=byzantine,
-                                  split_values=True)
+                                  split_values=True, end_spacing_s=END_SPACING_S)
         if byzantine is not None:
             log.warning("!!! BYZANTINE FAULT INJECTION ON: this node corrupts every reduce-scatter contribution it"
                         " sends (%s). For demos and benchmarks only; never in a real swarm !!!", byzantine)
@@ -204,6 +206,9 @@ class AllreduceService:
                     while host.wants_to_send(group_id):
                         await self._send_blocks(host.next_sends(group_id, host.send_window(group_id)), members,
                                                 sent)
+                    copies = host.due_copies(group_id, trio.current_time())
+                    if copies:
+                        await self._send_blocks(copies, members, sent)
                     if host.finished(group_id):
                         break
                     wake = self._wake[group_id] = trio.Event()
@@ -211,6 +216,8 @@ class AllreduceService:
                         await wake.wait()
                     self._run(host.on_timer(group_id, trio.current_time()))
                 nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
+            # END copies not due yet: nothing here waits for them, and members may still (they go at once)
+            await self._send_blocks(host.due_copies(group_id, math.inf), members, sent)
             done = host.finish(group_id, trio.current_time(), self._kernel_drops())
             # what arrived since the last report, and the lost tail
             await self._send_reports([a for a in done if type(a) is SendReport], members)

@@ -398,6 +398,9 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
                                          if runs else 0),
             "phases_ended_by_deadline": sum((rep["rs_ended_by"] == "deadline") + (rep["ag_ended_by"] == "deadline")
                                             for rep in runs),
+            # each of those phases, with the run (repeat) and member it belongs to
+            "deadline_phases": [d | {"run": i // cfg.peers, "member": i % cfg.peers}
+                                for i, rep in enumerate(runs) for d in rep.get("deadline_phases", ())],
         }
         # bytes a member sent over what it sends in fp32 for the same size (computed: the fp32 layout is fixed)
         out["wire_ratio"] = out["bytes_sent_per_peer"] / fp32_bytes_per_peer(cfg.size, cfg.peers, cfg.mtu,
