@@ -682,9 +682,10 @@ def test_a_report_counts_only_what_was_sent() -> None:
 
 def test_protected_tokens_are_those_of_the_running_groups_members() -> None:
     """The receive pass never sheds these (issue 11): the tokens bound to a member of a running group, not an
-    outsider's (an attacker's session is as known as a member's), and none once the group has ended."""
+    outsider's (an attacker's session is as known as a member's); a finished group's members stay protected
+    while it is among the ``recent_groups`` latest (the next average's data comes before it starts here)."""
     a, b, c, outsider = (bytes([i]) * 32 for i in b"abcz")
-    host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU, recent_groups=1)
     host.on_bind(11, b, 0.0)
     host.on_bind(99, outsider, 0.0)
     assert host.protected_tokens() == {}
@@ -696,9 +697,12 @@ def test_protected_tokens_are_those_of_the_running_groups_members() -> None:
     host.on_bind(13, c, 0.2)
     assert host.protected_tokens() == {11: None, 12: None, 13: None}
     host.finish(3, 1.0, 0)
-    assert host.protected_tokens() == {13: None}
+    assert host.protected_tokens() == {11: None, 12: None, 13: None}  # 3 is recent, 4 runs
     host.finish(4, 1.0, 0)
-    assert host.protected_tokens() == {}
+    assert host.protected_tokens() == {13: None}  # 4 is the one recent group now: a and c
+    host.start(5, [a, outsider], 0, np.zeros(4 * PER, np.float32), 1.0, 2.0)
+    host.finish(5, 3.0, 0)
+    assert host.protected_tokens() == {99: None}
 
 
 def test_tokens_holding_data_for_a_group_not_started_here_are_protected() -> None:
@@ -718,8 +722,8 @@ def test_tokens_holding_data_for_a_group_not_started_here_are_protected() -> Non
     host.on_bind(12, b, 0.2)
     assert host.protected_tokens() == {11: None, 12: None}  # both bound to a running group's member now
     host.finish(7, 1.0, 0)
-    assert host.protected_tokens() == {}
+    assert host.protected_tokens() == {11: None, 12: None}  # (7 is a recent group)
     host.on_data(None, 13, RS_DATA, pack_data(8, 2, 0, 1.0, np.ones(PER, np.float32)), 2.0)
-    assert host.protected_tokens() == {13: None}
+    assert host.protected_tokens() == {11: None, 12: None, 13: None}
     host.expire_held(2.0 + host.held.max_age_s + 1)
-    assert host.protected_tokens() == {}
+    assert host.protected_tokens() == {11: None, 12: None}
