@@ -179,3 +179,32 @@ def test_drained_says_whether_a_pass_emptied_the_socket(native_receive: bool) ->
             rx.close()
 
     trio.run(main)
+
+
+def test_an_endpoint_is_caught_up_once_a_pass_has_emptied_its_socket() -> None:
+    """``Endpoint.caught_up(at)``: what a phase deadline waits for (AllreduceService). Datagrams queued before
+    ``at`` and not handled yet: not caught up; once the receive loop has emptied the socket after ``at``, or the
+    socket is empty: caught up."""
+    from peerd.metrics import Metrics
+    from peerd.transport.endpoint import Endpoint
+    from peerd.wire.identity import Identity
+
+    async def main() -> None:
+        tx, rx = _pair(False)
+        ep = Endpoint(rx, Identity.generate(), b"s" * 32, Metrics())
+        try:
+            await tx.send_many([b"junk" * 10] * 50, rx.getsockname())
+            await trio.sleep(0.01)
+            at = trio.current_time()
+            assert rx.queued() > 0 and not ep.caught_up(at)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(ep.serve)
+                await trio.sleep(0.05)  # the loop handles the junk and empties the socket
+                assert ep.caught_up(at)
+                assert ep._caught_up_at >= at  # (by a pass, not only by the empty queue)
+                nursery.cancel_scope.cancel()
+        finally:
+            tx.close()
+            rx.close()
+
+    trio.run(main)

@@ -44,6 +44,7 @@ from .host import (
 from .robust import Robust
 
 log = logging.getLogger("peerd.allreduce")
+CATCH_UP_POLL_S = 0.002  # how often a phase deadline re-checks that the receive loop has caught up to it
 
 _node_id = functools.lru_cache(maxsize=4096)(node_id_of)  # a token's key -> node id, once per key
 
@@ -212,8 +213,11 @@ class AllreduceService:
                     if host.finished(group_id):
                         break
                     wake = self._wake[group_id] = trio.Event()
-                    with trio.move_on_at(host.deadline(group_id, trio.current_time())):
+                    at = host.deadline(group_id, trio.current_time())
+                    with trio.move_on_at(at) as timer:
                         await wake.wait()
+                    if timer.cancelled_caught:  # a deadline: first what reached the socket before it
+                        await self._wait_caught_up(at, floor_s)
                     self._run(host.on_timer(group_id, trio.current_time()))
                 nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
             # END copies not due yet: nothing here waits for them, and members may still (they go at once)
@@ -232,6 +236,13 @@ class AllreduceService:
         seconds = time.perf_counter() - wall0
         self._record(completed.stats, seconds, sent[0])
         return AverageResult(completed.vector, completed.stats, seconds, handshake[0], sent[0], sent[1])
+
+    async def _wait_caught_up(self, at: float, most_s: float) -> None:
+        """Until the receive loop has handled what reached the socket before ``at`` (``Endpoint.caught_up``), at
+        most ``most_s`` longer: a node behind on its own queue must not call its members' data late."""
+        give_up = at + most_s
+        while not self.endpoint.caught_up(at) and trio.current_time() < give_up:
+            await trio.sleep(CATCH_UP_POLL_S)
 
     async def _handshake(self, binds: list[Bind], members: list[Member], took: list[float]) -> None:
         start = trio.current_time()
