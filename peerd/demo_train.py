@@ -132,6 +132,25 @@ def compression_options(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(args, k, None) is not None}
 
 
+def averaged_bytes(args: argparse.Namespace, elems: int, reply: dict[str, Any], kind: str = "grads") -> int:
+    """Bytes one encoded copy of an averaged vector of ``elems`` float32 values takes in the run's codec: what
+    the demo's ``bytes_sent_per_peer`` adds per average (DiLoCo's ``payload_bytes`` counts the same way). Body
+    codecs: the codec's body size. arc-topk (gradients only; parameters go in fp32): not a fixed size per
+    value, so the daemon's UDP payload bytes for the round scaled to one copy (a member of n sends 2 (n - 1) / n
+    of a vector in a reduce-scatter and an all-gather; the envelopes' few percent included)."""
+    from .compress import codec as make_codec
+
+    name = getattr(args, "compression", None) or "fp32"
+    if name == "arc-topk":
+        n = int(reply.get("group_size", 1))
+        if kind != "grads" or n < 2 or not reply.get("bytes_sent"):
+            return 4 * elems
+        return round(int(reply["bytes_sent"]) * n / (2 * (n - 1)))
+    params = {k: v for k, v in (("group", getattr(args, "quant_group", None)),
+                                ("rounding", getattr(args, "rounding", None))) if v is not None}
+    return make_codec(name, **params if name.startswith("int") else {}).body_size(elems)
+
+
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run id: trainers with the same run id and model train together")
     p.add_argument("--socket", default=None, metavar="PATH",
@@ -286,7 +305,7 @@ def run_train(args: argparse.Namespace) -> int:
     micro = max(1, args.batch // args.micro)
     acc = acc0
     skipped = 0  # consecutive steps skipped for non-finite gradients
-    tensor_bytes = 0  # float32 bytes of the vectors this trainer averaged (gradients, parameters, pseudo-gradients)
+    tensor_bytes = 0  # encoded bytes of the vectors this trainer averaged (gradients, parameters, pseudo-gradients)
     step_times: list[float] = []
     outer_log: list[dict[str, Any]] = []
     diverged = False
@@ -317,7 +336,7 @@ def run_train(args: argparse.Namespace) -> int:
             train_loss = sum(losses) / samples
             reply = opt.step(samples=samples, loss=train_loss)
             if reply["outcome"] == "averaged" and not diloco:
-                tensor_bytes += 4 * opt.elems  # the gradient vector went through a group average
+                tensor_bytes += averaged_bytes(args, opt.elems, reply)  # the gradient vector, in the run's codec
             for o in reply.get("outer", []):
                 tensor_bytes += o["payload_bytes"]  # the fragment, encoded in the run's codec
                 tensor_bytes += o["repaired_bytes"] + o.get("adopted_bytes", 0)
@@ -345,7 +364,8 @@ def run_train(args: argparse.Namespace) -> int:
                                                       "repaired_bytes", "adopted")} for o in reply["outer"]]
             if "params" in reply:
                 params = reply["params"]
-                tensor_bytes += 4 * opt.elems if params["outcome"] == "averaged" else 0
+                if params["outcome"] == "averaged":
+                    tensor_bytes += averaged_bytes(args, opt.elems, params, "params")
                 record["params"] = {"outcome": params["outcome"], "group_size": params["group_size"],
                                     "s": params["seconds"], "kept": params.get("kept", False)}
             if args.eval_every and step % args.eval_every == 0:
@@ -358,7 +378,7 @@ def run_train(args: argparse.Namespace) -> int:
         final_rounds = []
         for _ in range(0 if diverged or diloco else max(0, args.final_average)):
             reply = opt.average_parameters()
-            tensor_bytes += 4 * opt.elems if reply["outcome"] == "averaged" else 0
+            tensor_bytes += averaged_bytes(args, opt.elems, reply, "params") if reply["outcome"] == "averaged" else 0
             final_rounds.append({"outcome": reply["outcome"], "group_size": reply["group_size"],
                                  "received_fraction": reply["received_fraction"]})
     except (DaemonError, DiLoCoError) as e:

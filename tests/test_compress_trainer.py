@@ -196,3 +196,23 @@ def test_arc_topk_trainers_get_the_same_ef21m_direction_and_their_parameter_aver
     assert 0.2 < picked.mean() < 0.4  # a quarter of the 40 rows and the 50-element bias
     np.testing.assert_allclose(u[picked], exact[picked], atol=1e-5)
     assert picked[2000:].all()  # the 1-D tensor goes whole
+
+
+def test_the_demo_counts_averaged_bytes_in_the_runs_codec() -> None:
+    """bytes_sent_per_peer in sync mode: one encoded copy per average in the run's codec (it counted 4 bytes a
+    value whatever the codec); arc-topk's gradients from the round's UDP bytes, its parameters in fp32."""
+    import argparse
+
+    from peerd.demo_train import averaged_bytes
+
+    def count(name: str | None, **kw: object) -> int:
+        return averaged_bytes(argparse.Namespace(compression=name, **kw), 1_000_000, {})
+
+    assert count(None) == count("fp32") == 4_000_000
+    assert count("fp16") == count("bf16") == 2_000_000
+    assert count("int8") == 1_000_000 + 4 * -(-1_000_000 // 128)  # values, and an fp16 scale and min per group
+    assert count("int4", quant_group=256) == 500_000 + 4 * -(-1_000_000 // 256)
+    ns = argparse.Namespace(compression="arc-topk")
+    assert averaged_bytes(ns, 1000, {"group_size": 4, "bytes_sent": 900}) == 600  # 2 (n - 1) / n of a copy sent
+    assert averaged_bytes(ns, 1000, {"group_size": 4, "bytes_sent": 900}, "params") == 4000
+    assert averaged_bytes(ns, 1000, {"group_size": 1, "bytes_sent": 0}) == 4000
