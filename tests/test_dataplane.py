@@ -341,6 +341,19 @@ def test_native_rows_at_odd_strides(rows: int, body_len: int, src_offset: int, s
 
 
 @needs_native
+def test_a_wild_count_of_empty_rows_is_refused_not_looped_over() -> None:
+    """Rows of 0 bytes at stride 0 fit any buffer, so only a row limit bounds the loop: the fuzzer found
+    first_nonfinite(src, 0, 0, 2**62, 0) spinning for good (a timeout under ASan)."""
+    src = np.zeros(16, np.uint8)
+    for rows in (2**62, (1 << 24) + 1):
+        with pytest.raises(ValueError, match="over the limit"):
+            _native.first_nonfinite(src, 0, 0, rows, 0)
+        with pytest.raises(ValueError, match="over the limit"):
+            _native.place_rows(src, 0, 0, rows, 0, np.zeros(4, np.float32), 0, 0)
+    assert _native.first_nonfinite(src, 0, 0, 1 << 24, 0) == -1
+
+
+@needs_native
 def test_native_bounds_are_checked() -> None:
     """Every length, stride, count and size is checked in C as well: a wrong one raises and touches nothing."""
     aead = _native.Aead(bytes(32))

@@ -93,6 +93,8 @@ static int claim(AeadObject *self) {
 
 /* Rows [0, rows) of ``len`` bytes at ``offset + i * stride`` lie inside a buffer of ``size`` bytes, and
  * do not overlap one another (stride >= len). Overflow-safe. */
+#define MAX_ROWS (1 << 24) /* rows one call takes at most (a block holds hundreds) */
+
 static int rows_fit(const char *what, Py_ssize_t size, Py_ssize_t offset, Py_ssize_t stride, Py_ssize_t len,
                     Py_ssize_t rows) {
     if (offset < 0 || stride < 0 || len < 0 || rows < 0) {
@@ -100,6 +102,10 @@ static int rows_fit(const char *what, Py_ssize_t size, Py_ssize_t offset, Py_ssi
         return 0;
     }
     if (rows == 0) return 1;
+    if (rows > MAX_ROWS) { /* rows of 0 bytes fit anywhere: without this a wild count loops for ever */
+        PyErr_Format(PyExc_ValueError, "%s: %zd rows, over the limit of %d", what, rows, MAX_ROWS);
+        return 0;
+    }
     if (stride < len) {
         PyErr_Format(PyExc_ValueError, "%s: stride %zd is shorter than a row of %zd bytes", what, stride, len);
         return 0;
