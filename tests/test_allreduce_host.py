@@ -326,15 +326,19 @@ def test_random_loss_duplication_and_reordering_of_the_network(seed: int) -> Non
 def test_an_end_whose_first_copy_dies_in_a_burst_costs_a_spacing_not_the_floor(spacing) -> None:
     """A burst of loss (a full queue's tail drop) that takes a stream's last data datagram and everything
     sent with it: the END's copies sent together all die, and the receiver waits out its phase floor; with
-    the copies spaced (the daemon's END_SPACING_S), the second one closes the stream 8 ms later."""
+    the copies spaced (the daemon's END_SPACING_S), the second one closes the stream 8 ms later. (Had the last
+    data datagram arrived, it would have closed the stream itself: the next test.)"""
     burst: list[float] = []
 
     def drop(d: Datagram) -> bool:
         if d.src != 1 or d.dst != 0 or d.mtype not in (RS_DATA, RS_END):
             return False
-        if d.mtype == RS_END and not burst:
+        if d.mtype == RS_DATA:  # the stream's last datagram (shard 0 starts at offset 0): the burst's start
+            h = parse_header(d.mtype, d.body)
+            return h.offset // PER == h.total - 1
+        if not burst:
             burst.append(lab.now)  # the instant the first END copy goes: everything 1 sends 0 then is lost
-        return d.mtype == RS_DATA and d.k == 0 or bool(burst) and lab.now == burst[0]
+        return lab.now == burst[0]
 
     xs, ws = inputs(3, 30 * PER + 3)
     lab = Lab(3, drop=drop, end_spacing_s=spacing)
@@ -348,6 +352,24 @@ def test_an_end_whose_first_copy_dies_in_a_burst_costs_a_spacing_not_the_floor(s
     else:
         assert rs.ended_by == "completion" and rs.ended_at - rs.started_at < 0.1
         assert all(not nd.host._groups for nd in lab.nodes)
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_a_streams_last_datagram_closes_it_when_every_end_is_lost(block: bool) -> None:
+    """Every END copy from 1 to 0 lost, one datagram in the middle of the stream lost: the stream's last
+    datagram acts as its END (after the in-order grace), so the phase ends by completion, not at its floor; as
+    single datagrams and as GRO blocks."""
+    def drop(d: Datagram) -> bool:
+        return d.src == 1 and d.dst == 0 and (d.mtype == RS_END or d.mtype == RS_DATA and d.k == 5)
+
+    xs, ws = inputs(3, 30 * PER + 3)
+    lab = Lab(3, drop=drop, link=Link(latency=0.01, jitter=0.0 if block else 0.0005), seed=2)
+    lab.start(0.0, 62, [0, 1, 2], xs, ws, floor_s=0.5)
+    lab.run()
+    lab.check(62, xs, ws)
+    rs = lab.nodes[0].done[62].stats.reduce_scatter
+    assert rs.datagrams_received == rs.datagrams_expected - 1 and rs.ends_received == 1
+    assert rs.ended_by == "completion" and rs.ended_at - rs.started_at < 0.1
 
 
 def test_end_copies_are_spaced_from_when_the_first_goes() -> None:
