@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--burst-share", type=float, default=0.3, metavar="F",
                    help="share sent as fast as possible (default 0.3)")
     b.add_argument("--calm", type=float, default=8.0, metavar="SECONDS", help="no-attack phase first (default 8)")
+    b.add_argument("--outsider-seconds", type=float, default=3.0, metavar="SECONDS",
+                   help="the outsider-only phase measuring daemon CPU per junk datagram, and its idle baseline "
+                        "before it, each this long (default 3; longer: less noise; 0 skips it)")
     b.add_argument("--seed", type=int, default=0, help="seed of inputs and attacks (default 0)")
     b.add_argument("--identities", type=int, default=64, metavar="K", help="attacker identities (default 64)")
     b.add_argument("--classes", metavar="A,B", help="only these attack classes (default: all)")

@@ -508,6 +508,33 @@ def test_the_c_table_refuses_bad_arguments() -> None:
         s.close()
 
 
+def decide(unknown, limiter, known: set[int], open_, counts: dict[str, int], now: float, *,  # type: ignore[no-untyped-def]
+           granted: bool) -> None:
+    """Endpoint._receive_screened's decisions over a pass's datagrams under unknown tokens (``granted``: the first
+    has its derivation granted in C): a source refused a derivation before any was granted is refused for the rest
+    of the pass; once a key was derived, a datagram whose token is known by then opens; a source gets one
+    derivation a pass."""
+    refusing: set = set()
+    derived_from: set = set()
+    for i, (data, source) in enumerate(unknown):
+        if granted and i == 0:
+            derived_from.add(source)
+            open_(bytes(data), source)
+        elif source in refusing:
+            counts["auth_limited"] += 1
+        elif derived_from and int.from_bytes(data[5:13], "big") in known:
+            open_(bytes(data), source)
+        elif source in derived_from:
+            counts["auth_limited"] += 1
+        elif limiter.may_derive(source, now):
+            derived_from.add(source)
+            open_(bytes(data), source)
+        else:
+            if not derived_from:
+                refusing.add(source)
+            counts["auth_limited"] += 1
+
+
 def _pass_decisions(seed: int) -> None:
     """One receive pass of sealed datagrams under unknown tokens from several sources (some already rationed,
     some tokens a member's: a derivation opens them and makes them known) through the C rationing, and the same
@@ -553,41 +580,24 @@ def _pass_decisions(seed: int) -> None:
                     counts["auth"] += 1
                     limiter.failed(source, now)
 
-            def datagram(data: bytes, source) -> None:  # type: ignore[no-untyped-def]
-                if int.from_bytes(data[5:13], "big") not in known and not limiter.may_derive(source, now):
-                    counts["auth_limited"] += 1
-                    return
-                open_(data, source)
-
-            return open_, datagram, counts
+            return open_, counts
 
         # the reference: every unknown datagram back from C, rationed by the Python loop
         blocks, _, n, _, _, _, (unknown, _, _, _) = NATIVE_RECV(rx[1].fileno(), arena, 4096, RECV_BUFFER, screen)
         assert n == len(plan) and len(unknown) == sum(1 for _, d in plan if d[5:13] != known_token.to_bytes(8, "big"))
         ref_opened: list[bytes] = []
-        open_, datagram, ref_counts = opener(ref, {known_token}, ref_opened)
-        refusing: set = set()
-        derived = False
-        for data, source in unknown:
-            if source in refusing:
-                ref_counts["auth_limited"] += 1
-            elif derived:
-                datagram(bytes(data), source)
-            elif ref.may_derive(source, now):
-                derived = True
-                open_(bytes(data), source)
-            else:
-                refusing.add(source)
-                ref_counts["auth_limited"] += 1
-        # C: rationed in the pass; the first handed back is charged, the rest go through _datagram
+        ref_known = {known_token}
+        open_, ref_counts = opener(ref, ref_known, ref_opened)
+        decide(unknown, ref, ref_known, open_, ref_counts, now, granted=False)
+        # C: rationed in the pass; the first handed back is granted, the rest decided as above
         blocks, _, n, _, _, _, screened = NATIVE_RECV(rx[0].fileno(), arena, 4096, RECV_BUFFER, screen, c.table, now)
         unknown_c, malformed, version, nbytes, limited = screened
         assert malformed == version == 0 and n == len(plan)
         c_opened: list[bytes] = []
-        open_, datagram, c_counts = opener(c, {known_token}, c_opened)
+        c_known = {known_token}
+        open_, c_counts = opener(c, c_known, c_opened)
         c_counts["auth_limited"] += limited
-        for i, (data, source) in enumerate(unknown_c):
-            (datagram if i else open_)(bytes(data), source)
+        decide(unknown_c, c, c_known, open_, c_counts, now, granted=True)
         assert c_opened == ref_opened
         assert c_counts == ref_counts
         assert nbytes == sum(len(d) for _, d in plan if d[5:13] != known_token.to_bytes(8, "big")) - sum(
@@ -784,5 +794,33 @@ def test_a_socket_with_protected_tokens_sheds_the_others_from_a_low_depth(monkey
                 assert got[member.getsockname()[1]] == 600 and got[flooder.getsockname()[1]] == 3000 - shed
             for s in (sock.sock, flooder, member):
                 s.close()
+
+    trio.run(main)
+
+
+@needs_ration
+def test_a_source_gets_one_key_derivation_a_receive_pass() -> None:
+    """A burst under 100 unknown tokens from one source, queued before a pass: one key derivation (it fails:
+    ``auth``), the rest refused unopened (``auth_limited``), though the source's bucket allows 32 failures."""
+
+    async def main() -> None:
+        rx = _bind(socket.AF_INET)
+        ep = Endpoint(UdpSocket(rx), Identity.generate(), SECRET, Metrics())
+        assert ep.core.auth_limiter.failure_burst == 32
+        tx = _bind(socket.AF_INET)
+        rng = random.Random(3)
+        try:
+            for _ in range(100):
+                tx.sendto(HEADER.pack(MAGIC, VERSION, 3, FLAG_SEALED, rng.getrandbits(64), rng.getrandbits(64))
+                          + rng.randbytes(200), rx.getsockname())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ep.serve)
+                await trio.sleep(0.3)
+                nursery.cancel_scope.cancel()
+        finally:
+            tx.close()
+            rx.close()
+        assert counter_value(ep.metrics.datagrams_dropped, reason="auth") == 1
+        assert counter_value(ep.metrics.datagrams_dropped, reason="auth_limited") == 99
 
     trio.run(main)

@@ -235,24 +235,44 @@ def test_validation_challenge_releases_held_answers_in_order_and_bounded() -> No
 
 def test_receive_pause_only_under_a_junk_flood_and_never_on_a_full_batch() -> None:
     core = TransportCore(random.Random(10), junk_pause_s=0.008)
+    busy = 5  # authenticated datagrams a pass: 500 a second, a busy node (an average running)
     for i in range(11):  # 20 junk datagrams every 10 ms: 2000 a second (no pause before a window is measured)
-        assert core.receive_pause(i / 100, 20, False) == 0.0 or i == 10
+        assert core.receive_pause(i / 100, 20, False, busy) == 0.0 or i == 10
     now = 0.1
     assert core.junk_rate == pytest.approx(2000, rel=0.15)
-    assert core.receive_pause(now, 20, False) == 0.008  # 64 would take 32 ms to come: the cap
-    assert core.receive_pause(now, 0, False) == 0.0  # a pass without junk
-    assert core.receive_pause(now, 1000, True) == 0.0  # a backlog (the pass stopped at a limit): at once
+    assert core.honest_rate == pytest.approx(500, rel=0.15)
+    assert core.receive_pause(now, 20, False, busy) == 0.008  # 64 would take 32 ms to come: the cap
+    assert core.receive_pause(now, 0, False, busy) == 0.0  # a pass without junk
+    assert core.receive_pause(now, 1000, True, busy) == 0.0  # a backlog (the pass stopped at a limit): at once
     for _ in range(30):  # 300 a second: below the floor
         now += 0.01
-        core.receive_pause(now, 3, False)
-    assert core.receive_pause(now, 3, False) == 0.0
+        core.receive_pause(now, 3, False, busy)
+    assert core.receive_pause(now, 3, False, busy) == 0.0
     for _ in range(30):  # 20,000 a second: the pause shrinks, the batch stays near 64
         now += 0.01
-        core.receive_pause(now, 200, False)
-    assert core.receive_pause(now, 200, False) == pytest.approx(64 / 20000, rel=0.2)
+        core.receive_pause(now, 200, False, busy)
+    assert core.receive_pause(now, 200, False, busy) == pytest.approx(64 / 20000, rel=0.2)
     now += 5.0  # a long quiet spell forgets the rate
     core.receive_pause(now, 1, False)
-    assert core.junk_rate == 0.0
+    assert core.junk_rate == 0.0 and core.honest_rate == 0.0
+
+
+def test_receive_pause_is_long_on_an_idle_node_and_short_once_traffic_comes() -> None:
+    """An idle node (a PING now and then) takes a flood in batches of about 256, at most 32 ms apart; authenticated
+    traffic at 200 a second brings the 8 ms cap back within the window that shows it."""
+    core = TransportCore(random.Random(12), junk_pause_s=0.008, junk_idle_pause_s=0.032)
+    now = 0.0
+    for i in range(40):  # 5000 junk datagrams a second, one PING every 80 ms
+        now = i / 100
+        core.receive_pause(now, 50, False, 1 if i % 8 == 0 else 0)
+    assert core.honest_rate < 200
+    assert core.receive_pause(now, 50, False) == pytest.approx(0.032)  # 256 at 5000/s: 51 ms, capped at 32
+    for _ in range(30):  # 20,000 a second: batches of about 256
+        now += 0.01
+        core.receive_pause(now, 200, False)
+    assert core.receive_pause(now, 200, False) == pytest.approx(256 / 20000, rel=0.2)
+    now += 0.01
+    assert core.receive_pause(now, 200, False, 25) == pytest.approx(64 / 20000, rel=0.2)  # 2500/s now: busy
 
 
 def test_known_ids_are_an_lru() -> None:

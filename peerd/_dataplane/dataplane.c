@@ -1481,11 +1481,15 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
      * order, with the ration's state as it stands (nothing else changes it until Python has handled this pass):
      * until a derivation is granted, each is asked may_derive; a source refused one is refused for the rest
      * of the pass (limited_pass). The first granted is handed back first in ``unknown``, its derivation charged;
-     * after it, Python decides each again (_datagram: its token may be known by then), so only those certain to
-     * be refused there are refused here: their source's bucket is empty now, their token is none that a
-     * datagram handed back could have made known, and the table cannot evict the bucket before Python sees it. */
+     * after it, Python decides each again (its token may be known by then), so only those certain to be refused
+     * there are refused here, their token being none that a datagram handed back could have made known: those
+     * from the granted source (a source gets one derivation a pass), and those whose source's bucket is empty
+     * now where the table cannot evict the bucket before Python sees it. A source refused a derivation stays
+     * refused for the rest of the pass, whatever its token (Python asks that first too). */
     Py_ssize_t limited = 0, handed = 0, shed_count = 0;
     int derived = 0, tokens_overflow = 0, ntokens = 0;
+    Source granted; /* the source of the derivation granted in this pass (once ``derived``) */
+    memset(&granted, 0, sizeof(granted));
     uint64_t handed_tokens[RATION_TOKENS];
     uint64_t pass = ration ? ++ration->passes : 0;
     double level = 0;
@@ -1517,16 +1521,22 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
                     if (e >= 0 && ration->entries[e].limited_pass == pass) {
                         refuse = 1;
                     } else if (!derived) {
-                        if (ration_may_derive(ration, &b->source, now)) derived = 1;
-                        else {
+                        if (ration_may_derive(ration, &b->source, now)) {
+                            derived = 1;
+                            granted = b->source;
+                        } else {
                             refuse = 1;
                             if (e >= 0) ration->entries[e].limited_pass = pass;
                         }
-                    } else if (e >= 0 && !tokens_overflow && ration->count + handed < ration->max_sources) {
-                        RationEntry *en = &ration->entries[e];
-                        bucket_refill(&en->tokens, &en->at, ration->failure_rate, ration->failure_burst, now);
-                        refuse = en->tokens < 1;
-                        for (int j = 0; refuse && j < ntokens; j++)
+                    } else if (!tokens_overflow) {
+                        if (same_source(&granted, &b->source)) {
+                            refuse = 1;
+                        } else if (e >= 0 && ration->count + handed < ration->max_sources) {
+                            RationEntry *en = &ration->entries[e];
+                            bucket_refill(&en->tokens, &en->at, ration->failure_rate, ration->failure_burst, now);
+                            refuse = en->tokens < 1;
+                        }
+                        for (int j = 0; refuse && j < ntokens; j++) /* Python opens it if its token is known */
                             if (handed_tokens[j] == token) refuse = 0;
                     }
                     if (refuse) {

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -126,6 +127,27 @@ def _cpu_s(pid: int) -> float:
     except (OSError, IndexError):
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Cpu:
+    """A process's CPU at one moment, for differences over a few seconds: its threads' schedstat (nanoseconds; the
+    ticks of /proc/PID/stat are 10 ms, 0.7 us a datagram over the outsider phase's 15,000 a daemon) where the same
+    threads ran at both ends, else the ticks (an exited thread's time is only in those)."""
+
+    def __init__(self, pid: int) -> None:
+        self.ticks = _cpu_s(pid)
+        self.tids: set[str] = set()
+        self.fine = 0.0
+        try:
+            self.tids = set(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            return
+        self.fine = _task_cpu_s(pid, self.tids)
+
+    def since(self, earlier: _Cpu) -> float:
+        if self.tids and self.tids == earlier.tids:
+            return self.fine - earlier.fine
+        return self.ticks - earlier.ticks
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -472,9 +494,9 @@ def _outsider_phase(cfg: SoakConfig, nodes: list[Node], key_file: str, workdir: 
                   f"for {cfg.outsider_s:.0f} s ...", quiet)
         time.sleep(SETTLE_S)
         pids = [n.proc.pid for n in nodes]
-        t0, cpu0, got0 = time.monotonic(), [_cpu_s(p) for p in pids], _counters(nodes)
+        t0, cpu0, got0 = time.monotonic(), [_Cpu(p) for p in pids], _counters(nodes)
         time.sleep(cfg.outsider_s)
-        t1, cpu1, got1 = time.monotonic(), [_cpu_s(p) for p in pids], _counters(nodes)
+        t1, cpu1, got1 = time.monotonic(), [_Cpu(p) for p in pids], _counters(nodes)
         out_cfg = {
             "targets": [list(_hostport(n.listen)) for n in nodes], "key_file": key_file, "run": RUN,
             "victims": [n.status["peer_id"] for n in nodes], "datagrams": int(cfg.outsider_rate * cfg.outsider_s),
@@ -493,10 +515,10 @@ def _outsider_phase(cfg: SoakConfig, nodes: list[Node], key_file: str, workdir: 
             except ValueError:
                 continue
             if t2 is None:  # its first line comes as it starts sending (its signing before is not counted)
-                t2, cpu2, got2 = time.monotonic(), [_cpu_s(p) for p in pids], _counters(nodes)
+                t2, cpu2, got2 = time.monotonic(), [_Cpu(p) for p in pids], _counters(nodes)
             if info.get("done"):
                 summary = info
-        t3, cpu3, got3 = time.monotonic(), [_cpu_s(p) for p in pids], _counters(nodes)
+        t3, cpu3, got3 = time.monotonic(), [_Cpu(p) for p in pids], _counters(nodes)
         rc = attacker.wait(timeout=30)
         if rc != 0 or not summary or t2 is None or cpu2 is None or got2 is None:
             with open(os.path.join(workdir, "outsider.log"), errors="replace") as f:
@@ -515,7 +537,7 @@ def _outsider_phase(cfg: SoakConfig, nodes: list[Node], key_file: str, workdir: 
         n -= scale * (_handled(got1.get(i, {})) - _handled(got0.get(i, {})))
         if n <= 0:
             n = sent / len(nodes)  # no metrics: what was sent to it
-        cpu = (cpu3[i] - cpu2[i]) - scale * (cpu1[i] - cpu0[i])
+        cpu = cpu3[i].since(cpu2[i]) - scale * cpu1[i].since(cpu0[i])
         handled.append(int(n))
         per_daemon.append(round(cpu / n * 1e6, 2))
     values = [v for v in per_daemon if v is not None]
@@ -528,7 +550,7 @@ def _outsider_phase(cfg: SoakConfig, nodes: list[Node], key_file: str, workdir: 
         "outsider_datagrams_per_second": round(sent / summary["seconds"], 1) if summary["seconds"] > 0 else 0.0,
         "outsider_sent_by_class": {k: v for k, v in summary["by_class"].items() if v},
         "outsider_drops": _drops(got2, got3),
-        "outsider_baseline_cpu_s": [round(b - a, 3) for a, b in zip(cpu0, cpu1, strict=True)],
+        "outsider_baseline_cpu_s": [round(b.since(a), 3) for a, b in zip(cpu0, cpu1, strict=True)],
     }
 
 
@@ -787,6 +809,7 @@ def cmd_bench_soak(args: Any, parser: Any) -> int:
     """`peerd bench soak` (argparse glue kept here, so cli.py carries only the parser and one dispatch line)."""
     cfg = SoakConfig(datagrams=args.datagrams, size=args.size, rate=args.rate, burst_share=args.burst_share,
                      calm_s=args.calm, seed=args.seed, identities=getattr(args, "identities", 64),
+                     outsider_s=getattr(args, "outsider_seconds", 3.0),
                      classes=tuple(args.classes.split(",")) if getattr(args, "classes", None) else CLASSES)
     try:
         cfg.check()
@@ -818,14 +841,15 @@ def cmd_bench_soak(args: Any, parser: Any) -> int:
 
 
 # -- the receive path alone: bare endpoints under the outsider's classes (no daemons, no averaging) -------------
-def _task_cpu_s(pid: int) -> float:
-    """CPU seconds of every thread of ``pid`` from /proc/PID/task/*/schedstat (nanoseconds: /proc/PID/stat's
-    ticks are 10 ms, too coarse for a few seconds of a few percent)."""
+def _task_cpu_s(pid: int, tasks: Iterable[str] | None = None) -> float:
+    """CPU seconds of every thread of ``pid`` (or of its threads ``tasks``) from /proc/PID/task/*/schedstat
+    (nanoseconds: /proc/PID/stat's ticks are 10 ms, too coarse for a few seconds of a few percent)."""
     total = 0
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0
+    if tasks is None:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return 0.0
     for t in tasks:
         try:
             with open(f"/proc/{pid}/task/{t}/schedstat") as f:

@@ -38,15 +38,23 @@ MAX_PENDING = 16384  # requests open at once (a DHT lookup has alpha=3 in flight
 MAX_KNOWN_IDS = 4096  # addresses whose node id this node remembers (LRU), to seal for their receiver
 MAX_HELD_ADDRESSES = 256  # unvalidated addresses with answers held until their address validation completes
 MAX_HELD_PER_ADDRESS = 4
-# Under a flood of junk (datagrams refused before any crypto), every wakeup of the receive loop costs 50-100 us of
-# CPU (the process sleeps and is woken, epoll, the scheduler) and brings only a few datagrams. While junk arrives
-# faster than JUNK_RATE a second, the loop pauses after a pass that drained the socket, long enough for about
-# JUNK_BATCH datagrams of junk to queue (at most JUNK_PAUSE_S), and takes them in one wakeup: interrupt
-# moderation. What arrives meanwhile (PINGs included) waits at most JUNK_PAUSE_S; a full pass never pauses,
-# and quiet traffic never does.
+# Under a flood of junk (datagrams refused before any crypto), every wakeup of the receive loop costs 150-250 us
+# of CPU on a VM (the process sleeps and is woken, epoll, trio's loop with cold caches) and brings only a few
+# datagrams. While junk arrives faster than JUNK_RATE a second, the loop pauses after a pass that drained the
+# socket, long enough for about JUNK_BATCH datagrams of junk to queue (at most JUNK_PAUSE_S), and takes them in one
+# wakeup: interrupt moderation. What arrives meanwhile (PINGs included) waits at most JUNK_PAUSE_S; a full pass
+# never pauses, and quiet traffic never does.
 JUNK_RATE = 1000.0
 JUNK_BATCH = 64
 JUNK_PAUSE_S = 0.008
+# A node whose authenticated traffic is below BUSY_RATE a second (liveness PINGs, the odd DHT request: no
+# average running) has nothing that needs the short pause: it takes the flood in batches of about JUNK_IDLE_BATCH,
+# at most JUNK_IDLE_PAUSE_S apart, which is what brings the junk's CPU per datagram down (`peerd bench soak`'s
+# outsider_cpu_us_per_datagram: 9.4 us at 64 a batch, about half at 256). A request that comes then waits at most
+# JUNK_IDLE_PAUSE_S; traffic at BUSY_RATE brings the short pause back within the window that shows it.
+JUNK_IDLE_BATCH = 256
+JUNK_IDLE_PAUSE_S = 0.032
+BUSY_RATE = 200.0
 JUNK_WINDOW_S = 0.1  # the junk rate is measured over windows of this length
 RID_DRAWS = 64  # attempts at a fresh request id before the pending map is called full (2^64 ids: never reached)
 
@@ -142,6 +150,7 @@ class TransportCore:
         max_held_addresses: int = MAX_HELD_ADDRESSES,
         max_held_per_address: int = MAX_HELD_PER_ADDRESS,
         junk_pause_s: float = JUNK_PAUSE_S,
+        junk_idle_pause_s: float = JUNK_IDLE_PAUSE_S,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
@@ -156,9 +165,12 @@ class TransportCore:
         self.max_held_addresses = max_held_addresses
         self.max_held_per_address = max_held_per_address
         self.junk_pause_s = junk_pause_s
+        self.junk_idle_pause_s = junk_idle_pause_s
         self.junk_rate = 0.0  # junk datagrams a second, over the last whole window
+        self.honest_rate = 0.0  # the other datagrams (authenticated, or refused after opening) a second, the same
         self._junk_at = -math.inf
         self._junk_count = 0
+        self._honest_count = 0
         self._pending: dict[int, Pending] = {}
         self._handled: dict[int, int] = {}  # registered message type -> its response type (itself: one-way)
         self._ids: OrderedDict[Hashable, bytes] = OrderedDict()
@@ -178,18 +190,24 @@ class TransportCore:
         raise PendingFull("no fresh request id found")  # only with a broken rng
 
     # -- the receive loop's pace ----------------------------------------------------------------------------------
-    def receive_pause(self, now: float, junk: int, backlog: bool) -> float:
+    def receive_pause(self, now: float, junk: int, backlog: bool, honest: int = 0) -> float:
         """How long the receive loop waits before its next pass, after one at ``now`` in which ``junk`` datagrams
-        were refused unopened; ``backlog``: the pass stopped at its limit (datagrams or arena), not because the
-        socket was empty, so the next pass starts at once (see JUNK_RATE)."""
+        were refused unopened and ``honest`` others handled; ``backlog``: the pass stopped at its limit (datagrams
+        or arena), not because the socket was empty, so the next pass starts at once (see JUNK_RATE). The pause
+        is short while the node is busy (BUSY_RATE), long while it is idle (JUNK_IDLE_BATCH)."""
         if now - self._junk_at >= JUNK_WINDOW_S:
             elapsed = now - self._junk_at
-            self.junk_rate = self._junk_count / elapsed if elapsed < 2 * JUNK_WINDOW_S else 0.0
-            self._junk_at, self._junk_count = now, 0
+            recent = elapsed < 2 * JUNK_WINDOW_S
+            self.junk_rate = self._junk_count / elapsed if recent else 0.0
+            self.honest_rate = self._honest_count / elapsed if recent else 0.0
+            self._junk_at, self._junk_count, self._honest_count = now, 0, 0
         self._junk_count += junk
+        self._honest_count += honest
         if not junk or backlog or self.junk_rate < JUNK_RATE:
             return 0.0
-        return min(self.junk_pause_s, JUNK_BATCH / self.junk_rate)
+        if self.honest_rate >= BUSY_RATE or self._honest_count >= BUSY_RATE * JUNK_WINDOW_S:
+            return min(self.junk_pause_s, JUNK_BATCH / self.junk_rate)
+        return min(self.junk_idle_pause_s, JUNK_IDLE_BATCH / self.junk_rate)
 
     # -- requests --------------------------------------------------------------------------------------------
     def open_request(self, addr: Hashable, expect: int, now: float, *, timeout: float, attempts: int) -> int:

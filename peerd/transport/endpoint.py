@@ -22,6 +22,7 @@ import logging
 import math
 import random
 import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -60,6 +61,7 @@ from .core import (
 )
 from .faults import LossySocket
 from .guard import AmplificationGuard, AuthLimiter
+from .pause import Pause
 from .rotation import Rotation
 from .rto import RtoEstimator
 
@@ -135,6 +137,9 @@ RequestHandler = Callable[[Incoming], dict[str, Any] | None]
 RawHandler = Callable[[Header, bytes, TokenState, Address], None]
 # (type, token, token state, bodies: (rows, body bytes) uint8, source): a GRO block of tensor data, opened.
 BlockHandler = Callable[[int, int, TokenState, np.ndarray, Address], None]
+
+
+_TOKEN = struct.Struct("!Q")  # a header's token, at byte 5 (wire.envelope.HEADER)
 
 
 def _yes() -> bool:
@@ -627,6 +632,13 @@ class Endpoint:
     # -- receiving ------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        pause = Pause()  # junk moderation's pauses (a timerfd: see transport.pause)
+        try:
+            await self._serve(pause)
+        finally:
+            pause.close()
+
+    async def _serve(self, pause_timer: Pause) -> None:
         sock = self.sock
         if self.caps.block_receive:
             receive = sock.recv_blocks  # type: ignore[attr-defined]
@@ -678,9 +690,10 @@ class Endpoint:
             backlog = not sock.drained if self.caps.drained_flag else datagrams >= limit  # type: ignore[attr-defined]
             if not backlog:
                 self._caught_up_at = now
-            pause = self.core.receive_pause(trio.current_time(), self._junk, backlog)
+            honest = max(0, datagrams - self._junk)
+            pause = self.core.receive_pause(trio.current_time(), self._junk, backlog, honest)
             if pause > 0:
-                await trio.sleep(pause)
+                await pause_timer.wait(pause)
             else:  # a busy socket always has data: yield so senders and timers are not starved
                 await trio.lowlevel.checkpoint()
 
@@ -724,49 +737,51 @@ class Endpoint:
                           now: float, limited: int = 0, rationed: bool = False) -> int:
         """What the native receive pass screened out of a pass (UdpSocket.recv_screened): ``malformed`` and
         ``version`` datagrams refused by their header (as ``peek`` would), and sealed single datagrams under tokens
-        this node did not know (``unknown``), which go through the rationing of ``_datagram``. Once a source is
-        refused a derivation in a pass it stays refused for the rest of it (``now`` is the same and the limiter's
-        buckets only empty within a pass), so the rest of a flood from it costs a set lookup each. Once a key was
-        derived in the pass, later ones go through ``_datagram`` whole (their token may be known now). Returns
-        the datagrams handled.
+        this node did not know (``unknown``), which go through the rationing of ``_datagram``. A source gets one
+        key derivation a pass, and once refused one it stays refused for the rest of the pass (``now`` is the same
+        and the limiter's buckets only empty within a pass), so the rest of a flood from it costs a set lookup
+        each. Once a key was derived in the pass, a later datagram whose token is known by then is opened.
+        Returns the datagrams handled.
 
         ``rationed``: the native pass did that rationing itself, in C with the limiter's table (dataplane.c
         recv_batch, the same decisions): ``limited`` datagrams were refused there (``auth_limited``), the first of
-        ``unknown`` has its derivation granted, and the rest go through ``_datagram``."""
+        ``unknown`` has its derivation granted, and the rest are decided as above."""
         drops = self._drops
         if malformed:
             drops["malformed"] = drops.get("malformed", 0) + malformed
         if version:
             drops["version"] = drops.get("version", 0) + version
+        # After a derivation in the pass (granted in C for the first when ``rationed``), a later datagram's token
+        # may be known: it is opened. The others under an unknown token are asked may_derive once per source, and
+        # a source gets one derivation a pass: the rest of the pass's flood from it costs a set lookup each.
+        refusing: set[Address] = set()  # sources refused a derivation in this pass before any was granted
+        granted: set[Address] = set()  # sources granted one
+        may_derive = self._may_derive
+        token_state = self._token_state
         refused = 0
-        if rationed:
-            if limited:
-                drops["auth_limited"] = drops.get("auth_limited", 0) + limited
-            for i, (data, source) in enumerate(unknown):
-                nbytes += len(data)
-                if i:
-                    self._datagram(data, source, now)
-                else:
-                    self._open(data, source, now, data[3], _yes)
-            refused = limited
-        elif unknown:
-            refusing: set[Address] = set()
-            may_derive = self._may_derive
-            derived = False
-            for data, source in unknown:
-                nbytes += len(data)
-                if source in refusing:
-                    refused += 1
-                elif derived:
-                    self._datagram(data, source, now)
-                elif may_derive(source, now):
-                    derived = True
-                    self._open(data, source, now, data[3], _yes)
-                else:
+        for data, source in unknown:
+            nbytes += len(data)
+            if rationed and not granted:
+                granted.add(source)
+                self._open(data, source, now, data[3], _yes)
+            elif source in refusing:
+                refused += 1
+            elif granted and token_state(_TOKEN.unpack_from(data, 5)[0]) is not None:
+                self._open(data, source, now, data[3], None)
+            elif source in granted:
+                refused += 1
+            elif may_derive(source, now):
+                granted.add(source)
+                self._open(data, source, now, data[3], _yes)
+            else:
+                if not granted:  # (after a derivation, a later datagram of its may have a token known by then)
                     refusing.add(source)
-                    refused += 1
-            if refused:
-                drops["auth_limited"] = drops.get("auth_limited", 0) + refused
+                refused += 1
+        if refused:
+            drops["auth_limited"] = drops.get("auth_limited", 0) + refused
+        refused += limited if rationed else 0
+        if limited and rationed:
+            drops["auth_limited"] = drops.get("auth_limited", 0) + limited
         self._junk += malformed + version + refused
         if nbytes:
             self.metrics.bytes_received.inc(nbytes)
