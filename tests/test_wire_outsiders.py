@@ -194,6 +194,41 @@ def test_a_block_whose_every_row_fails_leaves_the_token_order_alone() -> None:
     assert opener.token_state(old.token) is None and opener.token_state(new.token) is not None
 
 
+def test_a_merged_run_of_junk_is_refused_at_once_as_each_row_would_be() -> None:
+    """A receive block whose rows share one header up to the token (one forger's run under a token the node has no
+    key for): refused together for the reason each row would get (``auth_limited`` once its source is out of
+    failures, ``malformed`` for a bad header), without a round of ``_datagram`` per row; rows with different
+    headers, and a member's block under a known token, still go row by row."""
+    net = MemNet()
+    ep = node(net, 0)
+    calls: list[int] = []
+    datagram = ep._datagram
+
+    def counting(data, source, now):  # type: ignore[no-untyped-def]
+        calls.append(len(data))
+        datagram(data, source, now)
+
+    ep._datagram = counting  # type: ignore[method-assign]
+    forger = ("192.0.2.7", 7)
+    ep.auth_limiter.failed(forger, 0.0, 100)  # out of failures
+    junk = Header(0x03, 1, 0xDEAD, 0).pack()[:13]
+    rows = [junk + bytes([i]) * 8 + bytes(40) for i in range(6)]  # same size, sequence and body differ
+    ep.receive_batch([(b"".join(rows), forger, len(rows[0]))], 0.0)
+    assert calls == [] and ep._drops.get("auth_limited") == 6
+    bad = [b"PD\xff" + row[3:] for row in rows[:3]]  # another version: refused as each row would be
+    ep.receive_batch([(b"".join(bad), forger, len(bad[0]))], 0.0)
+    assert calls == [] and ep._drops.get("version") == 3
+    mixed = [rows[0], Header(0x03, 1, 0xBEEF, 0).pack()[:13] + rows[1][13:]]  # two tokens: row by row
+    ep.receive_batch([(b"".join(mixed), forger, len(mixed[0]))], 0.0)
+    assert len(calls) == 2 and ep._drops.get("auth_limited") == 8
+    member = Sealer(SECRET)
+    to = ep.identity.node_id
+    known = [member.seal(0x03, bytes(40), to) for _ in range(2)]
+    ep.opener.open(known[0])  # the token is known now (its replayed datagram is a row like any)
+    ep.receive_batch([(b"".join(known), forger, len(known[0]))], 0.0)
+    assert len(calls) == 4  # a known token: opened row by row (no block handler for this type)
+
+
 # ---- 2: no more than 3x the bytes to an address that has not proven it is there ------------------------------
 
 

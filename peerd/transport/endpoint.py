@@ -40,6 +40,7 @@ from ..wire.envelope import (
     KNOWN_FLAGS,
     MAGIC,
     PING_TYPE,
+    SEQ_OFFSET,
     VERSION,
     Header,
     peek,
@@ -859,6 +860,10 @@ class Endpoint:
         by datagram."""
         rows = len(data) // segment
         tail = data[rows * segment :]
+        if rows > 1 and self._refuse_rows(data, rows, segment, source, now):
+            if tail:
+                self._datagram(tail, source, now)
+            return
         block = np.frombuffer(data, dtype=np.uint8, count=rows * segment).reshape(rows, segment)
         handler = self._raw_block.get(int(block[0, 3])) if len(block) > 1 else None
         # In place: the bodies are opened over their own ciphertext in the receive arena (one pass and one buffer
@@ -884,6 +889,35 @@ class Endpoint:
                     self._handler_failed(opened.type, len(opened.bodies))
         if tail:
             self._datagram(tail, source, now)
+
+    def _refuse_rows(self, data: Any, rows: int, segment: int, source: Address, now: float) -> bool:
+        """Refuse a block's ``rows`` together where ``_datagram`` would refuse each of them unopened for the same
+        reason: every row has the first row's header up to its token (SEQ_OFFSET: a merged run of junk, such as
+        one forger's datagrams under a token this node has no key for), and that header is bad, or it is sealed
+        under an unknown token and its source may not derive a key now. One decision instead of a round of
+        ``_datagram`` (about 5 us) per row; tensor data under a known token costs a peek. Returns whether it did."""
+        head = peek(data[:segment])
+        if head.__class__ is str:
+            reason = head
+        else:
+            _, flags, token = head  # type: ignore[misc]
+            if not self._sealed or not flags & FLAG_SEALED or self._token_state(token) is not None:
+                return False
+            if segment < HEADER_SIZE + TAG_SIZE:
+                reason = "malformed"
+            elif not self._may_derive(source, now):
+                reason = "auth_limited"
+            else:
+                return False
+        if segment < SEQ_OFFSET:
+            return False
+        first = data[:SEQ_OFFSET]
+        for k in range(segment, rows * segment, segment):
+            if data[k : k + SEQ_OFFSET] != first:
+                return False
+        self._drops[reason] = self._drops.get(reason, 0) + rows  # type: ignore[index]
+        self._junk += rows
+        return True
 
     async def handle_datagram(
         self, data: bytes, source: Address, *, counted: bool = False, inject: bool = True
