@@ -355,36 +355,34 @@ class DhtService:
         now = trio.current_time()
         record = Record.create(self.endpoint.identity, key, subkey, value, ttl, wall=self._wall(), now=now)
         target = location(key)
-        wire = [record.to_wire(now)]
+        # the k closest: from a recent lookup, or a lookup that stops once settled (STORE shows who is alive)
+        closest = self._recent_result(target) or await self.find_nodes(target, settle=True)
+        closest = closest[: self.k]
         result = PutResult(0)
+        if self.core.stores_here(target, closest):
+            why = self.core.store.store(record, now)
+            self._tally(result, why)
+
+        answered: list[Contact] = []
+        # the put returns once a majority of the remote closest accepted it, or every STORE ended (so refusals
+        # and failures are all counted when no majority can accept it)
+        need = int(len(closest) * PUT_QUORUM) + 1 if closest else 0
+        ended = 0
+        accepted = 0
         done = result._done = trio.Event()
         enough = trio.Event()
-        outcome: dict[bytes, bool | None] = {}  # node id -> accepted (None: no answer yet)
-        answered: list[Contact] = []
-        final: set[bytes] | None = None  # the k closest, once known; the quorum counts only them
-        need = 0
-
-        def check() -> None:
-            """``enough``: a majority of the k closest accepted, or every STORE to them ended (so refusals and
-            failures are all counted when no majority can); ``done``: every STORE ended."""
-            if final is not None:
-                ended = [outcome[n] for n in final]
-                if sum(1 for ok in ended if ok) >= need or None not in ended:
-                    enough.set()
-                if None not in outcome.values():
-                    reached = [c for c in answered if c.node_id in final]
-                    if len(reached) == len(final):  # every one of the k closest answered: remember them
-                        self.core.stored_on(target, trio.current_time(), reached)
-                    done.set()
+        if need == 0:
+            done.set()
+            enough.set()
 
         async def store_on(contact: Contact) -> None:
-            accepted = False
+            nonlocal ended, accepted
             try:
-                reply = await self._rpc(contact, m.MsgType.STORE, {"records": wire})
+                reply = await self._rpc(contact, m.MsgType.STORE, {"records": [record.to_wire(now)]})
                 answered.append(contact)
                 ok = reply.body["ok"]
-                accepted = bool(ok and ok[0])
-                self._tally(result, None if accepted else "refused")
+                accepted += bool(ok and ok[0])
+                self._tally(result, None if ok and ok[0] else "refused")
             except RpcError as e:
                 self._tally(result, "owner" if "owner" in str(e) else "unreachable")
             except Exception as e:  # it may run in the background, after the put returned: never crash the daemon
@@ -392,47 +390,23 @@ class DhtService:
                 self.metrics.background_errors.labels("dht_store").inc()
                 self._tally(result, "unreachable")
             finally:
-                outcome[contact.node_id] = accepted
-                check()
-
-        async def write(nursery: trio.Nursery) -> None:
-            nonlocal final, need
-            sent: dict[bytes, Contact] = {}
-
-            def send(contacts: list[Contact]) -> None:
-                for contact in contacts:
-                    if contact.node_id not in sent:
-                        sent[contact.node_id] = contact
-                        outcome[contact.node_id] = None
-                        nursery.start_soon(store_on, contact)
-
-            # the k closest: from a recent lookup, or a lookup that stops once settled (STORE shows who is alive).
-            # Where the table holds every node it heard of near the key, the STOREs go to its closest at once, while
-            # the lookup confirms them (one round trip instead of two); a node the lookup adds gets one after it.
-            closest = self._recent_result(target)
-            if closest is None:
-                table = self.core.table
-                if table.complete_near(target, min(self.k, len(table))):
-                    send(table.closest(target, self.k))
-                closest = await self.find_nodes(target, settle=True)
-            closest = closest[: self.k]
-            if self.core.stores_here(target, closest):
-                self._tally(result, self.core.store.store(record, trio.current_time()))
-            send(closest)
-            need = int(len(closest) * PUT_QUORUM) + 1 if closest else 0
-            final = {c.node_id for c in closest}
-            if not sent:
-                enough.set()
-                done.set()
-            check()
+                ended += 1
+                if accepted >= need or ended == len(closest):
+                    enough.set()
+                if ended == len(closest):
+                    if len(answered) == len(closest):
+                        self.core.stored_on(target, trio.current_time(), answered)
+                    done.set()
 
         if self._nursery is not None:
-            await write(self._nursery)
+            for contact in closest:
+                self._nursery.start_soon(store_on, contact)
             await enough.wait()
         else:  # not running: no nursery to leave STOREs in, so wait for them all
             async with trio.open_nursery() as nursery:
-                await write(nursery)
-        result.pending = sum(1 for ok in outcome.values() if ok is None)
+                for contact in closest:
+                    nursery.start_soon(store_on, contact)
+        result.pending = len(closest) - ended
         return result
 
     @staticmethod
