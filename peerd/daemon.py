@@ -182,7 +182,7 @@ class Daemon:
         # joining peers are advertised in the DHT and served over STATE_GET/STATE_CHUNK.
         self.statesync = StateSync(self.endpoint, self.dht, self.metrics, advertise=announce or self.listen)
         self.trainer = TrainerService(self.metrics, self.moshpit.average, statesync=self.statesync,
-                                      peer_id=self.identity.node_id.hex())
+                                      peer_id=self.identity.node_id.hex(), average_parts=self.moshpit.average_parts)
         self.trainer.register(local)
 
     def close(self) -> None:

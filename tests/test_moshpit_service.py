@@ -319,3 +319,69 @@ def test_survivors_finish_every_round_after_two_die_mid_average(seed: int) -> No
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
+
+
+def test_parts_of_a_round_share_one_matchmaking_and_average_apart() -> None:
+    """average_parts: one group for three vectors of different sizes (a trainer step's buckets), each averaged
+    under its own group id as soon as its vector is there; a late part does not hold back the others, and a
+    part whose vector never comes fails alone."""
+    from peerd.moshpit.service import Part, part_group_id
+
+    async def main() -> None:
+        net = MemNet(seed=7)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm(nursery, net, 3)
+            for n in nodes:
+                await n.moshpit.open("parts", window_s=2.0)
+            rng = np.random.default_rng(3)
+            sizes = [300, 5000, 40]
+            vectors = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in nodes]
+            weights = [1.0, 2.0, 5.0]
+            out: list[list] = [[] for _ in nodes]
+            ended: list[list[tuple[int, float]]] = [[] for _ in nodes]
+
+            async def one(i: int) -> None:
+                def part(k: int) -> Part:
+                    async def fetch() -> np.ndarray:
+                        if k == 1:
+                            await trio.sleep(2.0)  # backward still producing this bucket
+                        if k == 2 and i == 0:
+                            raise ValueError("the trainer skipped it")
+                        return vectors[i][k]
+                    return Part(fetch, lambda r: ended[i].append((k, trio.current_time())))
+
+                out[i] = await nodes[i].moshpit.average_parts("parts", [part(k) for k in range(3)], weights[i],
+                                                              timeout_s=30.0)
+
+            async with trio.open_nursery() as inner:
+                for i in range(3):
+                    inner.start_soon(one, i)
+            for i, results in enumerate(out):
+                assert isinstance(results[2], ValueError) if i == 0 else results[2].outcome == "averaged"
+                for k in (0, 1):
+                    r = results[k]
+                    exact = sum(w * v[k].astype(np.float64) for w, v in zip(weights, vectors, strict=True))
+                    assert r.outcome == "averaged" and r.group_size == 3 and r.round == 0
+                    assert np.abs(r.vector - exact / sum(weights)).max() < 1e-5
+                    assert r.group_id == f"{part_group_id(int(results[0].group_id, 16), k):08x}"
+                # part 0 ended well before the late part 1 (the late one did not hold it back)
+                times = dict(ended[i])
+                assert set(times) == {0, 1, 2} and times[1] - times[0] >= 1.5
+                # one round, one matchmaking: the run moved on by one
+                assert n_round(nodes[i], "parts") == 1
+                assert counter_value(nodes[i].metrics.moshpit_rounds, outcome="averaged") == 1
+            # part 2 without node 0: the others average what came; node 0's shard, never averaged, stays their own
+            exact = sum(w * v[2].astype(np.float64) for w, v in zip(weights[1:], vectors[1:], strict=True))
+            for i in (1, 2):
+                got = out[i][2].vector
+                mean = np.abs(got - exact / sum(weights[1:])) < 1e-5
+                assert np.all(mean | (got == vectors[i][2])) and 0.5 <= mean.mean() < 1.0
+            assert len({r.group_id for res in out for r in res[:2]}) == 2  # two parts, two ids, shared by all
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def n_round(node: Node, run: str) -> int:
+    return node.moshpit.runs[run].round

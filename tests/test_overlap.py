@@ -100,6 +100,14 @@ def daemon(tmp_path):
     d.stop()
 
 
+@pytest.fixture
+def bucket_runs_daemon(tmp_path):
+    """A daemon whose averager has no average_parts: each bucket is its own Moshpit run."""
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0), parts=False)
+    yield d
+    d.stop()
+
+
 def run_pair(daemon, *, overlap: bool, steps: int, micro: int = 1, run: str = "o", opt_cls=torch.optim.Adam,
              bucket_mb: float = 0.0001, average_every: int = 0, log: list | None = None) -> list[torch.nn.Module]:
     """Two replicas (seeds alike, data apart) for ``steps`` steps of ``micro`` micro-batches each."""
@@ -156,13 +164,27 @@ def test_overlap_gives_the_parameters_of_synchronous_steps(daemon) -> None:
     assert torch.equal(flat(over[0]), flat(over[1]))
     torch.testing.assert_close(flat(over[0]), flat(sync[0]), rtol=1e-5, atol=1e-6)
     assert not torch.equal(flat(over[0]), flat(mlp(0)))  # it trained
-    buckets = {r for r, _ in daemon.averager.calls if ".b" in r}
-    assert len(buckets) == 3  # several buckets, each its own run
-    # every bucket's request went out when its step was armed (deferred: matchmaking overlaps backward)
-    assert daemon.averager.readies.count(True) == 2 * 5 * 3
+    # one round (one matchmaking) per step and trainer, its 3 buckets in it; both trainers cut the model alike
+    rounds = daemon.averager.part_rounds
+    assert len(rounds) == 2 * 5 and {n for _, n in rounds} == {3} and len({r for r, _ in rounds}) == 1, rounds
+    assert sum("#" in r for r, _ in daemon.averager.calls) == 2 * 5 * 3
+    assert not any(".b" in r for r, _ in daemon.averager.calls)
     assert log[0][2]["outcome"] == "pending"  # the first step's statistics come with the next step
     assert all(r["outcome"] == "averaged" and r["group_size"] == 2 and r["buckets"] == 3 for _, s, r in log if s >= 1)
     assert [r["params"]["outcome"] for i, s, r in log if i == 0 and "params" in r] == ["averaged", "averaged"]
+
+
+def test_overlap_with_a_run_per_bucket_gives_the_parameters_of_synchronous_steps(bucket_runs_daemon) -> None:
+    """An averager without average_parts: each bucket its own run, matchmaking started when the step is armed."""
+    d = bucket_runs_daemon
+    d.averager.wait_s = 1.0
+    sync = run_pair(d, overlap=False, steps=3, micro=2, run="s")
+    over = run_pair(d, overlap=True, steps=3, micro=2, run="v")
+    assert torch.equal(flat(over[0]), flat(over[1]))
+    torch.testing.assert_close(flat(over[0]), flat(sync[0]), rtol=1e-5, atol=1e-6)
+    assert len({r for r, _ in d.averager.calls if ".b" in r}) == 3  # several buckets, each its own run
+    # every bucket's request went out when its step was armed (deferred: matchmaking overlaps backward)
+    assert d.averager.readies.count(True) == 2 * 3 * 3 and not d.averager.part_rounds
 
 
 def test_overlap_hooks_apply_each_layers_update_before_its_forward_and_send_buckets_in_backward_order(tmp_path):
@@ -334,7 +356,8 @@ def test_dropcompute_decides_the_last_micro_batch_before_its_forward() -> None:
 
 def test_deferred_buckets_wait_for_their_gradients_without_an_averager_that_takes_ready(tmp_path) -> None:
     """An averager without ready=: the daemon waits for trainer_bucket_ready, then averages (same parameters)."""
-    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0), ready=False)
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0), ready=False,
+                     parts=False)
     try:
         over = run_pair(d, overlap=True, steps=3, run="f")
         assert torch.equal(flat(over[0]), flat(over[1])) and not torch.equal(flat(over[0]), flat(mlp(0)))

@@ -52,6 +52,7 @@ class InProcessAverager:
         self.round_numbers: list[int | None] = []  # the round each call named (None: the run's next)
         self.options: list[dict] = []  # the max_weight / robust keywords each call passed (only those set)
         self.readies: list[bool] = []  # whether each call came with ready= (a deferred bucket)
+        self.part_rounds: list[tuple[str, int]] = []  # (run id, parts) of each average_parts call
         self.poison: float | None = None  # if set, every averaged result holds this value (e.g. NaN) at [0]
         self._ids = 0
 
@@ -92,6 +93,29 @@ class InProcessAverager:
         return RoundResult(mean, "averaged", f"{rnd.number:08x}", n, [str(e[0]) for e in rnd.entries],
                            1.0, rnd.number, time.monotonic() - start)
 
+    async def average_parts(self, run_id: str, parts: list, weight: float, *, timeout_s: float = 30.0,
+                            keep_rounds: int | None = None, **options) -> list:
+        """As Moshpit's: one "matchmaking" (recorded in ``part_rounds``), then part i averages as run
+        ``<run_id>#i`` once its vector is fetched, and its ``done`` hears at once."""
+        self.part_rounds.append((run_id, len(parts)))
+        results: list = [None] * len(parts)
+
+        async def one(i: int, part) -> None:
+            try:
+                vector = await part.fetch()
+            except Exception as e:
+                results[i] = e
+            else:
+                results[i] = await self.average(f"{run_id}#{i}", vector, weight, timeout_s=timeout_s,
+                                                 keep_rounds=keep_rounds, **options)
+            if part.done is not None:
+                part.done(results[i])
+
+        async with trio.open_nursery() as nursery:
+            for i, part in enumerate(parts):
+                nursery.start_soon(one, i, part)
+        return results
+
     @staticmethod
     def _close(rnd: _Round) -> None:
         rnd.closed = True
@@ -104,12 +128,14 @@ class InProcessAverager:
 class ThreadDaemon:
     """LocalServer + TrainerService in a trio loop on a thread; ``stop()`` ends it like SIGTERM would."""
 
-    def __init__(self, path: str, averager: InProcessAverager, *, statesync=None, ready: bool = True) -> None:
+    def __init__(self, path: str, averager: InProcessAverager, *, statesync=None, ready: bool = True,
+                 parts: bool = True) -> None:
         self.path = path
         self.metrics = Metrics()
         self.averager = averager
         self.server = LocalServer(path, self.metrics)
-        self.service = TrainerService(self.metrics, averager.average, statesync=statesync, peer_id="test", ready=ready)
+        self.service = TrainerService(self.metrics, averager.average, statesync=statesync, peer_id="test", ready=ready,
+                                      average_parts=averager.average_parts if parts else None)
         self.service.register(self.server)
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None

@@ -85,6 +85,26 @@ FINITE_SLICE = 1 << 20  # elements per isfinite pass (a 4 MB slice: no 100 MB te
 MOSHPIT_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")  # body codecs a run may average in (protocol/codecs.md)
 
 
+MAX_PARTS = 1000  # parts of one split round (a trainer step's gradient buckets: peerd.trainer MAX_BUCKETS)
+PART_STRIDE = 0x9E3779B1  # odd: part_group_id maps parts 0..2**32-1 of one group to distinct ids
+
+
+def part_group_id(group_id: int, part: int) -> int:
+    """The allreduce group id of part ``part`` of a split round: every member derives the same one from the
+    group's id, and distinct parts never share an id (a group average runs once per id on a node)."""
+    return (group_id + PART_STRIDE * part) % 2**32
+
+
+@dataclass
+class Part:
+    """One vector of a split round (MoshpitService.average_parts): ``fetch`` is awaited once the group is
+    known (or none formed) and returns the vector; ``done`` gets the part's result (or the exception its
+    fetch raised) the moment its average ends."""
+
+    fetch: Callable[[], Awaitable[np.ndarray]]
+    done: Callable[[RoundResult | Exception], None] | None = None
+
+
 @dataclass
 class RoundResult:
     vector: np.ndarray
@@ -495,52 +515,94 @@ class MoshpitService:
 
         The result is never non-finite: an average that holds NaN or infinity is reported ``failed`` and the
         caller gets its own vector back. A run past its last round (MAX_ROUND) raises MoshpitError."""
-        check_run_id(run_id)
-        if round_no is not None and (type(round_no) is not int or not 0 <= round_no <= MAX_ROUND):
-            raise MoshpitError(f"round must be an integer in [0, {MAX_ROUND}], got {round_no!r}")
-        cap = check_max_weight(max_weight) if max_weight is not None else None
-        robust_mode = check_robust(robust) if robust is not None else None
-        codec = self._check_codec(compression, quant_group, rounding, topk_layout, topk_ratio, ef_eta)
-        if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
-            raise MoshpitError(f"keep_rounds must be an integer in [1, 1000], got {keep_rounds!r}")
         if vector.dtype != np.float32 or vector.ndim != 1:
             raise MoshpitError("the vector must be flat float32")
         if center is not None and (center.dtype != np.float32 or center.shape != vector.shape
                                    or not np.isfinite(center).all()):
             raise MoshpitError("the center must be a finite float32 vector of the vector's shape")
+        codec = self._check_codec(compression, quant_group, rounding, topk_layout, topk_ratio, ef_eta)
+        if codec is not None and isinstance(codec[0], TopK) and codec[0].length != vector.size:
+            raise MoshpitError(f"the arc-topk layout holds {codec[0].length} elements, the vector {vector.size}")
+
+        async def fetch() -> np.ndarray:
+            if ready is not None:
+                await ready()
+            return vector
+
+        results = await self._run_round(run_id, [Part(fetch)], weight, timeout_s, keep_rounds, round_no,
+                                        max_weight, robust, codec, center=center)
+        outcome = results[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    average.accepts_ready = True  # type: ignore[attr-defined]  # (peerd.trainer.service asks for it)
+
+    async def average_parts(self, run_id: str, parts: list[Part], weight: float, *, timeout_s: float = 30.0,
+                            keep_rounds: int | None = None, round_no: int | None = None,
+                            max_weight: float | None = None, robust: Robust | str | None = None,
+                            compression: str | Codec | None = None, quant_group: int | None = None,
+                            rounding: str | None = None) -> list[RoundResult | Exception]:
+        """One Moshpit round for ``run_id`` that averages several vectors in the group it finds: one
+        matchmaking for all (a trainer's gradient buckets of one step, peerd.torch.overlap). Each part's
+        ``fetch`` is awaited once the group is known and returns that part's vector; part ``i`` averages
+        under its own group id (part_group_id) as soon as its vector is there, and ``done`` gets its result
+        at once, while other parts go on. Every member must hand the same number of parts of the same sizes
+        in the same order (the caller's run id should say so). A part whose ``fetch`` raises gets that
+        exception (in the list and through ``done``); the other parts still average. Options as ``average``;
+        arc-topk is refused (a part is not the whole layout)."""
+        if not parts or len(parts) > MAX_PARTS:
+            raise MoshpitError(f"a round averages 1 to {MAX_PARTS} parts, got {len(parts)}")
+        codec = self._check_codec(compression, quant_group, rounding)
+        return await self._run_round(run_id, parts, weight, timeout_s, keep_rounds, round_no, max_weight, robust,
+                                     codec, split=True)
+
+    async def _run_round(self, run_id: str, parts: list[Part], weight: float, timeout_s: float,
+                         keep_rounds: int | None, round_no: int | None, max_weight: float | None,
+                         robust: Robust | str | None, codec: tuple[Codec | TopK | None] | None, *,
+                         center: np.ndarray | None = None, split: bool = False) -> list[RoundResult | Exception]:
+        """Check the options both forms share, configure the run and drive one round under its lock."""
+        check_run_id(run_id)
+        if round_no is not None and (type(round_no) is not int or not 0 <= round_no <= MAX_ROUND):
+            raise MoshpitError(f"round must be an integer in [0, {MAX_ROUND}], got {round_no!r}")
+        cap = check_max_weight(max_weight) if max_weight is not None else None
+        robust_mode = check_robust(robust) if robust is not None else None
+        if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
+            raise MoshpitError(f"keep_rounds must be an integer in [1, 1000], got {keep_rounds!r}")
         if not (math.isfinite(weight) and weight > 0):
             raise MoshpitError(f"weight must be a positive number (a sample count), got {weight}")
         if not 1.0 <= timeout_s <= 3600:
             raise MoshpitError(f"timeout_s must be in [1, 3600], got {timeout_s}")
-        if codec is not None and isinstance(codec[0], TopK) and codec[0].length != vector.size:
-            raise MoshpitError(f"the arc-topk layout holds {codec[0].length} elements, the vector {vector.size}")
         st = self.runs.get(run_id) or await self.open(run_id, keep_rounds=keep_rounds)
         async with st.lock:
             if keep_rounds is not None:
                 st.core.set_keep_rounds(keep_rounds)
             self._configure(st, max_weight, cap, robust, robust_mode, codec)
+            if split and st.topk is not None:
+                raise MoshpitError(f"run {run_id!r} averages in arc-topk, which needs the whole layout: "
+                                   f"not in parts (use a body codec)")
             if round_no is not None:
                 st.core.round = round_no
             if st.round > MAX_ROUND:
                 raise MoshpitError(f"run {run_id!r} has averaged its last round ({MAX_ROUND}): round numbers are "
                                    f"uint32 and do not wrap; continue under a new run id")
-            return await self._round(st, vector, float(weight), timeout_s, numbered=round_no is not None,
-                                     center=center, ready=ready)
+            return await self._round(st, parts, float(weight), timeout_s, numbered=round_no is not None,
+                                     center=center, split=split)
 
-    average.accepts_ready = True  # type: ignore[attr-defined]  # (peerd.trainer.service asks for it)
-
-    async def _round(self, st: RunState, vector: np.ndarray, weight: float, timeout_s: float,
-                     numbered: bool = False, center: np.ndarray | None = None,
-                     ready: Callable[[], Awaitable[None]] | None = None) -> RoundResult:
-        """Drive the machine through one round: execute its actions, wait for an input or its deadline."""
+    async def _round(self, st: RunState, parts: list[Part], weight: float, timeout_s: float,
+                     numbered: bool = False, center: np.ndarray | None = None, split: bool = False
+                     ) -> list[RoundResult | Exception]:
+        """Drive the machine through one round: execute its actions, wait for an input or its deadline. Once
+        a group is known, average each part in it (``split``: each under its own group id, concurrently)."""
         core = st.core
         t0 = self.clock()
         st.state = "matchmaking"
         st.in_round = True
         core.start_round(t0, timeout_s=timeout_s, numbered=numbered)
         round_no, key = core.round, core.key
-        result: RoundResult | None = None
+        results: list[RoundResult | Exception] | None = None
         mm_s: float | None = None
+        average: Average | None = None
         try:
             async with trio.open_nursery() as nursery:
                 while True:
@@ -552,17 +614,14 @@ class MoshpitService:
                         st.state = "averaging"
                         assert mm_s is not None
                         group = average.group
-                        waited = 0.0
-                        if ready is not None:
-                            w0 = self.clock()
-                            await ready()
-                            ready, waited = None, self.clock() - w0
-                        result = await self._average_group(st, group, vector, weight, timeout_s - mm_s - waited,
-                                                           round_no, key, core.seen, center)
-                        core.on_averaged(self.clock(), averaged=result.outcome == "averaged", silent=result.silent,
+                        results = await self._average_parts(st, group, parts, weight, timeout_s - mm_s, round_no,
+                                                            key, core.seen, center, split, mm_s, t0, average.kept)
+                        done = [r for r in results if isinstance(r, RoundResult)]
+                        if not done:  # no part's vector came: the round ends unfinished (abandoned below)
+                            break
+                        core.on_averaged(self.clock(), averaged=any(r.outcome == "averaged" for r in done),
+                                         silent=any(r.silent for r in done),
                                          members=[c.node_id for c in group.members])
-                        result.kept = average.kept
-                        result.leader, result.led = group.leader.hex(), group.leader == self.identity.node_id
                         continue
                     if core.done:
                         break
@@ -576,31 +635,85 @@ class MoshpitService:
             if not core.done:
                 core.abandon()
             self._drain(st)
-        if result is None:  # no group formed
-            if ready is not None:
-                await ready()
-            result = RoundResult(vector.copy(), "alone", "", 1, [self.identity.node_id.hex()], 1.0, round_no, 0.0,
-                                 0.0, key, core.seen)
-        result.matchmaking_s = mm_s if mm_s is not None else 0.0
+        if results is None:  # no group formed: each part alone
+            results = []
+            for part in parts:
+                try:
+                    vector = await part.fetch()
+                except Exception as e:
+                    results.append(e)
+                    continue
+                alone = RoundResult(vector.copy(), "alone", "", 1, [self.identity.node_id.hex()], 1.0, round_no,
+                                    0.0, 0.0, key, core.seen)
+                results.append(self._finished(st, alone, mm_s if mm_s is not None else 0.0, t0, False))
+            for part, r in zip(parts, results, strict=True):
+                if part.done is not None:
+                    part.done(r)
+        first = next((r for r in results if isinstance(r, RoundResult)), None)
+        if first is not None:
+            outcome = "averaged" if any(isinstance(r, RoundResult) and r.outcome == "averaged" for r in results) \
+                else first.outcome
+            self.metrics.moshpit_rounds.labels(outcome, st.compression).inc()
+            self.metrics.moshpit_group_size.set(first.group_size)
+            if first.led:
+                self.metrics.moshpit_led.inc()
+            self.metrics.moshpit_round_seconds.observe(self.clock() - t0)
+            log.info("run %s round %d: %s, group of %d, %.3f s", st.run_id, round_no, outcome, first.group_size,
+                     self.clock() - t0)
+        return results
+
+    def _finished(self, st: RunState, result: RoundResult, mm_s: float, t0: float, kept: bool,
+                  group: Group | None = None) -> RoundResult:
+        """Stamp a part's result with the round's facts (st.last: the run's latest)."""
+        result.kept = kept
+        if group is not None:
+            result.leader, result.led = group.leader.hex(), group.leader == self.identity.node_id
+        result.matchmaking_s = mm_s
         result.compression = st.compression
         result.seconds = self.clock() - t0
         st.last = result
-        self.metrics.moshpit_rounds.labels(result.outcome, st.compression).inc()
-        self.metrics.moshpit_group_size.set(result.group_size)
-        if result.led:
-            self.metrics.moshpit_led.inc()
-        self.metrics.moshpit_round_seconds.observe(result.seconds)
-        log.info("run %s round %d: %s, group of %d, %.3f s", st.run_id, round_no, result.outcome,
-                 result.group_size, result.seconds)
         return result
 
+    async def _average_parts(self, st: RunState, group: Group, parts: list[Part], weight: float, budget_s: float,
+                             round_no: int, key: str, seen: int, center: np.ndarray | None, split: bool,
+                             mm_s: float, t0: float, kept: bool) -> list[RoundResult | Exception]:
+        """Each part in ``group``: wait for its vector, average it (under part_group_id when ``split``), hand
+        its result to ``done`` at once. A part's own wait comes out of its budget."""
+        results: list[RoundResult | Exception] = [MoshpitError("not averaged")] * len(parts)
+
+        async def one(i: int, part: Part) -> None:
+            w0 = self.clock()
+            try:
+                vector = await part.fetch()
+            except Exception as e:
+                if not split:
+                    raise  # the plain form: the round ends with it (as before parts)
+                results[i] = e
+            else:
+                res = await self._average_group(st, group, vector, weight, budget_s - (self.clock() - w0), round_no,
+                                                key, seen, center, part=i if split else None)
+                results[i] = self._finished(st, res, mm_s, t0, kept, group)
+            if part.done is not None:
+                part.done(results[i])
+
+        if len(parts) == 1:
+            await one(0, parts[0])
+        else:
+            async with trio.open_nursery() as nursery:
+                for i, part in enumerate(parts):
+                    nursery.start_soon(one, i, part)
+        return results
+
     async def _average_group(self, st: RunState, group: Group, vector: np.ndarray, weight: float, budget_s: float,
-                             round_no: int, key: str, seen: int, center: np.ndarray | None = None) -> RoundResult:
-        """Average in ``group`` through the allreduce service. A failed or non-finite average hands back
-        the caller's own vector (outcome ``failed``); the machine then keeps the group no longer."""
+                             round_no: int, key: str, seen: int, center: np.ndarray | None = None,
+                             part: int | None = None) -> RoundResult:
+        """Average in ``group`` through the allreduce service (``part``: one part of a split round, under its
+        own group id and rounding draws). A failed or non-finite average hands back the caller's own vector
+        (outcome ``failed``); the machine then keeps the group no longer."""
         members = [Member(c.public_key, c.node_id, c.addr) for c in group.members]
         hexes = [c.node_id.hex() for c in group.members]
-        gid = f"{group.group_id:08x}"
+        group_id = group.group_id if part is None else part_group_id(group.group_id, part)
+        gid = f"{group_id:08x}"
         extra: dict = {}  # only what the run set (an allreduce without these options still serves the rest)
         if st.max_weight is not None:
             extra["max_weight"] = st.max_weight
@@ -612,12 +725,12 @@ class MoshpitService:
                 extra["center"] = st.center
         if st.codec is not None:  # fp32 goes the way it always went (its zero-copy path, no codec arguments)
             extra["codec"] = st.codec
-            extra["run"] = codec_run_key(st.run_id, round_no)
+            extra["run"] = codec_run_key(st.run_id if part is None else f"{st.run_id}#{part}", round_no)
         if st.topk is not None:
             return await self._average_topk(st, group, members, hexes, vector, weight, budget_s, round_no, key, seen)
         try:
             res = await self.allreduce.average(
-                group.group_id, members, group.index, vector, weight, floor_s=1.0,
+                group_id, members, group.index, vector, weight, floor_s=1.0,
                 max_phase_s=max(1.0, budget_s / 2), **extra,
             )
             finite = await self._finite(res.vector)

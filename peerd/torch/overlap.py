@@ -24,6 +24,7 @@ same in every range, as in a synchronous step.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -178,6 +179,12 @@ class Schedule:
         return None
 
 
+def plan_hash(buckets: Sequence[Bucket]) -> str:
+    """16 hex digits naming the bucket ranges: trainers that cut the model alike share a step's round."""
+    text = ";".join(f"{b.offset}+{b.length}" for b in buckets)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def summarize(st: StepState) -> dict[str, Any]:
     """One reply for a step from its buckets' replies: averaged only if every bucket averaged (else the worst
     outcome), the smallest group, the mean received fraction, the longest bucket's seconds."""
@@ -223,6 +230,7 @@ class Overlap:
         # backward runs, and the hook only says "ready"; else a bucket's request goes out when it is complete
         self.deferred = deferred
         self.schedule = Schedule(owner.numels, bucket_elems)
+        self.plan = plan_hash(self.schedule.buckets)  # the daemon runs one round per step for buckets that name it
         self.offsets = [0]
         for n in owner.numels:
             self.offsets.append(self.offsets[-1] + n)
@@ -267,7 +275,8 @@ class Overlap:
                 for b in self.schedule.buckets:
                     st.requests[b.index] = o._client.submit(
                         "trainer_bucket", session=o.session, step=st.step, bucket=b.index, offset=b.offset,
-                        length=b.length, timeout_s=o.timeout_s, deferred=True)
+                        length=b.length, timeout_s=o.timeout_s, deferred=True, buckets=len(self.schedule.buckets),
+                        plan=self.plan)
             except Exception as e:
                 self._lost(str(e))
                 raise _daemon_error(f"starting the averages of step {o.step_count} failed: {e}") from None

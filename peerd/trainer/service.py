@@ -38,7 +38,7 @@ from ..allreduce.robust import Robust, parse_robust
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
-from ..moshpit.service import MoshpitError, all_finite, check_compression
+from ..moshpit.service import MoshpitError, Part, all_finite, check_compression
 from .outer import DhtBoard, OuterError, agree, store_key
 
 log = logging.getLogger("peerd.trainer")
@@ -196,6 +196,9 @@ class Session:
     # overlap: (step, bucket) -> the event a deferred bucket waits on and whether it was skipped (bounded by
     # MAX_BUCKETS per step and MAX_DEFERRED_STEPS steps)
     deferred: dict[tuple[int, int], tuple[trio.Event, list[bool]]] = field(default_factory=dict)
+    # overlap with one matchmaking per step: step -> the round its deferred buckets share (at most
+    # MAX_DEFERRED_STEPS unfinished ones)
+    rounds: dict[int, StepRound] = field(default_factory=dict)
     compression: dict[str, Any] = field(default_factory=dict)  # the run's codec keywords (parse_compression)
     shapes: list[list[int]] = field(default_factory=list)  # the layout's shapes (arc-topk's rows and columns)
 
@@ -209,6 +212,35 @@ class Session:
         average concurrently (a run averages one round at a time)."""
         return f"{self.run}.{self.layout[:8]}.b{bucket}"
 
+    def step_id(self, plan: str) -> str:
+        """The Moshpit run id of this session's gradient steps whose buckets share one round (overlap): the
+        bucket plan is part of it, so trainers that cut the model into other buckets never meet in a group."""
+        return f"{self.run}.{hashlib.sha256((self.layout + plan).encode()).hexdigest()[:10]}.s"
+
+
+@dataclass
+class StepRound:
+    """The deferred buckets of one step that share one Moshpit round (``average_parts``: one matchmaking).
+    Bucket b's request fills ``fetches[b]`` and sets ``arrived[b]``; the round sets ``results[b]`` and
+    ``done[b]`` the moment b's average ends."""
+
+    count: int
+    plan: str
+    arrived: list[trio.Event]
+    fetches: list[Callable[[], Awaitable[np.ndarray]] | None]
+    results: list[Any]
+    done: list[trio.Event]
+
+    @classmethod
+    def new(cls, count: int, plan: str) -> StepRound:
+        return cls(count, plan, [trio.Event() for _ in range(count)], [None] * count, [None] * count,
+                   [trio.Event() for _ in range(count)])
+
+    def settle(self, bucket: int, result: Any) -> None:
+        if not self.done[bucket].is_set():
+            self.results[bucket] = result
+            self.done[bucket].set()
+
 
 class TrainerService:
     """The trainer_* and state_* ops. ``average`` is Moshpit's ``average(run_id, vector, weight, *, timeout_s)``
@@ -217,12 +249,16 @@ class TrainerService:
     ``compression`` (and ``quant_group``, ``rounding``) when it named a codec)."""
 
     def __init__(self, metrics: Metrics, average: Average, *, statesync: Any = None, peer_id: str = "",
-                 ready: bool | None = None) -> None:
+                 ready: bool | None = None, average_parts: Callable[..., Awaitable[list[Any]]] | None = None
+                 ) -> None:
         """``ready``: ``average`` takes ``ready=`` (an async callable it awaits once the group is known, before
         it reads the vector), so a deferred bucket's matchmaking overlaps backward; None: ask the averager
-        (its ``accepts_ready`` attribute). Without it a deferred bucket waits for its gradients, then averages."""
+        (its ``accepts_ready`` attribute). Without it a deferred bucket waits for its gradients, then averages.
+        ``average_parts``: Moshpit's ``average_parts`` (several vectors, one matchmaking): a step's deferred
+        buckets that name their plan share one round; None: each bucket is its own round."""
         self.metrics = metrics
         self.average = average
+        self.average_parts = average_parts
         self.ready = bool(getattr(average, "accepts_ready", False)) if ready is None else ready
         self.statesync = statesync
         self.peer_id = peer_id
@@ -351,6 +387,10 @@ class TrainerService:
             skipped.append(True)
             event.set()
         session.deferred.clear()
+        for sr in session.rounds.values():  # parts waiting for a bucket request that will not come
+            for arrived in sr.arrived:
+                arrived.set()
+        session.rounds.clear()
         session.arena.close()
         self.metrics.trainer_sessions.set(len(self.sessions))
         log.info("trainer session %d (run %s) closed after %d steps", session.id, session.run, session.steps)
@@ -403,31 +443,47 @@ class TrainerService:
         session.last = reply
         return reply
 
+    @staticmethod
+    def _options(session: Session, kind: str, vector: np.ndarray, round_no: int | None) -> dict[str, Any]:
+        """The keywords a session's average passes (only those it set: averagers without them still work)."""
+        extra: dict[str, Any] = {} if session.keep_rounds is None else {"keep_rounds": session.keep_rounds}
+        extra.update(codec_keywords(session, kind, vector.size))  # only when declared
+        if round_no is not None:
+            extra["round_no"] = round_no
+        if session.max_samples is not None:
+            extra["max_weight"] = session.max_samples
+        if session.robust is not None and kind == "params":
+            # Honest replicas' parameters stay close to each other, so each owner clips around its own
+            # (centered): plain clipping around zero lets a scaled member still add C times a whole
+            # parameter vector, and a sign-flipped one shrink every model.
+            extra["robust"] = Robust("centered", session.robust.c)
+            extra["center"] = vector
+        elif session.robust is not None:
+            extra["robust"] = session.robust
+        return extra
+
     async def _average_vector(self, session: Session, run_id: str, kind: str, vector: np.ndarray, weight: float,
                               timeout: float, round_no: int | None, step: int,
                               **more: Any) -> tuple[Any, np.ndarray, str, str]:
         """Average ``vector`` under ``run_id``: (result, the vector to hand back, outcome, error). A failed or
         non-finite average hands back the trainer's own vector (outcome "failed")."""
-        error = ""
         try:
             # The averaging API has its own deadline; this outer one makes sure no bug can hang a trainer.
             with trio.fail_after(timeout + 10.0):
-                extra: dict[str, Any] = {} if session.keep_rounds is None else {"keep_rounds": session.keep_rounds}
-                extra.update(codec_keywords(session, kind, vector.size))  # only when declared
-                extra.update(more)  # ready= of a deferred bucket
-                if round_no is not None:
-                    extra["round_no"] = round_no
-                if session.max_samples is not None:  # only when set: averagers without these keywords still work
-                    extra["max_weight"] = session.max_samples
-                if session.robust is not None and kind == "params":
-                    # Honest replicas' parameters stay close to each other, so each owner clips around its own
-                    # (centered): plain clipping around zero lets a scaled member still add C times a whole
-                    # parameter vector, and a sign-flipped one shrink every model.
-                    extra["robust"] = Robust("centered", session.robust.c)
-                    extra["center"] = vector
-                elif session.robust is not None:
-                    extra["robust"] = session.robust
-                result = await self.average(run_id, vector, weight, timeout_s=timeout, **extra)
+                extra = {**self._options(session, kind, vector, round_no), **more}  # more: a deferred bucket's ready=
+                result: Any = await self.average(run_id, vector, weight, timeout_s=timeout, **extra)
+        except Exception as e:  # the round failed: the trainer decides what to do with its own vector
+            result = e
+        return self._settle(session, kind, vector, result, step)
+
+    def _settle(self, session: Session, kind: str, vector: np.ndarray, result: Any,
+                step: int) -> tuple[Any, np.ndarray, str, str]:
+        """An average's result (or the exception it ended with) as (result, the vector to hand back, outcome,
+        error). A failed or non-finite average hands back the trainer's own ``vector`` (outcome "failed")."""
+        error = ""
+        try:
+            if isinstance(result, BaseException):
+                raise result
             out = np.asarray(result.vector, dtype=np.float32)
             if out.shape != vector.shape:
                 raise ValueError(f"averaging returned {out.shape}, expected {vector.shape}")
@@ -465,11 +521,13 @@ class TrainerService:
     async def _op_bucket(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
         """One bucket of a step's gradients (overlap, peerd.torch.overlap): elements [offset, offset + length)
         of the step's slot, averaged while the trainer goes on; every bucket of a step shares the step id (and
-        the slot's sample count: one weight per member for every range). Bucket b averages under its own Moshpit
-        run (``Session.bucket_id``), so buckets run concurrently.
+        the slot's sample count: one weight per member for every range).
 
         ``deferred``: sent at the start of the step, before backward produced the bucket: matchmaking starts at
         once, and the average waits for ``trainer_bucket_ready`` (the gradients are in the slot, or skipped).
+        With ``buckets`` (the step's bucket count) and ``plan`` (the trainer's hash of its bucket ranges), every
+        bucket of the step averages in one Moshpit round (``Session.step_id``: one matchmaking, each bucket under
+        its own group id, concurrently); without, bucket b is its own Moshpit run (``Session.bucket_id``).
         A result is written while the slot still belongs to the step (fewer than nslots later steps asked)."""
         session = self._session(req, conn)
         step, bucket, offset, length = req.get("step"), req.get("bucket"), req.get("offset"), req.get("length")
@@ -486,6 +544,13 @@ class TrainerService:
             raise OpError("timeout_s must be in [1, 3600]")
         if type(deferred) is not bool:
             raise OpError("deferred must be true or false")
+        buckets, plan = req.get("buckets"), req.get("plan")
+        shared = deferred and buckets is not None and self.average_parts is not None
+        if buckets is not None and (type(buckets) is not int or not bucket < buckets <= MAX_BUCKETS
+                                    or not isinstance(plan, str) or len(plan) != 16
+                                    or any(c not in "0123456789abcdef" for c in plan)):
+            raise OpError(f"buckets must be the step's bucket count (more than bucket {bucket}, at most "
+                          f"{MAX_BUCKETS}) and plan 16 lowercase hex digits (the trainer's hash of its buckets)")
         try:
             weight = session.arena.check_request(step)
         except ArenaError as e:
@@ -495,6 +560,7 @@ class TrainerService:
             if (step, bucket) in session.deferred or (step not in steps and len(steps) >= MAX_DEFERRED_STEPS):
                 raise OpError(f"step {step} bucket {bucket}: already deferred, or {MAX_DEFERRED_STEPS} steps hold "
                               f"deferred buckets already")
+        shared_round = self._step_round(session, step, buckets, plan) if shared else None
         session.latest = step
         self._report(req)
         start = time.monotonic()
@@ -513,9 +579,9 @@ class TrainerService:
                 if not all_finite(vector):
                     raise OpError(f"step {step} bucket {bucket}: the vector holds NaN or infinity; not averaging it")
 
-            if self.ready:
+            if shared_round is None and self.ready:
                 extra["ready"] = ready
-            else:
+            elif shared_round is None:
                 try:
                     with trio.fail_after(timeout):
                         await ready()
@@ -527,9 +593,18 @@ class TrainerService:
             if not all_finite(vector):
                 raise OpError(f"step {step} bucket {bucket}: the vector holds NaN or infinity; not averaging it")
         try:
-            result, out, outcome, error = await self._average_vector(session, session.bucket_id(bucket), "grad",
-                                                                     vector, float(weight), timeout, None, step,
-                                                                     **extra)
+            if shared_round is not None:
+
+                async def fetch() -> np.ndarray:
+                    await ready()
+                    return vector
+
+                result, out, outcome, error = await self._share_round(session, step, bucket, shared_round, fetch,
+                                                                      vector, float(weight), timeout)
+            else:
+                result, out, outcome, error = await self._average_vector(session, session.bucket_id(bucket), "grad",
+                                                                         vector, float(weight), timeout, None, step,
+                                                                         **extra)
         finally:
             session.deferred.pop((step, bucket), None)
         seconds = time.monotonic() - start
@@ -550,6 +625,64 @@ class TrainerService:
             self.metrics.trainer_group_size.set(reply["group_size"])
             self.metrics.trainer_received_fraction.set(reply["received_fraction"])
         return reply
+
+    def _step_round(self, session: Session, step: int, buckets: int, plan: str) -> tuple[StepRound, bool]:
+        """The round step ``step``'s buckets share, and whether this request opened it (then it runs it)."""
+        sr = session.rounds.get(step)
+        if sr is not None:
+            if (sr.count, sr.plan) != (buckets, plan):
+                raise OpError(f"step {step}: buckets={buckets} plan={plan} differ from the step's first bucket "
+                              f"(buckets={sr.count} plan={sr.plan})")
+            return sr, False
+        for older in [s for s in session.rounds if s < step]:  # their buckets are refused now (step < latest)
+            del session.rounds[older]
+        sr = session.rounds[step] = StepRound.new(buckets, plan)
+        return sr, True
+
+    async def _share_round(self, session: Session, step: int, bucket: int, opened: tuple[StepRound, bool],
+                           fetch: Callable[[], Awaitable[np.ndarray]], vector: np.ndarray, weight: float,
+                           timeout: float) -> tuple[Any, np.ndarray, str, str]:
+        """Bucket ``bucket``'s part of its step's shared round: the request that opened the round runs it
+        (and answers when the whole round ends), the others answer when their own part ends."""
+        sr, first = opened
+        if sr.fetches[bucket] is not None:
+            raise OpError(f"step {step} bucket {bucket}: already in the step's round")
+        sr.fetches[bucket] = fetch
+        sr.arrived[bucket].set()
+        if first:
+            await self._run_step_round(session, step, sr, vector, weight, timeout)
+        with trio.fail_after(timeout + 20.0):  # (the round settles every bucket: no bug may hang a trainer)
+            await sr.done[bucket].wait()
+        return self._settle(session, "grad", vector, sr.results[bucket], step)
+
+    async def _run_step_round(self, session: Session, step: int, sr: StepRound, vector: np.ndarray, weight: float,
+                              timeout: float) -> None:
+        """One Moshpit round for every bucket of the step; bucket b's part waits for b's request (at most
+        ``timeout``), then for its gradients. Every bucket is settled when this returns."""
+        assert self.average_parts is not None
+
+        def part(b: int) -> Part:
+            async def fetch() -> np.ndarray:
+                with trio.fail_after(timeout):
+                    await sr.arrived[b].wait()
+                f = sr.fetches[b]
+                if f is None:
+                    raise OpError(f"step {step} bucket {b}: the trainer left before asking for it")
+                return await f()
+
+            return Part(fetch, lambda result: sr.settle(b, result))
+
+        try:
+            with trio.fail_after(timeout + 10.0):
+                results = await self.average_parts(session.step_id(sr.plan), [part(b) for b in range(sr.count)],
+                                                   weight, timeout_s=timeout,
+                                                   **self._options(session, "grad", vector, None))
+            for b, result in enumerate(results):
+                sr.settle(b, result)
+        except Exception as e:
+            log.warning("session %d step %d: the step's round failed: %s", session.id, step, e)
+            for b in range(sr.count):
+                sr.settle(b, e)
 
     async def _op_bucket_ready(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
         """A deferred bucket's gradients are in the slot (``skip``: they are not finite; the bucket drops out)."""
