@@ -373,6 +373,26 @@ def test_remove_member_stops_waiting():
         core.remove_member(0, 0.7)
 
 
+def test_a_removed_members_data_is_late_and_never_summed():
+    """remove_member before its data came (a member out of a split round's later parts): what it sends is
+    late, whole blocks included, and the owner's shard is the other members' mean."""
+    xs, ws = inputs(3, 90, seed=4)
+    m = make_group(xs, ws, per=10, floor_s=100.0)
+    core = m[0]
+    core.remove_member(2, 0.1)
+    from2 = [o for o in m[2].next_datagrams(1000) if o.to == 0 and o.type == RS_DATA]
+    assert core.receive(2, RS_DATA, from2[0].body, 0.2) is Outcome.LATE
+    assert core.receive_block(2, RS_DATA, np.stack([np.frombuffer(o.body, np.uint8) for o in from2[1:]]), 0.2) is None
+    for o in m[1].next_datagrams(1000):
+        if o.to == 0:
+            core.receive(1, o.type, o.body, 0.3)
+    assert core.reduce_scatter_done and core.statistics().drops == {"late": 1}
+    core.remove_member(1, 0.4)  # (no all-gather wanted here: the result is ready)
+    lo, hi = core.layout.shard(0)
+    exact = (ws[0] * xs[0][lo:hi].astype(np.float64) + ws[1] * xs[1][lo:hi]) / (ws[0] + ws[1])
+    assert np.abs(core.result()[lo:hi] - exact).max() < 1e-5
+
+
 def test_inplace_matches_out_of_place():
     xs, ws = inputs(3, 1234, seed=10)
     drop = lambda w: w.seq % 5 == 1  # noqa: E731

@@ -323,8 +323,8 @@ def test_survivors_finish_every_round_after_two_die_mid_average(seed: int) -> No
 
 def test_parts_of_a_round_share_one_matchmaking_and_average_apart() -> None:
     """average_parts: one group for three vectors of different sizes (a trainer step's buckets), each averaged
-    under its own group id as soon as its vector is there; a late part does not hold back the others, and a
-    part whose vector never comes fails alone."""
+    under its own group id as soon as its vector is there; a late part does not hold back the others; a part
+    whose vector never comes fails alone, and its member is out of the parts that start after that."""
     from peerd.moshpit.service import Part, part_group_id
 
     async def main() -> None:
@@ -345,7 +345,7 @@ def test_parts_of_a_round_share_one_matchmaking_and_average_apart() -> None:
                 def part(k: int) -> Part:
                     async def fetch() -> np.ndarray:
                         if k == 1:
-                            await trio.sleep(2.0)  # backward still producing this bucket
+                            await trio.sleep(6.0)  # backward still producing this bucket
                         if k == 2 and i == 0:
                             raise ValueError("the trainer skipped it")
                         return vectors[i][k]
@@ -357,31 +357,36 @@ def test_parts_of_a_round_share_one_matchmaking_and_average_apart() -> None:
             async with trio.open_nursery() as inner:
                 for i in range(3):
                     inner.start_soon(one, i)
+
+            def mean(k: int, among: list[int]) -> np.ndarray:
+                total = sum(weights[j] * vectors[j][k].astype(np.float64) for j in among)
+                return total / sum(weights[j] for j in among)
+
             for i, results in enumerate(out):
                 assert isinstance(results[2], ValueError) if i == 0 else results[2].outcome == "averaged"
+                r = results[0]  # every member, from the start
+                assert r.outcome == "averaged" and r.group_size == 3 and r.round == 0
+                assert np.abs(r.vector - mean(0, [0, 1, 2])).max() < 1e-5
                 for k in (0, 1):
-                    r = results[k]
-                    exact = sum(w * v[k].astype(np.float64) for w, v in zip(weights, vectors, strict=True))
-                    assert r.outcome == "averaged" and r.group_size == 3 and r.round == 0
-                    assert np.abs(r.vector - exact / sum(weights)).max() < 1e-5
-                    assert r.group_id == f"{part_group_id(int(results[0].group_id, 16), k):08x}"
+                    assert results[k].group_id == f"{part_group_id(int(results[0].group_id, 16), k):08x}"
                 # part 0 ended well before the late part 1 (the late one did not hold it back)
                 times = dict(ended[i])
-                assert set(times) == {0, 1, 2} and times[1] - times[0] >= 1.5
+                assert set(times) == {0, 1, 2} and times[1] - times[0] >= 5.0
                 # one round, one matchmaking: the run moved on by one
-                assert n_round(nodes[i], "parts") == 1
+                assert nodes[i].moshpit.runs["parts"].round == 1
                 assert counter_value(nodes[i].metrics.moshpit_rounds, outcome="averaged") == 1
-            # part 2 without node 0: the others average what came; node 0's shard, never averaged, stays their own
-            exact = sum(w * v[2].astype(np.float64) for w, v in zip(weights[1:], vectors[1:], strict=True))
+            index0 = out[1][0].members.index(nodes[0].identity.node_id.hex())
             for i in (1, 2):
+                # part 2 without node 0: the others average what came; node 0's shard, never averaged, stays theirs
                 got = out[i][2].vector
-                mean = np.abs(got - exact / sum(weights[1:])) < 1e-5
-                assert np.all(mean | (got == vectors[i][2])) and 0.5 <= mean.mean() < 1.0
-            assert len({r.group_id for res in out for r in res[:2]}) == 2  # two parts, two ids, shared by all
+                fine = np.abs(got - mean(2, [1, 2])) < 1e-5
+                assert np.all(fine | (got == vectors[i][2])) and 0.5 <= fine.mean() < 1.0
+                assert index0 in out[i][2].out
+                # part 1 started after that: node 0 is out of it (not waited for, sent nothing)
+                got = out[i][1].vector
+                fine = np.abs(got - mean(1, [1, 2])) < 1e-5
+                assert np.all(fine | (got == vectors[i][1])) and 0.5 <= fine.mean() < 1.0
+            assert np.abs(out[0][1].vector - vectors[0][1]).max() < 1e-6  # nobody sent node 0 anything of it
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
-
-
-def n_round(node: Node, run: str) -> int:
-    return node.moshpit.runs[run].round

@@ -730,7 +730,7 @@ class GroupAverage:
     def remove_member(self, member: int, now: float) -> None:
         """Stop waiting for ``member`` (it left the swarm): its missing ranges are averaged out / kept own.
 
-        What it already delivered stays counted; nothing more is sent to it.
+        What it already delivered stays counted; what it sends from now on is late; nothing more is sent to it.
         """
         if not 0 <= member < self.n or member == self.index:
             raise ValueError(f"member {member} is not another member of this group")
@@ -780,6 +780,8 @@ class GroupAverage:
         if type(sender) is not int or not 0 <= sender < self.n or sender == self.index:
             self._drops["sender"] += 1
             return Outcome.UNKNOWN_SENDER
+        if not self._live[sender]:  # removed (remove_member): given up on, as a phase deadline gives up
+            return self._late(mtype)
         if mtype == _RS_DATA:
             # the hot path: checks inlined rather than Layout.index_of, O(1) Python, two numpy calls
             rel = offset - self._lo
@@ -879,8 +881,8 @@ class GroupAverage:
         body by body, which finds and counts whatever is wrong."""
         if mtype != _RS_DATA and mtype != _AG_DATA:
             return None
-        if type(sender) is not int or not 0 <= sender < self.n or sender == self.index:
-            return None
+        if type(sender) is not int or not 0 <= sender < self.n or sender == self.index or not self._live[sender]:
+            return None  # (a removed sender's rows: ``receive`` counts them late one by one)
         per, coded = self._per, self._coded
         if coded:
             rec = view_coded(bodies) if bodies.shape[1] == HEADER_SIZE + self._body_per else None

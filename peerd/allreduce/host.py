@@ -34,7 +34,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -257,9 +257,12 @@ class AveragingHost:
         center: np.ndarray | None = None,
         codec: Codec | None = None,
         run: int = 0,
+        absent: Collection[int] = (),
     ) -> list[Action]:
         """Start averaging ``vector`` (weight: its sample count) as member ``index`` of ``peers`` (node ids,
         in the group's order). Returns a Bind per other member, and what the data held for this group did.
+        ``absent``: members (indices) this node neither waits for nor sends to (GroupAverage.remove_member),
+        e.g. one silent in an earlier part of the same Moshpit round.
         ValueError: a group of that id is running here, the members are not distinct, or GroupAverage's own
         argument checks (weight, max_weight, robust, ...)."""
         if group_id in self._groups:
@@ -269,6 +272,9 @@ class AveragingHost:
             raise ValueError("a group's members must be distinct nodes")
         if type(index) is not int or not 0 <= index < len(peers):
             raise ValueError(f"index must be in 0..{len(peers) - 1}, got {index!r}")
+        absent = set(absent)
+        if any(type(a) is not int or not 0 <= a < len(peers) or a == index for a in absent):
+            raise ValueError(f"absent members must be other members' indices in 0..{len(peers) - 1}")
         spare = self._spare
         if spare is not None and spare.size < stage_elements(len(vector), len(peers)):
             spare = None
@@ -281,12 +287,14 @@ class AveragingHost:
         if spare is not None:
             self._spare = None
         core.split_values = self.split_values
+        for a in sorted(absent):
+            core.remove_member(a, now)
         part, rows = send_shape(self.mtu, gso)
         g = _Group(core, peers, now, kernel_drops, floor_s, part, rows, now + self.report_interval_s)
         self._recent.pop(group_id, None)  # (a group id used again: its old REPORTs no longer count)
         self._groups[group_id] = g
         self._protected = None
-        actions: list[Action] = [Bind(group_id, i, p) for i, p in enumerate(peers) if i != index]
+        actions: list[Action] = [Bind(group_id, i, p) for i, p in enumerate(peers) if i != index and i not in absent]
         drops: Counter[str] = Counter()
         for mtype, token, body, peer in self.held.pop_group(group_id):
             if peer is None:

@@ -11,7 +11,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,6 +177,7 @@ class AllreduceService:
         center: np.ndarray | None = None,
         codec: Codec | None = None,
         run: int = 0,
+        absent: Collection[int] = (),
     ) -> AverageResult:
         """Average ``vector`` (weight: its sample count) with ``members`` as member ``index`` of group
         ``group_id``. ``max_weight``: the most samples any member's weight counts for (None: 2**24), from
@@ -184,14 +185,15 @@ class AllreduceService:
         bounds how far one member moves the average, it does not stop a sign-flipped gradient of normal
         size); ``center``: the previous round's average, for ``centered`` (None: clip around zero).
         ``codec``: the run's body codec (peerd.compress; None: fp32), the same for every member; ``run``: the
-        run's u64 key for the codec's stochastic rounding draws."""
+        run's u64 key for the codec's stochastic rounding draws. ``absent``: members (indices) not waited for
+        and sent nothing (silent in an earlier part of the same Moshpit round)."""
         host = self.host
         wall0 = time.perf_counter()
         actions = host.start(
             group_id, [mb.node_id for mb in members], index, vector, weight, trio.current_time(),
             kernel_drops=self._kernel_drops(), gso=self._gso(), floor_s=floor_s, max_phase_s=max_phase_s,
             end_grace_s=end_grace_s, out=out, max_weight=max_weight, robust=robust, center=center,
-            codec=codec, run=run,
+            codec=codec, run=run, absent=absent,
         )
         self._wake[group_id] = trio.Event()
         handshake = [0.0]

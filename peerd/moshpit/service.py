@@ -125,6 +125,9 @@ class RoundResult:
     leader: str = ""  # node id (hex) of the member that closed the group ("" when alone): NAT labs check it is public
     led: bool = False  # this node led its group
     silent: bool = field(default=False, repr=False)  # some member was never heard from (not in stats)
+    # members (indices in the group's order) this node heard nothing from in the reduce-scatter, or did
+    # not wait for (absent): a split round's later parts leave them out
+    out: tuple[int, ...] = field(default=(), repr=False)
 
     def stats(self) -> dict:
         return {
@@ -680,6 +683,7 @@ class MoshpitService:
         """Each part in ``group``: wait for its vector, average it (under part_group_id when ``split``), hand
         its result to ``done`` at once. A part's own wait comes out of its budget."""
         results: list[RoundResult | Exception] = [MoshpitError("not averaged")] * len(parts)
+        out: set[int] = set()  # members averaged out of a part: out for the parts that start after it
 
         async def one(i: int, part: Part) -> None:
             w0 = self.clock()
@@ -691,7 +695,8 @@ class MoshpitService:
                 results[i] = e
             else:
                 res = await self._average_group(st, group, vector, weight, budget_s - (self.clock() - w0), round_no,
-                                                key, seen, center, part=i if split else None)
+                                                key, seen, center, part=i if split else None, absent=tuple(out))
+                out.update(res.out)
                 results[i] = self._finished(st, res, mm_s, t0, kept, group)
             if part.done is not None:
                 part.done(results[i])
@@ -706,10 +711,11 @@ class MoshpitService:
 
     async def _average_group(self, st: RunState, group: Group, vector: np.ndarray, weight: float, budget_s: float,
                              round_no: int, key: str, seen: int, center: np.ndarray | None = None,
-                             part: int | None = None) -> RoundResult:
+                             part: int | None = None, absent: tuple[int, ...] = ()) -> RoundResult:
         """Average in ``group`` through the allreduce service (``part``: one part of a split round, under its
-        own group id and rounding draws). A failed or non-finite average hands back the caller's own vector
-        (outcome ``failed``); the machine then keeps the group no longer."""
+        own group id and rounding draws; ``absent``: members an earlier part left out, not waited for). A
+        failed or non-finite average hands back the caller's own vector (outcome ``failed``); the machine then
+        keeps the group no longer."""
         members = [Member(c.public_key, c.node_id, c.addr) for c in group.members]
         hexes = [c.node_id.hex() for c in group.members]
         group_id = group.group_id if part is None else part_group_id(group.group_id, part)
@@ -723,6 +729,8 @@ class MoshpitService:
                 extra["center"] = center
             elif st.robust.mode == "centered" and st.center is not None and st.center.shape == vector.shape:
                 extra["center"] = st.center
+        if absent:
+            extra["absent"] = absent
         if st.codec is not None:  # fp32 goes the way it always went (its zero-copy path, no codec arguments)
             extra["codec"] = st.codec
             extra["run"] = codec_run_key(st.run_id if part is None else f"{st.run_id}#{part}", round_no)
@@ -754,7 +762,7 @@ class MoshpitService:
         received = rs.datagrams_received + ag.datagrams_received
         fraction = received / expected if expected else 1.0
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
-                           silent=bool(rs.silent or ag.silent), bytes_sent=sent)
+                           silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent)
 
     async def _average_topk(self, st: RunState, group: Group, members: list[Member], hexes: list[str],
                             vector: np.ndarray, weight: float, budget_s: float, round_no: int, key: str, seen: int
