@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of the --loss injector (default: random)")
     p.add_argument("--no-relay", action="store_true",
                    help="never relay datagrams for NATed peers (default: relay, budgeted, when this node is public)")
+    p.add_argument("--max-group", type=int, default=16, metavar="N",
+                   help="Moshpit groups of at most N members (2..64; default 16): a larger swarm averages over a "
+                        "grid of such groups in several rounds (a run's published grid wins)")
     # testing only (hidden): this daemon corrupts its own reduce-scatter contributions, to test robust averaging
     p.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random"],
                    help=argparse.SUPPRESS)
@@ -352,6 +355,8 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     if not 576 <= args.mtu <= 65507:
         parser.error("--mtu must be between 576 and 65507 bytes")
+    if not 2 <= args.max_group <= 64:
+        parser.error("--max-group must be between 2 and 64 members")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     _log_format(args.listen[1] or "?")  # port 0: the bound port, once known
     if not 0.0 <= args.loss < 1.0:
@@ -368,6 +373,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         metrics=args.metrics,
         mtu=args.mtu,
         no_gso=args.no_gso,
+        max_group=args.max_group,
         loss=args.loss,
         loss_seed=args.loss_seed,
         relay=not args.no_relay,

@@ -26,7 +26,7 @@ from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
 from .moshpit.matchmaking import REACH_RANK, REACH_UNKNOWN
 from .moshpit.ops import MoshpitOps
-from .moshpit.service import MoshpitService
+from .moshpit.service import MAX_GROUP_DEFAULT, MoshpitService
 from .nat.averager import PathsFirst
 from .nat.service import NatService
 from .statesync import StateSync
@@ -62,6 +62,7 @@ class DaemonConfig:
     loss: float = 0.0
     loss_seed: int | None = None
     relay: bool = True  # relay for NATed peers when this node is public (PROTOCOL.md 18.4)
+    max_group: int = MAX_GROUP_DEFAULT  # Moshpit groups of at most this many (a run's grid: Grid.for_swarm)
     byzantine: str | None = None  # testing only: corrupt this node's own contributions (see BYZANTINE_MODES)
 
 
@@ -167,7 +168,7 @@ class Daemon:
         self.bench = BenchOps(PathsFirst(self.allreduce, self.nat), self.socket)
         self.moshpit = MoshpitService(
             self.endpoint, self.dht, PathsFirst(self.allreduce, self.nat), self.metrics,
-            address=announce or self.listen,
+            address=announce or self.listen, max_group=config.max_group,
         )  # (a path to every group member before tensor data: peerd/nat/averager.py)
         self.metrics.info.info({"version": __version__, "peer_id": self.identity.node_id.hex()})
         for op, handler in {

@@ -340,7 +340,7 @@ def run_train(args: argparse.Namespace) -> int:
             for o in reply.get("outer", []):
                 tensor_bytes += o["payload_bytes"]  # the fragment, encoded in the run's codec
                 tensor_bytes += o["repaired_bytes"] + o.get("adopted_bytes", 0)
-                outer_log.append({k: o[k] for k in ("step", "fragment", "sha", "outcome", "group_size",
+                outer_log.append({k: o[k] for k in ("step", "fragment", "sha", "outcome", "group_size", "rounds",
                                                     "agreed_members", "repaired_bytes", "adopted")})
             step_times.append(time.monotonic() - t0)
             skipped = skipped + 1 if reply["outcome"] == "nonfinite" and opt.step_count == step_before else 0

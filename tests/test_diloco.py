@@ -31,6 +31,7 @@ from peerd.trainer.outer import (  # noqa: E402
     shard_bounds,
     winner,
 )
+from peerd.trainer.service import OUTER_ROUNDS  # noqa: E402
 
 from .trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
 
@@ -161,9 +162,10 @@ def test_three_trainers_follow_a_replay_of_diloco(tmp_path, fragments: int) -> N
             assert torch.equal(flat(m.parameters())[a:b], o.global_params[a:b])
         shas = {o.state_sha() for o in opts}
         assert len(shas) == 1  # identical global parameters and momentum
-        # every outer step used the round numbered by the step, under the outer run id
+        # every outer step used the Moshpit round numbered by the step (times OUTER_ROUNDS: a grid of one
+        # dimension takes one round), under the outer run id
         outer_calls = [r for r in daemon.averager.round_numbers if r is not None]
-        assert sorted(set(outer_calls)) == sorted({h["step"] for h in opts[0].history})
+        assert sorted(set(outer_calls)) == sorted({OUTER_ROUNDS * h["step"] for h in opts[0].history})
         for o in opts:
             o.close()
     finally:
@@ -214,10 +216,10 @@ def test_compressed_outer_averages_agree_and_follow_the_rule_on_the_dequantized_
                        compression=compression, sync_state=False, state_every=0, **extra) for m in models]
         train_in_threads(models, opts, steps=8)
         assert {c["compression"] for c in averager.codecs} == {compression}  # the outer averages went in C
-        assert sorted(averager.results) == [4, 8]
+        assert sorted(averager.results) == [4 * OUTER_ROUNDS, 8 * OUTER_ROUNDS]  # (the rounds of steps 4 and 8)
         assert len({o.state_sha() for o in opts}) == 1  # identical global parameters and momentum
         glob, mom = start.clone(), torch.zeros_like(start)
-        for r in (4, 8):  # the rule on the dequantized averages, bit for bit
+        for r in (4 * OUTER_ROUNDS, 8 * OUTER_ROUNDS):  # the rule on the dequantized averages, bit for bit
             nesterov_outer(glob, mom, torch.from_numpy(averager.results[r]), 0.7, 0.9)
         for o in opts:
             assert torch.equal(o.global_params, glob) and torch.equal(o.momentum, mom)
@@ -588,14 +590,14 @@ def test_a_disagreement_that_cannot_be_repaired_is_an_error() -> None:
 
 
 # -- end to end: real daemons, real `peerd train --mode diloco` processes -------------------------------
-def _diloco_trainer(node, index: int, *extra: str):
+def _diloco_trainer(node, index: int, *extra: str, peers: int = 3):
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "peerd", "train", "--run", "dl-e2e", "--socket", node.socket, "--peers", "3",
+        [sys.executable, "-m", "peerd", "train", "--run", "dl-e2e", "--socket", node.socket, "--peers", str(peers),
          "--index", str(index), "--steps", "30", "--mode", "diloco", "--sync-every", "10", "--no-sync",
          "--state-every", "0", "--eval-every", "0", "--json", "--progress", "none", "--timeout", "30", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
@@ -639,3 +641,34 @@ def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float, compress
     if loss:  # lost all-gather ranges were repaired (or a straggler adopted the swarm's average)
         assert sum(o["repaired_bytes"] + o["adopted"] for r in results for o in r["outer"]) > 0
     assert min(r["accuracy"] for r in results) > 0.5
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_swarm_larger_than_a_group_averages_each_outer_step_over_the_grid(tmp_path) -> None:
+    """4 daemons whose groups hold at most 2 (``--max-group 2``: a 2x2 grid, as 17+ peers on groups of 16):
+    each outer step takes two Moshpit rounds in groups of 2, so every member's pseudo-gradient reaches every
+    other's, and all four hold the same global parameters after each step without anyone adopting another's
+    (loss-free, a full grid: the two rounds are exact), where one round would leave two group averages."""
+    import json
+
+    pytest.importorskip("sklearn")
+    from peerd.swarm import LocalSwarm
+
+    with LocalSwarm(str(tmp_path / "swarm"), extra_args=("--max-group", "2")) as swarm:
+        nodes = swarm.start_many(4)
+        trainers = [_diloco_trainer(n, i, peers=4) for i, n in enumerate(nodes)]
+        results = []
+        for t in trainers:
+            out, err = t.communicate(timeout=240)
+            assert t.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    for r in results:
+        assert r["mode"] == "diloco" and r["outer_steps"] == 3 and r["params_finite"], r
+    outers = [o for r in results for o in r["outer"]]
+    assert all(o["rounds"] == 2 and o["group_size"] == 2 for o in outers), outers
+    by_step = [{o["step"]: o["sha"] for o in r["outer"]} for r in results]
+    for step in by_step[0]:
+        assert len({b[step] for b in by_step}) == 1, step
+    assert sum(o["adopted"] for o in outers) <= 1  # (a member whose second group did not form adopts)
+    assert len({r["state_sha"] for r in results}) == 1 and min(r["accuracy"] for r in results) > 0.5

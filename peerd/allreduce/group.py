@@ -192,6 +192,9 @@ class GroupStats:
     # Contributions refused or limited (reason -> count): nonfinite (ranges, both phases), weight_capped
     # (members), clipped (members, robust only). The driver adds them to contributions_refused.
     refused: dict[str, int] = field(default_factory=dict)
+    # the weight this member's average stands for: its own and every member's it heard from (each capped at
+    # max_weight): a later Moshpit round on another grid axis averages with this weight
+    weight_total: float = 0.0
 
 
 class _Phase:
@@ -1462,4 +1465,5 @@ class GroupAverage:
             drops=dict(self._drops),
             ends_ignored=self._ends_ignored,
             refused=dict(self._refused),
+            weight_total=min(own, self._max_weight) + sum(min(w, self._max_weight) for w in heard),
         )

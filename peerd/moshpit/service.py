@@ -85,6 +85,7 @@ FINITE_SLICE = 1 << 20  # elements per isfinite pass (a 4 MB slice: no 100 MB te
 MOSHPIT_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")  # body codecs a run may average in (protocol/codecs.md)
 
 
+MAX_GROUP_DEFAULT = 16  # a run's groups hold at most this many members unless the daemon says otherwise
 MAX_PARTS = 1000  # parts of one split round (a trainer step's gradient buckets: peerd.trainer MAX_BUCKETS)
 PART_STRIDE = 0x9E3779B1  # odd: part_group_id maps parts 0..2**32-1 of one group to distinct ids
 
@@ -128,6 +129,8 @@ class RoundResult:
     # members (indices in the group's order) this node heard nothing from in the reduce-scatter, or did
     # not wait for (absent): a split round's later parts leave them out
     out: tuple[int, ...] = field(default=(), repr=False)
+    dims: int = 1  # the run's grid dimensions: rounds until every member's value reached every other's
+    weight_total: float = 0.0  # the weight the group's average stands for (its members' weights; 0: unknown)
 
     def stats(self) -> dict:
         return {
@@ -336,12 +339,18 @@ class MoshpitService:
         rng: random.Random | None = None,
         keep_rounds: int | None = None,
         clock: Callable[[], float] | None = None,
+        max_group: int = MAX_GROUP_DEFAULT,
     ) -> None:
         """``keep_rounds``: the default for runs that do not set it (None: DEFAULT_KEEP_ROUNDS, i.e. matchmake
         every round; groups are only ever kept on 1-D grids, where one key holds the whole run).
+        ``max_group``: the largest group of a grid this node sizes for a run (Grid.for_swarm); a run's published
+        grid wins over it.
         ``clock``: wall-clock seconds (default time.time); virtual-time tests pass trio's clock plus a base."""
         self.endpoint = endpoint
         self.keep_rounds = keep_rounds
+        if type(max_group) is not int or not 2 <= max_group <= m.MAX_GROUP:
+            raise MoshpitError(f"max_group must be an integer in [2, {m.MAX_GROUP}], got {max_group!r}")
+        self.max_group = max_group
         self.dht = dht
         self.allreduce = allreduce
         self.metrics = metrics
@@ -405,7 +414,7 @@ class MoshpitService:
         elif grid is None:
             grid = await self._published_grid(run_id)
             if grid is None:
-                grid = Grid.for_swarm(self.dht.peer_count() + 1)
+                grid = Grid.for_swarm(self.dht.peer_count() + 1, self.max_group)
         else:
             self._spawn(self._publish_grid, run_id, grid)
         if not 2 <= min_size <= grid.size:
@@ -672,6 +681,7 @@ class MoshpitService:
         if group is not None:
             result.leader, result.led = group.leader.hex(), group.leader == self.identity.node_id
         result.matchmaking_s = mm_s
+        result.dims = st.grid.dims
         result.compression = st.compression
         result.seconds = self.clock() - t0
         st.last = result
@@ -762,7 +772,8 @@ class MoshpitService:
         received = rs.datagrams_received + ag.datagrams_received
         fraction = received / expected if expected else 1.0
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
-                           silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent)
+                           silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent,
+                           weight_total=float(getattr(res.stats, "weight_total", 0.0)))
 
     async def _average_topk(self, st: RunState, group: Group, members: list[Member], hexes: list[str],
                             vector: np.ndarray, weight: float, budget_s: float, round_no: int, key: str, seen: int

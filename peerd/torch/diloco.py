@@ -252,8 +252,9 @@ class DiLoCo(Optimizer):
         self.samples_since[fragment] = 0.0
         self.outer_steps += 1
         out = {"outcome": reply["outcome"], "fragment": fragment, "step": self.step_count,
-               "group_size": reply.get("group_size", 1), "received_fraction": reply.get("received_fraction", 0.0),
-               "sha": self.state_sha(fragment).hex(), "repaired_bytes": reply.get("repaired_bytes", 0),
+               "group_size": reply.get("group_size", 1), "rounds": reply.get("rounds", 1),
+               "received_fraction": reply.get("received_fraction", 0.0), "sha": self.state_sha(fragment).hex(),
+               "repaired_bytes": reply.get("repaired_bytes", 0),
                "adopted": reply.get("adopted", False), "adopted_bytes": reply.get("adopted_bytes", 0),
                "agreed_members": reply.get("agreed_members", 1), "payload_bytes": payload,
                "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": 0.0}

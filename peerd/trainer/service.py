@@ -38,6 +38,7 @@ from ..allreduce.robust import Robust, parse_robust
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
+from ..moshpit.records import MAX_ROUND
 from ..moshpit.service import MoshpitError, Part, all_finite, check_compression
 from .outer import DhtBoard, OuterError, agree, store_key
 
@@ -51,6 +52,8 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 KINDS = ("grad", "params")
 MAX_DEFERRED_STEPS = 2  # steps whose deferred buckets a session may hold at once (the one averaging, the next)
 MAX_BUCKETS = 1000  # gradient buckets of one step (overlap); '<run>.<hash8>.b999' fits Moshpit's 64-byte run ids
+OUTER_ROUNDS = 4  # Moshpit rounds an outer step may take (grid dimensions: 16**4 peers in groups of 16)
+OUTER_ROUND_LIMIT = (MAX_ROUND + 1) // OUTER_ROUNDS  # outer rounds numbered below this fit Moshpit's rounds
 OUTER_KEPT_ROUNDS = 3  # outer rounds whose blobs a daemon keeps (up to 3 vectors each) for members still repairing
 MAX_SAMPLES = float(2**53)  # the largest max_samples a trainer may ask for (exact in a float)
 ADVERT_CHECK_S = 5.0  # how long trainer_open reads the swarm's adverts for its warning
@@ -708,8 +711,9 @@ class TrainerService:
         round_no, state = req.get("round"), req.get("state", b"")
         if type(step) is not int or step < 0 or step <= session.latest:
             raise OpError(f"step must be an integer after the session's latest step {session.latest}")
-        if type(round_no) is not int or not 0 <= round_no < 2**32 - 1:
-            raise OpError("round must be an integer in [0, 2**32 - 1) (the trainer's step of the outer sync)")
+        if type(round_no) is not int or not 0 <= round_no < OUTER_ROUND_LIMIT:
+            raise OpError(f"round must be an integer in [0, {OUTER_ROUND_LIMIT}) (the trainer's step of the outer "
+                          f"sync)")
         if type(length) is not int or not 1 <= length <= session.elems:
             raise OpError(f"length must be an integer in [1, {session.elems}] (elements of the fragment)")
         if not isinstance(timeout, int | float) or not 1 <= timeout <= 3600:
@@ -725,21 +729,7 @@ class TrainerService:
         if not all_finite(vector):
             raise OpError(f"step {step}: the pseudo-gradient holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
-        extra: dict[str, Any] = {"round_no": round_no, **codec_keywords(session, "outer", length)}
-        if session.max_samples is not None:
-            extra["max_weight"] = session.max_samples
-        result: Any = None
-        try:
-            with trio.fail_after(timeout + 10.0):
-                result = await self.average(session.average_id("outer"), vector, float(weight), timeout_s=timeout,
-                                            **extra)
-            out, outcome = np.asarray(result.vector, dtype=np.float32), result.outcome
-        except Exception as e:  # no average: this member holds its own vector, and the agreement gives it the swarm's
-            log.warning("session %d outer round %d: averaging failed: %s", session.id, round_no, e)
-            out, outcome = vector, "failed"
-        if out.shape != vector.shape or (outcome != "failed" and not all_finite(out)):
-            self.metrics.contributions_refused.labels("nonfinite_result").inc()
-            out, outcome = vector, "failed"  # own vector: the agreement below replaces it with the swarm's
+        result, out, outcome, rounds = await self._outer_rounds(session, vector, float(weight), round_no, timeout)
         group = result.group_id if outcome == "averaged" else ""
         members = list(getattr(result, "members", [])) if group else []
         me = self.peer_id
@@ -747,7 +737,7 @@ class TrainerService:
         if group and me not in members:
             group = ""  # (an averager that names members otherwise, e.g. in tests): treat as alone
         reply: dict[str, Any] = {"step": step, "outcome": outcome, "group_size": len(members) or 1,
-                                 "round": round_no,
+                                 "round": round_no, "rounds": rounds,
                                  "received_fraction": float(getattr(result, "received_fraction", 0.0))}
         if self.statesync is not None and getattr(self.statesync, "dht", None) is not None:
             board = DhtBoard(self.statesync, session.run_key, round_no)
@@ -782,6 +772,42 @@ class TrainerService:
         session.steps += 1
         session.last = reply
         return reply
+
+    async def _outer_rounds(self, session: Session, vector: np.ndarray, weight: float, round_no: int,
+                            timeout: float) -> tuple[Any, np.ndarray, str, int]:
+        """The outer step's Moshpit rounds: as many as the run's grid has dimensions (the first round says),
+        so that on a full grid every member's pseudo-gradient reaches every other's (more than one group:
+        a swarm larger than the largest group). Round d of outer round r is Moshpit round
+        r * OUTER_ROUNDS + d; each averages the last one's result, weighted by the weight it stands for.
+        Returns (the last round's result or None, the vector, its outcome, rounds run). A round that fails
+        leaves the vector as it was; the agreement gives this member the swarm's."""
+        codec = codec_keywords(session, "outer", vector.size)
+        cap = session.max_samples
+        out, outcome, result, dims, rounds = vector, "failed", None, 1, 0
+        while rounds < dims:
+            extra: dict[str, Any] = {"round_no": round_no * OUTER_ROUNDS + rounds, **codec}
+            if cap is not None:
+                extra["max_weight"] = cap
+            try:
+                with trio.fail_after(timeout + 10.0):
+                    got = await self.average(session.average_id("outer"), out, weight, timeout_s=timeout, **extra)
+                averaged = np.asarray(got.vector, dtype=np.float32)
+                if averaged.shape != vector.shape or (got.outcome != "failed" and not all_finite(averaged)):
+                    self.metrics.contributions_refused.labels("nonfinite_result").inc()
+                    raise ValueError("the average is not a finite vector of the pseudo-gradient's shape")
+            except Exception as e:  # this member keeps what it holds; the agreement gives it the swarm's
+                log.warning("session %d outer round %d.%d: averaging failed: %s", session.id, round_no, rounds, e)
+                result, outcome = None, "failed"
+            else:
+                result, outcome, out = got, got.outcome, averaged
+                if rounds == 0:
+                    dims = min(OUTER_ROUNDS, max(1, int(getattr(got, "dims", 1))))
+                total = float(getattr(got, "weight_total", 0.0))
+                if outcome == "averaged" and math.isfinite(total) and total > 0:
+                    weight = total  # the next axis averages group averages: each weighs what it stands for
+                    cap = None if cap is None else cap * int(getattr(got, "group_size", 1))
+            rounds += 1
+        return result, out, outcome, rounds
 
     def _forget_outer(self, session: Session, round_no: int) -> None:
         """Keep the blobs of the last OUTER_KEPT_ROUNDS outer rounds (others may still repair from them)."""
