@@ -824,3 +824,65 @@ def test_a_source_gets_one_key_derivation_a_receive_pass() -> None:
         assert counter_value(ep.metrics.datagrams_dropped, reason="auth_limited") == 99
 
     trio.run(main)
+
+
+def _rows(blocks) -> dict[int, list[bytes]]:  # type: ignore[no-untyped-def]
+    """Every source's datagrams, in the order the pass hands them over (blocks cut back into rows)."""
+    out: dict[int, list[bytes]] = {}
+    for data, source, segment in blocks:
+        data = bytes(data)
+        row = segment or len(data)
+        out.setdefault(source[1], []).extend(data[i:i + row] for i in range(0, len(data), row))
+    return out
+
+
+def test_interleaved_sessions_merge_per_source_in_the_order_they_came() -> None:
+    """Three members' paced datagrams arrive interleaved (A B C A B C ..., as on a shaped link, where nothing is
+    consecutive): with a screen, each source's rows under a known token merge into one block, its datagrams in the
+    order they came, where the consecutive merge alone leaves 60 blocks. A datagram of another size or under an
+    unknown token between two of a source's closes its run; the Python loop gives the same rows per source."""
+    rx = _bind(socket.AF_INET)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    rx.setblocking(False)
+    txs = [_bind(socket.AF_INET) for _ in range(3)]
+    screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {5: None, 6: None})
+    arena = memoryview(bytearray(4 << 20))
+    sent: dict[int, list[bytes]] = {tx.getsockname()[1]: [] for tx in txs}
+
+    def burst() -> None:
+        for k in range(20):
+            for i, tx in enumerate(txs):
+                if i == 1 and k == 10:  # another size, same token: source 1's run closes and starts again
+                    d = HEADER.pack(MAGIC, VERSION, 0x41, FLAG_SEALED, 5, k) + b"e" * 40
+                elif i == 2 and k == 10:  # an unknown token: handed back apart; source 2's run closes
+                    d = HEADER.pack(MAGIC, VERSION, 0x40, FLAG_SEALED, 99, k) + b"u" * 200
+                else:
+                    d = HEADER.pack(MAGIC, VERSION, 0x40, FLAG_SEALED, 5 + (i == 2), k) + bytes([i]) * 200
+                tx.sendto(d, rx.getsockname())
+                if not (i == 2 and k == 10):
+                    sent[tx.getsockname()[1]].append(d)
+
+    try:
+        burst()
+        blocks, _, n, _, drained, _, screened = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen)
+        assert n == 60 and drained and len(screened[0]) == 1  # the unknown token's, apart
+        assert _rows(blocks) == sent
+        sizes = sorted(len(bytes(d)) // (segment or len(bytes(d))) for d, _, segment in blocks)
+        assert sizes == [1, 9, 9, 10, 10, 20], sizes  # source 0: 20 rows at once; 1: 10, the other size, 9; 2: 10, 9
+        # without a screen (nothing known): the consecutive merge alone, every datagram its own block
+        for v in sent.values():
+            v.clear()
+        burst()
+        blocks, _, n, _, _, _ = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER)
+        assert n == 60 and len(blocks) == 60
+        # the Python loop: the same rows per source
+        for v in sent.values():
+            v.clear()
+        burst()
+        ref = trio.run(UdpSocket(rx)._recv_blocks_python, 4096)
+        ref_rows = _rows([(d, s, seg) for d, s, seg in ref])
+        ref_rows[txs[2].getsockname()[1]].remove(HEADER.pack(MAGIC, VERSION, 0x40, FLAG_SEALED, 99, 10) + b"u" * 200)
+        assert ref_rows == sent
+    finally:
+        for s in (rx, *txs):
+            s.close()

@@ -1241,7 +1241,10 @@ PyDoc_STRVAR(recv_batch_doc,
 "It stops when the socket is empty (``drained``), at ``max_datagrams`` datagrams (GRO segments counted), or when\n"
 "less than ``slot`` bytes are left after the data. Consecutive receives from one source whose datagrams have one\n"
 "size and the same first 13 bytes (one stream) merge into one block, as UdpSocket.recv_blocks' Python loop does:\n"
-"``blocks`` is [(arena[start:start + size], (host, port), segment)], segment 0 for a single datagram.\n"
+"``blocks`` is [(arena[start:start + size], (host, port), segment)], segment 0 for a single datagram. With a\n"
+"``screen`` (and no ``shed``), a source's blocks sealed under a known token also join its earlier block of the same\n"
+"stream while no other block of that source came between (regroup_sessions: sources interleaved on a paced link);\n"
+"each source's datagrams keep their order, only different sources' pass each other.\n"
 "``used``: bytes of the arena used; ``receives``: messages received; ``kernel_drops``: the last SO_RXQ_OVFL count\n"
 "seen, or -1. ECONNREFUSED, EHOSTUNREACH and ENETUNREACH (ICMP errors) end the pass, not drained; any other error\n"
 "raises OSError (what was received before it is lost, as in the Python loop).\n\n"
@@ -1262,6 +1265,113 @@ PyDoc_STRVAR(recv_batch_doc,
 "datagram under a token of the optional fifth item ``protected`` (a dict keyed by int, or None), none of them\n"
 "counted in the shares; ``screened`` then ends\n"
 "with ``limited`` (0 without a ration) and ``shed``: the datagrams dropped so (their bytes in screened_bytes).");
+
+/* Interleaved sessions merge (recv_batch, with a screen): where several members send at once, paced, a pass holds
+ * A B C A B C ..., and the consecutive merge above leaves every datagram a block of its own, each a Python call
+ * (on 100 Mbit links: 26,000 a 20 MB average, 1.7 CPU-s per daemon against 0.24 on loopback's GRO blocks). Here
+ * the blocks of one source that are sealed under a known token (a session's traffic, whose tokens are in the
+ * screen) and share the row size and first PREFIX_SIZE bytes join the first such block of that source while no
+ * other block of the source came between them: each source's blocks keep their order; only blocks of different
+ * sources pass each other. Unknown tokens, unsealed datagrams and everything a screen counts stay as they were.
+ * Rewrites the arena's first ``used`` bytes and ``blocks`` in place; 0, or -1 with an exception set. */
+#define REGROUP_SOURCES 64 /* sources with a group open at once; past that a source's blocks stay apart */
+static int regroup_sessions(unsigned char *base, Py_ssize_t used, Block *blocks, Py_ssize_t *nblocks_p,
+                            const Screen *screen) {
+    Py_ssize_t n = *nblocks_p;
+    if (n < 3) return 0;
+    Py_ssize_t *next = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)n * 2);
+    if (next == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t *lead = next + n; /* lead[i]: its group's first block (i itself for a first), -1: none */
+    Py_ssize_t open_lead[REGROUP_SOURCES], open_tail[REGROUP_SOURCES], open_size[REGROUP_SOURCES];
+    int nopen = 0;
+    Py_ssize_t merges = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Block *b = &blocks[i];
+        next[i] = -1;
+        lead[i] = -1;
+        if (b->start < 0 || b->size < 0 || b->start > used - b->size) goto keep; /* never: the pass laid them out */
+        const unsigned char *d = base + b->start;
+        int slot = -1; /* this source's open group */
+        for (int j = 0; j < nopen && slot < 0; j++)
+            if (same_source(&blocks[open_lead[j]].source, &b->source)) slot = j;
+        int eligible = b->row >= HEADER_SIZE && b->size >= b->row && b->size % b->row == 0
+                       && (d[4] & screen->sealed_flag);
+        if (eligible) {
+            uint64_t token = 0;
+            for (int k = 0; k < 8; k++) token = (token << 8) | d[5 + k];
+            PyObject *key = PyLong_FromUnsignedLongLong(token);
+            int known = key == NULL ? -1 : PyDict_Contains(screen->tokens, key);
+            Py_XDECREF(key);
+            if (known < 0) {
+                PyMem_RawFree(next);
+                return -1;
+            }
+            eligible = known;
+        }
+        if (slot >= 0) {
+            Block *l = &blocks[open_lead[slot]];
+            if (eligible && l->row == b->row && open_size[slot] % b->row == 0
+                && memcmp(base + l->start, d, PREFIX_SIZE) == 0) {
+                next[open_tail[slot]] = i;
+                open_tail[slot] = i;
+                open_size[slot] += b->size;
+                lead[i] = open_lead[slot];
+                merges++;
+                continue;
+            }
+            open_lead[slot] = open_lead[--nopen]; /* another block of the source: its group closes */
+            open_tail[slot] = open_tail[nopen];
+            open_size[slot] = open_size[nopen];
+        }
+        if (eligible && nopen < REGROUP_SOURCES) {
+            open_lead[nopen] = i;
+            open_tail[nopen] = i;
+            open_size[nopen] = b->size;
+            nopen++;
+            lead[i] = i;
+        }
+    keep:;
+    }
+    if (merges == 0) {
+        PyMem_RawFree(next);
+        return 0;
+    }
+    unsigned char *tmp = PyMem_RawMalloc((size_t)used);
+    if (tmp == NULL) {
+        PyMem_RawFree(next);
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t w = 0, pos = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (lead[i] >= 0 && lead[i] != i) continue; /* joined an earlier block: copied with it */
+        Block nb = blocks[i];
+        nb.start = pos;
+        nb.size = 0;
+        for (Py_ssize_t j = i; j >= 0; j = lead[i] == i ? next[j] : -1) {
+            /* members j > i are read before any write reaches them: w <= i < j */
+            const Block *m = &blocks[j];
+            if (m->start < 0 || m->size < 0 || m->start > used - m->size || pos > used - m->size) {
+                PyMem_RawFree(tmp); /* never: every block is copied once, and they fill ``used`` */
+                PyMem_RawFree(next);
+                PyErr_SetString(PyExc_RuntimeError, "recv_batch: a regrouped block is out of the arena");
+                return -1;
+            }
+            memcpy(tmp + pos, base + m->start, (size_t)m->size);
+            pos += m->size;
+            nb.size += m->size;
+        }
+        blocks[w++] = nb;
+    }
+    memcpy(base, tmp, (size_t)pos);
+    PyMem_RawFree(tmp);
+    PyMem_RawFree(next);
+    *nblocks_p = w;
+    return 0;
+}
 
 static PyObject *recv_batch(PyObject *module, PyObject *args) {
     int fd;
@@ -1468,6 +1578,8 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
         goto done;
     }
     if (nblocks == 0 && !drained && PyErr_CheckSignals() < 0) goto done;
+    /* (not in an overloaded pass: shedding keeps each source's first rows in arrival order) */
+    if (screening && shed.keep == 0 && regroup_sessions(base, used, blocks, &nblocks, &screen) < 0) goto done;
     PyObject *list = PyList_New(0);
     if (list == NULL) goto done;
     PyObject *unknown = NULL;

@@ -29,7 +29,7 @@ import numpy as np
 HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
 ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration",
-           "seal_split")
+           "seal_split", "recv_batch interleaved")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -116,6 +116,9 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
         return
     if which == 8:
         seal_split(fdp, key)
+        return
+    if which == 9:
+        receive_interleaved(fdp)
         return
         return
     if which >= 4:
@@ -409,6 +412,79 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
         seen["recv_batch exact"] += 1
         if got != sent[: len(got)] or (drained and len(got) != len(sent)):
             raise AssertionError(f"received {len(got)} datagrams other than the {len(sent)} sent")
+
+
+_trio: tuple[list[socket.socket], socket.socket] | None = None
+
+
+def _senders() -> tuple[list[socket.socket], socket.socket]:
+    """Three senders and a non-blocking receiver on a loopback address of its own (127.0.0.2: unconnected, so
+    all three reach it; no stray sender aims there), made once."""
+    global _trio
+    if _trio is None:
+        rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        rx.bind(("127.0.0.2", 0))
+        rx.setblocking(False)
+        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        txs = []
+        for _ in range(3):
+            tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            tx.bind(("127.0.0.1", 0))
+            txs.append(tx)
+        _trio = txs, rx
+    return _trio
+
+
+def receive_interleaved(fdp: atheris.FuzzedDataProvider) -> None:
+    """recv_batch with a screen over datagrams of three senders in a fuzzed interleaving: sealed under known or
+    unknown tokens, of a few sizes, some truncated or junk, so that sessions' runs regroup (regroup_sessions) and
+    are cut by other blocks of their source. Every block lies in the arena, and each source's rows come in the
+    order that source sent them."""
+    txs, rx = _senders()
+    dest = rx.getsockname()
+    sent: dict[int, list[bytes]] = {tx.getsockname()[1]: [] for tx in txs}
+    known = {fdp.ConsumeIntInRange(0, 3): None for _ in range(fdp.ConsumeIntInRange(0, 3))}
+    for i in range(fdp.ConsumeIntInRange(0, 60)):
+        tx = txs[fdp.ConsumeIntInRange(0, 2)]
+        kind = fdp.ConsumeIntInRange(0, 7)
+        if kind == 0:  # junk of a fuzzed size
+            d = fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64))
+        else:
+            size = (21, 60, 200, 1200)[fdp.ConsumeIntInRange(0, 3)]
+            d = struct.pack("!3sBBQQ", b"PD\x02", 1, fdp.ConsumeIntInRange(0, 1), fdp.ConsumeIntInRange(0, 3), i)
+            d = (d + bytes([i % 256]) * size)[:size]
+        tx.sendto(d, dest)
+        sent[tx.getsockname()[1]].append(d)
+    arena = buffer(fdp, fdp.ConsumeIntInRange(0, 1 << 17))
+    view = memoryview(arena).cast("B")
+    slot = number(fdp, 2048 if fdp.ConsumeIntInRange(0, 3) else fdp.ConsumeIntInRange(1, 4096))
+    limit = number(fdp, fdp.ConsumeIntInRange(1, 128))
+    screen = (b"PD\x02", 3, 2, 1, 1, number(fdp, 37), known)
+    try:
+        blocks, used, datagrams, receives, drained, drops, screened = native.recv_batch(rx.fileno(), view, limit,
+                                                                                        slot, screen)
+    finally:
+        for _ in range(100_000):
+            try:
+                rx.recv(1 << 16)
+            except BlockingIOError:
+                break
+    seen["recv_batch interleaved screened"] += 1
+    if not 0 <= used <= len(arena) or receives > limit:
+        raise AssertionError(f"used {used} of {len(arena)}, {receives} receives")
+    rows: dict[int, list[bytes]] = {port: [] for port in sent}
+    for data, source, segment in blocks:
+        if source[1] not in rows or len(data) > used or not 0 <= segment <= len(data):
+            raise AssertionError(f"block of {len(data)} from {source}, segment {segment}, {used} used")
+        row = segment or len(data)
+        rows[source[1]] += [bytes(data[j : j + row]) for j in range(0, len(data), row)] if row else [b""]
+        seen["recv_batch interleaved merged"] += len(data) > row > 0
+    if slot < 1300:
+        return  # (cut datagrams: rows are not the ones sent)
+    for port, got in rows.items():  # in the order sent: a subsequence of what the source sent
+        it = iter(sent[port])
+        if not all(any(g == d for d in it) for g in got):
+            raise AssertionError(f"source {port}: rows out of the order they were sent")
 
 
 def seal_split(fdp: atheris.FuzzedDataProvider, key: bytes) -> None:
