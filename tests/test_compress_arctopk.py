@@ -70,7 +70,7 @@ def run_group(plan: ArcTopKPlan, xs: list[np.ndarray], ws: list[float], drop=lam
 
         async def member(i: int) -> None:
             results[i] = await arc_topk_average(lambda p, g, v: average(i, p, g, v), plan, GROUP, i, xs[i],
-                                                run=RUN, round=rnd, ef=efs[i] if efs else None, ef_key="g")
+                                                run=RUN, round=rnd, ef=efs[i] if efs else None)
 
         async with trio.open_nursery() as nursery:
             for i in range(n):

@@ -21,11 +21,12 @@ exactly segment j, which belongs to member j, the owner of row shard j (peerd.co
    averaged into the wrong rows, and it ignores segment j's all-gather. After the all-gather a range arrived
    iff its canary is not this member's own (the average of the canaries is at least w_owner / sum w > 0).
 
-EF21M (peerd.compress.topk.EF21M) is the caller's, one per run: ``sent`` are the rows it contributed, ``got`` the
-ranges whose average arrived; where it contributed but the all-gather range was lost it sets u = e (its own
-error state), and where it never learnt the selection too (``stale``). The state resets when the layout or the
-group (its members, in order) changes. Dense values travel in fp32 or bf16 (the canary needs the exponent range
-of float32: w_owner / sum w may be below fp16's smallest value).
+EF21M (peerd.compress.topk.EF21M) is the caller's, one per run: v = h - e is sketched, and the dense phase
+averages the selected rows of h itself; ``sent`` are the rows it contributed, ``got`` the ranges whose average
+arrived (u takes them), and where it contributed but the all-gather range was lost u takes its own h. Rows of a
+shard whose selection it never learnt keep their u. The state resets when the layout changes and survives group
+changes (every averaged row is the group's mean again). Dense values travel in fp32 or bf16 (the canary needs the
+exponent range of float32: w_owner / sum w may be below fp16's smallest value).
 """
 
 from __future__ import annotations
@@ -189,18 +190,16 @@ class ArcTopKPlan:
         return out
 
     def read_dense(self, index: int, averaged: np.ndarray, selections: list[list[np.ndarray] | None]
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(avg, sent, got, stale) over the flat vector from phase 3's result: ``avg`` holds the averages where
-        ``got``; ``sent``: elements this member contributed; ``stale``: elements of shards it did not know."""
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(avg, sent, got) over the flat vector from phase 3's result: ``avg`` holds the averages where ``got``;
+        ``sent``: elements this member contributed (none of the shards whose selection it did not know)."""
         lay = self.layout
         avg = np.zeros(lay.length, dtype=FLOAT32)
         sent = np.zeros(lay.length, dtype=bool)
         got = np.zeros(lay.length, dtype=bool)
-        stale = np.zeros(lay.length, dtype=bool)
         slots_per = self.dense_per - 1
         for j, sel in enumerate(selections):
             if sel is None:
-                stale[lay.shard_elements(j)] = True
                 continue
             idx = lay.dense_index(j, sel)
             sent[idx] = True
@@ -213,7 +212,7 @@ class ArcTopKPlan:
                 arrived = np.repeat(ok, slots_per)[: len(idx)] & np.isfinite(values)
             avg[idx[arrived]] = values[arrived]
             got[idx[arrived]] = True
-        return avg, sent, got, stale
+        return avg, sent, got
 
 
 @dataclass
@@ -230,15 +229,13 @@ Average = Callable[[int, int, np.ndarray], Awaitable[tuple[np.ndarray, object, i
 
 
 async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, index: int, vector: np.ndarray,
-                           *, run: int, round: int, ef: EF21M | None = None, ef_key: object = None
-                           ) -> ArcTopKResult:
+                           *, run: int, round: int, ef: EF21M | None = None) -> ArcTopKResult:
     """One arc-topk average of ``vector`` (flat, the plan's layout) as member ``index`` of ``group_id``.
 
     ``average(phase, group_id, vector)`` runs one ordinary group average (the same members, weight and options;
     the caller picks the value codec: fp32 for phases 0 and 1, the plan's dense codec for phase 2) and returns
     (result, what to keep in ``phases``, bytes sent). ``run`` (u64) and ``round`` seed the shared sketch matrix.
-    ``ef``: this run's EF21M state; ``ef_key`` names the group (its member set: a new one restarts u from e, a
-    new layout resets all; see EF21M).
+    ``ef``: this run's EF21M state (a new layout resets it; see EF21M).
     Without ``ef`` the output is this member's vector with the averaged rows written in."""
     lay = plan.layout
     flat = np.ascontiguousarray(vector, dtype=FLOAT32)
@@ -246,7 +243,7 @@ async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, i
         raise ValueError(f"vector of {flat.shape} for a layout of {lay.length} elements")
     if not np.isfinite(flat).all():
         raise ValueError("arc-topk: refusing to average a vector holding NaN or infinity")
-    v = ef.begin(flat, lay.fingerprint(), ef_key) if ef is not None else flat
+    v = ef.begin(flat, lay.fingerprint()) if ef is not None else flat
     phases: list = []
     sent_bytes = 0
     sketch, info, b = await average(0, phase_group_id(group_id, 0), plan.sketch_vector(v, run, round))
@@ -257,12 +254,13 @@ async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, i
     phases.append(info)
     sent_bytes += b
     selections = [plan.read_selection(chosen, j) for j in range(plan.n)]
-    dense, info, b = await average(2, phase_group_id(group_id, 2), plan.dense_vector(index, v, selections))
+    rows = ef.h if ef is not None else flat  # EF21M averages h's rows (v only chose them)
+    dense, info, b = await average(2, phase_group_id(group_id, 2), plan.dense_vector(index, rows, selections))
     phases.append(info)
     sent_bytes += b
-    avg, sent, got, stale = plan.read_dense(index, dense, selections)
+    avg, sent, got = plan.read_dense(index, dense, selections)
     if ef is not None:
-        out = ef.finish(v, sent=sent, got=got, avg=avg, stale=stale).copy()
+        out = ef.finish(sent=sent, got=got, avg=avg).copy()
     else:
         out = flat.copy()
         out[got] = avg[got]
@@ -277,8 +275,7 @@ async def service_arc_topk(service: Any, group_id: int, members: list, index: in
                            ef: EF21M | None = None, **options: Any) -> ArcTopKResult:
     """arc_topk_average through an AllreduceService (``service.average``): the three phases under derived group
     ids, with the same members, weight and ``options`` (floor_s, max_phase_s, max_weight); ``codec`` the dense
-    rows' (the plan's). ``result.phases`` holds the three AverageResults. The EF21M group is the member set
-    (sorted: the same members in another order or round are the same group)."""
+    rows' (the plan's). ``result.phases`` holds the three AverageResults."""
     if options.get("robust") is not None:
         raise ValueError("arc-topk does not clip (robust): the selection phase relies on NaN being refused")
 
@@ -287,8 +284,7 @@ async def service_arc_topk(service: Any, group_id: int, members: list, index: in
         res = await service.average(gid, members, index, values, weight, **options, **coded)
         return res.vector, res, res.bytes_sent
 
-    key = tuple(sorted(repr(getattr(m, "node_id", m)) for m in members))
-    return await arc_topk_average(average, plan, group_id, index, vector, run=run, round=round, ef=ef, ef_key=key)
+    return await arc_topk_average(average, plan, group_id, index, vector, run=run, round=round, ef=ef)
 
 
 def phase_totals(phases: list) -> dict[str, Any]:

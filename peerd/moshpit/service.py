@@ -157,8 +157,8 @@ class RoundResult:
 class TopK:
     """A run's arc-topk configuration and its EF21M state (peerd.allreduce.arctopk): the trainer's tensor shapes
     (1-D tensors go whole), the share of rows averaged, and EF21M (None: no error feedback). The state is the
-    run's: h and e survive group changes (they come from this member's own gradients), u restarts from e when the
-    member set changes, and everything resets on a new layout or a failed round (see EF21M)."""
+    run's: h, e and u survive group changes (every averaged row is the group's mean again), and everything resets on
+    a new layout or a failed round (see EF21M)."""
 
     shapes: tuple[tuple[int, ...], ...]
     ratio: float
