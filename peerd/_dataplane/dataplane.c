@@ -20,6 +20,8 @@
 #include <openssl/evp.h>
 #include <openssl/opensslv.h>
 
+#include "common.h"
+
 #define HEADER_SIZE 21
 #define PREFIX_SIZE 13 /* magic .. token: what every row of a block shares */
 #define SEQ_OFFSET 13
@@ -95,7 +97,7 @@ static int claim(AeadObject *self) {
  * do not overlap one another (stride >= len). Overflow-safe. */
 #define MAX_ROWS (1 << 24) /* rows one call takes at most (a block holds hundreds) */
 
-static int rows_fit(const char *what, Py_ssize_t size, Py_ssize_t offset, Py_ssize_t stride, Py_ssize_t len,
+int rows_fit(const char *what, Py_ssize_t size, Py_ssize_t offset, Py_ssize_t stride, Py_ssize_t len,
                     Py_ssize_t rows) {
     if (offset < 0 || stride < 0 || len < 0 || rows < 0) {
         PyErr_Format(PyExc_ValueError, "%s: negative offset, stride, length or rows", what);
@@ -146,7 +148,7 @@ static int check_receiver(const Py_buffer *receiver) {
 /* A source of rows: any C-contiguous buffer (its bytes), or a 2-D byte array whose rows are each contiguous and
  * ``strides[0]`` apart (rows cut out of a wider block, e.g. bodies past their envelope), seen as the bytes from its
  * first row's start to its last row's end, all inside the exporter's one allocation. ``*span`` gets that length. */
-static int get_rows(PyObject *obj, Py_buffer *view, Py_ssize_t *span) {
+int get_rows(PyObject *obj, Py_buffer *view, Py_ssize_t *span) {
     if (PyObject_GetBuffer(obj, view, PyBUF_STRIDED_RO) < 0) return 0;
     if (PyBuffer_IsContiguous(view, 'C')) {
         *span = view->len;
@@ -1764,6 +1766,8 @@ static PyMethodDef module_methods[] = {
     {"frame_split", frame_split, METH_VARARGS, frame_split_doc},
     {"place_rows", place_rows, METH_VARARGS, place_rows_doc},
     {"first_nonfinite", first_nonfinite, METH_VARARGS, first_nonfinite_doc},
+    {"quant_encode", quant_encode, METH_VARARGS, quant_encode_doc},
+    {"quant_decode", quant_decode, METH_VARARGS, quant_decode_doc},
 #ifdef __linux__
     {"recv_batch", recv_batch, METH_VARARGS, recv_batch_doc},
 #endif

@@ -29,7 +29,7 @@ import numpy as np
 HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
 ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration",
-           "seal_split", "recv_batch interleaved")
+           "seal_split", "recv_batch interleaved", "quant_encode", "quant_decode")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -120,6 +120,8 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
     if which == 9:
         receive_interleaved(fdp)
         return
+    if which >= 10:
+        quant(fdp, which == 10)
         return
     if which >= 4:
         rows_only(fdp, which)
@@ -528,6 +530,64 @@ def seal_split(fdp: atheris.FuzzedDataProvider, key: bytes) -> None:
         want = bytes(head[a : a + head_len]) + bytes(src[b : b + body_len])
         if failures or bytes(dst[i * plain : (i + 1) * plain]) != want:
             raise AssertionError(f"seal_split row {i} opened to other bytes than head || body ({failures} failed)")
+
+
+def _body_size(bits: int, group: int, count: int) -> int:
+    return 4 * -(-count // group) + (count if bits == 8 else (count + 1) // 2)
+
+
+def _decoded(values: ctypes.Array, ok: ctypes.Array, rows: int, count: int) -> None:
+    """Every row decode_row marked valid holds finite values; every other row holds zeros."""
+    v = np.frombuffer(values, np.float32, rows * count).reshape(rows, count)
+    for i in range(rows):
+        if ok[i] == b"\x01":
+            if not np.isfinite(v[i]).all():
+                raise AssertionError(f"row {i}: a valid body decoded to a non-finite value")
+        elif ok[i] != b"\x00" or v[i].any():
+            raise AssertionError(f"row {i}: an invalid body is not zeros (ok {ok[i]!r})")
+
+
+def quant(fdp: atheris.FuzzedDataProvider, encode: bool) -> None:
+    """int8/int4 bodies: quant_encode over float32 rows (any bits: NaN and inf give 1 or 2, huge values fp16's
+    edges), and quant_decode over arbitrary bodies, strided or a 2-D view; what an exact call encodes decodes
+    valid, and quant_decode's rows are finite where valid, zero where not."""
+    bits = 8 if fdp.ConsumeBool() else 4
+    group = fdp.ConsumeIntInRange(1, 300)
+    count = fdp.ConsumeIntInRange(1, 700)
+    rows = fdp.ConsumeIntInRange(0, 12)
+    body = _body_size(bits, group, count)
+    n_rows, n_count, n_group = number(fdp, rows), number(fdp, count), number(fdp, group)
+    if encode:
+        values = buffer(fdp, max(0, min(number(fdp, 4 * rows * count), 1 << 20)))
+        if fdp.ConsumeBool():  # moderate finite values: exponents below 0x47 (|x| < 65536)
+            raw = np.frombuffer(values, np.uint8)
+            raw[3::4] &= 0x43
+        out = buffer(fdp, max(0, min(number(fdp, rows * body), 1 << 20)))
+        offset = number(fdp, fdp.ConsumeIntInRange(0, 2**32))
+        why = native.quant_encode(values, n_rows, n_count, out, bits, n_group, fdp.ConsumeBool(),
+                                  fdp.ConsumeIntInRange(0, 2**64 - 1), offset)
+        if why not in (0, 1, 2):
+            raise AssertionError(f"quant_encode returned {why}")
+        if why or (n_rows, n_count, n_group) != (rows, count, group) or len(out) != rows * body or not rows:
+            return
+        dec, ok = buffer(fdp, 4 * rows * count), (ctypes.c_char * rows)()
+        native.quant_decode(out, 0, body, rows, count, bits, group, dec, ok)
+        _decoded(dec, ok, rows, count)
+        if any(ok[i] != b"\x01" for i in range(rows)):
+            raise AssertionError("a body quant_encode made does not decode as valid")
+        seen["quant round trip"] += 1
+        return
+    off, stride, size = layout(fdp, rows, body)
+    src = buffer(fdp, size)
+    rows_of = src
+    if fdp.ConsumeBool() and rows and stride >= body and off >= 0 and off + rows * stride <= size:
+        rows_of = np.frombuffer(src, np.uint8)[off : off + rows * stride].reshape(rows, stride)[:, :body]
+        off = 0
+    values = buffer(fdp, max(0, min(number(fdp, 4 * rows * count), 1 << 20)))
+    ok = buffer(fdp, max(0, min(number(fdp, rows), 1 << 20)))
+    native.quant_decode(rows_of, off, stride, n_rows, n_count, bits, n_group, values, ok)
+    if (n_rows, n_count, n_group) == (rows, count, group):
+        _decoded(values, ok, rows, count)
 
 
 def main() -> None:

@@ -1,0 +1,23 @@
+/* What the files of peerd._dataplane._native share: bounds checks over caller-described rows (dataplane.c). */
+#ifndef PEERD_DATAPLANE_COMMON_H
+#define PEERD_DATAPLANE_COMMON_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* ``obj``'s buffer as rows: C-contiguous, or a 2-D byte array of contiguous rows; ``span``: bytes from the first
+ * row's start to the last row's end. 0 with an exception set otherwise. */
+int get_rows(PyObject *obj, Py_buffer *view, Py_ssize_t *span);
+
+/* Rows [0, rows) of ``len`` bytes at ``offset + i * stride`` lie inside ``size`` bytes and do not overlap. 0 with
+ * a ValueError naming ``what`` otherwise. */
+int rows_fit(const char *what, Py_ssize_t size, Py_ssize_t offset, Py_ssize_t stride, Py_ssize_t len,
+             Py_ssize_t rows);
+
+/* quant.c: int8/int4 bodies */
+extern const char quant_encode_doc[];
+extern const char quant_decode_doc[];
+PyObject *quant_encode(PyObject *module, PyObject *args);
+PyObject *quant_decode(PyObject *module, PyObject *args);
+
+#endif

@@ -1,0 +1,304 @@
+/* int8 and int4 bodies in one pass (protocol/codecs.md, "Integer codecs"): the native twin of
+ * peerd/compress/quant.py's IntCodec._encode_rows and _decode_rows, byte for byte and bit for bit.
+ *
+ * Python checks shapes and sizes first (Codec.encode_block, decode_block); these functions take explicit rows,
+ * counts and strides, check every bound again, and release the GIL over the block. The arithmetic follows the
+ * numpy path's operation order exactly: fp16 roundings from the exact value (float32 -> fp16 and float64 -> fp16
+ * round once, to nearest even), float32 products and sums never fused (-ffp-contract=off in pyproject.toml), draws from rounding.py's stream (splitmix64 key, murmur3 fmix32 per element).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "common.h"
+
+#define GOLDEN32 0x9E3779B9u
+#define DRAW_SHIFT 8         /* 32 - DRAW_BITS: draws are 24 bits */
+#define TINY16 0x0001u       /* the smallest positive fp16: the scale of a constant group */
+#define MAX_GROUP 0xFFFF
+#define MAX_COUNT (1 << 20)  /* elements per body: Codec.MAX_COUNT */
+
+/* ---- fp16 ------------------------------------------------------------------------------------------------- */
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+    if (exp == 0) {
+        float v = ldexpf((float)man, -24); /* subnormal (or zero): exact */
+        return sign ? -v : v;
+    }
+    if (exp == 31) bits = sign | 0x7F800000u | (man << 13);
+    else bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ``d`` rounded to the nearest fp16 (ties to even), overflow to infinity, NaN to a quiet NaN: numpy's astype. */
+static uint16_t double_to_half(double d) {
+    uint16_t sign = signbit(d) ? 0x8000u : 0;
+    double a = fabs(d);
+    if (isnan(d)) return (uint16_t)(sign | 0x7E00u);
+    if (a >= 65520.0) return (uint16_t)(sign | 0x7C00u); /* 65520 ties to 65536: infinity */
+    if (a < ldexp(1.0, -14)) return (uint16_t)(sign | (uint16_t)nearbyint(ldexp(a, 24))); /* 1024: the least normal */
+    int e;
+    frexp(a, &e); /* a = f * 2^e, f in [0.5, 1): the fp16 exponent is e - 1 */
+    double m = nearbyint(ldexp(a, 11 - e)); /* 1024 .. 2048 */
+    uint32_t bits = ((uint32_t)(e - 1 + 15) << 10) + (uint32_t)m - 1024u; /* m = 2048 carries into the exponent */
+    return (uint16_t)(sign | bits);
+}
+
+static void put16(unsigned char *p, uint16_t v) {
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+}
+
+static uint16_t get16(const unsigned char *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+/* Whether two buffers share no byte. */
+static int buffers_disjoint(const Py_buffer *a, const Py_buffer *b) {
+    const char *x = a->buf, *y = b->buf;
+    return a->len == 0 || b->len == 0 || x + a->len <= y || y + b->len <= x;
+}
+
+static int half_finite(uint16_t h) { return (h & 0x7C00u) != 0x7C00u; }
+
+/* The next fp16 after ``h`` (finite, or infinity towards the finite side) towards +infinity (up) or -infinity: numpy's nextafter. */
+static uint16_t half_next(uint16_t h, int up) {
+    if ((h & 0x7FFFu) == 0) return up ? 0x0001u : 0x8001u;
+    int negative = (h & 0x8000u) != 0;
+    return (uint16_t)(negative == up ? h - 1 : h + 1);
+}
+
+/* ---- draws ------------------------------------------------------------------------------------------------ */
+
+static uint32_t draw(uint32_t index, uint32_t key_lo, uint32_t key_hi) {
+    uint32_t z = index * GOLDEN32 + key_lo;
+    z ^= key_hi;
+    z ^= z >> 16;
+    z *= 0x85EBCA6Bu;
+    z ^= z >> 13;
+    z *= 0xC2B2AE35u;
+    z ^= z >> 16;
+    return z >> DRAW_SHIFT;
+}
+
+/* ---- encode ----------------------------------------------------------------------------------------------- */
+
+/* Code ``q`` (0..levels) of element ``i``: a byte (int8), or a nibble, low first (int4; the codes start zeroed). */
+static inline void codes_put(unsigned char *codes, int bits, Py_ssize_t i, int q) {
+    if (bits == 8) codes[i] = (unsigned char)q;
+    else codes[i >> 1] |= (unsigned char)(q << (4 * (i & 1)));
+}
+
+/* fp16 (scale, min) of a group whose values lie in [lo, hi] (quant.py's group_params). Returns 0, 1 (the min is not
+ * finite in fp16: NaN or |x| > 65504) or 2 (the scale is not). */
+static int group_params(float lo, float hi, int levels, uint16_t *scale, uint16_t *min) {
+    uint16_t m = double_to_half((double)lo);
+    if (half_to_float(m) > lo) m = half_next(m, 0); /* +infinity (lo > 65504) steps down to 65504, as numpy does */
+    *min = m;
+    if (!half_finite(m)) return 1;
+    double need = ((double)hi - (double)half_to_float(m)) / levels;
+    uint16_t s = double_to_half(need);
+    if (half_finite(s) && (double)half_to_float(s) < need) s = half_next(s, 1);
+    if (half_finite(s) && half_to_float(s) < half_to_float(TINY16)) s = TINY16; /* zero, or below the least */
+    float m32 = half_to_float(m);
+    for (int i = 0; i < 4 && half_finite(s); i++) {
+        float top = (float)levels * half_to_float(s);
+        top = m32 + top;
+        if (!(top < hi)) break;
+        s = half_next(s, 1);
+    }
+    *scale = s;
+    return half_finite(s) ? 0 : 2;
+}
+
+/* One body: ``count`` values of one range into ``out`` (4 bytes of scale and min per group, then the codes). The
+ * range's element i draws at stream index ``first + i``. */
+static int encode_row(const float *x, Py_ssize_t count, int bits, Py_ssize_t group, int stochastic,
+                      uint32_t key_lo, uint32_t key_hi, uint32_t first, unsigned char *out) {
+    int levels = (1 << bits) - 1;
+    Py_ssize_t groups = (count + group - 1) / group;
+    unsigned char *head = out, *codes = out + 4 * groups;
+    int bad = 0;
+    if (bits == 4) memset(codes, 0, (size_t)((count + 1) / 2));
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        Py_ssize_t a = g * group, b = a + group < count ? a + group : count;
+        float lo = x[a], hi = x[a];
+        int nan = 0;
+        for (Py_ssize_t i = a; i < b; i++) {
+            float v = x[i];
+            nan |= isnan(v);
+            if (v < lo) lo = v;
+            if (v > hi) hi = v;
+        }
+        if (nan) lo = hi = NAN;
+        lo = lo + 0.0f; /* a min of zero is +0, whichever zero came first (quant.py does the same) */
+        uint16_t s, m;
+        int why = group_params(lo, hi, levels, &s, &m);
+        if (why) {
+            if (!bad || why < bad) bad = why;
+            continue;
+        }
+        put16(head + 4 * g, s);
+        put16(head + 4 * g + 2, m);
+        float m32 = half_to_float(m), inv = 1.0f / half_to_float(s);
+        /* t = (x - min) / scale is >= 0 (x >= lo >= min, scale > 0) and below 2^23: floor is truncation, and
+         * (t + 2^23) - 2^23 rounds to nearest even in float32, as numpy's floor and rint do */
+        if (stochastic) {
+            for (Py_ssize_t i = a; i < b; i++) {
+                float t = x[i] - m32;
+                t = t * inv;
+                t = t + (float)draw(first + (uint32_t)i, key_lo, key_hi) * 0x1p-24f;
+                int q = (int)t;
+                codes_put(codes, bits, i, q > levels ? levels : q);
+            }
+        } else {
+            for (Py_ssize_t i = a; i < b; i++) {
+                float t = x[i] - m32;
+                t = t * inv;
+                t = (t + 0x1p23f) - 0x1p23f;
+                int q = (int)t;
+                codes_put(codes, bits, i, q > levels ? levels : q);
+            }
+        }
+    }
+    return bad;
+}
+
+const char quant_encode_doc[] =
+    "quant_encode(values, rows, count, out, bits, group, stochastic, key, offset) -> 0, 1 or 2\n"
+    "Encode rows x count float32 ``values`` (C-contiguous) into ``out`` (rows x body_size bytes): int8 or int4 "
+    "bodies with groups of ``group`` values, stochastic rounding drawn from the u64 stream ``key`` (row i's element "
+    "j at index offset + i * count + j) or nearest. Returns 0, or 1 / 2 where a group's min / scale does not fit "
+    "fp16 (the caller raises; the first such reason in quant.py's order: any min before any scale).";
+
+PyObject *quant_encode(PyObject *module, PyObject *args) {
+    Py_buffer values = {0}, out = {0};
+    Py_ssize_t rows, count, group, offset;
+    int bits, stochastic;
+    unsigned long long key;
+    if (!PyArg_ParseTuple(args, "y*nnw*inpKn", &values, &rows, &count, &out, &bits, &group, &stochastic, &key,
+                          &offset))
+        return NULL;
+    PyObject *result = NULL;
+    if (bits != 8 && bits != 4) {
+        PyErr_Format(PyExc_ValueError, "bits must be 8 or 4, got %d", bits);
+        goto done;
+    }
+    if (group < 1 || group > MAX_GROUP || count < 1 || count > MAX_COUNT || rows < 0 || rows > (1 << 24)) {
+        PyErr_SetString(PyExc_ValueError, "group, count or rows out of range");
+        goto done;
+    }
+    Py_ssize_t groups = (count + group - 1) / group;
+    Py_ssize_t body = 4 * groups + (bits == 8 ? count : (count + 1) / 2);
+    if (values.len / 4 / count < rows || out.len / body < rows) {
+        PyErr_SetString(PyExc_ValueError, "values or out is shorter than rows x count");
+        goto done;
+    }
+    if (offset < 0 || offset > (Py_ssize_t)UINT32_MAX || rows * count > (Py_ssize_t)UINT32_MAX + 1 - offset) {
+        PyErr_SetString(PyExc_ValueError, "elements do not fit u32 stream indices");
+        goto done;
+    }
+    if (!buffers_disjoint(&values, &out)) {
+        PyErr_SetString(PyExc_ValueError, "out overlaps values");
+        goto done;
+    }
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const float *x = (const float *)values.buf;
+    unsigned char *o = (unsigned char *)out.buf;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        int why = encode_row(x + r * count, count, bits, group, stochastic, (uint32_t)key, (uint32_t)(key >> 32),
+                             (uint32_t)(offset + r * count), o + r * body);
+        if (why && (!bad || why < bad)) bad = why;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(bad);
+done:
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* ---- decode ----------------------------------------------------------------------------------------------- */
+
+/* One body into ``count`` float32 values; 0 (and zeros) where a scale or min is not finite, a scale is not
+ * positive, or int4's padding nibble is set. */
+static int decode_row(const unsigned char *body, Py_ssize_t count, int bits, Py_ssize_t group, float *v) {
+    Py_ssize_t groups = (count + group - 1) / group;
+    const unsigned char *codes = body + 4 * groups;
+    int ok = !(bits == 4 && (count & 1) && (codes[count >> 1] >> 4));
+    for (Py_ssize_t g = 0; g < groups && ok; g++) {
+        uint16_t s = get16(body + 4 * g), m = get16(body + 4 * g + 2);
+        float s32 = half_to_float(s), m32 = half_to_float(m);
+        if (!half_finite(s) || !half_finite(m) || !(s32 > 0.0f)) {
+            ok = 0;
+            break;
+        }
+        Py_ssize_t a = g * group, b = a + group < count ? a + group : count;
+        for (Py_ssize_t i = a; i < b; i++) {
+            unsigned q = bits == 8 ? codes[i] : (unsigned)(codes[i >> 1] >> (4 * (i & 1))) & 0x0Fu;
+            float t = (float)q * s32;
+            v[i] = t + m32;
+        }
+    }
+    if (!ok) memset(v, 0, (size_t)count * sizeof(float));
+    return ok;
+}
+
+const char quant_decode_doc[] =
+    "quant_decode(bodies, offset, stride, rows, count, bits, group, values, ok)\n"
+    "Decode ``rows`` int8/int4 bodies of ``count`` elements (each body_size bytes at offset + i * stride of "
+    "``bodies``) into ``values`` (rows x count float32, C-contiguous) and ``ok`` (rows bytes: 1 valid, 0 not; an "
+    "invalid row's values are zero).";
+
+PyObject *quant_decode(PyObject *module, PyObject *args) {
+    Py_buffer src = {0}, values = {0}, ok = {0};
+    PyObject *src_obj;
+    Py_ssize_t offset, stride, rows, count, group, span;
+    int bits;
+    if (!PyArg_ParseTuple(args, "Onnnninw*w*", &src_obj, &offset, &stride, &rows, &count, &bits, &group, &values,
+                          &ok))
+        return NULL;
+    PyObject *result = NULL;
+    if (!get_rows(src_obj, &src, &span)) {
+        PyBuffer_Release(&values);
+        PyBuffer_Release(&ok);
+        return NULL;
+    }
+    if (bits != 8 && bits != 4) {
+        PyErr_Format(PyExc_ValueError, "bits must be 8 or 4, got %d", bits);
+        goto done;
+    }
+    if (group < 1 || group > MAX_GROUP || count < 1 || count > MAX_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "group or count out of range");
+        goto done;
+    }
+    Py_ssize_t groups = (count + group - 1) / group;
+    Py_ssize_t body = 4 * groups + (bits == 8 ? count : (count + 1) / 2);
+    if (!rows_fit("bodies", span, offset, stride, body, rows)) goto done;
+    if (values.len / 4 / count < rows || ok.len < rows) {
+        PyErr_SetString(PyExc_ValueError, "values or ok is shorter than rows");
+        goto done;
+    }
+    if (!buffers_disjoint(&src, &values) || !buffers_disjoint(&src, &ok) || !buffers_disjoint(&values, &ok)) {
+        PyErr_SetString(PyExc_ValueError, "bodies, values and ok must not overlap");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *s = (const unsigned char *)src.buf + offset;
+    float *v = (float *)values.buf;
+    unsigned char *k = (unsigned char *)ok.buf;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        k[r] = (unsigned char)decode_row(s + r * stride, count, bits, group, v + r * count);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&ok);
+    return result;
+}
