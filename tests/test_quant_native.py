@@ -155,3 +155,58 @@ def test_decode_refuses_every_bound():
             _native.quant_decode(*args)
     _native.quant_decode(bodies, 0, bodies.strides[0], 3, 100, 8, 128, values, ok)
     assert not ok.any() and not values.any()  # zero scales: every row invalid, zeros
+
+
+# ---- fp16 ---------------------------------------------------------------------------------------------------
+
+F16_EDGES = np.array([0.0, -0.0, 2**-25, 2**-24, 1.5 * 2**-24, 2**-14 - 2**-25, 2**-14, 1.0 + 2**-11, 1.0 + 3 * 2**-11,
+                      65504.0, 65519.99, 65520.0, -65520.0, 1e-40, 3.3e38], dtype=FLOAT32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 300), st.integers(0, 2**32 - 1), scales, st.booleans())
+def test_native_fp16_is_numpys(rows, count, seed, scale, edges):
+    """Round to nearest even from float32, subnormals and ties included (F16C where the CPU has it, else the
+    scalar rounding); a value beyond 65504 is refused; decoding any bytes gives numpy's values and validity."""
+    from peerd.compress.floats import Float16Codec
+
+    c = Float16Codec()
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, count)) * scale).astype(FLOAT32)
+    if edges:
+        x = rng.choice(F16_EDGES, size=x.shape) * rng.choice(np.array([1, -1], FLOAT32), size=x.shape)
+    want = outcome(c._encode_rows_numpy, x, None, 0)
+    got = outcome(c._encode_rows, x, None, 0)
+    if isinstance(want, str):
+        assert got == want
+    else:
+        assert np.array_equal(got, want)
+    raw = rng.integers(0, 256, (rows, 2 * count + 3), dtype=np.uint8)
+    if edges:  # mostly finite words, some inf and NaN
+        raw[:, : 2 * count] = rng.choice(np.array([0x3C00, 0x7BFF, 0x0001, 0x8000, 0x7C00, 0xFE00], "<u2"),
+                                         p=[0.4, 0.3, 0.2, 0.08, 0.01, 0.01], size=(rows, count)).view(np.uint8)
+    if not isinstance(want, str):  # the scalar rounding, as on a CPU without F16C
+        out = np.empty_like(want)
+        assert _native.half_encode(x, x.size, out, True) == 0 and np.array_equal(out, want)
+    bodies = raw[:, : 2 * count]
+    values, ok = c._decode_rows(bodies, count)
+    ref_values, ref_ok = c._decode_rows_numpy(bodies, count)
+    assert np.array_equal(ok, ref_ok) and np.array_equal(values.view(np.uint32), ref_values.view(np.uint32))
+    scalar, scalar_ok = np.empty_like(values), np.empty(rows, np.uint8)
+    _native.half_decode(bodies, 0, bodies.strides[0], rows, count, scalar, scalar_ok, True)
+    assert np.array_equal(scalar_ok.view(bool), ref_ok)
+    assert np.array_equal(scalar.view(np.uint32), values.view(np.uint32))
+
+
+def test_native_fp16_refuses_every_bound():
+    v, out = np.zeros(10, FLOAT32), np.empty(19, np.uint8)
+    with pytest.raises(ValueError):
+        _native.half_encode(v, 10, out)  # out one byte short
+    with pytest.raises(ValueError):
+        _native.half_encode(v, -1, np.empty(20, np.uint8))
+    bodies, values, ok = np.zeros((2, 20), np.uint8), np.empty((2, 10), FLOAT32), np.empty(2, np.uint8)
+    for args in [(bodies, 0, 20, 3, 10, values, ok), (bodies, 1, 20, 2, 10, values, ok),
+                 (bodies, 0, 20, 2, 10, values[:1], ok), (bodies, 0, 20, 2, 0, values, ok),
+                 (bodies, 0, 20, 2, 10, values, bodies)]:
+        with pytest.raises(ValueError):
+            _native.half_decode(*args)

@@ -14,10 +14,14 @@ int get_rows(PyObject *obj, Py_buffer *view, Py_ssize_t *span);
 int rows_fit(const char *what, Py_ssize_t size, Py_ssize_t offset, Py_ssize_t stride, Py_ssize_t len,
              Py_ssize_t rows);
 
-/* quant.c: int8/int4 bodies */
+/* quant.c: int8, int4 and fp16 bodies */
 extern const char quant_encode_doc[];
 extern const char quant_decode_doc[];
+extern const char half_encode_doc[];
+extern const char half_decode_doc[];
 PyObject *quant_encode(PyObject *module, PyObject *args);
 PyObject *quant_decode(PyObject *module, PyObject *args);
+PyObject *half_encode(PyObject *module, PyObject *args);
+PyObject *half_decode(PyObject *module, PyObject *args);
 
 #endif

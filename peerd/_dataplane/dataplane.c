@@ -1768,6 +1768,8 @@ static PyMethodDef module_methods[] = {
     {"first_nonfinite", first_nonfinite, METH_VARARGS, first_nonfinite_doc},
     {"quant_encode", quant_encode, METH_VARARGS, quant_encode_doc},
     {"quant_decode", quant_decode, METH_VARARGS, quant_decode_doc},
+    {"half_encode", half_encode, METH_VARARGS, half_encode_doc},
+    {"half_decode", half_decode, METH_VARARGS, half_decode_doc},
 #ifdef __linux__
     {"recv_batch", recv_batch, METH_VARARGS, recv_batch_doc},
 #endif

@@ -1,5 +1,5 @@
-/* int8 and int4 bodies in one pass (protocol/codecs.md, "Integer codecs"): the native twin of
- * peerd/compress/quant.py's IntCodec._encode_rows and _decode_rows, byte for byte and bit for bit.
+/* int8, int4 and fp16 bodies in one pass (protocol/codecs.md, "Integer codecs", "Float codecs"): the native twin
+ * of peerd/compress/quant.py's IntCodec and floats.py's Float16Codec (_encode_rows, _decode_rows), byte for byte.
  *
  * Python checks shapes and sizes first (Codec.encode_block, decode_block); these functions take explicit rows,
  * counts and strides, check every bound again, and release the GIL over the block. The arithmetic follows the
@@ -294,6 +294,167 @@ PyObject *quant_decode(PyObject *module, PyObject *args) {
     unsigned char *k = (unsigned char *)ok.buf;
     for (Py_ssize_t r = 0; r < rows; r++)
         k[r] = (unsigned char)decode_row(s + r * stride, count, bits, group, v + r * count);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&ok);
+    return result;
+}
+
+/* ---- fp16 bodies ------------------------------------------------------------------------------------------ */
+
+/* floats.py's Float16Codec: raw binary16, rounded to nearest even from float32. With F16C (checked at run time)
+ * eight values a conversion; without it, double_to_half (the same roundings, slower). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_F16C_PATH 1
+
+__attribute__((target("avx,f16c"))) static int half_encode_f16c(const float *x, Py_ssize_t n, unsigned char *out) {
+    Py_ssize_t i = 0;
+    int bad = 0;
+    const __m128i exp = _mm_set1_epi16(0x7C00);
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(out + 2 * i), h);
+        bad |= _mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(h, exp), exp));
+    }
+    for (; i < n; i++) {
+        uint16_t h = double_to_half((double)x[i]);
+        put16(out + 2 * i, h);
+        bad |= !half_finite(h);
+    }
+    return bad != 0;
+}
+
+__attribute__((target("avx,f16c"))) static int half_decode_f16c(const unsigned char *body, Py_ssize_t n, float *v) {
+    Py_ssize_t i = 0;
+    int bad = 0;
+    const __m128i exp = _mm_set1_epi16(0x7C00);
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(body + 2 * i));
+        bad |= _mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(h, exp), exp));
+        _mm256_storeu_ps(v + i, _mm256_cvtph_ps(h));
+    }
+    for (; i < n; i++) {
+        uint16_t h = get16(body + 2 * i);
+        bad |= !half_finite(h);
+        v[i] = half_to_float(h);
+    }
+    return !bad;
+}
+#endif
+
+static int have_f16c(void) {
+#ifdef HAVE_F16C_PATH
+    static int known = -1;
+    if (known < 0) known = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+    return known;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where some value rounds to infinity (beyond 65504): the caller refuses the whole encode. */
+static int half_encode_span(const float *x, Py_ssize_t n, unsigned char *out, int fast) {
+#ifdef HAVE_F16C_PATH
+    if (fast) return half_encode_f16c(x, n, out);
+#endif
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint16_t h = double_to_half((double)x[i]);
+        put16(out + 2 * i, h);
+        bad |= !half_finite(h);
+    }
+    return bad;
+}
+
+/* 1 where every value of the body is finite; 0 (and zeros) otherwise. */
+static int half_decode_row(const unsigned char *body, Py_ssize_t n, float *v, int fast) {
+    int ok = 1;
+#ifdef HAVE_F16C_PATH
+    if (fast) ok = half_decode_f16c(body, n, v);
+    else
+#endif
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint16_t h = get16(body + 2 * i);
+            ok &= half_finite(h);
+            v[i] = half_to_float(h);
+        }
+    if (!ok) memset(v, 0, (size_t)n * sizeof(float));
+    return ok;
+}
+
+const char half_encode_doc[] =
+    "half_encode(values, n, out, scalar=False) -> 0 or 1\n"
+    "Round ``n`` float32 ``values`` (C-contiguous) to binary16 (nearest even) into ``out`` (2 n bytes, little-endian). "
+    "Returns 1 where some value became infinite (beyond 65504): the caller refuses the encode. ``scalar``: without "
+    "F16C even where the CPU has it (tests).";
+
+PyObject *half_encode(PyObject *module, PyObject *args) {
+    Py_buffer values = {0}, out = {0};
+    Py_ssize_t n;
+    int scalar = 0;
+    if (!PyArg_ParseTuple(args, "y*nw*|p", &values, &n, &out, &scalar)) return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || values.len / 4 < n || out.len / 2 < n) {
+        PyErr_SetString(PyExc_ValueError, "n is negative, or values or out is shorter than n values");
+        goto done;
+    }
+    if (!buffers_disjoint(&values, &out)) {
+        PyErr_SetString(PyExc_ValueError, "out overlaps values");
+        goto done;
+    }
+    int fast = !scalar && have_f16c(), bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = half_encode_span((const float *)values.buf, n, (unsigned char *)out.buf, fast);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(bad);
+done:
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+const char half_decode_doc[] =
+    "half_decode(bodies, offset, stride, rows, count, values, ok, scalar=False)\n"
+    "Decode ``rows`` binary16 bodies of ``count`` values (2 count bytes at offset + i * stride of ``bodies``) into "
+    "``values`` (rows x count float32) and ``ok`` (rows bytes: 1 every value finite, else 0 and the row zeros).";
+
+PyObject *half_decode(PyObject *module, PyObject *args) {
+    Py_buffer src = {0}, values = {0}, ok = {0};
+    PyObject *src_obj;
+    Py_ssize_t offset, stride, rows, count, span;
+    int scalar = 0;
+    if (!PyArg_ParseTuple(args, "Onnnnw*w*|p", &src_obj, &offset, &stride, &rows, &count, &values, &ok, &scalar))
+        return NULL;
+    PyObject *result = NULL;
+    if (!get_rows(src_obj, &src, &span)) {
+        PyBuffer_Release(&values);
+        PyBuffer_Release(&ok);
+        return NULL;
+    }
+    if (count < 1 || count > MAX_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "count out of range");
+        goto done;
+    }
+    if (!rows_fit("bodies", span, offset, stride, 2 * count, rows)) goto done;
+    if (values.len / 4 / count < rows || ok.len < rows) {
+        PyErr_SetString(PyExc_ValueError, "values or ok is shorter than rows");
+        goto done;
+    }
+    if (!buffers_disjoint(&src, &values) || !buffers_disjoint(&src, &ok) || !buffers_disjoint(&values, &ok)) {
+        PyErr_SetString(PyExc_ValueError, "bodies, values and ok must not overlap");
+        goto done;
+    }
+    int fast = !scalar && have_f16c();
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *s = (const unsigned char *)src.buf + offset;
+    float *v = (float *)values.buf;
+    unsigned char *k = (unsigned char *)ok.buf;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        k[r] = (unsigned char)half_decode_row(s + r * stride, count, v + r * count, fast);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:

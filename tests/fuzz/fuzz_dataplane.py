@@ -29,7 +29,8 @@ import numpy as np
 HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
 ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration",
-           "seal_split", "recv_batch interleaved", "quant_encode", "quant_decode")
+           "seal_split", "recv_batch interleaved", "quant_encode", "quant_decode",
+           "half_encode", "half_decode")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -120,8 +121,11 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
     if which == 9:
         receive_interleaved(fdp)
         return
-    if which >= 10:
+    if which in (10, 11):
         quant(fdp, which == 10)
+        return
+    if which >= 12:
+        half(fdp, which == 12)
         return
     if which >= 4:
         rows_only(fdp, which)
@@ -587,6 +591,43 @@ def quant(fdp: atheris.FuzzedDataProvider, encode: bool) -> None:
     ok = buffer(fdp, max(0, min(number(fdp, rows), 1 << 20)))
     native.quant_decode(rows_of, off, stride, n_rows, n_count, bits, n_group, values, ok)
     if (n_rows, n_count, n_group) == (rows, count, group):
+        _decoded(values, ok, rows, count)
+
+
+def half(fdp: atheris.FuzzedDataProvider, encode: bool) -> None:
+    """fp16 bodies, F16C or scalar: half_encode over any float32 bits (1 exactly where a value is beyond fp16),
+    half_decode over any bodies; what an exact call encodes decodes back valid."""
+    rows, count = fdp.ConsumeIntInRange(0, 8), fdp.ConsumeIntInRange(1, 400)
+    scalar = fdp.ConsumeBool()
+    n_rows, n_count = number(fdp, rows), number(fdp, count)
+    if encode:
+        values = buffer(fdp, max(0, min(number(fdp, 4 * rows * count), 1 << 20)))
+        if fdp.ConsumeBool():  # values fp16 holds (|x| < 2048, and ones that round to zero or subnormals)
+            np.frombuffer(values, np.uint8)[3::4] &= 0xC4
+        out = buffer(fdp, max(0, min(number(fdp, 2 * rows * count), 1 << 20)))
+        n = number(fdp, rows * count)
+        over = native.half_encode(values, n, out, scalar)
+        if (n, len(values), len(out)) != (rows * count, 4 * rows * count, 2 * rows * count) or not rows:
+            return
+        x = np.frombuffer(values, np.float32)
+        beyond = bool((~np.isfinite(x) | (np.abs(x) >= 65520)).any())
+        if over != beyond:
+            raise AssertionError(f"half_encode said {over}, a value beyond fp16: {beyond}")
+        if over:
+            return
+        dec, ok = buffer(fdp, 4 * rows * count), (ctypes.c_char * rows)()
+        native.half_decode(out, 0, 2 * count, rows, count, dec, ok, scalar)
+        _decoded(dec, ok, rows, count)
+        if any(ok[i] != b"\x01" for i in range(rows)):
+            raise AssertionError("a body half_encode made does not decode as valid")
+        seen["half round trip"] += 1
+        return
+    off, stride, size = layout(fdp, rows, 2 * count)
+    src = buffer(fdp, size)
+    values = buffer(fdp, max(0, min(number(fdp, 4 * rows * count), 1 << 20)))
+    ok = buffer(fdp, max(0, min(number(fdp, rows), 1 << 20)))
+    native.half_decode(src, off, stride, n_rows, n_count, values, ok, scalar)
+    if (n_rows, n_count) == (rows, count):
         _decoded(values, ok, rows, count)
 
 
