@@ -187,15 +187,40 @@ def test_native_fp16_is_numpys(rows, count, seed, scale, edges):
                                          p=[0.4, 0.3, 0.2, 0.08, 0.01, 0.01], size=(rows, count)).view(np.uint8)
     if not isinstance(want, str):  # the scalar rounding, as on a CPU without F16C
         out = np.empty_like(want)
-        assert _native.half_encode(x, x.size, out, True) == 0 and np.array_equal(out, want)
+        assert _native.half_encode(x, x.size, out, False, True) == 0 and np.array_equal(out, want)
     bodies = raw[:, : 2 * count]
     values, ok = c._decode_rows(bodies, count)
     ref_values, ref_ok = c._decode_rows_numpy(bodies, count)
     assert np.array_equal(ok, ref_ok) and np.array_equal(values.view(np.uint32), ref_values.view(np.uint32))
     scalar, scalar_ok = np.empty_like(values), np.empty(rows, np.uint8)
-    _native.half_decode(bodies, 0, bodies.strides[0], rows, count, scalar, scalar_ok, True)
+    _native.half_decode(bodies, 0, bodies.strides[0], rows, count, scalar, scalar_ok, False, True)
     assert np.array_equal(scalar_ok.view(bool), ref_ok)
     assert np.array_equal(scalar.view(np.uint32), values.view(np.uint32))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 300), st.integers(0, 2**32 - 1), scales, st.booleans())
+def test_native_bf16_is_numpys(rows, count, seed, scale, big):
+    """bfloat16 from float32, nearest even (ties included: values with exactly half an ulp of bf16 below them), a
+    value that rounds to inf refused; decoding any bytes gives numpy's values and validity."""
+    from peerd.compress.floats import BFloat16Codec
+
+    c = BFloat16Codec()
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, count)) * scale).astype(FLOAT32)
+    x.view(np.uint32)[:, ::3] &= np.uint32(0xFFFF8000)  # ties to even
+    x.view(np.uint32)[:, ::3] |= np.uint32(0x00008000)
+    if big:
+        x[0, 0] = np.float32(3.3961e38)  # rounds to inf in bf16
+    want = outcome(c._encode_rows_numpy, x, None, 0)
+    got = outcome(c._encode_rows, x, None, 0)
+    assert got == want if isinstance(want, str) else np.array_equal(got, want)
+    raw = rng.integers(0, 256, (rows, 2 * count + 5), dtype=np.uint8)
+    raw[:, 1 : 2 * count : 2] &= np.uint8(0xBF if big else 0xFF)  # mostly finite when ``big``
+    bodies = raw[:, : 2 * count]
+    values, ok = c._decode_rows(bodies, count)
+    ref_values, ref_ok = c._decode_rows_numpy(bodies, count)
+    assert np.array_equal(ok, ref_ok) and np.array_equal(values.view(np.uint32), ref_values.view(np.uint32))
 
 
 def test_native_fp16_refuses_every_bound():

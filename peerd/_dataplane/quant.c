@@ -1,5 +1,6 @@
-/* int8, int4 and fp16 bodies in one pass (protocol/codecs.md, "Integer codecs", "Float codecs"): the native twin
- * of peerd/compress/quant.py's IntCodec and floats.py's Float16Codec (_encode_rows, _decode_rows), byte for byte.
+/* int8, int4, fp16 and bf16 bodies in one pass (protocol/codecs.md, "Integer codecs", "Float codecs"): the native
+ * twin of peerd/compress/quant.py's IntCodec and floats.py's Float16Codec and BFloat16Codec (_encode_rows,
+ * _decode_rows), byte for byte.
  *
  * Python checks shapes and sizes first (Codec.encode_block, decode_block); these functions take explicit rows,
  * counts and strides, check every bound again, and release the GIL over the block. The arithmetic follows the
@@ -356,6 +357,31 @@ static int have_f16c(void) {
 #endif
 }
 
+/* ---- bf16 bodies: float32's top half, rounded to nearest even (floats.py's to_bf16_bits) ---- */
+
+static int bf16_encode_span(const float *x, Py_ssize_t n, unsigned char *out) {
+    uint32_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        uint16_t h = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        put16(out + 2 * i, h);
+        bad |= (h & 0x7F80u) == 0x7F80u;
+    }
+    return bad != 0;
+}
+
+static int bf16_decode_row(const unsigned char *body, Py_ssize_t n, float *v) {
+    uint32_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t h = get16(body + 2 * i), u = h << 16;
+        bad |= (h & 0x7F80u) == 0x7F80u;
+        memcpy(v + i, &u, 4);
+    }
+    if (bad) memset(v, 0, (size_t)n * sizeof(float));
+    return !bad;
+}
+
 /* 1 where some value rounds to infinity (beyond 65504): the caller refuses the whole encode. */
 static int half_encode_span(const float *x, Py_ssize_t n, unsigned char *out, int fast) {
 #ifdef HAVE_F16C_PATH
@@ -387,16 +413,16 @@ static int half_decode_row(const unsigned char *body, Py_ssize_t n, float *v, in
 }
 
 const char half_encode_doc[] =
-    "half_encode(values, n, out, scalar=False) -> 0 or 1\n"
-    "Round ``n`` float32 ``values`` (C-contiguous) to binary16 (nearest even) into ``out`` (2 n bytes, little-endian). "
-    "Returns 1 where some value became infinite (beyond 65504): the caller refuses the encode. ``scalar``: without "
-    "F16C even where the CPU has it (tests).";
+    "half_encode(values, n, out, bf16=False, scalar=False) -> 0 or 1\n"
+    "Round ``n`` float32 ``values`` (C-contiguous) to binary16, or with ``bf16`` to bfloat16 (nearest even) into "
+    "``out`` (2 n bytes, little-endian). Returns 1 where some value became infinite: the caller refuses the encode. "
+    "``scalar``: fp16 without F16C even where the CPU has it (tests).";
 
 PyObject *half_encode(PyObject *module, PyObject *args) {
     Py_buffer values = {0}, out = {0};
     Py_ssize_t n;
-    int scalar = 0;
-    if (!PyArg_ParseTuple(args, "y*nw*|p", &values, &n, &out, &scalar)) return NULL;
+    int bf16 = 0, scalar = 0;
+    if (!PyArg_ParseTuple(args, "y*nw*|pp", &values, &n, &out, &bf16, &scalar)) return NULL;
     PyObject *result = NULL;
     if (n < 0 || values.len / 4 < n || out.len / 2 < n) {
         PyErr_SetString(PyExc_ValueError, "n is negative, or values or out is shorter than n values");
@@ -408,7 +434,8 @@ PyObject *half_encode(PyObject *module, PyObject *args) {
     }
     int fast = !scalar && have_f16c(), bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = half_encode_span((const float *)values.buf, n, (unsigned char *)out.buf, fast);
+    if (bf16) bad = bf16_encode_span((const float *)values.buf, n, (unsigned char *)out.buf);
+    else bad = half_encode_span((const float *)values.buf, n, (unsigned char *)out.buf, fast);
     Py_END_ALLOW_THREADS
     result = PyLong_FromLong(bad);
 done:
@@ -418,16 +445,17 @@ done:
 }
 
 const char half_decode_doc[] =
-    "half_decode(bodies, offset, stride, rows, count, values, ok, scalar=False)\n"
-    "Decode ``rows`` binary16 bodies of ``count`` values (2 count bytes at offset + i * stride of ``bodies``) into "
+    "half_decode(bodies, offset, stride, rows, count, values, ok, bf16=False, scalar=False)\n"
+    "Decode ``rows`` binary16 (or bfloat16) bodies of ``count`` values (2 count bytes at offset + i * stride of ``bodies``) into "
     "``values`` (rows x count float32) and ``ok`` (rows bytes: 1 every value finite, else 0 and the row zeros).";
 
 PyObject *half_decode(PyObject *module, PyObject *args) {
     Py_buffer src = {0}, values = {0}, ok = {0};
     PyObject *src_obj;
     Py_ssize_t offset, stride, rows, count, span;
-    int scalar = 0;
-    if (!PyArg_ParseTuple(args, "Onnnnw*w*|p", &src_obj, &offset, &stride, &rows, &count, &values, &ok, &scalar))
+    int bf16 = 0, scalar = 0;
+    if (!PyArg_ParseTuple(args, "Onnnnw*w*|pp", &src_obj, &offset, &stride, &rows, &count, &values, &ok, &bf16,
+                          &scalar))
         return NULL;
     PyObject *result = NULL;
     if (!get_rows(src_obj, &src, &span)) {
@@ -454,7 +482,8 @@ PyObject *half_decode(PyObject *module, PyObject *args) {
     float *v = (float *)values.buf;
     unsigned char *k = (unsigned char *)ok.buf;
     for (Py_ssize_t r = 0; r < rows; r++)
-        k[r] = (unsigned char)half_decode_row(s + r * stride, count, v + r * count, fast);
+        k[r] = (unsigned char)(bf16 ? bf16_decode_row(s + r * stride, count, v + r * count)
+                                    : half_decode_row(s + r * stride, count, v + r * count, fast));
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:

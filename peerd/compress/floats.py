@@ -16,6 +16,7 @@ from .rounding import RoundingKey
 FLOAT16 = np.dtype("<f2")
 U16 = np.dtype("<u2")
 HALF_OVERFLOW = "fp16: refusing to encode a value beyond the fp16 range (it would be sent as inf)"
+BF16_OVERFLOW = "bf16: refusing to encode a value that rounds to inf"
 
 
 class Float32Codec(Codec):
@@ -50,19 +51,12 @@ class Float16Codec(Codec):
         """The native pass where the extension is built (quant.c: the same bytes, F16C where the CPU has it)."""
         if _native is None:
             return self._encode_rows_numpy(values, key, offset)
-        out = np.empty((values.shape[0], 2 * values.shape[1]), dtype=np.uint8)
-        if _native.half_encode(np.ascontiguousarray(values, dtype=FLOAT32), values.size, out):
-            raise ValueError(HALF_OVERFLOW)
-        return out
+        return _native_encode(values, bf16=False, overflow=HALF_OVERFLOW)
 
     def _decode_rows(self, bodies: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-        rows = bodies.shape[0]
-        if _native is None or rows == 0 or bodies.strides[1] != 1 or bodies.strides[0] < bodies.shape[1]:
+        if _native is None or not _native_rows(bodies):
             return self._decode_rows_numpy(bodies, count)
-        values = np.empty((rows, count), dtype=FLOAT32)
-        ok = np.empty(rows, dtype=np.uint8)
-        _native.half_decode(bodies, 0, bodies.strides[0], rows, count, values, ok)
-        return values, ok.view(bool)
+        return _native_decode(bodies, count, bf16=False)
 
     def _encode_rows_numpy(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
         with np.errstate(over="ignore"):
@@ -76,6 +70,26 @@ class Float16Codec(Codec):
         ok = np.isfinite(v).all(axis=1)
         v[~ok] = 0.0
         return v, ok
+
+
+def _native_rows(bodies: np.ndarray) -> bool:
+    return bodies.shape[0] > 0 and bodies.strides[1] == 1 and bodies.strides[0] >= bodies.shape[1]
+
+
+def _native_encode(values: np.ndarray, *, bf16: bool, overflow: str) -> np.ndarray:
+    """fp16 or bf16 bodies of (rows, count) values in one native pass (quant.c: numpy's bytes)."""
+    out = np.empty((values.shape[0], 2 * values.shape[1]), dtype=np.uint8)
+    if _native.half_encode(np.ascontiguousarray(values, dtype=FLOAT32), values.size, out, bf16):
+        raise ValueError(overflow)
+    return out
+
+
+def _native_decode(bodies: np.ndarray, count: int, *, bf16: bool) -> tuple[np.ndarray, np.ndarray]:
+    rows = bodies.shape[0]
+    values = np.empty((rows, count), dtype=FLOAT32)
+    ok = np.empty(rows, dtype=np.uint8)
+    _native.half_decode(bodies, 0, bodies.strides[0], rows, count, values, ok, bf16)
+    return values, ok.view(bool)
 
 
 def to_bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -103,12 +117,22 @@ class BFloat16Codec(Codec):
         return 2 * count
 
     def _encode_rows(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
-        bits = to_bf16_bits(values)
-        if ((bits & np.uint16(0x7F80)) == np.uint16(0x7F80)).any():
-            raise ValueError("bf16: refusing to encode a value that rounds to inf")
-        return bits.view(np.uint8)
+        if _native is None:
+            return self._encode_rows_numpy(values, key, offset)
+        return _native_encode(values, bf16=True, overflow=BF16_OVERFLOW)
 
     def _decode_rows(self, bodies: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+        if _native is None or not _native_rows(bodies):
+            return self._decode_rows_numpy(bodies, count)
+        return _native_decode(bodies, count, bf16=True)
+
+    def _encode_rows_numpy(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
+        bits = to_bf16_bits(values)
+        if ((bits & np.uint16(0x7F80)) == np.uint16(0x7F80)).any():
+            raise ValueError(BF16_OVERFLOW)
+        return bits.view(np.uint8)
+
+    def _decode_rows_numpy(self, bodies: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
         bits = np.ascontiguousarray(bodies).view(U16)
         ok = ((bits & np.uint16(0x7F80)) != np.uint16(0x7F80)).all(axis=1)
         v = from_bf16_bits(bits)

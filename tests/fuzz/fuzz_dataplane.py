@@ -595,10 +595,10 @@ def quant(fdp: atheris.FuzzedDataProvider, encode: bool) -> None:
 
 
 def half(fdp: atheris.FuzzedDataProvider, encode: bool) -> None:
-    """fp16 bodies, F16C or scalar: half_encode over any float32 bits (1 exactly where a value is beyond fp16),
-    half_decode over any bodies; what an exact call encodes decodes back valid."""
+    """fp16 (F16C or scalar) and bf16 bodies: half_encode over any float32 bits (1 exactly where a value rounds to
+    inf), half_decode over any bodies; what an exact call encodes decodes back valid."""
     rows, count = fdp.ConsumeIntInRange(0, 8), fdp.ConsumeIntInRange(1, 400)
-    scalar = fdp.ConsumeBool()
+    bf16, scalar = fdp.ConsumeBool(), fdp.ConsumeBool()
     n_rows, n_count = number(fdp, rows), number(fdp, count)
     if encode:
         values = buffer(fdp, max(0, min(number(fdp, 4 * rows * count), 1 << 20)))
@@ -606,17 +606,21 @@ def half(fdp: atheris.FuzzedDataProvider, encode: bool) -> None:
             np.frombuffer(values, np.uint8)[3::4] &= 0xC4
         out = buffer(fdp, max(0, min(number(fdp, 2 * rows * count), 1 << 20)))
         n = number(fdp, rows * count)
-        over = native.half_encode(values, n, out, scalar)
+        over = native.half_encode(values, n, out, bf16, scalar)
         if (n, len(values), len(out)) != (rows * count, 4 * rows * count, 2 * rows * count) or not rows:
             return
         x = np.frombuffer(values, np.float32)
-        beyond = bool((~np.isfinite(x) | (np.abs(x) >= 65520)).any())
+        if bf16:  # the top half after rounding to nearest even has an all-ones exponent
+            u = x.view(np.uint32).astype(np.uint64)
+            beyond = bool(((((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0x7F80) == 0x7F80).any())
+        else:
+            beyond = bool((~np.isfinite(x) | (np.abs(x) >= 65520)).any())
         if over != beyond:
             raise AssertionError(f"half_encode said {over}, a value beyond fp16: {beyond}")
         if over:
             return
         dec, ok = buffer(fdp, 4 * rows * count), (ctypes.c_char * rows)()
-        native.half_decode(out, 0, 2 * count, rows, count, dec, ok, scalar)
+        native.half_decode(out, 0, 2 * count, rows, count, dec, ok, bf16, scalar)
         _decoded(dec, ok, rows, count)
         if any(ok[i] != b"\x01" for i in range(rows)):
             raise AssertionError("a body half_encode made does not decode as valid")
@@ -626,7 +630,7 @@ def half(fdp: atheris.FuzzedDataProvider, encode: bool) -> None:
     src = buffer(fdp, size)
     values = buffer(fdp, max(0, min(number(fdp, 4 * rows * count), 1 << 20)))
     ok = buffer(fdp, max(0, min(number(fdp, rows), 1 << 20)))
-    native.half_decode(src, off, stride, n_rows, n_count, values, ok, scalar)
+    native.half_decode(src, off, stride, n_rows, n_count, values, ok, bf16, scalar)
     if (n_rows, n_count) == (rows, count):
         _decoded(values, ok, rows, count)
 
