@@ -71,7 +71,7 @@ def test_join_outside_a_round_says_whether_the_sender_is_early_or_late() -> None
     other = peer(1)
     assert mc.on_join(other, 5, "-", T0) == (False, "not_ready")
     assert mc.on_join(other, 6, "-", T0) == (False, "not_ready")
-    assert mc.on_join(other, 4, "-", T0) == (False, "closed")
+    assert mc.on_join(other, 4, "-", T0) == (False, "disbanded")  # that round is over here: look again
     assert mc.on_join(other, 5, RENEW_KEY, T0) == (False, "closed")  # no kept group to renew
     assert mc.take_actions() == []
 
@@ -99,6 +99,10 @@ def test_a_group_forms_through_join_and_begin_and_the_key_moves_on() -> None:
     assert b.on_begin(a.me.node_id, 0, begin.fields["group"], list(begin.fields["members"]), T0 + 0.08)
     (avg_b,) = of(b.take_actions(), Average)
     assert avg_b.group == Group(avg_a.group.group_id, avg_a.group.members, 1 - avg_a.group.index, a.me.node_id)
+    # while a averages, a probe from its member hears ``closed`` (BEGIN is on its way), anyone else ``disbanded``
+    member = Candidate(join.fields["expiry"], b.me.node_id, b.me.public_key, b.me.addr)
+    assert a.on_join(member, 0, "1", T0 + 0.1) == (False, "closed")
+    assert a.on_join(peer(7), 0, "1", T0 + 0.1) == (False, "disbanded")
     for mc, avg in ((a, avg_a), (b, avg_b)):
         mc.on_averaged(T0 + 0.2, averaged=True, members=[c.node_id for c in avg.group.members])
         assert mc.done and mc.outcome == "averaged" and mc.round == 1

@@ -83,8 +83,8 @@ class Disband:
 
 @dataclass(frozen=True)
 class Probe:
-    """Send ``leader`` my MM_JOIN again: any answer says it is alive (``on_probe_answered``), none says it is
-    gone (``on_probe_failed``)."""
+    """Send ``leader`` my MM_JOIN again: an answer says it is alive and whether it still leads me
+    (``on_probe_answered``), none says it is gone (``on_probe_failed``)."""
 
     leader: Candidate
 
@@ -169,11 +169,12 @@ class Matchmaker:
         self._close_if_all_in(now)
 
     def on_join_request(self, peer: Candidate, now: float) -> tuple[bool, str]:
-        """A peer asks me to lead it. Answers (accepted, reason)."""
+        """A peer asks me to lead it. Answers (accepted, reason): ``closed`` only to a member of the group I
+        closed (its BEGIN is on the way), ``disbanded`` to anyone else once I am done."""
         if peer.node_id == self.me.node_id:
             return False, "self"
         if self.state is State.DONE:
-            return False, "closed"
+            return False, "closed" if self.in_group(peer.node_id) else "disbanded"
         if self.state is State.FOLLOWING:
             return False, "following"
         if self.state is State.JOINING:
@@ -201,11 +202,17 @@ class Matchmaker:
         """The JOIN got no answer after its retries: that peer is gone."""
         self.on_join_response(leader, False, "unreachable", now)
 
-    def on_probe_answered(self, leader: bytes, now: float) -> None:
-        """The leader I follow answered a probe (whatever it said: ``closed`` means its BEGIN is on the way,
-        ``busy`` or ``following`` that its DISBAND is): it is alive, keep waiting."""
+    def on_probe_answered(self, leader: bytes, now: float, reason: str = "ok") -> None:
+        """The leader I follow answered a probe: ``ok`` (it still leads me) or ``closed`` (I am in the group it
+        closed: its BEGIN, sent with retries, is on the way) say keep waiting. Any other answer says it no longer
+        leads me: it follows or joins someone else, or closed without me, so it sent me an MM_DISBAND, which is
+        one datagram and may have been lost (under 10 % loss, followers waited out the leader's expiry plus
+        FOLLOW_SLACK_S, about 5.5 s, and ended alone): look again, as on that DISBAND."""
         if self.state is State.FOLLOWING and self.leader is not None and self.leader.node_id == leader:
-            self._probe_at = now + PROBE_S
+            if reason in ("ok", "closed"):
+                self._probe_at = now + PROBE_S
+            else:
+                self.on_disband(leader, now)
 
     def on_probe_failed(self, leader: bytes, now: float) -> None:
         """The leader I follow did not answer a probe after its retries: it is gone. Look again (or give up,
@@ -258,6 +265,10 @@ class Matchmaker:
             self._give_up()
 
     # -- internals ------------------------------------------------------------------------------
+    def in_group(self, node_id: bytes) -> bool:
+        """Whether ``node_id`` is a member of the group this peer closed or joined."""
+        return self.group is not None and any(c.node_id == node_id for c in self.group.members)
+
     def _lead(self, now: float) -> None:
         self.state = State.LEADING
         self.leader = None

@@ -399,7 +399,7 @@ class RoundMachine:
             _, mm, leader = req
             if mm is self._mm and self.phase == "match":
                 if sender == leader:
-                    mm.on_probe_answered(leader, now)
+                    mm.on_probe_answered(leader, now, "ok" if ok else reason)
                 else:
                     mm.on_probe_failed(leader, now)  # someone else lives at that address
                 self._pump(now)
@@ -445,7 +445,10 @@ class RoundMachine:
             if ok:
                 self._check_renewal(now)
             return ok, "ok" if ok else "closed"
-        return False, "not_ready" if self.round <= round_no else "closed"
+        if round_no == self.round and self.phase == "average":  # matchmaking over: BEGIN went to the members
+            member = self.group is not None and any(c.node_id == peer.node_id for c in self.group.members)
+            return False, "closed" if member else "disbanded"
+        return False, "not_ready" if self.round <= round_no else "disbanded"
 
     def on_begin(self, sender: bytes, round_no: int, group_id: int, members: list[Candidate], now: float) -> bool:
         """An MM_BEGIN (members already checked for addresses this node can reach)."""
