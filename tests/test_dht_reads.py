@@ -216,6 +216,36 @@ def test_agreed_reads_ask_fewer_nodes_and_return_what_a_full_read_does() -> None
     run_virtual(main)
 
 
+def test_a_reader_among_the_closest_counts_itself_as_a_holder() -> None:
+    """In a swarm of 4 every node is one of the k closest: an Agreed(3) read by a holder needs 2 remote holders
+    besides its own copies, so a silent third does not hold it up (it did, by the 0.6 s slow-query wait); a
+    holder's own copies still count only where they include the newest of everything seen."""
+    async def main() -> None:
+        net = MemNet(seed=33)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 4)
+            await nodes[1].dht.put(b"run/0/key", nodes[1].identity.node_id, b"a", ttl=600)
+            await trio.sleep(1.0)  # the put's other STOREs land
+            reader = nodes[0]
+            assert reader.dht.core.store.get(b"run/0/key", trio.current_time())
+            net.partition(nodes[3].addr)  # one of the three others is silent from now on
+            t = trio.current_time()
+            got = await reader.dht.get(b"run/0/key", enough=Agreed(3))
+            assert [r.value for r in got] == [b"a"] and trio.current_time() - t < 0.3, trio.current_time() - t
+            # a record the reader does not hold: its own copies do not agree, so the read waits for the third
+            rec_b = Record.create(nodes[2].identity, b"run/0/key", nodes[2].identity.node_id, b"b", 600.0,
+                                  wall=time.time(), now=trio.current_time())
+            for n in nodes[1:3]:
+                assert n.dht.core.store.store(rec_b, trio.current_time()) is None
+            t = trio.current_time()
+            got = await reader.dht.get(b"run/0/key", enough=Agreed(3))
+            assert sorted(r.value for r in got) == [b"a", b"b"] and trio.current_time() - t >= 0.5
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
 def test_a_record_is_verified_once_across_reads(verify_calls: list[int]) -> None:
     async def main() -> None:
         net = MemNet(seed=33)

@@ -5,7 +5,8 @@ its lookup as soon as the records read so far satisfy it, and otherwise runs to 
 so an early form never returns less than it says: it only stops sooner when the answer is known.
 
 ``done`` is asked after each responder has been read, with every verified record so far (this node's
-own copies included) and, per responder read in full, the signatures it sent.
+own copies included) and, per responder read in full, the signatures it sent. This node counts as one of those
+holders when it is one of the k closest to the key that it knows (its own copies, read in full).
 """
 
 from __future__ import annotations
