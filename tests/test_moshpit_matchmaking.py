@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerd.moshpit.matchmaking import PROBE_S, Begin, Candidate, Disband, Join, Matchmaker, Probe, State
+from peerd.moshpit.matchmaking import PROBE_S, Begin, Candidate, Disband, Group, Join, Matchmaker, Probe, State
 
 
 def cand(i: int, expiry: float) -> Candidate:
@@ -305,6 +305,23 @@ def test_a_lost_disband_is_found_by_the_next_probe():
         other.on_join_response(leader.node_id, True, "ok", 0.01)
         other.on_probe_answered(leader.node_id, 0.52, reason)
         assert other.state is State.FOLLOWING and other.take_actions() == []
+
+
+def test_a_join_answered_closed_waits_for_its_begin():
+    """The leader accepted my JOIN and closed at the target, but its answer was lost; my retransmitted JOIN hears
+    ``closed`` (I am in the group). I wait for the BEGIN and take it, rather than lead and refuse it."""
+    leader, follower = cand(1, 3.0), cand(2, 3.1)
+    lead = Matchmaker(leader, target=2, now=0.0)
+    assert lead.on_join_request(follower, 0.01) == (True, "ok")
+    (begin,) = lead.take_actions()
+    assert lead.on_join_request(follower, 0.03) == (False, "closed")  # the retransmission
+    mm = Matchmaker(follower, target=2, now=0.0)
+    mm.on_entries([leader, follower], 0.0)
+    mm.take_actions()
+    mm.on_join_response(leader.node_id, False, "closed", 0.04)
+    assert mm.state is State.FOLLOWING and mm.take_actions() == []
+    assert mm.on_begin(leader.node_id, begin.group.group_id, list(begin.group.members))
+    assert mm.done and mm.group == Group(begin.group.group_id, begin.group.members, 1, leader.node_id)
 
 
 @settings(max_examples=150, deadline=None)

@@ -190,7 +190,10 @@ class Matchmaker:
     def on_join_response(self, leader: bytes, accepted: bool, reason: str, now: float) -> None:
         if self.state is not State.JOINING or self.leader is None or self.leader.node_id != leader:
             return  # an answer we stopped waiting for
-        if accepted:
+        if accepted or reason == "closed":
+            # ``closed`` to a JOIN: the leader closed a group that holds me (my JOIN got in, its answer was lost and
+            # the retransmission came after the close): its BEGIN, sent with retries, is on the way. Taken as a
+            # refusal, the BEGIN found me leading and was refused, and the group waited out my silence.
             self.state = State.FOLLOWING
             self.follow_deadline = self.leader.expiry + FOLLOW_SLACK_S
             self._probe_at = now + PROBE_S
