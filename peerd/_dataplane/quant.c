@@ -5,7 +5,8 @@
  * Python checks shapes and sizes first (Codec.encode_block, decode_block); these functions take explicit rows,
  * counts and strides, check every bound again, and release the GIL over the block. The arithmetic follows the
  * numpy path's operation order exactly: fp16 roundings from the exact value (float32 -> fp16 and float64 -> fp16
- * round once, to nearest even), float32 products and sums never fused (-ffp-contract=off in pyproject.toml), draws from rounding.py's stream (splitmix64 key, murmur3 fmix32 per element).
+ * round once, to nearest even), float32 products and sums never fused (-ffp-contract=off in pyproject.toml),
+ * draws from rounding.py's stream (splitmix64 key, murmur3 fmix32 per element).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -64,9 +65,27 @@ static int buffers_disjoint(const Py_buffer *a, const Py_buffer *b) {
     return a->len == 0 || b->len == 0 || x + a->len <= y || y + b->len <= x;
 }
 
+/* What every decoder checks before it touches memory: ``rows`` bodies of ``body`` bytes at offset + i * stride lie
+ * inside the ``span`` bytes of ``src``; ``values`` (rows x count float32) and ``ok`` (rows bytes) are long enough; no
+ * two of the buffers overlap. 0 with a ValueError otherwise. */
+static int decode_fits(const Py_buffer *src, Py_ssize_t span, Py_ssize_t offset, Py_ssize_t stride, Py_ssize_t rows,
+                       Py_ssize_t count, Py_ssize_t body, const Py_buffer *values, const Py_buffer *ok) {
+    if (!rows_fit("bodies", span, offset, stride, body, rows)) return 0;
+    if (values->len / 4 / count < rows || ok->len < rows) {
+        PyErr_SetString(PyExc_ValueError, "values or ok is shorter than rows");
+        return 0;
+    }
+    if (!buffers_disjoint(src, values) || !buffers_disjoint(src, ok) || !buffers_disjoint(values, ok)) {
+        PyErr_SetString(PyExc_ValueError, "bodies, values and ok must not overlap");
+        return 0;
+    }
+    return 1;
+}
+
 static int half_finite(uint16_t h) { return (h & 0x7C00u) != 0x7C00u; }
 
-/* The next fp16 after ``h`` (finite, or infinity towards the finite side) towards +infinity (up) or -infinity: numpy's nextafter. */
+/* The next fp16 after ``h`` (finite, or infinity towards the finite side) towards +infinity (up) or -infinity:
+ * numpy's nextafter. */
 static uint16_t half_next(uint16_t h, int up) {
     if ((h & 0x7FFFu) == 0) return up ? 0x0001u : 0x8001u;
     int negative = (h & 0x8000u) != 0;
@@ -280,15 +299,7 @@ PyObject *quant_decode(PyObject *module, PyObject *args) {
     }
     Py_ssize_t groups = (count + group - 1) / group;
     Py_ssize_t body = 4 * groups + (bits == 8 ? count : (count + 1) / 2);
-    if (!rows_fit("bodies", span, offset, stride, body, rows)) goto done;
-    if (values.len / 4 / count < rows || ok.len < rows) {
-        PyErr_SetString(PyExc_ValueError, "values or ok is shorter than rows");
-        goto done;
-    }
-    if (!buffers_disjoint(&src, &values) || !buffers_disjoint(&src, &ok) || !buffers_disjoint(&values, &ok)) {
-        PyErr_SetString(PyExc_ValueError, "bodies, values and ok must not overlap");
-        goto done;
-    }
+    if (!decode_fits(&src, span, offset, stride, rows, count, body, &values, &ok)) goto done;
     Py_BEGIN_ALLOW_THREADS
     const unsigned char *s = (const unsigned char *)src.buf + offset;
     float *v = (float *)values.buf;
@@ -446,8 +457,9 @@ done:
 
 const char half_decode_doc[] =
     "half_decode(bodies, offset, stride, rows, count, values, ok, bf16=False, scalar=False)\n"
-    "Decode ``rows`` binary16 (or bfloat16) bodies of ``count`` values (2 count bytes at offset + i * stride of ``bodies``) into "
-    "``values`` (rows x count float32) and ``ok`` (rows bytes: 1 every value finite, else 0 and the row zeros).";
+    "Decode ``rows`` binary16 (or bfloat16) bodies of ``count`` values (2 count bytes at offset + i * stride of "
+    "``bodies``) into ``values`` (rows x count float32) and ``ok`` (rows bytes: 1 every value finite, else 0 and the "
+    "row zeros).";
 
 PyObject *half_decode(PyObject *module, PyObject *args) {
     Py_buffer src = {0}, values = {0}, ok = {0};
@@ -467,15 +479,7 @@ PyObject *half_decode(PyObject *module, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "count out of range");
         goto done;
     }
-    if (!rows_fit("bodies", span, offset, stride, 2 * count, rows)) goto done;
-    if (values.len / 4 / count < rows || ok.len < rows) {
-        PyErr_SetString(PyExc_ValueError, "values or ok is shorter than rows");
-        goto done;
-    }
-    if (!buffers_disjoint(&src, &values) || !buffers_disjoint(&src, &ok) || !buffers_disjoint(&values, &ok)) {
-        PyErr_SetString(PyExc_ValueError, "bodies, values and ok must not overlap");
-        goto done;
-    }
+    if (!decode_fits(&src, span, offset, stride, rows, count, 2 * count, &values, &ok)) goto done;
     int fast = !scalar && have_f16c();
     Py_BEGIN_ALLOW_THREADS
     const unsigned char *s = (const unsigned char *)src.buf + offset;

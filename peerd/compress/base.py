@@ -9,6 +9,7 @@ every byte it reads and raises ``CodecError`` on anything malformed (the daemon 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import numpy as np
 
@@ -18,6 +19,19 @@ from .rounding import RoundingKey
 FLOAT32 = np.dtype("<f4")
 MAX_COUNT = 0xFFFF  # the tensor header's u16 element count
 _BLOCK_ELEMENTS = 1 << 16  # elements per numpy pass in the block paths (keeps temporaries in cache)
+
+
+def decode_natively(bodies: np.ndarray, count: int, decode: Callable[[np.ndarray, np.ndarray, np.ndarray], object]
+                    ) -> tuple[np.ndarray, np.ndarray] | None:
+    """((rows, count) float32, (rows,) ok) from a native decoder ``decode(bodies, values, ok)`` (ok as bytes), or
+    None where the rows do not lie as the extension takes them (each contiguous, ``strides[0]`` apart)."""
+    rows = bodies.shape[0]
+    if rows == 0 or bodies.strides[1] != 1 or bodies.strides[0] < bodies.shape[1]:
+        return None
+    values = np.empty((rows, count), dtype=FLOAT32)
+    ok = np.empty(rows, dtype=np.uint8)
+    decode(bodies, values, ok)
+    return values, ok.view(bool)
 
 
 class CodecError(WireError):

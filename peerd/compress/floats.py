@@ -7,10 +7,12 @@ value is a malformed body: no member can poison an average with inf through a na
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import numpy as np
 
 from ..wire.native import native as _native
-from .base import FLOAT32, Codec
+from .base import FLOAT32, Codec, decode_natively
 from .rounding import RoundingKey
 
 FLOAT16 = np.dtype("<f2")
@@ -38,25 +40,44 @@ class Float32Codec(Codec):
         return v, ok
 
 
-class Float16Codec(Codec):
-    """IEEE binary16, round to nearest even."""
+class _Native16(Codec):
+    """fp16 and bf16: two bytes a value, made and read in one native pass where the extension is built
+    (quant.c's half_encode/half_decode, numpy's bytes; F16C for fp16 where the CPU has it), else by numpy."""
 
-    name = "fp16"
-    wire_id = 1
+    bf16 = False
+    overflow = ""
 
     def body_size(self, count: int) -> int:
         return 2 * count
 
     def _encode_rows(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
-        """The native pass where the extension is built (quant.c: the same bytes, F16C where the CPU has it)."""
         if _native is None:
             return self._encode_rows_numpy(values, key, offset)
-        return _native_encode(values, bf16=False, overflow=HALF_OVERFLOW)
+        out = np.empty((values.shape[0], 2 * values.shape[1]), dtype=np.uint8)
+        if _native.half_encode(np.ascontiguousarray(values, dtype=FLOAT32), values.size, out, self.bf16):
+            raise ValueError(self.overflow)
+        return out
 
     def _decode_rows(self, bodies: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-        if _native is None or not _native_rows(bodies):
-            return self._decode_rows_numpy(bodies, count)
-        return _native_decode(bodies, count, bf16=False)
+        got = None if _native is None else decode_natively(bodies, count, lambda b, v, k: _native.half_decode(
+            b, 0, b.strides[0], len(b), count, v, k, self.bf16))
+        return got if got is not None else self._decode_rows_numpy(bodies, count)
+
+    @abstractmethod
+    def _encode_rows_numpy(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
+        """The reference: numpy's rounding and overflow check."""
+
+    @abstractmethod
+    def _decode_rows_numpy(self, bodies: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The reference: numpy's conversion and validity check."""
+
+
+class Float16Codec(_Native16):
+    """IEEE binary16, round to nearest even."""
+
+    name = "fp16"
+    wire_id = 1
+    overflow = HALF_OVERFLOW
 
     def _encode_rows_numpy(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
         with np.errstate(over="ignore"):
@@ -70,26 +91,6 @@ class Float16Codec(Codec):
         ok = np.isfinite(v).all(axis=1)
         v[~ok] = 0.0
         return v, ok
-
-
-def _native_rows(bodies: np.ndarray) -> bool:
-    return bodies.shape[0] > 0 and bodies.strides[1] == 1 and bodies.strides[0] >= bodies.shape[1]
-
-
-def _native_encode(values: np.ndarray, *, bf16: bool, overflow: str) -> np.ndarray:
-    """fp16 or bf16 bodies of (rows, count) values in one native pass (quant.c: numpy's bytes)."""
-    out = np.empty((values.shape[0], 2 * values.shape[1]), dtype=np.uint8)
-    if _native.half_encode(np.ascontiguousarray(values, dtype=FLOAT32), values.size, out, bf16):
-        raise ValueError(overflow)
-    return out
-
-
-def _native_decode(bodies: np.ndarray, count: int, *, bf16: bool) -> tuple[np.ndarray, np.ndarray]:
-    rows = bodies.shape[0]
-    values = np.empty((rows, count), dtype=FLOAT32)
-    ok = np.empty(rows, dtype=np.uint8)
-    _native.half_decode(bodies, 0, bodies.strides[0], rows, count, values, ok, bf16)
-    return values, ok.view(bool)
 
 
 def to_bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -107,24 +108,13 @@ def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << np.uint32(16)).view(FLOAT32)
 
 
-class BFloat16Codec(Codec):
+class BFloat16Codec(_Native16):
     """bfloat16: float32's exponent range with 8 significant bits, round to nearest even."""
 
     name = "bf16"
     wire_id = 2
-
-    def body_size(self, count: int) -> int:
-        return 2 * count
-
-    def _encode_rows(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
-        if _native is None:
-            return self._encode_rows_numpy(values, key, offset)
-        return _native_encode(values, bf16=True, overflow=BF16_OVERFLOW)
-
-    def _decode_rows(self, bodies: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-        if _native is None or not _native_rows(bodies):
-            return self._decode_rows_numpy(bodies, count)
-        return _native_decode(bodies, count, bf16=True)
+    bf16 = True
+    overflow = BF16_OVERFLOW
 
     def _encode_rows_numpy(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
         bits = to_bf16_bits(values)

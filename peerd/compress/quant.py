@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..wire.native import native as _native
-from .base import FLOAT32, Codec
+from .base import FLOAT32, Codec, decode_natively
 from .rounding import RoundingKey, uniforms
 
 FLOAT16 = np.dtype("<f2")
@@ -112,13 +112,9 @@ class IntCodec(Codec):
 
     def _decode_rows(self, bodies: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The native pass where the extension is built and the rows lie as it takes them, else numpy."""
-        rows = bodies.shape[0]
-        if _native is None or rows == 0 or bodies.strides[1] != 1 or bodies.strides[0] < bodies.shape[1]:
-            return self._decode_rows_numpy(bodies, count)
-        values = np.empty((rows, count), dtype=FLOAT32)
-        ok = np.empty(rows, dtype=np.uint8)
-        _native.quant_decode(bodies, 0, bodies.strides[0], rows, count, self.bits, self.group, values, ok)
-        return values, ok.view(bool)
+        got = None if _native is None else decode_natively(bodies, count, lambda b, v, k: _native.quant_decode(
+            b, 0, b.strides[0], len(b), count, self.bits, self.group, v, k))
+        return got if got is not None else self._decode_rows_numpy(bodies, count)
 
     def _encode_rows_numpy(self, values: np.ndarray, key: RoundingKey | None, offset: int) -> np.ndarray:
         rows, count = values.shape
