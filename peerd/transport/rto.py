@@ -22,11 +22,7 @@ from dataclasses import dataclass
 ALPHA = 1 / 8  # RFC 6298 smoothing gains
 BETA = 1 / 4
 K = 4
-# 20 ms: a lost control datagram between peers a few ms apart costs about that, not 50 ms. With 50, a Moshpit round
-# under 10 % loss took 0.19-0.23 s at the median (4 daemons, peerd bench moshpit --loss 0.1), with 20, 0.13 s;
-# a peer slower than that has srtt + 4 rttvar above it anyway, and a spurious retransmission costs the peer one
-# more handling of a request every handler already takes twice (a lost answer brings the same retransmission).
-DEFAULT_MIN_RTO = 0.02
+DEFAULT_MIN_RTO = 0.05
 DEFAULT_CAPACITY = 4096
 MAX_BACKOFF = 64
 _INF = float("inf")
