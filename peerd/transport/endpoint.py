@@ -72,6 +72,10 @@ Address = tuple[str, int]
 DEFAULT_MTU = 1200
 RECV_DATAGRAMS = 1024  # per receive pass (the socket's arena caps it near 1 MB: ~1 ms of opening when sealed)
 URGENT_BYTES = 512  # a PING or PONG at most this long goes before the rest of its receive batch
+# A request unanswered this long after its first transmission (and retransmitted) tells the NAT service its peer
+# may sit behind a NAT (punch, or relay). Tied to time, not to the retransmission count: a learned timeout of a few
+# ms on a quiet link must not make one lost datagram look like a NAT's filter.
+NAT_SILENT_S = 0.05
 # A sealer is replaced after this many datagrams (PROTOCOL.md 4.2: AES-GCM's confidentiality bound). The next one
 # is drawn at 3/4 of it and seals control messages at once (each carries its signed binding); data to a receiver
 # moves to it once a request sealed with it was answered by that receiver (which bound it), and all data moves
@@ -602,14 +606,18 @@ class Endpoint:
         event = self._events[rid] = trio.Event()
         sealed_by: Sealer | None = None
         transmits = 0
+        told = False  # the NAT service heard that this peer is silent
         try:
             while True:
                 step = core.step(rid, trio.current_time())
                 if isinstance(step, Transmit):
                     sealed_by = self.rotation.next
                     transmits += 1
-                    if transmits == 2 and self.nat is not None and receiver is not None:
-                        self.nat.silent(addr, receiver, trio.current_time())  # maybe a NAT: punch, or relay
+                    now = trio.current_time()
+                    if (not told and transmits >= 2 and now - start >= NAT_SILENT_S and self.nat is not None
+                            and receiver is not None):
+                        told = True
+                        self.nat.silent(addr, receiver, now)  # maybe a NAT: punch, or relay
                     await self._send_control(addr, mtype, rid, fields, receiver)
                 elif isinstance(step, WaitUntil):
                     with trio.move_on_at(step.at):
