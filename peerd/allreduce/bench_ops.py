@@ -217,6 +217,8 @@ class BenchOps:
             "page_faults": usage.ru_minflt - usage0.ru_minflt,
             "preempted": usage.ru_nivcsw - usage0.ru_nivcsw,
             "handshake_s": result.handshake_s,
+            "rs_s": st.reduce_scatter.duration_s,
+            "ag_s": st.all_gather.duration_s,
             "bytes_sent": result.bytes_sent,
             "datagrams_sent": st.reduce_scatter.datagrams_sent + st.all_gather.datagrams_sent,
             "datagrams_received": st.reduce_scatter.datagrams_received + st.all_gather.datagrams_received,

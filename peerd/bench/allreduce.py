@@ -304,6 +304,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
         biases: list[float] = []
         rmses: list[float] = []
         uplink_bytes: list[int] = []  # bytes every peer's uplink tbf sent during the peerd averages (lab only)
+        queue_drops = {"up": [0, 0], "down": [0, 0]}  # per side: packets the tbfs dropped, packets offered
         if lab is not None:
             lab.reset_counters()  # the drop fraction below covers the averages, not the daemons' startup
         nat_before = path_bytes(nodes) if cfg.nat != "none" else []
@@ -320,10 +321,15 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
                 size=cfg.size, weight=weights[i], robust=cfg.robust, profile=profile, compression=cfg.compression,
                 quant_group=cfg.quant_group, rounding=cfg.rounding, run=cfg.seed, **arc), range(cfg.peers)))
             up_before = _uplinks(lab)
+            tbf_before = _tbfs(lab)
             t0 = time.time()
             replies = list(pool.map(lambda n, g=group: n.call("bench_run", timeout=600, group_id=g), nodes))
             elapsed = max(rep["done_at"] for rep in replies) - t0
             uplink_bytes += [a.bytes - b.bytes for a, b in zip(_uplinks(lab), up_before, strict=True)]
+            for side, before in tbf_before.items():
+                for a, b in zip(_tbfs(lab)[side], before, strict=True):
+                    queue_drops[side][0] += a.drops - b.drops
+                    queue_drops[side][1] += a.packets - b.packets + a.drops - b.drops
             peerd_times.append(elapsed)
             runs.extend(replies)
             for i, node in enumerate(nodes):
@@ -396,6 +402,10 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "pacer_rate_mb_s": round(statistics.median(rep.get("pacer_rate", 0.0) for rep in runs) / 1e6, 3),
             "pacer_decreases_per_peer": (statistics.mean(rep.get("pacer_decreases", 0) for rep in runs[-cfg.peers:])
                                          if runs else 0),
+            # where an average's time goes (median over peers and repeats, seconds): the handshake, then each phase
+            # from its start to its end at this member
+            "phase_s": {k: round(statistics.median(v), 4) for k in ("handshake_s", "rs_s", "ag_s")
+                        if (v := [rep[k] for rep in runs if rep.get(k) is not None])},
             "phases_ended_by_deadline": sum((rep["rs_ended_by"] == "deadline") + (rep["ag_ended_by"] == "deadline")
                                             for rep in runs),
             # each of those phases, with the run (repeat) and member it belongs to
@@ -429,7 +439,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             out.update(nat_fields(nodes, nat_before, path_bytes(nodes)))
             out["relayed_for_others"] = relayed_for_others(nodes + ([relay_node] if relay_node else []))
         if lab is not None and lab.rate_bps is not None:
-            out.update(_link_fields(lab, cfg, peerd_times, uplink_bytes))
+            out.update(_link_fields(lab, cfg, peerd_times, uplink_bytes, queue_drops))
             out["bus_fraction"] = bus_fraction(cfg.peers, cfg.size, out["peerd_s"], lab.rate_bps)
         if gloo is not None:
             out["gloo_s"] = statistics.median(gloo_times)
@@ -470,8 +480,16 @@ def _uplinks(lab: NetnsLab | None) -> list[QdiscStats]:
     return [lab.qdisc_stats(i)["up"] for i in range(lab.peers)] if lab is not None and lab.tbf is not None else []
 
 
+def _tbfs(lab: NetnsLab | None) -> dict[str, list[QdiscStats]]:
+    """Every peer's two token buckets by side (``up``: its own lab0; ``down``: the far end's, toward it)."""
+    if lab is None or lab.tbf is None:
+        return {}
+    stats = [lab.qdisc_stats(i) for i in range(lab.peers)]
+    return {side: [s[side] for s in stats] for side in ("up", "down")}
+
+
 def _link_fields(lab: NetnsLab, cfg: AllreduceBenchConfig, peerd_times: list[float],
-                 uplink_bytes: list[int]) -> dict[str, Any]:
+                 uplink_bytes: list[int], queue_drops: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """The lab's share of the JSON: its parameters, what its counters saw, how full peerd kept the links."""
     counters = [lab.counters(i) for i in range(lab.peers)]
     seen = sum(c.seen for c in counters)
@@ -488,6 +506,10 @@ def _link_fields(lab: NetnsLab, cfg: AllreduceBenchConfig, peerd_times: list[flo
         "link_packets_seen": seen,
         # Wire bytes (Ethernet frames, as tbf counts them) over rate x time, every uplink over every average.
         "link_utilization": sum(uplink_bytes) * 8 / (lab.rate_bps * wire_s) if wire_s > 0 else 0.0,
+        # What the token buckets' queues dropped (overflow: peerd's own overrun) of the packets offered to them
+        # during the peerd averages, uplinks and downlinks apart: the excess loss's cause, located.
+        "link_queue_drops": {side: d / offered if offered else 0.0
+                             for side, (d, offered) in (queue_drops or {}).items()},
     }
 
 
