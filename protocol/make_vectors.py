@@ -233,6 +233,7 @@ def control_messages() -> list[tuple[str, m.MsgType, dict]]:
                 "seconds": 0.025,
                 "kernel_drops": 0,
                 "position": 4096,
+                "arrived": 1795000000.125,
             },
         ),
         (

@@ -672,9 +672,9 @@ def test_a_report_counts_only_what_was_sent() -> None:
     a, b = b"a" * 32, b"b" * 32
 
     class Recording(Pacer):
-        def on_report(self, dest, report, now, sent_span=None):  # type: ignore[override]
+        def on_report(self, dest, report, now, sent_span=None, placed=0.0):  # type: ignore[override]
             seen.append((dest, report, sent_span))
-            return super().on_report(dest, report, now, sent_span)
+            return super().on_report(dest, report, now, sent_span, placed)
 
     seen: list = []
 

@@ -699,7 +699,8 @@ done:
 #include <sys/socket.h>
 
 #define RECV_VLEN 64           /* messages per recvmmsg */
-#define RECV_CONTROL 64        /* control bytes per message: UDP_GRO and SO_RXQ_OVFL, an int and a u32 */
+#define RECV_CONTROL 128       /* control bytes per message: UDP_GRO and SO_RXQ_OVFL (an int and a u32) and
+                                * SO_TIMESTAMPNS (a struct timespec) */
 #define RECV_MAX_ENTRIES 65536 /* max_datagrams is at most this */
 #define MERGE_PREFIX PREFIX_SIZE
 #ifndef SOL_UDP
@@ -707,6 +708,9 @@ done:
 #endif
 #ifndef UDP_GRO
 #define UDP_GRO 104
+#endif
+#ifndef SCM_TIMESTAMPNS
+#define SCM_TIMESTAMPNS 35
 #endif
 #ifndef SO_RXQ_OVFL
 #define SO_RXQ_OVFL 40
@@ -723,6 +727,7 @@ typedef struct {
 typedef struct {
     Py_ssize_t start, size, row;
     Source source;
+    double stamp; /* the kernel's receive time of its latest message (SO_TIMESTAMPNS, unix seconds), 0: none */
 } Block;
 
 /* The header checks of peerd.wire.envelope.peek, with its constants given by the caller (``screen``). */
@@ -1235,7 +1240,7 @@ static double shed_level(PassSources *ps, const Block *blocks, Py_ssize_t nblock
 }
 
 PyDoc_STRVAR(recv_batch_doc,
-"recv_batch(fd, arena, max_datagrams, slot, screen=None, ration=None, now=0.0, shed=None)\n"
+"recv_batch(fd, arena, max_datagrams, slot, screen=None, ration=None, now=0.0, shed=None, arrivals=None)\n"
 "    -> (blocks, used, datagrams, receives, drained, kernel_drops[, screened])\n"
 "--\n\n"
 "One receive pass over the non-blocking UDP socket ``fd`` with the GIL released: recvmmsg(MSG_DONTWAIT) into\n"
@@ -1266,7 +1271,10 @@ PyDoc_STRVAR(recv_batch_doc,
 "heaviest cut to the water level), PINGs and PONGs of at most urgent_bytes always kept, and so is every sealed\n"
 "datagram under a token of the optional fifth item ``protected`` (a dict keyed by int, or None), none of them\n"
 "counted in the shares; ``screened`` then ends\n"
-"with ``limited`` (0 without a ration) and ``shed``: the datagrams dropped so (their bytes in screened_bytes).");
+"with ``limited`` (0 without a ration) and ``shed``: the datagrams dropped so (their bytes in screened_bytes).\n\n"
+"``arrivals``: (a dict, data_min). For every block handed back whose first datagram's type byte is at least\n"
+"``data_min`` (tensor data) and that the kernel timestamped (SO_TIMESTAMPNS on the socket), dict[(host, port)] is\n"
+"set to the kernel's receive time of its latest datagram (unix seconds): what a REPORT's ``arrived`` says.");
 
 /* Interleaved sessions merge (recv_batch, with a screen): where several members send at once, paced, a pass holds
  * A B C A B C ..., and the consecutive merge above leaves every datagram a block of its own, each a Python call
@@ -1365,6 +1373,7 @@ static int regroup_sessions(unsigned char *base, Py_ssize_t used, Block *blocks,
             memcpy(tmp + pos, base + m->start, (size_t)m->size);
             pos += m->size;
             nb.size += m->size;
+            if (m->stamp > nb.stamp) nb.stamp = m->stamp;
         }
         blocks[w++] = nb;
     }
@@ -1379,11 +1388,21 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
     int fd;
     PyObject *arena_obj;
     Py_ssize_t max_datagrams, slot;
-    PyObject *screen_obj = Py_None, *ration_obj = Py_None, *shed_obj = Py_None;
+    PyObject *screen_obj = Py_None, *ration_obj = Py_None, *shed_obj = Py_None, *arrivals_obj = Py_None;
     double now = 0.0;
-    if (!PyArg_ParseTuple(args, "iOnn|OOdO", &fd, &arena_obj, &max_datagrams, &slot, &screen_obj, &ration_obj, &now,
-                          &shed_obj))
+    if (!PyArg_ParseTuple(args, "iOnn|OOdOO", &fd, &arena_obj, &max_datagrams, &slot, &screen_obj, &ration_obj, &now,
+                          &shed_obj, &arrivals_obj))
         return NULL;
+    PyObject *arrivals = NULL; /* source -> the latest kernel receive time of its data (see the docstring) */
+    int data_min = 256;
+    if (arrivals_obj != Py_None) {
+        if (!PyArg_ParseTuple(arrivals_obj, "O!i;arrivals: (dict, data_min)", &PyDict_Type, &arrivals, &data_min))
+            return NULL;
+        if (data_min < 0 || data_min > 255) {
+            PyErr_Format(PyExc_ValueError, "arrivals: data_min %d out of range 0..255", data_min);
+            return NULL;
+        }
+    }
     Shed shed = {0, 0, -1, -1, 0, NULL};
     if (shed_obj != Py_None) {
         if (screen_obj == Py_None) {
@@ -1504,6 +1523,7 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             Py_ssize_t size = (Py_ssize_t)msgs[i].msg_len;
             if (size > slot) size = slot; /* never: a message is at most its iov */
             Py_ssize_t segment = 0;
+            double stamp = 0.0;
             if (!(h->msg_flags & MSG_CTRUNC) && h->msg_controllen <= sizeof(control[i].buf)) {
                 for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c != NULL; c = CMSG_NXTHDR(h, c)) {
                     size_t have = c->cmsg_len >= CMSG_LEN(0) ? c->cmsg_len - CMSG_LEN(0) : 0;
@@ -1522,6 +1542,11 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
                         uint32_t v;
                         memcpy(&v, CMSG_DATA(c), 4);
                         kernel_drops = v;
+                    } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_TIMESTAMPNS
+                               && have >= sizeof(struct timespec)) {
+                        struct timespec ts;
+                        memcpy(&ts, CMSG_DATA(c), sizeof(ts));
+                        stamp = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
                     }
                 }
             }
@@ -1551,6 +1576,7 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
                 if (last->row == row && last->size % row == 0 && last->start + last->size == dest
                     && same_source(&last->source, &source) && memcmp(base + last->start, to, (size_t)prefix) == 0) {
                     last->size += size;
+                    if (stamp > last->stamp) last->stamp = stamp;
                     used += size;
                     continue;
                 }
@@ -1563,6 +1589,7 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             blocks[nblocks].size = size;
             blocks[nblocks].row = row;
             blocks[nblocks].source = source;
+            blocks[nblocks].stamp = stamp;
             nblocks++;
             used += size;
         }
@@ -1715,6 +1742,16 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             Py_DECREF(pair);
             if (r < 0) goto fail;
             continue;
+        }
+        if (arrivals != NULL && b->stamp > 0 && b->size > 3 && base[b->start + 3] >= data_min) {
+            PyObject *when = PyFloat_FromDouble(b->stamp);
+            int r = when == NULL ? -1 : PyDict_SetItem(arrivals, source, when);
+            Py_XDECREF(when);
+            if (r < 0) {
+                Py_DECREF(data);
+                Py_DECREF(source);
+                goto fail;
+            }
         }
         PyObject *item = PyTuple_New(3);
         PyObject *seg = PyLong_FromSsize_t(b->size > b->row ? b->row : 0);

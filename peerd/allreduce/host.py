@@ -383,8 +383,16 @@ class AveragingHost:
             g = self._groups.get(block.group_id) or self._recent.get(block.group_id)
             if g is not None:
                 g.sent_to[block.to] += rows
-                g.positions[block.to].note(g.sent_to[block.to], at)
+                g.positions[block.to].note(g.sent_to[block.to], at, self.pacer.spacing(nbytes // max(1, rows)))
         return at
+
+    def sent(self, block: SendBlock, at: float) -> None:
+        """The datagrams ``pace`` placed last for ``block``'s member really went out at ``at`` (a sender woken
+        late sends after its time: the queue its REPORTs show must be measured from then)."""
+        if block.type in DATA_TYPES:
+            g = self._groups.get(block.group_id) or self._recent.get(block.group_id)
+            if g is not None:
+                g.positions[block.to].settle(g.sent_to[block.to], at)
 
     def deadline(self, group_id: int, now: float) -> float:
         """When to call ``on_timer`` next (a Wake may come first). While data from a token not bound yet is
@@ -414,14 +422,17 @@ class AveragingHost:
         """When to call ``reports`` for the group next."""
         return self._groups[group_id].report_at
 
-    def reports(self, group_id: int, now: float, kernel_drops: int) -> list[SendReport]:
+    def reports(self, group_id: int, now: float, kernel_drops: int,
+                arrivals: Sequence[float] | None = None) -> list[SendReport]:
         """A REPORT to each sender from which enough arrived since the last one (``kernel_drops``: the
-        socket's cumulative counter)."""
+        socket's cumulative counter; ``arrivals``: per member, the kernel's receive time of its latest data,
+        unix seconds, 0 where unknown: UdpSocket.arrivals)."""
         g = self._groups[group_id]
         g.report_at = now + self.report_interval_s
-        return self._reports(g, now, kernel_drops, final=False)
+        return self._reports(g, now, kernel_drops, final=False, arrivals=arrivals)
 
-    def finish(self, group_id: int, now: float, kernel_drops: int) -> list[Action]:
+    def finish(self, group_id: int, now: float, kernel_drops: int,
+               arrivals: Sequence[float] | None = None) -> list[Action]:
         """The group's driver is done with it (finished, or cancelled: then nothing to send). A finished
         group's last REPORTs (what arrived since the last one, and the lost tail) and its Completed; the
         group's REPORTs keep counting while it is among the ``recent_groups`` latest, and what is still held
@@ -430,7 +441,7 @@ class AveragingHost:
         self._protected = None
         actions: list[Action] = []
         if g.core.finished:
-            actions.extend(self._reports(g, now, kernel_drops, final=True))
+            actions.extend(self._reports(g, now, kernel_drops, final=True, arrivals=arrivals))
             actions.append(Completed(group_id, g.core.result(), g.core.statistics()))
         # Nothing reads the group's stage any more (its result is taken; data for it is late from now on).
         stage = g.core.stage_buffer
@@ -518,7 +529,8 @@ class AveragingHost:
         i = g.by_peer.get(peer) if g is not None else None
         if g is None or i is None or i == g.core.index:
             return [Dropped("report")]
-        report = Report(b["expected"], b["received"], b["bytes"], b["seconds"], b["kernel_drops"], b["position"])
+        report = Report(b["expected"], b["received"], b["bytes"], b["seconds"], b["kernel_drops"], b["position"],
+                        b.get("arrived", 0.0))
         span = None
         if report.expected > 0:
             first = report.position - report.expected
@@ -527,10 +539,11 @@ class AveragingHost:
                 # yet as lost: that is not the path's loss.
                 top = max(first, g.sent_to[i])
                 report = replace(report, expected=top - first, received=min(report.received, top - first),
-                                 position=top)
+                                 position=top, arrived=0.0)
             if report.expected > 0:
                 span = g.positions[i].span(max(0, first - 1), report.position - 1)
-        verdict = self.pacer.on_report(peer, report, now, span)
+        placed = g.positions[i].placed(report.position - 1) if span is not None else 0.0
+        verdict = self.pacer.on_report(peer, report, now, span, placed=placed)
         return [PacerVerdict(verdict.rate, verdict)]
 
     # ---- held data ------------------------------------------------------------------------------------
@@ -613,7 +626,8 @@ class AveragingHost:
         except WireError as e:
             drops[e.reason] += 1
 
-    def _reports(self, g: _Group, now: float, kernel_drops: int, *, final: bool) -> list[SendReport]:
+    def _reports(self, g: _Group, now: float, kernel_drops: int, *, final: bool,
+                 arrivals: Sequence[float] | None = None) -> list[SendReport]:
         """One sender's flow to this member is its reduce-scatter stream, then its all-gather stream (it
         sends them one after the other), so the two phases count as one run of datagram indices."""
         core = g.core
@@ -630,17 +644,22 @@ class AveragingHost:
             last_at = max(rs_at[i], ag_at[i])
             first_at = rs_first[i] if rs_received[i] else ag_first[i]
             meter = g.meters[i]
+            # The latest data from the member arrived then: its top position's datagram, in order (a later one
+            # lost after the socket, or a reordered one, only makes the sender's queue look deeper)
+            arrived = arrivals[i] if arrivals is not None and i < len(arrivals) else 0.0
             if final:
                 total = rs_expected[i] + ag_expected[i]
-                rep = meter.final(total, received, received * size, first_at, last_at, kernel_drops, now)
+                # (only a stream whose last datagram arrived: else its top is not what arrived last)
+                rep = meter.final(total, received, received * size, first_at, last_at, kernel_drops, now,
+                                  arrived if ag_top[i] >= ag_expected[i] > 0 else 0.0)
             else:
-                rep = meter.sample(received, top, received * size, first_at, last_at, kernel_drops, now)
+                rep = meter.sample(received, top, received * size, first_at, last_at, kernel_drops, now, arrived)
             if rep is None:
                 continue
             fields = {"group": core.group_id, "phase": phase, "expected": min(rep.expected, 2**32 - 1),
                       "received": min(rep.received, 2**32 - 1), "bytes": min(rep.nbytes, 2**64 - 1),
                       "seconds": min(86400.0, rep.seconds), "kernel_drops": min(rep.kernel_drops, 2**32 - 1),
-                      "position": min(rep.position, 2**32 - 1)}
+                      "position": min(rep.position, 2**32 - 1), "arrived": rep.arrived}
             out.append(SendReport(core.group_id, i, peer, fields))
         return out
 

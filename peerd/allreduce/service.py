@@ -155,6 +155,13 @@ class AllreduceService:
     def _kernel_drops(self) -> int:
         return self.endpoint.kernel_drops
 
+    def _arrivals(self, members: list[Member]) -> list[float] | None:
+        """Per member, when the kernel received its latest data (UdpSocket.arrivals; 0: unknown)."""
+        table = getattr(self.endpoint.sock, "arrivals", None)
+        if not table:
+            return None
+        return [table.get(m.addr, 0.0) for m in members]
+
     def _gso(self) -> bool:
         """Whether the socket sends GSO batches now (its declared capabilities: it may lose GSO at a send)."""
         return self.endpoint.caps.gso
@@ -224,7 +231,7 @@ class AllreduceService:
                 nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
             # END copies not due yet: nothing here waits for them, and members may still (they go at once)
             await self._send_blocks(host.due_copies(group_id, math.inf), members, sent)
-            done = host.finish(group_id, trio.current_time(), self._kernel_drops())
+            done = host.finish(group_id, trio.current_time(), self._kernel_drops(), self._arrivals(members))
             # what arrived since the last report, and the lost tail
             await self._send_reports([a for a in done if type(a) is SendReport], members)
             self._run(a for a in done if type(a) is Dropped)
@@ -293,6 +300,7 @@ class AllreduceService:
                 at = self.host.pace(b, len(chunk), chunk.size, now)
                 if at > now:
                     await trio.sleep_until(at)
+                    self.host.sent(b, trio.current_time())
                 try:
                     await self.endpoint.send_sealed(member.addr, chunk)
                 except RpcError as e:
@@ -307,7 +315,8 @@ class AllreduceService:
         """Tell each sender what arrived from it, when the host says (every REPORT_INTERVAL_S)."""
         while True:
             await trio.sleep_until(self.host.next_report(group_id))
-            await self._send_reports(self.host.reports(group_id, trio.current_time(), self._kernel_drops()), members)
+            await self._send_reports(self.host.reports(group_id, trio.current_time(), self._kernel_drops(),
+                                                       self._arrivals(members)), members)
 
     async def _send_reports(self, reports: list[SendReport], members: list[Member]) -> None:
         for r in reports:

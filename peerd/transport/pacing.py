@@ -79,6 +79,8 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from .qdelay import QueueDelay
+
 START_RATE = 2e6  # bytes/s (16 Mbit/s): low, so a thin link is not overrun 8x at the first average
 DEFAULT_RATE = START_RATE
 MIN_RATE = 0.25e6
@@ -102,7 +104,7 @@ EARLY_SAMPLE = 64  # datagrams reported of a phase before it may be judged early
 EARLY_Z = 4.0  # ... when its loss is this many sigma above its floor
 IDLE_S = 0.25  # a sender idle this long ended an average (or waited for data in one: aged by next to nothing)
 MEMORY_HALF_LIFE_S = 60.0  # an idle sender's remembered rates lose half their excess over START_RATE this often
-CYCLE = (1.25, 0.75, 0.97, 0.97, 0.97, 0.97)  # gains on btl: probe, drain, four cruise phases a little under
+CYCLE = (1.1, 0.9, 0.98, 0.98, 0.98, 0.98)  # gains on btl: probe, drain, four cruise phases a little under
 PROBE, DRAIN = 0, 1
 PROBE_STEP = 0.02  # a clean probe raises btl this much at first, doubling with every clean probe in a row ...
 MAX_PROBE_STEP = 0.08  # ... up to this (the overshoot a cruise phase then pays for), and after FAST_PROBES
@@ -131,6 +133,15 @@ PATH_GROWTH = 1.25  # a capped destination's cap grows this much per clean phase
 LOG_QUANTUM_S = 0.001
 LOG_HISTORY_S = 2.0
 MAX_PATHS = 1024  # per-destination state kept (caps, send logs); the least recently used goes first
+Q_HIGH = 0.006  # seconds of queue at a phase's end that say its rate is above what the uplink carries ...
+Q_MIN = 0.002  # ... or this much, growing by more than SLOPE_MIN seconds per second of the phase
+SLOPE_MIN = 0.1
+DEEP_PHASES = 2  # judged phases in a row with a queue above Q_HIGH before a cruise phase's rate is cut
+Q_SPAN = 0.3  # a destination's queue growth is measured over samples this much of a phase apart at least
+BASE_PLACED = 0.001  # seconds into a burst a datagram's modelled send time may be and still set the base delay
+MEASURE = False  # a probe whose queue grew sets btl to what the link carried (see _judge)
+MEASURE_GAIN = 0.5  # a probe's measurement of the link moves btl this far toward it
+DELAY_MARGIN = 0.98  # a queue that grew sets btl this far under the rate the uplink carried (exact, unlike loss)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +155,8 @@ class Report:
     kernel_drops: int  # datagrams the receiver's kernel dropped at its socket in the interval (all senders)
     position: int = 0  # one past the highest stream position that arrived (the interval is the `expected`
     # positions before it); lets the sender find when it sent them
+    arrived: float = 0.0  # when (the receiver's clock, unix seconds) the datagram at ``position - 1`` arrived; 0:
+    # not known. Against its send time, the path's one-way delay plus a constant clock offset (transport.qdelay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +178,7 @@ class _Phase:
     """An interval sent at one rate, and what the REPORTs about its datagrams said."""
 
     __slots__ = ("start", "end", "rate", "kind", "expected", "lost", "drops", "paths", "last_sent", "nbytes",
-                 "busy_until", "pause_from")
+                 "busy_until", "pause_from", "queue")
 
     def __init__(self, start: float, rate: float, kind: str) -> None:
         self.start = start
@@ -180,6 +193,7 @@ class _Phase:
         self.nbytes = 0  # bytes reserved in the phase
         self.busy_until = start  # when the last part reserved in the phase is through the bucket
         self.pause_from = start  # when the phase before ended, if nothing ran in between (a pause)
+        self.queue: list[tuple[float, float, Hashable]] = []  # (sent at, queueing delay, dest) of its datagrams
 
     def stop(self) -> float:
         """Where the phase's send rate is measured to: its end, or its last send if the sender ran out of data
@@ -280,6 +294,9 @@ class Pacer:
         self._reported: OrderedDict[Hashable, _Frontier] = OrderedDict()  # dest -> what its REPORTs cover
         self._delay: float | None = None  # smoothed REPORT delay: from a report's last send to its arrival
         self._delay_dev = 0.0
+        self._queues = QueueDelay(max_paths)  # per destination: queueing delay from REPORTs' arrival times
+        self._deep = 0  # judged phases in a row whose queue stood above Q_HIGH
+        self.queue_delay: float | None = None  # the last judged phase's uplink queue, seconds
         self.decreases = 0
         self.increases = 0
         self.resumes = 0  # averages started from memory after an idle gap
@@ -358,6 +375,11 @@ class Pacer:
             self._sent.move_to_end(dest)
         log.add(at, nbytes)
         return at - now
+
+    def spacing(self, nbytes: int) -> float:
+        """Seconds a datagram of ``nbytes`` takes through the bottleneck, as far as the pacer knows (0 in
+        startup, where it does not): what places a burst's datagrams in time (SendPositions)."""
+        return nbytes / self.btl if self.btl else 0.0
 
     def sent_rate(self, start: float, stop: float, dest: Hashable = None) -> float:
         """What this sender really sent to ``dest`` (all destinations: None) in [start, stop), bytes/s."""
@@ -504,17 +526,26 @@ class Pacer:
 
     # -- feedback ----------------------------------------------------------------------------------
     def on_report(
-        self, dest: Hashable, report: Report, now: float, sent_span: tuple[float, float] | None = None
+        self, dest: Hashable, report: Report, now: float, sent_span: tuple[float, float] | None = None,
+        placed: float = 0.0,
     ) -> Verdict:
         """Pool one receiver's interval report, received at ``now``, into the phase its datagrams were
         sent in; judge the phases whose reports are all in.
 
         ``sent_span``: when this sender sent the first and the last datagram of the interval (the driver
-        knows from ``report.position``). Without it the interval is taken to end ``now``."""
+        knows from ``report.position``). Without it the interval is taken to end ``now``. ``placed``: how far
+        into its batch the last one was placed (SendPositions.placed): a sample placed more than BASE_PLACED
+        into a burst does not set the path's base delay."""
         self._advance(now)
         r = report
         if sent_span is not None and r.expected > 0:
             self._note_delay(dest, sent_span, r.position == r.expected, now)
+            if r.arrived > 0:
+                # the datagram at the top of the interval: sent at sent_span[1], arrived at r.arrived
+                q = self._queues.sample(dest, r.arrived - sent_span[1], sent_span[1], placed <= BASE_PLACED)
+                at = self._phase_at(sent_span[1])
+                if q is not None and at is not None:
+                    at.queue.append((sent_span[1], q, dest))
         if r.expected <= 0:
             verdict = Verdict("small", "no datagrams", self.rate)
         else:
@@ -642,6 +673,45 @@ class Pacer:
             reason = f"{drops} datagrams dropped by receivers' kernels"
         elif floor_n and loss > floor + margin + z * math.sqrt(floor_var + _var(floor, expected)):
             reason = f"loss {loss:.3f} above the floor {floor:.3f} ({ph.kind} at {sent / 1e6:.2f} MB/s)"
+        delay_cut = None
+        signal = self._queue_signal(ph)
+        if signal is not None:
+            self.queue_delay = signal[0]
+            if reason.startswith("loss") and signal[0] < Q_HIGH:
+                # A queue overflows only once full, and the datagrams that got through then waited in it: loss
+                # above the floor with the queue shallow is the random loss's sampling noise.
+                reason = ""
+        if not reason and signal is not None and ph.kind != "drain":
+            level, growth, at = signal
+            if growth is None:
+                # (no destination's samples spanned enough of the phase: where a probe's queue stood late in it
+                # tells its growth, the cruise before a probe having left the queue empty)
+                late = ph.kind == "probe" and at - ph.start > Q_SPAN * (ph.end - ph.start)
+                growth = level / (at - ph.start) if late and level > Q_HIGH else 0.0
+            grew = growth > SLOPE_MIN and level > Q_MIN
+            # what the link carried while the queue grew (a full queue grows no more: its overflow is the rest)
+            measured = sent / (1.0 + max(0.0, growth)) * min(1.0, (1.0 - loss) / max(1e-9, 1.0 - floor))
+            # (a phase sent before the last cut drained shows that overshoot's queue, acted on already; one that
+            # used little of its rate, the tail of an average, shows the queue of the bursts before it)
+            fresh = ph.start >= self._quiet_until and sent >= APP_LIMITED * ph.rate
+            self._deep = self._deep + 1 if level > Q_HIGH else 0
+            if fresh and ph.kind == "probe" and (level > Q_HIGH or (MEASURE and grew)):
+                # A probe above the link filled the queue: no raise, and a drain empties what it left. (Taken as a
+                # measurement of the link, sent / (1 + growth), it read low in the lab: a sender woken late on
+                # loaded cores bursts, and its bursts queue below the link's rate.)
+                return self._measured(measured * DELAY_MARGIN if MEASURE else self.btl or sent, level, growth,
+                                      sent, now)
+            if ph.kind == "startup":
+                # (in startup a burst's datagrams are not placed in time, btl being unknown: each sample may sit a
+                # burst late, so only a queue both deep and growing ends it)
+                congested = fresh and level > Q_HIGH and growth > 2 * SLOPE_MIN
+            else:  # (a deep queue in two judged phases in a row: one may be a burst's, or a receiver's stall)
+                congested = fresh and self._deep >= DEEP_PHASES
+            if congested:
+                # The uplink's queue filled while the phase sent at ``sent``: no loss yet, and what the link
+                # carried is known (a standing queue that did not grow: ``sent`` was at most that).
+                reason = f"queue {1e3 * level:.1f} ms, growing {growth:.2f} s/s ({ph.kind} at {sent / 1e6:.2f} MB/s)"
+                delay_cut = measured
         if reason and ph.kind == "drain":
             # The probe before it filled the queue (or the overshoot before the last cut did): says nothing
             # against btl. (A path too slow even for the drain rate congests the cruise phases after it.)
@@ -658,12 +728,15 @@ class Pacer:
             # those overran the queue, so what they delivered is a share of that rate, not of the phase's
             # average (which took btl to a fifth of the link in the lab, 2 loaded cores, 4 daemons).
             base = ph.rate if sent < APP_LIMITED * ph.rate else sent
-            delivered = base * (1.0 - loss) / max(1e-9, 1.0 - floor)
+            if delay_cut is not None:
+                delivered = delay_cut * DELAY_MARGIN
+            else:
+                delivered = base * (1.0 - loss) / max(1e-9, 1.0 - floor) * CUT_MARGIN
             # (at most MAX_CUT in one step: a phase that lost nearly everything, as one a receiver's bogus
             # or misaligned REPORT makes, would otherwise take the rate to the floor in one go)
-            delivered = min(self.max_rate, max(self.min_rate, MAX_CUT * base, delivered * CUT_MARGIN))
+            delivered = min(self.max_rate, max(self.min_rate, MAX_CUT * base, delivered))
             self.btl = delivered if self.btl is None else min(self.btl, delivered)
-            if ph.kind == "probe":
+            if ph.kind == "probe" and delay_cut is None:
                 # A probe that overflowed says the queue was not empty, so the cruise rate under it was too
                 # high as well (what it delivered is no bound on that: a probe's gain is on top).
                 self.btl = max(self.min_rate, self.btl * PROBE_FAIL_CUT)
@@ -724,6 +797,51 @@ class Pacer:
             return Verdict("increase", f"clean probe: btl {self.btl / 1e6:.2f} MB/s", self.rate)
         return Verdict("hold", "clean", self.rate)
 
+    def _measured(self, btl: float, level: float, growth: float, sent: float, now: float) -> Verdict:
+        """A probe measured the link (its queue grew): btl takes the measurement, and a drain phase follows."""
+        old = self.btl
+        if old is not None:  # (one probe's samples are few and noisy: half-way to what it measured)
+            btl = MEASURE_GAIN * btl + (1.0 - MEASURE_GAIN) * old
+        self.btl = min(self.max_rate, max(self.min_rate, btl))
+        self._cycle_at = DRAIN
+        self._step = PROBE_STEP
+        self._clean_probes = 0
+        self._restart(now)
+        self._quiet_until = now + self._span(self.rate, self.phase_s)
+        action = "increase" if old is not None and self.btl > old else "decrease"
+        if action == "increase":
+            self.increases += 1
+        else:
+            self.decreases += 1
+        return Verdict(action, f"probe at {sent / 1e6:.2f} MB/s: queue {1e3 * level:.1f} ms, growing {growth:.2f} "
+                               f"s/s: btl {self.btl / 1e6:.2f} MB/s", self.rate)
+
+    def _queue_signal(self, ph: _Phase) -> tuple[float, float | None, float] | None:
+        """The uplink's queue over a phase from its REPORTs' queueing delays: (seconds queued at its end, growth
+        in seconds per second or None where no destination's samples span enough of it, when that level was
+        sent), or None without samples. Every destination's datagrams cross the uplink's queue,
+        only one destination's its own downlink: so the uplink's is the least over destinations."""
+        if not ph.queue:
+            return None
+        by_dest: dict[Hashable, list[tuple[float, float]]] = {}
+        for t, q, dest in ph.queue:
+            by_dest.setdefault(dest, []).append((t, q))
+        span = Q_SPAN * ((ph.end if ph.end is not None else ph.start) - ph.start)
+        # Each sample may sit up to a burst's length late (the receiver reports wherever its top falls in a
+        # batch, placed at the pacer's guess of the link rate): the least samples of each half of the phase.
+        mid = (ph.start + (ph.end if ph.end is not None else ph.start)) / 2
+        level, at, growths = math.inf, ph.start, []
+        for samples in by_dest.values():
+            samples.sort()
+            early = [s for s in samples if s[0] < mid] or samples[:1]
+            late = [s for s in samples if s[0] >= mid] or samples[-1:]
+            (t0, q0), (t1, q1) = min(early, key=lambda s: s[1]), min(late, key=lambda s: s[1])
+            if q1 < level:
+                level, at = q1, t1
+            if t1 - t0 > max(span, 1e-6):
+                growths.append((q1 - q0) / (t1 - t0))
+        return level, min(growths) if growths else None, at
+
     def _path_congested(self, dest: Hashable, expected: int, lost: int, drops: int, sent: float, margin: float,
                         z: float) -> tuple[float, float] | None:
         """One destination's share of a phase: (its loss, what its path delivered, a little under) when it
@@ -772,23 +890,43 @@ class _Frontier:
 
 class SendPositions:
     """When each datagram of one stream was sent, in checkpoints (one per batch): the driver records
-    ``(position after the batch, time)`` and looks up the send span of a report's positions."""
+    ``(position after the batch, time, seconds per datagram)`` and looks up the send span of a report's
+    positions. A batch goes out as one burst and crosses the bottleneck at its rate (``per``: seconds per
+    datagram there, ``Pacer.spacing``), so a position inside one is placed that far after the batch's time:
+    what a burst queues behind itself is not the path's queue (transport.qdelay)."""
 
-    __slots__ = ("_ends", "_times")
+    __slots__ = ("_ends", "_times", "_per")
 
     def __init__(self) -> None:
         self._ends: list[int] = []
         self._times: list[float] = []
+        self._per: list[float] = []
 
-    def note(self, end: int, t: float) -> None:
+    def note(self, end: int, t: float, per: float = 0.0) -> None:
         if self._ends and self._ends[-1] >= end:
             return
         self._ends.append(end)
         self._times.append(t)
+        self._per.append(max(0.0, per))
+
+    def settle(self, end: int, t: float) -> None:
+        """The batch that ends at ``end`` really went out at ``t`` (a sender woken late sends after its time)."""
+        if self._ends and self._ends[-1] == end and t > self._times[-1]:
+            self._times[-1] = t
 
     def time_of(self, position: int) -> float | None:
         i = bisect.bisect_right(self._ends, position)
-        return self._times[i] if i < len(self._times) else None
+        if i >= len(self._times):
+            return None
+        start = self._ends[i - 1] if i else 0
+        return self._times[i] + (position - start) * self._per[i]
+
+    def placed(self, position: int) -> float:
+        """How far into its batch ``time_of`` placed ``position`` (seconds; 0: the batch's own time)."""
+        i = bisect.bisect_right(self._ends, position)
+        if i >= len(self._times):
+            return 0.0
+        return (position - (self._ends[i - 1] if i else 0)) * self._per[i]
 
     def span(self, first: int, last: int) -> tuple[float, float] | None:
         a, b = self.time_of(first), self.time_of(last)
@@ -798,11 +936,13 @@ class SendPositions:
 class DeliveryMeter:
     """Receiver side: interval reports from one sender's cumulative counters.
 
-    ``sample(received, top, nbytes, first_at, last_at, kernel_drops, now)`` takes the cumulative data
+    ``sample(received, top, nbytes, first_at, last_at, kernel_drops, now, arrived)`` takes the cumulative data
     datagrams received from the sender, one past the highest stream position that arrived, the bytes
-    received, when the first and the latest one arrived, and the socket's cumulative kernel drop counter;
-    it returns a Report once enough has happened since the last one, else None. ``final(total, ...)``
-    closes the stream: every position up to ``total`` counts as sent.
+    received, when the first and the latest one arrived, the socket's cumulative kernel drop counter, and when
+    (unix seconds, the kernel's receive time where the socket gives it; 0: unknown) the datagram at ``top - 1``
+    arrived; it returns a Report once enough has happened since the last one, else None. ``final(total, ...)``
+    closes the stream: every position up to ``total`` counts as sent (``arrived``: of position ``total - 1``,
+    0 unless it arrived).
     """
 
     __slots__ = ("_received", "_top", "_bytes", "_drops", "_t", "_last_at", "interval_s", "min_datagrams")
@@ -818,25 +958,28 @@ class DeliveryMeter:
         self.min_datagrams = min_datagrams
 
     def sample(
-        self, received: int, top: int, nbytes: int, first_at: float, last_at: float, kernel_drops: int, now: float
+        self, received: int, top: int, nbytes: int, first_at: float, last_at: float, kernel_drops: int, now: float,
+        arrived: float = 0.0,
     ) -> Report | None:
         if self._last_at is None:  # the first report comes as soon as it means something: a sender that
             if top < FIRST_REPORT:  # starts far above its path loses most of what it sends until then
                 return None
         elif now - self._t < self.interval_s or top - self._top < self.min_datagrams:
             return None
-        return self._take(received, top, nbytes, first_at, last_at, kernel_drops, now)
+        return self._take(received, top, nbytes, first_at, last_at, kernel_drops, now, arrived)
 
     def final(
-        self, total: int, received: int, nbytes: int, first_at: float, last_at: float, kernel_drops: int, now: float
+        self, total: int, received: int, nbytes: int, first_at: float, last_at: float, kernel_drops: int, now: float,
+        arrived: float = 0.0,
     ) -> Report | None:
         """The rest of the stream up to ``total`` positions (a tail that never arrived counts as lost)."""
         if total <= self._top and received <= self._received:
             return None
-        return self._take(received, max(total, self._top), nbytes, first_at, last_at, kernel_drops, now)
+        return self._take(received, max(total, self._top), nbytes, first_at, last_at, kernel_drops, now, arrived)
 
     def _take(
-        self, received: int, top: int, nbytes: int, first_at: float, last_at: float, kernel_drops: int, now: float
+        self, received: int, top: int, nbytes: int, first_at: float, last_at: float, kernel_drops: int, now: float,
+        arrived: float = 0.0,
     ) -> Report:
         # The arrival span runs from the last arrival already reported (the first report's from the first
         # arrival), as the sender's span runs from the send of the position before the interval's first.
@@ -848,6 +991,7 @@ class DeliveryMeter:
             seconds=max(0.0, last_at - since),
             kernel_drops=max(0, kernel_drops - self._drops),
             position=top,
+            arrived=arrived if arrived > 0 and math.isfinite(arrived) else 0.0,
         )
         self._received, self._top, self._bytes, self._drops, self._t = received, top, nbytes, kernel_drops, now
         self._last_at = max(last_at, since)

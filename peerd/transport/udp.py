@@ -30,6 +30,10 @@ SOL_UDP = 17
 UDP_SEGMENT = 103
 UDP_GRO = 104
 SO_RXQ_OVFL = 40
+SO_TIMESTAMPNS = 35  # (and SCM_TIMESTAMPNS): the kernel's receive time of each datagram, as a struct timespec
+TIMESPEC = struct.Struct("@qq")
+DATA_MIN_TYPE = 0x40  # wire.messages.CONTROL_MAX + 1: tensor data types start here
+MAX_ARRIVALS = 4096  # sources whose data's latest arrival is kept (past that the table starts over)
 SO_RCVBUFFORCE = 33
 SO_SNDBUFFORCE = 32
 GSO_MAX_SEGMENTS = 64
@@ -135,6 +139,14 @@ class UdpSocket:
                 gro = True
             except OSError:
                 pass
+        self.arrivals: dict[Address, float] = {}  # source -> kernel receive time of its latest data (unix s)
+        self.stamps = False  # the kernel timestamps received datagrams (SO_TIMESTAMPNS)
+        if linux:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+                self.stamps = True
+            except OSError:
+                pass
         ovfl = False
         if linux:
             try:
@@ -225,7 +237,8 @@ class UdpSocket:
         view = self._view
         limit = max(1, min(max_datagrams, 65536))
         while True:
-            blocks, used, count, calls, drained, drops = recv(fd, view, limit, RECV_BUFFER)  # type: ignore[misc]
+            blocks, used, count, calls, drained, drops = recv(  # type: ignore[misc]
+                fd, view, limit, RECV_BUFFER, None, None, 0.0, None, self._arrivals())
             if drops >= 0:
                 self.kernel_drops = drops
             if blocks:
@@ -283,12 +296,8 @@ class UdpSocket:
                         self._overload_view = memoryview(bytearray(OVERLOAD_ARENA))
                     view, most = self._overload_view, max(limit, OVERLOAD_DATAGRAMS)
                     shed = (min(limit, OVERLOAD_KEEP), URGENT_BYTES, PING_TYPE, PONG_TYPE, keep)
-            if shed is not None:
-                result = recv(fd, view, most, RECV_BUFFER, screen, table, now, shed)
-            elif table is not None:
-                result = recv(fd, view, most, RECV_BUFFER, screen, table, now)
-            else:
-                result = recv(fd, view, most, RECV_BUFFER, screen)
+            result = recv(fd, view, most, RECV_BUFFER, screen, table, now if table is not None else 0.0, shed,
+                          self._arrivals())
             blocks, used, count, calls, drained, drops, screened = result
             if shed is not None:
                 *screened, shed_now = screened
@@ -311,6 +320,15 @@ class UdpSocket:
                     return (blocks, *screened, 0, False, now, *tail)
                 return (blocks, *screened, True, now, *tail)
             await trio.lowlevel.wait_readable(self.sock)
+
+    def _arrivals(self) -> tuple[dict[Address, float], int] | None:
+        """recv_batch's ``arrivals``: this socket's table (emptied once it holds MAX_ARRIVALS sources: only the
+        members a group averages with matter, and anyone can send from many addresses)."""
+        if not self.stamps:
+            return None
+        if len(self.arrivals) >= MAX_ARRIVALS:
+            self.arrivals.clear()
+        return self.arrivals, DATA_MIN_TYPE
 
     def queued(self) -> int:
         """Bytes the kernel holds for this socket to receive (SO_MEMINFO; 0 where it cannot say)."""
@@ -336,14 +354,22 @@ class UdpSocket:
                     size, ancdata, _flags, addr = recvmsg_into([view[used : used + RECV_BUFFER]], 256)
                     calls += 1
                     segment = 0
+                    stamp = 0.0
                     for level, kind, data in ancdata:
                         if level == SOL_UDP and kind == UDP_GRO:
                             segment = I32.unpack_from(data)[0] if len(data) >= 4 else U16.unpack_from(data)[0]
                         elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= 4:
                             self.kernel_drops = U32.unpack_from(data)[0]
+                        elif level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= TIMESPEC.size:
+                            sec, nsec = TIMESPEC.unpack_from(data)
+                            stamp = sec + nsec * 1e-9
                     row = segment if 0 < segment < size else size
                     count += -(-size // row) if row else 1
                     source = addr if len(addr) == 2 else (addr[0], addr[1])
+                    if stamp > 0 and size > 3 and view[used + 3] >= DATA_MIN_TYPE:  # (as recv_batch's arrivals)
+                        if len(self.arrivals) >= MAX_ARRIVALS and source not in self.arrivals:
+                            self.arrivals.clear()
+                        self.arrivals[source] = stamp
                     if out and row:
                         last = out[-1]
                         # Append to the previous block: same source, same datagram size, the previous block's

@@ -229,6 +229,8 @@ SCHEMAS: dict[MsgType, dict[str, s.Validator]] = {
         "seconds": s.number(0.0, 86400.0),  # the interval, at the receiver
         "kernel_drops": s.uint(32),  # datagrams its kernel dropped at the socket in the interval (all senders)
         "position": s.uint(32),  # one past the highest position of the sender's stream (RS, then AG) that arrived
+        # when the datagram at position - 1 arrived (the receiver's clock, unix seconds; 0: unknown)
+        "arrived": s.number(0.0, 1e12),
     },
     MsgType.STATE_GET: {
         **_COMMON,
