@@ -886,3 +886,59 @@ def test_interleaved_sessions_merge_per_source_in_the_order_they_came() -> None:
     finally:
         for s in (rx, *txs):
             s.close()
+
+
+@pytest.mark.parametrize("native_receive", [True, False])
+def test_arrivals_hold_the_kernels_receive_time_of_each_sources_latest_data(native_receive: bool) -> None:
+    """SO_TIMESTAMPNS: the native pass and the Python loop alike keep, per source, the kernel's receive time of its
+    latest tensor data (type 0x40 and up): what a REPORT's ``arrived`` says. Control datagrams leave it alone."""
+    async def main() -> None:
+        tx1, tx2 = UdpSocket(_bind(socket.AF_INET), gso=False), UdpSocket(_bind(socket.AF_INET), gso=False)
+        rx = UdpSocket(_bind(socket.AF_INET), gso=False, native_receive=native_receive)
+        try:
+            if not rx.stamps:
+                pytest.skip("no SO_TIMESTAMPNS")
+            import time
+            before = time.time()
+            await tx1.sendto(_header(0x40, 1) + bytes(100), rx.getsockname())  # data
+            await tx2.sendto(_header(m.MsgType.PING, 2) + bytes(100), rx.getsockname())  # control
+            await trio.sleep(0.05)
+            after = time.time()
+            with trio.fail_after(5):
+                got = 0
+                while got < 2:
+                    got += sum(1 for _ in await rx.recv_blocks(64))
+            assert set(rx.arrivals) == {tx1.getsockname()}
+            stamp = rx.arrivals[tx1.getsockname()]
+            assert before - 0.01 <= stamp <= after + 0.01
+            await trio.sleep(0.02)
+            await tx1.sendto(_header(0x41, 1) + bytes(100), rx.getsockname())
+            with trio.fail_after(5):
+                await rx.recv_blocks(64)
+            assert rx.arrivals[tx1.getsockname()] >= stamp + 0.015  # the latest data's
+        finally:
+            for s in (tx1, tx2, rx):
+                s.close()
+
+    trio.run(main)
+
+
+def test_arrivals_are_bounded_and_checked() -> None:
+    """The table starts over once it holds MAX_ARRIVALS sources (anyone may send from many addresses), and the C
+    pass refuses an arrivals argument that is not (dict, type)."""
+    from peerd.transport import udp
+
+    s = _bind(socket.AF_INET)
+    try:
+        sock = UdpSocket(s)
+        if not sock.stamps:
+            pytest.skip("no SO_TIMESTAMPNS")
+        sock.arrivals.update({("10.0.0.1", p): 1.0 for p in range(1, udp.MAX_ARRIVALS + 1)})
+        table, data_min = sock._arrivals()
+        assert table == {} and data_min == 0x40
+        view = memoryview(bytearray(RECV_BUFFER))
+        for bad in ([], ({}, 256), ({}, -1), ([], 0x40)):
+            with pytest.raises((TypeError, ValueError)):
+                NATIVE_RECV(s.fileno(), view, 1, RECV_BUFFER, None, None, 0.0, None, bad)
+    finally:
+        s.close()

@@ -1396,6 +1396,10 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
     PyObject *arrivals = NULL; /* source -> the latest kernel receive time of its data (see the docstring) */
     int data_min = 256;
     if (arrivals_obj != Py_None) {
+        if (!PyTuple_Check(arrivals_obj)) {
+            PyErr_SetString(PyExc_TypeError, "arrivals: (dict, data_min), or None");
+            return NULL;
+        }
         if (!PyArg_ParseTuple(arrivals_obj, "O!i;arrivals: (dict, data_min)", &PyDict_Type, &arrivals, &data_min))
             return NULL;
         if (data_min < 0 || data_min > 255) {

@@ -21,9 +21,27 @@ REPORTs so far already show an overflow beyond doubt (``EARLY_Z`` sigma) is judg
 goes out while the last one is unjudged: late REPORTs must not leave an overflow running. A phase is judged
 by its loss, over all destinations, against the **random-loss floor**, which is the pooled loss of recent
 clean phases sent at a clearly lower rate (``FLOOR_RATE``).
-That is the whole distinction between random loss and congestion: random loss is the same at every rate,
+That is the first distinction between random loss and congestion: random loss is the same at every rate,
 overflow at the bottleneck appears only above its rate. A phase lossier than its floor (beyond its sampling
 noise) is congestion; a phase no lossier is clean, whatever its loss. Random loss alone never slows it.
+
+The second is the **queue** (where receivers give arrival times: REPORT's ``arrived``, the kernel's receive
+time of the interval's last datagram). Against when this sender sent it, that is the path's one-way delay
+plus a constant clock offset; above the least of recent samples (transport.qdelay), time spent in queues.
+A phase's uplink queue is the least over its destinations (every destination's datagrams cross the uplink's
+queue, only one its own downlink) of the least late sample (a sample may sit a burst late). So:
+
+* loss above the floor with the queue under ``Q_HIGH`` is random (a queue overflows only once full, and what
+  got through then waited in it): nothing is cut;
+* a queue above ``Q_HIGH`` in ``DEEP_PHASES`` judged phases in a row is congestion before any overflow: btl
+  goes to what the link carried (the phase's rate / (1 + the queue's growth), less what it lost beyond the
+  floor), ``DELAY_MARGIN`` under;
+* a probe that takes the queue above ``Q_HIGH`` is not clean (no raise; a drain follows), and startup ends on
+  a queue that is deep and growing, before it overflows.
+
+A burst (one GSO send) crosses the bottleneck datagram by datagram: SendPositions places each at btl's rate
+after the burst's time (a sample deep in a burst never sets the base: the rate may be wrong), and a batch
+that went out late (a sender woken late on a loaded CPU) is re-timed to when it went.
 
 The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
 
@@ -36,9 +54,10 @@ The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
   a newer cut); a phase sent below the new ``btl`` while the overshoot's queue drained is not held against
   it; a drain phase's loss is the probe's queue, not evidence against ``btl``; a probe that overflowed
   takes ``btl`` a further ``PROBE_FAIL_CUT`` down (its cruise rate was too high too). Then a drain phase.
-* **Probe cycle** afterwards, one phase each: x1.25 (probe), x0.75 (drain: empties what the probe queued),
-  then four at x0.97 (a little under, so a slightly high ``btl`` does not fill the queue). A queue absorbs a
-  probe, so a clean probe does not measure headroom; it raises ``btl`` by a step that starts at 2 % and
+* **Probe cycle** afterwards, one phase each: x1.1 (probe), x0.9 (drain: empties what the probe queued),
+  then four at x0.98 (a little under, so a slightly high ``btl`` does not fill the queue). (With the queue
+  seen, a probe of x1.25 filled 12 ms of it at the link's rate and never came back clean: btl settled 15 %
+  under the link.) A clean probe raises ``btl`` by a step that starts at 2 % and
   doubles with each clean probe in a row, up to 8 % (an overshoot then costs a phase of tail drops) and,
   after five clean probes in a row, up to 50 % (the link got faster). Congestion restarts it at 2 %.
 * A phase in which the sender used under ``APP_LIMITED`` of its rate (CPU-bound, or out of data) raises
@@ -48,8 +67,9 @@ The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
 * Kernel drops at a receiver (its socket buffer overflowed) above ``KERNEL_DROPS`` of a phase's datagrams are
   congestion too.
 
-Arrival times are not used: receivers stamp datagrams when their event loop gets to them, and on the lab's
-2 loaded cores the ratio of send to arrival time read 0.7 at a third of the link rate (no queue at all).
+Event-loop arrival times are not used (REPORT's ``seconds``): receivers see datagrams when their event loop
+gets to them, and on the lab's 2 loaded cores the ratio of send to arrival time read 0.7 at a third of the link
+rate (no queue at all). The kernel's receive times (``arrived``) do not wait for the event loop.
 
 Per destination: a destination clearly lossier than the rest of a phase (its downlink or its CPU is the
 bottleneck, not this uplink) is left out of the uplink's judgement, and once it stays so for
@@ -64,9 +84,10 @@ time (``MEMORY_HALF_LIFE_S``: a rate's excess over START_RATE halves, a cap loos
 phase; only a sender's first average starts at START_RATE.
 
 Measured (tests/test_pacing.py, 4 nodes on 100 Mbit/s tbf links with a 20 ms queue, random loss 0-10 %):
-uplinks 90-95 % full after startup; the loss the pacer adds, 0.9-1.7 % in steady state, 1.3-2.2 % with
-startup (the issue's goal is 1 %: not met). REPORTs 50 ms + 100 ms (exponential) late, 5 % loss: 0.87-0.90
-full, excess 1.8-1.9 %, 3-7 % of REPORTs stale (a fixed 50 ms lag: excess 3.7-9.1 %, 85 % stale). Receivers
+with arrival times, uplinks 94-96 % full after startup and the loss the pacer adds 0.05-0.3 % in steady state,
+0.55-1.05 % with startup; by loss alone (receivers without arrival times), 90-95 % full and 0.9-1.7 % added
+(1.3-2.2 % with startup). REPORTs 50 ms + 100 ms (exponential) late, 5 % loss: 0.90-0.91 full, excess 1.6 %
+(by loss alone 0.87-0.90 and 1.8-1.9 %; a fixed 50 ms lag: excess 3.7-9.1 %, 85 % stale). Receivers
 stalled 60 ms in every 200 ms: 0.92-0.95 full with room in their socket buffers; with none, the kernel
 drops slow the senders to ~0.5 of the link.
 """
@@ -133,14 +154,11 @@ PATH_GROWTH = 1.25  # a capped destination's cap grows this much per clean phase
 LOG_QUANTUM_S = 0.001
 LOG_HISTORY_S = 2.0
 MAX_PATHS = 1024  # per-destination state kept (caps, send logs); the least recently used goes first
-Q_HIGH = 0.006  # seconds of queue at a phase's end that say its rate is above what the uplink carries ...
-Q_MIN = 0.002  # ... or this much, growing by more than SLOPE_MIN seconds per second of the phase
-SLOPE_MIN = 0.1
+Q_HIGH = 0.006  # seconds of queue at a phase's end that say its rate is above what the uplink carries
+STARTUP_GROWTH_MIN = 0.2  # startup ends on a queue above Q_HIGH that grew this many seconds per second of the phase
 DEEP_PHASES = 2  # judged phases in a row with a queue above Q_HIGH before a cruise phase's rate is cut
 Q_SPAN = 0.3  # a destination's queue growth is measured over samples this much of a phase apart at least
 BASE_PLACED = 0.001  # seconds into a burst a datagram's modelled send time may be and still set the base delay
-MEASURE = False  # a probe whose queue grew sets btl to what the link carried (see _judge)
-MEASURE_GAIN = 0.5  # a probe's measurement of the link moves btl this far toward it
 DELAY_MARGIN = 0.98  # a queue that grew sets btl this far under the rate the uplink carried (exact, unlike loss)
 
 
@@ -688,23 +706,25 @@ class Pacer:
                 # tells its growth, the cruise before a probe having left the queue empty)
                 late = ph.kind == "probe" and at - ph.start > Q_SPAN * (ph.end - ph.start)
                 growth = level / (at - ph.start) if late and level > Q_HIGH else 0.0
-            grew = growth > SLOPE_MIN and level > Q_MIN
             # what the link carried while the queue grew (a full queue grows no more: its overflow is the rest)
             measured = sent / (1.0 + max(0.0, growth)) * min(1.0, (1.0 - loss) / max(1e-9, 1.0 - floor))
             # (a phase sent before the last cut drained shows that overshoot's queue, acted on already; one that
             # used little of its rate, the tail of an average, shows the queue of the bursts before it)
             fresh = ph.start >= self._quiet_until and sent >= APP_LIMITED * ph.rate
             self._deep = self._deep + 1 if level > Q_HIGH else 0
-            if fresh and ph.kind == "probe" and (level > Q_HIGH or (MEASURE and grew)):
+            if fresh and ph.kind == "probe" and level > Q_HIGH:
                 # A probe above the link filled the queue: no raise, and a drain empties what it left. (Taken as a
                 # measurement of the link, sent / (1 + growth), it read low in the lab: a sender woken late on
                 # loaded cores bursts, and its bursts queue below the link's rate.)
-                return self._measured(measured * DELAY_MARGIN if MEASURE else self.btl or sent, level, growth,
-                                      sent, now)
+                self._cycle_at = DRAIN
+                self._step = PROBE_STEP
+                self._clean_probes = 0
+                self._restart(now)
+                return Verdict("hold", f"probe at {sent / 1e6:.2f} MB/s: queue {1e3 * level:.1f} ms", self.rate)
             if ph.kind == "startup":
                 # (in startup a burst's datagrams are not placed in time, btl being unknown: each sample may sit a
                 # burst late, so only a queue both deep and growing ends it)
-                congested = fresh and level > Q_HIGH and growth > 2 * SLOPE_MIN
+                congested = fresh and level > Q_HIGH and growth > STARTUP_GROWTH_MIN
             else:  # (a deep queue in two judged phases in a row: one may be a burst's, or a receiver's stall)
                 congested = fresh and self._deep >= DEEP_PHASES
             if congested:
@@ -796,25 +816,6 @@ class Pacer:
             self.increases += 1
             return Verdict("increase", f"clean probe: btl {self.btl / 1e6:.2f} MB/s", self.rate)
         return Verdict("hold", "clean", self.rate)
-
-    def _measured(self, btl: float, level: float, growth: float, sent: float, now: float) -> Verdict:
-        """A probe measured the link (its queue grew): btl takes the measurement, and a drain phase follows."""
-        old = self.btl
-        if old is not None:  # (one probe's samples are few and noisy: half-way to what it measured)
-            btl = MEASURE_GAIN * btl + (1.0 - MEASURE_GAIN) * old
-        self.btl = min(self.max_rate, max(self.min_rate, btl))
-        self._cycle_at = DRAIN
-        self._step = PROBE_STEP
-        self._clean_probes = 0
-        self._restart(now)
-        self._quiet_until = now + self._span(self.rate, self.phase_s)
-        action = "increase" if old is not None and self.btl > old else "decrease"
-        if action == "increase":
-            self.increases += 1
-        else:
-            self.decreases += 1
-        return Verdict(action, f"probe at {sent / 1e6:.2f} MB/s: queue {1e3 * level:.1f} ms, growing {growth:.2f} "
-                               f"s/s: btl {self.btl / 1e6:.2f} MB/s", self.rate)
 
     def _queue_signal(self, ph: _Phase) -> tuple[float, float | None, float] | None:
         """The uplink's queue over a phase from its REPORTs' queueing delays: (seconds queued at its end, growth

@@ -236,7 +236,7 @@ def _sockets() -> tuple[socket.socket, socket.socket]:
         rx.connect(tx.getsockname())
         rx.setblocking(False)
         rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        for level, opt in ((17, 104), (socket.SOL_SOCKET, 40)):  # UDP_GRO, SO_RXQ_OVFL
+        for level, opt in ((17, 104), (socket.SOL_SOCKET, 40), (socket.SOL_SOCKET, 35)):  # GRO, RXQ_OVFL, TIMESTAMPNS
             try:
                 rx.setsockopt(level, opt, 1)
             except OSError:
@@ -369,13 +369,25 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
                 shed = (*shed, protected)
             if table is None:
                 table, now = None, 0.0
-        if screen is None and table is None and shed is None:
+        arrivals = None
+        if fdp.ConsumeIntInRange(0, 3) == 0:  # the kernel's receive times per source (sometimes malformed)
+            arrivals = ({}, fdp.ConsumeIntInRange(0, 255)) if fdp.ConsumeIntInRange(0, 7) else ([], 300)
+        if screen is None and table is None and shed is None and arrivals is None:
             blocks, used, datagrams, receives, drained, drops = native.recv_batch(rx.fileno(), view, limit, slot)
+        elif screen is None and arrivals is not None:
+            blocks, used, datagrams, receives, drained, drops = native.recv_batch(
+                rx.fileno(), view, limit, slot, None, None, 0.0, None, arrivals)
         else:
-            args = (rx.fileno(), view, limit, slot, screen) + ((table, now) if table is not None else ())
-            if shed is not None:
-                args = (rx.fileno(), view, limit, slot, screen, table, now if table is not None else 0.0, shed)
+            args = (rx.fileno(), view, limit, slot, screen, table, now if table is not None else 0.0, shed, arrivals)
+            if table is None and shed is None and arrivals is None:
+                args = (rx.fileno(), view, limit, slot, screen)
             blocks, used, datagrams, receives, drained, drops, screened = native.recv_batch(*args)
+        if arrivals is not None:
+            seen["recv_batch arrivals"] += 1
+            for source, when in arrivals[0].items():
+                if not (isinstance(source, tuple) and isinstance(when, float) and when > 0):
+                    raise AssertionError(f"arrivals: {source!r} -> {when!r}")
+        if screen is not None:
             if shed is not None:
                 unknown, malformed, version, screened_bytes, limited, shed_count = screened
                 seen["recv_batch shed"] += 1
