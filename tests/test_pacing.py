@@ -10,6 +10,7 @@ the path can carry, little is lost, and random loss does not collapse the rate.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -317,11 +318,13 @@ def lossy_swarm(loss: float, seed: int, seconds: float = 3.0) -> Swarm:
 
 
 def feed(pacer: Pacer, seconds: float, loss_of, *, t0: float = 0.0, dests=("a", "b", "c"), drops_of=None,
-         lag: float = 0.01, seed: int = 0, burst: int = 0, gap: float = 0.0) -> float:
+         lag: float = 0.01, seed: int = 0, burst: int = 0, gap: float = 0.0, queue_of=None) -> float:
     """Drive one Pacer with no link model: it sends all the time, destinations in turn, a part at a time when
     its bucket says; every 25 ms each destination reports what was sent to it up to ``lag`` ago, of which
     ``loss_of(dest, t)`` was lost at random (and ``drops_of(dest, t)`` kernel drops). ``burst``/``gap``: after
-    every ``burst`` parts the sender waits ``gap`` seconds for data. Returns the end time."""
+    every ``burst`` parts the sender waits ``gap`` seconds for data. ``queue_of(dest, t)``: the seconds the
+    interval's last datagram (sent at t) waited in queues; its arrival time is in each REPORT (None: REPORTs
+    without arrival times). Returns the end time."""
     rng = random.Random(seed)
     t, tick = t0, t0 + 0.025
     sent = {d: [] for d in dests}  # per destination: send time of every datagram
@@ -345,7 +348,8 @@ def feed(pacer: Pacer, seconds: float, loss_of, *, t0: float = 0.0, dests=("a", 
                     p = loss_of(dd, times[top - 1])
                     got = sum(1 for _ in range(n) if rng.random() >= p)
                     drops = drops_of(dd, times[top - 1]) if drops_of else 0
-                    rep = Report(n, got, got * DATAGRAM, 0.025, drops, top)
+                    arrived = 0.0 if queue_of is None else 1e6 + times[top - 1] + 0.002 + queue_of(dd, times[top - 1])
+                    rep = Report(n, got, got * DATAGRAM, 0.025, drops, top, arrived)
                     span = (times[max(0, reported[dd] - 1)], times[top - 1])
                     pacer.on_report(dd, rep, tick, span)
                     reported[dd] = top
@@ -359,13 +363,29 @@ def feed(pacer: Pacer, seconds: float, loss_of, *, t0: float = 0.0, dests=("a", 
 @pytest.mark.parametrize("loss", [0.0, 0.01, 0.05, 0.10])
 def test_four_senders_fill_their_links_and_do_not_overrun_them(loss: float) -> None:
     """The lab's shape: 4 nodes, 100 Mbit/s tbf up and down (1 ms burst, 20 ms queue), random loss on every
-    node's input, every node streaming to the 3 others from a low start. Once started (after 1 s: startup
-    takes ~0.6 s from 16 Mbit/s), the uplinks carry >= 90 % of their rate (0.90-0.95 measured, seeds 1-3).
-    The loss the pacer adds to the random loss, its probes' and overshoots' tail drops, is above 0.01 in
-    steady state (0.009-0.017) and 0.013-0.022 with the startup overshoot: short of the issue's 0.01 goal, asserted as
-    measured with a margin so a regression shows."""
+    node's input, every node streaming to the 3 others from a low start, receivers giving arrival times. Once
+    started (after 1 s), the uplinks carry >= 93 % of their rate (0.936-0.958 measured, seeds 1-2), and the
+    loss the pacer adds to the random loss is under the issue's 0.01: 0.0005-0.0032 in steady state,
+    0.0055-0.0105 with the startup overshoot (the queue turns probes back before they overflow it)."""
     rate = 100 * MBIT
     sw = Swarm(4, rate, loss, seed=1)
+    sw.run(5.0)
+    util = sw.utilization(1.0, 4.8, rate)
+    excess = sw.excess_loss(1.0, 4.7)
+    assert util >= 0.93, (util, excess)
+    assert excess <= 0.006, (util, excess)
+    assert sw.excess_loss(0.0, 4.7) <= 0.015  # with startup
+    assert all(p.btl is not None and 0.7 * rate <= p.btl <= 1.2 * rate for p in sw.pacers), [p.btl for p in sw.pacers]
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.01, 0.05, 0.10])
+def test_by_loss_alone_four_senders_fill_their_links(loss: float) -> None:
+    """The same without arrival times (receivers whose sockets give none, REPORTs of older peers): loss alone
+    steers. The uplinks carry >= 90 % of their rate (0.90-0.95 measured, seeds 1-3); the loss the pacer adds,
+    its probes' and overshoots' tail drops, is 0.009-0.017 in steady state and 0.013-0.022 with the startup
+    overshoot, asserted as measured with a margin so a regression shows."""
+    rate = 100 * MBIT
+    sw = Swarm(4, rate, loss, seed=1, timestamps=False)
     sw.run(5.0)
     util = sw.utilization(1.0, 4.8, rate)
     excess = sw.excess_loss(1.0, 4.7)
@@ -399,6 +419,69 @@ def test_loss_that_grows_with_the_rate_is_congestion() -> None:
     feed(pacer, 4.0, loss_of)
     assert pacer.decreases >= 1 and pacer.btl is not None
     assert 0.7 * cap <= pacer.btl <= 1.25 * cap, pacer.btl
+
+
+def test_loss_with_the_queue_shallow_is_the_links_not_congestion() -> None:
+    """A burst of 30 % loss for 0.3 s while the queue stays empty: a queue overflows only once full, so that is
+    the link losing datagrams, and the rate stays. Without arrival times the same loss is congestion."""
+    def loss_of(d, t):
+        return 0.3 if 1.0 <= t < 1.3 else 0.0
+
+    shallow = Pacer(max_rate=50e6)
+    feed(shallow, 2.0, loss_of, queue_of=lambda d, t: 0.0005)
+    assert shallow.decreases == 0 and shallow.rate == pytest.approx(50e6)
+    blind = Pacer(max_rate=50e6)
+    feed(blind, 2.0, loss_of)
+    assert blind.decreases >= 1
+
+
+def test_a_queue_that_builds_slows_the_sender_before_anything_is_lost() -> None:
+    """Above 12 MB/s the bottleneck's queue fills (its delay grows by what the sender sends beyond the rate) but
+    nothing is lost yet: the pacer leaves startup and settles near the rate on the queue alone. By loss alone it
+    would run on to its maximum."""
+    cap = 12e6
+    queue = {"q": 0.0, "t": 0.0}
+
+    def queue_of(d, t):
+        dt, queue["t"] = max(0.0, t - queue["t"]), max(t, queue["t"])
+        sent = pacer.sent_rate(t - 0.02, t)
+        queue["q"] = min(0.2, max(0.0, queue["q"] + dt * (sent - cap) / cap))
+        return queue["q"]
+
+    pacer = Pacer(max_rate=50e6)
+    feed(pacer, 4.0, lambda d, t: 0.0, queue_of=queue_of)
+    assert pacer.decreases >= 1 and pacer.btl is not None
+    assert 0.7 * cap <= pacer.btl <= 1.15 * cap, pacer.btl
+    # (a probe a phase in six at 1.1 btl: 1.06 measured) and the queue does not run away (6 ms measured)
+    assert pacer.sent_rate(3.0, 4.0) <= 1.1 * cap, pacer.sent_rate(3.0, 4.0)
+    assert queue["q"] <= 0.02, queue
+
+
+def test_send_positions_place_a_bursts_datagrams_at_the_bottlenecks_rate() -> None:
+    pos = SendPositions()
+    pos.note(10, 1.0, 0.001)  # positions 0-9 sent at 1.0 as one burst, 1 ms each through the bottleneck
+    pos.note(20, 2.0)  # 10-19 at 2.0, not placed (startup: the rate is not known)
+    assert pos.time_of(0) == pytest.approx(1.0) and pos.time_of(9) == pytest.approx(1.009)
+    assert pos.placed(9) == pytest.approx(0.009) and pos.placed(15) == 0.0
+    assert pos.span(5, 15) == pytest.approx((1.005, 2.0))
+    assert pos.time_of(20) is None
+    pos.settle(20, 2.5)  # the last batch went out late
+    assert pos.time_of(15) == pytest.approx(2.5)
+    pos.settle(10, 9.0)  # (only the last batch can be re-timed)
+    assert pos.time_of(5) == pytest.approx(1.005)
+    pacer = Pacer()
+    assert pacer.spacing(1200) == 0.0  # startup
+    pacer.btl = 12e6
+    assert pacer.spacing(1200) == pytest.approx(1e-4)
+
+
+def test_the_delivery_meter_passes_the_arrival_time_on() -> None:
+    meter = DeliveryMeter(0.0, 0)
+    rep = meter.sample(FIRST_REPORT + 2, FIRST_REPORT + 2, 1000, 0.001, 0.02, 0, 0.03, 1700000000.5)
+    assert rep is not None and rep.arrived == 1700000000.5
+    rep = meter.final(FIRST_REPORT + 10, FIRST_REPORT + 8, 2000, 0.001, 0.05, 0, 0.06)
+    assert rep is not None and rep.arrived == 0.0
+    assert meter.sample(500, 500, 9000, 0.0, 0.1, 0, 1.0, math.nan).arrived == 0.0
 
 
 def test_kernel_drops_are_congestion() -> None:
