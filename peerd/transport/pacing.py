@@ -695,12 +695,13 @@ class Pacer:
         signal = self._queue_signal(ph)
         if signal is not None:
             self.queue_delay = signal[0]
-            if reason.startswith("loss") and signal[0] < Q_HIGH:
+            if reason.startswith("loss") and signal[3] < Q_HIGH:
                 # A queue overflows only once full, and the datagrams that got through then waited in it: loss
-                # above the floor with the queue shallow is the random loss's sampling noise.
+                # above the floor with the queue shallow toward every destination is the random loss's sampling
+                # noise. (Every one: a member that lies about its arrival times must not hide an overflow.)
                 reason = ""
         if not reason and signal is not None and ph.kind != "drain":
-            level, growth, at = signal
+            level, growth, at, _ = signal
             if growth is None:
                 # (no destination's samples spanned enough of the phase: where a probe's queue stood late in it
                 # tells its growth, the cruise before a probe having left the queue empty)
@@ -817,10 +818,10 @@ class Pacer:
             return Verdict("increase", f"clean probe: btl {self.btl / 1e6:.2f} MB/s", self.rate)
         return Verdict("hold", "clean", self.rate)
 
-    def _queue_signal(self, ph: _Phase) -> tuple[float, float | None, float] | None:
+    def _queue_signal(self, ph: _Phase) -> tuple[float, float | None, float, float] | None:
         """The uplink's queue over a phase from its REPORTs' queueing delays: (seconds queued at its end, growth
         in seconds per second or None where no destination's samples span enough of it, when that level was
-        sent), or None without samples. Every destination's datagrams cross the uplink's queue,
+        sent, the deepest destination's level), or None without samples. Every destination's datagrams cross the uplink's queue,
         only one destination's its own downlink: so the uplink's is the least over destinations."""
         if not ph.queue:
             return None
@@ -831,17 +832,18 @@ class Pacer:
         # Each sample may sit up to a burst's length late (the receiver reports wherever its top falls in a
         # batch, placed at the pacer's guess of the link rate): the least samples of each half of the phase.
         mid = (ph.start + (ph.end if ph.end is not None else ph.start)) / 2
-        level, at, growths = math.inf, ph.start, []
+        level, at, growths, deepest = math.inf, ph.start, [], 0.0
         for samples in by_dest.values():
             samples.sort()
             early = [s for s in samples if s[0] < mid] or samples[:1]
             late = [s for s in samples if s[0] >= mid] or samples[-1:]
             (t0, q0), (t1, q1) = min(early, key=lambda s: s[1]), min(late, key=lambda s: s[1])
+            deepest = max(deepest, q1)
             if q1 < level:
                 level, at = q1, t1
             if t1 - t0 > max(span, 1e-6):
                 growths.append((q1 - q0) / (t1 - t0))
-        return level, min(growths) if growths else None, at
+        return level, min(growths) if growths else None, at, deepest
 
     def _path_congested(self, dest: Hashable, expected: int, lost: int, drops: int, sent: float, margin: float,
                         z: float) -> tuple[float, float] | None:
