@@ -59,7 +59,9 @@ The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
   seen, a probe of x1.25 filled 12 ms of it at the link's rate and never came back clean: btl settled 15 %
   under the link.) A clean probe raises ``btl`` by a step that starts at 2 % and
   doubles with each clean probe in a row, up to 8 % (an overshoot then costs a phase of tail drops) and,
-  after five clean probes in a row, up to 50 % (the link got faster). Congestion restarts it at 2 %.
+  after five clean probes in a row, up to the probe's own 10 % (a clean probe shows no more headroom than
+  that: a 50 % step overran the queue when the link came back in the virtual-time tests). Congestion restarts
+  it at 2 %.
 * A phase in which the sender used under ``APP_LIMITED`` of its rate (CPU-bound, or out of data) raises
   nothing: an unused rate says nothing about the path. (Also a bursty sender's, held back by the rate in
   its bursts: raising it on that overran the lab's queues.) A phase's send rate is measured up to its last
@@ -129,8 +131,8 @@ CYCLE = (1.1, 0.9, 0.98, 0.98, 0.98, 0.98)  # gains on btl: probe, drain, four c
 PROBE, DRAIN = 0, 1
 PROBE_STEP = 0.02  # a clean probe raises btl this much at first, doubling with every clean probe in a row ...
 MAX_PROBE_STEP = 0.08  # ... up to this (the overshoot a cruise phase then pays for), and after FAST_PROBES
-FAST_PROBES = 5  # clean probes in a row (+28 % in all: the link got faster) up to MAX_FAST_STEP
-MAX_FAST_STEP = 0.5
+FAST_PROBES = 5  # clean probes in a row (+28 % in all: the link got faster), then steps up to MAX_FAST_STEP
+MAX_FAST_STEP = CYCLE[PROBE] - 1.0  # (a clean probe shows that much headroom, no more)
 MAX_CUT = 0.25  # one decrease goes at most this far below the phase's send rate
 CUT_MARGIN = 0.92  # congestion sets btl this far under what the congested phase delivered
 PROBE_FAIL_CUT = 0.95  # a probe that overflowed the queue takes btl this much lower
@@ -766,6 +768,10 @@ class Pacer:
             self._clean_probes = 0
             self._restart(now)
             self._quiet_until = now + self._span(self.rate, self.phase_s)
+            if delay_cut is not None and signal is not None:
+                # (the queue it found drains at the drain phase's margin under the link: no phase before it has
+                # had the time to is held against the new rate)
+                self._quiet_until += min(MAX_JUDGE_LAG_S, signal[0] / (1.0 - CYCLE[DRAIN]))
             self.decreases += 1
             return Verdict("decrease", reason, self.rate)
         path_verdict = None
