@@ -827,8 +827,8 @@ class Pacer:
     def _queue_signal(self, ph: _Phase) -> tuple[float, float | None, float, float] | None:
         """The uplink's queue over a phase from its REPORTs' queueing delays: (seconds queued at its end, growth
         in seconds per second or None where no destination's samples span enough of it, when that level was
-        sent, the deepest destination's level), or None without samples. Every destination's datagrams cross the uplink's queue,
-        only one destination's its own downlink: so the uplink's is the least over destinations."""
+        sent, the deepest destination's level), or None without samples. Every destination's datagrams cross the
+        uplink's queue, only one destination's its own downlink: so the uplink's is the least over destinations."""
         if not ph.queue:
             return None
         by_dest: dict[Hashable, list[tuple[float, float]]] = {}
