@@ -132,3 +132,28 @@ def test_paced_parts_follow_the_sockets_declared_gso() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_trickle_of_tensor_data_lets_more_of_it_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receive pass that opened tensor data blocks, took fewer than COALESCE_BELOW datagrams and emptied the
+    socket waits COALESCE_S before the next (a shaped link without GRO delivers a few datagrams a pass); the
+    average is the same, and nothing else makes the loop wait so."""
+    from peerd.transport import endpoint as ep
+
+    waits: list[float] = []
+
+    class Recording(ep.Pause):
+        async def wait(self, seconds: float) -> None:
+            waits.append(seconds)
+            await trio.sleep(seconds)
+
+    monkeypatch.setattr(ep, "Pause", Recording)
+    vectors, weights, results = run_group(3, 3_000)
+    exact = sum(w * v.astype(np.float64) for v, w in zip(vectors, weights, strict=True)) / sum(weights)
+    for r in results.values():
+        np.testing.assert_allclose(r.vector, exact, atol=1e-5)
+    assert waits and all(w == ep.COALESCE_S for w in waits), waits
+    waits.clear()
+    monkeypatch.setattr(ep, "COALESCE_BELOW", 1)  # no pass is a trickle: no such wait
+    run_group(3, 3_000)
+    assert not waits, waits
