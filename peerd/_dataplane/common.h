@@ -24,4 +24,10 @@ PyObject *quant_decode(PyObject *module, PyObject *args);
 PyObject *half_encode(PyObject *module, PyObject *args);
 PyObject *half_decode(PyObject *module, PyObject *args);
 
+/* replay.c: the replay window's block operations */
+extern const char replay_check_doc[];
+extern const char replay_accept_doc[];
+PyObject *replay_check(PyObject *module, PyObject *args);
+PyObject *replay_accept(PyObject *module, PyObject *args);
+
 #endif

@@ -1807,6 +1807,8 @@ static PyMethodDef module_methods[] = {
     {"frame_split", frame_split, METH_VARARGS, frame_split_doc},
     {"place_rows", place_rows, METH_VARARGS, place_rows_doc},
     {"first_nonfinite", first_nonfinite, METH_VARARGS, first_nonfinite_doc},
+    {"replay_check", replay_check, METH_VARARGS, replay_check_doc},
+    {"replay_accept", replay_accept, METH_VARARGS, replay_accept_doc},
     {"quant_encode", quant_encode, METH_VARARGS, quant_encode_doc},
     {"quant_decode", quant_decode, METH_VARARGS, quant_decode_doc},
     {"half_encode", half_encode, METH_VARARGS, half_encode_doc},

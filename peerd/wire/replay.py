@@ -25,6 +25,12 @@ class ReplayWindow:
         self.highest = -1
         self._seen = np.zeros(size, dtype=bool)
 
+    @property
+    def ring(self) -> np.ndarray:
+        """The flags themselves (slot s % size for sequence s), for the native block operations (replay.c), which
+        read and write them in place and hand back the new ``highest``."""
+        return self._seen
+
     def would_accept(self, seq: int) -> bool:
         if seq > self.highest:
             return True

@@ -26,11 +26,13 @@ import sys
 import atheris
 import numpy as np
 
+from peerd.wire.replay import ReplayWindow
+
 HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
 ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration",
            "seal_split", "recv_batch interleaved", "quant_encode", "quant_decode",
-           "half_encode", "half_decode")
+           "half_encode", "half_decode", "replay_check", "replay_accept")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -124,8 +126,11 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
     if which in (10, 11):
         quant(fdp, which == 10)
         return
-    if which >= 12:
+    if which in (12, 13):
         half(fdp, which == 12)
+        return
+    if which >= 14:
+        replay(fdp, which == 14)
         return
     if which >= 4:
         rows_only(fdp, which)
@@ -219,6 +224,42 @@ def rows_only(fdp: atheris.FuzzedDataProvider, which: int) -> None:
         a, b = s_off + i * s_stride, d_off + i * d_stride
         if bytes(dst[b : b + n_len]) != bytes(src[a : a + n_len]):
             raise AssertionError(f"row {i} was not placed")
+
+
+def replay(fdp: atheris.FuzzedDataProvider, check: bool) -> None:
+    """replay_check and replay_accept over fuzzed windows, highests and rows (strides, offsets and counts right or
+    wild). Where the layout is right, each must do what the Python window (the reference) does."""
+    size = fdp.ConsumeIntInRange(0, 70)
+    rows = fdp.ConsumeIntInRange(0, 90)
+    row = fdp.ConsumeIntInRange(0, 40)
+    s_off, s_stride, s_size = layout(fdp, rows, row)
+    src = buffer(fdp, s_size)
+    ring = buffer(fdp, size)
+    for i in range(size):
+        ring[i] = bytes([ring[i][0] & 1])
+    highest = (-1 if fdp.ConsumeIntInRange(0, 3) == 0 else fdp.ConsumeIntInRange(0, 200)
+               if fdp.ConsumeBool() else fdp.ConsumeIntInRange(-3, 2**64 + 2))
+    mask = buffer(fdp, max(0, rows + (0 if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(-2, 2))))
+    n_rows = number(fdp, rows)
+    right = (size >= 1 and row >= 21 and n_rows == rows and len(mask) >= rows and s_off >= 0 and s_stride >= row
+             and s_off + max(0, rows - 1) * s_stride + row <= s_size and -1 <= highest < 2**64 and rows > 0)
+    window = ReplayWindow(max(1, size))
+    if right:  # the reference, in the same state
+        window.highest = highest
+        window.ring[:] = np.frombuffer(ring, np.uint8).astype(bool)
+        seqs = np.array([int.from_bytes(bytes(src[s_off + i * s_stride + 13 : s_off + i * s_stride + 21]), "big")
+                         for i in range(rows)], dtype=np.uint64)
+    if check:
+        native.replay_check(ring, highest, src, s_off, s_stride, n_rows, mask)
+        if right and list(bytes(mask[:rows])) != window.would_accept_block(seqs).astype(np.uint8).tolist():
+            raise AssertionError("replay_check disagrees with ReplayWindow.would_accept_block")
+    else:
+        got = native.replay_accept(ring, highest, src, s_off, s_stride, n_rows, mask)
+        if right:
+            window.accept_block(seqs[np.frombuffer(mask, np.uint8)[:rows] != 0])
+            if got != window.highest or bytes(ring) != window.ring.astype(np.uint8).tobytes():
+                raise AssertionError("replay_accept left another window than ReplayWindow.accept_block")
+    seen["replay compared" if right else "replay called"] += 1
 
 
 _pair: tuple[socket.socket, socket.socket] | None = None
