@@ -13,7 +13,8 @@ from peerd.wire.envelope import HEADER_SIZE, SEQ_OFFSET
 from peerd.wire.native import native
 from peerd.wire.replay import ReplayWindow
 
-pytestmark = pytest.mark.skipif(getattr(native, "replay_check", None) is None, reason="the native extension is not built")
+pytestmark = pytest.mark.skipif(getattr(native, "replay_check", None) is None,
+                                reason="the native extension is not built")
 
 ROW = HEADER_SIZE + 16  # a header, then a body the window never reads
 
