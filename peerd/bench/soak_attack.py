@@ -164,7 +164,7 @@ class Attack:
             mb = self.members[i % len(self.members)]
             group = rng.getrandbits(32) if i % 2 else i  # random ids, and the small ones
             fields = {"group": group, "phase": i % 2, "expected": 100_000, "received": 1, "bytes": 1200,
-                      "seconds": 0.05, "kernel_drops": 0, "position": 100_000 + i}
+                      "seconds": 0.05, "kernel_drops": 0, "position": 100_000 + i, "arrived": 0.0}
             self.report_bodies.append((mb, mb.body(m.MsgType.REPORT, fields)))
         self.value_bodies = []
         for i in range(16):
