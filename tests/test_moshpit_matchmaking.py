@@ -433,3 +433,15 @@ def test_a_peer_the_run_expects_is_waited_for_a_little_longer():
         mm.set_expected(frozenset(c.node_id for c in peers[:3]), 0.0)
     net.run()
     assert len(next(iter(net.groups().values()))) == 3 and net.now < 1.0
+
+
+def test_a_follower_joining_restarts_the_pause_when_nobody_is_expected():
+    """Nobody is expected (a run's first round, or rounds far apart): each JOIN is a newcomer too, so a peer
+    half a second behind the second still gets in, though the DHT never showed either before they asked."""
+    peers = [cand(i, 10.0 + i * 0.01) for i in range(3)]
+    starts = {1: 2.0, 2: 2.5}
+    net = Net(peers, target=8, start=starts,
+              view=lambda i, now: [p for j, p in enumerate(peers) if starts.get(j, 0.0) + 0.15 <= now])
+    net.run()
+    (members,) = net.groups().values()
+    assert len(members) == 3 and 4.0 <= net.now < 4.5

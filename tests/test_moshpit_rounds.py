@@ -189,3 +189,29 @@ def test_an_abandoned_round_is_started_again_under_the_same_number() -> None:
     assert mc.take_actions() == [] and mc.round == 3
     mc.start_round(T0 + 1)
     assert of(mc.take_actions(), Put)[0].key == b"run/3/-"
+
+
+def test_numbered_rounds_far_apart_expect_the_peers_of_the_last_one() -> None:
+    """DiLoCo numbers its outer rounds by the step (40, 80, ...): the peers whose progress says they finished the
+    round this node last ran are expected in the next, though that is 40 rounds back; older ones are not."""
+    mc = machine(window_s=1.0)
+    mc.synced = True
+    others = [peer(1), peer(2), peer(3)]
+
+    def run(round_no: int, t: float, records: list) -> None:
+        mc.round = round_no
+        mc.start_round(t, numbered=True)
+        gets = of(mc.take_actions(), Get)
+        assert [g.key for g in gets] == [b"run/%d/-" % round_no, b"run/progress"]
+        mc.on_records(gets[1].token, records, t + 0.01)
+
+    run(40, T0, [progress(o, 0, T0 - 50) for o in others])
+    assert mc._mm is not None and mc._mm.expected is None  # round 0 is too far back, and nothing ran before
+    while not mc.done:
+        mc.on_timer(mc.next_deadline())
+        mc.take_actions()
+    assert mc.outcome == "alone"
+    records = [progress(others[0], 40, T0 + 2), progress(others[1], 40, T0 + 2), progress(others[2], 12, T0 - 30),
+               progress(mc.me, 40, T0 + 1)]
+    run(80, T0 + 20, records)
+    assert mc._mm.expected == {others[0].node_id, others[1].node_id, mc.me.node_id}

@@ -210,6 +210,7 @@ class RoundMachine:
         self._gets: dict[int, tuple[str, int]] = {}  # token -> (purpose, round)
         self._requests: dict[int, tuple] = {}  # token -> (purpose, context...)
         self._numbered = False
+        self._last_round: int | None = None  # the last round this node finished here (numbered runs skip rounds)
         self._started = 0.0
         self._timeout_s = 30.0
         self._mm: Matchmaker | None = None
@@ -663,8 +664,11 @@ class RoundMachine:
         # still expected while it keeps trying: its record was refreshed within two windows. The group,
         # broken by this outsider, then waits for it in this round, where the joiner's next jump lands.
         lagging_s = 2 * self.window_s if self.sticky.keep_rounds > 1 else None
+        # Rounds the caller numbers may be far apart (DiLoCo's outer steps: round 40, then 80): a peer that
+        # finished the last one this node ran is as recent as one three rounds back in a run of every round.
+        recent_from = self.round - 3 if self._last_round is None else min(self.round - 3, self._last_round)
         for owner, value, stored in self._progress(records, now):
-            if value >= self.round - 3 or (lagging_s is not None and stored > now - lagging_s):
+            if value >= recent_from or (lagging_s is not None and stored > now - lagging_s):
                 recent.add(owner)
             if value >= self.round and owner != self.me.node_id:
                 self.synced = False
@@ -698,6 +702,7 @@ class RoundMachine:
     def _finish(self, now: float) -> None:
         round_no = self.round
         self.round = round_no + 1
+        self._last_round = round_no
         self._actions.append(Put(progress_key(self.run_id), encode_progress(round_no), PROGRESS_TTL_S))
         if not self.synced and not self._numbered:  # the caller numbers this run's rounds: nothing to catch up
             self.sync(now)
