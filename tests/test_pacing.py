@@ -158,7 +158,7 @@ class Swarm:
                  report_delay: float = 0.002, rx_capacity: float | None = None, rx_buffer: int = 0,
                  pacer_rate: float | None = None, report_jitter: float = 0.0,
                  stall: tuple[float, float] | None = None, volume: float | None = None, idle: float = 0.0,
-                 timestamps: bool = True) -> None:
+                 timestamps: bool = True, send_stall: tuple[float, float] | None = None) -> None:
         self.n = n
         self.loss = loss
         self.rng = random.Random(seed)
@@ -166,6 +166,7 @@ class Swarm:
         self.report_jitter = report_jitter
         self.timestamps = timestamps
         self.stall = stall
+        self.send_stall = send_stall
         self.volume = volume
         self.idle = idle
         self.sent_bytes = [0] * n  # in the current average
@@ -212,17 +213,24 @@ class Swarm:
         for link in self.up + self.down:
             link.rate = rate
 
-    def _stalled_until(self, t: float, d: int) -> float:
-        """When receiver ``d``'s CPU runs again (``t`` if it is not stalled then)."""
-        if self.stall is None:
+    def _stalled_until(self, t: float, d: int, stall: tuple[float, float] | None = None) -> float:
+        """When receiver ``d``'s CPU runs again (``t`` if it is not stalled then); ``stall``: another pattern
+        than the receivers' (a sender's)."""
+        stall = stall or self.stall
+        if stall is None:
             return t
-        every, length = self.stall
+        every, length = stall
         offset = every * d / self.n
         k = (t - offset) // every
         start = offset + k * every
         return start + length if start <= t < start + length else t
 
     def _send(self, t: float, i: int) -> None:
+        if self.send_stall is not None:
+            resume = self._stalled_until(t, i, self.send_stall)
+            if resume > t:  # a sender descheduled: it sends when it runs again, what its pacer lets it catch up
+                self.push(resume, "send", i)
+                return
         if self.volume is not None and self.sent_bytes[i] >= self.volume:
             self.averages[i].append((self.started[i], t))
             self.sent_bytes[i] = 0
@@ -495,7 +503,8 @@ def test_kernel_drops_are_congestion() -> None:
 
 def test_one_destination_congested_alone_gets_its_own_cap() -> None:
     """The uplink is clean to a and c, but b's path loses 30 % above 4 MB/s of b's share (its downlink): b gets
-    a cap near what its path delivers, a and c are not capped, and the uplink rate is not cut for b."""
+    a cap near what its path delivers, a and c are not capped, and the uplink rate is not cut for b: the queue
+    toward a and c stayed shallow, so the uplink did not overflow."""
     def loss_of(d, t):
         if d != "b":
             return 0.0
@@ -503,7 +512,7 @@ def test_one_destination_congested_alone_gets_its_own_cap() -> None:
         return 0.3 if share > 4e6 else 0.0
 
     pacer = Pacer(max_rate=30e6)
-    end = feed(pacer, 2.0, loss_of)
+    end = feed(pacer, 2.0, loss_of, queue_of=lambda d, t: 0.010 if d == "b" else 0.0)
     cap = pacer.cap("b")
     assert cap is not None and cap < 10e6, cap
     assert pacer.cap("a") is None and pacer.cap("c") is None
@@ -513,6 +522,31 @@ def test_one_destination_congested_alone_gets_its_own_cap() -> None:
     t = end + 0.01
     waits_b = [pacer.reserve(PART * DATAGRAM, t, "b") for _ in range(20)]
     assert waits_b[-1] >= 19 * PART * DATAGRAM / cap * 0.9
+
+
+def test_eight_senders_on_loaded_cores_do_not_overrun_their_uplinks() -> None:
+    """8 nodes, each sender descheduled 25 ms in every 40 (daemons sharing 2 cores), averages of 7 MB with 0.3 s
+    between them. Destinations go in turn, so a full uplink queue drops into whichever destination's part is
+    crossing it: a different one each phase. Excused as that destination's own path at its first phase, the
+    overruns never counted against the uplink: btl rose to 1.7x the link and 3.5 % was lost beyond the random
+    loss (3.7-4.6 % in the lab's 8-peer bench). Counted, 0.19 % (seed 1)."""
+    rate = 100 * MBIT
+    sw = Swarm(8, rate, 0.0, seed=1, volume=7e6, idle=0.3, send_stall=(0.04, 0.025))
+    sw.run(6.0)
+    excess = sw.excess_loss(1.0, 5.7)
+    assert excess <= 0.01, excess
+    assert sw.excess_loss(0.0, 5.7) <= 0.025  # with startup
+
+
+def test_startup_resumes_at_the_rate_it_proved() -> None:
+    """An average that ended right after startup doubled its rate (no clean phase at the new one): the next one
+    starts at the rate two clean phases were judged at, not the doubled one nothing has carried yet."""
+    pacer = Pacer(max_rate=100e6)
+    end = feed(pacer, 0.6, lambda d, t: 0.0)
+    assert pacer.btl is None and pacer.increases >= 2
+    pacer.reserve(1200, end + 1.0, "a")  # the next average, a second later (its last phases judged first)
+    proven = pacer._proven
+    assert pacer.resumes == 1 and START_RATE < pacer.rate <= proven < 100e6, (pacer.rate, proven)
 
 
 def test_several_reports_of_one_congested_phase_cut_once() -> None:

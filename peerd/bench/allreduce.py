@@ -321,15 +321,15 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
                 size=cfg.size, weight=weights[i], robust=cfg.robust, profile=profile, compression=cfg.compression,
                 quant_group=cfg.quant_group, rounding=cfg.rounding, run=cfg.seed, **arc), range(cfg.peers)))
             up_before = _uplinks(lab)
-            tbf_before = _tbfs(lab)
+            tbf_before = lab.tbf_sides() if lab is not None else {}
             t0 = time.time()
             replies = list(pool.map(lambda n, g=group: n.call("bench_run", timeout=600, group_id=g), nodes))
             elapsed = max(rep["done_at"] for rep in replies) - t0
             uplink_bytes += [a.bytes - b.bytes for a, b in zip(_uplinks(lab), up_before, strict=True)]
-            for side, before in tbf_before.items():
-                for a, b in zip(_tbfs(lab)[side], before, strict=True):
-                    queue_drops[side][0] += a.drops - b.drops
-                    queue_drops[side][1] += a.packets - b.packets + a.drops - b.drops
+            if lab is not None:
+                for side, (d, offered) in lab.queue_drop_shares(tbf_before, lab.tbf_sides()).items():
+                    queue_drops[side][0] += d
+                    queue_drops[side][1] += offered
             peerd_times.append(elapsed)
             runs.extend(replies)
             for i, node in enumerate(nodes):
@@ -478,14 +478,6 @@ def bus_fraction(peers: int, size: int, seconds: float, rate_bps: int) -> float:
 
 def _uplinks(lab: NetnsLab | None) -> list[QdiscStats]:
     return [lab.qdisc_stats(i)["up"] for i in range(lab.peers)] if lab is not None and lab.tbf is not None else []
-
-
-def _tbfs(lab: NetnsLab | None) -> dict[str, list[QdiscStats]]:
-    """Every peer's two token buckets by side (``up``: its own lab0; ``down``: the far end's, toward it)."""
-    if lab is None or lab.tbf is None:
-        return {}
-    stats = [lab.qdisc_stats(i) for i in range(lab.peers)]
-    return {side: [s[side] for s in stats] for side in ("up", "down")}
 
 
 def _link_fields(lab: NetnsLab, cfg: AllreduceBenchConfig, peerd_times: list[float],

@@ -176,7 +176,9 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
                 nodes[i].proc.wait(timeout=10)
                 return None  # killed
 
+        queue_drops: list[dict[str, float]] = []  # per round: what the tbfs dropped over what they were offered
         for r in range(cfg.rounds):
+            tbf_before = lab.tbf_sides() if lab is not None else {}
             stop = threading.Event()
             killer = None
             if r == 0 and victims:
@@ -184,6 +186,9 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
             order = sorted(live)
             replies = list(pool.map(call, order))
             stop.set()
+            if lab is not None:
+                queue_drops.append({side: d / offered if offered else 0.0 for side, (d, offered)
+                                    in lab.queue_drop_shares(tbf_before, lab.tbf_sides()).items()})
             if killer is not None:
                 killer.result()
                 live -= set(victims)
@@ -238,7 +243,7 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
             seen = sum(c.seen for c in counters)
             out.update(link_rate=lab.describe()["link_rate"], link_loss=cfg.link_loss,
                        link_drop_fraction=sum(c.dropped for c in counters) / seen if seen else 0.0,
-                       link_packets_seen=seen)
+                       link_packets_seen=seen, link_queue_drops=queue_drops)
         return out
     finally:
         swarm.stop()

@@ -569,6 +569,24 @@ class NetnsLab:
         far_ns, far_if = self._far_end(peer)
         return {"up": _tbf_stats(self.netns(peer), PEER_IF), "down": _tbf_stats(far_ns, far_if)}
 
+    def tbf_sides(self) -> dict[str, list[QdiscStats]]:
+        """Every peer's two token buckets by side (``up``, ``down``, as qdisc_stats); {} without shaped links."""
+        if self.tbf is None:
+            return {}
+        stats = [self.qdisc_stats(i) for i in range(self.peers)]
+        return {side: [s[side] for s in stats] for side in ("up", "down")}
+
+    @staticmethod
+    def queue_drop_shares(before: dict[str, list[QdiscStats]], after: dict[str, list[QdiscStats]]
+                          ) -> dict[str, tuple[int, int]]:
+        """Per side, (packets the queues dropped, packets offered) between two ``tbf_sides`` readings: loss the
+        senders caused themselves, apart from the random loss the lab injects."""
+        out = {}
+        for side, old in before.items():
+            drops = sum(a.drops - b.drops for a, b in zip(after[side], old, strict=True))
+            out[side] = (drops, sum(a.packets - b.packets for a, b in zip(after[side], old, strict=True)) + drops)
+        return out
+
 
 class LinkLab(NetnsLab):
     """``peers`` namespaces on one bridge, each link shaped at ``rate`` both ways and losing ``loss`` on arrival.
