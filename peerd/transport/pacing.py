@@ -820,9 +820,18 @@ class Pacer:
             # (also a bursty sender held back by the rate in its bursts: raising its rate on that, tried,
             # let its bursts overrun the lab's 20 ms queue, and its btl grew past the link on clean probes)
             return Verdict("hold", f"sender used {sent / ph.rate:.2f} of its rate", self.rate)
+        if (startup or ph.kind == "probe") and ph.nbytes < PHASE_BYTES:
+            # A part or two, measured up to its last send, is sent at a rate only for a moment a queue absorbs: it
+            # proves no headroom. Startup doubled on single 64 KB parts of 16 daemons on 2 cores to 5x the link,
+            # and resumed there for the next average.
+            return Verdict("hold", f"too little sent to prove a rate ({ph.nbytes} bytes)", self.rate)
         if startup:
             if ph.rate < self.rate:  # an older level: the current one has not been judged yet
                 return Verdict("hold", "startup: an older rate", self.rate)
+            if signal is not None and signal[0] > Q_HIGH:
+                # (a deep queue that is not seen growing does not end startup, since a sample may sit a burst late,
+                # but it is no proof of headroom either: doubling on it took 16 daemons' rates to 5x the link)
+                return Verdict("hold", f"startup: queue {1e3 * signal[0]:.1f} ms at this rate", self.rate)
             self._clean_at_level += 1
             if self._clean_at_level < STARTUP_PHASES:  # the queue may have hidden the first one's overshoot
                 return Verdict("hold", "startup: one clean phase at this rate", self.rate)
