@@ -109,9 +109,10 @@ def bucket_runs_daemon(tmp_path):
 
 
 def run_pair(daemon, *, overlap: bool, steps: int, micro: int = 1, run: str = "o", opt_cls=torch.optim.Adam,
-             bucket_mb: float = 0.0001, average_every: int = 0, log: list | None = None) -> list[torch.nn.Module]:
+             bucket_mb: float = 0.0001, average_every: int = 0, log: list | None = None,
+             device: str = "cpu") -> list[torch.nn.Module]:
     """Two replicas (seeds alike, data apart) for ``steps`` steps of ``micro`` micro-batches each."""
-    models = [mlp(0), mlp(0)]
+    models = [mlp(0).to(device), mlp(0).to(device)]
     kw = {"overlap": True, "model": None, "bucket_mb": bucket_mb} if overlap else {}
     opts = []
     for m in models:
@@ -131,7 +132,7 @@ def run_pair(daemon, *, overlap: bool, steps: int, micro: int = 1, run: str = "o
                     if overlap and k == micro - 1:
                         opt.last_microbatch(n * micro)
                     x, y = batch(1000 * i + 10 * s + k, n)
-                    torch.nn.functional.cross_entropy(m(x), y, reduction="sum").backward()
+                    torch.nn.functional.cross_entropy(m(x.to(device)), y.to(device), reduction="sum").backward()
                 if not overlap:
                     for p in m.parameters():
                         p.grad.div_(n * micro)

@@ -17,6 +17,8 @@ from peerd.torch import DiLoCo, Optimizer  # noqa: E402
 
 from .test_diloco import batch, replay  # noqa: E402
 from .test_diloco import model as diloco_model  # noqa: E402
+from .test_overlap import mlp as overlap_mlp  # noqa: E402
+from .test_overlap import run_pair  # noqa: E402
 from .trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -149,11 +151,19 @@ def test_non_finite_gradients_on_the_gpu_skip_the_step(daemon) -> None:
     opt.close()
 
 
-def test_overlap_on_the_gpu_is_refused_with_what_to_do(daemon) -> None:
-    m = big_model(5).cuda()
-    with pytest.raises(ValueError, match="overlap=False"):
-        Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="ov", socket=daemon.path, sync_state=False,
-                  overlap=True, model=m)
+def test_overlap_on_the_gpu_gives_the_parameters_of_synchronous_steps(daemon) -> None:
+    """DeAR on the GPU: buckets leave from the gradient hooks (scaled on the device for DropCompute's sum of
+    micro-batches), updates are applied in the forward pre-hooks with the averaged gradient moved back. Same
+    seeds: the same parameters as synchronous steps on the GPU and as overlap on the CPU (float round-off)."""
+    daemon.averager.wait_s = 1.0
+    sync = run_pair(daemon, overlap=False, steps=4, micro=2, run="gs", average_every=2, device="cuda")
+    over = run_pair(daemon, overlap=True, steps=4, micro=2, run="gv", average_every=2, device="cuda")
+    cpu = run_pair(daemon, overlap=True, steps=4, micro=2, run="cv", average_every=2)
+    assert all(p.is_cuda for m in over for p in m.parameters())
+    assert torch.equal(flat(over[0].parameters()), flat(over[1].parameters()))
+    torch.testing.assert_close(flat(over[0].parameters()), flat(sync[0].parameters()), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat(over[0].parameters()), flat(cpu[0].parameters()), rtol=1e-4, atol=1e-5)
+    assert not torch.equal(flat(over[0].parameters()), flat(overlap_mlp(0).parameters()))  # it trained
 
 
 def test_diloco_on_the_gpu_follows_the_replay(tmp_path) -> None:

@@ -146,8 +146,6 @@ class Optimizer:
         if overlap:
             if model is None:
                 raise ValueError("overlap=True needs model= (its forward pre-hooks apply each layer's update)")
-            if self._cuda:
-                raise ValueError("overlap=True is implemented for CPU tensors only (CUDA: use overlap=False)")
             if not (isinstance(bucket_mb, int | float) and 0 < bucket_mb <= 1024):
                 raise ValueError(f"bucket_mb must be in (0, 1024], got {bucket_mb!r}")
             self._overlap = Overlap(self, model, max(1, int(bucket_mb * 2**20 / 4)))

@@ -298,9 +298,11 @@ class Overlap:
                 if p.grad is None:
                     dst.zero_()  # a parameter this replica did not use still gets the swarm's gradient
                 elif self.scale == 1.0:
-                    dst.copy_(p.grad.detach().reshape(-1))
-                else:
+                    dst.copy_(p.grad.detach().reshape(-1))  # (from a GPU: a copy the grad's stream is ordered before)
+                elif p.grad.device == dst.device:
                     torch.mul(p.grad.detach().reshape(-1), self.scale, out=dst)
+                else:  # scaled where the gradient is, then copied (the same single rounding as on the CPU)
+                    dst.copy_(torch.mul(p.grad.detach().reshape(-1), self.scale))
             finite = bool(torch.isfinite(slot[bucket.offset: bucket.offset + bucket.length]).all())
         if not finite:  # as a synchronous step: skipped, never sent (the daemons would refuse it anyway)
             if not st.nonfinite:
@@ -440,7 +442,7 @@ class Overlap:
             for i in chosen:
                 p = o.params[i]
                 g = slot[self.offsets[i]: self.offsets[i + 1]].view(p.shape)
-                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+                p.grad = g if g.dtype == p.dtype and g.device == p.device else g.to(p.device, p.dtype)
             with torch.no_grad():
                 o.opt.step()
         finally:
