@@ -80,6 +80,9 @@ def test_bench_moshpit_on_lab_links() -> None:
     # lost ranges keep own values, so not exactly 0 as without loss, but far below the start
     assert out["deviation"][-1] < 0.5, out
     assert all(0.7 < f <= 1.0 for f in out["received_fraction"]), out
+    # per round, what the token buckets' queues dropped (the senders' own overrun, apart from the link's loss)
+    assert len(out["link_queue_drops"]) == 2, out
+    assert all(set(q) == {"up", "down"} and all(0.0 <= v < 0.2 for v in q.values()) for q in out["link_queue_drops"])
 
 
 @pytest.mark.e2e
