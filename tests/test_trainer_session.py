@@ -203,3 +203,42 @@ def test_daemon_that_dies_mid_round_gives_a_clear_error_and_reconnect_works(tmp_
         d2.stop()
     arena.close()
     os.path.exists(path)
+
+
+def test_a_large_slot_is_taken_off_the_event_loop_and_still_checked(daemon, monkeypatch) -> None:
+    """A slot of at least OFF_LOOP_ELEMS values is copied and checked for NaN in a worker thread: the average is
+    the same, a NaN in its last value is still refused, and the daemon's loop answers meanwhile."""
+    import trio
+
+    import peerd.trainer.service as svc
+
+    on_loop: list[bool] = []
+    real = svc._copy_checked
+
+    def spy(src):
+        on_loop.append(trio.lowlevel.in_trio_run())  # False in a worker thread
+        return real(src)
+
+    monkeypatch.setattr(svc, "_copy_checked", spy)
+    n = svc.OFF_LOOP_ELEMS
+    layout = [["w", [n], "float32"]]
+    daemon.averager.wait_s = 0.1
+    client, arena, reply = open_session(daemon.path, layout=layout, run="big")
+    try:
+        vec = np.linspace(-1, 1, n, dtype=np.float32)
+        r, result = step(client, arena, reply, 1, vec, 2)
+        assert r["outcome"] == "alone" and np.array_equal(result, vec)
+        assert on_loop == [False]
+        bad = vec.copy()
+        bad[-1] = np.nan
+        with pytest.raises(DaemonError, match="NaN or infinity"):
+            step(client, arena, reply, 2, bad, 2)
+        assert on_loop == [False, False]
+        small = open_session(daemon.path, run="small")  # (a small slot stays on the loop: no thread hand-off)
+        step(*small, 1, np.ones(16, np.float32), 1)
+        assert on_loop == [False, False, True]
+        small[0].close()
+        small[1].close()
+    finally:
+        client.close()
+        arena.close()

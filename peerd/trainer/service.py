@@ -52,6 +52,8 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 KINDS = ("grad", "params")
 MAX_DEFERRED_STEPS = 2  # steps whose deferred buckets a session may hold at once (the one averaging, the next)
 MAX_BUCKETS = 1000  # gradient buckets of one step (overlap); '<run>.<hash8>.b999' fits Moshpit's 64-byte run ids
+OFF_LOOP_ELEMS = 1 << 22  # a slot this large (16 MB) is copied and checked in a worker thread, off the event loop
+
 OUTER_ROUNDS = 4  # Moshpit rounds an outer step may take (grid dimensions: 16**4 peers in groups of 16)
 OUTER_ROUND_LIMIT = (MAX_ROUND + 1) // OUTER_ROUNDS  # outer rounds numbered below this fit Moshpit's rounds
 OUTER_KEPT_ROUNDS = 3  # outer rounds whose blobs a daemon keeps (up to 3 vectors each) for members still repairing
@@ -77,6 +79,20 @@ class RoundLike(Protocol):
 
 
 Average = Callable[..., Awaitable[RoundLike]]
+
+
+def _copy_checked(src: np.ndarray) -> tuple[np.ndarray, bool]:
+    out = src.copy()
+    return out, all_finite(out)
+
+
+async def take_slot(src: np.ndarray) -> tuple[np.ndarray, bool]:
+    """A copy of (part of) a trainer's slot, which averaging must not see change, and whether it is finite. A large
+    one is taken in a worker thread (numpy releases the GIL): at 67M values it is tens of ms during which the
+    daemon would answer nothing. (The view keeps the arena's mapping alive should the session close meanwhile.)"""
+    if src.size < OFF_LOOP_ELEMS:
+        return _copy_checked(src)
+    return await trio.to_thread.run_sync(_copy_checked, src)
 
 
 def layout_hash(layout: list[tuple[str, tuple[int, ...], str]]) -> str:
@@ -423,8 +439,8 @@ class TrainerService:
             weight = session.arena.check_request(step)
         except ArenaError as e:
             raise OpError(str(e)) from None
-        vector = session.arena.vector(step).copy()  # averaging must not see the slot change under it
-        if not all_finite(vector):  # a NaN would poison every peer's average
+        vector, finite = await take_slot(session.arena.vector(step))  # averaging must not see the slot change
+        if not finite:  # a NaN would poison every peer's average
             raise OpError(f"step {step}: the vector holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
         result, out, outcome, error = await self._average_vector(session, session.average_id(kind), kind, vector,
@@ -592,8 +608,8 @@ class TrainerService:
                     session.deferred.pop((step, bucket), None)
                     raise OpError(f"step {step} bucket {bucket}: {e or 'its gradients did not come in time'}") from None
         else:
-            vector = session.arena.vector(step)[offset: offset + length].copy()
-            if not all_finite(vector):
+            vector, finite = await take_slot(session.arena.vector(step)[offset: offset + length])
+            if not finite:
                 raise OpError(f"step {step} bucket {bucket}: the vector holds NaN or infinity; not averaging it")
         try:
             if shared_round is not None:
@@ -725,8 +741,8 @@ class TrainerService:
             weight = session.arena.check_request(step)
         except ArenaError as e:
             raise OpError(str(e)) from None
-        vector = session.arena.vector(step)[:length].copy()
-        if not all_finite(vector):
+        vector, finite = await take_slot(session.arena.vector(step)[:length])
+        if not finite:
             raise OpError(f"step {step}: the pseudo-gradient holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
         result, out, outcome, rounds = await self._outer_rounds(session, vector, float(weight), round_no, timeout)
