@@ -69,8 +69,8 @@ class Optimizer:
 
     ``overlap=True`` (with ``model``; CPU or CUDA parameters): DeAR-style overlap (peerd.torch.overlap).
     Gradients go to the daemon in buckets of about ``bucket_mb`` MB as backward produces them, and each layer's
-    update is applied
-    just before its next forward, so averaging overlaps computation. Call ``last_microbatch(samples)`` before the
+    update is applied just before its next forward, so averaging overlaps computation. Call
+    ``last_microbatch(samples)`` before the
     forward of the step's last micro-batch (without it, ``step()`` sends every bucket after backward); ``step()``
     then returns the statistics of the last step whose updates are all applied, and ``flush()`` applies what is
     still due (``average_parameters``, ``snapshot`` and ``state_dict`` call it). The update of a step is applied
