@@ -67,14 +67,13 @@ class Optimizer:
     (peerd.allreduce.arctopk): the gradients the step applies are EF21M's update direction; parameter averages
     stay fp32; not with ``overlap``.
 
-    ``overlap=True`` (with ``model``; CPU or CUDA parameters): DeAR-style overlap (peerd.torch.overlap).
-    Gradients go to the daemon in buckets of about ``bucket_mb`` MB as backward produces them, and each layer's
-    update is applied just before its next forward, so averaging overlaps computation. Call
-    ``last_microbatch(samples)`` before the
-    forward of the step's last micro-batch (without it, ``step()`` sends every bucket after backward); ``step()``
-    then returns the statistics of the last step whose updates are all applied, and ``flush()`` applies what is
-    still due (``average_parameters``, ``snapshot`` and ``state_dict`` call it). The update of a step is applied
-    at the next forward, so a learning-rate scheduler stepped after ``step()`` is one step early.
+    ``overlap=True`` (with ``model``; CPU or CUDA parameters): DeAR-style overlap (peerd.torch.overlap). Gradients go to
+    the daemon in buckets of about ``bucket_mb`` MB as backward produces them, and each layer's update is applied just
+    before its next forward, so averaging overlaps computation. Call ``last_microbatch(samples)`` before the forward of
+    the step's last micro-batch (without it, ``step()`` sends every bucket after backward); ``step()`` then returns the
+    statistics of the last step whose updates are all applied, and ``flush()`` applies what is still due
+    (``average_parameters``, ``snapshot`` and ``state_dict`` call it). The update of a step is applied at the next
+    forward, so a learning-rate scheduler stepped after ``step()`` is one step early.
 
     A round whose result holds a non-finite number is never applied: the step goes on with this replica's
     own gradients (counted in ``nonfinite_rounds``), a parameter average is dropped. A step whose own
