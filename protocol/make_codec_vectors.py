@@ -117,7 +117,7 @@ def draws() -> list[dict]:
 
 
 def topk() -> dict:
-    lay = TopKLayout(((12, 5), (3,), (4, 2, 3)), 2, 0.25)
+    lay = TopKLayout(((12, 5), (3,), (8, 2, 3), (3, 4)), 2, 0.25)  # (3, 4): a top of one row, sent whole
     x = ramp(lay.length, 8)
     sk = lay.sketch(x, 5, 6)
     shards = []

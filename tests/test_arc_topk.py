@@ -15,7 +15,7 @@ from peerd.wire.seal import TAG_SIZE
 
 from .test_codecs import bytes_sent_per_peer
 
-SHAPES = ((40, 9), (17,), (3, 5, 2), (), (25, 3), (0, 4))
+SHAPES = ((40, 9), (17,), (8, 5, 2), (), (25, 3), (0, 4))
 
 
 def layout(n: int = 4, ratio: float = 0.25, shapes=SHAPES) -> TopKLayout:
@@ -25,7 +25,7 @@ def layout(n: int = 4, ratio: float = 0.25, shapes=SHAPES) -> TopKLayout:
 def test_layout_partitions_rows_and_fixes_dense_sizes():
     for n in (1, 2, 3, 4, 7):
         lay = layout(n)
-        assert lay.rows == 40 + 3 + 25 and lay.whole_length == 17 + 1
+        assert lay.rows == 40 + 8 + 25 and lay.whole_length == 17 + 1
         covered = []
         for j in range(n):
             lo, hi = lay.row_shard(j)
@@ -38,6 +38,18 @@ def test_layout_partitions_rows_and_fixes_dense_sizes():
         assert lay.dense_shard(n - 1)[1] == lay.dense_length
 
 
+def test_a_matrix_whose_top_rows_would_be_one_row_goes_whole():
+    # the demo MLP at ratio 0.1: the 10 x 64 output layer would refresh one class row a step; it goes whole
+    lay = TopKLayout(((64, 64), (64,), (10, 64), (10,)), 4, 0.1)
+    assert [m[0] for m in lay.matrices] == [0]
+    assert lay.whole == [(4096, 64), (4160, 640), (4800, 10)] and lay.rows == 64
+    assert [m[0] for m in TopKLayout(((64, 64), (64,), (10, 64), (10,)), 4, 0.2).matrices] == [0, 2]
+    x = np.arange(lay.length, dtype=np.float32)
+    dense = np.concatenate([lay.gather(x, j, lay.select(j, np.ones(lay.sketch_shard(j)[1] - lay.sketch_shard(j)[0],
+                                                                        np.float32))) for j in range(4)])
+    assert np.isin(np.arange(4160, 4800), dense).all()  # every element of the output layer, every round
+
+
 def test_sketch_is_g_v_with_a_shared_pm1_matrix():
     lay = layout()
     x = np.random.default_rng(0).standard_normal(lay.length).astype(np.float32)
@@ -45,7 +57,7 @@ def test_sketch_is_g_v_with_a_shared_pm1_matrix():
     v = lay.sketch_matrix(7, 3, 0)
     assert set(np.unique(v).tolist()) == {-1.0, 1.0} and v.shape == (9, 4)
     assert np.allclose(s[:40], x[:360].reshape(40, 9) @ v)
-    assert np.allclose(s[40:43], x[377:407].reshape(3, 10) @ lay.sketch_matrix(7, 3, 2))
+    assert np.allclose(s[40:48], x[377:457].reshape(8, 10) @ lay.sketch_matrix(7, 3, 2))
     assert np.array_equal(v, TopKLayout(SHAPES, 2, 0.5).sketch_matrix(7, 3, 0))  # shared: run and round only
     assert not np.array_equal(v, lay.sketch_matrix(7, 4, 0))
 

@@ -25,6 +25,7 @@ from .base import FLOAT32, CodecError
 from .rounding import PHASE_SKETCH, draw_bits, stream_key
 
 SKETCH_RANK = 4
+MIN_TOPK_ROWS = 2  # a matrix whose top ``ratio`` is a single row goes whole: see TopKLayout.matrices
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,17 +70,19 @@ class TopKLayout:
 
     @cached_property
     def matrices(self) -> list[tuple[int, int, int, int]]:
-        """(tensor index, flat offset, rows, cols) of every tensor sent by rows (ndim >= 2, nonempty)."""
-        out = []
-        for t, s in enumerate(self.shapes):
-            if len(s) >= 2 and math.prod(s) > 0:
-                out.append((t, int(self.offsets[t]), s[0], math.prod(s[1:])))
-        return out
+        """(tensor index, flat offset, rows, cols) of every tensor sent by rows: ndim >= 2, nonempty, and at least
+        MIN_TOPK_ROWS rows in its top ``ratio``."""
+        return [(t, int(self.offsets[t]), s[0], math.prod(s[1:])) for t, s in enumerate(self.shapes)
+                if self._by_rows(s)]
+
+    def _by_rows(self, s: tuple[int, ...]) -> bool:
+        return len(s) >= 2 and math.prod(s) > 0 and math.ceil(self.ratio * s[0] - 1e-9) >= MIN_TOPK_ROWS
 
     @cached_property
     def whole(self) -> list[tuple[int, int]]:
-        """(flat offset, size) of every tensor sent whole (0-D and 1-D)."""
-        return [(int(self.offsets[t]), math.prod(s)) for t, s in enumerate(self.shapes) if len(s) < 2]
+        """(flat offset, size) of every tensor sent whole: 0-D and 1-D, and matrices with too few rows to select
+        among (MIN_TOPK_ROWS)."""
+        return [(int(self.offsets[t]), math.prod(s)) for t, s in enumerate(self.shapes) if not self._by_rows(s)]
 
     @cached_property
     def whole_length(self) -> int:
