@@ -5,6 +5,8 @@ through the wired path matches a reference replay of its update rule."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import trio
@@ -39,7 +41,7 @@ def plan_for(n: int, ratio: float = 0.25, shapes=SHAPES, payload: int = PAYLOAD,
 
 
 def run_group(plan: ArcTopKPlan, xs: list[np.ndarray], ws: list[float], drop=lambda phase, w: False,
-              efs: list[EF21M] | None = None, rnd: int = ROUND, dense=None) -> tuple[list, list]:
+              efs: list[EF21M] | None = None, rnd: int = ROUND, dense=None, offload=None) -> tuple[list, list]:
     """Every member's arc_topk_average, phase by phase: a phase's GroupAverages run over one Net once every
     member has handed in its vector. Returns (results, per phase: the Net that carried it)."""
     n = len(xs)
@@ -69,8 +71,9 @@ def run_group(plan: ArcTopKPlan, xs: list[np.ndarray], ws: list[float], drop=lam
             return out[phase][i], None, 0
 
         async def member(i: int) -> None:
+            extra = {} if offload is None else {"offload": offload}
             results[i] = await arc_topk_average(lambda p, g, v: average(i, p, g, v), plan, GROUP, i, xs[i],
-                                                run=RUN, round=rnd, ef=efs[i] if efs else None)
+                                                run=RUN, round=rnd, ef=efs[i] if efs else None, **extra)
 
         async with trio.open_nursery() as nursery:
             for i in range(n):
@@ -95,6 +98,31 @@ def exact_selection(plan: ArcTopKPlan, vs, ws, who=None) -> list[list[np.ndarray
     lay = plan.layout
     sk = wmean([lay.sketch(v, RUN, ROUND) for v in vs], ws, who or range(len(vs))).astype(np.float32)
     return [lay.select(j, sk[slice(*lay.sketch_shard(j))]) for j in range(lay.n)]
+
+
+def test_the_whole_vector_passes_can_run_in_a_worker_thread() -> None:
+    """A daemon runs the passes over the whole vector (checks, EF21M, sketch, gather, scatter) in worker threads,
+    so its event loop keeps reading datagrams: the same bytes as inline, EF21M state included."""
+    plan = plan_for(4)
+    xs, ws = inputs(4, plan.layout.length, 9)
+    calls: list[str] = []
+
+    async def threaded(fn):
+        calls.append(threading.current_thread().name)
+        return await trio.to_thread.run_sync(fn)
+
+    for rnd in range(2):  # the second round starts from the first one's EF21M state
+        efs_a, efs_b = [EF21M(0.5) for _ in range(4)], [EF21M(0.5) for _ in range(4)]
+        a, _ = run_group(plan, xs, ws, efs=efs_a, rnd=rnd)
+        b, _ = run_group(plan, xs, ws, efs=efs_b, rnd=rnd, offload=threaded)
+        for ra, rb, ea, eb in zip(a, b, efs_a, efs_b, strict=True):
+            assert np.array_equal(ra.vector, rb.vector) and np.array_equal(ea.e, eb.e) and np.array_equal(ea.u, eb.u)
+    assert len(calls) == 2 * 4 * 3  # three passes per member and round
+    bad = [x.copy() for x in xs]
+    bad[1][3] = np.nan
+    with pytest.raises(BaseExceptionGroup) as info:  # (the members run in a nursery)
+        run_group(plan, bad, ws, offload=threaded)
+    assert info.group_contains(ValueError, match="NaN")
 
 
 def test_no_loss_every_member_knows_every_selection_and_holds_the_same_rows() -> None:

@@ -37,6 +37,7 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+import trio
 
 from ..compress import Codec, CodecError
 from ..compress.topk import EF21M, TopKLayout
@@ -48,6 +49,7 @@ WORD_BITS = 24  # bits of a selection word (integers below 2**24 are exact in fl
 PHASES = ("sketch", "selection", "dense")
 _PHASE_STRIDE = 0x9E3779B9  # phase p averages under group id (group_id + p * stride) mod 2**32
 DENSE_CODECS = ("fp32", "bf16")
+OFF_LOOP_ELEMS = 1 << 20  # a layout this large has its whole-vector passes run in a worker thread (see offload)
 
 
 def phase_group_id(group_id: int, phase: int) -> int:
@@ -226,27 +228,44 @@ class ArcTopKResult:
 
 
 Average = Callable[[int, int, np.ndarray], Awaitable[tuple[np.ndarray, object, int]]]
+Offload = Callable[[Callable[[], Any]], Awaitable[Any]]
+
+
+async def _inline(fn: Callable[[], Any]) -> Any:
+    return fn()
 
 
 async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, index: int, vector: np.ndarray,
-                           *, run: int, round: int, ef: EF21M | None = None) -> ArcTopKResult:
+                           *, run: int, round: int, ef: EF21M | None = None,
+                           offload: Offload = _inline) -> ArcTopKResult:
     """One arc-topk average of ``vector`` (flat, the plan's layout) as member ``index`` of ``group_id``.
 
     ``average(phase, group_id, vector)`` runs one ordinary group average (the same members, weight and options;
     the caller picks the value codec: fp32 for phases 0 and 1, the plan's dense codec for phase 2) and returns
     (result, what to keep in ``phases``, bytes sent). ``run`` (u64) and ``round`` seed the shared sketch matrix.
     ``ef``: this run's EF21M state (a new layout resets it; see EF21M).
-    Without ``ef`` the output is this member's vector with the averaged rows written in."""
+    Without ``ef`` the output is this member's vector with the averaged rows written in.
+    ``offload(fn)`` runs the passes over the whole vector (checks, EF21M, sketch, gather, scatter): a daemon passes
+    trio.to_thread.run_sync, so its event loop keeps reading datagrams meanwhile (on 25M values they take a few
+    hundred ms, and a receiver that stops reading looks like a growing queue to its senders' pacers)."""
     lay = plan.layout
     flat = np.ascontiguousarray(vector, dtype=FLOAT32)
     if flat.shape != (lay.length,):
         raise ValueError(f"vector of {flat.shape} for a layout of {lay.length} elements")
-    if not np.isfinite(flat).all():
+
+    def prepare() -> tuple[np.ndarray, np.ndarray] | None:
+        if not np.isfinite(flat).all():
+            return None
+        v = ef.begin(flat, lay.fingerprint()) if ef is not None else flat
+        return v, plan.sketch_vector(v, run, round)
+
+    prepared = await offload(prepare)
+    if prepared is None:
         raise ValueError("arc-topk: refusing to average a vector holding NaN or infinity")
-    v = ef.begin(flat, lay.fingerprint()) if ef is not None else flat
     phases: list = []
     sent_bytes = 0
-    sketch, info, b = await average(0, phase_group_id(group_id, 0), plan.sketch_vector(v, run, round))
+    sketch, info, b = await average(0, phase_group_id(group_id, 0), prepared[1])
+    del prepared
     phases.append(info)
     sent_bytes += b
     mine = lay.select(index, plan.own_sketch(sketch, index))
@@ -255,15 +274,22 @@ async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, i
     sent_bytes += b
     selections = [plan.read_selection(chosen, j) for j in range(plan.n)]
     rows = ef.h if ef is not None else flat  # EF21M averages h's rows (v only chose them)
-    dense, info, b = await average(2, phase_group_id(group_id, 2), plan.dense_vector(index, rows, selections))
+    dense_in = await offload(lambda: plan.dense_vector(index, rows, selections))
+    dense, info, b = await average(2, phase_group_id(group_id, 2), dense_in)
+    del dense_in
     phases.append(info)
     sent_bytes += b
-    avg, sent, got = plan.read_dense(index, dense, selections)
-    if ef is not None:
-        out = ef.finish(sent=sent, got=got, avg=avg).copy()
-    else:
-        out = flat.copy()
-        out[got] = avg[got]
+
+    def finish() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        avg, sent, got = plan.read_dense(index, dense, selections)
+        if ef is not None:
+            out = ef.finish(sent=sent, got=got, avg=avg).copy()
+        else:
+            out = flat.copy()
+            out[got] = avg[got]
+        return out, sent, got
+
+    out, sent, got = await offload(finish)
     contributed = int(np.count_nonzero(sent))
     return ArcTopKResult(out, sum(s is not None for s in selections),
                          int(np.count_nonzero(got & sent)) / contributed if contributed else 1.0, sent_bytes, phases,
@@ -284,7 +310,9 @@ async def service_arc_topk(service: Any, group_id: int, members: list, index: in
         res = await service.average(gid, members, index, values, weight, **options, **coded)
         return res.vector, res, res.bytes_sent
 
-    return await arc_topk_average(average, plan, group_id, index, vector, run=run, round=round, ef=ef)
+    offload = trio.to_thread.run_sync if plan.layout.length >= OFF_LOOP_ELEMS else _inline
+    return await arc_topk_average(average, plan, group_id, index, vector, run=run, round=round, ef=ef,
+                                  offload=offload)
 
 
 def phase_totals(phases: list) -> dict[str, Any]:

@@ -283,6 +283,10 @@ class BenchOps:
             "topk_ratio": ratio,
             "known_selections": res.known,
             "got_fraction": res.got_fraction,
+            # each phase (sketch, selection, dense): its seconds, the handshake's part, how its two halves ended
+            "arc_phases": [{"s": round(r.seconds, 4), "handshake_s": round(r.handshake_s, 4),
+                            "ended_by": [r.stats.reduce_scatter.ended_by, r.stats.all_gather.ended_by]}
+                           for r in res.phases],
             "dataplane": _seal.dataplane(),
             "done_at": done,
             "cpu_s": time.process_time() - cpu0,

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..allreduce.arctopk import PHASES
 from ..lab.links import PEER_IF, LinkLab, NetnsLab, QdiscStats
 from ..lab.nat import NatLab
 from ..localsock.client import DaemonError
@@ -244,6 +245,19 @@ def _exact_mean(seeds: list[int], weights: list[float], size: int) -> np.ndarray
     return acc
 
 
+def _arc_phase_s(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """arc-topk's three phases over every member and repeat: median and max seconds, and the handshake's median."""
+    out: dict[str, dict[str, float]] = {}
+    for i, name in enumerate(PHASES):
+        ph = [rep["arc_phases"][i] for rep in runs if len(rep.get("arc_phases", ())) > i]
+        if ph:
+            out[name] = {"median": round(statistics.median(p["s"] for p in ph), 4),
+                         "max": round(max(p["s"] for p in ph), 4),
+                         "handshake_median": round(statistics.median(p["handshake_s"] for p in ph), 4),
+                         "deadline_halves": sum(p["ended_by"].count("deadline") for p in ph)}
+    return out
+
+
 def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> dict[str, Any]:
     if cfg.nat != "none" and cfg.compare_gloo:
         raise ValueError("--compare-gloo cannot run behind --nat (gloo's TCP does not traverse NATs)")
@@ -373,7 +387,8 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             # selection it knew and the share of its contributed rows whose average came back
             **({"layout": "x".join(map(str, cfg.layout or ())), "topk_ratio": cfg.topk_ratio,
                 "known_selections": statistics.mean(rep.get("known_selections", 0) for rep in runs),
-                "got_fraction": statistics.mean(rep.get("got_fraction", 0.0) for rep in runs)}
+                "got_fraction": statistics.mean(rep.get("got_fraction", 0.0) for rep in runs),
+                "arc_phase_s": _arc_phase_s(runs)}
                if cfg.compression == "arc-topk" else {}),
             "gso": bool(nodes[0].status.get("gso")) and not cfg.no_gso,
             "peerd_s": statistics.median(peerd_times),
