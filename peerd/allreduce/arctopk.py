@@ -23,8 +23,8 @@ exactly segment j, which belongs to member j, the owner of row shard j (peerd.co
 
 EF21M (peerd.compress.topk.EF21M) is the caller's, one per run: v = h - e is sketched, and the dense phase
 averages the selected rows of h itself; ``sent`` are the rows it contributed, ``got`` the ranges whose average
-arrived (u takes them), and where it contributed but the all-gather range was lost u takes its own h. Rows of a
-shard whose selection it never learnt keep their u. The state resets when the layout changes and survives group
+arrived (u takes them); where it contributed but the all-gather range was lost, and in rows of a shard whose
+selection it never learnt, u keeps the last average it had. The state resets when the layout changes and survives group
 changes (every averaged row is the group's mean again). Dense values travel in fp32 or bf16 (the canary needs the
 exponent range of float32: w_owner / sum w may be below fp16's smallest value).
 """
