@@ -61,6 +61,7 @@ def test_two_trainers_get_the_weighted_mean_through_the_arena(daemon) -> None:
     for name in "ab":
         reply, result = out[name]
         assert reply["outcome"] == "averaged" and reply["group_size"] == 2
+        assert reply["bytes_sent"] == 64  # the round's, as the averager says (what the demo counts for arc-topk)
         np.testing.assert_allclose(result, expected, rtol=1e-6)
     assert daemon.averager.calls[0][0].endswith(".g")
     assert sorted(w for _, w in daemon.averager.calls) == [1.0, 3.0]  # sample count is the weight

@@ -26,6 +26,7 @@ class RoundResult:
     received_fraction: float
     round: int
     seconds: float
+    bytes_sent: int = 0
 
 
 @dataclass
@@ -91,7 +92,8 @@ class InProcessAverager:
         if self.poison is not None:
             mean[0] = self.poison
         return RoundResult(mean, "averaged", f"{rnd.number:08x}", n, [str(e[0]) for e in rnd.entries],
-                           1.0, rnd.number, time.monotonic() - start)
+                           1.0, rnd.number, time.monotonic() - start,
+                           bytes_sent=2 * (n - 1) * vector.nbytes // n)  # (a butterfly's share, no headers)
 
     async def average_parts(self, run_id: str, parts: list, weight: float, *, timeout_s: float = 30.0,
                             keep_rounds: int | None = None, **options) -> list:

@@ -534,6 +534,7 @@ class TrainerService:
             "seconds": round(seconds, 6),
             "matchmaking_s": round(float(getattr(result, "matchmaking_s", 0.0)), 6),
             "kept": bool(getattr(result, "kept", False)),
+            "bytes_sent": int(getattr(result, "bytes_sent", 0)),  # UDP payload bytes this node sent for it
             "error": error,
         }
 
