@@ -327,16 +327,36 @@ def test_lossy_socket_cuts_blocks_into_the_runs_that_survive() -> None:
                     kept += 1
                     continue
                 size = segment or len(data)
-                for i in range(0, len(data), size):
-                    row = data[i : i + size]
-                    assert row in rows or row == b"\xff" * 4  # whole rows only, never a cut one
-                    kept += 1
+                got = [data[i : i + size] for i in range(0, len(data), size)]
+                assert all(row in rows or row == b"\xff" * 4 for row in got)  # whole rows only, never a cut one
+                order = [rows.index(row) if row in rows else 40 for row in got]
+                assert order == sorted(order) and len(set(order)) == len(order)  # in order, none twice
+                kept += len(got)
             total += 42
         return kept, total
 
     kept, total = trio.run(main)
     assert kept + sum(dropped) == total and lossy.dropped == sum(dropped)
     assert 0.2 < sum(dropped) / total < 0.4
+
+
+def test_lossy_socket_thins_a_writable_block_in_place_to_exactly_the_rows_kept() -> None:
+    """The receive arena is writable: the kept rows move forward in it, in order, and a short last row stays last;
+    which rows go is the generator's draws in order (so a seed fixes the pattern however the pool fetches)."""
+    rows = [bytes([i]) * 10 for i in range(40)]
+    for seed in range(20):
+        arena = bytearray(b"".join(rows) + b"\xff" * 4)
+        keep = np.random.default_rng(seed).random(41) >= 0.3
+        lossy = LossySocket(BlockSocket([[(memoryview(arena), A, 10)]]), 0.3, np.random.default_rng(seed))
+        out = lossy._thin(memoryview(arena), A, 10)
+        want = b"".join(r for r, k in zip(rows, keep[:40], strict=True) if k) + (b"\xff" * 4 if keep[40] else b"")
+        if not want:
+            assert out == []
+            continue
+        (data, _, segment), = out
+        assert bytes(data) == want and segment == (10 if keep.sum() > 1 else 0)
+        assert data.obj is arena or bytes(arena[: len(want)]) == want  # moved in place
+        assert lossy.dropped == 41 - int(keep.sum())
 
 
 def test_lossy_socket_is_deterministic_for_a_seed() -> None:
