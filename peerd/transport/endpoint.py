@@ -178,8 +178,9 @@ class Endpoint:
         ``loss``/``loss_seed``: fault injection, by a ``LossySocket`` wrapped around ``sock``."""
         self.rng = default_token_rng(rng)
         if loss:
+            injected = metrics.datagrams_dropped.labels("injected")  # (a label lookup per block is not free)
             sock = LossySocket(sock, loss, np.random.default_rng(loss_seed),  # type: ignore[assignment]
-                               on_drop=lambda n: self.metrics.datagrams_dropped.labels("injected").inc(n))
+                               on_drop=injected.inc)
         self.sock = sock
         self.caps: SocketCaps = getattr(sock, "caps", None) or plain_caps()  # declared by the socket, read once
         self.family = getattr(sock, "family", None)
