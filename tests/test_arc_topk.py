@@ -193,22 +193,19 @@ def test_wire_ratio_6250x1000_at_ratio_0_1():
 # ---- EF21M ---------------------------------------------------------------------------------------------
 
 
-def reference_replay(grads, sends, gots, avgs, eta):
-    """The update rule written out element by element (float32 scalars, same operation order): v = h - e is
-    sketched, the sent rows of h averaged; e = h where sent and the average arrived; u = the average where it
-    arrived, unchanged elsewhere."""
+def reference_replay(grads, gots, avgs, eta):
+    """The update rule written out element by element (float32 scalars, same operation order): v = h - u is
+    sketched, the sent rows of h averaged; u = the average where it arrived, unchanged elsewhere."""
     f = np.float32
-    h = e = u = None
+    h = u = None
     vs, us = [], []
-    for g, sent, got, avg in zip(grads, sends, gots, avgs, strict=True):
+    for g, got, avg in zip(grads, gots, avgs, strict=True):
         if h is None:
-            h, e, u = list(g), [f(0)] * len(g), [f(0)] * len(g)
+            h, u = list(g), [f(0)] * len(g)
         else:
             h = [f(hi * (f(1) - f(eta))) + f(f(eta) * gi) for hi, gi in zip(h, g, strict=True)]
-        v = [f(hi - ei) for hi, ei in zip(h, e, strict=True)]
+        v = [f(hi - ui) for hi, ui in zip(h, u, strict=True)]
         for k in range(len(g)):
-            if sent[k] and got[k]:
-                e[k] = h[k]
             if got[k]:
                 u[k] = avg[k]
         vs.append(np.array(v, np.float32))
@@ -223,48 +220,49 @@ def test_ef21m_matches_a_reference_replay():
     sends = [rng.random(size) < 0.4 for _ in range(rounds)]
     gots = [s & (rng.random(size) < 0.8) for s in sends]
     avgs = [rng.standard_normal(size).astype(np.float32) for _ in range(rounds)]
-    ref_v, ref_u = reference_replay(grads, sends, gots, avgs, eta)
+    ref_v, ref_u = reference_replay(grads, gots, avgs, eta)
     ef = EF21M(eta)
     for r in range(rounds):
         v = ef.begin(grads[r], key="k")
         assert np.array_equal(v, ref_v[r])
-        u = ef.finish(sent=sends[r], got=gots[r], avg=avgs[r])
+        u = ef.finish(got=gots[r], avg=avgs[r])
         assert np.array_equal(u, ref_u[r])
     v = ef.begin(grads[0], key="k2")  # a new layout: a reset
-    assert np.array_equal(v, grads[0]) and not ef.e.any() and not ef.u.any()
+    assert np.array_equal(v, grads[0]) and not ef.u.any() and ef.e is ef.u
     with pytest.raises(ValueError):
         EF21M(0.0)
 
 
 def textbook_round(hs, es, u, sent, eta, grads):
-    """One round of textbook EF21M for every member (float64): u + mean_j C(h_j - e_j), e_j + C(v_j)."""
+    """One round of textbook EF21M for every member (float64): u + mean_j C(h_j - e_j), e_j + C(v_j). Returns
+    the new u and the members' mean v (what the sketch averages)."""
     for i, g in enumerate(grads):
         hs[i] = g.copy() if hs[i] is None else (1 - eta) * hs[i] + eta * g
     vs = [h - e for h, e in zip(hs, es, strict=True)]
     u = u + np.where(sent, np.mean(vs, axis=0), 0)
     for i, v in enumerate(vs):
         es[i] = es[i] + np.where(sent, v, 0)
-    return u
+    return u, np.mean(vs, axis=0)
 
 
 def test_ef21m_without_loss_is_the_textbook_rule():
-    """With no loss and a fixed group, anchoring the averaged rows to h gives textbook EF21M's u (u + mean C(v),
-    which keeps u = mean e) to float32 round-off, and every member holds the same u."""
+    """With no loss and a fixed group, anchoring the averaged rows to h (and e to u) gives textbook EF21M: the
+    same mean v to sketch every round (so the same rows) and the same u (u + mean C(v), which keeps u = mean e),
+    to float32 round-off, and every member holds the same u."""
     n, size, eta = 3, 50, 0.3
     rng = np.random.default_rng(6)
     efs = [EF21M(eta) for _ in range(n)]
     hs, es, u = [None] * n, [np.zeros(size)] * n, np.zeros(size)
     for _ in range(12):
         grads = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
-        for ef, g in zip(efs, grads, strict=True):
-            ef.begin(g, key=("L", 1))
+        mean_v = np.mean([ef.begin(g, key=("L", 1)) for ef, g in zip(efs, grads, strict=True)], axis=0)
         sent = rng.random(size) < 0.3
         mean_h = np.mean([np.where(sent, ef.h, 0) for ef in efs], axis=0).astype(np.float32)
-        us = [ef.finish(sent=sent, got=sent, avg=mean_h).copy() for ef in efs]
-        u = textbook_round(hs, es, u, sent, eta, [g.astype(np.float64) for g in grads])
+        us = [ef.finish(got=sent, avg=mean_h).copy() for ef in efs]
+        u, textbook_v = textbook_round(hs, es, u, sent, eta, [g.astype(np.float64) for g in grads])
         assert all(np.array_equal(us[0], x) for x in us)
         np.testing.assert_allclose(us[0], u, atol=1e-5)
-        np.testing.assert_allclose(us[0], np.mean([ef.e for ef in efs], axis=0), atol=1e-5)
+        np.testing.assert_allclose(mean_v, textbook_v, atol=1e-5)
     assert np.abs(u).max() > 0.1
 
 
@@ -281,20 +279,43 @@ def test_ef21m_a_lost_range_does_not_stay_in_u():
             efs[i].begin(rng.standard_normal(size).astype(np.float32), key="L")
         mean_h = np.mean([np.where(sent, efs[i].h, 0) for i in members], axis=0).astype(np.float32)
         lost = lost_at if lost_at is not None else np.zeros(size, bool)
-        return {i: efs[i].finish(sent=sent, got=sent & ~lost if i == 0 else sent, avg=mean_h).copy()
+        return {i: efs[i].finish(got=sent & ~lost if i == 0 else sent, avg=mean_h).copy()
                 for i in members}
 
     everything = np.ones(size, bool)
     us = one_round(range(n), everything, lost_at=np.arange(size) < 10)  # member 0 lost rows 0..9's average
     assert not us[0][:10].any() and us[1][:10].any()  # it keeps the last average it had: none yet
-    # its error state did not take the lost rows as sent: with the same gradient again their v still asks for
-    # them (h minus what it last got back: zero here, the first round), where the rows that came back say 0
+    # with the same gradient again the lost rows' v still asks for them (h minus the last average it got back:
+    # none yet), where the rows that came back say how far its h is from the group's mean
     h0 = efs[0].h.copy()
     v = efs[0].begin(h0, key="L")
-    assert np.array_equal(v[:10], h0[:10]) and not v[10:].any()
-    efs[0].finish(sent=everything, got=everything, avg=h0)
+    assert np.array_equal(v[:10], h0[:10]) and np.array_equal(v[10:], h0[10:] - us[0][10:])
+    efs[0].finish(got=everything, avg=h0)
     one_round([0, 1], rng.random(size) < 0.5)  # groups change: 0 and 1 together, 2 alone
     one_round([2], everything)
     us = one_round(range(n), everything)  # averaged again: the same u everywhere, the mean of the members' h
     assert all(np.array_equal(us[0], us[i]) for i in range(n))
     np.testing.assert_allclose(us[0], np.mean([ef.h for ef in efs], axis=0), atol=1e-6)
+
+
+def test_ef21m_scores_a_row_whose_average_lacked_a_member():
+    """A reduce-scatter that lost one member's values gives every member the mean of the others: the error stays
+    in u until the row is averaged again, so the next sketch must see it. With the same h again, the members' mean
+    v is exactly the mean of h less that partial average on those rows, and zero where the average was whole (with
+    e_j = h_j, the rule until session 16, it was zero on both: such a row looked fresh)."""
+    n, size = 4, 30
+    rng = np.random.default_rng(12)
+    efs = [EF21M(1.0) for _ in range(n)]
+    hs = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+    for ef, h in zip(efs, hs, strict=True):
+        ef.begin(h, key="L")
+    partial = np.arange(size) < 12  # member 3's values for these elements never reached their owner
+    whole = np.mean(hs, axis=0, dtype=np.float32)
+    avg = np.where(partial, np.mean(hs[:3], axis=0, dtype=np.float32), whole).astype(np.float32)
+    everything = np.ones(size, bool)
+    for ef in efs:
+        ef.finish(got=everything, avg=avg)
+    mean_v = np.mean([ef.begin(h, key="L") for ef, h in zip(efs, hs, strict=True)], axis=0)
+    np.testing.assert_allclose(mean_v[partial], (whole - avg)[partial], atol=1e-6)
+    assert np.abs(mean_v[partial]).max() > 0.05
+    np.testing.assert_allclose(mean_v[~partial], 0.0, atol=1e-6)

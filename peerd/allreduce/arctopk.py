@@ -283,7 +283,7 @@ async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, i
     def finish() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         avg, sent, got = plan.read_dense(index, dense, selections)
         if ef is not None:
-            out = ef.finish(sent=sent, got=got, avg=avg).copy()
+            out = ef.finish(got=got, avg=avg).copy()
         else:
             out = flat.copy()
             out[got] = avg[got]

@@ -283,26 +283,30 @@ class EF21M:
     tensor's slice), with every averaged row anchored to the values it averages:
 
         h = (1 - eta) h + eta g   (h = g on the first round after a reset)
-        v = h - e                 (what is sketched: the rows that changed most since they were last sent)
+        v = h - u                 (what is sketched: how far this member's h is from the group's estimate)
         the selected rows of h are averaged (not of v)
-        e = h where this member sent and the average came back, unchanged elsewhere
         u = the average of h where it arrived, unchanged elsewhere (u: the optimizer's update direction)
 
-    Without loss and in a fixed group this is EF21M exactly: the textbook u + mean_j C(v_j) equals
-    mean_j e_j + mean_j (h_j - e_j) = mean_j h_j on the sent rows, since u = mean_j e_j holds throughout. It differs
-    where members' states part: a textbook member whose all-gather range was lost, or whose group changed, carries
-    the difference in u for as long as the row goes unselected, and adds every later increment on top of it (with
-    --loss 0.1 the demo lost 6 accuracy points to it). Here every row that arrives is the group's mean again.
+    EF21M's error state e (what the "server" holds of this member) is u itself: the rows' stored estimate is the
+    group's average, so the sketched mean of v is mean_j h_j - u, the error of the estimate every member applies.
 
-    Where the member sent values but their average was lost, u keeps the last average it had of those rows and e
-    stays as it was, so the row's v, and its sketched score, keep asking for it until an average comes back; where
-    it never learnt a shard's selection it sent nothing, and u keeps the last average too. So u only ever holds
-    group averages, some older than others. (Until session 15 a lost row took the member's own h into u and e:
-    its v then fell to about zero, and u held one member's gradient for as long as the row went unselected. The
-    demo under --loss 0.1, 3 seeds, final loss over fp32's: +6.1 % so, +8.0 % with own h in u and e kept, +5.4 %
-    with this rule: the three are within the runs' noise of each other, and this one is the simplest.)
-    h and e are the member's own (its gradients and what it sent) and u holds averages of whatever group it was
-    in, so a group change keeps them all; a new layout (``key``) resets everything.
+    Without loss and in a fixed group this is EF21M exactly: textbook EF21M keeps u = mean_j e_j with e_j = h_j on
+    every row sent, so its mean_j (h_j - e_j) is mean_j h_j - u, the same sketched mean, the same rows, and
+    u + mean_j C(v_j) = mean_j h_j on them. It differs where members' states part: a textbook member whose
+    all-gather range was lost, or whose group changed, carries the difference in u for as long as the row goes
+    unselected, and adds every later increment on top of it (with --loss 0.1 the demo lost 6 accuracy points to
+    it). Here every row that arrives is the group's mean again.
+
+    Under loss the rule matters. An average whose reduce-scatter lost a member's datagram is the mean of the
+    others: unbiased, but it stays in u for as long as the row goes unselected (about 1 / ratio rounds), where a
+    dense average's error lasts one round. With e = u the score sees that error (mean_j h_j - u) and the row comes
+    back when it is among the largest; with e_j = h_j (the rule until session 16) every member's v said the row was
+    fresh. Offline replay of the demo under --loss 0.1 (4 members, 16 seeds): final loss over fp32's +4.2 % with
+    this rule, +8.0 % with e_j = h_j; the same to the bit without loss. Where the member's own average was lost,
+    u keeps the last average it had, and so v keeps asking for the row; where it never learnt a shard's selection
+    it sent nothing, and u keeps the last average too. So u only ever holds group averages, some older than others.
+    h is the member's own and u holds averages of whatever group it was in, so a group change keeps both; a new
+    layout (``key``) resets everything.
     """
 
     def __init__(self, eta: float = 0.1) -> None:
@@ -311,34 +315,34 @@ class EF21M:
         self.eta = np.float32(eta)
         self.key: object = None
         self.h: np.ndarray | None = None
-        self.e: np.ndarray | None = None
         self.u: np.ndarray | None = None
+
+    @property
+    def e(self) -> np.ndarray | None:
+        """EF21M's error state: the group's estimate, u (see the class)."""
+        return self.u
 
     def reset(self) -> None:
         self.key = None
-        self.h = self.e = self.u = None
+        self.h = self.u = None
 
     def begin(self, grad: np.ndarray, key: object) -> np.ndarray:
-        """Fold this round's gradient into h; returns v = h - e, the vector to sketch. ``key`` names the layout (a
+        """Fold this round's gradient into h; returns v = h - u, the vector to sketch. ``key`` names the layout (a
         different one resets the state). The rows selected are then averaged from ``self.h``."""
         g = np.asarray(grad, dtype=FLOAT32)
         if key != self.key or self.h is None or self.h.shape != g.shape:
             self.key = key
             self.h = g.copy()
-            self.e = np.zeros_like(g)
             self.u = np.zeros_like(g)
         else:
             self.h *= np.float32(1) - self.eta
             self.h += self.eta * g
-        return self.h - self.e
+        return self.h - self.u
 
-    def finish(self, *, sent: np.ndarray, got: np.ndarray, avg: np.ndarray) -> np.ndarray:
-        """Apply one average of h's selected rows. ``sent``: elements this member sent (selected rows it knew,
-        whole tensors); ``got``: elements whose averaged value arrived (the owner's own shard included), ``avg``
-        holding them. Returns u (a view: copy to keep)."""
-        if self.h is None or self.e is None or self.u is None:
+    def finish(self, *, got: np.ndarray, avg: np.ndarray) -> np.ndarray:
+        """Apply one average of h's selected rows: ``got`` marks the elements whose averaged value arrived (the
+        owner's own shard included), ``avg`` holding them. Returns u (a view: copy to keep)."""
+        if self.h is None or self.u is None:
             raise RuntimeError("EF21M.finish before begin")
-        kept = sent & got
-        self.e[kept] = self.h[kept]
         self.u[got] = avg[got]
         return self.u
