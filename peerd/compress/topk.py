@@ -294,17 +294,15 @@ class EF21M:
     every row sent, so its mean_j (h_j - e_j) is mean_j h_j - u, the same sketched mean, the same rows, and
     u + mean_j C(v_j) = mean_j h_j on them. It differs where members' states part: a textbook member whose
     all-gather range was lost, or whose group changed, carries the difference in u for as long as the row goes
-    unselected, and adds every later increment on top of it (with --loss 0.1 the demo lost 6 accuracy points to
-    it). Here every row that arrives is the group's mean again.
+    unselected, and adds every later increment on top of it. Here every row that arrives is the group's mean again.
 
     Under loss the rule matters. An average whose reduce-scatter lost a member's datagram is the mean of the
     others: unbiased, but it stays in u for as long as the row goes unselected (about 1 / ratio rounds), where a
-    dense average's error lasts one round. With e = u the score sees that error (mean_j h_j - u) and the row comes
-    back when it is among the largest; with e_j = h_j (the rule until session 16) every member's v said the row was
-    fresh. Offline replay of the demo under --loss 0.1 (4 members, 16 seeds): final loss over fp32's +4.2 % with
-    this rule, +8.0 % with e_j = h_j; the same to the bit without loss. Where the member's own average was lost,
-    u keeps the last average it had, and so v keeps asking for the row; where it never learnt a shard's selection
-    it sent nothing, and u keeps the last average too. So u only ever holds group averages, some older than others.
+    dense average's error lasts one round. With e = u the score sees that error (mean_j h_j - u), and the row comes
+    back when it is among the largest; with e_j = h_j such a row looks fresh to every member (in the demo under
+    --loss 0.1 that cost twice the final loss over fp32: README). Where the member's own average was lost, u keeps
+    the last average it had, and so v keeps asking for the row; where it never learnt a shard's selection it sent
+    nothing, and u keeps the last average too. So u only ever holds group averages, some older than others.
     h is the member's own and u holds averages of whatever group it was in, so a group change keeps both; a new
     layout (``key``) resets everything.
     """
