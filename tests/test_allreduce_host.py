@@ -749,3 +749,26 @@ def test_tokens_holding_data_for_a_group_not_started_here_are_protected() -> Non
     assert host.protected_tokens() == {11: None, 12: None, 13: None}
     host.expire_held(2.0 + host.held.max_age_s + 1)
     assert host.protected_tokens() == {11: None, 12: None}
+
+
+def test_a_report_carries_the_arrival_time_only_while_the_senders_latest_data_is_its_groups() -> None:
+    """The socket stamps each source's latest data, whatever its group. Once the sender has moved on to another
+    group (arc-topk's next phase, the next average), that stamp is a later datagram's: a REPORT of the earlier
+    group carries 0 (unknown), or the sender's pacer would read the gap as a growing queue."""
+    me, sender = b"a" * 32, b"b" * 32
+    ranges = 40  # the sender's reduce-scatter stream to this node: enough for a REPORT
+
+    def reported(moved_on: bool) -> float:
+        host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
+        host.start(3, [me, sender], 0, np.zeros(2 * ranges * PER, np.float32), 1.0, 0.0)
+        host.start(4, [me, sender], 0, np.zeros(2 * ranges * PER, np.float32), 1.0, 0.0)
+        for k in range(ranges):
+            host.on_data(sender, 9, RS_DATA, pack_data(3, ranges, k * PER, 1.0, np.ones(PER, np.float32)), 0.01)
+        if moved_on:
+            host.on_data(sender, 9, RS_DATA, pack_data(4, ranges, 0, 1.0, np.ones(PER, np.float32)), 0.02)
+        (rep,) = host.reports(3, 1.0, 0, arrivals=[0.0, 1234.5])
+        assert rep.fields["position"] == ranges
+        return rep.fields["arrived"]
+
+    assert reported(moved_on=False) == 1234.5
+    assert reported(moved_on=True) == 0.0

@@ -54,6 +54,7 @@ GSO_BYTES = 65000  # one GSO send (and one pacing reservation) is at most 64 seg
 REPORT_INTERVAL_S = 0.025  # a receiver reports delivery to each sender about this often while data flows
 RECENT_GROUPS = 4  # finished groups whose members' last REPORTs still count
 MAX_BINDINGS = 4096  # token -> node id bindings remembered for data held before its group started
+MAX_LATEST = 4096  # senders whose latest data's group is remembered (for REPORT's ``arrived``)
 IDLE_WAIT_S = 1.0  # a group with no deadline (it only has sending left) is looked at again this often
 # A finished group's stage (~one vector of float32) is kept for the next group up to this size: a node averaging
 # 100 MB again and again then reuses warm pages instead of faulting in 75-100 MB of fresh ones per average.
@@ -233,6 +234,11 @@ class AveragingHost:
         # Tokens whose binding this host was told about: data held for a group not started yet carries the
         # peer it had on arrival (None: unbound), and is resolved through this when the group starts.
         self._bound: OrderedDict[int, bytes] = OrderedDict()
+        # Per sender, the group of the latest tensor data it handed over. The socket's arrival time is per source
+        # address, not per group: once a sender has moved on to its next group (arc-topk's next phase, the next
+        # average), that time is a later datagram's, and a REPORT of the earlier group must not carry it (the
+        # sender's pacer read it as a queue that grew by the gap: a startup cut to 1 MB/s on loopback).
+        self._latest: OrderedDict[bytes, int] = OrderedDict()
         self._protected: dict[int, None] | None = None  # protected_tokens' answer, until a group or binding changes
 
     # ---- groups ---------------------------------------------------------------------------------------
@@ -462,6 +468,7 @@ class AveragingHost:
         WireError for a body no group of this node takes (malformed, oversized) or from a node that is not
         a member of its group; ``Dropped("unbound")`` for one from an unbound token that holds too much."""
         group = peek_group(body)
+        self._note_latest(peer, group)
         if len(body) > self.max_body:  # no group of this node takes it: do not even hold it
             raise WireError("malformed", f"tensor body of {len(body)} bytes; this node's bodies are at most"
                             f" {self.max_body}")
@@ -476,6 +483,7 @@ class AveragingHost:
         it is a clean run of its ranges, else body by body (which counts whatever is wrong with each)."""
         if not len(bodies):
             return _NONE
+        self._note_latest(peer, int.from_bytes(bodies[-1, :4].tobytes(), "little"))
         g = self._groups.get(int.from_bytes(bodies[0, :4].tobytes(), "little"))
         index = self._index(g, token, peer) if g is not None else None
         if g is not None and index is not None:
@@ -557,6 +565,17 @@ class AveragingHost:
         return [Dropped("held", dropped)] if dropped else []
 
     # ---- internals ------------------------------------------------------------------------------------
+
+    def _note_latest(self, peer: bytes | None, group: int) -> None:
+        """``peer``'s latest tensor data was of ``group`` (an unbound sender's is not known: nothing noted)."""
+        if peer is None:
+            return
+        latest = self._latest
+        if latest.get(peer) != group:
+            latest[peer] = group
+            latest.move_to_end(peer)
+            while len(latest) > MAX_LATEST:
+                latest.popitem(last=False)
 
     def _index(self, g: _Group, token: int, peer: bytes | None) -> int | None:
         """The member index behind a token; None while the token is not bound (or not to a member)."""
@@ -646,7 +665,9 @@ class AveragingHost:
             meter = g.meters[i]
             # The latest data from the member arrived then: its top position's datagram, in order (a later one
             # lost after the socket, or a reordered one, only makes the sender's queue look deeper)
-            arrived = arrivals[i] if arrivals is not None and i < len(arrivals) else 0.0
+            # (0, unknown, where the sender's latest data was another group's: the time is not this stream's)
+            arrived = arrivals[i] if (arrivals is not None and i < len(arrivals)
+                                      and self._latest.get(peer) == core.group_id) else 0.0
             if final:
                 total = rs_expected[i] + ag_expected[i]
                 # (only a stream whose last datagram arrived: else its top is not what arrived last)
