@@ -71,11 +71,15 @@ log = logging.getLogger("peerd.transport")
 Address = tuple[str, int]
 DEFAULT_MTU = 1200
 RECV_DATAGRAMS = 1024  # per receive pass (the socket's arena caps it near 1 MB: ~1 ms of opening when sealed)
-# A pass that took a few blocks of tensor data and emptied the socket waits this long before the next: on a paced,
-# shaped link without GRO, data arrives a datagram at a time, and each pass's fixed cost (the event loop, a block's
-# Python) was paid for ~13 datagrams. (peerd bench allreduce --link 100mbit: 1,920 passes a 20 MB average and
-# 1.51 CPU-s per daemon; with 1 ms, 800 and 1.33; with 2 ms, 620 and 1.26, no slower.)
-COALESCE_S = 0.001
+# A pass that took a few blocks of tensor data and emptied the socket waits before the next: on a paced, shaped
+# link without GRO, data arrives a datagram at a time, and each pass's fixed cost (the event loop, a block's Python
+# per source) was paid for a few dozen datagrams. (peerd bench allreduce --link 100mbit, 20 MB: 1,920 passes an
+# average and 1.51 CPU-s per daemon without a wait; 1 ms: 530-1,060 passes, 1.30-1.66 CPU-s; 3 ms: 430-670 passes,
+# 1.10-1.44 CPU-s, no slower, alternating over five pairs.) The first trickle pass waits COALESCE_FIRST_S, the ones
+# after it in a row (a paced stream) COALESCE_S: a small average's few datagrams, which the wait only delays, pay the
+# short one. Arrival times come from the kernel: the pacer's queue samples do not see the wait.
+COALESCE_FIRST_S = 0.001
+COALESCE_S = 0.003
 COALESCE_BELOW = 64  # datagrams: a pass that took more is not a trickle
 URGENT_BYTES = 512  # a PING or PONG at most this long goes before the rest of its receive batch
 # A request unanswered this long after its first transmission (and retransmitted) tells the NAT service its peer
@@ -666,6 +670,7 @@ class Endpoint:
         # with the opener's table of known tokens (re-read every pass: the screen must never use a stale one).
         screening = self._sealed and receive is not None and getattr(sock, "screens", False)
         screen: tuple | None = None
+        trickles = 0  # trickle passes in a row (COALESCE_S)
         while True:
             screened = 0
             if screening:
@@ -711,10 +716,11 @@ class Endpoint:
             pause = self.core.receive_pause(trio.current_time(), self._junk, backlog, honest)
             trickle = self._data_blocks and not backlog and datagrams < COALESCE_BELOW
             self._data_blocks = 0
+            trickles = trickles + 1 if trickle else 0
             if pause > 0:
                 await pause_timer.wait(pause)
-            elif trickle:  # tensor data a few datagrams at a time: let more of it queue (COALESCE_S)
-                await pause_timer.wait(COALESCE_S)
+            elif trickle:  # tensor data a few datagrams at a time: let more of it queue
+                await pause_timer.wait(COALESCE_S if trickles > 1 else COALESCE_FIRST_S)
             else:  # a busy socket always has data: yield so senders and timers are not starved
                 await trio.lowlevel.checkpoint()
 
