@@ -372,16 +372,18 @@ def feed(pacer: Pacer, seconds: float, loss_of, *, t0: float = 0.0, dests=("a", 
 def test_four_senders_fill_their_links_and_do_not_overrun_them(loss: float) -> None:
     """The lab's shape: 4 nodes, 100 Mbit/s tbf up and down (1 ms burst, 20 ms queue), random loss on every
     node's input, every node streaming to the 3 others from a low start, receivers giving arrival times. Once
-    started (after 1 s), the uplinks carry >= 93 % of their rate (0.936-0.958 measured, seeds 1-2), and the
-    loss the pacer adds to the random loss is under the issue's 0.01: 0.0005-0.0032 in steady state,
-    0.0055-0.0105 with the startup overshoot (the queue turns probes back before they overflow it)."""
+    started (after 1 s), the uplinks carry >= 93 % of their rate (0.935-0.965 measured, seeds 1-3), and the
+    loss the pacer adds to the random loss is under the issue's 0.01: 0.0000-0.0032 in steady state (seeds 1-3;
+    0.0013 / 0.0025 / 0.0000 / 0.0012 at seed 1: a probe that queues its own margin is not clean, Q_PROBE; judged
+    against Q_HIGH it was 0.0044 / 0.0032 / 0.0002 / 0.0010), 0.0055-0.0105 with the startup overshoot (the queue
+    turns probes back before they overflow it)."""
     rate = 100 * MBIT
     sw = Swarm(4, rate, loss, seed=1)
     sw.run(5.0)
     util = sw.utilization(1.0, 4.8, rate)
     excess = sw.excess_loss(1.0, 4.7)
     assert util >= 0.93, (util, excess)
-    assert excess <= 0.006, (util, excess)
+    assert excess <= 0.003, (util, excess)
     assert sw.excess_loss(0.0, 4.7) <= 0.015  # with startup
     assert all(p.btl is not None and 0.7 * rate <= p.btl <= 1.2 * rate for p in sw.pacers), [p.btl for p in sw.pacers]
 
