@@ -540,6 +540,20 @@ def test_eight_senders_on_loaded_cores_do_not_overrun_their_uplinks() -> None:
     assert sw.excess_loss(0.0, 5.7) <= 0.025  # with startup
 
 
+def test_clean_probes_in_a_row_start_startup_again() -> None:
+    """Startup that ended far under the path (a sender stalled 9 ms on loopback read as a queue growing
+    0.32 s/s at 2.6 MB/s): probes of at most 10 % a 0.3 s cycle would take seconds back to the link; after
+    RESTART_PROBES clean probes in a row startup runs again from btl and doubles on clean phases."""
+    pacer = Pacer(max_rate=200e6)
+    feed(pacer, 0.3, lambda d, t: 0.0, queue_of=lambda d, t: 0.0)
+    pacer.btl = 2e6  # as the false queue left it
+    pacer.rate = 0.98 * pacer.btl
+    feed(pacer, 4.0, lambda d, t: 0.0, t0=1.0, queue_of=lambda d, t: 0.0)
+    assert pacer.decreases == 0
+    # (probes alone: at most 1.02 * 1.04 * 1.08**3 * 1.1**8, 2.8x in 4 s)
+    assert pacer.rate >= 50e6, pacer.rate
+
+
 def test_startup_resumes_at_the_rate_it_proved() -> None:
     """An average that ended right after startup doubled its rate (no clean phase at the new one): the next one
     starts at the rate two clean phases were judged at, not the doubled one nothing has carried yet."""

@@ -63,7 +63,8 @@ The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
   doubles with each clean probe in a row, up to 8 % (an overshoot then costs a phase of tail drops) and,
   after five clean probes in a row, up to the probe's own 10 % (a clean probe shows no more headroom than
   that: a 50 % step overran the queue when the link came back in the virtual-time tests). Congestion restarts
-  it at 2 %.
+  it at 2 %. After ``RESTART_PROBES`` clean probes in a row btl is far under the path (startup ended on a false
+  signal): startup runs again from btl.
 * A phase in which the sender used under ``APP_LIMITED`` of its rate (CPU-bound, or out of data) raises
   nothing: an unused rate says nothing about the path. (Also a bursty sender's, held back by the rate in
   its bursts: raising it on that overran the lab's queues.) A phase's send rate is measured up to its last
@@ -137,6 +138,7 @@ PROBE_STEP = 0.02  # a clean probe raises btl this much at first, doubling with 
 MAX_PROBE_STEP = 0.08  # ... up to this (the overshoot a cruise phase then pays for), and after FAST_PROBES
 FAST_PROBES = 5  # clean probes in a row (+28 % in all: the link got faster), then steps up to MAX_FAST_STEP
 MAX_FAST_STEP = CYCLE[PROBE] - 1.0  # (a clean probe shows that much headroom, no more)
+RESTART_PROBES = 8  # clean probes in a row (+77 % in all) before startup runs again from btl
 MAX_CUT = 0.25  # one decrease goes at most this far below the phase's send rate
 CUT_MARGIN = 0.92  # congestion sets btl this far under what the congested phase delivered
 PROBE_FAIL_CUT = 0.95  # a probe that overflowed the queue takes btl this much lower
@@ -854,6 +856,18 @@ class Pacer:
             cap = MAX_PROBE_STEP if self._clean_probes < FAST_PROBES else MAX_FAST_STEP
             self._step = min(cap, 2 * self._step)
             self.increases += 1
+            if self._clean_probes >= RESTART_PROBES:
+                # Clean probe after clean probe: btl is far under the path (a false queue signal ended startup
+                # early: one sender stalled 9 ms on loopback read as a queue growing 0.32 s/s at 2.6 MB/s, and
+                # probes of at most 10 % a cycle took 7 s back to the link). Startup again from btl: it doubles
+                # only on clean phases and ends on the same queue and loss signals.
+                self._proven = max(self._proven, self.btl)
+                self.rate, self.btl = self.btl, None
+                self._clean_at_level = 0
+                self._clean_probes = 0
+                self._step = PROBE_STEP
+                self._restart(now)
+                return Verdict("increase", f"{RESTART_PROBES} clean probes in a row: startup again", self.rate)
             return Verdict("increase", f"clean probe: btl {self.btl / 1e6:.2f} MB/s", self.rate)
         return Verdict("hold", "clean", self.rate)
 
