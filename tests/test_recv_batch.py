@@ -891,7 +891,9 @@ def test_interleaved_sessions_merge_per_source_in_the_order_they_came() -> None:
 @pytest.mark.parametrize("native_receive", [True, False])
 def test_arrivals_hold_the_kernels_receive_time_of_each_sources_latest_data(native_receive: bool) -> None:
     """SO_TIMESTAMPNS: the native pass and the Python loop alike keep, per source, the kernel's receive time of its
-    latest tensor data (type 0x40 and up): what a REPORT's ``arrived`` says. Control datagrams leave it alone."""
+    latest tensor data (0x40 and 0x42): what a REPORT's ``arrived`` says. Control datagrams and END markers (0x41,
+    0x43) leave it alone: a REPORT's position counts data datagrams only, and an END copy 8 ms after a stream's last
+    datagram, paired with that datagram's send time, read as 8 ms of queue."""
     async def main() -> None:
         tx1, tx2 = UdpSocket(_bind(socket.AF_INET), gso=False), UdpSocket(_bind(socket.AF_INET), gso=False)
         rx = UdpSocket(_bind(socket.AF_INET), gso=False, native_receive=native_receive)
@@ -912,7 +914,11 @@ def test_arrivals_hold_the_kernels_receive_time_of_each_sources_latest_data(nati
             stamp = rx.arrivals[tx1.getsockname()]
             assert before - 0.01 <= stamp <= after + 0.01
             await trio.sleep(0.02)
-            await tx1.sendto(_header(0x41, 1) + bytes(100), rx.getsockname())
+            await tx1.sendto(_header(0x41, 1) + bytes(100), rx.getsockname())  # an END marker
+            with trio.fail_after(5):
+                await rx.recv_blocks(64)
+            assert rx.arrivals[tx1.getsockname()] == stamp
+            await tx1.sendto(_header(0x42, 1) + bytes(100), rx.getsockname())  # all-gather data
             with trio.fail_after(5):
                 await rx.recv_blocks(64)
             assert rx.arrivals[tx1.getsockname()] >= stamp + 0.015  # the latest data's
@@ -934,8 +940,8 @@ def test_arrivals_are_bounded_and_checked() -> None:
         if not sock.stamps:
             pytest.skip("no SO_TIMESTAMPNS")
         sock.arrivals.update({("10.0.0.1", p): 1.0 for p in range(1, udp.MAX_ARRIVALS + 1)})
-        table, data_min = sock._arrivals()
-        assert table == {} and data_min == 0x40
+        table, data_min, mask = sock._arrivals()
+        assert table == {} and data_min == 0x40 and mask == 0b101
         view = memoryview(bytearray(RECV_BUFFER))
         for bad in ([], ({}, 256), ({}, -1), ([], 0x40)):
             with pytest.raises((TypeError, ValueError)):

@@ -1272,9 +1272,10 @@ PyDoc_STRVAR(recv_batch_doc,
 "datagram under a token of the optional fifth item ``protected`` (a dict keyed by int, or None), none of them\n"
 "counted in the shares; ``screened`` then ends\n"
 "with ``limited`` (0 without a ration) and ``shed``: the datagrams dropped so (their bytes in screened_bytes).\n\n"
-"``arrivals``: (a dict, data_min). For every block handed back whose first datagram's type byte is at least\n"
-"``data_min`` (tensor data) and that the kernel timestamped (SO_TIMESTAMPNS on the socket), dict[(host, port)] is\n"
-"set to the kernel's receive time of its latest datagram (unix seconds): what a REPORT's ``arrived`` says.");
+"``arrivals``: (a dict, data_min[, data_mask]). For every block handed back whose first datagram's type byte t is at\n"
+"least ``data_min`` (tensor data), and with ``data_mask`` under data_min + 64 with bit t - data_min set (the data\n"
+"types, not their END markers), and that the kernel timestamped (SO_TIMESTAMPNS on the socket), dict[(host, port)]\n"
+"is set to the kernel's receive time of its latest datagram (unix seconds): what a REPORT's ``arrived`` says.");
 
 /* Interleaved sessions merge (recv_batch, with a screen): where several members send at once, paced, a pass holds
  * A B C A B C ..., and the consecutive merge above leaves every datagram a block of its own, each a Python call
@@ -1395,12 +1396,16 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
         return NULL;
     PyObject *arrivals = NULL; /* source -> the latest kernel receive time of its data (see the docstring) */
     int data_min = 256;
+    int masked = 0;
+    unsigned long long data_mask = 0;
     if (arrivals_obj != Py_None) {
         if (!PyTuple_Check(arrivals_obj)) {
-            PyErr_SetString(PyExc_TypeError, "arrivals: (dict, data_min), or None");
+            PyErr_SetString(PyExc_TypeError, "arrivals: (dict, data_min[, data_mask]), or None");
             return NULL;
         }
-        if (!PyArg_ParseTuple(arrivals_obj, "O!i;arrivals: (dict, data_min)", &PyDict_Type, &arrivals, &data_min))
+        masked = PyTuple_GET_SIZE(arrivals_obj) > 2;
+        if (!PyArg_ParseTuple(arrivals_obj, "O!i|K;arrivals: (dict, data_min[, data_mask])", &PyDict_Type, &arrivals,
+                              &data_min, &data_mask))
             return NULL;
         if (data_min < 0 || data_min > 255) {
             PyErr_Format(PyExc_ValueError, "arrivals: data_min %d out of range 0..255", data_min);
@@ -1747,7 +1752,9 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             if (r < 0) goto fail;
             continue;
         }
-        if (arrivals != NULL && b->stamp > 0 && b->size > 3 && base[b->start + 3] >= data_min) {
+        if (arrivals != NULL && b->stamp > 0 && b->size > 3 && base[b->start + 3] >= data_min
+            && (!masked || (base[b->start + 3] - data_min < 64
+                            && ((data_mask >> (base[b->start + 3] - data_min)) & 1ULL)))) {
             PyObject *when = PyFloat_FromDouble(b->stamp);
             int r = when == NULL ? -1 : PyDict_SetItem(arrivals, source, when);
             Py_XDECREF(when);

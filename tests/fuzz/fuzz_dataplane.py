@@ -413,6 +413,8 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
         arrivals = None
         if fdp.ConsumeIntInRange(0, 3) == 0:  # the kernel's receive times per source (sometimes malformed)
             arrivals = ({}, fdp.ConsumeIntInRange(0, 255)) if fdp.ConsumeIntInRange(0, 7) else ([], 300)
+            if fdp.ConsumeBool() and isinstance(arrivals[0], dict):  # with a mask of the types that count
+                arrivals = (*arrivals, fdp.ConsumeIntInRange(0, 2**64 - 1))
         if screen is None and table is None and shed is None and arrivals is None:
             blocks, used, datagrams, receives, drained, drops = native.recv_batch(rx.fileno(), view, limit, slot)
         elif screen is None and arrivals is not None:
