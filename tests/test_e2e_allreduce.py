@@ -80,8 +80,11 @@ def test_real_kernel_packet_loss_in_a_namespace() -> None:
         proc = inside(sys.executable, "-m", "peerd", "bench", "allreduce", "--peers", "3", "--size", "200K",
                       "--repeat", "2", "--no-gso", "--json", capture_output=True, text=True, timeout=300)
         out = json.loads(proc.stdout)
-        # The bench's no-loss fields: no injected loss, so the loss is the kernel's.
-        assert 0.85 < out["received_fraction"] < 0.95, out
+        # The bench's no-loss fields: no injected loss, so the loss is the kernel's. (Once in CI, under a full suite,
+        # 0.827: where the rest went is in the message.)
+        why = {k: out.get(k) for k in ("received_fraction", "drops", "endpoint_drops", "kernel_drops",
+                                       "deadline_phases", "peerd_s_all", "pacer_rate_mb_s")}
+        assert 0.85 < out["received_fraction"] < 0.95, why
         assert out["max_abs_err"] > 0  # real loss: ranges kept own values
         counters = inside("nft", "list ruleset", capture_output=True, text=True).stdout
         assert "drop" in counters
