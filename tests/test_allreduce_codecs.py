@@ -218,7 +218,7 @@ def test_rounding_draws_are_keyed_by_run_group_member_and_phase(name):
     # a sender's reduce-scatter body is the codec's encode under (run, group, sender, phase 0)
     m = group(xs, ws, c, 500)
     out = [o for o in m[1].next_datagrams(10) if o.type == RS_DATA]
-    off, cnt = m[0].layout.range(0, 0)
+    off, cnt = m[0].layout.range(out[0].to, 0)  # (its first destination: member 2, the next after it)
     assert out[0].body[HEADER_SIZE:] == c.encode(xs[1][off : off + cnt], key=RoundingKey(RUN, GROUP, 1, PHASE_RS),
                                                  offset=off)
 

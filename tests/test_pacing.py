@@ -554,6 +554,21 @@ def test_clean_probes_in_a_row_start_startup_again() -> None:
     assert pacer.rate >= 50e6, pacer.rate
 
 
+def test_a_probe_raises_btl_no_higher_than_it_sent() -> None:
+    """A sender held under its rate (a loaded CPU: a pause after every part) proves only what it sends: btl
+    ends within a few percent of that, with no restart of startup, where probes of 2-10 % a cycle took it past
+    the link in the lab (4 daemons on 2 cores: probes that sent 11.7 MB/s raised btl to 12.3, the link carrying
+    12.1, and the cruise at 0.98 of it queued until a cut)."""
+    pacer = Pacer(max_rate=200e6)
+    feed(pacer, 0.3, lambda d, t: 0.0, queue_of=lambda d, t: 0.0)
+    pacer.btl = 8e6
+    pacer.rate = 0.98 * pacer.btl
+    most = 9e6  # what the sender manages: a part, then a pause
+    feed(pacer, 4.0, lambda d, t: 0.0, t0=1.0, queue_of=lambda d, t: 0.0, burst=1, gap=PART * DATAGRAM / most)
+    assert pacer.decreases == 0
+    assert pacer.btl is not None and 0.97 * most <= pacer.btl <= 1.05 * most, pacer.btl
+
+
 def test_startup_resumes_at_the_rate_it_proved() -> None:
     """An average that ended right after startup doubled its rate (no clean phase at the new one): the next one
     starts at the rate two clean phases were judged at, not the doubled one nothing has carried yet."""

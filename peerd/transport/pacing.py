@@ -63,8 +63,9 @@ The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
   doubles with each clean probe in a row, up to 8 % (an overshoot then costs a phase of tail drops) and,
   after five clean probes in a row, up to the probe's own 10 % (a clean probe shows no more headroom than
   that: a 50 % step overran the queue when the link came back in the virtual-time tests). Congestion restarts
-  it at 2 %. After ``RESTART_PROBES`` clean probes in a row btl is far under the path (startup ended on a false
-  signal): startup runs again from btl.
+  it at 2 %. A probe raises ``btl`` no higher than the rate it actually sent, and one that sent no more than
+  ``btl`` (a sender held back by its CPU) raises nothing and is not counted. After ``RESTART_PROBES`` clean
+  probes in a row btl is far under the path (startup ended on a false signal): startup runs again from btl.
 * A phase in which the sender used under ``APP_LIMITED`` of its rate (CPU-bound, or out of data) raises
   nothing: an unused rate says nothing about the path. (Also a bursty sender's, held back by the rate in
   its bursts: raising it on that overran the lab's queues.) A phase's send rate is measured up to its last
@@ -851,7 +852,12 @@ class Pacer:
             return Verdict("increase", "startup: clean", self.rate)
         if ph.kind == "probe":
             assert self.btl is not None
-            self.btl = min(self.max_rate, self.btl * (1.0 + self._step))
+            # A clean probe proved the rate it sent, no more: one that a loaded CPU held at or under btl raises
+            # nothing and does not count toward a restart (in the lab, 4 daemons on 2 cores, probes that sent
+            # 11.7 MB/s took btl to 12.3, above the link's 12.1, and the cruise after them queued until cut).
+            if sent <= self.btl:
+                return Verdict("hold", f"probe sent {sent / 1e6:.2f} MB/s, not above btl", self.rate)
+            self.btl = min(self.max_rate, self.btl * (1.0 + self._step), sent)
             self._clean_probes += 1
             cap = MAX_PROBE_STEP if self._clean_probes < FAST_PROBES else MAX_FAST_STEP
             self._step = min(cap, 2 * self._step)
