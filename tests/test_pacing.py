@@ -569,6 +569,19 @@ def test_a_probe_raises_btl_no_higher_than_it_sent() -> None:
     assert pacer.btl is not None and 0.97 * most <= pacer.btl <= 1.05 * most, pacer.btl
 
 
+def test_a_standing_queue_does_not_cut_a_sender_held_under_its_rate() -> None:
+    """A sender its CPU holds at about 0.7 of its rate meets a queue that stands at 8 ms without growing (other
+    senders' traffic, its own catch-up bursts): not its uplink filling, so no cut. The same queue growing still
+    cuts (test_a_queue_that_builds_slows_the_sender_before_anything_is_lost, the virtual-time swarms)."""
+    pacer = Pacer(max_rate=200e6)
+    feed(pacer, 0.3, lambda d, t: 0.0, queue_of=lambda d, t: 0.0)
+    pacer.btl = 10e6
+    pacer.rate = 0.98 * pacer.btl
+    most = 6.5e6
+    feed(pacer, 3.0, lambda d, t: 0.0, t0=1.0, queue_of=lambda d, t: 0.008, burst=1, gap=PART * DATAGRAM / most)
+    assert pacer.decreases == 0 and pacer.btl >= 0.95 * 10e6, (pacer.decreases, pacer.btl)
+
+
 def test_startup_resumes_at_the_rate_it_proved() -> None:
     """An average that ended right after startup doubled its rate (no clean phase at the new one): the next one
     starts at the rate two clean phases were judged at, not the doubled one nothing has carried yet."""

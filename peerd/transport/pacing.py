@@ -156,6 +156,7 @@ MAX_PENDING = 64  # phases waiting for their judgement (more: the oldest go unju
 MIN_SAMPLE = 32  # datagrams: a phase (or a destination's share of one) with fewer says too little
 FIRST_REPORT = MIN_SAMPLE  # positions: a stream's first report comes this early, whatever the interval
 KERNEL_DROPS = 0.005  # receivers' kernel drops above this fraction of a phase's datagrams are congestion
+HELD_BACK = 0.9  # a phase that sent under this fraction of its rate was held back (CPU), not paced
 APP_LIMITED = 0.5  # a phase that used less of its rate than this raises nothing (a 64 KB part is 30 ms at
 # 2 MB/s: a phase's own send rate is coarse at low rates)
 PATH_PERSIST = 2  # judged phases in a row a destination must be clearly lossier than the rest to get a cap
@@ -756,6 +757,12 @@ class Pacer:
                 congested = fresh and level > Q_HIGH and growth > STARTUP_GROWTH_MIN
             else:  # (a deep queue in two judged phases in a row: one may be a burst's, or a receiver's stall)
                 congested = fresh and self._deep >= DEEP_PHASES
+                if congested and growth <= 0.0 and sent < HELD_BACK * ph.rate:
+                    # A standing queue while this sender sent under its rate (its CPU held it back) is not its
+                    # uplink filling: that would grow, or drain below the link's rate. Its catch-up bursts and
+                    # the other senders' traffic leave such queues on loaded cores; cutting to what it managed to
+                    # send took rates to 0.6 of the link for seconds (lab, 4 daemons on 2 cores).
+                    congested = False
             if congested:
                 # The uplink's queue filled while the phase sent at ``sent``: no loss yet, and what the link
                 # carried is known (a standing queue that did not grow: ``sent`` was at most that).
