@@ -80,11 +80,15 @@ def test_real_kernel_packet_loss_in_a_namespace() -> None:
         proc = inside(sys.executable, "-m", "peerd", "bench", "allreduce", "--peers", "3", "--size", "200K",
                       "--repeat", "2", "--no-gso", "--json", capture_output=True, text=True, timeout=300)
         out = json.loads(proc.stdout)
-        # The bench's no-loss fields: no injected loss, so the loss is the kernel's. (Once in CI, under a full suite,
-        # 0.827: where the rest went is in the message.)
+        # The bench's no-loss fields: no injected loss, so the loss is the kernel's. Datagrams that came after their
+        # phase ended (at its deadline, on a loaded machine) are dropped as ``late``, counted apart: twice in CI,
+        # under a full suite, 0.826-0.827 received with 415 late (7 % of those sent), 0.90 together. The kernel's
+        # 10 % is what was neither received nor late.
         why = {k: out.get(k) for k in ("received_fraction", "drops", "endpoint_drops", "kernel_drops",
-                                       "deadline_phases", "peerd_s_all", "pacer_rate_mb_s")}
-        assert 0.85 < out["received_fraction"] < 0.95, why
+                                       "deadline_phases", "datagrams_sent", "peerd_s_all", "pacer_rate_mb_s")}
+        late = out["drops"].get("late", 0) / out["datagrams_sent"]
+        assert 0.85 < out["received_fraction"] + late < 0.95, why
+        assert late < 0.1, why
         assert out["max_abs_err"] > 0  # real loss: ranges kept own values
         counters = inside("nft", "list ruleset", capture_output=True, text=True).stdout
         assert "drop" in counters

@@ -394,6 +394,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "peerd_s": statistics.median(peerd_times),
             "peerd_s_all": [round(t, 6) for t in peerd_times],
             "received_fraction": received / sent if sent else 1.0,
+            "datagrams_sent": sent,  # tensor datagrams sent, every peer and repeat: what ``drops`` are counted of
             "kernel_drops": sum(rep["kernel_drops"] for rep in runs),
             "drops": drops,  # datagrams the groups did not use, by reason (late, duplicate, ...)
             # datagrams the daemons' endpoints dropped, by reason (injected, overload, replay, at relays too), and
