@@ -89,6 +89,19 @@ def test_sent_rate_is_what_was_really_sent_per_destination() -> None:
     assert p.sent_rate(2.0, 3.0, "a") == 0.0 and p.sent_rate(0.5, 1.0, "nobody") == 0.0
 
 
+def test_a_phases_rate_counts_the_share_of_each_part_sent_inside_it() -> None:
+    """Backlogged 64 KB parts at 12 MB/s: every 50 ms window reads 12 MB/s within 1 %, wherever its edges cut the
+    parts. (Counted whole at their starts, windows held 8, 9 or 10 parts: 10.4-13.0 MB/s, and probes that sent
+    the link's rate read "not above btl".)"""
+    p = Pacer(rate=12e6)
+    t = 0.0
+    while t < 1.0:
+        t += max(0.0, p.reserve(PART * DATAGRAM, t, "a"))
+    rates = [p.sent_rate(a / 1000, a / 1000 + 0.05) for a in range(100, 900, 7)]
+    assert min(rates) >= 0.99 * 12e6 and max(rates) <= 1.01 * 12e6, (min(rates), max(rates))
+    assert p.sent_rate(0.3, 0.35, "a") == pytest.approx(12e6, rel=0.01)
+
+
 def test_delivery_meter_infers_what_was_sent_from_the_highest_index() -> None:
     meter = DeliveryMeter(0.0, kernel_drops=7, interval_s=0.05, min_datagrams=10)
     assert meter.sample(5, 6, 6000, 0.01, 0.05, 7, 0.06) is None  # too few datagrams yet
@@ -582,6 +595,23 @@ def test_a_standing_queue_does_not_cut_a_sender_held_under_its_rate() -> None:
     assert pacer.decreases == 0 and pacer.btl >= 0.95 * 10e6, (pacer.decreases, pacer.btl)
 
 
+def test_a_queue_that_drains_does_not_cut() -> None:
+    """A deep queue that shrinks while the sender sends (others' traffic that met it at a downlink, leaving) is
+    not its uplink's overrun: no cut. The same queue growing cuts."""
+    def run(direction: float) -> Pacer:
+        pacer = Pacer(max_rate=200e6)
+        pacer.btl = 10e6
+        pacer.rate = 0.98 * pacer.btl
+        # no queue for 0.3 s (the path's base delay), then 60 ms of it, moving 0.05 s/s
+        feed(pacer, 1.3, lambda d, t: 0.0,
+             queue_of=lambda d, t: 0.0 if t < 0.3 else 0.06 + direction * 0.05 * (t - 0.3))
+        return pacer
+
+    draining, growing = run(-1.0), run(1.0)
+    assert draining.decreases == 0 and draining.btl is not None and draining.btl >= 10e6, draining.btl
+    assert growing.decreases >= 1
+
+
 def test_startup_resumes_at_the_rate_it_proved() -> None:
     """An average that ended right after startup doubled its rate (no clean phase at the new one): the next one
     starts at the rate two clean phases were judged at, not the doubled one nothing has carried yet."""
@@ -717,7 +747,8 @@ def test_memory_between_averages_ages() -> None:
         return 0.3 if d == "b" and capped.sent_rate(t - 0.05, t, "b") > 4e6 else 0.0
 
     capped = Pacer(max_rate=30e6)
-    end = feed(capped, 2.0, path_loss) + 1.0
+    # (queues stay empty: b's loss is its own path's from its first phase, not the uplink's)
+    end = feed(capped, 2.0, path_loss, queue_of=lambda d, t: 0.0) + 1.0
     capped.reserve(1200, end - 0.5, "a")
     capped.reserve(1200, end, "a")  # (the last phases judged: a clean one loosens the cap 1.25-fold)
     cap_b = capped.cap("b")
