@@ -75,12 +75,15 @@ RECV_DATAGRAMS = 1024  # per receive pass (the socket's arena caps it near 1 MB:
 # link without GRO, data arrives a datagram at a time, and each pass's fixed cost (the event loop, a block's Python
 # per source) was paid for a few dozen datagrams. (peerd bench allreduce --link 100mbit, 20 MB: 1,920 passes an
 # average and 1.51 CPU-s per daemon without a wait; 1 ms: 530-1,060 passes, 1.30-1.66 CPU-s; 3 ms: 430-670 passes,
-# 1.10-1.44 CPU-s, no slower, alternating over five pairs.) The first trickle pass waits COALESCE_FIRST_S, the ones
-# after it in a row (a paced stream) COALESCE_S: a small average's few datagrams, which the wait only delays, pay the
-# short one. Arrival times come from the kernel: the pacer's queue samples do not see the wait.
+# 1.10-1.44 CPU-s, no slower, alternating over five pairs. 6 ms, a pass of up to 128 datagrams a trickle: 334-381
+# passes, 0.98-1.43 CPU-s (median 1.08) against 564-657 and 1.08-1.40 (1.22) for 3 ms and 64, utilization within the
+# noise, 0.76-0.90 against 0.78-0.89, seven and four runs alternating.) The first trickle pass waits
+# COALESCE_FIRST_S, the ones after it in a row (a paced stream) COALESCE_S: a small average's few datagrams, which
+# the wait only delays, pay the short one. Arrival times come from the kernel: the pacer's queue samples do not see
+# the wait.
 COALESCE_FIRST_S = 0.001
-COALESCE_S = 0.003
-COALESCE_BELOW = 64  # datagrams: a pass that took more is not a trickle
+COALESCE_S = 0.006
+COALESCE_BELOW = 128  # datagrams: a pass that took more is not a trickle
 URGENT_BYTES = 512  # a PING or PONG at most this long goes before the rest of its receive batch
 # A request unanswered this long after its first transmission (and retransmitted) tells the NAT service its peer
 # may sit behind a NAT (punch, or relay). Tied to time, not to the retransmission count: a learned timeout of a few
