@@ -35,7 +35,7 @@ queue, only one its own downlink) of the least late sample (a sample may sit a b
   got through then waited in it): nothing is cut;
 * a queue above ``Q_HIGH`` in ``DEEP_PHASES`` judged phases in a row is congestion before any overflow: btl
   goes to what the link carried (the phase's rate / (1 + the queue's growth), less what it lost beyond the
-  floor), ``DELAY_MARGIN`` under;
+  floor), ``DELAY_MARGIN`` under; unless it is draining (``DRAINING``): the path then carries more than was sent;
 * a probe that takes the queue above ``Q_PROBE`` is not clean (no raise; a drain follows), and startup ends on
   a queue that is deep and growing, before it overflows.
 
@@ -64,7 +64,7 @@ The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
   after five clean probes in a row, up to the probe's own 10 % (a clean probe shows no more headroom than
   that: a 50 % step overran the queue when the link came back in the virtual-time tests). Congestion restarts
   it at 2 %. A probe raises ``btl`` no higher than the rate it actually sent, and one that sent no more than
-  ``btl`` (a sender held back by its CPU) raises nothing and is not counted. After ``RESTART_PROBES`` clean
+  1 % above ``btl`` (a sender held back by its CPU) raises nothing and is not counted. After ``RESTART_PROBES`` clean
   probes in a row btl is far under the path (startup ended on a false signal): startup runs again from btl.
 * A phase in which the sender used under ``APP_LIMITED`` of its rate (CPU-bound, or out of data) raises
   nothing: an unused rate says nothing about the path. (Also a bursty sender's, held back by the rate in
