@@ -452,7 +452,7 @@ class GroupAverage:
     member's own value.
 
     ``out`` receives the result (a new array by default). ``out=vector`` averages in place: safe, because
-    this member never sends its own shard, and an owner's all-gather only overwrites a range after that
+    this member never sends its own shard, and an owner's all-gather only overwrites a shard after that
     owner has stopped accepting this member's reduce-scatter data for it.
 
     All members of a group must use the same ``max_payload``: the ranges are derived from it, and a body
@@ -469,9 +469,6 @@ class GroupAverage:
     it fixes the ranges too. ``run`` (u64) keys the stochastic rounding draws with the group id, this
     member's index and the phase, so draws are independent across runs, groups, senders and phases and a
     test replays them exactly.
-
-    ``early_gather``: send the all-gather of the ranges every open reduce-scatter stream is past while the
-    slowest streams still run (protocol/allreduce.md, "Phases at a receiver"; never with ``robust``).
 
     ``stage``: scratch memory for the reduce-scatter's staged values (``stage_elements(len(vector), n)`` float32
     elements at least, contents ignored); ``stage_buffer`` hands it back for the next group once this one is done.
@@ -499,7 +496,6 @@ class GroupAverage:
         codec: Codec | None = None,
         run: int = 0,
         stage: np.ndarray | None = None,
-        early_gather: bool = True,
     ) -> None:
         if type(group_id) is not int or not 0 <= group_id <= 0xFFFFFFFF:
             raise ValueError(f"group_id must be a u32, got {group_id!r}")
@@ -611,10 +607,9 @@ class GroupAverage:
         self._out_bytes = memoryview(out).cast("B")
         self._inplace = out is vec
         # Blocks carry headers and value views apart (OutBlock.values), for a driver that seals from them. Values
-        # are then read when sealed, not when the block is made: with ``out is vec`` a member's average of a range
-        # can land in the vector in between, but only once that member has made the range final (its reduce-scatter
-        # ended, or every stream is past the range), when it drops whatever data still comes for it as late; the
-        # own shard's average is final before it is sent.
+        # are then read when sealed, not when the block is made: with ``out is vec`` a member's average of its shard
+        # can land in the vector in between, but only once that member's reduce-scatter has ended, when it drops
+        # whatever reduce-scatter data still comes as late; the own shard's average is final before it is sent.
         self.split_values = False
         self._w32 = w32
         self._lo, self._hi = self.layout.shard(index)
@@ -665,10 +660,6 @@ class GroupAverage:
         # ``wants_to_send`` and ``next_deadline``) to know when to wake up and re-read the deadline.
         self.phase_changes = 0
         self._ag_started = False
-        # The all-gather of ranges every sender is past, while the reduce-scatter's slowest streams still run
-        # (not with ``robust``: its clipping needs every contribution's norm first).
-        self._early = bool(early_gather) and robust is None
-        self._ag_wait: int | None = None  # the frontier the all-gather waits for (None: not waiting)
         self._maybe_end(now)
 
     # ---- state -------------------------------------------------------------------------------------
@@ -695,8 +686,6 @@ class GroupAverage:
     @property
     def wants_to_send(self) -> bool:
         """``next_datagrams`` may have something: call it (in batches) until it returns short."""
-        if self._ag_wait is not None:  # the all-gather caught up with the reduce-scatter's slowest stream
-            return bool(self._left)
         return (
             self._gen is not None or bool(self._left) or (not self._ag_started and self._rs.ended_at is not None)
         )
@@ -730,8 +719,6 @@ class GroupAverage:
         if self._rs.ended_at is None:
             self._rs.expire_ending(now)
             self._maybe_end(now)
-            if self._ag_wait is not None:
-                self._note_frontier()
             if self._rs.ended_at is None:
                 if now >= self._rs_deadline():
                     self._end_rs(now, DEADLINE)
@@ -754,30 +741,6 @@ class GroupAverage:
         self._rs.close(member)
         self._ag.close(member)
         self._maybe_end(now)
-        if self._ag_wait is not None:
-            self._note_frontier()
-
-    def _frontier(self) -> int:
-        """Ranges [0, f) of the own shard no reduce-scatter data can still come for: every stream still open
-        has delivered a later range (streams go in index order, so what is missing before it was lost), or
-        the phase ended. A stream seen reordered holds it at 0: its missing ranges may still come."""
-        rs = self._rs
-        f = self._nranges
-        if rs.ended_at is not None:
-            return f
-        done, top, reordered = rs.done, rs.top, rs.reordered
-        for s in range(self.n):
-            if not done[s]:
-                t = 0 if reordered[s] else top[s]
-                if t < f:
-                    f = t
-        return f
-
-    def _note_frontier(self) -> None:
-        """Wake the driver once the frontier reached what the waiting all-gather needs."""
-        if self._ag_wait is not None and self._frontier() >= self._ag_wait:
-            self._ag_wait = None
-            self.phase_changes += 1
 
     def _maybe_end(self, now: float) -> None:
         if self._rs.ended_at is None and self._rs.open == 0:
@@ -787,7 +750,6 @@ class GroupAverage:
 
     def _end_rs(self, now: float, by: str) -> None:
         self.phase_changes += 1
-        self._ag_wait = None  # every range is final now
         self._rs.ended_at = now
         self._rs.ended_by = by
         self._ag.t0 = now  # the all-gather clock starts when this member's own shard is final
@@ -838,9 +800,6 @@ class GroupAverage:
             rs = self._rs
             if rs.ended_at is not None:
                 return self._late(mtype)
-            if k < self._finalized:  # a range the early all-gather sent: final. The stream reorders: from now on
-                rs.reordered[sender] = True  # it holds the frontier until the phase ends
-                return self._late(mtype)
             if self._coded:  # decoded and validated before anything is marked: CodecError is a malformed drop
                 self._stage[sender, rel : rel + count] = self.codec.decode(memoryview(body)[HEADER_SIZE:], count)
             else:
@@ -852,8 +811,6 @@ class GroupAverage:
                 self.phase_changes += 1  # the deadline moved earlier (the tail's grace): the driver re-reads it
             if rs.open == 0:
                 self._end_rs(now, COMPLETION)
-            elif self._ag_wait is not None:
-                self._note_frontier()
             return Outcome.ACCEPTED
 
         if mtype == _RS_END:
@@ -875,8 +832,6 @@ class GroupAverage:
                 self.phase_changes += 1  # the deadline moved earlier (an END's grace): the driver re-reads it
             if rs.open == 0:
                 self._end_rs(now, COMPLETION)
-            elif self._ag_wait is not None:
-                self._note_frontier()
             return Outcome.ACCEPTED
 
         ag = self._ag
@@ -990,9 +945,6 @@ class GroupAverage:
         duplicates = int(np.count_nonzero(was)) if was.any() else 0
         accepted = rows - duplicates
         late = phase.ended_at is not None
-        if (mtype == _RS_DATA and not late and self._finalized
-                and (k0 if consecutive else int(ks[0])) < self._finalized):  # type: ignore[index]
-            return None  # ranges the early all-gather made final: ``receive`` counts them late one by one
         if duplicates and accepted and not late:
             fresh = ~was
             idx = np.arange(k0, k0 + rows) if isinstance(ks, slice) else ks
@@ -1032,8 +984,6 @@ class GroupAverage:
                 self._end_rs(now, COMPLETION)
             elif self._rs.ended_at is not None:
                 self._end_ag(now, COMPLETION)
-        elif mtype == _RS_DATA and self._ag_wait is not None:
-            self._note_frontier()
         return accepted, duplicates, 0
 
     def _check_weight(self, sender: int, weight: float) -> None:
@@ -1069,7 +1019,7 @@ class GroupAverage:
         count = 0
         while count < limit:
             if self._gen is None:
-                if self._ag_started or (self._rs.ended_at is None and not self._early):
+                if self._ag_started or self._rs.ended_at is None:
                     break
                 self._ag_started = True
                 self._gen = self._ag_blocks()
@@ -1204,16 +1154,7 @@ class GroupAverage:
         k = 0
         while k < total:
             k1 = min(k + self._block_rows, full) if k < full else total
-            if self._rs.ended_at is None:
-                # (early: a block's ranges once every open stream is past them; waiting for a whole block
-                # keeps the sends in GSO-sized blocks)
-                if self._frontier() < k1:
-                    self._ag_wait = k1
-                    yield None
-                    continue
-                if self._finalized < k1:
-                    self._finalize_through(min(self._frontier(), max(k1, k + ahead)))
-            elif self._finalized < k1:
+            if self._finalized < k1:
                 self._finalize_through(min(total, max(k1, k + ahead)))
             weights = np.minimum(self._wsum[k:k1], _F32_MAX)
             off = lo + k * per
