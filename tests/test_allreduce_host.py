@@ -173,8 +173,10 @@ class Lab:
         dst = self.members[block.group_id][block.to]
         assert self.nodes[dst].peer == block.peer
         host = self.nodes[i].host
-        for a in range(0, len(block.bodies), block.part):
-            rows = block.bodies[a : a + block.part]
+        a = 0
+        while a < len(block.bodies):  # (in parts as the daemon's driver sends them)
+            rows = block.bodies[a : a + host.part_rows(block)]
+            a += len(rows)
             sent_at = host.pace(block, len(rows), rows.size, self.now)
             assert sent_at >= self.now
             kept, copies = [], []
@@ -649,6 +651,22 @@ def test_send_shape() -> None:
     assert send_shape(1200, True) == (54, 432)  # 64 KB GSO sends, ~512 KB blocks
     assert send_shape(1200, False) == (16, 432)
     assert send_shape(9000, True) == (7, 56)
+
+
+@pytest.mark.parametrize(("rate", "gso", "rows"), [
+    (12.08e6, True, 10),  # 100 Mbit/s: 1 ms of it, not a whole 64 KB GSO send (5 ms)
+    (6e6, True, 5),
+    (2e6, True, 2),  # (startup: at least MIN_PART)
+    (0.25e6, True, 2),
+    (125e6, True, 54),  # 1 Gbit/s and loopback: whole GSO sends
+    (12.08e6, False, 10),
+    (125e6, False, 16),
+])
+def test_a_paced_send_carries_about_a_millisecond_of_the_rate(rate: float, gso: bool, rows: int) -> None:
+    host = AveragingHost(max_body=1200 - 37, mtu=1200, pacer=Pacer(rate))
+    part, _ = send_shape(1200, gso)
+    block = SendBlock(1, 1, b"b" * 32, RS_DATA, np.zeros((432, 8), np.uint8), part)
+    assert host.part_rows(block) == rows
 
 
 def test_held_data_is_expired_by_the_timer_it_asks_for() -> None:

@@ -268,8 +268,9 @@ class AllreduceService:
         took[0] = trio.current_time() - start
 
     async def _send_blocks(self, blocks: list[SendBlock], members: list[Member], sent: list[int]) -> None:
-        """Seal each block whole, then send parts (``part`` datagrams, one GSO send each) of each destination's
-        blocks in turn, each part when the host's pacing says: the destinations share the uplink evenly at
+        """Seal each block whole, then send parts (``AveragingHost.part_rows``: one GSO send of about 1 ms at the
+        pacer's rate) of each destination's blocks in turn, each part when the host's pacing says: the
+        destinations share the uplink evenly at
         every moment (see ``AveragingHost.send_window``). One destination's blocks go strictly in order: its
         END markers must not overtake its data (a receiver ends the phase on them)."""
         queues: dict[int, list[list]] = {}
@@ -288,8 +289,8 @@ class AllreduceService:
                 queue = queues[to]
                 entry = queue[0]
                 b, member, datagrams, row = entry
-                chunk = datagrams[row : row + b.part]
-                entry[3] = row + b.part
+                chunk = datagrams[row : row + self.host.part_rows(b)]
+                entry[3] = row + len(chunk)
                 if entry[3] >= len(datagrams):
                     queue.pop(0)
                 if not queue:
