@@ -111,6 +111,25 @@ def test_a_lonely_peer_moves_to_index_0_keys_and_a_shrunken_swarm_keeps_convergi
     assert KeyManager(Grid(1, 4), b"\x03" * 32).chunks == ()  # a 1-D grid has one key: nothing to move
 
 
+def test_peers_alone_together_spread_and_a_leftover_takes_the_last_index():
+    """Followers whose leader died take the indices a group of everyone seen would have given them; a peer
+    left over by a full key (more announced than a group takes) takes the last index, where groups short of M
+    leave room."""
+    km = KeyManager(Grid(2, 4), b"\x04" * 32, chunks=(1,), adapt=False)
+    km.after_alone(seen=4, rank=2)
+    assert km.chunks == (2,)
+    km.after_alone(seen=5, rank=0)
+    assert km.chunks == (3,)
+    km.after_alone(seen=3, rank=6)  # a rank past M wraps, as a group's index does
+    assert km.chunks == (2,)
+    adaptive = KeyManager(Grid(1, 4), b"\x04" * 32)
+    adaptive.extra_bits = 2
+    adaptive.after_alone(seen=9, rank=3)  # crowded, not lonely: no merge
+    assert adaptive.extra_bits == 2
+    adaptive.after_alone(seen=2, rank=1)
+    assert adaptive.extra_bits == 1
+
+
 def test_a_grid_losing_a_tenth_of_its_peers_a_round_does_not_stall():
     from peerd.sim.moshpit import SimConfig, simulate
 

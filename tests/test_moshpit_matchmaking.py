@@ -445,3 +445,15 @@ def test_a_follower_joining_restarts_the_pause_when_nobody_is_expected():
     net.run()
     (members,) = net.groups().values()
     assert len(members) == 3 and 4.0 <= net.now < 4.5
+
+
+def test_seen_rank_is_my_place_among_the_most_peers_one_read_showed():
+    me = cand(5, 10.0)
+    mm = Matchmaker(me, target=4, now=0.0)
+    assert (mm.seen, mm.seen_rank()) == (1, 0)
+    mm.on_entries([cand(2, 9.0), cand(7, 11.0), me], 0.0)
+    assert (mm.seen, mm.seen_rank()) == (3, 1)  # ids 2, 5, 7
+    mm.on_entries([cand(7, 11.0)], 0.1)  # a later, smaller read does not shrink what was seen
+    assert (mm.seen, mm.seen_rank()) == (3, 1)
+    mm.on_entries([cand(1, 9.0), cand(3, 9.5), cand(7, 11.0)], 0.2)
+    assert (mm.seen, mm.seen_rank()) == (4, 2)  # ids 1, 3, 5, 7

@@ -246,10 +246,11 @@ def test_a_kept_group_waits_for_a_member_that_starts_its_round_late() -> None:
     run_virtual(main)
 
 
-async def _grid_run(nursery: trio.Nursery, net: MemNet, *, kill: int, rounds: int, seed: int
+async def _grid_run(nursery: trio.Nursery, net: MemNet, *, kill: int, rounds: int, seed: int, at_once: bool = False
                     ) -> tuple[list[float], list[list[RoundResult | None]], list[Node]]:
     """`peerd bench moshpit --peers 16 --grid 4x4` in one process: exact grid (groups close at 4), cells
-    shuffled; ``kill`` peers die as soon as they start averaging in round 0 (then groups close at 2)."""
+    shuffled; ``kill`` peers die as soon as they start averaging in round 0 (then groups close at 2): 1 ms into
+    it, or ``at_once``, so that a victim that leads its group dies before its BEGIN reaches the followers."""
     grid = Grid(2, 4)
     rng = random.Random(seed)
     nodes = await swarm(nursery, net, grid.cells)
@@ -262,7 +263,10 @@ async def _grid_run(nursery: trio.Nursery, net: MemNet, *, kill: int, rounds: in
         inner = nodes[i].allreduce.average
 
         async def dying(*args, _i=i, _inner=inner, **kwargs):
-            nursery.start_soon(_kill_soon, nodes[_i], net)
+            if at_once:
+                nodes[_i].kill(net)
+            else:
+                nursery.start_soon(_kill_soon, nodes[_i], net)
             return await _inner(*args, **kwargs)
 
         nodes[i].allreduce.average = dying  # type: ignore[method-assign]
@@ -316,6 +320,27 @@ def test_survivors_finish_every_round_after_two_die_mid_average(seed: int) -> No
                 assert all(results[i] is not None and results[i].outcome in ("averaged", "alone") for i in alive)
             assert all(d2 <= d1 + 1e-9 for d1, d2 in zip(devs, devs[1:], strict=False)), devs
             assert devs[-1] <= 0.05, devs
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+@pytest.mark.parametrize("seed", [1, 4])
+def test_the_followers_of_a_leader_killed_before_its_begin_spread_and_converge(seed: int) -> None:
+    """The followers end round 0 alone (an exact grid closes at 4 only). They used to move on as index 0 each,
+    overfilling that key: a peer was left over every round after and the spread stayed at 0.13-0.15 after
+    round 4 (seeds 1, 4, 5; `peerd bench moshpit --kill 2` once on CI). Now they take the indices a group of
+    everyone they saw would have given them, and a peer left over by a full key the last index."""
+    async def main() -> None:
+        net = MemNet(seed=seed)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            devs, history, nodes = await _grid_run(nursery, net, kill=2, rounds=4, seed=seed, at_once=True)
+            alive = [i for i, n in enumerate(nodes) if n.alive]
+            assert len(alive) == 14
+            assert sum(history[0][i].outcome == "alone" for i in alive) == 3  # a leader and a member died
+            assert all(history[-1][i].outcome == "averaged" for i in alive)
+            assert devs[-1] <= 0.03, devs
             nursery.cancel_scope.cancel()
 
     run_virtual(main)

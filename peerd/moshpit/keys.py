@@ -108,13 +108,23 @@ class KeyManager:
         elif size * 2 < self.grid.size:
             self.extra_bits = max(0, self.extra_bits - 1)
 
-    def after_alone(self) -> None:
-        """No group formed: my key was too lonely. Move on as if index 0 of a group: every group has a
-        member 0, so that key is never empty while the run has peers. Keeping the key instead left a peer
-        whose key emptied (a swarm shrinking under failures) alone for good: on a 16x16x16 grid losing 10 %
-        of its peers a round, the spread stopped falling at 2.4e-4 (peerd sim moshpit, seed 0); with this rule
-        it reaches 1e-6 in 10 rounds."""
+    def after_alone(self, seen: int = 1, rank: int = 0) -> None:
+        """No group formed. ``seen``: how many peers announced under my key (me included); ``rank``: my place
+        among them by node id, the index a group of them all would have given me.
+
+        A peer whose key held more than a group takes (``seen`` > M) was left over: it moves on as the last
+        index of a group would, the key every group short of M members leaves room in. Any other lonely peer
+        moves on as index ``rank`` (mod M): peers whose group failed together (its leader died before BEGIN)
+        spread as that group's members would have, and a peer alone under its key moves on as index 0 of a
+        group: every group has a member 0, so that key is never empty while the run has peers. Keeping the key
+        instead left a peer whose key emptied (a swarm shrinking under failures) alone for good: on a 16x16x16
+        grid losing 10 % of its peers a round, the spread stopped falling at 2.4e-4 (peerd sim moshpit, seed 0);
+        with index 0 it reaches 1e-6 in 10 rounds. Sending every lonely peer to index 0 overfilled that key
+        where several ended alone at once (a leader killed before its BEGIN, on a 4x4 grid of 14 survivors):
+        a peer or more was left over every round after, and the spread stayed at 0.13-0.15 after 4 rounds
+        against 0.012."""
+        full = seen > self.grid.size
         if self.chunks:
-            self.chunks = (*self.chunks[1:], 0)
-        if self.adapt:
+            self.chunks = (*self.chunks[1:], self.grid.size - 1 if full else rank % self.grid.size)
+        if self.adapt and not full:
             self.extra_bits = max(0, self.extra_bits - 1)

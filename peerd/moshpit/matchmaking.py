@@ -126,6 +126,7 @@ class Matchmaker:
         self.followers: list[Candidate] = []
         self.group: Group | None = None
         self.seen = 1  # the most peers (me included) seen announced under the key
+        self.seen_ids: frozenset[bytes] = frozenset([me.node_id])  # who they were (the read that showed most)
         self._candidates: list[Candidate] = []
         self._refused: dict[bytes, float] = {}  # node id -> until when not to ask it again
         self._actions: list[Action] = []
@@ -158,7 +159,9 @@ class Matchmaker:
     # -- inputs ---------------------------------------------------------------------------------
     def on_entries(self, entries: list[Candidate], now: float) -> None:
         """What a DHT read of the key showed (any order, may include me and stale peers)."""
-        self.seen = max(self.seen, len({c.node_id for c in entries} | {self.me.node_id}))
+        ids = frozenset([self.me.node_id, *(c.node_id for c in entries)])
+        if len(ids) > self.seen:
+            self.seen, self.seen_ids = len(ids), ids
         self._candidates = sorted((c for c in entries if c.node_id != self.me.node_id and c.expiry > now),
                                   key=lead_key)
         looking = frozenset([self.me.node_id, *(c.node_id for c in self._candidates)])
@@ -270,6 +273,10 @@ class Matchmaker:
             self._give_up()
 
     # -- internals ------------------------------------------------------------------------------
+    def seen_rank(self) -> int:
+        """My place among the peers seen under the key, by node id: the index a group of them all gives me."""
+        return sorted(self.seen_ids).index(self.me.node_id)
+
     def in_group(self, node_id: bytes) -> bool:
         """Whether ``node_id`` is a member of the group this peer closed or joined."""
         return self.group is not None and any(c.node_id == node_id for c in self.group.members)

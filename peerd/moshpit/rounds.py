@@ -630,7 +630,7 @@ class RoundMachine:
     def _end_match(self, now: float, timed_out: bool = False) -> None:
         mm = self._mm
         assert mm is not None
-        group, seen = (None, 1) if timed_out else (mm.group, mm.seen)
+        group, seen, rank = (None, 1, 0) if timed_out else (mm.group, mm.seen, mm.seen_rank())
         self._mm = None
         self._poll_at = math.inf
         self.seen = seen
@@ -643,7 +643,7 @@ class RoundMachine:
             for _ in range(2):
                 self._actions.append(Notify(leader, m.MsgType.MM_DISBAND, {"run": self.run_id, "round": self.round}))
         if group is None:
-            self.keys.after_alone()
+            self.keys.after_alone(seen, rank)
             self.outcome = "alone"
             self.synced = False  # perhaps the swarm is in another round: look at its progress next time
             self._finish(now)
