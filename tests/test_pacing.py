@@ -623,6 +623,35 @@ def test_startup_resumes_at_the_rate_it_proved() -> None:
     assert pacer.resumes == 1 and START_RATE < pacer.rate <= proven < 100e6, (pacer.rate, proven)
 
 
+def _time_to_reach(rate: float, queue_of, gap: float = 0.0) -> tuple[float, float]:
+    """A startup from START_RATE with nothing lost: (when the rate first reached ``rate``, or inf; the highest)."""
+    pacer = Pacer(max_rate=100e6)
+    t, reached = 0.0, math.inf
+    while t < 1.5 and reached == math.inf:
+        t = feed(pacer, 0.05, lambda d, t: 0.0, t0=t, queue_of=queue_of, burst=1 if gap else 0, gap=gap)
+        if pacer.rate >= rate:
+            reached = t
+    return reached, pacer.rate
+
+
+def test_startup_doubles_after_one_phase_that_left_the_queue_empty() -> None:
+    """Two clean phases at a rate double it, as a queue may hide the first one's overshoot; where arrival times
+    show the queue empty at a phase's end, that one phase proved the rate (lab: 1 Gbit/s ... 16 Mbit/s in 0.45 s)."""
+    empty, _ = _time_to_reach(16e6, lambda d, t: 0.0)
+    blind, _ = _time_to_reach(16e6, None)  # REPORTs without arrival times: two phases a rate, as before
+    assert empty < 0.8 * blind, (empty, blind)  # 0.56 s against 0.75 (64 KB parts)
+
+
+def test_startup_does_not_double_a_rate_the_sender_did_not_send() -> None:
+    """A sender that sends under its rate (its CPU, or a socket the link pushes back on) proved what it sent, not
+    the rate: doubling on it took the lab's senders from 16 MB/s (sending 12) to 32, 2.6x their link."""
+    part_s = PART * DATAGRAM / START_RATE
+    # a sender that waits 1.4 parts' time for data before each part sends 0.72 of START_RATE (half of 4 MB/s)
+    reached, top = _time_to_reach(4e6, lambda d, t: 0.0, gap=1.4 * part_s)
+    assert reached == math.inf and top == START_RATE, (reached, top)
+    assert _time_to_reach(4e6, lambda d, t: 0.0, gap=0.9 * part_s)[0] < 0.5  # a wait the bucket hides: it does
+
+
 def test_several_reports_of_one_congested_phase_cut_once() -> None:
     """Three receivers report the same overrun: the REPORTs pool into their phase, judged once."""
     pacer = Pacer(rate=8e6)

@@ -46,7 +46,9 @@ that went out late (a sender woken late on a loaded CPU) is re-timed to when it 
 The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
 
 * **Startup** at ``START_RATE`` (low: 16 Mbit/s): two clean phases at the current rate double it (a queue
-  absorbs a first phase's overshoot: it looks clean; the second shows it). The first congested phase ends it.
+  absorbs a first phase's overshoot: it looks clean; the second shows it), or one whose queue was seen empty at
+  its end (``Q_FLAT``: nothing absorbed). Only a phase that sent at least ``HELD_BACK`` of its rate counts: one
+  held back proved what it sent, not the rate. The first congested phase ends it.
   An average that ends in startup leaves the next one the highest rate it proved so (not a doubling that no
   clean phase has carried yet).
 * **Congestion** sets ``btl`` to what the congested phase delivered beyond random loss: its actual send rate
@@ -171,6 +173,10 @@ Q_HIGH = 0.006  # seconds of queue at a phase's end that say its rate is above w
 # unchanged within its noise, with a third fewer decreases.)
 Q_PROBE = 0.0035
 STARTUP_GROWTH_MIN = 0.2  # startup ends on a queue above Q_HIGH that grew this many seconds per second of the phase
+STARTUP_FILL = 0.75  # of PHASE_BYTES: what a startup phase must hold to prove its rate (a phase that sent
+# under HELD_BACK of its rate proves nothing either)
+Q_FLAT = 0.001  # a startup phase whose queue ended under this (and grew no faster than FLAT_GROWTH) had headroom:
+FLAT_GROWTH = 0.02  # its rate doubles after it alone (an overshoot of x queues (x - 1) x 50 ms in one phase)
 DRAINING = 0.03  # a deep queue shrinking faster than this (s/s) is not cut for: it drains at the rate sent
 DEEP_PHASES = 2  # judged phases in a row with a queue above Q_HIGH before a cruise phase's rate is cut
 Q_SPAN = 0.3  # a destination's queue growth is measured over samples this much of a phase apart at least
@@ -212,7 +218,7 @@ class _Phase:
     """An interval sent at one rate, and what the REPORTs about its datagrams said."""
 
     __slots__ = ("start", "end", "rate", "kind", "expected", "lost", "drops", "paths", "last_sent", "nbytes",
-                 "busy_until", "pause_from", "queue")
+                 "busy_until", "pause_from", "queue", "first_at")
 
     def __init__(self, start: float, rate: float, kind: str) -> None:
         self.start = start
@@ -227,6 +233,7 @@ class _Phase:
         self.nbytes = 0  # bytes reserved in the phase
         self.busy_until = start  # when the last part reserved in the phase is through the bucket
         self.pause_from = start  # when the phase before ended, if nothing ran in between (a pause)
+        self.first_at = math.inf  # when its first part goes out (a part reserved before it may still be going)
         self.queue: list[tuple[float, float, Hashable]] = []  # (sent at, queueing delay, dest) of its datagrams
 
     def stop(self) -> float:
@@ -409,6 +416,7 @@ class Pacer:
         self._last_send = at if self._last_send is None else max(self._last_send, at)
         cur = self._phases[-1]
         cur.last_sent[dest] = at
+        cur.first_at = min(cur.first_at, at)
         cur.nbytes += nbytes
         cur.busy_until = max(cur.busy_until, at + nbytes / self.rate)
         seconds = nbytes / self.rate
@@ -772,8 +780,13 @@ class Pacer:
                 return Verdict("hold", f"probe at {sent / 1e6:.2f} MB/s: queue {1e3 * level:.1f} ms", self.rate)
             if ph.kind == "startup":
                 # (in startup a burst's datagrams are not placed in time, btl being unknown: each sample may sit a
-                # burst late, so only a queue both deep and growing ends it)
-                congested = fresh and level > Q_HIGH and growth > STARTUP_GROWTH_MIN
+                # burst late, so a deep queue ends it only where it grows, or where it stood deep DEEP_PHASES
+                # judged phases in a row while the sender could not send its rate: a socket the link pushed back
+                # on. Without that, the lab's startups at 1.3x the link held 7-20 ms of queue for 0.3-0.5 s, then
+                # overflowed it and ended at 7 MB/s on a 12.5 MB/s link. The deep queue alone ended the
+                # virtual-time swarm's startup early on 64 KB bursts with late REPORTs: 0.78 of the link, not 0.94.)
+                pushed_back = self._deep >= DEEP_PHASES and sent < HELD_BACK * ph.rate
+                congested = fresh and level > Q_HIGH and (growth > STARTUP_GROWTH_MIN or pushed_back)
             else:  # (a deep queue in two judged phases in a row: one may be a burst's, or a receiver's stall)
                 congested = fresh and self._deep >= DEEP_PHASES
                 if congested and growth <= 0.0 and sent < HELD_BACK * ph.rate:
@@ -797,10 +810,11 @@ class Pacer:
             # The probe before it filled the queue (or the overshoot before the last cut did): says nothing
             # against btl. (A path too slow even for the drain rate congests the cruise phases after it.)
             return Verdict("hold", "the probe's queue: " + reason, self.rate)
-        if reason and ph.start < self._quiet_until and (self.btl is None or ph.rate < self.btl):
+        if reason and ph.start < self._quiet_until and (self.btl is None or sent < self.btl):
             # Sent below the new estimate while the queue the last overshoot filled was still draining:
             # its loss is that overshoot's, already acted on. (One sent at or above it says how far the
-            # overshoot really went: a phase the queue filled only late in understates it.)
+            # overshoot really went: a phase the queue filled only late in understates it. What it sent counts,
+            # not its rate: a startup phase at 16 MB/s that sent 9.7 cut a btl of 10.2 to 7.4 in the lab.)
             return Verdict("stale", "sent before the last decrease drained: " + reason, self.rate)
         if reason:
             # What the path delivered beyond its random loss (exact when the queue stayed full all phase; a
@@ -854,18 +868,23 @@ class Pacer:
                 cap.rate *= PATH_GROWTH
                 if cap.rate >= self.rate:
                     del self._caps[dest]
-        self._history.append(_Record(sent, ph.expected, ph.lost,
-                                     {d: v for d, v in paths.items() if d not in hot}))
+        if ph.start >= self._quiet_until:
+            # (a phase sent while the last overshoot's queue drained lost what that queue overflowed: as a floor
+            # it hid the next overrun. After a cut to 10.2 MB/s on a link that had halved to 6.25, in virtual
+            # time, such phases at 35-49 % loss passed for clean, no floor being known at their rate yet.)
+            self._history.append(_Record(sent, ph.expected, ph.lost,
+                                         {d: v for d, v in paths.items() if d not in hot}))
         if hot:  # (the aggregate floor keeps them: their loss is part of what this uplink's phases see)
             return path_verdict
         if sent < APP_LIMITED * ph.rate:
             # (also a bursty sender held back by the rate in its bursts: raising its rate on that, tried,
             # let its bursts overrun the lab's 20 ms queue, and its btl grew past the link on clean probes)
             return Verdict("hold", f"sender used {sent / ph.rate:.2f} of its rate", self.rate)
-        if (startup or ph.kind == "probe") and ph.nbytes < PHASE_BYTES:
+        if (startup or ph.kind == "probe") and ph.nbytes < PHASE_BYTES * (STARTUP_FILL if startup else 1.0):
             # A part or two, measured up to its last send, is sent at a rate only for a moment a queue absorbs: it
             # proves no headroom. Startup doubled on single 64 KB parts of 16 daemons on 2 cores to 5x the link,
-            # and resumed there for the next average.
+            # and resumed there for the next average. (In startup, where a phase at START_RATE holds PHASE_BYTES
+            # only if sent to the full, STARTUP_FILL of it: the first phases, a few ms late, held 91-110 KB.)
             return Verdict("hold", f"too little sent to prove a rate ({ph.nbytes} bytes)", self.rate)
         if startup:
             if ph.rate < self.rate:  # an older level: the current one has not been judged yet
@@ -874,8 +893,19 @@ class Pacer:
                 # (a deep queue that is not seen growing does not end startup, since a sample may sit a burst late,
                 # but it is no proof of headroom either: doubling on it took 16 daemons' rates to 5x the link)
                 return Verdict("hold", f"startup: queue {1e3 * signal[0]:.1f} ms at this rate", self.rate)
-            self._clean_at_level += 1
-            if self._clean_at_level < STARTUP_PHASES:  # the queue may have hidden the first one's overshoot
+            # (measured from its first part: the part before the doubling, reserved at half the rate, may take
+            # the phase's first ms; a 64 KB part at 2 MB/s is 32 ms)
+            began = max(ph.start, ph.first_at)
+            fill = min(ph.rate, self.sent_rate(began, ph.stop())) if ph.stop() - began > 0.5 * (ph.stop() - ph.start) \
+                else sent
+            if fill < HELD_BACK * ph.rate:
+                # It proved what it sent, not its rate (its CPU, or a socket the link pushed back on, held it):
+                # doubling on phases at 16 MB/s that sent 12 took the lab's senders to 32, 2.6x the link.
+                return Verdict("hold", f"startup: sent {fill / ph.rate:.2f} of its rate", self.rate)
+            # The queue may have hidden the first clean phase's overshoot, unless it was seen empty at its end.
+            flat = signal is not None and signal[0] <= Q_FLAT and (signal[1] is None or signal[1] <= FLAT_GROWTH)
+            self._clean_at_level += STARTUP_PHASES if flat else 1
+            if self._clean_at_level < STARTUP_PHASES:
                 return Verdict("hold", "startup: one clean phase at this rate", self.rate)
             self._clean_at_level = 0
             self._proven = max(self._proven, self.rate)
