@@ -561,6 +561,30 @@ def test_limits_at_the_boundary() -> None:
     bad(m.MsgType.ERROR, {"code": "", "detail": "d" * 201})
 
 
+def test_encode_fitting_trims_the_tail_and_checks_what_goes_out_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VALUE of 20 contacts over its budget loses its last contacts (nearest first stay), is the exact encoding
+    of the trimmed body, and is validated once (a check is a full decode); what a peer would drop is refused."""
+    frm = from_field(ALICE, 1, ("2001:db8::1", 7400))
+    nodes = [m.pack_contact(bytes([i]) * 32, "192.0.2.1", 7400 + i) for i in range(20)]
+    body = {"rid": 9, "from": frm, "records": [record()], "total": 1, "nodes": nodes, "have": b""}
+    whole = len(m.encode(m.MsgType.VALUE, body))
+    decodes = []
+    real = m.decode
+    monkeypatch.setattr(m, "decode", lambda *a: decodes.append(a[0]) or real(*a))
+    budget = whole - 100  # about three contacts too many
+    data = m.encode_fitting(m.MsgType.VALUE, body, budget)
+    kept = len(m.decode(m.MsgType.VALUE, data)["nodes"])
+    assert len(decodes) == 2  # the one check inside encode_fitting, and this test's own decode
+    assert len(data) <= budget and 0 < kept < 20
+    assert data == m.encode(m.MsgType.VALUE, {**body, "nodes": nodes[:kept]})
+    assert len(m.encode(m.MsgType.VALUE, {**body, "nodes": nodes[: kept + 1]})) > budget  # no more than needed
+    assert m.encode_fitting(m.MsgType.VALUE, body, whole) == m.encode(m.MsgType.VALUE, body)
+    bad_nodes = [m.pack_contact(bytes(32), "0.0.0.0", 7400), *nodes]  # an unusable address stays (nearest)
+    expect_drop("malformed", m.encode_fitting, m.MsgType.VALUE, {**body, "nodes": bad_nodes}, budget)
+    with pytest.raises(ValueError, match="does not fit"):
+        m.encode_fitting(m.MsgType.VALUE, body, 100)
+
+
 def test_largest_record_fits_the_default_mtu() -> None:
     """One record of the maximum sizes, IPv6 addr, largest rid: a sealed STORE still fits 1200 bytes."""
     frm = from_field(ALICE, 1, ("2001:db8::1", 65535))

@@ -315,11 +315,15 @@ def encode(mtype: MsgType, body: dict[str, Any], *, check: bool = True) -> bytes
     except (TypeError, ValueError, OverflowError) as e:  # an int past 64 bits, a type msgpack has no form for
         raise WireError("malformed", f"{mtype.name} cannot be encoded: {e}") from None
     if check:
-        try:
-            decode(mtype, data)
-        except WireError as e:
-            raise WireError(e.reason, f"refusing to send a {mtype.name} its peers would drop: {e.detail}") from None
+        _check_sendable(mtype, data)
     return data
+
+
+def _check_sendable(mtype: MsgType, data: bytes) -> None:
+    try:
+        decode(mtype, data)
+    except WireError as e:
+        raise WireError(e.reason, f"refusing to send a {mtype.name} its peers would drop: {e.detail}") from None
 
 
 def decode(mtype: int, data: bytes) -> dict[str, Any]:
@@ -351,13 +355,14 @@ def encode_fitting(mtype: MsgType, body: dict[str, Any], budget: int) -> bytes:
     Lists are ordered best first (closest nodes, records in page order), so trimming the tail keeps
     the most useful part; VALUE's ``total`` lets the reader page for what was cut.
     """
-    data = encode(mtype, body)
+    data = encode(mtype, body, check=False)
     for name in ("nodes", "records"):
         items = body.get(name)
         while len(data) > budget and items:
             body = {**body, name: items[:-1]}
             items = body[name]
-            data = encode(mtype, body)
+            data = encode(mtype, body, check=False)
     if len(data) > budget:
         raise ValueError(f"{mtype.name} body of {len(data)} bytes does not fit {budget}")
+    _check_sendable(mtype, data)  # once, on what goes out (a check is a full decode: 2-4 per trimmed answer)
     return data
