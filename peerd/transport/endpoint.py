@@ -1070,7 +1070,7 @@ class Endpoint:
         pk = sender["pk"]
         if state.peer_key is None:
             verify_token_binding(pk, header.token, sender["sig"])
-            state.peer_key = pk
+            state.peer_key, state.peer_id = pk, node_id_of(pk)
             for hook in self._bind_hooks:
                 hook(header.token, pk)
         elif state.peer_key != pk:
@@ -1084,7 +1084,7 @@ class Endpoint:
                 raise WireError("address", f"the sender announces {host}, which is {why}")
         else:
             host, port = source
-        peer = Peer(node_id_of(pk), pk, host, port)
+        peer = Peer(state.peer_id or node_id_of(pk), pk, host, port)
         if not header.to_anyone:  # sealed for this node by a member: the sender is at ``source``
             self.learn(source, peer.node_id)
         return Incoming(mtype, fields, peer, source)

@@ -270,7 +270,7 @@ class OpenedBlock:
 class TokenState:
     """What an opener knows about one remote sealer."""
 
-    __slots__ = ("aead", "window", "peer_key", "key", "ctx")
+    __slots__ = ("aead", "window", "peer_key", "peer_id", "key", "ctx")
 
     def __init__(self, aead: AESGCM | None, window: int, key: bytes | None = None) -> None:
         self.aead = aead
@@ -278,6 +278,7 @@ class TokenState:
         self.ctx = None  # that native context, made when the token's first block is opened in C
         self.window = ReplayWindow(window)
         self.peer_key: bytes | None = None  # Ed25519 public key the token is bound to, once proven
+        self.peer_id: bytes | None = None  # its node id (SHA-256 of peer_key), kept so no datagram hashes it again
 
 
 class Opener:
