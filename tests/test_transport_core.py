@@ -466,6 +466,36 @@ def test_pings_go_before_the_rest_of_their_batch() -> None:
     assert answered == [int(m.MsgType.PONG), int(m.MsgType.NODES)]  # answers in the order handled
 
 
+def test_a_ping_after_its_senders_data_keeps_its_place() -> None:
+    """A member's PING sealed after its data (and after thousands of datagrams to its other destinations) is not
+    opened before that data in the same pass: the replay window would move past the data, lost as replayed."""
+    ep = _endpoint(random.Random(8))
+    member = Identity.generate()
+    sealer = Sealer(SECRET, 98)
+    frm = {"pk": member.public_key, "sig": member.sign_token(sealer.token), "addr": None}
+    me = ep.identity.node_id
+    got: list[int] = []
+    ep.on_raw(0x40, lambda *a: got.append(1))
+    ep.on_raw_block(0x40, lambda mtype, token, state, bodies, source: got.extend([1] * len(bodies)))
+
+    def ping(rid: int) -> bytes:
+        return sealer.seal(m.MsgType.PING, m.encode(m.MsgType.PING, {"rid": rid, "from": frm}), me)
+
+    src, other = ("10.1.1.2", 5), ("10.1.1.3", 5)
+    ep.receive_batch([(ping(1), src, 0)], 0.0)  # the token is bound
+    data = sealer.seal_block(0x40, np.zeros((60, 40), np.uint8), me)
+    sealer.seal_block(0x40, np.zeros((9000, 8), np.uint8), bytes(32))  # to its other destinations meanwhile
+    late = ping(2)
+    another = Sealer(SECRET, 97)
+    frm2 = {"pk": member.public_key, "sig": member.sign_token(another.token), "addr": None}
+    first = another.seal(m.MsgType.PING, m.encode(m.MsgType.PING, {"rid": 3, "from": frm2}), me)  # goes first
+    ep.receive_batch([(memoryview(data.tobytes()), src, data.shape[1]), (late, src, 0), (first, other, 0)], 0.0)
+    assert "replay" not in ep._drops, ep._drops
+    assert len(got) == 60
+    trio.run(ep.flush)
+    assert [addr for _, addr in ep.sock.sent[1:]] == [other, src]  # type: ignore[attr-defined]
+
+
 def test_peek_agrees_with_parse_header_on_any_bytes() -> None:
     """The receive path's junk sorter gives the reason the full header parser would, or its fields."""
     from peerd.wire.envelope import Header, parse_header, peek

@@ -160,6 +160,27 @@ BlockHandler = Callable[[int, int, TokenState, np.ndarray, Address], None]
 _TOKEN = struct.Struct("!Q")  # a header's token, at byte 5 (wire.envelope.HEADER)
 
 
+_HEAD = MAGIC + bytes([VERSION])
+
+
+def _before_own_data(batch: list[tuple[Any, Address, int]], urgent: list[int]) -> list[int]:
+    """The indices of ``urgent`` (ascending) whose source sent no tensor data before them in ``batch``."""
+    keep: list[int] = []
+    sending: set[Address] = set()  # sources with tensor data so far
+    marks = iter(urgent)
+    mark = next(marks)
+    for i, (data, source, segment) in enumerate(batch):
+        if i == mark:
+            if source not in sending:
+                keep.append(i)
+            mark = next(marks, -1)
+            if mark < 0:
+                break
+        elif len(data) > 3 and data[3] > m.CONTROL_MAX and data[:3] == _HEAD:  # (PD, version, a data type)
+            sending.add(source)
+    return keep
+
+
 def _yes() -> bool:
     return True
 
@@ -747,13 +768,22 @@ class Endpoint:
     def _receive_urgent(self, batch: list[tuple[Any, Address, int]], now: float) -> tuple[list, int]:
         """Handle the batch's small PINGs and PONGs, so that a member's liveness check and this node's own
         requests do not queue behind a batch of junk or tensor data; returns the rest of the batch and how
-        many were handled."""
+        many were handled.
+
+        One that came after tensor data from its own source keeps its place: its sealer numbered it after that
+        data, and a pass can hold tens of thousands of one member's datagrams (its sequence numbers shared with
+        its other destinations), so opening it first moved the replay window past data that then read as
+        replayed (loopback, 4 peers, 100 MB: 0.03-2 % of an average lost). That member's data shows it alive."""
         if len(batch) < 2:
             return batch, 0
         urgent = [i for i, (data, _, segment) in enumerate(batch)
                   if not segment and 3 < len(data) <= URGENT_BYTES and data[3] in (_PING, _PONG)]
         if not urgent:
             return batch, 0
+        if urgent[-1] >= len(urgent):  # something came before one of them: not after its own source's data?
+            urgent = _before_own_data(batch, urgent)
+            if not urgent:
+                return batch, 0
         nbytes = 0
         for i in urgent:
             data, source, _ = batch[i]
