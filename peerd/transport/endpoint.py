@@ -169,7 +169,7 @@ def _before_own_data(batch: list[tuple[Any, Address, int]], urgent: list[int]) -
     sending: set[Address] = set()  # sources with tensor data so far
     marks = iter(urgent)
     mark = next(marks)
-    for i, (data, source, segment) in enumerate(batch):
+    for i, (data, source, _) in enumerate(batch):
         if i == mark:
             if source not in sending:
                 keep.append(i)
