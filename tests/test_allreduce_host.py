@@ -492,6 +492,32 @@ def test_data_for_a_group_not_started_yet_is_held_and_used() -> None:
     assert [b.to for b in lab.nodes[2].binds] == [0, 1]  # it asked to PING the other two
 
 
+@pytest.mark.parametrize("gate", [True, False])
+def test_a_member_not_heard_from_gets_its_share_once_it_runs_the_group(gate: bool, monkeypatch) -> None:
+    """Node 2 starts 0.3 s late and holds at most 20 bodies per sender: the others give it 10 datagrams
+    (GATE_BYTES) and the rest once its data or REPORTs show it runs the group, so nothing is dropped. Without
+    the gate (a budget past the vector) its hold overflows and the average loses that data."""
+    import peerd.allreduce.host as host_module
+
+    monkeypatch.setattr(host_module, "GATE_BYTES", 10 * MTU if gate else 1 << 40)
+    xs, ws = inputs(3, 200 * PER)
+    lab = Lab(3, held=lambda: HeldData(max_token_bytes=20 * (MAX_BODY + ENTRY_OVERHEAD)))
+    lab.start({0: 0.0, 1: 0.0, 2: 0.3}, 32, [0, 1, 2], xs, ws, floor_s=1.0)
+    waiting = []
+    lab.at(0.25, lambda: waiting.append([len(nd.host._groups[32].waiting) for nd in lab.nodes[:2]]))
+    lab.run()
+    if gate:
+        lab.check(32, xs, ws)
+        assert waiting == [[1, 1]]  # each of the first two kept node 2's share back
+        for nd in lab.nodes:
+            np.testing.assert_allclose(nd.done[32].vector, mean(xs, ws), atol=1e-5)
+            assert not nd.drops
+            assert nd.done[32].stats.reduce_scatter.ended_by == "completion"
+    else:  # (what its hold dropped had arrived: the results lack it)
+        assert lab.nodes[2].drops["held"] > 0
+        assert np.abs(lab.nodes[2].done[32].vector - mean(xs, ws)).max() > 0.1
+
+
 def test_an_unbound_token_is_resolved_when_its_group_starts() -> None:
     """Node 1's data reaches node 0 before node 0 has started the group and before 1's token is bound there;
     the binding arrives (node 0 remembers it) and only then does node 0 start: the held data is used."""

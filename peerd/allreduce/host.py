@@ -45,7 +45,7 @@ from ..transport.pacing import DeliveryMeter, Pacer, Report, SendPositions, Verd
 from ..wire.errors import WireError
 from .codec import BodyType, peek_group
 from .group import BYZANTINE_MODES, GroupAverage, GroupStats, Outcome, stage_elements
-from .held import HeldData
+from .held import MAX_TOKEN_BYTES, HeldData
 from .robust import Robust
 
 BATCH = 128  # datagrams per slice of sending work at least (a slice is one block or more)
@@ -65,6 +65,15 @@ DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})  # the ty
 # The daemon's END spacing (AveragingHost ``end_spacing_s``): the second and third copies of each END this long
 # after the first, past a full 20 ms queue's drain (the link lab's tbf) and still far inside a phase's 1 s floor.
 END_SPACING_S = (0.008, 0.03)
+# Until a member shows it runs the group (its data or a REPORT of this group came), it gets at most this much of
+# it: a member that starts the group after this node holds what comes before up to HeldData's MAX_TOKEN_BYTES per
+# sender and drops the rest. On loopback (4 peers, 100 MB, 0.5-0.7 GB/s a sender) members that started an average
+# 50-100 ms after the others lost 3,500-30,000 datagrams of it a run that way (received_fraction 0.986-0.996).
+# The rest waits for the member (a quarter of that hold: REPORTs and its own data come within ~25 ms of its
+# start), or GATE_S at most: then it goes anyway (a member that only receives, or whose datagrams to this node
+# are all lost, still gets it).
+GATE_BYTES = MAX_TOKEN_BYTES // 4
+GATE_S = 1.0
 _NONE: tuple[()] = ()
 
 
@@ -152,6 +161,57 @@ class SendBlock:
 Action = Dropped | Wake | HeldTimer | Bind | SendReport | PacerVerdict | Completed
 
 
+def _gate(g: _Group, block: SendBlock) -> tuple[SendBlock | None, SendBlock | None]:
+    """(what of ``block`` goes now, what waits for its member): a member not heard from gets GATE_BYTES of
+    data in all (a data block that crosses that is cut there), and once something of it waits, the rest of
+    its blocks wait behind it (its order is kept)."""
+    to = block.to
+    if to in g.waiting:
+        return None, block
+    if g.heard[to] or g.gate_until == math.inf:
+        return block, None
+    rows = len(block.bodies)
+    room = g.gate_rows - g.given[to]
+    if rows <= room:
+        g.given[to] += rows
+        return block, None
+    if room <= 0 or block.type not in DATA_TYPES:
+        return None, block
+    g.given[to] += room
+    cut = block.values[:room] if block.values is not None else None
+    rest = block.values[room:] if block.values is not None else None
+    return replace(block, bodies=block.bodies[:room], values=cut), replace(block, bodies=block.bodies[room:],
+                                                                              values=rest)
+
+
+def _hear(g: _Group, index: int) -> bool:
+    """Member ``index`` runs the group: its gate opens. True if blocks wait for it."""
+    g.heard[index] = True
+    return index in g.waiting
+
+
+def _releasable(g: _Group) -> bool:
+    return bool(g.waiting) and (g.gate_until == math.inf or any(g.heard[to] for to in g.waiting))
+
+
+def _release(g: _Group, limit: int) -> list[SendBlock]:
+    """Waiting blocks of members whose gates opened, about ``limit`` datagrams, a block per member in turn."""
+    out: list[SendBlock] = []
+    count = 0
+    while count < limit:
+        ready = [to for to in g.waiting if g.heard[to] or g.gate_until == math.inf]
+        if not ready:
+            break
+        for to in ready:
+            queue = g.waiting[to]
+            block = queue.pop(0)
+            if not queue:
+                del g.waiting[to]
+            out.append(block)
+            count += len(block.bodies)
+    return out
+
+
 def send_shape(mtu: int, gso: bool) -> tuple[int, int]:
     """(rows per paced send, rows per block) for datagrams of ``mtu`` bytes. Blocks are built and sealed
     whole (numpy calls cost per block, not per datagram) and go out one GSO send at a time, each paced;
@@ -163,7 +223,8 @@ def send_shape(mtu: int, gso: bool) -> tuple[int, int]:
 
 class _Group:
     __slots__ = ("core", "peers", "by_peer", "by_token", "meters", "positions", "sent_to", "hold_until",
-                 "floor_s", "report_at", "part", "rows", "copies")
+                 "floor_s", "report_at", "part", "rows", "copies", "heard", "given", "waiting", "gate_until",
+                 "gate_rows")
 
     def __init__(self, core: GroupAverage, peers: list[bytes], now: float, kernel_drops: int, floor_s: float,
                  part: int, rows: int, report_at: float) -> None:
@@ -182,6 +243,13 @@ class _Group:
         self.part = part
         self.rows = rows
         self.copies: list[tuple[float, int, SendBlock]] = []  # END copies due later: (when, order, block), a heap
+        # The gate (GATE_BYTES): members heard from in this group, datagrams handed out to each before that, and
+        # the blocks waiting for each member (in its order); every gate opens at ``gate_until`` (inf: open).
+        self.heard = [i == core.index for i in range(len(peers))]
+        self.given = [0] * len(peers)
+        self.waiting: dict[int, list[SendBlock]] = {}
+        self.gate_until = now + GATE_S
+        self.gate_rows = 0  # GATE_BYTES in datagrams (set by the host, which knows their size)
 
 
 class AveragingHost:
@@ -299,6 +367,7 @@ class AveragingHost:
             core.remove_member(a, now)
         part, rows = send_shape(self.mtu, gso)
         g = _Group(core, peers, now, kernel_drops, floor_s, part, rows, now + self.report_interval_s)
+        g.gate_rows = max(1, GATE_BYTES // self.mtu)
         self._recent.pop(group_id, None)  # (a group id used again: its old REPORTs no longer count)
         self._groups[group_id] = g
         self._protected = None
@@ -335,11 +404,14 @@ class AveragingHost:
 
     def wants_to_send(self, group_id: int) -> bool:
         """``next_sends`` may have something (it may still return nothing for a slice: call it again)."""
-        return self._groups[group_id].core.wants_to_send
+        g = self._groups[group_id]
+        return g.core.wants_to_send or _releasable(g)
 
     def finished(self, group_id: int) -> bool:
-        """Both receive phases have ended and everything is sent: call ``finish``."""
-        return self._groups[group_id].core.finished
+        """Both receive phases have ended and everything is sent (but what waits for a member never heard
+        from: it never ran the group, or its gate would have opened): call ``finish``."""
+        g = self._groups[group_id]
+        return g.core.finished and not _releasable(g)
 
     def send_window(self, group_id: int) -> int:
         """A ``next_sends`` limit that yields about one block per destination, for a driver that sends their
@@ -353,18 +425,25 @@ class AveragingHost:
         """About ``limit`` datagrams' worth of blocks, reduce-scatter first (may be empty for a slice of
         robust work: the driver's turn to let other tasks run)."""
         g = self._groups[group_id]
-        out = []
+        out = _release(g, limit) if g.waiting else []
+        if out and sum(len(b.bodies) for b in out) >= limit:
+            return out
         spacing = self.end_spacing_s
         for b in g.core.next_blocks(g.rows, limit):
             if b.repeat == 1:
-                out.append(SendBlock(group_id, b.to, g.peers[b.to], b.type, b.bodies, g.part, b.values))
+                sb = SendBlock(group_id, b.to, g.peers[b.to], b.type, b.bodies, g.part, b.values)
             elif spacing is None:
-                out.append(SendBlock(group_id, b.to, g.peers[b.to], b.type, np.repeat(b.bodies, b.repeat, axis=0),
-                                     g.part, b.values))
+                sb = SendBlock(group_id, b.to, g.peers[b.to], b.type, np.repeat(b.bodies, b.repeat, axis=0),
+                               g.part, b.values)
             else:  # the first copy now, the others once ``pace`` knows when it goes
                 later = min(b.repeat - 1, len(spacing))
                 first = np.repeat(b.bodies, b.repeat - later, axis=0)
-                out.append(SendBlock(group_id, b.to, g.peers[b.to], b.type, first, g.part, b.values, later))
+                sb = SendBlock(group_id, b.to, g.peers[b.to], b.type, first, g.part, b.values, later)
+            go, wait = _gate(g, sb)
+            if go is not None:
+                out.append(go)
+            if wait is not None:
+                g.waiting.setdefault(sb.to, []).append(wait)
         return out
 
     def due_copies(self, group_id: int, now: float) -> list[SendBlock]:
@@ -422,12 +501,16 @@ class AveragingHost:
             if g.hold_until is None:
                 g.hold_until = now + g.floor_s
             at = max(at, g.hold_until)
+        if g.waiting:
+            at = min(at, g.gate_until)
         return min(at, g.copies[0][0]) if g.copies else at
 
     def on_timer(self, group_id: int, now: float) -> list[Action]:
         """The group's deadline passed or it was woken: end whichever phase's deadline has passed (unless
         unbound data still waits for its binding, within the extension)."""
         g = self._groups[group_id]
+        if now >= g.gate_until:
+            g.gate_until = math.inf  # every gate open: what waits goes (the driver asks wants_to_send again)
         if self.held.holds(group_id) and (g.hold_until is None or now < g.hold_until):
             return []
         before = g.core.phase_changes
@@ -504,7 +587,7 @@ class AveragingHost:
                 actions: list[Action] = []
                 if result[2]:
                     actions.append(Dropped(Outcome.LATE.value, result[2]))
-                if core.phase_changes != before:
+                if core.phase_changes != before or (not g.heard[index] and _hear(g, index)):
                     actions.append(Wake(core.group_id))
                 return actions
         if bodies.shape[1] > self.max_body:
@@ -562,6 +645,8 @@ class AveragingHost:
                 span = g.positions[i].span(max(0, first - 1), report.position - 1)
         placed = g.positions[i].placed(report.position - 1) if span is not None else 0.0
         verdict = self.pacer.on_report(peer, report, now, span, placed=placed)
+        if not g.heard[i] and _hear(g, i) and b["group"] in self._groups:
+            return [PacerVerdict(verdict.rate, verdict), Wake(b["group"])]
         return [PacerVerdict(verdict.rate, verdict)]
 
     # ---- held data ------------------------------------------------------------------------------------
@@ -643,7 +728,8 @@ class AveragingHost:
         if outcome is Outcome.ACCEPTED or outcome is Outcome.DUPLICATE or (
             outcome is Outcome.LATE and mtype not in DATA_TYPES  # END repeats routinely outlive their phase
         ):
-            return (Wake(core.group_id),) if core.phase_changes != before else _NONE
+            opened = outcome is Outcome.ACCEPTED and not g.heard[index] and _hear(g, index)
+            return (Wake(core.group_id),) if core.phase_changes != before or opened else _NONE
         if core.phase_changes != before:
             return (Dropped(outcome.value), Wake(core.group_id))
         return (Dropped(outcome.value),)
