@@ -186,6 +186,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dropcompute", default="off", metavar="off|auto|SECONDS",
                    help="DropCompute threshold per step: off, auto, or seconds (default off)")
     p.add_argument("--no-sync", action="store_true", help="do not download the swarm's state before starting")
+    p.add_argument("--start-at", type=float, default=None, metavar="UNIX_S",
+                   help="take the first step at this wall-clock time (unix seconds), once loaded and connected: "
+                        "trainers launched one after another then train in step (default: at once)")
     p.add_argument("--state-every", type=int, default=10, metavar="S",
                    help="publish a snapshot for joiners every S steps (default 10)")
     p.add_argument("--eval-every", type=int, default=10, metavar="S",
@@ -293,6 +296,9 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
     first_step = opt.step_count
+    start_at = getattr(args, "start_at", None)
+    if start_at is not None and start_at > time.time():
+        time.sleep(start_at - time.time())
     loss0, acc0 = evaluate(model, x_test, y_test)
     # "t": this host's monotonic clock (shared by every process and namespace here), for time-to-accuracy
     emit({"event": "start", "peer": args.index, "step": first_step, "synced": opt.synced_from,

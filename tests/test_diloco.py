@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -657,7 +658,10 @@ def test_a_swarm_larger_than_a_group_averages_each_outer_step_over_the_grid(tmp_
 
     with LocalSwarm(str(tmp_path / "swarm"), extra_args=("--max-group", "2")) as swarm:
         nodes = swarm.start_many(4)
-        trainers = [_diloco_trainer(n, i, peers=4) for i, n in enumerate(nodes)]
+        # every trainer's first step at once: one that loads torch seconds after the others (a loaded CI
+        # machine) reaches each outer step after they left its round, and every round is alone
+        start = str(time.time() + 20)
+        trainers = [_diloco_trainer(n, i, "--start-at", start, peers=4) for i, n in enumerate(nodes)]
         results = []
         for t in trainers:
             out, err = t.communicate(timeout=240)
