@@ -684,9 +684,10 @@ def test_send_shape() -> None:
     (6e6, True, 5),
     (2e6, True, 2),  # (startup: at least MIN_PART)
     (0.25e6, True, 2),
-    (125e6, True, 54),  # 1 Gbit/s and loopback: whole GSO sends
+    (125e6, True, 54),  # 1 Gbit/s: one whole GSO send
+    (700e6, True, 540),  # loopback: as many whole GSO sends as fit in 1 ms (one reservation, not ten)
     (12.08e6, False, 10),
-    (125e6, False, 16),
+    (125e6, False, 96),
 ])
 def test_a_paced_send_carries_about_a_millisecond_of_the_rate(rate: float, gso: bool, rows: int) -> None:
     host = AveragingHost(max_body=1200 - 37, mtu=1200, pacer=Pacer(rate))

@@ -50,8 +50,8 @@ from .robust import Robust
 
 BATCH = 128  # datagrams per slice of sending work at least (a slice is one block or more)
 BLOCK_BYTES = 512 * 1024  # a block is built and sealed in one pass (~1 ms sealed), then sent in GSO parts
-GSO_BYTES = 65000  # one GSO send (and one pacing reservation) is at most 64 segments, 64 KB ...
-PART_S = 0.001  # ... and at most about this long at the pacer's rate (as Linux sizes TCP's TSO bursts) ...
+GSO_BYTES = 65000  # one GSO send is at most 64 segments, 64 KB ...
+PART_S = 0.001  # ... and a paced part about this long at the pacer's rate (as Linux sizes TCP's TSO bursts) ...
 MIN_PART = 2  # ... but at least this many datagrams
 REPORT_INTERVAL_S = 0.025  # a receiver reports delivery to each sender about this often while data flows
 RECENT_GROUPS = 4  # finished groups whose members' last REPORTs still count
@@ -456,12 +456,18 @@ class AveragingHost:
         return out
 
     def part_rows(self, block: SendBlock) -> int:
-        """Rows of ``block`` for its next paced send: ``block.part`` (one GSO send), fewer where that is more than
-        PART_S at the pacer's rate. A GSO send enters the bottleneck's queue at once, and a 64 KB one is 5 ms of a
-        100 Mbit/s link: lab, 4 peers, `--link 100mbit` (a token bucket of 12.5 KB burst), parts of 54 datagrams
-        left 5-10 pacer decreases per peer a run and 0.78-0.86 of the link used; parts of 9, 0.88-0.93. (Parts of
-        4 were no better and cost more CPU.) On loopback and fast links the rate makes it a whole GSO send."""
-        return max(min(MIN_PART, block.part), min(block.part, int(self.pacer.rate * PART_S / self.mtu)))
+        """Rows of ``block`` for its next paced send: about PART_S at the pacer's rate, in whole GSO sends
+        (``block.part`` rows each) where that is one or more, else fewer rows than one GSO send. A GSO send
+        enters the bottleneck's queue at once, and a 64 KB one is 5 ms of a 100 Mbit/s link: lab, 4 peers,
+        `--link 100mbit` (a token bucket of 12.5 KB burst), parts of 54 datagrams left 5-10 pacer decreases per
+        peer a run and 0.78-0.86 of the link used; parts of 9, 0.88-0.93. (Parts of 4 were no better and cost
+        more CPU.) Above about 130 MB/s (loopback) a part is several GSO sends: each part costs a reservation, a
+        sleep and a send's bookkeeping in Python, and one per GSO send was a fifth of a loopback daemon's CPU
+        beside the crypto (4 peers, 100 MB: 2,600 parts an average; "other" 0.20-0.23 CPU-s against 0.17)."""
+        cap = int(self.pacer.rate * PART_S / self.mtu)
+        if cap >= block.part:
+            return cap // block.part * block.part
+        return max(min(MIN_PART, block.part), cap)
 
     def pace(self, block: SendBlock, rows: int, nbytes: int, now: float) -> float:
         """When ``rows`` datagrams (``nbytes`` sealed) of ``block`` may go out: the pacer's reservation,

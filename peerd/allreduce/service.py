@@ -268,11 +268,11 @@ class AllreduceService:
         took[0] = trio.current_time() - start
 
     async def _send_blocks(self, blocks: list[SendBlock], members: list[Member], sent: list[int]) -> None:
-        """Seal each block whole, then send parts (``AveragingHost.part_rows``: one GSO send of about 1 ms at the
-        pacer's rate) of each destination's blocks in turn, each part when the host's pacing says: the
-        destinations share the uplink evenly at
-        every moment (see ``AveragingHost.send_window``). One destination's blocks go strictly in order: its
-        END markers must not overtake its data (a receiver ends the phase on them)."""
+        """Seal each block whole, then send parts (``AveragingHost.part_rows``: about 1 ms at the pacer's rate,
+        in whole GSO sends where that is one or more) of each destination's blocks in turn, each part when the
+        host's pacing says: the destinations share the uplink evenly at every moment (see
+        ``AveragingHost.send_window``). One destination's blocks go strictly in order: its END markers must not
+        overtake its data (a receiver ends the phase on them)."""
         queues: dict[int, list[list]] = {}
         for b in blocks:
             member = members[b.to]
