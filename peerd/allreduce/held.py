@@ -19,11 +19,12 @@ ENTRY_OVERHEAD = 128  # bytes charged per body for its bookkeeping (tuple, list 
 
 
 class _Bucket:
-    __slots__ = ("first_at", "nbytes", "items")
+    __slots__ = ("first_at", "nbytes", "count", "items")
 
     def __init__(self, first_at: float) -> None:
         self.first_at = first_at
         self.nbytes = 0
+        self.count = 0  # bodies (an item may be a block of several)
         self.items: list[Any] = []
 
 
@@ -46,10 +47,11 @@ class HeldData:
         self.nbytes = 0
         self.count = 0
 
-    def add(self, group: int, token: int, item: Any, nbytes: int, now: float) -> tuple[bool, int]:
-        """Hold ``item`` (a body of ``nbytes``). Returns (held, bodies dropped to make room or expired)."""
+    def add(self, group: int, token: int, item: Any, nbytes: int, now: float, count: int = 1) -> tuple[bool, int]:
+        """Hold ``item``: a body of ``nbytes``, or a block of ``count`` bodies of ``nbytes`` together (charged
+        as that many bodies). Returns (held, bodies dropped to make room or expired)."""
         dropped = self.expire(now)
-        size = nbytes + ENTRY_OVERHEAD
+        size = nbytes + ENTRY_OVERHEAD * count
         if self._token_bytes.get(token, 0) + size > self.max_token_bytes or size > self.max_bytes:
             return False, dropped
         while self.nbytes + size > self.max_bytes and self._buckets:
@@ -61,9 +63,10 @@ class HeldData:
             self._by_group.setdefault(group, set()).add(token)
         bucket.items.append(item)
         bucket.nbytes += size
+        bucket.count += count
         self._token_bytes[token] = self._token_bytes.get(token, 0) + size
         self.nbytes += size
-        self.count += 1
+        self.count += count
         return True, dropped
 
     def tokens(self) -> dict[int, int]:
@@ -88,7 +91,7 @@ class HeldData:
         return bool(self._by_group.get(group))
 
     def count_of(self, group: int) -> int:
-        return sum(len(self._buckets[(group, t)].items) for t in self._by_group.get(group, ()))
+        return sum(self._buckets[(group, t)].count for t in self._by_group.get(group, ()))
 
     def expire(self, now: float) -> int:
         """Drop buckets older than ``max_age_s``; returns how many bodies went."""
@@ -110,7 +113,7 @@ class HeldData:
 
     def _drop(self, key: tuple[int, int]) -> int:
         bucket = self._take(key)
-        return len(bucket.items) if bucket is not None else 0
+        return bucket.count if bucket is not None else 0
 
     def _take(self, key: tuple[int, int]) -> _Bucket | None:
         bucket = self._buckets.pop(key, None)
@@ -127,5 +130,5 @@ class HeldData:
         else:
             del self._token_bytes[token]
         self.nbytes -= bucket.nbytes
-        self.count -= len(bucket.items)
+        self.count -= bucket.count
         return bucket
