@@ -153,6 +153,9 @@ def test_compare_gloo_alternates_in_one_run() -> None:
     assert out["gloo_s"] <= out["gloo_p99_s"] <= max(out["gloo_s_all"]) + 1e-6, out
     assert out["peerd_s"] <= out["peerd_p99_s"] <= max(out["peerd_s_all"]) + 1e-6, out
     assert out["excess_loss"] == 0.0 and "bus_fraction" not in out, out  # no loss, no lab: no link bound
+    # CPU per peer and average on both sides, and the kernel's part of each (the same bytes cross the kernel)
+    assert 0 <= out["sys_s_per_peer"] <= out["cpu_s_per_peer"] and out["cpu_s_per_peer"] > 0, out
+    assert 0 <= out["gloo_sys_s_per_peer"] <= out["gloo_cpu_s_per_peer"] and out["gloo_cpu_s_per_peer"] > 0, out
 
 
 def test_dht_keeps_answering_during_a_100mb_average(swarm, capsys) -> None:

@@ -212,6 +212,7 @@ class BenchOps:
             "done_at": done,
             "seconds": result.seconds,
             "cpu_s": cpu,
+            "sys_s": usage.ru_stime - usage0.ru_stime,  # the kernel's part of it
             # On a loaded machine every page fault (fresh memory: a group's stage) is a point where the daemon
             # is preempted: these two tell a wall time lost to the scheduler from one spent computing.
             "page_faults": usage.ru_minflt - usage0.ru_minflt,

@@ -94,6 +94,7 @@ class GlooBaseline:
             kw: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
             return lab.popen(r, argv, **kw) if lab is not None else subprocess.Popen(argv, **kw)
 
+        self.cpu: list[tuple[float, float]] = []  # (CPU seconds, the kernel's part) per rank and run
         self.procs = [start(r) for r in range(cfg.peers)]
         for p in self.procs:
             if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
@@ -101,6 +102,7 @@ class GlooBaseline:
                 raise DaemonError("a gloo worker failed to start")
 
     def run(self) -> float:
+        """One timed all-reduce: the slowest rank's seconds (each rank's CPU goes to ``cpu``)."""
         for p in self.procs:
             p.stdin.write("go\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
@@ -110,6 +112,8 @@ class GlooBaseline:
             if not line or line[0] != "done":
                 raise DaemonError("a gloo worker died mid-run")
             times.append(float(line[1]))
+            if len(line) >= 4:
+                self.cpu.append((float(line[2]), float(line[3])))
         return max(times)
 
     def close(self) -> None:
@@ -405,6 +409,8 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             # CPU seconds one daemon spends per average (mean over peers and repeats): steadier than peerd_s
             # on a shared machine, and what an optimization of the data path should move.
             "cpu_s_per_peer": statistics.mean(rep.get("cpu_s", 0.0) for rep in runs),
+            # ... and the kernel's part of it (syscalls: the copies into and out of the socket, loopback delivery)
+            "sys_s_per_peer": statistics.mean(rep.get("sys_s", 0.0) for rep in runs),
             # Minor page faults and involuntary context switches per daemon per average: on a shared machine the
             # wall time a daemon loses to other processes shows here, not in cpu_s_per_peer
             "page_faults_per_peer": statistics.mean(rep.get("page_faults", 0) for rep in runs),
@@ -462,6 +468,9 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             out["gloo_s_all"] = [round(t, 6) for t in gloo_times]
             out["gloo_p99_s"] = p99(gloo_times)
             out["ratio"] = out["peerd_s"] / out["gloo_s"]
+            if gloo.cpu:  # gloo's CPU per rank and all-reduce, all threads, and the kernel's part: the same bytes
+                out["gloo_cpu_s_per_peer"] = round(statistics.mean(c for c, _ in gloo.cpu), 6)
+                out["gloo_sys_s_per_peer"] = round(statistics.mean(k for _, k in gloo.cpu), 6)
         return out
     finally:
         if gloo is not None:
