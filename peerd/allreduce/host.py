@@ -777,7 +777,7 @@ class AveragingHost:
                       now: float, drops: Counter[str], actions: list[Action]) -> None:
         """A held item to its group: a body, or a block (``_hold_block``) whole where it is a clean run of the
         group's ranges from a bound member, else body by body."""
-        if type(body) is bytes:
+        if not isinstance(body, np.ndarray):
             self._deliver_counted(g, peer, token, mtype, body, now, drops, actions)
             return
         index = self._index(g, token, peer)
@@ -837,7 +837,7 @@ class AveragingHost:
 
 def _bodies(held: bytes | np.ndarray) -> int:
     """Bodies in a held item: one, or a held block's rows."""
-    return 1 if type(held) is bytes else len(held)
+    return len(held) if isinstance(held, np.ndarray) else 1
 
 
 def _flush(drops: Counter[str], actions: list[Action]) -> None:
