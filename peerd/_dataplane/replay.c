@@ -196,7 +196,8 @@ PyObject *replay_accept(PyObject *module, PyObject *args) {
             if (a.none || newest - first + 1 >= size) {
                 memset(seen, 0, (size_t)size);
             } else {
-                uint64_t from = first % size, to = (newest + 1) % size;
+                /* (newest + 1) % size without newest + 1: it wraps to 0 at newest = 2**64 - 1 */
+                uint64_t from = first % size, to = (newest % size + 1) % size;
                 if (from < to) {
                     memset(seen + from, 0, (size_t)(to - from));
                 } else {
