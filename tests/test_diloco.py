@@ -34,7 +34,7 @@ from peerd.trainer.outer import (  # noqa: E402
 )
 from peerd.trainer.service import OUTER_ROUNDS  # noqa: E402
 
-from .trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
+from .trainer_harness import WINDOW_END, InProcessAverager, ThreadDaemon  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -167,6 +167,35 @@ def test_three_trainers_follow_a_replay_of_diloco(tmp_path, fragments: int) -> N
         # dimension takes one round), under the outer run id
         outer_calls = [r for r in daemon.averager.round_numbers if r is not None]
         assert sorted(set(outer_calls)) == sorted({OUTER_ROUNDS * h["step"] for h in opts[0].history})
+        for o in opts:
+            o.close()
+    finally:
+        daemon.stop()
+
+
+def test_an_outer_step_on_a_grid_chains_each_rounds_window_to_the_last(tmp_path) -> None:
+    """On a grid of two dimensions an outer step takes two Moshpit rounds; the second's matchmaking window is
+    chained to the first's (``chain_from``: its ``window_end``), so a member alone in the first round still
+    meets the others in the second. The result is still DiLoCo's (every round here holds all three)."""
+    averager = InProcessAverager(group_size=3, wait_s=10.0)
+    averager.dims = 2
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), averager)
+    try:
+        models = [model(0) for _ in range(3)]
+        opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=4,
+                       sync_state=False, state_every=0) for m in models]
+        train_in_threads(models, opts, steps=8)
+        glob, mom = replay(3, 8, 4, 1)
+        for o in opts:
+            assert o.outer_steps == 2
+            torch.testing.assert_close(o.global_params, glob, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(o.momentum, mom, rtol=1e-5, atol=1e-6)
+        calls = [(r, o.get("chain_from")) for r, o in zip(averager.round_numbers, averager.options, strict=True)
+                 if r is not None]
+        steps = {OUTER_ROUNDS * h["step"] for h in opts[0].history}
+        assert sorted({r for r, _ in calls}) == sorted(steps | {s + 1 for s in steps})
+        for r, chained in calls:
+            assert chained == (None if r in steps else WINDOW_END + r - 1), (r, chained)
         for o in opts:
             o.close()
     finally:
@@ -556,6 +585,55 @@ def test_a_member_that_missed_its_group_is_not_waited_for_and_does_not_leave_alo
         assert max(took[1], took[2]) < 15  # not the 30 s repair phase
 
     run_virtual(main)
+
+
+@pytest.mark.parametrize("expect", [2, 4])
+def test_two_groups_of_a_grid_step_end_on_one_final_when_the_step_expects_them_all(expect: int) -> None:
+    """A 2x2 grid's second round left two groups of two with different averages; group a ends its average
+    first. Expecting only its own group (2, the last round's size), group a agrees within itself at once and
+    leaves, and group b, whose final is the lower hash (so it wins the tie and never adopts a's), waits for
+    a majority that cannot come: an error. Expecting the step's 4 members (the trainer reads them from the
+    run's progress), all four end on one final."""
+    import hashlib as _h
+
+    from .memnet import MemNet
+    from .test_dht_network import run_virtual
+
+    rng = np.random.default_rng(9)
+    va, vb = (rng.standard_normal(5_000).astype(np.float32) for _ in range(2))
+    if _h.sha256(vb.tobytes()).digest() > _h.sha256(va.tobytes()).digest():
+        va, vb = vb, va  # group b's final is the lower hash: it wins the 2-2 tie
+    outcome: dict[int, object] = {}
+
+    async def main() -> None:
+        net = MemNet(seed=10)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await _swarm(nursery, net, 4)
+
+            async def one(i: int, delay: float) -> None:
+                await trio.sleep(delay)
+                group, vector = ("a", va) if i < 2 else ("b", vb)
+                board = DhtBoard(nodes[i].sync, "run/0123456789abcdef", 12)
+                try:
+                    outcome[i] = await agree(board, nodes[i].identity.node_id, vector.copy(), group=group, size=2,
+                                             index=i % 2, state=b"", repair_s=10, deadline_s=20,
+                                             addr=nodes[i].addr, expect=expect)
+                except OuterError as e:
+                    outcome[i] = e
+
+            async with trio.open_nursery() as inner:
+                for i in range(4):
+                    inner.start_soon(one, i, 0.0 if i < 2 else 1.0)
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+    if expect == 2:
+        assert all(isinstance(outcome[i], OuterError) for i in (2, 3)), outcome
+    else:
+        finals = {outcome[i].final for i in range(4)}
+        assert len(finals) == 1 and finals == {_h.sha256(vb.tobytes()).digest()}, outcome
+        assert [outcome[i].adopted for i in range(4)] == [True, True, False, False]
 
 
 class _DeafBoard:

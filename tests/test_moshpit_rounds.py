@@ -215,3 +215,41 @@ def test_numbered_rounds_far_apart_expect_the_peers_of_the_last_one() -> None:
                progress(mc.me, 40, T0 + 1)]
     run(80, T0 + 20, records)
     assert mc._mm.expected == {others[0].node_id, others[1].node_id, mc.me.node_id}
+
+
+@pytest.mark.parametrize(("chain_from", "window"), [
+    (T0 + 0.5, 1.5),  # the last round ended half a window in: this one ends a window after that
+    (T0 - 5.0, 1.0),  # long ago: a whole window from now, as unchained
+    (T0 + 9.0, 2.0),  # far ahead (a wrong clock): at most two windows from now
+])
+def test_a_chained_round_ends_its_window_one_window_after_the_last_one(chain_from: float, window: float) -> None:
+    """A DiLoCo outer step's second round chains its window to the first's (``chain_from``): a member that
+    averaged at once waits until one window after the first round's end, when a member that was alone in
+    the first round (its whole window) arrives; counted from its own start, its window had ended by then."""
+    mc = machine(window_s=1.0)
+    mc.synced = True
+    mc.round = 41
+    mc.start_round(T0, numbered=True, chain_from=chain_from)
+    (put,) = of(mc.take_actions(), Put)
+    assert msgpack.unpackb(put.value)[0] == pytest.approx(T0 + window)
+    assert put.ttl == pytest.approx(window + 10.0) and mc.window_end == pytest.approx(T0 + window)
+    t = T0
+    while not mc.done:  # nobody comes: the round gives up at the chained expiry, not a window after T0
+        t = mc.next_deadline()
+        mc.on_timer(t)
+        mc.take_actions()
+    assert t == pytest.approx(T0 + window) and mc.outcome == "alone"
+    mc.round = 42
+    mc.start_round(t, numbered=True)  # the next step's first round is not chained
+    (put,) = of(mc.take_actions(), Put)
+    assert msgpack.unpackb(put.value)[0] == pytest.approx(t + 1.0) and mc.window_end == pytest.approx(t + 1.0)
+
+
+def test_the_members_of_a_step_are_those_whose_progress_reached_its_first_round() -> None:
+    from peerd.moshpit.records import finished_since
+
+    ps = [peer(i) for i in range(4)]
+    records = [progress(ps[0], 41, T0), progress(ps[1], 40, T0), progress(ps[2], 39, T0),
+               SimRecord(ps[3].node_id, b"\xc1", T0 + PROGRESS_TTL_S, ps[3].public_key)]  # malformed
+    assert finished_since(records, 40) == {ps[0].node_id, ps[1].node_id}
+    assert finished_since(records, 0) == {ps[0].node_id, ps[1].node_id, ps[2].node_id}

@@ -15,6 +15,8 @@ from peerd.localsock.server import LocalServer
 from peerd.metrics import Metrics
 from peerd.trainer import TrainerService
 
+WINDOW_END = 1_900_000_000.0
+
 
 @dataclass
 class RoundResult:
@@ -27,6 +29,8 @@ class RoundResult:
     round: int
     seconds: float
     bytes_sent: int = 0
+    dims: int = 1
+    window_end: float = 0.0
 
 
 @dataclass
@@ -46,6 +50,7 @@ class InProcessAverager:
         self.group_size = group_size
         self.wait_s = wait_s
         self.delay_s = delay_s  # extra time every round takes (to catch a trainer mid-step)
+        self.dims = 1  # the grid's dimensions each result reports (DiLoCo runs that many rounds an outer step)
         self.rounds: dict[str, _Round] = {}
         self.numbers: dict[str, int] = {}
         self.calls: list[tuple[str, float]] = []
@@ -60,7 +65,7 @@ class InProcessAverager:
     async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
                       keep_rounds: int | None = None, round_no: int | None = None, ready=None,
                       **options) -> RoundResult:
-        assert set(options) <= {"max_weight", "robust", "center"}, options
+        assert set(options) <= {"max_weight", "robust", "center", "chain_from"}, options
         start = time.monotonic()
         self.readies.append(ready is not None)
         if ready is not None:  # as Moshpit with ready=: (the group would form here) then the vector is read
@@ -85,15 +90,17 @@ class InProcessAverager:
         if self.delay_s:
             await trio.sleep(self.delay_s)
         n = len(rnd.entries)
+        # a matchmaking window's end, told apart by round: round r's is WINDOW_END + r
+        facts = {"dims": self.dims, "window_end": WINDOW_END + (rnd.number if round_no is None else round_no)}
         if n == 1:
-            return RoundResult(vector, "alone", "", 1, [], 0.0, rnd.number, time.monotonic() - start)
+            return RoundResult(vector, "alone", "", 1, [], 0.0, rnd.number, time.monotonic() - start, **facts)
         assert rnd.mean is not None
         mean = rnd.mean.copy()
         if self.poison is not None:
             mean[0] = self.poison
         return RoundResult(mean, "averaged", f"{rnd.number:08x}", n, [str(e[0]) for e in rnd.entries],
                            1.0, rnd.number, time.monotonic() - start,
-                           bytes_sent=2 * (n - 1) * vector.nbytes // n)  # (a butterfly's share, no headers)
+                           bytes_sent=2 * (n - 1) * vector.nbytes // n, **facts)  # (a butterfly's share)
 
     async def average_parts(self, run_id: str, parts: list, weight: float, *, timeout_s: float = 30.0,
                             keep_rounds: int | None = None, **options) -> list:

@@ -114,6 +114,12 @@ def encode_progress(round_no: int) -> bytes:
     return msgpack.packb(round_no)
 
 
+def finished_since(records: Iterable[RecordLike], round_no: int) -> frozenset[bytes]:
+    """The node ids whose progress says they finished round ``round_no`` or a later one (a DiLoCo outer
+    step's members: each finished one of the step's rounds, averaged or alone)."""
+    return frozenset(owner for owner, value, _ in decode_progress(records)[0] if value >= round_no)
+
+
 def decode_progress(records: Iterable[RecordLike]) -> tuple[list[tuple[bytes, int, float]], dict[str, int]]:
     """(owner node id, last finished round, when stored) of each well-formed record, and what was skipped
     ({"malformed": n, "range": n})."""

@@ -210,6 +210,8 @@ class RoundMachine:
         self._gets: dict[int, tuple[str, int]] = {}  # token -> (purpose, round)
         self._requests: dict[int, tuple] = {}  # token -> (purpose, context...)
         self._numbered = False
+        self._chain_from: float | None = None
+        self.window_end = 0.0  # the wall-clock end of this round's matchmaking window (0: it did not matchmake)
         self._last_round: int | None = None  # the last round this node finished here (numbered runs skip rounds)
         self._started = 0.0
         self._timeout_s = 30.0
@@ -269,12 +271,19 @@ class RoundMachine:
             self.sticky = StickyGroups(self.me.node_id, keep_rounds)
 
     # -- a round --------------------------------------------------------------------------------
-    def start_round(self, now: float, *, timeout_s: float = 30.0, numbered: bool = False) -> None:
+    def start_round(self, now: float, *, timeout_s: float = 30.0, numbered: bool = False,
+                    chain_from: float | None = None) -> None:
         """Begin round ``self.round``: renew the kept group if it may be, else matchmake through the DHT.
-        ``numbered``: the caller numbers the rounds (no catching up with the swarm's progress afterwards)."""
+        ``numbered``: the caller numbers the rounds (no catching up with the swarm's progress afterwards).
+        ``chain_from``: the end of the matchmaking window of the round just before this one in the same
+        step (``window_end``; a DiLoCo outer step runs one round per grid axis): this window ends one window
+        after it, not one window after ``now`` (at most two windows from now). A member that spent that round
+        alone comes one whole window after the members that averaged at once; with windows counted from
+        ``now`` theirs ended as it arrived, it was alone again, and one window behind at every round after."""
         if self.phase not in ("idle", "done"):
             raise RuntimeError(f"round {self.round} is still {self.phase}")
         self.outcome, self.group, self.kept_round, self.seen = "", None, False, 1
+        self._chain_from, self.window_end = chain_from, 0.0
         self.key = self.keys.group_key(self.round)
         self._numbered = numbered
         self._started = now
@@ -585,19 +594,23 @@ class RoundMachine:
     # -- matchmaking ----------------------------------------------------------------------------
     def _start_match(self, now: float) -> None:
         self.phase = "match"
-        me = Candidate(round(now + self.window_s, 3), self.me.node_id, self.me.public_key, self.me.addr,
+        window_s = self.window_s
+        if self._chain_from is not None and math.isfinite(self._chain_from):
+            window_s = min(max(window_s, self._chain_from + self.window_s - now), 2 * self.window_s)
+        me = Candidate(round(now + window_s, 3), self.me.node_id, self.me.public_key, self.me.addr,
                        self.me.reach)
+        self.window_end = me.expiry
         # min_size == M is Moshpit's exact grid: groups close at exactly M, never early
         settle = None if self.min_size >= self.grid.size else SETTLE_S
         self._mm = Matchmaker(me, target=self.grid.size, min_size=self.min_size, now=now, rng=self.rng,
                               settle_s=settle)
         self._mm_key = group_dht_key(self.run_id, self.round, self.key)
         self._mm_deadline = now + max(0.0, min(self._timeout_s - (now - self._started),
-                                               self.window_s + MATCH_SLACK_S))
+                                               window_s + MATCH_SLACK_S))
         self._poll_i = 0
         self._poll_at = math.inf
         self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1], me.reach),
-                                 self.window_s + 10.0))
+                                 window_s + 10.0))
         self._get(self._mm_key, "poll", poll_read(0))
         self._poll_i = 1
         if self.grid.dims == 1 and self.keys.extra_bits == 0:  # one key: the whole run looks under it

@@ -131,6 +131,7 @@ class RoundResult:
     out: tuple[int, ...] = field(default=(), repr=False)
     dims: int = 1  # the run's grid dimensions: rounds until every member's value reached every other's
     weight_total: float = 0.0  # the weight the group's average stands for (its members' weights; 0: unknown)
+    window_end: float = 0.0  # wall clock: when this round's matchmaking window ended (0: a kept group's round)
 
     def stats(self) -> dict:
         return {
@@ -503,7 +504,8 @@ class MoshpitService:
                       center: np.ndarray | None = None, compression: str | Codec | None = None,
                       quant_group: int | None = None, rounding: str | None = None, topk_layout: list | None = None,
                       topk_ratio: float = 0.1, ef_eta: float | None = 0.1,
-                      ready: Callable[[], Awaitable[None]] | None = None) -> RoundResult:
+                      ready: Callable[[], Awaitable[None]] | None = None,
+                      chain_from: float | None = None) -> RoundResult:
         """One Moshpit round for ``run_id``: find a group, average in it. Never raises for churn.
 
         ``ready``: awaited once the group is known (or none formed), before ``vector`` is read: the caller fills
@@ -526,7 +528,13 @@ class MoshpitService:
         the result is its update direction u, not an average of the vectors.
 
         The result is never non-finite: an average that holds NaN or infinity is reported ``failed`` and the
-        caller gets its own vector back. A run past its last round (MAX_ROUND) raises MoshpitError."""
+        caller gets its own vector back. A run past its last round (MAX_ROUND) raises MoshpitError.
+
+        ``chain_from``: the ``window_end`` of the round before this one in the same step (a DiLoCo outer step's
+        rounds, one per grid axis): this round's matchmaking window ends one window after it (RoundMachine
+        .start_round), so members that spent that round alone still meet the ones that averaged at once."""
+        if chain_from is not None and not (isinstance(chain_from, int | float) and math.isfinite(chain_from)):
+            raise MoshpitError(f"chain_from must be a wall-clock time (a RoundResult's window_end), got {chain_from!r}")
         if vector.dtype != np.float32 or vector.ndim != 1:
             raise MoshpitError("the vector must be flat float32")
         if center is not None and (center.dtype != np.float32 or center.shape != vector.shape
@@ -542,7 +550,7 @@ class MoshpitService:
             return vector
 
         results = await self._run_round(run_id, [Part(fetch)], weight, timeout_s, keep_rounds, round_no,
-                                        max_weight, robust, codec, center=center)
+                                        max_weight, robust, codec, center=center, chain_from=chain_from)
         outcome = results[0]
         if isinstance(outcome, BaseException):
             raise outcome
@@ -572,7 +580,8 @@ class MoshpitService:
     async def _run_round(self, run_id: str, parts: list[Part], weight: float, timeout_s: float,
                          keep_rounds: int | None, round_no: int | None, max_weight: float | None,
                          robust: Robust | str | None, codec: tuple[Codec | TopK | None] | None, *,
-                         center: np.ndarray | None = None, split: bool = False) -> list[RoundResult | Exception]:
+                         center: np.ndarray | None = None, split: bool = False,
+                         chain_from: float | None = None) -> list[RoundResult | Exception]:
         """Check the options both forms share, configure the run and drive one round under its lock."""
         check_run_id(run_id)
         if round_no is not None and (type(round_no) is not int or not 0 <= round_no <= MAX_ROUND):
@@ -599,18 +608,18 @@ class MoshpitService:
                 raise MoshpitError(f"run {run_id!r} has averaged its last round ({MAX_ROUND}): round numbers are "
                                    f"uint32 and do not wrap; continue under a new run id")
             return await self._round(st, parts, float(weight), timeout_s, numbered=round_no is not None,
-                                     center=center, split=split)
+                                     center=center, split=split, chain_from=chain_from)
 
     async def _round(self, st: RunState, parts: list[Part], weight: float, timeout_s: float,
-                     numbered: bool = False, center: np.ndarray | None = None, split: bool = False
-                     ) -> list[RoundResult | Exception]:
+                     numbered: bool = False, center: np.ndarray | None = None, split: bool = False,
+                     chain_from: float | None = None) -> list[RoundResult | Exception]:
         """Drive the machine through one round: execute its actions, wait for an input or its deadline. Once
         a group is known, average each part in it (``split``: each under its own group id, concurrently)."""
         core = st.core
         t0 = self.clock()
         st.state = "matchmaking"
         st.in_round = True
-        core.start_round(t0, timeout_s=timeout_s, numbered=numbered)
+        core.start_round(t0, timeout_s=timeout_s, numbered=numbered, chain_from=chain_from)
         round_no, key = core.round, core.key
         results: list[RoundResult | Exception] | None = None
         mm_s: float | None = None
@@ -682,6 +691,7 @@ class MoshpitService:
             result.leader, result.led = group.leader.hex(), group.leader == self.identity.node_id
         result.matchmaking_s = mm_s
         result.dims = st.grid.dims
+        result.window_end = st.core.window_end
         result.compression = st.compression
         result.seconds = self.clock() - t0
         st.last = result

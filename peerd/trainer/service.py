@@ -38,7 +38,7 @@ from ..allreduce.robust import Robust, parse_robust
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
-from ..moshpit.records import MAX_ROUND
+from ..moshpit.records import MAX_ROUND, finished_since, progress_key
 from ..moshpit.service import MoshpitError, Part, all_finite, check_compression
 from .outer import DhtBoard, OuterError, agree, store_key
 
@@ -57,6 +57,7 @@ OFF_LOOP_ELEMS = 1 << 22  # a slot this large (16 MB) is copied and checked in a
 OUTER_ROUNDS = 4  # Moshpit rounds an outer step may take (grid dimensions: 16**4 peers in groups of 16)
 OUTER_ROUND_LIMIT = (MAX_ROUND + 1) // OUTER_ROUNDS  # outer rounds numbered below this fit Moshpit's rounds
 OUTER_KEPT_ROUNDS = 3  # outer rounds whose blobs a daemon keeps (up to 3 vectors each) for members still repairing
+STEP_PEERS_READ_S = 2.0  # the read of who took part in an outer step waits this long at most
 MAX_SAMPLES = float(2**53)  # the largest max_samples a trainer may ask for (exact in a float)
 ADVERT_CHECK_S = 5.0  # how long trainer_open reads the swarm's adverts for its warning
 # A snapshot (peerd.torch: torch.save of the flat float32 parameters, the optimizer's state dict and a few
@@ -759,10 +760,12 @@ class TrainerService:
         if self.statesync is not None and getattr(self.statesync, "dht", None) is not None:
             board = DhtBoard(self.statesync, session.run_key, round_no)
             try:
+                step_peers = await self._step_peers(session.average_id("outer"), round_no * OUTER_ROUNDS)
+                expect = min(64, max(1, int(getattr(result, "seen", 1) or 1), step_peers))
                 agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
                                         state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
                                         addr=board.addr, members=[bytes.fromhex(h) for h in members] if group else None,
-                                        expect=min(64, max(1, int(getattr(result, "seen", 1) or 1))))
+                                        expect=expect)
             except OuterError as e:
                 raise OpError(f"outer round {round_no}: {e}") from None
             finally:
@@ -795,16 +798,21 @@ class TrainerService:
         """The outer step's Moshpit rounds: as many as the run's grid has dimensions (the first round says),
         so that on a full grid every member's pseudo-gradient reaches every other's (more than one group:
         a swarm larger than the largest group). Round d of outer round r is Moshpit round
-        r * OUTER_ROUNDS + d; each averages the last one's result, weighted by the weight it stands for.
+        r * OUTER_ROUNDS + d; each averages the last one's result, weighted by the weight it stands for, and
+        its matchmaking window is chained to the last one's (``chain_from``: a member alone in round d, which
+        waited out its whole window, still meets the members that averaged at once in round d + 1).
         Returns (the last round's result or None, the vector, its outcome, rounds run). A round that fails
         leaves the vector as it was; the agreement gives this member the swarm's."""
         codec = codec_keywords(session, "outer", vector.size)
         cap = session.max_samples
         out, outcome, result, dims, rounds = vector, "failed", None, 1, 0
+        window_end = 0.0  # the last round's matchmaking window: the next one ends a window after it
         while rounds < dims:
             extra: dict[str, Any] = {"round_no": round_no * OUTER_ROUNDS + rounds, **codec}
             if cap is not None:
                 extra["max_weight"] = cap
+            if window_end > 0:
+                extra["chain_from"] = window_end
             try:
                 with trio.fail_after(timeout + 10.0):
                     got = await self.average(session.average_id("outer"), out, weight, timeout_s=timeout, **extra)
@@ -817,6 +825,7 @@ class TrainerService:
                 result, outcome = None, "failed"
             else:
                 result, outcome, out = got, got.outcome, averaged
+                window_end = float(getattr(got, "window_end", 0.0) or 0.0)
                 if rounds == 0:
                     dims = min(OUTER_ROUNDS, max(1, int(getattr(got, "dims", 1))))
                 total = float(getattr(got, "weight_total", 0.0))
@@ -825,6 +834,22 @@ class TrainerService:
                     cap = None if cap is None else cap * int(getattr(got, "group_size", 1))
             rounds += 1
         return result, out, outcome, rounds
+
+    async def _step_peers(self, run_id: str, first_round: int) -> int:
+        """How many members took part in this outer step: the run's progress records that finished one of
+        its rounds (``first_round`` on). The agreement waits for that many finals (until half its deadline):
+        with only the last group's size, a group that finished first agreed within itself and left, and the
+        other group, tied two finals to two, waited out its deadline for a majority that could not come."""
+        dht = getattr(self.statesync, "dht", None)
+        if dht is None:
+            return 1
+        records: list = []
+        try:
+            with trio.move_on_after(STEP_PEERS_READ_S):
+                records = await dht.get(progress_key(run_id))
+        except Exception as e:  # the agreement still runs on what it reads
+            log.info("outer step: reading the run's progress failed: %s", e)
+        return len(finished_since(records, first_round))
 
     def _forget_outer(self, session: Session, round_no: int) -> None:
         """Keep the blobs of the last OUTER_KEPT_ROUNDS outer rounds (others may still repair from them)."""
