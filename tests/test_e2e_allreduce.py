@@ -155,6 +155,9 @@ def test_compare_gloo_alternates_in_one_run() -> None:
     assert out["excess_loss"] == 0.0 and "bus_fraction" not in out, out  # no loss, no lab: no link bound
     # CPU per peer and average on both sides, and the kernel's part of each (the same bytes cross the kernel)
     assert 0 <= out["sys_s_per_peer"] <= out["cpu_s_per_peer"] and out["cpu_s_per_peer"] > 0, out
+    # ... and per average, in order: their mean is the mean over every average
+    assert len(out["cpu_s_per_peer_all"]) == 2 and min(out["cpu_s_per_peer_all"]) > 0, out
+    assert sum(out["cpu_s_per_peer_all"]) / 2 == pytest.approx(out["cpu_s_per_peer"], rel=1e-3), out
     assert 0 <= out["gloo_sys_s_per_peer"] <= out["gloo_cpu_s_per_peer"] and out["gloo_cpu_s_per_peer"] > 0, out
 
 

@@ -409,6 +409,10 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             # CPU seconds one daemon spends per average (mean over peers and repeats): steadier than peerd_s
             # on a shared machine, and what an optimization of the data path should move.
             "cpu_s_per_peer": statistics.mean(rep.get("cpu_s", 0.0) for rep in runs),
+            # ... per average (mean over peers), in order: the first holds the pacer's startup from START_RATE and
+            # the daemons' first touch of the stage and result memory, which later averages reuse
+            "cpu_s_per_peer_all": [round(statistics.mean(rep.get("cpu_s", 0.0) for rep in runs[i:i + cfg.peers]), 6)
+                                   for i in range(0, len(runs), cfg.peers)],
             # ... and the kernel's part of it (syscalls: the copies into and out of the socket, loopback delivery)
             "sys_s_per_peer": statistics.mean(rep.get("sys_s", 0.0) for rep in runs),
             # Minor page faults and involuntary context switches per daemon per average: on a shared machine the
