@@ -423,4 +423,31 @@ def test_the_host_hands_a_finished_groups_stage_to_the_next() -> None:
     stingy = AveragingHost(max_body=HEADER_SIZE + 32, mtu=1200, spare_stage_bytes=100)
     stingy.start(1, [me], 0, np.ones(1000, np.float32), 1.0, 0.0)
     stingy.finish(1, 1.0, 0)
-    assert stingy._spare is None  # over the bound: not kept
+    assert stingy.spare_stage_nbytes() == 0  # over the bound: not kept
+
+
+def test_groups_that_run_at_once_each_reuse_a_kept_stage() -> None:
+    """A step's overlap buckets average at once, one group each: every one of them finds a warm stage at the next
+    step (not only one), and what is kept stays under the host's bound, the largest first."""
+    from peerd.allreduce.host import AveragingHost
+
+    me = b"a" * 32
+    host = AveragingHost(max_body=HEADER_SIZE + 32, mtu=1200, spare_stage_bytes=4 * 1000 * 4)
+
+    def step(first_group: int, lengths: list[int]) -> list[np.ndarray]:
+        for i, n in enumerate(lengths):  # all started before any finishes
+            host.start(first_group + i, [me], 0, np.ones(n, np.float32), 1.0, 0.0)
+        stages = [host._groups[first_group + i].core.stage_buffer for i in range(len(lengths))]
+        for i in range(len(lengths)):
+            host.finish(first_group + i, 1.0, 0)
+        return stages
+
+    one = step(10, [1000, 1000, 500])
+    two = step(20, [500, 1000, 1000])
+    assert {id(s) for s in two} == {id(s) for s in one}  # every group of the second step reused a stage
+    assert two[0] is one[2]  # the smallest that fits: the 500-element group did not take a 1000-element stage
+    assert host.spare_stage_nbytes() == (1000 + 1000 + 500) * 4
+    three = step(30, [1000, 1000, 1000, 1000])  # one more than kept: fresh memory for it, then over the bound
+    assert sum(any(s is t for t in two) for s in three) == 2
+    assert host.spare_stage_nbytes() <= 4 * 1000 * 4
+    assert sorted(s.size for s in host._spares) == [1000] * 4  # the 500-element stage went first

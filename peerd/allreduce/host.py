@@ -58,9 +58,11 @@ RECENT_GROUPS = 4  # finished groups whose members' last REPORTs still count
 MAX_BINDINGS = 4096  # token -> node id bindings remembered for data held before its group started
 MAX_LATEST = 4096  # senders whose latest data's group is remembered (for REPORT's ``arrived``)
 IDLE_WAIT_S = 1.0  # a group with no deadline (it only has sending left) is looked at again this often
-# A finished group's stage (~one vector of float32) is kept for the next group up to this size: a node averaging
-# 100 MB again and again then reuses warm pages instead of faulting in 75-100 MB of fresh ones per average.
+# Finished groups' stages (~one vector of float32 each) are kept for the next groups up to this many bytes in all:
+# a node averaging 100 MB again and again then reuses warm pages instead of faulting in 75-100 MB of fresh ones
+# per average, and so do groups that run at once (a step's overlap buckets: one group each) ...
 SPARE_STAGE_BYTES = 1 << 30
+MAX_SPARES = 16  # ... and at most this many of them (the smallest go first)
 DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})  # the types a GRO block may carry
 # The daemon's END spacing (AveragingHost ``end_spacing_s``): the second and third copies of each END this long
 # after the first, past a full 20 ms queue's drain (the link lab's tbf) and still far inside a phase's 1 s floor.
@@ -298,7 +300,7 @@ class AveragingHost:
             raise ValueError(f"end_spacing_s must be finite delays >= 0, got {end_spacing_s!r}")
         self.end_spacing_s = None if end_spacing_s is None else tuple(float(d) for d in end_spacing_s)
         self._copy_order = 0
-        self._spare: np.ndarray | None = None  # one finished group's stage, for the next group that fits in it
+        self._spares: list[np.ndarray] = []  # finished groups' stages, for the next groups that fit in them
         self._groups: dict[int, _Group] = {}
         self._recent: OrderedDict[int, _Group] = OrderedDict()  # finished groups, for their last REPORTs
         # Tokens whose binding this host was told about: data held for a group not started yet carries the
@@ -351,17 +353,13 @@ class AveragingHost:
         absent = set(absent)
         if any(type(a) is not int or not 0 <= a < len(peers) or a == index for a in absent):
             raise ValueError(f"absent members must be other members' indices in 0..{len(peers) - 1}")
-        spare = self._spare
-        if spare is not None and spare.size < stage_elements(len(vector), len(peers)):
-            spare = None
+        spare = self._take_spare(stage_elements(len(vector), len(peers)))
         core = GroupAverage(
             group_id, len(peers), index, vector, weight, now,
             max_payload=self.max_body, floor_s=floor_s, max_phase_s=max_phase_s, out=out,
             end_grace_s=end_grace_s, max_weight=max_weight, robust=robust, center=center, byzantine=self.byzantine,
             codec=codec, run=run, stage=spare,
         )
-        if spare is not None:
-            self._spare = None
         core.split_values = self.split_values
         for a in sorted(absent):
             core.remove_member(a, now)
@@ -454,6 +452,29 @@ class AveragingHost:
         while g.copies and g.copies[0][0] <= now:
             out.append(heapq.heappop(g.copies)[2])
         return out
+
+    def _take_spare(self, elements: int) -> np.ndarray | None:
+        """The smallest kept stage of at least ``elements`` float32 (taken out of the pool), or None: a larger one
+        stays for a larger group."""
+        fits = [i for i, s in enumerate(self._spares) if s.size >= elements]
+        if not fits:
+            return None
+        return self._spares.pop(min(fits, key=lambda i: self._spares[i].size))
+
+    def _keep_spare(self, stage: np.ndarray) -> None:
+        """Keep a finished group's stage for later groups; past SPARE_STAGE_BYTES or MAX_SPARES in all, the
+        smallest go (a larger stage serves every group a smaller one would)."""
+        if stage.nbytes > self.spare_stage_bytes or any(s is stage for s in self._spares):
+            return
+        self._spares.append(stage)
+        self._spares.sort(key=lambda s: s.nbytes, reverse=True)
+        while self._spares and (len(self._spares) > MAX_SPARES
+                                or sum(s.nbytes for s in self._spares) > self.spare_stage_bytes):
+            self._spares.pop()
+
+    def spare_stage_nbytes(self) -> int:
+        """Bytes of finished groups' stages kept for later groups."""
+        return sum(s.nbytes for s in self._spares)
 
     def part_rows(self, block: SendBlock) -> int:
         """Rows of ``block`` for its next paced send: about PART_S at the pacer's rate, in whole GSO sends
@@ -549,9 +570,7 @@ class AveragingHost:
             actions.extend(self._reports(g, now, kernel_drops, final=True, arrivals=arrivals))
             actions.append(Completed(group_id, g.core.result(), g.core.statistics()))
         # Nothing reads the group's stage any more (its result is taken; data for it is late from now on).
-        stage = g.core.stage_buffer
-        if stage.nbytes <= self.spare_stage_bytes and (self._spare is None or stage.size > self._spare.size):
-            self._spare = stage
+        self._keep_spare(g.core.stage_buffer)
         self._recent[group_id] = g
         while len(self._recent) > self.recent_groups:
             self._recent.popitem(last=False)
