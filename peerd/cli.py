@@ -523,6 +523,9 @@ def _link_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-loss", type=float, default=0.0, metavar="P",
                    help="with --link: the kernel drops P of each peer's incoming packets at random, every "
                         "protocol (nftables); --loss then drops in the daemon on top, independently (default 0)")
+    p.add_argument("--link-queue-ms", type=float, default=20.0, metavar="MS",
+                   help="with --link: each tbf queues MS milliseconds of the rate before it drops (default 20; "
+                        "1-5 is a shallow switch buffer or a policer)")
 
 
 def _check_link_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -530,6 +533,10 @@ def _check_link_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error("--link-loss must be in [0, 1)")
     if args.link_loss and not args.link:
         parser.error("--link-loss needs --link RATE")
+    if not 0.0 < args.link_queue_ms <= 10_000:
+        parser.error("--link-queue-ms must be in (0, 10000]")
+    if args.link_queue_ms != 20.0 and not args.link:
+        parser.error("--link-queue-ms needs --link RATE")
     if args.link and getattr(args, "mtu", 0) > 1472:
         parser.error("--mtu above 1472 is refused with --link: nothing may rely on IP fragmentation")
     if args.link:
@@ -582,7 +589,8 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cfg = AllreduceBenchConfig(
         peers=args.peers, size=args.size, repeat=args.repeat, loss=args.loss, mtu=args.mtu,
         insecure=args.insecure, no_gso=args.no_gso, compare_gloo=args.compare_gloo, seed=args.seed,
-        robust=args.robust, link=args.link, link_loss=args.link_loss, profile=args.profile,
+        robust=args.robust, link=args.link, link_loss=args.link_loss, link_queue_ms=args.link_queue_ms,
+        profile=args.profile,
         compression=args.compression, quant_group=args.quant_group, rounding=args.rounding, nat=args.nat,
         layout=args.layout, topk_ratio=args.topk_ratio,
     )
@@ -623,7 +631,8 @@ def cmd_bench_moshpit(args: argparse.Namespace, parser: argparse.ArgumentParser)
         grid = Grid.parse(args.grid) if args.grid else None
         cfg = MoshpitBenchConfig(peers=args.peers, grid=grid, rounds=args.rounds, size=args.size, kill=args.kill,
                                  loss=args.loss, seed=args.seed, window_s=args.window, link=args.link,
-                                 link_loss=args.link_loss, compression=args.compression,
+                                 link_loss=args.link_loss, link_queue_ms=args.link_queue_ms,
+                                 compression=args.compression,
                                  quant_group=args.quant_group, rounding=args.rounding)
         cfg.check()
     except ValueError as e:
@@ -670,7 +679,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      dropcompute=args.dropcompute, seed=args.seed, average_every=args.average_every, json=args.json,
                      keep_rounds=args.keep_rounds, micro=args.micro, byzantine=args.byzantine,
                      byzantine_mode=args.byzantine_mode, robust=args.robust, link=args.link,
-                     link_loss=args.link_loss, mode=args.mode, sync_every=args.sync_every, fragments=args.fragments,
+                     link_loss=args.link_loss, link_queue_ms=args.link_queue_ms, mode=args.mode,
+                     sync_every=args.sync_every, fragments=args.fragments,
                      model=args.model, baseline=args.baseline, target_accuracy=args.target_accuracy,
                      compression=args.compression, quant_group=args.quant_group, rounding=args.rounding,
                      bucket_mb=args.bucket_mb, topk_ratio=args.topk_ratio)

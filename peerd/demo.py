@@ -57,6 +57,7 @@ class DemoConfig:
     robust: str = "off"  # every trainer's robust aggregation option
     link: str | None = None  # a link lab (root): every peer in its own namespace on a link shaped at this rate
     link_loss: float = 0.0  # ... dropping this fraction of each peer's incoming packets (nftables, all protocols)
+    link_queue_ms: float = 20.0  # ... each tbf queueing this many ms of the rate before it drops
     mode: str = "sync"  # sync | overlap | diloco (`peerd train --mode`)
     bucket_mb: float | None = None  # overlap: gradient bucket size (None: `peerd train`'s default)
     sync_every: int = 50  # diloco: H
@@ -117,7 +118,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="peerd-demo-")
     lab: LinkLab | None = None
     if cfg.link:
-        lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss)
+        lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss, queue_ms=cfg.link_queue_ms)
         say(f"building a link lab: {cfg.peers} namespaces on {cfg.link} links, link loss {cfg.link_loss} "
             f"(no delay: no netem here) ...")
         try:

@@ -213,6 +213,8 @@ def test_byzantine_and_robust_arguments_are_checked(args: list[str], needle: str
         (["demo", "--link-loss", "0.1"], "needs --link"),
         (["bench", "moshpit", "--link-loss", "0.1"], "needs --link"),
         (["bench", "moshpit", "--link", "100mbit", "--link-loss", "1.5"], "[0, 1)"),
+        (["bench", "allreduce", "--link-queue-ms", "2"], "needs --link"),
+        (["demo", "--link", "100mbit", "--link-queue-ms", "0"], "(0, 10000]"),
         (["bench", "moshpit", "--link", "5bit"], "at least 8kbit"),
         (["bench", "moshpit", "--link", "100mbps"], "expected a link rate"),
     ],

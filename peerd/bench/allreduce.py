@@ -50,6 +50,7 @@ class AllreduceBenchConfig:
     robust: str = "off"  # off | clip[:C] | centered[:C]: norm clipping at each shard owner (robust.py)
     link: str | None = None  # a link lab (root): every peer in its own namespace on a link shaped at this rate
     link_loss: float = 0.0  # ... which drops this fraction of what arrives at each peer (nftables, all protocols)
+    link_queue_ms: float = 20.0  # ... each tbf queueing this many ms of the rate before it drops
     # CPU seconds per daemon by stage of the data path (seal, open, pack, finalize, syscalls, ...) in the JSON;
     # PEERD_BENCH_PROFILE=1 turns it on too (for a CLI without --profile)
     profile: bool = False
@@ -277,13 +278,13 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
     try:
         if cfg.nat != "none":
             kinds = nat_kinds(cfg.peers, cfg.nat)
-            lab = NatLab(kinds, cfg.link, cfg.link_loss)
+            lab = NatLab(kinds, cfg.link, cfg.link_loss, queue_ms=cfg.link_queue_ms)
             _progress(f"building a NAT lab: 1 public peer, {cfg.peers - 1} behind {cfg.nat} NATs"
                       + (", 1 public relay" if cfg.nat == "symmetric" else "")
                       + (f", links at {cfg.link}" if cfg.link else "") + " ...", quiet)
             lab.start()
         elif cfg.link:
-            lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss)
+            lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss, queue_ms=cfg.link_queue_ms)
             _progress(f"building a link lab: {cfg.peers} namespaces at {cfg.link}, link loss {cfg.link_loss} ...",
                       quiet)
             lab.start()  # LabError (not root, a tool missing) before anything else starts; it cleans up itself

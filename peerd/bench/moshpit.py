@@ -43,6 +43,7 @@ class MoshpitBenchConfig:
     window_s: float = 3.0
     link: str | None = None  # a link lab (root): every daemon in its own namespace on a link shaped at this rate
     link_loss: float = 0.0  # ... which drops this fraction of what arrives at each peer (nftables, all protocols)
+    link_queue_ms: float = 20.0  # ... each tbf queueing this many ms of the rate before it drops
     compression: str | None = None  # the run's codec (None: fp32); quant_group and rounding for int8/int4
     quant_group: int | None = None
     rounding: str | None = None
@@ -126,7 +127,7 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
     lab: LinkLab | None = None
     try:
         if cfg.link:
-            lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss)
+            lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss, queue_ms=cfg.link_queue_ms)
             _progress(f"building a link lab: {cfg.peers} namespaces at {cfg.link}, link loss {cfg.link_loss} ...",
                       quiet)
             lab.start()  # LabError (not root, a tool missing) before anything else starts; it cleans up itself

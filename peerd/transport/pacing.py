@@ -31,8 +31,9 @@ plus a constant clock offset; above the least of recent samples (transport.qdela
 A phase's uplink queue is the least over its destinations (every destination's datagrams cross the uplink's
 queue, only one its own downlink) of the least late sample (a sample may sit a burst late). So:
 
-* loss above the floor with the queue under ``Q_HIGH`` is random (a queue overflows only once full, and what
-  got through then waited in it): nothing is cut;
+* loss above the floor with the queue under ``Q_HIGH`` at a rate the path delivered lately is random (a queue
+  overflows only once full, and what got through then waited in it): nothing is cut; at a rate it has not
+  delivered, it is a bottleneck with no queue to speak of (a policer, a shallow switch buffer), congestion;
 * a queue above ``Q_HIGH`` in ``DEEP_PHASES`` judged phases in a row is congestion before any overflow: btl
   goes to what the link carried (the phase's rate / (1 + the queue's growth), less what it lost beyond the
   floor), ``DELAY_MARGIN`` under; unless it is draining (``DRAINING``): the path then carries more than was sent;
@@ -183,6 +184,7 @@ DEEP_PHASES = 2  # judged phases in a row with a queue above Q_HIGH before a cru
 Q_SPAN = 0.3  # a destination's queue growth is measured over samples this much of a phase apart at least
 BASE_PLACED = 0.001  # seconds into a burst a datagram's modelled send time may be and still set the base delay
 DELAY_MARGIN = 0.98  # a queue that grew sets btl this far under the rate the uplink carried (exact, unlike loss)
+CARRIED_SLACK = 1.02  # a rate within this factor of what a recent phase delivered counts as carried before
 
 
 @dataclass(frozen=True, slots=True)
@@ -560,6 +562,11 @@ class Pacer:
             self._delay_dev += DEV_GAIN * (abs(d - self._delay) - self._delay_dev)
             self._delay += DELAY_GAIN * (d - self._delay)
 
+    def _carried(self, rate: float) -> bool:
+        """A recent phase delivered about ``rate`` bytes/s or more (what it sent less what it lost)."""
+        need = rate / CARRIED_SLACK
+        return any(rec.sent * (1.0 - rec.lost / rec.expected) >= need for rec in self._history if rec.expected > 0)
+
     def _floor(self, sent: float, dest: Hashable = None) -> tuple[float, float, int]:
         """(random-loss floor, its sampling variance, datagrams behind it) for a phase sent at ``sent``
         bytes/s (to ``dest``; None: all destinations): the pooled loss of recent clean phases sent at
@@ -747,10 +754,14 @@ class Pacer:
         signal = self._queue_signal(ph)
         if signal is not None:
             self.queue_delay = signal[0]
-            if reason.startswith("loss") and signal[3] < Q_HIGH:
+            if reason.startswith("loss") and signal[3] < Q_HIGH and self._carried(sent * (1.0 - floor)):
                 # A queue overflows only once full, and the datagrams that got through then waited in it: loss
-                # above the floor with the queue shallow toward every destination is the random loss's sampling
-                # noise. (Every one: a member that lies about its arrival times must not hide an overflow.)
+                # above the floor with the queue shallow toward every destination, at a rate the path has carried
+                # lately, is the link's (its random loss's noise, a lossy patch). (Every destination: a member
+                # that lies about its arrival times must not hide an overflow.) Not at a rate it has not carried:
+                # a bottleneck with little or no queue (a policer, a shallow switch buffer) drops above its rate
+                # with the queue empty, and excused so, startup ran on to the maximum rate, 98 % lost (virtual
+                # time: 100 Mbit/s with 1-2.5 ms of queue, 1 Gbit/s with 2 ms).
                 reason = ""
         if not reason and signal is not None and ph.kind != "drain":
             level, growth, at, _ = signal
