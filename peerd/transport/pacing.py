@@ -157,7 +157,12 @@ FLOOR_PHASES = 8  # pooled over at most this many
 HISTORY = 32  # clean phases remembered (1.6 s)
 MAX_PENDING = 64  # phases waiting for their judgement (more: the oldest go unjudged)
 MIN_SAMPLE = 32  # datagrams: a phase (or a destination's share of one) with fewer says too little
-FIRST_REPORT = MIN_SAMPLE  # positions: a stream's first report comes this early, whatever the interval
+# positions: a stream's first report comes this early, whatever the interval. Its arrival time is the path's base
+# delay before this sender's queue filled: with the first report at 32 positions (MIN_SAMPLE) a sender that
+# started above a thin link (START_RATE on 10 Mbit/s) first heard of its path with the queue full, took that for
+# the base, and never saw a queue again (virtual time, 4 senders, 10 Mbit/s, 20 ms of queue: btl 1.03-1.22x the
+# link, 18-24 % lost in steady state; with it at 2 positions, 0.7 %).
+FIRST_REPORT = 2
 KERNEL_DROPS = 0.005  # receivers' kernel drops above this fraction of a phase's datagrams are congestion
 HELD_BACK = 0.9  # a phase that sent under this fraction of its rate was held back (CPU), not paced
 APP_LIMITED = 0.5  # a phase that used less of its rate than this raises nothing (a 64 KB part is 30 ms at
