@@ -36,7 +36,7 @@ MAX_HELD = 64
 HELD_ON_WIRE = "held" in m.SCHEMAS[m.MsgType.FIND_VALUE]
 # NODES/VALUE answers' contacts in wire form, per target, kept while the table's contacts stay the same (see
 # DhtCore.wire_closest): at most this many targets.
-WIRE_NODES_MAX = 1024
+WIRE_NODES_MAX = 256
 
 
 @dataclass(frozen=True, slots=True)

@@ -316,7 +316,7 @@ _LAYOUTS: dict[MsgType, tuple[bytes, tuple[tuple[str, bytes, s.Validator], ...]]
 # VALUE cost. Validators are pure functions of the bytes, so a hit passes exactly what a full decode passes.
 # Bounded: emptied once it holds _SENDABLE_MAX; fields under _SENDABLE_MIN bytes (ids, counts) are not kept.
 _SENDABLE: dict[tuple[s.Validator, bytes], None] = {}
-_SENDABLE_MAX = 4096
+_SENDABLE_MAX = 1024
 _SENDABLE_MIN = 16
 
 
