@@ -936,6 +936,42 @@ def test_handle_ping_and_find_node() -> None:
     assert unpack_contacts(encoded(m.MsgType.NODES, response)["nodes"]) == expect
 
 
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(["observe", "move", "remove", "ask", "evict"]), st.integers(0, 63),
+                          st.integers(0, 7)), max_size=80))
+def test_kept_answers_are_what_the_table_answers_now(ops: list[tuple[str, int, int]]) -> None:
+    """The contacts a FIND_NODE or FIND_VALUE answer carries, kept per target (DhtCore.wire_closest), are always
+    what the table answers at that moment: after contacts enter, leave, change address or are evicted."""
+    core = DhtCore(OWN, k=4)  # small buckets: full ones, replacements and evictions come quickly
+    rng = random.Random(3)
+    ids = [as_id(rng.getrandbits(256)) for _ in range(64)]
+    targets = [as_id(rng.getrandbits(256)) for _ in range(8)]
+    for op, i, j in ops:
+        if op == "observe":
+            ping = core.heard(Contact(ids[i], "10.0.0.1", 7000 + i))
+            if ping is not None and j % 2:
+                core.pinged(ping, None)  # the oldest did not answer: the newcomer takes its place
+        elif op == "move":
+            core.heard(Contact(ids[i], "10.0.0.2", 9000 + j))
+        elif op == "remove":
+            core.failed(ids[i])
+        elif op == "evict":
+            core.table.remove(ids[i])
+        for target in (targets[j], location(b"key%d" % j)):
+            want = pack_contacts(core.table.closest(target))
+            assert core.handle(m.MsgType.FIND_NODE, {"target": target}, 0.0) == {"nodes": want}
+        response = core.handle(m.MsgType.FIND_VALUE, {"key": b"key%d" % j, "offset": 0}, 0.0)
+        assert response["nodes"] == pack_contacts(core.table.closest(location(b"key%d" % j)))
+
+
+def test_kept_answers_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("peerd.dht.core.WIRE_NODES_MAX", 5)
+    core = populated_core()
+    for i in range(40):
+        core.handle(m.MsgType.FIND_NODE, {"target": as_id(i)}, 0.0)
+        assert len(core._wire_nodes) <= 5
+
+
 def test_handle_rejects_non_requests() -> None:
     core = DhtCore(OWN)
     for mtype in (m.MsgType.PONG, m.MsgType.NODES, m.MsgType.VALUE, m.MsgType.STORED, m.MsgType.ERROR):

@@ -9,6 +9,7 @@ import trio
 import trio.testing
 
 from peerd.dht import DhtService
+from peerd.dht.reads import Agreed, Enough
 from peerd.metrics import Metrics
 from peerd.transport import Endpoint
 from peerd.wire.identity import Identity
@@ -188,6 +189,36 @@ def test_garbage_datagrams_are_counted_not_fatal() -> None:
             # ... and the node still works.
             await nodes[2].dht.put(b"still", b"", b"alive", ttl=60)
             assert [r.value for r in await target.dht.get(b"still")] == [b"alive"]
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_a_lookup_error_in_a_query_task_reaches_the_reader_not_the_service() -> None:
+    """The lookup's bookkeeping runs in each query's task (DhtService._iterate): an error there (here, a read's
+    ``enough`` that fails once the first answer is in) is raised to the caller, as when it ran in the caller's own
+    task, and the service goes on serving."""
+
+    class Broken(Enough):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def done(self, records, holders) -> bool:
+            self.calls += 1
+            if self.calls > 1:  # the first call is before any query
+                raise RuntimeError("broken enough")
+            return False
+
+    async def main() -> None:
+        net = MemNet(seed=4)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 8)
+            await (await nodes[1].dht.put(b"k", b"", b"v", ttl=600)).finished()
+            with pytest.raises(RuntimeError, match="broken enough"):
+                await nodes[2].dht.get(b"k", Broken())
+            assert [r.value for r in await nodes[2].dht.get(b"k")] == [b"v"]
+            assert [r.value for r in await nodes[3].dht.get(b"k", Agreed(3))] == [b"v"]
             nursery.cancel_scope.cancel()
 
     run_virtual(main)

@@ -568,13 +568,13 @@ def test_encode_fitting_trims_the_tail_and_checks_what_goes_out_once(monkeypatch
     nodes = [m.pack_contact(bytes([i]) * 32, "192.0.2.1", 7400 + i) for i in range(20)]
     body = {"rid": 9, "from": frm, "records": [record()], "total": 1, "nodes": nodes, "have": b""}
     whole = len(m.encode(m.MsgType.VALUE, body))
-    decodes = []
-    real = m.decode
-    monkeypatch.setattr(m, "decode", lambda *a: decodes.append(a[0]) or real(*a))
+    checks = []
+    real = m._check_fields
+    monkeypatch.setattr(m, "_check_fields", lambda *a: checks.append(a[0]) or real(*a))
     budget = whole - 100  # about three contacts too many
     data = m.encode_fitting(m.MsgType.VALUE, body, budget)
     kept = len(m.decode(m.MsgType.VALUE, data)["nodes"])
-    assert len(decodes) == 2  # the one check inside encode_fitting, and this test's own decode
+    assert len(checks) == 1  # the one check inside encode_fitting, on what goes out
     assert len(data) <= budget and 0 < kept < 20
     assert data == m.encode(m.MsgType.VALUE, {**body, "nodes": nodes[:kept]})
     assert len(m.encode(m.MsgType.VALUE, {**body, "nodes": nodes[: kept + 1]})) > budget  # no more than needed
@@ -597,6 +597,63 @@ def test_largest_record_fits_the_default_mtu() -> None:
     ]:
         body = m.encode(mtype, {"rid": 2**64 - 1, "from": frm, **extra})
         assert len(Sealer(SECRET).seal(mtype, body, RECV)) <= 1200
+
+
+_ANY_SCALAR = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.binary(max_size=40), st.text(max_size=40),
+)
+_ANY = st.recursive(_ANY_SCALAR, lambda inner: st.lists(inner, max_size=4), max_leaves=12)
+
+
+@st.composite
+def edited_bodies(draw) -> tuple[m.MsgType, dict]:
+    """A valid sample body with some fields replaced: by another sample's field, by a list of its own items
+    (repeated, longer than allowed), or by anything msgpack can (or cannot) pack."""
+    mtype, body = draw(st.sampled_from(sample_bodies()))
+    body = dict(body)
+    for name in draw(st.sets(st.sampled_from(list(body)))):
+        value = body[name]
+        body[name] = draw(st.one_of(
+            _ANY,
+            st.just([value] * draw(st.integers(0, 30))),
+            st.just(from_field(BOB, draw(st.integers(0, 5)), None)),
+            st.just([m.pack_contact(BOB.node_id, draw(st.sampled_from(["0.0.0.0", "10.0.0.1", "ff02::1"])), 1)]),
+            st.just([record(value=b"v" * draw(st.integers(600, 700)))]),
+        ))
+    return mtype, body
+
+
+@FAST
+@given(edited_bodies())
+def test_send_check_refuses_exactly_what_a_decoder_drops(case: tuple[m.MsgType, dict]) -> None:
+    """encode packs field by field to the bytes msgpack packs the whole map to, and its check (field by field,
+    with the cache of fields that passed) refuses exactly the bodies a peer's decode drops: the first time and
+    again from the cache."""
+    mtype, body = case
+    try:
+        whole = msgpack.packb({k: body[k] for k in m.SCHEMAS[mtype]}, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):
+        expect_drop("malformed", lambda: m.encode(mtype, body, check=False))
+        return
+    assert m.encode(mtype, body, check=False) == whole
+    try:
+        m.decode(mtype, whole)
+        dropped = False
+    except WireError:
+        dropped = True
+    for _ in range(2):
+        if dropped:
+            expect_drop("malformed", m.encode, mtype, body)
+        else:
+            assert m.encode(mtype, body) == whole
+
+
+def test_send_check_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(m, "_SENDABLE", {})
+    monkeypatch.setattr(m, "_SENDABLE_MAX", 8)
+    for i in range(50):
+        m.encode(m.MsgType.FIND_NODE, {"rid": i, "from": from_field(ALICE, i), "target": bytes([i]) * 32})
+        assert len(m._SENDABLE) <= 8
 
 
 def test_body_size_limit() -> None:

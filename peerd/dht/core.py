@@ -34,6 +34,9 @@ FILL_ALPHA = 1  # a fill lookup asks one contact at a time: it ends at the first
 HELD_PREFIX = 8
 MAX_HELD = 64
 HELD_ON_WIRE = "held" in m.SCHEMAS[m.MsgType.FIND_VALUE]
+# NODES/VALUE answers' contacts in wire form, per target, kept while the table's contacts stay the same (see
+# DhtCore.wire_closest): at most this many targets.
+WIRE_NODES_MAX = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +91,8 @@ class DhtCore:
         self.recent = RecentLookups()
         self._on_refused = on_refused
         self.wide_start = wide_start
+        self._wire_nodes: dict[bytes, list[list]] = {}  # target -> wire_closest's answer, at _wire_version
+        self._wire_version = -1
 
     # -- the routing table: who enters it ---------------------------------------------------------
     def heard(self, contact: Contact) -> Ping | None:
@@ -174,11 +179,12 @@ class DhtCore:
         if mtype is m.MsgType.PING:
             return {}
         if mtype is m.MsgType.FIND_NODE:
-            return {"nodes": pack_contacts(self.find_node(body["target"]))}
+            return {"nodes": self.wire_closest(body["target"])}
         if mtype is m.MsgType.FIND_VALUE:
             held = body.get("held")
-            records, total, nodes = self.find_value(body["key"], body["offset"], now, held or ())
-            out = {"records": records, "total": total, "nodes": pack_contacts(nodes)}
+            key, offset = body["key"], body["offset"]
+            records, total = self.value_page(key, offset, now, held or ())
+            out = {"records": records, "total": total, "nodes": self.wire_closest(location(key)) if offset == 0 else []}
             if HELD_ON_WIRE:
                 out["have"] = self.have(body["key"], held or (), now)
             return out
@@ -199,13 +205,31 @@ class DhtCore:
 
         ``held``: signature prefixes of records the asker holds; those are left out of the pages and of the
         total (an asker pages with the same ``held``, so offsets stay consistent)."""
+        records, total = self.value_page(key, offset, now, held)
+        return records, total, self.table.closest(location(key), ordered=ordered) if offset == 0 else []
+
+    def value_page(self, key: bytes, offset: int, now: float, held: Sequence[bytes] = ()) -> tuple[list[list], int]:
+        """find_value's page of records in wire form and their total, without the contacts."""
         records = self.store.get(key, now)
         if held:
             skip = frozenset(held)
             records = [r for r in records if r.signature[:HELD_PREFIX] not in skip]
         page = records[offset : offset + m.MAX_RECORDS]
-        nodes = self.table.closest(location(key), ordered=ordered) if offset == 0 else []
-        return [r.to_wire(now) for r in page], min(len(records), 65535), nodes
+        return [r.to_wire(now) for r in page], min(len(records), 65535)
+
+    def wire_closest(self, target: bytes) -> list[list]:
+        """``pack_contacts(self.find_node(target))``, kept per target until a contact enters, leaves or moves
+        (``RoutingTable.version``): every FIND_VALUE for a key, from every reader, is answered with the same
+        contacts, and sorting and packing them was most of what answering cost. Shared: not to be changed."""
+        if self._wire_version != self.table.version:
+            self._wire_nodes.clear()
+            self._wire_version = self.table.version
+        nodes = self._wire_nodes.get(target)
+        if nodes is None:
+            if len(self._wire_nodes) >= WIRE_NODES_MAX:
+                self._wire_nodes.clear()
+            nodes = self._wire_nodes[target] = pack_contacts(self.find_node(target))
+        return nodes
 
     def have(self, key: bytes, held: Sequence[bytes], now: float) -> bytes:
         """Which of ``held`` (signature prefixes) this node holds a live record of under ``key``: bit i of byte

@@ -90,6 +90,9 @@ class RoutingTable:
         self._occupied = 0  # bit i set: bucket i holds contacts
         self._own = int.from_bytes(node_id, "big")
         self.ids: set[bytes] = set()  # every contact's id (read-only outside): membership without finding its bucket
+        # bumped whenever a contact enters, leaves or changes address (with the buckets' views): what ``closest``
+        # answers for a target can only change then, so its callers may keep an answer until this moves
+        self.version = 0
 
     def __len__(self) -> int:
         return self._count
@@ -135,11 +138,13 @@ class RoutingTable:
             if old is not contact and old != contact:
                 contacts[node_id] = contact  # the address changed
                 bucket._view = None
+                self.version += 1
             contacts.move_to_end(node_id)
             return None
         if len(contacts) < self.k:
             contacts[node_id] = contact
             bucket._view = None
+            self.version += 1
             self.ids.add(node_id)
             bucket.replacements.pop(node_id, None)
             self._count += 1
@@ -172,6 +177,7 @@ class RoutingTable:
         if bucket.contacts.pop(node_id, None) is None:
             return
         bucket._view = None
+        self.version += 1
         self.ids.discard(node_id)
         self._count -= 1
         if bucket.replacements:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import random
@@ -218,47 +217,60 @@ class DhtService:
         )
         if enough is not None and enough():
             return []
-        send, receive = trio.open_memory_channel[tuple[bytes, list[tuple[bytes, str, int]] | None]](math.inf)
+        # Each query's task takes its own answer into the lookup and sends the queries that answer makes due, so
+        # this task wakes only when the lookup ends or a query turns slow, not once per answer (a channel, a
+        # cancel scope and a task switch per RPC). Queries run in the service's nursery: a dead node's retries
+        # (3.5 s) finish in the background and remove it from the table, while this lookup moves on once the
+        # query counts as slow. The slow deadlines are kept here, not as a timer task per query.
+        slow_at: dict[bytes, float] = {}
+        ended = trio.Event()
+        failed: list[Exception] = []  # the lookup's own error in a query's task: raised here, to the caller
+
+        def launch() -> None:
+            now = trio.current_time()
+            for contact in lookup.next_queries():
+                spawn(ask, contact)
+                slow_at[contact.node_id] = now + SLOW_QUERY_S
+            if lookup.finished or (settle and lookup.settled):
+                ended.set()
 
         async def ask(contact: Contact) -> None:
             try:
                 found: list[tuple[bytes, str, int]] | None = await query(contact)
             except RpcError:
                 found = None
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                send.send_nowait((contact.node_id, found))
+            if ended.is_set():
+                return  # a late answer: the lookup has ended
+            slow_at.pop(contact.node_id, None)
+            try:
+                if found is None:
+                    lookup.on_failure(contact.node_id)
+                else:
+                    lookup.on_reply(contact.node_id, lookup.unseen(found))
+                    if enough is not None and enough():
+                        ended.set()
+                        return
+                launch()
+            except Exception as e:
+                failed.append(e)
+                ended.set()
 
-        # Queries run in the service's nursery: a dead node's retries (3.5 s) finish in the background
-        # and remove it from the table, while this lookup moves on once the query counts as slow. The
-        # slow deadlines are kept here, not as a timer task per query (a task per RPC costs CPU).
-        slow_at: dict[bytes, float] = {}
         async with trio.open_nursery() as fallback:
             spawn = self._nursery.start_soon if self._nursery is not None else fallback.start_soon
-            with receive:
-                while True:
-                    for contact in lookup.next_queries():
-                        spawn(ask, contact)
-                        slow_at[contact.node_id] = trio.current_time() + SLOW_QUERY_S
-                    if lookup.finished or (settle and lookup.settled):
-                        break
-                    answer = None
-                    with trio.move_on_at(min(slow_at.values(), default=math.inf)):
-                        answer = await receive.receive()
-                    if answer is None:
-                        now = trio.current_time()
-                        for node_id in [n for n, at in slow_at.items() if at <= now]:
-                            del slow_at[node_id]
-                            lookup.on_slow(node_id)
-                        continue
-                    node_id, found = answer
-                    slow_at.pop(node_id, None)
-                    if found is None:
-                        lookup.on_failure(node_id)
-                    else:
-                        lookup.on_reply(node_id, lookup.unseen(found))
-                        if enough is not None and enough():
-                            break
+            launch()
+            while not ended.is_set():
+                with trio.move_on_at(min(slow_at.values(), default=math.inf)):
+                    await ended.wait()
+                if ended.is_set():
+                    break
+                now = trio.current_time()
+                for node_id in [n for n, at in slow_at.items() if at <= now]:
+                    del slow_at[node_id]
+                    lookup.on_slow(node_id)
+                launch()
             fallback.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
         return self.core.end_lookup(lookup, trio.current_time(), settle=settle)
 
     async def find_nodes(self, target: bytes, *, settle: bool = False) -> list[Contact]:

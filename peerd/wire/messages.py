@@ -301,38 +301,29 @@ def _unique_map(pairs: list[tuple[Any, Any]]) -> dict:
     return out
 
 
-def encode(mtype: MsgType, body: dict[str, Any], *, check: bool = True) -> bytes:
-    """Encode a control body with keys in schema order (canonical).
+def _map_header(n: int) -> bytes:
+    return bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
 
-    ``check``: run the decoder's validation on the result and raise its WireError for anything a peer
-    would refuse (a round past uint32, an unusable address, a string too long), so a node never sends what
-    its peers drop. Only tests that build refused bodies on purpose pass False."""
-    fields = SCHEMAS[mtype]
-    if body.keys() != fields.keys():
-        raise ValueError(f"{mtype.name} takes exactly {list(fields)}, got {list(body)}")
+
+# Per message type: the map header, and (name, the name packed, its validator) in schema order. A body is
+# packed field by field (header, then each name and value: the bytes msgpack packs the whole map to), so that
+# the check before sending can validate each field's bytes on their own (see _check_fields).
+_LAYOUTS: dict[MsgType, tuple[bytes, tuple[tuple[str, bytes, s.Validator], ...]]] = {
+    t: (_map_header(len(f)), tuple((k, msgpack.packb(k), v) for k, v in f.items())) for t, f in SCHEMAS.items()
+}
+# (validator, a field's packed bytes) the check before sending passed: a node sends the same ``from``, the same
+# contacts and the same records over and over, and validating them again was half of what sending a NODES or
+# VALUE cost. Validators are pure functions of the bytes, so a hit passes exactly what a full decode passes.
+# Bounded: emptied once it holds _SENDABLE_MAX; fields under _SENDABLE_MIN bytes (ids, counts) are not kept.
+_SENDABLE: dict[tuple[s.Validator, bytes], None] = {}
+_SENDABLE_MAX = 1024
+_SENDABLE_MIN = 16
+
+
+def _unpack(data: bytes) -> Any:
+    """msgpack with the decoder's limits; WireError for anything it refuses."""
     try:
-        data = msgpack.packb({k: body[k] for k in fields}, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as e:  # an int past 64 bits, a type msgpack has no form for
-        raise WireError("malformed", f"{mtype.name} cannot be encoded: {e}") from None
-    if check:
-        _check_sendable(mtype, data)
-    return data
-
-
-def _check_sendable(mtype: MsgType, data: bytes) -> None:
-    try:
-        decode(mtype, data)
-    except WireError as e:
-        raise WireError(e.reason, f"refusing to send a {mtype.name} its peers would drop: {e.detail}") from None
-
-
-def decode(mtype: int, data: bytes) -> dict[str, Any]:
-    """Decode and validate; raises WireError for anything that is not exactly the schema."""
-    t = msg_type(mtype)
-    if len(data) > MAX_BODY:
-        raise WireError("malformed", "body too large")
-    try:
-        raw = msgpack.unpackb(
+        return msgpack.unpackb(
             data,
             raw=False,
             use_list=True,
@@ -346,23 +337,101 @@ def decode(mtype: int, data: bytes) -> dict[str, Any]:
         )
     except Exception as e:  # msgpack raises a zoo of types for bad input
         raise WireError("malformed", f"not msgpack: {type(e).__name__}") from None
-    return _VALIDATORS[t](raw)
+
+
+# One packer for every field (msgpack.packb makes one per call, which cost more than packing a small field). The C
+# packer holds the GIL while it packs, so a call is never interleaved with another thread's.
+_PACKER = msgpack.Packer(use_bin_type=True)
+
+
+def _pack_value(mtype: MsgType, value: Any) -> bytes:
+    try:
+        return _PACKER.pack(value)
+    except (TypeError, ValueError, OverflowError) as e:  # an int past 64 bits, a type msgpack has no form for
+        raise WireError("malformed", f"{mtype.name} cannot be encoded: {e}") from None
+
+
+def _pack_fields(mtype: MsgType, body: dict[str, Any]) -> list[bytes]:
+    """Each field's value packed, in schema order (ValueError unless ``body`` has exactly the schema's keys)."""
+    fields = SCHEMAS[mtype]
+    if body.keys() != fields.keys():
+        raise ValueError(f"{mtype.name} takes exactly {list(fields)}, got {list(body)}")
+    return [_pack_value(mtype, body[name]) for name, _, _ in _LAYOUTS[mtype][1]]
+
+
+def _join(mtype: MsgType, parts: list[bytes]) -> bytes:
+    header, layout = _LAYOUTS[mtype]
+    out = [header]
+    for (_, key, _), part in zip(layout, parts, strict=True):
+        out += (key, part)
+    return b"".join(out)
+
+
+def encode(mtype: MsgType, body: dict[str, Any], *, check: bool = True) -> bytes:
+    """Encode a control body with keys in schema order (canonical).
+
+    ``check``: run the decoder's validation on the result and raise its WireError for anything a peer
+    would refuse (a round past uint32, an unusable address, a string too long), so a node never sends what
+    its peers drop. Only tests that build refused bodies on purpose pass False."""
+    parts = _pack_fields(mtype, body)
+    data = _join(mtype, parts)
+    if check:
+        _check_sendable(mtype, data, parts)
+    return data
+
+
+def _check_sendable(mtype: MsgType, data: bytes, parts: list[bytes]) -> None:
+    try:
+        _check_fields(mtype, data, parts)
+    except WireError as e:
+        raise WireError(e.reason, f"refusing to send a {mtype.name} its peers would drop: {e.detail}") from None
+
+
+def _check_fields(mtype: MsgType, data: bytes, parts: list[bytes]) -> None:
+    """What ``decode(mtype, data)`` checks, for ``data`` made by ``_join(mtype, parts)``: the size, then each
+    field's bytes unpacked with the decoder's limits and validated by its validator (the map itself, the
+    schema's keys in order, is valid by construction). A field's bytes that passed before pass at once."""
+    if len(data) > MAX_BODY:
+        raise WireError("malformed", "body too large")
+    sendable = _SENDABLE
+    for (_, _, validator), part in zip(_LAYOUTS[mtype][1], parts, strict=True):
+        if len(part) < _SENDABLE_MIN:  # an id, a count, a short key: not worth a place in the cache
+            validator(_unpack(part))
+            continue
+        key = (validator, part)
+        if key in sendable:
+            continue
+        validator(_unpack(part))
+        if len(sendable) >= _SENDABLE_MAX:
+            sendable.clear()
+        sendable[key] = None
+
+
+def decode(mtype: int, data: bytes) -> dict[str, Any]:
+    """Decode and validate; raises WireError for anything that is not exactly the schema."""
+    t = msg_type(mtype)
+    if len(data) > MAX_BODY:
+        raise WireError("malformed", "body too large")
+    return _VALIDATORS[t](_unpack(data))
 
 
 def encode_fitting(mtype: MsgType, body: dict[str, Any], budget: int) -> bytes:
     """Encode, dropping trailing ``nodes`` then ``records`` entries until the body fits ``budget``.
 
     Lists are ordered best first (closest nodes, records in page order), so trimming the tail keeps
-    the most useful part; VALUE's ``total`` lets the reader page for what was cut.
+    the most useful part; VALUE's ``total`` lets the reader page for what was cut. Only the trimmed field
+    is packed again.
     """
-    data = encode(mtype, body, check=False)
+    parts = _pack_fields(mtype, body)
+    data = _join(mtype, parts)
+    names = list(SCHEMAS[mtype])
     for name in ("nodes", "records"):
         items = body.get(name)
         while len(data) > budget and items:
-            body = {**body, name: items[:-1]}
-            items = body[name]
-            data = encode(mtype, body, check=False)
+            items = items[:-1]
+            parts[names.index(name)] = _pack_value(mtype, items)
+            data = _join(mtype, parts)
     if len(data) > budget:
         raise ValueError(f"{mtype.name} body of {len(data)} bytes does not fit {budget}")
-    _check_sendable(mtype, data)  # once, on what goes out (a check is a full decode: 2-4 per trimmed answer)
+    _check_sendable(mtype, data, parts)  # once, on what goes out
     return data
