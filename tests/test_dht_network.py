@@ -222,3 +222,26 @@ def test_a_lookup_error_in_a_query_task_reaches_the_reader_not_the_service() -> 
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
+
+
+def test_a_cancelled_read_sends_no_more_queries() -> None:
+    """The lookup's answers are taken in by its query tasks, which run on in the service's nursery: once the
+    reader's caller gives up (a timeout), answers still coming in start no new queries."""
+
+    async def main() -> None:
+        net = MemNet(seed=5, latency=0.01)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 32)
+            await (await nodes[1].dht.put(b"k", b"", b"v", ttl=600)).finished()
+            reader = nodes[5]
+            with trio.move_on_after(0.015):  # the first queries are out, none answered yet
+                await reader.dht.get(b"k")
+            net.captured = []
+            await trio.sleep(2.0)
+            sent = [d for src, _, d in net.captured if src == reader.addr]
+            assert sent == [], len(sent)
+            assert [r.value for r in await reader.dht.get(b"k")] == [b"v"]  # and it still reads
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)

@@ -255,20 +255,23 @@ class DhtService:
                 failed.append(e)
                 ended.set()
 
-        async with trio.open_nursery() as fallback:
-            spawn = self._nursery.start_soon if self._nursery is not None else fallback.start_soon
-            launch()
-            while not ended.is_set():
-                with trio.move_on_at(min(slow_at.values(), default=math.inf)):
-                    await ended.wait()
-                if ended.is_set():
-                    break
-                now = trio.current_time()
-                for node_id in [n for n, at in slow_at.items() if at <= now]:
-                    del slow_at[node_id]
-                    lookup.on_slow(node_id)
+        try:
+            async with trio.open_nursery() as fallback:
+                spawn = self._nursery.start_soon if self._nursery is not None else fallback.start_soon
                 launch()
-            fallback.cancel_scope.cancel()
+                while not ended.is_set():
+                    with trio.move_on_at(min(slow_at.values(), default=math.inf)):
+                        await ended.wait()
+                    if ended.is_set():
+                        break
+                    now = trio.current_time()
+                    for node_id in [n for n, at in slow_at.items() if at <= now]:
+                        del slow_at[node_id]
+                        lookup.on_slow(node_id)
+                    launch()
+                fallback.cancel_scope.cancel()
+        finally:
+            ended.set()  # (a lookup its caller cancelled: answers still coming in launch no more queries)
         if failed:
             raise failed[0]
         return self.core.end_lookup(lookup, trio.current_time(), settle=settle)
