@@ -485,6 +485,20 @@ def test_a_bottleneck_with_no_queue_to_speak_of_is_not_taken_for_random_loss(que
     assert all(p.btl is not None and p.btl <= 1.3 * rate for p in sw.pacers), [p.btl for p in sw.pacers]
 
 
+def test_a_shallow_bottleneck_that_halves_is_not_overrun_for_good() -> None:
+    """Cross traffic halves what a 2.5 ms-queue bottleneck leaves this swarm: the loss at the old rate is the
+    link's only while a recent phase still delivered that rate (CARRIED_PHASES), so the pacers cut within a second
+    and then lose next to nothing. (Excused while any of the last 32 clean phases had delivered it, 13-16 % was
+    lost from 1 to 2.7 s after the change; the first second after it loses 22 % either way.)"""
+    rate = 100 * MBIT
+    sw = Swarm(4, rate, 0.01, seed=1, queue=rate * 0.0025, driver_parts=True)
+    sw.changes = [(1.5, rate / 2)]
+    sw.run(4.5)
+    excess = sw.excess_loss(2.5, 4.2)
+    assert excess <= 0.03, excess  # 0.007 / 0.009 measured (seeds 1 and 2)
+    assert sw.utilization(2.5, 4.3, rate / 2) >= 0.9, sw.utilization(2.5, 4.3, rate / 2)  # 0.95
+
+
 def test_a_link_thinner_than_the_start_rate_is_not_overrun_for_good() -> None:
     """10 Mbit/s uplinks with 20 ms of queue, under START_RATE (16 Mbit/s): the queue fills in the first phase.
     The first REPORT comes after two datagrams, so its arrival time gives the path's base delay before the queue
