@@ -30,4 +30,8 @@ extern const char replay_accept_doc[];
 PyObject *replay_check(PyObject *module, PyObject *args);
 PyObject *replay_accept(PyObject *module, PyObject *args);
 
+/* accum.c: the owner's running float32 sums */
+extern const char accumulate_rows_doc[];
+PyObject *accumulate_rows(PyObject *module, PyObject *args);
+
 #endif

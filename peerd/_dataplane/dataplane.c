@@ -1814,6 +1814,7 @@ static PyMethodDef module_methods[] = {
     {"frame_split", frame_split, METH_VARARGS, frame_split_doc},
     {"place_rows", place_rows, METH_VARARGS, place_rows_doc},
     {"first_nonfinite", first_nonfinite, METH_VARARGS, first_nonfinite_doc},
+    {"accumulate_rows", accumulate_rows, METH_VARARGS, accumulate_rows_doc},
     {"replay_check", replay_check, METH_VARARGS, replay_check_doc},
     {"replay_accept", replay_accept, METH_VARARGS, replay_accept_doc},
     {"quant_encode", quant_encode, METH_VARARGS, quant_encode_doc},

@@ -421,6 +421,42 @@ def _place(bodies: np.ndarray, dst: np.ndarray, at: int, length: int) -> bool:
     return True
 
 
+def _accumulate(bodies: np.ndarray, length: int, acc: np.ndarray, per: int, ks: np.ndarray, filled: np.ndarray,
+                factor: float) -> np.ndarray:
+    """Add each body's values (``length`` bytes after its header) times ``factor`` (as float32) into the owner's
+    float32 sums ``acc`` at range ``ks[i]`` (``per`` elements apart); ``filled`` marks the ranges that hold a sum.
+    Per row: 0 added, 1 refused (a NaN or inf), 2 left out (the float32 sum would overflow); such a row changes
+    nothing. One native pass where the extension is built; ``_accumulate_numpy`` is the reference, bit for bit."""
+    if _native_rows(bodies) and acc.flags.aligned:
+        status = _native.accumulate_rows(bodies, HEADER_SIZE, bodies.strides[0], len(bodies), length, acc, 4 * per,
+                                         ks, filled, factor)
+        return np.frombuffer(status, np.uint8)
+    values = np.ascontiguousarray(bodies[:, HEADER_SIZE : HEADER_SIZE + length]).view(FLOAT32)
+    return _accumulate_numpy(values, acc, per, ks, filled, factor)
+
+
+def _accumulate_numpy(values: np.ndarray, acc: np.ndarray, per: int, ks: np.ndarray, filled: np.ndarray,
+                      factor: float) -> np.ndarray:
+    """``_accumulate`` over aligned float32 rows ``values``: the same float32 operations in the same order."""
+    rows, m = values.shape
+    if m == per:  # full ranges: rows of a 2-D view
+        grid = acc[: (len(acc) // per) * per].reshape(-1, per)
+        where: tuple = (ks,)
+    else:  # a short last range
+        grid = acc
+        where = (ks[:, None] * per + np.arange(m),)
+    f = np.float32(factor)
+    was = filled[ks] != 0
+    with np.errstate(all="ignore"):
+        prod = values * f
+        total = np.where(was[:, None], grid[where] + prod, prod)
+        status = np.where(~np.isfinite(values).all(axis=1), 1, np.where(np.isfinite(total).all(axis=1), 0, 2))
+    ok = status == 0
+    grid[tuple(w[ok] for w in where)] = total[ok]
+    filled[ks[ok]] = 1
+    return status.astype(np.uint8)
+
+
 def stage_elements(length: int, n: int) -> int:
     """float32 elements of the stage a member of an ``n``-member group averaging ``length`` elements needs (its
     largest shard, once per member): what a ``stage`` buffer passed to ``GroupAverage`` must hold at least."""
@@ -642,6 +678,15 @@ class GroupAverage:
             self._ag_full = np.empty((full, self._body_per), dtype=np.uint8)
             self._ag_tail: np.ndarray | None = None
             self._ag_sendable = np.ones(self._nranges, dtype=bool)
+        # fp32 without robust aggregation streams: each reduce-scatter row is added, times its sender's weight, into
+        # float32 sums (``_acc``, the stage's first shard) as it arrives, so only one shard of the stage is touched
+        # and nothing is read back. Per range: whether ``_acc`` holds a sum, the senders' weight that arrived, and
+        # rows whose float32 sum would overflow (summed in float64 when the range is finalized).
+        self._stream = not self._coded and robust is None
+        self._acc = self._stage_buffer[: self._hi - self._lo]
+        self._acc_set = np.zeros(self._nranges if self._stream else 0, dtype=np.uint8)
+        self._wsum_in = np.zeros(self._nranges if self._stream else 0, dtype=np.float64)
+        self._aside: dict[int, list[tuple[float, np.ndarray]]] = {}
         self._ag_seen = [np.zeros(self.layout.datagrams(j) if j != index else 0, dtype=bool) for j in range(n)]
         self._sender_weight: list[float | None] = [None] * n
         self._live = [True] * n
@@ -802,6 +847,8 @@ class GroupAverage:
                 return self._late(mtype)
             if self._coded:  # decoded and validated before anything is marked: CodecError is a malformed drop
                 self._stage[sender, rel : rel + count] = self.codec.decode(memoryview(body)[HEADER_SIZE:], count)
+            elif self._stream:
+                self._add_rows(sender, np.frombuffer(body, np.uint8)[None, :], np.array([k], np.int64), 4 * count)
             else:
                 at = 4 * rel
                 self._stage_bytes[sender][at : at + 4 * count] = memoryview(body)[HEADER_SIZE:]
@@ -968,6 +1015,11 @@ class GroupAverage:
                 self._check_weight(sender, w0)
             if decoded is not None:
                 self._stage[sender, : full * per].reshape(full, per)[ks] = decoded
+            elif self._stream:
+                if isinstance(ks, slice):
+                    self._add_rows(sender, bodies, np.arange(ks.start, ks.stop, dtype=np.int64), 4 * per)
+                else:
+                    self._add_rows(sender, bodies if len(ks) == rows else bodies[fresh], ks, 4 * per)
             elif not (isinstance(ks, slice) and _place(bodies, self._stage[sender], 4 * per * ks.start, 4 * per)):
                 self._stage[sender, : full * per].view(np.uint8).reshape(full, 4 * per)[ks] = values
             phase.weight_received += w0 * accepted
@@ -995,6 +1047,22 @@ class GroupAverage:
                 self._refused["weight_capped"] += 1
         elif known != weight:
             raise WireError("malformed", f"sender {sender} changed its weight from {known} to {weight}")
+
+    def _add_rows(self, sender: int, bodies: np.ndarray, ks: np.ndarray, length: int) -> None:
+        """Streaming: add ``sender``'s reduce-scatter rows for ranges ``ks`` into the sums. A row with NaN or inf is
+        refused (as if lost); one whose float32 sum would overflow is kept for the float64 sum at finalizing."""
+        ws = min(self._sender_weight[sender], self._max_weight)  # type: ignore[type-var]
+        ks = np.ascontiguousarray(ks, dtype=np.int64)
+        status = _accumulate(bodies, length, self._acc, self._per, ks, self._acc_set, ws)
+        if status.any():
+            refused = int(np.count_nonzero(status == 1))
+            if refused:
+                self._refused["nonfinite"] += refused
+            for i in np.flatnonzero(status == 2):
+                values = np.frombuffer(bytes(bodies[i, HEADER_SIZE : HEADER_SIZE + length]), FLOAT32)
+                self._aside.setdefault(int(ks[i]), []).append((ws, values))
+            ks = ks[status != 1]
+        self._wsum_in[ks] += ws
 
     def _late(self, mtype: int) -> Outcome:
         if mtype in (BodyType.RS_END, BodyType.AG_END):
@@ -1243,6 +1311,9 @@ class GroupAverage:
         With ``robust``, each member's contribution is scaled by its factor (around the center, if any).
         Fast path: a float32 sum, checked with one numpy call; if it is not finite (a sender's NaN or inf,
         or an overflow), ``_finalize_careful`` refuses the non-finite ranges and sums again in float64."""
+        if self._stream:
+            self._finalize_stream(k0, k1, lo, hi, width)
+            return
         rows = k1 - k0
         own = self._vec[lo:hi].reshape(rows, width)
         out2d = self._out[lo:hi].reshape(rows, width)
@@ -1283,6 +1354,44 @@ class GroupAverage:
         if not arrived.all():
             acc[~arrived] = own[~arrived]
         out2d[...] = acc
+
+    def _finalize_stream(self, k0: int, k1: int, lo: int, hi: int, width: int) -> None:
+        """``_finalize_rows`` from the running sums: own * weight plus the senders' sum, divided by the weight that
+        arrived; in float64 where that overflows float32 or a range has rows kept aside (their sum would have)."""
+        rows = k1 - k0
+        own = self._vec[lo:hi].reshape(rows, width)
+        out2d = self._out[lo:hi].reshape(rows, width)
+        got = self._wsum_in[k0:k1]
+        arrived = got > 0
+        if not arrived.any():
+            if not self._inplace:
+                out2d[...] = own
+            return
+        base = lo - self._lo
+        acc = self._acc[base : base + rows * width].reshape(rows, width)
+        summed = self._acc_set[k0:k1] != 0
+        wsum = got + self.weight
+        aside = [k for k in self._aside if k0 <= k < k1] if self._aside else []
+        with np.errstate(all="ignore"):  # overflow is found below, in one call
+            res = own * np.float32(self.weight)
+            if summed.all():
+                res += acc
+            else:
+                res[summed] += acc[summed]
+        if aside or not np.isfinite(res).all():
+            wide = own.astype(np.float64) * self.weight
+            wide[summed] += acc[summed]
+            for k in aside:
+                for ws, values in self._aside[k]:
+                    wide[k - k0] += values.astype(np.float64) * ws
+            wide /= wsum[:, None]
+            res = wide.astype(FLOAT32)
+        else:
+            np.divide(res, wsum.astype(np.float32)[:, None], out=res)
+        self._wsum[k0:k1] = wsum
+        if not arrived.all():
+            res[~arrived] = own[~arrived]
+        out2d[...] = res
 
     def _finalize_careful(self, k0: int, k1: int, lo: int, width: int, own: np.ndarray, out2d: np.ndarray) -> None:
         """``_finalize_rows`` in float64, where capped weights times finite float32 values cannot overflow:

@@ -2,8 +2,8 @@
 
 Run by tests/fuzz/run.sh, which builds an ASan copy of the extension into a temp dir and preloads gcc's libasan
 (``PEERD_ASAN_NATIVE`` is that copy's path). Each input picks an entry point (Aead(), seal_block, open_block,
-frame_block, seal_split, frame_split, place_rows, first_nonfinite, recv_batch over a loopback socket, with its junk
-screen and a Ration table; Ration's methods) and arguments: buffers of exact
+frame_block, seal_split, frame_split, place_rows, first_nonfinite, accumulate_rows, recv_batch over a loopback socket,
+with its junk screen and a Ration table; Ration's methods) and arguments: buffers of exact
 sizes (ctypes arrays, malloc'd apart under PYTHONMALLOC=malloc, so a byte read or written past one is an ASan
 report), offsets, strides, counts and lengths that are right, nearly
 right or wild. A call may raise ValueError, OverflowError or TypeError (the bounds it checks); anything else, or
@@ -32,7 +32,7 @@ HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
 ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration",
            "seal_split", "recv_batch interleaved", "quant_encode", "quant_decode",
-           "half_encode", "half_decode", "replay_check", "replay_accept")
+           "half_encode", "half_decode", "replay_check", "replay_accept", "accumulate_rows")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -129,8 +129,11 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
     if which in (12, 13):
         half(fdp, which == 12)
         return
-    if which >= 14:
+    if which in (14, 15):
         replay(fdp, which == 14)
+        return
+    if which == 16:
+        accumulate(fdp)
         return
     if which >= 4:
         rows_only(fdp, which)
@@ -688,6 +691,30 @@ def half(fdp: atheris.FuzzedDataProvider, encode: bool) -> None:
     native.half_decode(src, off, stride, n_rows, n_count, values, ok, bf16, scalar)
     if (n_rows, n_count) == (rows, count):
         _decoded(values, ok, rows, count)
+
+
+def accumulate(fdp: atheris.FuzzedDataProvider) -> None:
+    """accumulate_rows: float32 rows (any bits) added into a float32 buffer at fuzzed range indices (in bounds,
+    next to them or wild), with a ``filled`` byte per range; a row reported added must have set its range's byte."""
+    rows = fdp.ConsumeIntInRange(0, 40)
+    length = 4 * fdp.ConsumeIntInRange(0, 40) + (0 if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(1, 3))
+    s_off, s_stride, s_size = layout(fdp, rows, length)
+    src = buffer(fdp, s_size)
+    nranges = fdp.ConsumeIntInRange(0, 50)
+    d_stride = number(fdp, length + 4 * fdp.ConsumeIntInRange(0, 3))
+    dst = buffer(fdp, max(0, min(number(fdp, nranges * max(0, d_stride)), 1 << 20)))
+    dst_of = memoryview(dst).cast("B")[1:] if fdp.ConsumeIntInRange(0, 15) == 0 else dst  # misaligned now and then
+    filled = buffer(fdp, max(0, min(number(fdp, nranges), 1 << 20)))
+    wild = fdp.ConsumeIntInRange(0, 7) == 0  # now and then an index next to the bounds or far out
+    ks = [fdp.ConsumeIntInRange(0, max(0, nranges - 1)) for _ in range(number(fdp, rows) % 64)]
+    ks = [number(fdp, k) for k in ks] if wild else ks
+    packed = struct.pack(f"<{len(ks)}q", *ks) if all(-(2**63) <= k < 2**63 for k in ks) else b""
+    factor = struct.unpack("<f", fdp.ConsumeBytes(4).ljust(4, b"\0"))[0]
+    status = native.accumulate_rows(src, s_off, s_stride, number(fdp, rows), number(fdp, length), dst_of, d_stride,
+                                    packed, filled, factor)
+    for k, st in zip(ks, status, strict=True):
+        if st not in (0, 1, 2) or (st == 0 and filled[k] != b"\x01"):
+            raise AssertionError(f"accumulate_rows: status {st} for range {k}, filled {filled[k]!r}")
 
 
 def main() -> None:
