@@ -446,7 +446,10 @@ class Endpoint:
         except OSError as e:
             self.metrics.datagrams_dropped.labels("send_error").inc(rows)
             raise RpcError(f"cannot send to {addr[0]}:{addr[1]}: {e.strerror or e}") from None
-        self.metrics.datagrams_sent.labels("data").inc(rows)
+        counter = self._sent_counters.get(-1)  # (data blocks: one child, looked up once)
+        if counter is None:
+            counter = self._sent_counters[-1] = self.metrics.datagrams_sent.labels("data")
+        counter.inc(rows)
         self.metrics.bytes_sent.inc(datagrams.size)
         self._count_path(addr, rows, datagrams.size)
         return datagrams.size

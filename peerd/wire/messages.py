@@ -278,11 +278,14 @@ SCHEMAS.update({
 _VALIDATORS = {t: s.struct(f) for t, f in SCHEMAS.items()}
 
 
+_MSG_TYPES = {int(t): t for t in MsgType}  # (a dict lookup: MsgType(value) costs an enum call per datagram)
+
+
 def msg_type(value: int) -> MsgType:
-    try:
-        return MsgType(value)
-    except ValueError:
-        raise WireError("type", f"unknown message type {value:#04x}") from None
+    t = _MSG_TYPES.get(value)
+    if t is None:
+        raise WireError("type", f"unknown message type {value:#04x}")
+    return t
 
 
 def pack_addr(host: str, port: int) -> list:
