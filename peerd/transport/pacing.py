@@ -184,6 +184,7 @@ STARTUP_FILL = 0.75  # of PHASE_BYTES: what a startup phase must hold to prove i
 Q_FLAT = 0.001  # a startup phase whose queue ended under this (and grew no faster than FLAT_GROWTH) had headroom:
 FLAT_GROWTH = 0.02  # its rate doubles after it alone (an overshoot of x queues (x - 1) x 50 ms in one phase)
 CPU_HELD = 2  # startup phases in a row held back under HELD_BACK with the queue flat: the rate goes to twice their fill
+CPU_HELD_BYTES = 2 << 20  # ... or one such phase that sent this much (dozens of parts: its fill is no part's timing)
 DRAINING = 0.03  # a deep queue shrinking faster than this (s/s) is not cut for: it drains at the rate sent
 DEEP_PHASES = 2  # judged phases in a row with a queue above Q_HIGH before a cruise phase's rate is cut
 Q_SPAN = 0.3  # a destination's queue growth is measured over samples this much of a phase apart at least
@@ -937,7 +938,8 @@ class Pacer:
                 # part at 2 MB/s is 32 ms of a 50 ms phase.)
                 self._cpu_held = self._cpu_held + 1 if flat else 0
                 self._cpu_fill = max(self._cpu_fill, fill) if flat else 0.0
-                if self._cpu_held >= CPU_HELD and STARTUP_GROWTH * self._cpu_fill > self.rate:
+                held = self._cpu_held >= (1 if ph.nbytes >= CPU_HELD_BYTES else CPU_HELD)
+                if held and STARTUP_GROWTH * self._cpu_fill > self.rate:
                     return self._startup_raise(STARTUP_GROWTH * self._cpu_fill, now, "startup: its CPU held it")
                 return Verdict("hold", f"startup: sent {fill / ph.rate:.2f} of its rate", self.rate)
             self._cpu_held, self._cpu_fill = 0, 0.0
