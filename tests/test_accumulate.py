@@ -4,20 +4,19 @@ whole groups, streaming against the staged reconstruction (the one robust aggreg
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peerd.allreduce import HEADER_SIZE, BodyType
+from peerd.allreduce import HEADER_SIZE
 from peerd.allreduce import group as group_mod
 from peerd.allreduce.group import GroupAverage, _accumulate_numpy
 from peerd.wire.native import native as _native
 
+from .test_allreduce_blocks import _average
+
 GROUP = 0x0A0B0C0D
-RS_END, AG_END = BodyType.RS_END, BodyType.AG_END
 needs_native = pytest.mark.skipif(_native is None, reason="the native data plane is not built (PEERD_DATAPLANE=python)")
 
 SPECIAL = np.array([np.nan, np.inf, -np.inf, 3e38, -3e38, 1e-45, 0.0], np.float32)
@@ -122,28 +121,6 @@ def test_accumulate_rows_checks_every_bound_before_writing() -> None:
 # ---- whole groups: streaming against the staged reconstruction -------------------------------------------------
 
 
-def _run(cores: list[GroupAverage], loss: float, seed: int, blocks: bool) -> list[np.ndarray]:
-    rnd = random.Random(seed)
-    now = 0.0
-    for _ in range(10_000):
-        if all(c.finished for c in cores):
-            break
-        now += 0.3
-        for i, core in enumerate(cores):
-            for blk in core.next_blocks(4, 10**9):
-                kept = [bytes(r) for r in blk.whole() for _ in range(blk.repeat) if rnd.random() >= loss]
-                to = cores[blk.to]
-                if kept and (not blocks or blk.type in (RS_END, AG_END)
-                             or to.receive_block(i, blk.type, np.stack([np.frombuffer(r, np.uint8) for r in kept]),
-                                                 now) is None):
-                    for r in kept:
-                        to.receive(i, blk.type, r, now)
-        for core in cores:
-            core.handle_timer(now)
-    assert all(c.finished for c in cores)
-    return [c.result().copy() for c in cores]
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(2, 5),
@@ -182,8 +159,8 @@ def _compare(n: int, length: int, per: int, seed: int, loss: float, poison: floa
         return out
 
     staged_cores, streaming_cores = cores(False), cores(True)
-    staged = _run(staged_cores, loss, seed, blocks)
-    streamed = _run(streaming_cores, loss, seed, blocks)
+    staged = _average(staged_cores, loss, seed, blocks)
+    streamed = _average(streaming_cores, loss, seed, blocks)
     for a, b, own, sc, tc in zip(staged, streamed, vectors, staged_cores, streaming_cores, strict=True):
         assert np.isfinite(b[np.isfinite(own)]).all()
         assert sc.statistics().refused == tc.statistics().refused
@@ -200,7 +177,7 @@ def test_streaming_touches_one_shard_of_the_stage() -> None:
     rng = np.random.default_rng(1)
     cores = [GroupAverage(GROUP, n, i, rng.standard_normal(length).astype(np.float32), 1.0, 0.0,
                           max_payload=HEADER_SIZE + 32, stage=stages[i]) for i in range(n)]
-    results = _run(cores, 0.0, 1, True)
+    results = _average(cores, 0.0, 1, True)
     mean = np.mean([c._vec for c in cores], axis=0)
     for r in results:
         np.testing.assert_allclose(r, mean, rtol=1e-5, atol=1e-6)
@@ -213,7 +190,7 @@ def test_overflowing_rows_are_summed_in_float64_not_refused() -> None:
     """Weights times finite values past float32's range: the range is averaged (in float64), not dropped."""
     x = [np.full(8, 3e38, np.float32), np.full(8, 3e38, np.float32), np.full(8, -3e38, np.float32)]
     cores = [GroupAverage(GROUP, 3, i, x[i].copy(), 2.0**20, 0.0, max_payload=HEADER_SIZE + 8) for i in range(3)]
-    results = _run(cores, 0.0, 3, True)
+    results = _average(cores, 0.0, 3, True)
     for c, r in zip(cores, results, strict=True):
         assert c.statistics().refused == {}
         np.testing.assert_allclose(r, np.float32(1e38), rtol=1e-6)

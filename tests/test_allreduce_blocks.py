@@ -276,9 +276,9 @@ def test_end_of_a_reordered_stream_keeps_the_full_grace() -> None:
     assert cores[0].reduce_scatter_done
 
 
-def _average(cores: list[GroupAverage], loss: float, seed: int) -> list[np.ndarray]:
-    """Run a group to the end, blocks through ``receive_block`` (body by body where it declines), ``loss`` of the
-    bodies lost; returns copies of the results."""
+def _average(cores: list[GroupAverage], loss: float, seed: int, blocks: bool = True) -> list[np.ndarray]:
+    """Run a group to the end, blocks through ``receive_block`` (body by body where it declines, or always without
+    ``blocks``), ``loss`` of the bodies lost; returns copies of the results."""
     rnd = random.Random(seed)
     now = 0.0
     for _ in range(10_000):
@@ -291,7 +291,8 @@ def _average(cores: list[GroupAverage], loss: float, seed: int) -> list[np.ndarr
                 if not kept:
                     continue
                 arr = np.stack(kept)
-                if blk.type in (RS_END, AG_END) or cores[blk.to].receive_block(i, blk.type, arr, now) is None:
+                if (not blocks or blk.type in (RS_END, AG_END)
+                        or cores[blk.to].receive_block(i, blk.type, arr, now) is None):
                     _feed_rows(cores[blk.to], i, blk.type, [bytes(r) for r in kept], now)
         for core in cores:
             core.handle_timer(now)
