@@ -682,8 +682,8 @@ class GroupAverage:
         # float32 sums (``_acc``, the stage's first shard) as it arrives, so only one shard of the stage is touched
         # and nothing is read back. Per range: whether ``_acc`` holds a sum, the senders' weight that arrived, and
         # rows whose float32 sum would overflow (summed in float64 when the range is finalized). On the Python data
-        # path the staged reconstruction stays: numpy's per-block checks and gathers cost more than the stage's one
-        # copy per row and vectorized sums (a 4-peer 100 MB average, 0.89-0.92 CPU-s a daemon against 0.66-0.70).
+        # path the staged reconstruction stays: in numpy, streaming takes a gather, two finiteness checks, a select
+        # and a scatter per block where the stage takes one copy (its sums are vectorized later either way).
         self._stream = not self._coded and robust is None and _native is not None
         self._acc = self._stage_buffer[: self._hi - self._lo]
         self._acc_set = np.zeros(self._nranges, dtype=np.uint8)
