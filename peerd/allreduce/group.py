@@ -1384,7 +1384,7 @@ class GroupAverage:
             wide = own.astype(np.float64) * self.weight
             wide[summed] += acc[summed]
             for k in aside:
-                for ws, values in self._aside[k]:
+                for ws, values in self._aside.pop(k):  # (each range is finalized once)
                     wide[k - k0] += values.astype(np.float64) * ws
             wide /= wsum[:, None]
             res = wide.astype(FLOAT32)
