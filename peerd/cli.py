@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("key", metavar="KEY")
     get.add_argument("--agreed", type=int, metavar="N",
                      help="end the read once N responders hold the same newest records (faster; default: read "
-                          "all k closest nodes)")
+                          "all r = 5 nodes that hold the key)")
     get.add_argument("--owner", action="append", metavar="PEER_ID",
                      help="end the read once a record of this peer id is found (repeatable)")
     _socket_arg(get)

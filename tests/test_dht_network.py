@@ -73,7 +73,7 @@ def test_lossy_swarm_puts_and_gets(seed: int) -> None:
 
             result = await nodes[3].dht.put(b"model/step", b"subA", b"hello", ttl=600)
             await result.finished()
-            assert result.stored >= 15, result
+            assert result.stored >= nodes[3].dht.replicas - 2, result  # 10 % loss: retransmissions may all fail
             for reader in (nodes[0], nodes[17], nodes[31]):
                 records = await reader.dht.get(b"model/step")
                 assert [(r.subkey, r.value) for r in records] == [(b"subA", b"hello")]
@@ -135,7 +135,7 @@ def test_survives_dead_nodes() -> None:
             live = nodes[:10] + nodes[18:]
             result = await live[-1].dht.put(b"after", b"y", b"2", ttl=600)
             await result.finished()
-            assert result.stored >= 10
+            assert result.stored >= live[-1].dht.replicas - 2
             for reader in live[:3]:
                 assert [r.value for r in await reader.dht.get(b"after")] == [b"2"]
                 assert [r.value for r in await reader.dht.get(b"before")] == [b"1"]

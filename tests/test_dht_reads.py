@@ -11,7 +11,7 @@ import trio
 
 from peerd.dht import records as records_module
 from peerd.dht.lookup import Lookup
-from peerd.dht.reads import Agreed, AnyOf, Enough, Newer, Owners
+from peerd.dht.reads import Agreed, AnyOf, Enough, Newer, Owners, near_holders
 from peerd.dht.records import Record, VerifiedCache, location
 from peerd.dht.routing import Contact, RoutingTable, distance
 from peerd.wire.errors import WireError
@@ -201,7 +201,7 @@ def test_agreed_reads_ask_fewer_nodes_and_return_what_a_full_read_does() -> None
             asked_early = rpc_count(reader, "find_value") - before
             assert len(full) == 8
             assert [(r.subkey, r.value) for r in early] == [(r.subkey, r.value) for r in full]
-            assert asked_full >= 20 and asked_early < asked_full, (asked_full, asked_early)
+            assert asked_full >= reader.dht.replicas and asked_early < asked_full, (asked_full, asked_early)
             # a key nobody wrote: three empty holders say so
             before = rpc_count(reader, "find_value")
             assert await reader.dht.get(b"nobody", enough=Agreed(3)) == []
@@ -275,12 +275,13 @@ def test_a_put_after_a_lookup_of_its_key_reuses_it() -> None:
             result = await node.dht.put(b"run/0/key", node.identity.node_id, b"me", ttl=60)
             assert rpc_count(node, "find_node") == before  # no second lookup
             await result.finished()  # the STOREs past the majority end in the background
-            assert result.stored >= 20, result
-            # a put with no lookup to reuse stops its lookup once settled: fewer FIND_NODEs than k
+            assert result.stored >= node.dht.replicas, result
+            # a put with no lookup to reuse stops its lookup once settled: no more FIND_NODEs than replicas
             before = rpc_count(node, "find_node")
             result = await node.dht.put(b"other", b"s", b"v", ttl=60)
             await result.finished()
-            assert 0 < rpc_count(node, "find_node") - before < 20 and result.stored >= 20, result
+            replicas = node.dht.replicas
+            assert 0 < rpc_count(node, "find_node") - before <= replicas and result.stored >= replicas, result
             readers = [n for n in nodes if n is not node]
             assert [r.value for r in await readers[7].dht.get(b"other")] == [b"v"]
             nursery.cancel_scope.cancel()
@@ -289,7 +290,7 @@ def test_a_put_after_a_lookup_of_its_key_reuses_it() -> None:
 
 
 def test_a_put_returns_at_a_majority_and_its_other_stores_still_land() -> None:
-    """PUT_QUORUM: the put returns once a majority of its k closest accepted; the STOREs to nodes that have not
+    """PUT_QUORUM: the put returns once a majority of its replicas accepted; the STOREs to nodes that have not
     answered yet keep retransmitting in the background, and land when those nodes come back."""
 
     async def main() -> None:
@@ -298,23 +299,68 @@ def test_a_put_returns_at_a_majority_and_its_other_stores_still_land() -> None:
             net.nursery = nursery
             nodes = await start_swarm(nursery, net, 24)
             writer = nodes[4]
-            await writer.dht.get(b"quorum")  # the k closest, for the put to reuse
+            await writer.dht.get(b"quorum")  # the replicas closest, for the put to reuse
             by_addr = {n.addr: n for n in nodes}
-            closest = writer.dht.core.recent.get(location(b"quorum"), trio.current_time(), writer.dht.core.table, 20)
-            assert closest is not None and len(closest) == 20
-            away = [by_addr[c.addr] for c in closest[:3]]
+            replicas = writer.dht.replicas
+            closest = writer.dht.core.recent.get(location(b"quorum"), trio.current_time(), writer.dht.core.table,
+                                                 replicas)
+            assert closest is not None and len(closest) == replicas
+            need = replicas // 2 + 1
+            away = [by_addr[c.addr] for c in closest[: replicas - need]]  # as many as leave a majority
             for node in away:  # unreachable for a moment: their STOREs go unanswered
                 net.sockets.pop(node.addr)
             start = trio.current_time()
             result = await writer.dht.put(b"quorum", b"s", b"v", ttl=60)
             assert trio.current_time() - start < 0.2  # not the 0.5 s of a first retransmission
-            assert result.pending >= 3 and result.stored >= 11, result
+            assert result.pending >= len(away) and result.stored >= need, result
             assert not any(n.dht.core.store.holds(b"quorum", b"s") for n in away)
             for node in away:
                 net.sockets[node.addr] = node.sock
             await result.finished()
-            assert result.pending >= 3 and result.stored >= 20 and not result.refused, result
+            assert result.pending >= len(away) and result.stored >= replicas and not result.refused, result
             assert all(by_addr[c.addr].dht.core.store.holds(b"quorum", b"s") for c in closest)
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_near_holders_keeps_only_responders_the_lookup_ranks_among_the_closest() -> None:
+    a, b, c = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    held = [(a, sigs(rec(ALICE, b"s"))), (b, frozenset()), (c, frozenset())]
+    assert near_holders(held, {b, c}) == [frozenset(), frozenset()]
+    assert near_holders(held, set()) == []
+    # three far nodes that hold nothing "agree" on nothing; only the near ones count
+    assert Agreed(2).done([], near_holders(held, {b, c}))
+    assert not Agreed(2).done([], near_holders(held, {a}))
+
+
+def test_a_reader_whose_table_misses_the_holders_does_not_stop_at_far_nodes_that_hold_nothing() -> None:
+    """A member whose table does not yet hold a key's closest nodes asks farther ones first. They hold nothing,
+    and three of them agreed on that: Agreed(3) returned no record (3 of 60 reads by a new member of 64 daemons
+    at 8 replicas). Only responders among the closest the lookup knows count, so the read goes on to the
+    holders those far nodes name."""
+    async def main() -> None:
+        net = MemNet(seed=41)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await start_swarm(nursery, net, 24)
+            writer = nodes[2]
+            await writer.dht.put(b"run/0/key", writer.identity.node_id, b"w", ttl=600)
+            await trio.sleep(1.0)
+            target = location(b"run/0/key")
+            ranked = sorted(nodes, key=lambda n: distance(n.identity.node_id, target))
+            reader = ranked[-1]  # the farthest: it holds nothing
+            table = reader.dht.core.table
+            # the reader forgets the 12 nodes closest to the key (and anyone waiting to replace them)
+            for n in ranked[:12]:
+                table.remove(n.identity.node_id)
+            for bucket in table.buckets.made.values():
+                bucket.replacements.clear()
+            for n in ranked[:12]:
+                table.remove(n.identity.node_id)
+            assert not any(n.identity.node_id in table for n in ranked[:12])
+            got = await reader.dht.get(b"run/0/key", enough=Agreed(3))
+            assert [r.value for r in got] == [b"w"]
             nursery.cancel_scope.cancel()
 
     run_virtual(main)

@@ -4,14 +4,14 @@ Each key is written by one daemon and read by another through the local API, the
 `peerd dht` would: the times include the local socket. ``rpcs_per_get`` is read from the reader's
 Prometheus counters (FIND_VALUE and FIND_NODE requests answered or failed, paging included).
 
-``get_p50_ms`` is the local API's default read, the full one (every one of the k closest: what `peerd dht get`
+``get_p50_ms`` is the local API's default read, the full one (every one of the r = 5 holders: what `peerd dht get`
 does unless asked for less). The reads Moshpit and state sync use stop once 3 holders agree (``Agreed(3)``): the
 same reader reads each key that way too, through the API (`peerd dht get --agreed 3`), reported apart as
 ``api_agreed`` (in a second pass, after every put and full read, so the full reads are timed as before). The
 bench then joins the swarm itself as one more member (a DHT node in this process, over UDP like the daemons) and
 reads every key both ways: ``member_full`` and ``member_agreed``.
 
-A put returns once a majority of its k closest accepted the record (its other STOREs finish in the background):
+A put returns once a majority of its r holders accepted the record (its other STOREs finish in the background):
 ``put_stored_min`` is the fewest replicas a put reported when it returned.
 """
 

@@ -16,6 +16,10 @@ from .lookup import Lookup
 from .records import Record, RecordStore, VerifiedCache, location
 from .routing import Contact, RoutingTable, distance
 
+# The replication factor r: a record lives on the REPLICAS nodes closest to its key, and a full read asks those
+# (PROTOCOL.md 10.1). Kademlia uses k for this too; every replica costs each put a STORE and each full read a
+# FIND_VALUE, a sleeping daemon woken, and on a busy host that is what a read's time is made of.
+REPLICAS = 5
 # A finished lookup's k closest are reused for this long: a put after a get of the same key (a Moshpit
 # announce, then its polls; progress written, then read) stores without a second lookup, and a get asks
 # them all at once. Bounded: RECENT_LOOKUPS targets, the oldest forgotten first.
@@ -77,12 +81,14 @@ class DhtCore:
         node_id: bytes,
         *,
         k: int = 20,
+        replicas: int = REPLICAS,
         store: RecordStore | None = None,
         on_refused: Callable[[str], None] | None = None,
         wide_start: bool = False,
     ) -> None:
         self.node_id = node_id
         self.k = k
+        self.replicas = min(replicas, k)  # a lookup finds at most k
         self.table = RoutingTable(node_id, k)
         self.store = store if store is not None else RecordStore(node_id)
         self.refused: dict[str, int] = {}  # STORE refusals by reason, for statistics
@@ -128,8 +134,9 @@ class DhtCore:
 
     # -- lookups ----------------------------------------------------------------------------------
     def start_lookup(self, target: bytes, now: float, *, alpha: int, early: bool = False,
-                     settle: bool = False) -> Lookup:
+                     settle: bool = False, record: bool = False) -> Lookup:
         """A lookup for ``target``, seeded from the table (and a recent lookup's result for the same target).
+        It finds the k closest, or with ``record`` (a read's or a writer's) the ``replicas`` closest.
 
         Only a lookup that must hear from all k closest (neither ``early``, a read that may end once its
         records suffice, nor ``settle``, a writer's) asks them all at once: from a recent result, with
@@ -137,12 +144,13 @@ class DhtCore:
         round trip instead of two in a small swarm), or once an answer brings nothing closer. The others go
         alpha at a time, so that they end before the rest are asked."""
         self.table.touch(target, now)
-        recent = self.recent.get(target, now, self.table, self.k)
+        k = self.replicas if record else self.k
+        recent = self.recent.get(target, now, self.table, k)
         seeds = self.table.closest(target, ordered=False)  # Lookup ranks what it is given
         full = not early and not settle
         wide = full and (recent is not None or (self.wide_start and self.table.complete_near(target)))
         return Lookup(
-            target, recent + seeds if recent else seeds, own_id=self.node_id, k=self.k, alpha=alpha,
+            target, recent + seeds if recent else seeds, own_id=self.node_id, k=k, alpha=alpha,
             wide=wide, widen=full,
         )
 
@@ -167,11 +175,17 @@ class DhtCore:
         return bucket is not None and len(bucket.contacts) >= min(want, self.k)
 
     def stores_here(self, target: bytes, closest: list[Contact]) -> bool:
-        """Whether a writer keeps its own record too: it is one of the k closest to ``target`` it knows."""
-        return len(closest) < self.k or distance(self.node_id, target) < distance(closest[-1].node_id, target)
+        """Whether a writer keeps its own record too: it is one of the ``replicas`` closest to ``target`` it
+        knows (``closest``: the others, closest first)."""
+        return len(closest) < self.replicas or distance(self.node_id, target) < distance(closest[-1].node_id, target)
+
+    def holds_key(self, key: bytes) -> bool:
+        """Whether this node is one of the ``replicas`` closest to ``key`` it knows: a reader's own copies are
+        then a holder's."""
+        return self.table.closer_than_me(location(key), self.replicas) < self.replicas
 
     def stored_on(self, target: bytes, now: float, answered: list[Contact]) -> None:
-        """A put reached every one of its k closest: they are the closest, for the next read or write."""
+        """A put reached every one of its replicas: they are the closest, for the next read or write."""
         self.recent.remember(target, now, sorted(answered, key=lambda c: distance(c.node_id, target)))
 
     def handle(self, mtype: m.MsgType, body: dict[str, Any], now: float) -> dict[str, Any]:
@@ -247,8 +261,8 @@ class DhtCore:
         return [self._store(fields, now) for fields in records]
 
     def responsible(self, key: bytes) -> bool:
-        """Whether this node is among the 2k nodes it knows closest to ``key`` (k of slack for tables
-        that differ): a writer's lookup would pick it as one of the k to store on."""
+        """Whether this node is among the 2k nodes it knows closest to ``key`` (ample slack for tables that
+        differ): a writer's lookup would pick it as one of the ``replicas`` to store on."""
         return self.table.closer_than_me(location(key), 2 * self.k) < 2 * self.k
 
     def admit(self, record: Record, now: float) -> str | None:

@@ -200,6 +200,10 @@ class Lookup:
         near = self._ranked()[: self.alpha]
         return bool(near) and all(self._state[n] is _ANSWERED for n in near)
 
+    def closest_ids(self) -> set[bytes]:
+        """The node ids of the k closest seen that have not failed (nor turned slow)."""
+        return set(self._ranked())
+
     def candidates(self) -> list[Contact]:
         """The k closest seen that have not failed, answered or not."""
         return [self._contacts[n] for n in self._ranked()]

@@ -1,17 +1,17 @@
 """What a DHT read needs before it may stop (sans-I/O): ``DhtService.get(key, enough=...)``.
 
-A get without ``enough`` reads every one of the k closest nodes (PROTOCOL.md 10.5). A get with one ends
+A get without ``enough`` reads every one of the r closest nodes, its holders (PROTOCOL.md 10.5). A get with one ends
 its lookup as soon as the records read so far satisfy it, and otherwise runs to the end like a full read,
 so an early form never returns less than it says: it only stops sooner when the answer is known.
 
 ``done`` is asked after each responder has been read, with every verified record so far (this node's
 own copies included) and, per responder read in full, the signatures it sent. This node counts as one of those
-holders when it is one of the k closest to the key that it knows (its own copies, read in full).
+holders when it is one of the r closest to the key that it knows (its own copies, read in full).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..wire.errors import WireError
@@ -74,6 +74,14 @@ def signed_part(record: Record) -> tuple:
     return (record.key, record.subkey, record.value, record.expires, record.owner, record.signature)
 
 
+def near_holders(holders: Sequence[tuple[bytes, frozenset[bytes]]], near: Container[bytes]) -> list[frozenset[bytes]]:
+    """The holders (responder's node id, signatures it holds) that are ``near``: the lookup's closest so far, and
+    the reader itself where it is one of them. An early read trusts only the key's neighbourhood as the lookup
+    knows it then: a member whose table is still filling asks farther nodes first, which hold nothing, and three
+    of them "agreed" on that (3 of 60 Agreed(3) reads by a new member of 64 daemons, at 8 replicas)."""
+    return [h for node_id, h in holders if node_id in near]
+
+
 class Enough:
     """Never enough: the full read."""
 
@@ -108,7 +116,7 @@ class Owners(Enough):
 class Agreed(Enough):
     """``n`` responders, each read in full, that all hold the newest version of every record seen so far.
 
-    The answer "what the first n holders agree on": every writer stores on the same k closest nodes, so
+    The answer "what the first n holders agree on": every writer stores on the same r closest nodes, so
     when n of them hold the same records, the rest hold them too unless a write is racing this read (a
     reader that polls sees it next time) or writers saw other nodes (churn). A responder that holds
     less, an older version or nothing (a stale or hostile node) does not count, and the read goes on;

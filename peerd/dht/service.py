@@ -20,14 +20,15 @@ from .core import (
     HELD_PREFIX,
     RECENT_LOOKUPS,
     RECENT_S,
+    REPLICAS,
     VERIFY_MAX,
     DhtCore,
     Ping,
     had,
     held_prefixes,
 )
-from .lookup import SLOW_QUERY_S
-from .reads import Enough, read_page, signed_part
+from .lookup import SLOW_QUERY_S, Lookup
+from .reads import Enough, near_holders, read_page, signed_part
 from .records import MAX_SUBKEYS, Record, location, merge_newest, slot_allows
 from .routing import Contact
 
@@ -46,10 +47,10 @@ class BootstrapError(Exception):
     """No bootstrap node answered in time; the message says what to check."""
 
 
-# A put returns once this share of its k closest accepted the record (a majority: any later full read, and
+# A put returns once this share of its replicas accepted the record (a majority: any later full read, and
 # any read that hears from more than half of them, finds it); the other STOREs were sent at the same time and
 # are awaited in the background (retransmitted like any request), so none is dropped. Waiting for the last
-# acknowledgement cost a put the slowest of 20 round trips.
+# acknowledgement cost a put the slowest of its round trips (20 of them when every record had k = 20 replicas).
 PUT_QUORUM = 0.5
 
 
@@ -81,6 +82,7 @@ class DhtService:
         metrics: Metrics,
         *,
         k: int = 20,
+        replicas: int = REPLICAS,
         alpha: int = 3,
         refresh_interval: float = 60.0,
         wall: Callable[[], float] = time.time,
@@ -88,8 +90,9 @@ class DhtService:
     ) -> None:
         self.endpoint = endpoint
         self.metrics = metrics
-        self.core = DhtCore(endpoint.identity.node_id, k=k, on_refused=self._count_refused)
+        self.core = DhtCore(endpoint.identity.node_id, k=k, replicas=replicas, on_refused=self._count_refused)
         self.k = k
+        self.replicas = self.core.replicas
         self.alpha = alpha
         self.refresh_interval = refresh_interval
         self.bootstrapped = trio.Event()
@@ -202,20 +205,22 @@ class DhtService:
         return reply
 
     # -- lookups --------------------------------------------------------------------------------
-    def _recent_result(self, target: bytes) -> list[Contact] | None:
-        """The k closest a lookup for ``target`` found within RECENT_S, less those that failed since."""
-        return self.core.recent.get(target, trio.current_time(), self.core.table, self.k)
+    def _recent_replicas(self, target: bytes) -> list[Contact] | None:
+        """The ``replicas`` closest a lookup for ``target`` found within RECENT_S, less those that failed since."""
+        return self.core.recent.get(target, trio.current_time(), self.core.table, self.replicas)
 
     async def _iterate(
-        self, target: bytes, query: Query, enough: Callable[[], bool] | None = None, *, settle: bool = False
+        self, target: bytes, query: Query, enough: Callable[[Lookup], bool] | None = None, *, settle: bool = False,
+        record: bool = False,
     ) -> list[Contact]:
         """Run a lookup; with ``enough``, stop as soon as it says so (the result is then partial). With
-        ``settle``, stop once the lookup is settled and return the k closest seen, not all confirmed."""
+        ``settle``, stop once the lookup is settled and return the closest seen, not all confirmed. It finds
+        the k closest, or with ``record`` the ``replicas`` closest (where a record lives)."""
         self.lookups += 1
         lookup = self.core.start_lookup(
-            target, trio.current_time(), alpha=self.alpha, early=enough is not None, settle=settle
+            target, trio.current_time(), alpha=self.alpha, early=enough is not None, settle=settle, record=record
         )
-        if enough is not None and enough():
+        if enough is not None and enough(lookup):
             return []
         # Each query's task takes its own answer into the lookup and sends the queries that answer makes due, so
         # this task wakes only when the lookup ends or a query turns slow, not once per answer (a channel, a
@@ -247,7 +252,7 @@ class DhtService:
                     lookup.on_failure(contact.node_id)
                 else:
                     lookup.on_reply(contact.node_id, lookup.unseen(found))
-                    if enough is not None and enough():
+                    if enough is not None and enough(lookup):
                         ended.set()
                         return
                 launch()
@@ -276,29 +281,30 @@ class DhtService:
             raise failed[0]
         return self.core.end_lookup(lookup, trio.current_time(), settle=settle)
 
-    async def find_nodes(self, target: bytes, *, settle: bool = False) -> list[Contact]:
+    async def find_nodes(self, target: bytes, *, settle: bool = False, record: bool = False) -> list[Contact]:
+        """The k closest live nodes to ``target``; with ``record``, the ``replicas`` closest (a writer's)."""
         async def query(contact: Contact) -> list[tuple[bytes, str, int]]:
             reply = await self._rpc(contact, m.MsgType.FIND_NODE, {"target": target})
             return reply.body["nodes"]
 
-        return await self._iterate(target, query, settle=settle)
+        return await self._iterate(target, query, settle=settle, record=record)
 
     async def get(self, key: bytes, enough: Enough | None = None) -> list[Record]:
-        """Every live record under ``key`` that the k closest nodes hold (newest per subkey and owner).
+        """Every live record under ``key`` that its ``replicas`` closest nodes hold (newest per subkey and owner).
 
         With ``enough`` (see reads.py), the lookup ends as soon as the records read so far satisfy it;
-        without, every one of the k closest is read. A responder is read for at most MAX_READ records,
+        without, every one of the ``replicas`` closest is read. A responder is read for at most MAX_READ records,
         and no longer than the lookup runs: page fetches still going when it ends are cancelled. A
         responder that sends one record an honest node would not hold (a bad signature, another key,
         a slot taken from its node) is read no further."""
         found: list[Record] = list(self.core.store.get(key, trio.current_time()))
         verified = {signed_part(r) for r in found}  # records seen verified: a copy needs no second check
-        holders: list[frozenset[bytes]] = []  # per responder read in full: the signatures it sent
-        if self.core.table.closer_than_me(location(key), self.k) < self.k:
-            # this node is one of the k closest it knows: its own copies are a holder's, read in full already
+        holders: list[tuple[bytes, frozenset[bytes]]] = []  # per responder read in full: its id, what it sent
+        if self.core.holds_key(key):
+            # this node is one of the replicas closest it knows: its own copies are a holder's, read in full already
             # (in a swarm of a few peers an Agreed(3) read then waits for 2 answers of 3, not for the slowest:
             # under 10 % loss half of such reads waited a retransmission)
-            holders.append(frozenset(r.signature for r in found))
+            holders.append((self.node_id, frozenset(r.signature for r in found)))
         paging: list[trio.CancelScope] = []
         over = False
 
@@ -336,14 +342,18 @@ class DhtService:
                     ok, last = self._collect(key, records, found, verified, last, mine)
                     offset += len(records)
             if ok and offset >= body["total"] and not scope.cancelled_caught:  # read in full: a holder
-                holders.append(frozenset([*(r.signature for r in mine), *also]))
+                holders.append((contact.node_id, frozenset([*(r.signature for r in mine), *also])))
             return nodes
 
-        def satisfied() -> bool:
-            return enough is not None and enough.done(found, holders)
+        def satisfied(lookup: Lookup) -> bool:
+            if enough is None:
+                return False
+            near = lookup.closest_ids()
+            near.add(self.node_id)
+            return enough.done(found, near_holders(holders, near))
 
         try:
-            await self._iterate(location(key), query, satisfied if enough is not None else None)
+            await self._iterate(location(key), query, satisfied if enough is not None else None, record=True)
         finally:
             over = True
             for scope in paging:
@@ -366,7 +376,7 @@ class DhtService:
         return page.ok, page.last
 
     async def put(self, key: bytes, subkey: bytes, value: bytes, ttl: float) -> PutResult:
-        """Sign a record and store it on the k closest nodes (this one too, if it is among them)."""
+        """Sign a record and store it on the ``replicas`` closest nodes (this one too, if it is among them)."""
         if not slot_allows(subkey, self.endpoint.identity.public_key):
             raise ValueError(
                 "this subkey names another node (a subkey of 32 bytes, or of 64 lowercase hex digits, is a node "
@@ -375,9 +385,10 @@ class DhtService:
         now = trio.current_time()
         record = Record.create(self.endpoint.identity, key, subkey, value, ttl, wall=self._wall(), now=now)
         target = location(key)
-        # the k closest: from a recent lookup, or a lookup that stops once settled (STORE shows who is alive)
-        closest = self._recent_result(target) or await self.find_nodes(target, settle=True)
-        closest = closest[: self.k]
+        # the replicas closest: from a recent lookup, or a lookup that stops once settled (STORE shows who is
+        # alive)
+        closest = self._recent_replicas(target) or await self.find_nodes(target, settle=True, record=True)
+        closest = closest[: self.replicas]
         result = PutResult(0)
         if self.core.stores_here(target, closest):
             why = self.core.store.store(record, now)

@@ -4,7 +4,7 @@ Each node is the daemon's DHT with its trio shell replaced by callbacks on the n
 routing table (k-buckets, ping-before-add for request senders, least-recently-seen eviction), the lookup
 state machine (alpha at a time, widening, slow queries passed over after SLOW_QUERY_S), request handling
 and the record store with its limits (DhtCore), reads that check every record (reads.read_page) and
-stop early where asked, writes that store on the k closest, and the endpoint's request retransmission
+stop early where asked, writes that store on the r closest (``--replicas``), and the endpoint's request retransmission
 (first wait from the learned RTO, never above 0.5 s, doubling, given up after 3.5 s). Records are signed
 and checked with Ed25519 as in the daemon. What is not simulated, and says so in the output: datagrams
 are Python objects, not encoded or sealed (no AEAD, no msgpack; sizes play no part, links have no
@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..dht.core import FILL_ALPHA, DhtCore, Ping
+from ..dht.core import FILL_ALPHA, REPLICAS, DhtCore, Ping
 from ..dht.lookup import SLOW_QUERY_S, Lookup
-from ..dht.reads import Enough, Owners, read_page, signed_part
+from ..dht.reads import Enough, Owners, near_holders, read_page, signed_part
 from ..dht.records import Record, location, merge_newest
 from ..dht.routing import Contact
 from ..transport.rto import RtoEstimator
@@ -81,6 +81,7 @@ class Config:
     read: str = "full"
     refresh: float = 0.0
     join_refresh: bool = False
+    replicas: int = REPLICAS
 
 
 DEADLINE_S = RPC_TIMEOUT_S * (2**RPC_ATTEMPTS - 1)
@@ -121,7 +122,7 @@ class Node:
         host = f"10.{(index >> 16) & 255}.{(index >> 8) & 255}.{index & 255}"
         self.contact = Contact(node_id, host, PORT)
         self.addr = (host, PORT)
-        self.core = DhtCore(node_id, k=K)
+        self.core = DhtCore(node_id, k=K, replicas=sim.cfg.replicas)
         self.rto = RtoEstimator()
         self.pending: dict[int, _Rpc] = {}
         self.joined = False
@@ -225,26 +226,27 @@ class Node:
         """DhtService._rpc: an answer is heard (it may enter the table); no answer removes the contact."""
         self.request(contact, mtype, body, done, arg, table=True)
 
-    def find_nodes(self, target: bytes, done: Callable[[Walk, list[Contact]], None], *, settle: bool = False) -> Walk:
-        walk = Walk(self, target, FIND_NODE, target, done, settle=settle)
+    def find_nodes(self, target: bytes, done: Callable[[Walk, list[Contact]], None], *, settle: bool = False,
+                   record: bool = False) -> Walk:
+        walk = Walk(self, target, FIND_NODE, target, done, settle=settle, record=record)
         walk.start()
         return walk
 
     def get(self, key: bytes, done: Callable[[Walk, list[Record]], None], enough: Enough | None = None) -> Walk:
-        """DhtService.get: the records under ``key`` that the k closest hold (each page checked)."""
-        walk = Walk(self, location(key), FIND_VALUE, key, done, enough=enough)
+        """DhtService.get: the records under ``key`` that the replicas closest hold (each page checked)."""
+        walk = Walk(self, location(key), FIND_VALUE, key, done, enough=enough, record=True)
         walk.start()
         return walk
 
     def put(self, identity: Identity, key: bytes, subkey: bytes, value: bytes, ttl: float,
             done: Callable[[int], None]) -> None:
-        """DhtService.put: sign, find the k closest (settled, or a recent lookup's), STORE on each."""
+        """DhtService.put: sign, find the replicas closest (settled, or a recent lookup's), STORE on each."""
         now = self.net.now
         record = Record.create(identity, key, subkey, value, ttl, wall=WALL0 + now, now=now)
         target = location(key)
 
         def store(closest: list[Contact]) -> None:
-            closest = closest[:K]
+            closest = closest[: self.core.replicas]
             now = self.net.now
             stored = 0
             if self.core.stores_here(target, closest) and self.core.store.store(record, now) is None:
@@ -269,11 +271,11 @@ class Node:
             for contact in closest:
                 self.rpc(contact, STORE, wire, stored_on)
 
-        recent = self.core.recent.get(target, now, self.core.table, K)
+        recent = self.core.recent.get(target, now, self.core.table, self.core.replicas)
         if recent:
             store(recent)
         else:
-            self.find_nodes(target, lambda walk, closest: store(closest), settle=True)
+            self.find_nodes(target, lambda walk, closest: store(closest), settle=True, record=True)
 
     def join(self, bootstrap: Contact, done: Callable[[], None]) -> None:
         """DhtService.bootstrap: PING the bootstrap node until it answers, then look up our own id (and, with
@@ -351,7 +353,7 @@ class Walk:
                  "queries", "over", "found", "verified", "holders", "started")
 
     def __init__(self, node: Node, target: bytes, mtype: m.MsgType, body: bytes, done: Callable[..., None], *,
-                 settle: bool = False, enough: Enough | None = None, alpha: int = ALPHA) -> None:
+                 settle: bool = False, enough: Enough | None = None, alpha: int = ALPHA, record: bool = False) -> None:
         self.node = node
         self.mtype = mtype
         self.body = body
@@ -360,7 +362,7 @@ class Walk:
         self.enough = enough
         now = node.net.now
         self.lookup: Lookup = node.core.start_lookup(
-            target, now, alpha=alpha, early=enough is not None, settle=settle
+            target, now, alpha=alpha, early=enough is not None, settle=settle, record=record
         )
         self.slow: set[bytes] = set()
         self.depth: dict[bytes, int] = {}
@@ -370,13 +372,13 @@ class Walk:
         self.started = now
         self.found: list[Record] = []
         self.verified: set[tuple] = set()
-        self.holders: list[frozenset[bytes]] = []
+        self.holders: list[tuple[bytes, frozenset[bytes]]] = []
         if mtype is FIND_VALUE:
             self.found = list(node.core.store.get(body, now))
             self.verified = {signed_part(r) for r in self.found}
 
     def start(self) -> None:
-        if self.enough is not None and self.enough.done(self.found, self.holders):
+        if self.enough is not None and self.enough.done(self.found, self._near_holders()):
             self.finish()
             return
         self.pump()
@@ -422,7 +424,7 @@ class Walk:
             page = read_page(self.body, records, self.node.net.now, None, self.verified, self.node.core.verified)
             self.found.extend(page.records)
             if page.ok and len(records) >= total:  # read in full: a holder (keys here hold one record)
-                self.holders.append(frozenset(r.signature for r in page.records))
+                self.holders.append((node_id, frozenset(r.signature for r in page.records)))
         else:
             nodes = reply
         depth = self.depth
@@ -430,10 +432,13 @@ class Walk:
             if c.node_id not in depth:
                 depth[c.node_id] = hop + 1
         self.lookup.on_reply(node_id, nodes)
-        if self.enough is not None and self.enough.done(self.found, self.holders):
+        if self.enough is not None and self.enough.done(self.found, self._near_holders()):
             self.finish()
             return
         self.pump()
+
+    def _near_holders(self) -> list[frozenset[bytes]]:
+        return near_holders(self.holders, self.lookup.closest_ids())
 
     def finish(self) -> None:
         self.over = True
@@ -719,7 +724,7 @@ def add_arguments(sim: Any) -> None:
     p.add_argument("--jitter", type=_seconds(0.0), default=0.02,
                    help="extra delay drawn uniformly in [0, jitter) per datagram, which reorders (default: 0.02)")
     p.add_argument("--read", choices=("full", "early"), default="full",
-                   help="full: a read asks every one of the k closest (DhtService.get); early: it stops at the "
+                   help="full: a read asks every one of the replicas closest (DhtService.get); early: it stops at the "
                         "writer's record (get with reads.Owners) (default: full)")
     p.add_argument("--refresh", type=_seconds(0.0), default=0.0,
                    help="bucket refresh interval of every node, as the daemon's (60 s there); 0: no refresh "
@@ -727,6 +732,9 @@ def add_arguments(sim: Any) -> None:
     p.add_argument("--join-refresh", action="store_true",
                    help="a joining node also looks up a random id in every bucket, as the daemon's join does "
                         "(costly at 10,000 nodes; default: only the lookup of its own id)")
+    p.add_argument("--replicas", type=_int_at_least(1), default=REPLICAS,
+                   help=f"nodes closest to a key that store its records and that a full read asks, at most k = {K} "
+                        f"(default: {REPLICAS}, the daemon's)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
@@ -734,7 +742,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cfg = Config(
         peers=args.peers, churn=args.churn, loss=args.loss, lookups=args.lookups, seed=args.seed, keys=args.keys,
         duration=args.duration, ttl=args.ttl, latency=args.latency, jitter=args.jitter, read=args.read,
-        refresh=args.refresh, join_refresh=args.join_refresh,
+        refresh=args.refresh, join_refresh=args.join_refresh, replicas=args.replicas,
     )
     started = time.perf_counter()
     result = simulate(cfg, exiting=True)
