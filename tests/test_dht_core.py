@@ -1092,3 +1092,62 @@ def test_the_fast_contact_decoder_decodes_good_contacts_and_refuses_bad_ones() -
     for bad in ([*good[:5], [bytes(32), bytes(4), 1]], [*good, good[0]], [[bytes(32), bytes([127, 0, 0, 1]), 0]]):
         with pytest.raises(WireError):
             fast(bad)
+
+
+def _one_bucket(count: int) -> list[Contact]:
+    """``count`` contacts that all fall in OWN's farthest bucket (the top bit differs from OWN's)."""
+    rng = random.Random(9)
+    top = 1 << (ID_BITS - 1)
+    own = int.from_bytes(OWN, "big")
+    out = []
+    for i in range(count):
+        num = (own ^ top) & ~(top - 1) | rng.getrandbits(ID_BITS - 1)
+        out.append(Contact(as_id(num), "10.0.0.3", 7000 + i))
+    assert len({bucket_index(OWN, c.node_id) for c in out}) == 1
+    return out
+
+
+def test_a_full_bucket_pings_its_oldest_at_most_once_per_evict_check() -> None:
+    """Each newcomer heard by a full bucket asked for a PING of its oldest contact (once the last one ended):
+    at 64 daemons, one more daemon woken for about every third DHT request. Given the time, a bucket asks at most
+    once per EVICT_CHECK_S; without it (the old callers), as before."""
+    from peerd.dht.routing import EVICT_CHECK_S
+
+    table = RoutingTable(OWN, k=4)
+    first, *rest = _one_bucket(8)
+    for c in [first, *rest[:3]]:
+        assert table.observe(c, now=0.0) is None
+    assert table.observe(rest[3], now=1.0) == first  # full: ping the oldest
+    table.ping_result(first, True)
+    assert table.observe(rest[4], now=2.0) is None  # checked a second ago
+    assert table.observe(rest[5], now=1.0 + EVICT_CHECK_S - 0.01) is None
+    oldest = next(iter(table.buckets[bucket_index(OWN, first.node_id)].contacts.values()))
+    assert table.observe(rest[6], now=1.0 + EVICT_CHECK_S) == oldest
+    table.ping_result(oldest, False)  # it did not answer: the freshest replacement takes its place
+    assert rest[6].node_id in table and oldest.node_id not in table
+    untimed = RoutingTable(OWN, k=4)
+    for c in [first, *rest[:3]]:
+        untimed.observe(c)
+    assert untimed.observe(rest[3]) == first
+    untimed.ping_result(first, True)
+    assert untimed.observe(rest[4]) is not None
+
+
+def test_a_request_from_a_waiting_replacement_is_not_verified_again() -> None:
+    """A sender that answered before and waits as a replacement (its bucket is full) is heard, not PINGed to
+    verify it on every request; at another address it is verified again."""
+    core = DhtCore(OWN, k=4)
+    contacts = _one_bucket(6)
+    for c in contacts[:4]:
+        core.heard(c, 0.0)
+    newcomer = contacts[4]
+    ping = core.request_from(newcomer, 0.0)
+    assert ping is not None and ping.why == "verify"
+    evict = core.pinged(ping, newcomer, 0.0)  # it answered: a replacement, and the oldest is checked
+    assert evict is not None and evict.why == "evict"
+    core.pinged(evict, evict.contact, 0.0)
+    assert core.table.waiting(newcomer) and newcomer.node_id not in core.table
+    assert core.request_from(newcomer, 1.0) is None  # no verify PING, and no second evict PING yet
+    moved = Contact(newcomer.node_id, "10.0.0.9", 9999)
+    again = core.request_from(moved, 2.0)
+    assert again is not None and again.why == "verify"

@@ -101,30 +101,31 @@ class DhtCore:
         self._wire_version = -1
 
     # -- the routing table: who enters it ---------------------------------------------------------
-    def heard(self, contact: Contact) -> Ping | None:
+    def heard(self, contact: Contact, now: float | None = None) -> Ping | None:
         """``contact`` answered us (or is known and sent a request): note it. A full bucket asks for its
-        least-recently-seen contact to be PINGed (the Kademlia eviction rule)."""
-        oldest = self.table.observe(contact)
+        least-recently-seen contact to be PINGed (the Kademlia eviction rule; given ``now``, at most once per
+        routing.EVICT_CHECK_S per bucket)."""
+        oldest = self.table.observe(contact, now)
         return Ping(oldest, "evict") if oldest is not None else None
 
-    def request_from(self, contact: Contact) -> Ping | None:
-        """A request came from ``contact``. A sender already in the table is heard; any other enters it only
-        once it answers a PING of ours: ids are free to mint, and identities that send but never answer would
-        otherwise crowd the table and stall every lookup. At most VERIFY_MAX such PINGs at once."""
-        if contact.node_id in self.table.ids:
-            oldest = self.table.observe(contact)
-            return Ping(oldest, "evict") if oldest is not None else None
+    def request_from(self, contact: Contact, now: float | None = None) -> Ping | None:
+        """A request came from ``contact``. A sender already in the table, or waiting as a replacement at
+        this address (it answered before), is heard; any other enters it only once it answers a PING of ours:
+        ids are free to mint, and identities that send but never answer would otherwise crowd the table and
+        stall every lookup. At most VERIFY_MAX such PINGs at once."""
+        if contact.node_id in self.table.ids or self.table.waiting(contact):
+            return self.heard(contact, now)
         if contact.node_id in self.verifying or len(self.verifying) >= VERIFY_MAX:
             return None
         self.verifying.add(contact.node_id)
         return Ping(contact, "verify")
 
-    def pinged(self, ping: Ping, answer: Contact | None) -> Ping | None:
+    def pinged(self, ping: Ping, answer: Contact | None, now: float | None = None) -> Ping | None:
         """The outcome of a ``Ping``: ``answer`` is the contact that answered as ``ping.contact``'s node (its
         address as seen), or None (no answer, or another node answered)."""
         if ping.why == "verify":
             self.verifying.discard(ping.contact.node_id)
-            return self.heard(answer) if answer is not None else None
+            return self.heard(answer, now) if answer is not None else None
         self.table.ping_result(ping.contact, answer is not None)
         return None
 

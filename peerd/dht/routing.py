@@ -8,6 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 ID_BITS = 256
+# A full bucket PINGs its least-recently-seen contact when a newcomer is heard, at most once per this many seconds
+# (when told the time). Each request from a node that waits as a replacement heard it again; at 64 daemons, where
+# buckets overflow, that was one more PING (a third daemon woken) for about every third DHT request. A dead
+# contact still leaves at once when a request to it fails (DhtService._forget).
+EVICT_CHECK_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,13 +43,14 @@ class Bucket:
     """``contacts`` is changed only through the table, which drops ``_view`` whenever the set of contacts (not
     their order) changes: ``closest`` reads the view, a tuple, instead of walking the OrderedDict per call."""
 
-    __slots__ = ("contacts", "replacements", "touched", "pinging", "_view")
+    __slots__ = ("contacts", "replacements", "touched", "pinging", "checked", "_view")
 
     def __init__(self) -> None:
         self.contacts: OrderedDict[bytes, Contact] = OrderedDict()  # least recently seen first
         self.replacements: OrderedDict[bytes, Contact] = OrderedDict()
         self.touched = 0.0  # last time a lookup targeted this bucket's range
         self.pinging: bytes | None = None
+        self.checked = -float("inf")  # when the last PING of the oldest contact began
         self._view: tuple[Contact, ...] | None = None
 
     def view(self) -> tuple[Contact, ...]:
@@ -121,11 +127,12 @@ class RoutingTable:
     def _bucket(self, node_id: bytes) -> Bucket:
         return self.buckets[self._index(node_id)]
 
-    def observe(self, contact: Contact) -> Contact | None:
+    def observe(self, contact: Contact, now: float | None = None) -> Contact | None:
         """Note that ``contact`` was heard from.
 
         Returns the bucket's least-recently-seen contact when the bucket is full: the caller pings
-        it and reports through ``ping_result``; meanwhile the newcomer waits as a replacement.
+        it and reports through ``ping_result``; meanwhile the newcomer waits as a replacement. Given
+        ``now``, a bucket asks for such a PING at most once per EVICT_CHECK_S.
         """
         if contact.node_id == self.node_id:
             return None
@@ -154,11 +161,17 @@ class RoutingTable:
         bucket.replacements.move_to_end(contact.node_id)
         while len(bucket.replacements) > self.k:
             bucket.replacements.popitem(last=False)
-        if bucket.pinging is not None:
+        if bucket.pinging is not None or (now is not None and now - bucket.checked < EVICT_CHECK_S):
             return None
         oldest = next(iter(bucket.contacts.values()))
         bucket.pinging = oldest.node_id
+        if now is not None:
+            bucket.checked = now
         return oldest
+
+    def waiting(self, contact: Contact) -> bool:
+        """Whether ``contact`` (this id at this address) waits as a replacement: it was heard from there."""
+        return self._bucket(contact.node_id).replacements.get(contact.node_id) == contact
 
     def ping_result(self, contact: Contact, alive: bool) -> None:
         bucket = self._bucket(contact.node_id)

@@ -146,7 +146,7 @@ class DhtService:
         if self._nursery is None:  # not running yet: nobody to PING with
             self._heard(peer)
         else:
-            self._act(self.core.request_from(_contact(peer)))
+            self._act(self.core.request_from(_contact(peer), trio.current_time()))
         return self.core.handle(incoming.mtype, incoming.body, trio.current_time())
 
     def _act(self, ping: Ping | None) -> None:
@@ -176,7 +176,7 @@ class DhtService:
         except Exception as e:  # background work never takes the daemon down
             log.warning("checking DHT contact %s failed: %s", contact.node_id.hex()[:12], e)
             self.metrics.background_errors.labels("dht_verify").inc()
-        self._act(self.core.pinged(ping, answer))
+        self._act(self.core.pinged(ping, answer, trio.current_time()))
         self.metrics.dht_peers.set(len(self.core.table))
 
     def _heard(self, peer: Peer, reached: Address | None = None) -> None:
@@ -184,7 +184,7 @@ class DhtService:
         to and got the answer from: that is the address the table keeps, never one the peer merely announces
         (PROTOCOL.md 18: no node puts an address it has not reached into a routing table)."""
         contact = _contact(peer) if reached is None else Contact(peer.node_id, reached[0], reached[1])
-        self._act(self.core.heard(contact))
+        self._act(self.core.heard(contact, trio.current_time()))
         self.metrics.dht_peers.set(len(self.core.table))
 
     def _forget(self, node_id: bytes) -> None:
@@ -390,7 +390,8 @@ class DhtService:
         closest = self._recent_replicas(target) or await self.find_nodes(target, settle=True, record=True)
         closest = closest[: self.replicas]
         result = PutResult(0)
-        if self.core.stores_here(target, closest):
+        if self.core.stores_here(target, closest):  # this node is one of the replicas: r - 1 others
+            closest = closest[: self.replicas - 1]
             why = self.core.store.store(record, now)
             self._tally(result, why)
 

@@ -178,7 +178,7 @@ class Node:
     def receive(self, src: Any, payload: tuple) -> None:
         if payload[0]:
             _, rid, mtype, body, sender = payload
-            ping = self.core.request_from(sender)
+            ping = self.core.request_from(sender, self.net.now)
             if ping is not None:
                 self.act(ping)
             now = self.net.now
@@ -199,7 +199,7 @@ class Node:
         if rpc.first:  # Karn's rule: only an unambiguous round trip is a sample
             self.rto.sample(src, self.net.now - rpc.sent_at)
         if rpc.table:
-            ping = self.core.heard(sender)
+            ping = self.core.heard(sender, self.net.now)
             if ping is not None:
                 self.act(ping)
         rpc.done(rpc, reply, sender)
@@ -217,10 +217,10 @@ class Node:
     def _verified(self, rpc: _Rpc, reply: Any, sender: Contact | None) -> None:
         ping = rpc.arg
         ok = sender is not None and sender.node_id == ping.contact.node_id
-        self.act(self.core.pinged(ping, sender if ok else None))
+        self.act(self.core.pinged(ping, sender if ok else None, self.net.now))
 
     def _checked(self, rpc: _Rpc, reply: Any, sender: Contact | None) -> None:
-        self.act(self.core.pinged(rpc.arg, sender))
+        self.act(self.core.pinged(rpc.arg, sender, self.net.now))
 
     def rpc(self, contact: Contact, mtype: m.MsgType, body: Any, done: Done, arg: Any = None) -> None:
         """DhtService._rpc: an answer is heard (it may enter the table); no answer removes the contact."""
@@ -249,8 +249,9 @@ class Node:
             closest = closest[: self.core.replicas]
             now = self.net.now
             stored = 0
-            if self.core.stores_here(target, closest) and self.core.store.store(record, now) is None:
-                stored += 1
+            if self.core.stores_here(target, closest):  # one of the replicas itself: r - 1 others
+                closest = closest[: self.core.replicas - 1]
+                stored += self.core.store.store(record, now) is None
             if not closest:
                 done(stored)
                 return
@@ -284,7 +285,7 @@ class Node:
             if sender is None:
                 self.net.call_later(BOOTSTRAP_RETRY_S, self.join, bootstrap, done, owner=self.addr)
                 return
-            self.act(self.core.heard(sender))
+            self.act(self.core.heard(sender, self.net.now))
             self.find_nodes(self.core.node_id, lambda walk, found: looked_up())
 
         def looked_up() -> None:
