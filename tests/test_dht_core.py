@@ -1151,3 +1151,15 @@ def test_a_request_from_a_waiting_replacement_is_not_verified_again() -> None:
     moved = Contact(newcomer.node_id, "10.0.0.9", 9999)
     again = core.request_from(moved, 2.0)
     assert again is not None and again.why == "verify"
+
+
+def test_a_record_lookup_looks_for_the_replicas_and_only_the_others_when_this_node_is_one() -> None:
+    core = DhtCore(OWN, k=20, replicas=5)
+    rng = random.Random(4)
+    for i in range(40):
+        core.heard(Contact(as_id(rng.getrandbits(256)), "10.0.0.4", 7000 + i))
+    assert core.start_lookup(as_id(rng.getrandbits(256)), 0.0, alpha=3).k == 20
+    far = as_id(int.from_bytes(OWN, "big") ^ (1 << (ID_BITS - 1)))  # every contact in that half is closer
+    assert core.table.closer_than_me(far, 5) == 5
+    assert core.start_lookup(far, 0.0, alpha=3, record=True).k == 5
+    assert core.start_lookup(OWN, 0.0, alpha=3, record=True).k == 4  # its own id: this node is the closest

@@ -201,7 +201,8 @@ def test_agreed_reads_ask_fewer_nodes_and_return_what_a_full_read_does() -> None
             asked_early = rpc_count(reader, "find_value") - before
             assert len(full) == 8
             assert [(r.subkey, r.value) for r in early] == [(r.subkey, r.value) for r in full]
-            assert asked_full >= reader.dht.replicas and asked_early < asked_full, (asked_full, asked_early)
+            # every holder is asked (the r - 1 others when the reader is one of them)
+            assert asked_full >= reader.dht.replicas - 1 and asked_early < asked_full, (asked_full, asked_early)
             # a key nobody wrote: three empty holders say so
             before = rpc_count(reader, "find_value")
             assert await reader.dht.get(b"nobody", enough=Agreed(3)) == []

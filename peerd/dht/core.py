@@ -137,7 +137,8 @@ class DhtCore:
     def start_lookup(self, target: bytes, now: float, *, alpha: int, early: bool = False,
                      settle: bool = False, record: bool = False) -> Lookup:
         """A lookup for ``target``, seeded from the table (and a recent lookup's result for the same target).
-        It finds the k closest, or with ``record`` (a read's or a writer's) the ``replicas`` closest.
+        It finds the k closest, or with ``record`` (a read's or a writer's) the ``replicas`` closest: the r - 1
+        others where this node is one of them.
 
         Only a lookup that must hear from all k closest (neither ``early``, a read that may end once its
         records suffice, nor ``settle``, a writer's) asks them all at once: from a recent result, with
@@ -145,7 +146,10 @@ class DhtCore:
         round trip instead of two in a small swarm), or once an answer brings nothing closer. The others go
         alpha at a time, so that they end before the rest are asked."""
         self.table.touch(target, now)
-        k = self.replicas if record else self.k
+        k = self.k
+        if record:  # the replicas; when this node is one of them (as far as it knows), the r - 1 others
+            r = self.replicas
+            k = max(1, r - 1) if self.table.closer_than_me(target, r) < r else r
         recent = self.recent.get(target, now, self.table, k)
         seeds = self.table.closest(target, ordered=False)  # Lookup ranks what it is given
         full = not early and not settle
