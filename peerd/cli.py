@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-group", type=int, default=16, metavar="N",
                    help="Moshpit groups of at most N members (2..64; default 16): a larger swarm averages over a "
                         "grid of such groups in several rounds (a run's published grid wins)")
+    p.add_argument("--dht-replicas", type=int, default=None, metavar="R",
+                   help="DHT records this node writes go to the R nodes closest to the key, and its full reads ask "
+                        "them (1..20; default 5). More survive heavier churn between refreshes; each costs every put "
+                        "and full read one more RPC. Nodes may differ: a reader asking fewer than a writer stored on "
+                        "still reads the closest copies")
     # testing only (hidden): this daemon corrupts its own reduce-scatter contributions, to test robust averaging
     p.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random"],
                    help=argparse.SUPPRESS)
@@ -357,6 +362,8 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--mtu must be between 576 and 65507 bytes")
     if not 2 <= args.max_group <= 64:
         parser.error("--max-group must be between 2 and 64 members")
+    if args.dht_replicas is not None and not 1 <= args.dht_replicas <= 20:
+        parser.error("--dht-replicas must be between 1 and 20 (the DHT's bucket size k)")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     _log_format(args.listen[1] or "?")  # port 0: the bound port, once known
     if not 0.0 <= args.loss < 1.0:
@@ -374,6 +381,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         mtu=args.mtu,
         no_gso=args.no_gso,
         max_group=args.max_group,
+        **({} if args.dht_replicas is None else {"dht_replicas": args.dht_replicas}),
         loss=args.loss,
         loss_seed=args.loss_seed,
         relay=not args.no_relay,

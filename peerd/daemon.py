@@ -21,6 +21,7 @@ from .addresses import family_of, format_hostport, peer_address, resolve_ip
 from .allreduce.bench_ops import BenchOps
 from .allreduce.service import AllreduceService
 from .dht import BootstrapError, DhtService
+from .dht.core import REPLICAS
 from .dht.reads import Agreed, AnyOf, Enough, Owners
 from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
@@ -63,6 +64,7 @@ class DaemonConfig:
     loss_seed: int | None = None
     relay: bool = True  # relay for NATed peers when this node is public (PROTOCOL.md 18.4)
     max_group: int = MAX_GROUP_DEFAULT  # Moshpit groups of at most this many (a run's grid: Grid.for_swarm)
+    dht_replicas: int = REPLICAS  # nodes closest to a key that this node's puts store on and full reads ask
     byzantine: str | None = None  # testing only: corrupt this node's own contributions (see BYZANTINE_MODES)
 
 
@@ -160,7 +162,7 @@ class Daemon:
             )
         except ValueError as e:
             raise StartupError(f"--announce: {e}") from None
-        self.dht = DhtService(self.endpoint, self.metrics)
+        self.dht = DhtService(self.endpoint, self.metrics, replicas=config.dht_replicas)
         # NAT traversal (PROTOCOL.md section 18): reachability, punching through introducers, relaying
         self.nat = NatService(self.endpoint, self.metrics, relay=config.relay, contact_of=self._dht_contact,
                               on_verdict=self._on_reachability)

@@ -222,3 +222,15 @@ def test_byzantine_and_robust_arguments_are_checked(args: list[str], needle: str
 def test_link_model_and_baseline_arguments_are_checked(args: list[str], needle: str) -> None:
     proc = peerd(*args, check=False)
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_dht_replicas_is_checked_and_its_help_names_the_default() -> None:
+    from peerd.cli import build_parser
+    from peerd.dht.core import REPLICAS
+
+    sub = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert f"default {REPLICAS})" in " ".join(sub["join"].format_help().split())
+    assert build_parser().parse_args(["join", "--dht-replicas", "8"]).dht_replicas == 8
+    for bad in ("0", "21"):
+        proc = peerd("join", "--insecure", "--dht-replicas", bad, check=False)
+        assert proc.returncode == 2 and "--dht-replicas must be between 1 and 20" in proc.stderr, proc.stderr
