@@ -255,7 +255,7 @@ def test_get_reads_a_hostile_responder_for_max_read_records_and_no_longer() -> N
         net = MemNet(seed=21)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = await start_swarm(nursery, net, 6)
+            nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
             asked = serve_hostile_values(nodes[5], lambda b: (
                 [attacker_record(b["key"], b["offset"] + i) for i in range(m.MAX_RECORDS)], 65535))
             await nodes[1].dht.put(b"big", b"honest", b"1", ttl=600)
@@ -282,7 +282,7 @@ def test_readers_ignore_forged_slots_and_stop_reading_that_responder() -> None:
         net = MemNet(seed=22)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = await start_swarm(nursery, net, 6)
+            nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
             victim = nodes[2].identity.node_id
             forged = [make(MALLORY, b"run/progress", victim, ttl=600.0)]
             forged += [attacker_record(b"run/progress", i) for i in range(m.MAX_RECORDS - 1)]
@@ -302,7 +302,7 @@ def test_a_member_cannot_squat_another_nodes_subkey() -> None:
         net = MemNet(seed=23)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = await start_swarm(nursery, net, 6)
+            nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
             victim, mallory = nodes[2], nodes[4]
             slot = victim.identity.node_id.hex().encode()
             with pytest.raises(ValueError, match="names another node"):
@@ -331,7 +331,7 @@ def test_honest_keys_of_many_subkeys_are_read_in_full() -> None:
         net = MemNet(seed=24, drop=0.05, jitter=0.01)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = await start_swarm(nursery, net, 6)
+            nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
             writers = [Identity.from_seed(bytes([i + 10]) * 32) for i in range(40)]
             now = trio.current_time()
             records = [Record.create(w, b"run/progress", w.node_id, b"%d" % i, 600.0, wall=time.time(), now=now)
@@ -351,7 +351,7 @@ def test_a_key_written_to_between_pages_is_still_read_in_full() -> None:
         net = MemNet(seed=25)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = await start_swarm(nursery, net, 6)
+            nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
             holder = nodes[5]
             now = trio.current_time()
             writers = [Identity.from_seed(bytes([i + 10]) * 32) for i in range(30)]

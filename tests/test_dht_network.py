@@ -25,13 +25,14 @@ def counter_value(counter, **labels) -> float:
 
 
 class SimNode:
-    def __init__(self, net: MemNet, index: int, secret: bytes | None = SECRET) -> None:
+    def __init__(self, net: MemNet, index: int, secret: bytes | None = SECRET, *, replicas: int | None = None) -> None:
         self.addr = ("127.0.0.1", 20000 + index)
         self.sock = net.socket(*self.addr)
         self.metrics = Metrics()
         self.identity = Identity.generate()
         self.endpoint = Endpoint(self.sock, self.identity, secret, self.metrics)
-        self.dht = DhtService(self.endpoint, self.metrics, rng=random.Random(index), refresh_interval=30.0)
+        self.dht = DhtService(self.endpoint, self.metrics, rng=random.Random(index), refresh_interval=30.0,
+                              **({} if replicas is None else {"replicas": replicas}))
         self.scope = trio.CancelScope()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -46,8 +47,10 @@ class SimNode:
         self.scope.cancel()
 
 
-async def start_swarm(nursery: trio.Nursery, net: MemNet, count: int) -> list[SimNode]:
-    nodes = [SimNode(net, i) for i in range(count)]
+async def start_swarm(nursery: trio.Nursery, net: MemNet, count: int, *, replicas: int | None = None) -> list[SimNode]:
+    """``count`` nodes bootstrapped from the first. Node ids are random: which nodes hold a key differs per run,
+    unless ``replicas`` is the swarm's size (every node then holds every key)."""
+    nodes = [SimNode(net, i, replicas=replicas) for i in range(count)]
     for node in nodes:
         await nursery.start(node.run)
     nodes[0].dht.bootstrapped.set()

@@ -146,10 +146,7 @@ class DhtCore:
         round trip instead of two in a small swarm), or once an answer brings nothing closer. The others go
         alpha at a time, so that they end before the rest are asked."""
         self.table.touch(target, now)
-        k = self.k
-        if record:  # the replicas; when this node is one of them (as far as it knows), the r - 1 others
-            r = self.replicas
-            k = max(1, r - 1) if self.table.closer_than_me(target, r) < r else r
+        k = self.record_width(target) if record else self.k
         recent = self.recent.get(target, now, self.table, k)
         seeds = self.table.closest(target, ordered=False)  # Lookup ranks what it is given
         full = not early and not settle
@@ -178,6 +175,12 @@ class DhtCore:
         """Whether bucket ``index`` holds ``want`` contacts (or is full): its fill lookup may stop."""
         bucket = self.table.buckets.made.get(index)
         return bucket is not None and len(bucket.contacts) >= min(want, self.k)
+
+    def record_width(self, target: bytes) -> int:
+        """How many nodes a record lookup for ``target`` looks for: the replicas, or where this node is one of
+        them (as far as it knows) the r - 1 others."""
+        r = self.replicas
+        return max(1, r - 1) if self.table.closer_than_me(target, r) < r else r
 
     def stores_here(self, target: bytes, closest: list[Contact]) -> bool:
         """Whether a writer keeps its own record too: it is one of the ``replicas`` closest to ``target`` it

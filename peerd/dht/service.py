@@ -206,8 +206,9 @@ class DhtService:
 
     # -- lookups --------------------------------------------------------------------------------
     def _recent_replicas(self, target: bytes) -> list[Contact] | None:
-        """The ``replicas`` closest a lookup for ``target`` found within RECENT_S, less those that failed since."""
-        return self.core.recent.get(target, trio.current_time(), self.core.table, self.replicas)
+        """The replicas (``DhtCore.record_width``) a lookup for ``target`` found within RECENT_S, less those that
+        failed since."""
+        return self.core.recent.get(target, trio.current_time(), self.core.table, self.core.record_width(target))
 
     async def _iterate(
         self, target: bytes, query: Query, enough: Callable[[Lookup], bool] | None = None, *, settle: bool = False,

@@ -272,7 +272,7 @@ class Node:
             for contact in closest:
                 self.rpc(contact, STORE, wire, stored_on)
 
-        recent = self.core.recent.get(target, now, self.core.table, self.core.replicas)
+        recent = self.core.recent.get(target, now, self.core.table, self.core.record_width(target))
         if recent:
             store(recent)
         else:
