@@ -34,4 +34,10 @@ PyObject *replay_accept(PyObject *module, PyObject *args);
 extern const char accumulate_rows_doc[];
 PyObject *accumulate_rows(PyObject *module, PyObject *args);
 
+/* send.c: a paced part's rows onto the wire (sendmmsg, GSO) */
+#ifdef __linux__
+extern const char send_rows_doc[];
+PyObject *send_rows(PyObject *module, PyObject *args);
+#endif
+
 #endif

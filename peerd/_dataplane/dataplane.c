@@ -1823,6 +1823,7 @@ static PyMethodDef module_methods[] = {
     {"half_decode", half_decode, METH_VARARGS, half_decode_doc},
 #ifdef __linux__
     {"recv_batch", recv_batch, METH_VARARGS, recv_batch_doc},
+    {"send_rows", send_rows, METH_VARARGS, send_rows_doc},
 #endif
     {NULL, NULL, 0, NULL},
 };

@@ -104,6 +104,8 @@ def install_profiler(sock: UdpSocket) -> StageClock:
                 setattr(cls, method, _CLOCK.wrap(name, fn))
     if not isinstance(sock.sock, _TimedSocket):
         sock.sock = _TimedSocket(sock.sock, _CLOCK)  # type: ignore[assignment]
+        if sock._native_send is not None:  # the C send of a part: its syscalls, as the Python loop's sendmsg
+            sock._native_send = _CLOCK.wrap("send_syscall", sock._native_send)
     return _CLOCK
 
 

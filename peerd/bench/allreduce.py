@@ -250,6 +250,18 @@ def _exact_mean(seeds: list[int], weights: list[float], size: int) -> np.ndarray
     return acc
 
 
+def _per_average(runs: list[dict[str, Any]], peers: int) -> dict[str, list[float]]:
+    """Per average (``peers`` replies each, in order): the pacer's end rate (MB/s, median over peers) and the
+    means over peers of its phases' seconds, sendmsg calls and receive passes."""
+    averages = [runs[i:i + peers] for i in range(0, len(runs), peers)]
+    out: dict[str, list[float]] = {
+        "pacer_rate_mb_s": [round(statistics.median(r.get("pacer_rate", 0.0) for r in a) / 1e6, 3)
+                            for a in averages]}
+    for key in ("rs_s", "ag_s", "send_calls", "receive_passes"):
+        out[key] = [round(statistics.mean(r.get(key) or 0.0 for r in a), 4) for a in averages]
+    return out
+
+
 def _arc_phase_s(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """arc-topk's three phases over every member and repeat: median and max seconds, and the handshake's median."""
     out: dict[str, dict[str, float]] = {}
@@ -414,6 +426,9 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             # the daemons' first touch of the stage and result memory, which later averages reuse
             "cpu_s_per_peer_all": [round(statistics.mean(rep.get("cpu_s", 0.0) for rep in runs[i:i + cfg.peers]), 6)
                                    for i in range(0, len(runs), cfg.peers)],
+            # ... and, per average in the same order, what tells a startup's cost from steady state's: the pacer's
+            # rate at its end (MB/s, median over peers), each phase's seconds, sends and receive wake-ups
+            "per_average": _per_average(runs, cfg.peers),
             # ... and the kernel's part of it (syscalls: the copies into and out of the socket, loopback delivery)
             "sys_s_per_peer": statistics.mean(rep.get("sys_s", 0.0) for rep in runs),
             # Minor page faults and involuntary context switches per daemon per average: on a shared machine the

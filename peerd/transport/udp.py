@@ -93,6 +93,11 @@ Address = tuple[str, int]
 # PEERD_NATIVE_RECV=0 (the receive pass alone, for A/B measurements) run the Python loop, the reference.
 NATIVE_RECV = (getattr(native, "recv_batch", None)
                if sys.platform.startswith("linux") and os.environ.get("PEERD_NATIVE_RECV", "1") != "0" else None)
+# The C send of a paced part (send.c send_rows: its GSO messages by sendmmsg, the GIL released); PEERD_NATIVE_SEND=0
+# runs the Python loop (send_block's reference: one sendmsg per GSO message), for A/B measurements.
+NATIVE_SEND = (getattr(native, "send_rows", None)
+               if sys.platform.startswith("linux") and os.environ.get("PEERD_NATIVE_SEND", "1") != "0" else None)
+MAX_SOCKADDRS = 1024  # packed destination addresses kept for the native send (a group has a handful)
 
 
 @dataclass
@@ -120,13 +125,16 @@ def _set_buffer(sock: socket.socket, force_opt: int, opt: int, size: int) -> int
 class UdpSocket:
     def __init__(self, sock: socket.socket, *, gso: bool = True, buffer_bytes: int = WANT_BUFFER,
                  arena_bytes: int = ARENA_BYTES, native_receive: bool | None = None,
-                 overload_bytes: int | None = OVERLOAD_AUTO) -> None:
+                 overload_bytes: int | None = OVERLOAD_AUTO, native_send: bool | None = None) -> None:
         """``native_receive``: take receive passes with the C extension's recv_batch (None: where it is loaded;
-        True: required, ValueError without it; False: the Python loop). ``overload_bytes``: the kernel queue
+        True: required, ValueError without it; False: the Python loop); ``native_send`` likewise for send_block's
+        parts (send_rows). ``overload_bytes``: the kernel queue
         depth past which a screened pass sheds (OVERLOAD_AUTO: near the kernel's limit, see OVERLOAD_FRACTION;
         None: never)."""
         if native_receive and NATIVE_RECV is None:
             raise ValueError("native_receive: the native extension's recv_batch is not loaded")
+        if native_send and NATIVE_SEND is None:
+            raise ValueError("native_send: the native extension's send_rows is not loaded")
         if arena_bytes < RECV_BUFFER:
             raise ValueError(f"arena_bytes must be at least {RECV_BUFFER}")
         self.sock = sock
@@ -169,6 +177,8 @@ class UdpSocket:
                                rcvbuf=self.rcvbuf, sndbuf=self.sndbuf,
                                gso_segments=GSO_MAX_SEGMENTS if has_gso else 1)
         self._native_recv = NATIVE_RECV if native_receive is None or native_receive else None
+        self._native_send = NATIVE_SEND if native_send is None or native_send else None
+        self._sockaddrs: dict[Address, bytes | None] = {}
         self._arena = bytearray(arena_bytes)
         self._view = memoryview(self._arena)
         self._used = 0
@@ -445,12 +455,67 @@ class UdpSocket:
                 await self.sendto(row, addr)
             return
         limit = min(GSO_MAX_SEGMENTS, max(1, GSO_MAX_BYTES // size))
+        if (self._native_send is not None and datagrams.dtype == np.uint8 and datagrams.strides[1] == 1
+                and datagrams.strides[0] >= size):
+            sockaddr = self._sockaddr(addr)
+            if sockaddr is not None:
+                await self._send_rows(datagrams, limit, sockaddr, addr)
+                return
         for i in range(0, rows, limit):
             run = datagrams[i : i + limit]
             if len(run) == 1:
                 await self.sendto(run[0], addr)
             else:
                 await self._send_gso(run, size, run, addr)
+
+    async def _send_rows(self, datagrams: np.ndarray, limit: int, sockaddr: bytes, addr: Address) -> None:
+        """send_block's rows by the C send (runs of ``limit`` rows per GSO message, many messages a syscall): the
+        same datagrams in the same order as the loop, with the same handling of a full socket and of a path
+        without GSO."""
+        rows, size = datagrams.shape
+        stride = datagrams.strides[0]
+        done = 0
+        while done < rows:
+            n, calls, err = self._native_send(self.sock.fileno(), datagrams, done * stride, stride, rows - done,
+                                              size, limit, sockaddr, True)
+            self.sent += n
+            self.send_calls += calls
+            done += n
+            if not err:
+                return
+            if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                await trio.lowlevel.wait_writable(self.sock)
+            elif err in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT):  # no GSO on this path/NIC
+                log.warning("UDP GSO failed (%s); using one syscall per datagram", os.strerror(err))
+                self.caps.lose_gso()
+                for row in datagrams[done:]:
+                    await self.sendto(row, addr)
+                return
+            else:
+                raise OSError(err, os.strerror(err))
+
+    def _sockaddr(self, addr: Address) -> bytes | None:
+        """``addr`` as the packed struct sockaddr the C send takes, for this socket's family; None where only the
+        socket module can send there (a scoped IPv6 address, a name): the Python loop then does."""
+        packed = self._sockaddrs.get(addr, b"")
+        if packed != b"":
+            return packed
+        host, port = addr[0], addr[1]
+        try:
+            if self.family == socket.AF_INET:
+                packed = (U16.pack(socket.AF_INET) + struct.pack("!H", port) + socket.inet_pton(socket.AF_INET, host)
+                          + bytes(8))
+            elif self.family == socket.AF_INET6 and "%" not in host:
+                packed = (U16.pack(socket.AF_INET6) + struct.pack("!HI", port, 0)
+                          + socket.inet_pton(socket.AF_INET6, host) + U32.pack(0))
+            else:
+                packed = None
+        except (OSError, ValueError, TypeError, struct.error):
+            packed = None
+        if len(self._sockaddrs) >= MAX_SOCKADDRS:
+            self._sockaddrs.clear()
+        self._sockaddrs[addr] = packed
+        return packed
 
     async def _send_segments(self, run: list[bytes], size: int, addr: Address) -> None:
         if len(run) == 1:

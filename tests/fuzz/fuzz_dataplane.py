@@ -3,6 +3,7 @@
 Run by tests/fuzz/run.sh, which builds an ASan copy of the extension into a temp dir and preloads gcc's libasan
 (``PEERD_ASAN_NATIVE`` is that copy's path). Each input picks an entry point (Aead(), seal_block, open_block,
 frame_block, seal_split, frame_split, place_rows, first_nonfinite, accumulate_rows, recv_batch over a loopback socket,
+send_rows to it,
 with its junk screen and a Ration table; Ration's methods) and arguments: buffers of exact
 sizes (ctypes arrays, malloc'd apart under PYTHONMALLOC=malloc, so a byte read or written past one is an ASan
 report), offsets, strides, counts and lengths that are right, nearly
@@ -32,7 +33,7 @@ HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
 ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration",
            "seal_split", "recv_batch interleaved", "quant_encode", "quant_decode",
-           "half_encode", "half_decode", "replay_check", "replay_accept", "accumulate_rows")
+           "half_encode", "half_decode", "replay_check", "replay_accept", "accumulate_rows", "send_rows")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -134,6 +135,9 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
         return
     if which == 16:
         accumulate(fdp)
+        return
+    if which == 17:
+        send_rows(fdp)
         return
     if which >= 4:
         rows_only(fdp, which)
@@ -715,6 +719,47 @@ def accumulate(fdp: atheris.FuzzedDataProvider) -> None:
     for k, st in zip(ks, status, strict=True):
         if st not in (0, 1, 2) or (st == 0 and filled[k] != b"\x01"):
             raise AssertionError(f"accumulate_rows: status {st} for range {k}, filled {filled[k]!r}")
+
+
+def send_rows(fdp: atheris.FuzzedDataProvider) -> None:
+    """send_rows from the loopback pair's sender to its receiver: rows, counts, sizes, GSO runs and the packed
+    address right or wild. Where all is right, the receiver gets exactly the rows, in order; the receiver is
+    drained either way (the receive entries expect only their own traffic)."""
+    tx, rx = _sockets()
+    rows = fdp.ConsumeIntInRange(0, 80)
+    size = fdp.ConsumeIntInRange(1, 1300) if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 70000)
+    s_off, s_stride, s_size = layout(fdp, rows, size)
+    src = buffer(fdp, min(s_size, 4 << 20))
+    segment = number(fdp, fdp.ConsumeIntInRange(1, max(1, min(64, 65000 // max(1, size)))))
+    host, port = rx.getsockname()
+    right_addr = struct.pack("=H", socket.AF_INET) + struct.pack("!H", port) + socket.inet_aton(host) + bytes(8)
+    kind = fdp.ConsumeIntInRange(0, 15)
+    addr = (right_addr if kind < 12 else right_addr[: fdp.ConsumeIntInRange(0, 15)] if kind == 12
+            else struct.pack("=H", socket.AF_INET6) + bytes(26) if kind == 13 else fdp.ConsumeBytes(28))
+    gso = fdp.ConsumeIntInRange(0, 3) != 0
+    n_rows = number(fdp, rows)
+    fd = tx.fileno() if fdp.ConsumeIntInRange(0, 15) else number(fdp, -1)
+    right = (addr == right_addr and n_rows == rows and fd == tx.fileno() and s_off >= 0 and s_stride >= size
+             and s_off + max(0, rows - 1) * s_stride + size <= len(src) and 1 <= segment <= 64
+             and segment * size <= 65507 and size <= 65507)
+    try:
+        sent, calls, err = native.send_rows(fd, src, s_off, s_stride, n_rows, size, segment, addr, gso)
+        if not (0 <= sent <= max(0, n_rows) and calls >= 0 and err >= 0):
+            raise AssertionError(f"send_rows returned {(sent, calls, err)} for {n_rows} rows")
+        if right and (sent, err) != (rows, 0):
+            raise AssertionError(f"send_rows sent {sent} of {rows} rows (errno {err}) on an idle loopback socket")
+    finally:
+        got = bytearray()
+        try:
+            while True:
+                got += rx.recv(1 << 16)
+        except BlockingIOError:
+            pass
+    if right:
+        want = b"".join(bytes(src[s_off + i * s_stride : s_off + i * s_stride + size]) for i in range(rows))
+        if bytes(got) != want:
+            raise AssertionError("send_rows: the receiver did not get the rows sent, in order")
+        seen["send_rows compared"] += 1
 
 
 def main() -> None:
