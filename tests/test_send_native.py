@@ -1,10 +1,7 @@
 """The C send of a paced part (send.c send_rows) against UdpSocket.send_block's Python loop, the reference: the
 same datagrams in the same order on real loopback, a full socket and a path without GSO handled the same way, and
-every bound checked.
-
-The per-call cost it removes (a loop of sendmsg from Python, ~2.5 us of interpreter per GSO message beside the
-syscall's ~7.5 us) is the command ``python -c "..."`` in this session's note: measure a part with
-``peerd bench allreduce --peers 4 --size 25000000 --profile`` (``send_syscall`` and ``send_calls_per_peer``)."""
+every bound checked. (What it saves shows in ``peerd bench allreduce --profile``: ``send_calls_per_peer`` and
+``send_syscall``; PEERD_NATIVE_SEND=0 runs the Python loop for an A/B.)"""
 
 from __future__ import annotations
 
