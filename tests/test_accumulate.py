@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from peerd.allreduce import HEADER_SIZE
 from peerd.allreduce import group as group_mod
-from peerd.allreduce.group import GroupAverage, _accumulate_numpy
+from peerd.allreduce.group import GroupAverage, _accumulate_numpy, _finalize_f32
 from peerd.wire.native import native as _native
 
 from .test_allreduce_blocks import _average
@@ -116,6 +116,65 @@ def test_accumulate_rows_checks_every_bound_before_writing() -> None:
     assert not acc.any() and not filled.any()  # nothing was written by any refused call
     assert call([2, 0, 1]) == b"\0\0\0"
     assert acc.tolist() == [2.0] * 12 and filled.tolist() == [1, 1, 1]
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rows=st.integers(0, 12),
+    width=st.integers(0, 40),
+    specials=st.sampled_from([0.0, 0.0, 0.01, 0.3]),
+    weight=st.sampled_from([1.0, 0.5, 3.0, 1e-30, 2.0**24]),
+    in_place=st.booleans(),
+)
+def test_native_finalize_is_the_numpy_reference_bit_for_bit(seed, rows, width, specials, weight, in_place):
+    """finalize_rows against _finalize_f32: the same bits where every value is finite, and nothing written (False)
+    where numpy finds a value that is not (NaN, inf, an overflow of own * weight + sum): it then sums in float64."""
+    rng = np.random.default_rng(seed)
+    own = _rows(rng, rows, width, specials) if width else np.zeros((rows, 0), np.float32)
+    acc = _rows(rng, rows, width, specials) if width else np.zeros((rows, 0), np.float32)
+    summed = (rng.random(rows) < 0.7).astype(np.uint8)
+    got = np.where(rng.random(rows) < 0.8, rng.choice([0.5, 1.0, 3.0, 1e-40], rows), rng.choice([0.0, -1.0], rows))
+    if rows and rng.random() < 0.1:
+        got[0] = np.nan
+    before = own.copy()
+    out = own if in_place else np.full((rows, width), 7.0, np.float32)
+    out0 = out.copy()
+    want = _finalize_f32(before.copy(), acc, summed, got, weight)
+    ok = _native.finalize_rows(own, acc, summed, got, weight, out, rows, width)
+    assert ok == (want is not None)
+    if want is None:
+        assert out.tobytes() == out0.tobytes()  # nothing written
+    else:
+        assert out.tobytes() == want.tobytes()
+    if not in_place:
+        assert own.tobytes() == before.tobytes()
+
+
+@needs_native
+def test_finalize_rows_checks_every_bound_before_writing() -> None:
+    own, acc = np.ones((3, 4), np.float32), np.ones((3, 4), np.float32)
+    summed, got = np.ones(3, np.uint8), np.ones(3)
+    out = np.zeros((3, 4), np.float32)
+
+    def call(own=own, acc=acc, summed=summed, got=got, out=out, rows=3, width=4):
+        return _native.finalize_rows(own, acc, summed, got, 1.0, out, rows, width)
+
+    bad = [dict(rows=4), dict(width=5), dict(rows=-1), dict(own=own[:2]), dict(acc=acc.ravel()[:11]),
+           dict(summed=summed[:2]), dict(got=got[:2]), dict(out=np.zeros((2, 4), np.float32)),
+           dict(out=np.zeros(13, np.float32).view(np.uint8)[1:49])]  # not aligned to float32
+    for kw in bad:
+        with pytest.raises(ValueError):
+            call(**kw)
+    shifted = np.zeros(13, np.float32)
+    with pytest.raises(ValueError):  # out overlapping own without being it
+        call(own=shifted[:12].reshape(3, 4), out=shifted[1:13].reshape(3, 4))
+    with pytest.raises(ValueError):  # out overlapping acc
+        call(out=acc)
+    assert not out.any()
+    assert call() is True and out.tolist() == [[1.0] * 4] * 3  # (1 * 1 + 1) / (1 + 1)
+    assert call(out=own) is True and own.tolist() == [[1.0] * 4] * 3  # in place
 
 
 # ---- whole groups: streaming against the staged reconstruction -------------------------------------------------

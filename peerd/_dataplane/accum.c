@@ -123,3 +123,87 @@ done:
     PyBuffer_Release(&filled);
     return result;
 }
+
+const char finalize_rows_doc[] =
+"finalize_rows(own, acc, summed, got, weight, out, rows, width)\n"
+"--\n\n"
+"The all-gather's finalize of ``rows`` ranges of ``width`` float32 values (group._finalize_stream's float32\n"
+"path, the reference, bit for bit): range i is own[i] where got[i] (float64) is not > 0, else\n"
+"(own[i] * float32(weight) + (acc[i] if summed[i] else 0)) / float32(got[i] + weight). ``out`` may be ``own``\n"
+"itself (in place) but no other overlap. Returns True once every range is written; False, with nothing\n"
+"written, where own * weight (+ acc) is not finite somewhere (NaN, inf, an overflow): the caller then sums\n"
+"the ranges in float64. Every length is checked first; the GIL is released.";
+
+/* Range i's own * weight (+ its sum): what numpy computes before its one finiteness check over the piece. */
+static inline float scaled(const float *o, const float *a, int summed, Py_ssize_t j, float wf) {
+    float r = o[j] * wf;
+    return summed ? r + a[j] : r;
+}
+
+PyObject *finalize_rows(PyObject *module, PyObject *args) {
+    Py_buffer own = {0}, acc = {0}, summed = {0}, got = {0}, out = {0};
+    Py_ssize_t rows, width;
+    double weight;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*dw*nn", &own, &acc, &summed, &got, &weight, &out, &rows, &width))
+        return NULL;
+    if (rows < 0 || width < 0 || (width && rows > PY_SSIZE_T_MAX / 4 / width)) {
+        PyErr_Format(PyExc_ValueError, "rows %zd and width %zd out of range", rows, width);
+        goto done;
+    }
+    Py_ssize_t nbytes = rows * width * 4;
+    if (own.len < nbytes || acc.len < nbytes || out.len < nbytes || summed.len < rows || got.len / 8 < rows) {
+        PyErr_Format(PyExc_ValueError, "%zd ranges of %zd float32 do not fit own (%zd bytes), acc (%zd), out (%zd), "
+                     "summed (%zd) or got (%zd)", rows, width, own.len, acc.len, out.len, summed.len, got.len);
+        goto done;
+    }
+    if ((uintptr_t)own.buf % 4 || (uintptr_t)acc.buf % 4 || (uintptr_t)out.buf % 4) {
+        PyErr_SetString(PyExc_ValueError, "own, acc and out must be aligned to float32");
+        goto done;
+    }
+    uintptr_t o0 = (uintptr_t)own.buf, o1 = o0 + (uintptr_t)nbytes;
+    uintptr_t a0 = (uintptr_t)acc.buf, a1 = a0 + (uintptr_t)nbytes;
+    uintptr_t d0 = (uintptr_t)out.buf, d1 = d0 + (uintptr_t)nbytes;
+    uintptr_t s0 = (uintptr_t)summed.buf, s1 = s0 + (uintptr_t)rows;
+    uintptr_t g0 = (uintptr_t)got.buf, g1 = g0 + (uintptr_t)rows * 8;
+    if (nbytes && ((d0 != o0 && d0 < o1 && o0 < d1) || (d0 < a1 && a0 < d1) || (rows && d0 < s1 && s0 < d1)
+                   || (rows && d0 < g1 && g0 < d1))) {
+        PyErr_SetString(PyExc_ValueError, "out may be own itself but must not overlap own, acc, summed or got");
+        goto done;
+    }
+    int finite = 1;
+    Py_BEGIN_ALLOW_THREADS
+    const float *ov = (const float *)own.buf, *av = (const float *)acc.buf;
+    const unsigned char *sv = (const unsigned char *)summed.buf, *gv = (const unsigned char *)got.buf;
+    float *dv = (float *)out.buf;
+    float wf = (float)weight;
+    uint32_t bad = 0;
+    for (Py_ssize_t i = 0; i < rows && !bad; i++) { /* numpy checks the whole piece before it divides */
+        const float *o = ov + i * width, *a = av + i * width;
+        int s = sv[i] != 0;
+        for (Py_ssize_t j = 0; j < width; j++) bad |= special(scaled(o, a, s, j, wf));
+    }
+    finite = !bad;
+    for (Py_ssize_t i = 0; i < rows && finite; i++) {
+        const float *o = ov + i * width, *a = av + i * width;
+        float *d = dv + i * width;
+        double g;
+        memcpy(&g, gv + 8 * i, 8);
+        if (!(g > 0)) { /* nothing arrived for the range: the own values, exactly */
+            if (d != o) memcpy(d, o, (size_t)width * 4);
+            continue;
+        }
+        float ws = (float)(g + weight);
+        int s = sv[i] != 0;
+        for (Py_ssize_t j = 0; j < width; j++) d[j] = scaled(o, a, s, j, wf) / ws;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(finite);
+done:
+    PyBuffer_Release(&own);
+    PyBuffer_Release(&acc);
+    PyBuffer_Release(&summed);
+    PyBuffer_Release(&got);
+    PyBuffer_Release(&out);
+    return result;
+}

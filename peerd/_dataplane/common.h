@@ -33,6 +33,8 @@ PyObject *replay_accept(PyObject *module, PyObject *args);
 /* accum.c: the owner's running float32 sums */
 extern const char accumulate_rows_doc[];
 PyObject *accumulate_rows(PyObject *module, PyObject *args);
+extern const char finalize_rows_doc[];
+PyObject *finalize_rows(PyObject *module, PyObject *args);
 
 /* send.c: a paced part's rows onto the wire (sendmmsg, GSO) */
 #ifdef __linux__

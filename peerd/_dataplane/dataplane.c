@@ -1815,6 +1815,7 @@ static PyMethodDef module_methods[] = {
     {"place_rows", place_rows, METH_VARARGS, place_rows_doc},
     {"first_nonfinite", first_nonfinite, METH_VARARGS, first_nonfinite_doc},
     {"accumulate_rows", accumulate_rows, METH_VARARGS, accumulate_rows_doc},
+    {"finalize_rows", finalize_rows, METH_VARARGS, finalize_rows_doc},
     {"replay_check", replay_check, METH_VARARGS, replay_check_doc},
     {"replay_accept", replay_accept, METH_VARARGS, replay_accept_doc},
     {"quant_encode", quant_encode, METH_VARARGS, quant_encode_doc},

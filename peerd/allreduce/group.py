@@ -435,6 +435,40 @@ def _accumulate(bodies: np.ndarray, length: int, acc: np.ndarray, per: int, ks: 
     return _accumulate_numpy(values, acc, per, ks, filled, factor)
 
 
+def _finalize_f32(own: np.ndarray, acc: np.ndarray, summed: np.ndarray, got: np.ndarray, weight: float
+                  ) -> np.ndarray | None:
+    """The streaming finalize's float32 path (the reference of accum.c finalize_rows): per range, own * weight plus
+    its sum where ``summed``, divided by the weight that arrived (``got`` + weight), or the own values where nothing
+    arrived (``got`` not > 0). None where own * weight (+ sum) is not finite somewhere: the caller sums in float64."""
+    summed = summed != 0
+    with np.errstate(all="ignore"):  # overflow is found below, in one call
+        res = own * np.float32(weight)
+        if summed.all():
+            res += acc
+        else:
+            res[summed] += acc[summed]
+    if not np.isfinite(res).all():
+        return None
+    np.divide(res, (got + weight).astype(np.float32)[:, None], out=res)
+    arrived = got > 0
+    if not arrived.all():
+        res[~arrived] = own[~arrived]
+    return res
+
+
+def _finalize_native(own: np.ndarray, acc: np.ndarray, summed: np.ndarray, got: np.ndarray, weight: float,
+                     out: np.ndarray) -> bool:
+    """``_finalize_stream``'s float32 path in one native pass (accum.c finalize_rows; the numpy code after the
+    call is the reference, bit for bit): True once ``out`` holds the averages; False where the extension is not
+    built, the arrays are not plain contiguous ones, or a value is not finite (nothing written: numpy decides)."""
+    if (_native is None or not own.flags.c_contiguous or not acc.flags.c_contiguous or not out.flags.c_contiguous
+            or not out.flags.writeable or own.dtype != FLOAT32 or acc.dtype != FLOAT32 or out.dtype != FLOAT32
+            or not own.flags.aligned or not acc.flags.aligned or not out.flags.aligned):
+        return False
+    rows, width = own.shape
+    return bool(_native.finalize_rows(own, acc, summed, got, weight, out, rows, width))
+
+
 def _accumulate_numpy(values: np.ndarray, acc: np.ndarray, per: int, ks: np.ndarray, filled: np.ndarray,
                       factor: float) -> np.ndarray:
     """``_accumulate`` over aligned float32 rows ``values``: the same float32 operations in the same order."""
@@ -1371,16 +1405,14 @@ class GroupAverage:
             return
         base = lo - self._lo
         acc = self._acc[base : base + rows * width].reshape(rows, width)
-        summed = self._acc_set[k0:k1] != 0
         wsum = got + self.weight
         aside = [k for k in self._aside if k0 <= k < k1] if self._aside else []
-        with np.errstate(all="ignore"):  # overflow is found below, in one call
-            res = own * np.float32(self.weight)
-            if summed.all():
-                res += acc
-            else:
-                res[summed] += acc[summed]
-        if aside or not np.isfinite(res).all():
+        if not aside and _finalize_native(own, acc, self._acc_set[k0:k1], got, self.weight, out2d):
+            self._wsum[k0:k1] = wsum
+            return
+        res = None if aside else _finalize_f32(own, acc, self._acc_set[k0:k1], got, self.weight)
+        if res is None:
+            summed = self._acc_set[k0:k1] != 0
             wide = own.astype(np.float64) * self.weight
             wide[summed] += acc[summed]
             for k in aside:
@@ -1388,11 +1420,9 @@ class GroupAverage:
                     wide[k - k0] += values.astype(np.float64) * ws
             wide /= wsum[:, None]
             res = wide.astype(FLOAT32)
-        else:
-            np.divide(res, wsum.astype(np.float32)[:, None], out=res)
+            if not arrived.all():
+                res[~arrived] = own[~arrived]
         self._wsum[k0:k1] = wsum
-        if not arrived.all():
-            res[~arrived] = own[~arrived]
         out2d[...] = res
 
     def _finalize_careful(self, k0: int, k1: int, lo: int, width: int, own: np.ndarray, out2d: np.ndarray) -> None:

@@ -3,7 +3,7 @@
 Run by tests/fuzz/run.sh, which builds an ASan copy of the extension into a temp dir and preloads gcc's libasan
 (``PEERD_ASAN_NATIVE`` is that copy's path). Each input picks an entry point (Aead(), seal_block, open_block,
 frame_block, seal_split, frame_split, place_rows, first_nonfinite, accumulate_rows, recv_batch over a loopback socket,
-send_rows to it,
+send_rows to it, finalize_rows,
 with its junk screen and a Ration table; Ration's methods) and arguments: buffers of exact
 sizes (ctypes arrays, malloc'd apart under PYTHONMALLOC=malloc, so a byte read or written past one is an ASan
 report), offsets, strides, counts and lengths that are right, nearly
@@ -27,13 +27,15 @@ import sys
 import atheris
 import numpy as np
 
+from peerd.allreduce.group import _finalize_f32
 from peerd.wire.replay import ReplayWindow
 
 HEADER, TAG, KEY = 21, 16, 32
 ALLOWED = (ValueError, OverflowError, TypeError)
 ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration",
            "seal_split", "recv_batch interleaved", "quant_encode", "quant_decode",
-           "half_encode", "half_decode", "replay_check", "replay_accept", "accumulate_rows", "send_rows")
+           "half_encode", "half_decode", "replay_check", "replay_accept", "accumulate_rows", "send_rows",
+           "finalize_rows")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -138,6 +140,9 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
         return
     if which == 17:
         send_rows(fdp)
+        return
+    if which == 18:
+        finalize(fdp)
         return
     if which >= 4:
         rows_only(fdp, which)
@@ -760,6 +765,49 @@ def send_rows(fdp: atheris.FuzzedDataProvider) -> None:
         if bytes(got) != want:
             raise AssertionError("send_rows: the receiver did not get the rows sent, in order")
         seen["send_rows compared"] += 1
+
+
+def finalize(fdp: atheris.FuzzedDataProvider) -> None:
+    """finalize_rows over fuzzed buffers (lengths right, short or wild; out in place, apart, or overlapping): where
+    the layout is right it must write what _finalize_f32 (the reference) computes, or nothing when that is None."""
+    rows, width = fdp.ConsumeIntInRange(0, 12), fdp.ConsumeIntInRange(0, 40)
+    n = rows * width
+
+    def floats(count: int) -> ctypes.Array:
+        count = min(max(0, count), 4096)  # (a wild count: a short buffer, not a wild allocation)
+        buf = buffer(fdp, 4 * count)
+        if fdp.ConsumeIntInRange(0, 3) == 0:  # mostly plain numbers; now and then the raw bytes (NaN, inf, huge)
+            values = np.frombuffer(fdp.ConsumeBytes(4 * count).ljust(4 * count, b"\0"), np.uint8)
+            ctypes.memmove(buf, values.tobytes(), len(values))
+        else:
+            vals = np.array([fdp.ConsumeIntInRange(-1000, 1000) / 8 for _ in range(count)], np.float32)
+            ctypes.memmove(buf, vals.tobytes(), vals.nbytes)
+        return buf
+
+    own = floats(number(fdp, n))
+    acc = floats(number(fdp, n))
+    summed = buffer(fdp, min(max(0, number(fdp, rows)), 4096))
+    got = buffer(fdp, 8 * min(max(0, number(fdp, rows)), 4096))
+    weight = fdp.ConsumeRegularFloat() if fdp.ConsumeIntInRange(0, 7) == 0 else fdp.ConsumeIntInRange(1, 8) / 2
+    where = fdp.ConsumeIntInRange(0, 7)
+    out = own if where == 0 else floats(number(fdp, n))
+    n_rows, n_width = number(fdp, rows), number(fdp, width)
+    right = (n_rows == rows and n_width == width and len(own) >= 4 * n and len(acc) >= 4 * n and len(out) >= 4 * n
+             and len(summed) >= rows and len(got) >= 8 * rows)
+    if right:
+        own_a = np.frombuffer(bytes(own), np.float32)[:n].reshape(rows, width)
+        want = _finalize_f32(own_a.copy(), np.frombuffer(bytes(acc), np.float32)[:n].reshape(rows, width),
+                             np.frombuffer(bytes(summed), np.uint8)[:rows], np.frombuffer(bytes(got), np.float64)[:rows],
+                             weight)
+        before = bytes(out)
+    with np.errstate(all="ignore"):
+        ok = native.finalize_rows(own, acc, summed, got, weight, out, n_rows, n_width)
+    if right:
+        written = np.frombuffer(bytes(out), np.float32)[:n].reshape(rows, width)
+        if ok != (want is not None) or (want is None and bytes(out) != before) or (
+                want is not None and written.tobytes() != want.tobytes()):
+            raise AssertionError("finalize_rows disagrees with _finalize_f32")
+        seen["finalize compared"] += 1
 
 
 def main() -> None:
