@@ -5,7 +5,10 @@
  *
  * A row is added only when all of it can be: a NaN or inf among its values refuses it (status 1), and a sum that
  * would overflow float32 leaves it out (status 2: the caller keeps the row and sums that range in float64 at the
- * end). Either way nothing of that row is written. */
+ * end). Either way nothing of that row is written.
+ *
+ * finalize_rows is the all-gather's side of the same sums: own * weight plus the sum, over the weight that arrived,
+ * in one pass (group._finalize_f32 is its reference, bit for bit). */
 
 #include "common.h"
 
