@@ -149,7 +149,7 @@ def test_seal_block_refuses_what_is_not_a_block() -> None:
 
 
 TAMPER = st.sampled_from(["none", "tag", "body", "header_seq", "truncate", "extend", "receiver", "key", "token",
-                          "replay", "partial_replay", "reorder", "insecure"])
+                          "replay", "partial_replay", "reorder", "insecure", "lead"])
 
 
 @needs_native
@@ -200,6 +200,8 @@ def test_open_block_identical(tamper: str, rows: int, size: int, seed: int, hits
         block[:, 5:SEQ_OFFSET] = np.frombuffer((token ^ 1).to_bytes(8, "big"), np.uint8)
     elif tamper == "reorder":
         block = block[rng.permutation(rows)]
+    elif tamper == "lead":  # one row's magic, version, type, flags or token differs: not one stream
+        block[hits[0] % rows, (hits[0] // rows) % SEQ_OFFSET] ^= 1 + hits[0] % 255
     results = []
     for o, (_, in_place) in zip(openers, modes, strict=True):
         got = [_opened(o.open_block(block.copy() if in_place else block, in_place=in_place))]
@@ -212,6 +214,8 @@ def test_open_block_identical(tamper: str, rows: int, size: int, seed: int, hits
     first_result = results[1][0]
     if tamper in ("none", "replay", "partial_replay", "reorder", "insecure"):
         assert first_result is not None and first_result[4:] == (0, 0)
+    if tamper == "lead" and rows > 1:
+        assert first_result is None
     if tamper in ("key", "receiver", "truncate", "extend") and first_result is not None:
         assert first_result[5] == rows and first_result[3][0] == 0  # every row failed, none delivered
 
@@ -341,6 +345,21 @@ def test_native_rows_at_odd_strides(rows: int, body_len: int, src_offset: int, s
 
 
 @needs_native
+@needs_native
+def test_same_lead_compares_each_rows_start_within_bounds() -> None:
+    rows = np.zeros((4, 30), np.uint8)
+    rows[:, :13] = 7
+    assert _native.same_lead(rows, 0, 30, 4, 13) is True
+    rows[3, 12] = 8
+    assert _native.same_lead(rows, 0, 30, 4, 13) is False
+    assert _native.same_lead(rows, 0, 30, 4, 12) is True
+    assert _native.same_lead(rows[:, 1:20], 0, 30, 4, 11) is True  # a view: rows 30 apart, from its first byte
+    assert _native.same_lead(rows[:, 1:20], 0, 30, 4, 12) is False
+    for args in ((0, 30, 5, 13), (1, 30, 4, 30), (0, 12, 4, 13), (-1, 30, 4, 13), (0, 30, 4, -1)):
+        with pytest.raises(ValueError):
+            _native.same_lead(rows, *args)
+
+
 def test_a_wild_count_of_empty_rows_is_refused_not_looped_over() -> None:
     """Rows of 0 bytes at stride 0 fit any buffer, so only a row limit bounds the loop: the fuzzer found
     first_nonfinite(src, 0, 0, 2**62, 0) spinning for good (a timeout under ASan)."""

@@ -648,6 +648,30 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(same_lead_doc,
+"same_lead(src, src_offset, src_stride, rows, length)\n"
+"--\n\n"
+"Whether each of ``rows`` rows (row i at src[src_offset + i * src_stride]) begins with the same ``length`` bytes\n"
+"as the first: a block's datagrams share magic, version, type, flags and token (Opener.open_block), checked\n"
+"without numpy's strided copy of every header.");
+
+static PyObject *same_lead(PyObject *module, PyObject *args) {
+    Py_buffer src = {0};
+    PyObject *src_obj;
+    Py_ssize_t src_offset, src_stride, rows, length, src_len;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "Onnnn", &src_obj, &src_offset, &src_stride, &rows, &length)) return NULL;
+    if (!get_rows(src_obj, &src, &src_len)) return NULL;
+    if (!rows_fit("src", src_len, src_offset, src_stride, length, rows)) goto done;
+    int same = 1;
+    const unsigned char *s = (const unsigned char *)src.buf + src_offset;
+    for (Py_ssize_t i = 1; i < rows && same; i++) same = memcmp(s, s + i * src_stride, (size_t)length) == 0;
+    result = PyBool_FromLong(same);
+done:
+    PyBuffer_Release(&src);
+    return result;
+}
+
 PyDoc_STRVAR(place_rows_doc,
 "place_rows(src, src_offset, src_stride, rows, length, dst, dst_offset, dst_stride)\n"
 "--\n\n"
@@ -1814,6 +1838,7 @@ static PyMethodDef module_methods[] = {
     {"frame_split", frame_split, METH_VARARGS, frame_split_doc},
     {"place_rows", place_rows, METH_VARARGS, place_rows_doc},
     {"first_nonfinite", first_nonfinite, METH_VARARGS, first_nonfinite_doc},
+    {"same_lead", same_lead, METH_VARARGS, same_lead_doc},
     {"accumulate_rows", accumulate_rows, METH_VARARGS, accumulate_rows_doc},
     {"finalize_rows", finalize_rows, METH_VARARGS, finalize_rows_doc},
     {"replay_check", replay_check, METH_VARARGS, replay_check_doc},

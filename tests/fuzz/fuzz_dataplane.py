@@ -3,7 +3,7 @@
 Run by tests/fuzz/run.sh, which builds an ASan copy of the extension into a temp dir and preloads gcc's libasan
 (``PEERD_ASAN_NATIVE`` is that copy's path). Each input picks an entry point (Aead(), seal_block, open_block,
 frame_block, seal_split, frame_split, place_rows, first_nonfinite, accumulate_rows, recv_batch over a loopback socket,
-send_rows to it, finalize_rows,
+send_rows to it, finalize_rows, same_lead,
 with its junk screen and a Ration table; Ration's methods) and arguments: buffers of exact
 sizes (ctypes arrays, malloc'd apart under PYTHONMALLOC=malloc, so a byte read or written past one is an ASan
 report), offsets, strides, counts and lengths that are right, nearly
@@ -35,7 +35,7 @@ ALLOWED = (ValueError, OverflowError, TypeError)
 ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration",
            "seal_split", "recv_batch interleaved", "quant_encode", "quant_decode",
            "half_encode", "half_decode", "replay_check", "replay_accept", "accumulate_rows", "send_rows",
-           "finalize_rows")
+           "finalize_rows", "same_lead")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -143,6 +143,9 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
         return
     if which == 18:
         finalize(fdp)
+        return
+    if which == 19:
+        lead(fdp)
         return
     if which >= 4:
         rows_only(fdp, which)
@@ -808,6 +811,31 @@ def finalize(fdp: atheris.FuzzedDataProvider) -> None:
                 want is not None and written.tobytes() != want.tobytes()):
             raise AssertionError("finalize_rows disagrees with _finalize_f32")
         seen["finalize compared"] += 1
+
+
+def lead(fdp: atheris.FuzzedDataProvider) -> None:
+    """same_lead over fuzzed rows (layouts right or wild; rows alike or one differing): where the layout is right it
+    must say what comparing the bytes in Python says."""
+    rows, length = fdp.ConsumeIntInRange(0, 40), fdp.ConsumeIntInRange(0, 30)
+    s_off, s_stride, s_size = layout(fdp, rows, length)
+    src = buffer(fdp, s_size)
+    if fdp.ConsumeBool() and rows and s_stride > 0 and s_off >= 0:  # alike, but for a byte now and then
+        for i in range(1, rows):
+            at = s_off + i * s_stride
+            if 0 <= at and at + length <= s_size and s_off + length <= s_size:
+                ctypes.memmove(ctypes.addressof(src) + at, ctypes.addressof(src) + s_off, length)
+        if fdp.ConsumeBool() and s_off + (rows - 1) * s_stride + length <= s_size and length:
+            src[s_off + (rows - 1) * s_stride + fdp.ConsumeIntInRange(0, length - 1)] = b"\x01"
+    n_rows, n_length = number(fdp, rows), number(fdp, length)
+    got = native.same_lead(src, s_off, s_stride, n_rows, n_length)
+    if (n_rows == rows and n_length == length and s_off >= 0 and s_stride >= length
+            and s_off + max(0, rows - 1) * s_stride + length <= s_size):
+        raw = bytes(src)
+        want = all(raw[s_off + i * s_stride : s_off + i * s_stride + length] == raw[s_off : s_off + length]
+                   for i in range(rows))
+        if got != want:
+            raise AssertionError("same_lead disagrees with comparing the bytes")
+        seen["same_lead compared"] += 1
 
 
 def main() -> None:
