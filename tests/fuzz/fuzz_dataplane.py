@@ -799,9 +799,9 @@ def finalize(fdp: atheris.FuzzedDataProvider) -> None:
              and len(summed) >= rows and len(got) >= 8 * rows)
     if right:
         own_a = np.frombuffer(bytes(own), np.float32)[:n].reshape(rows, width)
-        want = _finalize_f32(own_a.copy(), np.frombuffer(bytes(acc), np.float32)[:n].reshape(rows, width),
-                             np.frombuffer(bytes(summed), np.uint8)[:rows], np.frombuffer(bytes(got), np.float64)[:rows],
-                             weight)
+        acc_a = np.frombuffer(bytes(acc), np.float32)[:n].reshape(rows, width)
+        want = _finalize_f32(own_a.copy(), acc_a, np.frombuffer(bytes(summed), np.uint8)[:rows],
+                             np.frombuffer(bytes(got), np.float64)[:rows], weight)
         before = bytes(out)
     with np.errstate(all="ignore"):
         ok = native.finalize_rows(own, acc, summed, got, weight, out, n_rows, n_width)
@@ -822,7 +822,7 @@ def lead(fdp: atheris.FuzzedDataProvider) -> None:
     if fdp.ConsumeBool() and rows and s_stride > 0 and s_off >= 0:  # alike, but for a byte now and then
         for i in range(1, rows):
             at = s_off + i * s_stride
-            if 0 <= at and at + length <= s_size and s_off + length <= s_size:
+            if at >= 0 and at + length <= s_size and s_off + length <= s_size:
                 ctypes.memmove(ctypes.addressof(src) + at, ctypes.addressof(src) + s_off, length)
         if fdp.ConsumeBool() and s_off + (rows - 1) * s_stride + length <= s_size and length:
             src[s_off + (rows - 1) * s_stride + fdp.ConsumeIntInRange(0, length - 1)] = b"\x01"
