@@ -619,19 +619,30 @@ PyDoc_STRVAR(first_nonfinite_doc,
 "The first of ``rows`` rows of ``length`` bytes of little-endian float32 values (row i at\n"
 "src[src_offset + i * src_stride]) that holds a NaN or an inf, or -1 when every value is finite.");
 
+/* The arguments (src, src_offset, src_stride, rows, length) of a scan over rows, parsed and bounds-checked: 1, or 0
+ * with an exception set and nothing held. */
+static int scan_args(PyObject *args, Py_buffer *src, Py_ssize_t *offset, Py_ssize_t *stride, Py_ssize_t *rows,
+                     Py_ssize_t *length) {
+    PyObject *obj;
+    Py_ssize_t span;
+    if (!PyArg_ParseTuple(args, "Onnnn", &obj, offset, stride, rows, length)) return 0;
+    if (!get_rows(obj, src, &span)) return 0;
+    if (!rows_fit("src", span, *offset, *stride, *length, *rows)) {
+        PyBuffer_Release(src);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *first_nonfinite(PyObject *module, PyObject *args) {
     Py_buffer src = {0};
-    PyObject *src_obj;
-    Py_ssize_t src_offset, src_stride, rows, length, src_len;
-    PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "Onnnn", &src_obj, &src_offset, &src_stride, &rows, &length)) return NULL;
-    if (!get_rows(src_obj, &src, &src_len)) return NULL;
-    if (rows < 0 || length < 0 || length % 4) {
-        PyErr_Format(PyExc_ValueError, "rows %zd or length %zd out of range (float32 rows: a multiple of 4)", rows,
-                     length);
-        goto done;
+    Py_ssize_t src_offset, src_stride, rows, length;
+    if (!scan_args(args, &src, &src_offset, &src_stride, &rows, &length)) return NULL;
+    if (length % 4) {
+        PyErr_Format(PyExc_ValueError, "length %zd is not a multiple of 4 (float32 rows)", length);
+        PyBuffer_Release(&src);
+        return NULL;
     }
-    if (!rows_fit("src", src_len, src_offset, src_stride, length, rows)) goto done;
     Py_ssize_t bad = -1;
     Py_BEGIN_ALLOW_THREADS
     const unsigned char *s = (const unsigned char *)src.buf + src_offset;
@@ -642,10 +653,8 @@ static PyObject *first_nonfinite(PyObject *module, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    result = PyLong_FromSsize_t(bad);
-done:
     PyBuffer_Release(&src);
-    return result;
+    return PyLong_FromSsize_t(bad);
 }
 
 PyDoc_STRVAR(same_lead_doc,
@@ -657,19 +666,13 @@ PyDoc_STRVAR(same_lead_doc,
 
 static PyObject *same_lead(PyObject *module, PyObject *args) {
     Py_buffer src = {0};
-    PyObject *src_obj;
-    Py_ssize_t src_offset, src_stride, rows, length, src_len;
-    PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "Onnnn", &src_obj, &src_offset, &src_stride, &rows, &length)) return NULL;
-    if (!get_rows(src_obj, &src, &src_len)) return NULL;
-    if (!rows_fit("src", src_len, src_offset, src_stride, length, rows)) goto done;
+    Py_ssize_t src_offset, src_stride, rows, length;
+    if (!scan_args(args, &src, &src_offset, &src_stride, &rows, &length)) return NULL;
     int same = 1;
     const unsigned char *s = (const unsigned char *)src.buf + src_offset;
     for (Py_ssize_t i = 1; i < rows && same; i++) same = memcmp(s, s + i * src_stride, (size_t)length) == 0;
-    result = PyBool_FromLong(same);
-done:
     PyBuffer_Release(&src);
-    return result;
+    return PyBool_FromLong(same);
 }
 
 PyDoc_STRVAR(place_rows_doc,
