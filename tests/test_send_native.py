@@ -149,6 +149,7 @@ def test_addresses_only_the_socket_module_can_send_to_take_the_python_loop() -> 
     v4 = UdpSocket(_bind(socket.AF_INET), native_send=True)
     try:
         assert s._sockaddr(("fe80::1%lo", 9)) is None
+        assert s._sockaddr(("fe80::1", 9, 0, 1)) is None  # a 4-tuple: its scope is not dropped
         assert s._sockaddr(("::1", 70000)) is None
         assert v4._sockaddr(("localhost", 9)) is None
         packed = v4._sockaddr(("127.0.0.1", 9))

@@ -500,7 +500,9 @@ class UdpSocket:
         packed = self._sockaddrs.get(addr, b"")
         if packed != b"":
             return packed
-        host, port = addr[0], addr[1]
+        if len(addr) != 2:  # (an IPv6 4-tuple: its flow info and scope are the socket module's to pack)
+            return None
+        host, port = addr
         try:
             if self.family == socket.AF_INET:
                 packed = (U16.pack(socket.AF_INET) + struct.pack("!H", port) + socket.inet_pton(socket.AF_INET, host)
