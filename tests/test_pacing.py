@@ -698,6 +698,31 @@ def test_startup_doubles_after_one_phase_that_left_the_queue_empty() -> None:
     assert empty < 0.8 * blind, (empty, blind)  # 0.56 s against 0.75 (64 KB parts)
 
 
+def test_startup_above_a_fast_rate_runs_shorter_phases(monkeypatch) -> None:
+    """Above FAST_STARTUP_RATE a startup phase and its least judging lag shrink with the rate: each doubling costs a
+    phase and its lag, and at such rates a phase holds megabytes (loopback, 4 daemons: 64 MB/s to 1 GB/s in 0.24-0.26 s
+    against 105 ms a doubling before). Paths at or under it (every thin link the tests model) keep the full PHASE_S."""
+    assert Pacer._span(pacing.FAST_STARTUP_RATE, pacing.PHASE_S, "startup") == pacing.PHASE_S
+    assert Pacer._span(4 * pacing.FAST_STARTUP_RATE, pacing.PHASE_S, "startup") == pytest.approx(pacing.PHASE_S / 4)
+    assert Pacer._span(1e12, pacing.PHASE_S, "startup") == pytest.approx(pacing.FAST_STARTUP_MIN * pacing.PHASE_S)
+    assert Pacer._span(1e12, pacing.PHASE_S, "cruise") == pacing.PHASE_S  # (only startup)
+
+    start = pacing.FAST_STARTUP_RATE
+
+    def climb() -> float:
+        pacer = Pacer(rate=start, max_rate=2e9)
+        t = 0.0
+        while t < 2.0 and pacer.rate < 1e9:
+            t = feed(pacer, 0.025, lambda d, t: 0.0, t0=t, queue_of=lambda d, t: 0.0)
+        assert pacer.decreases == 0 and pacer.btl is None
+        return t
+
+    fast = climb()
+    monkeypatch.setattr(pacing, "FAST_STARTUP_RATE", math.inf)
+    full = climb()
+    assert fast < 0.8 * full, (fast, full)  # 0.35 s against 0.51 (REPORTs every 25 ms bound it)
+
+
 def test_startup_does_not_double_a_rate_the_sender_did_not_send() -> None:
     """A sender that sends under its rate (its CPU, or a socket the link pushes back on) proved what it sent, not
     the rate: doubling on it took the lab's senders from 16 MB/s (sending 12) to 32, 2.6x their link. Where the
@@ -728,6 +753,9 @@ def test_a_sender_its_cpu_holds_at_a_high_rate_goes_up_after_one_full_phase(monk
             t = feed(pacer, 0.025, lambda d, t: 0.0, t0=t, queue_of=lambda d, t: 0.0, burst=1, gap=cpu)
         return t, pacer.rate
 
+    # (startup's phases at full length: with the shorter ones above FAST_STARTUP_RATE both cases end within one
+    # REPORT interval of this driver)
+    monkeypatch.setattr(pacing, "FAST_STARTUP_RATE", math.inf)
     one, top = climb()
     assert one < 0.13 and 150e6 <= top <= 2 * 100e6 * 1.02, (one, top)
     monkeypatch.setattr(pacing, "CPU_HELD_BYTES", 1 << 40)  # two phases, as for a phase of a part or two
