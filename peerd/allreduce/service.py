@@ -83,6 +83,7 @@ class AllreduceService:
                         " sends (%s). For demos and benchmarks only; never in a real swarm !!!", byzantine)
         self._wake: dict[int, trio.Event] = {}
         self._expiring = False  # the held-data expiry task is running
+        self._rate_shown: float | None = None  # the pacing rate the gauge shows
         for t in BodyType:
             endpoint.on_raw(int(t), self._on_data)
         for t in DATA_TYPES:
@@ -134,7 +135,9 @@ class AllreduceService:
                     self._expiring = True
                     trio.lowlevel.spawn_system_task(self._expire_held, name="peerd.allreduce.expire_held")
             elif type(a) is PacerVerdict:
-                self.metrics.pacing_rate.set(a.rate)
+                if a.rate != self._rate_shown:  # (a verdict per REPORT, the rate changes at a few: a lock each)
+                    self._rate_shown = a.rate
+                    self.metrics.pacing_rate.set(a.rate)
                 if a.verdict.action == "decrease":
                     log.debug("pacing: %.1f MB/s (%s)", a.rate / 1e6, a.verdict.reason)
             else:
