@@ -385,14 +385,20 @@ class _Phase:
         )
 
 
+# The per-row fields of a tensor header (HEADER): each row's offset and weight, at their byte positions.
+_HEAD_FIELDS = np.dtype({"names": ["offset", "weight"], "formats": ["<u4", "<f4"], "offsets": [9, 15],
+                         "itemsize": HEADER_SIZE})
+
+
 def _heads(group: int, total: int, offset: int, weight: float | np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor headers ``pack_block`` puts before (rows, count) values from element ``offset`` on, alone:
     (rows, HEADER_SIZE) uint8, for a sealer that reads the values from where they are."""
     rows, count = shape
     out = np.empty((rows, HEADER_SIZE), dtype=np.uint8)
     out[:] = np.frombuffer(HEADER.pack(group, CODEC_FLOAT32, total, offset, count, 0.0), np.uint8)
-    out[:, 9:13] = np.arange(offset, offset + rows * count, count, dtype="<u4").view(np.uint8).reshape(rows, 4)
-    out[:, 15:19] = np.asarray(weight, dtype="<f4").reshape(-1, 1).view(np.uint8)
+    fields = out.view(_HEAD_FIELDS).reshape(rows)  # (4-byte fields: a fifth of numpy's strided byte copies)
+    fields["offset"] = np.arange(offset, offset + rows * count, count, dtype="<u4")
+    fields["weight"] = weight
     return out
 
 
