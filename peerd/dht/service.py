@@ -52,6 +52,9 @@ class BootstrapError(Exception):
 # are awaited in the background (retransmitted like any request), so none is dropped. Waiting for the last
 # acknowledgement cost a put the slowest of its round trips (20 of them when every record had k = 20 replicas).
 PUT_QUORUM = 0.5
+# While its table holds fewer than k contacts, a node looks up its own id this often (jittered by half): nodes
+# that join at once find each other in seconds, not at the first refresh (DhtService._maintain).
+SETTLE_S = 5.0
 
 
 @dataclass
@@ -122,7 +125,7 @@ class DhtService:
             await self._maintain()
 
     async def _maintain(self) -> None:
-        next_refresh = math.inf
+        next_refresh = next_settle = math.inf
         while True:
             await trio.sleep(1.0)
             now = trio.current_time()
@@ -130,9 +133,19 @@ class DhtService:
             self.metrics.dht_records.set(len(self.core.store))
             if self.bootstrapped.is_set() and next_refresh == math.inf:
                 next_refresh = now + self.refresh_interval * self._rng.uniform(0.25, 0.5)
+                next_settle = now + SETTLE_S * self._rng.uniform(0.5, 1.5)
             if now >= next_refresh:
                 await self.refresh(self.refresh_interval)
                 next_refresh = now + self.refresh_interval * self._rng.uniform(0.25, 0.5)
+            if now >= next_settle:
+                # A table of fewer than k contacts (a swarm of at most k + 1 nodes, or a young one) may miss nodes
+                # that joined with this one: the node they all bootstrapped from answered their lookups before it
+                # had verified the others, and the join's lookups touched every bucket, so no refresh looks again
+                # for refresh_interval. A lookup of this node's own id asks the closest nodes, which in such a swarm
+                # is all of them: a few RPCs.
+                if len(self.core.table) < self.k:
+                    await self.find_nodes(self.node_id)
+                next_settle = now + SETTLE_S * self._rng.uniform(0.5, 1.5)
 
     async def refresh(self, interval: float) -> None:
         """Look up a random id in every bucket that no lookup touched for ``interval`` seconds."""
