@@ -119,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics here (a bare port binds 127.0.0.1; 0 picks a free port; "
                         "default: off)")
     p.add_argument("--mtu", type=int, default=1200, metavar="BYTES",
-                   help="largest UDP payload to send (default 1200; never relies on IP fragmentation)")
+                   help="largest UDP payload to send (default 1200; never relies on IP fragmentation: above the "
+                        "path's MTU, for LANs with jumbo frames, a datagram travels as IP fragments). The pacer's "
+                        "first average starts at 1,667 datagrams a second of this size")
     p.add_argument("--no-gso", action="store_true", help="one syscall per datagram (no UDP GSO/GRO batching)")
     p.add_argument("--loss", type=float, default=0.0, metavar="P",
                    help="testing: drop received datagrams with probability P (seeded fault injector; default 0)")

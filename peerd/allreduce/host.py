@@ -282,7 +282,7 @@ class AveragingHost:
             raise ValueError(f"need 1 <= max_body <= mtu, got max_body={max_body}, mtu={mtu}")
         self.max_body = max_body
         self.mtu = mtu
-        self.pacer = pacer or Pacer()
+        self.pacer = pacer or Pacer(datagram=mtu)
         self.held = held or HeldData()
         self.byzantine = byzantine
         self.report_interval_s = report_interval_s
