@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from peerd.dht import DhtService
+from peerd.dht import DhtService, service
 from peerd.dht.reads import Agreed, Enough
 from peerd.metrics import Metrics
 from peerd.transport import Endpoint
@@ -270,6 +270,46 @@ def test_nodes_that_join_at_once_all_find_each_other_soon(seed: int) -> None:
                     joins.start_soon(lambda n=node: n.dht.bootstrap([nodes[0].addr], timeout=60))
             await trio.sleep(20.0)
             assert [n.dht.peer_count() for n in nodes] == [5] * 6
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_own_id_lookups_stop_once_the_table_stops_growing() -> None:
+    """A swarm of at most k nodes never fills a table: once it stopped growing, the own-id lookups of a sparse table
+    (SETTLE_S) end, so the members do not keep asking all the others (a 16-daemon e2e test counted one such lookup,
+    15 RPCs, in a read's RPCs). A newcomer restarts them."""
+    async def main() -> None:
+        net = MemNet(seed=3, drop=0.0, jitter=0.002)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = [SimNode(net, i) for i in range(6)]
+            lookups = [0] * 7
+            for node in nodes + [newcomer := SimNode(net, 6)]:
+                node.dht.refresh_interval = 1e6  # only the settle lookups look up this node's own id
+
+                async def counted(target, *, _node=node, _find=node.dht.find_nodes, **kw):
+                    if target == _node.dht.node_id:
+                        lookups[nodes.index(_node) if _node in nodes else 6] += 1
+                    return await _find(target, **kw)
+                node.dht.find_nodes = counted
+            for node in nodes:
+                await nursery.start(node.run)
+            nodes[0].dht.bootstrapped.set()
+            for node in nodes[1:]:
+                await node.dht.bootstrap([nodes[0].addr], timeout=60)
+            await trio.sleep(60.0)
+            assert [n.dht.peer_count() for n in nodes] == [5] * 6
+            settled = list(lookups)
+            quiet = service.SETTLE_QUIET  # and a join looks up its own id once; node 0 was the bootstrap
+            assert all(quiet <= n - (i > 0) <= quiet + 2 for i, n in enumerate(settled[:6])), settled
+            await trio.sleep(120.0)
+            assert lookups == settled  # quiet: no own-id lookup in two minutes
+            await nursery.start(newcomer.run)
+            await newcomer.dht.bootstrap([nodes[2].addr], timeout=60)
+            await trio.sleep(60.0)
+            assert all(n.dht.peer_count() == 6 for n in nodes + [newcomer])
+            assert all(lookups[i] > settled[i] for i in range(6)), (settled, lookups)  # the newcomer restarted them
             nursery.cancel_scope.cancel()
 
     run_virtual(main)

@@ -53,8 +53,11 @@ class BootstrapError(Exception):
 # acknowledgement cost a put the slowest of its round trips (20 of them when every record had k = 20 replicas).
 PUT_QUORUM = 0.5
 # While its table holds fewer than k contacts, a node looks up its own id this often (jittered by half): nodes
-# that join at once find each other in seconds, not at the first refresh (DhtService._maintain).
+# that join at once find each other in seconds, not at the first refresh (DhtService._maintain). Once the
+# table gained no contact over SETTLE_QUIET such periods in a row they stop until it gains one: a swarm of at most
+# k nodes never fills the table, and its members must not keep asking all the others every few seconds.
 SETTLE_S = 5.0
+SETTLE_QUIET = 3
 
 
 @dataclass
@@ -126,6 +129,7 @@ class DhtService:
 
     async def _maintain(self) -> None:
         next_refresh = next_settle = math.inf
+        quiet, known = 0, frozenset[bytes]()  # settle checks in a row that found the table as it was
         while True:
             await trio.sleep(1.0)
             now = trio.current_time()
@@ -142,8 +146,11 @@ class DhtService:
                 # that joined with this one: the node they all bootstrapped from answered their lookups before it
                 # had verified the others, and the join's lookups touched every bucket, so no refresh looks again
                 # for refresh_interval. A lookup of this node's own id asks the closest nodes, which in such a swarm
-                # is all of them: a few RPCs.
-                if len(self.core.table) < self.k:
+                # is all of them: a few RPCs. A table that stopped growing ends them; a newcomer restarts them.
+                ids = frozenset(c.node_id for c in self.core.table.contacts())
+                quiet = quiet + 1 if ids <= known else 0
+                known = ids
+                if len(ids) < self.k and quiet < SETTLE_QUIET:
                     await self.find_nodes(self.node_id)
                 next_settle = now + SETTLE_S * self._rng.uniform(0.5, 1.5)
 
