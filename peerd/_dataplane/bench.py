@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=25_000_000, help="float32 elements (default 25M: 100 MB)")
     p.add_argument("--mtu", type=int, default=DEFAULT_MAX_PAYLOAD + HEADER_SIZE + TAG_SIZE,
                    help="datagram bytes (default 1200)")
-    p.add_argument("--rows", type=int, default=448, help="bodies per block (default 448: 512 KB blocks)")
+    p.add_argument("--rows", type=int, default=448,
+                   help="bodies per block (default 448: 512 KB blocks; a daemon's are up to 1 MB)")
     p.add_argument("--insecure", action="store_true", help="no AEAD")
     p.add_argument("--repeat", type=int, default=2, help="averages per path (default 2; the lower CPU counts)")
     p.add_argument("--keep-heap", action="store_true",
