@@ -386,6 +386,7 @@ class _Phase:
 
 
 # The per-row fields of a tensor header (HEADER): each row's offset and weight, at their byte positions.
+_HEAD_ITEM = np.dtype(f"V{HEADER_SIZE}")
 _HEAD_FIELDS = np.dtype({"names": ["offset", "weight"], "formats": ["<u4", "<f4"], "offsets": [9, 15],
                          "itemsize": HEADER_SIZE})
 
@@ -395,7 +396,9 @@ def _heads(group: int, total: int, offset: int, weight: float | np.ndarray, shap
     (rows, HEADER_SIZE) uint8, for a sealer that reads the values from where they are."""
     rows, count = shape
     out = np.empty((rows, HEADER_SIZE), dtype=np.uint8)
-    out[:] = np.frombuffer(HEADER.pack(group, CODEC_FLOAT32, total, offset, count, 0.0), np.uint8)
+    # one HEADER_SIZE-byte item a row (a third of broadcasting the header's bytes: 4 against 12 us at 864 rows)
+    out.view(_HEAD_ITEM).reshape(rows)[:] = np.frombuffer(
+        HEADER.pack(group, CODEC_FLOAT32, total, offset, count, 0.0), _HEAD_ITEM)[0]
     fields = out.view(_HEAD_FIELDS).reshape(rows)  # (4-byte fields: a fifth of numpy's strided byte copies)
     fields["offset"] = np.arange(offset, offset + rows * count, count, dtype="<u4")
     fields["weight"] = weight
