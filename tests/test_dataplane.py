@@ -149,7 +149,8 @@ def test_seal_block_refuses_what_is_not_a_block() -> None:
 
 
 TAMPER = st.sampled_from(["none", "tag", "body", "header_seq", "truncate", "extend", "receiver", "key", "token",
-                          "replay", "partial_replay", "reorder", "insecure", "lead"])
+                          "replay", "partial_replay", "reorder", "insecure", "lead", "insecure_replay",
+                          "insecure_partial_replay", "insecure_reorder"])
 
 
 @needs_native
@@ -167,7 +168,8 @@ def test_open_block_identical(tamper: str, rows: int, size: int, seed: int, hits
     rng = np.random.default_rng(seed)
     secret, receiver = rng.bytes(32), rng.bytes(32)
     token = int(rng.integers(1, 2**63))
-    insecure = tamper == "insecure"
+    insecure = tamper.startswith("insecure")  # unsealed, and then broken as the rest of its name says
+    tamper = tamper.removeprefix("insecure_")
     sender = Sealer(None if insecure else secret, token, native=False)
     opener_secret = rng.bytes(32) if tamper == "key" else (None if insecure else secret)
     opener_receiver = rng.bytes(32) if tamper == "receiver" else receiver
@@ -214,6 +216,8 @@ def test_open_block_identical(tamper: str, rows: int, size: int, seed: int, hits
     first_result = results[1][0]
     if tamper in ("none", "replay", "partial_replay", "reorder", "insecure"):
         assert first_result is not None and first_result[4:] == (0, 0)
+    if tamper in ("replay", "partial_replay"):
+        assert results[1][1] is not None and results[1][1][4] == rows - (0 if tamper == "replay" else hits[0] % rows)
     if tamper == "lead" and rows > 1:
         assert first_result is None
     if tamper in ("key", "receiver", "truncate", "extend") and first_result is not None:

@@ -15,9 +15,9 @@ A driver's loop for one group, in outline (service.py is the real one)::
     actions = host.start(group_id, peers, index, vector, weight, now)   # Bind: PING these members
     while not host.finished(group_id):
         while host.wants_to_send(group_id):
-            for block in host.next_sends(group_id):                     # seal each block whole
-                for each part of block.part rows:
-                    sleep until host.pace(block, rows, nbytes, now); send the part
+            for block in host.next_sends(group_id):
+                for each part of host.part_rows(block) rows:
+                    sleep until host.pace(block, rows, nbytes, now); seal the part and send it
         sleep until host.deadline(group_id, now), or a Wake(group_id) action
         run(host.on_timer(group_id, now))
     run(host.finish(group_id, now, kernel_drops))                       # final REPORTs, Completed
@@ -43,25 +43,17 @@ import numpy as np
 from ..compress import Codec
 from ..transport.pacing import DeliveryMeter, Pacer, Report, SendPositions, Verdict
 from ..wire.errors import WireError
-from ..wire.replay import DEFAULT_WINDOW
 from .codec import BodyType, peek_group
 from .group import BYZANTINE_MODES, GroupAverage, GroupStats, Outcome, stage_elements
 from .held import MAX_TOKEN_BYTES, HeldData
 from .robust import Robust
 
 BATCH = 128  # datagrams per slice of sending work at least (a slice is one block or more)
-# A block is built and sealed in one pass (~2 ms sealed), then sent in GSO parts. Each block costs the sender a
+# A block is built in one pass, then sealed and sent in GSO parts. Each block costs the sender a
 # send loop's round in Python per part and the receiver its merged receive blocks: on loopback (4 peers, 100 MB)
 # 1 MB blocks took 8 % less CPU an average than 512 KB ones (0.29-0.33 against 0.34-0.36 CPU-s after the first,
 # three runs alternating; sends 390 against 536 an average).
 BLOCK_BYTES = 1024 * 1024
-# ... but a slice seals one block for every destination before their parts go out in turn, so a receiver may get
-# the sender's later datagrams (its REPORTs, sealed when sent) before the end of its block: at most this many
-# datagrams are sealed ahead in one slice, half the receiver's replay window (wire.replay.DEFAULT_WINDOW). A slice
-# may hold one block more than its destinations (GroupAverage.next_blocks stops once it reached its limit), and
-# the bound counts it. (Three quarters of the window, without that block, lost 2,100 datagrams as replays in one
-# of five 8-peer runs on loopback.)
-SEAL_AHEAD = DEFAULT_WINDOW // 2
 GSO_BYTES = 65000  # one GSO send is at most 64 segments, 64 KB ...
 PART_S = 0.001  # ... and a paced part about this long at the pacer's rate (as Linux sizes TCP's TSO bursts) ...
 MIN_PART = 2  # ... but at least this many datagrams
@@ -159,8 +151,9 @@ class Completed:
 @dataclass(frozen=True, slots=True)
 class SendBlock:
     """Bodies for member ``to`` (node id ``peer``) of ``group_id``, envelope type ``type``: ``bodies`` is
-    (rows, body bytes) uint8, END markers already repeated. Seal it whole, then send it ``part`` rows at a
-    time (one GSO send), each part when ``AveragingHost.pace`` says."""
+    (rows, body bytes) uint8, END markers already repeated. Sealed and sent a part at a time
+    (``AveragingHost.part_rows``: whole GSO sends of ``part`` rows where the rate allows), each part when
+    ``AveragingHost.pace`` says."""
 
     group_id: int
     to: int
@@ -226,14 +219,12 @@ def _release(g: _Group, limit: int) -> list[SendBlock]:
     return out
 
 
-def send_shape(mtu: int, gso: bool, destinations: int = 1) -> tuple[int, int]:
-    """(rows per paced send, rows per block) for datagrams of ``mtu`` bytes to ``destinations`` members. Blocks are
-    built and sealed whole (numpy calls cost per block, not per datagram) and go out one GSO send at a time, each
-    paced; without GSO, 16 datagrams keep bursts short. A slice's blocks, one per destination and one more, hold
-    at most SEAL_AHEAD rows together (down to one part each)."""
+def send_shape(mtu: int, gso: bool) -> tuple[int, int]:
+    """(rows per paced send, rows per block) for datagrams of ``mtu`` bytes. Blocks are built whole (numpy calls
+    cost per block, not per datagram) and go out one paced part at a time, each sealed as it goes (service.py);
+    without GSO, 16 datagrams keep bursts short."""
     part = max(1, min(64 if gso else 16, GSO_BYTES // mtu))
-    most = min(BLOCK_BYTES // mtu, SEAL_AHEAD // (max(1, destinations) + 1))
-    rows = max(part, most // part * part)
+    rows = max(part, BLOCK_BYTES // mtu // part * part)
     return part, rows
 
 
@@ -377,7 +368,7 @@ class AveragingHost:
         core.split_values = self.split_values
         for a in sorted(absent):
             core.remove_member(a, now)
-        part, rows = send_shape(self.mtu, gso, len(peers) - 1)
+        part, rows = send_shape(self.mtu, gso)
         g = _Group(core, peers, now, kernel_drops, floor_s, part, rows, now + self.report_interval_s)
         g.gate_rows = max(1, GATE_BYTES // self.mtu)
         self._recent.pop(group_id, None)  # (a group id used again: its old REPORTs no longer count)

@@ -391,8 +391,8 @@ class Opener:
         state = self._tokens.get(token)
         if state is None:
             return None
-        if sealed and state.key is not None and getattr(self._native, "replay_check", None) is not None:
-            return self._open_block_native(datagrams, mtype, token, state, in_place)
+        if (not sealed or state.key is not None) and getattr(self._native, "replay_check", None) is not None:
+            return self._open_block_native(datagrams, mtype, token, state, in_place, sealed)
         if head is None:
             head = np.ascontiguousarray(datagrams[:, :HEADER_SIZE])
         seqs = head.view(HEADER_DTYPE).reshape(rows)["seq"].astype(np.uint64)
@@ -438,9 +438,10 @@ class Opener:
         return OpenedBlock(mtype, token, state, bodies, replays, failures)
 
     def _open_block_native(self, datagrams: np.ndarray, mtype: int, token: int, state: TokenState,
-                           in_place: bool) -> OpenedBlock:
+                           in_place: bool, sealed: bool = True) -> OpenedBlock:
         """open_block's native path, once the block's header is checked: the replay window's check and update
-        (replay.c, over the window's own ring), and the AEAD, in three C calls and no per-row numpy."""
+        (replay.c, over the window's own ring), and the AEAD, in three C calls and no per-row numpy. Unsealed
+        (an ``--insecure`` swarm): the two replay calls alone, the bodies a view of the datagrams."""
         native = self._native
         assert native is not None
         rows, size = datagrams.shape
@@ -449,14 +450,19 @@ class Opener:
         src = datagrams if datagrams.flags.c_contiguous else np.ascontiguousarray(datagrams)
         mask = np.empty(rows, dtype=np.uint8)  # 1: would be accepted (C clears the rows that fail)
         replays = native.replay_check(window.ring, window.highest, src, 0, size, rows, mask)
-        if state.ctx is None:
-            state.ctx = native.Aead(state.key)
-        if in_place and src is datagrams and datagrams.flags.writeable:
-            failures = state.ctx.open_block(src, 0, size, size, rows, self._receiver, src, HEADER_SIZE, size, mask)
-            bodies = src[:, HEADER_SIZE : HEADER_SIZE + width]
+        failures = 0
+        if not sealed:
+            bodies = datagrams[:, HEADER_SIZE:]
         else:
-            bodies = np.empty((rows, width), dtype=np.uint8)
-            failures = state.ctx.open_block(src, 0, size, size, rows, self._receiver, bodies, 0, width, mask)
+            if state.ctx is None:
+                state.ctx = native.Aead(state.key)
+            if in_place and src is datagrams and datagrams.flags.writeable:
+                failures = state.ctx.open_block(src, 0, size, size, rows, self._receiver, src, HEADER_SIZE, size,
+                                                mask)
+                bodies = src[:, HEADER_SIZE : HEADER_SIZE + width]
+            else:
+                bodies = np.empty((rows, width), dtype=np.uint8)
+                failures = state.ctx.open_block(src, 0, size, size, rows, self._receiver, bodies, 0, width, mask)
         if replays or failures:
             bodies = bodies[mask.view(bool)]
         if len(bodies):  # a block whose every row failed changes nothing, not even the LRU order
