@@ -45,11 +45,13 @@ from .robust import Robust
 
 log = logging.getLogger("peerd.allreduce")
 CATCH_UP_POLL_S = 0.002  # how often a phase deadline re-checks that the receive loop has caught up to it
-# A send loop that never waits for its pacer lets other tasks (the receive loop, the DHT) in at least this often.
-# Each yield lets the receive loop in for a pass, so fewer yields mean fewer, larger passes: on loopback (4 peers,
-# 100 MB, 1 MB blocks) a yield after every part (about 1 ms of sealing) took more CPU than none within a slice of
-# three (0.41-0.45 against 0.33-0.41 CPU-s after the first, four runs alternating; receive passes 195-212 against
-# 117-124). 5 ms is under 4 MB of what three senders send into a 32 MB socket buffer.
+# A send loop that never waits for its pacer lets other tasks in (the receive loop, the DHT) once its socket holds
+# SEND_YIELD_QUEUED bytes (about one receive pass: the receive loop takes an arena of 1 MB a pass) or SEND_YIELD_S
+# passed. Each yield is a receive pass: yielding after every part (about 1 MB) took 195-212 passes an average
+# on loopback (4 peers, 100 MB) and more CPU than yielding every 5 ms (117-124 passes, larger ones); but 5 ms alone
+# let the 8-peer --insecure bench overflow receivers' socket buffers (300-1,400 kernel drops a run, the pacer then
+# cut), since a pass takes about 1 MB while a slice brings in 7.
+SEND_YIELD_QUEUED = 2 * 1024 * 1024  # bytes the kernel accounts, about 1 MB of datagrams (skb overhead included)
 SEND_YIELD_S = 0.005
 
 _node_id = functools.lru_cache(maxsize=4096)(node_id_of)  # a token's key -> node id, once per key
@@ -326,7 +328,8 @@ class AllreduceService:
                     continue
                 sent[0] += chunk.size
                 sent[1] += len(chunk)
-                if trio.current_time() - yielded >= SEND_YIELD_S:
+                if (trio.current_time() - yielded >= SEND_YIELD_S
+                        or self.endpoint.receive_backlog() >= SEND_YIELD_QUEUED):
                     await trio.lowlevel.checkpoint()
                     yielded = trio.current_time()
         await trio.lowlevel.checkpoint()  # let receives and DHT requests in between slices

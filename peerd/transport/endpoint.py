@@ -762,6 +762,12 @@ class Endpoint:
             else:  # a busy socket always has data: yield so senders and timers are not starved
                 await trio.lowlevel.checkpoint()
 
+    def receive_backlog(self) -> int:
+        """Bytes the kernel holds for this endpoint's socket (0 where the socket cannot say): a task that runs long
+        without waiting yields once this reaches about one receive pass, before the socket's buffer fills."""
+        queued = getattr(self.sock, "queued", None)
+        return 0 if queued is None else queued()
+
     def caught_up(self, at: float) -> bool:
         """Whatever reached this socket before ``at`` has been handled: a receive pass that began at or after it
         emptied the socket, or the socket is empty now. A phase deadline waits for this (AllreduceService): on a
