@@ -30,7 +30,8 @@ def _load() -> tuple[ModuleType | None, str, str]:
     except ImportError as e:
         return None, asked, (f"the native extension is not built ({e}); a source install needs a C compiler and "
                              "OpenSSL's headers (Debian: gcc libssl-dev), then pip install again")
-    return _native, asked, f"the native extension is built ({_native.OPENSSL_VERSION})"
+    aead = "its provider's functions" if getattr(_native, "AEAD_DIRECT", 0) else "EVP"
+    return _native, asked, f"the native extension is built ({_native.OPENSSL_VERSION}; AES-GCM by {aead})"
 
 
 native, _asked, reason = _load()

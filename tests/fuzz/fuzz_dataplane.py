@@ -112,7 +112,7 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
     """One call of entry point ``which`` with arguments read from ``fdp``."""
     key = fdp.ConsumeBytes(KEY if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeIntInRange(0, 40))
     if which == 0:
-        native.Aead(key)
+        native.Aead(key, direct=fdp.ConsumeBool())
         return
     if which == 6:
         receive(fdp)
@@ -164,7 +164,7 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
     if which == 3:
         native.frame_block(prefix, first, n_rows, src, s_off, s_stride, n_len, out, o_off, o_stride)
         return
-    aead = native.Aead(key)
+    aead = native.Aead(key, direct=fdp.ConsumeBool())  # the provider's own functions, or EVP
     if which == 1:
         aead.seal_block(prefix, first, n_rows, src, s_off, s_stride, n_len, receiver, out, o_off, o_stride)
         sealed_ok = (n_rows, n_len, s_off, s_stride, o_off, o_stride) == (
@@ -590,7 +590,7 @@ def seal_split(fdp: atheris.FuzzedDataProvider, key: bytes) -> None:
                         src[b : b + body_len]):
                     raise AssertionError(f"frame_split row {i} holds other bytes than head || body")
         return
-    aead = native.Aead(key)
+    aead = native.Aead(key, direct=fdp.ConsumeBool())  # the provider's own functions, or EVP
     aead.seal_split(prefix, first, n_rows, head, h_off, h_stride, n_head, src, s_off, s_stride, n_body, receiver, out,
                     o_off, o_stride)
     if (n_rows, n_head, n_body) != (rows, head_len, body_len) or rows == 0:
