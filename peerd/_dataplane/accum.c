@@ -33,7 +33,7 @@ static uint32_t special(float x) { /* 1 for NaN or inf: an all-ones exponent */
 }
 
 /* One row of ``m`` values at ``s`` into ``d`` (``set``: d holds a sum already, else it is overwritten). */
-static unsigned char add_row(const unsigned char *s, float *d, Py_ssize_t m, int set, float factor) {
+unsigned char dp_add_row(const unsigned char *s, float *d, Py_ssize_t m, int set, float factor) {
     uint32_t bad_x = 0, bad_sum = 0;
     if (set) {
         for (Py_ssize_t j = 0; j < m; j++) {
@@ -115,7 +115,7 @@ PyObject *accumulate_rows(PyObject *module, PyObject *args) {
         int64_t k;
         memcpy(&k, kb + i * 8, 8);
         float *d = (float *)((unsigned char *)dst.buf + k * dst_stride);
-        status[i] = add_row(s + i * src_stride, d, length / 4, fl[k] != 0, factor);
+        status[i] = dp_add_row(s + i * src_stride, d, length / 4, fl[k] != 0, factor);
         if (status[i] == 0) fl[k] = 1;
     }
     Py_END_ALLOW_THREADS

@@ -34,7 +34,13 @@ PyObject *replay_accept(PyObject *module, PyObject *args);
 extern const char accumulate_rows_doc[];
 PyObject *accumulate_rows(PyObject *module, PyObject *args);
 extern const char finalize_rows_doc[];
+/* One row of m float32 values at s (any alignment) times factor into d: 0 added, 1 refused, 2 an overflow (accum.c) */
+unsigned char dp_add_row(const unsigned char *s, float *d, Py_ssize_t m, int set, float factor);
 PyObject *finalize_rows(PyObject *module, PyObject *args);
+
+/* take.c: a group's intake of a block of fp32 DATA bodies */
+extern const char take_rows_doc[];
+PyObject *take_rows(PyObject *module, PyObject *args);
 
 /* send.c: a paced part's rows onto the wire (sendmmsg, GSO) */
 #ifdef __linux__

@@ -2024,6 +2024,7 @@ static PyMethodDef module_methods[] = {
     {"same_lead", same_lead, METH_VARARGS, same_lead_doc},
     {"accumulate_rows", accumulate_rows, METH_VARARGS, accumulate_rows_doc},
     {"finalize_rows", finalize_rows, METH_VARARGS, finalize_rows_doc},
+    {"take_rows", take_rows, METH_VARARGS, take_rows_doc},
     {"replay_check", replay_check, METH_VARARGS, replay_check_doc},
     {"replay_accept", replay_accept, METH_VARARGS, replay_accept_doc},
     {"quant_encode", quant_encode, METH_VARARGS, quant_encode_doc},

@@ -745,6 +745,12 @@ class GroupAverage:
         self._aside: dict[int, list[tuple[float, np.ndarray]]] = {}
         self._ag_seen = [np.zeros(self.layout.datagrams(j) if j != index else 0, dtype=bool) for j in range(n)]
         self._sender_weight: list[float | None] = [None] * n
+        # take.c take_rows takes plain fp32 blocks in one call (receive_block): where the buffers it writes are
+        # aligned float32 (a caller's ``out`` need not be), and a reduce-scatter only where sums stream
+        self._take = (_native is not None and not self._coded and self._out.dtype == FLOAT32
+                      and self._out.flags.c_contiguous and self._out.flags.writeable and self._out.flags.aligned
+                      and self._acc.flags.aligned)
+        self._take_status = np.empty(0, dtype=np.uint8)
         self._live = [True] * n
         self._drops: Counter[str] = Counter()
         self._ends_ignored = 0
@@ -990,6 +996,10 @@ class GroupAverage:
         if type(sender) is not int or not 0 <= sender < self.n or sender == self.index or not self._live[sender]:
             return None  # (a removed sender's rows: ``receive`` counts them late one by one)
         per, coded = self._per, self._coded
+        if self._take and bodies.shape[1] == HEADER_SIZE + 4 * per and _native_rows(bodies):
+            taken = self._take_native(sender, mtype, bodies, now)
+            if taken is not None:
+                return taken
         if coded:
             rec = view_coded(bodies) if bodies.shape[1] == HEADER_SIZE + self._body_per else None
         else:
@@ -1091,6 +1101,69 @@ class GroupAverage:
             elif self._rs.ended_at is not None:
                 self._end_ag(now, COMPLETION)
         return accepted, duplicates, 0
+
+    def _take_native(self, sender: int, mtype: int, bodies: np.ndarray, now: float) -> tuple[int, int, int] | None:
+        """receive_block for a plain fp32 block in one native call (take.c take_rows): the run's checks, the seen
+        bitmap, and the values into the sums or the result. None, with nothing changed, for a block it does not
+        take (a late phase, a block that is not a clean run): receive_block's numpy path, the reference, then
+        does, and counts what is wrong."""
+        per, rows = self._per, len(bodies)
+        status = self._take_status
+        if len(status) < rows:
+            status = self._take_status = np.empty(max(rows, 1024), dtype=np.uint8)
+        if mtype == _RS_DATA:
+            phase, known = self._rs, self._sender_weight[sender]
+            if not self._stream or phase.ended_at is not None:
+                return None
+            lo = self._lo
+            taken = _native.take_rows(bodies, bodies.strides[0], rows, 0, self.group_id, self._cid, per, self._nranges,
+                                      lo, (self._hi - lo) // per, math.nan if known is None else known,
+                                      self._max_weight, self._rs_seen[sender], self._acc, 0, self._acc_set,
+                                      self._wsum_in, status)
+        else:
+            phase = self._ag
+            if phase.ended_at is not None:
+                return None
+            start, stop = self.layout.shard(sender)
+            taken = _native.take_rows(bodies, bodies.strides[0], rows, 1, self.group_id, self._cid, per,
+                                      phase.expected[sender], start, (stop - start) // per, math.nan, 0.0,
+                                      self._ag_seen[sender], self._out, start, self._acc_set, self._wsum_in, status)
+        if taken is None:
+            return None
+        accepted, duplicates, k_last, w0, weights, odd = taken
+        if duplicates:
+            self._drops["duplicate"] += duplicates
+        if not accepted:
+            return 0, duplicates, 0
+        if mtype == _RS_DATA:
+            if known is None:
+                self._check_weight(sender, w0)
+            if odd:
+                self._take_odd(sender, bodies, status[:rows])
+            phase.weight_received += w0 * accepted
+        else:
+            phase.weight_received += weights
+        if phase.note_block(sender, accepted, k_last, now):
+            self.phase_changes += 1
+        if phase.open == 0:
+            if mtype == _RS_DATA:
+                self._end_rs(now, COMPLETION)
+            elif self._rs.ended_at is not None:
+                self._end_ag(now, COMPLETION)
+        return accepted, duplicates, 0
+
+    def _take_odd(self, sender: int, bodies: np.ndarray, status: np.ndarray) -> None:
+        """What take_rows did not add of a reduce-scatter block, as ``_add_rows`` counts it: rows refused for a NaN
+        or inf (status 1), and rows whose float32 sum would overflow (2), kept aside for the float64 sum."""
+        refused = int(np.count_nonzero(status == 1))
+        if refused:
+            self._refused["nonfinite"] += refused
+        ws = min(self._sender_weight[sender], self._max_weight)  # type: ignore[type-var]
+        length = 4 * self._per
+        for i in np.flatnonzero(status == 2).tolist():
+            k = (int.from_bytes(bodies[i, 9:13].tobytes(), "little") - self._lo) // self._per
+            values = np.frombuffer(bytes(bodies[i, HEADER_SIZE : HEADER_SIZE + length]), FLOAT32)
+            self._aside.setdefault(k, []).append((ws, values))
 
     def _check_weight(self, sender: int, weight: float) -> None:
         """A sender has one weight; a body that says otherwise is corrupt (it would skew the sums)."""

@@ -3,7 +3,7 @@
 Run by tests/fuzz/run.sh, which builds an ASan copy of the extension into a temp dir and preloads gcc's libasan
 (``PEERD_ASAN_NATIVE`` is that copy's path). Each input picks an entry point (Aead(), seal_block, open_block,
 frame_block, seal_split, frame_split, place_rows, first_nonfinite, accumulate_rows, recv_batch over a loopback socket,
-send_rows to it, finalize_rows, same_lead,
+send_rows to it, finalize_rows, same_lead, take_rows,
 with its junk screen and a Ration table; Ration's methods) and arguments: buffers of exact
 sizes (ctypes arrays, malloc'd apart under PYTHONMALLOC=malloc, so a byte read or written past one is an ASan
 report), offsets, strides, counts and lengths that are right, nearly
@@ -35,7 +35,7 @@ ALLOWED = (ValueError, OverflowError, TypeError)
 ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration",
            "seal_split", "recv_batch interleaved", "quant_encode", "quant_decode",
            "half_encode", "half_decode", "replay_check", "replay_accept", "accumulate_rows", "send_rows",
-           "finalize_rows", "same_lead")
+           "finalize_rows", "same_lead", "take_rows")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -146,6 +146,9 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
         return
     if which == 19:
         lead(fdp)
+        return
+    if which == 20:
+        take(fdp)
         return
     if which >= 4:
         rows_only(fdp, which)
@@ -836,6 +839,63 @@ def lead(fdp: atheris.FuzzedDataProvider) -> None:
         if got != want:
             raise AssertionError("same_lead disagrees with comparing the bytes")
         seen["same_lead compared"] += 1
+
+
+def take(fdp: atheris.FuzzedDataProvider) -> None:
+    """take_rows over a block of DATA bodies that is mostly a clean run (so the writing half runs), with a header
+    byte, a weight, a value or an offset now and then wrong, and the buffers it writes (seen, sums or result,
+    filled, wsum, status) of exact, short or wild sizes. Where it takes the block: every row is counted once, as
+    new or a duplicate, and every status is one it may give."""
+    rows, per = fdp.ConsumeIntInRange(0, 30), fdp.ConsumeIntInRange(0, 40)
+    full, mode = fdp.ConsumeIntInRange(0, 80), fdp.ConsumeIntInRange(0, 2) % 2 if fdp.ConsumeIntInRange(0, 15) else 5
+    start = fdp.ConsumeIntInRange(0, 100)
+    width = 19 + 4 * per
+    exact = fdp.ConsumeIntInRange(0, 3) != 0  # (else each count and size below may be off: where bounds go wrong)
+
+    def num(right: int) -> int:
+        return right if exact else number(fdp, right)
+
+    if exact:
+        s_off, s_stride = fdp.ConsumeIntInRange(0, 16), width + fdp.ConsumeIntInRange(0, 16)
+        s_size = s_off + max(0, rows - 1) * s_stride + width
+    else:
+        s_off, s_stride, s_size = layout(fdp, rows, width)
+    src = buffer(fdp, s_size)
+    ks = [fdp.ConsumeIntInRange(0, 3)]  # rising, with gaps now and then (a lossy path's block)
+    for _ in range(rows - 1):
+        ks.append(ks[-1] + (1 if fdp.ConsumeIntInRange(0, 3) else fdp.ConsumeIntInRange(0, 3)))
+    weight = 1.0 if fdp.ConsumeIntInRange(0, 7) else [2.5, 0.0, -1.0, float("nan")][fdp.ConsumeIntInRange(0, 3)]
+    for i, k in enumerate(ks):  # a run: the same header but for the offset
+        at = s_off + i * s_stride
+        if at >= 0 and at + 19 <= s_size:
+            head = struct.pack("<IBIIHf", 7, 0, full, (start + k * per) & 0xFFFFFFFF, per & 0xFFFF, weight)
+            ctypes.memmove(ctypes.addressof(src) + at, head, 19)
+    if rows and fdp.ConsumeIntInRange(0, 3) == 0 and s_size:  # one byte wrong somewhere
+        src[fdp.ConsumeIntInRange(0, s_size - 1)] = bytes([fdp.ConsumeIntInRange(0, 255)])
+    rows_of = src
+    if fdp.ConsumeBool() and rows and s_stride >= width and s_off >= 0 and s_off + rows * s_stride <= s_size:
+        rows_of = np.frombuffer(src, np.uint8)[s_off : s_off + rows * s_stride].reshape(rows, s_stride)[:, :width]
+    elif s_off:
+        rows_of = memoryview(src).cast("B")[min(s_off, s_size):]
+    seen_buf = buffer(fdp, max(0, min(num(full), 1 << 16)))
+    base = fdp.ConsumeIntInRange(0, 20) if mode == 1 else 0
+    dst = buffer(fdp, max(0, min(num(4 * (base + full * per)), 1 << 20)))
+    filled = buffer(fdp, max(0, min(num(full), 1 << 16)))
+    wsum = (ctypes.c_double * max(0, min(num(full), 1 << 16)))()
+    status = buffer(fdp, max(0, min(num(rows), 1 << 16)))
+    known = float("nan") if fdp.ConsumeBool() else [1.0, 2.5][fdp.ConsumeIntInRange(0, 1)]
+    n_rows = num(rows)
+    got = native.take_rows(rows_of, num(s_stride), n_rows, mode, 7, 0, num(per), full, start,
+                           num(full), known, 1e9, seen_buf, dst, num(base), filled, wsum, status)
+    if got is None:
+        seen["take_rows declined"] += 1
+        return
+    accepted, duplicates, k_last, _, _, odd = got
+    if accepted + duplicates != n_rows or not -1 <= k_last < full or odd > accepted:
+        raise AssertionError(f"take_rows: {got} for {n_rows} rows, {full} ranges")
+    if any(status[i][0] > 3 for i in range(n_rows)):
+        raise AssertionError("take_rows: a status it may not give")
+    seen["take_rows took"] += 1
 
 
 def main() -> None:
