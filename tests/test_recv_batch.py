@@ -250,6 +250,13 @@ def test_arguments_are_checked() -> None:
             NATIVE_RECV(s.fileno(), memoryview(bytearray(100)), 16, RECV_BUFFER)
         with pytest.raises((TypeError, BufferError)):
             NATIVE_RECV(s.fileno(), b"\0" * RECV_BUFFER, 16, RECV_BUFFER)  # read-only
+        whole = memoryview(bytearray(3 * RECV_BUFFER))
+        for bad_out in (memoryview(bytearray(RECV_BUFFER - 1)), whole[RECV_BUFFER // 2 :]):  # short; overlapping
+            with pytest.raises(ValueError, match="out"):
+                NATIVE_RECV(s.fileno(), whole[: 2 * RECV_BUFFER], 16, RECV_BUFFER, None, None, 0.0, None, None,
+                            bad_out)
+        with pytest.raises((TypeError, BufferError)):
+            NATIVE_RECV(s.fileno(), arena, 16, RECV_BUFFER, None, None, 0.0, None, None, b"\0" * RECV_BUFFER)
         r, w = os.pipe()
         try:
             with pytest.raises(OSError) as e:
@@ -948,3 +955,52 @@ def test_arrivals_are_bounded_and_checked() -> None:
                 NATIVE_RECV(s.fileno(), view, 1, RECV_BUFFER, None, None, 0.0, None, bad)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("screened", [True, False])
+def test_blocks_laid_out_in_out_are_those_laid_out_in_the_arena(screened: bool) -> None:
+    """GRO receives of three members interleaved (A B C A B C ..., each most of a 64 KB slot, as on loopback), read
+    once with ``out`` and once without: the same blocks, rows, sources and segments. With ``out`` a receive of more
+    than half a slot stays where it landed and a block that is not one run is copied once into ``out``; without, the
+    pass moves every receive down and regroups through a buffer. Blocks that are one run stay in the arena."""
+    rx = _bind(socket.AF_INET)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    rx.setblocking(False)
+    udp = UdpSocket(rx)  # (sets UDP_GRO where the kernel has it)
+    txs = [UdpSocket(_bind(socket.AF_INET)) for _ in range(3)]
+    screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {5: None, 6: None, 7: None}) if screened else None
+    arena = memoryview(bytearray(16 * RECV_BUFFER))
+    out = memoryview(bytearray(16 * RECV_BUFFER))
+
+    async def burst() -> None:
+        seq = 0
+        for k in range(4):
+            for i, tx in enumerate(txs):
+                rows = []
+                for _ in range(54 if k != 2 else 20):  # (a shorter receive now and then: not all of a slot)
+                    seq += 1
+                    rows.append(HEADER.pack(MAGIC, VERSION, 0x40, FLAG_SEALED, 5 + i, seq) + bytes([i, k]) * 589)
+                await tx.send_many(rows, rx.getsockname())
+
+    def read(with_out: bool) -> tuple[list, int]:
+        trio.run(burst)
+        got = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen, None, 0.0, None, None,
+                          out if with_out else None)
+        blocks = [(bytes(d), src, seg) for d, src, seg in got[0]]
+        in_out = sum(1 for d, _, _ in got[0] if d.obj is out.obj)
+        return blocks, in_out
+
+    try:
+        plain, plain_out = read(False)
+        laid, laid_out = read(True)
+        assert plain_out == 0
+        assert _rows(plain) == _rows(laid) and sum(len(d) for d, _, _ in plain) == 3 * (3 * 54 + 20) * 1199
+        assert [(len(d), seg) for d, _, seg in plain] == [(len(d), seg) for d, _, seg in laid]
+        if udp.gro:
+            if screened:  # each member's receives regrouped: three blocks, each laid out once in ``out``
+                assert len(laid) == 3 and laid_out == 3
+            else:  # nothing consecutive from one source: every receive a block of its own, none copied
+                assert len(laid) == 12 and laid_out == 0
+    finally:
+        for u in (udp, *txs):
+            u.close()

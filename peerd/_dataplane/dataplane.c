@@ -935,7 +935,15 @@ typedef struct {
     Py_ssize_t start, size, row;
     Source source;
     double stamp; /* the kernel's receive time of its latest message (SO_TIMESTAMPNS, unix seconds), 0: none */
+    Py_ssize_t head, tail; /* its messages (recv_batch's pieces), a chain through Piece.next, in order */
+    int in_out;            /* after materialize: its bytes are at ``start`` in recv_batch's ``out``, not the arena */
+    const unsigned char *data; /* after materialize: its first byte */
 } Block;
+
+/* One received message where it lies in the arena; a block is a chain of them until materialize makes it one run. */
+typedef struct {
+    Py_ssize_t start, size, next;
+} Piece;
 
 /* The header checks of peerd.wire.envelope.peek, with its constants given by the caller (``screen``). */
 typedef struct {
@@ -1388,9 +1396,9 @@ static Py_ssize_t *pass_source(PassSources *ps, const Source *s) {
 /* Never shed nor counted: a small PING or PONG, or (``protected``) a sealed datagram or block under a protected
  * token (the sessions of the members of running groups: their tensor data must not pay for a flood; a merged
  * block shares its first 13 bytes, so its token). A failed lookup (no memory) counts as unprotected. */
-static int is_urgent(const Shed *sh, const Block *b, const unsigned char *base) {
-    if (sh->protected != NULL && b->size >= HEADER_SIZE && (base[b->start + 4] & sh->sealed_flag)) {
-        const unsigned char *d = base + b->start;
+static int is_urgent(const Shed *sh, const Block *b) {
+    if (sh->protected != NULL && b->size >= HEADER_SIZE && (b->data[4] & sh->sealed_flag)) {
+        const unsigned char *d = b->data;
         uint64_t token = 0;
         for (int j = 0; j < 8; j++) token = (token << 8) | d[5 + j];
         PyObject *key = PyLong_FromUnsignedLongLong(token);
@@ -1400,7 +1408,7 @@ static int is_urgent(const Shed *sh, const Block *b, const unsigned char *base) 
         if (in < 0) PyErr_Clear();
     }
     if (b->size != b->row || b->size > sh->urgent_bytes || b->size < 4) return 0;
-    int t = base[b->start + 3];
+    int t = b->data[3];
     return t == sh->ping || t == sh->pong;
 }
 
@@ -1411,12 +1419,11 @@ static int cmp_ssize(const void *x, const void *y) {
 
 /* The water level: counts every source's datagrams of the pass (urgent ones left out), then the largest L with
  * sum(min(count, L)) <= keep; infinity when everything fits. The counts are reset to 0 (they count what is kept). */
-static double shed_level(PassSources *ps, const Block *blocks, Py_ssize_t nblocks, const unsigned char *base,
-                         const Shed *sh) {
+static double shed_level(PassSources *ps, const Block *blocks, Py_ssize_t nblocks, const Shed *sh) {
     Py_ssize_t total = 0, n = 0;
     for (Py_ssize_t i = 0; i < nblocks; i++) {
         const Block *b = &blocks[i];
-        if (is_urgent(sh, b, base)) continue;
+        if (is_urgent(sh, b)) continue;
         Py_ssize_t rows = b->row ? (b->size + b->row - 1) / b->row : 1;
         *pass_source(ps, &b->source) += rows;
         total += rows;
@@ -1491,27 +1498,25 @@ PyDoc_STRVAR(recv_batch_doc,
  * screen) and share the row size and first PREFIX_SIZE bytes join the first such block of that source while no
  * other block of the source came between them: each source's blocks keep their order; only blocks of different
  * sources pass each other. Unknown tokens, unsealed datagrams and everything a screen counts stay as they were.
- * Rewrites the arena's first ``used`` bytes and ``blocks`` in place; 0, or -1 with an exception set. */
+ * Joins the blocks' chains of pieces (materialize lays each out as one run) and removes the joined blocks from
+ * ``blocks``; 0, or -1 with an exception set. */
 #define REGROUP_SOURCES 64 /* sources with a group open at once; past that a source's blocks stay apart */
-static int regroup_sessions(unsigned char *base, Py_ssize_t used, Block *blocks, Py_ssize_t *nblocks_p,
-                            const Screen *screen) {
+static int regroup_sessions(const unsigned char *base, Py_ssize_t used, Block *blocks, Py_ssize_t *nblocks_p,
+                            Piece *pieces, const Screen *screen) {
     Py_ssize_t n = *nblocks_p;
     if (n < 3) return 0;
-    Py_ssize_t *next = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)n * 2);
-    if (next == NULL) {
+    Py_ssize_t open_lead[REGROUP_SOURCES], open_size[REGROUP_SOURCES];
+    unsigned char *joined = PyMem_RawCalloc((size_t)n, 1);
+    if (joined == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    Py_ssize_t *lead = next + n; /* lead[i]: its group's first block (i itself for a first), -1: none */
-    Py_ssize_t open_lead[REGROUP_SOURCES], open_tail[REGROUP_SOURCES], open_size[REGROUP_SOURCES];
     int nopen = 0;
     Py_ssize_t merges = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         Block *b = &blocks[i];
-        next[i] = -1;
-        lead[i] = -1;
-        if (b->start < 0 || b->size < 0 || b->start > used - b->size) goto keep; /* never: the pass laid them out */
-        const unsigned char *d = base + b->start;
+        if (b->start < 0 || b->size < 0 || b->start > used - b->row) continue; /* never: the pass laid them out */
+        const unsigned char *d = base + b->start; /* its first piece: the header of its first datagram */
         int slot = -1; /* this source's open group */
         for (int j = 0; j < nopen && slot < 0; j++)
             if (same_source(&blocks[open_lead[j]].source, &b->source)) slot = j;
@@ -1524,7 +1529,7 @@ static int regroup_sessions(unsigned char *base, Py_ssize_t used, Block *blocks,
             int known = key == NULL ? -1 : PyDict_Contains(screen->tokens, key);
             Py_XDECREF(key);
             if (known < 0) {
-                PyMem_RawFree(next);
+                PyMem_RawFree(joined);
                 return -1;
             }
             eligible = known;
@@ -1533,62 +1538,100 @@ static int regroup_sessions(unsigned char *base, Py_ssize_t used, Block *blocks,
             Block *l = &blocks[open_lead[slot]];
             if (eligible && l->row == b->row && open_size[slot] % b->row == 0
                 && memcmp(base + l->start, d, PREFIX_SIZE) == 0) {
-                next[open_tail[slot]] = i;
-                open_tail[slot] = i;
+                pieces[l->tail].next = b->head; /* b's pieces follow the lead's */
+                l->tail = b->tail;
+                l->size += b->size;
+                if (b->stamp > l->stamp) l->stamp = b->stamp;
                 open_size[slot] += b->size;
-                lead[i] = open_lead[slot];
+                joined[i] = 1;
                 merges++;
                 continue;
             }
             open_lead[slot] = open_lead[--nopen]; /* another block of the source: its group closes */
-            open_tail[slot] = open_tail[nopen];
             open_size[slot] = open_size[nopen];
         }
         if (eligible && nopen < REGROUP_SOURCES) {
             open_lead[nopen] = i;
-            open_tail[nopen] = i;
             open_size[nopen] = b->size;
             nopen++;
-            lead[i] = i;
         }
-    keep:;
     }
-    if (merges == 0) {
-        PyMem_RawFree(next);
-        return 0;
+    if (merges) {
+        Py_ssize_t w = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (!joined[i]) blocks[w++] = blocks[i];
+        *nblocks_p = w;
     }
-    unsigned char *tmp = PyMem_RawMalloc((size_t)used);
-    if (tmp == NULL) {
-        PyMem_RawFree(next);
-        PyErr_NoMemory();
-        return -1;
+    PyMem_RawFree(joined);
+    return 0;
+}
+
+/* Each block as one run of bytes that Python slices (its ``start``, ``in_out`` and ``data``). A block of one piece,
+ * or of pieces that lie one after another, stays where it is. The others are copied: with ``out`` (as large as the
+ * arena), each into ``out``, once; without, every block is laid out again from the arena's start, through a buffer
+ * (two copies, as before ``out``). 0, or -1 with an exception set. */
+static int materialize(unsigned char *base, Py_ssize_t used, unsigned char *out, Py_ssize_t out_len, Block *blocks,
+                       Py_ssize_t nblocks, const Piece *pieces) {
+    int scattered = 0;
+    for (Py_ssize_t i = 0; i < nblocks; i++) {
+        Block *b = &blocks[i];
+        b->in_out = 0;
+        b->data = base + b->start;
+        Py_ssize_t end = b->start;
+        for (Py_ssize_t p = b->head; p >= 0; p = pieces[p].next) {
+            if (pieces[p].start != end) {
+                scattered = 1;
+                break;
+            }
+            end += pieces[p].size;
+        }
     }
-    Py_ssize_t w = 0, pos = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (lead[i] >= 0 && lead[i] != i) continue; /* joined an earlier block: copied with it */
-        Block nb = blocks[i];
-        nb.start = pos;
-        nb.size = 0;
-        for (Py_ssize_t j = i; j >= 0; j = lead[i] == i ? next[j] : -1) {
-            /* members j > i are read before any write reaches them: w <= i < j */
-            const Block *m = &blocks[j];
-            if (m->start < 0 || m->size < 0 || m->start > used - m->size || pos > used - m->size) {
-                PyMem_RawFree(tmp); /* never: every block is copied once, and they fill ``used`` */
-                PyMem_RawFree(next);
-                PyErr_SetString(PyExc_RuntimeError, "recv_batch: a regrouped block is out of the arena");
+    if (!scattered) return 0;
+    unsigned char *tmp = NULL, *dst = out;
+    Py_ssize_t room = out_len;
+    if (out == NULL) {
+        tmp = PyMem_RawMalloc((size_t)(used > 0 ? used : 1));
+        if (tmp == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        dst = tmp;
+        room = used;
+    }
+    Py_ssize_t pos = 0;
+    for (Py_ssize_t i = 0; i < nblocks; i++) {
+        Block *b = &blocks[i];
+        if (out != NULL) { /* with ``out``, a block that lies in one run stays in the arena */
+            Py_ssize_t end = b->start, p = b->head;
+            while (p >= 0 && pieces[p].start == end) {
+                end += pieces[p].size;
+                p = pieces[p].next;
+            }
+            if (p < 0) continue;
+        }
+        Py_ssize_t at = pos;
+        for (Py_ssize_t p = b->head; p >= 0; p = pieces[p].next) {
+            const Piece *q = &pieces[p];
+            if (q->start < 0 || q->size < 0 || q->start > used - q->size || pos > room - q->size) {
+                PyMem_RawFree(tmp); /* never: the pieces lie in the arena, and they fill at most ``used`` */
+                PyErr_SetString(PyExc_RuntimeError, "recv_batch: a block's piece is out of the arena");
                 return -1;
             }
-            memcpy(tmp + pos, base + m->start, (size_t)m->size);
-            pos += m->size;
-            nb.size += m->size;
-            if (m->stamp > nb.stamp) nb.stamp = m->stamp;
+            memcpy(dst + pos, base + q->start, (size_t)q->size);
+            pos += q->size;
         }
-        blocks[w++] = nb;
+        b->start = at;
+        if (out != NULL) {
+            b->in_out = 1;
+            b->data = out + at;
+        } else {
+            b->data = base + at;
+        }
     }
-    memcpy(base, tmp, (size_t)pos);
-    PyMem_RawFree(tmp);
-    PyMem_RawFree(next);
-    *nblocks_p = w;
+    if (tmp != NULL) {
+        memcpy(base, tmp, (size_t)pos);
+        PyMem_RawFree(tmp);
+    }
     return 0;
 }
 
@@ -1597,9 +1640,10 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
     PyObject *arena_obj;
     Py_ssize_t max_datagrams, slot;
     PyObject *screen_obj = Py_None, *ration_obj = Py_None, *shed_obj = Py_None, *arrivals_obj = Py_None;
+    PyObject *out_obj = Py_None;
     double now = 0.0;
-    if (!PyArg_ParseTuple(args, "iOnn|OOdOO", &fd, &arena_obj, &max_datagrams, &slot, &screen_obj, &ration_obj, &now,
-                          &shed_obj, &arrivals_obj))
+    if (!PyArg_ParseTuple(args, "iOnn|OOdOOO", &fd, &arena_obj, &max_datagrams, &slot, &screen_obj, &ration_obj, &now,
+                          &shed_obj, &arrivals_obj, &out_obj))
         return NULL;
     PyObject *arrivals = NULL; /* source -> the latest kernel receive time of its data (see the docstring) */
     int data_min = 256;
@@ -1684,18 +1728,35 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "slot %zd out of range 1..%d", slot, 1 << 20);
         return NULL;
     }
-    Py_buffer arena = {0};
+    Py_buffer arena = {0}, outb = {0};
+    int have_out = 0;
     if (PyObject_GetBuffer(arena_obj, &arena, PyBUF_WRITABLE) < 0) return NULL;
     PyObject *result = NULL;
     Block *blocks = NULL;
+    Piece *pieces = NULL;
     PassSources ps = {0}; /* shed's per-source counts (freed at done) */
     if (arena.len < slot) {
         PyErr_Format(PyExc_ValueError, "an arena of %zd bytes holds no slot of %zd", arena.len, slot);
         goto done;
     }
-    /* Every message is at least one datagram: at most max_datagrams messages, so as many blocks. */
+    have_out = out_obj != Py_None;
+    if (have_out) {
+        if (PyObject_GetBuffer(out_obj, &outb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            have_out = 0;
+            goto done;
+        }
+        uintptr_t a0 = (uintptr_t)arena.buf, a1 = a0 + (uintptr_t)arena.len;
+        uintptr_t o0 = (uintptr_t)outb.buf, o1 = o0 + (uintptr_t)outb.len;
+        if (outb.len < arena.len || (a0 < o1 && o0 < a1)) {
+            PyErr_Format(PyExc_ValueError, "out (%zd bytes) must be at least as large as the arena (%zd) and apart "
+                         "from it", outb.len, arena.len);
+            goto done;
+        }
+    }
+    /* Every message is at least one datagram: at most max_datagrams messages, so as many blocks and pieces. */
     blocks = PyMem_RawMalloc(sizeof(Block) * (size_t)max_datagrams);
-    if (blocks == NULL) {
+    pieces = PyMem_RawMalloc(sizeof(Piece) * (size_t)max_datagrams);
+    if (blocks == NULL || pieces == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1706,7 +1767,8 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
         struct cmsghdr align;
         unsigned char buf[RECV_CONTROL];
     } control[RECV_VLEN];
-    Py_ssize_t used = 0, datagrams = 0, receives = 0, nblocks = 0, malformed = 0, version = 0, screened_bytes = 0;
+    Py_ssize_t used = 0, datagrams = 0, receives = 0, nblocks = 0, npieces = 0, malformed = 0, version = 0;
+    Py_ssize_t screened_bytes = 0;
     long long kernel_drops = -1;
     int drained = 0, err = 0;
     unsigned char *base = arena.buf;
@@ -1782,32 +1844,44 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
                 }
             }
             /* ``used`` has grown by at most ``slot`` per message before this one, so the destination is never
-             * past ``at``: the move goes down, over slots already moved, never over a later message's slot */
-            Py_ssize_t dest = used;
+             * past ``at``: the move goes down, over slots already moved, never over a later message's slot. With
+             * ``out`` a message of more than half a slot stays where it landed (the gap before it is left unused):
+             * its block is copied once into ``out`` by materialize if it is not one run, where moving it here and
+             * regrouping too moved each byte up to three times (GRO blocks of 54 x 1200 bytes in 64 KB slots). */
+            Py_ssize_t dest = (have_out && 2 * size > slot) ? (Py_ssize_t)(at - base) : used;
             unsigned char *to = base + dest;
             if (to != at && size > 0) memmove(to, at, (size_t)size);
+            if (npieces >= max_datagrams || nblocks >= max_datagrams) { /* never: a message is a datagram at least */
+                err = EOVERFLOW;
+                break;
+            }
+            Py_ssize_t piece = npieces++;
+            pieces[piece].start = dest;
+            pieces[piece].size = size;
+            pieces[piece].next = -1;
+            used = dest + size;
             if (nblocks > 0 && row) {
                 Block *last = &blocks[nblocks - 1];
                 Py_ssize_t prefix = row < MERGE_PREFIX ? row : MERGE_PREFIX;
-                if (last->row == row && last->size % row == 0 && last->start + last->size == dest
+                if (last->row == row && last->size % row == 0
+                    && (have_out || pieces[last->tail].start + pieces[last->tail].size == dest)
                     && same_source(&last->source, &source) && memcmp(base + last->start, to, (size_t)prefix) == 0) {
+                    pieces[last->tail].next = piece;
+                    last->tail = piece;
                     last->size += size;
                     if (stamp > last->stamp) last->stamp = stamp;
-                    used += size;
                     continue;
                 }
-            }
-            if (nblocks >= max_datagrams) { /* never: every message counts at least one datagram */
-                err = EOVERFLOW;
-                break;
             }
             blocks[nblocks].start = dest;
             blocks[nblocks].size = size;
             blocks[nblocks].row = row;
             blocks[nblocks].source = source;
             blocks[nblocks].stamp = stamp;
+            blocks[nblocks].head = blocks[nblocks].tail = piece;
+            blocks[nblocks].in_out = 0;
+            blocks[nblocks].data = to;
             nblocks++;
-            used += size;
         }
         if (err) break;
         if (n < k) { /* MSG_DONTWAIT: recvmmsg returns short only when the queue ran empty (or on an error, which
@@ -1824,7 +1898,9 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
     }
     if (nblocks == 0 && !drained && PyErr_CheckSignals() < 0) goto done;
     /* (not in an overloaded pass: shedding keeps each source's first rows in arrival order) */
-    if (screening && shed.keep == 0 && regroup_sessions(base, used, blocks, &nblocks, &screen) < 0) goto done;
+    if (screening && shed.keep == 0 && regroup_sessions(base, used, blocks, &nblocks, pieces, &screen) < 0) goto done;
+    if (materialize(base, used, have_out ? outb.buf : NULL, have_out ? outb.len : 0, blocks, nblocks, pieces) < 0)
+        goto done;
     PyObject *list = PyList_New(0);
     if (list == NULL) goto done;
     PyObject *unknown = NULL;
@@ -1852,13 +1928,13 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
     double level = 0;
     if (shed.keep > 0) {
         if (pass_sources_init(&ps, nblocks) < 0) goto fail;
-        level = shed_level(&ps, blocks, nblocks, base, &shed);
+        level = shed_level(&ps, blocks, nblocks, &shed);
     }
     for (Py_ssize_t i = 0; i < nblocks; i++) {
         Block *b = &blocks[i];
         int apart = 0; /* a single sealed datagram under a token the receiver does not know */
         if (screening && b->size == b->row && b->size >= HEADER_SIZE) {
-            const unsigned char *d = base + b->start;
+            const unsigned char *d = b->data;
             if (d[4] & screen.sealed_flag) {
                 uint64_t token = 0;
                 for (int j = 0; j < 8; j++) token = (token << 8) | d[5 + j];
@@ -1911,7 +1987,7 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
                 }
             }
         }
-        if (shed.keep > 0 && !is_urgent(&shed, b, base)) {
+        if (shed.keep > 0 && !is_urgent(&shed, b)) {
             /* past its fair share of this overloaded pass: shed before any Python object is made (a merged block
              * keeps its first rows) */
             Py_ssize_t *kept = pass_source(&ps, &b->source);
@@ -1940,7 +2016,7 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             Py_XSETREF(prev_tuple, Py_NewRef(source));
             prev = &b->source;
         }
-        PyObject *data = PySequence_GetSlice(arena_obj, b->start, b->start + b->size);
+        PyObject *data = PySequence_GetSlice(b->in_out ? out_obj : arena_obj, b->start, b->start + b->size);
         if (data == NULL) {
             Py_DECREF(source);
             goto fail;
@@ -1959,9 +2035,8 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             if (r < 0) goto fail;
             continue;
         }
-        if (arrivals != NULL && b->stamp > 0 && b->size > 3 && base[b->start + 3] >= data_min
-            && (!masked || (base[b->start + 3] - data_min < 64
-                            && ((data_mask >> (base[b->start + 3] - data_min)) & 1ULL)))) {
+        if (arrivals != NULL && b->stamp > 0 && b->size > 3 && b->data[3] >= data_min
+            && (!masked || (b->data[3] - data_min < 64 && ((data_mask >> (b->data[3] - data_min)) & 1ULL)))) {
             PyObject *when = PyFloat_FromDouble(b->stamp);
             int r = when == NULL ? -1 : PyDict_SetItem(arrivals, source, when);
             Py_XDECREF(when);
@@ -2011,7 +2086,9 @@ done:
     PyMem_RawFree(ps.kept);
     PyMem_RawFree(ps.used);
     PyMem_RawFree(blocks);
+    PyMem_RawFree(pieces);
     PyBuffer_Release(&arena);
+    if (have_out) PyBuffer_Release(&outb);
     return result;
 }
 #endif /* __linux__ */

@@ -181,6 +181,10 @@ class UdpSocket:
         self._sockaddrs: dict[Address, bytes | None] = {}
         self._arena = bytearray(arena_bytes)
         self._view = memoryview(self._arena)
+        # Where a native pass lays out a block whose receives are not one run of the arena (one source's GRO
+        # receives between another's, or apart by a slot's slack): each such byte is copied once, into here
+        # (dataplane.c materialize), where before it moved up to three times within the arena.
+        self._out = memoryview(bytearray(arena_bytes)) if self._native_recv is not None else None
         self._used = 0
         if overload_bytes == OVERLOAD_AUTO:
             overload_bytes = int(2 * self.rcvbuf * OVERLOAD_FRACTION)
@@ -257,7 +261,7 @@ class UdpSocket:
         limit = max(1, min(max_datagrams, 65536))
         while True:
             blocks, used, count, calls, drained, drops = recv(  # type: ignore[misc]
-                fd, view, limit, RECV_BUFFER, None, None, 0.0, None, self._arrivals())
+                fd, view, limit, RECV_BUFFER, None, None, 0.0, None, self._arrivals(), self._out)
             if drops >= 0:
                 self.kernel_drops = drops
             if blocks:
@@ -315,8 +319,9 @@ class UdpSocket:
                         self._overload_view = memoryview(bytearray(OVERLOAD_ARENA))
                     view, most = self._overload_view, max(limit, OVERLOAD_DATAGRAMS)
                     shed = (min(limit, OVERLOAD_KEEP), URGENT_BYTES, PING_TYPE, PONG_TYPE, keep)
+            # (an overloaded pass has an arena of its own, larger than ``_out``: it lays its blocks out in place)
             result = recv(fd, view, most, RECV_BUFFER, screen, table, now if table is not None else 0.0, shed,
-                          self._arrivals())
+                          self._arrivals(), self._out if view is self._view else None)
             blocks, used, count, calls, drained, drops, screened = result
             if shed is not None:
                 *screened, shed_now = screened

@@ -283,6 +283,15 @@ def replay(fdp: atheris.FuzzedDataProvider, check: bool) -> None:
 _pair: tuple[socket.socket, socket.socket] | None = None
 
 
+def _out(fdp: atheris.FuzzedDataProvider, arena: int) -> memoryview | None:
+    """recv_batch's ``out``: none, or a buffer as large as the arena, now and then a few bytes short (refused)."""
+    if fdp.ConsumeBool():
+        return None
+    size = arena if fdp.ConsumeIntInRange(0, 7) else max(0, arena - fdp.ConsumeIntInRange(1, 3))
+    seen["recv_batch out"] += 1
+    return memoryview(buffer(fdp, size)).cast("B")
+
+
 def _sockets() -> tuple[socket.socket, socket.socket]:
     """One sender and one non-blocking receiver (UDP_GRO on, SO_RXQ_OVFL on) on loopback, made once."""
     global _pair
@@ -433,14 +442,16 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
             arrivals = ({}, fdp.ConsumeIntInRange(0, 255)) if fdp.ConsumeIntInRange(0, 7) else ([], 300)
             if fdp.ConsumeBool() and isinstance(arrivals[0], dict):  # with a mask of the types that count
                 arrivals = (*arrivals, fdp.ConsumeIntInRange(0, 2**64 - 1))
-        if screen is None and table is None and shed is None and arrivals is None:
+        out = _out(fdp, len(view))
+        if screen is None and table is None and shed is None and arrivals is None and out is None:
             blocks, used, datagrams, receives, drained, drops = native.recv_batch(rx.fileno(), view, limit, slot)
-        elif screen is None and arrivals is not None:
+        elif screen is None:
             blocks, used, datagrams, receives, drained, drops = native.recv_batch(
-                rx.fileno(), view, limit, slot, None, None, 0.0, None, arrivals)
+                rx.fileno(), view, limit, slot, None, None, 0.0, None, arrivals, out)
         else:
-            args = (rx.fileno(), view, limit, slot, screen, table, now if table is not None else 0.0, shed, arrivals)
-            if table is None and shed is None and arrivals is None:
+            args = (rx.fileno(), view, limit, slot, screen, table, now if table is not None else 0.0, shed, arrivals,
+                    out)
+            if table is None and shed is None and arrivals is None and out is None:
                 args = (rx.fileno(), view, limit, slot, screen)
             blocks, used, datagrams, receives, drained, drops, screened = native.recv_batch(*args)
         if arrivals is not None:
@@ -485,7 +496,7 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
         got += [bytes(data[j : j + segment]) for j in range(0, len(data), segment)] if segment else [bytes(data)]
     if screen is not None:
         return  # blocks and unknown datagrams are interleaved in the arena: checked above
-    if end != used:
+    if end != used if out is None else end > used:  # (with ``out`` a receive of over half a slot leaves a gap)
         raise AssertionError(f"blocks cover {end} bytes, {used} used")
     if slot >= biggest:
         seen["recv_batch exact"] += 1
@@ -517,8 +528,8 @@ def _senders() -> tuple[list[socket.socket], socket.socket]:
 def receive_interleaved(fdp: atheris.FuzzedDataProvider) -> None:
     """recv_batch with a screen over datagrams of three senders in a fuzzed interleaving: sealed under known or
     unknown tokens, of a few sizes, some truncated or junk, so that sessions' runs regroup (regroup_sessions) and
-    are cut by other blocks of their source. Every block lies in the arena, and each source's rows come in the
-    order that source sent them."""
+    are cut by other blocks of their source. Every block lies in the arena (or ``out``), and each source's rows come
+    in the order that source sent them."""
     txs, rx = _senders()
     dest = rx.getsockname()
     sent: dict[int, list[bytes]] = {tx.getsockname()[1]: [] for tx in txs}
@@ -539,9 +550,10 @@ def receive_interleaved(fdp: atheris.FuzzedDataProvider) -> None:
     slot = number(fdp, 2048 if fdp.ConsumeIntInRange(0, 3) else fdp.ConsumeIntInRange(1, 4096))
     limit = number(fdp, fdp.ConsumeIntInRange(1, 128))
     screen = (b"PD\x02", 3, 2, 1, 1, number(fdp, 37), known)
+    out = _out(fdp, len(view))
     try:
-        blocks, used, datagrams, receives, drained, drops, screened = native.recv_batch(rx.fileno(), view, limit,
-                                                                                        slot, screen)
+        blocks, used, datagrams, receives, drained, drops, screened = native.recv_batch(
+            rx.fileno(), view, limit, slot, screen, None, 0.0, None, None, out)
     finally:
         for _ in range(100_000):
             try:
