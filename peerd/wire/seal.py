@@ -24,6 +24,7 @@ from . import native as _dataplane
 from .envelope import (
     FLAG_NO_RECEIVER,
     FLAG_SEALED,
+    HEADER,
     HEADER_DTYPE,
     HEADER_SIZE,
     KNOWN_FLAGS,
@@ -374,15 +375,14 @@ class Opener:
             head = None
             if rows > 1 and not native_lead(datagrams, 0, datagrams.strides[0], rows, SEQ_OFFSET):
                 return None
-            first = np.frombuffer(datagrams[0, :HEADER_SIZE].tobytes(), HEADER_DTYPE)[0]
         else:
             head = np.ascontiguousarray(datagrams[:, :HEADER_SIZE])
             lead = head[:, :SEQ_OFFSET]
             if rows > 1 and lead.tobytes() != lead[0].tobytes() * rows:
                 return None
-            first = head.view(HEADER_DTYPE).reshape(rows)[0]
-        mtype, flags, token = int(first["type"]), int(first["flags"]), int(first["token"])
-        if first["magic"] != MAGIC or int(first["version"]) != VERSION:
+        # (struct over row 0's bytes: a tenth of numpy's record field reads)
+        magic, version, mtype, flags, token, _ = HEADER.unpack_from(datagrams[0, :HEADER_SIZE].tobytes())
+        if magic != MAGIC or version != VERSION:
             return None
         if flags & ~KNOWN_FLAGS or flags & FLAG_NO_RECEIVER or bool(flags & FLAG_SEALED) != sealed:
             return None
