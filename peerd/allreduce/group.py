@@ -1093,13 +1093,7 @@ class GroupAverage:
             elif not (isinstance(ks, slice) and _place(bodies, self._out, 4 * (start + per * ks.start), 4 * per)):
                 self._out[start : start + full * per].view(np.uint8).reshape(full, 4 * per)[ks] = values
             phase.weight_received += float(weights.sum(dtype=np.float64))
-        if phase.note_block(sender, accepted, k_last, now):
-            self.phase_changes += 1
-        if phase.open == 0:
-            if mtype == _RS_DATA:
-                self._end_rs(now, COMPLETION)
-            elif self._rs.ended_at is not None:
-                self._end_ag(now, COMPLETION)
+        self._noted_block(phase, sender, mtype, accepted, k_last, now)
         return accepted, duplicates, 0
 
     def _take_native(self, sender: int, mtype: int, bodies: np.ndarray, now: float) -> tuple[int, int, int] | None:
@@ -1143,6 +1137,11 @@ class GroupAverage:
             phase.weight_received += w0 * accepted
         else:
             phase.weight_received += weights
+        self._noted_block(phase, sender, mtype, accepted, k_last, now)
+        return accepted, duplicates, 0
+
+    def _noted_block(self, phase: _Phase, sender: int, mtype: int, accepted: int, k_last: int, now: float) -> None:
+        """A block's ``accepted`` new rows noted in their phase, which ends once every stream is complete."""
         if phase.note_block(sender, accepted, k_last, now):
             self.phase_changes += 1
         if phase.open == 0:
@@ -1150,7 +1149,6 @@ class GroupAverage:
                 self._end_rs(now, COMPLETION)
             elif self._rs.ended_at is not None:
                 self._end_ag(now, COMPLETION)
-        return accepted, duplicates, 0
 
     def _take_odd(self, sender: int, bodies: np.ndarray, status: np.ndarray) -> None:
         """What take_rows did not add of a reduce-scatter block, as ``_add_rows`` counts it: rows refused for a NaN
