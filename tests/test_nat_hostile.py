@@ -8,6 +8,7 @@ import random
 import trio
 import trio.testing
 
+from peerd.dht import DhtService
 from peerd.metrics import Metrics
 from peerd.nat.service import NatService
 from peerd.transport import Endpoint
@@ -101,6 +102,70 @@ def test_members_cannot_steer_probes_connects_or_relays() -> None:
             await b.endpoint.notify(c.addr, m.MsgType.RELAYED, {"src": bytes(range(32)), "data": inner})
             await trio.sleep(1)
             assert dropped(c, "identity") == 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+class DhtNode(Node):
+    """A node with the DHT too, wired as the daemon wires it (the NAT service asks the DHT where a node is)."""
+
+    def __init__(self, net: MemNet, i: int) -> None:
+        super().__init__(net, i)
+        self.dht = DhtService(self.endpoint, self.metrics, rng=random.Random(100 + i), refresh_interval=30.0)
+        self.nat.contact_of = self.contact_of
+
+    def contact_of(self, node_id: bytes):
+        return next((c.addr for c in self.dht.core.table.contacts() if c.node_id == node_id), None)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as n:
+            await n.start(self.endpoint.serve)
+            await n.start(self.dht.run)
+            await n.start(self.nat.run)
+            task_status.started()
+
+
+def fresh_ping(node: Node, to: bytes, rid: int = 77) -> bytes:
+    """A PING sealed for ``to`` under a token of ``node``'s that nobody has seen bound yet."""
+    sealer = node.endpoint._new_sealer()
+    body = m.encode(m.MsgType.PING, {"rid": rid, "from": node.endpoint._bindings[sealer.token]})
+    return sealer.seal(m.MsgType.PING, body, to)
+
+
+def test_an_unsolicited_relayed_naming_another_member_reroutes_nothing_hostile() -> None:
+    """A member that a node reached sends it RELAYEDs naming another member B as ``src``: junk inside, then its own
+    PING under a fresh token. The node's traffic to B still goes to B directly, and its DHT keeps B at B's address
+    (on the old code the first RELAYED made the member B's relay, for good, and the DHT then dropped B)."""
+
+    async def main() -> None:
+        net = MemNet(seed=2, latency=0.002)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            a, b, mal = (DhtNode(net, i) for i in range(3))
+            for n in (a, b, mal):
+                await nursery.start(n.run)
+            await b.dht.bootstrap([a.addr], timeout=5)
+            await mal.dht.bootstrap([a.addr], timeout=5)
+            await a.endpoint.request(b.addr, m.MsgType.PING, {})
+            await a.endpoint.request(mal.addr, m.MsgType.PING, {})
+            await trio.sleep(2)
+            b_id = b.identity.node_id
+            assert a.contact_of(b_id) == b.addr and a.nat.reached.get(mal.identity.node_id) == mal.addr
+            await mal.endpoint.notify(a.addr, m.MsgType.RELAYED, {"src": b_id, "data": bytes(range(60))})
+            own = fresh_ping(mal, a.identity.node_id)
+            await mal.endpoint.notify(a.addr, m.MsgType.RELAYED, {"src": b_id, "data": own})
+            await trio.sleep(1)
+            assert a.endpoint.relay_of(b.addr) is None and a.nat.kind.get(b_id) is None
+            assert dropped(a, "identity") == 1
+            for _ in range(3):  # A's traffic to B, over the next 40 s (the DHT's checks included)
+                reply = await a.endpoint.request(b.addr, m.MsgType.PING, {}, node_id=b_id)
+                assert reply.peer.node_id == b_id and not reply.relayed
+                await trio.sleep(20)
+            assert not [s for s in a.sent if s[0] == mal.addr and s[1] == m.MsgType.RELAY]
+            assert a.endpoint.path_counts["relayed"] == [0, 0]
+            assert a.contact_of(b_id) == b.addr
+            assert [c.node_id for c in a.dht.core.table.contacts() if c.addr == b.addr] == [b_id]
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -163,6 +163,8 @@ class DhtService:
     # -- the routing table ----------------------------------------------------------------------
     def _on_request(self, incoming: Incoming) -> dict:
         peer = incoming.peer
+        if incoming.relayed:  # it came through a relay: its source stands for the sender, no address to learn
+            return self.core.handle(incoming.mtype, incoming.body, trio.current_time())
         if self._nursery is None:  # not running yet: nobody to PING with
             self._heard(peer)
         else:
@@ -185,8 +187,8 @@ class DhtService:
         try:
             if ping.why == "verify":
                 reply = await self.endpoint.request(contact.addr, m.MsgType.PING, {}, node_id=contact.node_id)
-                if reply.peer.node_id == contact.node_id:
-                    answer = _contact(reply.peer)
+                if reply.peer.node_id == contact.node_id:  # (through a relay: the address asked, no other)
+                    answer = contact if reply.relayed else _contact(reply.peer)
             else:
                 await self._rpc(contact, m.MsgType.PING, {})
                 answer = contact
@@ -219,7 +221,8 @@ class DhtService:
             raise
         if reply.peer.node_id != contact.node_id:
             self._forget(contact.node_id)
-            self._heard(reply.peer, contact.addr)
+            if not reply.relayed:  # a relayed answer shows nothing about who is at ``contact.addr``
+                self._heard(reply.peer, contact.addr)
             raise RpcError(f"{contact.host}:{contact.port} is now another node")
         self._heard(reply.peer, contact.addr)
         return reply

@@ -26,7 +26,6 @@ from ..metrics import Metrics
 from ..transport.endpoint import PATH_KINDS, Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
 from ..wire.errors import WireError
-from ..wire.identity import node_id_of
 from .punch import KEEPALIVE_S, Failed, Intro, Ping, Punched, Puncher
 from .reach import UNKNOWN, AskProbe, Observe, ProbeLimiter, Reach, choose_prober
 from .relay import RelayServer
@@ -45,6 +44,8 @@ RELAY_QUEUE = 4096  # RELAYs waiting to be passed on (more: refused, ``relay_que
 DIRECT_RETRIES = 3  # direct PINGs before a failed punch relays (see _answers_directly)
 DIRECT_RETRY_S = 0.25  # ... each this long unanswered (a NATed peer costs 0.75 s more before its relay)
 RELAY_TRIES = 3  # relays asked for one peer before giving up (each costs a PING's timeout when it refuses)
+MAX_STANDINS = 256  # reply paths through relays not (yet) confirmed as a peer's path (LRU)
+DIRECT_CHECK_S = 10.0  # a relayed peer heard directly is PINGed there at most this often (answered: relay dropped)
 
 
 class NatMetrics:
@@ -99,6 +100,13 @@ class NatService:
         self._attempts: OrderedDict[bytes, int] = OrderedDict()  # punch-then-relay attempts started, per peer
         self._connecting: set[Address] = set()
         self._target_addr: OrderedDict[bytes, Address] = OrderedDict()  # punch/relay target -> its address
+        # Confirmed relayed paths: peer -> (relay id, relay address, the address this node uses for the peer). A
+        # path is confirmed only by a PING through the relay that the peer answered (identity-checked), and only
+        # for a peer that did not answer directly; a direct answer drops it.
+        self._via: OrderedDict[bytes, tuple[bytes, Address, Address]] = OrderedDict()
+        self._standins: OrderedDict[Address, bytes] = OrderedDict()  # reply-only addresses through a relay
+        self._confirming: set[bytes] = set()
+        self._direct_tried: OrderedDict[bytes, float] = OrderedDict()
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._published: dict[str, tuple[int, int]] = {}
@@ -200,6 +208,8 @@ class NatService:
             self.reach.remove_peer(gone)
         self.reach.add_peer(node_id, addr)
         self.relay.reached(node_id, addr, now)
+        if node_id in self._via:
+            self._drop_relay(node_id, addr)
         self._act(self.puncher.pong(node_id, addr, now))
         if self._started and self.reach.verdict == UNKNOWN:
             self.reach.soon(now, 2.0)  # undecided for want of peers: a new one may be enough
@@ -214,6 +224,13 @@ class NatService:
         heard.move_to_end(node_id)
         if len(heard) > MAX_REACHED:
             heard.popitem(last=False)
+        if node_id in self._via and now - self._direct_tried.get(node_id, -math.inf) >= DIRECT_CHECK_S:
+            # a relayed peer speaks to this node directly: if it answers there too, the relay goes
+            self._direct_tried[node_id] = now
+            self._direct_tried.move_to_end(node_id)
+            if len(self._direct_tried) > MAX_REACHED:
+                self._direct_tried.popitem(last=False)
+            self._spawn(self._ping, Ping(node_id, source))
         if self.puncher.punching(node_id):
             self._act(self.puncher.pong(node_id, source, now))
 
@@ -364,54 +381,128 @@ class NatService:
                 log.debug("RELAYED to %s: %s", addr, e)
 
     def _on_relayed(self, incoming: Incoming) -> None:
+        """A datagram a relay passed on. It is handled only once it opened under a token bound to ``src`` (the
+        endpoint checks), at the address this node uses for ``src`` through that relay, or else at a reply-only
+        stand-in through it (answers go back the way it came). Nothing here makes the relay ``src``'s path: that
+        takes a PING through it that ``src`` answers (``_confirm``), and only for a peer not answering directly."""
         if self._relayed_in(incoming):
             self.base.datagrams_dropped.labels("relay_loop").inc()
             return None
-        relay_id = incoming.peer.node_id
+        relay_id, relay = incoming.peer.node_id, incoming.source
         src = incoming.body["src"]
-        data = incoming.body["data"]
-        token = int.from_bytes(data[5:13], "big") if len(data) >= 21 else 0
-        state = self.endpoint.opener.token_state(token)
         why = ""
-        if self.reached.get(relay_id) != incoming.source:
+        if self.reached.get(relay_id) != relay:
             why = "unreached"  # only a relay this node reached, at that address
         elif src == self.endpoint.identity.node_id:
             why = "self"
-        elif state is not None and state.peer_key is not None and node_id_of(state.peer_key) != src:
-            why = "identity"  # src is not the identity bound to the inner datagram's token
+        elif src == relay_id:
+            why = "relay_loop"
         if why:
             self.base.datagrams_dropped.labels(why).inc()
             return None
-        addr = self._address_for(src)
-        if self.endpoint.relay_of(addr) is None:  # it came through a relay: so do the answers
-            self.endpoint.set_relay(addr, src, relay_id, incoming.source)
-            self.kind[src] = "relayed"
-        self.endpoint.receive_relayed(data, addr)
+        addr = self._relayed_addr(src, relay_id, relay)
+        standin = addr is None
+        if addr is None:
+            addr = self._standin(src, relay_id)
+        if not self.endpoint.receive_relayed(incoming.body["data"], addr, src):
+            return None  # junk, a replay, or another identity than ``src`` (dropped and counted by the endpoint)
+        if standin:
+            self._use_standin(addr, src, relay_id, relay)
+        now = trio.current_time()
+        if (src not in self._via and src not in self._confirming and src not in self._active
+                and not self._answers_recently(src, now) and len(self._confirming) < MAX_ACTIVE
+                and self._nursery is not None):
+            self._confirming.add(src)
+            self._nursery.start_soon(self._confirm, src, relay_id, relay, addr)
         return None
 
-    def relay_entry(self, node_id: bytes) -> tuple[bytes, bytes, Address] | None:
-        for entry in self.endpoint._relayed.values():
-            if entry[0] == node_id:
-                return entry
+    def _relayed_addr(self, src: bytes, relay_id: bytes, relay: Address) -> Address | None:
+        """The address this node uses for ``src`` through ``relay``: its confirmed relayed path, or the one this
+        node's own relay attempt (``_relay_to``) set up there; None if neither."""
+        via = self._via.get(src)
+        if via is not None and via[0] == relay_id and via[1] == relay:
+            return via[2]
+        target = self._target_addr.get(src)
+        if target is not None and self.endpoint.relay_of(target) == (src, relay_id, relay):
+            return target
         return None
 
-    def _address_for(self, node_id: bytes) -> Address:
-        """The address this node uses for ``node_id``: the one it set a relay up for, the DHT's, or a stand-in
-        (an address from 240.0.0.0/4 or 100::/64, never routed) that only this node's relay table knows."""
-        for addr, entry in self.endpoint._relayed.items():
-            if entry[0] == node_id:
-                return addr
-        addr = self._target_addr.get(node_id)
-        if addr is None and self.contact_of is not None:
-            addr = self.contact_of(node_id)
-        if addr is not None:
-            return addr
-        digest = hashlib.sha256(b"peerd relayed " + node_id).digest()
+    def _standin(self, node_id: bytes, relay_id: bytes) -> Address:
+        """A reply-only address for ``node_id`` through ``relay_id`` (from 240.0.0.0/4 or 100::/64, never routed):
+        only this node's relay table knows it, so nothing but answers to what came through that relay goes
+        there."""
+        digest = hashlib.sha256(b"peerd relayed " + node_id + relay_id).digest()
         if self.endpoint.family == socket.AF_INET6:
             host = str(ipaddress.IPv6Address(b"\x01\x00" + bytes(6) + digest[:8]))
         else:
             host = str(ipaddress.IPv4Address(bytes([240 | (digest[0] & 0x0F)]) + digest[1:4]))
         return (host, 1 + int.from_bytes(digest[4:6], "big") % 65535)
+
+    def _use_standin(self, addr: Address, src: bytes, relay_id: bytes, relay: Address) -> None:
+        self.endpoint.set_relay(addr, src, relay_id, relay)
+        standins = self._standins
+        standins[addr] = src
+        standins.move_to_end(addr)
+        while len(standins) > MAX_STANDINS:
+            gone, node_id = standins.popitem(last=False)
+            via = self._via.get(node_id)
+            if via is None or via[2] != gone:
+                self.endpoint.clear_relay(gone)
+
+    def _answers_recently(self, node_id: bytes, now: float) -> bool:
+        """Whether ``node_id`` answered this node directly within ``KNOWN_S`` (then it needs no relay)."""
+        return node_id in self.reached and now - self._answered_at.get(node_id, -math.inf) <= KNOWN_S
+
+    async def _confirm(self, src: bytes, relay_id: bytes, relay: Address, standin: Address) -> None:
+        """``src`` spoke through a relay and has no path to this node: make that relay its path if it does not
+        answer directly (at the address the DHT or a punch named it at) and does answer a PING through it."""
+        try:
+            real = self._target_addr.get(src)
+            if real is None and self.contact_of is not None:
+                real = self.contact_of(src)
+            if real is not None and (real == relay or self.endpoint.relay_of(real) is not None):
+                real = None
+            if real is not None and await self._answers_directly(real, src):
+                return
+            try:
+                reply = await self.endpoint.request(standin, m.MsgType.PING, {}, node_id=src, attempts=2)
+            except RpcError:
+                return
+            if (reply.peer.node_id != src or src in self._via or src in self._active
+                    or self._answers_recently(src, trio.current_time())):
+                return
+            self._use_relay(src, relay_id, relay, real if real is not None else standin)
+        finally:
+            self._confirming.discard(src)
+
+    def _use_relay(self, node_id: bytes, relay_id: bytes, relay: Address, addr: Address) -> None:
+        """``node_id`` answered a PING through ``relay``: from now on what goes to ``addr`` goes through it."""
+        self.endpoint.set_relay(addr, node_id, relay_id, relay)
+        self._standins.pop(addr, None)
+        via = self._via
+        via[node_id] = (relay_id, relay, addr)
+        via.move_to_end(node_id)
+        self.kind[node_id] = "relayed"
+        while len(via) > MAX_REACHED:
+            self._drop_relay(next(iter(via)), None)
+
+    def _drop_relay(self, node_id: bytes, direct: Address | None) -> None:
+        """``node_id`` answered directly (at ``direct``), or is forgotten (None): its relayed path goes, and what
+        was sent to it through the relay goes to where it answered."""
+        if self._via.pop(node_id, None) is None:
+            return
+        if self.kind.get(node_id) == "relayed":
+            del self.kind[node_id]
+        for addr, entry in list(self.endpoint._relayed.items()):
+            if entry[0] == node_id and addr not in self._standins:
+                self.endpoint.clear_relay(addr)
+                if direct is not None and addr != direct:
+                    self.endpoint.set_alias(addr, direct)
+
+    def relay_entry(self, node_id: bytes) -> tuple[bytes, bytes, Address] | None:
+        """(peer, relay id, relay address) of ``node_id``'s confirmed relayed path, if it has one."""
+        via = self._via.get(node_id)
+        return (node_id, via[0], via[1]) if via is not None else None
 
     # -- connecting on purpose -------------------------------------------------------------------------------
     def path_to(self, addr: Address, node_id: bytes) -> str | None:
@@ -549,7 +640,7 @@ class NatService:
         every relay it uses, and, when it is behind a NAT, toward the 2 peers that answered it last (so that
         an introducer's CONNECT and a relay's RELAYED can still come in)."""
         targets: dict[Address, bytes] = {}
-        for _peer, relay_id, relay in list(self.endpoint._relayed.values())[:64]:
+        for relay_id, relay, _addr in list(self._via.values())[:64]:
             targets[relay] = relay_id
         if self.reach.verdict in ("cone-nat", "symmetric-nat"):
             for node_id in list(reversed(self.reached))[:2]:
@@ -702,7 +793,7 @@ class NatService:
                 if reply.peer.node_id != node_id:
                     self.endpoint.clear_relay(addr)
                     return
-                self.kind[node_id] = "relayed"
+                self._use_relay(node_id, relay_id, relay, addr)
                 return
         finally:
             self._active.discard(node_id)

@@ -149,6 +149,7 @@ class Incoming:
     body: dict[str, Any]
     peer: Peer
     source: Address
+    relayed: bool = False  # it came through a relay: ``source`` stands for the sender and teaches no address
 
 
 RequestHandler = Callable[[Incoming], dict[str, Any] | None]
@@ -259,6 +260,8 @@ class Endpoint:
         self.nat: NatHooks | None = None
         self._relayed: dict[Address, tuple[bytes, bytes, Address]] = {}  # addr -> (peer id, relay id, relay addr)
         self._punched: set[Address] = set()
+        self._relayed_src: bytes | None = None  # while a relayed datagram is handled: the sender its relay named
+        self._relayed_ok = False
         self._alias: dict[Address, Address] = {}  # an address a peer is known at -> where it answers (NAT mapping)
         self.path_counts: dict[str, list[int]] = {k: [0, 0] for k in PATH_KINDS}  # kind -> [datagrams, bytes]
         self.on_request(m.MsgType.PING, lambda incoming: {})  # the DHT replaces it; a PING is always answered
@@ -558,11 +561,17 @@ class Endpoint:
             return
         await self._send_datagram(addr, m.MsgType.RELAYED, datagram)
 
-    def receive_relayed(self, data: bytes, source: Address) -> None:
-        """A datagram a relay passed on (RELAYED ``data``), handled as if it came from ``source``: the address
-        this node uses for its sender, so answers go back through the relay. Called from a handler, so what it
-        produces is sent when the receive loop flushes."""
-        self._datagram(data, source, trio.current_time())
+    def receive_relayed(self, data: bytes, source: Address, src: bytes) -> bool:
+        """A datagram a relay passed on (RELAYED ``data`` from ``src``), handled as if it came from ``source``: the
+        address this node uses for its sender, so answers go back through the relay. It is handled only if it
+        opens under a token bound to ``src`` (else dropped, ``identity``): a relay cannot speak for another node.
+        Returns whether it was. Called from a handler, so what it produces is sent when the receive loop flushes."""
+        self._relayed_src, self._relayed_ok = src, False
+        try:
+            self._datagram(data, source, trio.current_time())
+        finally:
+            self._relayed_src = None
+        return self._relayed_ok
 
     async def _send_control(
         self, addr: Address, mtype: m.MsgType, rid: int, fields: dict[str, Any], receiver: bytes | None
@@ -1050,6 +1059,11 @@ class Endpoint:
             if raw is None:
                 self._drop("type")
                 return
+            if self._relayed_src is not None:
+                if state.peer_id != self._relayed_src:
+                    self._drop("identity")
+                    return
+                self._relayed_ok = True
             self._count_received(mtype)
             self._data_blocks += 1
             try:
@@ -1068,6 +1082,11 @@ class Endpoint:
         except Exception:
             self._handler_failed(mtype)
             return
+        if self._relayed_src is not None:
+            if incoming.peer.node_id != self._relayed_src:
+                self._drop("identity")
+                return
+            incoming.relayed = self._relayed_ok = True
         self.core.guard.received(source, len(data))
         self._count_received(mtype)
         rid = incoming.body["rid"]
@@ -1086,7 +1105,7 @@ class Endpoint:
             return
         response_type = self.core.response_type(mtype)
         handler = self._handlers[mtype]
-        if self.nat is not None:
+        if self.nat is not None and not incoming.relayed:
             self.nat.heard(source, incoming.peer.node_id, now)  # a punch's PING from the other side comes here
         try:
             fields = handler(incoming)
