@@ -48,6 +48,14 @@ def lab(seed: int) -> tuple[Network, dict[str, SimNatNode], dict[str, tuple[str,
     return net, nodes, public
 
 
+def publish(nodes: dict[str, SimNatNode]) -> None:
+    """What the DHT would carry: every node's published address (its observed one behind a NAT), known to all."""
+    for node in nodes.values():
+        for name, other in nodes.items():
+            if other is not node:
+                node.named[other.node_id] = other.reach.observed_addr if KINDS[name] else other.addr
+
+
 def _mapped(net: Network, node: SimNatNode, toward: tuple[str, int]) -> tuple[str, int]:
     box = net.nat_of(node.addr)
     if box is None:
@@ -145,6 +153,7 @@ def test_punch_cone_to_cone_and_relay_for_symmetric() -> None:
     for node in nodes.values():
         node.start()
     net.run(until=30.0)
+    publish(nodes)
     p1 = nodes["p1"]
     relays = [(p1.node_id, public["p1"])]
     introducer = (p1.node_id, public["p1"])
@@ -179,6 +188,7 @@ def test_punched_path_stays_open_with_keepalives() -> None:
     for node in nodes.values():
         node.start()
     net.run(until=30.0)
+    publish(nodes)
     c1, c2 = nodes["c1"], nodes["c2"]
     intro = (nodes["p1"].node_id, public["p1"])
     c1.connect(c2.node_id, c2.reach.observed_addr, intro, [])

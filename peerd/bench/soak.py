@@ -736,6 +736,8 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
             "responder_answers": summary.get("responder_answers", 0),
             # datagrams the daemons sent back to the cross-receiver replayer (expected 0)
             "cross_receiver_answers": summary.get("cross_receiver_answers", 0),
+            # datagrams the daemons sent to the address connect_reflect's CONNECTs named (expected 0)
+            "connect_reflected": summary.get("connect_reflected", 0),
             "averages_alone": averager.alone,
             "averages_by_phase": averager.by_phase,
             "dht_peers_max": {p: int(max(v)) for p, v in monitor.peers.items() if v},

@@ -43,7 +43,7 @@ FLOOD_PER_STORE = 5  # records in one flood STORE (fits a 1200-byte datagram)
 BURST_CHUNK = 256  # datagrams sent between two looks at the clock in the burst
 MEMBER_CLASSES = ("mm_join_bad_addr", "progress_far_ahead", "dht_store_flood", "state_advert_huge",
                   "report_throttle", "held_data", "slot_squat", "nonfinite_data", "huge_weight", "find_value_pages",
-                  "replay", "cross_receiver_replay")
+                  "replay", "cross_receiver_replay", "relay_hijack", "connect_reflect", "relay_starve")
 OUTSIDER_CLASSES = ("random", "mutated", "wrong_key", "random_token")
 # the outsider-only phase of the bench (its daemon CPU per datagram): no key, so none of these can be opened
 OUTSIDER_CPU_CLASSES = ("random_token", "random", "mutated", "wrong_key")
@@ -96,8 +96,13 @@ class Attack:
         self.osock = _udp()  # the outsider
         self.xsock = _udp()  # the on-path replayer of cross_receiver_replay (its own source: its own ration)
         self.xanswers = 0  # datagrams that came back to it (must stay 0)
+        self.csock = _udp()  # where connect_reflect's CONNECTs say the peer is: what a daemon punches there counts
+        self.reflected = 0  # datagrams that arrived there (must stay 0)
         self.members = [_Member(self.secret) for _ in range(max(1, int(cfg.get("identities", IDENTITIES))))]
         self.responder = _Member(self.secret)
+        # the responder's identity under a token of its own (the responder thread seals with the other): a member
+        # the daemons reached, so its RELAYEDs and CONNECTs get past the "reached" check to the real ones
+        self.relayer = _Member(self.secret, self.responder.ident)
         self.wrong = [_Member(os.urandom(32)) for _ in range(4)]
         self.captured: list[bytes] = []  # datagrams seen (own sealed ones, and what daemons sent us): to mutate
         self.last_sealed: dict[int, list[bytes]] = {}  # per target: a datagram is sealed for its receiver
@@ -194,6 +199,15 @@ class Attack:
             ][i % 4]
             self.xr_bodies.append((mb, mtype, mb.body(mtype, fields)))
 
+        # relay_hijack: RELAYEDs naming another daemon as src, with junk or a fresh-token PING of a minted identity
+        self.hijack_inner = [_Member(self.secret) for _ in range(16)]
+        # relay_starve: RELAYs from minted identities (and the reached one) to another daemon, near MTU-sized
+        self.starve_data = rng.randbytes(1000)
+
+    def _other(self) -> bytes:
+        """Another daemon's node id than this datagram's target (itself when there is only one)."""
+        return self.victims[(self._to + 1) % len(self.victims)]
+
     # -- one datagram per call -------------------------------------------------------------------------------
     def _seal(self, mb: _Member, mtype: int, body: bytes) -> bytes:
         d = seal_for(mb.sealer, mtype, body, self.victims[self._to])
@@ -267,6 +281,33 @@ class Attack:
                 self._send(self.xsock, data, target, "cross_receiver_replay")
         return self.xsock, data
 
+    def _b_relay_hijack(self) -> tuple[socket.socket, bytes]:
+        """A RELAYED naming another daemon as ``src``: junk inside, or the attacker's own PING under a fresh token.
+        A daemon must not make the attacker that daemon's relay, nor learn its address from the PING."""
+        if self.rng.random() < 0.5:
+            data = self.rng.randbytes(self.rng.randrange(21, 200))
+        else:
+            mb = self.hijack_inner[self.rng.randrange(len(self.hijack_inner))]
+            data = seal_for(mb.sealer, m.MsgType.PING, mb.body(m.MsgType.PING, {}), self.victims[self._to])
+        body = self.relayer.body(m.MsgType.RELAYED, {"src": self._other(), "data": data})
+        return self.rsock, seal_for(self.relayer.sealer, m.MsgType.RELAYED, body, self.victims[self._to])
+
+    def _b_connect_reflect(self) -> tuple[socket.socket, bytes]:
+        """A CONNECT naming a peer the DHT never named, at a reflection target (``csock``): no PING may go there."""
+        host, port = self.csock.getsockname()[:2]
+        peer = m.pack_contact(self.rng.randbytes(32), host, port)
+        body = self.relayer.body(m.MsgType.CONNECT, {"peer": peer})
+        return self.rsock, seal_for(self.relayer.sealer, m.MsgType.CONNECT, body, self.victims[self._to])
+
+    def _b_relay_starve(self) -> tuple[socket.socket, bytes]:
+        """RELAYs to another daemon from minted identities (and the reached one), to use up a relay's budget."""
+        if self.rng.random() < 0.5:
+            mb, sock = self.relayer, self.rsock
+        else:
+            mb, sock = self.members[self.rng.randrange(len(self.members))], self.msock
+        body = mb.body(m.MsgType.RELAY, {"to": self._other(), "data": self.starve_data})
+        return sock, seal_for(mb.sealer, m.MsgType.RELAY, body, self.victims[self._to])
+
     def _b_random_token(self) -> tuple[socket.socket, bytes]:
         """A well-formed sealed control header under a random token and sequence, then random bytes: only the
         AEAD (a key derivation per new token) can refuse it, which the daemons ration (``auth_limited``)."""
@@ -307,7 +348,7 @@ class Attack:
     def _serve(self) -> None:
         opener = opener_for(self.secret, self.responder.ident.node_id)
         sel = selectors.DefaultSelector()
-        for s in (self.rsock, self.msock, self.osock, self.xsock):
+        for s in (self.rsock, self.msock, self.osock, self.xsock, self.csock):
             s.setblocking(False)
             sel.register(s, selectors.EVENT_READ)
         r = self.responder
@@ -330,6 +371,9 @@ class Attack:
                         break
                     if sock is self.xsock:
                         self.xanswers += 1
+                        continue
+                    if sock is self.csock:
+                        self.reflected += 1
                         continue
                     if len(self.captured) < 512:
                         self.captured.append(data)
@@ -435,7 +479,8 @@ class Attack:
         return {"done": True, "sent": sum(self.sent.values()), "by_class": dict(self.sent), "seconds": seconds,
                 "burst_datagrams": burst, "burst_seconds": burst_s,
                 "burst_datagrams_per_second": burst / burst_s if burst_s > 0 else 0.0,
-                "responder_answers": self.answered, "cross_receiver_answers": self.xanswers}
+                "responder_answers": self.answered, "cross_receiver_answers": self.xanswers,
+                "connect_reflected": self.reflected}
 
 
 def _udp() -> socket.socket:

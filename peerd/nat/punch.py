@@ -7,11 +7,16 @@ opens its own NAT's filter for the other, and the next ones get through. A PONG 
 remembered per peer and held open by keepalives (under the 30 s a NAT keeps an unreplied UDP flow) while the
 path is used. A punch that gets no PONG by ``deadline`` fails: the caller falls back to a relay.
 
+A punch is PINGs at an address someone else named (the introducer, or the INTRO_OK of one), so a member could
+point it at any host: a punch goes only to the address the DHT named that peer at (``named``), and each target
+address gets at most ``TARGET_PUNCHES`` punches per ``TARGET_WINDOW_S``, however many CONNECTs name it.
+
 Inputs carry ``now``; outputs are actions (``Intro``, ``Ping``, ``Punched``, ``Failed``) and ``wake_at``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 Address = tuple[str, int]
@@ -24,6 +29,9 @@ IDLE_S = 120.0  # a path unused this long gets no more keepalives
 RETRY_FAILED_S = 60.0  # a failed punch to a peer is not tried again before this
 MAX_PUNCHES = 64  # punches under way at once
 MAX_PATHS = 1024
+TARGET_PUNCHES = 2  # punches towards one address per TARGET_WINDOW_S (each up to PUNCH_PINGS PINGs)
+TARGET_WINDOW_S = 60.0
+MAX_TARGETS = 4096  # target addresses whose punches are counted (more: the oldest window is forgotten)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +70,7 @@ Action = Intro | Ping | Punched | Failed
 class _Punch:
     addr: Address | None  # None: waiting for INTRO_OK
     started: float
+    named: tuple[Address, ...] = ()  # where the DHT named the target (INTRO_OK must give one of these)
     pings_left: int = PUNCH_PINGS
     next_ping: float = 0.0
 
@@ -80,8 +89,28 @@ class Puncher:
     _punches: dict[bytes, _Punch] = field(default_factory=dict)
     paths: dict[bytes, _Path] = field(default_factory=dict)
     _failed: dict[bytes, float] = field(default_factory=dict)
+    _targets: dict[Address, tuple[float, int]] = field(default_factory=dict)  # address -> (window start, punches)
     punched: int = 0
     failures: int = 0
+    refused: dict[str, int] = field(default_factory=dict)  # punches not started, by reason (unnamed, target_budget)
+
+    def _refuse(self, why: str) -> None:
+        self.refused[why] = self.refused.get(why, 0) + 1
+
+    def _allow(self, addr: Address, now: float) -> bool:
+        """Charge one punch to ``addr``'s budget; False when it is spent for this window."""
+        targets = self._targets
+        start, n = targets.get(addr, (now, 0))
+        if now - start >= TARGET_WINDOW_S:
+            start, n = now, 0
+        if n >= TARGET_PUNCHES:
+            self._refuse("target_budget")
+            return False
+        if addr not in targets and len(targets) >= MAX_TARGETS:
+            oldest = min(targets, key=lambda a: targets[a][0])
+            del targets[oldest]
+        targets[addr] = (start, n + 1)
+        return True
 
     def path(self, node_id: bytes) -> Address | None:
         p = self.paths.get(node_id)
@@ -90,35 +119,49 @@ class Puncher:
     def punching(self, node_id: bytes) -> bool:
         return node_id in self._punches
 
-    def want(self, target: bytes, introducer_id: bytes, introducer: Address, now: float) -> list[Action]:
+    def want(self, target: bytes, introducer_id: bytes, introducer: Address, now: float, *,
+             named: Collection[Address]) -> list[Action]:
         """Start a punch to ``target`` through ``introducer`` (unless one runs, a path exists, or it failed
-        recently)."""
+        recently). ``named``: the addresses the DHT named ``target`` at; the introducer's answer must be one."""
         if target in self._punches or target in self.paths or len(self._punches) >= MAX_PUNCHES:
             return []
         failed = self._failed.get(target)
         if failed is not None and now - failed < RETRY_FAILED_S:
             return [Failed(target)]
-        self._punches[target] = _Punch(None, now)
+        self._punches[target] = _Punch(None, now, tuple(named))
         return [Intro(introducer, introducer_id, target)]
 
     def intro_answered(self, target: bytes, addr: Address | None, now: float) -> list[Action]:
         """INTRO_OK: ``addr`` is the target's mapped address (None: the introducer has not reached it)."""
         punch = self._punches.get(target)
-        if punch is None or punch.addr is not None:
+        if punch is None or punch.addr is not None or not punch.pings_left:
             return []
         if addr is None:
             return self._fail(target, now)
+        if addr not in punch.named:  # (a symmetric NAT's mapping toward the introducer is named nowhere)
+            self._refuse("unnamed")
+            punch.pings_left = 0  # no PINGs there; the target's own PINGs (its CONNECT) may still settle it
+            return []
+        if not self._allow(addr, now):
+            punch.pings_left = 0
+            return []
         punch.addr = addr
         punch.next_ping = now
         return self.poll(now)
 
-    def connect(self, peer: bytes, addr: Address, now: float) -> list[Action]:
-        """CONNECT from an introducer: ``peer`` wants to talk, from ``addr``; punch towards it at once."""
+    def connect(self, peer: bytes, addr: Address, now: float, *, named: Collection[Address]) -> list[Action]:
+        """CONNECT from an introducer: ``peer`` wants to talk, from ``addr``; punch towards it at once, if the DHT
+        named ``peer`` at ``addr`` (``named``) and ``addr``'s budget allows."""
         if peer in self.paths and self.paths[peer].addr == addr:
             return [Ping(peer, addr)]
+        if addr not in named:
+            self._refuse("unnamed")
+            return []
         if peer not in self._punches and len(self._punches) >= MAX_PUNCHES:
             return []
-        self._punches[peer] = _Punch(addr, now, next_ping=now)
+        if not self._allow(addr, now):
+            return []
+        self._punches[peer] = _Punch(addr, now, (addr,), next_ping=now)
         return self.poll(now)
 
     def pong(self, peer: bytes, addr: Address, now: float) -> list[Action]:

@@ -277,7 +277,7 @@ class NatService:
         self._target_addr[node_id] = addr
         while len(self._target_addr) > MAX_INTRODUCERS:
             self._target_addr.popitem(last=False)
-        self._act(self.puncher.want(node_id, intro_id, intro_addr, now))
+        self._act(self.puncher.want(node_id, intro_id, intro_addr, now, named=self._dht_named(node_id) | {addr}))
 
     # -- handlers (synchronous: the endpoint sends what they return) -------------------------------------
     def _relayed_in(self, incoming: Incoming) -> bool:
@@ -338,8 +338,19 @@ class NatService:
         peer_id, host, port = incoming.body["peer"]
         if peer_id == self.endpoint.identity.node_id or self.endpoint.unreachable(host):
             return None
-        self._act(self.puncher.connect(peer_id, (host, port), trio.current_time()))
+        self._act(self.puncher.connect(peer_id, (host, port), trio.current_time(), named=self._dht_named(peer_id)))
         return None
+
+    def _dht_named(self, node_id: bytes) -> set[Address]:
+        """The addresses the DHT named ``node_id`` at: in a NODES answer (``named_at``), in the routing table."""
+        out = set()
+        named = self.named_at.get(node_id)
+        if named is not None:
+            out.add(named)
+        contact = self.contact_of(node_id) if self.contact_of is not None else None
+        if contact is not None:
+            out.add(contact)
+        return out
 
     def _on_relay(self, incoming: Incoming) -> None:
         if self._relayed_in(incoming):  # no relaying of relayed datagrams (no loops, no chains)

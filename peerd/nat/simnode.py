@@ -37,6 +37,7 @@ class SimNatNode:
         self.limiter = ProbeLimiter()
         self.reached: dict[bytes, Address] = {}  # answered a request of this node, at that address
         self.kind: dict[bytes, str] = {}  # how this node talks to a peer
+        self.named: dict[bytes, Address] = {}  # where the DHT named a peer (a test fills it; punches go only there)
         self.sent_by_kind = {DIRECT: 0, PUNCHED: 0, RELAYED: 0}
         self.app: list[tuple[bytes, Any]] = []  # application payloads received (sender, payload)
         self._pending: dict[int, tuple[Callable[[dict, Address], None], Callable[[], None], Timer]] = {}
@@ -124,7 +125,8 @@ class SimNatNode:
         elif t == "CONNECT":
             if sender in self.reached:  # only an introducer this node reached itself
                 peer_id, peer_addr = msg["peer"]
-                self._do(self.puncher.connect(peer_id, peer_addr, now))
+                named = [self.named[peer_id]] if peer_id in self.named else []
+                self._do(self.puncher.connect(peer_id, peer_addr, now, named=named))
         elif t == "RELAY":
             where = self.relay.forward(sender, msg["to"], 2 * SIZE, now)
             if not isinstance(where, str):
@@ -194,6 +196,7 @@ class SimNatNode:
         first of ``relays`` that relays a PING to it and back."""
         if peer in self.kind:
             return
+        self.named[peer] = addr
         self._connecting[peer] = (introducer[0], introducer[1], list(relays))
 
         def direct(msg: dict, src: Address) -> None:
@@ -202,7 +205,7 @@ class SimNatNode:
 
         def punch() -> None:
             if peer not in self.kind:
-                self._do(self.puncher.want(peer, introducer[0], introducer[1], self.net.now))
+                self._do(self.puncher.want(peer, introducer[0], introducer[1], self.net.now, named=[addr]))
 
         self.request(addr, "PING", {}, direct, punch)
         self._kick()
