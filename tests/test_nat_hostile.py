@@ -169,3 +169,95 @@ def test_an_unsolicited_relayed_naming_another_member_reroutes_nothing_hostile()
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_connect_and_intro_do_not_make_a_node_a_reflector_hostile() -> None:
+    """A member sends CONNECTs naming a victim address, and answers INTRO with it: the node punches only an address
+    the DHT named that peer at, and at most ``TARGET_PUNCHES`` punches per address a minute (on the old code every
+    CONNECT or INTRO_OK started 6 PINGs at whatever address it named)."""
+    from peerd.nat.punch import PUNCH_PINGS, TARGET_PUNCHES
+
+    async def main() -> None:
+        net = MemNet(seed=3, latency=0.002)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            a, mal = Node(net, 0), Node(net, 1)
+            for n in (a, mal):
+                await nursery.start(n.run)
+            victim = ("198.51.100.77", 9)
+            await a.endpoint.request(mal.addr, m.MsgType.PING, {})  # a reached the member: its CONNECTs count
+            await mal.endpoint.request(a.addr, m.MsgType.PING, {})
+
+            def at_victim() -> int:
+                return len([s for s in a.sent if s[0] == victim])
+
+            # a peer nobody named, "at" the victim: no PING goes there
+            for i in range(10):
+                peer = m.pack_contact(bytes([i]) * 32, *victim)
+                await mal.endpoint.notify(a.addr, m.MsgType.CONNECT, {"peer": peer})
+                await trio.sleep(0.5)
+            await trio.sleep(5)
+            assert at_victim() == 0 and a.nat.puncher.refused.get("unnamed") == 10
+            # a peer the DHT named at the victim's address: the address's budget, however many CONNECTs name it
+            named = bytes([99]) * 32
+            a.nat.named_at[named] = victim
+            for _ in range(10):
+                await mal.endpoint.notify(a.addr, m.MsgType.CONNECT, {"peer": m.pack_contact(named, *victim)})
+                await trio.sleep(0.5)
+            await trio.sleep(5)
+            assert 0 < at_victim() <= TARGET_PUNCHES * PUNCH_PINGS
+            # a hostile introducer's INTRO_OK naming the victim for a target the DHT named elsewhere
+            before = at_victim()
+            target, target_addr = bytes([7]) * 32, ("203.0.113.50", 7000)
+            mal.endpoint.on_request(m.MsgType.INTRO, lambda incoming: {"peer": m.pack_contact(target, *victim)})
+            a.nat.introducer[target] = mal.identity.node_id
+            a.nat.named_at[target] = target_addr
+            a.nat.silent(target_addr, target, trio.current_time())
+            await trio.sleep(5)
+            assert at_victim() == before
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_minted_relay_senders_cannot_starve_an_honest_one_hostile() -> None:
+    """Eight minted identities flood one relay as fast as their own budgets allow while an honest member sends a
+    modest stream through it: the relay's total budget is shared max-min fairly, so the honest member's datagrams
+    all go through (on the old code, one shared bucket: first come, and the honest share fell to a few percent)."""
+    import hashlib
+
+    from peerd.nat.simnode import RELAYED, SimNatNode
+    from peerd.sim.net import Network
+
+    net = Network(random.Random(9))
+
+    def node(i: int) -> SimNatNode:
+        return SimNatNode(net, (f"203.0.113.{i + 1}", 7000), hashlib.sha256(bytes([i])).digest(), random.Random(i))
+
+    relay, target, honest = node(0), node(1), node(2)
+    minted = [node(3 + i) for i in range(8)]
+    relay.relay.rate, relay.relay.burst, relay.relay.total_rate = 100_000.0, 20_000.0, 120_000.0
+    relay.reach.verdict = "public"
+    for n in (target, honest, *minted):
+        relay.ping(n.addr)
+    target.ping(relay.addr)  # (a RELAYED counts only from a relay the receiver reached)
+    net.run(until=1.0)
+    for n in (honest, *minted):
+        n.kind[target.node_id] = RELAYED
+        n.client.use(target.node_id, relay.node_id, relay.addr)
+
+    def stream(n: SimNatNode, gap: float, until: float) -> None:
+        if net.now < until:
+            n.send_app(target.node_id, target.addr, n.node_id)
+            net.call_later(gap, stream, n, gap, until)
+
+    # each RELAY is 300 bytes
+    for n in minted:
+        stream(n, 0.001, 11.0)  # 300 KB/s each, over the per-sender rate
+    stream(honest, 0.025, 11.0)  # 12 KB/s: under an equal share of the total (13.3 KB/s)
+    net.run(until=12.0)
+    got = sum(1 for sender, _ in target.app if sender == honest.node_id)
+    sent = honest.sent_by_kind[RELAYED]
+    assert sent >= 390
+    assert got >= 0.95 * sent, (got, sent)
+    assert relay.relay.refused.get("relay_budget", 0) > 0  # the minted ones were held to their shares

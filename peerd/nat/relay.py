@@ -9,13 +9,16 @@ opens it (it could, holding the swarm key, as any member can read any member's t
 The relay is not an open reflector: a RELAY is a sealed control message, so only members send one; it goes only
 to a destination the relay has reached itself (an answer from it, within ``ROUTE_TTL``), never to an address the
 sender names; one RELAY makes one RELAYED of the same size (no amplification); and each sender has a byte budget
-(a token bucket: ``rate`` bytes per second, ``burst`` at once) and the relay a total one. ``RelayServer``
-decides; the shell only sends. ``RelayClient`` keeps, per peer reached through a relay, which relay, so the
-endpoint can wrap what it sends there.
+(a token bucket: ``rate`` bytes per second, ``burst`` at once) and the relay a total one, shared max-min fairly
+among its senders: each bucket fills at its sender's share, from water-filling ``total_rate`` over what the
+senders offered lately (identities are free to mint, so a sender's share, not first come, decides what it gets;
+a sender asking for less than an equal share gets all it asks). ``RelayServer`` decides; the shell only sends.
+``RelayClient`` keeps, per peer reached through a relay, which relay, so the endpoint can wrap what it sends there.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 Address = tuple[str, int]
@@ -27,6 +30,10 @@ DEFAULT_RATE = 2_000_000.0  # bytes per second per sender
 DEFAULT_BURST = 1_000_000.0  # half a second of DEFAULT_RATE: a relay on a loaded host takes in what queued
 # in its socket while it was not scheduled at one instant (256 KB refused an honest paced sender's data at load 20)
 DEFAULT_TOTAL_RATE = 12_500_000.0  # bytes per second for all senders together (100 Mbit/s)
+DEMAND_S = 1.0  # time constant of a sender's offered rate (an exponential average)
+ACTIVE_S = 2.0  # a sender that offered nothing this long has no share
+SHARE_S = 0.1  # shares are recomputed at most this often (and when a sender appears)
+HEADROOM = 2.0  # a sender's demand counts double in the water-filling: room to grow before the next recompute
 
 
 @dataclass(slots=True)
@@ -44,6 +51,40 @@ class _Bucket:
 
 
 @dataclass(slots=True)
+class _Sender:
+    """A sender's bucket, what it offered lately (``demand``, bytes per second as of ``seen``) and its share."""
+
+    bucket: _Bucket
+    demand: float = 0.0
+    seen: float = 0.0
+    share: float = 0.0
+
+    def offer(self, n: int, now: float) -> None:
+        self.demand = self.demand_at(now) + n / DEMAND_S
+        self.seen = now
+
+    def demand_at(self, now: float) -> float:
+        return self.demand * math.exp(-max(0.0, now - self.seen) / DEMAND_S)
+
+
+def max_min_shares(demands: dict[bytes, float], capacity: float) -> dict[bytes, float]:
+    """Water-filling: each gets its demand if that is under an equal share of what is left, the rest split
+    ``capacity`` equally; what no one asked for is shared equally on top (all of it is given out)."""
+    shares: dict[bytes, float] = {}
+    left = capacity
+    order = sorted(demands, key=demands.__getitem__)
+    for i, key in enumerate(order):
+        give = min(demands[key], left / (len(order) - i))
+        shares[key] = give
+        left -= give
+    if order and left > 0:
+        extra = left / len(order)
+        for key in order:
+            shares[key] += extra
+    return shares
+
+
+@dataclass(slots=True)
 class RelayServer:
     """A relay's decisions. ``enabled`` false: every RELAY is refused (a node that does not agree to relay)."""
 
@@ -52,11 +93,23 @@ class RelayServer:
     burst: float = DEFAULT_BURST
     total_rate: float = DEFAULT_TOTAL_RATE
     _routes: dict[bytes, tuple[Address, float]] = field(default_factory=dict)  # node id -> (address, when reached)
-    _buckets: dict[bytes, _Bucket] = field(default_factory=dict)
+    _senders: dict[bytes, _Sender] = field(default_factory=dict)
     _total: _Bucket | None = None
+    _next_share: float = -math.inf
     relayed: int = 0
     relayed_bytes: int = 0
     refused: dict[str, int] = field(default_factory=dict)
+
+    def _reshare(self, now: float) -> None:
+        """Recompute every active sender's share of ``total_rate`` (max-min fair over their demands, each at most
+        ``rate``); an idle sender's bucket keeps what it has but no longer fills."""
+        self._next_share = now + SHARE_S
+        demands = {k: min(self.rate, HEADROOM * s.demand_at(now)) for k, s in self._senders.items()
+                   if now - s.seen <= ACTIVE_S}
+        shares = max_min_shares(demands, self.total_rate)
+        for k, s in self._senders.items():
+            s.bucket.take(0, s.share, self.burst, now)  # (fill at the old share up to now)
+            s.share = min(self.rate, shares.get(k, 0.0))
 
     def reached(self, node_id: bytes, addr: Address, now: float) -> None:
         """``node_id`` answered this node at ``addr`` (a validated address): RELAYs to it may go there."""
@@ -90,14 +143,20 @@ class RelayServer:
             elif self.route(sender, now) is None:
                 why = "relay_unreached"  # only peers it reached itself may use it (their address is validated)
         if not why:
-            bucket = self._buckets.get(sender)
-            if bucket is None:
-                if len(self._buckets) >= MAX_SENDERS:
-                    self._buckets = {k: b for k, b in self._buckets.items() if now - b.at < 10.0}
-                bucket = self._buckets[sender] = _Bucket(self.burst, now)
+            s = self._senders.get(sender)
+            if s is None:
+                if len(self._senders) >= MAX_SENDERS:
+                    self._senders = {k: v for k, v in self._senders.items() if now - v.seen < 10.0}
+                    if len(self._senders) >= MAX_SENDERS:
+                        del self._senders[min(self._senders, key=lambda k: self._senders[k].seen)]
+                s = self._senders[sender] = _Sender(_Bucket(self.burst, now), seen=now)
+                self._next_share = -math.inf  # a newcomer gets its share at once
+            s.offer(size, now)
+            if now >= self._next_share:
+                self._reshare(now)
             total = self._total if self._total is not None else _Bucket(self.total_rate, now)
             self._total = total
-            mine = bucket.take(size, self.rate, self.burst, now)
+            mine = s.bucket.take(size, s.share, self.burst, now)
             if not mine or not total.take(size, self.total_rate, self.total_rate, now):
                 why = "relay_budget"
         if why:
