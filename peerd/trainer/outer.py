@@ -60,6 +60,7 @@ OWNER_GRACE_S = 2.0  # once every other shard is settled, how long an owner that
 REPAIR_TRIES = 3  # fetches of one shard that fail (or do not verify) before it is left as it is
 PIECE = 1024  # bytes of a shard one piece hash covers (a lost datagram's range is about as long)
 PIECE_HASH = 16  # bytes kept of each piece's SHA-256 (it only picks what to fetch; the shard hash checks)
+FETCH_WINDOW = 64  # chunk requests a member has in flight while it repairs (a lost one waits out its timeout)
 REFRESH_S = 1.0  # how often the known participants are re-read while records of unknown nodes show up
 
 
@@ -438,6 +439,7 @@ class DhtBoard:
         self.key = record_key(run_key, round_no)
         self.store = store_key(run_key, round_no)
         self.read_timeout = read_timeout
+        self.window = trio.CapacityLimiter(FETCH_WINDOW)  # chunk requests in flight, over every range fetched
 
     @property
     def node(self) -> bytes:
@@ -478,7 +480,29 @@ class DhtBoard:
         return addr
 
     async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes:
-        return await self.sync.fetch_range(await self._addr(holder), self.store, sha, offset, length)  # type: ignore
+        """The range in one request per chunk, up to FETCH_WINDOW of this board's requests in flight (one at a
+        time, a range costs a round trip per chunk: seconds for a shard on a lossy link)."""
+        from ..statesync.service import CHUNK_OVERHEAD
+        from ..wire import messages as m
+
+        addr = await self._addr(holder)
+        chunk = max(1, min(m.MAX_CHUNK, self.sync.endpoint.max_body - CHUNK_OVERHEAD))  # type: ignore[attr-defined]
+        offsets = iter(range(offset, offset + length, chunk))
+        out = bytearray(length)
+
+        async def worker() -> None:
+            for off in offsets:  # shared by the workers: each chunk is taken once
+                n = min(chunk, offset + length - off)
+                async with self.window:
+                    got = await self.sync.fetch_range(addr, self.store, sha, off, n)  # type: ignore[attr-defined]
+                if len(got) != n:
+                    raise OuterError(f"{holder.node.hex()[:12]} sent {len(got)} bytes of {n}")
+                out[off - offset: off - offset + n] = got
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(FETCH_WINDOW, -(-length // chunk))):
+                nursery.start_soon(worker)
+        return bytes(out)
 
     async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray:
         addrs = []
