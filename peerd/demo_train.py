@@ -282,7 +282,7 @@ def run_train(args: argparse.Namespace) -> int:
                          sync_every=args.sync_every, fragments=args.fragments, outer_lr=args.outer_lr,
                          outer_momentum=args.outer_momentum, timeout_s=max(args.timeout, 30.0),
                          sync_state=not args.no_sync, state_every=1 if args.state_every else 0,
-                         max_samples=args.max_samples,
+                         max_samples=args.max_samples, robust=args.robust,
                          **{k: v for k, v in compression_options(args).items() if k != "topk_ratio"})
         else:
             opt = Optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), run=args.run, socket=args.socket,

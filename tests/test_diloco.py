@@ -488,8 +488,10 @@ def test_members_repair_lost_ranges_and_a_straggler_adopts_the_groups_average() 
 
             async def one(i: int, node, vector, group: str, size: int, index: int) -> None:
                 board = DhtBoard(node.sync, "run/0123456789abcdef", 7)
+                ids = [n.identity.node_id for n in members]
                 results[i] = await agree(board, node.identity.node_id, vector, group=group, size=size, index=index,
-                                         state=b"s" * 32, repair_s=60, deadline_s=120, addr=node.addr)
+                                         state=b"s" * 32, repair_s=60, deadline_s=120, addr=node.addr,
+                                         members=ids if group else None)
 
             async with trio.open_nursery() as inner:
                 for i, node in enumerate(members):
@@ -527,7 +529,7 @@ def test_without_loss_nothing_is_fetched_and_a_lost_owner_ends_in_one_final() ->
                 board = DhtBoard(node.sync, "run/0123456789abcdef", 8 if group == "a" else 9)
                 results[(group, i)] = await agree(board, node.identity.node_id, vector, group=group, size=size,
                                                   index=index, state=b"", repair_s=repair_s, deadline_s=60,
-                                                  addr=node.addr)
+                                                  addr=node.addr, members=[n.identity.node_id for n in nodes[:3]])
 
             async with trio.open_nursery() as inner:  # round 8: three members that all received everything
                 for i in range(3):
@@ -616,9 +618,11 @@ def test_two_groups_of_a_grid_step_end_on_one_final_when_the_step_expects_them_a
                 group, vector = ("a", va) if i < 2 else ("b", vb)
                 board = DhtBoard(nodes[i].sync, "run/0123456789abcdef", 12)
                 try:
+                    pair = nodes[:2] if i < 2 else nodes[2:]
                     outcome[i] = await agree(board, nodes[i].identity.node_id, vector.copy(), group=group, size=2,
                                              index=i % 2, state=b"", repair_s=10, deadline_s=20,
-                                             addr=nodes[i].addr, expect=expect)
+                                             addr=nodes[i].addr, expect=expect,
+                                             members=[n.identity.node_id for n in pair])
                 except OuterError as e:
                     outcome[i] = e
 

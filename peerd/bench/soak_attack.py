@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -30,6 +31,7 @@ from ..allreduce.codec import HEADER as BODY_HEADER
 from ..allreduce.codec import BodyType
 from ..dht.records import Record
 from ..statesync.service import Advert, ad_key
+from ..trainer.outer import OuterRecord, record_key
 from ..wire import messages as m
 from ..wire.envelope import FLAG_SEALED, HEADER, MAGIC, VERSION
 from ..wire.errors import WireError
@@ -43,7 +45,8 @@ FLOOD_PER_STORE = 5  # records in one flood STORE (fits a 1200-byte datagram)
 BURST_CHUNK = 256  # datagrams sent between two looks at the clock in the burst
 MEMBER_CLASSES = ("mm_join_bad_addr", "progress_far_ahead", "dht_store_flood", "state_advert_huge",
                   "report_throttle", "held_data", "slot_squat", "nonfinite_data", "huge_weight", "find_value_pages",
-                  "replay", "cross_receiver_replay", "relay_hijack", "connect_reflect", "relay_starve")
+                  "replay", "cross_receiver_replay", "relay_hijack", "connect_reflect", "relay_starve",
+                  "outer_forgery", "outer_stall")
 OUTSIDER_CLASSES = ("random", "mutated", "wrong_key", "random_token")
 # the outsider-only phase of the bench (its daemon CPU per datagram): no key, so none of these can be opened
 OUTSIDER_CPU_CLASSES = ("random_token", "random", "mutated", "wrong_key")
@@ -155,6 +158,22 @@ class Attack:
                         ("127.0.0.1", self.rsock.getsockname()[1]))
             rec = mb.record(ad_key(run), mb.ident.node_id.hex().encode(), ad.encode())
             self.advert_bodies.append((mb, mb.body(m.MsgType.STORE, {"records": [rec]})))
+        # DiLoCo outer rounds: a forged claim on shard 0 of a group (its own bytes' hash, a final, an address
+        # that is no IP literal, or under a victim's subkey), and records that never publish a final
+        run_key = f"{run}/{'0' * 16}"
+        self.forgery_bodies, self.stall_bodies = [], []
+        for i in range(16):
+            mb = self.members[i % len(self.members)]
+            key = record_key(run_key, self.round0 + i % 4)
+            addr = [("example.com", 80), ("127.0.0.1", 0), ("0.0.0.0", 9), ("127.0.0.1", 9)][i % 4]
+            forged = OuterRecord(mb.ident.node_id, self.group_key[:16] or "0000beef", 4, 0, rng.randbytes(32),
+                                 rng.randbytes(32), rng.randbytes(32), b"", 1 << 20, addr)  # type: ignore[arg-type]
+            subkey = (self.victims[i % len(self.victims)] if i % 2 and self.victims else mb.ident.node_id).hex()
+            self.forgery_bodies.append((mb, mb.body(m.MsgType.STORE, {"records": [
+                mb.record(key, subkey.encode(), forged.encode())]})))
+            stall = replace(forged, index=i % 4, final=b"", addr=("127.0.0.1", 9))
+            self.stall_bodies.append((mb, mb.body(m.MsgType.STORE, {"records": [
+                mb.record(key, mb.ident.node_id.hex().encode(), stall.encode())]})))
         self.squat_bodies = []
         keys = [f"{run}/progress".encode(), ad_key(run)] + [
             f"{run}/{r}/{self.group_key}".encode() for r in range(self.round0, self.round0 + 40)]
@@ -259,6 +278,12 @@ class Attack:
 
     def _b_slot_squat(self) -> tuple[socket.socket, bytes]:
         return self._pick(self.squat_bodies, m.MsgType.STORE)
+
+    def _b_outer_forgery(self) -> tuple[socket.socket, bytes]:
+        return self._pick(self.forgery_bodies, m.MsgType.STORE)
+
+    def _b_outer_stall(self) -> tuple[socket.socket, bytes]:
+        return self._pick(self.stall_bodies, m.MsgType.STORE)
 
     def _b_find_value_pages(self) -> tuple[socket.socket, bytes]:
         return self._pick(self.value_bodies, m.MsgType.VALUE)  # unsolicited; answers go from the responder

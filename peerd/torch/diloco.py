@@ -92,7 +92,9 @@ class DiLoCo(Optimizer):
     "int8" or "int4", with ``quant_group`` and ``rounding`` for the int codecs; None: fp32; every member of the
     run must pass the same). A compressed average still ends identical on every member: each shard owner's
     own result is the dequantized value the others receive, and repairs and adoption copy those bytes, so the
-    outer rule applies to the same (dequantized) average everywhere. "arc-topk" is refused: its row selection
+    outer rule applies to the same (dequantized) average everywhere. ``robust`` ("clip[:C]" or "centered[:C]")
+    makes shard owners clip every member's pseudo-gradient as they clip gradients: around zero, with the same
+    C (a pseudo-gradient has no center of its own). "arc-topk" is refused: its row selection
     and error feedback are built for gradient vectors of the layout's matrices, not for pseudo-gradient
     fragments (the daemon would average these in fp32).
 
@@ -103,7 +105,7 @@ class DiLoCo(Optimizer):
                  compression: str | None = None, quant_group: int | None = None, rounding: str | None = None,
                  socket: str | None = None, timeout_s: float = 60.0,
                  sync_state: bool = True, state_every: int = 1, state_timeout_s: float = 60.0,
-                 max_samples: float | None = None, nslots: int = 4) -> None:
+                 max_samples: float | None = None, robust: str | None = None, nslots: int = 4) -> None:
         if compression == "arc-topk":
             raise ValueError("DiLoCo does not take compression='arc-topk': its top-k row selection and EF21M error "
                              "feedback are built for whole gradient vectors, not pseudo-gradient fragments; use "
@@ -126,8 +128,8 @@ class DiLoCo(Optimizer):
         self.outer_state_every = state_every
         super().__init__(inner_optimizer, run=run, socket=socket, timeout_s=timeout_s, average_params_every=0,
                          sync_state=False, state_every=0, state_timeout_s=state_timeout_s, nslots=nslots,
-                         max_samples=max_samples, compression=compression, quant_group=quant_group,
-                         rounding=rounding)
+                         max_samples=max_samples, robust=robust, compression=compression,
+                         quant_group=quant_group, rounding=rounding)
         params = {k: v for k, v in (("group", quant_group), ("rounding", rounding)) if v is not None}
         self.outer_codec = codec(compression or "fp32", **(params if (compression or "").startswith("int") else {}))
         if fragments > sync_every:
@@ -257,7 +259,8 @@ class DiLoCo(Optimizer):
                "repaired_bytes": reply.get("repaired_bytes", 0),
                "adopted": reply.get("adopted", False), "adopted_bytes": reply.get("adopted_bytes", 0),
                "agreed_members": reply.get("agreed_members", 1), "payload_bytes": payload,
-               "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": 0.0}
+               "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": 0.0,
+               "phases": dict(reply.get("phases") or {})}
         self.history.append(out)
         del self.history[:-HISTORY]
         self.outer_steps_of0 += fragment == 0

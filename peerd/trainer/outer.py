@@ -10,15 +10,22 @@ so any difference would stay for good. After the group average every member ther
    group's average there. Each member publishes (in the DHT, under the run key and the outer round) the
    SHA-256 of the shard it owns and of its whole vector, keeps the vector for others to read (state sync's
    STATE_GET), and fetches every shard whose hash differs from its owner's, verified against that hash.
+   The owner of shard k is the group's k-th member as the averaging round knows it (``members``), never a
+   record that claims index k: no other record repairs anything. Shards are fetched all at once, each in
+   chunks with many requests outstanding. An owner that has published nothing once every other shard is
+   settled is waited for OWNER_GRACE_S more, not the whole repair phase.
    Without loss nothing is fetched; after repair every member of a group holds the owners' concatenation.
    With a codec (the run's compression), an owner keeps the dequantized encoding of its shard, the value the
    all-gather hands the others, so the hashes and the repaired bytes are those dequantized values too.
 2. **Agrees across the swarm.** Each member publishes the SHA-256 of its repaired vector (``final``). The
    final that most members hold wins (ties: the one from the larger group, then the lower hash); a member
-   holding another downloads the winner (verified against its hash) and publishes it. The step ends when
-   this member holds the winner and every member it has read has published the same final (after half the
-   deadline: members that never publish one are no longer waited for); a member that cannot get the winner
-   by the deadline raises OuterError, never diverges silently.
+   holding another downloads the winner (verified against its hash) and publishes it. Only the round's
+   known participants (``participants``: the group members and the members whose progress says they took
+   part in the step) are counted; records of any other node are ignored. The step ends as soon as this
+   member holds the winner and either a strict majority of the round's members hold it (no other final can
+   then win, so the rest adopt it) or every member it has read has published it; after half the deadline,
+   members that never publish a final are no longer waited for. A member that cannot get the winner by the
+   deadline raises OuterError, never diverges silently.
 
 The decisions (which shards to repair, which final wins, when the step is agreed) are pure functions of
 the records; ``agree`` only waits on a ``Board`` (the DHT and state sync in a daemon, memory in tests).
@@ -28,9 +35,10 @@ Records are members' claims: they are bounded on decode, and every byte fetched 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import msgpack
@@ -47,6 +55,13 @@ ALONE_SETTLE_S = 1.0  # a member that averaged alone reads this long before it m
 MAX_GROUP = 64  # members of one group (Moshpit's MAX_GROUP)
 MAX_LENGTH = 2**32 - 1  # elements (allreduce offsets are u32)
 SHA = 32
+MAX_HOST = 45  # characters of an IP literal (IPv6 with an embedded IPv4 address)
+OWNER_GRACE_S = 2.0  # once every other shard is settled, how long an owner that published nothing is waited for
+REPAIR_TRIES = 3  # fetches of one shard that fail (or do not verify) before it is left as it is
+PIECE = 1024  # bytes of a shard one piece hash covers (a lost datagram's range is about as long)
+PIECE_HASH = 16  # bytes kept of each piece's SHA-256 (it only picks what to fetch; the shard hash checks)
+FETCH_WINDOW = 64  # chunk requests a member has in flight while it repairs (a lost one waits out its timeout)
+REFRESH_S = 1.0  # how often the known participants are re-read while records of unknown nodes show up
 
 
 class OuterError(Exception):
@@ -57,7 +72,8 @@ class OuterError(Exception):
 class OuterRecord:
     """One member's claim about an outer round: its group, the hash of the shard it owns and of its averaged
     vector (``avg``), the hash of its repaired vector once it has one (``final``; empty before), the hash
-    of its outer state before the step (``state``), the vector's length in elements, where to fetch."""
+    of its outer state before the step (``state``), the vector's length in elements, where to fetch. The blob
+    ``avg`` names holds the averaged vector followed by the piece index of the member's shard (piece_hashes)."""
 
     node: bytes
     group: str
@@ -83,7 +99,7 @@ class OuterRecord:
             addr = v["d"]
             if addr is not None:
                 host, port = addr
-                if not isinstance(host, str) or type(port) is not int or not 1 <= port <= 65535:
+                if not valid_addr(host, port):
                     return None
                 addr = (host, port)
             rec = cls(node, v["g"], v["n"], v["i"], v["s"], v["a"], v["f"], v["t"], v["l"], addr)
@@ -98,6 +114,17 @@ class OuterRecord:
         return rec if ok else None
 
 
+def valid_addr(host: object, port: object) -> bool:
+    """Whether a record's fetch address is one: an IP literal (no name to resolve) and a port in 1..65535."""
+    if not isinstance(host, str) or not 1 <= len(host) <= MAX_HOST or type(port) is not int or not 1 <= port <= 65535:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return not (ip.is_unspecified or ip.is_multicast)
+
+
 def shard_bounds(length: int, n: int, j: int) -> tuple[int, int]:
     """Member j's shard of a group of n (peerd.allreduce.shards.Layout.shard: boundaries every member derives)."""
     return (j * length) // n, ((j + 1) * length) // n
@@ -107,13 +134,86 @@ def sha256(data: bytes | bytearray | memoryview) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def repairs(data: bytes | bytearray, me: OuterRecord, records: list[OuterRecord]) -> list[OuterRecord]:
+def piece_hashes(shard: bytes | bytearray | memoryview) -> bytes:
+    """The owner's index of its shard: a PIECE_HASH-byte prefix of the SHA-256 of every PIECE bytes, so that a
+    member fetches only the pieces it holds other bytes of (the whole shard's hash still checks the result)."""
+    view = memoryview(shard)
+    return b"".join(sha256(view[i: i + PIECE])[:PIECE_HASH] for i in range(0, len(view), PIECE))
+
+
+def differing_runs(mine: bytes | bytearray | memoryview, index: bytes) -> list[tuple[int, int]]:
+    """(offset, length) in bytes of the runs of pieces of ``mine`` whose hash is not the one in ``index``."""
+    view = memoryview(mine)
+    runs: list[tuple[int, int]] = []
+    for n, i in enumerate(range(0, len(view), PIECE)):
+        if sha256(view[i: i + PIECE])[:PIECE_HASH] == index[n * PIECE_HASH: (n + 1) * PIECE_HASH]:
+            continue
+        stop = min(len(view), i + PIECE)
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], stop - runs[-1][0])
+        else:
+            runs.append((i, stop - i))
+    return runs
+
+
+async def fetch_shard(board: Board, owner: OuterRecord, mine: memoryview,
+                      vector_bytes: int) -> tuple[bytes, int] | None:
+    """The owner's shard (its bytes, and how many were fetched), verified against its published hash, or None
+    when what it serves does not verify. Reads the owner's piece index first (kept after its vector in the
+    blob ``owner.avg``) and fetches only the runs of pieces that differ, all at once; if the result does not
+    verify (the index lied, or the blob is not what the record says), the whole shard once."""
+    start, stop = shard_bounds(owner.length, owner.size, owner.index)
+    a, b = 4 * start, 4 * stop
+    pieces = -(-(b - a) // PIECE)
+    index = await board.fetch_range(owner, owner.avg, vector_bytes, pieces * PIECE_HASH)
+    fetched = len(index)
+    if len(index) == pieces * PIECE_HASH:
+        runs = differing_runs(mine, index)
+        got = bytearray(mine)
+        parts: dict[int, bytes] = {}
+
+        async def one(off: int, n: int) -> None:
+            parts[off] = await board.fetch_range(owner, owner.avg, a + off, n)
+
+        async with trio.open_nursery() as nursery:
+            for off, n in runs:
+                nursery.start_soon(one, off, n)
+        for off, n in runs:
+            if len(parts[off]) != n:
+                break
+            got[off: off + n] = parts[off]
+            fetched += n
+        if sha256(got) == owner.shard:
+            return bytes(got), fetched
+    whole = await board.fetch_range(owner, owner.avg, a, b - a)
+    if sha256(whole) != owner.shard:
+        return None
+    return whole, fetched + len(whole)
+
+
+def owner_record(me: OuterRecord, k: int, records: list[OuterRecord],
+                 members: list[bytes] | None) -> OuterRecord | None:
+    """The record of shard k's owner in my group: the one published by ``members[k]`` (the group's k-th member
+    as the averaging round knows it) that names my group, size, length and index k; None when there is none
+    (a record that only claims index k owns nothing)."""
+    if not me.group or not members or len(members) != me.size or not 0 <= k < me.size:
+        return None
+    for r in records:
+        if r.node == members[k] and r.node != me.node and r.group == me.group and r.size == me.size \
+                and r.length == me.length and r.index == k:
+            return r
+    return None
+
+
+def repairs(data: bytes | bytearray, me: OuterRecord, records: list[OuterRecord],
+            members: list[bytes] | None) -> list[OuterRecord]:
     """The owners in my group whose shard I hold other bytes of (so I must fetch it from them)."""
     out = []
-    for r in records:
-        if r.node == me.node or r.group != me.group or r.size != me.size or r.length != me.length or not me.group:
+    for k in range(me.size):
+        r = owner_record(me, k, records, members)
+        if r is None:
             continue
-        start, stop = shard_bounds(me.length, me.size, r.index)
+        start, stop = shard_bounds(me.length, me.size, k)
         if stop > start and sha256(memoryview(data)[4 * start: 4 * stop]) != r.shard:
             out.append(r)
     return out
@@ -132,18 +232,22 @@ def winner(records: list[OuterRecord]) -> bytes | None:
 
 
 def agreed(me: OuterRecord, records: list[OuterRecord], *, patient: bool = True, expect: int = 1) -> bool:
-    """Whether this member may end the step: it holds the winning final, and (``patient``: until half the
-    deadline) every member it has read has published a final and it equals this one. After that, a member
-    that never publishes a final (dead) is no longer waited for, but this member's final must be held by a
-    strict majority of the members read, pending ones counted against it: a member that left its group (or
-    found none) must not leave with its own vector while the group is still repairing. ``expect``: how many
-    members (this one included) the round is known to have: a patient member waits until it has read them."""
+    """Whether this member may end the step: it holds the winning final, and either a strict majority of the
+    round's members (``expect``, this one included, or the members read if more) hold it, so no other final
+    can ever win and the rest adopt it, or (``patient``: until half the deadline) every member it has read has
+    published the same final. After that, a member that never publishes a final (dead) is no longer waited
+    for, but this member's final must be held by a strict majority of the members read, pending ones counted
+    against it: a member that left its group (or found none) must not leave with its own vector while the
+    group is still repairing. ``records``: the round's known participants' only."""
     others = [r for r in records if r.node != me.node]
     if winner([*others, me]) != me.final:
         return False
+    same = 1 + sum(r.final == me.final for r in others)
+    if 2 * same > max(expect, 1 + len(others)):
+        return True
     if patient:
-        return 1 + len(others) >= expect and all(r.final == me.final for r in others)
-    return 2 * (1 + sum(r.final == me.final for r in others)) > 1 + len(others)
+        return 1 + len(others) >= expect and same == 1 + len(others)
+    return 2 * same > 1 + len(others)
 
 
 class Board(Protocol):
@@ -167,60 +271,112 @@ class Agreement:
     dissent: int = 0  # records without our final when the step ended (dead, or still to adopt it)
     states: int = 1  # of those, how many named our pre-step state hash
     state_winner: bytes = b""  # the pre-step state hash most members named
+    ignored: int = 0  # records read from nodes that were not the round's known participants
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: "repair", "agree"
+
+
+Participants = Callable[[], Awaitable[frozenset[bytes]]]
 
 
 async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, size: int, index: int,
                 state: bytes, repair_s: float, deadline_s: float, addr: Address | None = None,
                 members: list[bytes] | None = None, expect: int = 1,
+                participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
                 clock: Callable[[], float] = trio.current_time) -> Agreement:
     """Run both phases (module docstring) for this member's averaged ``vector``; raises OuterError.
-    ``members``: the group's node ids in its order, if known: an owner whose record names another group (it
-    left the group, or never knew it formed) is not waited for. ``expect``: how many members the round has
-    (e.g. the peers matchmaking saw): a member that averaged alone waits for them rather than end alone."""
+    ``members``: the group's node ids in its order: shard k is repaired only from ``members[k]``'s record
+    (without them nothing is repaired), and an owner whose record names another group (it left the group, or
+    never knew it formed) is not waited for. ``expect``: how many members the round has (e.g. the peers
+    matchmaking saw): a member that averaged alone waits for them rather than end alone. ``participants``:
+    the node ids whose records count in the agreement (``members`` and this node always do; None: every
+    record counts); ``refresh`` re-reads them (at most every REFRESH_S) while records of others show up."""
     if not group:  # alone: a group of one owns every shard
-        size, index = 1, 0
+        size, index, members = 1, 0, None
+    if members is not None and (len(members) != size or not 0 <= index < size or members[index] != node):
+        members = None  # not this group's order: no owner is known
+    owners = members or []
     data = bytearray(np.ascontiguousarray(vector, dtype=np.float32).tobytes())
     length = len(data) // 4
     start, stop = shard_bounds(length, size, index)
-    avg = board.keep(bytes(data))
+    avg = board.keep(bytes(data) + piece_hashes(memoryview(data)[4 * start: 4 * stop]))
     me = OuterRecord(node, group, size, index, sha256(memoryview(data)[4 * start: 4 * stop]), avg, b"", state,
                      length, addr)
-    await board.publish(me)
     t0 = clock()
+    await board.publish(me)
     out = Agreement(vector, b"")
     # 1. every shard from its owner (an owner that never publishes leaves its shard as it is)
-    done: set[int] = {index}
+    done: set[int] = {index} if members else set(range(size))
+    settled_at: float | None = None  # when every owner that had published was settled
+    tries: dict[int, int] = {}  # failed fetches of a shard
+
+    async def repair(k: int, r: OuterRecord) -> None:
+        a, b = shard_bounds(length, size, k)
+        try:
+            got = await fetch_shard(board, r, memoryview(data)[4 * a: 4 * b], 4 * length)
+        except Exception as e:  # the owner went away or lost the blob: the swarm phase settles it
+            log.info("outer repair: shard %d from %s failed: %s", k, r.node.hex()[:12], e)
+            got = None
+        if got is not None:
+            data[4 * a: 4 * b] = got[0]
+            out.repaired_bytes += got[1]
+            done.add(k)
+            return
+        tries[k] = tries.get(k, 0) + 1
+        if tries[k] >= REPAIR_TRIES:
+            done.add(k)  # its owner cannot or will not serve it: the swarm phase settles it
+
     with trio.move_on_after(max(0.0, repair_s)):
         while len(done) < size:
             records = await board.read()
-            for r in records:
-                if members and len(members) == size and r.node in members and r.group != group:
-                    done.add(members.index(r.node))  # its own account has it outside the group: nothing to fetch
+            todo: list[tuple[int, OuterRecord]] = []
+            for k in range(size):
+                if k in done:
                     continue
-                if r.group != group or r.size != size or r.length != length or r.index in done or r.node == node:
+                mine = [r for r in records if r.node == owners[k]]
+                if any(r.group != group for r in mine):
+                    done.add(k)  # its own account has it outside the group: nothing to fetch
                     continue
-                if r not in repairs(data, me, [r]):
-                    done.add(r.index)
-                    continue
-                a, b = shard_bounds(length, size, r.index)
-                try:
-                    got = await board.fetch_range(r, r.avg, 4 * a, 4 * (b - a))
-                except Exception as e:  # the owner went away or lost the blob: the swarm phase settles it
-                    log.info("outer repair: shard %d from %s failed: %s", r.index, r.node.hex()[:12], e)
-                    continue
-                if sha256(got) == r.shard:
-                    data[4 * a: 4 * b] = got
-                    out.repaired_bytes += len(got)
-                    done.add(r.index)
-            if len(done) < size:
-                await trio.sleep(POLL_S)
+                r = owner_record(me, k, records, members)
+                if r is None:
+                    continue  # not published yet
+                if r not in repairs(data, me, [r], members):
+                    done.add(k)
+                else:
+                    todo.append((k, r))
+            if todo:
+                settled_at = None
+                before = len(done)
+                async with trio.open_nursery() as nursery:
+                    for k, r in todo:
+                        nursery.start_soon(repair, k, r)
+                if len(done) - before == len(todo):
+                    continue  # read again at once: owners that published meanwhile
+                # a fetch failed: try it again after a poll
+            elif settled_at is None:
+                settled_at = clock()
+            elif clock() - settled_at >= OWNER_GRACE_S:
+                break  # the owners left have published nothing: their shards stay as they are
+            await trio.sleep(POLL_S)
+    t_repaired = clock()
+    out.phases["repair"] = t_repaired - t0
     # 2. one final across the swarm
+    known = None if participants is None else frozenset(participants) | frozenset(members or ()) | {node}
+    refreshed = clock()
     final = board.keep(bytes(data))
     me = replace(me, final=final)
     await board.publish(me)
     last_view: list[OuterRecord] = []
     while True:
-        records = [r for r in await board.read() if r.length == length and r.node != node]
+        read = [r for r in await board.read() if r.length == length and r.node != node]
+        if known is not None and refresh is not None and any(r.node not in known for r in read) \
+                and clock() - refreshed >= REFRESH_S:
+            refreshed = clock()
+            try:
+                known = known | await refresh()
+            except Exception as e:  # what is known stays known
+                log.info("outer agreement: re-reading the round's participants failed: %s", e)
+        records = read if known is None else [r for r in read if r.node in known]
+        out.ignored = len(read) - len(records)
         last_view = records
         win = winner([*records, me])
         if log.isEnabledFor(logging.DEBUG):
@@ -249,6 +405,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
             raise OuterError(f"the outer average did not agree within {deadline_s:.0f} s: finals {finals} "
                              f"({len(records) + 1} members read)")
         await trio.sleep(POLL_S)
+    out.phases["agree"] = clock() - t_repaired
     out.vector = np.frombuffer(bytes(data), dtype=np.float32).copy()
     out.final = me.final
     same = [r for r in last_view if r.final == me.final]
@@ -282,6 +439,7 @@ class DhtBoard:
         self.key = record_key(run_key, round_no)
         self.store = store_key(run_key, round_no)
         self.read_timeout = read_timeout
+        self.window = trio.CapacityLimiter(FETCH_WINDOW)  # chunk requests in flight, over every range fetched
 
     @property
     def node(self) -> bytes:
@@ -322,7 +480,29 @@ class DhtBoard:
         return addr
 
     async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes:
-        return await self.sync.fetch_range(await self._addr(holder), self.store, sha, offset, length)  # type: ignore
+        """The range in one request per chunk, up to FETCH_WINDOW of this board's requests in flight (one at a
+        time, a range costs a round trip per chunk: seconds for a shard on a lossy link)."""
+        from ..statesync.service import CHUNK_OVERHEAD
+        from ..wire import messages as m
+
+        addr = await self._addr(holder)
+        chunk = max(1, min(m.MAX_CHUNK, self.sync.endpoint.max_body - CHUNK_OVERHEAD))  # type: ignore[attr-defined]
+        offsets = iter(range(offset, offset + length, chunk))
+        out = bytearray(length)
+
+        async def worker() -> None:
+            for off in offsets:  # shared by the workers: each chunk is taken once
+                n = min(chunk, offset + length - off)
+                async with self.window:
+                    got = await self.sync.fetch_range(addr, self.store, sha, off, n)  # type: ignore[attr-defined]
+                if len(got) != n:
+                    raise OuterError(f"{holder.node.hex()[:12]} sent {len(got)} bytes of {n}")
+                out[off - offset: off - offset + n] = got
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(FETCH_WINDOW, -(-length // chunk))):
+                nursery.start_soon(worker)
+        return bytes(out)
 
     async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray:
         addrs = []

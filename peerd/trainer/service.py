@@ -747,7 +747,9 @@ class TrainerService:
         if not finite:
             raise OpError(f"step {step}: the pseudo-gradient holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
-        result, out, outcome, rounds = await self._outer_rounds(session, vector, float(weight), round_no, timeout)
+        result, out, outcome, rounds, seen = await self._outer_rounds(session, vector, float(weight), round_no,
+                                                                      timeout)
+        phases = {"average": round(time.monotonic() - start, 6)}
         group = result.group_id if outcome == "averaged" else ""
         members = list(getattr(result, "members", [])) if group else []
         me = self.peer_id
@@ -759,13 +761,18 @@ class TrainerService:
                                  "received_fraction": float(getattr(result, "received_fraction", 0.0))}
         if self.statesync is not None and getattr(self.statesync, "dht", None) is not None:
             board = DhtBoard(self.statesync, session.run_key, round_no)
+            run_id, first = session.average_id("outer"), round_no * OUTER_ROUNDS
+
+            async def refresh() -> frozenset[bytes]:
+                return await self._step_peers(run_id, first)
+
             try:
-                step_peers = await self._step_peers(session.average_id("outer"), round_no * OUTER_ROUNDS)
-                expect = min(64, max(1, int(getattr(result, "seen", 1) or 1), step_peers))
+                step_peers = await refresh()
+                expect = min(64, max(1, int(getattr(result, "seen", 1) or 1), len(step_peers)))
                 agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
                                         state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
                                         addr=board.addr, members=[bytes.fromhex(h) for h in members] if group else None,
-                                        expect=expect)
+                                        expect=expect, participants=seen | step_peers, refresh=refresh)
             except OuterError as e:
                 raise OpError(f"outer round {round_no}: {e}") from None
             finally:
@@ -774,13 +781,15 @@ class TrainerService:
             reply.update(sha=agreement.final, repaired_bytes=agreement.repaired_bytes,
                          adopted_bytes=agreement.adopted_bytes, adopted=agreement.adopted,
                          agreed_members=agreement.members, dissent=agreement.dissent, state_agreed=agreement.states,
-                         state_winner=agreement.state_winner)
+                         state_winner=agreement.state_winner, ignored_records=agreement.ignored)
+            phases.update({k: round(v, 6) for k, v in agreement.phases.items()})
         else:  # no swarm to agree with (an in-process daemon in tests): the average is what it is
             reply.update(sha=hashlib.sha256(out.tobytes()).digest(), repaired_bytes=0, adopted_bytes=0,
                          adopted=False, agreed_members=1, state_agreed=1, state_winner=state)
         if not all_finite(out):
             raise OpError(f"outer round {round_no}: the agreed average holds NaN or infinity; not applied")
         reply["seconds"] = round(time.monotonic() - start, 6)
+        reply["phases"] = phases
         self.metrics.trainer_steps.labels("outer_" + outcome).inc()
         if session.closed or conn.closed:
             return {}
@@ -794,16 +803,20 @@ class TrainerService:
         return reply
 
     async def _outer_rounds(self, session: Session, vector: np.ndarray, weight: float, round_no: int,
-                            timeout: float) -> tuple[Any, np.ndarray, str, int]:
+                            timeout: float) -> tuple[Any, np.ndarray, str, int, frozenset[bytes]]:
         """The outer step's Moshpit rounds: as many as the run's grid has dimensions (the first round says),
         so that on a full grid every member's pseudo-gradient reaches every other's (more than one group:
         a swarm larger than the largest group). Round d of outer round r is Moshpit round
         r * OUTER_ROUNDS + d; each averages the last one's result, weighted by the weight it stands for, and
         its matchmaking window is chained to the last one's (``chain_from``: a member alone in round d, which
         waited out its whole window, still meets the members that averaged at once in round d + 1).
-        Returns (the last round's result or None, the vector, its outcome, rounds run). A round that fails
-        leaves the vector as it was; the agreement gives this member the swarm's."""
+        Returns (the last round's result or None, the vector, its outcome, rounds run, the node ids of every
+        group this member averaged with: the agreement's known participants). A round that fails leaves the
+        vector as it was; the agreement gives this member the swarm's. The session's ``robust`` applies to every
+        round as ``clip`` around zero (a pseudo-gradient, like a gradient, has no center of its own)."""
         codec = codec_keywords(session, "outer", vector.size)
+        robust = None if session.robust is None else Robust("clip", session.robust.c)
+        seen: set[bytes] = set()
         cap = session.max_samples
         out, outcome, result, dims, rounds = vector, "failed", None, 1, 0
         window_end = 0.0  # the last round's matchmaking window: the next one ends a window after it
@@ -811,6 +824,8 @@ class TrainerService:
             extra: dict[str, Any] = {"round_no": round_no * OUTER_ROUNDS + rounds, **codec}
             if cap is not None:
                 extra["max_weight"] = cap
+            if robust is not None:
+                extra["robust"] = robust
             if window_end > 0:
                 extra["chain_from"] = window_end
             try:
@@ -825,6 +840,8 @@ class TrainerService:
                 result, outcome = None, "failed"
             else:
                 result, outcome, out = got, got.outcome, averaged
+                if outcome == "averaged":
+                    seen.update(_node_ids(getattr(got, "members", [])))
                 window_end = float(getattr(got, "window_end", 0.0) or 0.0)
                 if rounds == 0:
                     dims = min(OUTER_ROUNDS, max(1, int(getattr(got, "dims", 1))))
@@ -833,23 +850,24 @@ class TrainerService:
                     weight = total  # the next axis averages group averages: each weighs what it stands for
                     cap = None if cap is None else cap * int(getattr(got, "group_size", 1))
             rounds += 1
-        return result, out, outcome, rounds
+        return result, out, outcome, rounds, frozenset(seen)
 
-    async def _step_peers(self, run_id: str, first_round: int) -> int:
-        """How many members took part in this outer step: the run's progress records that finished one of
-        its rounds (``first_round`` on). The agreement waits for that many finals (until half its deadline):
+    async def _step_peers(self, run_id: str, first_round: int) -> frozenset[bytes]:
+        """The members that took part in this outer step: the run's progress records that finished one of
+        its rounds (``first_round`` on). Only their records (and those of this member's groups) count in the
+        agreement, and it waits for that many finals (until half its deadline):
         with only the last group's size, a group that finished first agreed within itself and left, and the
         other group, tied two finals to two, waited out its deadline for a majority that could not come."""
         dht = getattr(self.statesync, "dht", None)
         if dht is None:
-            return 1
+            return frozenset()
         records: list = []
         try:
             with trio.move_on_after(STEP_PEERS_READ_S):
                 records = await dht.get(progress_key(run_id))
         except Exception as e:  # the agreement still runs on what it reads
             log.info("outer step: reading the run's progress failed: %s", e)
-        return len(finished_since(records, first_round))
+        return finished_since(records, first_round)
 
     def _forget_outer(self, session: Session, round_no: int) -> None:
         """Keep the blobs of the last OUTER_KEPT_ROUNDS outer rounds (others may still repair from them)."""
@@ -924,3 +942,14 @@ class TrainerService:
                     "donors": fetched.donors, "chunks": fetched.chunks, "retries": fetched.retries}
         finally:
             os.close(fd)
+
+
+def _node_ids(hexes: Any) -> list[bytes]:
+    """The node ids among a round result's ``members`` (hex strings; anything else is skipped)."""
+    out = []
+    for h in hexes if isinstance(hexes, list | tuple) else []:
+        try:
+            out.append(bytes.fromhex(h))
+        except (TypeError, ValueError):
+            continue
+    return out
