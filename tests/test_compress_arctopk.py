@@ -18,6 +18,7 @@ from peerd.allreduce.arctopk import (
     arc_topk_average,
     matrix_shapes,
     phase_group_id,
+    phase_options,
     ratio_of_plan,
     service_arc_topk,
 )
@@ -41,9 +42,12 @@ def plan_for(n: int, ratio: float = 0.25, shapes=SHAPES, payload: int = PAYLOAD,
 
 
 def run_group(plan: ArcTopKPlan, xs: list[np.ndarray], ws: list[float], drop=lambda phase, w: False,
-              efs: list[EF21M] | None = None, rnd: int = ROUND, dense=None, offload=None) -> tuple[list, list]:
+              efs: list[EF21M] | None = None, rnd: int = ROUND, dense=None, offload=None, robust=None,
+              tamper=None) -> tuple[list, list]:
     """Every member's arc_topk_average, phase by phase: a phase's GroupAverages run over one Net once every
-    member has handed in its vector. Returns (results, per phase: the Net that carried it)."""
+    member has handed in its vector, with the options the daemon gives each phase (``phase_options``).
+    ``tamper(i, phase, vector)``: what member i sends instead (a hostile member). Returns (results, per phase:
+    the Net that carried it)."""
     n = len(xs)
     nets: list = []
     results: list = [None] * n
@@ -57,11 +61,11 @@ def run_group(plan: ArcTopKPlan, xs: list[np.ndarray], ws: list[float], drop=lam
             return [phase_group_id(GROUP, p) for p in range(3)].index(peek_group(w.body))
 
         async def average(i: int, phase: int, gid: int, vector: np.ndarray):
-            pending[phase][i] = vector
+            pending[phase][i] = vector if tamper is None else tamper(i, phase, vector.copy())
             if len(pending[phase]) == n:
                 c = dense if phase == 2 else None
                 cores = [GroupAverage(gid, n, k, pending[phase][k], ws[k], 0.0, max_payload=PAYLOAD, codec=c,
-                                      run=RUN) for k in range(n)]
+                                      run=RUN, **phase_options(phase, robust)) for k in range(n)]
                 net = Net(cores, drop=lambda w: drop(phase_of(w), w))
                 net.run(allow_late=True)
                 nets.append(net)

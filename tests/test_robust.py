@@ -22,7 +22,8 @@ def honest_inputs(seed: int = 0) -> tuple[list[np.ndarray], list[float], np.ndar
     rng = np.random.default_rng(seed)
     signal = rng.standard_normal(LENGTH)
     xs = [(signal + 0.5 * rng.standard_normal(LENGTH)).astype(np.float32) for _ in range(N)]
-    ws = [float(w) for w in rng.integers(1, 20, N)]
+    # sample counts within WEIGHT_BOUND of each other, as DropCompute's are: no honest weight is bounded
+    ws = [float(w) for w in rng.integers(10, 20, N)]
     return xs, ws, signal
 
 

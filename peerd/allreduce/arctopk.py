@@ -11,22 +11,28 @@ exactly segment j, which belongs to member j, the owner of row shard j (peerd.co
    piece's top k rows from it. Top-k is therefore per piece, not per tensor. (The core also all-gathers the
    sketch; nobody reads that copy: 2 x 4 values per selectable row, 0.8 % of a 1000-column layout.)
 2. **Selection.** Segment j holds owner j's selection bitmap as 24-bit integers in float32 (exact), in
-   SELECTION_COPIES copies, each starting at a datagram range. Everyone else puts NaN there, which the core
-   refuses at the owner (``nonfinite``), so the owner's result is its own bitmap alone, and the all-gather sends
-   it to all. A member knows selection j if one copy arrived whole and decodes as a valid selection (exact k
-   bits per piece). The owner decodes its own result the same way, so it uses what the others received.
+   SELECTION_COPIES copies, each starting at a datagram range. Everyone else puts NaN there, and the phase runs
+   ``solo``: the owner's result for its segment is its own bitmap alone, whatever others send for it (a member
+   that sends finite words there cannot blend them in and make the selection decode for nobody), and the
+   all-gather sends it to all. A member knows selection j if one copy arrived whole and decodes as a valid
+   selection (exact k bits per piece). The owner decodes its own result the same way, so it uses what the
+   others received.
 3. **Dense.** Segment j holds the selected rows of row shard j and shard j of the whole (0-/1-D) tensors, in
-   datagram ranges whose first element is a canary: 1 at the owner, 0 elsewhere. A member that does not know
-   selection j puts NaN in all of segment j: it is counted out of those rows (refused, as if lost), never
-   averaged into the wrong rows, and it ignores segment j's all-gather. After the all-gather a range arrived
-   iff its canary is not this member's own (the average of the canaries is at least w_owner / sum w > 0).
+   datagram ranges whose first element is a canary: at the owner the RMS of its values there (a positive
+   number of their size, so robust clipping measures the owner as it measures the others), 0 elsewhere. A
+   member that does not know selection j puts NaN in all of segment j: it is counted out of those rows
+   (refused, as if lost), never averaged into the wrong rows, and it ignores segment j's all-gather. After the
+   all-gather a range arrived iff its canary is not this member's own (their average is w_owner c / sum w > 0).
 
 EF21M (peerd.compress.topk.EF21M) is the caller's, one per run: v = h - e is sketched, and the dense phase
 averages the selected rows of h itself; ``sent`` are the rows it contributed, ``got`` the ranges whose average
 arrived (u takes them); where it contributed but the all-gather range was lost, and in rows of a shard whose
 selection it never learnt, u keeps the last average it had. The state resets when the layout changes and survives group
-changes (every averaged row is the group's mean again). Dense values travel in fp32 or bf16 (the canary needs the
-exponent range of float32: w_owner / sum w may be below fp16's smallest value).
+changes (every averaged row is the group's mean again). A round in which a member did not learn every selection
+has rows that were never averaged: ``ArcTopKResult.complete`` is False and ``got_fraction`` counts them as not
+arrived. ``robust`` (clip; centered clips around zero here) applies to the sketch and dense phases, never to the
+selection phase, whose non-owners' NaN must be refused, not clipped. Dense values travel in fp32 or bf16 (the
+canary needs the exponent range of float32: w_owner / sum w may be below fp16's smallest value).
 """
 
 from __future__ import annotations
@@ -41,9 +47,11 @@ import trio
 
 from ..compress import Codec, CodecError
 from ..compress.topk import EF21M, TopKLayout
+from .robust import Robust
 from .shards import elements_per_datagram
 
 FLOAT32 = np.dtype("<f4")
+CANARY_FLOOR = 2.0**-64  # the owner's canary when its values are all zero: still not 0 once averaged (float32)
 SELECTION_COPIES = 3  # selection bitmaps sent per owner: each copy is lost only if one of its datagrams is
 WORD_BITS = 24  # bits of a selection word (integers below 2**24 are exact in float32)
 PHASES = ("sketch", "selection", "dense")
@@ -187,9 +195,17 @@ class ArcTopKPlan:
             if sel is None:
                 out[j * self.dense_segment : (j + 1) * self.dense_segment] = np.nan
                 continue
-            out[self._slots(j)] = self.layout.gather(flat, j, sel)
-            out[self._canaries(j)] = 1.0 if j == index else 0.0
+            values = self.layout.gather(flat, j, sel)
+            out[self._slots(j)] = values
+            out[self._canaries(j)] = self._canary(values) if j == index else 0.0
         return out
+
+    @staticmethod
+    def _canary(values: np.ndarray) -> np.float32:
+        """The owner's canary: the RMS of its values (so it adds nothing unusual to its norm under robust
+        clipping), at least CANARY_FLOOR (so its average is never 0)."""
+        rms = float(np.sqrt(np.mean(np.square(values, dtype=np.float64)))) if len(values) else 0.0
+        return np.float32(max(rms, CANARY_FLOOR) if np.isfinite(rms) else 1.0)
 
     def read_dense(self, index: int, averaged: np.ndarray, selections: list[list[np.ndarray] | None]
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -221,10 +237,15 @@ class ArcTopKPlan:
 class ArcTopKResult:
     vector: np.ndarray  # the output: EF21M's u, or (no error feedback) own values with the averaged rows in
     known: int  # row shards whose selection this member knew (n: all)
-    got_fraction: float  # of this member's contributed elements, the share whose average arrived
+    got_fraction: float  # of the round's dense elements (every shard's, known or not), the share averaged here
     bytes_sent: int = 0
     phases: list = field(default_factory=list)  # what the injected average returned per phase
     selections: list = field(default_factory=list)  # per row shard: the agreed selection, None where not known
+
+    @property
+    def complete(self) -> bool:
+        """Every shard's selection was known here: no row of the round was left out for want of it."""
+        return self.known == len(self.selections)
 
 
 Average = Callable[[int, int, np.ndarray], Awaitable[tuple[np.ndarray, object, int]]]
@@ -290,24 +311,37 @@ async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, i
         return out, sent, got
 
     out, sent, got = await offload(finish)
-    contributed = int(np.count_nonzero(sent))
+    total = sum(lay.dense_size(j) for j in range(plan.n))  # unknown selections' rows count as not averaged
     return ArcTopKResult(out, sum(s is not None for s in selections),
-                         int(np.count_nonzero(got & sent)) / contributed if contributed else 1.0, sent_bytes, phases,
-                         selections)
+                         int(np.count_nonzero(got & sent)) / total if total else 1.0, sent_bytes, phases, selections)
+
+
+def phase_options(phase: int, robust: Robust | None) -> dict[str, Any]:
+    """The averaging core's options for ``phase`` of an arc-topk average: the selection phase runs ``solo`` (each
+    owner's segment is its bitmap alone); the sketch and dense phases clip when ``robust`` is set (a centered
+    mode clips around zero: no center is kept for sketches or rows)."""
+    if phase == 1:
+        return {"solo": True}
+    if robust is None:
+        return {}
+    return {"robust": robust if robust.mode == "clip" else Robust("clip", robust.c)}
 
 
 async def service_arc_topk(service: Any, group_id: int, members: list, index: int, vector: np.ndarray,
                            weight: float, plan: ArcTopKPlan, *, run: int, round: int, codec: Codec | None = None,
                            ef: EF21M | None = None, **options: Any) -> ArcTopKResult:
     """arc_topk_average through an AllreduceService (``service.average``): the three phases under derived group
-    ids, with the same members, weight and ``options`` (floor_s, max_phase_s, max_weight); ``codec`` the dense
-    rows' (the plan's). ``result.phases`` holds the three AverageResults."""
-    if options.get("robust") is not None:
-        raise ValueError("arc-topk does not clip (robust): the selection phase relies on NaN being refused")
+    ids, with the same members, weight and ``options`` (floor_s, max_phase_s, max_weight, robust); ``codec`` the
+    dense rows' (the plan's). ``robust`` applies to the sketch and dense phases (a centered mode clips around
+    zero: no center is kept for sketches or rows); the selection phase runs ``solo`` (each owner's segment is its
+    bitmap alone). ``result.phases`` holds the three AverageResults."""
+    robust = options.pop("robust", None)
+    options.pop("center", None)
 
     async def average(phase: int, gid: int, values: np.ndarray) -> tuple[np.ndarray, object, int]:
         coded = {"codec": codec, "run": run} if phase == 2 and codec is not None and codec.wire_id != 0 else {}
-        res = await service.average(gid, members, index, values, weight, **options, **coded)
+        res = await service.average(gid, members, index, values, weight, **options, **coded,
+                                    **phase_options(phase, robust))
         return res.vector, res, res.bytes_sent
 
     offload = trio.to_thread.run_sync if plan.layout.length >= OFF_LOOP_ELEMS else _inline
@@ -317,7 +351,7 @@ async def service_arc_topk(service: Any, group_id: int, members: list, index: in
 
 def phase_totals(phases: list) -> dict[str, Any]:
     """What a bench reports of one arc-topk average, summed over its three AverageResults: seconds, bytes and
-    data datagrams, drops and refusals (NaN selection ranges from non-owners are ``nonfinite``: by design),
+    data datagrams, drops and refusals (non-owners' selection ranges are ``solo``: by design),
     and how the phases ended (``deadline`` if any of them did)."""
     out: dict[str, Any] = {"seconds": 0.0, "handshake_s": 0.0, "bytes_sent": 0, "datagrams_sent": 0,
                            "datagrams_received": 0, "datagrams_expected": 0, "drops": {}, "refused": {},
@@ -363,4 +397,4 @@ def matrix_shapes(size: int, rows: int, cols: int) -> list[tuple[int, ...]]:
 
 
 __all__ = ["DENSE_CODECS", "PHASES", "SELECTION_COPIES", "ArcTopKPlan", "ArcTopKResult", "arc_topk_average",
-           "matrix_shapes", "phase_group_id", "phase_totals", "ratio_of_plan", "service_arc_topk"]
+           "matrix_shapes", "phase_group_id", "phase_options", "phase_totals", "ratio_of_plan", "service_arc_topk"]

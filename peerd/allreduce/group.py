@@ -31,6 +31,11 @@ poison it, and counts it in ``GroupStats.refused``:
   so one member cannot claim the whole average by announcing weight 3e38.
 * ``clipped`` (``robust`` only, see ``peerd.allreduce.robust``): a member whose contribution to this shard
   is more than C times the median norm is scaled down to it.
+* ``weight_bounded`` (``robust`` only): a member whose weight is more than WEIGHT_BOUND times the median
+  weight of the members that delivered to this shard counts for that bound, so a claimed weight cannot undo
+  the clipping (equal honest weights are never bounded, so their average stays exact).
+* ``solo`` (``solo=True``): the owner's result for its shard is its own values alone; what others send for it
+  is not averaged in (a broadcast from each owner, e.g. arc-topk's selection bitmaps).
 
 Codecs (protocol/codecs.md): with ``codec`` fp32 (the default) the values travel as their own bytes and land
 by one copy. With fp16, bf16, int8 or int4 every body is a self-contained codec body: each reduce-scatter range
@@ -78,7 +83,7 @@ from .codec import (
     view_coded,
 )
 from .robust import MODES as ROBUST_MODES
-from .robust import Robust
+from .robust import WEIGHT_BOUND, Robust
 from .shards import Layout, elements_per_datagram
 
 DEFAULT_MAX_PAYLOAD = 1200 - 37  # default datagram payload minus envelope (21) and AEAD tag (16)
@@ -190,10 +195,12 @@ class GroupStats:
     # sends each END 3 times, so these are routine and not counted as drops
     ends_ignored: int
     # Contributions refused or limited (reason -> count): nonfinite (ranges, both phases), weight_capped
-    # (members), clipped (members, robust only). The driver adds them to contributions_refused.
+    # (members), clipped and weight_bounded (members, robust only), solo (ranges). The driver adds them to
+    # contributions_refused.
     refused: dict[str, int] = field(default_factory=dict)
     # the weight this member's average stands for: its own and every member's it heard from (each capped at
-    # max_weight): a later Moshpit round on another grid axis averages with this weight
+    # max_weight, and with robust at the median bound): a later Moshpit round on another grid axis averages with
+    # this weight
     weight_total: float = 0.0
 
 
@@ -560,6 +567,9 @@ class GroupAverage:
     member's index and the phase, so draws are independent across runs, groups, senders and phases and a
     test replays them exactly.
 
+    ``solo``: this owner's result for its shard is its own values alone, whatever others send for it (each
+    shard is its owner's broadcast); the all-gather is unchanged.
+
     ``stage``: scratch memory for the reduce-scatter's staged values (``stage_elements(len(vector), n)`` float32
     elements at least, contents ignored); ``stage_buffer`` hands it back for the next group once this one is done.
     """
@@ -586,6 +596,7 @@ class GroupAverage:
         codec: Codec | None = None,
         run: int = 0,
         stage: np.ndarray | None = None,
+        solo: bool = False,
     ) -> None:
         if type(group_id) is not int or not 0 <= group_id <= 0xFFFFFFFF:
             raise ValueError(f"group_id must be a u32, got {group_id!r}")
@@ -667,7 +678,11 @@ class GroupAverage:
         self._vec = vec
         self._out = out
         self._max_weight = cap
+        # the cap in force at finalizing: max_weight, lowered with ``robust`` to WEIGHT_BOUND times the median
+        # weight once every contribution is in (``_robust_step``)
+        self._wcap = cap
         self._robust = robust
+        self._solo = bool(solo)
         self._refused = refused
         self._center: np.ndarray | None = None
         if robust is not None and robust.mode == "centered" and center is not None:
@@ -738,7 +753,7 @@ class GroupAverage:
         # rows whose float32 sum would overflow (summed in float64 when the range is finalized). On the Python data
         # path the staged reconstruction stays: in numpy, streaming takes a gather, two finiteness checks, a select
         # and a scatter per block where the stage takes one copy (its sums are vectorized later either way).
-        self._stream = not self._coded and robust is None and _native is not None
+        self._stream = not self._coded and robust is None and not solo and _native is not None
         self._acc = self._stage_buffer[: self._hi - self._lo]
         self._acc_set = np.zeros(self._nranges, dtype=np.uint8)
         self._wsum_in = np.zeros(self._nranges, dtype=np.float64)
@@ -1443,25 +1458,29 @@ class GroupAverage:
         own = self._vec[lo:hi].reshape(rows, width)
         out2d = self._out[lo:hi].reshape(rows, width)
         seen = self._rs_seen[:, k0:k1]
+        if self._solo and seen.any():
+            self._refused["solo"] += int(np.count_nonzero(seen.any(axis=0)))
+            seen = np.zeros_like(seen)
         if not seen.any():
             if not self._inplace:
                 out2d[...] = own
             return
         arrived = seen.any(axis=0)
         scale = self._scale
-        wsum = np.full(rows, self.weight, dtype=np.float64)
+        own_w = min(self.weight, self._wcap)
+        wsum = np.full(rows, own_w, dtype=np.float64)
         base = lo - self._lo
         center = None
         if self._center is not None:
             center = self._center[base : base + rows * width].reshape(rows, width)
         with np.errstate(all="ignore"):  # overflow and NaN are found below, in one call
             acc = own - center if center is not None else own.copy()
-            acc *= np.float32(self.weight * (scale[self.index] if scale is not None else 1.0))
+            acc *= np.float32(own_w * (scale[self.index] if scale is not None else 1.0))
             for s in range(self.n):
                 mask = seen[s]
                 if s == self.index or not mask.any():
                     continue
-                ws = min(self._sender_weight[s], self._max_weight)  # type: ignore[type-var]
+                ws = min(self._sender_weight[s], self._wcap)  # type: ignore[type-var]
                 factor = np.float32(ws * (scale[s] if scale is not None else 1.0))
                 staged = self._stage[s, base : base + rows * width].reshape(rows, width)
                 term = (staged - center) * factor if center is not None else staged * factor
@@ -1529,8 +1548,9 @@ class GroupAverage:
         acc = own.astype(np.float64)
         if center is not None:
             acc -= center
-        acc *= self.weight * (scale[self.index] if scale is not None else 1.0)
-        wsum = np.full(rows, self.weight, dtype=np.float64)
+        own_w = min(self.weight, self._wcap)
+        acc *= own_w * (scale[self.index] if scale is not None else 1.0)
+        wsum = np.full(rows, own_w, dtype=np.float64)
         for s in range(self.n):
             mask = seen[s]
             if s == self.index or not mask.any():
@@ -1544,7 +1564,7 @@ class GroupAverage:
                     mask &= ~bad
                     if not mask.any():
                         continue
-            ws = min(self._sender_weight[s], self._max_weight)  # type: ignore[type-var]
+            ws = min(self._sender_weight[s], self._wcap)  # type: ignore[type-var]
             factor = ws * (scale[s] if scale is not None else 1.0)
             x = staged.astype(np.float64) if mask.all() else staged[mask].astype(np.float64)
             if center is not None:
@@ -1572,7 +1592,8 @@ class GroupAverage:
         center, if any) and how many elements they hold; a range holding NaN or inf is refused here. Then
         the RMS per element delivered (so a member that lost datagrams is neither favoured nor penalized),
         the median over the members that delivered anything, and each member's factor min(1, C * median /
-        its RMS)."""
+        its RMS). The same members' weights (each capped at max_weight) give the weight bound: WEIGHT_BOUND
+        times their median, so that no claimed weight multiplies a clipped contribution past it."""
         assert self._robust is not None
         if self._scale is not None:
             return True
@@ -1585,6 +1606,16 @@ class GroupAverage:
         rms = [math.sqrt(self._sumsq[s] / self._elements[s]) if self._elements[s] else math.nan
                for s in range(self.n)]
         heard = [r for r in rms if math.isfinite(r)]
+        weights = sorted(min(self.weight if s == self.index else self._sender_weight[s], self._max_weight)
+                         for s in range(self.n) if self._elements[s] and (s == self.index or
+                                                                          self._sender_weight[s] is not None))
+        if weights:
+            bound = WEIGHT_BOUND * float(np.median(weights))
+            if bound < self._wcap:
+                self._wcap = bound
+                over = sum(w > bound for w in weights)
+                if over:
+                    self._refused["weight_bounded"] += over
         scale = [1.0] * self.n
         if heard:
             med = float(np.median(heard))
@@ -1701,5 +1732,5 @@ class GroupAverage:
             drops=dict(self._drops),
             ends_ignored=self._ends_ignored,
             refused=dict(self._refused),
-            weight_total=min(own, self._max_weight) + sum(min(w, self._max_weight) for w in heard),
+            weight_total=min(own, self._wcap) + sum(min(w, self._wcap) for w in heard),
         )

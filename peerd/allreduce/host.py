@@ -341,11 +341,13 @@ class AveragingHost:
         codec: Codec | None = None,
         run: int = 0,
         absent: Collection[int] = (),
+        solo: bool = False,
     ) -> list[Action]:
         """Start averaging ``vector`` (weight: its sample count) as member ``index`` of ``peers`` (node ids,
         in the group's order). Returns a Bind per other member, and what the data held for this group did.
         ``absent``: members (indices) this node neither waits for nor sends to (GroupAverage.remove_member),
-        e.g. one silent in an earlier part of the same Moshpit round.
+        e.g. one silent in an earlier part of the same Moshpit round. ``solo``: each owner's shard is its own
+        values alone (GroupAverage).
         ValueError: a group of that id is running here, the members are not distinct, or GroupAverage's own
         argument checks (weight, max_weight, robust, ...)."""
         if group_id in self._groups:
@@ -363,7 +365,7 @@ class AveragingHost:
             group_id, len(peers), index, vector, weight, now,
             max_payload=self.max_body, floor_s=floor_s, max_phase_s=max_phase_s, out=out,
             end_grace_s=end_grace_s, max_weight=max_weight, robust=robust, center=center, byzantine=self.byzantine,
-            codec=codec, run=run, stage=spare,
+            codec=codec, run=run, stage=spare, solo=solo,
         )
         core.split_values = self.split_values
         for a in sorted(absent):

@@ -12,10 +12,16 @@ reached keeps the owner's value exactly.
 by the caller), and the result is the center plus the weighted mean of the clipped differences. Without a
 center it is clip around zero.
 
+Weights: a contribution counts by its weight, which the member claims in its datagrams; so with either mode
+the owner also bounds every weight (its own too) at WEIGHT_BOUND times the median of the weights of the
+members that delivered anything, on top of ``max_weight``. Without that bound one member clipped to the
+median norm but claiming 2**24 samples would still be the whole average. Equal honest weights are never
+bounded (their average stays exact); honest weights within WEIGHT_BOUND of the median are not either.
+
 Limits, by design: norm clipping bounds how far one member moves the average (a member at x1000 counts
-as at most C times a typical one, times its weight share); it does NOT stop a sign-flipped or otherwise
-misdirected gradient of normal size, nor several colluding members that shift the median. Weights are
-capped separately (max_weight), and ranges holding NaN or inf are refused before any norm is taken.
+as at most C times a typical one, times its weight share, itself at most WEIGHT_BOUND times a typical one);
+it does NOT stop a sign-flipped or otherwise misdirected gradient of normal size, nor several colluding
+members that shift the median. Ranges holding NaN or inf are refused before any norm is taken.
 Cost: one more read of the shard's contributions (measured at 25M elements, 4 peers: ~15-30 ms per
 average on a loaded 2-core machine, against ~2 s for the average).
 """
@@ -28,6 +34,9 @@ from dataclasses import dataclass
 MODES = ("clip", "centered")
 DEFAULT_C = 1.0  # 8-peer demo: a random member at C=2 raised final_loss 15 %, at C=1 5 %; honest runs unchanged
 MAX_C = 1e6
+# the most a member's weight counts for, in multiples of the median weight of the members that delivered
+# (robust only): DropCompute's honest weights vary well within 2x, a member's claim beyond it is not believed
+WEIGHT_BOUND = 2.0
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,7 @@ class AllreduceService:
         codec: Codec | None = None,
         run: int = 0,
         absent: Collection[int] = (),
+        solo: bool = False,
     ) -> AverageResult:
         """Average ``vector`` (weight: its sample count) with ``members`` as member ``index`` of group
         ``group_id``. ``max_weight``: the most samples any member's weight counts for (None: 2**24), from
@@ -204,14 +205,15 @@ class AllreduceService:
         size); ``center``: the previous round's average, for ``centered`` (None: clip around zero).
         ``codec``: the run's body codec (peerd.compress; None: fp32), the same for every member; ``run``: the
         run's u64 key for the codec's stochastic rounding draws. ``absent``: members (indices) not waited for
-        and sent nothing (silent in an earlier part of the same Moshpit round)."""
+        and sent nothing (silent in an earlier part of the same Moshpit round). ``solo``: each owner's result for
+        its shard is its own values alone (a broadcast per owner: arc-topk's selections)."""
         host = self.host
         wall0 = time.perf_counter()
         actions = host.start(
             group_id, [mb.node_id for mb in members], index, vector, weight, trio.current_time(),
             kernel_drops=self._kernel_drops(), gso=self._gso(), floor_s=floor_s, max_phase_s=max_phase_s,
             end_grace_s=end_grace_s, out=out, max_weight=max_weight, robust=robust, center=center,
-            codec=codec, run=run, absent=absent,
+            codec=codec, run=run, absent=absent, solo=solo,
         )
         self._wake[group_id] = trio.Event()
         handshake = [0.0]

@@ -26,6 +26,7 @@ from .rounding import PHASE_SKETCH, draw_bits, stream_key
 
 SKETCH_RANK = 4
 MIN_TOPK_ROWS = 2  # a matrix whose top ``ratio`` is a single row goes whole: see TopKLayout.matrices
+DEFAULT_MAX_AGE = 64  # EF21M: rounds an element of u may go unrefreshed before it is reset (ratio 0.1: ~6x the usual)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,15 +306,24 @@ class EF21M:
     nothing, and u keeps the last average too. So u only ever holds group averages, some older than others.
     h is the member's own and u holds averages of whatever group it was in, so a group change keeps both; a new
     layout (``key``) resets everything.
+
+    An element of u that no average has refreshed for ``max_age`` rounds is reset to 0 (counted in ``aged_out``):
+    whatever got into u (an average a member poisoned, a row whose selection never reached this member) is not
+    applied by the optimizer for ever, and v = h - 0 asks for the row again.
     """
 
-    def __init__(self, eta: float = 0.1) -> None:
+    def __init__(self, eta: float = 0.1, max_age: int = DEFAULT_MAX_AGE) -> None:
         if not 0.0 < eta <= 1.0:
             raise ValueError(f"eta must be in (0, 1], got {eta}")
+        if type(max_age) is not int or not 1 <= max_age <= 255:
+            raise ValueError(f"max_age must be an integer in [1, 255] (rounds), got {max_age!r}")
         self.eta = np.float32(eta)
+        self.max_age = max_age
         self.key: object = None
         self.h: np.ndarray | None = None
         self.u: np.ndarray | None = None
+        self.age: np.ndarray | None = None  # per element: rounds since u was last refreshed (up to max_age)
+        self.aged_out = 0  # elements of u reset to 0 for want of a refresh
 
     @property
     def e(self) -> np.ndarray | None:
@@ -322,7 +332,7 @@ class EF21M:
 
     def reset(self) -> None:
         self.key = None
-        self.h = self.u = None
+        self.h = self.u = self.age = None
 
     def begin(self, grad: np.ndarray, key: object) -> np.ndarray:
         """Fold this round's gradient into h; returns v = h - u, the vector to sketch. ``key`` names the layout (a
@@ -332,6 +342,7 @@ class EF21M:
             self.key = key
             self.h = g.copy()
             self.u = np.zeros_like(g)
+            self.age = np.zeros(g.shape, dtype=np.uint8)
         else:
             self.h *= np.float32(1) - self.eta
             self.h += self.eta * g
@@ -340,7 +351,15 @@ class EF21M:
     def finish(self, *, got: np.ndarray, avg: np.ndarray) -> np.ndarray:
         """Apply one average of h's selected rows: ``got`` marks the elements whose averaged value arrived (the
         owner's own shard included), ``avg`` holding them. Returns u (a view: copy to keep)."""
-        if self.h is None or self.u is None:
+        if self.h is None or self.u is None or self.age is None:
             raise RuntimeError("EF21M.finish before begin")
         self.u[got] = avg[got]
+        age = self.age
+        np.add(age, 1, out=age, where=age < self.max_age)
+        age[got] = 0
+        stale = age >= self.max_age
+        if stale.any():
+            stale &= self.u != 0  # (what aged out before is 0 already)
+            self.aged_out += int(np.count_nonzero(stale))
+            self.u[stale] = 0.0
         return self.u

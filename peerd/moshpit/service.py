@@ -796,6 +796,8 @@ class MoshpitService:
             return RoundResult(vector.copy(), "failed", gid, len(members), hexes, 0.0, round_no, 0.0, 0.0, key, seen,
                                f"the arc-topk layout holds {topk.length} elements, the vector {vector.size}")
         options: dict = {} if st.max_weight is None else {"max_weight": st.max_weight}
+        if st.robust is not None:
+            options["robust"] = st.robust  # the sketch and dense phases (arctopk.service_arc_topk)
         try:
             plan = ArcTopKPlan.build(topk.shapes, len(members), topk.ratio, self.allreduce.host.max_body)
             res = await service_arc_topk(self.allreduce, group.group_id, members, group.index, vector, weight, plan,
@@ -816,6 +818,14 @@ class MoshpitService:
                                seen, "the arc-topk result held NaN or infinity: kept this node's own vector")
         totals = phase_totals(res.phases)
         self.metrics.moshpit_bytes_sent.labels("arc-topk").inc(res.bytes_sent)
+        if not res.complete:  # some rows were never averaged: not an average (EF21M's u holds only averages still)
+            unknown = [j for j, sel in enumerate(res.selections) if sel is None]
+            log.warning("run %s round %d: arc-topk in group %s: the selection of shard(s) %s did not reach this "
+                        "node; keeping its own vector", st.run_id, round_no, gid, unknown)
+            return RoundResult(vector.copy(), "failed", gid, len(members), hexes, res.got_fraction, round_no, 0.0,
+                               0.0, key, seen, f"the arc-topk selection of shard(s) {unknown} did not decode here: "
+                               f"{1 - res.got_fraction:.1%} of the round's rows were not averaged",
+                               bytes_sent=res.bytes_sent)
         fraction = totals["datagrams_received"] / totals["datagrams_expected"] if totals["datagrams_expected"] else 1.0
         silent = any(p.stats.reduce_scatter.silent or p.stats.all_gather.silent for p in res.phases)
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,

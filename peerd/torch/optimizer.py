@@ -40,6 +40,9 @@ NO_GROUP = ("local", "skip", "raise")
 # run saw a late joiner never get into the founders' kept group (divergence 0.12), so 1 until that is fixed.
 DEFAULT_KEEP_ROUNDS = 1
 STATE_FORMAT = "peerd-state-v1"
+# max_samples not given: this many times the samples of the trainer's first step, so a member claiming a huge
+# weight counts for at most a few honest batches here (DropCompute's honest weights stay below one batch)
+MAX_SAMPLES_FACTOR = 4.0
 
 
 class NoGroupError(RuntimeError):
@@ -59,7 +62,8 @@ class Optimizer:
     DHT, so matchmaking does not dominate a step; 1: a new group every round; None: the daemon's default;
     default DEFAULT_KEEP_ROUNDS), ``robust`` (how shard owners limit each member's contribution: "off",
     "clip[:C]" or "centered[:C]"; None: the daemon's default), ``max_samples`` (the largest sample count a
-    member may claim as its averaging weight in this run; None: the daemon's default), ``compression`` (the
+    member may claim as its averaging weight in this run; None: MAX_SAMPLES_FACTOR times the samples of this
+    trainer's first step, declared to the daemon before that step averages), ``compression`` (the
     codec of every average of the run: "fp32", "fp16", "bf16", "int8" or "int4"; every trainer of the run must
     pass the same; None: the run's, fp32 unless set), ``quant_group`` and ``rounding`` (int8/int4: values per
     scale and min, default 128; "stochastic", the default, or "nearest"). ``compression="arc-topk"`` averages the
@@ -106,6 +110,7 @@ class Optimizer:
             raise ValueError(f"max_samples must be a positive finite number or None, got {max_samples!r}")
         self.robust = robust
         self.max_samples = None if max_samples is None else float(max_samples)
+        self._max_samples_due = max_samples is None  # set from the first step's samples (_default_max_samples)
         if keep_rounds is not None and (type(keep_rounds) is not int or not 1 <= keep_rounds <= 1000):
             raise ValueError(f"keep_rounds must be an integer in [1, 1000] or None, got {keep_rounds!r}")
         self.keep_rounds = keep_rounds
@@ -272,7 +277,17 @@ class Optimizer:
         gradients are summed over them, as DropCompute accumulates them): its gradients go to the daemon bucket
         by bucket as backward produces them. Without overlap: nothing to do."""
         if self._overlap is not None:
+            self._default_max_samples(samples)
             self._overlap.arm(samples, 1.0 / float(samples))
+
+    def _default_max_samples(self, samples: int | float) -> None:
+        """No ``max_samples`` given: MAX_SAMPLES_FACTOR times the first step's samples, declared in a new session
+        (trainer_open takes it) before anything is averaged, so another member's claimed weight is bounded here."""
+        if not self._max_samples_due or not samples > 0:
+            return
+        self._max_samples_due = False
+        self.max_samples = MAX_SAMPLES_FACTOR * float(samples)
+        self.connect()
 
     def flush(self) -> None:
         """Overlap: wait for every bucket still out and apply every update still due. Without overlap: nothing."""
@@ -289,6 +304,7 @@ class Optimizer:
             raise ValueError("peerd.torch.Optimizer does not take a closure: compute the loss before step()")
         if samples <= 0:
             raise ValueError("samples must be positive (it is the averaging weight)")
+        self._default_max_samples(samples)
         if self._overlap is not None:
             return self._step_overlap(samples, loss)
         now = time.monotonic()

@@ -320,6 +320,9 @@ class TrainerService:
             raise OpError(f"{e} (robust is optional: off, clip, clip:C, centered or centered:C with 0 < C <= 1e6)") \
                 from None
         compression = parse_compression(req)
+        if robust is not None and robust.mode == "centered" and compression.get("compression") == "arc-topk":
+            raise OpError(f"robust {robust} does not go with arc-topk: its sketches and rows are clipped around zero "
+                          f"(robust clip:{robust.c:g}); the selection phase is each owner's alone")
         digest = layout_hash(layout)
         run_key = f"{run}/{digest[:16]}"
         self._check_model(run, digest)

@@ -1,0 +1,165 @@
+"""A member against robust aggregation and arc-topk, written from the attacks: a claimed weight that undoes
+clipping, arc-topk rows that go unclipped where the run asks for robust, a selection segment blended with a
+non-owner's words, and an EF21M state that keeps what got into it for ever. In process, over the in-test
+network of test_allreduce_core (virtual time)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from peerd.allreduce.arctopk import ArcTopKPlan, ArcTopKResult
+from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GroupAverage
+from peerd.allreduce.robust import WEIGHT_BOUND, Robust
+from peerd.compress.topk import EF21M
+
+from .test_allreduce_core import GROUP, Net, payload_for
+from .test_compress_arctopk import SHAPES, plan_for, run_group, wmean
+
+PER = 50
+
+
+def cos(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def gradients(n: int, length: int, seed: int) -> list[np.ndarray]:
+    """Honest replicas' gradients: a common signal plus noise of the same size."""
+    rng = np.random.default_rng(seed)
+    signal = rng.standard_normal(length)
+    return [(signal + rng.standard_normal(length)).astype(np.float32) for _ in range(n)]
+
+
+def test_a_claimed_huge_weight_does_not_undo_clipping_hostile() -> None:
+    """One of 8 sends its gradient sign-flipped and claims 2**24 samples (the old cap) against honest 32s:
+    clipped to the median norm, it still was the whole average (cos -0.88 with the honest mean). Its weight
+    now counts for at most WEIGHT_BOUND times the median weight, and the average points the honest way."""
+    n, length = 8, 4000
+    xs = gradients(n, length, 0)
+    ws = [32.0] * n
+    ws[0] = DEFAULT_MAX_WEIGHT
+    honest = np.mean(np.stack(xs[1:]).astype(np.float64), axis=0)
+    cores = [GroupAverage(GROUP, n, i, xs[i], ws[i], 0.0, max_payload=payload_for(PER), robust=Robust("clip", 1.0),
+                          byzantine="signflip" if i == 0 else None) for i in range(n)]
+    Net(cores).run()
+    a, b = length // n, length  # shards 1..7: honest owners
+    for i in range(1, n):
+        got = cores[i].result()
+        assert cos(got[a:b], honest[a:b]) > 0.8
+        assert cores[i].statistics().refused.get("weight_bounded") == 1
+        assert cores[i].statistics().weight_total == pytest.approx(32.0 * (n - 1) + WEIGHT_BOUND * 32.0)
+    # honest members of equal weight are never bounded: a robust average of them is their plain mean
+    plain = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER)) for i in range(n)]
+    bounded = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER),
+                            robust=Robust("clip", 1e6)) for i in range(n)]
+    Net(plain).run()
+    Net(bounded).run()
+    for p, r in zip(plain, bounded, strict=True):
+        np.testing.assert_allclose(r.result(), p.result(), rtol=0, atol=2e-6)
+        assert "weight_bounded" not in r.statistics().refused
+
+
+def test_arc_topk_rows_are_clipped_where_the_run_asks_for_robust_hostile() -> None:
+    """One of 4 multiplies its dense rows by 1000 in an arc-topk average whose run asks for robust clip:
+    the rows were averaged unclipped (max 1135 against honest 3.9). Now the dense phase clips them."""
+    plan = plan_for(4)
+    xs = gradients(4, plan.layout.length, 1)
+    ws = [8.0] * 4
+
+    def scale(i: int, phase: int, vector: np.ndarray) -> np.ndarray:
+        return vector * np.float32(1000) if i == 3 and phase == 2 else vector
+
+    honest = wmean(xs, ws, range(3))
+    plain, _ = run_group(plan, xs, ws, tamper=scale)
+    clipped, _ = run_group(plan, xs, ws, tamper=scale, robust=Robust("clip", 1.0))
+    top = float(np.abs(honest).max())
+    assert max(float(np.abs(r.vector).max()) for r in plain[:3]) > 100 * top  # the attack, unclipped
+    for r in clipped[:3]:
+        assert r.known == 4 and r.got_fraction == 1.0
+        assert float(np.abs(r.vector).max()) < 3 * top
+    # honest members, clip at a large C: arc-topk with robust is arc-topk without it
+    calm, _ = run_group(plan, xs, ws)
+    wide, _ = run_group(plan, xs, ws, robust=Robust("centered", 1e6))  # centered clips around zero here
+    for c, w in zip(calm, wide, strict=True):
+        np.testing.assert_allclose(w.vector, c.vector, rtol=0, atol=1e-5)
+
+
+def test_a_non_owner_cannot_blend_words_into_an_owners_selection_hostile() -> None:
+    """A member puts finite words in owner 0's selection segment instead of NaN: they were averaged in, the
+    selection then decoded for nobody, shard 0's rows were never averaged, and every member still reported
+    got_fraction 1.0. The selection phase now runs solo: owner 0's segment is its bitmap alone."""
+    plan = plan_for(4)
+    xs = gradients(4, plan.layout.length, 2)
+    ws = [8.0] * 4
+    seg = plan.selection_segment
+
+    def poison(i: int, phase: int, vector: np.ndarray) -> np.ndarray:
+        if i == 3 and phase == 1:
+            vector[:seg] = 1e6  # owner 0's segment
+        return vector
+
+    res, _ = run_group(plan, xs, ws, tamper=poison)
+    clean, _ = run_group(plan, xs, ws)
+    for r, c in zip(res, clean, strict=True):
+        assert r.known == 4 and r.complete and r.got_fraction == 1.0
+        np.testing.assert_array_equal(r.vector, c.vector)
+
+
+def test_a_lost_selection_is_not_reported_as_averaged_and_counts_its_rows_hostile() -> None:
+    """A member that never learns a shard's selection averages none of its rows: the round is incomplete, and
+    got_fraction counts those rows as not averaged (it said 1.0: only the rows it had contributed counted)."""
+    from .test_allreduce_core import AG_DATA
+
+    plan = plan_for(4)
+    xs = gradients(4, plan.layout.length, 3)
+    ws = [8.0] * 4
+
+    def drop(phase: int, w) -> bool:  # member 2 never hears owner 0's selection
+        return phase == 1 and w.mtype == AG_DATA and w.src == 0 and w.dst == 2
+
+    res, _ = run_group(plan, xs, ws, drop)
+    assert [r.complete for r in res] == [True, True, False, True]
+    lay = plan.layout
+    missing = lay.dense_size(0) / sum(lay.dense_size(j) for j in range(4))
+    assert res[2].got_fraction == pytest.approx(1.0 - missing)
+    assert ArcTopKResult(np.zeros(1), 3, 0.5, selections=[None, 1, 1, 1]).complete is False
+
+
+def test_ef21m_forgets_what_no_average_refreshed_hostile() -> None:
+    """A poisoned average in u (573 against honest 3.8) stayed there for as long as its rows went unselected:
+    for ever, if their selection never decoded. An element of u not refreshed for max_age rounds is reset."""
+    ef = EF21M(0.5, max_age=8)
+    length = 40
+    g = np.ones(length, np.float32)
+    nothing = np.zeros(length, bool)
+    ef.begin(g, "layout")
+    poisoned = np.full(length, 573.0, np.float32)
+    ef.finish(got=np.ones(length, bool), avg=poisoned)
+    fresh = np.arange(length) < 10  # these rows keep being averaged
+    for _ in range(7):
+        ef.begin(g, "layout")
+        u = ef.finish(got=fresh, avg=np.ones(length, np.float32))
+    assert (u[~fresh] == 573.0).all()  # 7 rounds unrefreshed: kept (an ordinary unselected row)
+    ef.begin(g, "layout")
+    u = ef.finish(got=fresh, avg=np.ones(length, np.float32))
+    assert (u[~fresh] == 0.0).all() and (u[fresh] == 1.0).all()
+    assert ef.aged_out == length - 10
+    v = ef.begin(g, "layout")
+    assert (v[~fresh] == ef.h[~fresh]).all()  # the score asks for the rows again
+    ef.finish(got=nothing, avg=np.zeros(length, np.float32))
+    assert ef.aged_out == length - 10  # zeros are not counted again
+    with pytest.raises(ValueError, match="max_age"):
+        EF21M(0.5, max_age=0)
+
+
+def test_the_owner_canary_is_of_the_values_size() -> None:
+    """Under robust clipping the owner's canary adds nothing unusual to its norm: tiny gradients (1e-4) with a
+    canary of 1 would clip the owner's own rows by 100x and bias every selected row."""
+    plan = ArcTopKPlan.build(SHAPES, 4, 0.25, 4 * 40 + 20)
+    xs = [x * np.float32(1e-4) for x in gradients(4, plan.layout.length, 4)]
+    ws = [8.0] * 4
+    calm, _ = run_group(plan, xs, ws)
+    clipped, _ = run_group(plan, xs, ws, robust=Robust("clip", 2.0))
+    for c, r in zip(calm, clipped, strict=True):
+        np.testing.assert_allclose(r.vector, c.vector, rtol=0, atol=1e-9)
