@@ -430,6 +430,7 @@ def test_swarm_key_file_round_trip(tmp_path) -> None:
         write_swarm_key(path)
     spaced = tmp_path / "spaced.key"
     spaced.write_bytes(b"  " + base64.b64encode(secret) + b"\r\n\n")
+    spaced.chmod(0o600)
     assert load_swarm_key(str(spaced)) == secret
 
 
@@ -450,6 +451,7 @@ def test_missing_key_files(tmp_path) -> None:
 def test_bad_identity_file(tmp_path, content: bytes) -> None:
     path = tmp_path / "id.pem"
     path.write_bytes(content)
+    path.chmod(0o600)
     with pytest.raises(KeyFileError) as e:
         load_identity(str(path))
     assert "peerd keygen" in str(e.value)
@@ -461,6 +463,7 @@ def test_identity_file_of_another_key_type(tmp_path) -> None:
     path.write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
+    path.chmod(0o600)
     with pytest.raises(KeyFileError) as e:
         load_identity(str(path))
     assert "Ed25519" in str(e.value) and "peerd keygen" in str(e.value)
@@ -474,6 +477,7 @@ def test_identity_file_of_an_unknown_algorithm(tmp_path) -> None:
     der = der.replace(bytes.fromhex("06032b6570"), bytes.fromhex("06032b6563"))  # OID 1.3.101.112 -> .99
     path = tmp_path / "odd.pem"
     path.write_bytes(b"-----BEGIN PRIVATE KEY-----\n" + base64.encodebytes(der) + b"-----END PRIVATE KEY-----\n")
+    path.chmod(0o600)
     with pytest.raises(KeyFileError):
         load_identity(str(path))
 
@@ -485,6 +489,7 @@ def test_identity_file_of_an_unknown_algorithm(tmp_path) -> None:
 def test_bad_swarm_key_file(tmp_path, content: bytes) -> None:
     path = tmp_path / "swarm.key"
     path.write_bytes(content)
+    path.chmod(0o600)
     with pytest.raises(KeyFileError) as e:
         load_swarm_key(str(path))
     assert "peerd keygen --swarm-key" in str(e.value)
@@ -807,3 +812,19 @@ def test_fuzz_decode_extra_or_missing_keys(data, name: str, new: Any) -> None:
         gone = data.draw(st.sampled_from(list(body)))
         changed = {k: v for k, v in body.items() if k != gone}
     expect_drop("malformed", m.decode, mtype, msgpack.packb(changed, use_bin_type=True))
+
+
+@pytest.mark.parametrize("open_mode", [0o640, 0o604, 0o660, 0o644])
+def test_key_files_open_to_others_are_refused_hostile(tmp_path, open_mode: int) -> None:
+    """A key file that group or others can read is no secret: it is refused with the one fix that helps."""
+    ident, key = str(tmp_path / "id.pem"), str(tmp_path / "swarm.key")
+    write_identity(ident)
+    write_swarm_key(key)
+    for path, load in ((ident, load_identity), (key, load_swarm_key)):
+        os.chmod(path, open_mode)
+        with pytest.raises(KeyFileError) as e:
+            load(path)
+        message = str(e.value)
+        assert f"chmod 600 {path}" in message and "\n" not in message and f"{open_mode:04o}" in message
+        os.chmod(path, 0o600)  # the normal flow: keygen's 0600 loads
+        load(path)

@@ -6,6 +6,7 @@ import base64
 import binascii
 import hashlib
 import os
+import stat
 from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -87,14 +88,22 @@ def write_identity(path: str) -> Identity:
     return ident
 
 
-def load_identity(path: str) -> Identity:
+def _read_private(path: str, what: str, hint: str) -> bytes:
+    """A key file's bytes, refused when group or others may read or write it: a secret that others can read
+    is no longer this node's alone (keygen writes 0600, so the normal flow passes)."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+            if mode & 0o077:
+                raise KeyFileError(f"{what} {path} is open to group or others (mode {mode:04o}): "
+                                   f"run 'chmod 600 {path}' and start again")
+            return f.read()
     except OSError as e:
-        raise KeyFileError(
-            f"cannot read identity file {path}: {e.strerror}; create one with 'peerd keygen {path}'"
-        ) from None
+        raise KeyFileError(f"cannot read {what} {path}: {e.strerror}; {hint}") from None
+
+
+def load_identity(path: str) -> Identity:
+    data = _read_private(path, "identity file", f"create one with 'peerd keygen {path}'")
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm):
@@ -111,14 +120,8 @@ def write_swarm_key(path: str) -> bytes:
 
 
 def load_swarm_key(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            text = f.read().strip()
-    except OSError as e:
-        raise KeyFileError(
-            f"cannot read swarm key file {path}: {e.strerror}; get it from the swarm's operator, "
-            f"or start a new swarm with 'peerd keygen --swarm-key {path}'"
-        ) from None
+    text = _read_private(path, "swarm key file", "get it from the swarm's operator, or start a new swarm with "
+                         f"'peerd keygen --swarm-key {path}'").strip()
     try:
         secret = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
