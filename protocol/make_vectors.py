@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
 from peerd.wire import messages as m  # noqa: E402
 from peerd.wire.envelope import FLAG_NO_RECEIVER, FLAG_SEALED, HEADER_SIZE, MAGIC, VERSION, Header  # noqa: E402
 from peerd.wire.errors import WireError  # noqa: E402
-from peerd.wire.identity import TOKEN_BINDING_DOMAIN, Identity  # noqa: E402
+from peerd.wire.identity import TOKEN_BINDING_DOMAIN, TOKEN_DOMAIN, Identity, token_of  # noqa: E402
 from peerd.wire.replay import DEFAULT_WINDOW, ReplayWindow  # noqa: E402
 from peerd.wire.seal import KDF_INFO, KDF_SALT, Opener, Sealer, derive_key, nonce_for  # noqa: E402
 
@@ -40,7 +40,6 @@ VECTORS = ROOT / "protocol" / "vectors"
 
 SWARM_SECRET = bytes(range(32))  # 000102..1f
 OTHER_SECRET = bytes(range(32, 64))  # a different swarm
-TOKEN = 0x0123456789ABCDEF
 # RFC 8032 section 7.1, TEST 1 and TEST 2 secret keys (so an implementation can cross-check Ed25519).
 SEED_A = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
 SEED_B = bytes.fromhex("4ccd089b28ff96da9db6c346ec114e0f5b8a319f35aba624da8cf6ed4fb8a6fb")
@@ -52,6 +51,10 @@ IDENT_A = Identity.from_seed(SEED_A)  # the sender of every control message in t
 IDENT_B = Identity.from_seed(SEED_B)  # the owner of the records
 IDENT_C = Identity.from_seed(SEED_C)
 RECEIVER = IDENT_B.node_id  # every datagram in the vectors is sealed for B unless it says otherwise
+NONCE_A = bytes.fromhex("a0a1a2a3a4a5a6a7")  # the nonce of A's token in every vector
+NONCE_A2 = bytes.fromhex("0000000000000001")
+BINDING_A = IDENT_A.bind_token(nonce=NONCE_A)
+TOKEN = BINDING_A.token  # A's token: SHA-256("peerd-v1 token" || pk_A || NONCE_A)[:8]
 
 
 def hx(b: bytes) -> str:
@@ -99,11 +102,9 @@ def seal_at(
 
 
 def from_field(ident: Identity, token: int, addr: tuple[str, int] | None) -> dict:
-    return {
-        "pk": ident.public_key,
-        "sig": ident.sign_token(token),
-        "addr": None if addr is None else m.pack_addr(*addr),
-    }
+    binding = ident.bind_token(nonce=NONCE_A)
+    assert binding.token == token, "every control message in the vectors is A's, under A's token"
+    return binding.sender(None if addr is None else m.pack_addr(*addr))
 
 
 def jsonable(v: Any) -> Any:
@@ -381,44 +382,66 @@ def identity_vectors() -> dict:
         ident = Identity.from_seed(seed)
         idents.append({"name": name, "seed": hx(seed), "pk": hx(ident.public_key), "node_id": hx(ident.node_id)})
     bindings = []
-    for ident, seed, token in [(IDENT_A, SEED_A, TOKEN), (IDENT_A, SEED_A, 1), (IDENT_B, SEED_B, TOKEN)]:
-        msg = TOKEN_BINDING_DOMAIN + token.to_bytes(8, "big")
+    for ident, seed, nonce in [(IDENT_A, SEED_A, NONCE_A), (IDENT_A, SEED_A, NONCE_A2), (IDENT_B, SEED_B, NONCE_A)]:
+        b = ident.bind_token(nonce=nonce)
+        assert b.token == token_of(ident.public_key, nonce)
         bindings.append(
             {
                 "seed": hx(seed),
                 "pk": hx(ident.public_key),
-                "token": tok(token),
-                "message": hx(msg),
-                "sig": hx(ident.sign_token(token)),
+                "nonce": hx(nonce),
+                "token_input": hx(TOKEN_DOMAIN + ident.public_key + nonce),
+                "token": tok(b.token),
+                "message": hx(TOKEN_BINDING_DOMAIN + b.token.to_bytes(8, "big")),
+                "sig": hx(b.sig),
+                "proof": hx(b.proof),
             }
         )
+    other = IDENT_A.bind_token(nonce=NONCE_A2).token
+    sig_a = IDENT_A.sign_token(TOKEN)
     forged = [
         {
-            "name": "A's signature presented with B's key",
+            "name": "A's binding presented with B's key",
             "pk": hx(IDENT_B.public_key),
             "token": tok(TOKEN),
-            "sig": hx(IDENT_A.sign_token(TOKEN)),
+            "proof": hx(NONCE_A + sig_a),
             "reason": "identity",
         },
         {
-            "name": "A's signature for token 1 presented for another token",
+            "name": "B squats A's token: B's own valid signature over it",
+            "pk": hx(IDENT_B.public_key),
+            "token": tok(TOKEN),
+            "proof": hx(NONCE_A + IDENT_B.sign_token(TOKEN)),
+            "reason": "identity",
+        },
+        {
+            "name": "A's token with the nonce of A's other token",
             "pk": hx(IDENT_A.public_key),
             "token": tok(TOKEN),
-            "sig": hx(IDENT_A.sign_token(1)),
+            "proof": hx(NONCE_A2 + sig_a),
+            "reason": "identity",
+        },
+        {
+            "name": "A's signature for its other token presented for this one",
+            "pk": hx(IDENT_A.public_key),
+            "token": tok(TOKEN),
+            "proof": hx(NONCE_A + IDENT_A.sign_token(other)),
             "reason": "identity",
         },
         {
             "name": "signature with one bit flipped",
             "pk": hx(IDENT_A.public_key),
             "token": tok(TOKEN),
-            "sig": hx(bytes([IDENT_A.sign_token(TOKEN)[0] ^ 1]) + IDENT_A.sign_token(TOKEN)[1:]),
+            "proof": hx(NONCE_A + bytes([sig_a[0] ^ 1]) + sig_a[1:]),
             "reason": "identity",
         },
     ]
     return {
         "description": "Ed25519 identities (node id = SHA-256(pk)) and token bindings: "
-        "sig = Ed25519(sk, 'peerd-v1 token binding' || token u64 BE).",
+        "token = first 8 bytes (u64 BE) of SHA-256('peerd-v1 token' || pk || nonce); "
+        "sig = Ed25519(sk, 'peerd-v1 token binding' || token u64 BE); a from's sig carries proof = nonce || sig.",
         "domain": hx(TOKEN_BINDING_DOMAIN),
+        "token_domain": hx(TOKEN_DOMAIN),
         "identities": idents,
         "bindings": bindings,
         "forged": forged,
@@ -606,7 +629,7 @@ def invalid_vectors() -> dict:
         ("a PING sealed for no receiver", "sealed", [], seal_at(SWARM_SECRET, TOKEN, 10, 1, ping, receiver=None)),
     ]
 
-    frm = {"pk": IDENT_A.public_key, "sig": IDENT_A.sign_token(TOKEN), "addr": None}
+    frm = BINDING_A.sender()
     rec = records()[0]
     contact = contacts()[0]
     P = int(m.MsgType.PING)
@@ -632,6 +655,7 @@ def invalid_vectors() -> dict:
         ("pk as str", P, _pack({"rid": 1, "from": {**frm, "pk": "x" * 32}}), "malformed"),
         ("sig of 65 bytes", P, _pack({"rid": 1, "from": {**frm, "sig": frm["sig"] + b"\0"}}), "malformed"),
         ("from without addr", P, _pack({"rid": 1, "from": {"pk": frm["pk"], "sig": frm["sig"]}}), "malformed"),
+        ("sig of 64 bytes (no nonce)", P, _pack({"rid": 1, "from": {**frm, "sig": frm["sig"][8:]}}), "malformed"),
         ("addr of 5 bytes", P, _pack({"rid": 1, "from": {**frm, "addr": [b"\x01" * 5, 7400]}}), "malformed"),
         ("addr as text", P, _pack({"rid": 1, "from": {**frm, "addr": ["192.0.2.1", 7400]}}), "malformed"),
         ("port 0", P, _pack({"rid": 1, "from": {**frm, "addr": [b"\xc0\x00\x02\x01", 0]}}), "malformed"),

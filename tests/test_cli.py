@@ -57,6 +57,10 @@ def test_missing_or_bad_key_files(tmp_path) -> None:
     assert missing.stderr.count("\n") == 1 and "peerd keygen --swarm-key" in missing.stderr
     garbage = tmp_path / "garbage.key"
     garbage.write_text("not a key\n")
+    open_key = peerd("join", "--listen", "127.0.0.1:0", "--swarm-key-file", str(garbage), "--socket", sock,
+                     check=False)  # written with the default umask: readable by others, so refused first
+    assert open_key.returncode == 1 and open_key.stderr.count("\n") == 1 and "chmod 600" in open_key.stderr
+    garbage.chmod(0o600)
     bad = peerd("join", "--listen", "127.0.0.1:0", "--swarm-key-file", str(garbage), "--socket", sock,
                 check=False)
     assert bad.returncode == 1 and "is not a swarm key" in bad.stderr

@@ -584,7 +584,7 @@ def test_small_swarm_gives_everyone() -> None:
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 BOB = Identity.from_seed(b"\x02" * 32)
-FROM = {"pk": ALICE.public_key, "sig": bytes(64), "addr": None}
+FROM = {"pk": ALICE.public_key, "sig": bytes(72), "addr": None}
 
 
 @functools.cache

@@ -28,7 +28,7 @@ from .test_dht_network import counter_value, run_virtual, start_swarm
 ALICE = Identity.from_seed(b"\x01" * 32)
 BOB = Identity.from_seed(b"\x02" * 32)
 MALLORY = Identity.from_seed(b"\x03" * 32)
-FROM = {"pk": MALLORY.public_key, "sig": bytes(64), "addr": None}
+FROM = {"pk": MALLORY.public_key, "sig": bytes(72), "addr": None}
 OWN = random.Random(1).randbytes(32)
 
 

@@ -116,7 +116,7 @@ def test_unusable_addresses_are_refused_by_decoder_and_encoder(ip: str) -> None:
     import ipaddress
 
     ident = Identity.generate()
-    frm = {"pk": ident.public_key, "sig": ident.sign_token(1), "addr": None}
+    frm = ident.bind_token().sender()
     for mtype, body in _bodies(ipaddress.ip_address(ip).packed, frm):
         raw = m.encode(mtype, body, check=False)
         if ip in GOOD_IPS:
@@ -132,7 +132,7 @@ def test_unusable_addresses_are_refused_by_decoder_and_encoder(ip: str) -> None:
 
 def test_encoder_refuses_a_round_past_uint32_and_the_endpoint_turns_it_into_rpc_error() -> None:
     ident = Identity.generate()
-    frm = {"pk": ident.public_key, "sig": ident.sign_token(1), "addr": None}
+    frm = ident.bind_token().sender()
     m.encode(m.MsgType.MM_DISBAND, {"rid": 1, "from": frm, "run": "r", "round": 2**32 - 1})
     for bad in (2**32, 2**64, -1, "r", 1.5):
         with pytest.raises(WireError):

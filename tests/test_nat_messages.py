@@ -13,7 +13,7 @@ from peerd.wire.seal import Sealer
 IDENT = Identity.from_seed(bytes(range(32)))
 TOKEN = 0x0123456789ABCDEF
 V6 = m.pack_addr("2001:db8::1", 65535)
-FROM_V6 = {"pk": IDENT.public_key, "sig": IDENT.sign_token(TOKEN), "addr": V6}
+FROM_V6 = IDENT.bind_token(nonce=bytes(8)).sender(V6)
 NONCE = bytes(16)
 NID = bytes(range(32))
 RID = 2**64 - 1

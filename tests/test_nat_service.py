@@ -145,7 +145,7 @@ def test_six_nodes_behind_nats_verdicts_and_paths() -> None:
             assert pairs == want, sorted(relayed)
             assert nodes["p1"].nat.relay.relayed + nodes["p2"].nat.relay.relayed > 0  # only public nodes relay
             assert all(n.nat.relay.relayed == 0 for n in nodes.values() if KINDS[n.name])
-            # tensor data of a full MTU goes through the relay too (its RELAY is up to MTU + 240 bytes)
+            # tensor data of a full MTU goes through the relay too (its RELAY is up to MTU + 248 bytes)
             s1, s2 = nodes["s1"], nodes["s2"]
             got: list[bytes] = []
             s2.endpoint.on_raw(0x40, lambda header, body, state, source: got.append(body))

@@ -415,12 +415,14 @@ def _endpoint(rng: random.Random | None = None, **kw) -> Endpoint:
         def close(self) -> None:
             pass
 
-    return Endpoint(NullSocket(), Identity.generate(), SECRET, Metrics(), rng=rng, **kw)  # type: ignore[arg-type]
+    ident = kw.pop("identity", None) or Identity.generate()
+    return Endpoint(NullSocket(), ident, SECRET, Metrics(), rng=rng, **kw)  # type: ignore[arg-type]
 
 
 def test_a_seeded_endpoint_draws_the_same_tokens_and_ids() -> None:
-    a, b = _endpoint(random.Random(3)), _endpoint(random.Random(3))
-    assert a.sealer.token == b.sealer.token
+    ident = Identity.generate()
+    a, b = _endpoint(random.Random(3), identity=ident), _endpoint(random.Random(3), identity=ident)
+    assert a.sealer.token == b.sealer.token  # (a token is its identity's: derived from the key and a drawn nonce)
     assert [a.core.new_id() for _ in range(3)] == [b.core.new_id() for _ in range(3)]
     assert _endpoint().sealer.token != _endpoint().sealer.token  # default: os entropy
 
@@ -449,8 +451,9 @@ def test_junk_is_refused_before_the_opener_and_counted_in_bulk(monkeypatch: pyte
 def test_pings_go_before_the_rest_of_their_batch() -> None:
     ep = _endpoint(random.Random(6))
     member = Identity.generate()
-    sealer = Sealer(SECRET, 99)
-    frm = {"pk": member.public_key, "sig": member.sign_token(sealer.token), "addr": None}
+    binding = member.bind_token()
+    sealer = Sealer(SECRET, binding.token)
+    frm = binding.sender()
     order: list[str] = []
     ep.on_request(m.MsgType.FIND_NODE, lambda inc: order.append("find_node") or {"nodes": []})
     ep.on_request(m.MsgType.PING, lambda inc: order.append("ping") or {})
@@ -471,8 +474,9 @@ def test_a_ping_after_its_senders_data_keeps_its_place() -> None:
     opened before that data in the same pass: the replay window would move past the data, lost as replayed."""
     ep = _endpoint(random.Random(8))
     member = Identity.generate()
-    sealer = Sealer(SECRET, 98)
-    frm = {"pk": member.public_key, "sig": member.sign_token(sealer.token), "addr": None}
+    binding = member.bind_token()
+    sealer = Sealer(SECRET, binding.token)
+    frm = binding.sender()
     me = ep.identity.node_id
     got: list[int] = []
     ep.on_raw(0x40, lambda *a: got.append(1))
@@ -486,8 +490,9 @@ def test_a_ping_after_its_senders_data_keeps_its_place() -> None:
     data = sealer.seal_block(0x40, np.zeros((60, 40), np.uint8), me)
     sealer.seal_block(0x40, np.zeros((9000, 8), np.uint8), bytes(32))  # to its other destinations meanwhile
     late = ping(2)
-    another = Sealer(SECRET, 97)
-    frm2 = {"pk": member.public_key, "sig": member.sign_token(another.token), "addr": None}
+    binding2 = member.bind_token()
+    another = Sealer(SECRET, binding2.token)
+    frm2 = binding2.sender()
     first = another.seal(m.MsgType.PING, m.encode(m.MsgType.PING, {"rid": 3, "from": frm2}), me)  # goes first
     ep.receive_batch([(memoryview(data.tobytes()), src, data.shape[1]), (late, src, 0), (first, other, 0)], 0.0)
     assert "replay" not in ep._drops, ep._drops
@@ -525,8 +530,9 @@ def test_peek_agrees_with_parse_header_on_any_bytes() -> None:
 def test_serve_answers_a_ping_before_it_handles_the_rest_of_its_batch() -> None:
     ep = _endpoint(random.Random(7))
     member = Identity.generate()
-    sealer = Sealer(SECRET, 77)
-    frm = {"pk": member.public_key, "sig": member.sign_token(sealer.token), "addr": None}
+    binding = member.bind_token()
+    sealer = Sealer(SECRET, binding.token)
+    frm = binding.sender()
     sent_when_handled: list[int] = []
     ep.on_request(m.MsgType.FIND_NODE, lambda inc: sent_when_handled.append(len(ep.sock.sent)) or {"nodes": []})
     me = ep.identity.node_id
@@ -627,3 +633,27 @@ def test_lossy_socket_loses_after_the_native_screen() -> None:
     indices = [rows.index(r) for r in got if r in rows]
     assert indices == sorted(indices) and all(r in rows or r == b"\xff" * 3 for r in got)
     assert len(got) + len(unknown) + sum(dropped) == 65 + 10 and 5 < sum(dropped) < 40
+
+
+def test_a_member_cannot_squat_another_members_token_hostile() -> None:
+    """Mallory reads Victor's token off any of his headers, seals a PING under it (she holds the swarm secret) with
+    her own key and a signature of hers over the token, and gets it to the receiver before Victor does. The first
+    binding used to win, so Victor's control messages were refused there until he rotated. A token is derived from
+    its owner's key now: Mallory's binding is refused, and Victor's PING is answered."""
+    ep = _endpoint(random.Random(11))
+    victor, mallory = Identity.generate(), Identity.generate()
+    me = ep.identity.node_id
+    vb = victor.bind_token()
+    victor_sealer = Sealer(SECRET, vb.token)
+    victor_sealer.seal_block(0x40, np.zeros((3, 8), np.uint8), bytes(32))  # sequences 1..3 went elsewhere
+    squatter = Sealer(SECRET, vb.token)  # sequence 1, under Victor's token
+    squat = {"pk": mallory.public_key, "sig": vb.nonce + mallory.sign_token(vb.token), "addr": None}
+    ep.receive_batch([(squatter.seal(m.MsgType.PING, m.encode(m.MsgType.PING, {"rid": 1, "from": squat}), me),
+                       ("10.6.6.6", 5), 0)], 0.0)
+    assert ep._drops.get("identity") == 1
+    ping = victor_sealer.seal(m.MsgType.PING, m.encode(m.MsgType.PING, {"rid": 2, "from": vb.sender()}), me)
+    ep.receive_batch([(ping, ("10.1.1.9", 5), 0)], 0.0)
+    assert ep._drops.get("identity") == 1, ep._drops
+    assert ep.opener.token_state(vb.token).peer_key == victor.public_key  # type: ignore[union-attr]
+    trio.run(ep.flush)
+    assert [(d[3], addr) for d, addr in ep.sock.sent] == [(int(m.MsgType.PONG), ("10.1.1.9", 5))]  # type: ignore[attr-defined]

@@ -25,6 +25,7 @@ from peerd.wire.identity import (
     load_identity,
     load_swarm_key,
     node_id_of,
+    token_of,
     verify_token_binding,
     write_identity,
     write_swarm_key,
@@ -42,7 +43,9 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 def from_field(ident: Identity, token: int, addr: tuple[str, int] | None = ("192.0.2.1", 7400)) -> dict:
-    return {"pk": ident.public_key, "sig": ident.sign_token(token), "addr": m.pack_addr(*addr) if addr else None}
+    """A well-formed ``from`` naming ``token`` (for the decoder: its binding does not verify)."""
+    sig = bytes(8) + ident.sign_token(token)
+    return {"pk": ident.public_key, "sig": sig, "addr": m.pack_addr(*addr) if addr else None}
 
 
 def record(ident: Identity = BOB, *, key: bytes = b"k", subkey: bytes = b"s", value: bytes = b"v") -> list:
@@ -329,15 +332,48 @@ def test_token_table_is_lru() -> None:
         assert opener.token_state(sealers[i].token) is not None
 
 
-def test_evicted_token_forgets_its_window() -> None:
-    """Documented limitation (PROTOCOL.md, threat model): once a token is evicted, an old datagram of it
-    opens again. Higher layers must tolerate duplicated control messages."""
-    a, b = Sealer(SECRET), Sealer(SECRET)
-    opener = Opener(SECRET, max_tokens=1)
+def test_evicting_a_token_with_fresh_tokens_does_not_reopen_its_window_hostile() -> None:
+    """A member captures a datagram, pushes its token out of the table with fresh tokens of its own (all of them
+    authenticate: it holds the swarm secret), and sends the capture again. The evicted token's tombstone keeps
+    its replay floor: the capture stays a replay, and the token's newer datagrams still open."""
+    victim = Sealer(SECRET)
+    opener = Opener(SECRET, max_tokens=4)
+    captured = [victim.seal(0x01, b"old%d" % i) for i in range(3)]
+    for d in captured:
+        opener.open(d)
+    for _ in range(4 * 3):  # a flood of fresh tokens, three times the table
+        opener.open(Sealer(SECRET).seal(0x01, b""))
+    assert opener.token_state(victim.token) is None
+    for d in captured:
+        expect_drop("replay", opener.open, d)
+    assert opener.open(victim.seal(0x01, b"new"))[1] == b"new"  # the token comes back above its floor
+    expect_drop("replay", opener.open, captured[0])
+    # its next block opens too (the restored window is the one the native block path reads)
+    block = victim.seal_block(0x40, np.zeros((5, 30), np.uint8), RECV)
+    opened = Opener(SECRET, RECV).open_block(block)
+    assert opened is None  # (a fresh opener does not know the token: row by row)
+    r = Opener(SECRET, RECV, max_tokens=1)
+    r.open(victim.seal(0x02, b"", RECV))
+    r.open(Sealer(SECRET).seal(0x02, b"", RECV))  # evicts the victim's token
+    r.open(victim.seal(0x02, b"", RECV))  # back, from its floor
+    got = r.open_block(victim.seal_block(0x40, np.zeros((5, 30), np.uint8), RECV))
+    assert got is not None and len(got.bodies) == 5 and got.replays == 0
+
+
+def test_tombstones_are_bounded_and_the_oldest_goes_first() -> None:
+    """The documented bound: past ``max_tombstones`` evictions the oldest token's floor is forgotten, and an old
+    datagram of it opens again (PROTOCOL.md 5.3 says how many fresh tokens that takes)."""
+    a = Sealer(SECRET)
+    opener = Opener(SECRET, max_tokens=1, max_tombstones=3)
     old = a.seal(0x01, b"old")
     opener.open(old)
-    opener.open(b.seal(0x01, b""))
-    assert opener.token_state(a.token) is None
+    opener.open(Sealer(SECRET).seal(0x01, b""))  # evicts a (tombstone 1)
+    expect_drop("replay", opener.open, old)
+    for _ in range(2):
+        opener.open(Sealer(SECRET).seal(0x01, b""))  # tombstones 2, 3: a's is still there
+    expect_drop("replay", opener.open, old)
+    opener.open(Sealer(SECRET).seal(0x01, b""))  # tombstone 4 pushes out a's, the oldest
+    assert len(opener._tombstones) == 3
     assert opener.open(old)[1] == b"old"
 
 
@@ -374,19 +410,36 @@ def test_header_does_not_judge_the_type() -> None:
 
 
 def test_token_binding() -> None:
-    token = 0xDEADBEEF
-    sig = ALICE.sign_token(token)
+    b = ALICE.bind_token(nonce=bytes(range(8)))
+    token, nonce, sig, proof = b.token, b.nonce, b.sig, b.proof
+    assert token == token_of(ALICE.public_key, nonce) and b.sender()["sig"] == proof == nonce + sig
     assert len(sig) == 64 and sig == ALICE.sign_token(token)  # Ed25519 is deterministic
-    verify_token_binding(ALICE.public_key, token, sig)
-    expect_drop("identity", verify_token_binding, BOB.public_key, token, sig)  # someone else's key
-    expect_drop("identity", verify_token_binding, ALICE.public_key, token + 1, sig)  # another token
-    expect_drop("identity", verify_token_binding, ALICE.public_key, token, BOB.sign_token(token))
-    expect_drop("identity", verify_token_binding, ALICE.public_key, token, sig[:-1] + bytes([sig[-1] ^ 1]))
+    verify_token_binding(ALICE.public_key, token, proof)
+    expect_drop("identity", verify_token_binding, BOB.public_key, token, proof)  # someone else's key
+    expect_drop("identity", verify_token_binding, ALICE.public_key, token + 1, proof)  # another token
+    expect_drop("identity", verify_token_binding, ALICE.public_key, token, bytes(8) + sig)  # another nonce
+    expect_drop("identity", verify_token_binding, ALICE.public_key, token, sig)  # no nonce
+    expect_drop("identity", verify_token_binding, ALICE.public_key, token, nonce + BOB.sign_token(token))
+    expect_drop("identity", verify_token_binding, ALICE.public_key, token, proof[:-1] + bytes([proof[-1] ^ 1]))
     expect_drop("identity", verify_token_binding, ALICE.public_key, token, b"")
-    expect_drop("identity", verify_token_binding, ALICE.public_key[:31], token, sig)
-    expect_drop("identity", verify_token_binding, b"\xff" * 32, token, sig)
+    expect_drop("identity", verify_token_binding, ALICE.public_key[:31], token, proof)
+    expect_drop("identity", verify_token_binding, b"\xff" * 32, token, proof)
     # a plain signature over the bare token (no domain) is not a binding
-    expect_drop("identity", verify_token_binding, ALICE.public_key, token, ALICE.sign(token.to_bytes(8, "big")))
+    expect_drop("identity", verify_token_binding, ALICE.public_key, token, nonce + ALICE.sign(token.to_bytes(8, "big")))
+    # random nonces: distinct tokens, never 0
+    tokens = {ALICE.bind_token().token for _ in range(64)}
+    assert len(tokens) == 64 and 0 not in tokens
+    with pytest.raises(ValueError):
+        ALICE.bind_token(nonce=bytes(7))
+
+
+def test_a_member_cannot_bind_another_members_token_hostile() -> None:
+    """Squatting: Bob signs Alice's token (seen in every header of hers) with his own key and presents it first.
+    The token is derived from Alice's key, so no nonce of Bob's gives it: the binding is refused."""
+    alice = ALICE.bind_token()
+    squat = alice.nonce + BOB.sign_token(alice.token)
+    expect_drop("identity", verify_token_binding, BOB.public_key, alice.token, squat)
+    verify_token_binding(ALICE.public_key, alice.token, alice.proof)
 
 
 def test_identity_ids() -> None:
@@ -430,6 +483,7 @@ def test_swarm_key_file_round_trip(tmp_path) -> None:
         write_swarm_key(path)
     spaced = tmp_path / "spaced.key"
     spaced.write_bytes(b"  " + base64.b64encode(secret) + b"\r\n\n")
+    spaced.chmod(0o600)
     assert load_swarm_key(str(spaced)) == secret
 
 
@@ -450,6 +504,7 @@ def test_missing_key_files(tmp_path) -> None:
 def test_bad_identity_file(tmp_path, content: bytes) -> None:
     path = tmp_path / "id.pem"
     path.write_bytes(content)
+    path.chmod(0o600)
     with pytest.raises(KeyFileError) as e:
         load_identity(str(path))
     assert "peerd keygen" in str(e.value)
@@ -461,6 +516,7 @@ def test_identity_file_of_another_key_type(tmp_path) -> None:
     path.write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
+    path.chmod(0o600)
     with pytest.raises(KeyFileError) as e:
         load_identity(str(path))
     assert "Ed25519" in str(e.value) and "peerd keygen" in str(e.value)
@@ -474,6 +530,7 @@ def test_identity_file_of_an_unknown_algorithm(tmp_path) -> None:
     der = der.replace(bytes.fromhex("06032b6570"), bytes.fromhex("06032b6563"))  # OID 1.3.101.112 -> .99
     path = tmp_path / "odd.pem"
     path.write_bytes(b"-----BEGIN PRIVATE KEY-----\n" + base64.encodebytes(der) + b"-----END PRIVATE KEY-----\n")
+    path.chmod(0o600)
     with pytest.raises(KeyFileError):
         load_identity(str(path))
 
@@ -485,6 +542,7 @@ def test_identity_file_of_an_unknown_algorithm(tmp_path) -> None:
 def test_bad_swarm_key_file(tmp_path, content: bytes) -> None:
     path = tmp_path / "swarm.key"
     path.write_bytes(content)
+    path.chmod(0o600)
     with pytest.raises(KeyFileError) as e:
         load_swarm_key(str(path))
     assert "peerd keygen --swarm-key" in str(e.value)
@@ -807,3 +865,19 @@ def test_fuzz_decode_extra_or_missing_keys(data, name: str, new: Any) -> None:
         gone = data.draw(st.sampled_from(list(body)))
         changed = {k: v for k, v in body.items() if k != gone}
     expect_drop("malformed", m.decode, mtype, msgpack.packb(changed, use_bin_type=True))
+
+
+@pytest.mark.parametrize("open_mode", [0o640, 0o604, 0o660, 0o644])
+def test_key_files_open_to_others_are_refused_hostile(tmp_path, open_mode: int) -> None:
+    """A key file that group or others can read is no secret: it is refused with the one fix that helps."""
+    ident, key = str(tmp_path / "id.pem"), str(tmp_path / "swarm.key")
+    write_identity(ident)
+    write_swarm_key(key)
+    for path, load in ((ident, load_identity), (key, load_swarm_key)):
+        os.chmod(path, open_mode)
+        with pytest.raises(KeyFileError) as e:
+            load(path)
+        message = str(e.value)
+        assert f"chmod 600 {path}" in message and "\n" not in message and f"{open_mode:04o}" in message
+        os.chmod(path, 0o600)  # the normal flow: keygen's 0600 loads
+        load(path)

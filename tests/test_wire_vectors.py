@@ -195,18 +195,21 @@ def test_identity(v: dict) -> None:
 
 @pytest.mark.parametrize("v", cases("identity.json", "bindings"))
 def test_token_binding(v: dict) -> None:
-    ident, token = Identity.from_seed(h(v["seed"])), tok(v["token"])
+    ident, token, nonce = Identity.from_seed(h(v["seed"])), tok(v["token"]), h(v["nonce"])
+    assert h(v["token_input"]) == b"peerd-v1 token" + h(v["pk"]) + nonce
+    assert int.from_bytes(hashlib.sha256(h(v["token_input"])).digest()[:8], "big") == token  # from the spec alone
     assert h(v["message"]) == b"peerd-v1 token binding" + token.to_bytes(8, "big")
     assert ident.public_key.hex() == v["pk"]
-    assert ident.sign_token(token).hex() == v["sig"]
-    verify_token_binding(h(v["pk"]), token, h(v["sig"]))
+    binding = ident.bind_token(nonce=nonce)
+    assert binding.token == token and binding.sig.hex() == v["sig"] and h(v["proof"]) == nonce + h(v["sig"])
+    verify_token_binding(h(v["pk"]), token, h(v["proof"]))
     assert verify(h(v["pk"]), h(v["sig"]), h(v["message"]))
 
 
 @pytest.mark.parametrize("v", cases("identity.json", "forged"))
 def test_forged_token_binding(v: dict) -> None:
     with pytest.raises(WireError) as e:
-        verify_token_binding(h(v["pk"]), tok(v["token"]), h(v["sig"]))
+        verify_token_binding(h(v["pk"]), tok(v["token"]), h(v["proof"]))
     assert e.value.reason == v["reason"]
 
 

@@ -64,9 +64,9 @@ class _Member:
 
     def __init__(self, secret: bytes, ident: Identity | None = None) -> None:
         self.ident = ident or Identity.generate()
-        self.sealer = Sealer(secret)
-        self.frm: dict[str, Any] = {"pk": self.ident.public_key, "sig": self.ident.sign_token(self.sealer.token),
-                                    "addr": None}
+        binding = self.ident.bind_token()
+        self.sealer = Sealer(secret, binding.token)
+        self.frm: dict[str, Any] = binding.sender()
 
     def body(self, mtype: m.MsgType, fields: dict[str, Any], frm: dict[str, Any] | None = None) -> bytes:
         """Encoded without the encoder's validation: these bodies are meant to be refused."""

@@ -46,10 +46,11 @@ class Prober:
     def __init__(self, key_file: str, targets: list[tuple[str, int]], ids: list[bytes]) -> None:
         secret = load_swarm_key(key_file)
         self.ident = Identity.generate()
-        self.sealer = Sealer(secret)
+        binding = self.ident.bind_token()
+        self.sealer = Sealer(secret, binding.token)
         self.opener = opener_for(secret, self.ident.node_id)
         self.ids = ids
-        self.frm = {"pk": self.ident.public_key, "sig": self.ident.sign_token(self.sealer.token), "addr": None}
+        self.frm = binding.sender()
         self.targets = targets
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))

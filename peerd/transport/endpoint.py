@@ -266,13 +266,11 @@ class Endpoint:
         self.path_counts: dict[str, list[int]] = {k: [0, 0] for k in PATH_KINDS}  # kind -> [datagrams, bytes]
         self.on_request(m.MsgType.PING, lambda incoming: {})  # the DHT replaces it; a PING is always answered
 
-    def _new_token(self) -> int:
-        return self.rng.getrandbits(64) or 1
-
     def _new_sealer(self) -> Sealer:
-        sealer = Sealer(self._secret, self._new_token())
-        self._bindings[sealer.token] = {"pk": self.identity.public_key,
-                                        "sig": self.identity.sign_token(sealer.token), "addr": self._announce}
+        """A sealer under a new token of this node's identity (derived from its key, so no other key binds it)."""
+        binding = self.identity.bind_token(self.rng)
+        sealer = Sealer(self._secret, binding.token)
+        self._bindings[sealer.token] = binding.sender(self._announce)
         return sealer
 
     @property

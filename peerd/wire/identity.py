@@ -1,4 +1,8 @@
-"""Node identities (Ed25519), swarm secrets, and the signed binding of tokens to identities."""
+"""Node identities (Ed25519), swarm secrets, and the binding of sealing tokens to identities.
+
+A token is derived from its owner's public key and a nonce (PROTOCOL.md section 7.2), so no other key can bind
+it: a member cannot squat another member's token by binding it first.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import base64
 import binascii
 import hashlib
 import os
+import random
+import stat
 from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -16,6 +22,9 @@ from .errors import WireError
 from .seal import SECRET_SIZE
 
 TOKEN_BINDING_DOMAIN = b"peerd-v1 token binding"
+TOKEN_DOMAIN = b"peerd-v1 token"
+TOKEN_NONCE_SIZE = 8
+BINDING_SIZE = TOKEN_NONCE_SIZE + 64  # a ``from``'s ``sig``: the token's nonce, then the Ed25519 signature
 PUBLIC_KEY_SIZE = 32
 SIGNATURE_SIZE = 64
 
@@ -26,6 +35,31 @@ class KeyFileError(Exception):
 
 def node_id_of(public_key: bytes) -> bytes:
     return hashlib.sha256(public_key).digest()
+
+
+def token_of(public_key: bytes, nonce: bytes) -> int:
+    """The sealing token that ``public_key`` owns under ``nonce``: the first 8 bytes of
+    SHA-256("peerd-v1 token" || pk || nonce), big-endian (0 is never used: its owner draws another nonce)."""
+    return int.from_bytes(hashlib.sha256(TOKEN_DOMAIN + public_key + nonce).digest()[:8], "big")
+
+
+@dataclass(frozen=True)
+class TokenBinding:
+    """One sealer's token and what proves it is its identity's: the nonce it was derived from and the signature."""
+
+    public_key: bytes
+    token: int
+    nonce: bytes
+    sig: bytes
+
+    @property
+    def proof(self) -> bytes:
+        """What a ``from`` carries as ``sig`` (BINDING_SIZE bytes): the nonce, then the signature."""
+        return self.nonce + self.sig
+
+    def sender(self, addr: object = None) -> dict[str, object]:
+        """The ``from`` field of the control messages this token seals (``addr``: as packed for the wire)."""
+        return {"pk": self.public_key, "sig": self.proof, "addr": addr}
 
 
 @dataclass(frozen=True)
@@ -55,6 +89,21 @@ class Identity:
     def sign_token(self, token: int) -> bytes:
         return self.sign(TOKEN_BINDING_DOMAIN + token.to_bytes(8, "big"))
 
+    def bind_token(self, rng: random.Random | None = None, *, nonce: bytes | None = None) -> TokenBinding:
+        """A new sealing token of this identity, with its binding: from ``nonce`` if given, else from a nonce
+        drawn from ``rng`` (default: os entropy; a seeded one only in tests and simulations)."""
+        while True:
+            n = nonce
+            if n is None:
+                n = rng.getrandbits(64).to_bytes(8, "big") if rng is not None else os.urandom(TOKEN_NONCE_SIZE)
+            if len(n) != TOKEN_NONCE_SIZE:
+                raise ValueError(f"a token nonce is {TOKEN_NONCE_SIZE} bytes, got {len(n)}")
+            token = token_of(self.public_key, n)
+            if token:
+                return TokenBinding(self.public_key, token, n, self.sign_token(token))
+            if nonce is not None:
+                raise ValueError("this nonce derives token 0, which is never used: draw another")
+
     def to_pem(self) -> bytes:
         return self.private_key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -69,7 +118,12 @@ def verify(public_key: bytes, signature: bytes, message: bytes) -> bool:
     return True
 
 
-def verify_token_binding(public_key: bytes, token: int, signature: bytes) -> None:
+def verify_token_binding(public_key: bytes, token: int, proof: bytes) -> None:
+    """Raise WireError("identity") unless ``proof`` (nonce || signature, a ``from``'s ``sig``) shows that ``token``
+    is derived from ``public_key`` under the nonce and is signed by its key."""
+    nonce, signature = proof[:TOKEN_NONCE_SIZE], proof[TOKEN_NONCE_SIZE:]
+    if len(proof) != BINDING_SIZE or token_of(public_key, nonce) != token:
+        raise WireError("identity", "the token is not derived from the sender's public key")
     if not verify(public_key, signature, TOKEN_BINDING_DOMAIN + token.to_bytes(8, "big")):
         raise WireError("identity", "token binding signature does not verify")
 
@@ -87,14 +141,22 @@ def write_identity(path: str) -> Identity:
     return ident
 
 
-def load_identity(path: str) -> Identity:
+def _read_private(path: str, what: str, hint: str) -> bytes:
+    """A key file's bytes, refused when group or others may read or write it: a secret that others can read
+    is no longer this node's alone (keygen writes 0600, so the normal flow passes)."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+            if mode & 0o077:
+                raise KeyFileError(f"{what} {path} is open to group or others (mode {mode:04o}): "
+                                   f"run 'chmod 600 {path}' and start again")
+            return f.read()
     except OSError as e:
-        raise KeyFileError(
-            f"cannot read identity file {path}: {e.strerror}; create one with 'peerd keygen {path}'"
-        ) from None
+        raise KeyFileError(f"cannot read {what} {path}: {e.strerror}; {hint}") from None
+
+
+def load_identity(path: str) -> Identity:
+    data = _read_private(path, "identity file", f"create one with 'peerd keygen {path}'")
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm):
@@ -111,14 +173,8 @@ def write_swarm_key(path: str) -> bytes:
 
 
 def load_swarm_key(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            text = f.read().strip()
-    except OSError as e:
-        raise KeyFileError(
-            f"cannot read swarm key file {path}: {e.strerror}; get it from the swarm's operator, "
-            f"or start a new swarm with 'peerd keygen --swarm-key {path}'"
-        ) from None
+    text = _read_private(path, "swarm key file", "get it from the swarm's operator, or start a new swarm with "
+                         f"'peerd keygen --swarm-key {path}'").strip()
     try:
         secret = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):

@@ -17,7 +17,7 @@ import msgpack
 
 from . import schema as s
 from .errors import WireError
-from .identity import PUBLIC_KEY_SIZE, SIGNATURE_SIZE
+from .identity import BINDING_SIZE, PUBLIC_KEY_SIZE, SIGNATURE_SIZE
 
 
 class MsgType(IntEnum):
@@ -89,8 +89,8 @@ MAX_AVOID = 16  # NAT traversal: node ids a REACH_PROBE asks the helper not to u
 MIN_RELAYED = 37  # a sealed datagram: 21-byte header and 16-byte tag, at least
 MAX_RELAYED = 4096  # NAT traversal: bytes of one relayed datagram (the MTU keeps it lower)
 # What a RELAY (or RELAYED) adds around its inner datagram, sealed, at most: header and tag (37), ``rid`` and
-# ``from`` with an IPv6 ``addr`` (at most 154 - 1 for the map header), the keys, a node id and a bin16 header.
-RELAY_OVERHEAD = 240
+# ``from`` with an IPv6 ``addr`` (at most 162 - 1 for the map header), the keys, a node id and a bin16 header.
+RELAY_OVERHEAD = 248
 
 
 def _port(v: Any) -> int:
@@ -181,7 +181,7 @@ def contacts(hi: int) -> s.Validator:
 FROM = s.struct(
     {
         "pk": s.binary(PUBLIC_KEY_SIZE, PUBLIC_KEY_SIZE),
-        "sig": s.binary(SIGNATURE_SIZE, SIGNATURE_SIZE),
+        "sig": s.binary(BINDING_SIZE, BINDING_SIZE),  # the token's nonce, then its signature (section 7.2)
         "addr": s.optional(ADDR),
     }
 )

@@ -31,6 +31,12 @@ class ReplayWindow:
         read and write them in place and hand back the new ``highest``."""
         return self._seen
 
+    def restore_floor(self, floor: int) -> None:
+        """Refuse every sequence up to ``floor`` (the highest an evicted window of this token had accepted): a
+        token that comes back after eviction opens only what is newer than anything it sent before."""
+        self.highest = max(self.highest, floor)
+        self._seen[:] = True
+
     def would_accept(self, seq: int) -> bool:
         if seq > self.highest:
             return True

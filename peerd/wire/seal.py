@@ -282,8 +282,13 @@ class TokenState:
         self.peer_id: bytes | None = None  # its node id (SHA-256 of peer_key), kept so no datagram hashes it again
 
 
+TOMBSTONES_PER_TOKEN = 16  # an opener remembers this many evicted tokens' replay floors per token it keeps
+
+
 class Opener:
-    """Authenticates incoming datagrams and rejects replays. Bounded memory: LRU over tokens."""
+    """Authenticates incoming datagrams and rejects replays. Bounded memory: LRU over tokens, and a FIFO of
+    tombstones (token -> highest sequence accepted) of the tokens it evicted, so that pushing a token out of the
+    table (with fresh tokens of one's own) does not reopen its window to captured datagrams (PROTOCOL.md 5.3)."""
 
     def __init__(
         self,
@@ -291,6 +296,7 @@ class Opener:
         receiver: bytes | None = None,
         *,
         max_tokens: int = 4096,
+        max_tombstones: int | None = None,
         window: int = DEFAULT_WINDOW,
         native: bool | None = None,
     ) -> None:
@@ -301,6 +307,10 @@ class Opener:
         self._receiver = _receiver_bytes(receiver)
         self._tokens: OrderedDict[int, TokenState] = OrderedDict()
         self._max_tokens = max_tokens
+        # evicted token -> its replay floor, oldest first (about 160 bytes an entry: 10 MB at the default 65536,
+        # next to the 32 MB of the token table's windows)
+        self._tombstones: OrderedDict[int, int] = OrderedDict()
+        self._max_tombstones = TOMBSTONES_PER_TOKEN * max_tokens if max_tombstones is None else max_tombstones
         self._window = window
 
     def token_state(self, token: int) -> TokenState | None:
@@ -317,6 +327,8 @@ class Opener:
         state = self._tokens.get(header.token)
         if state is not None and not state.window.would_accept(header.seq):
             raise WireError("replay", f"sequence {header.seq} of token {header.token:016x} already seen")
+        if state is None and header.seq <= self._tombstones.get(header.token, -1):
+            raise WireError("replay", f"sequence {header.seq} of evicted token {header.token:016x} already seen")
         if self._secret is None:
             if header.sealed:
                 raise WireError("auth", "sealed datagram, but this node runs --insecure")
@@ -472,8 +484,18 @@ class Opener:
         return OpenedBlock(mtype, token, state, bodies, replays, failures)
 
     def _admit(self, token: int, aead: AESGCM | None, key: bytes | None = None) -> TokenState:
+        """A new token's state; one that was evicted before starts from its tombstone's floor. Evicts the least
+        recently used token beyond ``max_tokens``, leaving its tombstone (the oldest tombstones go first)."""
         state = TokenState(aead, self._window, key)
+        floor = self._tombstones.pop(token, None)
+        if floor is not None:
+            state.window.restore_floor(floor)
         self._tokens[token] = state
+        tombstones = self._tombstones
         while len(self._tokens) > self._max_tokens:
-            self._tokens.popitem(last=False)
+            old, gone = self._tokens.popitem(last=False)
+            if gone.window.highest >= 0:
+                tombstones[old] = gone.window.highest
+        while len(tombstones) > self._max_tombstones:
+            tombstones.popitem(last=False)
         return state
