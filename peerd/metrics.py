@@ -102,6 +102,13 @@ class Metrics:
             "peerd_trainer_step_seconds", "Time the daemon spent on one averaging request of a trainer",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
         )
+        self.step_phase_seconds = Histogram(
+            "peerd_step_phase_seconds",
+            "Seconds one trainer step spent in each phase (peerd.localsock.phases: copy_in, daemon, matchmaking, "
+            "members, transfer, agree, copy_out), as the trainer reported them with its next step",
+            ["phase"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
         self.trainer_group_size = Gauge(
             "peerd_trainer_group_size", "Members of the group that averaged the trainer's latest request", registry=r
         )

@@ -321,7 +321,11 @@ class MemorySync:
 
         if self.blob is None:
             return None
-        return Fetched(self.step, self.blob, hashlib.sha256(self.blob).digest(), 1, 1, 0)
+        sha = hashlib.sha256(self.blob).digest()
+        below = kwargs.get("below")
+        if below is not None and self.step == 0 and not sha < below:  # a founder's own (never its own donor)
+            return None
+        return Fetched(self.step, self.blob, sha, 1, 1, 0)
 
 
 def test_a_joiner_gets_the_outer_state_by_state_sync(tmp_path) -> None:

@@ -132,6 +132,8 @@ class RoundResult:
     dims: int = 1  # the run's grid dimensions: rounds until every member's value reached every other's
     weight_total: float = 0.0  # the weight the group's average stands for (its members' weights; 0: unknown)
     window_end: float = 0.0  # wall clock: when this round's matchmaking window ended (0: a kept group's round)
+    members_s: float = 0.0  # from the group being known to this part's vector being there (a deferred part waits)
+    transfer_s: float = 0.0  # the group average itself (reduce-scatter and all-gather, handshake included)
 
     def stats(self) -> dict:
         return {
@@ -151,6 +153,8 @@ class RoundResult:
             "bytes_sent": self.bytes_sent,
             "leader": self.leader,
             "led": self.led,
+            "members_s": self.members_s,
+            "transfer_s": self.transfer_s,
         }
 
 
@@ -714,9 +718,11 @@ class MoshpitService:
                     raise  # the plain form: the round ends with it (as before parts)
                 results[i] = e
             else:
-                res = await self._average_group(st, group, vector, weight, budget_s - (self.clock() - w0), round_no,
+                w1 = self.clock()
+                res = await self._average_group(st, group, vector, weight, budget_s - (w1 - w0), round_no,
                                                 key, seen, center, part=i if split else None, absent=tuple(out))
                 out.update(res.out)
+                res.members_s, res.transfer_s = w1 - w0, self.clock() - w1
                 results[i] = self._finished(st, res, mm_s, t0, kept, group)
             if part.done is not None:
                 part.done(results[i])

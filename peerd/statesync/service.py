@@ -264,23 +264,31 @@ class StateSync:
         return out
 
     async def fetch(self, run: str, run_key: str, *, timeout: float = 60.0, min_step: int = 0,
-                    max_size: int | None = None, layout: str | None = None) -> Fetched | None:
+                    max_size: int | None = None, layout: str | None = None,
+                    below: bytes | None = None) -> Fetched | None:
         """Download the best snapshot of ``run_key`` that others advertise; None if nobody has one.
 
         ``max_size``: the most bytes a snapshot of the local model can hold (adverts of larger ones are
         ignored and counted; default MAX_SNAPSHOT); ``layout``: the local model's layout hash (adverts of
-        another layout are ignored and counted). Raises StateSyncError if snapshots are advertised but none
-        could be downloaded and verified within ``timeout``.
+        another layout are ignored and counted); ``below``: a founder's own initial snapshot's hash: only
+        snapshots of a later step, or initial ones (step 0) with a lower hash, ranked by hash (every founder
+        then takes the same initial state: the lowest hash advertised). Raises StateSyncError if snapshots are
+        advertised but none could be downloaded and verified within ``timeout``.
         """
         bound = MAX_SNAPSHOT if max_size is None else max(0, min(max_size, MAX_SNAPSHOT))
         errors: list[str] = []
         with trio.move_on_after(timeout) as scope:
             ads = self.usable(await self.adverts(run, timeout=timeout / 3), run_key, layout=layout,
                               min_step=min_step, max_size=bound)
+            if below is not None:
+                ads = [a for a in ads if a.step > 0 or a.sha < below]
             if not ads:
                 self.metrics.trainer_state_fetches.labels("none").inc()
                 return None
-            for cand in _candidates(ads, self.known_peers()):
+            candidates = _candidates(ads, self.known_peers())
+            if below is not None:
+                candidates.sort(key=lambda c: (c.far_ahead, -c.step, c.sha))
+            for cand in candidates:
                 # All donors at once; if the result does not verify (a donor served bad bytes), each donor
                 # alone (known ones first), so one bad donor cannot keep a joiner from a snapshot others hold.
                 donors = cand.donors

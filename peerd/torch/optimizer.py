@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -30,7 +31,10 @@ from ..allreduce.robust import parse_robust
 from ..compress import COMPRESSIONS as CODECS
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
+from ..localsock.phases import add_phases, empty_phases
+from .founders import FOUNDER_WINDOW_S, SameData
 from .overlap import DEFAULT_BUCKET_MB, Overlap
+from .report import StepReport
 
 log = logging.getLogger("peerd.torch")
 
@@ -49,8 +53,14 @@ class NoGroupError(RuntimeError):
     """No group formed for a step and the optimizer was told to raise (``no_group="raise"``)."""
 
 
-class Optimizer:
+class Optimizer(torch.optim.Optimizer):
     """A collaborative wrapper around ``optimizer`` (any ``torch.optim.Optimizer``).
+
+    It is a ``torch.optim.Optimizer`` itself and shares ``param_groups``, ``state`` and ``defaults`` with the
+    wrapped one, so LR schedulers, ``torch.amp.GradScaler.step`` and step hooks take it as they take any
+    optimizer (docs/trainer-api.md). Founders (trainers that start a run together) end up on one initial
+    state: with ``sync_state`` (the default) each publishes its initial state and all take the same one
+    (``founder_window_s``: how long a founder waits for the others' before choosing; 0: no agreement).
 
     Options: ``run`` (the run id: trainers with the same run id and model average together),
     ``socket`` (the daemon's local socket; default $PEERD_SOCKET, ...), ``timeout_s`` (a round's
@@ -90,7 +100,12 @@ class Optimizer:
                  nslots: int = 4, keep_rounds: int | None = DEFAULT_KEEP_ROUNDS, robust: str | None = None,
                  max_samples: float | None = None, overlap: bool = False, model: torch.nn.Module | None = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB, compression: str | None = None,
-                 quant_group: int | None = None, rounding: str | None = None, topk_ratio: float | None = None) -> None:
+                 quant_group: int | None = None, rounding: str | None = None, topk_ratio: float | None = None,
+                 founder_window_s: float = FOUNDER_WINDOW_S) -> None:
+        self._torch_surface(optimizer)
+        if not (isinstance(founder_window_s, int | float) and 0 <= founder_window_s <= 600):
+            raise ValueError(f"founder_window_s must be in [0, 600] seconds, got {founder_window_s!r}")
+        self.founder_window_s = float(founder_window_s)
         if no_group not in NO_GROUP:
             raise ValueError(f"no_group must be one of {NO_GROUP}")
         if compression is not None and compression not in CODECS:
@@ -141,6 +156,10 @@ class Optimizer:
         self.kept_rounds = 0  # rounds (gradients or parameters) averaged in a kept group, without matchmaking
         self.nonfinite_rounds = 0  # averaged results refused because they held NaN or infinity
         self.last: dict[str, Any] = {}
+        self.last_step: StepReport | None = None  # the latest step's report: outcome, seconds, phases
+        self._unreported: dict[str, float] | None = None  # the latest step's phases, sent with the next request
+        self.same_data = SameData(compression)  # warns when the group's members contribute the same numbers
+        self.founder: dict[str, Any] | None = None  # how this founder agreed on the initial state (sync_state)
         self.synced_from: dict[str, Any] | None = None
         self._last_end: float | None = None
         self._last_call: float | None = None
@@ -204,13 +223,35 @@ class Optimizer:
         self.close()
 
     # -- the torch.optim.Optimizer surface --------------------------------------------------------
-    @property
+    def _torch_surface(self, optimizer: torch.optim.Optimizer) -> None:
+        """What torch.optim.Optimizer.__init__ sets up (step hooks, the profiler's step wrapper), without its
+        own param_groups and state: those are the wrapped optimizer's (the properties below), so a scheduler
+        that sets ``lr`` in a group sets it for the optimizer that steps."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"peerd.torch.Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, Optimizer):
+            raise TypeError("the optimizer is a peerd.torch.Optimizer already: wrap the torch optimizer once")
+        self.opt = optimizer
+        self.defaults = optimizer.defaults
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+        self._warned_capturable_if_run_uncaptured = True
+        self._patch_step_function()
+
+    @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
         return self.opt.param_groups
 
-    @property
+    @property  # type: ignore[override]
     def state(self) -> Any:
         return self.opt.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("peerd.torch.Optimizer averages the parameters it was built with (their layout "
+                                  "is declared to the daemon): add the group to the torch optimizer before "
+                                  "wrapping it")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.opt.zero_grad(set_to_none=set_to_none)
@@ -219,8 +260,11 @@ class Optimizer:
         self.flush()
         return self.opt.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
         self.opt.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"peerd.torch.{type(self).__name__}({self.opt!r}, run={self.run!r})"
 
     # -- flat vectors <-> tensors ---------------------------------------------------------------------
     def _gather(self, slot: torch.Tensor, tensors: list[torch.Tensor | None]) -> None:
@@ -253,19 +297,50 @@ class Optimizer:
 
     def _average(self, kind: str, tensors: list[torch.Tensor | None], weight: float,
                  report: dict[str, Any], round_no: int | None = None) -> tuple[dict[str, Any], torch.Tensor]:
+        """One average through the daemon; the reply's ``phases`` hold the trainer's copy in, the daemon's
+        phases and ``daemon`` (the socket's round trip beyond what the daemon accounts for)."""
         self.ticket += 1
         t = self.ticket
         slot = self._slots[self.arena.slot_of(t)]
+        t0 = time.monotonic()
         self._gather(slot, tensors)
         self.arena.write_request(t, weight)
         if round_no is not None:
             report = {**report, "round": round_no}
+        if self._unreported is not None:
+            report = {**report, "phases": self._unreported}
+            self._unreported = None
+        t1 = time.monotonic()
         try:
             reply = self._call("trainer_step", step=t, kind=kind, timeout_s=self.timeout_s, **report)
         except DaemonError as e:
             raise DaemonError(f"averaging {kind} (step {self.step_count}) failed: {e}") from None
+        reply["phases"] = self._trainer_phases(reply.get("phases"), copy_in=t1 - t0, call_s=time.monotonic() - t1)
         self.kept_rounds += bool(reply.get("kept"))
         return reply, torch.from_numpy(self.arena.result(t))
+
+    @staticmethod
+    def _trainer_phases(daemon: Any, *, copy_in: float, call_s: float) -> dict[str, float]:
+        """The daemon's phases of one call plus the trainer's: its copy in, and ``daemon`` for the rest of the
+        call's round trip (the socket, the daemon's queue)."""
+        phases = empty_phases()
+        if isinstance(daemon, dict):
+            add_phases(phases, {k: float(v) for k, v in daemon.items() if isinstance(v, int | float)})
+        phases["copy_in"] += copy_in
+        phases["daemon"] += max(0.0, call_s - sum(v for k, v in phases.items() if k not in ("copy_in", "daemon")))
+        return phases
+
+    def _finish_step(self, reply: dict[str, Any], t0: float, phases: dict[str, float] | None) -> dict[str, Any]:
+        """Record a step's report (``last``, ``last_step``; its phases go to the daemon with the next request)."""
+        now = time.monotonic()
+        phases = empty_phases() if phases is None else phases
+        report = StepReport.of(reply, seconds=now - t0, phases=phases, step=self.step_count)
+        reply["phases"] = report.phases
+        self.last = reply
+        self.last_step = report
+        self._unreported = dict(report.phases)
+        self._last_end = now
+        return reply
 
     # -- stepping ---------------------------------------------------------------------------------
     @property
@@ -307,7 +382,7 @@ class Optimizer:
         self._default_max_samples(samples)
         if self._overlap is not None:
             return self._step_overlap(samples, loss)
-        now = time.monotonic()
+        now = t0 = time.monotonic()
         report: dict[str, Any] = {}
         if loss is not None:
             report["loss"] = float(loss)
@@ -324,10 +399,9 @@ class Optimizer:
                      "seconds": 0.0, "error": "this replica's gradients are not finite (diverged, or a bug)"}
             if self.no_group == "raise":
                 raise NoGroupError(f"step {self.step_count}: {reply['error']}")
-            self.last = reply
-            self._last_end = time.monotonic()
-            return reply
+            return self._finish_step(reply, t0, None)
         reply, result = self._average("grad", grads, float(samples), report)
+        phases = reply["phases"]
         if reply["outcome"] == "averaged" and not self._finite(result, "gradient"):
             # never into the model: go on as if no group had formed (own gradients are still in p.grad)
             reply = {**reply, "outcome": "nonfinite"}
@@ -337,40 +411,43 @@ class Optimizer:
             if self.no_group == "raise":
                 raise NoGroupError(f"no group averaged step {self.step_count} ({outcome}: {reply.get('error')})")
             if self.no_group == "skip":
-                self.last = reply
-                self._last_end = time.monotonic()
-                return reply
+                return self._finish_step(reply, t0, phases)
             self.local_steps += 1  # "local": own gradients, which the daemon handed back unchanged
+        t2 = time.monotonic()
         with torch.no_grad():
+            if (outcome == "averaged" and int(reply.get("group_size", 1)) > 1
+                    and self.same_data.check(result, grads, self.numels, reply, self.step_count)):
+                reply["warning"] = self.same_data.warned
             for p in self.params:
                 if p.grad is None:  # a parameter this replica did not use still gets the swarm's gradient
                     p.grad = torch.zeros_like(p)
             if outcome != "nonfinite":  # else the slot holds the refused result; p.grad is still our own
                 self._scatter(result, [p.grad for p in self.params])
             elif not all(bool(torch.isfinite(p.grad).all()) for p in self.params):
-                self.last = reply  # our own gradients are no better: skip the step
-                self._last_end = time.monotonic()
-                return reply
+                return self._finish_step(reply, t0, phases)  # our own gradients are no better: skip the step
+        phases["copy_out"] += time.monotonic() - t2
         self.opt.step()
         self.step_count += 1
         due = self._params_due(reply)
         if due is not None:
             reply["params"] = self.average_parameters(round_no=due)
+            add_phases(phases, reply["params"].get("phases", {}))
         if self.state_every and self.step_count % self.state_every == 0:
             self.publish_state()
-        self.last = reply
-        self._last_end = time.monotonic()
-        return reply
+        return self._finish_step(reply, t0, phases)
 
     def _step_overlap(self, samples: int | float, loss: float | None) -> dict[str, Any]:
+        t0 = time.monotonic()
         reply = self._overlap.step(samples, loss)  # type: ignore[union-attr]
+        phases = empty_phases()
+        add_phases(phases, reply.get("phases") or {})
         k = self.average_params_every
         if k and self.step_count % k == 0:  # numbered by step count: replicas in step name the same round
             reply["params"] = self.average_parameters(round_no=self.step_count // k)
+            add_phases(phases, reply["params"].get("phases", {}))
         if self.state_every and self.step_count % self.state_every == 0:
             self.publish_state()
-        self._last_end = time.monotonic()
-        return reply
+        return self._finish_step(reply, t0, phases)
 
     def _params_due(self, reply: dict[str, Any]) -> int | None:
         """The Moshpit round to average parameters in after this step, or None (not due).
@@ -395,10 +472,25 @@ class Optimizer:
         self.flush()
         reply, result = self._average("params", list(self.params), 1.0, {}, round_no)
         if reply["outcome"] == "averaged":
+            t0 = time.monotonic()
             if self._finite(result, "parameter"):
                 self._scatter(result, [p.data for p in self.params])
             else:
                 reply = {**reply, "outcome": "nonfinite"}
+            reply["phases"]["copy_out"] += time.monotonic() - t0
+        return reply
+
+    def finish(self, rounds: int = 1) -> dict[str, Any]:
+        """The end of training: apply every update still due, then average the parameters with the swarm
+        ``rounds`` times (on a grid of d dimensions, d rounds reach every member: the swarm's exact mean),
+        so every replica leaves with the swarm's model. Returns the last average's statistics. Every trainer
+        of the run calls it after its last step; the wrapper stays usable (e.g. to save the model)."""
+        if type(rounds) is not int or not 1 <= rounds <= 16:
+            raise ValueError(f"rounds must be an integer in [1, 16], got {rounds!r}")
+        self.flush()
+        reply: dict[str, Any] = {}
+        for _ in range(rounds):
+            reply = self.average_parameters()
         return reply
 
     def _finite(self, result: torch.Tensor, what: str) -> bool:
@@ -461,11 +553,38 @@ class Optimizer:
             os.close(fd)
 
     def sync_state(self) -> bool:
-        """Download the swarm's state before the first step; False if nobody has any (a new run)."""
+        """Download the swarm's state before the first step; True if this trainer took over another's.
+
+        Nobody has any (a new run): this trainer is a founder, and founders agree on one initial state
+        (peerd.torch.founders): it publishes its own, waits ``founder_window_s`` for the others', and takes the
+        one with the lowest hash (False if that is its own, or there is no swarm to ask)."""
+        if self._fetch_state():
+            return True
+        if not self.founder_window_s:
+            return False
+        return self._agree_founders()
+
+    def _agree_founders(self) -> bool:
+        published = self.publish_state()
+        if not published.get("advertised"):
+            self.founder = {"agreed": False, "reason": "the daemon has no swarm to advertise the state in"}
+            return False
+        own = bytes.fromhex(published["sha"])
+        time.sleep(self.founder_window_s)
+        took = self._fetch_state(below=own)
+        self.founder = {"agreed": True, "own_sha": own.hex(), "took_other": took,
+                        "sha": self.synced_from["sha"] if took and self.synced_from else own.hex()}
+        log.info("founders: %s", "took another founder's initial state" if took else "kept this initial state")
+        return took
+
+    def _fetch_state(self, below: bytes | None = None) -> bool:
+        """Fetch and load the swarm's best snapshot (``below``: a founder's own snapshot's hash: only one of a
+        later step or, at step 0, a lower hash); False if there is none."""
         fd = write_blob(b"", name="peerd-state-in")
+        extra: dict[str, Any] = {} if below is None else {"below": below}
         try:
             reply = self._call("state_fetch", fds=[fd], timeout_s=self.state_timeout_s,
-                               reply_timeout=self.state_timeout_s + 30)
+                               reply_timeout=self.state_timeout_s + 30, **extra)
             if not reply.get("found"):
                 return False
             blob = read_blob(fd, reply["size"])

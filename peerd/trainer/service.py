@@ -36,6 +36,7 @@ import trio
 
 from ..allreduce.robust import Robust, parse_robust
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
+from ..localsock.phases import empty_phases, parse_phases
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
 from ..moshpit.records import MAX_ROUND, finished_since, progress_key
@@ -208,6 +209,7 @@ class Session:
     late_results: int = 0
     closed: bool = False
     last: dict[str, Any] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # the trainer's latest reported step, by phase
     keep_rounds: int | None = None  # Moshpit kept-group rounds for this session's runs (None: the daemon's)
     max_samples: float | None = None  # the most samples one member's contribution may claim (None: the default)
     robust: Robust | None = None  # robust aggregation asked for by the trainer (None: off)
@@ -438,11 +440,12 @@ class TrainerService:
         if round_no is not None and (type(round_no) is not int or not 0 <= round_no < 2**32 - 1):
             raise OpError("round must be an integer in [0, 2**32 - 1) (e.g. the step // K of a parameter average)")
         session.latest = step
-        self._report(req)
+        self._report(req, session)
         try:
             weight = session.arena.check_request(step)
         except ArenaError as e:
             raise OpError(str(e)) from None
+        entered = time.monotonic()
         vector, finite = await take_slot(session.arena.vector(step))  # averaging must not see the slot change
         if not finite:  # a NaN would poison every peer's average
             raise OpError(f"step {step}: the vector holds NaN or infinity; not averaging it with the swarm")
@@ -457,9 +460,12 @@ class TrainerService:
         if session.latest != step:
             session.late_results += 1  # a later step was requested meanwhile: never write into it
             raise OpError(f"step {step}'s result came after step {session.latest} was requested; dropped")
+        written = time.monotonic()
         session.arena.write_result(step, out)
         session.steps += 1
         reply = self._round_reply(step, outcome, result, seconds, error)
+        reply["phases"] = self._phases(result, copy_in=start - entered, round_s=seconds,
+                                       copy_out=time.monotonic() - written)
         if outcome == "averaged":
             self.metrics.trainer_group_size.set(reply["group_size"])
             self.metrics.trainer_received_fraction.set(reply["received_fraction"])
@@ -526,6 +532,21 @@ class TrainerService:
         return result, out, outcome, error
 
     @staticmethod
+    def _phases(result: Any, *, copy_in: float, round_s: float, copy_out: float) -> dict[str, float]:
+        """The daemon's part of a step, by phase (peerd.localsock.phases). A kept group's renewal is a wait for
+        the group's members, a DHT matchmaking is matchmaking; what the round spent beyond matchmaking, the
+        members' wait and the transfer (a failed round's deadline, bookkeeping) counts as matchmaking too."""
+        phases = empty_phases()
+        mm = float(getattr(result, "matchmaking_s", 0.0))
+        members = float(getattr(result, "members_s", 0.0))
+        transfer = float(getattr(result, "transfer_s", 0.0))
+        if bool(getattr(result, "kept", False)):
+            members, mm = members + mm, 0.0
+        mm += max(0.0, round_s - mm - members - transfer)
+        phases.update(copy_in=copy_in, matchmaking=mm, members=members, transfer=transfer, copy_out=copy_out)
+        return {k: round(v, 6) for k, v in phases.items()}
+
+    @staticmethod
     def _round_reply(step: int, outcome: str, result: Any, seconds: float, error: str) -> dict[str, Any]:
         return {
             "step": step,
@@ -586,7 +607,7 @@ class TrainerService:
                               f"deferred buckets already")
         shared_round = self._step_round(session, step, buckets, plan) if shared else None
         session.latest = step
-        self._report(req)
+        self._report(req, session)
         start = time.monotonic()
         extra: dict[str, Any] = {}
         if deferred:
@@ -881,7 +902,13 @@ class TrainerService:
             if self.statesync is not None:
                 self.statesync.forget(store_key(session.run_key, old))
 
-    def _report(self, req: dict[str, Any]) -> None:
+    def _report(self, req: dict[str, Any], session: Session | None = None) -> None:
+        """What a trainer reports with a request: its loss, throughput, and its previous step's phases."""
+        phases = parse_phases(req.get("phases")) if "phases" in req else None
+        if phases is not None and session is not None:
+            session.phases = phases
+            for name, seconds in phases.items():
+                self.metrics.step_phase_seconds.labels(name).observe(seconds)
         loss, sps = req.get("loss"), req.get("samples_per_second")
         if isinstance(loss, int | float) and math.isfinite(loss):
             self.metrics.trainer_loss.set(loss)
@@ -889,9 +916,15 @@ class TrainerService:
             self.metrics.trainer_samples_per_second.set(sps)
 
     async def _op_report(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        self._session(req, conn)
-        self._report(req)
+        self._report(req, self._session(req, conn))
         return {}
+
+    def statistics(self) -> list[dict[str, Any]]:
+        """Every open session's run, steps and latest step (its outcome, seconds and phases): ``peerd status``."""
+        return [{"session": s.id, "run": s.run, "layout": s.layout[:16], "steps": s.steps,
+                 "outcome": s.last.get("outcome", ""), "seconds": s.last.get("seconds", 0.0),
+                 "kept": bool(s.last.get("kept", False)), "phases": dict(s.phases)}
+                for s in self.sessions.values()]
 
     # -- state sync -----------------------------------------------------------------------------
     async def _op_state_publish(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
@@ -925,6 +958,9 @@ class TrainerService:
             raise OpError(f"max_size must be a positive integer of bytes (the largest snapshot this trainer "
                           f"accepts), got {max_size!r:.40}")
         max_size = min(max_size, session.snapshot_max)  # never more than this model's snapshots can hold
+        below = req.get("below")
+        if below is not None and not (isinstance(below, bytes) and len(below) == 32):
+            raise OpError("below must be the 32-byte SHA-256 of the founder's own snapshot")
         fd = conn.take_fd()
         try:
             if self.statesync is None:
@@ -933,7 +969,8 @@ class TrainerService:
 
             try:
                 fetched = await self.statesync.fetch(session.run, session.run_key, timeout=timeout,
-                                                     max_size=max_size, layout=session.layout)
+                                                     max_size=max_size, layout=session.layout,
+                                                     **({} if below is None else {"below": below}))
             except StateSyncError as e:
                 raise OpError(f"state sync failed: {e}") from None
             if fetched is None:
