@@ -282,10 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-every", type=int, default=50, metavar="H",
                    help="diloco: inner steps per outer step (default 50)")
     p.add_argument("--fragments", type=int, default=1, metavar="F", help="diloco: streaming fragments (default 1)")
-    p.add_argument("--model", choices=["mlp", "wide"], default="mlp",
+    p.add_argument("--model", choices=["mlp", "wide", "gpt"], default="mlp",
                    help="mlp: 4,810 parameters; wide: 64-2048-1024-10, 2.24 M parameters, so a 100 Mbit link "
-                        "matters (default mlp)")
-    p.add_argument("--baseline", choices=["gloo"], default=None,
+                        "matters; gpt: a character-level transformer (0.84 M) on Python's own source, AdamW, "
+                        "clipping, a cosine schedule (default mlp)")
+    from .demo import add_gpt_arguments
+
+    add_gpt_arguments(p)
+    p.add_argument("--baseline", choices=["gloo", "ddp"], default=None,
                    help="then train the same model on the same data, seeds and links with torch DDP over gloo "
                         "(in the same namespaces with --link) and report both times to --target-accuracy")
     p.add_argument("--target-accuracy", type=_fraction, default=0.93, metavar="A",
@@ -659,7 +663,7 @@ def cmd_bench_moshpit(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .demo import DemoConfig, run_demo
+    from .demo import DemoConfig, gpt_options, run_demo
 
     if args.peers < 1 or args.steps < 1:
         parser.error("--peers and --steps must be at least 1")
@@ -676,7 +680,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--sync-every must be at least 1 and --fragments in [1, --sync-every]")
     if args.bucket_mb is not None and not 0 < args.bucket_mb <= 1024:
         parser.error("--bucket-mb must be in (0, 1024]")
-    if args.baseline and (args.mode == "diloco" or args.byzantine or args.dropcompute != "off"):
+    if args.baseline and args.model != "gpt" and (args.mode == "diloco" or args.byzantine
+                                                  or args.dropcompute != "off"):
         parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")
     if args.mode == "diloco" and args.compression == "arc-topk":
         parser.error("--mode diloco takes --compression fp16, bf16, int8 or int4 (arc-topk's row selection and "
@@ -693,7 +698,7 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      sync_every=args.sync_every, fragments=args.fragments,
                      model=args.model, baseline=args.baseline, target_accuracy=args.target_accuracy,
                      compression=args.compression, quant_group=args.quant_group, rounding=args.rounding,
-                     bucket_mb=args.bucket_mb, topk_ratio=args.topk_ratio)
+                     bucket_mb=args.bucket_mb, topk_ratio=args.topk_ratio, **gpt_options(args, parser))
     try:
         summary = run_demo(cfg, log=lambda *a, **k: print(*a, **k, flush=True))  # progress as it happens, even piped
     except RuntimeError as e:

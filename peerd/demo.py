@@ -62,13 +62,107 @@ class DemoConfig:
     bucket_mb: float | None = None  # overlap: gradient bucket size (None: `peerd train`'s default)
     sync_every: int = 50  # diloco: H
     fragments: int = 1  # diloco: F (streaming)
-    model: str = "mlp"  # mlp (4,810 parameters) | wide (2.24 M: communication matters at 100 Mbit)
-    baseline: str | None = None  # gloo: then train the same under torch DDP over gloo, on the same links
+    model: str = "mlp"  # mlp (4,810 parameters) | wide (2.24 M: communication matters at 100 Mbit) | gpt (0.84 M)
+    baseline: str | None = None  # gloo (ddp): then train the same under torch DDP over gloo, on the same links
     target_accuracy: float = 0.93  # time_to_accuracy_s: until the peers' mean held-out accuracy reaches this
     compression: str | None = None  # every trainer's codec (`peerd train --compression`; None: fp32)
     quant_group: int | None = None  # int8/int4: values per scale and min (None: 128)
     rounding: str | None = None  # int8/int4: stochastic | nearest (None: stochastic)
     topk_ratio: float | None = None  # arc-topk: share of each matrix's rows averaged per shard (None: 0.1)
+    kill: int = 0  # gpt: SIGKILL this many founders (trainer and daemon; the last ones) a third into the run
+    join: int = 0  # gpt: start this many new peers (daemon and trainer) two thirds into the run; they sync state
+    straggler: float = 1.0  # gpt: the last founder's compute takes this many times as long (DDP's too)
+    batch: int | None = None  # gpt: sequences of 128 characters per step and peer (None: peerd.demo_gpt's 8)
+    eval_every: int = 25  # gpt: validation (the whole split) every this many steps
+    target_loss: float | None = None  # gpt: time_to_target_s's target without a baseline
+
+
+def _straggler(text: str) -> float:
+    """--straggler's type: a slowdown factor, ``2x`` or ``2``, in [1, 100]."""
+    import argparse
+
+    try:
+        value = float(text.lower().removesuffix("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a factor like 2x") from None
+    if not 1.0 <= value <= 100.0:
+        raise argparse.ArgumentTypeError(f"--straggler must be in [1x, 100x], not {text!r}")
+    return value
+
+
+def add_gpt_arguments(p: Any) -> None:
+    """`peerd demo`'s options for --model gpt (churn, stragglers, batch, evaluation, target)."""
+    p.add_argument("--kill", type=int, default=0, metavar="K",
+                   help="gpt: SIGKILL K founders (trainer and daemon) a third into the run (default 0)")
+    p.add_argument("--join", type=int, default=0, metavar="J",
+                   help="gpt: start J new peers two thirds into the run; they download the swarm's state (default 0)")
+    p.add_argument("--straggler", type=_straggler, default=1.0, metavar="Fx",
+                   help="gpt: one peer's compute takes F times as long, in peerd and in the DDP baseline (default 1x)")
+    p.add_argument("--batch", type=int, default=None, metavar="B",
+                   help="gpt: sequences of 128 characters per step and peer (default 8)")
+    p.add_argument("--eval-every", type=int, default=25, metavar="S",
+                   help="gpt: validation loss on the whole split every S steps (default 25)")
+    p.add_argument("--target-loss", type=float, default=None, metavar="L",
+                   help="gpt: time_to_target_s's target without --baseline (with it: the baseline's final loss)")
+
+
+def gpt_options(args: Any, parser: Any) -> dict[str, Any]:
+    """DemoConfig's gpt fields from parsed arguments, checked."""
+    if args.model != "gpt" and (args.kill or args.join or args.straggler != 1.0):
+        parser.error("--kill, --join and --straggler go with --model gpt")
+    if not 0 <= args.kill < args.peers or not 0 <= args.join <= 16:
+        parser.error("--kill must be in [0, --peers) and --join in [0, 16]")
+    if args.batch is not None and not 1 <= args.batch <= 1024 or not 1 <= args.eval_every <= 10_000:
+        parser.error("--batch must be in [1, 1024] and --eval-every in [1, 10000]")
+    return {"kill": args.kill, "join": args.join, "straggler": args.straggler, "batch": args.batch,
+            "eval_every": args.eval_every, "target_loss": args.target_loss}
+
+
+def gpt_total(cfg: DemoConfig) -> int:
+    """Peers the demo starts over the run: the founders and the joiners."""
+    return cfg.peers + cfg.join
+
+
+def gpt_command(cfg: DemoConfig, i: int, socket: str, out: str) -> list[str]:
+    """`python -m peerd.demo_gpt` for peer ``i``: the user's GPT script wrapped for peerd."""
+    cmd = [sys.executable, "-m", "peerd.demo_gpt", "--run", RUN, "--socket", socket, "--steps", str(cfg.steps),
+           "--peers", str(cfg.peers), "--index", str(i), "--seed", str(cfg.seed), "--mode", cfg.mode,
+           "--average-every", str(cfg.average_every), "--sync-every", str(cfg.sync_every),
+           "--timeout", str(cfg.timeout_s), "--eval-every", str(cfg.eval_every),
+           "--final-average", str(cfg.final_average), "--out", out]
+    for flag, value in (("--compression", cfg.compression), ("--keep-rounds", cfg.keep_rounds),
+                        ("--bucket-mb", cfg.bucket_mb), ("--batch", cfg.batch)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if i >= cfg.peers:
+        cmd += ["--init-seed", str(cfg.seed + 1000 + i)]  # different weights: it must take the swarm's
+    else:
+        cmd += ["--no-sync"]  # the founders start together from the same seeded weights
+    if cfg.straggler > 1.0 and i == cfg.peers - 1:
+        cmd += ["--slow", str(cfg.straggler)]
+    return cmd
+
+
+def loss_curve(evals: dict[int, dict[int, tuple[float, float]]], start_t: float,
+               members: int) -> list[tuple[int, float, float]]:
+    """(step, mean held-out loss, seconds from ``start_t``) of every evaluation step that at least ``members``
+    peers reported; the time is that step's last report."""
+    rows = []
+    for step in sorted(evals):
+        row = evals[step]
+        if len(row) >= members:
+            rows.append((step, sum(v for v, _ in row.values()) / len(row), max(t for _, t in row.values()) - start_t))
+    return rows
+
+
+def time_to_target(curve: list[tuple[int, float, float]], target: float | None) -> float | None:
+    """Seconds until the curve's mean held-out loss first reached ``target`` (None: never, or no target)."""
+    if target is None:
+        return None
+    for _, loss, t in curve:
+        if loss <= target:
+            return t
+    return None
 
 
 def byzantine_peers(cfg: DemoConfig) -> set[int]:
@@ -116,10 +210,22 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
     if cfg.link_loss and not cfg.link:
         raise RuntimeError("link_loss needs a link rate (--link RATE)")
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="peerd-demo-")
+    gpt = cfg.model == "gpt"
+    if not gpt and (cfg.kill or cfg.join or cfg.straggler != 1.0):
+        raise RuntimeError("kill, join and straggler go with model gpt")
+    if not 0 <= cfg.kill < cfg.peers or cfg.join < 0 or not 1.0 <= cfg.straggler <= 100.0:
+        raise RuntimeError("kill must leave a founder alive, join must be >= 0, straggler in [1, 100]")
+    join_late = dict(cfg.join_late)
+    if gpt:
+        join_late.update({i: max(1, 2 * cfg.steps // 3) for i in range(cfg.peers, gpt_total(cfg))})
+    total = cfg.peers + len([i for i in join_late if i >= cfg.peers])
+    victims = set(range(cfg.peers - cfg.kill, cfg.peers))  # gpt --kill: the last founders
+    kill_at = max(1, cfg.steps // 3)
+    killed: dict[int, int] = {}  # peer -> the swarm's step when it was SIGKILLed
     lab: LinkLab | None = None
     if cfg.link:
-        lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss, queue_ms=cfg.link_queue_ms)
-        say(f"building a link lab: {cfg.peers} namespaces on {cfg.link} links, link loss {cfg.link_loss} "
+        lab = LinkLab(total, cfg.link, cfg.link_loss, queue_ms=cfg.link_queue_ms)
+        say(f"building a link lab: {total} namespaces on {cfg.link} links, link loss {cfg.link_loss} "
             f"(no delay: no netem here) ...")
         try:
             lab.start()  # raises LabError (not root, a tool missing); tears down what it built
@@ -134,11 +240,12 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
     byzantine = byzantine_peers(cfg)
     if not 0 <= cfg.byzantine < cfg.peers:
         raise RuntimeError(f"byzantine must be in [0, {cfg.peers}): at least one peer must be honest")
-    if cfg.baseline not in (None, "gloo"):
-        raise RuntimeError(f"baseline {cfg.baseline!r}: expected gloo")
+    if cfg.baseline not in (None, "gloo", "ddp"):
+        raise RuntimeError(f"baseline {cfg.baseline!r}: expected gloo (or its name ddp)")
     if cfg.mode not in ("sync", "overlap", "diloco"):
         raise RuntimeError(f"mode {cfg.mode!r}: expected sync, overlap or diloco")
-    if cfg.baseline and (cfg.mode == "diloco" or cfg.byzantine or cfg.join_late or cfg.dropcompute != "off"):
+    if cfg.baseline and not gpt and (cfg.mode == "diloco" or cfg.byzantine or cfg.join_late
+                                     or cfg.dropcompute != "off"):
         raise RuntimeError("baseline gloo compares plain training: no diloco, byzantine peers, late joiners or "
                            "DropCompute with it")
     try:
@@ -147,7 +254,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
         if byzantine:
             say(f"peers {sorted(byzantine)} run with --fault-byzantine {cfg.byzantine_mode} (they corrupt their "
                 f"contributions); trainers ask for robust {cfg.robust}")
-        for i in range(cfg.peers):
+        def start_daemon(i: int) -> None:
             extra: tuple[str, ...] = ()
             if cfg.loss:
                 extra = ("--loss", str(cfg.loss), "--loss-seed", str(cfg.seed * 1000 + i))
@@ -155,9 +262,24 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 extra += ("--fault-byzantine", cfg.byzantine_mode)
             node = swarm.start(extra=extra)
             swarm.wait_ready(node)
+
+        for i in range(cfg.peers if gpt else total):  # a gpt joiner's daemon starts when it joins
+            start_daemon(i)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
         def spawn(i: int) -> None:
+            if gpt:
+                cmd = gpt_command(cfg, i, swarm.nodes[i].socket, os.path.join(workdir, f"result{i}.json"))
+            else:
+                cmd = trainer_command(i)
+            if lab is not None:  # the trainer lives with its daemon (it reaches it over the shared file system)
+                cmd = [*lab.exec_prefix(i), *cmd]
+            err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
+            procs[i] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                                        text=True, env=env)
+            threading.Thread(target=_reader, args=(i, procs[i].stdout, events), daemon=True).start()
+
+        def trainer_command(i: int) -> list[str]:
             cmd = [sys.executable, "-m", "peerd", "train", "--run", RUN, "--socket", swarm.nodes[i].socket,
                    "--steps", str(cfg.steps), "--peers", str(cfg.peers), "--index", str(i), "--seed", str(cfg.seed),
                    "--average-every", str(cfg.average_every),
@@ -184,15 +306,10 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 cmd += ["--init-seed", str(cfg.seed + 1000 + i)]  # different weights: it must take the swarm's
             else:
                 cmd += ["--no-sync"]  # the founders start together from the same seeded weights
-            if lab is not None:  # the trainer lives with its daemon (it reaches it over the shared file system)
-                cmd = [*lab.exec_prefix(i), *cmd]
-            err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
-            procs[i] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-                                        text=True, env=env)
-            threading.Thread(target=_reader, args=(i, procs[i].stdout, events), daemon=True).start()
+            return cmd
 
-        for i in range(cfg.peers):
-            if i not in cfg.join_late:
+        for i in range(total):
+            if i not in join_late:
                 spawn(i)
         say(f"started {len(procs)} trainers (run {RUN!r}, {cfg.steps} steps, one torch thread each)")
         # with a workdir of its own choosing, the caller gets every step record (all peers) in steps.jsonl
@@ -201,16 +318,17 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
         starts: dict[int, dict] = {}
         latest: dict[int, dict] = {}
         evals: dict[int, dict[int, tuple[float, float]]] = {}  # step -> peer -> (held-out accuracy, time)
+        loss_evals: dict[int, dict[int, tuple[float, float]]] = {}  # step -> peer -> (held-out loss, time)
         last_print = 0.0
         swarm_step = 0
-        while len(done) < cfg.peers:
+        while len(done) < total - len(killed):
             if time.monotonic() - start > cfg.wall_limit_s:
                 raise RuntimeError(f"the demo did not finish within {cfg.wall_limit_s:.0f} s")
             try:
                 i, ev = events.get(timeout=1.0)
             except queue.Empty:
                 for i, p in procs.items():
-                    if p.poll() not in (None, 0) and i not in done:
+                    if p.poll() not in (None, 0) and i not in done and i not in killed:
                         raise RuntimeError(f"trainer {i} exited with {p.returncode}: "
                                            f"{_tail(os.path.join(workdir, f'trainer{i}.log'))}") from None
                 continue
@@ -225,6 +343,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 latest[i] = ev
                 if ev.get("accuracy") is not None and "t" in ev:
                     evals.setdefault(ev["step"], {})[i] = (ev["accuracy"], ev["t"])
+                    loss_evals.setdefault(ev["step"], {})[i] = (ev["held_out_loss"], ev["t"])
                 if trace is not None:
                     trace.write(json.dumps(ev) + "\n")
                 swarm_step = max(swarm_step, ev["step"])
@@ -239,28 +358,40 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                         f"received {ev['received_fraction']:.3f}  ({ev['outcome']})")
             elif kind == "done":
                 done[i] = ev
-            elif kind == "eof" and i not in done:
+            elif kind == "eof" and i not in done and i not in killed:
                 code = procs[i].wait(10)
                 raise RuntimeError(f"trainer {i} exited with {code} before finishing: "
                                    f"{_tail(os.path.join(workdir, f'trainer{i}.log'))}")
-            for j, at in cfg.join_late.items():
+            if victims and not killed and swarm_step >= kill_at:
+                for j in sorted(victims):  # a peer dies at once: its trainer and its daemon, SIGKILL
+                    procs[j].kill()
+                    swarm.nodes[j].proc.kill()
+                    killed[j] = swarm_step
+                say(f"SIGKILLed peer(s) {sorted(victims)} (trainer and daemon) at the swarm's step {swarm_step}")
+            for j, at in join_late.items():
                 if j not in procs and swarm_step >= at:
                     say(f"peer {j} joins late (the swarm is at step {swarm_step})")
+                    if len(swarm.nodes) <= j:
+                        start_daemon(j)
                     spawn(j)
         if trace is not None:
             trace.close()
+        for j in killed:
+            procs[j].wait(30)
         for p in procs.values():
             # after "done" a trainer still writes its result with every parameter as JSON: 2.24 M numbers for
             # --model wide, which took over 30 s with the machine's 2 cores at load 16-25
             p.wait(300)
         wall = time.monotonic() - start
         results = []
-        for i in range(cfg.peers):
+        for i in range(total):
+            if i in killed:
+                continue
             with open(os.path.join(workdir, f"result{i}.json")) as f:
                 results.append(json.load(f))
         honest = [r for r in results if r["peer"] not in byzantine]  # all peers without --byzantine
         t_start = min((ev["t"] for ev in starts.values() if "t" in ev), default=None)
-        founders = cfg.peers - len(cfg.join_late)
+        founders = total - len(join_late) - len(killed)
         link_fields = _link_summary(lab) if lab is not None else {}  # peerd's traffic only, before any baseline
         summary = {
             "final_loss": sum(r["held_out_loss"] for r in honest) / len(honest),
@@ -268,6 +399,9 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "max_param_divergence": divergence([r["params"] for r in honest]),
             "steps": cfg.steps,
             "peers": cfg.peers,
+            **({"killed": {str(k): v for k, v in killed.items()}, "joined": sorted(j for j in join_late
+                                                                                   if j >= cfg.peers),
+                "straggler": cfg.straggler} if gpt else {}),
             "wall_s": round(wall, 2),
             "loss": cfg.loss,
             "seed": cfg.seed,
@@ -317,17 +451,47 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             f"largest relative distance between two peers' parameters "
             f"{summary['max_param_divergence']:.2e}; {summary['samples_per_second']:.0f} samples/s across the swarm; "
             f"rounds: {', '.join(f'{n} {k}' for k, n in sorted(summary['outcomes'].items())) or 'none'}")
-        if cfg.baseline == "gloo":
+        if gpt:
+            for r in results:  # the end of training (after the final averages) is the curve's last point
+                loss_evals.setdefault(cfg.steps + 1, {})[r["peer"]] = (r["held_out_loss"], r["t_end"])
+            curve = loss_curve(loss_evals, t_start, founders) if t_start is not None else []
+            summary.update(val_loss=summary["final_loss"], val_accuracy=summary["accuracy"],
+                           max_step_s=max(r.get("max_step_s", 0.0) for r in results),
+                           deadline_s=cfg.timeout_s, curve=[[s, round(v, 4), round(t, 2)] for s, v, t in curve])
+            if cfg.mode == "diloco":
+                summary["state_sha_agree"] = len({r.get("state_sha") for r in results}) == 1
+            auto = [r["auto"] for r in results if r.get("auto")]
+            if auto:
+                summary["auto"] = auto[0]
+        if cfg.baseline in ("gloo", "ddp"):
             swarm.stop()  # the baseline gets the CPU and the links to itself, as peerd had them
-            base = run_ddp_baseline(
-                DDPConfig(world=cfg.peers, steps=cfg.steps, seed=cfg.seed, model=cfg.model, micro=micro_batches(cfg)
-                          or 4, compute_jitter=cfg.compute_jitter),
+            ddp = (DDPConfig(world=cfg.peers, steps=cfg.steps, seed=cfg.seed, model="gpt", batch=cfg.batch or 0,
+                             eval_every=cfg.eval_every, straggler=cfg.straggler) if gpt else
+                   DDPConfig(world=cfg.peers, steps=cfg.steps, seed=cfg.seed, model=cfg.model,
+                             micro=micro_batches(cfg) or 4, compute_jitter=cfg.compute_jitter))
+            base = run_ddp_baseline(ddp,
                 target=cfg.target_accuracy, lab=lab, workdir=workdir, wall_limit_s=cfg.wall_limit_s, say=say)
             summary["baseline"] = base
+            if gpt:
+                summary["baseline_val_loss"] = base["final_loss"]
             tta = summary["time_to_accuracy_s"]
             say(f"baseline (torch DDP over gloo): held-out accuracy {base['accuracy']:.4f}, loss "
                 f"{base['final_loss']:.4f}, {base['wall_s']:.1f} s of training; time to {cfg.target_accuracy:.0%}: "
                 f"peerd {_secs(tta)}, gloo {_secs(base['time_to_accuracy_s'])}")
+        if gpt:
+            target = summary.get("baseline_val_loss", cfg.target_loss)
+            tt = time_to_target(curve, target)
+            summary["target_loss"] = target
+            summary["time_to_target_s"] = tt
+            if "baseline" in summary:
+                btt = time_to_target(summary["baseline"]["curve"], target)
+                summary["baseline_time_to_target_s"] = btt
+                summary["speedup"] = round(btt / tt, 3) if tt and btt else 0.0
+            say(f"validation loss {summary['val_loss']:.4f}"
+                + (f", DDP's {summary['baseline_val_loss']:.4f}" if "baseline" in summary else "")
+                + (f"; time to {target:.4f}: peerd {_secs(tt)}" if target is not None else "")
+                + (f", DDP {_secs(summary['baseline_time_to_target_s'])} (speedup {summary['speedup']})"
+                   if "baseline" in summary else ""))
         return summary
     finally:
         for p in procs.values():

@@ -42,6 +42,7 @@ class DDPConfig:
     compute_jitter: float = 0.0
     port: int = 29500
     timeout_s: float = 600.0  # gloo's own timeout for one collective (a lossy link must not hang the demo)
+    straggler: float = 1.0  # gpt: the last rank's compute takes this many times as long (`peerd demo --straggler`)
 
 
 def _free_port() -> int:
@@ -67,6 +68,8 @@ def time_to_accuracy(evals: dict[int, dict[int, tuple[float, float]]], start_t: 
 
 def worker(cfg: DDPConfig, rank: int) -> int:
     """One DDP rank: print JSON lines (start, eval, done) on stdout."""
+    if cfg.model == "gpt":  # the user's GPT script, under its DDP launcher
+        return _gpt_worker(cfg, rank)
     import datetime
 
     import numpy as np
@@ -122,6 +125,20 @@ def worker(cfg: DDPConfig, rank: int) -> int:
     return 0
 
 
+def _gpt_worker(cfg: DDPConfig, rank: int) -> int:
+    from ..demo_gpt import main
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(cfg.port)
+    argv = ["--launcher", "ddp", "--world", str(cfg.world), "--index", str(rank), "--peers", str(cfg.world),
+            "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--eval-every", str(cfg.eval_every)]
+    if cfg.batch > 0:
+        argv += ["--batch", str(cfg.batch)]
+    if cfg.straggler > 1.0 and rank == cfg.world - 1:
+        argv += ["--slow", str(cfg.straggler)]
+    return main(argv)
+
+
 def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = None, workdir: str,
                      wall_limit_s: float = 1200.0, say=print) -> dict[str, Any]:
     """Train with DDP over gloo, one rank per peer (in the lab's namespaces when given); the demo's baseline
@@ -156,6 +173,7 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
         say(f"baseline: {cfg.world} torch DDP ranks over gloo ({cfg.model}, {cfg.steps} steps)")
         starts: dict[int, float] = {}
         evals: dict[int, dict[int, tuple[float, float]]] = {}
+        losses: dict[int, list[tuple[float, float]]] = {}  # step -> [(held-out loss, time)] of the ranks
         done: dict[int, dict[str, Any]] = {}
         last_say = 0.0
         while len(done) < cfg.world:
@@ -174,6 +192,7 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
                 starts[r] = ev["t"]
             elif kind == "eval":
                 evals.setdefault(ev["step"], {})[r] = (ev["accuracy"], ev["t"])
+                losses.setdefault(ev["step"], []).append((ev["held_out_loss"], ev["t"]))
                 now = time.monotonic()
                 if r == 0 and now - last_say > 1.0:
                     last_say = now
@@ -188,6 +207,9 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
             p.wait(30)
         start = min(starts.values())
         results = [done[r] for r in range(cfg.world)]
+        losses[cfg.steps + 1] = [(d["held_out_loss"], d["t"]) for d in results]  # the end of training
+        curve = [(step, sum(v for v, _ in row) / len(row), max(t for _, t in row) - start)
+                 for step, row in sorted(losses.items()) if len(row) == cfg.world]
         return {
             "kind": "gloo",
             "accuracy": sum(d["accuracy"] for d in results) / len(results),
@@ -196,6 +218,7 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
             "wall_s": max(d["t"] for d in results) - start,  # training only: first rank's start to last one's end
             "step_s": sorted(d["step_s"] for d in results)[len(results) // 2],
             "steps": cfg.steps,
+            "curve": [[step, v, round(t, 3)] for step, v, t in curve],  # (step, mean held-out loss, seconds)
         }
     finally:
         for p in procs:
