@@ -158,7 +158,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
         def spawn(i: int) -> None:
-            cmd = [sys.executable, "-m", "peerd", "train", "--run", RUN, "--socket", swarm.nodes[i].socket,
+            cmd = [sys.executable, "-m", "peerd", "demo-trainer", "--run", RUN, "--socket", swarm.nodes[i].socket,
                    "--steps", str(cfg.steps), "--peers", str(cfg.peers), "--index", str(i), "--seed", str(cfg.seed),
                    "--average-every", str(cfg.average_every),
                    "--final-average", str(cfg.final_average), "--timeout", str(cfg.timeout_s),

@@ -93,14 +93,14 @@ def load_identity(path: str) -> Identity:
             data = f.read()
     except OSError as e:
         raise KeyFileError(
-            f"cannot read identity file {path}: {e.strerror}; create one with 'peerd keygen {path}'"
+            f"cannot read identity file {path}: {e.strerror}; create one with 'peerd keygen --identity {path}'"
         ) from None
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm):
         raise KeyFileError(f"{path} is not a peerd identity (PEM Ed25519 key from 'peerd keygen')") from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise KeyFileError(f"{path} holds a key that is not Ed25519; create one with 'peerd keygen'")
+        raise KeyFileError(f"{path} holds a key that is not Ed25519; create one with 'peerd keygen --identity PATH'")
     return Identity(key)
 
 
@@ -117,7 +117,7 @@ def load_swarm_key(path: str) -> bytes:
     except OSError as e:
         raise KeyFileError(
             f"cannot read swarm key file {path}: {e.strerror}; get it from the swarm's operator, "
-            f"or start a new swarm with 'peerd keygen --swarm-key {path}'"
+            f"or start a new swarm with 'peerd keygen --swarm-key-file {path}'"
         ) from None
     try:
         secret = base64.b64decode(text, validate=True)
@@ -126,6 +126,6 @@ def load_swarm_key(path: str) -> bytes:
     if len(secret) != SECRET_SIZE:
         raise KeyFileError(
             f"{path} is not a swarm key (expected base64 of {SECRET_SIZE} bytes, "
-            f"as written by 'peerd keygen --swarm-key')"
+            f"as written by 'peerd keygen --swarm-key-file')"
         )
     return secret
