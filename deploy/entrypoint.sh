@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Entrypoint of the peerd image: make keys, run the daemon, and (PEERD_TRAIN=1) the demo trainer beside it.
+# Its environment variables are listed in docs/deploy-env.md (scripts/gen_cli_docs.py writes that table from the
+# "# env:" lines below).
 #
 #   peerd-entrypoint bootstrap   the first daemon of a swarm; writes the swarm key if there is none yet
 #   peerd-entrypoint peer        a daemon that joins $PEERD_BOOTSTRAP, waiting for the shared swarm key
 #   peerd-entrypoint CMD ...     anything else runs as is (e.g. `peerd status`)
 #
 # The container lives as long as the daemon: its exit status is the daemon's. The trainer is a guest: if
-# `peerd train` is missing or fails, that is logged and the daemon keeps running. SIGTERM/SIGINT go to both.
+# `peerd demo-trainer` is missing or fails, that is logged and the daemon keeps running. SIGTERM/SIGINT go to both.
 set -u
 
 role=${1:-peer}
@@ -15,19 +17,36 @@ case "$role" in
   *) exec "$@" ;;
 esac
 
+# env: PEERD_STATE | where the node identity (node.pem) and the local socket live
 state=${PEERD_STATE:-/var/lib/peerd}
+# env: PEERD_SWARM_KEY | the swarm's secret; the bootstrap writes it if missing, peers wait for it
 swarm_key=${PEERD_SWARM_KEY:-/swarm/swarm.key}
+# env: PEERD_SOCKET | the daemon's local socket (`peerd status` and the trainer use it)
 socket=${PEERD_SOCKET:-$state/peerd.sock}
 export PEERD_SOCKET=$socket
+# env: PEERD_LISTEN | UDP address the daemon listens on (join --listen)
 listen=${PEERD_LISTEN:-0.0.0.0:7411}
-metrics=${PEERD_METRICS:-0.0.0.0:9100}
+# env: PEERD_METRICS | Prometheus metrics address (join --metrics); 0.0.0.0:9100 to let a scraper in; empty: off
+metrics=${PEERD_METRICS-127.0.0.1:9100}
+# env: PEERD_BOOTSTRAP | peer role: the swarm member to join through (join --bootstrap)
 bootstrap=${PEERD_BOOTSTRAP:-bootstrap:7411}
+# env: PEERD_JOIN_ARGS | more `peerd join` options, as words (e.g. --announce HOST:PORT --mtu 1400)
+join_extra=${PEERD_JOIN_ARGS:-}
+# env: PEERD_TRAIN | 1: run the demo trainer beside the daemon; 0: the daemon alone
 train=${PEERD_TRAIN:-1}
+# env: PEERD_RUN | the trainer's run id (demo-trainer --run): trainers with the same id train together
 run_name=${PEERD_RUN:-demo}
-key_wait=${PEERD_KEY_WAIT:-120}
+# env: PEERD_TRAIN_ARGS | more `peerd demo-trainer` options, as words (e.g. --steps 1000 --eval-every 50)
+train_extra=${PEERD_TRAIN_ARGS:-}
+# env: PEERD_TRAIN_SEED | the trainer's data-order seed (default: from the container's hostname)
+train_seed=${PEERD_TRAIN_SEED:-}
+# env: PEERD_TRAIN_RESTARTS | times a failed trainer is restarted (10 s apart) before the entrypoint gives up
 train_restarts=${PEERD_TRAIN_RESTARTS:-5}
+# env: PEERD_KEY_WAIT | seconds a peer waits for the swarm key before it exits with status 1
+key_wait=${PEERD_KEY_WAIT:-120}
+# env: PEERD_CMD | the peerd command, as words (tests use `python -m peerd`)
 # shellcheck disable=SC2206  # PEERD_CMD, PEERD_JOIN_ARGS and PEERD_TRAIN_ARGS are word lists on purpose
-peerd=(${PEERD_CMD:-peerd})  # tests point this at `python -m peerd`
+peerd=(${PEERD_CMD:-peerd})
 
 say() { echo "entrypoint[$role]: $*" >&2; }
 
@@ -35,13 +54,13 @@ mkdir -p "$state" || exit 1
 
 # Keys: one identity per container (kept in its state dir), one swarm secret shared by all (on a volume).
 if [ ! -e "$state/node.pem" ]; then
-  "${peerd[@]}" keygen "$state/node.pem" >/dev/null || { say "cannot write an identity to $state/node.pem"; exit 1; }
+  "${peerd[@]}" keygen --identity "$state/node.pem" >/dev/null || { say "cannot write an identity to $state/node.pem"; exit 1; }
 fi
 if [ "$role" = bootstrap ] && [ ! -e "$swarm_key" ]; then
   # Written beside, then renamed, so a peer never reads half a key.
   tmp="$(dirname "$swarm_key")/.swarm.key.$$"
   rm -f "$tmp"
-  "${peerd[@]}" keygen --swarm-key "$tmp" >/dev/null && mv "$tmp" "$swarm_key" \
+  "${peerd[@]}" keygen --swarm-key-file "$tmp" >/dev/null && mv "$tmp" "$swarm_key" \
     || { say "cannot write the swarm key to $swarm_key"; exit 1; }
   say "wrote a new swarm key to $swarm_key"
 fi
@@ -60,7 +79,7 @@ join_args=(--listen "$listen" --identity "$state/node.pem" --swarm-key-file "$sw
 [ -n "$metrics" ] && join_args+=(--metrics "$metrics")
 [ "$role" = peer ] && join_args+=(--bootstrap "$bootstrap")
 # shellcheck disable=SC2206
-join_args+=(${PEERD_JOIN_ARGS:-})
+join_args+=($join_extra)
 
 daemon=
 trainer=
@@ -81,22 +100,21 @@ daemon=$!
 # The trainer starts once the daemon answers on its socket and has joined the swarm.
 train_ready=0
 if [ "$train" = 1 ]; then
-  if "${peerd[@]}" train --help >/dev/null 2>&1; then
+  if "${peerd[@]}" demo-trainer --help >/dev/null 2>&1; then
     train_ready=1
   else
-    say "TRAINER NOT STARTED: this peerd has no 'peerd train' command (it comes with the trainer, issue 5);" \
-        "the daemon runs without it"
+    say "TRAINER NOT STARTED: this peerd has no 'peerd demo-trainer' command; the daemon runs without it"
   fi
 fi
 starts=0
 start_trainer() {
   starts=$((starts + 1))
   # Same initial weights everywhere, a different data order per container (unless PEERD_TRAIN_ARGS says else).
-  local seed=${PEERD_TRAIN_SEED:-$(($(printf '%s' "${HOSTNAME:-$$}" | cksum | cut -d' ' -f1) % 100000))}
+  local seed=${train_seed:-$(($(printf '%s' "${HOSTNAME:-$$}" | cksum | cut -d' ' -f1) % 100000))}
   # shellcheck disable=SC2206
-  local args=(--run "$run_name" --socket "$socket" --seed "$seed" --init-seed 0 ${PEERD_TRAIN_ARGS:-})
-  say "peerd train ${args[*]} (start $starts)"
-  "${peerd[@]}" train "${args[@]}" &
+  local args=(--run "$run_name" --socket "$socket" --seed "$seed" --init-seed 0 $train_extra)
+  say "peerd demo-trainer ${args[*]} (start $starts)"
+  "${peerd[@]}" demo-trainer "${args[@]}" &
   trainer=$!
 }
 if [ "$train_ready" = 1 ]; then

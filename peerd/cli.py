@@ -1,4 +1,4 @@
-"""The ``peerd`` command line: join | status | keygen | dht | swarm."""
+"""The ``peerd`` command line, its commands grouped by task: run a node, try it, measure."""
 
 from __future__ import annotations
 
@@ -82,22 +82,60 @@ def _socket_arg(p: argparse.ArgumentParser) -> None:
         "--socket",
         default=None,
         metavar="PATH",
-        help=f"the daemon's local socket (default: $PEERD_SOCKET or {default_socket_path()})",
+        help="the daemon's local socket (default: $PEERD_SOCKET, else $XDG_RUNTIME_DIR/peerd.sock, else "
+             "/tmp/peerd-UID/peerd.sock)",
     )
+
+
+# The top-level help lists the commands by task; every command is in exactly one group (tests/test_cli_groups.py).
+COMMAND_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("run a node", ("keygen", "join", "status", "dht")),
+    ("try it", ("demo", "swarm", "demo-trainer")),
+    ("measure", ("bench", "sim")),
+)
+LAB_GROUP = "fault injection and lab (testing only)"
+
+
+def _lab(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The parser's argument group for fault-injection and lab options, made on first use."""
+    for group in p._action_groups:
+        if group.title == LAB_GROUP:
+            return group
+    return p.add_argument_group(LAB_GROUP)
+
+
+def _deprecated(old: str, new: str) -> None:
+    """One line on stderr for an old name that still works (for one release)."""
+    print(f"peerd: warning: {old} is deprecated and will be removed; use {new}", file=sys.stderr)
+
+
+def _group_commands(parser: argparse.ArgumentParser, sub: argparse._SubParsersAction) -> None:
+    """Show the subcommands under COMMAND_GROUPS' titles in ``peerd --help`` (help entries only; parsing is
+    the subparsers action's)."""
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for title, names in COMMAND_GROUPS:
+        group = parser.add_argument_group(title)
+        for name in names:
+            group._group_actions.append(argparse.Action([], dest=name, metavar=name, help=helps[name]))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="peerd",
+        usage="%(prog)s [-h] [--version] COMMAND ...",
         description="Decentralized training daemon: joins a swarm, finds peers through a DHT, averages tensors.",
+        epilog="'peerd COMMAND --help' shows a command's options.",
     )
     parser.add_argument("--version", action="version", version=f"peerd {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS)
 
-    p = sub.add_parser("keygen", help="write a node identity, or (--swarm-key) a new swarm secret")
-    p.add_argument("path", metavar="PATH", nargs="?", help="where to write the node identity (mode 0600)")
-    p.add_argument("--swarm-key", metavar="PATH", help="write a new swarm secret here instead (mode 0600)")
-    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    p = sub.add_parser("keygen", help="write a new node identity and/or a new swarm secret (mode 0600)")
+    p.add_argument("--identity", metavar="PATH", help="write a new node identity here (what join --identity reads)")
+    p.add_argument("--swarm-key-file", metavar="PATH",
+                   help="write a new swarm secret here (what join --swarm-key-file reads; give it to every member)")
+    p.add_argument("old_path", metavar="PATH", nargs="?", help=argparse.SUPPRESS)  # deprecated: --identity
+    p.add_argument("--swarm-key", dest="old_swarm_key", metavar="PATH", help=argparse.SUPPRESS)  # deprecated
+    p.add_argument("--json", action="store_true", help="print what was written as JSON, one object per file")
 
     p = sub.add_parser("join", help="run a daemon that joins (or, without --bootstrap, starts) a swarm")
     p.add_argument("--listen", type=_hostport, default=("0.0.0.0", DEFAULT_PORT), metavar="HOST:PORT",
@@ -109,39 +147,44 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a member of the swarm to join through (repeatable; default: none, which starts a new swarm)")
     p.add_argument("--bootstrap-timeout", type=_positive, default=300.0, metavar="S",
                    help="give up and exit non-zero if no bootstrap node answers for this long (default 300)")
-    p.add_argument("--identity", metavar="PATH", help="node identity from 'peerd keygen' (default: a fresh one)")
+    p.add_argument("--identity", metavar="PATH",
+                   help="node identity from 'peerd keygen --identity' (default: a fresh one at every start)")
     key = p.add_mutually_exclusive_group()
-    key.add_argument("--swarm-key-file", metavar="PATH", help="the swarm's secret (from 'peerd keygen --swarm-key')")
+    key.add_argument("--swarm-key-file", metavar="PATH",
+                     help="the swarm's secret, from 'peerd keygen --swarm-key-file'")
     key.add_argument("--insecure", action="store_true",
                      help="do not authenticate datagrams: anyone who can reach the port can join (benchmarks only)")
     _socket_arg(p)
+    p.add_argument("--socket-group", metavar="GROUP",
+                   help="let members of this system group use the local socket too (status, trainers), besides "
+                        "the daemon's own user (default: none, the daemon's user alone)")
     p.add_argument("--metrics", type=_metrics_addr, metavar="HOST:PORT",
                    help="serve Prometheus metrics here (a bare port binds 127.0.0.1; 0 picks a free port; "
                         "default: off)")
     p.add_argument("--mtu", type=int, default=1200, metavar="BYTES",
-                   help="largest UDP payload to send (default 1200; never relies on IP fragmentation: above the "
-                        "path's MTU, for LANs with jumbo frames, a datagram travels as IP fragments). The pacer's "
-                        "first average starts at 1,667 datagrams a second of this size")
-    p.add_argument("--no-gso", action="store_true", help="one syscall per datagram (no UDP GSO/GRO batching)")
-    p.add_argument("--loss", type=float, default=0.0, metavar="P",
-                   help="testing: drop received datagrams with probability P (seeded fault injector; default 0)")
-    p.add_argument("--loss-seed", type=int, default=None, metavar="K",
-                   help="seed of the --loss injector (default: random)")
+                   help="largest UDP payload to send (default 1200, which fits any Internet path; raise it only "
+                        "on a LAN whose every hop carries larger frames)")
+    p.add_argument("--no-gso", action="store_true",
+                   help="send and receive one datagram per system call (for kernels or NICs where UDP batching "
+                        "misbehaves)")
     p.add_argument("--no-relay", action="store_true",
                    help="never relay datagrams for NATed peers (default: relay, budgeted, when this node is public)")
     p.add_argument("--max-group", type=int, default=16, metavar="N",
                    help="Moshpit groups of at most N members (2..64; default 16): a larger swarm averages over a "
                         "grid of such groups in several rounds (a run's published grid wins)")
     p.add_argument("--dht-replicas", type=int, default=None, metavar="R",
-                   help="DHT records this node writes go to the R nodes closest to the key, and its full reads ask "
-                        "them (1..20; default 5). More survive heavier churn between refreshes; each costs every put "
-                        "and full read one more RPC. Nodes may differ: a reader asking fewer than a writer stored on "
-                        "still reads the closest copies")
-    # testing only (hidden): this daemon corrupts its own reduce-scatter contributions, to test robust averaging
-    p.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random"],
-                   help=argparse.SUPPRESS)
+                   help="copies of each DHT record this node writes, on the R nodes closest to its key (1..20; "
+                        "default 5): more survive heavier churn, each costs one more message per write and read")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="how much the daemon logs to stderr (default info)")
+    lab = _lab(p)
+    lab.add_argument("--loss", type=float, default=0.0, metavar="P",
+                     help="drop received datagrams with probability P, to see how training copes (default 0)")
+    lab.add_argument("--loss-seed", type=int, default=None, metavar="K",
+                     help="seed of --loss's drops, to repeat a run exactly (default: random)")
+    # hidden: this daemon corrupts its own contributions, to test robust averaging
+    lab.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random"],
+                     help=argparse.SUPPRESS)
 
     p = sub.add_parser("status", help="show a running daemon's identity and swarm view")
     _socket_arg(p)
@@ -180,16 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--mtu", type=int, default=1200, metavar="B", help="UDP payload bytes (default 1200)")
     b.add_argument("--insecure", action="store_true", help="no AEAD sealing")
     b.add_argument("--no-gso", action="store_true", help="one syscall per datagram")
-    b.add_argument("--compare-gloo", action="store_true",
-                   help="also time torch.distributed gloo all-reduce, alternating with peerd (needs torch)")
+    b.add_argument("--baseline", choices=["gloo"], default=None,
+                   help="also time torch.distributed's gloo all-reduce on the same vectors, alternating with peerd, "
+                        "and report the ratio (needs torch; default: peerd alone)")
+    b.add_argument("--compare-gloo", action="store_true", help=argparse.SUPPRESS)  # deprecated: --baseline gloo
     b.add_argument("--seed", type=int, default=0, help="seed of vectors, weights and loss (default 0)")
     b.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
                    help="norm clipping at each shard owner, to time what it costs (default off)")
     b.add_argument("--profile", action="store_true",
                    help="add CPU seconds per daemon by stage (seal, open, receive, syscalls, ...) to the JSON")
     b.add_argument("--compression", default="fp32", choices=("fp32", "fp16", "bf16", "int8", "int4", "arc-topk"),
-                   help="the codec of every tensor body, or arc-topk (sketch, agreed row selection, dense rows; "
-                        "needs --layout) (protocol/codecs.md; default fp32)")
+                   help="how tensors travel: fp32 exact, fp16/bf16 half the bytes, int8/int4 a quarter/eighth "
+                        "with a scale per group, or arc-topk (only the largest rows; needs --layout) (default fp32)")
     b.add_argument("--layout", type=_layout, default=None, metavar="RxC",
                    help="arc-topk: the vector as a stack of R x C matrices, any rest a 1-D tail (default: none)")
     b.add_argument("--topk-ratio", type=float, default=0.1, metavar="R",
@@ -251,9 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="N daemons and N trainers on 127.0.0.1 train a small model together (needs torch)")
     p.add_argument("--peers", type=int, default=4, metavar="N", help="daemons and trainers (default 4)")
     p.add_argument("--steps", type=int, default=200, metavar="S", help="training steps (default 200)")
-    p.add_argument("--loss", type=float, default=0.0, metavar="P",
-                   help="every daemon drops datagrams with prob. P (default 0)")
-    p.add_argument("--compute-jitter", type=float, default=0.0, metavar="X",
+    _lab(p).add_argument("--loss", type=float, default=0.0, metavar="P",
+                         help="every daemon drops received datagrams with probability P (default 0)")
+    _lab(p).add_argument("--compute-jitter", type=float, default=0.0, metavar="X",
                    help="trainers' micro-batches take 10 ms * (1 + X * Exp(1)) more (for DropCompute; default 0)")
     p.add_argument("--dropcompute", default="off", metavar="off|auto|SECONDS",
                    help="DropCompute threshold per step (default off)")
@@ -264,10 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro", type=int, default=None, metavar="M",
                    help="micro-batches per step of 32 samples (default 8 with --compute-jitter, else 4)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of weights, data order and loss (default 0)")
-    p.add_argument("--byzantine", type=int, default=0, metavar="K",
+    _lab(p).add_argument("--byzantine", type=int, default=0, metavar="K",
                    help="K of the peers' daemons corrupt their contributions (a test; default 0); the summary's "
                         "accuracy and loss are the honest peers'")
-    p.add_argument("--byzantine-mode", default="nan", choices=["scale", "signflip", "nan", "random"],
+    _lab(p).add_argument("--byzantine-mode", default="nan", choices=["scale", "signflip", "nan", "random"],
                    help="how the --byzantine daemons corrupt their contributions (default nan)")
     p.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
                    help="robust aggregation every trainer asks for (default off)")
@@ -278,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "backward and the next forward (DeAR); diloco: H local steps, then an outer step "
                         "(default sync)")
     p.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
-                   help="overlap: gradient bucket size in MB of float32 (default: peerd train's, 25)")
+                   help="overlap: gradient bucket size in MB of float32 (default: demo-trainer's, 25)")
     p.add_argument("--sync-every", type=int, default=50, metavar="H",
                    help="diloco: inner steps per outer step (default 50)")
     p.add_argument("--fragments", type=int, default=1, metavar="F", help="diloco: streaming fragments (default 1)")
@@ -297,7 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 0.93)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
-    p = sub.add_parser("train", help="one collaborative trainer (MLP on digits) beside its daemon (needs torch)")
+    p = sub.add_parser("demo-trainer", aliases=["train"],
+                       help="the demo's trainer (a small model on handwritten digits) beside a running daemon "
+                            "(needs torch)")
     from .demo_train import add_train_arguments
 
     add_train_arguments(p)
@@ -306,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = p.add_subparsers(dest="sim_command", required=True, metavar="{dht,moshpit}")
     for name in ("dht", "moshpit"):
         importlib.import_module(f".sim.{name}", __package__).add_arguments(sim)
+    _group_commands(parser, sub)
     return parser
 
 
@@ -318,6 +366,11 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "train":
+        _deprecated("'peerd train'", "'peerd demo-trainer'")
     try:
         return _COMMANDS[args.command](args, parser)
     except DaemonError as e:
@@ -330,27 +383,38 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_keygen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .wire.identity import write_identity, write_swarm_key
 
-    if args.path and args.swarm_key:
-        parser.error("keygen takes PATH (a node identity) or --swarm-key PATH, not both")
-    if not args.path and not args.swarm_key:
-        parser.error("keygen needs PATH (to write a node identity) or --swarm-key PATH (to write a new swarm secret)")
-    target = args.swarm_key or args.path
-    try:
-        if args.swarm_key:
-            write_swarm_key(target)
-            out: dict[str, Any] = {"kind": "swarm_key", "path": target}
-            text = f"wrote a new swarm key to {target}; give it (securely) to every member of the swarm"
-        else:
-            ident = write_identity(target)
-            out = {"kind": "identity", "path": target, "peer_id": ident.node_id.hex()}
-            text = f"wrote identity {ident.node_id.hex()} to {target}"
-        print(json.dumps(out) if args.json else text)
-    except FileExistsError:
-        print(f"peerd: error: {target} exists; refusing to overwrite a key (remove it first)", file=sys.stderr)
-        return 1
-    except OSError as e:
-        print(f"peerd: error: cannot write {target}: {e.strerror}", file=sys.stderr)
-        return 1
+    if args.old_path:
+        if args.identity:
+            parser.error("give the identity's path once: --identity PATH")
+        _deprecated("'peerd keygen PATH'", "'peerd keygen --identity PATH'")
+        args.identity = args.old_path
+    if args.old_swarm_key:
+        if args.swarm_key_file:
+            parser.error("give the swarm key's path once: --swarm-key-file PATH")
+        _deprecated("'peerd keygen --swarm-key PATH'", "'peerd keygen --swarm-key-file PATH'")
+        args.swarm_key_file = args.old_swarm_key
+    if not args.identity and not args.swarm_key_file:
+        parser.error("keygen needs --identity PATH (a node identity) and/or --swarm-key-file PATH (a new swarm "
+                     "secret)")
+    for kind, target in (("identity", args.identity), ("swarm_key", args.swarm_key_file)):
+        if not target:
+            continue
+        try:
+            if kind == "swarm_key":
+                write_swarm_key(target)
+                out: dict[str, Any] = {"kind": kind, "path": target}
+                text = f"wrote a new swarm key to {target}; give it (securely) to every member of the swarm"
+            else:
+                ident = write_identity(target)
+                out = {"kind": kind, "path": target, "peer_id": ident.node_id.hex()}
+                text = f"wrote identity {ident.node_id.hex()} to {target}"
+            print(json.dumps(out) if args.json else text)
+        except FileExistsError:
+            print(f"peerd: error: {target} exists; refusing to overwrite a key (remove it first)", file=sys.stderr)
+            return 1
+        except OSError as e:
+            print(f"peerd: error: cannot write {target}: {e.strerror}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -361,7 +425,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if not args.insecure and not args.swarm_key_file:
         parser.error(
-            "join needs --swarm-key-file PATH (create one with 'peerd keygen --swarm-key PATH'), "
+            "join needs --swarm-key-file PATH (create one with 'peerd keygen --swarm-key-file PATH'), "
             "or --insecure for a throwaway swarm"
         )
     if not 576 <= args.mtu <= 65507:
@@ -383,6 +447,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         swarm_key_file=args.swarm_key_file,
         insecure=args.insecure,
         socket_path=args.socket or default_socket_path(),
+        socket_group=args.socket_group,
         metrics=args.metrics,
         mtu=args.mtu,
         no_gso=args.no_gso,
@@ -531,13 +596,14 @@ def _link_rate(text: str) -> str:
 
 def _link_args(p: argparse.ArgumentParser) -> None:
     """--link / --link-loss: every peer in its own network namespace on a shaped, lossy link (root)."""
-    p.add_argument("--link", type=_link_rate, metavar="RATE",
+    lab = _lab(p)
+    lab.add_argument("--link", type=_link_rate, metavar="RATE",
                    help="run each peer in its own network namespace on a link shaped at RATE both ways "
                         "(tc tbf; 100mbit, 1gbit, 500kbit); needs root, ip, tc, nft and ethtool")
-    p.add_argument("--link-loss", type=float, default=0.0, metavar="P",
+    lab.add_argument("--link-loss", type=float, default=0.0, metavar="P",
                    help="with --link: the kernel drops P of each peer's incoming packets at random, every "
                         "protocol (nftables); --loss then drops in the daemon on top, independently (default 0)")
-    p.add_argument("--link-queue-ms", type=float, default=20.0, metavar="MS",
+    lab.add_argument("--link-queue-ms", type=float, default=20.0, metavar="MS",
                    help="with --link: each tbf queues MS milliseconds of the rate before it drops (default 20; "
                         "1-5 is a shallow switch buffer or a policer)")
 
@@ -581,9 +647,12 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not 576 <= args.mtu <= 65507:
         parser.error("--mtu must be between 576 and 65507 bytes")
     _check_link_args(args, parser)
+    if args.compare_gloo:
+        _deprecated("'peerd bench allreduce --compare-gloo'", "'--baseline gloo'")
+        args.baseline = "gloo"
     if args.nat != "none":
-        if args.compare_gloo:
-            parser.error("--compare-gloo cannot run with --nat (gloo's TCP does not traverse NATs)")
+        if args.baseline:
+            parser.error("--baseline gloo cannot run with --nat (gloo's TCP does not traverse NATs)")
         if args.mtu > 1472:
             parser.error("--mtu above 1472 is refused with --nat: nothing may rely on IP fragmentation")
         from .lab.links import LabError
@@ -602,7 +671,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--topk-ratio must be in (0, 1]")
     cfg = AllreduceBenchConfig(
         peers=args.peers, size=args.size, repeat=args.repeat, loss=args.loss, mtu=args.mtu,
-        insecure=args.insecure, no_gso=args.no_gso, compare_gloo=args.compare_gloo, seed=args.seed,
+        insecure=args.insecure, no_gso=args.no_gso, compare_gloo=args.baseline == "gloo", seed=args.seed,
         robust=args.robust, link=args.link, link_loss=args.link_loss, link_queue_ms=args.link_queue_ms,
         profile=args.profile,
         compression=args.compression, quant_group=args.quant_group, rounding=args.rounding, nat=args.nat,
@@ -722,6 +791,7 @@ def cmd_sim(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 _COMMANDS = {
     "sim": cmd_sim,
     "demo": cmd_demo,
+    "demo-trainer": cmd_train,
     "train": cmd_train,
     "keygen": cmd_keygen,
     "join": cmd_join,

@@ -23,6 +23,7 @@ from .allreduce.service import AllreduceService
 from .dht import BootstrapError, DhtService
 from .dht.core import REPLICAS
 from .dht.reads import Agreed, AnyOf, Enough, Owners
+from .localsock.access import AccessError, resolve_group
 from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
 from .moshpit.matchmaking import REACH_RANK, REACH_UNKNOWN
@@ -57,6 +58,7 @@ class DaemonConfig:
     swarm_key_file: str | None = None
     insecure: bool = False
     socket_path: str = ""
+    socket_group: str | None = None  # a group (name or gid) whose members may use the local socket too
     metrics: tuple[str, int] | None = None
     mtu: int = 1200
     no_gso: bool = False
@@ -136,8 +138,9 @@ class Daemon:
     def _start(self, config: DaemonConfig, secret: Any, announce: Any, allreduce_kwargs: dict[str, Any]) -> None:
         """Everything after the UDP bind; the caller closes what was opened if this raises."""
         try:
-            self.local = local = LocalServer(config.socket_path, self.metrics)
-        except SocketInUse as e:
+            group = resolve_group(config.socket_group) if config.socket_group else None
+            self.local = local = LocalServer(config.socket_path, self.metrics, group)
+        except (SocketInUse, AccessError) as e:
             raise StartupError(str(e)) from None
         if config.metrics is not None:
             try:

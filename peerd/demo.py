@@ -280,7 +280,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             threading.Thread(target=_reader, args=(i, procs[i].stdout, events), daemon=True).start()
 
         def trainer_command(i: int) -> list[str]:
-            cmd = [sys.executable, "-m", "peerd", "train", "--run", RUN, "--socket", swarm.nodes[i].socket,
+            cmd = [sys.executable, "-m", "peerd", "demo-trainer", "--run", RUN, "--socket", swarm.nodes[i].socket,
                    "--steps", str(cfg.steps), "--peers", str(cfg.peers), "--index", str(i), "--seed", str(cfg.seed),
                    "--average-every", str(cfg.average_every),
                    "--final-average", str(cfg.final_average), "--timeout", str(cfg.timeout_s),

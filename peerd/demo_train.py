@@ -1,4 +1,4 @@
-"""`peerd train`: one collaborative trainer (a small MLP on scikit-learn's handwritten digits) beside its daemon.
+"""`peerd demo-trainer`: one collaborative trainer (a small MLP on handwritten digits) beside its daemon.
 
 `peerd demo` runs one of these per daemon; a compose deployment runs one beside each daemon. Progress goes
 to stdout as one JSON object per line (``--progress json``) or as text; the final result (held-out loss and
@@ -35,6 +35,7 @@ def load_digits_split() -> tuple[Any, Any, Any, Any]:
 
 
 MODELS = ("mlp", "wide")
+TIMEOUT_S = 30.0  # --timeout's default: peerd.torch.Optimizer's timeout_s (not imported: no torch here)
 BUCKET_MB = 25.0  # --bucket-mb's default: peerd.torch.overlap.DEFAULT_BUCKET_MB (not imported: no torch here)
 WIDE_HIDDEN = (2048, 1024)  # the wide model's hidden layers: 2,241,546 parameters (9 MB of float32)
 
@@ -106,8 +107,9 @@ def add_compression_arguments(p: argparse.ArgumentParser) -> None:
     """--compression, --quant-group, --rounding (peerd train, peerd demo, peerd bench moshpit): None when not given,
     so a trainer that names nothing leaves the run's codec (fp32) as it is."""
     p.add_argument("--compression", default=None, choices=("fp32", "fp16", "bf16", "int8", "int4", "arc-topk"),
-                   help="the codec of every average of the run (protocol/codecs.md), or arc-topk (gradients: top "
-                        "rows with EF21M, trainers only); every member must use the same (default fp32)")
+                   help="how averages travel: fp32 exact, fp16/bf16 half the bytes, int8/int4 a quarter/eighth "
+                        "with a scale per group, arc-topk only the largest gradient rows (trainers only); every "
+                        "member of a run must use the same (default fp32)")
     p.add_argument("--quant-group", type=_quant_group, default=None, metavar="G",
                    help="int8/int4: values per scale and min, 1..65535 (default 128)")
     p.add_argument("--rounding", default=None, choices=("stochastic", "nearest"),
@@ -175,9 +177,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
                    help="keep a Moshpit group that formed complete for R rounds, renewed without the DHT "
                         "(1: a new group every round; default: peerd.torch.Optimizer's, 1)")
-    p.add_argument("--timeout", type=float, default=15.0, metavar="S", help="averaging deadline (default 15)")
-    p.add_argument("--robust", type=robust_option, default=None, metavar="off|clip[:C]|centered[:C]",
-                   help="robust aggregation this trainer's rounds ask for (default: the daemon's)")
+    p.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S",
+                   help=f"seconds an average may take before the step goes on without it (default {TIMEOUT_S:g}, "
+                        f"as peerd.torch.Optimizer)")
+    p.add_argument("--robust", type=robust_option, default="off", metavar="off|clip[:C]|centered[:C]",
+                   help="limit how far one member's contribution can pull an average: clip bounds each member's "
+                        "norm, centered bounds its distance from the others' (default off)")
     p.add_argument("--max-samples", type=_max_samples, default=None, metavar="N",
                    help="the largest sample count (averaging weight) a member may claim in this run's rounds")
     add_compression_arguments(p)

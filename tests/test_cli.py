@@ -20,15 +20,23 @@ pytestmark = pytest.mark.e2e
 
 def test_keygen_writes_private_files_and_refuses_to_overwrite(tmp_path) -> None:
     ident, key = str(tmp_path / "id.pem"), str(tmp_path / "swarm.key")
-    out = peerd("keygen", ident).stdout
-    assert "wrote identity" in out
-    peerd("keygen", "--swarm-key", key)
+    out = peerd("keygen", "--identity", ident, "--swarm-key-file", key)
+    assert "wrote identity" in out.stdout and "wrote a new swarm key" in out.stdout and out.stderr == ""
     for path in (ident, key):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    again = peerd("keygen", ident, check=False)
+    again = peerd("keygen", "--identity", ident, check=False)
     assert again.returncode == 1 and "refusing to overwrite" in again.stderr
-    both = peerd("keygen", ident, "--swarm-key", key, check=False)
-    assert both.returncode == 2
+
+
+def test_keygen_old_names_still_work_with_a_deprecation_line(tmp_path) -> None:
+    ident, key = str(tmp_path / "id.pem"), str(tmp_path / "swarm.key")
+    old = peerd("keygen", ident)
+    assert "wrote identity" in old.stdout
+    assert "deprecated" in old.stderr and "--identity PATH" in old.stderr and old.stderr.count("\n") == 1
+    old = peerd("keygen", "--swarm-key", key)
+    assert "deprecated" in old.stderr and "--swarm-key-file PATH" in old.stderr
+    both = peerd("keygen", ident, "--identity", ident, check=False)
+    assert both.returncode == 2 and "once" in both.stderr
 
 
 @pytest.mark.parametrize(
@@ -39,7 +47,7 @@ def test_keygen_writes_private_files_and_refuses_to_overwrite(tmp_path) -> None:
         (["join", "--listen", "::1:7000", "--insecure"], "brackets"),
         (["join", "--insecure", "--bootstrap-timeout", "-3"], "must be positive"),
         (["join", "--insecure", "--bootstrap", "http://10.0.0.1:7411"], "not a URL"),
-        (["keygen"], "needs PATH"),
+        (["keygen"], "needs --identity PATH"),
         (["dht", "put", "k"], "VALUE"),
         (["frobnicate"], "invalid choice"),
     ],

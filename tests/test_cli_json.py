@@ -66,13 +66,14 @@ def _both(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess,
 
 def test_keygen_json_and_exit_codes(tmp_path) -> None:
     ident, key = str(tmp_path / "id.pem"), str(tmp_path / "swarm.key")
-    out = json.loads(peerd("keygen", ident, "--json").stdout)
+    out = json.loads(peerd("keygen", "--identity", ident, "--json").stdout)
     assert out["kind"] == "identity" and out["path"] == ident and len(out["peer_id"]) == 64
-    assert json.loads(peerd("keygen", "--swarm-key", key, "--json").stdout) == {"kind": "swarm_key", "path": key}
-    text, as_json = _both("keygen", ident)  # exists: refused in both modes
+    assert json.loads(peerd("keygen", "--swarm-key-file", key, "--json").stdout) == {"kind": "swarm_key",
+                                                                                     "path": key}
+    text, as_json = _both("keygen", "--identity", ident)  # exists: refused in both modes
     assert text.returncode == 1 and as_json.stdout == ""
     none = peerd("keygen", check=False)
-    assert none.returncode == 2 and "needs PATH" in none.stderr and "not both" not in none.stderr
+    assert none.returncode == 2 and "needs --identity PATH" in none.stderr
 
 
 def test_daemon_commands_json_and_exit_codes(tmp_path) -> None:
@@ -94,7 +95,7 @@ def test_daemon_commands_json_and_exit_codes(tmp_path) -> None:
         assert "no values under missing" in text.stderr
 
         pytest.importorskip("torch")  # `peerd train` needs the torch extra; everything above ran without it
-        train = peerd("train", "--run", "r", "--socket", node.socket, "--steps", "1", "--timeout", "1",
+        train = peerd("demo-trainer", "--run", "r", "--socket", node.socket, "--steps", "1", "--timeout", "1",
                       "--final-average", "0", "--average-every", "0", "--no-sync", "--json", timeout=120)
         result = json.loads(train.stdout)  # one JSON object, nothing else on stdout
         assert result["event"] == "done" and result["steps"] == 1
@@ -109,7 +110,7 @@ def test_benches_json_at_their_smallest() -> None:
     assert len(moshpit["deviation"]) == 1
     dht = json.loads(peerd("bench", "dht", "--peers", "2", "--keys", "2", "--json", timeout=120).stdout)
     assert dht["keys"] == 2
-    for args in (["bench", "soak"], ["demo"], ["train"]):  # tens of seconds at any size: --help level only
+    for args in (["bench", "soak"], ["demo"], ["demo-trainer"]):  # tens of seconds at any size: --help level only
         assert "--json" in peerd(*args, "--help").stdout
     text, as_json = _both("demo", "--peers", "2", "--byzantine", "2")
     assert text.returncode == 2

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .access import AccessError, check_client_dir, default_socket_path, peer_uid, same_uid_only
+from .access import AccessError, check_client_dir, default_socket_path, peer_uid, same_uid_only, trusted_daemon
 from .frames import FrameDecoder, FrameError, FrameTooLarge, encode_frame
 
 __all__ = ["DaemonError", "LocalClient", "default_socket_path"]
@@ -44,12 +44,13 @@ class LocalClient:
             ) from None
         except PermissionError:
             self._sock.close()
-            raise DaemonError(f"no permission to use {self.path}: run as the daemon's user") from None
+            raise DaemonError(f"no permission to use {self.path}: run as the daemon's user, or as a member of its "
+                              f"--socket-group") from None
         except OSError as e:
             self._sock.close()
             raise DaemonError(f"cannot connect to {self.path}: {e.strerror or e}") from None
         uid = peer_uid(self._sock)
-        if not same_uid_only(uid):
+        if not same_uid_only(uid) and not trusted_daemon(self.path, uid):
             self._sock.close()
             raise DaemonError(
                 f"the socket {self.path} is served by uid {uid}, not by you (uid {os.geteuid()}): refusing to "

@@ -1,4 +1,5 @@
-"""Daemon side of the local socket: a Unix stream socket, mode 0600, own uid only, one task per connection."""
+"""Daemon side of the local socket: a Unix stream socket, mode 0600 (0660 with a socket group), own uid (and that
+group) only, one task per connection."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 import trio
 
 from ..metrics import Metrics
-from .access import AccessError, peer_uid, prepare_socket_dir, same_uid_only
+from .access import AccessError, fallback_dir, may_use, prepare_socket_dir
 from .frames import FrameDecoder, FrameError, FrameTooLarge, encode_frame
 
 log = logging.getLogger("peerd.local")
@@ -88,14 +89,18 @@ class SocketInUse(Exception):
     pass
 
 
-def bind_unix(path: str) -> stdsocket.socket:
-    """Bind ``path`` with mode 0600, replacing a stale file but never a live daemon's socket.
+def bind_unix(path: str, group: int | None = None) -> stdsocket.socket:
+    """Bind ``path`` with mode 0600 (``group``: 0660, owned by that group), replacing a stale file but never a
+    live daemon's socket.
 
     A plain socket, not a trio one: startup binds it before trio runs, and a startup that fails later (a busy
     metrics port) must be able to close it and remove the file outside trio.
 
     In the per-user fallback directory (/tmp/peerd-UID) the directory is created 0700 and refused if
     it is someone else's or open to others (SocketInUse, with what to do)."""
+    if group is not None and os.path.dirname(os.path.abspath(path)) == fallback_dir():
+        raise SocketInUse(f"--socket-group: {fallback_dir()} is private to this user, so the group could not reach "
+                          f"the socket; give --socket a path in a directory the group can enter (e.g. /run/peerd)")
     try:
         prepare_socket_dir(path)
     except AccessError as e:
@@ -121,22 +126,31 @@ def bind_unix(path: str) -> stdsocket.socket:
     finally:
         os.umask(old)
     try:
-        os.chmod(path, 0o600)
+        if group is not None:
+            try:
+                os.chown(path, -1, group)
+            except PermissionError:
+                raise SocketInUse(f"--socket-group: cannot give {path} to group {group}: the daemon's user must be "
+                                  f"a member of that group") from None
+        os.chmod(path, 0o600 if group is None else 0o660)
         sock.listen(64)
-    except OSError as e:
+    except (OSError, SocketInUse) as e:
         sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+        if isinstance(e, SocketInUse):
+            raise
         raise SocketInUse(f"cannot listen on local socket {path}: {e.strerror}") from None
     return sock
 
 
 class LocalServer:
-    def __init__(self, path: str, metrics: Metrics) -> None:
+    def __init__(self, path: str, metrics: Metrics, group: int | None = None) -> None:
         self.path = path
         self.metrics = metrics
+        self.group = group  # a gid whose members may use the socket besides our own uid (None: nobody else)
         self._ops: dict[str, tuple[Handler | ConnHandler, bool]] = {}
-        self._sock = bind_unix(path)
+        self._sock = bind_unix(path, group)
         self._trio_sock: trio.socket.SocketType | None = None  # once serving (inside trio)
         self._active = 0
 
@@ -186,18 +200,22 @@ class LocalServer:
         once (its sessions are torn down, a late result is never written); requests still run in order."""
         async with stream:
             try:
-                uid = peer_uid(stream.socket)  # type: ignore[arg-type]
+                allowed, uid = may_use(stream.socket, self.group)  # type: ignore[arg-type]
             except OSError as e:
                 log.warning("local client: cannot read its credentials (%s), closing", e)
                 self.metrics.local_refused.labels("uid").inc()
                 return
-            if not same_uid_only(uid):
-                log.warning("refused a local client of uid %d: this daemon serves uid %d only", uid, os.geteuid())
+            if not allowed:
+                who = f"uid {os.geteuid()}" + ("" if self.group is None else f" and group {self.group}")
+                log.warning("refused a local client of uid %d: this daemon serves %s only", uid, who)
                 self.metrics.local_refused.labels("uid").inc()
+                hint = ("run the trainer as the daemon's user, or start your own daemon ('peerd join')"
+                        if self.group is None else
+                        f"ask the operator to add you to group {self.group} (then log in again), or start your own "
+                        f"daemon ('peerd join')")
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     await stream.send_all(encode_frame({"ok": False, "error": (
-                        f"this peerd daemon serves uid {os.geteuid()} only, you are uid {uid}: run the trainer "
-                        f"as the daemon's user, or start your own daemon ('peerd join')")}))
+                        f"this peerd daemon serves {who} only, you are uid {uid}: {hint}")}))
                 return
             conn = Connection()
             send, receive = trio.open_memory_channel[dict[str, Any]](16)

@@ -156,13 +156,13 @@ def _read_private(path: str, what: str, hint: str) -> bytes:
 
 
 def load_identity(path: str) -> Identity:
-    data = _read_private(path, "identity file", f"create one with 'peerd keygen {path}'")
+    data = _read_private(path, "identity file", f"create one with 'peerd keygen --identity {path}'")
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm):
         raise KeyFileError(f"{path} is not a peerd identity (PEM Ed25519 key from 'peerd keygen')") from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise KeyFileError(f"{path} holds a key that is not Ed25519; create one with 'peerd keygen'")
+        raise KeyFileError(f"{path} holds a key that is not Ed25519; create one with 'peerd keygen --identity PATH'")
     return Identity(key)
 
 
@@ -174,7 +174,7 @@ def write_swarm_key(path: str) -> bytes:
 
 def load_swarm_key(path: str) -> bytes:
     text = _read_private(path, "swarm key file", "get it from the swarm's operator, or start a new swarm with "
-                         f"'peerd keygen --swarm-key {path}'").strip()
+                         f"'peerd keygen --swarm-key-file {path}'").strip()
     try:
         secret = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
@@ -182,6 +182,6 @@ def load_swarm_key(path: str) -> bytes:
     if len(secret) != SECRET_SIZE:
         raise KeyFileError(
             f"{path} is not a swarm key (expected base64 of {SECRET_SIZE} bytes, "
-            f"as written by 'peerd keygen --swarm-key')"
+            f"as written by 'peerd keygen --swarm-key-file')"
         )
     return secret
