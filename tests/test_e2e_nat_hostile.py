@@ -56,10 +56,10 @@ def test_a_member_cannot_become_another_members_relay_hostile(swarm: LocalSwarm)
             sealer = mal._new_sealer()  # a token A has never seen bound
             ping = m.encode(m.MsgType.PING, {"rid": 12345, "from": mal._bindings[sealer.token]})
             await mal.notify(a_addr, m.MsgType.RELAYED, {"src": b_id, "data": sealer.seal(m.MsgType.PING, ping, a_id)})
-            await trio.sleep(1.0)
+            await trio.sleep(0.5)
             # A's traffic to B: a record A stores (on B, the only other daemon), and A's own checks
             await trio.to_thread.run_sync(lambda: a.call("dht_put", key="nat/hostile", value="x"))
-            await trio.sleep(4.0)
+            await trio.sleep(2.5)
             out = await status()
             nursery.cancel_scope.cancel()
         return out

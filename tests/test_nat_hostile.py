@@ -261,3 +261,55 @@ def test_minted_relay_senders_cannot_starve_an_honest_one_hostile() -> None:
     assert sent >= 390
     assert got >= 0.95 * sent, (got, sent)
     assert relay.relay.refused.get("relay_budget", 0) > 0  # the minted ones were held to their shares
+
+
+class BlockingNet(MemNet):
+    """MemNet where some (source, destination) pairs never arrive: two members that cannot reach each other."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.blocked: set[tuple[tuple[str, int], tuple[str, int]]] = set()
+
+    def deliver(self, src, dst, data) -> None:
+        if (src, dst) not in self.blocked:
+            super().deliver(src, dst, data)
+
+
+def test_a_relay_becomes_a_path_after_a_ping_through_it_and_goes_on_a_direct_answer() -> None:
+    """The honest case the hostile ones must not break: two members that cannot reach each other relay through a
+    third, each side once the other answered a PING through it; when they can reach each other again, a direct
+    answer drops the relay."""
+
+    async def main() -> None:
+        net = BlockingNet(seed=4, latency=0.002)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            a, b, r = (Node(net, i) for i in range(3))
+            for n in (a, b, r):
+                await nursery.start(n.run)
+            r.nat.reach.verdict = "public"
+            for x, y in ((a, r), (b, r), (r, a), (r, b)):
+                await x.endpoint.request(y.addr, m.MsgType.PING, {})
+            net.blocked |= {(a.addr, b.addr), (b.addr, a.addr)}
+            a_id, b_id = a.identity.node_id, b.identity.node_id
+            b.nat._target_addr[a_id] = a.addr
+            b.nat._active.add(a_id)
+            await b.nat._relay_to(a_id)
+            await trio.sleep(3)
+            assert b.nat.kind.get(a_id) == "relayed" and b.endpoint.relay_of(a.addr) is not None
+            assert a.nat.kind.get(b_id) == "relayed" and a.nat.relay_entry(b_id) is not None
+            reply = await b.endpoint.request(a.addr, m.MsgType.PING, {}, node_id=a_id)
+            assert reply.relayed and reply.peer.node_id == a_id
+            # they reach each other again: a's next request goes to b directly (a relays b only at a reply address;
+            # b's answer still comes through the relay), and that answer is direct enough for a
+            net.blocked.clear()
+            await a.endpoint.request(b.addr, m.MsgType.PING, {}, node_id=b_id)
+            assert a.nat.relay_entry(b_id) is None and a.nat.kind.get(b_id) is None
+            await trio.sleep(2)  # b heard a directly, PINGed it there, got the answer: b's relay is gone too
+            assert b.nat.relay_entry(a_id) is None and b.nat.kind.get(a_id) is None
+            assert b.endpoint.relay_of(a.addr) is None
+            reply = await b.endpoint.request(a.addr, m.MsgType.PING, {}, node_id=a_id)
+            assert not reply.relayed
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -216,9 +216,8 @@ class NatService:
 
     def heard(self, source: Address, node_id: bytes, now: float) -> None:
         """A request from ``node_id`` came in from ``source`` (not through a relay). When this node is punching
-        towards it, that settles the punch: its NAT chose ``source`` for this node (a symmetric NAT's new port)."""
-        if self.endpoint.relay_of(source) is not None:
-            return
+        towards it, that settles the punch: its NAT chose ``source`` for this node (a symmetric NAT's new port).
+        (The endpoint never calls it for what came through a relay.)"""
         heard = self._heard_at
         heard[node_id] = (source, now)
         heard.move_to_end(node_id)
@@ -230,7 +229,7 @@ class NatService:
             self._direct_tried.move_to_end(node_id)
             if len(self._direct_tried) > MAX_REACHED:
                 self._direct_tried.popitem(last=False)
-            self._spawn(self._ping, Ping(node_id, source))
+            self._spawn(self._check_direct, node_id, source)
         if self.puncher.punching(node_id):
             self._act(self.puncher.pong(node_id, source, now))
 
@@ -761,6 +760,18 @@ class NatService:
             return
         if reply.peer.node_id == a.node_id:
             self._act(self.puncher.pong(a.node_id, a.addr, trio.current_time()))
+
+    async def _check_direct(self, node_id: bytes, addr: Address) -> None:
+        """A relayed peer sent a request from ``addr`` directly: PING it there, directly (the relay at ``addr``, if
+        any, is set aside meanwhile). Answered, ``answered`` drops the relay; else the relay stays."""
+        entry = self.endpoint.relay_of(addr)
+        if entry is not None:
+            self.endpoint.clear_relay(addr)
+        try:
+            await self._answers_directly(addr, node_id)
+        finally:
+            if entry is not None and node_id in self._via and self.endpoint.relay_of(addr) is None:
+                self.endpoint.set_relay(addr, *entry)
 
     async def _answers_directly(self, addr: Address, node_id: bytes) -> bool:
         """One more direct PING before relaying: a punch also fails on a lossy path the peer answers on (two

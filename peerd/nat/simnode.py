@@ -135,11 +135,10 @@ class SimNatNode:
         elif t == "RELAYED":
             if sender in self.reached:  # a relay this node reached (so agreed to use)
                 inner = msg["data"]
-                if inner["from"] == msg["src"]:
-                    if msg["src"] not in self.kind:
-                        self.client.use(msg["src"], sender, src)
-                        self.kind[msg["src"]] = RELAYED
-                    self._handle(src, inner, (sender, src))
+                if inner["from"] == msg["src"]:  # (the daemon: the inner datagram opened under src's token)
+                    self._handle(src, inner, (sender, src))  # answers go back the way it came
+                    if msg["src"] not in self.kind:  # a path only once src answers a PING through this relay
+                        self._confirm(msg["src"], (sender, src))
         elif t == "APP":
             self.app.append((sender, msg["payload"]))
 
@@ -226,6 +225,14 @@ class SimNatNode:
             self._connecting.pop(peer, None)
 
         self.request(relay[1], "PING", {}, ok, lambda: self._fall_back(peer, self.net.now), via=relay, to=peer)
+
+    def _confirm(self, peer: bytes, relay: tuple[bytes, Address]) -> None:
+        def ok(msg: dict, src: Address) -> None:
+            if peer not in self.kind:
+                self.kind[peer] = RELAYED
+                self.client.use(peer, *relay)
+
+        self.request(relay[1], "PING", {}, ok, via=relay, to=peer)
 
     def send_app(self, peer: bytes, addr: Address, payload: Any) -> str:
         """Send ``payload`` to ``peer`` the way this node reaches it; returns the path kind."""
