@@ -5,13 +5,17 @@ network of test_allreduce_core (virtual time)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import trio
 
 from peerd.allreduce.arctopk import ArcTopKPlan, ArcTopKResult
 from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GroupAverage
 from peerd.allreduce.robust import WEIGHT_BOUND, Robust
 from peerd.compress.topk import EF21M
+from peerd.moshpit.keys import Grid
 
 from .test_allreduce_core import GROUP, Net, payload_for
 from .test_compress_arctopk import SHAPES, plan_for, run_group, wmean
@@ -163,3 +167,46 @@ def test_the_owner_canary_is_of_the_values_size() -> None:
     clipped, _ = run_group(plan, xs, ws, robust=Robust("clip", 2.0))
     for c, r in zip(calm, clipped, strict=True):
         np.testing.assert_allclose(r.vector, c.vector, rtol=0, atol=1e-9)
+
+
+class PhaseAllreduce:
+    """An averager that hands every phase's vector back as it came (each member alone with its own values: only
+    its own selection decodes) and records the keywords each phase got."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.host = SimpleNamespace(max_body=4 * 40 + 20)
+
+    async def average(self, group_id, members, index, vector, weight, **kwargs):
+        self.calls.append(kwargs)
+        phase = SimpleNamespace(silent=(), datagrams_expected=4, datagrams_received=4, datagrams_sent=4,
+                                ended_by="completion")
+        stats = SimpleNamespace(reduce_scatter=phase, all_gather=phase, drops={}, refused={})
+        return SimpleNamespace(vector=vector.copy(), stats=stats, seconds=0.0, handshake_s=0.0, bytes_sent=10)
+
+
+def test_an_arc_topk_round_takes_the_runs_robust_and_is_not_averaged_without_every_selection_hostile() -> None:
+    """The run says robust clip:1, and its arc-topk rounds averaged unclipped; a round whose selections did not
+    all decode reported ``averaged``. Now the sketch and dense phases get the run's robust mode (clip), the
+    selection phase runs solo, and such a round is ``failed`` with the member's own vector."""
+    from .memnet import MemNet
+    from .test_moshpit_hostile import _group, node, run_virtual
+
+    async def main() -> None:
+        net = MemNet()
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            fake = PhaseAllreduce()
+            a = node(net, 0, allreduce=fake)
+            shapes = [list(s) for s in SHAPES]
+            st = await a.moshpit.open("run", grid=Grid(1, 4), window_s=1.0, robust="centered:2",
+                                      compression="arc-topk", topk_layout=shapes, topk_ratio=0.25)
+            vec = gradients(1, st.topk.length, 5)[0]
+            res = await a.moshpit._average_group(st, _group(a), vec, 1.0, 10.0, 0, "k", 2)
+            assert [c.get("robust") for c in fake.calls] == [Robust("clip", 2.0), None, Robust("clip", 2.0)]
+            assert [c.get("solo", False) for c in fake.calls] == [False, True, False]
+            assert res.outcome == "failed" and "did not decode" in res.error
+            assert np.array_equal(res.vector, vec) and res.received_fraction < 1.0
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)

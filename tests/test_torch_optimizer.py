@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from peerd.localsock.client import DaemonError  # noqa: E402
 from peerd.torch import NoGroupError, Optimizer  # noqa: E402
-from peerd.torch.optimizer import DEFAULT_KEEP_ROUNDS  # noqa: E402
+from peerd.torch.optimizer import DEFAULT_KEEP_ROUNDS, MAX_SAMPLES_FACTOR  # noqa: E402
 
 from .trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
 
@@ -283,6 +283,21 @@ def test_robust_and_max_samples_travel_in_trainer_open(daemon) -> None:
     for bad in ({"robust": "median"}, {"robust": "clip:-1"}, {"max_samples": 0}, {"max_samples": float("nan")}):
         with pytest.raises(ValueError):
             Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=daemon.path, sync_state=False, **bad)
+
+
+def test_max_samples_defaults_to_a_few_of_the_first_steps_samples(daemon) -> None:
+    """Without max_samples a member claiming 2**24 samples counted for 2**24 here: the default is now
+    MAX_SAMPLES_FACTOR times this trainer's first step's samples, declared before that step averages."""
+    daemon.averager.wait_s = 0.1
+    m = model(3)
+    opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="d", socket=daemon.path, sync_state=False,
+                    state_every=0, average_params_every=0)
+    assert opt.max_samples is None
+    train_step(m, opt, 0, samples=8)
+    assert opt.max_samples == MAX_SAMPLES_FACTOR * 8 and daemon.averager.options[-1]["max_weight"] == 32.0
+    train_step(m, opt, 1, samples=3)  # a later, smaller step keeps it
+    assert daemon.averager.options[-1]["max_weight"] == 32.0
+    opt.close()
 
 
 def test_non_finite_own_gradients_skip_the_step_without_asking_the_daemon(daemon) -> None:

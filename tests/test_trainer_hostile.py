@@ -192,3 +192,11 @@ def test_snapshot_bound_holds_a_real_adam_snapshot(tmp_path) -> None:
         opt.close()
     finally:
         d.stop()
+
+
+def test_arc_topk_sessions_take_robust_clip_and_refuse_centered(synced) -> None:
+    """arc-topk clips its sketches and rows around zero: a session asking for centered is told so, not run
+    as something else."""
+    assert open_with(synced.path, compression="arc-topk", robust="clip:2")["session"] > 0
+    with pytest.raises(DaemonError, match="does not go with arc-topk"):
+        open_with(synced.path, compression="arc-topk", robust="centered:2")

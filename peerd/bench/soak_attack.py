@@ -27,6 +27,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from ..allreduce.arctopk import phase_group_id
 from ..allreduce.codec import HEADER as BODY_HEADER
 from ..allreduce.codec import BodyType
 from ..dht.records import Record
@@ -46,7 +47,7 @@ BURST_CHUNK = 256  # datagrams sent between two looks at the clock in the burst
 MEMBER_CLASSES = ("mm_join_bad_addr", "progress_far_ahead", "dht_store_flood", "state_advert_huge",
                   "report_throttle", "held_data", "slot_squat", "nonfinite_data", "huge_weight", "find_value_pages",
                   "replay", "cross_receiver_replay", "relay_hijack", "connect_reflect", "relay_starve",
-                  "outer_forgery", "outer_stall")
+                  "outer_forgery", "outer_stall", "weight_inflation", "topk_selection_poison")
 OUTSIDER_CLASSES = ("random", "mutated", "wrong_key", "random_token")
 # the outsider-only phase of the bench (its daemon CPU per datagram): no key, so none of these can be opened
 OUTSIDER_CPU_CLASSES = ("random_token", "random", "mutated", "wrong_key")
@@ -202,6 +203,10 @@ class Attack:
             "held_data": np.asarray(rng.random(), dtype="<f4").repeat(count).tobytes(),
             "nonfinite_data": np.array([np.nan, np.inf, -np.inf, 1.0] * (count // 4 + 1), "<f4")[:count].tobytes(),
             "huge_weight": np.full(count, 1e30, "<f4").tobytes(),
+            # a sign-flipped gradient of ordinary size, sent under a believable but inflated weight (2**24 samples)
+            "weight_inflation": (-rng.random() * np.ones(count)).astype("<f4").tobytes(),
+            # finite 24-bit words where arc-topk's non-owners send NaN: blended in, they would spoil a selection
+            "topk_selection_poison": np.asarray([rng.randrange(1 << 24) for _ in range(count)], "<f4").tobytes(),
         }
         self.big_held = np.zeros(16000, "<f4").tobytes()  # a 64 KB body
         # requests sealed for one daemon and replayed to the others: valid bodies, so only the seal refuses them
@@ -258,9 +263,10 @@ class Attack:
     def _b_report_throttle(self) -> tuple[socket.socket, bytes]:
         return self._pick(self.report_bodies, m.MsgType.REPORT)
 
-    def _data(self, kind: str, weight: float, big: bool = False) -> tuple[socket.socket, bytes]:
+    def _data(self, kind: str, weight: float, big: bool = False, phase: int = 0) -> tuple[socket.socket, bytes]:
         mb = self.members[self.rng.randrange(len(self.members))]
         group = self.rng.getrandbits(32) if self.rng.random() < 0.9 else self.rng.randrange(16)
+        group = phase_group_id(group, phase) if phase else group
         values = self.big_held if big else self.data_values[kind]
         count = len(values) // 4
         header = BODY_HEADER.pack(group, 0, 1 << 20, self.rng.randrange((1 << 20) - count), count, weight)
@@ -275,6 +281,12 @@ class Attack:
 
     def _b_huge_weight(self) -> tuple[socket.socket, bytes]:
         return self._data("huge_weight", 3.0e38)
+
+    def _b_weight_inflation(self) -> tuple[socket.socket, bytes]:
+        return self._data("weight_inflation", float(2**24))
+
+    def _b_topk_selection_poison(self) -> tuple[socket.socket, bytes]:
+        return self._data("topk_selection_poison", 1.0, phase=1)  # arc-topk's selection phase
 
     def _b_slot_squat(self) -> tuple[socket.socket, bytes]:
         return self._pick(self.squat_bodies, m.MsgType.STORE)
