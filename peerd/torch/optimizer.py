@@ -31,6 +31,7 @@ from ..compress import COMPRESSIONS as CODECS
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
 from .overlap import DEFAULT_BUCKET_MB, Overlap
+from .snapcheck import SnapshotError, check_finite, checked_step
 
 log = logging.getLogger("peerd.torch")
 
@@ -40,6 +41,9 @@ NO_GROUP = ("local", "skip", "raise")
 # run saw a late joiner never get into the founders' kept group (divergence 0.12), so 1 until that is fixed.
 DEFAULT_KEEP_ROUNDS = 1
 STATE_FORMAT = "peerd-state-v1"
+
+
+SNAPSHOT_TRIES = 4  # snapshots a joiner refuses (non-finite, implausible step) before it gives up
 
 
 class NoGroupError(RuntimeError):
@@ -413,27 +417,37 @@ class Optimizer:
             flat[off: off + n].copy_(p.detach().reshape(-1))
             off += n
 
-    def load_snapshot(self, blob: bytes) -> int:
-        """Take over a snapshot (from a donor): parameters, optimizer state, step number. Returns the step."""
+    def load_snapshot(self, blob: bytes, *, expected_step: int | None = None) -> int:
+        """Take over a snapshot (from a donor): parameters, optimizer state, step number. Returns the step.
+
+        Raises SnapshotError (a ValueError), having applied nothing, for a snapshot of another model, with NaN or
+        infinity in any tensor, or with an implausible step (or not ``expected_step``, the step its donors
+        advertised)."""
         # weights_only: a snapshot comes from another machine, and a full unpickle would run its code.
-        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise SnapshotError(f"not a loadable snapshot ({type(e).__name__})") from None
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError("not a peerd state snapshot")
+            raise SnapshotError("not a peerd state snapshot")
         if state.get("layout") != self.layout_hash:
-            raise ValueError("the snapshot is of a different model")
+            raise SnapshotError("the snapshot is of a different model")
         if state.get("optimizer_class") != type(self.opt).__name__:
-            raise ValueError(f"the snapshot's optimizer is {state.get('optimizer_class')}, "
-                             f"this trainer's is {type(self.opt).__name__}")
-        flat = state["params"]
-        if flat.numel() != self.elems:
-            raise ValueError("the snapshot's parameters do not match this model")
+            raise SnapshotError(f"the snapshot's optimizer is {state.get('optimizer_class')}, "
+                                f"this trainer's is {type(self.opt).__name__}")
+        flat = state.get("params")
+        if not isinstance(flat, torch.Tensor) or flat.numel() != self.elems or not flat.is_floating_point():
+            raise SnapshotError("the snapshot's parameters do not match this model")
+        check_finite(flat, "parameters")
+        check_finite(state.get("optimizer"), "optimizer state")
+        step = checked_step(state.get("step"), expected_step)
         off = 0
         with torch.no_grad():
             for p, n in zip(self.params, self.numels, strict=True):
                 p.copy_(flat[off: off + n].view_as(p))
                 off += n
         self.opt.load_state_dict(state["optimizer"])
-        self.step_count = int(state["step"])
+        self.step_count = step
         return self.step_count
 
     def publish_state(self) -> dict[str, Any]:
@@ -445,17 +459,38 @@ class Optimizer:
             os.close(fd)
 
     def sync_state(self) -> bool:
-        """Download the swarm's state before the first step; False if nobody has any (a new run)."""
-        fd = write_blob(b"", name="peerd-state-in")
-        try:
-            reply = self._call("state_fetch", fds=[fd], timeout_s=self.state_timeout_s,
-                               reply_timeout=self.state_timeout_s + 30)
-            if not reply.get("found"):
-                return False
-            blob = read_blob(fd, reply["size"])
-        finally:
-            os.close(fd)
-        self.load_snapshot(blob)
+        """Download the swarm's state before the first step; False if nobody has any (a new run). A snapshot
+        that ``load_snapshot`` refuses is skipped for the next candidate, up to SNAPSHOT_TRIES of them; then
+        SnapshotError."""
+        refused: list[str] = []
+        while True:
+            fd = write_blob(b"", name="peerd-state-in")
+            try:
+                args: dict[str, Any] = {"exclude": refused} if refused else {}
+                try:
+                    reply = self._call("state_fetch", fds=[fd], timeout_s=self.state_timeout_s,
+                                       reply_timeout=self.state_timeout_s + 30, **args)
+                except DaemonError as e:
+                    if refused:
+                        raise SnapshotError(f"state sync: no snapshot this trainer can load ({len(refused)} refused; "
+                                            f"then: {e})") from None
+                    raise
+                if not reply.get("found"):
+                    if refused:
+                        raise SnapshotError(f"state sync: no snapshot this trainer can load ({len(refused)} refused)")
+                    return False
+                blob = read_blob(fd, reply["size"])
+            finally:
+                os.close(fd)
+            try:
+                self.load_snapshot(blob, expected_step=reply["step"])
+                break
+            except SnapshotError as e:
+                log.warning("state sync: refused the snapshot %s of step %d from %d donor(s): %s", reply["sha"][:12],
+                            reply["step"], reply["donors"], e)
+                refused.append(reply["sha"])
+                if len(refused) >= SNAPSHOT_TRIES:
+                    raise SnapshotError(f"state sync: refused {len(refused)} snapshots, the last: {e}") from None
         self.synced_from = {k: reply[k] for k in ("step", "size", "sha", "donors", "chunks", "retries")}
         log.info("state sync: took over step %d from %d donor(s)", reply["step"], reply["donors"])
         return True

@@ -904,6 +904,11 @@ class TrainerService:
             raise OpError(f"max_size must be a positive integer of bytes (the largest snapshot this trainer "
                           f"accepts), got {max_size!r:.40}")
         max_size = min(max_size, session.snapshot_max)  # never more than this model's snapshots can hold
+        exclude = req.get("exclude", [])  # snapshots the trainer refused to load (hex SHA-256s): take the next
+        if (not isinstance(exclude, list) or len(exclude) > 16
+                or not all(isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+                           for x in exclude)):
+            raise OpError("exclude must be a list of at most 16 snapshot SHA-256s (64 lowercase hex digits each)")
         fd = conn.take_fd()
         try:
             if self.statesync is None:
@@ -912,7 +917,8 @@ class TrainerService:
 
             try:
                 fetched = await self.statesync.fetch(session.run, session.run_key, timeout=timeout,
-                                                     max_size=max_size, layout=session.layout)
+                                                     max_size=max_size, layout=session.layout,
+                                                     exclude=[bytes.fromhex(x) for x in exclude])
             except StateSyncError as e:
                 raise OpError(f"state sync failed: {e}") from None
             if fetched is None:
