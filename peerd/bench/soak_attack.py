@@ -10,6 +10,7 @@ the daemons' DHT requests to one of its identities (FIND_VALUE with ``total`` = 
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -43,7 +44,8 @@ FLOOD_PER_STORE = 5  # records in one flood STORE (fits a 1200-byte datagram)
 BURST_CHUNK = 256  # datagrams sent between two looks at the clock in the burst
 MEMBER_CLASSES = ("mm_join_bad_addr", "progress_far_ahead", "dht_store_flood", "state_advert_huge",
                   "report_throttle", "held_data", "slot_squat", "nonfinite_data", "huge_weight", "find_value_pages",
-                  "replay", "cross_receiver_replay")
+                  "replay", "cross_receiver_replay",
+                  "token_squat", "snapshot_poison")
 OUTSIDER_CLASSES = ("random", "mutated", "wrong_key", "random_token")
 # the outsider-only phase of the bench (its daemon CPU per datagram): no key, so none of these can be opened
 OUTSIDER_CPU_CLASSES = ("random_token", "random", "mutated", "wrong_key")
@@ -193,6 +195,28 @@ class Attack:
                 (m.MsgType.MM_JOIN, {"run": f"{run}-xr", "round": 0, "key": "xr", "expiry": time.time() + 30}),
             ][i % 4]
             self.xr_bodies.append((mb, mtype, mb.body(mtype, fields)))
+        # token_squat: a member presents a binding of its own for a token of an identity that has not spoken to the
+        # daemon yet (as it would for a member's new token, seen in a header elsewhere); the token is derived from
+        # its owner's key, so every one is refused (``identity``). Few tokens: no churn of the token tables.
+        self.squats: list[tuple[Sealer, bytes]] = []
+        for i in range(16):
+            owner = Identity.generate().bind_token(rng)
+            mb = self.members[i % len(self.members)]
+            frm = {"pk": mb.ident.public_key, "sig": owner.nonce + mb.ident.sign_token(owner.token), "addr": None}
+            self.squats.append((Sealer(self.secret, owner.token), mb.body(m.MsgType.PING, {}, frm)))
+        # snapshot_poison: state adverts of plausible size at far-ahead and implausible steps (2**62), whose bytes
+        # (served by the responder) are NaN; no trainer may take them over (statesync ranking, peerd.torch.snapcheck)
+        self.poison = np.full(1024, np.nan, "<f4").tobytes()
+        self.poison_sha = hashlib.sha256(self.poison).digest()
+        self.poison_key = f"{run}/poison"
+        self.poison_bodies = []
+        for i in range(16):
+            mb = self.members[i % len(self.members)]
+            step = [2**62, 10**6, 9_999, 2**63 - 1][i % 4]
+            ad = Advert(mb.ident.node_id, self.poison_key, "p" * 64, step, len(self.poison), self.poison_sha,
+                        ("127.0.0.1", self.rsock.getsockname()[1]))
+            rec = mb.record(ad_key(run), mb.ident.node_id.hex().encode(), ad.encode())
+            self.poison_bodies.append((mb, mb.body(m.MsgType.STORE, {"records": [rec]})))
 
     # -- one datagram per call -------------------------------------------------------------------------------
     def _seal(self, mb: _Member, mtype: int, body: bytes) -> bytes:
@@ -266,6 +290,13 @@ class Attack:
             if j != self._to:
                 self._send(self.xsock, data, target, "cross_receiver_replay")
         return self.xsock, data
+
+    def _b_token_squat(self) -> tuple[socket.socket, bytes]:
+        sealer, body = self.squats[self.rng.randrange(len(self.squats))]
+        return self.msock, seal_for(sealer, m.MsgType.PING, body, self.victims[self._to])
+
+    def _b_snapshot_poison(self) -> tuple[socket.socket, bytes]:
+        return self._pick(self.poison_bodies, m.MsgType.STORE)
 
     def _b_random_token(self) -> tuple[socket.socket, bytes]:
         """A well-formed sealed control header under a random token and sequence, then random bytes: only the
@@ -358,6 +389,11 @@ class Attack:
             offset = fields["offset"]
             rec = r.record(fields["key"], f"pg{offset:08d}".encode(), b"x")
             reply = (m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": [], **VALUE_EXTRA})
+        elif mtype is m.MsgType.STATE_GET and fields["sha"] == self.poison_sha:  # snapshot_poison's NaN bytes
+            offset = min(fields["offset"], len(self.poison))
+            data = self.poison[offset: offset + min(fields["length"], 1024)]
+            reply = (m.MsgType.STATE_CHUNK, {"sha": self.poison_sha, "offset": offset, "total": len(self.poison),
+                                             "data": data})
         if reply is None:
             return
         out = m.encode(reply[0], {"rid": fields["rid"], "from": r.frm, **reply[1]}, check=False)
