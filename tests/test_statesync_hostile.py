@@ -197,3 +197,41 @@ def test_adverts_with_out_of_range_numbers_do_not_decode() -> None:
     assert Advert.decode(ok.node_id, ok.encode()) == ok
     for bad in (advert(1, -2, b"a" * 32), advert(1, 2**63, b"a" * 32), advert(1, 5, b"a" * 32, size=2**63)):
         assert Advert.decode(bad.node_id, bad.encode()) is None
+
+
+def test_a_lone_donor_claiming_a_high_step_does_not_win_a_fresh_joiner_hostile() -> None:
+    """A fresh joiner knows no donor. The attacker advertises its own snapshot at a step just inside what used to
+    be "not far ahead" (median + 9,999): ranked by step first, it won alone. Now two honest donors agreeing on
+    their bytes outrank one donor's claim, and a claim past median + AHEAD_STEPS ranks last even against lone
+    honest donors; a snapshot the trainer refused (``exclude``) is skipped for the next one."""
+    honest = os.urandom(4000)
+    other = os.urandom(4000)
+    poison = os.urandom(4000)
+
+    async def main() -> None:
+        net = MemNet(seed=21)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await swarm_with_sync(nursery, net, 6)
+            a, b, c, attacker, joiner = nodes[0], nodes[1], nodes[2], nodes[3], nodes[5]
+            for d in (a, b):
+                sha = d.sync.keep(KEY, honest)
+                await d.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(honest), sha=sha)
+            bad = attacker.sync.keep(KEY, poison)
+            await attacker.sync.advertise_state(RUN, KEY, LAYOUT, step=100 + 9_999, size=len(poison), sha=bad)
+            fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, layout=LAYOUT)
+            assert fetched is not None and fetched.blob == honest and fetched.step == 100
+            # honest donors that never hold the same bytes: the far-ahead claim still ranks after them
+            b.sync.forget(KEY)
+            sha = b.sync.keep(KEY, other)
+            await b.sync.advertise_state(RUN, KEY, LAYOUT, step=101, size=len(other), sha=sha)
+            c.sync.keep(KEY, os.urandom(10))
+            await c.sync.advertise_state(RUN, KEY, LAYOUT, step=99, size=10, sha=hashlib.sha256(b"x").digest())
+            fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, layout=LAYOUT)
+            assert fetched is not None and fetched.blob == other and fetched.step == 101
+            # the trainer refused it (say, it held NaN): the next candidate comes, never the far-ahead one first
+            fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, layout=LAYOUT, exclude=[sha])
+            assert fetched is not None and fetched.blob == honest and fetched.step == 100
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)

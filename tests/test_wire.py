@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import os
 import stat
+import struct
 from typing import Any
 
 import msgpack
@@ -22,6 +23,7 @@ from peerd.wire import HEADER_SIZE, TAG_SIZE, Header, Identity, KeyFileError, Op
 from peerd.wire import messages as m
 from peerd.wire.envelope import MAX_SEQUENCE
 from peerd.wire.identity import (
+    acl_open_to_others,
     load_identity,
     load_swarm_key,
     node_id_of,
@@ -881,3 +883,36 @@ def test_key_files_open_to_others_are_refused_hostile(tmp_path, open_mode: int) 
         assert f"chmod 600 {path}" in message and "\n" not in message and f"{open_mode:04o}" in message
         os.chmod(path, 0o600)  # the normal flow: keygen's 0600 loads
         load(path)
+
+
+def _acl(*entries: tuple[int, int, int]) -> bytes:
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, who) for tag, perm, who in entries)
+
+
+ANY = 0xFFFFFFFF
+
+
+def test_a_key_file_shared_through_an_acl_is_refused_and_a_systemd_credential_is_not_hostile(tmp_path) -> None:
+    """systemd hands a service (User=peerd) its LoadCredential as a root-owned 0400 file with one ACL entry for
+    that user: the mode reads 0440 (the group bits show the ACL mask), and it loads. An ACL that gives the owning
+    group, a named group or another user read access is refused like mode 0640."""
+    me = os.geteuid()
+    service = _acl((1, 4, ANY), (2, 4, me), (4, 0, ANY), (0x10, 4, ANY), (0x20, 0, ANY))
+    assert not acl_open_to_others(service, me)
+    for shared in (_acl((1, 6, ANY), (2, 4, me + 1), (4, 0, ANY), (0x10, 4, ANY), (0x20, 0, ANY)),  # another user
+                   _acl((1, 6, ANY), (4, 4, ANY), (0x10, 4, ANY), (0x20, 0, ANY)),  # the owning group
+                   _acl((1, 6, ANY), (4, 0, ANY), (8, 4, 1234), (0x10, 7, ANY), (0x20, 0, ANY)),  # a named group
+                   b"\x02\x00\x00\x00\x01"):  # not an ACL: as open as it may be
+        assert acl_open_to_others(shared, me)
+    assert not acl_open_to_others(_acl((1, 6, ANY), (2, 4, me + 1), (4, 4, ANY), (0x10, 0, ANY), (0x20, 0, ANY)), me)
+    key = str(tmp_path / "swarm.key")
+    secret = write_swarm_key(key)
+    os.chmod(key, 0o400)
+    try:
+        os.setxattr(key, "system.posix_acl_access", service)
+    except OSError:
+        return  # (a filesystem without ACLs: the parser above is the test)
+    assert mode(key) == 0o440 and load_swarm_key(key) == secret
+    os.setxattr(key, "system.posix_acl_access", _acl((1, 4, ANY), (4, 4, ANY), (0x10, 4, ANY), (0x20, 0, ANY)))
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        load_swarm_key(key)

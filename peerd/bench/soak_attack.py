@@ -10,6 +10,7 @@ the daemons' DHT requests to one of its identities (FIND_VALUE with ``total`` = 
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -47,7 +48,8 @@ BURST_CHUNK = 256  # datagrams sent between two looks at the clock in the burst
 MEMBER_CLASSES = ("mm_join_bad_addr", "progress_far_ahead", "dht_store_flood", "state_advert_huge",
                   "report_throttle", "held_data", "slot_squat", "nonfinite_data", "huge_weight", "find_value_pages",
                   "replay", "cross_receiver_replay", "relay_hijack", "connect_reflect", "relay_starve",
-                  "outer_forgery", "outer_stall", "weight_inflation", "topk_selection_poison")
+                  "outer_forgery", "outer_stall", "weight_inflation", "topk_selection_poison", "token_squat",
+                  "snapshot_poison")
 OUTSIDER_CLASSES = ("random", "mutated", "wrong_key", "random_token")
 # the outsider-only phase of the bench (its daemon CPU per datagram): no key, so none of these can be opened
 OUTSIDER_CPU_CLASSES = ("random_token", "random", "mutated", "wrong_key")
@@ -222,6 +224,28 @@ class Attack:
                 (m.MsgType.MM_JOIN, {"run": f"{run}-xr", "round": 0, "key": "xr", "expiry": time.time() + 30}),
             ][i % 4]
             self.xr_bodies.append((mb, mtype, mb.body(mtype, fields)))
+        # token_squat: a member presents a binding of its own for a token of an identity that has not spoken to the
+        # daemon yet (as it would for a member's new token, seen in a header elsewhere); the token is derived from
+        # its owner's key, so every one is refused (``identity``). Few tokens: no churn of the token tables.
+        self.squats: list[tuple[Sealer, bytes]] = []
+        for i in range(16):
+            owner = Identity.generate().bind_token(rng)
+            mb = self.members[i % len(self.members)]
+            frm = {"pk": mb.ident.public_key, "sig": owner.nonce + mb.ident.sign_token(owner.token), "addr": None}
+            self.squats.append((Sealer(self.secret, owner.token), mb.body(m.MsgType.PING, {}, frm)))
+        # snapshot_poison: state adverts of plausible size at far-ahead and implausible steps (2**62), whose bytes
+        # (served by the responder) are NaN; no trainer may take them over (statesync ranking, peerd.torch.snapcheck)
+        self.poison = np.full(1024, np.nan, "<f4").tobytes()
+        self.poison_sha = hashlib.sha256(self.poison).digest()
+        self.poison_key = f"{run}/poison"
+        self.poison_bodies = []
+        for i in range(16):
+            mb = self.members[i % len(self.members)]
+            step = [2**62, 10**6, 9_999, 2**63 - 1][i % 4]
+            ad = Advert(mb.ident.node_id, self.poison_key, "p" * 64, step, len(self.poison), self.poison_sha,
+                        ("127.0.0.1", self.rsock.getsockname()[1]))
+            rec = mb.record(ad_key(run), mb.ident.node_id.hex().encode(), ad.encode())
+            self.poison_bodies.append((mb, mb.body(m.MsgType.STORE, {"records": [rec]})))
 
         # relay_hijack: RELAYEDs naming another daemon as src, with junk or a fresh-token PING of a minted identity
         self.hijack_inner = [_Member(self.secret) for _ in range(16)]
@@ -345,6 +369,13 @@ class Attack:
         body = mb.body(m.MsgType.RELAY, {"to": self._other(), "data": self.starve_data})
         return sock, seal_for(mb.sealer, m.MsgType.RELAY, body, self.victims[self._to])
 
+    def _b_token_squat(self) -> tuple[socket.socket, bytes]:
+        sealer, body = self.squats[self.rng.randrange(len(self.squats))]
+        return self.msock, seal_for(sealer, m.MsgType.PING, body, self.victims[self._to])
+
+    def _b_snapshot_poison(self) -> tuple[socket.socket, bytes]:
+        return self._pick(self.poison_bodies, m.MsgType.STORE)
+
     def _b_random_token(self) -> tuple[socket.socket, bytes]:
         """A well-formed sealed control header under a random token and sequence, then random bytes: only the
         AEAD (a key derivation per new token) can refuse it, which the daemons ration (``auth_limited``)."""
@@ -439,6 +470,11 @@ class Attack:
             offset = fields["offset"]
             rec = r.record(fields["key"], f"pg{offset:08d}".encode(), b"x")
             reply = (m.MsgType.VALUE, {"records": [rec], "total": 65535, "nodes": [], **VALUE_EXTRA})
+        elif mtype is m.MsgType.STATE_GET and fields["sha"] == self.poison_sha:  # snapshot_poison's NaN bytes
+            offset = min(fields["offset"], len(self.poison))
+            data = self.poison[offset: offset + min(fields["length"], 1024)]
+            reply = (m.MsgType.STATE_CHUNK, {"sha": self.poison_sha, "offset": offset, "total": len(self.poison),
+                                             "data": data})
         if reply is None:
             return
         out = m.encode(reply[0], {"rid": fields["rid"], "from": r.frm, **reply[1]}, check=False)

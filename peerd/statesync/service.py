@@ -7,7 +7,8 @@ under ``peerd/state/<run id>`` (subkey: its node id). The value names the snapsh
 
 Joiners: read every advertisement, keep those of the same run key and layout (same model) whose size is
 within what the local model can produce (a bound from its layout), rank the snapshots (donors this node
-has averaged with first, then a step that is not far ahead of the swarm's median, then the newest step,
+has averaged with first, then a step that is not far ahead of the swarm's median, then snapshots that two or
+more donors hold over those only one holds (when two or more donors advertise at all), then the newest step,
 then the most donors agreeing on the same bytes), and download the best in chunks spread over all donors
 that hold it, with a fixed pool of workers, over the endpoint's request/response (STATE_GET -> STATE_CHUNK,
 PROTOCOL.md section 15). Why reuse the endpoint's request/response rather than a new reliable stream: it
@@ -20,8 +21,13 @@ the blob) moves on to the next candidate; only the overall deadline ends the sea
 
 Members are not trusted: an advertisement is a claim by someone who holds the swarm key, and ids are free
 to mint. So the advertised size must fit the local model (no allocation from a stranger's number), the
-advertised step cannot lift a stranger above donors this node averaged with, and a step far ahead of the
-swarm's median only counts after every step that is not.
+advertised step cannot lift a stranger above donors this node averaged with, a step more than AHEAD_STEPS
+past the swarm's median advertised step only counts after every step that is not, and one donor alone cannot
+outrank a snapshot that several hold by claiming a newer step: a fresh joiner (no known donors) takes a lone
+donor's snapshot only when no two donors agree on one. What this leaves: a member with two minted ids that
+advertise the same bytes counts as agreement, and in a swarm whose donors never hold identical bytes the newest
+step within the margin wins. The trainer checks what it loads (finite tensors, a plausible step, the step the
+adverts claimed) and asks for the next candidate when a snapshot fails (``exclude``).
 
 Several donors can hold byte-identical snapshots because replicas that averaged in the same group apply
 the same averaged gradients; when donors disagree, the best ranked snapshot wins and the others are not
@@ -64,7 +70,8 @@ CHUNK_OVERHEAD = 320  # bytes of a STATE_CHUNK body that are not data (rid, from
 MIN_PIECE = 256  # a STATE_CHUNK with fewer data bytes than this (short of the range's end) is a donor's fault
 MAX_SNAPSHOT = 1 << 34  # the largest snapshot a joiner downloads when the caller gives no bound of its own
 MAX_STEP = 2**63 - 1
-AHEAD_STEPS = 10_000  # a snapshot this many steps past the median advertised step ranks after all others
+AHEAD_STEPS = 1_000  # a snapshot this many steps past the median advertised step ranks after all others
+MAX_EXCLUDE = 16  # snapshots a trainer may ask a fetch to skip (ones it refused to load)
 MAX_SOLO = 8  # after a hash mismatch, the donors (known ones first) tried one at a time
 MAX_NOTED = 1024  # peers remembered from this node's own averaging rounds
 
@@ -265,17 +272,19 @@ class StateSync:
 
     async def fetch(self, run: str, run_key: str, *, timeout: float = 60.0, min_step: int = 0,
                     max_size: int | None = None, layout: str | None = None,
-                    below: bytes | None = None) -> Fetched | None:
+                    below: bytes | None = None, exclude: Iterable[bytes] = ()) -> Fetched | None:
         """Download the best snapshot of ``run_key`` that others advertise; None if nobody has one.
 
         ``max_size``: the most bytes a snapshot of the local model can hold (adverts of larger ones are
         ignored and counted; default MAX_SNAPSHOT); ``layout``: the local model's layout hash (adverts of
         another layout are ignored and counted); ``below``: a founder's own initial snapshot's hash: only
-        snapshots of a later step, or initial ones (step 0) with a lower hash, ranked by hash (every founder
-        then takes the same initial state: the lowest hash advertised). Raises StateSyncError if snapshots are
-        advertised but none could be downloaded and verified within ``timeout``.
+        snapshots of a later step, or initial ones (step 0) with a lower hash, the initial ones ranked by hash
+        (every founder then takes the same initial state: the lowest hash advertised); ``exclude``: SHA-256s of
+        snapshots not to take (ones the trainer refused to load: the next candidate is tried instead). Raises
+        StateSyncError if snapshots are advertised but none could be downloaded and verified within ``timeout``.
         """
         bound = MAX_SNAPSHOT if max_size is None else max(0, min(max_size, MAX_SNAPSHOT))
+        skip = frozenset(list(exclude)[:MAX_EXCLUDE])
         errors: list[str] = []
         with trio.move_on_after(timeout) as scope:
             ads = self.usable(await self.adverts(run, timeout=timeout / 3), run_key, layout=layout,
@@ -286,9 +295,11 @@ class StateSync:
                 self.metrics.trainer_state_fetches.labels("none").inc()
                 return None
             candidates = _candidates(ads, self.known_peers())
-            if below is not None:
-                candidates.sort(key=lambda c: (c.far_ahead, -c.step, c.sha))
+            if below is not None:  # later steps keep their ranking; initial snapshots go lowest hash first
+                candidates.sort(key=lambda c: (c.step == 0, c.sha if c.step == 0 else b""))
             for cand in candidates:
+                if cand.sha in skip:
+                    continue
                 # All donors at once; if the result does not verify (a donor served bad bytes), each donor
                 # alone (known ones first), so one bad donor cannot keep a joiner from a snapshot others hold.
                 donors = cand.donors
@@ -438,21 +449,24 @@ class Candidate:
     donors: list[Advert]
     known: bool
     far_ahead: bool
+    agreed: bool = True  # held by two or more donors, or only one donor advertises at all
 
     def rank(self) -> tuple:
-        return (not self.known, self.far_ahead, -self.step, -len(self.donors), self.sha)
+        return (not self.known, self.far_ahead, not self.agreed, -self.step, -len(self.donors), self.sha)
 
 
 def _candidates(ads: list[Advert], known: set[str] | frozenset[str] = frozenset(), *,
                 ahead: int = AHEAD_STEPS) -> list[Candidate]:
     """Snapshots to try, best first: held by a donor this node averaged with; then not far ahead of the median
-    advertised step (a stranger's far-ahead claim cannot outrank the swarm); then newest; then the most
-    donors holding the same bytes. A snapshot's step is the one most of its donors claim (ties: the higher),
-    so a donor that claims a higher step for bytes others hold does not move it."""
+    advertised step (a stranger's far-ahead claim cannot outrank the swarm); then held by two or more donors,
+    where two or more donors advertise (one donor's claim of a newer step cannot outrank what others agree on);
+    then newest; then the most donors holding the same bytes. A snapshot's step is the one most of its donors
+    claim (ties: the higher), so a donor that claims a higher step for bytes others hold does not move it."""
     by_snapshot: dict[tuple[bytes, int], list[Advert]] = {}
     for a in ads:
         by_snapshot.setdefault((a.sha, a.size), []).append(a)
     median = statistics.median_low([a.step for a in ads]) if ads else 0
+    several = len({a.node_id for a in ads}) >= 2
     out = []
     for (sha, size), group in by_snapshot.items():
         counts: dict[int, int] = {}
@@ -461,6 +475,6 @@ def _candidates(ads: list[Advert], known: set[str] | frozenset[str] = frozenset(
         step = max(counts, key=lambda s: (counts[s], s))
         donors = sorted(group, key=lambda a: a.node_id.hex() not in known)  # known donors first (stable)
         out.append(Candidate(sha, size, step, donors, any(a.node_id.hex() in known for a in group),
-                             step > median + ahead))
+                             step > median + ahead, len({a.node_id for a in group}) >= 2 or not several))
     out.sort(key=Candidate.rank)
     return out

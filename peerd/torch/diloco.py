@@ -37,6 +37,7 @@ import torch
 from ..compress import NAMES, codec
 from ..localsock.client import DaemonError
 from .optimizer import Optimizer
+from .snapcheck import SnapshotError, check_finite, checked_step
 
 log = logging.getLogger("peerd.torch.diloco")
 
@@ -278,24 +279,42 @@ class DiLoCo(Optimizer):
                    buf)
         return buf.getvalue()
 
-    def load_snapshot(self, blob: bytes) -> int:
-        """Take over a member's outer state; the model restarts from its global parameters. Returns the step."""
-        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    def load_snapshot(self, blob: bytes, *, expected_step: int | None = None) -> int:
+        """Take over a member's outer state; the model restarts from its global parameters. Returns the step.
+
+        Raises SnapshotError (a ValueError), having applied nothing, for a snapshot of another model or schedule,
+        with NaN or infinity in any tensor, negative sample counts, or an implausible step (or not
+        ``expected_step``, the step its donors advertised)."""
+        try:
+            state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise SnapshotError(f"not a loadable snapshot ({type(e).__name__})") from None
         if not isinstance(state, dict) or state.get("format") != DILOCO_FORMAT:
-            raise ValueError("not a peerd DiLoCo state snapshot")
+            raise SnapshotError("not a peerd DiLoCo state snapshot")
         if state.get("layout") != self.layout_hash:
-            raise ValueError("the snapshot is of a different model")
+            raise SnapshotError("the snapshot is of a different model")
         if (state.get("fragments"), state.get("sync_every")) != (self.fragments, self.sync_every):
-            raise ValueError(f"the snapshot's schedule (fragments {state.get('fragments')}, sync_every "
-                             f"{state.get('sync_every')}) differs from this trainer's")
-        g, mom = state["global"], state["momentum"]
-        if g.numel() != self.elems or mom.numel() != self.elems or g.dtype != torch.float32:
-            raise ValueError("the snapshot's outer state does not match this model")
+            raise SnapshotError(f"the snapshot's schedule (fragments {state.get('fragments')}, sync_every "
+                                f"{state.get('sync_every')}) differs from this trainer's")
+        g, mom, samples = state.get("global"), state.get("momentum"), state.get("samples")
+        if (not all(isinstance(t, torch.Tensor) for t in (g, mom, samples)) or g.numel() != self.elems
+                or mom.numel() != self.elems or g.dtype != torch.float32 or mom.dtype != torch.float32
+                or samples.numel() < self.fragments or not samples.is_floating_point()):
+            raise SnapshotError("the snapshot's outer state does not match this model")
+        check_finite(g, "global parameters")
+        check_finite(mom, "outer momentum")
+        check_finite(samples, "sample counts")
+        if bool((samples < 0).any()):
+            raise SnapshotError("the snapshot's sample counts are negative")
+        same_opt = state.get("optimizer_class") == type(self.opt).__name__
+        if same_opt:
+            check_finite(state.get("optimizer"), "optimizer state")
+        step = checked_step(state.get("step"), expected_step)
         self.global_params.copy_(g)
         self.momentum.copy_(mom)
         self._load_local(0, self.elems)
-        if state.get("optimizer_class") == type(self.opt).__name__:
+        if same_opt:
             self.opt.load_state_dict(state["optimizer"])
-        self.samples_since = [float(x) for x in state["samples"].tolist()][: self.fragments]
-        self.step_count = int(state["step"])
+        self.samples_since = [float(x) for x in samples.tolist()][: self.fragments]
+        self.step_count = step
         return self.step_count

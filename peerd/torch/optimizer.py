@@ -35,6 +35,7 @@ from ..localsock.phases import add_phases, empty_phases
 from .founders import FOUNDER_WINDOW_S, SameData
 from .overlap import DEFAULT_BUCKET_MB, Overlap
 from .report import StepReport
+from .snapcheck import SnapshotError, check_finite, checked_step
 
 log = logging.getLogger("peerd.torch")
 
@@ -47,6 +48,9 @@ STATE_FORMAT = "peerd-state-v1"
 # max_samples not given: this many times the samples of the trainer's first step, so a member claiming a huge
 # weight counts for at most a few honest batches here (DropCompute's honest weights stay below one batch)
 MAX_SAMPLES_FACTOR = 4.0
+
+
+SNAPSHOT_TRIES = 4  # snapshots a joiner refuses (non-finite, implausible step) before it gives up
 
 
 class NoGroupError(RuntimeError):
@@ -521,27 +525,37 @@ class Optimizer(torch.optim.Optimizer):
             flat[off: off + n].copy_(p.detach().reshape(-1))
             off += n
 
-    def load_snapshot(self, blob: bytes) -> int:
-        """Take over a snapshot (from a donor): parameters, optimizer state, step number. Returns the step."""
+    def load_snapshot(self, blob: bytes, *, expected_step: int | None = None) -> int:
+        """Take over a snapshot (from a donor): parameters, optimizer state, step number. Returns the step.
+
+        Raises SnapshotError (a ValueError), having applied nothing, for a snapshot of another model, with NaN or
+        infinity in any tensor, or with an implausible step (or not ``expected_step``, the step its donors
+        advertised)."""
         # weights_only: a snapshot comes from another machine, and a full unpickle would run its code.
-        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise SnapshotError(f"not a loadable snapshot ({type(e).__name__})") from None
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError("not a peerd state snapshot")
+            raise SnapshotError("not a peerd state snapshot")
         if state.get("layout") != self.layout_hash:
-            raise ValueError("the snapshot is of a different model")
+            raise SnapshotError("the snapshot is of a different model")
         if state.get("optimizer_class") != type(self.opt).__name__:
-            raise ValueError(f"the snapshot's optimizer is {state.get('optimizer_class')}, "
-                             f"this trainer's is {type(self.opt).__name__}")
-        flat = state["params"]
-        if flat.numel() != self.elems:
-            raise ValueError("the snapshot's parameters do not match this model")
+            raise SnapshotError(f"the snapshot's optimizer is {state.get('optimizer_class')}, "
+                                f"this trainer's is {type(self.opt).__name__}")
+        flat = state.get("params")
+        if not isinstance(flat, torch.Tensor) or flat.numel() != self.elems or not flat.is_floating_point():
+            raise SnapshotError("the snapshot's parameters do not match this model")
+        check_finite(flat, "parameters")
+        check_finite(state.get("optimizer"), "optimizer state")
+        step = checked_step(state.get("step"), expected_step)
         off = 0
         with torch.no_grad():
             for p, n in zip(self.params, self.numels, strict=True):
                 p.copy_(flat[off: off + n].view_as(p))
                 off += n
         self.opt.load_state_dict(state["optimizer"])
-        self.step_count = int(state["step"])
+        self.step_count = step
         return self.step_count
 
     def publish_state(self) -> dict[str, Any]:
@@ -579,18 +593,39 @@ class Optimizer(torch.optim.Optimizer):
 
     def _fetch_state(self, below: bytes | None = None) -> bool:
         """Fetch and load the swarm's best snapshot (``below``: a founder's own snapshot's hash: only one of a
-        later step or, at step 0, a lower hash); False if there is none."""
-        fd = write_blob(b"", name="peerd-state-in")
-        extra: dict[str, Any] = {} if below is None else {"below": below}
-        try:
-            reply = self._call("state_fetch", fds=[fd], timeout_s=self.state_timeout_s,
-                               reply_timeout=self.state_timeout_s + 30, **extra)
-            if not reply.get("found"):
-                return False
-            blob = read_blob(fd, reply["size"])
-        finally:
-            os.close(fd)
-        self.load_snapshot(blob)
+        later step or, at step 0, a lower hash); False if there is none. A snapshot that ``load_snapshot``
+        refuses is skipped for the next candidate, up to SNAPSHOT_TRIES of them; then SnapshotError."""
+        refused: list[str] = []
+        while True:
+            fd = write_blob(b"", name="peerd-state-in")
+            try:
+                args: dict[str, Any] = {"exclude": refused} if refused else {}
+                if below is not None:
+                    args["below"] = below
+                try:
+                    reply = self._call("state_fetch", fds=[fd], timeout_s=self.state_timeout_s,
+                                       reply_timeout=self.state_timeout_s + 30, **args)
+                except DaemonError as e:
+                    if refused:
+                        raise SnapshotError(f"state sync: no snapshot this trainer can load ({len(refused)} refused; "
+                                            f"then: {e})") from None
+                    raise
+                if not reply.get("found"):
+                    if refused:
+                        raise SnapshotError(f"state sync: no snapshot this trainer can load ({len(refused)} refused)")
+                    return False
+                blob = read_blob(fd, reply["size"])
+            finally:
+                os.close(fd)
+            try:
+                self.load_snapshot(blob, expected_step=reply["step"])
+                break
+            except SnapshotError as e:
+                log.warning("state sync: refused the snapshot %s of step %d from %d donor(s): %s", reply["sha"][:12],
+                            reply["step"], reply["donors"], e)
+                refused.append(reply["sha"])
+                if len(refused) >= SNAPSHOT_TRIES:
+                    raise SnapshotError(f"state sync: refused {len(refused)} snapshots, the last: {e}") from None
         self.synced_from = {k: reply[k] for k in ("step", "size", "sha", "donors", "chunks", "retries")}
         log.info("state sync: took over step %d from %d donor(s)", reply["step"], reply["donors"])
         return True

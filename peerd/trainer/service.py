@@ -961,6 +961,11 @@ class TrainerService:
         below = req.get("below")
         if below is not None and not (isinstance(below, bytes) and len(below) == 32):
             raise OpError("below must be the 32-byte SHA-256 of the founder's own snapshot")
+        exclude = req.get("exclude", [])  # snapshots the trainer refused to load (hex SHA-256s): take the next
+        if (not isinstance(exclude, list) or len(exclude) > 16
+                or not all(isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+                           for x in exclude)):
+            raise OpError("exclude must be a list of at most 16 snapshot SHA-256s (64 lowercase hex digits each)")
         fd = conn.take_fd()
         try:
             if self.statesync is None:
@@ -970,6 +975,7 @@ class TrainerService:
             try:
                 fetched = await self.statesync.fetch(session.run, session.run_key, timeout=timeout,
                                                      max_size=max_size, layout=session.layout,
+                                                     exclude=[bytes.fromhex(x) for x in exclude],
                                                      **({} if below is None else {"below": below}))
             except StateSyncError as e:
                 raise OpError(f"state sync failed: {e}") from None

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import hashlib
 import os
 import random
 import stat
+import struct
 from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -141,13 +143,46 @@ def write_identity(path: str) -> Identity:
     return ident
 
 
+# POSIX ACL entries as Linux stores them in the ``system.posix_acl_access`` attribute (acl_ea.h)
+_ACL_HEADER, _ACL_ENTRY = struct.Struct("<I"), struct.Struct("<HHI")
+_ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK = 0x02, 0x04, 0x08, 0x10
+
+
+def acl_open_to_others(acl: bytes, uid: int) -> bool:
+    """Whether a POSIX access ACL lets anyone but the file's owner and ``uid`` at the file: its owning group,
+    a named group or another named user, each through the mask. (systemd hands a service its credentials as
+    root-owned 0400 files with one ACL entry for the service's user, which ``ls`` shows as 0440.)"""
+    if len(acl) < _ACL_HEADER.size or (len(acl) - _ACL_HEADER.size) % _ACL_ENTRY.size:
+        return True  # not an ACL this check understands: as open as it may be
+    entries = [_ACL_ENTRY.unpack_from(acl, off) for off in range(_ACL_HEADER.size, len(acl), _ACL_ENTRY.size)]
+    mask = next((perm for tag, perm, _ in entries if tag == _ACL_MASK), 0o7)
+    return any(perm & mask for tag, perm, who in entries
+               if tag in (_ACL_GROUP_OBJ, _ACL_GROUP) or (tag == _ACL_USER and who != uid))
+
+
+def _open_to_others(fd: int, mode: int) -> bool:
+    """Whether group or others may use the open file ``fd`` (of permission bits ``mode``); with an access ACL,
+    the group bits are its mask, and the entries decide."""
+    if mode & 0o007:
+        return True
+    if not mode & 0o070:
+        return False
+    try:
+        acl = os.getxattr(fd, "system.posix_acl_access")
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return True  # no ACL: the group bits are the owning group's
+        raise
+    return acl_open_to_others(acl, os.geteuid())
+
+
 def _read_private(path: str, what: str, hint: str) -> bytes:
     """A key file's bytes, refused when group or others may read or write it: a secret that others can read
     is no longer this node's alone (keygen writes 0600, so the normal flow passes)."""
     try:
         with open(path, "rb") as f:
             mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
-            if mode & 0o077:
+            if _open_to_others(f.fileno(), mode):
                 raise KeyFileError(f"{what} {path} is open to group or others (mode {mode:04o}): "
                                    f"run 'chmod 600 {path}' and start again")
             return f.read()
