@@ -269,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print JSON")
     from .bench.dht import add_parser as add_dht_parser
     add_dht_parser(bench)
+    from .bench.step import add_parser as add_step_parser
+    add_step_parser(bench)
     b = bench.add_parser("soak", help="4 sealed daemons average while a member attacker and an outsider flood them")
     b.add_argument("--datagrams", type=int, default=1_000_000, metavar="N", help="attack datagrams (default 1M)")
     b.add_argument("--size", type=_size, default=1_000_000, metavar="S", help="float32 elements averaged (default 1M)")
@@ -633,6 +635,9 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.bench_command == "dht":
         from .bench.dht import cmd_bench_dht
         return cmd_bench_dht(args, parser)
+    if args.bench_command == "step":
+        from .bench.step import cmd_bench_step
+        return cmd_bench_step(args, parser)
     if args.bench_command == "soak":
         from .bench.soak import cmd_bench_soak
         return cmd_bench_soak(args, parser)

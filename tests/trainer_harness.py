@@ -184,3 +184,39 @@ class ThreadDaemon:
 
     def gauge(self, gauge) -> float:
         return next(s.value for m in gauge.collect() for s in m.samples)
+
+
+class MemoryStateSync:
+    """The state-sync surface TrainerService uses, in memory and shared by every session of the daemon: what
+    each publishes is advertised to the others, and a fetch takes the newest step (``below``: as a founder's
+    fetch does, only a later step or, at step 0, a lower hash than the founder's own; the lowest hash first)."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, dict[bytes, tuple[int, bytes]]] = {}  # run key -> sha -> (step, blob)
+        self._kept: dict[str, bytes] = {}
+
+    def keep(self, run_key: str, blob: bytes) -> bytes:
+        import hashlib
+
+        sha = hashlib.sha256(blob).digest()
+        self._kept[run_key] = blob
+        return sha
+
+    async def advertise_state(self, run, run_key, layout, *, step: int = -1, size: int = 0, sha: bytes = b"",
+                              **kwargs) -> bool:
+        if size and run_key in self._kept:
+            self.blobs.setdefault(run_key, {})[sha] = (step, self._kept[run_key])
+        return True
+
+    async def adverts(self, run: str, *, timeout: float = 10.0) -> list:
+        return []
+
+    async def fetch(self, run: str, run_key: str, *, below: bytes | None = None, **kwargs):
+        from peerd.statesync import Fetched
+
+        held = self.blobs.get(run_key, {})
+        ads = [(step, sha) for sha, (step, _) in held.items() if below is None or step > 0 or sha < below]
+        if not ads:
+            return None
+        step, sha = min(ads, key=lambda a: (-a[0], a[1]))
+        return Fetched(step, held[sha][1], sha, 1, 1, 0)

@@ -36,6 +36,8 @@ import torch
 
 from ..compress import NAMES, codec
 from ..localsock.client import DaemonError
+from ..localsock.phases import add_phases, empty_phases
+from .founders import FOUNDER_WINDOW_S
 from .optimizer import Optimizer
 from .snapcheck import SnapshotError, check_finite, checked_step
 
@@ -85,6 +87,20 @@ def nesterov_outer(global_: torch.Tensor, momentum: torch.Tensor, delta: torch.T
     global_.sub_(delta.add(momentum, alpha=mu), alpha=lr)
 
 
+def outer_phases(reply: dict[str, Any]) -> dict[str, float]:
+    """The daemon's phases of an outer step in peerd.localsock.phases' names: its averaging rounds are the
+    transfer (matchmaking included, where the daemon does not tell it apart), the repair and the agreement
+    are ``agree``; a daemon that reports no phases spent its ``seconds`` on the transfer."""
+    raw = reply.get("phases")
+    if not isinstance(raw, dict):
+        return {"transfer": float(reply.get("seconds", 0.0) or 0.0)}
+    num = {k: float(v) for k, v in raw.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    out = {k: v for k, v in num.items() if k in empty_phases()}
+    out["transfer"] = out.get("transfer", 0.0) + num.get("average", 0.0)
+    out["agree"] = out.get("agree", 0.0) + num.get("repair", 0.0)
+    return out
+
+
 class DiLoCo(Optimizer):
     """DiLoCo around ``inner_optimizer`` (over ``model``'s parameters). Options as peerd.torch.Optimizer's
     (``run``, ``socket``, ``timeout_s``, ``sync_state``, ``state_every``: publish the outer state every this
@@ -106,7 +122,8 @@ class DiLoCo(Optimizer):
                  compression: str | None = None, quant_group: int | None = None, rounding: str | None = None,
                  socket: str | None = None, timeout_s: float = 60.0,
                  sync_state: bool = True, state_every: int = 1, state_timeout_s: float = 60.0,
-                 max_samples: float | None = None, robust: str | None = None, nslots: int = 4) -> None:
+                 max_samples: float | None = None, robust: str | None = None, nslots: int = 4,
+                 founder_window_s: float = FOUNDER_WINDOW_S, reseed: bool = True) -> None:
         if compression == "arc-topk":
             raise ValueError("DiLoCo does not take compression='arc-topk': its top-k row selection and EF21M error "
                              "feedback are built for whole gradient vectors, not pseudo-gradient fragments; use "
@@ -130,7 +147,8 @@ class DiLoCo(Optimizer):
         super().__init__(inner_optimizer, run=run, socket=socket, timeout_s=timeout_s, average_params_every=0,
                          sync_state=False, state_every=0, state_timeout_s=state_timeout_s, nslots=nslots,
                          max_samples=max_samples, robust=robust, compression=compression,
-                         quant_group=quant_group, rounding=rounding)
+                         quant_group=quant_group, rounding=rounding, founder_window_s=founder_window_s,
+                         reseed=reseed)
         params = {k: v for k, v in (("group", quant_group), ("rounding", rounding)) if v is not None}
         self.outer_codec = codec(compression or "fp32", **(params if (compression or "").startswith("int") else {}))
         if fragments > sync_every:
@@ -193,8 +211,7 @@ class DiLoCo(Optimizer):
             log.warning("step %d: this replica's gradients hold NaN or infinity; step skipped", self.step_count)
             reply = {"outcome": "nonfinite", "group_size": 1, "members": [], "received_fraction": 0.0,
                      "seconds": 0.0, "error": "this replica's gradients are not finite"}
-            self.last = reply
-            return reply
+            return self._finish_step(reply, t0, None)
         self.opt.step()
         self.step_count += 1
         for f in range(self.fragments):
@@ -202,20 +219,23 @@ class DiLoCo(Optimizer):
         reply: dict[str, Any] = {"outcome": "local", "group_size": 1, "members": [], "received_fraction": 1.0,
                                  "seconds": 0.0, "matchmaking_s": 0.0, "error": ""}
         outer = [self.outer_step(f) for f in due_fragments(self.step_count, self.sync_every, self.fragments)]
+        phases = empty_phases()
         if outer:
             reply = {**outer[-1], "outer": outer}
+            for o in outer:
+                add_phases(phases, o["phases"])
         self.outcomes[reply["outcome"]] = self.outcomes.get(reply["outcome"], 0) + 1
         reply["seconds"] = time.monotonic() - t0
-        self.last = reply
         if any(o["fragment"] == 0 for o in outer) and self.outer_state_every \
                 and self.outer_steps_of0 % self.outer_state_every == 0:
             self.publish_state()  # after fragment 0's step: a joiner starts a new cycle with the swarm
-        return reply
+        return self._finish_step(reply, t0, phases)
 
     def outer_step(self, fragment: int) -> dict[str, Any]:
         """Average fragment ``fragment``'s pseudo-gradient with the swarm and apply the outer rule to it."""
         a, b = self.bounds[fragment]
         local = self._local_flat()[a:b]
+        t1 = time.monotonic()
         delta = self.global_params[a:b] - local
         weight = self.samples_since[fragment]
         if not bool(torch.isfinite(delta).all()):
@@ -231,11 +251,17 @@ class DiLoCo(Optimizer):
         slot[: b - a].copy_(delta)
         self.arena.write_request(t, max(weight, 1e-6))
         before = self.state_sha(fragment)
+        t0 = time.monotonic()
+        report: dict[str, Any] = {}
+        if self._unreported is not None:
+            report["phases"], self._unreported = self._unreported, None
         try:
             reply = self._call("trainer_outer", step=t, round=self.step_count, length=b - a, state=before,
-                               timeout_s=self.timeout_s, reply_timeout=3 * self.timeout_s + 30)
+                               timeout_s=self.timeout_s, reply_timeout=3 * self.timeout_s + 30, **report)
         except DaemonError as e:
             raise DaemonError(f"outer step of fragment {fragment} at step {self.step_count} failed: {e}") from None
+        phases = self._trainer_phases(outer_phases(reply), copy_in=t0 - t1, call_s=time.monotonic() - t0)
+        t2 = time.monotonic()
         payload = self.outer_codec.body_size(b - a)  # one encoded copy of the fragment (fp32: 4 bytes a value)
         self.outer_bytes += payload
         if reply.get("state_winner") and reply["state_winner"] != before:
@@ -252,6 +278,7 @@ class DiLoCo(Optimizer):
         else:
             self.nonfinite_rounds += 1
         self._load_local(a, b)
+        phases["copy_out"] += time.monotonic() - t2
         self.samples_since[fragment] = 0.0
         self.outer_steps += 1
         out = {"outcome": reply["outcome"], "fragment": fragment, "step": self.step_count,
@@ -260,8 +287,8 @@ class DiLoCo(Optimizer):
                "repaired_bytes": reply.get("repaired_bytes", 0),
                "adopted": reply.get("adopted", False), "adopted_bytes": reply.get("adopted_bytes", 0),
                "agreed_members": reply.get("agreed_members", 1), "payload_bytes": payload,
-               "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": 0.0,
-               "phases": dict(reply.get("phases") or {})}
+               "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": phases["matchmaking"],
+               "phases": phases}
         self.history.append(out)
         del self.history[:-HISTORY]
         self.outer_steps_of0 += fragment == 0

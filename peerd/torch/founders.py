@@ -11,9 +11,12 @@ shows as averages equal to each member's own contribution: ``SameData`` warns on
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import random
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger("peerd.torch")
@@ -65,3 +68,15 @@ class SameData:
         self.warned = SAME_DATA_WARNING.format(n=self.run, size=reply.get("group_size", "?"), what=what, rel=rel)
         log.warning("step %d: %s", step, self.warned)
         return True
+
+
+def reseed_peer(peer_id: str, session: int, run: str) -> int:
+    """Seed torch's, numpy's and Python's global generators with a seed of this peer's own (its daemon's node
+    id, its session there, the run): scripts seeded alike on every peer then draw different batches (a
+    DataLoader's shuffle, torch.randint/randperm sampling, dropout) from here on. Returns the seed."""
+    digest = hashlib.sha256(f"peerd-reseed-v1/{peer_id}/{session}/{run}".encode()).digest()
+    seed = int.from_bytes(digest[:8], "little") >> 1  # < 2**63: what torch.manual_seed takes
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)  # noqa: NPY002 (the legacy global generator is what scripts seed and draw from)
+    random.seed(seed)
+    return seed

@@ -32,7 +32,7 @@ from ..compress import COMPRESSIONS as CODECS
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
 from ..localsock.phases import add_phases, empty_phases
-from .founders import FOUNDER_WINDOW_S, SameData
+from .founders import FOUNDER_WINDOW_S, SameData, reseed_peer
 from .overlap import DEFAULT_BUCKET_MB, Overlap
 from .report import StepReport
 from .snapcheck import SnapshotError, check_finite, checked_step
@@ -65,6 +65,9 @@ class Optimizer(torch.optim.Optimizer):
     optimizer (docs/trainer-api.md). Founders (trainers that start a run together) end up on one initial
     state: with ``sync_state`` (the default) each publishes its initial state and all take the same one
     (``founder_window_s``: how long a founder waits for the others' before choosing; 0: no agreement).
+    ``reseed`` (default True): after that, torch's, numpy's and Python's global random generators are seeded
+    per peer (``seed``: from the daemon's node id, the session and the run), so a script seeded alike on every
+    peer (the single-process habit) still draws different batches and dropout masks on each.
 
     Options: ``run`` (the run id: trainers with the same run id and model average together),
     ``socket`` (the daemon's local socket; default $PEERD_SOCKET, ...), ``timeout_s`` (a round's
@@ -105,7 +108,7 @@ class Optimizer(torch.optim.Optimizer):
                  max_samples: float | None = None, overlap: bool = False, model: torch.nn.Module | None = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB, compression: str | None = None,
                  quant_group: int | None = None, rounding: str | None = None, topk_ratio: float | None = None,
-                 founder_window_s: float = FOUNDER_WINDOW_S) -> None:
+                 founder_window_s: float = FOUNDER_WINDOW_S, reseed: bool = True) -> None:
         self._torch_surface(optimizer)
         if not (isinstance(founder_window_s, int | float) and 0 <= founder_window_s <= 600):
             raise ValueError(f"founder_window_s must be in [0, 600] seconds, got {founder_window_s!r}")
@@ -180,6 +183,7 @@ class Optimizer(torch.optim.Optimizer):
         self.connect()
         if sync_state:
             self.sync_state()
+        self.seed: int | None = reseed_peer(self.peer_id, self.session, run) if reseed else None
 
     # -- connection -------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -204,6 +208,7 @@ class Optimizer(torch.optim.Optimizer):
         self.session = reply["session"]
         self.layout_hash = reply["layout_hash"]
         self.run_key = reply["run_key"]
+        self.peer_id = str(reply.get("peer_id", ""))
 
     def _call(self, op: str, **args: Any) -> dict[str, Any]:
         if self._client is None or self._client.broken:

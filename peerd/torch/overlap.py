@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..localsock.phases import PHASES
+
 log = logging.getLogger("peerd.torch")
 
 # float32 megabytes per bucket: torch DDP's bucket_cap_mb. Each bucket is its own Moshpit run, so each costs a
@@ -206,6 +208,9 @@ def summarize(st: StepState) -> dict[str, Any]:
         "kept": all(bool(r.get("kept")) for r in replies) and bool(replies),
         "round": min((int(r.get("round", 0)) for r in replies), default=0),
         "error": "; ".join(sorted({r["error"] for r in replies if r.get("error")}))[:500],
+        # buckets average concurrently: a phase of the step is as long as its longest bucket's
+        "phases": {k: max((float((r.get("phases") or {}).get(k, 0.0)) for r in replies), default=0.0)
+                   for k in PHASES},
     }
 
 

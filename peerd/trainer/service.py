@@ -608,7 +608,7 @@ class TrainerService:
         shared_round = self._step_round(session, step, buckets, plan) if shared else None
         session.latest = step
         self._report(req, session)
-        start = time.monotonic()
+        start = entered = time.monotonic()
         extra: dict[str, Any] = {}
         if deferred:
             event, skipped = session.deferred[(step, bucket)] = (trio.Event(), [])
@@ -637,6 +637,7 @@ class TrainerService:
             vector, finite = await take_slot(session.arena.vector(step)[offset: offset + length])
             if not finite:
                 raise OpError(f"step {step} bucket {bucket}: the vector holds NaN or infinity; not averaging it")
+            start = time.monotonic()
         try:
             if shared_round is not None:
 
@@ -660,12 +661,15 @@ class TrainerService:
         if session.latest - step >= session.arena.nslots:
             session.late_results += 1  # the slot belongs to a later step now: never write into it
             raise OpError(f"step {step}'s bucket {bucket} came after step {session.latest} was requested; dropped")
+        written = time.monotonic()
         try:
             if not (deferred and outcome == "failed"):  # deferred and failed: the slot holds the trainer's own vector
                 session.arena.write_range(step, offset, out)
         except ArenaError as e:
             raise OpError(f"step {step} bucket {bucket}: {e}") from None
         reply = {**self._round_reply(step, outcome, result, seconds, error), "bucket": bucket}
+        reply["phases"] = self._phases(result, copy_in=start - entered, round_s=seconds,
+                                       copy_out=time.monotonic() - written)
         if outcome == "averaged":
             self.metrics.trainer_group_size.set(reply["group_size"])
             self.metrics.trainer_received_fraction.set(reply["received_fraction"])
@@ -763,6 +767,7 @@ class TrainerService:
         if not isinstance(state, bytes) or len(state) not in (0, 32):
             raise OpError("state must be the 32-byte SHA-256 of the trainer's outer state (or empty)")
         session.latest = step
+        self._report(req, session)
         try:
             weight = session.arena.check_request(step)
         except ArenaError as e:
