@@ -296,6 +296,7 @@ class Daemon:
             "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
             "datagrams_dropped": dropped,
             "moshpit": self.moshpit.statistics(),
+            "trainers": self.trainer.trainers(),  # each session's run, codec and compression="auto" choice
             **self.nat.status(),  # reachability, observed_addr, peers_known, paths, path_datagrams, ...
         }
 

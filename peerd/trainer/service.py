@@ -194,6 +194,16 @@ def parse_max_samples(raw: Any) -> float | None:
     return float(raw)
 
 
+MAX_AUTO_REASON = 1000  # characters of a trainer's auto choice reason kept for `peerd status`
+
+
+def _small_value(v: Any) -> bool:
+    """A number, or a string of at most MAX_AUTO_REASON characters."""
+    if isinstance(v, str):
+        return len(v) <= MAX_AUTO_REASON
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
 @dataclass
 class Session:
     id: int
@@ -220,6 +230,7 @@ class Session:
     # MAX_DEFERRED_STEPS unfinished ones)
     rounds: dict[int, StepRound] = field(default_factory=dict)
     compression: dict[str, Any] = field(default_factory=dict)  # the run's codec keywords (parse_compression)
+    auto: dict[str, Any] = field(default_factory=dict)  # the trainer's compression="auto" choice and its reason
     shapes: list[list[int]] = field(default_factory=list)  # the layout's shapes (arc-topk's rows and columns)
 
     def average_id(self, kind: str) -> str:
@@ -868,9 +879,20 @@ class TrainerService:
             self.metrics.trainer_samples_per_second.set(sps)
 
     async def _op_report(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        self._session(req, conn)
+        session = self._session(req, conn)
         self._report(req)
+        auto = req.get("auto")
+        if auto is not None:  # what compression="auto" chose, for `peerd status`: bounded, strings and numbers
+            if not isinstance(auto, dict) or len(auto) > 8 or not all(
+                    isinstance(k, str) and len(k) <= 32 and _small_value(v) for k, v in auto.items()):
+                raise OpError(f"auto must be a small object of strings (<= {MAX_AUTO_REASON} chars) and numbers")
+            session.auto = dict(auto)
         return {}
+
+    def trainers(self) -> list[dict[str, Any]]:
+        """`peerd status`'s view of the trainer sessions: run, codec, and the auto choice with its reason."""
+        return [{"run": s.run, "compression": s.compression.get("compression", "fp32"), "steps": s.steps,
+                 **({"auto": s.auto} if s.auto else {})} for s in self.sessions.values() if not s.closed]
 
     # -- state sync -----------------------------------------------------------------------------
     async def _op_state_publish(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
