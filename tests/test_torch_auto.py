@@ -69,3 +69,94 @@ def test_bucket_follows_the_round_trip():
 def test_bad_sizes_refused():
     with pytest.raises(ValueError):
         choose(Measured(100e6, None, 0.3, 0, 4))
+
+
+# -- wired into peerd.torch.Optimizer (an in-process daemon: real socket, arena and TrainerService) -------------
+
+def _replicas(tmp_path, delay_s: float, compute_s: float, steps: int = 8):
+    """Two replicas of a 262,656-parameter model with compression="auto" (the default) train ``steps`` steps
+    against rounds that take ``delay_s`` and compute that takes ``compute_s``; their replies and models."""
+    import threading
+    import time
+
+    import torch
+
+    from peerd.torch import Optimizer
+
+    from .trainer_harness import InProcessAverager, ThreadDaemon
+
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0, delay_s=delay_s))
+    try:
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            models.append(torch.nn.Linear(512, 512))
+        opts = [Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="auto", socket=d.path, sync_state=False,
+                          average_params_every=0, state_every=0) for m in models]
+        replies: list[list[dict]] = [[], []]
+
+        def worker(i: int) -> None:
+            for s in range(steps):
+                g = torch.Generator().manual_seed(100 * i + s)
+                opts[i].zero_grad()
+                models[i](torch.randn(4, 512, generator=g)).pow(2).mean().backward()
+                time.sleep(compute_s)
+                replies[i].append(opts[i].step(samples=4))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        status = d.service.trainers() if hasattr(d, "service") else None
+        for o in opts:
+            o.close()
+        return replies, models, opts, status
+    finally:
+        d.stop()
+
+
+def test_optimizer_auto_switches_both_replicas_to_int8_on_a_slow_link(tmp_path) -> None:
+    import torch
+
+    replies, models, opts, status = _replicas(tmp_path, delay_s=0.2, compute_s=0.0)
+    for r in replies:
+        assert len(r) == 8 and all(x["outcome"] == "averaged" for x in r), r
+        assert "auto" not in r[3] and r[4]["auto"]["compression"] == "int8"  # chosen at step 5, then every reply
+        assert r[-1]["auto"]["compression"] == "int8" and "unbiased" in r[-1]["auto"]["reason"]
+    assert all(o.compression == "int8" for o in opts)
+    assert bool(torch.equal(models[0].weight, models[1].weight))  # the replicas averaged alike after the switch
+    # `peerd status` (the daemon's trainer sessions): the codec and the choice with its reason
+    assert len(status) == 2 and all(t["compression"] == "int8" and t["auto"]["compression"] == "int8"
+                                    and "int8" in t["auto"]["reason"] for t in status), status
+
+
+def test_optimizer_auto_keeps_fp32_when_compute_dominates(tmp_path) -> None:
+    replies, _, opts, _ = _replicas(tmp_path, delay_s=0.0, compute_s=0.4, steps=6)
+    for r in replies:
+        assert r[-1]["auto"]["compression"] == "fp32" and all(x["outcome"] == "averaged" for x in r), r
+    assert all(o.compression is None for o in opts)  # the run's default codec, float32
+
+
+def test_explicit_compression_wins(tmp_path) -> None:
+    import torch
+
+    from peerd.torch import Optimizer
+
+    from .trainer_harness import InProcessAverager, ThreadDaemon
+
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1))
+    try:
+        m = torch.nn.Linear(512, 512)
+        opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="x", socket=d.path, sync_state=False,
+                        compression="fp32", state_every=0)
+        for _ in range(6):
+            m(torch.ones(1, 512)).sum().backward()
+            reply = opt.step()
+        assert "auto" not in reply and opt.auto is None and opt.compression == "fp32"
+        opt.close()
+        with pytest.raises(ValueError, match="not with compression='auto'"):
+            Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="y", socket=d.path, compression="auto",
+                      quant_group=64)
+    finally:
+        d.stop()

@@ -30,7 +30,7 @@ from ..allreduce.robust import parse_robust
 from ..compress import COMPRESSIONS as CODECS
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
-from .auto import Choice, Measured, choose
+from .auto import Choice, Measured, choose, fp32_transfer_s
 from .overlap import DEFAULT_BUCKET_MB, Overlap
 
 log = logging.getLogger("peerd.torch")
@@ -382,7 +382,8 @@ class Optimizer:
         def median(xs: list[float]) -> float | None:
             return sorted(xs)[len(xs) // 2] if xs else None
 
-        rates = [b * 8 / s for _, s, b, _ in probe if b > 0]
+        # the rate a round moved the vector at, its fixed costs included: what a step pays per byte
+        rates = [fp32_transfer_s(1.0, self.elems, g) / sec for _, sec, _, g in probe if g > 1]
         measured = Measured(link_bps=median(rates), rtt_s=None, compute_s=median([c for c, *_ in probe]),
                             params=self.elems, peers=max([g for *_, g in probe], default=1))
         choice = choose(measured)
