@@ -63,3 +63,28 @@ def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
     assert out["outcomes"].get("averaged", 0) >= 2 * 4 * 0.75, out["outcomes"]  # the peers did average
     assert out["max_param_divergence"] < 1e-3  # the final parameter averages brought them together
     assert [row[0] for row in out["curve"]] == [2, 4, 5]  # every evaluation, then the end of training
+
+
+def test_churn_and_straggler_commands() -> None:
+    """--straggler slows the last founder only; a --join peer syncs the swarm's state from other weights."""
+    from peerd.demo import DemoConfig, gpt_command, gpt_total
+
+    cfg = DemoConfig(model="gpt", peers=4, join=1, straggler=2.0, compression="int8")
+    cmds = {i: gpt_command(cfg, i, f"/s{i}", f"/o{i}") for i in range(gpt_total(cfg))}
+    assert gpt_total(cfg) == 5
+    assert [("--slow" in c) for c in cmds.values()] == [False, False, False, True, False]
+    assert cmds[3][cmds[3].index("--slow") + 1] == "2.0"
+    assert all("--no-sync" in cmds[i] and "--init-seed" not in cmds[i] for i in range(4))  # founders: alike
+    assert "--no-sync" not in cmds[4] and "--init-seed" in cmds[4]  # the joiner: its own weights, then sync
+    assert all(c[c.index("--compression") + 1] == "int8" for c in cmds.values())
+
+
+def test_straggler_option_parses_factors() -> None:
+    import argparse
+
+    from peerd.demo import _straggler
+
+    assert _straggler("2x") == 2.0 and _straggler("1.5") == 1.5
+    for bad in ("0.5x", "fast", "1000x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _straggler(bad)
