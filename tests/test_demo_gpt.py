@@ -88,3 +88,19 @@ def test_straggler_option_parses_factors() -> None:
     for bad in ("0.5x", "fast", "1000x"):
         with pytest.raises(argparse.ArgumentTypeError):
             _straggler(bad)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["demo", "--kill", "1"], "go with --model gpt"),
+        (["demo", "--model", "gpt", "--kill", "4"], "--kill must be in [0, --peers)"),
+        (["demo", "--model", "gpt", "--straggler", "0.5x"], "[1x, 100x]"),
+        (["demo", "--model", "gpt", "--batch", "0"], "--batch must be in"),
+    ],
+)
+def test_gpt_demo_arguments_are_checked(args: list[str], needle: str) -> None:
+    from .conftest import peerd
+
+    proc = peerd(*args, check=False)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
