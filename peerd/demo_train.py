@@ -346,6 +346,8 @@ def run_train(args: argparse.Namespace) -> int:
             samples_total += samples
             train_loss = sum(losses) / samples
             reply = opt.step(samples=samples, loss=train_loss)
+            if "auto" in reply:  # compression="auto" chose: the bytes below count in its codec
+                args.compression = reply["auto"]["compression"]
             if reply["outcome"] == "averaged" and not diloco:
                 tensor_bytes += averaged_bytes(args, opt.elems, reply)  # the gradient vector, in the run's codec
             for o in reply.get("outer", []):

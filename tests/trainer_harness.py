@@ -65,7 +65,9 @@ class InProcessAverager:
     async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
                       keep_rounds: int | None = None, round_no: int | None = None, ready=None,
                       **options) -> RoundResult:
-        assert set(options) <= {"max_weight", "robust", "center", "chain_from"}, options
+        # codec keywords are taken and recorded (the average stays exact)
+        assert set(options) <= {"max_weight", "robust", "center", "chain_from", "compression", "quant_group",
+                                "rounding"}, options
         start = time.monotonic()
         self.readies.append(ready is not None)
         if ready is not None:  # as Moshpit with ready=: (the group would form here) then the vector is read

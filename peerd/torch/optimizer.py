@@ -32,6 +32,7 @@ from ..compress import COMPRESSIONS as CODECS
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
 from ..localsock.phases import add_phases, empty_phases
+from .auto import Choice, Measured, choose, fp32_transfer_s
 from .founders import FOUNDER_WINDOW_S, SameData, reseed_peer
 from .overlap import DEFAULT_BUCKET_MB, Overlap
 from .report import StepReport
@@ -48,9 +49,8 @@ STATE_FORMAT = "peerd-state-v1"
 # max_samples not given: this many times the samples of the trainer's first step, so a member claiming a huge
 # weight counts for at most a few honest batches here (DropCompute's honest weights stay below one batch)
 MAX_SAMPLES_FACTOR = 4.0
-
-
 SNAPSHOT_TRIES = 4  # snapshots a joiner refuses (non-finite, implausible step) before it gives up
+AUTO_STEP = 5  # compression="auto": steps measured in float32 before the codec is chosen (at this step count)
 
 
 class NoGroupError(RuntimeError):
@@ -82,11 +82,15 @@ class Optimizer(torch.optim.Optimizer):
     member may claim as its averaging weight in this run; None: MAX_SAMPLES_FACTOR times the samples of this
     trainer's first step, declared to the daemon before that step averages), ``compression`` (the
     codec of every average of the run: "fp32", "fp16", "bf16", "int8" or "int4"; every trainer of the run must
-    pass the same; None: the run's, fp32 unless set), ``quant_group`` and ``rounding`` (int8/int4: values per
-    scale and min, default 128; "stochastic", the default, or "nearest"). ``compression="arc-topk"`` averages the
-    top ``topk_ratio`` (default 0.1) of each matrix's rows per shard with EF21M error feedback in the daemon
-    (peerd.allreduce.arctopk): the gradients the step applies are EF21M's update direction; parameter averages
-    stay fp32; not with ``overlap``.
+    pass the same; None: the run's, fp32 unless set; "auto", the default: float32 for the first AUTO_STEP steps,
+    then what peerd.torch.auto picks from the link rate and compute time measured, int8 where float32's transfer
+    would take over a quarter of the compute, with the choice and its reason in every step's reply under "auto"
+    and in `peerd status`; a joiner takes the swarm's choice with its state; with overlap, fp32),
+    ``quant_group`` and ``rounding`` (int8/int4: values per scale and min, default 128; "stochastic", the
+    default, or "nearest").
+    ``compression="arc-topk"`` averages the top ``topk_ratio`` (default 0.1) of each matrix's rows per shard
+    with EF21M error feedback in the daemon (peerd.allreduce.arctopk): the gradients the step applies are
+    EF21M's update direction; parameter averages stay fp32; not with ``overlap``.
 
     ``overlap=True`` (with ``model``; CPU or CUDA parameters): DeAR-style overlap (peerd.torch.overlap). Gradients go to
     the daemon in buckets of about ``bucket_mb`` MB as backward produces them, and each layer's update is applied just
@@ -106,7 +110,7 @@ class Optimizer(torch.optim.Optimizer):
                  sync_state: bool = True, state_every: int = 10, state_timeout_s: float = 60.0,
                  nslots: int = 4, keep_rounds: int | None = DEFAULT_KEEP_ROUNDS, robust: str | None = None,
                  max_samples: float | None = None, overlap: bool = False, model: torch.nn.Module | None = None,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, compression: str | None = None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, compression: str | None = "auto",
                  quant_group: int | None = None, rounding: str | None = None, topk_ratio: float | None = None,
                  founder_window_s: float = FOUNDER_WINDOW_S, reseed: bool = True) -> None:
         self._torch_surface(optimizer)
@@ -115,6 +119,14 @@ class Optimizer(torch.optim.Optimizer):
         self.founder_window_s = float(founder_window_s)
         if no_group not in NO_GROUP:
             raise ValueError(f"no_group must be one of {NO_GROUP}")
+        # compression="auto": float32 until step AUTO_STEP, then what peerd.torch.auto picks from the steps measured
+        self.auto: Choice | None = None
+        self._auto_probe: list[tuple[float, float, int, int]] | None = None  # compute s, round s, bytes, group
+        if compression == "auto":
+            if quant_group is not None or rounding is not None or topk_ratio is not None:
+                raise ValueError("quant_group, rounding and topk_ratio name a codec: not with compression='auto'")
+            compression = None
+            self._auto_probe = None if overlap else []  # overlap's buckets are in flight across steps: fp32
         if compression is not None and compression not in CODECS:
             raise ValueError(f"compression must be one of {CODECS} or None, got {compression!r}")
         if (quant_group is not None or rounding is not None) and compression not in ("int8", "int4"):
@@ -392,6 +404,7 @@ class Optimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             return self._step_overlap(samples, loss)
         now = t0 = time.monotonic()
+        compute_s = now - self._last_end if self._last_end is not None else None  # the caller's time since
         report: dict[str, Any] = {}
         if loss is not None:
             report["loss"] = float(loss)
@@ -437,6 +450,7 @@ class Optimizer(torch.optim.Optimizer):
         phases["copy_out"] += time.monotonic() - t2
         self.opt.step()
         self.step_count += 1
+        self._auto_step(reply, compute_s)
         due = self._params_due(reply)
         if due is not None:
             reply["params"] = self.average_parameters(round_no=due)
@@ -444,6 +458,61 @@ class Optimizer(torch.optim.Optimizer):
         if self.state_every and self.step_count % self.state_every == 0:
             self.publish_state()
         return self._finish_step(reply, t0, phases)
+
+    def _auto_step(self, reply: dict[str, Any], compute_s: float | None) -> None:
+        """compression="auto": measure this step; at AUTO_STEP choose (every member at the same step count), and
+        reopen the session in the chosen codec. The choice and its reason go in every reply from then on."""
+        if self._auto_probe is not None:
+            if reply["outcome"] == "averaged" and compute_s is not None and reply.get("seconds", 0) > 0:
+                self._auto_probe.append((compute_s, float(reply["seconds"]), int(reply.get("bytes_sent", 0)),
+                                         int(reply["group_size"])))
+            if self.step_count >= AUTO_STEP:
+                self._auto_choose()
+        if self.auto is not None:
+            reply["auto"] = {"compression": self.auto.compression, "average_every": self.auto.average_every,
+                             "bucket_mb": self.auto.bucket_mb, "reason": self.auto.reason}
+
+    def _auto_choose(self, codec: str | None = None) -> None:
+        """Choose (or take ``codec``, a donor's choice), then switch the session's codec if it changed."""
+        probe, self._auto_probe = self._auto_probe or [], None
+
+        def median(xs: list[float]) -> float | None:
+            return sorted(xs)[len(xs) // 2] if xs else None
+
+        # the rate a round moved the vector at, its fixed costs included: what a step pays per byte
+        rates = [fp32_transfer_s(1.0, self.elems, g) / sec for _, sec, _, g in probe if g > 1]
+        measured = Measured(link_bps=median(rates), rtt_s=None, compute_s=median([c for c, *_ in probe]),
+                            params=self.elems, peers=max([g for *_, g in probe], default=1))
+        choice = choose(measured)
+        if codec is not None and codec != choice.compression:
+            choice = Choice(codec, choice.average_every, choice.bucket_mb,
+                            f"{codec}: the swarm's choice, taken over with its state", choice.fp32_transfer_s)
+        self.auto = choice
+        log.info("compression auto: %s", choice.reason)
+        if choice.compression == "fp32":
+            self._report_auto()
+        if choice.compression != "fp32":
+            self.compression = choice.compression
+            self.codec_options = {"compression": choice.compression}
+            for attempt in range(40):  # the daemon releases the old session when it sees the connection close
+                try:
+                    self.connect()
+                    break
+                except DaemonError as e:
+                    if "declare the same compression" not in str(e) or attempt == 39:
+                        raise
+                    time.sleep(0.05)
+            self._report_auto()
+
+    def _report_auto(self) -> None:
+        """Tell the daemon the auto choice, for `peerd status` (an older daemon ignores it)."""
+        assert self.auto is not None
+        try:
+            self._call("trainer_report", auto={"compression": self.auto.compression,
+                                               "average_every": self.auto.average_every,
+                                               "bucket_mb": self.auto.bucket_mb, "reason": self.auto.reason[:1000]})
+        except DaemonError as e:
+            log.info("reporting the auto choice failed: %s", e)
 
     def _step_overlap(self, samples: int | float, loss: float | None) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -521,7 +590,8 @@ class Optimizer(torch.optim.Optimizer):
         buf = io.BytesIO()
         torch.save({"format": STATE_FORMAT, "layout": self.layout_hash, "step": self.step_count,
                     "optimizer_class": type(self.opt).__name__, "params": flat,
-                    "optimizer": self.opt.state_dict()}, buf)
+                    "optimizer": self.opt.state_dict(),
+                    **({"auto_codec": self.auto.compression} if self.auto is not None else {})}, buf)
         return buf.getvalue()
 
     def _gather_cpu(self, flat: torch.Tensor) -> None:
@@ -561,6 +631,8 @@ class Optimizer(torch.optim.Optimizer):
                 off += n
         self.opt.load_state_dict(state["optimizer"])
         self.step_count = step
+        if self._auto_probe is not None and state.get("auto_codec") in ("fp32", "int8"):
+            self._auto_choose(state["auto_codec"])  # the swarm chose before this trainer came: average as it does
         return self.step_count
 
     def publish_state(self) -> dict[str, Any]:

@@ -195,6 +195,16 @@ def parse_max_samples(raw: Any) -> float | None:
     return float(raw)
 
 
+MAX_AUTO_REASON = 1000  # characters of a trainer's auto choice reason kept for `peerd status`
+
+
+def _small_value(v: Any) -> bool:
+    """A number, or a string of at most MAX_AUTO_REASON characters."""
+    if isinstance(v, str):
+        return len(v) <= MAX_AUTO_REASON
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
 @dataclass
 class Session:
     id: int
@@ -222,6 +232,7 @@ class Session:
     # MAX_DEFERRED_STEPS unfinished ones)
     rounds: dict[int, StepRound] = field(default_factory=dict)
     compression: dict[str, Any] = field(default_factory=dict)  # the run's codec keywords (parse_compression)
+    auto: dict[str, Any] = field(default_factory=dict)  # the trainer's compression="auto" choice and its reason
     shapes: list[list[int]] = field(default_factory=list)  # the layout's shapes (arc-topk's rows and columns)
 
     def average_id(self, kind: str) -> str:
@@ -921,15 +932,25 @@ class TrainerService:
             self.metrics.trainer_samples_per_second.set(sps)
 
     async def _op_report(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        self._report(req, self._session(req, conn))
+        session = self._session(req, conn)
+        self._report(req, session)
+        auto = req.get("auto")
+        if auto is not None:  # what compression="auto" chose, for `peerd status`: bounded, strings and numbers
+            if not isinstance(auto, dict) or len(auto) > 8 or not all(
+                    isinstance(k, str) and len(k) <= 32 and _small_value(v) for k, v in auto.items()):
+                raise OpError(f"auto must be a small object of strings (<= {MAX_AUTO_REASON} chars) and numbers")
+            session.auto = dict(auto)
         return {}
 
     def statistics(self) -> list[dict[str, Any]]:
-        """Every open session's run, steps and latest step (its outcome, seconds and phases): ``peerd status``."""
+        """Every open session's run, codec, steps, the compression="auto" choice with its reason, and its latest
+        step (its outcome, seconds and phases): ``peerd status``."""
         return [{"session": s.id, "run": s.run, "layout": s.layout[:16], "steps": s.steps,
+                 "compression": s.compression.get("compression", "fp32"),
                  "outcome": s.last.get("outcome", ""), "seconds": s.last.get("seconds", 0.0),
-                 "kept": bool(s.last.get("kept", False)), "phases": dict(s.phases)}
-                for s in self.sessions.values()]
+                 "kept": bool(s.last.get("kept", False)), "phases": dict(s.phases),
+                 **({"auto": s.auto} if s.auto else {})}
+                for s in self.sessions.values() if not s.closed]
 
     # -- state sync -----------------------------------------------------------------------------
     async def _op_state_publish(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:

@@ -1,0 +1,110 @@
+"""What ``compression="auto"`` picks: a pure function of what the node measured, with the reason in words.
+
+Inputs are measurements (the link rate, the round trip, the trainer's compute per step) and the model's size;
+the output is the codec, the parameter-averaging period and the overlap bucket size, each with why. No clock, no
+I/O: the optimizer measures, this module decides, and tests pin the rule.
+
+The codec rule: for a vector of at least ``MIN_INT8_PARAMS`` values, if moving the gradient in float32
+(2 (n - 1) / n of 4 bytes a parameter through the link, as an all-reduce must) would take more than
+``INT8_SHARE`` of the step's compute, averages go in int8: a quarter of the bytes, with stochastic rounding
+(unbiased) and an error per value of at most one quantization step, the group's (max - min) / 255
+(protocol/codecs.md). Else float32, which costs nothing in accuracy. The threshold sits far from where a step is
+balanced, so that members who measure slightly differently still choose alike (every member of a run must
+average in the same codec).
+
+The period and bucket size are chosen by the same measurements; peerd.torch.Optimizer applies the codec and
+reports the other two (they change which rounds members meet in, so applying them needs every member's
+agreement, which the codec's threshold margin gives and theirs does not yet).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+INT8_SHARE = 0.25  # int8 when the fp32 transfer would take more than this share of the step's compute ...
+MIN_INT8_PARAMS = 262_144  # ... and the vector holds at least this many values (1 MiB of float32): below, a
+# round's fixed costs (matchmaking, round trips) dominate its time, and a quarter of the bytes saves nothing
+PARAM_COST_SHARE = 0.1  # parameter averages (float32) may take at most this share of the training time ...
+AVERAGE_EVERY = (10, 50)  # ... with the period in this range (10: the library's default)
+BUCKET_MB = (1.0, 25.0)  # overlap buckets: at least 1 MB, at most the library's default
+BUCKET_RTTS = 12  # a bucket holds at least this many round trips of the link (its fixed cost <= 25 % at 3 RTTs)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the node measured: ``link_bps`` (bits/s the averages move at; None: not measured yet), ``rtt_s``
+    (None: not measured), ``compute_s`` (the trainer's seconds per step outside ``step()``), ``params`` (float32
+    values a step averages) and ``peers`` (the group's size)."""
+
+    link_bps: float | None
+    rtt_s: float | None
+    compute_s: float | None
+    params: int
+    peers: int
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The pick: ``compression`` ("fp32" or "int8"), ``average_every`` (steps between parameter averages),
+    ``bucket_mb`` (overlap), ``reason`` (one sentence per choice, for the step result and `peerd status`)."""
+
+    compression: str
+    average_every: int
+    bucket_mb: float
+    reason: str
+    fp32_transfer_s: float | None  # the estimate the codec was chosen on
+
+
+def fp32_transfer_s(link_bps: float, params: int, peers: int) -> float:
+    """Seconds to all-reduce ``params`` float32 values among ``peers`` at ``link_bps``: each member sends and
+    receives 2 (n - 1) / n of the vector (reduce-scatter, then all-gather)."""
+    share = 2 * (peers - 1) / peers if peers > 1 else 0.0
+    return share * 4 * params * 8 / link_bps
+
+
+def _positive(x: float | None) -> bool:
+    return x is not None and math.isfinite(x) and x > 0
+
+
+def choose(m: Measured) -> Choice:
+    """The auto choice for ``m`` (see the module's docstring for the rules)."""
+    if m.params < 1 or m.peers < 1:
+        raise ValueError(f"params and peers must be positive, got {m.params} and {m.peers}")
+    reasons = []
+    transfer = fp32_transfer_s(m.link_bps, m.params, m.peers) if _positive(m.link_bps) else None
+    if transfer is None or not _positive(m.compute_s):
+        codec = "fp32"
+        reasons.append("fp32: link rate or compute time not measured yet")
+    elif m.params < MIN_INT8_PARAMS:
+        codec = "fp32"
+        reasons.append(f"fp32: {m.params} values ({4 * m.params / 2**10:.0f} KiB) are too few for their bytes to "
+                       f"set a round's time")
+    elif transfer > INT8_SHARE * m.compute_s:  # type: ignore[operator]
+        codec = "int8"
+        reasons.append(f"int8: fp32 would take {transfer * 1e3:.0f} ms a step at {m.link_bps / 1e6:.0f} Mbit/s "
+                       f"against {m.compute_s * 1e3:.0f} ms of compute (> {INT8_SHARE:.0%}); int8 sends a quarter, "  # type: ignore[operator]
+                       f"unbiased, error <= (max - min) / 255 per group")
+    else:
+        codec = "fp32"
+        reasons.append(f"fp32: its transfer ({transfer * 1e3:.0f} ms a step) is within {INT8_SHARE:.0%} of "
+                       f"compute ({m.compute_s * 1e3:.0f} ms)")  # type: ignore[operator]
+    lo, hi = AVERAGE_EVERY
+    every = lo
+    if transfer is not None and _positive(m.compute_s):
+        step = m.compute_s + (transfer / 4 if codec == "int8" else transfer)  # type: ignore[operator]
+        every = min(hi, max(lo, math.ceil(transfer / (PARAM_COST_SHARE * step))))
+        reasons.append(f"parameters every {every} steps: a float32 average costs {transfer / step:.1f} steps, "
+                       f"kept under {PARAM_COST_SHARE:.0%} of training")
+    else:
+        reasons.append(f"parameters every {every} steps (the default until measured)")
+    blo, bhi = BUCKET_MB
+    bucket = bhi
+    if _positive(m.link_bps) and _positive(m.rtt_s):
+        floor_mb = BUCKET_RTTS * m.rtt_s * m.link_bps / 8 / 2**20  # type: ignore[operator]
+        bucket = min(bhi, max(blo, floor_mb, 4 * m.params / 4 / 2**20))  # a quarter of the model, or the RTT floor
+        reasons.append(f"buckets of {bucket:.1f} MB: {BUCKET_RTTS} round trips of {m.rtt_s * 1e3:.1f} ms hold "  # type: ignore[operator]
+                       f"{floor_mb:.2f} MB, a quarter of the model {m.params / 2**20:.2f} MB")
+    else:
+        reasons.append(f"buckets of {bucket:g} MB (the default until the round trip is measured)")
+    return Choice(codec, every, round(bucket, 2), "; ".join(reasons), transfer)

@@ -1,0 +1,106 @@
+"""`peerd demo --model gpt`: the user's GPT script (peerd.demo_gpt), its pieces, and a short run end to end with
+its DDP baseline on 127.0.0.1 (needs torch)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from .conftest import peerd_json
+
+pytest.importorskip("torch")
+
+
+def test_corpus_is_deterministic_ascii_and_large_enough() -> None:
+    from peerd.demo_gpt import TEXT_BYTES, VAL_CHARS, VOCAB, load_corpus
+
+    a, b = load_corpus(), load_corpus()
+    assert len(a) == TEXT_BYTES and (a == b).all()
+    assert int(a.max()) < VOCAB and len(a) > 20 * VAL_CHARS
+
+
+def test_model_size_groups_and_schedule() -> None:
+    from peerd.demo_gpt import build_gpt, cosine_lr, param_groups
+
+    model = build_gpt(0)
+    n = sum(p.numel() for p in model.parameters())
+    assert 0.7e6 < n < 0.9e6  # "~0.8 M parameters, 4 layers"
+    decay, rest = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and rest["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in rest["params"])
+    assert len(decay["params"]) + len(rest["params"]) == len(list(model.parameters()))
+    assert [round(cosine_lr(s, 100, 1.0, 10), 3) for s in (0, 9, 10, 100)] == [0.1, 1.0, 1.0, 0.1]
+    # the same seed builds the same weights (founders start alike), another seed others
+    same, other = build_gpt(0), build_gpt(1)
+    p0, p1, p2 = (next(m.parameters()) for m in (model, same, other))
+    assert bool((p0 == p1).all()) and not bool((p0 == p2).all())
+
+
+def test_time_to_target_reads_the_first_eval_at_or_below() -> None:
+    from peerd.demo import loss_curve, time_to_target
+
+    evals = {10: {0: (3.0, 105.0), 1: (3.2, 107.0)}, 20: {0: (2.0, 120.0)}, 30: {0: (2.1, 130.0), 1: (1.9, 131.0)}}
+    curve = loss_curve(evals, 100.0, members=2)  # step 20 lacks a member: not a row
+    assert curve == [(10, 3.1, 7.0), (30, 2.0, 31.0)]
+    assert time_to_target(curve, 2.0) == 31.0 and time_to_target(curve, 3.1) == 7.0
+    assert time_to_target(curve, 1.0) is None and time_to_target(curve, None) is None
+
+
+@pytest.mark.timeout(240)
+def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
+    """A few steps, 2 peers on loopback, then DDP: the headline fields are there and make sense."""
+    out = peerd_json("demo", "--model", "gpt", "--peers", "2", "--steps", "4", "--eval-every", "2",
+                     "--baseline", "ddp", timeout=240)
+    for key in ("val_loss", "baseline_val_loss", "time_to_target_s", "baseline_time_to_target_s", "speedup"):
+        assert key in out, key
+    initial = math.log(128)  # the untrained model's loss over 128 characters
+    assert out["val_loss"] < initial and out["baseline_val_loss"] < initial, out
+    assert out["target_loss"] == out["baseline_val_loss"]
+    assert out["baseline_time_to_target_s"] > 0  # DDP reaches its own final loss, at its last evaluation at latest
+    tt = out["time_to_target_s"]
+    assert out["speedup"] == (round(out["baseline_time_to_target_s"] / tt, 3) if tt else 0.0), out
+    assert out["outcomes"].get("averaged", 0) >= 2 * 4 * 0.75, out["outcomes"]  # the peers did average
+    assert out["max_param_divergence"] < 1e-3  # the final parameter averages brought them together
+    assert [row[0] for row in out["curve"]] == [2, 4, 5]  # every evaluation, then the end of training
+
+
+def test_churn_and_straggler_commands() -> None:
+    """--straggler slows the last founder only; a --join peer syncs the swarm's state from other weights."""
+    from peerd.demo import DemoConfig, gpt_command, gpt_total
+
+    cfg = DemoConfig(model="gpt", peers=4, join=1, straggler=2.0, compression="int8")
+    cmds = {i: gpt_command(cfg, i, f"/s{i}", f"/o{i}") for i in range(gpt_total(cfg))}
+    assert gpt_total(cfg) == 5
+    assert [("--slow" in c) for c in cmds.values()] == [False, False, False, True, False]
+    assert cmds[3][cmds[3].index("--slow") + 1] == "2.0"
+    assert all("--no-sync" in cmds[i] and "--init-seed" not in cmds[i] for i in range(4))  # founders: alike
+    assert "--no-sync" not in cmds[4] and "--init-seed" in cmds[4]  # the joiner: its own weights, then sync
+    assert all(c[c.index("--compression") + 1] == "int8" for c in cmds.values())
+
+
+def test_straggler_option_parses_factors() -> None:
+    import argparse
+
+    from peerd.demo import _straggler
+
+    assert _straggler("2x") == 2.0 and _straggler("1.5") == 1.5
+    for bad in ("0.5x", "fast", "1000x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _straggler(bad)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["demo", "--kill", "1"], "go with --model gpt"),
+        (["demo", "--model", "gpt", "--kill", "4"], "--kill must be in [0, --peers)"),
+        (["demo", "--model", "gpt", "--straggler", "0.5x"], "[1x, 100x]"),
+        (["demo", "--model", "gpt", "--batch", "0"], "--batch must be in"),
+    ],
+)
+def test_gpt_demo_arguments_are_checked(args: list[str], needle: str) -> None:
+    from .conftest import peerd
+
+    proc = peerd(*args, check=False)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr

@@ -1,0 +1,162 @@
+"""peerd.torch.auto: the rule behind compression="auto" (codec, parameter-averaging period, bucket size)."""
+
+import pytest
+
+from peerd.torch.auto import INT8_SHARE, MIN_INT8_PARAMS, Measured, choose, fp32_transfer_s
+
+GPT = 842_496  # peerd demo --model gpt's parameters
+
+
+def test_transfer_estimate_is_an_all_reduce():
+    # 4 peers: each sends 2 * 3/4 of 4 bytes a value; 1e6 values at 100 Mbit/s = 0.48 s
+    assert fp32_transfer_s(100e6, 1_000_000, 4) == pytest.approx(0.48)
+    assert fp32_transfer_s(100e6, 1_000_000, 1) == 0.0
+
+
+def test_slow_link_picks_int8_with_its_reason():
+    # the GPT at 100 Mbit among 4: fp32 takes 0.40 s a step against 0.3 s of compute
+    c = choose(Measured(link_bps=100e6, rtt_s=None, compute_s=0.3, params=GPT, peers=4))
+    assert c.compression == "int8"
+    assert c.fp32_transfer_s == pytest.approx(0.404, abs=0.001)
+    assert "int8" in c.reason and "unbiased" in c.reason and "(max - min) / 255" in c.reason
+
+
+def test_fast_link_keeps_fp32():
+    # loopback-like rates: the transfer is a few ms against 300 ms of compute
+    c = choose(Measured(link_bps=20e9, rtt_s=50e-6, compute_s=0.3, params=GPT, peers=4))
+    assert c.compression == "fp32" and c.reason.startswith("fp32: its transfer")
+
+
+def test_threshold_is_a_share_of_compute():
+    params, peers, bps = 1_000_000, 4, 100e6
+    t = fp32_transfer_s(bps, params, peers)
+    just_over = choose(Measured(bps, None, t / INT8_SHARE * 0.99, params, peers))
+    just_under = choose(Measured(bps, None, t / INT8_SHARE * 1.01, params, peers))
+    assert (just_over.compression, just_under.compression) == ("int8", "fp32")
+
+
+def test_small_model_keeps_fp32_whatever_the_link():
+    c = choose(Measured(link_bps=1e6, rtt_s=None, compute_s=0.001, params=MIN_INT8_PARAMS - 1, peers=4))
+    assert c.compression == "fp32" and "too few" in c.reason
+
+
+def test_unmeasured_keeps_the_defaults():
+    for m in (Measured(None, None, 0.3, GPT, 4), Measured(100e6, None, None, GPT, 4),
+              Measured(float("nan"), None, 0.3, GPT, 4), Measured(100e6, None, 0.0, GPT, 4)):
+        c = choose(m)
+        assert (c.compression, c.average_every, c.bucket_mb) == ("fp32", 10, 25.0), m
+        assert "not measured" in c.reason
+
+
+def test_average_period_keeps_parameter_averages_cheap():
+    # a float32 parameter average costs one fp32 transfer; the period keeps that under 10 % of training
+    cheap = choose(Measured(100e6, None, 3.0, GPT, 4))
+    assert cheap.average_every == 10
+    dear = choose(Measured(10e6, None, 0.05, GPT, 4))  # 4 s fp32 transfers against 1 s int8 steps: ~40
+    assert dear.compression == "int8" and 30 <= dear.average_every <= 50
+    mid = choose(Measured(100e6, None, 0.3, GPT, 4))
+    assert 10 <= mid.average_every <= 50
+
+
+def test_bucket_follows_the_round_trip():
+    assert choose(Measured(100e6, 0.0005, 0.3, GPT, 4)).bucket_mb == 1.0  # a quarter of 3.2 MB, raised to 1 MB
+    near = choose(Measured(100e6, 0.0005, 0.3, 8_000_000, 4))
+    assert near.bucket_mb == pytest.approx(8_000_000 / 2**20, abs=0.01)  # a quarter of the model
+    far = choose(Measured(1e9, 0.1, 0.3, GPT, 4))  # 12 round trips of 100 ms at 1 Gbit/s: 143 MB, capped
+    assert far.bucket_mb == 25.0
+
+
+def test_bad_sizes_refused():
+    with pytest.raises(ValueError):
+        choose(Measured(100e6, None, 0.3, 0, 4))
+
+
+# -- wired into peerd.torch.Optimizer (an in-process daemon: real socket, arena and TrainerService) -------------
+
+def _replicas(tmp_path, delay_s: float, compute_s: float, steps: int = 8):
+    """Two replicas of a 262,656-parameter model with compression="auto" (the default) train ``steps`` steps
+    against rounds that take ``delay_s`` and compute that takes ``compute_s``; their replies and models."""
+    import threading
+    import time
+
+    import torch
+
+    from peerd.torch import Optimizer
+
+    from .trainer_harness import InProcessAverager, ThreadDaemon
+
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0, delay_s=delay_s))
+    try:
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            models.append(torch.nn.Linear(512, 512))
+        opts = [Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="auto", socket=d.path, sync_state=False,
+                          average_params_every=0, state_every=0) for m in models]
+        replies: list[list[dict]] = [[], []]
+
+        def worker(i: int) -> None:
+            for s in range(steps):
+                g = torch.Generator().manual_seed(100 * i + s)
+                opts[i].zero_grad()
+                models[i](torch.randn(4, 512, generator=g)).pow(2).mean().backward()
+                time.sleep(compute_s)
+                replies[i].append(opts[i].step(samples=4))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        status = d.service.trainers() if hasattr(d, "service") else None
+        for o in opts:
+            o.close()
+        return replies, models, opts, status
+    finally:
+        d.stop()
+
+
+def test_optimizer_auto_switches_both_replicas_to_int8_on_a_slow_link(tmp_path) -> None:
+    import torch
+
+    replies, models, opts, status = _replicas(tmp_path, delay_s=0.2, compute_s=0.0)
+    for r in replies:
+        assert len(r) == 8 and all(x["outcome"] == "averaged" for x in r), r
+        assert "auto" not in r[3] and r[4]["auto"]["compression"] == "int8"  # chosen at step 5, then every reply
+        assert r[-1]["auto"]["compression"] == "int8" and "unbiased" in r[-1]["auto"]["reason"]
+    assert all(o.compression == "int8" for o in opts)
+    assert bool(torch.equal(models[0].weight, models[1].weight))  # the replicas averaged alike after the switch
+    # `peerd status` (the daemon's trainer sessions): the codec and the choice with its reason
+    assert len(status) == 2 and all(t["compression"] == "int8" and t["auto"]["compression"] == "int8"
+                                    and "int8" in t["auto"]["reason"] for t in status), status
+
+
+def test_optimizer_auto_keeps_fp32_when_compute_dominates(tmp_path) -> None:
+    replies, _, opts, _ = _replicas(tmp_path, delay_s=0.0, compute_s=0.4, steps=6)
+    for r in replies:
+        assert r[-1]["auto"]["compression"] == "fp32" and all(x["outcome"] == "averaged" for x in r), r
+    assert all(o.compression is None for o in opts)  # the run's default codec, float32
+
+
+def test_explicit_compression_wins(tmp_path) -> None:
+    import torch
+
+    from peerd.torch import Optimizer
+
+    from .trainer_harness import InProcessAverager, ThreadDaemon
+
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1))
+    try:
+        m = torch.nn.Linear(512, 512)
+        opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="x", socket=d.path, sync_state=False,
+                        compression="fp32", state_every=0)
+        for _ in range(6):
+            m(torch.ones(1, 512)).sum().backward()
+            reply = opt.step()
+        assert "auto" not in reply and opt.auto is None and opt.compression == "fp32"
+        opt.close()
+        with pytest.raises(ValueError, match="not with compression='auto'"):
+            Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="y", socket=d.path, compression="auto",
+                      quant_group=64)
+    finally:
+        d.stop()
