@@ -3,10 +3,10 @@
 # wait until Prometheus scrapes all 5 daemons and every daemon sees the 4 others (peerd_dht_peers >= 4), then
 # take it all down. Exits non-zero, saying why, if any of it fails.
 #
-# Needs rootful podman with the lab's base images: run `bash shared/lab/podman-setup.sh` first (as root).
+# Needs rootful podman with the base images: on a machine without Docker, run deploy/podman-setup.sh first (root).
 #   LAB_DIR                where podman-setup.sh put podman-compose (default /var/tmp/peerd-lab)
 #   PEERD_INSTALL_FROM     wheels (default: fill deploy/wheels/ on the host, no registry in the build) or pypi
-#   PEERD_TRAIN            1 (default): peers run `peerd train` beside the daemon, and the script waits for
+#   PEERD_TRAIN            1 (default): peers run `peerd demo-trainer` beside the daemon, and the script waits for
 #                          trainer metrics too when the image has that command; 0: daemons only
 #   COMPOSE_TEST_TIMEOUT   seconds to wait for the swarm once the containers run (default 180)
 set -uo pipefail
@@ -17,9 +17,9 @@ fail() { say "FAILED: $*"; exit 1; }
 
 LAB_DIR=${LAB_DIR:-/var/tmp/peerd-lab}
 PC="$LAB_DIR/pcvenv/bin/podman-compose"
-[ "$(id -u)" = 0 ] || fail "needs root (rootful podman, as in shared/lab/)"
-command -v podman >/dev/null || fail "no podman: run shared/lab/podman-setup.sh first"
-[ -x "$PC" ] || fail "no podman-compose at $PC: run shared/lab/podman-setup.sh first (or set LAB_DIR)"
+[ "$(id -u)" = 0 ] || fail "needs root (rootful podman)"
+command -v podman >/dev/null || fail "no podman: run deploy/podman-setup.sh first"
+[ -x "$PC" ] || fail "no podman-compose at $PC: run deploy/podman-setup.sh first (or set LAB_DIR)"
 export PEERD_INSTALL_FROM=${PEERD_INSTALL_FROM:-wheels}
 export PEERD_TRAIN=${PEERD_TRAIN:-1}
 timeout_s=${COMPOSE_TEST_TIMEOUT:-180}
@@ -109,7 +109,7 @@ done
 swarm_s=$((SECONDS - tu))
 say "Prometheus scrapes 5 daemons, each sees the 4 others: $swarm_s s after up"
 
-# The image must run the native data plane (issue 15): the daemons say which one in their status.
+# The image must run the native data plane: the daemons say which one in their status.
 for c in $(podman ps --filter "label=io.podman.compose.project=$project" --format '{{.Names}}' | grep -v prometheus); do
   dp=$(podman exec "$c" peerd status --json 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin)["dataplane"])')
   [ "$dp" = native ] || { show_state; fail "$c runs the '${dp:-unknown}' data plane, not the native one"; }
@@ -117,7 +117,7 @@ done
 say "every daemon runs the native data plane"
 
 if [ "$PEERD_TRAIN" = 1 ]; then
-  if podman run --rm --entrypoint peerd localhost/peerd:dev train --help >/dev/null 2>&1; then
+  if podman run --rm --entrypoint peerd localhost/peerd:dev demo-trainer --help >/dev/null 2>&1; then
     while :; do
       training=$(query 'count(peerd_trainer_samples_per_second > 0)')
       [ "${training:-0}" -ge 4 ] 2>/dev/null && break
@@ -130,7 +130,7 @@ if [ "$PEERD_TRAIN" = 1 ]; then
     say "4 demo trainers report samples/s; loss $(query 'avg(peerd_trainer_loss)') (mean over peers)," \
         "rounds averaged $(query 'sum(peerd_moshpit_rounds_total{outcome="averaged"})')"
   else
-    say "the image has no 'peerd train' (issue 5): trainers not checked"
+    say "the image has no 'peerd demo-trainer': trainers not checked"
   fi
 fi
 

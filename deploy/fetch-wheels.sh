@@ -2,7 +2,7 @@
 # Fill deploy/wheels/ with every wheel the image needs (peerd's dependencies, its [torch] extra, and its build
 # backend), for `docker build --build-arg INSTALL_FROM=wheels` / PEERD_INSTALL_FROM=wheels on machines whose
 # containers cannot reach PyPI. Runs on the host with the host's pip; the requirement list comes from
-# pyproject.toml, so it follows the project. torch is pinned there to the CPU build (about 190 MB).
+# pyproject.toml, so it follows the project; constraints.txt pins torch (the CPU build, about 190 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -16,7 +16,8 @@ for r in d["build-system"]["requires"] + ["wheel"] + d["project"]["dependencies"
 PY
 )
 mkdir -p deploy/wheels
-"$PYTHON" -m pip download -q --disable-pip-version-check --only-binary=:all: -d deploy/wheels "${reqs[@]}" 2>&1 \
+"$PYTHON" -m pip download -q --disable-pip-version-check --only-binary=:all: -c constraints.txt -d deploy/wheels \
+  "${reqs[@]}" 2>&1 \
   | grep -v "is ignored: it is neither" || true
 # pip's exit status is lost in the pipe above: check the result instead.
 "$PYTHON" - "${reqs[@]}" <<'PY'

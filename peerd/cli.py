@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="'peerd COMMAND --help' shows a command's options.",
     )
     parser.add_argument("--version", action="version", version=f"peerd {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS, prog="peerd")
 
     p = sub.add_parser("keygen", help="write a new node identity and/or a new swarm secret (mode 0600)")
     p.add_argument("--identity", metavar="PATH", help="write a new node identity here (what join --identity reads)")
@@ -170,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-relay", action="store_true",
                    help="never relay datagrams for NATed peers (default: relay, budgeted, when this node is public)")
     p.add_argument("--max-group", type=int, default=16, metavar="N",
-                   help="Moshpit groups of at most N members (2..64; default 16): a larger swarm averages over a "
-                        "grid of such groups in several rounds (a run's published grid wins)")
+                   help="average in groups of at most N members (2..64; default 16): a larger swarm averages "
+                        "over a grid of such groups in several rounds")
     p.add_argument("--dht-replicas", type=int, default=None, metavar="R",
                    help="copies of each DHT record this node writes, on the R nodes closest to its key (1..20; "
                         "default 5): more survive heavier churn, each costs one more message per write and read")

@@ -156,7 +156,8 @@ def averaged_bytes(args: argparse.Namespace, elems: int, reply: dict[str, Any], 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run id: trainers with the same run id and model train together")
     p.add_argument("--socket", default=None, metavar="PATH",
-                   help="the daemon's local socket (default: $PEERD_SOCKET or the per-user default)")
+                   help="the daemon's local socket (default: $PEERD_SOCKET, else $XDG_RUNTIME_DIR/peerd.sock, else "
+                        "/tmp/peerd-UID/peerd.sock)")
     p.add_argument("--steps", type=int, default=200, metavar="S", help="train until this step (default 200)")
     p.add_argument("--peers", type=int, default=1, metavar="N", help="how many peers share the data (default 1)")
     p.add_argument("--index", type=int, default=0, metavar="I", help="this peer's data shard, 0..N-1 (default 0)")

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -306,7 +307,7 @@ def _yaml_to_data(text: str):
 def test_compose_file_validates_and_has_the_services_the_issue_names():
     compose = shutil.which("docker-compose")
     if compose is None:
-        pytest.skip("no docker-compose (apt-get install docker-compose; shared/lab/podman-setup.sh installs it)")
+        pytest.skip("no docker-compose (apt-get install docker-compose; deploy/podman-setup.sh installs it)")
     base = [compose, "-f", str(ROOT / "docker-compose.yml")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEERD_")}
     proc = subprocess.run([*base, "config", "-q"], capture_output=True, text=True, timeout=120, env=env)
@@ -394,7 +395,7 @@ def _torch_ok() -> bool:
 
 
 def _train_exists() -> bool:
-    return subprocess.run([sys.executable, "-m", "peerd", "train", "--help"], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "peerd", "demo-trainer", "--help"], capture_output=True,
                           timeout=60).returncode == 0
 
 
@@ -444,12 +445,12 @@ def test_entrypoint_makes_keys_runs_the_daemon_and_stops_on_sigterm(tmp_path):
             # The demo trainer runs its steps beside the daemon, reports to it, ends; the daemon stays.
             wait_until(lambda: "trainer finished (status 0)" in peer_log.read_text(), timeout=120, interval=0.5,
                        what="the demo trainer to finish its 2 steps")
-            assert "peerd train --run demo" in peer_log.read_text()
+            assert "peerd demo-trainer --run demo" in peer_log.read_text()
             metrics = scrape(status["metrics"])
             assert metric_value(metrics, "peerd_trainer_loss") > 0
             assert metric_value(metrics, "peerd_moshpit_rounds_total") >= 2
         assert peer.poll() is None  # the daemon keeps running, whatever became of the trainer
-        assert "peerd train" not in boot_log.read_text()  # PEERD_TRAIN=0
+        assert "demo-trainer" not in boot_log.read_text()  # PEERD_TRAIN=0
 
         started = time.monotonic()
         for p in (peer, boot):
@@ -475,7 +476,7 @@ def test_entrypoint_exits_with_the_daemons_failure(tmp_path):
     assert "no swarm key at" in log.read_text()
 
     # A bootstrap that never answers: the daemon gives up, and the container's status is the daemon's.
-    subprocess.run([sys.executable, "-m", "peerd", "keygen", "--swarm-key", str(tmp_path / "swarm" / "swarm.key")],
+    subprocess.run([sys.executable, "-m", "peerd", "keygen", "--swarm-key-file", str(tmp_path / "swarm" / "swarm.key")],
                    check=True, capture_output=True, timeout=60)
     udp = free_port(socket.SOCK_DGRAM)
     proc, log, _ = _entrypoint("peer", tmp_path, "nobody", PEERD_LISTEN="127.0.0.1:0", PEERD_TRAIN="0",
@@ -488,7 +489,7 @@ def test_entrypoint_exits_with_the_daemons_failure(tmp_path):
 @pytest.mark.e2e
 def test_entrypoint_keeps_the_daemon_when_the_trainer_fails(tmp_path):
     if not _train_exists():
-        pytest.skip("this peerd has no 'peerd train'")
+        pytest.skip("this peerd has no 'peerd demo-trainer'")
     (tmp_path / "swarm").mkdir()
     # --index outside --peers: the trainer fails at once; with no restarts allowed the entrypoint gives up on it.
     proc, log, env = _entrypoint("bootstrap", tmp_path, "boot", PEERD_LISTEN="127.0.0.1:0", PEERD_TRAIN="1",
@@ -505,3 +506,216 @@ def test_entrypoint_keeps_the_daemon_when_the_trainer_fails(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# deploy/peerd.service as written, without systemd: its ExecStartPre and ExecStart with the unit's user, group,
+# umask, state, runtime and credential directories; then `peerd status` and a trainer as another user of the
+# machine who is in the socket group, and refusals for users who are not.
+
+UNIT_BIN = "/opt/peerd/bin/peerd"
+
+
+def _unit_settings(unit: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The unit's [Service] settings (last wins) and its Environment= assignments in order; continuation lines
+    joined as systemd joins them."""
+    text = re.sub(r"\\\n\s*", " ", unit)
+    settings: dict[str, str] = {}
+    env: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        if not line or line.startswith(("#", "[")) or "=" not in line:
+            continue
+        key, value = line.split("=", 1)
+        if key == "Environment":
+            env += [tuple(word.split("=", 1)) for word in shlex.split(value)]  # type: ignore[misc]
+        else:
+            settings[key] = value
+    return settings, env
+
+
+def _unit_command(line: str, env: dict[str, str], spec: dict[str, str]) -> list[str]:
+    """An Exec line as systemd runs it: specifiers, ${VAR} as one word, $VAR split into words, and the unit's
+    peerd binary replaced by this checkout's."""
+    for k, v in spec.items():
+        line = line.replace(k, v)
+    argv: list[str] = []
+    for word in shlex.split(line):
+        if re.fullmatch(r"\$\w+", word):
+            argv += env.get(word[1:], "").split()
+            continue
+        word = re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), word)
+        if word == UNIT_BIN:
+            argv += [sys.executable, "-m", "peerd"]
+        else:
+            argv.append(word.replace(UNIT_BIN, f"{sys.executable} -m peerd"))
+    return argv
+
+
+def _free_id(taken: set[int], start: int) -> int:
+    n = start
+    while n in taken:
+        n += 1
+    taken.add(n)
+    return n
+
+
+def _blocked_dirs() -> dict[Path, set[str]]:
+    """Directories above this checkout's interpreter and code that other users cannot enter (e.g. a /root of mode
+    0700 holding the Python installation), each with the names below it that the path goes through."""
+    needed = {Path(sys.executable), Path(sys.executable).resolve(), Path(sys.base_prefix).resolve(),
+              *(Path(p).resolve() for p in sys.path if p and os.path.isdir(p)), ROOT / "peerd"}
+    blocked: dict[Path, set[str]] = {}
+    for path in needed:
+        for child, parent in zip([path, *path.parents], path.parents, strict=False):
+            if not os.stat(parent).st_mode & 0o001:
+                blocked.setdefault(parent, set()).add(child.name)
+    return blocked
+
+
+def _as_user(argv: list[str], uid: int, gid: int, groups: list[int], base: Path, umask: int = 0o022) -> list[str]:
+    """``argv`` run as uid/gid with exactly ``groups`` as supplementary groups (setpriv). Where the interpreter or
+    the checkout sits below a directory other users cannot enter, the command runs in a private mount namespace
+    in which that directory is a tmpfs holding only the entries the path needs (nothing outside changes)."""
+    groups_opt = f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"
+    prelude = []
+    for i, (d, children) in enumerate(sorted(_blocked_dirs().items(), key=lambda kv: len(kv[0].parts))):
+        hold = base / f"hold{i}"
+        hold.mkdir(exist_ok=True)
+        prelude.append(f"mount --bind {shlex.quote(str(d))} {hold} && mount -t tmpfs -o mode=0755 tmpfs "
+                       f"{shlex.quote(str(d))}")
+        for c in sorted(children):
+            prelude.append(f"mkdir {shlex.quote(str(d / c))} && mount --bind {shlex.quote(str(hold / c))} "
+                           f"{shlex.quote(str(d / c))}")
+    script = " && ".join([*prelude, f"umask {umask:03o}",
+                          f'exec setpriv --reuid={uid} --regid={gid} {groups_opt} -- "$@"'])
+    wrapper = ["unshare", "-m", "--propagation", "private"] if prelude else []
+    return [*wrapper, "sh", "-c", script, "sh", *argv]
+
+
+@pytest.mark.e2e
+def test_systemd_unit_as_written_serves_its_group(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root: it runs the unit's command as a service user and clients as other users")
+    missing = [t for t in ("groupadd", "groupdel", "setpriv", "unshare") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"no {', '.join(missing)} (util-linux, passwd)")
+    import grp
+    import pwd
+    import tempfile
+
+    settings, env_list = _unit_settings((DEPLOY / "peerd.service").read_text())
+    assert settings["User"] == "peerd" and settings["Group"] == "peerd"
+    group = f"peerdt{os.getpid() % 100000}"
+    subprocess.run(["groupadd", group], check=True, capture_output=True, timeout=30)
+    daemon = None
+    base = Path(tempfile.mkdtemp(prefix="peerd-unit-"))
+    try:
+        gid = grp.getgrnam(group).gr_gid
+        taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+        svc, member, outsider = (_free_id(taken, 61000) for _ in range(3))
+        os.chmod(base, 0o755)
+        # The directories systemd makes for the unit, with the unit's modes, owned by its user.
+        state_root, run_root, creds = base / "state", base / "run", base / "credentials" / "peerd.service"
+        for path, mode in ((state_root / "peerd", settings["StateDirectoryMode"]),
+                           (run_root / "peerd", settings["RuntimeDirectoryMode"])):
+            path.mkdir(parents=True)
+            os.chown(path, svc, gid)
+            os.chmod(path, int(mode, 8))
+        for p in (state_root, run_root):
+            os.chmod(p, 0o755)
+        creds.mkdir(parents=True)
+        name, source = settings["LoadCredential"].split(":", 1)
+        assert source == "/etc/peerd/swarm.key"
+        subprocess.run([sys.executable, "-m", "peerd", "keygen", "--swarm-key-file", str(creds / name)],
+                       check=True, capture_output=True, timeout=60)
+        os.chown(creds / name, svc, gid)
+        os.chmod(creds / name, 0o400)
+        os.chown(creds, svc, gid)
+        os.chmod(creds, 0o500)
+        os.chmod(creds.parent, 0o755)
+
+        env = dict(env_list)
+        # /etc/default/peerd (EnvironmentFile): this test's ports and group
+        env.update(PEERD_LISTEN="127.0.0.1:0", PEERD_METRICS="127.0.0.1:0", PEERD_SOCKET_GROUP=group, PEERD_ARGS="")
+        spec = {"%S": str(state_root), "%t": str(run_root), "%d": str(creds)}
+        env = {k: _unit_command(v, env, spec)[0] if v else "" for k, v in env.items()}
+        proc_env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(base), **env}
+        umask = int(settings["UMask"], 8)
+        as_service = dict(env=proc_env, cwd="/")
+        pre = _as_user(_unit_command(settings["ExecStartPre"], env, spec), svc, gid, [], base, umask)
+        done = subprocess.run(pre, capture_output=True, text=True, timeout=60, **as_service)
+        if done.returncode != 0 and "unshare" in done.stderr:
+            pytest.skip(f"cannot make a private mount namespace here: {done.stderr.strip()[-200:]}")
+        assert done.returncode == 0, done.stderr
+        ident = state_root / "peerd" / "node.pem"
+        assert ident.stat().st_uid == svc and ident.stat().st_mode & 0o777 == 0o600
+        subprocess.run(pre, check=True, capture_output=True, timeout=60, **as_service)  # a restart keeps it
+
+        log = open(base / "daemon.log", "wb")  # noqa: SIM115  (closed in finally)
+        daemon = subprocess.Popen(_as_user(_unit_command(settings["ExecStart"], env, spec), svc, gid, [], base,
+                                           umask), stdout=log,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **as_service)
+        sock = Path(env["PEERD_SOCKET"])
+        assert sock == run_root / "peerd" / "peerd.sock"
+
+        def as_user(uid: int, groups: list[int], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+            return subprocess.run(_as_user([sys.executable, "-m", "peerd", *args], uid, uid, groups, base),
+                                  capture_output=True, text=True, timeout=timeout, cwd="/",
+                                  env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(base),
+                                       "PEERD_SOCKET": str(sock)}, stdin=subprocess.DEVNULL)
+
+        wait_until(lambda: as_user(member, [gid], "status", "--json").returncode == 0, timeout=60, interval=0.5,
+                   what=f"the unit's daemon to answer a group member ({(base / 'daemon.log').read_text()[-800:]})")
+        st = sock.stat()
+        assert st.st_uid == svc and st.st_gid == gid and st.st_mode & 0o777 == 0o660
+        status = json.loads(as_user(member, [gid], "status", "--json").stdout)
+        assert status["listen"].startswith("127.0.0.1:")
+        assert "peer id" in as_user(member, [gid], "status").stdout
+
+        # Not in the group: refused by the file mode or by the daemon, with what to do.
+        out = as_user(outsider, [], "status")
+        assert out.returncode == 1 and ("permission" in out.stderr or "group" in out.stderr), out.stderr
+        # Root is no exception: not a member, refused by the daemon itself.
+        root = subprocess.run([sys.executable, "-m", "peerd", "status", "--socket", str(sock)], capture_output=True,
+                              text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert root.returncode == 1 and f"group {gid}" in root.stderr, root.stderr
+
+        if importlib.util.find_spec("torch") is not None and importlib.util.find_spec("sklearn") is not None:
+            trainer = as_user(member, [gid], "demo-trainer", "--run", "unit", "--steps", "2", "--timeout", "2",
+                              "--eval-every", "0", "--state-every", "0", "--progress", "none", "--json",
+                              timeout=240)
+            assert trainer.returncode == 0, trainer.stderr[-2000:]
+            assert json.loads(trainer.stdout)["steps"] == 2
+        else:
+            pytest.fail("the trainer half of this test needs torch and scikit-learn (the [torch] extra)")
+
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(15) == 0
+        assert not sock.exists()
+    finally:
+        if daemon is not None and daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+        subprocess.run(["groupdel", group], capture_output=True, timeout=30)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# deploy/entrypoint.sh's environment: every variable documented (docs/deploy-env.md, generated), metrics on
+# loopback unless asked
+
+
+def test_entrypoint_environment_is_documented_and_current():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gen_cli_docs
+
+    documented = {name for name, _, _ in gen_cli_docs.entrypoint_env()}
+    read = set(re.findall(r"\$\{(PEERD_\w+)", (DEPLOY / "entrypoint.sh").read_text()))
+    assert read == documented, (read - documented, documented - read)
+    assert (ROOT / "docs" / "deploy-env.md").read_text() == gen_cli_docs.render_env(), \
+        "docs/deploy-env.md is stale: run python scripts/gen_cli_docs.py"
+    defaults = {name: default for name, default, _ in gen_cli_docs.entrypoint_env()}
+    assert defaults["PEERD_METRICS"].startswith("127.0.0.1:")
+    compose = (ROOT / "docker-compose.yml").read_text()
+    assert compose.count("PEERD_METRICS: 0.0.0.0:9100") == 2  # Prometheus scrapes over the compose network
+    assert "PEERD_JOIN_ARGS" in compose
