@@ -1,6 +1,6 @@
 """Generate the reference pages of docs/ from the code, so they cannot drift from it.
 
-    python scripts/gen_docs.py           # rewrite every generated page and fragment
+    python scripts/gen_docs.py           # rewrite every generated page and fragment (metrics, CLI, deploy env)
     python scripts/gen_docs.py --check   # exit 1 and name the stale ones (tests/test_docs.py runs this)
 
 Two kinds of output, each made by one function that returns Markdown:
@@ -54,9 +54,22 @@ def metrics_page() -> str:
     return "".join(out)
 
 
+def _cli_pages() -> dict[str, Callable[[], str]]:
+    """docs/cli.md and docs/deploy-env.md, written by scripts/gen_cli_docs.py's functions where it exists."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gen_cli_docs
+    except ImportError:
+        return {}
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return {"docs/cli.md": gen_cli_docs.render_cli, "docs/deploy-env.md": gen_cli_docs.render_env}
+
+
 # path (relative to the repository) -> the function that writes the whole page
 PAGES: dict[str, Callable[[], str]] = {
     "docs/metrics.md": metrics_page,
+    **_cli_pages(),
 }
 
 # (path, fragment name) -> the function that writes the region between the fragment's markers

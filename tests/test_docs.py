@@ -82,7 +82,8 @@ def test_every_metric_the_code_defines_is_in_the_metrics_page():
                                   path.read_text()))
     page = (ROOT / "docs" / "metrics.md").read_text()
     missing = sorted(name for name in defined if f"`{name}" not in page)
-    assert not missing, f"metrics defined outside the registries gen_docs.py reads: {missing}"
+    assert not missing, (f"metrics not on docs/metrics.md: {missing} (run python scripts/gen_docs.py; if they are "
+                         "still missing, add the class that registers them to gen_docs.py)")
 
 
 def test_no_development_history_outside_tests():
@@ -150,6 +151,7 @@ def test_every_relative_link_resolves():
 
 # `peerd` as a word or a path's last part (`/opt/peerd/bin/peerd status`), not `/var/lib/peerd` or `peerd.torch`
 COMMAND = re.compile(r"(?:(?<![\w./-])|(?<=bin/))peerd((?:[ \t]+[^\s`#;&|)]+)*)")
+COMMAND_START = re.compile(r"(?:^|&&|;|\||\(|\$|\bsudo|\bexec|/bin/)\s*$")
 
 
 def command_lines(text: str) -> list[tuple[int, str]]:
@@ -171,7 +173,16 @@ def command_lines(text: str) -> list[tuple[int, str]]:
         else:
             spans = re.findall(r"`([^`]+)`", line)
         for span in spans:
-            found += [(n, "peerd" + m.group(1)) for m in COMMAND.finditer(span) if not span.startswith("python ")]
+            if span.startswith("python "):
+                continue
+            for m in COMMAND.finditer(span):
+                command = " ".join(("peerd" + m.group(1)).split())
+                words = command.split()
+                # `peerd` where a command starts, or as an argument (`usermod -aG peerd alice`, `compose exec X
+                # peerd status`): an argument counts only when a subcommand or an option follows it
+                if COMMAND_START.search(span[:m.start()]) or (len(words) > 1 and (
+                        words[1].startswith("-") or words[1] in subparsers_of(root_parser()))):
+                    found.append((n, command))
     return found
 
 
@@ -243,3 +254,22 @@ def test_every_peerd_command_line_parses(page):
     bad = [f"{page.relative_to(ROOT)}:{n}: {command}: {why}" for n, command in command_lines(page.read_text())
            if (why := check_command(command, OLD_NAME_LINE.search(lines[n - 1]) is not None))]
     assert not bad, "\n".join(bad)
+
+
+def test_the_command_check_refuses_what_does_not_parse():
+    assert check_command("peerd join --listen 0.0.0.0:7411 --metrics 9100", False) is None
+    assert check_command("peerd bench allreduce --peers 4 --size 25000000 --json", False) is None
+    assert check_command("peerd COMMAND --help", False) is None  # a placeholder
+    assert "no option --no-such-flag" in check_command("peerd join --no-such-flag", False)
+    assert "no subcommand 'jion'" in check_command("peerd jion", False)
+    assert "no option --peers" in check_command("peerd status --peers 4", False)
+
+
+def test_commands_are_found_where_peerd_runs_not_where_it_is_an_argument():
+    text = "\n".join(["```bash", "usermod -aG peerd alice", "systemctl enable --now peerd",
+                      "/opt/peerd/bin/peerd status --json", "docker compose exec bootstrap peerd status",
+                      "peerd join --listen 0.0.0.0:7411 \\", "    --metrics 9100   # a comment", "```",
+                      "Run `peerd demo --peers 4`, then `import peerd.torch`."])
+    assert [command for _, command in command_lines(text)] == [
+        "peerd status --json", "peerd status", "peerd join --listen 0.0.0.0:7411 --metrics 9100",
+        "peerd demo --peers 4"]
