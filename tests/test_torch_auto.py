@@ -108,7 +108,7 @@ def _replicas(tmp_path, delay_s: float, compute_s: float, steps: int = 8):
             t.start()
         for t in threads:
             t.join(60)
-        status = d.service.trainers() if hasattr(d, "service") else None
+        status = d.service.statistics() if hasattr(d, "service") else None
         for o in opts:
             o.close()
         return replies, models, opts, status
