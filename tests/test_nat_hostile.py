@@ -253,12 +253,12 @@ def test_minted_relay_senders_cannot_starve_an_honest_one_hostile() -> None:
 
     # each RELAY is 300 bytes
     for n in minted:
-        stream(n, 0.001, 11.0)  # 300 KB/s each, over the per-sender rate
-    stream(honest, 0.025, 11.0)  # 12 KB/s: under an equal share of the total (13.3 KB/s)
-    net.run(until=12.0)
+        stream(n, 0.002, 7.0)  # 150 KB/s each, over the per-sender rate
+    stream(honest, 0.025, 7.0)  # 12 KB/s: under an equal share of the total (13.3 KB/s)
+    net.run(until=8.0)
     got = sum(1 for sender, _ in target.app if sender == honest.node_id)
     sent = honest.sent_by_kind[RELAYED]
-    assert sent >= 390
+    assert sent >= 230
     assert got >= 0.95 * sent, (got, sent)
     assert relay.relay.refused.get("relay_budget", 0) > 0  # the minted ones were held to their shares
 
@@ -274,7 +274,7 @@ def test_minted_relay_senders_cannot_starve_an_honest_one_hostile() -> None:
     for i, k in enumerate(ids):
         r.reached(k, ("198.51.100.66", 7000 + i), 0.0)
     ok = sent = 0
-    for step in range(2500):  # 5 s, 2 ms apart: each minted id offers 150 KB/s, the honest one 30 KB/s
+    for step in range(1500):  # 3 s, 2 ms apart: each minted id offers 150 KB/s, the honest one 30 KB/s
         now = step / 500
         for k in ids:
             r.forward(k, to, 300, now)
