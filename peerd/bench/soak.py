@@ -699,6 +699,7 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
         queues.stop.set()
         averager.thread.join(timeout=150)
         crashes = sum(1 for n in nodes if not n.alive())
+        relayed = _relayed_datagrams(nodes)
 
         growth = 0.0
         for i in range(len(nodes)):
@@ -738,6 +739,8 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
             "cross_receiver_answers": summary.get("cross_receiver_answers", 0),
             # datagrams the daemons sent to the address connect_reflect's CONNECTs named (expected 0)
             "connect_reflected": summary.get("connect_reflected", 0),
+            # datagrams the honest daemons sent one another through a relay (expected 0: they reach each other)
+            "honest_relayed_datagrams": relayed,
             "averages_alone": averager.alone,
             "averages_by_phase": averager.by_phase,
             "dht_peers_max": {p: int(max(v)) for p, v in monitor.peers.items() if v},
@@ -801,6 +804,18 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
 def _hostport(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def _relayed_datagrams(nodes: list[Node]) -> int:
+    """Datagrams the live daemons sent through a relay (their ``path_datagrams``), summed."""
+    total = 0
+    for node in nodes:
+        if node.alive():
+            try:
+                total += int(node.call("status", timeout=10).get("path_datagrams", {}).get("relayed", 0))
+            except (DaemonError, OSError):
+                pass
+    return total
 
 
 def _round(x: float | None) -> float | None:

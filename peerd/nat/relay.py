@@ -11,17 +11,23 @@ to a destination the relay has reached itself (an answer from it, within ``ROUTE
 sender names; one RELAY makes one RELAYED of the same size (no amplification); and each sender has a byte budget
 (a token bucket: ``rate`` bytes per second, ``burst`` at once) and the relay a total one, shared max-min fairly
 among its senders: each bucket fills at its sender's share, from water-filling ``total_rate`` over what the
-senders offered lately (identities are free to mint, so a sender's share, not first come, decides what it gets;
-a sender asking for less than an equal share gets all it asks). ``RelayServer`` decides; the shell only sends.
-``RelayClient`` keeps, per peer reached through a relay, which relay, so the endpoint can wrap what it sends there.
+senders offered lately, first among the hosts they were reached at and then among each host's senders, and holds
+the same time's worth of it as ``burst`` does of ``rate``. Identities are free to mint, addresses are not: ids
+minted on one host split that host's share, a sender asking for less than an equal share gets all it asks, and a
+new sender starts with its share's burst, not a full one. ``RelayServer`` decides;
+the shell only sends. ``RelayClient`` keeps, per peer reached through a relay, which relay, so the endpoint can wrap
+what it sends there.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 Address = tuple[str, int]
+K = TypeVar("K", bound=Hashable)
 
 ROUTE_TTL = 150.0  # seconds a destination counts as reached after its last answer (a NAT keeps a replied flow 120 s)
 MAX_ROUTES = 4096
@@ -34,6 +40,7 @@ DEMAND_S = 1.0  # time constant of a sender's offered rate (an exponential avera
 ACTIVE_S = 2.0  # a sender that offered nothing this long has no share
 SHARE_S = 0.1  # shares are recomputed at most this often (and when a sender appears)
 HEADROOM = 2.0  # a sender's demand counts double in the water-filling: room to grow before the next recompute
+MIN_BUCKET = 8192.0  # bytes a sender's bucket holds at least (a RELAY's data is at most 4096)
 
 
 @dataclass(slots=True)
@@ -67,10 +74,10 @@ class _Sender:
         return self.demand * math.exp(-max(0.0, now - self.seen) / DEMAND_S)
 
 
-def max_min_shares(demands: dict[bytes, float], capacity: float) -> dict[bytes, float]:
+def max_min_shares(demands: dict[K, float], capacity: float) -> dict[K, float]:
     """Water-filling: each gets its demand if that is under an equal share of what is left, the rest split
     ``capacity`` equally; what no one asked for is shared equally on top (all of it is given out)."""
-    shares: dict[bytes, float] = {}
+    shares: dict[K, float] = {}
     left = capacity
     order = sorted(demands, key=demands.__getitem__)
     for i, key in enumerate(order):
@@ -94,22 +101,34 @@ class RelayServer:
     total_rate: float = DEFAULT_TOTAL_RATE
     _routes: dict[bytes, tuple[Address, float]] = field(default_factory=dict)  # node id -> (address, when reached)
     _senders: dict[bytes, _Sender] = field(default_factory=dict)
-    _total: _Bucket | None = None
     _next_share: float = -math.inf
     relayed: int = 0
     relayed_bytes: int = 0
     refused: dict[str, int] = field(default_factory=dict)
 
     def _reshare(self, now: float) -> None:
-        """Recompute every active sender's share of ``total_rate`` (max-min fair over their demands, each at most
-        ``rate``); an idle sender's bucket keeps what it has but no longer fills."""
+        """Recompute every active sender's share of ``total_rate``: max-min fair over the hosts they were reached
+        at, then over each host's senders, by demand (each at most ``rate``); an idle sender's bucket keeps what
+        it has but no longer fills."""
         self._next_share = now + SHARE_S
-        demands = {k: min(self.rate, HEADROOM * s.demand_at(now)) for k, s in self._senders.items()
-                   if now - s.seen <= ACTIVE_S}
-        shares = max_min_shares(demands, self.total_rate)
+        hosts: dict[str, dict[bytes, float]] = {}
         for k, s in self._senders.items():
-            s.bucket.take(0, s.share, self.burst, now)  # (fill at the old share up to now)
+            if now - s.seen <= ACTIVE_S:
+                route = self._routes.get(k)
+                host = route[0][0] if route is not None else ""
+                hosts.setdefault(host, {})[k] = min(self.rate, HEADROOM * s.demand_at(now))
+        host_shares = max_min_shares({h: sum(d.values()) for h, d in hosts.items()}, self.total_rate)
+        shares: dict[bytes, float] = {}
+        for host, demands in hosts.items():
+            shares.update(max_min_shares(demands, host_shares[host]))
+        for k, s in self._senders.items():
+            s.bucket.take(0, s.share, self._cap(s.share), now)  # (fill at the old share up to now)
             s.share = min(self.rate, shares.get(k, 0.0))
+
+    def _cap(self, share: float) -> float:
+        """A bucket's size at ``share``: ``burst`` scaled as the share is to ``rate`` (at least a few of the largest
+        RELAYs); the shares sum to at most ``total_rate``, so the buckets together hold about its burst's worth."""
+        return max(min(MIN_BUCKET, self.burst), self.burst * share / self.rate) if self.rate > 0 else self.burst
 
     def reached(self, node_id: bytes, addr: Address, now: float) -> None:
         """``node_id`` answered this node at ``addr`` (a validated address): RELAYs to it may go there."""
@@ -149,15 +168,15 @@ class RelayServer:
                     self._senders = {k: v for k, v in self._senders.items() if now - v.seen < 10.0}
                     if len(self._senders) >= MAX_SENDERS:
                         del self._senders[min(self._senders, key=lambda k: self._senders[k].seen)]
-                s = self._senders[sender] = _Sender(_Bucket(self.burst, now), seen=now)
-                self._next_share = -math.inf  # a newcomer gets its share at once
-            s.offer(size, now)
-            if now >= self._next_share:
-                self._reshare(now)
-            total = self._total if self._total is not None else _Bucket(self.total_rate, now)
-            self._total = total
-            mine = s.bucket.take(size, s.share, self.burst, now)
-            if not mine or not total.take(size, self.total_rate, self.total_rate, now):
+                s = self._senders[sender] = _Sender(_Bucket(0.0, now), seen=now)
+                s.offer(size, now)
+                self._reshare(now)  # a newcomer gets its share at once, and its share's burst
+                s.bucket.tokens = self._cap(s.share)
+            else:
+                s.offer(size, now)
+                if now >= self._next_share:
+                    self._reshare(now)
+            if not s.bucket.take(size, s.share, self._cap(s.share), now):
                 why = "relay_budget"
         if why:
             self.refused[why] = self.refused.get(why, 0) + 1
