@@ -165,6 +165,21 @@ def test_state_fetch_is_bounded_by_the_local_layout(synced) -> None:
             client.call("state_fetch", fds=[fd], session=reply["session"], max_size=0)
     finally:
         os.close(fd)
+    # the snapshots a trainer refused (exclude): passed on as bytes, and bounded
+    refused = ["ab" * 32, "0" * 64]
+    fd = write_blob(b"")
+    try:
+        client.call("state_fetch", fds=[fd], session=reply["session"], exclude=refused)
+    finally:
+        os.close(fd)
+    assert synced.sync.fetches[-1]["exclude"] == [bytes.fromhex(x) for x in refused]
+    for bad in (["ab" * 32] * 17, ["AB" * 32], ["ab"], "ab" * 32, [b"\xab" * 32]):
+        fd = write_blob(b"")
+        try:
+            with pytest.raises(DaemonError, match="exclude"):
+                client.call("state_fetch", fds=[fd], session=reply["session"], exclude=bad)
+        finally:
+            os.close(fd)
     client.close()
     arena.close()
     assert snapshot_bound([("w", (1 << 40,), "float64")]) == MAX_BLOB
