@@ -69,6 +69,10 @@ def test_old_names_work_with_one_deprecation_line() -> None:
     assert old.returncode == 0 and "--run" in old.stdout and old.stderr == ""  # argparse answers --help itself
     proc = peerd("train", "--run", "r", "--model", "huge", check=False)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+    proc = peerd("train", "--run", "r", "--socket", "/nonexistent/peerd.sock", "--progress", "none", check=False)
+    first, *rest = proc.stderr.splitlines()
+    assert first == "peerd: warning: 'peerd train' is deprecated and will be removed; use 'peerd demo-trainer'"
+    assert proc.returncode == 1 and "no peerd daemon" in rest[0]
     gloo = peerd("bench", "allreduce", "--compare-gloo", "--nat", "cone", check=False)
     assert gloo.returncode == 2
     assert "'peerd bench allreduce --compare-gloo' is deprecated" in gloo.stderr and "--baseline gloo" in gloo.stderr
