@@ -56,7 +56,7 @@ def build_model(hidden: int, seed: int, model: str = "mlp"):
 
 
 def sample_batch(shard, rng, batch: int, micro: int) -> list:
-    """The step's micro-batches of sample indices, as `peerd train` draws them (the DDP baseline draws the same)."""
+    """The step's micro-batches of sample indices, as `peerd demo-trainer` draws them (the DDP baseline too)."""
     size = max(1, batch // micro)
     return [shard[rng.integers(0, len(shard), size)] for _ in range(micro)]
 
@@ -104,8 +104,8 @@ def _quant_group(text: str) -> int:
 
 
 def add_compression_arguments(p: argparse.ArgumentParser) -> None:
-    """--compression, --quant-group, --rounding (peerd train, peerd demo, peerd bench moshpit): None when not given,
-    so a trainer that names nothing leaves the run's codec (fp32) as it is."""
+    """--compression, --quant-group, --rounding (peerd demo-trainer, peerd demo, peerd bench moshpit): None when not
+    given, so a trainer that names nothing leaves the run's codec (fp32) as it is."""
     p.add_argument("--compression", default=None, choices=("fp32", "fp16", "bf16", "int8", "int4", "arc-topk"),
                    help="how averages travel: fp32 exact, fp16/bf16 half the bytes, int8/int4 a quarter/eighth "
                         "with a scale per group, arc-topk only the largest gradient rows (trainers only); every "
@@ -230,7 +230,7 @@ def _positive_int(text: str) -> int:
 
 
 def _progress_line(record: dict[str, Any]) -> str:
-    """One event of ``peerd train`` in words; accuracy only where it was measured."""
+    """One event of ``peerd demo-trainer`` in words; accuracy only where it was measured."""
     event = record.get("event")
     if event == "step":
         acc = f"  acc {record['accuracy']:.3f}" if record.get("accuracy") is not None else ""

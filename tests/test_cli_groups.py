@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from peerd import cli
 from peerd.cli import COMMAND_GROUPS, LAB_GROUP, build_parser
 
 from .conftest import peerd
@@ -64,11 +65,19 @@ def test_one_flag_name_per_idea_across_commands() -> None:
     assert sub.choices["keygen"]._option_string_actions["--swarm-key"].help is argparse.SUPPRESS
 
 
-def test_old_names_work_with_one_deprecation_line() -> None:
+def test_old_names_work_with_one_deprecation_line(monkeypatch, capsys) -> None:
     old = peerd("train", "--help")
     assert old.returncode == 0 and "--run" in old.stdout and old.stderr == ""  # argparse answers --help itself
     proc = peerd("train", "--run", "r", "--model", "huge", check=False)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+    # `train` runs demo-trainer's code with demo-trainer's arguments, after one line on stderr.
+    seen = []
+    monkeypatch.setitem(cli._COMMANDS, "train", lambda args, parser: seen.append(args) or 0)
+    assert cli.main(["train", "--run", "r", "--steps", "3"]) == 0
+    assert capsys.readouterr().err == ("peerd: warning: 'peerd train' is deprecated and will be removed; "
+                                       "use 'peerd demo-trainer'\n")
+    assert seen[0].run == "r" and seen[0].steps == 3 and seen[0].timeout == 30.0
+    assert cli._COMMANDS["demo-trainer"] is cli.cmd_train
     gloo = peerd("bench", "allreduce", "--compare-gloo", "--nat", "cone", check=False)
     assert gloo.returncode == 2
     assert "'peerd bench allreduce --compare-gloo' is deprecated" in gloo.stderr and "--baseline gloo" in gloo.stderr

@@ -596,24 +596,41 @@ def _as_user(argv: list[str], uid: int, gid: int, groups: list[int], base: Path,
 def test_systemd_unit_as_written_serves_its_group(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root: it runs the unit's command as a service user and clients as other users")
-    missing = [t for t in ("groupadd", "groupdel", "setpriv", "unshare") if shutil.which(t) is None]
+    missing = [t for t in ("useradd", "usermod", "userdel", "setpriv", "unshare") if shutil.which(t) is None]
     if missing:
         pytest.skip(f"no {', '.join(missing)} (util-linux, passwd)")
     import grp
     import pwd
     import tempfile
 
-    settings, env_list = _unit_settings((DEPLOY / "peerd.service").read_text())
+    unit = (DEPLOY / "peerd.service").read_text()
+    settings, env_list = _unit_settings(unit)
     assert settings["User"] == "peerd" and settings["Group"] == "peerd"
-    group = f"peerdt{os.getpid() % 100000}"
-    subprocess.run(["groupadd", group], check=True, capture_output=True, timeout=30)
+    # The unit's documented steps that make its user and admit a user of the machine, with this test's names.
+    steps = [shlex.split(line[1:], comments=True) for line in unit.splitlines() if line.startswith("#   ")]
+    useradd = next(s for s in steps if s and s[0] == "useradd")
+    usermod = next(s for s in steps if s and s[0] == "usermod")
+    n = os.getpid() % 100000
+    names = {"peerd": f"peerdsvc{n}", "alice": f"peerdusr{n}"}
     daemon = None
     base = Path(tempfile.mkdtemp(prefix="peerd-unit-"))
+    made: list[str] = []
     try:
-        gid = grp.getgrnam(group).gr_gid
-        taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
-        svc, member, outsider = (_free_id(taken, 61000) for _ in range(3))
         os.chmod(base, 0o755)
+        home = useradd.index("--home-dir") + 1
+        useradd[home] = str(base / "home")
+        subprocess.run([names.get(w, w) for w in useradd], check=True, capture_output=True, timeout=30)
+        made.append(names["peerd"])
+        subprocess.run(["useradd", "--no-create-home", names["alice"]], check=True, capture_output=True, timeout=30)
+        made.append(names["alice"])
+        subprocess.run([names.get(w, w) for w in usermod], check=True, capture_output=True, timeout=30)
+        group = names["peerd"]
+        gid = grp.getgrnam(group).gr_gid
+        svc = pwd.getpwnam(names["peerd"]).pw_uid
+        member = pwd.getpwnam(names["alice"]).pw_uid
+        assert pwd.getpwnam(names["peerd"]).pw_gid == gid and names["alice"] in grp.getgrgid(gid).gr_mem
+        taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+        outsider = _free_id(taken, 61000)
         # The directories systemd makes for the unit, with the unit's modes, owned by its user.
         state_root, run_root, creds = base / "state", base / "run", base / "credentials" / "peerd.service"
         for path, mode in ((state_root / "peerd", settings["StateDirectoryMode"]),
@@ -636,6 +653,7 @@ def test_systemd_unit_as_written_serves_its_group(tmp_path):
 
         env = dict(env_list)
         # /etc/default/peerd (EnvironmentFile): this test's ports and group
+        assert env["PEERD_SOCKET_GROUP"] == "peerd"  # the unit's own group, here under this test's name
         env.update(PEERD_LISTEN="127.0.0.1:0", PEERD_METRICS="127.0.0.1:0", PEERD_SOCKET_GROUP=group, PEERD_ARGS="")
         spec = {"%S": str(state_root), "%t": str(run_root), "%d": str(creds)}
         env = {k: _unit_command(v, env, spec)[0] if v else "" for k, v in env.items()}
@@ -659,7 +677,8 @@ def test_systemd_unit_as_written_serves_its_group(tmp_path):
         assert sock == run_root / "peerd" / "peerd.sock"
 
         def as_user(uid: int, groups: list[int], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-            return subprocess.run(_as_user([sys.executable, "-m", "peerd", *args], uid, uid, groups, base),
+            primary = pwd.getpwuid(uid).pw_gid if uid == member else uid
+            return subprocess.run(_as_user([sys.executable, "-m", "peerd", *args], uid, primary, groups, base),
                                   capture_output=True, text=True, timeout=timeout, cwd="/",
                                   env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(base),
                                        "PEERD_SOCKET": str(sock)}, stdin=subprocess.DEVNULL)
@@ -696,7 +715,8 @@ def test_systemd_unit_as_written_serves_its_group(tmp_path):
         if daemon is not None and daemon.poll() is None:
             daemon.kill()
             daemon.wait()
-        subprocess.run(["groupdel", group], capture_output=True, timeout=30)
+        for user in reversed(made):
+            subprocess.run(["userdel", user], capture_output=True, timeout=30)  # and the user's own group
         shutil.rmtree(base, ignore_errors=True)
 
 

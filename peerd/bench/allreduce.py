@@ -81,7 +81,7 @@ class GlooBaseline:
         try:
             import torch  # noqa: F401
         except ImportError:
-            raise DaemonError("--compare-gloo needs torch: pip install 'peerd[torch]' (torch==2.13.0)") from None
+            raise DaemonError("--baseline gloo needs torch: pip install 'peerd[torch]'") from None
         # In a lab, rank r runs in peer r's namespace and rank 0's store listens on peer 0's lab address (a fresh
         # namespace: the port is free); gloo binds the lab interface, so its TCP crosses the same links.
         port = 29500 if lab is not None else _free_port()
