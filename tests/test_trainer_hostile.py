@@ -125,7 +125,7 @@ def test_max_samples_and_robust_reach_the_averager(synced) -> None:
     # parameter averages clip around the trainer's own parameters (honest replicas stay close to them)
     step(client, arena, reply, 2, np.full(16, 5.0), 1, kind="params")
     opts = synced.averager.options[-1]
-    assert opts["robust"] == Robust("centered", 3.0) and opts["max_weight"] == 64.0
+    assert opts["robust"] == Robust("centered", 3.0) and opts["max_weight"] == 1.0  # parameters weigh 1 each
     np.testing.assert_array_equal(opts["center"], np.full(16, 5.0, np.float32))
     client.close()
     arena.close()

@@ -179,7 +179,8 @@ class BenchOps:
             raise OpError(f"bench_run: group {group} was not prepared")
         members, index, vector, weight, robust, codec, run = self._prepared.pop(group)
         if group in self._arc:
-            return await self._run_arc(group, members, index, vector, weight, run, *self._arc.pop(group))
+            return await self._run_arc(group, members, index, vector, weight, run, *self._arc.pop(group),
+                                       robust=robust)
         # fp32 goes the way it always went (a service without the codec arguments runs it unchanged)
         coded: dict[str, Any] = {} if codec.wire_id == 0 else {"codec": codec, "run": run}
         drops0 = self.sock.kernel_drops
@@ -266,14 +267,16 @@ class BenchOps:
         return int(counts["relayed"][0]) if counts else 0
 
     async def _run_arc(self, group: int, members: list[Member], index: int, vector: np.ndarray, weight: float,
-                       run: int, shapes: list[tuple[int, ...]], ratio: float) -> dict[str, Any]:
-        """One arc-topk average (peerd.allreduce.arctopk: three group averages), timed like ``run``."""
+                       run: int, shapes: list[tuple[int, ...]], ratio: float, *,
+                       robust: Robust | None = None) -> dict[str, Any]:
+        """One arc-topk average (peerd.allreduce.arctopk: three group averages), timed like ``run``; ``robust``
+        clips its sketch and dense phases."""
         drops0 = self.sock.kernel_drops
         cpu0 = time.process_time()
         try:
             plan = ArcTopKPlan.build(shapes, len(members), ratio, self.service.host.max_body)
             res = await service_arc_topk(self.service, group, members, index, vector, weight, plan, run=run,
-                                         round=group)
+                                         round=group, robust=robust)
         except ValueError as e:
             raise OpError(str(e)) from None
         done = time.time()

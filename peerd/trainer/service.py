@@ -51,6 +51,7 @@ MAX_BLOB = 1 << 34
 DTYPES = {"float32", "float16", "bfloat16", "float64"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 KINDS = ("grad", "params")
+PARAMS_WEIGHT = 1.0  # the weight of a parameter average (equal replicas): also the most any member counts for there
 MAX_DEFERRED_STEPS = 2  # steps whose deferred buckets a session may hold at once (the one averaging, the next)
 MAX_BUCKETS = 1000  # gradient buckets of one step (overlap); '<run>.<hash8>.b999' fits Moshpit's 64-byte run ids
 OFF_LOOP_ELEMS = 1 << 22  # a slot this large (16 MB) is copied and checked in a worker thread, off the event loop
@@ -490,7 +491,10 @@ class TrainerService:
         extra.update(codec_keywords(session, kind, vector.size))  # only when declared
         if round_no is not None:
             extra["round_no"] = round_no
-        if session.max_samples is not None:
+        if kind == "params":
+            # every replica's parameters weigh PARAMS_WEIGHT (peerd.torch): a member claiming more counts as one
+            extra["max_weight"] = PARAMS_WEIGHT
+        elif session.max_samples is not None:
             extra["max_weight"] = session.max_samples
         if session.robust is not None and kind == "params":
             # Honest replicas' parameters stay close to each other, so each owner clips around its own
