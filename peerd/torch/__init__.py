@@ -9,6 +9,7 @@ from ..localsock.client import DaemonError
 from .diloco import DiLoCo, DiLoCoError
 from .dropcompute import DropCompute, Threshold, choose_threshold, expected_max
 from .optimizer import NoGroupError, Optimizer
+from .report import StepReport
 
-__all__ = ["DaemonError", "DiLoCo", "DiLoCoError", "DropCompute", "NoGroupError", "Optimizer", "Threshold",
-           "choose_threshold", "expected_max"]
+__all__ = ["DaemonError", "DiLoCo", "DiLoCoError", "DropCompute", "NoGroupError", "Optimizer", "StepReport",
+           "Threshold", "choose_threshold", "expected_max"]
