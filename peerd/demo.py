@@ -463,6 +463,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             auto = [r["auto"] for r in results if r.get("auto")]
             if auto:
                 summary["auto"] = auto[0]
+            if cfg.compression is None and cfg.mode != "diloco":
+                summary["compression"] = "auto"  # the Optimizer's default; what it chose is under "auto"
         if cfg.baseline in ("gloo", "ddp"):
             swarm.stop()  # the baseline gets the CPU and the links to itself, as peerd had them
             ddp = (DDPConfig(world=cfg.peers, steps=cfg.steps, seed=cfg.seed, model="gpt", batch=cfg.batch or 0,
