@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from peerd.statesync import StateSync, StateSyncError
-from peerd.statesync.service import Advert, _candidates
+from peerd.statesync.service import Advert, _candidates, founder_candidates
 from peerd.wire import messages as m
 
 from .memnet import MemNet
@@ -121,3 +121,16 @@ def test_candidates_prefer_newest_then_most_donors() -> None:
     assert len(ranked[0].donors) == 2 and len(ranked[1].donors) == 1
     assert Advert.decode(b"x" * 32, b"\x00garbage") is None
     assert Advert.decode(ads[0].node_id, ads[0].encode()) == ads[0]
+
+
+def test_founders_take_the_lowest_initial_hash_and_the_lowest_keeps_its_own() -> None:
+    a, b, c, d = b"a" * 32, b"b" * 32, b"c" * 32, b"d" * 32
+    initial = [Advert(bytes([i]) * 32, KEY, LAYOUT, 0, 10, sha, None) for i, sha in enumerate([c, b, b, d])]
+    # every founder but the one holding the lowest hash takes it, whatever the donor counts
+    assert [r.sha for r in founder_candidates(initial, d)] == [b, c]
+    assert [r.sha for r in founder_candidates(initial, c)] == [b]
+    assert founder_candidates([x for x in initial if x.sha != a], a) == []  # a: its own is the lowest
+    assert founder_candidates([x for x in initial if x.sha != b], b) == []
+    # a run already under way (a later step) comes first: it is a joiner's choice, not a founder's
+    later = Advert(b"\x09" * 32, KEY, LAYOUT, 5, 10, d, None)
+    assert [r.sha for r in founder_candidates([*initial, later], a)] == [d]

@@ -278,3 +278,31 @@ def test_either_seeding_convention_trains_as_well_as_the_right_one(tmp_path, mod
             assert max(p["val"] for p in results[conv]) < 1.5 * right + 0.02, (conv, right, results[conv])
     finally:
         daemon.stop()
+
+
+def test_replicas_that_draw_the_same_batches_get_the_warning_in_their_step_report(tmp_path) -> None:
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0))
+    try:
+        models = [model(0), model(0)]
+        opts = [wrapped(m, daemon) for m in models]
+        warnings_seen: list[list[str]] = [[], []]
+
+        def worker(i: int) -> None:
+            for s in range(SAME_STEPS + 1):
+                opts[i].zero_grad()
+                loss_of(models[i], s).backward()  # the same batch on both replicas
+                opts[i].step(samples=8)
+                warnings_seen[i].append(opts[i].last_step.warning)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for seen in warnings_seen:
+            assert seen[:SAME_STEPS - 1] == [""] * (SAME_STEPS - 1)
+            assert "same data in the same order" in seen[SAME_STEPS - 1]
+        for o in opts:
+            o.close()
+    finally:
+        daemon.stop()

@@ -289,14 +289,11 @@ class StateSync:
         with trio.move_on_after(timeout) as scope:
             ads = self.usable(await self.adverts(run, timeout=timeout / 3), run_key, layout=layout,
                               min_step=min_step, max_size=bound)
-            if below is not None:
-                ads = [a for a in ads if a.step > 0 or a.sha < below]
-            if not ads:
+            candidates = _candidates(ads, self.known_peers()) if below is None else \
+                founder_candidates(ads, below, self.known_peers())
+            if not candidates:
                 self.metrics.trainer_state_fetches.labels("none").inc()
                 return None
-            candidates = _candidates(ads, self.known_peers())
-            if below is not None:  # later steps keep their ranking; initial snapshots go lowest hash first
-                candidates.sort(key=lambda c: (c.step == 0, c.sha if c.step == 0 else b""))
             for cand in candidates:
                 if cand.sha in skip:
                     continue
@@ -453,6 +450,15 @@ class Candidate:
 
     def rank(self) -> tuple:
         return (not self.known, self.far_ahead, not self.agreed, -self.step, -len(self.donors), self.sha)
+
+
+def founder_candidates(ads: list[Advert], below: bytes, known: set[str] | frozenset[str] = frozenset()
+                       ) -> list[Candidate]:
+    """A founder's choice (``below``: the hash of its own initial snapshot): snapshots of a later step first (a
+    run under way), as _candidates ranks them; then initial ones (step 0) with a lower hash than its own, lowest
+    first, so every founder that sees the same adverts takes the same one, and the lowest keeps its own."""
+    cands = _candidates([a for a in ads if a.step > 0 or a.sha < below], known)
+    return [c for c in cands if c.step > 0] + sorted((c for c in cands if c.step <= 0), key=lambda c: c.sha)
 
 
 def _candidates(ads: list[Advert], known: set[str] | frozenset[str] = frozenset(), *,

@@ -56,10 +56,13 @@ class SameData:
         diff = norm = 0.0
         off = 0
         for t, n in zip(own, numels, strict=True):
-            r = result[off: off + n].to(torch.float64)
-            o = torch.zeros_like(r) if t is None else t.detach().reshape(-1).to("cpu", torch.float64)
-            diff += float(torch.sum((r - o) ** 2))
-            norm += float(torch.sum(o * o))
+            r = result[off: off + n]
+            if t is None:
+                diff += float(torch.linalg.vector_norm(r)) ** 2
+            else:
+                o = t.detach().reshape(-1).float()
+                diff += float(torch.linalg.vector_norm(r.to(o.device) - o)) ** 2
+                norm += float(torch.linalg.vector_norm(o)) ** 2
             off += n
         rel = (diff / norm) ** 0.5 if norm > 0 else (0.0 if diff == 0 else 1.0)
         self.run = self.run + 1 if rel <= self.tolerance else 0

@@ -435,11 +435,11 @@ class Optimizer(torch.optim.Optimizer):
             if self.no_group == "skip":
                 return self._finish_step(reply, t0, phases)
             self.local_steps += 1  # "local": own gradients, which the daemon handed back unchanged
-        t2 = time.monotonic()
         with torch.no_grad():
             if (outcome == "averaged" and int(reply.get("group_size", 1)) > 1
                     and self.same_data.check(result, grads, self.numels, reply, self.step_count)):
                 reply["warning"] = self.same_data.warned
+            t2 = time.monotonic()
             for p in self.params:
                 if p.grad is None:  # a parameter this replica did not use still gets the swarm's gradient
                     p.grad = torch.zeros_like(p)
