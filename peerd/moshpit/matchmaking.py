@@ -273,6 +273,11 @@ class Matchmaker:
             self._give_up()
 
     # -- internals ------------------------------------------------------------------------------
+    @property
+    def alone(self) -> bool:
+        """Leading nobody and following nobody: leaving this key now strands no one."""
+        return self.state is State.LEADING and not self.followers
+
     def seen_rank(self) -> int:
         """My place among the peers seen under the key, by node id: the index a group of them all gives me."""
         return sorted(self.seen_ids).index(self.me.node_id)
