@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--average-every", type=int, default=10, metavar="K",
                    help="average parameters every K steps (default 10)")
     p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
-                   help="keep a complete Moshpit group R rounds (1: a new group every round; default 1)")
+                   help="keep a complete Moshpit group R rounds (1: a new group every round; default 10)")
     p.add_argument("--micro", type=int, default=None, metavar="M",
                    help="micro-batches per step of 32 samples (default 8 with --compute-jitter, else 4)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of weights, data order and loss (default 0)")
