@@ -3,7 +3,7 @@
 Every peer looking under one key announces ``(expiry, node id)`` in the DHT. Peers are ordered by
 that pair; a peer asks the earliest peer before it to lead it. Reachability comes first (``lead_key``): a
 public peer leads before a peer behind a cone NAT, which leads before the rest, so that followers behind NATs
-can reach their leader (NAT traversal, issue 19); who is in a group stays the key's. A leader closes its group when it
+can reach their leader (NAT traversal); who is in a group stays the key's. A leader closes its group when it
 reaches the target size, or at its own expiry with at least the minimum size, else disbands. Only the
 leader's ordered member list (sent in BEGIN) defines the group, so peers that saw different DHT
 contents can never average with different lists.
