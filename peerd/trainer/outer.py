@@ -50,7 +50,8 @@ from ..transport.endpoint import Address
 log = logging.getLogger("peerd.trainer.outer")
 
 OUTER_TTL_S = 600.0  # a round's records outlive the slowest member's agreement by far
-POLL_S = 0.25  # how often a member re-reads the round's records while it waits
+POLL_S = 0.25  # how often a member re-reads the round's records while it waits (at most)
+POLL_FIRST_S = 0.05  # the first re-read of a phase: the records it waits for are usually a moment away
 ALONE_SETTLE_S = 1.0  # a member that averaged alone reads this long before it may end with its own vector
 MAX_GROUP = 64  # members of one group (Moshpit's MAX_GROUP)
 MAX_LENGTH = 2**32 - 1  # elements (allreduce offsets are u32)
@@ -60,7 +61,7 @@ OWNER_GRACE_S = 2.0  # once every other shard is settled, how long an owner that
 REPAIR_TRIES = 3  # fetches of one shard that fail (or do not verify) before it is left as it is
 PIECE = 1024  # bytes of a shard one piece hash covers (a lost datagram's range is about as long)
 PIECE_HASH = 16  # bytes kept of each piece's SHA-256 (it only picks what to fetch; the shard hash checks)
-FETCH_WINDOW = 64  # chunk requests a member has in flight while it repairs (a lost one waits out its timeout)
+FETCH_WINDOW = 256  # chunk requests a member has in flight while it repairs (a lost one waits out its timeout)
 REFRESH_S = 1.0  # how often the known participants are re-read while records of unknown nodes show up
 
 
@@ -275,6 +276,18 @@ class Agreement:
     phases: dict[str, float] = field(default_factory=dict)  # seconds: "repair", "agree"
 
 
+class Backoff:
+    """Waits between reads of a phase: POLL_FIRST_S, growing by half each time up to POLL_S (a phase usually
+    ends within a few round trips, and a long wait should not read the DHT more often than POLL_S)."""
+
+    def __init__(self) -> None:
+        self.wait = POLL_FIRST_S
+
+    def next(self) -> float:
+        wait, self.wait = self.wait, min(POLL_S, self.wait * 1.5)
+        return wait
+
+
 Participants = Callable[[], Awaitable[frozenset[bytes]]]
 
 
@@ -290,6 +303,62 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     matchmaking saw): a member that averaged alone waits for them rather than end alone. ``participants``:
     the node ids whose records count in the agreement (``members`` and this node always do; None: every
     record counts); ``refresh`` re-reads them (at most every REFRESH_S) while records of others show up."""
+    publisher = _Publisher(board)
+    failed: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(publisher.run)
+        try:
+            out = await _agree(publisher.put, board, node, vector, group=group, size=size, index=index,
+                               state=state, repair_s=repair_s, deadline_s=deadline_s, addr=addr, members=members,
+                               expect=expect, participants=participants, refresh=refresh, clock=clock)
+        except Exception as e:  # raised as itself, not in the nursery's exception group
+            failed = e
+        finally:
+            publisher.close()  # the last record still goes out before agree returns
+    if failed is not None:
+        raise failed
+    return out
+
+
+class _Publisher:
+    """Puts this member's records on the board in the background, newest only and in order, so that reading
+    and fetching do not wait for a DHT store (a put costs round trips, and more under loss)."""
+
+    def __init__(self, board: Board) -> None:
+        self.board = board
+        self.latest: OuterRecord | None = None
+        self.closed = False
+        self.wake = trio.Event()
+
+    def put(self, record: OuterRecord) -> None:
+        self.latest = record
+        self.wake.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.wake.set()
+
+    async def run(self) -> None:
+        while True:
+            if self.latest is None:
+                if self.closed:
+                    return
+                await self.wake.wait()
+                self.wake = trio.Event()
+                continue
+            record, self.latest = self.latest, None
+            try:
+                await self.board.publish(record)
+            except Exception as e:  # the next record, or the others' reads, settle it
+                log.info("outer agreement: publishing this member's record failed: %s", e)
+
+
+async def _agree(publish: Callable[[OuterRecord], None], board: Board, node: bytes, vector: np.ndarray, *,
+                 group: str, size: int, index: int, state: bytes, repair_s: float, deadline_s: float,
+                 addr: Address | None = None, members: list[bytes] | None = None, expect: int = 1,
+                 participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
+                 clock: Callable[[], float] = trio.current_time) -> Agreement:
+    """agree's body; ``publish`` hands a record to the background publisher."""
     if not group:  # alone: a group of one owns every shard
         size, index, members = 1, 0, None
     if members is not None and (len(members) != size or not 0 <= index < size or members[index] != node):
@@ -302,12 +371,14 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     me = OuterRecord(node, group, size, index, sha256(memoryview(data)[4 * start: 4 * stop]), avg, b"", state,
                      length, addr)
     t0 = clock()
-    await board.publish(me)
+    publish(me)
+    seen_all: float | None = None  # when every owner's record had been read
     out = Agreement(vector, b"")
     # 1. every shard from its owner (an owner that never publishes leaves its shard as it is)
     done: set[int] = {index} if members else set(range(size))
     settled_at: float | None = None  # when every owner that had published was settled
     tries: dict[int, int] = {}  # failed fetches of a shard
+    poll = Backoff()
 
     async def repair(k: int, r: OuterRecord) -> None:
         a, b = shard_bounds(length, size, k)
@@ -343,6 +414,8 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                     done.add(k)
                 else:
                     todo.append((k, r))
+            if seen_all is None and all(k in done or owner_record(me, k, records, members) for k in range(size)):
+                seen_all = clock()
             if todo:
                 settled_at = None
                 before = len(done)
@@ -356,15 +429,18 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                 settled_at = clock()
             elif clock() - settled_at >= OWNER_GRACE_S:
                 break  # the owners left have published nothing: their shards stay as they are
-            await trio.sleep(POLL_S)
+            await trio.sleep(poll.next())
     t_repaired = clock()
     out.phases["repair"] = t_repaired - t0
+    log.info("outer repair: every owner read after %s s, done after %.3f s, %d bytes fetched",
+             "-" if seen_all is None else f"{seen_all - t0:.3f}", t_repaired - t0, out.repaired_bytes)
     # 2. one final across the swarm
     known = None if participants is None else frozenset(participants) | frozenset(members or ()) | {node}
     refreshed = clock()
+    poll = Backoff()
     final = board.keep(bytes(data))
     me = replace(me, final=final)
-    await board.publish(me)
+    publish(me)
     last_view: list[OuterRecord] = []
     while True:
         read = [r for r in await board.read() if r.length == length and r.node != node]
@@ -395,7 +471,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                     out.adopted = True
                     board.keep(bytes(data))
                     me = replace(me, final=win)
-                    await board.publish(me)
+                    publish(me)
                     continue
         settled = bool(group) or clock() - t0 >= ALONE_SETTLE_S  # alone: give the others time to publish
         if settled and agreed(me, records, patient=clock() - t0 < deadline_s / 2, expect=max(expect, size)):
@@ -404,7 +480,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
             finals = sorted({r.final.hex()[:12] for r in records if r.final} | {me.final.hex()[:12]})
             raise OuterError(f"the outer average did not agree within {deadline_s:.0f} s: finals {finals} "
                              f"({len(records) + 1} members read)")
-        await trio.sleep(POLL_S)
+        await trio.sleep(poll.next())
     out.phases["agree"] = clock() - t_repaired
     out.vector = np.frombuffer(bytes(data), dtype=np.float32).copy()
     out.final = me.final
