@@ -378,9 +378,18 @@ async def _agree(publish: Callable[[OuterRecord], None], board: Board, node: byt
     done: set[int] = {index} if members else set(range(size))
     settled_at: float | None = None  # when every owner that had published was settled
     tries: dict[int, int] = {}  # failed fetches of a shard
+    inflight: set[int] = set()  # shards being fetched
+    changed = trio.Event()  # a fetch ended
     poll = Backoff()
 
     async def repair(k: int, r: OuterRecord) -> None:
+        try:
+            await repair_once(k, r)
+        finally:
+            inflight.discard(k)
+            changed.set()
+
+    async def repair_once(k: int, r: OuterRecord) -> None:
         a, b = shard_bounds(length, size, k)
         try:
             got = await fetch_shard(board, r, memoryview(data)[4 * a: 4 * b], 4 * length)
@@ -397,39 +406,44 @@ async def _agree(publish: Callable[[OuterRecord], None], board: Board, node: byt
             done.add(k)  # its owner cannot or will not serve it: the swarm phase settles it
 
     with trio.move_on_after(max(0.0, repair_s)):
-        while len(done) < size:
-            records = await board.read()
-            todo: list[tuple[int, OuterRecord]] = []
-            for k in range(size):
-                if k in done:
+        # each shard is fetched as soon as its owner's record is read, while the others are still awaited
+        async with trio.open_nursery() as fetches:
+            while len(done) < size:
+                if inflight and all(k in done or k in inflight for k in range(size)):
+                    await changed.wait()  # nothing left to read for: wait for a fetch to end
+                    changed = trio.Event()
                     continue
-                mine = [r for r in records if r.node == owners[k]]
-                if any(r.group != group for r in mine):
-                    done.add(k)  # its own account has it outside the group: nothing to fetch
-                    continue
-                r = owner_record(me, k, records, members)
-                if r is None:
-                    continue  # not published yet
-                if r not in repairs(data, me, [r], members):
-                    done.add(k)
-                else:
-                    todo.append((k, r))
-            if seen_all is None and all(k in done or owner_record(me, k, records, members) for k in range(size)):
-                seen_all = clock()
-            if todo:
-                settled_at = None
-                before = len(done)
-                async with trio.open_nursery() as nursery:
-                    for k, r in todo:
-                        nursery.start_soon(repair, k, r)
-                if len(done) - before == len(todo):
-                    continue  # read again at once: owners that published meanwhile
-                # a fetch failed: try it again after a poll
-            elif settled_at is None:
-                settled_at = clock()
-            elif clock() - settled_at >= OWNER_GRACE_S:
-                break  # the owners left have published nothing: their shards stay as they are
-            await trio.sleep(poll.next())
+                records = await board.read()
+                todo: list[tuple[int, OuterRecord]] = []
+                for k in range(size):
+                    if k in done or k in inflight:
+                        continue
+                    mine = [r for r in records if r.node == owners[k]]
+                    if any(r.group != group for r in mine):
+                        done.add(k)  # its own account has it outside the group: nothing to fetch
+                        continue
+                    r = owner_record(me, k, records, members)
+                    if r is None:
+                        continue  # not published yet
+                    if r not in repairs(data, me, [r], members):
+                        done.add(k)
+                    else:
+                        todo.append((k, r))
+                if seen_all is None and all(k in done or owner_record(me, k, records, members)
+                                            for k in range(size)):
+                    seen_all = clock()
+                for k, r in todo:
+                    inflight.add(k)
+                    fetches.start_soon(repair, k, r)
+                if todo or inflight:
+                    settled_at = None
+                elif len(done) == size:
+                    break
+                elif settled_at is None:
+                    settled_at = clock()
+                elif clock() - settled_at >= OWNER_GRACE_S:
+                    break  # the owners left have published nothing: their shards stay as they are
+                await trio.sleep(poll.next())
     t_repaired = clock()
     out.phases["repair"] = t_repaired - t0
     log.info("outer repair: every owner read after %s s, done after %.3f s, %d bytes fetched",
