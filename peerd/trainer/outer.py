@@ -11,9 +11,11 @@ so any difference would stay for good. After the group average every member ther
    SHA-256 of the shard it owns and of its whole vector, keeps the vector for others to read (state sync's
    STATE_GET), and fetches every shard whose hash differs from its owner's, verified against that hash.
    The owner of shard k is the group's k-th member as the averaging round knows it (``members``), never a
-   record that claims index k: no other record repairs anything. Shards are fetched all at once, each in
-   chunks with many requests outstanding. An owner that has published nothing once every other shard is
-   settled is waited for OWNER_GRACE_S more, not the whole repair phase.
+   record that claims index k: no other record repairs anything. Each shard is fetched as soon as its
+   owner's record is read: first the owner's piece index (a short hash of every PIECE bytes, kept after its
+   vector), then only the pieces that differ, in chunks with many requests outstanding. An owner that has
+   published nothing once every other shard is settled is waited for OWNER_GRACE_S more, not the whole
+   repair phase; one whose bytes do not verify is asked REPAIR_TRIES times.
    Without loss nothing is fetched; after repair every member of a group holds the owners' concatenation.
    With a codec (the run's compression), an owner keeps the dequantized encoding of its shard, the value the
    all-gather hands the others, so the hashes and the repaired bytes are those dequantized values too.
@@ -21,11 +23,16 @@ so any difference would stay for good. After the group average every member ther
    final that most members hold wins (ties: the one from the larger group, then the lower hash); a member
    holding another downloads the winner (verified against its hash) and publishes it. Only the round's
    known participants (``participants``: the group members and the members whose progress says they took
-   part in the step) are counted; records of any other node are ignored. The step ends as soon as this
+   part in the step) are counted; records of any other node are ignored (a progress record is its writer's
+   own claim, so minted ids that also write progress still count: what the repair binding to ``members``
+   protects does not rest on this count). The step ends as soon as this
    member holds the winner and either a strict majority of the round's members hold it (no other final can
    then win, so the rest adopt it) or every member it has read has published it; after half the deadline,
    members that never publish a final are no longer waited for. A member that cannot get the winner by the
    deadline raises OuterError, never diverges silently.
+
+A member's records go out in the background (newest only, in order), so reading and fetching never wait
+for a DHT store; the step's phases (seconds in "repair" and "agree") are in the Agreement.
 
 The decisions (which shards to repair, which final wins, when the step is agreed) are pure functions of
 the records; ``agree`` only waits on a ``Board`` (the DHT and state sync in a daemon, memory in tests).
