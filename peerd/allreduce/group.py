@@ -330,8 +330,8 @@ class _Phase:
         (reordering): datagrams sent just before it may still be in flight. On a path that kept the stream in
         order so far, what is missing was sent before the END that arrived, so it is nearly surely lost, not
         late: the wait is IN_ORDER_GRACE_S at most (under random loss nearly every stream misses some, and the
-        full grace cost every phase its length; waiting not at all lost reordered data in 10 of 24 seeds of
-        the 3 ms-jitter host test). A stream seen reordered keeps the full grace."""
+        full grace would cost every phase its length; not waiting at all loses reordered data in the host tests
+        with 3 ms of jitter). A stream seen reordered keeps the full grace."""
         self.end_seen[s] = True
         self._progress(now)
         if self.done[s]:
@@ -404,7 +404,7 @@ def _heads(group: int, total: int, offset: int, weight: float | np.ndarray, shap
     (rows, HEADER_SIZE) uint8, for a sealer that reads the values from where they are."""
     rows, count = shape
     out = np.empty((rows, HEADER_SIZE), dtype=np.uint8)
-    # one HEADER_SIZE-byte item a row (a third of broadcasting the header's bytes: 4 against 12 us at 864 rows)
+    # one HEADER_SIZE-byte item a row (a third of the time of broadcasting the header's bytes)
     out.view(_HEAD_ITEM).reshape(rows)[:] = np.frombuffer(
         HEADER.pack(group, CODEC_FLOAT32, total, offset, count, 0.0), _HEAD_ITEM)[0]
     fields = out.view(_HEAD_FIELDS).reshape(rows)  # (4-byte fields: a fifth of numpy's strided byte copies)

@@ -41,9 +41,8 @@ from .snapcheck import SnapshotError, check_finite, checked_step
 log = logging.getLogger("peerd.torch")
 
 NO_GROUP = ("local", "skip", "raise")
-# Kept groups are opt-in (keep_rounds=10: `peerd demo`, 4 peers, 200 steps, took 23-26 s against 34-37 s,
-# same accuracy over 3 seeds; under 10 % loss 77-101 s against 118-128 s). With them on by default a CI
-# run saw a late joiner never get into the founders' kept group (divergence 0.12), so 1 until that is fixed.
+# Kept groups save a matchmaking a round (`peerd demo --keep-rounds 10`: faster steps, the same accuracy) but are
+# opt-in: a late joiner can fail to get into the founders' kept group, so 1 until that is fixed.
 DEFAULT_KEEP_ROUNDS = 1
 STATE_FORMAT = "peerd-state-v1"
 # max_samples not given: this many times the samples of the trainer's first step, so a member claiming a huge
