@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and full read one more RPC. Nodes may differ: a reader asking fewer than a writer stored on "
                         "still reads the closest copies")
     # testing only (hidden): this daemon corrupts its own reduce-scatter contributions, to test robust averaging
-    p.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random", "inflate"],
+    p.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random"],
                    help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="how much the daemon logs to stderr (default info)")
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--byzantine", type=int, default=0, metavar="K",
                    help="K of the peers' daemons corrupt their contributions (a test; default 0); the summary's "
                         "accuracy and loss are the honest peers'")
-    p.add_argument("--byzantine-mode", default="nan", choices=["scale", "signflip", "nan", "random", "inflate"],
+    p.add_argument("--byzantine-mode", default="nan", choices=["scale", "signflip", "nan", "random"],
                    help="how the --byzantine daemons corrupt their contributions (default nan)")
     p.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
                    help="robust aggregation every trainer asks for (default off)")
