@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--loss-seed", type=int, default=None, metavar="K",
                      help="seed of --loss's drops, to repeat a run exactly (default: random)")
     # hidden: this daemon corrupts its own contributions, to test robust averaging
-    lab.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random", "inflate"],
+    lab.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random"],
                      help=argparse.SUPPRESS)
 
     p = sub.add_parser("status", help="show a running daemon's identity and swarm view")
@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     _lab(p).add_argument("--byzantine", type=int, default=0, metavar="K",
                    help="K of the peers' daemons corrupt their contributions (a test; default 0); the summary's "
                         "accuracy and loss are the honest peers'")
-    _lab(p).add_argument("--byzantine-mode", default="nan", choices=["scale", "signflip", "nan", "random", "inflate"],
+    _lab(p).add_argument("--byzantine-mode", default="nan", choices=["scale", "signflip", "nan", "random"],
                    help="how the --byzantine daemons corrupt their contributions (default nan)")
     p.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
                    help="robust aggregation every trainer asks for (default off)")

@@ -70,7 +70,7 @@ class DaemonConfig:
     byzantine: str | None = None  # testing only: corrupt this node's own contributions (see BYZANTINE_MODES)
 
 
-BYZANTINE_MODES = ("scale", "signflip", "nan", "random", "inflate")  # allreduce.group.BYZANTINE_MODES
+BYZANTINE_MODES = ("scale", "signflip", "nan", "random")
 
 
 def _allreduce_kwargs(config: DaemonConfig) -> dict[str, Any]:

@@ -99,8 +99,7 @@ CODED_BLOCK_ELEMENTS = 1 << 16
 CODED_BATCH_ELEMENTS = 1 << 18
 DEFAULT_MAX_WEIGHT = float(2**24)  # samples: the cap on any member's weight unless the caller gives one
 # Fault injection for demos and benches only: how a node corrupts its own reduce-scatter contributions.
-# "inflate": sign-flipped values under a claimed weight of DEFAULT_MAX_WEIGHT samples (weight inflation)
-BYZANTINE_MODES = ("scale", "signflip", "nan", "random", "inflate")
+BYZANTINE_MODES = ("scale", "signflip", "nan", "random")
 BYZANTINE_SCALE = 1000.0
 BYZANTINE_NOISE = 100.0  # times the vector's RMS
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -1268,8 +1267,6 @@ class GroupAverage:
     def _rs_blocks(self) -> Iterator[OutBlock]:
         """Round-robin over destinations a block at a time, so every owner sees a steady stream."""
         layout, per, group, w = self.layout, self.layout.per, self.group_id, self.weight
-        if self._byzantine == "inflate":
-            w = float(np.float32(DEFAULT_MAX_WEIGHT))
         vec = self._vec
         dests = self._dest_order()
         plan = {j: (*layout.shard(j), layout.datagrams(j)) for j in dests}
@@ -1343,7 +1340,7 @@ class GroupAverage:
         with np.errstate(over="ignore"):
             if mode == "scale":
                 return values * np.float32(BYZANTINE_SCALE)
-            if mode in ("signflip", "inflate"):
+            if mode == "signflip":
                 return -values
             if mode == "nan":
                 return np.full_like(values, np.nan)
