@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 import trio
 
-from ..allreduce.robust import Robust, parse_robust
+from ..allreduce.robust import DEFAULT_C, Robust, parse_robust
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
 from ..localsock.phases import empty_phases, parse_phases
 from ..localsock.server import Connection, OpError
@@ -492,11 +492,13 @@ class TrainerService:
             extra["round_no"] = round_no
         if session.max_samples is not None:
             extra["max_weight"] = session.max_samples
-        if session.robust is not None and kind == "params":
+        if kind == "params":
             # Honest replicas' parameters stay close to each other, so each owner clips around its own
             # (centered): plain clipping around zero lets a scaled member still add C times a whole
-            # parameter vector, and a sign-flipped one shrink every model.
-            extra["robust"] = Robust("centered", session.robust.c)
+            # parameter vector, and a sign-flipped one shrink every model. On by default (C = DEFAULT_C):
+            # without it one sign-flipped member of 8 left the demo's honest peers at 0.68 accuracy (0.97
+            # clean), and these averages are rare (every K steps), so their clipping pass costs little.
+            extra["robust"] = Robust("centered", DEFAULT_C if session.robust is None else session.robust.c)
             extra["center"] = vector
         elif session.robust is not None:
             extra["robust"] = session.robust
