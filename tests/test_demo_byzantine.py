@@ -1,6 +1,6 @@
 """A member that inflates its weight and flips its sign (the fault injector's ``inflate-signflip``), written from
 the attack: it claims 2**24 samples in every reduce-scatter header and sends its negated vector, so an owner
-that believes the claim returns the attacker's vector, reversed. The trainer's default weight cap (a few of its
+that believes the claim returns the attacker's vector, reversed. The trainer's default weight cap (two of its
 own batches) and robust's weight bound keep the honest direction; a 4-peer demo with one such daemon trains."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 from peerd.allreduce.group import BYZANTINE_WEIGHT, DEFAULT_MAX_WEIGHT, GroupAverage
 from peerd.allreduce.robust import Robust
 from peerd.compress import codec
+from peerd.torch.optimizer import MAX_SAMPLES_FACTOR
 
 from .test_allreduce_core import GROUP, Net, payload_for
 
@@ -41,8 +42,9 @@ def average(xs: list[np.ndarray], bad: int, **options: object) -> list[GroupAver
 @pytest.mark.parametrize("name", ["fp32", "int8"])
 def test_inflate_signflip_takes_an_unbounded_owner_and_not_a_bounded_one_hostile(name: str) -> None:
     """One of 8. Unbounded (max_weight 2**24, the daemon's default for other callers), every honest owner's
-    shard is the attacker's negated vector; capped at 4 batches (the trainer's default) or with robust's weight
-    bound, the shard points the honest way, and the attacker's weight is counted as capped or bounded."""
+    shard is the attacker's negated vector; capped at MAX_SAMPLES_FACTOR batches (the trainer's default) or with
+    robust's weight bound, the shard points the honest way, and the attacker's weight is counted as capped or
+    bounded."""
     n, length, bad = 8, 800, 0
     xs = gradients(n, length, 3)
     honest = np.mean(np.stack(xs[1:]).astype(np.float64), axis=0)
@@ -54,7 +56,7 @@ def test_inflate_signflip_takes_an_unbounded_owner_and_not_a_bounded_one_hostile
         st = open_[i].statistics()
         assert st.weight_total == pytest.approx(BYZANTINE_WEIGHT + 32.0 * (n - 1))
         assert cos(open_[i].result()[lo:], -xs[bad][lo:]) > 0.99  # the attacker's reversed vector, nothing else
-    for kw, reason in (({"max_weight": 4 * 32.0}, "weight_capped"), ({"robust": Robust("clip", 1e6)},
+    for kw, reason in (({"max_weight": MAX_SAMPLES_FACTOR * 32.0}, "weight_capped"), ({"robust": Robust("clip", 1e6)},
                                                                       "weight_bounded")):
         cores = average(xs, bad, **options, **kw)
         for i in range(1, n):
@@ -64,7 +66,7 @@ def test_inflate_signflip_takes_an_unbounded_owner_and_not_a_bounded_one_hostile
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_weight_inflating_sign_flipping_daemon_does_not_wreck_the_demo_hostile(tmp_path) -> None:
     """4 real daemons and trainers, one daemon claiming 2**24 samples with its negated gradients, defaults
     otherwise: before the trainer's default weight cap, the honest average was the attacker's reversed
@@ -74,7 +76,7 @@ def test_a_weight_inflating_sign_flipping_daemon_does_not_wreck_the_demo_hostile
     from peerd.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(peers=4, steps=30, byzantine=1, byzantine_mode="inflate-signflip", json=True,
-                     timeout_s=5.0, workdir=str(tmp_path), wall_limit_s=100)
+                     timeout_s=5.0, workdir=str(tmp_path), wall_limit_s=240)
     summary = run_demo(cfg)
     with open(tmp_path / "swarm" / "peer3.log") as f:
         assert "inflate-signflip" in f.read()  # the attacker's daemon really ran the injector
@@ -83,3 +85,35 @@ def test_a_weight_inflating_sign_flipping_daemon_does_not_wreck_the_demo_hostile
     assert len(honest) == 3 and all(p["steps"] == 30 and p["params_finite"] for p in honest), honest
     # 30 steps of the digits MLP reach ~0.9 clean; the reversed attacker's gradient alone would leave chance
     assert summary["accuracy"] >= 0.8, summary
+
+
+def test_diloco_outer_averages_bound_claimed_weights_by_default_hostile(tmp_path) -> None:
+    """A DiLoCo trainer that sets neither robust nor max_samples: its outer rounds passed no weight bound and the
+    daemon's 2**24 cap, so one member claiming 2**24 samples was the whole outer step. Now they cap weights at
+    MAX_SAMPLES_FACTOR times this trainer's first outer step and ask for the weight bound (clip only past MAX_C
+    times the median)."""
+    torch = pytest.importorskip("torch")
+    from peerd.allreduce.robust import MAX_C
+    from peerd.torch import DiLoCo
+
+    from .trainer_harness import InProcessAverager, ThreadDaemon
+
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.1))
+    try:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 2)
+        opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="wb", socket=daemon.path, sync_every=2,
+                     sync_state=False, state_every=0)
+        for _ in range(4):
+            opt.zero_grad()
+            m(torch.randn(3, 4)).sum().backward()
+            opt.step(samples=3)
+        cap = MAX_SAMPLES_FACTOR * 2 * 3.0  # the first outer step stands for 2 inner steps of 3 samples
+        assert opt.outer_steps == 2 and opt.max_samples == cap
+        outer = [o for o, r in zip(daemon.averager.options, daemon.averager.round_numbers, strict=True)
+                 if r is not None]
+        assert len(outer) == 2, outer
+        assert all(o.get("robust") == Robust("clip", MAX_C) and o.get("max_weight") == cap for o in outer), outer
+        opt.close()
+    finally:
+        daemon.stop()

@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 import trio
 
-from ..allreduce.robust import DEFAULT_C, Robust, parse_robust
+from ..allreduce.robust import DEFAULT_C, MAX_C, Robust, parse_robust
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
 from ..localsock.phases import empty_phases, parse_phases
 from ..localsock.server import Connection, OpError
@@ -857,7 +857,10 @@ class TrainerService:
         vector as it was; the agreement gives this member the swarm's. The session's ``robust`` applies to every
         round as ``clip`` around zero (a pseudo-gradient, like a gradient, has no center of its own)."""
         codec = codec_keywords(session, "outer", vector.size)
-        robust = None if session.robust is None else Robust("clip", session.robust.c)
+        # without the session's robust, the weight bound alone (clipping only past MAX_C times the median): a
+        # member's claimed weight counts for at most WEIGHT_BOUND typical ones, and equal honest weights are
+        # never bounded; outer steps are rare (every H inner steps), so the owner's staging costs little here
+        robust = Robust("clip", MAX_C if session.robust is None else session.robust.c)
         seen: set[bytes] = set()
         cap = session.max_samples
         out, outcome, result, dims, rounds = vector, "failed", None, 1, 0
@@ -866,8 +869,7 @@ class TrainerService:
             extra: dict[str, Any] = {"round_no": round_no * OUTER_ROUNDS + rounds, **codec}
             if cap is not None:
                 extra["max_weight"] = cap
-            if robust is not None:
-                extra["robust"] = robust
+            extra["robust"] = robust
             if window_end > 0:
                 extra["chain_from"] = window_end
             try:
