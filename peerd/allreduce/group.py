@@ -99,9 +99,12 @@ CODED_BLOCK_ELEMENTS = 1 << 16
 CODED_BATCH_ELEMENTS = 1 << 18
 DEFAULT_MAX_WEIGHT = float(2**24)  # samples: the cap on any member's weight unless the caller gives one
 # Fault injection for demos and benches only: how a node corrupts its own reduce-scatter contributions.
-BYZANTINE_MODES = ("scale", "signflip", "nan", "random")
+# "inflate-signflip": the negated values, claiming BYZANTINE_WEIGHT samples in every reduce-scatter header (weight
+# inflation: without a weight bound the owner's average becomes the attacker's negated vector)
+BYZANTINE_MODES = ("scale", "signflip", "nan", "random", "inflate-signflip")
 BYZANTINE_SCALE = 1000.0
 BYZANTINE_NOISE = 100.0  # times the vector's RMS
+BYZANTINE_WEIGHT = float(2**24)  # samples an "inflate-signflip" member claims: the default max_weight
 _F32_MAX = float(np.finfo(np.float32).max)
 _GROUP = struct.Struct("<I")
 _DONE = object()  # a send generator that is exhausted
@@ -1267,6 +1270,8 @@ class GroupAverage:
     def _rs_blocks(self) -> Iterator[OutBlock]:
         """Round-robin over destinations a block at a time, so every owner sees a steady stream."""
         layout, per, group, w = self.layout, self.layout.per, self.group_id, self.weight
+        if self._byzantine == "inflate-signflip":
+            w = BYZANTINE_WEIGHT  # the claimed weight travels in every DATA and END header
         vec = self._vec
         dests = self._dest_order()
         plan = {j: (*layout.shard(j), layout.datagrams(j)) for j in dests}
@@ -1340,7 +1345,7 @@ class GroupAverage:
         with np.errstate(over="ignore"):
             if mode == "scale":
                 return values * np.float32(BYZANTINE_SCALE)
-            if mode == "signflip":
+            if mode in ("signflip", "inflate-signflip"):
                 return -values
             if mode == "nan":
                 return np.full_like(values, np.nan)

@@ -75,8 +75,9 @@ class AverageResult:
 
 class AllreduceService:
     """``byzantine``: a fault-injection hook for demos and benches ONLY. Set to one of "scale", "signflip",
-    "nan", "random", this node corrupts its own reduce-scatter contributions before sending them (x1000,
-    x-1, NaN, gaussian noise of 100x the vector's RMS); its own shard and its all-gather stay honest."""
+    "nan", "random", "inflate-signflip", this node corrupts its own reduce-scatter contributions before sending
+    them (x1000, x-1, NaN, gaussian noise of 100x the vector's RMS, x-1 claiming 2**24 samples); its own shard
+    and its all-gather stay honest."""
 
     def __init__(
         self, endpoint: Endpoint, metrics: Metrics, *, pacer: Pacer | None = None, byzantine: str | None = None
