@@ -27,9 +27,8 @@ SETTLE_S = 0.3  # a leader that has everyone looking under its key closes once t
 UNEXPECTED_SETTLE_S = 1.5  # ... this long when the matchmaker does not know whom the run expects
 # A follower asks its leader again (the same MM_JOIN) this long after each answer while it waits for BEGIN: no
 # answer at all means the leader is gone, and the follower looks again at once. Without it the followers of a
-# leader that died before closing waited until its expiry plus FOLLOW_SLACK_S, past their own expiries, and
-# all gave up alone: in peerd sim moshpit that was most of the peers alone (86 of 106 at 256 peers, 10 %
-# failures; 82 of 133 at 1024 peers, 1 %).
+# leader that died before closing would wait until its expiry plus FOLLOW_SLACK_S, past their own expiries, and
+# all give up alone (`peerd sim moshpit --fail 0.1`: most of the peers alone in a failed leader's rounds).
 PROBE_S = 0.5
 
 

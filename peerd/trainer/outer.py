@@ -11,9 +11,11 @@ so any difference would stay for good. After the group average every member ther
    SHA-256 of the shard it owns and of its whole vector, keeps the vector for others to read (state sync's
    STATE_GET), and fetches every shard whose hash differs from its owner's, verified against that hash.
    The owner of shard k is the group's k-th member as the averaging round knows it (``members``), never a
-   record that claims index k: no other record repairs anything. Shards are fetched all at once, each in
-   chunks with many requests outstanding. An owner that has published nothing once every other shard is
-   settled is waited for OWNER_GRACE_S more, not the whole repair phase.
+   record that claims index k: no other record repairs anything. Each shard is fetched as soon as its
+   owner's record is read: first the owner's piece index (a short hash of every PIECE bytes, kept after its
+   vector), then only the pieces that differ, in chunks with many requests outstanding. An owner that has
+   published nothing once every other shard is settled is waited for OWNER_GRACE_S more, not the whole
+   repair phase; one whose bytes do not verify is asked REPAIR_TRIES times.
    Without loss nothing is fetched; after repair every member of a group holds the owners' concatenation.
    With a codec (the run's compression), an owner keeps the dequantized encoding of its shard, the value the
    all-gather hands the others, so the hashes and the repaired bytes are those dequantized values too.
@@ -21,11 +23,16 @@ so any difference would stay for good. After the group average every member ther
    final that most members hold wins (ties: the one from the larger group, then the lower hash); a member
    holding another downloads the winner (verified against its hash) and publishes it. Only the round's
    known participants (``participants``: the group members and the members whose progress says they took
-   part in the step) are counted; records of any other node are ignored. The step ends as soon as this
+   part in the step) are counted; records of any other node are ignored (a progress record is its writer's
+   own claim, so minted ids that also write progress still count: what the repair binding to ``members``
+   protects does not rest on this count). The step ends as soon as this
    member holds the winner and either a strict majority of the round's members hold it (no other final can
    then win, so the rest adopt it) or every member it has read has published it; after half the deadline,
    members that never publish a final are no longer waited for. A member that cannot get the winner by the
    deadline raises OuterError, never diverges silently.
+
+A member's records go out in the background (newest only, in order), so reading and fetching never wait
+for a DHT store; the step's phases (seconds in "repair" and "agree") are in the Agreement.
 
 The decisions (which shards to repair, which final wins, when the step is agreed) are pure functions of
 the records; ``agree`` only waits on a ``Board`` (the DHT and state sync in a daemon, memory in tests).
@@ -50,7 +57,8 @@ from ..transport.endpoint import Address
 log = logging.getLogger("peerd.trainer.outer")
 
 OUTER_TTL_S = 600.0  # a round's records outlive the slowest member's agreement by far
-POLL_S = 0.25  # how often a member re-reads the round's records while it waits
+POLL_S = 0.25  # how often a member re-reads the round's records while it waits (at most)
+POLL_FIRST_S = 0.05  # the first re-read of a phase: the records it waits for are usually a moment away
 ALONE_SETTLE_S = 1.0  # a member that averaged alone reads this long before it may end with its own vector
 MAX_GROUP = 64  # members of one group (Moshpit's MAX_GROUP)
 MAX_LENGTH = 2**32 - 1  # elements (allreduce offsets are u32)
@@ -60,7 +68,7 @@ OWNER_GRACE_S = 2.0  # once every other shard is settled, how long an owner that
 REPAIR_TRIES = 3  # fetches of one shard that fail (or do not verify) before it is left as it is
 PIECE = 1024  # bytes of a shard one piece hash covers (a lost datagram's range is about as long)
 PIECE_HASH = 16  # bytes kept of each piece's SHA-256 (it only picks what to fetch; the shard hash checks)
-FETCH_WINDOW = 64  # chunk requests a member has in flight while it repairs (a lost one waits out its timeout)
+FETCH_WINDOW = 256  # chunk requests a member has in flight while it repairs (a lost one waits out its timeout)
 REFRESH_S = 1.0  # how often the known participants are re-read while records of unknown nodes show up
 
 
@@ -275,6 +283,18 @@ class Agreement:
     phases: dict[str, float] = field(default_factory=dict)  # seconds: "repair", "agree"
 
 
+class Backoff:
+    """Waits between reads of a phase: POLL_FIRST_S, growing by half each time up to POLL_S (a phase usually
+    ends within a few round trips, and a long wait should not read the DHT more often than POLL_S)."""
+
+    def __init__(self) -> None:
+        self.wait = POLL_FIRST_S
+
+    def next(self) -> float:
+        wait, self.wait = self.wait, min(POLL_S, self.wait * 1.5)
+        return wait
+
+
 Participants = Callable[[], Awaitable[frozenset[bytes]]]
 
 
@@ -290,6 +310,62 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     matchmaking saw): a member that averaged alone waits for them rather than end alone. ``participants``:
     the node ids whose records count in the agreement (``members`` and this node always do; None: every
     record counts); ``refresh`` re-reads them (at most every REFRESH_S) while records of others show up."""
+    publisher = _Publisher(board)
+    failed: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(publisher.run)
+        try:
+            out = await _agree(publisher.put, board, node, vector, group=group, size=size, index=index,
+                               state=state, repair_s=repair_s, deadline_s=deadline_s, addr=addr, members=members,
+                               expect=expect, participants=participants, refresh=refresh, clock=clock)
+        except Exception as e:  # raised as itself, not in the nursery's exception group
+            failed = e
+        finally:
+            publisher.close()  # the last record still goes out before agree returns
+    if failed is not None:
+        raise failed
+    return out
+
+
+class _Publisher:
+    """Puts this member's records on the board in the background, newest only and in order, so that reading
+    and fetching do not wait for a DHT store (a put costs round trips, and more under loss)."""
+
+    def __init__(self, board: Board) -> None:
+        self.board = board
+        self.latest: OuterRecord | None = None
+        self.closed = False
+        self.wake = trio.Event()
+
+    def put(self, record: OuterRecord) -> None:
+        self.latest = record
+        self.wake.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.wake.set()
+
+    async def run(self) -> None:
+        while True:
+            if self.latest is None:
+                if self.closed:
+                    return
+                await self.wake.wait()
+                self.wake = trio.Event()
+                continue
+            record, self.latest = self.latest, None
+            try:
+                await self.board.publish(record)
+            except Exception as e:  # the next record, or the others' reads, settle it
+                log.info("outer agreement: publishing this member's record failed: %s", e)
+
+
+async def _agree(publish: Callable[[OuterRecord], None], board: Board, node: bytes, vector: np.ndarray, *,
+                 group: str, size: int, index: int, state: bytes, repair_s: float, deadline_s: float,
+                 addr: Address | None = None, members: list[bytes] | None = None, expect: int = 1,
+                 participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
+                 clock: Callable[[], float] = trio.current_time) -> Agreement:
+    """agree's body; ``publish`` hands a record to the background publisher."""
     if not group:  # alone: a group of one owns every shard
         size, index, members = 1, 0, None
     if members is not None and (len(members) != size or not 0 <= index < size or members[index] != node):
@@ -302,14 +378,25 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     me = OuterRecord(node, group, size, index, sha256(memoryview(data)[4 * start: 4 * stop]), avg, b"", state,
                      length, addr)
     t0 = clock()
-    await board.publish(me)
+    publish(me)
+    seen_all: float | None = None  # when every owner's record had been read
     out = Agreement(vector, b"")
     # 1. every shard from its owner (an owner that never publishes leaves its shard as it is)
     done: set[int] = {index} if members else set(range(size))
     settled_at: float | None = None  # when every owner that had published was settled
     tries: dict[int, int] = {}  # failed fetches of a shard
+    inflight: set[int] = set()  # shards being fetched
+    changed = trio.Event()  # a fetch ended
+    poll = Backoff()
 
     async def repair(k: int, r: OuterRecord) -> None:
+        try:
+            await repair_once(k, r)
+        finally:
+            inflight.discard(k)
+            changed.set()
+
+    async def repair_once(k: int, r: OuterRecord) -> None:
         a, b = shard_bounds(length, size, k)
         try:
             got = await fetch_shard(board, r, memoryview(data)[4 * a: 4 * b], 4 * length)
@@ -326,45 +413,55 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
             done.add(k)  # its owner cannot or will not serve it: the swarm phase settles it
 
     with trio.move_on_after(max(0.0, repair_s)):
-        while len(done) < size:
-            records = await board.read()
-            todo: list[tuple[int, OuterRecord]] = []
-            for k in range(size):
-                if k in done:
+        # each shard is fetched as soon as its owner's record is read, while the others are still awaited
+        async with trio.open_nursery() as fetches:
+            while len(done) < size:
+                if inflight and all(k in done or k in inflight for k in range(size)):
+                    await changed.wait()  # nothing left to read for: wait for a fetch to end
+                    changed = trio.Event()
                     continue
-                mine = [r for r in records if r.node == owners[k]]
-                if any(r.group != group for r in mine):
-                    done.add(k)  # its own account has it outside the group: nothing to fetch
-                    continue
-                r = owner_record(me, k, records, members)
-                if r is None:
-                    continue  # not published yet
-                if r not in repairs(data, me, [r], members):
-                    done.add(k)
-                else:
-                    todo.append((k, r))
-            if todo:
-                settled_at = None
-                before = len(done)
-                async with trio.open_nursery() as nursery:
-                    for k, r in todo:
-                        nursery.start_soon(repair, k, r)
-                if len(done) - before == len(todo):
-                    continue  # read again at once: owners that published meanwhile
-                # a fetch failed: try it again after a poll
-            elif settled_at is None:
-                settled_at = clock()
-            elif clock() - settled_at >= OWNER_GRACE_S:
-                break  # the owners left have published nothing: their shards stay as they are
-            await trio.sleep(POLL_S)
+                records = await board.read()
+                todo: list[tuple[int, OuterRecord]] = []
+                for k in range(size):
+                    if k in done or k in inflight:
+                        continue
+                    mine = [r for r in records if r.node == owners[k]]
+                    if any(r.group != group for r in mine):
+                        done.add(k)  # its own account has it outside the group: nothing to fetch
+                        continue
+                    r = owner_record(me, k, records, members)
+                    if r is None:
+                        continue  # not published yet
+                    if r not in repairs(data, me, [r], members):
+                        done.add(k)
+                    else:
+                        todo.append((k, r))
+                if seen_all is None and all(k in done or owner_record(me, k, records, members)
+                                            for k in range(size)):
+                    seen_all = clock()
+                for k, r in todo:
+                    inflight.add(k)
+                    fetches.start_soon(repair, k, r)
+                if todo or inflight:
+                    settled_at = None
+                elif len(done) == size:
+                    break
+                elif settled_at is None:
+                    settled_at = clock()
+                elif clock() - settled_at >= OWNER_GRACE_S:
+                    break  # the owners left have published nothing: their shards stay as they are
+                await trio.sleep(poll.next())
     t_repaired = clock()
     out.phases["repair"] = t_repaired - t0
+    log.info("outer repair: every owner read after %s s, done after %.3f s, %d bytes fetched",
+             "-" if seen_all is None else f"{seen_all - t0:.3f}", t_repaired - t0, out.repaired_bytes)
     # 2. one final across the swarm
     known = None if participants is None else frozenset(participants) | frozenset(members or ()) | {node}
     refreshed = clock()
+    poll = Backoff()
     final = board.keep(bytes(data))
     me = replace(me, final=final)
-    await board.publish(me)
+    publish(me)
     last_view: list[OuterRecord] = []
     while True:
         read = [r for r in await board.read() if r.length == length and r.node != node]
@@ -395,7 +492,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                     out.adopted = True
                     board.keep(bytes(data))
                     me = replace(me, final=win)
-                    await board.publish(me)
+                    publish(me)
                     continue
         settled = bool(group) or clock() - t0 >= ALONE_SETTLE_S  # alone: give the others time to publish
         if settled and agreed(me, records, patient=clock() - t0 < deadline_s / 2, expect=max(expect, size)):
@@ -404,7 +501,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
             finals = sorted({r.final.hex()[:12] for r in records if r.final} | {me.final.hex()[:12]})
             raise OuterError(f"the outer average did not agree within {deadline_s:.0f} s: finals {finals} "
                              f"({len(records) + 1} members read)")
-        await trio.sleep(POLL_S)
+        await trio.sleep(poll.next())
     out.phases["agree"] = clock() - t_repaired
     out.vector = np.frombuffer(bytes(data), dtype=np.float32).copy()
     out.final = me.final
