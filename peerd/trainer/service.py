@@ -41,6 +41,7 @@ from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
 from ..moshpit.records import MAX_ROUND, finished_since, progress_key
 from ..moshpit.service import MoshpitError, Part, all_finite, check_compression
+from .inbox import OuterInbox
 from .outer import DhtBoard, OuterError, agree, store_key
 
 log = logging.getLogger("peerd.trainer")
@@ -298,6 +299,11 @@ class TrainerService:
         self.peer_id = peer_id
         self.sessions: dict[int, Session] = {}
         self._next = 1
+        # outer records the group's members push to this daemon (OUTER_RECORD), for run keys it trains
+        self.inbox = OuterInbox(lambda run_key: any(s.run_key == run_key for s in self.sessions.values()))
+        endpoint = getattr(statesync, "endpoint", None)
+        if endpoint is not None and hasattr(endpoint, "on_request"):
+            self.inbox.register(endpoint)
 
     def ops(self) -> dict[str, Callable[[dict[str, Any], Connection], Awaitable[dict[str, Any]]]]:
         return {
@@ -804,7 +810,7 @@ class TrainerService:
                                  "round": round_no, "rounds": rounds,
                                  "received_fraction": float(getattr(result, "received_fraction", 0.0))}
         if self.statesync is not None and getattr(self.statesync, "dht", None) is not None:
-            board = DhtBoard(self.statesync, session.run_key, round_no)
+            board = DhtBoard(self.statesync, session.run_key, round_no, inbox=self.inbox, peers=seen)
             run_id, first = session.average_id("outer"), round_no * OUTER_ROUNDS
 
             async def refresh() -> frozenset[bytes]:
@@ -919,6 +925,7 @@ class TrainerService:
             session.outer_rounds.append(round_no)
         while len(session.outer_rounds) > OUTER_KEPT_ROUNDS:
             old = session.outer_rounds.pop(0)
+            self.inbox.forget(session.run_key, old)
             if self.statesync is not None:
                 self.statesync.forget(store_key(session.run_key, old))
 
