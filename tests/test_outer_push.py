@@ -80,6 +80,7 @@ def test_a_group_agrees_on_pushed_records_without_a_dht_read() -> None:
             assert results[i].final == hashlib.sha256(truth.tobytes()).digest()
             assert results[i].repaired_bytes > 0  # the owners' records came by push, their shards by state sync
             assert results[i].members == 3
+            assert results[i].pushed == 2 and results[i].reads == 0
             # woken by each record as it arrives: a few network round trips, no polling of a DHT
             assert results[i].phases["total"] < 0.5, results[i].phases
         assert _NoReadBoard.reads >= 3  # every member started a read; none ever returned

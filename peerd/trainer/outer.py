@@ -310,6 +310,8 @@ class Agreement:
     states: int = 1  # of those, how many named our pre-step state hash
     state_winner: bytes = b""  # the pre-step state hash most members named
     ignored: int = 0  # records read from nodes that were not the round's known participants
+    pushed: int = 0  # members whose records were pushed to this node (PushBoard) when the step ended
+    reads: int = 0  # reads of the board that had returned when the step ended
     phases: dict[str, float] = field(default_factory=dict)  # seconds: "repair", "agree"
 
 
@@ -640,6 +642,8 @@ async def _agree(publish: Callable[[OuterRecord], None], reader: _Reader, board:
                              f"({len(records) + 1} members read)")
         await reader.wait(seen, POLL_S)
     out.phases["agree"] = clock() - t_repaired
+    out.pushed = len(reader.pushes.pushed()) if reader.pushes is not None else 0
+    out.reads = reader.reads
     out.vector = np.frombuffer(bytes(data), dtype=np.float32).copy()
     out.final = me.final
     same = [r for r in last_view if r.final == me.final]

@@ -831,7 +831,8 @@ class TrainerService:
             reply.update(sha=agreement.final, repaired_bytes=agreement.repaired_bytes,
                          adopted_bytes=agreement.adopted_bytes, adopted=agreement.adopted,
                          agreed_members=agreement.members, dissent=agreement.dissent, state_agreed=agreement.states,
-                         state_winner=agreement.state_winner, ignored_records=agreement.ignored)
+                         state_winner=agreement.state_winner, ignored_records=agreement.ignored,
+                         pushed_records=agreement.pushed, record_reads=agreement.reads)
             phases.update({k: round(v, 6) for k, v in agreement.phases.items()})
         else:  # no swarm to agree with (an in-process daemon in tests): the average is what it is
             reply.update(sha=hashlib.sha256(out.tobytes()).digest(), repaired_bytes=0, adopted_bytes=0,
