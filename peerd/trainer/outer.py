@@ -334,24 +334,30 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                 state: bytes, repair_s: float, deadline_s: float, addr: Address | None = None,
                 members: list[bytes] | None = None, expect: int = 1,
                 participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
-                clock: Callable[[], float] = trio.current_time) -> Agreement:
+                refresh_first: bool = False, clock: Callable[[], float] = trio.current_time) -> Agreement:
     """Run both phases (module docstring) for this member's averaged ``vector``; raises OuterError.
     ``members``: the group's node ids in its order: shard k is repaired only from ``members[k]``'s record
     (without them nothing is repaired), and an owner whose record names another group (it left the group, or
     never knew it formed) is not waited for. ``expect``: how many members the round has (e.g. the peers
     matchmaking saw): a member that averaged alone waits for them rather than end alone. ``participants``:
     the node ids whose records count in the agreement (``members`` and this node always do; None: every
-    record counts); ``refresh`` re-reads them (at most every REFRESH_S) while records of others show up."""
+    record counts); ``refresh`` re-reads them (at most every REFRESH_S) while records of others show up.
+    ``refresh_first``: ``refresh`` also runs once from the start, while the repair runs (a DHT read is not
+    waited for before it); what it reads joins ``participants`` and raises ``expect`` to its number (at most
+    MAX_GROUP) before the swarm phase, which waits for that first read."""
     failed: Exception | None = None
     async with trio.open_nursery() as nursery:
         publisher = _Publisher(board, nursery)
         reader = _Reader(board)
+        first = _FirstRead(refresh if refresh_first else None)
         nursery.start_soon(publisher.run)
         nursery.start_soon(reader.run)
+        nursery.start_soon(first.run)
         try:
             out = await _agree(publisher.put, reader, board, node, vector, group=group, size=size, index=index,
                                state=state, repair_s=repair_s, deadline_s=deadline_s, addr=addr, members=members,
-                               expect=expect, participants=participants, refresh=refresh, clock=clock)
+                               expect=expect, participants=participants, refresh=refresh, first=first,
+                               clock=clock)
         except Exception as e:  # raised as itself, not in the nursery's exception group
             failed = e
         finally:
@@ -422,6 +428,27 @@ class _Publisher:
                 await self.board.publish(record)
             except Exception as e:  # the next record, or the others' reads, settle it
                 log.info("outer agreement: publishing this member's record failed: %s", e)
+
+
+class _FirstRead:
+    """The round's participants as first read (``refresh``), run beside the repair phase."""
+
+    def __init__(self, refresh: Participants | None) -> None:
+        self.refresh = refresh
+        self.ids: frozenset[bytes] = frozenset()
+        self.done = trio.Event()
+        if refresh is None:
+            self.done.set()
+
+    async def run(self) -> None:
+        if self.refresh is None:
+            return
+        try:
+            self.ids = await self.refresh()
+        except Exception as e:  # the agreement runs on the participants it has
+            log.info("outer agreement: reading the round's participants failed: %s", e)
+        finally:
+            self.done.set()
 
 
 class _Reader:
@@ -501,7 +528,7 @@ async def _agree(publish: Callable[[OuterRecord], None], reader: _Reader, board:
                  group: str, size: int, index: int, state: bytes, repair_s: float, deadline_s: float,
                  addr: Address | None = None, members: list[bytes] | None = None, expect: int = 1,
                  participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
-                 clock: Callable[[], float] = trio.current_time) -> Agreement:
+                 first: _FirstRead | None = None, clock: Callable[[], float] = trio.current_time) -> Agreement:
     """agree's body; ``publish`` hands a record to the background publisher, ``reader`` holds the records."""
     if not group:  # alone: a group of one owns every shard
         size, index, members = 1, 0, None
@@ -594,6 +621,10 @@ async def _agree(publish: Callable[[OuterRecord], None], reader: _Reader, board:
     log.info("outer repair: every owner read after %s s, done after %.3f s, %d bytes fetched",
              "-" if seen_all is None else f"{seen_all - t0:.3f}", t_repaired - t0, out.repaired_bytes)
     # 2. one final across the swarm
+    if first is not None and first.refresh is not None:
+        await first.done.wait()
+        participants = (participants or frozenset()) | first.ids
+        expect = max(expect, min(MAX_GROUP, len(first.ids)))
     known = None if participants is None else frozenset(participants) | frozenset(members or ()) | {node}
     refreshed = clock()
     final = board.keep(bytes(data))

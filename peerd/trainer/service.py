@@ -816,13 +816,12 @@ class TrainerService:
             async def refresh() -> frozenset[bytes]:
                 return await self._step_peers(run_id, first)
 
-            try:
-                step_peers = await refresh()
-                expect = min(64, max(1, int(getattr(result, "seen", 1) or 1), len(step_peers)))
+            try:  # the run's progress (who took part) is read while the repair runs: refresh_first
+                expect = min(64, max(1, int(getattr(result, "seen", 1) or 1)))
                 agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
                                         state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
                                         addr=board.addr, members=[bytes.fromhex(h) for h in members] if group else None,
-                                        expect=expect, participants=seen | step_peers, refresh=refresh)
+                                        expect=expect, participants=seen, refresh=refresh, refresh_first=True)
             except OuterError as e:
                 raise OpError(f"outer round {round_no}: {e}") from None
             finally:
