@@ -94,6 +94,8 @@ COMMAND_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("measure", ("bench", "sim")),
 )
 LAB_GROUP = "fault injection and lab (testing only)"
+# the fault injector's modes (allreduce.group.BYZANTINE_MODES, spelled here so that parsing imports no numpy)
+BYZANTINE_CHOICES = ("scale", "signflip", "nan", "random", "inflate-signflip")
 
 
 def _lab(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -183,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--loss-seed", type=int, default=None, metavar="K",
                      help="seed of --loss's drops, to repeat a run exactly (default: random)")
     # hidden: this daemon corrupts its own contributions, to test robust averaging
-    lab.add_argument("--fault-byzantine", default=None, choices=["scale", "signflip", "nan", "random", "inflate"],
+    lab.add_argument("--fault-byzantine", default=None, choices=BYZANTINE_CHOICES,
                      help=argparse.SUPPRESS)
 
     p = sub.add_parser("status", help="show a running daemon's identity and swarm view")
@@ -307,15 +309,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--average-every", type=int, default=10, metavar="K",
                    help="average parameters every K steps (default 10)")
     p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
-                   help="keep a complete Moshpit group R rounds (1: a new group every round; default 1)")
+                   help="keep a complete Moshpit group R rounds (1: a new group every round; default 10)")
     p.add_argument("--micro", type=int, default=None, metavar="M",
                    help="micro-batches per step of 32 samples (default 8 with --compute-jitter, else 4)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of weights, data order and loss (default 0)")
     _lab(p).add_argument("--byzantine", type=int, default=0, metavar="K",
                    help="K of the peers' daemons corrupt their contributions (a test; default 0); the summary's "
                         "accuracy and loss are the honest peers'")
-    _lab(p).add_argument("--byzantine-mode", default="nan", choices=["scale", "signflip", "nan", "random", "inflate"],
-                   help="how the --byzantine daemons corrupt their contributions (default nan)")
+    _lab(p).add_argument("--byzantine-mode", default="nan", choices=BYZANTINE_CHOICES,
+                   help="how the --byzantine daemons corrupt their contributions: scale (x1000), signflip, nan, "
+                        "random, inflate-signflip (negated, claiming 2**24 samples) (default nan)")
     p.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
                    help="robust aggregation every trainer asks for (default off)")
     add_compression_arguments(p)

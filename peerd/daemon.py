@@ -19,6 +19,7 @@ from . import __version__
 from ._dataplane.heap import keep_freed_memory
 from .addresses import family_of, format_hostport, peer_address, resolve_ip
 from .allreduce.bench_ops import BenchOps
+from .allreduce.group import BYZANTINE_MODES
 from .allreduce.service import AllreduceService
 from .dht import BootstrapError, DhtService
 from .dht.core import REPLICAS
@@ -70,7 +71,6 @@ class DaemonConfig:
     byzantine: str | None = None  # testing only: corrupt this node's own contributions (see BYZANTINE_MODES)
 
 
-BYZANTINE_MODES = ("scale", "signflip", "nan", "random", "inflate")  # allreduce.group.BYZANTINE_MODES
 
 
 def _allreduce_kwargs(config: DaemonConfig) -> dict[str, Any]:

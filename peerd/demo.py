@@ -380,7 +380,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             procs[j].wait(30)
         for p in procs.values():
             # after "done" a trainer still writes its result with every parameter as JSON: 2.24 M numbers for
-            # --model wide, which took over 30 s with the machine's 2 cores at load 16-25
+            # --model wide, which takes tens of seconds on a busy 2-core machine
             p.wait(300)
         wall = time.monotonic() - start
         results = []

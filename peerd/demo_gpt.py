@@ -202,8 +202,9 @@ def wrap_peerd(model, opt, args: argparse.Namespace):
                                                ("keep_rounds", args.keep_rounds)) if v is not None}
     if args.mode == "diloco":
         extra.pop("keep_rounds", None)
+        # the outer step's deadline is DiLoCo's own default (60 s), as a user leaves it
         return peerd.torch.DiLoCo(model, opt, run=args.run, socket=args.socket, sync_every=args.sync_every,
-                                  timeout_s=max(args.timeout, 30.0), sync_state=not args.no_sync, **extra)
+                                  sync_state=not args.no_sync, **extra)
     if args.mode == "overlap":
         if args.bucket_mb is not None:
             extra["bucket_mb"] = args.bucket_mb

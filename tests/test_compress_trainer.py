@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import trio
 
-import peerd.trainer.service as trainer_service
 from peerd.localsock.arena import Arena
 from peerd.localsock.server import Connection, OpError
 from peerd.moshpit.service import MoshpitError, check_compression, codec_run_key
@@ -19,9 +18,6 @@ from peerd.trainer import TrainerService
 from .memnet import MemNet
 from .test_dht_network import counter_value
 from .test_moshpit_service import run_virtual, swarm
-
-needs_patch = pytest.mark.skipif(not hasattr(trainer_service, "parse_compression"),
-                                reason="trainer_open has no compression yet (/work/patches/compress17-*.diff)")
 
 LAYOUT = [["w", [40, 50], "float32"], ["b", [50], "float32"]]  # 2,050 elements
 ELEMS = 40 * 50 + 50
@@ -97,7 +93,6 @@ def _three_trainers(options: dict, rounds: int = 2) -> tuple[list, list]:
     return results, metrics
 
 
-@needs_patch
 def test_int8_trainers_average_through_the_daemons_and_every_member_holds_the_same_bytes() -> None:
     results, metrics = _three_trainers({"compression": "int8", "quant_group": 64})
     weights = WEIGHTS
@@ -119,7 +114,6 @@ def test_int8_trainers_average_through_the_daemons_and_every_member_holds_the_sa
         assert counter_value(m.moshpit_bytes_sent, codec="fp32") == 0
 
 
-@needs_patch
 def test_the_codec_cuts_the_bytes_each_member_sends() -> None:
     sent = {}
     for name in ("fp32", "int8", "int4"):
@@ -129,7 +123,6 @@ def test_the_codec_cuts_the_bytes_each_member_sends() -> None:
     assert sent["int8"] < 0.35 * sent["fp32"] and sent["int4"] < 0.7 * sent["int8"], sent
 
 
-@needs_patch
 def test_trainer_open_refuses_unknown_codecs_and_a_second_codec_in_one_run() -> None:
     async def main() -> None:
         calls: list[dict] = []
@@ -142,9 +135,7 @@ def test_trainer_open_refuses_unknown_codecs_and_a_second_codec_in_one_run() -> 
 
         service = TrainerService(Metrics(), average)
         bad = [({"compression": "int9"}, "compression must be one of"),
-               (({"compression": "arc-topk", "topk_ratio": 2}, "topk_ratio must be")
-                if hasattr(trainer_service, "codec_keywords")  # (before compress17-arctopk-trainer-service.diff)
-                else ({"compression": "arc-topk"}, "arc-topk is not a body codec")),
+               ({"compression": "arc-topk", "topk_ratio": 2}, "topk_ratio must be"),
                ({"compression": "fp16", "quant_group": 64}, "int8 and int4"),
                ({"compression": "int4", "rounding": "up"}, "rounding must be"),
                ({"compression": "int8", "quant_group": 0}, "quant_group")]
@@ -177,8 +168,6 @@ def test_check_compression_and_the_rounding_run_key() -> None:
     assert codec_run_key("r", 3) == codec_run_key("r", 3)
 
 
-@pytest.mark.skipif(not hasattr(trainer_service, "codec_keywords"),
-                    reason="trainer_open has no arc-topk yet (/work/patches/compress17-arctopk-*.diff)")
 def test_arc_topk_trainers_get_the_same_ef21m_direction_and_their_parameter_averages_stay_fp32() -> None:
     results, metrics = _three_trainers({"compression": "arc-topk", "topk_ratio": 0.25}, rounds=2)
     for _, steps in results:

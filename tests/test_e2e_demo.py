@@ -61,21 +61,21 @@ def test_demo_wide_model_matches_gloo_ddp_without_loss() -> None:
 
 @pytest.mark.timeout(900)
 def test_late_joiner_takes_the_swarms_state_before_its_first_step() -> None:
-    """Slow (about 6 minutes on 2 cores): its daemon runs from the start, so the swarm's Moshpit groups
-    target 3 members and the two founders' rounds wait for the group deadline until the joiner arrives."""
+    """Slow (about 3.5 minutes on 2 cores). The founders' kept groups take a step in about 0.1 s, so they run
+    400 steps: the joiner (a trainer to start, the state to download) comes in with steps left to average."""
     from peerd.demo import DemoConfig, run_demo
 
-    summary = run_demo(DemoConfig(peers=3, steps=200, join_late={2: 100}, json=True))
+    summary = run_demo(DemoConfig(peers=3, steps=400, join_late={2: 100}, json=True))
     late = summary["per_peer"][2]
     assert late["synced"] is not None and late["synced"]["donors"] >= 1
-    assert 100 <= late["first_step"] == late["synced"]["step"] < 200
+    assert 100 <= late["first_step"] == late["synced"]["step"] < 350, late
     # its own (differently seeded) weights would score about 0.1; the swarm's score far higher
     assert late["start_accuracy"] >= 0.8, late
-    assert all(p["steps"] == 200 for p in summary["per_peer"])  # it finishes with the others
+    assert all(p["steps"] == 400 for p in summary["per_peer"])  # it finishes with the others
     # The replicas end with parameter averages that include the joiner (numbered by the swarm's gradient
     # round, not by its step count, which trails the founders' by the steps they took while it downloaded).
-    # Measured 0.0-0.03 without kept groups, 0.003 with them (0.075 before the final averages; 0.124 once
-    # in CI when kept groups were the default and the joiner never got into the founders' group).
+    # Measured 0.02 with kept groups (the joiner in the founders' group within a few steps of its first);
+    # a joiner left out of the founders' kept group ends further apart than the bound.
     assert summary["max_param_divergence"] <= 0.1
     assert summary["accuracy"] >= 0.9
 

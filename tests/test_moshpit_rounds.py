@@ -122,6 +122,8 @@ def _kept(mc: RoundMachine, members: list[Candidate], leader: bytes) -> None:
 
 
 def test_a_kept_groups_leader_re_forms_it_when_a_newcomer_looks_under_its_key() -> None:
+    """The renewal does not wait for the watch: the newcomer the watch finds breaks the group for the next
+    round, which matchmakes through the DHT (the newcomer included)."""
     a, b, newcomer = peer(0), peer(1), peer(2)
     leader_id = min(a.node_id, b.node_id)
     mc = machine(0 if a.node_id == leader_id else 1, window_s=2.0)
@@ -131,16 +133,60 @@ def test_a_kept_groups_leader_re_forms_it_when_a_newcomer_looks_under_its_key() 
     acts = mc.take_actions()
     assert mc.phase == "renew" and of(acts, Put) == []  # a renewal reads, it does not announce
     watch = of(acts, Get)
-    assert [g.key for g in watch] == [b"run/progress", b"run/1/-", b"run/2/-"]
+    assert [g.key for g in watch] == [b"run/progress", b"run/1/-", b"run/2/-"] and all(g.detached for g in watch)
     assert mc.on_join(follower, 1, RENEW_KEY, T0 + 0.01) == (True, "ok")
+    acts = mc.take_actions()  # every follower asked: BEGIN at once, the reads still out
+    assert mc.phase == "average" and [r.to.node_id for r in of(acts, Request)] == [follower.node_id]
+    (avg,) = of(acts, Average)
+    assert avg.kept
     mc.on_records(watch[0].token, [progress(follower, 0, T0 - 1)], T0 + 0.02)
     mc.on_records(watch[2].token, [], T0 + 0.02)
-    assert mc.phase == "renew" and mc.take_actions() == []  # one read still out: no BEGIN yet
-    mc.on_records(watch[1].token, [announce(newcomer, T0 + 2.5)], T0 + 0.03)
+    mc.on_averaged(T0 + 0.03, averaged=True, members=[a.node_id, b.node_id])
+    assert mc.done and mc.round == 2
+    mc.take_actions()
+    mc.start_round(T0 + 0.1)  # the last watch read is still out: no second watch, the renewal goes on
+    acts = mc.take_actions()
+    assert mc.phase == "renew" and of(acts, Get) == []
+    mc.on_records(watch[1].token, [announce(newcomer, T0 + 2.5)], T0 + 0.11)  # read in round 1, answered now
     acts = mc.take_actions()
     assert mc.phase == "match" and mc.sticky.dropped == {"newcomer": 1}
     assert [a.to.node_id for a in of(acts, Notify)] == [follower.node_id] * 2  # DISBAND, twice
-    assert of(acts, Put)[0].key == b"run/1/-"  # matchmaking through the DHT, newcomer included
+    assert of(acts, Put)[0].key == b"run/2/-"  # matchmaking through the DHT, newcomer included
+
+
+def test_a_node_alone_under_a_round_the_run_has_finished_moves_to_the_runs_round() -> None:
+    """A joiner whose round is stale (a kept group's rounds take milliseconds) announces its presence and,
+    alone under a key nobody reads, moves to the round after the latest one the run finished at once."""
+    mc, founder = machine(window_s=2.0), peer(1)
+    mc.round, mc.synced = 5, True  # taken from the swarm's progress when the run opened
+    mc.start_round(T0)
+    acts = mc.take_actions()
+    puts = of(acts, Put)
+    assert [p.key for p in puts] == [b"run/5/-", b"run/progress"] and msgpack.unpackb(puts[1].value) == 4
+    poll, expect = of(acts, Get)
+    mc.on_records(poll.token, [announce(mc.me, T0 + 2.0)], T0 + 0.02)
+    mc.on_records(expect.token, [progress(founder, 4, T0)], T0 + 0.02)  # nobody ahead yet
+    assert mc.round == 5 and mc.next_deadline() <= T0 + 0.02 + 0.5
+    t = T0 + 0.52
+    mc.on_timer(t)  # alone: it reads the run's progress again
+    (again,) = [g for g in of(mc.take_actions(), Get) if g.key == b"run/progress"]
+    mc.on_records(again.token, [progress(founder, 30, t)], t + 0.02)
+    acts = mc.take_actions()
+    assert mc.phase == "match" and mc.round == 31 and mc.key == mc.keys.group_key(31)
+    assert of(acts, Put)[0].key == b"run/31/-"
+    mc.on_timer(t + 0.03)
+    assert not mc.done
+
+
+def test_a_node_with_a_follower_does_not_move_to_another_round() -> None:
+    mc, other, ahead = machine(window_s=2.0), peer(1), peer(2)
+    mc.round, mc.synced = 5, True
+    mc.start_round(T0)
+    poll, expect = of(mc.take_actions(), Get)
+    mc.on_records(poll.token, [announce(mc.me, T0 + 2.0), announce(other, T0 + 2.1)], T0 + 0.02)
+    assert mc.on_join(Candidate(T0 + 2.1, other.node_id, other.public_key, other.addr), 5, "-", T0 + 0.03)[0]
+    mc.on_records(expect.token, [progress(ahead, 30, T0)], T0 + 0.04)
+    assert mc.round == 5 and mc.phase == "match"  # its follower looks under this round's key: it stays
 
 
 def test_a_follower_whose_leader_does_not_answer_matchmakes_at_once() -> None:

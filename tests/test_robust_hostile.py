@@ -53,12 +53,6 @@ def test_a_claimed_huge_weight_does_not_undo_clipping_hostile() -> None:
         assert cos(got[a:b], honest[a:b]) > 0.8
         assert cores[i].statistics().refused.get("weight_bounded") == 1
         assert cores[i].statistics().weight_total == pytest.approx(32.0 * (n - 1) + WEIGHT_BOUND * 32.0)
-    # the same attack from the fault-injection hook (what `peerd demo --byzantine-mode inflate` runs)
-    hooked = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER), robust=Robust("clip", 1.0),
-                           byzantine="inflate" if i == 0 else None) for i in range(n)]
-    Net(hooked).run()
-    for i in range(1, n):
-        np.testing.assert_allclose(hooked[i].result()[a:], cores[i].result()[a:], rtol=0, atol=1e-6)
     # honest members of equal weight are never bounded: a robust average of them is their plain mean
     plain = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER)) for i in range(n)]
     bounded = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER),

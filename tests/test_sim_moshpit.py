@@ -1,6 +1,6 @@
 """`peerd sim moshpit`: the flow-level average against the real GroupAverage, the Moshpit goals of issue 14
 (a full grid exact in 2 rounds; 1024 peers on 32x32 at 1 % failures under 1e-9 within 7 rounds), determinism,
-and the command line."""
+the command line, and a late joiner getting into a kept group."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 from peerd.allreduce.group import GroupAverage
 from peerd.cli import main
 from peerd.moshpit.keys import Grid
-from peerd.sim.moshpit import SimConfig, flow_average, simulate
+from peerd.moshpit.records import progress_key
+from peerd.sim.moshpit import RUN, Peer, Sim, SimConfig, flow_average, simulate
 
 from .test_allreduce_core import Net, payload_for
 
@@ -126,3 +127,54 @@ def test_moshpit_reads_no_clock_and_no_unseeded_randomness() -> None:
             calls.remove("time.perf_counter()")
             calls.remove("time.perf_counter()")
         assert not calls, (path.name, calls)
+
+
+class _FreeRunning(Sim):
+    """Peers that step on their own, as trainers do: each starts its next round COMPUTE_S after its last ended.
+    The last peer joins late: it opens the run (its round taken from the swarm's progress), downloads the
+    state for ``download_s``, then steps like the others."""
+
+    COMPUTE_S = 0.1
+
+    def __init__(self, cfg: SimConfig, keep_rounds: int, until: float) -> None:
+        super().__init__(cfg)
+        for p in self.peers:
+            p.core.set_keep_rounds(keep_rounds)
+        self.until = until
+        self.ended: list[tuple[int, int, str, int, bool]] = []  # (peer, round, outcome, group size, kept)
+
+    def process(self, peer: Peer) -> None:
+        was = peer.in_round
+        round_no = peer.core.round
+        super().process(peer)
+        if was and not peer.in_round:
+            core = peer.core
+            self.ended.append((peer.index, round_no, core.outcome, peer.group_size, core.kept_round))
+            if self.now < self.until:
+                self.at(self.now + self.COMPUTE_S, self._start, peer)
+
+    def open_late(self, peer: Peer, download_s: float) -> None:
+        peer.core.synced = False
+        peer.core.apply_sync(self.dht.get(progress_key(RUN), self.now), self.now)  # type: ignore[arg-type]
+        self.at(self.now + download_s, self._start, peer)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_late_joiner_gets_into_the_founders_kept_group_within_three_rounds(seed: int) -> None:
+    """Founders in a kept group run rounds of ~0.2 s; a joiner whose round is stale by the time its state is
+    downloaded must not stay a round behind them for good (alone every round, each time catching up to a
+    round the founders had just left)."""
+    n, join_at, until = 3, 10.0, 30.0
+    sim = _FreeRunning(SimConfig(n, Grid(1, 8), seed=seed, window_s=3.0), keep_rounds=10, until=until)
+    for p in sim.peers[:-1]:
+        sim.at(sim.rng.uniform(0, 0.05), sim._start, p)
+    sim.at(join_at, sim.open_late, sim.peers[-1], 2.0)
+    sim.run_until_idle(lambda: False)
+    joiner = [e for e in sim.ended if e[0] == n - 1]
+    first = next(i for i, e in enumerate(joiner) if e[2] == "averaged" and e[3] == n)
+    assert first < 3, joiner[:5]
+    # and kept groups go on with it: most of its later rounds are renewals of a group of all three
+    later = joiner[first + 1:]
+    assert len(later) >= 20 and sum(1 for e in later if e[4] and e[3] == n) >= 0.8 * len(later), later
+    founders = sim.peers[0].core.sticky
+    assert founders.renewed >= 100 and set(founders.dropped) <= {"used_up", "outsider", "newcomer", "disbanded"}

@@ -160,3 +160,28 @@ def test_explicit_compression_wins(tmp_path) -> None:
                       quant_group=64)
     finally:
         d.stop()
+
+
+def test_trainer_report_auto_is_bounded_hostile(tmp_path) -> None:
+    """A trainer's auto report is kept for `peerd status`: a huge, nested or odd one is refused, not stored."""
+    import torch
+
+    from peerd.localsock.client import DaemonError
+    from peerd.torch import Optimizer
+
+    from .trainer_harness import InProcessAverager, ThreadDaemon
+
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1))
+    try:
+        opt = Optimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), run="h", socket=d.path,
+                        sync_state=False, state_every=0)
+        for bad in ({"reason": "x" * 10_000}, {"reason": {"nested": 1}}, {f"k{i}": 1 for i in range(9)},
+                    {"k" * 100: 1}, ["int8"], {"compression": True}):
+            with pytest.raises(DaemonError, match="auto must be"):
+                opt._call("trainer_report", auto=bad)
+        assert all("auto" not in t for t in d.service.trainers())
+        opt._call("trainer_report", auto={"compression": "fp32", "reason": "ok"})
+        assert [t["auto"] for t in d.service.trainers()] == [{"compression": "fp32", "reason": "ok"}]
+        opt.close()
+    finally:
+        d.stop()

@@ -140,7 +140,7 @@ def test_keep_rounds_reaches_every_round_of_the_session(daemon) -> None:
     default = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="k", socket=daemon.path, sync_state=False,
                         state_every=0, average_params_every=0)
     train_step(m, default, 2)
-    assert daemon.averager.keep_rounds[-1] == DEFAULT_KEEP_ROUNDS == 1  # opt-in until late joiners get into kept groups
+    assert daemon.averager.keep_rounds[-1] == DEFAULT_KEEP_ROUNDS == 10  # kept groups by default
     default.close()
     for bad in (0, 1001, 2.0):
         with pytest.raises(ValueError, match="keep_rounds"):
@@ -294,9 +294,10 @@ def test_max_samples_defaults_to_a_few_of_the_first_steps_samples(daemon) -> Non
                     state_every=0, average_params_every=0)
     assert opt.max_samples is None
     train_step(m, opt, 0, samples=8)
-    assert opt.max_samples == MAX_SAMPLES_FACTOR * 8 and daemon.averager.options[-1]["max_weight"] == 32.0
+    assert opt.max_samples == MAX_SAMPLES_FACTOR * 8
+    assert daemon.averager.options[-1]["max_weight"] == MAX_SAMPLES_FACTOR * 8
     train_step(m, opt, 1, samples=3)  # a later, smaller step keeps it
-    assert daemon.averager.options[-1]["max_weight"] == 32.0
+    assert daemon.averager.options[-1]["max_weight"] == MAX_SAMPLES_FACTOR * 8
     opt.close()
 
 

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from peerd.allreduce.robust import Robust
+from peerd.allreduce.robust import DEFAULT_C, Robust
 from peerd.localsock.arena import Arena, write_blob
 from peerd.localsock.client import DaemonError, LocalClient
 from peerd.statesync.service import Advert
@@ -114,6 +114,12 @@ def test_max_samples_and_robust_reach_the_averager(synced) -> None:
     synced.averager.wait_s = 0.1
     step(client, arena, reply, 1, np.ones(16), 1)
     assert synced.averager.options == [{}]  # unset: the averaging call does not see them at all
+    # parameter averages clip around the trainer's own parameters by default: a sign-flipped member (at any
+    # claimed weight) would otherwise shrink every honest model at each parameter average
+    step(client, arena, reply, 2, np.full(16, 3.0), 1, kind="params")
+    opts = synced.averager.options[-1]
+    assert opts["robust"] == Robust("centered", DEFAULT_C) and "max_weight" not in opts
+    np.testing.assert_array_equal(opts["center"], np.full(16, 3.0, np.float32))
     client.close()
     arena.close()
     arena = Arena.create(4, 16)

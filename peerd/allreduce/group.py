@@ -99,10 +99,12 @@ CODED_BLOCK_ELEMENTS = 1 << 16
 CODED_BATCH_ELEMENTS = 1 << 18
 DEFAULT_MAX_WEIGHT = float(2**24)  # samples: the cap on any member's weight unless the caller gives one
 # Fault injection for demos and benches only: how a node corrupts its own reduce-scatter contributions.
-# "inflate": sign-flipped values under a claimed weight of DEFAULT_MAX_WEIGHT samples (weight inflation)
-BYZANTINE_MODES = ("scale", "signflip", "nan", "random", "inflate")
+# "inflate-signflip": the negated values, claiming BYZANTINE_WEIGHT samples in every reduce-scatter header (weight
+# inflation: without a weight bound the owner's average becomes the attacker's negated vector)
+BYZANTINE_MODES = ("scale", "signflip", "nan", "random", "inflate-signflip")
 BYZANTINE_SCALE = 1000.0
 BYZANTINE_NOISE = 100.0  # times the vector's RMS
+BYZANTINE_WEIGHT = float(2**24)  # samples an "inflate-signflip" member claims: the default max_weight
 _F32_MAX = float(np.finfo(np.float32).max)
 _GROUP = struct.Struct("<I")
 _DONE = object()  # a send generator that is exhausted
@@ -330,8 +332,8 @@ class _Phase:
         (reordering): datagrams sent just before it may still be in flight. On a path that kept the stream in
         order so far, what is missing was sent before the END that arrived, so it is nearly surely lost, not
         late: the wait is IN_ORDER_GRACE_S at most (under random loss nearly every stream misses some, and the
-        full grace cost every phase its length; waiting not at all lost reordered data in 10 of 24 seeds of
-        the 3 ms-jitter host test). A stream seen reordered keeps the full grace."""
+        full grace would cost every phase its length; not waiting at all loses reordered data in the host tests
+        with 3 ms of jitter). A stream seen reordered keeps the full grace."""
         self.end_seen[s] = True
         self._progress(now)
         if self.done[s]:
@@ -404,7 +406,7 @@ def _heads(group: int, total: int, offset: int, weight: float | np.ndarray, shap
     (rows, HEADER_SIZE) uint8, for a sealer that reads the values from where they are."""
     rows, count = shape
     out = np.empty((rows, HEADER_SIZE), dtype=np.uint8)
-    # one HEADER_SIZE-byte item a row (a third of broadcasting the header's bytes: 4 against 12 us at 864 rows)
+    # one HEADER_SIZE-byte item a row (a third of the time of broadcasting the header's bytes)
     out.view(_HEAD_ITEM).reshape(rows)[:] = np.frombuffer(
         HEADER.pack(group, CODEC_FLOAT32, total, offset, count, 0.0), _HEAD_ITEM)[0]
     fields = out.view(_HEAD_FIELDS).reshape(rows)  # (4-byte fields: a fifth of numpy's strided byte copies)
@@ -1268,8 +1270,8 @@ class GroupAverage:
     def _rs_blocks(self) -> Iterator[OutBlock]:
         """Round-robin over destinations a block at a time, so every owner sees a steady stream."""
         layout, per, group, w = self.layout, self.layout.per, self.group_id, self.weight
-        if self._byzantine == "inflate":
-            w = float(np.float32(DEFAULT_MAX_WEIGHT))
+        if self._byzantine == "inflate-signflip":
+            w = BYZANTINE_WEIGHT  # the claimed weight travels in every DATA and END header
         vec = self._vec
         dests = self._dest_order()
         plan = {j: (*layout.shard(j), layout.datagrams(j)) for j in dests}
@@ -1343,7 +1345,7 @@ class GroupAverage:
         with np.errstate(over="ignore"):
             if mode == "scale":
                 return values * np.float32(BYZANTINE_SCALE)
-            if mode in ("signflip", "inflate"):
+            if mode in ("signflip", "inflate-signflip"):
                 return -values
             if mode == "nan":
                 return np.full_like(values, np.nan)

@@ -50,9 +50,8 @@ from .robust import Robust
 
 BATCH = 128  # datagrams per slice of sending work at least (a slice is one block or more)
 # A block is built in one pass, then sealed and sent in GSO parts. Each block costs the sender a
-# send loop's round in Python per part and the receiver its merged receive blocks: on loopback (4 peers, 100 MB)
-# 1 MB blocks took 8 % less CPU an average than 512 KB ones (0.29-0.33 against 0.34-0.36 CPU-s after the first,
-# three runs alternating; sends 390 against 536 an average).
+# send loop's round in Python per part and the receiver its merged receive blocks, so larger blocks cost less CPU
+# an average; 1 MB costs less than 512 KB (`peerd bench allreduce --peers 4 --size 25000000`, cpu_s_per_peer).
 BLOCK_BYTES = 1024 * 1024
 GSO_BYTES = 65000  # one GSO send is at most 64 segments, 64 KB ...
 PART_S = 0.001  # ... and a paced part about this long at the pacer's rate (as Linux sizes TCP's TSO bursts) ...
@@ -73,8 +72,8 @@ DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})  # the ty
 END_SPACING_S = (0.008, 0.03)
 # Until a member shows it runs the group (its data or a REPORT of this group came), it gets at most this much of
 # it: a member that starts the group after this node holds what comes before up to HeldData's MAX_TOKEN_BYTES per
-# sender and drops the rest. On loopback (4 peers, 100 MB, 0.5-0.7 GB/s a sender) members that started an average
-# 50-100 ms after the others lost 3,500-30,000 datagrams of it a run that way (received_fraction 0.986-0.996).
+# sender and drops the rest: on loopback, at 0.5-0.7 GB/s a sender, a member that starts 50-100 ms late would lose
+# thousands of datagrams that way (`peerd bench allreduce --peers 4 --size 25000000`, received_fraction).
 # The rest waits for the member (a quarter of that hold: REPORTs and its own data come within ~25 ms of its
 # start), or GATE_S at most: then it goes anyway (a member that only receives, or whose datagrams to this node
 # are all lost, still gets it).
@@ -390,12 +389,12 @@ class AveragingHost:
         (UdpSocket.recv_screened's ``protected``), so a flood from others does not cost the groups their data.
         The same dict until a group starts or ends or a token is bound (the pass reads it each time). Tokens
         with held data are protected too: a group that started elsewhere first sends its data before it starts
-        here, and with no group running here that data was shed (issue 11, round 3: every datagram shed in a
-        4-peer bench was such data). Held data is bounded per token (HeldData), so this protection is too.
+        here, and with no group running here that data would be shed. Held data is bounded per token
+        (HeldData), so this protection is too.
         So are the members of the last RECENT_GROUPS finished groups: between two averages no group runs here,
         and a member that starts the next one first sends its data before anything of it is held; the first
-        overloaded pass shed it (most of a stream: a pass reads up to 16,384 datagrams), and honest averages of
-        `bench soak` with the low depth failed at 77-92 % received."""
+        overloaded pass would shed it (most of a stream: a pass reads up to 16,384 datagrams), and an honest
+        average would fail (`peerd bench soak`)."""
         if self._protected is None:
             members = {p for g in (*self._groups.values(), *self._recent.values()) for p in g.peers}
             self._protected = {t: None for t, p in self._bound.items() if p in members}
@@ -486,12 +485,11 @@ class AveragingHost:
     def part_rows(self, block: SendBlock) -> int:
         """Rows of ``block`` for its next paced send: about PART_S at the pacer's rate, in whole GSO sends
         (``block.part`` rows each) where that is one or more, else fewer rows than one GSO send. A GSO send
-        enters the bottleneck's queue at once, and a 64 KB one is 5 ms of a 100 Mbit/s link: lab, 4 peers,
-        `--link 100mbit` (a token bucket of 12.5 KB burst), parts of 54 datagrams left 5-10 pacer decreases per
-        peer a run and 0.78-0.86 of the link used; parts of 9, 0.88-0.93. (Parts of 4 were no better and cost
-        more CPU.) Above about 130 MB/s (loopback) a part is several GSO sends: each part costs a reservation, a
-        sleep and a send's bookkeeping in Python, and one per GSO send was a fifth of a loopback daemon's CPU
-        beside the crypto (4 peers, 100 MB: 2,600 parts an average; "other" 0.20-0.23 CPU-s against 0.17)."""
+        enters the bottleneck's queue at once, and a 64 KB one is 5 ms of a 100 Mbit/s link: whole GSO sends
+        there cause pacer decreases and leave part of the link unused, and much smaller parts cost more CPU
+        (`peerd bench allreduce --peers 4 --size 5000000 --link 100mbit`, link_utilization). Above about 130 MB/s
+        (loopback) a part is several GSO sends: each part costs a reservation, a sleep and a send's bookkeeping
+        in Python, which one part per GSO send would pay thousands of times an average."""
         cap = int(self.pacer.rate * PART_S / self.mtu)
         if cap >= block.part:
             return cap // block.part * block.part
@@ -653,8 +651,8 @@ class AveragingHost:
     def _hold_block(self, group: int, token: int, peer: bytes | None, mtype: int, bodies: np.ndarray, now: float,
                     actions: list[Action]) -> bool:
         """Hold a block of one group's tensor bodies whole (a copy: the receive arena is reused), charged as that
-        many bodies: a group that starts takes it as one block, not body by body (a member that starts 5-50 ms
-        after the others finds up to GATE_BYTES from each held: thousands of bodies at ~20 us each). False when
+        many bodies: a group that starts takes it as one block, not body by body (a member that starts a few ms
+        after the others finds up to GATE_BYTES from each held: thousands of bodies). False when
         it does not fit its token's bound: the caller then holds what fits body by body, as before. What was
         dropped to make room, and the expiry timer, go to ``actions``."""
         rows, width = bodies.shape

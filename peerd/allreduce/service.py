@@ -47,10 +47,9 @@ log = logging.getLogger("peerd.allreduce")
 CATCH_UP_POLL_S = 0.002  # how often a phase deadline re-checks that the receive loop has caught up to it
 # A send loop that never waits for its pacer lets other tasks in (the receive loop, the DHT) once its socket holds
 # SEND_YIELD_QUEUED bytes (about one receive pass: the receive loop takes an arena of 1 MB a pass) or SEND_YIELD_S
-# passed. Each yield is a receive pass: yielding after every part (about 1 MB) took 195-212 passes an average
-# on loopback (4 peers, 100 MB) and more CPU than yielding every 5 ms (117-124 passes, larger ones); but 5 ms alone
-# let the 8-peer --insecure bench overflow receivers' socket buffers (300-1,400 kernel drops a run, the pacer then
-# cut), since a pass takes about 1 MB while a slice brings in 7.
+# passed. Each yield is a receive pass: yielding after every part (about 1 MB) makes more, smaller passes and costs
+# more CPU than yielding every few ms; but time alone lets receivers' socket buffers overflow where a slice brings
+# in several passes' worth (`peerd bench allreduce --peers 8 --size 25000000 --insecure`: kernel drops).
 SEND_YIELD_QUEUED = 2 * 1024 * 1024  # bytes the kernel accounts, about 1 MB of datagrams (skb overhead included)
 SEND_YIELD_S = 0.005
 
@@ -76,8 +75,9 @@ class AverageResult:
 
 class AllreduceService:
     """``byzantine``: a fault-injection hook for demos and benches ONLY. Set to one of "scale", "signflip",
-    "nan", "random", this node corrupts its own reduce-scatter contributions before sending them (x1000,
-    x-1, NaN, gaussian noise of 100x the vector's RMS); its own shard and its all-gather stay honest."""
+    "nan", "random", "inflate-signflip", this node corrupts its own reduce-scatter contributions before sending
+    them (x1000, x-1, NaN, gaussian noise of 100x the vector's RMS, x-1 claiming 2**24 samples); its own shard
+    and its all-gather stay honest."""
 
     def __init__(
         self, endpoint: Endpoint, metrics: Metrics, *, pacer: Pacer | None = None, byzantine: str | None = None

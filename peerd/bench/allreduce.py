@@ -155,11 +155,11 @@ def fp32_bytes_per_peer(size: int, peers: int, mtu: int, insecure: bool) -> floa
 
 NAT_KINDS = ("none", "cone", "symmetric")
 NAT_SETTLE_S = 90.0  # how long the daemons get to settle their reachability before the first average
-NAT_STATUS = ("reachability", "observed_addr", "peers_known", "paths", "path_bytes")  # `peerd status` (issue 19)
+NAT_STATUS = ("reachability", "observed_addr", "peers_known", "paths", "path_bytes")  # in `peerd status`
 
 
 class NatReportMissing(DaemonError):
-    """The daemons do not report what ``--nat`` needs (issue 19's daemon side); the message says what."""
+    """The daemons do not report what ``--nat`` needs (the daemon side of NAT traversal); the message says what."""
 
 
 def nat_kinds(peers: int, nat: str) -> list[str]:
@@ -175,7 +175,7 @@ def _nat_status(node: Node) -> dict[str, Any]:
     if missing:
         raise NatReportMissing(
             f"bench allreduce --nat: daemon {node.index}'s `peerd status --json` has no {', '.join(missing)}: the "
-            "daemon side of NAT traversal (issue 19: reachability, observed address, per-peer paths) is not there, "
+            "daemon side of NAT traversal (reachability, observed address, per-peer paths) is not there, "
             "so there is nothing true to report")
     return st
 
@@ -440,7 +440,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "receive_passes_per_peer": statistics.mean(rep.get("receive_passes", 0) for rep in runs),
             "send_calls_per_peer": statistics.mean(rep.get("send_calls", 0) for rep in runs),
             # The pacer at each average's end (median over peers and repeats, MB/s) and its decreases over the
-            # run (mean per peer): under injected random loss it must not decrease (issue 16)
+            # run (mean per peer): under injected random loss it must not decrease (random loss is not congestion)
             "pacer_rate_mb_s": round(statistics.median(rep.get("pacer_rate", 0.0) for rep in runs) / 1e6, 3),
             "pacer_decreases_per_peer": (statistics.mean(rep.get("pacer_decreases", 0) for rep in runs[-cfg.peers:])
                                          if runs else 0),

@@ -1,5 +1,5 @@
 """`peerd bench soak`: 4 sealed daemons average continuously while a member attacker and an outsider replay
-every wire attack of issue 11 ("Hostile members and faults") at them.
+every wire attack of docs/security.md at them.
 
 Phases: a calm phase (averaging only: the no-attack pacing rate, ping and memory baselines), an outsider-only
 phase (averages paused: an idle baseline, then only keyless datagrams, for the daemons' CPU per datagram that no

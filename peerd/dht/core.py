@@ -28,8 +28,8 @@ RECENT_LOOKUPS = 256
 VERIFY_MAX = 64  # request senders PINGed at once before they may enter the routing table (more: not added yet)
 # A joining node's lookup of its own id fills only the buckets near it; every farther bucket then gets a lookup
 # of a random id in it that stops once the bucket holds this many contacts (alpha: enough to route through).
-# A full lookup per bucket, as a periodic refresh does (and the daemon's join, DhtService.bootstrap), cost 836 RPCs
-# per join in a 1,000-node build-up in peerd sim dht; own-id lookup plus these fills, 91.
+# A full lookup per bucket, as a periodic refresh does (and the daemon's join, DhtService.bootstrap), costs about
+# nine times the RPCs per join of an own-id lookup plus these fills (`peerd sim dht --peers 1000 --join-refresh`).
 FILL = 1
 FILL_ALPHA = 1  # a fill lookup asks one contact at a time: it ends at the first answer from inside its bucket
 # FIND_VALUE's ``held`` (PROTOCOL.md 10.5): the first HELD_PREFIX bytes of the signatures of records the asker
@@ -73,8 +73,8 @@ class DhtCore:
     """``on_refused(reason)`` is told of every STORE record refused (the driver counts it in metrics).
     ``wide_start``: a full lookup starts wide from a table complete near its target (see start_lookup). Off by
     default: a bucket below k proves only that nobody was turned away, not that the node heard of everyone. In
-    peerd sim dht (2,000 nodes, whose joins fill far buckets with one contact) it raised RPCs per full read from
-    40.5 to 52.4, and peerd bench dht at 32 daemons showed no gain at load 43 (get p50 217 -> 230 ms)."""
+    `peerd sim dht` (joins fill far buckets with one contact) it costs more RPCs per full read, and
+    `peerd bench dht --peers 32` shows no gain."""
 
     def __init__(
         self,

@@ -19,8 +19,8 @@ Volunteers sit behind home routers; the lab gives the kernel's own NAT to test a
   router's firewall does, and counts it (:meth:`NatLab.unsolicited_drops`). This matters for hole punching:
   without it a punch that arrives before the local side has sent reaches the router's own input and leaves a
   conntrack entry there, and the local side's outgoing punch then collides with that entry and loses its port
-  (masquerade picks another), and the router answers with ICMP port unreachable. Measured without it: two cone
-  homes punching each other got nothing through, simultaneous or half a second apart.
+  (masquerade picks another), and the router answers with ICMP port unreachable. Without it, two cone homes
+  punching each other get nothing through, simultaneous or half a second apart.
 - ``rate`` (optional): each peer's ``lab0`` is shaped at RATE both ways as in the link lab (a home's access link is
   the veth to its router); ``loss`` drops on arrival at the peer, counted as there.
 

@@ -117,12 +117,10 @@ class KeyManager:
         moves on as index ``rank`` (mod M): peers whose group failed together (its leader died before BEGIN)
         spread as that group's members would have, and a peer alone under its key moves on as index 0 of a
         group: every group has a member 0, so that key is never empty while the run has peers. Keeping the key
-        instead left a peer whose key emptied (a swarm shrinking under failures) alone for good: on a 16x16x16
-        grid losing 10 % of its peers a round, the spread stopped falling at 2.4e-4 (peerd sim moshpit, seed 0);
-        with index 0 it reaches 1e-6 in 10 rounds. Sending every lonely peer to index 0 overfilled that key
-        where several ended alone at once (a leader killed before its BEGIN, on a 4x4 grid of 14 survivors):
-        a peer or more was left over every round after, and the spread stayed at 0.13-0.15 after 4 rounds
-        against 0.012."""
+        instead would leave a peer whose key emptied (a swarm shrinking under failures) alone for good, and the
+        spread would stop falling (`peerd sim moshpit --grid 16x16x16 --fail 0.1`). Sending every lonely peer to
+        index 0 would overfill that key where several end alone at once (a leader killed before its BEGIN): a
+        peer or more would be left over every round after (`peerd bench moshpit --peers 16 --grid 4x4 --kill 2`)."""
         full = seen > self.grid.size
         if self.chunks:
             self.chunks = (*self.chunks[1:], self.grid.size - 1 if full else rank % self.grid.size)

@@ -3,7 +3,7 @@
 Every peer looking under one key announces ``(expiry, node id)`` in the DHT. Peers are ordered by
 that pair; a peer asks the earliest peer before it to lead it. Reachability comes first (``lead_key``): a
 public peer leads before a peer behind a cone NAT, which leads before the rest, so that followers behind NATs
-can reach their leader (NAT traversal, issue 19); who is in a group stays the key's. A leader closes its group when it
+can reach their leader (NAT traversal); who is in a group stays the key's. A leader closes its group when it
 reaches the target size, or at its own expiry with at least the minimum size, else disbands. Only the
 leader's ordered member list (sent in BEGIN) defines the group, so peers that saw different DHT
 contents can never average with different lists.
@@ -27,9 +27,8 @@ SETTLE_S = 0.3  # a leader that has everyone looking under its key closes once t
 UNEXPECTED_SETTLE_S = 1.5  # ... this long when the matchmaker does not know whom the run expects
 # A follower asks its leader again (the same MM_JOIN) this long after each answer while it waits for BEGIN: no
 # answer at all means the leader is gone, and the follower looks again at once. Without it the followers of a
-# leader that died before closing waited until its expiry plus FOLLOW_SLACK_S, past their own expiries, and
-# all gave up alone: in peerd sim moshpit that was most of the peers alone (86 of 106 at 256 peers, 10 %
-# failures; 82 of 133 at 1024 peers, 1 %).
+# leader that died before closing would wait until its expiry plus FOLLOW_SLACK_S, past their own expiries, and
+# all give up alone (`peerd sim moshpit --fail 0.1`: most of the peers alone in a failed leader's rounds).
 PROBE_S = 0.5
 
 
@@ -273,6 +272,11 @@ class Matchmaker:
             self._give_up()
 
     # -- internals ------------------------------------------------------------------------------
+    @property
+    def alone(self) -> bool:
+        """Leading nobody and following nobody: leaving this key now strands no one."""
+        return self.state is State.LEADING and not self.followers
+
     def seen_rank(self) -> int:
         """My place among the peers seen under the key, by node id: the index a group of them all gives me."""
         return sorted(self.seen_ids).index(self.me.node_id)

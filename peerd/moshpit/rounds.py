@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..dht.reads import Agreed
 from ..wire import messages as m
@@ -60,7 +60,7 @@ POLL_READ = Agreed(3)
 FULL_READ_EVERY = 4
 POLL_S = (0.05, 0.1, 0.2, 0.3)  # DHT reads of the key: fast at first, then every 0.3 s
 DEFAULT_WINDOW_S = 3.0
-WATCH_S = 1.0  # how long a kept group's leader reads the DHT for outsiders before it renews anyway
+EXPECT_POLL_S = 0.5  # a lone matchmaker on a run's one key re-reads the run's progress this often (catching up)
 OUTSIDER_S = 15.0  # a peer outside a kept group that published progress this recently is still training
 SYNC_S = 5.0  # a read of the run's progress (to catch up with the swarm) waits this long at most
 MATCH_SLACK_S = 10.0  # matchmaking gives up this long past the window (the matchmaker's own waits end first)
@@ -85,11 +85,13 @@ class Put:
 
 @dataclass(frozen=True)
 class Get:
-    """Read every record under ``key``; answer with ``on_records(token, ...)`` (an empty list on failure)."""
+    """Read every record under ``key``; answer with ``on_records(token, ...)`` (an empty list on failure).
+    ``detached``: the answer matters past this round (a kept group's watch): do not cancel it when the round ends."""
 
     key: bytes
     token: int
     enough: Agreed | None = None
+    detached: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,18 +144,14 @@ class Note:
 Action = Put | Get | Request | Notify | Average | Count | Note
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Watch:
-    """A kept group's leader reading the DHT for peers outside it (reads outstanding, by token)."""
+    """One of a kept group's leader's reads for peers outside it: ``purpose`` "progress" or "key"."""
 
     kept: Kept
     started: float
-    deadline: float
-    pending: dict[int, str] = field(default_factory=dict)  # token -> "progress" | "key"
-
-    @property
-    def done(self) -> bool:
-        return not self.pending
+    purpose: str
+    round_no: int
 
 
 @dataclass
@@ -222,7 +220,8 @@ class RoundMachine:
         self._poll_at = math.inf  # next poll of the key (inf while one is in flight)
         self._renew_deadline = math.inf
         self._renew_kept: Kept | None = None
-        self._watch: _Watch | None = None
+        self._watch: dict[int, _Watch] = {}  # the leader's watch reads outstanding, by token (they outlive a round)
+        self._expect_at = math.inf  # next re-read of the run's progress while matchmaking alone
         self._ask: _Ask | None = None
         self._sync_deadline = math.inf
 
@@ -241,11 +240,9 @@ class RoundMachine:
             t = min(t, self._ask.retry_at, self._ask.deadline)
         if self.phase == "renew":
             t = min(t, self._renew_deadline)
-            if self._watch is not None and not self._watch.done:
-                t = min(t, self._watch.deadline)
         elif self.phase == "match":
             assert self._mm is not None
-            t = min(t, self._mm.next_deadline(), self._poll_at, self._mm_deadline)
+            t = min(t, self._mm.next_deadline(), self._poll_at, self._mm_deadline, self._expect_at)
         elif self.phase == "sync":
             t = min(t, self._sync_deadline)
         return t
@@ -263,8 +260,8 @@ class RoundMachine:
         the next round is this one again; what was pending is forgotten."""
         if self.phase not in ("idle", "done"):
             self.phase = "idle"
-        self._mm, self._watch, self._ask = None, None, None
-        self._gets.clear()
+        self._mm, self._ask = None, None
+        self._forget_gets()
 
     def set_keep_rounds(self, keep_rounds: int) -> None:
         if self.sticky.keep_rounds != keep_rounds:
@@ -288,7 +285,7 @@ class RoundMachine:
         self._numbered = numbered
         self._started = now
         self._timeout_s = timeout_s
-        self._gets.clear()
+        self._forget_gets()
         for token in [t for t, req in self._requests.items() if req[0] in ("join", "probe")]:
             del self._requests[token]  # JOINs of an earlier round: their answers no longer matter
         sticky = self.sticky
@@ -302,13 +299,13 @@ class RoundMachine:
         self._renew_kept = kept
         if sticky.leads(kept):
             self._renew_deadline = now + max(0.0, min(self.window_s, timeout_s / 2))
-            self._watch = _Watch(kept, now, now + min(WATCH_S, self.window_s / 2))
-            enough = poll_read(self.round)
-            for purpose, key in (("progress", progress_key(self.run_id)),
-                                 ("key", group_dht_key(self.run_id, self.round, self.key)),
-                                 ("key", group_dht_key(self.run_id, self.round + 1, self.key))):
-                token = self._get(key, "watch", enough)
-                self._watch.pending[token] = purpose
+            if not self._watch:  # one watch in flight at a time: a slow DHT must not pile reads up
+                enough = poll_read(self.round)
+                for purpose, key in (("progress", progress_key(self.run_id)),
+                                     ("key", group_dht_key(self.run_id, self.round, self.key)),
+                                     ("key", group_dht_key(self.run_id, self.round + 1, self.key))):
+                    token = self._get(key, "watch", enough, detached=True)
+                    self._watch[token] = _Watch(kept, now, purpose, self.round)
         else:
             self._renew_deadline = now + max(0.0, min(self.window_s + FOLLOW_SLACK_S, timeout_s / 2))
             self._ask = _Ask(kept, self.round, round(now + self.window_s, 3), now + self.window_s + FOLLOW_SLACK_S)
@@ -351,9 +348,6 @@ class RoundMachine:
                 ask.retry_at = math.inf
                 self._send_ask(now)
         if self.phase == "renew":
-            watch = self._watch
-            if watch is not None and not watch.done and now >= watch.deadline:
-                watch.pending.clear()  # a slow DHT delays a renewal this much at most
             self._check_renewal(now)
         elif self.phase == "match":
             mm = self._mm
@@ -361,6 +355,9 @@ class RoundMachine:
             if now >= self._mm_deadline:
                 self._end_match(now, timed_out=True)
                 return
+            if now >= self._expect_at:
+                self._expect_at = math.inf
+                self._get(progress_key(self.run_id), "expect", None)
             if now >= self._poll_at:
                 self._poll_at = math.inf
                 self._get(self._mm_key, "poll", poll_read(self._poll_i))
@@ -384,9 +381,9 @@ class RoundMachine:
             self._pump(now)
         elif purpose == "expect" and self.phase == "match" and round_no == self.round:
             self._expect(records, now)
-        elif purpose == "watch" and self.phase == "renew" and self._watch is not None:
+        elif purpose == "watch":
             self._watched(token, records)
-            self._check_renewal(now)
+            self._check_renewal(now)  # (in the renew phase: a group broken before its BEGIN matchmakes now)
         elif purpose == "sync" and self.phase == "sync":
             self.apply_sync(records, now)
             self.phase = "done"
@@ -496,12 +493,11 @@ class RoundMachine:
         group = None
         if not sticky.broken and sticky.kept is kept:
             if sticky.leads(kept):
-                if self._watch is not None and self._watch.done and not sticky.missing(self.round):
+                if not sticky.missing(self.round):
                     group = self._renewal(kept)
             else:
                 group = sticky.take_begin(self.round)
             if group is not None:
-                self._watch = None
                 self._start_average(group, kept=True)
                 return
             if now < self._renew_deadline:
@@ -511,7 +507,6 @@ class RoundMachine:
         if sticky.kept is kept:
             self._disband_kept(kept)
         sticky.drop(reason)
-        self._watch = None
         self._start_match(now)
 
     def _renewal(self, kept: Kept) -> Group:
@@ -561,25 +556,24 @@ class RoundMachine:
     def _watched(self, token: int, records: list[RecordLike]) -> None:
         """The leader's read for outsiders: a peer outside the group looking for one, or still training,
         means the group must re-form through the DHT to take it in (else the run would split into groups
-        that never meet). Read while the leader waits for its followers anyway, so a newcomer is taken in
-        this round, not a round later (for a run that averages every K steps, K steps later)."""
-        watch = self._watch
-        assert watch is not None
-        purpose = watch.pending.pop(token, None)
-        if purpose is None:
+        that never meet). The renewal does not wait for it: an outsider breaks the group for the round after
+        the one it was read in (or this one, if its renewal has not begun), where the newcomer, catching up
+        with the run's progress, looks for a group too."""
+        watch = self._watch.pop(token, None)
+        if watch is None:
             return
         ids, t0 = watch.kept.node_ids(), watch.started
-        if purpose == "progress":
+        if watch.purpose == "progress":
             for owner, _, stored in decode_progress(records)[0]:
                 if owner not in ids and stored > t0 - OUTSIDER_S:
-                    self._actions.append(Note(f"run {self.run_id} round {self.round}: a peer outside the kept "
+                    self._actions.append(Note(f"run {self.run_id} round {watch.round_no}: a peer outside the kept "
                                               f"group trains; re-forming"))
                     self.sticky.break_("outsider", watch.kept)
                     return
         else:
             for c in self._candidates(records):
                 if c.node_id not in ids and c.expiry > t0:
-                    self._actions.append(Note(f"run {self.run_id} round {self.round}: a newcomer looks for a "
+                    self._actions.append(Note(f"run {self.run_id} round {watch.round_no}: a newcomer looks for a "
                                               f"group; re-forming"))
                     self.sticky.break_("newcomer", watch.kept)
                     return
@@ -609,13 +603,22 @@ class RoundMachine:
                                                window_s + MATCH_SLACK_S))
         self._poll_i = 0
         self._poll_at = math.inf
+        self._expect_at = math.inf
         self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1], me.reach),
                                  window_s + 10.0))
         self._get(self._mm_key, "poll", poll_read(0))
         self._poll_i = 1
-        if self.grid.dims == 1 and self.keys.extra_bits == 0:  # one key: the whole run looks under it
+        if self._one_key():  # one key: the whole run looks under it
+            if self._last_round is None and self.round > 0 and not self._numbered:
+                # a joiner (its round taken from the swarm's progress): say so at once, as the progress the
+                # swarm had, so a kept group's leader sees an outsider and re-forms to take it in
+                self._actions.append(Put(progress_key(self.run_id), encode_progress(self.round - 1),
+                                         PROGRESS_TTL_S))
             self._get(progress_key(self.run_id), "expect", None)
         self._pump(now)
+
+    def _one_key(self) -> bool:
+        return self.grid.dims == 1 and self.keys.extra_bits == 0
 
     def _pump(self, now: float) -> None:
         """Turn the matchmaker's decisions into messages; end matchmaking once it is done."""
@@ -672,6 +675,7 @@ class RoundMachine:
         mm = self._mm
         assert mm is not None
         recent = set()
+        latest = -1
         # With kept groups, a peer whose progress lags (a joiner chasing a kept group: the group's rounds
         # take milliseconds, so the joiner's jump ahead always lands on a round the group already left) is
         # still expected while it keeps trying: its record was refreshed within two windows. The group,
@@ -685,6 +689,19 @@ class RoundMachine:
                 recent.add(owner)
             if value >= self.round and owner != self.me.node_id:
                 self.synced = False
+                latest = max(latest, value)
+        if latest >= 0 and not self._numbered and mm.alone:
+            # the run is past this round (a joiner, or a node that fell behind a kept group's fast rounds):
+            # nobody will look under this round's key, so look under the run's next round's now instead of
+            # waiting out the window alone and landing behind again
+            self._actions.append(Note(f"run {self.run_id}: round {self.round} is over elsewhere; moving to "
+                                      f"round {latest + 1}"))
+            self.round = latest + 1
+            self.key = self.keys.group_key(self.round)
+            self._start_match(now)
+            return
+        if not self._numbered and mm.alone:
+            self._expect_at = now + EXPECT_POLL_S  # still alone: look at the run's progress again soon
         if not recent:
             # nobody finished a recent round (a run's first round): whom to expect is unknown, so the
             # leader waits for a pause without newcomers (1.5 s), not 0.3 s: peers whose first step took a
@@ -749,11 +766,16 @@ class RoundMachine:
         return out
 
     # -- plumbing -------------------------------------------------------------------------------
-    def _get(self, key: bytes, purpose: str, enough: Agreed | None) -> int:
+    def _get(self, key: bytes, purpose: str, enough: Agreed | None, *, detached: bool = False) -> int:
         self._token += 1
         self._gets[self._token] = (purpose, self.round)
-        self._actions.append(Get(key, self._token, enough))
+        self._actions.append(Get(key, self._token, enough, detached))
         return self._token
+
+    def _forget_gets(self) -> None:
+        """Reads of an earlier round no longer matter, except the kept group's watch (it outlives its round)."""
+        self._gets = {t: g for t, g in self._gets.items() if t in self._watch}
+        self._watch = {t: w for t, w in self._watch.items() if t in self._gets}
 
     def _request(self, to: Candidate, mtype: m.MsgType, fields: dict, context: tuple, timeout: float,
                  attempts: int, *, detached: bool = False) -> int:

@@ -633,6 +633,8 @@ class MoshpitService:
                 while True:
                     st.wake = trio.Event()
                     average = self._execute(st, core.take_actions(), nursery)
+                    if core.phase in ("renew", "match", "average"):
+                        round_no, key = core.round, core.key  # (a node behind the run moves to its round)
                     if mm_s is None and core.phase not in ("renew", "match"):
                         mm_s = self.clock() - t0
                     if average is not None:
@@ -852,7 +854,9 @@ class MoshpitService:
             if isinstance(a, Put):
                 self._spawn(self._put, a)
             elif isinstance(a, Get):
-                if nursery is None:
+                if a.detached:
+                    self._spawn(self._get, st, a)
+                elif nursery is None:
                     log.warning("run %s: a DHT read outside a round was dropped", st.run_id)
                 else:
                     nursery.start_soon(self._guarded, self._get, st, a)

@@ -34,7 +34,7 @@ MAX_ROUTES = 4096
 MAX_SENDERS = 1024
 DEFAULT_RATE = 2_000_000.0  # bytes per second per sender
 DEFAULT_BURST = 1_000_000.0  # half a second of DEFAULT_RATE: a relay on a loaded host takes in what queued
-# in its socket while it was not scheduled at one instant (256 KB refused an honest paced sender's data at load 20)
+# in its socket while it was not scheduled at one instant (a quarter of it refuses honest paced senders' data)
 DEFAULT_TOTAL_RATE = 12_500_000.0  # bytes per second for all senders together (100 Mbit/s)
 DEMAND_S = 1.0  # time constant of a sender's offered rate (an exponential average)
 ACTIVE_S = 2.0  # a sender that offered nothing this long has no share

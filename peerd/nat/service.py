@@ -81,9 +81,9 @@ class NatService:
         self.puncher = Puncher()
         self.relay = RelayServer(enabled=relay)
         self.uplink: Any = None  # the node's uplink pacer (a transport.pacing.Pacer), when it averages
-        # One task passes RELAYs on, in the order they came: a task each let trio's scheduler reorder a batch
-        # (it runs a batch backwards half the time), and the receivers' delivery REPORTs took the reordering
-        # for loss: the senders' pacers fell to 0.25-2 MB/s and an average took 17-24 s instead of 3.
+        # One task passes RELAYs on, in the order they came: a task each would let trio's scheduler reorder a
+        # batch (it runs a batch backwards half the time), and the receivers' delivery REPORTs would take the
+        # reordering for loss and slow the senders' pacers several-fold (`peerd bench allreduce --nat symmetric`).
         self._relay_in, self._relay_out = trio.open_memory_channel[tuple[Address, bytes, bytes, bytes]](RELAY_QUEUE)
         self.limiter = ProbeLimiter()
         self.contact_of = contact_of
@@ -776,8 +776,8 @@ class NatService:
     async def _answers_directly(self, addr: Address, node_id: bytes) -> bool:
         """One more direct PING before relaying: a punch also fails on a lossy path the peer answers on (two
         PINGs lost of a handshake's six at 10 % loss), and a relay is kept for good, takes the relay's loss on
-        top and its grant as the pace (``bench allreduce --loss 0.1`` on loopback: 1 invocation in 14 relayed
-        a pair, received 0.88 instead of 0.90 and took 2-3x as long). Answered, ``answered`` records the path."""
+        top and its grant as the pace (``bench allreduce --loss 0.1`` on loopback would now and then relay a
+        pair and take several times as long). Answered, ``answered`` records the path."""
         try:
             reply = await self.endpoint.request(addr, m.MsgType.PING, {}, node_id=node_id, timeout=DIRECT_RETRY_S,
                                                 attempts=DIRECT_RETRIES)

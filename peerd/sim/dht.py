@@ -15,8 +15,8 @@ The run: node 0 is the bootstrap node; the other N-1 join one every JOIN_GAP_S: 
 lookup of their own id, as the daemon's join does. That fills only the buckets near the node, so each
 farther bucket then gets a lookup that stops once the bucket holds a contact (DhtCore.fill_targets; without
 it half the tables at 10,000 nodes held nothing in the other half of the id space, and 9 % of reads failed).
-The daemon's join instead runs a full lookup in every bucket (``refresh(0)``): 836 RPCs per join during a
-1,000-node build-up against 91 this way (both measured here); ``--join-refresh`` simulates exactly that.
+The daemon's join instead runs a full lookup in every bucket (``refresh(0)``): about nine times the RPCs per
+join of this way; ``--join-refresh`` simulates exactly that.
 Then ``--keys`` writers each put one record, and refresh it every ttl/3. Over ``--duration`` virtual
 seconds, ``churn * N`` nodes are killed (crashed: no goodbye), each replaced at once by a new node that
 joins through node 0, and ``--lookups`` reads of a random key by a random joined node run; kills and reads
@@ -636,8 +636,8 @@ def simulate(cfg: Config, *, exiting: bool = False) -> dict[str, Any]:
     table entries and RPC objects (about a tenth of the CPU time at 2,000 nodes).
 
     ``exiting``: the process ends right after (the command line). The finished swarm is then frozen out of
-    the collector's sight instead of collected: freeing it took the next full collection 5 s at 2,000 nodes
-    (it ran inside the ``json.dumps`` of the result)."""
+    the collector's sight instead of collected: freeing it would cost the next full collection seconds at
+    thousands of nodes (inside the ``json.dumps`` of the result)."""
     thresholds = gc.get_threshold()
     gc.set_threshold(200_000, 50, 1000)
     try:

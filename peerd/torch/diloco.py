@@ -245,6 +245,10 @@ class DiLoCo(Optimizer):
                         self.step_count)
             delta = torch.zeros_like(delta)
             weight = 1e-6
+        else:
+            # no max_samples given: a few of this first outer step's samples, so that no member's claimed
+            # weight outweighs a few honest pseudo-gradients on this trainer's shards
+            self._default_max_samples(weight)
         self.ticket += 1
         t = self.ticket
         slot = self._slots[self.arena.slot_of(t)]

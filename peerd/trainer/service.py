@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 import trio
 
-from ..allreduce.robust import Robust, parse_robust
+from ..allreduce.robust import DEFAULT_C, MAX_C, Robust, parse_robust
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
 from ..localsock.phases import empty_phases, parse_phases
 from ..localsock.server import Connection, OpError
@@ -502,11 +502,13 @@ class TrainerService:
             extra["max_weight"] = PARAMS_WEIGHT
         elif session.max_samples is not None:
             extra["max_weight"] = session.max_samples
-        if session.robust is not None and kind == "params":
+        if kind == "params":
             # Honest replicas' parameters stay close to each other, so each owner clips around its own
             # (centered): plain clipping around zero lets a scaled member still add C times a whole
-            # parameter vector, and a sign-flipped one shrink every model.
-            extra["robust"] = Robust("centered", session.robust.c)
+            # parameter vector, and a sign-flipped one shrink every model. On by default (C = DEFAULT_C):
+            # without it one sign-flipped member of 8 left the demo's honest peers at 0.68 accuracy (0.97
+            # clean), and these averages are rare (every K steps), so their clipping pass costs little.
+            extra["robust"] = Robust("centered", DEFAULT_C if session.robust is None else session.robust.c)
             extra["center"] = vector
         elif session.robust is not None:
             extra["robust"] = session.robust
@@ -865,7 +867,10 @@ class TrainerService:
         vector as it was; the agreement gives this member the swarm's. The session's ``robust`` applies to every
         round as ``clip`` around zero (a pseudo-gradient, like a gradient, has no center of its own)."""
         codec = codec_keywords(session, "outer", vector.size)
-        robust = None if session.robust is None else Robust("clip", session.robust.c)
+        # without the session's robust, the weight bound alone (clipping only past MAX_C times the median): a
+        # member's claimed weight counts for at most WEIGHT_BOUND typical ones, and equal honest weights are
+        # never bounded; outer steps are rare (every H inner steps), so the owner's staging costs little here
+        robust = Robust("clip", MAX_C if session.robust is None else session.robust.c)
         seen: set[bytes] = set()
         cap = session.max_samples
         out, outcome, result, dims, rounds = vector, "failed", None, 1, 0
@@ -874,8 +879,7 @@ class TrainerService:
             extra: dict[str, Any] = {"round_no": round_no * OUTER_ROUNDS + rounds, **codec}
             if cap is not None:
                 extra["max_weight"] = cap
-            if robust is not None:
-                extra["robust"] = robust
+            extra["robust"] = robust
             if window_end > 0:
                 extra["chain_from"] = window_end
             try:

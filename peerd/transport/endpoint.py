@@ -73,11 +73,9 @@ DEFAULT_MTU = 1200
 RECV_DATAGRAMS = 1024  # per receive pass (the socket's arena caps it near 1 MB: ~1 ms of opening when sealed)
 # A pass that took a few blocks of tensor data and emptied the socket waits before the next: on a paced, shaped
 # link without GRO, data arrives a datagram at a time, and each pass's fixed cost (the event loop, a block's Python
-# per source) was paid for a few dozen datagrams. (peerd bench allreduce --link 100mbit, 20 MB: 1,920 passes an
-# average and 1.51 CPU-s per daemon without a wait; 1 ms: 530-1,060 passes, 1.30-1.66 CPU-s; 3 ms: 430-670 passes,
-# 1.10-1.44 CPU-s, no slower, alternating over five pairs. 6 ms, a pass of up to 128 datagrams a trickle: 334-381
-# passes, 0.98-1.43 CPU-s (median 1.08) against 564-657 and 1.08-1.40 (1.22) for 3 ms and 64, utilization within the
-# noise, 0.76-0.90 against 0.78-0.89, seven and four runs alternating.) The first trickle pass waits
+# per source) would be paid for a few dozen datagrams. Waiting cuts the receive passes and the CPU of an average
+# several-fold at the same link use (`peerd bench allreduce --peers 4 --size 5000000 --link 100mbit --json`:
+# cpu_s_per_peer, link_utilization). The first trickle pass waits
 # COALESCE_FIRST_S, the ones after it in a row (a paced stream) COALESCE_S: a small average's few datagrams, which
 # the wait only delays, pay the short one. Arrival times come from the kernel: the pacer's queue samples do not see
 # the wait.
@@ -803,8 +801,9 @@ class Endpoint:
 
         One that came after tensor data from its own source keeps its place: its sealer numbered it after that
         data, and a pass can hold tens of thousands of one member's datagrams (its sequence numbers shared with
-        its other destinations), so opening it first moved the replay window past data that then read as
-        replayed (loopback, 4 peers, 100 MB: 0.03-2 % of an average lost). That member's data shows it alive."""
+        its other destinations), so opening it first would move the replay window past data that then reads as
+        replayed (`peerd bench allreduce --peers 4 --size 25000000`: received_fraction). That member's data shows
+        it alive."""
         if len(batch) < 2:
             return batch, 0
         urgent = [i for i, (data, _, segment) in enumerate(batch)

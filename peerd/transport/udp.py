@@ -35,8 +35,8 @@ TIMESPEC = struct.Struct("@qq")
 DATA_MIN_TYPE = 0x40  # wire.messages.CONTROL_MAX + 1: tensor data types start here
 # Of those, the ones whose kernel receive time a REPORT's ``arrived`` may carry (bit t - DATA_MIN_TYPE): the data
 # (0x40 reduce-scatter, 0x42 all-gather), not their END markers. A REPORT's position counts data datagrams only, and
-# an END copy sent 8 or 30 ms after a stream's last datagram, paired with that datagram's send time, read as 8-30 ms of
-# queue: startup ended at 2.6 MB/s on loopback (arc-topk's back-to-back group averages end streams often).
+# an END copy sent 8 or 30 ms after a stream's last datagram, paired with that datagram's send time, would read as
+# that much queue and end startup far too low (arc-topk's back-to-back group averages end streams often).
 ARRIVAL_TYPES = (1 << 0) | (1 << 2)
 
 
@@ -60,20 +60,16 @@ MERGE_PREFIX = SEQ_OFFSET  # envelope bytes before the sequence number: magic, v
 # a short pass (a quarter of the usual 1024): an overloaded daemon is short of CPU, and a PING that arrives during a
 # pass waits for its end. Shedding also cuts honest members' tensor data, so it starts only where the kernel is about
 # to drop anyway: at OVERLOAD_FRACTION of the socket's receive limit (SO_RCVBUF as the kernel reports it, twice the
-# usable size: 64 MB for the 32 MB asked). Lower thresholds lost honest data with no kernel drop: at 4 MiB 7 % of one
-# member's data in test_dht_keeps_answering_during_a_100mb_average, at 24 MiB 0.6-2.2 % in 6 of 9 loss-free
-# `bench allreduce --peers 4 --size 25000000` runs; a member attack fills the queue to 55-64 MB.
+# usable size: 64 MB for the 32 MB asked). Lower thresholds lose honest data with no kernel drop (`peerd bench
+# allreduce --peers 4 --size 25000000`, received_fraction); a member attack fills the queue to 55-64 MB.
 OVERLOAD_FRACTION = 0.875
 # With ``protected`` tokens (the sessions of the members of running groups, from the endpoint), shedding starts
 # far lower: those datagrams are never shed, so the 4 MiB that cost honest data above costs only the others'
-# (a member attack drains in a pass or two instead of ~1.5 s of a 28 MB queue). Past OVERLOAD_FRACTION
-# everything is shed as without them (a member inside a running group could fill the queue itself).
-# At 4 MiB `bench allreduce --peers 4 --size 25000000` first lost 0.1-0.5 % of honest data: data held for a group
-# not started here yet, now protected (AveragingHost.protected_tokens). Soak 200k then lost one round of honest
-# averages (77-92 % received) in 1 of 3 runs: data of the next average, sent before anything of it was held here,
-# between two groups; the members of recent groups are protected too now. Soak 200k, 4 runs each, alternating:
-# 4 MiB ping p99 45/47/30/43 ms, 0 honest averages failed; the old default (7/8 of the limit) 98/87/50 ms, 3 and 4
-# failed in 2 of 3 runs. PEERD_PROTECTED_OVERLOAD_BYTES sets it (a value >= the receive limit turns it off).
+# (a member attack drains in a pass or two instead of seconds). Past OVERLOAD_FRACTION everything is shed as
+# without them (a member inside a running group could fill the queue itself). Protected too: tokens holding data
+# for a group not started here yet, and the members of recent groups (AveragingHost.protected_tokens). At 4 MiB
+# PINGs stay answered within 50 ms under attack, and no honest average fails (`peerd bench soak --datagrams 200000`:
+# ping_p99_ms, averages_failed). PEERD_PROTECTED_OVERLOAD_BYTES sets it (a value >= the receive limit turns it off).
 PROTECTED_OVERLOAD_BYTES = int(os.environ.get("PEERD_PROTECTED_OVERLOAD_BYTES", str(4 * 1024 * 1024)))
 OVERLOAD_AUTO = -1  # overload_bytes: OVERLOAD_FRACTION of this socket's receive limit
 OVERLOAD_KEEP = 256

@@ -54,7 +54,7 @@ def check() -> None:
 
 
 def hold() -> None:
-    """Sealers and openers no longer announce: the process (the daemon) says it itself with ``announce(now=True)``,
+    """Sealers and openers do not announce: the process (the daemon) says it itself with ``announce(now=True)``,
     once its log lines carry its port."""
     global _held
     _held = True
