@@ -308,6 +308,21 @@ def control_messages() -> list[tuple[str, m.MsgType, dict]]:
                                                    "held": [bytes(recs[0][6][:8]), bytes(8)]}),
         ("value_held", m.MsgType.VALUE, {"rid": 302, "from": from_field(IDENT_A, TOKEN, a4), "records": recs[1:],
                                          "total": 1, "nodes": [], "have": b"\x01"}),
+        # DiLoCo outer records pushed to the group (section 15)
+        (
+            "outer_record",
+            m.MsgType.OUTER_RECORD,
+            {
+                "rid": 308,
+                "from": from_field(IDENT_A, TOKEN, a4),
+                "run": b"demo/3f2a9c0d11e4b7a5",
+                "round": 12,
+                "seq": 2,
+                "record": msgpack.packb({"g": "1a2b3c4d", "n": 2, "i": 0, "s": bytes(32), "a": bytes(range(32)),
+                                         "f": b"", "t": b"", "l": 1000, "d": ["192.0.2.1", 7411]}, use_bin_type=True),
+            },
+        ),
+        ("outer_recorded", m.MsgType.OUTER_RECORDED, {"rid": 308, "from": from_field(IDENT_A, TOKEN, a4), "ok": True}),
     ]
 
 

@@ -88,8 +88,9 @@ def body_from_fields(fields: dict) -> dict:
             out[k] = {"pk": h(v["pk"]), "sig": h(v["sig"]), "addr": addr}
         elif k == "target" and isinstance(v, list):  # PROBE_ASK: a contact
             out[k] = m.pack_contact(h(v[0]), v[1], v[2])
-        elif k in ("target", "sha", "data", "nonce", "to", "src") or (k == "run" and "sha" in fields):  # binary
-            out[k] = h(v)  # (state sync: a bin run)
+        elif k in ("target", "sha", "data", "nonce", "to", "src", "record") \
+                or (k == "run" and ("sha" in fields or "record" in fields)):  # binary
+            out[k] = h(v)  # (state sync, outer records: a bin run)
         elif k == "seen":  # OBSERVED: an address
             out[k] = m.pack_addr(*v)
         elif k == "peer":  # INTRO_OK, CONNECT: a contact, or nil

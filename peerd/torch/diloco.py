@@ -290,7 +290,8 @@ class DiLoCo(Optimizer):
                "received_fraction": reply.get("received_fraction", 0.0), "sha": self.state_sha(fragment).hex(),
                "repaired_bytes": reply.get("repaired_bytes", 0),
                "adopted": reply.get("adopted", False), "adopted_bytes": reply.get("adopted_bytes", 0),
-               "agreed_members": reply.get("agreed_members", 1), "payload_bytes": payload,
+               "agreed_members": reply.get("agreed_members", 1), "pushed_records": reply.get("pushed_records", 0),
+               "record_reads": reply.get("record_reads", 0), "payload_bytes": payload,
                "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": phases["matchmaking"],
                "phases": phases}
         self.history.append(out)

@@ -32,7 +32,12 @@ so any difference would stay for good. After the group average every member ther
    deadline raises OuterError, never diverges silently.
 
 A member's records go out in the background (newest only, in order), so reading and fetching never wait
-for a DHT store; the step's phases (seconds in "repair" and "agree") are in the Agreement.
+for a DHT store; the step's phases (seconds in "repair" and "agree") are in the Agreement. The round's records
+are read in the background too (a DHT read costs round trips, seconds under loss): the phases decide on the
+latest read merged with the records the group's members pushed to this node (a ``PushBoard``: OUTER_RECORD,
+sent to every member it averaged with as soon as a record exists), and wake as soon as either changes. So a
+group whose members' pushes arrive agrees without waiting for any DHT read; the DHT copy stays for members
+of other groups and for a push that was lost.
 
 The decisions (which shards to repair, which final wins, when the step is agreed) are pure functions of
 the records; ``agree`` only waits on a ``Board`` (the DHT and state sync in a daemon, memory in tests).
@@ -44,9 +49,9 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgpack
 import numpy as np
@@ -70,6 +75,8 @@ PIECE = 1024  # bytes of a shard one piece hash covers (a lost datagram's range 
 PIECE_HASH = 16  # bytes kept of each piece's SHA-256 (it only picks what to fetch; the shard hash checks)
 FETCH_WINDOW = 256  # chunk requests a member has in flight while it repairs (a lost one waits out its timeout)
 REFRESH_S = 1.0  # how often the known participants are re-read while records of unknown nodes show up
+PUSH_TIMEOUT_S = 0.3  # a pushed record's first retransmission at most (the learned RTO usually comes first)
+PUSH_ATTEMPTS = 4  # sends of a pushed record before it is left to the DHT copy
 
 
 class OuterError(Exception):
@@ -268,6 +275,29 @@ class Board(Protocol):
     async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray: ...
 
 
+@runtime_checkable
+class PushBoard(Board, Protocol):
+    """A Board whose members also send their records straight to each other, so that they are read without
+    a DHT read. ``pushed``: the records pushed to this node for the round, each attributed to its
+    authenticated sender (whatever it claims); ``listen(wake)`` calls ``wake`` when one arrives and returns
+    what stops it."""
+
+    async def push(self, record: OuterRecord) -> None: ...
+    def pushed(self) -> list[OuterRecord]: ...
+    def listen(self, wake: Callable[[], None]) -> Callable[[], None]: ...
+
+
+def merged(read: list[OuterRecord], pushed: list[OuterRecord]) -> list[OuterRecord]:
+    """One record per node from what was read and what was pushed: the pushed one (it is usually the newer)
+    unless only the read one holds a final."""
+    out = {r.node: r for r in read}
+    for r in pushed:
+        old = out.get(r.node)
+        if old is None or r.final or not old.final:
+            out[r.node] = r
+    return list(out.values())
+
+
 @dataclass
 class Agreement:
     vector: np.ndarray
@@ -280,6 +310,8 @@ class Agreement:
     states: int = 1  # of those, how many named our pre-step state hash
     state_winner: bytes = b""  # the pre-step state hash most members named
     ignored: int = 0  # records read from nodes that were not the round's known participants
+    pushed: int = 0  # members whose records were pushed to this node (PushBoard) when the step ended
+    reads: int = 0  # reads of the board that had returned when the step ended
     phases: dict[str, float] = field(default_factory=dict)  # seconds: "repair", "agree"
 
 
@@ -302,25 +334,34 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                 state: bytes, repair_s: float, deadline_s: float, addr: Address | None = None,
                 members: list[bytes] | None = None, expect: int = 1,
                 participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
-                clock: Callable[[], float] = trio.current_time) -> Agreement:
+                refresh_first: bool = False, clock: Callable[[], float] = trio.current_time) -> Agreement:
     """Run both phases (module docstring) for this member's averaged ``vector``; raises OuterError.
     ``members``: the group's node ids in its order: shard k is repaired only from ``members[k]``'s record
     (without them nothing is repaired), and an owner whose record names another group (it left the group, or
     never knew it formed) is not waited for. ``expect``: how many members the round has (e.g. the peers
     matchmaking saw): a member that averaged alone waits for them rather than end alone. ``participants``:
     the node ids whose records count in the agreement (``members`` and this node always do; None: every
-    record counts); ``refresh`` re-reads them (at most every REFRESH_S) while records of others show up."""
-    publisher = _Publisher(board)
+    record counts); ``refresh`` re-reads them (at most every REFRESH_S) while records of others show up.
+    ``refresh_first``: ``refresh`` also runs once from the start, while the repair runs (a DHT read is not
+    waited for before it); what it reads joins ``participants`` and raises ``expect`` to its number (at most
+    MAX_GROUP) before the swarm phase, which waits for that first read."""
     failed: Exception | None = None
     async with trio.open_nursery() as nursery:
+        publisher = _Publisher(board, nursery)
+        reader = _Reader(board)
+        first = _FirstRead(refresh if refresh_first else None)
         nursery.start_soon(publisher.run)
+        nursery.start_soon(reader.run)
+        nursery.start_soon(first.run)
         try:
-            out = await _agree(publisher.put, board, node, vector, group=group, size=size, index=index,
+            out = await _agree(publisher.put, reader, board, node, vector, group=group, size=size, index=index,
                                state=state, repair_s=repair_s, deadline_s=deadline_s, addr=addr, members=members,
-                               expect=expect, participants=participants, refresh=refresh, clock=clock)
+                               expect=expect, participants=participants, refresh=refresh, first=first,
+                               clock=clock)
         except Exception as e:  # raised as itself, not in the nursery's exception group
             failed = e
         finally:
+            reader.stop()
             publisher.close()  # the last record still goes out before agree returns
     if failed is not None:
         raise failed
@@ -329,23 +370,52 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
 
 class _Publisher:
     """Puts this member's records on the board in the background, newest only and in order, so that reading
-    and fetching do not wait for a DHT store (a put costs round trips, and more under loss)."""
+    and fetching do not wait for a DHT store (a put costs round trips, and more under loss). On a PushBoard
+    each record is also pushed at once, every push in its own task (the receivers keep the newest); pushes
+    still retrying when the last put is done are given up (the others read that record from the DHT)."""
 
-    def __init__(self, board: Board) -> None:
+    def __init__(self, board: Board, nursery: trio.Nursery) -> None:
         self.board = board
+        self.nursery = nursery
+        self.pusher = board if isinstance(board, PushBoard) else None
         self.latest: OuterRecord | None = None
         self.closed = False
+        self.done = False
+        self.pushes: set[trio.CancelScope] = set()
         self.wake = trio.Event()
 
     def put(self, record: OuterRecord) -> None:
         self.latest = record
         self.wake.set()
+        if self.pusher is not None:
+            self.nursery.start_soon(self._push, self.pusher.push(record))
+
+    async def _push(self, pushing: Awaitable[None]) -> None:
+        scope = trio.CancelScope()
+        if self.done:
+            scope.cancel()
+        self.pushes.add(scope)
+        try:
+            with scope:
+                await pushing
+        except Exception as e:  # the DHT copy is the fallback
+            log.info("outer agreement: pushing this member's record failed: %s", e)
+        finally:
+            self.pushes.discard(scope)
 
     def close(self) -> None:
         self.closed = True
         self.wake.set()
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            self.done = True
+            for scope in list(self.pushes):
+                scope.cancel()
+
+    async def _run(self) -> None:
         while True:
             if self.latest is None:
                 if self.closed:
@@ -360,12 +430,106 @@ class _Publisher:
                 log.info("outer agreement: publishing this member's record failed: %s", e)
 
 
-async def _agree(publish: Callable[[OuterRecord], None], board: Board, node: bytes, vector: np.ndarray, *,
+class _FirstRead:
+    """The round's participants as first read (``refresh``), run beside the repair phase."""
+
+    def __init__(self, refresh: Participants | None) -> None:
+        self.refresh = refresh
+        self.ids: frozenset[bytes] = frozenset()
+        self.done = trio.Event()
+        if refresh is None:
+            self.done.set()
+
+    async def run(self) -> None:
+        if self.refresh is None:
+            return
+        try:
+            self.ids = await self.refresh()
+        except Exception as e:  # the agreement runs on the participants it has
+            log.info("outer agreement: reading the round's participants failed: %s", e)
+        finally:
+            self.done.set()
+
+
+class _Reader:
+    """The round's records as this member knows them: the board's latest read, run in the background (a DHT
+    read costs round trips, seconds under loss), merged with the records pushed to this node (PushBoard),
+    which count the moment they arrive. ``version`` grows with every change; ``wait`` returns on the next.
+    Reads are numbered as they start: a phase counts only reads that started after it began (``hurry``), so
+    that it never decides on what others had published before (a member's final replaces its earlier record)."""
+
+    def __init__(self, board: Board) -> None:
+        self.board = board
+        self.pushes = board if isinstance(board, PushBoard) else None
+        self.read_records: list[OuterRecord] = []
+        self.read_no = 0  # the number of the read that read_records come from
+        self.started = 0  # reads started
+        self.version = 0
+        self.reads = 0  # reads of the board that returned
+        self.poll = Backoff()
+        self._event = trio.Event()
+        self._scope = trio.CancelScope()
+        self._step: trio.CancelScope | None = None
+        self._unlisten = self.pushes.listen(self.poke) if self.pushes is not None else None
+
+    def poke(self) -> None:
+        """Something changed (a read returned, a record was pushed, a fetch ended): wake the waiter."""
+        self.version += 1
+        self._event.set()
+        self._event = trio.Event()
+
+    def view(self, since: int = 0) -> list[OuterRecord]:
+        """The records known now: pushed ones, and those of the latest read if it is read ``since`` or later."""
+        read = self.read_records if self.read_no >= since else []
+        return merged(read, self.pushes.pushed() if self.pushes is not None else [])
+
+    async def wait(self, version: int, timeout: float) -> None:
+        """Until something changed after ``version`` was seen, ``timeout`` at most."""
+        if self.version != version:
+            await trio.lowlevel.checkpoint()
+            return
+        with trio.move_on_after(timeout):
+            await self._event.wait()
+
+    def hurry(self) -> int:
+        """A new phase: a read starts now (the one in flight, or the wait before the next, is dropped) and the
+        next ones come soon again (what it waits for is usually a moment away). Returns that read's number."""
+        self.poll = Backoff()
+        if self._step is not None:
+            self._step.cancel()
+        return self.started + 1
+
+    def stop(self) -> None:
+        self._scope.cancel()
+        if self._unlisten is not None:
+            self._unlisten()
+
+    async def run(self) -> None:
+        with self._scope:
+            while True:
+                with trio.CancelScope() as self._step:
+                    self.started += 1
+                    number = self.started
+                    try:
+                        got: list[OuterRecord] | None = await self.board.read()
+                    except Exception as e:  # the next read, or the pushed records, settle it
+                        log.info("outer agreement: reading the round's records failed: %s", e)
+                        got = None
+                    if got is not None:
+                        self.read_records, self.read_no = got, number
+                        self.reads += 1
+                        self.poke()
+                    await trio.sleep(self.poll.next())
+                self._step = None
+
+
+async def _agree(publish: Callable[[OuterRecord], None], reader: _Reader, board: Board, node: bytes,
+                 vector: np.ndarray, *,
                  group: str, size: int, index: int, state: bytes, repair_s: float, deadline_s: float,
                  addr: Address | None = None, members: list[bytes] | None = None, expect: int = 1,
                  participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
-                 clock: Callable[[], float] = trio.current_time) -> Agreement:
-    """agree's body; ``publish`` hands a record to the background publisher."""
+                 first: _FirstRead | None = None, clock: Callable[[], float] = trio.current_time) -> Agreement:
+    """agree's body; ``publish`` hands a record to the background publisher, ``reader`` holds the records."""
     if not group:  # alone: a group of one owns every shard
         size, index, members = 1, 0, None
     if members is not None and (len(members) != size or not 0 <= index < size or members[index] != node):
@@ -387,7 +551,6 @@ async def _agree(publish: Callable[[OuterRecord], None], board: Board, node: byt
     tries: dict[int, int] = {}  # failed fetches of a shard
     inflight: set[int] = set()  # shards being fetched
     changed = trio.Event()  # a fetch ended
-    poll = Backoff()
 
     async def repair(k: int, r: OuterRecord) -> None:
         try:
@@ -395,6 +558,7 @@ async def _agree(publish: Callable[[OuterRecord], None], board: Board, node: byt
         finally:
             inflight.discard(k)
             changed.set()
+            reader.poke()
 
     async def repair_once(k: int, r: OuterRecord) -> None:
         a, b = shard_bounds(length, size, k)
@@ -420,7 +584,8 @@ async def _agree(publish: Callable[[OuterRecord], None], board: Board, node: byt
                     await changed.wait()  # nothing left to read for: wait for a fetch to end
                     changed = trio.Event()
                     continue
-                records = await board.read()
+                seen = reader.version
+                records = reader.view()
                 todo: list[tuple[int, OuterRecord]] = []
                 for k in range(size):
                     if k in done or k in inflight:
@@ -450,21 +615,26 @@ async def _agree(publish: Callable[[OuterRecord], None], board: Board, node: byt
                     settled_at = clock()
                 elif clock() - settled_at >= OWNER_GRACE_S:
                     break  # the owners left have published nothing: their shards stay as they are
-                await trio.sleep(poll.next())
+                await reader.wait(seen, POLL_S)
     t_repaired = clock()
     out.phases["repair"] = t_repaired - t0
     log.info("outer repair: every owner read after %s s, done after %.3f s, %d bytes fetched",
              "-" if seen_all is None else f"{seen_all - t0:.3f}", t_repaired - t0, out.repaired_bytes)
     # 2. one final across the swarm
+    if first is not None and first.refresh is not None:
+        await first.done.wait()
+        participants = (participants or frozenset()) | first.ids
+        expect = max(expect, min(MAX_GROUP, len(first.ids)))
     known = None if participants is None else frozenset(participants) | frozenset(members or ()) | {node}
     refreshed = clock()
-    poll = Backoff()
     final = board.keep(bytes(data))
     me = replace(me, final=final)
     publish(me)
+    fresh = reader.hurry()  # what was read before this member's final is not what the others hold now
     last_view: list[OuterRecord] = []
     while True:
-        read = [r for r in await board.read() if r.length == length and r.node != node]
+        seen = reader.version
+        read = [r for r in reader.view(fresh) if r.length == length and r.node != node]
         if known is not None and refresh is not None and any(r.node not in known for r in read) \
                 and clock() - refreshed >= REFRESH_S:
             refreshed = clock()
@@ -501,8 +671,10 @@ async def _agree(publish: Callable[[OuterRecord], None], board: Board, node: byt
             finals = sorted({r.final.hex()[:12] for r in records if r.final} | {me.final.hex()[:12]})
             raise OuterError(f"the outer average did not agree within {deadline_s:.0f} s: finals {finals} "
                              f"({len(records) + 1} members read)")
-        await trio.sleep(poll.next())
+        await reader.wait(seen, POLL_S)
     out.phases["agree"] = clock() - t_repaired
+    out.pushed = len(reader.pushes.pushed()) if reader.pushes is not None else 0
+    out.reads = reader.reads
     out.vector = np.frombuffer(bytes(data), dtype=np.float32).copy()
     out.final = me.final
     same = [r for r in last_view if r.final == me.final]
@@ -529,14 +701,21 @@ def store_key(run_key: str, round_no: int) -> str:
 
 
 class DhtBoard:
-    """A Board over a daemon's DHT and state sync (``statesync``: peerd.statesync.StateSync)."""
+    """A PushBoard over a daemon's DHT and state sync (``statesync``: peerd.statesync.StateSync). ``inbox``
+    (peerd.trainer.inbox.OuterInbox) holds the records pushed to this daemon; ``peers``: the node ids this
+    member pushes its records to (the members of the groups it averaged with in the round)."""
 
-    def __init__(self, statesync: object, run_key: str, round_no: int, *, read_timeout: float = 5.0) -> None:
+    def __init__(self, statesync: object, run_key: str, round_no: int, *, read_timeout: float = 5.0,
+                 inbox: object = None, peers: Iterable[bytes] = ()) -> None:
         self.sync = statesync
+        self.run_key, self.round_no = run_key, round_no
         self.key = record_key(run_key, round_no)
         self.store = store_key(run_key, round_no)
         self.read_timeout = read_timeout
         self.window = trio.CapacityLimiter(FETCH_WINDOW)  # chunk requests in flight, over every range fetched
+        self.inbox = inbox
+        self.peers = sorted(set(peers))[:4 * MAX_GROUP]
+        self.seq = 0  # records pushed for this round: the receivers keep the highest
 
     @property
     def node(self) -> bytes:
@@ -552,6 +731,40 @@ class DhtBoard:
     async def publish(self, record: OuterRecord) -> None:
         dht = self.sync.dht  # type: ignore[attr-defined]
         await dht.put(self.key, self.node.hex().encode(), record.encode(), OUTER_TTL_S)
+
+    async def push(self, record: OuterRecord) -> None:
+        """Send ``record`` to every peer (OUTER_RECORD, retried; one that does not answer has the DHT copy)."""
+        from ..transport.endpoint import RpcError
+        from ..wire import messages as m
+
+        self.seq += 1
+        fields = {"run": self.run_key.encode(), "round": self.round_no, "seq": self.seq, "record": record.encode()}
+        endpoint = self.sync.endpoint  # type: ignore[attr-defined]
+
+        async def one(peer: bytes) -> None:
+            addr = endpoint.addr_of(peer) or await self.sync.resolve(peer, None)  # type: ignore[attr-defined]
+            if addr is None:
+                return
+            try:
+                await endpoint.request(addr, m.MsgType.OUTER_RECORD, fields, timeout=PUSH_TIMEOUT_S,
+                                       attempts=PUSH_ATTEMPTS, node_id=peer)
+            except RpcError as e:
+                log.info("outer agreement: pushing a record to %s failed: %s", peer.hex()[:12], e)
+
+        async with trio.open_nursery() as nursery:
+            for peer in self.peers:
+                if peer != self.node:
+                    nursery.start_soon(one, peer)
+
+    def pushed(self) -> list[OuterRecord]:
+        if self.inbox is None:
+            return []
+        return self.inbox.records(self.run_key, self.round_no)  # type: ignore[attr-defined]
+
+    def listen(self, wake: Callable[[], None]) -> Callable[[], None]:
+        if self.inbox is None:
+            return lambda: None
+        return self.inbox.listen(self.run_key, self.round_no, wake)  # type: ignore[attr-defined]
 
     async def read(self) -> list[OuterRecord]:
         from ..wire.identity import node_id_of

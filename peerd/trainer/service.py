@@ -41,6 +41,7 @@ from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
 from ..moshpit.records import MAX_ROUND, finished_since, progress_key
 from ..moshpit.service import MoshpitError, Part, all_finite, check_compression
+from .inbox import OuterInbox
 from .outer import DhtBoard, OuterError, agree, store_key
 
 log = logging.getLogger("peerd.trainer")
@@ -298,6 +299,11 @@ class TrainerService:
         self.peer_id = peer_id
         self.sessions: dict[int, Session] = {}
         self._next = 1
+        # outer records the group's members push to this daemon (OUTER_RECORD), for run keys it trains
+        self.inbox = OuterInbox(lambda run_key: any(s.run_key == run_key for s in self.sessions.values()))
+        endpoint = getattr(statesync, "endpoint", None)
+        if endpoint is not None and hasattr(endpoint, "on_request"):
+            self.inbox.register(endpoint)
 
     def ops(self) -> dict[str, Callable[[dict[str, Any], Connection], Awaitable[dict[str, Any]]]]:
         return {
@@ -806,19 +812,18 @@ class TrainerService:
                                  "round": round_no, "rounds": rounds,
                                  "received_fraction": float(getattr(result, "received_fraction", 0.0))}
         if self.statesync is not None and getattr(self.statesync, "dht", None) is not None:
-            board = DhtBoard(self.statesync, session.run_key, round_no)
+            board = DhtBoard(self.statesync, session.run_key, round_no, inbox=self.inbox, peers=seen)
             run_id, first = session.average_id("outer"), round_no * OUTER_ROUNDS
 
             async def refresh() -> frozenset[bytes]:
                 return await self._step_peers(run_id, first)
 
-            try:
-                step_peers = await refresh()
-                expect = min(64, max(1, int(getattr(result, "seen", 1) or 1), len(step_peers)))
+            try:  # the run's progress (who took part) is read while the repair runs: refresh_first
+                expect = min(64, max(1, int(getattr(result, "seen", 1) or 1)))
                 agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
                                         state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
                                         addr=board.addr, members=[bytes.fromhex(h) for h in members] if group else None,
-                                        expect=expect, participants=seen | step_peers, refresh=refresh)
+                                        expect=expect, participants=seen, refresh=refresh, refresh_first=True)
             except OuterError as e:
                 raise OpError(f"outer round {round_no}: {e}") from None
             finally:
@@ -827,7 +832,8 @@ class TrainerService:
             reply.update(sha=agreement.final, repaired_bytes=agreement.repaired_bytes,
                          adopted_bytes=agreement.adopted_bytes, adopted=agreement.adopted,
                          agreed_members=agreement.members, dissent=agreement.dissent, state_agreed=agreement.states,
-                         state_winner=agreement.state_winner, ignored_records=agreement.ignored)
+                         state_winner=agreement.state_winner, ignored_records=agreement.ignored,
+                         pushed_records=agreement.pushed, record_reads=agreement.reads)
             phases.update({k: round(v, 6) for k, v in agreement.phases.items()})
         else:  # no swarm to agree with (an in-process daemon in tests): the average is what it is
             reply.update(sha=hashlib.sha256(out.tobytes()).digest(), repaired_bytes=0, adopted_bytes=0,
@@ -923,6 +929,7 @@ class TrainerService:
             session.outer_rounds.append(round_no)
         while len(session.outer_rounds) > OUTER_KEPT_ROUNDS:
             old = session.outer_rounds.pop(0)
+            self.inbox.forget(session.run_key, old)
             if self.statesync is not None:
                 self.statesync.forget(store_key(session.run_key, old))
 

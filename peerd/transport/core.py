@@ -335,3 +335,11 @@ class TransportCore:
 
     def node_id_at(self, addr: Hashable) -> bytes | None:
         return self._ids.get(addr)
+
+    def addr_of(self, node_id: bytes) -> Hashable | None:
+        """Where ``node_id`` was last learned to be (None if nowhere): a scan, for the few sends per round that
+        name a node rather than an address."""
+        for addr, known in reversed(self._ids.items()):
+            if known == node_id:
+                return addr
+        return None

@@ -334,6 +334,10 @@ class Endpoint:
     def node_id_at(self, addr: Address) -> bytes | None:
         return self.core.node_id_at(addr)
 
+    def addr_of(self, node_id: bytes) -> Address | None:
+        """The address this endpoint last learned ``node_id`` at (e.g. a group member it averaged with)."""
+        return self.core.addr_of(node_id)  # type: ignore[return-value]
+
     def _receiver(self, addr: Address, node_id: bytes | None) -> bytes:
         receiver = node_id or self.core.node_id_at(addr)
         if receiver is None:

@@ -38,6 +38,8 @@ class MsgType(IntEnum):
     REPORT = 0x10  # one-way: a receiver's account of an interval of one sender's stream, for its pacing
     STATE_GET = 0x18  # state sync: ask a donor for a byte range of a training-state snapshot
     STATE_CHUNK = 0x19  # state sync: the bytes of that range
+    OUTER_RECORD = 0x1A  # DiLoCo outer agreement: a member's record of an outer round, pushed to its group
+    OUTER_RECORDED = 0x1B
     # NAT traversal (PROTOCOL.md section 18): 0x20..0x2F
     OBSERVE = 0x20  # where do you see me? (answered with the request's source address)
     OBSERVED = 0x21
@@ -63,6 +65,7 @@ REQUESTS = {
     MsgType.MM_JOIN: MsgType.MM_JOINED,
     MsgType.MM_BEGIN: MsgType.MM_BEGUN,
     MsgType.STATE_GET: MsgType.STATE_CHUNK,
+    MsgType.OUTER_RECORD: MsgType.OUTER_RECORDED,
     MsgType.OBSERVE: MsgType.OBSERVED,
     MsgType.REACH_PROBE: MsgType.REACH_PROBED,
     MsgType.INTRO: MsgType.INTRO_OK,
@@ -84,6 +87,7 @@ MAX_BODY = 65507  # the largest UDP payload; the MTU limits what a sender actual
 MAX_STATE_RUN = 96  # state sync: a run key (a run id of at most 64 bytes, "/", the layout hash)
 MAX_CHUNK = 4096  # state sync: bytes in one STATE_CHUNK (the decoder's binary limit; the MTU is lower)
 SHA256_SIZE = 32
+MAX_OUTER_RECORD = MAX_VALUE  # bytes of a pushed outer record: what the DHT would hold of it
 NONCE_SIZE = 16  # NAT traversal: a reachability probe's nonce
 MAX_AVOID = 16  # NAT traversal: node ids a REACH_PROBE asks the helper not to use as prober
 MIN_RELAYED = 37  # a sealed datagram: 21-byte header and 16-byte tag, at least
@@ -246,6 +250,14 @@ SCHEMAS: dict[MsgType, dict[str, s.Validator]] = {
         "total": s.uint(64),  # the snapshot's size in bytes
         "data": s.binary(0, MAX_CHUNK),
     },
+    MsgType.OUTER_RECORD: {
+        **_COMMON,
+        "run": s.binary(1, MAX_STATE_RUN),  # the run key the outer round belongs to
+        "round": s.uint(32),  # the outer round (the trainers' step of the outer sync)
+        "seq": s.uint(32),  # the sender's count of records it pushed for this round: the highest is its newest
+        "record": s.binary(1, MAX_OUTER_RECORD),  # the record, as the DHT value (attributed to the sender)
+    },
+    MsgType.OUTER_RECORDED: {**_COMMON, "ok": s.boolean},  # false: not held (a run this node does not train)
 }
 SCHEMAS.update({
     MsgType.MM_JOIN: {**_COMMON, "run": s.text(MAX_RUN), "round": s.uint(32), "key": s.text(MAX_KEY),

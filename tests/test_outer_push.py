@@ -1,0 +1,169 @@
+"""Outer records pushed to the group (OUTER_RECORD): agreement without DHT reads, and what a pusher cannot do.
+
+Real endpoints over the in-memory network (virtual time); the boards' DHT reads never return, so whatever
+the members agree on came from pushed records (and state sync's fetches for the repair).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import numpy as np
+import trio
+
+from peerd.trainer.inbox import MAX_ROUNDS, MAX_SENDERS, OuterInbox
+from peerd.trainer.outer import DhtBoard, OuterRecord, agree, shard_bounds
+from peerd.wire import messages as m
+
+RUN_KEY = "run/0123456789abcdef"
+
+
+class _NoReadBoard(DhtBoard):
+    """A daemon's board whose DHT reads never return (a DHT under heavy loss, at its worst)."""
+
+    reads = 0
+
+    async def read(self) -> list[OuterRecord]:
+        type(self).reads += 1
+        await trio.sleep_forever()
+        return []
+
+
+async def _swarm_with_inboxes(nursery, net, count):
+    from .test_diloco import _swarm
+
+    nodes = await _swarm(nursery, net, count)
+    for n in nodes:
+        n.inbox = OuterInbox(lambda run_key: run_key == RUN_KEY)
+        n.inbox.register(n.endpoint)
+    return nodes
+
+
+def _agree_all(nodes, held, round_no, results, *, participants=None, board=_NoReadBoard):
+    ids = [n.identity.node_id for n in nodes]
+
+    async def one(i: int) -> None:
+        node = nodes[i]
+        b = board(node.sync, RUN_KEY, round_no, inbox=node.inbox, peers=ids)
+        t0 = trio.current_time()
+        results[i] = await agree(b, node.identity.node_id, held[i].copy(), group="00c0ffee", size=len(nodes),
+                                 index=i, state=b"", repair_s=30, deadline_s=60, addr=node.addr, members=ids,
+                                 expect=len(nodes), participants=participants)
+        results[i].phases["total"] = trio.current_time() - t0
+
+    return one
+
+
+def test_a_group_agrees_on_pushed_records_without_a_dht_read() -> None:
+    from .memnet import MemNet
+    from .test_dht_network import run_virtual
+    from .test_diloco import _lossy_copies
+
+    truth = np.random.default_rng(11).standard_normal(12_000).astype(np.float32)
+    held = _lossy_copies(truth, 3, np.random.default_rng(12))
+    _NoReadBoard.reads = 0
+
+    async def main() -> None:
+        net = MemNet(seed=3)
+        results: dict[int, object] = {}
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await _swarm_with_inboxes(nursery, net, 3)
+            one = _agree_all(nodes, held, 21, results)
+            async with trio.open_nursery() as inner:
+                for i in range(3):
+                    inner.start_soon(one, i)
+            nursery.cancel_scope.cancel()
+        for i in range(3):
+            np.testing.assert_array_equal(results[i].vector, truth)
+            assert results[i].final == hashlib.sha256(truth.tobytes()).digest()
+            assert results[i].repaired_bytes > 0  # the owners' records came by push, their shards by state sync
+            assert results[i].members == 3
+            assert results[i].pushed == 2 and results[i].reads == 0
+            # woken by each record as it arrives: a few network round trips, no polling of a DHT
+            assert results[i].phases["total"] < 0.5, results[i].phases
+        assert _NoReadBoard.reads >= 3  # every member started a read; none ever returned
+
+    run_virtual(main)
+
+
+def test_a_pushed_record_counts_as_its_senders_only_hostile() -> None:
+    """A member of the swarm (not of the round) pushes records to the group's members that name the owner of
+    shard 0 in the body and carry a forged shard and final: the receivers attribute them to the pusher, so
+    they neither repair shard 0 nor count in the agreement."""
+    from .memnet import MemNet
+    from .test_dht_network import run_virtual
+    from .test_diloco import _lossy_copies
+
+    truth = np.random.default_rng(13).standard_normal(9_000).astype(np.float32)
+    held = _lossy_copies(truth, 3, np.random.default_rng(14))
+    forged = truth.copy()
+    a, b = shard_bounds(truth.size, 3, 0)
+    forged[a:b] = 1e6
+
+    async def main() -> None:
+        net = MemNet(seed=4)
+        results: dict[int, object] = {}
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes = await _swarm_with_inboxes(nursery, net, 4)
+            members, attacker = nodes[:3], nodes[3]
+            ids = [n.identity.node_id for n in members]
+            data = forged.tobytes()
+            shard_sha = hashlib.sha256(data[4 * a: 4 * b]).digest()
+            avg = attacker.sync.keep(f"{RUN_KEY}/o22", data)
+            fin = hashlib.sha256(data).digest()
+            body = {"node": ids[0], "g": "00c0ffee", "n": 3, "i": 0, "s": shard_sha, "a": avg, "f": fin, "t": b"",
+                    "l": truth.size, "d": list(attacker.addr)}
+            for seq in (1, 2, 3):  # as many as it likes: one slot, its own
+                for n in members:
+                    reply = await attacker.endpoint.request(n.addr, m.MsgType.OUTER_RECORD, {
+                        "run": RUN_KEY.encode(), "round": 22, "seq": seq,
+                        "record": msgpack.packb(body, use_bin_type=True)}, node_id=n.identity.node_id)
+                    assert reply.body["ok"]
+            for n in members:
+                held_records = n.inbox.records(RUN_KEY, 22)
+                assert [r.node for r in held_records] == [attacker.identity.node_id]  # never ids[0]
+            one = _agree_all(members, held, 22, results, participants=frozenset(ids))
+            async with trio.open_nursery() as inner:
+                for i in range(3):
+                    inner.start_soon(one, i)
+            nursery.cancel_scope.cancel()
+        for i in range(3):
+            np.testing.assert_array_equal(results[i].vector, truth)
+            assert results[i].final == hashlib.sha256(truth.tobytes()).digest()
+            assert results[i].ignored == 1  # the pusher's record, read and not counted
+
+    run_virtual(main)
+
+
+def _record(final: bytes = b"") -> bytes:
+    return OuterRecord(b"", "g", 2, 0, b"s" * 32, b"a" * 32, final, b"", 100).encode()
+
+
+def test_the_inbox_is_bounded_and_keeps_one_record_per_sender_hostile() -> None:
+    inbox = OuterInbox(lambda run_key: run_key == RUN_KEY)
+    sender = b"x" * 32
+    assert not inbox.put("other/run", 1, sender, 1, _record())  # a run this daemon does not train
+    assert not inbox.put(RUN_KEY, 1, sender, 1, b"\x81\xa1g\xa1g")  # not a record
+    assert not inbox.put(RUN_KEY, 1, sender, 1, msgpack.packb({"g": "g" * 100}))
+    assert inbox.records("other/run", 1) == [] and inbox.records(RUN_KEY, 1) == []
+    woken = []
+    stop = inbox.listen(RUN_KEY, 1, lambda: woken.append(1))
+    assert inbox.put(RUN_KEY, 1, sender, 2, _record(b"f" * 32))
+    assert inbox.put(RUN_KEY, 1, sender, 2, _record(b"f" * 32))  # a retransmission
+    assert not inbox.put(RUN_KEY, 1, sender, 1, _record())  # older: the newer one stays
+    assert [r.final for r in inbox.records(RUN_KEY, 1)] == [b"f" * 32]
+    assert [r.node for r in inbox.records(RUN_KEY, 1)] == [sender]
+    assert woken == [1]
+    for i in range(MAX_SENDERS + 10):
+        inbox.put(RUN_KEY, 1, i.to_bytes(32, "big"), 1, _record())
+    assert len(inbox.records(RUN_KEY, 1)) == MAX_SENDERS
+    for r in range(2, 2 + 4 * MAX_ROUNDS):  # many rounds: the oldest go, never the one being waited on
+        inbox.put(RUN_KEY, r, sender, 1, _record())
+    assert len(inbox._slots) <= MAX_ROUNDS + 1
+    assert len(inbox.records(RUN_KEY, 1)) == MAX_SENDERS
+    stop()
+    inbox.put(RUN_KEY, 999, sender, 1, _record())
+    assert inbox.records(RUN_KEY, 1) == []
