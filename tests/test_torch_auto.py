@@ -179,9 +179,9 @@ def test_trainer_report_auto_is_bounded_hostile(tmp_path) -> None:
                     {"k" * 100: 1}, ["int8"], {"compression": True}):
             with pytest.raises(DaemonError, match="auto must be"):
                 opt._call("trainer_report", auto=bad)
-        assert all("auto" not in t for t in d.service.trainers())
+        assert all("auto" not in t for t in d.service.statistics())
         opt._call("trainer_report", auto={"compression": "fp32", "reason": "ok"})
-        assert [t["auto"] for t in d.service.trainers()] == [{"compression": "fp32", "reason": "ok"}]
+        assert [t["auto"] for t in d.service.statistics()] == [{"compression": "fp32", "reason": "ok"}]
         opt.close()
     finally:
         d.stop()

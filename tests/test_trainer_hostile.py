@@ -118,7 +118,7 @@ def test_max_samples_and_robust_reach_the_averager(synced) -> None:
     # claimed weight) would otherwise shrink every honest model at each parameter average
     step(client, arena, reply, 2, np.full(16, 3.0), 1, kind="params")
     opts = synced.averager.options[-1]
-    assert opts["robust"] == Robust("centered", DEFAULT_C) and "max_weight" not in opts
+    assert opts["robust"] == Robust("centered", DEFAULT_C) and opts["max_weight"] == 1.0  # parameters weigh 1
     np.testing.assert_array_equal(opts["center"], np.full(16, 3.0, np.float32))
     client.close()
     arena.close()
