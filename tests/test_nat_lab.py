@@ -216,12 +216,16 @@ def test_direct_and_relayed_paths(natswarm) -> None:
     want = {(a, b): (expected_path(a, b),) * 2 for a, b in combinations(range(6), 2)}
     assert got == want
     assert sum(1 for p in want.values() if p[0] == "relayed") == 5
-    # The counters agree: public peers sent nothing through a relay, every home did (each has a relayed partner);
-    # only public peers relayed for others, and they did.
+    # The counters agree: every home sent its traffic to a relayed partner through a relay; a public peer sent at
+    # most answers through one (what reached it through a relay is answered back through it, PROTOCOL.md 18.4),
+    # a few hundred bytes against a home's tens of kilobytes; only public peers relayed for others, and they did.
     sent_relayed = [status_field(n, "path_bytes").get("relayed", 0) for n in nodes]
     relayed_for = [status_field(n, "relayed_for_others")["bytes"] for n in nodes]
+    homes = [sent_relayed[i] for i, kind in enumerate(KINDS) if kind != "public"]
+    assert min(homes) > 0, sent_relayed
     for i, kind in enumerate(KINDS):
-        assert (sent_relayed[i] > 0) == (kind != "public"), (i, sent_relayed)
+        if kind == "public":
+            assert sent_relayed[i] * 20 < min(homes), (i, sent_relayed)
         if kind != "public":
             assert relayed_for[i] == 0, (i, relayed_for)
     assert sum(relayed_for) > 0, relayed_for
