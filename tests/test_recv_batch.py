@@ -26,6 +26,7 @@ from peerd.wire import messages as m
 from peerd.wire.envelope import FLAG_NO_RECEIVER, FLAG_SEALED, HEADER, MAGIC, VERSION
 from peerd.wire.native import native
 
+NOTHING_SCREENED = ([], 0, 0, 0, 0, 0)  # recv_batch's ``screened`` of a pass with nothing screened
 pytestmark = pytest.mark.skipif(NATIVE_RECV is None, reason="the native extension (recv_batch) is not built")
 RATION = getattr(native, "Ration", None)
 
@@ -162,14 +163,14 @@ def test_a_pass_stops_at_its_limit_and_says_it_was_not_drained() -> None:
         for i in range(30):
             a.sendto(bytes([i]) * (20 + i), b.getsockname())
         arena = memoryview(bytearray(4 * RECV_BUFFER))
-        blocks, used, datagrams, receives, drained, drops = NATIVE_RECV(b.fileno(), arena, 10, RECV_BUFFER)
+        blocks, used, datagrams, receives, drained, drops, _ = NATIVE_RECV(b.fileno(), arena, 10, RECV_BUFFER)
         assert (len(blocks), datagrams, receives, drained) == (10, 10, 10, False)
         assert used == sum(20 + i for i in range(10))
         assert [bytes(d) for d, _, _ in blocks] == [bytes([i]) * (20 + i) for i in range(10)]
         assert {src for _, src, _ in blocks} == {a.getsockname()}
-        blocks, used, datagrams, receives, drained, drops = NATIVE_RECV(b.fileno(), arena, 1024, RECV_BUFFER)
+        blocks, used, datagrams, receives, drained, drops, _ = NATIVE_RECV(b.fileno(), arena, 1024, RECV_BUFFER)
         assert (len(blocks), datagrams, drained) == (20, 20, True)
-        assert NATIVE_RECV(b.fileno(), arena, 1024, RECV_BUFFER) == ([], 0, 0, 0, True, -1)
+        assert NATIVE_RECV(b.fileno(), arena, 1024, RECV_BUFFER) == ([], 0, 0, 0, True, -1, NOTHING_SCREENED)
     finally:
         a.close()
         b.close()
@@ -183,13 +184,13 @@ def test_slots_are_bounded_by_the_arena() -> None:
         for i in range(5):
             a.sendto(bytes([i]) * 100, b.getsockname())
         arena = memoryview(bytearray(2 * 1000 + 999))
-        blocks, used, datagrams, receives, drained, _ = NATIVE_RECV(b.fileno(), arena, 1024, 1000)
+        blocks, used, datagrams, receives, drained, _, _ = NATIVE_RECV(b.fileno(), arena, 1024, 1000)
         # slots of 1000 bytes: 2 fit at first; after 200 bytes of data, (2999 - 200) // 1000 = 2 more; then 1 more
         assert receives == 5 and used == 500 and drained
         arena = memoryview(bytearray(1000))
         for i in range(3):
             a.sendto(bytes([i]) * 600, b.getsockname())
-        blocks, used, datagrams, receives, drained, _ = NATIVE_RECV(b.fileno(), arena, 1024, 1000)
+        blocks, used, datagrams, receives, drained, _, _ = NATIVE_RECV(b.fileno(), arena, 1024, 1000)
         assert receives == 1 and used == 600 and not drained  # 400 bytes left: no room for another slot
         assert bytes(blocks[0][0]) == bytes([0]) * 600
     finally:
@@ -227,8 +228,8 @@ def test_icmp_errors_end_a_pass_without_raising() -> None:
             got = NATIVE_RECV(s.fileno(), arena, 16, RECV_BUFFER)
             if not got[4]:
                 break
-        assert got == ([], 0, 0, 0, False, -1)
-        assert NATIVE_RECV(s.fileno(), arena, 16, RECV_BUFFER) == ([], 0, 0, 0, True, -1)  # error consumed
+        assert got == ([], 0, 0, 0, False, -1, NOTHING_SCREENED)
+        assert NATIVE_RECV(s.fileno(), arena, 16, RECV_BUFFER) == ([], 0, 0, 0, True, -1, NOTHING_SCREENED)  # consumed
     finally:
         s.close()
 
@@ -253,10 +254,9 @@ def test_arguments_are_checked() -> None:
         whole = memoryview(bytearray(3 * RECV_BUFFER))
         for bad_out in (memoryview(bytearray(RECV_BUFFER - 1)), whole[RECV_BUFFER // 2 :]):  # short; overlapping
             with pytest.raises(ValueError, match="out"):
-                NATIVE_RECV(s.fileno(), whole[: 2 * RECV_BUFFER], 16, RECV_BUFFER, None, None, 0.0, None, None,
-                            bad_out)
+                NATIVE_RECV(s.fileno(), whole[: 2 * RECV_BUFFER], 16, RECV_BUFFER, out=bad_out)
         with pytest.raises((TypeError, BufferError)):
-            NATIVE_RECV(s.fileno(), arena, 16, RECV_BUFFER, None, None, 0.0, None, None, b"\0" * RECV_BUFFER)
+            NATIVE_RECV(s.fileno(), arena, 16, RECV_BUFFER, out=b"\0" * RECV_BUFFER)
         r, w = os.pipe()
         try:
             with pytest.raises(OSError) as e:
@@ -506,11 +506,11 @@ def test_the_c_table_refuses_bad_arguments() -> None:
         arena = memoryview(bytearray(4 * RECV_BUFFER))
         screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {})
         with pytest.raises(TypeError):
-            NATIVE_RECV(s.fileno(), arena, 8, RECV_BUFFER, None, r, 0.0)  # a ration needs a screen
+            NATIVE_RECV(s.fileno(), arena, 8, RECV_BUFFER, ration=r)  # a ration needs a screen
         with pytest.raises(TypeError):
-            NATIVE_RECV(s.fileno(), arena, 8, RECV_BUFFER, screen, object(), 0.0)
+            NATIVE_RECV(s.fileno(), arena, 8, RECV_BUFFER, screen=screen, ration=object())
         with pytest.raises(ValueError):
-            NATIVE_RECV(s.fileno(), arena, 8, RECV_BUFFER, screen, r, float("inf"))
+            NATIVE_RECV(s.fileno(), arena, 8, RECV_BUFFER, screen=screen, ration=r, now=float("inf"))
     finally:
         s.close()
 
@@ -590,15 +590,16 @@ def _pass_decisions(seed: int) -> None:
             return open_, counts
 
         # the reference: every unknown datagram back from C, rationed by the Python loop
-        blocks, _, n, _, _, _, (unknown, _, _, _) = NATIVE_RECV(rx[1].fileno(), arena, 4096, RECV_BUFFER, screen)
+        blocks, _, n, _, _, _, (unknown, *_) = NATIVE_RECV(rx[1].fileno(), arena, 4096, RECV_BUFFER, screen=screen)
         assert n == len(plan) and len(unknown) == sum(1 for _, d in plan if d[5:13] != known_token.to_bytes(8, "big"))
         ref_opened: list[bytes] = []
         ref_known = {known_token}
         open_, ref_counts = opener(ref, ref_known, ref_opened)
         decide(unknown, ref, ref_known, open_, ref_counts, now, granted=False)
         # C: rationed in the pass; the first handed back is granted, the rest decided as above
-        blocks, _, n, _, _, _, screened = NATIVE_RECV(rx[0].fileno(), arena, 4096, RECV_BUFFER, screen, c.table, now)
-        unknown_c, malformed, version, nbytes, limited = screened
+        blocks, _, n, _, _, _, screened = NATIVE_RECV(rx[0].fileno(), arena, 4096, RECV_BUFFER, screen=screen,
+                                                      ration=c.table, now=now)
+        unknown_c, malformed, version, nbytes, limited, _ = screened
         assert malformed == version == 0 and n == len(plan)
         c_opened: list[bytes] = []
         c_known = {known_token}
@@ -653,8 +654,8 @@ def test_an_overloaded_pass_keeps_fair_shares_and_every_ping() -> None:
     try:
         for keep, shed_expected in ((100, 830), (4096, 0)):
             _flood(rx, [(heavy, 0x40, 900, 200), (light, 0x40, 30, 300), (prober, 0x01, 30, 50)])
-            blocks, _, n, _, drained, _, screened = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen, None,
-                                                                0.0, (keep, 512, 1, 2))
+            blocks, _, n, _, drained, _, screened = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen=screen,
+                                                                shed=(keep, 512, 1, 2))
             assert n == 960 and drained
             _, malformed, version, nbytes, limited, shed = screened[0], *screened[1:]
             got = _kept(blocks)
@@ -741,8 +742,8 @@ def test_protected_tokens_are_never_shed_and_the_rest_is_shed_as_the_reference_s
             if k < 20:
                 prober.sendto(HEADER.pack(MAGIC, VERSION, 0x01, FLAG_SEALED, 100, k) + b"p" * 30, rx.getsockname())
         total = sum(n for n, _, _ in plan) + min(20, max(n for n, _, _ in plan))
-        blocks, _, n, _, drained, _, screened = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen, None,
-                                                            0.0, (keep, 512, 1, 2, protected))
+        blocks, _, n, _, drained, _, screened = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen=screen,
+                                                            shed=(keep, 512, 1, 2, protected))
         assert n == total and drained
         got = _kept(blocks)
         expected = _shed_reference(plan, keep)
@@ -762,8 +763,8 @@ def test_the_protected_argument_is_checked() -> None:
     arena = memoryview(bytearray(1 << 20))
     try:
         with pytest.raises(TypeError, match="protected"):
-            NATIVE_RECV(rx.fileno(), arena, 64, RECV_BUFFER, screen, None, 0.0, (10, 512, 1, 2, [5]))
-        out = NATIVE_RECV(rx.fileno(), arena, 64, RECV_BUFFER, screen, None, 0.0, (10, 512, 1, 2, None))
+            NATIVE_RECV(rx.fileno(), arena, 64, RECV_BUFFER, screen=screen, shed=(10, 512, 1, 2, [5]))
+        out = NATIVE_RECV(rx.fileno(), arena, 64, RECV_BUFFER, screen=screen, shed=(10, 512, 1, 2, None))
         assert out[2] == 0
     finally:
         rx.close()
@@ -871,7 +872,7 @@ def test_interleaved_sessions_merge_per_source_in_the_order_they_came() -> None:
 
     try:
         burst()
-        blocks, _, n, _, drained, _, screened = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen)
+        blocks, _, n, _, drained, _, screened = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen=screen)
         assert n == 60 and drained and len(screened[0]) == 1  # the unknown token's, apart
         assert _rows(blocks) == sent
         sizes = sorted(len(bytes(d)) // (segment or len(bytes(d))) for d, _, segment in blocks)
@@ -880,7 +881,7 @@ def test_interleaved_sessions_merge_per_source_in_the_order_they_came() -> None:
         for v in sent.values():
             v.clear()
         burst()
-        blocks, _, n, _, _, _ = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER)
+        blocks, _, n, _, _, _, _ = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER)
         assert n == 60 and len(blocks) == 60
         # the Python loop: the same rows per source
         for v in sent.values():
@@ -952,7 +953,7 @@ def test_arrivals_are_bounded_and_checked() -> None:
         view = memoryview(bytearray(RECV_BUFFER))
         for bad in ([], ({}, 256), ({}, -1), ([], 0x40)):
             with pytest.raises((TypeError, ValueError)):
-                NATIVE_RECV(s.fileno(), view, 1, RECV_BUFFER, None, None, 0.0, None, bad)
+                NATIVE_RECV(s.fileno(), view, 1, RECV_BUFFER, arrivals=bad)
     finally:
         s.close()
 
@@ -984,8 +985,7 @@ def test_blocks_laid_out_in_out_are_those_laid_out_in_the_arena(screened: bool) 
 
     def read(with_out: bool) -> tuple[list, int]:
         trio.run(burst)
-        got = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen, None, 0.0, None, None,
-                          out if with_out else None)
+        got = NATIVE_RECV(rx.fileno(), arena, 4096, RECV_BUFFER, screen=screen, out=out if with_out else None)
         blocks = [(bytes(d), src, seg) for d, src, seg in got[0]]
         in_out = sum(1 for d, _, _ in got[0] if d.obj is out.obj)
         return blocks, in_out

@@ -153,7 +153,7 @@ def _args(rows=2, per=4, full=4, mode=0, **over):
 
 
 def _call(a: dict):
-    return _native.take_rows(*a.values())
+    return _native.take_rows(**a)
 
 
 def test_take_rows_takes_a_clean_run() -> None:

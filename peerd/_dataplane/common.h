@@ -40,7 +40,7 @@ PyObject *finalize_rows(PyObject *module, PyObject *args);
 
 /* take.c: a group's intake of a block of fp32 DATA bodies */
 extern const char take_rows_doc[];
-PyObject *take_rows(PyObject *module, PyObject *args);
+PyObject *take_rows(PyObject *module, PyObject *args, PyObject *kwds);
 
 /* send.c: a paced part's rows onto the wire (sendmmsg, GSO) */
 #ifdef __linux__

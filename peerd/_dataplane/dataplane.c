@@ -1454,8 +1454,9 @@ static double shed_level(PassSources *ps, const Block *blocks, Py_ssize_t nblock
 }
 
 PyDoc_STRVAR(recv_batch_doc,
-"recv_batch(fd, arena, max_datagrams, slot, screen=None, ration=None, now=0.0, shed=None, arrivals=None)\n"
-"    -> (blocks, used, datagrams, receives, drained, kernel_drops[, screened])\n"
+"recv_batch(fd, arena, max_datagrams, slot, *, screen=None, ration=None, now=0.0, shed=None, arrivals=None,\n"
+"           out=None)\n"
+"    -> (blocks, used, datagrams, receives, drained, kernel_drops, screened)\n"
 "--\n\n"
 "One receive pass over the non-blocking UDP socket ``fd`` with the GIL released: recvmmsg(MSG_DONTWAIT) into\n"
 "``arena`` (a writable memoryview), each message given ``slot`` bytes, then moved down to follow the previous one.\n"
@@ -1473,23 +1474,25 @@ PyDoc_STRVAR(recv_batch_doc,
 "peerd.wire.envelope.peek and the receiver's known tokens (a dict keyed by int). A single datagram (not a GRO\n"
 "block) whose header peek refuses is then counted and left out (never merged), and one with a valid header,\n"
 "the sealed flag and a token not in ``tokens`` is counted as malformed when shorter than ``min_sealed``, else\n"
-"handed back apart: ``screened`` is (unknown: [(arena[start:start + size], (host, port))], malformed, version,\n"
-"screened_bytes: the bytes of those counted).\n\n"
+"handed back apart. ``screened`` is always (unknown: [(arena[start:start + size], (host, port))], malformed,\n"
+"version, screened_bytes: the bytes of those counted, limited, shed): ([], 0, 0, 0, 0, 0) without a screen.\n\n"
 "``ration`` (a Ration, with a screen) and ``now``: those under unknown tokens are rationed as the endpoint's\n"
 "_receive_screened does, with the same decisions (see the comment in the code): ``unknown`` then holds only\n"
 "those Python must still decide, the first of them with its key derivation already granted (charged), and\n"
-"``screened`` gains a fifth item, ``limited``: those refused (``auth_limited``, their bytes in screened_bytes),\n"
-"which never became Python objects.\n\n"
+"``limited`` counts those refused (``auth_limited``, their bytes in screened_bytes), which never became Python\n"
+"objects (0 without a ration).\n\n"
 "``shed`` (with a screen): (keep, urgent_bytes, ping_type, pong_type), for a pass over a queue that overflows:\n"
 "of the datagrams left after the screen, about ``keep`` are kept, shared max-min fairly among their sources (the\n"
 "heaviest cut to the water level), PINGs and PONGs of at most urgent_bytes always kept, and so is every sealed\n"
 "datagram under a token of the optional fifth item ``protected`` (a dict keyed by int, or None), none of them\n"
-"counted in the shares; ``screened`` then ends\n"
-"with ``limited`` (0 without a ration) and ``shed``: the datagrams dropped so (their bytes in screened_bytes).\n\n"
+"counted in the shares; ``shed`` counts the datagrams dropped so (their bytes in screened_bytes; 0 without\n"
+"``shed``).\n\n"
 "``arrivals``: (a dict, data_min[, data_mask]). For every block handed back whose first datagram's type byte t is at\n"
 "least ``data_min`` (tensor data), and with ``data_mask`` under data_min + 64 with bit t - data_min set (the data\n"
 "types, not their END markers), and that the kernel timestamped (SO_TIMESTAMPNS on the socket), dict[(host, port)]\n"
-"is set to the kernel's receive time of its latest datagram (unix seconds): what a REPORT's ``arrived`` says.");
+"is set to the kernel's receive time of its latest datagram (unix seconds): what a REPORT's ``arrived`` says.\n\n"
+"``out``: a writable buffer at least as large as the arena and apart from it, where blocks that do not lie in\n"
+"one run of the arena are laid out (their data then slices ``out``).");
 
 /* Interleaved sessions merge (recv_batch, with a screen): where several members send at once, paced, a pass holds
  * A B C A B C ..., and the consecutive merge above leaves every datagram a block of its own, each a Python call
@@ -1635,131 +1638,235 @@ static int materialize(unsigned char *base, Py_ssize_t used, unsigned char *out,
     return 0;
 }
 
-static PyObject *recv_batch(PyObject *module, PyObject *args) {
+/* recv_batch's arguments, parsed and checked once. */
+typedef struct {
     int fd;
-    PyObject *arena_obj;
     Py_ssize_t max_datagrams, slot;
+    PyObject *arena_obj, *out_obj; /* borrowed; out_obj Py_None without ``out`` */
+    int screening;
+    Screen screen;
+    RationObject *ration; /* borrowed, or NULL */
+    double now;
+    Shed shed;
+    PyObject *arrivals; /* borrowed: source -> the latest kernel receive time of its data, or NULL */
+    int data_min, masked;
+    unsigned long long data_mask;
+} RecvOptions;
+
+/* What one pass read into the arena (filled with the GIL released). */
+typedef struct {
+    unsigned char *base;
+    Py_ssize_t arena_len;
+    int have_out;
+    Block *blocks;
+    Piece *pieces;
+    Py_ssize_t used, datagrams, receives, nblocks, npieces, malformed, version, screened_bytes;
+    long long kernel_drops;
+    int drained, err;
+} RecvPass;
+
+/* The hand-out of a pass's blocks as Python objects, and the rationing of those under unknown tokens. */
+typedef struct {
+    PyObject *list, *unknown; /* (blocks), (unknown): new references */
+    PyObject *prev_tuple;     /* the last source tuple made (consecutive blocks of one source share it) */
+    const Source *prev;
+    Py_ssize_t limited, handed, shed_count;
+    int derived, tokens_overflow, ntokens;
+    Source granted; /* the source of the derivation granted in this pass (once ``derived``) */
+    uint64_t handed_tokens[RATION_TOKENS];
+    uint64_t pass;
+    PassSources ps; /* shed's per-source counts */
+    double level;   /* shed's water level */
+} HandOut;
+
+static int parse_arrivals(PyObject *obj, RecvOptions *o) {
+    if (obj == Py_None) return 0;
+    if (!PyTuple_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, "arrivals: (dict, data_min[, data_mask]), or None");
+        return -1;
+    }
+    o->masked = PyTuple_GET_SIZE(obj) > 2;
+    if (!PyArg_ParseTuple(obj, "O!i|K;arrivals: (dict, data_min[, data_mask])", &PyDict_Type, &o->arrivals,
+                          &o->data_min, &o->data_mask))
+        return -1;
+    if (o->data_min < 0 || o->data_min > 255) {
+        PyErr_Format(PyExc_ValueError, "arrivals: data_min %d out of range 0..255", o->data_min);
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_shed(PyObject *obj, PyObject *screen_obj, Shed *shed) {
+    if (obj == Py_None) return 0;
+    if (screen_obj == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "shed: only with a screen");
+        return -1;
+    }
+    PyObject *protected = Py_None;
+    if (!PyArg_ParseTuple(obj, "nnii|O;shed: (keep, urgent_bytes, ping_type, pong_type[, protected])", &shed->keep,
+                          &shed->urgent_bytes, &shed->ping, &shed->pong, &protected))
+        return -1;
+    if (protected != Py_None) {
+        if (!PyDict_Check(protected)) {
+            PyErr_SetString(PyExc_TypeError, "shed: protected must be a dict keyed by int, or None");
+            return -1;
+        }
+        shed->protected = protected;
+    }
+    if (shed->keep < 1 || shed->urgent_bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "shed: keep %zd must be >= 1, urgent_bytes %zd >= 0", shed->keep,
+                     shed->urgent_bytes);
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_ration(PyObject *obj, PyObject *screen_obj, RecvOptions *o) {
+    if (obj == Py_None) return 0;
+    if (screen_obj == Py_None || !PyObject_TypeCheck(obj, &RationType)) {
+        PyErr_SetString(PyExc_TypeError, "ration: a Ration, and only with a screen");
+        return -1;
+    }
+    o->ration = (RationObject *)obj;
+    if (!ration_ready(o->ration)) return -1;
+    if (!isfinite(o->now)) {
+        PyErr_SetString(PyExc_ValueError, "now must be finite");
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_screen(PyObject *obj, RecvOptions *o) {
+    o->screening = obj != Py_None;
+    if (!o->screening) return 0;
+    const char *lead;
+    Py_ssize_t lead_len;
+    Screen *s = &o->screen;
+    if (!PyArg_ParseTuple(obj, "y#iiiinO!;screen: (lead, known_flags, no_receiver_flag, ping_type, sealed_flag, "
+                          "min_sealed, tokens)", &lead, &lead_len, &s->known_flags, &s->no_receiver_flag,
+                          &s->ping_type, &s->sealed_flag, &s->min_sealed, &PyDict_Type, &s->tokens))
+        return -1;
+    if (lead_len != 3) {
+        PyErr_Format(PyExc_ValueError, "screen: the lead is 3 bytes (magic, version), got %zd", lead_len);
+        return -1;
+    }
+    memcpy(s->lead, lead, 3);
+    o->shed.sealed_flag = s->sealed_flag;
+    return 0;
+}
+
+/* recv_batch's arguments into ``o``; 0, or -1 with an exception set. */
+static int recv_options(PyObject *args, PyObject *kwds, RecvOptions *o) {
+    static char *kwlist[] = {"fd", "arena", "max_datagrams", "slot", "screen", "ration", "now", "shed", "arrivals",
+                             "out", NULL};
     PyObject *screen_obj = Py_None, *ration_obj = Py_None, *shed_obj = Py_None, *arrivals_obj = Py_None;
-    PyObject *out_obj = Py_None;
-    double now = 0.0;
-    if (!PyArg_ParseTuple(args, "iOnn|OOdOOO", &fd, &arena_obj, &max_datagrams, &slot, &screen_obj, &ration_obj, &now,
-                          &shed_obj, &arrivals_obj, &out_obj))
-        return NULL;
-    PyObject *arrivals = NULL; /* source -> the latest kernel receive time of its data (see the docstring) */
-    int data_min = 256;
-    int masked = 0;
-    unsigned long long data_mask = 0;
-    if (arrivals_obj != Py_None) {
-        if (!PyTuple_Check(arrivals_obj)) {
-            PyErr_SetString(PyExc_TypeError, "arrivals: (dict, data_min[, data_mask]), or None");
-            return NULL;
-        }
-        masked = PyTuple_GET_SIZE(arrivals_obj) > 2;
-        if (!PyArg_ParseTuple(arrivals_obj, "O!i|K;arrivals: (dict, data_min[, data_mask])", &PyDict_Type, &arrivals,
-                              &data_min, &data_mask))
-            return NULL;
-        if (data_min < 0 || data_min > 255) {
-            PyErr_Format(PyExc_ValueError, "arrivals: data_min %d out of range 0..255", data_min);
-            return NULL;
-        }
+    memset(o, 0, sizeof(*o));
+    o->out_obj = Py_None;
+    o->data_min = 256;
+    o->shed = (Shed){0, 0, -1, -1, 0, NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOnn|$OOdOOO:recv_batch", kwlist, &o->fd, &o->arena_obj,
+                                     &o->max_datagrams, &o->slot, &screen_obj, &ration_obj, &o->now, &shed_obj,
+                                     &arrivals_obj, &o->out_obj))
+        return -1;
+    if (parse_arrivals(arrivals_obj, o) < 0 || parse_shed(shed_obj, screen_obj, &o->shed) < 0
+        || parse_ration(ration_obj, screen_obj, o) < 0 || parse_screen(screen_obj, o) < 0)
+        return -1;
+    if (o->fd < 0) {
+        PyErr_Format(PyExc_ValueError, "fd %d is not a file descriptor", o->fd);
+        return -1;
     }
-    Shed shed = {0, 0, -1, -1, 0, NULL};
-    if (shed_obj != Py_None) {
-        if (screen_obj == Py_None) {
-            PyErr_SetString(PyExc_TypeError, "shed: only with a screen");
-            return NULL;
-        }
-        PyObject *protected = Py_None;
-        if (!PyArg_ParseTuple(shed_obj, "nnii|O;shed: (keep, urgent_bytes, ping_type, pong_type[, protected])",
-                              &shed.keep, &shed.urgent_bytes, &shed.ping, &shed.pong, &protected))
-            return NULL;
-        if (protected != Py_None) {
-            if (!PyDict_Check(protected)) {
-                PyErr_SetString(PyExc_TypeError, "shed: protected must be a dict keyed by int, or None");
-                return NULL;
+    if (o->max_datagrams < 1 || o->max_datagrams > RECV_MAX_ENTRIES) {
+        PyErr_Format(PyExc_ValueError, "max_datagrams %zd out of range 1..%d", o->max_datagrams, RECV_MAX_ENTRIES);
+        return -1;
+    }
+    if (o->slot < 1 || o->slot > (Py_ssize_t)1 << 20) {
+        PyErr_Format(PyExc_ValueError, "slot %zd out of range 1..%d", o->slot, 1 << 20);
+        return -1;
+    }
+    return 0;
+}
+
+/* A message's control data: its GRO segment size, its kernel receive time, and the socket's drop count. */
+static void read_control(struct msghdr *h, const unsigned char *buf, size_t buf_len, Py_ssize_t *segment,
+                         double *stamp, long long *kernel_drops) {
+    if ((h->msg_flags & MSG_CTRUNC) || h->msg_controllen > buf_len) return;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c != NULL; c = CMSG_NXTHDR(h, c)) {
+        size_t have = c->cmsg_len >= CMSG_LEN(0) ? c->cmsg_len - CMSG_LEN(0) : 0;
+        if ((unsigned char *)CMSG_DATA(c) + have > buf + h->msg_controllen) break;
+        if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+            if (have >= 4) {
+                int32_t v;
+                memcpy(&v, CMSG_DATA(c), 4);
+                *segment = v;
+            } else if (have >= 2) {
+                uint16_t v;
+                memcpy(&v, CMSG_DATA(c), 2);
+                *segment = v;
             }
-            shed.protected = protected;
-        }
-        if (shed.keep < 1 || shed.urgent_bytes < 0) {
-            PyErr_Format(PyExc_ValueError, "shed: keep %zd must be >= 1, urgent_bytes %zd >= 0", shed.keep,
-                         shed.urgent_bytes);
-            return NULL;
-        }
-    }
-    RationObject *ration = NULL;
-    if (ration_obj != Py_None) {
-        if (screen_obj == Py_None || !PyObject_TypeCheck(ration_obj, &RationType)) {
-            PyErr_SetString(PyExc_TypeError, "ration: a Ration, and only with a screen");
-            return NULL;
-        }
-        ration = (RationObject *)ration_obj;
-        if (!ration_ready(ration)) return NULL;
-        if (!isfinite(now)) {
-            PyErr_SetString(PyExc_ValueError, "now must be finite");
-            return NULL;
+        } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SO_RXQ_OVFL && have >= 4) {
+            uint32_t v;
+            memcpy(&v, CMSG_DATA(c), 4);
+            *kernel_drops = v;
+        } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_TIMESTAMPNS && have >= sizeof(struct timespec)) {
+            struct timespec ts;
+            memcpy(&ts, CMSG_DATA(c), sizeof(ts));
+            *stamp = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
         }
     }
-    Screen screen = {{0}, 0, 0, 0, 0, 0, NULL};
-    int screening = screen_obj != Py_None;
-    if (screening) {
-        const char *lead;
-        Py_ssize_t lead_len;
-        if (!PyArg_ParseTuple(screen_obj, "y#iiiinO!;screen: (lead, known_flags, no_receiver_flag, ping_type, "
-                              "sealed_flag, min_sealed, tokens)", &lead, &lead_len, &screen.known_flags,
-                              &screen.no_receiver_flag, &screen.ping_type, &screen.sealed_flag, &screen.min_sealed,
-                              &PyDict_Type, &screen.tokens))
-            return NULL;
-        if (lead_len != 3) {
-            PyErr_Format(PyExc_ValueError, "screen: the lead is 3 bytes (magic, version), got %zd", lead_len);
-            return NULL;
-        }
-        memcpy(screen.lead, lead, 3);
-        shed.sealed_flag = screen.sealed_flag;
-    }
-    if (fd < 0) {
-        PyErr_Format(PyExc_ValueError, "fd %d is not a file descriptor", fd);
-        return NULL;
-    }
-    if (max_datagrams < 1 || max_datagrams > RECV_MAX_ENTRIES) {
-        PyErr_Format(PyExc_ValueError, "max_datagrams %zd out of range 1..%d", max_datagrams, RECV_MAX_ENTRIES);
-        return NULL;
-    }
-    if (slot < 1 || slot > (Py_ssize_t)1 << 20) {
-        PyErr_Format(PyExc_ValueError, "slot %zd out of range 1..%d", slot, 1 << 20);
-        return NULL;
-    }
-    Py_buffer arena = {0}, outb = {0};
-    int have_out = 0;
-    if (PyObject_GetBuffer(arena_obj, &arena, PyBUF_WRITABLE) < 0) return NULL;
-    PyObject *result = NULL;
-    Block *blocks = NULL;
-    Piece *pieces = NULL;
-    PassSources ps = {0}; /* shed's per-source counts (freed at done) */
-    if (arena.len < slot) {
-        PyErr_Format(PyExc_ValueError, "an arena of %zd bytes holds no slot of %zd", arena.len, slot);
-        goto done;
-    }
-    have_out = out_obj != Py_None;
-    if (have_out) {
-        if (PyObject_GetBuffer(out_obj, &outb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-            have_out = 0;
-            goto done;
-        }
-        uintptr_t a0 = (uintptr_t)arena.buf, a1 = a0 + (uintptr_t)arena.len;
-        uintptr_t o0 = (uintptr_t)outb.buf, o1 = o0 + (uintptr_t)outb.len;
-        if (outb.len < arena.len || (a0 < o1 && o0 < a1)) {
-            PyErr_Format(PyExc_ValueError, "out (%zd bytes) must be at least as large as the arena (%zd) and apart "
-                         "from it", outb.len, arena.len);
-            goto done;
+}
+
+/* Keep one message that landed at ``at``: counted and left out if the screen refuses it, else moved down after the
+ * data before it and merged into the last block where it continues that block's stream. 0, or -1 (EOVERFLOW). */
+static int keep_message(RecvPass *rp, const RecvOptions *o, unsigned char *at, Py_ssize_t size, Py_ssize_t segment,
+                        const Source *source, double stamp) {
+    Py_ssize_t row = (segment > 0 && segment < size) ? segment : size;
+    rp->datagrams += row ? (size + row - 1) / row : 1;
+    rp->receives++;
+    if (o->screening && row == size) { /* a single datagram: one peek refuses is counted, not kept */
+        int bad = bad_header(&o->screen, at, size);
+        if (bad) {
+            if (bad == 1) rp->malformed++;
+            else rp->version++;
+            rp->screened_bytes += size;
+            return 0;
         }
     }
-    /* Every message is at least one datagram: at most max_datagrams messages, so as many blocks and pieces. */
-    blocks = PyMem_RawMalloc(sizeof(Block) * (size_t)max_datagrams);
-    pieces = PyMem_RawMalloc(sizeof(Piece) * (size_t)max_datagrams);
-    if (blocks == NULL || pieces == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    /* ``used`` has grown by at most ``slot`` per message before this one, so the destination is never past ``at``:
+     * the move goes down, over slots already moved, never over a later message's slot. With ``out`` a message of
+     * more than half a slot stays where it landed (the gap before it is left unused): its block is copied once into
+     * ``out`` by materialize if it is not one run, where moving it here and regrouping too moved each byte up to
+     * three times (GRO blocks of 54 x 1200 bytes in 64 KB slots). */
+    unsigned char *base = rp->base;
+    Py_ssize_t dest = (rp->have_out && 2 * size > o->slot) ? (Py_ssize_t)(at - base) : rp->used;
+    unsigned char *to = base + dest;
+    if (to != at && size > 0) memmove(to, at, (size_t)size);
+    if (rp->npieces >= o->max_datagrams || rp->nblocks >= o->max_datagrams) return -1; /* never: >= a datagram */
+    Piece *pieces = rp->pieces;
+    Py_ssize_t piece = rp->npieces++;
+    pieces[piece].start = dest;
+    pieces[piece].size = size;
+    pieces[piece].next = -1;
+    rp->used = dest + size;
+    if (rp->nblocks > 0 && row) {
+        Block *last = &rp->blocks[rp->nblocks - 1];
+        Py_ssize_t prefix = row < MERGE_PREFIX ? row : MERGE_PREFIX;
+        if (last->row == row && last->size % row == 0
+            && (rp->have_out || pieces[last->tail].start + pieces[last->tail].size == dest)
+            && same_source(&last->source, source) && memcmp(base + last->start, to, (size_t)prefix) == 0) {
+            pieces[last->tail].next = piece;
+            last->tail = piece;
+            last->size += size;
+            if (stamp > last->stamp) last->stamp = stamp;
+            return 0;
+        }
     }
+    rp->blocks[rp->nblocks++] = (Block){.start = dest, .size = size, .row = row, .source = *source, .stamp = stamp,
+                                        .head = piece, .tail = piece, .in_out = 0, .data = to};
+    return 0;
+}
+
+/* The pass's recvmmsg calls, with the GIL released (no Python object is touched). */
+static void receive_pass(RecvPass *rp, const RecvOptions *o) {
     struct mmsghdr msgs[RECV_VLEN];
     struct iovec iov[RECV_VLEN];
     struct sockaddr_storage names[RECV_VLEN];
@@ -1767,19 +1874,13 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
         struct cmsghdr align;
         unsigned char buf[RECV_CONTROL];
     } control[RECV_VLEN];
-    Py_ssize_t used = 0, datagrams = 0, receives = 0, nblocks = 0, npieces = 0, malformed = 0, version = 0;
-    Py_ssize_t screened_bytes = 0;
-    long long kernel_drops = -1;
-    int drained = 0, err = 0;
-    unsigned char *base = arena.buf;
-    Py_BEGIN_ALLOW_THREADS
-    while (datagrams < max_datagrams && arena.len - used >= slot) {
-        Py_ssize_t k = (arena.len - used) / slot;
+    Py_ssize_t slot = o->slot;
+    while (rp->datagrams < o->max_datagrams && rp->arena_len - rp->used >= slot) {
+        Py_ssize_t k = (rp->arena_len - rp->used) / slot;
         if (k > RECV_VLEN) k = RECV_VLEN;
-        if (k > max_datagrams - datagrams) k = max_datagrams - datagrams;
+        if (k > o->max_datagrams - rp->datagrams) k = o->max_datagrams - rp->datagrams;
         for (Py_ssize_t i = 0; i < k; i++) {
-            iov[i].iov_base = base + used + i * slot;
-            iov[i].iov_len = (size_t)slot;
+            iov[i] = (struct iovec){.iov_base = rp->base + rp->used + i * slot, .iov_len = (size_t)slot};
             memset(&msgs[i].msg_hdr, 0, sizeof(msgs[i].msg_hdr));
             msgs[i].msg_hdr.msg_name = &names[i];
             msgs[i].msg_hdr.msg_namelen = sizeof(names[i]);
@@ -1789,11 +1890,11 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             msgs[i].msg_hdr.msg_controllen = sizeof(control[i].buf);
             msgs[i].msg_len = 0;
         }
-        int n = recvmmsg(fd, msgs, (unsigned int)k, MSG_DONTWAIT, NULL);
+        int n = recvmmsg(o->fd, msgs, (unsigned int)k, MSG_DONTWAIT, NULL);
         if (n < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK) drained = 1;
-            else if (errno != ECONNREFUSED && errno != EHOSTUNREACH && errno != ENETUNREACH) err = errno;
-            break; /* EINTR too: the caller checks signals and passes again */
+            if (errno == EAGAIN || errno == EWOULDBLOCK) rp->drained = 1;
+            else if (errno != ECONNREFUSED && errno != EHOSTUNREACH && errno != ENETUNREACH) rp->err = errno;
+            return; /* EINTR too: the caller checks signals and passes again */
         }
         if (n > k) n = (int)k; /* never: the kernel fills at most k */
         for (int i = 0; i < n; i++) {
@@ -1802,293 +1903,255 @@ static PyObject *recv_batch(PyObject *module, PyObject *args) {
             if (size > slot) size = slot; /* never: a message is at most its iov */
             Py_ssize_t segment = 0;
             double stamp = 0.0;
-            if (!(h->msg_flags & MSG_CTRUNC) && h->msg_controllen <= sizeof(control[i].buf)) {
-                for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c != NULL; c = CMSG_NXTHDR(h, c)) {
-                    size_t have = c->cmsg_len >= CMSG_LEN(0) ? c->cmsg_len - CMSG_LEN(0) : 0;
-                    if ((unsigned char *)CMSG_DATA(c) + have > control[i].buf + h->msg_controllen) break;
-                    if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
-                        if (have >= 4) {
-                            int32_t v;
-                            memcpy(&v, CMSG_DATA(c), 4);
-                            segment = v;
-                        } else if (have >= 2) {
-                            uint16_t v;
-                            memcpy(&v, CMSG_DATA(c), 2);
-                            segment = v;
-                        }
-                    } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SO_RXQ_OVFL && have >= 4) {
-                        uint32_t v;
-                        memcpy(&v, CMSG_DATA(c), 4);
-                        kernel_drops = v;
-                    } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_TIMESTAMPNS
-                               && have >= sizeof(struct timespec)) {
-                        struct timespec ts;
-                        memcpy(&ts, CMSG_DATA(c), sizeof(ts));
-                        stamp = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-                    }
-                }
-            }
-            unsigned char *at = iov[i].iov_base; /* where it landed; it moves down to follow the data before it */
+            read_control(h, control[i].buf, sizeof(control[i].buf), &segment, &stamp, &rp->kernel_drops);
             Source source;
             source_of(&names[i], h->msg_namelen, &source);
-            Py_ssize_t row = (segment > 0 && segment < size) ? segment : size;
-            datagrams += row ? (size + row - 1) / row : 1;
-            receives++;
-            if (screening && row == size) { /* a single datagram: one peek refuses is counted, not kept */
-                int bad = bad_header(&screen, at, size);
-                if (bad) {
-                    if (bad == 1) malformed++;
-                    else version++;
-                    screened_bytes += size;
-                    continue;
-                }
+            if (keep_message(rp, o, iov[i].iov_base, size, segment, &source, stamp) < 0) {
+                rp->err = EOVERFLOW;
+                return;
             }
-            /* ``used`` has grown by at most ``slot`` per message before this one, so the destination is never
-             * past ``at``: the move goes down, over slots already moved, never over a later message's slot. With
-             * ``out`` a message of more than half a slot stays where it landed (the gap before it is left unused):
-             * its block is copied once into ``out`` by materialize if it is not one run, where moving it here and
-             * regrouping too moved each byte up to three times (GRO blocks of 54 x 1200 bytes in 64 KB slots). */
-            Py_ssize_t dest = (have_out && 2 * size > slot) ? (Py_ssize_t)(at - base) : used;
-            unsigned char *to = base + dest;
-            if (to != at && size > 0) memmove(to, at, (size_t)size);
-            if (npieces >= max_datagrams || nblocks >= max_datagrams) { /* never: a message is a datagram at least */
-                err = EOVERFLOW;
-                break;
-            }
-            Py_ssize_t piece = npieces++;
-            pieces[piece].start = dest;
-            pieces[piece].size = size;
-            pieces[piece].next = -1;
-            used = dest + size;
-            if (nblocks > 0 && row) {
-                Block *last = &blocks[nblocks - 1];
-                Py_ssize_t prefix = row < MERGE_PREFIX ? row : MERGE_PREFIX;
-                if (last->row == row && last->size % row == 0
-                    && (have_out || pieces[last->tail].start + pieces[last->tail].size == dest)
-                    && same_source(&last->source, &source) && memcmp(base + last->start, to, (size_t)prefix) == 0) {
-                    pieces[last->tail].next = piece;
-                    last->tail = piece;
-                    last->size += size;
-                    if (stamp > last->stamp) last->stamp = stamp;
-                    continue;
-                }
-            }
-            blocks[nblocks].start = dest;
-            blocks[nblocks].size = size;
-            blocks[nblocks].row = row;
-            blocks[nblocks].source = source;
-            blocks[nblocks].stamp = stamp;
-            blocks[nblocks].head = blocks[nblocks].tail = piece;
-            blocks[nblocks].in_out = 0;
-            blocks[nblocks].data = to;
-            nblocks++;
         }
-        if (err) break;
         if (n < k) { /* MSG_DONTWAIT: recvmmsg returns short only when the queue ran empty (or on an error, which
                       * the next call reports) */
-            drained = 1;
-            break;
+            rp->drained = 1;
+            return;
         }
     }
+}
+
+/* The rationing of the endpoint's _receive_screened (transport/receive.py PassRation) over the datagrams under
+ * unknown tokens, in arrival order, with the ration's state as it stands (nothing else changes it until Python
+ * has handled this pass): until a derivation is granted, each is asked may_derive; a source refused one is refused
+ * for the rest of the pass (limited_pass). The first granted is handed back first in ``unknown``, its derivation
+ * charged; after it, Python decides each again (its token may be known by then), so only those certain to be
+ * refused there are refused here, their token being none that a datagram handed back could have made known: those
+ * from the granted source (a source gets one derivation a pass), and those whose source's bucket is empty now where
+ * the table cannot evict the bucket before Python sees it. Returns whether ``b`` is refused. */
+static int ration_refuses(HandOut *h, const RecvOptions *o, const Block *b, uint64_t token) {
+    RationObject *ration = o->ration;
+    int refuse = 0;
+    int32_t e = ration_find(ration, &b->source);
+    if (e >= 0 && ration->entries[e].limited_pass == h->pass) {
+        refuse = 1;
+    } else if (!h->derived) {
+        if (ration_may_derive(ration, &b->source, o->now)) {
+            h->derived = 1;
+            h->granted = b->source;
+        } else {
+            refuse = 1;
+            if (e >= 0) ration->entries[e].limited_pass = h->pass;
+        }
+    } else if (!h->tokens_overflow) {
+        if (same_source(&h->granted, &b->source)) {
+            refuse = 1;
+        } else if (e >= 0 && ration->count + h->handed < ration->max_sources) {
+            RationEntry *en = &ration->entries[e];
+            bucket_refill(&en->tokens, &en->at, ration->failure_rate, ration->failure_burst, o->now);
+            refuse = en->tokens < 1;
+        }
+        for (int j = 0; refuse && j < h->ntokens; j++) /* Python opens it if its token is known */
+            if (h->handed_tokens[j] == token) refuse = 0;
+    }
+    if (refuse) return 1;
+    h->handed++;
+    int seen = 0;
+    for (int j = 0; !seen && j < h->ntokens; j++) seen = h->handed_tokens[j] == token;
+    if (!seen) {
+        if (h->ntokens < RATION_TOKENS) h->handed_tokens[h->ntokens++] = token;
+        else h->tokens_overflow = 1;
+    }
+    return 0;
+}
+
+/* The screen's second look, at a block as materialized: a single sealed datagram under a token the receiver does
+ * not know is counted (too short), refused by the ration, or handed back apart (``*apart``). Returns 1 when the
+ * block is left out, 0 when it is handed back, -1 on an error. */
+static int screen_block(HandOut *h, const RecvOptions *o, RecvPass *rp, const Block *b, int *apart) {
+    *apart = 0;
+    if (!o->screening || b->size != b->row || b->size < HEADER_SIZE) return 0;
+    const unsigned char *d = b->data;
+    if (!(d[4] & o->screen.sealed_flag)) return 0;
+    uint64_t token = 0;
+    for (int j = 0; j < 8; j++) token = (token << 8) | d[5 + j];
+    PyObject *key = PyLong_FromUnsignedLongLong(token);
+    int known = key == NULL ? -1 : PyDict_Contains(o->screen.tokens, key);
+    Py_XDECREF(key);
+    if (known < 0) return -1;
+    if (!known && b->size < o->screen.min_sealed) {
+        rp->malformed++;
+        rp->screened_bytes += b->size;
+        return 1;
+    }
+    *apart = !known;
+    if (*apart && o->ration && ration_refuses(h, o, b, token)) {
+        h->limited++;
+        rp->screened_bytes += b->size;
+        return 1;
+    }
+    return 0;
+}
+
+/* Shedding in an overloaded pass: past its source's fair share a block is dropped before any Python object is made
+ * (a merged block keeps its first rows). Returns 1 when all of it is shed. */
+static int shed_block(HandOut *h, const RecvOptions *o, RecvPass *rp, Block *b) {
+    if (o->shed.keep == 0 || is_urgent(&o->shed, b)) return 0;
+    Py_ssize_t *kept = pass_source(&h->ps, &b->source);
+    Py_ssize_t rows = b->row ? (b->size + b->row - 1) / b->row : 1;
+    double room = h->level - (double)*kept;
+    Py_ssize_t allowed = room >= (double)rows ? rows : room > 0 ? (Py_ssize_t)ceil(room) : 0;
+    if (allowed <= 0) {
+        h->shed_count += rows;
+        rp->screened_bytes += b->size;
+        return 1;
+    }
+    if (allowed < rows) {
+        Py_ssize_t size = allowed * b->row;
+        h->shed_count += rows - allowed;
+        rp->screened_bytes += b->size - size;
+        b->size = size;
+    }
+    *kept += allowed;
+    return 0;
+}
+
+/* The block's source tuple (a new reference; consecutive blocks of one source share one). */
+static PyObject *block_source(HandOut *h, const Block *b) {
+    if (h->prev != NULL && same_source(h->prev, &b->source)) return Py_NewRef(h->prev_tuple);
+    PyObject *source = source_tuple(&b->source);
+    if (source == NULL) return NULL;
+    Py_XSETREF(h->prev_tuple, Py_NewRef(source));
+    h->prev = &b->source;
+    return source;
+}
+
+/* Records the block's kernel receive time in ``arrivals`` where it is tensor data (see the docstring). */
+static int note_arrival(const RecvOptions *o, const Block *b, PyObject *source) {
+    if (o->arrivals == NULL || b->stamp <= 0 || b->size <= 3 || b->data[3] < o->data_min) return 0;
+    int t = b->data[3] - o->data_min;
+    if (o->masked && (t >= 64 || !((o->data_mask >> t) & 1ULL))) return 0;
+    PyObject *when = PyFloat_FromDouble(b->stamp);
+    int r = when == NULL ? -1 : PyDict_SetItem(o->arrivals, source, when);
+    Py_XDECREF(when);
+    return r;
+}
+
+/* Appends (data, source, segment) to ``blocks``, or (data, source) to ``unknown``; steals both references. */
+static int append_block(HandOut *h, const RecvOptions *o, const Block *b, PyObject *data, PyObject *source,
+                        int apart) {
+    PyObject *item = apart ? PyTuple_New(2) : PyTuple_New(3);
+    PyObject *seg = apart ? NULL : PyLong_FromSsize_t(b->size > b->row ? b->row : 0);
+    if (item == NULL || (!apart && seg == NULL) || (!apart && note_arrival(o, b, source) < 0)) {
+        Py_XDECREF(item);
+        Py_XDECREF(seg);
+        Py_DECREF(data);
+        Py_DECREF(source);
+        return -1;
+    }
+    PyTuple_SET_ITEM(item, 0, data);
+    PyTuple_SET_ITEM(item, 1, source);
+    if (!apart) PyTuple_SET_ITEM(item, 2, seg);
+    int r = PyList_Append(apart ? h->unknown : h->list, item);
+    Py_DECREF(item);
+    return r;
+}
+
+/* The pass's blocks as Python objects, screened, rationed and shed: 0, or -1 with an exception set. */
+static int hand_out(HandOut *h, const RecvOptions *o, RecvPass *rp) {
+    if ((h->list = PyList_New(0)) == NULL || (h->unknown = PyList_New(0)) == NULL) return -1;
+    h->pass = o->ration ? ++o->ration->passes : 0;
+    if (o->shed.keep > 0) {
+        if (pass_sources_init(&h->ps, rp->nblocks) < 0) return -1;
+        h->level = shed_level(&h->ps, rp->blocks, rp->nblocks, &o->shed);
+    }
+    for (Py_ssize_t i = 0; i < rp->nblocks; i++) {
+        Block *b = &rp->blocks[i];
+        int apart;
+        int left = screen_block(h, o, rp, b, &apart);
+        if (left < 0) return -1;
+        if (left || shed_block(h, o, rp, b)) continue;
+        PyObject *source = block_source(h, b);
+        if (source == NULL) return -1;
+        PyObject *data = PySequence_GetSlice(b->in_out ? o->out_obj : o->arena_obj, b->start, b->start + b->size);
+        if (data == NULL) {
+            Py_DECREF(source);
+            return -1;
+        }
+        if (append_block(h, o, b, data, source, apart) < 0) return -1;
+    }
+    return 0;
+}
+
+/* Borrows the arena and ``out`` and allocates the pass's blocks and pieces: 0, or -1 with an exception set (what
+ * was taken is released by release_pass). */
+static int start_pass(RecvPass *rp, const RecvOptions *o, Py_buffer *arena, Py_buffer *outb) {
+    if (PyObject_GetBuffer(o->arena_obj, arena, PyBUF_WRITABLE) < 0) return -1;
+    rp->base = arena->buf;
+    rp->arena_len = arena->len;
+    rp->kernel_drops = -1;
+    if (arena->len < o->slot) {
+        PyErr_Format(PyExc_ValueError, "an arena of %zd bytes holds no slot of %zd", arena->len, o->slot);
+        return -1;
+    }
+    if (o->out_obj != Py_None) {
+        if (PyObject_GetBuffer(o->out_obj, outb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+        rp->have_out = 1;
+        uintptr_t a0 = (uintptr_t)arena->buf, a1 = a0 + (uintptr_t)arena->len;
+        uintptr_t o0 = (uintptr_t)outb->buf, o1 = o0 + (uintptr_t)outb->len;
+        if (outb->len < arena->len || (a0 < o1 && o0 < a1)) {
+            PyErr_Format(PyExc_ValueError, "out (%zd bytes) must be at least as large as the arena (%zd) and apart "
+                         "from it", outb->len, arena->len);
+            return -1;
+        }
+    }
+    /* Every message is at least one datagram: at most max_datagrams messages, so as many blocks and pieces. */
+    rp->blocks = PyMem_RawMalloc(sizeof(Block) * (size_t)o->max_datagrams);
+    rp->pieces = PyMem_RawMalloc(sizeof(Piece) * (size_t)o->max_datagrams);
+    if (rp->blocks == NULL || rp->pieces == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *recv_batch(PyObject *module, PyObject *args, PyObject *kwds) {
+    RecvOptions o;
+    if (recv_options(args, kwds, &o) < 0) return NULL;
+    Py_buffer arena = {0}, outb = {0};
+    RecvPass rp = {0};
+    HandOut h = {0};
+    PyObject *result = NULL;
+    if (start_pass(&rp, &o, &arena, &outb) < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    receive_pass(&rp, &o);
     Py_END_ALLOW_THREADS
-    if (err) {
-        errno = err;
+    if (rp.err) {
+        errno = rp.err;
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
     }
-    if (nblocks == 0 && !drained && PyErr_CheckSignals() < 0) goto done;
+    if (rp.nblocks == 0 && !rp.drained && PyErr_CheckSignals() < 0) goto done;
     /* (not in an overloaded pass: shedding keeps each source's first rows in arrival order) */
-    if (screening && shed.keep == 0 && regroup_sessions(base, used, blocks, &nblocks, pieces, &screen) < 0) goto done;
-    if (materialize(base, used, have_out ? outb.buf : NULL, have_out ? outb.len : 0, blocks, nblocks, pieces) < 0)
+    if (o.screening && o.shed.keep == 0
+        && regroup_sessions(rp.base, rp.used, rp.blocks, &rp.nblocks, rp.pieces, &o.screen) < 0)
         goto done;
-    PyObject *list = PyList_New(0);
-    if (list == NULL) goto done;
-    PyObject *unknown = NULL;
-    if (screening && (unknown = PyList_New(0)) == NULL) {
-        Py_DECREF(list);
+    if (materialize(rp.base, rp.used, rp.have_out ? outb.buf : NULL, rp.have_out ? outb.len : 0, rp.blocks,
+                    rp.nblocks, rp.pieces) < 0)
         goto done;
-    }
-    PyObject *prev_tuple = NULL;
-    const Source *prev = NULL;
-    /* The rationing of the endpoint's _receive_screened over the datagrams under unknown tokens, in arrival
-     * order, with the ration's state as it stands (nothing else changes it until Python has handled this pass):
-     * until a derivation is granted, each is asked may_derive; a source refused one is refused for the rest
-     * of the pass (limited_pass). The first granted is handed back first in ``unknown``, its derivation charged;
-     * after it, Python decides each again (its token may be known by then), so only those certain to be refused
-     * there are refused here, their token being none that a datagram handed back could have made known: those
-     * from the granted source (a source gets one derivation a pass), and those whose source's bucket is empty
-     * now where the table cannot evict the bucket before Python sees it. A source refused a derivation stays
-     * refused for the rest of the pass, whatever its token (Python asks that first too). */
-    Py_ssize_t limited = 0, handed = 0, shed_count = 0;
-    int derived = 0, tokens_overflow = 0, ntokens = 0;
-    Source granted; /* the source of the derivation granted in this pass (once ``derived``) */
-    memset(&granted, 0, sizeof(granted));
-    uint64_t handed_tokens[RATION_TOKENS];
-    uint64_t pass = ration ? ++ration->passes : 0;
-    double level = 0;
-    if (shed.keep > 0) {
-        if (pass_sources_init(&ps, nblocks) < 0) goto fail;
-        level = shed_level(&ps, blocks, nblocks, &shed);
-    }
-    for (Py_ssize_t i = 0; i < nblocks; i++) {
-        Block *b = &blocks[i];
-        int apart = 0; /* a single sealed datagram under a token the receiver does not know */
-        if (screening && b->size == b->row && b->size >= HEADER_SIZE) {
-            const unsigned char *d = b->data;
-            if (d[4] & screen.sealed_flag) {
-                uint64_t token = 0;
-                for (int j = 0; j < 8; j++) token = (token << 8) | d[5 + j];
-                PyObject *key = PyLong_FromUnsignedLongLong(token);
-                int known = key == NULL ? -1 : PyDict_Contains(screen.tokens, key);
-                Py_XDECREF(key);
-                if (known < 0) goto fail;
-                if (!known && b->size < screen.min_sealed) {
-                    malformed++;
-                    screened_bytes += b->size;
-                    continue;
-                }
-                apart = !known;
-                if (apart && ration) {
-                    int refuse = 0;
-                    int32_t e = ration_find(ration, &b->source);
-                    if (e >= 0 && ration->entries[e].limited_pass == pass) {
-                        refuse = 1;
-                    } else if (!derived) {
-                        if (ration_may_derive(ration, &b->source, now)) {
-                            derived = 1;
-                            granted = b->source;
-                        } else {
-                            refuse = 1;
-                            if (e >= 0) ration->entries[e].limited_pass = pass;
-                        }
-                    } else if (!tokens_overflow) {
-                        if (same_source(&granted, &b->source)) {
-                            refuse = 1;
-                        } else if (e >= 0 && ration->count + handed < ration->max_sources) {
-                            RationEntry *en = &ration->entries[e];
-                            bucket_refill(&en->tokens, &en->at, ration->failure_rate, ration->failure_burst, now);
-                            refuse = en->tokens < 1;
-                        }
-                        for (int j = 0; refuse && j < ntokens; j++) /* Python opens it if its token is known */
-                            if (handed_tokens[j] == token) refuse = 0;
-                    }
-                    if (refuse) {
-                        limited++;
-                        screened_bytes += b->size;
-                        continue;
-                    }
-                    handed++;
-                    int seen = 0;
-                    for (int j = 0; !seen && j < ntokens; j++) seen = handed_tokens[j] == token;
-                    if (!seen) {
-                        if (ntokens < RATION_TOKENS) handed_tokens[ntokens++] = token;
-                        else tokens_overflow = 1;
-                    }
-                }
-            }
-        }
-        if (shed.keep > 0 && !is_urgent(&shed, b)) {
-            /* past its fair share of this overloaded pass: shed before any Python object is made (a merged block
-             * keeps its first rows) */
-            Py_ssize_t *kept = pass_source(&ps, &b->source);
-            Py_ssize_t rows = b->row ? (b->size + b->row - 1) / b->row : 1;
-            double room = level - (double)*kept;
-            Py_ssize_t allowed = room >= (double)rows ? rows : room > 0 ? (Py_ssize_t)ceil(room) : 0;
-            if (allowed <= 0) {
-                shed_count += rows;
-                screened_bytes += b->size;
-                continue;
-            }
-            if (allowed < rows) {
-                Py_ssize_t size = allowed * b->row;
-                shed_count += rows - allowed;
-                screened_bytes += b->size - size;
-                b->size = size;
-            }
-            *kept += allowed;
-        }
-        PyObject *source;
-        if (prev != NULL && same_source(prev, &b->source)) {
-            source = Py_NewRef(prev_tuple);
-        } else {
-            source = source_tuple(&b->source);
-            if (source == NULL) goto fail;
-            Py_XSETREF(prev_tuple, Py_NewRef(source));
-            prev = &b->source;
-        }
-        PyObject *data = PySequence_GetSlice(b->in_out ? out_obj : arena_obj, b->start, b->start + b->size);
-        if (data == NULL) {
-            Py_DECREF(source);
-            goto fail;
-        }
-        if (apart) {
-            PyObject *pair = PyTuple_New(2);
-            if (pair == NULL) {
-                Py_DECREF(data);
-                Py_DECREF(source);
-                goto fail;
-            }
-            PyTuple_SET_ITEM(pair, 0, data);
-            PyTuple_SET_ITEM(pair, 1, source);
-            int r = PyList_Append(unknown, pair);
-            Py_DECREF(pair);
-            if (r < 0) goto fail;
-            continue;
-        }
-        if (arrivals != NULL && b->stamp > 0 && b->size > 3 && b->data[3] >= data_min
-            && (!masked || (b->data[3] - data_min < 64 && ((data_mask >> (b->data[3] - data_min)) & 1ULL)))) {
-            PyObject *when = PyFloat_FromDouble(b->stamp);
-            int r = when == NULL ? -1 : PyDict_SetItem(arrivals, source, when);
-            Py_XDECREF(when);
-            if (r < 0) {
-                Py_DECREF(data);
-                Py_DECREF(source);
-                goto fail;
-            }
-        }
-        PyObject *item = PyTuple_New(3);
-        PyObject *seg = PyLong_FromSsize_t(b->size > b->row ? b->row : 0);
-        if (item == NULL || seg == NULL) {
-            Py_XDECREF(item);
-            Py_XDECREF(seg);
-            Py_DECREF(data);
-            Py_DECREF(source);
-            goto fail;
-        }
-        PyTuple_SET_ITEM(item, 0, data);
-        PyTuple_SET_ITEM(item, 1, source);
-        PyTuple_SET_ITEM(item, 2, seg);
-        int r = PyList_Append(list, item);
-        Py_DECREF(item);
-        if (r < 0) goto fail;
-    }
-    if (shed.keep > 0)
-        result = Py_BuildValue("(NnnnOL(Nnnnnn))", list, used, datagrams, receives, drained ? Py_True : Py_False,
-                               kernel_drops, unknown, malformed, version, screened_bytes, limited, shed_count);
-    else if (ration)
-        result = Py_BuildValue("(NnnnOL(Nnnnn))", list, used, datagrams, receives, drained ? Py_True : Py_False,
-                               kernel_drops, unknown, malformed, version, screened_bytes, limited);
-    else if (screening)
-        result = Py_BuildValue("(NnnnOL(Nnnn))", list, used, datagrams, receives, drained ? Py_True : Py_False,
-                               kernel_drops, unknown, malformed, version, screened_bytes);
-    else
-        result = Py_BuildValue("(NnnnOL)", list, used, datagrams, receives, drained ? Py_True : Py_False,
-                               kernel_drops);
-    Py_XDECREF(prev_tuple);
-    goto done;
-fail:
-    Py_XDECREF(prev_tuple);
-    Py_XDECREF(list);
-    Py_XDECREF(unknown);
-    result = NULL;
+    if (hand_out(&h, &o, &rp) < 0) goto done;
+    result = Py_BuildValue("(OnnnOL(Onnnnn))", h.list, rp.used, rp.datagrams, rp.receives,
+                           rp.drained ? Py_True : Py_False, rp.kernel_drops, h.unknown, rp.malformed, rp.version,
+                           rp.screened_bytes, h.limited, h.shed_count);
 done:
-    PyMem_RawFree(ps.keys);
-    PyMem_RawFree(ps.kept);
-    PyMem_RawFree(ps.used);
-    PyMem_RawFree(blocks);
-    PyMem_RawFree(pieces);
-    PyBuffer_Release(&arena);
-    if (have_out) PyBuffer_Release(&outb);
+    Py_XDECREF(h.prev_tuple);
+    Py_XDECREF(h.list);
+    Py_XDECREF(h.unknown);
+    PyMem_RawFree(h.ps.keys);
+    PyMem_RawFree(h.ps.kept);
+    PyMem_RawFree(h.ps.used);
+    PyMem_RawFree(rp.blocks);
+    PyMem_RawFree(rp.pieces);
+    if (arena.obj != NULL) PyBuffer_Release(&arena);
+    if (rp.have_out) PyBuffer_Release(&outb);
     return result;
 }
 #endif /* __linux__ */
@@ -2101,7 +2164,7 @@ static PyMethodDef module_methods[] = {
     {"same_lead", same_lead, METH_VARARGS, same_lead_doc},
     {"accumulate_rows", accumulate_rows, METH_VARARGS, accumulate_rows_doc},
     {"finalize_rows", finalize_rows, METH_VARARGS, finalize_rows_doc},
-    {"take_rows", take_rows, METH_VARARGS, take_rows_doc},
+    {"take_rows", (PyCFunction)(void (*)(void))take_rows, METH_VARARGS | METH_KEYWORDS, take_rows_doc},
     {"replay_check", replay_check, METH_VARARGS, replay_check_doc},
     {"replay_accept", replay_accept, METH_VARARGS, replay_accept_doc},
     {"quant_encode", quant_encode, METH_VARARGS, quant_encode_doc},
@@ -2109,7 +2172,7 @@ static PyMethodDef module_methods[] = {
     {"half_encode", half_encode, METH_VARARGS, half_encode_doc},
     {"half_decode", half_decode, METH_VARARGS, half_decode_doc},
 #ifdef __linux__
-    {"recv_batch", recv_batch, METH_VARARGS, recv_batch_doc},
+    {"recv_batch", (PyCFunction)(void (*)(void))recv_batch, METH_VARARGS | METH_KEYWORDS, recv_batch_doc},
     {"send_rows", send_rows, METH_VARARGS, send_rows_doc},
 #endif
     {NULL, NULL, 0, NULL},

@@ -45,7 +45,7 @@ static int spans_meet(const Py_buffer *a, const Py_buffer *b) {
 }
 
 const char take_rows_doc[] =
-"take_rows(bodies, stride, rows, mode, group, codec, per, total, start, full, known, max_weight, seen, dst,\n"
+"take_rows(bodies, stride, rows, *, mode, group, codec, per, total, start, full, known, max_weight, seen, dst,\n"
 "          dst_base, filled, wsum, status)\n"
 "--\n\n"
 "Take ``rows`` DATA bodies of 19 + 4 * per bytes (row i at bodies[i * stride]: a contiguous buffer or a 2-D byte\n"
@@ -66,128 +66,166 @@ const char take_rows_doc[] =
 "new rows' weights, and how many rows have status 1 or 2.\n"
 "Every span is checked before anything is read; the GIL is released while rows are written.";
 
-PyObject *take_rows(PyObject *module, PyObject *args) {
-    Py_buffer src = {0}, seen = {0}, dst = {0}, filled = {0}, wsum = {0}, status = {0};
-    PyObject *src_obj, *result = NULL;
+/* take_rows's arguments, parsed and checked once (every span before anything is read). */
+typedef struct {
+    Py_buffer src, seen, dst, filled, wsum, status;
     Py_ssize_t stride, rows, full, span;
     int mode;
     unsigned int group, codec, per, total;
     unsigned long long start, dst_base;
     double known, max_weight;
-    if (!PyArg_ParseTuple(args, "OnniIIIIKnddw*w*Kw*w*w*", &src_obj, &stride, &rows, &mode, &group, &codec, &per,
-                          &total, &start, &full, &known, &max_weight, &seen, &dst, &dst_base, &filled, &wsum,
-                          &status))
-        return NULL;
-    if (!get_rows(src_obj, &src, &span)) goto done;
-    if ((mode != MODE_RS && mode != MODE_AG) || per < 1 || per > 0xFFFF || rows < 1 || full < 0) {
-        PyErr_Format(PyExc_ValueError, "mode %d, per %u, rows %zd or full %zd out of range", mode, per, rows, full);
-        goto done;
+} TakeArgs;
+
+static void take_release(TakeArgs *t) {
+    PyBuffer_Release(&t->src);
+    PyBuffer_Release(&t->seen);
+    PyBuffer_Release(&t->dst);
+    PyBuffer_Release(&t->filled);
+    PyBuffer_Release(&t->wsum);
+    PyBuffer_Release(&t->status);
+}
+
+/* Whether the buffers overlap where they must not (the all-gather writes no filled nor wsum). */
+static int take_overlap(const TakeArgs *t) {
+    const Py_buffer *dst = &t->dst, *src = &t->src, *seen = &t->seen, *status = &t->status;
+    const Py_buffer *filled = &t->filled, *wsum = &t->wsum;
+    if (spans_meet(dst, src) || spans_meet(dst, seen) || spans_meet(dst, status) || spans_meet(seen, src)
+        || spans_meet(status, src) || spans_meet(seen, status))
+        return 1;
+    return t->mode == MODE_RS
+           && (spans_meet(dst, filled) || spans_meet(dst, wsum) || spans_meet(filled, src) || spans_meet(wsum, src)
+               || spans_meet(filled, seen) || spans_meet(wsum, seen) || spans_meet(filled, wsum)
+               || spans_meet(filled, status) || spans_meet(wsum, status));
+}
+
+/* The spans' sizes, alignment and separation: 0, or -1 with an exception set. */
+static int take_check(TakeArgs *t) {
+    Py_ssize_t full = t->full;
+    unsigned int per = t->per;
+    if ((t->mode != MODE_RS && t->mode != MODE_AG) || per < 1 || per > 0xFFFF || t->rows < 1 || full < 0) {
+        PyErr_Format(PyExc_ValueError, "mode %d, per %u, rows %zd or full %zd out of range", t->mode, per, t->rows,
+                     full);
+        return -1;
     }
     Py_ssize_t width = BODY_HEADER + 4 * (Py_ssize_t)per, length = 4 * (Py_ssize_t)per;
-    if (!rows_fit("bodies", span, 0, stride, width, rows)) goto done;
-    if (seen.len < full || status.len < rows || (uintptr_t)dst.buf % 4 || (uintptr_t)wsum.buf % 8) {
+    if (!rows_fit("bodies", t->span, 0, t->stride, width, t->rows)) return -1;
+    if (t->seen.len < full || t->status.len < t->rows || (uintptr_t)t->dst.buf % 4 || (uintptr_t)t->wsum.buf % 8) {
         PyErr_Format(PyExc_ValueError, "seen (%zd bytes) must cover %zd ranges and status (%zd) %zd rows, dst and "
-                     "wsum aligned", seen.len, full, status.len, rows);
-        goto done;
+                     "wsum aligned", t->seen.len, full, t->status.len, t->rows);
+        return -1;
     }
-    if (mode == MODE_RS) {
-        if (dst_base != 0 || filled.len < full || wsum.len / 8 < full || dst.len / length < full) {
+    if (t->mode == MODE_RS) {
+        if (t->dst_base != 0 || t->filled.len < full || t->wsum.len / 8 < full || t->dst.len / length < full) {
             PyErr_Format(PyExc_ValueError, "%zd ranges of %u float32 do not fit dst (%zd bytes), filled (%zd) or "
-                         "wsum (%zd), or dst_base %llu is not 0", full, per, dst.len, filled.len, wsum.len, dst_base);
-            goto done;
+                         "wsum (%zd), or dst_base %llu is not 0", full, per, t->dst.len, t->filled.len, t->wsum.len,
+                         t->dst_base);
+            return -1;
         }
-    } else if (dst_base > (unsigned long long)(dst.len / 4) || (dst.len / 4 - (Py_ssize_t)dst_base) / per < full) {
+    } else if (t->dst_base > (unsigned long long)(t->dst.len / 4)
+               || (t->dst.len / 4 - (Py_ssize_t)t->dst_base) / per < full) {
         PyErr_Format(PyExc_ValueError, "%zd ranges of %u float32 from element %llu do not fit dst (%zd bytes)", full,
-                     per, dst_base, dst.len);
-        goto done;
+                     per, t->dst_base, t->dst.len);
+        return -1;
     }
-    if (spans_meet(&dst, &src) || spans_meet(&dst, &seen) || spans_meet(&dst, &status) || spans_meet(&seen, &src)
-        || spans_meet(&status, &src) || spans_meet(&seen, &status)
-        || (mode == MODE_RS && (spans_meet(&dst, &filled) || spans_meet(&dst, &wsum) || spans_meet(&filled, &src)
-                                || spans_meet(&wsum, &src) || spans_meet(&filled, &seen)
-                                || spans_meet(&wsum, &seen) || spans_meet(&filled, &wsum)
-                                || spans_meet(&filled, &status) || spans_meet(&wsum, &status)))) {
+    if (take_overlap(t)) {
         PyErr_SetString(PyExc_ValueError, "bodies, seen, dst, filled, wsum and status must not overlap");
-        goto done;
+        return -1;
     }
+    return 0;
+}
 
-    /* Read-only: is this a run this path takes? */
-    const unsigned char *base = (const unsigned char *)src.buf, *r0 = base;
+/* Read-only: is the block a run of this phase's ranges that this path takes? */
+static int take_run_ok(const TakeArgs *t) {
+    const unsigned char *base = (const unsigned char *)t->src.buf, *r0 = base;
     float w0 = f32_at(r0 + WEIGHT_AT);
-    Py_ssize_t same = mode == MODE_RS ? BODY_HEADER : WEIGHT_AT;
-    int ok = u32_at(r0) == group && r0[4] == codec && u32_at(r0 + 5) == total
+    Py_ssize_t same = t->mode == MODE_RS ? BODY_HEADER : WEIGHT_AT;
+    unsigned int per = t->per;
+    int ok = u32_at(r0) == t->group && r0[4] == t->codec && u32_at(r0 + 5) == t->total
              && (unsigned int)(r0[13] | r0[14] << 8) == per;
-    if (ok && mode == MODE_RS)
-        ok = w0 > 0.0f && w0 < INFINITY && (isnan(known) || known == (double)w0);
+    if (ok && t->mode == MODE_RS)
+        ok = w0 > 0.0f && w0 < INFINITY && (isnan(t->known) || t->known == (double)w0);
     int64_t prev = -1;
-    for (Py_ssize_t i = 0; ok && i < rows; i++) {
-        const unsigned char *r = base + i * stride;
-        if (i && (memcmp(r, r0, OFFSET_AT) || memcmp(r + OFFSET_END, r0 + OFFSET_END, (size_t)(same - OFFSET_END)))) {
-            ok = 0;
-            break;
-        }
-        int64_t rel = (int64_t)u32_at(r + OFFSET_AT) - (int64_t)start;
-        if (rel < 0 || rel % per) {
-            ok = 0;
-            break;
-        }
+    for (Py_ssize_t i = 0; ok && i < t->rows; i++) {
+        const unsigned char *r = base + i * t->stride;
+        if (i && (memcmp(r, r0, OFFSET_AT) || memcmp(r + OFFSET_END, r0 + OFFSET_END, (size_t)(same - OFFSET_END))))
+            return 0;
+        int64_t rel = (int64_t)u32_at(r + OFFSET_AT) - (int64_t)t->start;
+        if (rel < 0 || rel % per) return 0;
         int64_t k = rel / per;
-        if (k >= full || k <= prev) {
-            ok = 0;
-            break;
-        }
+        if (k >= t->full || k <= prev) return 0;
         prev = k;
-        if (mode == MODE_AG) {
+        if (t->mode == MODE_AG) {
             float w = f32_at(r + WEIGHT_AT);
             ok = w >= 0.0f && w < INFINITY && values_finite(r + BODY_HEADER, per);
         }
     }
-    if (!ok) {
-        Py_INCREF(Py_None);
-        result = Py_None;
-        goto done;
-    }
+    return ok;
+}
 
-    /* Write: every span was checked above, every k is in [0, full). */
-    Py_ssize_t accepted = 0, duplicates = 0, odd = 0;
-    int64_t k_last = -1;
-    double weights = 0.0, ws = mode == MODE_RS ? ((double)w0 < max_weight ? (double)w0 : max_weight) : 0.0;
+typedef struct {
+    Py_ssize_t accepted, duplicates, odd;
+    int64_t k_last;
+    double weights;
+} Taken;
+
+/* Write: every span was checked, every k is in [0, full). Called with the GIL released. */
+static void take_write(const TakeArgs *t, double ws, Taken *out) {
+    const unsigned char *base = (const unsigned char *)t->src.buf;
+    unsigned char *sn = (unsigned char *)t->seen.buf, *st = (unsigned char *)t->status.buf;
+    unsigned char *fl = (unsigned char *)t->filled.buf;
+    double *wk = (double *)t->wsum.buf;
+    float *d = (float *)t->dst.buf;
     float factor = (float)ws;
-    Py_BEGIN_ALLOW_THREADS
-    unsigned char *sn = (unsigned char *)seen.buf, *st = (unsigned char *)status.buf;
-    unsigned char *fl = (unsigned char *)filled.buf;
-    double *wk = (double *)wsum.buf;
-    float *d = (float *)dst.buf;
-    for (Py_ssize_t i = 0; i < rows; i++) {
-        const unsigned char *r = base + i * stride;
-        int64_t k = ((int64_t)u32_at(r + OFFSET_AT) - (int64_t)start) / per;
+    unsigned int per = t->per;
+    for (Py_ssize_t i = 0; i < t->rows; i++) {
+        const unsigned char *r = base + i * t->stride;
+        int64_t k = ((int64_t)u32_at(r + OFFSET_AT) - (int64_t)t->start) / per;
         if (sn[k]) {
             st[i] = 3;
-            duplicates++;
+            out->duplicates++;
             continue;
         }
         sn[k] = 1;
-        accepted++;
-        k_last = k;
-        if (mode == MODE_RS) {
+        out->accepted++;
+        out->k_last = k;
+        if (t->mode == MODE_RS) {
             st[i] = dp_add_row(r + BODY_HEADER, d + k * per, per, fl[k] != 0, factor);
             if (st[i] == 0) fl[k] = 1;
-            else odd++;
+            else out->odd++;
             if (st[i] != 1) wk[k] += ws;
         } else {
-            memcpy(d + dst_base + (uint64_t)k * per, r + BODY_HEADER, (size_t)length);
+            memcpy(d + t->dst_base + (uint64_t)k * per, r + BODY_HEADER, (size_t)(4 * (Py_ssize_t)per));
             st[i] = 0;
-            weights += (double)f32_at(r + WEIGHT_AT);
+            out->weights += (double)f32_at(r + WEIGHT_AT);
         }
     }
+}
+
+PyObject *take_rows(PyObject *module, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"bodies", "stride", "rows", "mode", "group", "codec", "per", "total", "start", "full",
+                             "known", "max_weight", "seen", "dst", "dst_base", "filled", "wsum", "status", NULL};
+    TakeArgs t;
+    memset(&t, 0, sizeof(t));
+    PyObject *src_obj, *result = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onn$iIIIIKnddw*w*Kw*w*w*:take_rows", kwlist, &src_obj, &t.stride,
+                                     &t.rows, &t.mode, &t.group, &t.codec, &t.per, &t.total, &t.start, &t.full,
+                                     &t.known, &t.max_weight, &t.seen, &t.dst, &t.dst_base, &t.filled, &t.wsum,
+                                     &t.status))
+        return NULL;
+    if (!get_rows(src_obj, &t.src, &t.span) || take_check(&t) < 0) goto done;
+    if (!take_run_ok(&t)) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    float w0 = f32_at((const unsigned char *)t.src.buf + WEIGHT_AT);
+    double ws = t.mode == MODE_RS ? ((double)w0 < t.max_weight ? (double)w0 : t.max_weight) : 0.0;
+    Taken taken = {0, 0, 0, -1, 0.0};
+    Py_BEGIN_ALLOW_THREADS
+    take_write(&t, ws, &taken);
     Py_END_ALLOW_THREADS
-    result = Py_BuildValue("nnLddn", accepted, duplicates, (long long)k_last, (double)w0, weights, odd);
+    result = Py_BuildValue("nnLddn", taken.accepted, taken.duplicates, (long long)taken.k_last, (double)w0,
+                           taken.weights, taken.odd);
 done:
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&seen);
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&filled);
-    PyBuffer_Release(&wsum);
-    PyBuffer_Release(&status);
+    take_release(&t);
     return result;
 }

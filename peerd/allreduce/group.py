@@ -1128,18 +1128,21 @@ class GroupAverage:
             if not self._stream or phase.ended_at is not None:
                 return None
             lo = self._lo
-            taken = _native.take_rows(bodies, bodies.strides[0], rows, 0, self.group_id, self._cid, per, self._nranges,
-                                      lo, (self._hi - lo) // per, math.nan if known is None else known,
-                                      self._max_weight, self._rs_seen[sender], self._acc, 0, self._acc_set,
-                                      self._wsum_in, status)
+            taken = _native.take_rows(bodies, bodies.strides[0], rows, mode=0, group=self.group_id, codec=self._cid,
+                                      per=per, total=self._nranges, start=lo, full=(self._hi - lo) // per,
+                                      known=math.nan if known is None else known, max_weight=self._max_weight,
+                                      seen=self._rs_seen[sender], dst=self._acc, dst_base=0, filled=self._acc_set,
+                                      wsum=self._wsum_in, status=status)
         else:
             phase = self._ag
             if phase.ended_at is not None:
                 return None
             start, stop = self.layout.shard(sender)
-            taken = _native.take_rows(bodies, bodies.strides[0], rows, 1, self.group_id, self._cid, per,
-                                      phase.expected[sender], start, (stop - start) // per, math.nan, 0.0,
-                                      self._ag_seen[sender], self._out, start, self._acc_set, self._wsum_in, status)
+            taken = _native.take_rows(bodies, bodies.strides[0], rows, mode=1, group=self.group_id, codec=self._cid,
+                                      per=per, total=phase.expected[sender], start=start,
+                                      full=(stop - start) // per, known=math.nan, max_weight=0.0,
+                                      seen=self._ag_seen[sender], dst=self._out, dst_base=start,
+                                      filled=self._acc_set, wsum=self._wsum_in, status=status)
         if taken is None:
             return None
         accepted, duplicates, k_last, w0, weights, odd = taken

@@ -254,8 +254,8 @@ class UdpSocket:
         view = self._view
         limit = max(1, min(max_datagrams, 65536))
         while True:
-            blocks, used, count, calls, drained, drops = recv(  # type: ignore[misc]
-                fd, view, limit, RECV_BUFFER, None, None, 0.0, None, self._arrivals(), self._out)
+            blocks, used, count, calls, drained, drops, _ = recv(  # type: ignore[misc]
+                fd, view, limit, RECV_BUFFER, arrivals=self._arrivals(), out=self._out)
             if drops >= 0:
                 self.kernel_drops = drops
             if blocks:
@@ -314,15 +314,13 @@ class UdpSocket:
                     view, most = self._overload_view, max(limit, OVERLOAD_DATAGRAMS)
                     shed = (min(limit, OVERLOAD_KEEP), URGENT_BYTES, PING_TYPE, PONG_TYPE, keep)
             # (an overloaded pass has an arena of its own, larger than ``_out``: it lays its blocks out in place)
-            result = recv(fd, view, most, RECV_BUFFER, screen, table, now if table is not None else 0.0, shed,
-                          self._arrivals(), self._out if view is self._view else None)
-            blocks, used, count, calls, drained, drops, screened = result
+            blocks, used, count, calls, drained, drops, screened = recv(
+                fd, view, most, RECV_BUFFER, screen=screen, ration=table, now=now if table is not None else 0.0,
+                shed=shed, arrivals=self._arrivals(), out=self._out if view is self._view else None)
+            unknown, malformed, version, nbytes, limited, shed_now = screened
             if shed is not None:
-                *screened, shed_now = screened
                 self.shed += shed_now
                 self.overloaded_passes += 1
-                if table is None:
-                    screened = screened[:4]
             if drops >= 0:
                 self.kernel_drops = drops
             if count:
@@ -332,11 +330,9 @@ class UdpSocket:
                 self.receive_passes += 1
                 self._used = used
                 if limiter is None:
-                    return (blocks, *screened)
+                    return (blocks, unknown, malformed, version, nbytes)
                 tail = (shed_now if shed is not None else 0,) if shedding else ()
-                if table is None:
-                    return (blocks, *screened, 0, False, now, *tail)
-                return (blocks, *screened, True, now, *tail)
+                return (blocks, unknown, malformed, version, nbytes, limited, table is not None, now, *tail)
             await trio.lowlevel.wait_readable(self.sock)
 
     def _arrivals(self) -> tuple[dict[Address, float], int, int] | None:

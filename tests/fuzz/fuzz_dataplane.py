@@ -444,33 +444,29 @@ def receive(fdp: atheris.FuzzedDataProvider) -> None:
                 arrivals = (*arrivals, fdp.ConsumeIntInRange(0, 2**64 - 1))
         out = _out(fdp, len(view))
         if screen is None and table is None and shed is None and arrivals is None and out is None:
-            blocks, used, datagrams, receives, drained, drops = native.recv_batch(rx.fileno(), view, limit, slot)
-        elif screen is None:
-            blocks, used, datagrams, receives, drained, drops = native.recv_batch(
-                rx.fileno(), view, limit, slot, None, None, 0.0, None, arrivals, out)
+            result = native.recv_batch(rx.fileno(), view, limit, slot)
         else:
-            args = (rx.fileno(), view, limit, slot, screen, table, now if table is not None else 0.0, shed, arrivals,
-                    out)
-            if table is None and shed is None and arrivals is None and out is None:
-                args = (rx.fileno(), view, limit, slot, screen)
-            blocks, used, datagrams, receives, drained, drops, screened = native.recv_batch(*args)
+            result = native.recv_batch(rx.fileno(), view, limit, slot, screen=screen, ration=table,
+                                    now=now if table is not None else 0.0, shed=shed, arrivals=arrivals, out=out)
+        blocks, used, datagrams, receives, drained, drops, screened = result  # (one shape, whatever the options)
+        if screen is None and screened != ([], 0, 0, 0, 0, 0):
+            raise AssertionError(f"screened {screened!r} without a screen")
         if arrivals is not None:
             seen["recv_batch arrivals"] += 1
             for source, when in arrivals[0].items():
                 if not (isinstance(source, tuple) and isinstance(when, float) and when > 0):
                     raise AssertionError(f"arrivals: {source!r} -> {when!r}")
         if screen is not None:
+            unknown, malformed, version, screened_bytes, limited, shed_count = screened
             if shed is not None:
-                unknown, malformed, version, screened_bytes, limited, shed_count = screened
                 seen["recv_batch shed"] += 1
                 seen["recv_batch shed protected"] += len(shed) > 4
                 if shed_count > receives * 64 or shed_count < 0:
                     raise AssertionError(f"shed {shed_count} of {receives} receives")
             elif table is not None:
-                unknown, malformed, version, screened_bytes, limited = screened
                 seen["recv_batch rationed"] += 1
-            else:
-                unknown, malformed, version, screened_bytes = screened
+            if shed is None and shed_count != 0 or table is None and limited != 0:
+                raise AssertionError(f"limited {limited}, shed {shed_count} without a ration or a shed")
             seen["recv_batch screened"] += 1
             for data, source in unknown:
                 if source != tx.getsockname() or len(data) > used or data[4] & 1 == 0:
@@ -553,7 +549,7 @@ def receive_interleaved(fdp: atheris.FuzzedDataProvider) -> None:
     out = _out(fdp, len(view))
     try:
         blocks, used, datagrams, receives, drained, drops, screened = native.recv_batch(
-            rx.fileno(), view, limit, slot, screen, None, 0.0, None, None, out)
+            rx.fileno(), view, limit, slot, screen=screen, out=out)
     finally:
         for _ in range(100_000):
             try:
@@ -897,8 +893,9 @@ def take(fdp: atheris.FuzzedDataProvider) -> None:
     status = buffer(fdp, max(0, min(num(rows), 1 << 16)))
     known = float("nan") if fdp.ConsumeBool() else [1.0, 2.5][fdp.ConsumeIntInRange(0, 1)]
     n_rows = num(rows)
-    got = native.take_rows(rows_of, num(s_stride), n_rows, mode, 7, 0, num(per), full, start,
-                           num(full), known, 1e9, seen_buf, dst, num(base), filled, wsum, status)
+    got = native.take_rows(rows_of, num(s_stride), n_rows, mode=mode, group=7, codec=0, per=num(per), total=full,
+                           start=start, full=num(full), known=known, max_weight=1e9, seen=seen_buf, dst=dst,
+                           dst_base=num(base), filled=filled, wsum=wsum, status=status)
     if got is None:
         seen["take_rows declined"] += 1
         return
