@@ -275,19 +275,20 @@ class UdpSocket:
     async def recv_screened(self, max_datagrams: int, screen: tuple, limiter: object = None, *,
                             shedding: bool = False, protected: dict[int, object] | None = None) -> tuple:
         """recv_blocks, with the junk screen of the native pass (dataplane.c recv_batch's ``screen``: the header
-        constants of wire.envelope.peek and the known tokens): (blocks, unknown, malformed, version, screened_bytes).
+        constants of wire.envelope.peek and the known tokens): (blocks, unknown, malformed, version, screened_bytes,
+        limited, rationed, now, shed), whatever the arguments.
         Single datagrams whose header peek refuses are only counted (``malformed``, ``version``, their bytes in
         ``screened_bytes``), as are sealed ones shorter than ``min_sealed`` under an unknown token; the other sealed
         single datagrams under an unknown token come apart in ``unknown`` as (data, source). Only where
         ``screens``.
 
-        ``limiter``: the endpoint's AuthLimiter. Given, the result gains (limited, rationed, now, shed): where it is a
+        ``limiter``: the endpoint's AuthLimiter (None: limited 0, rationed False, shed 0). Where it is a
         NativeAuthLimiter (``rationed`` True) the pass rations the datagrams under unknown tokens in C at ``now``
         (the time the pass began, which the caller's decisions on the rest must use): ``limited`` were refused
         (``auth_limited``, never Python objects, their bytes in screened_bytes), and ``unknown[0]``, where there
         is one, has its key derivation granted already; the rest of ``unknown`` is for the caller to decide.
-        ``shedding`` (with a limiter): an overloaded pass sheds (see OVERLOAD_FRACTION), and the result ends with
-        ``shed``, the datagrams it dropped (their bytes in screened_bytes); without it nothing is shed.
+        ``shedding`` (with a limiter): an overloaded pass sheds (see OVERLOAD_FRACTION); ``shed`` counts the
+        datagrams it dropped (their bytes in screened_bytes); without it nothing is shed.
         ``protected`` (with ``shedding``): tokens whose sealed datagrams are never shed; given (even empty: no group
         runs, no tensor data to spare), a pass sheds the others from PROTECTED_OVERLOAD_BYTES of queue, and past
         overload_bytes sheds as without it."""
@@ -329,10 +330,8 @@ class UdpSocket:
                 self.receive_calls += calls
                 self.receive_passes += 1
                 self._used = used
-                if limiter is None:
-                    return (blocks, unknown, malformed, version, nbytes)
-                tail = (shed_now if shed is not None else 0,) if shedding else ()
-                return (blocks, unknown, malformed, version, nbytes, limited, table is not None, now, *tail)
+                return (blocks, unknown, malformed, version, nbytes, limited, table is not None, now,
+                        shed_now if shed is not None else 0)
             await trio.lowlevel.wait_readable(self.sock)
 
     def _arrivals(self) -> tuple[dict[Address, float], int, int] | None:
