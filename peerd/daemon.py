@@ -18,7 +18,6 @@ from prometheus_client import start_http_server
 from . import __version__
 from ._dataplane.heap import keep_freed_memory
 from .addresses import family_of, format_hostport, peer_address, resolve_ip
-from .allreduce.bench_ops import BenchOps
 from .allreduce.group import BYZANTINE_MODES
 from .allreduce.service import AllreduceService
 from .dht import BootstrapError, DhtService
@@ -170,7 +169,6 @@ class Daemon:
         self.nat = NatService(self.endpoint, self.metrics, relay=config.relay, contact_of=self._dht_contact,
                               on_verdict=self._on_reachability)
         self.allreduce = AllreduceService(self.endpoint, self.metrics, **allreduce_kwargs)
-        self.bench = BenchOps(PathsFirst(self.allreduce, self.nat), self.socket)
         self.moshpit = MoshpitService(
             self.endpoint, self.dht, PathsFirst(self.allreduce, self.nat), self.metrics,
             address=announce or self.listen, max_group=config.max_group,
@@ -180,7 +178,6 @@ class Daemon:
             "status": self._op_status,
             "dht_put": self._op_dht_put,
             "dht_get": self._op_dht_get,
-            **self.bench.ops(),
             **MoshpitOps(self.moshpit).ops(),
         }.items():
             local.register(op, handler)
@@ -190,6 +187,13 @@ class Daemon:
         self.trainer = TrainerService(self.metrics, self.moshpit.average, statesync=self.statesync,
                                       peer_id=self.identity.node_id.hex(), average_parts=self.moshpit.average_parts)
         self.trainer.register(local)
+
+    def add_ops(self, ops: dict[str, Any]) -> None:
+        """Serve more local-socket ops (name -> async handler): how tooling (``peerd.tools``) extends a daemon
+        from outside, so the daemon itself imports none of it."""
+        assert self.local is not None  # set by _start, which __init__ runs before returning
+        for op, handler in ops.items():
+            self.local.register(op, handler)
 
     def close(self) -> None:
         if self.local is not None:

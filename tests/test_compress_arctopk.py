@@ -1,5 +1,5 @@
 """arc-topk in the average (peerd/allreduce/arctopk.py): three unchanged GroupAverage phases over the one in-memory
-network (peerd/sim/net.py, via tests/test_allreduce_core.Net) with exact loss patterns. The selection is agreed
+network (peerd/tools/sim/net.py, via tests/test_allreduce_core.Net) with exact loss patterns. The selection is agreed
 (or known not to be) under loss, members that do not know a selection are counted out of its rows, and EF21M
 through the wired path matches a reference replay of its update rule."""
 

@@ -13,7 +13,7 @@ from peerd.moshpit.matchmaking import Candidate, Group
 from peerd.moshpit.records import PROGRESS_TTL_S, STRANGER_AHEAD, encode_announce
 from peerd.moshpit.rounds import POLL_S, Average, Count, Get, Notify, Put, Request, RoundMachine
 from peerd.moshpit.sticky import RENEW_KEY
-from peerd.sim.moshpit import SimRecord
+from peerd.tools.sim.moshpit import SimRecord
 from peerd.wire import messages as m
 from peerd.wire.identity import node_id_of
 

@@ -37,12 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from ..allreduce.shards import Layout
-from ..moshpit.keys import Grid, KeyManager
-from ..moshpit.matchmaking import Candidate, Group
-from ..moshpit.rounds import Average, Count, Get, Note, Notify, Put, Request, RoundMachine
-from ..wire import messages as m
-from ..wire.identity import node_id_of
+from ...allreduce.shards import Layout
+from ...moshpit.keys import Grid, KeyManager
+from ...moshpit.matchmaking import Candidate, Group
+from ...moshpit.rounds import Average, Count, Get, Note, Notify, Put, Request, RoundMachine
+from ...wire import messages as m
+from ...wire.identity import node_id_of
 
 DIM = 16
 TARGET_MSE = 1e-9
