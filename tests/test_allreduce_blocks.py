@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peerd.allreduce import HEADER_SIZE, BodyType, GroupAverage
-from peerd.allreduce.codec import pack_block, pack_data, view_block
+from peerd.allreduce.frames import pack_block, pack_data, view_block
 from peerd.allreduce.group import IN_ORDER_GRACE_S
 from peerd.compress import codec
 from peerd.wire import Opener, Sealer

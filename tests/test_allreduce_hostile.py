@@ -11,11 +11,12 @@ import trio
 import trio.testing
 
 from peerd.allreduce import HEADER_SIZE, GroupAverage, Layout, pack_data
-from peerd.allreduce.codec import pack_block
+from peerd.allreduce.frames import pack_block
 from peerd.allreduce.group import DEFAULT_MAX_WEIGHT
 from peerd.allreduce.held import ENTRY_OVERHEAD, HeldData
 from peerd.allreduce.host import RECENT_GROUPS, AveragingHost, Dropped, PacerVerdict
 from peerd.allreduce.service import AllreduceService
+from peerd.tools.faults import byzantine
 from peerd.transport.pacing import Pacer, Report
 from peerd.wire.errors import WireError
 
@@ -89,8 +90,8 @@ def test_finite_input_never_gives_a_non_finite_result() -> None:
 def test_a_nan_member_is_refused_everywhere_and_the_rest_average() -> None:
     xs = honest(4, 400, seed=1)
     ws = [1.0, 2.0, 3.0, 4.0]
-    m = group(xs, ws, byzantine=None)
-    m[2] = GroupAverage(GROUP, 4, 2, xs[2], ws[2], 0.0, max_payload=payload_for(16), byzantine="nan")
+    m = group(xs, ws)
+    m[2] = byzantine("nan")(GROUP, 4, 2, xs[2], ws[2], 0.0, max_payload=payload_for(16))
     Net(m).run()
     layout = Layout(400, 4, 16)
     rest = [0, 1, 3]
@@ -143,14 +144,14 @@ def test_bad_max_weight_is_a_value_error() -> None:
         with pytest.raises(ValueError, match="max_weight"):
             GroupAverage(GROUP, 2, 0, np.zeros(4, np.float32), 1.0, 0.0, max_weight=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="byzantine"):
-        GroupAverage(GROUP, 2, 0, np.zeros(4, np.float32), 1.0, 0.0, byzantine="evil")
+        byzantine("evil")
 
 
 def test_byzantine_modes_corrupt_only_what_is_sent() -> None:
     xs = honest(2, 64, seed=3)
     for mode in ("scale", "signflip", "random"):
         m = group(xs, [1.0, 1.0], per=8)
-        m[0] = GroupAverage(GROUP, 2, 0, xs[0], 1.0, 0.0, max_payload=payload_for(8), byzantine=mode)
+        m[0] = byzantine(mode)(GROUP, 2, 0, xs[0], 1.0, 0.0, max_payload=payload_for(8))
         Net(m).run()
         a, b = 32, 64  # shard 1, owned by the honest member 1: corrupted input
         sent = 2 * m[1].result()[a:b] - xs[1][a:b]
@@ -276,7 +277,7 @@ def test_service_counts_refused_contributions_and_caps_weights() -> None:
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
             nodes = [Node(net, i) for i in range(n)]
-            nodes[1].service = AllreduceService(nodes[1].endpoint, nodes[1].metrics, byzantine="nan")
+            nodes[1].service = AllreduceService(nodes[1].endpoint, nodes[1].metrics, group_factory=byzantine("nan"))
             nodes_out.extend(nodes)
             for node in nodes:
                 nursery.start_soon(node.endpoint.serve)

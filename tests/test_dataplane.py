@@ -575,7 +575,7 @@ def test_block_values_native_matches_numpy(monkeypatch: pytest.MonkeyPatch, rows
     """group._values_finite and group._place, native and numpy, over bodies cut out of a wider arena (rows
     ``gap`` bytes apart, values at odd offsets): the same verdict and the same bytes placed."""
     from peerd.allreduce import group
-    from peerd.allreduce.codec import HEADER_SIZE as BODY_HEADER
+    from peerd.allreduce.frames import HEADER_SIZE as BODY_HEADER
 
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((rows, per)).astype("<f4")

@@ -68,10 +68,10 @@ from ..compress import PHASE_AG, PHASE_RS, Codec, RoundingKey
 from ..compress.floats import Float32Codec
 from ..wire.errors import WireError
 from ..wire.native import native as _native
-from .codec import (
-    CODEC_FLOAT32,
+from .frames import (
     END_REPEATS,
-    FLOAT32,
+    F32_DTYPE,
+    FP32_WIRE_ID,
     HEADER,
     HEADER_SIZE,
     BodyType,
@@ -98,18 +98,11 @@ FINALIZE_BLOCK_ELEMENTS = 1 << 16  # the all-gather divides this many elements a
 CODED_BLOCK_ELEMENTS = 1 << 16
 CODED_BATCH_ELEMENTS = 1 << 18
 DEFAULT_MAX_WEIGHT = float(2**24)  # samples: the cap on any member's weight unless the caller gives one
-# Fault injection for demos and benches only: how a node corrupts its own reduce-scatter contributions.
-# "inflate-signflip": the negated values, claiming BYZANTINE_WEIGHT samples in every reduce-scatter header (weight
-# inflation: without a weight bound the owner's average becomes the attacker's negated vector)
-BYZANTINE_MODES = ("scale", "signflip", "nan", "random", "inflate-signflip")
-BYZANTINE_SCALE = 1000.0
-BYZANTINE_NOISE = 100.0  # times the vector's RMS
-BYZANTINE_WEIGHT = float(2**24)  # samples an "inflate-signflip" member claims: the default max_weight
 _F32_MAX = float(np.finfo(np.float32).max)
 _GROUP = struct.Struct("<I")
 _DONE = object()  # a send generator that is exhausted
 _U64 = (1 << 64) - 1
-FP32 = Float32Codec()
+FP32_CODEC = Float32Codec()  # the default body codec (values travel as their own float32 bytes)
 
 log = logging.getLogger("peerd.allreduce")
 _RS_DATA, _RS_END, _AG_DATA, _AG_END = (int(t) for t in BodyType)
@@ -144,7 +137,7 @@ class OutBlock(NamedTuple):
         """The complete bodies (rows, body bytes) uint8: ``bodies`` itself, or headers and values joined."""
         if self.values is None:
             return self.bodies
-        return np.concatenate((self.bodies, np.ascontiguousarray(self.values, dtype=FLOAT32).view(np.uint8)), axis=1)
+        return np.concatenate((self.bodies, np.ascontiguousarray(self.values, dtype=F32_DTYPE).view(np.uint8)), axis=1)
 
 
 class Outgoing(NamedTuple):
@@ -408,7 +401,7 @@ def _heads(group: int, total: int, offset: int, weight: float | np.ndarray, shap
     out = np.empty((rows, HEADER_SIZE), dtype=np.uint8)
     # one HEADER_SIZE-byte item a row (a third of the time of broadcasting the header's bytes)
     out.view(_HEAD_ITEM).reshape(rows)[:] = np.frombuffer(
-        HEADER.pack(group, CODEC_FLOAT32, total, offset, count, 0.0), _HEAD_ITEM)[0]
+        HEADER.pack(group, FP32_WIRE_ID, total, offset, count, 0.0), _HEAD_ITEM)[0]
     fields = out.view(_HEAD_FIELDS).reshape(rows)  # (4-byte fields: a fifth of numpy's strided byte copies)
     fields["offset"] = np.arange(offset, offset + rows * count, count, dtype="<u4")
     fields["weight"] = weight
@@ -437,7 +430,7 @@ def _values_finite(bodies: np.ndarray, length: int) -> bool:
     """No NaN or inf among the float32 values (``length`` bytes after each body's header) of a block: one native
     pass where the extension is built (numpy's check of unaligned float32 is several times slower)."""
     if not _native_rows(bodies):
-        return bool(np.isfinite(bodies[:, HEADER_SIZE : HEADER_SIZE + length].view(FLOAT32)).all())
+        return bool(np.isfinite(bodies[:, HEADER_SIZE : HEADER_SIZE + length].view(F32_DTYPE)).all())
     return _native.first_nonfinite(bodies, HEADER_SIZE, bodies.strides[0], len(bodies), length) < 0
 
 
@@ -461,7 +454,7 @@ def _accumulate(bodies: np.ndarray, length: int, acc: np.ndarray, per: int, ks: 
         status = _native.accumulate_rows(bodies, HEADER_SIZE, bodies.strides[0], len(bodies), length, acc, 4 * per,
                                          ks, filled, factor)
         return np.frombuffer(status, np.uint8)
-    values = np.ascontiguousarray(bodies[:, HEADER_SIZE : HEADER_SIZE + length]).view(FLOAT32)
+    values = np.ascontiguousarray(bodies[:, HEADER_SIZE : HEADER_SIZE + length]).view(F32_DTYPE)
     return _accumulate_numpy(values, acc, per, ks, filled, factor)
 
 
@@ -492,7 +485,7 @@ def _finalize_native(own: np.ndarray, acc: np.ndarray, summed: np.ndarray, got: 
     call is the reference, bit for bit): True once ``out`` holds the averages; False where the extension is not
     built, the arrays are not plain contiguous ones, or a value is not finite (nothing written: numpy decides)."""
     if (_native is None or not own.flags.c_contiguous or not acc.flags.c_contiguous or not out.flags.c_contiguous
-            or not out.flags.writeable or own.dtype != FLOAT32 or acc.dtype != FLOAT32 or out.dtype != FLOAT32
+            or not out.flags.writeable or own.dtype != F32_DTYPE or acc.dtype != F32_DTYPE or out.dtype != F32_DTYPE
             or not own.flags.aligned or not acc.flags.aligned or not out.flags.aligned):
         return False
     rows, width = own.shape
@@ -531,8 +524,8 @@ def _stage_rows(stage: np.ndarray | None, n: int, width: int) -> np.ndarray:
     """(n, width) float32 rows for the stage: a view of ``stage`` when it is a big enough writable contiguous
     float32 buffer, else fresh memory."""
     if stage is None:
-        return np.empty((n, width), dtype=FLOAT32)
-    if (not isinstance(stage, np.ndarray) or stage.dtype != FLOAT32 or stage.ndim != 1
+        return np.empty((n, width), dtype=F32_DTYPE)
+    if (not isinstance(stage, np.ndarray) or stage.dtype != F32_DTYPE or stage.ndim != 1
             or not stage.flags.c_contiguous or not stage.flags.writeable or stage.size < n * width):
         raise ValueError(f"stage must be a writable contiguous 1-D float32 buffer of at least {n * width} elements")
     return stage[: n * width].reshape(n, width)
@@ -561,9 +554,7 @@ class GroupAverage:
     ``max_weight`` caps every weight this owner uses, its own included (None: 2**24 samples). ``robust``
     (``robust.Robust``) clips each member's contribution to this shard to C times the median norm, around
     ``center`` (a full-length vector, the previous round's average) for "centered"; it bounds one member's
-    pull on the average but does not stop a sign-flipped contribution of normal size. ``byzantine`` is a
-    fault-injection hook for demos and benches only: this member corrupts the reduce-scatter values it
-    sends (BYZANTINE_MODES); its own shard and its all-gather stay honest.
+    pull on the average but does not stop a sign-flipped contribution of normal size.
 
     ``codec`` (a ``peerd.compress`` body codec; None: fp32) must be the one every member of the group uses:
     it fixes the ranges too. ``run`` (u64) keys the stochastic rounding draws with the group id, this
@@ -595,7 +586,6 @@ class GroupAverage:
         max_weight: float | None = None,
         robust: Robust | None = None,
         center: np.ndarray | None = None,
-        byzantine: str | None = None,
         codec: Codec | None = None,
         run: int = 0,
         stage: np.ndarray | None = None,
@@ -633,8 +623,6 @@ class GroupAverage:
         if robust is not None and (not isinstance(robust, Robust) or robust.mode not in ROBUST_MODES
                                    or not (math.isfinite(robust.c) and robust.c > 0)):
             raise ValueError(f"robust must be None or a Robust (parse_robust: clip[:C], centered[:C]), got {robust!r}")
-        if byzantine is not None and byzantine not in BYZANTINE_MODES:
-            raise ValueError(f"byzantine must be None or one of {', '.join(BYZANTINE_MODES)}, got {byzantine!r}")
         if not (math.isfinite(floor_s) and floor_s >= 0):
             raise ValueError(f"floor_s must be finite and >= 0, got {floor_s!r}")
         if not (math.isfinite(safety) and safety > 0):
@@ -642,7 +630,7 @@ class GroupAverage:
         if max_phase_s is not None and not max_phase_s > 0:
             raise ValueError(f"max_phase_s must be > 0 or None, got {max_phase_s!r}")
         if codec is None:
-            codec = FP32
+            codec = FP32_CODEC
         if not isinstance(codec, Codec):
             raise ValueError(f"codec must be a peerd.compress body codec (compress.codec(name)), got {codec!r}")
         if type(run) is not int or not 0 <= run <= _U64:
@@ -650,18 +638,18 @@ class GroupAverage:
         if not isinstance(vector, np.ndarray) or vector.ndim != 1:
             raise ValueError("vector must be a 1-D numpy array")
         if out is vector:
-            if vector.dtype != FLOAT32 or not vector.flags.c_contiguous or not vector.flags.writeable:
+            if vector.dtype != F32_DTYPE or not vector.flags.c_contiguous or not vector.flags.writeable:
                 raise ValueError("averaging in place needs a writable, contiguous little-endian float32 vector")
             vec = vector
         else:
-            vec = np.ascontiguousarray(vector, dtype=FLOAT32)
+            vec = np.ascontiguousarray(vector, dtype=F32_DTYPE)
         if out is None:
-            out = np.empty(len(vec), dtype=FLOAT32)
+            out = np.empty(len(vec), dtype=F32_DTYPE)
         elif out is not vec:
             if (
                 not isinstance(out, np.ndarray)
                 or out.shape != vec.shape
-                or out.dtype != FLOAT32
+                or out.dtype != F32_DTYPE
                 or not out.flags.c_contiguous
                 or not out.flags.writeable
             ):
@@ -692,7 +680,7 @@ class GroupAverage:
             if not isinstance(center, np.ndarray) or center.shape != vec.shape:
                 raise ValueError("center must be a float32 vector of the averaged vector's length (or None)")
             lo, hi = self.layout.shard(index)
-            own_center = np.array(center[lo:hi], dtype=FLOAT32)  # a copy: the caller may reuse its array
+            own_center = np.array(center[lo:hi], dtype=F32_DTYPE)  # a copy: the caller may reuse its array
             if not np.isfinite(own_center).all():
                 raise ValueError("center must be finite (the previous round's average); pass None for none")
             self._center = own_center
@@ -702,16 +690,6 @@ class GroupAverage:
         self._norm_pos = 0  # ranges of the own shard whose norms are summed so far
         self._sumsq = [0.0] * n
         self._elements = [0] * n
-        self._byzantine = byzantine
-        self._noise_rms = 0.0
-        self._noise = None
-        if byzantine is not None:
-            log.warning("BYZANTINE FAULT INJECTION: this node corrupts its own reduce-scatter contributions (%s)"
-                        " in group %#x; for demos and benchmarks only", byzantine, group_id)
-            if byzantine == "random":
-                rms = math.sqrt(float(np.mean(np.square(vec, dtype=np.float64)))) if len(vec) else 0.0
-                self._noise_rms = BYZANTINE_NOISE * (rms if math.isfinite(rms) and rms > 0 else 1.0)
-                self._noise = np.random.default_rng((group_id, index))
         self._out_bytes = memoryview(out).cast("B")
         self._inplace = out is vec
         # Blocks carry headers and value views apart (OutBlock.values), for a driver that seals from them. Values
@@ -741,7 +719,7 @@ class GroupAverage:
         # all-gather bodies, encoded once when each range is finalized (the owner's own result is what they
         # decode to) with a mask of the ranges that could be encoded (the rest is not sent).
         self._cid = codec.wire_id
-        self._coded = codec.wire_id != FP32.wire_id
+        self._coded = codec.wire_id != FP32_CODEC.wire_id
         self._rs_key = RoundingKey(run, group_id, index, PHASE_RS)
         self._ag_key = RoundingKey(run, group_id, index, PHASE_AG)
         if self._coded:
@@ -765,7 +743,7 @@ class GroupAverage:
         self._sender_weight: list[float | None] = [None] * n
         # take.c take_rows takes plain fp32 blocks in one call (receive_block): where the buffers it writes are
         # aligned float32 (a caller's ``out`` need not be), and a reduce-scatter only where sums stream
-        self._take = (_native is not None and not self._coded and self._out.dtype == FLOAT32
+        self._take = (_native is not None and not self._coded and self._out.dtype == F32_DTYPE
                       and self._out.flags.c_contiguous and self._out.flags.writeable and self._out.flags.aligned
                       and self._acc.flags.aligned)
         self._take_status = np.empty(0, dtype=np.uint8)
@@ -977,7 +955,7 @@ class GroupAverage:
                 self._out[offset : offset + count] = self.codec.decode(memoryview(body)[HEADER_SIZE:], count)
                 seen[k] = True
                 ag.weight_received += weight
-            elif np.isfinite(np.frombuffer(body, FLOAT32, count, HEADER_SIZE)).all():
+            elif np.isfinite(np.frombuffer(body, F32_DTYPE, count, HEADER_SIZE)).all():
                 seen[k] = True
                 self._out_bytes[4 * offset : 4 * (offset + count)] = memoryview(body)[HEADER_SIZE:]
                 ag.weight_received += weight
@@ -1178,7 +1156,7 @@ class GroupAverage:
         length = 4 * self._per
         for i in np.flatnonzero(status == 2).tolist():
             k = (int.from_bytes(bodies[i, 9:13].tobytes(), "little") - self._lo) // self._per
-            values = np.frombuffer(bytes(bodies[i, HEADER_SIZE : HEADER_SIZE + length]), FLOAT32)
+            values = np.frombuffer(bytes(bodies[i, HEADER_SIZE : HEADER_SIZE + length]), F32_DTYPE)
             self._aside.setdefault(k, []).append((ws, values))
 
     def _check_weight(self, sender: int, weight: float) -> None:
@@ -1202,7 +1180,7 @@ class GroupAverage:
             if refused:
                 self._refused["nonfinite"] += refused
             for i in np.flatnonzero(status == 2):
-                values = np.frombuffer(bytes(bodies[i, HEADER_SIZE : HEADER_SIZE + length]), FLOAT32)
+                values = np.frombuffer(bytes(bodies[i, HEADER_SIZE : HEADER_SIZE + length]), F32_DTYPE)
                 self._aside.setdefault(int(ks[i]), []).append((ws, values))
             ks = ks[status != 1]
         self._wsum_in[ks] += ws
@@ -1270,8 +1248,6 @@ class GroupAverage:
     def _rs_blocks(self) -> Iterator[OutBlock]:
         """Round-robin over destinations a block at a time, so every owner sees a steady stream."""
         layout, per, group, w = self.layout, self.layout.per, self.group_id, self.weight
-        if self._byzantine == "inflate-signflip":
-            w = BYZANTINE_WEIGHT  # the claimed weight travels in every DATA and END header
         vec = self._vec
         dests = self._dest_order()
         plan = {j: (*layout.shard(j), layout.datagrams(j)) for j in dests}
@@ -1294,8 +1270,6 @@ class GroupAverage:
                     off = start + full * per
                     pieces.append((off, vec[off:stop].reshape(1, -1)))
                 for off, values in pieces:
-                    if self._byzantine is not None:
-                        values = self._corrupt(values)
                     if self._coded:
                         bodies = self._pack_coded(total, off, w, values, self._rs_key)
                     elif self.split_values:
@@ -1338,19 +1312,6 @@ class GroupAverage:
         bodies, ok = self._encode(values, key, offset)
         block = pack_coded(self.group_id, self._cid, total, offset, count, weight, bodies)
         return block if ok is None else block[ok]
-
-    def _corrupt(self, values: np.ndarray) -> np.ndarray:
-        """Fault injection (demos and benches only): what a hostile member would send instead of ``values``."""
-        mode = self._byzantine
-        with np.errstate(over="ignore"):
-            if mode == "scale":
-                return values * np.float32(BYZANTINE_SCALE)
-            if mode in ("signflip", "inflate-signflip"):
-                return -values
-            if mode == "nan":
-                return np.full_like(values, np.nan)
-            assert self._noise is not None
-            return (self._noise.standard_normal(values.shape) * self._noise_rms).astype(FLOAT32)
 
     def _ag_blocks(self) -> Iterator[OutBlock | None]:
         """The averaged own shard to every other member; each block is built once and sent to all. With
@@ -1532,7 +1493,7 @@ class GroupAverage:
                 for ws, values in self._aside.pop(k):  # (each range is finalized once)
                     wide[k - k0] += values.astype(np.float64) * ws
             wide /= wsum[:, None]
-            res = wide.astype(FLOAT32)
+            res = wide.astype(F32_DTYPE)
             if not arrived.all():
                 res[~arrived] = own[~arrived]
         self._wsum[k0:k1] = wsum
@@ -1584,7 +1545,7 @@ class GroupAverage:
         acc /= wsum[:, None]
         if center is not None:
             acc += center
-        result = acc.astype(FLOAT32)
+        result = acc.astype(F32_DTYPE)
         arrived = seen.any(axis=0)
         if not arrived.all():
             result[~arrived] = own[~arrived]

@@ -7,8 +7,7 @@ this node sends, what REPORTs it accepts, and when each paced part of a block ma
 sender's token and, once the transport has bound that token, its node id (the transport resolves tokens to
 peers; data datagrams carry no node id), an injected ``now`` on every call, and returns typed actions. It
 never waits, reads a clock or touches a socket, so the trio driver (service.py), the simulator and the tests
-run the same decisions; nothing here draws random numbers (the byzantine hook's noise is seeded per group
-inside ``GroupAverage``).
+run the same decisions; nothing here draws random numbers.
 
 A driver's loop for one group, in outline (service.py is the real one)::
 
@@ -34,7 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,8 +42,8 @@ import numpy as np
 from ..compress import Codec
 from ..transport.pacing import DeliveryMeter, Pacer, Report, SendPositions, Verdict
 from ..wire.errors import WireError
-from .codec import BodyType, peek_group
-from .group import BYZANTINE_MODES, GroupAverage, GroupStats, Outcome, stage_elements
+from .frames import BodyType, peek_group
+from .group import GroupAverage, GroupStats, Outcome, stage_elements
 from .held import MAX_TOKEN_BYTES, HeldData
 from .robust import Robust
 
@@ -263,7 +262,7 @@ class AveragingHost:
 
     ``max_body``: the largest tensor body this node's groups take (its payload size: a larger one is
     dropped at once, never held); ``mtu``: datagram size, for block shapes and REPORT byte counts.
-    ``byzantine``: a fault-injection hook for demos and benches ONLY (group.BYZANTINE_MODES)."""
+    ``group_factory``: what builds each group's core (GroupAverage's signature; a lab's fault injector wraps it)."""
 
     def __init__(
         self,
@@ -272,7 +271,7 @@ class AveragingHost:
         mtu: int,
         pacer: Pacer | None = None,
         held: HeldData | None = None,
-        byzantine: str | None = None,
+        group_factory: Callable[..., GroupAverage] = GroupAverage,
         report_interval_s: float = REPORT_INTERVAL_S,
         recent_groups: int = RECENT_GROUPS,
         max_bindings: int = MAX_BINDINGS,
@@ -280,15 +279,13 @@ class AveragingHost:
         split_values: bool = False,
         end_spacing_s: Sequence[float] | None = None,
     ) -> None:
-        if byzantine is not None and byzantine not in BYZANTINE_MODES:
-            raise ValueError(f"byzantine must be one of {', '.join(BYZANTINE_MODES)} (or None), got {byzantine!r}")
         if max_body < 1 or mtu < max_body:
             raise ValueError(f"need 1 <= max_body <= mtu, got max_body={max_body}, mtu={mtu}")
         self.max_body = max_body
         self.mtu = mtu
         self.pacer = pacer or Pacer(datagram=mtu)
         self.held = held or HeldData()
-        self.byzantine = byzantine
+        self.group_factory = group_factory
         self.report_interval_s = report_interval_s
         self.recent_groups = recent_groups
         self.max_bindings = max_bindings
@@ -360,10 +357,10 @@ class AveragingHost:
         if any(type(a) is not int or not 0 <= a < len(peers) or a == index for a in absent):
             raise ValueError(f"absent members must be other members' indices in 0..{len(peers) - 1}")
         spare = self._take_spare(stage_elements(len(vector), len(peers)))
-        core = GroupAverage(
+        core = self.group_factory(
             group_id, len(peers), index, vector, weight, now,
             max_payload=self.max_body, floor_s=floor_s, max_phase_s=max_phase_s, out=out,
-            end_grace_s=end_grace_s, max_weight=max_weight, robust=robust, center=center, byzantine=self.byzantine,
+            end_grace_s=end_grace_s, max_weight=max_weight, robust=robust, center=center,
             codec=codec, run=run, stage=spare, solo=solo,
         )
         core.split_values = self.split_values

@@ -11,7 +11,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,8 +25,8 @@ from ..wire import messages as m
 from ..wire.envelope import Header
 from ..wire.identity import node_id_of
 from ..wire.seal import TokenState
-from .codec import BodyType
-from .group import GroupStats
+from .frames import BodyType
+from .group import GroupAverage, GroupStats
 from .host import (
     DATA_TYPES,
     END_SPACING_S,
@@ -74,21 +74,17 @@ class AverageResult:
 
 
 class AllreduceService:
-    """``byzantine``: a fault-injection hook for demos and benches ONLY. Set to one of "scale", "signflip",
-    "nan", "random", "inflate-signflip", this node corrupts its own reduce-scatter contributions before sending
-    them (x1000, x-1, NaN, gaussian noise of 100x the vector's RMS, x-1 claiming 2**24 samples); its own shard
-    and its all-gather stay honest."""
+    """This node's averages over its endpoint. ``group_factory``: what builds each group's core (GroupAverage by
+    default; a lab passes a fault injector's, peerd.tools.faults)."""
 
     def __init__(
-        self, endpoint: Endpoint, metrics: Metrics, *, pacer: Pacer | None = None, byzantine: str | None = None
+        self, endpoint: Endpoint, metrics: Metrics, *, pacer: Pacer | None = None,
+        group_factory: Callable[..., GroupAverage] = GroupAverage,
     ) -> None:
         self.endpoint = endpoint
         self.metrics = metrics
-        self.host = AveragingHost(max_body=endpoint.max_body, mtu=endpoint.mtu, pacer=pacer, byzantine=byzantine,
-                                  split_values=True, end_spacing_s=END_SPACING_S)
-        if byzantine is not None:
-            log.warning("!!! BYZANTINE FAULT INJECTION ON: this node corrupts every reduce-scatter contribution it"
-                        " sends (%s). For demos and benchmarks only; never in a real swarm !!!", byzantine)
+        self.host = AveragingHost(max_body=endpoint.max_body, mtu=endpoint.mtu, pacer=pacer,
+                                  group_factory=group_factory, split_values=True, end_spacing_s=END_SPACING_S)
         self._wake: dict[int, trio.Event] = {}
         self._expiring = False  # the held-data expiry task is running
         self._rate_shown: float | None = None  # the pacing rate the gauge shows
@@ -103,10 +99,6 @@ class AllreduceService:
     @property
     def pacer(self) -> Pacer:
         return self.host.pacer
-
-    @property
-    def byzantine(self) -> str | None:
-        return self.host.byzantine
 
     # -- what arrives (the endpoint's handlers: synchronous) --------------------------------------
     def _on_data(self, header: Header, body: bytes, state: TokenState, source: Address) -> None:
