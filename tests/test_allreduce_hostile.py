@@ -131,7 +131,7 @@ def test_a_non_finite_all_gather_range_keeps_own_values(as_block: bool) -> None:
         for k in range(2):  # and member 1's reduce-scatter of shard 0, so the group can end
             core.receive(1, RS_DATA, pack_data(GROUP, 2, 4 * k, 1.0, xs[1][4 * k : 4 * k + 4]), 0.0)
         while not core.finished:
-            core.next_datagrams(64)
+            core.datagrams_to_send(0.0, 64)
             core.handle_timer(100.0)
         r = core.result()
         np.testing.assert_array_equal(r[8:12], avg[:4])
@@ -209,7 +209,7 @@ def test_reports_count_only_from_members_of_a_running_or_recent_group() -> None:
     assert report(b, 5, 0.0) == [Dropped("report")]  # no such group here: a stranger must not throttle us
     assert host.pacer.rate == rate and not host.pacer._sent and not host.pacer._hot and not host.pacer._caps
     host.start(5, [a, b], 0, np.zeros(2000, np.float32), 1.0, 0.0)
-    blocks = host.next_sends(5, 1000)
+    blocks = host.datagrams_to_send(5, 0.0, 1000)
     assert sum(len(blk.bodies) for blk in blocks) >= 1000
     for blk in blocks:  # member 1's whole reduce-scatter stream goes out (and is paced)
         host.pace(blk, len(blk.bodies), blk.bodies.size, 0.0)

@@ -14,16 +14,16 @@ A driver's loop for one group, in outline (service.py is the real one)::
     actions = host.start(group_id, peers, index, vector, weight, now)   # Bind: PING these members
     while not host.finished(group_id):
         while host.wants_to_send(group_id):
-            for block in host.next_sends(group_id):
+            for block in host.datagrams_to_send(group_id, now):
                 for each part of host.part_rows(block) rows:
                     sleep until host.pace(block, rows, nbytes, now); seal the part and send it
-        sleep until host.deadline(group_id, now), or a Wake(group_id) action
-        run(host.on_timer(group_id, now))
+        sleep until host.get_timer(group_id, now), or a Wake(group_id) action
+        run(host.handle_timer(group_id, now))
     run(host.finish(group_id, now, kernel_drops))                       # final REPORTs, Completed
     # meanwhile: every REPORT_INTERVAL_S (host.next_report) send host.reports(...)
 
 and for everything that arrives: ``on_data``, ``on_block``, ``on_bind``, ``on_report``; held data expires at
-``held_expiry()`` (``expire_held``). What a member may make this node spend is bounded here
+``get_held_timer()`` (``handle_held_timer``). What a member may make this node spend is bounded here
 (protocol/PROTOCOL.md 17.3): held bytes (HeldData), accepted REPORTs (members of running or recent groups),
 remembered token bindings and the pacer's paths (both LRU).
 """
@@ -102,7 +102,7 @@ class Wake:
 
 @dataclass(frozen=True, slots=True)
 class HeldTimer:
-    """Something is held and nothing was before: call ``expire_held`` at ``at``, then at ``held_expiry()``
+    """Something is held and nothing was before: call ``handle_held_timer`` at ``at``, then at ``get_held_timer()``
     while that is not None (held data is freed on a timer, also on a node that receives nothing more)."""
 
     at: float
@@ -404,7 +404,7 @@ class AveragingHost:
         return group_id in self._groups
 
     def wants_to_send(self, group_id: int) -> bool:
-        """``next_sends`` may have something (it may still return nothing for a slice: call it again)."""
+        """``datagrams_to_send`` may have something (it may still return nothing for a slice: call it again)."""
         g = self._groups[group_id]
         return g.core.wants_to_send or _releasable(g)
 
@@ -415,14 +415,14 @@ class AveragingHost:
         return g.core.finished and not _releasable(g)
 
     def send_window(self, group_id: int) -> int:
-        """A ``next_sends`` limit that yields about one block per destination, for a driver that sends their
+        """A ``datagrams_to_send`` limit that yields about one block per destination, for a driver that sends their
         parts in turn: then every member's downlink gets an even share of each sender's uplink all the time,
         not one sender's whole uplink for a block (~40 ms at 100 Mbit/s: over the 20 ms a link's queue holds
         when two senders pick the same member at once)."""
         g = self._groups[group_id]
         return max(BATCH, g.rows * (len(g.peers) - 1))
 
-    def next_sends(self, group_id: int, limit: int = BATCH) -> list[SendBlock]:
+    def datagrams_to_send(self, group_id: int, now: float, limit: int = BATCH) -> list[SendBlock]:
         """About ``limit`` datagrams' worth of blocks, reduce-scatter first (may be empty for a slice of
         robust work: the driver's turn to let other tasks run)."""
         g = self._groups[group_id]
@@ -430,7 +430,7 @@ class AveragingHost:
         if out and sum(len(b.bodies) for b in out) >= limit:
             return out
         spacing = self.end_spacing_s
-        for b in g.core.next_blocks(g.rows, limit):
+        for b in g.core.blocks_to_send(g.rows, limit):
             if b.repeat == 1:
                 sb = SendBlock(group_id, b.to, g.peers[b.to], b.type, b.bodies, g.part, b.values)
             elif spacing is None:
@@ -518,12 +518,12 @@ class AveragingHost:
             if g is not None:
                 g.positions[block.to].settle(g.sent_to[block.to], at)
 
-    def deadline(self, group_id: int, now: float) -> float:
-        """When to call ``on_timer`` next (a Wake may come first). While data from a token not bound yet is
+    def get_timer(self, group_id: int, now: float) -> float:
+        """When to call ``handle_timer`` next (a Wake may come first). While data from a token not bound yet is
         held for the group, its sender's binding is still in flight (the handshake retries): the phase
         deadline waits up to one more ``floor_s`` for it, or that sender would turn up as silence."""
         g = self._groups[group_id]
-        at = g.core.next_deadline()
+        at = g.core.get_timer()
         if at is None:
             at = now + IDLE_WAIT_S
         elif self.held.holds(group_id):
@@ -534,7 +534,7 @@ class AveragingHost:
             at = min(at, g.gate_until)
         return min(at, g.copies[0][0]) if g.copies else at
 
-    def on_timer(self, group_id: int, now: float) -> list[Action]:
+    def handle_timer(self, group_id: int, now: float) -> list[Action]:
         """The group's deadline passed or it was woken: end whichever phase's deadline has passed (unless
         unbound data still waits for its binding, within the extension)."""
         g = self._groups[group_id]
@@ -711,11 +711,11 @@ class AveragingHost:
 
     # ---- held data ------------------------------------------------------------------------------------
 
-    def held_expiry(self) -> float | None:
+    def get_held_timer(self) -> float | None:
         """When the oldest held bucket expires (None: nothing held)."""
         return self.held.next_expiry()
 
-    def expire_held(self, now: float) -> list[Action]:
+    def handle_held_timer(self, now: float) -> list[Action]:
         dropped = self.held.expire(now)
         return [Dropped("held", dropped)] if dropped else []
 

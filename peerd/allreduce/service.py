@@ -146,9 +146,9 @@ class AllreduceService:
     async def _expire_held(self) -> None:
         """Expire held bodies when the host says, not only when the next one arrives; ends when none is held."""
         try:
-            while (at := self.host.held_expiry()) is not None:
+            while (at := self.host.get_held_timer()) is not None:
                 await trio.sleep_until(at)
-                self._run(self.host.expire_held(trio.current_time()))
+                self._run(self.host.handle_held_timer(trio.current_time()))
         except Exception:  # never take the daemon down (a system task's error would end the whole run)
             log.exception("allreduce: expiring held data failed")
             self.metrics.background_errors.labels("allreduce_held").inc()
@@ -219,7 +219,8 @@ class AllreduceService:
                 self._run(a for a in actions if type(a) is not Bind)
                 while not host.finished(group_id):
                     while host.wants_to_send(group_id):
-                        await self._send_blocks(host.next_sends(group_id, host.send_window(group_id)), members,
+                        await self._send_blocks(host.datagrams_to_send(group_id, trio.current_time(),
+                                                                        host.send_window(group_id)), members,
                                                 sent)
                     copies = host.due_copies(group_id, trio.current_time())
                     if copies:
@@ -227,12 +228,12 @@ class AllreduceService:
                     if host.finished(group_id):
                         break
                     wake = self._wake[group_id] = trio.Event()
-                    at = host.deadline(group_id, trio.current_time())
+                    at = host.get_timer(group_id, trio.current_time())
                     with trio.move_on_at(at) as timer:
                         await wake.wait()
                     if timer.cancelled_caught:  # a deadline: first what reached the socket before it
                         await self._wait_caught_up(at, floor_s)
-                    self._run(host.on_timer(group_id, trio.current_time()))
+                    self._run(host.handle_timer(group_id, trio.current_time()))
                 nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
             # END copies not due yet: nothing here waits for them, and members may still (they go at once)
             await self._send_blocks(host.due_copies(group_id, math.inf), members, sent)

@@ -57,9 +57,9 @@ class ByzantineGroupAverage(GroupAverage):
         log.warning("BYZANTINE FAULT INJECTION: this node corrupts its own reduce-scatter contributions (%s)"
                     " in group %#x; for demos and benchmarks only", mode, self.group_id)
 
-    def next_blocks(self, rows: int, limit: int) -> list[OutBlock]:
+    def blocks_to_send(self, rows: int, limit: int) -> list[OutBlock]:
         out = []
-        for block in super().next_blocks(rows, limit):
+        for block in super().blocks_to_send(rows, limit):
             if block.type == _RS_DATA:
                 block = self._corrupt_block(block)
             elif block.type == _RS_END and self.mode == "inflate-signflip":
