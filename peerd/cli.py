@@ -94,7 +94,7 @@ COMMAND_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("measure", ("bench", "sim")),
 )
 LAB_GROUP = "fault injection and lab (testing only)"
-# the fault injector's modes (allreduce.group.BYZANTINE_MODES, spelled here so that parsing imports no numpy)
+# the fault injector's modes (tools.faults.MODES, spelled here so that parsing imports no numpy)
 BYZANTINE_CHOICES = ("scale", "signflip", "nan", "random", "inflate-signflip")
 
 
@@ -423,6 +423,15 @@ def cmd_keygen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 0
 
 
+def _fault_factory(mode: str | None) -> Any:
+    """The averaging cores of a ``--fault-byzantine`` daemon (a lab's fault injector), or None for honest ones."""
+    if mode is None:
+        return None
+    from .tools.faults import byzantine
+
+    return byzantine(mode)
+
+
 def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import trio
 
@@ -461,7 +470,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         loss=args.loss,
         loss_seed=args.loss_seed,
         relay=not args.no_relay,
-        byzantine=args.fault_byzantine,
+        group_factory=_fault_factory(args.fault_byzantine),
     )
     try:
         daemon = Daemon(config)

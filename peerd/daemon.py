@@ -9,6 +9,7 @@ import logging
 import signal
 import socket as stdsocket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from prometheus_client import start_http_server
 from . import __version__
 from ._dataplane.heap import keep_freed_memory
 from .addresses import family_of, format_hostport, peer_address, resolve_ip
-from .allreduce.group import BYZANTINE_MODES
+from .allreduce.group import GroupAverage
 from .allreduce.service import AllreduceService
 from .dht import BootstrapError, DhtService
 from .dht.core import REPLICAS
@@ -67,22 +68,21 @@ class DaemonConfig:
     relay: bool = True  # relay for NATed peers when this node is public (PROTOCOL.md 18.4)
     max_group: int = MAX_GROUP_DEFAULT  # Moshpit groups of at most this many (a run's grid: Grid.for_swarm)
     dht_replicas: int = REPLICAS  # nodes closest to a key that this node's puts store on and full reads ask
-    byzantine: str | None = None  # testing only: corrupt this node's own contributions (see BYZANTINE_MODES)
+    # lab only: what builds this node's averaging cores instead of GroupAverage (a fault injector: peerd.tools.faults)
+    group_factory: Callable[..., GroupAverage] | None = None
 
 
 
 
 def _allreduce_kwargs(config: DaemonConfig) -> dict[str, Any]:
-    """AllreduceService's optional arguments; the fault injector only when asked for, and only if this build's
-    AllreduceService has the hook (never silently an honest node that the test believes corrupt)."""
-    if config.byzantine is None:
+    """AllreduceService's optional arguments; a lab's group factory only when given, and only if this build's
+    AllreduceService takes one (never silently an honest node that the test believes corrupt)."""
+    if config.group_factory is None:
         return {}
-    if config.byzantine not in BYZANTINE_MODES:
-        raise StartupError(f"--fault-byzantine must be one of {', '.join(BYZANTINE_MODES)}, not {config.byzantine!r}")
-    if "byzantine" not in inspect.signature(AllreduceService).parameters:
-        raise StartupError("--fault-byzantine: this build's AllreduceService has no byzantine= fault injector; "
-                           "update peerd (or drop the flag)")
-    return {"byzantine": config.byzantine}
+    if "group_factory" not in inspect.signature(AllreduceService).parameters:
+        raise StartupError("a fault injector was asked for, but this build's AllreduceService has no group_factory="
+                           " to take it; update peerd (or drop the flag)")
+    return {"group_factory": config.group_factory}
 
 
 def _bind_udp(host: str, port: int) -> stdsocket.socket:

@@ -22,7 +22,7 @@ from peerd.allreduce.arctopk import (
     ratio_of_plan,
     service_arc_topk,
 )
-from peerd.allreduce.codec import peek_group
+from peerd.allreduce.frames import peek_group
 from peerd.allreduce.service import Member
 from peerd.compress import codec
 from peerd.compress.topk import EF21M

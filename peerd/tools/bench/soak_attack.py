@@ -29,8 +29,8 @@ import msgpack
 import numpy as np
 
 from ...allreduce.arctopk import phase_group_id
-from ...allreduce.codec import HEADER as BODY_HEADER
-from ...allreduce.codec import BodyType
+from ...allreduce.frames import HEADER as BODY_HEADER
+from ...allreduce.frames import BodyType
 from ...dht.records import Record
 from ...statesync.service import Advert, ad_key
 from ...trainer.outer import OuterRecord, record_key
