@@ -302,7 +302,7 @@ class Daemon:
             "dataplane": dataplane(),
             "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
             "datagrams_dropped": dropped,
-            "moshpit": self.moshpit.statistics(),
+            "moshpit": dataclasses.asdict(self.moshpit.statistics())["runs"],
             "trainers": self.trainer.statistics(),  # each session's latest step by phase, codec and auto choice
             **self.nat.status(),  # reachability, observed_addr, peers_known, paths, path_datagrams, ...
         }
