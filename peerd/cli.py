@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from .addresses import parse_hostport
+from .linkcap.args import add_cap_arguments, cap_config
 from .localsock.client import DaemonError, LocalClient, default_socket_path
 
 DEFAULT_PORT = 7411
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 5): more survive heavier churn, each costs one more message per write and read")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="how much the daemon logs to stderr (default info)")
+    add_cap_arguments(p)
     lab = _lab(p)
     lab.add_argument("--loss", type=float, default=0.0, metavar="P",
                      help="drop received datagrams with probability P, to see how training copes (default 0)")
@@ -462,6 +464,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         loss_seed=args.loss_seed,
         relay=not args.no_relay,
         byzantine=args.fault_byzantine,
+        caps=cap_config(args),
     )
     try:
         daemon = Daemon(config)
