@@ -275,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dht_parser(bench)
     from .bench.step import add_parser as add_step_parser
     add_step_parser(bench)
+    from .bench.caps import add_parser as add_caps_parser
+    add_caps_parser(bench)
     b = bench.add_parser("soak", help="4 sealed daemons average while a member attacker and an outsider flood them")
     b.add_argument("--datagrams", type=int, default=1_000_000, metavar="N", help="attack datagrams (default 1M)")
     b.add_argument("--size", type=_size, default=1_000_000, metavar="S", help="float32 elements averaged (default 1M)")
@@ -644,6 +646,9 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.bench_command == "step":
         from .bench.step import cmd_bench_step
         return cmd_bench_step(args, parser)
+    if args.bench_command == "caps":
+        from .bench.caps import cmd_bench_caps
+        return cmd_bench_caps(args, parser)
     if args.bench_command == "soak":
         from .bench.soak import cmd_bench_soak
         return cmd_bench_soak(args, parser)
