@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from .addresses import parse_hostport
+from .linkcap.args import add_cap_arguments, cap_config
 from .localsock.client import DaemonError, LocalClient, default_socket_path
 
 DEFAULT_PORT = 7411
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 5): more survive heavier churn, each costs one more message per write and read")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="how much the daemon logs to stderr (default info)")
+    add_cap_arguments(p)
     lab = _lab(p)
     lab.add_argument("--loss", type=float, default=0.0, metavar="P",
                      help="drop received datagrams with probability P, to see how training copes (default 0)")
@@ -273,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dht_parser(bench)
     from .tools.bench.step import add_parser as add_step_parser
     add_step_parser(bench)
+    from .tools.bench.caps import add_parser as add_caps_parser
+    add_caps_parser(bench)
     b = bench.add_parser("soak", help="4 sealed daemons average while a member attacker and an outsider flood them")
     b.add_argument("--datagrams", type=int, default=1_000_000, metavar="N", help="attack datagrams (default 1M)")
     b.add_argument("--size", type=_size, default=1_000_000, metavar="S", help="float32 elements averaged (default 1M)")
@@ -471,6 +475,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         loss_seed=args.loss_seed,
         relay=not args.no_relay,
         group_factory=_fault_factory(args.fault_byzantine),
+        caps=cap_config(args),
     )
     try:
         daemon = Daemon(config)
@@ -653,6 +658,9 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.bench_command == "step":
         from .tools.bench.step import cmd_bench_step
         return cmd_bench_step(args, parser)
+    if args.bench_command == "caps":
+        from .tools.bench.caps import cmd_bench_caps
+        return cmd_bench_caps(args, parser)
     if args.bench_command == "soak":
         from .tools.bench.soak import cmd_bench_soak
         return cmd_bench_soak(args, parser)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..dht.reads import Agreed
+from ..linkcap.advert import CapAdvert, PeerCaps
 from ..wire import messages as m
 from .keys import Grid, KeyManager
 from .matchmaking import (
@@ -186,6 +187,8 @@ class RoundMachine:
         that announced ``host`` at, or None when it cannot be reached from here (the driver knows its
         sockets; it counts what it refuses)."""
         self.run_id = run_id
+        self.cap_ad: CapAdvert | None = None  # this node's bandwidth caps, in its announcements (the driver sets it)
+        self.peer_caps = PeerCaps()  # the caps its peers' announcements carried
         self.grid = grid
         self.keys = keys
         self.me = me
@@ -605,7 +608,8 @@ class RoundMachine:
         self._poll_i = 0
         self._poll_at = math.inf
         self._expect_at = math.inf
-        self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1], me.reach),
+        self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1], me.reach,
+                                                                 self.cap_ad),
                                  window_s + 10.0))
         self._get(self._mm_key, "poll", poll_read(0))
         self._poll_i = 1
@@ -718,6 +722,7 @@ class RoundMachine:
             if a is None:
                 self._actions.append(Count("datagrams_dropped", ("mm_record",)))
                 continue
+            self.peer_caps.note(a.node_id, a.cap)
             host = self.resolve(a.node_id, a.host)
             if host is not None:
                 out.append(Candidate(a.expiry, a.node_id, a.public_key, (host, a.port), a.reach))

@@ -32,6 +32,7 @@ from ..compress import Codec
 from ..dht.records import Record
 from ..dht.service import DhtService
 from ..entropy import default_rng
+from ..linkcap.advert import PLAN_MARGIN, CapAdvert, PeerCaps, share_seconds
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
@@ -129,6 +130,8 @@ class MoshpitService:
         self.metrics = metrics
         self.address = address
         self.reach = REACH_UNKNOWN  # this node's reachability rank (the daemon sets it): who leads first
+        self.cap_ad: CapAdvert | None = None  # this node's bandwidth caps, announced (the daemon sets it)
+        self.peer_caps = PeerCaps()  # the caps of peers seen in matchmaking records, every run's
         self.identity = endpoint.identity
         self.rng = default_rng(rng)
         self.clock = clock or time.time
@@ -217,6 +220,7 @@ class MoshpitService:
             me = Candidate(0.0, self.identity.node_id, self.identity.public_key, self.address, self.reach)
             core = RoundMachine(run_id, grid, keys, me, min_size=min_size, window_s=window_s,
                                 keep_rounds=keep_rounds, rng=self.rng, resolve=self._resolve)
+            core.cap_ad, core.peer_caps = self.cap_ad, self.peer_caps
             st = self.runs[run_id] = RunState(core)
         self._configure(st, max_weight, cap, robust, robust_mode, codec)
         if not st.synced:
@@ -536,7 +540,7 @@ class MoshpitService:
         try:
             res = await self.allreduce.average(
                 group_id, members, group.index, vector, weight, floor_s=1.0,
-                max_phase_s=max(1.0, budget_s / 2), **extra,
+                max_phase_s=max(1.0, budget_s / 2, self._capped_phase_s(group, vector)), **extra,
             )
             finite = await self._finite(res.vector)
         except (ValueError, RpcError) as e:  # e.g. the same group id twice: keep my own vector
@@ -561,6 +565,13 @@ class MoshpitService:
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
                            silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent,
                            weight_total=float(getattr(res.stats, "weight_total", 0.0)))
+
+    def _capped_phase_s(self, group: Group, vector: np.ndarray) -> float:
+        """A phase's deadline is at least PLAN_MARGIN x what its slowest capped member's share takes at its cap
+        (linkcap.share_seconds), so a capped member is not cut off as every round's straggler."""
+        adverts = [self.cap_ad if c.node_id == self.identity.node_id else self.peer_caps.get(c.node_id)
+                   for c in group.members]
+        return PLAN_MARGIN * share_seconds(vector.nbytes, adverts, self.endpoint.mtu)
 
     async def _average_topk(self, st: RunState, group: Group, members: list[Member], hexes: list[str],
                             vector: np.ndarray, weight: float, budget_s: float, round_no: int, key: str, seen: int
