@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from .addresses import parse_hostport
+from .linkcap.args import add_cap_arguments, cap_config
 from .localsock.client import DaemonError, LocalClient, default_socket_path
 
 DEFAULT_PORT = 7411
@@ -94,7 +95,7 @@ COMMAND_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("measure", ("bench", "sim")),
 )
 LAB_GROUP = "fault injection and lab (testing only)"
-# the fault injector's modes (allreduce.group.BYZANTINE_MODES, spelled here so that parsing imports no numpy)
+# the fault injector's modes (tools.faults.MODES, spelled here so that parsing imports no numpy)
 BYZANTINE_CHOICES = ("scale", "signflip", "nan", "random", "inflate-signflip")
 
 
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 5): more survive heavier churn, each costs one more message per write and read")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="how much the daemon logs to stderr (default info)")
+    add_cap_arguments(p)
     lab = _lab(p)
     lab.add_argument("--loss", type=float, default=0.0, metavar="P",
                      help="drop received datagrams with probability P, to see how training copes (default 0)")
@@ -273,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dht_parser(bench)
     from .tools.bench.step import add_parser as add_step_parser
     add_step_parser(bench)
+    from .tools.bench.caps import add_parser as add_caps_parser
+    add_caps_parser(bench)
     b = bench.add_parser("soak", help="4 sealed daemons average while a member attacker and an outsider flood them")
     b.add_argument("--datagrams", type=int, default=1_000_000, metavar="N", help="attack datagrams (default 1M)")
     b.add_argument("--size", type=_size, default=1_000_000, metavar="S", help="float32 elements averaged (default 1M)")
@@ -423,6 +427,15 @@ def cmd_keygen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 0
 
 
+def _fault_factory(mode: str | None) -> Any:
+    """The averaging cores of a ``--fault-byzantine`` daemon (a lab's fault injector), or None for honest ones."""
+    if mode is None:
+        return None
+    from .tools.faults import byzantine
+
+    return byzantine(mode)
+
+
 def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import trio
 
@@ -461,7 +474,8 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         loss=args.loss,
         loss_seed=args.loss_seed,
         relay=not args.no_relay,
-        byzantine=args.fault_byzantine,
+        group_factory=_fault_factory(args.fault_byzantine),
+        caps=cap_config(args),
     )
     try:
         daemon = Daemon(config)
@@ -644,6 +658,9 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.bench_command == "step":
         from .tools.bench.step import cmd_bench_step
         return cmd_bench_step(args, parser)
+    if args.bench_command == "caps":
+        from .tools.bench.caps import cmd_bench_caps
+        return cmd_bench_caps(args, parser)
     if args.bench_command == "soak":
         from .tools.bench.soak import cmd_bench_soak
         return cmd_bench_soak(args, parser)

@@ -22,7 +22,7 @@ from peerd.allreduce.arctopk import (
     ratio_of_plan,
     service_arc_topk,
 )
-from peerd.allreduce.codec import peek_group
+from peerd.allreduce.frames import peek_group
 from peerd.allreduce.service import Member
 from peerd.compress import codec
 from peerd.compress.topk import EF21M
@@ -370,7 +370,7 @@ def test_a_moshpit_run_in_arc_topk_keeps_its_ef21m_state_and_every_member_holds_
         assert all(np.array_equal(r.vector, out[0].vector) for r in out)  # the same u everywhere
         assert all(r.bytes_sent > 0 for r in out)
     stats, h = results[2]
-    assert stats["compression"] == "arc-topk" and stats["topk_ratio"] == 0.25 and stats["ef"]
+    assert stats.compression == "arc-topk" and stats.topk_ratio == 0.25 and stats.ef
     assert results[3] == [2, 2, 2]
     # the same layout and group in round 2: the run kept its state, h = 0.5 x + 0.5 (2 x) (a reset: h = 2 x)
     np.testing.assert_allclose(h, 1.5 * xs[0], rtol=1e-6)

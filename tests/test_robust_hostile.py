@@ -16,6 +16,7 @@ from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GroupAverage
 from peerd.allreduce.robust import WEIGHT_BOUND, Robust
 from peerd.compress.topk import EF21M
 from peerd.moshpit.keys import Grid
+from peerd.tools.faults import byzantine
 
 from .test_allreduce_core import GROUP, Net, payload_for
 from .test_compress_arctopk import SHAPES, plan_for, run_group, wmean
@@ -44,8 +45,8 @@ def test_a_claimed_huge_weight_does_not_undo_clipping_hostile() -> None:
     ws = [32.0] * n
     ws[0] = DEFAULT_MAX_WEIGHT
     honest = np.mean(np.stack(xs[1:]).astype(np.float64), axis=0)
-    cores = [GroupAverage(GROUP, n, i, xs[i], ws[i], 0.0, max_payload=payload_for(PER), robust=Robust("clip", 1.0),
-                          byzantine="signflip" if i == 0 else None) for i in range(n)]
+    cores = [byzantine("signflip" if i == 0 else None)(GROUP, n, i, xs[i], ws[i], 0.0, max_payload=payload_for(PER),
+                                                       robust=Robust("clip", 1.0)) for i in range(n)]
     Net(cores).run()
     a, b = length // n, length  # shards 1..7: honest owners
     for i in range(1, n):

@@ -4,7 +4,7 @@ Sans-I/O: ``GroupAverage`` takes bodies and an injected ``now`` and hands out bo
 deadline; a trio driver (or the simulator) does the I/O. protocol/allreduce.md is the normative text.
 """
 
-from .codec import (
+from .frames import (
     END_REPEATS,
     HEADER,
     HEADER_SIZE,

@@ -11,7 +11,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,8 +25,8 @@ from ..wire import messages as m
 from ..wire.envelope import Header
 from ..wire.identity import node_id_of
 from ..wire.seal import TokenState
-from .codec import BodyType
-from .group import GroupStats
+from .frames import BodyType
+from .group import GroupAverage, GroupStats
 from .host import (
     DATA_TYPES,
     END_SPACING_S,
@@ -74,21 +74,17 @@ class AverageResult:
 
 
 class AllreduceService:
-    """``byzantine``: a fault-injection hook for demos and benches ONLY. Set to one of "scale", "signflip",
-    "nan", "random", "inflate-signflip", this node corrupts its own reduce-scatter contributions before sending
-    them (x1000, x-1, NaN, gaussian noise of 100x the vector's RMS, x-1 claiming 2**24 samples); its own shard
-    and its all-gather stay honest."""
+    """This node's averages over its endpoint. ``group_factory``: what builds each group's core (GroupAverage by
+    default; a lab passes a fault injector's, peerd.tools.faults)."""
 
     def __init__(
-        self, endpoint: Endpoint, metrics: Metrics, *, pacer: Pacer | None = None, byzantine: str | None = None
+        self, endpoint: Endpoint, metrics: Metrics, *, pacer: Pacer | None = None,
+        group_factory: Callable[..., GroupAverage] = GroupAverage,
     ) -> None:
         self.endpoint = endpoint
         self.metrics = metrics
-        self.host = AveragingHost(max_body=endpoint.max_body, mtu=endpoint.mtu, pacer=pacer, byzantine=byzantine,
-                                  split_values=True, end_spacing_s=END_SPACING_S)
-        if byzantine is not None:
-            log.warning("!!! BYZANTINE FAULT INJECTION ON: this node corrupts every reduce-scatter contribution it"
-                        " sends (%s). For demos and benchmarks only; never in a real swarm !!!", byzantine)
+        self.host = AveragingHost(max_body=endpoint.max_body, mtu=endpoint.mtu, pacer=pacer,
+                                  group_factory=group_factory, split_values=True, end_spacing_s=END_SPACING_S)
         self._wake: dict[int, trio.Event] = {}
         self._expiring = False  # the held-data expiry task is running
         self._rate_shown: float | None = None  # the pacing rate the gauge shows
@@ -103,10 +99,6 @@ class AllreduceService:
     @property
     def pacer(self) -> Pacer:
         return self.host.pacer
-
-    @property
-    def byzantine(self) -> str | None:
-        return self.host.byzantine
 
     # -- what arrives (the endpoint's handlers: synchronous) --------------------------------------
     def _on_data(self, header: Header, body: bytes, state: TokenState, source: Address) -> None:
@@ -154,9 +146,9 @@ class AllreduceService:
     async def _expire_held(self) -> None:
         """Expire held bodies when the host says, not only when the next one arrives; ends when none is held."""
         try:
-            while (at := self.host.held_expiry()) is not None:
+            while (at := self.host.get_held_timer()) is not None:
                 await trio.sleep_until(at)
-                self._run(self.host.expire_held(trio.current_time()))
+                self._run(self.host.handle_held_timer(trio.current_time()))
         except Exception:  # never take the daemon down (a system task's error would end the whole run)
             log.exception("allreduce: expiring held data failed")
             self.metrics.background_errors.labels("allreduce_held").inc()
@@ -227,7 +219,8 @@ class AllreduceService:
                 self._run(a for a in actions if type(a) is not Bind)
                 while not host.finished(group_id):
                     while host.wants_to_send(group_id):
-                        await self._send_blocks(host.next_sends(group_id, host.send_window(group_id)), members,
+                        await self._send_blocks(host.datagrams_to_send(group_id, trio.current_time(),
+                                                                        host.send_window(group_id)), members,
                                                 sent)
                     copies = host.due_copies(group_id, trio.current_time())
                     if copies:
@@ -235,12 +228,12 @@ class AllreduceService:
                     if host.finished(group_id):
                         break
                     wake = self._wake[group_id] = trio.Event()
-                    at = host.deadline(group_id, trio.current_time())
+                    at = host.get_timer(group_id, trio.current_time())
                     with trio.move_on_at(at) as timer:
                         await wake.wait()
                     if timer.cancelled_caught:  # a deadline: first what reached the socket before it
                         await self._wait_caught_up(at, floor_s)
-                    self._run(host.on_timer(group_id, trio.current_time()))
+                    self._run(host.handle_timer(group_id, trio.current_time()))
                 nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
             # END copies not due yet: nothing here waits for them, and members may still (they go at once)
             await self._send_blocks(host.due_copies(group_id, math.inf), members, sent)

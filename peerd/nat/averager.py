@@ -31,6 +31,7 @@ class PathsFirst:
         self._nat = nat
         nat.uplink = getattr(allreduce, "pacer", None)  # what it relays shares the uplink with its own data
         self._timeout = timeout
+        self.plan: Any = None  # plan(members) after the paths, before the average: the link caps' sender limits
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -44,6 +45,8 @@ class PathsFirst:
             log.info("paths to group %08x's members took %.1f s: %s", group_id, took,
                      ", ".join(f"{n.hex()[:8]} {k or 'none'}" for n, k in kinds.items()))
         self.pace_relayed(kinds)
+        if self.plan is not None:
+            self.plan(members)
         return await self._inner.average(group_id, members, *args, **kwargs)
 
     def pace_relayed(self, kinds: dict[bytes, str | None]) -> None:

@@ -134,8 +134,8 @@ class GlooBaseline:
 def fp32_bytes_per_peer(size: int, peers: int, mtu: int, insecure: bool) -> float:
     """What a member sends in one fp32 average of ``size`` elements, on average over the members (data datagrams
     and END repeats, sealed): the denominator of ``wire_ratio``."""
-    from ...allreduce.codec import END_REPEATS
-    from ...allreduce.codec import HEADER_SIZE as TENSOR_HEADER
+    from ...allreduce.frames import END_REPEATS
+    from ...allreduce.frames import HEADER_SIZE as TENSOR_HEADER
     from ...allreduce.shards import Layout, elements_per_datagram
     from ...wire.envelope import HEADER_SIZE as ENVELOPE
     from ...wire.seal import TAG_SIZE

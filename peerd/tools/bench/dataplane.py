@@ -53,7 +53,7 @@ def run(members: int, size: int, mtu: int, native: bool, sealed: bool, in_place:
     while not all(c.finished for c in cores):
         for i, core in enumerate(cores):
             t0 = clock()
-            blocks = core.next_blocks(rows, 1 << 30)
+            blocks = core.blocks_to_send(rows, 1 << 30)
             cpu["pack"] += clock() - t0
             for b in blocks:
                 t0 = clock()

@@ -35,14 +35,14 @@ MAX_BENCH_ELEMENTS = 1 << 28  # 1 GiB of float32
 
 # What ``--profile`` times, stage -> (class, method): each a synchronous call over a block (or one datagram),
 # so a wrapper's microsecond is small beside it. Nested stages are exclusive: the all-gather's finalize runs
-# inside ``next_blocks`` and counts as finalize only.
+# inside ``blocks_to_send`` and counts as finalize only.
 STAGES: dict[str, tuple[type, str]] = {
     "seal": (_seal.Sealer, "seal_block"),
     "seal_one": (_seal.Sealer, "seal"),
     "seal_split": (_seal.Sealer, "seal_split"),
     "open": (_seal.Opener, "open_block"),
     "open_one": (_seal.Opener, "open"),
-    "pack": (_group.GroupAverage, "next_blocks"),
+    "pack": (_group.GroupAverage, "blocks_to_send"),
     "finalize": (_group.GroupAverage, "_finalize_through"),
     "receive_block": (_group.GroupAverage, "receive_block"),
     "receive_one": (_group.GroupAverage, "receive"),

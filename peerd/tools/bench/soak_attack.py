@@ -29,11 +29,11 @@ import msgpack
 import numpy as np
 
 from ...allreduce.arctopk import phase_group_id
-from ...allreduce.codec import HEADER as BODY_HEADER
-from ...allreduce.codec import BodyType
+from ...allreduce.frames import HEADER as BODY_HEADER
+from ...allreduce.frames import BodyType
 from ...dht.records import Record
 from ...statesync.service import Advert, ad_key
-from ...trainer.outer import OuterRecord, record_key
+from ...trainer.records import OuterRecord, record_key
 from ...wire import messages as m
 from ...wire.envelope import FLAG_SEALED, HEADER, MAGIC, VERSION
 from ...wire.errors import WireError

@@ -1,4 +1,6 @@
-"""Tensor datagram bodies (protocol/allreduce.md, "Body").
+"""Framing of tensor datagram bodies: the 19-byte header and blocks of bodies (protocol/allreduce.md, "Body").
+
+The codecs that encode the values inside a body live in ``peerd.compress``; this module only frames them.
 
 A body is a fixed 19-byte little-endian header followed by a codec body (protocol/codecs.md): for codec 0,
 raw little-endian float32 values, so the fp32 data path never encodes per element; for codecs 1..4 (fp16,
@@ -26,8 +28,8 @@ from ..wire.errors import WireError
 HEADER = struct.Struct("<IBIIHf")
 HEADER_SIZE = HEADER.size  # 19
 MAX_COUNT = 0xFFFF
-FLOAT32 = np.dtype("<f4")
-CODEC_FLOAT32 = 0
+F32_DTYPE = np.dtype("<f4")  # the numpy dtype of float32 values on the wire (little-endian)
+FP32_WIRE_ID = 0  # the header's codec byte for plain float32 bodies (compress.Float32Codec.wire_id)
 KNOWN_CODECS = frozenset(range(len(CODEC_NAMES)))  # fp32, fp16, bf16, int8, int4; 5..255 are reserved
 END_REPEATS = 3  # the driver sends each END body this many times (it is the only loss protection it has)
 
@@ -58,11 +60,11 @@ class BodyHeader(NamedTuple):
 def pack_data(group: int, total: int, offset: int, weight: float, values: np.ndarray | memoryview) -> bytes:
     """A DATA body: header then the values' bytes (one copy: the join)."""
     count = len(values)
-    header = HEADER.pack(group, CODEC_FLOAT32, total, offset, count, weight)
+    header = HEADER.pack(group, FP32_WIRE_ID, total, offset, count, weight)
     return b"".join((header, values))
 
 
-def pack_end(group: int, total: int, offset: int, weight: float, codec: int = CODEC_FLOAT32) -> bytes:
+def pack_end(group: int, total: int, offset: int, weight: float, codec: int = FP32_WIRE_ID) -> bytes:
     """An END body: the stream's header with count 0 and no values; offset is the shard start."""
     return HEADER.pack(group, codec, total, offset, 0, weight)
 
@@ -96,13 +98,13 @@ def check_header(mtype: int, body: bytes | memoryview, codec: Codec | None = Non
         raise WireError("malformed", f"tensor body of {size} bytes is shorter than its {HEADER_SIZE}-byte header")
     h = HEADER.unpack_from(body)
     _, cid, _, _, count, w = h
-    want = CODEC_FLOAT32 if codec is None else codec.wire_id
+    want = FP32_WIRE_ID if codec is None else codec.wire_id
     if cid != want:
         if cid not in KNOWN_CODECS:
             raise WireError("malformed", f"unknown codec {cid}")
         raise WireError("codec", f"a body in codec {CODEC_NAMES[cid]}; this group averages in {CODEC_NAMES[want]}")
     if mtype in DATA_TYPES:
-        need = 4 * count if codec is None or want == CODEC_FLOAT32 else codec.body_size(count)
+        need = 4 * count if codec is None or want == FP32_WIRE_ID else codec.body_size(count)
         if count == 0 or size != HEADER_SIZE + need:
             raise WireError("malformed", f"data body of {size} bytes says it holds {count} values in codec {want}")
     elif count != 0 or size != HEADER_SIZE:
@@ -114,7 +116,7 @@ def check_header(mtype: int, body: bytes | memoryview, codec: Codec | None = Non
 
 def values(body: bytes | memoryview, count: int) -> np.ndarray:
     """The body's values as a read-only float32 view (no copy)."""
-    return np.frombuffer(body, dtype=FLOAT32, count=count, offset=HEADER_SIZE)
+    return np.frombuffer(body, dtype=F32_DTYPE, count=count, offset=HEADER_SIZE)
 
 
 @lru_cache(maxsize=64)
@@ -123,7 +125,7 @@ def block_dtype(count: int) -> np.dtype:
     checked column by column instead of datagram by datagram. Same bytes as ``HEADER`` + values."""
     return np.dtype(
         [("group", "<u4"), ("codec", "u1"), ("total", "<u4"), ("offset", "<u4"), ("count", "<u2"),
-         ("weight", "<f4"), ("values", FLOAT32, (count,))]
+         ("weight", "<f4"), ("values", F32_DTYPE, (count,))]
     )
 
 
@@ -134,10 +136,10 @@ def pack_block(group: int, total: int, offset: int, weight: float | np.ndarray, 
     rows, count = values.shape
     width = HEADER_SIZE + 4 * count
     out = np.empty((rows, width), dtype=np.uint8)
-    out[:, :HEADER_SIZE] = np.frombuffer(HEADER.pack(group, CODEC_FLOAT32, total, offset, count, 0.0), np.uint8)
+    out[:, :HEADER_SIZE] = np.frombuffer(HEADER.pack(group, FP32_WIRE_ID, total, offset, count, 0.0), np.uint8)
     out[:, 9:13] = np.arange(offset, offset + rows * count, count, dtype="<u4").view(np.uint8).reshape(rows, 4)
     out[:, 15:19] = np.asarray(weight, dtype="<f4").reshape(-1, 1).view(np.uint8)
-    out[:, HEADER_SIZE:] = np.ascontiguousarray(values, dtype=FLOAT32).view(np.uint8)
+    out[:, HEADER_SIZE:] = np.ascontiguousarray(values, dtype=F32_DTYPE).view(np.uint8)
     return out
 
 
