@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from ..transport.endpoint import Address
-
+Address = tuple[str, int]  # (host, port), as the transport gives a peer's address
 MAX_GROUP = 64  # members of one group (Moshpit's MAX_GROUP)
 MAX_LENGTH = 2**32 - 1  # elements (allreduce offsets are u32)
 SHA = 32

@@ -7,7 +7,13 @@ kernel drop counts, buffer sizes), and a test or simulator socket declares what 
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from ..wire.native import native
 
 
 @dataclass(slots=True)
@@ -34,3 +40,12 @@ class SocketCaps:
 def plain_caps() -> SocketCaps:
     """A socket with none of the batching capabilities (an in-memory test socket): recv_batch, send_many."""
     return SocketCaps()
+
+
+def native_receive() -> Callable[..., Any] | None:
+    """The C receive pass (dataplane.c recv_batch), where the extension is loaded and has it on Linux.
+    PEERD_DATAPLANE=python (no extension at all) or PEERD_NATIVE_RECV=0 (the receive pass alone, for A/B
+    measurements) run the Python loop, the reference."""
+    if not sys.platform.startswith("linux") or os.environ.get("PEERD_NATIVE_RECV", "1") == "0":
+        return None
+    return getattr(native, "recv_batch", None)

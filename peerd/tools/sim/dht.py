@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ...dht.core import FILL_ALPHA, REPLICAS, DhtCore, Ping
+from ...dht.core import FILL_ALPHA, REPLICAS, DhtCore
 from ...dht.lookup import SLOW_QUERY_S, Lookup
 from ...dht.reads import Enough, Owners, near_holders, read_page, signed_part
 from ...dht.records import Record, location, merge_newest
@@ -178,14 +178,13 @@ class Node:
     def receive(self, src: Any, payload: tuple) -> None:
         if payload[0]:
             _, rid, mtype, body, sender = payload
-            ping = self.core.request_from(sender, self.net.now)
-            if ping is not None:
-                self.act(ping)
+            self.core.request_from(sender, self.net.now)
+            self.act()
             now = self.net.now
             if mtype is FIND_NODE:
                 reply: Any = self.core.find_node(body, ordered=False)  # Walk and Lookup rank them: no sort
             elif mtype is FIND_VALUE:
-                reply = self.core.find_value(body, 0, now, ordered=False)
+                reply = self.core.find_value(body, 0, (), now, ordered=False)
             elif mtype is STORE:
                 reply = self.core.store_records(body, now)
             else:
@@ -199,28 +198,28 @@ class Node:
         if rpc.first:  # Karn's rule: only an unambiguous round trip is a sample
             self.rto.sample(src, self.net.now - rpc.sent_at)
         if rpc.table:
-            ping = self.core.heard(sender, self.net.now)
-            if ping is not None:
-                self.act(ping)
+            self.core.heard(sender, self.net.now)
+            self.act()
         rpc.done(rpc, reply, sender)
 
     # -- the DHT shell (DhtService's, without trio) -------------------------------------------------
-    def act(self, ping: Ping | None) -> None:
-        """Carry out the core's PING: a newcomer to verify, or a full bucket's oldest contact to check."""
-        if ping is None:
-            return
-        if ping.why == "verify":
-            self.request(ping.contact, PING, None, self._verified, ping)
-        else:
-            self.request(ping.contact, PING, None, self._checked, ping, table=True)
+    def act(self) -> None:
+        """Carry out the core's PINGs: a newcomer to verify, or a full bucket's oldest contact to check."""
+        for ping in self.core.take_actions():
+            if ping.why == "verify":
+                self.request(ping.contact, PING, None, self._verified, ping)
+            else:
+                self.request(ping.contact, PING, None, self._checked, ping, table=True)
 
     def _verified(self, rpc: _Rpc, reply: Any, sender: Contact | None) -> None:
         ping = rpc.arg
         ok = sender is not None and sender.node_id == ping.contact.node_id
-        self.act(self.core.pinged(ping, sender if ok else None, self.net.now))
+        self.core.pinged(ping, sender if ok else None, self.net.now)
+        self.act()
 
     def _checked(self, rpc: _Rpc, reply: Any, sender: Contact | None) -> None:
-        self.act(self.core.pinged(rpc.arg, sender, self.net.now))
+        self.core.pinged(rpc.arg, sender, self.net.now)
+        self.act()
 
     def rpc(self, contact: Contact, mtype: m.MsgType, body: Any, done: Done, arg: Any = None) -> None:
         """DhtService._rpc: an answer is heard (it may enter the table); no answer removes the contact."""
@@ -266,7 +265,7 @@ class Node:
                 left[0] -= 1
                 if not left[0]:
                     if len(answered) == len(closest):
-                        self.core.stored_on(target, self.net.now, answered)
+                        self.core.stored_on(target, answered, self.net.now)
                     done(left[1])
 
             for contact in closest:
@@ -285,7 +284,8 @@ class Node:
             if sender is None:
                 self.net.call_later(BOOTSTRAP_RETRY_S, self.join, bootstrap, done, owner=self.addr)
                 return
-            self.act(self.core.heard(sender, self.net.now))
+            self.core.heard(sender, self.net.now)
+            self.act()
             self.find_nodes(self.core.node_id, lambda walk, found: looked_up())
 
         def looked_up() -> None:
