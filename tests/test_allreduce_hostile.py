@@ -15,6 +15,7 @@ from peerd.allreduce.frames import pack_block
 from peerd.allreduce.group import DEFAULT_MAX_WEIGHT
 from peerd.allreduce.held import ENTRY_OVERHEAD, HeldData
 from peerd.allreduce.host import RECENT_GROUPS, AveragingHost, Dropped, PacerVerdict
+from peerd.allreduce.options import AverageOptions
 from peerd.allreduce.service import AllreduceService
 from peerd.tools.faults import byzantine
 from peerd.transport.pacing import Pacer, Report
@@ -284,8 +285,8 @@ def test_service_counts_refused_contributions_and_caps_weights() -> None:
             members = [node.member() for node in nodes]
 
             async def one(i: int) -> None:
-                results[i] = await nodes[i].service.average(9, members, i, xs[i], ws[i], floor_s=0.5,
-                                                            max_weight=None if i == 2 else 100.0)
+                results[i] = await nodes[i].service.average(
+                    9, members, i, xs[i], ws[i], AverageOptions(floor_s=0.5, max_weight=None if i == 2 else 100.0))
 
             async with trio.open_nursery() as g:
                 for i in range(n):
