@@ -456,7 +456,7 @@ class AveragingHost:
             return None
         actions: list[Action] = []
         if result[2]:
-            actions.append(Dropped(Outcome.LATE.value, result[2]))
+            actions.append(Dropped(Outcome.LATE.reason, result[2]))
         if core.phase_changes != before or (not g.heard[index] and hear(g, index)):
             actions.append(Wake(core.group_id))
         return actions
@@ -564,7 +564,7 @@ class AveragingHost:
         """Keep data for a group this node has not started yet: its members may start first. A group that
         finished here takes nothing more: its stragglers are late, not worth holding for 10 s."""
         if group in self._recent:  # (END repeats routinely outlive their phase: not worth a count either)
-            return (Dropped(Outcome.LATE.value),) if mtype in DATA_TYPES else _NONE
+            return (Dropped(Outcome.LATE.reason),) if mtype in DATA_TYPES else _NONE
         kept, dropped, timer = self._keep(group, token, peer, mtype, body, now)
         if not kept:
             dropped += 1
@@ -607,8 +607,8 @@ class AveragingHost:
             opened = outcome is Outcome.ACCEPTED and not g.heard[index] and hear(g, index)
             return (Wake(core.group_id),) if core.phase_changes != before or opened else _NONE
         if core.phase_changes != before:
-            return (Dropped(outcome.value), Wake(core.group_id))
-        return (Dropped(outcome.value),)
+            return (Dropped(outcome.reason), Wake(core.group_id))
+        return (Dropped(outcome.reason),)
 
     def _deliver_held(self, g: RunningGroup, peer: bytes | None, token: int, mtype: int, body: bytes | np.ndarray,
                       now: float, drops: Counter[str], actions: list[Action]) -> None:
