@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from .addresses import parse_hostport
+from .linkcap.args import add_cap_arguments, cap_config
 from .localsock.client import DaemonError, LocalClient, default_socket_path
 
 DEFAULT_PORT = 7411
@@ -63,7 +64,7 @@ def _layout(text: str) -> tuple[int, int]:
 
 
 def _size(text: str) -> int:
-    from .bench.allreduce import parse_size
+    from .tools.bench.allreduce import parse_size
 
     try:
         return parse_size(text)
@@ -72,7 +73,7 @@ def _size(text: str) -> int:
 
 
 def _robust(text: str) -> str:
-    from .demo_train import robust_option
+    from .tools.demo_train import robust_option
 
     return robust_option(text)
 
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 5): more survive heavier churn, each costs one more message per write and read")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="how much the daemon logs to stderr (default info)")
+    add_cap_arguments(p)
     lab = _lab(p)
     lab.add_argument("--loss", type=float, default=0.0, metavar="P",
                      help="drop received datagrams with probability P, to see how training copes (default 0)")
@@ -264,15 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--window", type=float, default=3.0, metavar="SECONDS",
                    help="matchmaking window: a group that cannot fill closes after this (default 3)")
     b.add_argument("--seed", type=int, default=0, help="seed of vectors, cells and victims (default 0)")
-    from .demo_train import add_compression_arguments
+    from .tools.demo_train import add_compression_arguments
 
     add_compression_arguments(b)
     _link_args(b)
     b.add_argument("--json", action="store_true", help="print JSON")
-    from .bench.dht import add_parser as add_dht_parser
+    from .tools.bench.dht import add_parser as add_dht_parser
     add_dht_parser(bench)
-    from .bench.step import add_parser as add_step_parser
+    from .tools.bench.step import add_parser as add_step_parser
     add_step_parser(bench)
+    from .tools.bench.caps import add_parser as add_caps_parser
+    add_caps_parser(bench)
     b = bench.add_parser("soak", help="4 sealed daemons average while a member attacker and an outsider flood them")
     b.add_argument("--datagrams", type=int, default=1_000_000, metavar="N", help="attack datagrams (default 1M)")
     b.add_argument("--size", type=_size, default=1_000_000, metavar="S", help="float32 elements averaged (default 1M)")
@@ -336,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mlp: 4,810 parameters; wide: 64-2048-1024-10, 2.24 M parameters, so a 100 Mbit link "
                         "matters; gpt: a character-level transformer (0.84 M) on Python's own source, AdamW, "
                         "clipping, a cosine schedule (default mlp)")
-    from .demo import add_gpt_arguments
+    from .tools.demo import add_gpt_arguments
 
     add_gpt_arguments(p)
     p.add_argument("--baseline", choices=["gloo", "ddp"], default=None,
@@ -350,14 +354,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo-trainer", aliases=["train"],
                        help="the demo's trainer (a small model on handwritten digits) beside a running daemon "
                             "(needs torch)")
-    from .demo_train import add_train_arguments
+    from .tools.demo_train import add_train_arguments
 
     add_train_arguments(p)
 
     p = sub.add_parser("sim", help="virtual-time swarm of many peers' real protocol cores in one process")
     sim = p.add_subparsers(dest="sim_command", required=True, metavar="{dht,moshpit}")
     for name in ("dht", "moshpit"):
-        importlib.import_module(f".sim.{name}", __package__).add_arguments(sim)
+        importlib.import_module(f".tools.sim.{name}", __package__).add_arguments(sim)
     _group_commands(parser, sub)
     return parser
 
@@ -471,6 +475,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         loss_seed=args.loss_seed,
         relay=not args.no_relay,
         group_factory=_fault_factory(args.fault_byzantine),
+        caps=cap_config(args),
     )
     try:
         daemon = Daemon(config)
@@ -478,7 +483,10 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
     _log_format(daemon.listen[1])
+    from .tools.bench.ops import install_bench_ops
     from .wire.native import announce
+
+    install_bench_ops(daemon)  # what `peerd bench allreduce` drives (tooling, added from outside the daemon)
 
     announce(now=True)  # which data plane runs, and why: once the log lines carry the port
     if args.insecure:
@@ -591,7 +599,7 @@ def cmd_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_swarm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .swarm import run_swarm
+    from .tools.swarm import run_swarm
 
     if args.peers < 1:
         parser.error("--peers must be at least 1")
@@ -599,7 +607,7 @@ def cmd_swarm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _link_rate(text: str) -> str:
-    from .lab.links import parse_rate
+    from .tools.lab.links import parse_rate
 
     try:
         parse_rate(text)
@@ -634,7 +642,7 @@ def _check_link_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if args.link and getattr(args, "mtu", 0) > 1472:
         parser.error("--mtu above 1472 is refused with --link: nothing may rely on IP fragmentation")
     if args.link:
-        from .lab.links import lab_unavailable
+        from .tools.lab.links import lab_unavailable
 
         why = lab_unavailable()
         if why:
@@ -645,15 +653,18 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.bench_command == "moshpit":
         return cmd_bench_moshpit(args, parser)
     if args.bench_command == "dht":
-        from .bench.dht import cmd_bench_dht
+        from .tools.bench.dht import cmd_bench_dht
         return cmd_bench_dht(args, parser)
     if args.bench_command == "step":
-        from .bench.step import cmd_bench_step
+        from .tools.bench.step import cmd_bench_step
         return cmd_bench_step(args, parser)
+    if args.bench_command == "caps":
+        from .tools.bench.caps import cmd_bench_caps
+        return cmd_bench_caps(args, parser)
     if args.bench_command == "soak":
-        from .bench.soak import cmd_bench_soak
+        from .tools.bench.soak import cmd_bench_soak
         return cmd_bench_soak(args, parser)
-    from .bench.allreduce import AllreduceBenchConfig, run_allreduce_bench
+    from .tools.bench.allreduce import AllreduceBenchConfig, run_allreduce_bench
 
     if args.peers < 2:
         parser.error("--peers must be at least 2")
@@ -672,8 +683,8 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error("--baseline gloo cannot run with --nat (gloo's TCP does not traverse NATs)")
         if args.mtu > 1472:
             parser.error("--mtu above 1472 is refused with --nat: nothing may rely on IP fragmentation")
-        from .lab.links import LabError
-        from .lab.nat import NatLab
+        from .tools.lab.links import LabError
+        from .tools.lab.nat import NatLab
 
         lab = NatLab(["public", args.nat], args.link)
         try:
@@ -719,8 +730,8 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_bench_moshpit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .bench.moshpit import MoshpitBenchConfig, run_moshpit_bench
     from .moshpit.keys import Grid
+    from .tools.bench.moshpit import MoshpitBenchConfig, run_moshpit_bench
 
     if not 0.0 <= args.loss < 1.0:
         parser.error("--loss must be in [0, 1)")
@@ -749,7 +760,7 @@ def cmd_bench_moshpit(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .demo import DemoConfig, gpt_options, run_demo
+    from .tools.demo import DemoConfig, gpt_options, run_demo
 
     if args.peers < 1 or args.steps < 1:
         parser.error("--peers and --steps must be at least 1")
@@ -796,13 +807,13 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .demo_train import run_train
+    from .tools.demo_train import run_train
 
     return run_train(args)
 
 
 def cmd_sim(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    return importlib.import_module(f".sim.{args.sim_command}", __package__).run(args, parser)
+    return importlib.import_module(f".tools.sim.{args.sim_command}", __package__).run(args, parser)
 
 
 _COMMANDS = {

@@ -19,12 +19,13 @@ from prometheus_client import start_http_server
 from . import __version__
 from ._dataplane.heap import keep_freed_memory
 from .addresses import family_of, format_hostport, peer_address, resolve_ip
-from .allreduce.bench_ops import BenchOps
 from .allreduce.group import GroupAverage
 from .allreduce.service import AllreduceService
 from .dht import BootstrapError, DhtService
 from .dht.core import REPLICAS
 from .dht.reads import Agreed, AnyOf, Enough, Owners
+from .linkcap import CapConfig, LinkCap
+from .linkcap.shell import CappedSocket, CapTicker, clamp_pacer, limit_senders
 from .localsock.access import AccessError, resolve_group
 from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
@@ -71,6 +72,7 @@ class DaemonConfig:
     dht_replicas: int = REPLICAS  # nodes closest to a key that this node's puts store on and full reads ask
     # lab only: what builds this node's averaging cores instead of GroupAverage (a fault injector: peerd.tools.faults)
     group_factory: Callable[..., GroupAverage] | None = None
+    caps: CapConfig = field(default_factory=CapConfig)  # --max-upload, --max-download, --budget
 
 
 
@@ -152,9 +154,10 @@ class Daemon:
                     f"node its own --metrics PORT (0 picks a free one), or leave --metrics out"
                 ) from None
         self.socket = UdpSocket(self.udp, gso=not config.no_gso)
+        self.linkcap = LinkCap(config.caps, 0.0, datagram=config.mtu) if config.caps.active else None
         try:
             self.endpoint = Endpoint(
-                self.socket,
+                self.socket if self.linkcap is None else CappedSocket(self.socket, self.linkcap),
                 self.identity,
                 secret,
                 self.metrics,
@@ -170,17 +173,19 @@ class Daemon:
         self.nat = NatService(self.endpoint, self.metrics, relay=config.relay, contact_of=self._dht_contact,
                               on_verdict=self._on_reachability)
         self.allreduce = AllreduceService(self.endpoint, self.metrics, **allreduce_kwargs)
-        self.bench = BenchOps(PathsFirst(self.allreduce, self.nat), self.socket)
+        paths = PathsFirst(self.allreduce, self.nat)
         self.moshpit = MoshpitService(
-            self.endpoint, self.dht, PathsFirst(self.allreduce, self.nat), self.metrics,
+            self.endpoint, self.dht, paths, self.metrics,
             address=announce or self.listen, max_group=config.max_group,
         )  # (a path to every group member before tensor data: peerd/nat/averager.py)
+        if self.linkcap is not None:  # a group's senders stay under its download-capped members' caps
+            paths.plan = lambda members: limit_senders(self.allreduce.pacer, members, self.moshpit.peer_caps,
+                                                       config.mtu)
         self.metrics.info.info({"version": __version__, "peer_id": self.identity.node_id.hex()})
         for op, handler in {
             "status": self._op_status,
             "dht_put": self._op_dht_put,
             "dht_get": self._op_dht_get,
-            **self.bench.ops(),
             **MoshpitOps(self.moshpit).ops(),
         }.items():
             local.register(op, handler)
@@ -190,6 +195,13 @@ class Daemon:
         self.trainer = TrainerService(self.metrics, self.moshpit.average, statesync=self.statesync,
                                       peer_id=self.identity.node_id.hex(), average_parts=self.moshpit.average_parts)
         self.trainer.register(local)
+
+    def add_ops(self, ops: dict[str, Any]) -> None:
+        """Serve more local-socket ops (name -> async handler): how tooling (``peerd.tools``) extends a daemon
+        from outside, so the daemon itself imports none of it."""
+        assert self.local is not None  # set by _start, which __init__ runs before returning
+        for op, handler in ops.items():
+            self.local.register(op, handler)
 
     def close(self) -> None:
         if self.local is not None:
@@ -210,6 +222,8 @@ class Daemon:
                 await nursery.start(self.dht.run)
                 await nursery.start(self.nat.run)
                 await nursery.start(self.moshpit.run)
+                if self.linkcap is not None:
+                    await nursery.start(CapTicker(self.linkcap, self._received, self._on_caps).run)
                 await nursery.start(self.local.serve)
                 log.info(
                     "peer %s listening on %s, local socket %s%s",
@@ -253,6 +267,18 @@ class Daemon:
         return (f"Likely causes: a different swarm key from the swarm's; another node already running with this "
                 f"identity{reuse}; a firewall or a wrong address/port. 'peerd status' on the bootstrap node shows "
                 f"its dropped datagrams by reason (auth: wrong swarm key; self: identity in use twice).")
+
+    def _received(self) -> tuple[int, int]:
+        """What arrived so far: payload bytes and (estimated from them) datagrams, for the download accounting."""
+        nbytes = int(self.metrics.bytes_received._value.get())
+        return nbytes, nbytes // self.config.mtu
+
+    def _on_caps(self, core: LinkCap) -> None:
+        """The caps in force changed: the averaging pacer's ceiling and the matchmaking records follow."""
+        clamp_pacer(self.allreduce.pacer, core.pacer_ceiling())
+        self.moshpit.cap_ad = core.advert()
+        for st in self.moshpit.runs.values():
+            st.core.cap_ad = self.moshpit.cap_ad
 
     def _dht_contact(self, node_id: bytes) -> tuple[str, int] | None:
         """Where the DHT knows ``node_id`` (for a peer first heard of through a relay)."""
@@ -298,8 +324,9 @@ class Daemon:
             "dataplane": dataplane(),
             "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
             "datagrams_dropped": dropped,
-            "moshpit": self.moshpit.statistics(),
+            "moshpit": dataclasses.asdict(self.moshpit.statistics())["runs"],
             "trainers": self.trainer.statistics(),  # each session's latest step by phase, codec and auto choice
+            "caps": None if self.linkcap is None else dataclasses.asdict(self.linkcap.statistics()),
             **self.nat.status(),  # reachability, observed_addr, peers_known, paths, path_datagrams, ...
         }
 

@@ -34,7 +34,7 @@ from peerd.allreduce import (
     parse_header,
     peek_group,
 )
-from peerd.sim.net import Link, Network
+from peerd.tools.sim.net import Link, Network
 from peerd.wire.errors import WireError
 
 RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
@@ -63,7 +63,7 @@ class Wire:
 
 
 class Net:
-    """Delivers bodies between cores over the one in-memory network (peerd/sim/net.py) in virtual time:
+    """Delivers bodies between cores over the one in-memory network (peerd/tools/sim/net.py) in virtual time:
     each sender sends one copy every ``gap`` seconds (all its links together), each copy arrives
     ``latency`` (+ optional jitter, which reorders; + ``end_delay`` for END markers) later unless ``drop``
     says otherwise; ``dup`` delivers a copy twice. The network's heap holds the sends and arrivals; time

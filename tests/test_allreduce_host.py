@@ -1,5 +1,5 @@
 """The averaging host in virtual time, with no trio and no sockets: several nodes' AveragingHosts over the
-one in-memory network (peerd/sim/net.py) with exact loss patterns, token bindings that arrive when the test
+one in-memory network (peerd/tools/sim/net.py) with exact loss patterns, token bindings that arrive when the test
 says, and start times per node. The harness plays the trio shell's part (it executes the host's actions
 and calls it back at the times it names) and the transport's (a token's peer is None until its binding
 arrives at the receiver; GRO blocks).
@@ -37,7 +37,7 @@ from peerd.allreduce.host import (
     send_shape,
 )
 from peerd.allreduce.options import AverageOptions
-from peerd.sim.net import Link, Network
+from peerd.tools.sim.net import Link, Network
 from peerd.transport.pacing import Pacer, Report
 
 from .test_allreduce_core import expected_results
@@ -74,7 +74,7 @@ class Datagram:
 
 
 class Lab:
-    """Nodes on the one in-memory network (peerd/sim/net.py), in virtual time. ``link``: every link's loss,
+    """Nodes on the one in-memory network (peerd/tools/sim/net.py), in virtual time. ``link``: every link's loss,
     duplication, latency and jitter, drawn from the network's seeded rng; on top of it, ``drop(d)`` loses a
     datagram and ``dup(d)`` sends it again ``dup_delay`` later (exact patterns). ``bind_at[(src, dst)]``: when
     src's token is bound at dst (default 0: before anything arrives; INF: never). Datagrams of one sender

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from peerd.swarm import LocalSwarm
+from peerd.tools.swarm import LocalSwarm
 
 from .conftest import metric_value, peerd, peerd_json, scrape, wait_until
 

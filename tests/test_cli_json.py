@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from peerd.cli import build_parser
-from peerd.swarm import LocalSwarm
+from peerd.tools.swarm import LocalSwarm
 
 from .conftest import peerd
 

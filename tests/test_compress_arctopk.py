@@ -1,5 +1,5 @@
 """arc-topk in the average (peerd/allreduce/arctopk.py): three unchanged GroupAverage phases over the one in-memory
-network (peerd/sim/net.py, via tests/test_allreduce_core.Net) with exact loss patterns. The selection is agreed
+network (peerd/tools/sim/net.py, via tests/test_allreduce_core.Net) with exact loss patterns. The selection is agreed
 (or known not to be) under loss, members that do not know a selection are counted out of its rows, and EF21M
 through the wired path matches a reference replay of its update rule."""
 
@@ -371,7 +371,7 @@ def test_a_moshpit_run_in_arc_topk_keeps_its_ef21m_state_and_every_member_holds_
         assert all(np.array_equal(r.vector, out[0].vector) for r in out)  # the same u everywhere
         assert all(r.bytes_sent > 0 for r in out)
     stats, h = results[2]
-    assert stats["compression"] == "arc-topk" and stats["topk_ratio"] == 0.25 and stats["ef"]
+    assert stats.compression == "arc-topk" and stats.topk_ratio == 0.25 and stats.ef
     assert results[3] == [2, 2, 2]
     # the same layout and group in round 2: the run kept its state, h = 0.5 x + 0.5 (2 x) (a reset: h = 2 x)
     np.testing.assert_allclose(h, 1.5 * xs[0], rtol=1e-6)

@@ -78,7 +78,7 @@ def test_a_weight_inflating_sign_flipping_daemon_does_not_wreck_the_demo_hostile
     chance's (ln 10 = 2.30), where believing the claimed weight makes it climb."""
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    from peerd.demo import DemoConfig, run_demo
+    from peerd.tools.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(peers=4, steps=30, byzantine=1, byzantine_mode="inflate-signflip", json=True,
                      timeout_s=5.0, workdir=str(tmp_path), wall_limit_s=240)

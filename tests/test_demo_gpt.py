@@ -1,4 +1,4 @@
-"""`peerd demo --model gpt`: the user's GPT script (peerd.demo_gpt), its pieces, and a short run end to end with
+"""`peerd demo --model gpt`: the user's GPT script (peerd.tools.demo_gpt), its pieces, and a short run end to end with
 its DDP baseline on 127.0.0.1 (needs torch)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 
 def test_corpus_is_deterministic_ascii_and_large_enough() -> None:
-    from peerd.demo_gpt import TEXT_BYTES, VAL_CHARS, VOCAB, load_corpus
+    from peerd.tools.demo_gpt import TEXT_BYTES, VAL_CHARS, VOCAB, load_corpus
 
     a, b = load_corpus(), load_corpus()
     assert len(a) == TEXT_BYTES and (a == b).all()
@@ -21,7 +21,7 @@ def test_corpus_is_deterministic_ascii_and_large_enough() -> None:
 
 
 def test_model_size_groups_and_schedule() -> None:
-    from peerd.demo_gpt import build_gpt, cosine_lr, param_groups
+    from peerd.tools.demo_gpt import build_gpt, cosine_lr, param_groups
 
     model = build_gpt(0)
     n = sum(p.numel() for p in model.parameters())
@@ -38,7 +38,7 @@ def test_model_size_groups_and_schedule() -> None:
 
 
 def test_time_to_target_reads_the_first_eval_at_or_below() -> None:
-    from peerd.demo import loss_curve, time_to_target
+    from peerd.tools.demo import loss_curve, time_to_target
 
     evals = {10: {0: (3.0, 105.0), 1: (3.2, 107.0)}, 20: {0: (2.0, 120.0)}, 30: {0: (2.1, 130.0), 1: (1.9, 131.0)}}
     curve = loss_curve(evals, 100.0, members=2)  # step 20 lacks a member: not a row
@@ -67,7 +67,7 @@ def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
 
 def test_churn_and_straggler_commands() -> None:
     """--straggler slows the last founder only; a --join peer syncs the swarm's state from other weights."""
-    from peerd.demo import DemoConfig, gpt_command, gpt_total
+    from peerd.tools.demo import DemoConfig, gpt_command, gpt_total
 
     cfg = DemoConfig(model="gpt", peers=4, join=1, straggler=2.0, compression="int8")
     cmds = {i: gpt_command(cfg, i, f"/s{i}", f"/o{i}") for i in range(gpt_total(cfg))}
@@ -82,7 +82,7 @@ def test_churn_and_straggler_commands() -> None:
 def test_straggler_option_parses_factors() -> None:
     import argparse
 
-    from peerd.demo import _straggler
+    from peerd.tools.demo import _straggler
 
     assert _straggler("2x") == 2.0 and _straggler("1.5") == 1.5
     for bad in ("0.5x", "fast", "1000x"):

@@ -18,7 +18,7 @@ from peerd.dht.core import HELD_ON_WIRE, DhtCore, pack_contacts, unpack_contacts
 from peerd.dht.lookup import Lookup
 from peerd.dht.records import Record, RecordStore, location, merge_newest, signed_message
 from peerd.dht.routing import ID_BITS, Contact, RoutingTable, bucket_index, distance
-from peerd.sim.net import Link, Network
+from peerd.tools.sim.net import Link, Network
 from peerd.wire import messages as m
 from peerd.wire.errors import WireError
 from peerd.wire.identity import Identity
@@ -399,7 +399,7 @@ class Swarm:
 def drive(
     lookup: Lookup, swarm: Swarm, rng: random.Random, outstanding: list[Contact] | None = None
 ) -> tuple[list[Contact], set[bytes]]:
-    """Runs a lookup to the end over the in-memory network (peerd/sim/net.py): every live node answers
+    """Runs a lookup to the end over the in-memory network (peerd/tools/sim/net.py): every live node answers
     FIND_NODE from its table, jitter delivers answers in an order drawn from ``rng``, and a query to a dead
     node (attached nowhere) fails when its timer runs out. Returns (result, seen ids)."""
     net = Network(rng, default=Link(latency=0.010, jitter=0.030))

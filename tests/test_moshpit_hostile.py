@@ -25,7 +25,14 @@ from peerd.moshpit import service as svc_mod
 from peerd.moshpit.keys import Grid
 from peerd.moshpit.matchmaking import Candidate, Group
 from peerd.moshpit.ops import MoshpitOps, _averaging_options
-from peerd.moshpit.service import MAX_AHEAD, MAX_ROUND, MoshpitError, MoshpitService, plausible_progress
+from peerd.moshpit.service import (
+    MAX_AHEAD,
+    MAX_ROUND,
+    MoshpitError,
+    MoshpitService,
+    RoundResult,
+    plausible_progress,
+)
 from peerd.transport.endpoint import Endpoint, RpcError, RpcTimeout
 from peerd.wire import messages as m
 from peerd.wire.errors import WireError
@@ -464,7 +471,7 @@ def test_ops_accept_max_samples_and_robust() -> None:
     class Service:
         async def average(self, run, vector, weight, **kwargs):
             got.update(kwargs)
-            return SimpleNamespace(vector=vector, stats=lambda: {})
+            return RoundResult(vector, "alone", "", 1, [], 1.0, 0, 0.0)
 
     ops = MoshpitOps(Service())  # type: ignore[arg-type]
     trio.run(ops.round, {"run": "r", "vector": np.ones(2, "<f4").tobytes(), "max_samples": 8.5,
@@ -557,7 +564,7 @@ def test_peers_listening_on_a_wildcard_average_through_matchmaking() -> None:
                 for i in range(3):
                     inner.start_soon(one, i)
             for res in out:
-                assert res.outcome == "averaged" and res.group_size == 3, res.stats()
+                assert res.outcome == "averaged" and res.group_size == 3, res.statistics()
                 assert np.allclose(res.vector, 1.0)
             for n in nodes:
                 assert counter_value(n.metrics.datagrams_dropped, reason="malformed") == 0

@@ -226,8 +226,8 @@ def test_minted_relay_senders_cannot_starve_an_honest_one_hostile() -> None:
     all go through (on the old code, one shared bucket: first come, and the honest share fell to a few percent)."""
     import hashlib
 
-    from peerd.nat.simnode import RELAYED, SimNatNode
-    from peerd.sim.net import Network
+    from peerd.tools.sim.natnode import RELAYED, SimNatNode
+    from peerd.tools.sim.net import Network
 
     net = Network(random.Random(9))
 

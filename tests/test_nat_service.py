@@ -1,5 +1,5 @@
 """NAT traversal in the daemon's services (endpoint + DHT + NatService) over an in-memory network with NAT boxes
-(peerd/sim/net.py's NatBox) under trio's virtual clock: verdicts, peers_known, punched and relayed paths."""
+(peerd/tools/sim/net.py's NatBox) under trio's virtual clock: verdicts, peers_known, punched and relayed paths."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import trio.testing
 from peerd.dht import DhtService
 from peerd.metrics import Metrics
 from peerd.nat.service import NatService
-from peerd.sim.net import NatBox
+from peerd.tools.sim.net import NatBox
 from peerd.transport import Endpoint
 from peerd.transport.endpoint import RpcError
 from peerd.wire import messages as m

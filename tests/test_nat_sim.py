@@ -8,8 +8,8 @@ import random
 import pytest
 
 from peerd.nat.reach import CONE, PUBLIC, SYMMETRIC, UNKNOWN
-from peerd.nat.simnode import DIRECT, PUNCHED, RELAYED, SimNatNode
-from peerd.sim.net import NAT_UNREPLIED_S, Network
+from peerd.tools.sim.natnode import DIRECT, PUNCHED, RELAYED, SimNatNode
+from peerd.tools.sim.net import NAT_UNREPLIED_S, Network
 
 KINDS = {"p1": None, "p2": None, "c1": "cone", "c2": "cone", "s1": "symmetric", "s2": "symmetric"}
 EXPECT = {"p1": PUBLIC, "p2": PUBLIC, "c1": CONE, "c2": CONE, "s1": SYMMETRIC, "s2": SYMMETRIC}

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from peerd.bench.soak_attack import CLASSES
+from peerd.tools.bench.soak_attack import CLASSES
 
 from .conftest import peerd
 
@@ -63,7 +63,7 @@ def test_small_soak_no_crash_and_exact_averages() -> None:
 
 def test_outsider_endpoints_measure_the_receive_path_alone() -> None:
     """The bench's receive-path figure without daemons: bare endpoints under the outsider's classes."""
-    from peerd.bench.soak import main, outsider_endpoints
+    from peerd.tools.bench.soak import main, outsider_endpoints
 
     out = outsider_endpoints(2, 4000.0, 1.0)
     assert out["endpoints"] == 2 and out["datagrams"] == 4000

@@ -6,6 +6,7 @@ it: reachability only finds paths)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import trio
@@ -34,6 +35,7 @@ class PathsFirst:
         self._nat = nat
         nat.uplink = getattr(allreduce, "pacer", None)  # what it relays shares the uplink with its own data
         self._timeout = timeout
+        self.plan: Any = None  # plan(members) after the paths, before the average: the link caps' sender limits
 
     @property
     def inner(self) -> Averager:
@@ -58,6 +60,8 @@ class PathsFirst:
             log.info("paths to group %08x's members took %.1f s: %s", group_id, took,
                      ", ".join(f"{n.hex()[:8]} {k or 'none'}" for n, k in kinds.items()))
         self.pace_relayed(kinds)
+        if self.plan is not None:
+            self.plan(members)
         return await self._inner.average(group_id, members, index, vector, weight, options, out=out, center=center)
 
     def pace_relayed(self, kinds: dict[bytes, str | None]) -> None:

@@ -42,7 +42,8 @@ from ..metrics import Metrics
 from ..moshpit.records import MAX_ROUND, finished_since, progress_key
 from ..moshpit.service import MoshpitError, Part, all_finite, check_compression
 from .inbox import OuterInbox
-from .outer import DhtBoard, OuterError, agree, store_key
+from .outer import DhtBoard, OuterError, agree
+from .records import store_key
 
 log = logging.getLogger("peerd.trainer")
 

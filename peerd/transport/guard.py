@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 
 from ..wire.native import native
+from .native import NATIVE_RECV
 
 AMPLIFICATION_FACTOR = 3
 MAX_ADDRESSES = 4096  # per table: sources with failures, addresses with a budget, validated addresses
@@ -138,8 +139,6 @@ class NativeAuthLimiter:
 def auth_limiter(seed: int = 0) -> AuthLimiter | NativeAuthLimiter:
     """The limiter a node's transport core gets: the C table where the native receive pass runs (it consults
     the table), else the Python reference."""
-    from .udp import NATIVE_RECV
-
     if NATIVE_RECV is not None and getattr(native, "Ration", None) is not None:
         return NativeAuthLimiter(seed=seed)
     return AuthLimiter()

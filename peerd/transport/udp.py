@@ -20,8 +20,8 @@ import numpy as np
 import trio
 
 from ..wire.envelope import SEQ_OFFSET
-from ..wire.native import native
 from .caps import SocketCaps
+from .native import NATIVE_RECV, NATIVE_SEND
 
 log = logging.getLogger("peerd.transport")
 
@@ -84,15 +84,6 @@ U32 = struct.Struct("=I")
 I32 = struct.Struct("=i")
 
 Address = tuple[str, int]
-# The C receive pass (dataplane.c recv_batch: recvmmsg, GRO and source parsing and the merging below, the GIL
-# released), where the extension is loaded and has it. PEERD_DATAPLANE=python (no extension at all) or
-# PEERD_NATIVE_RECV=0 (the receive pass alone, for A/B measurements) run the Python loop, the reference.
-NATIVE_RECV = (getattr(native, "recv_batch", None)
-               if sys.platform.startswith("linux") and os.environ.get("PEERD_NATIVE_RECV", "1") != "0" else None)
-# The C send of a paced part (send.c send_rows: its GSO messages by sendmmsg, the GIL released); PEERD_NATIVE_SEND=0
-# runs the Python loop (send_block's reference: one sendmsg per GSO message), for A/B measurements.
-NATIVE_SEND = (getattr(native, "send_rows", None)
-               if sys.platform.startswith("linux") and os.environ.get("PEERD_NATIVE_SEND", "1") != "0" else None)
 MAX_SOCKADDRS = 1024  # packed destination addresses kept for the native send (a group has a handful)
 
 

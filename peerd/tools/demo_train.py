@@ -74,7 +74,7 @@ def evaluate(model, x, y) -> tuple[float, float]:
 
 def robust_option(text: str) -> str:
     """argparse type of --robust: off, clip[:C] or centered[:C] (checked here, applied by the daemons)."""
-    from .allreduce.robust import parse_robust
+    from ..allreduce.robust import parse_robust
 
     try:
         parse_robust(text)
@@ -140,7 +140,7 @@ def averaged_bytes(args: argparse.Namespace, elems: int, reply: dict[str, Any], 
     codecs: the codec's body size. arc-topk (gradients only; parameters go in fp32): not a fixed size per
     value, so the daemon's UDP payload bytes for the round scaled to one copy (a member of n sends 2 (n - 1) / n
     of a vector in a reduce-scatter and an all-gather; the envelopes' few percent included)."""
-    from .compress import codec as make_codec
+    from ..compress import codec as make_codec
 
     name = getattr(args, "compression", None) or "fp32"
     if name == "arc-topk":
@@ -254,9 +254,9 @@ def run_train(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F  # noqa: N812
 
-    from .localsock.client import DaemonError
-    from .torch import DiLoCo, DiLoCoError, DropCompute, Optimizer
-    from .torch.dropcompute import estimate_overhead
+    from ..localsock.client import DaemonError
+    from ..torch import DiLoCo, DiLoCoError, DropCompute, Optimizer
+    from ..torch.dropcompute import estimate_overhead
 
     torch.set_num_threads(1)
     if not 0 <= args.index < args.peers:

@@ -2,7 +2,7 @@
 
 The bench starts N of these; each line "go" on stdin runs one timed weighted average and answers
 "done SECONDS CPU_S SYS_S" (this rank's CPU seconds in it, all threads, and the kernel's part); "quit" ends
-it. Run as: python -m peerd.bench.gloo_worker RANK WORLD PORT SIZE SEED WEIGHT
+it. Run as: python -m peerd.tools.bench.gloo_worker RANK WORLD PORT SIZE SEED WEIGHT
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 peerd and gloo are measured alternately in the same run (peerd, gloo, peerd, gloo, ...) because these
 machines are shared and noisy: only the ratio between them means much.
 
-``--nat cone|symmetric`` (root) puts the daemons in the NAT lab (peerd/lab/nat.py): the first peer public, every
+``--nat cone|symmetric`` (root) puts the daemons in the NAT lab (peerd/tools/lab/nat.py): the first peer public, every
 other peer behind its own router of that kind, and for ``symmetric`` one more public daemon outside the group for
 the members to relay through. Members are addressed where the public segment sees them (their ``observed_addr``);
 how a datagram gets there (direct, punched, relayed) is the daemons' business, and the JSON reports what they say
@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from ..allreduce.arctopk import PHASES
+from ...allreduce.arctopk import PHASES
+from ...localsock.client import DaemonError
 from ..lab.links import PEER_IF, LinkLab, NetnsLab, QdiscStats
 from ..lab.nat import NatLab
-from ..localsock.client import DaemonError
 from ..swarm import LocalSwarm, Node
 from .vectors import seeded_vector
 
@@ -90,7 +90,7 @@ class GlooBaseline:
             env.update(MASTER_ADDR=lab.addr(0), GLOO_SOCKET_IFNAME=PEER_IF)
 
         def start(r: int) -> subprocess.Popen:
-            argv = [sys.executable, "-m", "peerd.bench.gloo_worker", str(r), str(cfg.peers), str(port),
+            argv = [sys.executable, "-m", "peerd.tools.bench.gloo_worker", str(r), str(cfg.peers), str(port),
                     str(cfg.size), str(seeds[r]), str(weights[r])]
             kw: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
             return lab.popen(r, argv, **kw) if lab is not None else subprocess.Popen(argv, **kw)
@@ -134,11 +134,11 @@ class GlooBaseline:
 def fp32_bytes_per_peer(size: int, peers: int, mtu: int, insecure: bool) -> float:
     """What a member sends in one fp32 average of ``size`` elements, on average over the members (data datagrams
     and END repeats, sealed): the denominator of ``wire_ratio``."""
-    from ..allreduce.frames import END_REPEATS
-    from ..allreduce.frames import HEADER_SIZE as TENSOR_HEADER
-    from ..allreduce.shards import Layout, elements_per_datagram
-    from ..wire.envelope import HEADER_SIZE as ENVELOPE
-    from ..wire.seal import TAG_SIZE
+    from ...allreduce.frames import END_REPEATS
+    from ...allreduce.frames import HEADER_SIZE as TENSOR_HEADER
+    from ...allreduce.shards import Layout, elements_per_datagram
+    from ...wire.envelope import HEADER_SIZE as ENVELOPE
+    from ...wire.seal import TAG_SIZE
 
     overhead = ENVELOPE + (0 if insecure else TAG_SIZE) + TENSOR_HEADER
     per = elements_per_datagram(mtu - overhead + TENSOR_HEADER)

@@ -1,6 +1,6 @@
 """Run several real daemons as processes on 127.0.0.1: for `peerd swarm`, the benches and the tests.
 
-With a lab (peerd.lab.LinkLab or NatLab, root) daemon i runs in peer i's network namespace instead and listens on
+With a lab (peerd.tools.lab.LinkLab or NatLab, root) daemon i runs in peer i's network namespace instead and listens on
 its lab address, so the daemons talk over shaped, lossy links or through NAT routers; their local sockets stay on
 the shared file system.
 """
@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .localsock.client import DaemonError, LocalClient
-from .wire.identity import write_swarm_key
+from ..localsock.client import DaemonError, LocalClient
+from ..wire.identity import write_swarm_key
 
 if TYPE_CHECKING:
     from .lab.links import NetnsLab

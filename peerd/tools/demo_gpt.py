@@ -214,7 +214,7 @@ def wrap_peerd(model, opt, args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's script, one loop
-    p = argparse.ArgumentParser(prog="python -m peerd.demo_gpt")
+    p = argparse.ArgumentParser(prog="python -m peerd.tools.demo_gpt")
     add_arguments(p)
     args = p.parse_args(argv)
     import numpy as np

@@ -4,7 +4,7 @@
 with gloo bound to the lab interface and rank 0's store on peer 0's lab address, as the allreduce bench's
 GlooBaseline does), so its time-to-accuracy compares like for like with peerd's: same links, same loss, same CPU.
 DDP averages each step's gradients exactly (TCP retransmits what the link drops); peerd's trainers average them
-through lossy Moshpit groups. Run a rank as: python -m peerd.bench.ddp_baseline CONFIG_JSON RANK
+through lossy Moshpit groups. Run a rank as: python -m peerd.tools.bench.ddp_baseline CONFIG_JSON RANK
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
     t_launch = time.monotonic()
     try:
         for r in range(cfg.world):
-            argv = [sys.executable, "-m", "peerd.bench.ddp_baseline", config, str(r)]
+            argv = [sys.executable, "-m", "peerd.tools.bench.ddp_baseline", config, str(r)]
             log = open(os.path.join(workdir, f"ddp{r}.log"), "w")  # noqa: SIM115 - lives with the process
             logs.append(log)
             kw: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": log, "stdin": subprocess.DEVNULL,

@@ -37,12 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from ..allreduce.shards import Layout
-from ..moshpit.keys import Grid, KeyManager
-from ..moshpit.matchmaking import Candidate, Group
-from ..moshpit.rounds import Average, Count, Get, Note, Notify, Put, Request, RoundMachine
-from ..wire import messages as m
-from ..wire.identity import node_id_of
+from ...allreduce.shards import Layout
+from ...moshpit.keys import Grid, KeyManager
+from ...moshpit.matchmaking import Candidate, Group
+from ...moshpit.rounds import Average, Count, Get, Note, Notify, Put, Request, RoundMachine
+from ...wire import messages as m
+from ...wire.identity import node_id_of
 
 DIM = 16
 TARGET_MSE = 1e-9
@@ -216,14 +216,14 @@ class Sim:
             group = core.group if core.outcome == "averaged" else None
             peer.group_id, peer.group_size = (group.group_id, len(group.members)) if group else (0, 1)
             return
-        deadline = core.next_deadline()
+        deadline = core.get_timer()
         peer.timer_version += 1
-        if deadline < math.inf:
+        if deadline is not None:
             self.at(deadline, self._timer, peer, peer.timer_version)
 
     def _timer(self, peer: Peer, version: int) -> None:
         if peer.alive and version == peer.timer_version:
-            peer.core.on_timer(self.now)
+            peer.core.handle_timer(self.now)
             self.process(peer)
 
     def _answer_get(self, peer: Peer, get: Get) -> None:
@@ -299,7 +299,7 @@ class Sim:
 
     def _averaged(self, peer: Peer, silent: bool, heard: list[bytes]) -> None:
         if peer.alive:
-            peer.core.on_averaged(self.now, averaged=True, silent=silent, members=heard)
+            peer.core.on_averaged(averaged=True, silent=silent, members=heard, now=self.now)
             self.process(peer)
 
     def _fail(self, peer: Peer) -> None:
@@ -348,7 +348,7 @@ class Sim:
         peer.in_round = True
         self.busy += 1
         peer.outcome, peer.group_id, peer.group_size = "", 0, 1
-        peer.core.start_round(self.now, timeout_s=30.0)
+        peer.core.start_round(timeout_s=30.0, now=self.now)
         self.process(peer)
 
 

@@ -1,4 +1,4 @@
-"""The data path's CPU cost without sockets, trio or other daemons: ``python -m peerd._dataplane.bench``.
+"""The data path's CPU cost without sockets, trio or other daemons: ``python -m peerd.tools.bench.dataplane``.
 
 N members average one vector in one process: each member's blocks are sealed for their receiver, opened there
 and handed to its group (``receive_block``), as the daemon does, but with no syscalls, pacing or event loop
@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from ..allreduce import BodyType, GroupAverage
-from ..allreduce.group import DEFAULT_MAX_PAYLOAD
-from ..wire import native as loader
-from ..wire.envelope import HEADER_SIZE
-from ..wire.seal import TAG_SIZE, Opener, Sealer
-from .heap import keep_freed_memory
+from ..._dataplane.heap import keep_freed_memory
+from ...allreduce import BodyType, GroupAverage
+from ...allreduce.group import DEFAULT_MAX_PAYLOAD
+from ...wire import native as loader
+from ...wire.envelope import HEADER_SIZE
+from ...wire.seal import TAG_SIZE, Opener, Sealer
 
 _DATA = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})
 
@@ -90,7 +90,7 @@ def run(members: int, size: int, mtu: int, native: bool, sealed: bool, in_place:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m peerd._dataplane.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m peerd.tools.bench.dataplane", description=__doc__.splitlines()[0])
     p.add_argument("--members", type=int, default=4, help="members of the group (default 4)")
     p.add_argument("--size", type=int, default=25_000_000, help="float32 elements (default 25M: 100 MB)")
     p.add_argument("--mtu", type=int, default=DEFAULT_MAX_PAYLOAD + HEADER_SIZE + TAG_SIZE,

@@ -1,5 +1,8 @@
 """Local-socket ops that `peerd bench allreduce` drives: seeded vectors made in the daemon, so the
-timed part is the average alone and no 100 MB vector crosses the local socket."""
+timed part is the average alone and no 100 MB vector crosses the local socket.
+
+``peerd join`` installs them on its daemon from outside (``install_bench_ops``); ``--profile`` wraps the data path's
+methods in place, so the daemon's modules hold no bench code."""
 
 from __future__ import annotations
 
@@ -7,23 +10,27 @@ import functools
 import resource
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
 
-from ..bench.vectors import seeded_vector
-from ..compress import NAMES as CODEC_NAMES
-from ..compress import Codec
-from ..compress import codec as make_codec
-from ..localsock.server import OpError
-from ..transport.udp import UdpSocket
-from ..wire import seal as _seal
-from . import group as _group
-from .arctopk import ArcTopKPlan, matrix_shapes, phase_totals, service_arc_topk
-from .options import AverageOptions
-from .robust import Robust, parse_robust
-from .service import AllreduceService, AverageResult, Member
+from ...allreduce import group as _group
+from ...allreduce.arctopk import ArcTopKPlan, matrix_shapes, phase_totals, service_arc_topk
+from ...allreduce.options import AverageOptions
+from ...allreduce.robust import Robust, parse_robust
+from ...allreduce.service import AllreduceService, AverageResult, Member
+from ...compress import NAMES as CODEC_NAMES
+from ...compress import Codec
+from ...compress import codec as make_codec
+from ...localsock.server import OpError
+from ...nat.averager import PathsFirst
+from ...transport.udp import UdpSocket
+from ...wire import seal as _seal
+from .vectors import seeded_vector
+
+if TYPE_CHECKING:
+    from ...daemon import Daemon
 
 MAX_BENCH_ELEMENTS = 1 << 28  # 1 GiB of float32
 
@@ -310,6 +317,13 @@ class BenchOps:
         if isinstance(path, str):
             await trio.to_thread.run_sync(np.save, path, result.vector)
         return {}
+
+
+def install_bench_ops(daemon: Daemon) -> BenchOps:
+    """Serve the bench ops on ``daemon``'s local socket (its averages take the NAT path first, as Moshpit's do)."""
+    bench = BenchOps(PathsFirst(daemon.allreduce, daemon.nat), daemon.socket)
+    daemon.add_ops(bench.ops())
+    return bench
 
 
 def _phase_detail(name: str, ph: Any) -> dict[str, Any]:

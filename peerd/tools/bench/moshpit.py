@@ -2,7 +2,7 @@
 
 Each round every live peer hands its current vector to its daemon (avg_round) at the same moment;
 the bench then measures how far the live peers are from their own mean, relative to before round 1.
-With ``link`` (root) every daemon runs in its own namespace of a link lab (peerd.lab): links shaped at that rate
+With ``link`` (root) every daemon runs in its own namespace of a link lab (peerd.tools.lab): links shaped at that rate
 both ways, losing ``link_loss`` of what arrives at each peer in the kernel.
 """
 
@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from ...localsock.client import DaemonError
+from ...moshpit.keys import Grid
 from ..lab.links import LinkLab
-from ..localsock.client import DaemonError
-from ..moshpit.keys import Grid
 from ..swarm import LocalSwarm, Node
 from .vectors import seeded_vector
 
@@ -62,7 +62,7 @@ class MoshpitBenchConfig:
         if self.link_loss and not self.link:
             raise ValueError("--link-loss needs --link RATE")
         if self.compression is not None:
-            from ..moshpit.service import MoshpitError, check_compression
+            from ...moshpit.service import MoshpitError, check_compression
 
             try:
                 check_compression(self.compression, self.quant_group, self.rounding)

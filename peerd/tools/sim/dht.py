@@ -37,14 +37,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..dht.core import FILL_ALPHA, REPLICAS, DhtCore, Ping
-from ..dht.lookup import SLOW_QUERY_S, Lookup
-from ..dht.reads import Enough, Owners, near_holders, read_page, signed_part
-from ..dht.records import Record, location, merge_newest
-from ..dht.routing import Contact
-from ..transport.rto import RtoEstimator
-from ..wire import messages as m
-from ..wire.identity import Identity
+from ...dht.core import FILL_ALPHA, REPLICAS, DhtCore, Ping
+from ...dht.lookup import SLOW_QUERY_S, Lookup
+from ...dht.reads import Enough, Owners, near_holders, read_page, signed_part
+from ...dht.records import Record, location, merge_newest
+from ...dht.routing import Contact
+from ...transport.rto import RtoEstimator
+from ...wire import messages as m
+from ...wire.identity import Identity
 from .net import Link, Network
 
 K = 20

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("peerd.lab")
+log = logging.getLogger("peerd.tools.lab")
 
 NAME_PREFIX = "peerdlab"
 PEER_IF = "lab0"  # the peer's end of its veth, inside the peer's namespace
@@ -658,10 +658,10 @@ def _raise_exit(signum: int, frame: object) -> None:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """`python -m peerd.lab.links hold|sweep`: hold a lab up until Ctrl-C/SIGTERM, or delete stale ones."""
+    """`python -m peerd.tools.lab.links hold|sweep`: hold a lab up until Ctrl-C/SIGTERM, or delete stale ones."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m peerd.lab.links", description=_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m peerd.tools.lab.links", description=_main.__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     h = sub.add_parser("hold", help="build a lab, print it as JSON, keep it up until SIGINT/SIGTERM")
     h.add_argument("--peers", type=int, default=2)

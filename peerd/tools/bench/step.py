@@ -1,11 +1,11 @@
 """`peerd bench step`: N real daemons and N trainers take M steps of a model of P parameters; where a step's time goes.
 
-Each trainer is a process of its own (``python -m peerd.bench.step --worker``) with a model of ``--params``
+Each trainer is a process of its own (``python -m peerd.tools.bench.step --worker``) with a model of ``--params``
 float32 parameters (a few tensors) wrapped in peerd.torch.Optimizer (``--mode sync`` or ``overlap``) or DiLoCo
 (``--mode diloco``: the figures describe its outer steps). Its gradients are seeded noise, so a step costs no
 compute and its time is the averaging's. Every step's ``StepReport`` (seconds and phases) is collected.
 
-With ``--link RATE`` (root) each peer lives in its own namespace of the link lab (peerd.lab.links) behind a
+With ``--link RATE`` (root) each peer lives in its own namespace of the link lab (peerd.tools.lab.links) behind a
 shaped link (``--link-loss P``: random loss on it); without, the daemons share 127.0.0.1. The figures (``--json``):
 
 - ``step_s``: median seconds of a step (``step()`` in the trainer, after ``--warmup`` steps);
@@ -31,9 +31,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ...localsock.client import DaemonError
+from ...localsock.phases import PHASES
 from ..lab.links import LinkLab, parse_rate
-from ..localsock.client import DaemonError
-from ..localsock.phases import PHASES
 from ..swarm import LocalSwarm
 
 RUN = "bench-step"
@@ -156,7 +156,7 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
             for i in range(cfg.peers):
                 out = os.path.join(workdir, f"steps{i}.json")
-                cmd = [sys.executable, "-m", "peerd.bench.step", "--worker", "--socket", swarm.nodes[i].socket,
+                cmd = [sys.executable, "-m", "peerd.tools.bench.step", "--worker", "--socket", swarm.nodes[i].socket,
                        "--out", out, "--config", json.dumps(asdict(cfg))]
                 if lab is not None:
                     cmd = [*lab.exec_prefix(i), *cmd]
@@ -192,7 +192,7 @@ def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
     """One trainer: ``cfg.steps`` steps on seeded noise gradients; writes each step's record to ``out``."""
     import torch
 
-    from ..torch import DiLoCo, Optimizer
+    from ...torch import DiLoCo, Optimizer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -280,7 +280,7 @@ def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 
 def _worker_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m peerd.bench.step")
+    p = argparse.ArgumentParser(prog="python -m peerd.tools.bench.step")
     p.add_argument("--worker", action="store_true", required=True)
     p.add_argument("--socket", required=True)
     p.add_argument("--out", required=True)

@@ -3,7 +3,7 @@ every wire attack of docs/security.md at them.
 
 Phases: a calm phase (averaging only: the no-attack pacing rate, ping and memory baselines), an outsider-only
 phase (averages paused: an idle baseline, then only keyless datagrams, for the daemons' CPU per datagram that no
-key opens), the attack (a separate process, peerd/bench/soak_attack.py: steady, a burst as fast as it goes, a
+key opens), the attack (a separate process, peerd/tools/bench/soak_attack.py: steady, a burst as fast as it goes, a
 steady tail), then a last round after it. Every honest average is checked exact against the weighted mean
 of its group's known inputs; a member's PING round trip to the daemons is sampled all along (its own process:
 soak_probe.py; a PING unanswered for 1 s counts as 1000 ms); RSS comes from /proc/PID/status and the refusal
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..localsock.client import DaemonError
+from ...localsock.client import DaemonError
 from ..swarm import LocalSwarm, Node
 from .moshpit import _wait_connected
 from .soak_attack import CLASSES, OUTSIDER_CPU_CLASSES
@@ -250,14 +250,14 @@ class _Queues:
 
 
 class _Probe:
-    """The PING prober (peerd/bench/soak_probe.py) in its own process; its samples are cut into the bench's
+    """The PING prober (peerd/tools/bench/soak_probe.py) in its own process; its samples are cut into the bench's
     phases by their CLOCK_MONOTONIC timestamps (the same clock in every process)."""
 
     def __init__(self, workdir: str, key_file: str, targets: list[tuple[str, int]], ids: list[str]) -> None:
         self.path = os.path.join(workdir, "pings.txt")
         cfg = {"key_file": key_file, "targets": [list(t) for t in targets], "ids": ids, "out": self.path,
                "max_s": 3600}
-        self.proc = subprocess.Popen([sys.executable, "-m", "peerd.bench.soak_probe", json.dumps(cfg)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "peerd.tools.bench.soak_probe", json.dumps(cfg)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.marks: list[tuple[float, str]] = [(0.0, "calm")]
         self.stop = threading.Event()  # (the interface of the bench's other workers)
@@ -504,7 +504,7 @@ def _outsider_phase(cfg: SoakConfig, nodes: list[Node], key_file: str, workdir: 
             "classes": list(OUTSIDER_CPU_CLASSES), "responder": False, "flood_stores": 1,
         }
         with open(os.path.join(workdir, "outsider.log"), "wb") as log:
-            attacker = subprocess.Popen([sys.executable, "-m", "peerd.bench.soak_attack", json.dumps(out_cfg)],
+            attacker = subprocess.Popen([sys.executable, "-m", "peerd.tools.bench.soak_attack", json.dumps(out_cfg)],
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
         assert attacker.stdout is not None
         t2 = cpu2 = got2 = None
@@ -640,7 +640,7 @@ def _run_soak(cfg: SoakConfig, quiet: bool) -> dict[str, Any]:
             "classes": list(cfg.classes),
         }
         with open(os.path.join(workdir, "attacker.log"), "wb") as log:
-            attacker = subprocess.Popen([sys.executable, "-m", "peerd.bench.soak_attack", json.dumps(attack_cfg)],
+            attacker = subprocess.Popen([sys.executable, "-m", "peerd.tools.bench.soak_attack", json.dumps(attack_cfg)],
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
         _progress(f"attack: {cfg.datagrams} datagrams, {len(cfg.classes)} classes, steady {cfg.rate:.0f}/s "
                   f"and a burst of {cfg.burst_share:.0%} ...", quiet)
@@ -883,10 +883,10 @@ def _serve_endpoint(key_file: str) -> None:
 
     import trio
 
-    from ..metrics import Metrics
-    from ..transport.endpoint import Endpoint
-    from ..transport.udp import UdpSocket
-    from ..wire.identity import Identity, load_swarm_key
+    from ...metrics import Metrics
+    from ...transport.endpoint import Endpoint
+    from ...transport.udp import UdpSocket
+    from ...wire.identity import Identity, load_swarm_key
 
     async def main() -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -904,7 +904,7 @@ def outsider_endpoints(endpoints: int = 4, rate: float = 20000.0, seconds: float
     take ``rate`` datagrams/s in all of the outsider's classes (soak_attack, as in the soak's outsider phase) for
     ``seconds``; (CPU in the window - idle CPU over as long) / datagrams sent. About 10 s in all; what the soak's
     ``outsider_cpu_us_per_datagram`` measures, without 4 daemons' averaging and DHT around it."""
-    from ..wire.identity import write_swarm_key
+    from ...wire.identity import write_swarm_key
 
     workdir = tempfile.mkdtemp(prefix="peerd-bench-outsider-")
     servers: list[subprocess.Popen] = []
@@ -913,7 +913,7 @@ def outsider_endpoints(endpoints: int = 4, rate: float = 20000.0, seconds: float
         key = os.path.join(workdir, "swarm.key")
         write_swarm_key(key)
         for _ in range(endpoints):
-            servers.append(subprocess.Popen([sys.executable, "-m", "peerd.bench.soak", "endpoint", key],
+            servers.append(subprocess.Popen([sys.executable, "-m", "peerd.tools.bench.soak", "endpoint", key],
                                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True))
         infos = [json.loads(s.stdout.readline()) for s in servers]  # type: ignore[union-attr]
 
@@ -928,7 +928,7 @@ def outsider_endpoints(endpoints: int = 4, rate: float = 20000.0, seconds: float
                "victims": [i["id"] for i in infos], "datagrams": int(rate * seconds), "rate": rate,
                "burst_share": 0.0, "seed": seed, "identities": 4, "classes": list(OUTSIDER_CPU_CLASSES),
                "responder": False, "flood_stores": 1}
-        attacker = subprocess.Popen([sys.executable, "-m", "peerd.bench.soak_attack", json.dumps(cfg)],
+        attacker = subprocess.Popen([sys.executable, "-m", "peerd.tools.bench.soak_attack", json.dumps(cfg)],
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         t1 = c1 = None
         summary: dict[str, Any] = {}
@@ -958,7 +958,7 @@ def outsider_endpoints(endpoints: int = 4, rate: float = 20000.0, seconds: float
 
 
 def main(argv: list[str]) -> int:
-    """``python -m peerd.bench.soak outsider [ENDPOINTS [RATE [SECONDS]]]``: prints outsider_endpoints() as JSON.
+    """``python -m peerd.tools.bench.soak outsider [ENDPOINTS [RATE [SECONDS]]]``: prints outsider_endpoints() as JSON.
     (``endpoint KEY_FILE`` is its server process.)"""
     if argv[:1] == ["endpoint"] and len(argv) == 2:
         _serve_endpoint(argv[1])
@@ -971,7 +971,7 @@ def main(argv: list[str]) -> int:
         if args and 1 <= args[0] <= 16 and all(x > 0 for x in args[1:]):
             print(json.dumps(outsider_endpoints(*args)))  # type: ignore[arg-type]
             return 0
-    print("usage: python -m peerd.bench.soak outsider [ENDPOINTS (1..16) [RATE [SECONDS]]]", file=sys.stderr)
+    print("usage: python -m peerd.tools.bench.soak outsider [ENDPOINTS (1..16) [RATE [SECONDS]]]", file=sys.stderr)
     return 2
 
 

@@ -5,9 +5,9 @@ It measures what a link delivers without peerd in the way: the receiver timestam
 it reports the socket's own overflow drops (SO_RXQ_OVFL), so what the nftables counters say can be matched
 packet for packet.
 
-    python -m peerd.lab.blast recv --port 9000 [--idle 1.0] [--max-seconds 30]
-    python -m peerd.lab.blast send 10.77.0.2:9000 --rate 20mbit --seconds 2 [--size 1472]
-    python -m peerd.lab.blast ring --peers 4 --rate 100mbit --losses 0,0.01,0.05,0.1 [--json]   (root)
+    python -m peerd.tools.lab.blast recv --port 9000 [--idle 1.0] [--max-seconds 30]
+    python -m peerd.tools.lab.blast send 10.77.0.2:9000 --rate 20mbit --seconds 2 [--size 1472]
+    python -m peerd.tools.lab.blast ring --peers 4 --rate 100mbit --losses 0,0.01,0.05,0.1 [--json]   (root)
 
 ``recv`` prints ``ready`` once bound, then one JSON line when it stops (SIGINT/SIGTERM, idle or max); ``send``
 prints one JSON line. ``ring`` builds a lab and blasts every peer to the next one at once (each link carries one
@@ -181,13 +181,13 @@ def ring(peers: int, rate: str, losses: list[float], *, seconds: float = 3.0, ov
         for loss in losses:
             lab.set_loss(loss)
             before = [lab.qdisc_stats(i) for i in range(peers)]
-            recvs = [lab.popen(i, [sys.executable, "-m", "peerd.lab.blast", "recv", "--port", str(port),
+            recvs = [lab.popen(i, [sys.executable, "-m", "peerd.tools.lab.blast", "recv", "--port", str(port),
                                    "--idle", "0", "--max-seconds", str(seconds + 60)], stdout=subprocess.PIPE,
                                text=True) for i in range(peers)]
             for r in recvs:
                 if r.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                     raise RuntimeError("a blast receiver failed to start")
-            sends = [lab.popen(i, [sys.executable, "-m", "peerd.lab.blast", "send",
+            sends = [lab.popen(i, [sys.executable, "-m", "peerd.tools.lab.blast", "send",
                                    f"{lab.addr((i + 1) % peers)}:{port}", "--rate", str(int(lab.rate_bps * overdrive)),
                                    "--seconds", str(seconds), "--size", str(size), "--gso", str(gso)],
                                stdout=subprocess.PIPE, text=True) for i in range(peers)]
@@ -224,7 +224,7 @@ def ring(peers: int, rate: str, losses: list[float], *, seconds: float = 3.0, ov
 def main(argv: list[str] | None = None) -> int:
     from .links import parse_rate
 
-    p = argparse.ArgumentParser(prog="python -m peerd.lab.blast", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m peerd.tools.lab.blast", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("recv")

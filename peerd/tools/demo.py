@@ -4,9 +4,9 @@ Each trainer (`peerd train`, one torch thread) has its own shard of scikit-learn
 same seeded weights; its daemon averages gradients through Moshpit every step and parameters every K steps.
 The demo shows live progress, then a summary: held-out loss and accuracy (mean over peers), and the largest
 relative distance between two peers' parameters. With ``link`` (root) every peer, daemon and trainer, runs in its
-own network namespace of a link lab (peerd.lab): links shaped at that rate both ways, losing ``link_loss`` of what
+own network namespace of a link lab (peerd.tools.lab): links shaped at that rate both ways, losing ``link_loss`` of what
 arrives at each peer in the kernel, for every protocol. With ``baseline="gloo"`` the same model then trains on the
-same data, seeds and links under torch DDP over gloo (peerd.bench.ddp_baseline), and both report the seconds from
+same data, seeds and links under torch DDP over gloo (peerd.tools.bench.ddp_baseline), and both report the seconds from
 the first trainer's start until the peers' mean held-out accuracy reached ``target_accuracy``.
 """
 
@@ -72,7 +72,7 @@ class DemoConfig:
     kill: int = 0  # gpt: SIGKILL this many founders (trainer and daemon; the last ones) a third into the run
     join: int = 0  # gpt: start this many new peers (daemon and trainer) two thirds into the run; they sync state
     straggler: float = 1.0  # gpt: the last founder's compute takes this many times as long (DDP's too)
-    batch: int | None = None  # gpt: sequences of 128 characters per step and peer (None: peerd.demo_gpt's 8)
+    batch: int | None = None  # gpt: sequences of 128 characters per step and peer (None: peerd.tools.demo_gpt's 8)
     eval_every: int = 25  # gpt: validation (the whole split) every this many steps
     target_loss: float | None = None  # gpt: time_to_target_s's target without a baseline
 
@@ -124,8 +124,8 @@ def gpt_total(cfg: DemoConfig) -> int:
 
 
 def gpt_command(cfg: DemoConfig, i: int, socket: str, out: str) -> list[str]:
-    """`python -m peerd.demo_gpt` for peer ``i``: the user's GPT script wrapped for peerd."""
-    cmd = [sys.executable, "-m", "peerd.demo_gpt", "--run", RUN, "--socket", socket, "--steps", str(cfg.steps),
+    """`python -m peerd.tools.demo_gpt` for peer ``i``: the user's GPT script wrapped for peerd."""
+    cmd = [sys.executable, "-m", "peerd.tools.demo_gpt", "--run", RUN, "--socket", socket, "--steps", str(cfg.steps),
            "--peers", str(cfg.peers), "--index", str(i), "--seed", str(cfg.seed), "--mode", cfg.mode,
            "--average-every", str(cfg.average_every), "--sync-every", str(cfg.sync_every),
            "--timeout", str(cfg.timeout_s), "--eval-every", str(cfg.eval_every),

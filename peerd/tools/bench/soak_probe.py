@@ -4,7 +4,7 @@ daemons every ``PING_S`` and writes one line per PING, ``<CLOCK_MONOTONIC second
 
 Its own process, so that the bench's threads (checking averages, scraping metrics) never hold a GIL the
 timing waits on: the figure is the daemons' latency, not the bench's.
-Run as ``python -m peerd.bench.soak_probe CONFIG_JSON``; it stops after ``max_s``, on SIGTERM, or when the
+Run as ``python -m peerd.tools.bench.soak_probe CONFIG_JSON``; it stops after ``max_s``, on SIGTERM, or when the
 bench that started it is gone.
 """
 
@@ -18,9 +18,9 @@ import socket
 import sys
 import time
 
-from ..wire import messages as m
-from ..wire.identity import Identity, load_swarm_key, node_id_of
-from ..wire.seal import Opener, Sealer
+from ...wire import messages as m
+from ...wire.identity import Identity, load_swarm_key, node_id_of
+from ...wire.seal import Opener, Sealer
 
 PING_S = 0.02
 PING_TIMEOUT_S = 1.0
@@ -94,7 +94,7 @@ class Prober:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m peerd.bench.soak_probe CONFIG_JSON", file=sys.stderr)
+        print("usage: python -m peerd.tools.bench.soak_probe CONFIG_JSON", file=sys.stderr)
         return 2
     cfg = json.loads(argv[0])
     targets = [(h, int(p)) for h, p in cfg["targets"]]

@@ -1,4 +1,4 @@
-"""Codec throughput on one core: ``python -m peerd.compress.bench [--size N] [--payload B] [codec ...]``.
+"""Codec throughput on one core: ``python -m peerd.tools.bench.codecs [--size N] [--payload B] [codec ...]``.
 
 Encodes a flat float32 vector as the datagram ranges a 1200-byte sealed datagram holds (block path), decodes it
 back, and prints MB/s of float32 input per direction, with the body bytes over the fp32 bytes. One JSON line per
@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from . import NAMES, RoundingKey, codec
+from ...compress import NAMES, RoundingKey, codec
 
 DEFAULT_PAYLOAD = 1200 - 21 - 16 - 19  # datagram - envelope - AEAD tag - tensor header
 

@@ -25,7 +25,7 @@ Volunteers sit behind home routers; the lab gives the kernel's own NAT to test a
   the veth to its router); ``loss`` drops on arrival at the peer, counted as there.
 
 Root only; names share the link lab's ``peerdlab-<pid>-<random>`` prefix, so teardown (exit, exception, SIGINT,
-SIGTERM) and :func:`peerd.lab.links.sweep_stale` cover it. No delay: there is no netem here.
+SIGTERM) and :func:`peerd.tools.lab.links.sweep_stale` cover it. No delay: there is no netem here.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class NatLab(NetnsLab):
     """One peer per entry of ``kinds`` (``public``, ``cone``, ``symmetric``); homes each behind their own router.
 
     ``addr(i)`` is the address peer i binds (private for a home), ``public_addr(i)`` where the public segment
-    sees it. Use as a context manager; processes, counters and teardown as in :class:`peerd.lab.LinkLab`."""
+    sees it. Use as a context manager; processes, counters and teardown as in :class:`peerd.tools.lab.LinkLab`."""
 
     what = "NAT lab"
     root_error = ROOT_ERROR
@@ -199,10 +199,10 @@ __all__ = ["KINDS", "PUBLIC_NET", "NatLab", "nat_rules", "public_addr_of"]
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """`python -m peerd.lab.nat hold --kinds public,cone,symmetric`: hold a NAT lab up until Ctrl-C/SIGTERM."""
+    """`python -m peerd.tools.lab.nat hold --kinds public,cone,symmetric`: hold a NAT lab up until Ctrl-C/SIGTERM."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m peerd.lab.nat", description=_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m peerd.tools.lab.nat", description=_main.__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     h = sub.add_parser("hold", help="build a NAT lab, print it as JSON, keep it up until SIGINT/SIGTERM")
     h.add_argument("--kinds", default="public,cone,symmetric", help="comma-separated: public, cone, symmetric")

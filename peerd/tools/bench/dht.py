@@ -32,14 +32,14 @@ from typing import Any
 
 import trio
 
-from ..dht import DhtService
-from ..dht.reads import Agreed
-from ..localsock.client import DaemonError, LocalClient
-from ..metrics import Metrics
+from ...dht import DhtService
+from ...dht.reads import Agreed
+from ...localsock.client import DaemonError, LocalClient
+from ...metrics import Metrics
+from ...transport.endpoint import Endpoint
+from ...transport.udp import UdpSocket
+from ...wire.identity import Identity, load_swarm_key
 from ..swarm import LocalSwarm, Node
-from ..transport.endpoint import Endpoint
-from ..transport.udp import UdpSocket
-from ..wire.identity import Identity, load_swarm_key
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The NAT traversal cores (reach, punch, relay) glued to the in-memory network (peerd/sim/net.py), for tests and
+"""The NAT traversal cores (reach, punch, relay) glued to the in-memory network (peerd/tools/sim/net.py), for tests and
 simulations: messages are dicts named like the wire's (PROTOCOL.md section 18), not sealed datagrams, and time is
 the network's virtual time, so a run is exact for a seed. The daemon's glue (peerd/nat/service.py) makes the same
 decisions over the real endpoint.
@@ -10,10 +10,10 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from ..sim.net import Network, Timer
-from .punch import Failed, Intro, Ping, Punched, Puncher
-from .reach import AskProbe, Observe, ProbeLimiter, Reach, choose_prober
-from .relay import RelayClient, RelayServer
+from ...nat.punch import Failed, Intro, Ping, Punched, Puncher
+from ...nat.reach import AskProbe, Observe, ProbeLimiter, Reach, choose_prober
+from ...nat.relay import RelayClient, RelayServer
+from .net import Network, Timer
 
 Address = tuple[str, int]
 SIZE = 150  # bytes of a control message (a sealed PING with an IPv4 ``from.addr`` is 179)

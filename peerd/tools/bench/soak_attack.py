@@ -1,7 +1,7 @@
 """The hostile side of `peerd bench soak`: one member attacker (holds the swarm key, many identities) and one
 outsider (no key), in their own process so their CPU and GIL do not skew the bench's own measurements.
 
-Run as ``python -m peerd.bench.soak_attack CONFIG_JSON``. It sends exactly ``datagrams`` datagrams (a bounded
+Run as ``python -m peerd.tools.bench.soak_attack CONFIG_JSON``. It sends exactly ``datagrams`` datagrams (a bounded
 loop), only to the daemons' 127.0.0.1 addresses named in the config, round-robin over the attack classes:
 a steady phase at ``rate`` datagrams/s, then a burst as fast as it can, then a steady tail. It also answers
 the daemons' DHT requests to one of its identities (FIND_VALUE with ``total`` = 65535 pages). Every
@@ -28,17 +28,17 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..allreduce.arctopk import phase_group_id
-from ..allreduce.frames import HEADER as BODY_HEADER
-from ..allreduce.frames import BodyType
-from ..dht.records import Record
-from ..statesync.service import Advert, ad_key
-from ..trainer.outer import OuterRecord, record_key
-from ..wire import messages as m
-from ..wire.envelope import FLAG_SEALED, HEADER, MAGIC, VERSION
-from ..wire.errors import WireError
-from ..wire.identity import Identity, load_swarm_key, node_id_of
-from ..wire.seal import Opener, Sealer
+from ...allreduce.arctopk import phase_group_id
+from ...allreduce.frames import HEADER as BODY_HEADER
+from ...allreduce.frames import BodyType
+from ...dht.records import Record
+from ...statesync.service import Advert, ad_key
+from ...trainer.records import OuterRecord, record_key
+from ...wire import messages as m
+from ...wire.envelope import FLAG_SEALED, HEADER, MAGIC, VERSION
+from ...wire.errors import WireError
+from ...wire.identity import Identity, load_swarm_key, node_id_of
+from ...wire.seal import Opener, Sealer
 from .soak_probe import opener_for, seal_for
 
 PROGRESS_S = 0.5
@@ -565,7 +565,7 @@ def _udp() -> socket.socket:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m peerd.bench.soak_attack CONFIG_JSON", file=sys.stderr)
+        print("usage: python -m peerd.tools.bench.soak_attack CONFIG_JSON", file=sys.stderr)
         return 2
     attack = Attack(json.loads(argv[0]))
     print(json.dumps(attack.run()), flush=True)
