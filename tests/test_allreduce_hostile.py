@@ -307,3 +307,17 @@ def test_service_counts_refused_contributions_and_caps_weights() -> None:
         mt = nodes_out[i].metrics.contributions_refused
         assert mt.labels("nonfinite")._value.get() == layout.datagrams(i)
         assert mt.labels("weight_capped")._value.get() == 1
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8"])
+def test_the_fault_injector_sends_what_a_member_holding_the_corrupted_vector_would_hostile(name: str) -> None:
+    """The injector wraps the core from outside: its reduce-scatter bodies are, byte for byte, an honest core's
+    for the negated vector (a codec's too: encoded from the corrupted values with the member's own draws)."""
+    from peerd.compress import codec
+
+    x = honest(1, 400, seed=7)[0]
+    kw = {"max_payload": payload_for(16)} if name == "fp32" else {"max_payload": 400, "codec": codec(name), "run": 3}
+    bad = byzantine("signflip")(GROUP, 2, 0, x, 1.0, 0.0, **kw)
+    twin = GroupAverage(GROUP, 2, 0, -x, 1.0, 0.0, **kw)
+    sent = [o.body for o in bad.datagrams_to_send(0.0, 1000) if o.type == RS_DATA]
+    assert sent and sent == [o.body for o in twin.datagrams_to_send(0.0, 1000) if o.type == RS_DATA]
