@@ -172,16 +172,17 @@ def test_a_trickle_of_tensor_data_lets_more_of_it_queue(monkeypatch: pytest.Monk
     socket waits before the next (a shaped link without GRO delivers a few datagrams a pass): COALESCE_FIRST_S,
     and COALESCE_S from the second such pass in a row on; the average is the same, and nothing else makes the
     loop wait so."""
-    from peerd.transport import endpoint as ep
+    from peerd.transport import inbound
+    from peerd.transport import receive as ep
 
     waits: list[float] = []
 
-    class Recording(ep.Pause):
+    class Recording(inbound.Pause):
         async def wait(self, seconds: float) -> None:
             waits.append(seconds)
             await trio.sleep(seconds)
 
-    monkeypatch.setattr(ep, "Pause", Recording)
+    monkeypatch.setattr(inbound, "Pause", Recording)
     vectors, weights, results = run_group(3, 3_000)
     exact = sum(w * v.astype(np.float64) for v, w in zip(vectors, weights, strict=True)) / sum(weights)
     for r in results.values():

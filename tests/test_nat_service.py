@@ -230,7 +230,7 @@ def test_a_moshpit_round_over_six_nodes_behind_nats_is_exact() -> None:
             nodes_by_id = {n.identity.node_id: k for k, n in nodes.items()}
             for name, res in results.items():
                 assert res.group_size == 6, (name, res)
-                info = {k: (dict(n.nat.relay.refused), n.nat.relay.relayed, dict(n.endpoint._drops),
+                info = {k: (dict(n.nat.relay.refused), n.nat.relay.relayed, dict(n.endpoint.core.receiving.drops),
                             {nodes_by_id[i]: kd for i, kd in n.nat.kind.items()},
                             {kk: v[0] for kk, v in n.endpoint.path_counts.items()}) for k, n in nodes.items()}
                 assert res.received_fraction == 1.0, (name, res.received_fraction, info)
