@@ -261,7 +261,10 @@ def test_connect_to_a_peer_nothing_can_reach_gives_up_before_its_timeout() -> No
             kind = await p1.nat.connect(("203.0.113.77", 7000), bytes(range(32)), timeout=30.0)
             took = trio.current_time() - t0
             assert kind is None
-            assert took < 7.0, took  # one attempt (INTRO, punch, direct PINGs, relays) and the PINGs around it
+            assert took < 7.0, took
+            # nothing vouched for the target (its introducer never reached it): no relay was even tried
+            assert p1.endpoint.path_counts["relayed"][0] == 0
+            assert p1.nat.no_relay.get("unintroduced", 0) >= 1, p1.nat.no_relay  # one attempt (INTRO, punch, direct PINGs, relays) and the PINGs around it
             await trio.sleep(10)
             assert not p1.nat._active  # the attempt its last PING began ends by itself
             nursery.cancel_scope.cancel()
@@ -293,9 +296,16 @@ def test_a_failed_punch_to_a_peer_that_answers_directly_does_not_relay_it() -> N
             assert p1.endpoint.relay_of(target.addr) is None
             assert p1.nat.path_to(target.addr, tid) == "direct"
             assert not p1.nat._active
+            # a lossy link, not a NAT: the relay does not answer directly either, so nothing is relayed
+            net.blocked = {(p1.addr, target.addr), (p1.addr, relay.addr)}
+            p1.nat.reached.pop(tid, None)
+            p1.nat._target_addr[tid] = target.addr
+            p1.nat._active.add(tid)
+            await p1.nat._relay_to(tid)
+            assert p1.endpoint.relay_of(target.addr) is None and p1.nat.no_relay.get("lossy") == 1
+            assert p1.endpoint.path_counts["relayed"][0] == 0
             # the same with a peer that answers only through the relay: relayed, after the direct PINGs
             net.blocked = {(p1.addr, target.addr)}
-            p1.nat.reached.pop(tid, None)
             p1.nat._target_addr[tid] = target.addr
             p1.nat._active.add(tid)
             await p1.nat._relay_to(tid)

@@ -60,7 +60,11 @@ class Punched:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
+    """The punch got no PONG. ``introduced``: an introducer vouched for the target (its INTRO_OK named it, or
+    its CONNECT came on the target's behalf), the only evidence that a relay could reach it at all."""
+
     node_id: bytes
+    introduced: bool = False
 
 
 Action = Intro | Ping | Punched | Failed
@@ -73,6 +77,7 @@ class _Punch:
     named: tuple[Address, ...] = ()  # where the DHT named the target (INTRO_OK must give one of these)
     pings_left: int = PUNCH_PINGS
     next_ping: float = 0.0
+    introduced: bool = False  # an introducer has reached the target (see ``Failed``)
 
 
 @dataclass(slots=True)
@@ -88,7 +93,7 @@ class Puncher:
 
     _punches: dict[bytes, _Punch] = field(default_factory=dict)
     paths: dict[bytes, _Path] = field(default_factory=dict)
-    _failed: dict[bytes, float] = field(default_factory=dict)
+    _failed: dict[bytes, tuple[float, bool]] = field(default_factory=dict)  # target -> (when, introduced)
     _targets: dict[Address, tuple[float, int]] = field(default_factory=dict)  # address -> (window start, punches)
     punched: int = 0
     failures: int = 0
@@ -126,8 +131,8 @@ class Puncher:
         if target in self._punches or target in self.paths or len(self._punches) >= MAX_PUNCHES:
             return []
         failed = self._failed.get(target)
-        if failed is not None and now - failed < RETRY_FAILED_S:
-            return [Failed(target)]
+        if failed is not None and now - failed[0] < RETRY_FAILED_S:
+            return [Failed(target, failed[1])]
         self._punches[target] = _Punch(None, now, tuple(named))
         return [Intro(introducer, introducer_id, target)]
 
@@ -138,6 +143,7 @@ class Puncher:
             return []
         if addr is None:
             return self._fail(target, now)
+        punch.introduced = True
         if addr not in punch.named:  # (a symmetric NAT's mapping toward the introducer is named nowhere)
             self._refuse("unnamed")
             punch.pings_left = 0  # no PINGs there; the target's own PINGs (its CONNECT) may still settle it
@@ -161,7 +167,7 @@ class Puncher:
             return []
         if not self._allow(addr, now):
             return []
-        self._punches[peer] = _Punch(addr, now, (addr,), next_ping=now)
+        self._punches[peer] = _Punch(addr, now, (addr,), next_ping=now, introduced=True)
         return self.poll(now)
 
     def pong(self, peer: bytes, addr: Address, now: float) -> list[Action]:
@@ -220,10 +226,11 @@ class Puncher:
         return actions
 
     def _fail(self, target: bytes, now: float) -> list[Action]:
-        self._punches.pop(target, None)
-        self._failed[target] = now
+        punch = self._punches.pop(target, None)
+        introduced = punch is not None and punch.introduced
+        self._failed[target] = (now, introduced)
         if len(self._failed) > MAX_PATHS:
             self._failed.pop(next(iter(self._failed)))
         self.failures += 1
-        return [Failed(target)]
+        return [Failed(target, introduced)]
 

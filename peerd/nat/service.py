@@ -107,6 +107,7 @@ class NatService:
         self._standins: OrderedDict[Address, bytes] = OrderedDict()  # reply-only addresses through a relay
         self._confirming: set[bytes] = set()
         self._direct_tried: OrderedDict[bytes, float] = OrderedDict()
+        self.no_relay: dict[str, int] = {}  # relays not tried for want of evidence of a NAT, by reason
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._published: dict[str, tuple[int, int]] = {}
@@ -155,6 +156,7 @@ class NatService:
             "paths": {n.hex(): k for n, k in sorted(self.kind.items())},
             "path_datagrams": {k: v[0] for k, v in self.endpoint.path_counts.items()},
             "path_bytes": {k: v[1] for k, v in self.endpoint.path_counts.items()},
+            "relays_not_tried": dict(self.no_relay),
             "relayed_for_others": {"datagrams": self.relay.relayed, "bytes": self.relay.relayed_bytes,
                                    "refused": dict(self.relay.refused)},
         }
@@ -472,7 +474,10 @@ class NatService:
                 real = self.contact_of(src)
             if real is not None and (real == relay or self.endpoint.relay_of(real) is not None):
                 real = None
-            if real is not None and await self._answers_directly(real, src):
+            if src in self.reached:  # it answered this node directly: no relay for it
+                self._no_relay("answered_before")
+                return
+            if real is not None and await self._direct_evidence(real, src, relay_id) != "silent":
                 return
             try:
                 reply = await self.endpoint.request(standin, m.MsgType.PING, {}, node_id=src, attempts=2)
@@ -695,7 +700,11 @@ class NatService:
                 self._active.discard(a.node_id)
             elif isinstance(a, Failed):
                 self.metrics.punches.labels("failed").inc()
-                self._spawn(self._relay_to, a.node_id)
+                if a.introduced:
+                    self._spawn(self._relay_to, a.node_id)
+                else:  # no introducer has reached it: nothing says it exists, let alone behind a NAT
+                    self._no_relay("unintroduced")
+                    self._active.discard(a.node_id)
         if actions:
             self._wake.set()
 
@@ -773,6 +782,37 @@ class NatService:
             if entry is not None and node_id in self._via and self.endpoint.relay_of(addr) is None:
                 self.endpoint.set_relay(addr, *entry)
 
+    def _relay_candidate(self, relay_id: bytes, node_id: bytes, addr: Address) -> bool:
+        """Whether ``relay_id`` could relay to ``node_id`` at ``addr``: reached directly, and neither the target."""
+        relay = self.reached.get(relay_id)
+        return (relay is not None and relay_id != node_id and relay != addr
+                and self.endpoint.relay_of(relay) is None)
+
+    def _no_relay(self, why: str) -> None:
+        self.no_relay[why] = self.no_relay.get(why, 0) + 1
+
+    async def _direct_evidence(self, addr: Address, node_id: bytes, control_id: bytes) -> str:
+        """Direct PINGs to ``node_id`` at ``addr``, and at the same time to ``control_id`` (a peer this node reached,
+        typically the relay it would use): "direct" when the target answers, "lossy" when neither does (this
+        node's own link is flooded or lossy: a relay would not help and would be kept for good), "silent" when
+        only the target stays silent, the evidence of a NAT in the way."""
+        control = self.reached.get(control_id)
+        answers: dict[str, bool] = {}
+
+        async def ping(key: str, to: Address, nid: bytes) -> None:
+            answers[key] = await self._answers_directly(to, nid)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ping, "target", addr, node_id)
+            if control is not None:
+                nursery.start_soon(ping, "control", control, control_id)
+        if answers.get("target"):
+            return "direct"
+        if not answers.get("control"):
+            self._no_relay("lossy")
+            return "lossy"
+        return "silent"
+
     async def _answers_directly(self, addr: Address, node_id: bytes) -> bool:
         """One more direct PING before relaying: a punch also fails on a lossy path the peer answers on (two
         PINGs lost of a handshake's six at 10 % loss), and a relay is kept for good, takes the relay's loss on
@@ -793,15 +833,21 @@ class NatService:
             addr = self._target_addr.get(node_id)
             if addr is None:
                 return
-            if await self._answers_directly(addr, node_id):
+            if node_id in self.reached:  # it answered this node directly: its silence is loss, not a NAT
+                self._no_relay("answered_before")
                 return
             intro_id = self.introducer.get(node_id)
             candidates = [intro_id] if intro_id is not None else []
             candidates += [n for n in reversed(self.reached) if n != intro_id]
+            candidates = [n for n in candidates if n is not None and self._relay_candidate(n, node_id, addr)]
+            if not candidates:
+                return
+            if await self._direct_evidence(addr, node_id, candidates[0]) != "silent":
+                return
             tried = 0
             for relay_id in candidates:
-                relay = self.reached.get(relay_id) if relay_id is not None else None
-                if relay is None or relay_id == node_id or relay == addr or self.endpoint.relay_of(relay):
+                relay = self.reached.get(relay_id)
+                if relay is None or not self._relay_candidate(relay_id, node_id, addr):
                     continue
                 if tried >= RELAY_TRIES:
                     return
