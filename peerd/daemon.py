@@ -300,7 +300,7 @@ class Daemon:
             "datagrams_dropped": dropped,
             "moshpit": self.moshpit.statistics(),
             "trainers": self.trainer.statistics(),  # each session's latest step by phase, codec and auto choice
-            **self.nat.status(),  # reachability, observed_addr, peers_known, paths, path_datagrams, ...
+            **dataclasses.asdict(self.nat.statistics()),  # reachability, observed_addr, peers_known, paths, ...
         }
 
     async def _op_dht_put(self, request: dict[str, Any]) -> dict[str, Any]:
