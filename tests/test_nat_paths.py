@@ -115,7 +115,7 @@ def test_a_peer_that_answered_before_is_never_punched_or_relayed() -> None:
     core.take_actions()
     core.request_unanswered(TARGET_AT, TARGET, 1.0)
     assert pump(core, 1.0, network(core, direct=set())) == []
-    core.punch_failed(TARGET, True)  # (even if a punch had been under way)
+    core.punch_failed(TARGET, True, 1.0)  # (even if a punch had been under way)
     assert pump(core, 1.0, network(core, direct=set())) == []
     assert core.statistics().relays_not_tried == {"answered_before": 1}
 

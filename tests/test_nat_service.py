@@ -278,7 +278,7 @@ async def punch_failed(nat: NatService, node_id: bytes, addr: tuple[str, int]) -
     (the direct PINGs, then the relays) has ended."""
     nat.paths.target_addr[node_id] = addr  # what ``silent`` sets before the punch
     nat.paths.active.add(node_id)
-    nat.paths.punch_failed(node_id, True)
+    nat.paths.punch_failed(node_id, True, trio.current_time())
     nat._act()
     while node_id in nat.paths.active:
         await trio.sleep(0.05)

@@ -167,6 +167,7 @@ class Paths:
         self.started = False
         self._next_discover = 0.0
         self._next_keepalive = 0.0
+        self._now = 0.0  # the latest input's time (for what the parts queued: a failed punch)
 
     # -- the contract -------------------------------------------------------------------------------------
     def take_actions(self) -> list[Action]:
@@ -182,6 +183,7 @@ class Paths:
         return None if wake == math.inf else wake
 
     def handle_timer(self, now: float) -> None:
+        self._now = now
         self.reach.handle_timer(now)
         self.puncher.handle_timer(now)
         if self.started and now >= self._next_discover:
@@ -250,6 +252,7 @@ class Paths:
     def request_unanswered(self, addr: Address, node_id: bytes, now: float) -> None:
         """A request to ``node_id`` at ``addr`` went unanswered once: send where it answers, or through its
         relay, or (never reached, and some peer named it) punch through that peer; a failed punch may relay."""
+        self._now = now
         if addr in self.relays or node_id in self.active:
             return
         via = self._via.get(node_id)
@@ -307,6 +310,7 @@ class Paths:
         self.puncher.receive_connect(peer_id, addr, self.dht_named(peer_id), now)
 
     def receive_intro(self, target: bytes, addr: Address | None, now: float) -> None:
+        self._now = now
         self.puncher.receive_intro(target, addr, now)
 
     def receive_pong(self, token: int, node_id: bytes, now: float) -> None:
@@ -439,7 +443,7 @@ class Paths:
                     self._set_alias(target, a.addr)
                 self.active.discard(a.node_id)
             elif isinstance(a, Failed):
-                self.punch_failed(a.node_id, a.introduced)
+                self.punch_failed(a.node_id, a.introduced, self._now)
             else:
                 self._actions.append(a)
 
@@ -448,7 +452,7 @@ class Paths:
         if answered_by == node_id:
             self.puncher.receive_pong(node_id, addr, now)
 
-    def punch_failed(self, node_id: bytes, introduced: bool) -> None:
+    def punch_failed(self, node_id: bytes, introduced: bool, now: float) -> None:
         """The punch to ``node_id`` failed (``introduced``: an introducer vouched for it): relay, with evidence."""
         addr = self.target_addr.get(node_id)
         if not introduced:  # no introducer has reached it: nothing says it exists, let alone behind a NAT

@@ -37,7 +37,7 @@ MAX_TARGETS = 4096  # target addresses whose punches are counted (more: the olde
 
 @dataclass(frozen=True, slots=True)
 class Intro:
-    """Send INTRO(target) to the introducer; report ``intro_answered``."""
+    """Send INTRO(target) to the introducer; report ``receive_intro``."""
 
     introducer: Address
     introducer_id: bytes

@@ -25,7 +25,7 @@ Address = tuple[str, int]
 
 @dataclass(frozen=True, slots=True)
 class Observe:
-    """Send OBSERVE to ``node_id`` at ``addr``; report ``observed`` or ``failed``."""
+    """Send OBSERVE to ``node_id`` at ``addr``; report ``receive_observed`` or ``request_failed``."""
 
     node_id: bytes
     addr: Address
@@ -33,7 +33,7 @@ class Observe:
 
 @dataclass(frozen=True, slots=True)
 class AskProbe:
-    """Send REACH_PROBE(``nonce``, ``avoid``) to the helper; report ``probe_asked``."""
+    """Send REACH_PROBE(``nonce``, ``avoid``) to the helper; report ``receive_probe_asked``."""
 
     node_id: bytes
     addr: Address
