@@ -327,7 +327,7 @@ class Daemon:
             "moshpit": dataclasses.asdict(self.moshpit.statistics())["runs"],
             "trainers": self.trainer.statistics(),  # each session's latest step by phase, codec and auto choice
             "caps": None if self.linkcap is None else dataclasses.asdict(self.linkcap.statistics()),
-            **self.nat.status(),  # reachability, observed_addr, peers_known, paths, path_datagrams, ...
+            **dataclasses.asdict(self.nat.statistics()),  # reachability, observed_addr, peers_known, paths, ...
         }
 
     async def _op_dht_put(self, request: dict[str, Any]) -> dict[str, Any]:
