@@ -299,7 +299,9 @@ class Daemon:
             "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
             "datagrams_dropped": dropped,
             "moshpit": self.moshpit.statistics(),
-            "trainers": self.trainer.statistics(),  # each session's latest step by phase, codec and auto choice
+            # each session's latest step by phase, codec and auto choice
+            "trainers": [{k: v for k, v in dataclasses.asdict(s).items() if k != "auto" or v}
+                         for s in self.trainer.statistics().sessions],
             **self.nat.status(),  # reachability, observed_addr, peers_known, paths, path_datagrams, ...
         }
 

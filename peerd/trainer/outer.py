@@ -201,8 +201,9 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     stats = core.statistics()
     if core.error:
         raise OuterError(core.error)
-    log.info("outer agreement: repaired in %.3f s (%d bytes fetched), agreed in %.3f s", stats.phases["repair"],
-             stats.repaired_bytes, stats.phases["agree"])
+    log.info("outer agreement: repaired in %.3f s (%d bytes fetched), participants read after %.3f s more, "
+             "agreed in %.3f s (%d reads, %d pushed)", stats.phases["repair"], stats.repaired_bytes,
+             stats.phases.get("participants", 0.0), stats.phases["agree"], stats.reads, stats.pushed)
     return Agreement(np.frombuffer(bytes(core.data), dtype=np.float32).copy(), stats.final,
                      repaired_bytes=stats.repaired_bytes, adopted_bytes=stats.adopted_bytes, adopted=stats.adopted,
                      members=stats.members, dissent=stats.dissent, states=stats.states,
