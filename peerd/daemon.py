@@ -210,6 +210,7 @@ class Daemon:
                 await nursery.start(self.dht.run)
                 await nursery.start(self.nat.run)
                 await nursery.start(self.moshpit.run)
+                await nursery.start(self.trainer.run)
                 await nursery.start(self.local.serve)
                 log.info(
                     "peer %s listening on %s, local socket %s%s",

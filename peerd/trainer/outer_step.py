@@ -49,6 +49,17 @@ class OuterSteps:
         self.inbox = inbox
         self.peer_id = peer_id
         self.report = report
+        self.background: trio.Nursery | None = None  # where records are still put after a step answered (run)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery that outer steps leave their last DHT put in (a trainer need not wait for it)."""
+        async with trio.open_nursery() as nursery:
+            self.background = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self.background = None
 
     async def step(self, session: Session, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
         """A DiLoCo outer average (peerd.torch.DiLoCo): average the pseudo-gradient in the slot's first
@@ -108,7 +119,8 @@ class OuterSteps:
                 agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
                                         state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
                                         addr=board.addr, members=[bytes.fromhex(h) for h in members] if group else None,
-                                        expect=expect, participants=seen, refresh=refresh, refresh_first=True)
+                                        expect=expect, participants=seen, refresh=refresh, refresh_first=True,
+                                        background=self.background)
             except OuterError as e:
                 raise OpError(f"outer round {round_no}: {e}") from None
             finally:

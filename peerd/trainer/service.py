@@ -114,6 +114,10 @@ class TrainerService:
             self.inbox.register(endpoint)
         self.outer = OuterSteps(metrics, average, statesync, self.inbox, peer_id, self._report)
 
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The service's background work (outer steps' last record puts); a daemon starts it in its nursery."""
+        await self.outer.run(task_status=task_status)
+
     def ops(self) -> dict[str, Callable[[dict[str, Any], Connection], Awaitable[dict[str, Any]]]]:
         return {
             "trainer_open": self._op_open,
