@@ -14,7 +14,7 @@ import pytest
 from peerd.allreduce.robust import DEFAULT_C, Robust
 from peerd.localsock.arena import Arena, write_blob
 from peerd.localsock.client import DaemonError, LocalClient
-from peerd.statesync.service import Advert
+from peerd.statesync.advert import Advert
 from peerd.trainer.options import MAX_BLOB, parse_layout, snapshot_bound
 
 from .test_trainer_session import LAYOUT, open_session, step
