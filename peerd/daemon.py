@@ -224,6 +224,7 @@ class Daemon:
                 await nursery.start(self.moshpit.run)
                 if self.linkcap is not None:
                     await nursery.start(CapTicker(self.linkcap, self._received, self._on_caps).run)
+                await nursery.start(self.trainer.run)
                 await nursery.start(self.local.serve)
                 log.info(
                     "peer %s listening on %s, local socket %s%s",
@@ -325,7 +326,9 @@ class Daemon:
             "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
             "datagrams_dropped": dropped,
             "moshpit": dataclasses.asdict(self.moshpit.statistics())["runs"],
-            "trainers": self.trainer.statistics(),  # each session's latest step by phase, codec and auto choice
+            # each session's latest step by phase, codec and auto choice
+            "trainers": [{k: v for k, v in dataclasses.asdict(s).items() if k != "auto" or v}
+                         for s in self.trainer.statistics().sessions],
             "caps": None if self.linkcap is None else dataclasses.asdict(self.linkcap.statistics()),
             **dataclasses.asdict(self.nat.statistics()),  # reachability, observed_addr, peers_known, paths, ...
         }
