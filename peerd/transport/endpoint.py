@@ -65,6 +65,7 @@ from .guard import AmplificationGuard, AuthLimiter
 from .pause import Pause
 from .rotation import Rotation
 from .rto import RtoEstimator
+from .traffic import TrafficHooks
 
 log = logging.getLogger("peerd.transport")
 
@@ -256,6 +257,7 @@ class Endpoint:
         self._data_blocks = 0  # blocks (or single datagrams) of tensor data opened in the current pass
         # NAT traversal (peerd/nat): who hears about sends and answers, and where a peer's datagrams go
         self.nat: NatHooks | None = None
+        self.traffic: TrafficHooks | None = None  # per-peer accounting (peerd/peers): told of every datagram moved
         self._relayed: dict[Address, tuple[bytes, bytes, Address]] = {}  # addr -> (peer id, relay id, relay addr)
         self._punched: set[Address] = set()
         self._relayed_src: bytes | None = None  # while a relayed datagram is handled: the sender its relay named
@@ -324,7 +326,10 @@ class Endpoint:
     ) -> None:
         """Send a one-way control message (no response, no retry) to the node ``node_id`` (default: the one
         this endpoint knows at ``addr``; RpcError if none)."""
-        await self._send_control(addr, mtype, self.core.new_id(), fields, node_id or self.node_id_at(addr))
+        receiver = node_id or self.node_id_at(addr)
+        if self.traffic is not None and receiver is not None:
+            self.traffic.control(receiver, mtype, fields, True)
+        await self._send_control(addr, mtype, self.core.new_id(), fields, receiver)
 
     # -- receivers' node ids ----------------------------------------------------------------------
     def learn(self, addr: Address, node_id: bytes) -> None:
@@ -419,7 +424,7 @@ class Endpoint:
         self.metrics.datagrams_sent.labels("data").inc(len(datagrams))
         nbytes = sum(map(len, datagrams))
         self.metrics.bytes_sent.inc(nbytes)
-        self._count_path(addr, len(datagrams), nbytes)
+        self._count_path(addr, len(datagrams), nbytes, mtype)
 
     async def send_block(
         self, addr: Address, mtype: int, bodies: np.ndarray, *, node_id: bytes | None = None
@@ -474,12 +479,14 @@ class Endpoint:
                 self._type_names.get(mtype, "data"))
         counter.inc()
         self.metrics.bytes_sent.inc(len(datagram))
-        self._count_path(addr, 1, len(datagram))
+        self._count_path(addr, 1, len(datagram), mtype)
         if self.nat is not None:
             self.nat.sent(addr, trio.current_time())
 
     # -- NAT traversal: paths ---------------------------------------------------------------------
-    def _count_path(self, addr: Address, datagrams: int, nbytes: int) -> None:
+    def _count_path(self, addr: Address, datagrams: int, nbytes: int, mtype: int = 0x40) -> None:
+        if self.traffic is not None:
+            self.traffic.sent(addr, mtype, nbytes, None)
         kind = "punched" if self._punched and addr in self._punched else "direct"
         counts = self.path_counts[kind]
         counts[0] += datagrams
@@ -541,6 +548,8 @@ class Endpoint:
             counts[1] += len(inner)
         self.metrics.datagrams_sent.labels("relay").inc(len(datagrams))
         self.metrics.bytes_sent.inc(sent)
+        if self.traffic is not None and datagrams:
+            self.traffic.sent(addr, datagrams[0][3], sum(map(len, datagrams)), relay_id)
         if self.nat is not None:
             self.nat.sent(relay, trio.current_time())
         return sent
@@ -689,9 +698,14 @@ class Endpoint:
                     if timer is None:
                         timer = self._rpc_timers[mtype] = self.metrics.rpc_seconds.labels(name)
                     timer.observe(trio.current_time() - start)
+                    if self.traffic is not None:
+                        self.traffic.answered(addr, reply.peer.node_id, trio.current_time() - start
+                                              if transmits == 1 else None, trio.current_time())
                     return reply
                 else:
                     self.metrics.rpc_failures.labels(name).inc()
+                    if self.traffic is not None:
+                        self.traffic.unanswered(addr, trio.current_time())
                     raise RpcTimeout(f"no answer to {name} from {addr[0]}:{addr[1]} within {step.waited:.2f} s")
         finally:
             core.close(rid)
@@ -971,6 +985,9 @@ class Endpoint:
             if len(opened.bodies):
                 self._data_blocks += 1
                 self._count_received(opened.type, len(opened.bodies))
+                if self.traffic is not None:
+                    self.traffic.received(source, opened.state.peer_id, opened.type, len(opened.bodies) * segment,
+                                          self._relayed_src is not None, now)
                 try:
                     handler(opened.type, opened.token, opened.state, opened.bodies, source)  # type: ignore[misc]
                 except WireError as e:
@@ -1066,6 +1083,8 @@ class Endpoint:
                     return
                 self._relayed_ok = True
             self._count_received(mtype)
+            if self.traffic is not None:
+                self.traffic.received(source, state.peer_id, mtype, len(data), self._relayed_src is not None, now)
             self._data_blocks += 1
             try:
                 raw(header, body, state, source)
@@ -1090,6 +1109,9 @@ class Endpoint:
             incoming.relayed = self._relayed_ok = True
         self.core.guard.received(source, len(data))
         self._count_received(mtype)
+        if self.traffic is not None:
+            self.traffic.received(source, incoming.peer.node_id, mtype, len(data), incoming.relayed, now,
+                                  incoming.body)
         rid = incoming.body["rid"]
         route = self.core.route(mtype, rid, source, incoming, now)
         if route is Route.ANSWER:
