@@ -54,7 +54,9 @@ from .records import (
     MoshpitError,
     check_run_id,
     config_key,
+    decode_announce,
     encode_grid,
+    group_dht_key,
     plausible_progress,
     progress_key,
     published_grid,
@@ -86,6 +88,7 @@ FINITE_SLICE = 1 << 20  # elements per isfinite pass (a 4 MB slice: no 100 MB te
 MOSHPIT_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")  # body codecs a run may average in (protocol/codecs.md)
 
 
+CAPS_READ_S = 0.5  # the most a round's start waits to read unknown members' caps (linkcap)
 MAX_GROUP_DEFAULT = 16  # a run's groups hold at most this many members unless the daemon says otherwise
 MAX_PARTS = 1000  # parts of one split round (a trainer step's gradient buckets: peerd.trainer MAX_BUCKETS)
 PART_STRIDE = 0x9E3779B1  # odd: part_group_id maps parts 0..2**32-1 of one group to distinct ids
@@ -768,6 +771,7 @@ class MoshpitService:
             extra["run"] = codec_run_key(st.run_id if part is None else f"{st.run_id}#{part}", round_no)
         if st.topk is not None:
             return await self._average_topk(st, group, members, hexes, vector, weight, budget_s, round_no, key, seen)
+        await self._learn_caps(group, group_dht_key(st.run_id, round_no, key))
         try:
             res = await self.allreduce.average(
                 group_id, members, group.index, vector, weight, floor_s=1.0,
@@ -796,6 +800,18 @@ class MoshpitService:
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
                            silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent,
                            weight_total=float(getattr(res.stats, "weight_total", 0.0)))
+
+    async def _learn_caps(self, group: Group, mm_key: bytes) -> None:
+        """A member whose matchmaking record this node never read (it joined its leader before the record came)
+        may have caps: read the round's records once, briefly, before the average plans with them."""
+        me = self.identity.node_id
+        if all(c.node_id == me or self.peer_caps.known(c.node_id) for c in group.members):
+            return
+        with trio.move_on_after(CAPS_READ_S):
+            for r in await self.dht.get(mm_key):
+                a = decode_announce(r)
+                if a is not None:
+                    self.peer_caps.note(a.node_id, a.cap)
 
     def _capped_phase_s(self, group: Group, vector: np.ndarray) -> float:
         """A phase's deadline is at least PLAN_MARGIN x what its slowest capped member's share takes at its cap
