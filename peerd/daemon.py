@@ -187,9 +187,8 @@ class Daemon:
             self.endpoint, self.dht, paths, self.metrics,
             address=announce or self.listen, max_group=config.max_group,
         )  # (a path to every group member before tensor data: peerd/nat/averager.py)
-        if self.linkcap is not None:  # a group's senders stay under its download-capped members' caps
-            paths.plan = lambda members: limit_senders(self.allreduce.pacer, members, self.moshpit.peer_caps,
-                                                       config.mtu)
+        # a group's senders stay under its download-capped members' caps (whether or not this node has caps)
+        paths.plan = lambda members: limit_senders(self.allreduce.pacer, members, self.moshpit.peer_caps, config.mtu)
         self.metrics.info.info({"version": __version__, "peer_id": self.identity.node_id.hex()})
         for op, handler in {
             "status": self._op_status,

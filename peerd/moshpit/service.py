@@ -50,7 +50,9 @@ from .records import (
     MoshpitError,
     check_run_id,
     config_key,
+    decode_announce,
     encode_grid,
+    group_dht_key,
     plausible_progress,
     progress_key,
     published_grid,
@@ -100,6 +102,7 @@ __all__ = [
 
 log = logging.getLogger("peerd.moshpit")
 DEFAULT_KEEP_ROUNDS = 1  # groups re-form through the DHT every round unless a run asks to keep them (sticky.py)
+CAPS_READ_S = 0.5  # the most a round's start waits to read unknown members' caps (linkcap)
 
 
 class MoshpitService:
@@ -532,6 +535,7 @@ class MoshpitService:
             "codec": st.codec, "run": codec_run_key(st.run_id if part is None else f"{st.run_id}#{part}", round_no)}
         if st.topk is not None:
             return await self._average_topk(st, group, members, hexes, vector, weight, budget_s, round_no, key, seen)
+        await self._learn_caps(group, group_dht_key(st.run_id, round_no, key))
         try:
             longest = max(1.0, budget_s / 2, self._capped_phase_s(group, vector))
             options = AverageOptions(floor_s=1.0, max_phase_s=longest, max_weight=st.max_weight, robust=st.robust,
@@ -561,6 +565,18 @@ class MoshpitService:
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
                            silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent,
                            weight_total=float(getattr(res.stats, "weight_total", 0.0)))
+
+    async def _learn_caps(self, group: Group, mm_key: bytes) -> None:
+        """A member whose matchmaking record this node never read (it joined its leader before the record came)
+        may have caps: read the round's records once, briefly, before the average plans with them."""
+        me = self.identity.node_id
+        if all(c.node_id == me or self.peer_caps.known(c.node_id) for c in group.members):
+            return
+        with trio.move_on_after(CAPS_READ_S):
+            for r in await self.dht.get(mm_key):
+                a = decode_announce(r)
+                if a is not None:
+                    self.peer_caps.note(a.node_id, a.cap)
 
     def _capped_phase_s(self, group: Group, vector: np.ndarray) -> float:
         """A phase's deadline is at least PLAN_MARGIN x what its slowest capped member's share takes at its cap
