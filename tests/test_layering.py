@@ -24,9 +24,11 @@ PEERD = ROOT / "peerd"
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("foundation", frozenset({"peerd", "_dataplane", "entropy", "metrics"})),  # the C extension, rng, metrics
     ("wire", frozenset({"wire"})),  # envelope, sealing, messages: what a datagram is
-    ("links", frozenset({"transport", "compress", "localsock", "addresses"})),  # moving bytes, coding arrays
+    # moving bytes, coding arrays; the owner's views (status: the page's HTTP server, the terminal table)
+    ("links", frozenset({"transport", "compress", "localsock", "addresses", "status"})),
     ("protocols", frozenset({"dht", "allreduce", "nat", "linkcap"})),  # one protocol each, over the transport
-    ("rounds", frozenset({"moshpit", "statesync"})),  # averaging rounds over dht + allreduce; snapshots
+    # averaging rounds over dht + allreduce; snapshots; the per-peer view over transport and nat
+    ("rounds", frozenset({"moshpit", "statesync", "peers"})),
     ("trainer", frozenset({"trainer"})),  # the daemon's side of a trainer's session
     ("daemon", frozenset({"daemon"})),  # wires one node's services together
     ("tools", frozenset({"tools"})),  # benches, labs, simulator, local swarms, demos: drive daemons from outside

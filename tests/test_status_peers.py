@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from peerd.swarm import LocalSwarm
+from peerd.tools.swarm import LocalSwarm
 
 from peerd.metrics import TOP_PEERS
 
