@@ -11,46 +11,48 @@ import os
 import sys
 from typing import Any
 
+from . import __version__
 from .addresses import parse_hostport
+from .linkcap.args import add_cap_arguments, cap_config
 from .localsock.client import DaemonError, LocalClient, default_socket_path
+from .status.text import render
+from .status.top import run_top
 
 DEFAULT_PORT = 7411
 
 
-def _hostport(text: str) -> tuple[str, int]:
+def _address(text: str, what: str, **kwargs: str) -> tuple[str, int]:
     if "://" in text:
-        raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT (a UDP address), not a URL")
+        raise argparse.ArgumentTypeError(f"{text!r}: give {what}, not a URL")
     try:
-        return parse_hostport(text)
+        return parse_hostport(text, **kwargs)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    return _address(text, "HOST:PORT (a UDP address)")
 
 
 def _metrics_addr(text: str) -> tuple[str, int]:
-    if "://" in text:
-        raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT or a bare PORT, not a URL")
+    return _address(text, "HOST:PORT or a bare PORT", bare_port_host="127.0.0.1")
+
+
+def _number(text: str) -> float:
     try:
-        return parse_hostport(text, bare_port_host="127.0.0.1")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
 def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
+    if (value := _number(text)) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be positive")
     return value
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:
+    if not 0.0 < (value := _number(text)) <= 1.0:
         raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
     return value
 
@@ -63,7 +65,7 @@ def _layout(text: str) -> tuple[int, int]:
 
 
 def _size(text: str) -> int:
-    from .bench.allreduce import parse_size
+    from .tools.bench.allreduce import parse_size
 
     try:
         return parse_size(text)
@@ -72,7 +74,7 @@ def _size(text: str) -> int:
 
 
 def _robust(text: str) -> str:
-    from .demo_train import robust_option
+    from .tools.demo_train import robust_option
 
     return robust_option(text)
 
@@ -89,12 +91,12 @@ def _socket_arg(p: argparse.ArgumentParser) -> None:
 
 # The top-level help lists the commands by task; every command is in exactly one group (tests/test_cli_groups.py).
 COMMAND_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("run a node", ("keygen", "join", "status", "dht")),
+    ("run a node", ("keygen", "join", "status", "top", "dht")),
     ("try it", ("demo", "swarm", "demo-trainer")),
     ("measure", ("bench", "sim")),
 )
 LAB_GROUP = "fault injection and lab (testing only)"
-# the fault injector's modes (allreduce.group.BYZANTINE_MODES, spelled here so that parsing imports no numpy)
+# the fault injector's modes (tools.faults.MODES, spelled here so that parsing imports no numpy)
 BYZANTINE_CHOICES = ("scale", "signflip", "nan", "random", "inflate-signflip")
 
 
@@ -128,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decentralized training daemon: joins a swarm, finds peers through a DHT, averages tensors.",
         epilog="'peerd COMMAND --help' shows a command's options.",
     )
-    parser.add_argument("--version", action="version", version=f"peerd {_version()}")
+    parser.add_argument("--version", action="version", version=f"peerd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS, prog="peerd")
 
     p = sub.add_parser("keygen", help="write a new node identity and/or a new swarm secret (mode 0600)")
@@ -179,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 5): more survive heavier churn, each costs one more message per write and read")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="how much the daemon logs to stderr (default info)")
+    add_cap_arguments(p)
     lab = _lab(p)
     lab.add_argument("--loss", type=float, default=0.0, metavar="P",
                      help="drop received datagrams with probability P, to see how training copes (default 0)")
@@ -190,7 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="show a running daemon's identity and swarm view")
     _socket_arg(p)
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print JSON (peer_view: the per-peer table)")
+
+    p = sub.add_parser("top", help="show a running daemon's per-peer table, refreshed like top (q quits)")
+    _socket_arg(p)
+    p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS", help="refresh period (default 1)")
 
     p = sub.add_parser("dht", help="put and get records in the swarm's DHT, through the local daemon")
     dht = p.add_subparsers(dest="dht_command", required=True, metavar="ACTION")
@@ -264,15 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--window", type=float, default=3.0, metavar="SECONDS",
                    help="matchmaking window: a group that cannot fill closes after this (default 3)")
     b.add_argument("--seed", type=int, default=0, help="seed of vectors, cells and victims (default 0)")
-    from .demo_train import add_compression_arguments
+    from .tools.demo_train import add_compression_arguments
 
     add_compression_arguments(b)
     _link_args(b)
     b.add_argument("--json", action="store_true", help="print JSON")
-    from .bench.dht import add_parser as add_dht_parser
+    from .tools.bench.dht import add_parser as add_dht_parser
     add_dht_parser(bench)
-    from .bench.step import add_parser as add_step_parser
+    from .tools.bench.step import add_parser as add_step_parser
     add_step_parser(bench)
+    from .tools.bench.caps import add_parser as add_caps_parser
+    add_caps_parser(bench)
     b = bench.add_parser("soak", help="4 sealed daemons average while a member attacker and an outsider flood them")
     b.add_argument("--datagrams", type=int, default=1_000_000, metavar="N", help="attack datagrams (default 1M)")
     b.add_argument("--size", type=_size, default=1_000_000, metavar="S", help="float32 elements averaged (default 1M)")
@@ -336,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mlp: 4,810 parameters; wide: 64-2048-1024-10, 2.24 M parameters, so a 100 Mbit link "
                         "matters; gpt: a character-level transformer (0.84 M) on Python's own source, AdamW, "
                         "clipping, a cosine schedule (default mlp)")
-    from .demo import add_gpt_arguments
+    from .tools.demo import add_gpt_arguments
 
     add_gpt_arguments(p)
     p.add_argument("--baseline", choices=["gloo", "ddp"], default=None,
@@ -350,22 +359,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo-trainer", aliases=["train"],
                        help="the demo's trainer (a small model on handwritten digits) beside a running daemon "
                             "(needs torch)")
-    from .demo_train import add_train_arguments
+    from .tools.demo_train import add_train_arguments
 
     add_train_arguments(p)
 
     p = sub.add_parser("sim", help="virtual-time swarm of many peers' real protocol cores in one process")
     sim = p.add_subparsers(dest="sim_command", required=True, metavar="{dht,moshpit}")
     for name in ("dht", "moshpit"):
-        importlib.import_module(f".sim.{name}", __package__).add_arguments(sim)
+        importlib.import_module(f".tools.sim.{name}", __package__).add_arguments(sim)
     _group_commands(parser, sub)
     return parser
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,6 +426,15 @@ def cmd_keygen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return 0
 
 
+def _fault_factory(mode: str | None) -> Any:
+    """The averaging cores of a ``--fault-byzantine`` daemon (a lab's fault injector), or None for honest ones."""
+    if mode is None:
+        return None
+    from .tools.faults import byzantine
+
+    return byzantine(mode)
+
+
 def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import trio
 
@@ -461,7 +473,8 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         loss=args.loss,
         loss_seed=args.loss_seed,
         relay=not args.no_relay,
-        byzantine=args.fault_byzantine,
+        group_factory=_fault_factory(args.fault_byzantine),
+        caps=cap_config(args),
     )
     try:
         daemon = Daemon(config)
@@ -469,7 +482,10 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"peerd: error: {e}", file=sys.stderr)
         return 1
     _log_format(daemon.listen[1])
+    from .tools.bench.ops import install_bench_ops
     from .wire.native import announce
+
+    install_bench_ops(daemon)  # what `peerd bench allreduce` drives (tooling, added from outside the daemon)
 
     announce(now=True)  # which data plane runs, and why: once the log lines carry the port
     if args.insecure:
@@ -506,31 +522,13 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     with LocalClient(args.socket, timeout=10) as client:
         reply = client.call("status")
     reply.pop("ok", None)
-    if args.json:
-        print(json.dumps(reply, indent=2))
-        return 0
-    dropped = reply.get("datagrams_dropped") or {}
-    print(f"peer id    {reply['peer_id']}")
-    print(f"listening  {reply['listen']} (UDP){'  INSECURE' if reply.get('insecure') else ''}")
-    print(f"swarm      {reply['peers']} peers in the routing table, "
-          f"{'joined' if reply.get('joined') else 'still joining'}")
-    print(f"records    {reply.get('records', 0)} held for the DHT")
-    print(f"uptime     {reply['uptime_s']:.0f} s")
-    if dropped:
-        print("dropped    " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
-        for reason, why in DROP_HINTS.items():
-            if dropped.get(reason):
-                print(f"           {reason}: {why}")
+    print(json.dumps(reply, indent=2) if args.json else render(reply))
     return 0
 
 
-# Drops that mean a misconfigured node, not noise: the node that sent them only sees timeouts, so say it here.
-DROP_HINTS = {
-    "auth": "datagrams that do not open with this swarm's key: a node with another --swarm-key-file "
-            "(or --insecure) is trying to join",
-    "self": "datagrams signed with this node's own identity: another node runs with the same --identity "
-            "(give each node its own 'peerd keygen' file)",
-}
+def cmd_top(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with LocalClient(args.socket, timeout=10) as client:
+        return run_top(lambda: client.call("status"), args.interval)
 
 
 def _text(data: bytes) -> dict[str, Any]:
@@ -582,7 +580,7 @@ def cmd_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_swarm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .swarm import run_swarm
+    from .tools.swarm import run_swarm
 
     if args.peers < 1:
         parser.error("--peers must be at least 1")
@@ -590,7 +588,7 @@ def cmd_swarm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _link_rate(text: str) -> str:
-    from .lab.links import parse_rate
+    from .tools.lab.links import parse_rate
 
     try:
         parse_rate(text)
@@ -625,7 +623,7 @@ def _check_link_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if args.link and getattr(args, "mtu", 0) > 1472:
         parser.error("--mtu above 1472 is refused with --link: nothing may rely on IP fragmentation")
     if args.link:
-        from .lab.links import lab_unavailable
+        from .tools.lab.links import lab_unavailable
 
         why = lab_unavailable()
         if why:
@@ -636,15 +634,18 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.bench_command == "moshpit":
         return cmd_bench_moshpit(args, parser)
     if args.bench_command == "dht":
-        from .bench.dht import cmd_bench_dht
+        from .tools.bench.dht import cmd_bench_dht
         return cmd_bench_dht(args, parser)
     if args.bench_command == "step":
-        from .bench.step import cmd_bench_step
+        from .tools.bench.step import cmd_bench_step
         return cmd_bench_step(args, parser)
+    if args.bench_command == "caps":
+        from .tools.bench.caps import cmd_bench_caps
+        return cmd_bench_caps(args, parser)
     if args.bench_command == "soak":
-        from .bench.soak import cmd_bench_soak
+        from .tools.bench.soak import cmd_bench_soak
         return cmd_bench_soak(args, parser)
-    from .bench.allreduce import AllreduceBenchConfig, run_allreduce_bench
+    from .tools.bench.allreduce import AllreduceBenchConfig, run_allreduce_bench
 
     if args.peers < 2:
         parser.error("--peers must be at least 2")
@@ -663,8 +664,8 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error("--baseline gloo cannot run with --nat (gloo's TCP does not traverse NATs)")
         if args.mtu > 1472:
             parser.error("--mtu above 1472 is refused with --nat: nothing may rely on IP fragmentation")
-        from .lab.links import LabError
-        from .lab.nat import NatLab
+        from .tools.lab.links import LabError
+        from .tools.lab.nat import NatLab
 
         lab = NatLab(["public", args.nat], args.link)
         try:
@@ -710,8 +711,8 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_bench_moshpit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .bench.moshpit import MoshpitBenchConfig, run_moshpit_bench
     from .moshpit.keys import Grid
+    from .tools.bench.moshpit import MoshpitBenchConfig, run_moshpit_bench
 
     if not 0.0 <= args.loss < 1.0:
         parser.error("--loss must be in [0, 1)")
@@ -740,7 +741,7 @@ def cmd_bench_moshpit(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .demo import DemoConfig, gpt_options, run_demo
+    from .tools.demo import DemoConfig, gpt_options, run_demo
 
     if args.peers < 1 or args.steps < 1:
         parser.error("--peers and --steps must be at least 1")
@@ -787,13 +788,13 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .demo_train import run_train
+    from .tools.demo_train import run_train
 
     return run_train(args)
 
 
 def cmd_sim(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    return importlib.import_module(f".sim.{args.sim_command}", __package__).run(args, parser)
+    return importlib.import_module(f".tools.sim.{args.sim_command}", __package__).run(args, parser)
 
 
 _COMMANDS = {
@@ -804,6 +805,7 @@ _COMMANDS = {
     "keygen": cmd_keygen,
     "join": cmd_join,
     "status": cmd_status,
+    "top": cmd_top,
     "dht": cmd_dht,
     "swarm": cmd_swarm,
     "bench": cmd_bench,

@@ -9,21 +9,22 @@ import logging
 import signal
 import socket as stdsocket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
-from prometheus_client import start_http_server
 
 from . import __version__
 from ._dataplane.heap import keep_freed_memory
 from .addresses import family_of, format_hostport, peer_address, resolve_ip
-from .allreduce.bench_ops import BenchOps
-from .allreduce.group import BYZANTINE_MODES
+from .allreduce.group import GroupAverage
 from .allreduce.service import AllreduceService
 from .dht import BootstrapError, DhtService
 from .dht.core import REPLICAS
 from .dht.reads import Agreed, AnyOf, Enough, Owners
+from .linkcap import CapConfig, LinkCap
+from .linkcap.shell import CappedSocket, CapTicker, clamp_pacer, limit_senders
 from .localsock.access import AccessError, resolve_group
 from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
@@ -32,7 +33,13 @@ from .moshpit.ops import MoshpitOps
 from .moshpit.service import MAX_GROUP_DEFAULT, MoshpitService
 from .nat.averager import PathsFirst
 from .nat.service import NatService
+from .peers import PeerFeed, swarm_view
+from .peers.feed import NETWORK_PHASES
+from .peers.natview import nat_view
+from .peers.report import view_json
 from .statesync import StateSync
+from .status.page import StatusPage
+from .status.page import serve as serve_http
 from .trainer import TrainerService
 from .transport import Endpoint
 from .transport.udp import UdpSocket
@@ -68,22 +75,22 @@ class DaemonConfig:
     relay: bool = True  # relay for NATed peers when this node is public (PROTOCOL.md 18.4)
     max_group: int = MAX_GROUP_DEFAULT  # Moshpit groups of at most this many (a run's grid: Grid.for_swarm)
     dht_replicas: int = REPLICAS  # nodes closest to a key that this node's puts store on and full reads ask
-    byzantine: str | None = None  # testing only: corrupt this node's own contributions (see BYZANTINE_MODES)
+    # lab only: what builds this node's averaging cores instead of GroupAverage (a fault injector: peerd.tools.faults)
+    group_factory: Callable[..., GroupAverage] | None = None
+    caps: CapConfig = field(default_factory=CapConfig)  # --max-upload, --max-download, --budget
 
 
 
 
 def _allreduce_kwargs(config: DaemonConfig) -> dict[str, Any]:
-    """AllreduceService's optional arguments; the fault injector only when asked for, and only if this build's
-    AllreduceService has the hook (never silently an honest node that the test believes corrupt)."""
-    if config.byzantine is None:
+    """AllreduceService's optional arguments; a lab's group factory only when given, and only if this build's
+    AllreduceService takes one (never silently an honest node that the test believes corrupt)."""
+    if config.group_factory is None:
         return {}
-    if config.byzantine not in BYZANTINE_MODES:
-        raise StartupError(f"--fault-byzantine must be one of {', '.join(BYZANTINE_MODES)}, not {config.byzantine!r}")
-    if "byzantine" not in inspect.signature(AllreduceService).parameters:
-        raise StartupError("--fault-byzantine: this build's AllreduceService has no byzantine= fault injector; "
-                           "update peerd (or drop the flag)")
-    return {"byzantine": config.byzantine}
+    if "group_factory" not in inspect.signature(AllreduceService).parameters:
+        raise StartupError("a fault injector was asked for, but this build's AllreduceService has no group_factory="
+                           " to take it; update peerd (or drop the flag)")
+    return {"group_factory": config.group_factory}
 
 
 def _bind_udp(host: str, port: int) -> stdsocket.socket:
@@ -129,6 +136,7 @@ class Daemon:
         self.listen = self.udp.getsockname()[:2]
         self.local: LocalServer | None = None
         self.http = None
+        self.page = StatusPage()
         try:
             self._start(config, secret, announce, allreduce_kwargs)
         except BaseException:
@@ -144,7 +152,7 @@ class Daemon:
             raise StartupError(str(e)) from None
         if config.metrics is not None:
             try:
-                self.http, _ = start_http_server(config.metrics[1], config.metrics[0], registry=self.metrics.registry)
+                self.http = serve_http(config.metrics[0], config.metrics[1], self.metrics.registry, self.page)
             except OSError as e:
                 busy = " (another peerd on this host?)" if e.errno == errno.EADDRINUSE else ""
                 raise StartupError(
@@ -152,9 +160,10 @@ class Daemon:
                     f"node its own --metrics PORT (0 picks a free one), or leave --metrics out"
                 ) from None
         self.socket = UdpSocket(self.udp, gso=not config.no_gso)
+        self.linkcap = LinkCap(config.caps, 0.0, datagram=config.mtu) if config.caps.active else None
         try:
             self.endpoint = Endpoint(
-                self.socket,
+                self.socket if self.linkcap is None else CappedSocket(self.socket, self.linkcap),
                 self.identity,
                 secret,
                 self.metrics,
@@ -169,18 +178,22 @@ class Daemon:
         # NAT traversal (PROTOCOL.md section 18): reachability, punching through introducers, relaying
         self.nat = NatService(self.endpoint, self.metrics, relay=config.relay, contact_of=self._dht_contact,
                               on_verdict=self._on_reachability)
+        # per-peer network view (peerd status, peerd top, the status page): fed by the endpoint's traffic hooks
+        self.peers = PeerFeed(self.endpoint, self.metrics, self.nat, on_tick=self._publish_page)
+        self.endpoint.traffic = self.peers
         self.allreduce = AllreduceService(self.endpoint, self.metrics, **allreduce_kwargs)
-        self.bench = BenchOps(PathsFirst(self.allreduce, self.nat), self.socket)
+        paths = PathsFirst(self.allreduce, self.nat)
         self.moshpit = MoshpitService(
-            self.endpoint, self.dht, PathsFirst(self.allreduce, self.nat), self.metrics,
+            self.endpoint, self.dht, paths, self.metrics,
             address=announce or self.listen, max_group=config.max_group,
         )  # (a path to every group member before tensor data: peerd/nat/averager.py)
+        # a group's senders stay under its download-capped members' caps (whether or not this node has caps)
+        paths.plan = lambda members: limit_senders(self.allreduce.pacer, members, self.moshpit.peer_caps, config.mtu)
         self.metrics.info.info({"version": __version__, "peer_id": self.identity.node_id.hex()})
         for op, handler in {
             "status": self._op_status,
             "dht_put": self._op_dht_put,
             "dht_get": self._op_dht_get,
-            **self.bench.ops(),
             **MoshpitOps(self.moshpit).ops(),
         }.items():
             local.register(op, handler)
@@ -190,6 +203,13 @@ class Daemon:
         self.trainer = TrainerService(self.metrics, self.moshpit.average, statesync=self.statesync,
                                       peer_id=self.identity.node_id.hex(), average_parts=self.moshpit.average_parts)
         self.trainer.register(local)
+
+    def add_ops(self, ops: dict[str, Any]) -> None:
+        """Serve more local-socket ops (name -> async handler): how tooling (``peerd.tools``) extends a daemon
+        from outside, so the daemon itself imports none of it."""
+        assert self.local is not None  # set by _start, which __init__ runs before returning
+        for op, handler in ops.items():
+            self.local.register(op, handler)
 
     def close(self) -> None:
         if self.local is not None:
@@ -209,7 +229,11 @@ class Daemon:
                 await nursery.start(self.endpoint.serve)
                 await nursery.start(self.dht.run)
                 await nursery.start(self.nat.run)
+                await nursery.start(self.peers.run)
                 await nursery.start(self.moshpit.run)
+                if self.linkcap is not None:
+                    await nursery.start(CapTicker(self.linkcap, self._received, self._on_caps).run)
+                await nursery.start(self.trainer.run)
                 await nursery.start(self.local.serve)
                 log.info(
                     "peer %s listening on %s, local socket %s%s",
@@ -254,6 +278,18 @@ class Daemon:
                 f"identity{reuse}; a firewall or a wrong address/port. 'peerd status' on the bootstrap node shows "
                 f"its dropped datagrams by reason (auth: wrong swarm key; self: identity in use twice).")
 
+    def _received(self) -> tuple[int, int]:
+        """What arrived so far: payload bytes and (estimated from them) datagrams, for the download accounting."""
+        nbytes = int(self.metrics.bytes_received._value.get())
+        return nbytes, nbytes // self.config.mtu
+
+    def _on_caps(self, core: LinkCap) -> None:
+        """The caps in force changed: the averaging pacer's ceiling and the matchmaking records follow."""
+        clamp_pacer(self.allreduce.pacer, core.pacer_ceiling())
+        self.moshpit.cap_ad = core.advert()
+        for st in self.moshpit.runs.values():
+            st.core.cap_ad = self.moshpit.cap_ad
+
     def _dht_contact(self, node_id: bytes) -> tuple[str, int] | None:
         """Where the DHT knows ``node_id`` (for a peer first heard of through a relay)."""
         return next((c.addr for c in self.dht.core.table.contacts() if c.node_id == node_id), None)
@@ -278,6 +314,23 @@ class Daemon:
                 scope.cancel()
                 return
 
+    def _publish_page(self) -> None:
+        """The status page's snapshot (peerd/status/page.py), once a second while it is served."""
+        if self.http is None:
+            return
+        trainers = []
+        for t in self.trainer.statistics():
+            phases = t.get("phases") or {}
+            step = sum(phases.values())
+            network = sum(phases.get(p, 0.0) for p in NETWORK_PHASES)
+            trainers.append({**t, "network_share": network / step if step > 0 else None})
+        node = {"peer_id": self.identity.node_id.hex(), "listen": format_hostport(*self.listen),
+                "peers": self.dht.peer_count(), "uptime_s": round(time.monotonic() - self.started, 1),
+                "reachability": nat_view(self.nat).reachability, "version": __version__}
+        self.page.update({"node": node, "peer_view": view_json(self.peers.table.statistics(), swarm_view(self.metrics)),
+                          "link": {"cap_upload_bps": None, "cap_download_bps": None}, "trainers": trainers},
+                         self.moshpit.statistics())
+
     # -- local socket ops -------------------------------------------------------------------------
     async def _op_status(self, request: dict[str, Any]) -> dict[str, Any]:
         dropped = {}
@@ -298,9 +351,13 @@ class Daemon:
             "dataplane": dataplane(),
             "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
             "datagrams_dropped": dropped,
-            "moshpit": self.moshpit.statistics(),
-            "trainers": self.trainer.statistics(),  # each session's latest step by phase, codec and auto choice
-            **self.nat.status(),  # reachability, observed_addr, peers_known, paths, path_datagrams, ...
+            "moshpit": dataclasses.asdict(self.moshpit.statistics())["runs"],
+            # each session's latest step by phase, codec and auto choice
+            "trainers": [{k: v for k, v in dataclasses.asdict(s).items() if k != "auto" or v}
+                         for s in self.trainer.statistics().sessions],
+            "peer_view": view_json(self.peers.table.statistics(), swarm_view(self.metrics)),  # peerd/peers/report.py
+            "caps": None if self.linkcap is None else dataclasses.asdict(self.linkcap.statistics()),
+            **dataclasses.asdict(self.nat.statistics()),  # reachability, observed_addr, peers_known, paths, ...
         }
 
     async def _op_dht_put(self, request: dict[str, Any]) -> dict[str, Any]:

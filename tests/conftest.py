@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from peerd.swarm import LocalSwarm
+from peerd.tools.swarm import LocalSwarm
 
 # A shell without job control starts background jobs (`cmd &`) with SIGINT ignored, and an ignored signal stays
 # ignored across exec: every `peerd swarm`, lab holder and daemon a test starts would then ignore the Ctrl-C the

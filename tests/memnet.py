@@ -1,9 +1,9 @@
-"""The in-memory network for trio tests: peerd/sim/net.py's link model under trio's clock.
+"""The in-memory network for trio tests: peerd/tools/sim/net.py's link model under trio's clock.
 
 Each datagram's fate (lost, duplicated, its delay and so its order) is ``Link.fate`` of the one network the
 simulator uses, drawn from one seeded ``random.Random`` in the same order as always, so a seed keeps its loss
 pattern. Delivery waits on trio (run under trio's MockClock, seconds of protocol time take milliseconds),
-since the services under test are trio code; ``peerd.sim.net.Network`` is the same model on its own heap.
+since the services under test are trio code; ``peerd.tools.sim.net.Network`` is the same model on its own heap.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import socket
 
 import trio
 
-from peerd.sim.net import Link
+from peerd.tools.sim.net import Link
 
 
 class MemNet:

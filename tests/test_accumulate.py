@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peerd.allreduce import HEADER_SIZE
-from peerd.allreduce import group as group_mod
-from peerd.allreduce.group import GroupAverage, _accumulate_numpy, _finalize_f32
+from peerd.allreduce import HEADER_SIZE, kernels
+from peerd.allreduce.group import GroupAverage
+from peerd.allreduce.kernels import accumulate_numpy, finalize_f32
 from peerd.wire.native import native as _native
 
 from .test_allreduce_blocks import _average
@@ -66,7 +66,7 @@ def test_native_accumulate_is_the_numpy_reference_bit_for_bit(seed, per, short, 
     filled_c, filled_py = filled.copy(), filled.copy()
     got = np.frombuffer(_native.accumulate_rows(_bodies(values, pad), HEADER_SIZE, HEADER_SIZE + 4 * m + pad, rows,
                                                 4 * m, acc_c, 4 * per, ks, filled_c, factor), np.uint8)
-    want = _accumulate_numpy(values, acc_py, per, ks, filled_py, factor)
+    want = accumulate_numpy(values, acc_py, per, ks, filled_py, factor)
     assert got.tolist() == want.tolist()
     assert acc_c.tobytes() == acc_py.tobytes()
     assert filled_c.tolist() == filled_py.tolist()
@@ -82,11 +82,11 @@ def test_a_row_whose_sum_would_overflow_is_left_out_and_one_with_nan_refused() -
     acc = np.zeros(8, np.float32)
     filled = np.zeros(2, np.uint8)
     big = np.full((1, 4), 3e38, np.float32)
-    assert _accumulate_numpy(big, acc, 4, np.array([0]), filled, 1.0).tolist() == [0]
-    assert _accumulate_numpy(big, acc, 4, np.array([0]), filled, 1.0).tolist() == [2]  # 6e38: left out
+    assert accumulate_numpy(big, acc, 4, np.array([0]), filled, 1.0).tolist() == [0]
+    assert accumulate_numpy(big, acc, 4, np.array([0]), filled, 1.0).tolist() == [2]  # 6e38: left out
     assert acc[:4].tolist() == [np.float32(3e38)] * 4 and filled.tolist() == [1, 0]
     nan = np.array([[1.0, np.nan, 1.0, 1.0]], np.float32)
-    assert _accumulate_numpy(nan, acc, 4, np.array([1]), filled, 1.0).tolist() == [1]
+    assert accumulate_numpy(nan, acc, 4, np.array([1]), filled, 1.0).tolist() == [1]
     assert filled.tolist() == [1, 0]
 
 
@@ -129,7 +129,7 @@ def test_accumulate_rows_checks_every_bound_before_writing() -> None:
     in_place=st.booleans(),
 )
 def test_native_finalize_is_the_numpy_reference_bit_for_bit(seed, rows, width, specials, weight, in_place):
-    """finalize_rows against _finalize_f32: the same bits where every value is finite, and nothing written (False)
+    """finalize_rows against finalize_f32: the same bits where every value is finite, and nothing written (False)
     where numpy finds a value that is not (NaN, inf, an overflow of own * weight + sum): it then sums in float64."""
     rng = np.random.default_rng(seed)
     own = _rows(rng, rows, width, specials) if width else np.zeros((rows, 0), np.float32)
@@ -141,7 +141,7 @@ def test_native_finalize_is_the_numpy_reference_bit_for_bit(seed, rows, width, s
     before = own.copy()
     out = own if in_place else np.full((rows, width), 7.0, np.float32)
     out0 = out.copy()
-    want = _finalize_f32(before.copy(), acc, summed, got, weight)
+    want = finalize_f32(before.copy(), acc, summed, got, weight)
     ok = _native.finalize_rows(own, acc, summed, got, weight, out, rows, width)
     assert ok == (want is not None)
     if want is None:
@@ -197,7 +197,7 @@ def test_streaming_averages_what_the_staged_reconstruction_does(n, length, per, 
     values agree to float32 rounding (the sums are taken in another order)."""
     with pytest.MonkeyPatch.context() as mp:
         if not native:
-            mp.setattr(group_mod, "_native", None)
+            mp.setattr(kernels, "native", None)
         _compare(n, length, per, seed, loss, poison, blocks)
 
 
@@ -213,7 +213,7 @@ def _compare(n: int, length: int, per: int, seed: int, loss: float, poison: floa
         out = [GroupAverage(GROUP, n, i, vectors[i].copy(), weights[i], 0.0, max_payload=HEADER_SIZE + 4 * per)
                for i in range(n)]
         for c in out:
-            assert c._stream == (group_mod._native is not None)  # (the Python data path stages)
+            assert c._stream == (kernels.native is not None)  # (the Python data path stages)
             c._stream = stream  # staged: as robust aggregation, codecs and the Python data path run it
         return out
 
@@ -232,7 +232,7 @@ def _compare(n: int, length: int, per: int, seed: int, loss: float, poison: floa
 def test_streaming_touches_one_shard_of_the_stage() -> None:
     """The sums are the stage's first shard: the rest of a kept stage is left as it was (never faulted in)."""
     n, length = 4, 400
-    stages = [np.full(group_mod.stage_elements(length, n), 7.0, np.float32) for _ in range(n)]
+    stages = [np.full(kernels.stage_elements(length, n), 7.0, np.float32) for _ in range(n)]
     rng = np.random.default_rng(1)
     cores = [GroupAverage(GROUP, n, i, rng.standard_normal(length).astype(np.float32), 1.0, 0.0,
                           max_payload=HEADER_SIZE + 32, stage=stages[i]) for i in range(n)]

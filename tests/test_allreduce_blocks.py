@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peerd.allreduce import HEADER_SIZE, BodyType, GroupAverage
-from peerd.allreduce.codec import pack_block, pack_data, view_block
+from peerd.allreduce.frames import pack_block, pack_data, view_block
 from peerd.allreduce.group import IN_ORDER_GRACE_S
 from peerd.compress import codec
 from peerd.wire import Opener, Sealer
@@ -62,8 +62,8 @@ def test_blocks_match_datagrams(n, length, per, rows, seed, loss, dup, shuffle, 
             break
         now += 0.3
         for i in range(n):
-            blocks_a = a[i].next_blocks(rows, 10**9)
-            blocks_b = b[i].next_blocks(rows, 10**9)
+            blocks_a = a[i].blocks_to_send(rows, 10**9)
+            blocks_b = b[i].blocks_to_send(rows, 10**9)
             assert [(x.to, x.type, x.bodies.tobytes()) for x in blocks_a] == [
                 (x.to, x.type, x.bodies.tobytes()) for x in blocks_b
             ]
@@ -111,7 +111,7 @@ def test_a_block_with_gaps_is_placed_whole_and_matches_datagrams(wide: bool) -> 
             break
         now += 0.3
         for i in range(2):
-            for blk_a, blk_b in zip(a[i].next_blocks(16, 10**9), b[i].next_blocks(16, 10**9), strict=True):
+            for blk_a, blk_b in zip(a[i].blocks_to_send(16, 10**9), b[i].blocks_to_send(16, 10**9), strict=True):
                 keep = [r for j, r in enumerate(blk_b.bodies) if j % 5 not in (1, 3)]  # gaps of one and of two
                 rows = [bytes(r) for r in keep]
                 _feed_rows(a[blk_a.to], i, blk_a.type, rows, now)
@@ -148,7 +148,7 @@ def test_receive_block_declines_what_is_not_a_clean_run() -> None:
     """A block with another group's body, a changed weight or a foreign range is declined (None), so the
     driver feeds it body by body and every fault is counted there."""
     a = _group(2, 64, 8, 1)
-    rows = [o.bodies for o in a[1].next_blocks(4, 100) if o.to == 0 and o.type == RS_DATA][0]
+    rows = [o.bodies for o in a[1].blocks_to_send(4, 100) if o.to == 0 and o.type == RS_DATA][0]
     good = rows.copy()
     other = rows.copy()
     other[2, :4] = np.frombuffer((GROUP + 1).to_bytes(4, "little"), np.uint8)
@@ -167,7 +167,7 @@ def test_receive_block_declines_one_changed_header_byte(byte: int) -> None:
     """Every header byte that must match row 0's (all but the offset, 9..13) is compared: one changed byte in
     the last row declines the block, and nothing is taken from it."""
     a = _group(2, 64, 8, 1)
-    rows = [o.bodies for o in a[1].next_blocks(4, 100) if o.to == 0 and o.type == RS_DATA][0].copy()
+    rows = [o.bodies for o in a[1].blocks_to_send(4, 100) if o.to == 0 and o.type == RS_DATA][0].copy()
     rows[-1, byte] ^= 1
     assert a[0].receive_block(1, RS_DATA, rows, 0.0) is None
     assert a[0].statistics().drops.get("duplicate", 0) == 0
@@ -227,14 +227,14 @@ def test_end_overtaking_data_wakes_the_driver() -> None:
         GroupAverage(GROUP, 2, i, np.ones(64, np.float32), 1.0, 0.0, max_payload=HEADER_SIZE + 32, end_grace_s=0.05)
         for i in range(2)
     ]
-    out = cores[1].next_datagrams(1000)
+    out = cores[1].datagrams_to_send(0.0, 1000)
     data = [o for o in out if o.to == 0 and o.type == RS_DATA]
     end = next(o for o in out if o.to == 0 and o.type == RS_END)
     cores[0].receive(1, RS_DATA, data[0].body, 0.0)  # the rest of the stream is lost
-    before, deadline = cores[0].phase_changes, cores[0].next_deadline()
+    before, deadline = cores[0].phase_changes, cores[0].get_timer()
     cores[0].receive(1, RS_END, end.body, 0.01)
     assert cores[0].phase_changes != before
-    assert cores[0].next_deadline() == pytest.approx(0.01 + IN_ORDER_GRACE_S) and deadline > 0.5
+    assert cores[0].get_timer() == pytest.approx(0.01 + IN_ORDER_GRACE_S) and deadline > 0.5
     cores[0].handle_timer(0.011 + IN_ORDER_GRACE_S)
     assert cores[0].reduce_scatter_done
 
@@ -244,7 +244,7 @@ def _two_cores() -> tuple[list[GroupAverage], list, object]:
         GroupAverage(GROUP, 2, i, np.ones(64, np.float32), 1.0, 0.0, max_payload=HEADER_SIZE + 32, end_grace_s=0.05)
         for i in range(2)
     ]
-    out = cores[1].next_datagrams(1000)
+    out = cores[1].datagrams_to_send(0.0, 1000)
     data = [o for o in out if o.to == 0 and o.type == RS_DATA]
     end = next(o for o in out if o.to == 0 and o.type == RS_END)
     assert len(data) > 2
@@ -259,7 +259,7 @@ def test_end_after_an_in_order_streams_last_datagram_waits_only_briefly() -> Non
     cores[0].receive(1, RS_DATA, data[0].body, 0.0)
     cores[0].receive(1, RS_DATA, data[-1].body, 0.0)  # the middle is lost
     cores[0].receive(1, RS_END, end.body, 0.01)
-    assert cores[0].next_deadline() == pytest.approx(0.01 + IN_ORDER_GRACE_S)
+    assert cores[0].get_timer() == pytest.approx(0.01 + IN_ORDER_GRACE_S)
     cores[0].handle_timer(0.011 + IN_ORDER_GRACE_S)
     assert cores[0].reduce_scatter_done
 
@@ -269,7 +269,7 @@ def test_end_of_a_reordered_stream_keeps_the_full_grace() -> None:
     cores[0].receive(1, RS_DATA, data[-1].body, 0.0)
     cores[0].receive(1, RS_DATA, data[0].body, 0.0)  # came after a later one: this path reorders
     cores[0].receive(1, RS_END, end.body, 0.01)
-    assert cores[0].next_deadline() == pytest.approx(0.06)
+    assert cores[0].get_timer() == pytest.approx(0.06)
     cores[0].receive(1, RS_DATA, data[1].body, 0.05)  # late, still in time
     assert not cores[0].reduce_scatter_done and cores[0]._rs.received[1] == 3
     cores[0].handle_timer(0.061)
@@ -286,7 +286,7 @@ def _average(cores: list[GroupAverage], loss: float, seed: int, blocks: bool = T
             break
         now += 0.3
         for i, core in enumerate(cores):
-            for blk in core.next_blocks(4, 10**9):
+            for blk in core.blocks_to_send(4, 10**9):
                 kept = [r for r in blk.whole() for _ in range(blk.repeat) if rnd.random() >= loss]
                 if not kept:
                     continue
@@ -369,7 +369,7 @@ def test_split_values_send_the_same_bodies(n, length, per, seed, loss, inplace) 
             break
         now += 0.3
         for i in range(n):
-            blocks_a, blocks_b = a[i].next_blocks(4, 10**9), b[i].next_blocks(4, 10**9)
+            blocks_a, blocks_b = a[i].blocks_to_send(4, 10**9), b[i].blocks_to_send(4, 10**9)
             assert [(x.to, x.type, x.repeat, x.bodies.tobytes()) for x in blocks_a] == [
                 (x.to, x.type, x.repeat, x.whole().tobytes()) for x in blocks_b]
             assert all((x.values is not None) == (x.type in (RS_DATA, AG_DATA)) for x in blocks_b)
@@ -410,7 +410,7 @@ def test_the_host_hands_a_finished_groups_stage_to_the_next() -> None:
         host.start(group, peers, 0, np.arange(length, dtype=np.float32), 1.0, 0.0)
         core = host._groups[group].core
         while finish and host.wants_to_send(group):
-            host.next_sends(group)
+            host.datagrams_to_send(group, 0.0)
         done = host.finish(group, 1.0, 0)
         assert any(type(a) is Completed for a in done) == finish
         return core

@@ -217,7 +217,7 @@ def test_rounding_draws_are_keyed_by_run_group_member_and_phase(name):
         assert not np.array_equal(first[0], runs[(1, GROUP + 1)][0])
     # a sender's reduce-scatter body is the codec's encode under (run, group, sender, phase 0)
     m = group(xs, ws, c, 500)
-    out = [o for o in m[1].next_datagrams(10) if o.type == RS_DATA]
+    out = [o for o in m[1].datagrams_to_send(0.0, 10) if o.type == RS_DATA]
     off, cnt = m[0].layout.range(out[0].to, 0)  # (its first destination: member 2, the next after it)
     assert out[0].body[HEADER_SIZE:] == c.encode(xs[1][off : off + cnt], key=RoundingKey(RUN, GROUP, 1, PHASE_RS),
                                                  offset=off)
@@ -286,7 +286,7 @@ def test_a_malformed_compressed_body_is_a_counted_drop(name, mtype):
     if mtype == AG_DATA:  # b's all-gather: b ends its reduce-scatter (a silent) and sends its shard
         b.handle_timer(100.0)
         a.handle_timer(100.0)
-    body = next(o.body for o in b.next_datagrams(1000) if o.type == mtype)
+    body = next(o.body for o in b.datagrams_to_send(0.0, 1000) if o.type == mtype)
     with pytest.raises(WireError) as e:
         a.receive(1, mtype, corrupt(name, body), 100.0)
     assert e.value.reason == "malformed"
@@ -300,7 +300,7 @@ def test_a_malformed_compressed_body_is_a_counted_drop(name, mtype):
 @pytest.mark.parametrize("name", CODECS)
 def test_a_block_with_a_malformed_row_is_declined_and_counted_row_by_row(name):
     (a, b), _ = two(name, length=4000, payload=120)
-    block = next(o.bodies for o in b.next_blocks(8, 100) if o.type == RS_DATA)
+    block = next(o.bodies for o in b.blocks_to_send(8, 100) if o.type == RS_DATA)
     bad = block.copy()
     bad[3] = np.frombuffer(corrupt(name, bytes(block[3])), np.uint8)
     assert a.receive_block(1, RS_DATA, bad, 0.0) is None  # nothing taken
@@ -322,7 +322,7 @@ def test_a_body_in_another_codec_is_a_counted_drop(mine, theirs):
     xs, ws = inputs(2, 2000, seed=10)
     a = group(xs, ws, make(mine), 300)[0]
     b = group(xs, ws, make(theirs), 300)[1]
-    outs = b.next_datagrams(1000)
+    outs = b.datagrams_to_send(0.0, 1000)
     data = next(o.body for o in outs if o.type == RS_DATA)
     end = next(o.body for o in outs if o.type == RS_END)
     for body, mtype in ((data, RS_DATA), (end, RS_END)):
@@ -330,7 +330,7 @@ def test_a_body_in_another_codec_is_a_counted_drop(mine, theirs):
             a.receive(1, mtype, body, 0.0)
         assert e.value.reason == "codec"
     b = group(xs, ws, make(theirs), 300)[1]
-    block = next(o.bodies for o in b.next_blocks(4, 100) if o.type == RS_DATA)
+    block = next(o.bodies for o in b.blocks_to_send(4, 100) if o.type == RS_DATA)
     assert a.receive_block(1, RS_DATA, block, 0.0) is None
     assert a.statistics().drops == {"codec": 2}
     assert a.statistics().reduce_scatter.datagrams_received == 0
@@ -375,7 +375,8 @@ def test_mutated_compressed_bodies_only_raise_wire_error(name, mtype, pos, edits
     ...) or takes them, and still finishes with a finite result where its inputs are finite."""
     (a, b), xs = two(name, length=900, payload=150)
     b.handle_timer(100.0)  # b's reduce-scatter ends (a silent): its all-gather comes out too
-    valid = [o.body for o in b.next_datagrams(1000) if o.type == mtype] or [o.body for o in b.next_datagrams(1)]
+    valid = ([o.body for o in b.datagrams_to_send(0.0, 1000) if o.type == mtype]
+             or [o.body for o in b.datagrams_to_send(0.0, 1)])
     body = bytearray(valid[pos % len(valid)])
     for k, v in enumerate(edits):
         body[(pos + 13 * k) % len(body)] = v
@@ -388,7 +389,7 @@ def test_mutated_compressed_bodies_only_raise_wire_error(name, mtype, pos, edits
         assert isinstance(outcome, Outcome)
     a.handle_timer(200.0)
     a.handle_timer(300.0)
-    a.next_datagrams(1000)
+    a.datagrams_to_send(0.0, 1000)
     assert a.result_ready and np.isfinite(a.result()).all()
 
 
@@ -401,17 +402,17 @@ def test_fp16_golden_vectors_match_the_spec_byte_for_byte():
     x1 = np.array([10, 20, 30, 40, 50], np.float32)
     m0 = GroupAverage(0x01020304, 2, 0, x0, 3.0, 0.0, max_payload=23, codec=codec("fp16"))
     m1 = GroupAverage(0x01020304, 2, 1, x1, 1.0, 0.0, max_payload=23, codec=codec("fp16"))
-    out0 = m0.next_datagrams(100)
+    out0 = m0.datagrams_to_send(0.0, 100)
     assert out0[0].type == RS_DATA and out0[0].body == golden["RS_DATA"]
     assert next(o for o in out0 if o.type == RS_END).body == golden["RS_END"]
     for o in out0:
         m1.receive(0, o.type, o.body, 0.0)
-    out1 = m1.next_datagrams(100)
+    out1 = m1.datagrams_to_send(0.0, 100)
     assert next(o for o in out1 if o.type == AG_DATA).body == golden["AG_DATA"]
     assert next(o for o in out1 if o.type == AG_END).body == golden["AG_END"]
     for o in out1:
         m0.receive(1, o.type, o.body, 0.0)
-    for o in m0.next_datagrams(100):
+    for o in m0.datagrams_to_send(0.0, 100):
         m1.receive(0, o.type, o.body, 0.0)
     for core in (m0, m1):
         np.testing.assert_array_equal(core.result(), [3.25, 6.5, 9.75, 13, 16.25])

@@ -34,7 +34,7 @@ from peerd.allreduce import (
     parse_header,
     peek_group,
 )
-from peerd.sim.net import Link, Network
+from peerd.tools.sim.net import Link, Network
 from peerd.wire.errors import WireError
 
 RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
@@ -63,7 +63,7 @@ class Wire:
 
 
 class Net:
-    """Delivers bodies between cores over the one in-memory network (peerd/sim/net.py) in virtual time:
+    """Delivers bodies between cores over the one in-memory network (peerd/tools/sim/net.py) in virtual time:
     each sender sends one copy every ``gap`` seconds (all its links together), each copy arrives
     ``latency`` (+ optional jitter, which reorders; + ``end_delay`` for END markers) later unless ``drop``
     says otherwise; ``dup`` delivers a copy twice. The network's heap holds the sends and arrivals; time
@@ -109,7 +109,7 @@ class Net:
         net = self.net
         for i, core in enumerate(self.m):
             while core.wants_to_send:
-                out = core.next_datagrams(self.batch)
+                out = core.datagrams_to_send(net.now, self.batch)
                 assert len(out) <= self.batch
                 for o in out:
                     self.max_body = max(self.max_body, len(o.body))
@@ -133,7 +133,7 @@ class Net:
         net = self.net
         self._pump()
         while True:
-            deadlines = [d for d in (c.next_deadline() for c in self.m) if d is not None]
+            deadlines = [d for d in (c.get_timer() for c in self.m) if d is not None]
             pending = net.next_time()
             t_next = min(([pending] if pending is not None else []) + deadlines, default=None)
             if t_next is None:
@@ -141,7 +141,7 @@ class Net:
             assert math.isfinite(t_next) and t_next < limit_s, "a deadline must be finite"
             net.run(until=max(net.now, t_next))  # sends and arrivals up to then
             for c in self.m:
-                d = c.next_deadline()
+                d = c.get_timer()
                 if d is not None and d <= net.now:
                     c.handle_timer(net.now)
             self._pump()
@@ -270,7 +270,7 @@ def test_silent_member_is_averaged_out_at_a_finite_deadline_with_floor():
     n, per, floor = 4, 40, 0.75
     xs, ws = inputs(n, 3000, seed=5)
     m = make_group(xs, ws, per, floor_s=floor)
-    assert m[0].next_deadline() == pytest.approx(0.0 + floor)  # no rate yet: the floor
+    assert m[0].get_timer() == pytest.approx(0.0 + floor)  # no rate yet: the floor
     net = Net(m, drop=lambda w: w.src == 3)
     net.run()
     check_results(m, xs, ws, per, net)
@@ -290,7 +290,7 @@ def test_deadline_formula_follows_the_observed_rate():
     xs, ws = inputs(n, 300, seed=6)
     core = GroupAverage(GROUP, n, 0, xs[0], ws[0], 10.0, max_payload=payload_for(per), floor_s=floor, safety=safety)
     sender = GroupAverage(GROUP, n, 1, xs[1], ws[1], 10.0, max_payload=payload_for(per))
-    bodies = [o for o in sender.next_datagrams(1000) if o.to == 0 and o.type == RS_DATA]
+    bodies = [o for o in sender.datagrams_to_send(0.0, 1000) if o.to == 0 and o.type == RS_DATA]
     total = len(bodies)
     assert total == Layout(300, n, per).datagrams(0) == 10
     t = 10.0
@@ -299,15 +299,15 @@ def test_deadline_formula_follows_the_observed_rate():
         assert core.receive(1, o.type, o.body, t) is Outcome.ACCEPTED
     # member 1's stream is complete; member 2 still owes `total`: rate = total / (t - t0)
     rate = total / (t - 10.0)
-    assert core.next_deadline() == pytest.approx(t + max(floor, safety * total / rate))
+    assert core.get_timer() == pytest.approx(t + max(floor, safety * total / rate))
     assert not core.reduce_scatter_done
     core.handle_timer(t + 0.5)
     assert not core.reduce_scatter_done
-    core.handle_timer(core.next_deadline())
+    core.handle_timer(core.get_timer())
     assert core.statistics().reduce_scatter.ended_by == DEADLINE
     # a cap bounds it
     capped = GroupAverage(GROUP, n, 0, xs[0], ws[0], 0.0, max_payload=payload_for(per), floor_s=5.0, max_phase_s=2.0)
-    assert capped.next_deadline() == pytest.approx(2.0)
+    assert capped.get_timer() == pytest.approx(2.0)
 
 
 def test_end_markers_end_the_phase_early():
@@ -362,13 +362,13 @@ def test_remove_member_stops_waiting():
     xs, ws = inputs(3, 90, seed=9)
     m = make_group(xs, ws, per=10, floor_s=100.0)
     core = m[0]
-    for o in m[1].next_datagrams(1000):
+    for o in m[1].datagrams_to_send(0.0, 1000):
         if o.to == 0:
             core.receive(1, o.type, o.body, 0.5)
     assert not core.reduce_scatter_done
     core.remove_member(2, 0.6)
     assert core.reduce_scatter_done and core.statistics().reduce_scatter.ended_by == COMPLETION
-    assert all(o.to == 1 for o in core.next_datagrams(1000))
+    assert all(o.to == 1 for o in core.datagrams_to_send(0.0, 1000))
     with pytest.raises(ValueError):
         core.remove_member(0, 0.7)
 
@@ -380,10 +380,10 @@ def test_a_removed_members_data_is_late_and_never_summed():
     m = make_group(xs, ws, per=10, floor_s=100.0)
     core = m[0]
     core.remove_member(2, 0.1)
-    from2 = [o for o in m[2].next_datagrams(1000) if o.to == 0 and o.type == RS_DATA]
+    from2 = [o for o in m[2].datagrams_to_send(0.0, 1000) if o.to == 0 and o.type == RS_DATA]
     assert core.receive(2, RS_DATA, from2[0].body, 0.2) is Outcome.LATE
     assert core.receive_block(2, RS_DATA, np.stack([np.frombuffer(o.body, np.uint8) for o in from2[1:]]), 0.2) is None
-    for o in m[1].next_datagrams(1000):
+    for o in m[1].datagrams_to_send(0.0, 1000):
         if o.to == 0:
             core.receive(1, o.type, o.body, 0.3)
     assert core.reduce_scatter_done and core.statistics().drops == {"late": 1}
@@ -412,8 +412,8 @@ def test_inplace_matches_out_of_place():
 def test_single_member_is_its_own_result():
     x = np.arange(10, dtype=np.float32)
     core = GroupAverage(GROUP, 1, 0, x, 3.0, 0.0)
-    assert core.result_ready and core.next_deadline() is None
-    assert core.next_datagrams(10) == []
+    assert core.result_ready and core.get_timer() is None
+    assert core.datagrams_to_send(0.0, 10) == []
     assert core.finished
     np.testing.assert_array_equal(core.result(), x)
 
@@ -483,7 +483,7 @@ def two_members(per: int = 4, length: int = 20):
 
 
 def first_body(core: GroupAverage, mtype: int) -> bytes:
-    return next(o.body for o in core.next_datagrams(1000) if o.type == mtype)
+    return next(o.body for o in core.datagrams_to_send(0.0, 1000) if o.type == mtype)
 
 
 def test_other_group_and_unknown_sender_are_counted_not_raised():
@@ -511,7 +511,7 @@ def mutate(body: bytes, fmt_offset: int, fmt: str, value) -> bytes:
 
 def test_malformed_bodies_raise_wire_error_and_are_counted():
     (a, b), _, _ = two_members(per=4, length=20)  # shard 0 of member 0: [0, 10) in ranges of 4, 4, 2
-    outs = b.next_datagrams(1000)
+    outs = b.datagrams_to_send(0.0, 1000)
     good, second = [o.body for o in outs if o.type == RS_DATA][:2]
     end = next(o.body for o in outs if o.type == RS_END)
     assert a.receive(1, RS_DATA, second, 0.0) is Outcome.ACCEPTED  # a's view of member 1's weight is set
@@ -549,7 +549,7 @@ def test_malformed_bodies_raise_wire_error_and_are_counted():
 
 def test_late_bodies_are_dropped_and_counted():
     (a, b), _, _ = two_members()
-    outs = b.next_datagrams(1000)
+    outs = b.datagrams_to_send(0.0, 1000)
     a.handle_timer(100.0)  # b silent: a's reduce-scatter ends by deadline
     assert a.statistics().reduce_scatter.ended_by == DEADLINE
     data = next(o for o in outs if o.type == RS_DATA)
@@ -581,13 +581,13 @@ def test_golden_vectors_match_the_spec_byte_for_byte():
     x1 = np.array([10, 20, 30, 40, 50], np.float32)
     m0 = GroupAverage(0x01020304, 2, 0, x0, 3.0, 0.0, max_payload=27)
     m1 = GroupAverage(0x01020304, 2, 1, x1, 1.0, 0.0, max_payload=27)
-    out0 = m0.next_datagrams(100)
+    out0 = m0.datagrams_to_send(0.0, 100)
     assert out0[0].type == RS_DATA and out0[0].to == 1 and out0[0].body == golden["RS_DATA"]
     rs_end = next(o for o in out0 if o.type == RS_END)
     assert rs_end.body == golden["RS_END"] and rs_end.repeat == END_REPEATS == 3
     for o in out0:
         m1.receive(0, o.type, o.body, 0.0)
-    out1 = m1.next_datagrams(100)
+    out1 = m1.datagrams_to_send(0.0, 100)
     ag = [o for o in out1 if o.type == AG_DATA]
     assert ag[0].body == golden["AG_DATA"]
     assert next(o for o in out1 if o.type == AG_END).body == golden["AG_END"]
@@ -597,7 +597,7 @@ def test_golden_vectors_match_the_spec_byte_for_byte():
     assert (h.group, h.codec, h.total, h.offset, h.count, h.weight) == (0x01020304, 0, 2, 2, 2, 3.0)
     for o in out1:
         m0.receive(1, o.type, o.body, 0.0)
-    for o in m0.next_datagrams(100):
+    for o in m0.datagrams_to_send(0.0, 100):
         m1.receive(0, o.type, o.body, 0.0)
     for core in (m0, m1):
         np.testing.assert_array_equal(core.result(), [3.25, 6.5, 9.75, 13, 16.25])
@@ -648,7 +648,7 @@ def garbage(draw):
 def test_garbage_only_ever_raises_wire_error(g):
     mtype, kind, blob, pos, sender = g
     (a, b), _, _ = two_members(per=4, length=20)
-    valid = [o.body for o in b.next_datagrams(100)] + [first_body(a, RS_DATA)]
+    valid = [o.body for o in b.datagrams_to_send(0.0, 100)] + [first_body(a, RS_DATA)]
     base = valid[pos % len(valid)]
     if kind == "random":
         body = blob
@@ -669,7 +669,7 @@ def test_garbage_only_ever_raises_wire_error(g):
         else:
             assert isinstance(outcome, Outcome)
         target.handle_timer(50.0)
-        target.next_datagrams(100)
+        target.datagrams_to_send(0.0, 100)
     for target in (a, b):
         target.handle_timer(100.0)
         target.handle_timer(200.0)
@@ -716,7 +716,7 @@ def test_each_member_starts_on_the_member_after_it():
     n, per = 4, 8
     xs = [np.arange(4000, dtype=np.float32) + i for i in range(n)]
     m = make_group(xs, [1.0] * n, per)
-    orders = [[b.to for b in core.next_blocks(5, 10**6) if b.type == RS_DATA] for core in m]
+    orders = [[b.to for b in core.blocks_to_send(5, 10**6) if b.type == RS_DATA] for core in m]
     for i, order in enumerate(orders):
         assert order[: 2 * (n - 1)] == [(i + d) % n for d in range(1, n)] * 2
     turns = min(len(o) for o in orders)
@@ -730,7 +730,7 @@ def test_large_vector_is_vectorized():
     length = 1 << 20
     xs = [np.full(length, 1.0, np.float32), np.full(length, 4.0, np.float32)]
     m = [GroupAverage(GROUP, 2, i, xs[i], [1.0, 2.0][i], 0.0) for i in range(2)]
-    first = m[0].next_datagrams(10)  # lazy: a small batch is a small amount of work
+    first = m[0].datagrams_to_send(0.0, 10)  # lazy: a small batch is a small amount of work
     assert len(first) == 10 and all(len(o.body) == HEADER_SIZE + 4 * 286 for o in first)
     for o in first:
         m[1].receive(0, o.type, o.body, 0.0)
@@ -738,7 +738,7 @@ def test_large_vector_is_vectorized():
     while pending:
         pending = False
         for i, core in enumerate(m):
-            for o in core.next_datagrams(4096):
+            for o in core.datagrams_to_send(0.0, 4096):
                 pending = True
                 m[o.to].receive(i, o.type, o.body, 0.0)
     for core in m:

@@ -11,11 +11,13 @@ import trio
 import trio.testing
 
 from peerd.allreduce import HEADER_SIZE, GroupAverage, Layout, pack_data
-from peerd.allreduce.codec import pack_block
+from peerd.allreduce.frames import pack_block
 from peerd.allreduce.group import DEFAULT_MAX_WEIGHT
 from peerd.allreduce.held import ENTRY_OVERHEAD, HeldData
 from peerd.allreduce.host import RECENT_GROUPS, AveragingHost, Dropped, PacerVerdict
+from peerd.allreduce.options import AverageOptions
 from peerd.allreduce.service import AllreduceService
+from peerd.tools.faults import byzantine
 from peerd.transport.pacing import Pacer, Report
 from peerd.wire.errors import WireError
 
@@ -89,8 +91,8 @@ def test_finite_input_never_gives_a_non_finite_result() -> None:
 def test_a_nan_member_is_refused_everywhere_and_the_rest_average() -> None:
     xs = honest(4, 400, seed=1)
     ws = [1.0, 2.0, 3.0, 4.0]
-    m = group(xs, ws, byzantine=None)
-    m[2] = GroupAverage(GROUP, 4, 2, xs[2], ws[2], 0.0, max_payload=payload_for(16), byzantine="nan")
+    m = group(xs, ws)
+    m[2] = byzantine("nan")(GROUP, 4, 2, xs[2], ws[2], 0.0, max_payload=payload_for(16))
     Net(m).run()
     layout = Layout(400, 4, 16)
     rest = [0, 1, 3]
@@ -130,7 +132,7 @@ def test_a_non_finite_all_gather_range_keeps_own_values(as_block: bool) -> None:
         for k in range(2):  # and member 1's reduce-scatter of shard 0, so the group can end
             core.receive(1, RS_DATA, pack_data(GROUP, 2, 4 * k, 1.0, xs[1][4 * k : 4 * k + 4]), 0.0)
         while not core.finished:
-            core.next_datagrams(64)
+            core.datagrams_to_send(0.0, 64)
             core.handle_timer(100.0)
         r = core.result()
         np.testing.assert_array_equal(r[8:12], avg[:4])
@@ -143,14 +145,14 @@ def test_bad_max_weight_is_a_value_error() -> None:
         with pytest.raises(ValueError, match="max_weight"):
             GroupAverage(GROUP, 2, 0, np.zeros(4, np.float32), 1.0, 0.0, max_weight=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="byzantine"):
-        GroupAverage(GROUP, 2, 0, np.zeros(4, np.float32), 1.0, 0.0, byzantine="evil")
+        byzantine("evil")
 
 
 def test_byzantine_modes_corrupt_only_what_is_sent() -> None:
     xs = honest(2, 64, seed=3)
     for mode in ("scale", "signflip", "random"):
         m = group(xs, [1.0, 1.0], per=8)
-        m[0] = GroupAverage(GROUP, 2, 0, xs[0], 1.0, 0.0, max_payload=payload_for(8), byzantine=mode)
+        m[0] = byzantine(mode)(GROUP, 2, 0, xs[0], 1.0, 0.0, max_payload=payload_for(8))
         Net(m).run()
         a, b = 32, 64  # shard 1, owned by the honest member 1: corrupted input
         sent = 2 * m[1].result()[a:b] - xs[1][a:b]
@@ -208,7 +210,7 @@ def test_reports_count_only_from_members_of_a_running_or_recent_group() -> None:
     assert report(b, 5, 0.0) == [Dropped("report")]  # no such group here: a stranger must not throttle us
     assert host.pacer.rate == rate and not host.pacer._sent and not host.pacer._hot and not host.pacer._caps
     host.start(5, [a, b], 0, np.zeros(2000, np.float32), 1.0, 0.0)
-    blocks = host.next_sends(5, 1000)
+    blocks = host.datagrams_to_send(5, 0.0, 1000)
     assert sum(len(blk.bodies) for blk in blocks) >= 1000
     for blk in blocks:  # member 1's whole reduce-scatter stream goes out (and is paced)
         host.pace(blk, len(blk.bodies), blk.bodies.size, 0.0)
@@ -276,15 +278,15 @@ def test_service_counts_refused_contributions_and_caps_weights() -> None:
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
             nodes = [Node(net, i) for i in range(n)]
-            nodes[1].service = AllreduceService(nodes[1].endpoint, nodes[1].metrics, byzantine="nan")
+            nodes[1].service = AllreduceService(nodes[1].endpoint, nodes[1].metrics, group_factory=byzantine("nan"))
             nodes_out.extend(nodes)
             for node in nodes:
                 nursery.start_soon(node.endpoint.serve)
             members = [node.member() for node in nodes]
 
             async def one(i: int) -> None:
-                results[i] = await nodes[i].service.average(9, members, i, xs[i], ws[i], floor_s=0.5,
-                                                            max_weight=None if i == 2 else 100.0)
+                results[i] = await nodes[i].service.average(
+                    9, members, i, xs[i], ws[i], AverageOptions(floor_s=0.5, max_weight=None if i == 2 else 100.0))
 
             async with trio.open_nursery() as g:
                 for i in range(n):
@@ -305,3 +307,17 @@ def test_service_counts_refused_contributions_and_caps_weights() -> None:
         mt = nodes_out[i].metrics.contributions_refused
         assert mt.labels("nonfinite")._value.get() == layout.datagrams(i)
         assert mt.labels("weight_capped")._value.get() == 1
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8"])
+def test_the_fault_injector_sends_what_a_member_holding_the_corrupted_vector_would_hostile(name: str) -> None:
+    """The injector wraps the core from outside: its reduce-scatter bodies are, byte for byte, an honest core's
+    for the negated vector (a codec's too: encoded from the corrupted values with the member's own draws)."""
+    from peerd.compress import codec
+
+    x = honest(1, 400, seed=7)[0]
+    kw = {"max_payload": payload_for(16)} if name == "fp32" else {"max_payload": 400, "codec": codec(name), "run": 3}
+    bad = byzantine("signflip")(GROUP, 2, 0, x, 1.0, 0.0, **kw)
+    twin = GroupAverage(GROUP, 2, 0, -x, 1.0, 0.0, **kw)
+    sent = [o.body for o in bad.datagrams_to_send(0.0, 1000) if o.type == RS_DATA]
+    assert sent and sent == [o.body for o in twin.datagrams_to_send(0.0, 1000) if o.type == RS_DATA]

@@ -9,6 +9,7 @@ import trio.testing
 
 from peerd.allreduce import Layout, elements_per_datagram
 from peerd.allreduce import host as host_module
+from peerd.allreduce.options import AverageOptions
 from peerd.allreduce.service import AllreduceService, Member
 from peerd.metrics import Metrics
 from peerd.transport import Endpoint
@@ -52,7 +53,8 @@ def run_group(n: int, size: int, *, drop: float = 0.0, dead: tuple[int, ...] = (
             members = [node.member() for node in nodes]
 
             async def one(i: int) -> None:
-                results[i] = await nodes[i].service.average(7, members, i, vectors[i], weights[i], floor_s=0.5)
+                results[i] = await nodes[i].service.average(7, members, i, vectors[i], weights[i],
+                                                            AverageOptions(floor_s=0.5))
 
             async with trio.open_nursery() as group:
                 for i in range(n):

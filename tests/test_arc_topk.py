@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerd.allreduce import codec as tensor_codec
+from peerd.allreduce import frames
 from peerd.compress import CodecError, codec
 from peerd.compress.topk import EF21M, TopKLayout, ratio_formula
 from peerd.wire.envelope import HEADER_SIZE as ENVELOPE_SIZE
@@ -172,13 +172,13 @@ def test_wire_ratio_6250x1000_at_ratio_0_1():
     over the dense fp32 all-reduce of the same vector."""
     n = 4
     lay = TopKLayout(((6250, 1000),) * 4, n, 0.1)
-    overhead = ENVELOPE_SIZE + TAG_SIZE + tensor_codec.HEADER_SIZE
+    overhead = ENVELOPE_SIZE + TAG_SIZE + frames.HEADER_SIZE
     fp32 = codec("fp32")
     per = fp32.max_count(1200 - overhead)
 
     def stream(elements: int) -> int:
         full, tail = divmod(elements, per)
-        return full * 1200 + (overhead + 4 * tail if tail else 0) + tensor_codec.END_REPEATS * overhead
+        return full * 1200 + (overhead + 4 * tail if tail else 0) + frames.END_REPEATS * overhead
 
     me = 0
     sent = sum(stream(lay.sketch_shard(j)[1] - lay.sketch_shard(j)[0]) for j in range(n) if j != me)

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from peerd.bench.step import StepBenchConfig, add_parser, summarize, transfer_seconds
 from peerd.localsock.phases import PHASES
+from peerd.tools.bench.step import StepBenchConfig, add_parser, summarize, transfer_seconds
 
 
 def test_transfer_is_the_butterflys_bytes_with_their_headers_at_the_link_rate() -> None:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from peerd.swarm import LocalSwarm
+from peerd.tools.swarm import LocalSwarm
 
 from .conftest import metric_value, peerd, peerd_json, scrape, wait_until
 
@@ -180,20 +180,28 @@ def test_fault_byzantine_is_hidden_and_never_silently_honest(monkeypatch) -> Non
     assert "fault-byzantine" not in sub["join"].format_help()
     assert build_parser().parse_args(["join", "--fault-byzantine", "nan"]).fault_byzantine == "nan"
     assert daemon_mod._allreduce_kwargs(daemon_mod.DaemonConfig()) == {}
+    import numpy as np
+
+    from peerd.cli import _fault_factory
+    from peerd.tools.faults import ByzantineGroupAverage
+
+    assert _fault_factory(None) is None
+    scale = _fault_factory("scale")
+    assert isinstance(scale(1, 2, 0, np.zeros(4, np.float32), 1.0, 0.0), ByzantineGroupAverage)
 
     class WithoutHook:
         def __init__(self, endpoint, metrics, *, pacer=None) -> None: ...
 
     class WithHook:
-        def __init__(self, endpoint, metrics, *, pacer=None, byzantine=None) -> None: ...
+        def __init__(self, endpoint, metrics, *, pacer=None, group_factory=None) -> None: ...
 
     monkeypatch.setattr(daemon_mod, "AllreduceService", WithoutHook)
-    with pytest.raises(daemon_mod.StartupError, match="no byzantine= fault injector"):
-        daemon_mod._allreduce_kwargs(daemon_mod.DaemonConfig(byzantine="nan"))
+    with pytest.raises(daemon_mod.StartupError, match="no group_factory="):
+        daemon_mod._allreduce_kwargs(daemon_mod.DaemonConfig(group_factory=scale))
     monkeypatch.setattr(daemon_mod, "AllreduceService", WithHook)
-    assert daemon_mod._allreduce_kwargs(daemon_mod.DaemonConfig(byzantine="scale")) == {"byzantine": "scale"}
-    with pytest.raises(daemon_mod.StartupError, match="must be one of"):
-        daemon_mod._allreduce_kwargs(daemon_mod.DaemonConfig(byzantine="evil"))
+    assert daemon_mod._allreduce_kwargs(daemon_mod.DaemonConfig(group_factory=scale)) == {"group_factory": scale}
+    with pytest.raises(ValueError, match="must be one of"):
+        _fault_factory("evil")
 
 
 @pytest.mark.parametrize(

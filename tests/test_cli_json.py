@@ -15,13 +15,13 @@ import sys
 import pytest
 
 from peerd.cli import build_parser
-from peerd.swarm import LocalSwarm
+from peerd.tools.swarm import LocalSwarm
 
 from .conftest import peerd
 
 pytestmark = pytest.mark.e2e
 
-NO_JSON = {"join"}  # a daemon: it logs, it prints no result
+NO_JSON = {"join", "top"}  # a daemon: it logs, it prints no result; top: a live screen (status --json is its JSON)
 
 
 def _leaves(parser: argparse.ArgumentParser, name: str = "peerd"):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerd.allreduce import codec as tensor_codec
+from peerd.allreduce import frames
 from peerd.allreduce.shards import Layout
 from peerd.compress import NAMES, CodecError, RoundingKey, by_wire_id, codec
 from peerd.compress.quant import FLOAT16, IntCodec
@@ -271,7 +271,7 @@ def test_two_step_over_the_layout_with_loss(name):
     result there, one that loses it keeps its own value."""
     c = codec(name)
     n, size = 4, 20_000
-    per = c.max_count(1200 - ENVELOPE_SIZE - TAG_SIZE - tensor_codec.HEADER_SIZE)
+    per = c.max_count(1200 - ENVELOPE_SIZE - TAG_SIZE - frames.HEADER_SIZE)
     layout = Layout(size, n, per)
     rng = np.random.default_rng(12)
     xs = [vec(size, 30 + i) for i in range(n)]
@@ -406,7 +406,7 @@ def bytes_sent_per_peer(c, size: int, n: int, datagram: int) -> int:
     """Bytes member 0 sends in one average of a ``size``-element vector in a group of ``n``: its reduce-scatter
     streams of every other shard and its all-gather of its own shard to n-1 members, data datagrams plus END
     repeats, each datagram = envelope + AEAD tag + tensor header + body (the real header sizes)."""
-    overhead = ENVELOPE_SIZE + TAG_SIZE + tensor_codec.HEADER_SIZE
+    overhead = ENVELOPE_SIZE + TAG_SIZE + frames.HEADER_SIZE
     per = c.max_count(datagram - overhead)
     layout = Layout(size, n, per)
 
@@ -414,13 +414,13 @@ def bytes_sent_per_peer(c, size: int, n: int, datagram: int) -> int:
         start, stop = layout.shard(j)
         full, tail = divmod(stop - start, per)
         return full * (overhead + c.body_size(per)) + (overhead + c.body_size(tail) if tail else 0) + (
-            tensor_codec.END_REPEATS * overhead)
+            frames.END_REPEATS * overhead)
 
     return sum(stream(j) for j in range(1, n)) + (n - 1) * stream(0)
 
 
 def test_fp32_figure_matches_todays_layout():
-    assert codec("fp32").max_count(1200 - ENVELOPE_SIZE - TAG_SIZE - tensor_codec.HEADER_SIZE) == (
+    assert codec("fp32").max_count(1200 - ENVELOPE_SIZE - TAG_SIZE - frames.HEADER_SIZE) == (
         __import__("peerd.allreduce.shards", fromlist=["x"]).elements_per_datagram(1200 - ENVELOPE_SIZE - TAG_SIZE))
 
 

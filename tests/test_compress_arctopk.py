@@ -1,5 +1,5 @@
 """arc-topk in the average (peerd/allreduce/arctopk.py): three unchanged GroupAverage phases over the one in-memory
-network (peerd/sim/net.py, via tests/test_allreduce_core.Net) with exact loss patterns. The selection is agreed
+network (peerd/tools/sim/net.py, via tests/test_allreduce_core.Net) with exact loss patterns. The selection is agreed
 (or known not to be) under loss, members that do not know a selection are counted out of its rows, and EF21M
 through the wired path matches a reference replay of its update rule."""
 
@@ -22,7 +22,8 @@ from peerd.allreduce.arctopk import (
     ratio_of_plan,
     service_arc_topk,
 )
-from peerd.allreduce.codec import peek_group
+from peerd.allreduce.frames import peek_group
+from peerd.allreduce.options import AverageOptions
 from peerd.allreduce.service import Member
 from peerd.compress import codec
 from peerd.compress.topk import EF21M
@@ -308,7 +309,7 @@ def test_through_the_allreduce_service_selections_agree_and_nothing_unknown_land
 
             async def one(i: int) -> None:
                 out[i] = await service_arc_topk(nodes[i].allreduce, GROUP, members, i, xs[i], ws[i], plan, run=RUN,
-                                                round=ROUND, max_phase_s=5.0)
+                                                round=ROUND, options=AverageOptions(max_phase_s=5.0))
 
             async with trio.open_nursery() as inner:
                 for i in range(4):
@@ -370,7 +371,7 @@ def test_a_moshpit_run_in_arc_topk_keeps_its_ef21m_state_and_every_member_holds_
         assert all(np.array_equal(r.vector, out[0].vector) for r in out)  # the same u everywhere
         assert all(r.bytes_sent > 0 for r in out)
     stats, h = results[2]
-    assert stats["compression"] == "arc-topk" and stats["topk_ratio"] == 0.25 and stats["ef"]
+    assert stats.compression == "arc-topk" and stats.topk_ratio == 0.25 and stats.ef
     assert results[3] == [2, 2, 2]
     # the same layout and group in round 2: the run kept its state, h = 0.5 x + 0.5 (2 x) (a reset: h = 2 x)
     np.testing.assert_allclose(h, 1.5 * xs[0], rtol=1e-6)

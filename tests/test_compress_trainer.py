@@ -192,7 +192,7 @@ def test_the_demo_counts_averaged_bytes_in_the_runs_codec() -> None:
     value whatever the codec); arc-topk's gradients from the round's UDP bytes, its parameters in fp32."""
     import argparse
 
-    from peerd.demo_train import averaged_bytes
+    from peerd.tools.demo_train import averaged_bytes
 
     def count(name: str | None, **kw: object) -> int:
         return averaged_bytes(argparse.Namespace(compression=name, **kw), 1_000_000, {})

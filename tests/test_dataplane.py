@@ -557,7 +557,7 @@ def test_native_releases_the_gil() -> None:
     assert last == _ref_seal(key, prefix, rows, src[-size:].tobytes(), bytes(32))
 
 
-# ---- placing opened rows (allreduce.group's receive_block) --------------------------------------------------
+# ---- placing opened rows (allreduce.intake's receive_block) --------------------------------------------------
 
 
 @needs_native
@@ -572,10 +572,10 @@ def test_native_releases_the_gil() -> None:
 )
 def test_block_values_native_matches_numpy(monkeypatch: pytest.MonkeyPatch, rows: int, per: int, gap: int,
                                            special: list, seed: int) -> None:
-    """group._values_finite and group._place, native and numpy, over bodies cut out of a wider arena (rows
+    """kernels.values_finite and kernels.place, native and numpy, over bodies cut out of a wider arena (rows
     ``gap`` bytes apart, values at odd offsets): the same verdict and the same bytes placed."""
-    from peerd.allreduce import group
-    from peerd.allreduce.codec import HEADER_SIZE as BODY_HEADER
+    from peerd.allreduce import kernels
+    from peerd.allreduce.frames import HEADER_SIZE as BODY_HEADER
 
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((rows, per)).astype("<f4")
@@ -587,10 +587,10 @@ def test_block_values_native_matches_numpy(monkeypatch: pytest.MonkeyPatch, rows
     bodies = arena[:, gap : gap + width]
     outs, verdicts = [], []
     for mod in (None, _native):
-        monkeypatch.setattr(group, "_native", mod)
-        verdicts.append(group._values_finite(bodies, 4 * per))
+        monkeypatch.setattr(kernels, "native", mod)
+        verdicts.append(kernels.values_finite(bodies, 4 * per))
         dst = np.zeros(rows * per + 7, np.float32)
-        if not group._place(bodies, dst, 4 * 3, 4 * per):
+        if not kernels.place(bodies, dst, 4 * 3, 4 * per):
             assert mod is None
             dst[3 : 3 + rows * per].view(np.uint8).reshape(rows, 4 * per)[:] = bodies[:, BODY_HEADER:]
         outs.append(dst.tobytes())

@@ -8,9 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from peerd.allreduce.group import BYZANTINE_WEIGHT, DEFAULT_MAX_WEIGHT, GroupAverage
+from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GroupAverage
 from peerd.allreduce.robust import Robust
 from peerd.compress import codec
+from peerd.tools.faults import WEIGHT as BYZANTINE_WEIGHT
+from peerd.tools.faults import byzantine
 from peerd.torch.optimizer import MAX_SAMPLES_FACTOR
 
 from .test_allreduce_core import GROUP, Net, payload_for
@@ -33,8 +35,9 @@ def gradients(n: int, length: int, seed: int) -> list[np.ndarray]:
 def average(xs: list[np.ndarray], bad: int, **options: object) -> list[GroupAverage]:
     """Every member averages its vector at 32 samples; member ``bad`` runs the inflate-signflip injector."""
     n = len(xs)
-    cores = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER),
-                          byzantine="inflate-signflip" if i == bad else None, **options) for i in range(n)]  # type: ignore[arg-type]
+    cores = [byzantine("inflate-signflip" if i == bad else None)(GROUP, n, i, xs[i], 32.0, 0.0,
+                                                                 max_payload=payload_for(PER), **options)
+             for i in range(n)]
     Net(cores).run()
     return cores
 
@@ -75,7 +78,7 @@ def test_a_weight_inflating_sign_flipping_daemon_does_not_wreck_the_demo_hostile
     chance's (ln 10 = 2.30), where believing the claimed weight makes it climb."""
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    from peerd.demo import DemoConfig, run_demo
+    from peerd.tools.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(peers=4, steps=30, byzantine=1, byzantine_mode="inflate-signflip", json=True,
                      timeout_s=5.0, workdir=str(tmp_path), wall_limit_s=240)

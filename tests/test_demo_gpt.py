@@ -1,4 +1,4 @@
-"""`peerd demo --model gpt`: the user's GPT script (peerd.demo_gpt), its pieces, and a short run end to end with
+"""`peerd demo --model gpt`: the user's GPT script (peerd.tools.demo_gpt), its pieces, and a short run end to end with
 its DDP baseline on 127.0.0.1 (needs torch)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 
 def test_corpus_is_deterministic_ascii_and_large_enough() -> None:
-    from peerd.demo_gpt import TEXT_BYTES, VAL_CHARS, VOCAB, load_corpus
+    from peerd.tools.demo_gpt import TEXT_BYTES, VAL_CHARS, VOCAB, load_corpus
 
     a, b = load_corpus(), load_corpus()
     assert len(a) == TEXT_BYTES and (a == b).all()
@@ -21,7 +21,7 @@ def test_corpus_is_deterministic_ascii_and_large_enough() -> None:
 
 
 def test_model_size_groups_and_schedule() -> None:
-    from peerd.demo_gpt import build_gpt, cosine_lr, param_groups
+    from peerd.tools.demo_gpt import build_gpt, cosine_lr, param_groups
 
     model = build_gpt(0)
     n = sum(p.numel() for p in model.parameters())
@@ -38,7 +38,7 @@ def test_model_size_groups_and_schedule() -> None:
 
 
 def test_time_to_target_reads_the_first_eval_at_or_below() -> None:
-    from peerd.demo import loss_curve, time_to_target
+    from peerd.tools.demo import loss_curve, time_to_target
 
     evals = {10: {0: (3.0, 105.0), 1: (3.2, 107.0)}, 20: {0: (2.0, 120.0)}, 30: {0: (2.1, 130.0), 1: (1.9, 131.0)}}
     curve = loss_curve(evals, 100.0, members=2)  # step 20 lacks a member: not a row
@@ -51,7 +51,7 @@ def test_time_to_target_reads_the_first_eval_at_or_below() -> None:
 def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
     """A few steps, 2 peers on loopback, then DDP: the headline fields are there and make sense."""
     out = peerd_json("demo", "--model", "gpt", "--peers", "2", "--steps", "4", "--eval-every", "2",
-                     "--baseline", "ddp", timeout=240)
+                     "--extra-steps", "2", "--baseline", "ddp", timeout=240)
     for key in ("val_loss", "baseline_val_loss", "time_to_target_s", "baseline_time_to_target_s", "speedup"):
         assert key in out, key
     initial = math.log(128)  # the untrained model's loss over 128 characters
@@ -62,12 +62,15 @@ def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
     assert out["speedup"] == (round(out["baseline_time_to_target_s"] / tt, 3) if tt else 0.0), out
     assert out["outcomes"].get("averaged", 0) >= 2 * 4 * 0.75, out["outcomes"]  # the peers did average
     assert out["max_param_divergence"] < 1e-3  # the final parameter averages brought them together
-    assert [row[0] for row in out["curve"]] == [2, 4, 5]  # every evaluation, then the end of training
+    # every evaluation, the extra steps past --steps included, then the end of training
+    assert [row[0] for row in out["curve"]] == [2, 4, 6, 7]
+    assert out["extra_steps"] == 2 and round(out["val_loss_at_steps"], 4) == out["curve"][1][1]
+    assert [row[0] for row in out["baseline"]["curve"]][-2] == 4  # DDP trains --steps only
 
 
 def test_churn_and_straggler_commands() -> None:
     """--straggler slows the last founder only; a --join peer syncs the swarm's state from other weights."""
-    from peerd.demo import DemoConfig, gpt_command, gpt_total
+    from peerd.tools.demo import DemoConfig, gpt_command, gpt_total
 
     cfg = DemoConfig(model="gpt", peers=4, join=1, straggler=2.0, compression="int8")
     cmds = {i: gpt_command(cfg, i, f"/s{i}", f"/o{i}") for i in range(gpt_total(cfg))}
@@ -77,12 +80,23 @@ def test_churn_and_straggler_commands() -> None:
     assert all("--no-sync" in cmds[i] and "--init-seed" not in cmds[i] for i in range(4))  # founders: alike
     assert "--no-sync" not in cmds[4] and "--init-seed" in cmds[4]  # the joiner: its own weights, then sync
     assert all(c[c.index("--compression") + 1] == "int8" for c in cmds.values())
+    assert all(c[c.index("--extra-steps") + 1] == "0" for c in cmds.values())  # no target: no steps past --steps
+
+
+def test_extra_steps_default_to_a_fifth_where_a_target_is_known() -> None:
+    from peerd.tools.demo import DemoConfig, extra_steps
+
+    assert extra_steps(DemoConfig(model="gpt", steps=300, baseline="ddp")) == 60
+    assert extra_steps(DemoConfig(model="gpt", steps=300, target_loss=2.0)) == 60
+    assert extra_steps(DemoConfig(model="gpt", steps=300)) == 0
+    assert extra_steps(DemoConfig(model="gpt", steps=300, baseline="ddp", extra_steps=0)) == 0
+    assert extra_steps(DemoConfig(model="mlp", steps=300, baseline="ddp")) == 0
 
 
 def test_straggler_option_parses_factors() -> None:
     import argparse
 
-    from peerd.demo import _straggler
+    from peerd.tools.demo import _straggler
 
     assert _straggler("2x") == 2.0 and _straggler("1.5") == 1.5
     for bad in ("0.5x", "fast", "1000x"):

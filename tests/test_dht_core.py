@@ -18,7 +18,7 @@ from peerd.dht.core import HELD_ON_WIRE, DhtCore, pack_contacts, unpack_contacts
 from peerd.dht.lookup import Lookup
 from peerd.dht.records import Record, RecordStore, location, merge_newest, signed_message
 from peerd.dht.routing import ID_BITS, Contact, RoutingTable, bucket_index, distance
-from peerd.sim.net import Link, Network
+from peerd.tools.sim.net import Link, Network
 from peerd.wire import messages as m
 from peerd.wire.errors import WireError
 from peerd.wire.identity import Identity
@@ -399,7 +399,7 @@ class Swarm:
 def drive(
     lookup: Lookup, swarm: Swarm, rng: random.Random, outstanding: list[Contact] | None = None
 ) -> tuple[list[Contact], set[bytes]]:
-    """Runs a lookup to the end over the in-memory network (peerd/sim/net.py): every live node answers
+    """Runs a lookup to the end over the in-memory network (peerd/tools/sim/net.py): every live node answers
     FIND_NODE from its table, jitter delivers answers in an order drawn from ``rng``, and a query to a dead
     node (attached nowhere) fails when its timer runs out. Returns (result, seen ids)."""
     net = Network(rng, default=Link(latency=0.010, jitter=0.030))
@@ -948,11 +948,13 @@ def test_kept_answers_are_what_the_table_answers_now(ops: list[tuple[str, int, i
     targets = [as_id(rng.getrandbits(256)) for _ in range(8)]
     for op, i, j in ops:
         if op == "observe":
-            ping = core.heard(Contact(ids[i], "10.0.0.1", 7000 + i))
-            if ping is not None and j % 2:
-                core.pinged(ping, None)  # the oldest did not answer: the newcomer takes its place
+            core.heard(Contact(ids[i], "10.0.0.1", 7000 + i))
+            for ping in core.take_actions():
+                if j % 2:
+                    core.pinged(ping, None)  # the oldest did not answer: the newcomer takes its place
         elif op == "move":
             core.heard(Contact(ids[i], "10.0.0.2", 9000 + j))
+            core.take_actions()
         elif op == "remove":
             core.failed(ids[i])
         elif op == "evict":
@@ -1141,16 +1143,23 @@ def test_a_request_from_a_waiting_replacement_is_not_verified_again() -> None:
     for c in contacts[:4]:
         core.heard(c, 0.0)
     newcomer = contacts[4]
-    ping = core.request_from(newcomer, 0.0)
-    assert ping is not None and ping.why == "verify"
-    evict = core.pinged(ping, newcomer, 0.0)  # it answered: a replacement, and the oldest is checked
-    assert evict is not None and evict.why == "evict"
+    core.request_from(newcomer, 0.0)
+    [ping] = core.take_actions()
+    assert ping.why == "verify"
+    core.pinged(ping, newcomer, 0.0)  # it answered: a replacement, and the oldest is checked
+    [evict] = core.take_actions()
+    assert evict.why == "evict"
     core.pinged(evict, evict.contact, 0.0)
+    assert core.take_actions() == []
     assert core.table.waiting(newcomer) and newcomer.node_id not in core.table
-    assert core.request_from(newcomer, 1.0) is None  # no verify PING, and no second evict PING yet
+    core.request_from(newcomer, 1.0)
+    assert core.take_actions() == []  # no verify PING, and no second evict PING yet
     moved = Contact(newcomer.node_id, "10.0.0.9", 9999)
-    again = core.request_from(moved, 2.0)
-    assert again is not None and again.why == "verify"
+    core.request_from(moved, 2.0)
+    [again] = core.take_actions()
+    assert again.why == "verify"
+    stats = core.statistics()
+    assert (stats.contacts, stats.verifying, stats.refused) == (4, 1, {})
 
 
 def test_a_record_lookup_looks_for_the_replicas_and_only_the_others_when_this_node_is_one() -> None:

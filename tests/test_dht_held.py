@@ -37,7 +37,7 @@ def test_held_records_are_left_out_of_every_page_and_of_the_total() -> None:
     got: list[list] = []
     offset = 0
     while True:
-        page, total, _ = core.find_value(KEY, offset, 1.0, held)
+        page, total, _ = core.find_value(KEY, offset, held, 1.0)
         assert total == len(want)
         if not page:
             break
@@ -45,7 +45,7 @@ def test_held_records_are_left_out_of_every_page_and_of_the_total() -> None:
         offset += len(page)
     assert [fields[1] for fields in got] == [r.subkey for r in want]
     # without held: everything, as before
-    assert core.find_value(KEY, 0, 1.0)[1] == 40
+    assert core.find_value(KEY, 0, (), 1.0)[1] == 40
 
 
 def test_have_marks_exactly_the_held_records_the_responder_holds() -> None:

@@ -24,15 +24,9 @@ torch = pytest.importorskip("torch")
 
 from peerd.torch import DiLoCo  # noqa: E402
 from peerd.torch.diloco import due_fragments, fragment_bounds, nesterov_outer  # noqa: E402
-from peerd.trainer.outer import (  # noqa: E402
-    DhtBoard,
-    OuterError,
-    OuterRecord,
-    agree,
-    shard_bounds,
-    winner,
-)
-from peerd.trainer.service import OUTER_ROUNDS  # noqa: E402
+from peerd.trainer.outer import DhtBoard, OuterError, agree  # noqa: E402
+from peerd.trainer.outer_step import OUTER_ROUNDS  # noqa: E402
+from peerd.trainer.records import OuterRecord, shard_bounds, winner  # noqa: E402
 
 from .trainer_harness import WINDOW_END, InProcessAverager, ThreadDaemon  # noqa: E402
 
@@ -701,7 +695,7 @@ def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float, compress
     import json
 
     pytest.importorskip("sklearn")
-    from peerd.swarm import LocalSwarm
+    from peerd.tools.swarm import LocalSwarm
 
     extra = ("--loss", str(loss), "--loss-seed", "3") if loss else ()
     with LocalSwarm(str(tmp_path / "swarm"), extra_args=extra) as swarm:
@@ -740,7 +734,7 @@ def test_a_swarm_larger_than_a_group_averages_each_outer_step_over_the_grid(tmp_
     import json
 
     pytest.importorskip("sklearn")
-    from peerd.swarm import LocalSwarm
+    from peerd.tools.swarm import LocalSwarm
 
     with LocalSwarm(str(tmp_path / "swarm"), extra_args=("--max-group", "2")) as swarm:
         nodes = swarm.start_many(4)

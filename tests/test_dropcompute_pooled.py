@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerd.demo import DemoConfig, micro_batches
+from peerd.tools.demo import DemoConfig, micro_batches
 from peerd.torch.dropcompute import (
     INF,
     DropCompute,

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.timeout(300)
 def test_a_nan_byzantine_daemon_never_puts_nan_into_honest_models(tmp_path) -> None:
-    from peerd.demo import DemoConfig, run_demo
+    from peerd.tools.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(peers=4, steps=20, byzantine=1, byzantine_mode="nan", json=True, average_every=5,
                      final_average=1, timeout_s=5.0, workdir=str(tmp_path), wall_limit_s=240)

@@ -64,7 +64,7 @@ def test_demo_wide_model_matches_gloo_ddp_without_loss() -> None:
 def test_late_joiner_takes_the_swarms_state_before_its_first_step() -> None:
     """Slow (about 3.5 minutes on 2 cores). The founders' kept groups take a step in about 0.1 s, so they run
     400 steps: the joiner (a trainer to start, the state to download) comes in with steps left to average."""
-    from peerd.demo import DemoConfig, run_demo
+    from peerd.tools.demo import DemoConfig, run_demo
 
     summary = run_demo(DemoConfig(peers=3, steps=400, join_late={2: 100}, json=True))
     late = summary["per_peer"][2]
@@ -154,7 +154,7 @@ def test_kill_trainer_mid_step_kill_daemon_mid_round_and_a_different_model(swarm
 @pytest.mark.timeout(600)
 def test_demo_overlap_trains_and_keeps_replicas_together() -> None:
     """`--mode overlap` (DeAR buckets through real daemons): every step averaged, replicas together, learning."""
-    from peerd.demo import DemoConfig, run_demo
+    from peerd.tools.demo import DemoConfig, run_demo
 
     s = run_demo(DemoConfig(peers=3, steps=60, mode="overlap", bucket_mb=0.005, json=True), log=lambda *a, **k: None)
     assert s["mode"] == "overlap" and s["step_s"] > 0, s

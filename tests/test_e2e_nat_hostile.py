@@ -12,7 +12,7 @@ import trio
 
 from peerd.dht import DhtService
 from peerd.metrics import Metrics
-from peerd.swarm import LocalSwarm
+from peerd.tools.swarm import LocalSwarm
 from peerd.transport import Endpoint
 from peerd.transport.udp import UdpSocket
 from peerd.wire import messages as m

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from peerd.swarm import LocalSwarm
+from peerd.tools.swarm import LocalSwarm
 from peerd.wire.identity import write_swarm_key
 
 from .conftest import metric_value, peerd, peerd_json, scrape, wait_until

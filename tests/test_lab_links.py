@@ -1,7 +1,7 @@
-"""The link lab (peerd/lab/links.py): shaped, lossy links between network namespaces, and nothing left behind.
+"""The link lab (peerd/tools/lab/links.py): shaped, lossy links between network namespaces, and nothing left behind.
 
 The root-only tests build real labs (namespaces, veths, a bridge, tc tbf, nftables) and skip with the reason when
-this process cannot (not root, a tool missing). Blasts use peerd.lab.blast: a paced UDP sender and a receiver
+this process cannot (not root, a tool missing). Blasts use peerd.tools.lab.blast: a paced UDP sender and a receiver
 that timestamps arrivals in the kernel, so a loaded machine does not distort the measured rate.
 """
 
@@ -19,9 +19,9 @@ import urllib.request
 
 import pytest
 
-from peerd.lab import LabError, LinkLab, format_rate, parse_rate, tbf_params
-from peerd.lab import links as links_mod
-from peerd.swarm import LocalSwarm
+from peerd.tools.lab import LabError, LinkLab, format_rate, parse_rate, tbf_params
+from peerd.tools.lab import links as links_mod
+from peerd.tools.swarm import LocalSwarm
 from tests.conftest import peerd, peerd_json, wait_until
 
 # Skipped only where this is not root. As root a missing tool (ip, tc, nft, ethtool) fails them, with the
@@ -100,11 +100,11 @@ def lab2():
 def _blast(lab: LinkLab, src: int, dst: int, *, rate: str, seconds: float = 30.0, size: int = 1472,
            count: int | None = None, port: int = 9000) -> tuple[dict, dict]:
     """Receiver in ``dst``, paced sender in ``src``; returns (sender's JSON, receiver's JSON)."""
-    recv = lab.popen(dst, [sys.executable, "-m", "peerd.lab.blast", "recv", "--port", str(port), "--idle", "0",
+    recv = lab.popen(dst, [sys.executable, "-m", "peerd.tools.lab.blast", "recv", "--port", str(port), "--idle", "0",
                            "--max-seconds", str(seconds + 60)], stdout=subprocess.PIPE, text=True)
     try:
         assert recv.stdout.readline().strip() == "ready"
-        argv = [sys.executable, "-m", "peerd.lab.blast", "send", f"{lab.addr(dst)}:{port}", "--rate", rate,
+        argv = [sys.executable, "-m", "peerd.tools.lab.blast", "send", f"{lab.addr(dst)}:{port}", "--rate", rate,
                 "--seconds", str(seconds), "--size", str(size)]
         if count is not None:
             argv += ["--count", str(count)]
@@ -238,9 +238,9 @@ def test_teardown_leaves_nothing_after_exit_and_exception() -> None:
 @needs_lab
 @pytest.mark.parametrize(("how", "rc"), [("sigterm", 128 + signal.SIGTERM), ("sigint", 130), ("error", 1)])
 def test_teardown_in_a_child_on_signals_and_errors(how: str, rc: int) -> None:
-    """A child process holding a lab (python -m peerd.lab.links hold) is sent SIGTERM or Ctrl-C (SIGINT), or
+    """A child process holding a lab (python -m peerd.tools.lab.links hold) is sent SIGTERM or Ctrl-C (SIGINT), or
     fails: it exits with the signal's code and its namespaces are gone."""
-    argv = [sys.executable, "-m", "peerd.lab.links", "hold", "--peers", "2", "--rate", "10mbit", "--loss", "0.1"]
+    argv = [sys.executable, "-m", "peerd.tools.lab.links", "hold", "--peers", "2", "--rate", "10mbit", "--loss", "0.1"]
     if how == "error":
         argv += ["--fail-after", "0.5"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -263,7 +263,7 @@ def test_teardown_in_a_child_on_signals_and_errors(how: str, rc: int) -> None:
 @needs_lab
 def test_sweep_removes_what_a_killed_run_left() -> None:
     """SIGKILL cannot be handled: the namespaces stay, and sweep_stale (only names of dead pids) removes them."""
-    proc = subprocess.Popen([sys.executable, "-m", "peerd.lab.links", "hold", "--peers", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "peerd.tools.lab.links", "hold", "--peers", "1"],
                             stdout=subprocess.PIPE, text=True)
     info = json.loads(proc.stdout.readline())
     proc.kill()

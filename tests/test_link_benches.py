@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from peerd.bench.allreduce import bus_fraction, injected_loss, p99
-from peerd.bench.ddp_baseline import time_to_accuracy
+from peerd.tools.bench.allreduce import bus_fraction, injected_loss, p99
+from peerd.tools.bench.ddp_baseline import time_to_accuracy
 
 from .conftest import peerd_json
 
@@ -49,7 +49,7 @@ def test_time_to_accuracy_waits_for_every_member_and_the_mean() -> None:
 
 def test_wide_model_has_millions_of_parameters_and_mlp_is_unchanged() -> None:
     pytest.importorskip("torch")
-    from peerd.demo_train import build_model, sample_batch
+    from peerd.tools.demo_train import build_model, sample_batch
 
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(build_model(64, 0, "wide")) == 2_241_546

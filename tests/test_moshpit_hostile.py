@@ -8,6 +8,7 @@ import math
 import random
 import socket
 import time
+from dataclasses import fields
 from types import SimpleNamespace
 
 import msgpack
@@ -16,6 +17,7 @@ import pytest
 import trio
 
 from peerd.addresses import peer_address
+from peerd.allreduce.options import DEFAULT_OPTIONS, AverageOptions
 from peerd.allreduce.robust import Robust
 from peerd.localsock.server import OpError
 from peerd.metrics import Metrics
@@ -23,7 +25,14 @@ from peerd.moshpit import service as svc_mod
 from peerd.moshpit.keys import Grid
 from peerd.moshpit.matchmaking import Candidate, Group
 from peerd.moshpit.ops import MoshpitOps, _averaging_options
-from peerd.moshpit.service import MAX_AHEAD, MAX_ROUND, MoshpitError, MoshpitService, plausible_progress
+from peerd.moshpit.service import (
+    MAX_AHEAD,
+    MAX_ROUND,
+    MoshpitError,
+    MoshpitService,
+    RoundResult,
+    plausible_progress,
+)
 from peerd.transport.endpoint import Endpoint, RpcError, RpcTimeout
 from peerd.wire import messages as m
 from peerd.wire.errors import WireError
@@ -360,6 +369,18 @@ def test_rounds_stop_at_the_last_one_with_a_clear_error() -> None:
 # ---- finding 8 and the robust-aggregation plumbing -------------------------------------------------------
 
 
+def _asked(options: AverageOptions, center: np.ndarray | None) -> dict:
+    """What the averager was asked for, as keywords: the deadlines, and every other option the caller set."""
+    asked = {"floor_s": options.floor_s, "max_phase_s": options.max_phase_s}
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if f.name not in asked and value != getattr(DEFAULT_OPTIONS, f.name):
+            asked[f.name] = value
+    if center is not None:
+        asked["center"] = center
+    return asked
+
+
 class FakeAllreduce:
     """Returns a chosen vector; records the keyword arguments the service passed."""
 
@@ -367,8 +388,9 @@ class FakeAllreduce:
         self.calls: list[dict] = []
         self.next: np.ndarray | None = None
 
-    async def average(self, group_id, members, index, vector, weight, **kwargs):
-        self.calls.append(kwargs)
+    async def average(self, group_id, members, index, vector, weight, options=DEFAULT_OPTIONS, *, out=None,
+                      center=None):
+        self.calls.append(_asked(options, center))
         phase = SimpleNamespace(silent=(), datagrams_expected=4, datagrams_received=4)
         out = self.next if self.next is not None else vector * 2
         return SimpleNamespace(vector=out, stats=SimpleNamespace(reduce_scatter=phase, all_gather=phase))
@@ -449,7 +471,7 @@ def test_ops_accept_max_samples_and_robust() -> None:
     class Service:
         async def average(self, run, vector, weight, **kwargs):
             got.update(kwargs)
-            return SimpleNamespace(vector=vector, stats=lambda: {})
+            return RoundResult(vector, "alone", "", 1, [], 1.0, 0, 0.0)
 
     ops = MoshpitOps(Service())  # type: ignore[arg-type]
     trio.run(ops.round, {"run": "r", "vector": np.ones(2, "<f4").tobytes(), "max_samples": 8.5,
@@ -542,7 +564,7 @@ def test_peers_listening_on_a_wildcard_average_through_matchmaking() -> None:
                 for i in range(3):
                     inner.start_soon(one, i)
             for res in out:
-                assert res.outcome == "averaged" and res.group_size == 3, res.stats()
+                assert res.outcome == "averaged" and res.group_size == 3, res.statistics()
                 assert np.allclose(res.vector, 1.0)
             for n in nodes:
                 assert counter_value(n.metrics.datagrams_dropped, reason="malformed") == 0

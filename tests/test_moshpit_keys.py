@@ -131,7 +131,7 @@ def test_peers_alone_together_spread_and_a_leftover_takes_the_last_index():
 
 
 def test_a_grid_losing_a_tenth_of_its_peers_a_round_does_not_stall():
-    from peerd.sim.moshpit import SimConfig, simulate
+    from peerd.tools.sim.moshpit import SimConfig, simulate
 
     mse = simulate(SimConfig(512, Grid(3, 8), rounds=14, fail=0.1, seed=0))["mse"]
     # rounds 11-14 still divide the spread by 30 (8.9e-8 after round 14). When lonely peers kept their keys it

@@ -66,7 +66,7 @@ class Net:
         mm.on_entries(self.view(self.index[nid], self.now), self.now)
         self.flush(nid)
         self.at(self.now + every, lambda: self.poll(nid, every))
-        self.at(mm.next_deadline(), lambda: None)  # wake for its timer
+        self.at(mm.get_timer(), lambda: None)  # wake for its timer
 
     def flush(self, nid: bytes) -> None:
         me = self.mm[nid].me
@@ -108,7 +108,7 @@ class Net:
         ok, reason = mm.on_join_request(follower, self.now)
         self.flush(leader.node_id)
         self.at(self.now + self.latency, lambda: self.mm[follower.node_id].on_probe_answered(
-            leader.node_id, self.now, "ok" if ok else reason) if follower.node_id in self.mm else None)
+            leader.node_id, "ok" if ok else reason, self.now) if follower.node_id in self.mm else None)
 
     def answer(self, follower: Candidate, leader: Candidate, ok: bool, reason: str) -> None:
         mm = self.mm.get(follower.node_id)
@@ -294,7 +294,7 @@ def test_a_lost_disband_is_found_by_the_next_probe():
     mm.handle_timer(0.01 + PROBE_S)
     (probe,) = mm.take_actions()
     assert isinstance(probe, Probe) and probe.leader == leader
-    mm.on_probe_answered(leader.node_id, 0.52, "following")
+    mm.on_probe_answered(leader.node_id, "following", 0.52)
     (join,) = mm.take_actions()
     assert isinstance(join, Join) and join.leader == early and mm.state is State.JOINING
     # ``ok`` and ``closed`` (a member whose BEGIN is on the way) keep it waiting, as before
@@ -303,7 +303,7 @@ def test_a_lost_disband_is_found_by_the_next_probe():
         other.on_entries([leader, follower], 0.0)
         other.take_actions()
         other.on_join_response(leader.node_id, True, "ok", 0.01)
-        other.on_probe_answered(leader.node_id, 0.52, reason)
+        other.on_probe_answered(leader.node_id, reason, 0.52)
         assert other.state is State.FOLLOWING and other.take_actions() == []
 
 

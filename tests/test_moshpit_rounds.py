@@ -13,7 +13,7 @@ from peerd.moshpit.matchmaking import Candidate, Group
 from peerd.moshpit.records import PROGRESS_TTL_S, STRANGER_AHEAD, encode_announce
 from peerd.moshpit.rounds import POLL_S, Average, Count, Get, Notify, Put, Request, RoundMachine
 from peerd.moshpit.sticky import RENEW_KEY
-from peerd.sim.moshpit import SimRecord
+from peerd.tools.sim.moshpit import SimRecord
 from peerd.wire import messages as m
 from peerd.wire.identity import node_id_of
 
@@ -47,7 +47,7 @@ def of(actions: list, kind: type) -> list:
 def test_a_lonely_round_announces_polls_gives_up_at_its_expiry_and_publishes_progress() -> None:
     mc = machine(window_s=1.0)
     mc.synced = True
-    mc.start_round(T0)
+    mc.start_round(now=T0)
     acts = mc.take_actions()
     (put,) = of(acts, Put)
     assert put.key == b"run/0/-" and put.ttl == 11.0 and msgpack.unpackb(put.value)[0] == T0 + 1.0
@@ -55,11 +55,11 @@ def test_a_lonely_round_announces_polls_gives_up_at_its_expiry_and_publishes_pro
     assert [g.key for g in gets] == [b"run/0/-", b"run/progress"]  # the poll, and whom the run expects
     mc.on_records(gets[0].token, [announce(mc.me, T0 + 1.0)], T0 + 0.02)
     mc.on_records(gets[1].token, [], T0 + 0.02)
-    assert mc.next_deadline() == pytest.approx(T0 + 0.02 + POLL_S[0])
+    assert mc.get_timer() == pytest.approx(T0 + 0.02 + POLL_S[0])
     t = T0 + 0.02
     while not mc.done:  # every poll shows only this node until its expiry
-        t = mc.next_deadline()
-        mc.on_timer(t)
+        t = mc.get_timer()
+        mc.handle_timer(t)
         for g in of(mc.take_actions(), Get):
             mc.on_records(g.token, [announce(mc.me, T0 + 1.0)], t)
     assert t == pytest.approx(T0 + 1.0) and mc.outcome == "alone" and mc.round == 1
@@ -81,7 +81,7 @@ def test_a_group_forms_through_join_and_begin_and_the_key_moves_on() -> None:
     for mc in (a, b):
         mc.keys.chunks = (1,)
         mc.synced = True
-        mc.start_round(T0 if mc is a else T0 + 0.01)
+        mc.start_round(now=T0 if mc is a else T0 + 0.01)
     records = [announce(a.me, T0 + 3.0), announce(b.me, T0 + 3.01)]
     for mc in (a, b):
         for g in of(mc.take_actions(), Get):
@@ -104,7 +104,7 @@ def test_a_group_forms_through_join_and_begin_and_the_key_moves_on() -> None:
     assert a.on_join(member, 0, "1", T0 + 0.1) == (False, "closed")
     assert a.on_join(peer(7), 0, "1", T0 + 0.1) == (False, "disbanded")
     for mc, avg in ((a, avg_a), (b, avg_b)):
-        mc.on_averaged(T0 + 0.2, averaged=True, members=[c.node_id for c in avg.group.members])
+        mc.on_averaged(averaged=True, members=[c.node_id for c in avg.group.members], now=T0 + 0.2)
         assert mc.done and mc.outcome == "averaged" and mc.round == 1
         assert mc.keys.chunks == (avg.group.index,)  # its index in the group is its next key
         (put,) = of(mc.take_actions(), Put)
@@ -129,7 +129,7 @@ def test_a_kept_groups_leader_re_forms_it_when_a_newcomer_looks_under_its_key() 
     mc = machine(0 if a.node_id == leader_id else 1, window_s=2.0)
     follower = b if mc.me.node_id == a.node_id else a
     _kept(mc, [a, b], leader_id)
-    mc.start_round(T0)
+    mc.start_round(now=T0)
     acts = mc.take_actions()
     assert mc.phase == "renew" and of(acts, Put) == []  # a renewal reads, it does not announce
     watch = of(acts, Get)
@@ -141,10 +141,10 @@ def test_a_kept_groups_leader_re_forms_it_when_a_newcomer_looks_under_its_key() 
     assert avg.kept
     mc.on_records(watch[0].token, [progress(follower, 0, T0 - 1)], T0 + 0.02)
     mc.on_records(watch[2].token, [], T0 + 0.02)
-    mc.on_averaged(T0 + 0.03, averaged=True, members=[a.node_id, b.node_id])
+    mc.on_averaged(averaged=True, members=[a.node_id, b.node_id], now=T0 + 0.03)
     assert mc.done and mc.round == 2
     mc.take_actions()
-    mc.start_round(T0 + 0.1)  # the last watch read is still out: no second watch, the renewal goes on
+    mc.start_round(now=T0 + 0.1)  # the last watch read is still out: no second watch, the renewal goes on
     acts = mc.take_actions()
     assert mc.phase == "renew" and of(acts, Get) == []
     mc.on_records(watch[1].token, [announce(newcomer, T0 + 2.5)], T0 + 0.11)  # read in round 1, answered now
@@ -159,29 +159,29 @@ def test_a_node_alone_under_a_round_the_run_has_finished_moves_to_the_runs_round
     alone under a key nobody reads, moves to the round after the latest one the run finished at once."""
     mc, founder = machine(window_s=2.0), peer(1)
     mc.round, mc.synced = 5, True  # taken from the swarm's progress when the run opened
-    mc.start_round(T0)
+    mc.start_round(now=T0)
     acts = mc.take_actions()
     puts = of(acts, Put)
     assert [p.key for p in puts] == [b"run/5/-", b"run/progress"] and msgpack.unpackb(puts[1].value) == 4
     poll, expect = of(acts, Get)
     mc.on_records(poll.token, [announce(mc.me, T0 + 2.0)], T0 + 0.02)
     mc.on_records(expect.token, [progress(founder, 4, T0)], T0 + 0.02)  # nobody ahead yet
-    assert mc.round == 5 and mc.next_deadline() <= T0 + 0.02 + 0.5
+    assert mc.round == 5 and mc.get_timer() <= T0 + 0.02 + 0.5
     t = T0 + 0.52
-    mc.on_timer(t)  # alone: it reads the run's progress again
+    mc.handle_timer(t)  # alone: it reads the run's progress again
     (again,) = [g for g in of(mc.take_actions(), Get) if g.key == b"run/progress"]
     mc.on_records(again.token, [progress(founder, 30, t)], t + 0.02)
     acts = mc.take_actions()
     assert mc.phase == "match" and mc.round == 31 and mc.key == mc.keys.group_key(31)
     assert of(acts, Put)[0].key == b"run/31/-"
-    mc.on_timer(t + 0.03)
+    mc.handle_timer(t + 0.03)
     assert not mc.done
 
 
 def test_a_node_with_a_follower_does_not_move_to_another_round() -> None:
     mc, other, ahead = machine(window_s=2.0), peer(1), peer(2)
     mc.round, mc.synced = 5, True
-    mc.start_round(T0)
+    mc.start_round(now=T0)
     poll, expect = of(mc.take_actions(), Get)
     mc.on_records(poll.token, [announce(mc.me, T0 + 2.0), announce(other, T0 + 2.1)], T0 + 0.02)
     assert mc.on_join(Candidate(T0 + 2.1, other.node_id, other.public_key, other.addr), 5, "-", T0 + 0.03)[0]
@@ -194,12 +194,12 @@ def test_a_follower_whose_leader_does_not_answer_matchmakes_at_once() -> None:
     leader = min((a, b), key=lambda c: c.node_id)
     mc = machine(1 if leader is a else 0, window_s=2.0)
     _kept(mc, [a, b], leader.node_id)
-    mc.start_round(T0)
+    mc.start_round(now=T0)
     (ask,) = of(mc.take_actions(), Request)
     assert ask.to.node_id == leader.node_id and ask.fields["key"] == RENEW_KEY
     mc.on_reply(ask.token, leader.node_id, False, "busy", T0 + 0.1)  # busy: asked again 0.3 s later
-    assert mc.next_deadline() == pytest.approx(T0 + 0.4)
-    mc.on_timer(T0 + 0.4)
+    assert mc.get_timer() == pytest.approx(T0 + 0.4)
+    mc.handle_timer(T0 + 0.4)
     (again,) = of(mc.take_actions(), Request)
     mc.on_failed(again.token, T0 + 1.4)
     acts = mc.take_actions()
@@ -226,14 +226,14 @@ def test_strangers_far_ahead_do_not_move_a_node_that_averaged() -> None:
 def test_an_abandoned_round_is_started_again_under_the_same_number() -> None:
     mc = machine()
     mc.round = 3
-    mc.start_round(T0)
+    mc.start_round(now=T0)
     with pytest.raises(RuntimeError, match="still match"):
-        mc.start_round(T0)
+        mc.start_round(now=T0)
     gets = of(mc.take_actions(), Get)
     mc.abandon()
     mc.on_records(gets[0].token, [announce(peer(1), T0 + 2)], T0)  # an answer for the abandoned round
     assert mc.take_actions() == [] and mc.round == 3
-    mc.start_round(T0 + 1)
+    mc.start_round(now=T0 + 1)
     assert of(mc.take_actions(), Put)[0].key == b"run/3/-"
 
 
@@ -246,7 +246,7 @@ def test_numbered_rounds_far_apart_expect_the_peers_of_the_last_one() -> None:
 
     def run(round_no: int, t: float, records: list) -> None:
         mc.round = round_no
-        mc.start_round(t, numbered=True)
+        mc.start_round(numbered=True, now=t)
         gets = of(mc.take_actions(), Get)
         assert [g.key for g in gets] == [b"run/%d/-" % round_no, b"run/progress"]
         mc.on_records(gets[1].token, records, t + 0.01)
@@ -254,7 +254,7 @@ def test_numbered_rounds_far_apart_expect_the_peers_of_the_last_one() -> None:
     run(40, T0, [progress(o, 0, T0 - 50) for o in others])
     assert mc._mm is not None and mc._mm.expected is None  # round 0 is too far back, and nothing ran before
     while not mc.done:
-        mc.on_timer(mc.next_deadline())
+        mc.handle_timer(mc.get_timer())
         mc.take_actions()
     assert mc.outcome == "alone"
     records = [progress(others[0], 40, T0 + 2), progress(others[1], 40, T0 + 2), progress(others[2], 12, T0 - 30),
@@ -275,18 +275,18 @@ def test_a_chained_round_ends_its_window_one_window_after_the_last_one(chain_fro
     mc = machine(window_s=1.0)
     mc.synced = True
     mc.round = 41
-    mc.start_round(T0, numbered=True, chain_from=chain_from)
+    mc.start_round(numbered=True, chain_from=chain_from, now=T0)
     (put,) = of(mc.take_actions(), Put)
     assert msgpack.unpackb(put.value)[0] == pytest.approx(T0 + window)
     assert put.ttl == pytest.approx(window + 10.0) and mc.window_end == pytest.approx(T0 + window)
     t = T0
     while not mc.done:  # nobody comes: the round gives up at the chained expiry, not a window after T0
-        t = mc.next_deadline()
-        mc.on_timer(t)
+        t = mc.get_timer()
+        mc.handle_timer(t)
         mc.take_actions()
     assert t == pytest.approx(T0 + window) and mc.outcome == "alone"
     mc.round = 42
-    mc.start_round(t, numbered=True)  # the next step's first round is not chained
+    mc.start_round(numbered=True, now=t)  # the next step's first round is not chained
     (put,) = of(mc.take_actions(), Put)
     assert msgpack.unpackb(put.value)[0] == pytest.approx(t + 1.0) and mc.window_end == pytest.approx(t + 1.0)
 

@@ -136,8 +136,8 @@ def test_a_round_forms_weighted_and_joiners_land_in_the_runs_group() -> None:
             assert [r.led for r in results] == [n.identity.node_id.hex() == leader for n in nodes]
             assert sum(r.led for r in results) == 1 and leader in results[0].members
             for n, r in zip(nodes, results, strict=True):
-                last = n.moshpit.statistics()["joiners"]["last"]
-                assert (last["leader"], last["led"]) == (leader, r.led)
+                last = n.moshpit.statistics().runs["joiners"].last
+                assert (last.leader, last.led) == (leader, r.led)
                 assert counter_value(n.metrics.moshpit_led) == r.led
             # the run grows to groups of 8; two peers join between rounds and take its grid and next round
             for n in nodes:
@@ -172,8 +172,8 @@ def test_a_lonely_peer_waits_its_window_and_keeps_its_vector() -> None:
             assert r is not None and r.outcome == "alone" and r.group_size == 1 and r.group_id == ""
             assert np.array_equal(r.vector, vec) and r.vector is not vec
             assert 0.5 <= trio.current_time() - t0 < 1.0  # its window, then it gives up
-            last = node.moshpit.statistics()["alone"]["last"]
-            assert (last["outcome"], last["leader"], last["led"]) == ("alone", "", False)
+            last = node.moshpit.statistics().runs["alone"].last
+            assert (last.outcome, last.leader, last.led) == ("alone", "", False)
             nursery.cancel_scope.cancel()
 
     run_virtual(main)

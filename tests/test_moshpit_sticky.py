@@ -121,7 +121,7 @@ def test_early_renewals_are_bounded_and_forgotten() -> None:
     assert len(s._early) <= MAX_EARLY
     s.after_matchmaking(group(me=B), 10_000, 3, IDS)
     assert not s._early
-    assert s.statistics()["kept"]["formed"] == 10_000
+    assert s.statistics().kept.formed == 10_000
 
 
 def test_leader_waits_until_every_follower_asked_for_the_round() -> None:

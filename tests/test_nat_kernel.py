@@ -1,4 +1,4 @@
-"""What the kernel's NAT does in the NAT lab (peerd/lab/nat.py), pinned with raw UDP: no peerd involved.
+"""What the kernel's NAT does in the NAT lab (peerd/tools/lab/nat.py), pinned with raw UDP: no peerd involved.
 
 The protocol side (observed addresses, hole punching, relays) relies on exactly these behaviours; if a kernel or
 a lab change moves one, these fail first and say which. Small Python scripts run inside the lab's namespaces:
@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from peerd.lab import links as links_mod
-from peerd.lab.nat import SYMMETRIC_PORTS, NatLab
+from peerd.tools.lab import links as links_mod
+from peerd.tools.lab.nat import SYMMETRIC_PORTS, NatLab
 
 NOT_ROOT = os.geteuid() != 0
 pytestmark = pytest.mark.skipif(NOT_ROOT, reason="the NAT lab needs root: network namespaces and nftables")
@@ -215,7 +215,7 @@ def test_punch_between_cone_and_symmetric_homes_fails(lab: NatLab, servers) -> N
 
 def test_nat_lab_leaves_nothing_behind() -> None:
     """A NAT lab held by a child process, then SIGTERM: its peers, routers and bridge are gone."""
-    proc = subprocess.Popen([sys.executable, "-m", "peerd.lab.nat", "hold", "--kinds", "public,cone,symmetric"],
+    proc = subprocess.Popen([sys.executable, "-m", "peerd.tools.lab.nat", "hold", "--kinds", "public,cone,symmetric"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         info = json.loads(proc.stdout.readline())
@@ -233,7 +233,7 @@ def test_nat_lab_leaves_nothing_behind() -> None:
 
 def test_sweep_removes_what_a_killed_nat_lab_left() -> None:
     """SIGKILL leaves the namespaces (routers included); sweep_stale removes them."""
-    proc = subprocess.Popen([sys.executable, "-m", "peerd.lab.nat", "hold", "--kinds", "cone,public"],
+    proc = subprocess.Popen([sys.executable, "-m", "peerd.tools.lab.nat", "hold", "--kinds", "cone,public"],
                             stdout=subprocess.PIPE, text=True)
     info = json.loads(proc.stdout.readline())
     proc.kill()

@@ -1,4 +1,4 @@
-"""End to end behind real NATs (root): 6 `peerd join` daemons in the NAT lab (peerd/lab/nat.py), issue 19.
+"""End to end behind real NATs (root): 6 `peerd join` daemons in the NAT lab (peerd/tools/lab/nat.py), issue 19.
 
 2 public peers on the TEST-NET segment, 2 behind their own port-restricted cone router, 2 behind their own
 symmetric router (tests/test_nat_kernel.py pins what those routers do). Daemon 0 is the bootstrap; every other
@@ -27,11 +27,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from peerd.bench.allreduce import AllreduceBenchConfig, NatReportMissing, nat_fields, nat_kinds, run_allreduce_bench
-from peerd.lab import links as links_mod
-from peerd.lab.links import LabError, lab_unavailable
-from peerd.lab.nat import SYMMETRIC_PORTS, NatLab
-from peerd.swarm import LocalSwarm, Node
+from peerd.tools.bench.allreduce import (
+    AllreduceBenchConfig,
+    NatReportMissing,
+    nat_fields,
+    nat_kinds,
+    run_allreduce_bench,
+)
+from peerd.tools.lab import links as links_mod
+from peerd.tools.lab.links import LabError, lab_unavailable
+from peerd.tools.lab.nat import SYMMETRIC_PORTS, NatLab
+from peerd.tools.swarm import LocalSwarm, Node
 
 from .conftest import peerd, peerd_json, wait_until
 

@@ -15,7 +15,7 @@ import pytest
 PEERD = Path(__file__).resolve().parent.parent / "peerd"
 
 # Packages whose decisions must be reproducible from (inputs, now, rng).
-PROTOCOL_PACKAGES = ("wire", "transport", "dht", "allreduce", "moshpit", "statesync", "sim", "compress", "nat")
+PROTOCOL_PACKAGES = ("wire", "transport", "dht", "allreduce", "moshpit", "statesync", "tools/sim", "compress", "nat")
 
 AMBIENT = re.compile(
     r"\btime\.(time|monotonic|perf_counter|time_ns|monotonic_ns)\(\)"
@@ -33,12 +33,9 @@ ALLOWED = {
     "wire/seal.py": "default sealing token",
     # The trio shell times each average for peerd_allreduce_seconds; no decision reads it.
     "allreduce/service.py": "duration metric",
-    # Benchmarks measure wall time by design.
-    "compress/bench.py": "benchmark timing",
-    "allreduce/bench_ops.py": "benchmark timing (the daemon's bench op stamps when its average ended)",
     # The simulators report their wall time on stderr, never in the JSON.
-    "sim/dht.py": "wall time on stderr",
-    "sim/moshpit.py": "wall time on stderr",
+    "tools/sim/dht.py": "wall time on stderr",
+    "tools/sim/moshpit.py": "wall time on stderr",
 }
 
 

@@ -23,7 +23,8 @@ import pytest
 import trio
 import trio.testing
 
-from peerd.trainer.outer import OuterRecord, agree, piece_hashes, shard_bounds
+from peerd.trainer.outer import agree
+from peerd.trainer.records import OuterRecord, piece_hashes, shard_bounds
 
 
 def sha(b: bytes) -> bytes:

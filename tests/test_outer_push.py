@@ -13,7 +13,8 @@ import numpy as np
 import trio
 
 from peerd.trainer.inbox import MAX_ROUNDS, MAX_SENDERS, OuterInbox
-from peerd.trainer.outer import DhtBoard, OuterRecord, agree, shard_bounds
+from peerd.trainer.outer import DhtBoard, agree
+from peerd.trainer.records import OuterRecord, shard_bounds
 from peerd.wire import messages as m
 
 RUN_KEY = "run/0123456789abcdef"

@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from peerd.bench.allreduce import AllreduceBenchConfig, run_allreduce_bench
+from peerd.tools.bench.allreduce import AllreduceBenchConfig, run_allreduce_bench
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the link lab needs root (network namespaces, tc, nft)")
 

@@ -1,7 +1,7 @@
 """Robust aggregation (allreduce/robust.py, GroupAverage(robust=...)): norm clipping at the shard owner.
 
 Each scenario runs whole groups of the sans-I/O core over the in-test network of test_allreduce_core, with
-one member corrupting its reduce-scatter contributions through the fault-injection hook (``byzantine``).
+one member corrupting its reduce-scatter contributions through the fault injector (``peerd.tools.faults``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 
 from peerd.allreduce.group import GroupAverage
 from peerd.allreduce.robust import Robust, parse_robust
+from peerd.tools.faults import byzantine
 
 from .test_allreduce_core import GROUP, RS_DATA, Net, payload_for
 
@@ -30,8 +31,8 @@ def honest_inputs(seed: int = 0) -> tuple[list[np.ndarray], list[float], np.ndar
 def run(xs, ws, *, bad: int | None = None, mode: str | None = None, robust: Robust | None = None,
         center: np.ndarray | None = None, drop=None) -> list[GroupAverage]:
     m = [
-        GroupAverage(GROUP, len(xs), i, xs[i], ws[i], 0.0, max_payload=payload_for(PER), robust=robust,
-                     center=center, byzantine=mode if i == bad else None)
+        byzantine(mode if i == bad else None)(GROUP, len(xs), i, xs[i], ws[i], 0.0, max_payload=payload_for(PER),
+                                              robust=robust, center=center)
         for i in range(len(xs))
     ]
     Net(m, **({"drop": drop} if drop else {})).run()

@@ -5,6 +5,7 @@ network of test_allreduce_core (virtual time)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,9 +14,11 @@ import trio
 
 from peerd.allreduce.arctopk import ArcTopKPlan, ArcTopKResult
 from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GroupAverage
+from peerd.allreduce.options import DEFAULT_OPTIONS, AverageOptions
 from peerd.allreduce.robust import WEIGHT_BOUND, Robust
 from peerd.compress.topk import EF21M
 from peerd.moshpit.keys import Grid
+from peerd.tools.faults import byzantine
 
 from .test_allreduce_core import GROUP, Net, payload_for
 from .test_compress_arctopk import SHAPES, plan_for, run_group, wmean
@@ -44,8 +47,8 @@ def test_a_claimed_huge_weight_does_not_undo_clipping_hostile() -> None:
     ws = [32.0] * n
     ws[0] = DEFAULT_MAX_WEIGHT
     honest = np.mean(np.stack(xs[1:]).astype(np.float64), axis=0)
-    cores = [GroupAverage(GROUP, n, i, xs[i], ws[i], 0.0, max_payload=payload_for(PER), robust=Robust("clip", 1.0),
-                          byzantine="signflip" if i == 0 else None) for i in range(n)]
+    cores = [byzantine("signflip" if i == 0 else None)(GROUP, n, i, xs[i], ws[i], 0.0, max_payload=payload_for(PER),
+                                                       robust=Robust("clip", 1.0)) for i in range(n)]
     Net(cores).run()
     a, b = length // n, length  # shards 1..7: honest owners
     for i in range(1, n):
@@ -169,16 +172,29 @@ def test_the_owner_canary_is_of_the_values_size() -> None:
         np.testing.assert_allclose(r.vector, c.vector, rtol=0, atol=1e-9)
 
 
+def _asked(options: AverageOptions, center: np.ndarray | None) -> dict:
+    """What the averager was asked for, as keywords: the deadlines, and every other option the caller set."""
+    asked = {"floor_s": options.floor_s, "max_phase_s": options.max_phase_s}
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if f.name not in asked and value != getattr(DEFAULT_OPTIONS, f.name):
+            asked[f.name] = value
+    if center is not None:
+        asked["center"] = center
+    return asked
+
+
 class PhaseAllreduce:
     """An averager that hands every phase's vector back as it came (each member alone with its own values: only
     its own selection decodes) and records the keywords each phase got."""
 
     def __init__(self) -> None:
         self.calls: list[dict] = []
-        self.host = SimpleNamespace(max_body=4 * 40 + 20)
+        self.max_body = 4 * 40 + 20
 
-    async def average(self, group_id, members, index, vector, weight, **kwargs):
-        self.calls.append(kwargs)
+    async def average(self, group_id, members, index, vector, weight, options=DEFAULT_OPTIONS, *, out=None,
+                      center=None):
+        self.calls.append(_asked(options, center))
         phase = SimpleNamespace(silent=(), datagrams_expected=4, datagrams_received=4, datagrams_sent=4,
                                 ended_by="completion")
         stats = SimpleNamespace(reduce_scatter=phase, all_gather=phase, drops={}, refused={})

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from peerd.cli import main
-from peerd.sim.dht import Config, DhtSim, simulate
+from peerd.tools.sim.dht import Config, DhtSim, simulate
 
 
 def small(**kw) -> Config:

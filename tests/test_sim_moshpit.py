@@ -15,7 +15,7 @@ from peerd.allreduce.group import GroupAverage
 from peerd.cli import main
 from peerd.moshpit.keys import Grid
 from peerd.moshpit.records import progress_key
-from peerd.sim.moshpit import RUN, Peer, Sim, SimConfig, flow_average, simulate
+from peerd.tools.sim.moshpit import RUN, Peer, Sim, SimConfig, flow_average, simulate
 
 from .test_allreduce_core import Net, payload_for
 
@@ -121,7 +121,7 @@ def test_moshpit_reads_no_clock_and_no_unseeded_randomness() -> None:
     simulator reads the wall clock only to report its own wall time (stderr)."""
     pattern = (r"time\.(?:time|monotonic|perf_counter)\(\)|random\.(?:random|randrange|randint|choice|shuffle|sample|"
                r"uniform)\(|secrets\.")
-    for path in sorted((ROOT / "peerd" / "moshpit").glob("*.py")) + [ROOT / "peerd" / "sim" / "moshpit.py"]:
+    for path in sorted((ROOT / "peerd" / "moshpit").glob("*.py")) + [ROOT / "peerd" / "tools" / "sim" / "moshpit.py"]:
         calls = re.findall(pattern, path.read_text())
         if path.parent.name == "sim":
             calls.remove("time.perf_counter()")

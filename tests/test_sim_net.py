@@ -1,4 +1,4 @@
-"""The one in-memory network (peerd/sim/net.py): every fault it models, and exact determinism for a seed."""
+"""The one in-memory network (peerd/tools/sim/net.py): every fault it models, and exact determinism for a seed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from peerd.sim.net import Link, Network
+from peerd.tools.sim.net import Link, Network
 
 
 class Inbox:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from peerd.bench.soak_attack import CLASSES
+from peerd.tools.bench.soak_attack import CLASSES
 
 from .conftest import peerd
 
@@ -48,10 +48,9 @@ def test_small_soak_no_crash_and_exact_averages() -> None:
     assert dropped.get("auth_limited", 0) > 0, dropped
     # relay_hijack, connect_reflect: no daemon relays another's traffic or punches where a CONNECT pointed
     assert out["connect_reflected"] == 0, out
-    if out["honest_relayed_datagrams"]:
-        # Known open gap, reported rather than hidden: under this flood an honest request can go unanswered, and
-        # the unanswered-request fallback (punch, then relay through an introducer) then relays honest traffic.
-        pytest.xfail(f"honest members relayed {out['honest_relayed_datagrams']} datagrams through one another")
+    # loss is not a NAT: a request the flood left unanswered, or one to an identity nobody vouches for, is no
+    # reason to relay (a few PINGs of a relay attempt with evidence are allowed; it was thousands of datagrams)
+    assert out["honest_relayed_datagrams"] <= 20, out["honest_relayed_datagrams"]
     # the outsider-only phase: its daemon CPU per datagram (the <= 5 us goal is not asserted: a shared machine)
     cpu = out["outsider_cpu_us_per_datagram"]
     assert isinstance(cpu, float) and cpu > 0, out.get("outsider_cpu_us_per_datagram_by_daemon")
@@ -63,7 +62,7 @@ def test_small_soak_no_crash_and_exact_averages() -> None:
 
 def test_outsider_endpoints_measure_the_receive_path_alone() -> None:
     """The bench's receive-path figure without daemons: bare endpoints under the outsider's classes."""
-    from peerd.bench.soak import main, outsider_endpoints
+    from peerd.tools.bench.soak import main, outsider_endpoints
 
     out = outsider_endpoints(2, 4000.0, 1.0)
     assert out["endpoints"] == 2 and out["datagrams"] == 4000

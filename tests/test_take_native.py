@@ -91,7 +91,7 @@ def test_native_take_matches_numpy(n, length, per, rows, seed, loss, dup, shuffl
             break
         now += 0.3
         for i in range(n):
-            for blk_a, blk_b in zip(a[i].next_blocks(rows, 10**9), b[i].next_blocks(rows, 10**9), strict=True):
+            for blk_a, blk_b in zip(a[i].blocks_to_send(rows, 10**9), b[i].blocks_to_send(rows, 10**9), strict=True):
                 assert blk_a.bodies.tobytes() == blk_b.bodies.tobytes()
                 kept = [r for r in blk_a.bodies if rnd.random() >= loss]
                 if not kept:

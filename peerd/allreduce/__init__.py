@@ -4,7 +4,7 @@ Sans-I/O: ``GroupAverage`` takes bodies and an injected ``now`` and hands out bo
 deadline; a trio driver (or the simulator) does the I/O. protocol/allreduce.md is the normative text.
 """
 
-from .codec import (
+from .frames import (
     END_REPEATS,
     HEADER,
     HEADER_SIZE,
@@ -27,6 +27,7 @@ from .group import (
     Outgoing,
     PhaseStats,
 )
+from .options import AverageOptions
 from .shards import Layout, elements_per_datagram
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD",
     "DEFAULT_SAFETY",
     "END_REPEATS",
+    "AverageOptions",
     "HEADER",
     "HEADER_SIZE",
     "BodyHeader",

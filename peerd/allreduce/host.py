@@ -7,24 +7,23 @@ this node sends, what REPORTs it accepts, and when each paced part of a block ma
 sender's token and, once the transport has bound that token, its node id (the transport resolves tokens to
 peers; data datagrams carry no node id), an injected ``now`` on every call, and returns typed actions. It
 never waits, reads a clock or touches a socket, so the trio driver (service.py), the simulator and the tests
-run the same decisions; nothing here draws random numbers (the byzantine hook's noise is seeded per group
-inside ``GroupAverage``).
+run the same decisions; nothing here draws random numbers.
 
 A driver's loop for one group, in outline (service.py is the real one)::
 
     actions = host.start(group_id, peers, index, vector, weight, now)   # Bind: PING these members
     while not host.finished(group_id):
         while host.wants_to_send(group_id):
-            for block in host.next_sends(group_id):
+            for block in host.datagrams_to_send(group_id, now):
                 for each part of host.part_rows(block) rows:
                     sleep until host.pace(block, rows, nbytes, now); seal the part and send it
-        sleep until host.deadline(group_id, now), or a Wake(group_id) action
-        run(host.on_timer(group_id, now))
+        sleep until host.get_timer(group_id, now), or a Wake(group_id) action
+        run(host.handle_timer(group_id, now))
     run(host.finish(group_id, now, kernel_drops))                       # final REPORTs, Completed
     # meanwhile: every REPORT_INTERVAL_S (host.next_report) send host.reports(...)
 
 and for everything that arrives: ``on_data``, ``on_block``, ``on_bind``, ``on_report``; held data expires at
-``held_expiry()`` (``expire_held``). What a member may make this node spend is bounded here
+``get_held_timer()`` (``handle_held_timer``). What a member may make this node spend is bounded here
 (protocol/PROTOCOL.md 17.3): held bytes (HeldData), accepted REPORTs (members of running or recent groups),
 remembered token bindings and the pacer's paths (both LRU).
 """
@@ -34,19 +33,20 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from ..compress import Codec
-from ..transport.pacing import DeliveryMeter, Pacer, Report, SendPositions, Verdict
+from ..transport.pacing import Pacer, Report
 from ..wire.errors import WireError
-from .codec import BodyType, peek_group
-from .group import BYZANTINE_MODES, GroupAverage, GroupStats, Outcome, stage_elements
-from .held import MAX_TOKEN_BYTES, HeldData
-from .robust import Robust
+from .actions import Action, Bind, Completed, Dropped, HeldTimer, PacerVerdict, SendBlock, SendReport, Wake
+from .frames import DATA_TYPES, peek_group
+from .group import GroupAverage, Outcome, stage_elements
+from .held import HeldData
+from .options import DEFAULT_OPTIONS, AverageOptions
+from .running import GATE_BYTES, RunningGroup, gate, hear, releasable, release
 
 BATCH = 128  # datagrams per slice of sending work at least (a slice is one block or more)
 # A block is built in one pass, then sealed and sent in GSO parts. Each block costs the sender a
@@ -66,156 +66,10 @@ IDLE_WAIT_S = 1.0  # a group with no deadline (it only has sending left) is look
 # per average, and so do groups that run at once (a step's overlap buckets: one group each) ...
 SPARE_STAGE_BYTES = 1 << 30
 MAX_SPARES = 16  # ... and at most this many of them (the smallest go first)
-DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})  # the types a GRO block may carry
 # The daemon's END spacing (AveragingHost ``end_spacing_s``): the second and third copies of each END this long
 # after the first, past a full 20 ms queue's drain (the link lab's tbf) and still far inside a phase's 1 s floor.
 END_SPACING_S = (0.008, 0.03)
-# Until a member shows it runs the group (its data or a REPORT of this group came), it gets at most this much of
-# it: a member that starts the group after this node holds what comes before up to HeldData's MAX_TOKEN_BYTES per
-# sender and drops the rest: on loopback, at 0.5-0.7 GB/s a sender, a member that starts 50-100 ms late would lose
-# thousands of datagrams that way (`peerd bench allreduce --peers 4 --size 25000000`, received_fraction).
-# The rest waits for the member (a quarter of that hold: REPORTs and its own data come within ~25 ms of its
-# start), or GATE_S at most: then it goes anyway (a member that only receives, or whose datagrams to this node
-# are all lost, still gets it).
-GATE_BYTES = MAX_TOKEN_BYTES // 4
-GATE_S = 1.0
 _NONE: tuple[()] = ()
-
-
-# ---- actions ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Dropped:
-    """Count ``count`` inputs dropped for ``reason`` (peerd_datagrams_dropped_total{reason})."""
-
-    reason: str
-    count: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Wake:
-    """Group ``group_id`` changed (a phase ended, a deadline moved up, held data arrived): its driver should
-    send what it wants now and re-read its deadline."""
-
-    group_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class HeldTimer:
-    """Something is held and nothing was before: call ``expire_held`` at ``at``, then at ``held_expiry()``
-    while that is not None (held data is freed on a timer, also on a node that receives nothing more)."""
-
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Bind:
-    """PING member ``to`` (node id ``peer``) of ``group_id``: the request binds this node's token there, the
-    response the member's here. Data from a token not bound yet is held until its binding arrives."""
-
-    group_id: int
-    to: int
-    peer: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class SendReport:
-    """Send a REPORT (``fields``, the message's) to member ``to`` (node id ``peer``) of ``group_id``."""
-
-    group_id: int
-    to: int
-    peer: bytes
-    fields: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class PacerVerdict:
-    """What a member's REPORT did to the pacer (``verdict``: decrease, increase, hold, ...); ``rate`` is the
-    sending rate now, bytes/s."""
-
-    rate: float
-    verdict: Verdict
-
-
-@dataclass(frozen=True, slots=True)
-class Completed:
-    """Group ``group_id`` is done: ``vector`` is the average (the caller's ``out`` when it gave one)."""
-
-    group_id: int
-    vector: np.ndarray
-    stats: GroupStats
-
-
-@dataclass(frozen=True, slots=True)
-class SendBlock:
-    """Bodies for member ``to`` (node id ``peer``) of ``group_id``, envelope type ``type``: ``bodies`` is
-    (rows, body bytes) uint8, END markers already repeated. Sealed and sent a part at a time
-    (``AveragingHost.part_rows``: whole GSO sends of ``part`` rows where the rate allows), each part when
-    ``AveragingHost.pace`` says."""
-
-    group_id: int
-    to: int
-    peer: bytes
-    type: int
-    bodies: np.ndarray
-    part: int
-    values: np.ndarray | None = None  # OutBlock.values: ``bodies`` is then only the tensor headers
-    later: int = 0  # END copies still to send after this one, spaced in time (AveragingHost ``end_spacing_s``)
-
-
-Action = Dropped | Wake | HeldTimer | Bind | SendReport | PacerVerdict | Completed
-
-
-def _gate(g: _Group, block: SendBlock) -> tuple[SendBlock | None, SendBlock | None]:
-    """(what of ``block`` goes now, what waits for its member): a member not heard from gets GATE_BYTES of
-    data in all (a data block that crosses that is cut there), and once something of it waits, the rest of
-    its blocks wait behind it (its order is kept)."""
-    to = block.to
-    if to in g.waiting:
-        return None, block
-    if g.heard[to] or g.gate_until == math.inf:
-        return block, None
-    rows = len(block.bodies)
-    room = g.gate_rows - g.given[to]
-    if rows <= room:
-        g.given[to] += rows
-        return block, None
-    if room <= 0 or block.type not in DATA_TYPES:
-        return None, block
-    g.given[to] += room
-    cut = block.values[:room] if block.values is not None else None
-    rest = block.values[room:] if block.values is not None else None
-    return replace(block, bodies=block.bodies[:room], values=cut), replace(block, bodies=block.bodies[room:],
-                                                                              values=rest)
-
-
-def _hear(g: _Group, index: int) -> bool:
-    """Member ``index`` runs the group: its gate opens. True if blocks wait for it."""
-    g.heard[index] = True
-    return index in g.waiting
-
-
-def _releasable(g: _Group) -> bool:
-    return bool(g.waiting) and (g.gate_until == math.inf or any(g.heard[to] for to in g.waiting))
-
-
-def _release(g: _Group, limit: int) -> list[SendBlock]:
-    """Waiting blocks of members whose gates opened, about ``limit`` datagrams, a block per member in turn."""
-    out: list[SendBlock] = []
-    count = 0
-    while count < limit:
-        ready = [to for to in g.waiting if g.heard[to] or g.gate_until == math.inf]
-        if not ready:
-            break
-        for to in ready:
-            queue = g.waiting[to]
-            block = queue.pop(0)
-            if not queue:
-                del g.waiting[to]
-            out.append(block)
-            count += len(block.bodies)
-    return out
 
 
 def send_shape(mtu: int, gso: bool) -> tuple[int, int]:
@@ -227,43 +81,12 @@ def send_shape(mtu: int, gso: bool) -> tuple[int, int]:
     return part, rows
 
 
-class _Group:
-    __slots__ = ("core", "peers", "by_peer", "by_token", "meters", "positions", "sent_to", "hold_until",
-                 "floor_s", "report_at", "part", "rows", "copies", "heard", "given", "waiting", "gate_until",
-                 "gate_rows")
-
-    def __init__(self, core: GroupAverage, peers: list[bytes], now: float, kernel_drops: int, floor_s: float,
-                 part: int, rows: int, report_at: float) -> None:
-        self.core = core
-        self.peers = peers
-        self.by_peer = {p: i for i, p in enumerate(peers)}
-        self.by_token: dict[int, int] = {}  # tokens seen bound to a member (a cache of the transport's answer)
-        self.meters = [DeliveryMeter(now, kernel_drops) for _ in peers]
-        # Per member: data datagrams sent to it so far (its reduce-scatter stream, then its all-gather stream:
-        # the positions a receiver's REPORT counts in) and when each part of them went out.
-        self.positions = [SendPositions() for _ in peers]
-        self.sent_to = [0] * len(peers)
-        self.hold_until: float | None = None
-        self.floor_s = floor_s
-        self.report_at = report_at
-        self.part = part
-        self.rows = rows
-        self.copies: list[tuple[float, int, SendBlock]] = []  # END copies due later: (when, order, block), a heap
-        # The gate (GATE_BYTES): members heard from in this group, datagrams handed out to each before that, and
-        # the blocks waiting for each member (in its order); every gate opens at ``gate_until`` (inf: open).
-        self.heard = [i == core.index for i in range(len(peers))]
-        self.given = [0] * len(peers)
-        self.waiting: dict[int, list[SendBlock]] = {}
-        self.gate_until = now + GATE_S
-        self.gate_rows = 0  # GATE_BYTES in datagrams (set by the host, which knows their size)
-
-
 class AveragingHost:
     """The groups of one node and the data, meters and pacing they share; see the module docstring.
 
     ``max_body``: the largest tensor body this node's groups take (its payload size: a larger one is
     dropped at once, never held); ``mtu``: datagram size, for block shapes and REPORT byte counts.
-    ``byzantine``: a fault-injection hook for demos and benches ONLY (group.BYZANTINE_MODES)."""
+    ``group_factory``: what builds each group's core (GroupAverage's signature; a lab's fault injector wraps it)."""
 
     def __init__(
         self,
@@ -272,7 +95,7 @@ class AveragingHost:
         mtu: int,
         pacer: Pacer | None = None,
         held: HeldData | None = None,
-        byzantine: str | None = None,
+        group_factory: Callable[..., GroupAverage] = GroupAverage,
         report_interval_s: float = REPORT_INTERVAL_S,
         recent_groups: int = RECENT_GROUPS,
         max_bindings: int = MAX_BINDINGS,
@@ -280,15 +103,13 @@ class AveragingHost:
         split_values: bool = False,
         end_spacing_s: Sequence[float] | None = None,
     ) -> None:
-        if byzantine is not None and byzantine not in BYZANTINE_MODES:
-            raise ValueError(f"byzantine must be one of {', '.join(BYZANTINE_MODES)} (or None), got {byzantine!r}")
         if max_body < 1 or mtu < max_body:
             raise ValueError(f"need 1 <= max_body <= mtu, got max_body={max_body}, mtu={mtu}")
         self.max_body = max_body
         self.mtu = mtu
         self.pacer = pacer or Pacer(datagram=mtu)
         self.held = held or HeldData()
-        self.byzantine = byzantine
+        self.group_factory = group_factory
         self.report_interval_s = report_interval_s
         self.recent_groups = recent_groups
         self.max_bindings = max_bindings
@@ -305,8 +126,8 @@ class AveragingHost:
         self.end_spacing_s = None if end_spacing_s is None else tuple(float(d) for d in end_spacing_s)
         self._copy_order = 0
         self._spares: list[np.ndarray] = []  # finished groups' stages, for the next groups that fit in them
-        self._groups: dict[int, _Group] = {}
-        self._recent: OrderedDict[int, _Group] = OrderedDict()  # finished groups, for their last REPORTs
+        self._groups: dict[int, RunningGroup] = {}
+        self._recent: OrderedDict[int, RunningGroup] = OrderedDict()  # finished groups, for their last REPORTs
         # Tokens whose binding this host was told about: data held for a group not started yet carries the
         # peer it had on arrival (None: unbound), and is resolved through this when the group starts.
         self._bound: OrderedDict[int, bytes] = OrderedDict()
@@ -327,28 +148,19 @@ class AveragingHost:
         vector: np.ndarray,
         weight: float,
         now: float,
+        options: AverageOptions = DEFAULT_OPTIONS,
         *,
         kernel_drops: int = 0,
         gso: bool = False,
-        floor_s: float = 1.0,
-        max_phase_s: float | None = 60.0,
-        end_grace_s: float = 0.05,
         out: np.ndarray | None = None,
-        max_weight: float | None = None,
-        robust: Robust | None = None,
         center: np.ndarray | None = None,
-        codec: Codec | None = None,
-        run: int = 0,
-        absent: Collection[int] = (),
-        solo: bool = False,
     ) -> list[Action]:
         """Start averaging ``vector`` (weight: its sample count) as member ``index`` of ``peers`` (node ids,
-        in the group's order). Returns a Bind per other member, and what the data held for this group did.
-        ``absent``: members (indices) this node neither waits for nor sends to (GroupAverage.remove_member),
-        e.g. one silent in an earlier part of the same Moshpit round. ``solo``: each owner's shard is its own
-        values alone (GroupAverage).
+        in the group's order), as ``options`` say. Returns a Bind per other member, and what the data held for
+        this group did. ``options.absent``: members (indices) this node neither waits for nor sends to
+        (GroupAverage.remove_member), e.g. one silent in an earlier part of the same Moshpit round.
         ValueError: a group of that id is running here, the members are not distinct, or GroupAverage's own
-        argument checks (weight, max_weight, robust, ...)."""
+        argument checks (weight, ``out``, ``center``)."""
         if group_id in self._groups:
             raise ValueError(f"group {group_id:#x} is already averaging on this node")
         peers = list(peers)
@@ -356,21 +168,21 @@ class AveragingHost:
             raise ValueError("a group's members must be distinct nodes")
         if type(index) is not int or not 0 <= index < len(peers):
             raise ValueError(f"index must be in 0..{len(peers) - 1}, got {index!r}")
-        absent = set(absent)
-        if any(type(a) is not int or not 0 <= a < len(peers) or a == index for a in absent):
+        absent = set(options.absent)
+        if any(not 0 <= a < len(peers) or a == index for a in absent):
             raise ValueError(f"absent members must be other members' indices in 0..{len(peers) - 1}")
         spare = self._take_spare(stage_elements(len(vector), len(peers)))
-        core = GroupAverage(
+        core = self.group_factory(
             group_id, len(peers), index, vector, weight, now,
-            max_payload=self.max_body, floor_s=floor_s, max_phase_s=max_phase_s, out=out,
-            end_grace_s=end_grace_s, max_weight=max_weight, robust=robust, center=center, byzantine=self.byzantine,
-            codec=codec, run=run, stage=spare, solo=solo,
+            max_payload=self.max_body, floor_s=options.floor_s, max_phase_s=options.max_phase_s, out=out,
+            end_grace_s=options.end_grace_s, max_weight=options.max_weight, robust=options.robust, center=center,
+            codec=options.codec, run=options.run, stage=spare, solo=options.solo,
         )
         core.split_values = self.split_values
         for a in sorted(absent):
             core.remove_member(a, now)
         part, rows = send_shape(self.mtu, gso)
-        g = _Group(core, peers, now, kernel_drops, floor_s, part, rows, now + self.report_interval_s)
+        g = RunningGroup(core, peers, now, kernel_drops, options.floor_s, part, rows, now + self.report_interval_s)
         g.gate_rows = max(1, GATE_BYTES // self.mtu)
         self._recent.pop(group_id, None)  # (a group id used again: its old REPORTs no longer count)
         self._groups[group_id] = g
@@ -407,33 +219,33 @@ class AveragingHost:
         return group_id in self._groups
 
     def wants_to_send(self, group_id: int) -> bool:
-        """``next_sends`` may have something (it may still return nothing for a slice: call it again)."""
+        """``datagrams_to_send`` may have something (it may still return nothing for a slice: call it again)."""
         g = self._groups[group_id]
-        return g.core.wants_to_send or _releasable(g)
+        return g.core.wants_to_send or releasable(g)
 
     def finished(self, group_id: int) -> bool:
         """Both receive phases have ended and everything is sent (but what waits for a member never heard
         from: it never ran the group, or its gate would have opened): call ``finish``."""
         g = self._groups[group_id]
-        return g.core.finished and not _releasable(g)
+        return g.core.finished and not releasable(g)
 
     def send_window(self, group_id: int) -> int:
-        """A ``next_sends`` limit that yields about one block per destination, for a driver that sends their
+        """A ``datagrams_to_send`` limit that yields about one block per destination, for a driver that sends their
         parts in turn: then every member's downlink gets an even share of each sender's uplink all the time,
         not one sender's whole uplink for a block (~40 ms at 100 Mbit/s: over the 20 ms a link's queue holds
         when two senders pick the same member at once)."""
         g = self._groups[group_id]
         return max(BATCH, g.rows * (len(g.peers) - 1))
 
-    def next_sends(self, group_id: int, limit: int = BATCH) -> list[SendBlock]:
+    def datagrams_to_send(self, group_id: int, now: float, limit: int = BATCH) -> list[SendBlock]:
         """About ``limit`` datagrams' worth of blocks, reduce-scatter first (may be empty for a slice of
         robust work: the driver's turn to let other tasks run)."""
         g = self._groups[group_id]
-        out = _release(g, limit) if g.waiting else []
+        out = release(g, limit) if g.waiting else []
         if out and sum(len(b.bodies) for b in out) >= limit:
             return out
         spacing = self.end_spacing_s
-        for b in g.core.next_blocks(g.rows, limit):
+        for b in g.core.blocks_to_send(g.rows, limit):
             if b.repeat == 1:
                 sb = SendBlock(group_id, b.to, g.peers[b.to], b.type, b.bodies, g.part, b.values)
             elif spacing is None:
@@ -443,7 +255,7 @@ class AveragingHost:
                 later = min(b.repeat - 1, len(spacing))
                 first = np.repeat(b.bodies, b.repeat - later, axis=0)
                 sb = SendBlock(group_id, b.to, g.peers[b.to], b.type, first, g.part, b.values, later)
-            go, wait = _gate(g, sb)
+            go, wait = gate(g, sb)
             if go is not None:
                 out.append(go)
             if wait is not None:
@@ -521,12 +333,12 @@ class AveragingHost:
             if g is not None:
                 g.positions[block.to].settle(g.sent_to[block.to], at)
 
-    def deadline(self, group_id: int, now: float) -> float:
-        """When to call ``on_timer`` next (a Wake may come first). While data from a token not bound yet is
+    def get_timer(self, group_id: int, now: float) -> float:
+        """When to call ``handle_timer`` next (a Wake may come first). While data from a token not bound yet is
         held for the group, its sender's binding is still in flight (the handshake retries): the phase
         deadline waits up to one more ``floor_s`` for it, or that sender would turn up as silence."""
         g = self._groups[group_id]
-        at = g.core.next_deadline()
+        at = g.core.get_timer()
         if at is None:
             at = now + IDLE_WAIT_S
         elif self.held.holds(group_id):
@@ -537,7 +349,7 @@ class AveragingHost:
             at = min(at, g.gate_until)
         return min(at, g.copies[0][0]) if g.copies else at
 
-    def on_timer(self, group_id: int, now: float) -> list[Action]:
+    def handle_timer(self, group_id: int, now: float) -> list[Action]:
         """The group's deadline passed or it was woken: end whichever phase's deadline has passed (unless
         unbound data still waits for its binding, within the extension)."""
         g = self._groups[group_id]
@@ -633,7 +445,8 @@ class AveragingHost:
         _flush(drops, actions)
         return _merge(actions)
 
-    def _take_block(self, g: _Group, index: int, mtype: int, bodies: np.ndarray, now: float) -> list[Action] | None:
+    def _take_block(self, g: RunningGroup, index: int, mtype: int, bodies: np.ndarray, now: float
+                    ) -> list[Action] | None:
         """A block of member ``index``'s bodies to its group whole (GroupAverage.receive_block); None when it is
         not a clean run of the group's ranges (the caller then feeds it body by body)."""
         core = g.core
@@ -643,8 +456,8 @@ class AveragingHost:
             return None
         actions: list[Action] = []
         if result[2]:
-            actions.append(Dropped(Outcome.LATE.value, result[2]))
-        if core.phase_changes != before or (not g.heard[index] and _hear(g, index)):
+            actions.append(Dropped(Outcome.LATE.reason, result[2]))
+        if core.phase_changes != before or (not g.heard[index] and hear(g, index)):
             actions.append(Wake(core.group_id))
         return actions
 
@@ -708,17 +521,17 @@ class AveragingHost:
                 span = g.positions[i].span(max(0, first - 1), report.position - 1)
         placed = g.positions[i].placed(report.position - 1) if span is not None else 0.0
         verdict = self.pacer.on_report(peer, report, now, span, placed=placed)
-        if not g.heard[i] and _hear(g, i) and b["group"] in self._groups:
+        if not g.heard[i] and hear(g, i) and b["group"] in self._groups:
             return [PacerVerdict(verdict.rate, verdict), Wake(b["group"])]
         return [PacerVerdict(verdict.rate, verdict)]
 
     # ---- held data ------------------------------------------------------------------------------------
 
-    def held_expiry(self) -> float | None:
+    def get_held_timer(self) -> float | None:
         """When the oldest held bucket expires (None: nothing held)."""
         return self.held.next_expiry()
 
-    def expire_held(self, now: float) -> list[Action]:
+    def handle_held_timer(self, now: float) -> list[Action]:
         dropped = self.held.expire(now)
         return [Dropped("held", dropped)] if dropped else []
 
@@ -735,7 +548,7 @@ class AveragingHost:
             while len(latest) > MAX_LATEST:
                 latest.popitem(last=False)
 
-    def _index(self, g: _Group, token: int, peer: bytes | None) -> int | None:
+    def _index(self, g: RunningGroup, token: int, peer: bytes | None) -> int | None:
         """The member index behind a token; None while the token is not bound (or not to a member)."""
         index = g.by_token.get(token)
         if index is None and peer is not None:
@@ -751,7 +564,7 @@ class AveragingHost:
         """Keep data for a group this node has not started yet: its members may start first. A group that
         finished here takes nothing more: its stragglers are late, not worth holding for 10 s."""
         if group in self._recent:  # (END repeats routinely outlive their phase: not worth a count either)
-            return (Dropped(Outcome.LATE.value),) if mtype in DATA_TYPES else _NONE
+            return (Dropped(Outcome.LATE.reason),) if mtype in DATA_TYPES else _NONE
         kept, dropped, timer = self._keep(group, token, peer, mtype, body, now)
         if not kept:
             dropped += 1
@@ -770,7 +583,7 @@ class AveragingHost:
             timer = HeldTimer(at) if at is not None else None
         return kept, dropped, timer
 
-    def _deliver(self, g: _Group, peer: bytes | None, token: int, mtype: int, body: bytes, now: float
+    def _deliver(self, g: RunningGroup, peer: bytes | None, token: int, mtype: int, body: bytes, now: float
                  ) -> Sequence[Action]:
         index = self._index(g, token, peer)
         if index is None:
@@ -791,13 +604,13 @@ class AveragingHost:
         if outcome is Outcome.ACCEPTED or outcome is Outcome.DUPLICATE or (
             outcome is Outcome.LATE and mtype not in DATA_TYPES  # END repeats routinely outlive their phase
         ):
-            opened = outcome is Outcome.ACCEPTED and not g.heard[index] and _hear(g, index)
+            opened = outcome is Outcome.ACCEPTED and not g.heard[index] and hear(g, index)
             return (Wake(core.group_id),) if core.phase_changes != before or opened else _NONE
         if core.phase_changes != before:
-            return (Dropped(outcome.value), Wake(core.group_id))
-        return (Dropped(outcome.value),)
+            return (Dropped(outcome.reason), Wake(core.group_id))
+        return (Dropped(outcome.reason),)
 
-    def _deliver_held(self, g: _Group, peer: bytes | None, token: int, mtype: int, body: bytes | np.ndarray,
+    def _deliver_held(self, g: RunningGroup, peer: bytes | None, token: int, mtype: int, body: bytes | np.ndarray,
                       now: float, drops: Counter[str], actions: list[Action]) -> None:
         """A held item to its group: a body, or a block (``_hold_block``) whole where it is a clean run of the
         group's ranges from a bound member, else body by body."""
@@ -812,14 +625,14 @@ class AveragingHost:
         for row in body:
             self._deliver_counted(g, peer, token, mtype, row.tobytes(), now, drops, actions)
 
-    def _deliver_counted(self, g: _Group, peer: bytes | None, token: int, mtype: int, body: bytes, now: float,
+    def _deliver_counted(self, g: RunningGroup, peer: bytes | None, token: int, mtype: int, body: bytes, now: float,
                          drops: Counter[str], actions: list[Action]) -> None:
         try:
             actions.extend(self._deliver(g, peer, token, mtype, body, now))
         except WireError as e:
             drops[e.reason] += 1
 
-    def _reports(self, g: _Group, now: float, kernel_drops: int, *, final: bool,
+    def _reports(self, g: RunningGroup, now: float, kernel_drops: int, *, final: bool,
                  arrivals: Sequence[float] | None = None) -> list[SendReport]:
         """One sender's flow to this member is its reduce-scatter stream, then its all-gather stream (it
         sends them one after the other), so the two phases count as one run of datagram indices."""

@@ -11,13 +11,13 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import trio
 
-from ..compress import Codec
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..transport.pacing import Pacer
@@ -25,8 +25,8 @@ from ..wire import messages as m
 from ..wire.envelope import Header
 from ..wire.identity import node_id_of
 from ..wire.seal import TokenState
-from .codec import BodyType
-from .group import GroupStats
+from .frames import BodyType
+from .group import GroupAverage, GroupStats
 from .host import (
     DATA_TYPES,
     END_SPACING_S,
@@ -41,7 +41,7 @@ from .host import (
     SendReport,
     Wake,
 )
-from .robust import Robust
+from .options import DEFAULT_OPTIONS, AverageOptions
 
 log = logging.getLogger("peerd.allreduce")
 CATCH_UP_POLL_S = 0.002  # how often a phase deadline re-checks that the receive loop has caught up to it
@@ -63,8 +63,10 @@ class Member:
     addr: Address
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class AverageResult:
+    """One finished group average: the vector, the core's statistics, and what it cost this node."""
+
     vector: np.ndarray
     stats: GroupStats
     seconds: float
@@ -73,22 +75,33 @@ class AverageResult:
     datagrams_sent: int
 
 
+class Averager(Protocol):
+    """What Moshpit and the benches use of a node's averaging: AllreduceService, or a wrapper around one that
+    does something first (nat.averager.PathsFirst: a path to every member)."""
+
+    @property
+    def pacer(self) -> Pacer: ...
+
+    @property
+    def max_body(self) -> int: ...
+
+    async def average(self, group_id: int, members: list[Member], index: int, vector: np.ndarray, weight: float,
+                      options: AverageOptions = DEFAULT_OPTIONS, *, out: np.ndarray | None = None,
+                      center: np.ndarray | None = None) -> AverageResult: ...
+
+
 class AllreduceService:
-    """``byzantine``: a fault-injection hook for demos and benches ONLY. Set to one of "scale", "signflip",
-    "nan", "random", "inflate-signflip", this node corrupts its own reduce-scatter contributions before sending
-    them (x1000, x-1, NaN, gaussian noise of 100x the vector's RMS, x-1 claiming 2**24 samples); its own shard
-    and its all-gather stay honest."""
+    """This node's averages over its endpoint. ``group_factory``: what builds each group's core (GroupAverage by
+    default; a lab passes a fault injector's, peerd.tools.faults)."""
 
     def __init__(
-        self, endpoint: Endpoint, metrics: Metrics, *, pacer: Pacer | None = None, byzantine: str | None = None
+        self, endpoint: Endpoint, metrics: Metrics, *, pacer: Pacer | None = None,
+        group_factory: Callable[..., GroupAverage] = GroupAverage,
     ) -> None:
         self.endpoint = endpoint
         self.metrics = metrics
-        self.host = AveragingHost(max_body=endpoint.max_body, mtu=endpoint.mtu, pacer=pacer, byzantine=byzantine,
-                                  split_values=True, end_spacing_s=END_SPACING_S)
-        if byzantine is not None:
-            log.warning("!!! BYZANTINE FAULT INJECTION ON: this node corrupts every reduce-scatter contribution it"
-                        " sends (%s). For demos and benchmarks only; never in a real swarm !!!", byzantine)
+        self.host = AveragingHost(max_body=endpoint.max_body, mtu=endpoint.mtu, pacer=pacer,
+                                  group_factory=group_factory, split_values=True, end_spacing_s=END_SPACING_S)
         self._wake: dict[int, trio.Event] = {}
         self._expiring = False  # the held-data expiry task is running
         self._rate_shown: float | None = None  # the pacing rate the gauge shows
@@ -105,8 +118,9 @@ class AllreduceService:
         return self.host.pacer
 
     @property
-    def byzantine(self) -> str | None:
-        return self.host.byzantine
+    def max_body(self) -> int:
+        """The largest tensor body this node's groups take (its datagram payload)."""
+        return self.host.max_body
 
     # -- what arrives (the endpoint's handlers: synchronous) --------------------------------------
     def _on_data(self, header: Header, body: bytes, state: TokenState, source: Address) -> None:
@@ -154,9 +168,9 @@ class AllreduceService:
     async def _expire_held(self) -> None:
         """Expire held bodies when the host says, not only when the next one arrives; ends when none is held."""
         try:
-            while (at := self.host.held_expiry()) is not None:
+            while (at := self.host.get_held_timer()) is not None:
                 await trio.sleep_until(at)
-                self._run(self.host.expire_held(trio.current_time()))
+                self._run(self.host.handle_held_timer(trio.current_time()))
         except Exception:  # never take the daemon down (a system task's error would end the whole run)
             log.exception("allreduce: expiring held data failed")
             self.metrics.background_errors.labels("allreduce_held").inc()
@@ -185,35 +199,21 @@ class AllreduceService:
         index: int,
         vector: np.ndarray,
         weight: float,
+        options: AverageOptions = DEFAULT_OPTIONS,
         *,
-        floor_s: float = 1.0,
-        max_phase_s: float | None = 60.0,
-        end_grace_s: float = 0.05,
         out: np.ndarray | None = None,
-        max_weight: float | None = None,
-        robust: Robust | None = None,
         center: np.ndarray | None = None,
-        codec: Codec | None = None,
-        run: int = 0,
-        absent: Collection[int] = (),
-        solo: bool = False,
     ) -> AverageResult:
         """Average ``vector`` (weight: its sample count) with ``members`` as member ``index`` of group
-        ``group_id``. ``max_weight``: the most samples any member's weight counts for (None: 2**24), from
-        the local trainer's ``max_samples``. ``robust``: norm clipping at the shard owner (robust.py; it
-        bounds how far one member moves the average, it does not stop a sign-flipped gradient of normal
-        size); ``center``: the previous round's average, for ``centered`` (None: clip around zero).
-        ``codec``: the run's body codec (peerd.compress; None: fp32), the same for every member; ``run``: the
-        run's u64 key for the codec's stochastic rounding draws. ``absent``: members (indices) not waited for
-        and sent nothing (silent in an earlier part of the same Moshpit round). ``solo``: each owner's result for
-        its shard is its own values alone (a broadcast per owner: arc-topk's selections)."""
+        ``group_id``, as ``options`` say (options.py: deadlines, the weight cap, robust clipping, the codec,
+        absent members). ``out``: where the result goes (``vector`` itself: in place); ``center``: the previous
+        round's average, for robust ``centered`` (None: clip around zero)."""
         host = self.host
+        floor_s = options.floor_s
         wall0 = time.perf_counter()
         actions = host.start(
-            group_id, [mb.node_id for mb in members], index, vector, weight, trio.current_time(),
-            kernel_drops=self._kernel_drops(), gso=self._gso(), floor_s=floor_s, max_phase_s=max_phase_s,
-            end_grace_s=end_grace_s, out=out, max_weight=max_weight, robust=robust, center=center,
-            codec=codec, run=run, absent=absent, solo=solo,
+            group_id, [mb.node_id for mb in members], index, vector, weight, trio.current_time(), options,
+            kernel_drops=self._kernel_drops(), gso=self._gso(), out=out, center=center,
         )
         self._wake[group_id] = trio.Event()
         handshake = [0.0]
@@ -227,7 +227,8 @@ class AllreduceService:
                 self._run(a for a in actions if type(a) is not Bind)
                 while not host.finished(group_id):
                     while host.wants_to_send(group_id):
-                        await self._send_blocks(host.next_sends(group_id, host.send_window(group_id)), members,
+                        await self._send_blocks(host.datagrams_to_send(group_id, trio.current_time(),
+                                                                        host.send_window(group_id)), members,
                                                 sent)
                     copies = host.due_copies(group_id, trio.current_time())
                     if copies:
@@ -235,12 +236,12 @@ class AllreduceService:
                     if host.finished(group_id):
                         break
                     wake = self._wake[group_id] = trio.Event()
-                    at = host.deadline(group_id, trio.current_time())
+                    at = host.get_timer(group_id, trio.current_time())
                     with trio.move_on_at(at) as timer:
                         await wake.wait()
                     if timer.cancelled_caught:  # a deadline: first what reached the socket before it
                         await self._wait_caught_up(at, floor_s)
-                    self._run(host.on_timer(group_id, trio.current_time()))
+                    self._run(host.handle_timer(group_id, trio.current_time()))
                 nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
             # END copies not due yet: nothing here waits for them, and members may still (they go at once)
             await self._send_blocks(host.due_copies(group_id, math.inf), members, sent)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..compress import Codec
 from ..wire.errors import WireError
-from .codec import HEADER_SIZE, MAX_COUNT
+from .frames import HEADER_SIZE, MAX_COUNT
 
 MAX_ELEMENTS = 2**32 - 1  # offsets travel as u32
 

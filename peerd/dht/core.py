@@ -69,8 +69,24 @@ def unpack_contacts(raw: list[tuple]) -> list[Contact]:
     return [Contact(node_id, host, port) for node_id, host, port in raw]
 
 
+@dataclass(frozen=True, slots=True)
+class DhtStatistics:
+    """What a node's DHT holds and has refused: its routing table, its records, and refusals by reason."""
+
+    contacts: int  # in the routing table
+    records: int  # stored here, for any key
+    verifying: int  # request senders being PINGed before they may enter the table
+    refused: dict[str, int]  # STORE records refused, by reason
+
+
 class DhtCore:
-    """``on_refused(reason)`` is told of every STORE record refused (the driver counts it in metrics).
+    """A node's DHT state: the routing table, the record store and the lookups' shared memory (sans-I/O).
+
+    Inputs are the methods named for what arrived (``heard``, ``request_from``, ``pinged``, ``handle``, ...),
+    ``now`` last; the PINGs it wants sent come out of ``take_actions`` (``Ping``, reported back with ``pinged``).
+    It has no timer of its own: the shell's refresh asks ``table.buckets_to_refresh(now, interval)``.
+
+    ``on_refused(reason)`` is told of every STORE record refused (the driver counts it in metrics).
     ``wide_start``: a full lookup starts wide from a table complete near its target (see start_lookup). Off by
     default: a bucket below k proves only that nobody was turned away, not that the node heard of everyone. In
     `peerd sim dht` (joins fill far buckets with one contact) it costs more RPCs per full read, and
@@ -99,35 +115,46 @@ class DhtCore:
         self.wide_start = wide_start
         self._wire_nodes: dict[bytes, list[list]] = {}  # target -> wire_closest's answer, at _wire_version
         self._wire_version = -1
+        self._actions: list[Ping] = []
+
+    def take_actions(self) -> list[Ping]:
+        """The PINGs to send (drained): report each one's outcome with ``pinged``."""
+        actions, self._actions = self._actions, []
+        return actions
+
+    def statistics(self) -> DhtStatistics:
+        return DhtStatistics(contacts=len(self.table), records=len(self.store), verifying=len(self.verifying),
+                             refused=dict(self.refused))
 
     # -- the routing table: who enters it ---------------------------------------------------------
-    def heard(self, contact: Contact, now: float | None = None) -> Ping | None:
+    def heard(self, contact: Contact, now: float | None = None) -> None:
         """``contact`` answered us (or is known and sent a request): note it. A full bucket asks for its
         least-recently-seen contact to be PINGed (the Kademlia eviction rule; given ``now``, at most once per
         routing.EVICT_CHECK_S per bucket)."""
         oldest = self.table.observe(contact, now)
-        return Ping(oldest, "evict") if oldest is not None else None
+        if oldest is not None:
+            self._actions.append(Ping(oldest, "evict"))
 
-    def request_from(self, contact: Contact, now: float | None = None) -> Ping | None:
+    def request_from(self, contact: Contact, now: float | None = None) -> None:
         """A request came from ``contact``. A sender already in the table, or waiting as a replacement at
         this address (it answered before), is heard; any other enters it only once it answers a PING of ours:
         ids are free to mint, and identities that send but never answer would otherwise crowd the table and
         stall every lookup. At most VERIFY_MAX such PINGs at once."""
         if contact.node_id in self.table.ids or self.table.waiting(contact):
-            return self.heard(contact, now)
-        if contact.node_id in self.verifying or len(self.verifying) >= VERIFY_MAX:
-            return None
-        self.verifying.add(contact.node_id)
-        return Ping(contact, "verify")
+            self.heard(contact, now)
+        elif contact.node_id not in self.verifying and len(self.verifying) < VERIFY_MAX:
+            self.verifying.add(contact.node_id)
+            self._actions.append(Ping(contact, "verify"))
 
-    def pinged(self, ping: Ping, answer: Contact | None, now: float | None = None) -> Ping | None:
+    def pinged(self, ping: Ping, answer: Contact | None, now: float | None = None) -> None:
         """The outcome of a ``Ping``: ``answer`` is the contact that answered as ``ping.contact``'s node (its
         address as seen), or None (no answer, or another node answered)."""
         if ping.why == "verify":
             self.verifying.discard(ping.contact.node_id)
-            return self.heard(answer, now) if answer is not None else None
+            if answer is not None:
+                self.heard(answer, now)
+            return
         self.table.ping_result(ping.contact, answer is not None)
-        return None
 
     def failed(self, node_id: bytes) -> None:
         """A request to ``node_id`` went unanswered: it leaves the table (its freshest replacement enters)."""
@@ -192,7 +219,7 @@ class DhtCore:
         then a holder's."""
         return self.table.closer_than_me(location(key), self.replicas) < self.replicas
 
-    def stored_on(self, target: bytes, now: float, answered: list[Contact]) -> None:
+    def stored_on(self, target: bytes, answered: list[Contact], now: float) -> None:
         """A put reached every one of its replicas: they are the closest, for the next read or write."""
         self.recent.remember(target, now, sorted(answered, key=lambda c: distance(c.node_id, target)))
 
@@ -205,7 +232,7 @@ class DhtCore:
         if mtype is m.MsgType.FIND_VALUE:
             held = body.get("held")
             key, offset = body["key"], body["offset"]
-            records, total = self.value_page(key, offset, now, held or ())
+            records, total = self.value_page(key, offset, held or (), now)
             out = {"records": records, "total": total, "nodes": self.wire_closest(location(key)) if offset == 0 else []}
             if HELD_ON_WIRE:
                 out["have"] = self.have(body["key"], held or (), now)
@@ -220,17 +247,17 @@ class DhtCore:
         lookups rank them anyway, leaves them unsorted)."""
         return self.table.closest(target, ordered=ordered)
 
-    def find_value(self, key: bytes, offset: int, now: float, held: Sequence[bytes] = (), *, ordered: bool = True
+    def find_value(self, key: bytes, offset: int, held: Sequence[bytes], now: float, *, ordered: bool = True
                    ) -> tuple[list[list], int, list[Contact]]:
         """(one page of records in wire form, how many there are in all, the closest contacts on page 0, nearest
         first if ``ordered``).
 
         ``held``: signature prefixes of records the asker holds; those are left out of the pages and of the
         total (an asker pages with the same ``held``, so offsets stay consistent)."""
-        records, total = self.value_page(key, offset, now, held)
+        records, total = self.value_page(key, offset, held, now)
         return records, total, self.table.closest(location(key), ordered=ordered) if offset == 0 else []
 
-    def value_page(self, key: bytes, offset: int, now: float, held: Sequence[bytes] = ()) -> tuple[list[list], int]:
+    def value_page(self, key: bytes, offset: int, held: Sequence[bytes], now: float) -> tuple[list[list], int]:
         """find_value's page of records in wire form and their total, without the contacts."""
         records = self.store.get(key, now)
         if held:

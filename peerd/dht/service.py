@@ -168,17 +168,18 @@ class DhtService:
         if self._nursery is None:  # not running yet: nobody to PING with
             self._heard(peer)
         else:
-            self._act(self.core.request_from(_contact(peer), trio.current_time()))
+            self.core.request_from(_contact(peer), trio.current_time())
+            self._act()
         return self.core.handle(incoming.mtype, incoming.body, trio.current_time())
 
-    def _act(self, ping: Ping | None) -> None:
-        """Carry out the core's PING (a newcomer to verify, a full bucket's oldest contact to check)."""
-        if ping is None:
-            return
-        if self._nursery is not None:
-            self._nursery.start_soon(self._ping, ping)
-        else:  # not running yet: keep the old contact rather than leave the bucket's ping pending
-            self.core.pinged(ping, ping.contact)
+    def _act(self) -> None:
+        """Carry out the core's PINGs (a newcomer to verify, a full bucket's oldest contact to check)."""
+        while pings := self.core.take_actions():
+            for ping in pings:
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._ping, ping)
+                else:  # not running yet: keep the old contact rather than leave the bucket's ping pending
+                    self.core.pinged(ping, ping.contact)
         self.metrics.dht_peers.set(len(self.core.table))
 
     async def _ping(self, ping: Ping) -> None:
@@ -198,7 +199,8 @@ class DhtService:
         except Exception as e:  # background work never takes the daemon down
             log.warning("checking DHT contact %s failed: %s", contact.node_id.hex()[:12], e)
             self.metrics.background_errors.labels("dht_verify").inc()
-        self._act(self.core.pinged(ping, answer, trio.current_time()))
+        self.core.pinged(ping, answer, trio.current_time())
+        self._act()
         self.metrics.dht_peers.set(len(self.core.table))
 
     def _heard(self, peer: Peer, reached: Address | None = None) -> None:
@@ -206,7 +208,8 @@ class DhtService:
         to and got the answer from: that is the address the table keeps, never one the peer merely announces
         (PROTOCOL.md 18: no node puts an address it has not reached into a routing table)."""
         contact = _contact(peer) if reached is None else Contact(peer.node_id, reached[0], reached[1])
-        self._act(self.core.heard(contact, trio.current_time()))
+        self.core.heard(contact, trio.current_time())
+        self._act()
         self.metrics.dht_peers.set(len(self.core.table))
 
     def _forget(self, node_id: bytes) -> None:
@@ -451,7 +454,7 @@ class DhtService:
                     enough.set()
                 if ended == len(closest):
                     if len(answered) == len(closest):
-                        self.core.stored_on(target, trio.current_time(), answered)
+                        self.core.stored_on(target, answered, trio.current_time())
                     done.set()
 
         if self._nursery is not None:

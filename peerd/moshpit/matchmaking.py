@@ -145,7 +145,8 @@ class Matchmaker:
         actions, self._actions = self._actions, []
         return actions
 
-    def next_deadline(self) -> float:
+    def get_timer(self) -> float | None:
+        """When ``handle_timer`` is due next (absolute; the matchmaker always has one: its expiry)."""
         if self.state is State.LEADING:
             settled_at = self._settled_at()
             if self.settle_s is not None and self.followers and settled_at > self._now:
@@ -209,7 +210,7 @@ class Matchmaker:
         """The JOIN got no answer after its retries: that peer is gone."""
         self.on_join_response(leader, False, "unreachable", now)
 
-    def on_probe_answered(self, leader: bytes, now: float, reason: str = "ok") -> None:
+    def on_probe_answered(self, leader: bytes, reason: str, now: float) -> None:
         """The leader I follow answered a probe: ``ok`` (it still leads me) or ``closed`` (I am in the group it
         closed: its BEGIN, sent with retries, is on the way) say keep waiting. Any other answer says it no longer
         leads me: it follows or joins someone else, or closed without me, so it sent me an MM_DISBAND, which is

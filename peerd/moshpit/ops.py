@@ -7,6 +7,7 @@ for the sizes a bench or a small model sends (the trainer's shared-memory arena 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ class MoshpitOps:
             )
         except (MoshpitError, ValueError) as e:
             raise OpError(str(e)) from None
-        return {"run": st.run_id, **st.statistics()}
+        return {"run": st.run_id, **asdict(st.statistics())}
 
     async def round(self, request: dict[str, Any]) -> dict[str, Any]:
         data = request.get("vector")
@@ -59,7 +60,7 @@ class MoshpitOps:
                                                 **_averaging_options(request))
         except MoshpitError as e:
             raise OpError(str(e)) from None
-        return {"vector": result.vector.astype("<f4").tobytes(), "stats": result.stats()}
+        return {"vector": result.vector.astype("<f4").tobytes(), "stats": asdict(result.statistics())}
 
 
 def _averaging_options(request: dict[str, Any]) -> dict[str, Any]:

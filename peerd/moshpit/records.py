@@ -3,7 +3,7 @@
 Three keys per run, each written by every peer under its own node id (a shared subkey would belong to
 whoever wrote it first):
 
-- ``run/round/key``: "looking for a group under this key" (``[expiry, ip, port, reach?]``, msgpack);
+- ``run/round/key``: "looking for a group under this key" (``[expiry, ip, port, reach?, cap?]``, msgpack);
 - ``run/progress``: the last round the writer finished (a msgpack uint);
 - ``run/config``: the run's grid (``"4x4"``, text).
 
@@ -21,6 +21,7 @@ from typing import Protocol
 
 import msgpack
 
+from ..linkcap.advert import CapAdvert
 from ..wire import messages as m
 from ..wire.identity import node_id_of
 from .keys import Grid
@@ -72,9 +73,13 @@ def config_key(run_id: str) -> bytes:
 
 
 # -- run/round/key ------------------------------------------------------------------------------------
-def encode_announce(expiry: float, host: str, port: int, reach: int = REACH_UNKNOWN) -> bytes:
-    """``reach``: the announcer's reachability rank (matchmaking's REACH_*), a 4th element only when known."""
+def encode_announce(expiry: float, host: str, port: int, reach: int = REACH_UNKNOWN,
+                    cap: CapAdvert | None = None) -> bytes:
+    """``reach``: the announcer's reachability rank (matchmaking's REACH_*), a 4th element only when known or a cap
+    follows; ``cap``: its bandwidth caps (PROTOCOL.md 16.1), a 5th element only when it has one."""
     fields = [expiry, ipaddress.ip_address(host).packed, port]
+    if cap is not None and cap.capped:
+        return msgpack.packb([*fields, reach, cap.encode()])
     return msgpack.packb(fields if reach == REACH_UNKNOWN else [*fields, reach])
 
 
@@ -86,6 +91,7 @@ class Announce:
     host: str
     port: int
     reach: int = REACH_UNKNOWN
+    cap: CapAdvert | None = None
 
 
 def decode_announce(record: RecordLike) -> Announce | None:
@@ -100,13 +106,14 @@ def _decode_announce(owner: bytes, subkey: bytes, value: bytes) -> Announce | No
         node_id = node_id_of(owner)
         if subkey != node_id or not isinstance(expiry, float) or type(port) is not int or not 0 < port < 65536:
             raise ValueError("fields")
-        reach = rest[0] if len(rest) == 1 else REACH_UNKNOWN if not rest else -1
+        reach = rest[0] if 1 <= len(rest) <= 2 else REACH_UNKNOWN if not rest else -1
         if type(reach) is not int or not REACH_PUBLIC <= reach <= REACH_SYMMETRIC:
             raise ValueError("reach")
+        cap = CapAdvert.decode(rest[1]) if len(rest) == 2 else None
         host = str(ipaddress.ip_address(ip))
     except (ValueError, TypeError, msgpack.UnpackException):
         return None
-    return Announce(expiry, node_id, owner, host, port, reach)
+    return Announce(expiry, node_id, owner, host, port, reach, cap)
 
 
 # -- run/progress -------------------------------------------------------------------------------------

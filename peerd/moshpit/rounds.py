@@ -12,7 +12,7 @@ the simulator in sim/moshpit.py) executes the actions it takes from ``take_actio
   or none after its retries;
 - ``on_join``, ``on_begin``, ``on_disband``: the MM_* messages peers send (the driver answers a request
   with what these return);
-- ``on_timer(now)`` once ``next_deadline()`` has passed;
+- ``handle_timer(now)`` once ``get_timer()`` has passed;
 - ``on_averaged(...)`` once the ``Average`` it asked for is over.
 
 A round is over when ``done`` is true; ``outcome`` then says whether this node averaged.
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..dht.reads import Agreed
+from ..linkcap.advert import CapAdvert, PeerCaps
 from ..wire import messages as m
 from .keys import Grid, KeyManager
 from .matchmaking import (
@@ -186,6 +187,8 @@ class RoundMachine:
         that announced ``host`` at, or None when it cannot be reached from here (the driver knows its
         sockets; it counts what it refuses)."""
         self.run_id = run_id
+        self.cap_ad: CapAdvert | None = None  # this node's bandwidth caps, in its announcements (the driver sets it)
+        self.peer_caps = PeerCaps()  # the caps its peers' announcements carried
         self.grid = grid
         self.keys = keys
         self.me = me
@@ -234,7 +237,8 @@ class RoundMachine:
         actions, self._actions = self._actions, []
         return actions
 
-    def next_deadline(self) -> float:
+    def get_timer(self) -> float | None:
+        """When ``handle_timer`` is due next (absolute), or None when nothing waits on time."""
         t = math.inf
         if self._ask is not None:
             t = min(t, self._ask.retry_at, self._ask.deadline)
@@ -242,10 +246,10 @@ class RoundMachine:
             t = min(t, self._renew_deadline)
         elif self.phase == "match":
             assert self._mm is not None
-            t = min(t, self._mm.next_deadline(), self._poll_at, self._mm_deadline, self._expect_at)
+            t = min(t, self._mm.get_timer() or math.inf, self._poll_at, self._mm_deadline, self._expect_at)
         elif self.phase == "sync":
             t = min(t, self._sync_deadline)
-        return t
+        return None if t == math.inf else t
 
     def note_members(self, members: list[bytes], round_no: int) -> None:
         """Remember whom this node averaged with: their progress records are believed further than strangers'."""
@@ -268,8 +272,8 @@ class RoundMachine:
             self.sticky = StickyGroups(self.me.node_id, keep_rounds)
 
     # -- a round --------------------------------------------------------------------------------
-    def start_round(self, now: float, *, timeout_s: float = 30.0, numbered: bool = False,
-                    chain_from: float | None = None) -> None:
+    def start_round(self, *, timeout_s: float = 30.0, numbered: bool = False, chain_from: float | None = None,
+                    now: float) -> None:
         """Begin round ``self.round``: renew the kept group if it may be, else matchmake through the DHT.
         ``numbered``: the caller numbers the rounds (no catching up with the swarm's progress afterwards).
         ``chain_from``: the end of the matchmaking window of the round just before this one in the same
@@ -312,8 +316,8 @@ class RoundMachine:
             self._send_ask(now)
         self._check_renewal(now)
 
-    def on_averaged(self, now: float, *, averaged: bool, silent: bool = False,
-                    members: list[bytes] | None = None) -> None:
+    def on_averaged(self, *, averaged: bool, silent: bool = False, members: list[bytes] | None = None,
+                    now: float) -> None:
         """The ``Average`` is over. ``averaged``: this node got the group's mean (False: it kept its own
         vector: the average failed or was refused); ``silent``: some member was never heard from;
         ``members``: the node ids averaged with (they are believed further in progress records)."""
@@ -339,7 +343,7 @@ class RoundMachine:
         if averaged and members:
             self.note_members([n for n in members if n != self.me.node_id], self.round)
 
-    def on_timer(self, now: float) -> None:
+    def handle_timer(self, now: float) -> None:
         ask = self._ask
         if ask is not None:
             if now >= ask.deadline:
@@ -406,7 +410,7 @@ class RoundMachine:
             _, mm, leader = req
             if mm is self._mm and self.phase == "match":
                 if sender == leader:
-                    mm.on_probe_answered(leader, now, "ok" if ok else reason)
+                    mm.on_probe_answered(leader, "ok" if ok else reason, now)
                 else:
                     mm.on_probe_failed(leader, now)  # someone else lives at that address
                 self._pump(now)
@@ -604,7 +608,8 @@ class RoundMachine:
         self._poll_i = 0
         self._poll_at = math.inf
         self._expect_at = math.inf
-        self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1], me.reach),
+        self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1], me.reach,
+                                                                 self.cap_ad),
                                  window_s + 10.0))
         self._get(self._mm_key, "poll", poll_read(0))
         self._poll_i = 1
@@ -717,6 +722,7 @@ class RoundMachine:
             if a is None:
                 self._actions.append(Count("datagrams_dropped", ("mm_record",)))
                 continue
+            self.peer_caps.note(a.node_id, a.cap)
             host = self.resolve(a.node_id, a.host)
             if host is not None:
                 out.append(Candidate(a.expiry, a.node_id, a.public_key, (host, a.port), a.reach))

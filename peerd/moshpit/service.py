@@ -14,29 +14,26 @@ Members are not trusted: background sends and DHT work are guarded (a failure is
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import logging
 import math
-import numbers
 import random
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import trio
 
 from ..allreduce.arctopk import ArcTopKPlan, phase_totals, service_arc_topk
-from ..allreduce.robust import Robust, parse_robust
-from ..allreduce.service import AllreduceService, Member
+from ..allreduce.options import AverageOptions
+from ..allreduce.robust import Robust
+from ..allreduce.service import Averager, Member
 from ..compress import Codec
-from ..compress import codec as make_codec
-from ..compress.topk import EF21M
 from ..dht.records import Record
 from ..dht.service import DhtService
 from ..entropy import default_rng
+from ..linkcap.advert import PLAN_MARGIN, CapAdvert, PeerCaps, share_seconds
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
@@ -53,7 +50,9 @@ from .records import (
     MoshpitError,
     check_run_id,
     config_key,
+    decode_announce,
     encode_grid,
+    group_dht_key,
     plausible_progress,
     progress_key,
     published_grid,
@@ -71,265 +70,39 @@ from .rounds import (
     Request,
     RoundMachine,
 )
+from .runstate import (
+    FINITE_SLICE,
+    MAX_GROUP_DEFAULT,
+    MAX_PARTS,
+    MOSHPIT_CODECS,
+    MoshpitStatistics,
+    Part,
+    RoundResult,
+    RoundStatistics,
+    RunState,
+    RunStatistics,
+    TopK,
+    all_finite,
+    check_compression,
+    check_max_weight,
+    check_robust,
+    check_topk,
+    codec_run_key,
+    part_group_id,
+)
 from .sticky import RENEW_KEY, StickyGroups
 
 __all__ = [
     "CONFIG_TTL_S", "DEFAULT_WINDOW_S", "KNOWN_PEERS", "MAX_AHEAD", "MAX_ROUND", "PROGRESS_FRESH_S", "PROGRESS_TTL_S",
-    "STRANGER_AHEAD", "MoshpitError", "MoshpitService", "RoundResult", "RunState", "all_finite", "check_compression",
-    "check_max_weight", "check_robust", "check_run_id", "codec_run_key", "plausible_progress", "published_grid",
+    "STRANGER_AHEAD", "MAX_GROUP_DEFAULT", "MOSHPIT_CODECS", "MoshpitError", "MoshpitService", "MoshpitStatistics",
+    "Part", "RoundResult", "RoundStatistics", "RunState", "RunStatistics", "all_finite", "check_compression",
+    "check_max_weight", "check_robust", "check_run_id", "codec_run_key", "part_group_id", "plausible_progress",
+    "published_grid",
 ]
 
 log = logging.getLogger("peerd.moshpit")
 DEFAULT_KEEP_ROUNDS = 1  # groups re-form through the DHT every round unless a run asks to keep them (sticky.py)
-FINITE_SLICE = 1 << 20  # elements per isfinite pass (a 4 MB slice: no 100 MB temporary)
-MOSHPIT_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")  # body codecs a run may average in (protocol/codecs.md)
-
-
-MAX_GROUP_DEFAULT = 16  # a run's groups hold at most this many members unless the daemon says otherwise
-MAX_PARTS = 1000  # parts of one split round (a trainer step's gradient buckets: peerd.trainer MAX_BUCKETS)
-PART_STRIDE = 0x9E3779B1  # odd: part_group_id maps parts 0..2**32-1 of one group to distinct ids
-
-
-def part_group_id(group_id: int, part: int) -> int:
-    """The allreduce group id of part ``part`` of a split round: every member derives the same one from the
-    group's id, and distinct parts never share an id (a group average runs once per id on a node)."""
-    return (group_id + PART_STRIDE * part) % 2**32
-
-
-@dataclass
-class Part:
-    """One vector of a split round (MoshpitService.average_parts): ``fetch`` is awaited once the group is
-    known (or none formed) and returns the vector; ``done`` gets the part's result (or the exception its
-    fetch raised) the moment its average ends."""
-
-    fetch: Callable[[], Awaitable[np.ndarray]]
-    done: Callable[[RoundResult | Exception], None] | None = None
-
-
-@dataclass
-class RoundResult:
-    vector: np.ndarray
-    outcome: str  # "averaged" | "alone" | "failed"
-    group_id: str  # hex; "" when alone
-    group_size: int
-    members: list[str]  # node ids, hex, in the group's order
-    received_fraction: float
-    round: int
-    seconds: float
-    matchmaking_s: float = 0.0
-    key: str = ""
-    seen: int = 1
-    error: str = ""
-    kept: bool = False  # averaged in a group kept from an earlier round (no matchmaking)
-    compression: str = "fp32"  # the body codec the group averaged in
-    bytes_sent: int = 0  # UDP payload bytes this node sent for the group average
-    leader: str = ""  # node id (hex) of the member that closed the group ("" when alone): NAT labs check it is public
-    led: bool = False  # this node led its group
-    silent: bool = field(default=False, repr=False)  # some member was never heard from (not in stats)
-    # members (indices in the group's order) this node heard nothing from in the reduce-scatter, or did
-    # not wait for (absent): a split round's later parts leave them out
-    out: tuple[int, ...] = field(default=(), repr=False)
-    dims: int = 1  # the run's grid dimensions: rounds until every member's value reached every other's
-    weight_total: float = 0.0  # the weight the group's average stands for (its members' weights; 0: unknown)
-    window_end: float = 0.0  # wall clock: when this round's matchmaking window ended (0: a kept group's round)
-    members_s: float = 0.0  # from the group being known to this part's vector being there (a deferred part waits)
-    transfer_s: float = 0.0  # the group average itself (reduce-scatter and all-gather, handshake included)
-
-    def stats(self) -> dict:
-        return {
-            "round": self.round,
-            "outcome": self.outcome,
-            "group_id": self.group_id,
-            "group_size": self.group_size,
-            "members": self.members,
-            "received_fraction": self.received_fraction,
-            "seconds": self.seconds,
-            "matchmaking_s": self.matchmaking_s,
-            "key": self.key,
-            "seen": self.seen,
-            "error": self.error,
-            "kept": self.kept,
-            "compression": self.compression,
-            "bytes_sent": self.bytes_sent,
-            "leader": self.leader,
-            "led": self.led,
-            "members_s": self.members_s,
-            "transfer_s": self.transfer_s,
-        }
-
-
-@dataclass
-class TopK:
-    """A run's arc-topk configuration and its EF21M state (peerd.allreduce.arctopk): the trainer's tensor shapes
-    (1-D tensors go whole), the share of rows averaged, and EF21M (None: no error feedback). The state is the
-    run's: h, e and u survive group changes (every averaged row is the group's mean again), and everything resets on
-    a new layout or a failed round (see EF21M)."""
-
-    shapes: tuple[tuple[int, ...], ...]
-    ratio: float
-    ef: EF21M | None
-
-    @property
-    def length(self) -> int:
-        return sum(math.prod(s) for s in self.shapes)
-
-
-def check_topk(shapes: object, ratio: object, eta: object) -> TopK:
-    """arc-topk's configuration; MoshpitError unless ``shapes`` is a list of shapes (lists of non-negative ints)
-    with at least one element, ``ratio`` in (0, 1], ``eta`` None (no error feedback) or in (0, 1]."""
-    if not isinstance(shapes, list | tuple) or not 1 <= len(shapes) <= 100_000 or not all(
-            isinstance(sh, list | tuple) and len(sh) <= 8 and all(type(d) is int and d >= 0 for d in sh)
-            for sh in shapes):
-        raise MoshpitError("arc-topk needs the layout: a list of tensor shapes (lists of non-negative integers)")
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 < ratio <= 1.0:
-        raise MoshpitError(f"topk_ratio must be in (0, 1], got {ratio!r:.40}")
-    if eta is not None and (isinstance(eta, bool) or not isinstance(eta, int | float) or not 0.0 < eta <= 1.0):
-        raise MoshpitError(f"ef_eta must be in (0, 1] (or None: no error feedback), got {eta!r:.40}")
-    topk = TopK(tuple(tuple(sh) for sh in shapes), float(ratio), None if eta is None else EF21M(float(eta)))
-    if topk.length == 0:
-        raise MoshpitError("the arc-topk layout holds no elements")
-    return topk
-
-
-@dataclass
-class RunState:
-    """One run as the shell holds it: the round machine, plus what only the shell needs (the lock that
-    serialises rounds, the wake-up for the round under way, the averaging options, the last result)."""
-
-    core: RoundMachine
-    lock: trio.Lock = field(default_factory=trio.Lock)
-    wake: trio.Event = field(default_factory=trio.Event)  # an input reached the machine mid-round
-    in_round: bool = False
-    last: RoundResult | None = None
-    state: str = "idle"  # idle | matchmaking | averaging
-    max_weight: float | None = None  # owners cap each member's weight (sample count) at this; None: no cap
-    robust: Robust | None = None  # owners clip contributions (allreduce/robust.py); None: plain mean
-    center: np.ndarray | None = None  # the last averaged vector: the center of robust "centered" mode
-    codec: Codec | None = None  # the body codec every average of the run uses (None: fp32, the zero-copy path)
-    topk: TopK | None = None  # arc-topk instead of a body codec (then ``codec`` is None)
-
-    @property
-    def compression(self) -> str:
-        """The codec's name, as metrics label it."""
-        if self.topk is not None:
-            return "arc-topk"
-        return self.codec.name if self.codec is not None else "fp32"
-
-    # the machine's state, read through (the shell decides none of it)
-    @property
-    def run_id(self) -> str:
-        return self.core.run_id
-
-    @property
-    def grid(self) -> Grid:
-        return self.core.grid
-
-    @property
-    def keys(self) -> KeyManager:
-        return self.core.keys
-
-    @property
-    def min_size(self) -> int:
-        return self.core.min_size
-
-    @property
-    def window_s(self) -> float:
-        return self.core.window_s
-
-    @property
-    def round(self) -> int:
-        return self.core.round
-
-    @property
-    def synced(self) -> bool:
-        return self.core.synced
-
-    @property
-    def sticky(self) -> StickyGroups:
-        return self.core.sticky
-
-    @property
-    def known(self) -> dict[bytes, int]:
-        return self.core.known
-
-    def statistics(self) -> dict:
-        return {
-            "sticky": self.sticky.statistics(),
-            "grid": str(self.grid),
-            "key": self.keys.group_key(self.round),
-            "round": self.round,
-            "state": self.state,
-            "min_size": self.min_size,
-            "window_s": self.window_s,
-            "max_weight": self.max_weight,
-            "robust": str(self.robust) if self.robust else "off",
-            "compression": self.compression,
-            **({"topk_ratio": self.topk.ratio, "ef": self.topk.ef is not None} if self.topk is not None else {}),
-            **({"quant_group": self.codec.group, "rounding": self.codec.rounding}  # type: ignore[attr-defined]
-               if self.compression.startswith("int") else {}),
-            "last": self.last.stats() if self.last else None,
-        }
-
-
-def check_max_weight(max_weight: object) -> float | None:
-    """A weight cap: a positive number (math.inf: no cap, stored as None)."""
-    if not isinstance(max_weight, numbers.Real) or isinstance(max_weight, bool) or not max_weight > 0:
-        raise MoshpitError(f"max_weight must be a positive number of samples (inf: no cap), got {max_weight!r:.40}")
-    return None if math.isinf(max_weight) else float(max_weight)
-
-
-def check_robust(robust: object) -> Robust | None:
-    """A Robust, or its text (``off``, ``clip[:C]``, ``centered[:C]``, parsed as the CLI does)."""
-    if isinstance(robust, Robust):
-        return robust
-    try:
-        return parse_robust(robust)
-    except ValueError as e:
-        raise MoshpitError(str(e)) from None
-
-
-def check_compression(compression: object, quant_group: object = None, rounding: object = None) -> Codec | None:
-    """The run's body codec from its configuration: ``compression`` one of MOSHPIT_CODECS (or a Codec),
-    ``quant_group`` (int8/int4: values per scale and min, default 128) and ``rounding`` (int8/int4: stochastic,
-    the default, or nearest). None for fp32 (averages keep fp32's zero-copy path). MoshpitError otherwise.
-
-    Every member of a group must use the same codec: a body in another codec is a counted drop at its receiver
-    (``peerd_datagrams_dropped_total{reason="codec"}``), so trainers of one run declare the same configuration."""
-    if isinstance(compression, Codec):
-        return None if compression.wire_id == 0 else compression
-    if compression == "arc-topk":
-        raise MoshpitError("compression arc-topk is not a body codec: it needs the layout (open/average with "
-                           "compression='arc-topk', topk_layout=[shapes], topk_ratio, ef_eta; see "
-                           "peerd.allreduce.arctopk)")
-    if not isinstance(compression, str) or compression not in MOSHPIT_CODECS:
-        raise MoshpitError(f"compression must be one of {', '.join(MOSHPIT_CODECS)}, got {compression!r:.40}")
-    params: dict[str, object] = {}
-    if compression.startswith("int"):
-        if quant_group is not None:
-            if type(quant_group) is not int or not 1 <= quant_group <= 0xFFFF:
-                raise MoshpitError(f"quant_group must be an integer in [1, 65535], got {quant_group!r:.40}")
-            params["group"] = quant_group
-        if rounding is not None:
-            if rounding not in ("stochastic", "nearest"):
-                raise MoshpitError(f"rounding must be stochastic or nearest, got {rounding!r:.40}")
-            params["rounding"] = rounding
-    elif quant_group is not None or rounding is not None:
-        raise MoshpitError(f"quant_group and rounding apply to int8 and int4, not to {compression}")
-    made = make_codec(compression, **params)
-    return None if made.wire_id == 0 else made
-
-
-def codec_run_key(run_id: str, round_no: int) -> int:
-    """The u64 ``run`` of a round's stochastic-rounding draws (peerd.compress.rounding): from the run id and the
-    round, so draws differ from round to round and run to run (the group id and sender make the rest of the
-    key) while every member derives the same value."""
-    digest = hashlib.sha256(f"peerd-codec-run-v1/{run_id}/{round_no}".encode()).digest()
-    return int.from_bytes(digest[:8], "little")
-
-
-def all_finite(vector: np.ndarray) -> bool:
-    """No NaN or infinity, checked a slice at a time (no temporary as large as the vector)."""
-    return all(np.isfinite(vector[i:i + FINITE_SLICE]).all() for i in range(0, vector.size, FINITE_SLICE))
+CAPS_READ_S = 0.5  # the most a round's start waits to read unknown members' caps (linkcap)
 
 
 class MoshpitService:
@@ -337,7 +110,7 @@ class MoshpitService:
         self,
         endpoint: Endpoint,
         dht: DhtService,
-        allreduce: AllreduceService,
+        allreduce: Averager,
         metrics: Metrics,
         *,
         address: Address,
@@ -361,6 +134,8 @@ class MoshpitService:
         self.metrics = metrics
         self.address = address
         self.reach = REACH_UNKNOWN  # this node's reachability rank (the daemon sets it): who leads first
+        self.cap_ad: CapAdvert | None = None  # this node's bandwidth caps, announced (the daemon sets it)
+        self.peer_caps = PeerCaps()  # the caps of peers seen in matchmaking records, every run's
         self.identity = endpoint.identity
         self.rng = default_rng(rng)
         self.clock = clock or time.time
@@ -377,8 +152,8 @@ class MoshpitService:
             task_status.started()
             await trio.sleep_forever()
 
-    def statistics(self) -> dict:
-        return {run_id: st.statistics() for run_id, st in self.runs.items()}
+    def statistics(self) -> MoshpitStatistics:
+        return MoshpitStatistics({run_id: st.statistics() for run_id, st in self.runs.items()})
 
     # -- runs -----------------------------------------------------------------------------------
     async def open(
@@ -449,6 +224,7 @@ class MoshpitService:
             me = Candidate(0.0, self.identity.node_id, self.identity.public_key, self.address, self.reach)
             core = RoundMachine(run_id, grid, keys, me, min_size=min_size, window_s=window_s,
                                 keep_rounds=keep_rounds, rng=self.rng, resolve=self._resolve)
+            core.cap_ad, core.peer_caps = self.cap_ad, self.peer_caps
             st = self.runs[run_id] = RunState(core)
         self._configure(st, max_weight, cap, robust, robust_mode, codec)
         if not st.synced:
@@ -623,7 +399,7 @@ class MoshpitService:
         t0 = self.clock()
         st.state = "matchmaking"
         st.in_round = True
-        core.start_round(t0, timeout_s=timeout_s, numbered=numbered, chain_from=chain_from)
+        core.start_round(timeout_s=timeout_s, numbered=numbered, chain_from=chain_from, now=t0)
         round_no, key = core.round, core.key
         results: list[RoundResult | Exception] | None = None
         mm_s: float | None = None
@@ -646,15 +422,16 @@ class MoshpitService:
                         done = [r for r in results if isinstance(r, RoundResult)]
                         if not done:  # no part's vector came: the round ends unfinished (abandoned below)
                             break
-                        core.on_averaged(self.clock(), averaged=any(r.outcome == "averaged" for r in done),
+                        core.on_averaged(averaged=any(r.outcome == "averaged" for r in done),
                                          silent=any(r.silent for r in done),
-                                         members=[c.node_id for c in group.members])
+                                         members=[c.node_id for c in group.members], now=self.clock())
                         continue
                     if core.done:
                         break
-                    with trio.move_on_after(max(0.0, core.next_deadline() - self.clock())):
+                    timer = core.get_timer()
+                    with trio.move_on_after(math.inf if timer is None else max(0.0, timer - self.clock())):
                         await st.wake.wait()
-                    core.on_timer(self.clock())
+                    core.handle_timer(self.clock())
                 nursery.cancel_scope.cancel()
         finally:
             st.state = "idle"
@@ -748,27 +525,23 @@ class MoshpitService:
         hexes = [c.node_id.hex() for c in group.members]
         group_id = group.group_id if part is None else part_group_id(group.group_id, part)
         gid = f"{group_id:08x}"
-        extra: dict = {}  # only what the run set (an allreduce without these options still serves the rest)
-        if st.max_weight is not None:
-            extra["max_weight"] = st.max_weight
-        if st.robust is not None:
-            extra["robust"] = st.robust
-            if st.robust.mode == "centered" and center is not None:
-                extra["center"] = center
-            elif st.robust.mode == "centered" and st.center is not None and st.center.shape == vector.shape:
-                extra["center"] = st.center
-        if absent:
-            extra["absent"] = absent
-        if st.codec is not None:  # fp32 goes the way it always went (its zero-copy path, no codec arguments)
-            extra["codec"] = st.codec
-            extra["run"] = codec_run_key(st.run_id if part is None else f"{st.run_id}#{part}", round_no)
+        around = None
+        if st.robust is not None and st.robust.mode == "centered":
+            if center is not None:
+                around = center
+            elif st.center is not None and st.center.shape == vector.shape:
+                around = st.center
+        coded = {} if st.codec is None else {  # fp32 goes its zero-copy way, no codec
+            "codec": st.codec, "run": codec_run_key(st.run_id if part is None else f"{st.run_id}#{part}", round_no)}
         if st.topk is not None:
             return await self._average_topk(st, group, members, hexes, vector, weight, budget_s, round_no, key, seen)
+        await self._learn_caps(group, group_dht_key(st.run_id, round_no, key))
         try:
-            res = await self.allreduce.average(
-                group_id, members, group.index, vector, weight, floor_s=1.0,
-                max_phase_s=max(1.0, budget_s / 2), **extra,
-            )
+            longest = max(1.0, budget_s / 2, self._capped_phase_s(group, vector))
+            options = AverageOptions(floor_s=1.0, max_phase_s=longest, max_weight=st.max_weight, robust=st.robust,
+                                     absent=absent, **coded)
+            res = await self.allreduce.average(group_id, members, group.index, vector, weight, options,
+                                               center=around)
             finite = await self._finite(res.vector)
         except (ValueError, RpcError) as e:  # e.g. the same group id twice: keep my own vector
             log.warning("run %s round %d: averaging in group %s failed: %s", st.run_id, round_no, gid, e)
@@ -793,6 +566,25 @@ class MoshpitService:
                            silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent,
                            weight_total=float(getattr(res.stats, "weight_total", 0.0)))
 
+    async def _learn_caps(self, group: Group, mm_key: bytes) -> None:
+        """A member whose matchmaking record this node never read (it joined its leader before the record came)
+        may have caps: read the round's records once, briefly, before the average plans with them."""
+        me = self.identity.node_id
+        if all(c.node_id == me or self.peer_caps.known(c.node_id) for c in group.members):
+            return
+        with trio.move_on_after(CAPS_READ_S):
+            for r in await self.dht.get(mm_key):
+                a = decode_announce(r)
+                if a is not None:
+                    self.peer_caps.note(a.node_id, a.cap)
+
+    def _capped_phase_s(self, group: Group, vector: np.ndarray) -> float:
+        """A phase's deadline is at least PLAN_MARGIN x what its slowest capped member's share takes at its cap
+        (linkcap.share_seconds), so a capped member is not cut off as every round's straggler."""
+        adverts = [self.cap_ad if c.node_id == self.identity.node_id else self.peer_caps.get(c.node_id)
+                   for c in group.members]
+        return PLAN_MARGIN * share_seconds(vector.nbytes, adverts, self.endpoint.mtu)
+
     async def _average_topk(self, st: RunState, group: Group, members: list[Member], hexes: list[str],
                             vector: np.ndarray, weight: float, budget_s: float, round_no: int, key: str, seen: int
                             ) -> RoundResult:
@@ -803,14 +595,14 @@ class MoshpitService:
         if vector.size != topk.length:
             return RoundResult(vector.copy(), "failed", gid, len(members), hexes, 0.0, round_no, 0.0, 0.0, key, seen,
                                f"the arc-topk layout holds {topk.length} elements, the vector {vector.size}")
-        options: dict = {} if st.max_weight is None else {"max_weight": st.max_weight}
-        if st.robust is not None:
-            options["robust"] = st.robust  # the sketch and dense phases (arctopk.service_arc_topk)
         try:
-            plan = ArcTopKPlan.build(topk.shapes, len(members), topk.ratio, self.allreduce.host.max_body)
+            # robust: the sketch and dense phases (arctopk.service_arc_topk)
+            options = AverageOptions(floor_s=1.0, max_phase_s=max(1.0, budget_s / 6), max_weight=st.max_weight,
+                                     robust=st.robust)
+            plan = ArcTopKPlan.build(topk.shapes, len(members), topk.ratio, self.allreduce.max_body)
             res = await service_arc_topk(self.allreduce, group.group_id, members, group.index, vector, weight, plan,
                                          run=codec_run_key(st.run_id, round_no), round=round_no, ef=topk.ef,
-                                         floor_s=1.0, max_phase_s=max(1.0, budget_s / 6), **options)
+                                         options=options)
             finite = await self._finite(res.vector)
         except (ValueError, RpcError) as e:
             log.warning("run %s round %d: arc-topk in group %s failed: %s", st.run_id, round_no, gid, e)

@@ -38,6 +38,29 @@ RENEW_KEY = "kept"  # the key a renewal MM_JOIN carries: no group key looks like
 
 
 @dataclass(frozen=True)
+class KeptStatistics:
+    """The group kept now: its size, the round it formed in, the round it is kept until, its leader (hex) and
+    whether it is broken (it matchmakes at its next round)."""
+
+    size: int
+    formed: int
+    until: int
+    leader: str
+    broken: bool
+
+
+@dataclass(frozen=True)
+class StickyStatistics:
+    """A run's kept groups: ``keep_rounds``, the group kept now (None: none), kept rounds renewed so far, and
+    groups dropped by reason."""
+
+    keep_rounds: int
+    kept: KeptStatistics | None
+    renewed: int
+    dropped: dict[str, int]
+
+
+@dataclass(frozen=True)
 class Kept:
     """A group kept from round ``formed`` for rounds ``formed + 1 .. formed + rounds``."""
 
@@ -192,13 +215,11 @@ class StickyGroups:
         for r in [r for r in self._early if r < round_no]:
             del self._early[r]
 
-    def statistics(self) -> dict:
+    def statistics(self) -> StickyStatistics:
         kept = self.kept
-        return {
-            "keep_rounds": self.keep_rounds,
-            "kept": None if kept is None else {"size": len(kept.members), "formed": kept.formed,
-                                              "until": kept.formed + kept.rounds, "leader": kept.leader.hex(),
-                                              "broken": self.broken},
-            "renewed": self.renewed,
-            "dropped": dict(self.dropped),
-        }
+        return StickyStatistics(
+            self.keep_rounds,
+            None if kept is None else KeptStatistics(len(kept.members), kept.formed, kept.formed + kept.rounds,
+                                                     kept.leader.hex(), self.broken),
+            self.renewed, dict(self.dropped),
+        )

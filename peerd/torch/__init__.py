@@ -8,7 +8,8 @@ with any inner optimizer, then an outer step averaged (and agreed on) with the s
 from ..localsock.client import DaemonError
 from .diloco import DiLoCo, DiLoCoError
 from .dropcompute import DropCompute, Threshold, choose_threshold, expected_max
-from .optimizer import NoGroupError, Optimizer
+from .errors import NoGroupError
+from .optimizer import Optimizer
 from .report import StepReport
 
 __all__ = ["DaemonError", "DiLoCo", "DiLoCoError", "DropCompute", "NoGroupError", "Optimizer", "StepReport",

@@ -33,6 +33,7 @@ from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
 from ..localsock.phases import add_phases, empty_phases
 from .auto import Choice, Measured, choose, fp32_transfer_s
+from .errors import NoGroupError
 from .founders import FOUNDER_WINDOW_S, SameData, reseed_peer
 from .overlap import DEFAULT_BUCKET_MB, Overlap
 from .report import StepReport
@@ -53,10 +54,6 @@ STATE_FORMAT = "peerd-state-v1"
 MAX_SAMPLES_FACTOR = 2.0
 SNAPSHOT_TRIES = 4  # snapshots a joiner refuses (non-finite, implausible step) before it gives up
 AUTO_STEP = 5  # compression="auto": steps measured in float32 before the codec is chosen (at this step count)
-
-
-class NoGroupError(RuntimeError):
-    """No group formed for a step and the optimizer was told to raise (``no_group="raise"``)."""
 
 
 class Optimizer(torch.optim.Optimizer):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..localsock.phases import PHASES
+from .errors import NoGroupError
 
 log = logging.getLogger("peerd.torch")
 
@@ -424,8 +425,6 @@ class Overlap:
             if st.nonfinite or outcome == "nonfinite":
                 continue  # skipped (own gradients not finite), or the average was not (nothing to apply)
             if outcome != "averaged" and o.no_group == "raise":
-                from .optimizer import NoGroupError
-
                 self.schedule.applied(params)
                 raise NoGroupError(f"no group averaged a bucket of step {st.step} ({outcome}: "
                                    f"{st.replies[self.schedule.bucket_of[i]].get('error')})")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..transport.endpoint import Incoming
 from ..wire import messages as m
-from .outer import OuterRecord
+from .records import OuterRecord
 
 log = logging.getLogger("peerd.trainer.inbox")
 

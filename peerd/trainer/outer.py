@@ -39,42 +39,51 @@ sent to every member it averaged with as soon as a record exists), and wake as s
 group whose members' pushes arrive agrees without waiting for any DHT read; the DHT copy stays for members
 of other groups and for a push that was lost.
 
-The decisions (which shards to repair, which final wins, when the step is agreed) are pure functions of
-the records; ``agree`` only waits on a ``Board`` (the DHT and state sync in a daemon, memory in tests).
-Records are members' claims: they are bounded on decode, and every byte fetched is checked against a hash.
+The decisions (which shards to repair, which final wins, when the step is agreed, when to read again) are
+made by a sans-I/O core (peerd.trainer.agreement.OuterAgreement) from the records (peerd.trainer.records);
+``agree`` is its trio shell: it carries out the core's actions on a ``Board`` (the DHT and state sync in a
+daemon, memory in tests) and feeds back what they return. Records are members' claims: they are bounded on
+decode, and every byte fetched is checked against a hash.
 """
 
 from __future__ import annotations
 
-import hashlib
-import ipaddress
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-import msgpack
 import numpy as np
 import trio
 
 from ..transport.endpoint import Address
+from .agreement import (
+    FetchFinal,
+    FetchShard,
+    Keep,
+    OuterAgreement,
+    Publish,
+    ReadParticipants,
+    ReadRecords,
+    StopShardFetches,
+)
+from .records import (
+    MAX_GROUP,
+    PIECE,
+    PIECE_HASH,
+    OuterRecord,
+    differing_runs,
+    record_key,
+    sha256,
+    shard_bounds,
+    store_key,
+)
 
 log = logging.getLogger("peerd.trainer.outer")
 
 OUTER_TTL_S = 600.0  # a round's records outlive the slowest member's agreement by far
-POLL_S = 0.25  # how often a member re-reads the round's records while it waits (at most)
-POLL_FIRST_S = 0.05  # the first re-read of a phase: the records it waits for are usually a moment away
-ALONE_SETTLE_S = 1.0  # a member that averaged alone reads this long before it may end with its own vector
-MAX_GROUP = 64  # members of one group (Moshpit's MAX_GROUP)
-MAX_LENGTH = 2**32 - 1  # elements (allreduce offsets are u32)
-SHA = 32
-MAX_HOST = 45  # characters of an IP literal (IPv6 with an embedded IPv4 address)
-OWNER_GRACE_S = 2.0  # once every other shard is settled, how long an owner that published nothing is waited for
-REPAIR_TRIES = 3  # fetches of one shard that fail (or do not verify) before it is left as it is
-PIECE = 1024  # bytes of a shard one piece hash covers (a lost datagram's range is about as long)
-PIECE_HASH = 16  # bytes kept of each piece's SHA-256 (it only picks what to fetch; the shard hash checks)
-FETCH_WINDOW = 256  # chunk requests a member has in flight while it repairs (a lost one waits out its timeout)
-REFRESH_S = 1.0  # how often the known participants are re-read while records of unknown nodes show up
+FETCH_WINDOW = 48  # chunk requests a member has in flight while it repairs: more overflow the owners' link queues
 PUSH_TIMEOUT_S = 0.3  # a pushed record's first retransmission at most (the learned RTO usually comes first)
 PUSH_ATTEMPTS = 4  # sends of a pushed record before it is left to the DHT copy
 
@@ -83,95 +92,49 @@ class OuterError(Exception):
     """The members of an outer step could not agree on its average within the deadline."""
 
 
+class Board(Protocol):
+    """Where a round's records are published and read, and blobs kept and fetched (DHT + state sync)."""
+
+    def keep(self, blob: bytes) -> bytes: ...
+    async def publish(self, record: OuterRecord) -> None: ...
+    async def read(self) -> list[OuterRecord]: ...
+    async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes: ...
+    async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray: ...
+
+
+@runtime_checkable
+class PushBoard(Board, Protocol):
+    """A Board whose members also send their records straight to each other, so that they are read without
+    a DHT read. ``pushed``: the records pushed to this node for the round, each attributed to its
+    authenticated sender (whatever it claims); ``listen(wake)`` calls ``wake`` when one arrives and returns
+    what stops it."""
+
+    async def push(self, record: OuterRecord) -> None: ...
+    def pushed(self) -> list[OuterRecord]: ...
+    def listen(self, wake: Callable[[], None]) -> Callable[[], None]: ...
+
+
+
 @dataclass(frozen=True)
-class OuterRecord:
-    """One member's claim about an outer round: its group, the hash of the shard it owns and of its averaged
-    vector (``avg``), the hash of its repaired vector once it has one (``final``; empty before), the hash
-    of its outer state before the step (``state``), the vector's length in elements, where to fetch. The blob
-    ``avg`` names holds the averaged vector followed by the piece index of the member's shard (piece_hashes)."""
+class Agreement:
+    """How an outer step ended for this member: the vector every member holds and its hash, and what it cost."""
 
-    node: bytes
-    group: str
-    size: int
-    index: int
-    shard: bytes
-    avg: bytes
+    vector: np.ndarray
     final: bytes
-    state: bytes
-    length: int
-    addr: Address | None = None
-
-    def encode(self) -> bytes:
-        return msgpack.packb({"g": self.group, "n": self.size, "i": self.index, "s": self.shard, "a": self.avg,
-                              "f": self.final, "t": self.state, "l": self.length,
-                              "d": list(self.addr) if self.addr else None}, use_bin_type=True)
-
-    @classmethod
-    def decode(cls, node: bytes, value: bytes) -> OuterRecord | None:
-        """None for anything that is not a well-formed record (DHT values are untrusted input)."""
-        try:
-            v = msgpack.unpackb(value, raw=False, max_bin_len=64, max_str_len=64, max_array_len=4, max_map_len=16)
-            addr = v["d"]
-            if addr is not None:
-                host, port = addr
-                if not valid_addr(host, port):
-                    return None
-                addr = (host, port)
-            rec = cls(node, v["g"], v["n"], v["i"], v["s"], v["a"], v["f"], v["t"], v["l"], addr)
-        except Exception:
-            return None
-        ok = (isinstance(rec.group, str) and len(rec.group) <= 16 and type(rec.size) is int
-              and 1 <= rec.size <= MAX_GROUP and type(rec.index) is int and 0 <= rec.index < rec.size
-              and all(isinstance(h, bytes) and len(h) == SHA for h in (rec.shard, rec.avg))
-              and isinstance(rec.final, bytes) and len(rec.final) in (0, SHA)
-              and isinstance(rec.state, bytes) and len(rec.state) in (0, SHA)
-              and type(rec.length) is int and 1 <= rec.length <= MAX_LENGTH)
-        return rec if ok else None
+    repaired_bytes: int = 0  # fetched from shard owners
+    adopted_bytes: int = 0  # fetched because another final won
+    adopted: bool = False
+    members: int = 1  # records whose final equals ours when the step ended
+    dissent: int = 0  # records without our final when the step ended (dead, or still to adopt it)
+    states: int = 1  # of those, how many named our pre-step state hash
+    state_winner: bytes = b""  # the pre-step state hash most members named
+    ignored: int = 0  # records read from nodes that were not the round's known participants
+    pushed: int = 0  # members whose records were pushed to this node (PushBoard) when the step ended
+    reads: int = 0  # reads of the board that had returned when the step ended
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: "repair", "agree"
 
 
-def valid_addr(host: object, port: object) -> bool:
-    """Whether a record's fetch address is one: an IP literal (no name to resolve) and a port in 1..65535."""
-    if not isinstance(host, str) or not 1 <= len(host) <= MAX_HOST or type(port) is not int or not 1 <= port <= 65535:
-        return False
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return not (ip.is_unspecified or ip.is_multicast)
-
-
-def shard_bounds(length: int, n: int, j: int) -> tuple[int, int]:
-    """Member j's shard of a group of n (peerd.allreduce.shards.Layout.shard: boundaries every member derives)."""
-    return (j * length) // n, ((j + 1) * length) // n
-
-
-def sha256(data: bytes | bytearray | memoryview) -> bytes:
-    return hashlib.sha256(data).digest()
-
-
-def piece_hashes(shard: bytes | bytearray | memoryview) -> bytes:
-    """The owner's index of its shard: a PIECE_HASH-byte prefix of the SHA-256 of every PIECE bytes, so that a
-    member fetches only the pieces it holds other bytes of (the whole shard's hash still checks the result)."""
-    view = memoryview(shard)
-    return b"".join(sha256(view[i: i + PIECE])[:PIECE_HASH] for i in range(0, len(view), PIECE))
-
-
-def differing_runs(mine: bytes | bytearray | memoryview, index: bytes) -> list[tuple[int, int]]:
-    """(offset, length) in bytes of the runs of pieces of ``mine`` whose hash is not the one in ``index``."""
-    view = memoryview(mine)
-    runs: list[tuple[int, int]] = []
-    for n, i in enumerate(range(0, len(view), PIECE)):
-        if sha256(view[i: i + PIECE])[:PIECE_HASH] == index[n * PIECE_HASH: (n + 1) * PIECE_HASH]:
-            continue
-        stop = min(len(view), i + PIECE)
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], stop - runs[-1][0])
-        else:
-            runs.append((i, stop - i))
-    return runs
-
-
-async def fetch_shard(board: Board, owner: OuterRecord, mine: memoryview,
+async def fetch_shard(board: Board, owner: OuterRecord, mine: bytes | bytearray | memoryview,
                       vector_bytes: int) -> tuple[bytes, int] | None:
     """The owner's shard (its bytes, and how many were fetched), verified against its published hash, or None
     when what it serves does not verify. Reads the owner's piece index first (kept after its vector in the
@@ -206,127 +169,6 @@ async def fetch_shard(board: Board, owner: OuterRecord, mine: memoryview,
     return whole, fetched + len(whole)
 
 
-def owner_record(me: OuterRecord, k: int, records: list[OuterRecord],
-                 members: list[bytes] | None) -> OuterRecord | None:
-    """The record of shard k's owner in my group: the one published by ``members[k]`` (the group's k-th member
-    as the averaging round knows it) that names my group, size, length and index k; None when there is none
-    (a record that only claims index k owns nothing)."""
-    if not me.group or not members or len(members) != me.size or not 0 <= k < me.size:
-        return None
-    for r in records:
-        if r.node == members[k] and r.node != me.node and r.group == me.group and r.size == me.size \
-                and r.length == me.length and r.index == k:
-            return r
-    return None
-
-
-def repairs(data: bytes | bytearray, me: OuterRecord, records: list[OuterRecord],
-            members: list[bytes] | None) -> list[OuterRecord]:
-    """The owners in my group whose shard I hold other bytes of (so I must fetch it from them)."""
-    out = []
-    for k in range(me.size):
-        r = owner_record(me, k, records, members)
-        if r is None:
-            continue
-        start, stop = shard_bounds(me.length, me.size, k)
-        if stop > start and sha256(memoryview(data)[4 * start: 4 * stop]) != r.shard:
-            out.append(r)
-    return out
-
-
-def winner(records: list[OuterRecord]) -> bytes | None:
-    """The final hash the swarm converges on: held by the most members, then from the largest group, then
-    the lowest hash (any total order that every member computes alike from the same records)."""
-    holders: dict[bytes, list[OuterRecord]] = {}
-    for r in records:
-        if r.final:
-            holders.setdefault(r.final, []).append(r)
-    if not holders:
-        return None
-    return min(holders, key=lambda h: (-len(holders[h]), -max(r.size for r in holders[h]), h))
-
-
-def agreed(me: OuterRecord, records: list[OuterRecord], *, patient: bool = True, expect: int = 1) -> bool:
-    """Whether this member may end the step: it holds the winning final, and either a strict majority of the
-    round's members (``expect``, this one included, or the members read if more) hold it, so no other final
-    can ever win and the rest adopt it, or (``patient``: until half the deadline) every member it has read has
-    published the same final. After that, a member that never publishes a final (dead) is no longer waited
-    for, but this member's final must be held by a strict majority of the members read, pending ones counted
-    against it: a member that left its group (or found none) must not leave with its own vector while the
-    group is still repairing. ``records``: the round's known participants' only."""
-    others = [r for r in records if r.node != me.node]
-    if winner([*others, me]) != me.final:
-        return False
-    same = 1 + sum(r.final == me.final for r in others)
-    if 2 * same > max(expect, 1 + len(others)):
-        return True
-    if patient:
-        return 1 + len(others) >= expect and same == 1 + len(others)
-    return 2 * same > 1 + len(others)
-
-
-class Board(Protocol):
-    """Where a round's records are published and read, and blobs kept and fetched (DHT + state sync)."""
-
-    def keep(self, blob: bytes) -> bytes: ...
-    async def publish(self, record: OuterRecord) -> None: ...
-    async def read(self) -> list[OuterRecord]: ...
-    async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes: ...
-    async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray: ...
-
-
-@runtime_checkable
-class PushBoard(Board, Protocol):
-    """A Board whose members also send their records straight to each other, so that they are read without
-    a DHT read. ``pushed``: the records pushed to this node for the round, each attributed to its
-    authenticated sender (whatever it claims); ``listen(wake)`` calls ``wake`` when one arrives and returns
-    what stops it."""
-
-    async def push(self, record: OuterRecord) -> None: ...
-    def pushed(self) -> list[OuterRecord]: ...
-    def listen(self, wake: Callable[[], None]) -> Callable[[], None]: ...
-
-
-def merged(read: list[OuterRecord], pushed: list[OuterRecord]) -> list[OuterRecord]:
-    """One record per node from what was read and what was pushed: the pushed one (it is usually the newer)
-    unless only the read one holds a final."""
-    out = {r.node: r for r in read}
-    for r in pushed:
-        old = out.get(r.node)
-        if old is None or r.final or not old.final:
-            out[r.node] = r
-    return list(out.values())
-
-
-@dataclass
-class Agreement:
-    vector: np.ndarray
-    final: bytes
-    repaired_bytes: int = 0  # fetched from shard owners
-    adopted_bytes: int = 0  # fetched because another final won
-    adopted: bool = False
-    members: int = 1  # records whose final equals ours when the step ended
-    dissent: int = 0  # records without our final when the step ended (dead, or still to adopt it)
-    states: int = 1  # of those, how many named our pre-step state hash
-    state_winner: bytes = b""  # the pre-step state hash most members named
-    ignored: int = 0  # records read from nodes that were not the round's known participants
-    pushed: int = 0  # members whose records were pushed to this node (PushBoard) when the step ended
-    reads: int = 0  # reads of the board that had returned when the step ended
-    phases: dict[str, float] = field(default_factory=dict)  # seconds: "repair", "agree"
-
-
-class Backoff:
-    """Waits between reads of a phase: POLL_FIRST_S, growing by half each time up to POLL_S (a phase usually
-    ends within a few round trips, and a long wait should not read the DHT more often than POLL_S)."""
-
-    def __init__(self) -> None:
-        self.wait = POLL_FIRST_S
-
-    def next(self) -> float:
-        wait, self.wait = self.wait, min(POLL_S, self.wait * 1.5)
-        return wait
-
-
 Participants = Callable[[], Awaitable[frozenset[bytes]]]
 
 
@@ -334,7 +176,8 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                 state: bytes, repair_s: float, deadline_s: float, addr: Address | None = None,
                 members: list[bytes] | None = None, expect: int = 1,
                 participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
-                refresh_first: bool = False, clock: Callable[[], float] = trio.current_time) -> Agreement:
+                refresh_first: bool = False, clock: Callable[[], float] = trio.current_time,
+                background: trio.Nursery | None = None) -> Agreement:
     """Run both phases (module docstring) for this member's averaged ``vector``; raises OuterError.
     ``members``: the group's node ids in its order: shard k is repaired only from ``members[k]``'s record
     (without them nothing is repaired), and an owner whose record names another group (it left the group, or
@@ -344,30 +187,157 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     record counts); ``refresh`` re-reads them (at most every REFRESH_S) while records of others show up.
     ``refresh_first``: ``refresh`` also runs once from the start, while the repair runs (a DHT read is not
     waited for before it); what it reads joins ``participants`` and raises ``expect`` to its number (at most
-    MAX_GROUP) before the swarm phase, which waits for that first read."""
-    failed: Exception | None = None
+    MAX_GROUP) before the swarm phase, which waits for that first read. ``background``: a nursery that outlives
+    the call, where this member's last record is still put after agree returns (None: agree waits for it)."""
+    data = np.ascontiguousarray(vector, dtype=np.float32).tobytes()
+    core = OuterAgreement(node, data, group=group, size=size, index=index, state=state, repair_s=repair_s,
+                          deadline_s=deadline_s, addr=addr, members=members, expect=expect,
+                          participants=participants, refresh=refresh is not None,
+                          refresh_first=refresh_first)
     async with trio.open_nursery() as nursery:
-        publisher = _Publisher(board, nursery)
-        reader = _Reader(board)
-        first = _FirstRead(refresh if refresh_first else None)
-        nursery.start_soon(publisher.run)
-        nursery.start_soon(reader.run)
-        nursery.start_soon(first.run)
+        shell = _Shell(board, core, nursery, refresh, clock, background or nursery)
         try:
-            out = await _agree(publisher.put, reader, board, node, vector, group=group, size=size, index=index,
-                               state=state, repair_s=repair_s, deadline_s=deadline_s, addr=addr, members=members,
-                               expect=expect, participants=participants, refresh=refresh, first=first,
-                               clock=clock)
-        except Exception as e:  # raised as itself, not in the nursery's exception group
-            failed = e
+            await shell.run()
         finally:
-            reader.stop()
-            publisher.close()  # the last record still goes out before agree returns
-    if failed is not None:
-        raise failed
-    return out
+            shell.close()  # the last record still goes out (before agree returns unless in the background)
+    stats = core.statistics()
+    if core.error:
+        raise OuterError(core.error)
+    log.info("outer agreement: repaired in %.3f s (%d bytes fetched), participants read after %.3f s more, "
+             "agreed in %.3f s (%d reads, %d pushed)", stats.phases["repair"], stats.repaired_bytes,
+             stats.phases.get("participants", 0.0), stats.phases["agree"], stats.reads, stats.pushed)
+    return Agreement(np.frombuffer(bytes(core.data), dtype=np.float32).copy(), stats.final,
+                     repaired_bytes=stats.repaired_bytes, adopted_bytes=stats.adopted_bytes, adopted=stats.adopted,
+                     members=stats.members, dissent=stats.dissent, states=stats.states,
+                     state_winner=stats.state_winner, ignored=stats.ignored, pushed=stats.pushed, reads=stats.reads,
+                     phases=dict(stats.phases))
 
 
+class _Shell:
+    """Carries out an OuterAgreement's actions on a board and feeds back what they return; it only waits.
+    Every I/O runs in its own task and hands its result to the loop, which alone calls the core."""
+
+    def __init__(self, board: Board, core: OuterAgreement, nursery: trio.Nursery, refresh: Participants | None,
+                 clock: Callable[[], float], background: trio.Nursery) -> None:
+        self.board, self.core, self.nursery = board, core, nursery
+        self.background = background
+        self.refresh = refresh
+        self.clock = clock
+        self.publisher = _Publisher(board, background)
+        self.pushes = board if isinstance(board, PushBoard) else None
+        self.inputs: list[Callable[[float], None]] = []
+        self.wake = trio.Event()
+        self.read_scope: trio.CancelScope | None = None
+        self.tasks: set[trio.CancelScope] = set()  # reads of participants and fetches: dropped at the end
+        self.fetches: set[trio.CancelScope] = set()
+        self._unlisten = self.pushes.listen(self._pushed) if self.pushes is not None else None
+
+    def _pushed(self) -> None:
+        assert self.pushes is not None
+        pushes = self.pushes
+        self._input(lambda now: self.core.receive_pushed(pushes.pushed(), now))  # the latest when it is fed
+
+    def _input(self, feed: Callable[[float], None]) -> None:
+        self.inputs.append(feed)
+        self.wake.set()
+
+    async def run(self) -> None:
+        self.background.start_soon(self.publisher.run)
+        self.core.start(self.clock())
+        if self.pushes is not None:
+            self._pushed()
+        while True:
+            self._carry_out()
+            if self.core.done:
+                return
+            timer = self.core.get_timer()
+            with trio.move_on_at(math.inf if timer is None else timer):
+                await self.wake.wait()
+            self.wake = trio.Event()
+            inputs, self.inputs = self.inputs, []
+            for feed in inputs:
+                feed(self.clock())
+            now = self.clock()
+            if timer is not None and now >= timer:
+                self.core.handle_timer(now)
+
+    def _carry_out(self) -> None:
+        for action in self.core.take_actions():
+            if isinstance(action, Keep):
+                self.board.keep(action.blob)
+            elif isinstance(action, Publish):
+                self.publisher.put(action.record)
+            elif isinstance(action, ReadRecords):
+                if self.read_scope is not None:
+                    self.read_scope.cancel()
+                self.read_scope = trio.CancelScope()
+                self.nursery.start_soon(self._read, action.number, self.read_scope)
+            elif isinstance(action, ReadParticipants):
+                self._spawn(self._participants, self.tasks)
+            elif isinstance(action, FetchShard):
+                self._spawn(self._fetch_shard, self.fetches, action)
+            elif isinstance(action, StopShardFetches):
+                for scope in self.fetches:
+                    scope.cancel()
+            elif isinstance(action, FetchFinal):
+                self._spawn(self._fetch_final, self.tasks, action)
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], scopes: set[trio.CancelScope], *args: object) -> None:
+        scope = trio.CancelScope()
+        scopes.add(scope)
+
+        async def task() -> None:
+            try:
+                with scope:
+                    await fn(*args)
+            finally:
+                scopes.discard(scope)
+
+        self.nursery.start_soon(task)
+
+    async def _read(self, number: int, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                got: list[OuterRecord] | None = await self.board.read()
+            except Exception as e:  # the next read, or the pushed records, settle it
+                log.info("outer agreement: reading the round's records failed: %s", e)
+                got = None
+            self._input(lambda now: self.core.receive_records(number, got, now))
+
+    async def _participants(self) -> None:
+        assert self.refresh is not None
+        try:
+            ids: frozenset[bytes] | None = await self.refresh()
+        except Exception as e:  # the agreement runs on the participants it has
+            log.info("outer agreement: reading the round's participants failed: %s", e)
+            ids = None
+        self._input(lambda now: self.core.receive_participants(ids, now))
+
+    async def _fetch_shard(self, action: FetchShard) -> None:
+        try:
+            got = await fetch_shard(self.board, action.owner, action.mine, action.vector_bytes)
+        except Exception as e:  # the owner went away or lost the blob: the swarm phase settles it
+            log.info("outer repair: shard %d from %s failed: %s", action.index, action.owner.node.hex()[:12], e)
+            got = None
+        data, fetched = got if got is not None else (None, 0)
+        self._input(lambda now: self.core.receive_shard(action.index, data, fetched, now))
+
+    async def _fetch_final(self, action: FetchFinal) -> None:
+        try:
+            got: bytes | bytearray | None = await self.board.fetch(action.sha, action.size, list(action.holders))
+        except Exception as e:
+            log.info("outer agreement: fetching the winning average %s failed: %s", action.sha.hex()[:12], e)
+            got = None
+        self._input(lambda now: self.core.receive_final(action.sha, got, now))
+
+    def close(self) -> None:
+        if self.read_scope is not None:
+            self.read_scope.cancel()
+        for scope in [*self.tasks, *self.fetches]:
+            scope.cancel()
+        if self._unlisten is not None:
+            self._unlisten()
+        self.publisher.close()
 class _Publisher:
     """Puts this member's records on the board in the background, newest only and in order, so that reading
     and fetching do not wait for a DHT store (a put costs round trips, and more under loss). On a PushBoard
@@ -429,275 +399,6 @@ class _Publisher:
             except Exception as e:  # the next record, or the others' reads, settle it
                 log.info("outer agreement: publishing this member's record failed: %s", e)
 
-
-class _FirstRead:
-    """The round's participants as first read (``refresh``), run beside the repair phase."""
-
-    def __init__(self, refresh: Participants | None) -> None:
-        self.refresh = refresh
-        self.ids: frozenset[bytes] = frozenset()
-        self.done = trio.Event()
-        if refresh is None:
-            self.done.set()
-
-    async def run(self) -> None:
-        if self.refresh is None:
-            return
-        try:
-            self.ids = await self.refresh()
-        except Exception as e:  # the agreement runs on the participants it has
-            log.info("outer agreement: reading the round's participants failed: %s", e)
-        finally:
-            self.done.set()
-
-
-class _Reader:
-    """The round's records as this member knows them: the board's latest read, run in the background (a DHT
-    read costs round trips, seconds under loss), merged with the records pushed to this node (PushBoard),
-    which count the moment they arrive. ``version`` grows with every change; ``wait`` returns on the next.
-    Reads are numbered as they start: a phase counts only reads that started after it began (``hurry``), so
-    that it never decides on what others had published before (a member's final replaces its earlier record)."""
-
-    def __init__(self, board: Board) -> None:
-        self.board = board
-        self.pushes = board if isinstance(board, PushBoard) else None
-        self.read_records: list[OuterRecord] = []
-        self.read_no = 0  # the number of the read that read_records come from
-        self.started = 0  # reads started
-        self.version = 0
-        self.reads = 0  # reads of the board that returned
-        self.poll = Backoff()
-        self._event = trio.Event()
-        self._scope = trio.CancelScope()
-        self._step: trio.CancelScope | None = None
-        self._unlisten = self.pushes.listen(self.poke) if self.pushes is not None else None
-
-    def poke(self) -> None:
-        """Something changed (a read returned, a record was pushed, a fetch ended): wake the waiter."""
-        self.version += 1
-        self._event.set()
-        self._event = trio.Event()
-
-    def view(self, since: int = 0) -> list[OuterRecord]:
-        """The records known now: pushed ones, and those of the latest read if it is read ``since`` or later."""
-        read = self.read_records if self.read_no >= since else []
-        return merged(read, self.pushes.pushed() if self.pushes is not None else [])
-
-    async def wait(self, version: int, timeout: float) -> None:
-        """Until something changed after ``version`` was seen, ``timeout`` at most."""
-        if self.version != version:
-            await trio.lowlevel.checkpoint()
-            return
-        with trio.move_on_after(timeout):
-            await self._event.wait()
-
-    def hurry(self) -> int:
-        """A new phase: a read starts now (the one in flight, or the wait before the next, is dropped) and the
-        next ones come soon again (what it waits for is usually a moment away). Returns that read's number."""
-        self.poll = Backoff()
-        if self._step is not None:
-            self._step.cancel()
-        return self.started + 1
-
-    def stop(self) -> None:
-        self._scope.cancel()
-        if self._unlisten is not None:
-            self._unlisten()
-
-    async def run(self) -> None:
-        with self._scope:
-            while True:
-                with trio.CancelScope() as self._step:
-                    self.started += 1
-                    number = self.started
-                    try:
-                        got: list[OuterRecord] | None = await self.board.read()
-                    except Exception as e:  # the next read, or the pushed records, settle it
-                        log.info("outer agreement: reading the round's records failed: %s", e)
-                        got = None
-                    if got is not None:
-                        self.read_records, self.read_no = got, number
-                        self.reads += 1
-                        self.poke()
-                    await trio.sleep(self.poll.next())
-                self._step = None
-
-
-async def _agree(publish: Callable[[OuterRecord], None], reader: _Reader, board: Board, node: bytes,
-                 vector: np.ndarray, *,
-                 group: str, size: int, index: int, state: bytes, repair_s: float, deadline_s: float,
-                 addr: Address | None = None, members: list[bytes] | None = None, expect: int = 1,
-                 participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
-                 first: _FirstRead | None = None, clock: Callable[[], float] = trio.current_time) -> Agreement:
-    """agree's body; ``publish`` hands a record to the background publisher, ``reader`` holds the records."""
-    if not group:  # alone: a group of one owns every shard
-        size, index, members = 1, 0, None
-    if members is not None and (len(members) != size or not 0 <= index < size or members[index] != node):
-        members = None  # not this group's order: no owner is known
-    owners = members or []
-    data = bytearray(np.ascontiguousarray(vector, dtype=np.float32).tobytes())
-    length = len(data) // 4
-    start, stop = shard_bounds(length, size, index)
-    avg = board.keep(bytes(data) + piece_hashes(memoryview(data)[4 * start: 4 * stop]))
-    me = OuterRecord(node, group, size, index, sha256(memoryview(data)[4 * start: 4 * stop]), avg, b"", state,
-                     length, addr)
-    t0 = clock()
-    publish(me)
-    seen_all: float | None = None  # when every owner's record had been read
-    out = Agreement(vector, b"")
-    # 1. every shard from its owner (an owner that never publishes leaves its shard as it is)
-    done: set[int] = {index} if members else set(range(size))
-    settled_at: float | None = None  # when every owner that had published was settled
-    tries: dict[int, int] = {}  # failed fetches of a shard
-    inflight: set[int] = set()  # shards being fetched
-    changed = trio.Event()  # a fetch ended
-
-    async def repair(k: int, r: OuterRecord) -> None:
-        try:
-            await repair_once(k, r)
-        finally:
-            inflight.discard(k)
-            changed.set()
-            reader.poke()
-
-    async def repair_once(k: int, r: OuterRecord) -> None:
-        a, b = shard_bounds(length, size, k)
-        try:
-            got = await fetch_shard(board, r, memoryview(data)[4 * a: 4 * b], 4 * length)
-        except Exception as e:  # the owner went away or lost the blob: the swarm phase settles it
-            log.info("outer repair: shard %d from %s failed: %s", k, r.node.hex()[:12], e)
-            got = None
-        if got is not None:
-            data[4 * a: 4 * b] = got[0]
-            out.repaired_bytes += got[1]
-            done.add(k)
-            return
-        tries[k] = tries.get(k, 0) + 1
-        if tries[k] >= REPAIR_TRIES:
-            done.add(k)  # its owner cannot or will not serve it: the swarm phase settles it
-
-    with trio.move_on_after(max(0.0, repair_s)):
-        # each shard is fetched as soon as its owner's record is read, while the others are still awaited
-        async with trio.open_nursery() as fetches:
-            while len(done) < size:
-                if inflight and all(k in done or k in inflight for k in range(size)):
-                    await changed.wait()  # nothing left to read for: wait for a fetch to end
-                    changed = trio.Event()
-                    continue
-                seen = reader.version
-                records = reader.view()
-                todo: list[tuple[int, OuterRecord]] = []
-                for k in range(size):
-                    if k in done or k in inflight:
-                        continue
-                    mine = [r for r in records if r.node == owners[k]]
-                    if any(r.group != group for r in mine):
-                        done.add(k)  # its own account has it outside the group: nothing to fetch
-                        continue
-                    r = owner_record(me, k, records, members)
-                    if r is None:
-                        continue  # not published yet
-                    if r not in repairs(data, me, [r], members):
-                        done.add(k)
-                    else:
-                        todo.append((k, r))
-                if seen_all is None and all(k in done or owner_record(me, k, records, members)
-                                            for k in range(size)):
-                    seen_all = clock()
-                for k, r in todo:
-                    inflight.add(k)
-                    fetches.start_soon(repair, k, r)
-                if todo or inflight:
-                    settled_at = None
-                elif len(done) == size:
-                    break
-                elif settled_at is None:
-                    settled_at = clock()
-                elif clock() - settled_at >= OWNER_GRACE_S:
-                    break  # the owners left have published nothing: their shards stay as they are
-                await reader.wait(seen, POLL_S)
-    t_repaired = clock()
-    out.phases["repair"] = t_repaired - t0
-    log.info("outer repair: every owner read after %s s, done after %.3f s, %d bytes fetched",
-             "-" if seen_all is None else f"{seen_all - t0:.3f}", t_repaired - t0, out.repaired_bytes)
-    # 2. one final across the swarm
-    if first is not None and first.refresh is not None:
-        await first.done.wait()
-        participants = (participants or frozenset()) | first.ids
-        expect = max(expect, min(MAX_GROUP, len(first.ids)))
-    known = None if participants is None else frozenset(participants) | frozenset(members or ()) | {node}
-    refreshed = clock()
-    final = board.keep(bytes(data))
-    me = replace(me, final=final)
-    publish(me)
-    fresh = reader.hurry()  # what was read before this member's final is not what the others hold now
-    last_view: list[OuterRecord] = []
-    while True:
-        seen = reader.version
-        read = [r for r in reader.view(fresh) if r.length == length and r.node != node]
-        if known is not None and refresh is not None and any(r.node not in known for r in read) \
-                and clock() - refreshed >= REFRESH_S:
-            refreshed = clock()
-            try:
-                known = known | await refresh()
-            except Exception as e:  # what is known stays known
-                log.info("outer agreement: re-reading the round's participants failed: %s", e)
-        records = read if known is None else [r for r in read if r.node in known]
-        out.ignored = len(read) - len(records)
-        last_view = records
-        win = winner([*records, me])
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("outer %s: mine %s, winner %s, read %s", node.hex()[:6], me.final.hex()[:8],
-                      win.hex()[:8] if win else None, [(r.node.hex()[:6], r.final.hex()[:8], r.group) for r in records])
-        if win is not None and win != me.final:
-            holders = [r for r in records if r.final == win]
-            try:
-                got = await board.fetch(win, len(data), holders)
-            except Exception as e:
-                log.info("outer agreement: fetching the winning average %s failed: %s", win.hex()[:12], e)
-            else:
-                if sha256(got) == win:
-                    data = bytearray(got)
-                    out.adopted_bytes += len(got)
-                    out.adopted = True
-                    board.keep(bytes(data))
-                    me = replace(me, final=win)
-                    publish(me)
-                    continue
-        settled = bool(group) or clock() - t0 >= ALONE_SETTLE_S  # alone: give the others time to publish
-        if settled and agreed(me, records, patient=clock() - t0 < deadline_s / 2, expect=max(expect, size)):
-            break
-        if clock() - t0 > deadline_s:
-            finals = sorted({r.final.hex()[:12] for r in records if r.final} | {me.final.hex()[:12]})
-            raise OuterError(f"the outer average did not agree within {deadline_s:.0f} s: finals {finals} "
-                             f"({len(records) + 1} members read)")
-        await reader.wait(seen, POLL_S)
-    out.phases["agree"] = clock() - t_repaired
-    out.pushed = len(reader.pushes.pushed()) if reader.pushes is not None else 0
-    out.reads = reader.reads
-    out.vector = np.frombuffer(bytes(data), dtype=np.float32).copy()
-    out.final = me.final
-    same = [r for r in last_view if r.final == me.final]
-    out.members = 1 + len(same)
-    out.dissent = sum(1 for r in last_view if r.final != me.final)
-    counts: dict[bytes, int] = {}
-    for r in [*same, me]:
-        if r.state:
-            counts[r.state] = counts.get(r.state, 0) + 1
-    if counts:
-        out.state_winner = min(counts, key=lambda h: (-counts[h], h))
-        out.states = counts.get(state, 0)
-    return out
-
-
-def record_key(run_key: str, round_no: int) -> bytes:
-    """The DHT key of an outer round's records (subkeys: the members' node ids)."""
-    return f"peerd/outer/{run_key}/{round_no}".encode()
-
-
-def store_key(run_key: str, round_no: int) -> str:
-    """The state-sync key an outer round's blobs are kept under (STATE_GET names it)."""
-    return f"{run_key}/o{round_no}"
 
 
 class DhtBoard:

@@ -51,6 +51,7 @@ from .paths import PATH_KINDS
 from .rotation import Rotation
 from .rpc import Address, Incoming, Peer, RpcError, RpcTimeout
 from .rto import RtoEstimator
+from .traffic import TrafficHooks
 
 log = logging.getLogger("peerd.transport")
 
@@ -166,6 +167,7 @@ class Endpoint(Inbound):
         # NAT traversal (peerd/nat): who hears about sends and answers, and where a peer's datagrams go
         self.nat: NatHooks | None = None
         self.paths = self.core.paths
+        self.traffic: TrafficHooks | None = None  # per-peer accounting (peerd/peers): told of every datagram moved
         self._relayed_src: bytes | None = None  # while a relayed datagram is handled: the sender its relay named
         self._relayed_ok = False
         self.on_request(m.MsgType.PING, lambda incoming: {})  # the DHT replaces it; a PING is always answered
@@ -230,7 +232,10 @@ class Endpoint(Inbound):
     ) -> None:
         """Send a one-way control message (no response, no retry) to the node ``node_id`` (default: the one
         this endpoint knows at ``addr``; RpcError if none)."""
-        await self._send_control(addr, mtype, self.core.new_id(), fields, node_id or self.node_id_at(addr))
+        receiver = node_id or self.node_id_at(addr)
+        if self.traffic is not None and receiver is not None:
+            self.traffic.control(receiver, mtype, fields, True)
+        await self._send_control(addr, mtype, self.core.new_id(), fields, receiver)
 
     # -- receivers' node ids ----------------------------------------------------------------------
     def learn(self, addr: Address, node_id: bytes) -> None:
@@ -324,7 +329,7 @@ class Endpoint(Inbound):
         self.metrics.datagrams_sent.labels("data").inc(len(datagrams))
         nbytes = sum(map(len, datagrams))
         self.metrics.bytes_sent.inc(nbytes)
-        self.paths.sent(addr, len(datagrams), nbytes)
+        self._count_sent(addr, len(datagrams), nbytes, mtype)
 
     async def send_block(
         self, addr: Address, mtype: int, bodies: np.ndarray, *, node_id: bytes | None = None
@@ -358,7 +363,7 @@ class Endpoint(Inbound):
             counter = self._sent_counters[-1] = self.metrics.datagrams_sent.labels("data")
         counter.inc(rows)
         self.metrics.bytes_sent.inc(datagrams.size)
-        self.paths.sent(addr, rows, datagrams.size)
+        self._count_sent(addr, rows, datagrams.size)
         return datagrams.size
 
     async def _send_datagram(self, addr: Address, mtype: int, datagram: bytes) -> None:
@@ -377,7 +382,7 @@ class Endpoint(Inbound):
                 self._type_names.get(mtype, "data"))
         counter.inc()
         self.metrics.bytes_sent.inc(len(datagram))
-        self.paths.sent(addr, 1, len(datagram))
+        self._count_sent(addr, 1, len(datagram), mtype)
         if self.nat is not None:
             self.nat.sent(addr, trio.current_time())
 
@@ -390,6 +395,12 @@ class Endpoint(Inbound):
     @property
     def _relayed(self) -> dict[Any, tuple[bytes, bytes, Any]]:
         return self.paths.relayed
+
+    def _count_sent(self, addr: Address, datagrams: int, nbytes: int, mtype: int = 0x40) -> None:
+        """A direct send's datagrams and bytes, by path kind and (with ``traffic``) by peer."""
+        if self.traffic is not None:
+            self.traffic.sent(addr, mtype, nbytes, None)
+        self.paths.sent(addr, datagrams, nbytes)
 
     def set_relay(self, addr: Address, peer_id: bytes, relay_id: bytes, relay: Address) -> None:
         """From now on, what this node sends to ``addr`` (the node ``peer_id``) goes through ``relay``, wrapped
@@ -436,6 +447,8 @@ class Endpoint(Inbound):
             self.paths.sent(addr, 1, len(inner), relayed=True)
         self.metrics.datagrams_sent.labels("relay").inc(len(datagrams))
         self.metrics.bytes_sent.inc(sent)
+        if self.traffic is not None and datagrams:
+            self.traffic.sent(addr, datagrams[0][3], sum(map(len, datagrams)), relay_id)
         if self.nat is not None:
             self.nat.sent(relay, trio.current_time())
         return sent
@@ -572,9 +585,14 @@ class Endpoint(Inbound):
                     if timer is None:
                         timer = self._rpc_timers[mtype] = self.metrics.rpc_seconds.labels(name)
                     timer.observe(trio.current_time() - start)
+                    if self.traffic is not None:
+                        self.traffic.answered(addr, reply.peer.node_id, trio.current_time() - start
+                                              if transmits == 1 else None, trio.current_time())
                     return reply
                 else:
                     self.metrics.rpc_failures.labels(name).inc()
+                    if self.traffic is not None:
+                        self.traffic.unanswered(addr, trio.current_time())
                     raise RpcTimeout(f"no answer to {name} from {addr[0]}:{addr[1]} within {step.waited:.2f} s")
         finally:
             core.close(rid)

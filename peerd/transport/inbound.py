@@ -258,6 +258,9 @@ class Inbound:
             if len(opened.bodies):
                 policy.data_blocks += 1
                 policy.accepted(opened.type, source, len(opened.bodies) * segment, len(opened.bodies))
+                if self.traffic is not None:
+                    self.traffic.received(source, opened.state.peer_id, opened.type, len(opened.bodies) * segment,
+                                          self._relayed_src is not None, now)
                 try:
                     handler(opened.type, opened.token, opened.state, opened.bodies, source)  # type: ignore[misc]
                 except WireError as e:
@@ -338,7 +341,7 @@ class Inbound:
             self._handler_failed(mtype)
             return
         if mtype > m.CONTROL_MAX:
-            self._open_data(data, source, mtype, header, body, state)
+            self._open_data(data, source, mtype, header, body, state, now)
             return
         try:
             incoming = self._incoming(header, body, state, source)
@@ -359,7 +362,7 @@ class Inbound:
         self._route(incoming, mtype, source, now)
 
     def _open_data(self, data: Any, source: Address, mtype: int, header: Header, body: bytes,
-                   state: TokenState) -> None:
+                   state: TokenState, now: float) -> None:
         """An opened datagram of tensor data: to its raw handler."""
         policy = self.core.receiving
         raw = self._raw.get(mtype)
@@ -372,6 +375,8 @@ class Inbound:
                 return
             self._relayed_ok = True
         policy.accepted(mtype, source, len(data))
+        if self.traffic is not None:
+            self.traffic.received(source, state.peer_id, mtype, len(data), self._relayed_src is not None, now)
         policy.data_blocks += 1
         try:
             raw(header, body, state, source)

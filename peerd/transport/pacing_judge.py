@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .pacing_params import (
     APP_LIMITED,
@@ -61,9 +61,6 @@ from .pacing_params import (
 )
 from .pacing_records import Verdict, _Cap, _Phase, _Record, _var
 
-if TYPE_CHECKING:
-    from .pacing import Pacer
-
 
 class State(enum.Enum):
     STARTUP = "startup"  # no bottleneck estimate: clean phases double the rate
@@ -110,7 +107,18 @@ def next_state(state: State, event: Event) -> State:
 class Judgement:
     """The Pacer's judging methods (a base class of Pacer, which holds the state they use)."""
 
-    def _transition(self: Pacer, event: Event, now: float) -> None:
+    state: State
+    _btl: float | None
+    rate: float
+    _cycle_at: int
+    _step: float
+    _clean_probes: int
+    _clean_at_level: int
+    _proven: float
+    increases: int
+    _restart: Any  # Pacer._restart(now): the current phase ends, a new one starts at the rate
+
+    def _transition(self, event: Event, now: float) -> None:
         """Take ``event``: the new state (TRANSITIONS) and the bookkeeping it brings. ``btl`` (``_btl``) and, for
         STEP_UP, the new rate are set by the caller first."""
         state = next_state(self.state, event)

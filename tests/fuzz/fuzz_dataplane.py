@@ -27,7 +27,7 @@ import sys
 import atheris
 import numpy as np
 
-from peerd.allreduce.group import _finalize_f32
+from peerd.allreduce.kernels import finalize_f32
 from peerd.wire.replay import ReplayWindow
 
 HEADER, TAG, KEY = 21, 16, 32
@@ -783,7 +783,7 @@ def send_rows(fdp: atheris.FuzzedDataProvider) -> None:
 
 def finalize(fdp: atheris.FuzzedDataProvider) -> None:
     """finalize_rows over fuzzed buffers (lengths right, short or wild; out in place, apart, or overlapping): where
-    the layout is right it must write what _finalize_f32 (the reference) computes, or nothing when that is None."""
+    the layout is right it must write what finalize_f32 (the reference) computes, or nothing when that is None."""
     rows, width = fdp.ConsumeIntInRange(0, 12), fdp.ConsumeIntInRange(0, 40)
     n = rows * width
 
@@ -811,7 +811,7 @@ def finalize(fdp: atheris.FuzzedDataProvider) -> None:
     if right:
         own_a = np.frombuffer(bytes(own), np.float32)[:n].reshape(rows, width)
         acc_a = np.frombuffer(bytes(acc), np.float32)[:n].reshape(rows, width)
-        want = _finalize_f32(own_a.copy(), acc_a, np.frombuffer(bytes(summed), np.uint8)[:rows],
+        want = finalize_f32(own_a.copy(), acc_a, np.frombuffer(bytes(summed), np.uint8)[:rows],
                              np.frombuffer(bytes(got), np.float64)[:rows], weight)
         before = bytes(out)
     with np.errstate(all="ignore"):
@@ -820,7 +820,7 @@ def finalize(fdp: atheris.FuzzedDataProvider) -> None:
         written = np.frombuffer(bytes(out), np.float32)[:n].reshape(rows, width)
         if ok != (want is not None) or (want is None and bytes(out) != before) or (
                 want is not None and written.tobytes() != want.tobytes()):
-            raise AssertionError("finalize_rows disagrees with _finalize_f32")
+            raise AssertionError("finalize_rows disagrees with finalize_f32")
         seen["finalize compared"] += 1
 
 

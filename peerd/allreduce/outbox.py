@@ -1,0 +1,229 @@
+"""What one group's member sends next (a part of ``GroupAverage``): its reduce-scatter contributions round-robin
+over the owners, then, once its own shard's reduce-scatter has ended, the shard's average to every other member.
+Blocks are built lazily, about ``limit`` datagrams of work a call, so a driver can pace and interleave them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+
+from ..compress import RoundingKey
+from . import kernels
+from .frames import END_REPEATS, F32_DTYPE, BodyType, pack_block, pack_coded, pack_end
+from .kernels import F32_MAX, FINALIZE_BLOCK_ELEMENTS
+from .phase import SEND_TRANSITIONS, SendEvent, Sending, advance
+
+DEFAULT_BLOCK_ROWS = 32  # bodies per OutBlock unless the driver asks for another size (GSO: up to 64)
+# A compressed codec encodes as it packs (int4 stochastic: ~30 ms for a block of 432 full datagrams): its blocks
+# hold at most this many elements, and a ``blocks_to_send`` batch stops after about four of them, so one call stays
+# a few milliseconds of work however many datagrams the driver asks for (fp32 packs by copying: no cap)
+CODED_BLOCK_ELEMENTS = 1 << 16
+CODED_BATCH_ELEMENTS = 1 << 18
+_DONE = object()  # a send generator that is exhausted
+_RS_DATA, _RS_END, _AG_DATA, _AG_END = (int(t) for t in BodyType)
+
+
+class OutBlock(NamedTuple):
+    """Bodies of equal size for member ``to``, envelope type ``type``, each sent ``repeat`` times (3 for
+    END markers): ``bodies`` is (rows, body bytes) uint8, one body per row, ready for one GSO send."""
+
+    to: int
+    type: int
+    bodies: np.ndarray
+    repeat: int
+    # With ``GroupAverage.split_values``: ``bodies`` holds only each body's tensor header and ``values`` the float32
+    # values (rows, count) that follow it, a view of the vector or result: sealed straight from there, no packed copy.
+    values: np.ndarray | None = None
+
+    def whole(self) -> np.ndarray:
+        """The complete bodies (rows, body bytes) uint8: ``bodies`` itself, or headers and values joined."""
+        if self.values is None:
+            return self.bodies
+        return np.concatenate((self.bodies, np.ascontiguousarray(self.values, dtype=F32_DTYPE).view(np.uint8)), axis=1)
+
+
+class Outgoing(NamedTuple):
+    """A body to send: to member ``to`` with envelope type ``type``, ``repeat`` times (3 for END markers)."""
+
+    to: int
+    type: int
+    body: bytes
+    repeat: int
+
+
+
+class Outbox:
+    """GroupAverage's sending: its reduce-scatter contributions, then its averaged shard, a block at a time."""
+
+    def blocks_to_send(self, rows: int, limit: int) -> list[OutBlock]:
+        """Blocks of at most ``rows`` bodies each, about ``limit`` bodies in all, reduce-scatter first, then
+        (once this member's reduce-scatter phase has ended) the all-gather. An empty list means nothing to
+        send until something changes."""
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        if self._coded:
+            rows = min(rows, max(1, CODED_BLOCK_ELEMENTS // self._per))
+            limit = min(limit, max(1, CODED_BATCH_ELEMENTS // self._per))
+        self._block_rows = rows
+        batch: list[OutBlock] = []
+        count = 0
+        while count < limit:
+            if self._gen is None:
+                if self.sending is not Sending.HOLDING or not self.reduce_scatter_done:
+                    break
+                self.sending = advance(SEND_TRANSITIONS, self.sending, SendEvent.SHARD_FINAL)
+                self._gen = self._ag_blocks()
+            block = next(self._gen, _DONE)
+            if block is _DONE:
+                self.sending = advance(SEND_TRANSITIONS, self.sending, SendEvent.EXHAUSTED)
+                self._gen = None
+                continue
+            if block is None:  # a slice of work with nothing to send (robust norms): the driver's turn
+                break
+            batch.append(block)
+            count += len(block.bodies)
+        return batch
+
+    def datagrams_to_send(self, now: float, limit: int) -> list[Outgoing]:
+        """``blocks_to_send`` one body at a time, for drivers (and tests) that send datagram by datagram (``now``:
+        the contract's; what goes out depends only on what arrived, the pacing is the driver's)."""
+        batch: list[Outgoing] = []
+        while len(batch) < limit:
+            if not self._left:
+                blocks = self.blocks_to_send(self._block_rows, 1)
+                if not blocks:
+                    break
+                for b in blocks:
+                    self._left.extend(Outgoing(b.to, b.type, bytes(row), b.repeat) for row in b.whole())
+            take = min(limit - len(batch), len(self._left))
+            batch.extend(self._left[:take])
+            del self._left[:take]
+        return batch
+
+    def _dest_order(self) -> list[int]:
+        """The other members, starting after this one (i + 1, i + 2, ... mod n). The driver sends one part per
+        destination in turn, so member i's k-th part goes to i + k: at any moment every member receives one
+        sender's part, not several (in index order all senders began with member 0, then all but one moved
+        to 2, and the lab's 4 peers met queues of ~9 ms at the downlinks that two or three senders shared)."""
+        n, i = self.n, self.index
+        return [(i + d) % n for d in range(1, n)]
+
+    def _rs_blocks(self) -> Iterator[OutBlock]:
+        """Round-robin over destinations a block at a time, so every owner sees a steady stream."""
+        layout, per, group, w = self.layout, self.layout.per, self.group_id, self.weight
+        vec = self._vec
+        dests = self._dest_order()
+        plan = {j: (*layout.shard(j), layout.datagrams(j)) for j in dests}
+        rs, live, cid = self._rs, self._live, self._cid
+        top = max((p[2] for p in plan.values()), default=-1)
+        k = 0
+        while k <= top:
+            rows = self._block_rows
+            for j in dests:
+                start, stop, total = plan[j]
+                if k > total or not live[j]:
+                    continue
+                full = (stop - start) // per
+                k1 = min(k + rows, full)
+                pieces = []
+                if k < k1:
+                    off = start + k * per
+                    pieces.append((off, vec[off : start + k1 * per].reshape(k1 - k, per)))
+                if full < total and k <= full < k + rows:  # the shard's short last range
+                    off = start + full * per
+                    pieces.append((off, vec[off:stop].reshape(1, -1)))
+                for off, values in pieces:
+                    if self._coded:
+                        bodies = self._pack_coded(total, off, w, values, self._rs_key)
+                    elif self.split_values:
+                        rs.sent += len(values)
+                        yield OutBlock(j, _RS_DATA, kernels.heads(group, total, off, w, values.shape), 1, values)
+                        continue
+                    else:
+                        bodies = pack_block(group, total, off, w, values)
+                    if len(bodies):
+                        rs.sent += len(bodies)
+                        yield OutBlock(j, _RS_DATA, bodies, 1)
+                if k <= total < k + rows:
+                    yield OutBlock(j, _RS_END, kernels.one_row(pack_end(group, total, start, w, cid)), END_REPEATS)
+            k += rows
+
+    def _encode(self, values: np.ndarray, key: RoundingKey, offset: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Codec bodies of ``values`` (rows of equal ranges from element ``offset``), and None, or when some row
+        cannot be encoded (a value beyond the codec's range, or not finite: a local ValueError, never the
+        network's), a mask of the rows that could; the others are zero and counted ``unencodable``."""
+        codec = self.codec
+        try:
+            return codec.encode_block(values, key=key, offset=offset), None
+        except ValueError:
+            pass
+        rows, count = values.shape
+        out = np.zeros((rows, codec.body_size(count)), dtype=np.uint8)
+        ok = np.ones(rows, dtype=bool)
+        for i in range(rows):
+            try:
+                out[i] = codec.encode_block(values[i : i + 1], key=key, offset=offset + i * count)[0]
+            except ValueError:
+                ok[i] = False
+        self._refused["unencodable"] += int(np.count_nonzero(~ok))
+        return out, ok
+
+    def _pack_coded(self, total: int, offset: int, weight: float | np.ndarray, values: np.ndarray,
+                    key: RoundingKey) -> np.ndarray:
+        """Reduce-scatter DATA bodies of a compressed codec; rows that cannot be encoded are left out."""
+        count = values.shape[1]
+        bodies, ok = self._encode(values, key, offset)
+        block = pack_coded(self.group_id, self._cid, total, offset, count, weight, bodies)
+        return block if ok is None else block[ok]
+
+    def _ag_blocks(self) -> Iterator[OutBlock | None]:
+        """The averaged own shard to every other member; each block is built once and sent to all. With
+        ``robust``, the contributions' norms are measured first, a slice per step (None: no block yet)."""
+        while self._robust is not None and not self._robust_step():
+            yield None
+        per, group, total = self.layout.per, self.group_id, self._nranges
+        lo, hi = self._lo, self._hi
+        full = (hi - lo) // per
+        out = self._out
+        dests = self._dest_order()
+        ahead = max(1, FINALIZE_BLOCK_ELEMENTS // per)
+        ag, live = self._ag, self._live
+        k = 0
+        while k < total:
+            k1 = min(k + self._block_rows, full) if k < full else total
+            if self._finalized < k1:
+                self._finalize_through(min(total, max(k1, k + ahead)))
+            weights = np.minimum(self._wsum[k:k1], F32_MAX)
+            off = lo + k * per
+            if self._coded:  # the bodies encoded when these ranges were finalized
+                coded = self._ag_full[k:k1] if k < full else self._ag_tail
+                assert coded is not None
+                bodies = pack_coded(group, self._cid, total, off, per if k < full else hi - off, weights, coded)
+                sendable = self._ag_sendable[k:k1]
+                if not sendable.all():
+                    bodies = bodies[sendable]
+            else:
+                values = out[off : min(hi, lo + k1 * per)].reshape(k1 - k, -1)
+                if self.split_values:
+                    heads = kernels.heads(group, total, off, weights, values.shape)
+                    for j in dests:
+                        if live[j]:
+                            ag.sent += len(heads)
+                            yield OutBlock(j, _AG_DATA, heads, 1, values)
+                    k = k1
+                    continue
+                bodies = pack_block(group, total, off, weights, values)
+            if len(bodies):
+                for j in dests:
+                    if live[j]:
+                        ag.sent += len(bodies)
+                        yield OutBlock(j, _AG_DATA, bodies, 1)
+            k = k1
+        end = kernels.one_row(pack_end(group, total, lo, 0.0, self._cid))
+        for j in dests:
+            if live[j]:
+                yield OutBlock(j, _AG_END, end, END_REPEATS)
+

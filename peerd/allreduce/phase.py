@@ -1,0 +1,304 @@
+"""One group's receive phases: their states and transitions (a table, as h11 keeps its connection's), the
+per-stream bookkeeping of each phase, and the phase deadline computed from the arrivals (protocol/allreduce.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+IN_ORDER_GRACE_S = 0.005  # an END of a stream that came in order so far: the wait for the rest (Phase.note_end)
+COMPLETION = "completion"
+DEADLINE = "deadline"
+
+
+class State(enum.Enum):
+    """Where a member's group stands, as its receiving sees it."""
+
+    REDUCE_SCATTER = "reduce_scatter"  # contributions to the own shard arrive
+    ALL_GATHER = "all_gather"  # the own shard is final; the other owners' averages arrive
+    DONE = "done"  # both receive phases have ended: the result may be taken
+
+
+class Event(enum.Enum):
+    """What moves a group from one State to the next."""
+
+    REDUCE_SCATTER_ENDED = "reduce_scatter_ended"  # every stream complete, or the phase deadline
+    ALL_GATHER_ENDED = "all_gather_ended"
+
+
+# (state, event) -> the next state; any other pair is a bug in the core, never the network's doing
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (State.REDUCE_SCATTER, Event.REDUCE_SCATTER_ENDED): State.ALL_GATHER,
+    (State.ALL_GATHER, Event.ALL_GATHER_ENDED): State.DONE,
+}
+
+
+class Sending(enum.Enum):
+    """Where a member's own sending stands: its contributions, then (once its own shard is final) the average."""
+
+    REDUCE_SCATTER = "reduce_scatter"  # the own contributions go out to their owners
+    HOLDING = "holding"  # every contribution is out; the own shard's reduce-scatter has not ended yet
+    ALL_GATHER = "all_gather"  # the own shard's average goes out to every other member
+    SENT = "sent"  # nothing more to send
+
+
+class SendEvent(enum.Enum):
+    EXHAUSTED = "exhausted"  # the current phase's blocks are all handed out
+    SHARD_FINAL = "shard_final"  # the own shard's reduce-scatter ended: its average may go out
+
+
+SEND_TRANSITIONS: dict[tuple[Sending, SendEvent], Sending] = {
+    (Sending.REDUCE_SCATTER, SendEvent.EXHAUSTED): Sending.HOLDING,
+    (Sending.HOLDING, SendEvent.SHARD_FINAL): Sending.ALL_GATHER,
+    (Sending.ALL_GATHER, SendEvent.EXHAUSTED): Sending.SENT,
+}
+
+
+def advance(table: dict, state: enum.Enum, event: enum.Enum) -> enum.Enum:
+    """The state after ``event`` in ``state``: RuntimeError for a transition the table does not have."""
+    try:
+        return table[(state, event)]
+    except KeyError:
+        raise RuntimeError(f"{event} in {state}: no such transition") from None
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseStats:
+    """One receive phase as this member saw it.
+
+    Datagram counts are data datagrams (END markers not included). Weights are summed per data datagram:
+    reduce-scatter counts this member's own weight for each of its ranges in both columns, and expects
+    each other sender's weight once it has heard from that sender (a sender never heard from is in
+    ``silent`` and adds nothing to ``weight_expected``). All-gather datagrams carry the total weight that
+    arrived at the owner; its ``weight_expected`` assumes every range could reach the weight of all
+    members this member heard from, so it is an approximation.
+    """
+
+    datagrams_expected: int
+    datagrams_received: int
+    weight_expected: float
+    weight_received: float
+    ends_received: int  # streams whose END marker arrived
+    silent: tuple[int, ...]  # live senders from which nothing at all arrived in this phase
+    datagrams_sent: int  # data datagrams this member produced for this phase
+    started_at: float | None
+    ended_at: float | None
+    ended_by: str | None  # "completion", "deadline", or None while running
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.started_at is None or self.ended_at is None:
+            return None
+        return self.ended_at - self.started_at
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    group_id: int
+    n: int
+    index: int
+    reduce_scatter: PhaseStats
+    all_gather: PhaseStats
+    drops: dict[str, int]  # reason -> count: group, sender, duplicate, late, malformed, type
+    # END markers that arrived when no longer needed (a repeat, or after their phase ended): the driver
+    # sends each END 3 times, so these are routine and not counted as drops
+    ends_ignored: int
+    # Contributions refused or limited (reason -> count): nonfinite (ranges, both phases), weight_capped
+    # (members), clipped and weight_bounded (members, robust only), solo (ranges). The driver adds them to
+    # contributions_refused.
+    refused: dict[str, int] = field(default_factory=dict)
+    # the weight this member's average stands for: its own and every member's it heard from (each capped at
+    # max_weight, and with robust at the median bound): a later Moshpit round on another grid axis averages with
+    # this weight
+    weight_total: float = 0.0
+
+
+class Phase:
+    """Stream bookkeeping for one receive phase: which streams are still open, how many data datagrams
+    are still expected from them, and the arrival times the deadline is computed from."""
+
+    __slots__ = (
+        "expected",
+        "received",
+        "top",
+        "reordered",
+        "first_at",
+        "last_at",
+        "done",
+        "end_seen",
+        "open",
+        "remaining",
+        "t0",
+        "t_first",
+        "t_last",
+        "data",
+        "weight_received",
+        "sent",
+        "ended_at",
+        "ended_by",
+        "ending",
+        "grace",
+    )
+
+    def __init__(self, expected: list[int], me: int, t0: float | None) -> None:
+        self.expected = expected
+        self.received = [0] * len(expected)
+        self.top = [0] * len(expected)  # per sender: one past the highest datagram index that arrived
+        self.reordered = [False] * len(expected)  # per sender: a datagram arrived after one sent later
+        self.first_at = [0.0] * len(expected)  # per sender: when its first data arrived
+        self.last_at = [0.0] * len(expected)  # per sender: when its latest data arrived
+        # a stream with nothing to carry (empty shard, or this member itself) is complete from the start
+        self.done = [s == me or e == 0 for s, e in enumerate(expected)]
+        self.end_seen = [False] * len(expected)
+        self.open = self.done.count(False)
+        self.remaining = sum(e for s, e in enumerate(expected) if not self.done[s])
+        self.t0 = t0
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.data = 0
+        self.weight_received = 0.0
+        self.sent = 0
+        self.ended_at: float | None = None
+        self.ended_by: str | None = None
+        # Streams whose END overtook some of their data: sender -> when to stop waiting for the rest.
+        self.ending: dict[int, float] = {}
+        self.grace = 0.0
+
+    def _progress(self, now: float) -> None:
+        if self.t_first is None:
+            self.t_first = now
+        if self.t_last is None or now > self.t_last:
+            self.t_last = now
+
+    def note_data(self, s: int, k: int, now: float) -> bool:
+        """One new data datagram, index k, of stream s. True when it started a grace (``last_arrived``)."""
+        self.data += 1
+        self._progress(now)
+        received = self.received[s] = self.received[s] + 1
+        if k >= self.top[s]:
+            self.top[s] = k + 1
+        else:
+            self.reordered[s] = True
+        if received == 1:
+            self.first_at[s] = now
+        self.last_at[s] = now
+        if not self.done[s]:
+            self.remaining -= 1
+            if self.received[s] >= self.expected[s]:
+                self.done[s] = True
+                self.open -= 1
+                self.ending.pop(s, None)
+            elif k + 1 >= self.expected[s]:
+                return self.last_arrived(s, now)
+        return False
+
+    def last_arrived(self, s: int, now: float) -> bool:
+        """The stream's last datagram arrived with some before it missing: it acts as the stream's END (the
+        same grace; ``note_end``). Streams go in index order, so what is missing was sent before it. Without this
+        a stream whose three END copies were all lost waited out the phase floor (1 s) though its tail had come:
+        seen in `bench allreduce --peers 4 --size 5000000 --link 100mbit --link-loss 0.05`, a slow path's stream
+        whose last datagram arrived and no END after it. True when a grace started (the deadline moved)."""
+        if self.grace <= 0 or self.done[s] or s in self.ending:
+            return False
+        self.ending[s] = now + (self.grace if self.reordered[s] else min(self.grace, IN_ORDER_GRACE_S))
+        return True
+
+    def close(self, s: int) -> None:
+        """Stop waiting for stream s (its END arrived, or its sender was removed)."""
+        self.ending.pop(s, None)
+        if not self.done[s]:
+            self.remaining -= self.expected[s] - self.received[s]
+            self.done[s] = True
+            self.open -= 1
+
+    def note_block(self, s: int, count: int, k_max: int, now: float) -> bool:
+        """``note_data`` for ``count`` new datagrams of stream s at once, the highest index ``k_max``."""
+        self.data += count
+        self._progress(now)
+        received = self.received[s] = self.received[s] + count
+        if k_max - count + 1 < self.top[s]:  # (the block's lowest index is at most this: in order it is not)
+            self.reordered[s] = True
+        if k_max >= self.top[s]:
+            self.top[s] = k_max + 1
+        if received == count:
+            self.first_at[s] = now
+        self.last_at[s] = now
+        if not self.done[s]:
+            self.remaining -= count
+            if received >= self.expected[s]:
+                self.done[s] = True
+                self.open -= 1
+                self.ending.pop(s, None)
+            elif k_max + 1 >= self.expected[s]:
+                return self.last_arrived(s, now)
+        return False
+
+    def note_end(self, s: int, now: float) -> None:
+        """An END closes its stream, after a short grace when it overtook some of the stream's data
+        (reordering): datagrams sent just before it may still be in flight. On a path that kept the stream in
+        order so far, what is missing was sent before the END that arrived, so it is nearly surely lost, not
+        late: the wait is IN_ORDER_GRACE_S at most (under random loss nearly every stream misses some, and the
+        full grace would cost every phase its length; not waiting at all loses reordered data in the host tests
+        with 3 ms of jitter). A stream seen reordered keeps the full grace."""
+        self.end_seen[s] = True
+        self._progress(now)
+        if self.done[s]:
+            return
+        if self.grace > 0 and self.received[s] < self.expected[s]:
+            self.ending[s] = now + (self.grace if self.reordered[s] else min(self.grace, IN_ORDER_GRACE_S))
+        else:
+            self.close(s)
+
+    def expire_ending(self, now: float) -> None:
+        for s, until in list(self.ending.items()):
+            if now >= until:
+                del self.ending[s]
+                self.close(s)
+
+    def rate(self) -> float | None:
+        """New data datagrams per second since the phase started (or since the first arrival, if earlier)."""
+        if self.data == 0 or self.t_last is None or self.t_first is None:
+            return None
+        ref = self.t_first if self.t0 is None else min(self.t0, self.t_first)
+        dt = self.t_last - ref
+        return math.inf if dt <= 0 else self.data / dt
+
+    def deadline(
+        self, floor_s: float, safety: float, cap_s: float | None, prior_rate: float | None, slack_s: float
+    ) -> float:
+        """max(t0, t_last) + slack_s + max(floor_s, safety * remaining / rate), capped at t0 + cap_s.
+
+        It only moves later as data arrives, and fires once the flow has stopped for long enough that the
+        rest, at the pace seen so far, would have come by now (times ``safety``)."""
+        assert self.t0 is not None
+        rate = self.rate() or prior_rate
+        wait = floor_s if rate is None else max(floor_s, safety * self.remaining / rate)
+        base = self.t0 if self.t_last is None else max(self.t0, self.t_last)
+        d = base + slack_s + wait
+        if cap_s is not None:
+            d = min(d, self.t0 + cap_s)
+        if self.ending:
+            d = min(d, min(self.ending.values()))
+        return d
+
+    def snapshot(self, weight_expected: float, weight_received: float, live: list[bool], me: int) -> PhaseStats:
+        silent = tuple(
+            s
+            for s in range(len(self.expected))
+            if s != me and live[s] and self.received[s] == 0 and not self.end_seen[s]
+        )
+        return PhaseStats(
+            datagrams_expected=sum(self.expected),
+            datagrams_received=self.data,
+            weight_expected=weight_expected,
+            weight_received=weight_received,
+            ends_received=sum(self.end_seen),
+            silent=silent,
+            datagrams_sent=self.sent,
+            started_at=self.t0,
+            ended_at=self.ended_at,
+            ended_by=self.ended_by,
+        )
+

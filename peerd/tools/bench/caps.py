@@ -1,0 +1,224 @@
+"""`peerd bench caps`: 4 daemons in the link lab average continuously, one of them under --max-upload or
+--max-download; does it keep to its cap, and does the group's round keep to what the cap allows?
+
+Every peer sits in its own namespace of the link lab (peerd.lab.links) behind ``--link RATE``; member ``CAPPED`` runs
+``peerd join --max-upload CAP`` (``--cap-upload``) or ``--max-download CAP`` (``--cap-download``). Trainers (the
+``bench step`` worker: seeded noise gradients, so a step costs no compute) take ``--steps`` sync steps of
+``--params`` float32 parameters. While they run, the capped member's link is read from the lab's own counters, its
+tbf's byte count (``tc -s``, payload plus IP, UDP and Ethernet headers) every second. The figures (``--json``):
+
+- ``upload_max_1s_mbit`` / ``download_max_1s_mbit``: the capped member's largest 1 s window in the capped direction,
+  against ``cap_mbit``;
+- ``windows_mbit``: every window's rate in the capped direction, in order;
+- ``averages_complete``: every step of every trainer averaged with all members;
+- ``round_s``: the median step of the capped member's trainer (after ``--warmup`` steps);
+- ``round_bound_s``: the time the capped member's share needs at its cap: in a butterfly all-reduce each of n
+  members sends and receives 2 (n - 1)/n of the vector (reduce-scatter, then all-gather), in datagrams of 1200
+  bytes each with 98 bytes of headers (bench step's ``transfer_seconds`` at the cap's rate).
+The lab has no delay emulation: its RTT is the queue's and the hosts'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ...linkcap.rates import parse_rate as parse_cap
+from ...localsock.client import DaemonError
+from ..lab.links import LinkLab, parse_rate
+from ..swarm import LocalSwarm
+from .step import StepBenchConfig, transfer_seconds
+
+CAPPED = 1  # the capped member (not node 0, which the others bootstrap from)
+SAMPLE_S = 1.0
+
+
+@dataclass
+class CapsBenchConfig:
+    peers: int = 4
+    link: str = "100mbit"
+    cap_upload: str | None = None
+    cap_download: str | None = None
+    params: int = 2_000_000
+    steps: int = 8
+    warmup: int = 2
+    timeout_s: float = 60.0
+
+    def check(self) -> None:
+        if self.peers < 2:
+            raise ValueError("--peers must be at least 2")
+        if (self.cap_upload is None) == (self.cap_download is None):
+            raise ValueError("give one of --cap-upload RATE or --cap-download RATE")
+        parse_rate(self.link)
+        cap = self.cap_bps()
+        if cap >= parse_rate(self.link):
+            raise ValueError("the cap must be under the link's rate (else the link, not the cap, binds)")
+        if self.steps < 1 or not 0 <= self.warmup < self.steps:
+            raise ValueError("--steps must be at least 1 and --warmup in [0, steps)")
+
+    @property
+    def direction(self) -> str:
+        return "upload" if self.cap_upload is not None else "download"
+
+    def cap_bps(self) -> int:
+        return int(parse_cap(self.cap_upload or self.cap_download or "") * 8)
+
+
+class _Sampler:
+    """Reads the capped member's tbf byte counters every SAMPLE_S (a thread: the trainers run meanwhile)."""
+
+    def __init__(self, lab: LinkLab, peer: int) -> None:
+        self.lab, self.peer = lab, peer
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            q = self.lab.qdisc_stats(self.peer)
+            self.samples.append((time.monotonic(), q["up"].bytes, q["down"].bytes))
+            self._stop.wait(SAMPLE_S)
+
+    def __enter__(self) -> _Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def windows_mbit(self) -> list[tuple[float, float]]:
+        """(upload, download) over each window between consecutive samples, Mbit/s."""
+        out = []
+        for (t0, u0, d0), (t1, u1, d1) in zip(self.samples, self.samples[1:], strict=False):
+            dt = t1 - t0
+            if dt > 0.5 * SAMPLE_S:
+                out.append(((u1 - u0) * 8 / dt / 1e6, (d1 - d0) * 8 / dt / 1e6))
+        return out
+
+
+def summarize(records: list[list[dict[str, Any]]], cfg: CapsBenchConfig, windows: list[tuple[float, float]],
+              node_caps: Any) -> dict[str, Any]:
+    up = max((w[0] for w in windows), default=0.0)
+    down = max((w[1] for w in windows), default=0.0)
+    cap_mbit = cfg.cap_bps() / 1e6
+    bound = transfer_seconds(cfg.params, cfg.peers, "fp32", cfg.cap_bps())
+    mine = [r["seconds"] for r in records[CAPPED][cfg.warmup:]]
+    complete = all(r["outcome"] == "averaged" and r["group_size"] == cfg.peers for rs in records for r in rs) and all(
+        len(rs) == cfg.steps for rs in records)
+    round_s = statistics.median(mine) if mine else float("nan")
+    return {
+        "peers": cfg.peers, "link": cfg.link, "direction": cfg.direction, "params": cfg.params, "steps": cfg.steps,
+        "cap_mbit": round(cap_mbit, 3),
+        "upload_max_1s_mbit": round(up, 3), "download_max_1s_mbit": round(down, 3),
+        "max_1s_over_cap": round((up if cfg.direction == "upload" else down) / cap_mbit, 4),
+        "windows_mbit": [round(w[0 if cfg.direction == "upload" else 1], 2) for w in windows],
+        "averages_complete": complete,
+        "round_s": round(round_s, 4), "round_bound_s": round(bound, 4), "round_over_bound": round(round_s / bound, 4),
+        "outcomes": sorted({r["outcome"] for rs in records for r in rs}),
+        "node_caps": node_caps,
+    }
+
+
+def run_caps_bench(cfg: CapsBenchConfig, *, say: Any = print) -> dict[str, Any]:
+    cfg.check()
+    workdir = tempfile.mkdtemp(prefix="peerd-bench-caps-")
+    flag = "--max-upload" if cfg.direction == "upload" else "--max-download"
+    cap_text = cfg.cap_upload or cfg.cap_download or ""
+    lab = LinkLab(cfg.peers, cfg.link)
+    say(f"link lab: {cfg.peers} namespaces, {cfg.link} links; member {CAPPED} {flag} {cap_text}")
+    lab.start()
+    try:
+        swarm = LocalSwarm(os.path.join(workdir, "swarm"), lab=lab)
+        procs: list[tuple[subprocess.Popen, str, Any]] = []
+        try:
+            for i in range(cfg.peers):
+                swarm.wait_ready(swarm.start(extra=(flag, cap_text) if i == CAPPED else ()))
+            time.sleep(1.0)  # the DHT settles
+            step_cfg = StepBenchConfig(peers=cfg.peers, steps=cfg.steps, params=cfg.params, link=cfg.link,
+                                       warmup=cfg.warmup, timeout_s=cfg.timeout_s)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            with _Sampler(lab, CAPPED) as sampler:
+                for i in range(cfg.peers):
+                    out = os.path.join(workdir, f"steps{i}.json")
+                    cmd = [*lab.exec_prefix(i), sys.executable, "-m", "peerd.bench.step", "--worker", "--socket",
+                           swarm.nodes[i].socket, "--out", out, "--config", json.dumps(asdict(step_cfg))]
+                    err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
+                    procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env), out, err))
+                say(f"{cfg.peers} trainers: {cfg.steps} sync steps of {cfg.params} parameters ...")
+                records = []
+                for i, (proc, out, _err) in enumerate(procs):
+                    rc = proc.wait(timeout=cfg.steps * (cfg.timeout_s + 10) + 120)
+                    if rc != 0:
+                        with open(os.path.join(workdir, f"trainer{i}.log")) as f:
+                            raise RuntimeError(f"trainer {i} exited with {rc}:\n{f.read()[-3000:]}")
+                    with open(out) as f:
+                        records.append(json.load(f))
+            node_caps = swarm.nodes[CAPPED].call("status").get("caps")
+        finally:
+            for proc, _, err in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                err.close()
+            swarm.cleanup()
+    finally:
+        lab.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return summarize(records, cfg, sampler.windows_mbit(), node_caps)
+
+
+def add_parser(bench: Any) -> None:
+    """The `bench caps` sub-parser (cli.py carries one call and one dispatch line)."""
+    b = bench.add_parser("caps", help="4 daemons in the link lab average continuously, one capped: does it keep "
+                                      "to its cap, and the group's round to what the cap allows? (root)")
+    b.add_argument("--peers", type=int, default=4, metavar="N", help="daemons and trainers (default 4)")
+    b.add_argument("--link", default="100mbit", metavar="RATE", help="every peer's link (default 100mbit)")
+    cap = b.add_mutually_exclusive_group(required=True)
+    cap.add_argument("--cap-upload", metavar="RATE", help="member 1 runs with --max-upload RATE (e.g. 20mbit)")
+    cap.add_argument("--cap-download", metavar="RATE", help="member 1 runs with --max-download RATE")
+    b.add_argument("--params", type=float, default=2_000_000, metavar="P",
+                   help="float32 parameters averaged each step (default 2000000)")
+    b.add_argument("--steps", type=int, default=8, metavar="M", help="steps per trainer (default 8)")
+    b.add_argument("--warmup", type=int, default=2, metavar="W", help="first steps left out of round_s (default 2)")
+    b.add_argument("--json", action="store_true", help="print JSON only")
+
+
+def cmd_bench_caps(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cfg = CapsBenchConfig(peers=args.peers, link=args.link, cap_upload=args.cap_upload,
+                          cap_download=args.cap_download, params=int(args.params), steps=args.steps,
+                          warmup=min(args.warmup, args.steps - 1))
+    try:
+        cfg.check()
+    except ValueError as e:
+        parser.error(str(e))
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    try:
+        result = run_caps_bench(cfg, say=say)
+    except KeyboardInterrupt:
+        print("\nstopped (every daemon, namespace and temp dir removed)", file=sys.stderr)
+        return 130
+    except (DaemonError, RuntimeError) as e:
+        print(f"peerd: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    d = result["direction"]
+    print(f"{result['peers']} peers on {result['link']} links, member {CAPPED} capped at {result['cap_mbit']} Mbit/s "
+          f"({d})")
+    print(f"  {d}_max_1s_mbit: {result[f'{d}_max_1s_mbit']} ({result['max_1s_over_cap']:.3f} x cap)")
+    print(f"  round_s: {result['round_s']}  round_bound_s: {result['round_bound_s']} "
+          f"({result['round_over_bound']:.3f} x)")
+    print(f"  averages_complete: {result['averages_complete']}  outcomes: {result['outcomes']}")
+    return 0

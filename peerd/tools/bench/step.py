@@ -1,0 +1,294 @@
+"""`peerd bench step`: N real daemons and N trainers take M steps of a model of P parameters; where a step's time goes.
+
+Each trainer is a process of its own (``python -m peerd.tools.bench.step --worker``) with a model of ``--params``
+float32 parameters (a few tensors) wrapped in peerd.torch.Optimizer (``--mode sync`` or ``overlap``) or DiLoCo
+(``--mode diloco``: the figures describe its outer steps). Its gradients are seeded noise, so a step costs no
+compute and its time is the averaging's. Every step's ``StepReport`` (seconds and phases) is collected.
+
+With ``--link RATE`` (root) each peer lives in its own namespace of the link lab (peerd.tools.lab.links) behind a
+shaped link (``--link-loss P``: random loss on it); without, the daemons share 127.0.0.1. The figures (``--json``):
+
+- ``step_s``: median seconds of a step (``step()`` in the trainer, after ``--warmup`` steps);
+- ``transfer_s``: the bytes' time at the link rate: a butterfly all-reduce sends and receives
+  2 (n - 1) / n of the vector in the run's codec, with each datagram's headers (0 on loopback);
+- ``fixed_s``: the median of step minus transfer: what a step costs beyond moving its bytes;
+- ``rtt_s``: the median round trip between two peers' daemons (their DHT pings), for the bound max(3 RTT, 30 ms);
+- ``phases``: median seconds by phase (peerd.localsock.phases).
+The lab has no delay emulation: its RTT is the queue's and the hosts', not a WAN's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ...localsock.client import DaemonError
+from ...localsock.phases import PHASES
+from ..lab.links import LinkLab, parse_rate
+from ..swarm import LocalSwarm
+
+RUN = "bench-step"
+DATAGRAM_PAYLOAD = 1200  # default UDP payload of a data datagram (--mtu)
+DATAGRAM_OVERHEAD = 56 + 28 + 14  # peerd's header and tag, IPv4 + UDP, Ethernet (what tbf counts)
+CODEC_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 8 / 128, "int4": 0.5 + 8 / 128}
+MODES = ("sync", "overlap", "diloco")
+
+
+@dataclass
+class StepBenchConfig:
+    peers: int = 4
+    steps: int = 30
+    params: int = 800_000
+    mode: str = "sync"
+    link: str | None = None
+    link_loss: float = 0.0
+    warmup: int = 3
+    keep_rounds: int | None = None  # None: the trainer's default
+    compression: str | None = None
+    sync_every: int = 5  # diloco: inner steps per outer step
+    timeout_s: float = 30.0
+
+    def check(self) -> None:
+        if self.peers < 2:
+            raise ValueError("--peers must be at least 2")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}")
+        if not 1 <= self.params <= 1 << 30:
+            raise ValueError("--params must be in [1, 2**30]")
+        if self.steps < 1 or not 0 <= self.warmup < self.steps:
+            raise ValueError("--steps must be at least 1 and --warmup in [0, steps)")
+        if self.link_loss and not self.link:
+            raise ValueError("--link-loss needs --link RATE")
+        if not 0.0 <= self.link_loss < 1.0:
+            raise ValueError("--link-loss must be in [0, 1)")
+        if self.compression is not None and self.compression not in CODEC_BYTES:
+            raise ValueError(f"--compression must be one of {sorted(CODEC_BYTES)}")
+
+
+def transfer_seconds(params: int, peers: int, codec: str, rate_bps: int | None) -> float:
+    """The bytes' time at the link rate: each member sends (and receives) 2 (n - 1) / n of the vector in the
+    codec, in datagrams of DATAGRAM_PAYLOAD bytes, each with DATAGRAM_OVERHEAD bytes of headers."""
+    if not rate_bps:
+        return 0.0
+    payload = 2 * (peers - 1) / peers * params * CODEC_BYTES[codec]
+    datagrams = payload / DATAGRAM_PAYLOAD
+    return (payload + datagrams * DATAGRAM_OVERHEAD) * 8 / rate_bps
+
+
+def summarize(records: list[list[dict[str, Any]]], cfg: StepBenchConfig, transfer_s: float,
+              rtt_s: float) -> dict[str, Any]:
+    """The figures from every trainer's step records (the warm-up steps of each left out)."""
+    steps = [r for rs in records for r in rs[cfg.warmup:]]
+    if not steps:
+        raise RuntimeError("no step was recorded after the warm-up")
+    seconds = [r["seconds"] for r in steps]
+    outcomes: dict[str, int] = {}
+    for r in steps:
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    return {
+        "mode": cfg.mode, "peers": cfg.peers, "params": cfg.params, "steps": len(steps),
+        "link": cfg.link, "link_loss": cfg.link_loss, "compression": cfg.compression or "fp32",
+        "step_s": round(statistics.median(seconds), 6),
+        "step_p90_s": round(sorted(seconds)[int(0.9 * (len(seconds) - 1))], 6),
+        "transfer_s": round(transfer_s, 6),
+        "fixed_s": round(statistics.median(s - transfer_s for s in seconds), 6),
+        "rtt_s": round(rtt_s, 6),
+        "bound_s": round(transfer_s + max(3 * rtt_s, 0.030), 6),
+        "phases": {p: round(statistics.median(r["phases"].get(p, 0.0) for r in steps), 6) for p in PHASES},
+        "kept": sum(bool(r.get("kept")) for r in steps), "outcomes": outcomes,
+    }
+
+
+def _ping_rtt(swarm: LocalSwarm, lab: LinkLab | None) -> float:
+    """The median round trip of DHT pings between the daemons (their peerd_rpc_seconds{type="ping"}), read from
+    node 0's metrics; 0 when none was timed."""
+    import urllib.request
+
+    node = swarm.nodes[0]
+    url = f"http://{node.status['metrics']}/metrics"
+
+    def read() -> str:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.read().decode()
+
+    try:
+        if lab is not None:
+            with lab.entered(0):
+                text = read()
+        else:
+            text = read()
+    except OSError:
+        return 0.0
+    total = count = 0.0
+    for line in text.splitlines():
+        if 'type="ping"' in line and line.startswith("peerd_rpc_seconds_sum"):
+            total = float(line.rsplit(" ", 1)[1])
+        elif 'type="ping"' in line and line.startswith("peerd_rpc_seconds_count"):
+            count = float(line.rsplit(" ", 1)[1])
+    return total / count if count else 0.0
+
+
+def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
+    cfg.check()
+    workdir = tempfile.mkdtemp(prefix="peerd-bench-step-")
+    lab: LinkLab | None = None
+    try:
+        if cfg.link:
+            lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss)
+            say(f"link lab: {cfg.peers} namespaces, {cfg.link} links, loss {cfg.link_loss} (no delay emulation)")
+            lab.start()
+        swarm = LocalSwarm(os.path.join(workdir, "swarm"), lab=lab)
+        procs: list[tuple[subprocess.Popen, str, Any]] = []
+        try:
+            say(f"starting {cfg.peers} daemons ...")
+            for _ in range(cfg.peers):
+                swarm.wait_ready(swarm.start())
+            time.sleep(1.0)  # the DHT settles (every daemon bootstrapped from node 0)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            for i in range(cfg.peers):
+                out = os.path.join(workdir, f"steps{i}.json")
+                cmd = [sys.executable, "-m", "peerd.tools.bench.step", "--worker", "--socket", swarm.nodes[i].socket,
+                       "--out", out, "--config", json.dumps(asdict(cfg))]
+                if lab is not None:
+                    cmd = [*lab.exec_prefix(i), *cmd]
+                err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
+                procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env), out, err))
+            say(f"{cfg.peers} trainers: {cfg.steps} {cfg.mode} steps of {cfg.params} parameters ...")
+            records = []
+            for i, (proc, out, _err) in enumerate(procs):
+                rc = proc.wait(timeout=cfg.steps * (cfg.timeout_s + 10) + 120)
+                if rc != 0:
+                    with open(os.path.join(workdir, f"trainer{i}.log")) as f:
+                        raise RuntimeError(f"trainer {i} exited with {rc}:\n{f.read()[-3000:]}")
+                with open(out) as f:
+                    records.append(json.load(f))
+            rtt = _ping_rtt(swarm, lab)
+        finally:
+            for proc, _, err in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                err.close()
+            swarm.cleanup()
+    finally:
+        if lab is not None:
+            lab.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    rate = parse_rate(cfg.link) if cfg.link else None
+    return summarize(records, cfg, transfer_seconds(cfg.params, cfg.peers, cfg.compression or "fp32", rate), rtt)
+
+
+# -- the trainer process ----------------------------------------------------------------------------------------
+def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
+    """One trainer: ``cfg.steps`` steps on seeded noise gradients; writes each step's record to ``out``."""
+    import torch
+
+    from ...torch import DiLoCo, Optimizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    sizes = [cfg.params // 4] * 3 + [cfg.params - 3 * (cfg.params // 4)]
+    params = [torch.nn.Parameter(torch.randn(n) * 0.01) for n in sizes if n > 0]
+    model = torch.nn.ParameterList(params)
+    inner = torch.optim.SGD(params, lr=0.01)
+    common: dict[str, Any] = {"run": RUN, "socket": socket, "timeout_s": cfg.timeout_s, "sync_state": False,
+                              "state_every": 0, "compression": cfg.compression}
+    if cfg.mode == "diloco":
+        opt: Any = DiLoCo(model, inner, sync_every=cfg.sync_every, **common)
+        steps = cfg.steps * cfg.sync_every  # cfg.steps outer steps
+    else:
+        if cfg.keep_rounds is not None:
+            common["keep_rounds"] = cfg.keep_rounds
+        opt = Optimizer(inner, average_params_every=0, overlap=cfg.mode == "overlap",
+                        model=model if cfg.mode == "overlap" else None, **common)
+        steps = cfg.steps
+    gen = torch.Generator().manual_seed(1)
+    records = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        reply = opt.step(samples=1)
+        report = opt.last_step
+        if report is None or (cfg.mode == "diloco" and "outer" not in reply):
+            continue
+        records.append({"seconds": report.seconds, "phases": report.phases, "outcome": report.outcome,
+                        "group_size": report.group_size, "kept": report.kept})
+    opt.close()
+    with open(out, "w") as f:
+        json.dump(records, f)
+
+
+# -- the command line -------------------------------------------------------------------------------------------
+def add_parser(bench: Any) -> None:
+    """The `bench step` sub-parser (here, so cli.py carries one call and one dispatch line)."""
+    b = bench.add_parser("step", help="N daemons and trainers take M steps of a P-parameter model; where a step's "
+                                      "time goes (phases, fixed cost beyond the bytes' time)")
+    b.add_argument("--peers", type=int, default=4, metavar="N", help="daemons and trainers (default 4)")
+    b.add_argument("--steps", type=int, default=30, metavar="M",
+                   help="steps per trainer (diloco: outer steps; default 30)")
+    b.add_argument("--params", type=float, default=800_000, metavar="P",
+                   help="float32 parameters of the model (default 800000; 1e6 works)")
+    b.add_argument("--mode", choices=MODES, default="sync", help="sync, overlap or diloco (default sync)")
+    b.add_argument("--link", metavar="RATE", help="each peer in a link-lab namespace behind RATE (e.g. 100mbit; root)")
+    b.add_argument("--link-loss", type=float, default=0.0, metavar="P", help="random loss on each link (with --link)")
+    b.add_argument("--warmup", type=int, default=3, metavar="W", help="first steps left out (default 3)")
+    b.add_argument("--keep-rounds", type=int, metavar="K", help="kept-group rounds (default: the trainer's)")
+    b.add_argument("--compression", choices=sorted(CODEC_BYTES), help="the run's codec (default fp32)")
+    b.add_argument("--sync-every", type=int, default=5, metavar="H", help="diloco: inner steps per outer (default 5)")
+    b.add_argument("--json", action="store_true", help="print JSON only")
+
+
+def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cfg = StepBenchConfig(peers=args.peers, steps=args.steps, params=int(args.params), mode=args.mode,
+                          link=args.link, link_loss=args.link_loss, warmup=min(args.warmup, args.steps - 1),
+                          keep_rounds=args.keep_rounds, compression=args.compression, sync_every=args.sync_every)
+    try:
+        cfg.check()
+    except ValueError as e:
+        parser.error(str(e))
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    try:
+        result = run_step_bench(cfg, say=say)
+    except KeyboardInterrupt:
+        print("\nstopped (every daemon, namespace and temp dir removed)", file=sys.stderr)
+        return 130
+    except (DaemonError, RuntimeError) as e:
+        print(f"peerd: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    where = result["link"] or "loopback"
+    if result["link_loss"]:
+        where += f", loss {result['link_loss']}"
+    print(f"{result['mode']} steps, {result['peers']} peers, {result['params']} parameters, {where}")
+    for name in ("step_s", "step_p90_s", "transfer_s", "fixed_s", "rtt_s", "bound_s"):
+        print(f"  {name:>12}: {result[name]:.4f}")
+    for phase, seconds in result["phases"].items():
+        print(f"  {phase:>12}: {seconds:.4f} (median)")
+    print(f"  outcomes: {result['outcomes']}, kept-group steps: {result['kept']}")
+    return 0
+
+
+def _worker_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m peerd.tools.bench.step")
+    p.add_argument("--worker", action="store_true", required=True)
+    p.add_argument("--socket", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--config", required=True)
+    args = p.parse_args(argv)
+    worker(args.socket, args.out, StepBenchConfig(**json.loads(args.config)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))
