@@ -17,8 +17,7 @@ import hashlib
 import logging
 from dataclasses import dataclass, field, replace
 
-from ..transport.endpoint import Address
-from .records import MAX_GROUP, OuterRecord, agreed, merged, owner_record, piece_hashes, shard_bounds, winner
+from .records import MAX_GROUP, Address, OuterRecord, agreed, merged, owner_record, piece_hashes, shard_bounds, winner
 
 log = logging.getLogger("peerd.trainer.outer")
 
