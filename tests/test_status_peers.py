@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from peerd.tools.swarm import LocalSwarm
 
 from peerd.metrics import TOP_PEERS
+from peerd.tools.swarm import LocalSwarm
 
 from .conftest import metric_value, peerd, peerd_json, scrape, wait_until
 
