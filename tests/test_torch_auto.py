@@ -83,7 +83,7 @@ def _replicas(tmp_path, delay_s: float, compute_s: float, steps: int = 8):
 
     from peerd.torch import Optimizer
 
-    from .trainer_harness import InProcessAverager, ThreadDaemon
+    from .support.trainer_harness import InProcessAverager, ThreadDaemon
 
     d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0, delay_s=delay_s))
     try:
@@ -143,7 +143,7 @@ def test_explicit_compression_wins(tmp_path) -> None:
 
     from peerd.torch import Optimizer
 
-    from .trainer_harness import InProcessAverager, ThreadDaemon
+    from .support.trainer_harness import InProcessAverager, ThreadDaemon
 
     d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1))
     try:
@@ -169,7 +169,7 @@ def test_trainer_report_auto_is_bounded_hostile(tmp_path) -> None:
     from peerd.localsock.client import DaemonError
     from peerd.torch import Optimizer
 
-    from .trainer_harness import InProcessAverager, ThreadDaemon
+    from .support.trainer_harness import InProcessAverager, ThreadDaemon
 
     d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1))
     try:
