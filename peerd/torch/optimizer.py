@@ -36,7 +36,7 @@ from .auto import Choice, Measured, choose, fp32_transfer_s
 from .founders import FOUNDER_WINDOW_S, SameData, reseed_peer
 from .overlap import DEFAULT_BUCKET_MB, Overlap
 from .report import StepReport
-from .snapcheck import SnapshotError, check_finite, checked_step
+from .snapcheck import SnapshotError, all_finite, check_finite, checked_step
 
 log = logging.getLogger("peerd.torch")
 
@@ -414,7 +414,7 @@ class Optimizer(torch.optim.Optimizer):
             report["samples_per_second"] = float(samples) / (now - self._last_call)
         self._last_call = now
         grads = [p.grad for p in self.params]
-        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+        if not all(g is None or all_finite(g) for g in grads):
             # as torch.amp.GradScaler does: skip the step (the daemons would refuse the vector anyway)
             self.nonfinite_rounds += 1
             self.outcomes["nonfinite"] = self.outcomes.get("nonfinite", 0) + 1
@@ -447,7 +447,7 @@ class Optimizer(torch.optim.Optimizer):
                     p.grad = torch.zeros_like(p)
             if outcome != "nonfinite":  # else the slot holds the refused result; p.grad is still our own
                 self._scatter(result, [p.grad for p in self.params])
-            elif not all(bool(torch.isfinite(p.grad).all()) for p in self.params):
+            elif not all(all_finite(p.grad) for p in self.params):
                 return self._finish_step(reply, t0, phases)  # our own gradients are no better: skip the step
         phases["copy_out"] += time.monotonic() - t2
         self.opt.step()
@@ -576,7 +576,7 @@ class Optimizer(torch.optim.Optimizer):
     def _finite(self, result: torch.Tensor, what: str) -> bool:
         """False (logged, counted) if the daemon's result holds NaN or infinity: a member sent garbage and
         the daemons let it through; it must not reach the model."""
-        if bool(torch.isfinite(result).all()):
+        if all_finite(result):
             return True
         self.nonfinite_rounds += 1
         log.warning("the averaged %s of step %d holds non-finite numbers: not applied (%d so far)", what,
