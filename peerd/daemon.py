@@ -301,7 +301,7 @@ class Daemon:
         node = {"peer_id": self.identity.node_id.hex(), "listen": format_hostport(*self.listen),
                 "peers": self.dht.peer_count(), "uptime_s": round(time.monotonic() - self.started, 1),
                 "reachability": nat_view(self.nat).reachability, "version": __version__}
-        self.page.update({"node": node, "peer_view": view_json(self.peers.table.statistics(), swarm_view(self.metrics)),
+        self.page.update({"node": node, "peer_view": view_json(self.peers.statistics(), swarm_view(self.metrics)),
                           "link": {"cap_upload_bps": None, "cap_download_bps": None}, "trainers": trainers},
                          self.moshpit.statistics())
 
@@ -327,7 +327,7 @@ class Daemon:
             "datagrams_dropped": dropped,
             "moshpit": self.moshpit.statistics(),
             "trainers": self.trainer.statistics(),  # each session's latest step by phase, codec and auto choice
-            "peer_view": view_json(self.peers.table.statistics(), swarm_view(self.metrics)),  # peerd/peers/report.py
+            "peer_view": view_json(self.peers.statistics(), swarm_view(self.metrics)),  # peerd/peers/report.py
             **self.nat.status(),  # reachability, observed_addr, peers_known, paths, path_datagrams, ...
         }
 

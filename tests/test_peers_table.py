@@ -173,10 +173,13 @@ def test_the_feed_resolves_addresses_and_reads_reports_both_ways() -> None:
         feed.unanswered(("127.0.0.1", 7), 0.0)
 
     trio.run(main)
-    stats = feed.table.statistics()
+    stats = feed.statistics()
     p = stats.peers[0]
     assert stats.tracked == 1 and stats.unattributed_bytes == 60
     assert p.loss_out == pytest.approx(0.2) and p.loss_in == 0.0 and p.rtt_s == 0.004 and p.addr == "127.0.0.1:5"
+    feed.received(("127.0.0.1", 5), A, 0x41, 1000, False, 2.0)  # summed in the feed until a tick or statistics()
+    assert feed.table.statistics().peers[0].received_bytes["averaging"] == 80  # (the REPORT)
+    assert feed.statistics().peers[0].received_bytes["averaging"] == 1080
 
 
 def test_nat_view_reads_either_shape_and_never_raises() -> None:
