@@ -204,3 +204,16 @@ def test_nat_view_reads_either_shape_and_never_raises() -> None:
     assert nat_view(New()).paths == {A: "punched"} and nat_view(New()).reachability == "cone-nat"
     assert nat_view(Old()).paths == {B: "relayed"} and nat_view(Old()).observed_addr is None
     assert nat_view(Broken()).reachability == "unknown" and nat_view(object()).paths == {}
+
+
+def test_a_member_with_thousands_of_identities_cannot_grow_the_view_hostile() -> None:
+    from peerd.peers.feed import MAX_PENDING
+
+    feed = PeerFeed(_Endpoint(), Metrics(), table=PeerTable(capacity=64))
+    for i in range(20_000):
+        feed.received(("10.0.0.1", 1000 + i % 50_000), i.to_bytes(32, "big"), DATA, 1200, False, i / 1000)
+        assert len(feed._pending_in) <= MAX_PENDING
+    stats = feed.statistics()
+    assert stats.tracked == 64 and stats.evicted == 20_000 - 64 and stats.received_bytes == 20_000 * 1200
+    feed.tick(30.0)
+    assert len(_samples(feed.metrics, "peerd_peer_receive_bytes_per_second")) <= TOP_PEERS + 1

@@ -62,6 +62,7 @@ class PeerFeed:
         total = pending.get(key)
         if total is None and len(pending) >= MAX_PENDING:
             self.flush(trio.current_time())
+            pending = self._pending_out  # (a new dict)
         pending[key] = (total or 0) + nbytes
 
     def received(self, source: tuple[str, int], peer: bytes | None, mtype: int, nbytes: int, relayed: bool,
@@ -72,6 +73,7 @@ class PeerFeed:
         if acc is None:
             if len(pending) >= MAX_PENDING:
                 self.flush(now)
+                pending = self._pending_in  # (a new dict)
             pending[key] = [nbytes, now]
         else:
             acc[0] += nbytes
