@@ -73,6 +73,8 @@ def test_relayed_paths_name_the_relay_and_count_toward_the_relayed_fraction() ->
     assert by[A.hex()].path == "relayed" and by[A.hex()].via == R.hex() and by[B.hex()].path == "punched"
     assert stats.relayed_bytes == 1000 and stats.sent_bytes == 4000
     assert view_json(stats, _swarm())["relayed_fraction"] == 0.25
+    t.receive_sent(A, "h:1", DATA, 1000, None, 1.0)  # the relay is gone: sent straight to it
+    assert {p.peer: p for p in t.statistics().peers}[A.hex()].path == "direct"
 
 
 def test_memory_is_bounded_and_the_least_recent_peer_goes_first() -> None:

@@ -176,6 +176,8 @@ class PeerTable:
         if relay is not None:
             p.path, p.via = "relayed", relay
             p.relayed += nbytes
+        elif p.path == "relayed":  # no longer through its relay (NAT traversal's view says punched, if it was)
+            p.path, p.via = "direct", None
 
     def receive_received(self, node: bytes | None, addr: str, mtype: int, nbytes: int, relayed: bool,
                          now: float) -> None:
