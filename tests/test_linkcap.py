@@ -242,3 +242,19 @@ def test_every_send_through_the_capped_socket_waits_for_the_bucket() -> None:
         assert sock.kernel_drops() == 7 and sock.family == 2  # the rest is the wrapped socket's
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_the_matchmaking_record_vectors_decode_as_the_protocol_says() -> None:
+    import json
+    from pathlib import Path
+
+    v = json.loads((Path(__file__).parent.parent / "protocol" / "vectors" / "announce.json").read_text())
+    for case in v["good"]:
+        got = decode_announce(Rec(bytes.fromhex(case["value"])))
+        assert got is not None, case["name"]
+        assert got.reach == case["reach"] and got.port == 7400, case["name"]
+        assert (None if got.cap is None else list(got.cap.encode())) == case["cap"], case["name"]
+        if got.cap is not None:  # peerd writes the same bytes
+            assert encode_announce(got.expiry, got.host, got.port, got.reach, got.cap).hex() == case["value"]
+    for case in v["malformed"]:
+        assert decode_announce(Rec(bytes.fromhex(case["value"]))) is None, case["name"]
