@@ -319,7 +319,8 @@ class Daemon:
         if self.http is None:
             return
         trainers = []
-        for t in self.trainer.statistics():
+        for session in self.trainer.statistics().sessions:
+            t = dataclasses.asdict(session)
             phases = t.get("phases") or {}
             step = sum(phases.values())
             network = sum(phases.get(p, 0.0) for p in NETWORK_PHASES)
@@ -327,9 +328,19 @@ class Daemon:
         node = {"peer_id": self.identity.node_id.hex(), "listen": format_hostport(*self.listen),
                 "peers": self.dht.peer_count(), "uptime_s": round(time.monotonic() - self.started, 1),
                 "reachability": nat_view(self.nat).reachability, "version": __version__}
-        self.page.update({"node": node, "peer_view": view_json(self.peers.table.statistics(), swarm_view(self.metrics)),
-                          "link": {"cap_upload_bps": None, "cap_download_bps": None}, "trainers": trainers},
-                         self.moshpit.statistics())
+        self.page.update({"node": node, "peer_view": view_json(self.peers.statistics(), swarm_view(self.metrics)),
+                          "link": self._link_view(), "trainers": trainers},
+                         dataclasses.asdict(self.moshpit.statistics())["runs"])
+
+    def _link_view(self) -> dict[str, Any]:
+        """The status page's link section: this node's caps (bits/s; None: no cap) and its use of them."""
+        if self.linkcap is None:
+            return {"cap_upload_bps": None, "cap_download_bps": None}
+        st = self.linkcap.statistics()
+        bits = (lambda v: None if v is None else round(8 * v))  # noqa: E731 - bytes/s to bits/s, None kept
+        return {"cap_upload_bps": bits(st.upload_limit), "cap_download_bps": bits(st.download_limit),
+                "upload_bps": bits(st.upload_rate), "download_bps": bits(st.download_rate),
+                "budget": None if st.budget is None else dataclasses.asdict(st.budget)}
 
     # -- local socket ops -------------------------------------------------------------------------
     async def _op_status(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -355,7 +366,7 @@ class Daemon:
             # each session's latest step by phase, codec and auto choice
             "trainers": [{k: v for k, v in dataclasses.asdict(s).items() if k != "auto" or v}
                          for s in self.trainer.statistics().sessions],
-            "peer_view": view_json(self.peers.table.statistics(), swarm_view(self.metrics)),  # peerd/peers/report.py
+            "peer_view": view_json(self.peers.statistics(), swarm_view(self.metrics)),  # peerd/peers/report.py
             "caps": None if self.linkcap is None else dataclasses.asdict(self.linkcap.statistics()),
             **dataclasses.asdict(self.nat.statistics()),  # reachability, observed_addr, peers_known, paths, ...
         }

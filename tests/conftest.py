@@ -1,17 +1,15 @@
-"""Shared helpers for end-to-end tests that run real peerd processes."""
+"""Fixtures for every test (the helpers they use are in tests/support/)."""
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
+from peerd.dht import records as records_module
 from peerd.tools.swarm import LocalSwarm
+
+from .support.trainer_harness import InProcessAverager, ThreadDaemon
 
 # A shell without job control starts background jobs (`cmd &`) with SIGINT ignored, and an ignored signal stays
 # ignored across exec: every `peerd swarm`, lab holder and daemon a test starts would then ignore the Ctrl-C the
@@ -19,51 +17,6 @@ from peerd.tools.swarm import LocalSwarm
 # to the default in children, so they get Python's usual KeyboardInterrupt.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def peerd(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
-    """Run the peerd CLI as a user would."""
-    proc = subprocess.run([sys.executable, "-m", "peerd", *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"peerd {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def peerd_json(*args: str, timeout: float = 60) -> dict:
-    return json.loads(peerd(*args, "--json", timeout=timeout).stdout)
-
-
-def scrape(metrics_addr: str) -> str:
-    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        metric, _, label_text = head.partition("{")
-        if metric != name:
-            continue
-        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
-def wait_until(predicate, timeout: float, interval: float = 1.0, what: str = "condition"):
-    """Poll gently (these machines have 2 cores); returns the predicate's truthy value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 @pytest.fixture
@@ -76,3 +29,25 @@ def swarm(tmp_path):
         for node in s.nodes:  # show what the daemons said when a test fails
             if node.proc.returncode not in (0, -9):
                 print(f"--- peer {node.index} exited {node.proc.returncode}:\n{node.log_tail(40)}")
+
+
+@pytest.fixture
+def verify_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts calls of the DHT's record signature check (a record is verified once, then cached)."""
+    calls = [0]
+    real = records_module.verify
+
+    def counting(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(records_module, "verify", counting)
+    return calls
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    """An in-process daemon (local socket, trainer service) whose averager groups two sessions."""
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0))
+    yield d
+    d.stop()

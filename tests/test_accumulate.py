@@ -14,7 +14,7 @@ from peerd.allreduce.group import GroupAverage
 from peerd.allreduce.kernels import accumulate_numpy, finalize_f32
 from peerd.wire.native import native as _native
 
-from .test_allreduce_blocks import _average
+from .support.blocks import _average
 
 GROUP = 0x0A0B0C0D
 needs_native = pytest.mark.skipif(_native is None, reason="the native data plane is not built (PEERD_DATAPLANE=python)")

@@ -16,13 +16,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peerd.allreduce import HEADER_SIZE, BodyType, GroupAverage
+from peerd.allreduce import HEADER_SIZE, GroupAverage
 from peerd.allreduce.frames import pack_block, pack_data, view_block
 from peerd.allreduce.group import IN_ORDER_GRACE_S
 from peerd.compress import codec
 from peerd.wire import Opener, Sealer
 
-RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
+from .support.blocks import _average, _feed_rows  # noqa: E402
+from .support.groups import AG_DATA, AG_END, RS_DATA, RS_END  # noqa: E402
+
 GROUP = 0x5EED0001
 
 
@@ -36,9 +38,6 @@ def _group(n: int, length: int, per: int, seed: int, name: str = "fp32") -> list
     ]
 
 
-def _feed_rows(core: GroupAverage, sender: int, mtype: int, rows: list[bytes], now: float) -> None:
-    for body in rows:
-        core.receive(sender, mtype, body, now)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -276,28 +275,6 @@ def test_end_of_a_reordered_stream_keeps_the_full_grace() -> None:
     assert cores[0].reduce_scatter_done
 
 
-def _average(cores: list[GroupAverage], loss: float, seed: int, blocks: bool = True) -> list[np.ndarray]:
-    """Run a group to the end, blocks through ``receive_block`` (body by body where it declines, or always without
-    ``blocks``), ``loss`` of the bodies lost; returns copies of the results."""
-    rnd = random.Random(seed)
-    now = 0.0
-    for _ in range(10_000):
-        if all(c.finished for c in cores):
-            break
-        now += 0.3
-        for i, core in enumerate(cores):
-            for blk in core.blocks_to_send(4, 10**9):
-                kept = [r for r in blk.whole() for _ in range(blk.repeat) if rnd.random() >= loss]
-                if not kept:
-                    continue
-                arr = np.stack(kept)
-                if (not blocks or blk.type in (RS_END, AG_END)
-                        or cores[blk.to].receive_block(i, blk.type, arr, now) is None):
-                    _feed_rows(cores[blk.to], i, blk.type, [bytes(r) for r in kept], now)
-        for core in cores:
-            core.handle_timer(now)
-    assert all(c.finished for c in cores)
-    return [c.result().copy() for c in cores]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

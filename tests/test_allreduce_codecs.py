@@ -17,15 +17,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerd.allreduce import HEADER_SIZE, BodyType, GroupAverage, Layout, Outcome
+from peerd.allreduce import HEADER_SIZE, GroupAverage, Layout, Outcome
 from peerd.compress import PHASE_RS, Codec, RoundingKey, codec
 from peerd.compress.quant import IntCodec
 from peerd.wire.errors import WireError
 
-from .test_allreduce_core import Net
-from .test_codecs import BiasedInt
+from .support.codecs import BiasedInt
+from .support.groups import AG_DATA, AG_END, RS_DATA, RS_END, GroupNet  # noqa: E402
 
-RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
 GROUP = 0xC0DEC001
 RUN = 0x5EED
 CODECS = ["fp16", "bf16", "int8", "int4"]
@@ -48,7 +47,7 @@ def inputs(n: int, length: int, seed: int) -> tuple[list[np.ndarray], list[float
     return xs, [float(w) for w in rng.integers(1, 50, n)]
 
 
-def bodies_of(net: Net, mtype: int) -> dict[tuple[int, int, int], bytes]:
+def bodies_of(net: GroupNet, mtype: int) -> dict[tuple[int, int, int], bytes]:
     """(src, dst, offset) -> body of every DATA body of ``mtype`` sent (the first copy)."""
     return {(w.src, w.dst, w.offset): w.body for w in net.sent_bodies if w.mtype == mtype}
 
@@ -62,7 +61,7 @@ def error_bound(c: Codec, body: bytes, count: int, values: np.ndarray, nearest: 
     return np.abs(values) * REL[c.name] + 2.0**-24
 
 
-def check_group(members: list[GroupAverage], xs, ws, c: Codec, net: Net, *, nearest: bool) -> int:
+def check_group(members: list[GroupAverage], xs, ws, c: Codec, net: GroupNet, *, nearest: bool) -> int:
     """Every owner's ranges hold the weighted mean of exactly the decoded contributions that arrived (own
     exact), within the all-gather's rounding; every member that got a range holds the owner's bits, one that
     lost it its own values. Returns how many reduce-scatter contributions were lost (for the test's power)."""
@@ -114,7 +113,7 @@ def test_no_loss_every_member_holds_the_same_result(name):
     c = make(name)
     xs, ws = inputs(4, 20_011, seed=1)
     m = group(xs, ws, c, 1163)
-    net = Net(m)
+    net = GroupNet(m)
     net.run()
     results = [core.result() for core in m]
     for r in results[1:]:
@@ -147,7 +146,7 @@ def test_fewer_datagrams_than_fp32(name):
     coded, plain = group(xs, ws, c, 1163), group(xs, ws, codec("fp32"), 1163)
     sizes = []
     for m in (coded, plain):
-        net = Net(m)
+        net = GroupNet(m)
         net.run()
         sizes.append(sum(len(w.body) for w in net.sent_bodies))
     assert sizes[0] / sizes[1] < {"fp16": 0.51, "bf16": 0.51, "int8": 0.27, "int4": 0.145}[name], sizes
@@ -163,7 +162,7 @@ def test_with_loss_each_range_is_the_mean_of_the_decoded_contributions_that_arri
     xs, ws = inputs(4, 12_000, seed=3)
     rng = np.random.default_rng(4)
     m = group(xs, ws, c, 200, floor_s=0.3)
-    net = Net(m, drop=lambda w: w.mtype in (RS_DATA, AG_DATA) and rng.random() < 0.25)
+    net = GroupNet(m, drop=lambda w: w.mtype in (RS_DATA, AG_DATA) and rng.random() < 0.25)
     net.run()
     lost = check_group(m, xs, ws, c, net, nearest=rounding != "stochastic")
     assert lost > 20
@@ -174,7 +173,7 @@ def test_a_range_only_the_owner_reached_is_its_own_value_quantized_once():
     xs, ws = inputs(3, 3000, seed=5)
     m = group(xs, ws, c, 300)
     s0, _ = m[0].layout.shard(0)
-    net = Net(m, drop=lambda w: w.mtype == RS_DATA and w.dst == 0 and w.offset == s0)
+    net = GroupNet(m, drop=lambda w: w.mtype == RS_DATA and w.dst == 0 and w.offset == s0)
     net.run()
     cnt = m[0].layout.range(0, 0)[1]
     body = c.encode(xs[0][s0 : s0 + cnt], key=RoundingKey(RUN, GROUP, 0, 1), offset=s0)
@@ -189,7 +188,7 @@ def test_nearest_check_has_power():
     c = make("int8", rounding="nearest")
     xs, ws = inputs(4, 8000, seed=6)
     m = group(xs, ws, c, 400)
-    net = Net(m, drop=lambda w: w.mtype == RS_DATA and w.src == 1)
+    net = GroupNet(m, drop=lambda w: w.mtype == RS_DATA and w.src == 1)
     net.run()
     everyone = set(net.delivered) | {(w.src, w.dst, RS_DATA, w.offset) for w in net.sent_bodies
                                      if w.mtype == RS_DATA}
@@ -208,7 +207,7 @@ def test_rounding_draws_are_keyed_by_run_group_member_and_phase(name):
     runs = {}
     for run, gid in ((1, GROUP), (1, GROUP), (2, GROUP), (1, GROUP + 1)):
         m = group(xs, ws, c, 500, run=run, gid=gid)
-        Net(m).run()
+        GroupNet(m).run()
         runs.setdefault((run, gid), []).append(m[0].result().copy())
     first = runs[(1, GROUP)]
     assert np.array_equal(first[0], first[1])  # the same key replays exactly
@@ -237,7 +236,7 @@ def test_stochastic_group_average_is_unbiased_and_biased_rounding_is_not(name):
         out = []
         for r in range(rounds):
             m = group(xs, ws, c, 600, run=1000 + r)
-            Net(m).run()
+            GroupNet(m).run()
             out.append(m[r % 3].result().astype(np.float64))
         return np.stack(out)
 
@@ -344,7 +343,7 @@ def test_values_the_codec_cannot_hold_are_not_sent_and_counted():
     xs[2][2500] = np.nan  # in shard 2: member 2's own shard; its all-gather range cannot be encoded
     c = make("fp16")
     m = group(xs, ws, c, 500, floor_s=0.3)
-    net = Net(m)
+    net = GroupNet(m)
     net.run()
     assert m[1].statistics().refused == {"unencodable": 1}
     assert m[2].statistics().refused == {"unencodable": 1}  # its all-gather range: the own NaN is in the average

@@ -6,12 +6,8 @@ of which data bodies it delivered, by the reconstruction rule of protocol/allred
 
 from __future__ import annotations
 
-import math
-import random
 import re
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +20,6 @@ from peerd.allreduce import (
     DEADLINE,
     END_REPEATS,
     HEADER_SIZE,
-    BodyType,
     GroupAverage,
     Layout,
     Outcome,
@@ -34,122 +29,20 @@ from peerd.allreduce import (
     parse_header,
     peek_group,
 )
-from peerd.tools.sim.net import Link, Network
 from peerd.wire.errors import WireError
 
-RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
-GROUP = 0xC0FFEE01
+from .support.groups import AG_DATA, AG_END, GROUP, RS_DATA, RS_END, GroupNet, Wire, expected_results, payload_for  # noqa: E402
+
 PROTOCOL_MD = Path(__file__).resolve().parents[1] / "protocol" / "allreduce.md"
 
 
-def payload_for(per: int) -> int:
-    return HEADER_SIZE + 4 * per
 
 
 # ---- the in-test network ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Wire:
-    """One copy of one body on the wire."""
-
-    src: int
-    dst: int
-    mtype: int
-    body: bytes
-    offset: int  # element offset from the header
-    copy: int  # 0..repeat-1 (END markers are sent END_REPEATS times)
-    seq: int  # per (src, dst) link, counting every copy
 
 
-class Net:
-    """Delivers bodies between cores over the one in-memory network (peerd/tools/sim/net.py) in virtual time:
-    each sender sends one copy every ``gap`` seconds (all its links together), each copy arrives
-    ``latency`` (+ optional jitter, which reorders; + ``end_delay`` for END markers) later unless ``drop``
-    says otherwise; ``dup`` delivers a copy twice. The network's heap holds the sends and arrivals; time
-    jumps to the next of them or the next core deadline."""
-
-    def __init__(
-        self,
-        members: list[GroupAverage],
-        *,
-        drop: Callable[[Wire], bool] = lambda w: False,
-        dup: Callable[[Wire], bool] = lambda w: False,
-        latency: float = 0.01,
-        gap: float = 1e-4,
-        jitter: float = 0.0,
-        end_delay: float = 0.0,
-        seed: int = 0,
-        batch: int = 64,
-    ) -> None:
-        self.m = members
-        self.n = len(members)
-        self.drop, self.dup = drop, dup
-        self.gap, self.end_delay = gap, end_delay
-        self.net = Network(random.Random(seed), default=Link(latency=latency, jitter=jitter))
-        for i in range(self.n):
-            self.net.attach(i, self._arrive)
-        self.batch = batch
-        self.link_free = [0.0] * self.n
-        self.link_seq: dict[tuple[int, int], int] = {}
-        self.delivered: set[tuple[int, int, int, int]] = set()  # (src, dst, type, offset) of DATA bodies
-        self.sent_bodies: list[Wire] = []
-        self.max_body = 0
-
-    @property
-    def now(self) -> float:
-        return self.net.now
-
-    def _arrive(self, src: object, w: Wire) -> None:
-        outcome = self.m[w.dst].receive(w.src, w.mtype, w.body, self.net.now)
-        if w.mtype in (RS_DATA, AG_DATA) and outcome is Outcome.ACCEPTED:
-            self.delivered.add((w.src, w.dst, w.mtype, w.offset))
-
-    def _pump(self) -> None:
-        net = self.net
-        for i, core in enumerate(self.m):
-            while core.wants_to_send:
-                out = core.datagrams_to_send(net.now, self.batch)
-                assert len(out) <= self.batch
-                for o in out:
-                    self.max_body = max(self.max_body, len(o.body))
-                    offset = struct.unpack_from("<I", o.body, 9)[0]
-                    for c in range(o.repeat):
-                        key = (i, o.to)
-                        seq = self.link_seq.get(key, 0)
-                        self.link_seq[key] = seq + 1
-                        w = Wire(i, o.to, o.type, o.body, offset, c, seq)
-                        self.sent_bodies.append(w)
-                        t_send = max(net.now, self.link_free[i])
-                        self.link_free[i] = t_send + self.gap
-                        if self.drop(w):
-                            continue
-                        if o.type in (RS_END, AG_END):
-                            t_send += self.end_delay
-                        for _ in range(2 if self.dup(w) else 1):
-                            net.call_at(t_send, net.send, i, o.to, w, len(o.body))
-
-    def run(self, limit_s: float = 1e4, allow_late: bool = False) -> None:
-        net = self.net
-        self._pump()
-        while True:
-            deadlines = [d for d in (c.get_timer() for c in self.m) if d is not None]
-            pending = net.next_time()
-            t_next = min(([pending] if pending is not None else []) + deadlines, default=None)
-            if t_next is None:
-                break
-            assert math.isfinite(t_next) and t_next < limit_s, "a deadline must be finite"
-            net.run(until=max(net.now, t_next))  # sends and arrivals up to then
-            for c in self.m:
-                d = c.get_timer()
-                if d is not None and d <= net.now:
-                    c.handle_timer(net.now)
-            self._pump()
-        for c in self.m:
-            assert c.finished
-            # the delivery log holds accepted bodies only, so late ones cannot skew the expectation; but
-            # with sane deadlines none of the deterministic scenarios should give up on data in flight
-            assert allow_late or c.statistics().drops.get("late", 0) == 0
 
 
 def make_group(xs: list[np.ndarray], ws: list[float], per: int, **kw) -> list[GroupAverage]:
@@ -158,29 +51,9 @@ def make_group(xs: list[np.ndarray], ws: list[float], per: int, **kw) -> list[Gr
     ]
 
 
-def expected_results(
-    xs: list[np.ndarray], ws: list[float], per: int, delivered: set[tuple[int, int, int, int]]
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per member: the expected result (float64) and a mask of the elements it must match exactly: ranges
-    holding a single member's value (kept own values, or an owner's range nobody else reached)."""
-    n, length = len(xs), len(xs[0])
-    w32 = [float(np.float32(w)) for w in ws]
-    res = [x.astype(np.float64) for x in xs]
-    exact = [np.ones(length, dtype=bool) for _ in xs]
-    for j in range(n):
-        a, b = j * length // n, (j + 1) * length // n
-        for off in range(a, b, per):
-            e = min(off + per, b)
-            contrib = [j] + [s for s in range(n) if s != j and (s, j, RS_DATA, off) in delivered]
-            avg = sum(w32[s] * xs[s][off:e].astype(np.float64) for s in contrib) / sum(w32[s] for s in contrib)
-            for i in range(n):
-                if i == j or (j, i, AG_DATA, off) in delivered:
-                    res[i][off:e] = avg
-                    exact[i][off:e] = len(contrib) == 1
-    return res, exact
 
 
-def check_results(members: list[GroupAverage], xs, ws, per, net: Net) -> None:
+def check_results(members: list[GroupAverage], xs, ws, per, net: GroupNet) -> None:
     exp, exact = expected_results(xs, ws, per, net.delivered)
     scale = max((float(np.abs(x).max()) for x in xs if len(x)), default=1.0) or 1.0
     stack = np.stack(xs) if len(xs[0]) else None
@@ -207,7 +80,7 @@ def inputs(n: int, length: int, seed: int = 1, weights: list[float] | None = Non
 def test_no_loss_exact_weighted_mean():
     xs, ws = inputs(4, 10007, weights=[1.0, 7.0, 32.0, 3.5])
     m = make_group(xs, ws, per=97)
-    net = Net(m)
+    net = GroupNet(m)
     net.run()
     mean = sum(w * x.astype(np.float64) for w, x in zip(ws, xs, strict=True)) / sum(ws)
     for core in m:
@@ -225,7 +98,7 @@ def test_no_loss_exact_weighted_mean():
 def test_drop_every_kth_copy():
     xs, ws = inputs(5, 4000, seed=2)
     m = make_group(xs, ws, per=33)
-    net = Net(m, drop=lambda w: w.seq % 7 == 3)
+    net = GroupNet(m, drop=lambda w: w.seq % 7 == 3)
     net.run()
     check_results(m, xs, ws, 33, net)
     missing = [(s, d, t, o) for s, d, t, o in net.delivered]
@@ -239,7 +112,7 @@ def test_drop_specific_ranges_averages_exactly_what_arrived():
     s0, _ = layout.shard(0)
     dropped = {(1, 0, s0), (2, 0, s0), (2, 0, s0 + per)}  # range 0 of shard 0: only the owner; range 1: 0 and 1
     m = make_group(xs, ws, per)
-    net = Net(m, drop=lambda w: w.mtype == RS_DATA and (w.src, w.dst, w.offset) in dropped)
+    net = GroupNet(m, drop=lambda w: w.mtype == RS_DATA and (w.src, w.dst, w.offset) in dropped)
     net.run()
     check_results(m, xs, ws, per, net)
     r = m[1].result()
@@ -255,7 +128,7 @@ def test_missing_all_gather_stream_keeps_own_values_and_ends_at_deadline():
     n, per = 4, 25
     xs, ws = inputs(n, 1000, seed=4)
     m = make_group(xs, ws, per, floor_s=0.5)
-    net = Net(m, drop=lambda w: w.src == 1 and w.dst == 0 and w.mtype in (AG_DATA, AG_END))
+    net = GroupNet(m, drop=lambda w: w.src == 1 and w.dst == 0 and w.mtype in (AG_DATA, AG_END))
     net.run()
     check_results(m, xs, ws, per, net)
     a, b = Layout(1000, n, per).shard(1)
@@ -271,7 +144,7 @@ def test_silent_member_is_averaged_out_at_a_finite_deadline_with_floor():
     xs, ws = inputs(n, 3000, seed=5)
     m = make_group(xs, ws, per, floor_s=floor)
     assert m[0].get_timer() == pytest.approx(0.0 + floor)  # no rate yet: the floor
-    net = Net(m, drop=lambda w: w.src == 3)
+    net = GroupNet(m, drop=lambda w: w.src == 3)
     net.run()
     check_results(m, xs, ws, per, net)
     mean012 = sum(ws[s] * xs[s].astype(np.float64) for s in range(3)) / sum(ws[:3])
@@ -323,7 +196,7 @@ def test_end_markers_end_the_phase_early():
             and w.offset == a + (layout.datagrams(w.dst if w.mtype == RS_DATA else w.src) - 1) * per
         )
 
-    net = Net(m, drop=last_range)
+    net = GroupNet(m, drop=last_range)
     net.run()
     check_results(m, xs, ws, per, net)
     for c in m:
@@ -336,11 +209,11 @@ def test_end_markers_end_the_phase_early():
 def test_reorder_and_duplicates_change_nothing():
     xs, ws = inputs(4, 2500, seed=8)
     plain = make_group(xs, ws, per=31)
-    Net(plain).run()
+    GroupNet(plain).run()
     m = make_group(xs, ws, per=31)
     # data reordered by up to 50 ms; END markers (sent last) arrive after the jitter window, as they would
     # when reordering is small against a stream's length
-    net = Net(m, jitter=0.05, end_delay=0.05, dup=lambda w: w.seq % 3 == 0, seed=3)
+    net = GroupNet(m, jitter=0.05, end_delay=0.05, dup=lambda w: w.seq % 3 == 0, seed=3)
     net.run()
     for a, b in zip(plain, m, strict=True):
         np.testing.assert_allclose(a.result(), b.result(), rtol=0, atol=1e-5)
@@ -352,7 +225,7 @@ def test_end_overtaking_data_loses_the_data_behind_it():
     """An END that overtakes its stream's data closes the stream: what arrives later is late and lost."""
     xs, ws = inputs(3, 900, seed=13)
     m = make_group(xs, ws, per=10)
-    net = Net(m, jitter=0.05, seed=4)
+    net = GroupNet(m, jitter=0.05, seed=4)
     net.run(allow_late=True)
     check_results(m, xs, ws, 10, net)
     assert sum(c.statistics().drops.get("late", 0) for c in m) > 0
@@ -397,10 +270,10 @@ def test_inplace_matches_out_of_place():
     xs, ws = inputs(3, 1234, seed=10)
     drop = lambda w: w.seq % 5 == 1  # noqa: E731
     a = make_group(xs, ws, per=16)
-    Net(a, drop=drop).run()
+    GroupNet(a, drop=drop).run()
     copies = [x.copy() for x in xs]
     b = [GroupAverage(GROUP, 3, i, copies[i], ws[i], 0.0, max_payload=payload_for(16), out=copies[i]) for i in range(3)]
-    Net(b, drop=drop).run()
+    GroupNet(b, drop=drop).run()
     for i in range(3):
         assert b[i].result() is copies[i]
         np.testing.assert_array_equal(a[i].result(), copies[i])
@@ -422,7 +295,7 @@ def test_single_member_is_its_own_result():
 def test_vector_shorter_than_group(length):
     xs, ws = inputs(5, length, seed=11)
     m = make_group(xs, ws, per=2)
-    net = Net(m)
+    net = GroupNet(m)
     net.run()
     check_results(m, xs, ws, 2, net)
 
@@ -452,7 +325,7 @@ def test_bad_construction():
 def test_float64_input_is_converted():
     xs = [np.arange(7, dtype=np.float64), np.ones(7)]
     m = [GroupAverage(GROUP, 2, i, xs[i], 1.0, 0.0, max_payload=payload_for(3)) for i in range(2)]
-    Net(m).run()
+    GroupNet(m).run()
     np.testing.assert_allclose(m[0].result(), (xs[0] + xs[1]) / 2)
 
 
@@ -461,7 +334,7 @@ def test_nan_and_inf_do_not_crash():
     both phases: shard 0 is [0, 3) in ranges [0, 2), [2, 3); shard 1 is [3, 6) in [3, 5), [5, 6)."""
     xs = [np.array([np.nan, 1, np.inf, -np.inf, 2, 3], np.float32), np.array([1, np.inf, 1, np.inf, 2, 3], np.float32)]
     m = make_group(xs, [1.0, 1.0], per=2)
-    Net(m).run()
+    GroupNet(m).run()
     r0, r1 = m[0].result(), m[1].result()
     # member 0 owns [0, 3): member 1's [1, inf] is refused, its [1] at 2 is taken (own inf stays inf)
     assert np.isnan(r0[0]) and r0[1] == 1 and r0[2] == np.inf
@@ -626,7 +499,7 @@ def test_random_loss_result_equals_independent_computation(sc):
     xs = [(rng.standard_normal(length) * 10).astype(np.float32) for _ in range(n)]
     drop_rng = np.random.default_rng(seed + 1)
     m = make_group(xs, ws, per, floor_s=0.2)
-    net = Net(m, drop=lambda w: w.src in silent or drop_rng.random() < p, jitter=0.002, seed=seed)
+    net = GroupNet(m, drop=lambda w: w.src in silent or drop_rng.random() < p, jitter=0.002, seed=seed)
     net.run(allow_late=True)  # jitter lets END markers overtake data: that data is then late and lost
     check_results(m, xs, ws, per, net)
     for c in m:
@@ -691,7 +564,7 @@ def test_unbiased_under_independent_loss():
         rng = np.random.default_rng(1000 + seed)
         xs = [(g + rng.standard_normal(length)).astype(np.float32) for _ in range(n)]
         m = make_group(xs, ws, per, floor_s=0.2)
-        net = Net(m, drop=lambda w, r=rng: r.random() < 0.10)
+        net = GroupNet(m, drop=lambda w, r=rng: r.random() < 0.10)
         net.run()
         for j in range(n):  # the owners' averages: the reduce-scatter estimator
             a, b = j * length // n, (j + 1) * length // n

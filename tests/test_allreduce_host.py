@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peerd.allreduce import HEADER_SIZE, BodyType, Layout, pack_data, parse_header
+from peerd.allreduce import HEADER_SIZE, Layout, pack_data, parse_header
 from peerd.allreduce.held import ENTRY_OVERHEAD, HeldData
 from peerd.allreduce.host import (
     AveragingHost,
@@ -40,9 +40,8 @@ from peerd.allreduce.options import AverageOptions
 from peerd.tools.sim.net import Link, Network
 from peerd.transport.pacing import Pacer, Report
 
-from .test_allreduce_core import expected_results
+from .support.groups import AG_DATA, RS_DATA, RS_END, expected_results  # noqa: E402
 
-RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
 DATA = (RS_DATA, AG_DATA)
 PER = 16  # float32 elements per datagram
 MAX_BODY = HEADER_SIZE + 4 * PER
@@ -51,7 +50,7 @@ INF = float("inf")
 
 
 @dataclass
-class Node:
+class HostNode:
     i: int
     peer: bytes
     token: int
@@ -86,7 +85,7 @@ class Lab:
                  link: Link | None = None, seed: int = 0, bind_at: dict[tuple[int, int], float] | None = None,
                  held: Callable[[], HeldData] | None = None, end_spacing_s: tuple[float, ...] | None = None) -> None:
         self.net = Network(random.Random(seed), default=link or Link(latency=0.01))
-        self.nodes = [Node(i, bytes([i + 1]) * 32, 0x1000 + i,
+        self.nodes = [HostNode(i, bytes([i + 1]) * 32, 0x1000 + i,
                            AveragingHost(max_body=MAX_BODY, mtu=MTU, held=held() if held else None,
                                          end_spacing_s=end_spacing_s))
                       for i in range(n)]
@@ -196,7 +195,7 @@ class Lab:
         for d in datagrams:
             self.net.send(d.src, d.dst, d, len(d.body))
 
-    def apply(self, node: Node, actions: Any) -> None:
+    def apply(self, node: HostNode, actions: Any) -> None:
         for a in actions:
             if isinstance(a, Dropped):
                 node.drops[a.reason] += a.count
@@ -400,7 +399,7 @@ def test_end_copies_are_spaced_from_when_the_first_goes() -> None:
 
 
 def test_a_member_that_crashes_mid_average() -> None:
-    """Node 3 dies 5 ms in, its reduce-scatter on the wire and its all-gather not sent yet: the others use
+    """HostNode 3 dies 5 ms in, its reduce-scatter on the wire and its all-gather not sent yet: the others use
     its contributions, keep their own values for its shard, and end their all-gather by deadline."""
     xs, ws = inputs(4, 60 * PER, seed=5)
     lab = Lab(4, link=Link(latency=0.01))
@@ -478,7 +477,7 @@ def test_duplicated_and_late_blocks_change_nothing() -> None:
 
 
 def test_data_for_a_group_not_started_yet_is_held_and_used() -> None:
-    """Node 2 starts 0.15 s after the others: their data waits for it, and nothing is lost."""
+    """HostNode 2 starts 0.15 s after the others: their data waits for it, and nothing is lost."""
     xs, ws = inputs(3, 20 * PER)
     lab = Lab(3)
     lab.start({0: 0.0, 1: 0.0, 2: 0.15}, 31, [0, 1, 2], xs, ws, floor_s=0.5)
@@ -552,7 +551,7 @@ def test_a_held_block_that_would_pass_its_tokens_bound_is_held_body_by_body_up_t
 
 @pytest.mark.parametrize("gate", [True, False])
 def test_a_member_not_heard_from_gets_its_share_once_it_runs_the_group(gate: bool, monkeypatch) -> None:
-    """Node 2 starts 0.3 s late and holds at most 20 bodies per sender: the others give it 10 datagrams
+    """HostNode 2 starts 0.3 s late and holds at most 20 bodies per sender: the others give it 10 datagrams
     (GATE_BYTES) and the rest once its data or REPORTs show it runs the group, so nothing is dropped. Without
     the gate (a budget past the vector) its hold overflows and the average loses that data."""
     import peerd.allreduce.host as host_module
@@ -577,7 +576,7 @@ def test_a_member_not_heard_from_gets_its_share_once_it_runs_the_group(gate: boo
 
 
 def test_an_unbound_token_is_resolved_when_its_group_starts() -> None:
-    """Node 1's data reaches node 0 before node 0 has started the group and before 1's token is bound there;
+    """HostNode 1's data reaches node 0 before node 0 has started the group and before 1's token is bound there;
     the binding arrives (node 0 remembers it) and only then does node 0 start: the held data is used."""
     xs, ws = inputs(2, 10 * PER)
     lab = Lab(2, bind_at={(1, 0): 0.05})
@@ -589,7 +588,7 @@ def test_an_unbound_token_is_resolved_when_its_group_starts() -> None:
 
 
 def test_data_from_an_unbound_token_waits_for_its_binding() -> None:
-    """Node 1's token is bound at node 0 only at 0.3 s, long after its data arrived: held, then delivered."""
+    """HostNode 1's token is bound at node 0 only at 0.3 s, long after its data arrived: held, then delivered."""
     xs, ws = inputs(3, 20 * PER)
     lab = Lab(3, bind_at={(1, 0): 0.3})
     lab.start(0.0, 51, [0, 1, 2], xs, ws, floor_s=0.5)
@@ -663,7 +662,7 @@ def test_a_member_that_never_sends_is_averaged_out_at_a_finite_deadline() -> Non
 
 
 def test_a_report_from_a_non_member_moves_nothing() -> None:
-    """Node 3 is not in group 81 and claims total loss on node 0's path: dropped; members' REPORTs count."""
+    """HostNode 3 is not in group 81 and claims total loss on node 0's path: dropped; members' REPORTs count."""
     xs, ws = inputs(3, 200 * PER)
     lab = Lab(4)
     lab.start(0.0, 81, [0, 1, 2], xs, ws, floor_s=0.3)

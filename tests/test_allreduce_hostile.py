@@ -21,9 +21,9 @@ from peerd.tools.faults import byzantine
 from peerd.transport.pacing import Pacer, Report
 from peerd.wire.errors import WireError
 
-from .memnet import MemNet
-from .test_allreduce_core import AG_DATA, GROUP, RS_DATA, Net, payload_for
-from .test_allreduce_service import Node
+from .support.allreduce_nodes import AllreduceNode
+from .support.groups import AG_DATA, GROUP, RS_DATA, GroupNet, payload_for
+from .support.memnet import MemNet
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -48,7 +48,7 @@ def test_a_huge_weight_is_capped() -> None:
     ws = [3e38, 2.0, 5.0]
     m = group(xs, ws, max_weight=100.0)
     m[0] = GroupAverage(GROUP, 3, 0, xs[0], ws[0], 0.0, max_payload=payload_for(16))
-    Net(m).run()
+    GroupNet(m).run()
     capped = [100.0, 2.0, 5.0]
     want = sum(w * x.astype(np.float64) for w, x in zip(capped, xs, strict=True)) / sum(capped)
     layout = Layout(300, 3, 16)
@@ -67,7 +67,7 @@ def test_a_huge_weight_is_capped() -> None:
 def test_default_cap_is_2_to_the_24() -> None:
     xs = honest(2, 64)
     m = group(xs, [3e38, 1.0])
-    Net(m).run()
+    GroupNet(m).run()
     want = (DEFAULT_MAX_WEIGHT * xs[0].astype(np.float64) + xs[1]) / (DEFAULT_MAX_WEIGHT + 1)
     np.testing.assert_allclose(m[1].result(), want, rtol=1e-6)
 
@@ -80,7 +80,7 @@ def test_finite_input_never_gives_a_non_finite_result() -> None:
     xs[3][:50] = -F32_MAX
     ws = [float(2**24)] * n
     m = group(xs, ws)
-    Net(m).run()
+    GroupNet(m).run()
     want = sum(x.astype(np.float64) for x in xs) / n
     for core in m:
         r = core.result()
@@ -93,7 +93,7 @@ def test_a_nan_member_is_refused_everywhere_and_the_rest_average() -> None:
     ws = [1.0, 2.0, 3.0, 4.0]
     m = group(xs, ws)
     m[2] = byzantine("nan")(GROUP, 4, 2, xs[2], ws[2], 0.0, max_payload=payload_for(16))
-    Net(m).run()
+    GroupNet(m).run()
     layout = Layout(400, 4, 16)
     rest = [0, 1, 3]
     want = sum(ws[i] * xs[i].astype(np.float64) for i in rest) / sum(ws[i] for i in rest)
@@ -153,7 +153,7 @@ def test_byzantine_modes_corrupt_only_what_is_sent() -> None:
     for mode in ("scale", "signflip", "random"):
         m = group(xs, [1.0, 1.0], per=8)
         m[0] = byzantine(mode)(GROUP, 2, 0, xs[0], 1.0, 0.0, max_payload=payload_for(8))
-        Net(m).run()
+        GroupNet(m).run()
         a, b = 32, 64  # shard 1, owned by the honest member 1: corrupted input
         sent = 2 * m[1].result()[a:b] - xs[1][a:b]
         if mode == "scale":
@@ -240,7 +240,7 @@ def test_pacer_paths_are_bounded() -> None:
 def test_held_data_expires_on_a_timer_and_oversized_bodies_are_not_held() -> None:
     async def main() -> None:
         net = MemNet()
-        a, b = Node(net, 0), Node(net, 1)
+        a, b = AllreduceNode(net, 0), AllreduceNode(net, 1)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
             for node in (a, b):
@@ -271,13 +271,13 @@ def test_service_counts_refused_contributions_and_caps_weights() -> None:
     xs = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
     ws = [1.0, 2.0, 1e9, 4.0]
     results: dict[int, object] = {}
-    nodes_out: list[Node] = []
+    nodes_out: list[AllreduceNode] = []
 
     async def main() -> None:
         net = MemNet(seed=5)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = [Node(net, i) for i in range(n)]
+            nodes = [AllreduceNode(net, i) for i in range(n)]
             nodes[1].service = AllreduceService(nodes[1].endpoint, nodes[1].metrics, group_factory=byzantine("nan"))
             nodes_out.extend(nodes)
             for node in nodes:

@@ -10,27 +10,10 @@ import trio.testing
 from peerd.allreduce import Layout, elements_per_datagram
 from peerd.allreduce import host as host_module
 from peerd.allreduce.options import AverageOptions
-from peerd.allreduce.service import AllreduceService, Member
-from peerd.metrics import Metrics
-from peerd.transport import Endpoint
 from peerd.wire.envelope import HEADER_DTYPE, HEADER_SIZE
-from peerd.wire.identity import Identity
 
-from .memnet import MemNet
-
-SECRET = bytes(range(32))
-
-
-class Node:
-    def __init__(self, net: MemNet, i: int) -> None:
-        self.addr = ("127.0.0.1", 30000 + i)
-        self.metrics = Metrics()
-        self.identity = Identity.generate()
-        self.endpoint = Endpoint(net.socket(*self.addr), self.identity, SECRET, self.metrics)
-        self.service = AllreduceService(self.endpoint, self.metrics)
-
-    def member(self) -> Member:
-        return Member(self.identity.public_key, self.identity.node_id, self.addr)
+from .support.allreduce_nodes import AllreduceNode  # noqa: E402
+from .support.memnet import MemNet
 
 
 def run_group(n: int, size: int, *, drop: float = 0.0, dead: tuple[int, ...] = (), seed: int = 0,
@@ -45,7 +28,7 @@ def run_group(n: int, size: int, *, drop: float = 0.0, dead: tuple[int, ...] = (
         net.captured = captured
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = [Node(net, i) for i in range(n)]
+            nodes = [AllreduceNode(net, i) for i in range(n)]
             for node in nodes:
                 nursery.start_soon(node.endpoint.serve)
             for i in dead:
@@ -141,7 +124,7 @@ def test_paced_parts_follow_the_sockets_declared_gso() -> None:
         net = MemNet(seed=3)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = [Node(net, i) for i in range(2)]
+            nodes = [AllreduceNode(net, i) for i in range(2)]
             for node in nodes:
                 nursery.start_soon(node.endpoint.serve)
                 node.service.host.pacer.rate = 1.2e8

@@ -13,7 +13,7 @@ from peerd.compress.topk import EF21M, TopKLayout, ratio_formula
 from peerd.wire.envelope import HEADER_SIZE as ENVELOPE_SIZE
 from peerd.wire.seal import TAG_SIZE
 
-from .test_codecs import bytes_sent_per_peer
+from .support.codecs import bytes_sent_per_peer
 
 SHAPES = ((40, 9), (17,), (8, 5, 2), (), (25, 3), (0, 4))
 

@@ -13,7 +13,7 @@ import pytest
 
 from peerd.tools.swarm import LocalSwarm
 
-from .conftest import metric_value, peerd, peerd_json, scrape, wait_until
+from .support.processes import metric_value, peerd, peerd_json, scrape, wait_until
 
 pytestmark = pytest.mark.e2e
 

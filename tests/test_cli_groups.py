@@ -12,7 +12,7 @@ import pytest
 from peerd import cli
 from peerd.cli import COMMAND_GROUPS, LAB_GROUP, build_parser
 
-from .conftest import peerd
+from .support.processes import peerd
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "scripts"))
 import gen_cli_docs  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 from peerd.cli import build_parser
 from peerd.tools.swarm import LocalSwarm
 
-from .conftest import peerd
+from .support.processes import peerd
 
 pytestmark = pytest.mark.e2e
 

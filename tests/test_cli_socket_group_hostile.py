@@ -16,8 +16,8 @@ import pytest
 
 from peerd.localsock.access import may_use, trusted_daemon
 
-from .conftest import wait_until
-from .test_deploy import ROOT, _as_user, _free_id
+from .support.processes import wait_until
+from .support.users import ROOT, _as_user, _free_id
 
 
 def test_trusted_daemon_needs_a_socket_nobody_else_could_place(tmp_path) -> None:

@@ -16,6 +16,8 @@ from peerd.wire.envelope import HEADER_SIZE as ENVELOPE_SIZE
 from peerd.wire.errors import WireError
 from peerd.wire.seal import TAG_SIZE
 
+from .support.codecs import BiasedInt, bytes_sent_per_peer  # noqa: E402
+
 INT_CODECS = [("int8", 128), ("int4", 128), ("int8", 7), ("int4", 5), ("int4", 1)]
 ALL = [codec(n) for n in NAMES]
 
@@ -190,19 +192,6 @@ def z_scores(estimates: np.ndarray, exact: np.ndarray, var: np.ndarray) -> tuple
     return float(z), float(ms)
 
 
-class BiasedInt(IntCodec):
-    """A deliberately biased rounding: draws shrunk by 2 % (rounds down a little too often), on the numpy path
-    (the native one makes the same bytes: tests/test_quant_native.py)."""
-
-    def _encode_rows(self, values, key, offset):
-        import peerd.compress.quant as q
-
-        real = q.uniforms
-        q.uniforms = lambda *a: real(*a) * np.float32(0.98)
-        try:
-            return super()._encode_rows_numpy(values, key, offset)
-        finally:
-            q.uniforms = real
 
 
 def stochastic_estimates(c: IntCodec, x: np.ndarray, rounds: int) -> tuple[np.ndarray, np.ndarray]:
@@ -402,21 +391,6 @@ def test_fuzz_mutated_valid_bodies(wire_id, count, edits):
 # ---- wire sizes -----------------------------------------------------------------------------------------
 
 
-def bytes_sent_per_peer(c, size: int, n: int, datagram: int) -> int:
-    """Bytes member 0 sends in one average of a ``size``-element vector in a group of ``n``: its reduce-scatter
-    streams of every other shard and its all-gather of its own shard to n-1 members, data datagrams plus END
-    repeats, each datagram = envelope + AEAD tag + tensor header + body (the real header sizes)."""
-    overhead = ENVELOPE_SIZE + TAG_SIZE + frames.HEADER_SIZE
-    per = c.max_count(datagram - overhead)
-    layout = Layout(size, n, per)
-
-    def stream(j: int) -> int:
-        start, stop = layout.shard(j)
-        full, tail = divmod(stop - start, per)
-        return full * (overhead + c.body_size(per)) + (overhead + c.body_size(tail) if tail else 0) + (
-            frames.END_REPEATS * overhead)
-
-    return sum(stream(j) for j in range(1, n)) + (n - 1) * stream(0)
 
 
 def test_fp32_figure_matches_todays_layout():

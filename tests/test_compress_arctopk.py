@@ -1,5 +1,5 @@
 """arc-topk in the average (peerd/allreduce/arctopk.py): three unchanged GroupAverage phases over the one in-memory
-network (peerd/tools/sim/net.py, via tests/test_allreduce_core.Net) with exact loss patterns. The selection is agreed
+network (peerd/tools/sim/net.py, via tests/support/groups.GroupNet) with exact loss patterns. The selection is agreed
 (or known not to be) under loss, members that do not know a selection are counted out of its rows, and EF21M
 through the wired path matches a reference replay of its update rule."""
 
@@ -11,81 +11,23 @@ import numpy as np
 import pytest
 import trio
 
-from peerd.allreduce import GroupAverage
 from peerd.allreduce.arctopk import (
     SELECTION_COPIES,
     ArcTopKPlan,
-    arc_topk_average,
     matrix_shapes,
-    phase_group_id,
-    phase_options,
     ratio_of_plan,
     service_arc_topk,
 )
-from peerd.allreduce.frames import peek_group
 from peerd.allreduce.options import AverageOptions
 from peerd.allreduce.service import Member
 from peerd.compress import codec
 from peerd.compress.topk import EF21M
 
-from .memnet import MemNet
-from .test_allreduce_core import AG_DATA, RS_DATA, Net, Wire
-from .test_moshpit_service import run_virtual, swarm
-
-SHAPES = [(48, 10), (30,), (20, 6), (9, 2, 3)]
-PAYLOAD = 4 * 40 + 20  # 40 fp32 values a datagram (the tensor header is 20 bytes)
-GROUP = 0x00A7C0DE
-RUN, ROUND = 0xFEED, 7
-
-
-def plan_for(n: int, ratio: float = 0.25, shapes=SHAPES, payload: int = PAYLOAD, dense=None) -> ArcTopKPlan:
-    return ArcTopKPlan.build(shapes, n, ratio, payload, dense)
-
-
-def run_group(plan: ArcTopKPlan, xs: list[np.ndarray], ws: list[float], drop=lambda phase, w: False,
-              efs: list[EF21M] | None = None, rnd: int = ROUND, dense=None, offload=None, robust=None,
-              tamper=None) -> tuple[list, list]:
-    """Every member's arc_topk_average, phase by phase: a phase's GroupAverages run over one Net once every
-    member has handed in its vector, with the options the daemon gives each phase (``phase_options``).
-    ``tamper(i, phase, vector)``: what member i sends instead (a hostile member). Returns (results, per phase:
-    the Net that carried it)."""
-    n = len(xs)
-    nets: list = []
-    results: list = [None] * n
-
-    async def main() -> None:
-        pending: dict[int, dict[int, np.ndarray]] = {0: {}, 1: {}, 2: {}}
-        done = {p: trio.Event() for p in range(3)}
-        out: dict[int, list] = {}
-
-        def phase_of(w: Wire) -> int:
-            return [phase_group_id(GROUP, p) for p in range(3)].index(peek_group(w.body))
-
-        async def average(i: int, phase: int, gid: int, vector: np.ndarray):
-            pending[phase][i] = vector if tamper is None else tamper(i, phase, vector.copy())
-            if len(pending[phase]) == n:
-                c = dense if phase == 2 else None
-                cores = [GroupAverage(gid, n, k, pending[phase][k], ws[k], 0.0, max_payload=PAYLOAD, codec=c,
-                                      run=RUN, **phase_options(phase, robust)) for k in range(n)]
-                net = Net(cores, drop=lambda w: drop(phase_of(w), w))
-                net.run(allow_late=True)
-                nets.append(net)
-                out[phase] = [c.result().copy() for c in cores]
-                done[phase].set()
-            await done[phase].wait()
-            return out[phase][i], None, 0
-
-        async def member(i: int) -> None:
-            extra = {} if offload is None else {"offload": offload}
-            results[i] = await arc_topk_average(lambda p, g, v: average(i, p, g, v), plan, GROUP, i, xs[i],
-                                                run=RUN, round=rnd, ef=efs[i] if efs else None, **extra)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(n):
-                nursery.start_soon(member, i)
-
-    trio.run(main)
-    return results, nets
+from .support.arctopk import GROUP, ROUND, RUN, SHAPES, plan_for, run_group, wmean  # noqa: E402
+from .support.groups import AG_DATA, RS_DATA, Wire
+from .support.memnet import MemNet
+from .support.moshpit_swarm import swarm
+from .support.virtual import run_virtual
 
 
 def inputs(n: int, length: int, seed: int) -> tuple[list[np.ndarray], list[float]]:
@@ -94,9 +36,6 @@ def inputs(n: int, length: int, seed: int) -> tuple[list[np.ndarray], list[float
             [float(w) for w in rng.integers(1, 20, n)])
 
 
-def wmean(vs: list[np.ndarray], ws: list[float], who) -> np.ndarray:
-    who = list(who)
-    return sum(ws[k] * vs[k].astype(np.float64) for k in who) / sum(ws[k] for k in who)
 
 
 def exact_selection(plan: ArcTopKPlan, vs, ws, who=None) -> list[list[np.ndarray]]:
@@ -335,7 +274,7 @@ def test_through_the_allreduce_service_selections_agree_and_nothing_unknown_land
 
 
 def test_a_moshpit_run_in_arc_topk_keeps_its_ef21m_state_and_every_member_holds_the_same_u() -> None:
-    from .test_dht_network import counter_value
+    from .support.virtual import counter_value
 
     results: list = []
     xs, ws = inputs(3, 48 * 10 + 30 + 20 * 6 + 9 * 6, 8)

@@ -15,9 +15,9 @@ from peerd.localsock.server import Connection, OpError
 from peerd.moshpit.service import MoshpitError, check_compression, codec_run_key
 from peerd.trainer import TrainerService
 
-from .memnet import MemNet
-from .test_dht_network import counter_value
-from .test_moshpit_service import run_virtual, swarm
+from .support.memnet import MemNet
+from .support.moshpit_swarm import swarm
+from .support.virtual import counter_value, run_virtual
 
 LAYOUT = [["w", [40, 50], "float32"], ["b", [50], "float32"]]  # 2,050 elements
 ELEMS = 40 * 50 + 50

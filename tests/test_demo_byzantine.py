@@ -15,21 +15,10 @@ from peerd.tools.faults import WEIGHT as BYZANTINE_WEIGHT
 from peerd.tools.faults import byzantine
 from peerd.torch.optimizer import MAX_SAMPLES_FACTOR
 
-from .test_allreduce_core import GROUP, Net, payload_for
+from .support.gradients import cos, gradients  # noqa: E402
+from .support.groups import GROUP, GroupNet, payload_for
 
 PER = 50
-
-
-def cos(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
-def gradients(n: int, length: int, seed: int) -> list[np.ndarray]:
-    """Honest replicas' gradients: a common signal plus noise of the same size."""
-    rng = np.random.default_rng(seed)
-    signal = rng.standard_normal(length)
-    return [(signal + rng.standard_normal(length)).astype(np.float32) for _ in range(n)]
 
 
 def average(xs: list[np.ndarray], bad: int, **options: object) -> list[GroupAverage]:
@@ -38,7 +27,7 @@ def average(xs: list[np.ndarray], bad: int, **options: object) -> list[GroupAver
     cores = [byzantine("inflate-signflip" if i == bad else None)(GROUP, n, i, xs[i], 32.0, 0.0,
                                                                  max_payload=payload_for(PER), **options)
              for i in range(n)]
-    Net(cores).run()
+    GroupNet(cores).run()
     return cores
 
 
@@ -100,7 +89,7 @@ def test_diloco_outer_averages_bound_claimed_weights_by_default_hostile(tmp_path
     from peerd.allreduce.robust import MAX_C
     from peerd.torch import DiLoCo
 
-    from .trainer_harness import InProcessAverager, ThreadDaemon
+    from .support.trainer_harness import InProcessAverager, ThreadDaemon
 
     daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.1))
     try:

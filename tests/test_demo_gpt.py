@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from .conftest import peerd_json
+from .support.processes import peerd_json
 
 pytest.importorskip("torch")
 
@@ -114,7 +114,7 @@ def test_straggler_option_parses_factors() -> None:
     ],
 )
 def test_gpt_demo_arguments_are_checked(args: list[str], needle: str) -> None:
-    from .conftest import peerd
+    from .support.processes import peerd
 
     proc = peerd(*args, check=False)
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr

@@ -13,7 +13,6 @@ import time
 import pytest
 import trio
 
-from peerd.dht import records as records_module
 from peerd.dht.core import DhtCore
 from peerd.dht.records import Record, RecordStore, location, named_node, slot_allows
 from peerd.dht.routing import Contact, RoutingTable, distance
@@ -22,8 +21,9 @@ from peerd.transport.endpoint import Incoming
 from peerd.wire import messages as m
 from peerd.wire.identity import Identity
 
-from .memnet import MemNet
-from .test_dht_network import counter_value, run_virtual, start_swarm
+from .support.dht_swarm import start_swarm
+from .support.memnet import MemNet
+from .support.virtual import counter_value, run_virtual
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 BOB = Identity.from_seed(b"\x02" * 32)
@@ -56,19 +56,6 @@ class NoScan(dict):
         raise AssertionError("the store scanned every key")
 
     keys = values = items = __iter__
-
-
-@pytest.fixture
-def verify_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls = [0]
-    real = records_module.verify
-
-    def counting(*args):
-        calls[0] += 1
-        return real(*args)
-
-    monkeypatch.setattr(records_module, "verify", counting)
-    return calls
 
 
 # -- finding 3: a full store is no CPU sink -------------------------------------------------------
@@ -381,14 +368,15 @@ def test_a_request_sender_enters_the_table_only_once_it_answers() -> None:
     saw 64 of them fill every table (5 -> 56 contacts) and every lookup stall on them."""
     from peerd.wire import messages as wm
 
-    from .memnet import MemNet
-    from .test_dht_network import SimNode, run_virtual
+    from .support.dht_swarm import DhtNode
+    from .support.memnet import MemNet
+    from .support.virtual import run_virtual
 
     async def main() -> None:
         net = MemNet()
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            a, honest, mute = SimNode(net, 0), SimNode(net, 1), SimNode(net, 2)
+            a, honest, mute = DhtNode(net, 0), DhtNode(net, 1), DhtNode(net, 2)
             for node in (a, honest, mute):
                 await nursery.start(node.run)
             mute.endpoint.on_request(wm.MsgType.PING, lambda incoming: None)  # it asks, and never answers

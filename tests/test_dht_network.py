@@ -8,59 +8,12 @@ import pytest
 import trio
 import trio.testing
 
-from peerd.dht import DhtService, service
+from peerd.dht import service
 from peerd.dht.reads import Agreed, Enough
-from peerd.metrics import Metrics
-from peerd.transport import Endpoint
-from peerd.wire.identity import Identity
 
-from .memnet import MemNet
-
-SECRET = bytes(range(32))
-
-
-def counter_value(counter, **labels) -> float:
-    return sum(s.value for m in counter.collect() for s in m.samples
-               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
-class SimNode:
-    def __init__(self, net: MemNet, index: int, secret: bytes | None = SECRET, *, replicas: int | None = None) -> None:
-        self.addr = ("127.0.0.1", 20000 + index)
-        self.sock = net.socket(*self.addr)
-        self.metrics = Metrics()
-        self.identity = Identity.generate()
-        self.endpoint = Endpoint(self.sock, self.identity, secret, self.metrics)
-        self.dht = DhtService(self.endpoint, self.metrics, rng=random.Random(index), refresh_interval=30.0,
-                              **({} if replicas is None else {"replicas": replicas}))
-        self.scope = trio.CancelScope()
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with self.scope:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self.endpoint.serve)
-                await nursery.start(self.dht.run)
-                task_status.started()
-
-    def kill(self, net: MemNet) -> None:
-        net.partition(self.addr)
-        self.scope.cancel()
-
-
-async def start_swarm(nursery: trio.Nursery, net: MemNet, count: int, *, replicas: int | None = None) -> list[SimNode]:
-    """``count`` nodes bootstrapped from the first. Node ids are random: which nodes hold a key differs per run,
-    unless ``replicas`` is the swarm's size (every node then holds every key)."""
-    nodes = [SimNode(net, i, replicas=replicas) for i in range(count)]
-    for node in nodes:
-        await nursery.start(node.run)
-    nodes[0].dht.bootstrapped.set()
-    for node in nodes[1:]:
-        await node.dht.bootstrap([nodes[0].addr], timeout=60)
-    return nodes
-
-
-def run_virtual(fn, *args) -> None:
-    trio.run(fn, *args, clock=trio.testing.MockClock(autojump_threshold=0))
+from .support.dht_swarm import DhtNode, start_swarm  # noqa: E402
+from .support.memnet import MemNet
+from .support.virtual import counter_value, run_virtual  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -159,7 +112,7 @@ def test_other_swarm_is_kept_out() -> None:
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
             nodes = await start_swarm(nursery, net, 4)
-            alien = SimNode(net, 99, secret=bytes(32))
+            alien = DhtNode(net, 99, secret=bytes(32))
             await nursery.start(alien.run)
             from peerd.dht import BootstrapError
 
@@ -261,7 +214,7 @@ def test_nodes_that_join_at_once_all_find_each_other_soon(seed: int) -> None:
         net = MemNet(seed=seed, drop=0.1, jitter=0.004)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = [SimNode(net, i) for i in range(6)]
+            nodes = [DhtNode(net, i) for i in range(6)]
             for node in nodes:
                 await nursery.start(node.run)
             nodes[0].dht.bootstrapped.set()
@@ -283,9 +236,9 @@ def test_own_id_lookups_stop_once_the_table_stops_growing() -> None:
         net = MemNet(seed=3, drop=0.0, jitter=0.002)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = [SimNode(net, i) for i in range(6)]
+            nodes = [DhtNode(net, i) for i in range(6)]
             lookups = [0] * 7
-            for node in nodes + [newcomer := SimNode(net, 6)]:
+            for node in nodes + [newcomer := DhtNode(net, 6)]:
                 node.dht.refresh_interval = 1e6  # only the settle lookups look up this node's own id
 
                 async def counted(target, *, _node=node, _find=node.dht.find_nodes, **kw):

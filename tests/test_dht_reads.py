@@ -9,7 +9,6 @@ import time
 import pytest
 import trio
 
-from peerd.dht import records as records_module
 from peerd.dht.lookup import Lookup
 from peerd.dht.reads import Agreed, AnyOf, Enough, Newer, Owners, near_holders
 from peerd.dht.records import Record, VerifiedCache, location
@@ -17,8 +16,9 @@ from peerd.dht.routing import Contact, RoutingTable, distance
 from peerd.wire.errors import WireError
 from peerd.wire.identity import Identity
 
-from .memnet import MemNet
-from .test_dht_network import run_virtual, start_swarm
+from .support.dht_swarm import start_swarm
+from .support.memnet import MemNet
+from .support.virtual import run_virtual
 
 ALICE = Identity.from_seed(b"\x11" * 32)
 BOB = Identity.from_seed(b"\x12" * 32)
@@ -42,19 +42,6 @@ def rpc_count(node, kind: str) -> int:
                 if s.labels.get("type") == kind and s.name.endswith(("_count", "_total")):
                     total += s.value
     return int(total)
-
-
-@pytest.fixture
-def verify_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls = [0]
-    real = records_module.verify
-
-    def counting(*args):
-        calls[0] += 1
-        return real(*args)
-
-    monkeypatch.setattr(records_module, "verify", counting)
-    return calls
 
 
 # -- read forms (sans-I/O) ------------------------------------------------------------------------

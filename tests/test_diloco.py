@@ -26,26 +26,18 @@ from peerd.torch import DiLoCo  # noqa: E402
 from peerd.torch.diloco import due_fragments, fragment_bounds, nesterov_outer  # noqa: E402
 from peerd.trainer.outer import DhtBoard, OuterError, agree  # noqa: E402
 from peerd.trainer.outer_step import OUTER_ROUNDS  # noqa: E402
-from peerd.trainer.records import OuterRecord, shard_bounds, winner  # noqa: E402
+from peerd.trainer.records import OuterRecord, winner  # noqa: E402
 
-from .trainer_harness import WINDOW_END, InProcessAverager, ThreadDaemon  # noqa: E402
+from .support.diloco import _lossy_copies, _swarm, batch, flat, model, replay  # noqa: E402
+from .support.trainer_harness import WINDOW_END, InProcessAverager, ThreadDaemon  # noqa: E402
 
 torch.set_num_threads(1)
 
 
-def model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 
 
-def flat(ps) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in ps])
 
 
-def batch(i: int, s: int):
-    g = torch.Generator().manual_seed(1000 * i + s)
-    n = 4 * (i + 1)  # members take different sample counts: the average is weighted
-    return torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)
 
 
 # -- the rule and the schedule ---------------------------------------------------------------------------
@@ -78,41 +70,6 @@ def test_fragments_cut_whole_tensors_and_stagger_their_steps() -> None:
     assert due_fragments(5, 5, 1) == [0] and due_fragments(0, 5, 1) == []
 
 
-def replay(members: int, steps: int, sync_every: int, fragments: int, lr: float = 0.1) -> tuple[torch.Tensor, ...]:
-    """DiLoCo computed centrally: every member SGD-steps from the shared global parameters on its batches;
-    at each fragment's sync, the sample-weighted mean of (global - local) drives Nesterov SGD."""
-    ref = [model(0) for _ in range(members)]
-    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in ref]
-    numels = [p.numel() for p in ref[0].parameters()]
-    bounds = fragment_bounds(numels, fragments)
-    glob = flat(ref[0].parameters()).clone()
-    mom = torch.zeros_like(glob)
-    since = [[0.0] * fragments for _ in range(members)]
-    for s in range(1, steps + 1):
-        for i, (m, o) in enumerate(zip(ref, opts, strict=True)):
-            x, y = batch(i, s)
-            o.zero_grad()
-            torch.nn.functional.cross_entropy(m(x), y).backward()
-            o.step()
-            for f in range(fragments):
-                since[i][f] += len(x)
-        for f in due_fragments(s, sync_every, fragments):
-            a, b = bounds[f]
-            deltas = [glob[a:b] - flat(m.parameters())[a:b] for m in ref]
-            w = [since[i][f] for i in range(members)]
-            avg = sum(d * wi for d, wi in zip(deltas, w, strict=True)) / sum(w)
-            mom[a:b] = 0.9 * mom[a:b] + avg
-            glob[a:b] = glob[a:b] - 0.7 * (avg + 0.9 * mom[a:b])
-            for i, m in enumerate(ref):
-                since[i][f] = 0.0
-                off = 0
-                with torch.no_grad():
-                    for p in m.parameters():
-                        lo, hi = max(a, off), min(b, off + p.numel())
-                        if lo < hi:
-                            p.view(-1)[lo - off: hi - off] = glob[lo:hi]
-                        off += p.numel()
-    return glob, mom
 
 
 def train_in_threads(models: list, opts: list, steps: int) -> None:
@@ -438,37 +395,13 @@ def test_records_are_bounded_and_the_winner_is_the_most_held() -> None:
     assert winner([r(1, b"")]) is None
 
 
-async def _swarm(nursery, net, count):
-    from peerd.statesync import StateSync
-
-    from .test_dht_network import start_swarm
-
-    nodes = await start_swarm(nursery, net, count)
-    for n in nodes:
-        n.sync = StateSync(n.endpoint, n.dht, n.metrics, advertise=n.addr)
-    return nodes
 
 
-def _lossy_copies(truth: np.ndarray, n: int, rng: np.random.Generator, per: int = 290) -> list[np.ndarray]:
-    """What each of n group members holds after an all-gather that lost datagrams: member i has the truth in
-    its own shard, and in others' shards some ranges of ``per`` elements keep its own (different) values."""
-    out = []
-    for i in range(n):
-        v = truth.copy()
-        for j in range(n):
-            if j == i:
-                continue
-            a, b = shard_bounds(truth.size, n, j)
-            for off in range(a, b, per):
-                if rng.random() < 0.3:
-                    v[off: min(b, off + per)] = rng.standard_normal(min(b, off + per) - off)
-        out.append(v)
-    return out
 
 
 def test_members_repair_lost_ranges_and_a_straggler_adopts_the_groups_average() -> None:
-    from .memnet import MemNet
-    from .test_dht_network import run_virtual
+    from .support.memnet import MemNet
+    from .support.virtual import run_virtual
 
     truth = np.random.default_rng(1).standard_normal(20_000).astype(np.float32)
     rng = np.random.default_rng(2)
@@ -509,8 +442,8 @@ def test_members_repair_lost_ranges_and_a_straggler_adopts_the_groups_average() 
 
 
 def test_without_loss_nothing_is_fetched_and_a_lost_owner_ends_in_one_final() -> None:
-    from .memnet import MemNet
-    from .test_dht_network import run_virtual
+    from .support.memnet import MemNet
+    from .support.virtual import run_virtual
 
     truth = np.random.default_rng(3).standard_normal(9_000).astype(np.float32)
     held = _lossy_copies(truth, 3, np.random.default_rng(4))
@@ -550,8 +483,8 @@ def test_a_member_that_missed_its_group_is_not_waited_for_and_does_not_leave_alo
     """Members 1 and 2 averaged in a group of 3 whose member 0 never knew it formed (it averaged alone): they
     must not wait out the repair phase for shard 0, and member 0 must not end with its own vector while
     they are still repairing (measured in CI before the fix: member 0 left alone, the others waited 33 s)."""
-    from .memnet import MemNet
-    from .test_dht_network import run_virtual
+    from .support.memnet import MemNet
+    from .support.virtual import run_virtual
 
     truth = np.random.default_rng(5).standard_normal(12_000).astype(np.float32)
     held = _lossy_copies(truth, 3, np.random.default_rng(6))
@@ -596,8 +529,8 @@ def test_two_groups_of_a_grid_step_end_on_one_final_when_the_step_expects_them_a
     run's progress), all four end on one final."""
     import hashlib as _h
 
-    from .memnet import MemNet
-    from .test_dht_network import run_virtual
+    from .support.memnet import MemNet
+    from .support.virtual import run_virtual
 
     rng = np.random.default_rng(9)
     va, vb = (rng.standard_normal(5_000).astype(np.float32) for _ in range(2))

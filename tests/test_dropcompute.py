@@ -9,6 +9,8 @@ import pytest
 
 from peerd.torch.dropcompute import INF, DropCompute, choose_threshold, expected_max
 
+from .support.dropcompute import FakeClock, run_step  # noqa: E402
+
 
 def test_expected_max_is_the_empirical_order_statistic() -> None:
     assert expected_max([1.0, 2.0], 1) == pytest.approx(1.5)
@@ -58,22 +60,8 @@ def test_overhead_that_a_threshold_cannot_shorten_makes_dropping_less_attractive
     assert math.isinf(choose_threshold([], workers=4).tau)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
-def run_step(dc: DropCompute, clock: FakeClock, times: list[float], per_mb: int = 8) -> int:
-    dc.start_step()
-    for t in times:
-        if not dc.keep_going():
-            break
-        with dc.microbatch(per_mb):
-            clock.t += t
-    return dc.end_step()
 
 
 def test_auto_logs_warmup_then_thresholds_and_counts_samples() -> None:

@@ -20,7 +20,7 @@ from peerd.torch.dropcompute import (
     expected_max,
 )
 
-from .test_dropcompute import FakeClock, run_step
+from .support.dropcompute import FakeClock, run_step
 
 
 def jittered(rng: np.random.Generator, n: int, jitter: float = 3.0) -> list[float]:

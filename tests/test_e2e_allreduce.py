@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from .conftest import peerd
+from .support.processes import peerd
 
 pytestmark = pytest.mark.e2e
 

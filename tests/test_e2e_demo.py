@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .conftest import metric_value, peerd_json, scrape, wait_until
+from .support.processes import metric_value, peerd_json, scrape, wait_until
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")

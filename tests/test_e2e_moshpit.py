@@ -10,7 +10,7 @@ import pytest
 
 from peerd.localsock.client import DaemonError
 
-from .conftest import metric_value, peerd, scrape, wait_until
+from .support.processes import metric_value, peerd, scrape, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ from peerd.transport.udp import UdpSocket
 from peerd.wire import messages as m
 from peerd.wire.identity import Identity, load_swarm_key
 
-from .conftest import wait_until
+from .support.processes import wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ import pytest
 
 from peerd.wire.identity import write_identity, write_swarm_key
 
-from .conftest import peerd, peerd_json, wait_until
+from .support.processes import peerd, peerd_json, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ from peerd.transport.endpoint import NAT_SILENT_S
 from peerd.wire import messages as m
 from peerd.wire.identity import Identity
 
-from .memnet import MemNet
+from .support.memnet import MemNet
 
 SECRET = bytes(range(32))
 

@@ -22,7 +22,8 @@ import pytest
 from peerd.tools.lab import LabError, LinkLab, format_rate, parse_rate, tbf_params
 from peerd.tools.lab import links as links_mod
 from peerd.tools.swarm import LocalSwarm
-from tests.conftest import peerd, peerd_json, wait_until
+
+from .support.processes import peerd, peerd_json, wait_until
 
 # Skipped only where this is not root. As root a missing tool (ip, tc, nft, ethtool) fails them, with the
 # lab's error saying what to install: CI runs as root and must install them.

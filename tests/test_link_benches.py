@@ -12,7 +12,7 @@ import pytest
 from peerd.tools.bench.allreduce import bus_fraction, injected_loss, p99
 from peerd.tools.bench.ddp_baseline import time_to_accuracy
 
-from .conftest import peerd_json
+from .support.processes import peerd_json
 
 NOT_ROOT = "the link lab needs root (network namespaces, tc, nftables)"
 

@@ -22,7 +22,7 @@ from peerd.localsock.frames import LENGTH, MAX_FRAME, FrameDecoder, encode_frame
 from peerd.localsock.server import LocalServer, SocketInUse
 from peerd.metrics import Metrics
 
-from .trainer_harness import InProcessAverager, ThreadDaemon
+from .support.trainer_harness import InProcessAverager, ThreadDaemon
 
 NOBODY = 65534
 LAYOUT = [["w", [4], "float32"]]

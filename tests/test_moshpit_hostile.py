@@ -38,8 +38,10 @@ from peerd.wire import messages as m
 from peerd.wire.errors import WireError
 from peerd.wire.identity import Identity
 
-from .memnet import MemNet, MemSocket
-from .test_dht_network import SECRET, SimNode, counter_value, run_virtual
+from .support.dht_swarm import SECRET, DhtNode
+from .support.memnet import MemNet, MemSocket
+from .support.moshpit_groups import _group, node  # noqa: E402
+from .support.virtual import counter_value, run_virtual
 
 BAD_IPS = ["0.0.0.0", "0.1.2.3", "::", "255.255.255.255", "224.0.0.1", "239.255.255.250", "ff02::1",
            "::ffff:255.255.255.255", "::ffff:0.0.0.0", "::ffff:224.0.0.5"]
@@ -88,17 +90,6 @@ class V6Socket(MemSocket):
     family = socket.AF_INET6
 
 
-def node(net: MemNet, index: int, *, sock: MemSocket | None = None, allreduce=None) -> SimpleNamespace:
-    """A DHT node (tests/test_dht_network.SimNode) with a MoshpitService on top."""
-    n = SimNode(net, index)
-    if sock is not None:
-        net.sockets[n.addr] = sock
-        n.sock = sock
-        n.endpoint = Endpoint(sock, n.identity, SECRET, n.metrics)
-        n.dht = type(n.dht)(n.endpoint, n.metrics, rng=random.Random(index), refresh_interval=30.0)
-    n.moshpit = MoshpitService(n.endpoint, n.dht, allreduce or SimpleNamespace(), n.metrics, address=n.addr,
-                               rng=random.Random(index))
-    return n
 
 
 async def start(nursery: trio.Nursery, n) -> None:
@@ -396,11 +387,6 @@ class FakeAllreduce:
         return SimpleNamespace(vector=out, stats=SimpleNamespace(reduce_scatter=phase, all_gather=phase))
 
 
-def _group(a) -> Group:
-    other = Identity.generate()
-    members = (Candidate(1.0, a.identity.node_id, a.identity.public_key, a.addr),
-               Candidate(1.0, other.node_id, other.public_key, ("127.0.0.1", 7)))
-    return Group(77, members, 0, a.identity.node_id)
 
 
 def test_a_non_finite_average_never_replaces_the_vector_and_options_reach_the_owner() -> None:
@@ -489,7 +475,7 @@ def test_weight_cap_reaches_the_real_owners_through_a_round() -> None:
             net.nursery = nursery
             nodes = []
             for i in range(2):
-                n = SimNode(net, i)
+                n = DhtNode(net, i)
                 n.moshpit = MoshpitService(n.endpoint, n.dht, AllreduceService(n.endpoint, n.metrics), n.metrics,
                                            address=n.addr, rng=random.Random(i))
                 await start(nursery, n)
@@ -543,7 +529,7 @@ def test_peers_listening_on_a_wildcard_average_through_matchmaking() -> None:
     0.0.0.0) and followers reach it where the BEGIN came from. A whole round through the DHT, real averaging."""
     from peerd.allreduce.service import AllreduceService
 
-    from .test_dht_network import start_swarm
+    from .support.dht_swarm import start_swarm
 
     async def main() -> None:
         net = MemNet(seed=5)

@@ -6,152 +6,20 @@ the "DHT" each peer reads is a function the test controls, so peers can see diff
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import random
-from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerd.moshpit.matchmaking import PROBE_S, Begin, Candidate, Disband, Group, Join, Matchmaker, Probe, State
+from peerd.moshpit.matchmaking import PROBE_S, Begin, Candidate, Group, Join, Matchmaker, Probe, State
 
-
-def cand(i: int, expiry: float) -> Candidate:
-    return Candidate(expiry, bytes([i]) * 32, bytes([i]) * 32, ("127.0.0.1", 1000 + i))
-
-
-class Net:
-    def __init__(self, peers: list[Candidate], *, target: int, min_size: int = 2, latency: float = 0.01,
-                 dead: set[int] = frozenset(), view: Callable[[int, float], list[Candidate]] | None = None,
-                 start: dict[int, float] | None = None, seed: int = 0, settle: float | None = 0.3) -> None:
-        self.cands = {c.node_id: c for c in peers}
-        self.latency = latency
-        self.dead = {peers[i].node_id for i in dead}
-        self.start = {peers[i].node_id: t for i, t in (start or {}).items()}
-        self.mm = {
-            c.node_id: Matchmaker(c, target=target, min_size=min_size, now=self.start.get(c.node_id, 0.0),
-                                  rng=random.Random(seed * 1000 + i), settle_s=settle)
-            for i, c in enumerate(peers) if c.node_id not in self.dead
-        }
-        self.view = view or (lambda i, now: list(peers))
-        self.index = {c.node_id: i for i, c in enumerate(peers)}
-        self.queue: list = []
-        self.seq = itertools.count()
-        self.now = 0.0
-        self.messages = 0
-        self.probes = 0
-
-    def at(self, t: float, fn) -> None:
-        heapq.heappush(self.queue, (t, next(self.seq), fn))
-
-    def run(self, until: float = 60.0, poll: float = 0.2) -> None:
-        for nid in self.mm:
-            self.at(self.start.get(nid, 0.0), lambda nid=nid: self.poll(nid, poll))
-        while self.queue and not all(mm.done for mm in self.mm.values()):
-            t, _, fn = heapq.heappop(self.queue)
-            assert t <= until, "matchmaking did not finish"
-            self.now = t
-            fn()
-            for nid, mm in self.mm.items():
-                if not mm.done:
-                    mm.handle_timer(self.now)
-                self.flush(nid)
-
-    def poll(self, nid: bytes, every: float) -> None:
-        mm = self.mm.get(nid)
-        if mm is None or mm.done:
-            return
-        mm.on_entries(self.view(self.index[nid], self.now), self.now)
-        self.flush(nid)
-        self.at(self.now + every, lambda: self.poll(nid, every))
-        self.at(mm.get_timer(), lambda: None)  # wake for its timer
-
-    def flush(self, nid: bytes) -> None:
-        me = self.mm[nid].me
-        for action in self.mm[nid].take_actions():
-            self.messages += 1
-            if isinstance(action, Join):
-                self.at(self.now + self.latency, lambda a=action: self.deliver_join(me, a.leader))
-            elif isinstance(action, Begin):
-                for f in action.to:
-                    self.at(self.now + self.latency, lambda f=f, g=action.group: self.deliver_begin(f, g))
-            elif isinstance(action, Disband):
-                for f in action.to:
-                    self.at(self.now + self.latency, lambda f=f: self.deliver_disband(f, me))
-            elif isinstance(action, Probe):
-                self.probes += 1
-                self.at(self.now + self.latency, lambda a=action: self.deliver_probe(me, a.leader))
-
-    def kill(self, i: int) -> None:
-        nid = list(self.cands)[i]
-        self.dead.add(nid)
-        self.mm.pop(nid, None)
-
-    def deliver_join(self, follower: Candidate, leader: Candidate) -> None:
-        mm = self.mm.get(leader.node_id)
-        if mm is None:  # dead: the JOIN's retries run out 3.5 s later
-            self.at(self.now + 3.5, lambda: self.fail(follower, leader))
-            return
-        ok, reason = mm.on_join_request(follower, self.now)
-        self.flush(leader.node_id)
-        self.at(self.now + self.latency, lambda: self.answer(follower, leader, ok, reason))
-
-    def deliver_probe(self, follower: Candidate, leader: Candidate) -> None:
-        """A probe is the same MM_JOIN: a live leader answers it (whatever it says), a dead one never does."""
-        mm = self.mm.get(leader.node_id)
-        if mm is None:  # the JOIN's retries (3 x 0.25 s) run out
-            self.at(self.now + 0.75, lambda: self.mm[follower.node_id].on_probe_failed(leader.node_id, self.now)
-                    if follower.node_id in self.mm else None)
-            return
-        ok, reason = mm.on_join_request(follower, self.now)
-        self.flush(leader.node_id)
-        self.at(self.now + self.latency, lambda: self.mm[follower.node_id].on_probe_answered(
-            leader.node_id, "ok" if ok else reason, self.now) if follower.node_id in self.mm else None)
-
-    def answer(self, follower: Candidate, leader: Candidate, ok: bool, reason: str) -> None:
-        mm = self.mm.get(follower.node_id)
-        if mm is not None:
-            mm.on_join_response(leader.node_id, ok, reason, self.now)
-
-    def fail(self, follower: Candidate, leader: Candidate) -> None:
-        mm = self.mm.get(follower.node_id)
-        if mm is not None:
-            mm.on_join_failed(leader.node_id, self.now)
-
-    def deliver_begin(self, follower: Candidate, group) -> None:
-        mm = self.mm.get(follower.node_id)
-        if mm is not None:
-            mm.on_begin(group.leader, group.group_id, list(group.members))
-
-    def deliver_disband(self, follower: Candidate, leader: Candidate) -> None:
-        mm = self.mm.get(follower.node_id)
-        if mm is not None:
-            mm.on_disband(leader.node_id, self.now)
-
-    def groups(self) -> dict[int, tuple]:
-        """group id -> member list, checking every member agrees on it."""
-        out: dict[int, tuple] = {}
-        for nid, mm in self.mm.items():
-            assert mm.done
-            if mm.group is None:
-                continue
-            g = mm.group
-            assert g.members[g.index].node_id == nid
-            assert out.setdefault(g.group_id, g.members) == g.members, "members disagree on the list"
-        for gid, members in out.items():
-            for c in members:
-                if c.node_id in self.dead:
-                    continue
-                got = self.mm[c.node_id].group
-                assert got is not None and got.group_id == gid, "a listed member is not in the group"
-        return out
+from .support.matchmaking import BoardNet, cand  # noqa: E402
 
 
 def test_earliest_peer_leads_and_group_closes_at_target():
     peers = [cand(i, 10.0 + i * 0.01) for i in range(4)]
-    net = Net(peers, target=4)
+    net = BoardNet(peers, target=4)
     net.run()
     groups = net.groups()
     assert len(groups) == 1
@@ -163,7 +31,7 @@ def test_earliest_peer_leads_and_group_closes_at_target():
 
 def test_many_peers_one_key_fill_groups_of_target():
     peers = [cand(i, 10.0 + i * 0.01) for i in range(16)]
-    net = Net(peers, target=4)
+    net = BoardNet(peers, target=4)
     net.run()
     sizes = sorted(len(m) for m in net.groups().values())
     assert sizes == [4, 4, 4, 4]
@@ -172,21 +40,21 @@ def test_many_peers_one_key_fill_groups_of_target():
 
 def test_group_closes_at_deadline_with_min_size_or_disbands():
     peers = [cand(i, 3.0 + i * 0.01) for i in range(3)]
-    net = Net(peers, target=4, min_size=2, settle=None)
+    net = BoardNet(peers, target=4, min_size=2, settle=None)
     net.run()
     (members,) = net.groups().values()
     assert len(members) == 3
     assert net.now >= 3.0  # the leader waited for its expiry: the group never reached 4
 
     lone = [cand(1, 2.0)]
-    net = Net(lone, target=4, min_size=2)
+    net = BoardNet(lone, target=4, min_size=2)
     net.run()
     assert net.groups() == {} and net.mm[lone[0].node_id].group is None
 
 
 def test_min_size_not_reached_disbands_followers():
     peers = [cand(i, 2.0 + i * 0.01) for i in range(2)]
-    net = Net(peers, target=4, min_size=3)
+    net = BoardNet(peers, target=4, min_size=3)
     net.run()
     assert net.groups() == {}
     assert all(mm.group is None for mm in net.mm.values())
@@ -194,7 +62,7 @@ def test_min_size_not_reached_disbands_followers():
 
 def test_dead_leader_is_skipped():
     peers = [cand(i, 5.0 + i * 0.01) for i in range(5)]
-    net = Net(peers, target=4, dead={0})  # its DHT record is still there, it is not
+    net = BoardNet(peers, target=4, dead={0})  # its DHT record is still there, it is not
     net.run()
     (members,) = net.groups().values()
     assert peers[0].node_id not in {c.node_id for c in members}
@@ -203,7 +71,7 @@ def test_dead_leader_is_skipped():
 
 def test_leader_that_dies_after_accepting_releases_its_followers():
     peers = [cand(i, 3.0 + i * 0.01) for i in range(4)]
-    net = Net(peers, target=8, min_size=2, settle=None)
+    net = BoardNet(peers, target=8, min_size=2, settle=None)
     # kill the leader just after it accepted followers
     net.at(0.5, lambda: net.kill(0))
     net.run()
@@ -220,7 +88,7 @@ def test_followers_of_a_leader_that_died_before_closing_regroup_before_their_exp
     no answer for 0.75 s, and they matchmake again among themselves, well before their expiry (3 s). Without
     probes they waited for BEGIN until the leader's expiry plus 2.5 s, past their own, and were all alone."""
     peers = [cand(i, 3.0 + i * 0.01) for i in range(4)]
-    net = Net(peers, target=8, min_size=2, settle=None)
+    net = BoardNet(peers, target=8, min_size=2, settle=None)
     net.at(0.5, lambda: net.kill(0))
     net.run()
     (members,) = net.groups().values()
@@ -232,7 +100,7 @@ def test_followers_of_a_leader_that_died_before_closing_regroup_before_their_exp
 
 def test_a_live_leader_is_probed_and_followed_until_it_closes():
     peers = [cand(i, 2.0 + i * 0.01) for i in range(3)]
-    net = Net(peers, target=8, min_size=2, settle=None)
+    net = BoardNet(peers, target=8, min_size=2, settle=None)
     net.run()
     (members,) = net.groups().values()
     assert len(members) == 3 and net.now == pytest.approx(2.0, abs=0.05)  # the leader's expiry
@@ -249,7 +117,7 @@ def test_peers_that_see_different_dht_contents_never_mix_lists():
             return peers[:4] if i < 4 else peers[4:]
         return peers
 
-    net = Net(peers, target=8, view=view, settle=None)  # the partition outlasts any settle time
+    net = BoardNet(peers, target=8, view=view, settle=None)  # the partition outlasts any settle time
     net.run()
     groups = net.groups()  # asserts every member agrees on one list
     assert sum(len(m) for m in groups.values()) == 8
@@ -258,7 +126,7 @@ def test_peers_that_see_different_dht_contents_never_mix_lists():
 
 def test_late_candidate_earlier_than_current_leader_takes_over_before_close():
     peers = [cand(i, 5.0 + i * 0.01) for i in range(3)]
-    net = Net(peers, target=3, view=lambda i, now: peers if now >= 0.5 else peers[1:], settle=None)
+    net = BoardNet(peers, target=3, view=lambda i, now: peers if now >= 0.5 else peers[1:], settle=None)
     net.run()
     (members,) = net.groups().values()
     assert len(members) == 3
@@ -338,7 +206,7 @@ def test_lost_disbands_cost_no_lone_peer(n, target, seed):
     def view(i: int, now: float) -> list[Candidate]:
         return [p for j, p in enumerate(peers) if shown[j] <= now or j == i]
 
-    net = Net(peers, target=target, min_size=2, view=view, seed=seed, settle=None)
+    net = BoardNet(peers, target=target, min_size=2, view=view, seed=seed, settle=None)
     net.deliver_disband = lambda follower, leader: None  # every DISBAND is lost
     net.run(until=12.0)
     groups = net.groups()
@@ -380,7 +248,7 @@ def test_random_swarms_always_agree_and_finish(n, target, seed, skew, ndead):
         r = random.Random(hash((seed, i, round(now, 1))))
         return [c for c in peers if now > 1.5 or r.random() < 0.7]
 
-    net = Net(peers, target=target, dead=dead, view=view, start=start, seed=seed)
+    net = BoardNet(peers, target=target, dead=dead, view=view, start=start, seed=seed)
     net.run(until=30.0)
     groups = net.groups()
     for members in groups.values():
@@ -394,7 +262,7 @@ def test_random_swarms_always_agree_and_finish(n, target, seed, skew, ndead):
 
 def test_leader_closes_early_when_everyone_looking_has_joined():
     peers = [cand(i, 10.0 + i * 0.01) for i in range(3)]
-    net = Net(peers, target=8)
+    net = BoardNet(peers, target=8)
     net.run()
     (members,) = net.groups().values()
     assert len(members) == 3
@@ -403,7 +271,7 @@ def test_leader_closes_early_when_everyone_looking_has_joined():
 
 def test_exact_grid_mode_waits_for_the_target():
     peers = [cand(i, 4.0 + i * 0.01) for i in range(3)]
-    net = Net(peers, target=4, min_size=2, settle=None)
+    net = BoardNet(peers, target=4, min_size=2, settle=None)
     net.run()
     (members,) = net.groups().values()
     assert len(members) == 3 and net.now >= 4.0
@@ -412,7 +280,7 @@ def test_exact_grid_mode_waits_for_the_target():
 def test_a_newcomer_in_the_dht_delays_the_early_close():
     peers = [cand(i, 10.0 + i * 0.01) for i in range(4)]
     # peer 3 shows up in the DHT at 0.1 s but only starts asking at 1.0 s: the leader must not close without it
-    net = Net(peers, target=8, view=lambda i, now: peers if now >= 0.1 else peers[:3], start={3: 1.0})
+    net = BoardNet(peers, target=8, view=lambda i, now: peers if now >= 0.1 else peers[:3], start={3: 1.0})
     net.run()
     (members,) = net.groups().values()
     assert len(members) == 4
@@ -421,14 +289,14 @@ def test_a_newcomer_in_the_dht_delays_the_early_close():
 def test_a_peer_the_run_expects_is_waited_for_a_little_longer():
     peers = [cand(i, 10.0 + i * 0.01) for i in range(4)]
     # peer 3 finished the last round (the run expects it) but is slow to look this round
-    net = Net(peers, target=8, view=lambda i, now: peers if now >= 1.0 else peers[:3], start={3: 1.0})
+    net = BoardNet(peers, target=8, view=lambda i, now: peers if now >= 1.0 else peers[:3], start={3: 1.0})
     for mm in net.mm.values():
         mm.set_expected(frozenset(c.node_id for c in peers), 0.0)
     net.run()
     (members,) = net.groups().values()
     assert len(members) == 4 and net.now < 3.0
     # with everyone expected in, the close is quick
-    net = Net(peers[:3], target=8)
+    net = BoardNet(peers[:3], target=8)
     for mm in net.mm.values():
         mm.set_expected(frozenset(c.node_id for c in peers[:3]), 0.0)
     net.run()
@@ -440,7 +308,7 @@ def test_a_follower_joining_restarts_the_pause_when_nobody_is_expected():
     half a second behind the second still gets in, though the DHT never showed either before they asked."""
     peers = [cand(i, 10.0 + i * 0.01) for i in range(3)]
     starts = {1: 2.0, 2: 2.5}
-    net = Net(peers, target=8, start=starts,
+    net = BoardNet(peers, target=8, start=starts,
               view=lambda i, now: [p for j, p in enumerate(peers) if starts.get(j, 0.0) + 0.15 <= now])
     net.run()
     (members,) = net.groups().values()

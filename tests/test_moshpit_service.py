@@ -14,73 +14,18 @@ import pytest
 import trio
 import trio.testing
 
-from peerd.allreduce.service import AllreduceService
-from peerd.dht.service import DhtService
-from peerd.metrics import Metrics
 from peerd.moshpit.keys import Grid
-from peerd.moshpit.service import MoshpitService, RoundResult
-from peerd.transport.endpoint import Endpoint
-from peerd.wire.identity import Identity
+from peerd.moshpit.service import RoundResult
 
-from .memnet import MemNet
-from .test_dht_network import SECRET, counter_value
-
-BASE = 1_800_000_000.0  # the wall clock at virtual time 0
-
-
-def clock() -> float:
-    return BASE + trio.current_time()
+from .support.memnet import MemNet
+from .support.moshpit_swarm import MoshpitNode, swarm  # noqa: E402
+from .support.virtual import (
+    counter_value,
+    run_virtual,  # noqa: E402
+)
 
 
-class Node:
-    """One daemon's services over the in-memory network, all on the virtual wall clock."""
-
-    def __init__(self, net: MemNet, index: int) -> None:
-        self.addr = ("127.0.0.1", 21000 + index)
-        self.metrics = Metrics()
-        self.identity = Identity.from_seed(index.to_bytes(32, "big"))
-        self.endpoint = Endpoint(net.socket(*self.addr), self.identity, SECRET, self.metrics)
-        self.dht = DhtService(self.endpoint, self.metrics, rng=random.Random(index), refresh_interval=30.0,
-                              wall=clock)
-        self.allreduce = AllreduceService(self.endpoint, self.metrics)
-        self.moshpit = MoshpitService(self.endpoint, self.dht, self.allreduce, self.metrics, address=self.addr,
-                                      rng=random.Random(index), clock=clock)
-        self.scope = trio.CancelScope()  # the daemon
-        self.calls: set[trio.CancelScope] = set()  # its trainer's calls under way
-        self.alive = True
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with self.scope:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self.endpoint.serve)
-                await nursery.start(self.dht.run)
-                await nursery.start(self.moshpit.run)
-                task_status.started()
-
-    def kill(self, net: MemNet) -> None:
-        """SIGKILL: nothing reaches it, it sends nothing, its calls end."""
-        self.alive = False
-        net.partition(self.addr)
-        self.scope.cancel()
-        for scope in self.calls:
-            scope.cancel()
-
-
-async def swarm(nursery: trio.Nursery, net: MemNet, count: int, first: int = 0, bootstrap: Node | None = None
-                ) -> list[Node]:
-    nodes = [Node(net, first + i) for i in range(count)]
-    for n in nodes:
-        await nursery.start(n.run)
-    if bootstrap is None:
-        bootstrap = nodes[0]
-        bootstrap.dht.bootstrapped.set()
-    for n in nodes:
-        if n is not bootstrap:
-            await n.dht.bootstrap([bootstrap.addr], timeout=60)
-    return nodes
-
-
-async def lockstep(nodes: list[Node], run: str, vectors: list[np.ndarray], *, weights: list[float] | None = None,
+async def lockstep(nodes: list[MoshpitNode], run: str, vectors: list[np.ndarray], *, weights: list[float] | None = None,
                    late: int | None = None, late_s: float = 1.5) -> list[RoundResult | None]:
     """Every node averages one round at the same moment (``late``: that one starts ``late_s`` later).
     A node killed during the round gives None."""
@@ -101,8 +46,6 @@ async def lockstep(nodes: list[Node], run: str, vectors: list[np.ndarray], *, we
     return out
 
 
-def run_virtual(fn) -> None:
-    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def deviation(vectors: list[np.ndarray]) -> float:
@@ -247,7 +190,7 @@ def test_a_kept_group_waits_for_a_member_that_starts_its_round_late() -> None:
 
 
 async def _grid_run(nursery: trio.Nursery, net: MemNet, *, kill: int, rounds: int, seed: int, at_once: bool = False
-                    ) -> tuple[list[float], list[list[RoundResult | None]], list[Node]]:
+                    ) -> tuple[list[float], list[list[RoundResult | None]], list[MoshpitNode]]:
     """`peerd bench moshpit --peers 16 --grid 4x4` in one process: exact grid (groups close at 4), cells
     shuffled; ``kill`` peers die as soon as they start averaging in round 0 (then groups close at 2): 1 ms into
     it, or ``at_once``, so that a victim that leads its group dies before its BEGIN reaches the followers."""
@@ -286,7 +229,7 @@ async def _grid_run(nursery: trio.Nursery, net: MemNet, *, kill: int, rounds: in
     return devs, history, nodes
 
 
-async def _kill_soon(node: Node, net: MemNet) -> None:
+async def _kill_soon(node: MoshpitNode, net: MemNet) -> None:
     await trio.sleep(0.001)  # mid-average: its reduce-scatter has started
     node.kill(net)
 

@@ -15,7 +15,7 @@ from peerd.transport import Endpoint
 from peerd.wire import messages as m
 from peerd.wire.identity import Identity
 
-from .memnet import MemNet
+from .support.memnet import MemNet
 
 SECRET = bytes(range(32))
 
@@ -25,7 +25,7 @@ def dropped(node, reason: str) -> float:
                if s.name.endswith("_total") and s.labels.get("reason") == reason)
 
 
-class Node:
+class SpiedNatNode:
     def __init__(self, net: MemNet, i: int) -> None:
         self.addr = (f"203.0.113.{i + 1}", 7000)
         self.metrics = Metrics()
@@ -53,7 +53,7 @@ def test_members_cannot_steer_probes_connects_or_relays() -> None:
         net = MemNet(seed=1, latency=0.002)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            a, b, c = (Node(net, i) for i in range(3))
+            a, b, c = (SpiedNatNode(net, i) for i in range(3))
             for n in (a, b, c):
                 await nursery.start(n.run)
             victim = ("198.51.100.77", 9)
@@ -107,7 +107,7 @@ def test_members_cannot_steer_probes_connects_or_relays() -> None:
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-class DhtNode(Node):
+class DhtNode(SpiedNatNode):
     """A node with the DHT too, wired as the daemon wires it (the NAT service asks the DHT where a node is)."""
 
     def __init__(self, net: MemNet, i: int) -> None:
@@ -126,7 +126,7 @@ class DhtNode(Node):
             task_status.started()
 
 
-def fresh_ping(node: Node, to: bytes, rid: int = 77) -> bytes:
+def fresh_ping(node: SpiedNatNode, to: bytes, rid: int = 77) -> bytes:
     """A PING sealed for ``to`` under a token of ``node``'s that nobody has seen bound yet."""
     sealer = node.endpoint._new_sealer()
     body = m.encode(m.MsgType.PING, {"rid": rid, "from": node.endpoint._bindings[sealer.token]})
@@ -181,7 +181,7 @@ def test_connect_and_intro_do_not_make_a_node_a_reflector_hostile() -> None:
         net = MemNet(seed=3, latency=0.002)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            a, mal = Node(net, 0), Node(net, 1)
+            a, mal = SpiedNatNode(net, 0), SpiedNatNode(net, 1)
             for n in (a, mal):
                 await nursery.start(n.run)
             victim = ("198.51.100.77", 9)
@@ -305,7 +305,7 @@ def test_a_relay_becomes_a_path_after_a_ping_through_it_and_goes_on_a_direct_ans
         net = BlockingNet(seed=4, latency=0.002)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            a, b, r = (Node(net, i) for i in range(3))
+            a, b, r = (SpiedNatNode(net, i) for i in range(3))
             for n in (a, b, r):
                 await nursery.start(n.run)
             r.nat.reach.verdict = "public"

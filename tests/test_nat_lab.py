@@ -39,7 +39,7 @@ from peerd.tools.lab.links import LabError, lab_unavailable
 from peerd.tools.lab.nat import SYMMETRIC_PORTS, NatLab
 from peerd.tools.swarm import LocalSwarm, Node
 
-from .conftest import peerd, peerd_json, wait_until
+from .support.processes import peerd, peerd_json, wait_until
 
 NOT_ROOT = os.geteuid() != 0
 needs_root = pytest.mark.skipif(NOT_ROOT, reason="the NAT lab needs root: network namespaces and nftables")

@@ -17,7 +17,8 @@ from peerd.moshpit.matchmaking import (
 )
 from peerd.moshpit.records import decode_announce, encode_announce
 from peerd.wire.identity import node_id_of
-from tests.test_moshpit_matchmaking import Net, cand
+
+from .support.matchmaking import BoardNet, cand
 
 
 def ranked(i: int, expiry: float, reach: int) -> Candidate:
@@ -29,7 +30,7 @@ def test_a_public_peer_leads_though_it_announced_last(seed: int) -> None:
     # the symmetric peers look first, the public one last: it leads anyway, every peer in one group
     peers = [ranked(1, 10.0, REACH_SYMMETRIC), ranked(2, 10.5, REACH_SYMMETRIC), ranked(3, 11.0, REACH_CONE),
              ranked(4, 12.0, REACH_PUBLIC)]
-    net = Net(peers, target=4, seed=seed)
+    net = BoardNet(peers, target=4, seed=seed)
     net.run()
     groups = net.groups()
     assert len(groups) == 1
@@ -40,12 +41,12 @@ def test_a_public_peer_leads_though_it_announced_last(seed: int) -> None:
 
 def test_cone_before_symmetric_and_unknown_then_expiry() -> None:
     peers = [ranked(1, 10.0, REACH_SYMMETRIC), ranked(2, 11.0, REACH_UNKNOWN), ranked(3, 12.0, REACH_CONE)]
-    net = Net(peers, target=3)
+    net = BoardNet(peers, target=3)
     net.run()
     assert {mm.group.leader for mm in net.mm.values()} == {peers[2].node_id}
     # equal reachability: the earliest expiry leads, as before
     same = [ranked(1, 10.0, REACH_CONE), ranked(2, 11.0, REACH_CONE), ranked(3, 12.0, REACH_CONE)]
-    net = Net(same, target=3)
+    net = BoardNet(same, target=3)
     net.run()
     assert {mm.group.leader for mm in net.mm.values()} == {same[0].node_id}
     assert sorted(peers, key=lead_key) == [peers[2], peers[1], peers[0]]

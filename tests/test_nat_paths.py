@@ -144,3 +144,28 @@ def test_timers_and_statistics_follow_the_core_contract() -> None:
     assert stats.reached == 1 and stats.paths["direct"] == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.reached = 2  # type: ignore[misc]
+
+
+def relayed_core() -> Paths:
+    """A core that relays TARGET through RELAY (confirmed by a PING through it)."""
+    core = core_with_relay()
+    addr, _ = core.receive_relayed(RELAY, RELAY_AT, TARGET, 1.0)
+    core.relayed_opened(addr, TARGET, RELAY, RELAY_AT, 1.0)
+    pump(core, 1.0, network(core, direct={RELAY}, relayed={TARGET}))
+    assert core.kind.get(TARGET) == "relayed"
+    return core
+
+
+def test_a_relayed_peer_heard_directly_is_pinged_there_and_keeps_its_relay_until_it_answers() -> None:
+    core = relayed_core()
+    standin = core.standin(TARGET, RELAY)
+    # a request from it arrives directly, at its own address
+    core.receive_request(TARGET_AT, TARGET, 2.0)
+    pump(core, 2.0, network(core, direct={RELAY}, relayed={TARGET}))  # the direct PING is lost: the relay stays
+    assert core.kind.get(TARGET) == "relayed" and core.relays.get(standin) == (TARGET, RELAY, RELAY_AT)
+    core.receive_request(TARGET_AT, TARGET, 5.0)  # within DIRECT_CHECK_S: no second PING
+    assert core.take_actions() == []
+    core.receive_request(TARGET_AT, TARGET, 13.0)
+    pump(core, 13.0, network(core, direct={RELAY, TARGET}))  # answered directly: the relay goes
+    assert TARGET not in core.kind and core.relay_entry(TARGET) is None
+    assert core.path_to(TARGET_AT, TARGET, 13.0) == "direct"

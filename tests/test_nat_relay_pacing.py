@@ -67,10 +67,10 @@ def test_a_relay_passes_datagrams_on_in_the_order_they_came() -> None:
     import trio
     import trio.testing
 
-    from tests.test_nat_service import NatMemNet, Node
+    from .support.nat_nodes import NatMemNet, NatNode
 
     async def main() -> None:
-        node = Node(NatMemNet(), "p1", 0)
+        node = NatNode(NatMemNet(), "p1", 0)
         out: list[bytes] = []
 
         async def pass_on(addr, node_id, src, data) -> None:  # noqa: ANN001

@@ -10,80 +10,18 @@ import trio
 import trio.testing
 
 from peerd.dht import DhtService
-from peerd.metrics import Metrics
 from peerd.nat.service import NatService
-from peerd.tools.sim.net import NatBox
-from peerd.transport import Endpoint
 from peerd.transport.endpoint import RpcError
 from peerd.wire import messages as m
-from peerd.wire.identity import Identity
 
-from .memnet import MemNet
+from .support.nat_nodes import KINDS, NatMemNet, NatNode  # noqa: E402
 
-SECRET = bytes(range(32))
-KINDS = {"p1": None, "p2": None, "c1": "cone", "c2": "cone", "s1": "symmetric", "s2": "symmetric"}
 EXPECT = {"p1": "public", "p2": "public", "c1": "cone-nat", "c2": "cone-nat", "s1": "symmetric-nat",
           "s2": "symmetric-nat"}
 
 
-class NatMemNet(MemNet):
-    """MemNet with NAT boxes: a datagram from a node behind a box leaves from its mapped address, and one to a
-    box's public address reaches the node behind it only through the box's filter."""
-
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.nat_of: dict[tuple[str, int], NatBox] = {}
-        self.boxes: dict[str, NatBox] = {}
-        self.blocked: set[tuple[tuple[str, int], tuple[str, int]]] = set()  # (src, dst) pairs that never arrive
-
-    def add_nat(self, host: str, kind: str, inside: tuple[str, int]) -> NatBox:
-        box = self.boxes[host] = NatBox(host, kind)
-        self.nat_of[inside] = box
-        return box
-
-    def deliver(self, src, dst, data) -> None:
-        if (src, dst) in self.blocked:
-            return
-        box = self.nat_of.get(src)
-        if box is not None:
-            src = box.outbound(src, dst, trio.current_time())
-        super().deliver(src, dst, data)
-
-    async def _arrive(self, delay, src, dst, data) -> None:
-        await trio.sleep(delay)
-        box = self.boxes.get(dst[0])
-        if box is not None:
-            inner = box.inbound(dst[1], src, trio.current_time())
-            if inner is None:
-                return
-            dst = inner
-        sock = self.sockets.get(dst)
-        if sock is not None:
-            sock.inbox_send.send_nowait((data, src))
 
 
-class Node:
-    def __init__(self, net: NatMemNet, name: str, index: int) -> None:
-        self.name = name
-        kind = KINDS[name]
-        if kind is None:
-            self.addr = (f"203.0.113.{index + 1}", 7000)
-        else:
-            self.addr = (f"10.0.{index}.2", 7000)
-            net.add_nat(f"203.0.113.{100 + index}", kind, self.addr)
-        self.sock = net.socket(*self.addr)
-        self.metrics = Metrics()
-        self.identity = Identity.from_seed(bytes([index + 1]) * 32)
-        self.endpoint = Endpoint(self.sock, self.identity, SECRET, self.metrics, rng=random.Random(index + 1))
-        self.dht = DhtService(self.endpoint, self.metrics, rng=random.Random(index), refresh_interval=30.0)
-        self.nat = NatService(self.endpoint, self.metrics, rng=random.Random(50 + index))
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.endpoint.serve)
-            await nursery.start(self.dht.run)
-            await nursery.start(self.nat.run)
-            task_status.started()
 
 
 def test_six_nodes_behind_nats_verdicts_and_paths() -> None:
@@ -91,7 +29,7 @@ def test_six_nodes_behind_nats_verdicts_and_paths() -> None:
         net = NatMemNet(seed=7, latency=0.005)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = {name: Node(net, name, i) for i, name in enumerate(KINDS)}
+            nodes = {name: NatNode(net, name, i) for i, name in enumerate(KINDS)}
             for node in nodes.values():
                 await nursery.start(node.run)
             p1 = nodes["p1"]
@@ -183,7 +121,7 @@ def test_a_moshpit_round_over_six_nodes_behind_nats_is_exact() -> None:
         net = NatMemNet(seed=11, latency=0.005)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = {name: Node(net, name, i) for i, name in enumerate(KINDS)}
+            nodes = {name: NatNode(net, name, i) for i, name in enumerate(KINDS)}
             for node in nodes.values():
                 node.dht = DhtService(node.endpoint, node.metrics, rng=random.Random(node.addr[1]),
                                       refresh_interval=30.0, wall=clock)
@@ -192,7 +130,7 @@ def test_a_moshpit_round_over_six_nodes_behind_nats_is_exact() -> None:
                                               node.metrics, address=node.addr, rng=random.Random(len(node.name)),
                                               clock=clock)
 
-            async def run(node: Node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async def run(node: NatNode, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
                 async with trio.open_nursery() as n:
                     await n.start(node.endpoint.serve)
                     await n.start(node.dht.run)
@@ -253,7 +191,7 @@ def test_connect_to_a_peer_nothing_can_reach_gives_up_before_its_timeout() -> No
         net = NatMemNet(latency=0.01)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            p1, p2 = Node(net, "p1", 0), Node(net, "p2", 1)
+            p1, p2 = NatNode(net, "p1", 0), NatNode(net, "p2", 1)
             for n in (p1, p2):
                 await nursery.start(n.run)
             await p1.endpoint.request(p2.addr, m.MsgType.PING, {}, node_id=p2.identity.node_id)
@@ -294,7 +232,7 @@ def test_a_failed_punch_to_a_peer_that_answers_directly_does_not_relay_it() -> N
         net = NatMemNet(latency=0.01)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            p1, relay, target = Node(net, "p1", 0), Node(net, "p2", 1), Node(net, "p1", 2)
+            p1, relay, target = NatNode(net, "p1", 0), NatNode(net, "p2", 1), NatNode(net, "p1", 2)
             for n in (p1, relay, target):
                 await nursery.start(n.run)
             tid = target.identity.node_id

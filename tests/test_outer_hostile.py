@@ -302,7 +302,7 @@ def test_robust_applies_to_diloco_outer_averages_hostile(tmp_path) -> None:
     from peerd.allreduce.robust import Robust
     from peerd.torch import DiLoCo
 
-    from .trainer_harness import InProcessAverager, ThreadDaemon
+    from .support.trainer_harness import InProcessAverager, ThreadDaemon
 
     daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.1))
     try:

@@ -32,7 +32,7 @@ class _NoReadBoard(DhtBoard):
 
 
 async def _swarm_with_inboxes(nursery, net, count):
-    from .test_diloco import _swarm
+    from .support.diloco import _swarm
 
     nodes = await _swarm(nursery, net, count)
     for n in nodes:
@@ -57,9 +57,9 @@ def _agree_all(nodes, held, round_no, results, *, participants=None, board=_NoRe
 
 
 def test_a_group_agrees_on_pushed_records_without_a_dht_read() -> None:
-    from .memnet import MemNet
-    from .test_dht_network import run_virtual
-    from .test_diloco import _lossy_copies
+    from .support.diloco import _lossy_copies
+    from .support.memnet import MemNet
+    from .support.virtual import run_virtual
 
     truth = np.random.default_rng(11).standard_normal(12_000).astype(np.float32)
     held = _lossy_copies(truth, 3, np.random.default_rng(12))
@@ -93,9 +93,9 @@ def test_a_pushed_record_counts_as_its_senders_only_hostile() -> None:
     """A member of the swarm (not of the round) pushes records to the group's members that name the owner of
     shard 0 in the body and carry a forged shard and final: the receivers attribute them to the pusher, so
     they neither repair shard 0 nor count in the agreement."""
-    from .memnet import MemNet
-    from .test_dht_network import run_virtual
-    from .test_diloco import _lossy_copies
+    from .support.diloco import _lossy_copies
+    from .support.memnet import MemNet
+    from .support.virtual import run_virtual
 
     truth = np.random.default_rng(13).standard_normal(9_000).astype(np.float32)
     held = _lossy_copies(truth, 3, np.random.default_rng(14))

@@ -26,6 +26,9 @@ from peerd.wire import messages as m
 from peerd.wire.envelope import FLAG_NO_RECEIVER, FLAG_SEALED, HEADER, MAGIC, VERSION
 from peerd.wire.native import native
 
+from .support.sockets import bind_loopback  # noqa: E402
+from .support.virtual import counter_value  # noqa: E402
+
 NOTHING_SCREENED = ([], 0, 0, 0, 0, 0)  # recv_batch's ``screened`` of a pass with nothing screened
 pytestmark = pytest.mark.skipif(NATIVE_RECV is None, reason="the native extension (recv_batch) is not built")
 RATION = getattr(native, "Ration", None)
@@ -35,15 +38,9 @@ def _header(mtype: int, token: int) -> bytes:
     return b"PD" + bytes([1, mtype, 0]) + token.to_bytes(8, "big")
 
 
-def _bind(family: int) -> socket.socket:
-    s = socket.socket(family, socket.SOCK_DGRAM)
-    s.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
-    return s
-
-
 def _has_ipv6() -> bool:
     try:
-        _bind(socket.AF_INET6).close()
+        bind_loopback(socket.AF_INET6).close()
         return True
     except OSError:
         return False
@@ -118,9 +115,9 @@ def test_native_and_python_passes_agree(family: int, limit: int, arena: int) -> 
     """The same traffic, queued whole, to a socket read by the C pass and one read by the Python loop: the same
     passes (blocks, bytes, sources, segment sizes), the same counts; and the datagrams are the ones sent."""
     async def main() -> None:
-        senders = [UdpSocket(_bind(family), buffer_bytes=4 << 20) for _ in range(2)]
-        native = UdpSocket(_bind(family), buffer_bytes=8 << 20, arena_bytes=arena, native_receive=True)
-        python = UdpSocket(_bind(family), buffer_bytes=8 << 20, arena_bytes=arena, native_receive=False)
+        senders = [UdpSocket(bind_loopback(family), buffer_bytes=4 << 20) for _ in range(2)]
+        native = UdpSocket(bind_loopback(family), buffer_bytes=8 << 20, arena_bytes=arena, native_receive=True)
+        python = UdpSocket(bind_loopback(family), buffer_bytes=8 << 20, arena_bytes=arena, native_receive=False)
         try:
             plan = _traffic(np.random.default_rng(limit + arena + family))
             n = await _send(plan, senders, native.getsockname())
@@ -157,7 +154,7 @@ def test_native_and_python_passes_agree(family: int, limit: int, arena: int) -> 
 
 
 def test_a_pass_stops_at_its_limit_and_says_it_was_not_drained() -> None:
-    a, b = _bind(socket.AF_INET), _bind(socket.AF_INET)
+    a, b = bind_loopback(socket.AF_INET), bind_loopback(socket.AF_INET)
     b.setblocking(False)
     try:
         for i in range(30):
@@ -178,7 +175,7 @@ def test_a_pass_stops_at_its_limit_and_says_it_was_not_drained() -> None:
 
 def test_slots_are_bounded_by_the_arena() -> None:
     """With room for only two slots, a pass takes two receives (even of tiny datagrams) and stops, not drained."""
-    a, b = _bind(socket.AF_INET), _bind(socket.AF_INET)
+    a, b = bind_loopback(socket.AF_INET), bind_loopback(socket.AF_INET)
     b.setblocking(False)
     try:
         for i in range(5):
@@ -199,7 +196,7 @@ def test_slots_are_bounded_by_the_arena() -> None:
 
 
 def test_a_datagram_longer_than_its_slot_is_cut_as_recvmsg_cuts_it() -> None:
-    a, b = _bind(socket.AF_INET), _bind(socket.AF_INET)
+    a, b = bind_loopback(socket.AF_INET), bind_loopback(socket.AF_INET)
     b.setblocking(False)
     try:
         a.sendto(b"x" * 3000, b.getsockname())
@@ -215,10 +212,10 @@ def test_a_datagram_longer_than_its_slot_is_cut_as_recvmsg_cuts_it() -> None:
 def test_icmp_errors_end_a_pass_without_raising() -> None:
     """A connected socket learns of an unreachable port from ICMP: the pass ends, not drained, nothing raised
     (the Python loop ignores ECONNREFUSED the same way)."""
-    closed = _bind(socket.AF_INET)
+    closed = bind_loopback(socket.AF_INET)
     port = closed.getsockname()
     closed.close()
-    s = _bind(socket.AF_INET)
+    s = bind_loopback(socket.AF_INET)
     s.setblocking(False)
     try:
         s.connect(port)
@@ -235,7 +232,7 @@ def test_icmp_errors_end_a_pass_without_raising() -> None:
 
 
 def test_arguments_are_checked() -> None:
-    s = _bind(socket.AF_INET)
+    s = bind_loopback(socket.AF_INET)
     s.setblocking(False)
     arena = memoryview(bytearray(RECV_BUFFER))
     try:
@@ -274,8 +271,8 @@ def test_kernel_drops_are_read_from_the_ancillary_data() -> None:
     queued), and what was received plus what the kernel dropped is what was sent."""
     async def main() -> None:
         for native_receive in (True, False):
-            tx = UdpSocket(_bind(socket.AF_INET), gso=False, buffer_bytes=4 << 20)
-            rx = UdpSocket(_bind(socket.AF_INET), gso=False, buffer_bytes=16384, native_receive=native_receive)
+            tx = UdpSocket(bind_loopback(socket.AF_INET), gso=False, buffer_bytes=4 << 20)
+            rx = UdpSocket(bind_loopback(socket.AF_INET), gso=False, buffer_bytes=16384, native_receive=native_receive)
             try:
                 if not rx.caps.kernel_drops:
                     pytest.skip("no SO_RXQ_OVFL")
@@ -301,7 +298,7 @@ def test_kernel_drops_are_read_from_the_ancillary_data() -> None:
 
 
 def test_the_native_pass_is_the_default_and_the_python_loop_can_be_forced() -> None:
-    s = _bind(socket.AF_INET)
+    s = bind_loopback(socket.AF_INET)
     try:
         assert UdpSocket(s)._native_recv is NATIVE_RECV
         assert UdpSocket(s, native_receive=False)._native_recv is None
@@ -364,7 +361,7 @@ def test_the_screen_refuses_what_the_python_triage_refuses_and_answers_members(i
     async def main() -> None:
         eps = []
         for native_receive in (True, False):
-            sock = UdpSocket(_bind(socket.AF_INET), buffer_bytes=4 << 20, native_receive=native_receive)
+            sock = UdpSocket(bind_loopback(socket.AF_INET), buffer_bytes=4 << 20, native_receive=native_receive)
             kind = NativeAuthLimiter if in_c and native_receive else AuthLimiter
             core = TransportCore(random.Random(1), auth_limiter=kind(failure_rate=1e-6, failure_burst=2))
             eps.append(Endpoint(sock, Identity.generate(), SECRET, Metrics(), core=core))
@@ -378,8 +375,9 @@ def test_the_screen_refuses_what_the_python_triage_refuses_and_answers_members(i
             return result
 
         eps[0].sock.recv_screened = spy  # type: ignore[method-assign]
-        member = Endpoint(UdpSocket(_bind(socket.AF_INET)), Identity.generate(), SECRET, Metrics())
-        attacker, other = _bind(socket.AF_INET), _bind(socket.AF_INET)  # other: the unsealed ones (kind 6)
+        member = Endpoint(UdpSocket(bind_loopback(socket.AF_INET)), Identity.generate(), SECRET, Metrics())
+        # other: the unsealed ones (kind 6)
+        attacker, other = bind_loopback(socket.AF_INET), bind_loopback(socket.AF_INET)
         junk = _junk(random.Random(3))
         waves = 2  # the second in passes of its own: a source rationed in the first is refused in C in the second
         async with trio.open_nursery() as nursery:
@@ -420,9 +418,6 @@ def test_the_screen_refuses_what_the_python_triage_refuses_and_answers_members(i
     trio.run(main)
 
 
-def counter_value(counter, **labels) -> float:  # type: ignore[no-untyped-def]
-    return sum(s.value for mm in counter.collect() for s in mm.samples
-               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 # -- rationing in C (dataplane.c Ration, recv_batch's ``ration``) against guard.AuthLimiter and the Python loop -----
@@ -501,7 +496,7 @@ def test_the_c_table_refuses_bad_arguments() -> None:
         r.__init__()
     assert r.may_derive(("not an address", 1), 0.0) is None and r.failed(("::1", 70000), 0.0) is False
     assert r.may_derive(("x\0y", 1), 0.0) is None and r.may_derive((b"127.0.0.1", 1), 0.0) is None
-    s = _bind(socket.AF_INET)
+    s = bind_loopback(socket.AF_INET)
     try:
         arena = memoryview(bytearray(4 * RECV_BUFFER))
         screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {})
@@ -553,8 +548,8 @@ def _pass_decisions(seed: int) -> None:
     kw = {"failure_rate": 10.0, "failure_burst": rng.choice([2.0, 4.0, 32.0]),
           "derive_rate": 1000.0, "derive_burst": rng.choice([1.0, 3.0, 1000.0]), "max_sources": rng.choice([2, 64])}
     ref, c = AuthLimiter(**kw), NativeAuthLimiter(**kw)
-    senders = [_bind(socket.AF_INET) for _ in range(5)]
-    rx = [_bind(socket.AF_INET) for _ in range(2)]
+    senders = [bind_loopback(socket.AF_INET) for _ in range(5)]
+    rx = [bind_loopback(socket.AF_INET) for _ in range(2)]
     try:
         now = 50.0
         addrs = [s.getsockname() for s in senders]
@@ -645,10 +640,10 @@ def test_an_overloaded_pass_keeps_fair_shares_and_every_ping() -> None:
     """A heavy source (900 datagrams, merged into blocks), a light one (30) and a prober's PINGs (30): with room for
     100, the light source keeps all it sent, the heavy one the rest of the 100, every PING is kept, and what was
     shed is counted with its bytes. With room for everything nothing is shed."""
-    rx = _bind(socket.AF_INET)
+    rx = bind_loopback(socket.AF_INET)
     rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     rx.setblocking(False)
-    heavy, light, prober = (_bind(socket.AF_INET) for _ in range(3))
+    heavy, light, prober = (bind_loopback(socket.AF_INET) for _ in range(3))
     screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {5: None})
     arena = memoryview(bytearray(8 << 20))
     try:
@@ -675,9 +670,9 @@ def test_a_socket_sheds_only_past_its_overload_depth() -> None:
         from peerd.transport.guard import AuthLimiter
 
         for overload, expect_shed in ((64 * 1024, True), (None, False)):
-            sock = UdpSocket(_bind(socket.AF_INET), buffer_bytes=8 << 20, native_receive=True,
+            sock = UdpSocket(bind_loopback(socket.AF_INET), buffer_bytes=8 << 20, native_receive=True,
                              overload_bytes=overload)
-            heavy, prober = _bind(socket.AF_INET), _bind(socket.AF_INET)
+            heavy, prober = bind_loopback(socket.AF_INET), bind_loopback(socket.AF_INET)
             _flood(sock.sock, [(heavy, 0x40, 3000, 200), (prober, 0x01, 20, 50)])
             assert sock.queued() > 64 * 1024
             screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {5: None})
@@ -721,11 +716,11 @@ def test_protected_tokens_are_never_shed_and_the_rest_is_shed_as_the_reference_s
     """Random floods from 2-5 sources, each under its own token, some protected: the C pass keeps every datagram
     under a protected token and every PING, and of the rest what the Python reference's water level keeps."""
     rng = random.Random(seed)
-    rx = _bind(socket.AF_INET)
+    rx = bind_loopback(socket.AF_INET)
     rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
     rx.setblocking(False)
-    senders = [_bind(socket.AF_INET) for _ in range(rng.randint(2, 5))]
-    prober = _bind(socket.AF_INET)
+    senders = [bind_loopback(socket.AF_INET) for _ in range(rng.randint(2, 5))]
+    prober = bind_loopback(socket.AF_INET)
     plan = [(rng.randint(1, 400), 100 + i, rng.random() < 0.4) for i in range(len(senders))]
     sizes = [rng.randint(50, 300) for _ in senders]
     keep = rng.randint(10, 300)
@@ -757,7 +752,7 @@ def test_protected_tokens_are_never_shed_and_the_rest_is_shed_as_the_reference_s
 
 
 def test_the_protected_argument_is_checked() -> None:
-    rx = _bind(socket.AF_INET)
+    rx = bind_loopback(socket.AF_INET)
     rx.setblocking(False)
     screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {})
     arena = memoryview(bytearray(1 << 20))
@@ -779,8 +774,8 @@ def test_a_socket_with_protected_tokens_sheds_the_others_from_a_low_depth(monkey
 
     async def main() -> None:
         for protected, expect_shed in (({7: None}, True), (None, False), ({}, True)):
-            sock = UdpSocket(_bind(socket.AF_INET), buffer_bytes=8 << 20, native_receive=True)
-            flooder, member = _bind(socket.AF_INET), _bind(socket.AF_INET)
+            sock = UdpSocket(bind_loopback(socket.AF_INET), buffer_bytes=8 << 20, native_receive=True)
+            flooder, member = bind_loopback(socket.AF_INET), bind_loopback(socket.AF_INET)
             for k in range(3000):
                 flooder.sendto(HEADER.pack(MAGIC, VERSION, 0x40, FLAG_SEALED, 5, k) + b"x" * 200,
                                sock.sock.getsockname())
@@ -812,10 +807,10 @@ def test_a_source_gets_one_key_derivation_a_receive_pass() -> None:
     ``auth``), the rest refused unopened (``auth_limited``), though the source's bucket allows 32 failures."""
 
     async def main() -> None:
-        rx = _bind(socket.AF_INET)
+        rx = bind_loopback(socket.AF_INET)
         ep = Endpoint(UdpSocket(rx), Identity.generate(), SECRET, Metrics())
         assert ep.core.auth_limiter.failure_burst == 32
-        tx = _bind(socket.AF_INET)
+        tx = bind_loopback(socket.AF_INET)
         rng = random.Random(3)
         try:
             for _ in range(100):
@@ -849,10 +844,10 @@ def test_interleaved_sessions_merge_per_source_in_the_order_they_came() -> None:
     consecutive): with a screen, each source's rows under a known token merge into one block, its datagrams in the
     order they came, where the consecutive merge alone leaves 60 blocks. A datagram of another size or under an
     unknown token between two of a source's closes its run; the Python loop gives the same rows per source."""
-    rx = _bind(socket.AF_INET)
+    rx = bind_loopback(socket.AF_INET)
     rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     rx.setblocking(False)
-    txs = [_bind(socket.AF_INET) for _ in range(3)]
+    txs = [bind_loopback(socket.AF_INET) for _ in range(3)]
     screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {5: None, 6: None})
     arena = memoryview(bytearray(4 << 20))
     sent: dict[int, list[bytes]] = {tx.getsockname()[1]: [] for tx in txs}
@@ -903,8 +898,9 @@ def test_arrivals_hold_the_kernels_receive_time_of_each_sources_latest_data(nati
     0x43) leave it alone: a REPORT's position counts data datagrams only, and an END copy 8 ms after a stream's last
     datagram, paired with that datagram's send time, read as 8 ms of queue."""
     async def main() -> None:
-        tx1, tx2 = UdpSocket(_bind(socket.AF_INET), gso=False), UdpSocket(_bind(socket.AF_INET), gso=False)
-        rx = UdpSocket(_bind(socket.AF_INET), gso=False, native_receive=native_receive)
+        tx1 = UdpSocket(bind_loopback(socket.AF_INET), gso=False)
+        tx2 = UdpSocket(bind_loopback(socket.AF_INET), gso=False)
+        rx = UdpSocket(bind_loopback(socket.AF_INET), gso=False, native_receive=native_receive)
         try:
             if not rx.stamps:
                 pytest.skip("no SO_TIMESTAMPNS")
@@ -942,7 +938,7 @@ def test_arrivals_are_bounded_and_checked() -> None:
     pass refuses an arrivals argument that is not (dict, type)."""
     from peerd.transport import udp
 
-    s = _bind(socket.AF_INET)
+    s = bind_loopback(socket.AF_INET)
     try:
         sock = UdpSocket(s)
         if not sock.stamps:
@@ -964,11 +960,11 @@ def test_blocks_laid_out_in_out_are_those_laid_out_in_the_arena(screened: bool) 
     once with ``out`` and once without: the same blocks, rows, sources and segments. With ``out`` a receive of more
     than half a slot stays where it landed and a block that is not one run is copied once into ``out``; without, the
     pass moves every receive down and regroups through a buffer. Blocks that are one run stay in the arena."""
-    rx = _bind(socket.AF_INET)
+    rx = bind_loopback(socket.AF_INET)
     rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     rx.setblocking(False)
     udp = UdpSocket(rx)  # (sets UDP_GRO where the kernel has it)
-    txs = [UdpSocket(_bind(socket.AF_INET)) for _ in range(3)]
+    txs = [UdpSocket(bind_loopback(socket.AF_INET)) for _ in range(3)]
     screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {5: None, 6: None, 7: None}) if screened else None
     arena = memoryview(bytearray(16 * RECV_BUFFER))
     out = memoryview(bytearray(16 * RECV_BUFFER))

@@ -13,7 +13,7 @@ from peerd.allreduce.group import GroupAverage
 from peerd.allreduce.robust import Robust, parse_robust
 from peerd.tools.faults import byzantine
 
-from .test_allreduce_core import GROUP, RS_DATA, Net, payload_for
+from .support.groups import GROUP, RS_DATA, GroupNet, payload_for
 
 N, LENGTH, PER = 5, 3000, 50
 
@@ -35,7 +35,7 @@ def run(xs, ws, *, bad: int | None = None, mode: str | None = None, robust: Robu
                                               robust=robust, center=center)
         for i in range(len(xs))
     ]
-    Net(m, **({"drop": drop} if drop else {})).run()
+    GroupNet(m, **({"drop": drop} if drop else {})).run()
     return m
 
 

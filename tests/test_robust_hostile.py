@@ -20,22 +20,11 @@ from peerd.compress.topk import EF21M
 from peerd.moshpit.keys import Grid
 from peerd.tools.faults import byzantine
 
-from .test_allreduce_core import GROUP, Net, payload_for
-from .test_compress_arctopk import SHAPES, plan_for, run_group, wmean
+from .support.arctopk import SHAPES, plan_for, run_group, wmean
+from .support.gradients import cos, gradients  # noqa: E402
+from .support.groups import GROUP, GroupNet, payload_for
 
 PER = 50
-
-
-def cos(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
-def gradients(n: int, length: int, seed: int) -> list[np.ndarray]:
-    """Honest replicas' gradients: a common signal plus noise of the same size."""
-    rng = np.random.default_rng(seed)
-    signal = rng.standard_normal(length)
-    return [(signal + rng.standard_normal(length)).astype(np.float32) for _ in range(n)]
 
 
 def test_a_claimed_huge_weight_does_not_undo_clipping_hostile() -> None:
@@ -49,7 +38,7 @@ def test_a_claimed_huge_weight_does_not_undo_clipping_hostile() -> None:
     honest = np.mean(np.stack(xs[1:]).astype(np.float64), axis=0)
     cores = [byzantine("signflip" if i == 0 else None)(GROUP, n, i, xs[i], ws[i], 0.0, max_payload=payload_for(PER),
                                                        robust=Robust("clip", 1.0)) for i in range(n)]
-    Net(cores).run()
+    GroupNet(cores).run()
     a, b = length // n, length  # shards 1..7: honest owners
     for i in range(1, n):
         got = cores[i].result()
@@ -60,8 +49,8 @@ def test_a_claimed_huge_weight_does_not_undo_clipping_hostile() -> None:
     plain = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER)) for i in range(n)]
     bounded = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER),
                             robust=Robust("clip", 1e6)) for i in range(n)]
-    Net(plain).run()
-    Net(bounded).run()
+    GroupNet(plain).run()
+    GroupNet(bounded).run()
     for p, r in zip(plain, bounded, strict=True):
         np.testing.assert_allclose(r.result(), p.result(), rtol=0, atol=2e-6)
         assert "weight_bounded" not in r.statistics().refused
@@ -116,7 +105,7 @@ def test_a_non_owner_cannot_blend_words_into_an_owners_selection_hostile() -> No
 def test_a_lost_selection_is_not_reported_as_averaged_and_counts_its_rows_hostile() -> None:
     """A member that never learns a shard's selection averages none of its rows: the round is incomplete, and
     got_fraction counts those rows as not averaged (it said 1.0: only the rows it had contributed counted)."""
-    from .test_allreduce_core import AG_DATA
+    from .support.groups import AG_DATA
 
     plan = plan_for(4)
     xs = gradients(4, plan.layout.length, 3)
@@ -205,8 +194,9 @@ def test_an_arc_topk_round_takes_the_runs_robust_and_is_not_averaged_without_eve
     """The run says robust clip:1, and its arc-topk rounds averaged unclipped; a round whose selections did not
     all decode reported ``averaged``. Now the sketch and dense phases get the run's robust mode (clip), the
     selection phase runs solo, and such a round is ``failed`` with the member's own vector."""
-    from .memnet import MemNet
-    from .test_moshpit_hostile import _group, node, run_virtual
+    from .support.memnet import MemNet
+    from .support.moshpit_groups import _group, node
+    from .support.virtual import run_virtual
 
     async def main() -> None:
         net = MemNet()

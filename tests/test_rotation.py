@@ -16,14 +16,12 @@ from peerd.transport import Endpoint
 from peerd.wire.identity import Identity
 from peerd.wire.seal import Opener, Sealer
 
-from .memnet import MemNet
+from .support.memnet import MemNet
+from .support.virtual import counter_value  # noqa: E402
 
 SECRET = bytes(range(32))
 
 
-def counter_value(counter, **labels) -> float:
-    return sum(s.value for mm in counter.collect() for s in mm.samples
-               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def test_sealer_counts_what_it_sealed() -> None:

@@ -14,7 +14,8 @@ from peerd.transport.rto import DEFAULT_MIN_RTO, MAX_BACKOFF, RtoEstimator
 from peerd.wire import messages as m
 from peerd.wire.identity import Identity
 
-from .memnet import MemNet
+from .support.memnet import MemNet
+from .support.virtual import run_virtual  # noqa: E402
 
 SECRET = bytes(range(32))
 
@@ -142,8 +143,6 @@ def _pair(net: MemNet) -> tuple[Endpoint, Endpoint]:
     return a, b
 
 
-def run_virtual(fn) -> None:
-    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_request_learns_the_rtt_and_retransmits_sooner_under_loss() -> None:

@@ -16,20 +16,16 @@ import trio
 from peerd.transport.udp import NATIVE_SEND, UdpSocket
 from peerd.wire.native import native
 
+from .support.sockets import bind_loopback  # noqa: E402
+
 pytestmark = pytest.mark.skipif(NATIVE_SEND is None, reason="the native extension (send_rows) is not built")
 
 FAMILIES = [pytest.param(socket.AF_INET, id="ipv4"), pytest.param(socket.AF_INET6, id="ipv6")]
 
 
-def _bind(family: int) -> socket.socket:
-    s = socket.socket(family, socket.SOCK_DGRAM)
-    s.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
-    return s
-
-
 def _receiver(family: int) -> socket.socket:
     """A plain receiver (no GRO: one datagram a recv), big enough to hold a whole test's traffic."""
-    rx = _bind(family)
+    rx = bind_loopback(family)
     rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     rx.setblocking(False)
     return rx
@@ -58,8 +54,8 @@ def test_native_and_python_sends_deliver_the_same_datagrams(family: int, rows: i
     async def main() -> None:
         rng = np.random.default_rng(rows * size + pad)
         block = _block(rng, rows, size, pad)
-        native_tx = UdpSocket(_bind(family), buffer_bytes=8 << 20, native_send=True)
-        python_tx = UdpSocket(_bind(family), buffer_bytes=8 << 20, native_send=False)
+        native_tx = UdpSocket(bind_loopback(family), buffer_bytes=8 << 20, native_send=True)
+        python_tx = UdpSocket(bind_loopback(family), buffer_bytes=8 << 20, native_send=False)
         rx = _receiver(family)
         try:
             await native_tx.send_block(block, rx.getsockname()[:2])
@@ -86,7 +82,7 @@ def test_a_full_socket_sends_the_rest_once_writable(monkeypatch: pytest.MonkeyPa
     """send_rows stops at EAGAIN with what it sent; send_block waits until the socket is writable and sends the
     rest from there, in order (the C call is made to stop part way through, as a full socket would)."""
     async def main() -> None:
-        tx = UdpSocket(_bind(socket.AF_INET), buffer_bytes=8 << 20, native_send=True)
+        tx = UdpSocket(bind_loopback(socket.AF_INET), buffer_bytes=8 << 20, native_send=True)
         rx = _receiver(socket.AF_INET)
         real = tx._native_send
         calls: list[int] = []
@@ -117,7 +113,7 @@ def test_a_path_without_gso_falls_back_to_one_datagram_a_syscall(monkeypatch: py
     """A GSO send the path refuses (EIO: a NIC without checksum offload) switches GSO off for good and sends the
     part's remaining rows one at a time, as the Python loop does."""
     async def main() -> None:
-        tx = UdpSocket(_bind(socket.AF_INET), buffer_bytes=8 << 20, native_send=True)
+        tx = UdpSocket(bind_loopback(socket.AF_INET), buffer_bytes=8 << 20, native_send=True)
         rx = _receiver(socket.AF_INET)
         monkeypatch.setattr(tx, "_native_send", lambda *a: (0, 1, errno.EIO))
         block = _block(np.random.default_rng(2), 60, 1200, 0)
@@ -134,7 +130,7 @@ def test_a_path_without_gso_falls_back_to_one_datagram_a_syscall(monkeypatch: py
 
 def test_an_error_the_send_cannot_handle_raises() -> None:
     async def main() -> None:
-        tx = UdpSocket(_bind(socket.AF_INET), buffer_bytes=1 << 20, native_send=True)
+        tx = UdpSocket(bind_loopback(socket.AF_INET), buffer_bytes=1 << 20, native_send=True)
         try:
             with pytest.raises(OSError):  # (EACCES: broadcast without SO_BROADCAST)
                 await tx.send_block(np.zeros((4, 100), np.uint8), ("255.255.255.255", 9))
@@ -145,8 +141,8 @@ def test_an_error_the_send_cannot_handle_raises() -> None:
 
 
 def test_addresses_only_the_socket_module_can_send_to_take_the_python_loop() -> None:
-    s = UdpSocket(_bind(socket.AF_INET6), native_send=True)
-    v4 = UdpSocket(_bind(socket.AF_INET), native_send=True)
+    s = UdpSocket(bind_loopback(socket.AF_INET6), native_send=True)
+    v4 = UdpSocket(bind_loopback(socket.AF_INET), native_send=True)
     try:
         assert s._sockaddr(("fe80::1%lo", 9)) is None
         assert s._sockaddr(("fe80::1", 9, 0, 1)) is None  # a 4-tuple: its scope is not dropped
@@ -161,7 +157,7 @@ def test_addresses_only_the_socket_module_can_send_to_take_the_python_loop() -> 
 
 
 def test_send_rows_checks_every_bound_before_it_sends() -> None:
-    tx, rx = _bind(socket.AF_INET), _receiver(socket.AF_INET)
+    tx, rx = bind_loopback(socket.AF_INET), _receiver(socket.AF_INET)
     host, port = rx.getsockname()
     addr = struct.pack("=H", socket.AF_INET) + struct.pack("!H", port) + socket.inet_aton(host) + bytes(8)
     rows = np.zeros((10, 100), np.uint8)

@@ -17,7 +17,7 @@ from peerd.moshpit.keys import Grid
 from peerd.moshpit.records import progress_key
 from peerd.tools.sim.moshpit import RUN, Peer, Sim, SimConfig, flow_average, simulate
 
-from .test_allreduce_core import Net, payload_for
+from .support.groups import GroupNet, payload_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def test_the_flow_model_is_what_the_real_group_average_computes(n: int, length: 
     ws = [float(w) for w in rng.integers(1, 5, n)]
     members = [GroupAverage(0xC0FFEE01, n, i, xs[i], ws[i], 0.0, max_payload=payload_for(4), floor_s=0.5)
                for i in range(n)]
-    net = Net(members, drop=lambda w: w.src in absent)
+    net = GroupNet(members, drop=lambda w: w.src in absent)
     net.run()
     model = flow_average([None if i in absent else x for i, x in enumerate(xs)], ws)
     for i in range(n):

@@ -9,7 +9,7 @@ import pytest
 
 from peerd.tools.bench.soak_attack import CLASSES
 
-from .conftest import peerd
+from .support.processes import peerd
 
 pytestmark = pytest.mark.e2e
 

@@ -9,22 +9,14 @@ import os
 import pytest
 import trio
 
-from peerd.statesync import StateSync, StateSyncError
+from peerd.statesync import StateSyncError
 from peerd.statesync.advert import Advert
 from peerd.statesync.choice import candidates, founder_candidates
 from peerd.wire import messages as m
 
-from .memnet import MemNet
-from .test_dht_network import counter_value, run_virtual, start_swarm
-
-RUN, KEY, LAYOUT = "r", "r/0123456789abcdef", "0123456789abcdef" + "0" * 48
-
-
-async def swarm_with_sync(nursery, net, count):
-    nodes = await start_swarm(nursery, net, count)
-    for n in nodes:
-        n.sync = StateSync(n.endpoint, n.dht, n.metrics, advertise=n.addr)
-    return nodes
+from .support.memnet import MemNet
+from .support.statesync import KEY, LAYOUT, RUN, swarm_with_sync  # noqa: E402
+from .support.virtual import counter_value, run_virtual
 
 
 @pytest.mark.parametrize("drop", [0.0, 0.1])

@@ -16,9 +16,9 @@ from peerd.statesync.choice import AHEAD_STEPS, candidates
 from peerd.statesync.service import MAX_NOTED, WORKERS
 from peerd.wire import messages as m
 
-from .memnet import MemNet
-from .test_dht_network import counter_value, run_virtual
-from .test_statesync import KEY, LAYOUT, RUN, swarm_with_sync
+from .support.memnet import MemNet
+from .support.statesync import KEY, LAYOUT, RUN, swarm_with_sync
+from .support.virtual import counter_value, run_virtual
 
 
 def advert(i: int, step: int, sha: bytes, size: int = 10) -> Advert:

@@ -15,14 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peerd.allreduce import HEADER_SIZE, BodyType, GroupAverage
+from peerd.allreduce import HEADER_SIZE, GroupAverage
 from peerd.compress import codec
 from peerd.wire.errors import WireError
 from peerd.wire.native import native as _native
 
 pytestmark = pytest.mark.skipif(_native is None, reason="the native data plane is not built (PEERD_DATAPLANE=python)")
 
-RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
+from .support.groups import AG_DATA, RS_DATA  # noqa: E402
+
 GROUP = 0x7A4E0001
 
 

@@ -15,11 +15,11 @@ torch = pytest.importorskip("torch")
 
 from peerd.torch import DiLoCo, Optimizer  # noqa: E402
 
-from .test_diloco import batch, replay  # noqa: E402
-from .test_diloco import model as diloco_model  # noqa: E402
-from .test_overlap import mlp as overlap_mlp  # noqa: E402
-from .test_overlap import run_pair  # noqa: E402
-from .trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
+from .support.diloco import batch, replay  # noqa: E402
+from .support.diloco import model as diloco_model  # noqa: E402
+from .support.overlap import mlp as overlap_mlp  # noqa: E402
+from .support.overlap import run_pair  # noqa: E402
+from .support.trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -15,18 +15,14 @@ from peerd.localsock.client import DaemonError  # noqa: E402
 from peerd.torch import NoGroupError, Optimizer  # noqa: E402
 from peerd.torch.optimizer import DEFAULT_KEEP_ROUNDS, MAX_SAMPLES_FACTOR  # noqa: E402
 
-from .trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
+from .support.torch_models import flat, model  # noqa: E402
+from .support.trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
 
 torch.set_num_threads(1)
 
 
-def model(seed: int = 0, hidden: int = 8) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
 
 
-def flat(m: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 
 def train_step(m, opt, seed, samples=8, device="cpu"):
@@ -57,11 +53,6 @@ def replay_weighted_sgd(ref: torch.nn.Module, steps: int) -> None:
         ref_opt.step()
 
 
-@pytest.fixture
-def daemon(tmp_path):
-    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0))
-    yield d
-    d.stop()
 
 
 def test_two_replicas_stay_identical_and_follow_the_weighted_mean(daemon) -> None:
@@ -317,3 +308,19 @@ def test_non_finite_own_gradients_skip_the_step_without_asking_the_daemon(daemon
     with pytest.raises(NoGroupError, match="not finite"):
         opt.step(samples=8)
     opt.close()
+
+
+def test_all_finite_takes_the_sum_and_checks_elements_when_it_overflows() -> None:
+    """A finite sum proves every element finite; a sum that overflows on finite values is still all finite, and any
+    NaN or infinity (even +inf and -inf that cancel into NaN) is found."""
+    from peerd.torch.snapcheck import all_finite
+
+    big = torch.full((1000,), 3e38)  # finite values whose float32 sum overflows
+    assert all_finite(torch.randn(1000)) and all_finite(big) and all_finite(torch.empty(0))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(1000)
+        t[517] = bad
+        assert not all_finite(t) and not all_finite(t.to(torch.float16))
+    pair = torch.zeros(10)
+    pair[2], pair[7] = float("inf"), float("-inf")
+    assert not all_finite(pair)

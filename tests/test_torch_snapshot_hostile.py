@@ -14,7 +14,7 @@ from peerd.torch import Optimizer  # noqa: E402
 from peerd.torch.diloco import DiLoCo  # noqa: E402
 from peerd.torch.snapcheck import MAX_STEP, SnapshotError  # noqa: E402
 
-from .test_torch_optimizer import daemon, flat, model  # noqa: E402, F401
+from .support.torch_models import flat, model  # noqa: E402
 
 
 def _local_steps(m: torch.nn.Module, opt: Optimizer, steps: int) -> None:

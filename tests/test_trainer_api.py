@@ -16,18 +16,11 @@ from peerd.torch import DiLoCo, Optimizer  # noqa: E402
 from peerd.torch.founders import SAME_STEPS, SameData  # noqa: E402
 from peerd.torch.report import StepReport  # noqa: E402
 
-from .trainer_harness import InProcessAverager, MemoryStateSync, ThreadDaemon  # noqa: E402
+from .support.diloco import model  # noqa: E402
+from .support.torch_models import flat  # noqa: E402
+from .support.trainer_harness import InProcessAverager, MemoryStateSync, ThreadDaemon  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-def model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-
-
-def flat(m: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 
 def loss_of(m: torch.nn.Module, seed: int, scale: float = 1.0) -> torch.Tensor:

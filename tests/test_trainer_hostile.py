@@ -17,8 +17,8 @@ from peerd.localsock.client import DaemonError, LocalClient
 from peerd.statesync.advert import Advert
 from peerd.trainer.options import MAX_BLOB, parse_layout, snapshot_bound
 
-from .test_trainer_session import LAYOUT, open_session, step
-from .trainer_harness import InProcessAverager, ThreadDaemon
+from .support.sessions import LAYOUT, open_session, step
+from .support.trainer_harness import InProcessAverager, ThreadDaemon
 
 OTHER_LAYOUT = "f" * 64
 

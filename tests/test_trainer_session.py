@@ -15,9 +15,8 @@ from peerd.localsock.arena import Arena
 from peerd.localsock.client import DaemonError, LocalClient
 from peerd.localsock.frames import encode_frame
 
-from .trainer_harness import InProcessAverager, ThreadDaemon
-
-LAYOUT = [["w", [3, 4], "float32"], ["b", [4], "float32"]]  # 16 elements
+from .support.sessions import LAYOUT, open_session, step  # noqa: E402
+from .support.trainer_harness import InProcessAverager, ThreadDaemon
 
 
 @pytest.fixture
@@ -27,19 +26,8 @@ def daemon(tmp_path):
     d.stop()
 
 
-def open_session(path: str, layout=LAYOUT, run="r1", nslots=4):
-    elems = sum(int(np.prod(s)) for _, s, _ in layout)
-    arena = Arena.create(nslots, elems)
-    client = LocalClient(path, timeout=30)
-    reply = client.call("trainer_open", fds=[arena.fd], run=run, layout=layout, nslots=nslots)
-    return client, arena, reply
 
 
-def step(client, arena, reply, t, vec, samples, **extra):
-    arena.vector(t)[:] = vec
-    arena.write_request(t, samples)
-    r = client.call("trainer_step", session=reply["session"], step=t, timeout_s=5.0, **extra)
-    return r, arena.result(t).copy()
 
 
 def test_two_trainers_get_the_weighted_mean_through_the_arena(daemon) -> None:

@@ -33,7 +33,7 @@ from peerd.wire.envelope import FLAG_SEALED, HEADER, MAGIC, VERSION
 from peerd.wire.identity import Identity
 from peerd.wire.seal import Sealer
 
-from .test_wire_outsiders import counter_value
+from .support.virtual import counter_value
 
 A = ("10.0.0.1", 7000)
 B = ("10.0.0.2", 7000)

@@ -17,19 +17,15 @@ from peerd.wire import Header, Identity, Opener, Sealer, WireError
 from peerd.wire import messages as m
 from peerd.wire import seal as seal_module
 
-from .memnet import MemNet
+from .support.memnet import MemNet
+from .support.virtual import counter_value, run_virtual  # noqa: E402
 
 SECRET = bytes(range(32))
 VICTIM = ("127.0.0.1", 9)
 
 
-def counter_value(counter, **labels) -> float:
-    return sum(s.value for mm in counter.collect() for s in mm.samples
-               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def run_virtual(fn) -> None:
-    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def node(net: MemNet, i: int) -> Endpoint:

@@ -344,8 +344,7 @@ class Paths:
         if (src in self._via or src in self._confirming or src in self.active or self._answers_recently(src, now)
                 or len(self._confirming) >= MAX_ACTIVE):
             return
-        if src in self.reached:  # it answered this node directly: no relay for it
-            self._refuse("answered_before")
+        if src in self.reached:  # it answered this node directly: no relay for it (not counted: per datagram)
             return
         real = self.target_addr.get(src)
         if real is None and self.contact_of is not None:

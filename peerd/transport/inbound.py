@@ -359,6 +359,9 @@ class Inbound:
             incoming.relayed = self._relayed_ok = True
         self.core.guard.received(source, len(data))
         policy.accepted(mtype, source, len(data))
+        if self.traffic is not None:
+            self.traffic.received(source, incoming.peer.node_id, mtype, len(data), incoming.relayed, now,
+                                  incoming.body)
         self._route(incoming, mtype, source, now)
 
     def _open_data(self, data: Any, source: Address, mtype: int, header: Header, body: bytes,

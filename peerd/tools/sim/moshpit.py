@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import heapq
 import json
 import math
 import random
@@ -43,6 +42,7 @@ from ...moshpit.matchmaking import Candidate, Group
 from ...moshpit.rounds import Average, Count, Get, Note, Notify, Put, Request, RoundMachine
 from ...wire import messages as m
 from ...wire.identity import node_id_of
+from .net import Network
 
 DIM = 16
 TARGET_MSE = 1e-9
@@ -146,9 +146,9 @@ class Sim:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.now = 0.0
-        self.events: list[tuple[float, int, Callable[..., None], tuple]] = []
-        self.seq = 0
+        # the event loop `peerd sim dht` and the tests' networks run on; messages here are scheduled calls with a
+        # drawn latency, so no link of it is used
+        self.net = Network(random.Random(cfg.seed))
         self.dht = DictDht()
         self.groups: dict[int, _Averaging] = {}
         self.counts: Counter[str] = Counter()
@@ -175,15 +175,16 @@ class Sim:
             self.by_id[node_id] = peer
 
     # -- the event loop -------------------------------------------------------------------------
+    @property
+    def now(self) -> float:
+        return self.net.now
+
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (max(t, self.now), self.seq, fn, args))
+        self.net.schedule(t, fn, args)
 
     def run_until_idle(self, done: Callable[[], bool]) -> None:
-        while self.events and not done():
-            t, _, fn, args = heapq.heappop(self.events)
-            self.now = t
-            fn(*args)
+        while self.net.next_time() is not None and not done():
+            self.net.run(max_events=1)
 
     def _latency(self, span: tuple[float, float]) -> float:
         return self.rng.uniform(*span)

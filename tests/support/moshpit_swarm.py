@@ -1,0 +1,72 @@
+"""A swarm of nodes running Moshpit (DHT, allreduce) over the in-memory network."""
+
+from __future__ import annotations
+
+import random
+
+import trio
+import trio.testing
+
+from peerd.allreduce.service import AllreduceService
+from peerd.dht.service import DhtService
+from peerd.metrics import Metrics
+from peerd.moshpit.service import MoshpitService
+from peerd.transport.endpoint import Endpoint
+from peerd.wire.identity import Identity
+
+from .dht_swarm import SECRET
+from .memnet import MemNet
+
+BASE = 1_800_000_000.0  # the wall clock at virtual time 0
+
+
+def clock() -> float:
+    return BASE + trio.current_time()
+
+
+class MoshpitNode:
+    """One daemon's services over the in-memory network, all on the virtual wall clock."""
+
+    def __init__(self, net: MemNet, index: int) -> None:
+        self.addr = ("127.0.0.1", 21000 + index)
+        self.metrics = Metrics()
+        self.identity = Identity.from_seed(index.to_bytes(32, "big"))
+        self.endpoint = Endpoint(net.socket(*self.addr), self.identity, SECRET, self.metrics)
+        self.dht = DhtService(self.endpoint, self.metrics, rng=random.Random(index), refresh_interval=30.0,
+                              wall=clock)
+        self.allreduce = AllreduceService(self.endpoint, self.metrics)
+        self.moshpit = MoshpitService(self.endpoint, self.dht, self.allreduce, self.metrics, address=self.addr,
+                                      rng=random.Random(index), clock=clock)
+        self.scope = trio.CancelScope()  # the daemon
+        self.calls: set[trio.CancelScope] = set()  # its trainer's calls under way
+        self.alive = True
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with self.scope:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.endpoint.serve)
+                await nursery.start(self.dht.run)
+                await nursery.start(self.moshpit.run)
+                task_status.started()
+
+    def kill(self, net: MemNet) -> None:
+        """SIGKILL: nothing reaches it, it sends nothing, its calls end."""
+        self.alive = False
+        net.partition(self.addr)
+        self.scope.cancel()
+        for scope in self.calls:
+            scope.cancel()
+
+
+async def swarm(nursery: trio.Nursery, net: MemNet, count: int, first: int = 0, bootstrap: MoshpitNode | None = None
+                ) -> list[MoshpitNode]:
+    nodes = [MoshpitNode(net, first + i) for i in range(count)]
+    for n in nodes:
+        await nursery.start(n.run)
+    if bootstrap is None:
+        bootstrap = nodes[0]
+        bootstrap.dht.bootstrapped.set()
+    for n in nodes:
+        if n is not bootstrap:
+            await n.dht.bootstrap([bootstrap.addr], timeout=60)
+    return nodes

@@ -1,0 +1,21 @@
+"""Virtual time for trio tests, and reading a Prometheus counter."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+import trio.testing
+
+
+def run_virtual(fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    """Run ``fn(*args)`` under a MockClock that jumps whenever every task waits: seconds of protocol time take
+    milliseconds, and the schedule is the same on every run."""
+    trio.run(fn, *args, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def counter_value(counter: Any, **labels: str) -> float:
+    """The sum of ``counter``'s ``_total`` samples whose labels include ``labels``."""
+    return sum(s.value for family in counter.collect() for s in family.samples
+               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
