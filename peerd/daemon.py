@@ -28,10 +28,10 @@ from .linkcap.shell import CappedSocket, CapTicker, clamp_pacer, limit_senders
 from .localsock.access import AccessError, resolve_group
 from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
+from .moshpit.averager import PathsFirst
 from .moshpit.matchmaking import REACH_RANK, REACH_UNKNOWN
 from .moshpit.ops import MoshpitOps
 from .moshpit.service import MAX_GROUP_DEFAULT, MoshpitService
-from .nat.averager import PathsFirst
 from .nat.service import NatService
 from .peers import PeerFeed, swarm_view
 from .peers.feed import NETWORK_PHASES
@@ -186,7 +186,7 @@ class Daemon:
         self.moshpit = MoshpitService(
             self.endpoint, self.dht, paths, self.metrics,
             address=announce or self.listen, max_group=config.max_group,
-        )  # (a path to every group member before tensor data: peerd/nat/averager.py)
+        )  # (a path to every group member before tensor data: peerd/moshpit/averager.py)
         # a group's senders stay under its download-capped members' caps (whether or not this node has caps)
         paths.plan = lambda members: limit_senders(self.allreduce.pacer, members, self.moshpit.peer_caps, config.mtu)
         self.metrics.info.info({"version": __version__, "peer_id": self.identity.node_id.hex()})

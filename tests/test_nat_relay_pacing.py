@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from peerd.nat.averager import RELAY_SHARE, PathsFirst
+from peerd.moshpit.averager import RELAY_SHARE, PathsFirst
 from peerd.nat.relay import DEFAULT_RATE, RelayServer
 from peerd.transport.pacing import Pacer
 

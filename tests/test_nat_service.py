@@ -103,14 +103,14 @@ def test_six_nodes_behind_nats_verdicts_and_paths() -> None:
 def test_a_moshpit_round_over_six_nodes_behind_nats_is_exact() -> None:
     """The lab's Moshpit round in one process: 2 public nodes, 2 behind cone NATs, 2 behind symmetric NATs, one
     group of 6. NATed nodes publish their mapped address (as Daemon._on_reachability does); before tensor data,
-    each member makes sure of a path to every other (peerd/nat/averager.py's PathsFirst, as in the daemon). Every
+    each member makes sure of a path to every other (peerd/moshpit/averager.py's PathsFirst, as in the daemon). Every
     member gets the exact mean."""
     import numpy as np
 
     from peerd.allreduce.service import AllreduceService
+    from peerd.moshpit.averager import PathsFirst
     from peerd.moshpit.keys import Grid
     from peerd.moshpit.service import MoshpitService
-    from peerd.nat.averager import PathsFirst
 
     base = 1_800_000_000.0
 

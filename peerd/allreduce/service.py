@@ -77,7 +77,7 @@ class AverageResult:
 
 class Averager(Protocol):
     """What Moshpit and the benches use of a node's averaging: AllreduceService, or a wrapper around one that
-    does something first (nat.averager.PathsFirst: a path to every member)."""
+    does something first (moshpit.averager.PathsFirst: a path to every member)."""
 
     @property
     def pacer(self) -> Pacer: ...

@@ -24,7 +24,7 @@ from ...compress import NAMES as CODEC_NAMES
 from ...compress import Codec
 from ...compress import codec as make_codec
 from ...localsock.server import OpError
-from ...nat.averager import PathsFirst
+from ...moshpit.averager import PathsFirst
 from ...transport.udp import UdpSocket
 from ...wire import seal as _seal
 from .vectors import seeded_vector

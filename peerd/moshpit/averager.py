@@ -13,9 +13,9 @@ import trio
 
 from ..allreduce.options import DEFAULT_OPTIONS, AverageOptions
 from ..allreduce.service import Averager, AverageResult, Member
+from ..nat.relay import DEFAULT_RATE
+from ..nat.service import NatService
 from ..transport.pacing import Pacer
-from .relay import DEFAULT_RATE
-from .service import NatService
 
 log = logging.getLogger("peerd.nat")
 
