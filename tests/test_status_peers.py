@@ -20,7 +20,7 @@ import pytest
 from peerd.metrics import TOP_PEERS
 from peerd.tools.swarm import LocalSwarm
 
-from .conftest import metric_value, peerd, peerd_json, scrape, wait_until
+from .support.processes import metric_value, peerd, peerd_json, scrape, wait_until
 
 pytestmark = pytest.mark.e2e
 
