@@ -124,6 +124,8 @@ def _group_commands(parser: argparse.ArgumentParser, sub: argparse._SubParsersAc
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .tools.linkargs import add_link_arguments  # (the lab's options; peerd/tools is reached lazily)
+
     parser = argparse.ArgumentParser(
         prog="peerd",
         usage="%(prog)s [-h] [--version] COMMAND ...",
@@ -252,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8/int4: values per scale and min, 1..65535 (default 128)")
     b.add_argument("--rounding", default="stochastic", choices=("stochastic", "nearest"),
                    help="int8/int4 rounding (default stochastic: unbiased)")
-    _link_args(b)
+    add_link_arguments(_lab(b))
     b.add_argument("--nat", default="none", choices=("none", "cone", "symmetric"),
                    help="root: the first peer public, every other behind its own NAT router of this kind in "
                         "network namespaces (cone: port-preserving masquerade; symmetric: a new random port per "
@@ -274,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .tools.demo_train import add_compression_arguments
 
     add_compression_arguments(b)
-    _link_args(b)
+    add_link_arguments(_lab(b))
     b.add_argument("--json", action="store_true", help="print JSON")
     from .tools.bench.dht import add_parser as add_dht_parser
     add_dht_parser(bench)
@@ -331,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--robust", default="off", type=_robust, metavar="off|clip[:C]|centered[:C]",
                    help="robust aggregation every trainer asks for (default off)")
     add_compression_arguments(p)
-    _link_args(p)
+    add_link_arguments(_lab(p))
     p.add_argument("--mode", choices=["sync", "overlap", "diloco"], default="sync",
                    help="sync: average gradients every step; overlap: the same, each bucket's average overlapping "
                         "backward and the next forward (DeAR); diloco: H local steps, then an outer step "
@@ -587,47 +589,10 @@ def cmd_swarm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run_swarm(args.peers, base_port=args.base_port, workdir=args.dir, as_json=args.json)
 
 
-def _link_rate(text: str) -> str:
-    from .tools.lab.links import parse_rate
-
-    try:
-        parse_rate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _link_args(p: argparse.ArgumentParser) -> None:
-    """--link / --link-loss: every peer in its own network namespace on a shaped, lossy link (root)."""
-    lab = _lab(p)
-    lab.add_argument("--link", type=_link_rate, metavar="RATE",
-                   help="run each peer in its own network namespace on a link shaped at RATE both ways "
-                        "(tc tbf; 100mbit, 1gbit, 500kbit); needs root, ip, tc, nft and ethtool")
-    lab.add_argument("--link-loss", type=float, default=0.0, metavar="P",
-                   help="with --link: the kernel drops P of each peer's incoming packets at random, every "
-                        "protocol (nftables); --loss then drops in the daemon on top, independently (default 0)")
-    lab.add_argument("--link-queue-ms", type=float, default=20.0, metavar="MS",
-                   help="with --link: each tbf queues MS milliseconds of the rate before it drops (default 20; "
-                        "1-5 is a shallow switch buffer or a policer)")
-
-
 def _check_link_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if not 0.0 <= args.link_loss < 1.0:
-        parser.error("--link-loss must be in [0, 1)")
-    if args.link_loss and not args.link:
-        parser.error("--link-loss needs --link RATE")
-    if not 0.0 < args.link_queue_ms <= 10_000:
-        parser.error("--link-queue-ms must be in (0, 10000]")
-    if args.link_queue_ms != 20.0 and not args.link:
-        parser.error("--link-queue-ms needs --link RATE")
-    if args.link and getattr(args, "mtu", 0) > 1472:
-        parser.error("--mtu above 1472 is refused with --link: nothing may rely on IP fragmentation")
-    if args.link:
-        from .tools.lab.links import lab_unavailable
+    from .tools.linkargs import check_link_arguments
 
-        why = lab_unavailable()
-        if why:
-            parser.error(f"--link: {why}")
+    check_link_arguments(args, parser)
 
 
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
