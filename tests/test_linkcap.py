@@ -258,3 +258,24 @@ def test_the_matchmaking_record_vectors_decode_as_the_protocol_says() -> None:
             assert encode_announce(got.expiry, got.host, got.port, got.reach, got.cap).hex() == case["value"]
     for case in v["malformed"]:
         assert decode_announce(Rec(bytes.fromhex(case["value"]))) is None, case["name"]
+
+
+def test_a_capped_daemon_shows_its_caps_use_and_budget_in_status(tmp_path) -> None:
+    import time
+
+    from peerd.swarm import LocalSwarm
+
+    with LocalSwarm(str(tmp_path), insecure=True, metrics=False) as swarm:
+        node = swarm.start(extra=("--max-upload", "20mbit", "--max-download", "5MB/s", "--budget", "200GB/month"))
+        swarm.wait_ready(node)
+        time.sleep(1.2)  # a tick of the caps' timer
+        caps = node.call("status")["caps"]
+        plain = swarm.start()
+        assert swarm.wait_ready(plain)["caps"] is None
+    assert caps["max_upload"] == 2.5e6 and caps["max_download"] == 5e6
+    # 200 GB over 30 days is 77 kB/s both ways together: the budget binds under both flags, half of it each way
+    assert caps["upload_limit"] == caps["download_limit"] == pytest.approx(0.5 * 200e9 / (30 * 86400), rel=0.01)
+    budget = caps["budget"]
+    assert budget["budget_bytes"] == 200e9 and budget["period_s"] == 30 * 86400 and budget["on_track"]
+    assert 0 < budget["remaining_bytes"] <= 200e9 and budget["runs_out_in_s"] is None
+    assert caps["uploaded"] >= 0 and caps["held_s"] >= 0

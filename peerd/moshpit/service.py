@@ -535,7 +535,8 @@ class MoshpitService:
             "codec": st.codec, "run": codec_run_key(st.run_id if part is None else f"{st.run_id}#{part}", round_no)}
         if st.topk is not None:
             return await self._average_topk(st, group, members, hexes, vector, weight, budget_s, round_no, key, seen)
-        await self._learn_caps(group, group_dht_key(st.run_id, round_no, key))
+        if self._nursery is not None:  # (alongside the average: senders' limits may start a moment late)
+            self._nursery.start_soon(self._learn_caps, group, members, group_dht_key(st.run_id, round_no, key))
         try:
             longest = max(1.0, budget_s / 2, self._capped_phase_s(group, vector))
             options = AverageOptions(floor_s=1.0, max_phase_s=longest, max_weight=st.max_weight, robust=st.robust,
@@ -566,17 +567,26 @@ class MoshpitService:
                            silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent,
                            weight_total=float(getattr(res.stats, "weight_total", 0.0)))
 
-    async def _learn_caps(self, group: Group, mm_key: bytes) -> None:
+    async def _learn_caps(self, group: Group, members: list[Member], mm_key: bytes) -> None:
         """A member whose matchmaking record this node never read (it joined its leader before the record came)
-        may have caps: read the round's records once, briefly, before the average plans with them."""
+        may have caps: read the round's records once, briefly, while the average starts, and hand what it learnt
+        to the averager's plan (its limits toward download-capped members)."""
         me = self.identity.node_id
         if all(c.node_id == me or self.peer_caps.known(c.node_id) for c in group.members):
             return
+        records = []
         with trio.move_on_after(CAPS_READ_S):
-            for r in await self.dht.get(mm_key):
-                a = decode_announce(r)
-                if a is not None:
-                    self.peer_caps.note(a.node_id, a.cap)
+            try:
+                records = await self.dht.get(mm_key)
+            except Exception as e:  # (the average goes ahead with the caps it knows)
+                log.debug("reading the caps of group %08x's members failed: %s", group.group_id, e)
+        for r in records:
+            a = decode_announce(r)
+            if a is not None:
+                self.peer_caps.note(a.node_id, a.cap)
+        plan = getattr(self.allreduce, "plan", None)
+        if plan is not None and any(self.peer_caps.get(c.node_id) for c in group.members):
+            plan(members)
 
     def _capped_phase_s(self, group: Group, vector: np.ndarray) -> float:
         """A phase's deadline is at least PLAN_MARGIN x what its slowest capped member's share takes at its cap
