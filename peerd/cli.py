@@ -11,47 +11,48 @@ import os
 import sys
 from typing import Any
 
+from . import __version__
 from .addresses import parse_hostport
 from .linkcap.args import add_cap_arguments, cap_config
 from .localsock.client import DaemonError, LocalClient, default_socket_path
+from .status.text import render
+from .status.top import run_top
 
 DEFAULT_PORT = 7411
 
 
-def _hostport(text: str) -> tuple[str, int]:
+def _address(text: str, what: str, **kwargs: str) -> tuple[str, int]:
     if "://" in text:
-        raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT (a UDP address), not a URL")
+        raise argparse.ArgumentTypeError(f"{text!r}: give {what}, not a URL")
     try:
-        return parse_hostport(text)
+        return parse_hostport(text, **kwargs)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    return _address(text, "HOST:PORT (a UDP address)")
 
 
 def _metrics_addr(text: str) -> tuple[str, int]:
-    if "://" in text:
-        raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT or a bare PORT, not a URL")
+    return _address(text, "HOST:PORT or a bare PORT", bare_port_host="127.0.0.1")
+
+
+def _number(text: str) -> float:
     try:
-        return parse_hostport(text, bare_port_host="127.0.0.1")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
 def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
+    if (value := _number(text)) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be positive")
     return value
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:
+    if not 0.0 < (value := _number(text)) <= 1.0:
         raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
     return value
 
@@ -90,7 +91,7 @@ def _socket_arg(p: argparse.ArgumentParser) -> None:
 
 # The top-level help lists the commands by task; every command is in exactly one group (tests/test_cli_groups.py).
 COMMAND_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("run a node", ("keygen", "join", "status", "dht")),
+    ("run a node", ("keygen", "join", "status", "top", "dht")),
     ("try it", ("demo", "swarm", "demo-trainer")),
     ("measure", ("bench", "sim")),
 )
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decentralized training daemon: joins a swarm, finds peers through a DHT, averages tensors.",
         epilog="'peerd COMMAND --help' shows a command's options.",
     )
-    parser.add_argument("--version", action="version", version=f"peerd {_version()}")
+    parser.add_argument("--version", action="version", version=f"peerd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS, prog="peerd")
 
     p = sub.add_parser("keygen", help="write a new node identity and/or a new swarm secret (mode 0600)")
@@ -192,7 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="show a running daemon's identity and swarm view")
     _socket_arg(p)
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print JSON (peer_view: the per-peer table)")
+
+    p = sub.add_parser("top", help="show a running daemon's per-peer table, refreshed like top (q quits)")
+    _socket_arg(p)
+    p.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS", help="refresh period (default 1)")
 
     p = sub.add_parser("dht", help="put and get records in the swarm's DHT, through the local daemon")
     dht = p.add_subparsers(dest="dht_command", required=True, metavar="ACTION")
@@ -366,12 +371,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _version() -> str:
-    from . import __version__
-
-    return __version__
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -523,31 +522,13 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     with LocalClient(args.socket, timeout=10) as client:
         reply = client.call("status")
     reply.pop("ok", None)
-    if args.json:
-        print(json.dumps(reply, indent=2))
-        return 0
-    dropped = reply.get("datagrams_dropped") or {}
-    print(f"peer id    {reply['peer_id']}")
-    print(f"listening  {reply['listen']} (UDP){'  INSECURE' if reply.get('insecure') else ''}")
-    print(f"swarm      {reply['peers']} peers in the routing table, "
-          f"{'joined' if reply.get('joined') else 'still joining'}")
-    print(f"records    {reply.get('records', 0)} held for the DHT")
-    print(f"uptime     {reply['uptime_s']:.0f} s")
-    if dropped:
-        print("dropped    " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
-        for reason, why in DROP_HINTS.items():
-            if dropped.get(reason):
-                print(f"           {reason}: {why}")
+    print(json.dumps(reply, indent=2) if args.json else render(reply))
     return 0
 
 
-# Drops that mean a misconfigured node, not noise: the node that sent them only sees timeouts, so say it here.
-DROP_HINTS = {
-    "auth": "datagrams that do not open with this swarm's key: a node with another --swarm-key-file "
-            "(or --insecure) is trying to join",
-    "self": "datagrams signed with this node's own identity: another node runs with the same --identity "
-            "(give each node its own 'peerd keygen' file)",
-}
+def cmd_top(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with LocalClient(args.socket, timeout=10) as client:
+        return run_top(lambda: client.call("status"), args.interval)
 
 
 def _text(data: bytes) -> dict[str, Any]:
@@ -824,6 +805,7 @@ _COMMANDS = {
     "keygen": cmd_keygen,
     "join": cmd_join,
     "status": cmd_status,
+    "top": cmd_top,
     "dht": cmd_dht,
     "swarm": cmd_swarm,
     "bench": cmd_bench,

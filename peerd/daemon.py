@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
-from prometheus_client import start_http_server
 
 from . import __version__
 from ._dataplane.heap import keep_freed_memory
@@ -34,7 +33,13 @@ from .moshpit.ops import MoshpitOps
 from .moshpit.service import MAX_GROUP_DEFAULT, MoshpitService
 from .nat.averager import PathsFirst
 from .nat.service import NatService
+from .peers import PeerFeed, swarm_view
+from .peers.feed import NETWORK_PHASES
+from .peers.natview import nat_view
+from .peers.report import view_json
 from .statesync import StateSync
+from .status.page import StatusPage
+from .status.page import serve as serve_http
 from .trainer import TrainerService
 from .transport import Endpoint
 from .transport.udp import UdpSocket
@@ -131,6 +136,7 @@ class Daemon:
         self.listen = self.udp.getsockname()[:2]
         self.local: LocalServer | None = None
         self.http = None
+        self.page = StatusPage()
         try:
             self._start(config, secret, announce, allreduce_kwargs)
         except BaseException:
@@ -146,7 +152,7 @@ class Daemon:
             raise StartupError(str(e)) from None
         if config.metrics is not None:
             try:
-                self.http, _ = start_http_server(config.metrics[1], config.metrics[0], registry=self.metrics.registry)
+                self.http = serve_http(config.metrics[0], config.metrics[1], self.metrics.registry, self.page)
             except OSError as e:
                 busy = " (another peerd on this host?)" if e.errno == errno.EADDRINUSE else ""
                 raise StartupError(
@@ -172,15 +178,17 @@ class Daemon:
         # NAT traversal (PROTOCOL.md section 18): reachability, punching through introducers, relaying
         self.nat = NatService(self.endpoint, self.metrics, relay=config.relay, contact_of=self._dht_contact,
                               on_verdict=self._on_reachability)
+        # per-peer network view (peerd status, peerd top, the status page): fed by the endpoint's traffic hooks
+        self.peers = PeerFeed(self.endpoint, self.metrics, self.nat, on_tick=self._publish_page)
+        self.endpoint.traffic = self.peers
         self.allreduce = AllreduceService(self.endpoint, self.metrics, **allreduce_kwargs)
         paths = PathsFirst(self.allreduce, self.nat)
         self.moshpit = MoshpitService(
             self.endpoint, self.dht, paths, self.metrics,
             address=announce or self.listen, max_group=config.max_group,
         )  # (a path to every group member before tensor data: peerd/nat/averager.py)
-        if self.linkcap is not None:  # a group's senders stay under its download-capped members' caps
-            paths.plan = lambda members: limit_senders(self.allreduce.pacer, members, self.moshpit.peer_caps,
-                                                       config.mtu)
+        # a group's senders stay under its download-capped members' caps (whether or not this node has caps)
+        paths.plan = lambda members: limit_senders(self.allreduce.pacer, members, self.moshpit.peer_caps, config.mtu)
         self.metrics.info.info({"version": __version__, "peer_id": self.identity.node_id.hex()})
         for op, handler in {
             "status": self._op_status,
@@ -221,9 +229,11 @@ class Daemon:
                 await nursery.start(self.endpoint.serve)
                 await nursery.start(self.dht.run)
                 await nursery.start(self.nat.run)
+                await nursery.start(self.peers.run)
                 await nursery.start(self.moshpit.run)
                 if self.linkcap is not None:
                     await nursery.start(CapTicker(self.linkcap, self._received, self._on_caps).run)
+                await nursery.start(self.trainer.run)
                 await nursery.start(self.local.serve)
                 log.info(
                     "peer %s listening on %s, local socket %s%s",
@@ -304,6 +314,34 @@ class Daemon:
                 scope.cancel()
                 return
 
+    def _publish_page(self) -> None:
+        """The status page's snapshot (peerd/status/page.py), once a second while it is served."""
+        if self.http is None:
+            return
+        trainers = []
+        for session in self.trainer.statistics().sessions:
+            t = dataclasses.asdict(session)
+            phases = t.get("phases") or {}
+            step = sum(phases.values())
+            network = sum(phases.get(p, 0.0) for p in NETWORK_PHASES)
+            trainers.append({**t, "network_share": network / step if step > 0 else None})
+        node = {"peer_id": self.identity.node_id.hex(), "listen": format_hostport(*self.listen),
+                "peers": self.dht.peer_count(), "uptime_s": round(time.monotonic() - self.started, 1),
+                "reachability": nat_view(self.nat).reachability, "version": __version__}
+        self.page.update({"node": node, "peer_view": view_json(self.peers.table.statistics(), swarm_view(self.metrics)),
+                          "link": self._link_view(), "trainers": trainers},
+                         dataclasses.asdict(self.moshpit.statistics())["runs"])
+
+    def _link_view(self) -> dict[str, Any]:
+        """The status page's link section: this node's caps (bits/s; None: no cap) and its use of them."""
+        if self.linkcap is None:
+            return {"cap_upload_bps": None, "cap_download_bps": None}
+        st = self.linkcap.statistics()
+        bits = (lambda v: None if v is None else round(8 * v))  # noqa: E731 - bytes/s to bits/s, None kept
+        return {"cap_upload_bps": bits(st.upload_limit), "cap_download_bps": bits(st.download_limit),
+                "upload_bps": bits(st.upload_rate), "download_bps": bits(st.download_rate),
+                "budget": None if st.budget is None else dataclasses.asdict(st.budget)}
+
     # -- local socket ops -------------------------------------------------------------------------
     async def _op_status(self, request: dict[str, Any]) -> dict[str, Any]:
         dropped = {}
@@ -325,9 +363,12 @@ class Daemon:
             "metrics": format_hostport(*self.http.server_address[:2]) if self.http is not None else None,
             "datagrams_dropped": dropped,
             "moshpit": dataclasses.asdict(self.moshpit.statistics())["runs"],
-            "trainers": self.trainer.statistics(),  # each session's latest step by phase, codec and auto choice
+            # each session's latest step by phase, codec and auto choice
+            "trainers": [{k: v for k, v in dataclasses.asdict(s).items() if k != "auto" or v}
+                         for s in self.trainer.statistics().sessions],
+            "peer_view": view_json(self.peers.table.statistics(), swarm_view(self.metrics)),  # peerd/peers/report.py
             "caps": None if self.linkcap is None else dataclasses.asdict(self.linkcap.statistics()),
-            **self.nat.status(),  # reachability, observed_addr, peers_known, paths, path_datagrams, ...
+            **dataclasses.asdict(self.nat.statistics()),  # reachability, observed_addr, peers_known, paths, ...
         }
 
     async def _op_dht_put(self, request: dict[str, Any]) -> dict[str, Any]:

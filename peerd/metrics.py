@@ -10,6 +10,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 # Counters' *_created series only clutter dashboards.
 disable_created_metrics()
 
+# Per-peer series are kept for the TOP_PEERS busiest peers (by bytes per second); the rest are summed into
+# peer="other", so a swarm of any size costs at most TOP_PEERS + 1 series per per-peer metric and label value.
+TOP_PEERS = 8
+OTHER_PEER = "other"
+PEER_LABEL_HEX = 16  # a peer label is the first 16 hex digits of its node id
+
 RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -151,4 +157,44 @@ class Metrics:
         self.trainer_state_fetches = Counter(
             "peerd_trainer_state_fetches_total", "State downloads for joining trainers, by outcome", ["outcome"],
             registry=r,
+        )
+        # -- per-peer network view (peerd/peers): the TOP_PEERS busiest peers, the rest as peer="other" --
+        self.peer_send_rate = Gauge(
+            "peerd_peer_send_bytes_per_second",
+            "Bytes per second this node sent to a peer over the last few seconds (peer: the first 16 hex digits of "
+            "its node id, or other: the rest summed; at most 9 series)", ["peer"], registry=r,
+        )
+        self.peer_receive_rate = Gauge(
+            "peerd_peer_receive_bytes_per_second",
+            "Bytes per second this node received from a peer over the last few seconds (at most 9 series)",
+            ["peer"], registry=r,
+        )
+        self.peer_rtt = Gauge(
+            "peerd_peer_rtt_seconds",
+            "Round-trip time of requests answered by a peer on their first transmission, by stat (smoothed, p99; "
+            "at most 16 series: no other)", ["peer", "stat"], registry=r,
+        )
+        self.peer_loss = Gauge(
+            "peerd_peer_loss_ratio",
+            "Fraction of a peer's averaging datagrams lost, by direction (out: this node's to it, from its REPORTs; "
+            "in: its to this node; at most 16 series: no other)", ["peer", "direction"], registry=r,
+        )
+        self.peers_tracked = Gauge("peerd_peers_tracked", "Peers in this node's per-peer network view", registry=r)
+        self.traffic_bytes = Counter(
+            "peerd_traffic_bytes_total",
+            "Bytes of datagrams this node sent (out) and opened (in), by kind (averaging, dht, state_sync, relay, "
+            "other)", ["direction", "kind"], registry=r,
+        )
+        self.relayed_fraction = Gauge(
+            "peerd_relayed_fraction", "Fraction of this node's traffic bytes that went over relayed paths",
+            registry=r,
+        )
+        self.averages_received_fraction = Gauge(
+            "peerd_averages_received_fraction",
+            "Fraction of the tensor datagrams this node's group averages expected that arrived", registry=r,
+        )
+        self.step_network_share = Gauge(
+            "peerd_step_network_share",
+            "Share of the local trainers' step time spent waiting on the network (matchmaking, members, transfer, "
+            "agree), as the trainers reported it", registry=r,
         )

@@ -41,6 +41,20 @@ def _metric_rows() -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def _cardinality() -> str:
+    """How many series the per-peer metrics cost, from the bound the code keeps."""
+    from peerd.metrics import OTHER_PEER, PEER_LABEL_HEX, TOP_PEERS
+
+    return (f"Per-peer series (`peerd_peer_*`) are bounded whatever the swarm's size: a daemon keeps them for its "
+            f"{TOP_PEERS} busiest peers by bytes per second (label `peer`: the first {PEER_LABEL_HEX} hex digits of "
+            f"the node id) and sums the rest into `peer=\"{OTHER_PEER}\"` for the rates, so each daemon exports at "
+            f"most {TOP_PEERS + 1} series of `peerd_peer_send_bytes_per_second` and of "
+            f"`peerd_peer_receive_bytes_per_second`, and at most {2 * TOP_PEERS} of `peerd_peer_rtt_seconds` "
+            f"(smoothed, p99) and of `peerd_peer_loss_ratio` (out, in). A peer that leaves the busiest "
+            f"{TOP_PEERS} loses its series. `peerd_traffic_bytes_total` has 10 series (2 directions, 5 kinds). "
+            f"The full per-peer view is in `peerd status --json` and on the status page ([status.md](status.md)).\n\n")
+
+
 def metrics_page() -> str:
     """docs/metrics.md: every Prometheus metric with its type, labels and help text."""
     out = [GENERATED_NOTE, "# Metrics\n\n",
@@ -48,6 +62,7 @@ def metrics_page() -> str:
            "127.0.0.1). Metrics are off unless `--metrics` is given. A histogram exposes `_bucket`, `_sum` and "
            "`_count` series. The Grafana dashboard (`deploy/grafana/dashboards/peerd.json`) is built on them; see "
            "[deploy.md](deploy.md).\n\n",
+           _cardinality(),
            "| metric | type | labels | meaning |\n| --- | --- | --- | --- |\n"]
     for exposed, kind, labels, doc in _metric_rows():
         out.append(f"| `{exposed}` | {kind} | {labels} | {doc.replace('|', '/')} |\n")

@@ -36,6 +36,7 @@ from peerd.allreduce.host import (
     Wake,
     send_shape,
 )
+from peerd.allreduce.options import AverageOptions
 from peerd.tools.sim.net import Link, Network
 from peerd.transport.pacing import Pacer, Report
 
@@ -126,7 +127,7 @@ class Lab:
     def _start(self, i: int, group: int, gi: int, x: np.ndarray, w: float, kw: dict) -> None:
         node = self.nodes[i]
         peers = [self.nodes[j].peer for j in self.members[group]]
-        self.apply(node, node.host.start(group, peers, gi, x, w, self.now, **kw))
+        self.apply(node, node.host.start(group, peers, gi, x, w, self.now, AverageOptions(**kw)))
         self.at(node.host.next_report(group), self._report_timer, i, group, owner=i)
         self._step(i, group, timer=False)
 
@@ -378,7 +379,7 @@ def test_end_copies_are_spaced_from_when_the_first_goes() -> None:
     first's departure; ``get_timer`` wakes the driver for them and ``due_copies(inf)`` flushes the rest."""
     a, b = bytes([1]) * 32, bytes([2]) * 32
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU, end_spacing_s=(0.008, 0.03))
-    host.start(5, [a, b], 0, np.ones(3 * PER, np.float32), 1.0, 0.0, floor_s=1.0)
+    host.start(5, [a, b], 0, np.ones(3 * PER, np.float32), 1.0, 0.0, AverageOptions(floor_s=1.0))
     ends = [blk for blk in host.datagrams_to_send(5, 0.0, 100) if blk.type == RS_END]
     assert len(ends) == 1 and len(ends[0].bodies) == 1 and ends[0].later == 2
     assert host.due_copies(5, INF) == []  # nothing before the first copy is paced

@@ -15,6 +15,7 @@ from peerd.allreduce.frames import pack_block
 from peerd.allreduce.group import DEFAULT_MAX_WEIGHT
 from peerd.allreduce.held import ENTRY_OVERHEAD, HeldData
 from peerd.allreduce.host import RECENT_GROUPS, AveragingHost, Dropped, PacerVerdict
+from peerd.allreduce.options import AverageOptions
 from peerd.allreduce.service import AllreduceService
 from peerd.tools.faults import byzantine
 from peerd.transport.pacing import Pacer, Report
@@ -284,8 +285,8 @@ def test_service_counts_refused_contributions_and_caps_weights() -> None:
             members = [node.member() for node in nodes]
 
             async def one(i: int) -> None:
-                results[i] = await nodes[i].service.average(9, members, i, xs[i], ws[i], floor_s=0.5,
-                                                            max_weight=None if i == 2 else 100.0)
+                results[i] = await nodes[i].service.average(
+                    9, members, i, xs[i], ws[i], AverageOptions(floor_s=0.5, max_weight=None if i == 2 else 100.0))
 
             async with trio.open_nursery() as g:
                 for i in range(n):
@@ -306,3 +307,17 @@ def test_service_counts_refused_contributions_and_caps_weights() -> None:
         mt = nodes_out[i].metrics.contributions_refused
         assert mt.labels("nonfinite")._value.get() == layout.datagrams(i)
         assert mt.labels("weight_capped")._value.get() == 1
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8"])
+def test_the_fault_injector_sends_what_a_member_holding_the_corrupted_vector_would_hostile(name: str) -> None:
+    """The injector wraps the core from outside: its reduce-scatter bodies are, byte for byte, an honest core's
+    for the negated vector (a codec's too: encoded from the corrupted values with the member's own draws)."""
+    from peerd.compress import codec
+
+    x = honest(1, 400, seed=7)[0]
+    kw = {"max_payload": payload_for(16)} if name == "fp32" else {"max_payload": 400, "codec": codec(name), "run": 3}
+    bad = byzantine("signflip")(GROUP, 2, 0, x, 1.0, 0.0, **kw)
+    twin = GroupAverage(GROUP, 2, 0, -x, 1.0, 0.0, **kw)
+    sent = [o.body for o in bad.datagrams_to_send(0.0, 1000) if o.type == RS_DATA]
+    assert sent and sent == [o.body for o in twin.datagrams_to_send(0.0, 1000) if o.type == RS_DATA]

@@ -9,6 +9,7 @@ import trio.testing
 
 from peerd.allreduce import Layout, elements_per_datagram
 from peerd.allreduce import host as host_module
+from peerd.allreduce.options import AverageOptions
 from peerd.wire.envelope import HEADER_DTYPE, HEADER_SIZE
 
 from .support.allreduce_nodes import AllreduceNode  # noqa: E402
@@ -35,7 +36,8 @@ def run_group(n: int, size: int, *, drop: float = 0.0, dead: tuple[int, ...] = (
             members = [node.member() for node in nodes]
 
             async def one(i: int) -> None:
-                results[i] = await nodes[i].service.average(7, members, i, vectors[i], weights[i], floor_s=0.5)
+                results[i] = await nodes[i].service.average(7, members, i, vectors[i], weights[i],
+                                                            AverageOptions(floor_s=0.5))
 
             async with trio.open_nursery() as group:
                 for i in range(n):
@@ -153,16 +155,17 @@ def test_a_trickle_of_tensor_data_lets_more_of_it_queue(monkeypatch: pytest.Monk
     socket waits before the next (a shaped link without GRO delivers a few datagrams a pass): COALESCE_FIRST_S,
     and COALESCE_S from the second such pass in a row on; the average is the same, and nothing else makes the
     loop wait so."""
-    from peerd.transport import endpoint as ep
+    from peerd.transport import inbound
+    from peerd.transport import receive as ep
 
     waits: list[float] = []
 
-    class Recording(ep.Pause):
+    class Recording(inbound.Pause):
         async def wait(self, seconds: float) -> None:
             waits.append(seconds)
             await trio.sleep(seconds)
 
-    monkeypatch.setattr(ep, "Pause", Recording)
+    monkeypatch.setattr(inbound, "Pause", Recording)
     vectors, weights, results = run_group(3, 3_000)
     exact = sum(w * v.astype(np.float64) for v, w in zip(vectors, weights, strict=True)) / sum(weights)
     for r in results.values():

@@ -21,7 +21,7 @@ from .support.processes import peerd
 
 pytestmark = pytest.mark.e2e
 
-NO_JSON = {"join"}  # a daemon: it logs, it prints no result
+NO_JSON = {"join", "top"}  # a daemon: it logs, it prints no result; top: a live screen (status --json is its JSON)
 
 
 def _leaves(parser: argparse.ArgumentParser, name: str = "peerd"):

@@ -18,6 +18,7 @@ from peerd.allreduce.arctopk import (
     ratio_of_plan,
     service_arc_topk,
 )
+from peerd.allreduce.options import AverageOptions
 from peerd.allreduce.service import Member
 from peerd.compress import codec
 from peerd.compress.topk import EF21M
@@ -247,7 +248,7 @@ def test_through_the_allreduce_service_selections_agree_and_nothing_unknown_land
 
             async def one(i: int) -> None:
                 out[i] = await service_arc_topk(nodes[i].allreduce, GROUP, members, i, xs[i], ws[i], plan, run=RUN,
-                                                round=ROUND, max_phase_s=5.0)
+                                                round=ROUND, options=AverageOptions(max_phase_s=5.0))
 
             async with trio.open_nursery() as inner:
                 for i in range(4):

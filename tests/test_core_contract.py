@@ -48,13 +48,10 @@ CORES: tuple[tuple[str, str], ...] = (
 NOT_YET: dict[tuple[str, str], str] = {
     # transport: next_deadline -> get_timer/handle_timer, statistics(); now last in on_report, reserve, sample,
     # failed (branch transport)
-    ("peerd.transport.core", "TransportCore"): "transport",
     ("peerd.transport.pacing", "Pacer"): "transport",
     ("peerd.transport.qdelay", "QueueDelay"): "transport",
     ("peerd.transport.guard", "AuthLimiter"): "transport",
     # nat: wake_at/poll -> get_timer/handle_timer + take_actions (branch nat)
-    ("peerd.nat.punch", "Puncher"): "nat",
-    ("peerd.nat.reach", "Reach"): "nat",
     # allreduce: one timer per running group, get_timer(group_id, now) (branch allreduce)
     ("peerd.allreduce.host", "AveragingHost"): "allreduce",
 }

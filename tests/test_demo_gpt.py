@@ -51,7 +51,7 @@ def test_time_to_target_reads_the_first_eval_at_or_below() -> None:
 def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
     """A few steps, 2 peers on loopback, then DDP: the headline fields are there and make sense."""
     out = peerd_json("demo", "--model", "gpt", "--peers", "2", "--steps", "4", "--eval-every", "2",
-                     "--baseline", "ddp", timeout=240)
+                     "--extra-steps", "2", "--baseline", "ddp", timeout=240)
     for key in ("val_loss", "baseline_val_loss", "time_to_target_s", "baseline_time_to_target_s", "speedup"):
         assert key in out, key
     initial = math.log(128)  # the untrained model's loss over 128 characters
@@ -62,7 +62,10 @@ def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
     assert out["speedup"] == (round(out["baseline_time_to_target_s"] / tt, 3) if tt else 0.0), out
     assert out["outcomes"].get("averaged", 0) >= 2 * 4 * 0.75, out["outcomes"]  # the peers did average
     assert out["max_param_divergence"] < 1e-3  # the final parameter averages brought them together
-    assert [row[0] for row in out["curve"]] == [2, 4, 5]  # every evaluation, then the end of training
+    # every evaluation, the extra steps past --steps included, then the end of training
+    assert [row[0] for row in out["curve"]] == [2, 4, 6, 7]
+    assert out["extra_steps"] == 2 and round(out["val_loss_at_steps"], 4) == out["curve"][1][1]
+    assert [row[0] for row in out["baseline"]["curve"]][-2] == 4  # DDP trains --steps only
 
 
 def test_churn_and_straggler_commands() -> None:
@@ -77,6 +80,17 @@ def test_churn_and_straggler_commands() -> None:
     assert all("--no-sync" in cmds[i] and "--init-seed" not in cmds[i] for i in range(4))  # founders: alike
     assert "--no-sync" not in cmds[4] and "--init-seed" in cmds[4]  # the joiner: its own weights, then sync
     assert all(c[c.index("--compression") + 1] == "int8" for c in cmds.values())
+    assert all(c[c.index("--extra-steps") + 1] == "0" for c in cmds.values())  # no target: no steps past --steps
+
+
+def test_extra_steps_default_to_a_fifth_where_a_target_is_known() -> None:
+    from peerd.tools.demo import DemoConfig, extra_steps
+
+    assert extra_steps(DemoConfig(model="gpt", steps=300, baseline="ddp")) == 60
+    assert extra_steps(DemoConfig(model="gpt", steps=300, target_loss=2.0)) == 60
+    assert extra_steps(DemoConfig(model="gpt", steps=300)) == 0
+    assert extra_steps(DemoConfig(model="gpt", steps=300, baseline="ddp", extra_steps=0)) == 0
+    assert extra_steps(DemoConfig(model="mlp", steps=300, baseline="ddp")) == 0
 
 
 def test_straggler_option_parses_factors() -> None:

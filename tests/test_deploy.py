@@ -129,7 +129,8 @@ def test_dashboard_is_provisioned_against_the_prometheus_datasource():
     panels = [p for p in dash["panels"] if p["type"] != "row"]
     titles = {p["title"] for p in panels}
     for wanted in ("Swarm size", "Rounds and their outcome", "Round time", "Group size", "Bytes per second",
-                   "Received fraction", "Drops by reason", "Training loss", "Samples per second"):
+                   "Received fraction", "Drops by reason", "Training loss", "Samples per second", "Per-peer send rate",
+                   "Per-peer receive rate", "Per-peer RTT", "Per-peer loss", "Traffic by kind"):
         assert wanted in titles
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
@@ -151,7 +152,10 @@ def test_every_dashboard_metric_is_exported_by_a_live_daemon(swarm):
               "peerd_moshpit_group_size", "peerd_udp_sent_bytes_total", "peerd_udp_received_bytes_total",
               "peerd_allreduce_bytes_sent_total", "peerd_allreduce_datagrams_received_total",
               "peerd_allreduce_datagrams_expected_total", "peerd_datagrams_dropped_total", "peerd_trainer_loss",
-              "peerd_trainer_samples_per_second"}
+              "peerd_trainer_samples_per_second", "peerd_peer_send_bytes_per_second",
+              "peerd_peer_receive_bytes_per_second", "peerd_peer_rtt_seconds", "peerd_peer_loss_ratio",
+              "peerd_traffic_bytes_total", "peerd_relayed_fraction", "peerd_averages_received_fraction",
+              "peerd_step_network_share"}
     assert wanted <= used, f"the dashboard lost panels for {sorted(wanted - used)}"
 
     node = swarm.start_many(1)[0]

@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from peerd.addresses import peer_address
+from peerd.allreduce.options import DEFAULT_OPTIONS
 from peerd.allreduce.robust import Robust
 from peerd.localsock.server import OpError
 from peerd.metrics import Metrics
@@ -38,7 +39,11 @@ from peerd.wire.identity import Identity
 
 from .support.dht_swarm import SECRET, DhtNode
 from .support.memnet import MemNet, MemSocket
-from .support.moshpit_groups import _group, node  # noqa: E402
+from .support.moshpit_groups import (  # noqa: E402
+    _group,
+    asked_options,  # noqa: E402
+    node,
+)
 from .support.virtual import counter_value, run_virtual
 
 BAD_IPS = ["0.0.0.0", "0.1.2.3", "::", "255.255.255.255", "224.0.0.1", "239.255.255.250", "ff02::1",
@@ -365,8 +370,9 @@ class FakeAllreduce:
         self.calls: list[dict] = []
         self.next: np.ndarray | None = None
 
-    async def average(self, group_id, members, index, vector, weight, **kwargs):
-        self.calls.append(kwargs)
+    async def average(self, group_id, members, index, vector, weight, options=DEFAULT_OPTIONS, *, out=None,
+                      center=None):
+        self.calls.append(asked_options(options, center))
         phase = SimpleNamespace(silent=(), datagrams_expected=4, datagrams_received=4)
         out = self.next if self.next is not None else vector * 2
         return SimpleNamespace(vector=out, stats=SimpleNamespace(reduce_scatter=phase, all_gather=phase))

@@ -313,9 +313,10 @@ def test_a_relay_becomes_a_path_after_a_ping_through_it_and_goes_on_a_direct_ans
                 await x.endpoint.request(y.addr, m.MsgType.PING, {})
             net.blocked |= {(a.addr, b.addr), (b.addr, a.addr)}
             a_id, b_id = a.identity.node_id, b.identity.node_id
-            b.nat._target_addr[a_id] = a.addr
-            b.nat._active.add(a_id)
-            await b.nat._relay_to(a_id)
+            b.nat.paths.target_addr[a_id] = a.addr  # (as after a punch an introducer vouched for, that failed)
+            b.nat.paths.active.add(a_id)
+            b.nat.paths.punch_failed(a_id, True, trio.current_time())
+            b.nat._act()
             await trio.sleep(3)
             assert b.nat.kind.get(a_id) == "relayed" and b.endpoint.relay_of(a.addr) is not None
             assert a.nat.kind.get(b_id) == "relayed" and a.nat.relay_entry(b_id) is not None

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import trio
 import trio.testing
 
 from peerd.dht import DhtService
+from peerd.nat.service import NatService
 from peerd.transport.endpoint import RpcError
 from peerd.wire import messages as m
 
@@ -69,7 +71,7 @@ def test_six_nodes_behind_nats_verdicts_and_paths() -> None:
                         info = (a.nat.kind.get(bid), name.get(a.nat.introducer.get(bid)),
                                 {n.name: dict(n.nat.relay.refused) for n in nodes.values()},
                                 a.nat.puncher.failures, [name[n] for n in a.nat.reached], trio.current_time(),
-                                a.endpoint.relay_of(addr), bid in a.nat._active)
+                                a.endpoint.relay_of(addr), bid in a.nat.paths.active)
                         raise AssertionError(f"{a.name} never reached {b.name}: {info}")
             for a in nodes.values():
                 known = set(a.nat.peers_known())
@@ -91,7 +93,7 @@ def test_six_nodes_behind_nats_verdicts_and_paths() -> None:
             await s1.endpoint.send_raw(addr, 0x40, [body, body[::-1]], node_id=s2.identity.node_id)
             await trio.sleep(1)
             assert sorted(got) == sorted([body, body[::-1]])  # (equal delays: trio may deliver in either order)
-            status = nodes["s1"].nat.status()
+            status = dataclasses.asdict(nodes["s1"].nat.statistics())
             assert status["reachability"] == "symmetric-nat" and status["path_datagrams"]["relayed"] > 0
             nursery.cancel_scope.cancel()
 
@@ -167,7 +169,7 @@ def test_a_moshpit_round_over_six_nodes_behind_nats_is_exact() -> None:
             nodes_by_id = {n.identity.node_id: k for k, n in nodes.items()}
             for name, res in results.items():
                 assert res.group_size == 6, (name, res)
-                info = {k: (dict(n.nat.relay.refused), n.nat.relay.relayed, dict(n.endpoint._drops),
+                info = {k: (dict(n.nat.relay.refused), n.nat.relay.relayed, dict(n.endpoint.core.receiving.drops),
                             {nodes_by_id[i]: kd for i, kd in n.nat.kind.items()},
                             {kk: v[0] for kk, v in n.endpoint.path_counts.items()}) for k, n in nodes.items()}
                 assert res.received_fraction == 1.0, (name, res.received_fraction, info)
@@ -199,11 +201,25 @@ def test_connect_to_a_peer_nothing_can_reach_gives_up_before_its_timeout() -> No
             took = trio.current_time() - t0
             assert kind is None
             assert took < 7.0, took  # one attempt (INTRO, punch, direct PINGs, relays) and the PINGs around it
+            # nothing vouched for the target (its introducer never reached it): no relay was even tried
+            assert p1.endpoint.path_counts["relayed"][0] == 0
+            assert p1.nat.no_relay.get("unintroduced", 0) >= 1, p1.nat.no_relay
             await trio.sleep(10)
-            assert not p1.nat._active  # the attempt its last PING began ends by itself
+            assert not p1.nat.paths.active  # the attempt its last PING began ends by itself
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+async def punch_failed(nat: NatService, node_id: bytes, addr: tuple[str, int]) -> None:
+    """As after a punch to ``node_id`` at ``addr`` that an introducer vouched for failed; back when its relay trial
+    (the direct PINGs, then the relays) has ended."""
+    nat.paths.target_addr[node_id] = addr  # what ``silent`` sets before the punch
+    nat.paths.active.add(node_id)
+    nat.paths.punch_failed(node_id, True, trio.current_time())
+    nat._act()
+    while node_id in nat.paths.active:
+        await trio.sleep(0.05)
 
 
 def test_a_failed_punch_to_a_peer_that_answers_directly_does_not_relay_it() -> None:
@@ -224,18 +240,19 @@ def test_a_failed_punch_to_a_peer_that_answers_directly_does_not_relay_it() -> N
             await relay.endpoint.request(target.addr, m.MsgType.PING, {}, node_id=tid)  # a relay both reached
             await target.endpoint.request(relay.addr, m.MsgType.PING, {}, node_id=relay.identity.node_id)
             relay.nat.reach.verdict = "public"  # (a public peer relays)
-            p1.nat._target_addr[tid] = target.addr  # what ``silent`` sets before the punch that failed
-            p1.nat._active.add(tid)
-            await p1.nat._relay_to(tid)
+            await punch_failed(p1.nat, tid, target.addr)
             assert p1.endpoint.relay_of(target.addr) is None
             assert p1.nat.path_to(target.addr, tid) == "direct"
-            assert not p1.nat._active
+            assert not p1.nat.paths.active
+            # a lossy link, not a NAT: the relay does not answer directly either, so nothing is relayed
+            net.blocked = {(p1.addr, target.addr), (p1.addr, relay.addr)}
+            p1.nat.reached.pop(tid, None)
+            await punch_failed(p1.nat, tid, target.addr)
+            assert p1.endpoint.relay_of(target.addr) is None and p1.nat.no_relay.get("lossy") == 1
+            assert p1.endpoint.path_counts["relayed"][0] == 0
             # the same with a peer that answers only through the relay: relayed, after the direct PINGs
             net.blocked = {(p1.addr, target.addr)}
-            p1.nat.reached.pop(tid, None)
-            p1.nat._target_addr[tid] = target.addr
-            p1.nat._active.add(tid)
-            await p1.nat._relay_to(tid)
+            await punch_failed(p1.nat, tid, target.addr)
             assert p1.endpoint.relay_of(target.addr) is not None
             nursery.cancel_scope.cancel()
 

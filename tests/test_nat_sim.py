@@ -80,6 +80,12 @@ def test_reachability_verdicts_by_verification(seed: int) -> None:
     assert nodes["p2"].reach.basis in ("probe", "no-translation")
 
 
+def step(core, now: float) -> list:
+    """Run a core's timer at ``now`` and take what it queued."""
+    core.handle_timer(now)
+    return core.take_actions()
+
+
 def test_a_probe_from_a_peer_this_node_sent_to_proves_nothing() -> None:
     from peerd.nat.reach import AskProbe, Observe, Reach
 
@@ -87,21 +93,21 @@ def test_a_probe_from_a_peer_this_node_sent_to_proves_nothing() -> None:
     peers = {nid(f"o{i}"): (f"198.51.100.{i}", 7000) for i in range(3)}
     for n, a in peers.items():
         r.add_peer(n, a)
-    assert r.poll(0.0) == []  # not before start
+    assert step(r, 0.0) == []  # not before start
     r.start(0.0)
-    obs = r.poll(0.0)
+    obs = step(r, 0.0)
     assert len(obs) == 2 and all(isinstance(a, Observe) for a in obs)
     for a in obs:
-        r.sent(a.addr, 0.0)
-        r.observed(a.node_id, ("203.0.113.9", 4000), 0.1)
-    ask = r.poll(0.2)
+        r.datagram_sent(a.addr, 0.0)
+        r.receive_observed(a.node_id, ("203.0.113.9", 4000), 0.1)
+    ask = step(r, 0.2)
     assert len(ask) == 1 and isinstance(ask[0], AskProbe)
     assert set(ask[0].avoid) == {a.node_id for a in obs}  # the peers it sent to: their probe proves nothing
     nonce = ask[0].nonce
-    assert not r.probe_received(nonce, obs[0].addr, 0.5)  # from an address it sent to: its NAT let it in
-    assert not r.probe_received(b"x" * 16, ("192.0.2.77", 7000), 0.5)  # another nonce
+    assert not r.receive_probe(nonce, obs[0].addr, 0.5)  # from an address it sent to: its NAT let it in
+    assert not r.receive_probe(b"x" * 16, ("192.0.2.77", 7000), 0.5)  # another nonce
     assert r.verdict == UNKNOWN
-    assert r.probe_received(nonce, ("192.0.2.77", 7000), 0.6)
+    assert r.receive_probe(nonce, ("192.0.2.77", 7000), 0.6)
     assert (r.verdict, r.basis, r.observed_addr) == (PUBLIC, "probe", ("203.0.113.9", 4000))
 
 
@@ -112,24 +118,24 @@ def test_different_mappings_mean_symmetric_and_no_probe_means_cone() -> None:
     for i in range(2):
         r.add_peer(nid(f"o{i}"), (f"198.51.100.{i}", 7000))
     r.start(0.0)
-    obs = r.poll(0.0)
-    r.observed(obs[0].node_id, ("203.0.113.9", 4000), 0.1)
-    r.observed(obs[1].node_id, ("203.0.113.9", 4001), 0.1)
-    assert r.poll(0.2) == [] and (r.verdict, r.basis) == (SYMMETRIC, "mappings")
+    obs = step(r, 0.0)
+    r.receive_observed(obs[0].node_id, ("203.0.113.9", 4000), 0.1)
+    r.receive_observed(obs[1].node_id, ("203.0.113.9", 4001), 0.1)
+    assert step(r, 0.2) == [] and (r.verdict, r.basis) == (SYMMETRIC, "mappings")
     c = Reach(random.Random(3), observers=2, probes=1, probe_timeout=4.0)
     for i in range(2):
         c.add_peer(nid(f"o{i}"), (f"198.51.100.{i}", 7000))
     c.start(0.0)
-    for a in c.poll(0.0):
-        c.observed(a.node_id, ("203.0.113.9", 4000), 0.1)
-    ask = c.poll(0.2)
+    for a in step(c, 0.0):
+        c.receive_observed(a.node_id, ("203.0.113.9", 4000), 0.1)
+    ask = step(c, 0.2)
     assert isinstance(ask[0], AskProbe)
-    c.probe_asked(ask[0].node_id, True, 0.3)
-    assert c.poll(1.0) == [] and c.verdict == UNKNOWN  # still waiting for the probe
-    assert c.wake_at() == pytest.approx(4.2)
-    c.poll(4.2)
+    c.receive_probe_asked(ask[0].node_id, True, 0.3)
+    assert step(c, 1.0) == [] and c.verdict == UNKNOWN  # still waiting for the probe
+    assert c.get_timer() == pytest.approx(4.2)
+    step(c, 4.2)
     assert (c.verdict, c.basis) == (CONE, "no-probe")
-    assert c.wake_at() == pytest.approx(4.2 + c.recheck)
+    assert c.get_timer() == pytest.approx(4.2 + c.recheck)
 
 
 def test_symmetric_nat_maps_per_destination_and_mappings_expire() -> None:

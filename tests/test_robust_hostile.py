@@ -13,6 +13,7 @@ import trio
 
 from peerd.allreduce.arctopk import ArcTopKPlan, ArcTopKResult
 from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GroupAverage
+from peerd.allreduce.options import DEFAULT_OPTIONS
 from peerd.allreduce.robust import WEIGHT_BOUND, Robust
 from peerd.compress.topk import EF21M
 from peerd.moshpit.keys import Grid
@@ -21,6 +22,7 @@ from peerd.tools.faults import byzantine
 from .support.arctopk import SHAPES, plan_for, run_group, wmean
 from .support.gradients import cos, gradients  # noqa: E402
 from .support.groups import GROUP, GroupNet, payload_for
+from .support.moshpit_groups import asked_options  # noqa: E402
 
 PER = 50
 
@@ -165,10 +167,11 @@ class PhaseAllreduce:
 
     def __init__(self) -> None:
         self.calls: list[dict] = []
-        self.host = SimpleNamespace(max_body=4 * 40 + 20)
+        self.max_body = 4 * 40 + 20
 
-    async def average(self, group_id, members, index, vector, weight, **kwargs):
-        self.calls.append(kwargs)
+    async def average(self, group_id, members, index, vector, weight, options=DEFAULT_OPTIONS, *, out=None,
+                      center=None):
+        self.calls.append(asked_options(options, center))
         phase = SimpleNamespace(silent=(), datagrams_expected=4, datagrams_received=4, datagrams_sent=4,
                                 ended_by="completion")
         stats = SimpleNamespace(reduce_scatter=phase, all_gather=phase, drops={}, refused={})

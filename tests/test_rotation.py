@@ -9,6 +9,7 @@ import pytest
 import trio
 import trio.testing
 
+from peerd.allreduce.options import AverageOptions
 from peerd.allreduce.service import AllreduceService, Member
 from peerd.metrics import Metrics
 from peerd.transport import Endpoint
@@ -56,7 +57,8 @@ def test_rounds_across_several_rotations_stay_exact() -> None:
 
                 async def one(i: int, r: int = r, vectors: list = vectors, weights: list = weights,
                               results: dict = results) -> None:
-                    results[i] = await services[i].average(100 + r, members, i, vectors[i], weights[i], floor_s=0.5)
+                    results[i] = await services[i].average(100 + r, members, i, vectors[i], weights[i],
+                                                          AverageOptions(floor_s=0.5))
 
                 async with trio.open_nursery() as group:
                     for i in range(n):

@@ -48,10 +48,9 @@ def test_small_soak_no_crash_and_exact_averages() -> None:
     assert dropped.get("auth_limited", 0) > 0, dropped
     # relay_hijack, connect_reflect: no daemon relays another's traffic or punches where a CONNECT pointed
     assert out["connect_reflected"] == 0, out
-    if out["honest_relayed_datagrams"]:
-        # Known open gap, reported rather than hidden: under this flood an honest request can go unanswered, and
-        # the unanswered-request fallback (punch, then relay through an introducer) then relays honest traffic.
-        pytest.xfail(f"honest members relayed {out['honest_relayed_datagrams']} datagrams through one another")
+    # loss is not a NAT: a request the flood left unanswered, or one to an identity nobody vouches for, is no
+    # reason to relay (a few PINGs of a relay attempt with evidence are allowed; it was thousands of datagrams)
+    assert out["honest_relayed_datagrams"] <= 20, out["honest_relayed_datagrams"]
     # the outsider-only phase: its daemon CPU per datagram (the <= 5 us goal is not asserted: a shared machine)
     cpu = out["outsider_cpu_us_per_datagram"]
     assert isinstance(cpu, float) and cpu > 0, out.get("outsider_cpu_us_per_datagram_by_daemon")

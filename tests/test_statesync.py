@@ -10,7 +10,8 @@ import pytest
 import trio
 
 from peerd.statesync import StateSyncError
-from peerd.statesync.service import Advert, _candidates, founder_candidates
+from peerd.statesync.advert import Advert
+from peerd.statesync.choice import candidates, founder_candidates
 from peerd.wire import messages as m
 
 from .support.memnet import MemNet
@@ -108,7 +109,7 @@ def test_candidates_prefer_newest_then_most_donors() -> None:
     a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
     ads = [Advert(bytes([i]) * 32, KEY, LAYOUT, step, 10, sha, None)
            for i, (step, sha) in enumerate([(100, a), (100, b), (100, b), (90, c)])]
-    ranked = _candidates(ads)
+    ranked = candidates(ads)
     assert [r.sha for r in ranked] == [b, a, c]  # newest first; at step 100, b has two donors
     assert len(ranked[0].donors) == 2 and len(ranked[1].donors) == 1
     assert Advert.decode(b"x" * 32, b"\x00garbage") is None

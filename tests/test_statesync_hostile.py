@@ -11,7 +11,9 @@ import os
 import trio
 
 from peerd.statesync import StateSync
-from peerd.statesync.service import AHEAD_STEPS, MAX_NOTED, WORKERS, Advert, _candidates
+from peerd.statesync.advert import Advert
+from peerd.statesync.choice import AHEAD_STEPS, candidates
+from peerd.statesync.service import MAX_NOTED, WORKERS
 from peerd.wire import messages as m
 
 from .support.memnet import MemNet
@@ -149,20 +151,20 @@ def test_known_donors_first_then_not_far_ahead_then_step_then_agreement() -> Non
     ads = [advert(1, 100, a), advert(2, 100, b), advert(3, 100, b), advert(4, 90, c),
            advert(5, 100 + AHEAD_STEPS + 1, d), advert(6, 100 + AHEAD_STEPS + 1, d)]
     # strangers only: a far-ahead claim ranks after every snapshot near the median step
-    assert [c_.sha for c_ in _candidates(ads)] == [b, a, c, d]
+    assert [c_.sha for c_ in candidates(ads)] == [b, a, c, d]
     # a donor this node averaged with outranks strangers, whatever step they claim
     known = {bytes([4]).hex() * 32}
-    ranked = _candidates(ads, known)
+    ranked = candidates(ads, known)
     assert [c_.sha for c_ in ranked] == [c, b, a, d] and ranked[0].known
     # an attacker advertising the honest hash with another size does not split the honest donors off
     ads2 = [advert(7, 100, a, size=99), advert(1, 100, a), advert(8, 100, a)]
-    ranked = _candidates(ads2)
+    ranked = candidates(ads2)
     assert [(r.size, len(r.donors)) for r in ranked] == [(10, 2), (99, 1)]
     # nor does one donor claiming a higher step for the same bytes move the snapshot's step
     ads3 = [advert(1, 100, a), advert(2, 100, a), advert(9, 10**12, a)]
-    assert _candidates(ads3)[0].step == 100
+    assert candidates(ads3)[0].step == 100
     # known donors are asked first within a snapshot
-    assert _candidates(ads3, {bytes([9]).hex() * 32})[0].donors[0].node_id == bytes([9]) * 32
+    assert candidates(ads3, {bytes([9]).hex() * 32})[0].donors[0].node_id == bytes([9]) * 32
 
 
 def test_known_peers_come_from_rounds_and_an_injected_source() -> None:

@@ -108,7 +108,7 @@ def _replicas(tmp_path, delay_s: float, compute_s: float, steps: int = 8):
             t.start()
         for t in threads:
             t.join(60)
-        status = d.service.statistics() if hasattr(d, "service") else None
+        status = d.service.statistics().sessions if hasattr(d, "service") else None
         for o in opts:
             o.close()
         return replies, models, opts, status
@@ -127,8 +127,8 @@ def test_optimizer_auto_switches_both_replicas_to_int8_on_a_slow_link(tmp_path) 
     assert all(o.compression == "int8" for o in opts)
     assert bool(torch.equal(models[0].weight, models[1].weight))  # the replicas averaged alike after the switch
     # `peerd status` (the daemon's trainer sessions): the codec and the choice with its reason
-    assert len(status) == 2 and all(t["compression"] == "int8" and t["auto"]["compression"] == "int8"
-                                    and "int8" in t["auto"]["reason"] for t in status), status
+    assert len(status) == 2 and all(t.compression == "int8" and t.auto["compression"] == "int8"
+                                    and "int8" in t.auto["reason"] for t in status), status
 
 
 def test_optimizer_auto_keeps_fp32_when_compute_dominates(tmp_path) -> None:
@@ -179,9 +179,9 @@ def test_trainer_report_auto_is_bounded_hostile(tmp_path) -> None:
                     {"k" * 100: 1}, ["int8"], {"compression": True}):
             with pytest.raises(DaemonError, match="auto must be"):
                 opt._call("trainer_report", auto=bad)
-        assert all("auto" not in t for t in d.service.statistics())
+        assert all(not t.auto for t in d.service.statistics().sessions)
         opt._call("trainer_report", auto={"compression": "fp32", "reason": "ok"})
-        assert [t["auto"] for t in d.service.statistics()] == [{"compression": "fp32", "reason": "ok"}]
+        assert [t.auto for t in d.service.statistics().sessions] == [{"compression": "fp32", "reason": "ok"}]
         opt.close()
     finally:
         d.stop()

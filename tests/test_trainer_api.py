@@ -133,8 +133,8 @@ def test_every_step_reports_its_phases_to_the_trainer_the_daemon_and_its_metrics
     counts = {s.labels["phase"]: s.value for metric in alone.metrics.step_phase_seconds.collect()
               for s in metric.samples if s.name.endswith("_count")}
     assert counts == dict.fromkeys(PHASES, 2.0)
-    (status,) = alone.service.statistics()
-    assert status["steps"] == 3 and set(status["phases"]) == set(PHASES)
+    (status,) = alone.service.statistics().sessions
+    assert status.steps == 3 and set(status.phases) == set(PHASES)
     opt.close()
 
 

@@ -14,8 +14,8 @@ import pytest
 from peerd.allreduce.robust import DEFAULT_C, Robust
 from peerd.localsock.arena import Arena, write_blob
 from peerd.localsock.client import DaemonError, LocalClient
-from peerd.statesync.service import Advert
-from peerd.trainer.service import MAX_BLOB, parse_layout, snapshot_bound
+from peerd.statesync.advert import Advert
+from peerd.trainer.options import MAX_BLOB, parse_layout, snapshot_bound
 
 from .support.sessions import LAYOUT, open_session, step
 from .support.trainer_harness import InProcessAverager, ThreadDaemon

@@ -199,7 +199,7 @@ def test_a_large_slot_is_taken_off_the_event_loop_and_still_checked(daemon, monk
     the same, a NaN in its last value is still refused, and the daemon's loop answers meanwhile."""
     import trio
 
-    import peerd.trainer.service as svc
+    import peerd.trainer.session as svc
 
     on_loop: list[bool] = []
     real = svc._copy_checked

@@ -45,7 +45,7 @@ def drive(core: TransportCore, addr: tuple[str, int], *, timeout: float, attempt
     """Run one request in virtual time: transmission ``i`` (0-based) is lost when ``i in lost``, otherwise its
     answer arrives ``rtt`` later. Returns the transmission times and the final step."""
     now = start
-    rid = core.open_request(addr, PONG, now, timeout=timeout, attempts=attempts)
+    rid = core.open_request(addr, PONG, timeout=timeout, attempts=attempts, now=now)
     sent: list[float] = []
     arrivals: list[float] = []
     while True:
@@ -123,7 +123,7 @@ def test_random_loss_patterns_follow_the_schedule(seed: int) -> None:
 
 def test_duplicate_and_late_answers() -> None:
     core = TransportCore(random.Random(4))
-    rid = core.open_request(A, PONG, 0.0, timeout=0.5, attempts=2)
+    rid = core.open_request(A, PONG, timeout=0.5, attempts=2, now=0.0)
     assert isinstance(core.step(rid, 0.0), Transmit)
     assert core.route(PONG, rid, A, "first", 0.01) is Route.ANSWER
     assert core.route(PONG, rid, A, "second", 0.02) is Route.DUPLICATE  # before the caller took the first
@@ -131,7 +131,7 @@ def test_duplicate_and_late_answers() -> None:
     assert isinstance(step, Answered) and step.reply == "first"
     assert core.route(PONG, rid, A, "late", 0.04) is Route.UNEXPECTED  # closed: nothing waits for it
     # an answer of the wrong type never matches; an ERROR does
-    rid = core.open_request(A, NODES, 1.0, timeout=0.5, attempts=2)
+    rid = core.open_request(A, NODES, timeout=0.5, attempts=2, now=1.0)
     core.step(rid, 1.0)
     assert core.route(PONG, rid, A, "wrong type", 1.01) is Route.UNEXPECTED
     assert core.route(ERROR, rid, A, "refused", 1.02) is Route.ANSWER
@@ -140,11 +140,11 @@ def test_duplicate_and_late_answers() -> None:
 
 def test_an_answer_from_another_address_matches_but_does_not_validate() -> None:
     core = TransportCore(random.Random(5))
-    rid = core.open_request(A, PONG, 0.0, timeout=0.5, attempts=2)
+    rid = core.open_request(A, PONG, timeout=0.5, attempts=2, now=0.0)
     core.step(rid, 0.0)
     assert core.route(PONG, rid, B, "via B", 0.01) is Route.ANSWER
     assert not core.guard.is_validated(A) and not core.guard.is_validated(B)
-    rid = core.open_request(A, PONG, 1.0, timeout=0.5, attempts=2)
+    rid = core.open_request(A, PONG, timeout=0.5, attempts=2, now=1.0)
     core.step(rid, 1.0)
     core.route(PONG, rid, A, "from A", 1.01)
     assert core.guard.is_validated(A)
@@ -163,47 +163,47 @@ class CollidingRandom(random.Random):
 
 def test_request_ids_never_collide_with_a_pending_one() -> None:
     core = TransportCore(CollidingRandom([7, 7, 7, 9, 7, 11]))
-    first = core.open_request(A, PONG, 0.0, timeout=1, attempts=1)
-    second = core.open_request(A, PONG, 0.0, timeout=1, attempts=1)
+    first = core.open_request(A, PONG, timeout=1, attempts=1, now=0.0)
+    second = core.open_request(A, PONG, timeout=1, attempts=1, now=0.0)
     assert (first, second) == (7, 9)  # the two draws of 7 while 7 was pending were thrown away
     core.close(first)
-    assert core.open_request(A, PONG, 0.0, timeout=1, attempts=1) == 7  # free again
+    assert core.open_request(A, PONG, timeout=1, attempts=1, now=0.0) == 7  # free again
 
 
 def test_a_broken_rng_is_refused_not_looped_on() -> None:
     core = TransportCore(CollidingRandom([5] * 200))
-    core.open_request(A, PONG, 0.0, timeout=1, attempts=1)
+    core.open_request(A, PONG, timeout=1, attempts=1, now=0.0)
     with pytest.raises(PendingFull):
-        core.open_request(A, PONG, 0.0, timeout=1, attempts=1)
+        core.open_request(A, PONG, timeout=1, attempts=1, now=0.0)
 
 
 def test_pending_map_is_bounded() -> None:
     core = TransportCore(random.Random(6), max_pending=8)
-    rids = [core.open_request(A, PONG, 0.0, timeout=1, attempts=1) for _ in range(8)]
+    rids = [core.open_request(A, PONG, timeout=1, attempts=1, now=0.0) for _ in range(8)]
     with pytest.raises(PendingFull):
-        core.open_request(A, PONG, 0.0, timeout=1, attempts=1)
+        core.open_request(A, PONG, timeout=1, attempts=1, now=0.0)
     core.step(rids[0], 0.0)
     assert isinstance(core.step(rids[0], 5.0), Expired)  # an expired request frees its slot
-    core.open_request(A, PONG, 5.0, timeout=1, attempts=1)
+    core.open_request(A, PONG, timeout=1, attempts=1, now=5.0)
     assert core.open_requests() == 8
 
 
 def test_same_seed_same_ids() -> None:
     a, b = TransportCore(random.Random(42)), TransportCore(random.Random(42))
-    ids_a = [a.open_request(A, PONG, 0.0, timeout=1, attempts=1) for _ in range(5)] + [a.new_id()]
-    ids_b = [b.open_request(A, PONG, 0.0, timeout=1, attempts=1) for _ in range(5)] + [b.new_id()]
+    ids_a = [a.open_request(A, PONG, timeout=1, attempts=1, now=0.0) for _ in range(5)] + [a.new_id()]
+    ids_b = [b.open_request(A, PONG, timeout=1, attempts=1, now=0.0) for _ in range(5)] + [b.new_id()]
     assert ids_a == ids_b and len(set(ids_a)) == 6
 
 
-def test_next_deadline_is_the_earliest_wait() -> None:
+def test_get_timer_is_the_earliest_wait() -> None:
     core = TransportCore(random.Random(7))
-    assert core.next_deadline() is None
-    r1 = core.open_request(A, PONG, 0.0, timeout=0.5, attempts=2)
-    r2 = core.open_request(B, PONG, 0.0, timeout=0.2, attempts=2)
-    assert core.next_deadline() is None  # nothing sent yet
+    assert core.get_timer() is None
+    r1 = core.open_request(A, PONG, timeout=0.5, attempts=2, now=0.0)
+    r2 = core.open_request(B, PONG, timeout=0.2, attempts=2, now=0.0)
+    assert core.get_timer() is None  # nothing sent yet
     core.step(r1, 0.0)
     core.step(r2, 0.1)
-    assert core.next_deadline() == pytest.approx(0.3)
+    assert core.get_timer() == pytest.approx(0.3)
 
 
 def test_demultiplexing_of_requests_and_one_way_messages() -> None:
@@ -231,48 +231,6 @@ def test_validation_challenge_releases_held_answers_in_order_and_bounded() -> No
         core.hold(addr, addr)
     assert core.release(("10.0.0.3", 1)) == []  # the oldest address was forgotten
     assert core.release(("10.0.0.5", 1)) == [("10.0.0.5", 1)]
-
-
-def test_receive_pause_only_under_a_junk_flood_and_never_on_a_full_batch() -> None:
-    core = TransportCore(random.Random(10), junk_pause_s=0.008)
-    busy = 5  # authenticated datagrams a pass: 500 a second, a busy node (an average running)
-    for i in range(11):  # 20 junk datagrams every 10 ms: 2000 a second (no pause before a window is measured)
-        assert core.receive_pause(i / 100, 20, False, busy) == 0.0 or i == 10
-    now = 0.1
-    assert core.junk_rate == pytest.approx(2000, rel=0.15)
-    assert core.honest_rate == pytest.approx(500, rel=0.15)
-    assert core.receive_pause(now, 20, False, busy) == 0.008  # 64 would take 32 ms to come: the cap
-    assert core.receive_pause(now, 0, False, busy) == 0.0  # a pass without junk
-    assert core.receive_pause(now, 1000, True, busy) == 0.0  # a backlog (the pass stopped at a limit): at once
-    for _ in range(30):  # 300 a second: below the floor
-        now += 0.01
-        core.receive_pause(now, 3, False, busy)
-    assert core.receive_pause(now, 3, False, busy) == 0.0
-    for _ in range(30):  # 20,000 a second: the pause shrinks, the batch stays near 64
-        now += 0.01
-        core.receive_pause(now, 200, False, busy)
-    assert core.receive_pause(now, 200, False, busy) == pytest.approx(64 / 20000, rel=0.2)
-    now += 5.0  # a long quiet spell forgets the rate
-    core.receive_pause(now, 1, False)
-    assert core.junk_rate == 0.0 and core.honest_rate == 0.0
-
-
-def test_receive_pause_is_long_on_an_idle_node_and_short_once_traffic_comes() -> None:
-    """An idle node (a PING now and then) takes a flood in batches of about 256, at most 32 ms apart; authenticated
-    traffic at 200 a second brings the 8 ms cap back within the window that shows it."""
-    core = TransportCore(random.Random(12), junk_pause_s=0.008, junk_idle_pause_s=0.032)
-    now = 0.0
-    for i in range(40):  # 5000 junk datagrams a second, one PING every 80 ms
-        now = i / 100
-        core.receive_pause(now, 50, False, 1 if i % 8 == 0 else 0)
-    assert core.honest_rate < 200
-    assert core.receive_pause(now, 50, False) == pytest.approx(0.032)  # 256 at 5000/s: 51 ms, capped at 32
-    for _ in range(30):  # 20,000 a second: batches of about 256
-        now += 0.01
-        core.receive_pause(now, 200, False)
-    assert core.receive_pause(now, 200, False) == pytest.approx(256 / 20000, rel=0.2)
-    now += 0.01
-    assert core.receive_pause(now, 200, False, 25) == pytest.approx(64 / 20000, rel=0.2)  # 2500/s now: busy
 
 
 def test_known_ids_are_an_lru() -> None:
@@ -441,10 +399,10 @@ def test_junk_is_refused_before_the_opener_and_counted_in_bulk(monkeypatch: pyte
     assert ep.receive_batch(batch, 0.0) == len(batch)
     # the source's ration: 32 failures at once, and each tried datagram cost one opening
     assert len(opened) == ep.auth_limiter.failure_burst
-    assert ep._drops == {"auth": 32, "auth_limited": 168, "malformed": 2, "version": 1}
-    assert ep._junk == len(batch)
+    assert ep.core.receiving.drops == {"auth": 32, "auth_limited": 168, "malformed": 2, "version": 1}
+    assert ep.core.receiving.junk == len(batch)
     trio.run(ep.flush)
-    assert ep._drops == {}
+    assert ep.core.receiving.drops == {}
     assert counter_value(ep.metrics.datagrams_dropped, reason="auth_limited") == 168
 
 
@@ -495,7 +453,7 @@ def test_a_ping_after_its_senders_data_keeps_its_place() -> None:
     frm2 = binding2.sender()
     first = another.seal(m.MsgType.PING, m.encode(m.MsgType.PING, {"rid": 3, "from": frm2}), me)  # goes first
     ep.receive_batch([(memoryview(data.tobytes()), src, data.shape[1]), (late, src, 0), (first, other, 0)], 0.0)
-    assert "replay" not in ep._drops, ep._drops
+    assert "replay" not in ep.core.receiving.drops, ep.core.receiving.drops
     assert len(got) == 60
     trio.run(ep.flush)
     assert [addr for _, addr in ep.sock.sent[1:]] == [other, src]  # type: ignore[attr-defined]
@@ -650,10 +608,10 @@ def test_a_member_cannot_squat_another_members_token_hostile() -> None:
     squat = {"pk": mallory.public_key, "sig": vb.nonce + mallory.sign_token(vb.token), "addr": None}
     ep.receive_batch([(squatter.seal(m.MsgType.PING, m.encode(m.MsgType.PING, {"rid": 1, "from": squat}), me),
                        ("10.6.6.6", 5), 0)], 0.0)
-    assert ep._drops.get("identity") == 1
+    assert ep.core.receiving.drops.get("identity") == 1
     ping = victor_sealer.seal(m.MsgType.PING, m.encode(m.MsgType.PING, {"rid": 2, "from": vb.sender()}), me)
     ep.receive_batch([(ping, ("10.1.1.9", 5), 0)], 0.0)
-    assert ep._drops.get("identity") == 1, ep._drops
+    assert ep.core.receiving.drops.get("identity") == 1, ep.core.receiving.drops
     assert ep.opener.token_state(vb.token).peer_key == victor.public_key  # type: ignore[union-attr]
     trio.run(ep.flush)
     assert [(d[3], addr) for d, addr in ep.sock.sent] == [(int(m.MsgType.PONG), ("10.1.1.9", 5))]  # type: ignore[attr-defined]

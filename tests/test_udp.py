@@ -201,7 +201,7 @@ def test_an_endpoint_is_caught_up_once_a_pass_has_emptied_its_socket() -> None:
                 await nursery.start(ep.serve)
                 await trio.sleep(0.05)  # the loop handles the junk and empties the socket
                 assert ep.caught_up(at)
-                assert ep._caught_up_at >= at  # (by a pass, not only by the empty queue)
+                assert ep.core.receiving.caught_up_at >= at  # (by a pass, not only by the empty queue)
                 nursery.cancel_scope.cancel()
         finally:
             tx.close()

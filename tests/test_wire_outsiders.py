@@ -210,13 +210,13 @@ def test_a_merged_run_of_junk_is_refused_at_once_as_each_row_would_be() -> None:
     junk = Header(0x03, 1, 0xDEAD, 0).pack()[:13]
     rows = [junk + bytes([i]) * 8 + bytes(40) for i in range(6)]  # same size, sequence and body differ
     ep.receive_batch([(b"".join(rows), forger, len(rows[0]))], 0.0)
-    assert calls == [] and ep._drops.get("auth_limited") == 6
+    assert calls == [] and ep.core.receiving.drops.get("auth_limited") == 6
     bad = [b"PD\xff" + row[3:] for row in rows[:3]]  # another version: refused as each row would be
     ep.receive_batch([(b"".join(bad), forger, len(bad[0]))], 0.0)
-    assert calls == [] and ep._drops.get("version") == 3
+    assert calls == [] and ep.core.receiving.drops.get("version") == 3
     mixed = [rows[0], Header(0x03, 1, 0xBEEF, 0).pack()[:13] + rows[1][13:]]  # two tokens: row by row
     ep.receive_batch([(b"".join(mixed), forger, len(mixed[0]))], 0.0)
-    assert len(calls) == 2 and ep._drops.get("auth_limited") == 8
+    assert len(calls) == 2 and ep.core.receiving.drops.get("auth_limited") == 8
     member = Sealer(SECRET)
     to = ep.identity.node_id
     known = [member.seal(0x03, bytes(40), to) for _ in range(2)]

@@ -27,6 +27,7 @@ from .group import (
     Outgoing,
     PhaseStats,
 )
+from .options import AverageOptions
 from .shards import Layout, elements_per_datagram
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD",
     "DEFAULT_SAFETY",
     "END_REPEATS",
+    "AverageOptions",
     "HEADER",
     "HEADER_SIZE",
     "BodyHeader",

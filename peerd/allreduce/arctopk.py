@@ -38,17 +38,21 @@ canary needs the exponent range of float32: w_owner / sum w may be below fp16's 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
 
 from ..compress import Codec, CodecError
 from ..compress.topk import EF21M, TopKLayout
+from .options import DEFAULT_OPTIONS, AverageOptions
 from .robust import Robust
 from .shards import elements_per_datagram
+
+if TYPE_CHECKING:
+    from .service import Averager
 
 FLOAT32 = np.dtype("<f4")
 CANARY_FLOOR = 2.0**-64  # the owner's canary when its values are all zero: still not 0 once averaged (float32)
@@ -327,21 +331,21 @@ def phase_options(phase: int, robust: Robust | None) -> dict[str, Any]:
     return {"robust": robust if robust.mode == "clip" else Robust("clip", robust.c)}
 
 
-async def service_arc_topk(service: Any, group_id: int, members: list, index: int, vector: np.ndarray,
+async def service_arc_topk(service: Averager, group_id: int, members: list, index: int, vector: np.ndarray,
                            weight: float, plan: ArcTopKPlan, *, run: int, round: int, codec: Codec | None = None,
-                           ef: EF21M | None = None, **options: Any) -> ArcTopKResult:
-    """arc_topk_average through an AllreduceService (``service.average``): the three phases under derived group
-    ids, with the same members, weight and ``options`` (floor_s, max_phase_s, max_weight, robust); ``codec`` the
-    dense rows' (the plan's). ``robust`` applies to the sketch and dense phases (a centered mode clips around
-    zero: no center is kept for sketches or rows); the selection phase runs ``solo`` (each owner's segment is its
-    bitmap alone). ``result.phases`` holds the three AverageResults."""
-    robust = options.pop("robust", None)
-    options.pop("center", None)
+                           ef: EF21M | None = None, options: AverageOptions = DEFAULT_OPTIONS) -> ArcTopKResult:
+    """arc_topk_average through an Averager (``service.average``): the three phases under derived group ids, with
+    the same members, weight and ``options`` (deadlines, max_weight, robust); ``codec`` the dense rows' (the
+    plan's). ``options.robust`` applies to the sketch and dense phases (a centered mode clips around zero: no
+    center is kept for sketches or rows); the selection phase runs ``solo`` (each owner's segment is its bitmap
+    alone). ``result.phases`` holds the three AverageResults."""
+    robust = options.robust
+    base = replace(options, robust=None, codec=None, run=0, solo=False)
 
     async def average(phase: int, gid: int, values: np.ndarray) -> tuple[np.ndarray, object, int]:
         coded = {"codec": codec, "run": run} if phase == 2 and codec is not None and codec.wire_id != 0 else {}
-        res = await service.average(gid, members, index, values, weight, **options, **coded,
-                                    **phase_options(phase, robust))
+        res = await service.average(gid, members, index, values, weight,
+                                    replace(base, **coded, **phase_options(phase, robust)))
         return res.vector, res, res.bytes_sent
 
     offload = trio.to_thread.run_sync if plan.layout.length >= OFF_LOOP_ELEMS else _inline

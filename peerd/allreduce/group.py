@@ -69,7 +69,8 @@ from . import kernels
 from .finalize import Finalize
 from .frames import F32_DTYPE
 from .intake import Intake, Outcome
-from .kernels import F32_MAX, stage_elements
+from .kernels import stage_elements
+from .options import DEFAULT_MAX_WEIGHT, check_codec, check_max_weight, check_robust, check_timing
 from .outbox import DEFAULT_BLOCK_ROWS, OutBlock, Outbox, Outgoing
 from .phase import (
     COMPLETION,
@@ -84,7 +85,6 @@ from .phase import (
     State,
     advance,
 )
-from .robust import MODES as ROBUST_MODES
 from .robust import Robust
 from .shards import Layout, elements_per_datagram
 
@@ -97,8 +97,6 @@ __all__ = [  # the core's public names, wherever in the package they are defined
 DEFAULT_MAX_PAYLOAD = 1200 - 37  # default datagram payload minus envelope (21) and AEAD tag (16)
 DEFAULT_FLOOR_S = 1.0
 DEFAULT_SAFETY = 2.0
-DEFAULT_MAX_WEIGHT = float(2**24)  # samples: the cap on any member's weight unless the caller gives one
-_U64 = (1 << 64) - 1
 FP32_CODEC = Float32Codec()  # the default body codec (values travel as their own float32 bytes)
 
 
@@ -175,33 +173,18 @@ class GroupAverage(Intake, Outbox, Finalize):
                 f"weight must be finite and > 0 (the sample count behind this vector), got {weight!r};"
                 " a member with nothing to contribute should not join the group"
             )
-        if max_weight is None:
-            max_weight = DEFAULT_MAX_WEIGHT
-        try:
-            cap = float(max_weight)
-        except (TypeError, ValueError):
-            raise ValueError(f"max_weight must be a number (samples), got {max_weight!r}") from None
-        if not (math.isfinite(cap) and 0 < cap <= F32_MAX and np.float32(cap) > 0):
-            raise ValueError(f"max_weight must be finite and > 0 (the most samples a member may claim), got {cap!r}")
+        cap = check_max_weight(max_weight)
         refused: Counter[str] = Counter()
         if w > cap:
             refused["weight_capped"] += 1
             w32 = np.float32(cap)
-        if robust is not None and (not isinstance(robust, Robust) or robust.mode not in ROBUST_MODES
-                                   or not (math.isfinite(robust.c) and robust.c > 0)):
-            raise ValueError(f"robust must be None or a Robust (parse_robust: clip[:C], centered[:C]), got {robust!r}")
-        if not (math.isfinite(floor_s) and floor_s >= 0):
-            raise ValueError(f"floor_s must be finite and >= 0, got {floor_s!r}")
+        check_robust(robust)
+        check_timing(floor_s, max_phase_s)
         if not (math.isfinite(safety) and safety > 0):
             raise ValueError(f"safety must be finite and > 0, got {safety!r}")
-        if max_phase_s is not None and not max_phase_s > 0:
-            raise ValueError(f"max_phase_s must be > 0 or None, got {max_phase_s!r}")
+        check_codec(codec, run)
         if codec is None:
             codec = FP32_CODEC
-        if not isinstance(codec, Codec):
-            raise ValueError(f"codec must be a peerd.compress body codec (compress.codec(name)), got {codec!r}")
-        if type(run) is not int or not 0 <= run <= _U64:
-            raise ValueError(f"run must be a u64 (the run's rounding key), got {run!r}")
         if not isinstance(vector, np.ndarray) or vector.ndim != 1:
             raise ValueError("vector must be a 1-D numpy array")
         if out is vector:

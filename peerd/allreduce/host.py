@@ -33,20 +33,19 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from ..compress import Codec
 from ..transport.pacing import Pacer, Report
 from ..wire.errors import WireError
 from .actions import Action, Bind, Completed, Dropped, HeldTimer, PacerVerdict, SendBlock, SendReport, Wake
 from .frames import DATA_TYPES, peek_group
 from .group import GroupAverage, Outcome, stage_elements
 from .held import HeldData
-from .robust import Robust
+from .options import DEFAULT_OPTIONS, AverageOptions
 from .running import GATE_BYTES, RunningGroup, gate, hear, releasable, release
 
 BATCH = 128  # datagrams per slice of sending work at least (a slice is one block or more)
@@ -149,28 +148,19 @@ class AveragingHost:
         vector: np.ndarray,
         weight: float,
         now: float,
+        options: AverageOptions = DEFAULT_OPTIONS,
         *,
         kernel_drops: int = 0,
         gso: bool = False,
-        floor_s: float = 1.0,
-        max_phase_s: float | None = 60.0,
-        end_grace_s: float = 0.05,
         out: np.ndarray | None = None,
-        max_weight: float | None = None,
-        robust: Robust | None = None,
         center: np.ndarray | None = None,
-        codec: Codec | None = None,
-        run: int = 0,
-        absent: Collection[int] = (),
-        solo: bool = False,
     ) -> list[Action]:
         """Start averaging ``vector`` (weight: its sample count) as member ``index`` of ``peers`` (node ids,
-        in the group's order). Returns a Bind per other member, and what the data held for this group did.
-        ``absent``: members (indices) this node neither waits for nor sends to (GroupAverage.remove_member),
-        e.g. one silent in an earlier part of the same Moshpit round. ``solo``: each owner's shard is its own
-        values alone (GroupAverage).
+        in the group's order), as ``options`` say. Returns a Bind per other member, and what the data held for
+        this group did. ``options.absent``: members (indices) this node neither waits for nor sends to
+        (GroupAverage.remove_member), e.g. one silent in an earlier part of the same Moshpit round.
         ValueError: a group of that id is running here, the members are not distinct, or GroupAverage's own
-        argument checks (weight, max_weight, robust, ...)."""
+        argument checks (weight, ``out``, ``center``)."""
         if group_id in self._groups:
             raise ValueError(f"group {group_id:#x} is already averaging on this node")
         peers = list(peers)
@@ -178,21 +168,21 @@ class AveragingHost:
             raise ValueError("a group's members must be distinct nodes")
         if type(index) is not int or not 0 <= index < len(peers):
             raise ValueError(f"index must be in 0..{len(peers) - 1}, got {index!r}")
-        absent = set(absent)
-        if any(type(a) is not int or not 0 <= a < len(peers) or a == index for a in absent):
+        absent = set(options.absent)
+        if any(not 0 <= a < len(peers) or a == index for a in absent):
             raise ValueError(f"absent members must be other members' indices in 0..{len(peers) - 1}")
         spare = self._take_spare(stage_elements(len(vector), len(peers)))
         core = self.group_factory(
             group_id, len(peers), index, vector, weight, now,
-            max_payload=self.max_body, floor_s=floor_s, max_phase_s=max_phase_s, out=out,
-            end_grace_s=end_grace_s, max_weight=max_weight, robust=robust, center=center,
-            codec=codec, run=run, stage=spare, solo=solo,
+            max_payload=self.max_body, floor_s=options.floor_s, max_phase_s=options.max_phase_s, out=out,
+            end_grace_s=options.end_grace_s, max_weight=options.max_weight, robust=options.robust, center=center,
+            codec=options.codec, run=options.run, stage=spare, solo=options.solo,
         )
         core.split_values = self.split_values
         for a in sorted(absent):
             core.remove_member(a, now)
         part, rows = send_shape(self.mtu, gso)
-        g = RunningGroup(core, peers, now, kernel_drops, floor_s, part, rows, now + self.report_interval_s)
+        g = RunningGroup(core, peers, now, kernel_drops, options.floor_s, part, rows, now + self.report_interval_s)
         g.gate_rows = max(1, GATE_BYTES // self.mtu)
         self._recent.pop(group_id, None)  # (a group id used again: its old REPORTs no longer count)
         self._groups[group_id] = g
@@ -466,7 +456,7 @@ class AveragingHost:
             return None
         actions: list[Action] = []
         if result[2]:
-            actions.append(Dropped(Outcome.LATE.value, result[2]))
+            actions.append(Dropped(Outcome.LATE.reason, result[2]))
         if core.phase_changes != before or (not g.heard[index] and hear(g, index)):
             actions.append(Wake(core.group_id))
         return actions
@@ -574,7 +564,7 @@ class AveragingHost:
         """Keep data for a group this node has not started yet: its members may start first. A group that
         finished here takes nothing more: its stragglers are late, not worth holding for 10 s."""
         if group in self._recent:  # (END repeats routinely outlive their phase: not worth a count either)
-            return (Dropped(Outcome.LATE.value),) if mtype in DATA_TYPES else _NONE
+            return (Dropped(Outcome.LATE.reason),) if mtype in DATA_TYPES else _NONE
         kept, dropped, timer = self._keep(group, token, peer, mtype, body, now)
         if not kept:
             dropped += 1
@@ -617,8 +607,8 @@ class AveragingHost:
             opened = outcome is Outcome.ACCEPTED and not g.heard[index] and hear(g, index)
             return (Wake(core.group_id),) if core.phase_changes != before or opened else _NONE
         if core.phase_changes != before:
-            return (Dropped(outcome.value), Wake(core.group_id))
-        return (Dropped(outcome.value),)
+            return (Dropped(outcome.reason), Wake(core.group_id))
+        return (Dropped(outcome.reason),)
 
     def _deliver_held(self, g: RunningGroup, peer: bytes | None, token: int, mtype: int, body: bytes | np.ndarray,
                       now: float, drops: Counter[str], actions: list[Action]) -> None:

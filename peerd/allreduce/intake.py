@@ -26,8 +26,16 @@ class Outcome(enum.Enum):
     ACCEPTED = "accepted"
     DUPLICATE = "duplicate"  # a range (or END) this sender already delivered: not counted twice
     LATE = "late"  # the phase it belongs to has ended at this receiver
-    OTHER_GROUP = "group"  # another group's body (a straggler from an earlier round)
-    UNKNOWN_SENDER = "sender"  # sender index out of range, or this member itself
+    OTHER_GROUP = "other_group"  # another group's body (a straggler from an earlier round)
+    UNKNOWN_SENDER = "unknown_sender"  # sender index out of range, or this member itself
+
+    @property
+    def reason(self) -> str:
+        """The drop reason it is counted under (GroupStats.drops, peerd_datagrams_dropped_total{reason})."""
+        return _REASONS.get(self, self.value)
+
+
+_REASONS = {Outcome.OTHER_GROUP: "group", Outcome.UNKNOWN_SENDER: "sender"}
 
 
 
@@ -48,11 +56,11 @@ class Intake:
 
     def _receive(self, sender: int, mtype: int, body: bytes | memoryview, now: float) -> Outcome:
         if len(body) >= 4 and _GROUP.unpack_from(body)[0] != self.group_id:
-            self._drops["group"] += 1
+            self._drops[Outcome.OTHER_GROUP.reason] += 1
             return Outcome.OTHER_GROUP
         _, _, total, offset, count, weight = check_header(mtype, body, self.codec)
         if type(sender) is not int or not 0 <= sender < self.n or sender == self.index:
-            self._drops["sender"] += 1
+            self._drops[Outcome.UNKNOWN_SENDER.reason] += 1
             return Outcome.UNKNOWN_SENDER
         if not self._live[sender]:  # removed (remove_member): given up on, as a phase deadline gives up
             return self._late(mtype)

@@ -11,13 +11,13 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import trio
 
-from ..compress import Codec
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..transport.pacing import Pacer
@@ -41,7 +41,7 @@ from .host import (
     SendReport,
     Wake,
 )
-from .robust import Robust
+from .options import DEFAULT_OPTIONS, AverageOptions
 
 log = logging.getLogger("peerd.allreduce")
 CATCH_UP_POLL_S = 0.002  # how often a phase deadline re-checks that the receive loop has caught up to it
@@ -63,14 +63,31 @@ class Member:
     addr: Address
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class AverageResult:
+    """One finished group average: the vector, the core's statistics, and what it cost this node."""
+
     vector: np.ndarray
     stats: GroupStats
     seconds: float
     handshake_s: float
     bytes_sent: int
     datagrams_sent: int
+
+
+class Averager(Protocol):
+    """What Moshpit and the benches use of a node's averaging: AllreduceService, or a wrapper around one that
+    does something first (nat.averager.PathsFirst: a path to every member)."""
+
+    @property
+    def pacer(self) -> Pacer: ...
+
+    @property
+    def max_body(self) -> int: ...
+
+    async def average(self, group_id: int, members: list[Member], index: int, vector: np.ndarray, weight: float,
+                      options: AverageOptions = DEFAULT_OPTIONS, *, out: np.ndarray | None = None,
+                      center: np.ndarray | None = None) -> AverageResult: ...
 
 
 class AllreduceService:
@@ -99,6 +116,11 @@ class AllreduceService:
     @property
     def pacer(self) -> Pacer:
         return self.host.pacer
+
+    @property
+    def max_body(self) -> int:
+        """The largest tensor body this node's groups take (its datagram payload)."""
+        return self.host.max_body
 
     # -- what arrives (the endpoint's handlers: synchronous) --------------------------------------
     def _on_data(self, header: Header, body: bytes, state: TokenState, source: Address) -> None:
@@ -177,35 +199,21 @@ class AllreduceService:
         index: int,
         vector: np.ndarray,
         weight: float,
+        options: AverageOptions = DEFAULT_OPTIONS,
         *,
-        floor_s: float = 1.0,
-        max_phase_s: float | None = 60.0,
-        end_grace_s: float = 0.05,
         out: np.ndarray | None = None,
-        max_weight: float | None = None,
-        robust: Robust | None = None,
         center: np.ndarray | None = None,
-        codec: Codec | None = None,
-        run: int = 0,
-        absent: Collection[int] = (),
-        solo: bool = False,
     ) -> AverageResult:
         """Average ``vector`` (weight: its sample count) with ``members`` as member ``index`` of group
-        ``group_id``. ``max_weight``: the most samples any member's weight counts for (None: 2**24), from
-        the local trainer's ``max_samples``. ``robust``: norm clipping at the shard owner (robust.py; it
-        bounds how far one member moves the average, it does not stop a sign-flipped gradient of normal
-        size); ``center``: the previous round's average, for ``centered`` (None: clip around zero).
-        ``codec``: the run's body codec (peerd.compress; None: fp32), the same for every member; ``run``: the
-        run's u64 key for the codec's stochastic rounding draws. ``absent``: members (indices) not waited for
-        and sent nothing (silent in an earlier part of the same Moshpit round). ``solo``: each owner's result for
-        its shard is its own values alone (a broadcast per owner: arc-topk's selections)."""
+        ``group_id``, as ``options`` say (options.py: deadlines, the weight cap, robust clipping, the codec,
+        absent members). ``out``: where the result goes (``vector`` itself: in place); ``center``: the previous
+        round's average, for robust ``centered`` (None: clip around zero)."""
         host = self.host
+        floor_s = options.floor_s
         wall0 = time.perf_counter()
         actions = host.start(
-            group_id, [mb.node_id for mb in members], index, vector, weight, trio.current_time(),
-            kernel_drops=self._kernel_drops(), gso=self._gso(), floor_s=floor_s, max_phase_s=max_phase_s,
-            end_grace_s=end_grace_s, out=out, max_weight=max_weight, robust=robust, center=center,
-            codec=codec, run=run, absent=absent, solo=solo,
+            group_id, [mb.node_id for mb in members], index, vector, weight, trio.current_time(), options,
+            kernel_drops=self._kernel_drops(), gso=self._gso(), out=out, center=center,
         )
         self._wake[group_id] = trio.Event()
         handshake = [0.0]

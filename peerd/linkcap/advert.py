@@ -10,7 +10,7 @@ MAX_ADVERT_RATE = 2**40  # bytes/s: anything above is refused as malformed
 MAX_PEERS = 4096  # peers whose caps are remembered (LRU)
 WIRE_OVERHEAD = 42  # IPv4 + UDP + Ethernet headers per datagram: what a link and its meter count beyond the payload
 PLAN_MARGIN = 1.5  # a phase's deadline: at least this many times its slowest capped member's share at its cap
-SENDER_SHARE = 0.9  # of a download-capped member's cap per sender's share: the rest is slack for the others' clocks
+SENDER_SHARE = 0.97  # of a download-capped member's cap, shared by its senders: the rest is for its DHT and control
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,23 +40,25 @@ class CapAdvert:
 
 
 class PeerCaps:
-    """node id -> the cap its latest matchmaking record carried (bounded, least recently noted evicted)."""
+    """node id -> the cap its latest matchmaking record carried, None for a record without one (bounded, least
+    recently noted evicted)."""
 
     def __init__(self, max_peers: int = MAX_PEERS) -> None:
-        self._caps: OrderedDict[bytes, CapAdvert] = OrderedDict()
+        self._caps: OrderedDict[bytes, CapAdvert | None] = OrderedDict()
         self._max = max_peers
 
     def note(self, node_id: bytes, advert: CapAdvert | None) -> None:
-        if advert is None or not advert.capped:
-            self._caps.pop(node_id, None)
-            return
-        self._caps[node_id] = advert
+        self._caps[node_id] = advert if advert is not None and advert.capped else None
         self._caps.move_to_end(node_id)
         while len(self._caps) > self._max:
             self._caps.popitem(last=False)
 
     def get(self, node_id: bytes) -> CapAdvert | None:
         return self._caps.get(node_id)
+
+    def known(self, node_id: bytes) -> bool:
+        """Whether a record of ``node_id``'s was seen (capped or not)."""
+        return node_id in self._caps
 
     def __len__(self) -> int:
         return len(self._caps)

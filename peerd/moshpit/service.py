@@ -26,8 +26,9 @@ import numpy as np
 import trio
 
 from ..allreduce.arctopk import ArcTopKPlan, phase_totals, service_arc_topk
+from ..allreduce.options import AverageOptions
 from ..allreduce.robust import Robust
-from ..allreduce.service import AllreduceService, Member
+from ..allreduce.service import Averager, Member
 from ..compress import Codec
 from ..dht.records import Record
 from ..dht.service import DhtService
@@ -49,7 +50,9 @@ from .records import (
     MoshpitError,
     check_run_id,
     config_key,
+    decode_announce,
     encode_grid,
+    group_dht_key,
     plausible_progress,
     progress_key,
     published_grid,
@@ -99,6 +102,7 @@ __all__ = [
 
 log = logging.getLogger("peerd.moshpit")
 DEFAULT_KEEP_ROUNDS = 1  # groups re-form through the DHT every round unless a run asks to keep them (sticky.py)
+CAPS_READ_S = 0.5  # the most a round's start waits to read unknown members' caps (linkcap)
 
 
 class MoshpitService:
@@ -106,7 +110,7 @@ class MoshpitService:
         self,
         endpoint: Endpoint,
         dht: DhtService,
-        allreduce: AllreduceService,
+        allreduce: Averager,
         metrics: Metrics,
         *,
         address: Address,
@@ -521,27 +525,23 @@ class MoshpitService:
         hexes = [c.node_id.hex() for c in group.members]
         group_id = group.group_id if part is None else part_group_id(group.group_id, part)
         gid = f"{group_id:08x}"
-        extra: dict = {}  # only what the run set (an allreduce without these options still serves the rest)
-        if st.max_weight is not None:
-            extra["max_weight"] = st.max_weight
-        if st.robust is not None:
-            extra["robust"] = st.robust
-            if st.robust.mode == "centered" and center is not None:
-                extra["center"] = center
-            elif st.robust.mode == "centered" and st.center is not None and st.center.shape == vector.shape:
-                extra["center"] = st.center
-        if absent:
-            extra["absent"] = absent
-        if st.codec is not None:  # fp32 goes the way it always went (its zero-copy path, no codec arguments)
-            extra["codec"] = st.codec
-            extra["run"] = codec_run_key(st.run_id if part is None else f"{st.run_id}#{part}", round_no)
+        around = None
+        if st.robust is not None and st.robust.mode == "centered":
+            if center is not None:
+                around = center
+            elif st.center is not None and st.center.shape == vector.shape:
+                around = st.center
+        coded = {} if st.codec is None else {  # fp32 goes its zero-copy way, no codec
+            "codec": st.codec, "run": codec_run_key(st.run_id if part is None else f"{st.run_id}#{part}", round_no)}
         if st.topk is not None:
             return await self._average_topk(st, group, members, hexes, vector, weight, budget_s, round_no, key, seen)
+        await self._learn_caps(group, group_dht_key(st.run_id, round_no, key))
         try:
-            res = await self.allreduce.average(
-                group_id, members, group.index, vector, weight, floor_s=1.0,
-                max_phase_s=max(1.0, budget_s / 2, self._capped_phase_s(group, vector)), **extra,
-            )
+            longest = max(1.0, budget_s / 2, self._capped_phase_s(group, vector))
+            options = AverageOptions(floor_s=1.0, max_phase_s=longest, max_weight=st.max_weight, robust=st.robust,
+                                     absent=absent, **coded)
+            res = await self.allreduce.average(group_id, members, group.index, vector, weight, options,
+                                               center=around)
             finite = await self._finite(res.vector)
         except (ValueError, RpcError) as e:  # e.g. the same group id twice: keep my own vector
             log.warning("run %s round %d: averaging in group %s failed: %s", st.run_id, round_no, gid, e)
@@ -566,6 +566,18 @@ class MoshpitService:
                            silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent,
                            weight_total=float(getattr(res.stats, "weight_total", 0.0)))
 
+    async def _learn_caps(self, group: Group, mm_key: bytes) -> None:
+        """A member whose matchmaking record this node never read (it joined its leader before the record came)
+        may have caps: read the round's records once, briefly, before the average plans with them."""
+        me = self.identity.node_id
+        if all(c.node_id == me or self.peer_caps.known(c.node_id) for c in group.members):
+            return
+        with trio.move_on_after(CAPS_READ_S):
+            for r in await self.dht.get(mm_key):
+                a = decode_announce(r)
+                if a is not None:
+                    self.peer_caps.note(a.node_id, a.cap)
+
     def _capped_phase_s(self, group: Group, vector: np.ndarray) -> float:
         """A phase's deadline is at least PLAN_MARGIN x what its slowest capped member's share takes at its cap
         (linkcap.share_seconds), so a capped member is not cut off as every round's straggler."""
@@ -583,14 +595,14 @@ class MoshpitService:
         if vector.size != topk.length:
             return RoundResult(vector.copy(), "failed", gid, len(members), hexes, 0.0, round_no, 0.0, 0.0, key, seen,
                                f"the arc-topk layout holds {topk.length} elements, the vector {vector.size}")
-        options: dict = {} if st.max_weight is None else {"max_weight": st.max_weight}
-        if st.robust is not None:
-            options["robust"] = st.robust  # the sketch and dense phases (arctopk.service_arc_topk)
         try:
-            plan = ArcTopKPlan.build(topk.shapes, len(members), topk.ratio, self.allreduce.host.max_body)
+            # robust: the sketch and dense phases (arctopk.service_arc_topk)
+            options = AverageOptions(floor_s=1.0, max_phase_s=max(1.0, budget_s / 6), max_weight=st.max_weight,
+                                     robust=st.robust)
+            plan = ArcTopKPlan.build(topk.shapes, len(members), topk.ratio, self.allreduce.max_body)
             res = await service_arc_topk(self.allreduce, group.group_id, members, group.index, vector, weight, plan,
                                          run=codec_run_key(st.run_id, round_no), round=round_no, ef=topk.ef,
-                                         floor_s=1.0, max_phase_s=max(1.0, budget_s / 6), **options)
+                                         options=options)
             finite = await self._finite(res.vector)
         except (ValueError, RpcError) as e:
             log.warning("run %s round %d: arc-topk in group %s failed: %s", st.run_id, round_no, gid, e)

@@ -8,8 +8,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import trio
 
+from ..allreduce.options import DEFAULT_OPTIONS, AverageOptions
+from ..allreduce.service import Averager, AverageResult, Member
+from ..transport.pacing import Pacer
 from .relay import DEFAULT_RATE
 from .service import NatService
 
@@ -23,20 +27,31 @@ RELAY_CATCHUP = 256_000.0  # bytes: a sender that woke late catches up at most h
 
 
 class PathsFirst:
-    """Wraps ``allreduce`` (an AllreduceService): ``average`` connects to the members first; everything else is
-    the wrapped service's."""
+    """An Averager (allreduce.service) around ``allreduce``: ``average`` connects to the members first; ``inner``
+    is the wrapped service (its metrics and endpoint, for a bench)."""
 
-    def __init__(self, allreduce: Any, nat: NatService, *, timeout: float = CONNECT_S) -> None:
+    def __init__(self, allreduce: Averager, nat: NatService, *, timeout: float = CONNECT_S) -> None:
         self._inner = allreduce
         self._nat = nat
         nat.uplink = getattr(allreduce, "pacer", None)  # what it relays shares the uplink with its own data
         self._timeout = timeout
         self.plan: Any = None  # plan(members) after the paths, before the average: the link caps' sender limits
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+    @property
+    def inner(self) -> Averager:
+        return self._inner
 
-    async def average(self, group_id: int, members: list, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def pacer(self) -> Pacer:
+        return self._inner.pacer
+
+    @property
+    def max_body(self) -> int:
+        return self._inner.max_body
+
+    async def average(self, group_id: int, members: list[Member], index: int, vector: np.ndarray, weight: float,
+                      options: AverageOptions = DEFAULT_OPTIONS, *, out: np.ndarray | None = None,
+                      center: np.ndarray | None = None) -> AverageResult:
         me = self._nat.endpoint.identity.node_id
         start = trio.current_time()
         kinds = await self._nat.connect_all([(m.addr, m.node_id) for m in members if m.node_id != me], self._timeout)
@@ -47,7 +62,7 @@ class PathsFirst:
         self.pace_relayed(kinds)
         if self.plan is not None:
             self.plan(members)
-        return await self._inner.average(group_id, members, *args, **kwargs)
+        return await self._inner.average(group_id, members, index, vector, weight, options, out=out, center=center)
 
     def pace_relayed(self, kinds: dict[bytes, str | None]) -> None:
         """Members reached through a relay get the relay's grant (``DEFAULT_RATE`` per sender, all that goes

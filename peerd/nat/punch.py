@@ -11,7 +11,8 @@ A punch is PINGs at an address someone else named (the introducer, or the INTRO_
 point it at any host: a punch goes only to the address the DHT named that peer at (``named``), and each target
 address gets at most ``TARGET_PUNCHES`` punches per ``TARGET_WINDOW_S``, however many CONNECTs name it.
 
-Inputs carry ``now``; outputs are actions (``Intro``, ``Ping``, ``Punched``, ``Failed``) and ``wake_at``.
+The core contract: inputs take ``now`` last; ``get_timer``/``handle_timer``; ``take_actions`` drains the
+actions (``Intro``, ``Ping``, ``Punched``, ``Failed``); ``statistics()``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ MAX_TARGETS = 4096  # target addresses whose punches are counted (more: the olde
 
 @dataclass(frozen=True, slots=True)
 class Intro:
-    """Send INTRO(target) to the introducer; report ``intro_answered``."""
+    """Send INTRO(target) to the introducer; report ``receive_intro``."""
 
     introducer: Address
     introducer_id: bytes
@@ -60,7 +61,11 @@ class Punched:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
+    """The punch got no PONG. ``introduced``: an introducer vouched for the target (its INTRO_OK named it, or
+    its CONNECT came on the target's behalf), the only evidence that a relay could reach it at all."""
+
     node_id: bytes
+    introduced: bool = False
 
 
 Action = Intro | Ping | Punched | Failed
@@ -73,6 +78,7 @@ class _Punch:
     named: tuple[Address, ...] = ()  # where the DHT named the target (INTRO_OK must give one of these)
     pings_left: int = PUNCH_PINGS
     next_ping: float = 0.0
+    introduced: bool = False  # an introducer has reached the target (see ``Failed``)
 
 
 @dataclass(slots=True)
@@ -82,17 +88,34 @@ class _Path:
     pinged: float
 
 
+@dataclass(frozen=True, slots=True)
+class PunchStatistics:
+    punches: int  # under way
+    paths: int  # punched paths remembered
+    punched: int
+    failures: int
+    refused: dict[str, int]
+
+
 @dataclass(slots=True)
 class Puncher:
     """Punches and punched paths of one node."""
 
     _punches: dict[bytes, _Punch] = field(default_factory=dict)
     paths: dict[bytes, _Path] = field(default_factory=dict)
-    _failed: dict[bytes, float] = field(default_factory=dict)
+    _failed: dict[bytes, tuple[float, bool]] = field(default_factory=dict)  # target -> (when, introduced)
     _targets: dict[Address, tuple[float, int]] = field(default_factory=dict)  # address -> (window start, punches)
     punched: int = 0
     failures: int = 0
     refused: dict[str, int] = field(default_factory=dict)  # punches not started, by reason (unnamed, target_budget)
+    _actions: list[Action] = field(default_factory=list)
+
+    def take_actions(self) -> list[Action]:
+        actions, self._actions = self._actions, []
+        return actions
+
+    def statistics(self) -> PunchStatistics:
+        return PunchStatistics(len(self._punches), len(self.paths), self.punched, self.failures, dict(self.refused))
 
     def _refuse(self, why: str) -> None:
         self.refused[why] = self.refused.get(why, 0) + 1
@@ -119,67 +142,71 @@ class Puncher:
     def punching(self, node_id: bytes) -> bool:
         return node_id in self._punches
 
-    def want(self, target: bytes, introducer_id: bytes, introducer: Address, now: float, *,
-             named: Collection[Address]) -> list[Action]:
+    def punch(self, target: bytes, introducer_id: bytes, introducer: Address, named: Collection[Address],
+              now: float) -> None:
         """Start a punch to ``target`` through ``introducer`` (unless one runs, a path exists, or it failed
         recently). ``named``: the addresses the DHT named ``target`` at; the introducer's answer must be one."""
         if target in self._punches or target in self.paths or len(self._punches) >= MAX_PUNCHES:
-            return []
+            return
         failed = self._failed.get(target)
-        if failed is not None and now - failed < RETRY_FAILED_S:
-            return [Failed(target)]
+        if failed is not None and now - failed[0] < RETRY_FAILED_S:
+            self._actions.append(Failed(target, failed[1]))
+            return
         self._punches[target] = _Punch(None, now, tuple(named))
-        return [Intro(introducer, introducer_id, target)]
+        self._actions.append(Intro(introducer, introducer_id, target))
 
-    def intro_answered(self, target: bytes, addr: Address | None, now: float) -> list[Action]:
+    def receive_intro(self, target: bytes, addr: Address | None, now: float) -> None:
         """INTRO_OK: ``addr`` is the target's mapped address (None: the introducer has not reached it)."""
         punch = self._punches.get(target)
         if punch is None or punch.addr is not None or not punch.pings_left:
-            return []
+            return
         if addr is None:
-            return self._fail(target, now)
+            self._fail(target, now)
+            return
+        punch.introduced = True
         if addr not in punch.named:  # (a symmetric NAT's mapping toward the introducer is named nowhere)
             self._refuse("unnamed")
             punch.pings_left = 0  # no PINGs there; the target's own PINGs (its CONNECT) may still settle it
-            return []
+            return
         if not self._allow(addr, now):
             punch.pings_left = 0
-            return []
+            return
         punch.addr = addr
         punch.next_ping = now
-        return self.poll(now)
+        self.handle_timer(now)
 
-    def connect(self, peer: bytes, addr: Address, now: float, *, named: Collection[Address]) -> list[Action]:
+    def receive_connect(self, peer: bytes, addr: Address, named: Collection[Address], now: float) -> None:
         """CONNECT from an introducer: ``peer`` wants to talk, from ``addr``; punch towards it at once, if the DHT
         named ``peer`` at ``addr`` (``named``) and ``addr``'s budget allows."""
         if peer in self.paths and self.paths[peer].addr == addr:
-            return [Ping(peer, addr)]
+            self._actions.append(Ping(peer, addr))
+            return
         if addr not in named:
             self._refuse("unnamed")
-            return []
+            return
         if peer not in self._punches and len(self._punches) >= MAX_PUNCHES:
-            return []
+            return
         if not self._allow(addr, now):
-            return []
-        self._punches[peer] = _Punch(addr, now, (addr,), next_ping=now)
-        return self.poll(now)
+            return
+        self._punches[peer] = _Punch(addr, now, (addr,), next_ping=now, introduced=True)
+        self.handle_timer(now)
 
-    def pong(self, peer: bytes, addr: Address, now: float) -> list[Action]:
+    def receive_pong(self, peer: bytes, addr: Address, now: float) -> None:
         """A PONG (or any authenticated answer) came from ``peer`` at ``addr``: the path works."""
         punch = self._punches.pop(peer, None)
         known = self.paths.get(peer)
         if known is not None and known.addr == addr:
             known.pinged = now
-            return []
+            return
         if punch is None and known is None:
-            return []
+            return
         if len(self.paths) >= MAX_PATHS:
             oldest = min(self.paths, key=lambda n: self.paths[n].used)
             del self.paths[oldest]
         self.paths[peer] = _Path(addr, now, now)
         self._failed.pop(peer, None)
         self.punched += 1
-        return [Punched(peer, addr)]
+        self._actions.append(Punched(peer, addr))
 
     def used(self, peer: bytes, now: float) -> None:
         """The path to ``peer`` carried something: keep it open."""
@@ -191,7 +218,7 @@ class Puncher:
         self.paths.pop(peer, None)
         self._punches.pop(peer, None)
 
-    def wake_at(self) -> float | None:
+    def get_timer(self) -> float | None:
         times = []
         for punch in self._punches.values():
             times.append(punch.started + PUNCH_DEADLINE)
@@ -203,11 +230,11 @@ class Puncher:
                 times.append(due)
         return min(times) if times else None
 
-    def poll(self, now: float) -> list[Action]:
-        actions: list[Action] = []
+    def handle_timer(self, now: float) -> None:
+        actions = self._actions
         for target, punch in list(self._punches.items()):
             if now >= punch.started + PUNCH_DEADLINE:
-                actions += self._fail(target, now)
+                self._fail(target, now)
                 continue
             while punch.addr is not None and punch.pings_left and punch.next_ping <= now:
                 actions.append(Ping(target, punch.addr))
@@ -217,13 +244,13 @@ class Puncher:
             if now - p.pinged >= KEEPALIVE_S and now - p.used <= IDLE_S:
                 p.pinged = now
                 actions.append(Ping(peer, p.addr, keepalive=True))
-        return actions
 
-    def _fail(self, target: bytes, now: float) -> list[Action]:
-        self._punches.pop(target, None)
-        self._failed[target] = now
+    def _fail(self, target: bytes, now: float) -> None:
+        punch = self._punches.pop(target, None)
+        introduced = punch is not None and punch.introduced
+        self._failed[target] = (now, introduced)
         if len(self._failed) > MAX_PATHS:
             self._failed.pop(next(iter(self._failed)))
         self.failures += 1
-        return [Failed(target)]
+        self._actions.append(Failed(target, introduced))
 

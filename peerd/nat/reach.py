@@ -7,8 +7,9 @@ unsolicited at the seen address (REACH_PROBE); the PROBE arriving proves that an
 none arriving within ``probe_timeout`` from ``probes`` helpers: only peers it sent to first can (``cone-nat``).
 Address ranges never decide anything (a private address can be reachable in a LAN, a public one firewalled).
 
-The shell feeds in peers it has reached, answers, probes and ``now``; the core returns actions (``Observe``,
-``AskProbe``) and ``wake_at`` for its timer. Randomness (nonces, helper choice) comes from the injected rng.
+The shell feeds in peers it has reached, answers, probes and ``now``; the core queues actions (``Observe``,
+``AskProbe``, drained by ``take_actions``) and says when it wakes (``get_timer``/``handle_timer``). Randomness
+(nonces, helper choice) comes from the injected rng.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ Address = tuple[str, int]
 
 @dataclass(frozen=True, slots=True)
 class Observe:
-    """Send OBSERVE to ``node_id`` at ``addr``; report ``observed`` or ``failed``."""
+    """Send OBSERVE to ``node_id`` at ``addr``; report ``receive_observed`` or ``request_failed``."""
 
     node_id: bytes
     addr: Address
@@ -32,7 +33,7 @@ class Observe:
 
 @dataclass(frozen=True, slots=True)
 class AskProbe:
-    """Send REACH_PROBE(``nonce``, ``avoid``) to the helper; report ``probe_asked``."""
+    """Send REACH_PROBE(``nonce``, ``avoid``) to the helper; report ``receive_probe_asked``."""
 
     node_id: bytes
     addr: Address
@@ -48,6 +49,15 @@ class _Probe:
     nonce: bytes
     helper: bytes
     deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReachStatistics:
+    verdict: str
+    basis: str
+    observed_addr: Address | None
+    changed_at: float
+    peers: int  # possible observers and helpers
 
 
 @dataclass(slots=True)
@@ -79,6 +89,14 @@ class Reach:
     local: set[Address] = field(default_factory=set)  # this node's own socket addresses (the shell's view)
     probe_source: Address | None = None  # where the PROBE that proved ``public`` came from
     basis: str = ""  # why the verdict: "probe", "no-probe", "mappings", "no-translation"
+    _actions: list[Action] = field(default_factory=list)
+
+    def take_actions(self) -> list[Action]:
+        actions, self._actions = self._actions, []
+        return actions
+
+    def statistics(self) -> ReachStatistics:
+        return ReachStatistics(self.verdict, self.basis, self.observed_addr, self.changed_at, len(self._peers))
 
     # -- inputs -----------------------------------------------------------------------------------------
     def add_peer(self, node_id: bytes, addr: Address) -> None:
@@ -89,7 +107,7 @@ class Reach:
     def remove_peer(self, node_id: bytes) -> None:
         self._peers.pop(node_id, None)
 
-    def sent(self, addr: Address, now: float) -> None:
+    def datagram_sent(self, addr: Address, now: float) -> None:
         """This node sent a datagram to ``addr`` (a probe from there would not be unsolicited)."""
         sent_to = self._sent_to
         sent_to[addr] = now
@@ -97,19 +115,19 @@ class Reach:
             for key in list(sent_to)[:1024]:  # insertion order: the oldest first
                 del sent_to[key]
 
-    def observed(self, node_id: bytes, seen: Address, now: float) -> None:
+    def receive_observed(self, node_id: bytes, seen: Address, now: float) -> None:
         if self._asked.pop(node_id, None) is None:
             return  # nobody asked it (or its time was up)
         self._seen[node_id] = seen
 
-    def failed(self, node_id: bytes, now: float) -> None:
+    def request_failed(self, node_id: bytes, now: float) -> None:
         """An OBSERVE or REACH_PROBE got no answer."""
         self._asked.pop(node_id, None)
         self._failed.add(node_id)
         if self._probe is not None and self._probe.helper == node_id:
             self._probe.deadline = now  # no answer: no probe will come; try the next helper
 
-    def probe_asked(self, node_id: bytes, ok: bool, now: float) -> None:
+    def receive_probe_asked(self, node_id: bytes, ok: bool, now: float) -> None:
         """The helper's REACH_PROBED: ``ok`` false means it had no third node to ask."""
         if self._probe is None or self._probe.helper != node_id:
             return
@@ -118,7 +136,7 @@ class Reach:
         else:
             self._probe.deadline = now
 
-    def probe_received(self, nonce: bytes, source: Address, now: float) -> bool:
+    def receive_probe(self, nonce: bytes, source: Address, now: float) -> bool:
         """A PROBE arrived from ``source``. True when it proves this node reachable: it carries the nonce of
         the probe under way and comes from an address this node has not sent to within ``NAT_WINDOW`` (else its
         own NAT's mapping let it in, which proves nothing)."""
@@ -139,24 +157,24 @@ class Reach:
         self._next_run = now
         self._running = False
 
-    def soon(self, now: float, delay: float) -> None:
+    def soon(self, delay: float, now: float) -> None:
         """Run within ``delay`` seconds if idle (a new peer while undecided)."""
         if not self._running and self._next_run > now + delay:
             self._next_run = now + delay
 
-    def wake_at(self) -> float:
-        """When ``poll`` has something to do next."""
+    def get_timer(self) -> float:
+        """When ``handle_timer`` has something to do next."""
         times = [self._next_run] if not self._running else []
         times += self._asked.values()
         if self._probe is not None:
             times.append(self._probe.deadline)
         return min(times) if times else self._next_run
 
-    def poll(self, now: float) -> list[Action]:
-        actions: list[Action] = []
+    def handle_timer(self, now: float) -> None:
+        actions = self._actions
         if not self._running:
             if now < self._next_run:
-                return actions
+                return
             self._running = True
             self._seen.clear()
             self._asked.clear()
@@ -166,7 +184,7 @@ class Reach:
             self._probes_arranged = 0
         for node_id, deadline in list(self._asked.items()):
             if now >= deadline:
-                self.failed(node_id, now)
+                self.request_failed(node_id, now)
         # 1. observers, until ``observers`` answered (or nobody is left to ask)
         if len(self._seen) + len(self._asked) < self.observers:
             fresh = [n for n in sorted(self._peers) if n not in self._seen and n not in self._asked
@@ -176,32 +194,33 @@ class Reach:
                 self._asked[node_id] = now + self.observe_timeout
                 actions.append(Observe(node_id, self._peers[node_id]))
         if self._asked:
-            return actions  # wait for the observers
+            return  # wait for the observers
         seen = set(self._seen.values())
         if not seen:
-            return self._give_up(now, actions)
+            self._give_up(now)
+            return
         if len(seen) > 1:
             self.observed_addr = max(seen, key=list(self._seen.values()).count)
             self._settle(SYMMETRIC, now, "mappings")
-            return actions
+            return
         self.observed_addr = next(iter(seen))
         # 2. probes from a third node
         probe = self._probe
         if probe is not None and now < probe.deadline:
-            return actions
+            return
         if probe is not None:
             self._probe = None
         helpers = [n for n in sorted(self._seen) if n not in self._helpers_tried and n not in self._failed]
         if not helpers:
             helpers = [n for n in sorted(self._peers) if n not in self._helpers_tried and n not in self._failed]
         if len(self._helpers_tried) >= self.probes or not helpers:
-            return self._no_probe(now, actions)
+            self._no_probe(now)
+            return
         helper = self.rng.choice(helpers)
         self._helpers_tried.append(helper)
         nonce = self.rng.getrandbits(128).to_bytes(16, "big")
         self._probe = _Probe(nonce, helper, now + self.probe_timeout)
         actions.append(AskProbe(helper, self._peers[helper], nonce, self._avoid(now)))
-        return actions
 
     def _avoid(self, now: float) -> tuple[bytes, ...]:
         """Node ids of peers this node sent to recently: a probe from them would pass its own NAT's filter."""
@@ -210,26 +229,23 @@ class Reach:
         ids.sort(key=lambda n: -self._sent_to[self._peers[n]])  # the most recent first
         return tuple(ids[: self.max_avoid])
 
-    def _no_probe(self, now: float, actions: list[Action]) -> list[Action]:
+    def _no_probe(self, now: float) -> None:
         """No unsolicited PROBE came. Probes were sent and lost in its NAT's filter: ``cone-nat`` (one mapping,
         seen by at least 2 observers). None could be arranged (every candidate prober is a peer this node
         sent to) and no observer saw a translated address: ``public`` on that evidence. Else undecided."""
         if self._probes_arranged and len(self._seen) >= 2:
             self._settle(CONE, now, "no-probe")
-            return actions
-        if not self._probes_arranged and self.observed_addr in self.local:
+        elif not self._probes_arranged and self.observed_addr in self.local:
             self._settle(PUBLIC, now, "no-translation")
-            return actions
-        if len(self._seen) >= 2 and self._helpers_tried:
+        elif len(self._seen) >= 2 and self._helpers_tried:
             self._settle(CONE, now, "no-probe")
-            return actions
-        return self._give_up(now, actions)
+        else:
+            self._give_up(now)
 
-    def _give_up(self, now: float, actions: list[Action]) -> list[Action]:
+    def _give_up(self, now: float) -> None:
         """Not enough peers to decide: stay as it is and try again soon."""
         self._running = False
         self._next_run = now + min(self.recheck, 30.0)
-        return actions
 
     def _settle(self, verdict: str, now: float, basis: str) -> None:
         if verdict != self.verdict:

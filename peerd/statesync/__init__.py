@@ -1,5 +1,6 @@
 """State sync for joining peers: snapshots advertised in the DHT, downloaded in chunks from several donors."""
 
-from .service import Advert, Fetched, StateSync, StateSyncError
+from .advert import Advert
+from .service import Fetched, StateSync, StateSyncError
 
 __all__ = ["Advert", "Fetched", "StateSync", "StateSyncError"]

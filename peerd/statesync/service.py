@@ -46,12 +46,10 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import logging
-import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import msgpack
 import trio
 
 from ..dht import DhtService
@@ -60,6 +58,8 @@ from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
 from ..wire.errors import WireError
 from ..wire.identity import node_id_of
+from .advert import Advert, ad_key
+from .choice import MAX_SNAPSHOT, Download, Finished, SnapshotChoice
 
 log = logging.getLogger("peerd.statesync")
 
@@ -68,11 +68,6 @@ AD_TTL_S = 120.0  # an advertisement lives this long unless refreshed (every pub
 WORKERS = 16  # chunk workers per download, each with one request in flight (a queue of chunks, not a task each)
 CHUNK_OVERHEAD = 320  # bytes of a STATE_CHUNK body that are not data (rid, from, sha, offsets, keys)
 MIN_PIECE = 256  # a STATE_CHUNK with fewer data bytes than this (short of the range's end) is a donor's fault
-MAX_SNAPSHOT = 1 << 34  # the largest snapshot a joiner downloads when the caller gives no bound of its own
-MAX_STEP = 2**63 - 1
-AHEAD_STEPS = 1_000  # a snapshot this many steps past the median advertised step ranks after all others
-MAX_EXCLUDE = 16  # snapshots a trainer may ask a fetch to skip (ones it refused to load)
-MAX_SOLO = 8  # after a hash mismatch, the donors (known ones first) tried one at a time
 MAX_NOTED = 1024  # peers remembered from this node's own averaging rounds
 
 
@@ -82,50 +77,6 @@ class StateSyncError(Exception):
 
 class _Mismatch(StateSyncError):
     """The bytes downloaded do not hash to the advertised SHA-256 (some donor served other bytes)."""
-
-
-@dataclass(frozen=True)
-class Advert:
-    """One donor's advertisement, as read from the DHT."""
-
-    node_id: bytes
-    run_key: str
-    layout: str
-    step: int
-    size: int
-    sha: bytes
-    addr: Address | None
-
-    def encode(self) -> bytes:
-        return msgpack.packb(
-            {"run_key": self.run_key, "layout": self.layout, "step": self.step, "size": self.size,
-             "sha": self.sha, "addr": list(self.addr) if self.addr else None},
-            use_bin_type=True,
-        )
-
-    @classmethod
-    def decode(cls, node_id: bytes, value: bytes) -> Advert | None:
-        """None for a value that is not a well-formed advertisement (a record is untrusted input)."""
-        try:
-            v = msgpack.unpackb(value, raw=False)
-            addr = v["addr"]
-            if addr is not None:
-                host, port = addr
-                ipaddress.ip_address(host)
-                if type(port) is not int or not 1 <= port <= 65535:
-                    return None
-                addr = (host, port)
-            ad = cls(node_id, v["run_key"], v["layout"], v["step"], v["size"], v["sha"], addr)
-        except Exception:
-            return None
-        ok = (isinstance(ad.run_key, str) and isinstance(ad.layout, str) and type(ad.step) is int
-              and -1 <= ad.step <= MAX_STEP and type(ad.size) is int and 0 <= ad.size <= MAX_STEP
-              and isinstance(ad.sha, bytes) and len(ad.sha) == 32)
-        return ad if ok else None
-
-
-def ad_key(run: str) -> bytes:
-    return f"peerd/state/{run}".encode()
 
 
 @dataclass
@@ -249,27 +200,6 @@ class StateSync:
         return {"sha": body["sha"], "offset": offset, "total": len(blob), "data": data}
 
     # -- joiner side ----------------------------------------------------------------------------
-    def usable(self, ads: list[Advert], run_key: str, *, layout: str | None = None, min_step: int = 0,
-               max_size: int = MAX_SNAPSHOT) -> list[Advert]:
-        """The adverts a joiner may download from: same run key and layout, a snapshot (step >= min_step,
-        size > 0) of at most ``max_size`` bytes, not this node's. Others' layouts and sizes are counted."""
-        out = []
-        for a in ads:
-            if a.node_id == self.node_id:
-                continue
-            if a.run_key != run_key or (layout is not None and a.layout != layout):
-                self.metrics.ignored_records.labels("state_advert", "layout").inc()
-                continue
-            if a.step < min_step or a.size == 0:
-                continue  # "training, no snapshot yet", or older than asked for
-            if a.size > max_size:
-                self.metrics.ignored_records.labels("state_advert", "size").inc()
-                log.info("state sync: ignoring %s's snapshot of %d bytes (this model's snapshots hold at most %d)",
-                         a.node_id.hex()[:12], a.size, max_size)
-                continue
-            out.append(a)
-        return out
-
     async def fetch(self, run: str, run_key: str, *, timeout: float = 60.0, min_step: int = 0,
                     max_size: int | None = None, layout: str | None = None,
                     below: bytes | None = None, exclude: Iterable[bytes] = ()) -> Fetched | None:
@@ -282,43 +212,50 @@ class StateSync:
         (every founder then takes the same initial state: the lowest hash advertised); ``exclude``: SHA-256s of
         snapshots not to take (ones the trainer refused to load: the next candidate is tried instead). Raises
         StateSyncError if snapshots are advertised but none could be downloaded and verified within ``timeout``.
+        The choice (which snapshot, from whom, what next) is SnapshotChoice's; this only reads and downloads.
         """
-        bound = MAX_SNAPSHOT if max_size is None else max(0, min(max_size, MAX_SNAPSHOT))
-        skip = frozenset(list(exclude)[:MAX_EXCLUDE])
-        errors: list[str] = []
-        with trio.move_on_after(timeout) as scope:
-            ads = self.usable(await self.adverts(run, timeout=timeout / 3), run_key, layout=layout,
-                              min_step=min_step, max_size=bound)
-            candidates = _candidates(ads, self.known_peers()) if below is None else \
-                founder_candidates(ads, below, self.known_peers())
-            if not candidates:
-                self.metrics.trainer_state_fetches.labels("none").inc()
-                return None
-            for cand in candidates:
-                if cand.sha in skip:
-                    continue
-                # All donors at once; if the result does not verify (a donor served bad bytes), each donor
-                # alone (known ones first), so one bad donor cannot keep a joiner from a snapshot others hold.
-                donors = cand.donors
-                attempts = [donors] + ([[d] for d in donors[:MAX_SOLO]] if len(donors) > 1 else [])
-                for group in attempts:
-                    try:
-                        fetched = await self._download(run_key, cand.sha, cand.size, cand.step, group)
-                    except (StateSyncError, RpcError, MemoryError, OSError) as e:
-                        why = "no memory for the snapshot" if isinstance(e, MemoryError) else str(e)
-                        errors.append(why)
-                        log.info("state sync: snapshot %s (step %d, %d bytes) from %d donor(s) failed: %s",
-                                 cand.sha.hex()[:12], cand.step, cand.size, len(group), why)
-                        if group is donors and not isinstance(e, _Mismatch):
-                            break  # nobody has some bytes, or no memory: the next snapshot, if any
-                        continue  # a bad or forgetful donor: try the others, one at a time
-                    self.metrics.trainer_state_fetches.labels("ok").inc()
-                    return fetched
+        fetched: Fetched | None = None
+        choice = SnapshotChoice(self.node_id, run_key, layout=layout, min_step=min_step, max_size=max_size,
+                                below=below, exclude=tuple(exclude), deadline=trio.current_time() + timeout)
+        with trio.move_on_at(choice.deadline):
+            ads = await self.adverts(run, timeout=timeout / 3)
+            choice.receive_adverts(ads, self.known_peers(), trio.current_time())
+        try:
+            while True:
+                if not choice.done and trio.current_time() >= choice.deadline:
+                    choice.handle_timer(trio.current_time())
+                for action in choice.take_actions():
+                    if isinstance(action, Finished):
+                        return self._finished(action, fetched, timeout)
+                    fetched, why, mismatch = await self._attempt(run_key, action, choice.deadline)
+                    choice.receive_download(fetched is not None, why, mismatch, trio.current_time())
+        finally:
+            stats = choice.statistics()
+            self.metrics.ignored_records.labels("state_advert", "layout").inc(stats.ignored_layout)
+            self.metrics.ignored_records.labels("state_advert", "size").inc(stats.ignored_size)
+
+    async def _attempt(self, run_key: str, action: Download, deadline: float) -> tuple[Fetched | None, str, bool]:
+        """One download the choice asked for: (what it fetched or None, why not, whether the bytes did not verify)."""
+        cand = action.candidate
+        with trio.move_on_at(deadline):
+            try:
+                return await self._download(run_key, cand.sha, cand.size, cand.step, list(action.donors)), "", False
+            except (StateSyncError, RpcError, MemoryError, OSError) as e:
+                why = "no memory for the snapshot" if isinstance(e, MemoryError) else str(e)
+                log.info("state sync: snapshot %s (step %d, %d bytes) from %d donor(s) failed: %s",
+                         cand.sha.hex()[:12], cand.step, cand.size, len(action.donors), why)
+                return None, why, isinstance(e, _Mismatch)
+        return None, "the deadline passed", False
+
+    def _finished(self, done: Finished, fetched: Fetched | None, timeout: float) -> Fetched | None:
+        if done.found:
+            self.metrics.trainer_state_fetches.labels("ok").inc()
+            return fetched
+        if done.none:
+            self.metrics.trainer_state_fetches.labels("none").inc()
+            return None
         self.metrics.trainer_state_fetches.labels("failed").inc()
-        if scope.cancelled_caught:
-            raise StateSyncError(f"state download did not finish within {timeout:.0f} s"
-                                 + (f" ({'; '.join(errors[:3])})" if errors else ""))
-        raise StateSyncError("no advertised snapshot could be downloaded: " + "; ".join(errors[:3]))
+        raise StateSyncError(done.error.replace("within the deadline", f"within {timeout:.0f} s"))
 
     async def _resolve(self, ad: Advert) -> Address | None:
         return await self.resolve(ad.node_id, ad.addr)
@@ -434,53 +371,3 @@ class StateSync:
         if hashlib.sha256(buf).digest() != sha:
             raise _Mismatch("the downloaded snapshot does not match its advertised SHA-256")
         return Fetched(step, buf, sha, len(used), count, retries)  # no copy: a snapshot can be GBs
-
-
-@dataclass
-class Candidate:
-    """One snapshot (named by its hash and size) and the donors that advertise it, ranked by ``rank``."""
-
-    sha: bytes
-    size: int
-    step: int
-    donors: list[Advert]
-    known: bool
-    far_ahead: bool
-    agreed: bool = True  # held by two or more donors, or only one donor advertises at all
-
-    def rank(self) -> tuple:
-        return (not self.known, self.far_ahead, not self.agreed, -self.step, -len(self.donors), self.sha)
-
-
-def founder_candidates(ads: list[Advert], below: bytes, known: set[str] | frozenset[str] = frozenset()
-                       ) -> list[Candidate]:
-    """A founder's choice (``below``: the hash of its own initial snapshot): snapshots of a later step first (a
-    run under way), as _candidates ranks them; then initial ones (step 0) with a lower hash than its own, lowest
-    first, so every founder that sees the same adverts takes the same one, and the lowest keeps its own."""
-    cands = _candidates([a for a in ads if a.step > 0 or a.sha < below], known)
-    return [c for c in cands if c.step > 0] + sorted((c for c in cands if c.step <= 0), key=lambda c: c.sha)
-
-
-def _candidates(ads: list[Advert], known: set[str] | frozenset[str] = frozenset(), *,
-                ahead: int = AHEAD_STEPS) -> list[Candidate]:
-    """Snapshots to try, best first: held by a donor this node averaged with; then not far ahead of the median
-    advertised step (a stranger's far-ahead claim cannot outrank the swarm); then held by two or more donors,
-    where two or more donors advertise (one donor's claim of a newer step cannot outrank what others agree on);
-    then newest; then the most donors holding the same bytes. A snapshot's step is the one most of its donors
-    claim (ties: the higher), so a donor that claims a higher step for bytes others hold does not move it."""
-    by_snapshot: dict[tuple[bytes, int], list[Advert]] = {}
-    for a in ads:
-        by_snapshot.setdefault((a.sha, a.size), []).append(a)
-    median = statistics.median_low([a.step for a in ads]) if ads else 0
-    several = len({a.node_id for a in ads}) >= 2
-    out = []
-    for (sha, size), group in by_snapshot.items():
-        counts: dict[int, int] = {}
-        for a in group:
-            counts[a.step] = counts.get(a.step, 0) + 1
-        step = max(counts, key=lambda s: (counts[s], s))
-        donors = sorted(group, key=lambda a: a.node_id.hex() not in known)  # known donors first (stable)
-        out.append(Candidate(sha, size, step, donors, any(a.node_id.hex() in known for a in group),
-                             step > median + ahead, len({a.node_id for a in group}) >= 2 or not several))
-    out.sort(key=Candidate.rank)
-    return out

@@ -75,6 +75,9 @@ class DemoConfig:
     batch: int | None = None  # gpt: sequences of 128 characters per step and peer (None: peerd.tools.demo_gpt's 8)
     eval_every: int = 25  # gpt: validation (the whole split) every this many steps
     target_loss: float | None = None  # gpt: time_to_target_s's target without a baseline
+    # gpt: steps the peers train past ``steps`` at the schedule's final rate, so that a run ending just short of the
+    # target still shows when it gets there (None: a fifth of ``steps`` with a baseline or a target, else 0)
+    extra_steps: int | None = None
 
 
 def _straggler(text: str) -> float:
@@ -104,6 +107,10 @@ def add_gpt_arguments(p: Any) -> None:
                    help="gpt: validation loss on the whole split every S steps (default 25)")
     p.add_argument("--target-loss", type=float, default=None, metavar="L",
                    help="gpt: time_to_target_s's target without --baseline (with it: the baseline's final loss)")
+    p.add_argument("--extra-steps", type=int, default=None, metavar="E",
+                   help="gpt: peerd's peers train E steps past --steps at the schedule's final learning rate, so "
+                        "time_to_target_s can show a run that ends just short of the target (default: a fifth of "
+                        "--steps with --baseline or --target-loss, else 0)")
 
 
 def gpt_options(args: Any, parser: Any) -> dict[str, Any]:
@@ -114,8 +121,17 @@ def gpt_options(args: Any, parser: Any) -> dict[str, Any]:
         parser.error("--kill must be in [0, --peers) and --join in [0, 16]")
     if args.batch is not None and not 1 <= args.batch <= 1024 or not 1 <= args.eval_every <= 10_000:
         parser.error("--batch must be in [1, 1024] and --eval-every in [1, 10000]")
+    if args.extra_steps is not None and not 0 <= args.extra_steps <= 1_000_000:
+        parser.error("--extra-steps must be in [0, 1000000]")
     return {"kill": args.kill, "join": args.join, "straggler": args.straggler, "batch": args.batch,
-            "eval_every": args.eval_every, "target_loss": args.target_loss}
+            "eval_every": args.eval_every, "target_loss": args.target_loss, "extra_steps": args.extra_steps}
+
+
+def extra_steps(cfg: DemoConfig) -> int:
+    """The steps peerd's gpt peers train past ``cfg.steps`` (DemoConfig.extra_steps)."""
+    if cfg.extra_steps is not None:
+        return cfg.extra_steps
+    return cfg.steps // 5 if cfg.model == "gpt" and (cfg.baseline or cfg.target_loss is not None) else 0
 
 
 def gpt_total(cfg: DemoConfig) -> int:
@@ -129,7 +145,7 @@ def gpt_command(cfg: DemoConfig, i: int, socket: str, out: str) -> list[str]:
            "--peers", str(cfg.peers), "--index", str(i), "--seed", str(cfg.seed), "--mode", cfg.mode,
            "--average-every", str(cfg.average_every), "--sync-every", str(cfg.sync_every),
            "--timeout", str(cfg.timeout_s), "--eval-every", str(cfg.eval_every),
-           "--final-average", str(cfg.final_average), "--out", out]
+           "--final-average", str(cfg.final_average), "--out", out, "--extra-steps", str(extra_steps(cfg))]
     for flag, value in (("--compression", cfg.compression), ("--keep-rounds", cfg.keep_rounds),
                         ("--bucket-mb", cfg.bucket_mb), ("--batch", cfg.batch)):
         if value is not None:
@@ -453,8 +469,11 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             f"rounds: {', '.join(f'{n} {k}' for k, n in sorted(summary['outcomes'].items())) or 'none'}")
         if gpt:
             for r in results:  # the end of training (after the final averages) is the curve's last point
-                loss_evals.setdefault(cfg.steps + 1, {})[r["peer"]] = (r["held_out_loss"], r["t_end"])
+                loss_evals.setdefault(cfg.steps + extra_steps(cfg) + 1, {})[r["peer"]] = (r["held_out_loss"],
+                                                                                       r["t_end"])
             curve = loss_curve(loss_evals, t_start, founders) if t_start is not None else []
+            at_steps = [v for s, v, _ in curve if s == cfg.steps]
+            summary.update(extra_steps=extra_steps(cfg), val_loss_at_steps=at_steps[0] if at_steps else None)
             summary.update(val_loss=summary["final_loss"], val_accuracy=summary["accuracy"],
                            max_step_s=max(r.get("max_step_s", 0.0) for r in results),
                            deadline_s=cfg.timeout_s, curve=[[s, round(v, 4), round(t, 2)] for s, v, t in curve])

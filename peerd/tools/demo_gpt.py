@@ -189,6 +189,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sync", action="store_true")
     p.add_argument("--slow", type=float, default=1.0, help="compute takes this many times as long (a straggler)")
     p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--extra-steps", type=int, default=0, help="steps past --steps at the schedule's final rate")
     p.add_argument("--final-average", type=int, default=2)
     p.add_argument("--out", default=None)
     p.add_argument("--world", type=int, default=1, help="ddp: ranks")
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
     step_times: list[float] = []
     outcomes: dict[str, int] = {}
     step = first
-    while step < args.steps:
+    while step < args.steps + args.extra_steps:
         t0 = time.monotonic()
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, args.steps, args.lr, args.warmup)

@@ -47,10 +47,13 @@ class ByzantineGroupAverage(GroupAverage):
         self.mode = check_mode(mode)
         super().__init__(*args, **kwargs)
         self._key = RoundingKey(int(kwargs.get("run", 0)), self.group_id, self.index, PHASE_RS)
+        # the member's own values, read as the core reads them (when a block is made): a codec's bodies are
+        # encoded from the corrupted values, as a hostile member would, not from a decoded honest body
+        self._vector = np.asarray(args[3] if len(args) > 3 else kwargs["vector"])
         self._noise_rms = 0.0
         self._noise: np.random.Generator | None = None
         if mode == "random":
-            vec = np.asarray(args[3] if len(args) > 3 else kwargs["vector"], dtype=np.float64)
+            vec = self._vector.astype(np.float64)
             rms = math.sqrt(float(np.mean(np.square(vec)))) if len(vec) else 0.0
             self._noise_rms = NOISE * (rms if math.isfinite(rms) and rms > 0 else 1.0)
             self._noise = np.random.default_rng((self.group_id, self.index))
@@ -91,12 +94,12 @@ class ByzantineGroupAverage(GroupAverage):
             out = heads.copy()
             out[:, HEADER_SIZE:] = np.ascontiguousarray(self._corrupt(values), F32_DTYPE).view(np.uint8)
             return block._replace(bodies=out)
-        decoded, _ = self.codec.decode_block(np.ascontiguousarray(heads[:, HEADER_SIZE:]), count)
-        bad = self._corrupt(np.asarray(decoded, F32_DTYPE).reshape(len(heads), count))
+        offsets = [int.from_bytes(heads[i, _OFFSET_AT].tobytes(), "little") for i in range(len(heads))]
+        own = np.stack([np.asarray(self._vector[o : o + count], F32_DTYPE) for o in offsets])
+        bad = self._corrupt(own)
         out = heads.copy()
         keep = np.ones(len(heads), dtype=bool)
-        for i in range(len(heads)):  # a row the codec cannot encode (NaN, out of range) is not sent
-            offset = int.from_bytes(heads[i, _OFFSET_AT].tobytes(), "little")
+        for i, offset in enumerate(offsets):  # a row the codec cannot encode (NaN, out of range) is not sent
             try:
                 body = self.codec.encode_block(bad[i : i + 1], key=self._key, offset=offset)[0]
             except ValueError:

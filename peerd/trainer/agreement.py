@@ -112,7 +112,7 @@ class AgreementStatistics:
     ignored: int  # records read from nodes that were not the round's known participants
     pushed: int  # members whose records were pushed to this node when the step ended
     reads: int  # reads of the board that had returned
-    phases: dict[str, float] = field(default_factory=dict)  # seconds: "repair", "agree"
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: "repair", "participants", "agree"
 
 
 class Backoff:
@@ -157,7 +157,7 @@ class OuterAgreement:
         self.error = ""
         self.me: OuterRecord | None = None
         self._actions: list[Action] = []
-        self._t0 = self._t_repaired = self._t_end = 0.0
+        self._t0 = self._t_repaired = self._t_swarm = self._t_end = 0.0
         # reads of the records: numbered as they start; a phase counts only reads that started after it began
         self._pushed: list[OuterRecord] = []
         self._read: list[OuterRecord] = []
@@ -175,7 +175,7 @@ class OuterAgreement:
         self._settled_at: float | None = None  # when every owner that had published was settled
         self._repaired_bytes = 0
         # participants
-        self._first_pending = refresh and refresh_first
+        self._first_pending = self._first_read = refresh and refresh_first
         self._refreshing = self._first_pending
         self._refreshed = 0.0
         self._known: frozenset[bytes] | None = None
@@ -233,6 +233,8 @@ class OuterAgreement:
         phases: dict[str, float] = {}
         if self.phase is not Phase.REPAIR:
             phases["repair"] = self._t_repaired - self._t0
+        if self._t_swarm and self._first_read:
+            phases["participants"] = self._t_swarm - self._t_repaired  # the first read of them, waited for
         if self.done:
             phases["agree"] = self._t_end - self._t_repaired
         return AgreementStatistics(
@@ -399,6 +401,7 @@ class OuterAgreement:
         it is not what the others hold now."""
         assert self.me is not None
         self.phase = Phase.SWARM
+        self._t_swarm = now
         members = frozenset(self.members or ())
         self._known = None if self.participants is None else self.participants | members | {self.node}
         self._refreshed = now

@@ -83,7 +83,7 @@ from .records import (
 log = logging.getLogger("peerd.trainer.outer")
 
 OUTER_TTL_S = 600.0  # a round's records outlive the slowest member's agreement by far
-FETCH_WINDOW = 256  # chunk requests a member has in flight while it repairs (a lost one waits out its timeout)
+FETCH_WINDOW = 48  # chunk requests a member has in flight while it repairs: more overflow the owners' link queues
 PUSH_TIMEOUT_S = 0.3  # a pushed record's first retransmission at most (the learned RTO usually comes first)
 PUSH_ATTEMPTS = 4  # sends of a pushed record before it is left to the DHT copy
 
@@ -176,7 +176,8 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                 state: bytes, repair_s: float, deadline_s: float, addr: Address | None = None,
                 members: list[bytes] | None = None, expect: int = 1,
                 participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
-                refresh_first: bool = False, clock: Callable[[], float] = trio.current_time) -> Agreement:
+                refresh_first: bool = False, clock: Callable[[], float] = trio.current_time,
+                background: trio.Nursery | None = None) -> Agreement:
     """Run both phases (module docstring) for this member's averaged ``vector``; raises OuterError.
     ``members``: the group's node ids in its order: shard k is repaired only from ``members[k]``'s record
     (without them nothing is repaired), and an owner whose record names another group (it left the group, or
@@ -186,23 +187,25 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     record counts); ``refresh`` re-reads them (at most every REFRESH_S) while records of others show up.
     ``refresh_first``: ``refresh`` also runs once from the start, while the repair runs (a DHT read is not
     waited for before it); what it reads joins ``participants`` and raises ``expect`` to its number (at most
-    MAX_GROUP) before the swarm phase, which waits for that first read."""
+    MAX_GROUP) before the swarm phase, which waits for that first read. ``background``: a nursery that outlives
+    the call, where this member's last record is still put after agree returns (None: agree waits for it)."""
     data = np.ascontiguousarray(vector, dtype=np.float32).tobytes()
     core = OuterAgreement(node, data, group=group, size=size, index=index, state=state, repair_s=repair_s,
                           deadline_s=deadline_s, addr=addr, members=members, expect=expect,
                           participants=participants, refresh=refresh is not None,
                           refresh_first=refresh_first)
     async with trio.open_nursery() as nursery:
-        shell = _Shell(board, core, nursery, refresh, clock)
+        shell = _Shell(board, core, nursery, refresh, clock, background or nursery)
         try:
             await shell.run()
         finally:
-            shell.close()  # the last record still goes out before agree returns
+            shell.close()  # the last record still goes out (before agree returns unless in the background)
     stats = core.statistics()
     if core.error:
         raise OuterError(core.error)
-    log.info("outer agreement: repaired in %.3f s (%d bytes fetched), agreed in %.3f s", stats.phases["repair"],
-             stats.repaired_bytes, stats.phases["agree"])
+    log.info("outer agreement: repaired in %.3f s (%d bytes fetched), participants read after %.3f s more, "
+             "agreed in %.3f s (%d reads, %d pushed)", stats.phases["repair"], stats.repaired_bytes,
+             stats.phases.get("participants", 0.0), stats.phases["agree"], stats.reads, stats.pushed)
     return Agreement(np.frombuffer(bytes(core.data), dtype=np.float32).copy(), stats.final,
                      repaired_bytes=stats.repaired_bytes, adopted_bytes=stats.adopted_bytes, adopted=stats.adopted,
                      members=stats.members, dissent=stats.dissent, states=stats.states,
@@ -215,11 +218,12 @@ class _Shell:
     Every I/O runs in its own task and hands its result to the loop, which alone calls the core."""
 
     def __init__(self, board: Board, core: OuterAgreement, nursery: trio.Nursery, refresh: Participants | None,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], background: trio.Nursery) -> None:
         self.board, self.core, self.nursery = board, core, nursery
+        self.background = background
         self.refresh = refresh
         self.clock = clock
-        self.publisher = _Publisher(board, nursery)
+        self.publisher = _Publisher(board, background)
         self.pushes = board if isinstance(board, PushBoard) else None
         self.inputs: list[Callable[[float], None]] = []
         self.wake = trio.Event()
@@ -238,7 +242,7 @@ class _Shell:
         self.wake.set()
 
     async def run(self) -> None:
-        self.nursery.start_soon(self.publisher.run)
+        self.background.start_soon(self.publisher.run)
         self.core.start(self.clock())
         if self.pushes is not None:
             self._pushed()

@@ -27,255 +27,62 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
-import msgpack
 import numpy as np
 import trio
 
-from ..allreduce.robust import DEFAULT_C, MAX_C, Robust, parse_robust
+from ..allreduce.robust import DEFAULT_C, Robust, parse_robust
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
-from ..localsock.phases import empty_phases, parse_phases
+from ..localsock.phases import parse_phases
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
-from ..moshpit.records import MAX_ROUND, finished_since, progress_key
-from ..moshpit.service import MoshpitError, Part, all_finite, check_compression
+from ..moshpit.service import Part, RoundResult, all_finite
 from .inbox import OuterInbox
-from .outer import DhtBoard, OuterError, agree
-from .records import store_key
+from .options import (
+    MAX_AUTO_REASON,
+    MAX_BLOB,
+    MAX_RUN_ID,
+    layout_hash,
+    parse_compression,
+    parse_layout,
+    parse_max_samples,
+    small_value,
+    snapshot_bound,
+)
+from .outer_step import OuterSteps
+from .session import Average, Session, StepRound, codec_keywords, round_phases, round_reply, take_slot
 
 log = logging.getLogger("peerd.trainer")
 
-MAX_RUN_ID = 48  # so that '<run>.<layout hash>.<g|p>' fits Moshpit's 64-byte run ids
-MAX_TENSORS = 100_000
-MAX_BLOB = 1 << 34
-DTYPES = {"float32", "float16", "bfloat16", "float64"}
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 KINDS = ("grad", "params")
 PARAMS_WEIGHT = 1.0  # the weight of a parameter average (equal replicas): also the most any member counts for there
 MAX_DEFERRED_STEPS = 2  # steps whose deferred buckets a session may hold at once (the one averaging, the next)
 MAX_BUCKETS = 1000  # gradient buckets of one step (overlap); '<run>.<hash8>.b999' fits Moshpit's 64-byte run ids
-OFF_LOOP_ELEMS = 1 << 22  # a slot this large (16 MB) is copied and checked in a worker thread, off the event loop
-
-OUTER_ROUNDS = 4  # Moshpit rounds an outer step may take (grid dimensions: 16**4 peers in groups of 16)
-OUTER_ROUND_LIMIT = (MAX_ROUND + 1) // OUTER_ROUNDS  # outer rounds numbered below this fit Moshpit's rounds
-OUTER_KEPT_ROUNDS = 3  # outer rounds whose blobs a daemon keeps (up to 3 vectors each) for members still repairing
-STEP_PEERS_READ_S = 2.0  # the read of who took part in an outer step waits this long at most
-MAX_SAMPLES = float(2**53)  # the largest max_samples a trainer may ask for (exact in a float)
 ADVERT_CHECK_S = 5.0  # how long trainer_open reads the swarm's adverts for its warning
-# A snapshot (peerd.torch: torch.save of the flat float32 parameters, the optimizer's state dict and a few
-# numbers) is bounded by its layout: the parameters, SNAPSHOT_STATE_COPIES optimizer tensors per parameter
-# (Adam with amsgrad holds 3) at no less than 4 bytes an element, container bytes per tensor, a fixed slack.
-SNAPSHOT_STATE_COPIES = 4
-SNAPSHOT_TENSOR_OVERHEAD = 4096
-SNAPSHOT_SLACK = 1 << 20
 
 
-class RoundLike(Protocol):
-    vector: np.ndarray
-    outcome: str
-    group_id: str
-    group_size: int
-    members: list[str]
-    received_fraction: float
-    round: int
-    seconds: float
+@dataclass(frozen=True)
+class SessionStatistics:
+    """One open session as ``peerd status`` shows it: its run, codec, steps, the compression="auto" choice with
+    its reason (empty: none), and its latest step's outcome, seconds and phases."""
 
-
-Average = Callable[..., Awaitable[RoundLike]]
-
-
-def _copy_checked(src: np.ndarray) -> tuple[np.ndarray, bool]:
-    out = src.copy()
-    return out, all_finite(out)
-
-
-async def take_slot(src: np.ndarray) -> tuple[np.ndarray, bool]:
-    """A copy of (part of) a trainer's slot, which averaging must not see change, and whether it is finite. A large
-    one is taken in a worker thread (numpy releases the GIL): at 67M values it is tens of ms during which the
-    daemon would answer nothing. (The view keeps the arena's mapping alive should the session close meanwhile.)"""
-    if src.size < OFF_LOOP_ELEMS:
-        return _copy_checked(src)
-    return await trio.to_thread.run_sync(_copy_checked, src)
-
-
-def layout_hash(layout: list[tuple[str, tuple[int, ...], str]]) -> str:
-    """Hash of shapes and dtypes in order (names are informative only: two copies of a model may name
-    parameters differently, but a different shape or order means a different model)."""
-    canon = [[list(shape), dtype] for _, shape, dtype in layout]
-    return hashlib.sha256(msgpack.packb(["peerd-layout-v1", canon])).hexdigest()
-
-
-def parse_layout(raw: Any) -> tuple[list[tuple[str, tuple[int, ...], str]], int]:
-    """Validate a declared layout; returns it and its total element count. Raises OpError."""
-    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_TENSORS:
-        raise OpError(f"layout must be a list of 1..{MAX_TENSORS} [name, shape, dtype] entries")
-    out, total = [], 0
-    for i, entry in enumerate(raw):
-        if not (isinstance(entry, list) and len(entry) == 3):
-            raise OpError(f"layout entry {i} must be [name, shape, dtype]")
-        name, shape, dtype = entry
-        if not isinstance(name, str) or not isinstance(shape, list) or dtype not in DTYPES:
-            raise OpError(f"layout entry {i}: name must be a string, shape a list, dtype one of {sorted(DTYPES)}")
-        if not all(type(d) is int and d >= 0 for d in shape):
-            raise OpError(f"layout entry {i} ({name}): shape must hold non-negative integers")
-        out.append((name, tuple(shape), dtype))
-        total += math.prod(shape)
-    if total == 0:
-        raise OpError("the layout holds no elements")
-    return out, total
-
-
-def parse_compression(req: dict[str, Any]) -> dict[str, Any]:
-    """trainer_open's ``compression`` (fp32, fp16, bf16, int8, int4), ``quant_group`` and ``rounding`` (int8/int4):
-    the keywords every average of the session passes to Moshpit (empty when the trainer names none: the run's
-    codec, fp32 unless set). All members of a run must declare the same: a body in another codec is a counted drop.
-    Raises OpError."""
-    name, group, rounding = req.get("compression"), req.get("quant_group"), req.get("rounding")
-    if name is None and group is None and rounding is None:
-        return {}
-    if name == "arc-topk":
-        return _parse_topk(req)
-    try:
-        codec = check_compression("fp32" if name is None else name, group, rounding)
-    except MoshpitError as e:
-        raise OpError(f"{e} (compression is optional: fp32, fp16, bf16, int8 or int4; quant_group and rounding "
-                      f"go with int8 and int4)") from None
-    if codec is None:
-        return {"compression": "fp32"}
-    out: dict[str, Any] = {"compression": codec.name}
-    if codec.name.startswith("int"):
-        out.update(quant_group=codec.group, rounding=codec.rounding)  # type: ignore[attr-defined]
-    return out
-
-
-def _parse_topk(req: dict[str, Any]) -> dict[str, Any]:
-    """arc-topk's keywords: ``topk_ratio`` (default 0.1) and ``ef_eta`` (EF21M's eta, default 1.0: EF21, as the
-    trainer's optimizer keeps its own momentum; 0.1 stacked on Adam cost 6 points in the demo even at ratio 1.0;
-    None: no error feedback). The layout's shapes are added by trainer_open (``topk_layout``)."""
-    if req.get("quant_group") is not None or req.get("rounding") is not None:
-        raise OpError("quant_group and rounding go with int8 and int4, not with arc-topk")
-    ratio, eta = req.get("topk_ratio", 0.1), req.get("ef_eta", 1.0)
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 < ratio <= 1.0:
-        raise OpError(f"topk_ratio must be in (0, 1], got {ratio!r:.40}")
-    if eta is not None and (isinstance(eta, bool) or not isinstance(eta, int | float) or not 0.0 < eta <= 1.0):
-        raise OpError(f"ef_eta must be in (0, 1] or None (no error feedback), got {eta!r:.40}")
-    return {"compression": "arc-topk", "topk_ratio": float(ratio), "ef_eta": None if eta is None else float(eta)}
-
-
-def codec_keywords(session: Any, kind: str, size: int) -> dict[str, Any]:
-    """What an average of ``kind`` over ``size`` elements passes to Moshpit for the session's codec: arc-topk only
-    for whole gradient vectors (the layout's shapes fit nothing else; parameter and outer averages of such a
-    session go in fp32, under their own run ids), the body codecs for every average."""
-    opts = session.compression
-    if opts.get("compression") != "arc-topk":
-        return dict(opts)
-    if kind != "grad":
-        return {}
-    if size != session.elems:
-        raise OpError("arc-topk averages whole gradient vectors: not with overlap buckets (use a body codec)")
-    return {**opts, "topk_layout": session.shapes}
-
-
-def snapshot_bound(layout: list[tuple[str, tuple[int, ...], str]]) -> int:
-    """The most bytes a snapshot of a model with ``layout`` can hold (see SNAPSHOT_STATE_COPIES): a joiner
-    allocates no more than this for a download, whatever a donor advertises."""
-    elems = sum(math.prod(shape) for _, shape, _ in layout)
-    state = sum(math.prod(shape) * max(4, ITEMSIZE[dtype]) for _, shape, dtype in layout)
-    bound = (4 * elems + SNAPSHOT_STATE_COPIES * state
-             + (SNAPSHOT_STATE_COPIES + 1) * len(layout) * SNAPSHOT_TENSOR_OVERHEAD + SNAPSHOT_SLACK)
-    return min(bound, MAX_BLOB)
-
-
-def parse_max_samples(raw: Any) -> float | None:
-    """trainer_open's ``max_samples``: None, or a positive finite number up to MAX_SAMPLES. Raises OpError."""
-    if raw is None:
-        return None
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not (math.isfinite(raw) and 0 < raw <= MAX_SAMPLES):
-        raise OpError(f"max_samples must be a positive finite number of samples (at most 2**53), got {raw!r:.40}; "
-                      f"leave it out for the averaging layer's cap of 2**24")
-    return float(raw)
-
-
-MAX_AUTO_REASON = 1000  # characters of a trainer's auto choice reason kept for `peerd status`
-
-
-def _small_value(v: Any) -> bool:
-    """A number, or a string of at most MAX_AUTO_REASON characters."""
-    if isinstance(v, str):
-        return len(v) <= MAX_AUTO_REASON
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-@dataclass
-class Session:
-    id: int
+    session: int
     run: str
-    run_key: str
-    layout: str  # hash, hex
-    elems: int
-    arena: Arena
-    conn: Connection
-    latest: int = -1  # newest step id requested
-    steps: int = 0
-    late_results: int = 0
-    closed: bool = False
-    last: dict[str, Any] = field(default_factory=dict)
-    phases: dict[str, float] = field(default_factory=dict)  # the trainer's latest reported step, by phase
-    keep_rounds: int | None = None  # Moshpit kept-group rounds for this session's runs (None: the daemon's)
-    max_samples: float | None = None  # the most samples one member's contribution may claim (None: the default)
-    robust: Robust | None = None  # robust aggregation asked for by the trainer (None: off)
-    snapshot_max: int = MAX_BLOB  # the most bytes a snapshot of this model can hold (a download's bound)
-    outer_rounds: list[int] = field(default_factory=list)  # outer rounds whose blobs this daemon still keeps
-    # overlap: (step, bucket) -> the event a deferred bucket waits on and whether it was skipped (bounded by
-    # MAX_BUCKETS per step and MAX_DEFERRED_STEPS steps)
-    deferred: dict[tuple[int, int], tuple[trio.Event, list[bool]]] = field(default_factory=dict)
-    # overlap with one matchmaking per step: step -> the round its deferred buckets share (at most
-    # MAX_DEFERRED_STEPS unfinished ones)
-    rounds: dict[int, StepRound] = field(default_factory=dict)
-    compression: dict[str, Any] = field(default_factory=dict)  # the run's codec keywords (parse_compression)
-    auto: dict[str, Any] = field(default_factory=dict)  # the trainer's compression="auto" choice and its reason
-    shapes: list[list[int]] = field(default_factory=list)  # the layout's shapes (arc-topk's rows and columns)
-
-    def average_id(self, kind: str) -> str:
-        """The Moshpit run id of this session's gradients or parameters: the layout hash is part of it,
-        so models that differ never meet in a group, and gradients never mix with parameters."""
-        return f"{self.run}.{self.layout[:12]}.{kind[0]}"
-
-    def bucket_id(self, bucket: int) -> str:
-        """The Moshpit run id of gradient bucket ``bucket`` (overlap): one run per bucket, so buckets of a step
-        average concurrently (a run averages one round at a time)."""
-        return f"{self.run}.{self.layout[:8]}.b{bucket}"
-
-    def step_id(self, plan: str) -> str:
-        """The Moshpit run id of this session's gradient steps whose buckets share one round (overlap): the
-        bucket plan is part of it, so trainers that cut the model into other buckets never meet in a group."""
-        return f"{self.run}.{hashlib.sha256((self.layout + plan).encode()).hexdigest()[:10]}.s"
+    layout: str
+    steps: int
+    compression: str
+    outcome: str
+    seconds: float
+    kept: bool
+    phases: dict[str, float]
+    auto: dict[str, Any]
 
 
-@dataclass
-class StepRound:
-    """The deferred buckets of one step that share one Moshpit round (``average_parts``: one matchmaking).
-    Bucket b's request fills ``fetches[b]`` and sets ``arrived[b]``; the round sets ``results[b]`` and
-    ``done[b]`` the moment b's average ends."""
-
-    count: int
-    plan: str
-    arrived: list[trio.Event]
-    fetches: list[Callable[[], Awaitable[np.ndarray]] | None]
-    results: list[Any]
-    done: list[trio.Event]
-
-    @classmethod
-    def new(cls, count: int, plan: str) -> StepRound:
-        return cls(count, plan, [trio.Event() for _ in range(count)], [None] * count, [None] * count,
-                   [trio.Event() for _ in range(count)])
-
-    def settle(self, bucket: int, result: Any) -> None:
-        if not self.done[bucket].is_set():
-            self.results[bucket] = result
-            self.done[bucket].set()
+@dataclass(frozen=True)
+class TrainerStatistics:
+    sessions: tuple[SessionStatistics, ...]
 
 
 class TrainerService:
@@ -295,16 +102,21 @@ class TrainerService:
         self.metrics = metrics
         self.average = average
         self.average_parts = average_parts
-        self.ready = bool(getattr(average, "accepts_ready", False)) if ready is None else ready
+        self.ready = bool(getattr(average, "accepts_ready", False)) if ready is None else ready  # (a marker)
         self.statesync = statesync
         self.peer_id = peer_id
         self.sessions: dict[int, Session] = {}
         self._next = 1
         # outer records the group's members push to this daemon (OUTER_RECORD), for run keys it trains
         self.inbox = OuterInbox(lambda run_key: any(s.run_key == run_key for s in self.sessions.values()))
-        endpoint = getattr(statesync, "endpoint", None)
-        if endpoint is not None and hasattr(endpoint, "on_request"):
+        endpoint = getattr(statesync, "endpoint", None)  # (an in-memory state sync in tests has none)
+        if endpoint is not None:
             self.inbox.register(endpoint)
+        self.outer = OuterSteps(metrics, average, statesync, self.inbox, peer_id, self._report)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The service's background work (outer steps' last record puts); a daemon starts it in its nursery."""
+        await self.outer.run(task_status=task_status)
 
     def ops(self) -> dict[str, Callable[[dict[str, Any], Connection], Awaitable[dict[str, Any]]]]:
         return {
@@ -482,8 +294,8 @@ class TrainerService:
         written = time.monotonic()
         session.arena.write_result(step, out)
         session.steps += 1
-        reply = self._round_reply(step, outcome, result, seconds, error)
-        reply["phases"] = self._phases(result, copy_in=start - entered, round_s=seconds,
+        reply = round_reply(step, outcome, result, seconds, error)
+        reply["phases"] = round_phases(result, copy_in=start - entered, round_s=seconds,
                                        copy_out=time.monotonic() - written)
         if outcome == "averaged":
             self.metrics.trainer_group_size.set(reply["group_size"])
@@ -517,7 +329,7 @@ class TrainerService:
 
     async def _average_vector(self, session: Session, run_id: str, kind: str, vector: np.ndarray, weight: float,
                               timeout: float, round_no: int | None, step: int,
-                              **more: Any) -> tuple[Any, np.ndarray, str, str]:
+                              **more: Any) -> tuple[RoundResult | None, np.ndarray, str, str]:
         """Average ``vector`` under ``run_id``: (result, the vector to hand back, outcome, error). A failed or
         non-finite average hands back the trainer's own vector (outcome "failed")."""
         try:
@@ -529,63 +341,33 @@ class TrainerService:
             result = e
         return self._settle(session, kind, vector, result, step)
 
-    def _settle(self, session: Session, kind: str, vector: np.ndarray, result: Any,
-                step: int) -> tuple[Any, np.ndarray, str, str]:
+    def _settle(self, session: Session, kind: str, vector: np.ndarray, result: RoundResult | BaseException,
+                step: int) -> tuple[RoundResult | None, np.ndarray, str, str]:
         """An average's result (or the exception it ended with) as (result, the vector to hand back, outcome,
         error). A failed or non-finite average hands back the trainer's own ``vector`` (outcome "failed")."""
         error = ""
+        got: RoundResult | None = None
         try:
             if isinstance(result, BaseException):
                 raise result
             out = np.asarray(result.vector, dtype=np.float32)
             if out.shape != vector.shape:
                 raise ValueError(f"averaging returned {out.shape}, expected {vector.shape}")
-            outcome = result.outcome
+            got, outcome = result, result.outcome
         except Exception as e:  # the round failed: the trainer decides what to do with its own vector
             log.warning("session %d step %d: averaging failed: %s", session.id, step, e)
-            result, out, outcome, error = None, vector, "failed", f"{type(e).__name__}: {e}"
+            out, outcome, error = vector, "failed", f"{type(e).__name__}: {e}"
         if outcome != "failed" and not all_finite(out):  # non-finite numbers never reach a model
             self.metrics.contributions_refused.labels("nonfinite_result").inc()
             log.warning("session %d step %d: the %s average holds NaN or infinity; the trainer keeps its own "
                         "vector", session.id, step, kind)
             out, outcome = vector, "failed"
-            error = (f"the averaged {kind} vector of round {getattr(result, 'round', '?')} holds NaN or infinity "
+            error = (f"the averaged {kind} vector of round {got.round if got else '?'} holds NaN or infinity "
                      f"(a group member sent non-finite data); not applied: this trainer's own vector is in the slot")
-        elif outcome == "averaged" and self.statesync is not None and hasattr(self.statesync, "note_peers"):
-            self.statesync.note_peers(getattr(result, "members", ()))  # donors to trust first in state sync
-        return result, out, outcome, error
+        elif outcome == "averaged" and got is not None and hasattr(self.statesync, "note_peers"):
+            self.statesync.note_peers(got.members)  # donors to trust first in state sync
+        return got, out, outcome, error
 
-    @staticmethod
-    def _phases(result: Any, *, copy_in: float, round_s: float, copy_out: float) -> dict[str, float]:
-        """The daemon's part of a step, by phase (peerd.localsock.phases). A kept group's renewal is a wait for
-        the group's members, a DHT matchmaking is matchmaking; what the round spent beyond matchmaking, the
-        members' wait and the transfer (a failed round's deadline, bookkeeping) counts as matchmaking too."""
-        phases = empty_phases()
-        mm = float(getattr(result, "matchmaking_s", 0.0))
-        members = float(getattr(result, "members_s", 0.0))
-        transfer = float(getattr(result, "transfer_s", 0.0))
-        if bool(getattr(result, "kept", False)):
-            members, mm = members + mm, 0.0
-        mm += max(0.0, round_s - mm - members - transfer)
-        phases.update(copy_in=copy_in, matchmaking=mm, members=members, transfer=transfer, copy_out=copy_out)
-        return {k: round(v, 6) for k, v in phases.items()}
-
-    @staticmethod
-    def _round_reply(step: int, outcome: str, result: Any, seconds: float, error: str) -> dict[str, Any]:
-        return {
-            "step": step,
-            "outcome": outcome,
-            "group_id": getattr(result, "group_id", ""),
-            "group_size": int(getattr(result, "group_size", 1)),
-            "members": list(getattr(result, "members", [])),
-            "received_fraction": float(getattr(result, "received_fraction", 0.0)),
-            "round": int(getattr(result, "round", 0)),
-            "seconds": round(seconds, 6),
-            "matchmaking_s": round(float(getattr(result, "matchmaking_s", 0.0)), 6),
-            "kept": bool(getattr(result, "kept", False)),
-            "bytes_sent": int(getattr(result, "bytes_sent", 0)),  # UDP payload bytes this node sent for it
-            "error": error,
-        }
 
     async def _op_bucket(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
         """One bucket of a step's gradients (overlap, peerd.torch.overlap): elements [offset, offset + length)
@@ -691,8 +473,8 @@ class TrainerService:
                 session.arena.write_range(step, offset, out)
         except ArenaError as e:
             raise OpError(f"step {step} bucket {bucket}: {e}") from None
-        reply = {**self._round_reply(step, outcome, result, seconds, error), "bucket": bucket}
-        reply["phases"] = self._phases(result, copy_in=start - entered, round_s=seconds,
+        reply = {**round_reply(step, outcome, result, seconds, error), "bucket": bucket}
+        reply["phases"] = round_phases(result, copy_in=start - entered, round_s=seconds,
                                        copy_out=time.monotonic() - written)
         if outcome == "averaged":
             self.metrics.trainer_group_size.set(reply["group_size"])
@@ -714,7 +496,7 @@ class TrainerService:
 
     async def _share_round(self, session: Session, step: int, bucket: int, opened: tuple[StepRound, bool],
                            fetch: Callable[[], Awaitable[np.ndarray]], vector: np.ndarray, weight: float,
-                           timeout: float) -> tuple[Any, np.ndarray, str, str]:
+                           timeout: float) -> tuple[RoundResult | None, np.ndarray, str, str]:
         """Bucket ``bucket``'s part of its step's shared round: the request that opened the round runs it
         (and answers when the whole round ends), the others answer when their own part ends."""
         sr, first = opened
@@ -770,169 +552,8 @@ class TrainerService:
         return {"waiting": True}
 
     async def _op_outer(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        """A DiLoCo outer average (peerd.torch.DiLoCo): average the pseudo-gradient in the slot's first
-        ``length`` elements through Moshpit round ``round`` (every member numbers it alike: its step), then
-        make every member hold the same bytes (outer.py: shards repaired from their owners, one final hash
-        across the swarm) and write that into the slot. ``state``: the SHA-256 of the trainer's outer state
-        before the step, published beside the average so members see whether they started alike.
-        An average that cannot agree is an OpError that says so: the trainer must not apply it."""
-        session = self._session(req, conn)
-        step, timeout, length = req.get("step"), req.get("timeout_s", 60.0), req.get("length")
-        round_no, state = req.get("round"), req.get("state", b"")
-        if type(step) is not int or step < 0 or step <= session.latest:
-            raise OpError(f"step must be an integer after the session's latest step {session.latest}")
-        if type(round_no) is not int or not 0 <= round_no < OUTER_ROUND_LIMIT:
-            raise OpError(f"round must be an integer in [0, {OUTER_ROUND_LIMIT}) (the trainer's step of the outer "
-                          f"sync)")
-        if type(length) is not int or not 1 <= length <= session.elems:
-            raise OpError(f"length must be an integer in [1, {session.elems}] (elements of the fragment)")
-        if not isinstance(timeout, int | float) or not 1 <= timeout <= 3600:
-            raise OpError("timeout_s must be in [1, 3600]")
-        if not isinstance(state, bytes) or len(state) not in (0, 32):
-            raise OpError("state must be the 32-byte SHA-256 of the trainer's outer state (or empty)")
-        session.latest = step
-        self._report(req, session)
-        try:
-            weight = session.arena.check_request(step)
-        except ArenaError as e:
-            raise OpError(str(e)) from None
-        vector, finite = await take_slot(session.arena.vector(step)[:length])
-        if not finite:
-            raise OpError(f"step {step}: the pseudo-gradient holds NaN or infinity; not averaging it with the swarm")
-        start = time.monotonic()
-        result, out, outcome, rounds, seen = await self._outer_rounds(session, vector, float(weight), round_no,
-                                                                      timeout)
-        phases = {"average": round(time.monotonic() - start, 6)}
-        group = result.group_id if outcome == "averaged" else ""
-        members = list(getattr(result, "members", [])) if group else []
-        me = self.peer_id
-        index = members.index(me) if me in members else 0
-        if group and me not in members:
-            group = ""  # (an averager that names members otherwise, e.g. in tests): treat as alone
-        reply: dict[str, Any] = {"step": step, "outcome": outcome, "group_size": len(members) or 1,
-                                 "round": round_no, "rounds": rounds,
-                                 "received_fraction": float(getattr(result, "received_fraction", 0.0))}
-        if self.statesync is not None and getattr(self.statesync, "dht", None) is not None:
-            board = DhtBoard(self.statesync, session.run_key, round_no, inbox=self.inbox, peers=seen)
-            run_id, first = session.average_id("outer"), round_no * OUTER_ROUNDS
-
-            async def refresh() -> frozenset[bytes]:
-                return await self._step_peers(run_id, first)
-
-            try:  # the run's progress (who took part) is read while the repair runs: refresh_first
-                expect = min(64, max(1, int(getattr(result, "seen", 1) or 1)))
-                agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
-                                        state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
-                                        addr=board.addr, members=[bytes.fromhex(h) for h in members] if group else None,
-                                        expect=expect, participants=seen, refresh=refresh, refresh_first=True)
-            except OuterError as e:
-                raise OpError(f"outer round {round_no}: {e}") from None
-            finally:
-                self._forget_outer(session, round_no)
-            out = agreement.vector
-            reply.update(sha=agreement.final, repaired_bytes=agreement.repaired_bytes,
-                         adopted_bytes=agreement.adopted_bytes, adopted=agreement.adopted,
-                         agreed_members=agreement.members, dissent=agreement.dissent, state_agreed=agreement.states,
-                         state_winner=agreement.state_winner, ignored_records=agreement.ignored,
-                         pushed_records=agreement.pushed, record_reads=agreement.reads)
-            phases.update({k: round(v, 6) for k, v in agreement.phases.items()})
-        else:  # no swarm to agree with (an in-process daemon in tests): the average is what it is
-            reply.update(sha=hashlib.sha256(out.tobytes()).digest(), repaired_bytes=0, adopted_bytes=0,
-                         adopted=False, agreed_members=1, state_agreed=1, state_winner=state)
-        if not all_finite(out):
-            raise OpError(f"outer round {round_no}: the agreed average holds NaN or infinity; not applied")
-        reply["seconds"] = round(time.monotonic() - start, 6)
-        reply["phases"] = phases
-        self.metrics.trainer_steps.labels("outer_" + outcome).inc()
-        if session.closed or conn.closed:
-            return {}
-        if session.latest != step:
-            raise OpError(f"step {step}'s result came after step {session.latest} was requested; dropped")
-        full = session.arena.vector(step).copy()
-        full[:length] = out
-        session.arena.write_result(step, full)
-        session.steps += 1
-        session.last = reply
-        return reply
-
-    async def _outer_rounds(self, session: Session, vector: np.ndarray, weight: float, round_no: int,
-                            timeout: float) -> tuple[Any, np.ndarray, str, int, frozenset[bytes]]:
-        """The outer step's Moshpit rounds: as many as the run's grid has dimensions (the first round says),
-        so that on a full grid every member's pseudo-gradient reaches every other's (more than one group:
-        a swarm larger than the largest group). Round d of outer round r is Moshpit round
-        r * OUTER_ROUNDS + d; each averages the last one's result, weighted by the weight it stands for, and
-        its matchmaking window is chained to the last one's (``chain_from``: a member alone in round d, which
-        waited out its whole window, still meets the members that averaged at once in round d + 1).
-        Returns (the last round's result or None, the vector, its outcome, rounds run, the node ids of every
-        group this member averaged with: the agreement's known participants). A round that fails leaves the
-        vector as it was; the agreement gives this member the swarm's. The session's ``robust`` applies to every
-        round as ``clip`` around zero (a pseudo-gradient, like a gradient, has no center of its own)."""
-        codec = codec_keywords(session, "outer", vector.size)
-        # without the session's robust, the weight bound alone (clipping only past MAX_C times the median): a
-        # member's claimed weight counts for at most WEIGHT_BOUND typical ones, and equal honest weights are
-        # never bounded; outer steps are rare (every H inner steps), so the owner's staging costs little here
-        robust = Robust("clip", MAX_C if session.robust is None else session.robust.c)
-        seen: set[bytes] = set()
-        cap = session.max_samples
-        out, outcome, result, dims, rounds = vector, "failed", None, 1, 0
-        window_end = 0.0  # the last round's matchmaking window: the next one ends a window after it
-        while rounds < dims:
-            extra: dict[str, Any] = {"round_no": round_no * OUTER_ROUNDS + rounds, **codec}
-            if cap is not None:
-                extra["max_weight"] = cap
-            extra["robust"] = robust
-            if window_end > 0:
-                extra["chain_from"] = window_end
-            try:
-                with trio.fail_after(timeout + 10.0):
-                    got = await self.average(session.average_id("outer"), out, weight, timeout_s=timeout, **extra)
-                averaged = np.asarray(got.vector, dtype=np.float32)
-                if averaged.shape != vector.shape or (got.outcome != "failed" and not all_finite(averaged)):
-                    self.metrics.contributions_refused.labels("nonfinite_result").inc()
-                    raise ValueError("the average is not a finite vector of the pseudo-gradient's shape")
-            except Exception as e:  # this member keeps what it holds; the agreement gives it the swarm's
-                log.warning("session %d outer round %d.%d: averaging failed: %s", session.id, round_no, rounds, e)
-                result, outcome = None, "failed"
-            else:
-                result, outcome, out = got, got.outcome, averaged
-                if outcome == "averaged":
-                    seen.update(_node_ids(getattr(got, "members", [])))
-                window_end = float(getattr(got, "window_end", 0.0) or 0.0)
-                if rounds == 0:
-                    dims = min(OUTER_ROUNDS, max(1, int(getattr(got, "dims", 1))))
-                total = float(getattr(got, "weight_total", 0.0))
-                if outcome == "averaged" and math.isfinite(total) and total > 0:
-                    weight = total  # the next axis averages group averages: each weighs what it stands for
-                    cap = None if cap is None else cap * int(getattr(got, "group_size", 1))
-            rounds += 1
-        return result, out, outcome, rounds, frozenset(seen)
-
-    async def _step_peers(self, run_id: str, first_round: int) -> frozenset[bytes]:
-        """The members that took part in this outer step: the run's progress records that finished one of
-        its rounds (``first_round`` on). Only their records (and those of this member's groups) count in the
-        agreement, and it waits for that many finals (until half its deadline):
-        with only the last group's size, a group that finished first agreed within itself and left, and the
-        other group, tied two finals to two, waited out its deadline for a majority that could not come."""
-        dht = getattr(self.statesync, "dht", None)
-        if dht is None:
-            return frozenset()
-        records: list = []
-        try:
-            with trio.move_on_after(STEP_PEERS_READ_S):
-                records = await dht.get(progress_key(run_id))
-        except Exception as e:  # the agreement still runs on what it reads
-            log.info("outer step: reading the run's progress failed: %s", e)
-        return finished_since(records, first_round)
-
-    def _forget_outer(self, session: Session, round_no: int) -> None:
-        """Keep the blobs of the last OUTER_KEPT_ROUNDS outer rounds (others may still repair from them)."""
-        if round_no not in session.outer_rounds:
-            session.outer_rounds.append(round_no)
-        while len(session.outer_rounds) > OUTER_KEPT_ROUNDS:
-            old = session.outer_rounds.pop(0)
-            self.inbox.forget(session.run_key, old)
-            if self.statesync is not None:
-                self.statesync.forget(store_key(session.run_key, old))
+        """A DiLoCo outer average (peerd.trainer.outer_step)."""
+        return await self.outer.step(self._session(req, conn), req, conn)
 
     def _report(self, req: dict[str, Any], session: Session | None = None) -> None:
         """What a trainer reports with a request: its loss, throughput, and its previous step's phases."""
@@ -953,20 +574,18 @@ class TrainerService:
         auto = req.get("auto")
         if auto is not None:  # what compression="auto" chose, for `peerd status`: bounded, strings and numbers
             if not isinstance(auto, dict) or len(auto) > 8 or not all(
-                    isinstance(k, str) and len(k) <= 32 and _small_value(v) for k, v in auto.items()):
+                    isinstance(k, str) and len(k) <= 32 and small_value(v) for k, v in auto.items()):
                 raise OpError(f"auto must be a small object of strings (<= {MAX_AUTO_REASON} chars) and numbers")
             session.auto = dict(auto)
         return {}
 
-    def statistics(self) -> list[dict[str, Any]]:
-        """Every open session's run, codec, steps, the compression="auto" choice with its reason, and its latest
-        step (its outcome, seconds and phases): ``peerd status``."""
-        return [{"session": s.id, "run": s.run, "layout": s.layout[:16], "steps": s.steps,
-                 "compression": s.compression.get("compression", "fp32"),
-                 "outcome": s.last.get("outcome", ""), "seconds": s.last.get("seconds", 0.0),
-                 "kept": bool(s.last.get("kept", False)), "phases": dict(s.phases),
-                 **({"auto": s.auto} if s.auto else {})}
-                for s in self.sessions.values() if not s.closed]
+    def statistics(self) -> TrainerStatistics:
+        """Every open session (``peerd status``)."""
+        return TrainerStatistics(tuple(
+            SessionStatistics(s.id, s.run, s.layout[:16], s.steps, s.compression.get("compression", "fp32"),
+                              s.last.get("outcome", ""), s.last.get("seconds", 0.0), bool(s.last.get("kept", False)),
+                              dict(s.phases), dict(s.auto))
+            for s in self.sessions.values() if not s.closed))
 
     # -- state sync -----------------------------------------------------------------------------
     async def _op_state_publish(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
@@ -1031,13 +650,3 @@ class TrainerService:
         finally:
             os.close(fd)
 
-
-def _node_ids(hexes: Any) -> list[bytes]:
-    """The node ids among a round result's ``members`` (hex strings; anything else is skipped)."""
-    out = []
-    for h in hexes if isinstance(hexes, list | tuple) else []:
-        try:
-            out.append(bytes.fromhex(h))
-        except (TypeError, ValueError):
-            continue
-    return out

@@ -14,6 +14,8 @@
 - **Outsiders.** The amplification guard, the answers held for addresses not yet validated, the validation
   challenges, and the rationing of authentication failures (``AuthLimiter``) live here, bounded.
 - **Receivers.** Which node id is at which address (an LRU), to seal each datagram for its receiver.
+- **Receiving.** What a receive pass accepts, refuses, handles first and counts, and the pause after it: the
+  ``ReceivePolicy`` (transport/receive.py) at ``receiving``, one ``PassDecision`` per pass.
 
 The trio endpoint (transport/endpoint.py) seals, sends and waits; the simulator and the tests drive this class
 directly in virtual time.
@@ -22,7 +24,6 @@ directly in virtual time.
 from __future__ import annotations
 
 import enum
-import math
 import random
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -32,30 +33,14 @@ from typing import Any
 from ..entropy import default_rng
 from .guard import AmplificationGuard, AuthLimiter, NativeAuthLimiter
 from .guard import auth_limiter as default_auth_limiter
+from .paths import Paths
+from .receive import JUNK_IDLE_PAUSE_S, JUNK_PAUSE_S, PassDecision, ReceivePolicy, ReceiveStatistics
 from .rto import RtoEstimator
 
 MAX_PENDING = 16384  # requests open at once (a DHT lookup has alpha=3 in flight; thousands mean a bug or a flood)
 MAX_KNOWN_IDS = 4096  # addresses whose node id this node remembers (LRU), to seal for their receiver
 MAX_HELD_ADDRESSES = 256  # unvalidated addresses with answers held until their address validation completes
 MAX_HELD_PER_ADDRESS = 4
-# Under a flood of junk (datagrams refused before any crypto), every wakeup of the receive loop costs 150-250 us
-# of CPU on a VM (the process sleeps and is woken, epoll, trio's loop with cold caches) and brings only a few
-# datagrams. While junk arrives faster than JUNK_RATE a second, the loop pauses after a pass that drained the
-# socket, long enough for about JUNK_BATCH datagrams of junk to queue (at most JUNK_PAUSE_S), and takes them in one
-# wakeup: interrupt moderation. What arrives meanwhile (PINGs included) waits at most JUNK_PAUSE_S; a full pass
-# never pauses, and quiet traffic never does.
-JUNK_RATE = 1000.0
-JUNK_BATCH = 64
-JUNK_PAUSE_S = 0.008
-# A node whose authenticated traffic is below BUSY_RATE a second (liveness PINGs, the odd DHT request: no
-# average running) has nothing that needs the short pause: it takes the flood in batches of about JUNK_IDLE_BATCH,
-# at most JUNK_IDLE_PAUSE_S apart, which is what brings the junk's CPU per datagram down (`peerd bench soak`'s
-# outsider_cpu_us_per_datagram: 9.4 us at 64 a batch, about half at 256). A request that comes then waits at most
-# JUNK_IDLE_PAUSE_S; traffic at BUSY_RATE brings the short pause back within the window that shows it.
-JUNK_IDLE_BATCH = 256
-JUNK_IDLE_PAUSE_S = 0.032
-BUSY_RATE = 200.0
-JUNK_WINDOW_S = 0.1  # the junk rate is measured over windows of this length
 RID_DRAWS = 64  # attempts at a fresh request id before the pending map is called full (2^64 ids: never reached)
 
 PING = 0x01
@@ -103,6 +88,16 @@ class Expired:
 
 
 Step = Transmit | WaitUntil | Answered | Expired
+
+
+@dataclass(frozen=True, slots=True)
+class TransportStatistics:
+    """A snapshot of the core: open requests, addresses with held answers, open validations, the receive loop."""
+
+    open_requests: int
+    held_addresses: int
+    challenges: int
+    receiving: ReceiveStatistics
 
 
 class Route(enum.Enum):
@@ -164,18 +159,15 @@ class TransportCore:
         self.max_known_ids = max_known_ids
         self.max_held_addresses = max_held_addresses
         self.max_held_per_address = max_held_per_address
-        self.junk_pause_s = junk_pause_s
-        self.junk_idle_pause_s = junk_idle_pause_s
-        self.junk_rate = 0.0  # junk datagrams a second, over the last whole window
-        self.honest_rate = 0.0  # the other datagrams (authenticated, or refused after opening) a second, the same
-        self._junk_at = -math.inf
-        self._junk_count = 0
-        self._honest_count = 0
+        # what a receive pass accepts, refuses and counts, and the pause after it (transport/receive.py)
+        self.receiving = ReceivePolicy(self.auth_limiter, junk_pause_s=junk_pause_s,
+                                       junk_idle_pause_s=junk_idle_pause_s)
         self._pending: dict[int, Pending] = {}
         self._handled: dict[int, int] = {}  # registered message type -> its response type (itself: one-way)
         self._ids: OrderedDict[Hashable, bytes] = OrderedDict()
         self._held: OrderedDict[Hashable, list[Any]] = OrderedDict()
         self._challenges: OrderedDict[int, Hashable] = OrderedDict()  # rid of a validating PING -> its address
+        self.paths = Paths(max_known_ids)  # where datagrams to each peer go (NAT traversal), and the counts per path
 
     # -- ids -------------------------------------------------------------------------------------------------
     def new_id(self) -> int:
@@ -189,28 +181,13 @@ class TransportCore:
                 return rid
         raise PendingFull("no fresh request id found")  # only with a broken rng
 
-    # -- the receive loop's pace ----------------------------------------------------------------------------------
-    def receive_pause(self, now: float, junk: int, backlog: bool, honest: int = 0) -> float:
-        """How long the receive loop waits before its next pass, after one at ``now`` in which ``junk`` datagrams
-        were refused unopened and ``honest`` others handled; ``backlog``: the pass stopped at its limit (datagrams
-        or arena), not because the socket was empty, so the next pass starts at once (see JUNK_RATE). The pause
-        is short while the node is busy (BUSY_RATE), long while it is idle (JUNK_IDLE_BATCH)."""
-        if now - self._junk_at >= JUNK_WINDOW_S:
-            elapsed = now - self._junk_at
-            recent = elapsed < 2 * JUNK_WINDOW_S
-            self.junk_rate = self._junk_count / elapsed if recent else 0.0
-            self.honest_rate = self._honest_count / elapsed if recent else 0.0
-            self._junk_at, self._junk_count, self._honest_count = now, 0, 0
-        self._junk_count += junk
-        self._honest_count += honest
-        if not junk or backlog or self.junk_rate < JUNK_RATE:
-            return 0.0
-        if self.honest_rate >= BUSY_RATE or self._honest_count >= BUSY_RATE * JUNK_WINDOW_S:
-            return min(self.junk_pause_s, JUNK_BATCH / self.junk_rate)
-        return min(self.junk_idle_pause_s, JUNK_IDLE_BATCH / self.junk_rate)
+    # -- the receive loop (the decisions are transport/receive.py's) ---------------------------------------------
+    def receive_pass(self, datagrams: int, backlog: bool, started: float, now: float) -> PassDecision:
+        """A receive pass ended (see ReceivePolicy.receive_pass): what the loop does before the next."""
+        return self.receiving.receive_pass(datagrams, backlog, started, now)
 
     # -- requests --------------------------------------------------------------------------------------------
-    def open_request(self, addr: Hashable, expect: int, now: float, *, timeout: float, attempts: int) -> int:
+    def open_request(self, addr: Hashable, expect: int, *, timeout: float, attempts: int, now: float) -> int:
         """Open a request to ``addr`` answered by type ``expect``; returns its id (then call ``step``)."""
         if not timeout > 0 or attempts < 1:
             raise ValueError(f"request needs timeout > 0 and attempts >= 1, got {timeout!r}, {attempts!r}")
@@ -256,10 +233,22 @@ class TransportCore:
         p.attempts += 1
         return Transmit(p.rid, p.attempts - 1)
 
-    def next_deadline(self) -> float | None:
-        """The earliest time a request needs a ``step`` (a simulator's next timer), or None."""
+    def get_timer(self) -> float | None:
+        """The earliest time something here needs the shell: a request's wait ends (its waiter ``step``s it), or
+        the receive loop's pause ends (``handle_timer``). None: nothing scheduled."""
         times = [p.next_at for p in self._pending.values() if p.sent_at is not None and p.reply is None]
+        pause = self.receiving.get_timer()
+        if pause is not None:
+            times.append(pause)
         return min(times, default=None)
+
+    def handle_timer(self, now: float) -> None:
+        """The timer came: the receive loop's pause ends (requests are advanced by ``step``, one caller each)."""
+        self.receiving.handle_timer(now)
+
+    def statistics(self) -> TransportStatistics:
+        r = self.receiving.statistics()
+        return TransportStatistics(len(self._pending), len(self._held), len(self._challenges), r)
 
     def close(self, rid: int) -> None:
         """Forget request ``rid`` (answered, expired, or abandoned by its caller); later answers are unexpected."""

@@ -104,234 +104,48 @@ full after startup, and well under 1 % lost beyond the links' random loss in ste
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import OrderedDict, deque
 from collections.abc import Hashable
-from dataclasses import dataclass
 
+from .pacing_judge import Judgement, State
+from .pacing_params import (
+    BASE_PLACED,
+    BURST_S,
+    CATCHUP_S,
+    CYCLE,
+    DELAY_GAIN,
+    DELAY_K,
+    DEV_GAIN,
+    DRAIN,
+    FAST_STARTUP_MIN,
+    FAST_STARTUP_RATE,
+    FIRST_REPORT,
+    HISTORY,
+    IDLE_S,
+    JUDGE_LAG_S,
+    MAX_JUDGE_LAG_S,
+    MAX_PATHS,
+    MAX_PENDING,
+    MAX_RATE,
+    MEMORY_HALF_LIFE_S,
+    MIN_RATE,
+    PHASE_BYTES,
+    PHASE_S,
+    PROBE,
+    PROBE_STEP,
+    START_DATAGRAM,
+    START_RATE,
+    start_rate,
+)
+from .pacing_records import DeliveryMeter, Report, SendPositions, Verdict, _Cap, _Frontier, _Phase, _Record, _SendLog
 from .qdelay import QueueDelay
 
-START_RATE = 2e6  # bytes/s (16 Mbit/s): low, so a thin link is not overrun 8x at the first average ...
-START_DATAGRAM = 1200  # ... in datagrams of this size (1,667 a second); see start_rate
-DEFAULT_RATE = START_RATE
-MIN_RATE = 0.25e6
-MAX_RATE = 20e9
-BURST_S = 0.002  # a burst may run this far ahead of the average rate ...
-CATCHUP_S = 0.008  # ... and this far for a sender the rate held back, whose wake-up came late (a loaded CPU:
-# what it slept through past its time would otherwise be lost for good; 8 ms is under half the lab's queue)
-
-MIN_SAMPLE_BYTES = 32 * 1200  # MIN_SAMPLE datagrams of the default payload
-STARTUP_GROWTH = 2.0  # startup's step: an overshoot past the bottleneck is at most this much ...
-STARTUP_PHASES = 2  # ... for a phase or two: a rate is raised after this many clean phases at it (a queue
-# absorbs a first phase's overshoot: it looks clean)
-PHASE_S = 0.05  # one phase of the cycle: two REPORT intervals (a phase needs a few REPORTs per destination)
-PHASE_BYTES = 3 * MIN_SAMPLE_BYTES  # at least a report from each of three destinations
-FAST_STARTUP_RATE = 40e6  # bytes/s: a startup phase above this rate (and its least judging lag) is shorter ...
-FAST_STARTUP_MIN = 0.2  # ... in proportion, down to this fraction of PHASE_S (JUDGE_LAG_S)
-JUDGE_LAG_S = 0.05  # a phase waits at least this long after it ended for its REPORTs (unless all are in) ...
-MAX_JUDGE_LAG_S = 1.0  # ... and at most this long (a receiver that stopped reporting holds nothing up longer)
-DELAY_K = 4.0  # the wait: the REPORT delay's smoothed mean plus this many smoothed deviations (as TCP's RTO)
-DELAY_GAIN, DEV_GAIN = 0.125, 0.25  # the smoothing of both (RFC 6298's alpha and beta)
-MAX_PENDING_REPORTS = 16  # REPORTs beyond a gap kept per destination (more: the gap is given up on)
-EARLY_SAMPLE = 64  # datagrams reported of a phase before it may be judged early (congested) ...
-EARLY_Z = 4.0  # ... when its loss is this many sigma above its floor
-IDLE_S = 0.25  # a sender idle this long ended an average (or waited for data in one: aged by next to nothing)
-MEMORY_HALF_LIFE_S = 60.0  # an idle sender's remembered rates lose half their excess over START_RATE this often
-CYCLE = (1.1, 0.9, 0.98, 0.98, 0.98, 0.98)  # gains on btl: probe, drain, four cruise phases a little under
-PROBE, DRAIN = 0, 1
-PROBE_STEP = 0.02  # a clean probe raises btl this much at first, doubling with every clean probe in a row ...
-MAX_PROBE_STEP = 0.08  # ... up to this (the overshoot a cruise phase then pays for), and after FAST_PROBES
-FAST_PROBES = 5  # clean probes in a row (+28 % in all: the link got faster), then steps up to MAX_FAST_STEP
-MAX_FAST_STEP = CYCLE[PROBE] - 1.0  # (a clean probe shows that much headroom, no more)
-RESTART_PROBES = 8  # clean probes in a row (+77 % in all) before startup runs again from btl
-MAX_CUT = 0.25  # one decrease goes at most this far below the phase's send rate
-CUT_MARGIN = 0.92  # congestion sets btl this far under what the congested phase delivered
-PROBE_FAIL_CUT = 0.95  # a probe that overflowed the queue takes btl this much lower
-LOSS_MARGIN = 0.005  # loss this far over the floor (plus Z sigma of both samples' noise) is congestion
-Z = 2.0
-STARTUP_MARGIN = 0.05  # in startup, floors rest on a few small phases: ask for more
-STARTUP_Z = 3.0
-PATH_MARGIN = 0.02  # one destination's share of a phase is a third of the sample (with 3 destinations), and
-PATH_Z = 3.0  # there are as many chances of a false alarm as destinations: a cap needs clearer evidence
-FLOOR_RATE = 0.85  # clean phases sent at most this fraction of a judged phase's rate give its floor
-FLOOR_PHASES = 8  # pooled over at most this many
-HISTORY = 32  # clean phases remembered (1.6 s)
-MAX_PENDING = 64  # phases waiting for their judgement (more: the oldest go unjudged)
-MIN_SAMPLE = 32  # datagrams: a phase (or a destination's share of one) with fewer says too little
-# positions: a stream's first report comes this early, whatever the interval. Its arrival time is the path's base
-# delay before this sender's queue filled: with a later first report (at MIN_SAMPLE) a sender that started above a
-# thin link (START_RATE on 10 Mbit/s) first hears of its path with the queue full, takes that for the base, and
-# never sees a queue again (tests/test_pacing.py's link under START_RATE).
-FIRST_REPORT = 2
-KERNEL_DROPS = 0.005  # receivers' kernel drops above this fraction of a phase's datagrams are congestion
-HELD_BACK = 0.9  # a phase that sent under this fraction of its rate was held back (CPU), not paced
-APP_LIMITED = 0.5  # a phase that used less of its rate than this raises nothing (a 64 KB part is 30 ms at
-# 2 MB/s: a phase's own send rate is coarse at low rates)
-PATH_PERSIST = 2  # judged phases in a row a destination must be clearly lossier than the rest to get a cap
-PATH_GROWTH = 1.25  # a capped destination's cap grows this much per clean phase
-LOG_HISTORY_S = 2.0
-MAX_PATHS = 1024  # per-destination state kept (caps, send logs); the least recently used goes first
-Q_HIGH = 0.006  # seconds of queue at a phase's end that say its rate is above what the uplink carries
-# A probe whose queue ends above this found no headroom: at btl = the link, a phase at CYCLE[PROBE] queues its 10 %
-# margin, 5 ms of a 50 ms phase; at 5 % under the link, 2.25 ms. (Judged against Q_HIGH, probes at the link's rate
-# come back clean, btl creeps past the link and the queue cuts it back: more loss beyond random loss and less of
-# the link used, in tests/test_pacing.py's swarm.)
-Q_PROBE = 0.0035
-STARTUP_GROWTH_MIN = 0.2  # startup ends on a queue above Q_HIGH that grew this many seconds per second of the phase
-STARTUP_FILL = 0.75  # of PHASE_BYTES: what a startup phase must hold to prove its rate (a phase that sent
-# under HELD_BACK of its rate proves nothing either)
-Q_FLAT = 0.001  # a startup phase whose queue ended under this (and grew no faster than FLAT_GROWTH) had headroom:
-FLAT_GROWTH = 0.02  # its rate doubles after it alone (an overshoot of x queues (x - 1) x 50 ms in one phase)
-CPU_HELD = 2  # startup phases in a row held back under HELD_BACK with the queue flat: the rate goes to twice their fill
-CPU_HELD_BYTES = 2 << 20  # ... or one such phase that sent this much (dozens of parts: its fill is no part's timing)
-DRAINING = 0.03  # a deep queue shrinking faster than this (s/s) is not cut for: it drains at the rate sent
-DEEP_PHASES = 2  # judged phases in a row with a queue above Q_HIGH before a cruise phase's rate is cut
-Q_SPAN = 0.3  # a destination's queue growth is measured over samples this much of a phase apart at least
-BASE_PLACED = 0.001  # seconds into a burst a datagram's modelled send time may be and still set the base delay
-DELAY_MARGIN = 0.98  # a queue that grew sets btl this far under the rate the uplink carried (exact, unlike loss)
-CARRIED_SLACK = 1.02  # a rate within this factor of what a recent phase delivered counts as carried before ...
-# ... by one of the last this many judged clean phases (0.6 s). With all 32 kept, a shallow bottleneck that cross
-# traffic halved would pass for the link losing at random for seconds; with fewer (8), a 0.3 s burst of random
-# loss would cut. The price: a lasting step of random loss at a shallow queue costs a cut or two (virtual time,
-# tests/test_pacing.py).
-CARRIED_PHASES = 12
+__all__ = ["BURST_S", "CYCLE", "FAST_STARTUP_MIN", "FAST_STARTUP_RATE", "FIRST_REPORT", "PHASE_S", "START_RATE",
+           "DeliveryMeter", "Pacer", "Report", "SendPositions", "State", "Verdict", "start_rate"]
 
 
-def start_rate(datagram: int) -> float:
-    """Where a sender of ``datagram``-byte datagrams starts: START_RATE's datagrams a second, never fewer bytes than
-    START_RATE (as TCP's initial window counts segments). A phase must hold MIN_SAMPLE datagrams to be judged: at
-    START_RATE in 8 KB datagrams a 50 ms phase holds 12, so startup would stall there, about 0.4 s a doubling
-    (`peerd bench allreduce --peers 4 --size 25000000 --mtu 8192`: the first average's time). Datagrams above
-    1200 bytes are for LANs: on a 1500-byte path an 8 KB datagram travels as 6 IP fragments, lost whole with any
-    one of them."""
-    return START_RATE * max(1.0, datagram / START_DATAGRAM)
-
-
-@dataclass(frozen=True, slots=True)
-class Report:
-    """One receiver's account of one sender's stream over an interval (the REPORT message's numbers)."""
-
-    expected: int  # data datagrams the sender sent in the interval (by the highest index that arrived)
-    received: int  # of those (and stragglers), how many arrived
-    nbytes: int  # bytes of tensor data that arrived
-    seconds: float  # arrival span: from the last arrival before the interval to the last one in it
-    kernel_drops: int  # datagrams the receiver's kernel dropped at its socket in the interval (all senders)
-    position: int = 0  # one past the highest stream position that arrived (the interval is the `expected`
-    # positions before it); lets the sender find when it sent them
-    arrived: float = 0.0  # when (the receiver's clock, unix seconds) the datagram at ``position - 1`` arrived; 0:
-    # not known. Against its send time, the path's one-way delay plus a constant clock offset (transport.qdelay)
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """What a report did to the rate (for tests, metrics and logs)."""
-
-    action: str  # "decrease", "increase", "hold" (judged, nothing to change), "pooled" (waits for its
-    # phase's judgement), "stale" (its phase was judged or forgotten), "small" (nothing in it)
-    reason: str
-    rate: float
-
-
-def _var(p: float, n: int) -> float:
-    """Sampling variance of a loss fraction measured over n datagrams (at least that of 1 in n)."""
-    return max(p, 1.0 / n) * (1.0 - min(p, 0.999)) / n
-
-
-class _Phase:
-    """An interval sent at one rate, and what the REPORTs about its datagrams said."""
-
-    __slots__ = ("start", "end", "rate", "kind", "expected", "lost", "drops", "paths", "last_sent", "nbytes",
-                 "busy_until", "pause_from", "queue", "first_at")
-
-    def __init__(self, start: float, rate: float, kind: str) -> None:
-        self.start = start
-        self.end: float | None = None  # None: the current phase
-        self.rate = rate
-        self.kind = kind  # startup, probe, drain, cruise
-        self.expected = 0
-        self.lost = 0
-        self.drops = 0
-        self.paths: dict[Hashable, list[int]] = {}  # dest -> [expected, lost, kernel drops]
-        self.last_sent: dict[Hashable, float] = {}  # dest -> when its last part reserved in this phase goes out
-        self.nbytes = 0  # bytes reserved in the phase
-        self.busy_until = start  # when the last part reserved in the phase is through the bucket
-        self.pause_from = start  # when the phase before ended, if nothing ran in between (a pause)
-        self.first_at = math.inf  # when its first part goes out (a part reserved before it may still be going)
-        self.queue: list[tuple[float, float, Hashable]] = []  # (sent at, queueing delay, dest) of its datagrams
-
-    def stop(self) -> float:
-        """Where the phase's send rate is measured to: its end, or its last send if the sender ran out of data
-        before (the end of an average: a phase half empty is not one sent at half its rate)."""
-        assert self.end is not None
-        return self.end if self.busy_until <= self.start else min(self.end, self.busy_until)
-
-
-class _Record:
-    """A clean, judged phase: what floors are pooled from."""
-
-    __slots__ = ("sent", "expected", "lost", "paths")
-
-    def __init__(self, sent: float, expected: int, lost: int, paths: dict[Hashable, tuple[int, int, float]]) -> None:
-        self.sent = sent  # bytes/s actually sent, all destinations
-        self.expected = expected
-        self.lost = lost
-        self.paths = paths  # dest -> (expected, lost, bytes/s actually sent to it)
-
-
-class _Cap:
-    __slots__ = ("rate", "next", "key")
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self.next = 0.0
-        self.key: Hashable = None  # a stated limit's: the destinations sharing it
-
-
-class _SendLog:
-    """Bytes sent over the last LOG_HISTORY_S: what rate did I really send at. Each part counts as spread over
-    the time the rate gives it (counted whole at its start, a 50 ms phase at 100 Mbit/s held 8, 9 or 10 64 KB
-    parts: its rate read 10.4, 11.7 or 13.0 MB/s against a bucket at 12)."""
-
-    __slots__ = ("starts", "spans", "sizes", "before", "total")
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []  # when each part began (never decreasing)
-        self.spans: list[float] = []  # over how many seconds it went
-        self.sizes: list[int] = []
-        self.before: list[float] = []  # bytes of all parts before it
-        self.total = 0.0
-
-    def add(self, t: float, nbytes: int, seconds: float = 0.0) -> None:
-        starts = self.starts
-        if starts and t < starts[-1]:  # (cannot happen: reservations only move forward)
-            t = starts[-1]
-        if len(starts) >= 512 and t - starts[256] > LOG_HISTORY_S:  # forget the oldest half, now and then
-            for xs in (starts, self.spans, self.sizes, self.before):
-                del xs[:256]
-        starts.append(t)
-        self.spans.append(max(0.0, seconds))
-        self.sizes.append(nbytes)
-        self.before.append(self.total)
-        self.total += nbytes
-
-    def _through(self, t: float) -> float:
-        """Bytes sent before ``t`` (a part that overran the next one's start counts as done at that start)."""
-        i = bisect.bisect_right(self.starts, t) - 1
-        if i < 0:
-            return self.before[0] if self.before else 0.0
-        span, size = self.spans[i], self.sizes[i]
-        done = t - self.starts[i]
-        return self.before[i] + (size if span <= done else size * done / span)
-
-    def rate(self, start: float, stop: float) -> float:
-        """Bytes per second sent in [start, stop)."""
-        if stop <= start or not self.starts:
-            return 0.0
-        return (self._through(stop) - self._through(start)) / (stop - start)
-
-
-class Pacer:
+class Pacer(Judgement):
     """The uplink's token bucket, per-destination caps, and the phases that set them (module docstring)."""
 
     def __init__(
@@ -351,7 +165,8 @@ class Pacer:
         self.max_rate = max_rate
         self.start_rate = start_rate(datagram)  # (what a long idle decays back toward)
         self.rate = min(max_rate, max(min_rate, float(self.start_rate if rate is None else rate)))
-        self.btl: float | None = None  # the bottleneck estimate; None during startup
+        self._btl: float | None = None  # the bottleneck estimate; None during startup
+        self.state = State.STARTUP  # (pacing_judge.TRANSITIONS)
         self.phase_s = phase_s
         self.judge_lag_s = judge_lag_s
         self.max_paths = max_paths
@@ -386,7 +201,18 @@ class Pacer:
 
     @property
     def mode(self) -> str:
-        return "startup" if self.btl is None else "cycle"
+        return self.state.value
+
+    @property
+    def btl(self) -> float | None:
+        """The bottleneck estimate, bytes/s (None in startup)."""
+        return self._btl
+
+    @btl.setter
+    def btl(self, value: float | None) -> None:
+        """Set from outside (a test placing the pacer in its cycle): the state follows."""
+        self._btl = value
+        self.state = State.STARTUP if value is None else State.CYCLE
 
     def cap(self, dest: Hashable) -> float | None:
         """The destination's own cap, bytes/s (None: only the uplink's rate binds)."""
@@ -592,38 +418,6 @@ class Pacer:
             self._delay_dev += DEV_GAIN * (abs(d - self._delay) - self._delay_dev)
             self._delay += DELAY_GAIN * (d - self._delay)
 
-    def _carried(self, rate: float) -> bool:
-        """One of the last CARRIED_PHASES clean phases delivered about ``rate`` bytes/s or more (what it sent less
-        what it lost)."""
-        need = rate / CARRIED_SLACK
-        recent = list(self._history)[-CARRIED_PHASES:]
-        return any(rec.sent * (1.0 - rec.lost / rec.expected) >= need for rec in recent if rec.expected > 0)
-
-    def _floor(self, sent: float, dest: Hashable = None) -> tuple[float, float, int]:
-        """(random-loss floor, its sampling variance, datagrams behind it) for a phase sent at ``sent``
-        bytes/s (to ``dest``; None: all destinations): the pooled loss of recent clean phases sent at
-        most FLOOR_RATE of that. (0, 0, 0) when there are none."""
-        limit = FLOOR_RATE * sent
-        expected = lost = used = 0
-        for rec in reversed(self._history):
-            if dest is None:
-                e, lo, s = rec.expected, rec.lost, rec.sent
-            else:
-                p = rec.paths.get(dest)
-                if p is None:
-                    continue
-                e, lo, s = p
-            if s <= limit and e > 0:
-                expected += e
-                lost += lo
-                used += 1
-                if used >= FLOOR_PHASES:
-                    break
-        if not expected:
-            return 0.0, 0.0, 0
-        f = lost / expected
-        return f, _var(f, expected), expected
-
     # -- feedback ----------------------------------------------------------------------------------
     def on_report(
         self, dest: Hashable, report: Report, now: float, sent_span: tuple[float, float] | None = None,
@@ -683,526 +477,3 @@ class Pacer:
             if ph.start <= t:
                 return ph if ph.end is None or t < ph.end else None
         return None
-
-    def _judge_due(self, now: float) -> Verdict | None:
-        out: Verdict | None = None
-        phases = self._phases
-        lag = self.judge_lag()
-        while phases and phases[0].end is not None:
-            ph = phases[0]
-            # At least the base judging lag (a REPORT spanning two phases is pooled into one of them: a phase
-            # "complete" at once may still miss some), longer while REPORTs are missing and run late.
-            if now < ph.end + self._span(ph.rate, self.judge_lag_s, ph.kind) or (
-                    now < ph.end + self._span(ph.rate, lag) and not self._complete(ph)):
-                break
-            v = self._judge(phases.popleft(), now)
-            if v is not None and (out is None or out.action != "decrease"):
-                out = v
-        for ph in phases:
-            # A later phase whose REPORTs so far already show an overflow beyond doubt is judged now, out of
-            # order: waiting for its stragglers (the scaled lag) would keep the queue overflowing that long.
-            if ph.end is None or now < ph.end + self._span(ph.rate, self.judge_lag_s, ph.kind):
-                break
-            if self._clearly_congested(ph):
-                phases.remove(ph)
-                v = self._judge(ph, now)
-                if v is not None and (out is None or out.action != "decrease"):
-                    out = v
-                break
-        return out
-
-    def _clearly_congested(self, ph: _Phase) -> bool:
-        """What is in of a phase's REPORTs says congestion with EARLY_Z sigma (the whole phase's judgement
-        uses Z): its loss above the floor, or receivers' kernels dropping."""
-        if ph.expected < EARLY_SAMPLE or ph.kind == "drain":
-            return False
-        if ph.drops > KERNEL_DROPS * ph.expected:
-            return True
-        sent = min(ph.rate, self.sent_rate(ph.start, ph.stop()))
-        floor, floor_var, floor_n = self._floor(sent)
-        loss = ph.lost / ph.expected
-        margin = STARTUP_MARGIN if self.btl is None else LOSS_MARGIN
-        return floor_n > 0 and loss > floor + margin + EARLY_Z * math.sqrt(floor_var + _var(floor, ph.expected))
-
-    def _judge(self, ph: _Phase, now: float) -> Verdict | None:
-        assert ph.end is not None
-        # (at low rates a phase holds a part or two: the log's count may overstate its rate, never the bucket)
-        sent = min(ph.rate, self.sent_rate(ph.start, ph.stop()))
-        if ph.expected < MIN_SAMPLE or sent <= 0:
-            return None
-        startup = self.btl is None
-        margin, z = (STARTUP_MARGIN, STARTUP_Z) if startup else (LOSS_MARGIN, Z)
-        # Destinations first: one whose own path congests while the rest of the uplink's traffic is clean has
-        # a bottleneck of its own (its downlink, its CPU): a cap for it, not a cut of the uplink's rate.
-        paths: dict[Hashable, tuple[int, int, float]] = {}
-        hot: dict[Hashable, tuple[float, float]] = {}  # dest -> (its loss, what its path delivered)
-        for dest, (e, lo, drops) in ph.paths.items():
-            s = self.sent_rate(ph.start, ph.stop(), dest)
-            paths[dest] = (e, lo, s)
-            if e >= MIN_SAMPLE and s > 0:
-                found = self._path_congested(dest, e, lo, drops, s, max(margin, PATH_MARGIN), max(z, PATH_Z))
-                if found is not None:
-                    hot[dest] = found
-        expected, lost, drops = ph.expected, ph.lost, ph.drops
-        if hot and len(hot) < sum(1 for e, _, s in paths.values() if e >= MIN_SAMPLE and s > 0):
-            rest_e = expected - sum(ph.paths[d][0] for d in hot)
-            rest = (lost - sum(ph.paths[d][1] for d in hot)) / rest_e
-            # Only a destination clearly lossier than the rest of the phase is a path of its own: an uplink
-            # overflow hits every destination alike, and one of them crossing its threshold is noise.
-            hot = {d: v for d, v in hot.items() if ph.paths[d][2] > KERNEL_DROPS * ph.paths[d][0]
-                   or v[0] > rest + PATH_MARGIN + PATH_Z * math.sqrt(_var(rest, ph.paths[d][0]) + _var(rest, rest_e))}
-            # Capped only once it stays so, and left out of the uplink's judgement only from its second phase
-            # in a row: a tail drop at a full uplink queue takes a part or two, all of one destination (the
-            # driver sends destinations in turn), and which one is chance. Excused at the first, an overrun
-            # whose drops move from destination to destination is never the uplink's: with 7 destinations on
-            # loaded cores btl would rise well past the link (tests/test_pacing.py; `peerd bench allreduce --peers 8
-            # --link 100mbit`, excess_loss).
-            for d in hot:
-                self._hot[d] = self._hot.pop(d, 0) + 1
-                if len(self._hot) > self.max_paths:
-                    del self._hot[next(iter(self._hot))]
-            # (Where the other destinations' queues are known and all shallow, the uplink's queue did not overflow:
-            # the first phase is excused too.)
-            levels = self._late_levels(ph)
-            others = [q for d, q in levels.items() if d not in hot]
-            shallow = bool(others) and max(others) < Q_HIGH
-            excused = [d for d in hot if shallow or self._hot[d] >= PATH_PERSIST]
-            for dest in excused:  # judge the uplink by the rest
-                expected -= ph.paths[dest][0]
-                lost -= ph.paths[dest][1]
-                drops -= ph.paths[dest][2]
-        else:
-            hot = {}
-        for d in list(self._hot):
-            if d in ph.paths and d not in hot and ph.paths[d][0] >= MIN_SAMPLE:
-                del self._hot[d]
-        loss = lost / expected
-        floor, floor_var, floor_n = self._floor(sent)
-        reason = ""
-        if drops > KERNEL_DROPS * expected:
-            reason = f"{drops} datagrams dropped by receivers' kernels"
-        elif floor_n and loss > floor + margin + z * math.sqrt(floor_var + _var(floor, expected)):
-            reason = f"loss {loss:.3f} above the floor {floor:.3f} ({ph.kind} at {sent / 1e6:.2f} MB/s)"
-        delay_cut = None
-        signal = self._queue_signal(ph)
-        if signal is not None:
-            self.queue_delay = signal[0]
-            if reason.startswith("loss") and signal[3] < Q_HIGH and self._carried(sent * (1.0 - floor)):
-                # A queue overflows only once full, and the datagrams that got through then waited in it: loss
-                # above the floor with the queue shallow toward every destination, at a rate the path has carried
-                # lately, is the link's (its random loss's noise, a lossy patch). (Every destination: a member
-                # that lies about its arrival times must not hide an overflow.) Not at a rate it has not carried:
-                # a bottleneck with little or no queue (a policer, a shallow switch buffer) drops above its rate
-                # with the queue empty, and excused so, startup ran on to the maximum rate, 98 % lost (virtual
-                # time: 100 Mbit/s with 1-2.5 ms of queue, 1 Gbit/s with 2 ms).
-                reason = ""
-        if not reason and signal is not None and ph.kind != "drain":
-            level, growth, at, _ = signal
-            if growth is None:
-                # (no destination's samples spanned enough of the phase: where a probe's queue stood late in it
-                # tells its growth, the cruise before a probe having left the queue empty)
-                late = ph.kind == "probe" and at - ph.start > Q_SPAN * (ph.end - ph.start)
-                if late and level > Q_HIGH:
-                    growth = level / (at - ph.start)
-                elif ph.kind != "probe" and self._growth is not None and at - self._growth[0] <= 3 * self.phase_s:
-                    growth = min(0.0, self._growth[1])  # (a short phase: a drain the phase before it measured)
-                else:
-                    growth = 0.0
-            else:
-                self._growth = (at, growth)
-            # what the link carried while the queue grew (a full queue grows no more: its overflow is the rest)
-            measured = sent / (1.0 + max(0.0, growth)) * min(1.0, (1.0 - loss) / max(1e-9, 1.0 - floor))
-            # (a phase sent before the last cut drained shows that overshoot's queue, acted on already; one that
-            # used little of its rate, the tail of an average, shows the queue of the bursts before it)
-            fresh = ph.start >= self._quiet_until and sent >= APP_LIMITED * ph.rate
-            self._deep = self._deep + 1 if level > Q_HIGH else 0
-            if fresh and ph.kind == "probe" and level > Q_PROBE:
-                # A probe above the link filled the queue: no raise, and a drain empties what it left. (Taken as a
-                # measurement of the link, sent / (1 + growth), it read low in the lab: a sender woken late on
-                # loaded cores bursts, and its bursts queue below the link's rate.)
-                self._cycle_at = DRAIN
-                self._step = PROBE_STEP
-                self._clean_probes = 0
-                self._restart(now)
-                return Verdict("hold", f"probe at {sent / 1e6:.2f} MB/s: queue {1e3 * level:.1f} ms", self.rate)
-            if ph.kind == "startup":
-                # (in startup a burst's datagrams are not placed in time, btl being unknown: each sample may sit a
-                # burst late, so a deep queue ends it only where it grows, or where it stood deep DEEP_PHASES
-                # judged phases in a row while the sender could not send its rate: a socket the link pushed back
-                # on. Without that, a startup above the link holds a deep queue until it overflows, and ends far
-                # under the link. The deep queue alone would end startup early on 64 KB bursts with late REPORTs
-                # (tests/test_pacing.py).)
-                pushed_back = self._deep >= DEEP_PHASES and sent < HELD_BACK * ph.rate
-                congested = fresh and level > Q_HIGH and (growth > STARTUP_GROWTH_MIN or pushed_back)
-            else:  # (a deep queue in two judged phases in a row: one may be a burst's, or a receiver's stall)
-                congested = fresh and self._deep >= DEEP_PHASES
-                if congested and growth <= 0.0 and sent < HELD_BACK * ph.rate:
-                    # A standing queue while this sender sent under its rate (its CPU held it back) is not its
-                    # uplink filling: that would grow, or drain below the link's rate. Its catch-up bursts and
-                    # the other senders' traffic leave such queues on loaded cores; cutting to what it managed to
-                    # send took rates to 0.6 of the link for seconds (lab, 4 daemons on 2 cores).
-                    congested = False
-                if congested and growth < -DRAINING:
-                    # A queue that drains while this sender sends at ``sent`` is not its uplink's overrun: the
-                    # path carries more than that. (Downlinks that two senders met at once, the rotations
-                    # drifted apart: in the lab, 4 peers at 50 Mbit/s, 29 of 71 queue cuts were on draining
-                    # queues, each a cut and a drain phase under a rate the link carried.)
-                    congested = False
-            if congested:
-                # The uplink's queue filled while the phase sent at ``sent``: no loss yet, and what the link
-                # carried is known (a standing queue that did not grow: ``sent`` was at most that).
-                reason = f"queue {1e3 * level:.1f} ms, growing {growth:.2f} s/s ({ph.kind} at {sent / 1e6:.2f} MB/s)"
-                delay_cut = measured
-        if reason and ph.kind == "drain":
-            # The probe before it filled the queue (or the overshoot before the last cut did): says nothing
-            # against btl. (A path too slow even for the drain rate congests the cruise phases after it.)
-            return Verdict("hold", "the probe's queue: " + reason, self.rate)
-        if reason and ph.start < self._quiet_until and (self.btl is None or sent < self.btl):
-            # Sent below the new estimate while the queue the last overshoot filled was still draining:
-            # its loss is that overshoot's, already acted on. (One sent at or above it says how far the
-            # overshoot really went: a phase the queue filled only late in understates it. What it sent counts,
-            # not its rate: a startup phase at 16 MB/s that sent 9.7 cut a btl of 10.2 to 7.4 in the lab.)
-            return Verdict("stale", "sent before the last decrease drained: " + reason, self.rate)
-        if reason:
-            # What the path delivered beyond its random loss (exact when the queue stayed full all phase; a
-            # phase it filled only late understates its loss: hence the margin).
-            # A sender short of CPU (it used under APP_LIMITED of its rate) sends in bursts at its paced rate:
-            # those overran the queue, so what they delivered is a share of that rate, not of the phase's
-            # average (which took btl to a fifth of the link in the lab, 2 loaded cores, 4 daemons).
-            base = ph.rate if sent < APP_LIMITED * ph.rate else sent
-            if delay_cut is not None:
-                delivered = delay_cut * DELAY_MARGIN
-            else:
-                delivered = base * (1.0 - loss) / max(1e-9, 1.0 - floor) * CUT_MARGIN
-            # (at most MAX_CUT in one step: a phase that lost nearly everything, as one a receiver's bogus
-            # or misaligned REPORT makes, would otherwise take the rate to the floor in one go)
-            delivered = min(self.max_rate, max(self.min_rate, MAX_CUT * base, delivered))
-            if self.btl is not None and delivered >= self.btl and ph.start < self._quiet_until:
-                # (a phase of the same overshoot, judged after the cut it caused: short startup phases at high
-                # rates are judged several at one REPORT, and this one says no lower)
-                return Verdict("hold", "the last decrease covers it: " + reason, self.rate)
-            self.btl = delivered if self.btl is None else min(self.btl, delivered)
-            if ph.kind == "probe" and delay_cut is None:
-                # A probe that overflowed says the queue was not empty, so the cruise rate under it was too
-                # high as well (what it delivered is no bound on that: a probe's gain is on top).
-                self.btl = max(self.min_rate, self.btl * PROBE_FAIL_CUT)
-            self._cycle_at = DRAIN
-            self._step = PROBE_STEP
-            self._clean_probes = 0
-            self._restart(now)
-            self._quiet_until = now + self._span(self.rate, self.phase_s)
-            if signal is not None:
-                # (the queue it found drains at the drain phase's margin under the link: no phase before it has
-                # had the time to is held against the new rate; also after an overflow, whose full queue a
-                # phase sent at 0.7 of the link still met and cut for, 0.6 of the link after it halved)
-                self._quiet_until += min(MAX_JUDGE_LAG_S, signal[0] / (1.0 - CYCLE[DRAIN]))
-            self.decreases += 1
-            return Verdict("decrease", reason, self.rate)
-        path_verdict = None
-        for dest in paths:
-            cap = self._caps.get(dest)
-            if dest in hot and self._hot.get(dest, 0) < PATH_PERSIST:
-                path_verdict = Verdict("hold", f"destination {dest!r} lossier than the rest", self.rate)
-            elif dest in hot:
-                path_loss, rate = hot[dest]
-                if cap is None:
-                    self._caps[dest] = _Cap(rate)
-                    while len(self._caps) > self.max_paths:
-                        self._caps.popitem(last=False)
-                else:
-                    cap.rate = min(cap.rate, rate)
-                    self._caps.move_to_end(dest)
-                self.decreases += 1
-                path_verdict = Verdict("decrease", f"destination {dest!r}: loss {path_loss:.3f} above its floor",
-                                       self.rate)
-            elif cap is not None:
-                cap.rate *= PATH_GROWTH
-                if cap.rate >= self.rate:
-                    del self._caps[dest]
-        if ph.start >= self._quiet_until:
-            # (a phase sent while the last overshoot's queue drained lost what that queue overflowed: as a floor
-            # it would hide the next overrun; after a cut on a link that had halved, such phases at a third of
-            # their data lost would pass for clean, no floor being known at their rate yet)
-            self._history.append(_Record(sent, ph.expected, ph.lost,
-                                         {d: v for d, v in paths.items() if d not in hot}))
-        if hot:  # (the aggregate floor keeps them: their loss is part of what this uplink's phases see)
-            return path_verdict
-        if sent < APP_LIMITED * ph.rate:
-            # (also a bursty sender held back by the rate in its bursts: raising its rate on that lets its bursts
-            # overrun a 20 ms queue, and its btl grow past the link on clean probes)
-            return Verdict("hold", f"sender used {sent / ph.rate:.2f} of its rate", self.rate)
-        if (startup or ph.kind == "probe") and ph.nbytes < PHASE_BYTES * (STARTUP_FILL if startup else 1.0):
-            # A part or two, measured up to its last send, is sent at a rate only for a moment a queue absorbs: it
-            # proves no headroom: doubling on single 64 KB parts takes 16 daemons on 2 cores to 5x the link. (In
-            # startup, where a phase at START_RATE holds PHASE_BYTES only if sent to the full, STARTUP_FILL of it:
-            # the first phases go out a few ms late and fall a little short.)
-            return Verdict("hold", f"too little sent to prove a rate ({ph.nbytes} bytes)", self.rate)
-        if startup:
-            if ph.rate < self.rate:  # an older level: the current one has not been judged yet
-                return Verdict("hold", "startup: an older rate", self.rate)
-            if signal is not None and signal[0] > Q_HIGH:
-                # (a deep queue that is not seen growing does not end startup, since a sample may sit a burst late,
-                # but it is no proof of headroom either: doubling on it took 16 daemons' rates to 5x the link)
-                return Verdict("hold", f"startup: queue {1e3 * signal[0]:.1f} ms at this rate", self.rate)
-            # (measured from its first part: the part before the doubling, reserved at half the rate, may take
-            # the phase's first ms; a 64 KB part at 2 MB/s is 32 ms)
-            began = max(ph.start, ph.first_at)
-            fill = min(ph.rate, self.sent_rate(began, ph.stop())) if ph.stop() - began > 0.5 * (ph.stop() - ph.start) \
-                else sent
-            # The queue may have hidden the first clean phase's overshoot, unless it was seen empty at its end.
-            flat = signal is not None and signal[0] <= Q_FLAT and (signal[1] is None or signal[1] <= FLAT_GROWTH)
-            if fill < HELD_BACK * ph.rate:
-                # It proved what it sent, not its rate (its CPU, or a socket the link pushed back on, held it):
-                # doubling on phases at 16 MB/s that sent 12 would take the lab's senders to 2.6x the link. Where
-                # its queue stayed empty, the path took all it sent with room to spare, and only the sender's CPU
-                # held it: after CPU_HELD such phases in a row the rate goes to twice the most they sent (never
-                # lower). Holding instead would keep 4 daemons on loopback under what their bursts can send, and
-                # their averages slower. (One such phase is often a part's timing at a low rate: a 64 KB
-                # part at 2 MB/s is 32 ms of a 50 ms phase.)
-                self._cpu_held = self._cpu_held + 1 if flat else 0
-                self._cpu_fill = max(self._cpu_fill, fill) if flat else 0.0
-                held = self._cpu_held >= (1 if ph.nbytes >= CPU_HELD_BYTES else CPU_HELD)
-                if held and STARTUP_GROWTH * self._cpu_fill > self.rate:
-                    return self._startup_raise(STARTUP_GROWTH * self._cpu_fill, now, "startup: its CPU held it")
-                return Verdict("hold", f"startup: sent {fill / ph.rate:.2f} of its rate", self.rate)
-            self._cpu_held, self._cpu_fill = 0, 0.0
-            self._clean_at_level += STARTUP_PHASES if flat else 1
-            if self._clean_at_level < STARTUP_PHASES:
-                return Verdict("hold", "startup: one clean phase at this rate", self.rate)
-            return self._startup_raise(self.rate * STARTUP_GROWTH, now, "startup: clean")
-        if ph.kind == "probe":
-            assert self.btl is not None
-            # A clean probe proved the rate it sent, no more: one that a loaded CPU held at or under btl raises
-            # nothing and does not count toward a restart (in the lab, 4 daemons on 2 cores, probes that sent
-            # 11.7 MB/s took btl to 12.3, above the link's 12.1, and the cruise after them queued until cut).
-            if sent <= self.btl * (1.0 + PROBE_STEP / 2):
-                # (nor one that sent a hair above it: a sender its CPU holds at some rate would creep up to it
-                # probe by probe, each counted clean, until startup restarted)
-                return Verdict("hold", f"probe sent {sent / 1e6:.2f} MB/s, not above btl", self.rate)
-            self.btl = min(self.max_rate, self.btl * (1.0 + self._step), sent)
-            self._clean_probes += 1
-            cap = MAX_PROBE_STEP if self._clean_probes < FAST_PROBES else MAX_FAST_STEP
-            self._step = min(cap, 2 * self._step)
-            self.increases += 1
-            if self._clean_probes >= RESTART_PROBES:
-                # Clean probe after clean probe: btl is far under the path (a false queue signal, such as a
-                # sender stalled a few ms, ended startup early, and probes of at most 10 % a cycle take seconds
-                # back to the link). Startup again from btl: it doubles only on clean phases and ends on the same
-                # queue and loss signals.
-                self._proven = max(self._proven, self.btl)
-                self.rate, self.btl = self.btl, None
-                self._clean_at_level = 0
-                self._clean_probes = 0
-                self._step = PROBE_STEP
-                self._restart(now)
-                return Verdict("increase", f"{RESTART_PROBES} clean probes in a row: startup again", self.rate)
-            return Verdict("increase", f"clean probe: btl {self.btl / 1e6:.2f} MB/s", self.rate)
-        return Verdict("hold", "clean", self.rate)
-
-    @staticmethod
-    def _late_levels(ph: _Phase) -> dict[Hashable, float]:
-        """Per destination, the least queueing delay sampled in the second half of the phase (or its last)."""
-        mid = (ph.start + (ph.end if ph.end is not None else ph.start)) / 2
-        out: dict[Hashable, tuple[float, float]] = {}  # dest -> (latest sample time before mid, level)
-        late: dict[Hashable, float] = {}
-        for t, q, dest in ph.queue:
-            if t >= mid:
-                late[dest] = min(late.get(dest, math.inf), q)
-            elif dest not in late and (dest not in out or t > out[dest][0]):
-                out[dest] = (t, q)
-        return {**{d: q for d, (_, q) in out.items()}, **late}
-
-    def _startup_raise(self, rate: float, now: float, reason: str) -> Verdict:
-        """Startup's step up from a proven rate (the current one) to ``rate``."""
-        self._clean_at_level = self._cpu_held = 0
-        self._cpu_fill = 0.0
-        self._proven = max(self._proven, self.rate)
-        if min(self.max_rate, rate) <= self.rate:
-            # (at max_rate: no new phase, which would be one more short one, its rate measured over a few parts)
-            return Verdict("hold", "startup: at the highest rate", self.rate)
-        self.rate = min(self.max_rate, rate)
-        self._restart(now)
-        self.increases += 1
-        return Verdict("increase", reason, self.rate)
-
-    def _queue_signal(self, ph: _Phase) -> tuple[float, float | None, float, float] | None:
-        """The uplink's queue over a phase from its REPORTs' queueing delays: (seconds queued at its end, growth
-        in seconds per second or None where no destination's samples span enough of it, when that level was
-        sent, the deepest destination's level), or None without samples. Every destination's datagrams cross the
-        uplink's queue, only one destination's its own downlink: so the uplink's is the least over destinations."""
-        if not ph.queue:
-            return None
-        by_dest: dict[Hashable, list[tuple[float, float]]] = {}
-        for t, q, dest in ph.queue:
-            by_dest.setdefault(dest, []).append((t, q))
-        span = Q_SPAN * ((ph.end if ph.end is not None else ph.start) - ph.start)
-        # Each sample may sit up to a burst's length late (the receiver reports wherever its top falls in a
-        # batch, placed at the pacer's guess of the link rate): the least samples of each half of the phase.
-        mid = (ph.start + (ph.end if ph.end is not None else ph.start)) / 2
-        level, at, growths, deepest = math.inf, ph.start, [], 0.0
-        for samples in by_dest.values():
-            samples.sort()
-            early = [s for s in samples if s[0] < mid] or samples[:1]
-            late = [s for s in samples if s[0] >= mid] or samples[-1:]
-            (t0, q0), (t1, q1) = min(early, key=lambda s: s[1]), min(late, key=lambda s: s[1])
-            deepest = max(deepest, q1)
-            if q1 < level:
-                level, at = q1, t1
-            if t1 - t0 > max(span, 1e-6):
-                growths.append((q1 - q0) / (t1 - t0))
-        return level, min(growths) if growths else None, at, deepest
-
-    def _path_congested(self, dest: Hashable, expected: int, lost: int, drops: int, sent: float, margin: float,
-                        z: float) -> tuple[float, float] | None:
-        """One destination's share of a phase: (its loss, what its path delivered, a little under) when it
-        is lossier than that destination's own floor or its receiver's kernel dropped; else None."""
-        loss = lost / expected
-        floor, floor_var, floor_n = self._floor(sent, dest)
-        if drops > KERNEL_DROPS * expected or (
-                floor_n > 0 and loss > floor + margin + z * math.sqrt(floor_var + _var(floor, expected))):
-            return loss, max(self.min_rate, sent * (1.0 - loss) / max(1e-9, 1.0 - floor) * CUT_MARGIN)
-        return None
-
-
-class _Frontier:
-    """How far one destination's REPORTs have covered this sender's sends without a gap: REPORTs may come out
-    of order (jitter) or not at all (they cross lossy links). A gap waits for its REPORT until the pending one
-    after it is older than the judging lag, then it is given up on."""
-
-    __slots__ = ("top", "pending")
-
-    def __init__(self) -> None:
-        self.top = -math.inf  # every send up to this time is covered
-        self.pending: list[tuple[float, float, float]] = []  # (first send, last send, arrival) beyond a gap
-
-    def add(self, span: tuple[float, float], first: bool, now: float, give_up_before: float) -> None:
-        """A REPORT covering sends from ``span[0]`` (the send before its first datagram's) to ``span[1]``;
-        ``first``: it starts a stream (a new average: nothing before it is missing)."""
-        if first:
-            self.top = max(self.top, span[1]) if span[0] <= self.top else span[1]
-            self.pending = [p for p in self.pending if p[1] > self.top]
-        elif span[1] > self.top:
-            self.pending.append((span[0], span[1], now))
-            if len(self.pending) > MAX_PENDING_REPORTS:
-                self.pending.sort()
-                first_pending = self.pending.pop(0)  # (the oldest gap is given up on)
-                self.top = max(self.top, first_pending[1])
-        pending = self.pending
-        while pending:
-            pending.sort()
-            a, b, at = pending[0]
-            if a <= self.top or at < give_up_before:
-                self.top = max(self.top, b)
-                pending.pop(0)
-            else:
-                break
-
-
-class SendPositions:
-    """When each datagram of one stream was sent, in checkpoints (one per batch): the driver records
-    ``(position after the batch, time, seconds per datagram)`` and looks up the send span of a report's
-    positions. A batch goes out as one burst and crosses the bottleneck at its rate (``per``: seconds per
-    datagram there, ``Pacer.spacing``), so a position inside one is placed that far after the batch's time:
-    what a burst queues behind itself is not the path's queue (transport.qdelay)."""
-
-    __slots__ = ("_ends", "_times", "_per")
-
-    def __init__(self) -> None:
-        self._ends: list[int] = []
-        self._times: list[float] = []
-        self._per: list[float] = []
-
-    def note(self, end: int, t: float, per: float = 0.0) -> None:
-        if self._ends and self._ends[-1] >= end:
-            return
-        self._ends.append(end)
-        self._times.append(t)
-        self._per.append(max(0.0, per))
-
-    def settle(self, end: int, t: float) -> None:
-        """The batch that ends at ``end`` really went out at ``t`` (a sender woken late sends after its time)."""
-        if self._ends and self._ends[-1] == end and t > self._times[-1]:
-            self._times[-1] = t
-
-    def time_of(self, position: int) -> float | None:
-        i = bisect.bisect_right(self._ends, position)
-        if i >= len(self._times):
-            return None
-        start = self._ends[i - 1] if i else 0
-        return self._times[i] + (position - start) * self._per[i]
-
-    def placed(self, position: int) -> float:
-        """How far into its batch ``time_of`` placed ``position`` (seconds; 0: the batch's own time)."""
-        i = bisect.bisect_right(self._ends, position)
-        if i >= len(self._times):
-            return 0.0
-        return (position - (self._ends[i - 1] if i else 0)) * self._per[i]
-
-    def span(self, first: int, last: int) -> tuple[float, float] | None:
-        a, b = self.time_of(first), self.time_of(last)
-        return None if a is None or b is None else (a, b)
-
-
-class DeliveryMeter:
-    """Receiver side: interval reports from one sender's cumulative counters.
-
-    ``sample(received, top, nbytes, first_at, last_at, kernel_drops, now, arrived)`` takes the cumulative data
-    datagrams received from the sender, one past the highest stream position that arrived, the bytes
-    received, when the first and the latest one arrived, the socket's cumulative kernel drop counter, and when
-    (unix seconds, the kernel's receive time where the socket gives it; 0: unknown) the datagram at ``top - 1``
-    arrived; it returns a Report once enough has happened since the last one, else None. ``final(total, ...)``
-    closes the stream: every position up to ``total`` counts as sent (``arrived``: of position ``total - 1``,
-    0 unless it arrived).
-    """
-
-    __slots__ = ("_received", "_top", "_bytes", "_drops", "_t", "_last_at", "interval_s", "min_datagrams")
-
-    def __init__(self, now: float, kernel_drops: int, *, interval_s: float = 0.025, min_datagrams: int = MIN_SAMPLE):
-        self._received = 0
-        self._top = 0
-        self._bytes = 0
-        self._drops = kernel_drops
-        self._t = now
-        self._last_at: float | None = None  # arrival of the last datagram counted so far
-        self.interval_s = interval_s
-        self.min_datagrams = min_datagrams
-
-    def sample(
-        self, received: int, top: int, nbytes: int, first_at: float, last_at: float, kernel_drops: int, now: float,
-        arrived: float = 0.0,
-    ) -> Report | None:
-        if self._last_at is None:  # the first report comes as soon as it means something: a sender that
-            if top < FIRST_REPORT:  # starts far above its path loses most of what it sends until then
-                return None
-        elif now - self._t < self.interval_s or top - self._top < self.min_datagrams:
-            return None
-        return self._take(received, top, nbytes, first_at, last_at, kernel_drops, now, arrived)
-
-    def final(
-        self, total: int, received: int, nbytes: int, first_at: float, last_at: float, kernel_drops: int, now: float,
-        arrived: float = 0.0,
-    ) -> Report | None:
-        """The rest of the stream up to ``total`` positions (a tail that never arrived counts as lost)."""
-        if total <= self._top and received <= self._received:
-            return None
-        return self._take(received, max(total, self._top), nbytes, first_at, last_at, kernel_drops, now, arrived)
-
-    def _take(
-        self, received: int, top: int, nbytes: int, first_at: float, last_at: float, kernel_drops: int, now: float,
-        arrived: float = 0.0,
-    ) -> Report:
-        # The arrival span runs from the last arrival already reported (the first report's from the first
-        # arrival), as the sender's span runs from the send of the position before the interval's first.
-        since = first_at if self._last_at is None else self._last_at
-        rep = Report(
-            expected=top - self._top,
-            received=received - self._received,
-            nbytes=nbytes - self._bytes,
-            seconds=max(0.0, last_at - since),
-            kernel_drops=max(0, kernel_drops - self._drops),
-            position=top,
-            arrived=arrived if arrived > 0 and math.isfinite(arrived) else 0.0,
-        )
-        self._received, self._top, self._bytes, self._drops, self._t = received, top, nbytes, kernel_drops, now
-        self._last_at = max(last_at, since)
-        return rep

@@ -1,7 +1,7 @@
 """The receive loop's junk-moderation pause, on a timerfd where it can be.
 
 Under a flood of junk the receive loop pauses a few milliseconds after each pass so that the next pass takes a
-batch (TransportCore.receive_pause). ``trio.sleep`` costs about 115 us of CPU per wakeup on these machines: most
+batch (ReceivePolicy.receive_pass). ``trio.sleep`` costs about 115 us of CPU per wakeup on these machines: most
 of it is the cancel scope behind it (a deadline, a Cancelled raised and caught, an Error outcome). Waiting for
 a timerfd armed for the pause is an ordinary readiness wait (about 65 us less per pass), and per pass is what
 the pause costs: at 40 datagrams a pass it is half of the outsider's CPU per datagram (`peerd bench soak`).

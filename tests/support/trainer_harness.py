@@ -13,24 +13,10 @@ import trio
 
 from peerd.localsock.server import LocalServer
 from peerd.metrics import Metrics
+from peerd.moshpit.service import RoundResult
 from peerd.trainer import TrainerService
 
 WINDOW_END = 1_900_000_000.0
-
-
-@dataclass
-class RoundResult:
-    vector: np.ndarray
-    outcome: str
-    group_id: str
-    group_size: int
-    members: list[str]
-    received_fraction: float
-    round: int
-    seconds: float
-    bytes_sent: int = 0
-    dims: int = 1
-    window_end: float = 0.0
 
 
 @dataclass

@@ -9,6 +9,7 @@ tbf's byte count (``tc -s``, payload plus IP, UDP and Ethernet headers) every se
 
 - ``upload_max_1s_mbit`` / ``download_max_1s_mbit``: the capped member's largest 1 s window in the capped direction,
   against ``cap_mbit``;
+- ``windows_mbit``: every window's rate in the capped direction, in order;
 - ``averages_complete``: every step of every trainer averaged with all members;
 - ``round_s``: the median step of the capped member's trainer (after ``--warmup`` steps);
 - ``round_bound_s``: the time the capped member's share needs at its cap: in a butterfly all-reduce each of n
@@ -96,18 +97,20 @@ class _Sampler:
         self._stop.set()
         self._thread.join()
 
-    def max_mbit(self) -> tuple[float, float]:
-        """The largest (upload, download) rate over consecutive samples' windows, Mbit/s."""
-        up = down = 0.0
+    def windows_mbit(self) -> list[tuple[float, float]]:
+        """(upload, download) over each window between consecutive samples, Mbit/s."""
+        out = []
         for (t0, u0, d0), (t1, u1, d1) in zip(self.samples, self.samples[1:], strict=False):
             dt = t1 - t0
             if dt > 0.5 * SAMPLE_S:
-                up, down = max(up, (u1 - u0) * 8 / dt / 1e6), max(down, (d1 - d0) * 8 / dt / 1e6)
-        return up, down
+                out.append(((u1 - u0) * 8 / dt / 1e6, (d1 - d0) * 8 / dt / 1e6))
+        return out
 
 
-def summarize(records: list[list[dict[str, Any]]], cfg: CapsBenchConfig, up: float, down: float,
+def summarize(records: list[list[dict[str, Any]]], cfg: CapsBenchConfig, windows: list[tuple[float, float]],
               node_caps: Any) -> dict[str, Any]:
+    up = max((w[0] for w in windows), default=0.0)
+    down = max((w[1] for w in windows), default=0.0)
     cap_mbit = cfg.cap_bps() / 1e6
     bound = transfer_seconds(cfg.params, cfg.peers, "fp32", cfg.cap_bps())
     mine = [r["seconds"] for r in records[CAPPED][cfg.warmup:]]
@@ -119,6 +122,7 @@ def summarize(records: list[list[dict[str, Any]]], cfg: CapsBenchConfig, up: flo
         "cap_mbit": round(cap_mbit, 3),
         "upload_max_1s_mbit": round(up, 3), "download_max_1s_mbit": round(down, 3),
         "max_1s_over_cap": round((up if cfg.direction == "upload" else down) / cap_mbit, 4),
+        "windows_mbit": [round(w[0 if cfg.direction == "upload" else 1], 2) for w in windows],
         "averages_complete": complete,
         "round_s": round(round_s, 4), "round_bound_s": round(bound, 4), "round_over_bound": round(round_s / bound, 4),
         "outcomes": sorted({r["outcome"] for rs in records for r in rs}),
@@ -171,8 +175,7 @@ def run_caps_bench(cfg: CapsBenchConfig, *, say: Any = print) -> dict[str, Any]:
     finally:
         lab.close()
         shutil.rmtree(workdir, ignore_errors=True)
-    up, down = sampler.max_mbit()
-    return summarize(records, cfg, up, down, node_caps)
+    return summarize(records, cfg, sampler.windows_mbit(), node_caps)
 
 
 def add_parser(bench: Any) -> None:

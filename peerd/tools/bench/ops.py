@@ -17,6 +17,7 @@ import trio
 
 from ...allreduce import group as _group
 from ...allreduce.arctopk import ArcTopKPlan, matrix_shapes, phase_totals, service_arc_topk
+from ...allreduce.options import AverageOptions
 from ...allreduce.robust import Robust, parse_robust
 from ...allreduce.service import AllreduceService, AverageResult, Member
 from ...compress import NAMES as CODEC_NAMES
@@ -199,8 +200,8 @@ class BenchOps:
         dropped0 = self._endpoint_drops()
         relayed0 = self._relayed()
         try:
-            result = await self.service.average(group, members, index, vector, weight, out=vector, robust=robust,
-                                                **coded)
+            result = await self.service.average(group, members, index, vector, weight,
+                                                AverageOptions(robust=robust, **coded), out=vector)
         except ValueError as e:
             raise OpError(str(e)) from None
         except TypeError as e:  # a daemon whose AllreduceService does not pass a codec through yet
@@ -258,7 +259,7 @@ class BenchOps:
     def _endpoint_drops(self) -> dict[str, float]:
         """The endpoint's datagrams_dropped counters by reason (injected loss, replay, auth, overload, ...): what
         never reached the group, so a bench can tell every datagram that went missing from silent loss."""
-        metrics = getattr(self.service, "metrics", None)
+        metrics = getattr(getattr(self.service, "inner", self.service), "metrics", None)  # (PathsFirst wraps it)
         counter = getattr(metrics, "datagrams_dropped", None)
         if counter is None:
             return {}
@@ -270,7 +271,7 @@ class BenchOps:
         return out
 
     def _relayed(self) -> int:
-        counts = getattr(getattr(self.service, "endpoint", None), "path_counts", None)
+        counts = getattr(getattr(getattr(self.service, "inner", self.service), "endpoint", None), "path_counts", None)
         return int(counts["relayed"][0]) if counts else 0
 
     async def _run_arc(self, group: int, members: list[Member], index: int, vector: np.ndarray, weight: float,
@@ -281,9 +282,9 @@ class BenchOps:
         drops0 = self.sock.kernel_drops
         cpu0 = time.process_time()
         try:
-            plan = ArcTopKPlan.build(shapes, len(members), ratio, self.service.host.max_body)
+            plan = ArcTopKPlan.build(shapes, len(members), ratio, self.service.max_body)
             res = await service_arc_topk(self.service, group, members, index, vector, weight, plan, run=run,
-                                         round=group, robust=robust)
+                                         round=group, options=AverageOptions(robust=robust))
         except ValueError as e:
             raise OpError(str(e)) from None
         done = time.time()

@@ -32,7 +32,7 @@ from ...allreduce.arctopk import phase_group_id
 from ...allreduce.frames import HEADER as BODY_HEADER
 from ...allreduce.frames import BodyType
 from ...dht.records import Record
-from ...statesync.service import Advert, ad_key
+from ...statesync.advert import Advert, ad_key
 from ...trainer.records import OuterRecord, record_key
 from ...wire import messages as m
 from ...wire.envelope import FLAG_SEALED, HEADER, MAGIC, VERSION

@@ -48,7 +48,7 @@ class SimNatNode:
 
     # -- sending ----------------------------------------------------------------------------------------
     def _send(self, addr: Address, msg: dict, size: int = SIZE) -> None:
-        self.reach.sent(addr, self.net.now)
+        self.reach.datagram_sent(addr, self.net.now)
         self.net.send(self.addr, addr, msg, size)
 
     def request(self, addr: Address, t: str, fields: dict, on_reply: Callable[[dict, Address], None],
@@ -97,12 +97,12 @@ class SimNatNode:
                 self.reached[sender] = src
                 self.reach.add_peer(sender, src)
                 self.relay.reached(sender, src, now)
-                self._do(self.puncher.pong(sender, src, now))
+                self._do(self.puncher.receive_pong(sender, src, now))
             entry[0](msg, src)
             return
         if t == "PING":
             if via is None and self.puncher.punching(sender):  # its punch got through: the path works
-                self._do(self.puncher.pong(sender, src, now))
+                self._do(self.puncher.receive_pong(sender, src, now))
             self._reply(src, msg, {}, via)
         elif t == "OBSERVE":
             self._reply(src, msg, {"seen": src}, via)
@@ -116,7 +116,7 @@ class SimNatNode:
             if sender in self.reached and self.limiter.allow(msg["target"][1][0], now):
                 self._send(msg["target"][1], {"t": "PROBE", "rid": 0, "from": self.node_id, "nonce": msg["nonce"]})
         elif t == "PROBE":
-            self.reach.probe_received(msg["nonce"], src, now)
+            self.reach.receive_probe(msg["nonce"], src, now)
         elif t == "INTRO":
             target = self.reached.get(msg["target"])
             if target is not None and msg["target"] != sender:
@@ -126,7 +126,7 @@ class SimNatNode:
             if sender in self.reached:  # only an introducer this node reached itself
                 peer_id, peer_addr = msg["peer"]
                 named = [self.named[peer_id]] if peer_id in self.named else []
-                self._do(self.puncher.connect(peer_id, peer_addr, now, named=named))
+                self._do(self.puncher.receive_connect(peer_id, peer_addr, named, now))
         elif t == "RELAY":
             where = self.relay.forward(sender, msg["to"], 2 * SIZE, now)
             if not isinstance(where, str):
@@ -145,9 +145,10 @@ class SimNatNode:
     # -- the cores' timers and actions ------------------------------------------------------------------
     def _kick(self) -> None:
         now = self.net.now
-        self._do(self.reach.poll(now))
-        self._do(self.puncher.poll(now))
-        wake = [w for w in (self.reach.wake_at(), self.puncher.wake_at()) if w is not None]
+        self.reach.handle_timer(now)
+        self.puncher.handle_timer(now)
+        self._do()
+        wake = [w for w in (self.reach.get_timer(), self.puncher.get_timer()) if w is not None]
         if self._timer is not None:
             self._timer.cancel()
         if wake:
@@ -157,25 +158,27 @@ class SimNatNode:
         self.reach.start(self.net.now)
         self._kick()
 
-    def _do(self, actions: list) -> None:
+    def _do(self, _: None = None) -> None:
+        """Carry out what the cores queued (the argument: the input call that queued it, for reading)."""
         now = self.net.now
-        for a in actions:
+        for a in [*self.reach.take_actions(), *self.puncher.take_actions()]:
             if isinstance(a, Observe):
                 nid = a.node_id
                 self.request(a.addr, "OBSERVE", {},
-                             lambda msg, src, nid=nid: self.reach.observed(nid, tuple(msg["seen"]), self.net.now),
-                             lambda nid=nid: self.reach.failed(nid, self.net.now))
+                             lambda msg, src, nid=nid: self.reach.receive_observed(nid, tuple(msg["seen"]),
+                                                                                   self.net.now),
+                             lambda nid=nid: self.reach.request_failed(nid, self.net.now))
             elif isinstance(a, AskProbe):
                 nid = a.node_id
                 self.request(a.addr, "REACH_PROBE", {"nonce": a.nonce, "avoid": a.avoid},
-                             lambda msg, src, nid=nid: self.reach.probe_asked(nid, msg["ok"], self.net.now),
-                             lambda nid=nid: self.reach.failed(nid, self.net.now))
+                             lambda msg, src, nid=nid: self.reach.receive_probe_asked(nid, msg["ok"], self.net.now),
+                             lambda nid=nid: self.reach.request_failed(nid, self.net.now))
             elif isinstance(a, Intro):
                 target = a.target
                 self.request(a.introducer, "INTRO", {"target": target},
-                             lambda msg, src, target=target: self._do(self.puncher.intro_answered(
+                             lambda msg, src, target=target: self._do(self.puncher.receive_intro(
                                  target, tuple(msg["peer"][1]) if msg["peer"] else None, self.net.now)),
-                             lambda target=target: self._do(self.puncher.intro_answered(target, None, self.net.now)))
+                             lambda target=target: self._do(self.puncher.receive_intro(target, None, self.net.now)))
             elif isinstance(a, Ping):
                 self.request(a.addr, "PING", {}, lambda msg, src: None)
             elif isinstance(a, Punched):
@@ -204,7 +207,7 @@ class SimNatNode:
 
         def punch() -> None:
             if peer not in self.kind:
-                self._do(self.puncher.want(peer, introducer[0], introducer[1], self.net.now, named=[addr]))
+                self._do(self.puncher.punch(peer, introducer[0], introducer[1], [addr], self.net.now))
 
         self.request(addr, "PING", {}, direct, punch)
         self._kick()

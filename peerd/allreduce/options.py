@@ -1,0 +1,91 @@
+"""The options of one group average, as one frozen object checked once where it is made, and the checks
+themselves (GroupAverage runs the same ones on its own arguments): what the host, the service and Moshpit pass
+down instead of a dozen keyword arguments each."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..compress import Codec
+from .kernels import F32_MAX
+from .robust import MODES as ROBUST_MODES
+from .robust import Robust
+
+DEFAULT_MAX_WEIGHT = float(2**24)  # samples: the cap on any member's weight unless the caller gives one
+_U64 = (1 << 64) - 1
+
+
+def check_max_weight(max_weight: float | None) -> float:
+    """The weight cap in samples (None: DEFAULT_MAX_WEIGHT); ValueError unless finite, > 0 and a float32."""
+    if max_weight is None:
+        return DEFAULT_MAX_WEIGHT
+    try:
+        cap = float(max_weight)
+    except (TypeError, ValueError):
+        raise ValueError(f"max_weight must be a number (samples), got {max_weight!r}") from None
+    if not (math.isfinite(cap) and 0 < cap <= F32_MAX and np.float32(cap) > 0):
+        raise ValueError(f"max_weight must be finite and > 0 (the most samples a member may claim), got {cap!r}")
+    return cap
+
+
+def check_robust(robust: Robust | None) -> None:
+    if robust is not None and (not isinstance(robust, Robust) or robust.mode not in ROBUST_MODES
+                               or not (math.isfinite(robust.c) and robust.c > 0)):
+        raise ValueError(f"robust must be None or a Robust (parse_robust: clip[:C], centered[:C]), got {robust!r}")
+
+
+def check_timing(floor_s: float, max_phase_s: float | None, end_grace_s: float = 0.0) -> None:
+    if not (math.isfinite(floor_s) and floor_s >= 0):
+        raise ValueError(f"floor_s must be finite and >= 0, got {floor_s!r}")
+    if max_phase_s is not None and not max_phase_s > 0:
+        raise ValueError(f"max_phase_s must be > 0 or None, got {max_phase_s!r}")
+    if not (math.isfinite(end_grace_s) and end_grace_s >= 0):
+        raise ValueError(f"end_grace_s must be finite and >= 0, got {end_grace_s!r}")
+
+
+def check_codec(codec: Codec | None, run: int) -> None:
+    if codec is not None and not isinstance(codec, Codec):
+        raise ValueError(f"codec must be a peerd.compress body codec (compress.codec(name)), got {codec!r}")
+    if type(run) is not int or not 0 <= run <= _U64:
+        raise ValueError(f"run must be a u64 (the run's rounding key), got {run!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class AverageOptions:
+    """How one group average runs (the per-call arrays, ``out`` and ``center``, travel beside it).
+
+    ``floor_s``, ``max_phase_s``, ``end_grace_s``: the phase deadline's floor, cap (None: none) and the grace
+    after an END that overtook data. ``max_weight``: the most samples any member's weight counts for (None:
+    2**24). ``robust``: norm clipping at the shard owner (robust.py). ``codec``: the run's body codec
+    (peerd.compress; None: fp32), the same for every member; ``run``: the u64 key of its rounding draws.
+    ``absent``: members (indices) not waited for and sent nothing. ``solo``: each owner's result for its shard
+    is its own values alone (a broadcast per owner: arc-topk's selections)."""
+
+    floor_s: float = 1.0
+    max_phase_s: float | None = 60.0
+    end_grace_s: float = 0.05
+    max_weight: float | None = None
+    robust: Robust | None = None
+    codec: Codec | None = None
+    run: int = 0
+    absent: tuple[int, ...] = ()
+    solo: bool = False
+
+    def __post_init__(self) -> None:
+        check_timing(self.floor_s, self.max_phase_s, self.end_grace_s)
+        if self.max_weight is not None:
+            check_max_weight(self.max_weight)
+        check_robust(self.robust)
+        check_codec(self.codec, self.run)
+        absent = tuple(self.absent)
+        if any(type(a) is not int or a < 0 for a in absent):
+            raise ValueError(f"absent must be member indices (ints >= 0), got {self.absent!r}")
+        object.__setattr__(self, "absent", absent)
+        if type(self.solo) is not bool:
+            raise ValueError(f"solo must be a bool, got {self.solo!r}")
+
+
+DEFAULT_OPTIONS = AverageOptions()

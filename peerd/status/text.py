@@ -1,0 +1,102 @@
+"""``peerd status`` as text: the node's summary and its per-peer table, one line a peer (stdlib only: the CLI
+imports it without numpy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Drops that mean a misconfigured node, not noise: the node that sent them only sees timeouts, so say it here.
+DROP_HINTS = {
+    "auth": "datagrams that do not open with this swarm's key: a node with another --swarm-key-file "
+            "(or --insecure) is trying to join",
+    "self": "datagrams signed with this node's own identity: another node runs with the same --identity "
+            "(give each node its own 'peerd keygen' file)",
+}
+
+COLUMNS = ("PEER", "PATH", "RTT ms", "P99 ms", "LOSS out/in", "SEND", "RECV", "GOODPUT out/in", "AVG MB", "DHT kB",
+           "HEARD", "STATE")
+
+
+def rate(bps: float | None) -> str:
+    """Bytes per second as bits per second, short."""
+    if bps is None:
+        return "-"
+    bits = bps * 8
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:.1f}{unit}"
+    return f"{bits:.0f}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else (f"{x:.1f}" if x < 100 else f"{x:.0f}")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def peer_rows(peers: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    rows = []
+    for p in peers:
+        path = p.get("path", "?")
+        if path == "relayed" and p.get("via"):
+            path = f"relay:{p['via'][:8]}"
+        sent, received = p.get("sent_bytes") or {}, p.get("received_bytes") or {}
+        avg = (sent.get("averaging", 0) + received.get("averaging", 0)) / 1e6
+        dht = (sent.get("dht", 0) + received.get("dht", 0)) / 1e3
+        heard = p.get("last_heard_s")
+        rows.append((
+            p.get("peer", "")[:16], path, _ms(p.get("rtt_ms")), _ms(p.get("rtt_p99_ms")),
+            f"{_pct(p.get('loss_out'))}/{_pct(p.get('loss_in'))}", rate(p.get("send_bps")), rate(p.get("recv_bps")),
+            f"{rate(p.get('goodput_out_bps'))}/{rate(p.get('goodput_in_bps'))}", f"{avg:.1f}", f"{dht:.1f}",
+            "-" if heard is None else f"{heard:.0f}s", p.get("verdict", "?"),
+        ))
+    return rows
+
+
+def peer_table(peers: list[dict[str, Any]]) -> list[str]:
+    """The per-peer table, busiest first (the daemon's order), aligned."""
+    rows = [COLUMNS, *peer_rows(peers)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def summary(reply: dict[str, Any]) -> list[str]:
+    """The node's identity and swarm view, as ``peerd status`` has always printed it."""
+    dropped = reply.get("datagrams_dropped") or {}
+    lines = [
+        f"peer id    {reply['peer_id']}",
+        f"listening  {reply['listen']} (UDP){'  INSECURE' if reply.get('insecure') else ''}",
+        f"swarm      {reply['peers']} peers in the routing table, "
+        f"{'joined' if reply.get('joined') else 'still joining'}",
+        f"records    {reply.get('records', 0)} held for the DHT",
+        f"uptime     {reply['uptime_s']:.0f} s",
+    ]
+    if dropped:
+        lines.append("dropped    " + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
+        for reason, why in DROP_HINTS.items():
+            if dropped.get(reason):
+                lines.append(f"           {reason}: {why}")
+    return lines
+
+
+def network(view: dict[str, Any]) -> list[str]:
+    """This node's link use, the swarm-level fractions, and the per-peer table."""
+    lines = [f"link       up {rate(view.get('send_bps'))}bit/s, down {rate(view.get('recv_bps'))}bit/s (no cap); "
+             f"relayed {_pct(view.get('relayed_fraction'))} of bytes; averages received "
+             f"{_pct(view.get('averages_received_fraction'))}; network share of steps "
+             f"{_pct(view.get('step_network_share'))}"]
+    peers = view.get("peers") or []
+    if not peers:
+        return [*lines, "peers      none exchanged data yet"]
+    more = view.get("tracked", len(peers)) - len(peers)
+    return [*lines, "", *peer_table(peers), *([f"... and {more} more"] if more > 0 else [])]
+
+
+def render(reply: dict[str, Any]) -> str:
+    out = summary(reply)
+    view = reply.get("peer_view")
+    if view:
+        out += network(view)
+    return "\n".join(out)

@@ -1,0 +1,231 @@
+"""DiLoCo's outer step on the daemon (``trainer_outer``): the pseudo-gradient's Moshpit rounds, then the agreement.
+
+peerd.torch.DiLoCo writes its pseudo-gradient into the session's slot; the daemon averages it through as many
+Moshpit rounds as the run's grid has dimensions, then runs the outer agreement (peerd.trainer.outer) so that
+every member of the swarm holds the same bytes, or answers an error that says why: the trainer must not apply
+an average that did not agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import trio
+
+from ..allreduce.robust import MAX_C, Robust
+from ..localsock.arena import ArenaError
+from ..localsock.server import Connection, OpError
+from ..metrics import Metrics
+from ..moshpit.records import MAX_ROUND, finished_since, progress_key
+from ..moshpit.service import RoundResult, all_finite
+from .inbox import OuterInbox
+from .outer import DhtBoard, OuterError, agree
+from .records import MAX_GROUP, store_key
+from .session import Average, Session, codec_keywords, node_ids, round_phases, take_slot
+
+log = logging.getLogger("peerd.trainer")
+
+OUTER_ROUNDS = 4  # Moshpit rounds an outer step may take (grid dimensions: 16**4 peers in groups of 16)
+OUTER_ROUND_LIMIT = (MAX_ROUND + 1) // OUTER_ROUNDS  # outer rounds numbered below this fit Moshpit's rounds
+OUTER_KEPT_ROUNDS = 3  # outer rounds whose blobs a daemon keeps (up to 3 vectors each) for members still repairing
+STEP_PEERS_READ_S = 2.0  # the read of who took part in an outer step waits this long at most
+
+
+class OuterSteps:
+    """The ``trainer_outer`` op for the sessions of a TrainerService: ``average`` is Moshpit's, ``statesync``
+    and ``inbox`` carry the agreement's blobs and pushed records, ``report`` takes what a request reports."""
+
+    def __init__(self, metrics: Metrics, average: Average, statesync: Any, inbox: OuterInbox, peer_id: str,
+                 report: Callable[[dict[str, Any], Session], None]) -> None:
+        self.metrics = metrics
+        self.average = average
+        self.statesync = statesync
+        self.inbox = inbox
+        self.peer_id = peer_id
+        self.report = report
+        self.background: trio.Nursery | None = None  # where records are still put after a step answered (run)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery that outer steps leave their last DHT put in (a trainer need not wait for it)."""
+        async with trio.open_nursery() as nursery:
+            self.background = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self.background = None
+
+    async def step(self, session: Session, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        """A DiLoCo outer average (peerd.torch.DiLoCo): average the pseudo-gradient in the slot's first
+        ``length`` elements through Moshpit round ``round`` (every member numbers it alike: its step), then
+        make every member hold the same bytes (outer.py: shards repaired from their owners, one final hash
+        across the swarm) and write that into the slot. ``state``: the SHA-256 of the trainer's outer state
+        before the step, published beside the average so members see whether they started alike.
+        An average that cannot agree is an OpError that says so: the trainer must not apply it."""
+        step, timeout, length = req.get("step"), req.get("timeout_s", 60.0), req.get("length")
+        round_no, state = req.get("round"), req.get("state", b"")
+        if type(step) is not int or step < 0 or step <= session.latest:
+            raise OpError(f"step must be an integer after the session's latest step {session.latest}")
+        if type(round_no) is not int or not 0 <= round_no < OUTER_ROUND_LIMIT:
+            raise OpError(f"round must be an integer in [0, {OUTER_ROUND_LIMIT}) (the trainer's step of the outer "
+                          f"sync)")
+        if type(length) is not int or not 1 <= length <= session.elems:
+            raise OpError(f"length must be an integer in [1, {session.elems}] (elements of the fragment)")
+        if not isinstance(timeout, int | float) or not 1 <= timeout <= 3600:
+            raise OpError("timeout_s must be in [1, 3600]")
+        if not isinstance(state, bytes) or len(state) not in (0, 32):
+            raise OpError("state must be the 32-byte SHA-256 of the trainer's outer state (or empty)")
+        session.latest = step
+        self.report(req, session)
+        try:
+            weight = session.arena.check_request(step)
+        except ArenaError as e:
+            raise OpError(str(e)) from None
+        vector, finite = await take_slot(session.arena.vector(step)[:length])
+        if not finite:
+            raise OpError(f"step {step}: the pseudo-gradient holds NaN or infinity; not averaging it with the swarm")
+        start = time.monotonic()
+        result, out, outcome, rounds, seen = await self._outer_rounds(session, vector, float(weight), round_no,
+                                                                      timeout)
+        average_s = time.monotonic() - start
+        phases = {k: v for k, v in round_phases(result, copy_in=0.0, round_s=average_s, copy_out=0.0).items()
+                  if k in ("matchmaking", "members", "transfer")}  # the rounds' own split (the last round's)
+        log.info("session %d outer round %d: averaged in %.3f s (matchmaking %.3f, transfer %.3f)", session.id,
+                 round_no, average_s, phases["matchmaking"], phases["transfer"])
+        group = result.group_id if outcome == "averaged" else ""
+        members = list(result.members) if group and result is not None else []
+        me = self.peer_id
+        index = members.index(me) if me in members else 0
+        if group and me not in members:
+            group = ""  # (an averager that names members otherwise, e.g. in tests): treat as alone
+        reply: dict[str, Any] = {"step": step, "outcome": outcome, "group_size": len(members) or 1,
+                                 "round": round_no, "rounds": rounds,
+                                 "received_fraction": float(result.received_fraction) if result else 0.0}
+        if self.statesync is not None and getattr(self.statesync, "dht", None) is not None:  # a swarm to agree with
+            board = DhtBoard(self.statesync, session.run_key, round_no, inbox=self.inbox, peers=seen)
+            run_id, first = session.average_id("outer"), round_no * OUTER_ROUNDS
+
+            async def refresh() -> frozenset[bytes]:
+                return await self._step_peers(run_id, first)
+
+            try:  # the run's progress (who took part) is read while the repair runs: refresh_first
+                expect = min(MAX_GROUP, max(1, int(result.seen) if result is not None else 1))
+                agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
+                                        state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
+                                        addr=board.addr, members=[bytes.fromhex(h) for h in members] if group else None,
+                                        expect=expect, participants=seen, refresh=refresh, refresh_first=True,
+                                        background=self.background)
+            except OuterError as e:
+                raise OpError(f"outer round {round_no}: {e}") from None
+            finally:
+                self._forget_outer(session, round_no)
+            out = agreement.vector
+            reply.update(sha=agreement.final, repaired_bytes=agreement.repaired_bytes,
+                         adopted_bytes=agreement.adopted_bytes, adopted=agreement.adopted,
+                         agreed_members=agreement.members, dissent=agreement.dissent, state_agreed=agreement.states,
+                         state_winner=agreement.state_winner, ignored_records=agreement.ignored,
+                         pushed_records=agreement.pushed, record_reads=agreement.reads)
+            phases.update({k: round(v, 6) for k, v in agreement.phases.items()})
+        else:  # no swarm to agree with (an in-process daemon in tests): the average is what it is
+            reply.update(sha=hashlib.sha256(out.tobytes()).digest(), repaired_bytes=0, adopted_bytes=0,
+                         adopted=False, agreed_members=1, state_agreed=1, state_winner=state)
+        if not all_finite(out):
+            raise OpError(f"outer round {round_no}: the agreed average holds NaN or infinity; not applied")
+        reply["seconds"] = round(time.monotonic() - start, 6)
+        reply["phases"] = phases
+        self.metrics.trainer_steps.labels("outer_" + outcome).inc()
+        if session.closed or conn.closed:
+            return {}
+        if session.latest != step:
+            raise OpError(f"step {step}'s result came after step {session.latest} was requested; dropped")
+        full = session.arena.vector(step).copy()
+        full[:length] = out
+        session.arena.write_result(step, full)
+        session.steps += 1
+        session.last = reply
+        return reply
+
+    async def _outer_rounds(self, session: Session, vector: np.ndarray, weight: float, round_no: int,
+                            timeout: float) -> tuple[RoundResult | None, np.ndarray, str, int, frozenset[bytes]]:
+        """The outer step's Moshpit rounds: as many as the run's grid has dimensions (the first round says),
+        so that on a full grid every member's pseudo-gradient reaches every other's (more than one group:
+        a swarm larger than the largest group). Round d of outer round r is Moshpit round
+        r * OUTER_ROUNDS + d; each averages the last one's result, weighted by the weight it stands for, and
+        its matchmaking window is chained to the last one's (``chain_from``: a member alone in round d, which
+        waited out its whole window, still meets the members that averaged at once in round d + 1).
+        Returns (the last round's result or None, the vector, its outcome, rounds run, the node ids of every
+        group this member averaged with: the agreement's known participants). A round that fails leaves the
+        vector as it was; the agreement gives this member the swarm's. The session's ``robust`` applies to every
+        round as ``clip`` around zero (a pseudo-gradient, like a gradient, has no center of its own)."""
+        codec = codec_keywords(session, "outer", vector.size)
+        # without the session's robust, the weight bound alone (clipping only past MAX_C times the median): a
+        # member's claimed weight counts for at most WEIGHT_BOUND typical ones, and equal honest weights are
+        # never bounded; outer steps are rare (every H inner steps), so the owner's staging costs little here
+        robust = Robust("clip", MAX_C if session.robust is None else session.robust.c)
+        seen: set[bytes] = set()
+        cap = session.max_samples
+        out, outcome, result, dims, rounds = vector, "failed", None, 1, 0
+        window_end = 0.0  # the last round's matchmaking window: the next one ends a window after it
+        while rounds < dims:
+            extra: dict[str, Any] = {"round_no": round_no * OUTER_ROUNDS + rounds, **codec}
+            if cap is not None:
+                extra["max_weight"] = cap
+            extra["robust"] = robust
+            if window_end > 0:
+                extra["chain_from"] = window_end
+            try:
+                with trio.fail_after(timeout + 10.0):
+                    got = await self.average(session.average_id("outer"), out, weight, timeout_s=timeout, **extra)
+                averaged = np.asarray(got.vector, dtype=np.float32)
+                if averaged.shape != vector.shape or (got.outcome != "failed" and not all_finite(averaged)):
+                    self.metrics.contributions_refused.labels("nonfinite_result").inc()
+                    raise ValueError("the average is not a finite vector of the pseudo-gradient's shape")
+            except Exception as e:  # this member keeps what it holds; the agreement gives it the swarm's
+                log.warning("session %d outer round %d.%d: averaging failed: %s", session.id, round_no, rounds, e)
+                result, outcome = None, "failed"
+            else:
+                result, outcome, out = got, got.outcome, averaged
+                if outcome == "averaged":
+                    seen.update(node_ids(got.members))
+                window_end = float(got.window_end or 0.0)
+                if rounds == 0:
+                    dims = min(OUTER_ROUNDS, max(1, int(got.dims)))
+                total = float(got.weight_total)
+                if outcome == "averaged" and math.isfinite(total) and total > 0:
+                    weight = total  # the next axis averages group averages: each weighs what it stands for
+                    cap = None if cap is None else cap * int(got.group_size)
+            rounds += 1
+        return result, out, outcome, rounds, frozenset(seen)
+
+    async def _step_peers(self, run_id: str, first_round: int) -> frozenset[bytes]:
+        """The members that took part in this outer step: the run's progress records that finished one of
+        its rounds (``first_round`` on). Only their records (and those of this member's groups) count in the
+        agreement, and it waits for that many finals (until half its deadline):
+        with only the last group's size, a group that finished first agreed within itself and left, and the
+        other group, tied two finals to two, waited out its deadline for a majority that could not come."""
+        dht = getattr(self.statesync, "dht", None)
+        if dht is None:
+            return frozenset()
+        records: list = []
+        try:
+            with trio.move_on_after(STEP_PEERS_READ_S):
+                records = await dht.get(progress_key(run_id))
+        except Exception as e:  # the agreement still runs on what it reads
+            log.info("outer step: reading the run's progress failed: %s", e)
+        return finished_since(records, first_round)
+
+    def _forget_outer(self, session: Session, round_no: int) -> None:
+        """Keep the blobs of the last OUTER_KEPT_ROUNDS outer rounds (others may still repair from them)."""
+        if round_no not in session.outer_rounds:
+            session.outer_rounds.append(round_no)
+        while len(session.outer_rounds) > OUTER_KEPT_ROUNDS:
+            old = session.outer_rounds.pop(0)
+            self.inbox.forget(session.run_key, old)
+            if self.statesync is not None:
+                self.statesync.forget(store_key(session.run_key, old))
