@@ -328,7 +328,7 @@ class Daemon:
         node = {"peer_id": self.identity.node_id.hex(), "listen": format_hostport(*self.listen),
                 "peers": self.dht.peer_count(), "uptime_s": round(time.monotonic() - self.started, 1),
                 "reachability": nat_view(self.nat).reachability, "version": __version__}
-        self.page.update({"node": node, "peer_view": view_json(self.peers.table.statistics(), swarm_view(self.metrics)),
+        self.page.update({"node": node, "peer_view": view_json(self.peers.statistics(), swarm_view(self.metrics)),
                           "link": self._link_view(), "trainers": trainers},
                          dataclasses.asdict(self.moshpit.statistics())["runs"])
 
@@ -366,7 +366,7 @@ class Daemon:
             # each session's latest step by phase, codec and auto choice
             "trainers": [{k: v for k, v in dataclasses.asdict(s).items() if k != "auto" or v}
                          for s in self.trainer.statistics().sessions],
-            "peer_view": view_json(self.peers.table.statistics(), swarm_view(self.metrics)),  # peerd/peers/report.py
+            "peer_view": view_json(self.peers.statistics(), swarm_view(self.metrics)),  # peerd/peers/report.py
             "caps": None if self.linkcap is None else dataclasses.asdict(self.linkcap.statistics()),
             **dataclasses.asdict(self.nat.statistics()),  # reachability, observed_addr, peers_known, paths, ...
         }

@@ -497,6 +497,34 @@ def record_vectors() -> dict:
     }
 
 
+def announce_vectors() -> dict:
+    """Matchmaking record values (section 16.1): written by hand here from the text, decoded by peerd in the tests."""
+    ip4, ip6 = ipaddress.ip_address("192.0.2.10").packed, ipaddress.ip_address("2001:db8::7").packed
+    good = [
+        ("no verdict, no caps", [1700000000.5, ip4, 7400], 2, None),
+        ("public", [1700000000.5, ip4, 7400, 0], 0, None),
+        ("ipv6, symmetric NAT", [1700000000.5, ip6, 7400, 3], 3, None),
+        ("upload cap 2.5 MB/s, reach unknown written out", [1700000000.5, ip4, 7400, 2, [2500000, 0]], 2,
+         [2500000, 0]),
+        ("both caps, cone NAT", [1700000000.5, ip4, 7400, 1, [2500000, 6250000]], 1, [2500000, 6250000]),
+    ]
+    bad = [
+        ("cap without two elements", [1700000000.5, ip4, 7400, 2, [2500000]]),
+        ("negative cap", [1700000000.5, ip4, 7400, 2, [-1, 0]]),
+        ("cap above 2**40", [1700000000.5, ip4, 7400, 2, [0, 2**40 + 1]]),
+        ("float cap", [1700000000.5, ip4, 7400, 2, [2.5e6, 0]]),
+        ("six elements", [1700000000.5, ip4, 7400, 2, [1, 1], 0]),
+        ("reach out of range", [1700000000.5, ip4, 7400, 4]),
+    ]
+    return {
+        "description": "Matchmaking record values: msgpack [expiry: float64, ip: bin[4|16], port, reach?, "
+        "cap?: [up, down]]; reach absent = 2 (unknown); cap rates in bytes/s on the wire, 0 = none, at most 2**40.",
+        "good": [{"name": n, "value": hx(msgpack.packb(v, use_bin_type=True)), "reach": r, "cap": c}
+                 for n, v, r, c in good],
+        "malformed": [{"name": n, "value": hx(msgpack.packb(v, use_bin_type=True))} for n, v in bad],
+    }
+
+
 def message_vectors() -> dict:
     sealer = Sealer(SWARM_SECRET, token=TOKEN)
     out = []
@@ -846,6 +874,7 @@ GENERATORS = {
     "kdf.json": kdf_vectors,
     "identity.json": identity_vectors,
     "records.json": record_vectors,
+    "announce.json": announce_vectors,
     "messages.json": message_vectors,
     "insecure.json": insecure_vectors,
     "replay.json": replay_vectors,

@@ -26,10 +26,7 @@ from peerd.torch import DiLoCo  # noqa: E402
 from peerd.torch.diloco import due_fragments, fragment_bounds, nesterov_outer  # noqa: E402
 from peerd.trainer.outer import DhtBoard, OuterError, agree  # noqa: E402
 from peerd.trainer.outer_step import OUTER_ROUNDS  # noqa: E402
-from peerd.trainer.records import (  # noqa: E402
-    OuterRecord,
-    winner,
-)
+from peerd.trainer.records import OuterRecord, winner  # noqa: E402
 
 from .support.diloco import _lossy_copies, _swarm, batch, flat, model, replay  # noqa: E402
 from .support.trainer_harness import WINDOW_END, InProcessAverager, ThreadDaemon  # noqa: E402

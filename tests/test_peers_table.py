@@ -73,6 +73,8 @@ def test_relayed_paths_name_the_relay_and_count_toward_the_relayed_fraction() ->
     assert by[A.hex()].path == "relayed" and by[A.hex()].via == R.hex() and by[B.hex()].path == "punched"
     assert stats.relayed_bytes == 1000 and stats.sent_bytes == 4000
     assert view_json(stats, _swarm())["relayed_fraction"] == 0.25
+    t.receive_sent(A, "h:1", DATA, 1000, None, 1.0)  # the relay is gone: sent straight to it
+    assert {p.peer: p for p in t.statistics().peers}[A.hex()].path == "direct"
 
 
 def test_memory_is_bounded_and_the_least_recent_peer_goes_first() -> None:
@@ -173,10 +175,13 @@ def test_the_feed_resolves_addresses_and_reads_reports_both_ways() -> None:
         feed.unanswered(("127.0.0.1", 7), 0.0)
 
     trio.run(main)
-    stats = feed.table.statistics()
+    stats = feed.statistics()
     p = stats.peers[0]
     assert stats.tracked == 1 and stats.unattributed_bytes == 60
     assert p.loss_out == pytest.approx(0.2) and p.loss_in == 0.0 and p.rtt_s == 0.004 and p.addr == "127.0.0.1:5"
+    feed.received(("127.0.0.1", 5), A, 0x41, 1000, False, 2.0)  # summed in the feed until a tick or statistics()
+    assert feed.table.statistics().peers[0].received_bytes["averaging"] == 80  # (the REPORT)
+    assert feed.statistics().peers[0].received_bytes["averaging"] == 1080
 
 
 def test_nat_view_reads_either_shape_and_never_raises() -> None:
@@ -201,3 +206,16 @@ def test_nat_view_reads_either_shape_and_never_raises() -> None:
     assert nat_view(New()).paths == {A: "punched"} and nat_view(New()).reachability == "cone-nat"
     assert nat_view(Old()).paths == {B: "relayed"} and nat_view(Old()).observed_addr is None
     assert nat_view(Broken()).reachability == "unknown" and nat_view(object()).paths == {}
+
+
+def test_a_member_with_thousands_of_identities_cannot_grow_the_view_hostile() -> None:
+    from peerd.peers.feed import MAX_PENDING
+
+    feed = PeerFeed(_Endpoint(), Metrics(), table=PeerTable(capacity=64))
+    for i in range(20_000):
+        feed.received(("10.0.0.1", 1000 + i % 50_000), i.to_bytes(32, "big"), DATA, 1200, False, i / 1000)
+        assert len(feed._pending_in) <= MAX_PENDING
+    stats = feed.statistics()
+    assert stats.tracked == 64 and stats.evicted == 20_000 - 64 and stats.received_bytes == 20_000 * 1200
+    feed.tick(30.0)
+    assert len(_samples(feed.metrics, "peerd_peer_receive_bytes_per_second")) <= TOP_PEERS + 1

@@ -168,6 +168,6 @@ def test_status_page_in_a_real_browser_shows_every_section(averaged, tmp_path) -
     assert statuses[1]["peer_id"][:16] in dom and "no cap" in dom and "reachable" in dom
     shot = os.environ.get("PEERD_STATUS_SCREENSHOT")  # where a person wants the picture (docs/status-page.png)
     if shot:
-        subprocess.run([*flags, "--window-size=1100,760", "--hide-scrollbars", f"--screenshot={shot}", url],
+        subprocess.run([*flags, "--window-size=1100,1080", "--hide-scrollbars", f"--screenshot={shot}", url],
                        capture_output=True, timeout=120, check=True)
         assert Path(shot).stat().st_size > 10_000

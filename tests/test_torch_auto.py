@@ -2,7 +2,15 @@
 
 import pytest
 
-from peerd.torch.auto import INT8_SHARE, MIN_INT8_PARAMS, Measured, choose, fp32_transfer_s
+from peerd.torch.auto import (
+    INT8_SHARE,
+    MIN_INT8_PARAMS,
+    PERIOD_LADDER,
+    Measured,
+    applied_period,
+    choose,
+    fp32_transfer_s,
+)
 
 GPT = 842_496  # peerd demo --model gpt's parameters
 
@@ -66,6 +74,18 @@ def test_bucket_follows_the_round_trip():
     assert far.bucket_mb == 25.0
 
 
+def test_applied_period_is_on_the_ladder_and_only_when_rounds_were_clean():
+    dear = choose(Measured(10e6, None, 1e-4, GPT, 4))  # int8 steps of almost no compute: the rule asks for 40
+    assert applied_period(dear, clean=True)[0] == 40 and "costs no accuracy" in applied_period(dear, clean=True)[1]
+    assert applied_period(dear, clean=False) == (10, applied_period(dear, clean=False)[1])
+    assert "drift" in applied_period(dear, clean=False)[1]
+    for every, k in ((10, 10), (19, 10), (20, 20), (39, 20), (40, 40), (50, 40)):
+        c = choose(Measured(100e6, None, 0.3, GPT, 4))
+        c = type(c)(c.compression, every, c.bucket_mb, c.reason, c.fp32_transfer_s, c.reasons)
+        assert applied_period(c, clean=True)[0] == k
+    assert all(b % a == 0 for a, b in zip(PERIOD_LADDER[:-1], PERIOD_LADDER[1:], strict=True))  # they still meet
+
+
 def test_bad_sizes_refused():
     with pytest.raises(ValueError):
         choose(Measured(100e6, None, 0.3, 0, 4))
@@ -73,7 +93,7 @@ def test_bad_sizes_refused():
 
 # -- wired into peerd.torch.Optimizer (an in-process daemon: real socket, arena and TrainerService) -------------
 
-def _replicas(tmp_path, delay_s: float, compute_s: float, steps: int = 8):
+def _replicas(tmp_path, delay_s: float, compute_s: float, steps: int = 8, every: int | str = 0):
     """Two replicas of a 262,656-parameter model with compression="auto" (the default) train ``steps`` steps
     against rounds that take ``delay_s`` and compute that takes ``compute_s``; their replies and models."""
     import threading
@@ -92,7 +112,7 @@ def _replicas(tmp_path, delay_s: float, compute_s: float, steps: int = 8):
             torch.manual_seed(0)
             models.append(torch.nn.Linear(512, 512))
         opts = [Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="auto", socket=d.path, sync_state=False,
-                          average_params_every=0, state_every=0) for m in models]
+                          average_params_every=every, state_every=0) for m in models]
         replies: list[list[dict]] = [[], []]
 
         def worker(i: int) -> None:
@@ -138,6 +158,26 @@ def test_optimizer_auto_keeps_fp32_when_compute_dominates(tmp_path) -> None:
     assert all(o.compression is None for o in opts)  # the run's default codec, float32
 
 
+def test_optimizer_auto_applies_a_longer_period_after_clean_rounds(tmp_path) -> None:
+    """Slow rounds that all averaged every datagram: both replicas apply the same longer period at step 5, and
+    say so (reply, `peerd status`)."""
+    replies, _, opts, status = _replicas(tmp_path, delay_s=0.2, compute_s=0.0, every="auto")
+    for r in replies:
+        assert all(x["outcome"] == "averaged" for x in r), r
+        assert r[4]["auto"]["average_every"] in (20, 40) and r[4]["auto"]["applied"] == "compression,average_every"
+        assert "costs no accuracy" in r[-1]["auto"]["reason"]
+    k = opts[0].average_params_every
+    assert k in (20, 40) and [o.average_params_every for o in opts] == [k, k]
+    assert all(t["auto"]["average_every"] == k for t in status), status
+
+
+def test_explicit_period_wins(tmp_path) -> None:
+    replies, _, opts, _ = _replicas(tmp_path, delay_s=0.2, compute_s=0.0, steps=6, every=10)
+    assert [o.average_params_every for o in opts] == [10, 10]
+    assert all(r[-1]["auto"]["applied"] == "compression" and "set by the caller" in r[-1]["auto"]["reason"]
+               for r in replies)
+
+
 def test_explicit_compression_wins(tmp_path) -> None:
     import torch
 
@@ -149,11 +189,19 @@ def test_explicit_compression_wins(tmp_path) -> None:
     try:
         m = torch.nn.Linear(512, 512)
         opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="x", socket=d.path, sync_state=False,
-                        compression="fp32", state_every=0)
+                        compression="fp32", state_every=0, average_params_every=10)
         for _ in range(6):
             m(torch.ones(1, 512)).sum().backward()
             reply = opt.step()
         assert "auto" not in reply and opt.auto is None and opt.compression == "fp32"
+        opt.close()
+        opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="x2", socket=d.path, sync_state=False,
+                        compression="fp32", state_every=0)  # the period is auto: the codec is still the caller's
+        for _ in range(6):
+            m(torch.ones(1, 512)).sum().backward()
+            reply = opt.step()
+        assert reply["auto"]["compression"] == "fp32" and reply["auto"]["applied"] == "average_every"
+        assert reply["auto"]["reason"].startswith("fp32: set by the caller") and opt.compression == "fp32"
         opt.close()
         with pytest.raises(ValueError, match="not with compression='auto'"):
             Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="y", socket=d.path, compression="auto",

@@ -308,3 +308,19 @@ def test_non_finite_own_gradients_skip_the_step_without_asking_the_daemon(daemon
     with pytest.raises(NoGroupError, match="not finite"):
         opt.step(samples=8)
     opt.close()
+
+
+def test_all_finite_takes_the_sum_and_checks_elements_when_it_overflows() -> None:
+    """A finite sum proves every element finite; a sum that overflows on finite values is still all finite, and any
+    NaN or infinity (even +inf and -inf that cancel into NaN) is found."""
+    from peerd.torch.snapcheck import all_finite
+
+    big = torch.full((1000,), 3e38)  # finite values whose float32 sum overflows
+    assert all_finite(torch.randn(1000)) and all_finite(big) and all_finite(torch.empty(0))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(1000)
+        t[517] = bad
+        assert not all_finite(t) and not all_finite(t.to(torch.float16))
+    pair = torch.zeros(10)
+    pair[2], pair[7] = float("inf"), float("-inf")
+    assert not all_finite(pair)

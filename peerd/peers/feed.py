@@ -21,6 +21,7 @@ log = logging.getLogger("peerd.peers")
 
 REPORT = 0x10
 NETWORK_PHASES = ("matchmaking", "members", "transfer", "agree")
+MAX_PENDING = 1024  # (peer, address, type) sums held between ticks; more flushes early
 
 
 def _fmt(addr: tuple[str, int]) -> str:
@@ -41,6 +42,8 @@ class PeerFeed:
         self._labels: dict[str, set[tuple[str, ...]]] = {}
         self._published_kinds: dict[tuple[str, str], int] = {}
         self._addr_text: dict[tuple[str, int], str] = {}
+        self._pending_out: dict[tuple, int] = {}
+        self._pending_in: dict[tuple, list] = {}
 
     def _addr(self, addr: tuple[str, int]) -> str:
         text = self._addr_text.get(addr)
@@ -51,22 +54,54 @@ class PeerFeed:
         return text
 
     # -- TrafficHooks (the endpoint calls these; never await, never raise) ------------------------
+    # Datagrams are summed per (peer, address, type) in a small dict and handed to the table at each tick (and before
+    # each statistics()): about 0.4 us a datagram on the receive path instead of the table's 1.8 us.
     def sent(self, addr: tuple[str, int], mtype: int, nbytes: int, relay: bytes | None) -> None:
-        node = self.endpoint.node_id_at(addr)
-        self.table.receive_sent(node, self._addr(addr), mtype, nbytes, relay, trio.current_time())
+        key = (addr, mtype, relay)
+        pending = self._pending_out
+        total = pending.get(key)
+        if total is None and len(pending) >= MAX_PENDING:
+            self.flush(trio.current_time())
+            pending = self._pending_out  # (a new dict)
+        pending[key] = (total or 0) + nbytes
 
     def received(self, source: tuple[str, int], peer: bytes | None, mtype: int, nbytes: int, relayed: bool,
                  now: float, fields: dict[str, Any] | None = None) -> None:
-        if peer is None:
-            peer = self.endpoint.node_id_at(source)
-        self.table.receive_received(peer, self._addr(source), mtype, nbytes, relayed, now)
-        if fields is not None and mtype == REPORT and peer is not None:
-            self._report(peer, fields, False, now)
+        key = (source, peer, mtype, relayed)
+        pending = self._pending_in
+        acc = pending.get(key)
+        if acc is None:
+            if len(pending) >= MAX_PENDING:
+                self.flush(now)
+                pending = self._pending_in  # (a new dict)
+            pending[key] = [nbytes, now]
+        else:
+            acc[0] += nbytes
+            acc[1] = now
+        if fields is not None and mtype == REPORT:
+            self._report(peer or self.endpoint.node_id_at(source), fields, False, now)
 
-    def _report(self, peer: bytes, fields: dict[str, Any], outgoing: bool, now: float) -> None:
+    def flush(self, now: float) -> None:
+        """Hand the summed datagrams to the table."""
+        table, node_id_at = self.table, self.endpoint.node_id_at
+        pending_out, self._pending_out = self._pending_out, {}
+        for (addr, mtype, relay), nbytes in pending_out.items():
+            table.receive_sent(node_id_at(addr), self._addr(addr), mtype, nbytes, relay, now)
+        pending_in, self._pending_in = self._pending_in, {}
+        for (source, peer, mtype, relayed), (nbytes, at) in pending_in.items():
+            table.receive_received(peer or node_id_at(source), self._addr(source), mtype, nbytes, relayed, at)
+
+    def statistics(self) -> TableStatistics:
+        """The table's statistics with every datagram counted."""
+        self.flush(self.table.now)
+        return self.table.statistics()
+
+    def _report(self, peer: bytes | None, fields: dict[str, Any], outgoing: bool, now: float) -> None:
         expected, received = fields.get("expected"), fields.get("received")
-        if isinstance(expected, Integral) and isinstance(received, Integral):  # (numpy's ints from the host too)
-            self.table.receive_report(peer, int(expected), int(received), outgoing, now)
+        if peer is not None and isinstance(expected, Integral) and isinstance(received, Integral):
+            if not self.table.tracks(peer):
+                self.flush(now)  # its first datagrams may still be pending
+            self.table.receive_report(peer, int(expected), int(received), outgoing, now)  # (numpy ints too)
 
     def control(self, peer: bytes, mtype: int, fields: dict[str, Any], outgoing: bool) -> None:
         if mtype == REPORT:
@@ -74,11 +109,15 @@ class PeerFeed:
 
     def answered(self, addr: tuple[str, int], peer: bytes, rtt: float | None, now: float) -> None:
         if rtt is not None:
+            if not self.table.tracks(peer):
+                self.flush(now)
             self.table.receive_rtt(peer, rtt, now)
 
     def unanswered(self, addr: tuple[str, int], now: float) -> None:
         node = self.endpoint.node_id_at(addr)
         if node is not None:
+            if not self.table.tracks(node):
+                self.flush(now)
             self.table.receive_unanswered(node, now)
 
     # -- the timer ---------------------------------------------------------------------------------
@@ -94,6 +133,7 @@ class PeerFeed:
                 log.exception("the per-peer view's tick failed")
 
     def tick(self, now: float) -> None:
+        self.flush(now)
         self.table.handle_timer(now)
         if self.nat is not None:
             view = nat_view(self.nat)

@@ -135,6 +135,14 @@ class PeerTable:
         self._sent_by_kind = dict.fromkeys(KINDS, 0)
         self._received_by_kind = dict.fromkeys(KINDS, 0)
 
+    @property
+    def now(self) -> float:
+        """The latest time an input or the timer brought."""
+        return self._now
+
+    def tracks(self, node: bytes) -> bool:
+        return node in self._peers
+
     # -- inputs ----------------------------------------------------------------------------------
     def _peer(self, node: bytes, addr: str, now: float) -> _Peer:
         self._now = max(self._now, now)
@@ -168,6 +176,8 @@ class PeerTable:
         if relay is not None:
             p.path, p.via = "relayed", relay
             p.relayed += nbytes
+        elif p.path == "relayed":  # no longer through its relay (NAT traversal's view says punched, if it was)
+            p.path, p.via = "direct", None
 
     def receive_received(self, node: bytes | None, addr: str, mtype: int, nbytes: int, relayed: bool,
                          now: float) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from ..transport.endpoint import Address
+Address = tuple[str, int]  # a donor's address (an IP literal and a port)
 
 MAX_STEP = 2**63 - 1
 

@@ -12,9 +12,14 @@ The codec rule: for a vector of at least ``MIN_INT8_PARAMS`` values, if moving t
 balanced, so that members who measure slightly differently still choose alike (every member of a run must
 average in the same codec).
 
-The period and bucket size are chosen by the same measurements; peerd.torch.Optimizer applies the codec and
-reports the other two (they change which rounds members meet in, so applying them needs every member's
-agreement, which the codec's threshold margin gives and theirs does not yet).
+The period and bucket size are chosen by the same measurements. peerd.torch.Optimizer applies the codec, and
+the period through ``applied_period``: parameter averages pull replicas back together after rounds that lost
+datagrams or found no group, so a period longer than the default is applied only when every measured round
+averaged all of its data (replicas then stay identical and the longer period costs no accuracy), and only on the
+ladder PERIOD_LADDER, whose steps divide each other: members that measured differently still average their
+parameters together at every multiple of the longer period. The bucket size is reported only: every member's
+buckets must match (each is a round of its own), and the round trip it is chosen on is the daemon's, not
+measured by the trainer.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ MIN_INT8_PARAMS = 262_144  # ... and the vector holds at least this many values 
 # round's fixed costs (matchmaking, round trips) dominate its time, and a quarter of the bytes saves nothing
 PARAM_COST_SHARE = 0.1  # parameter averages (float32) may take at most this share of the training time ...
 AVERAGE_EVERY = (10, 50)  # ... with the period in this range (10: the library's default)
+PERIOD_LADDER = (10, 20, 40)  # the periods applied (each divides the next)
 BUCKET_MB = (1.0, 25.0)  # overlap buckets: at least 1 MB, at most the library's default
 BUCKET_RTTS = 12  # a bucket holds at least this many round trips of the link (its fixed cost <= 25 % at 3 RTTs)
 
@@ -54,6 +60,7 @@ class Choice:
     bucket_mb: float
     reason: str
     fp32_transfer_s: float | None  # the estimate the codec was chosen on
+    reasons: tuple[str, ...] = ()  # the reason's parts: the codec's, the period's, the bucket size's
 
 
 def fp32_transfer_s(link_bps: float, params: int, peers: int) -> float:
@@ -107,4 +114,18 @@ def choose(m: Measured) -> Choice:
                        f"{floor_mb:.2f} MB, a quarter of the model {m.params / 2**20:.2f} MB")
     else:
         reasons.append(f"buckets of {bucket:g} MB (the default until the round trip is measured)")
-    return Choice(codec, every, round(bucket, 2), "; ".join(reasons), transfer)
+    return Choice(codec, every, round(bucket, 2), "; ".join(reasons), transfer, tuple(reasons))
+
+
+def applied_period(choice: Choice, *, clean: bool) -> tuple[int, str]:
+    """The parameter-averaging period to apply for ``choice`` and why: ``choice.average_every`` rounded down onto
+    PERIOD_LADDER when ``clean`` (every measured round averaged all of its data), else the default."""
+    lo = PERIOD_LADDER[0]
+    if not clean:
+        return lo, (f"parameters every {lo} steps: measured rounds lost data or found no group, so replicas drift "
+                    f"and the default period pulls them back")
+    k = max(p for p in PERIOD_LADDER if p <= max(lo, choice.average_every))
+    if k == lo:
+        return k, f"parameters every {k} steps"
+    return k, (f"parameters every {k} steps: every measured round averaged all its data (replicas stay identical), "
+               f"so a longer period costs no accuracy ({choice.average_every} rounded down onto {PERIOD_LADDER})")

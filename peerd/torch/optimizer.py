@@ -32,12 +32,12 @@ from ..compress import COMPRESSIONS as CODECS
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
 from ..localsock.phases import add_phases, empty_phases
-from .auto import Choice, Measured, choose, fp32_transfer_s
+from .auto import AVERAGE_EVERY, PERIOD_LADDER, Choice, Measured, applied_period, choose, fp32_transfer_s
 from .errors import NoGroupError
 from .founders import FOUNDER_WINDOW_S, SameData, reseed_peer
 from .overlap import DEFAULT_BUCKET_MB, Overlap
 from .report import StepReport
-from .snapcheck import SnapshotError, check_finite, checked_step
+from .snapcheck import SnapshotError, all_finite, check_finite, checked_step
 
 log = logging.getLogger("peerd.torch")
 
@@ -70,10 +70,12 @@ class Optimizer(torch.optim.Optimizer):
 
     Options: ``run`` (the run id: trainers with the same run id and model average together),
     ``socket`` (the daemon's local socket; default $PEERD_SOCKET, ...), ``timeout_s`` (a round's
-    deadline), ``average_params_every`` (K; 0 turns parameter averaging off), ``no_group`` (what to do
-    when no group forms or a round fails: "local" takes a local step and counts it, "skip" skips the
-    step, "raise" raises NoGroupError), ``sync_state`` (download the swarm's state before the first step),
-    ``state_every`` (publish a snapshot for joiners every this many steps; 0: never), ``nslots``,
+    deadline), ``average_params_every`` (K; 0 turns parameter averaging off; "auto", the default: 10 until
+    AUTO_STEP, then what peerd.torch.auto.applied_period picks: longer, up to 40, only where every measured
+    round averaged all of its data, so replicas stay identical without the averages; with overlap, 10),
+    ``no_group`` (what to do when no group forms or a round fails: "local" takes a local step and counts it,
+    "skip" skips the step, "raise" raises NoGroupError), ``sync_state`` (download the swarm's state before the
+    first step), ``state_every`` (publish a snapshot for joiners every this many steps; 0: never), ``nslots``,
     ``keep_rounds`` (keep a Moshpit group that formed complete for this many rounds, renewed without the
     DHT, so matchmaking does not dominate a step; 1: a new group every round; None: the daemon's default;
     default DEFAULT_KEEP_ROUNDS), ``robust`` (how shard owners limit each member's contribution: "off",
@@ -105,7 +107,7 @@ class Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, run: str, socket: str | None = None,
-                 timeout_s: float = 30.0, average_params_every: int = 10, no_group: str = "local",
+                 timeout_s: float = 30.0, average_params_every: int | str = "auto", no_group: str = "local",
                  sync_state: bool = True, state_every: int = 10, state_timeout_s: float = 60.0,
                  nslots: int = 4, keep_rounds: int | None = DEFAULT_KEEP_ROUNDS, robust: str | None = None,
                  max_samples: float | None = None, overlap: bool = False, model: torch.nn.Module | None = None,
@@ -121,11 +123,20 @@ class Optimizer(torch.optim.Optimizer):
         # compression="auto": float32 until step AUTO_STEP, then what peerd.torch.auto picks from the steps measured
         self.auto: Choice | None = None
         self._auto_probe: list[tuple[float, float, int, int]] | None = None  # compute s, round s, bytes, group
+        self._auto_clean = True  # every step measured so far averaged all of its data (applied_period)
+        self._auto_codec = compression == "auto"
+        self._auto_every = average_params_every == "auto"
+        if self._auto_every:
+            average_params_every = AVERAGE_EVERY[0]
+        elif type(average_params_every) is not int or average_params_every < 0:
+            raise ValueError(f"average_params_every must be a non-negative integer or 'auto', got "
+                             f"{average_params_every!r}")
         if compression == "auto":
             if quant_group is not None or rounding is not None or topk_ratio is not None:
                 raise ValueError("quant_group, rounding and topk_ratio name a codec: not with compression='auto'")
             compression = None
-            self._auto_probe = None if overlap else []  # overlap's buckets are in flight across steps: fp32
+        if (self._auto_codec or self._auto_every) and not overlap:
+            self._auto_probe = []  # (overlap's buckets are in flight across steps: fp32, the default period)
         if compression is not None and compression not in CODECS:
             raise ValueError(f"compression must be one of {CODECS} or None, got {compression!r}")
         if (quant_group is not None or rounding is not None) and compression not in ("int8", "int4"):
@@ -411,7 +422,7 @@ class Optimizer(torch.optim.Optimizer):
             report["samples_per_second"] = float(samples) / (now - self._last_call)
         self._last_call = now
         grads = [p.grad for p in self.params]
-        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+        if not all(g is None or all_finite(g) for g in grads):
             # as torch.amp.GradScaler does: skip the step (the daemons would refuse the vector anyway)
             self.nonfinite_rounds += 1
             self.outcomes["nonfinite"] = self.outcomes.get("nonfinite", 0) + 1
@@ -444,7 +455,7 @@ class Optimizer(torch.optim.Optimizer):
                     p.grad = torch.zeros_like(p)
             if outcome != "nonfinite":  # else the slot holds the refused result; p.grad is still our own
                 self._scatter(result, [p.grad for p in self.params])
-            elif not all(bool(torch.isfinite(p.grad).all()) for p in self.params):
+            elif not all(all_finite(p.grad) for p in self.params):
                 return self._finish_step(reply, t0, phases)  # our own gradients are no better: skip the step
         phases["copy_out"] += time.monotonic() - t2
         self.opt.step()
@@ -459,20 +470,31 @@ class Optimizer(torch.optim.Optimizer):
         return self._finish_step(reply, t0, phases)
 
     def _auto_step(self, reply: dict[str, Any], compute_s: float | None) -> None:
-        """compression="auto": measure this step; at AUTO_STEP choose (every member at the same step count), and
-        reopen the session in the chosen codec. The choice and its reason go in every reply from then on."""
+        """compression or average_params_every "auto": measure this step; at AUTO_STEP choose (every member at the
+        same step count), and reopen the session in the chosen codec. The choice and its reason go in every reply
+        from then on."""
         if self._auto_probe is not None:
+            if reply["outcome"] != "averaged" or float(reply.get("received_fraction", 0.0)) < 1.0:
+                self._auto_clean = False
             if reply["outcome"] == "averaged" and compute_s is not None and reply.get("seconds", 0) > 0:
                 self._auto_probe.append((compute_s, float(reply["seconds"]), int(reply.get("bytes_sent", 0)),
                                          int(reply["group_size"])))
             if self.step_count >= AUTO_STEP:
                 self._auto_choose()
         if self.auto is not None:
-            reply["auto"] = {"compression": self.auto.compression, "average_every": self.auto.average_every,
-                             "bucket_mb": self.auto.bucket_mb, "reason": self.auto.reason}
+            reply["auto"] = self._auto_fields()
 
-    def _auto_choose(self, codec: str | None = None) -> None:
-        """Choose (or take ``codec``, a donor's choice), then switch the session's codec if it changed."""
+    def _auto_fields(self) -> dict[str, Any]:
+        """The auto choice as the step reply and `peerd status` show it (``applied``: what it set)."""
+        assert self.auto is not None
+        applied = [name for name, on in (("compression", self._auto_codec), ("average_every", self._auto_every))
+                   if on]
+        return {"compression": self.auto.compression, "average_every": self.auto.average_every,
+                "bucket_mb": self.auto.bucket_mb, "reason": self.auto.reason[:1000], "applied": ",".join(applied)}
+
+    def _auto_choose(self, codec: str | None = None, every: int | None = None) -> None:
+        """Choose (or take ``codec`` and ``every``, a donor's choice), apply what is "auto" (the codec: switch the
+        session's if it changed; the parameter-averaging period) and report it."""
         probe, self._auto_probe = self._auto_probe or [], None
 
         def median(xs: list[float]) -> float | None:
@@ -483,14 +505,27 @@ class Optimizer(torch.optim.Optimizer):
         measured = Measured(link_bps=median(rates), rtt_s=None, compute_s=median([c for c, *_ in probe]),
                             params=self.elems, peers=max([g for *_, g in probe], default=1))
         choice = choose(measured)
-        if codec is not None and codec != choice.compression:
-            choice = Choice(codec, choice.average_every, choice.bucket_mb,
-                            f"{codec}: the swarm's choice, taken over with its state", choice.fp32_transfer_s)
+        codec_why, every_why, bucket_why = choice.reasons
+        chosen = codec if codec is not None else choice.compression
+        if not self._auto_codec:
+            chosen, codec_why = self.compression or "fp32", f"{self.compression or 'fp32'}: set by the caller"
+        elif codec is not None and codec != choice.compression:
+            codec_why = f"{codec}: the swarm's choice, taken over with its state"
+        k = self.average_params_every
+        if not self._auto_every:
+            every_why = f"parameters every {k} steps: set by the caller"
+        elif every is not None:
+            k, every_why = every, f"parameters every {every} steps: the swarm's choice, taken over with its state"
+        else:
+            k, every_why = applied_period(choice, clean=self._auto_clean and bool(probe))
+        self.average_params_every = k
+        choice = Choice(chosen, k, choice.bucket_mb, "; ".join((codec_why, every_why, bucket_why)),
+                        choice.fp32_transfer_s, (codec_why, every_why, bucket_why))
         self.auto = choice
-        log.info("compression auto: %s", choice.reason)
-        if choice.compression == "fp32":
+        log.info("auto: %s", choice.reason)
+        if not self._auto_codec or choice.compression == "fp32":
             self._report_auto()
-        if choice.compression != "fp32":
+        else:
             self.compression = choice.compression
             self.codec_options = {"compression": choice.compression}
             for attempt in range(40):  # the daemon releases the old session when it sees the connection close
@@ -507,9 +542,7 @@ class Optimizer(torch.optim.Optimizer):
         """Tell the daemon the auto choice, for `peerd status` (an older daemon ignores it)."""
         assert self.auto is not None
         try:
-            self._call("trainer_report", auto={"compression": self.auto.compression,
-                                               "average_every": self.auto.average_every,
-                                               "bucket_mb": self.auto.bucket_mb, "reason": self.auto.reason[:1000]})
+            self._call("trainer_report", auto=self._auto_fields())
         except DaemonError as e:
             log.info("reporting the auto choice failed: %s", e)
 
@@ -573,7 +606,7 @@ class Optimizer(torch.optim.Optimizer):
     def _finite(self, result: torch.Tensor, what: str) -> bool:
         """False (logged, counted) if the daemon's result holds NaN or infinity: a member sent garbage and
         the daemons let it through; it must not reach the model."""
-        if bool(torch.isfinite(result).all()):
+        if all_finite(result):
             return True
         self.nonfinite_rounds += 1
         log.warning("the averaged %s of step %d holds non-finite numbers: not applied (%d so far)", what,
@@ -590,7 +623,8 @@ class Optimizer(torch.optim.Optimizer):
         torch.save({"format": STATE_FORMAT, "layout": self.layout_hash, "step": self.step_count,
                     "optimizer_class": type(self.opt).__name__, "params": flat,
                     "optimizer": self.opt.state_dict(),
-                    **({"auto_codec": self.auto.compression} if self.auto is not None else {})}, buf)
+                    **({"auto_codec": self.auto.compression, "auto_every": self.auto.average_every}
+                       if self.auto is not None else {})}, buf)
         return buf.getvalue()
 
     def _gather_cpu(self, flat: torch.Tensor) -> None:
@@ -631,7 +665,8 @@ class Optimizer(torch.optim.Optimizer):
         self.opt.load_state_dict(state["optimizer"])
         self.step_count = step
         if self._auto_probe is not None and state.get("auto_codec") in ("fp32", "int8"):
-            self._auto_choose(state["auto_codec"])  # the swarm chose before this trainer came: average as it does
+            every = state.get("auto_every")  # the swarm chose before this trainer came: average as it does
+            self._auto_choose(state["auto_codec"], every if every in PERIOD_LADDER else None)
         return self.step_count
 
     def publish_state(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..localsock.phases import PHASES
 from .errors import NoGroupError
+from .snapcheck import all_finite
 
 log = logging.getLogger("peerd.torch")
 
@@ -309,7 +310,7 @@ class Overlap:
                     torch.mul(p.grad.detach().reshape(-1), self.scale, out=dst)
                 else:  # scaled where the gradient is, then copied (the same single rounding as on the CPU)
                     dst.copy_(torch.mul(p.grad.detach().reshape(-1), self.scale))
-            finite = bool(torch.isfinite(slot[bucket.offset: bucket.offset + bucket.length]).all())
+            finite = all_finite(slot[bucket.offset: bucket.offset + bucket.length])
         if not finite:  # as a synchronous step: skipped, never sent (the daemons would refuse it anyway)
             if not st.nonfinite:
                 log.warning("step %d: this replica's gradients hold NaN or infinity; step skipped", o.step_count)

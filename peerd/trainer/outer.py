@@ -32,7 +32,8 @@ so any difference would stay for good. After the group average every member ther
    deadline raises OuterError, never diverges silently.
 
 A member's records go out in the background (newest only, in order), so reading and fetching never wait
-for a DHT store; the step's phases (seconds in "repair" and "agree") are in the Agreement. The round's records
+for a DHT store, nor does the step wait for its last put (given a ``background`` nursery); the step's phases
+(seconds in "repair", "participants" and "agree") are in the Agreement. The round's records
 are read in the background too (a DHT read costs round trips, seconds under loss): the phases decide on the
 latest read merged with the records the group's members pushed to this node (a ``PushBoard``: OUTER_RECORD,
 sent to every member it averaged with as soon as a record exists), and wake as soon as either changes. So a

@@ -16,7 +16,8 @@ trainer disconnects, even mid-step, the session's mapping is released and its re
 carries on.
 
 ``trainer_outer`` is DiLoCo's outer average (peerd.torch.DiLoCo): a Moshpit round numbered by the trainers'
-step, then an agreement (outer.py) after which every member holds the same bytes, or an error that says why.
+step, then an agreement (outer.py) after which every member holds the same bytes, or an error that says why
+(outer_step.py). The options a trainer declares are checked in options.py; a session's state is session.py's.
 """
 
 from __future__ import annotations

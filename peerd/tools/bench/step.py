@@ -2,8 +2,11 @@
 
 Each trainer is a process of its own (``python -m peerd.tools.bench.step --worker``) with a model of ``--params``
 float32 parameters (a few tensors) wrapped in peerd.torch.Optimizer (``--mode sync`` or ``overlap``) or DiLoCo
-(``--mode diloco``: the figures describe its outer steps). Its gradients are seeded noise, so a step costs no
-compute and its time is the averaging's. Every step's ``StepReport`` (seconds and phases) is collected.
+(``--mode diloco``: the figures describe its outer steps). Its gradients are seeded noise, drawn once and taken in
+turn (drawing 0.8M normals costs a trainer ~30 ms a step, CPU the other peers' daemons need on a small machine),
+so a step costs no compute and its time is the averaging's. ``--compression auto`` is the trainers' default codec
+choice (peerd.torch.auto): each step's bytes are counted in the codec that step averaged in. Every step's
+``StepReport`` (seconds and phases) is collected.
 
 With ``--link RATE`` (root) each peer lives in its own namespace of the link lab (peerd.tools.lab.links) behind a
 shaped link (``--link-loss P``: random loss on it); without, the daemons share 127.0.0.1. The figures (``--json``):
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,6 +45,7 @@ DATAGRAM_PAYLOAD = 1200  # default UDP payload of a data datagram (--mtu)
 DATAGRAM_OVERHEAD = 56 + 28 + 14  # peerd's header and tag, IPv4 + UDP, Ethernet (what tbf counts)
 CODEC_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 8 / 128, "int4": 0.5 + 8 / 128}
 MODES = ("sync", "overlap", "diloco")
+NOISE_SETS = 4  # gradient draws a trainer takes in turn
 
 
 @dataclass
@@ -70,8 +75,8 @@ class StepBenchConfig:
             raise ValueError("--link-loss needs --link RATE")
         if not 0.0 <= self.link_loss < 1.0:
             raise ValueError("--link-loss must be in [0, 1)")
-        if self.compression is not None and self.compression not in CODEC_BYTES:
-            raise ValueError(f"--compression must be one of {sorted(CODEC_BYTES)}")
+        if self.compression is not None and self.compression not in (*CODEC_BYTES, "auto"):
+            raise ValueError(f"--compression must be one of {sorted(CODEC_BYTES)} or auto")
 
 
 def transfer_seconds(params: int, peers: int, codec: str, rate_bps: int | None) -> float:
@@ -84,25 +89,30 @@ def transfer_seconds(params: int, peers: int, codec: str, rate_bps: int | None) 
     return (payload + datagrams * DATAGRAM_OVERHEAD) * 8 / rate_bps
 
 
-def summarize(records: list[list[dict[str, Any]]], cfg: StepBenchConfig, transfer_s: float,
+def summarize(records: list[list[dict[str, Any]]], cfg: StepBenchConfig, transfer_s: float | Callable[[str], float],
               rtt_s: float) -> dict[str, Any]:
-    """The figures from every trainer's step records (the warm-up steps of each left out)."""
+    """The figures from every trainer's step records (the warm-up steps of each left out). ``transfer_s``: the
+    bytes' time, or a function of the codec a step averaged in (its record's ``codec``; fp32 when it has none)."""
     steps = [r for rs in records for r in rs[cfg.warmup:]]
     if not steps:
         raise RuntimeError("no step was recorded after the warm-up")
     seconds = [r["seconds"] for r in steps]
+    codecs = [r.get("codec") or cfg.compression or "fp32" for r in steps]
+    transfers = [transfer_s(c) if callable(transfer_s) else transfer_s for c in codecs]
+    used = sorted(set(codecs))
+    compression = "/".join(used) if cfg.compression != "auto" else "auto:" + "/".join(used)
     outcomes: dict[str, int] = {}
     for r in steps:
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
     return {
         "mode": cfg.mode, "peers": cfg.peers, "params": cfg.params, "steps": len(steps),
-        "link": cfg.link, "link_loss": cfg.link_loss, "compression": cfg.compression or "fp32",
+        "link": cfg.link, "link_loss": cfg.link_loss, "compression": compression,
         "step_s": round(statistics.median(seconds), 6),
         "step_p90_s": round(sorted(seconds)[int(0.9 * (len(seconds) - 1))], 6),
-        "transfer_s": round(transfer_s, 6),
-        "fixed_s": round(statistics.median(s - transfer_s for s in seconds), 6),
+        "transfer_s": round(statistics.median(transfers), 6),
+        "fixed_s": round(statistics.median(s - t for s, t in zip(seconds, transfers, strict=True)), 6),
         "rtt_s": round(rtt_s, 6),
-        "bound_s": round(transfer_s + max(3 * rtt_s, 0.030), 6),
+        "bound_s": round(statistics.median(transfers) + max(3 * rtt_s, 0.030), 6),
         "phases": {p: round(statistics.median(r["phases"].get(p, 0.0) for r in steps), 6) for p in PHASES},
         "kept": sum(bool(r.get("kept")) for r in steps), "outcomes": outcomes,
     }
@@ -184,7 +194,7 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
             lab.close()
         shutil.rmtree(workdir, ignore_errors=True)
     rate = parse_rate(cfg.link) if cfg.link else None
-    return summarize(records, cfg, transfer_seconds(cfg.params, cfg.peers, cfg.compression or "fp32", rate), rtt)
+    return summarize(records, cfg, lambda codec: transfer_seconds(cfg.params, cfg.peers, codec, rate), rtt)
 
 
 # -- the trainer process ----------------------------------------------------------------------------------------
@@ -212,16 +222,20 @@ def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
                         model=model if cfg.mode == "overlap" else None, **common)
         steps = cfg.steps
     gen = torch.Generator().manual_seed(1)
+    noise = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(NOISE_SETS)]
     records = []
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
+    for i in range(steps):
+        for p, g in zip(params, noise[i % NOISE_SETS], strict=True):
+            p.grad = g.clone()  # (the wrapped optimizer writes the average into p.grad)
         reply = opt.step(samples=1)
         report = opt.last_step
         if report is None or (cfg.mode == "diloco" and "outer" not in reply):
             continue
+        codec = (reply.get("auto") or {}).get("compression") or cfg.compression or "fp32"
+        if cfg.mode == "diloco" or codec not in CODEC_BYTES:
+            codec = cfg.compression if cfg.compression in CODEC_BYTES else "fp32"
         records.append({"seconds": report.seconds, "phases": report.phases, "outcome": report.outcome,
-                        "group_size": report.group_size, "kept": report.kept})
+                        "group_size": report.group_size, "kept": report.kept, "codec": codec})
     opt.close()
     with open(out, "w") as f:
         json.dump(records, f)
@@ -242,7 +256,8 @@ def add_parser(bench: Any) -> None:
     b.add_argument("--link-loss", type=float, default=0.0, metavar="P", help="random loss on each link (with --link)")
     b.add_argument("--warmup", type=int, default=3, metavar="W", help="first steps left out (default 3)")
     b.add_argument("--keep-rounds", type=int, metavar="K", help="kept-group rounds (default: the trainer's)")
-    b.add_argument("--compression", choices=sorted(CODEC_BYTES), help="the run's codec (default fp32)")
+    b.add_argument("--compression", choices=[*sorted(CODEC_BYTES), "auto"],
+                   help="the run's codec (default fp32; auto: the trainers' default choice)")
     b.add_argument("--sync-every", type=int, default=5, metavar="H", help="diloco: inner steps per outer (default 5)")
     b.add_argument("--json", action="store_true", help="print JSON only")
 

@@ -1,0 +1,220 @@
+"""The DiLoCo outer agreement's sans-I/O core (peerd.trainer.agreement), driven by hand in virtual time: records
+and fetch results go in with ``now``, actions come out. No trio, no board: each test is a handful of calls."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+
+import numpy as np
+
+from peerd.trainer.agreement import (
+    OWNER_GRACE_S,
+    POLL_FIRST_S,
+    FetchFinal,
+    FetchShard,
+    Keep,
+    OuterAgreement,
+    Publish,
+    ReadParticipants,
+    ReadRecords,
+    StopShardFetches,
+)
+from peerd.trainer.records import OuterRecord, piece_hashes, shard_bounds
+
+
+def sha(b: bytes) -> bytes:
+    return hashlib.sha256(b).digest()
+
+
+IDS = [bytes([0, i]) * 16 for i in range(4)]
+TRUTH = np.random.default_rng(1).standard_normal(4_000).astype(np.float32)
+
+
+def record(i: int, vector: np.ndarray, *, final: bool = False, node: bytes | None = None, size: int = 3,
+           group: str = "g") -> OuterRecord:
+    """Member i's record over ``vector`` (its own shard i of a group of ``size``), with its final if asked."""
+    data = vector.astype(np.float32).tobytes()
+    a, b = shard_bounds(vector.size, size, i)
+    shard = data[4 * a: 4 * b]
+    return OuterRecord(node or IDS[i], group, size, i, sha(shard), sha(data + piece_hashes(shard)),
+                       sha(data) if final else b"", b"", vector.size, ("127.0.0.1", 9))
+
+
+def core(i: int, vector: np.ndarray, **kw) -> OuterAgreement:
+    opts = {"group": "g", "size": 3, "index": i, "state": b"", "repair_s": 30.0, "deadline_s": 60.0,
+            "members": IDS[:3], "expect": 3, **kw}
+    return OuterAgreement(IDS[i], vector.astype(np.float32).tobytes(), **opts)
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_start_keeps_the_vector_publishes_and_reads() -> None:
+    c = core(0, TRUTH)
+    c.start(0.0)
+    acts = c.take_actions()
+    assert [type(a) for a in acts] == [Keep, Publish, ReadRecords]
+    assert of(acts, Publish)[0].record == replace(record(0, TRUTH), addr=None)
+    assert c.get_timer() == OWNER_GRACE_S  # no owner has published yet (a read is in flight)
+    c.receive_records(1, [], 0.01)
+    assert c.get_timer() == 0.01 + POLL_FIRST_S  # the next read (before the owners' grace ends)
+
+
+def test_a_differing_shard_is_fetched_from_its_owner_only_and_checked_against_its_hash_hostile() -> None:
+    mine = TRUTH.copy()
+    a, b = shard_bounds(TRUTH.size, 3, 1)
+    mine[a: a + 50] = 7.0  # a range of shard 1 lost in the all-gather
+    c = core(0, mine)
+    c.start(0.0)
+    c.take_actions()
+    forged = TRUTH.copy()
+    forged[a:b] = 1e6
+    stranger = record(1, forged, node=b"\x09" * 32)  # claims shard 1 of the group: owns nothing
+    c.receive_records(1, [stranger, record(1, TRUTH), record(2, TRUTH)], 0.1)
+    fetches = of(c.take_actions(), FetchShard)
+    assert [(f.index, f.owner.node) for f in fetches] == [(1, IDS[1])]
+    # the owner's server answers with other bytes: refused, and asked again (a try is counted)
+    c.receive_shard(1, forged.tobytes()[4 * a: 4 * b], 999, 0.2)
+    assert c.statistics().repaired_bytes == 0
+    again = of(c.take_actions(), FetchShard)
+    assert [f.index for f in again] == [1]
+    c.receive_shard(1, TRUTH.tobytes()[4 * a: 4 * b], 400, 0.3)
+    acts = c.take_actions()
+    assert c.statistics().repaired_bytes == 400
+    (final,) = [p.record.final for p in of(acts, Publish)]
+    assert final == sha(TRUTH.tobytes())  # every shard settled: the swarm phase publishes the final
+
+
+def test_an_owner_that_publishes_nothing_is_waited_for_owner_grace_only_hostile() -> None:
+    mine = TRUTH.copy()
+    c = core(0, mine)
+    c.start(0.0)
+    c.receive_records(1, [record(1, TRUTH)], 0.1)  # owner 2 never publishes
+    assert c.phase.value == "repair"
+    assert c.get_timer() == min(0.1 + POLL_FIRST_S, 0.1 + OWNER_GRACE_S)
+    c.handle_timer(0.1 + OWNER_GRACE_S)
+    assert c.phase.value == "swarm"
+    assert c.statistics().phases["repair"] == 0.1 + OWNER_GRACE_S
+
+
+def test_repair_ends_at_its_deadline_and_drops_the_fetches_in_flight() -> None:
+    mine = TRUTH.copy()
+    mine[0] = 5.0
+    c = core(1, mine, repair_s=4.0)
+    c.start(0.0)
+    c.receive_records(1, [record(0, TRUTH)], 0.1)
+    assert of(c.take_actions(), FetchShard)
+    c.handle_timer(4.0)
+    assert of(c.take_actions(), StopShardFetches)
+    c.receive_shard(0, TRUTH.tobytes()[:4 * shard_bounds(TRUTH.size, 3, 0)[1]], 10, 4.5)  # too late: ignored
+    assert c.statistics().repaired_bytes == 0
+
+
+def swarm(c: OuterAgreement, now: float = 0.0) -> None:
+    """Start ``c`` with nothing to repair (every owner's record agrees) and bring it to the swarm phase."""
+    c.start(now)
+    c.receive_records(1, [record(k, TRUTH) for k in range(3)], now + 0.01)
+    assert c.phase.value == "swarm"
+    c.take_actions()
+
+
+def test_the_step_ends_once_a_strict_majority_of_the_round_holds_the_final() -> None:
+    c = core(0, TRUTH)
+    swarm(c)
+    fresh = c._started  # a read that started after the final was published
+    c.receive_records(fresh, [record(1, TRUTH, final=True)], 0.05)
+    assert c.done and c.statistics().members == 2  # 2 of 3: no other final can win
+
+
+def test_records_read_before_the_final_do_not_count() -> None:
+    c = core(0, TRUTH)
+    swarm(c)
+    c.receive_records(1, [record(1, TRUTH, final=True)], 0.05)  # the read of the repair phase: dropped
+    assert not c.done
+
+
+def test_nodes_outside_the_round_neither_vote_nor_are_adopted_hostile() -> None:
+    c = core(0, TRUTH, participants=frozenset(IDS[:3]))
+    swarm(c)
+    forged = np.full(TRUTH.size, 1e6, np.float32)
+    sybils = [record(0, forged, final=True, node=bytes([7, i]) * 16, size=1, group="x") for i in range(5)]
+    c.receive_pushed(sybils, 0.05)
+    assert not of(c.take_actions(), FetchFinal) and c.statistics().ignored == 5
+    c.receive_pushed([*sybils, record(1, TRUTH, final=True)], 0.06)
+    assert c.done and not c.statistics().adopted
+
+
+def test_a_member_holding_another_final_adopts_the_winner_verified() -> None:
+    mine = TRUTH.copy()
+    mine[-1] = 3.0  # its own final differs; the two others hold the truth's
+    c = core(0, mine, members=None)
+    c.start(0.0)
+    c.receive_records(1, [], 0.01)
+    c.handle_timer(0.01 + OWNER_GRACE_S)
+    c.take_actions()
+    c.receive_pushed([record(1, TRUTH, final=True), record(2, TRUTH, final=True)], 3.0)
+    (fetch,) = of(c.take_actions(), FetchFinal)
+    assert fetch.sha == sha(TRUTH.tobytes())
+    c.receive_final(fetch.sha, b"\x00" * TRUTH.nbytes, 3.1)  # other bytes: refused, fetched again later
+    assert not c.statistics().adopted and c.get_timer() is not None
+    c.handle_timer(3.1 + 0.25)
+    (again,) = of(c.take_actions(), FetchFinal)
+    c.receive_final(again.sha, TRUTH.tobytes(), 3.5)
+    assert c.done and c.statistics().adopted and bytes(c.data) == TRUTH.tobytes()
+
+
+def test_a_member_without_a_final_stalls_nothing_and_a_tie_waits_for_half_the_deadline_hostile() -> None:
+    c = core(0, TRUTH, size=4, members=IDS, expect=4)
+    c.start(0.0)
+    c.receive_records(1, [record(k, TRUTH, size=4) for k in range(4)], 0.01)
+    c.take_actions()
+    silent = record(3, TRUTH, size=4)  # its record, never a final
+    c.receive_pushed([silent, record(1, TRUTH, size=4, final=True)], 0.1)
+    assert not c.done  # 2 of 4: not a majority, and one member is still pending
+    c.receive_pushed([silent, record(1, TRUTH, size=4, final=True), record(2, TRUTH, size=4, final=True)], 0.2)
+    assert c.done  # 3 of 4
+
+
+def test_the_first_read_of_participants_raises_what_the_step_waits_for() -> None:
+    c = core(0, TRUTH, refresh=True, refresh_first=True)
+    c.start(0.0)
+    assert of(c.take_actions(), ReadParticipants)
+    c.receive_records(1, [record(k, TRUTH) for k in range(3)], 0.01)
+    assert c.phase.value == "first"  # repaired; the participants' read is waited for
+    others = frozenset([bytes([5, i]) * 16 for i in range(3)])
+    c.receive_participants(frozenset(IDS[:3]) | others, 0.3)
+    assert c.phase.value == "swarm" and c.expect == 6
+    c.receive_pushed([record(1, TRUTH, final=True)], 0.4)
+    assert not c.done  # 2 of 6 is no majority
+    assert c.statistics().phases["participants"] == 0.3 - 0.01
+
+
+def test_without_agreement_the_step_fails_at_its_deadline() -> None:
+    c = core(0, TRUTH, deadline_s=10.0)
+    swarm(c)
+    other = TRUTH.copy()
+    other[0] = 1.0
+    c.receive_pushed([record(1, other, final=True), record(2, other, final=True)], 0.1)
+    assert of(c.take_actions(), FetchFinal)
+    c.receive_final(sha(other.tobytes()), None, 0.2)
+    while not c.done:
+        t = c.get_timer()
+        assert t is not None and t > c._now  # never a timer in the past (no busy loop)
+        c.handle_timer(t)
+        for a in c.take_actions():
+            if isinstance(a, FetchFinal):
+                c.receive_final(a.sha, None, t)
+            elif isinstance(a, ReadRecords):
+                c.receive_records(a.number, None, t)
+    assert c.phase.value == "failed" and "did not agree within 10 s" in c.error
+
+
+def test_a_late_or_dropped_read_is_ignored() -> None:
+    c = core(0, TRUTH)
+    swarm(c)
+    before = c.statistics().reads
+    c.receive_records(c._started + 5, [record(1, TRUTH, final=True)], 0.1)
+    assert c.statistics().reads == before and not c.done
+    assert replace(record(1, TRUTH), final=b"").final == b""
