@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from peerd.bench.caps import CapsBenchConfig, run_caps_bench
+
+from peerd.tools.bench.caps import CapsBenchConfig, run_caps_bench
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the link lab needs root (network namespaces, tc, nft)")
 

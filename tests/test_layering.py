@@ -43,6 +43,10 @@ SIDE_LAYERS: Mapping[str, str] = {"torch": "links"}
 EXCEPTIONS: Mapping[tuple[str, str], str] = {
     ("peerd.torch.optimizer", "peerd.allreduce.robust"):
         "the trainer checks its robust= option with the daemon's own parser, so both refuse the same strings",
+    ("peerd.nat.averager", "peerd.allreduce.options"):
+        "PathsFirst opens NAT paths to a group's members, then hands the average to the allreduce averager: glue "
+        "above both packages, kept in nat/ beside the paths it opens",
+    ("peerd.nat.averager", "peerd.allreduce.service"): "PathsFirst implements allreduce's Averager protocol",
 }
 # Areas that only the tooling and the entry layer may import.
 OFF_DAEMON = ("tools", "torch")
@@ -74,7 +78,7 @@ class Import:
     module: str  # the module importing
     target: str  # the peerd module (or package) imported, or an outside top-level name
     line: int
-
+    typing_only: bool = False  # under ``if TYPE_CHECKING:``: an annotation's, never run
 
 def module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
@@ -94,10 +98,14 @@ def imports_of(module: str, source: str, modules: Iterable[str], is_package: boo
     loaded by then), otherwise of X."""
     known = set(modules)
     package = module if is_package else module.rpartition(".")[0]
+    tree = ast.parse(source)
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
+                   for stmt in node.body for n in ast.walk(stmt)}
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
+        guarded = id(node) in typing_only
         if isinstance(node, ast.Import):
-            out += [Import(module, a.name, node.lineno) for a in node.names]
+            out += [Import(module, a.name, node.lineno, guarded) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -106,10 +114,15 @@ def imports_of(module: str, source: str, modules: Iterable[str], is_package: boo
             else:
                 where = node.module or ""
             subs = [f"{where}.{a.name}" for a in node.names if f"{where}.{a.name}" in known]
-            out += [Import(module, s, node.lineno) for s in subs]
+            out += [Import(module, s, node.lineno, guarded) for s in subs]
             if len(subs) < len(node.names):
-                out.append(Import(module, where, node.lineno))
+                out.append(Import(module, where, node.lineno, guarded))
     return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def all_imports(sources: Mapping[str, str]) -> list[Import]:
@@ -163,11 +176,12 @@ def off_daemon(imports: Iterable[Import]) -> list[str]:
 
 def cycles(imports: Iterable[Import], modules: Iterable[str]) -> list[list[str]]:
     """The import cycles between modules: strongly connected components of more than one module (Tarjan's,
-    iterative, so no recursion limit)."""
+    iterative, so no recursion limit). An import for annotations only (``if TYPE_CHECKING:``) runs nothing and
+    makes no cycle."""
     known = set(modules)
     graph: dict[str, set[str]] = {m: set() for m in known}
     for i in imports:
-        if i.target in known and i.target != i.module:
+        if i.target in known and i.target != i.module and not i.typing_only:
             graph[i.module].add(i.target)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -340,7 +354,9 @@ def test_the_checker_catches_a_cycle(tmp_path: Path) -> None:
     sources, imports = _fake(tmp_path, {
         "__init__.py": "", "dht/__init__.py": "",
         "dht/a.py": "from .b import x\n", "dht/b.py": "from .c import y\n", "dht/c.py": "from . import a\n",
-        "dht/d.py": "from .a import z\n",
+        "dht/d.py": "from .a import z\nfrom .e import w\n",
+        # e imports d for annotations only: d -> e -> d is no cycle
+        "dht/e.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import z\n",
     })
     assert cycles(imports, sources) == [["peerd.dht.a", "peerd.dht.b", "peerd.dht.c"]]
 

@@ -8,7 +8,6 @@ import math
 import random
 import socket
 import time
-from dataclasses import fields
 from types import SimpleNamespace
 
 import msgpack
@@ -17,7 +16,7 @@ import pytest
 import trio
 
 from peerd.addresses import peer_address
-from peerd.allreduce.options import DEFAULT_OPTIONS, AverageOptions
+from peerd.allreduce.options import DEFAULT_OPTIONS
 from peerd.allreduce.robust import Robust
 from peerd.localsock.server import OpError
 from peerd.metrics import Metrics
@@ -40,7 +39,11 @@ from peerd.wire.identity import Identity
 
 from .support.dht_swarm import SECRET, DhtNode
 from .support.memnet import MemNet, MemSocket
-from .support.moshpit_groups import _group, node  # noqa: E402
+from .support.moshpit_groups import (  # noqa: E402
+    _group,
+    asked_options,  # noqa: E402
+    node,
+)
 from .support.virtual import counter_value, run_virtual
 
 BAD_IPS = ["0.0.0.0", "0.1.2.3", "::", "255.255.255.255", "224.0.0.1", "239.255.255.250", "ff02::1",
@@ -360,18 +363,6 @@ def test_rounds_stop_at_the_last_one_with_a_clear_error() -> None:
 # ---- finding 8 and the robust-aggregation plumbing -------------------------------------------------------
 
 
-def _asked(options: AverageOptions, center: np.ndarray | None) -> dict:
-    """What the averager was asked for, as keywords: the deadlines, and every other option the caller set."""
-    asked = {"floor_s": options.floor_s, "max_phase_s": options.max_phase_s}
-    for f in fields(options):
-        value = getattr(options, f.name)
-        if f.name not in asked and value != getattr(DEFAULT_OPTIONS, f.name):
-            asked[f.name] = value
-    if center is not None:
-        asked["center"] = center
-    return asked
-
-
 class FakeAllreduce:
     """Returns a chosen vector; records the keyword arguments the service passed."""
 
@@ -381,7 +372,7 @@ class FakeAllreduce:
 
     async def average(self, group_id, members, index, vector, weight, options=DEFAULT_OPTIONS, *, out=None,
                       center=None):
-        self.calls.append(_asked(options, center))
+        self.calls.append(asked_options(options, center))
         phase = SimpleNamespace(silent=(), datagrams_expected=4, datagrams_received=4)
         out = self.next if self.next is not None else vector * 2
         return SimpleNamespace(vector=out, stats=SimpleNamespace(reduce_scatter=phase, all_gather=phase))

@@ -3,7 +3,6 @@ and fetch results go in with ``now``, actions come out. No trio, no board: each 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
 
 import numpy as np
@@ -22,10 +21,7 @@ from peerd.trainer.agreement import (
 )
 from peerd.trainer.records import OuterRecord, piece_hashes, shard_bounds
 
-
-def sha(b: bytes) -> bytes:
-    return hashlib.sha256(b).digest()
-
+from .support.virtual import sha  # noqa: E402
 
 IDS = [bytes([0, i]) * 16 for i in range(4)]
 TRUTH = np.random.default_rng(1).standard_normal(4_000).astype(np.float32)

@@ -14,7 +14,6 @@ The board is in memory (outer.Board: records and blobs in dicts), and time is vi
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
 
 import msgpack
@@ -26,9 +25,7 @@ import trio.testing
 from peerd.trainer.outer import agree
 from peerd.trainer.records import OuterRecord, piece_hashes, shard_bounds
 
-
-def sha(b: bytes) -> bytes:
-    return hashlib.sha256(b).digest()
+from .support.virtual import sha  # noqa: E402
 
 
 class Shared:

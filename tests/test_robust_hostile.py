@@ -5,7 +5,6 @@ network of test_allreduce_core (virtual time)."""
 
 from __future__ import annotations
 
-from dataclasses import fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,7 +13,7 @@ import trio
 
 from peerd.allreduce.arctopk import ArcTopKPlan, ArcTopKResult
 from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GroupAverage
-from peerd.allreduce.options import DEFAULT_OPTIONS, AverageOptions
+from peerd.allreduce.options import DEFAULT_OPTIONS
 from peerd.allreduce.robust import WEIGHT_BOUND, Robust
 from peerd.compress.topk import EF21M
 from peerd.moshpit.keys import Grid
@@ -23,6 +22,7 @@ from peerd.tools.faults import byzantine
 from .support.arctopk import SHAPES, plan_for, run_group, wmean
 from .support.gradients import cos, gradients  # noqa: E402
 from .support.groups import GROUP, GroupNet, payload_for
+from .support.moshpit_groups import asked_options  # noqa: E402
 
 PER = 50
 
@@ -161,18 +161,6 @@ def test_the_owner_canary_is_of_the_values_size() -> None:
         np.testing.assert_allclose(r.vector, c.vector, rtol=0, atol=1e-9)
 
 
-def _asked(options: AverageOptions, center: np.ndarray | None) -> dict:
-    """What the averager was asked for, as keywords: the deadlines, and every other option the caller set."""
-    asked = {"floor_s": options.floor_s, "max_phase_s": options.max_phase_s}
-    for f in fields(options):
-        value = getattr(options, f.name)
-        if f.name not in asked and value != getattr(DEFAULT_OPTIONS, f.name):
-            asked[f.name] = value
-    if center is not None:
-        asked["center"] = center
-    return asked
-
-
 class PhaseAllreduce:
     """An averager that hands every phase's vector back as it came (each member alone with its own values: only
     its own selection decodes) and records the keywords each phase got."""
@@ -183,7 +171,7 @@ class PhaseAllreduce:
 
     async def average(self, group_id, members, index, vector, weight, options=DEFAULT_OPTIONS, *, out=None,
                       center=None):
-        self.calls.append(_asked(options, center))
+        self.calls.append(asked_options(options, center))
         phase = SimpleNamespace(silent=(), datagrams_expected=4, datagrams_received=4, datagrams_sent=4,
                                 ended_by="completion")
         stats = SimpleNamespace(reduce_scatter=phase, all_gather=phase, drops={}, refused={})

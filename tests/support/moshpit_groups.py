@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import fields
 from types import SimpleNamespace
 
+import numpy as np
+
+from peerd.allreduce.options import DEFAULT_OPTIONS, AverageOptions
 from peerd.moshpit.matchmaking import Candidate, Group
 from peerd.moshpit.service import (
     MoshpitService,
@@ -34,3 +38,15 @@ def _group(a) -> Group:
     members = (Candidate(1.0, a.identity.node_id, a.identity.public_key, a.addr),
                Candidate(1.0, other.node_id, other.public_key, ("127.0.0.1", 7)))
     return Group(77, members, 0, a.identity.node_id)
+
+
+def asked_options(options: AverageOptions, center: np.ndarray | None) -> dict:
+    """What the averager was asked for, as keywords: the deadlines, and every other option the caller set."""
+    asked = {"floor_s": options.floor_s, "max_phase_s": options.max_phase_s}
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if f.name not in asked and value != getattr(DEFAULT_OPTIONS, f.name):
+            asked[f.name] = value
+    if center is not None:
+        asked["center"] = center
+    return asked

@@ -1,7 +1,8 @@
-"""Virtual time for trio tests, and reading a Prometheus counter."""
+"""Virtual time for trio tests, reading a Prometheus counter, and a digest."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,3 +20,8 @@ def counter_value(counter: Any, **labels: str) -> float:
     """The sum of ``counter``'s ``_total`` samples whose labels include ``labels``."""
     return sum(s.value for family in counter.collect() for s in family.samples
                if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def sha(b: bytes) -> bytes:
+    """SHA-256 of ``b`` (the digest records and snapshots name their contents by)."""
+    return hashlib.sha256(b).digest()
