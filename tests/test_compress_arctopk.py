@@ -6,6 +6,7 @@ through the wired path matches a reference replay of its update rule."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from peerd.allreduce.arctopk import (
     service_arc_topk,
 )
 from peerd.allreduce.frames import peek_group
+from peerd.allreduce.group import GROUP_OPTIONS
 from peerd.allreduce.options import AverageOptions
 from peerd.allreduce.service import Member
 from peerd.compress import codec
@@ -65,8 +67,9 @@ def run_group(plan: ArcTopKPlan, xs: list[np.ndarray], ws: list[float], drop=lam
             pending[phase][i] = vector if tamper is None else tamper(i, phase, vector.copy())
             if len(pending[phase]) == n:
                 c = dense if phase == 2 else None
-                cores = [GroupAverage(gid, n, k, pending[phase][k], ws[k], 0.0, max_payload=PAYLOAD, codec=c,
-                                      run=RUN, **phase_options(phase, robust)) for k in range(n)]
+                options = phase_options(replace(GROUP_OPTIONS, codec=c, run=RUN, robust=robust), phase)
+                cores = [GroupAverage(gid, n, k, pending[phase][k], ws[k], 0.0, options=options, max_payload=PAYLOAD)
+                         for k in range(n)]
                 net = Net(cores, drop=lambda w: drop(phase_of(w), w))
                 net.run(allow_late=True)
                 nets.append(net)
