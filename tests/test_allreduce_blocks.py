@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from peerd.allreduce import HEADER_SIZE, GroupAverage
 from peerd.allreduce.frames import pack_block, pack_data, view_block
-from peerd.allreduce.group import IN_ORDER_GRACE_S
+from peerd.allreduce.group import GROUP_OPTIONS, IN_ORDER_GRACE_S
 from peerd.compress import codec
 from peerd.wire import Opener, Sealer
 
@@ -33,7 +34,8 @@ def _group(n: int, length: int, per: int, seed: int, name: str = "fp32") -> list
     c = codec(name)
     return [
         GroupAverage(GROUP, n, i, rng.standard_normal(length).astype(np.float32), 1.0 + i, 0.0,
-                     max_payload=HEADER_SIZE + c.body_size(per), floor_s=1.0, codec=c, run=seed)
+                     options=replace(GROUP_OPTIONS, floor_s=1.0, codec=c, run=seed),
+                     max_payload=HEADER_SIZE + c.body_size(per))
         for i in range(n)
     ]
 
@@ -223,7 +225,8 @@ def test_end_overtaking_data_wakes_the_driver() -> None:
     IN_ORDER_GRACE_S); the driver only re-reads the deadline when ``phase_changes`` moves, so it must move
     (else it sleeps ~1 s too long)."""
     cores = [
-        GroupAverage(GROUP, 2, i, np.ones(64, np.float32), 1.0, 0.0, max_payload=HEADER_SIZE + 32, end_grace_s=0.05)
+        GroupAverage(GROUP, 2, i, np.ones(64, np.float32), 1.0, 0.0, options=replace(GROUP_OPTIONS, end_grace_s=0.05),
+                     max_payload=HEADER_SIZE + 32)
         for i in range(2)
     ]
     out = cores[1].datagrams_to_send(0.0, 1000)
@@ -240,7 +243,8 @@ def test_end_overtaking_data_wakes_the_driver() -> None:
 
 def _two_cores() -> tuple[list[GroupAverage], list, object]:
     cores = [
-        GroupAverage(GROUP, 2, i, np.ones(64, np.float32), 1.0, 0.0, max_payload=HEADER_SIZE + 32, end_grace_s=0.05)
+        GroupAverage(GROUP, 2, i, np.ones(64, np.float32), 1.0, 0.0, options=replace(GROUP_OPTIONS, end_grace_s=0.05),
+                     max_payload=HEADER_SIZE + 32)
         for i in range(2)
     ]
     out = cores[1].datagrams_to_send(0.0, 1000)
@@ -300,8 +304,8 @@ def test_a_reused_stage_gives_the_same_result(n, length, per, seed, loss, robust
     def cores(stages: list[np.ndarray | None]) -> list[GroupAverage]:
         rng = np.random.default_rng(seed)
         return [GroupAverage(GROUP, n, i, rng.standard_normal(length).astype(np.float32), 1.0 + i, 0.0,
-                             max_payload=HEADER_SIZE + c.body_size(per), codec=c, run=seed, robust=rob,
-                             stage=stages[i]) for i in range(n)]
+                             options=replace(GROUP_OPTIONS, codec=c, run=seed, robust=rob),
+                             max_payload=HEADER_SIZE + c.body_size(per), stage=stages[i]) for i in range(n)]
 
     fresh = _average(cores([None] * n), loss, seed)
     stages: list[np.ndarray | None] = [np.full(stage_elements(length, n) + i, junk, np.float32) for i in range(n)]
@@ -333,8 +337,8 @@ def test_split_values_send_the_same_bodies(n, length, per, seed, loss, inplace) 
         out = []
         for i in range(n):
             vec = rng.standard_normal(length).astype(np.float32)
-            core = GroupAverage(GROUP, n, i, vec, 1.0 + i, 0.0, max_payload=HEADER_SIZE + 4 * per, run=seed,
-                                out=vec if inplace else None)
+            core = GroupAverage(GROUP, n, i, vec, 1.0 + i, 0.0, options=replace(GROUP_OPTIONS, run=seed),
+                                max_payload=HEADER_SIZE + 4 * per, out=vec if inplace else None)
             core.split_values = split
             out.append(core)
         return out
@@ -387,8 +391,9 @@ def test_the_host_hands_a_finished_groups_stage_to_the_next() -> None:
         host.start(group, peers, 0, np.arange(length, dtype=np.float32), 1.0, 0.0)
         core = host._groups[group].core
         while finish and host.wants_to_send(group):
-            host.datagrams_to_send(group, 0.0)
-        done = host.finish(group, 1.0, 0)
+            host.datagrams_to_send(0.0, group_id=group)
+        host.finish(group, 0, 1.0)
+        done = host.take_actions()
         assert any(type(a) is Completed for a in done) == finish
         return core
 
@@ -400,7 +405,7 @@ def test_the_host_hands_a_finished_groups_stage_to_the_next() -> None:
     assert run(5, 1000, [me]).stage_buffer is bigger.stage_buffer
     stingy = AveragingHost(max_body=HEADER_SIZE + 32, mtu=1200, spare_stage_bytes=100)
     stingy.start(1, [me], 0, np.ones(1000, np.float32), 1.0, 0.0)
-    stingy.finish(1, 1.0, 0)
+    stingy.finish(1, 0, 1.0)
     assert stingy.spare_stage_nbytes() == 0  # over the bound: not kept
 
 
@@ -417,7 +422,7 @@ def test_groups_that_run_at_once_each_reuse_a_kept_stage() -> None:
             host.start(first_group + i, [me], 0, np.ones(n, np.float32), 1.0, 0.0)
         stages = [host._groups[first_group + i].core.stage_buffer for i in range(len(lengths))]
         for i in range(len(lengths)):
-            host.finish(first_group + i, 1.0, 0)
+            host.finish(first_group + i, 0, 1.0)
         return stages
 
     one = step(10, [1000, 1000, 500])

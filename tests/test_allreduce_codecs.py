@@ -10,6 +10,7 @@ member that received a range holds the owner's bits.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerd.allreduce import HEADER_SIZE, GroupAverage, Layout, Outcome
+from peerd.allreduce.group import GROUP_OPTIONS
 from peerd.compress import PHASE_RS, Codec, RoundingKey, codec
 from peerd.compress.quant import IntCodec
 from peerd.wire.errors import WireError
@@ -37,7 +39,8 @@ def make(name: str, **params) -> Codec:
 
 def group(xs: list[np.ndarray], ws: list[float], c: Codec, payload: int, run: int = RUN, gid: int = GROUP,
           **kw) -> list[GroupAverage]:
-    return [GroupAverage(gid, len(xs), i, xs[i], ws[i], 0.0, max_payload=payload, codec=c, run=run, **kw)
+    return [GroupAverage(gid, len(xs), i, xs[i], ws[i], 0.0, options=replace(GROUP_OPTIONS, codec=c, run=run, **kw),
+                         max_payload=payload)
             for i in range(len(xs))]
 
 
@@ -359,11 +362,12 @@ def test_values_the_codec_cannot_hold_are_not_sent_and_counted():
 def test_bad_codec_arguments():
     x = np.zeros(10, np.float32)
     with pytest.raises(ValueError):
-        GroupAverage(1, 2, 0, x, 1.0, 0.0, codec="int8")  # type: ignore[arg-type]
+        GroupAverage(1, 2, 0, x, 1.0, 0.0, options=replace(GROUP_OPTIONS, codec="int8"))  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        GroupAverage(1, 2, 0, x, 1.0, 0.0, codec=codec("int8"), run=-1)
+        GroupAverage(1, 2, 0, x, 1.0, 0.0, options=replace(GROUP_OPTIONS, codec=codec("int8"), run=-1))
     with pytest.raises(ValueError):
-        GroupAverage(1, 2, 0, x, 1.0, 0.0, codec=codec("int8"), max_payload=HEADER_SIZE + 4)  # not one element
+        GroupAverage(1, 2, 0, x, 1.0, 0.0, options=replace(GROUP_OPTIONS, codec=codec("int8")),
+                     max_payload=HEADER_SIZE + 4)  # not one element
 
 
 @settings(max_examples=200, deadline=None)
@@ -399,8 +403,10 @@ def test_fp16_golden_vectors_match_the_spec_byte_for_byte():
     golden = {line.split()[0]: bytes.fromhex("".join(line.split()[1:])) for line in block.group(1).splitlines()}
     x0 = np.array([1, 2, 3, 4, 5], np.float32)
     x1 = np.array([10, 20, 30, 40, 50], np.float32)
-    m0 = GroupAverage(0x01020304, 2, 0, x0, 3.0, 0.0, max_payload=23, codec=codec("fp16"))
-    m1 = GroupAverage(0x01020304, 2, 1, x1, 1.0, 0.0, max_payload=23, codec=codec("fp16"))
+    m0 = GroupAverage(0x01020304, 2, 0, x0, 3.0, 0.0, options=replace(GROUP_OPTIONS, codec=codec("fp16")),
+                      max_payload=23)
+    m1 = GroupAverage(0x01020304, 2, 1, x1, 1.0, 0.0, options=replace(GROUP_OPTIONS, codec=codec("fp16")),
+                      max_payload=23)
     out0 = m0.datagrams_to_send(0.0, 100)
     assert out0[0].type == RS_DATA and out0[0].body == golden["RS_DATA"]
     assert next(o for o in out0 if o.type == RS_END).body == golden["RS_END"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from peerd.allreduce import (
     parse_header,
     peek_group,
 )
+from peerd.allreduce.group import GROUP_OPTIONS
 from peerd.wire.errors import WireError
 
 from .support.groups import AG_DATA, AG_END, GROUP, RS_DATA, RS_END, GroupNet, Wire, expected_results, payload_for  # noqa: E402
@@ -47,7 +49,8 @@ PROTOCOL_MD = Path(__file__).resolve().parents[1] / "protocol" / "allreduce.md"
 
 def make_group(xs: list[np.ndarray], ws: list[float], per: int, **kw) -> list[GroupAverage]:
     return [
-        GroupAverage(GROUP, len(xs), i, xs[i], ws[i], 0.0, max_payload=payload_for(per), **kw) for i in range(len(xs))
+        GroupAverage(GROUP, len(xs), i, xs[i], ws[i], 0.0, options=replace(GROUP_OPTIONS, **kw),
+                     max_payload=payload_for(per)) for i in range(len(xs))
     ]
 
 
@@ -161,7 +164,8 @@ def test_silent_member_is_averaged_out_at_a_finite_deadline_with_floor():
 def test_deadline_formula_follows_the_observed_rate():
     n, per, floor, safety = 3, 10, 0.05, 2.0
     xs, ws = inputs(n, 300, seed=6)
-    core = GroupAverage(GROUP, n, 0, xs[0], ws[0], 10.0, max_payload=payload_for(per), floor_s=floor, safety=safety)
+    core = GroupAverage(GROUP, n, 0, xs[0], ws[0], 10.0, options=replace(GROUP_OPTIONS, floor_s=floor),
+                        max_payload=payload_for(per), safety=safety)
     sender = GroupAverage(GROUP, n, 1, xs[1], ws[1], 10.0, max_payload=payload_for(per))
     bodies = [o for o in sender.datagrams_to_send(0.0, 1000) if o.to == 0 and o.type == RS_DATA]
     total = len(bodies)
@@ -179,7 +183,8 @@ def test_deadline_formula_follows_the_observed_rate():
     core.handle_timer(core.get_timer())
     assert core.statistics().reduce_scatter.ended_by == DEADLINE
     # a cap bounds it
-    capped = GroupAverage(GROUP, n, 0, xs[0], ws[0], 0.0, max_payload=payload_for(per), floor_s=5.0, max_phase_s=2.0)
+    capped = GroupAverage(GROUP, n, 0, xs[0], ws[0], 0.0, options=replace(GROUP_OPTIONS, floor_s=5.0, max_phase_s=2.0),
+                          max_payload=payload_for(per))
     assert capped.get_timer() == pytest.approx(2.0)
 
 

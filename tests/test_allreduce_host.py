@@ -127,7 +127,8 @@ class Lab:
     def _start(self, i: int, group: int, gi: int, x: np.ndarray, w: float, kw: dict) -> None:
         node = self.nodes[i]
         peers = [self.nodes[j].peer for j in self.members[group]]
-        self.apply(node, node.host.start(group, peers, gi, x, w, self.now, AverageOptions(**kw)))
+        node.host.start(group, peers, gi, x, w, self.now, options=AverageOptions(**kw))
+        self.apply(node)
         self.at(node.host.next_report(group), self._report_timer, i, group, owner=i)
         self._step(i, group, timer=False)
 
@@ -137,18 +138,20 @@ class Lab:
         if not host.running(group):
             return
         if timer:
-            self.apply(self.nodes[i], host.handle_timer(group, self.now))
+            host.handle_group_timer(group, self.now)
+            self.apply(self.nodes[i])
         while host.wants_to_send(group):
-            for block in host.datagrams_to_send(group, self.now):
+            for block in host.datagrams_to_send(self.now, group_id=group):
                 self.send(i, block)
         for block in host.due_copies(group, self.now):
             self.send(i, block)
         if host.finished(group):
             for block in host.due_copies(group, INF):
                 self.send(i, block)
-            self.apply(self.nodes[i], host.finish(group, self.now, 0))
+            host.finish(group, 0, self.now)
+            self.apply(self.nodes[i])
             return
-        at = host.get_timer(group, self.now)
+        at = host.group_timer(group, self.now)
         self._timer[(i, group)] = at
         self.at(at, self._deadline, i, group, at, owner=i)
 
@@ -159,13 +162,14 @@ class Lab:
     def _report_timer(self, i: int, group: int) -> None:
         host = self.nodes[i].host
         if host.running(group):
-            self.apply(self.nodes[i], host.reports(group, self.now, 0))
+            self.apply(self.nodes[i], host.reports(group, 0, self.now))
             self.at(host.next_report(group), self._report_timer, i, group, owner=i)
 
     def _expire(self, i: int) -> None:
         host = self.nodes[i].host
-        self.apply(self.nodes[i], host.handle_held_timer(self.now))
-        if (at := host.get_held_timer()) is not None:
+        host.handle_timer(self.now)
+        self.apply(self.nodes[i])
+        if (at := host.get_timer()) is not None:
             self.at(at, self._expire, i, owner=i)
 
     def send(self, i: int, block: SendBlock) -> None:
@@ -195,8 +199,9 @@ class Lab:
         for d in datagrams:
             self.net.send(d.src, d.dst, d, len(d.body))
 
-    def apply(self, node: HostNode, actions: Any) -> None:
-        for a in actions:
+    def apply(self, node: HostNode, actions: Any = None) -> None:
+        """Carry out ``actions`` (None: what the node's host has queued)."""
+        for a in node.host.take_actions() if actions is None else actions:
             if isinstance(a, Dropped):
                 node.drops[a.reason] += a.count
             elif isinstance(a, Wake):
@@ -218,7 +223,8 @@ class Lab:
     def _receive(self, dst: int, src: int, payload: Datagram | dict) -> None:
         node = self.nodes[dst]
         if isinstance(payload, dict):  # a REPORT
-            self.apply(node, node.host.on_report(self.nodes[src].peer, payload, self.now))
+            node.host.receive_report(self.nodes[src].peer, payload, self.now)
+            self.apply(node)
             return
         inbox = self._inbox.setdefault(dst, [])
         if not inbox:
@@ -242,14 +248,17 @@ class Lab:
                 self.arrived.extend(run)
             if first.mtype in DATA and len(run) > 1:
                 bodies = np.frombuffer(b"".join(d.body for d in run), np.uint8).reshape(len(run), -1)
-                self.apply(node, node.host.on_block(peer, sender.token, first.mtype, bodies, self.now))
+                node.host.receive_block(peer, sender.token, first.mtype, bodies, self.now)
+                self.apply(node)
             else:
                 for d in run:
-                    self.apply(node, node.host.on_data(peer, sender.token, d.mtype, d.body, self.now))
+                    node.host.receive_data(peer, sender.token, d.mtype, d.body, self.now)
+                    self.apply(node)
 
     def _bind(self, src: int, dst: int) -> None:
         node = self.nodes[dst]
-        self.apply(node, node.host.on_bind(self.nodes[src].token, self.nodes[src].peer, self.now))
+        node.host.receive_bind(self.nodes[src].token, self.nodes[src].peer, self.now)
+        self.apply(node)
 
     # -- checking ----------------------------------------------------------------------------------
     def delivered(self, group: int) -> set[tuple[int, int, int, int]]:
@@ -376,15 +385,15 @@ def test_a_streams_last_datagram_closes_it_when_every_end_is_lost(block: bool) -
 
 def test_end_copies_are_spaced_from_when_the_first_goes() -> None:
     """``datagrams_to_send`` hands out one copy of each END (``later`` = 2); ``pace`` schedules the others from the
-    first's departure; ``get_timer`` wakes the driver for them and ``due_copies(inf)`` flushes the rest."""
+    first's departure; ``group_timer`` wakes the driver for them and ``due_copies(inf)`` flushes the rest."""
     a, b = bytes([1]) * 32, bytes([2]) * 32
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU, end_spacing_s=(0.008, 0.03))
-    host.start(5, [a, b], 0, np.ones(3 * PER, np.float32), 1.0, 0.0, AverageOptions(floor_s=1.0))
-    ends = [blk for blk in host.datagrams_to_send(5, 0.0, 100) if blk.type == RS_END]
+    host.start(5, [a, b], 0, np.ones(3 * PER, np.float32), 1.0, 0.0, options=AverageOptions(floor_s=1.0))
+    ends = [blk for blk in host.datagrams_to_send(0.0, 100, group_id=5) if blk.type == RS_END]
     assert len(ends) == 1 and len(ends[0].bodies) == 1 and ends[0].later == 2
     assert host.due_copies(5, INF) == []  # nothing before the first copy is paced
     at = host.pace(ends[0], 1, ends[0].bodies.size, 0.25)
-    assert host.get_timer(5, at) == pytest.approx(at + 0.008)
+    assert host.group_timer(5, at) == pytest.approx(at + 0.008)
     assert host.due_copies(5, at + 0.0079) == []
     (second,) = host.due_copies(5, at + 0.008)
     assert second.later == 0 and second.bodies.tobytes() == ends[0].bodies.tobytes()
@@ -395,7 +404,7 @@ def test_end_copies_are_spaced_from_when_the_first_goes() -> None:
     # without spacing the copies go together, as before
     plain = AveragingHost(max_body=MAX_BODY, mtu=MTU)
     plain.start(5, [a, b], 0, np.ones(3 * PER, np.float32), 1.0, 0.0)
-    assert [len(blk.bodies) for blk in plain.datagrams_to_send(5, 0.0, 100) if blk.type == RS_END] == [3]
+    assert [len(blk.bodies) for blk in plain.datagrams_to_send(0.0, 100, group_id=5) if blk.type == RS_END] == [3]
 
 
 def test_a_member_that_crashes_mid_average() -> None:
@@ -469,7 +478,8 @@ def test_duplicated_and_late_blocks_change_nothing() -> None:
     late = [d for d in lab.arrived if d.dst == 0 and d.mtype == RS_DATA][:3]
     bodies = np.frombuffer(b"".join(d.body for d in late), np.uint8).reshape(len(late), -1)
     before = node.drops["late"]
-    lab.apply(node, node.host.on_block(lab.nodes[late[0].src].peer, 0x1000 + late[0].src, RS_DATA, bodies, 99.0))
+    node.host.receive_block(lab.nodes[late[0].src].peer, 0x1000 + late[0].src, RS_DATA, bodies, 99.0)
+    lab.apply(node)
     assert node.drops["late"] == before + 3 and node.host.held.count == 0
 
 
@@ -541,7 +551,8 @@ def test_a_held_block_that_would_pass_its_tokens_bound_is_held_body_by_body_up_t
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU, held=HeldData(max_token_bytes=5 * (MAX_BODY + ENTRY_OVERHEAD)))
     bodies = np.frombuffer(b"".join(pack_data(77, 10 * PER, i * PER, 2.0, np.ones(PER, np.float32))
                                     for i in range(8)), np.uint8).reshape(8, -1)
-    actions = host.on_block(b"p" * 32, 0x99, RS_DATA, bodies, 0.0)
+    host.receive_block(b"p" * 32, 0x99, RS_DATA, bodies, 0.0)
+    actions = host.take_actions()
     drops = Counter()
     for a in actions:
         if isinstance(a, Dropped):
@@ -691,7 +702,8 @@ def test_held_data_stays_within_its_bounds_under_a_flood() -> None:
     for k in range(2000):
         group, token = 1000 + k % 37, 5000 + k % 13
         b = pack_data(group, 10, 0, 1.0, np.ones(PER, np.float32))
-        for a in host.on_data(None, token, RS_DATA, b, k * 1e-3):
+        host.receive_data(None, token, RS_DATA, b, k * 1e-3)
+        for a in host.take_actions():
             if isinstance(a, Dropped):
                 drops[a.reason] += a.count
         assert host.held.nbytes <= 50 * size
@@ -699,29 +711,30 @@ def test_held_data_stays_within_its_bounds_under_a_flood() -> None:
     assert drops["held"] >= 2000 - 50
     assert host.held.count == 50
     for t in range(1000):
-        host.on_bind(t, bytes([t % 251]) * 32, 3.0)
+        host.receive_bind(t, bytes([t % 251]) * 32, 3.0)
     assert len(host._bound) == 64
     # one member's many tokens: the group's token cache stays within 4 per member
     peers = [b"a" * 32, b"b" * 32]
     host.start(7, peers, 0, np.zeros(4 * PER, np.float32), 1.0, 3.0)
     rs = pack_data(7, 2, 0, 1.0, np.ones(PER, np.float32))  # member 1's first range of shard 0
     for t in range(100):
-        host.on_data(peers[1], 90_000 + t, RS_DATA, rs, 3.0)
+        host.receive_data(peers[1], 90_000 + t, RS_DATA, rs, 3.0)
     assert len(host._groups[7].by_token) <= 8
     # and the held data of everything else expires on time
-    assert host.handle_held_timer(3.0 + host.held.max_age_s + 2.1) and host.held.count == 0 and host.held.nbytes == 0
+    host.handle_timer(3.0 + host.held.max_age_s + 2.1)
+    assert host.take_actions() and host.held.count == 0 and host.held.nbytes == 0
 
 
 def test_host_refuses_what_no_group_takes() -> None:
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
     big = pack_data(1, 10, 0, 1.0, np.ones(PER + 1, np.float32))
     with pytest.raises(Exception, match="bytes"):
-        host.on_data(None, 1, RS_DATA, big, 0.0)
+        host.receive_data(None, 1, RS_DATA, big, 0.0)
     assert host.held.count == 0
     host.start(3, [b"a" * 32, b"b" * 32], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
     rs = pack_data(3, 2, 0, 1.0, np.ones(PER, np.float32))
     with pytest.raises(Exception, match="not in this group"):
-        host.on_data(b"z" * 32, 9, RS_DATA, rs, 0.0)
+        host.receive_data(b"z" * 32, 9, RS_DATA, rs, 0.0)
     with pytest.raises(ValueError, match="already averaging"):
         host.start(3, [b"a" * 32, b"b" * 32], 0, np.zeros(4, np.float32), 1.0, 0.0)
     with pytest.raises(ValueError, match="distinct"):
@@ -753,17 +766,19 @@ def test_a_paced_send_carries_about_a_millisecond_of_the_rate(rate: float, gso: 
 
 
 def test_held_data_is_expired_by_the_timer_it_asks_for() -> None:
-    """A timer set for ``get_held_timer()`` finds the bucket expired even where ``now - max_age_s`` rounds below
+    """A timer set for ``get_timer()`` finds the bucket expired even where ``now - max_age_s`` rounds below
     the bucket's arrival time (here (t + 10) - 10 < t): a driver looping on the timer would spin at that
     instant (under trio's MockClock: forever)."""
     t = 0.13436424411240122
     assert (t + 10.0) - 10.0 < t
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
-    actions = host.on_data(None, 5, RS_DATA, pack_data(1, 10, 0, 1.0, np.ones(PER, np.float32)), t)
+    host.receive_data(None, 5, RS_DATA, pack_data(1, 10, 0, 1.0, np.ones(PER, np.float32)), t)
+    actions = host.take_actions()
     timers = [a for a in actions if isinstance(a, HeldTimer)]
-    assert timers == [HeldTimer(host.get_held_timer())]
-    assert host.handle_held_timer(timers[0].at) == [Dropped("held", 1)]
-    assert host.get_held_timer() is None
+    assert timers == [HeldTimer(host.get_timer())]
+    host.handle_timer(timers[0].at)
+    assert host.take_actions() == [Dropped("held", 1)]
+    assert host.get_timer() is None
 
 
 def test_a_report_counts_only_what_was_sent() -> None:
@@ -784,14 +799,16 @@ def test_a_report_counts_only_what_was_sent() -> None:
         host = AveragingHost(max_body=HEADER_SIZE + 4, mtu=HEADER_SIZE + 41, pacer=Recording())
         host.start(5, [a, b], 0, np.zeros(400, np.float32), 1.0, 0.0)
         sent = 0
-        for blk in host.datagrams_to_send(5, 0.0, 100):
+        for blk in host.datagrams_to_send(0.0, 100, group_id=5):
             if blk.to == 1 and blk.type == RS_DATA:
                 sent += len(blk.bodies)
                 host.pace(blk, len(blk.bodies), blk.bodies.size, 0.01 * sent / 100)
         assert sent == 200
         fields = {"group": 5, "phase": 0, "expected": 1000, "received": received, "bytes": received * 80,
                   "seconds": 0.05, "kernel_drops": 0, "position": 1000}
-        (out,) = host.on_report(b, fields, 0.1)
+        host.take_actions()  # (the Bind to b)
+        host.receive_report(b, fields, 0.1)
+        (out,) = host.take_actions()
         assert isinstance(out, PacerVerdict)
         ((dest, rep, span),) = seen
         assert dest == b and span is not None and 0.0 <= span[0] <= span[1] <= 0.02
@@ -809,22 +826,22 @@ def test_protected_tokens_are_those_of_the_running_groups_members() -> None:
     while it is among the ``recent_groups`` latest (the next average's data comes before it starts here)."""
     a, b, c, outsider = (bytes([i]) * 32 for i in b"abcz")
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU, recent_groups=1)
-    host.on_bind(11, b, 0.0)
-    host.on_bind(99, outsider, 0.0)
+    host.receive_bind(11, b, 0.0)
+    host.receive_bind(99, outsider, 0.0)
     assert host.protected_tokens() == {}
     host.start(3, [a, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
     assert host.protected_tokens() == {11: None}
     assert host.protected_tokens() is host.protected_tokens()  # the pass may keep it until something changes
-    host.on_bind(12, b, 0.1)  # b's next token
+    host.receive_bind(12, b, 0.1)  # b's next token
     host.start(4, [a, c], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
-    host.on_bind(13, c, 0.2)
+    host.receive_bind(13, c, 0.2)
     assert host.protected_tokens() == {11: None, 12: None, 13: None}
-    host.finish(3, 1.0, 0)
+    host.finish(3, 0, 1.0)
     assert host.protected_tokens() == {11: None, 12: None, 13: None}  # 3 is recent, 4 runs
-    host.finish(4, 1.0, 0)
+    host.finish(4, 0, 1.0)
     assert host.protected_tokens() == {13: None}  # 4 is the one recent group now: a and c
     host.start(5, [a, outsider], 0, np.zeros(4 * PER, np.float32), 1.0, 2.0)
-    host.finish(5, 3.0, 0)
+    host.finish(5, 0, 3.0)
     assert host.protected_tokens() == {99: None}
 
 
@@ -834,21 +851,21 @@ def test_tokens_holding_data_for_a_group_not_started_here_are_protected() -> Non
     Tokens holding data are protected while they hold it, and not once it is delivered or expired."""
     a, b = b"a" * 32, b"b" * 32
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
-    host.on_bind(11, b, 0.0)
+    host.receive_bind(11, b, 0.0)
     assert host.protected_tokens() == {}
     body = pack_data(7, 2, 0, 1.0, np.ones(PER, np.float32))  # member 1's first range of shard 0
-    host.on_data(b, 11, RS_DATA, body, 0.0)
-    host.on_data(None, 12, RS_DATA, body, 0.0)  # a token not bound yet
+    host.receive_data(b, 11, RS_DATA, body, 0.0)
+    host.receive_data(None, 12, RS_DATA, body, 0.0)  # a token not bound yet
     assert host.protected_tokens() == {11: None, 12: None}
     host.start(7, [a, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.1)  # 11's data delivered; 12's still waits
     assert host.protected_tokens() == {11: None, 12: None}
-    host.on_bind(12, b, 0.2)
+    host.receive_bind(12, b, 0.2)
     assert host.protected_tokens() == {11: None, 12: None}  # both bound to a running group's member now
-    host.finish(7, 1.0, 0)
+    host.finish(7, 0, 1.0)
     assert host.protected_tokens() == {11: None, 12: None}  # (7 is a recent group)
-    host.on_data(None, 13, RS_DATA, pack_data(8, 2, 0, 1.0, np.ones(PER, np.float32)), 2.0)
+    host.receive_data(None, 13, RS_DATA, pack_data(8, 2, 0, 1.0, np.ones(PER, np.float32)), 2.0)
     assert host.protected_tokens() == {11: None, 12: None, 13: None}
-    host.handle_held_timer(2.0 + host.held.max_age_s + 1)
+    host.handle_timer(2.0 + host.held.max_age_s + 1)
     assert host.protected_tokens() == {11: None, 12: None}
 
 
@@ -864,10 +881,10 @@ def test_a_report_carries_the_arrival_time_only_while_the_senders_latest_data_is
         host.start(3, [me, sender], 0, np.zeros(2 * ranges * PER, np.float32), 1.0, 0.0)
         host.start(4, [me, sender], 0, np.zeros(2 * ranges * PER, np.float32), 1.0, 0.0)
         for k in range(ranges):
-            host.on_data(sender, 9, RS_DATA, pack_data(3, ranges, k * PER, 1.0, np.ones(PER, np.float32)), 0.01)
+            host.receive_data(sender, 9, RS_DATA, pack_data(3, ranges, k * PER, 1.0, np.ones(PER, np.float32)), 0.01)
         if moved_on:
-            host.on_data(sender, 9, RS_DATA, pack_data(4, ranges, 0, 1.0, np.ones(PER, np.float32)), 0.02)
-        (rep,) = host.reports(3, 1.0, 0, arrivals=[0.0, 1234.5])
+            host.receive_data(sender, 9, RS_DATA, pack_data(4, ranges, 0, 1.0, np.ones(PER, np.float32)), 0.02)
+        (rep,) = host.reports(3, 0, 1.0, arrivals=[0.0, 1234.5])
         assert rep.fields["position"] == ranges
         return rep.fields["arrived"]
 

@@ -5,6 +5,8 @@ the in-memory network in virtual time."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import trio
@@ -12,7 +14,7 @@ import trio.testing
 
 from peerd.allreduce import HEADER_SIZE, GroupAverage, Layout, pack_data
 from peerd.allreduce.frames import pack_block
-from peerd.allreduce.group import DEFAULT_MAX_WEIGHT
+from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GROUP_OPTIONS
 from peerd.allreduce.held import ENTRY_OVERHEAD, HeldData
 from peerd.allreduce.host import RECENT_GROUPS, AveragingHost, Dropped, PacerVerdict
 from peerd.allreduce.options import AverageOptions
@@ -29,7 +31,8 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 
 def group(xs, ws, per: int = 16, **kw) -> list[GroupAverage]:
-    return [GroupAverage(GROUP, len(xs), i, xs[i], ws[i], 0.0, max_payload=payload_for(per), **kw)
+    return [GroupAverage(GROUP, len(xs), i, xs[i], ws[i], 0.0, options=replace(GROUP_OPTIONS, **kw),
+                         max_payload=payload_for(per))
             for i in range(len(xs))]
 
 
@@ -143,7 +146,7 @@ def test_a_non_finite_all_gather_range_keeps_own_values(as_block: bool) -> None:
 def test_bad_max_weight_is_a_value_error() -> None:
     for bad in (0.0, -1.0, float("nan"), float("inf"), 1e39, "x"):
         with pytest.raises(ValueError, match="max_weight"):
-            GroupAverage(GROUP, 2, 0, np.zeros(4, np.float32), 1.0, 0.0, max_weight=bad)  # type: ignore[arg-type]
+            GroupAverage(GROUP, 2, 0, np.zeros(4, np.float32), 1.0, 0.0, options=replace(GROUP_OPTIONS, max_weight=bad))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="byzantine"):
         byzantine("evil")
 
@@ -205,16 +208,18 @@ def test_reports_count_only_from_members_of_a_running_or_recent_group() -> None:
     rate = host.pacer.rate
 
     def report(peer: bytes, group: int, now: float) -> list:
-        return host.on_report(peer, {**fields, "group": group}, now)
+        host.receive_report(peer, {**fields, "group": group}, now)
+        return host.take_actions()
 
     assert report(b, 5, 0.0) == [Dropped("report")]  # no such group here: a stranger must not throttle us
     assert host.pacer.rate == rate and not host.pacer._sent and not host.pacer._hot and not host.pacer._caps
     host.start(5, [a, b], 0, np.zeros(2000, np.float32), 1.0, 0.0)
-    blocks = host.datagrams_to_send(5, 0.0, 1000)
+    host.take_actions()  # (the Bind to b)
+    blocks = host.datagrams_to_send(0.0, 1000, group_id=5)
     assert sum(len(blk.bodies) for blk in blocks) >= 1000
     for blk in blocks:  # member 1's whole reduce-scatter stream goes out (and is paced)
         host.pace(blk, len(blk.bodies), blk.bodies.size, 0.0)
-    host.finish(5, 0.05, 0)  # cancelled before it finished: still a recent group
+    host.finish(5, 0, 0.05)  # cancelled before it finished: still a recent group
     assert report(c, 5, 0.1) == [Dropped("report")]  # not a member of group 5
     assert report(b, 6, 0.1) == [Dropped("report")]  # a member, but of no group 6
     assert report(a, 5, 0.1) == [Dropped("report")]  # this node itself
@@ -224,7 +229,8 @@ def test_reports_count_only_from_members_of_a_running_or_recent_group() -> None:
     assert len(out) == 1 and isinstance(out[0], PacerVerdict) and out[0].verdict.action in ("pooled", "decrease")
     for g in range(6, 6 + RECENT_GROUPS):  # four later groups push group 5 out of the recent ones
         host.start(g, [a, b], 0, np.zeros(10, np.float32), 1.0, 0.2)
-        host.finish(g, 0.2, 0)
+        host.finish(g, 0, 0.2)
+        host.take_actions()
     assert report(b, 5, 0.3) == [Dropped("report")]
 
 
@@ -256,7 +262,7 @@ def test_held_data_expires_on_a_timer_and_oversized_bodies_are_not_held() -> Non
             # a body larger than a's payload size fits no group of a's: dropped at once
             oversize = pack_data(78, 1, 0, 1.0, np.ones((a.endpoint.max_body - HEADER_SIZE) // 4 + 1, np.float32))
             with pytest.raises(WireError, match="malformed"):
-                a.service.host.on_data(None, 1, RS_DATA, oversize, trio.current_time())
+                a.service.host.receive_data(None, 1, RS_DATA, oversize, trio.current_time())
             assert held.count == 0
             nursery.cancel_scope.cancel()
 
@@ -316,8 +322,11 @@ def test_the_fault_injector_sends_what_a_member_holding_the_corrupted_vector_wou
     from peerd.compress import codec
 
     x = honest(1, 400, seed=7)[0]
-    kw = {"max_payload": payload_for(16)} if name == "fp32" else {"max_payload": 400, "codec": codec(name), "run": 3}
-    bad = byzantine("signflip")(GROUP, 2, 0, x, 1.0, 0.0, **kw)
-    twin = GroupAverage(GROUP, 2, 0, -x, 1.0, 0.0, **kw)
+    if name == "fp32":
+        options, payload = GROUP_OPTIONS, payload_for(16)
+    else:
+        options, payload = replace(GROUP_OPTIONS, codec=codec(name), run=3), 400
+    bad = byzantine("signflip")(GROUP, 2, 0, x, 1.0, 0.0, options=options, max_payload=payload)
+    twin = GroupAverage(GROUP, 2, 0, -x, 1.0, 0.0, options=options, max_payload=payload)
     sent = [o.body for o in bad.datagrams_to_send(0.0, 1000) if o.type == RS_DATA]
     assert sent and sent == [o.body for o in twin.datagrams_to_send(0.0, 1000) if o.type == RS_DATA]

@@ -31,6 +31,7 @@ CORES: tuple[tuple[str, str], ...] = (
     ("peerd.dht.lookup", "Lookup"),
     ("peerd.allreduce.group", "GroupAverage"),
     ("peerd.allreduce.host", "AveragingHost"),
+    ("peerd.allreduce.held", "HeldData"),
     ("peerd.nat.punch", "Puncher"),
     ("peerd.nat.reach", "Reach"),
     ("peerd.nat.relay", "RelayServer"),
@@ -41,6 +42,9 @@ CORES: tuple[tuple[str, str], ...] = (
     ("peerd.moshpit.matchmaking", "Matchmaker"),
     ("peerd.moshpit.sticky", "StickyGroups"),
     ("peerd.trainer.agreement", "OuterAgreement"),
+    ("peerd.statesync.choice", "SnapshotChoice"),
+    ("peerd.nat.paths", "Paths"),
+    ("peerd.transport.receive", "ReceivePolicy"),
 )
 
 # Cores that do not follow the contract yet: (module, class) -> what is left and which branch of work converts it.
@@ -51,9 +55,6 @@ NOT_YET: dict[tuple[str, str], str] = {
     ("peerd.transport.pacing", "Pacer"): "transport",
     ("peerd.transport.qdelay", "QueueDelay"): "transport",
     ("peerd.transport.guard", "AuthLimiter"): "transport",
-    # nat: wake_at/poll -> get_timer/handle_timer + take_actions (branch nat)
-    # allreduce: one timer per running group, get_timer(group_id, now) (branch allreduce)
-    ("peerd.allreduce.host", "AveragingHost"): "allreduce",
 }
 
 OLD_NAMES = frozenset({"on_timer", "poll", "next_deadline", "deadline", "wake_at", "held_expiry", "next_sends",

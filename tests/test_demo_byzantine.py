@@ -5,10 +5,12 @@ own batches) and robust's weight bound keep the honest direction; a 4-peer demo 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GroupAverage
+from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GROUP_OPTIONS, GroupAverage
 from peerd.allreduce.robust import Robust
 from peerd.compress import codec
 from peerd.tools.faults import WEIGHT as BYZANTINE_WEIGHT
@@ -25,7 +27,8 @@ def average(xs: list[np.ndarray], bad: int, **options: object) -> list[GroupAver
     """Every member averages its vector at 32 samples; member ``bad`` runs the inflate-signflip injector."""
     n = len(xs)
     cores = [byzantine("inflate-signflip" if i == bad else None)(GROUP, n, i, xs[i], 32.0, 0.0,
-                                                                 max_payload=payload_for(PER), **options)
+                                                                 max_payload=payload_for(PER),
+                                                                 options=replace(GROUP_OPTIONS, **options))
              for i in range(n)]
     GroupNet(cores).run()
     return cores

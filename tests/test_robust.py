@@ -1,4 +1,4 @@
-"""Robust aggregation (allreduce/robust.py, GroupAverage(robust=...)): norm clipping at the shard owner.
+"""Robust aggregation (allreduce/robust.py, AverageOptions.robust): norm clipping at the shard owner.
 
 Each scenario runs whole groups of the sans-I/O core over the in-test network of test_allreduce_core, with
 one member corrupting its reduce-scatter contributions through the fault injector (``peerd.tools.faults``).
@@ -6,10 +6,12 @@ one member corrupting its reduce-scatter contributions through the fault injecto
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from peerd.allreduce.group import GroupAverage
+from peerd.allreduce.group import GROUP_OPTIONS, GroupAverage
 from peerd.allreduce.robust import Robust, parse_robust
 from peerd.tools.faults import byzantine
 
@@ -32,7 +34,7 @@ def run(xs, ws, *, bad: int | None = None, mode: str | None = None, robust: Robu
         center: np.ndarray | None = None, drop=None) -> list[GroupAverage]:
     m = [
         byzantine(mode if i == bad else None)(GROUP, len(xs), i, xs[i], ws[i], 0.0, max_payload=payload_for(PER),
-                                              robust=robust, center=center)
+                                              options=replace(GROUP_OPTIONS, robust=robust), center=center)
         for i in range(len(xs))
     ]
     GroupNet(m, **({"drop": drop} if drop else {})).run()
@@ -147,11 +149,13 @@ def test_a_nan_member_is_refused_before_the_norms() -> None:
 def test_robust_arguments_are_checked() -> None:
     v = np.zeros(8, np.float32)
     with pytest.raises(ValueError, match="robust"):
-        GroupAverage(GROUP, 2, 0, v, 1.0, 0.0, robust="clip")  # type: ignore[arg-type]
+        GroupAverage(GROUP, 2, 0, v, 1.0, 0.0, options=replace(GROUP_OPTIONS, robust="clip"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="center"):
-        GroupAverage(GROUP, 2, 0, v, 1.0, 0.0, robust=Robust("centered"), center=np.zeros(7, np.float32))
+        GroupAverage(GROUP, 2, 0, v, 1.0, 0.0, options=replace(GROUP_OPTIONS, robust=Robust("centered")),
+                     center=np.zeros(7, np.float32))
     with pytest.raises(ValueError, match="center"):
-        GroupAverage(GROUP, 2, 0, v, 1.0, 0.0, robust=Robust("centered"), center=np.full(8, np.nan, np.float32))
+        GroupAverage(GROUP, 2, 0, v, 1.0, 0.0, options=replace(GROUP_OPTIONS, robust=Robust("centered")),
+                     center=np.full(8, np.nan, np.float32))
 
 
 def test_huge_finite_values_are_clipped_not_refused() -> None:

@@ -5,6 +5,7 @@ network of test_allreduce_core (virtual time)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 import trio
 
 from peerd.allreduce.arctopk import ArcTopKPlan, ArcTopKResult
-from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GroupAverage
+from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GROUP_OPTIONS, GroupAverage
 from peerd.allreduce.options import DEFAULT_OPTIONS
 from peerd.allreduce.robust import WEIGHT_BOUND, Robust
 from peerd.compress.topk import EF21M
@@ -37,7 +38,8 @@ def test_a_claimed_huge_weight_does_not_undo_clipping_hostile() -> None:
     ws[0] = DEFAULT_MAX_WEIGHT
     honest = np.mean(np.stack(xs[1:]).astype(np.float64), axis=0)
     cores = [byzantine("signflip" if i == 0 else None)(GROUP, n, i, xs[i], ws[i], 0.0, max_payload=payload_for(PER),
-                                                       robust=Robust("clip", 1.0)) for i in range(n)]
+                                                       options=replace(GROUP_OPTIONS, robust=Robust("clip", 1.0)))
+             for i in range(n)]
     GroupNet(cores).run()
     a, b = length // n, length  # shards 1..7: honest owners
     for i in range(1, n):
@@ -47,8 +49,8 @@ def test_a_claimed_huge_weight_does_not_undo_clipping_hostile() -> None:
         assert cores[i].statistics().weight_total == pytest.approx(32.0 * (n - 1) + WEIGHT_BOUND * 32.0)
     # honest members of equal weight are never bounded: a robust average of them is their plain mean
     plain = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER)) for i in range(n)]
-    bounded = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER),
-                            robust=Robust("clip", 1e6)) for i in range(n)]
+    bounded = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, options=replace(GROUP_OPTIONS, robust=Robust("clip", 1e6)),
+                            max_payload=payload_for(PER)) for i in range(n)]
     GroupNet(plain).run()
     GroupNet(bounded).run()
     for p, r in zip(plain, bounded, strict=True):

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from peerd.allreduce.group import GroupAverage
+from peerd.allreduce.group import GROUP_OPTIONS, GroupAverage
 from peerd.cli import main
 from peerd.moshpit.keys import Grid
 from peerd.moshpit.records import progress_key
@@ -29,7 +30,8 @@ def test_the_flow_model_is_what_the_real_group_average_computes(n: int, length: 
     rng = np.random.default_rng(n)
     xs = [rng.standard_normal(length).astype(np.float32) for _ in range(n)]
     ws = [float(w) for w in rng.integers(1, 5, n)]
-    members = [GroupAverage(0xC0FFEE01, n, i, xs[i], ws[i], 0.0, max_payload=payload_for(4), floor_s=0.5)
+    members = [GroupAverage(0xC0FFEE01, n, i, xs[i], ws[i], 0.0, options=replace(GROUP_OPTIONS, floor_s=0.5),
+                            max_payload=payload_for(4))
                for i in range(n)]
     net = GroupNet(members, drop=lambda w: w.src in absent)
     net.run()

@@ -9,6 +9,7 @@ float32 sum. After every block both copies must hold the same state, and in the 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peerd.allreduce import HEADER_SIZE, GroupAverage
+from peerd.allreduce.group import GROUP_OPTIONS
 from peerd.compress import codec
 from peerd.wire.errors import WireError
 from peerd.wire.native import native as _native
@@ -31,8 +33,8 @@ def _group(n: int, length: int, per: int, seed: int, take: bool, cap: float) -> 
     rng = np.random.default_rng(seed)
     c = codec("fp32")
     cores = [GroupAverage(GROUP, n, i, rng.standard_normal(length).astype(np.float32), 1.0 + i, 0.0,
-                          max_payload=HEADER_SIZE + c.body_size(per), floor_s=1.0, codec=c, run=seed,
-                          max_weight=cap, out=np.zeros(length, np.float32))
+                          options=replace(GROUP_OPTIONS, floor_s=1.0, codec=c, run=seed, max_weight=cap),
+                          max_payload=HEADER_SIZE + c.body_size(per), out=np.zeros(length, np.float32))
              for i in range(n)]
     for core in cores:
         assert core._take  # (plain fp32 into an aligned vector: the native take applies)

@@ -30,8 +30,9 @@ class Wake:
 
 @dataclass(frozen=True, slots=True)
 class HeldTimer:
-    """Something is held and nothing was before: call ``handle_held_timer`` at ``at``, then at ``get_held_timer()``
-    while that is not None (held data is freed on a timer, also on a node that receives nothing more)."""
+    """Something is held and nothing was before: call the host's ``handle_timer`` at ``at``, then at its
+    ``get_timer()`` while that is not None (held data is freed on a timer, also on a node that receives nothing
+    more)."""
 
     at: float
 

@@ -320,15 +320,16 @@ async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, i
                          int(np.count_nonzero(got & sent)) / total if total else 1.0, sent_bytes, phases, selections)
 
 
-def phase_options(phase: int, robust: Robust | None) -> dict[str, Any]:
-    """The averaging core's options for ``phase`` of an arc-topk average: the selection phase runs ``solo`` (each
-    owner's segment is its bitmap alone); the sketch and dense phases clip when ``robust`` is set (a centered
-    mode clips around zero: no center is kept for sketches or rows)."""
+def phase_options(options: AverageOptions, phase: int) -> AverageOptions:
+    """``options`` as ``phase`` of an arc-topk average runs them: the selection phase runs ``solo`` (each owner's
+    segment is its bitmap alone) with no clipping; the sketch and dense phases clip when ``options.robust`` is set
+    (a centered mode clips around zero: no center is kept for sketches or rows)."""
+    robust = options.robust
     if phase == 1:
-        return {"solo": True}
-    if robust is None:
-        return {}
-    return {"robust": robust if robust.mode == "clip" else Robust("clip", robust.c)}
+        return replace(options, robust=None, solo=True)
+    if robust is None or robust.mode == "clip":
+        return replace(options, solo=False)
+    return replace(options, robust=Robust("clip", robust.c), solo=False)
 
 
 async def service_arc_topk(service: Averager, group_id: int, members: list, index: int, vector: np.ndarray,
@@ -339,13 +340,12 @@ async def service_arc_topk(service: Averager, group_id: int, members: list, inde
     plan's). ``options.robust`` applies to the sketch and dense phases (a centered mode clips around zero: no
     center is kept for sketches or rows); the selection phase runs ``solo`` (each owner's segment is its bitmap
     alone). ``result.phases`` holds the three AverageResults."""
-    robust = options.robust
-    base = replace(options, robust=None, codec=None, run=0, solo=False)
+    base = replace(options, codec=None, run=0, solo=False)
+    dense = replace(base, codec=codec, run=run) if codec is not None and codec.wire_id != 0 else base
 
     async def average(phase: int, gid: int, values: np.ndarray) -> tuple[np.ndarray, object, int]:
-        coded = {"codec": codec, "run": run} if phase == 2 and codec is not None and codec.wire_id != 0 else {}
         res = await service.average(gid, members, index, values, weight,
-                                    replace(base, **coded, **phase_options(phase, robust)))
+                                    phase_options(dense if phase == 2 else base, phase))
         return res.vector, res, res.bytes_sent
 
     offload = trio.to_thread.run_sync if plan.layout.length >= OFF_LOOP_ELEMS else _inline

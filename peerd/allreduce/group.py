@@ -63,14 +63,14 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..compress import PHASE_AG, PHASE_RS, Codec, RoundingKey
+from ..compress import PHASE_AG, PHASE_RS, RoundingKey
 from ..compress.floats import Float32Codec
 from . import kernels
 from .finalize import Finalize
 from .frames import F32_DTYPE
 from .intake import Intake, Outcome
 from .kernels import stage_elements
-from .options import DEFAULT_MAX_WEIGHT, check_codec, check_max_weight, check_robust, check_timing
+from .options import DEFAULT_MAX_WEIGHT, AverageOptions, check_max_weight
 from .outbox import DEFAULT_BLOCK_ROWS, OutBlock, Outbox, Outgoing
 from .phase import (
     COMPLETION,
@@ -85,19 +85,21 @@ from .phase import (
     State,
     advance,
 )
-from .robust import Robust
 from .shards import Layout, elements_per_datagram
 
 __all__ = [  # the core's public names, wherever in the package they are defined
     "COMPLETION", "DEADLINE", "DEFAULT_FLOOR_S", "DEFAULT_MAX_PAYLOAD", "DEFAULT_MAX_WEIGHT", "DEFAULT_SAFETY",
-    "FP32_CODEC", "IN_ORDER_GRACE_S", "GroupAverage", "GroupStats", "OutBlock", "Outcome", "Outgoing", "PhaseStats",
-    "State", "stage_elements",
+    "FP32_CODEC", "GROUP_OPTIONS", "IN_ORDER_GRACE_S", "GroupAverage", "GroupStats", "OutBlock", "Outcome",
+    "Outgoing", "PhaseStats", "State", "stage_elements",
 ]
 
 DEFAULT_MAX_PAYLOAD = 1200 - 37  # default datagram payload minus envelope (21) and AEAD tag (16)
 DEFAULT_FLOOR_S = 1.0
 DEFAULT_SAFETY = 2.0
 FP32_CODEC = Float32Codec()  # the default body codec (values travel as their own float32 bytes)
+# The core's own defaults: no cap on a phase's deadline and no grace after an END that overtook data (a daemon's
+# averages run with AverageOptions()'s).
+GROUP_OPTIONS = AverageOptions(floor_s=DEFAULT_FLOOR_S, max_phase_s=None, end_grace_s=0.0)
 
 
 class GroupAverage(Intake, Outbox, Finalize):
@@ -115,6 +117,10 @@ class GroupAverage(Intake, Outbox, Finalize):
 
     All members of a group must use the same ``max_payload``: the ranges are derived from it, and a body
     whose range does not match this member's layout is malformed.
+
+    ``options`` (AverageOptions, checked where it is made; GROUP_OPTIONS by default) say how the average runs:
+    the phase deadline's floor and cap, the END grace, and the following. ``absent`` members are removed at
+    once (``remove_member``).
 
     ``max_weight`` caps every weight this owner uses, its own included (None: 2**24 samples). ``robust``
     (``robust.Robust``) clips each member's contribution to this shard to C times the median norm, around
@@ -142,20 +148,17 @@ class GroupAverage(Intake, Outbox, Finalize):
         weight: float,
         now: float,
         *,
+        options: AverageOptions = GROUP_OPTIONS,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
-        floor_s: float = DEFAULT_FLOOR_S,
         safety: float = DEFAULT_SAFETY,
-        max_phase_s: float | None = None,
         out: np.ndarray | None = None,
-        end_grace_s: float = 0.0,
-        max_weight: float | None = None,
-        robust: Robust | None = None,
         center: np.ndarray | None = None,
-        codec: Codec | None = None,
-        run: int = 0,
         stage: np.ndarray | None = None,
-        solo: bool = False,
     ) -> None:
+        if not isinstance(options, AverageOptions):
+            raise ValueError(f"options must be an AverageOptions, got {options!r}")
+        self.options = options
+        floor_s, max_phase_s, robust, codec = options.floor_s, options.max_phase_s, options.robust, options.codec
         if type(group_id) is not int or not 0 <= group_id <= 0xFFFFFFFF:
             raise ValueError(f"group_id must be a u32, got {group_id!r}")
         if type(n) is not int or n < 1:
@@ -173,16 +176,13 @@ class GroupAverage(Intake, Outbox, Finalize):
                 f"weight must be finite and > 0 (the sample count behind this vector), got {weight!r};"
                 " a member with nothing to contribute should not join the group"
             )
-        cap = check_max_weight(max_weight)
+        cap = check_max_weight(options.max_weight)  # (None: the default cap)
         refused: Counter[str] = Counter()
         if w > cap:
             refused["weight_capped"] += 1
             w32 = np.float32(cap)
-        check_robust(robust)
-        check_timing(floor_s, max_phase_s)
         if not (math.isfinite(safety) and safety > 0):
             raise ValueError(f"safety must be finite and > 0, got {safety!r}")
-        check_codec(codec, run)
         if codec is None:
             codec = FP32_CODEC
         if not isinstance(vector, np.ndarray) or vector.ndim != 1:
@@ -223,7 +223,7 @@ class GroupAverage(Intake, Outbox, Finalize):
         # weight once every contribution is in (``_robust_step``)
         self._wcap = cap
         self._robust = robust
-        self._solo = bool(solo)
+        self._solo = options.solo
         self._refused = refused
         self._center: np.ndarray | None = None
         if robust is not None and robust.mode == "centered" and center is not None:
@@ -270,8 +270,8 @@ class GroupAverage(Intake, Outbox, Finalize):
         # decode to) with a mask of the ranges that could be encoded (the rest is not sent).
         self._cid = codec.wire_id
         self._coded = codec.wire_id != FP32_CODEC.wire_id
-        self._rs_key = RoundingKey(run, group_id, index, PHASE_RS)
-        self._ag_key = RoundingKey(run, group_id, index, PHASE_AG)
+        self._rs_key = RoundingKey(options.run, group_id, index, PHASE_RS)
+        self._ag_key = RoundingKey(options.run, group_id, index, PHASE_AG)
         if self._coded:
             full = (self._hi - self._lo) // self._per
             self._body_per = codec.body_size(self._per)
@@ -284,7 +284,7 @@ class GroupAverage(Intake, Outbox, Finalize):
         # rows whose float32 sum would overflow (summed in float64 when the range is finalized). On the Python data
         # path the staged reconstruction stays: in numpy, streaming takes a gather, two finiteness checks, a select
         # and a scatter per block where the stage takes one copy (its sums are vectorized later either way).
-        self._stream = not self._coded and robust is None and not solo and kernels.native is not None
+        self._stream = not self._coded and robust is None and not options.solo and kernels.native is not None
         self._acc = self._stage_buffer[: self._hi - self._lo]
         self._acc_set = np.zeros(self._nranges, dtype=np.uint8)
         self._wsum_in = np.zeros(self._nranges, dtype=np.float64)
@@ -304,7 +304,7 @@ class GroupAverage(Intake, Outbox, Finalize):
         self._filled = self._inplace
         self._rs = Phase([self._nranges if s != index else 0 for s in range(n)], index, now)
         self._ag = Phase([self.layout.datagrams(j) if j != index else 0 for j in range(n)], index, None)
-        self._rs.grace = self._ag.grace = float(end_grace_s)
+        self._rs.grace = self._ag.grace = float(options.end_grace_s)
         self.state = State.REDUCE_SCATTER  # receiving (phase.TRANSITIONS)
         self.sending = Sending.REDUCE_SCATTER  # sending (phase.SEND_TRANSITIONS)
         self._gen: Iterator[OutBlock | None] | None = self._rs_blocks()  # the current sending phase's blocks
@@ -314,6 +314,8 @@ class GroupAverage(Intake, Outbox, Finalize):
         # a driver compares it before and after ``receive`` (cheaper than reading ``finished``,
         # ``wants_to_send`` and ``get_timer``) to know when to wake up and re-read the timer.
         self.phase_changes = 0
+        for a in sorted(set(options.absent)):
+            self.remove_member(a, now)
         self._maybe_end(now)
 
     # ---- state -------------------------------------------------------------------------------------

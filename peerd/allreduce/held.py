@@ -47,7 +47,7 @@ class HeldData:
         self.nbytes = 0
         self.count = 0
 
-    def add(self, group: int, token: int, item: Any, nbytes: int, now: float, count: int = 1) -> tuple[bool, int]:
+    def add(self, group: int, token: int, item: Any, nbytes: int, now: float, *, count: int = 1) -> tuple[bool, int]:
         """Hold ``item``: a body of ``nbytes``, or a block of ``count`` bodies of ``nbytes`` together (charged
         as that many bodies). Returns (held, bodies dropped to make room or expired)."""
         dropped = self.expire(now)

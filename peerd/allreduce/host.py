@@ -5,27 +5,28 @@ tensor body belongs to, which member sent it, data kept for a group this node ha
 sealing token not bound yet, how long a phase waits for such data, the delivery meters behind each REPORT
 this node sends, what REPORTs it accepts, and when each paced part of a block may go out. It takes the
 sender's token and, once the transport has bound that token, its node id (the transport resolves tokens to
-peers; data datagrams carry no node id), an injected ``now`` on every call, and returns typed actions. It
-never waits, reads a clock or touches a socket, so the trio driver (service.py), the simulator and the tests
-run the same decisions; nothing here draws random numbers.
+peers; data datagrams carry no node id), an injected ``now`` on every call, and queues typed actions for
+``take_actions``. It never waits, reads a clock or touches a socket, so the trio driver (service.py), the
+simulator and the tests run the same decisions; nothing here draws random numbers.
 
 A driver's loop for one group, in outline (service.py is the real one)::
 
-    actions = host.start(group_id, peers, index, vector, weight, now)   # Bind: PING these members
+    host.start(group_id, peers, index, vector, weight, now)       # take_actions(): a Bind per member to PING
     while not host.finished(group_id):
         while host.wants_to_send(group_id):
-            for block in host.datagrams_to_send(group_id, now):
+            for block in host.datagrams_to_send(now, group_id=group_id):
                 for each part of host.part_rows(block) rows:
                     sleep until host.pace(block, rows, nbytes, now); seal the part and send it
-        sleep until host.get_timer(group_id, now), or a Wake(group_id) action
-        run(host.handle_timer(group_id, now))
-    run(host.finish(group_id, now, kernel_drops))                       # final REPORTs, Completed
+        sleep until host.group_timer(group_id, now), or a Wake(group_id) action
+        host.handle_group_timer(group_id, now); run(host.take_actions())
+    host.finish(group_id, kernel_drops, now); run(host.take_actions())   # final REPORTs, Completed
     # meanwhile: every REPORT_INTERVAL_S (host.next_report) send host.reports(...)
 
-and for everything that arrives: ``on_data``, ``on_block``, ``on_bind``, ``on_report``; held data expires at
-``get_held_timer()`` (``handle_held_timer``). What a member may make this node spend is bounded here
-(protocol/PROTOCOL.md 17.3): held bytes (HeldData), accepted REPORTs (members of running or recent groups),
-remembered token bindings and the pacer's paths (both LRU).
+and for everything that arrives: ``receive_data``, ``receive_block``, ``receive_bind``, ``receive_report``, each
+followed by ``take_actions()``. The host's own timer (``get_timer()``, ``handle_timer(now)``) expires held data;
+each group's phase deadlines are its driver's (``group_timer``, ``handle_group_timer``). What a member may make this
+node spend is bounded here (protocol/PROTOCOL.md 17.3): held bytes (HeldData), accepted REPORTs (members of running
+or recent groups), remembered token bindings and the pacer's paths (both LRU).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import heapq
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -70,6 +71,20 @@ MAX_SPARES = 16  # ... and at most this many of them (the smallest go first)
 # after the first, past a full 20 ms queue's drain (the link lab's tbf) and still far inside a phase's 1 s floor.
 END_SPACING_S = (0.008, 0.03)
 _NONE: tuple[()] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class HostStatistics:
+    """What the host holds now: groups running and recently finished, held data (bodies, bytes), token bindings
+    remembered, finished groups' stages kept for reuse (bytes) and the pacer's rate (bytes/s)."""
+
+    running: int
+    recent: int
+    held_bodies: int
+    held_bytes: int
+    bindings: int
+    spare_stage_bytes: int
+    pacing_rate: float
 
 
 def send_shape(mtu: int, gso: bool) -> tuple[int, int]:
@@ -137,6 +152,19 @@ class AveragingHost:
         # sender's pacer read it as a queue that grew by the gap: a startup cut to 1 MB/s on loopback).
         self._latest: OrderedDict[bytes, int] = OrderedDict()
         self._protected: dict[int, None] | None = None  # protected_tokens' answer, until a group or binding changes
+        self._actions: list[Action] = []  # what the inputs asked for, until take_actions
+
+    def take_actions(self) -> list[Action]:
+        """What the inputs since the last call asked the driver to do, in order (drained)."""
+        actions = self._actions
+        if not actions:
+            return []
+        self._actions = []
+        return actions
+
+    def statistics(self) -> HostStatistics:
+        return HostStatistics(len(self._groups), len(self._recent), self.held.count, self.held.nbytes,
+                              len(self._bound), self.spare_stage_nbytes(), self.pacer.rate)
 
     # ---- groups ---------------------------------------------------------------------------------------
 
@@ -148,15 +176,15 @@ class AveragingHost:
         vector: np.ndarray,
         weight: float,
         now: float,
-        options: AverageOptions = DEFAULT_OPTIONS,
         *,
+        options: AverageOptions = DEFAULT_OPTIONS,
         kernel_drops: int = 0,
         gso: bool = False,
         out: np.ndarray | None = None,
         center: np.ndarray | None = None,
-    ) -> list[Action]:
+    ) -> None:
         """Start averaging ``vector`` (weight: its sample count) as member ``index`` of ``peers`` (node ids,
-        in the group's order), as ``options`` say. Returns a Bind per other member, and what the data held for
+        in the group's order), as ``options`` say. Queues a Bind per other member, and what the data held for
         this group did. ``options.absent``: members (indices) this node neither waits for nor sends to
         (GroupAverage.remove_member), e.g. one silent in an earlier part of the same Moshpit round.
         ValueError: a group of that id is running here, the members are not distinct, or GroupAverage's own
@@ -172,15 +200,9 @@ class AveragingHost:
         if any(not 0 <= a < len(peers) or a == index for a in absent):
             raise ValueError(f"absent members must be other members' indices in 0..{len(peers) - 1}")
         spare = self._take_spare(stage_elements(len(vector), len(peers)))
-        core = self.group_factory(
-            group_id, len(peers), index, vector, weight, now,
-            max_payload=self.max_body, floor_s=options.floor_s, max_phase_s=options.max_phase_s, out=out,
-            end_grace_s=options.end_grace_s, max_weight=options.max_weight, robust=options.robust, center=center,
-            codec=options.codec, run=options.run, stage=spare, solo=options.solo,
-        )
+        core = self.group_factory(group_id, len(peers), index, vector, weight, now, options=options,
+                                  max_payload=self.max_body, out=out, center=center, stage=spare)
         core.split_values = self.split_values
-        for a in sorted(absent):
-            core.remove_member(a, now)
         part, rows = send_shape(self.mtu, gso)
         g = RunningGroup(core, peers, now, kernel_drops, options.floor_s, part, rows, now + self.report_interval_s)
         g.gate_rows = max(1, GATE_BYTES // self.mtu)
@@ -194,7 +216,7 @@ class AveragingHost:
                 peer = self._bound.get(token)
             self._deliver_held(g, peer, token, mtype, body, now, drops, actions)
         _flush(drops, actions)
-        return _merge(actions)
+        self._actions.extend(_merge(actions))
 
     def protected_tokens(self) -> dict[int, None]:
         """The tokens bound to members of the groups running now: the receive pass never sheds their datagrams
@@ -237,9 +259,9 @@ class AveragingHost:
         g = self._groups[group_id]
         return max(BATCH, g.rows * (len(g.peers) - 1))
 
-    def datagrams_to_send(self, group_id: int, now: float, limit: int = BATCH) -> list[SendBlock]:
-        """About ``limit`` datagrams' worth of blocks, reduce-scatter first (may be empty for a slice of
-        robust work: the driver's turn to let other tasks run)."""
+    def datagrams_to_send(self, now: float, limit: int = BATCH, *, group_id: int) -> list[SendBlock]:
+        """About ``limit`` datagrams' worth of group ``group_id``'s blocks, reduce-scatter first (may be empty for
+        a slice of robust work: the driver's turn to let other tasks run)."""
         g = self._groups[group_id]
         out = release(g, limit) if g.waiting else []
         if out and sum(len(b.bodies) for b in out) >= limit:
@@ -333,8 +355,8 @@ class AveragingHost:
             if g is not None:
                 g.positions[block.to].settle(g.sent_to[block.to], at)
 
-    def get_timer(self, group_id: int, now: float) -> float:
-        """When to call ``handle_timer`` next (a Wake may come first). While data from a token not bound yet is
+    def group_timer(self, group_id: int, now: float) -> float:
+        """When to call ``handle_group_timer`` next (a Wake may come first). While data from a token not bound yet is
         held for the group, its sender's binding is still in flight (the handshake retries): the phase
         deadline waits up to one more ``floor_s`` for it, or that sender would turn up as silence."""
         g = self._groups[group_id]
@@ -349,23 +371,24 @@ class AveragingHost:
             at = min(at, g.gate_until)
         return min(at, g.copies[0][0]) if g.copies else at
 
-    def handle_timer(self, group_id: int, now: float) -> list[Action]:
+    def handle_group_timer(self, group_id: int, now: float) -> None:
         """The group's deadline passed or it was woken: end whichever phase's deadline has passed (unless
-        unbound data still waits for its binding, within the extension)."""
+        unbound data still waits for its binding, within the extension); a phase that ended queues a Wake."""
         g = self._groups[group_id]
         if now >= g.gate_until:
             g.gate_until = math.inf  # every gate open: what waits goes (the driver asks wants_to_send again)
         if self.held.holds(group_id) and (g.hold_until is None or now < g.hold_until):
-            return []
+            return
         before = g.core.phase_changes
         g.core.handle_timer(now)
-        return [Wake(group_id)] if g.core.phase_changes != before else []
+        if g.core.phase_changes != before:
+            self._actions.append(Wake(group_id))
 
     def next_report(self, group_id: int) -> float:
         """When to call ``reports`` for the group next."""
         return self._groups[group_id].report_at
 
-    def reports(self, group_id: int, now: float, kernel_drops: int,
+    def reports(self, group_id: int, kernel_drops: int, now: float, *,
                 arrivals: Sequence[float] | None = None) -> list[SendReport]:
         """A REPORT to each sender from which enough arrived since the last one (``kernel_drops``: the
         socket's cumulative counter; ``arrivals``: per member, the kernel's receive time of its latest data,
@@ -374,15 +397,15 @@ class AveragingHost:
         g.report_at = now + self.report_interval_s
         return self._reports(g, now, kernel_drops, final=False, arrivals=arrivals)
 
-    def finish(self, group_id: int, now: float, kernel_drops: int,
-               arrivals: Sequence[float] | None = None) -> list[Action]:
-        """The group's driver is done with it (finished, or cancelled: then nothing to send). A finished
+    def finish(self, group_id: int, kernel_drops: int, now: float, *,
+               arrivals: Sequence[float] | None = None) -> None:
+        """The group's driver is done with it (finished, or cancelled: then nothing to send). Queues a finished
         group's last REPORTs (what arrived since the last one, and the lost tail) and its Completed; the
         group's REPORTs keep counting while it is among the ``recent_groups`` latest, and what is still held
         for it (from tokens never bound) is dropped (``unbound``)."""
         g = self._groups.pop(group_id)
         self._protected = None
-        actions: list[Action] = []
+        actions = self._actions
         if g.core.finished:
             actions.extend(self._reports(g, now, kernel_drops, final=True, arrivals=arrivals))
             actions.append(Completed(group_id, g.core.result(), g.core.statistics()))
@@ -394,14 +417,18 @@ class AveragingHost:
         unbound = sum(_bodies(item[2]) for item in self.held.pop_group(group_id))
         if unbound:
             actions.append(Dropped("unbound", unbound))
-        return actions
 
     # ---- what arrives ---------------------------------------------------------------------------------
 
-    def on_data(self, peer: bytes | None, token: int, mtype: int, body: bytes, now: float) -> Sequence[Action]:
+    def receive_data(self, peer: bytes | None, token: int, mtype: int, body: bytes, now: float) -> None:
         """One tensor body from ``token`` (``peer``: the node id it is bound to, None while unbound).
         WireError for a body no group of this node takes (malformed, oversized) or from a node that is not
         a member of its group; ``Dropped("unbound")`` for one from an unbound token that holds too much."""
+        actions = self._data(peer, token, mtype, body, now)
+        if actions:
+            self._actions.extend(actions)
+
+    def _data(self, peer: bytes | None, token: int, mtype: int, body: bytes, now: float) -> Sequence[Action]:
         group = peek_group(body)
         self._note_latest(peer, group)
         if len(body) > self.max_body:  # no group of this node takes it: do not even hold it
@@ -412,10 +439,15 @@ class AveragingHost:
             return self._hold(group, token, peer, mtype, body, now)
         return self._deliver(g, peer, token, mtype, body, now)
 
-    def on_block(self, peer: bytes | None, token: int, mtype: int, bodies: np.ndarray, now: float
-                 ) -> Sequence[Action]:
+    def receive_block(self, peer: bytes | None, token: int, mtype: int, bodies: np.ndarray, now: float) -> None:
         """A GRO block of one sender's data (``bodies``: rows x body bytes): handed to its group whole when
         it is a clean run of its ranges, else body by body (which counts whatever is wrong with each)."""
+        actions = self._block(peer, token, mtype, bodies, now)
+        if actions:
+            self._actions.extend(actions)
+
+    def _block(self, peer: bytes | None, token: int, mtype: int, bodies: np.ndarray, now: float
+               ) -> Sequence[Action]:
         if not len(bodies):
             return _NONE
         self._note_latest(peer, int.from_bytes(bodies[-1, :4].tobytes(), "little"))
@@ -439,7 +471,7 @@ class AveragingHost:
         for row in bodies:
             body = row.tobytes()
             try:
-                actions.extend(self.on_data(peer, token, mtype, body, now))
+                actions.extend(self._data(peer, token, mtype, body, now))
             except WireError as e:
                 drops[e.reason] += 1
         _flush(drops, actions)
@@ -470,7 +502,7 @@ class AveragingHost:
         dropped to make room, and the expiry timer, go to ``actions``."""
         rows, width = bodies.shape
         was_empty = self.held.count == 0
-        kept, dropped = self.held.add(group, token, (mtype, token, bodies.copy(), peer), rows * width, now, rows)
+        kept, dropped = self.held.add(group, token, (mtype, token, bodies.copy(), peer), rows * width, now, count=rows)
         if dropped:
             actions.append(Dropped("held", dropped))
         if kept and was_empty:
@@ -479,7 +511,7 @@ class AveragingHost:
                 actions.append(HeldTimer(at))
         return kept
 
-    def on_bind(self, token: int, peer: bytes, now: float) -> list[Action]:
+    def receive_bind(self, token: int, peer: bytes, now: float) -> None:
         """``token`` was just bound to node ``peer``: what running groups held from it is delivered."""
         self._bound[token] = peer
         self._bound.move_to_end(token)
@@ -495,12 +527,15 @@ class AveragingHost:
                 for mtype, tok, body, _ in held:
                     self._deliver_held(g, peer, tok, mtype, body, now, drops, actions)
         _flush(drops, actions)
-        return _merge(actions)
+        self._actions.extend(_merge(actions))
 
-    def on_report(self, peer: bytes, fields: dict[str, Any], now: float) -> list[Action]:
+    def receive_report(self, peer: bytes, fields: dict[str, Any], now: float) -> None:
         """A REPORT (decoded, so its numbers are in range) from node ``peer``. Only a member of a running or
         recent group with that id speaks for a path this node sends on: anyone else (every member holds
         the swarm key) could throttle this node's sending."""
+        self._actions.extend(self._report(peer, fields, now))
+
+    def _report(self, peer: bytes, fields: dict[str, Any], now: float) -> list[Action]:
         b = fields
         g = self._groups.get(b["group"]) or self._recent.get(b["group"])
         i = g.by_peer.get(peer) if g is not None else None
@@ -527,13 +562,15 @@ class AveragingHost:
 
     # ---- held data ------------------------------------------------------------------------------------
 
-    def get_held_timer(self) -> float | None:
-        """When the oldest held bucket expires (None: nothing held)."""
+    def get_timer(self) -> float | None:
+        """When the oldest held bucket expires (None: nothing held): the host's own timer."""
         return self.held.next_expiry()
 
-    def handle_held_timer(self, now: float) -> list[Action]:
+    def handle_timer(self, now: float) -> None:
+        """Drop the held data that has expired by ``now`` (queues the count)."""
         dropped = self.held.expire(now)
-        return [Dropped("held", dropped)] if dropped else []
+        if dropped:
+            self._actions.append(Dropped("held", dropped))
 
     # ---- internals ------------------------------------------------------------------------------------
 

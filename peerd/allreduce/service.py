@@ -125,21 +125,25 @@ class AllreduceService:
     # -- what arrives (the endpoint's handlers: synchronous) --------------------------------------
     def _on_data(self, header: Header, body: bytes, state: TokenState, source: Address) -> None:
         key = state.peer_key
-        actions = self.host.on_data(None if key is None else _node_id(key), header.token, header.type, body,
-                                    trio.current_time())
+        host = self.host
+        host.receive_data(None if key is None else _node_id(key), header.token, header.type, body,
+                          trio.current_time())
+        actions = host.take_actions()
         if actions:  # (most bodies: none; this path runs per datagram)
             self._run(actions)
 
     def _on_block(self, mtype: int, token: int, state: TokenState, bodies: np.ndarray, source: Address) -> None:
         key = state.peer_key
-        self._run(self.host.on_block(None if key is None else _node_id(key), token, mtype, bodies,
-                                     trio.current_time()))
+        self.host.receive_block(None if key is None else _node_id(key), token, mtype, bodies, trio.current_time())
+        self._run(self.host.take_actions())
 
     def _on_bind(self, token: int, public_key: bytes) -> None:
-        self._run(self.host.on_bind(token, _node_id(public_key), trio.current_time()))
+        self.host.receive_bind(token, _node_id(public_key), trio.current_time())
+        self._run(self.host.take_actions())
 
     def _on_report(self, incoming: Incoming) -> None:
-        self._run(self.host.on_report(incoming.peer.node_id, incoming.body, trio.current_time()))
+        self.host.receive_report(incoming.peer.node_id, incoming.body, trio.current_time())
+        self._run(self.host.take_actions())
 
     def _run(self, actions: Iterable[Action]) -> None:
         """Carry out the actions that need no waiting."""
@@ -168,9 +172,10 @@ class AllreduceService:
     async def _expire_held(self) -> None:
         """Expire held bodies when the host says, not only when the next one arrives; ends when none is held."""
         try:
-            while (at := self.host.get_held_timer()) is not None:
+            while (at := self.host.get_timer()) is not None:
                 await trio.sleep_until(at)
-                self._run(self.host.handle_held_timer(trio.current_time()))
+                self.host.handle_timer(trio.current_time())
+                self._run(self.host.take_actions())
         except Exception:  # never take the daemon down (a system task's error would end the whole run)
             log.exception("allreduce: expiring held data failed")
             self.metrics.background_errors.labels("allreduce_held").inc()
@@ -211,10 +216,11 @@ class AllreduceService:
         host = self.host
         floor_s = options.floor_s
         wall0 = time.perf_counter()
-        actions = host.start(
-            group_id, [mb.node_id for mb in members], index, vector, weight, trio.current_time(), options,
+        host.start(
+            group_id, [mb.node_id for mb in members], index, vector, weight, trio.current_time(), options=options,
             kernel_drops=self._kernel_drops(), gso=self._gso(), out=out, center=center,
         )
+        actions = host.take_actions()
         self._wake[group_id] = trio.Event()
         handshake = [0.0]
         sent = [0, 0]  # bytes, datagrams
@@ -227,25 +233,26 @@ class AllreduceService:
                 self._run(a for a in actions if type(a) is not Bind)
                 while not host.finished(group_id):
                     while host.wants_to_send(group_id):
-                        await self._send_blocks(host.datagrams_to_send(group_id, trio.current_time(),
-                                                                        host.send_window(group_id)), members,
-                                                sent)
+                        await self._send_blocks(host.datagrams_to_send(trio.current_time(), host.send_window(group_id),
+                                                                        group_id=group_id), members, sent)
                     copies = host.due_copies(group_id, trio.current_time())
                     if copies:
                         await self._send_blocks(copies, members, sent)
                     if host.finished(group_id):
                         break
                     wake = self._wake[group_id] = trio.Event()
-                    at = host.get_timer(group_id, trio.current_time())
+                    at = host.group_timer(group_id, trio.current_time())
                     with trio.move_on_at(at) as timer:
                         await wake.wait()
                     if timer.cancelled_caught:  # a deadline: first what reached the socket before it
                         await self._wait_caught_up(at, floor_s)
-                    self._run(host.handle_timer(group_id, trio.current_time()))
+                    host.handle_group_timer(group_id, trio.current_time())
+                    self._run(host.take_actions())
                 nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
             # END copies not due yet: nothing here waits for them, and members may still (they go at once)
             await self._send_blocks(host.due_copies(group_id, math.inf), members, sent)
-            done = host.finish(group_id, trio.current_time(), self._kernel_drops(), self._arrivals(members))
+            host.finish(group_id, self._kernel_drops(), trio.current_time(), arrivals=self._arrivals(members))
+            done = host.take_actions()
             # what arrived since the last report, and the lost tail
             await self._send_reports([a for a in done if type(a) is SendReport], members)
             self._run(a for a in done if type(a) is Dropped)
@@ -253,8 +260,8 @@ class AllreduceService:
         finally:
             self._wake.pop(group_id, None)
             if host.running(group_id):  # cancelled or failed: nothing more to send for it
-                self._run(a for a in host.finish(group_id, trio.current_time(), self._kernel_drops())
-                          if type(a) is Dropped)
+                host.finish(group_id, self._kernel_drops(), trio.current_time())
+                self._run(a for a in host.take_actions() if type(a) is Dropped)
         assert completed is not None  # (a finished group's finish always completes it)
         seconds = time.perf_counter() - wall0
         self._record(completed.stats, seconds, sent[0])
@@ -341,8 +348,8 @@ class AllreduceService:
         """Tell each sender what arrived from it, when the host says (every REPORT_INTERVAL_S)."""
         while True:
             await trio.sleep_until(self.host.next_report(group_id))
-            await self._send_reports(self.host.reports(group_id, trio.current_time(), self._kernel_drops(),
-                                                       self._arrivals(members)), members)
+            await self._send_reports(self.host.reports(group_id, self._kernel_drops(), trio.current_time(),
+                                                       arrivals=self._arrivals(members)), members)
 
     async def _send_reports(self, reports: list[SendReport], members: list[Member]) -> None:
         for r in reports:

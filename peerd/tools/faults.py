@@ -46,7 +46,7 @@ class ByzantineGroupAverage(GroupAverage):
     def __init__(self, *args: Any, mode: str, **kwargs: Any) -> None:
         self.mode = check_mode(mode)
         super().__init__(*args, **kwargs)
-        self._key = RoundingKey(int(kwargs.get("run", 0)), self.group_id, self.index, PHASE_RS)
+        self._key = RoundingKey(self.options.run, self.group_id, self.index, PHASE_RS)
         # the member's own values, read as the core reads them (when a block is made): a codec's bodies are
         # encoded from the corrupted values, as a hostile member would, not from a decoded honest body
         self._vector = np.asarray(args[3] if len(args) > 3 else kwargs["vector"])

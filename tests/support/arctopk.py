@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import trio
 
@@ -13,6 +15,7 @@ from peerd.allreduce.arctopk import (
     phase_options,
 )
 from peerd.allreduce.frames import peek_group
+from peerd.allreduce.group import GROUP_OPTIONS
 from peerd.compress.topk import EF21M
 
 from .groups import GroupNet, Wire
@@ -54,8 +57,9 @@ def run_group(plan: ArcTopKPlan, xs: list[np.ndarray], ws: list[float], drop=lam
             pending[phase][i] = vector if tamper is None else tamper(i, phase, vector.copy())
             if len(pending[phase]) == n:
                 c = dense if phase == 2 else None
-                cores = [GroupAverage(gid, n, k, pending[phase][k], ws[k], 0.0, max_payload=PAYLOAD, codec=c,
-                                      run=RUN, **phase_options(phase, robust)) for k in range(n)]
+                options = phase_options(replace(GROUP_OPTIONS, codec=c, run=RUN, robust=robust), phase)
+                cores = [GroupAverage(gid, n, k, pending[phase][k], ws[k], 0.0, options=options, max_payload=PAYLOAD)
+                         for k in range(n)]
                 net = GroupNet(cores, drop=lambda w: drop(phase_of(w), w))
                 net.run(allow_late=True)
                 nets.append(net)
