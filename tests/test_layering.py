@@ -43,10 +43,6 @@ SIDE_LAYERS: Mapping[str, str] = {"torch": "links"}
 EXCEPTIONS: Mapping[tuple[str, str], str] = {
     ("peerd.torch.optimizer", "peerd.allreduce.robust"):
         "the trainer checks its robust= option with the daemon's own parser, so both refuse the same strings",
-    ("peerd.nat.averager", "peerd.allreduce.options"):
-        "PathsFirst opens NAT paths to a group's members, then hands the average to the allreduce averager: glue "
-        "above both packages, kept in nat/ beside the paths it opens",
-    ("peerd.nat.averager", "peerd.allreduce.service"): "PathsFirst implements allreduce's Averager protocol",
 }
 # Areas that only the tooling and the entry layer may import.
 OFF_DAEMON = ("tools", "torch")

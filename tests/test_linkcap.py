@@ -263,7 +263,7 @@ def test_the_matchmaking_record_vectors_decode_as_the_protocol_says() -> None:
 def test_a_capped_daemon_shows_its_caps_use_and_budget_in_status(tmp_path) -> None:
     import time
 
-    from peerd.swarm import LocalSwarm
+    from peerd.tools.swarm import LocalSwarm
 
     with LocalSwarm(str(tmp_path), insecure=True, metrics=False) as swarm:
         node = swarm.start(extra=("--max-upload", "20mbit", "--max-download", "5MB/s", "--budget", "200GB/month"))

@@ -33,11 +33,12 @@ from ..compress import Codec
 from ..dht.records import Record
 from ..dht.service import DhtService
 from ..entropy import default_rng
-from ..linkcap.advert import PLAN_MARGIN, CapAdvert, PeerCaps, share_seconds
+from ..linkcap.advert import CapAdvert, PeerCaps
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
 from ..wire.identity import node_id_of
+from .capsplan import capped_phase_s, learn_caps
 from .keys import Grid, KeyManager
 from .matchmaking import REACH_UNKNOWN, Candidate, Group
 from .records import (
@@ -50,7 +51,6 @@ from .records import (
     MoshpitError,
     check_run_id,
     config_key,
-    decode_announce,
     encode_grid,
     group_dht_key,
     plausible_progress,
@@ -102,7 +102,6 @@ __all__ = [
 
 log = logging.getLogger("peerd.moshpit")
 DEFAULT_KEEP_ROUNDS = 1  # groups re-form through the DHT every round unless a run asks to keep them (sticky.py)
-CAPS_READ_S = 0.5  # the most a round's start waits to read unknown members' caps (linkcap)
 
 
 class MoshpitService:
@@ -536,9 +535,12 @@ class MoshpitService:
         if st.topk is not None:
             return await self._average_topk(st, group, members, hexes, vector, weight, budget_s, round_no, key, seen)
         if self._nursery is not None:  # (alongside the average: senders' limits may start a moment late)
-            self._nursery.start_soon(self._learn_caps, group, members, group_dht_key(st.run_id, round_no, key))
+            self._nursery.start_soon(learn_caps, self.dht, self.peer_caps, self.allreduce, self.identity.node_id, group,
+                                     members, group_dht_key(st.run_id, round_no, key))
         try:
-            longest = max(1.0, budget_s / 2, self._capped_phase_s(group, vector))
+            capped = capped_phase_s(self.cap_ad, self.peer_caps, self.identity.node_id, group, vector.nbytes,
+                                    self.endpoint.mtu)
+            longest = max(1.0, budget_s / 2, capped)
             options = AverageOptions(floor_s=1.0, max_phase_s=longest, max_weight=st.max_weight, robust=st.robust,
                                      absent=absent, **coded)
             res = await self.allreduce.average(group_id, members, group.index, vector, weight, options,
@@ -566,34 +568,6 @@ class MoshpitService:
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
                            silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent,
                            weight_total=float(getattr(res.stats, "weight_total", 0.0)))
-
-    async def _learn_caps(self, group: Group, members: list[Member], mm_key: bytes) -> None:
-        """A member whose matchmaking record this node never read (it joined its leader before the record came)
-        may have caps: read the round's records once, briefly, while the average starts, and hand what it learnt
-        to the averager's plan (its limits toward download-capped members)."""
-        me = self.identity.node_id
-        if all(c.node_id == me or self.peer_caps.known(c.node_id) for c in group.members):
-            return
-        records = []
-        with trio.move_on_after(CAPS_READ_S):
-            try:
-                records = await self.dht.get(mm_key)
-            except Exception as e:  # (the average goes ahead with the caps it knows)
-                log.debug("reading the caps of group %08x's members failed: %s", group.group_id, e)
-        for r in records:
-            a = decode_announce(r)
-            if a is not None:
-                self.peer_caps.note(a.node_id, a.cap)
-        plan = getattr(self.allreduce, "plan", None)
-        if plan is not None and any(self.peer_caps.get(c.node_id) for c in group.members):
-            plan(members)
-
-    def _capped_phase_s(self, group: Group, vector: np.ndarray) -> float:
-        """A phase's deadline is at least PLAN_MARGIN x what its slowest capped member's share takes at its cap
-        (linkcap.share_seconds), so a capped member is not cut off as every round's straggler."""
-        adverts = [self.cap_ad if c.node_id == self.identity.node_id else self.peer_caps.get(c.node_id)
-                   for c in group.members]
-        return PLAN_MARGIN * share_seconds(vector.nbytes, adverts, self.endpoint.mtu)
 
     async def _average_topk(self, st: RunState, group: Group, members: list[Member], hexes: list[str],
                             vector: np.ndarray, weight: float, budget_s: float, round_no: int, key: str, seen: int
