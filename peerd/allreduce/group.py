@@ -240,6 +240,8 @@ class GroupAverage(Intake, Outbox, Finalize):
         self._norm_pos = 0  # ranges of the own shard whose norms are summed so far
         self._sumsq = [0.0] * n
         self._elements = [0] * n
+        self._gram = np.zeros((n, n))  # robust: every pair of members' dot product over the own shard
+        self._excluded: frozenset[int] = frozenset()  # robust: members left out for pointing against the others
         self._out_bytes = memoryview(out).cast("B")
         self._inplace = out is vec
         # Blocks carry headers and value views apart (OutBlock.values), for a driver that seals from them. Values
@@ -439,7 +441,8 @@ class GroupAverage(Intake, Outbox, Finalize):
 
     def statistics(self) -> GroupStats:
         own = self.weight
-        heard = [w for s, w in enumerate(self._sender_weight) if w is not None and s != self.index]
+        heard = [w for s, w in enumerate(self._sender_weight) if w is not None and s != self.index
+                 and s not in self._excluded]
         rs_expected = self._nranges * (own + sum(heard))
         rs_received = self._nranges * own + self._rs.weight_received
         ag_expected = sum(self._ag.expected) * (own + sum(heard))
