@@ -38,6 +38,8 @@ poison it, and counts it in ``GroupStats.refused``:
 * ``weight_bounded`` (``robust`` only): a member whose weight is more than WEIGHT_BOUND times the median
   weight of the members that delivered to this shard counts for that bound, so a claimed weight cannot undo
   the clipping (equal honest weights are never bounded, so their average stays exact).
+* ``opposed`` (``robust`` clip only): a member whose contribution, clipped and at its bounded weight, points
+  against the sum of the others' (3 or more members) is left out of this shard's average.
 * ``solo`` (``solo=True``): the owner's result for its shard is its own values alone; what others send for it
   is not averaged in (a broadcast from each owner, e.g. arc-topk's selection bitmaps).
 
