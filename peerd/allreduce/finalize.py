@@ -329,12 +329,26 @@ class Finalize:
         included; a range a member did not deliver, or had refused, counts as zeros): from it ``_robust_step``
         tells which members point against the others, whatever their clipping and weights turn out to be."""
         base = lo - self._lo
+        own = self._vec[lo : lo + rows * width]
+        others = [s for s in range(self.n) if s != self.index]
+        if all(self._rs_seen[s, k0 : k0 + rows].all() for s in others):
+            # every sender delivered every range: one product over the stage's rows in place (the own row of the
+            # stage is unused, whatever it holds; its row and column are replaced by the own values' products)
+            stage = self._stage[:, base : base + rows * width]
+            with np.errstate(all="ignore"):
+                gram = (stage @ stage.T).astype(np.float64)
+                mine = (stage @ own).astype(np.float64)
+                mine[self.index] = float(own @ own)
+                gram[self.index, :] = mine
+                gram[:, self.index] = mine
+                if np.isfinite(gram).all():
+                    self._gram += gram
+                    return
         block = np.zeros((self.n, rows * width), dtype=F32_DTYPE)
         for s in range(self.n):
             x = block[s].reshape(rows, width)
             if s == self.index:
-                x[...] = self._vec[lo : lo + rows * width].reshape(rows, width)
-                mask = None
+                x[...] = own.reshape(rows, width)
             else:
                 mask = self._rs_seen[s, k0 : k0 + rows]
                 if not mask.any():
