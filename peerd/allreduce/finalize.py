@@ -13,7 +13,7 @@ import numpy as np
 from . import kernels
 from .frames import F32_DTYPE
 from .kernels import FINALIZE_BLOCK_ELEMENTS
-from .robust import WEIGHT_BOUND
+from .robust import OPPOSED_COS, WEIGHT_BOUND
 
 
 class Finalize:
@@ -253,8 +253,8 @@ class Finalize:
 
     def _exclude_opposed(self, scale: list[float]) -> None:
         """With 3 or more members heard: leave out of the average every other member whose contribution, as it
-        would count (clipped and with its bounded weight), points against the sum of the others' (a negative
-        cosine): a sign-flipped gradient of normal size, which clipping lets through. The owner never leaves
+        would count (clipped and with its bounded weight), points against the sum of the others' (a cosine below
+        -OPPOSED_COS): a sign-flipped gradient of normal size, which clipping lets through. The owner never leaves
         itself out. From the Gram matrix: member s's dot product with the others is its row sum less its own
         square, and the others' squared norm the whole sum less twice the row sum plus the square."""
         heard = [s for s in range(self.n) if self._elements[s] and
@@ -276,7 +276,7 @@ class Finalize:
                 continue
             dot = row[s] - g[s, s]
             others = total - 2 * row[s] + g[s, s]
-            if dot < 0 and g[s, s] > 0 and others > 0:
+            if g[s, s] > 0 and others > 0 and dot < -OPPOSED_COS * math.sqrt(g[s, s] * others):
                 opposed.add(s)
         if opposed:
             self._refused["opposed"] += len(opposed)

@@ -10,7 +10,7 @@ reached keeps the owner's value exactly.
 
 With ``clip``, the same pass also sums every pair of members' dot products over the shard (a Gram matrix),
 and with 3 or more members heard the owner leaves out every other member whose contribution, as it would
-count (clipped, with its bounded weight), has a negative dot product with the sum of the others': a
+count (clipped, with its bounded weight), has a cosine below -OPPOSED_COS with the sum of the others': a
 sign-flipped gradient of normal size, which clipping lets through, points against the honest members'
 sum. Honest gradients share a signal, so none of them points against the others' sum. Left-out members are
 counted as ``opposed`` in the statistics; the owner never leaves itself out.
@@ -46,6 +46,10 @@ MAX_C = 1e6
 # the most a member's weight counts for, in multiples of the median weight of the members that delivered
 # (robust only): DropCompute's honest weights vary well within 2x, a member's claim beyond it is not believed
 WEIGHT_BOUND = 2.0
+# clip: a member whose contribution has a cosine below -OPPOSED_COS with the sum of the others' is left out.
+# Not 0: unrelated honest vectors (noise, no shared signal) have cosines near 0 of either sign, and left out
+# they would change an honest average; a sign-flipped gradient sits at minus the honest members' agreement.
+OPPOSED_COS = 0.05
 
 
 @dataclass(frozen=True)
