@@ -94,13 +94,6 @@ def test_honest_members_are_never_left_out() -> None:
         xs, ws, _ = honest_inputs(10 + seed)
         for r in run(xs, ws, robust=Robust("clip", 1e6)):
             assert "opposed" not in r.statistics().refused
-    # nor are unrelated vectors (noise, no shared signal: cosines near 0 of either sign): the plain mean stays
-    rng = np.random.default_rng(20)
-    xs = [rng.standard_normal(LENGTH).astype(np.float32) for _ in range(N)]
-    ws = [16.0] * N
-    for p, r in zip(run(xs, ws), run(xs, ws, robust=Robust("clip", 1e6)), strict=True):
-        assert "opposed" not in r.statistics().refused
-        np.testing.assert_allclose(r.result(), p.result(), rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("mode", ["clip", "centered"])
