@@ -1,4 +1,5 @@
-"""Robust aggregation (allreduce/robust.py, AverageOptions.robust): norm clipping at the shard owner.
+"""Robust aggregation (allreduce/robust.py, AverageOptions.robust): norm clipping at the shard owner, and
+members that point against the others left out.
 
 Each scenario runs whole groups of the sans-I/O core over the in-test network of test_allreduce_core, with
 one member corrupting its reduce-scatter contributions through the fault injector (``peerd.tools.faults``).
@@ -70,22 +71,31 @@ def test_scaled_member_is_clipped_and_the_result_stays_near_the_honest_mean() ->
         assert np.isfinite(core.result()).all()
 
 
-def test_sign_flipped_member_of_normal_size_is_not_stopped() -> None:
-    """Norm clipping bounds the size of a contribution, not its direction: a sign-flipped gradient of
-    normal size passes and drags the average the wrong way, exactly as in the plain mean."""
+def test_sign_flipped_member_of_normal_size_is_left_out() -> None:
+    """Norm clipping bounds the size of a contribution, not its direction: a sign-flipped gradient of normal
+    size passes clipping. Its direction gives it away: it points against the sum of the others, so every
+    honest owner leaves it out, and their shards hold the honest members' weighted mean."""
     xs, ws, _ = honest_inputs(1)
     ws[0] = 19.0  # the heaviest member flips
     plain = run(xs, ws, bad=0, mode="signflip")
     robust = run(xs, ws, bad=0, mode="signflip", robust=Robust("clip", 2.0))
     flipped = [-xs[0]] + xs[1:]
-    expect = weighted_mean(flipped, ws, range(N))  # what every owner averaged (owner 0's shard: honest)
-    for p, r in zip(plain, robust, strict=True):
-        np.testing.assert_allclose(r.result(), p.result(), atol=1e-5)
+    a = LENGTH // N  # shards 1.., owned by honest members
+    np.testing.assert_allclose(plain[2].result()[a:], weighted_mean(flipped, ws, range(N))[a:], atol=1e-5)
+    honest = weighted_mean(xs, ws, range(1, N))
+    for i, r in enumerate(robust):
         assert r.statistics().refused.get("clipped", 0) == 0
-    a, b = LENGTH // N, 2 * LENGTH // N  # shard 1, owned by an honest member
-    np.testing.assert_allclose(robust[2].result()[a:b], expect[a:b], atol=1e-5)
-    honest = weighted_mean(xs, ws, range(N))
-    assert np.abs(robust[2].result()[a:b] - honest[a:b]).mean() > 0.3  # not stopped
+        assert r.statistics().refused.get("opposed", 0) == (1 if i != 0 else 0)  # owner 0 never leaves itself out
+        np.testing.assert_allclose(r.result()[a:], honest[a:], atol=1e-5)
+    assert robust[1].statistics().weight_total == pytest.approx(sum(ws[1:]))
+
+
+def test_honest_members_are_never_left_out() -> None:
+    """Honest gradients share a signal: none points against the sum of the others, so none is left out."""
+    for seed in range(5):
+        xs, ws, _ = honest_inputs(10 + seed)
+        for r in run(xs, ws, robust=Robust("clip", 1e6)):
+            assert "opposed" not in r.statistics().refused
 
 
 @pytest.mark.parametrize("mode", ["clip", "centered"])

@@ -44,9 +44,11 @@ def test_a_claimed_huge_weight_does_not_undo_clipping_hostile() -> None:
     a, b = length // n, length  # shards 1..7: honest owners
     for i in range(1, n):
         got = cores[i].result()
-        assert cos(got[a:b], honest[a:b]) > 0.8
+        assert cos(got[a:b], honest[a:b]) > 0.999  # bounded, then left out for pointing against the others
         assert cores[i].statistics().refused.get("weight_bounded") == 1
-        assert cores[i].statistics().weight_total == pytest.approx(32.0 * (n - 1) + WEIGHT_BOUND * 32.0)
+        assert cores[i].statistics().refused.get("opposed") == 1
+        assert cores[i].statistics().weight_total == pytest.approx(32.0 * (n - 1))
+    assert WEIGHT_BOUND * 32.0 < DEFAULT_MAX_WEIGHT
     # honest members of equal weight are never bounded: a robust average of them is their plain mean
     plain = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER)) for i in range(n)]
     bounded = [GroupAverage(GROUP, n, i, xs[i], 32.0, 0.0, options=replace(GROUP_OPTIONS, robust=Robust("clip", 1e6)),
@@ -56,6 +58,42 @@ def test_a_claimed_huge_weight_does_not_undo_clipping_hostile() -> None:
     for p, r in zip(plain, bounded, strict=True):
         np.testing.assert_allclose(r.result(), p.result(), rtol=0, atol=2e-6)
         assert "weight_bounded" not in r.statistics().refused
+
+
+def _attacked(n: int, bad: set[int], seed: int, robust: Robust | None) -> tuple[list[GroupAverage], np.ndarray]:
+    """n members of equal weight, those in ``bad`` sign-flipping their contributions at normal size."""
+    xs = gradients(n, 400 * n, seed)
+    cores = [byzantine("signflip" if i in bad else None)(GROUP, n, i, xs[i], 32.0, 0.0, max_payload=payload_for(PER),
+                                                          options=replace(GROUP_OPTIONS, robust=robust))
+             for i in range(n)]
+    GroupNet(cores).run()
+    honest = np.mean(np.stack([x for i, x in enumerate(xs) if i not in bad]).astype(np.float64), axis=0)
+    return cores, honest
+
+
+def test_a_sign_flip_of_normal_size_is_left_out_hostile() -> None:
+    """One of 8 sends its gradient sign-flipped at its own size: clipping let it through (it is no larger than
+    anyone's), and it cancelled a member's worth of the honest signal besides its own. It is now left out."""
+    n = 8
+    plain, honest = _attacked(n, {0}, 6, None)
+    cores, _ = _attacked(n, {0}, 6, Robust("clip", 1.0))
+    a = 400  # shards 1..7: honest owners
+    assert cos(plain[1].result()[a:], honest[a:]) < 0.99
+    for core in cores[1:]:
+        assert core.statistics().refused.get("opposed") == 1
+        assert cos(core.result()[a:], honest[a:]) > 0.999
+
+
+def test_two_colluding_sign_flippers_of_8_never_reverse_the_honest_direction_hostile() -> None:
+    """Two of 8 flip together (each looks, to the others' sum, like a member against them): each honest owner's
+    shard still points the honest way, and the colluders are left out."""
+    n = 8
+    for seed in range(3):
+        cores, honest = _attacked(n, {0, 1}, 7 + seed, Robust("clip", 1.0))
+        for i in range(2, n):
+            lo, hi = 400 * i, 400 * (i + 1)
+            assert cos(cores[i].result()[lo:hi], honest[lo:hi]) > 0.9
+            assert cores[i].statistics().refused.get("opposed") == 2
 
 
 def test_arc_topk_rows_are_clipped_where_the_run_asks_for_robust_hostile() -> None:

@@ -13,7 +13,7 @@ import numpy as np
 from . import kernels
 from .frames import F32_DTYPE
 from .kernels import FINALIZE_BLOCK_ELEMENTS
-from .robust import WEIGHT_BOUND
+from .robust import OPPOSED_COS, WEIGHT_BOUND
 
 
 class Finalize:
@@ -100,7 +100,7 @@ class Finalize:
             acc *= np.float32(own_w * (scale[self.index] if scale is not None else 1.0))
             for s in range(self.n):
                 mask = seen[s]
-                if s == self.index or not mask.any():
+                if s == self.index or s in self._excluded or not mask.any():
                     continue
                 ws = min(self._sender_weight[s], self._wcap)  # type: ignore[type-var]
                 factor = np.float32(ws * (scale[s] if scale is not None else 1.0))
@@ -175,7 +175,7 @@ class Finalize:
         wsum = np.full(rows, own_w, dtype=np.float64)
         for s in range(self.n):
             mask = seen[s]
-            if s == self.index or not mask.any():
+            if s == self.index or s in self._excluded or not mask.any():
                 continue
             staged = self._stage[s, base : base + rows * width].reshape(rows, width)
             if scale is None:  # (robust: ``_robust_step`` has refused them already)
@@ -246,8 +246,41 @@ class Finalize:
                 if math.isfinite(r) and r > limit:
                     scale[s] = limit / r
                     self._refused["clipped"] += 1
+        if self._robust.mode == "clip":  # differences from a center are not expected to agree in direction
+            self._exclude_opposed(scale)
         self._scale = scale
         return True
+
+    def _exclude_opposed(self, scale: list[float]) -> None:
+        """With 3 or more members heard: leave out of the average every other member whose contribution, as it
+        would count (clipped and with its bounded weight), points against the sum of the others' (a cosine below
+        -OPPOSED_COS): a sign-flipped gradient of normal size, which clipping lets through. The owner never leaves
+        itself out. From the Gram matrix: member s's dot product with the others is its row sum less its own
+        square, and the others' squared norm the whole sum less twice the row sum plus the square."""
+        heard = [s for s in range(self.n) if self._elements[s] and
+                 (s == self.index or self._sender_weight[s] is not None)]
+        if len(heard) < 3:
+            return
+        eff = np.zeros(self.n)
+        for s in heard:
+            w = self.weight if s == self.index else self._sender_weight[s]
+            eff[s] = min(w, self._wcap) * scale[s]  # type: ignore[type-var]
+        g = self._gram * np.outer(eff, eff)
+        if not np.isfinite(g).all():
+            return
+        row = g.sum(axis=1)
+        total = float(row.sum())
+        opposed = set()
+        for s in heard:
+            if s == self.index:
+                continue
+            dot = row[s] - g[s, s]
+            others = total - 2 * row[s] + g[s, s]
+            if g[s, s] > 0 and others > 0 and dot < -OPPOSED_COS * math.sqrt(g[s, s] * others):
+                opposed.add(s)
+        if opposed:
+            self._refused["opposed"] += len(opposed)
+            self._excluded = frozenset(opposed)
 
     def _measure(self, k0: int, k1: int, lo: int, width: int) -> None:
         """Add ranges [k0, k1) to each member's sum of squares: in float32 (one einsum per member), rows
@@ -288,6 +321,46 @@ class Finalize:
                 seen[s, bad] = False  # a view of _rs_seen: refused as if lost
             self._sumsq[s] += float(ss[ok].sum())
             self._elements[s] += int(np.count_nonzero(ok)) * width
+        if self._robust is not None and self._robust.mode == "clip":
+            self._measure_directions(k0, rows, width, lo)
+
+    def _measure_directions(self, k0: int, rows: int, width: int, lo: int) -> None:
+        """Add ranges [k0, k0 + rows) to the members' Gram matrix (every pair's dot product, the own contribution
+        included; a range a member did not deliver, or had refused, counts as zeros): from it ``_robust_step``
+        tells which members point against the others, whatever their clipping and weights turn out to be."""
+        base = lo - self._lo
+        own = self._vec[lo : lo + rows * width]
+        others = [s for s in range(self.n) if s != self.index]
+        if all(self._rs_seen[s, k0 : k0 + rows].all() for s in others):
+            # every sender delivered every range: one product over the stage's rows in place (the own row of the
+            # stage is unused, whatever it holds; its row and column are replaced by the own values' products)
+            stage = self._stage[:, base : base + rows * width]
+            with np.errstate(all="ignore"):
+                gram = (stage @ stage.T).astype(np.float64)
+                mine = (stage @ own).astype(np.float64)
+                mine[self.index] = float(own @ own)
+                gram[self.index, :] = mine
+                gram[:, self.index] = mine
+                if np.isfinite(gram).all():
+                    self._gram += gram
+                    return
+        block = np.zeros((self.n, rows * width), dtype=F32_DTYPE)
+        for s in range(self.n):
+            x = block[s].reshape(rows, width)
+            if s == self.index:
+                x[...] = own.reshape(rows, width)
+            else:
+                mask = self._rs_seen[s, k0 : k0 + rows]
+                if not mask.any():
+                    continue
+                staged = self._stage[s, base : base + rows * width].reshape(rows, width)
+                x[mask] = staged[mask]
+        with np.errstate(all="ignore"):
+            gram = (block @ block.T).astype(np.float64)
+            if not np.isfinite(gram).all():  # overflowed in float32 (the values themselves are finite)
+                wide = block.astype(np.float64)
+                gram = wide @ wide.T
+        self._gram += gram
 
     def _fill_missing(self) -> None:
         """Ranges of other shards whose all-gather never arrived keep this member's own values."""

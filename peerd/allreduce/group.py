@@ -38,6 +38,8 @@ poison it, and counts it in ``GroupStats.refused``:
 * ``weight_bounded`` (``robust`` only): a member whose weight is more than WEIGHT_BOUND times the median
   weight of the members that delivered to this shard counts for that bound, so a claimed weight cannot undo
   the clipping (equal honest weights are never bounded, so their average stays exact).
+* ``opposed`` (``robust`` clip only): a member whose contribution, clipped and at its bounded weight, points
+  against the sum of the others' (3 or more members) is left out of this shard's average.
 * ``solo`` (``solo=True``): the owner's result for its shard is its own values alone; what others send for it
   is not averaged in (a broadcast from each owner, e.g. arc-topk's selection bitmaps).
 
@@ -240,6 +242,8 @@ class GroupAverage(Intake, Outbox, Finalize):
         self._norm_pos = 0  # ranges of the own shard whose norms are summed so far
         self._sumsq = [0.0] * n
         self._elements = [0] * n
+        self._gram = np.zeros((n, n))  # robust: every pair of members' dot product over the own shard
+        self._excluded: frozenset[int] = frozenset()  # robust: members left out for pointing against the others
         self._out_bytes = memoryview(out).cast("B")
         self._inplace = out is vec
         # Blocks carry headers and value views apart (OutBlock.values), for a driver that seals from them. Values
@@ -441,7 +445,8 @@ class GroupAverage(Intake, Outbox, Finalize):
 
     def statistics(self) -> GroupStats:
         own = self.weight
-        heard = [w for s, w in enumerate(self._sender_weight) if w is not None and s != self.index]
+        heard = [w for s, w in enumerate(self._sender_weight) if w is not None and s != self.index
+                 and s not in self._excluded]
         rs_expected = self._nranges * (own + sum(heard))
         rs_received = self._nranges * own + self._rs.weight_received
         ag_expected = sum(self._ag.expected) * (own + sum(heard))

@@ -106,7 +106,7 @@ class GroupStats:
     # sends each END 3 times, so these are routine and not counted as drops
     ends_ignored: int
     # Contributions refused or limited (reason -> count): nonfinite (ranges, both phases), weight_capped
-    # (members), clipped and weight_bounded (members, robust only), solo (ranges). The driver adds them to
+    # (members), clipped, weight_bounded and opposed (members, robust only), solo (ranges). The driver adds them to
     # contributions_refused.
     refused: dict[str, int] = field(default_factory=dict)
     # the weight this member's average stands for: its own and every member's it heard from (each capped at

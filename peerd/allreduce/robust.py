@@ -8,6 +8,13 @@ exceeds C times that median down to it. Then it averages by weight as without ``
 lost a sender is averaged over the senders that arrived (with their factors), and a range only the owner
 reached keeps the owner's value exactly.
 
+With ``clip``, the same pass also sums every pair of members' dot products over the shard (a Gram matrix),
+and with 3 or more members heard the owner leaves out every other member whose contribution, as it would
+count (clipped, with its bounded weight), has a cosine below -OPPOSED_COS with the sum of the others': a
+sign-flipped gradient of normal size, which clipping lets through, points against the honest members'
+sum. Honest gradients share a signal, so none of them points against the others' sum. Left-out members are
+counted as ``opposed`` in the statistics; the owner never leaves itself out.
+
 ``centered[:C]``: the same, measured as the distance from a center (the previous round's average, passed
 by the caller), and the result is the center plus the weighted mean of the clipped differences. Without a
 center it is clip around zero.
@@ -20,10 +27,12 @@ bounded (their average stays exact); honest weights within WEIGHT_BOUND of the m
 
 Limits, by design: norm clipping bounds how far one member moves the average (a member at x1000 counts
 as at most C times a typical one, times its weight share, itself at most WEIGHT_BOUND times a typical one);
-it does NOT stop a sign-flipped or otherwise misdirected gradient of normal size, nor several colluding
-members that shift the median. Ranges holding NaN or inf are refused before any norm is taken.
-Cost: one more read of the shard's contributions (measured at 25M elements, 4 peers: ~15-30 ms per
-average on a loaded 2-core machine, against ~2 s for the average).
+the direction test stops a member pointing against the others' sum, not one that points slightly off it,
+and colluding members that outnumber the honest ones can shift the median and the others' sum. ``centered``
+has no direction test: differences from a center are not expected to agree in direction. Ranges holding
+NaN or inf are refused before any norm is taken.
+Cost: one more read of the shard's contributions, plus with ``clip`` one small matrix product per block
+(docs/security.md gives the measured figures).
 """
 
 from __future__ import annotations
@@ -37,6 +46,10 @@ MAX_C = 1e6
 # the most a member's weight counts for, in multiples of the median weight of the members that delivered
 # (robust only): DropCompute's honest weights vary well within 2x, a member's claim beyond it is not believed
 WEIGHT_BOUND = 2.0
+# clip: a member whose contribution has a cosine below -OPPOSED_COS with the sum of the others' is left out.
+# Not 0: unrelated honest vectors (noise, no shared signal) have cosines near 0 of either sign, and left out
+# they would change an honest average; a sign-flipped gradient sits at minus the honest members' agreement.
+OPPOSED_COS = 0.05
 
 
 @dataclass(frozen=True)
