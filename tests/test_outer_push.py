@@ -168,3 +168,40 @@ def test_the_inbox_is_bounded_and_keeps_one_record_per_sender_hostile() -> None:
     stop()
     inbox.put(RUN_KEY, 999, sender, 1, _record())
     assert inbox.records(RUN_KEY, 1) == []
+
+
+def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
+    """A repair range is asked with a first wait of a few round trips to the owner (floored, and capped at the
+    default while the round trip is unknown), so a lost datagram does not cost the transport's backed-off RTO."""
+    from peerd.trainer.outer import FETCH_ATTEMPTS, FETCH_MIN_WAIT_S, FETCH_TIMEOUT_S, fetch_timeout
+
+    assert fetch_timeout(None) == FETCH_TIMEOUT_S
+    assert fetch_timeout(0.0005) == FETCH_MIN_WAIT_S
+    assert fetch_timeout(0.01) == 0.04
+    assert fetch_timeout(5.0) == FETCH_TIMEOUT_S
+
+    asked: list[tuple[int, int, float, int]] = []
+
+    class Rto:
+        def srtt(self, addr: object) -> float | None:
+            return 0.01 if addr == ("10.0.0.2", 9) else None
+
+    class Sync:
+        node_id = b"\x01" * 32
+        advertise = None
+        endpoint = type("E", (), {"max_body": 1100, "rto": Rto()})()
+
+        async def resolve(self, node: bytes, addr: object) -> object:
+            return addr
+
+        async def fetch_range(self, addr: object, store: str, sha: bytes, off: int, n: int, *, timeout: float,
+                              attempts: int) -> bytes:
+            asked.append((off, n, timeout, attempts))
+            return bytes(n)
+
+    board = DhtBoard(Sync(), "run", 3)
+    holder = OuterRecord(b"\x02" * 32, "g", 2, 1, b"\x00" * 32, b"\x00" * 32, b"", b"", 1000, ("10.0.0.2", 9))
+    got = trio.run(board.fetch_range, holder, b"\x00" * 32, 100, 2000)
+    assert got == bytes(2000)
+    assert sum(n for _, n, _, _ in asked) == 2000 and len(asked) > 1
+    assert {(t, a) for _, _, t, a in asked} == {(0.04, FETCH_ATTEMPTS)}

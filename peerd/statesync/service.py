@@ -274,10 +274,13 @@ class StateSync:
                 return contact.addr
         return None
 
-    async def fetch_range(self, addr: Address, run_key: str, sha: bytes, offset: int, length: int) -> bytes:
+    async def fetch_range(self, addr: Address, run_key: str, sha: bytes, offset: int, length: int, *,
+                          timeout: float = 0.3, attempts: int = 6) -> bytes:
         """``length`` bytes at ``offset`` of the blob ``sha`` that ``addr`` holds under ``run_key`` (e.g. one
         shard of a DiLoCo outer average, repaired from its owner). The caller verifies what it gets (a range
-        cannot be checked against the whole blob's hash). Raises StateSyncError or RpcError."""
+        cannot be checked against the whole blob's hash). ``timeout``/``attempts``: each request's
+        retransmission schedule (Endpoint.request; a read is idempotent, so a caller that knows the round trip
+        may retransmit much sooner than the default). Raises StateSyncError or RpcError."""
         if not 0 <= length <= MAX_SNAPSHOT:
             raise StateSyncError(f"a range of {length} bytes is out of bounds")
         chunk = max(1, min(m.MAX_CHUNK, self.endpoint.max_body - CHUNK_OVERHEAD))
@@ -287,7 +290,7 @@ class StateSync:
             reply = await self.endpoint.request(
                 addr, m.MsgType.STATE_GET,
                 {"run": run_key.encode(), "sha": sha, "offset": offset + len(out), "length": want},
-                timeout=0.3, attempts=6,
+                timeout=timeout, attempts=attempts,
             )
             body = reply.body
             data = body["data"]

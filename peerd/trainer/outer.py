@@ -85,6 +85,10 @@ log = logging.getLogger("peerd.trainer.outer")
 
 OUTER_TTL_S = 600.0  # a round's records outlive the slowest member's agreement by far
 FETCH_WINDOW = 48  # chunk requests a member has in flight while it repairs: more overflow the owners' link queues
+FETCH_TIMEOUT_S = 0.3  # a repair request's first retransmission at most (before the owner's round trip is known)
+FETCH_MIN_WAIT_S = 0.015  # ... and at least: below this, scheduling jitter on a busy host looks like loss
+FETCH_RTTS = 4  # ... else this many smoothed round trips to the owner (its learned RTO may be far longer)
+FETCH_ATTEMPTS = 10  # sends of one repair request: its doubling waits then span seconds, as the default's do
 PUSH_TIMEOUT_S = 0.3  # a pushed record's first retransmission at most (the learned RTO usually comes first)
 PUSH_ATTEMPTS = 4  # sends of a pushed record before it is left to the DHT copy
 
@@ -168,6 +172,14 @@ async def fetch_shard(board: Board, owner: OuterRecord, mine: bytes | bytearray 
     if sha256(whole) != owner.shard:
         return None
     return whole, fetched + len(whole)
+
+
+def fetch_timeout(srtt: float | None) -> float:
+    """A repair request's first retransmission wait, from the smoothed round trip to the owner (None: unknown).
+    A STATE_GET is idempotent, so asking again early costs one more small datagram, never a wrong answer."""
+    if srtt is None:
+        return FETCH_TIMEOUT_S
+    return min(FETCH_TIMEOUT_S, max(FETCH_MIN_WAIT_S, FETCH_RTTS * srtt))
 
 
 Participants = Callable[[], Awaitable[frozenset[bytes]]]
@@ -493,11 +505,14 @@ class DhtBoard:
 
     async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes:
         """The range in one request per chunk, up to FETCH_WINDOW of this board's requests in flight (one at a
-        time, a range costs a round trip per chunk: seconds for a shard on a lossy link)."""
+        time, a range costs a round trip per chunk: seconds for a shard on a lossy link). A chunk's request is
+        retransmitted after a few round trips to the owner (``fetch_timeout``): a lost datagram costs that, not
+        the transport's default first wait, which backs off under loss to hundreds of milliseconds."""
         from ..statesync.service import CHUNK_OVERHEAD
         from ..wire import messages as m
 
         addr = await self._addr(holder)
+        endpoint = self.sync.endpoint  # type: ignore[attr-defined]
         chunk = max(1, min(m.MAX_CHUNK, self.sync.endpoint.max_body - CHUNK_OVERHEAD))  # type: ignore[attr-defined]
         offsets = iter(range(offset, offset + length, chunk))
         out = bytearray(length)
@@ -506,7 +521,9 @@ class DhtBoard:
             for off in offsets:  # shared by the workers: each chunk is taken once
                 n = min(chunk, offset + length - off)
                 async with self.window:
-                    got = await self.sync.fetch_range(addr, self.store, sha, off, n)  # type: ignore[attr-defined]
+                    got = await self.sync.fetch_range(  # type: ignore[attr-defined]
+                        addr, self.store, sha, off, n, timeout=fetch_timeout(endpoint.rto.srtt(addr)),
+                        attempts=FETCH_ATTEMPTS)
                 if len(got) != n:
                     raise OuterError(f"{holder.node.hex()[:12]} sent {len(got)} bytes of {n}")
                 out[off - offset: off - offset + n] = got
