@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (tests/support/ is two levels down)
 
 
 def _free_id(taken: set[int], start: int) -> int:
