@@ -1,7 +1,7 @@
 """`peerd bench caps`: 4 daemons in the link lab average continuously, one of them under --max-upload or
 --max-download; does it keep to its cap, and does the group's round keep to what the cap allows?
 
-Every peer sits in its own namespace of the link lab (peerd.lab.links) behind ``--link RATE``; member ``CAPPED`` runs
+Every peer sits in its own namespace of the link lab (peerd.tools.lab.links) behind ``--link RATE``; member ``CAPPED`` runs
 ``peerd join --max-upload CAP`` (``--cap-upload``) or ``--max-download CAP`` (``--cap-download``). Trainers (the
 ``bench step`` worker: seeded noise gradients, so a step costs no compute) take ``--steps`` sync steps of
 ``--params`` float32 parameters. While they run, the capped member's link is read from the lab's own counters, its
@@ -151,7 +151,7 @@ def run_caps_bench(cfg: CapsBenchConfig, *, say: Any = print) -> dict[str, Any]:
             with _Sampler(lab, CAPPED) as sampler:
                 for i in range(cfg.peers):
                     out = os.path.join(workdir, f"steps{i}.json")
-                    cmd = [*lab.exec_prefix(i), sys.executable, "-m", "peerd.bench.step", "--worker", "--socket",
+                    cmd = [*lab.exec_prefix(i), sys.executable, "-m", "peerd.tools.bench.step", "--worker", "--socket",
                            swarm.nodes[i].socket, "--out", out, "--config", json.dumps(asdict(step_cfg))]
                     err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
                     procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env), out, err))
