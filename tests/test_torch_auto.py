@@ -168,7 +168,7 @@ def test_optimizer_auto_applies_a_longer_period_after_clean_rounds(tmp_path) -> 
         assert "costs no accuracy" in r[-1]["auto"]["reason"]
     k = opts[0].average_params_every
     assert k in (20, 40) and [o.average_params_every for o in opts] == [k, k]
-    assert all(t["auto"]["average_every"] == k for t in status), status
+    assert all(t.auto["average_every"] == k for t in status), status
 
 
 def test_explicit_period_wins(tmp_path) -> None:
