@@ -1,9 +1,9 @@
 """`peerd bench caps`: 4 daemons in the link lab average continuously, one of them under --max-upload or
 --max-download; does it keep to its cap, and does the group's round keep to what the cap allows?
 
-Every peer sits in its own namespace of the link lab (peerd.tools.lab.links) behind ``--link RATE``; member ``CAPPED`` runs
-``peerd join --max-upload CAP`` (``--cap-upload``) or ``--max-download CAP`` (``--cap-download``). Trainers (the
-``bench step`` worker: seeded noise gradients, so a step costs no compute) take ``--steps`` sync steps of
+Every peer sits in its own namespace of the link lab (peerd.tools.lab.links) behind ``--link RATE``; member
+``CAPPED`` runs ``peerd join --max-upload CAP`` (``--cap-upload``) or ``--max-download CAP`` (``--cap-download``).
+Trainers (the ``bench step`` worker: seeded noise gradients, so a step costs no compute) take ``--steps`` sync steps of
 ``--params`` float32 parameters. While they run, the capped member's link is read from the lab's own counters, its
 tbf's byte count (``tc -s``, payload plus IP, UDP and Ethernet headers) every second. The figures (``--json``):
 
