@@ -106,9 +106,14 @@ def test_reachability_and_observed_address(natswarm) -> None:
     status_field(swarm.nodes[0], "reachability")  # fails at once, with what is missing, if the field is not there
 
     def settled() -> bool:
-        return all(status_field(n, "reachability") != "unknown" for n in swarm.nodes)
+        # a PROBE that arrives late (a loaded machine) turns an interim cone-nat into public: wait for the
+        # verdicts to be right, and show what they were when the time is up
+        return [status_field(n, "reachability") for n in swarm.nodes] == [VERDICT[k] for k in KINDS]
 
-    wait_until(settled, SETTLE_S, 1.0, what="every daemon's reachability verdict")
+    try:
+        wait_until(settled, SETTLE_S, 1.0, what="every daemon's reachability verdict")
+    except AssertionError:
+        pass  # the assertion below says which verdict is wrong and on what basis
     got = [status_field(n, "reachability") for n in swarm.nodes]
     why = [(n.call("status").get("reachability_basis"), lab.unsolicited_drops(i) if KINDS[i] != "public" else None)
            for i, n in enumerate(swarm.nodes)]

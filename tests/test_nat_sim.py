@@ -233,3 +233,23 @@ def test_probe_limiter_bounds_unsolicited_probes() -> None:
     assert [lim.allow("h", 0.0) for _ in range(3)] == [True, True, False]
     assert lim.allow("g", 0.0) and not lim.allow("f", 0.0)
     assert lim.allow("h", 10.5)
+
+
+def test_a_late_probe_still_proves_reachability() -> None:
+    """Under load a PROBE can arrive after its helper's time ran out: it proves reachability as well as a prompt
+    one, even after the node settled on ``cone-nat``."""
+    from peerd.nat.reach import Reach
+
+    c = Reach(random.Random(3), observers=2, probes=1, probe_timeout=4.0)
+    for i in range(2):
+        c.add_peer(nid(f"o{i}"), (f"198.51.100.{i}", 7000))
+    c.start(0.0)
+    for a in step(c, 0.0):
+        c.receive_observed(a.node_id, ("203.0.113.9", 4000), 0.1)
+    ask = step(c, 0.2)
+    c.receive_probe_asked(ask[0].node_id, True, 0.3)
+    step(c, 4.2)
+    assert (c.verdict, c.basis) == (CONE, "no-probe")
+    assert c.receive_probe(ask[0].nonce, ("192.0.2.77", 7000), 6.0)
+    assert (c.verdict, c.basis) == (PUBLIC, "probe")
+

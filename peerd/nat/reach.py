@@ -82,6 +82,7 @@ class Reach:
     _failed: set[bytes] = field(default_factory=set)
     _helpers_tried: list[bytes] = field(default_factory=list)
     _probe: _Probe | None = None
+    _nonces: set[bytes] = field(default_factory=set)  # every probe asked for in this run (a late one still proves)
     _sent_to: dict[Address, float] = field(default_factory=dict)  # recent destinations (shell reports them)
     _next_run: float = float("inf")  # not before ``start``
     _running: bool = False
@@ -138,10 +139,10 @@ class Reach:
 
     def receive_probe(self, nonce: bytes, source: Address, now: float) -> bool:
         """A PROBE arrived from ``source``. True when it proves this node reachable: it carries the nonce of
-        the probe under way and comes from an address this node has not sent to within ``NAT_WINDOW`` (else its
-        own NAT's mapping let it in, which proves nothing)."""
-        probe = self._probe
-        if probe is None or nonce != probe.nonce:
+        a probe asked for in this run (one that arrives after its helper's time ran out, even after a ``cone-nat``
+        verdict, proves as much as a prompt one) and comes from an address this node has not sent to within
+        ``NAT_WINDOW`` (else its own NAT's mapping let it in, which proves nothing)."""
+        if nonce not in self._nonces:
             return False
         last = self._sent_to.get(source)
         if last is not None and now - last <= NAT_WINDOW:
@@ -181,6 +182,7 @@ class Reach:
             self._failed.clear()
             self._helpers_tried.clear()
             self._probe = None
+            self._nonces.clear()
             self._probes_arranged = 0
         for node_id, deadline in list(self._asked.items()):
             if now >= deadline:
@@ -220,6 +222,7 @@ class Reach:
         self._helpers_tried.append(helper)
         nonce = self.rng.getrandbits(128).to_bytes(16, "big")
         self._probe = _Probe(nonce, helper, now + self.probe_timeout)
+        self._nonces.add(nonce)
         actions.append(AskProbe(helper, self._peers[helper], nonce, self._avoid(now)))
 
     def _avoid(self, now: float) -> tuple[bytes, ...]:
@@ -232,12 +235,13 @@ class Reach:
     def _no_probe(self, now: float) -> None:
         """No unsolicited PROBE came. Probes were sent and lost in its NAT's filter: ``cone-nat`` (one mapping,
         seen by at least 2 observers). None could be arranged (every candidate prober is a peer this node
-        sent to) and no observer saw a translated address: ``public`` on that evidence. Else undecided."""
+        sent to) and no observer saw a translated address: ``public`` on that evidence; the observers saw one
+        translated address (a small swarm leaves no third node): ``cone-nat``. Else undecided."""
         if self._probes_arranged and len(self._seen) >= 2:
             self._settle(CONE, now, "no-probe")
         elif not self._probes_arranged and self.observed_addr in self.local:
             self._settle(PUBLIC, now, "no-translation")
-        elif len(self._seen) >= 2 and self._helpers_tried:
+        elif len(self._seen) >= 2 and self._helpers_tried and self.observed_addr not in self.local:
             self._settle(CONE, now, "no-probe")
         else:
             self._give_up(now)
