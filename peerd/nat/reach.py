@@ -4,7 +4,9 @@ The node asks several peers where they see it (OBSERVE -> OBSERVED ``seen``). On
 observer: one mapping for all destinations (no NAT, or a cone NAT). Different seen addresses: the NAT maps per
 destination (``symmetric-nat``). Then it asks a helper to have a *third* node, one it has not sent to, PROBE it
 unsolicited at the seen address (REACH_PROBE); the PROBE arriving proves that anyone can reach it (``public``);
-none arriving within ``probe_timeout`` from ``probes`` helpers: only peers it sent to first can (``cone-nat``).
+none arriving within ``probe_timeout`` from ``probes`` helpers: only peers it sent to first can (``cone-nat``; a
+PROBE from an address it sent to proves nothing and does not count, and a node its observers saw untranslated runs
+again ``reruns_public`` times first).
 Address ranges never decide anything (a private address can be reachable in a LAN, a public one firewalled).
 
 The shell feeds in peers it has reached, answers, probes and ``now``; the core queues actions (``Observe``,
