@@ -169,3 +169,22 @@ def test_a_relayed_peer_heard_directly_is_pinged_there_and_keeps_its_relay_until
     pump(core, 13.0, network(core, direct={RELAY, TARGET}))  # answered directly: the relay goes
     assert TARGET not in core.kind and core.relay_entry(TARGET) is None
     assert core.path_to(TARGET_AT, TARGET, 13.0) == "direct"
+
+
+def test_discovery_tries_a_named_peer_again_soon_then_less_often() -> None:
+    """A named peer no path reached is tried again 10 s later, then 20 s, 40 s, ... up to 120 s apart: a first try
+    while the swarm forms can fail for what passes in seconds, and a member without a path holds up averages."""
+    from peerd.nat.paths import Connect
+
+    core = core_with_relay()
+    core.start(0.0)
+    tries = []
+    for step in range(0, 400):
+        now = step * 1.0
+        core.handle_timer(now)
+        for a in core.take_actions():
+            if isinstance(a, Connect) and a.node_id == TARGET:
+                tries.append(now)
+                core.connect_done(a.addr, now)  # nothing answered
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    assert tries[0] == 0.0 and gaps[:4] == [10.0, 20.0, 40.0, 80.0] and set(gaps[4:]) == {120.0}, tries

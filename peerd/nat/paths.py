@@ -38,6 +38,7 @@ MAX_ACTIVE = 32  # punches/relay set-ups running at once
 DISCOVER_S = 5.0  # how often ``handle_timer`` looks for peers the DHT named that this node cannot talk to yet
 DISCOVER_PER_PASS = 4
 RETRY_DISCOVER_S = 120.0  # (under KNOWN_S: a named peer drops out of peers_known only while it does not answer)
+RETRY_DISCOVER_FIRST_S = 10.0  # ... the first retry (then twice as long each time, up to RETRY_DISCOVER_S)
 DIRECT_RETRIES = 3  # direct PINGs before a failed punch relays (see ``_direct_check``)
 DIRECT_RETRY_S = 0.25  # ... each this long unanswered (a NATed peer costs 0.75 s more before its relay)
 RELAY_TRIES = 3  # relays asked for one peer before giving up (each costs a PING's timeout when it refuses)
@@ -147,7 +148,7 @@ class Paths:
         self._heard_at: OrderedDict[bytes, tuple[Address, float]] = OrderedDict()  # requests' sources, not relayed
         self.introducer: OrderedDict[bytes, bytes] = OrderedDict()  # node id -> the peer that named it
         self.named_at: dict[bytes, Address] = {}  # node id -> the address it was named at (same keys)
-        self._tried: dict[bytes, float] = {}  # node id -> when discovery last tried to connect to it
+        self._tried: dict[bytes, tuple[float, int]] = {}  # node id -> (when discovery last tried it, tries)
         self.kind: dict[bytes, str] = {}  # peer -> path kind, for peers this node set a path up for
         self.active: set[bytes] = set()  # punches and relay trials under way
         self._attempts: OrderedDict[bytes, int] = OrderedDict()  # punch-then-relay attempts started, per peer
@@ -634,22 +635,26 @@ class Paths:
                     self._set_alias(addr, direct)
 
     def _discover(self, now: float) -> None:
-        """Set paths up to peers the DHT named (NODES) that this node cannot talk to yet, a few per pass, each at
-        most once per ``RETRY_DISCOVER_S``: so ``peers_known`` fills, and a group's members have their paths
-        before tensor data (which has no retries) goes out."""
+        """Set paths up to peers the DHT named (NODES) that this node cannot talk to yet, a few per pass, each
+        again after ``RETRY_DISCOVER_FIRST_S``, then twice as long each time up to ``RETRY_DISCOVER_S``: so
+        ``peers_known`` fills, and a group's members have their paths before tensor data (which has no retries)
+        goes out. A first try while the swarm forms can fail for what passes in seconds (a relay that has no
+        verdict yet, or has not reached one end), and a member without a path for minutes holds up averages."""
         known = set(self.peers_known(now))
         started = 0
         for node_id in reversed(self.introducer):
             if started >= DISCOVER_PER_PASS or len(self.connecting) >= MAX_ACTIVE:
                 break
             addr = self.named_at.get(node_id)
-            if node_id in known or addr is None or now - self._tried.get(node_id, -math.inf) < RETRY_DISCOVER_S:
+            at, tries = self._tried.get(node_id, (-math.inf, 0))
+            wait = min(RETRY_DISCOVER_S, RETRY_DISCOVER_FIRST_S * 2 ** max(0, tries - 1))
+            if node_id in known or addr is None or now - at < wait:
                 continue
-            self._tried[node_id] = now
+            self._tried[node_id] = (now, min(tries + 1, 16))
             started += 1
             self.unreached(addr, node_id, now)
         if len(self._tried) > MAX_INTRODUCERS:
-            self._tried = {n: t for n, t in self._tried.items() if now - t < RETRY_DISCOVER_S}
+            self._tried = {n: t for n, t in self._tried.items() if now - t[0] < RETRY_DISCOVER_S}
 
     def _keepalives(self) -> None:
         """Hold open the NAT mappings this node depends on (a NAT forgets an idle UDP flow after 30 s): toward
