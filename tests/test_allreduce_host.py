@@ -788,9 +788,9 @@ def test_a_report_counts_only_what_was_sent() -> None:
     a, b = b"a" * 32, b"b" * 32
 
     class Recording(Pacer):
-        def on_report(self, dest, report, now, sent_span=None, placed=0.0):  # type: ignore[override]
+        def receive_report(self, dest, report, sent_span, placed, now):  # type: ignore[override]
             seen.append((dest, report, sent_span))
-            return super().on_report(dest, report, now, sent_span, placed)
+            return super().receive_report(dest, report, sent_span, placed, now)
 
     seen: list = []
 

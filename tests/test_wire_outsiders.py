@@ -123,11 +123,11 @@ def test_auth_limiter_per_source_and_per_node() -> None:
     src, other = ("192.0.2.1", 1), ("192.0.2.2", 1)
     for _ in range(5):
         assert lim.may_derive(src, 0.0)
-        lim.failed(src, 0.0)
+        lim.failed(src, 1, 0.0)
     assert not lim.may_derive(src, 0.0)  # its failures are spent: no crypto for its unknown tokens
     assert lim.may_derive(other, 0.0)  # another source is not
     assert lim.may_derive(src, 0.125)  # one failure's worth refilled after 0.125 s
-    lim.failed(src, 0.125)
+    lim.failed(src, 1, 0.125)
     assert not lim.may_derive(src, 0.125)
     # the node's derivations: 20 at once whatever the (spoofable) source, then 100 a second
     fresh = AuthLimiter(derive_rate=100.0, derive_burst=20)
@@ -206,7 +206,7 @@ def test_a_merged_run_of_junk_is_refused_at_once_as_each_row_would_be() -> None:
 
     ep._datagram = counting  # type: ignore[method-assign]
     forger = ("192.0.2.7", 7)
-    ep.auth_limiter.failed(forger, 0.0, 100)  # out of failures
+    ep.auth_limiter.failed(forger, 100, 0.0)  # out of failures
     junk = Header(0x03, 1, 0xDEAD, 0).pack()[:13]
     rows = [junk + bytes([i]) * 8 + bytes(40) for i in range(6)]  # same size, sequence and body differ
     ep.receive_batch([(b"".join(rows), forger, len(rows[0]))], 0.0)

@@ -332,7 +332,7 @@ class AveragingHost:
     def pace(self, block: SendBlock, rows: int, nbytes: int, now: float) -> float:
         """When ``rows`` datagrams (``nbytes`` sealed) of ``block`` may go out: the pacer's reservation,
         noted with the stream positions they take (what REPORTs from the member are matched against)."""
-        at = now + max(0.0, self.pacer.reserve(nbytes, now, block.peer))
+        at = now + max(0.0, self.pacer.reserve(nbytes, block.peer, now))
         if block.later and self.end_spacing_s is not None:
             g = self._groups.get(block.group_id)
             if g is not None:
@@ -555,7 +555,7 @@ class AveragingHost:
             if report.expected > 0:
                 span = g.positions[i].span(max(0, first - 1), report.position - 1)
         placed = g.positions[i].placed(report.position - 1) if span is not None else 0.0
-        verdict = self.pacer.on_report(peer, report, now, span, placed=placed)
+        verdict = self.pacer.receive_report(peer, report, span, placed, now)
         if not g.heard[i] and hear(g, i) and b["group"] in self._groups:
             return [PacerVerdict(verdict.rate, verdict), Wake(b["group"])]
         return [PacerVerdict(verdict.rate, verdict)]

@@ -254,7 +254,7 @@ class Inbound:
                 policy.dropped("replay", opened.replays)
             if opened.auth_failures:
                 policy.dropped("auth", opened.auth_failures)
-                self.core.auth_limiter.failed(source, now, opened.auth_failures)
+                self.core.auth_limiter.failed(source, opened.auth_failures, now)
             if len(opened.bodies):
                 policy.data_blocks += 1
                 policy.accepted(opened.type, source, len(opened.bodies) * segment, len(opened.bodies))
@@ -334,7 +334,7 @@ class Inbound:
             header, body, state = self.opener.open(data, may_derive)
         except WireError as e:
             if e.reason == "auth":
-                self.core.auth_limiter.failed(source, now)
+                self.core.auth_limiter.failed(source, 1, now)
             policy.refused(e.reason)
             return
         except Exception:  # a bug the input reached must not end the receive loop (and with it the daemon)
