@@ -173,7 +173,7 @@ def test_the_inbox_is_bounded_and_keeps_one_record_per_sender_hostile() -> None:
 def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
     """A repair range is asked with a first wait of a few round trips to the owner (floored, and capped at the
     default while the round trip is unknown), so a lost datagram does not cost the transport's backed-off RTO."""
-    from peerd.trainer.outer import FETCH_ATTEMPTS, FETCH_MIN_WAIT_S, FETCH_TIMEOUT_S, fetch_timeout
+    from peerd.trainer.outer import FETCH_MIN_WAIT_S, FETCH_TIMEOUT_S, fetch_timeout
 
     assert fetch_timeout(None) == FETCH_TIMEOUT_S
     assert fetch_timeout(0.0005) == FETCH_MIN_WAIT_S
@@ -204,7 +204,38 @@ def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
     got = trio.run(board.fetch_range, holder, b"\x00" * 32, 100, 2000)
     assert got == bytes(2000)
     assert sum(n for _, n, _, _ in asked) == 2000 and len(asked) > 1
-    assert {(t, a) for _, _, t, a in asked} == {(0.04, FETCH_ATTEMPTS)}
+    assert {(t, a) for _, _, t, a in asked} == {(0.04, 1)}  # each request waits a few round trips, then afresh
+
+    # a chunk whose requests go unanswered is asked again at the same wait FETCH_FLAT times, then backing off
+    from peerd.trainer.outer import FETCH_FLAT
+    from peerd.transport.endpoint import RpcError
+
+    waits: list[float] = []
+
+    class Lossy(Sync):
+        async def fetch_range(self, addr: object, store: str, sha: bytes, off: int, n: int, *, timeout: float,
+                              attempts: int) -> bytes:
+            waits.append(timeout)
+            if len(waits) < 6:
+                raise RpcError("no answer from 10.0.0.2:9 to state_get")
+            return bytes(n)
+
+    got = trio.run(DhtBoard(Lossy(), "run", 3).fetch_range, holder, b"\x00" * 32, 0, 100)
+    assert got == bytes(100)
+    assert waits == [0.04] * FETCH_FLAT + [0.04 * 2 ** k for k in range(1, 7 - FETCH_FLAT)]
+
+    class Refusing(Sync):
+        async def fetch_range(self, *a: object, **k: object) -> bytes:
+            waits.append(-1.0)
+            raise RpcError("10.0.0.2:9 refused state_get: gone")
+
+    waits.clear()
+    refused = False
+    try:
+        trio.run(DhtBoard(Refusing(), "run", 3).fetch_range, holder, b"\x00" * 32, 0, 100)
+    except* RpcError:
+        refused = True
+    assert refused and waits == [-1.0]  # a refusal is not asked again
 
 
 def test_the_winning_average_is_fetched_windowed_from_every_holder_and_verified_hostile() -> None:
