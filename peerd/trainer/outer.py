@@ -12,8 +12,9 @@ so any difference would stay for good. After the group average every member ther
    STATE_GET), and fetches every shard whose hash differs from its owner's, verified against that hash.
    The owner of shard k is the group's k-th member as the averaging round knows it (``members``), never a
    record that claims index k: no other record repairs anything. Each shard is fetched as soon as its
-   owner's record is read: first the owner's piece index (a short hash of every PIECE bytes, kept after its
-   vector), then only the pieces that differ, in chunks with many requests outstanding. An owner that has
+   owner's record is read: the owner's piece index (a short hash of every PIECE bytes, kept after its
+   vector) in sections, and as each section arrives only its pieces that differ, in chunks with many
+   requests outstanding, each asked afresh after a few round trips when its answer is late. An owner that has
    published nothing once every other shard is settled is waited for OWNER_GRACE_S more, not the whole
    repair phase; one whose bytes do not verify is asked REPAIR_TRIES times.
    Without loss nothing is fetched; after repair every member of a group holds the owners' concatenation.
