@@ -173,7 +173,7 @@ def test_the_inbox_is_bounded_and_keeps_one_record_per_sender_hostile() -> None:
 def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
     """A repair range is asked with a first wait of a few round trips to the owner (floored, and capped at the
     default while the round trip is unknown), so a lost datagram does not cost the transport's backed-off RTO."""
-    from peerd.trainer.outer import FETCH_ATTEMPTS, FETCH_MIN_WAIT_S, FETCH_TIMEOUT_S, fetch_timeout
+    from peerd.trainer.outer import FETCH_MIN_WAIT_S, FETCH_TIMEOUT_S, fetch_timeout
 
     assert fetch_timeout(None) == FETCH_TIMEOUT_S
     assert fetch_timeout(0.0005) == FETCH_MIN_WAIT_S
@@ -204,7 +204,38 @@ def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
     got = trio.run(board.fetch_range, holder, b"\x00" * 32, 100, 2000)
     assert got == bytes(2000)
     assert sum(n for _, n, _, _ in asked) == 2000 and len(asked) > 1
-    assert {(t, a) for _, _, t, a in asked} == {(0.04, FETCH_ATTEMPTS)}
+    assert {(t, a) for _, _, t, a in asked} == {(0.04, 1)}  # each request waits a few round trips, then afresh
+
+    # a chunk whose requests go unanswered is asked again at the same wait FETCH_FLAT times, then backing off
+    from peerd.trainer.outer import FETCH_FLAT
+    from peerd.transport.endpoint import RpcError
+
+    waits: list[float] = []
+
+    class Lossy(Sync):
+        async def fetch_range(self, addr: object, store: str, sha: bytes, off: int, n: int, *, timeout: float,
+                              attempts: int) -> bytes:
+            waits.append(timeout)
+            if len(waits) < 6:
+                raise RpcError("no answer from 10.0.0.2:9 to state_get")
+            return bytes(n)
+
+    got = trio.run(DhtBoard(Lossy(), "run", 3).fetch_range, holder, b"\x00" * 32, 0, 100)
+    assert got == bytes(100)
+    assert waits == [0.04] * FETCH_FLAT + [0.04 * 2 ** k for k in range(1, 7 - FETCH_FLAT)]
+
+    class Refusing(Sync):
+        async def fetch_range(self, *a: object, **k: object) -> bytes:
+            waits.append(-1.0)
+            raise RpcError("10.0.0.2:9 refused state_get: gone")
+
+    waits.clear()
+    refused = False
+    try:
+        trio.run(DhtBoard(Refusing(), "run", 3).fetch_range, holder, b"\x00" * 32, 0, 100)
+    except* RpcError:
+        refused = True
+    assert refused and waits == [-1.0]  # a refusal is not asked again
 
 
 def test_the_winning_average_is_fetched_windowed_from_every_holder_and_verified_hostile() -> None:
@@ -256,3 +287,43 @@ def test_the_winning_average_is_fetched_windowed_from_every_holder_and_verified_
     assert 1 < inflight[1] <= FETCH_WINDOW
     with pytest.raises(OuterError, match="do not match"):
         trio.run(board.fetch, sha, len(vector), [holder(liar, 4)])
+
+
+def test_a_shard_fetches_its_index_in_sections_and_only_the_differing_pieces_hostile() -> None:
+    """The owner's piece index is read section by section, each section's differing pieces fetched as it arrives;
+    an index that lies about its pieces still yields the owner's verified shard (fetched whole)."""
+    from peerd.trainer.outer import fetch_shard
+    from peerd.trainer.records import PIECE, PIECE_HASH, piece_hashes
+
+    rng = np.random.default_rng(5)
+    vector = rng.standard_normal(60_000).astype(np.float32)
+    data = vector.tobytes()
+    a, b = shard_bounds(vector.size, 2, 1)
+    shard = data[4 * a: 4 * b]
+    mine = bytearray(shard)
+    for piece in (0, 3, 70, 71, 110):  # pieces in three sections of 55
+        mine[piece * PIECE + 7] ^= 0xFF
+    blob = data + piece_hashes(shard)
+    owner = OuterRecord(b"\x02" * 32, "g", 2, 1, hashlib.sha256(shard).digest(), hashlib.sha256(blob).digest(),
+                        b"", b"", vector.size, ("10.0.0.2", 9))
+
+    class Board:
+        def __init__(self, blob: bytes) -> None:
+            self.blob, self.asked = blob, []
+
+        async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes:
+            self.asked.append((offset, length))
+            return self.blob[offset: offset + length]
+
+    board = Board(blob)
+    got = trio.run(fetch_shard, board, owner, bytes(mine), len(data))
+    assert got is not None and got[0] == shard
+    index_reads = [x for x in board.asked if x[0] >= len(data)]
+    pieces = -(-len(shard) // PIECE)
+    assert len(index_reads) == -(-pieces // 55) > 1  # one read per section
+    assert sum(n for _, n in index_reads) == pieces * PIECE_HASH
+    runs = [x for x in board.asked if x[0] < len(data)]
+    assert len(runs) == 4 and sum(n for _, n in runs) == 5 * PIECE  # pieces 70 and 71 are one run
+    liar = Board(data + piece_hashes(bytes(mine)))  # the index says my bytes are the owner's: nothing fetched
+    got = trio.run(fetch_shard, liar, owner, bytes(mine), len(data))
+    assert got is not None and got[0] == shard and (4 * a, 4 * (b - a)) in liar.asked  # fetched whole, verified
