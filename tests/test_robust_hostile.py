@@ -16,7 +16,7 @@ import trio
 from peerd.allreduce.arctopk import ArcTopKPlan, ArcTopKResult
 from peerd.allreduce.group import DEFAULT_MAX_WEIGHT, GROUP_OPTIONS, GroupAverage
 from peerd.allreduce.options import DEFAULT_OPTIONS
-from peerd.allreduce.robust import OPPOSED_COS, WEIGHT_BOUND, Robust, opposed_cos
+from peerd.allreduce.robust import OPPOSED_COS, WEIGHT_BOUND, Robust, opposed_cos, opposed_members
 from peerd.compress.topk import EF21M
 from peerd.moshpit.keys import Grid
 from peerd.tools.faults import byzantine
@@ -279,3 +279,20 @@ def test_honest_members_over_few_elements_are_not_left_out_hostile() -> None:
     honest_out, bad_out = _left_out(n, shard, 1.0, range(6), {0})
     assert bad_out == 6 * (n - 1) and honest_out == 0
     assert opposed_cos(shard) == pytest.approx(2.0 / math.sqrt(shard)) and opposed_cos(10**6) == OPPOSED_COS
+
+
+def test_a_sign_flipped_member_does_not_take_honest_members_out_with_it_hostile() -> None:
+    """Owner 0 and two honest members agree; member 3 sends the negated vector at twice their weight. Measured
+    all at once, each honest member's others' sum held the attacker's -2 x signal, which cancelled the honest
+    signal in it: both honest members pointed against it (cosines -0.23 and -0.5) and were left out with the
+    attacker, so the owner's shard was its own vector alone. Left out one at a time (the most opposed first, then
+    measured again without it), only the attacker goes."""
+    x = np.array([[1.0, 0.5, 0.0], [1.0, -0.8, 0.3], [1.0, 0.5, -0.3], [-2.0, -1.0, 0.0]])
+    gram = x @ x.T
+    big = [10**6] * 4  # threshold -OPPOSED_COS
+    others = x.sum(axis=0) - x
+    at_once = {s for s in (1, 2, 3) if cos(x[s], others[s]) < -OPPOSED_COS}
+    assert at_once == {1, 2, 3}  # what measuring every member against the same sums left out
+    assert opposed_members(gram, [0, 1, 2, 3], 0, big) == {3}
+    assert 3 not in opposed_members(gram, [0, 1, 2, 3], 3, big)  # the owner never leaves itself out
+    assert opposed_members(gram, [0, 1, 3], 0, big) == {3}  # then 2 are left: no further test
