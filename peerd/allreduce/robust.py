@@ -14,8 +14,8 @@ count (clipped, with its bounded weight), has a cosine below -opposed_cos(elemen
 others' (-OPPOSED_COS, or -OPPOSED_Z / sqrt(elements) over few elements): a sign-flipped gradient of normal
 size, which clipping lets through, points against the honest members' sum. Honest gradients share a signal,
 so they rarely point against the others' sum (on the 8-member demo's MLP, 600 values a shard, about one
-(owner, member) pair in 70 still does, and is left out). Left-out members are
-counted as ``opposed`` in the statistics; the owner never leaves itself out.
+(owner, member) pair in 50 still does, and is left out). Members are left out one at a time, the most opposed
+first (``opposed_members``); they are counted as ``opposed`` in the statistics; the owner never leaves itself out.
 
 ``centered[:C]``: the same, measured as the distance from a center (the previous round's average, passed
 by the caller), and the result is the center plus the weighted mean of the clipped differences. Without a
