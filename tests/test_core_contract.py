@@ -45,6 +45,7 @@ CORES: tuple[tuple[str, str], ...] = (
     ("peerd.statesync.choice", "SnapshotChoice"),
     ("peerd.nat.paths", "Paths"),
     ("peerd.transport.receive", "ReceivePolicy"),
+    ("peerd.deadlines", "DeadlineTuner"),
 )
 
 # Cores that do not follow the contract yet: (module, class) -> what is left and which branch of work converts it.
