@@ -25,7 +25,7 @@ from .dht import BootstrapError, DhtService
 from .dht.core import REPLICAS
 from .dht.reads import Agreed, AnyOf, Enough, Owners
 from .linkcap import CapConfig, LinkCap
-from .linkcap.shell import CappedSocket, CapTicker, clamp_pacer, limit_senders
+from .linkcap.shell import CapGate, CappedSocket, CapTicker, clamp_pacer, limit_senders
 from .localsock.access import AccessError, resolve_group
 from .localsock.server import LocalServer, OpError, SocketInUse
 from .metrics import Metrics
@@ -33,6 +33,7 @@ from .moshpit.averager import PathsFirst
 from .moshpit.matchmaking import REACH_RANK, REACH_UNKNOWN
 from .moshpit.ops import MoshpitOps
 from .moshpit.service import MAX_GROUP_DEFAULT, MoshpitService
+from .nat.relay import DEFAULT_TOTAL_RATE
 from .nat.service import NatService
 from .peers import PeerFeed, swarm_view
 from .peers.feed import NETWORK_PHASES
@@ -203,6 +204,8 @@ class Daemon:
         # Trainers (peerd.torch) over the local socket: sessions average through Moshpit; snapshots for
         # joining peers are advertised in the DHT and served over STATE_GET/STATE_CHUNK.
         self.statesync = StateSync(self.endpoint, self.dht, self.metrics, advertise=announce or self.listen)
+        if self.linkcap is not None:  # snapshots served and downloaded keep to the caps (linkcap.core)
+            self.statesync.gate = CapGate(self.linkcap)
         self.trainer = TrainerService(self.metrics, self.moshpit.average, statesync=self.statesync,
                                       peer_id=self.identity.node_id.hex(), average_parts=self.moshpit.average_parts)
         self.statesync.deadlines = self.trainer.deadlines = self.deadlines
@@ -290,6 +293,7 @@ class Daemon:
     def _on_caps(self, core: LinkCap) -> None:
         """The caps in force changed: the averaging pacer's ceiling and the matchmaking records follow."""
         clamp_pacer(self.allreduce.pacer, core.pacer_ceiling())
+        self.nat.relay.total_rate = core.relay_rate(DEFAULT_TOTAL_RATE)  # relaying for others: a share of the caps
         self.moshpit.cap_ad = core.advert()
         for st in self.moshpit.runs.values():
             st.core.cap_ad = self.moshpit.cap_ad

@@ -50,6 +50,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -62,6 +63,9 @@ from ..wire.errors import WireError
 from ..wire.identity import node_id_of
 from .advert import Advert, ad_key
 from .choice import MAX_SNAPSHOT, Download, Finished, SnapshotChoice
+
+if TYPE_CHECKING:
+    from ..linkcap.shell import CapGate
 
 log = logging.getLogger("peerd.statesync")
 
@@ -109,6 +113,7 @@ class StateSync:
         self._known_source: Callable[[], Iterable[str]] | Iterable[str] | None = None
         self._noted: OrderedDict[str, None] = OrderedDict()  # hex ids of peers averaged with, newest last
         self.set_known_peers(known_peers)
+        self.gate: CapGate | None = None  # a node with bandwidth caps: what it serves and asks for keeps to them
         endpoint.on_request(m.MsgType.STATE_GET, self._on_get)
 
     def set_known_peers(self, source: Callable[[], Iterable[str]] | Iterable[str] | None) -> None:
@@ -189,7 +194,9 @@ class StateSync:
             return out
         raise StateSyncError(f"reading the advertisements of run {run!r} from the DHT took over {timeout:.0f} s")
 
-    def _on_get(self, incoming: Incoming) -> dict:
+    def _on_get(self, incoming: Incoming) -> dict | None:
+        if self.gate is not None and not self.gate.admit_serving(self.endpoint.max_body):
+            return None  # over the caps' share for serving: silent, and the joiner's retransmission waits
         body = incoming.body
         run_key = body["run"].decode("utf-8", "replace")
         blob = self._snapshots.get(run_key, {}).get(body["sha"])
@@ -296,6 +303,8 @@ class StateSync:
         out = bytearray()
         while len(out) < length:
             want = min(chunk, length - len(out))
+            if self.gate is not None:
+                await self.gate.wait_fetch(want + CHUNK_OVERHEAD)
             reply = await self.endpoint.request(
                 addr, m.MsgType.STATE_GET,
                 {"run": run_key.encode(), "sha": sha, "offset": offset + len(out), "length": want},
@@ -344,6 +353,8 @@ class StateSync:
                     retries += 1
                 try:
                     while got < want:
+                        if self.gate is not None:
+                            await self.gate.wait_fetch(want - got + CHUNK_OVERHEAD)
                         reply = await self.endpoint.request(
                             addr, m.MsgType.STATE_GET,
                             {"run": run_key.encode(), "sha": sha, "offset": offset + got, "length": want - got},
