@@ -202,3 +202,54 @@ def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
     assert got == bytes(2000)
     assert sum(n for _, n, _, _ in asked) == 2000 and len(asked) > 1
     assert {(t, a) for _, _, t, a in asked} == {(0.04, FETCH_ATTEMPTS)}
+
+
+def test_the_winning_average_is_fetched_windowed_from_every_holder_and_verified_hostile() -> None:
+    """Adopting the winner fetches its chunks spread over the holders with many requests in flight; a chunk that
+    one holder refuses comes from the next, and bytes that do not hash to the winner are refused."""
+    import pytest
+
+    from peerd.trainer.outer import FETCH_WINDOW, OuterError
+    from peerd.transport.endpoint import RpcError
+
+    vector = np.random.default_rng(3).standard_normal(5_000).astype(np.float32).tobytes()
+    sha = hashlib.sha256(vector).digest()
+    good, mute, liar = ("10.0.0.2", 9), ("10.0.0.3", 9), ("10.0.0.4", 9)
+    asked: list[tuple[object, int]] = []
+    inflight = [0, 0]
+
+    class Rto:
+        def srtt(self, addr: object) -> float | None:
+            return 0.01
+
+    class Sync:
+        node_id = b"\x01" * 32
+        advertise = None
+        endpoint = type("E", (), {"max_body": 1100, "rto": Rto()})()
+
+        async def resolve(self, node: bytes, addr: object) -> object:
+            return addr
+
+        async def fetch_range(self, addr: object, store: str, want: bytes, off: int, n: int, *, timeout: float,
+                              attempts: int) -> bytes:
+            asked.append((addr, off))
+            inflight[0] += 1
+            inflight[1] = max(inflight)
+            await trio.sleep(0.01)
+            inflight[0] -= 1
+            if addr == mute:
+                raise RpcError("refused: gone")
+            if addr == liar:
+                return bytes(n)
+            return vector[off: off + n]
+
+    def holder(addr: tuple[str, int], k: int) -> OuterRecord:
+        return OuterRecord(bytes([k]) * 32, "g", 2, 0, b"\x00" * 32, b"\x00" * 32, sha, b"", 5_000, addr)
+
+    board = DhtBoard(Sync(), "run", 3)
+    got = trio.run(board.fetch, sha, len(vector), [holder(good, 2), holder(mute, 3)])
+    assert bytes(got) == vector
+    assert {a for a, _ in asked} == {good, mute}  # spread over both; the mute one's chunks came from the other
+    assert 1 < inflight[1] <= FETCH_WINDOW
+    with pytest.raises(OuterError, match="do not match"):
+        trio.run(board.fetch, sha, len(vector), [holder(liar, 4)])

@@ -534,10 +534,59 @@ class DhtBoard:
         return bytes(out)
 
     async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray:
-        addrs = []
+        """The whole vector ``sha`` (``size`` bytes) from ``holders``: chunks spread over them, up to FETCH_WINDOW
+        requests in flight, each retransmitted after a few round trips to its holder (as ``fetch_range``); a
+        chunk that fails at one holder is asked of the next. Verified against ``sha``; raises OuterError."""
+        from ..statesync.service import CHUNK_OVERHEAD
+        from ..wire import messages as m
+
+        addrs: list[Address] = []
         for h in holders[:16]:
             try:
-                addrs.append(await self._addr(h))
+                addr = await self._addr(h)
             except OuterError:
                 continue
-        return await self.sync.download(self.store, sha, size, addrs)  # type: ignore[attr-defined]
+            if addr not in addrs:
+                addrs.append(addr)
+        if not addrs:
+            raise OuterError("no holder of the winning average could be reached")
+        endpoint = self.sync.endpoint  # type: ignore[attr-defined]
+        chunk = max(1, min(m.MAX_CHUNK, endpoint.max_body - CHUNK_OVERHEAD))
+        count = -(-size // chunk)
+        chunks = iter(range(count))
+        out = bytearray(size)
+        failed: list[int] = []
+
+        async def get(i: int) -> bool:
+            off = i * chunk
+            n = min(chunk, size - off)
+            for k in range(2 * len(addrs)):  # from holder i mod h first, so that chunks spread over the holders
+                addr = addrs[(i + k) % len(addrs)]
+                try:
+                    async with self.window:
+                        got = await self.sync.fetch_range(  # type: ignore[attr-defined]
+                            addr, self.store, sha, off, n, timeout=fetch_timeout(endpoint.rto.srtt(addr)),
+                            attempts=FETCH_ATTEMPTS)
+                except Exception as e:  # (RpcError, StateSyncError): the next holder
+                    log.debug("outer agreement: chunk at %d from %s: %s", off, addr, e)
+                    continue
+                if len(got) == n:
+                    out[off: off + n] = got
+                    return True
+            return False
+
+        async def worker(nursery: trio.Nursery) -> None:
+            for i in chunks:  # shared by the workers: each chunk is taken once
+                if not await get(i):
+                    failed.append(i * chunk)
+                    nursery.cancel_scope.cancel()
+                    return
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(FETCH_WINDOW, count)):
+                nursery.start_soon(worker, nursery)
+        if failed:
+            raise OuterError(f"no holder served the winning average's bytes at offset {failed[0]}")
+        if sha256(out) != sha:
+            raise OuterError("the winning average's bytes do not match its hash")
+        return out

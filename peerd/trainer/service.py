@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..allreduce.robust import DEFAULT_C, Robust, parse_robust
+from ..allreduce.robust import DEFAULT_C, MAX_C, Robust, parse_robust
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
 from ..localsock.phases import parse_phases
 from ..localsock.server import Connection, OpError
@@ -324,8 +324,11 @@ class TrainerService:
             # clean), and these averages are rare (every K steps), so their clipping pass costs little.
             extra["robust"] = Robust("centered", DEFAULT_C if session.robust is None else session.robust.c)
             extra["center"] = vector
-        elif session.robust is not None:
-            extra["robust"] = session.robust
+        else:
+            # without the session's robust, the weight bound and the direction test alone (clipping only past
+            # MAX_C times the median), as on outer steps: a sign-flipped member claiming a large weight is left
+            # out, and honest averages keep their members' norms
+            extra["robust"] = session.robust if session.robust is not None else Robust("clip", MAX_C)
         return extra
 
     async def _average_vector(self, session: Session, run_id: str, kind: str, vector: np.ndarray, weight: float,
