@@ -41,7 +41,8 @@ async def _swarm_with_inboxes(nursery, net, count):
     return nodes
 
 
-def _agree_all(nodes, held, round_no, results, *, participants=None, board=_NoReadBoard):
+async def _agree_all(nodes, held, round_no, results, *, participants=None, board=_NoReadBoard) -> None:
+    """Every node of ``nodes`` agrees on ``round_no`` at once (its vector: ``held``); each result into ``results``."""
     ids = [n.identity.node_id for n in nodes]
 
     async def one(i: int) -> None:
@@ -53,7 +54,9 @@ def _agree_all(nodes, held, round_no, results, *, participants=None, board=_NoRe
                                  expect=len(nodes), participants=participants)
         results[i].phases["total"] = trio.current_time() - t0
 
-    return one
+    async with trio.open_nursery() as inner:
+        for i in range(len(nodes)):
+            inner.start_soon(one, i)
 
 
 def test_a_group_agrees_on_pushed_records_without_a_dht_read() -> None:
@@ -71,10 +74,7 @@ def test_a_group_agrees_on_pushed_records_without_a_dht_read() -> None:
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
             nodes = await _swarm_with_inboxes(nursery, net, 3)
-            one = _agree_all(nodes, held, 21, results)
-            async with trio.open_nursery() as inner:
-                for i in range(3):
-                    inner.start_soon(one, i)
+            await _agree_all(nodes, held, 21, results)
             nursery.cancel_scope.cancel()
         for i in range(3):
             np.testing.assert_array_equal(results[i].vector, truth)
@@ -126,10 +126,7 @@ def test_a_pushed_record_counts_as_its_senders_only_hostile() -> None:
             for n in members:
                 held_records = n.inbox.records(RUN_KEY, 22)
                 assert [r.node for r in held_records] == [attacker.identity.node_id]  # never ids[0]
-            one = _agree_all(members, held, 22, results, participants=frozenset(ids))
-            async with trio.open_nursery() as inner:
-                for i in range(3):
-                    inner.start_soon(one, i)
+            await _agree_all(members, held, 22, results, participants=frozenset(ids))
             nursery.cancel_scope.cancel()
         for i in range(3):
             np.testing.assert_array_equal(results[i].vector, truth)
