@@ -4,16 +4,26 @@ once a second, and its deadlines go to the metrics and to ``peerd status`` (text
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from ..deadlines import DeadlineStatistics, DeadlineTuner
 from ..metrics import Metrics
 
-if TYPE_CHECKING:
-    from ..peers import TableStatistics
+
+class PeerRow(Protocol):
+    """What the tuner reads of one row of the per-peer view (peerd.peers sits above this layer)."""
+
+    peer: Any
+    rtt_p99_s: float | None
+    last_heard_s: float
 
 
-def feed_deadlines(tuner: DeadlineTuner, view: TableStatistics, now: float) -> None:
+class PeerView(Protocol):
+    peers: Sequence[PeerRow]
+
+
+def feed_deadlines(tuner: DeadlineTuner, view: PeerView, now: float) -> None:
     """Each tracked peer's p99 RTT and last-heard time into the tuner; age its samples out when due."""
     for p in view.peers:
         tuner.receive_rtt(p.peer, p.rtt_p99_s, p.last_heard_s, now)
