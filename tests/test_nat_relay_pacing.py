@@ -16,7 +16,7 @@ def send(pacer: Pacer, dests: list[object], seconds: float, size: int = 1232) ->
     i = 0
     while now < seconds:
         d = dests[i % len(dests)]
-        now += max(0.0, pacer.reserve(size, now, d))
+        now += max(0.0, pacer.reserve(size, d, now))
         out[d].append(now)
         i += 1
     return out
@@ -37,7 +37,7 @@ def test_members_behind_one_relay_share_its_grant_and_the_relay_refuses_nothing(
     assert refused == []
     # lifted: the uplink's rate alone again
     pacer.limit("b")
-    assert pacer.reserve(1232, 10.0, "b") <= 0.01
+    assert pacer.reserve(1232, "b", 10.0) <= 0.01
 
 
 def test_an_unpaced_sender_overruns_the_relay() -> None:
@@ -93,9 +93,9 @@ def test_a_relay_passes_datagrams_on_in_the_order_they_came() -> None:
 def test_what_a_relay_passes_on_shares_its_uplink_while_it_averages() -> None:
     pacer = Pacer(rate=10e6, max_rate=10e6)
     assert pacer.reserve_cross(1_000_000, 0.0) == 0.0  # idle (a relay that averages nothing): never held
-    pacer.reserve(1232, 1.0, "a")  # it averages now
+    pacer.reserve(1232, "a", 1.0)  # it averages now
     assert pacer.reserve_cross(1_000_000, 1.0) < 0.01  # taken from the uplink's bucket ...
-    assert pacer.reserve(1232, 1.0, "a") > 0.09  # ... so its own data waits for it: 1 MB at 10 MB/s
+    assert pacer.reserve(1232, "a", 1.0) > 0.09  # ... so its own data waits for it: 1 MB at 10 MB/s
     assert pacer.reserve_cross(1232, 1.0) > 0.09  # and so does more relayed data
 
 
