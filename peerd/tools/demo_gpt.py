@@ -182,6 +182,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("sync", "overlap", "diloco"), default="sync")
     p.add_argument("--average-every", type=int, default=10)
     p.add_argument("--sync-every", type=int, default=20)
+    # diloco's outer rule for a run of a few hundred inner steps: plain averaging of the members' progress.
+    # Measured in process on this model (4 members, H=10, 100 steps): outer lr 1.0 without momentum reached
+    # validation loss 2.30, Nesterov 0.5 2.33, DiLoCo's own defaults (0.7, Nesterov 0.9, for thousands of
+    # steps) 2.41; the outer momentum needs many outer steps to pay off.
+    p.add_argument("--outer-lr", type=float, default=1.0)
+    p.add_argument("--outer-momentum", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=15.0)
     p.add_argument("--compression", default=None)
     p.add_argument("--keep-rounds", type=int, default=None)
@@ -205,6 +211,7 @@ def wrap_peerd(model, opt, args: argparse.Namespace):
         extra.pop("keep_rounds", None)
         # the outer step's deadline is DiLoCo's own default (60 s), as a user leaves it
         return peerd.torch.DiLoCo(model, opt, run=args.run, socket=args.socket, sync_every=args.sync_every,
+                                  outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                                   sync_state=not args.no_sync, **extra)
     if args.mode == "overlap":
         if args.bucket_mb is not None:
