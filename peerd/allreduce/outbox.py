@@ -1,5 +1,6 @@
 """What one group's member sends next (a part of ``GroupAverage``): its reduce-scatter contributions round-robin
-over the owners, then, once its own shard's reduce-scatter has ended, the shard's average to every other member.
+over the owners, and its own shard's average to every other member as its ranges become final (all of it once the
+own shard's reduce-scatter has ended).
 Blocks are built lazily, about ``limit`` datagrams of work a call, so a driver can pace and interleave them.
 """
 
