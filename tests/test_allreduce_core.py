@@ -31,6 +31,7 @@ from peerd.allreduce import (
     peek_group,
 )
 from peerd.allreduce.group import GROUP_OPTIONS
+from peerd.allreduce.robust import Robust
 from peerd.wire.errors import WireError
 
 from .support.groups import AG_DATA, AG_END, GROUP, RS_DATA, RS_END, GroupNet, Wire, expected_results, payload_for  # noqa: E402
@@ -622,3 +623,107 @@ def test_large_vector_is_vectorized():
     for core in m:
         assert core.finished
         np.testing.assert_allclose(core.result(), 3.0, rtol=1e-6)
+
+
+# ---- the all-gather overlaps the reduce-scatter ----------------------------------------------------------
+
+
+def _note_first_all_gather(core: GroupAverage, first: dict[int, float]) -> None:
+    """Record when ``core`` first hands out all-gather data (``first[core.index]``)."""
+    take = core.datagrams_to_send
+
+    def noted(now: float, limit: int):
+        out = take(now, limit)
+        if any(o.type == AG_DATA for o in out):
+            first.setdefault(core.index, now)
+        return out
+
+    core.datagrams_to_send = noted  # type: ignore[method-assign]
+
+
+def test_all_gather_of_final_ranges_goes_before_the_reduce_scatter_ends():
+    xs, ws = inputs(4, 4 * 80 * 8, weights=[1.0, 2.0, 3.0, 4.0])
+    m = make_group(xs, ws, per=8)
+    first: dict[int, float] = {}
+    for core in m:
+        _note_first_all_gather(core, first)
+    net = GroupNet(m, gap=1e-3)
+    net.run()
+    check_results(m, xs, ws, 8, net)
+    for core in m:  # its first ranges were final, and went out, long before its reduce-scatter phase ended
+        assert first[core.index] < core.phase_state(0)[1] - 0.1
+        assert core.statistics().drops == {}
+
+
+def test_pipelined_average_under_loss_is_exactly_what_arrived():
+    rng = np.random.default_rng(5)
+    lost = {(s, d, off) for s in range(4) for d in range(4) for off in range(0, 4 * 80 * 8, 8) if rng.random() < 0.1}
+    xs, ws = inputs(4, 4 * 80 * 8, seed=3)
+    m = make_group(xs, ws, per=8)
+    net = GroupNet(m, gap=1e-3, drop=lambda w: w.mtype in (RS_DATA, AG_DATA) and (w.src, w.dst, w.offset) in lost)
+    first: dict[int, float] = {}
+    for core in m:
+        _note_first_all_gather(core, first)
+    net.run()
+    check_results(m, xs, ws, 8, net)
+    assert all(first[core.index] < core.phase_state(0)[1] - 0.1 for core in m)
+
+
+def _owner_and_bodies(per: int = 2, ranges: int = 40):
+    """Member 0 of two (its shard: ``ranges`` ranges of ``per``) and the reduce-scatter bodies member 1 sends it."""
+    xs, ws = inputs(2, 2 * ranges * per, seed=7, weights=[3.0, 1.0])
+    a, b = make_group(xs, ws, per=per)
+    bodies = [o.body for o in b.datagrams_to_send(0.0, 10_000) if o.type == RS_DATA and o.to == 0]
+    assert len(bodies) == ranges
+    return xs, a, bodies
+
+
+def test_a_range_passed_over_in_order_is_final_and_its_late_data_is_not_summed():
+    xs, a, bodies = _owner_and_bodies()
+    for body in bodies[1:36]:  # range 0 lost: what came after it says so
+        assert a.receive(1, RS_DATA, body, 0.1) is Outcome.ACCEPTED
+    assert a.wants_to_send
+    ag = [o for o in a.datagrams_to_send(0.2, 10_000) if o.type == AG_DATA]
+    assert ag and not a.reduce_scatter_done
+    first = parse_header(AG_DATA, ag[0].body)
+    assert first.offset == 0 and first.weight == 3.0  # only the owner's own weight reached range 0
+    assert np.frombuffer(ag[0].body, np.float32, 2, HEADER_SIZE).tolist() == xs[0][:2].tolist()
+    assert max(parse_header(AG_DATA, o.body).offset for o in ag) == 31 * 2  # a block (AG_MIN_ROWS more: not yet)
+    assert a.receive(1, RS_DATA, bodies[0], 0.3) is Outcome.LATE
+    for body in bodies[36:]:
+        a.receive(1, RS_DATA, body, 0.4)
+    assert a.reduce_scatter_done and a.statistics().reduce_scatter.ended_by == COMPLETION
+    assert a.statistics().drops == {"late": 1}
+    a.handle_timer(100.0)  # (nothing of the other shard comes)
+    np.testing.assert_array_equal(a.result()[:2], xs[0][:2])
+    np.testing.assert_allclose(a.result()[2:80], (3 * xs[0][2:80].astype(np.float64) + xs[1][2:80]) / 4, atol=1e-6)
+
+
+def test_rows_for_final_ranges_in_a_block_are_late_hostile():
+    xs, a, bodies = _owner_and_bodies()
+    for body in bodies[1:36]:
+        a.receive(1, RS_DATA, body, 0.1)
+    before = [o for o in a.datagrams_to_send(0.2, 10_000) if o.type == AG_DATA]
+    assert before
+    # a member resends final ranges (forged values) inside a block with fresh ones: never summed into them
+    forged = [mutate(bodies[k], HEADER_SIZE, "<f", 1e30) for k in (0, 2)] + [bodies[36]]
+    block = np.frombuffer(b"".join(forged), np.uint8).reshape(3, -1)
+    assert a.receive_block(1, RS_DATA, block, 0.3) is None  # body by body, then
+    outcomes = [a.receive(1, RS_DATA, row.tobytes(), 0.3) for row in block]
+    assert outcomes == [Outcome.LATE, Outcome.DUPLICATE, Outcome.ACCEPTED]
+    for body in bodies[37:]:
+        a.receive(1, RS_DATA, body, 0.4)
+    assert a.reduce_scatter_done
+    a.handle_timer(100.0)
+    res = a.result()
+    assert np.isfinite(res).all()
+    np.testing.assert_array_equal(res[:2], xs[0][:2])
+
+
+def test_robust_averages_wait_for_the_whole_reduce_scatter():
+    xs, ws = inputs(2, 2 * 40 * 2, seed=7, weights=[3.0, 1.0])
+    a, b = make_group(xs, ws, per=2, robust=Robust("clip", 1.0))
+    bodies = [o.body for o in b.datagrams_to_send(0.0, 10_000) if o.type == RS_DATA and o.to == 0]
+    for body in bodies[1:36]:
+        a.receive(1, RS_DATA, body, 0.1)
+    assert not [o for o in a.datagrams_to_send(0.2, 10_000) if o.type == AG_DATA]

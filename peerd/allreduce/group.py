@@ -114,8 +114,9 @@ class GroupAverage(Intake, Outbox, Finalize):
     member's own value.
 
     ``out`` receives the result (a new array by default). ``out=vector`` averages in place: safe, because
-    this member never sends its own shard, and an owner's all-gather only overwrites a shard after that
-    owner has stopped accepting this member's reduce-scatter data for it.
+    this member never sends its own shard, and an owner's all-gather only overwrites a range once that owner
+    has stopped accepting this member's reduce-scatter data for it (it arrived, or data this member sent
+    after it did).
 
     All members of a group must use the same ``max_payload``: the ranges are derived from it, and a body
     whose range does not match this member's layout is malformed.
@@ -311,12 +312,22 @@ class GroupAverage(Intake, Outbox, Finalize):
         self._rs.grace = self._ag.grace = float(options.end_grace_s)
         self.state = State.REDUCE_SCATTER  # receiving (phase.TRANSITIONS)
         self.sending = Sending.REDUCE_SCATTER  # sending (phase.SEND_TRANSITIONS)
-        self._gen: Iterator[OutBlock | None] | None = self._rs_blocks()  # the current sending phase's blocks
+        self._rs_gen: Iterator[OutBlock] | None = self._rs_blocks()  # the contributions' blocks (None: all out)
+        # the average's blocks: started once a range of the own shard is final (None: not yet; EXHAUSTED: all out)
+        self._ag_gen: Iterator[OutBlock | None] | object | None = None
+        # Without robust aggregation (which needs every contribution first) a range of the own shard is final, and
+        # its average goes out, as soon as every other member's datagram for it arrived or is known lost
+        # (``ag_frontier``): the all-gather overlaps the reduce-scatter instead of waiting for its end.
+        self._early = robust is None
+        self._ag_next = 0  # the first range of the own shard the all-gather has not handed out
+        self._ag_woken = False  # a wake-up for final ranges is pending (``note_ready``)
+        self._contig = [0] * n  # per sender: ranges below it all arrived or final (for a stream seen reordered)
         self._block_rows = DEFAULT_BLOCK_ROWS
         self._left: list[Outgoing] = []  # rows of a block ``datagrams_to_send`` has not handed out yet
-        # Counts phase ends and deadlines brought forward (an END that overtook data starts a short grace):
-        # a driver compares it before and after ``receive`` (cheaper than reading ``finished``,
-        # ``wants_to_send`` and ``get_timer``) to know when to wake up and re-read the timer.
+        # Counts phase ends, deadlines brought forward (an END that overtook data starts a short grace) and ranges
+        # of the own shard that became final while nothing else was left to send: a driver compares it before and
+        # after ``receive`` (cheaper than reading ``finished``, ``wants_to_send`` and ``get_timer``) to know when to
+        # wake up, re-read the timer and send again.
         self.phase_changes = 0
         for a in sorted(set(options.absent)):
             self.remove_member(a, now)
@@ -348,7 +359,7 @@ class GroupAverage(Intake, Outbox, Finalize):
         """``datagrams_to_send`` may have something: call it (in batches) until it returns short."""
         sending = self.sending
         return (sending is Sending.REDUCE_SCATTER or sending is Sending.ALL_GATHER or bool(self._left)
-                or (sending is Sending.HOLDING and self.state is not State.REDUCE_SCATTER))
+                or (sending is Sending.HOLDING and (self.state is not State.REDUCE_SCATTER or self.ag_ready())))
 
     @property
     def finished(self) -> bool:
@@ -383,6 +394,7 @@ class GroupAverage(Intake, Outbox, Finalize):
                 if now >= self._rs_deadline():
                     self._end_rs(now, DEADLINE)
                 else:
+                    self.note_ready(None)
                     return
         if self.state is State.ALL_GATHER:
             self._ag.expire_ending(now)
@@ -401,6 +413,7 @@ class GroupAverage(Intake, Outbox, Finalize):
         self._rs.close(member)
         self._ag.close(member)
         self._maybe_end(now)
+        self.note_ready(None)
 
     def _maybe_end(self, now: float) -> None:
         if self.state is State.REDUCE_SCATTER and self._rs.open == 0:

@@ -79,6 +79,8 @@ class Intake:
             rs = self._rs
             if rs.ended_at is not None:
                 return self._late(mtype)
+            if k < self._finalized:
+                return self._late_final(sender, k, now)
             if self._coded:  # decoded and validated before anything is marked: CodecError is a malformed drop
                 self._stage[sender, rel : rel + count] = self.codec.decode(memoryview(body)[HEADER_SIZE:], count)
             elif self._stream:
@@ -92,6 +94,8 @@ class Intake:
                 self.phase_changes += 1  # the deadline moved earlier (the tail's grace): the driver re-reads it
             if rs.open == 0:
                 self._end_rs(now, COMPLETION)
+            else:
+                self.note_ready(sender)
             return Outcome.ACCEPTED
 
         if mtype == _RS_END:
@@ -113,6 +117,8 @@ class Intake:
                 self.phase_changes += 1  # the deadline moved earlier (an END's grace): the driver re-reads it
             if rs.open == 0:
                 self._end_rs(now, COMPLETION)
+            else:
+                self.note_ready(None)
             return Outcome.ACCEPTED
 
         ag = self._ag
@@ -167,6 +173,8 @@ class Intake:
             return None
         if type(sender) is not int or not 0 <= sender < self.n or sender == self.index or not self._live[sender]:
             return None  # (a removed sender's rows: ``receive`` counts them late one by one)
+        if mtype == _RS_DATA and self._finalized and self._rs.ended_at is None and self._under_final(bodies):
+            return None  # (rows for ranges already final: ``receive`` counts them late one by one)
         per, coded = self._per, self._coded
         if self._take and bodies.shape[1] == HEADER_SIZE + 4 * per and kernels.native_rows(bodies):
             taken = self._take_native(sender, mtype, bodies, now)
@@ -326,6 +334,26 @@ class Intake:
                 self._end_rs(now, COMPLETION)
             elif self._rs.ended_at is not None:
                 self._end_ag(now, COMPLETION)
+        elif mtype == _RS_DATA:
+            self.note_ready(sender)
+
+    def _under_final(self, bodies: np.ndarray) -> bool:
+        """Whether a reduce-scatter block holds a row for a range of the own shard that is final already (or an
+        offset below the shard: ``receive`` finds it malformed)."""
+        offsets = np.frombuffer(np.ascontiguousarray(bodies[:, 9:13]).tobytes(), "<u4")
+        return int(offsets.min()) < self._lo + self._finalized * self._per
+
+    def _late_final(self, sender: int, k: int, now: float) -> Outcome:
+        """A reduce-scatter datagram for range ``k``, final already (its average may be out): late, not summed, but
+        it still counts for its stream (which may complete by it)."""
+        self._rs_seen[sender, k] = True
+        self._drops["late"] += 1
+        rs = self._rs
+        if rs.note_data(sender, k, now):
+            self.phase_changes += 1
+        if rs.open == 0:
+            self._end_rs(now, COMPLETION)
+        return Outcome.LATE
 
     def _take_odd(self, sender: int, bodies: np.ndarray, status: np.ndarray) -> None:
         """What take_rows did not add of a reduce-scatter block, as ``_add_rows`` counts it: rows refused for a NaN

@@ -1,5 +1,6 @@
 """What one group's member sends next (a part of ``GroupAverage``): its reduce-scatter contributions round-robin
-over the owners, then, once its own shard's reduce-scatter has ended, the shard's average to every other member.
+over the owners, and its own shard's average to every other member as its ranges become final (all of it once the
+own shard's reduce-scatter has ended).
 Blocks are built lazily, about ``limit`` datagrams of work a call, so a driver can pace and interleave them.
 """
 
@@ -14,7 +15,7 @@ from ..compress import RoundingKey
 from . import kernels
 from .frames import END_REPEATS, F32_DTYPE, BodyType, pack_block, pack_coded, pack_end
 from .kernels import F32_MAX, FINALIZE_BLOCK_ELEMENTS
-from .phase import SEND_TRANSITIONS, SendEvent, Sending, advance
+from .phase import SEND_TRANSITIONS, SendEvent, Sending, State, advance
 
 DEFAULT_BLOCK_ROWS = 32  # bodies per OutBlock unless the driver asks for another size (GSO: up to 64)
 # A compressed codec encodes as it packs (int4 stochastic: ~30 ms for a block of 432 full datagrams): its blocks
@@ -23,6 +24,10 @@ DEFAULT_BLOCK_ROWS = 32  # bodies per OutBlock unless the driver asks for anothe
 CODED_BLOCK_ELEMENTS = 1 << 16
 CODED_BATCH_ELEMENTS = 1 << 18
 _DONE = object()  # a send generator that is exhausted
+_WAIT = object()  # the all-gather's next ranges are not final yet
+# The all-gather hands out ranges that became final while the reduce-scatter runs in blocks of at least this many
+# (or the shard's rest): every block costs a pass through the driver per destination.
+AG_MIN_ROWS = 32
 _RS_DATA, _RS_END, _AG_DATA, _AG_END = (int(t) for t in BodyType)
 
 
@@ -56,12 +61,13 @@ class Outgoing(NamedTuple):
 
 
 class Outbox:
-    """GroupAverage's sending: its reduce-scatter contributions, then its averaged shard, a block at a time."""
+    """GroupAverage's sending: its reduce-scatter contributions, and its averaged shard as its ranges become final,
+    a block at a time."""
 
     def blocks_to_send(self, rows: int, limit: int) -> list[OutBlock]:
-        """Blocks of at most ``rows`` bodies each, about ``limit`` bodies in all, reduce-scatter first, then
-        (once this member's reduce-scatter phase has ended) the all-gather. An empty list means nothing to
-        send until something changes."""
+        """Blocks of at most ``rows`` bodies each, about ``limit`` bodies in all: the all-gather of ranges of the own
+        shard that are final (``ag_frontier``) first, then the reduce-scatter; once the own reduce-scatter phase has
+        ended, the rest of the all-gather. An empty list means nothing to send until something changes."""
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
         if self._coded:
@@ -71,21 +77,100 @@ class Outbox:
         batch: list[OutBlock] = []
         count = 0
         while count < limit:
-            if self._gen is None:
-                if self.sending is not Sending.HOLDING or not self.reduce_scatter_done:
-                    break
-                self.sending = advance(SEND_TRANSITIONS, self.sending, SendEvent.SHARD_FINAL)
-                self._gen = self._ag_blocks()
-            block = next(self._gen, _DONE)
-            if block is _DONE:
-                self.sending = advance(SEND_TRANSITIONS, self.sending, SendEvent.EXHAUSTED)
-                self._gen = None
-                continue
+            block = self._next_ag()
             if block is None:  # a slice of work with nothing to send (robust norms): the driver's turn
                 break
-            batch.append(block)
-            count += len(block.bodies)
+            if block is _WAIT or block is _DONE:
+                if self._rs_gen is None:
+                    break
+                block = next(self._rs_gen, _DONE)
+                if block is _DONE:
+                    self._rs_gen = None
+                    self.sending = advance(SEND_TRANSITIONS, self.sending, SendEvent.EXHAUSTED)
+                    if self._ag_gen is _DONE:
+                        self.sending = advance(SEND_TRANSITIONS, self.sending, SendEvent.EXHAUSTED)
+                    continue
+            batch.append(block)  # type: ignore[arg-type]
+            count += len(block.bodies)  # type: ignore[union-attr]
         return batch
+
+    def _next_ag(self) -> OutBlock | object | None:
+        """The all-gather's next block; _WAIT while its next ranges are not final, _DONE once it is all out, None
+        for a slice of robust work."""
+        gen = self._ag_gen
+        if gen is _DONE:
+            return _DONE
+        if self.sending is Sending.HOLDING and self.reduce_scatter_done:
+            self.sending = advance(SEND_TRANSITIONS, self.sending, SendEvent.SHARD_FINAL)
+        if gen is None:
+            if not (self._early or self.reduce_scatter_done):
+                return _WAIT
+            gen = self._ag_gen = self._ag_blocks()
+        block = next(gen, _DONE)  # type: ignore[call-overload]
+        if block is _DONE:
+            self._ag_gen = _DONE
+            if self.sending is not Sending.REDUCE_SCATTER:
+                self.sending = advance(SEND_TRANSITIONS, self.sending, SendEvent.EXHAUSTED)
+        elif block is not _WAIT and block is not None:
+            self._ag_woken = False
+        return block
+
+    def _ag_need(self) -> int:
+        """How far the own shard must be final for the all-gather's next block: AG_MIN_ROWS more ranges (fewer at
+        the shard's end), so blocks stay large enough to be cheap."""
+        k, total = self._ag_next, self._nranges
+        full = (self._hi - self._lo) // self._per
+        return min(k + AG_MIN_ROWS, full) if k < full else total
+
+    def sender_frontier(self, s: int) -> int:
+        """How many leading ranges of the own shard sender ``s`` has settled: all of them once its stream is closed;
+        else, while its stream came in index order, every range below its highest one that arrived (what is
+        missing there was sent before that one, so it is lost); else the ranges below the first one missing."""
+        rs, total = self._rs, self._nranges
+        if rs.done[s]:
+            return total
+        if not rs.reordered[s]:
+            return rs.top[s]
+        c = max(self._contig[s], self._finalized)
+        if c < total:
+            rest = self._rs_seen[s, c:]
+            gap = int(np.argmin(rest))
+            c = total if rest[gap] else c + gap
+        self._contig[s] = c
+        return c
+
+    def ag_frontier(self) -> int:
+        """How many leading ranges of the own shard are final, or may be made final now: every other member's
+        datagram for each arrived or is known lost (``sender_frontier``), or the reduce-scatter ended."""
+        total = self._nranges
+        if self.state is not State.REDUCE_SCATTER:
+            return total
+        if not self._early:
+            return 0
+        f = total
+        done = self._rs.done
+        for s in range(self.n):
+            if not done[s]:
+                f = min(f, self.sender_frontier(s))
+        return f
+
+    def ag_ready(self) -> bool:
+        """Whether the all-gather's next block may go now (while the reduce-scatter phase runs)."""
+        return self._early and self._ag_gen is not _DONE and self.ag_frontier() >= self._ag_need()
+
+    def note_ready(self, sender: int | None) -> None:
+        """After new reduce-scatter data from ``sender`` (None: a stream closed): when this member has nothing
+        else to send and the all-gather's next block has become final, count a phase change, so the driver wakes
+        up and sends it. Only a sender that reached the block can complete it: the others are not looked at."""
+        if (self.sending is not Sending.HOLDING or self._ag_woken or not self._early
+                or self.state is not State.REDUCE_SCATTER):
+            return
+        need = self._ag_need()
+        if sender is not None and self.sender_frontier(sender) < need:
+            return
+        if self._ag_gen is not _DONE and self.ag_frontier() >= need:
+            self._ag_woken = True
+            self.phase_changes += 1
 
     def datagrams_to_send(self, now: float, limit: int) -> list[Outgoing]:
         """``blocks_to_send`` one body at a time, for drivers (and tests) that send datagram by datagram (``now``:
@@ -179,9 +264,10 @@ class Outbox:
         block = pack_coded(self.group_id, self._cid, total, offset, count, weight, bodies)
         return block if ok is None else block[ok]
 
-    def _ag_blocks(self) -> Iterator[OutBlock | None]:
-        """The averaged own shard to every other member; each block is built once and sent to all. With
-        ``robust``, the contributions' norms are measured first, a slice per step (None: no block yet)."""
+    def _ag_blocks(self) -> Iterator[OutBlock | None | object]:
+        """The averaged own shard to every other member, its ranges as they become final (_WAIT: the next ones are
+        not yet); each block is built once and sent to all. With ``robust``, once the reduce-scatter has ended, the
+        contributions' norms are measured first, a slice per step (None: no block yet)."""
         while self._robust is not None and not self._robust_step():
             yield None
         per, group, total = self.layout.per, self.group_id, self._nranges
@@ -193,9 +279,14 @@ class Outbox:
         ag, live = self._ag, self._live
         k = 0
         while k < total:
-            k1 = min(k + self._block_rows, full) if k < full else total
+            self._ag_next = k
+            ready = self.ag_frontier()
+            if ready < total and ready < self._ag_need():
+                yield _WAIT
+                continue
+            k1 = min(k + self._block_rows, full, ready) if k < full else total
             if self._finalized < k1:
-                self._finalize_through(min(total, max(k1, k + ahead)))
+                self._finalize_through(min(ready, max(k1, k + ahead)))
             weights = np.minimum(self._wsum[k:k1], F32_MAX)
             off = lo + k * per
             if self._coded:  # the bodies encoded when these ranges were finalized

@@ -36,9 +36,10 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 
 
 class Sending(enum.Enum):
-    """Where a member's own sending stands: its contributions, then (once its own shard is final) the average."""
+    """Where a member's own sending stands: its contributions (with the average's ranges that are final between
+    them), then the rest of the average once its own shard's reduce-scatter has ended."""
 
-    REDUCE_SCATTER = "reduce_scatter"  # the own contributions go out to their owners
+    REDUCE_SCATTER = "reduce_scatter"  # the own contributions go out to their owners (and final averages)
     HOLDING = "holding"  # every contribution is out; the own shard's reduce-scatter has not ended yet
     ALL_GATHER = "all_gather"  # the own shard's average goes out to every other member
     SENT = "sent"  # nothing more to send
@@ -46,13 +47,14 @@ class Sending(enum.Enum):
 
 class SendEvent(enum.Enum):
     EXHAUSTED = "exhausted"  # the current phase's blocks are all handed out
-    SHARD_FINAL = "shard_final"  # the own shard's reduce-scatter ended: its average may go out
+    SHARD_FINAL = "shard_final"  # the own shard's reduce-scatter ended: the rest of its average may go out
 
 
 SEND_TRANSITIONS: dict[tuple[Sending, SendEvent], Sending] = {
     (Sending.REDUCE_SCATTER, SendEvent.EXHAUSTED): Sending.HOLDING,
     (Sending.HOLDING, SendEvent.SHARD_FINAL): Sending.ALL_GATHER,
     (Sending.ALL_GATHER, SendEvent.EXHAUSTED): Sending.SENT,
+    (Sending.HOLDING, SendEvent.EXHAUSTED): Sending.SENT,  # the whole average went out before the phase ended
 }
 
 

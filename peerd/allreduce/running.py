@@ -86,7 +86,7 @@ class RunningGroup:
         self.by_peer = {p: i for i, p in enumerate(peers)}
         self.by_token: dict[int, int] = {}  # tokens seen bound to a member (a cache of the transport's answer)
         self.meters = [DeliveryMeter(now, kernel_drops) for _ in peers]
-        # Per member: data datagrams sent to it so far (its reduce-scatter stream, then its all-gather stream:
+        # Per member: data datagrams sent to it so far (its reduce-scatter and all-gather streams in the order sent:
         # the positions a receiver's REPORT counts in) and when each part of them went out.
         self.positions = [SendPositions() for _ in peers]
         self.sent_to = [0] * len(peers)

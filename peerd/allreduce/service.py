@@ -53,6 +53,7 @@ CATCH_UP_POLL_S = 0.002  # how often a phase deadline re-checks that the receive
 # in several passes' worth (`peerd bench allreduce --peers 8 --size 25000000 --insecure`: kernel drops).
 SEND_YIELD_QUEUED = 2 * 1024 * 1024  # bytes the kernel accounts, about 1 MB of datagrams (skb overhead included)
 SEND_YIELD_S = 0.005
+TEND_S = 0.002  # while a group's blocks go out, its END copies and timers are looked at this often (``_tend``)
 
 _node_id = functools.lru_cache(maxsize=4096)(node_id_of)  # a token's key -> node id, once per key
 
@@ -254,7 +255,8 @@ class AllreduceService:
                     wake = self._wake[group_id] = trio.Event()  # (before the work: a Wake during it is kept)
                     while host.wants_to_send(group_id):
                         await self._send_blocks(host.datagrams_to_send(trio.current_time(), host.send_window(group_id),
-                                                                        group_id=group_id), members, sent)
+                                                                        group_id=group_id), members, sent,
+                                                group_id=group_id)
                     copies = host.due_copies(group_id, trio.current_time())
                     if copies:
                         await self._send_blocks(copies, members, sent)
@@ -304,7 +306,8 @@ class AllreduceService:
                 nursery.start_soon(ping, members[b.to])
         took[0] = trio.current_time() - start
 
-    async def _send_blocks(self, blocks: list[SendBlock], members: list[Member], sent: list[int]) -> None:
+    async def _send_blocks(self, blocks: list[SendBlock], members: list[Member], sent: list[int], *,
+                           group_id: int | None = None) -> None:
         """Send parts (``AveragingHost.part_rows``: about 1 ms at the pacer's rate, in whole GSO sends where that is
         one or more) of each destination's blocks in turn, each part when the host's pacing says: the destinations
         share the uplink evenly at every moment (see ``AveragingHost.send_window``). One destination's blocks go
@@ -313,14 +316,22 @@ class AllreduceService:
         Each part is sealed when it goes, with no wait between sealing and sending, so sequence numbers follow the
         send order and a receiver's replay window only sees the gaps other destinations' parts leave. (Sealed a
         slice ahead, a block that went out last lagged the sender's REPORTs to its receiver, sealed later, by the
-        whole slice: the slice had to stay within half the window, which cut 8-peer blocks to 486 rows.)"""
+        whole slice: the slice had to stay within half the window, which cut 8-peer blocks to 486 rows.)
+
+        With ``group_id``, the group's own business goes on while its blocks go (the all-gather follows the
+        reduce-scatter at once, for a fraction of a second): END copies that fall due go first to their member, and
+        a phase deadline or END grace that passes is handled (``_tend``), not left until the blocks are out."""
         queues: dict[int, list[list]] = {}
         for b in blocks:
             member = members[b.to]
             body = b.bodies.shape[1] + (b.values.shape[1] * b.values.itemsize if b.values is not None else 0)
             queues.setdefault(b.to, []).append([b, member, body, 0])  # ..., the next part's first row
         yielded = trio.current_time()
+        tend_at = yielded + TEND_S if group_id is not None else math.inf
         while queues:
+            if trio.current_time() >= tend_at:
+                tend_at = trio.current_time() + TEND_S
+                self._tend(group_id, queues, members)  # type: ignore[arg-type]
             for to in list(queues):
                 queue = queues[to]
                 entry = queue[0]
@@ -359,6 +370,22 @@ class AllreduceService:
                     await trio.lowlevel.checkpoint()
                     yielded = trio.current_time()
         await trio.lowlevel.checkpoint()  # let receives and DHT requests in between slices
+
+    def _tend(self, group_id: int, queues: dict[int, list[list]], members: list[Member]) -> None:
+        """While ``_send_blocks`` sends the group's blocks: END copies now due go to the front of their member's
+        queue (their data went before them), and a group timer that has passed is handled once the receive loop
+        has caught up to it (else at the next look)."""
+        host = self.host
+        if not host.running(group_id):
+            return
+        now = trio.current_time()
+        for b in host.due_copies(group_id, now):
+            body = b.bodies.shape[1] + (b.values.shape[1] * b.values.itemsize if b.values is not None else 0)
+            queues.setdefault(b.to, []).insert(0, [b, members[b.to], body, 0])
+        at = host.group_timer(group_id, now)
+        if at <= now and self.endpoint.caught_up(at):
+            host.handle_group_timer(group_id, now)
+            self._run(host.take_actions())
 
     async def _reporter(self, group_id: int, members: list[Member]) -> None:
         """Tell each sender what arrived from it, when the host says (every REPORT_INTERVAL_S)."""
