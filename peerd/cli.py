@@ -476,7 +476,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         loss_seed=args.loss_seed,
         relay=not args.no_relay,
         group_factory=_fault_factory(args.fault_byzantine),
-        caps=cap_config(args),
+        caps=cap_config(args, args.identity),
     )
     try:
         daemon = Daemon(config)

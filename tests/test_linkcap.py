@@ -203,7 +203,7 @@ def test_the_plan_gives_a_capped_member_its_shares_time_and_splits_a_download_ca
     # sending to the capped member as fast as the pacer lets: its share, not the uplink's rate
     t, sent = 0.0, 0
     while t < 2.0:
-        t += pacer.reserve(1200, t, b"c" * 32) + 1e-5
+        t += pacer.reserve(1200, b"c" * 32, t) + 1e-5
         sent += 1200
     assert sent / t <= per * 1.05
 
@@ -273,9 +273,12 @@ def test_a_capped_daemon_shows_its_caps_use_and_budget_in_status(tmp_path) -> No
         plain = swarm.start()
         assert swarm.wait_ready(plain)["caps"] is None
     assert caps["max_upload"] == 2.5e6 and caps["max_download"] == 5e6
-    # 200 GB over 30 days is 77 kB/s both ways together: the budget binds under both flags, half of it each way
-    assert caps["upload_limit"] == caps["download_limit"] == pytest.approx(0.5 * 200e9 / (30 * 86400), rel=0.01)
+    # 200 GB over what is left of the calendar month (about 77 kB/s both ways together): the budget binds under both
+    # flags, half of it each way
     budget = caps["budget"]
-    assert budget["budget_bytes"] == 200e9 and budget["period_s"] == 30 * 86400 and budget["on_track"]
+    assert caps["upload_limit"] == caps["download_limit"] == pytest.approx(
+        0.5 * budget["remaining_bytes"] / budget["period_left_s"], rel=0.01)
+    assert budget["budget_bytes"] == 200e9 and budget["period"] == "month" and budget["on_track"]
+    assert 28 * 86400 <= budget["period_s"] <= 31 * 86400 and 0 < budget["period_left_s"] <= budget["period_s"]
     assert 0 < budget["remaining_bytes"] <= 200e9 and budget["runs_out_in_s"] is None
     assert caps["uploaded"] >= 0 and caps["held_s"] >= 0

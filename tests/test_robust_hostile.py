@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from peerd.tools.faults import byzantine
 from .support.arctopk import SHAPES, plan_for, run_group, wmean
 from .support.gradients import cos, gradients  # noqa: E402
 from .support.groups import GROUP, GroupNet, payload_for
+from .support.memnet import run_on_memnet
 from .support.moshpit_groups import asked_options  # noqa: E402
 
 PER = 50
@@ -223,28 +225,22 @@ def test_an_arc_topk_round_takes_the_runs_robust_and_is_not_averaged_without_eve
     """The run says robust clip:1, and its arc-topk rounds averaged unclipped; a round whose selections did not
     all decode reported ``averaged``. Now the sketch and dense phases get the run's robust mode (clip), the
     selection phase runs solo, and such a round is ``failed`` with the member's own vector."""
-    from .support.memnet import MemNet
     from .support.moshpit_groups import _group, node
-    from .support.virtual import run_virtual
 
-    async def main() -> None:
-        net = MemNet()
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            fake = PhaseAllreduce()
-            a = node(net, 0, allreduce=fake)
-            shapes = [list(s) for s in SHAPES]
-            st = await a.moshpit.open("run", grid=Grid(1, 4), window_s=1.0, robust="centered:2",
-                                      compression="arc-topk", topk_layout=shapes, topk_ratio=0.25)
-            vec = gradients(1, st.topk.length, 5)[0]
-            res = await a.moshpit._average_group(st, _group(a), vec, 1.0, 10.0, 0, "k", 2)
-            assert [c.get("robust") for c in fake.calls] == [Robust("clip", 2.0), None, Robust("clip", 2.0)]
-            assert [c.get("solo", False) for c in fake.calls] == [False, True, False]
-            assert res.outcome == "failed" and "did not decode" in res.error
-            assert np.array_equal(res.vector, vec) and res.received_fraction < 1.0
-            nursery.cancel_scope.cancel()
+    async def main(net: Any, nursery: trio.Nursery) -> None:
+        fake = PhaseAllreduce()
+        a = node(net, 0, allreduce=fake)
+        shapes = [list(s) for s in SHAPES]
+        st = await a.moshpit.open("run", grid=Grid(1, 4), window_s=1.0, robust="centered:2",
+                                  compression="arc-topk", topk_layout=shapes, topk_ratio=0.25)
+        vec = gradients(1, st.topk.length, 5)[0]
+        res = await a.moshpit._average_group(st, _group(a), vec, 1.0, 10.0, 0, "k", 2)
+        assert [c.get("robust") for c in fake.calls] == [Robust("clip", 2.0), None, Robust("clip", 2.0)]
+        assert [c.get("solo", False) for c in fake.calls] == [False, True, False]
+        assert res.outcome == "failed" and "did not decode" in res.error
+        assert np.array_equal(res.vector, vec) and res.received_fraction < 1.0
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 def _left_out(n: int, shard: int, signal: float, seeds: range, bad: set[int]) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 MIN_RATE = 8_000.0  # bytes/s (64 kbit/s): below this one datagram of a full MTU waits longer than a request's timeout
 MAX_RATE = 12.5e9  # bytes/s (100 Gbit/s)
 MIN_BUDGET = 100e6  # bytes per period: less does not carry a day of DHT upkeep
-PERIODS = {"day": 86_400.0, "week": 7 * 86_400.0, "month": 30 * 86_400.0}  # a month is 30 days
+PERIODS = {"day": 86_400.0, "week": 7 * 86_400.0, "month": 30 * 86_400.0}  # nominal: the budget's are UTC calendar
 
 _BITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 1, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9}
 _BYTES = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3,
@@ -18,7 +18,7 @@ _NUMBER = r"(\d+(?:\.\d+)?)\s*"
 _RATE = re.compile(rf"^\s*{_NUMBER}([A-Za-z]+)(/s)?\s*$")
 _BUDGET = re.compile(rf"^\s*{_NUMBER}([A-Za-z]+)\s*/\s*([a-z]+)\s*$")
 RATE_HELP = "a rate like 20mbit, 500kbit, 1gbit (bits/s) or 5MB/s, 2.5MiB/s (bytes/s)"
-BUDGET_HELP = "a budget like 200GB/month, 5GB/day or 50GiB/week (a month is 30 days)"
+BUDGET_HELP = "a budget like 200GB/month, 5GB/day or 50GiB/week (UTC calendar periods)"
 
 
 def parse_rate(text: str) -> float:
@@ -41,23 +41,28 @@ def parse_rate(text: str) -> float:
 
 @dataclass(frozen=True)
 class Budget:
-    """``nbytes`` in each period of ``period_s`` seconds (both directions together: what a metered plan bills)."""
+    """``nbytes`` in each UTC calendar ``period`` (day, week, month: linkcap.budget), both directions together, as
+    a metered plan bills."""
 
     nbytes: float
-    period_s: float
+    period: str
     text: str
+
+    @property
+    def period_s(self) -> float:
+        """The period's nominal length (a month: 30 days); the calendar's periods vary (linkcap.budget)."""
+        return PERIODS[self.period]
 
 
 def parse_budget(text: str) -> Budget:
-    """``200GB/month`` -> Budget(200e9, 30 days). Raises ValueError naming the accepted forms."""
+    """``200GB/month`` -> Budget(200e9, "month"). Raises ValueError naming the accepted forms."""
     m = _BUDGET.match(text) if isinstance(text, str) else None
     if m is None or m.group(2) not in _BYTES or m.group(3) not in PERIODS:
         raise ValueError(f"{text!r}: expected {BUDGET_HELP}")
     nbytes = float(m.group(1)) * _BYTES[m.group(2)]
-    period = PERIODS[m.group(3)]
     if nbytes < MIN_BUDGET:
         raise ValueError(f"{text!r}: a budget must be at least 100MB per period")
-    return Budget(nbytes, period, text.strip())
+    return Budget(nbytes, m.group(3), text.strip())
 
 
 def mbit(rate: float) -> float:

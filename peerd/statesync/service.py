@@ -46,12 +46,15 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
+from ..deadlines import DeadlineTuner
 from ..dht import DhtService
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
@@ -60,6 +63,9 @@ from ..wire.errors import WireError
 from ..wire.identity import node_id_of
 from .advert import Advert, ad_key
 from .choice import MAX_SNAPSHOT, Download, Finished, SnapshotChoice
+
+if TYPE_CHECKING:
+    from ..linkcap.shell import CapGate
 
 log = logging.getLogger("peerd.statesync")
 
@@ -101,10 +107,13 @@ class StateSync:
         self.dht = dht
         self.metrics = metrics
         self.advertise = advertise
+        self.deadlines: DeadlineTuner | None = None  # a download's deadline tunes itself within the caller's timeout
+        self.clock: Callable[[], float] = time.time  # (the tuner's clock: wall-clock seconds, as the daemon's)
         self._snapshots: dict[str, OrderedDict[bytes, bytes]] = {}  # run key -> sha -> blob
         self._known_source: Callable[[], Iterable[str]] | Iterable[str] | None = None
         self._noted: OrderedDict[str, None] = OrderedDict()  # hex ids of peers averaged with, newest last
         self.set_known_peers(known_peers)
+        self.gate: CapGate | None = None  # a node with bandwidth caps: what it serves and asks for keeps to them
         endpoint.on_request(m.MsgType.STATE_GET, self._on_get)
 
     def set_known_peers(self, source: Callable[[], Iterable[str]] | Iterable[str] | None) -> None:
@@ -185,7 +194,9 @@ class StateSync:
             return out
         raise StateSyncError(f"reading the advertisements of run {run!r} from the DHT took over {timeout:.0f} s")
 
-    def _on_get(self, incoming: Incoming) -> dict:
+    def _on_get(self, incoming: Incoming) -> dict | None:
+        if self.gate is not None and not self.gate.admit_serving(self.endpoint.max_body):
+            return None  # over the caps' share for serving: silent, and the joiner's retransmission waits
         body = incoming.body
         run_key = body["run"].decode("utf-8", "replace")
         blob = self._snapshots.get(run_key, {}).get(body["sha"])
@@ -215,6 +226,7 @@ class StateSync:
         The choice (which snapshot, from whom, what next) is SnapshotChoice's; this only reads and downloads.
         """
         fetched: Fetched | None = None
+        timeout = timeout if self.deadlines is None else self.deadlines.state_sync(timeout).seconds
         choice = SnapshotChoice(self.node_id, run_key, layout=layout, min_step=min_step, max_size=max_size,
                                 below=below, exclude=tuple(exclude), deadline=trio.current_time() + timeout)
         with trio.move_on_at(choice.deadline):
@@ -239,7 +251,11 @@ class StateSync:
         cand = action.candidate
         with trio.move_on_at(deadline):
             try:
-                return await self._download(run_key, cand.sha, cand.size, cand.step, list(action.donors)), "", False
+                t0 = trio.current_time()
+                got = await self._download(run_key, cand.sha, cand.size, cand.step, list(action.donors))
+                if self.deadlines is not None:  # its pace tunes the next download's deadline
+                    self.deadlines.receive_transfer(cand.size, trio.current_time() - t0, self.clock())
+                return got, "", False
             except (StateSyncError, RpcError, MemoryError, OSError) as e:
                 why = "no memory for the snapshot" if isinstance(e, MemoryError) else str(e)
                 log.info("state sync: snapshot %s (step %d, %d bytes) from %d donor(s) failed: %s",
@@ -287,6 +303,8 @@ class StateSync:
         out = bytearray()
         while len(out) < length:
             want = min(chunk, length - len(out))
+            if self.gate is not None:
+                await self.gate.wait_fetch(want + CHUNK_OVERHEAD)
             reply = await self.endpoint.request(
                 addr, m.MsgType.STATE_GET,
                 {"run": run_key.encode(), "sha": sha, "offset": offset + len(out), "length": want},
@@ -335,6 +353,8 @@ class StateSync:
                     retries += 1
                 try:
                     while got < want:
+                        if self.gate is not None:
+                            await self.gate.wait_fetch(want - got + CHUNK_OVERHEAD)
                         reply = await self.endpoint.request(
                             addr, m.MsgType.STATE_GET,
                             {"run": run_key.encode(), "sha": sha, "offset": offset + got, "length": want - got},

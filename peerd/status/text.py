@@ -1,8 +1,9 @@
-"""``peerd status`` as text: the node's summary and its per-peer table, one line a peer (stdlib only: the CLI
-imports it without numpy)."""
+"""``peerd status`` as text: the node's summary, its caps and budget, and its per-peer table, one line a peer
+(stdlib only: the CLI imports it without numpy)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 # Drops that mean a misconfigured node, not noise: the node that sent them only sees timeouts, so say it here.
@@ -81,9 +82,59 @@ def summary(reply: dict[str, Any]) -> list[str]:
     return lines
 
 
-def network(view: dict[str, Any]) -> list[str]:
+def _bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _span(s: float) -> str:
+    """Seconds as the two largest units (2 d 4 h, 3 h 10 min, 45 s)."""
+    s = max(0.0, s)
+    d, h, mi = int(s // 86400), int(s % 86400 // 3600), int(s % 3600 // 60)
+    if d:
+        return f"{d} d {h} h"
+    if h:
+        return f"{h} h {mi} min"
+    return f"{mi} min" if mi else f"{s:.0f} s"
+
+
+def _use(name: str, used: float, limit: float | None, configured: float | None) -> str:
+    if limit is None:
+        return f"{name} {rate(used)}bit/s (no cap)"
+    why = "" if configured is not None and limit >= configured else " (budget)"
+    return f"{name} {rate(used)} of {rate(limit)}bit/s{why} {100 * used / limit:.0f} %"
+
+
+def caps(c: dict[str, Any]) -> list[str]:
+    """The caps in force and this node's use of them (the last second), and a budget's standing: used, left, and
+    when it would run out at the last minute's rate."""
+    lines = [f"caps       {_use('up', c['upload_rate'], c.get('upload_limit'), c.get('max_upload'))}, "
+             f"{_use('down', c['download_rate'], c.get('download_limit'), c.get('max_download'))}; "
+             f"sends held {c.get('held_s', 0.0):.1f} s in all"
+             + (f", {c['serve_refused']} state answers over the serving share" if c.get("serve_refused") else "")]
+    b = c.get("budget")
+    if b:
+        used, total = b["used_bytes"], b["budget_bytes"]
+        lines.append(f"budget     {_bytes(used)} of {_bytes(total)} used this {b.get('period', 'period')} "
+                     f"({100 * used / total:.1f} %), {_bytes(b['remaining_bytes'])} left for "
+                     f"{_span(b['period_left_s'])}")
+        at = b.get("runs_out_at")
+        if b.get("on_track", True) or b.get("runs_out_in_s") is None:
+            lines.append(f"           on track: at the last minute's {rate(b['recent_rate'])}bit/s it lasts the "
+                         f"period (pacing to {rate(b['allowance'])}bit/s both ways)")
+        else:
+            when = "" if at is None else time.strftime(" (%Y-%m-%d %H:%M UTC)", time.gmtime(at))
+            lines.append(f"           at the last minute's {rate(b['recent_rate'])}bit/s it runs out in "
+                         f"{_span(b['runs_out_in_s'])}{when}; pacing to {rate(b['allowance'])}bit/s both ways")
+    return lines
+
+
+def network(view: dict[str, Any], capped: bool = False) -> list[str]:
     """This node's link use, the swarm-level fractions, and the per-peer table."""
-    lines = [f"link       up {rate(view.get('send_bps'))}bit/s, down {rate(view.get('recv_bps'))}bit/s (no cap); "
+    lines = [f"link       up {rate(view.get('send_bps'))}bit/s, down {rate(view.get('recv_bps'))}bit/s"
+             f"{' (caps above)' if capped else ' (no cap)'}; "
              f"relayed {_pct(view.get('relayed_fraction'))} of bytes; averages received "
              f"{_pct(view.get('averages_received_fraction'))}; network share of steps "
              f"{_pct(view.get('step_network_share'))}"]
@@ -94,9 +145,25 @@ def network(view: dict[str, Any]) -> list[str]:
     return [*lines, "", *peer_table(peers), *([f"... and {more} more"] if more > 0 else [])]
 
 
+def deadline_lines(deadlines: dict[str, Any]) -> list[str]:
+    """``peerd status``'s deadlines, one line each: the value, what it was derived from and its bounds."""
+    lines = []
+    for name, d in deadlines.items():
+        measured = "nothing measured yet" if d.get("measured") is None else \
+            f"{d['measurement']} {d['measured']:.3f} over {d['samples']} sample(s)"
+        lines.append(f"deadline   {name:<13} {d['seconds']:7.2f} s  ({d['basis']}: {measured}; "
+                     f"floor {d['floor_s']:g} s, cap {d['cap_s']:g} s)")
+    return lines
+
+
 def render(reply: dict[str, Any]) -> str:
     out = summary(reply)
+    if reply.get("deadlines"):
+        out += deadline_lines(reply["deadlines"])
+    cap = reply.get("caps")
+    if cap:
+        out += caps(cap)
     view = reply.get("peer_view")
     if view:
-        out += network(view)
+        out += network(view, capped=bool(cap))
     return "\n".join(out)
