@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import trio
 
+from peerd.allreduce.robust import MAX_C, Robust
 from peerd.localsock.arena import Arena
 from peerd.localsock.server import Connection, OpError
 from peerd.moshpit.service import MoshpitError, check_compression, codec_run_key
@@ -147,7 +148,9 @@ def test_trainer_open_refuses_unknown_codecs_and_a_second_codec_in_one_run() -> 
         with pytest.raises(OpError, match="same compression"):
             await third.open()
         await first.step(np.ones(ELEMS, np.float32), 1.0)  # the averager fails: the trainer keeps its vector
-        assert calls == [{"timeout_s": 30.0, "compression": "int4", "quant_group": 128, "rounding": "nearest"}]
+        # (a gradient average's default robust: the weight bound and the direction test)
+        assert calls == [{"timeout_s": 30.0, "compression": "int4", "quant_group": 128, "rounding": "nearest",
+                          "robust": Robust("clip", MAX_C)}]
         for t in (first, second, third):
             t.close()
 
