@@ -4,17 +4,15 @@ once a second, and its deadlines go to the metrics and to ``peerd status`` (text
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..deadlines import DeadlineStatistics, DeadlineTuner
 from ..metrics import Metrics
 
-if TYPE_CHECKING:
-    from ..peers import TableStatistics
 
-
-def feed_deadlines(tuner: DeadlineTuner, view: TableStatistics, now: float) -> None:
-    """Each tracked peer's p99 RTT and last-heard time into the tuner; age its samples out when due."""
+def feed_deadlines(tuner: DeadlineTuner, view: Any, now: float) -> None:
+    """Each peer of the per-peer view's statistics (peerd.peers.TableStatistics, a layer above this one) into the
+    tuner: its p99 RTT and last-heard time; then age the tuner's samples out when due."""
     for p in view.peers:
         tuner.receive_rtt(p.peer, p.rtt_p99_s, p.last_heard_s, now)
     at = tuner.get_timer()
