@@ -20,6 +20,7 @@ from ._dataplane.heap import keep_freed_memory
 from .addresses import family_of, format_hostport, peer_address, resolve_ip
 from .allreduce.group import GroupAverage
 from .allreduce.service import AllreduceService
+from .deadlines import DeadlineTuner
 from .dht import BootstrapError, DhtService
 from .dht.core import REPLICAS
 from .dht.reads import Agreed, AnyOf, Enough, Owners
@@ -39,6 +40,7 @@ from .peers.feed import NETWORK_PHASES
 from .peers.natview import nat_view
 from .peers.report import view_json
 from .statesync import StateSync
+from .status.deadlines import deadlines_json, feed_deadlines, publish_deadlines
 from .status.page import StatusPage
 from .status.page import serve as serve_http
 from .trainer import TrainerService
@@ -180,13 +182,14 @@ class Daemon:
         self.nat = NatService(self.endpoint, self.metrics, relay=config.relay, contact_of=self._dht_contact,
                               on_verdict=self._on_reachability)
         # per-peer network view (peerd status, peerd top, the status page): fed by the endpoint's traffic hooks
-        self.peers = PeerFeed(self.endpoint, self.metrics, self.nat, on_tick=self._publish_page)
+        self.peers = PeerFeed(self.endpoint, self.metrics, self.nat, on_tick=self._on_view_tick)
+        self.deadlines = DeadlineTuner()  # matchmaking, phase, step and state-sync deadlines from what it measures
         self.endpoint.traffic = self.peers
         self.allreduce = AllreduceService(self.endpoint, self.metrics, **allreduce_kwargs)
         paths = PathsFirst(self.allreduce, self.nat)
         self.moshpit = MoshpitService(
             self.endpoint, self.dht, paths, self.metrics,
-            address=announce or self.listen, max_group=config.max_group,
+            address=announce or self.listen, max_group=config.max_group, deadlines=self.deadlines,
         )  # (a path to every group member before tensor data: peerd/moshpit/averager.py)
         # a group's senders stay under its download-capped members' caps (whether or not this node has caps)
         paths.plan = lambda members: limit_senders(self.allreduce.pacer, members, self.moshpit.peer_caps, config.mtu)
@@ -205,6 +208,7 @@ class Daemon:
             self.statesync.gate = CapGate(self.linkcap)
         self.trainer = TrainerService(self.metrics, self.moshpit.average, statesync=self.statesync,
                                       peer_id=self.identity.node_id.hex(), average_parts=self.moshpit.average_parts)
+        self.statesync.deadlines = self.trainer.deadlines = self.deadlines
         self.trainer.register(local)
 
     def add_ops(self, ops: dict[str, Any]) -> None:
@@ -318,6 +322,13 @@ class Daemon:
                 scope.cancel()
                 return
 
+    def _on_view_tick(self) -> None:
+        """Once a second, after the per-peer view's tick: the deadline tuner hears its RTTs, the metrics its
+        deadlines; then the status page's snapshot."""
+        feed_deadlines(self.deadlines, self.peers.table.statistics(), time.time())
+        publish_deadlines(self.deadlines.statistics(), self.metrics)
+        self._publish_page()
+
     def _publish_page(self) -> None:
         """The status page's snapshot (peerd/status/page.py), once a second while it is served."""
         if self.http is None:
@@ -372,6 +383,7 @@ class Daemon:
                          for s in self.trainer.statistics().sessions],
             "peer_view": view_json(self.peers.statistics(), swarm_view(self.metrics)),  # peerd/peers/report.py
             "caps": None if self.linkcap is None else dataclasses.asdict(self.linkcap.statistics()),
+            "deadlines": deadlines_json(self.deadlines.statistics()),  # each with the measurement behind it
             **dataclasses.asdict(self.nat.statistics()),  # reachability, observed_addr, peers_known, paths, ...
         }
 

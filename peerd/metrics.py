@@ -198,3 +198,14 @@ class Metrics:
             "Share of the local trainers' step time spent waiting on the network (matchmaking, members, transfer, "
             "agree), as the trainers reported it", registry=r,
         )
+        self.deadline_seconds = Gauge(
+            "peerd_deadline_seconds",
+            "Each self-tuned deadline as it stands (window: matchmaking; phase_silence: the quiet that ends an "
+            "averaging phase; phase: its longest; step_wait: a trainer step's round; state_sync: a snapshot "
+            "download; peerd status --json says which bound each is at)", ["deadline"], registry=r,
+        )
+        self.deadline_measured = Gauge(
+            "peerd_deadline_measured",
+            "The measurement behind each self-tuned deadline, in its unit (seconds; the measurement label names it)",
+            ["deadline", "measurement"], registry=r,
+        )

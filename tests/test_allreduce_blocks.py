@@ -220,27 +220,6 @@ def test_open_block_matches_open(secret) -> None:
     assert opener.open_block(unknown) is None  # a token's first datagrams take the row-by-row path
 
 
-def test_end_overtaking_data_wakes_the_driver() -> None:
-    """An END that overtakes lost data brings the deadline forward to its short grace (an in-order stream:
-    IN_ORDER_GRACE_S); the driver only re-reads the deadline when ``phase_changes`` moves, so it must move
-    (else it sleeps ~1 s too long)."""
-    cores = [
-        GroupAverage(GROUP, 2, i, np.ones(64, np.float32), 1.0, 0.0, options=replace(GROUP_OPTIONS, end_grace_s=0.05),
-                     max_payload=HEADER_SIZE + 32)
-        for i in range(2)
-    ]
-    out = cores[1].datagrams_to_send(0.0, 1000)
-    data = [o for o in out if o.to == 0 and o.type == RS_DATA]
-    end = next(o for o in out if o.to == 0 and o.type == RS_END)
-    cores[0].receive(1, RS_DATA, data[0].body, 0.0)  # the rest of the stream is lost
-    before, deadline = cores[0].phase_changes, cores[0].get_timer()
-    cores[0].receive(1, RS_END, end.body, 0.01)
-    assert cores[0].phase_changes != before
-    assert cores[0].get_timer() == pytest.approx(0.01 + IN_ORDER_GRACE_S) and deadline > 0.5
-    cores[0].handle_timer(0.011 + IN_ORDER_GRACE_S)
-    assert cores[0].reduce_scatter_done
-
-
 def _two_cores() -> tuple[list[GroupAverage], list, object]:
     cores = [
         GroupAverage(GROUP, 2, i, np.ones(64, np.float32), 1.0, 0.0, options=replace(GROUP_OPTIONS, end_grace_s=0.05),
@@ -252,6 +231,20 @@ def _two_cores() -> tuple[list[GroupAverage], list, object]:
     end = next(o for o in out if o.to == 0 and o.type == RS_END)
     assert len(data) > 2
     return cores, data, end
+
+
+def test_end_overtaking_data_wakes_the_driver() -> None:
+    """An END that overtakes lost data brings the deadline forward to its short grace (an in-order stream:
+    IN_ORDER_GRACE_S); the driver only re-reads the deadline when ``phase_changes`` moves, so it must move
+    (else it sleeps ~1 s too long)."""
+    cores, data, end = _two_cores()
+    cores[0].receive(1, RS_DATA, data[0].body, 0.0)  # the rest of the stream is lost
+    before, deadline = cores[0].phase_changes, cores[0].get_timer()
+    cores[0].receive(1, RS_END, end.body, 0.01)
+    assert cores[0].phase_changes != before
+    assert cores[0].get_timer() == pytest.approx(0.01 + IN_ORDER_GRACE_S) and deadline > 0.5
+    cores[0].handle_timer(0.011 + IN_ORDER_GRACE_S)
+    assert cores[0].reduce_scatter_done
 
 
 def test_end_after_an_in_order_streams_last_datagram_waits_only_briefly() -> None:

@@ -95,7 +95,7 @@ class Lab:
         self.drop, self.dup, self.dup_delay = drop, dup, dup_delay
         self.bind_at = bind_at or {}
         self._link: Counter[tuple[int, int]] = Counter()
-        self._timer: dict[tuple[int, int], float] = {}
+        self._timer: dict[int, float] = {}  # node -> when its host's timer is set for
         self._inbox: dict[int, list[Datagram]] = {}  # arrived at this instant, not handed over yet
         self.arrived: list[Datagram] = []  # every data datagram that reached its receiver's host
         self.members: dict[int, list[int]] = {}  # group id -> node indices in the group's order
@@ -130,16 +130,13 @@ class Lab:
         node.host.start(group, peers, gi, x, w, self.now, options=AverageOptions(**kw))
         self.apply(node)
         self.at(node.host.next_report(group), self._report_timer, i, group, owner=i)
-        self._step(i, group, timer=False)
+        self._step(i, group)
 
-    def _step(self, i: int, group: int, timer: bool = True) -> None:
-        """What the shell's loop does when it wakes: the timer, everything to send, finish or sleep."""
+    def _step(self, i: int, group: int) -> None:
+        """What the shell's loop does when it wakes: everything to send, finish or sleep (until a Wake)."""
         host = self.nodes[i].host
         if not host.running(group):
             return
-        if timer:
-            host.handle_group_timer(group, self.now)
-            self.apply(self.nodes[i])
         while host.wants_to_send(group):
             for block in host.datagrams_to_send(self.now, group_id=group):
                 self.send(i, block)
@@ -151,13 +148,14 @@ class Lab:
             host.finish(group, 0, self.now)
             self.apply(self.nodes[i])
             return
-        at = host.group_timer(group, self.now)
-        self._timer[(i, group)] = at
-        self.at(at, self._deadline, i, group, at, owner=i)
+        self._arm(i)
 
-    def _deadline(self, i: int, group: int, at: float) -> None:
-        if self._timer.get((i, group)) == at:  # else a later wake set another
-            self._step(i, group)
+    def _arm(self, i: int) -> None:
+        """Set the node's one timer for its host's ``get_timer()`` (a later arming replaces an earlier one)."""
+        at = self.nodes[i].host.get_timer()
+        if at is not None and self._timer.get(i) != at:
+            self._timer[i] = at
+            self.at(at, self._fire, i, at, owner=i)
 
     def _report_timer(self, i: int, group: int) -> None:
         host = self.nodes[i].host
@@ -165,12 +163,13 @@ class Lab:
             self.apply(self.nodes[i], host.reports(group, 0, self.now))
             self.at(host.next_report(group), self._report_timer, i, group, owner=i)
 
-    def _expire(self, i: int) -> None:
-        host = self.nodes[i].host
-        host.handle_timer(self.now)
+    def _fire(self, i: int, at: float) -> None:
+        if self._timer.get(i) != at:  # a later arming set another
+            return
+        del self._timer[i]
+        self.nodes[i].host.handle_timer(self.now)
         self.apply(self.nodes[i])
-        if (at := host.get_timer()) is not None:
-            self.at(at, self._expire, i, owner=i)
+        self._arm(i)
 
     def send(self, i: int, block: SendBlock) -> None:
         """Each part of ``block`` leaves when the host's pacing says."""
@@ -207,7 +206,7 @@ class Lab:
             elif isinstance(a, Wake):
                 self.at(self.now, self._step, node.i, a.group_id, owner=node.i)
             elif isinstance(a, HeldTimer):
-                self.at(a.at, self._expire, node.i, owner=node.i)
+                self._arm(node.i)
             elif isinstance(a, Bind):
                 node.binds.append(a)
             elif isinstance(a, SendReport):
@@ -385,7 +384,7 @@ def test_a_streams_last_datagram_closes_it_when_every_end_is_lost(block: bool) -
 
 def test_end_copies_are_spaced_from_when_the_first_goes() -> None:
     """``datagrams_to_send`` hands out one copy of each END (``later`` = 2); ``pace`` schedules the others from the
-    first's departure; ``group_timer`` wakes the driver for them and ``due_copies(inf)`` flushes the rest."""
+    first's departure; the host's timer wakes the driver for them and ``due_copies(inf)`` flushes the rest."""
     a, b = bytes([1]) * 32, bytes([2]) * 32
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU, end_spacing_s=(0.008, 0.03))
     host.start(5, [a, b], 0, np.ones(3 * PER, np.float32), 1.0, 0.0, options=AverageOptions(floor_s=1.0))
@@ -393,7 +392,9 @@ def test_end_copies_are_spaced_from_when_the_first_goes() -> None:
     assert len(ends) == 1 and len(ends[0].bodies) == 1 and ends[0].later == 2
     assert host.due_copies(5, INF) == []  # nothing before the first copy is paced
     at = host.pace(ends[0], 1, ends[0].bodies.size, 0.25)
-    assert host.group_timer(5, at) == pytest.approx(at + 0.008)
+    assert host.get_timer() == pytest.approx(at + 0.008)
+    host.handle_timer(at + 0.008)
+    assert Wake(5) in host.take_actions()
     assert host.due_copies(5, at + 0.0079) == []
     (second,) = host.due_copies(5, at + 0.008)
     assert second.later == 0 and second.bodies.tobytes() == ends[0].bodies.tobytes()
@@ -788,9 +789,9 @@ def test_a_report_counts_only_what_was_sent() -> None:
     a, b = b"a" * 32, b"b" * 32
 
     class Recording(Pacer):
-        def on_report(self, dest, report, now, sent_span=None, placed=0.0):  # type: ignore[override]
+        def receive_report(self, dest, report, sent_span, placed, now):  # type: ignore[override]
             seen.append((dest, report, sent_span))
-            return super().on_report(dest, report, now, sent_span, placed)
+            return super().receive_report(dest, report, sent_span, placed, now)
 
     seen: list = []
 

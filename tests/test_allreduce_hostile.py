@@ -237,8 +237,8 @@ def test_reports_count_only_from_members_of_a_running_or_recent_group() -> None:
 def test_pacer_paths_are_bounded() -> None:
     p = Pacer(max_paths=8)
     for i in range(100):
-        p.on_report(i, Report(100, 100, 120_000, 0.01, 0, 100), float(i))
-        p.reserve(1200, float(i), i)
+        p.receive_report(i, Report(100, 100, 120_000, 0.01, 0, 100), None, 0.0, float(i))
+        p.reserve(1200, i, float(i))
     assert len(p._sent) == 8 and len(p._hot) <= 8 and len(p._caps) <= 8
     assert list(p._sent) == list(range(92, 100))  # the least recently used went first
 

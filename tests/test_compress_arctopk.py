@@ -25,9 +25,8 @@ from peerd.compress.topk import EF21M
 
 from .support.arctopk import GROUP, ROUND, RUN, SHAPES, plan_for, run_group, wmean  # noqa: E402
 from .support.groups import AG_DATA, RS_DATA, Wire
-from .support.memnet import MemNet
+from .support.memnet import MemNet, run_on_memnet
 from .support.moshpit_swarm import swarm
-from .support.virtual import run_virtual
 
 
 def inputs(n: int, length: int, seed: int) -> tuple[list[np.ndarray], list[float]]:
@@ -236,27 +235,23 @@ def test_through_the_allreduce_service_selections_agree_and_nothing_unknown_land
     """Real daemons' endpoints and AllreduceService over memnet (seeded loss), virtual time."""
     results: list = []
 
-    async def main() -> None:
-        net = MemNet(seed=11, drop=drop)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm(nursery, net, 4)
-            members = [Member(n.identity.public_key, n.identity.node_id, n.addr) for n in nodes]
-            plan = ArcTopKPlan.build(SHAPES, 4, 0.25, nodes[0].allreduce.host.max_body)
-            xs, ws = inputs(4, plan.layout.length, 6)
-            out: list = [None] * 4
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm(nursery, net, 4)
+        members = [Member(n.identity.public_key, n.identity.node_id, n.addr) for n in nodes]
+        plan = ArcTopKPlan.build(SHAPES, 4, 0.25, nodes[0].allreduce.host.max_body)
+        xs, ws = inputs(4, plan.layout.length, 6)
+        out: list = [None] * 4
 
-            async def one(i: int) -> None:
-                out[i] = await service_arc_topk(nodes[i].allreduce, GROUP, members, i, xs[i], ws[i], plan, run=RUN,
-                                                round=ROUND, options=AverageOptions(max_phase_s=5.0))
+        async def one(i: int) -> None:
+            out[i] = await service_arc_topk(nodes[i].allreduce, GROUP, members, i, xs[i], ws[i], plan, run=RUN,
+                                            round=ROUND, options=AverageOptions(max_phase_s=5.0))
 
-            async with trio.open_nursery() as inner:
-                for i in range(4):
-                    inner.start_soon(one, i)
-            results.extend([plan, xs, ws, out])
-            nursery.cancel_scope.cancel()
+        async with trio.open_nursery() as inner:
+            for i in range(4):
+                inner.start_soon(one, i)
+        results.extend([plan, xs, ws, out])
 
-    run_virtual(main)
+    run_on_memnet(main, seed=11, drop=drop)
     plan, xs, ws, out = results
     for j in range(4):
         known = [r.selections[j] for r in out if r.selections[j] is not None]
@@ -279,32 +274,28 @@ def test_a_moshpit_run_in_arc_topk_keeps_its_ef21m_state_and_every_member_holds_
     results: list = []
     xs, ws = inputs(3, 48 * 10 + 30 + 20 * 6 + 9 * 6, 8)
 
-    async def main() -> None:
-        net = MemNet(seed=21)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm(nursery, net, 3)
-            shapes = [list(s) for s in SHAPES]
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm(nursery, net, 3)
+        shapes = [list(s) for s in SHAPES]
 
-            async def one(i: int, rnd: int, out: list) -> None:
-                out[i] = await nodes[i].moshpit.average("topk", xs[i] * (rnd + 1), ws[i], timeout_s=30.0,
-                                                        compression="arc-topk", topk_layout=shapes, topk_ratio=0.25,
-                                                        ef_eta=0.5)
+        async def one(i: int, rnd: int, out: list) -> None:
+            out[i] = await nodes[i].moshpit.average("topk", xs[i] * (rnd + 1), ws[i], timeout_s=30.0,
+                                                    compression="arc-topk", topk_layout=shapes, topk_ratio=0.25,
+                                                    ef_eta=0.5)
 
-            for rnd in range(2):
-                out: list = [None] * 3
-                async with trio.open_nursery() as inner:
-                    for i in range(3):
-                        inner.start_soon(one, i, rnd, out)
-                results.append(out)
-            st = nodes[0].moshpit.runs["topk"]
-            results.append((st.statistics(), st.topk.ef.h.copy()))
-            results.append([counter_value(n.metrics.moshpit_rounds, codec="arc-topk") for n in nodes])
-            with pytest.raises(Exception, match="layout holds"):
-                await nodes[0].moshpit.average("topk2", xs[0][:10], 1.0, compression="arc-topk", topk_layout=shapes)
-            nursery.cancel_scope.cancel()
+        for rnd in range(2):
+            out: list = [None] * 3
+            async with trio.open_nursery() as inner:
+                for i in range(3):
+                    inner.start_soon(one, i, rnd, out)
+            results.append(out)
+        st = nodes[0].moshpit.runs["topk"]
+        results.append((st.statistics(), st.topk.ef.h.copy()))
+        results.append([counter_value(n.metrics.moshpit_rounds, codec="arc-topk") for n in nodes])
+        with pytest.raises(Exception, match="layout holds"):
+            await nodes[0].moshpit.average("topk2", xs[0][:10], 1.0, compression="arc-topk", topk_layout=shapes)
 
-    run_virtual(main)
+    run_on_memnet(main, seed=21)
     for out in results[:2]:
         assert all(r.outcome == "averaged" and r.group_size == 3 and r.compression == "arc-topk" for r in out)
         assert all(np.array_equal(r.vector, out[0].vector) for r in out)  # the same u everywhere

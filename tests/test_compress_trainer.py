@@ -15,9 +15,9 @@ from peerd.localsock.server import Connection, OpError
 from peerd.moshpit.service import MoshpitError, check_compression, codec_run_key
 from peerd.trainer import TrainerService
 
-from .support.memnet import MemNet
+from .support.memnet import MemNet, run_on_memnet
 from .support.moshpit_swarm import swarm
-from .support.virtual import counter_value, run_virtual
+from .support.virtual import counter_value
 
 LAYOUT = [["w", [40, 50], "float32"], ["b", [50], "float32"]]  # 2,050 elements
 ELEMS = 40 * 50 + 50
@@ -70,26 +70,22 @@ def _three_trainers(options: dict, rounds: int = 2) -> tuple[list, list]:
     results: list = []
     metrics: list = []
 
-    async def main() -> None:
-        net = MemNet(seed=17)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm(nursery, net, 3)
-            trainers = [Trainer(TrainerService(n.metrics, n.moshpit.average, peer_id=n.identity.node_id.hex()))
-                        for n in nodes]
-            for t in trainers:
-                reply = await t.open(**options)
-                assert reply.get("compression") == options.get("compression")
-            rng = np.random.default_rng(5)
-            for _ in range(rounds):
-                vectors = [rng.standard_normal(ELEMS).astype(np.float32) * (i + 1) for i in range(3)]
-                results.append((vectors, await _steps(trainers, vectors, WEIGHTS)))
-            metrics.extend(n.metrics for n in nodes)
-            for t in trainers:
-                t.close()
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm(nursery, net, 3)
+        trainers = [Trainer(TrainerService(n.metrics, n.moshpit.average, peer_id=n.identity.node_id.hex()))
+                    for n in nodes]
+        for t in trainers:
+            reply = await t.open(**options)
+            assert reply.get("compression") == options.get("compression")
+        rng = np.random.default_rng(5)
+        for _ in range(rounds):
+            vectors = [rng.standard_normal(ELEMS).astype(np.float32) * (i + 1) for i in range(3)]
+            results.append((vectors, await _steps(trainers, vectors, WEIGHTS)))
+        metrics.extend(n.metrics for n in nodes)
+        for t in trainers:
+            t.close()
 
-    run_virtual(main)
+    run_on_memnet(main, seed=17)
     return results, metrics
 
 

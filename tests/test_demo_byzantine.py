@@ -60,6 +60,28 @@ def test_inflate_signflip_takes_an_unbounded_owner_and_not_a_bounded_one_hostile
             assert cores[i].statistics().refused.get(reason, 0) >= 1, cores[i].statistics().refused
 
 
+def test_a_gradient_averages_default_leaves_an_inflated_sign_flip_out_hostile() -> None:
+    """One of 8 at a trainer's defaults. Its weight capped at two batches, the negated gradient still counted as
+    two honest members against the other seven (the honest signal at 5/9 of its size: the 8-peer demo 5 points
+    short of the clean run at 40 steps). A gradient average's default robust (the weight bound and the direction
+    test, clipping only past MAX_C times the median) leaves it out: each honest owner's shard is the honest mean."""
+    from peerd.allreduce.robust import MAX_C
+
+    n, length, bad = 8, 800, 0
+    xs = gradients(n, length, 3)
+    honest = np.mean(np.stack(xs[1:]).astype(np.float64), axis=0)
+    lo = length // n  # shards 1..7: honest owners
+    capped = average(xs, bad, max_weight=MAX_SAMPLES_FACTOR * 32.0)
+    cores = average(xs, bad, max_weight=MAX_SAMPLES_FACTOR * 32.0, robust=Robust("clip", MAX_C))
+    for i in range(1, n):
+        assert cos(capped[i].result()[lo:], honest[lo:]) < 0.95  # the attack as the cap alone leaves it
+        st = cores[i].statistics()
+        assert st.refused.get("opposed") == 1 and "clipped" not in st.refused, st.refused
+        assert st.weight_total == pytest.approx(32.0 * (n - 1))
+        a, b = i * lo, (i + 1) * lo
+        np.testing.assert_allclose(cores[i].result()[a:b], honest[a:b], rtol=0, atol=1e-5)
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_weight_inflating_sign_flipping_daemon_does_not_wreck_the_demo_hostile(tmp_path) -> None:

@@ -22,8 +22,8 @@ from peerd.wire import messages as m
 from peerd.wire.identity import Identity
 
 from .support.dht_swarm import start_swarm
-from .support.memnet import MemNet
-from .support.virtual import counter_value, run_virtual
+from .support.memnet import MemNet, run_on_memnet
+from .support.virtual import counter_value
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 BOB = Identity.from_seed(b"\x02" * 32)
@@ -238,129 +238,109 @@ def serve_hostile_values(node, handler) -> list[int]:
 
 
 def test_get_reads_a_hostile_responder_for_max_read_records_and_no_longer() -> None:
-    async def main() -> None:
-        net = MemNet(seed=21)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
-            asked = serve_hostile_values(nodes[5], lambda b: (
-                [attacker_record(b["key"], b["offset"] + i) for i in range(m.MAX_RECORDS)], 65535))
-            await nodes[1].dht.put(b"big", b"honest", b"1", ttl=600)
-            records = await nodes[0].dht.get(b"big")
-            assert (b"honest", b"1") in [(r.subkey, r.value) for r in records]
-            pages = len(asked)
-            assert max(asked) < MAX_READ, asked  # it claims 65535 records: at most MAX_READ are read
-            await trio.sleep(60)
-            assert len(asked) == pages
-            # One record a page: a reader would page for seconds. It does no longer than its lookup runs.
-            asked = serve_hostile_values(nodes[5], lambda b: ([attacker_record(b["key"], b["offset"])], 65535))
-            await nodes[0].dht.get(b"big")
-            pages = len(asked)
-            assert pages < MAX_READ, pages
-            await trio.sleep(60)
-            assert len(asked) == pages  # nothing went on reading after the get returned
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
+        asked = serve_hostile_values(nodes[5], lambda b: (
+            [attacker_record(b["key"], b["offset"] + i) for i in range(m.MAX_RECORDS)], 65535))
+        await nodes[1].dht.put(b"big", b"honest", b"1", ttl=600)
+        records = await nodes[0].dht.get(b"big")
+        assert (b"honest", b"1") in [(r.subkey, r.value) for r in records]
+        pages = len(asked)
+        assert max(asked) < MAX_READ, asked  # it claims 65535 records: at most MAX_READ are read
+        await trio.sleep(60)
+        assert len(asked) == pages
+        # One record a page: a reader would page for seconds. It does no longer than its lookup runs.
+        asked = serve_hostile_values(nodes[5], lambda b: ([attacker_record(b["key"], b["offset"])], 65535))
+        await nodes[0].dht.get(b"big")
+        pages = len(asked)
+        assert pages < MAX_READ, pages
+        await trio.sleep(60)
+        assert len(asked) == pages  # nothing went on reading after the get returned
 
-    run_virtual(main)
+    run_on_memnet(main, seed=21)
 
 
 def test_readers_ignore_forged_slots_and_stop_reading_that_responder() -> None:
-    async def main() -> None:
-        net = MemNet(seed=22)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
-            victim = nodes[2].identity.node_id
-            forged = [make(MALLORY, b"run/progress", victim, ttl=600.0)]
-            forged += [attacker_record(b"run/progress", i) for i in range(m.MAX_RECORDS - 1)]
-            asked = serve_hostile_values(nodes[5], lambda b: (forged, 65535))
-            await nodes[2].dht.put(b"run/progress", victim, b"7", ttl=600)
-            records = await nodes[0].dht.get(b"run/progress")
-            assert [(r.subkey, r.owner) for r in records] == [(victim, nodes[2].identity.public_key)]
-            assert counter_value(nodes[0].metrics.ignored_records, kind="dht", reason="slot") >= 1
-            assert asked == [0]  # the first page gave it away: no second page is asked
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
+        victim = nodes[2].identity.node_id
+        forged = [make(MALLORY, b"run/progress", victim, ttl=600.0)]
+        forged += [attacker_record(b"run/progress", i) for i in range(m.MAX_RECORDS - 1)]
+        asked = serve_hostile_values(nodes[5], lambda b: (forged, 65535))
+        await nodes[2].dht.put(b"run/progress", victim, b"7", ttl=600)
+        records = await nodes[0].dht.get(b"run/progress")
+        assert [(r.subkey, r.owner) for r in records] == [(victim, nodes[2].identity.public_key)]
+        assert counter_value(nodes[0].metrics.ignored_records, kind="dht", reason="slot") >= 1
+        assert asked == [0]  # the first page gave it away: no second page is asked
 
-    run_virtual(main)
+    run_on_memnet(main, seed=22)
 
 
 def test_a_member_cannot_squat_another_nodes_subkey() -> None:
-    async def main() -> None:
-        net = MemNet(seed=23)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
-            victim, mallory = nodes[2], nodes[4]
-            slot = victim.identity.node_id.hex().encode()
-            with pytest.raises(ValueError, match="names another node"):
-                await mallory.dht.put(b"peerd/state/run", slot, b"evil", ttl=600)
-            # ... and past its own checks, straight to every node: all refuse it
-            squat = Record.create(mallory.identity, b"peerd/state/run", slot, b"evil", 600.0,
-                                  wall=time.time(), now=trio.current_time())
-            for node in nodes:
-                if node is not mallory:
-                    reply = await mallory.endpoint.request(node.addr, m.MsgType.STORE,
-                                                           {"records": [squat.to_wire(trio.current_time())]})
-                    assert reply.body["ok"] == [False]
-                    assert counter_value(node.metrics.dht_store_refused, reason="slot") == 1
-            result = await victim.dht.put(b"peerd/state/run", slot, b"mine", ttl=600)
-            await result.finished()
-            assert result.stored >= 5, result
-            records = await nodes[0].dht.get(b"peerd/state/run")
-            assert [(r.subkey, r.value) for r in records] == [(slot, b"mine")]
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
+        victim, mallory = nodes[2], nodes[4]
+        slot = victim.identity.node_id.hex().encode()
+        with pytest.raises(ValueError, match="names another node"):
+            await mallory.dht.put(b"peerd/state/run", slot, b"evil", ttl=600)
+        # ... and past its own checks, straight to every node: all refuse it
+        squat = Record.create(mallory.identity, b"peerd/state/run", slot, b"evil", 600.0,
+                              wall=time.time(), now=trio.current_time())
+        for node in nodes:
+            if node is not mallory:
+                reply = await mallory.endpoint.request(node.addr, m.MsgType.STORE,
+                                                       {"records": [squat.to_wire(trio.current_time())]})
+                assert reply.body["ok"] == [False]
+                assert counter_value(node.metrics.dht_store_refused, reason="slot") == 1
+        result = await victim.dht.put(b"peerd/state/run", slot, b"mine", ttl=600)
+        await result.finished()
+        assert result.stored >= 5, result
+        records = await nodes[0].dht.get(b"peerd/state/run")
+        assert [(r.subkey, r.value) for r in records] == [(slot, b"mine")]
 
-    run_virtual(main)
+    run_on_memnet(main, seed=23)
 
 
 def test_honest_keys_of_many_subkeys_are_read_in_full() -> None:
-    async def main() -> None:
-        net = MemNet(seed=24, drop=0.05, jitter=0.01)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
-            writers = [Identity.from_seed(bytes([i + 10]) * 32) for i in range(40)]
-            now = trio.current_time()
-            records = [Record.create(w, b"run/progress", w.node_id, b"%d" % i, 600.0, wall=time.time(), now=now)
-                       for i, w in enumerate(writers)]
-            for node in nodes[1:]:  # every other node holds them (as the k closest would)
-                for r in records:
-                    assert node.dht.core.store.store(r, now) is None
-            got = await nodes[0].dht.get(b"run/progress")
-            assert sorted((r.subkey, r.value) for r in got) == sorted((r.subkey, r.value) for r in records)
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
+        writers = [Identity.from_seed(bytes([i + 10]) * 32) for i in range(40)]
+        now = trio.current_time()
+        records = [Record.create(w, b"run/progress", w.node_id, b"%d" % i, 600.0, wall=time.time(), now=now)
+                   for i, w in enumerate(writers)]
+        for node in nodes[1:]:  # every other node holds them (as the k closest would)
+            for r in records:
+                assert node.dht.core.store.store(r, now) is None
+        got = await nodes[0].dht.get(b"run/progress")
+        assert sorted((r.subkey, r.value) for r in got) == sorted((r.subkey, r.value) for r in records)
 
-    run_virtual(main)
+    run_on_memnet(main, seed=24, drop=0.05, jitter=0.01)
 
 
 def test_a_key_written_to_between_pages_is_still_read_in_full() -> None:
-    async def main() -> None:
-        net = MemNet(seed=25)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
-            holder = nodes[5]
-            now = trio.current_time()
-            writers = [Identity.from_seed(bytes([i + 10]) * 32) for i in range(30)]
-            records = [Record.create(w, b"run/progress", b"%03d" % (i + 1), b"%d" % i, 600.0, wall=time.time(),
-                                     now=now) for i, w in enumerate(writers)]
-            for r in records:
-                assert holder.dht.core.store.store(r, now) is None
-            late = Record.create(BOB, b"run/progress", b"000", b"late", 600.0, wall=time.time(), now=now)
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await start_swarm(nursery, net, 6, replicas=6)  # every node holds: the hostile one is read
+        holder = nodes[5]
+        now = trio.current_time()
+        writers = [Identity.from_seed(bytes([i + 10]) * 32) for i in range(30)]
+        records = [Record.create(w, b"run/progress", b"%03d" % (i + 1), b"%d" % i, 600.0, wall=time.time(),
+                                 now=now) for i, w in enumerate(writers)]
+        for r in records:
+            assert holder.dht.core.store.store(r, now) is None
+        late = Record.create(BOB, b"run/progress", b"000", b"late", 600.0, wall=time.time(), now=now)
 
-            def on_find_value(incoming: Incoming) -> dict:
-                t = trio.current_time()
-                response = holder.dht.core.handle(incoming.mtype, incoming.body, t)
-                if incoming.body["offset"] == 0:  # a new subkey sorts first: every later page shifts by one
-                    assert holder.dht.core.store.store(late, t) is None
-                return response
+        def on_find_value(incoming: Incoming) -> dict:
+            t = trio.current_time()
+            response = holder.dht.core.handle(incoming.mtype, incoming.body, t)
+            if incoming.body["offset"] == 0:  # a new subkey sorts first: every later page shifts by one
+                assert holder.dht.core.store.store(late, t) is None
+            return response
 
-            holder.endpoint.on_request(m.MsgType.FIND_VALUE, on_find_value)
-            got = await nodes[0].dht.get(b"run/progress")
-            assert {(r.subkey, r.value) for r in records} <= {(r.subkey, r.value) for r in got}
-            nursery.cancel_scope.cancel()
+        holder.endpoint.on_request(m.MsgType.FIND_VALUE, on_find_value)
+        got = await nodes[0].dht.get(b"run/progress")
+        assert {(r.subkey, r.value) for r in records} <= {(r.subkey, r.value) for r in got}
 
-    run_virtual(main)
+    run_on_memnet(main, seed=25)
 
 
 def test_a_request_sender_enters_the_table_only_once_it_answers() -> None:
@@ -369,24 +349,18 @@ def test_a_request_sender_enters_the_table_only_once_it_answers() -> None:
     from peerd.wire import messages as wm
 
     from .support.dht_swarm import DhtNode
-    from .support.memnet import MemNet
-    from .support.virtual import run_virtual
 
-    async def main() -> None:
-        net = MemNet()
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            a, honest, mute = DhtNode(net, 0), DhtNode(net, 1), DhtNode(net, 2)
-            for node in (a, honest, mute):
-                await nursery.start(node.run)
-            mute.endpoint.on_request(wm.MsgType.PING, lambda incoming: None)  # it asks, and never answers
-            for sender in (honest, mute):
-                await sender.endpoint.request(a.addr, wm.MsgType.FIND_NODE, {"target": bytes(32)},
-                                              node_id=a.identity.node_id)
-            await trio.sleep(10)
-            assert honest.identity.node_id in a.dht.core.table
-            assert mute.identity.node_id not in a.dht.core.table
-            assert len(a.dht._verifying) == 0
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        a, honest, mute = DhtNode(net, 0), DhtNode(net, 1), DhtNode(net, 2)
+        for node in (a, honest, mute):
+            await nursery.start(node.run)
+        mute.endpoint.on_request(wm.MsgType.PING, lambda incoming: None)  # it asks, and never answers
+        for sender in (honest, mute):
+            await sender.endpoint.request(a.addr, wm.MsgType.FIND_NODE, {"target": bytes(32)},
+                                          node_id=a.identity.node_id)
+        await trio.sleep(10)
+        assert honest.identity.node_id in a.dht.core.table
+        assert mute.identity.node_id not in a.dht.core.table
+        assert len(a.dht._verifying) == 0
 
-    run_virtual(main)
+    run_on_memnet(main)

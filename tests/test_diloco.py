@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from peerd.trainer.outer_step import OUTER_ROUNDS  # noqa: E402
 from peerd.trainer.records import OuterRecord, winner  # noqa: E402
 
 from .support.diloco import _lossy_copies, _swarm, batch, flat, model, replay  # noqa: E402
+from .support.memnet import run_on_memnet  # noqa: E402
 from .support.trainer_harness import WINDOW_END, InProcessAverager, ThreadDaemon  # noqa: E402
 
 torch.set_num_threads(1)
@@ -529,8 +531,6 @@ def test_two_groups_of_a_grid_step_end_on_one_final_when_the_step_expects_them_a
     run's progress), all four end on one final."""
     import hashlib as _h
 
-    from .support.memnet import MemNet
-    from .support.virtual import run_virtual
 
     rng = np.random.default_rng(9)
     va, vb = (rng.standard_normal(5_000).astype(np.float32) for _ in range(2))
@@ -538,31 +538,27 @@ def test_two_groups_of_a_grid_step_end_on_one_final_when_the_step_expects_them_a
         va, vb = vb, va  # group b's final is the lower hash: it wins the 2-2 tie
     outcome: dict[int, object] = {}
 
-    async def main() -> None:
-        net = MemNet(seed=10)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await _swarm(nursery, net, 4)
+    async def main(net: Any, nursery: trio.Nursery) -> None:
+        nodes = await _swarm(nursery, net, 4)
 
-            async def one(i: int, delay: float) -> None:
-                await trio.sleep(delay)
-                group, vector = ("a", va) if i < 2 else ("b", vb)
-                board = DhtBoard(nodes[i].sync, "run/0123456789abcdef", 12)
-                try:
-                    pair = nodes[:2] if i < 2 else nodes[2:]
-                    outcome[i] = await agree(board, nodes[i].identity.node_id, vector.copy(), group=group, size=2,
-                                             index=i % 2, state=b"", repair_s=10, deadline_s=20,
-                                             addr=nodes[i].addr, expect=expect,
-                                             members=[n.identity.node_id for n in pair])
-                except OuterError as e:
-                    outcome[i] = e
+        async def one(i: int, delay: float) -> None:
+            await trio.sleep(delay)
+            group, vector = ("a", va) if i < 2 else ("b", vb)
+            board = DhtBoard(nodes[i].sync, "run/0123456789abcdef", 12)
+            try:
+                pair = nodes[:2] if i < 2 else nodes[2:]
+                outcome[i] = await agree(board, nodes[i].identity.node_id, vector.copy(), group=group, size=2,
+                                         index=i % 2, state=b"", repair_s=10, deadline_s=20,
+                                         addr=nodes[i].addr, expect=expect,
+                                         members=[n.identity.node_id for n in pair])
+            except OuterError as e:
+                outcome[i] = e
 
-            async with trio.open_nursery() as inner:
-                for i in range(4):
-                    inner.start_soon(one, i, 0.0 if i < 2 else 1.0)
-            nursery.cancel_scope.cancel()
+        async with trio.open_nursery() as inner:
+            for i in range(4):
+                inner.start_soon(one, i, 0.0 if i < 2 else 1.0)
 
-    run_virtual(main)
+    run_on_memnet(main, seed=10)
     if expect == 2:
         assert all(isinstance(outcome[i], OuterError) for i in (2, 3)), outcome
     else:

@@ -3,12 +3,15 @@ kernel packet loss (nftables in a network namespace) when root."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -55,25 +58,40 @@ def test_bad_bench_arguments() -> None:
         assert proc.returncode == 2 and needle in proc.stderr
 
 
-def _can_netns() -> str | None:
+def _cannot(what: str, tools: tuple[str, ...], packages: str) -> str | None:
+    """Why this machine cannot run a namespace test that uses ``tools`` (None: it can)."""
     if os.geteuid() != 0:
-        return "needs root (network namespaces and nftables)"
-    for tool in ("ip", "nft"):
+        return f"needs root ({what})"
+    for tool in tools:
         if shutil.which(tool) is None:
-            return f"needs the {tool!r} command (apt-get install iproute2 nftables)"
+            return f"needs the {tool!r} command (apt-get install {packages})"
     return None
+
+
+@contextlib.contextmanager
+def _namespace() -> Iterator[Callable[..., subprocess.CompletedProcess]]:
+    """A fresh network namespace with its loopback up, removed afterwards (also on failure): yields what runs a
+    command inside it."""
+    ns = f"peerd-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        def inside(*cmd: str, **kw: Any) -> subprocess.CompletedProcess:
+            return subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True, **kw)
+
+        inside("ip", "link", "set", "lo", "up")
+        yield inside
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def _can_netns() -> str | None:
+    return _cannot("network namespaces and nftables", ("ip", "nft"), "iproute2 nftables")
 
 
 @pytest.mark.skipif(_can_netns() is not None, reason=_can_netns() or "")
 def test_real_kernel_packet_loss_in_a_namespace() -> None:
     """10 % of UDP datagrams dropped by the kernel (nftables), plain send path as DESIGN.md says."""
-    ns = f"peerd-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        def inside(*cmd: str, **kw):
-            return subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True, **kw)
-
-        inside("ip", "link", "set", "lo", "up")
+    with _namespace() as inside:
         inside("nft", "add table inet lab")
         inside("nft", "add chain inet lab in { type filter hook input priority 0 ; }")
         inside("nft", "add rule inet lab in meta l4proto udp numgen random mod 100 < 10 drop")
@@ -92,30 +110,17 @@ def test_real_kernel_packet_loss_in_a_namespace() -> None:
         assert out["max_abs_err"] > 0  # real loss: ranges kept own values
         counters = inside("nft", "list ruleset", capture_output=True, text=True).stdout
         assert "drop" in counters
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
 def _can_tc() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and tc)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"needs the {tool!r} command (apt-get install iproute2)"
-    return None
+    return _cannot("network namespaces and tc", ("ip", "tc"), "iproute2")
 
 
 @pytest.mark.skipif(_can_tc() is not None, reason=_can_tc() or "")
 def test_rate_limited_link_in_a_namespace() -> None:
     """A 200 Mbit/s token bucket on the namespace's loopback (`tc qdisc tbf`): senders starting far above it
     must find it from the receivers' REPORTs, so little is lost and the averages are close to exact."""
-    ns = f"peerd-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        def inside(*cmd: str, **kw):
-            return subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True, **kw)
-
-        inside("ip", "link", "set", "lo", "up")
+    with _namespace() as inside:
         inside("tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "200mbit", "burst", "64kb",
                "latency", "20ms")
         proc = inside(sys.executable, "-m", "peerd", "bench", "allreduce", "--peers", "3", "--size", "2000000",
@@ -131,8 +136,6 @@ def test_rate_limited_link_in_a_namespace() -> None:
         assert out["rmse"] < 0.35 and abs(out["bias"]) < 0.01, out
         stats = inside("tc", "-s", "qdisc", "show", "dev", "lo", capture_output=True, text=True).stdout
         assert "tbf" in stats
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
 def _has_torch() -> bool:

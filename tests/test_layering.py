@@ -22,7 +22,8 @@ PEERD = ROOT / "peerd"
 # the version). A module may import only from its own area and from areas in LOWER layers: never sideways within
 # a layer, never upward.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("foundation", frozenset({"peerd", "_dataplane", "entropy", "metrics"})),  # the C extension, rng, metrics
+    # the C extension, rng, metrics; the deadline tuner (a pure core the rounds, the trainer and the status share)
+    ("foundation", frozenset({"peerd", "_dataplane", "entropy", "metrics", "deadlines"})),
     ("wire", frozenset({"wire"})),  # envelope, sealing, messages: what a datagram is
     # moving bytes, coding arrays; the owner's views (status: the page's HTTP server, the terminal table)
     ("links", frozenset({"transport", "compress", "localsock", "addresses", "status"})),
@@ -63,6 +64,7 @@ SANS_IO: tuple[str, ...] = (
     "linkcap/core.py",
     "moshpit/keys.py", "moshpit/matchmaking.py", "moshpit/records.py", "moshpit/rounds.py", "moshpit/sticky.py",
     "trainer/agreement.py", "trainer/records.py",
+    "deadlines.py",
 )
 IO_LIBRARIES = frozenset({"trio", "socket", "asyncio", "selectors", "select", "subprocess", "ssl"})
 # socket's address-text helpers are pure functions: a module that uses only these is not doing I/O.

@@ -203,7 +203,7 @@ def test_the_plan_gives_a_capped_member_its_shares_time_and_splits_a_download_ca
     # sending to the capped member as fast as the pacer lets: its share, not the uplink's rate
     t, sent = 0.0, 0
     while t < 2.0:
-        t += pacer.reserve(1200, t, b"c" * 32) + 1e-5
+        t += pacer.reserve(1200, b"c" * 32, t) + 1e-5
         sent += 1200
     assert sent / t <= per * 1.05
 

@@ -38,7 +38,7 @@ from peerd.wire.errors import WireError
 from peerd.wire.identity import Identity
 
 from .support.dht_swarm import SECRET, DhtNode
-from .support.memnet import MemNet, MemSocket
+from .support.memnet import MemNet, MemSocket, run_on_memnet
 from .support.moshpit_groups import (  # noqa: E402
     _group,
     asked_options,  # noqa: E402
@@ -174,25 +174,21 @@ def test_a_background_send_that_fails_is_counted_not_fatal() -> None:
     """A lost route (ENETUNREACH) or a broadcast address (EACCES) under a DISBAND: the send's RpcError used to
     escape the service's nursery and end the daemon."""
 
-    async def main() -> None:
-        net = MemNet()
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            sock = FlakySocket(net, ("127.0.0.1", 20000), {("10.9.9.9", 7): errno.ENETUNREACH,
-                                                            ("10.9.9.10", 7): errno.EACCES})
-            a = node(net, 0, sock=sock)
-            await start(nursery, a)
-            for host in ("10.9.9.9", "10.9.9.10", "2001:db8::5"):
-                a.endpoint.learn((host, 7), bytes(32))  # a node id to seal for (wire v2 binds the receiver)
-                a.moshpit._spawn(a.endpoint.notify, (host, 7), m.MsgType.MM_DISBAND, {"run": "r", "round": 0})
-            await trio.sleep(1.0)
-            assert counter_value(a.metrics.background_errors, task="moshpit_notify") == 3
-            assert counter_value(a.metrics.datagrams_dropped, reason="send_error") == 3
-            # the service still serves
-            assert await a.dht.put(b"k", b"s", b"v", ttl=10.0) is not None
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        sock = FlakySocket(net, ("127.0.0.1", 20000), {("10.9.9.9", 7): errno.ENETUNREACH,
+                                                        ("10.9.9.10", 7): errno.EACCES})
+        a = node(net, 0, sock=sock)
+        await start(nursery, a)
+        for host in ("10.9.9.9", "10.9.9.10", "2001:db8::5"):
+            a.endpoint.learn((host, 7), bytes(32))  # a node id to seal for (wire v2 binds the receiver)
+            a.moshpit._spawn(a.endpoint.notify, (host, 7), m.MsgType.MM_DISBAND, {"run": "r", "round": 0})
+        await trio.sleep(1.0)
+        assert counter_value(a.metrics.background_errors, task="moshpit_notify") == 3
+        assert counter_value(a.metrics.datagrams_dropped, reason="send_error") == 3
+        # the service still serves
+        assert await a.dht.put(b"k", b"s", b"v", ttl=10.0) is not None
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 def test_join_from_the_other_family_is_dropped_and_the_leader_survives() -> None:
@@ -200,64 +196,56 @@ def test_join_from_the_other_family_is_dropped_and_the_leader_survives() -> None
     then its DISBAND to that address raised out of the nursery. Now the JOIN is dropped (counted) and the
     round ends alone, the daemon alive."""
 
-    async def main() -> None:
-        net = MemNet()
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            victim = node(net, 0, sock=FlakySocket(net, ("127.0.0.1", 20000), {}))
-            await start(nursery, victim)
-            ident = Identity.generate()
-            attacker = Endpoint(V6Socket(net, ("127.0.0.1", 20001)), ident, SECRET, Metrics(),
-                                announce=("2001:db8::66", 7411))
-            net.sockets[("127.0.0.1", 20001)] = attacker.sock
-            nursery.start_soon(attacker.serve)
-            await victim.moshpit.open("run", grid=Grid(1, 4), min_size=3, window_s=1.0)
-            key = victim.moshpit.runs["run"].keys.group_key(0)
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        victim = node(net, 0, sock=FlakySocket(net, ("127.0.0.1", 20000), {}))
+        await start(nursery, victim)
+        ident = Identity.generate()
+        attacker = Endpoint(V6Socket(net, ("127.0.0.1", 20001)), ident, SECRET, Metrics(),
+                            announce=("2001:db8::66", 7411))
+        net.sockets[("127.0.0.1", 20001)] = attacker.sock
+        nursery.start_soon(attacker.serve)
+        await victim.moshpit.open("run", grid=Grid(1, 4), min_size=3, window_s=1.0)
+        key = victim.moshpit.runs["run"].keys.group_key(0)
 
-            async def attack() -> None:
-                await trio.sleep(0.2)
-                with pytest.raises(RpcTimeout):
-                    await attacker.request(victim.addr, m.MsgType.MM_JOIN,
-                                           {"run": "run", "round": 0, "key": key, "expiry": 1e9}, timeout=0.1)
+        async def attack() -> None:
+            await trio.sleep(0.2)
+            with pytest.raises(RpcTimeout):
+                await attacker.request(victim.addr, m.MsgType.MM_JOIN,
+                                       {"run": "run", "round": 0, "key": key, "expiry": 1e9}, timeout=0.1)
 
-            nursery.start_soon(attack)
-            result = await victim.moshpit.average("run", np.ones(8, np.float32), 1.0, timeout_s=10.0)
-            assert result.outcome == "alone"
-            assert counter_value(victim.metrics.datagrams_dropped, reason="address") >= 1
-            nursery.cancel_scope.cancel()
+        nursery.start_soon(attack)
+        result = await victim.moshpit.average("run", np.ones(8, np.float32), 1.0, timeout_s=10.0)
+        assert result.outcome == "alone"
+        assert counter_value(victim.metrics.datagrams_dropped, reason="address") >= 1
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 def test_begin_members_other_family_refused_and_the_leader_is_reached_where_it_sent_from() -> None:
-    async def main() -> None:
-        net = MemNet()
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            a = node(net, 0)
-            me, leader, other = a.identity, Identity.generate(), Identity.generate()
-            peer = SimpleNamespace(node_id=leader.node_id, public_key=leader.public_key, host="127.0.0.7", port=9)
-            members = [(leader.public_key, "127.0.0.1", 7411), (me.public_key, "127.0.0.1", 20000)]
-            st = await a.moshpit.open("r", grid=Grid(1, 4), window_s=1.0)
-            st.sticky.offer_begin = lambda *args: (seen.append(args[-1]), True)[1]
-            seen: list = []
-            incoming = SimpleNamespace(body={"run": "r", "round": 0, "group": 5, "members": members}, peer=peer)
-            assert a.moshpit._on_begin(incoming) == {"ok": True}
-            assert seen[0][0].addr == ("127.0.0.7", 9)  # the leader's listed wildcard/loopback is not used
-            incoming.body["members"] = members + [(other.public_key, "2001:db8::1", 7411)]
-            assert a.moshpit._on_begin(incoming) == {"ok": False}
-            assert counter_value(a.metrics.datagrams_dropped, reason="address") == 1
-            # a leader listening on a wildcard lists itself as loopback, never as 0.0.0.0
-            a.moshpit.address = ("0.0.0.0", 20000)
-            cands = [Candidate(1.0, me.node_id, me.public_key, ("0.0.0.0", 20000)),
-                     Candidate(1.0, other.node_id, other.public_key, ("10.0.0.2", 7411))]
-            packed = a.moshpit._pack_members(cands)
-            assert [p[1] for p in packed] == [bytes([127, 0, 0, 1]), bytes([10, 0, 0, 2])]
-            m.encode(m.MsgType.MM_BEGIN, {"rid": 1, "from": a.endpoint._from, "run": "r", "round": 0, "group": 1,
-                                          "members": packed})
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        a = node(net, 0)
+        me, leader, other = a.identity, Identity.generate(), Identity.generate()
+        peer = SimpleNamespace(node_id=leader.node_id, public_key=leader.public_key, host="127.0.0.7", port=9)
+        members = [(leader.public_key, "127.0.0.1", 7411), (me.public_key, "127.0.0.1", 20000)]
+        st = await a.moshpit.open("r", grid=Grid(1, 4), window_s=1.0)
+        st.sticky.offer_begin = lambda *args: (seen.append(args[-1]), True)[1]
+        seen: list = []
+        incoming = SimpleNamespace(body={"run": "r", "round": 0, "group": 5, "members": members}, peer=peer)
+        assert a.moshpit._on_begin(incoming) == {"ok": True}
+        assert seen[0][0].addr == ("127.0.0.7", 9)  # the leader's listed wildcard/loopback is not used
+        incoming.body["members"] = members + [(other.public_key, "2001:db8::1", 7411)]
+        assert a.moshpit._on_begin(incoming) == {"ok": False}
+        assert counter_value(a.metrics.datagrams_dropped, reason="address") == 1
+        # a leader listening on a wildcard lists itself as loopback, never as 0.0.0.0
+        a.moshpit.address = ("0.0.0.0", 20000)
+        cands = [Candidate(1.0, me.node_id, me.public_key, ("0.0.0.0", 20000)),
+                 Candidate(1.0, other.node_id, other.public_key, ("10.0.0.2", 7411))]
+        packed = a.moshpit._pack_members(cands)
+        assert [p[1] for p in packed] == [bytes([127, 0, 0, 1]), bytes([10, 0, 0, 2])]
+        m.encode(m.MsgType.MM_BEGIN, {"rid": 1, "from": a.endpoint._from, "run": "r", "round": 0, "group": 1,
+                                      "members": packed})
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 # ---- finding 2: one progress record cannot stall a run ----------------------------------------------------
@@ -311,53 +299,45 @@ def test_a_node_that_averaged_believes_its_peers_not_a_crowd_of_strangers() -> N
 
 
 def test_a_record_at_the_last_round_does_not_move_a_joiner_or_the_run() -> None:
-    async def main() -> None:
-        net = MemNet()
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            a = node(net, 0)
-            await start(nursery, a)
-            def rec(value, owner: Identity) -> SimpleNamespace:
-                return SimpleNamespace(value=msgpack.packb(value), owner=owner.public_key,
-                                       expires=svc_mod.time.time() + svc_mod.PROGRESS_TTL_S)
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        a = node(net, 0)
+        await start(nursery, a)
+        def rec(value, owner: Identity) -> SimpleNamespace:
+            return SimpleNamespace(value=msgpack.packb(value), owner=owner.public_key,
+                                   expires=svc_mod.time.time() + svc_mod.PROGRESS_TTL_S)
 
-            records = [rec(6, Identity.generate()), rec(7, Identity.generate()), rec(MAX_ROUND, Identity.generate()),
-                       rec(2**40, Identity.generate()), rec("x", Identity.generate())]
+        records = [rec(6, Identity.generate()), rec(7, Identity.generate()), rec(MAX_ROUND, Identity.generate()),
+                   rec(2**40, Identity.generate()), rec("x", Identity.generate())]
 
-            async def get(key: bytes):
-                return records if key.endswith(b"/progress") else []
+        async def get(key: bytes):
+            return records if key.endswith(b"/progress") else []
 
-            a.dht.get = get
-            st = await a.moshpit.open("run", grid=Grid(1, 4), window_s=1.0)
-            assert st.round == 8  # the round after the latest believable one, not 2**32 - 1
-            assert counter_value(a.metrics.ignored_records, kind="progress", reason="ahead") == 1
-            assert counter_value(a.metrics.ignored_records, kind="progress", reason="range") == 2
-            nursery.cancel_scope.cancel()
+        a.dht.get = get
+        st = await a.moshpit.open("run", grid=Grid(1, 4), window_s=1.0)
+        assert st.round == 8  # the round after the latest believable one, not 2**32 - 1
+        assert counter_value(a.metrics.ignored_records, kind="progress", reason="ahead") == 1
+        assert counter_value(a.metrics.ignored_records, kind="progress", reason="range") == 2
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 def test_rounds_stop_at_the_last_one_with_a_clear_error() -> None:
-    async def main() -> None:
-        net = MemNet()
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            a = node(net, 0)
-            await start(nursery, a)
-            await a.moshpit.open("run", grid=Grid(1, 4), window_s=0.5)
-            vec = np.arange(4, dtype=np.float32)
-            result = await a.moshpit.average("run", vec, 1.0, timeout_s=5.0, round_no=MAX_ROUND)
-            assert result.outcome == "alone" and result.round == MAX_ROUND
-            assert a.moshpit.runs["run"].round == MAX_ROUND + 1
-            with pytest.raises(MoshpitError, match="last round"):
-                await a.moshpit.average("run", vec, 1.0, timeout_s=5.0)
-            with pytest.raises(MoshpitError, match="round must be"):
-                await a.moshpit.average("run", vec, 1.0, round_no=MAX_ROUND + 1)
-            await trio.sleep(1.0)  # the progress record for MAX_ROUND was published, nothing failed
-            assert counter_value(a.metrics.background_errors) == 0
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        a = node(net, 0)
+        await start(nursery, a)
+        await a.moshpit.open("run", grid=Grid(1, 4), window_s=0.5)
+        vec = np.arange(4, dtype=np.float32)
+        result = await a.moshpit.average("run", vec, 1.0, timeout_s=5.0, round_no=MAX_ROUND)
+        assert result.outcome == "alone" and result.round == MAX_ROUND
+        assert a.moshpit.runs["run"].round == MAX_ROUND + 1
+        with pytest.raises(MoshpitError, match="last round"):
+            await a.moshpit.average("run", vec, 1.0, timeout_s=5.0)
+        with pytest.raises(MoshpitError, match="round must be"):
+            await a.moshpit.average("run", vec, 1.0, round_no=MAX_ROUND + 1)
+        await trio.sleep(1.0)  # the progress record for MAX_ROUND was published, nothing failed
+        assert counter_value(a.metrics.background_errors) == 0
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 # ---- finding 8 and the robust-aggregation plumbing -------------------------------------------------------
@@ -381,54 +361,50 @@ class FakeAllreduce:
 
 
 def test_a_non_finite_average_never_replaces_the_vector_and_options_reach_the_owner() -> None:
-    async def main() -> None:
-        net = MemNet()
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            fake = FakeAllreduce()
-            a = node(net, 0, allreduce=fake)
-            st = await a.moshpit.open("run", grid=Grid(1, 4), window_s=1.0, max_weight=64, robust="centered:3")
-            assert st.max_weight == 64.0 and st.robust == Robust("centered", 3.0)
-            vec = np.ones(6, np.float32)
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        fake = FakeAllreduce()
+        a = node(net, 0, allreduce=fake)
+        st = await a.moshpit.open("run", grid=Grid(1, 4), window_s=1.0, max_weight=64, robust="centered:3")
+        assert st.max_weight == 64.0 and st.robust == Robust("centered", 3.0)
+        vec = np.ones(6, np.float32)
 
-            async def avg(v):
-                return await a.moshpit._average_group(st, _group(a), v, 1.0, 10.0, 0, "k", 2)
+        async def avg(v):
+            return await a.moshpit._average_group(st, _group(a), v, 1.0, 10.0, 0, "k", 2)
 
+        res = await avg(vec)
+        assert res.outcome == "averaged" and fake.calls[-1] == {
+            "floor_s": 1.0, "max_phase_s": 5.0, "max_weight": 64.0, "robust": Robust("centered", 3.0)}
+        res = await avg(vec)  # the previous averaged vector is the center
+        assert np.array_equal(fake.calls[-1]["center"], np.full(6, 2, np.float32))
+        own = np.full(6, 7, np.float32)  # a center the caller gives (its own parameters) wins for that round
+        await a.moshpit._average_group(st, _group(a), vec, 1.0, 10.0, 0, "k", 2, own)
+        assert fake.calls[-1]["center"] is own
+        with pytest.raises(MoshpitError, match="center"):
+            await a.moshpit.average("run", vec, 1.0, center=np.ones(5, np.float32))
+        for bad in (np.nan, np.inf, -np.inf):
+            fake.next = np.full(6, 2, np.float32)
+            fake.next[3] = bad
             res = await avg(vec)
-            assert res.outcome == "averaged" and fake.calls[-1] == {
-                "floor_s": 1.0, "max_phase_s": 5.0, "max_weight": 64.0, "robust": Robust("centered", 3.0)}
-            res = await avg(vec)  # the previous averaged vector is the center
-            assert np.array_equal(fake.calls[-1]["center"], np.full(6, 2, np.float32))
-            own = np.full(6, 7, np.float32)  # a center the caller gives (its own parameters) wins for that round
-            await a.moshpit._average_group(st, _group(a), vec, 1.0, 10.0, 0, "k", 2, own)
-            assert fake.calls[-1]["center"] is own
-            with pytest.raises(MoshpitError, match="center"):
-                await a.moshpit.average("run", vec, 1.0, center=np.ones(5, np.float32))
-            for bad in (np.nan, np.inf, -np.inf):
-                fake.next = np.full(6, 2, np.float32)
-                fake.next[3] = bad
-                res = await avg(vec)
-                assert res.outcome == "failed" and "NaN or infinity" in res.error
-                assert np.array_equal(res.vector, vec) and res.vector is not vec
-            assert counter_value(a.metrics.contributions_refused, reason="nonfinite_average") == 3
-            assert np.array_equal(st.center, np.full(6, 2, np.float32))  # a failed round is never a center
-            fake.next = None
-            await avg(np.ones(5, np.float32))  # another length: no center
-            assert "center" not in fake.calls[-1]
-            # average() sets them per run too; None leaves them; off/inf clear them
-            await a.moshpit.open("run", robust="clip")
-            assert st.robust == Robust("clip", 1.0) and st.center is None and st.max_weight == 64.0
-            await a.moshpit.open("run", robust="off", max_weight=math.inf)
-            assert st.robust is None and st.max_weight is None
-            await avg(vec)
-            assert fake.calls[-1] == {"floor_s": 1.0, "max_phase_s": 5.0}
-            for kwargs, words in [({"max_weight": 0}, "max_weight"), ({"max_weight": float("nan")}, "max_weight"),
-                                  ({"robust": "median"}, "clip"), ({"robust": "clip:-1"}, "C")]:
-                with pytest.raises(MoshpitError, match=words):
-                    await a.moshpit.average("run", vec, 1.0, **kwargs)
-            nursery.cancel_scope.cancel()
+            assert res.outcome == "failed" and "NaN or infinity" in res.error
+            assert np.array_equal(res.vector, vec) and res.vector is not vec
+        assert counter_value(a.metrics.contributions_refused, reason="nonfinite_average") == 3
+        assert np.array_equal(st.center, np.full(6, 2, np.float32))  # a failed round is never a center
+        fake.next = None
+        await avg(np.ones(5, np.float32))  # another length: no center
+        assert "center" not in fake.calls[-1]
+        # average() sets them per run too; None leaves them; off/inf clear them
+        await a.moshpit.open("run", robust="clip")
+        assert st.robust == Robust("clip", 1.0) and st.center is None and st.max_weight == 64.0
+        await a.moshpit.open("run", robust="off", max_weight=math.inf)
+        assert st.robust is None and st.max_weight is None
+        await avg(vec)
+        assert fake.calls[-1] == {"floor_s": 1.0, "max_phase_s": 5.0}
+        for kwargs, words in [({"max_weight": 0}, "max_weight"), ({"max_weight": float("nan")}, "max_weight"),
+                              ({"robust": "median"}, "clip"), ({"robust": "clip:-1"}, "C")]:
+            with pytest.raises(MoshpitError, match=words):
+                await a.moshpit.average("run", vec, 1.0, **kwargs)
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 def test_ops_accept_max_samples_and_robust() -> None:
@@ -460,59 +436,51 @@ def test_weight_cap_reaches_the_real_owners_through_a_round() -> None:
     """Both members set max_samples 10 on the run: a member claiming 100 samples counts as 10."""
     from peerd.allreduce.service import AllreduceService
 
-    async def main() -> None:
-        net = MemNet(seed=3)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = []
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = []
+        for i in range(2):
+            n = DhtNode(net, i)
+            n.moshpit = MoshpitService(n.endpoint, n.dht, AllreduceService(n.endpoint, n.metrics), n.metrics,
+                                       address=n.addr, rng=random.Random(i))
+            await start(nursery, n)
+            nodes.append(n)
+        cands = tuple(sorted((Candidate(1.0, n.identity.node_id, n.identity.public_key, n.addr) for n in nodes),
+                             key=lambda c: c.node_id))
+        vecs = [np.zeros(300, np.float32), np.ones(300, np.float32)]
+        weights = [1.0, 100.0]
+        out: list = [None, None]
+
+        async def one(i: int) -> None:
+            n = nodes[i]
+            st = await n.moshpit.open("cap", grid=Grid(1, 2), window_s=1.0, max_weight=10, robust="clip:1e6")
+            index = next(j for j, c in enumerate(cands) if c.node_id == n.identity.node_id)
+            group = Group(99, cands, index, cands[0].node_id)
+            out[i] = await n.moshpit._average_group(st, group, vecs[i], weights[i], 20.0, 0, "k", 2)
+
+        async with trio.open_nursery() as inner:
             for i in range(2):
-                n = DhtNode(net, i)
-                n.moshpit = MoshpitService(n.endpoint, n.dht, AllreduceService(n.endpoint, n.metrics), n.metrics,
-                                           address=n.addr, rng=random.Random(i))
-                await start(nursery, n)
-                nodes.append(n)
-            cands = tuple(sorted((Candidate(1.0, n.identity.node_id, n.identity.public_key, n.addr) for n in nodes),
-                                 key=lambda c: c.node_id))
-            vecs = [np.zeros(300, np.float32), np.ones(300, np.float32)]
-            weights = [1.0, 100.0]
-            out: list = [None, None]
+                inner.start_soon(one, i)
+        for res in out:
+            assert res.outcome == "averaged", res.error
+            assert np.allclose(res.vector, 10 / 11, atol=1e-5)  # not 100 / 101
 
-            async def one(i: int) -> None:
-                n = nodes[i]
-                st = await n.moshpit.open("cap", grid=Grid(1, 2), window_s=1.0, max_weight=10, robust="clip:1e6")
-                index = next(j for j, c in enumerate(cands) if c.node_id == n.identity.node_id)
-                group = Group(99, cands, index, cands[0].node_id)
-                out[i] = await n.moshpit._average_group(st, group, vecs[i], weights[i], 20.0, 0, "k", 2)
-
-            async with trio.open_nursery() as inner:
-                for i in range(2):
-                    inner.start_soon(one, i)
-            for res in out:
-                assert res.outcome == "averaged", res.error
-                assert np.allclose(res.vector, 10 / 11, atol=1e-5)  # not 100 / 101
-            nursery.cancel_scope.cancel()
-
-    run_virtual(main)
+    run_on_memnet(main, seed=3)
 
 
 def test_a_handler_that_raises_does_not_end_the_receive_loop() -> None:
-    async def main() -> None:
-        net = MemNet()
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            a, b = (Endpoint(net.socket("127.0.0.1", 1 + i), Identity.generate(), SECRET, Metrics()) for i in range(2))
-            for ep in (a, b):
-                nursery.start_soon(ep.serve)
-            b.on_request(m.MsgType.PING, lambda incoming: {}["missing"])  # a bug that a peer's input reaches
-            with pytest.raises(RpcTimeout):
-                await a.request(("127.0.0.1", 2), m.MsgType.PING, {}, timeout=0.1, attempts=2)
-            assert counter_value(b.metrics.datagrams_dropped, reason="handler_error") == 2
-            assert counter_value(b.metrics.background_errors, task="endpoint_ping") == 2
-            b.on_request(m.MsgType.PING, lambda incoming: {})
-            assert (await a.request(("127.0.0.1", 2), m.MsgType.PING, {})).mtype is m.MsgType.PONG
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        a, b = (Endpoint(net.socket("127.0.0.1", 1 + i), Identity.generate(), SECRET, Metrics()) for i in range(2))
+        for ep in (a, b):
+            nursery.start_soon(ep.serve)
+        b.on_request(m.MsgType.PING, lambda incoming: {}["missing"])  # a bug that a peer's input reaches
+        with pytest.raises(RpcTimeout):
+            await a.request(("127.0.0.1", 2), m.MsgType.PING, {}, timeout=0.1, attempts=2)
+        assert counter_value(b.metrics.datagrams_dropped, reason="handler_error") == 2
+        assert counter_value(b.metrics.background_errors, task="endpoint_ping") == 2
+        b.on_request(m.MsgType.PING, lambda incoming: {})
+        assert (await a.request(("127.0.0.1", 2), m.MsgType.PING, {})).mtype is m.MsgType.PONG
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 def test_peers_listening_on_a_wildcard_average_through_matchmaking() -> None:
@@ -522,33 +490,29 @@ def test_peers_listening_on_a_wildcard_average_through_matchmaking() -> None:
 
     from .support.dht_swarm import start_swarm
 
-    async def main() -> None:
-        net = MemNet(seed=5)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await start_swarm(nursery, net, 3)
-            for i, n in enumerate(nodes):
-                n.moshpit = MoshpitService(n.endpoint, n.dht, AllreduceService(n.endpoint, n.metrics), n.metrics,
-                                           address=("0.0.0.0", n.addr[1]), rng=random.Random(i))
-                await nursery.start(n.moshpit.run)
-            out: list = [None] * 3
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await start_swarm(nursery, net, 3)
+        for i, n in enumerate(nodes):
+            n.moshpit = MoshpitService(n.endpoint, n.dht, AllreduceService(n.endpoint, n.metrics), n.metrics,
+                                       address=("0.0.0.0", n.addr[1]), rng=random.Random(i))
+            await nursery.start(n.moshpit.run)
+        out: list = [None] * 3
 
-            async def one(i: int) -> None:
-                await nodes[i].moshpit.open("wild", grid=Grid(1, 3), min_size=3, window_s=2.0)
-                out[i] = await nodes[i].moshpit.average("wild", np.full(50, float(i), np.float32), 1.0, timeout_s=20)
+        async def one(i: int) -> None:
+            await nodes[i].moshpit.open("wild", grid=Grid(1, 3), min_size=3, window_s=2.0)
+            out[i] = await nodes[i].moshpit.average("wild", np.full(50, float(i), np.float32), 1.0, timeout_s=20)
 
-            async with trio.open_nursery() as inner:
-                for i in range(3):
-                    inner.start_soon(one, i)
-            for res in out:
-                assert res.outcome == "averaged" and res.group_size == 3, res.statistics()
-                assert np.allclose(res.vector, 1.0)
-            for n in nodes:
-                assert counter_value(n.metrics.datagrams_dropped, reason="malformed") == 0
-                assert counter_value(n.metrics.background_errors) == 0
-            nursery.cancel_scope.cancel()
+        async with trio.open_nursery() as inner:
+            for i in range(3):
+                inner.start_soon(one, i)
+        for res in out:
+            assert res.outcome == "averaged" and res.group_size == 3, res.statistics()
+            assert np.allclose(res.vector, 1.0)
+        for n in nodes:
+            assert counter_value(n.metrics.datagrams_dropped, reason="malformed") == 0
+            assert counter_value(n.metrics.background_errors) == 0
 
-    run_virtual(main)
+    run_on_memnet(main, seed=5)
 
 
 def test_the_run_grid_is_what_most_publishers_name_and_a_squatter_cannot_hide_it() -> None:

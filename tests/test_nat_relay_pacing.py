@@ -16,7 +16,7 @@ def send(pacer: Pacer, dests: list[object], seconds: float, size: int = 1232) ->
     i = 0
     while now < seconds:
         d = dests[i % len(dests)]
-        now += max(0.0, pacer.reserve(size, now, d))
+        now += max(0.0, pacer.reserve(size, d, now))
         out[d].append(now)
         i += 1
     return out
@@ -37,7 +37,7 @@ def test_members_behind_one_relay_share_its_grant_and_the_relay_refuses_nothing(
     assert refused == []
     # lifted: the uplink's rate alone again
     pacer.limit("b")
-    assert pacer.reserve(1232, 10.0, "b") <= 0.01
+    assert pacer.reserve(1232, "b", 10.0) <= 0.01
 
 
 def test_an_unpaced_sender_overruns_the_relay() -> None:
@@ -93,7 +93,31 @@ def test_a_relay_passes_datagrams_on_in_the_order_they_came() -> None:
 def test_what_a_relay_passes_on_shares_its_uplink_while_it_averages() -> None:
     pacer = Pacer(rate=10e6, max_rate=10e6)
     assert pacer.reserve_cross(1_000_000, 0.0) == 0.0  # idle (a relay that averages nothing): never held
-    pacer.reserve(1232, 1.0, "a")  # it averages now
+    pacer.reserve(1232, "a", 1.0)  # it averages now
     assert pacer.reserve_cross(1_000_000, 1.0) < 0.01  # taken from the uplink's bucket ...
-    assert pacer.reserve(1232, 1.0, "a") > 0.09  # ... so its own data waits for it: 1 MB at 10 MB/s
+    assert pacer.reserve(1232, "a", 1.0) > 0.09  # ... so its own data waits for it: 1 MB at 10 MB/s
     assert pacer.reserve_cross(1232, 1.0) > 0.09  # and so does more relayed data
+
+
+def test_a_sender_back_from_idle_keeps_its_grant_when_another_sender_started_first() -> None:
+    """Two members behind symmetric NATs average through one relay: each relayed a PING or two while its path was
+    set up, then nothing for seconds, then both start their share of an average within a millisecond. The first
+    one's datagram recomputes the shares while the other is still idle (no share); the other's paced data,
+    inside its grant, must all go through (it lost everything past 8 KB until the next recompute: an average
+    with a part missing)."""
+    relay = RelayServer()
+    for i, node in enumerate((b"s1", b"s2")):
+        relay.reached(node, (f"203.0.113.{101 + i}", 40000), 0.0)
+    for t, sender, to in ((0.0, b"s1", b"s2"), (0.1, b"s2", b"s1")):  # the path's PINGs
+        assert isinstance(relay.forward(sender, to, 200, t), tuple)
+    sends = []
+    for sender, to, start in ((b"s2", b"s1", 5.0), (b"s1", b"s2", 5.001)):
+        pacer = Pacer(rate=50e6, max_rate=50e6)
+        pacer.limit(to, ("relay", b"r"), RELAY_SHARE * DEFAULT_RATE, 256_000.0)
+        now = start
+        for _ in range(40):  # 49 KB: a third of a 20,000-element fp32 vector each way, its two phases
+            now += max(0.0, pacer.reserve(1232, now, to))
+            sends.append((now, sender, to))
+    refused = [(t, sender) for t, sender, to in sorted(sends)
+               if not isinstance(relay.forward(sender, to, 1232, t), tuple)]
+    assert refused == []

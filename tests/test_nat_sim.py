@@ -253,3 +253,93 @@ def test_a_late_probe_still_proves_reachability() -> None:
     assert c.receive_probe(ask[0].nonce, ("192.0.2.77", 7000), 6.0)
     assert (c.verdict, c.basis) == (PUBLIC, "probe")
 
+
+
+ME = ("203.0.113.9", 4000)  # where the observers see the node in the tests below: one of its own addresses
+
+
+def public_looking(seed: int, **kw) -> tuple:
+    """A Reach whose 2 observers see it at its own address (no translation), up to its first REACH_PROBE."""
+    from peerd.nat.reach import Reach
+
+    r = Reach(random.Random(seed), observers=2, probe_timeout=4.0, **kw)
+    r.local = {ME}
+    for i in range(3):
+        r.add_peer(nid(f"o{i}"), (f"198.51.100.{i}", 7000))
+    r.start(0.0)
+    return r, observe(r, 0.0)
+
+
+def observe(r, now: float) -> list:
+    """Answer the run's OBSERVEs (seen at ``ME``) and return what it queues next: its REACH_PROBE."""
+    for a in step(r, now):
+        r.datagram_sent(a.addr, now)
+        r.receive_observed(a.node_id, ME, now + 0.1)
+    return step(r, now + 0.2)
+
+
+def test_a_probe_from_an_address_it_sent_to_does_not_count_towards_cone() -> None:
+    """A prober this node had answered (not one it reached itself, so not in its avoid list): its PROBE passes
+    any NAT and proves nothing either way. The next helper is asked at once, and with no probe arranged that
+    could have proved anything, a node that sees no translation is ``public``, never ``cone-nat``."""
+    from peerd.nat.reach import AskProbe
+
+    r, ask = public_looking(4, probes=1)
+    r.receive_probe_asked(ask[0].node_id, True, 0.3)
+    r.datagram_sent(("192.0.2.77", 7000), 0.3)  # an answer to the prober's request
+    assert not r.receive_probe(ask[0].nonce, ("192.0.2.77", 7000), 0.5)
+    assert r.statistics().probes_solicited == 1
+    again = step(r, 0.5)
+    assert len(again) == 1 and isinstance(again[0], AskProbe) and again[0].node_id != ask[0].node_id
+    r.receive_probe_asked(again[0].node_id, False, 0.6)  # that helper has no third node
+    step(r, 0.6)
+    assert (r.verdict, r.basis) == (PUBLIC, "no-translation")
+
+
+def test_a_peer_that_sent_requests_is_avoided_as_a_prober() -> None:
+    """Peers this node answered (their requests came in) are in the avoid list like those it reached."""
+    from peerd.nat.reach import Reach
+
+    r = Reach(random.Random(5), observers=2)
+    r.local = {ME}
+    for i in range(2):
+        r.add_peer(nid(f"o{i}"), (f"198.51.100.{i}", 7000))
+    r.receive_request(nid("asker"), ("192.0.2.80", 7000), 0.0)
+    r.datagram_sent(("192.0.2.80", 7000), 0.0)
+    r.receive_request(nid("quiet"), ("192.0.2.81", 7000), 0.0)  # never answered: not avoided
+    r.start(0.0)
+    ask = observe(r, 0.0)
+    assert nid("asker") in ask[0].avoid and nid("quiet") not in ask[0].avoid
+
+
+def test_a_public_looking_node_runs_again_before_settling_on_cone() -> None:
+    """Probes arranged, none came, and the observers see the node at its own address: it runs again
+    ``reruns_public`` times (``rerun_s`` apart) before ``cone-nat``, and a PROBE of an earlier run's nonce
+    arriving meanwhile still proves ``public``."""
+    r, ask = public_looking(6, probes=1, reruns_public=2, rerun_s=5.0)
+    nonces = []
+    now = 0.0
+    for run in range(3):
+        nonces.append(ask[0].nonce)
+        r.receive_probe_asked(ask[0].node_id, True, now + 0.3)
+        now += 0.2 + 4.0
+        step(r, now)
+        if run < 2:
+            assert r.verdict == UNKNOWN and r.statistics().reruns == run + 1
+            assert r.get_timer() == pytest.approx(now + 5.0)
+            now += 5.0
+            ask = observe(r, now)
+    assert (r.verdict, r.basis) == (CONE, "no-probe")
+    # a late PROBE of the first run's nonce (kept through the runs it repeated) proves reachability
+    assert r.receive_probe(nonces[0], ("192.0.2.77", 7000), now + 1.0)
+    assert (r.verdict, r.basis) == (PUBLIC, "probe") and r.statistics().probes_late == 1
+
+
+def test_the_helper_prefers_a_prober_heard_from_recently() -> None:
+    from peerd.nat.reach import choose_prober
+
+    reached = {nid(n): (f"192.0.2.{i}", 7000) for i, n in enumerate("abcd")}
+    for seed in range(20):
+        got = choose_prober(nid("a"), [nid("b")], reached, random.Random(seed), {nid("d"), nid("b")})
+        assert got == (nid("d"), reached[nid("d")])
+    assert {choose_prober(nid("a"), [], reached, random.Random(s))[0] for s in range(20)} == {nid(n) for n in "bcd"}

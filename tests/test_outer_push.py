@@ -41,7 +41,8 @@ async def _swarm_with_inboxes(nursery, net, count):
     return nodes
 
 
-def _agree_all(nodes, held, round_no, results, *, participants=None, board=_NoReadBoard):
+async def _agree_all(nodes, held, round_no, results, *, participants=None, board=_NoReadBoard) -> None:
+    """Every node of ``nodes`` agrees on ``round_no`` at once (its vector: ``held``); each result into ``results``."""
     ids = [n.identity.node_id for n in nodes]
 
     async def one(i: int) -> None:
@@ -53,7 +54,9 @@ def _agree_all(nodes, held, round_no, results, *, participants=None, board=_NoRe
                                  expect=len(nodes), participants=participants)
         results[i].phases["total"] = trio.current_time() - t0
 
-    return one
+    async with trio.open_nursery() as inner:
+        for i in range(len(nodes)):
+            inner.start_soon(one, i)
 
 
 def test_a_group_agrees_on_pushed_records_without_a_dht_read() -> None:
@@ -71,10 +74,7 @@ def test_a_group_agrees_on_pushed_records_without_a_dht_read() -> None:
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
             nodes = await _swarm_with_inboxes(nursery, net, 3)
-            one = _agree_all(nodes, held, 21, results)
-            async with trio.open_nursery() as inner:
-                for i in range(3):
-                    inner.start_soon(one, i)
+            await _agree_all(nodes, held, 21, results)
             nursery.cancel_scope.cancel()
         for i in range(3):
             np.testing.assert_array_equal(results[i].vector, truth)
@@ -126,10 +126,7 @@ def test_a_pushed_record_counts_as_its_senders_only_hostile() -> None:
             for n in members:
                 held_records = n.inbox.records(RUN_KEY, 22)
                 assert [r.node for r in held_records] == [attacker.identity.node_id]  # never ids[0]
-            one = _agree_all(members, held, 22, results, participants=frozenset(ids))
-            async with trio.open_nursery() as inner:
-                for i in range(3):
-                    inner.start_soon(one, i)
+            await _agree_all(members, held, 22, results, participants=frozenset(ids))
             nursery.cancel_scope.cancel()
         for i in range(3):
             np.testing.assert_array_equal(results[i].vector, truth)
@@ -173,7 +170,7 @@ def test_the_inbox_is_bounded_and_keeps_one_record_per_sender_hostile() -> None:
 def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
     """A repair range is asked with a first wait of a few round trips to the owner (floored, and capped at the
     default while the round trip is unknown), so a lost datagram does not cost the transport's backed-off RTO."""
-    from peerd.trainer.outer import FETCH_ATTEMPTS, FETCH_MIN_WAIT_S, FETCH_TIMEOUT_S, fetch_timeout
+    from peerd.trainer.outer import FETCH_MIN_WAIT_S, FETCH_TIMEOUT_S, fetch_timeout
 
     assert fetch_timeout(None) == FETCH_TIMEOUT_S
     assert fetch_timeout(0.0005) == FETCH_MIN_WAIT_S
@@ -204,4 +201,126 @@ def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
     got = trio.run(board.fetch_range, holder, b"\x00" * 32, 100, 2000)
     assert got == bytes(2000)
     assert sum(n for _, n, _, _ in asked) == 2000 and len(asked) > 1
-    assert {(t, a) for _, _, t, a in asked} == {(0.04, FETCH_ATTEMPTS)}
+    assert {(t, a) for _, _, t, a in asked} == {(0.04, 1)}  # each request waits a few round trips, then afresh
+
+    # a chunk whose requests go unanswered is asked again at the same wait FETCH_FLAT times, then backing off
+    from peerd.trainer.outer import FETCH_FLAT
+    from peerd.transport.endpoint import RpcError
+
+    waits: list[float] = []
+
+    class Lossy(Sync):
+        async def fetch_range(self, addr: object, store: str, sha: bytes, off: int, n: int, *, timeout: float,
+                              attempts: int) -> bytes:
+            waits.append(timeout)
+            if len(waits) < 6:
+                raise RpcError("no answer from 10.0.0.2:9 to state_get")
+            return bytes(n)
+
+    got = trio.run(DhtBoard(Lossy(), "run", 3).fetch_range, holder, b"\x00" * 32, 0, 100)
+    assert got == bytes(100)
+    assert waits == [0.04] * FETCH_FLAT + [0.04 * 2 ** k for k in range(1, 7 - FETCH_FLAT)]
+
+    class Refusing(Sync):
+        async def fetch_range(self, *a: object, **k: object) -> bytes:
+            waits.append(-1.0)
+            raise RpcError("10.0.0.2:9 refused state_get: gone")
+
+    waits.clear()
+    refused = False
+    try:
+        trio.run(DhtBoard(Refusing(), "run", 3).fetch_range, holder, b"\x00" * 32, 0, 100)
+    except* RpcError:
+        refused = True
+    assert refused and waits == [-1.0]  # a refusal is not asked again
+
+
+def test_the_winning_average_is_fetched_windowed_from_every_holder_and_verified_hostile() -> None:
+    """Adopting the winner fetches its chunks spread over the holders with many requests in flight; a chunk that
+    one holder refuses comes from the next, and bytes that do not hash to the winner are refused."""
+    import pytest
+
+    from peerd.trainer.outer import FETCH_WINDOW, OuterError
+    from peerd.transport.endpoint import RpcError
+
+    vector = np.random.default_rng(3).standard_normal(5_000).astype(np.float32).tobytes()
+    sha = hashlib.sha256(vector).digest()
+    good, mute, liar = ("10.0.0.2", 9), ("10.0.0.3", 9), ("10.0.0.4", 9)
+    asked: list[tuple[object, int]] = []
+    inflight = [0, 0]
+
+    class Rto:
+        def srtt(self, addr: object) -> float | None:
+            return 0.01
+
+    class Sync:
+        node_id = b"\x01" * 32
+        advertise = None
+        endpoint = type("E", (), {"max_body": 1100, "rto": Rto()})()
+
+        async def resolve(self, node: bytes, addr: object) -> object:
+            return addr
+
+        async def fetch_range(self, addr: object, store: str, want: bytes, off: int, n: int, *, timeout: float,
+                              attempts: int) -> bytes:
+            asked.append((addr, off))
+            inflight[0] += 1
+            inflight[1] = max(inflight)
+            await trio.sleep(0.01)
+            inflight[0] -= 1
+            if addr == mute:
+                raise RpcError("refused: gone")
+            if addr == liar:
+                return bytes(n)
+            return vector[off: off + n]
+
+    def holder(addr: tuple[str, int], k: int) -> OuterRecord:
+        return OuterRecord(bytes([k]) * 32, "g", 2, 0, b"\x00" * 32, b"\x00" * 32, sha, b"", 5_000, addr)
+
+    board = DhtBoard(Sync(), "run", 3)
+    got = trio.run(board.fetch, sha, len(vector), [holder(good, 2), holder(mute, 3)])
+    assert bytes(got) == vector
+    assert {a for a, _ in asked} == {good, mute}  # spread over both; the mute one's chunks came from the other
+    assert 1 < inflight[1] <= FETCH_WINDOW
+    with pytest.raises(OuterError, match="do not match"):
+        trio.run(board.fetch, sha, len(vector), [holder(liar, 4)])
+
+
+def test_a_shard_fetches_its_index_in_sections_and_only_the_differing_pieces_hostile() -> None:
+    """The owner's piece index is read section by section, each section's differing pieces fetched as it arrives;
+    an index that lies about its pieces still yields the owner's verified shard (fetched whole)."""
+    from peerd.trainer.outer import fetch_shard
+    from peerd.trainer.records import PIECE, PIECE_HASH, piece_hashes
+
+    rng = np.random.default_rng(5)
+    vector = rng.standard_normal(60_000).astype(np.float32)
+    data = vector.tobytes()
+    a, b = shard_bounds(vector.size, 2, 1)
+    shard = data[4 * a: 4 * b]
+    mine = bytearray(shard)
+    for piece in (0, 3, 70, 71, 110):  # pieces in three sections of 55
+        mine[piece * PIECE + 7] ^= 0xFF
+    blob = data + piece_hashes(shard)
+    owner = OuterRecord(b"\x02" * 32, "g", 2, 1, hashlib.sha256(shard).digest(), hashlib.sha256(blob).digest(),
+                        b"", b"", vector.size, ("10.0.0.2", 9))
+
+    class Board:
+        def __init__(self, blob: bytes) -> None:
+            self.blob, self.asked = blob, []
+
+        async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes:
+            self.asked.append((offset, length))
+            return self.blob[offset: offset + length]
+
+    board = Board(blob)
+    got = trio.run(fetch_shard, board, owner, bytes(mine), len(data))
+    assert got is not None and got[0] == shard
+    index_reads = [x for x in board.asked if x[0] >= len(data)]
+    pieces = -(-len(shard) // PIECE)
+    assert len(index_reads) == -(-pieces // 55) > 1  # one read per section
+    assert sum(n for _, n in index_reads) == pieces * PIECE_HASH
+    runs = [x for x in board.asked if x[0] < len(data)]
+    assert len(runs) == 4 and sum(n for _, n in runs) == 5 * PIECE  # pieces 70 and 71 are one run
+    liar = Board(data + piece_hashes(bytes(mine)))  # the index says my bytes are the owner's: nothing fetched
+    got = trio.run(fetch_shard, liar, owner, bytes(mine), len(data))
+    assert got is not None and got[0] == shard and (4 * a, 4 * (b - a)) in liar.asked  # fetched whole, verified

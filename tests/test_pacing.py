@@ -35,13 +35,13 @@ from peerd.transport.pacing import (
 def test_token_bucket_spaces_sends_at_the_rate() -> None:
     p = Pacer(rate=1e6)
     now = 100.0
-    waits = [p.reserve(10_000, now) for _ in range(100)]  # 1 MB at once, at 1 MB/s
+    waits = [p.reserve(10_000, None, now) for _ in range(100)]  # 1 MB at once, at 1 MB/s
     assert waits[0] == 0.0
     assert waits[-1] == pytest.approx(99 * 0.01 - BURST_S, abs=1e-9)
     assert all(b >= a for a, b in zip(waits, waits[1:], strict=False))
     # After idling, only a short burst is allowed ahead of the rate.
-    assert p.reserve(10_000, now + 100) == 0.0
-    assert p.reserve(10_000, now + 100) == pytest.approx(0.01 - BURST_S, abs=1e-9)
+    assert p.reserve(10_000, None, now + 100) == 0.0
+    assert p.reserve(10_000, None, now + 100) == pytest.approx(0.01 - BURST_S, abs=1e-9)
 
 
 def test_a_backlogged_sender_that_wakes_late_catches_up() -> None:
@@ -53,13 +53,13 @@ def test_a_backlogged_sender_that_wakes_late_catches_up() -> None:
     p.btl = rate / 0.97  # (out of startup: a rate the path carried; a startup rate gets BURST_S only)
     t, sent = 10.0, 0
     while t < 11.0:
-        wait = p.reserve(part, t)
+        wait = p.reserve(part, None, t)
         sent += part
         t += wait + (0.005 if wait > 0 else 0.0)  # sleeps until its time, and wakes late
     assert p.sent_rate(10.1, 10.9) >= 0.95 * rate, p.sent_rate(10.1, 10.9)
     assert sent / 1.0 >= 0.95 * rate
     # an idle sender still gets only BURST_S ahead (of its rate, aged by the idle time)
-    assert p.reserve(part, 20.0) == 0.0 and p.reserve(part, 20.0) == pytest.approx(part / p.rate - BURST_S)
+    assert p.reserve(part, None, 20.0) == 0.0 and p.reserve(part, None, 20.0) == pytest.approx(part / p.rate - BURST_S)
 
 
 def test_a_report_spanning_a_pause_counts() -> None:
@@ -69,21 +69,21 @@ def test_a_report_spanning_a_pause_counts() -> None:
     p = Pacer(rate=10e6)
     t = 0.0
     while t < 0.03:
-        t += p.reserve(12_000, t, "a") + 0.001
+        t += p.reserve(12_000, "a", t) + 0.001
     t = 0.15
     while t < 0.18:
-        t += p.reserve(12_000, t, "a") + 0.001
-    assert p.on_report("a", Report(40, 40, 48_000, 0.1, 0, 40), 0.19, (0.0, 0.17)).action == "pooled"
-    assert p.on_report("a", Report(10, 10, 12_000, 0.1, 0, 50), 2.0, (0.17, 0.18)).action != "pooled"
-    assert p.on_report("a", Report(10, 10, 12_000, 0.1, 0, 60), 2.1, (0.0, 0.02)).action == "stale"
+        t += p.reserve(12_000, "a", t) + 0.001
+    assert p.receive_report("a", Report(40, 40, 48_000, 0.1, 0, 40), (0.0, 0.17), 0.0, 0.19).action == "pooled"
+    assert p.receive_report("a", Report(10, 10, 12_000, 0.1, 0, 50), (0.17, 0.18), 0.0, 2.0).action != "pooled"
+    assert p.receive_report("a", Report(10, 10, 12_000, 0.1, 0, 60), (0.0, 0.02), 0.0, 2.1).action == "stale"
 
 
 def test_sent_rate_is_what_was_really_sent_per_destination() -> None:
     p = Pacer(rate=10e6)
     t = 0.0
     while t < 1.0:  # 1 MB/s to "a", 3 MB/s to "b": well under the rate, so nothing waits
-        p.reserve(1000, t, "a")
-        p.reserve(3000, t, "b")
+        p.reserve(1000, "a", t)
+        p.reserve(3000, "b", t)
         t += 0.001
     assert p.sent_rate(0.5, 1.0, "a") == pytest.approx(1e6, rel=0.02)
     assert p.sent_rate(0.5, 1.0, "b") == pytest.approx(3e6, rel=0.02)
@@ -98,7 +98,7 @@ def test_a_phases_rate_counts_the_share_of_each_part_sent_inside_it() -> None:
     p = Pacer(rate=12e6)
     t = 0.0
     while t < 1.0:
-        t += max(0.0, p.reserve(PART * DATAGRAM, t, "a"))
+        t += max(0.0, p.reserve(PART * DATAGRAM, "a", t))
     rates = [p.sent_rate(a / 1000, a / 1000 + 0.05) for a in range(100, 900, 7)]
     assert min(rates) >= 0.99 * 12e6 and max(rates) <= 1.01 * 12e6, (min(rates), max(rates))
     assert p.sent_rate(0.3, 0.35, "a") == pytest.approx(12e6, rel=0.01)
@@ -261,7 +261,7 @@ class Swarm:
             self.sent_bytes[i] += part * DATAGRAM
         d = self.turn[i]
         self.turn[i] = (d + 1) % self.n if (d + 1) % self.n != i else (d + 2) % self.n
-        wait = self.pacers[i].reserve(part * DATAGRAM, t, d)
+        wait = self.pacers[i].reserve(part * DATAGRAM, d, t)
         self.push(t + max(0.0, wait), "fire", i, d, part)
 
     def _part(self, i: int) -> int:
@@ -330,7 +330,7 @@ class Swarm:
         first = max(0, rep.position - rep.expected - 1)
         span = self.positions[i][d].span(first, rep.position - 1)
         placed = self.positions[i][d].placed(rep.position - 1)
-        self.verdicts[i].append((t, self.pacers[i].on_report(d, rep, t, span, placed)))
+        self.verdicts[i].append((t, self.pacers[i].receive_report(d, rep, span, placed, t)))
 
     # -- what a user of the links sees ---------------------------------------------------------------
     def utilization(self, start: float, stop: float, rate: float) -> float:
@@ -370,7 +370,7 @@ def feed(pacer: Pacer, seconds: float, loss_of, *, t0: float = 0.0, dests=("a", 
         k += 1
         if burst and k % burst == 0:
             t += gap
-        t += max(0.0, pacer.reserve(part * datagram, t, d))
+        t += max(0.0, pacer.reserve(part * datagram, d, t))
         sent[d].extend([t] * part)
         while tick <= t:
             for dd in dests:
@@ -386,7 +386,7 @@ def feed(pacer: Pacer, seconds: float, loss_of, *, t0: float = 0.0, dests=("a", 
                     arrived = 0.0 if queue_of is None else 1e6 + times[top - 1] + 0.002 + queue_of(dd, times[top - 1])
                     rep = Report(n, got, got * datagram, 0.025, drops, top, arrived)
                     span = (times[max(0, reported[dd] - 1)], times[top - 1])
-                    pacer.on_report(dd, rep, tick, span)
+                    pacer.receive_report(dd, rep, span, 0.0, tick)
                     reported[dd] = top
             tick += 0.025
     return t
@@ -593,7 +593,7 @@ def test_one_destination_congested_alone_gets_its_own_cap() -> None:
     # a capped destination waits for its own bucket; the others only for the uplink's (right away: after an
     # idle gap the cap relaxes with its age, test_memory_between_averages_ages)
     t = end + 0.01
-    waits_b = [pacer.reserve(PART * DATAGRAM, t, "b") for _ in range(20)]
+    waits_b = [pacer.reserve(PART * DATAGRAM, "b", t) for _ in range(20)]
     assert waits_b[-1] >= 19 * PART * DATAGRAM / cap * 0.9
 
 
@@ -676,7 +676,7 @@ def test_startup_resumes_at_the_rate_it_proved() -> None:
     pacer = Pacer(max_rate=100e6)
     end = feed(pacer, 0.6, lambda d, t: 0.0)
     assert pacer.btl is None and pacer.increases >= 2
-    pacer.reserve(1200, end + 1.0, "a")  # the next average, a second later (its last phases judged first)
+    pacer.reserve(1200, "a", end + 1.0)  # the next average, a second later (its last phases judged first)
     proven = pacer._proven
     assert pacer.resumes == 1 and START_RATE < pacer.rate <= proven < 100e6, (pacer.rate, proven)
 
@@ -786,7 +786,7 @@ def test_several_reports_of_one_congested_phase_cut_once() -> None:
     t = 0.0
     while t < 0.2:  # clean phases at 8 MB/s first (the floor), then 16 MB/s that loses 40 %
         for d in "abc":
-            t += pacer.reserve(PART * DATAGRAM, t, d)
+            t += pacer.reserve(PART * DATAGRAM, d, t)
     rate0 = pacer.rate
     end = feed(pacer, 0.6, lambda d, t: 0.0, t0=t)
     assert pacer.rate > rate0  # startup went on
@@ -889,15 +889,15 @@ def test_memory_between_averages_ages() -> None:
 
     pacer = Pacer()
     end = feed(pacer, 4.0, loss_of) + 1.0
-    pacer.reserve(1200, end, "a")  # a new average a second later (the last phases are judged first)
+    pacer.reserve(1200, "a", end)  # a new average a second later (the last phases are judged first)
     btl = pacer.btl
     assert pacer.resumes == 1 and btl is not None and 0.6 * cap <= btl <= 1.25 * cap, btl
-    pacer.reserve(1200, end + 60.0, "a")  # and one a minute after that
+    pacer.reserve(1200, "a", end + 60.0)  # and one a minute after that
     assert pacer.resumes == 2
     half = START_RATE + (btl - START_RATE) / 2
     assert pacer.btl == pytest.approx(half, rel=1e-6)
     assert pacer.rate == pytest.approx(CYCLE[-1] * half, rel=1e-6)  # it starts with a cruise phase, not a probe
-    pacer.reserve(1200, end + 660.0, "a")  # ten minutes more: all but forgotten
+    pacer.reserve(1200, "a", end + 660.0)  # ten minutes more: all but forgotten
     assert pacer.btl == pytest.approx(START_RATE, rel=0.01)
 
     def path_loss(d, t):  # b's own path loses 30 % above 4 MB/s of b's share: b gets a cap
@@ -906,13 +906,13 @@ def test_memory_between_averages_ages() -> None:
     capped = Pacer(max_rate=30e6)
     # (queues stay empty: b's loss is its own path's from its first phase, not the uplink's)
     end = feed(capped, 2.0, path_loss, queue_of=lambda d, t: 0.0) + 1.0
-    capped.reserve(1200, end - 0.5, "a")
-    capped.reserve(1200, end, "a")  # (the last phases judged: a clean one loosens the cap 1.25-fold)
+    capped.reserve(1200, "a", end - 0.5)
+    capped.reserve(1200, "a", end)  # (the last phases judged: a clean one loosens the cap 1.25-fold)
     cap_b = capped.cap("b")
     assert cap_b is not None and cap_b < 10e6
-    capped.reserve(1200, end + 30.0, "a")  # half a minute later the cap is sqrt(2) looser
+    capped.reserve(1200, "a", end + 30.0)  # half a minute later the cap is sqrt(2) looser
     assert capped.cap("b") is None or capped.cap("b") == pytest.approx(2 ** 0.5 * cap_b, rel=1e-6)
-    capped.reserve(1200, end + 300.0, "a")  # and gone once it no longer binds
+    capped.reserve(1200, "a", end + 300.0)  # and gone once it no longer binds
     assert capped.cap("b") is None
 
 

@@ -17,7 +17,7 @@ def pacer_in(state: State) -> Pacer:
     pacer = Pacer()
     if state is State.CYCLE:
         pacer.btl = BTL
-    pacer.reserve(65536, 0.0, "a")
+    pacer.reserve(65536, "a", 0.0)
     return pacer
 
 
@@ -78,3 +78,17 @@ def test_a_pacer_placed_in_its_cycle_from_outside_follows_with_its_state() -> No
     assert pacer.state is State.CYCLE and pacer.mode == "cycle"
     pacer.btl = None
     assert pacer.state is State.STARTUP
+
+
+def test_statistics_is_a_frozen_snapshot_of_the_state() -> None:
+    import dataclasses
+
+    pacer = pacer_in(State.CYCLE)
+    stats = pacer.statistics()
+    assert (stats.rate, stats.btl, stats.state) == (pacer.rate, BTL, "cycle")
+    assert (stats.decreases, stats.increases, stats.resumes) == (0, 0, 0)
+    pacer.btl = None  # back to startup: a new snapshot says so, the old one stays as it was
+    assert (pacer.statistics().state, pacer.statistics().btl) == ("startup", None)
+    assert (stats.state, stats.btl) == ("cycle", BTL)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.rate = 1.0  # type: ignore[misc]

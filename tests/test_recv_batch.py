@@ -473,8 +473,8 @@ def test_the_c_table_makes_the_decisions_of_auth_limiter(seed: int) -> None:
             assert ref.may_derive(s, now) == c.may_derive(s, now)
         else:
             n = rng.choice([1, 1, 2, 40])
-            ref.failed(s, now, n)
-            c.failed(s, now, n)
+            ref.failed(s, n, now)
+            c.failed(s, n, now)
         assert _state(ref, s) == _state(c, s), (s, now)
         assert _derive_state(ref) == _derive_state(c)
     assert list(ref._sources) == (c.table.sources() if sources is ip else list(c._other._sources))
@@ -554,8 +554,8 @@ def _pass_decisions(seed: int) -> None:
         now = 50.0
         addrs = [s.getsockname() for s in senders]
         for a in addrs[:2]:  # rationed before the pass: no failures left
-            ref.failed(a, now - 0.01, 100)
-            c.failed(a, now - 0.01, 100)
+            ref.failed(a, 100, now - 0.01)
+            c.failed(a, 100, now - 0.01)
         good = {rng.getrandbits(64) for _ in range(3)}  # a member's tokens: they open
         known_token = rng.getrandbits(64)
         plan = []
@@ -580,7 +580,7 @@ def _pass_decisions(seed: int) -> None:
                     opened.append(data)
                 else:
                     counts["auth"] += 1
-                    limiter.failed(source, now)
+                    limiter.failed(source, 1, now)
 
             return open_, counts
 

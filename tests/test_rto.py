@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import trio
 import trio.testing
@@ -14,7 +16,7 @@ from peerd.transport.rto import DEFAULT_MIN_RTO, MAX_BACKOFF, RtoEstimator
 from peerd.wire import messages as m
 from peerd.wire.identity import Identity
 
-from .support.memnet import MemNet
+from .support.memnet import MemNet, run_on_memnet
 from .support.virtual import run_virtual  # noqa: E402
 
 SECRET = bytes(range(32))
@@ -146,52 +148,44 @@ def _pair(net: MemNet) -> tuple[Endpoint, Endpoint]:
 
 
 def test_request_learns_the_rtt_and_retransmits_sooner_under_loss() -> None:
-    async def main() -> None:
-        net = DropNet()
+    async def main(net: Any, nursery: trio.Nursery) -> None:
         a, b = _pair(net)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nursery.start_soon(a.serve)
-            nursery.start_soon(b.serve)
-            for _ in range(5):
-                await a.request(B, m.MsgType.PING, {}, timeout=2.0)
-            assert a.rto.srtt(B) == pytest.approx(2 * net.latency, rel=0.5)
-            learned = a.rto.timeout(B, 2.0)
-            assert learned == DEFAULT_MIN_RTO
-            # Lose the next request: the retransmission goes out after the learned RTO, not after 2 s.
-            net.drop_to[B] = 1
-            start = trio.current_time()
+        nursery.start_soon(a.serve)
+        nursery.start_soon(b.serve)
+        for _ in range(5):
             await a.request(B, m.MsgType.PING, {}, timeout=2.0)
-            assert trio.current_time() - start == pytest.approx(learned + 2 * net.latency, abs=0.002)
-            # Karn's rule: the retransmitted exchange gave no sample, and the address is backed off.
-            assert a.rto.timeout(B, 2.0) == pytest.approx(2 * learned)
-            await a.request(B, m.MsgType.PING, {}, timeout=2.0)
-            assert a.rto.timeout(B, 2.0) == learned
-            nursery.cancel_scope.cancel()
+        assert a.rto.srtt(B) == pytest.approx(2 * net.latency, rel=0.5)
+        learned = a.rto.timeout(B, 2.0)
+        assert learned == DEFAULT_MIN_RTO
+        # Lose the next request: the retransmission goes out after the learned RTO, not after 2 s.
+        net.drop_to[B] = 1
+        start = trio.current_time()
+        await a.request(B, m.MsgType.PING, {}, timeout=2.0)
+        assert trio.current_time() - start == pytest.approx(learned + 2 * net.latency, abs=0.002)
+        # Karn's rule: the retransmitted exchange gave no sample, and the address is backed off.
+        assert a.rto.timeout(B, 2.0) == pytest.approx(2 * learned)
+        await a.request(B, m.MsgType.PING, {}, timeout=2.0)
+        assert a.rto.timeout(B, 2.0) == learned
 
-    run_virtual(main)
+    run_on_memnet(main, net=DropNet())
 
 
 def test_request_gives_up_on_the_callers_schedule_and_retransmits_within_it() -> None:
-    async def main() -> None:
-        net = DropNet()
+    async def main(net: Any, nursery: trio.Nursery) -> None:
         a, b = _pair(net)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nursery.start_soon(a.serve)
-            nursery.start_soon(b.serve)
-            await a.request(B, m.MsgType.PING, {}, timeout=0.5)
-            net.drop_to[B] = 10**6  # B is gone
-            sent = net.sent
-            start = trio.current_time()
-            with pytest.raises(RpcTimeout, match="no answer to ping"):
-                await a.request(B, m.MsgType.PING, {}, timeout=0.5, attempts=3)
-            assert trio.current_time() - start == pytest.approx(3.5, abs=0.01)
-            # more retransmissions than the 3 of the fixed schedule, but a bounded number (doubling waits)
-            assert 3 < net.sent - sent <= 8
-            nursery.cancel_scope.cancel()
+        nursery.start_soon(a.serve)
+        nursery.start_soon(b.serve)
+        await a.request(B, m.MsgType.PING, {}, timeout=0.5)
+        net.drop_to[B] = 10**6  # B is gone
+        sent = net.sent
+        start = trio.current_time()
+        with pytest.raises(RpcTimeout, match="no answer to ping"):
+            await a.request(B, m.MsgType.PING, {}, timeout=0.5, attempts=3)
+        assert trio.current_time() - start == pytest.approx(3.5, abs=0.01)
+        # more retransmissions than the 3 of the fixed schedule, but a bounded number (doubling waits)
+        assert 3 < net.sent - sent <= 8
 
-    run_virtual(main)
+    run_on_memnet(main, net=DropNet())
 
 
 def test_request_refuses_bad_arguments() -> None:

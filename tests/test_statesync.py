@@ -14,95 +14,79 @@ from peerd.statesync.advert import Advert
 from peerd.statesync.choice import candidates, founder_candidates
 from peerd.wire import messages as m
 
-from .support.memnet import MemNet
+from .support.memnet import MemNet, run_on_memnet
 from .support.statesync import KEY, LAYOUT, RUN, swarm_with_sync  # noqa: E402
-from .support.virtual import counter_value, run_virtual
+from .support.virtual import counter_value
 
 
 @pytest.mark.parametrize("drop", [0.0, 0.1])
 def test_joiner_downloads_from_several_donors_and_verifies(drop: float) -> None:
     blob = os.urandom(60_000)
 
-    async def main() -> None:
-        net = MemNet(seed=7, drop=drop, jitter=0.01)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm_with_sync(nursery, net, 6)
-            donors, joiner = nodes[:3], nodes[5]
-            for d in donors:
-                sha = d.sync.keep(KEY, blob)
-                assert await d.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(blob), sha=sha)
-            fetched = await joiner.sync.fetch(RUN, KEY, timeout=120)
-            assert fetched is not None and fetched.blob == blob and fetched.step == 100
-            assert fetched.sha == hashlib.sha256(blob).digest()
-            assert fetched.donors == 3  # chunks came from every donor
-            assert fetched.chunks >= 60_000 // m.MAX_CHUNK
-            served = [counter_value(d.metrics.trainer_state_bytes_served) for d in donors]
-            assert all(s > 0 for s in served) and sum(served) >= len(blob)
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm_with_sync(nursery, net, 6)
+        donors, joiner = nodes[:3], nodes[5]
+        for d in donors:
+            sha = d.sync.keep(KEY, blob)
+            assert await d.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(blob), sha=sha)
+        fetched = await joiner.sync.fetch(RUN, KEY, timeout=120)
+        assert fetched is not None and fetched.blob == blob and fetched.step == 100
+        assert fetched.sha == hashlib.sha256(blob).digest()
+        assert fetched.donors == 3  # chunks came from every donor
+        assert fetched.chunks >= 60_000 // m.MAX_CHUNK
+        served = [counter_value(d.metrics.trainer_state_bytes_served) for d in donors]
+        assert all(s > 0 for s in served) and sum(served) >= len(blob)
 
-    run_virtual(main)
+    run_on_memnet(main, seed=7, drop=drop, jitter=0.01)
 
 
 def test_nothing_advertised_is_none_and_another_model_is_ignored() -> None:
-    async def main() -> None:
-        net = MemNet(seed=1)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm_with_sync(nursery, net, 4)
-            assert await nodes[3].sync.fetch(RUN, KEY, timeout=30) is None
-            # a donor of a different model (other run key) is never used
-            sha = nodes[0].sync.keep("r/ffffffffffffffff", b"x" * 1000)
-            await nodes[0].sync.advertise_state(RUN, "r/ffffffffffffffff", "f" * 64, step=5, size=1000, sha=sha)
-            # "training, no snapshot yet" adverts are not donors either
-            await nodes[1].sync.advertise_state(RUN, KEY, LAYOUT)
-            assert await nodes[3].sync.fetch(RUN, KEY, timeout=30) is None
-            ads = await nodes[3].sync.adverts(RUN)
-            assert {a.layout for a in ads} == {"f" * 64, LAYOUT}
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm_with_sync(nursery, net, 4)
+        assert await nodes[3].sync.fetch(RUN, KEY, timeout=30) is None
+        # a donor of a different model (other run key) is never used
+        sha = nodes[0].sync.keep("r/ffffffffffffffff", b"x" * 1000)
+        await nodes[0].sync.advertise_state(RUN, "r/ffffffffffffffff", "f" * 64, step=5, size=1000, sha=sha)
+        # "training, no snapshot yet" adverts are not donors either
+        await nodes[1].sync.advertise_state(RUN, KEY, LAYOUT)
+        assert await nodes[3].sync.fetch(RUN, KEY, timeout=30) is None
+        ads = await nodes[3].sync.adverts(RUN)
+        assert {a.layout for a in ads} == {"f" * 64, LAYOUT}
 
-    run_virtual(main)
+    run_on_memnet(main, seed=1)
 
 
 def test_donor_that_forgot_or_lies_is_survived() -> None:
     good = os.urandom(20_000)
 
-    async def main() -> None:
-        net = MemNet(seed=3)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm_with_sync(nursery, net, 5)
-            honest, forgetful, liar, joiner = nodes[0], nodes[1], nodes[2], nodes[4]
-            sha = hashlib.sha256(good).digest()
-            for d in (honest, forgetful, liar):
-                await d.sync.advertise_state(RUN, KEY, LAYOUT, step=50, size=len(good), sha=sha)
-            honest.sync.keep(KEY, good)
-            # forgetful holds nothing (answers ERROR "gone"); liar serves other bytes under the same hash
-            liar.sync._snapshots[KEY] = {sha: bytes(len(good))}
-            fetched = await joiner.sync.fetch(RUN, KEY, timeout=120)
-            # the liar's chunks fail the hash check; the joiner then tries donors one by one and gets the
-            # honest one's bytes (the forgetful one refuses: "gone")
-            assert fetched is not None and fetched.blob == good and fetched.donors == 1
-            assert counter_value(joiner.metrics.trainer_state_fetches, outcome="ok") == 1
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm_with_sync(nursery, net, 5)
+        honest, forgetful, liar, joiner = nodes[0], nodes[1], nodes[2], nodes[4]
+        sha = hashlib.sha256(good).digest()
+        for d in (honest, forgetful, liar):
+            await d.sync.advertise_state(RUN, KEY, LAYOUT, step=50, size=len(good), sha=sha)
+        honest.sync.keep(KEY, good)
+        # forgetful holds nothing (answers ERROR "gone"); liar serves other bytes under the same hash
+        liar.sync._snapshots[KEY] = {sha: bytes(len(good))}
+        fetched = await joiner.sync.fetch(RUN, KEY, timeout=120)
+        # the liar's chunks fail the hash check; the joiner then tries donors one by one and gets the
+        # honest one's bytes (the forgetful one refuses: "gone")
+        assert fetched is not None and fetched.blob == good and fetched.donors == 1
+        assert counter_value(joiner.metrics.trainer_state_fetches, outcome="ok") == 1
 
-    run_virtual(main)
+    run_on_memnet(main, seed=3)
 
 
 def test_a_snapshot_nobody_completes_fails_loudly() -> None:
-    async def main() -> None:
-        net = MemNet(seed=4)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm_with_sync(nursery, net, 4)
-            sha = hashlib.sha256(b"gone").digest()
-            await nodes[0].sync.advertise_state(RUN, KEY, LAYOUT, step=9, size=5000, sha=sha)
-            with pytest.raises(StateSyncError, match="offset"):
-                await nodes[3].sync.fetch(RUN, KEY, timeout=60)
-            assert counter_value(nodes[3].metrics.trainer_state_fetches, outcome="failed") == 1
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm_with_sync(nursery, net, 4)
+        sha = hashlib.sha256(b"gone").digest()
+        await nodes[0].sync.advertise_state(RUN, KEY, LAYOUT, step=9, size=5000, sha=sha)
+        with pytest.raises(StateSyncError, match="offset"):
+            await nodes[3].sync.fetch(RUN, KEY, timeout=60)
+        assert counter_value(nodes[3].metrics.trainer_state_fetches, outcome="failed") == 1
 
-    run_virtual(main)
+    run_on_memnet(main, seed=4)
 
 
 def test_candidates_prefer_newest_then_most_donors() -> None:

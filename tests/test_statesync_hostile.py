@@ -16,9 +16,9 @@ from peerd.statesync.choice import AHEAD_STEPS, candidates
 from peerd.statesync.service import MAX_NOTED, WORKERS
 from peerd.wire import messages as m
 
-from .support.memnet import MemNet
+from .support.memnet import MemNet, run_on_memnet
 from .support.statesync import KEY, LAYOUT, RUN, swarm_with_sync
-from .support.virtual import counter_value, run_virtual
+from .support.virtual import counter_value
 
 
 def advert(i: int, step: int, sha: bytes, size: int = 10) -> Advert:
@@ -30,24 +30,20 @@ def test_huge_advert_is_ignored_and_counted_and_the_honest_snapshot_is_fetched()
     fetch); now it is beyond the model's bound: ignored, counted, and the honest donor serves."""
     good = os.urandom(5000)
 
-    async def main() -> None:
-        net = MemNet(seed=11)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm_with_sync(nursery, net, 4)
-            honest, attacker, joiner = nodes[0], nodes[1], nodes[3]
-            sha = honest.sync.keep(KEY, good)
-            await honest.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(good), sha=sha)
-            await attacker.sync.advertise_state(RUN, KEY, LAYOUT, step=10**9, size=2**33, sha=b"\x01" * 32)
-            # another model's advert (same run, other layout) is ignored and counted too
-            await nodes[2].sync.advertise_state(RUN, KEY, "e" * 64, step=10**9, size=100, sha=b"\x02" * 32)
-            fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, max_size=1 << 20, layout=LAYOUT)
-            assert fetched is not None and fetched.blob == good and fetched.step == 100
-            assert counter_value(joiner.metrics.ignored_records, kind="state_advert", reason="size") == 1
-            assert counter_value(joiner.metrics.ignored_records, kind="state_advert", reason="layout") == 1
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm_with_sync(nursery, net, 4)
+        honest, attacker, joiner = nodes[0], nodes[1], nodes[3]
+        sha = honest.sync.keep(KEY, good)
+        await honest.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(good), sha=sha)
+        await attacker.sync.advertise_state(RUN, KEY, LAYOUT, step=10**9, size=2**33, sha=b"\x01" * 32)
+        # another model's advert (same run, other layout) is ignored and counted too
+        await nodes[2].sync.advertise_state(RUN, KEY, "e" * 64, step=10**9, size=100, sha=b"\x02" * 32)
+        fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, max_size=1 << 20, layout=LAYOUT)
+        assert fetched is not None and fetched.blob == good and fetched.step == 100
+        assert counter_value(joiner.metrics.ignored_records, kind="state_advert", reason="size") == 1
+        assert counter_value(joiner.metrics.ignored_records, kind="state_advert", reason="layout") == 1
 
-    run_virtual(main)
+    run_on_memnet(main, seed=11)
 
 
 def test_a_failing_candidate_of_any_kind_falls_through_to_the_next() -> None:
@@ -55,35 +51,31 @@ def test_a_failing_candidate_of_any_kind_falls_through_to_the_next() -> None:
     donor that never answers: each candidate fails in turn and the joiner still gets the honest snapshot."""
     good = os.urandom(3000)
 
-    async def main() -> None:
-        net = MemNet(seed=12)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm_with_sync(nursery, net, 6)
-            honest, oom, liar, silent, joiner = nodes[0], nodes[1], nodes[2], nodes[3], nodes[5]
-            sha = honest.sync.keep(KEY, good)
-            await honest.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(good), sha=sha)
-            oom_sha = b"\x03" * 32
-            await oom.sync.advertise_state(RUN, KEY, LAYOUT, step=103, size=4000, sha=oom_sha)
-            lie_sha = hashlib.sha256(b"L" * 3000).digest()
-            liar.sync._snapshots[KEY] = {lie_sha: bytes(3000)}  # other bytes under the advertised hash
-            await liar.sync.advertise_state(RUN, KEY, LAYOUT, step=102, size=3000, sha=lie_sha)
-            await silent.sync.advertise_state(RUN, KEY, LAYOUT, step=101, size=3000, sha=b"\x04" * 32)
-            net.partition(silent.addr)  # advertised, then gone: every chunk request times out
-            real = joiner.sync._download
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm_with_sync(nursery, net, 6)
+        honest, oom, liar, silent, joiner = nodes[0], nodes[1], nodes[2], nodes[3], nodes[5]
+        sha = honest.sync.keep(KEY, good)
+        await honest.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(good), sha=sha)
+        oom_sha = b"\x03" * 32
+        await oom.sync.advertise_state(RUN, KEY, LAYOUT, step=103, size=4000, sha=oom_sha)
+        lie_sha = hashlib.sha256(b"L" * 3000).digest()
+        liar.sync._snapshots[KEY] = {lie_sha: bytes(3000)}  # other bytes under the advertised hash
+        await liar.sync.advertise_state(RUN, KEY, LAYOUT, step=102, size=3000, sha=lie_sha)
+        await silent.sync.advertise_state(RUN, KEY, LAYOUT, step=101, size=3000, sha=b"\x04" * 32)
+        net.partition(silent.addr)  # advertised, then gone: every chunk request times out
+        real = joiner.sync._download
 
-            async def download(run_key, want_sha, size, step, donors):
-                if want_sha == oom_sha:
-                    raise MemoryError
-                return await real(run_key, want_sha, size, step, donors)
+        async def download(run_key, want_sha, size, step, donors):
+            if want_sha == oom_sha:
+                raise MemoryError
+            return await real(run_key, want_sha, size, step, donors)
 
-            joiner.sync._download = download
-            fetched = await joiner.sync.fetch(RUN, KEY, timeout=120, max_size=1 << 20)
-            assert fetched is not None and fetched.blob == good and fetched.step == 100
-            assert counter_value(joiner.metrics.trainer_state_fetches, outcome="ok") == 1
-            nursery.cancel_scope.cancel()
+        joiner.sync._download = download
+        fetched = await joiner.sync.fetch(RUN, KEY, timeout=120, max_size=1 << 20)
+        assert fetched is not None and fetched.blob == good and fetched.step == 100
+        assert counter_value(joiner.metrics.trainer_state_fetches, outcome="ok") == 1
 
-    run_virtual(main)
+    run_on_memnet(main, seed=12)
 
 
 def test_a_donor_that_trickles_bytes_is_dropped() -> None:
@@ -91,59 +83,51 @@ def test_a_donor_that_trickles_bytes_is_dropped() -> None:
     after its first short answer and the next candidate serves."""
     good, slow = os.urandom(4000), os.urandom(4000)
 
-    async def main() -> None:
-        net = MemNet(seed=13)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm_with_sync(nursery, net, 4)
-            honest, trickler, joiner = nodes[0], nodes[1], nodes[3]
-            sha = honest.sync.keep(KEY, good)
-            await honest.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(good), sha=sha)
-            slow_sha = trickler.sync.keep(KEY, slow)
-            await trickler.sync.advertise_state(RUN, KEY, LAYOUT, step=200, size=len(slow), sha=slow_sha)
-            served = trickler.sync._on_get
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm_with_sync(nursery, net, 4)
+        honest, trickler, joiner = nodes[0], nodes[1], nodes[3]
+        sha = honest.sync.keep(KEY, good)
+        await honest.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(good), sha=sha)
+        slow_sha = trickler.sync.keep(KEY, slow)
+        await trickler.sync.advertise_state(RUN, KEY, LAYOUT, step=200, size=len(slow), sha=slow_sha)
+        served = trickler.sync._on_get
 
-            def one_byte(incoming):
-                reply = served(incoming)
-                return {**reply, "data": reply["data"][:1]}
+        def one_byte(incoming):
+            reply = served(incoming)
+            return {**reply, "data": reply["data"][:1]}
 
-            trickler.endpoint.on_request(m.MsgType.STATE_GET, one_byte)
-            fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, max_size=1 << 20)
-            assert fetched is not None and fetched.blob == good
-            nursery.cancel_scope.cancel()
+        trickler.endpoint.on_request(m.MsgType.STATE_GET, one_byte)
+        fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, max_size=1 << 20)
+        assert fetched is not None and fetched.blob == good
 
-    run_virtual(main)
+    run_on_memnet(main, seed=13)
 
 
 def test_a_big_snapshot_runs_a_bounded_pool_of_workers() -> None:
     """Hundreds of chunks, yet the joiner runs WORKERS chunk tasks (it used to start one task per chunk)."""
     blob = os.urandom(400 * 1000)
 
-    async def main() -> None:
-        net = MemNet(seed=14)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm_with_sync(nursery, net, 3)
-            donor, joiner = nodes[0], nodes[2]
-            sha = donor.sync.keep(KEY, blob)
-            await donor.sync.advertise_state(RUN, KEY, LAYOUT, step=7, size=len(blob), sha=sha)
-            base = trio.lowlevel.current_statistics().tasks_living
-            peak = 0
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm_with_sync(nursery, net, 3)
+        donor, joiner = nodes[0], nodes[2]
+        sha = donor.sync.keep(KEY, blob)
+        await donor.sync.advertise_state(RUN, KEY, LAYOUT, step=7, size=len(blob), sha=sha)
+        base = trio.lowlevel.current_statistics().tasks_living
+        peak = 0
 
-            async def watch() -> None:
-                nonlocal peak
-                while True:
-                    peak = max(peak, trio.lowlevel.current_statistics().tasks_living - base)
-                    await trio.sleep(0.0005)
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, trio.lowlevel.current_statistics().tasks_living - base)
+                await trio.sleep(0.0005)
 
-            nursery.start_soon(watch)
-            fetched = await joiner.sync.fetch(RUN, KEY, timeout=120, max_size=1 << 20)
-            assert fetched is not None and fetched.blob == blob and fetched.chunks >= 400
-            # workers, plus the in-memory network's datagrams in flight (a request and a reply per worker)
-            assert peak <= 3 * WORKERS + 10, peak
-            nursery.cancel_scope.cancel()
+        nursery.start_soon(watch)
+        fetched = await joiner.sync.fetch(RUN, KEY, timeout=120, max_size=1 << 20)
+        assert fetched is not None and fetched.blob == blob and fetched.chunks >= 400
+        # workers, plus the in-memory network's datagrams in flight (a request and a reply per worker)
+        assert peak <= 3 * WORKERS + 10, peak
 
-    run_virtual(main)
+    run_on_memnet(main, seed=14)
 
 
 def test_known_donors_first_then_not_far_ahead_then_step_then_agreement() -> None:
@@ -168,30 +152,26 @@ def test_known_donors_first_then_not_far_ahead_then_step_then_agreement() -> Non
 
 
 def test_known_peers_come_from_rounds_and_an_injected_source() -> None:
-    async def main() -> None:
-        net = MemNet(seed=15)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm_with_sync(nursery, net, 1)
-            sync = nodes[0].sync
-            sync.note_peers(["ab" * 32, "not-an-id", 5, "CD" * 32])
-            assert sync.known_peers() == {"ab" * 32, "cd" * 32}
-            sync.set_known_peers(lambda: ["ef" * 32])
-            assert sync.known_peers() == {"ab" * 32, "cd" * 32, "ef" * 32}
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm_with_sync(nursery, net, 1)
+        sync = nodes[0].sync
+        sync.note_peers(["ab" * 32, "not-an-id", 5, "CD" * 32])
+        assert sync.known_peers() == {"ab" * 32, "cd" * 32}
+        sync.set_known_peers(lambda: ["ef" * 32])
+        assert sync.known_peers() == {"ab" * 32, "cd" * 32, "ef" * 32}
 
-            def broken():
-                raise RuntimeError("moshpit is restarting")
+        def broken():
+            raise RuntimeError("moshpit is restarting")
 
-            sync.set_known_peers(broken)  # a ranking hint: its failure never fails a download
-            assert sync.known_peers() == {"ab" * 32, "cd" * 32}
-            for i in range(MAX_NOTED + 10):
-                sync.note_peers([f"{i:064x}"])
-            assert len(sync.known_peers()) == MAX_NOTED
-            with_source = StateSync(nodes[0].endpoint, None, nodes[0].metrics, known_peers={"12" * 32})
-            assert with_source.known_peers() == {"12" * 32}
-            nursery.cancel_scope.cancel()
+        sync.set_known_peers(broken)  # a ranking hint: its failure never fails a download
+        assert sync.known_peers() == {"ab" * 32, "cd" * 32}
+        for i in range(MAX_NOTED + 10):
+            sync.note_peers([f"{i:064x}"])
+        assert len(sync.known_peers()) == MAX_NOTED
+        with_source = StateSync(nodes[0].endpoint, None, nodes[0].metrics, known_peers={"12" * 32})
+        assert with_source.known_peers() == {"12" * 32}
 
-    run_virtual(main)
+    run_on_memnet(main, seed=15)
 
 
 def test_adverts_with_out_of_range_numbers_do_not_decode() -> None:
@@ -210,30 +190,26 @@ def test_a_lone_donor_claiming_a_high_step_does_not_win_a_fresh_joiner_hostile()
     other = os.urandom(4000)
     poison = os.urandom(4000)
 
-    async def main() -> None:
-        net = MemNet(seed=21)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nodes = await swarm_with_sync(nursery, net, 6)
-            a, b, c, attacker, joiner = nodes[0], nodes[1], nodes[2], nodes[3], nodes[5]
-            for d in (a, b):
-                sha = d.sync.keep(KEY, honest)
-                await d.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(honest), sha=sha)
-            bad = attacker.sync.keep(KEY, poison)
-            await attacker.sync.advertise_state(RUN, KEY, LAYOUT, step=100 + 9_999, size=len(poison), sha=bad)
-            fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, layout=LAYOUT)
-            assert fetched is not None and fetched.blob == honest and fetched.step == 100
-            # honest donors that never hold the same bytes: the far-ahead claim still ranks after them
-            b.sync.forget(KEY)
-            sha = b.sync.keep(KEY, other)
-            await b.sync.advertise_state(RUN, KEY, LAYOUT, step=101, size=len(other), sha=sha)
-            c.sync.keep(KEY, os.urandom(10))
-            await c.sync.advertise_state(RUN, KEY, LAYOUT, step=99, size=10, sha=hashlib.sha256(b"x").digest())
-            fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, layout=LAYOUT)
-            assert fetched is not None and fetched.blob == other and fetched.step == 101
-            # the trainer refused it (say, it held NaN): the next candidate comes, never the far-ahead one first
-            fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, layout=LAYOUT, exclude=[sha])
-            assert fetched is not None and fetched.blob == honest and fetched.step == 100
-            nursery.cancel_scope.cancel()
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm_with_sync(nursery, net, 6)
+        a, b, c, attacker, joiner = nodes[0], nodes[1], nodes[2], nodes[3], nodes[5]
+        for d in (a, b):
+            sha = d.sync.keep(KEY, honest)
+            await d.sync.advertise_state(RUN, KEY, LAYOUT, step=100, size=len(honest), sha=sha)
+        bad = attacker.sync.keep(KEY, poison)
+        await attacker.sync.advertise_state(RUN, KEY, LAYOUT, step=100 + 9_999, size=len(poison), sha=bad)
+        fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, layout=LAYOUT)
+        assert fetched is not None and fetched.blob == honest and fetched.step == 100
+        # honest donors that never hold the same bytes: the far-ahead claim still ranks after them
+        b.sync.forget(KEY)
+        sha = b.sync.keep(KEY, other)
+        await b.sync.advertise_state(RUN, KEY, LAYOUT, step=101, size=len(other), sha=sha)
+        c.sync.keep(KEY, os.urandom(10))
+        await c.sync.advertise_state(RUN, KEY, LAYOUT, step=99, size=10, sha=hashlib.sha256(b"x").digest())
+        fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, layout=LAYOUT)
+        assert fetched is not None and fetched.blob == other and fetched.step == 101
+        # the trainer refused it (say, it held NaN): the next candidate comes, never the far-ahead one first
+        fetched = await joiner.sync.fetch(RUN, KEY, timeout=60, layout=LAYOUT, exclude=[sha])
+        assert fetched is not None and fetched.blob == honest and fetched.step == 100
 
-    run_virtual(main)
+    run_on_memnet(main, seed=21)

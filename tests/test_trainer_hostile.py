@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from peerd.allreduce.robust import DEFAULT_C, Robust
+from peerd.allreduce.robust import DEFAULT_C, MAX_C, Robust
 from peerd.localsock.arena import Arena, write_blob
 from peerd.localsock.client import DaemonError, LocalClient
 from peerd.statesync.advert import Advert
@@ -113,7 +113,9 @@ def test_max_samples_and_robust_reach_the_averager(synced) -> None:
     client, arena, reply = open_session(synced.path)
     synced.averager.wait_s = 0.1
     step(client, arena, reply, 1, np.ones(16), 1)
-    assert synced.averager.options == [{}]  # unset: the averaging call does not see them at all
+    # unset: no weight cap reaches the averaging call, and gradient averages take the weight bound and the
+    # direction test alone (clipping only past MAX_C times the median): a sign flip at a claimed weight is left out
+    assert synced.averager.options == [{"robust": Robust("clip", MAX_C)}]
     # parameter averages clip around the trainer's own parameters by default: a sign-flipped member (at any
     # claimed weight) would otherwise shrink every honest model at each parameter average
     step(client, arena, reply, 2, np.full(16, 3.0), 1, kind="params")

@@ -5,6 +5,7 @@ address validation; and the socket-side pieces that left the endpoint (fault inj
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,10 +18,12 @@ from peerd.transport.core import (
     ERROR,
     PING,
     PONG,
+    AddressValidated,
+    AnswerArrived,
     Answered,
+    Deliver,
     Expired,
     PendingFull,
-    Route,
     Transmit,
     TransportCore,
     WaitUntil,
@@ -38,6 +41,12 @@ from .support.virtual import counter_value
 A = ("10.0.0.1", 7000)
 B = ("10.0.0.2", 7000)
 FIND_NODE, NODES = 0x03, 0x04
+
+
+def receive(core: TransportCore, mtype: int, rid: int, source: tuple[str, int], message: object, now: float) -> list:
+    """Hand the core one control message; what it asks of the shell."""
+    core.receive_message(mtype, rid, source, message, now)
+    return core.take_actions()
 
 
 def drive(core: TransportCore, addr: tuple[str, int], *, timeout: float, attempts: int, rtt: float,
@@ -60,7 +69,7 @@ def drive(core: TransportCore, addr: tuple[str, int], *, timeout: float, attempt
             nxt = min([t for t in arrivals if t > now] + [step.at])
             now = nxt
             if now in arrivals:
-                assert core.route(PONG, rid, addr, ("reply", now), now) is Route.ANSWER
+                assert receive(core, PONG, rid, addr, ("reply", now), now) == [AnswerArrived(rid)]
             continue
         return sent, step
 
@@ -125,28 +134,31 @@ def test_duplicate_and_late_answers() -> None:
     core = TransportCore(random.Random(4))
     rid = core.open_request(A, PONG, timeout=0.5, attempts=2, now=0.0)
     assert isinstance(core.step(rid, 0.0), Transmit)
-    assert core.route(PONG, rid, A, "first", 0.01) is Route.ANSWER
-    assert core.route(PONG, rid, A, "second", 0.02) is Route.DUPLICATE  # before the caller took the first
+    assert receive(core, PONG, rid, A, "first", 0.01) == [AnswerArrived(rid)]
+    assert receive(core, PONG, rid, A, "second", 0.02) == []  # before the caller took the first: dropped
+    assert core.receiving.drops == {} and core.receiving.answers == 1
     step = core.step(rid, 0.03)
     assert isinstance(step, Answered) and step.reply == "first"
-    assert core.route(PONG, rid, A, "late", 0.04) is Route.UNEXPECTED  # closed: nothing waits for it
+    assert receive(core, PONG, rid, A, "late", 0.04) == []  # closed: nothing waits for it
+    assert core.receiving.drops == {"unexpected": 1}
     # an answer of the wrong type never matches; an ERROR does
     rid = core.open_request(A, NODES, timeout=0.5, attempts=2, now=1.0)
     core.step(rid, 1.0)
-    assert core.route(PONG, rid, A, "wrong type", 1.01) is Route.UNEXPECTED
-    assert core.route(ERROR, rid, A, "refused", 1.02) is Route.ANSWER
+    assert receive(core, PONG, rid, A, "wrong type", 1.01) == []
+    assert receive(core, ERROR, rid, A, "refused", 1.02) == [AnswerArrived(rid)]
     assert core.step(rid, 1.02).reply == "refused"  # type: ignore[union-attr]
+    assert core.receiving.drops == {"unexpected": 2} and core.receiving.answers == 2
 
 
 def test_an_answer_from_another_address_matches_but_does_not_validate() -> None:
     core = TransportCore(random.Random(5))
     rid = core.open_request(A, PONG, timeout=0.5, attempts=2, now=0.0)
     core.step(rid, 0.0)
-    assert core.route(PONG, rid, B, "via B", 0.01) is Route.ANSWER
+    assert receive(core, PONG, rid, B, "via B", 0.01) == [AnswerArrived(rid)]
     assert not core.guard.is_validated(A) and not core.guard.is_validated(B)
     rid = core.open_request(A, PONG, timeout=0.5, attempts=2, now=1.0)
     core.step(rid, 1.0)
-    core.route(PONG, rid, A, "from A", 1.01)
+    receive(core, PONG, rid, A, "from A", 1.01)
     assert core.guard.is_validated(A)
 
 
@@ -210,9 +222,10 @@ def test_demultiplexing_of_requests_and_one_way_messages() -> None:
     core = TransportCore(random.Random(8))
     core.register(FIND_NODE, NODES)
     core.register(0x13, 0x13)  # one-way
-    assert core.route(FIND_NODE, 123, A, None, 0.0) is Route.HANDLER
+    assert receive(core, FIND_NODE, 123, A, "find", 0.0) == [Deliver(FIND_NODE, 123, A, "find")]
     assert core.response_type(FIND_NODE) == NODES and core.response_type(0x13) == 0x13
-    assert core.route(NODES, 123, A, None, 0.0) is Route.UNEXPECTED  # an unsolicited response
+    assert receive(core, NODES, 123, A, None, 0.0) == []  # an unsolicited response
+    assert core.receiving.drops == {"unexpected": 1}
     assert core.response_type(0x14) is None
 
 
@@ -222,11 +235,12 @@ def test_validation_challenge_releases_held_answers_in_order_and_bounded() -> No
         core.hold(A, i)
     rid = core.challenge(A)
     core.challenge_sent(rid, A)
-    assert core.route(PONG, rid, B, None, 0.0) is not Route.VALIDATION  # the PONG must come from A
-    assert core.route(PONG, rid, A, None, 0.0) is Route.VALIDATION
+    assert receive(core, PONG, rid, B, None, 0.0) == []  # the PONG must come from A
+    assert not core.guard.is_validated(A)
+    assert receive(core, PONG, rid, A, None, 0.0) == [AddressValidated(A)]
     assert core.guard.is_validated(A)
     assert core.release(A) == [0, 1]  # at most 2 held per address
-    assert core.route(PONG, rid, A, None, 0.0) is Route.UNEXPECTED  # a challenge answers once
+    assert receive(core, PONG, rid, A, None, 0.0) == []  # a challenge answers once
     for addr in (("10.0.0.3", 1), ("10.0.0.4", 1), ("10.0.0.5", 1)):
         core.hold(addr, addr)
     assert core.release(("10.0.0.3", 1)) == []  # the oldest address was forgotten
@@ -406,12 +420,16 @@ def test_junk_is_refused_before_the_opener_and_counted_in_bulk(monkeypatch: pyte
     assert counter_value(ep.metrics.datagrams_dropped, reason="auth_limited") == 168
 
 
-def test_pings_go_before_the_rest_of_their_batch() -> None:
-    ep = _endpoint(random.Random(6))
+def _member_sealer() -> tuple[Identity, Sealer, Any]:
+    """A fresh member, a sealer under its first token, and the ``from`` field its control messages carry."""
     member = Identity.generate()
     binding = member.bind_token()
-    sealer = Sealer(SECRET, binding.token)
-    frm = binding.sender()
+    return member, Sealer(SECRET, binding.token), binding.sender()
+
+
+def test_pings_go_before_the_rest_of_their_batch() -> None:
+    ep = _endpoint(random.Random(6))
+    member, sealer, frm = _member_sealer()
     order: list[str] = []
     ep.on_request(m.MsgType.FIND_NODE, lambda inc: order.append("find_node") or {"nodes": []})
     ep.on_request(m.MsgType.PING, lambda inc: order.append("ping") or {})
@@ -431,10 +449,7 @@ def test_a_ping_after_its_senders_data_keeps_its_place() -> None:
     """A member's PING sealed after its data (and after thousands of datagrams to its other destinations) is not
     opened before that data in the same pass: the replay window would move past the data, lost as replayed."""
     ep = _endpoint(random.Random(8))
-    member = Identity.generate()
-    binding = member.bind_token()
-    sealer = Sealer(SECRET, binding.token)
-    frm = binding.sender()
+    member, sealer, frm = _member_sealer()
     me = ep.identity.node_id
     got: list[int] = []
     ep.on_raw(0x40, lambda *a: got.append(1))
@@ -487,10 +502,7 @@ def test_peek_agrees_with_parse_header_on_any_bytes() -> None:
 
 def test_serve_answers_a_ping_before_it_handles_the_rest_of_its_batch() -> None:
     ep = _endpoint(random.Random(7))
-    member = Identity.generate()
-    binding = member.bind_token()
-    sealer = Sealer(SECRET, binding.token)
-    frm = binding.sender()
+    member, sealer, frm = _member_sealer()
     sent_when_handled: list[int] = []
     ep.on_request(m.MsgType.FIND_NODE, lambda inc: sent_when_handled.append(len(ep.sock.sent)) or {"nodes": []})
     me = ep.identity.node_id

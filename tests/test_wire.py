@@ -9,6 +9,7 @@ import base64
 import os
 import stat
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -457,13 +458,26 @@ def mode(path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-def test_identity_file_round_trip(tmp_path) -> None:
-    path = str(tmp_path / "id.pem")
+def under_open_umask(write: Callable[[str], Any], path: str) -> Any:
+    """``write(path)`` under umask 0: the file's mode is then the writer's own choice."""
     old = os.umask(0)
     try:
-        ident = write_identity(path)
+        return write(path)
     finally:
         os.umask(old)
+
+
+def key_file(directory: Any, name: str, content: bytes) -> str:
+    """A key file in ``directory`` holding ``content`` that only its owner may read (as keygen writes them)."""
+    path = directory / name
+    path.write_bytes(content)
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_identity_file_round_trip(tmp_path) -> None:
+    path = str(tmp_path / "id.pem")
+    ident = under_open_umask(write_identity, path)
     assert mode(path) == 0o600
     assert load_identity(path).public_key == ident.public_key
     with pytest.raises(FileExistsError):  # never overwrites an identity
@@ -473,11 +487,7 @@ def test_identity_file_round_trip(tmp_path) -> None:
 
 def test_swarm_key_file_round_trip(tmp_path) -> None:
     path = str(tmp_path / "swarm.key")
-    old = os.umask(0)
-    try:
-        secret = write_swarm_key(path)
-    finally:
-        os.umask(old)
+    secret = under_open_umask(write_swarm_key, path)
     assert mode(path) == 0o600 and len(secret) == 32
     assert (tmp_path / "swarm.key").read_bytes() == base64.b64encode(secret) + b"\n"
     assert load_swarm_key(path) == secret
@@ -504,23 +514,19 @@ def test_missing_key_files(tmp_path) -> None:
     [b"", b"not a key\n", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n", bytes(range(256))],
 )
 def test_bad_identity_file(tmp_path, content: bytes) -> None:
-    path = tmp_path / "id.pem"
-    path.write_bytes(content)
-    path.chmod(0o600)
+    path = key_file(tmp_path, "id.pem", content)
     with pytest.raises(KeyFileError) as e:
-        load_identity(str(path))
+        load_identity(path)
     assert "peerd keygen" in str(e.value)
 
 
 def test_identity_file_of_another_key_type(tmp_path) -> None:
-    path = tmp_path / "ec.pem"
     key = ec.generate_private_key(ec.SECP256R1())
-    path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    path.chmod(0o600)
+    path = key_file(tmp_path, "ec.pem", key.private_bytes(serialization.Encoding.PEM,
+                                                          serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption()))
     with pytest.raises(KeyFileError) as e:
-        load_identity(str(path))
+        load_identity(path)
     assert "Ed25519" in str(e.value) and "peerd keygen" in str(e.value)
 
 
@@ -530,11 +536,10 @@ def test_identity_file_of_an_unknown_algorithm(tmp_path) -> None:
         serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     der = der.replace(bytes.fromhex("06032b6570"), bytes.fromhex("06032b6563"))  # OID 1.3.101.112 -> .99
-    path = tmp_path / "odd.pem"
-    path.write_bytes(b"-----BEGIN PRIVATE KEY-----\n" + base64.encodebytes(der) + b"-----END PRIVATE KEY-----\n")
-    path.chmod(0o600)
+    path = key_file(tmp_path, "odd.pem",
+                    b"-----BEGIN PRIVATE KEY-----\n" + base64.encodebytes(der) + b"-----END PRIVATE KEY-----\n")
     with pytest.raises(KeyFileError):
-        load_identity(str(path))
+        load_identity(path)
 
 
 @pytest.mark.parametrize(
@@ -542,11 +547,9 @@ def test_identity_file_of_an_unknown_algorithm(tmp_path) -> None:
     [b"", b"!!!!\n", base64.b64encode(bytes(31)), base64.b64encode(bytes(33)), base64.b64encode(bytes(32))[:-1]],
 )
 def test_bad_swarm_key_file(tmp_path, content: bytes) -> None:
-    path = tmp_path / "swarm.key"
-    path.write_bytes(content)
-    path.chmod(0o600)
+    path = key_file(tmp_path, "swarm.key", content)
     with pytest.raises(KeyFileError) as e:
-        load_swarm_key(str(path))
+        load_swarm_key(path)
     assert "peerd keygen --swarm-key" in str(e.value)
 
 

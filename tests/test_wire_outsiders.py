@@ -4,6 +4,7 @@ receiver to another, reflect responses at a victim, burn CPU with forged tokens,
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,8 +18,8 @@ from peerd.wire import Header, Identity, Opener, Sealer, WireError
 from peerd.wire import messages as m
 from peerd.wire import seal as seal_module
 
-from .support.memnet import MemNet
-from .support.virtual import counter_value, run_virtual  # noqa: E402
+from .support.memnet import MemNet, run_on_memnet
+from .support.virtual import counter_value  # noqa: E402
 
 SECRET = bytes(range(32))
 VICTIM = ("127.0.0.1", 9)
@@ -64,53 +65,45 @@ def test_cross_receiver_replay_is_refused_and_counted() -> None:
     """A's FIND_NODE to B, captured on path and replayed to C (and to B) from a spoofed source, gets no
     answer anywhere: C cannot open it (auth), B has seen it (replay)."""
 
-    async def main() -> None:
-        net = MemNet()
+    async def main(net: Any, nursery: trio.Nursery) -> None:
         net.captured = []
         a, b, c = (node(net, i) for i in range(3))
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            for ep in (a, b, c):
-                nursery.start_soon(ep.serve)
-            await c.request(b.sock.addr, m.MsgType.PING, {})  # C is a member B knows: nothing is unknown
-            reply = await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)})
-            assert len(reply.body["nodes"]) == 20
-            find = [d for s, to, d in net.captured if s == a.sock.addr and to == b.sock.addr and d[3] == 0x03]
-            assert len(find) == 1
-            auth, replay = (counter_value(ep.metrics.datagrams_dropped, reason=r) for ep, r in ((c, "auth"),
-                                                                                               (b, "replay")))
-            net.deliver(VICTIM, c.sock.addr, find[0])
-            net.deliver(VICTIM, b.sock.addr, find[0])
-            await trio.sleep(1.0)
-            assert counter_value(c.metrics.datagrams_dropped, reason="auth") == auth + 1
-            assert counter_value(b.metrics.datagrams_dropped, reason="replay") == replay + 1
-            assert sent_to(net, VICTIM) == []
-            nursery.cancel_scope.cancel()
+        for ep in (a, b, c):
+            nursery.start_soon(ep.serve)
+        await c.request(b.sock.addr, m.MsgType.PING, {})  # C is a member B knows: nothing is unknown
+        reply = await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)})
+        assert len(reply.body["nodes"]) == 20
+        find = [d for s, to, d in net.captured if s == a.sock.addr and to == b.sock.addr and d[3] == 0x03]
+        assert len(find) == 1
+        auth, replay = (counter_value(ep.metrics.datagrams_dropped, reason=r) for ep, r in ((c, "auth"),
+                                                                                           (b, "replay")))
+        net.deliver(VICTIM, c.sock.addr, find[0])
+        net.deliver(VICTIM, b.sock.addr, find[0])
+        await trio.sleep(1.0)
+        assert counter_value(c.metrics.datagrams_dropped, reason="auth") == auth + 1
+        assert counter_value(b.metrics.datagrams_dropped, reason="replay") == replay + 1
+        assert sent_to(net, VICTIM) == []
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 def test_a_request_to_an_unknown_address_pings_it_first() -> None:
     """Only a PING may be sealed for no receiver: a FIND_NODE to an address whose node is unknown is sent
     after a PING learned who is there, and sealed for that node."""
 
-    async def main() -> None:
-        net = MemNet()
+    async def main(net: Any, nursery: trio.Nursery) -> None:
         net.captured = []
         a, b = node(net, 0), node(net, 1)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            for ep in (a, b):
-                nursery.start_soon(ep.serve)
-            await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)})
-            types = [(d[3], d[4]) for s, _, d in net.captured if s == a.sock.addr]
-            # PING for no receiver, FIND_NODE for B, then the PONG to B's PING that validated A's address
-            assert types == [(0x01, 0x03), (0x03, 0x01), (0x02, 0x01)]
-            assert a.node_id_at(b.sock.addr) == b.identity.node_id
-            assert b.node_id_at(a.sock.addr) == a.identity.node_id  # learned from the FIND_NODE, not the PING
-            nursery.cancel_scope.cancel()
+        for ep in (a, b):
+            nursery.start_soon(ep.serve)
+        await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)})
+        types = [(d[3], d[4]) for s, _, d in net.captured if s == a.sock.addr]
+        # PING for no receiver, FIND_NODE for B, then the PONG to B's PING that validated A's address
+        assert types == [(0x01, 0x03), (0x03, 0x01), (0x02, 0x01)]
+        assert a.node_id_at(b.sock.addr) == b.identity.node_id
+        assert b.node_id_at(a.sock.addr) == a.identity.node_id  # learned from the FIND_NODE, not the PING
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 
@@ -123,11 +116,11 @@ def test_auth_limiter_per_source_and_per_node() -> None:
     src, other = ("192.0.2.1", 1), ("192.0.2.2", 1)
     for _ in range(5):
         assert lim.may_derive(src, 0.0)
-        lim.failed(src, 0.0)
+        lim.failed(src, 1, 0.0)
     assert not lim.may_derive(src, 0.0)  # its failures are spent: no crypto for its unknown tokens
     assert lim.may_derive(other, 0.0)  # another source is not
     assert lim.may_derive(src, 0.125)  # one failure's worth refilled after 0.125 s
-    lim.failed(src, 0.125)
+    lim.failed(src, 1, 0.125)
     assert not lim.may_derive(src, 0.125)
     # the node's derivations: 20 at once whatever the (spoofable) source, then 100 a second
     fresh = AuthLimiter(derive_rate=100.0, derive_burst=20)
@@ -153,27 +146,23 @@ def test_opener_asks_before_deriving_a_key(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_a_flood_of_random_tokens_costs_a_bounded_number_of_key_derivations() -> None:
-    async def main() -> None:
-        net = MemNet()
+    async def main(net: Any, nursery: trio.Nursery) -> None:
         a, b = node(net, 0), node(net, 1)
         attacker = ("192.0.2.66", 4444)
         rng = random.Random(5)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            for ep in (a, b):
-                nursery.start_soon(ep.serve)
-            for _ in range(500):
-                forged = Header(0x03, 1, rng.getrandbits(64), rng.getrandbits(64)).pack() + rng.randbytes(200)
-                net.deliver(attacker, b.sock.addr, forged)
-            await trio.sleep(0.5)
-            auth = counter_value(b.metrics.datagrams_dropped, reason="auth")
-            limited = counter_value(b.metrics.datagrams_dropped, reason="auth_limited")
-            assert auth + limited == 500
-            assert auth <= b.auth_limiter.failure_burst + 10  # a burst, then 10 a second (0.5 s of protocol time)
-            await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)})  # members are still served
-            nursery.cancel_scope.cancel()
+        for ep in (a, b):
+            nursery.start_soon(ep.serve)
+        for _ in range(500):
+            forged = Header(0x03, 1, rng.getrandbits(64), rng.getrandbits(64)).pack() + rng.randbytes(200)
+            net.deliver(attacker, b.sock.addr, forged)
+        await trio.sleep(0.5)
+        auth = counter_value(b.metrics.datagrams_dropped, reason="auth")
+        limited = counter_value(b.metrics.datagrams_dropped, reason="auth_limited")
+        assert auth + limited == 500
+        assert auth <= b.auth_limiter.failure_burst + 10  # a burst, then 10 a second (0.5 s of protocol time)
+        await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)})  # members are still served
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 def test_a_block_whose_every_row_fails_leaves_the_token_order_alone() -> None:
@@ -206,7 +195,7 @@ def test_a_merged_run_of_junk_is_refused_at_once_as_each_row_would_be() -> None:
 
     ep._datagram = counting  # type: ignore[method-assign]
     forger = ("192.0.2.7", 7)
-    ep.auth_limiter.failed(forger, 0.0, 100)  # out of failures
+    ep.auth_limiter.failed(forger, 100, 0.0)  # out of failures
     junk = Header(0x03, 1, 0xDEAD, 0).pack()[:13]
     rows = [junk + bytes([i]) * 8 + bytes(40) for i in range(6)]  # same size, sequence and body differ
     ep.receive_batch([(b"".join(rows), forger, len(rows[0]))], 0.0)
@@ -233,34 +222,30 @@ def test_a_reflection_gets_at_most_three_times_its_bytes() -> None:
     (restarted, same identity: a fresh replay window opens it). B's NODES is ~5x the request: the victim gets
     only B's small validating PING, which it cannot answer."""
 
-    async def main() -> None:
-        net = MemNet()
+    async def main(net: Any, nursery: trio.Nursery) -> None:
         net.captured = []
         a, b = node(net, 0), node(net, 1)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            nursery.start_soon(a.serve)
-            a.learn(b.sock.addr, b.identity.node_id)  # from a DHT contact
-            with trio.move_on_after(0.1):
-                await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)}, attempts=1)
-            request = [d for s, to, d in net.captured if s == a.sock.addr and to == b.sock.addr][0]
-            b2 = Endpoint(net.socket(*b.sock.addr), b.identity, SECRET, Metrics())
-            b2.on_request(m.MsgType.FIND_NODE, lambda inc: {"nodes": [m.pack_contact(bytes([k]) * 32, "127.0.0.1",
-                                                                                      30000 + k) for k in range(20)]})
-            nursery.start_soon(b2.serve)
-            await trio.sleep(0.01)
-            net.deliver(VICTIM, b.sock.addr, request)
-            await trio.sleep(2.0)
-            reflected = sum(map(len, sent_to(net, VICTIM)))
-            assert 0 < reflected <= 3 * len(request), (reflected, len(request))
-            assert counter_value(b2.metrics.datagrams_dropped, reason="unvalidated") == 1
-            assert not b2.guard.is_validated(VICTIM)
-            # A itself is answered in full: B's PING validates A's address, then the held NODES goes out
-            reply = await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)})
-            assert len(reply.body["nodes"]) == 20 and b2.guard.is_validated(a.sock.addr)
-            nursery.cancel_scope.cancel()
+        nursery.start_soon(a.serve)
+        a.learn(b.sock.addr, b.identity.node_id)  # from a DHT contact
+        with trio.move_on_after(0.1):
+            await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)}, attempts=1)
+        request = [d for s, to, d in net.captured if s == a.sock.addr and to == b.sock.addr][0]
+        b2 = Endpoint(net.socket(*b.sock.addr), b.identity, SECRET, Metrics())
+        b2.on_request(m.MsgType.FIND_NODE, lambda inc: {"nodes": [m.pack_contact(bytes([k]) * 32, "127.0.0.1",
+                                                                                  30000 + k) for k in range(20)]})
+        nursery.start_soon(b2.serve)
+        await trio.sleep(0.01)
+        net.deliver(VICTIM, b.sock.addr, request)
+        await trio.sleep(2.0)
+        reflected = sum(map(len, sent_to(net, VICTIM)))
+        assert 0 < reflected <= 3 * len(request), (reflected, len(request))
+        assert counter_value(b2.metrics.datagrams_dropped, reason="unvalidated") == 1
+        assert not b2.guard.is_validated(VICTIM)
+        # A itself is answered in full: B's PING validates A's address, then the held NODES goes out
+        reply = await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)})
+        assert len(reply.body["nodes"]) == 20 and b2.guard.is_validated(a.sock.addr)
 
-    run_virtual(main)
+    run_on_memnet(main)
 
 
 def test_amplification_guard_budget() -> None:
@@ -287,16 +272,12 @@ def test_a_lost_validating_pong_costs_a_retransmission_not_the_answer() -> None:
                 return
             super().deliver(src, dst, data)
 
-    async def main() -> None:
-        net = LosePong()
+    async def main(net: Any, nursery: trio.Nursery) -> None:
         a, b = node(net, 0), node(net, 1)
-        async with trio.open_nursery() as nursery:
-            net.nursery = nursery
-            for ep in (a, b):
-                nursery.start_soon(ep.serve)
-            a.learn(b.sock.addr, b.identity.node_id)
-            reply = await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)})
-            assert net.lost == 1 and len(reply.body["nodes"]) == 20  # (the retransmission's budget, or a new PING)
-            nursery.cancel_scope.cancel()
+        for ep in (a, b):
+            nursery.start_soon(ep.serve)
+        a.learn(b.sock.addr, b.identity.node_id)
+        reply = await a.request(b.sock.addr, m.MsgType.FIND_NODE, {"target": bytes(32)})
+        assert net.lost == 1 and len(reply.body["nodes"]) == 20  # (the retransmission's budget, or a new PING)
 
-    run_virtual(main)
+    run_on_memnet(main, net=LosePong())

@@ -13,7 +13,7 @@ import numpy as np
 from . import kernels
 from .frames import F32_DTYPE
 from .kernels import FINALIZE_BLOCK_ELEMENTS
-from .robust import OPPOSED_COS, WEIGHT_BOUND
+from .robust import WEIGHT_BOUND, opposed_members
 
 
 class Finalize:
@@ -253,10 +253,9 @@ class Finalize:
 
     def _exclude_opposed(self, scale: list[float]) -> None:
         """With 3 or more members heard: leave out of the average every other member whose contribution, as it
-        would count (clipped and with its bounded weight), points against the sum of the others' (a cosine below
-        -OPPOSED_COS): a sign-flipped gradient of normal size, which clipping lets through. The owner never leaves
-        itself out. From the Gram matrix: member s's dot product with the others is its row sum less its own
-        square, and the others' squared norm the whole sum less twice the row sum plus the square."""
+        would count (clipped and with its bounded weight), points against the sum of the others' (robust.py's
+        opposed_members, from the Gram matrix): a sign-flipped gradient of normal size, which clipping lets
+        through. The owner never leaves itself out."""
         heard = [s for s in range(self.n) if self._elements[s] and
                  (s == self.index or self._sender_weight[s] is not None)]
         if len(heard) < 3:
@@ -268,16 +267,7 @@ class Finalize:
         g = self._gram * np.outer(eff, eff)
         if not np.isfinite(g).all():
             return
-        row = g.sum(axis=1)
-        total = float(row.sum())
-        opposed = set()
-        for s in heard:
-            if s == self.index:
-                continue
-            dot = row[s] - g[s, s]
-            others = total - 2 * row[s] + g[s, s]
-            if g[s, s] > 0 and others > 0 and dot < -OPPOSED_COS * math.sqrt(g[s, s] * others):
-                opposed.add(s)
+        opposed = opposed_members(g, heard, self.index, self._elements)
         if opposed:
             self._refused["opposed"] += len(opposed)
             self._excluded = frozenset(opposed)

@@ -17,14 +17,15 @@ A driver's loop for one group, in outline (service.py is the real one)::
             for block in host.datagrams_to_send(now, group_id=group_id):
                 for each part of host.part_rows(block) rows:
                     sleep until host.pace(block, rows, nbytes, now); seal the part and send it
-        sleep until host.group_timer(group_id, now), or a Wake(group_id) action
-        host.handle_group_timer(group_id, now); run(host.take_actions())
+        sleep until a Wake(group_id) action
     host.finish(group_id, kernel_drops, now); run(host.take_actions())   # final REPORTs, Completed
     # meanwhile: every REPORT_INTERVAL_S (host.next_report) send host.reports(...)
+    # and one timer for the node: at host.get_timer(), host.handle_timer(now); run(host.take_actions())
 
 and for everything that arrives: ``receive_data``, ``receive_block``, ``receive_bind``, ``receive_report``, each
-followed by ``take_actions()``. The host's own timer (``get_timer()``, ``handle_timer(now)``) expires held data;
-each group's phase deadlines are its driver's (``group_timer``, ``handle_group_timer``). What a member may make this
+followed by ``take_actions()``. The host's one timer (``get_timer()``, ``handle_timer(now)``) expires held data and
+ends each group's phases at their deadlines, opens its send gates and releases its spaced END copies, waking the
+group's driver (Wake) for what follows. What a member may make this
 node spend is bounded here (protocol/PROTOCOL.md 17.3): held bytes (HeldData), accepted REPORTs (members of running
 or recent groups), remembered token bindings and the pacer's paths (both LRU).
 """
@@ -61,7 +62,7 @@ REPORT_INTERVAL_S = 0.025  # a receiver reports delivery to each sender about th
 RECENT_GROUPS = 4  # finished groups whose members' last REPORTs still count
 MAX_BINDINGS = 4096  # token -> node id bindings remembered for data held before its group started
 MAX_LATEST = 4096  # senders whose latest data's group is remembered (for REPORT's ``arrived``)
-IDLE_WAIT_S = 1.0  # a group with no deadline (it only has sending left) is looked at again this often
+IDLE_WAIT_S = 1.0  # a group's driver looks again this often unwoken (a safety net: Wake actions wake it)
 # Finished groups' stages (~one vector of float32 each) are kept for the next groups up to this many bytes in all:
 # a node averaging 100 MB again and again then reuses warm pages instead of faulting in 75-100 MB of fresh ones
 # per average, and so do groups that run at once (a step's overlap buckets: one group each) ...
@@ -153,6 +154,7 @@ class AveragingHost:
         self._latest: OrderedDict[bytes, int] = OrderedDict()
         self._protected: dict[int, None] | None = None  # protected_tokens' answer, until a group or binding changes
         self._actions: list[Action] = []  # what the inputs asked for, until take_actions
+        self._woken: dict[int, float] = {}  # running group -> when the timer last woke its driver
 
     def take_actions(self) -> list[Action]:
         """What the inputs since the last call asked the driver to do, in order (drained)."""
@@ -332,7 +334,7 @@ class AveragingHost:
     def pace(self, block: SendBlock, rows: int, nbytes: int, now: float) -> float:
         """When ``rows`` datagrams (``nbytes`` sealed) of ``block`` may go out: the pacer's reservation,
         noted with the stream positions they take (what REPORTs from the member are matched against)."""
-        at = now + max(0.0, self.pacer.reserve(nbytes, now, block.peer))
+        at = now + max(0.0, self.pacer.reserve(nbytes, block.peer, now))
         if block.later and self.end_spacing_s is not None:
             g = self._groups.get(block.group_id)
             if g is not None:
@@ -355,34 +357,35 @@ class AveragingHost:
             if g is not None:
                 g.positions[block.to].settle(g.sent_to[block.to], at)
 
-    def group_timer(self, group_id: int, now: float) -> float:
-        """When to call ``handle_group_timer`` next (a Wake may come first). While data from a token not bound yet is
-        held for the group, its sender's binding is still in flight (the handshake retries): the phase
-        deadline waits up to one more ``floor_s`` for it, or that sender would turn up as silence."""
-        g = self._groups[group_id]
+    def _group_timer(self, group_id: int, g: RunningGroup) -> float | None:
+        """When the group next needs the timer: its phase deadline (while data from a token not bound yet is held
+        for it, once the deadline has passed, ``hold_until``), its send gates' opening, its next spaced END copy."""
         at = g.core.get_timer()
-        if at is None:
-            at = now + IDLE_WAIT_S
-        elif self.held.holds(group_id):
-            if g.hold_until is None:
-                g.hold_until = now + g.floor_s
+        if at is not None and g.hold_until is not None and self.held.holds(group_id):
             at = max(at, g.hold_until)
-        if g.waiting:
-            at = min(at, g.gate_until)
-        return min(at, g.copies[0][0]) if g.copies else at
+        if g.waiting and g.gate_until < math.inf:
+            at = g.gate_until if at is None else min(at, g.gate_until)
+        if g.copies and g.copies[0][0] > self._woken.get(group_id, -math.inf):  # (else its driver takes it now)
+            at = g.copies[0][0] if at is None else min(at, g.copies[0][0])
+        return at
 
-    def handle_group_timer(self, group_id: int, now: float) -> None:
-        """The group's deadline passed or it was woken: end whichever phase's deadline has passed (unless
-        unbound data still waits for its binding, within the extension); a phase that ended queues a Wake."""
-        g = self._groups[group_id]
+    def _handle_group_timer(self, group_id: int, g: RunningGroup, now: float) -> None:
+        """The group's time came: its gates open, and whichever phase's deadline has passed ends. While data from a
+        token not bound yet is held for it, its sender's binding is still in flight (the handshake retries): the
+        deadline waits up to one more ``floor_s`` for it, or that sender would turn up as silence. Queues a Wake:
+        the driver sends what is due (gates, copies, the next phase)."""
+        self._woken[group_id] = now
         if now >= g.gate_until:
             g.gate_until = math.inf  # every gate open: what waits goes (the driver asks wants_to_send again)
-        if self.held.holds(group_id) and (g.hold_until is None or now < g.hold_until):
-            return
-        before = g.core.phase_changes
+        if self.held.holds(group_id):
+            deadline = g.core.get_timer()
+            if g.hold_until is None and deadline is not None and now >= deadline:
+                g.hold_until = now + g.floor_s
+            if g.hold_until is None or now < g.hold_until:
+                self._actions.append(Wake(group_id))
+                return
         g.core.handle_timer(now)
-        if g.core.phase_changes != before:
-            self._actions.append(Wake(group_id))
+        self._actions.append(Wake(group_id))
 
     def next_report(self, group_id: int) -> float:
         """When to call ``reports`` for the group next."""
@@ -404,6 +407,7 @@ class AveragingHost:
         group's REPORTs keep counting while it is among the ``recent_groups`` latest, and what is still held
         for it (from tokens never bound) is dropped (``unbound``)."""
         g = self._groups.pop(group_id)
+        self._woken.pop(group_id, None)
         self._protected = None
         actions = self._actions
         if g.core.finished:
@@ -555,7 +559,7 @@ class AveragingHost:
             if report.expected > 0:
                 span = g.positions[i].span(max(0, first - 1), report.position - 1)
         placed = g.positions[i].placed(report.position - 1) if span is not None else 0.0
-        verdict = self.pacer.on_report(peer, report, now, span, placed=placed)
+        verdict = self.pacer.receive_report(peer, report, span, placed, now)
         if not g.heard[i] and hear(g, i) and b["group"] in self._groups:
             return [PacerVerdict(verdict.rate, verdict), Wake(b["group"])]
         return [PacerVerdict(verdict.rate, verdict)]
@@ -563,14 +567,25 @@ class AveragingHost:
     # ---- held data ------------------------------------------------------------------------------------
 
     def get_timer(self) -> float | None:
-        """When the oldest held bucket expires (None: nothing held): the host's own timer."""
-        return self.held.next_expiry()
+        """The host's one timer: the earliest of when the oldest held bucket expires and each running group's next
+        time (``_group_timer``); None: nothing scheduled."""
+        at = self.held.next_expiry()
+        for group_id, g in self._groups.items():
+            t = self._group_timer(group_id, g)
+            if t is not None and (at is None or t < at):
+                at = t
+        return at
 
     def handle_timer(self, now: float) -> None:
-        """Drop the held data that has expired by ``now`` (queues the count)."""
+        """Drop the held data that has expired by ``now`` (queues the count), and handle every running group whose
+        time has come (queues a Wake for each)."""
         dropped = self.held.expire(now)
         if dropped:
             self._actions.append(Dropped("held", dropped))
+        for group_id, g in list(self._groups.items()):
+            t = self._group_timer(group_id, g)
+            if t is not None and now >= t:
+                self._handle_group_timer(group_id, g, now)
 
     # ---- internals ------------------------------------------------------------------------------------
 

@@ -10,10 +10,12 @@ reached keeps the owner's value exactly.
 
 With ``clip``, the same pass also sums every pair of members' dot products over the shard (a Gram matrix),
 and with 3 or more members heard the owner leaves out every other member whose contribution, as it would
-count (clipped, with its bounded weight), has a cosine below -OPPOSED_COS with the sum of the others': a
-sign-flipped gradient of normal size, which clipping lets through, points against the honest members'
-sum. Honest gradients share a signal, so none of them points against the others' sum. Left-out members are
-counted as ``opposed`` in the statistics; the owner never leaves itself out.
+count (clipped, with its bounded weight), has a cosine below -opposed_cos(elements) with the sum of the
+others' (-OPPOSED_COS, or -OPPOSED_Z / sqrt(elements) over few elements): a sign-flipped gradient of normal
+size, which clipping lets through, points against the honest members' sum. Honest gradients share a signal,
+so they rarely point against the others' sum (on the 8-member demo's MLP, 600 values a shard, about one
+(owner, member) pair in 50 still does, and is left out). Members are left out one at a time, the most opposed
+first (``opposed_members``); they are counted as ``opposed`` in the statistics; the owner never leaves itself out.
 
 ``centered[:C]``: the same, measured as the distance from a center (the previous round's average, passed
 by the caller), and the result is the center plus the weighted mean of the clipped differences. Without a
@@ -40,6 +42,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 MODES = ("clip", "centered")
 DEFAULT_C = 1.0  # 8-peer demo: a random member at C=2 raised final_loss 15 %, at C=1 5 %; honest runs unchanged
 MAX_C = 1e6
@@ -50,6 +54,44 @@ WEIGHT_BOUND = 2.0
 # Not 0: unrelated honest vectors (noise, no shared signal) have cosines near 0 of either sign, and left out
 # they would change an honest average; a sign-flipped gradient sits at minus the honest members' agreement.
 OPPOSED_COS = 0.05
+# ... and, over few elements, below -OPPOSED_Z / sqrt(elements): the cosines of honest vectors scatter by about
+# 1 / sqrt(elements) around their agreement, so over arc-topk's sketches and rows (tens to hundreds of values a
+# shard) a fixed -0.05 left an honest member out of nearly every owner's average
+OPPOSED_Z = 2.0
+
+
+def opposed_cos(elements: int) -> float:
+    """The cosine with the others' sum below minus which a member is left out, over ``elements`` values."""
+    return max(OPPOSED_COS, OPPOSED_Z / math.sqrt(max(1, elements)))
+
+
+def opposed_members(gram: np.ndarray, heard: list[int], own: int, elements: list[int]) -> frozenset[int]:
+    """The members (never ``own``) to leave out for pointing against the others, from ``gram`` (every pair's dot
+    product, as the contributions count) over the ``heard`` members: one at a time, the one with the lowest
+    cosine with the sum of those still in, while that is below -opposed_cos of its ``elements`` and 3 or more are
+    in. One at a time, because a sign-flipped member in the others' sum pulls honest members' cosines down with
+    it. Member s's dot product with the others is its row sum less its own square; the others' squared norm the
+    whole sum less twice the row sum plus the square."""
+    inside = list(heard)
+    out: set[int] = set()
+    while len(inside) >= 3:
+        g = gram[np.ix_(inside, inside)]
+        row = g.sum(axis=1)
+        total = float(row.sum())
+        worst, worst_cos = -1, 0.0
+        for k, s in enumerate(inside):
+            own_sq = float(g[k, k])
+            others = total - 2 * float(row[k]) + own_sq
+            if s == own or own_sq <= 0 or others <= 0:
+                continue
+            c = (float(row[k]) - own_sq) / math.sqrt(own_sq * others)
+            if c < -opposed_cos(elements[s]) and c < worst_cos:
+                worst, worst_cos = s, c
+        if worst < 0:
+            break
+        out.add(worst)
+        inside.remove(worst)
+    return frozenset(out)
 
 
 @dataclass(frozen=True)

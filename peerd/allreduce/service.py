@@ -30,6 +30,7 @@ from .group import GroupAverage, GroupStats
 from .host import (
     DATA_TYPES,
     END_SPACING_S,
+    IDLE_WAIT_S,
     Action,
     AveragingHost,
     Bind,
@@ -103,7 +104,8 @@ class AllreduceService:
         self.host = AveragingHost(max_body=endpoint.max_body, mtu=endpoint.mtu, pacer=pacer,
                                   group_factory=group_factory, split_values=True, end_spacing_s=END_SPACING_S)
         self._wake: dict[int, trio.Event] = {}
-        self._expiring = False  # the held-data expiry task is running
+        self._floor_s: dict[int, float] = {}  # running group -> its phase floor (how long a deadline waits to catch up)
+        self._timer: trio.CancelScope | None = None  # the host's timer task's sleep, while it runs
         self._rate_shown: float | None = None  # the pacing rate the gauge shows
         for t in BodyType:
             endpoint.on_raw(int(t), self._on_data)
@@ -155,11 +157,7 @@ class AllreduceService:
                 if event is not None:
                     event.set()
             elif type(a) is HeldTimer:
-                if not self._expiring:
-                    # A system task: this service has no nursery of its own, and the timer must outlive the
-                    # task that received (it frees held data on an idle node too).
-                    self._expiring = True
-                    trio.lowlevel.spawn_system_task(self._expire_held, name="peerd.allreduce.expire_held")
+                self._arm_timer()
             elif type(a) is PacerVerdict:
                 if a.rate != self._rate_shown:  # (a verdict per REPORT, the rate changes at a few: a lock each)
                     self._rate_shown = a.rate
@@ -169,18 +167,38 @@ class AllreduceService:
             else:
                 raise TypeError(f"the allreduce host asked for {a!r} where only counts and wake-ups are expected")
 
-    async def _expire_held(self) -> None:
-        """Expire held bodies when the host says, not only when the next one arrives; ends when none is held."""
+    def _arm_timer(self) -> None:
+        """The host's timer may have moved: the timer task sleeps until its new time (started where none runs)."""
+        if self._timer is not None:
+            at = self.host.get_timer()
+            self._timer.deadline = math.inf if at is None else at
+            return
+        # A system task: this service has no nursery of its own, and the timer must outlive the task that armed
+        # it (it frees held data on an idle node too). It ends when the host has nothing scheduled.
+        self._timer = trio.CancelScope()
+        trio.lowlevel.spawn_system_task(self._run_timer, self._timer, name="peerd.allreduce.timer")
+
+    async def _run_timer(self, scope: trio.CancelScope) -> None:
+        """At the host's timer: first what reached the socket before it (a running group's deadline must not call
+        data late that a loaded node has not read yet), then ``handle_timer``: held data expires, groups' phases
+        end, their drivers are woken."""
         try:
             while (at := self.host.get_timer()) is not None:
-                await trio.sleep_until(at)
+                scope.deadline = at
+                with scope:
+                    await trio.sleep_forever()
+                at = scope.deadline  # (it may have moved while this task slept)
+                scope = self._timer = trio.CancelScope()
+                if self._floor_s:
+                    await self._wait_caught_up(at, max(self._floor_s.values()))
                 self.host.handle_timer(trio.current_time())
                 self._run(self.host.take_actions())
         except Exception:  # never take the daemon down (a system task's error would end the whole run)
-            log.exception("allreduce: expiring held data failed")
+            log.exception("allreduce: the host's timer failed")
             self.metrics.background_errors.labels("allreduce_held").inc()
         finally:
-            self._expiring = False
+            if self._timer is scope:
+                self._timer = None
 
     def _kernel_drops(self) -> int:
         return self.endpoint.kernel_drops
@@ -222,6 +240,7 @@ class AllreduceService:
         )
         actions = host.take_actions()
         self._wake[group_id] = trio.Event()
+        self._floor_s[group_id] = floor_s
         handshake = [0.0]
         sent = [0, 0]  # bytes, datagrams
         completed: Completed | None = None
@@ -232,6 +251,7 @@ class AllreduceService:
                 nursery.start_soon(self._reporter, group_id, members)
                 self._run(a for a in actions if type(a) is not Bind)
                 while not host.finished(group_id):
+                    wake = self._wake[group_id] = trio.Event()  # (before the work: a Wake during it is kept)
                     while host.wants_to_send(group_id):
                         await self._send_blocks(host.datagrams_to_send(trio.current_time(), host.send_window(group_id),
                                                                         group_id=group_id), members, sent)
@@ -240,14 +260,9 @@ class AllreduceService:
                         await self._send_blocks(copies, members, sent)
                     if host.finished(group_id):
                         break
-                    wake = self._wake[group_id] = trio.Event()
-                    at = host.group_timer(group_id, trio.current_time())
-                    with trio.move_on_at(at) as timer:
+                    self._arm_timer()  # the host's timer wakes this loop at the group's deadlines, gates and copies
+                    with trio.move_on_after(IDLE_WAIT_S):
                         await wake.wait()
-                    if timer.cancelled_caught:  # a deadline: first what reached the socket before it
-                        await self._wait_caught_up(at, floor_s)
-                    host.handle_group_timer(group_id, trio.current_time())
-                    self._run(host.take_actions())
                 nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
             # END copies not due yet: nothing here waits for them, and members may still (they go at once)
             await self._send_blocks(host.due_copies(group_id, math.inf), members, sent)
@@ -259,6 +274,7 @@ class AllreduceService:
             completed = next(a for a in done if type(a) is Completed)
         finally:
             self._wake.pop(group_id, None)
+            self._floor_s.pop(group_id, None)
             if host.running(group_id):  # cancelled or failed: nothing more to send for it
                 host.finish(group_id, self._kernel_drops(), trio.current_time())
                 self._run(a for a in host.take_actions() if type(a) is Dropped)

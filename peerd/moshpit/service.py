@@ -30,6 +30,7 @@ from ..allreduce.options import AverageOptions
 from ..allreduce.robust import Robust
 from ..allreduce.service import Averager, Member
 from ..compress import Codec
+from ..deadlines import DeadlineTuner
 from ..dht.records import Record
 from ..dht.service import DhtService
 from ..entropy import default_rng
@@ -91,6 +92,7 @@ from .runstate import (
     part_group_id,
 )
 from .sticky import RENEW_KEY, StickyGroups
+from .tuning import note_round, phase_deadlines, tuned_window
 
 __all__ = [
     "CONFIG_TTL_S", "DEFAULT_WINDOW_S", "KNOWN_PEERS", "MAX_AHEAD", "MAX_ROUND", "PROGRESS_FRESH_S", "PROGRESS_TTL_S",
@@ -105,23 +107,15 @@ DEFAULT_KEEP_ROUNDS = 1  # groups re-form through the DHT every round unless a r
 
 
 class MoshpitService:
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        dht: DhtService,
-        allreduce: Averager,
-        metrics: Metrics,
-        *,
-        address: Address,
-        rng: random.Random | None = None,
-        keep_rounds: int | None = None,
-        clock: Callable[[], float] | None = None,
-        max_group: int = MAX_GROUP_DEFAULT,
-    ) -> None:
+    def __init__(self, endpoint: Endpoint, dht: DhtService, allreduce: Averager, metrics: Metrics, *, address: Address,
+                 rng: random.Random | None = None, keep_rounds: int | None = None,
+                 clock: Callable[[], float] | None = None, max_group: int = MAX_GROUP_DEFAULT,
+                 deadlines: DeadlineTuner | None = None) -> None:
         """``keep_rounds``: the default for runs that do not set it (None: DEFAULT_KEEP_ROUNDS, i.e. matchmake
         every round; groups are only ever kept on 1-D grids, where one key holds the whole run).
         ``max_group``: the largest group of a grid this node sizes for a run (Grid.for_swarm); a run's published
-        grid wins over it.
+        grid wins over it. ``deadlines``: the matchmaking window and phase deadlines tune themselves from what it
+        measured (peerd/deadlines.py), the run's window and the round's budget as their caps; None: the caps.
         ``clock``: wall-clock seconds (default time.time); virtual-time tests pass trio's clock plus a base."""
         self.endpoint = endpoint
         self.keep_rounds = keep_rounds
@@ -138,6 +132,7 @@ class MoshpitService:
         self.identity = endpoint.identity
         self.rng = default_rng(rng)
         self.clock = clock or time.time
+        self.deadlines = deadlines
         self.runs: dict[str, RunState] = {}
         self._nursery: trio.Nursery | None = None
         endpoint.on_request(m.MsgType.MM_JOIN, self._on_join)
@@ -398,6 +393,8 @@ class MoshpitService:
         t0 = self.clock()
         st.state = "matchmaking"
         st.in_round = True
+        window_cap = core.window_s  # the run's window: the tuned one's cap, back in place when the round ends
+        window_used = core.window_s = tuned_window(self.deadlines, window_cap)
         core.start_round(timeout_s=timeout_s, numbered=numbered, chain_from=chain_from, now=t0)
         round_no, key = core.round, core.key
         results: list[RoundResult | Exception] | None = None
@@ -435,6 +432,7 @@ class MoshpitService:
         finally:
             st.state = "idle"
             st.in_round = False
+            core.window_s = window_cap if core.window_s == window_used else core.window_s  # (unless open() set one)
             if not core.done:
                 core.abandon()
             self._drain(st)
@@ -461,6 +459,7 @@ class MoshpitService:
             if first.led:
                 self.metrics.moshpit_led.inc()
             self.metrics.moshpit_round_seconds.observe(self.clock() - t0)
+            note_round(self.deadlines, first, window_used, t0, self.clock())
             log.info("run %s round %d: %s, group of %d, %.3f s", st.run_id, round_no, outcome, first.group_size,
                      self.clock() - t0)
         return results
@@ -540,8 +539,8 @@ class MoshpitService:
         try:
             capped = capped_phase_s(self.cap_ad, self.peer_caps, self.identity.node_id, group, vector.nbytes,
                                     self.endpoint.mtu)
-            longest = max(1.0, budget_s / 2, capped)
-            options = AverageOptions(floor_s=1.0, max_phase_s=longest, max_weight=st.max_weight, robust=st.robust,
+            floor_s, longest = phase_deadlines(self.deadlines, vector.nbytes, max(1.0, budget_s / 2, capped), capped)
+            options = AverageOptions(floor_s=floor_s, max_phase_s=longest, max_weight=st.max_weight, robust=st.robust,
                                      absent=absent, **coded)
             res = await self.allreduce.average(group_id, members, group.index, vector, weight, options,
                                                center=around)

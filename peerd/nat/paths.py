@@ -231,6 +231,7 @@ class Paths:
         """A request from ``node_id`` came in from ``source``, not through a relay. When this node is punching
         towards it, that settles the punch (its NAT chose ``source`` for this node); a relayed peer heard here
         is PINGed here (answered, the relay goes)."""
+        self.reach.receive_request(node_id, source, now)
         heard = self._heard_at
         heard[node_id] = (source, now)
         heard.move_to_end(node_id)
@@ -571,6 +572,12 @@ class Paths:
         self.puncher.receive_pong(node_id, addr, now)
         if self.started and self.reach.verdict == UNKNOWN:
             self.reach.soon(2.0, now)  # undecided for want of peers: a new one may be enough
+
+    def heard_within(self, seconds: float, now: float) -> set[bytes]:
+        """Reached peers that answered or sent a request within ``seconds`` (their NAT's flow here is open)."""
+        out = {n for n, t in self._answered_at.items() if now - t <= seconds}
+        out.update(n for n, (_, t) in self._heard_at.items() if now - t <= seconds and n in self.reached)
+        return out
 
     def _recent_source(self, node_id: bytes, now: float) -> Address | None:
         entry = self._heard_at.get(node_id)

@@ -4,7 +4,9 @@ The node asks several peers where they see it (OBSERVE -> OBSERVED ``seen``). On
 observer: one mapping for all destinations (no NAT, or a cone NAT). Different seen addresses: the NAT maps per
 destination (``symmetric-nat``). Then it asks a helper to have a *third* node, one it has not sent to, PROBE it
 unsolicited at the seen address (REACH_PROBE); the PROBE arriving proves that anyone can reach it (``public``);
-none arriving within ``probe_timeout`` from ``probes`` helpers: only peers it sent to first can (``cone-nat``).
+none arriving within ``probe_timeout`` from ``probes`` helpers: only peers it sent to first can (``cone-nat``; a
+PROBE from an address it sent to proves nothing and does not count, and a node its observers saw untranslated runs
+again ``reruns_public`` times first).
 Address ranges never decide anything (a private address can be reachable in a LAN, a public one firewalled).
 
 The shell feeds in peers it has reached, answers, probes and ``now``; the core queues actions (``Observe``,
@@ -15,6 +17,7 @@ The shell feeds in peers it has reached, answers, probes and ``now``; the core q
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 PUBLIC, CONE, SYMMETRIC, UNKNOWN = "public", "cone-nat", "symmetric-nat", "unknown"
@@ -58,6 +61,11 @@ class ReachStatistics:
     observed_addr: Address | None
     changed_at: float
     peers: int  # possible observers and helpers
+    probes_proved: int = 0  # PROBEs that proved ``public``
+    probes_late: int = 0  # ... of them, after their helper's time ran out
+    probes_solicited: int = 0  # PROBEs of this node's nonce from an address it had sent to: proved nothing
+    probes_unknown: int = 0  # PROBEs with no nonce of the current run
+    reruns: int = 0  # runs repeated because a public-looking node's arranged probes never came
 
 
 @dataclass(slots=True)
@@ -73,6 +81,8 @@ class Reach:
     observe_timeout: float = 3.0
     recheck: float = 300.0
     max_avoid: int = 16
+    reruns_public: int = 2  # runs repeated, ``rerun_s`` apart, before a public-looking node settles on cone-nat
+    rerun_s: float = 5.0
     verdict: str = UNKNOWN
     observed_addr: Address | None = None
     changed_at: float = 0.0
@@ -84,20 +94,31 @@ class Reach:
     _probe: _Probe | None = None
     _nonces: set[bytes] = field(default_factory=set)  # every probe asked for in this run (a late one still proves)
     _sent_to: dict[Address, float] = field(default_factory=dict)  # recent destinations (shell reports them)
+    _heard: dict[Address, bytes] = field(default_factory=dict)  # requests' sources -> sender (answered there)
     _next_run: float = float("inf")  # not before ``start``
     _running: bool = False
-    _probes_arranged: int = 0  # helpers that found a prober in this run
+    _arranged: set[bytes] = field(default_factory=set)  # nonces of this run whose helper found a prober
+    _solicited: set[bytes] = field(default_factory=set)  # ... whose PROBE came from an address this node sent to
+    _reruns_left: int = 0
+    _rerun: bool = False  # the next run repeats this one (its nonces still prove)
     local: set[Address] = field(default_factory=set)  # this node's own socket addresses (the shell's view)
     probe_source: Address | None = None  # where the PROBE that proved ``public`` came from
     basis: str = ""  # why the verdict: "probe", "no-probe", "mappings", "no-translation"
     _actions: list[Action] = field(default_factory=list)
+    probes_proved: int = 0
+    probes_late: int = 0
+    probes_solicited: int = 0
+    probes_unknown: int = 0
+    reruns: int = 0
 
     def take_actions(self) -> list[Action]:
         actions, self._actions = self._actions, []
         return actions
 
     def statistics(self) -> ReachStatistics:
-        return ReachStatistics(self.verdict, self.basis, self.observed_addr, self.changed_at, len(self._peers))
+        return ReachStatistics(self.verdict, self.basis, self.observed_addr, self.changed_at, len(self._peers),
+                               self.probes_proved, self.probes_late, self.probes_solicited, self.probes_unknown,
+                               self.reruns)
 
     # -- inputs -----------------------------------------------------------------------------------------
     def add_peer(self, node_id: bytes, addr: Address) -> None:
@@ -116,6 +137,16 @@ class Reach:
             for key in list(sent_to)[:1024]:  # insertion order: the oldest first
                 del sent_to[key]
 
+    def receive_request(self, node_id: bytes, source: Address, now: float) -> None:
+        """A request from ``node_id`` came in from ``source`` (this node answers it there): a peer it sends to
+        that it may not have reached itself, to be avoided as a prober like those it has."""
+        heard = self._heard
+        heard.pop(source, None)
+        heard[source] = node_id
+        if len(heard) > 4096:
+            for key in list(heard)[:1024]:  # insertion order: the oldest first
+                del heard[key]
+
     def receive_observed(self, node_id: bytes, seen: Address, now: float) -> None:
         if self._asked.pop(node_id, None) is None:
             return  # nobody asked it (or its time was up)
@@ -133,7 +164,7 @@ class Reach:
         if self._probe is None or self._probe.helper != node_id:
             return
         if ok:
-            self._probes_arranged += 1
+            self._arranged.add(self._probe.nonce)
         else:
             self._probe.deadline = now
 
@@ -143,10 +174,20 @@ class Reach:
         verdict, proves as much as a prompt one) and comes from an address this node has not sent to within
         ``NAT_WINDOW`` (else its own NAT's mapping let it in, which proves nothing)."""
         if nonce not in self._nonces:
+            self.probes_unknown += 1
             return False
         last = self._sent_to.get(source)
         if last is not None and now - last <= NAT_WINDOW:
+            # its own NAT would have let it in: it proves nothing either way, so that helper's try does not
+            # count towards ``cone-nat`` and the next helper is asked at once
+            self.probes_solicited += 1
+            self._solicited.add(nonce)
+            if self._probe is not None and self._probe.nonce == nonce:
+                self._probe.deadline = min(self._probe.deadline, now)
             return False
+        self.probes_proved += 1
+        if self._probe is None or self._probe.nonce != nonce or now >= self._probe.deadline:
+            self.probes_late += 1
         self._probe = None
         self.probe_source = source
         self._settle(PUBLIC, now, "probe")
@@ -157,6 +198,8 @@ class Reach:
         """Run again now (the shell calls it at startup, when the network changed, or after peers came)."""
         self._next_run = now
         self._running = False
+        self._rerun = False
+        self._reruns_left = self.reruns_public
 
     def soon(self, delay: float, now: float) -> None:
         """Run within ``delay`` seconds if idle (a new peer while undecided)."""
@@ -182,8 +225,11 @@ class Reach:
             self._failed.clear()
             self._helpers_tried.clear()
             self._probe = None
-            self._nonces.clear()
-            self._probes_arranged = 0
+            if not self._rerun:
+                self._nonces.clear()
+            self._rerun = False
+            self._arranged.clear()
+            self._solicited.clear()
         for node_id, deadline in list(self._asked.items()):
             if now >= deadline:
                 self.request_failed(node_id, now)
@@ -215,7 +261,7 @@ class Reach:
         helpers = [n for n in sorted(self._seen) if n not in self._helpers_tried and n not in self._failed]
         if not helpers:
             helpers = [n for n in sorted(self._peers) if n not in self._helpers_tried and n not in self._failed]
-        if len(self._helpers_tried) >= self.probes or not helpers:
+        if len(self._helpers_tried) >= self.probes + min(len(self._solicited), self.probes) or not helpers:
             self._no_probe(now)
             return
         helper = self.rng.choice(helpers)
@@ -227,21 +273,34 @@ class Reach:
 
     def _avoid(self, now: float) -> tuple[bytes, ...]:
         """Node ids of peers this node sent to recently: a probe from them would pass its own NAT's filter."""
-        recent = {addr for addr, t in self._sent_to.items() if now - t <= NAT_WINDOW}
-        ids = [n for n, addr in self._peers.items() if addr in recent]
-        ids.sort(key=lambda n: -self._sent_to[self._peers[n]])  # the most recent first
+        last: dict[bytes, float] = {}
+        for addr, node_id in [*self._heard.items(), *((a, n) for n, a in self._peers.items())]:
+            t = self._sent_to.get(addr)
+            if t is not None and now - t <= NAT_WINDOW and t > last.get(node_id, -1.0):
+                last[node_id] = t
+        ids = sorted(last, key=lambda n: -last[n])  # the most recent first
         return tuple(ids[: self.max_avoid])
 
     def _no_probe(self, now: float) -> None:
         """No unsolicited PROBE came. Probes were sent and lost in its NAT's filter: ``cone-nat`` (one mapping,
         seen by at least 2 observers). None could be arranged (every candidate prober is a peer this node
-        sent to) and no observer saw a translated address: ``public`` on that evidence; the observers saw one
-        translated address (a small swarm leaves no third node): ``cone-nat``. Else undecided."""
-        if self._probes_arranged and len(self._seen) >= 2:
+        sent to, or every probe came from one) and no observer saw a translated address: ``public`` on that
+        evidence; the observers saw one translated address (a small swarm leaves no third node): ``cone-nat``.
+        Else undecided. A node that sees no translation runs again soon, ``reruns_public`` times, before it
+        settles on ``cone-nat``: a PROBE_ASK is one datagram, and a prober's NAT may have forgotten its helper."""
+        arranged = len(self._arranged - self._solicited)
+        translated = self.observed_addr not in self.local
+        if arranged and len(self._seen) >= 2 and not translated and self._reruns_left > 0:
+            self._reruns_left -= 1
+            self.reruns += 1
+            self._rerun = True
+            self._running = False
+            self._next_run = now + self.rerun_s
+        elif arranged and len(self._seen) >= 2:
             self._settle(CONE, now, "no-probe")
-        elif not self._probes_arranged and self.observed_addr in self.local:
+        elif not arranged and not translated:
             self._settle(PUBLIC, now, "no-translation")
-        elif len(self._seen) >= 2 and self._helpers_tried and self.observed_addr not in self.local:
+        elif len(self._seen) >= 2 and self._helpers_tried and translated:
             self._settle(CONE, now, "no-probe")
         else:
             self._give_up(now)
@@ -252,6 +311,7 @@ class Reach:
         self._next_run = now + min(self.recheck, 30.0)
 
     def _settle(self, verdict: str, now: float, basis: str) -> None:
+        self._reruns_left = self.reruns_public
         if verdict != self.verdict:
             self.changed_at = now
         self.verdict = verdict
@@ -261,18 +321,24 @@ class Reach:
         self._next_run = now + self.recheck
 
 
+PROBER_FRESH_S = 20.0  # a prober heard from this recently still has its NAT's flow toward the helper (30 s unreplied)
 NAT_WINDOW = 180.0  # seconds a NAT may keep a filter open after this node sent (Linux: 30 s unreplied, 120 s replied)
 
 
 def choose_prober(requester: bytes, avoid: tuple[bytes, ...] | list[bytes], reached: dict[bytes, Address],
-                  rng: random.Random) -> tuple[bytes, Address] | None:
+                  rng: random.Random, fresh: Collection[bytes] = ()) -> tuple[bytes, Address] | None:
     """The helper's side of REACH_PROBE: a third node it has reached itself, neither the requester nor one the
-    requester asked it to avoid (peers the requester sent to: their probe would pass its NAT's filter)."""
+    requester asked it to avoid (peers the requester sent to: their probe would pass its NAT's filter); one of
+    ``fresh`` (heard from within ``PROBER_FRESH_S``) when it can: the PROBE_ASK is one datagram, and a NATed
+    prober's router lets it in only while the flow toward this helper is fresh."""
     skip = set(avoid)
     skip.add(requester)
     candidates = sorted(n for n in reached if n not in skip)
     if not candidates:
         return None
+    recent = [n for n in candidates if n in fresh]
+    if recent:
+        candidates = recent
     node_id = rng.choice(candidates)
     return node_id, reached[node_id]
 

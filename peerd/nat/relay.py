@@ -172,6 +172,13 @@ class RelayServer:
                 s.offer(size, now)
                 self._reshare(now)  # a newcomer gets its share at once, and its share's burst
                 s.bucket.tokens = self._cap(s.share)
+            elif now - s.seen > ACTIVE_S:
+                # back from idle: its share may be none (another sender's recompute found it idle) and its bucket
+                # cut to that; it comes back as a newcomer does, at once, with its share's burst (no more than a
+                # new identity gets); else it would lose what it sends until the next recompute
+                s.offer(size, now)
+                self._reshare(now)
+                s.bucket.tokens = max(s.bucket.tokens, self._cap(s.share))
             else:
                 s.offer(size, now)
                 if now >= self._next_share:

@@ -26,7 +26,7 @@ from ..wire import messages as m
 from ..wire.errors import WireError
 from .paths import ClearRelay, Connect, Paths, SendPing, SetAlias, SetPunched, SetRelay
 from .punch import Intro, Puncher
-from .reach import UNKNOWN, AskProbe, Observe, ProbeLimiter, Reach, choose_prober
+from .reach import PROBER_FRESH_S, UNKNOWN, AskProbe, Observe, ProbeLimiter, Reach, choose_prober
 from .relay import RelayServer
 
 log = logging.getLogger("peerd.nat")
@@ -244,7 +244,10 @@ class NatService:
             return {"ok": False}
         requester = incoming.peer.node_id
         reached = {n: a for n, a in self.reached.items() if self.endpoint.relay_of(a) is None}
-        prober = choose_prober(requester, incoming.body["avoid"], reached, self.rng)
+        fresh = self.paths.heard_within(PROBER_FRESH_S, trio.current_time())
+        prober = choose_prober(requester, incoming.body["avoid"], reached, self.rng, fresh)
+        log.debug("REACH_PROBE from %s at %s (avoid %d): prober %s", requester.hex()[:8], incoming.source,
+                  len(incoming.body["avoid"]), prober and (prober[0].hex()[:8], prober[1]))
         if prober is not None:
             host, port = incoming.source
             self._spawn(self._notify, prober[1], m.MsgType.PROBE_ASK,
@@ -254,19 +257,27 @@ class NatService:
     def _on_probe_ask(self, incoming: Incoming) -> None:
         if incoming.peer.node_id not in self.reached:  # (one-way: refused silently, and counted)
             self.base.datagrams_dropped.labels("unreached").inc()
+            log.debug("PROBE_ASK from %s: not a peer this node reached", incoming.peer.node_id.hex()[:8])
             return None
         target_id, host, port = incoming.body["target"]
         if self.endpoint.relay_of((host, port)) is not None:
+            log.debug("PROBE_ASK toward %s:%s: relayed there", host, port)
             return None  # a relayed PROBE would pass any NAT and prove nothing
         if self.endpoint.unreachable(host) or not self.limiter.allow(host, trio.current_time()):
+            log.debug("PROBE_ASK toward %s:%s: refused (unreachable or over the limit)", host, port)
             return None
+        log.debug("PROBE_ASK from %s: PROBE to %s at %s:%s", incoming.peer.node_id.hex()[:8], target_id.hex()[:8],
+                  host, port)
         self._spawn(self._notify, (host, port), m.MsgType.PROBE, {"nonce": incoming.body["nonce"]}, target_id)
         return None
 
     def _on_probe(self, incoming: Incoming) -> None:
         if self._relayed_in(incoming):
             return None  # it came through a relay, not through this node's NAT: proves nothing
-        if self.reach.receive_probe(incoming.body["nonce"], incoming.source, trio.current_time()):
+        proved = self.reach.receive_probe(incoming.body["nonce"], incoming.source, trio.current_time())
+        log.debug("PROBE from %s at %s: %s (%s)", incoming.peer.node_id.hex()[:8], incoming.source,
+                  "proves reachability" if proved else "proves nothing", self.reach.statistics())
+        if proved:
             self._changed()
         return None
 
@@ -532,8 +543,11 @@ class NatService:
                                                 {"nonce": a.nonce, "avoid": list(a.avoid)}, node_id=a.node_id,
                                                 attempts=2)
         except RpcError:
+            log.debug("REACH_PROBE to %s: no answer", a.node_id.hex()[:8])
             self.reach.request_failed(a.node_id, trio.current_time())
         else:
+            log.debug("REACH_PROBE to %s (avoid %s): ok %s", a.node_id.hex()[:8], [n.hex()[:8] for n in a.avoid],
+                      reply.body["ok"])
             self.reach.receive_probe_asked(a.node_id, reply.body["ok"], trio.current_time())
         self._wake.set()
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ..deadlines import DeadlineTuner
 from ..dht import DhtService
 from ..metrics import Metrics
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
@@ -105,6 +107,8 @@ class StateSync:
         self.dht = dht
         self.metrics = metrics
         self.advertise = advertise
+        self.deadlines: DeadlineTuner | None = None  # a download's deadline tunes itself within the caller's timeout
+        self.clock: Callable[[], float] = time.time  # (the tuner's clock: wall-clock seconds, as the daemon's)
         self._snapshots: dict[str, OrderedDict[bytes, bytes]] = {}  # run key -> sha -> blob
         self._known_source: Callable[[], Iterable[str]] | Iterable[str] | None = None
         self._noted: OrderedDict[str, None] = OrderedDict()  # hex ids of peers averaged with, newest last
@@ -222,6 +226,7 @@ class StateSync:
         The choice (which snapshot, from whom, what next) is SnapshotChoice's; this only reads and downloads.
         """
         fetched: Fetched | None = None
+        timeout = timeout if self.deadlines is None else self.deadlines.state_sync(timeout).seconds
         choice = SnapshotChoice(self.node_id, run_key, layout=layout, min_step=min_step, max_size=max_size,
                                 below=below, exclude=tuple(exclude), deadline=trio.current_time() + timeout)
         with trio.move_on_at(choice.deadline):
@@ -246,7 +251,11 @@ class StateSync:
         cand = action.candidate
         with trio.move_on_at(deadline):
             try:
-                return await self._download(run_key, cand.sha, cand.size, cand.step, list(action.donors)), "", False
+                t0 = trio.current_time()
+                got = await self._download(run_key, cand.sha, cand.size, cand.step, list(action.donors))
+                if self.deadlines is not None:  # its pace tunes the next download's deadline
+                    self.deadlines.receive_transfer(cand.size, trio.current_time() - t0, self.clock())
+                return got, "", False
             except (StateSyncError, RpcError, MemoryError, OSError) as e:
                 why = "no memory for the snapshot" if isinstance(e, MemoryError) else str(e)
                 log.info("state sync: snapshot %s (step %d, %d bytes) from %d donor(s) failed: %s",

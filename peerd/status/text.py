@@ -146,8 +146,21 @@ def network(view: dict[str, Any], capped: bool = False) -> list[str]:
     return [*lines, "", *peer_table(peers), *([f"... and {more} more"] if more > 0 else [])]
 
 
+def deadline_lines(deadlines: dict[str, Any]) -> list[str]:
+    """``peerd status``'s deadlines, one line each: the value, what it was derived from and its bounds."""
+    lines = []
+    for name, d in deadlines.items():
+        measured = "nothing measured yet" if d.get("measured") is None else \
+            f"{d['measurement']} {d['measured']:.3f} over {d['samples']} sample(s)"
+        lines.append(f"deadline   {name:<13} {d['seconds']:7.2f} s  ({d['basis']}: {measured}; "
+                     f"floor {d['floor_s']:g} s, cap {d['cap_s']:g} s)")
+    return lines
+
+
 def render(reply: dict[str, Any]) -> str:
     out = summary(reply)
+    if reply.get("deadlines"):
+        out += deadline_lines(reply["deadlines"])
     cap = reply.get("caps")
     if cap:
         out += caps(cap)

@@ -127,6 +127,16 @@ class LocalSwarm:
                     raise DaemonError(f"peer {node.index} did not answer within {timeout:.0f} s") from None
                 time.sleep(0.1)
 
+    def start_lossy(self, count: int, extra: tuple[str, ...], loss: float, seed: int) -> list[Node]:
+        """``count`` daemons, each ready before the next starts; with ``loss``, each drops that share of what it
+        receives (``--loss``, its own seed)."""
+        nodes: list[Node] = []
+        for i in range(count):
+            lossy = ("--loss", str(loss), "--loss-seed", str(seed * 100 + i)) if loss else ()
+            nodes.append(self.start(extra=(*extra, *lossy)))
+            self.wait_ready(nodes[-1])
+        return nodes
+
     def start_many(self, count: int, timeout: float = 120.0) -> list[Node]:
         first = not self.nodes
         started = []

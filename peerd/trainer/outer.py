@@ -12,8 +12,9 @@ so any difference would stay for good. After the group average every member ther
    STATE_GET), and fetches every shard whose hash differs from its owner's, verified against that hash.
    The owner of shard k is the group's k-th member as the averaging round knows it (``members``), never a
    record that claims index k: no other record repairs anything. Each shard is fetched as soon as its
-   owner's record is read: first the owner's piece index (a short hash of every PIECE bytes, kept after its
-   vector), then only the pieces that differ, in chunks with many requests outstanding. An owner that has
+   owner's record is read: the owner's piece index (a short hash of every PIECE bytes, kept after its
+   vector) in sections, and as each section arrives only its pieces that differ, in chunks with many
+   requests outstanding, each asked afresh after a few round trips when its answer is late. An owner that has
    published nothing once every other shard is settled is waited for OWNER_GRACE_S more, not the whole
    repair phase; one whose bytes do not verify is asked REPAIR_TRIES times.
    Without loss nothing is fetched; after repair every member of a group holds the owners' concatenation.
@@ -88,7 +89,10 @@ FETCH_WINDOW = 48  # chunk requests a member has in flight while it repairs: mor
 FETCH_TIMEOUT_S = 0.3  # a repair request's first retransmission at most (before the owner's round trip is known)
 FETCH_MIN_WAIT_S = 0.015  # ... and at least: below this, scheduling jitter on a busy host looks like loss
 FETCH_RTTS = 4  # ... else this many smoothed round trips to the owner (its learned RTO may be far longer)
-FETCH_ATTEMPTS = 10  # sends of one repair request: its doubling waits then span seconds, as the default's do
+FETCH_ATTEMPTS = 10  # requests for one repair chunk: their waits then span seconds, as the default's do
+FETCH_FLAT = 3  # ... the first this many each wait the same few round trips (random loss is not congestion),
+# the later ones twice as long each (an owner that stopped answering is not asked ever faster)
+INDEX_SECTION = 55  # pieces of an owner's piece index asked at once: what one STATE_GET answer carries
 PUSH_TIMEOUT_S = 0.3  # a pushed record's first retransmission at most (the learned RTO usually comes first)
 PUSH_ATTEMPTS = 4  # sends of a pushed record before it is left to the DHT copy
 
@@ -103,6 +107,28 @@ class Board(Protocol):
     def keep(self, blob: bytes) -> bytes: ...
     async def publish(self, record: OuterRecord) -> None: ...
     async def read(self) -> list[OuterRecord]: ...
+    async def _ask(self, addr: Address, sha: bytes, offset: int, length: int) -> bytes:
+        """One chunk of the blob ``sha`` from ``addr``, within this board's window: each request waits a few
+        round trips to ``addr`` (``fetch_timeout``, re-read each time) and is then asked afresh; after FETCH_FLAT
+        requests each waits twice as long as the last, FETCH_ATTEMPTS in all. A refusal ends it at once (a
+        read is idempotent: a late answer to an earlier request is dropped, never mistaken for another)."""
+        from ..transport.endpoint import RpcError
+
+        endpoint = self.sync.endpoint  # type: ignore[attr-defined]
+        scale = 1.0
+        async with self.window:
+            for attempt in range(FETCH_ATTEMPTS):
+                if attempt >= FETCH_FLAT:
+                    scale *= 2.0
+                wait = fetch_timeout(endpoint.rto.srtt(addr)) * scale
+                try:
+                    return await self.sync.fetch_range(  # type: ignore[attr-defined]
+                        addr, self.store, sha, offset, length, timeout=wait, attempts=1)
+                except RpcError as e:
+                    if "refused" in str(e) or attempt == FETCH_ATTEMPTS - 1:
+                        raise
+        raise AssertionError("unreachable")
+
     async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes: ...
     async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray: ...
 
@@ -140,38 +166,52 @@ class Agreement:
 
 
 async def fetch_shard(board: Board, owner: OuterRecord, mine: bytes | bytearray | memoryview,
-                      vector_bytes: int) -> tuple[bytes, int] | None:
+                      vector_bytes: int, *, section: int = INDEX_SECTION) -> tuple[bytes, int] | None:
     """The owner's shard (its bytes, and how many were fetched), verified against its published hash, or None
-    when what it serves does not verify. Reads the owner's piece index first (kept after its vector in the
-    blob ``owner.avg``) and fetches only the runs of pieces that differ, all at once; if the result does not
-    verify (the index lied, or the blob is not what the record says), the whole shard once."""
+    when what it serves does not verify. Reads the owner's piece index (kept after its vector in the blob
+    ``owner.avg``) in sections of ``section`` pieces, all at once, and as each section arrives fetches the runs
+    of its pieces that differ (so one lost index request delays only its own section's pieces); if the result
+    does not verify (the index lied, or the blob is not what the record says), the whole shard once."""
     start, stop = shard_bounds(owner.length, owner.size, owner.index)
     a, b = 4 * start, 4 * stop
     pieces = -(-(b - a) // PIECE)
-    index = await board.fetch_range(owner, owner.avg, vector_bytes, pieces * PIECE_HASH)
-    fetched = len(index)
-    if len(index) == pieces * PIECE_HASH:
-        runs = differing_runs(mine, index)
-        got = bytearray(mine)
-        parts: dict[int, bytes] = {}
+    got = bytearray(mine)
+    fetched = 0
+    whole = True
 
-        async def one(off: int, n: int) -> None:
-            parts[off] = await board.fetch_range(owner, owner.avg, a + off, n)
+    async def one_section(first: int) -> None:
+        nonlocal fetched, whole
+        count = min(section, pieces - first)
+        index = await board.fetch_range(owner, owner.avg, vector_bytes + first * PIECE_HASH, count * PIECE_HASH)
+        fetched += len(index)
+        if len(index) != count * PIECE_HASH:
+            whole = False
+            return
+        lo, hi = first * PIECE, min(b - a, (first + count) * PIECE)
+        runs = differing_runs(memoryview(mine)[lo:hi], index)
+
+        async def run(off: int, n: int) -> None:
+            nonlocal fetched, whole
+            part = await board.fetch_range(owner, owner.avg, a + lo + off, n)
+            if len(part) != n:
+                whole = False
+                return
+            got[lo + off: lo + off + n] = part
+            fetched += n
 
         async with trio.open_nursery() as nursery:
             for off, n in runs:
-                nursery.start_soon(one, off, n)
-        for off, n in runs:
-            if len(parts[off]) != n:
-                break
-            got[off: off + n] = parts[off]
-            fetched += n
-        if sha256(got) == owner.shard:
-            return bytes(got), fetched
-    whole = await board.fetch_range(owner, owner.avg, a, b - a)
-    if sha256(whole) != owner.shard:
+                nursery.start_soon(run, off, n)
+
+    async with trio.open_nursery() as nursery:
+        for first in range(0, pieces, section):
+            nursery.start_soon(one_section, first)
+    if whole and sha256(got) == owner.shard:
+        return bytes(got), fetched
+    data = await board.fetch_range(owner, owner.avg, a, b - a)
+    if sha256(data) != owner.shard:
         return None
-    return whole, fetched + len(whole)
+    return data, fetched + len(data)
 
 
 def fetch_timeout(srtt: float | None) -> float:
@@ -503,16 +543,37 @@ class DhtBoard:
             raise OuterError(f"no address for {holder.node.hex()[:12]}")
         return addr
 
+    async def _ask(self, addr: Address, sha: bytes, offset: int, length: int) -> bytes:
+        """One chunk of the blob ``sha`` from ``addr``, within this board's window: each request waits a few
+        round trips to ``addr`` (``fetch_timeout``, re-read each time) and is then asked afresh; after FETCH_FLAT
+        requests each waits twice as long as the last, FETCH_ATTEMPTS in all. A refusal ends it at once (a
+        read is idempotent: a late answer to an earlier request is dropped, never mistaken for another)."""
+        from ..transport.endpoint import RpcError
+
+        endpoint = self.sync.endpoint  # type: ignore[attr-defined]
+        scale = 1.0
+        async with self.window:
+            for attempt in range(FETCH_ATTEMPTS):
+                if attempt >= FETCH_FLAT:
+                    scale *= 2.0
+                wait = fetch_timeout(endpoint.rto.srtt(addr)) * scale
+                try:
+                    return await self.sync.fetch_range(  # type: ignore[attr-defined]
+                        addr, self.store, sha, offset, length, timeout=wait, attempts=1)
+                except RpcError as e:
+                    if "refused" in str(e) or attempt == FETCH_ATTEMPTS - 1:
+                        raise
+        raise AssertionError("unreachable")
+
     async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes:
         """The range in one request per chunk, up to FETCH_WINDOW of this board's requests in flight (one at a
         time, a range costs a round trip per chunk: seconds for a shard on a lossy link). A chunk's request is
-        retransmitted after a few round trips to the owner (``fetch_timeout``): a lost datagram costs that, not
-        the transport's default first wait, which backs off under loss to hundreds of milliseconds."""
+        asked again after a few round trips to the owner (``_ask``): a lost datagram costs that, not the
+        transport's default first wait and its doubling, which back off under loss to hundreds of milliseconds."""
         from ..statesync.service import CHUNK_OVERHEAD
         from ..wire import messages as m
 
         addr = await self._addr(holder)
-        endpoint = self.sync.endpoint  # type: ignore[attr-defined]
         chunk = max(1, min(m.MAX_CHUNK, self.sync.endpoint.max_body - CHUNK_OVERHEAD))  # type: ignore[attr-defined]
         offsets = iter(range(offset, offset + length, chunk))
         out = bytearray(length)
@@ -520,10 +581,7 @@ class DhtBoard:
         async def worker() -> None:
             for off in offsets:  # shared by the workers: each chunk is taken once
                 n = min(chunk, offset + length - off)
-                async with self.window:
-                    got = await self.sync.fetch_range(  # type: ignore[attr-defined]
-                        addr, self.store, sha, off, n, timeout=fetch_timeout(endpoint.rto.srtt(addr)),
-                        attempts=FETCH_ATTEMPTS)
+                got = await self._ask(addr, sha, off, n)
                 if len(got) != n:
                     raise OuterError(f"{holder.node.hex()[:12]} sent {len(got)} bytes of {n}")
                 out[off - offset: off - offset + n] = got
@@ -534,10 +592,56 @@ class DhtBoard:
         return bytes(out)
 
     async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray:
-        addrs = []
+        """The whole vector ``sha`` (``size`` bytes) from ``holders``: chunks spread over them, up to FETCH_WINDOW
+        requests in flight, each retransmitted after a few round trips to its holder (as ``fetch_range``); a
+        chunk that fails at one holder is asked of the next. Verified against ``sha``; raises OuterError."""
+        from ..statesync.service import CHUNK_OVERHEAD
+        from ..wire import messages as m
+
+        addrs: list[Address] = []
         for h in holders[:16]:
             try:
-                addrs.append(await self._addr(h))
+                addr = await self._addr(h)
             except OuterError:
                 continue
-        return await self.sync.download(self.store, sha, size, addrs)  # type: ignore[attr-defined]
+            if addr not in addrs:
+                addrs.append(addr)
+        if not addrs:
+            raise OuterError("no holder of the winning average could be reached")
+        endpoint = self.sync.endpoint  # type: ignore[attr-defined]
+        chunk = max(1, min(m.MAX_CHUNK, endpoint.max_body - CHUNK_OVERHEAD))
+        count = -(-size // chunk)
+        chunks = iter(range(count))
+        out = bytearray(size)
+        failed: list[int] = []
+
+        async def get(i: int) -> bool:
+            off = i * chunk
+            n = min(chunk, size - off)
+            for k in range(2 * len(addrs)):  # from holder i mod h first, so that chunks spread over the holders
+                addr = addrs[(i + k) % len(addrs)]
+                try:
+                    got = await self._ask(addr, sha, off, n)
+                except Exception as e:  # (RpcError, StateSyncError): the next holder
+                    log.debug("outer agreement: chunk at %d from %s: %s", off, addr, e)
+                    continue
+                if len(got) == n:
+                    out[off: off + n] = got
+                    return True
+            return False
+
+        async def worker(nursery: trio.Nursery) -> None:
+            for i in chunks:  # shared by the workers: each chunk is taken once
+                if not await get(i):
+                    failed.append(i * chunk)
+                    nursery.cancel_scope.cancel()
+                    return
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(FETCH_WINDOW, count)):
+                nursery.start_soon(worker, nursery)
+        if failed:
+            raise OuterError(f"no holder served the winning average's bytes at offset {failed[0]}")
+        if sha256(out) != sha:
+            raise OuterError("the winning average's bytes do not match its hash")
+        return out

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..allreduce.robust import DEFAULT_C, Robust, parse_robust
+from ..allreduce.robust import DEFAULT_C, MAX_C, Robust, parse_robust
+from ..deadlines import DeadlineTuner
 from ..localsock.arena import Arena, ArenaError, fill_blob, read_blob
 from ..localsock.phases import parse_phases
 from ..localsock.server import Connection, OpError
@@ -106,6 +107,8 @@ class TrainerService:
         self.ready = bool(getattr(average, "accepts_ready", False)) if ready is None else ready  # (a marker)
         self.statesync = statesync
         self.peer_id = peer_id
+        self.deadlines: DeadlineTuner | None = None  # a step's wait tunes itself within the trainer's timeout_s
+        self._replied: dict[int, float] = {}  # session -> when its last step's reply went (its compute since)
         self.sessions: dict[int, Session] = {}
         self._next = 1
         # outer records the group's members push to this daemon (OUTER_RECORD), for run keys it trains
@@ -240,6 +243,7 @@ class TrainerService:
             return
         session.closed = True
         self.sessions.pop(session.id, None)
+        self._replied.pop(session.id, None)
         for event, skipped in session.deferred.values():  # deferred buckets waiting on a trainer that left
             skipped.append(True)
             event.set()
@@ -278,6 +282,7 @@ class TrainerService:
         except ArenaError as e:
             raise OpError(str(e)) from None
         entered = time.monotonic()
+        timeout = timeout if self.deadlines is None else self.deadlines.step_wait(float(timeout)).seconds
         vector, finite = await take_slot(session.arena.vector(step))  # averaging must not see the slot change
         if not finite:  # a NaN would poison every peer's average
             raise OpError(f"step {step}: the vector holds NaN or infinity; not averaging it with the swarm")
@@ -287,6 +292,7 @@ class TrainerService:
         seconds = time.monotonic() - start
         self.metrics.trainer_steps.labels(outcome).inc()
         self.metrics.trainer_step_seconds.observe(seconds)
+        self._measured(session, entered, seconds if outcome == "averaged" else None)
         if session.closed or conn.closed:
             return {}  # the trainer went away mid-step; nobody to answer
         if session.latest != step:
@@ -303,6 +309,15 @@ class TrainerService:
             self.metrics.trainer_received_fraction.set(reply["received_fraction"])
         session.last = reply
         return reply
+
+    def _measured(self, session: Session, entered: float, round_s: float | None) -> None:
+        """Tell the deadline tuner a step's round time and the compute before it (since the session's last reply)."""
+        if self.deadlines is None:
+            return
+        replied = self._replied.get(session.id)
+        self.deadlines.receive_step(round_s=round_s, compute_s=None if replied is None else entered - replied,
+                                    now=time.time())
+        self._replied[session.id] = time.monotonic()
 
     @staticmethod
     def _options(session: Session, kind: str, vector: np.ndarray, round_no: int | None) -> dict[str, Any]:
@@ -324,8 +339,11 @@ class TrainerService:
             # clean), and these averages are rare (every K steps), so their clipping pass costs little.
             extra["robust"] = Robust("centered", DEFAULT_C if session.robust is None else session.robust.c)
             extra["center"] = vector
-        elif session.robust is not None:
-            extra["robust"] = session.robust
+        else:
+            # without the session's robust, the weight bound and the direction test alone (clipping only past
+            # MAX_C times the median), as on outer steps: a sign-flipped member claiming a large weight is left
+            # out, and honest averages keep their members' norms
+            extra["robust"] = session.robust if session.robust is not None else Robust("clip", MAX_C)
         return extra
 
     async def _average_vector(self, session: Session, run_id: str, kind: str, vector: np.ndarray, weight: float,

@@ -7,10 +7,11 @@
   request gives up when the fixed schedule ``timeout, 2*timeout, ...`` (``attempts`` waits) would have ended.
   Karn's rule: only an answer to a request sent once is a round-trip sample; a first wait that runs out backs the
   destination off (RFC 6298 5.5). At most ``max_pending`` requests are open at once.
-- **Demultiplexing.** ``route`` says what an authenticated control message is: the answer to a pending request
-  (``ANSWER``: stored for ``step``; a second answer is a ``DUPLICATE``), the PONG to this node's address-validation
-  PING (``VALIDATION``), a message for a registered handler (``HANDLER``), or nothing this node expects
-  (``UNEXPECTED``: a late answer, an unsolicited response).
+- **Demultiplexing.** ``receive_message`` takes an authenticated control message and queues what it asks of the
+  shell (``take_actions``): the answer to a pending request (``AnswerArrived``: stored for ``step``, its waiter is
+  woken; a second answer is dropped), the PONG to this node's address-validation PING (``AddressValidated``), a
+  message for a registered handler (``Deliver``), or nothing for one this node does not expect (a late answer, an
+  unsolicited response: counted ``unexpected``).
 - **Outsiders.** The amplification guard, the answers held for addresses not yet validated, the validation
   challenges, and the rationing of authentication failures (``AuthLimiter``) live here, bounded.
 - **Receivers.** Which node id is at which address (an LRU), to seal each datagram for its receiver.
@@ -23,7 +24,6 @@ directly in virtual time.
 
 from __future__ import annotations
 
-import enum
 import random
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -100,12 +100,31 @@ class TransportStatistics:
     receiving: ReceiveStatistics
 
 
-class Route(enum.Enum):
-    ANSWER = "answer"
-    DUPLICATE = "duplicate"
-    VALIDATION = "validation"
-    HANDLER = "handler"
-    UNEXPECTED = "unexpected"
+@dataclass(frozen=True, slots=True)
+class AnswerArrived:
+    """The answer to request ``rid`` is in: wake its waiter (its next ``step`` is ``Answered``)."""
+
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class AddressValidated:
+    """``addr`` answered this node's validating PING: send what was held for it (``release``)."""
+
+    addr: Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """A message for the handler registered for ``mtype`` (its answer, if any, goes back to ``source``)."""
+
+    mtype: int
+    rid: int
+    source: Hashable
+    message: Any
+
+
+Action = AnswerArrived | AddressValidated | Deliver
 
 
 @dataclass(slots=True)
@@ -167,6 +186,7 @@ class TransportCore:
         self._ids: OrderedDict[Hashable, bytes] = OrderedDict()
         self._held: OrderedDict[Hashable, list[Any]] = OrderedDict()
         self._challenges: OrderedDict[int, Hashable] = OrderedDict()  # rid of a validating PING -> its address
+        self._actions: list[Action] = []  # what receive_message asked of the shell, until take_actions
         self.paths = Paths(max_known_ids)  # where datagrams to each peer go (NAT traversal), and the counts per path
 
     # -- ids -------------------------------------------------------------------------------------------------
@@ -246,6 +266,14 @@ class TransportCore:
         """The timer came: the receive loop's pause ends (requests are advanced by ``step``, one caller each)."""
         self.receiving.handle_timer(now)
 
+    def take_actions(self) -> list[Action]:
+        """What the inputs since the last call asked the shell to do, in order (drained)."""
+        actions = self._actions
+        if not actions:
+            return []
+        self._actions = []
+        return actions
+
     def statistics(self) -> TransportStatistics:
         r = self.receiving.statistics()
         return TransportStatistics(len(self._pending), len(self._held), len(self._challenges), r)
@@ -264,26 +292,31 @@ class TransportCore:
     def response_type(self, mtype: int) -> int | None:
         return self._handled.get(mtype)
 
-    def route(self, mtype: int, rid: int, source: Hashable, reply: Any, now: float) -> Route:
-        """What an authenticated control message of ``mtype`` with ``rid`` from ``source`` is. An ``ANSWER``
-        is stored (``reply``) for its request's next ``step``; a ``VALIDATION`` validates ``source`` (then
-        ``release`` what was held for it)."""
+    def receive_message(self, mtype: int, rid: int, source: Hashable, message: Any, now: float) -> None:
+        """An authenticated control message of ``mtype`` with ``rid`` from ``source``: an answer is stored
+        (``message``) for its request's next ``step`` (``AnswerArrived``); the PONG to a validating PING validates
+        ``source`` (``AddressValidated``); a registered type goes to its handler (``Deliver``); anything else is
+        counted ``unexpected`` (a second answer: not counted, nothing to do)."""
         if mtype == PONG and self._challenges.get(rid) == source:
             for challenge in [c for c, a in self._challenges.items() if a == source]:
                 del self._challenges[challenge]
             self.guard.validate(source)
-            return Route.VALIDATION
+            self._actions.append(AddressValidated(source))
+            return
         p = self._pending.get(rid)
         if p is not None and (mtype == p.expect or mtype == ERROR):
             if p.reply is not None:
-                return Route.DUPLICATE
-            p.reply, p.answered_at = reply, now
+                return
+            p.reply, p.answered_at = message, now
             if source == p.addr:  # it read this request's random rid: it receives at this address
                 self.guard.validate(source)
-            return Route.ANSWER
+            self.receiving.answers += 1
+            self._actions.append(AnswerArrived(rid))
+            return
         if mtype in self._handled:
-            return Route.HANDLER
-        return Route.UNEXPECTED
+            self._actions.append(Deliver(mtype, rid, source, message))
+            return
+        self.receiving.dropped("unexpected")
 
     # -- answers to addresses not yet validated -----------------------------------------------------------------
     def may_answer(self, addr: Hashable, nbytes: int) -> bool:

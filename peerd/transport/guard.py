@@ -87,7 +87,7 @@ class AuthLimiter:
             self._derive = TokenBucket(self.derive_rate, self.derive_burst, now)
         return self._derive.take(now)
 
-    def failed(self, source: Hashable, now: float, count: int = 1) -> None:
+    def failed(self, source: Hashable, count: int, now: float) -> None:
         """``count`` datagrams from ``source`` failed to authenticate."""
         bucket = self._sources.get(source)
         if bucket is None:
@@ -131,9 +131,9 @@ class NativeAuthLimiter:
             return False
         return self.table.derive(now)
 
-    def failed(self, source: Hashable, now: float, count: int = 1) -> None:
+    def failed(self, source: Hashable, count: int, now: float) -> None:
         if not self.table.failed(source, now, count):
-            self._other.failed(source, now, count)
+            self._other.failed(source, count, now)
 
 
 def auth_limiter(seed: int = 0) -> AuthLimiter | NativeAuthLimiter:

@@ -30,7 +30,7 @@ from ..wire.envelope import (
 from ..wire.errors import WireError
 from ..wire.identity import node_id_of, verify_token_binding
 from ..wire.seal import TAG_SIZE, TokenState
-from .core import Route
+from .core import AddressValidated, AnswerArrived
 from .pause import Pause
 from .receive import DERIVE, OPEN, REFUSE, rows_share_head
 from .rpc import Address, Incoming, Peer, RpcError
@@ -254,7 +254,7 @@ class Inbound:
                 policy.dropped("replay", opened.replays)
             if opened.auth_failures:
                 policy.dropped("auth", opened.auth_failures)
-                self.core.auth_limiter.failed(source, now, opened.auth_failures)
+                self.core.auth_limiter.failed(source, opened.auth_failures, now)
             if len(opened.bodies):
                 policy.data_blocks += 1
                 policy.accepted(opened.type, source, len(opened.bodies) * segment, len(opened.bodies))
@@ -334,7 +334,7 @@ class Inbound:
             header, body, state = self.opener.open(data, may_derive)
         except WireError as e:
             if e.reason == "auth":
-                self.core.auth_limiter.failed(source, now)
+                self.core.auth_limiter.failed(source, 1, now)
             policy.refused(e.reason)
             return
         except Exception:  # a bug the input reached must not end the receive loop (and with it the daemon)
@@ -389,22 +389,21 @@ class Inbound:
             self._handler_failed(mtype)
 
     def _route(self, incoming: Incoming, mtype: int, source: Address, now: float) -> None:
-        """An authenticated control message: what the core says it is (an answer, a validation, a request)."""
+        """An authenticated control message: what the core asks for it (wake a request, send what was held for a
+        validated address, run a handler)."""
+        core = self.core
+        core.receive_message(mtype, incoming.body["rid"], source, incoming, now)
+        for action in core.take_actions():
+            if type(action) is AnswerArrived:
+                self._events[action.rid].set()
+            elif type(action) is AddressValidated:
+                self._outbox.append(("validated", action.addr))
+            else:
+                self._deliver(action.message, action.mtype, action.rid, action.source, now)
+
+    def _deliver(self, incoming: Incoming, mtype: int, rid: int, source: Address, now: float) -> None:
+        """A message for its registered handler; the handler's answer (or the ERROR it raised) goes to the outbox."""
         policy = self.core.receiving
-        rid = incoming.body["rid"]
-        route = self.core.route(mtype, rid, source, incoming, now)
-        if route is Route.ANSWER:
-            self._events[rid].set()
-            policy.answers += 1
-            return
-        if route is Route.VALIDATION:
-            self._outbox.append(("validated", source))
-            return
-        if route is Route.DUPLICATE:
-            return
-        if route is Route.UNEXPECTED:
-            policy.dropped("unexpected")
-            return
         response_type = self.core.response_type(mtype)
         handler = self._handlers[mtype]
         if self.nat is not None and not incoming.relayed:

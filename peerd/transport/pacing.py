@@ -107,6 +107,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 from .pacing_judge import Judgement, State
 from .pacing_params import (
@@ -142,7 +143,21 @@ from .pacing_records import DeliveryMeter, Report, SendPositions, Verdict, _Cap,
 from .qdelay import QueueDelay
 
 __all__ = ["BURST_S", "CYCLE", "FAST_STARTUP_MIN", "FAST_STARTUP_RATE", "FIRST_REPORT", "PHASE_S", "START_RATE",
-           "DeliveryMeter", "Pacer", "Report", "SendPositions", "State", "Verdict", "start_rate"]
+           "DeliveryMeter", "Pacer", "PacerStatistics", "Report", "SendPositions", "State", "Verdict", "start_rate"]
+
+
+@dataclass(frozen=True, slots=True)
+class PacerStatistics:
+    """A snapshot of the pacer: its rate and bottleneck estimate (bytes/s; btl None in startup), its state, the last
+    judged phase's uplink queue (seconds; None before one), and how often it cut, raised and resumed."""
+
+    rate: float
+    btl: float | None
+    state: str
+    queue_delay: float | None
+    decreases: int
+    increases: int
+    resumes: int
 
 
 class Pacer(Judgement):
@@ -203,6 +218,10 @@ class Pacer(Judgement):
     def mode(self) -> str:
         return self.state.value
 
+    def statistics(self) -> PacerStatistics:
+        return PacerStatistics(self.rate, self._btl, self.state.value, self.queue_delay, self.decreases,
+                               self.increases, self.resumes)
+
     @property
     def btl(self) -> float | None:
         """The bottleneck estimate, bytes/s (None in startup)."""
@@ -248,8 +267,9 @@ class Pacer(Judgement):
         return max(0.0, start - now)
 
     # -- sending -----------------------------------------------------------------------------------
-    def reserve(self, nbytes: int, now: float, dest: Hashable = None) -> float:
-        """Account for sending ``nbytes`` to ``dest`` now; returns how long to wait before sending them."""
+    def reserve(self, nbytes: int, dest: Hashable, now: float) -> float:
+        """Account for sending ``nbytes`` to ``dest`` (None: no destination to report on it) now; returns how long to
+        wait before sending them."""
         if self._last_send is not None and now - self._last_send >= IDLE_S:
             self._resume(now, now - self._last_send)
         self._advance(now)
@@ -419,24 +439,23 @@ class Pacer(Judgement):
             self._delay += DELAY_GAIN * (d - self._delay)
 
     # -- feedback ----------------------------------------------------------------------------------
-    def on_report(
-        self, dest: Hashable, report: Report, now: float, sent_span: tuple[float, float] | None = None,
-        placed: float = 0.0,
+    def receive_report(
+        self, dest: Hashable, report: Report, sent_span: tuple[float, float] | None, placed: float, now: float,
     ) -> Verdict:
         """Pool one receiver's interval report, received at ``now``, into the phase its datagrams were
         sent in; judge the phases whose reports are all in.
 
         ``sent_span``: when this sender sent the first and the last datagram of the interval (the driver
-        knows from ``report.position``). Without it the interval is taken to end ``now``. ``placed``: how far
-        into its batch the last one was placed (SendPositions.placed): a sample placed more than BASE_PLACED
-        into a burst does not set the path's base delay."""
+        knows from ``report.position``). Without it (None) the interval is taken to end ``now``. ``placed``: how
+        far into its batch the last one was placed (SendPositions.placed; 0.0 where unknown): a sample placed more
+        than BASE_PLACED into a burst does not set the path's base delay."""
         self._advance(now)
         r = report
         if sent_span is not None and r.expected > 0:
             self._note_delay(dest, sent_span, r.position == r.expected, now)
             if r.arrived > 0:
                 # the datagram at the top of the interval: sent at sent_span[1], arrived at r.arrived
-                q = self._queues.sample(dest, r.arrived - sent_span[1], sent_span[1], placed <= BASE_PLACED)
+                q = self._queues.sample(dest, r.arrived - sent_span[1], sent_span[1], base=placed <= BASE_PLACED)
                 at = self._phase_at(sent_span[1])
                 if q is not None and at is not None:
                     at.queue.append((sent_span[1], q, dest))

@@ -30,7 +30,7 @@ class QueueDelay:
         self._paths: OrderedDict[Hashable, deque[list[float]]] = OrderedDict()  # path -> [bucket, least sample]
         self.max_paths = max_paths
 
-    def sample(self, path: Hashable, owd: float, now: float, base: bool = True) -> float | None:
+    def sample(self, path: Hashable, owd: float, now: float, *, base: bool = True) -> float | None:
         """The queueing delay of one sample (seconds; 0 for the least one), or None for a sample that is not a
         number or a path with no base yet. ``owd``: arrival time (receiver's clock) minus send time (this
         sender's clock). ``base`` False: a sample whose send time is a model's (a datagram deep in a burst,

@@ -179,7 +179,7 @@ class ReceivePolicy:
         if not self.sealed or token_known:
             return OPEN
         if not flags & FLAG_SEALED:
-            self.limiter.failed(source, now)
+            self.limiter.failed(source, 1, now)
             return "auth"
         if length < HEADER_SIZE + TAG_SIZE:
             return "malformed"

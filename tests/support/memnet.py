@@ -11,10 +11,14 @@ from __future__ import annotations
 import math
 import random
 import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
 from peerd.tools.sim.net import Link
+
+from .virtual import run_virtual
 
 
 class MemNet:
@@ -109,3 +113,18 @@ class MemSocket:
 
     def close(self) -> None:
         self.dead = True
+
+
+def run_on_memnet(body: Callable[[Any, trio.Nursery], Awaitable[Any]], net: MemNet | None = None,
+                  **options: Any) -> None:
+    """Run ``body(net, nursery)`` in virtual time on ``net`` (default: a fresh ``MemNet(**options)``) whose sockets'
+    tasks run in ``nursery``; what ``body`` leaves running there is cancelled when it returns."""
+
+    async def main() -> None:
+        mem = MemNet(**options) if net is None else net
+        async with trio.open_nursery() as nursery:
+            mem.nursery = nursery
+            await body(mem, nursery)
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)

@@ -310,11 +310,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
     gloo: GlooBaseline | None = None
     try:
         _progress(f"starting {cfg.peers} daemons ...", quiet)
-        nodes: list[Node] = []
-        for i in range(cfg.peers):
-            loss = ("--loss", str(cfg.loss), "--loss-seed", str(cfg.seed * 100 + i)) if cfg.loss else ()
-            nodes.append(swarm.start(extra=(*extra, *loss)))
-            swarm.wait_ready(nodes[-1])
+        nodes = swarm.start_lossy(cfg.peers, tuple(extra), cfg.loss, cfg.seed)
         relay_node: Node | None = None
         if cfg.nat == "symmetric":  # the relay: a public daemon in the swarm, not in the group
             relay_node = swarm.start(extra=tuple(extra))

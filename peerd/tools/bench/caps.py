@@ -21,23 +21,21 @@ The lab has no delay emulation: its RTT is the queue's and the hosts'.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ...linkcap.rates import parse_rate as parse_cap
-from ...localsock.client import DaemonError
 from ..lab.links import LinkLab, parse_rate
 from ..swarm import LocalSwarm
-from .step import StepBenchConfig, transfer_seconds
+from .runner import run_bench
+from .step import StepBenchConfig, start_workers, stop_workers, transfer_seconds, wait_workers
 
 CAPPED = 1  # the capped member (not node 0, which the others bootstrap from)
 SAMPLE_S = 1.0
@@ -147,30 +145,13 @@ def run_caps_bench(cfg: CapsBenchConfig, *, say: Any = print) -> dict[str, Any]:
             time.sleep(1.0)  # the DHT settles
             step_cfg = StepBenchConfig(peers=cfg.peers, steps=cfg.steps, params=cfg.params, link=cfg.link,
                                        warmup=cfg.warmup, timeout_s=cfg.timeout_s)
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
             with _Sampler(lab, CAPPED) as sampler:
-                for i in range(cfg.peers):
-                    out = os.path.join(workdir, f"steps{i}.json")
-                    cmd = [*lab.exec_prefix(i), sys.executable, "-m", "peerd.tools.bench.step", "--worker", "--socket",
-                           swarm.nodes[i].socket, "--out", out, "--config", json.dumps(asdict(step_cfg))]
-                    err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
-                    procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env), out, err))
+                start_workers(procs, swarm, workdir, step_cfg, lab.exec_prefix)
                 say(f"{cfg.peers} trainers: {cfg.steps} sync steps of {cfg.params} parameters ...")
-                records = []
-                for i, (proc, out, _err) in enumerate(procs):
-                    rc = proc.wait(timeout=cfg.steps * (cfg.timeout_s + 10) + 120)
-                    if rc != 0:
-                        with open(os.path.join(workdir, f"trainer{i}.log")) as f:
-                            raise RuntimeError(f"trainer {i} exited with {rc}:\n{f.read()[-3000:]}")
-                    with open(out) as f:
-                        records.append(json.load(f))
+                records = wait_workers(procs, workdir, step_cfg)
             node_caps = swarm.nodes[CAPPED].call("status").get("caps")
         finally:
-            for proc, _, err in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                err.close()
+            stop_workers(procs)
             swarm.cleanup()
     finally:
         lab.close()
@@ -198,22 +179,10 @@ def cmd_bench_caps(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     cfg = CapsBenchConfig(peers=args.peers, link=args.link, cap_upload=args.cap_upload,
                           cap_download=args.cap_download, params=int(args.params), steps=args.steps,
                           warmup=min(args.warmup, args.steps - 1))
-    try:
-        cfg.check()
-    except ValueError as e:
-        parser.error(str(e))
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    try:
-        result = run_caps_bench(cfg, say=say)
-    except KeyboardInterrupt:
-        print("\nstopped (every daemon, namespace and temp dir removed)", file=sys.stderr)
-        return 130
-    except (DaemonError, RuntimeError) as e:
-        print(f"peerd: error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(result))
-        return 0
+    result = run_bench(cfg, parser, lambda say: run_caps_bench(cfg, say=say), print_json=args.json,
+                       left="every daemon, namespace and temp dir")
+    if isinstance(result, int):
+        return result
     d = result["direction"]
     print(f"{result['peers']} peers on {result['link']} links, member {CAPPED} capped at {result['cap_mbit']} Mbit/s "
           f"({d})")

@@ -40,6 +40,7 @@ from ...transport.endpoint import Endpoint
 from ...transport.udp import UdpSocket
 from ...wire.identity import Identity, load_swarm_key
 from ..swarm import LocalSwarm, Node
+from .runner import run_bench
 
 
 @dataclass
@@ -277,18 +278,9 @@ def add_parser(bench: Any) -> None:
 
 def cmd_bench_dht(args: Any, parser: Any) -> int:
     cfg = DhtBenchConfig(peers=args.peers, keys=args.keys, seed=args.seed, insecure=args.insecure)
-    try:
-        cfg.check()
-    except ValueError as e:
-        parser.error(str(e))
-    try:
-        result = run_dht_bench(cfg, quiet=args.json)
-    except KeyboardInterrupt:
-        print("\nstopped (every daemon and temp dir removed)", file=sys.stderr)
-        return 130
-    except DaemonError as e:
-        print(f"peerd: error: {e}", file=sys.stderr)
-        return 1
+    result = run_bench(cfg, parser, lambda say: run_dht_bench(cfg, quiet=args.json), errors=(DaemonError,))
+    if isinstance(result, int):
+        return result
     if args.json:
         print(json.dumps(result))
     else:

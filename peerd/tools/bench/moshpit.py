@@ -139,11 +139,7 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
         raise
     try:
         _progress(f"starting {cfg.peers} daemons ...", quiet)
-        nodes: list[Node] = []
-        for i in range(cfg.peers):
-            loss = ("--loss", str(cfg.loss), "--loss-seed", str(cfg.seed * 100 + i)) if cfg.loss else ()
-            nodes.append(swarm.start(extra=(*extra, *loss)))
-            swarm.wait_ready(nodes[-1])
+        nodes = swarm.start_lossy(cfg.peers, tuple(extra), cfg.loss, cfg.seed)
         _wait_connected(nodes)
         if lab is not None:
             lab.reset_counters()  # the drop fraction below covers the rounds, not the daemons' startup

@@ -35,6 +35,7 @@ import numpy as np
 from ...localsock.client import DaemonError
 from ..swarm import LocalSwarm, Node
 from .moshpit import _wait_connected
+from .runner import run_bench
 from .soak_attack import CLASSES, OUTSIDER_CPU_CLASSES
 from .soak_monitor import (
     _Cpu,
@@ -613,21 +614,9 @@ def cmd_bench_soak(args: Any, parser: Any) -> int:
                      calm_s=args.calm, seed=args.seed, identities=getattr(args, "identities", 64),
                      outsider_s=getattr(args, "outsider_seconds", 3.0),
                      classes=tuple(args.classes.split(",")) if getattr(args, "classes", None) else CLASSES)
-    try:
-        cfg.check()
-    except ValueError as e:
-        parser.error(str(e))
-    try:
-        result = run_soak(cfg, quiet=args.json)
-    except KeyboardInterrupt:
-        print("\nstopped (every daemon and temp dir removed)", file=sys.stderr)
-        return 130
-    except (DaemonError, RuntimeError) as e:
-        print(f"peerd: error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
+    result = run_bench(cfg, parser, lambda say: run_soak(cfg, quiet=args.json), print_json=args.json, indent=2)
+    if isinstance(result, int):
+        return result
     print(f"{result['datagrams_sent']:,} datagrams in {result['seconds']:.1f} s "
           f"({result['datagrams_per_second']:,.0f}/s, burst {result['burst_datagrams_per_second']:,.0f}/s)")
     print(f"outsider only: daemon CPU {result['outsider_cpu_us_per_datagram']} us/datagram (max over daemons, "

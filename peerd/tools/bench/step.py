@@ -35,10 +35,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ...localsock.client import DaemonError
 from ...localsock.phases import PHASES
 from ..lab.links import LinkLab, parse_rate
 from ..swarm import LocalSwarm
+from .runner import run_bench
 
 RUN = "bench-step"
 DATAGRAM_PAYLOAD = 1200  # default UDP payload of a data datagram (--mtu)
@@ -147,6 +147,41 @@ def _ping_rtt(swarm: LocalSwarm, lab: LinkLab | None) -> float:
     return total / count if count else 0.0
 
 
+def start_workers(procs: list[tuple[subprocess.Popen, str, Any]], swarm: LocalSwarm, workdir: str,
+                  cfg: StepBenchConfig, prefix: Callable[[int], list[str]]) -> None:
+    """One trainer process per node of ``swarm`` running ``cfg``'s steps (``prefix(i)``: what runs node ``i``'s, a
+    lab namespace's ``ip netns exec``), each appended to ``procs`` as it starts (the caller stops them all)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for i in range(cfg.peers):
+        out = os.path.join(workdir, f"steps{i}.json")
+        cmd = [*prefix(i), sys.executable, "-m", "peerd.tools.bench.step", "--worker", "--socket",
+               swarm.nodes[i].socket, "--out", out, "--config", json.dumps(asdict(cfg))]
+        err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
+        procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env), out, err))
+
+
+def stop_workers(procs: list[tuple[subprocess.Popen, str, Any]]) -> None:
+    """Kill the trainers still running and close their logs."""
+    for proc, _, err in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        err.close()
+
+
+def wait_workers(procs: list[tuple[subprocess.Popen, str, Any]], workdir: str, cfg: StepBenchConfig) -> list[Any]:
+    """Each trainer's step records, once it has exited (one that failed: RuntimeError with its log's tail)."""
+    records = []
+    for i, (proc, out, _err) in enumerate(procs):
+        rc = proc.wait(timeout=cfg.steps * (cfg.timeout_s + 10) + 120)
+        if rc != 0:
+            with open(os.path.join(workdir, f"trainer{i}.log")) as f:
+                raise RuntimeError(f"trainer {i} exited with {rc}:\n{f.read()[-3000:]}")
+        with open(out) as f:
+            records.append(json.load(f))
+    return records
+
+
 def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
     cfg.check()
     workdir = tempfile.mkdtemp(prefix="peerd-bench-step-")
@@ -163,31 +198,12 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
             for _ in range(cfg.peers):
                 swarm.wait_ready(swarm.start())
             time.sleep(1.0)  # the DHT settles (every daemon bootstrapped from node 0)
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-            for i in range(cfg.peers):
-                out = os.path.join(workdir, f"steps{i}.json")
-                cmd = [sys.executable, "-m", "peerd.tools.bench.step", "--worker", "--socket", swarm.nodes[i].socket,
-                       "--out", out, "--config", json.dumps(asdict(cfg))]
-                if lab is not None:
-                    cmd = [*lab.exec_prefix(i), *cmd]
-                err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
-                procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env), out, err))
+            start_workers(procs, swarm, workdir, cfg, lab.exec_prefix if lab is not None else lambda i: [])
             say(f"{cfg.peers} trainers: {cfg.steps} {cfg.mode} steps of {cfg.params} parameters ...")
-            records = []
-            for i, (proc, out, _err) in enumerate(procs):
-                rc = proc.wait(timeout=cfg.steps * (cfg.timeout_s + 10) + 120)
-                if rc != 0:
-                    with open(os.path.join(workdir, f"trainer{i}.log")) as f:
-                        raise RuntimeError(f"trainer {i} exited with {rc}:\n{f.read()[-3000:]}")
-                with open(out) as f:
-                    records.append(json.load(f))
+            records = wait_workers(procs, workdir, cfg)
             rtt = _ping_rtt(swarm, lab)
         finally:
-            for proc, _, err in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                err.close()
+            stop_workers(procs)
             swarm.cleanup()
     finally:
         if lab is not None:
@@ -266,22 +282,10 @@ def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     cfg = StepBenchConfig(peers=args.peers, steps=args.steps, params=int(args.params), mode=args.mode,
                           link=args.link, link_loss=args.link_loss, warmup=min(args.warmup, args.steps - 1),
                           keep_rounds=args.keep_rounds, compression=args.compression, sync_every=args.sync_every)
-    try:
-        cfg.check()
-    except ValueError as e:
-        parser.error(str(e))
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    try:
-        result = run_step_bench(cfg, say=say)
-    except KeyboardInterrupt:
-        print("\nstopped (every daemon, namespace and temp dir removed)", file=sys.stderr)
-        return 130
-    except (DaemonError, RuntimeError) as e:
-        print(f"peerd: error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(result))
-        return 0
+    result = run_bench(cfg, parser, lambda say: run_step_bench(cfg, say=say), print_json=args.json,
+                       left="every daemon, namespace and temp dir")
+    if isinstance(result, int):
+        return result
     where = result["link"] or "loopback"
     if result["link_loss"]:
         where += f", loss {result['link_loss']}"

@@ -100,6 +100,8 @@ class SimNatNode:
                 self._do(self.puncher.receive_pong(sender, src, now))
             entry[0](msg, src)
             return
+        if via is None and t in RESPONSES:  # a request, answered at its source (the daemon's ``heard``)
+            self.reach.receive_request(sender, src, now)
         if t == "PING":
             if via is None and self.puncher.punching(sender):  # its punch got through: the path works
                 self._do(self.puncher.receive_pong(sender, src, now))

@@ -1,0 +1,36 @@
+"""Moshpit's side of self-tuning deadlines: what a round asks the deadline tuner (peerd/deadlines.py) and what it
+tells it afterwards, so the service's round loop stays one call each."""
+
+from __future__ import annotations
+
+from ..deadlines import WINDOW_END_SLACK_S, DeadlineTuner
+from .runstate import RoundResult
+
+SILENCE_CAP_S = 1.0  # an averaging phase's floor before tuning: the silence that ends it
+
+
+def tuned_window(deadlines: DeadlineTuner | None, cap_s: float) -> float:
+    """The matchmaking window of the next round: the run's ``cap_s`` unless measurements say it can be shorter."""
+    return cap_s if deadlines is None else deadlines.window(cap_s).seconds
+
+
+def phase_deadlines(deadlines: DeadlineTuner | None, nbytes: int, cap_s: float, capped_s: float) -> tuple[float, float]:
+    """(the silence that ends an averaging phase, its longest) for a vector of ``nbytes``: tuned within today's
+    1 s and ``cap_s``, never below what a capped member's share needs (``capped_s``)."""
+    if deadlines is None:
+        return SILENCE_CAP_S, cap_s
+    longest = max(min(capped_s, cap_s), deadlines.phase(nbytes, cap_s).seconds)
+    return deadlines.phase_silence(SILENCE_CAP_S).seconds, longest
+
+
+def note_round(deadlines: DeadlineTuner | None, r: RoundResult, window_s: float, t0: float, now: float) -> None:
+    """Hand an averaged round's facts to the tuner: how long its group took to gather (when it matchmade), who was
+    in it, and its pace (when every member was heard)."""
+    if deadlines is None or r.outcome != "averaged":
+        return
+    gathered = r.window_end > 0 and not r.kept  # (a kept group's round did not matchmake)
+    heard = tuple(m for i, m in enumerate(r.members) if i not in r.out)  # (not the members that stayed silent)
+    deadlines.receive_round(
+        gather_s=r.matchmaking_s if gathered else None, window_s=window_s, members=heard,
+        at_window_end=gathered and t0 + r.matchmaking_s >= r.window_end - WINDOW_END_SLACK_S,
+        nbytes=r.vector.nbytes, transfer_s=r.transfer_s, clean=not r.silent and not r.out, now=now)
