@@ -123,11 +123,12 @@ def caps(c: dict[str, Any]) -> list[str]:
         at = b.get("runs_out_at")
         if b.get("on_track", True) or b.get("runs_out_in_s") is None:
             lines.append(f"           on track: at the last minute's {rate(b['recent_rate'])}bit/s it lasts the "
-                         f"period (pacing to {rate(b['allowance'])}bit/s both ways)")
+                         f"period (allowance {rate(b['allowance'])}bit/s both ways together)")
         else:
             when = "" if at is None else time.strftime(" (%Y-%m-%d %H:%M UTC)", time.gmtime(at))
             lines.append(f"           at the last minute's {rate(b['recent_rate'])}bit/s it runs out in "
-                         f"{_span(b['runs_out_in_s'])}{when}; pacing to {rate(b['allowance'])}bit/s both ways")
+                         f"{_span(b['runs_out_in_s'])}{when}; allowance {rate(b['allowance'])}bit/s both ways "
+                         f"together")
     return lines
 
 

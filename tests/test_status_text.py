@@ -1,0 +1,45 @@
+"""``peerd status`` as text (peerd.status.text): the caps and budget lines from a status reply."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime
+
+from peerd.linkcap import CapConfig, LinkCap, parse_budget
+from peerd.linkcap.advert import WIRE_OVERHEAD
+from peerd.status.text import render
+
+MBIT = 1e6 / 8
+BASE = {"peer_id": "ab" * 32, "listen": "127.0.0.1:7411", "peers": 3, "joined": True, "uptime_s": 90.0}
+
+
+def status_of(cap: LinkCap) -> dict:
+    view = {"send_bps": 2e6, "recv_bps": 1e6, "peers": []}
+    return {**BASE, "caps": dataclasses.asdict(cap.statistics()), "peer_view": view}
+
+
+def test_status_shows_the_caps_and_their_use() -> None:
+    cap = LinkCap(CapConfig(max_upload=20 * MBIT, max_download=50 * MBIT), 0.0)
+    cap.start(0.0)
+    cap.send(int(15 * MBIT) - 1000 * WIRE_OVERHEAD, 1000, 0.5)
+    cap.handle_timer(1.0)
+    text = render(status_of(cap))
+    line = next(x for x in text.splitlines() if x.startswith("caps"))
+    assert "up 15.0M of 20.0Mbit/s 75 %" in line and "down 0 of 50.0Mbit/s 0 %" in line, line
+    assert "budget" not in text and "(caps above)" in text and "(no cap)" not in text
+    plain = render({**BASE, "caps": None, "peer_view": {"peers": []}})
+    assert "caps " not in plain and "(no cap)" in plain
+
+
+def test_status_says_how_much_of_the_budget_is_left_and_when_it_would_run_out() -> None:
+    cap = LinkCap(CapConfig(max_upload=20 * MBIT, budget=parse_budget("10GB/day")), 0.0)
+    cap.start(0.0)
+    cap.receive_wall(datetime(2026, 12, 2, 12, tzinfo=UTC).timestamp(), None, 0.0)  # half the day left
+    for t in range(1, 61):  # 50 MB/s for a minute: 3 GB, and 7 GB left would last 140 s at that rate
+        cap.send(50_000_000 - 50 * WIRE_OVERHEAD, 50, t - 0.5)
+        cap.handle_timer(float(t))
+    lines = render(status_of(cap)).splitlines()
+    budget = next(i for i, x in enumerate(lines) if x.startswith("budget"))
+    assert "3.0 GB of 10.0 GB used this day (30.0 %), 7.0 GB left for 11 h 59 min" in lines[budget], lines[budget]
+    assert "runs out in 2 min (2026-12-02 12:03 UTC)" in lines[budget + 1], lines[budget + 1]
+    assert "(budget)" in next(x for x in lines if x.startswith("caps"))  # the budget, not the flag, binds
