@@ -474,9 +474,6 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             curve = loss_curve(loss_evals, t_start, founders) if t_start is not None else []
             at_steps = [v for s, v, _ in curve if s == cfg.steps]
             summary.update(extra_steps=extra_steps(cfg), val_loss_at_steps=at_steps[0] if at_steps else None)
-            fractions = [r["received_fraction"] for r in results if r.get("received_fraction") is not None]
-            summary.update(received_fraction=sum(fractions) / len(fractions) if fractions else None,
-                           unreceived_values=sum(r.get("unreceived_values", 0) for r in results))
             summary.update(val_loss=summary["final_loss"], val_accuracy=summary["accuracy"],
                            max_step_s=max(r.get("max_step_s", 0.0) for r in results),
                            deadline_s=cfg.timeout_s, curve=[[s, round(v, 4), round(t, 2)] for s, v, t in curve])

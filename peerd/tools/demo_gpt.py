@@ -268,7 +268,6 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
     samples_total = 0
     step_times: list[float] = []
     outcomes: dict[str, int] = {}
-    received: list[float] = []  # received_fraction of each averaged step
     step = first
     while step < args.steps + args.extra_steps:
         t0 = time.monotonic()
@@ -300,8 +299,6 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         samples_total += args.batch
         step_times.append(t2 - t0)
         outcomes[reply["outcome"]] = outcomes.get(reply["outcome"], 0) + 1
-        if reply["outcome"] == "averaged":
-            received.append(float(reply.get("received_fraction", 0.0)))
         record = {"event": "step", "peer": args.index, "step": step, "loss": loss.item(), "samples": args.batch,
                   "outcome": reply["outcome"], "group_size": reply.get("group_size", 1),
                   "round_s": reply.get("seconds", 0.0), "received_fraction": reply.get("received_fraction", 0.0),
@@ -344,8 +341,6 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         "max_step_s": max(step_times, default=0.0), "params_finite": bool(np.isfinite(flat).all()),
         "keep_rounds": None if ddp else getattr(opt, "keep_rounds", None),
         "kept_rounds": 0 if ddp else getattr(opt, "kept_rounds", 0), "tensor_bytes": 0,
-        "received_fraction": float(np.mean(received)) if received else None,
-        "unreceived_values": 0 if ddp else getattr(opt, "unreceived_values", 0),
     }
     if not ddp and args.mode == "diloco":
         result.update(sync_every=args.sync_every, fragments=1, outer_steps=opt.outer_steps,

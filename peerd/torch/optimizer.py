@@ -38,7 +38,6 @@ from .founders import FOUNDER_WINDOW_S, SameData, reseed_peer
 from .overlap import DEFAULT_BUCKET_MB, Overlap
 from .report import StepReport
 from .snapcheck import SnapshotError, all_finite, check_finite, checked_step
-from .unreceived import drop_unreceived
 
 log = logging.getLogger("peerd.torch")
 
@@ -183,7 +182,6 @@ class Optimizer(torch.optim.Optimizer):
         self.step_count = 0  # optimizer steps taken by this replica (taken over from donors on sync)
         self.outcomes: dict[str, int] = {}
         self.local_steps = 0  # steps taken on own gradients because no group formed
-        self.unreceived_values = 0  # gradient values that reached this member from no one else (left out)
         self.kept_rounds = 0  # rounds (gradients or parameters) averaged in a kept group, without matchmaking
         self.nonfinite_rounds = 0  # averaged results refused because they held NaN or infinity
         self.last: dict[str, Any] = {}
@@ -451,10 +449,6 @@ class Optimizer(torch.optim.Optimizer):
             if (outcome == "averaged" and int(reply.get("group_size", 1)) > 1
                     and self.same_data.check(result, grads, self.numels, reply, self.step_count)):
                 reply["warning"] = self.same_data.warned
-            if (outcome == "averaged" and int(reply.get("group_size", 1)) > 1 and self.compression != "arc-topk"
-                    and float(reply.get("received_fraction", 1.0)) < 1.0):
-                reply["unreceived"] = drop_unreceived(result, grads, self.numels)
-                self.unreceived_values += reply["unreceived"]
             t2 = time.monotonic()
             for p in self.params:
                 if p.grad is None:  # a parameter this replica did not use still gets the swarm's gradient

@@ -46,9 +46,6 @@ class InProcessAverager:
         self.readies: list[bool] = []  # whether each call came with ready= (a deferred bucket)
         self.part_rounds: list[tuple[str, int]] = []  # (run id, parts) of each average_parts call
         self.poison: float | None = None  # if set, every averaged result holds this value (e.g. NaN) at [0]
-        # every member's averaged result keeps its own values on every ``own_every``-th value (0: none), as a
-        # lossy link's lost all-gather datagrams leave them, and reports the rest as the fraction received
-        self.own_every = 0
         self._ids = 0
 
     async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
@@ -89,12 +86,8 @@ class InProcessAverager:
         mean = rnd.mean.copy()
         if self.poison is not None:
             mean[0] = self.poison
-        received = 1.0
-        if self.own_every:
-            mean[:: self.own_every] = vector.astype(np.float32)[:: self.own_every]
-            received = 1.0 - 1.0 / self.own_every
         return RoundResult(mean, "averaged", f"{rnd.number:08x}", n, [str(e[0]) for e in rnd.entries],
-                           received, rnd.number, time.monotonic() - start,
+                           1.0, rnd.number, time.monotonic() - start,
                            bytes_sent=2 * (n - 1) * vector.nbytes // n, **facts)  # (a butterfly's share)
 
     async def average_parts(self, run_id: str, parts: list, weight: float, *, timeout_s: float = 30.0,
