@@ -373,7 +373,7 @@ class AllreduceService:
 
     def _tend(self, group_id: int, queues: dict[int, list[list]], members: list[Member]) -> None:
         """While ``_send_blocks`` sends the group's blocks: END copies now due go to the front of their member's
-        queue (their data went before them), and a group timer that has passed is handled once the receive loop
+        queue (their data went before them), and the host's timer, if it has passed, is handled once the receive loop
         has caught up to it (else at the next look)."""
         host = self.host
         if not host.running(group_id):
@@ -382,9 +382,9 @@ class AllreduceService:
         for b in host.due_copies(group_id, now):
             body = b.bodies.shape[1] + (b.values.shape[1] * b.values.itemsize if b.values is not None else 0)
             queues.setdefault(b.to, []).insert(0, [b, members[b.to], body, 0])
-        at = host.group_timer(group_id, now)
-        if at <= now and self.endpoint.caught_up(at):
-            host.handle_group_timer(group_id, now)
+        at = host.get_timer()
+        if at is not None and at <= now and self.endpoint.caught_up(at):
+            host.handle_timer(now)
             self._run(host.take_actions())
 
     async def _reporter(self, group_id: int, members: list[Member]) -> None:
