@@ -154,3 +154,24 @@ def test_the_ticker_reads_the_count_at_start_saves_it_and_again_when_it_stops(tm
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert load_budget(path).used_bytes == 2_700_000_000  # saved as it stopped
+
+
+def test_a_daemon_carries_the_days_count_over_a_restart(tmp_path) -> None:
+    from peerd.tools.swarm import LocalSwarm
+
+    path = str(tmp_path / "budget.json")
+    today = period_bounds("day", time.time())[0]
+    save_budget(path, SavedBudget("day", today, 50_000_000))  # what the run before this one used today
+    with LocalSwarm(str(tmp_path / "swarm"), insecure=True, metrics=False) as swarm:
+        node = swarm.start(extra=("--budget", "1GB/day", "--budget-state", path))
+        swarm.wait_ready(node)
+        time.sleep(1.2)  # a tick of the caps' timer
+        budget = node.call("status")["caps"]["budget"]
+        swarm.stop()  # SIGTERM: the count is saved as the daemon leaves
+        assert node.proc.returncode == 0
+    assert budget["period"] == "day" and budget["period_start"] == today
+    assert budget["used_bytes"] >= 50_000_000 and budget["remaining_bytes"] <= 950_000_000
+    saved = load_budget(path)
+    if saved is not None and saved.period_start != today:  # (midnight UTC passed meanwhile: a new day's count)
+        return
+    assert saved is not None and saved.used_bytes >= budget["used_bytes"]
