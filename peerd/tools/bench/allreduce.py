@@ -193,8 +193,13 @@ def _nat_members(nodes: list[Node], quiet: bool) -> list[list[Any]]:
         if not pending:
             break
         if time.monotonic() > deadline:
+            # what each of them lacks, and what its paths say (which member has no path, and why no relay)
+            why = "; ".join(f"daemon {i}: {st['reachability']}, knows no "
+                            f"{sorted(p[:8] for p in ids - {st['peer_id']} - set(st['peers_known']))}, "
+                            f"paths {st.get('paths')}, relays not tried {st.get('relays_not_tried')}"
+                            for i, st in enumerate(statuses) if i in pending)
             raise DaemonError(f"bench allreduce --nat: daemons {pending} had no reachability verdict or did not "
-                              f"know every other member after {NAT_SETTLE_S:.0f} s")
+                              f"know every other member after {NAT_SETTLE_S:.0f} s ({why})")
         time.sleep(1.0)
     _progress("reachability: " + ", ".join(st["reachability"] for st in statuses), quiet)
     return [[st["peer_id"], *st["observed_addr"].rsplit(":", 1)] for st in statuses]
