@@ -37,8 +37,9 @@ def pump(core: Paths, now: float, answer: Answer, intro: Callable[[bytes], tuple
                 if who is None:
                     core.ping_failed(a.token, now)
                 else:
+                    relayed = a.addr in core.relays  # (the endpoint sends through the relay it has for it)
                     core.receive_answer(a.addr, who, [], now)  # (the endpoint's hook comes first)
-                    core.receive_pong(a.token, who, now)
+                    core.receive_pong(a.token, who, now, relayed)
             elif isinstance(a, Intro):
                 core.receive_intro(a.target, intro(a.target), now)
     return taken
@@ -188,3 +189,16 @@ def test_discovery_tries_a_named_peer_again_soon_then_less_often() -> None:
                 core.connect_done(a.addr, now)  # nothing answered
     gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
     assert tries[0] == 0.0 and gaps[:4] == [10.0, 20.0, 40.0, 80.0] and set(gaps[4:]) == {120.0}, tries
+
+
+def test_a_punch_ping_answered_through_a_relay_is_no_punch() -> None:
+    """The endpoint routes a PING to an address it has a relay for through that relay: an answer that came back
+    that way proves no direct path, so a punch (or a direct check) it answers counts as silence; a relay trial's
+    PING counts its relayed answer."""
+    core = Paths(ME, random.Random(1))
+    got: list = []
+    core._ping(TARGET, TARGET_AT, lambda who, now, tag: got.append((tag, who)), ("punch",), 1.0, 1)
+    core._ping(TARGET, TARGET_AT, lambda who, now, tag: got.append((tag, who)), ("trial",), None, 2, direct=False)
+    for a in [a for a in core.take_actions() if isinstance(a, SendPing)]:
+        core.receive_pong(a.token, TARGET, 1.0, relayed=True)
+    assert got == [("punch", None), ("trial", TARGET)]

@@ -162,7 +162,8 @@ class Paths:
         self.relays: dict[Address, RelayEntry] = {}  # the endpoint's relay table (only this core changes it)
         self.aliases: dict[Address, Address] = {}  # the endpoint's alias table
         self.no_relay: dict[str, int] = {}
-        self._waits: dict[int, tuple[Callable[..., None], tuple]] = {}  # PING token -> (continuation, args)
+        # PING token -> (continuation, args, whether only a direct answer counts)
+        self._waits: dict[int, tuple[Callable[..., None], tuple, bool]] = {}
         self._next_token = 1
         self._actions: list[Action] = []
         self.started = False
@@ -315,11 +316,14 @@ class Paths:
         self._now = now
         self.puncher.receive_intro(target, addr, now)
 
-    def receive_pong(self, token: int, node_id: bytes, now: float) -> None:
-        """The PING ``token`` was answered by ``node_id``."""
+    def receive_pong(self, token: int, node_id: bytes, now: float, relayed: bool = False) -> None:
+        """The PING ``token`` was answered by ``node_id`` (``relayed``: the answer came through a relay, the endpoint
+        having one for that address). A punch or a direct check that a relay answered proves no direct path: for
+        them it is silence (else a punch between two symmetric NATs would be taken for a path, and its relay
+        dropped)."""
         wait = self._waits.pop(token, None)
         if wait is not None:
-            wait[0](node_id, now, *wait[1])
+            wait[0](None if relayed and wait[2] else node_id, now, *wait[1])
 
     def ping_failed(self, token: int, now: float) -> None:
         wait = self._waits.pop(token, None)
@@ -515,7 +519,8 @@ class Paths:
                 self._end(trial)
                 return
             trial.tried += 1
-            self._ping(trial.node_id, trial.addr, self._relay_answer, (trial, trial.relays[0], trial.relay), None, 2)
+            self._ping(trial.node_id, trial.addr, self._relay_answer, (trial, trial.relays[0], trial.relay), None, 2,
+                       direct=False)
             return
         while trial.relays:
             relay_id = trial.relays.pop(0)
@@ -526,7 +531,7 @@ class Paths:
                 break
             trial.tried += 1
             self._set_relay(trial.addr, trial.node_id, relay_id, relay)
-            self._ping(trial.node_id, trial.addr, self._relay_answer, (trial, relay_id, relay), None, 2)
+            self._ping(trial.node_id, trial.addr, self._relay_answer, (trial, relay_id, relay), None, 2, direct=False)
             return
         self._end(trial)
 
@@ -671,10 +676,10 @@ class Paths:
 
     # -- the endpoint's tables, mirrored ------------------------------------------------------------------
     def _ping(self, node_id: bytes, addr: Address, then: Callable[..., None], args: tuple,
-              timeout: float | None, attempts: int) -> None:
+              timeout: float | None, attempts: int, direct: bool = True) -> None:
         token = self._next_token
         self._next_token += 1
-        self._waits[token] = (then, args)
+        self._waits[token] = (then, args, direct)
         self._actions.append(SendPing(token, node_id, addr, timeout, attempts))
 
     def _set_relay(self, addr: Address, peer_id: bytes, relay_id: bytes, relay: Address) -> None:
