@@ -21,6 +21,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 SAMPLES = 32  # each measurement keeps its latest this many samples
+MIN_SAMPLES = 5  # ... and tunes nothing before it has this many (one quick round says little about the next)
 MAX_AGE_S = 600.0  # ... none older than this
 MAX_PEERS = 256  # peers whose last-heard time is kept (least recently heard evicted)
 
@@ -107,10 +108,11 @@ class _Series:
         return len(self.values)
 
 
-def _derive(measured: float | None, samples: int, k: float, floor: float, cap: float, measurement: str) -> Derived:
-    """max(floor, k * measured) capped at ``cap``; ``cap`` itself while nothing was measured."""
-    if measured is None:
-        return Derived(cap, "default", measurement, None, 0, floor, cap)
+def _derive(measured: float | None, samples: int, k: float, floor: float, cap: float, measurement: str,
+            least: int = MIN_SAMPLES) -> Derived:
+    """max(floor, k * measured) capped at ``cap``; ``cap`` itself while fewer than ``least`` samples were taken."""
+    if measured is None or samples < least:
+        return Derived(cap, "default", measurement, measured, samples, floor, cap)
     want = k * measured
     if want >= cap or floor >= cap:
         return Derived(cap, "cap", measurement, measured, samples, floor, cap)
@@ -175,9 +177,9 @@ class DeadlineTuner:
 
     def receive_round(self, *, gather_s: float | None, window_s: float, at_window_end: bool,
                       members: tuple[str, ...], nbytes: int, transfer_s: float, clean: bool, now: float) -> None:
-        """A round that averaged in a group: ``gather_s`` from its start to the group being known (None: a kept
-        group, no matchmaking), in a window of ``window_s`` (``at_window_end``: it ran the window out);
-        ``members`` (hex ids, this node's among them); a vector of ``nbytes`` averaged in ``transfer_s``
+        """A round: ``gather_s`` from its start to the group being known (None: a kept group, no matchmaking), in
+        a window of ``window_s`` (``at_window_end``: it ran the window out); ``members`` (hex ids, this node's
+        among them; this node alone: no group formed); a vector of ``nbytes`` averaged in ``transfer_s``
         (``clean``: every member was heard, so the rate is the group's pace, not a wait for a dead one)."""
         self._at(now)
         if not _finite(window_s, transfer_s) or window_s <= 0 or transfer_s < 0:
@@ -195,7 +197,8 @@ class DeadlineTuner:
                 self._gather.add(window_s, now)  # (k * this: the window grows, up to its cap)
         for p in members:
             self._hear(p, now)
-        self._last_group = tuple(members)[:MAX_PEERS]
+        if len(members) > 1:  # (a round alone keeps the group it missed as the one to compare with)
+            self._last_group = tuple(members)[:MAX_PEERS]
         if clean and nbytes > 0 and transfer_s > 0:
             self._rate.add(nbytes / transfer_s, now)
             self._phase_bytes = int(nbytes)
@@ -241,7 +244,8 @@ class DeadlineTuner:
         self._caps["silence"] = cap_s
         rtts = [rtt for _, rtt in self._rtts.values()]
         measured = _quantile(rtts, 0.9) if rtts else None
-        return _derive(measured, len(rtts), SILENCE_K, min(SILENCE_FLOOR_S, cap_s), cap_s, "peers_rtt_p99_p90_s")
+        return _derive(measured, len(rtts), SILENCE_K, min(SILENCE_FLOOR_S, cap_s), cap_s, "peers_rtt_p99_p90_s",
+                       least=1)
 
     def phase(self, nbytes: int, cap_s: float) -> Derived:
         """The longest an averaging phase of a vector of ``nbytes`` waits: k times the time a whole average of it took
@@ -262,7 +266,7 @@ class DeadlineTuner:
         slow, size = self._sync_rate.quantile(0.1), self._sync_size.quantile(1.0)
         measured = None if slow is None or size is None else size / slow
         return _derive(measured, len(self._sync_rate), SYNC_K, min(SYNC_FLOOR_S, cap_s), cap_s,
-                       "snapshot_at_rate_p10_s")
+                       "snapshot_at_rate_p10_s", least=1)
 
     # -- output ----------------------------------------------------------------------------------
     def statistics(self) -> DeadlineStatistics:

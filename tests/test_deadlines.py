@@ -15,6 +15,7 @@ from peerd.deadlines import (
     DEFAULT_WINDOW_S,
     MAX_AGE_S,
     MAX_PEERS,
+    MIN_SAMPLES,
     PHASE_FLOOR_S,
     PHASE_K,
     SILENCE_K,
@@ -62,6 +63,27 @@ def test_the_window_is_k_times_how_long_groups_took_to_gather_between_floor_and_
     assert w.basis == "measured" and w.seconds == pytest.approx(WINDOW_K * 1.2)
     assert t.window(2.0).seconds == 2.0 and t.window(2.0).basis == "cap"  # the run's window stays the upper bound
     assert t.window(0.5).seconds == 0.5  # a cap under the floor wins too
+
+
+def test_nothing_is_tuned_on_fewer_than_min_samples() -> None:
+    t = DeadlineTuner()
+    for i in range(MIN_SAMPLES - 1):
+        _round(t, float(i), gather_s=0.2)
+    w = t.window()
+    assert (w.seconds, w.basis, w.samples, w.measured) == (DEFAULT_WINDOW_S, "default", MIN_SAMPLES - 1, 0.2)
+    _round(t, 10.0, gather_s=0.2)
+    assert t.window().seconds == WINDOW_FLOOR_S
+
+
+def test_a_round_alone_at_the_windows_end_while_the_last_group_is_live_stretches_the_window() -> None:
+    t = DeadlineTuner()
+    for i in range(8):
+        _round(t, 10.0 + i, gather_s=0.3)
+    _round(t, 18.0, gather_s=WINDOW_FLOOR_S, window_s=WINDOW_FLOOR_S, at_end=True, members=(ME,), transfer_s=0.0)
+    assert t.window().seconds == pytest.approx(WINDOW_K * WINDOW_FLOOR_S)
+    for i in range(2):  # alone again: the group it compares with is still the last one it averaged in
+        _round(t, 19.0 + i, gather_s=2.0, window_s=2.0, at_end=True, members=(ME,), transfer_s=0.0)
+    assert t.window().seconds == DEFAULT_WINDOW_S
 
 
 def test_a_kept_groups_round_says_nothing_about_gathering() -> None:
@@ -142,11 +164,11 @@ def test_the_step_wait_covers_recent_rounds_and_a_steps_compute() -> None:
     assert t.step_wait(30.0).seconds == pytest.approx(12.0)
     assert t.step_wait(10.0).seconds == 10.0  # the trainer's timeout_s stays the upper bound
     t2 = DeadlineTuner()
-    for i in range(3):
+    for i in range(MIN_SAMPLES):
         t2.receive_step(round_s=1.0, compute_s=20.0, now=float(i))  # a step's compute is longer still
     assert t2.step_wait(60.0).seconds == pytest.approx(20.0)
-    t2.receive_step(round_s=None, compute_s=None, now=4.0)  # a failed step, a session's first: nothing measured
-    assert t2.step_wait(60.0).samples == 3
+    t2.receive_step(round_s=None, compute_s=None, now=9.0)  # a failed step, a session's first: nothing measured
+    assert t2.step_wait(60.0).samples == MIN_SAMPLES
 
 
 def test_the_state_sync_timeout_is_the_largest_snapshot_at_the_slowest_rate() -> None:
@@ -176,7 +198,7 @@ def test_samples_age_out_and_the_deadlines_return_to_todays() -> None:
 
 def test_statistics_report_each_deadline_against_the_cap_it_was_last_asked_with() -> None:
     t = DeadlineTuner()
-    for i in range(4):
+    for i in range(MIN_SAMPLES):
         _round(t, float(i), gather_s=1.0)
     t.window(2.5)
     t.step_wait(15.0)

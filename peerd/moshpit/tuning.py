@@ -24,13 +24,15 @@ def phase_deadlines(deadlines: DeadlineTuner | None, nbytes: int, cap_s: float, 
 
 
 def note_round(deadlines: DeadlineTuner | None, r: RoundResult, window_s: float, t0: float, now: float) -> None:
-    """Hand an averaged round's facts to the tuner: how long its group took to gather (when it matchmade), who was
-    in it, and its pace (when every member was heard)."""
-    if deadlines is None or r.outcome != "averaged":
+    """Hand a round's facts to the tuner: how long its group took to gather (when it matchmade), who was in it, and
+    its pace (when every member was heard); a round alone once the window ran out, that nobody came in time."""
+    if deadlines is None or r.outcome == "failed" or (r.outcome == "alone" and r.window_end <= 0):
         return
     gathered = r.window_end > 0 and not r.kept  # (a kept group's round did not matchmake)
+    at_end = gathered and t0 + r.matchmaking_s >= r.window_end - WINDOW_END_SLACK_S
+    if r.outcome == "alone" and not at_end:  # (it moved to the run's round elsewhere: nothing about the window)
+        return
     heard = tuple(m for i, m in enumerate(r.members) if i not in r.out)  # (not the members that stayed silent)
     deadlines.receive_round(
-        gather_s=r.matchmaking_s if gathered else None, window_s=window_s, members=heard,
-        at_window_end=gathered and t0 + r.matchmaking_s >= r.window_end - WINDOW_END_SLACK_S,
+        gather_s=r.matchmaking_s if gathered else None, window_s=window_s, members=heard, at_window_end=at_end,
         nbytes=r.vector.nbytes, transfer_s=r.transfer_s, clean=not r.silent and not r.out, now=now)
