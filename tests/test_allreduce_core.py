@@ -643,7 +643,7 @@ def _note_first_all_gather(core: GroupAverage, first: dict[int, float]) -> None:
 
 def test_all_gather_of_final_ranges_goes_before_the_reduce_scatter_ends():
     xs, ws = inputs(4, 4 * 80 * 8, weights=[1.0, 2.0, 3.0, 4.0])
-    m = make_group(xs, ws, per=8)
+    m = make_group(xs, ws, per=8, overlap=True)
     first: dict[int, float] = {}
     for core in m:
         _note_first_all_gather(core, first)
@@ -659,7 +659,7 @@ def test_pipelined_average_under_loss_is_exactly_what_arrived():
     rng = np.random.default_rng(5)
     lost = {(s, d, off) for s in range(4) for d in range(4) for off in range(0, 4 * 80 * 8, 8) if rng.random() < 0.1}
     xs, ws = inputs(4, 4 * 80 * 8, seed=3)
-    m = make_group(xs, ws, per=8)
+    m = make_group(xs, ws, per=8, overlap=True)
     net = GroupNet(m, gap=1e-3, drop=lambda w: w.mtype in (RS_DATA, AG_DATA) and (w.src, w.dst, w.offset) in lost)
     first: dict[int, float] = {}
     for core in m:
@@ -672,7 +672,7 @@ def test_pipelined_average_under_loss_is_exactly_what_arrived():
 def _owner_and_bodies(per: int = 2, ranges: int = 40):
     """Member 0 of two (its shard: ``ranges`` ranges of ``per``) and the reduce-scatter bodies member 1 sends it."""
     xs, ws = inputs(2, 2 * ranges * per, seed=7, weights=[3.0, 1.0])
-    a, b = make_group(xs, ws, per=per)
+    a, b = make_group(xs, ws, per=per, overlap=True)
     bodies = [o.body for o in b.datagrams_to_send(0.0, 10_000) if o.type == RS_DATA and o.to == 0]
     assert len(bodies) == ranges
     return xs, a, bodies
@@ -722,7 +722,16 @@ def test_rows_for_final_ranges_in_a_block_are_late_hostile():
 
 def test_robust_averages_wait_for_the_whole_reduce_scatter():
     xs, ws = inputs(2, 2 * 40 * 2, seed=7, weights=[3.0, 1.0])
-    a, b = make_group(xs, ws, per=2, robust=Robust("clip", 1.0))
+    a, b = make_group(xs, ws, per=2, robust=Robust("clip", 1.0), overlap=True)
+    bodies = [o.body for o in b.datagrams_to_send(0.0, 10_000) if o.type == RS_DATA and o.to == 0]
+    for body in bodies[1:36]:
+        a.receive(1, RS_DATA, body, 0.1)
+    assert not [o for o in a.datagrams_to_send(0.2, 10_000) if o.type == AG_DATA]
+
+
+def test_without_overlap_the_all_gather_waits_for_the_reduce_scatter():
+    xs, ws = inputs(2, 2 * 40 * 2, seed=7, weights=[3.0, 1.0])
+    a, b = make_group(xs, ws, per=2)
     bodies = [o.body for o in b.datagrams_to_send(0.0, 10_000) if o.type == RS_DATA and o.to == 0]
     for body in bodies[1:36]:
         a.receive(1, RS_DATA, body, 0.1)

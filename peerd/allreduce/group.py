@@ -315,10 +315,10 @@ class GroupAverage(Intake, Outbox, Finalize):
         self._rs_gen: Iterator[OutBlock] | None = self._rs_blocks()  # the contributions' blocks (None: all out)
         # the average's blocks: started once a range of the own shard is final (None: not yet; EXHAUSTED: all out)
         self._ag_gen: Iterator[OutBlock | None] | object | None = None
-        # Without robust aggregation (which needs every contribution first) a range of the own shard is final, and
-        # its average goes out, as soon as every other member's datagram for it arrived or is known lost
-        # (``ag_frontier``): the all-gather overlaps the reduce-scatter instead of waiting for its end.
-        self._early = robust is None
+        # With ``overlap`` (and without robust aggregation, which needs every contribution first) a range of the own
+        # shard is final, and its average goes out, as soon as every other member's datagram for it arrived or is
+        # known lost (``ag_frontier``): the all-gather overlaps the reduce-scatter instead of waiting for its end.
+        self._early = options.overlap and robust is None
         self._ag_next = 0  # the first range of the own shard the all-gather has not handed out
         self._ag_woken = False  # a wake-up for final ranges is pending (``note_ready``)
         self._contig = [0] * n  # per sender: ranges below it all arrived or final (for a stream seen reordered)
@@ -353,6 +353,11 @@ class GroupAverage(Intake, Outbox, Finalize):
     def result_ready(self) -> bool:
         """Both receive phases have ended: ``result()`` may be called."""
         return self.state is State.DONE
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether this member sends its shard's final ranges while the reduce-scatter runs (``options.overlap``)."""
+        return self._early
 
     @property
     def wants_to_send(self) -> bool:

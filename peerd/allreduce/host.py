@@ -686,10 +686,11 @@ class AveragingHost:
 
     def _reports(self, g: RunningGroup, now: float, kernel_drops: int, *, final: bool,
                  arrivals: Sequence[float] | None = None) -> list[SendReport]:
-        """One sender's flow to this member is its reduce-scatter stream and its all-gather stream, the latter's
-        blocks going out between the former's as the sender's ranges become final: the sender counts them as one run
-        of positions in the order sent, and the position of the latest arrival is about the highest index that
-        arrived in each stream, summed (less only the other stream's datagrams lost just before it)."""
+        """One sender's flow to this member is its reduce-scatter stream and its all-gather stream, counted by the
+        sender as one run of positions in the order sent. Without ``overlap`` the all-gather follows the whole
+        reduce-scatter; with it, its blocks go between the reduce-scatter's as the sender's ranges become final, and
+        the position of the latest arrival is about the highest index that arrived in each stream, summed (less
+        only the other stream's datagrams lost just before it)."""
         core = g.core
         rs_expected, rs_received, rs_top, rs_first, rs_at = core.progress(0)
         ag_expected, ag_received, ag_top, ag_first, ag_at = core.progress(1)
@@ -700,7 +701,9 @@ class AveragingHost:
                 continue
             received = rs_received[i] + ag_received[i]
             phase = 1 if ag_top[i] else 0
-            top = rs_top[i] + ag_top[i]
+            # (without overlap the all-gather follows the whole reduce-scatter: its tail, lost or not, went before)
+            sequential = rs_expected[i] + ag_top[i] if ag_top[i] else rs_top[i]
+            top = rs_top[i] + ag_top[i] if core.overlaps else sequential
             last_at = max(rs_at[i], ag_at[i])
             first_at = rs_first[i] if rs_received[i] else ag_first[i]
             meter = g.meters[i]

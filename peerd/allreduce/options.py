@@ -62,7 +62,9 @@ class AverageOptions:
     2**24). ``robust``: norm clipping at the shard owner (robust.py). ``codec``: the run's body codec
     (peerd.compress; None: fp32), the same for every member; ``run``: the u64 key of its rounding draws.
     ``absent``: members (indices) not waited for and sent nothing. ``solo``: each owner's result for its shard
-    is its own values alone (a broadcast per owner: arc-topk's selections)."""
+    is its own values alone (a broadcast per owner: arc-topk's selections). ``overlap``: each owner sends the
+    averages of its shard's ranges as they become final, while the reduce-scatter still runs (protocol/allreduce.md,
+    "Final ranges"), instead of after it; not with ``robust``, which needs every contribution first."""
 
     floor_s: float = 1.0
     max_phase_s: float | None = 60.0
@@ -73,6 +75,7 @@ class AverageOptions:
     run: int = 0
     absent: tuple[int, ...] = ()
     solo: bool = False
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         check_timing(self.floor_s, self.max_phase_s, self.end_grace_s)
@@ -86,6 +89,8 @@ class AverageOptions:
         object.__setattr__(self, "absent", absent)
         if type(self.solo) is not bool:
             raise ValueError(f"solo must be a bool, got {self.solo!r}")
+        if type(self.overlap) is not bool:
+            raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
 
 
 DEFAULT_OPTIONS = AverageOptions()
