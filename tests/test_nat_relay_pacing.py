@@ -116,7 +116,7 @@ def test_a_sender_back_from_idle_keeps_its_grant_when_another_sender_started_fir
         pacer.limit(to, ("relay", b"r"), RELAY_SHARE * DEFAULT_RATE, 256_000.0)
         now = start
         for _ in range(40):  # 49 KB: a third of a 20,000-element fp32 vector each way, its two phases
-            now += max(0.0, pacer.reserve(1232, now, to))
+            now += max(0.0, pacer.reserve(1232, to, now))
             sends.append((now, sender, to))
     refused = [(t, sender) for t, sender, to in sorted(sends)
                if not isinstance(relay.forward(sender, to, 1232, t), tuple)]
