@@ -40,8 +40,6 @@ def _group(n: int, length: int, per: int, seed: int, name: str = "fp32") -> list
     ]
 
 
-
-
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(2, 4),
@@ -272,15 +270,14 @@ def test_end_of_a_reordered_stream_keeps_the_full_grace() -> None:
     assert cores[0].reduce_scatter_done
 
 
+# groups of 2-4 members averaging up to 200 values, a few per datagram, with or without loss
+LOSSY_GROUPS = {"n": st.integers(2, 4), "length": st.integers(0, 200), "per": st.sampled_from([1, 3, 8]),
+                "seed": st.integers(0, 2**16), "loss": st.sampled_from([0.0, 0.3])}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    n=st.integers(2, 4),
-    length=st.integers(0, 200),
-    per=st.sampled_from([1, 3, 8]),
-    seed=st.integers(0, 2**16),
-    loss=st.sampled_from([0.0, 0.3]),
+    **LOSSY_GROUPS,
     robust=st.sampled_from([None, "clip:1.5"]),
     name=st.sampled_from(["fp32", "int8"]),
     junk=st.sampled_from([np.nan, np.inf, 3e38, 0.0]),
@@ -312,11 +309,7 @@ def test_a_reused_stage_gives_the_same_result(n, length, per, seed, loss, robust
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    n=st.integers(2, 4),
-    length=st.integers(0, 200),
-    per=st.sampled_from([1, 3, 8]),
-    seed=st.integers(0, 2**16),
-    loss=st.sampled_from([0.0, 0.3]),
+    **LOSSY_GROUPS,
     inplace=st.booleans(),
 )
 def test_split_values_send_the_same_bodies(n, length, per, seed, loss, inplace) -> None:
