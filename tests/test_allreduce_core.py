@@ -34,7 +34,18 @@ from peerd.allreduce.group import GROUP_OPTIONS
 from peerd.allreduce.robust import Robust
 from peerd.wire.errors import WireError
 
-from .support.groups import AG_DATA, AG_END, GROUP, RS_DATA, RS_END, GroupNet, Wire, expected_results, payload_for  # noqa: E402
+from .support.groups import (  # noqa: E402
+    AG_DATA,
+    AG_END,
+    GROUP,
+    RS_DATA,
+    RS_END,
+    GroupNet,
+    Wire,
+    expected_results,
+    inputs,
+    payload_for,
+)
 
 PROTOCOL_MD = Path(__file__).resolve().parents[1] / "protocol" / "allreduce.md"
 
@@ -69,13 +80,6 @@ def check_results(members: list[GroupAverage], xs, ws, per, net: GroupNet) -> No
         if stack is not None:  # convex hull of the inputs
             assert np.all(got >= stack.min(axis=0) - 2e-6 * scale)
             assert np.all(got <= stack.max(axis=0) + 2e-6 * scale)
-
-
-def inputs(n: int, length: int, seed: int = 1, weights: list[float] | None = None):
-    rng = np.random.default_rng(seed)
-    xs = [rng.standard_normal(length).astype(np.float32) * (i + 1) for i in range(n)]
-    ws = weights or [float(rng.integers(1, 100)) for _ in range(n)]
-    return xs, ws
 
 
 # ---- exact averages, deterministic loss patterns ---------------------------------------------------------

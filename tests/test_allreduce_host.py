@@ -40,7 +40,7 @@ from peerd.allreduce.options import AverageOptions
 from peerd.tools.sim.net import Link, Network
 from peerd.transport.pacing import Pacer, Report
 
-from .support.groups import AG_DATA, RS_DATA, RS_END, expected_results  # noqa: E402
+from .support.groups import AG_DATA, RS_DATA, RS_END, expected_results, inputs  # noqa: E402
 
 DATA = (RS_DATA, AG_DATA)
 PER = 16  # float32 elements per datagram
@@ -280,12 +280,6 @@ class Lab:
             got = self.nodes[node].done[group].vector
             np.testing.assert_allclose(got, exp[gi], rtol=0, atol=1e-5)
             np.testing.assert_array_equal(got[exact[gi]], exp[gi][exact[gi]].astype(np.float32))
-
-
-def inputs(n: int, length: int, seed: int = 1) -> tuple[list[np.ndarray], list[float]]:
-    rng = np.random.default_rng(seed)
-    return ([rng.standard_normal(length).astype(np.float32) * (i + 1) for i in range(n)],
-            [float(rng.integers(1, 100)) for _ in range(n)])
 
 
 def mean(xs: list[np.ndarray], ws: list[float]) -> np.ndarray:

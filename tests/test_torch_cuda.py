@@ -19,13 +19,10 @@ from .support.diloco import batch, replay  # noqa: E402
 from .support.diloco import model as diloco_model  # noqa: E402
 from .support.overlap import mlp as overlap_mlp  # noqa: E402
 from .support.overlap import run_pair  # noqa: E402
+from .support.torch_models import flat  # noqa: E402
 from .support.trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def flat(ps) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).cpu() for p in ps])
 
 
 def big_model(seed: int) -> torch.nn.Module:

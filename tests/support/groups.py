@@ -22,6 +22,15 @@ RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
 GROUP = 0xC0FFEE01
 
 
+def inputs(n: int, length: int, seed: int = 1,
+           weights: list[float] | None = None) -> tuple[list[np.ndarray], list[float]]:
+    """``n`` members' float32 vectors of different scales and their integer weights, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal(length).astype(np.float32) * (i + 1) for i in range(n)]
+    ws = weights or [float(rng.integers(1, 100)) for _ in range(n)]
+    return xs, ws
+
+
 def payload_for(per: int) -> int:
     return HEADER_SIZE + 4 * per
 

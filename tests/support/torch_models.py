@@ -12,7 +12,10 @@ def model(seed: int = 0, hidden: int = 8) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
 
 
-def flat(m: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+def flat(ps) -> torch.Tensor:
+    """Every parameter of a module (or of an iterable of tensors) as one flat CPU tensor, to compare replicas."""
+    if isinstance(ps, torch.nn.Module):
+        ps = ps.parameters()
+    return torch.cat([p.detach().reshape(-1).cpu() for p in ps])
 
 
