@@ -39,7 +39,7 @@ def pump(core: Paths, now: float, answer: Answer, intro: Callable[[bytes], tuple
                 else:
                     relayed = a.addr in core.relays  # (the endpoint sends through the relay it has for it)
                     core.receive_answer(a.addr, who, [], now)  # (the endpoint's hook comes first)
-                    core.receive_pong(a.token, who, now, relayed)
+                    core.receive_pong(a.token, who, relayed, now)
             elif isinstance(a, Intro):
                 core.receive_intro(a.target, intro(a.target), now)
     return taken
@@ -200,5 +200,5 @@ def test_a_punch_ping_answered_through_a_relay_is_no_punch() -> None:
     core._ping(TARGET, TARGET_AT, lambda who, now, tag: got.append((tag, who)), ("punch",), 1.0, 1)
     core._ping(TARGET, TARGET_AT, lambda who, now, tag: got.append((tag, who)), ("trial",), None, 2, direct=False)
     for a in [a for a in core.take_actions() if isinstance(a, SendPing)]:
-        core.receive_pong(a.token, TARGET, 1.0, relayed=True)
+        core.receive_pong(a.token, TARGET, True, 1.0)
     assert got == [("punch", None), ("trial", TARGET)]

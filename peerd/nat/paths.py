@@ -316,7 +316,7 @@ class Paths:
         self._now = now
         self.puncher.receive_intro(target, addr, now)
 
-    def receive_pong(self, token: int, node_id: bytes, now: float, relayed: bool = False) -> None:
+    def receive_pong(self, token: int, node_id: bytes, relayed: bool, now: float) -> None:
         """The PING ``token`` was answered by ``node_id`` (``relayed``: the answer came through a relay, the endpoint
         having one for that address). A punch or a direct check that a relay answered proves no direct path: for
         them it is silence (else a punch between two symmetric NATs would be taken for a path, and its relay

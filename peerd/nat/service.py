@@ -505,7 +505,7 @@ class NatService:
         except RpcError:
             self.paths.ping_failed(a.token, trio.current_time())
         else:
-            self.paths.receive_pong(a.token, reply.peer.node_id, trio.current_time(), reply.relayed)
+            self.paths.receive_pong(a.token, reply.peer.node_id, reply.relayed, trio.current_time())
         self._act()
 
     async def _notify(self, addr: Address, mtype: m.MsgType, fields: dict, node_id: bytes) -> None:
