@@ -53,7 +53,7 @@ CATCH_UP_POLL_S = 0.002  # how often a phase deadline re-checks that the receive
 # in several passes' worth (`peerd bench allreduce --peers 8 --size 25000000 --insecure`: kernel drops).
 SEND_YIELD_QUEUED = 2 * 1024 * 1024  # bytes the kernel accounts, about 1 MB of datagrams (skb overhead included)
 SEND_YIELD_S = 0.005
-TEND_S = 0.002  # while a group's blocks go out, its END copies and timers are looked at this often (``_tend``)
+TEND_S = 0.002  # while a group's blocks go out, its due END copies are looked at this often (``_tend``)
 
 _node_id = functools.lru_cache(maxsize=4096)(node_id_of)  # a token's key -> node id, once per key
 
@@ -319,8 +319,8 @@ class AllreduceService:
         whole slice: the slice had to stay within half the window, which cut 8-peer blocks to 486 rows.)
 
         With ``group_id``, the group's own business goes on while its blocks go (the all-gather follows the
-        reduce-scatter at once, for a fraction of a second): END copies that fall due go first to their member, and
-        a phase deadline or END grace that passes is handled (``_tend``), not left until the blocks are out."""
+        reduce-scatter at once, for a fraction of a second): END copies that fall due go first to their member
+        (``_tend``), not left until the blocks are out."""
         queues: dict[int, list[list]] = {}
         for b in blocks:
             member = members[b.to]
@@ -373,8 +373,9 @@ class AllreduceService:
 
     def _tend(self, group_id: int, queues: dict[int, list[list]], members: list[Member]) -> None:
         """While ``_send_blocks`` sends the group's blocks: END copies now due go to the front of their member's
-        queue (their data went before them), and the host's timer, if it has passed, is handled once the receive loop
-        has caught up to it (else at the next look)."""
+        queue (their data went before them). The host's timer waits until the blocks are out: a phase deadline
+        handled while this member is still sending (a capped uplink) would end phases its own data has not
+        reached yet (`peerd bench caps --cap-upload`: members then averaged without it)."""
         host = self.host
         if not host.running(group_id):
             return
@@ -382,10 +383,6 @@ class AllreduceService:
         for b in host.due_copies(group_id, now):
             body = b.bodies.shape[1] + (b.values.shape[1] * b.values.itemsize if b.values is not None else 0)
             queues.setdefault(b.to, []).insert(0, [b, members[b.to], body, 0])
-        at = host.get_timer()
-        if at is not None and at <= now and self.endpoint.caught_up(at):
-            host.handle_timer(now)
-            self._run(host.take_actions())
 
     async def _reporter(self, group_id: int, members: list[Member]) -> None:
         """Tell each sender what arrived from it, when the host says (every REPORT_INTERVAL_S)."""
