@@ -79,7 +79,7 @@ def test_applied_period_is_on_the_ladder_and_only_when_rounds_were_clean():
     assert applied_period(dear, clean=True)[0] == 40 and "costs no accuracy" in applied_period(dear, clean=True)[1]
     assert applied_period(dear, clean=False) == (10, applied_period(dear, clean=False)[1])
     assert "drift" in applied_period(dear, clean=False)[1]
-    for every, k in ((10, 10), (19, 10), (20, 20), (39, 20), (40, 40), (50, 40)):
+    for every, k in ((10, 10), (18, 10), (19, 20), (20, 20), (36, 20), (37, 40), (39, 40), (40, 40), (50, 40)):
         c = choose(Measured(100e6, None, 0.3, GPT, 4))
         c = type(c)(c.compression, every, c.bucket_mb, c.reason, c.fp32_transfer_s, c.reasons)
         assert applied_period(c, clean=True)[0] == k

@@ -33,6 +33,7 @@ MIN_INT8_PARAMS = 262_144  # ... and the vector holds at least this many values 
 PARAM_COST_SHARE = 0.1  # parameter averages (float32) may take at most this share of the training time ...
 AVERAGE_EVERY = (10, 50)  # ... with the period in this range (10: the library's default)
 PERIOD_LADDER = (10, 20, 40)  # the periods applied (each divides the next)
+RUNG_SLACK = 0.1  # a rung within this share above the asked-for period is taken (see applied_period)
 BUCKET_MB = (1.0, 25.0)  # overlap buckets: at least 1 MB, at most the library's default
 BUCKET_RTTS = 12  # a bucket holds at least this many round trips of the link (its fixed cost <= 25 % at 3 RTTs)
 
@@ -119,12 +120,14 @@ def choose(m: Measured) -> Choice:
 
 def applied_period(choice: Choice, *, clean: bool) -> tuple[int, str]:
     """The parameter-averaging period to apply for ``choice`` and why: ``choice.average_every`` rounded down onto
-    PERIOD_LADDER when ``clean`` (every measured round averaged all of its data), else the default."""
+    PERIOD_LADDER when ``clean`` (every measured round averaged all of its data), else the default. A rung at most
+    RUNG_SLACK above the asked-for period counts as reached: the rule's own ceiling (int8 steps of almost no compute
+    ask for 39-40) sits on a rung, and replicas measuring a hair apart there would pick different periods."""
     lo = PERIOD_LADDER[0]
     if not clean:
         return lo, (f"parameters every {lo} steps: measured rounds lost data or found no group, so replicas drift "
                     f"and the default period pulls them back")
-    k = max(p for p in PERIOD_LADDER if p <= max(lo, choice.average_every))
+    k = max(p for p in PERIOD_LADDER if p <= max(lo, choice.average_every) * (1 + RUNG_SLACK))
     if k == lo:
         return k, f"parameters every {k} steps"
     return k, (f"parameters every {k} steps: every measured round averaged all its data (replicas stay identical), "
