@@ -302,7 +302,7 @@ def test_ef21m_scores_a_row_whose_average_lacked_a_member():
     """A reduce-scatter that lost one member's values gives every member the mean of the others: the error stays
     in u until the row is averaged again, so the next sketch must see it. With the same h again, the members' mean
     v is exactly the mean of h less that partial average on those rows, and zero where the average was whole (with
-    e_j = h_j, the rule until session 16, it was zero on both: such a row looked fresh)."""
+    e_j = h_j instead, it would be zero on both: such a row would look fresh)."""
     n, size = 4, 30
     rng = np.random.default_rng(12)
     efs = [EF21M(1.0) for _ in range(n)]
