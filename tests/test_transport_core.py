@@ -28,12 +28,14 @@ from peerd.transport.core import (
 )
 from peerd.transport.endpoint import Endpoint
 from peerd.transport.faults import LossySocket
+from peerd.transport.rpc import RpcTimeout
 from peerd.transport.rto import DEFAULT_MIN_RTO
 from peerd.wire import messages as m
 from peerd.wire.envelope import FLAG_SEALED, HEADER, MAGIC, VERSION
 from peerd.wire.identity import Identity
 from peerd.wire.seal import Sealer
 
+from .support.memnet import MemNet, run_on_memnet
 from .support.virtual import counter_value
 
 A = ("10.0.0.1", 7000)
@@ -641,3 +643,26 @@ def test_a_member_cannot_squat_another_members_token_hostile() -> None:
     assert ep.opener.token_state(vb.token).peer_key == victor.public_key  # type: ignore[union-attr]
     trio.run(ep.flush)
     assert [(d[3], addr) for d, addr in ep.sock.sent] == [(int(m.MsgType.PONG), ("10.1.1.9", 5))]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("serving", [True, False], ids=["tended-by-serve", "tended-by-the-caller"])
+def test_an_unanswered_request_follows_the_cores_schedule_through_the_endpoint(serving: bool) -> None:
+    """The endpoint carries out the core's actions: each Transmit at the schedule's times, then RpcTimeout at the
+    deadline, whether ``serve`` tends the core's timer or (no receive loop) the caller does."""
+    sent: list[float] = []
+    nobody = ("10.9.9.9", 9)
+
+    async def body(net: MemNet, nursery: trio.Nursery) -> None:
+        ep = Endpoint(net.socket("10.0.0.1", 1), Identity.generate(), SECRET, Metrics())
+        deliver = net.deliver
+        net.deliver = lambda src, dst, data: (sent.append(trio.current_time()), deliver(src, dst, data))[1]
+        if serving:
+            await nursery.start(ep.serve)
+        start = trio.current_time()
+        with pytest.raises(RpcTimeout, match="within 3.50 s"):
+            await ep.request(nobody, m.MsgType.PING, {}, timeout=0.5, attempts=3)
+        assert trio.current_time() - start == pytest.approx(3.5)
+        assert [t - start for t in sent] == pytest.approx([0.0, 0.5, 1.5])
+        assert ep.core.open_requests() == 0 and ep.core.get_timer() is None
+
+    run_on_memnet(body)
