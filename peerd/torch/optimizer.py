@@ -32,7 +32,19 @@ from ..compress import COMPRESSIONS as CODECS
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
 from ..localsock.phases import add_phases, empty_phases
-from .auto import AVERAGE_EVERY, PERIOD_LADDER, Choice, Measured, applied_period, choose, fp32_transfer_s
+from .auto import (
+    AGREE_STEP,
+    AVERAGE_EVERY,
+    PERIOD_LADDER,
+    Choice,
+    Measured,
+    agreed_period,
+    announced_periods,
+    applied_period,
+    choose,
+    fp32_transfer_s,
+    proposal_key,
+)
 from .errors import NoGroupError
 from .founders import FOUNDER_WINDOW_S, SameData, reseed_peer
 from .overlap import DEFAULT_BUCKET_MB, Overlap
@@ -72,7 +84,8 @@ class Optimizer(torch.optim.Optimizer):
     ``socket`` (the daemon's local socket; default $PEERD_SOCKET, ...), ``timeout_s`` (a round's
     deadline), ``average_params_every`` (K; 0 turns parameter averaging off; "auto", the default: 10 until
     AUTO_STEP, then what peerd.torch.auto.applied_period picks: longer, up to 40, only where every measured
-    round averaged all of its data, so replicas stay identical without the averages; with overlap, 10),
+    round averaged all of its data, so replicas stay identical without the averages; each member announces its
+    pick and from step AGREE_STEP all apply the least announced; with overlap, 10),
     ``no_group`` (what to do when no group forms or a round fails: "local" takes a local step and counts it,
     "skip" skips the step, "raise" raises NoGroupError), ``sync_state`` (download the swarm's state before the
     first step), ``state_every`` (publish a snapshot for joiners every this many steps; 0: never), ``nslots``,
@@ -124,6 +137,7 @@ class Optimizer(torch.optim.Optimizer):
         self.auto: Choice | None = None
         self._auto_probe: list[tuple[float, float, int, int]] | None = None  # compute s, round s, bytes, group
         self._auto_clean = True  # every step measured so far averaged all of its data (applied_period)
+        self.auto_proposed: int | None = None  # the period this member proposed, until it is agreed at AGREE_STEP
         self._auto_codec = compression == "auto"
         self._auto_every = average_params_every == "auto"
         if self._auto_every:
@@ -481,6 +495,8 @@ class Optimizer(torch.optim.Optimizer):
                                          int(reply["group_size"])))
             if self.step_count >= AUTO_STEP:
                 self._auto_choose()
+        if self.auto_proposed is not None and self.step_count >= AGREE_STEP:
+            self._agree_period()
         if self.auto is not None:
             reply["auto"] = self._auto_fields()
 
@@ -517,7 +533,10 @@ class Optimizer(torch.optim.Optimizer):
         elif every is not None:
             k, every_why = every, f"parameters every {every} steps: the swarm's choice, taken over with its state"
         else:
-            k, every_why = applied_period(choice, clean=self._auto_clean and bool(probe))
+            own, why = applied_period(choice, clean=self._auto_clean and bool(probe))
+            self.auto_proposed = own  # announced now, agreed at AGREE_STEP; the default period until then
+            self._announce(own)
+            every_why = f"{why}; proposed, until the swarm agrees at step {AGREE_STEP}"
         self.average_params_every = k
         choice = Choice(chosen, k, choice.bucket_mb, "; ".join((codec_why, every_why, bucket_why)),
                         choice.fp32_transfer_s, (codec_why, every_why, bucket_why))
@@ -537,6 +556,34 @@ class Optimizer(torch.optim.Optimizer):
                         raise
                     time.sleep(0.05)
             self._report_auto()
+
+    def _announce(self, period: int) -> None:
+        """Announce the period this member proposes to the run's other members (the daemon's DHT)."""
+        assert self._client is not None
+        try:
+            self._client.call("dht_put", key=proposal_key(self.run_key), value=str(period),
+                              subkey=f"{self.peer_id}/{self.session}", ttl=3600)
+        except DaemonError as e:  # a daemon without a swarm: the members that read the others still agree
+            log.info("announcing the proposed period failed: %s", e)
+
+    def _agree_period(self) -> None:
+        """Apply the period the run's members agree on: the least announced (peerd.torch.auto.agreed_period)."""
+        assert self.auto is not None and self.auto_proposed is not None and self._client is not None
+        own, self.auto_proposed = self.auto_proposed, None
+        try:
+            values = [r.get("value") for r in self._client.call("dht_get", key=proposal_key(self.run_key))["values"]
+                      if isinstance(r, dict)]
+        except DaemonError as e:
+            log.info("reading the run's proposed periods failed: %s", e)
+            values = []
+        k, why = agreed_period(own, announced_periods(values))
+        self.average_params_every = k
+        codec_why, _, bucket_why = self.auto.reasons
+        reasons = (codec_why, why, bucket_why)
+        self.auto = Choice(self.auto.compression, k, self.auto.bucket_mb, "; ".join(reasons),
+                           self.auto.fp32_transfer_s, reasons)
+        log.info("auto: %s", why)
+        self._report_auto()
 
     def _report_auto(self) -> None:
         """Tell the daemon the auto choice, for `peerd status` (an older daemon ignores it)."""
@@ -565,14 +612,15 @@ class Optimizer(torch.optim.Optimizer):
         Due after every K-th gradient round of the swarm, numbered by it: gradient rounds are numbered
         alike by every replica that averaged in them, so all replicas average parameters in the same round
         even when their step counts differ (a joiner that took a snapshot a few steps old). Without a round
-        number (the gradient round failed), by this replica's step count."""
+        number (the gradient round failed), by this replica's step count. With the auto period, rounds are
+        numbered by the ladder's first rung, so members on different rungs meet at the longer one's multiples."""
         k = self.average_params_every
         if not k:
             return None
+        base = PERIOD_LADDER[0] if self._auto_every else k  # rounds numbered alike whichever rung a member took
         r = reply.get("round")
-        if reply.get("outcome") in ("averaged", "alone") and type(r) is int and r >= 0:
-            return (r + 1) // k if (r + 1) % k == 0 else None
-        return self.step_count // k if self.step_count % k == 0 else None
+        n = r + 1 if reply.get("outcome") in ("averaged", "alone") and type(r) is int and r >= 0 else self.step_count
+        return n // base if n % k == 0 else None
 
     def average_parameters(self, round_no: int | None = None) -> dict[str, Any]:
         """Average the parameters themselves with a group (equal weights); returns the round's statistics.
