@@ -16,44 +16,15 @@ import typing
 
 import pytest
 
-# (module, class): every sans-I/O core that holds protocol state.
-CORES: tuple[tuple[str, str], ...] = (
-    ("peerd.wire.replay", "ReplayWindow"),
-    ("peerd.wire.seal", "Sealer"),
-    ("peerd.wire.seal", "Opener"),
-    ("peerd.transport.core", "TransportCore"),
-    ("peerd.transport.pacing", "Pacer"),
-    ("peerd.transport.rto", "RtoEstimator"),
-    ("peerd.transport.qdelay", "QueueDelay"),
-    ("peerd.transport.guard", "AuthLimiter"),
-    ("peerd.transport.guard", "AmplificationGuard"),
-    ("peerd.dht.core", "DhtCore"),
-    ("peerd.dht.lookup", "Lookup"),
-    ("peerd.allreduce.group", "GroupAverage"),
-    ("peerd.allreduce.host", "AveragingHost"),
-    ("peerd.allreduce.held", "HeldData"),
-    ("peerd.nat.punch", "Puncher"),
-    ("peerd.nat.reach", "Reach"),
-    ("peerd.nat.relay", "RelayServer"),
-    ("peerd.nat.relay", "RelayClient"),
-    ("peerd.linkcap.core", "BudgetPacer"),
-    ("peerd.linkcap.core", "LinkCap"),
-    ("peerd.moshpit.rounds", "RoundMachine"),
-    ("peerd.moshpit.matchmaking", "Matchmaker"),
-    ("peerd.moshpit.sticky", "StickyGroups"),
-    ("peerd.trainer.agreement", "OuterAgreement"),
-    ("peerd.statesync.choice", "SnapshotChoice"),
-    ("peerd.nat.paths", "Paths"),
-    ("peerd.transport.receive", "ReceivePolicy"),
-    ("peerd.deadlines", "DeadlineTuner"),
-)
+from .support.cores import CORES
 
 # Cores that do not follow the contract yet: (module, class) -> what is left and which branch of work converts it.
 # Remove an entry when its core is converted (test_not_yet_is_not_stale fails on an entry that already passes).
 NOT_YET: dict[tuple[str, str], str] = {}
 
+# the older vocabularies, and ``step``: a schedule handed back to one caller instead of actions queued for the shell
 OLD_NAMES = frozenset({"on_timer", "poll", "next_deadline", "deadline", "wake_at", "held_expiry", "next_sends",
-                       "next_datagrams", "stats", "status"})
+                       "next_datagrams", "stats", "status", "step"})
 TIMER = ("get_timer", "handle_timer")
 
 
@@ -134,6 +105,7 @@ class _Good:
 
 class _Bad:
     def receive(self, now: float, data: bytes) -> None: ...
+    def step(self, rid: int, now: float) -> object: ...
     def next_deadline(self) -> float | None: ...
     def get_timer(self, now: float) -> float | None: ...
     def statistics(self) -> dict: ...
@@ -146,7 +118,8 @@ class _Unfrozen:
 def test_the_checker_passes_a_core_in_shape_and_names_each_departure() -> None:
     assert contract_violations(_Good) == []
     found = "\n".join(contract_violations(_Bad))
-    for expected in ("next_deadline: an old name", "both get_timer() and handle_timer", "get_timer takes no",
+    for expected in ("next_deadline: an old name", "step: an old name", "both get_timer() and handle_timer",
+                     "get_timer takes no",
                      "receive('now', 'data'): now comes last", "not a frozen dataclass"):
         assert expected in found
     assert contract_violations(_Unfrozen) == [f"statistics() returns {_Loose!r}, not a frozen dataclass"]

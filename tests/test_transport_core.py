@@ -19,23 +19,23 @@ from peerd.transport.core import (
     PING,
     PONG,
     AddressValidated,
-    AnswerArrived,
     Answered,
     Deliver,
     Expired,
     PendingFull,
     Transmit,
     TransportCore,
-    WaitUntil,
 )
 from peerd.transport.endpoint import Endpoint
 from peerd.transport.faults import LossySocket
+from peerd.transport.rpc import RpcTimeout
 from peerd.transport.rto import DEFAULT_MIN_RTO
 from peerd.wire import messages as m
 from peerd.wire.envelope import FLAG_SEALED, HEADER, MAGIC, VERSION
 from peerd.wire.identity import Identity
 from peerd.wire.seal import Sealer
 
+from .support.memnet import MemNet, run_on_memnet
 from .support.virtual import counter_value
 
 A = ("10.0.0.1", 7000)
@@ -51,45 +51,50 @@ def receive(core: TransportCore, mtype: int, rid: int, source: tuple[str, int], 
 
 def drive(core: TransportCore, addr: tuple[str, int], *, timeout: float, attempts: int, rtt: float,
           lost: set[int], start: float = 0.0) -> tuple[list[float], object]:
-    """Run one request in virtual time: transmission ``i`` (0-based) is lost when ``i in lost``, otherwise its
-    answer arrives ``rtt`` later. Returns the transmission times and the final step."""
+    """Run one request in virtual time as a shell does (carry out ``take_actions``, sleep until ``get_timer``,
+    ``handle_timer``): transmission ``i`` (0-based) is lost when ``i in lost``, otherwise its answer arrives
+    ``rtt`` later. Returns the transmission times and the request's last action (``Answered`` or ``Expired``)."""
     now = start
     rid = core.open_request(addr, PONG, timeout=timeout, attempts=attempts, now=now)
     sent: list[float] = []
     arrivals: list[float] = []
     while True:
-        step = core.step(rid, now)
-        if isinstance(step, Transmit):
-            assert step.attempt == len(sent)
-            if len(sent) not in lost:
-                arrivals.append(now + rtt)
-            sent.append(now)
-            continue
-        if isinstance(step, WaitUntil):
-            nxt = min([t for t in arrivals if t > now] + [step.at])
-            now = nxt
-            if now in arrivals:
-                assert receive(core, PONG, rid, addr, ("reply", now), now) == [AnswerArrived(rid)]
-            continue
-        return sent, step
+        for action in core.take_actions():
+            assert action.rid == rid
+            if isinstance(action, Transmit):
+                assert action.attempt == len(sent)
+                if len(sent) not in lost:
+                    arrivals.append(now + rtt)
+                sent.append(now)
+                continue
+            if isinstance(action, Answered):
+                core.close(rid)
+            return sent, action
+        timer = core.get_timer()
+        assert timer is not None and timer > now  # an open, unanswered request always has a wait that runs
+        now = min([t for t in arrivals if t > now] + [timer])
+        if now in arrivals:
+            core.receive_message(PONG, rid, addr, ("reply", now), now)
+        if now >= timer:
+            core.handle_timer(now)
 
 
 def test_retransmission_schedule_is_exact_and_doubles() -> None:
     core = TransportCore(random.Random(1))
-    sent, step = drive(core, A, timeout=0.5, attempts=3, rtt=0.01, lost={0, 1, 2, 3})
+    sent, last = drive(core, A, timeout=0.5, attempts=3, rtt=0.01, lost={0, 1, 2, 3})
     assert sent == pytest.approx([0.0, 0.5, 1.5])  # waits 0.5, 1.0, then the last 2.0 runs to the deadline
-    assert isinstance(step, Expired) and step.waited == pytest.approx(3.5) and step.attempts == 3
+    assert isinstance(last, Expired) and last.waited == pytest.approx(3.5) and last.attempts == 3
     assert core.open_requests() == 0
 
 
 def test_answer_after_a_loss_is_not_a_round_trip_sample() -> None:
     core = TransportCore(random.Random(2))
-    sent, step = drive(core, A, timeout=0.5, attempts=3, rtt=0.02, lost={0})
+    sent, last = drive(core, A, timeout=0.5, attempts=3, rtt=0.02, lost={0})
     assert sent == pytest.approx([0.0, 0.5])
-    assert isinstance(step, Answered) and step.rtt is None and step.attempts == 2  # Karn: ambiguous
+    assert isinstance(last, Answered) and last.rtt is None and last.attempts == 2  # Karn: ambiguous
     assert core.rto.srtt(A) is None
-    sent, step = drive(core, A, timeout=0.5, attempts=3, rtt=0.02, lost=set(), start=10.0)
-    assert isinstance(step, Answered) and step.rtt == pytest.approx(0.02) and sent == [10.0]
+    sent, last = drive(core, A, timeout=0.5, attempts=3, rtt=0.02, lost=set(), start=10.0)
+    assert isinstance(last, Answered) and last.rtt == pytest.approx(0.02) and sent == [10.0]
     assert core.rto.srtt(A) == pytest.approx(0.02)
 
 
@@ -99,13 +104,13 @@ def test_learned_timeout_shortens_the_first_wait_and_a_timeout_backs_off() -> No
         drive(core, A, timeout=0.5, attempts=3, rtt=0.004, lost=set(), start=float(i))
     first = core.rto.timeout(A, 0.5)
     assert first == pytest.approx(DEFAULT_MIN_RTO)  # srtt + 4 rttvar is below the floor
-    sent, step = drive(core, A, timeout=0.5, attempts=3, rtt=0.004, lost={0}, start=100.0)
+    sent, last = drive(core, A, timeout=0.5, attempts=3, rtt=0.004, lost={0}, start=100.0)
     assert sent == pytest.approx([100.0, 100.0 + first])  # the first wait was the learned one
-    assert isinstance(step, Answered)
+    assert isinstance(last, Answered)
     assert core.rto.timeout(A, 0.5) == pytest.approx(2 * first)  # backed off until a fresh sample
     # the schedule's end is the caller's, whatever the first wait: 0.5 * (2**3 - 1) after the start
-    sent, step = drive(core, A, timeout=0.5, attempts=3, rtt=0.004, lost=set(range(10)), start=200.0)
-    assert isinstance(step, Expired) and step.waited == pytest.approx(3.5)
+    sent, last = drive(core, A, timeout=0.5, attempts=3, rtt=0.004, lost=set(range(10)), start=200.0)
+    assert isinstance(last, Expired) and last.waited == pytest.approx(3.5)
     assert sent == pytest.approx([200.0 + 2 * first * (2**i - 1) for i in range(len(sent))])
     assert sent[-1] < 203.5
 
@@ -117,47 +122,52 @@ def test_random_loss_patterns_follow_the_schedule(seed: int) -> None:
     rng = random.Random(seed)
     lost = {i for i in range(6) if rng.random() < 0.5}
     core = TransportCore(random.Random(seed))
-    sent, step = drive(core, B, timeout=0.1, attempts=4, rtt=0.03, lost=lost)
+    sent, last = drive(core, B, timeout=0.1, attempts=4, rtt=0.03, lost=lost)
     expected = [0.1 * (2**i - 1) for i in range(4)]
     got_through = [i for i in range(4) if i not in lost]
     if not got_through:
-        assert isinstance(step, Expired) and sent == pytest.approx(expected)
+        assert isinstance(last, Expired) and sent == pytest.approx(expected)
         return
     k = got_through[0]
     # the answer lands 0.03 after transmission k; a later transmission may go out before it only if due sooner
-    assert isinstance(step, Answered)
+    assert isinstance(last, Answered)
     assert sent[: k + 1] == pytest.approx(expected[: k + 1])
-    assert step.rtt == (pytest.approx(0.03) if k == 0 else None)
+    assert last.rtt == (pytest.approx(0.03) if k == 0 else None)
+
+
+def answered(rid: int, reply: object, rtt: object) -> list:
+    """What the core queues for the answer to a request sent once."""
+    return [Answered(rid, reply, rtt, 1)]
 
 
 def test_duplicate_and_late_answers() -> None:
     core = TransportCore(random.Random(4))
     rid = core.open_request(A, PONG, timeout=0.5, attempts=2, now=0.0)
-    assert isinstance(core.step(rid, 0.0), Transmit)
-    assert receive(core, PONG, rid, A, "first", 0.01) == [AnswerArrived(rid)]
-    assert receive(core, PONG, rid, A, "second", 0.02) == []  # before the caller took the first: dropped
+    assert core.take_actions() == [Transmit(rid, 0)]
+    assert receive(core, PONG, rid, A, "first", 0.01) == answered(rid, "first", pytest.approx(0.01))
+    assert receive(core, PONG, rid, A, "second", 0.02) == []  # before the caller closed it: dropped
     assert core.receiving.drops == {} and core.receiving.answers == 1
-    step = core.step(rid, 0.03)
-    assert isinstance(step, Answered) and step.reply == "first"
+    core.handle_timer(1.0)  # an answered request's wait runs no more
+    assert core.take_actions() == [] and core.open_requests() == 1
+    core.close(rid)
     assert receive(core, PONG, rid, A, "late", 0.04) == []  # closed: nothing waits for it
     assert core.receiving.drops == {"unexpected": 1}
     # an answer of the wrong type never matches; an ERROR does
     rid = core.open_request(A, NODES, timeout=0.5, attempts=2, now=1.0)
-    core.step(rid, 1.0)
+    core.take_actions()
     assert receive(core, PONG, rid, A, "wrong type", 1.01) == []
-    assert receive(core, ERROR, rid, A, "refused", 1.02) == [AnswerArrived(rid)]
-    assert core.step(rid, 1.02).reply == "refused"  # type: ignore[union-attr]
+    assert receive(core, ERROR, rid, A, "refused", 1.02) == answered(rid, "refused", pytest.approx(0.02))
     assert core.receiving.drops == {"unexpected": 2} and core.receiving.answers == 2
 
 
 def test_an_answer_from_another_address_matches_but_does_not_validate() -> None:
     core = TransportCore(random.Random(5))
     rid = core.open_request(A, PONG, timeout=0.5, attempts=2, now=0.0)
-    core.step(rid, 0.0)
-    assert receive(core, PONG, rid, B, "via B", 0.01) == [AnswerArrived(rid)]
+    core.take_actions()
+    assert receive(core, PONG, rid, B, "via B", 0.01) == answered(rid, "via B", pytest.approx(0.01))
     assert not core.guard.is_validated(A) and not core.guard.is_validated(B)
     rid = core.open_request(A, PONG, timeout=0.5, attempts=2, now=1.0)
-    core.step(rid, 1.0)
+    core.take_actions()
     receive(core, PONG, rid, A, "from A", 1.01)
     assert core.guard.is_validated(A)
 
@@ -194,10 +204,11 @@ def test_pending_map_is_bounded() -> None:
     rids = [core.open_request(A, PONG, timeout=1, attempts=1, now=0.0) for _ in range(8)]
     with pytest.raises(PendingFull):
         core.open_request(A, PONG, timeout=1, attempts=1, now=0.0)
-    core.step(rids[0], 0.0)
-    assert isinstance(core.step(rids[0], 5.0), Expired)  # an expired request frees its slot
+    core.handle_timer(5.0)
+    expired = [a for a in core.take_actions() if isinstance(a, Expired)]
+    assert sorted(a.rid for a in expired) == sorted(rids)  # an expired request frees its slot
     core.open_request(A, PONG, timeout=1, attempts=1, now=5.0)
-    assert core.open_requests() == 8
+    assert core.open_requests() == 1
 
 
 def test_same_seed_same_ids() -> None:
@@ -211,11 +222,16 @@ def test_get_timer_is_the_earliest_wait() -> None:
     core = TransportCore(random.Random(7))
     assert core.get_timer() is None
     r1 = core.open_request(A, PONG, timeout=0.5, attempts=2, now=0.0)
-    r2 = core.open_request(B, PONG, timeout=0.2, attempts=2, now=0.0)
-    assert core.get_timer() is None  # nothing sent yet
-    core.step(r1, 0.0)
-    core.step(r2, 0.1)
-    assert core.get_timer() == pytest.approx(0.3)
+    r2 = core.open_request(B, PONG, timeout=0.2, attempts=2, now=0.1)
+    assert core.take_actions() == [Transmit(r1, 0), Transmit(r2, 0)]  # each goes out as it opens
+    at = core.get_timer()
+    assert at == pytest.approx(0.3)
+    core.handle_timer(0.29)
+    assert core.take_actions() == []  # nothing due yet
+    core.handle_timer(at)
+    assert core.take_actions() == [Transmit(r2, 1)] and core.get_timer() == pytest.approx(0.5)
+    receive(core, PONG, r1, A, "answer", 0.4)
+    assert core.get_timer() == pytest.approx(0.7)  # an answered request's wait is gone
 
 
 def test_demultiplexing_of_requests_and_one_way_messages() -> None:
@@ -627,3 +643,26 @@ def test_a_member_cannot_squat_another_members_token_hostile() -> None:
     assert ep.opener.token_state(vb.token).peer_key == victor.public_key  # type: ignore[union-attr]
     trio.run(ep.flush)
     assert [(d[3], addr) for d, addr in ep.sock.sent] == [(int(m.MsgType.PONG), ("10.1.1.9", 5))]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("serving", [True, False], ids=["tended-by-serve", "tended-by-the-caller"])
+def test_an_unanswered_request_follows_the_cores_schedule_through_the_endpoint(serving: bool) -> None:
+    """The endpoint carries out the core's actions: each Transmit at the schedule's times, then RpcTimeout at the
+    deadline, whether ``serve`` tends the core's timer or (no receive loop) the caller does."""
+    sent: list[float] = []
+    nobody = ("10.9.9.9", 9)
+
+    async def body(net: MemNet, nursery: trio.Nursery) -> None:
+        ep = Endpoint(net.socket("10.0.0.1", 1), Identity.generate(), SECRET, Metrics())
+        deliver = net.deliver
+        net.deliver = lambda src, dst, data: (sent.append(trio.current_time()), deliver(src, dst, data))[1]
+        if serving:
+            await nursery.start(ep.serve)
+        start = trio.current_time()
+        with pytest.raises(RpcTimeout, match="within 3.50 s"):
+            await ep.request(nobody, m.MsgType.PING, {}, timeout=0.5, attempts=3)
+        assert trio.current_time() - start == pytest.approx(3.5)
+        assert [t - start for t in sent] == pytest.approx([0.0, 0.5, 1.5])
+        assert ep.core.open_requests() == 0 and ep.core.get_timer() is None
+
+    run_on_memnet(body)

@@ -1,29 +1,31 @@
 """The transport's decisions, sans-I/O: every input carries ``now``, request ids come from an injected rng.
 
-- **Requests.** ``open_request`` draws a request id (never one already pending) and ``step`` says what the
-  request needs next: ``Transmit`` (send it now, first time or again), ``WaitUntil`` (nothing before that time
-  unless its answer comes), ``Answered`` or ``Expired``. The schedule: the first wait is the destination's
-  learned retransmission timeout (``rto``, never above the caller's ``timeout``), each later wait doubles, and the
-  request gives up when the fixed schedule ``timeout, 2*timeout, ...`` (``attempts`` waits) would have ended.
-  Karn's rule: only an answer to a request sent once is a round-trip sample; a first wait that runs out backs the
-  destination off (RFC 6298 5.5). At most ``max_pending`` requests are open at once.
+- **Requests.** ``open_request`` draws a request id (never one already pending) and queues its first
+  ``Transmit``; ``handle_timer`` queues what a request whose wait ran out needs (``Transmit`` again, or
+  ``Expired``), and the answer's arrival queues ``Answered``: the shell carries these out from ``take_actions``,
+  like every other action. The schedule: the first wait is the destination's learned retransmission timeout
+  (``rto``, never above the caller's ``timeout``), each later wait doubles, and the request gives up when the
+  fixed schedule ``timeout, 2*timeout, ...`` (``attempts`` waits) would have ended. Karn's rule: only an answer to
+  a request sent once is a round-trip sample; a first wait that runs out backs the destination off (RFC 6298 5.5).
+  At most ``max_pending`` requests are open at once; an expired one is closed by the core, an answered one keeps
+  its id (a second answer is dropped unseen) until its caller ``close``s it.
 - **Demultiplexing.** ``receive_message`` takes an authenticated control message and queues what it asks of the
-  shell (``take_actions``): the answer to a pending request (``AnswerArrived``: stored for ``step``, its waiter is
-  woken; a second answer is dropped), the PONG to this node's address-validation PING (``AddressValidated``), a
-  message for a registered handler (``Deliver``), or nothing for one this node does not expect (a late answer, an
-  unsolicited response: counted ``unexpected``).
+  shell: the answer to a pending request (``Answered``), the PONG to this node's address-validation PING
+  (``AddressValidated``), a message for a registered handler (``Deliver``), or nothing for one this node does not
+  expect (a late answer, an unsolicited response: counted ``unexpected``).
 - **Outsiders.** The amplification guard, the answers held for addresses not yet validated, the validation
   challenges, and the rationing of authentication failures (``AuthLimiter``) live here, bounded.
 - **Receivers.** Which node id is at which address (an LRU), to seal each datagram for its receiver.
 - **Receiving.** What a receive pass accepts, refuses, handles first and counts, and the pause after it: the
   ``ReceivePolicy`` (transport/receive.py) at ``receiving``, one ``PassDecision`` per pass.
 
-The trio endpoint (transport/endpoint.py) seals, sends and waits; the simulator and the tests drive this class
-directly in virtual time.
+The trio endpoint (transport/endpoint.py) seals, sends, waits until ``get_timer`` and carries out the actions;
+the tests drive this class directly in virtual time.
 """
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -54,23 +56,16 @@ class PendingFull(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Transmit:
-    """Send the request now. ``attempt`` 0 is the first transmission."""
+    """Send request ``rid`` now. ``attempt`` 0 is the first transmission."""
 
     rid: int
     attempt: int
 
 
 @dataclass(frozen=True, slots=True)
-class WaitUntil:
-    """Nothing to do for this request before ``at`` (unless its answer arrives)."""
-
-    rid: int
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
 class Answered:
-    """The request's answer (what ``route`` was given with it); ``rtt`` is the Karn sample taken, or None."""
+    """The request's answer (the message ``receive_message`` was given); ``rtt`` is the Karn sample taken, or
+    None. The request stays open until its caller ``close``s it."""
 
     rid: int
     reply: Any
@@ -80,14 +75,12 @@ class Answered:
 
 @dataclass(frozen=True, slots=True)
 class Expired:
-    """No answer within the schedule; ``waited``: from the first transmission to the deadline."""
+    """No answer within the schedule (the core closed the request); ``waited``: from the first transmission to
+    the deadline."""
 
     rid: int
     waited: float
     attempts: int
-
-
-Step = Transmit | WaitUntil | Answered | Expired
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +91,6 @@ class TransportStatistics:
     held_addresses: int
     challenges: int
     receiving: ReceiveStatistics
-
-
-@dataclass(frozen=True, slots=True)
-class AnswerArrived:
-    """The answer to request ``rid`` is in: wake its waiter (its next ``step`` is ``Answered``)."""
-
-    rid: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +110,8 @@ class Deliver:
     message: Any
 
 
-Action = AnswerArrived | AddressValidated | Deliver
+RequestAction = Transmit | Answered | Expired  # what one request needs: its caller carries these out
+Action = Transmit | Answered | Expired | AddressValidated | Deliver
 
 
 @dataclass(slots=True)
@@ -141,7 +128,6 @@ class Pending:
     next_at: float = 0.0  # when the current wait ends
     attempts: int = 0
     reply: Any = None
-    answered_at: float | None = None
     karn: bool = True  # no wait has run out yet: an answer now is an unambiguous round trip
     done: bool = False
 
@@ -186,7 +172,8 @@ class TransportCore:
         self._ids: OrderedDict[Hashable, bytes] = OrderedDict()
         self._held: OrderedDict[Hashable, list[Any]] = OrderedDict()
         self._challenges: OrderedDict[int, Hashable] = OrderedDict()  # rid of a validating PING -> its address
-        self._actions: list[Action] = []  # what receive_message asked of the shell, until take_actions
+        self._actions: list[Action] = []  # what the inputs asked of the shell, until take_actions
+        self._waits: list[tuple[float, int]] = []  # (when a request's wait ends, its rid): a heap, stale entries kept
         self.paths = Paths(max_known_ids)  # where datagrams to each peer go (NAT traversal), and the counts per path
 
     # -- ids -------------------------------------------------------------------------------------------------
@@ -208,14 +195,16 @@ class TransportCore:
 
     # -- requests --------------------------------------------------------------------------------------------
     def open_request(self, addr: Hashable, expect: int, *, timeout: float, attempts: int, now: float) -> int:
-        """Open a request to ``addr`` answered by type ``expect``; returns its id (then call ``step``)."""
+        """Open a request to ``addr`` answered by type ``expect``; returns its id, and its first ``Transmit`` is
+        queued."""
         if not timeout > 0 or attempts < 1:
             raise ValueError(f"request needs timeout > 0 and attempts >= 1, got {timeout!r}, {attempts!r}")
         if len(self._pending) >= self.max_pending:
             raise PendingFull(f"{len(self._pending)} requests already open")
         rid = self._fresh_rid()
-        self._pending[rid] = Pending(rid, addr, expect, deadline=now + timeout * (2**attempts - 1),
-                                     wait=self.rto.timeout(addr, timeout), start=now)
+        p = self._pending[rid] = Pending(rid, addr, expect, deadline=now + timeout * (2**attempts - 1),
+                                         wait=self.rto.timeout(addr, timeout), start=now)
+        self._transmit(p, now)
         return rid
 
     def pending(self, rid: int) -> Pending | None:
@@ -224,46 +213,52 @@ class TransportCore:
     def open_requests(self) -> int:
         return len(self._pending)
 
-    def step(self, rid: int, now: float) -> Step:
-        """What request ``rid`` needs at ``now``. ``Answered`` and ``Expired`` close it."""
-        p = self._pending[rid]
-        if p.reply is not None:
-            rtt = None
-            if p.karn and p.sent_at is not None and p.answered_at is not None:
-                rtt = max(0.0, p.answered_at - p.sent_at)
-                self.rto.sample(p.addr, rtt)
-            self.close(rid)
-            return Answered(rid, p.reply, rtt, p.attempts)
-        if p.sent_at is None:
-            return self._transmit(p, now)
-        if now < p.next_at:
-            return WaitUntil(rid, p.next_at)
+    def _transmit(self, p: Pending, now: float) -> None:
+        p.sent_at = now
+        p.next_at = min(p.deadline, now + p.wait)
+        p.attempts += 1
+        heapq.heappush(self._waits, (p.next_at, p.rid))
+        if len(self._waits) > 4 * len(self._pending) + 64:  # answered requests' entries: drop them now and then
+            self._waits[:] = [(at, rid) for at, rid in self._waits if self._waiting(at, rid)]
+            heapq.heapify(self._waits)
+        self._actions.append(Transmit(p.rid, p.attempts - 1))
+
+    def _waiting(self, at: float, rid: int) -> bool:
+        """Whether the heap's entry (at, rid) is a wait that still runs: its request open, unanswered, due then."""
+        p = self._pending.get(rid)
+        return p is not None and p.reply is None and p.next_at == at
+
+    def _wait_ran_out(self, p: Pending, now: float) -> None:
+        """Request ``p``'s wait ended unanswered: send it again with a doubled wait, or it expires."""
         if p.karn:  # the first wait ran out: this destination backs off until its next sample
             self.rto.timed_out(p.addr)
             p.karn = False
         if now >= p.deadline:
-            self.close(rid)
-            return Expired(rid, p.deadline - p.start, p.attempts)
+            self.close(p.rid)
+            self._actions.append(Expired(p.rid, p.deadline - p.start, p.attempts))
+            return
         p.wait *= 2
-        return self._transmit(p, now)
-
-    def _transmit(self, p: Pending, now: float) -> Transmit:
-        p.sent_at = now
-        p.next_at = min(p.deadline, now + p.wait)
-        p.attempts += 1
-        return Transmit(p.rid, p.attempts - 1)
+        self._transmit(p, now)
 
     def get_timer(self) -> float | None:
-        """The earliest time something here needs the shell: a request's wait ends (its waiter ``step``s it), or
-        the receive loop's pause ends (``handle_timer``). None: nothing scheduled."""
-        times = [p.next_at for p in self._pending.values() if p.sent_at is not None and p.reply is None]
+        """The earliest time something here needs ``handle_timer``: a request's wait ends, or the receive loop's
+        pause ends. None: nothing scheduled."""
+        waits = self._waits
+        while waits and not self._waiting(*waits[0]):
+            heapq.heappop(waits)
         pause = self.receiving.get_timer()
-        if pause is not None:
-            times.append(pause)
-        return min(times, default=None)
+        if not waits:
+            return pause
+        return waits[0][0] if pause is None else min(waits[0][0], pause)
 
     def handle_timer(self, now: float) -> None:
-        """The timer came: the receive loop's pause ends (requests are advanced by ``step``, one caller each)."""
+        """The timer came: each request whose wait ran out is sent again or expires (queued ``Transmit`` or
+        ``Expired``), and the receive loop's pause ends."""
+        waits = self._waits
+        while waits and waits[0][0] <= now:
+            at, rid = heapq.heappop(waits)
+            if self._waiting(at, rid):
+                self._wait_ran_out(self._pending[rid], now)
         self.receiving.handle_timer(now)
 
     def take_actions(self) -> list[Action]:
@@ -293,10 +288,11 @@ class TransportCore:
         return self._handled.get(mtype)
 
     def receive_message(self, mtype: int, rid: int, source: Hashable, message: Any, now: float) -> None:
-        """An authenticated control message of ``mtype`` with ``rid`` from ``source``: an answer is stored
-        (``message``) for its request's next ``step`` (``AnswerArrived``); the PONG to a validating PING validates
-        ``source`` (``AddressValidated``); a registered type goes to its handler (``Deliver``); anything else is
-        counted ``unexpected`` (a second answer: not counted, nothing to do)."""
+        """An authenticated control message of ``mtype`` with ``rid`` from ``source``: an answer (``message``)
+        is its request's ``Answered``, with a round-trip sample under Karn's rule; the PONG to a validating PING
+        validates ``source`` (``AddressValidated``); a registered type goes to its handler (``Deliver``); anything
+        else is counted ``unexpected`` (a second answer before the caller closed the request: not counted, nothing
+        to do)."""
         if mtype == PONG and self._challenges.get(rid) == source:
             for challenge in [c for c, a in self._challenges.items() if a == source]:
                 del self._challenges[challenge]
@@ -307,11 +303,15 @@ class TransportCore:
         if p is not None and (mtype == p.expect or mtype == ERROR):
             if p.reply is not None:
                 return
-            p.reply, p.answered_at = message, now
+            p.reply = message
+            rtt = None
+            if p.karn and p.sent_at is not None:
+                rtt = max(0.0, now - p.sent_at)
+                self.rto.sample(p.addr, rtt)
             if source == p.addr:  # it read this request's random rid: it receives at this address
                 self.guard.validate(source)
             self.receiving.answers += 1
-            self._actions.append(AnswerArrived(rid))
+            self._actions.append(Answered(rid, message, rtt, p.attempts))
             return
         if mtype in self._handled:
             self._actions.append(Deliver(mtype, rid, source, message))

@@ -42,11 +42,10 @@ from .core import (
     PendingFull,
     Transmit,
     TransportCore,
-    WaitUntil,
 )
 from .faults import LossySocket
 from .guard import AmplificationGuard, AuthLimiter
-from .inbound import Inbound
+from .inbound import Inbound, RequestWaiter
 from .paths import PATH_KINDS
 from .rotation import Rotation
 from .rpc import Address, Incoming, Peer, RpcError, RpcTimeout
@@ -149,7 +148,11 @@ class Endpoint(Inbound):
         self._handlers: dict[int, RequestHandler] = {}
         self._raw: dict[int, RawHandler] = {}
         self._raw_block: dict[int, BlockHandler] = {}
-        self._events: dict[int, trio.Event] = {}  # rid of an open request -> what its caller waits on
+        self._requests: dict[int, RequestWaiter] = {}  # rid of an open request -> what its caller waits on
+        # the core's timer, tended by ``serve`` (transport/inbound.py): when the tender wakes, and what wakes it early
+        self._tending = False
+        self._timer_at = math.inf
+        self._timer_moved = trio.Event()
         self._bind_hooks: list[Callable[[int, bytes], None]] = []
         # the tokens an overloaded receive pass never sheds (the averaging host's running groups' members)
         self.protected_tokens: Callable[[], dict[int, None]] | None = None
@@ -536,7 +539,7 @@ class Endpoint(Inbound):
         It gives up when the fixed schedule ``timeout, 2*timeout, ...`` (``attempts`` waits) would have
         ended, but the first wait is the destination's learned retransmission timeout (``self.rto``,
         never above ``timeout``), so under loss a lost datagram costs a few round trips, not 0.5 s.
-        (The schedule is the core's: ``TransportCore.step``.)
+        (The schedule is the core's: it queues each ``Transmit``, then ``Answered`` or ``Expired``.)
 
         The request is sealed for ``node_id`` (default: the node this endpoint knows at ``addr``). A PING to
         an address whose node is unknown is sealed for no receiver; any other request first PINGs such an
@@ -555,14 +558,18 @@ class Endpoint(Inbound):
         except PendingFull as e:
             self.metrics.rpc_failures.labels(name).inc()
             raise RpcError(f"not sending {name} to {addr[0]}:{addr[1]}: {e}") from None
-        event = self._events[rid] = trio.Event()
+        waiter = self._requests[rid] = RequestWaiter()
+        self.carry_out(core.take_actions(), start)
+        self._timer_changed()
         sealed_by: Sealer | None = None
         transmits = 0
         told = False  # the NAT service heard that this peer is silent
         try:
             while True:
-                step = core.step(rid, trio.current_time())
-                if isinstance(step, Transmit):
+                while not waiter.actions:
+                    await self._wait_for(waiter)
+                action = waiter.actions.pop(0)
+                if isinstance(action, Transmit):
                     sealed_by = self.rotation.next
                     transmits += 1
                     now = trio.current_time()
@@ -571,11 +578,8 @@ class Endpoint(Inbound):
                         told = True
                         self.nat.silent(addr, receiver, now)  # maybe a NAT: punch, or relay
                     await self._send_control(addr, mtype, rid, fields, receiver)
-                elif isinstance(step, WaitUntil):
-                    with trio.move_on_at(step.at):
-                        await event.wait()
-                elif isinstance(step, Answered):
-                    reply: Incoming = step.reply
+                elif isinstance(action, Answered):
+                    reply: Incoming = action.reply
                     self.rotation.answered(sealed_by, reply.peer.node_id)  # it opened, so bound, that token
                     if self.nat is not None:
                         self.nat.answered(addr, reply, trio.current_time())
@@ -593,10 +597,11 @@ class Endpoint(Inbound):
                     self.metrics.rpc_failures.labels(name).inc()
                     if self.traffic is not None:
                         self.traffic.unanswered(addr, trio.current_time())
-                    raise RpcTimeout(f"no answer to {name} from {addr[0]}:{addr[1]} within {step.waited:.2f} s")
+                    raise RpcTimeout(f"no answer to {name} from {addr[0]}:{addr[1]} within {action.waited:.2f} s")
         finally:
             core.close(rid)
-            del self._events[rid]
+            del self._requests[rid]
+
 
 def retry_delays(first: float, cap: float, rng: random.Random | None = None) -> Callable[[int], float]:
     """Exponential backoff with jitter, for loops that retry whole operations (bootstrap). ``rng``: the jitter's

@@ -1,5 +1,6 @@
 """The receive half of the endpoint shell: takes passes off the socket and carries out the receive policy's
-decisions (transport/receive.py: what to refuse unopened, what goes first, the pause after a pass).
+decisions (transport/receive.py: what to refuse unopened, what goes first, the pause after a pass), and tends
+the core's timer (a request sent again or expired) beside it.
 
 A pass is sorted without awaiting: junk (a bad header, an unknown token past its ration) is refused before
 anything is built for it and counted in plain ints, PINGs and PONGs go before the rest of a batch, and the answers
@@ -9,7 +10,9 @@ a batch produced are sent after it; counters reach Prometheus once per pass.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,7 +33,7 @@ from ..wire.envelope import (
 from ..wire.errors import WireError
 from ..wire.identity import node_id_of, verify_token_binding
 from ..wire.seal import TAG_SIZE, TokenState
-from .core import AddressValidated, AnswerArrived
+from .core import Action, AddressValidated, Deliver, RequestAction
 from .pause import Pause
 from .receive import DERIVE, OPEN, REFUSE, rows_share_head
 from .rpc import Address, Incoming, Peer, RpcError
@@ -44,16 +47,78 @@ def _yes() -> bool:
     return True
 
 
+@dataclass(slots=True)
+class RequestWaiter:
+    """What one open request's caller waits on: the core's actions for it, in order, and the event that wakes it."""
+
+    event: trio.Event = field(default_factory=trio.Event)
+    actions: list[RequestAction] = field(default_factory=list)
+
+
 class Inbound:
     """The Endpoint's receiving methods (a base class of Endpoint, which holds the state they use)."""
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
+        """The receive loop, and beside it the core's timer (``_tend_timer``), until cancelled."""
         pause = Pause()  # the pauses between passes (a timerfd: see transport.pause)
         try:
-            await self._serve(pause)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._tend_timer)
+                self._tending = True
+                task_status.started()
+                await self._serve(pause)
         finally:
+            self._tending = False
             pause.close()
+
+    async def _tend_timer(self) -> None:
+        """Sleep until the core's ``get_timer()``, call ``handle_timer`` and carry out what it queued (requests
+        sent again or expired). A request opened with an earlier wait than the one slept on wakes it
+        (``_timer_moved``)."""
+        core = self.core
+        while True:
+            at = core.get_timer()
+            self._timer_at = math.inf if at is None else at
+            self._timer_moved = trio.Event()
+            with trio.move_on_at(self._timer_at):
+                await self._timer_moved.wait()
+            now = trio.current_time()
+            core.handle_timer(now)
+            self.carry_out(core.take_actions(), now)
+
+    def _timer_changed(self) -> None:
+        """The core may need its timer sooner than the tender sleeps: wake it to read ``get_timer`` again."""
+        at = self.core.get_timer()
+        if at is not None and at < self._timer_at:
+            self._timer_moved.set()
+
+    async def _wait_for(self, waiter: RequestWaiter) -> None:
+        """Wait for the core's next action for one request. With no ``serve`` loop tending the timer, the caller
+        tends it itself until then."""
+        waiter.event = trio.Event()
+        if self._tending:
+            await waiter.event.wait()
+            return
+        at = self.core.get_timer()
+        with trio.move_on_at(math.inf if at is None else at):
+            await waiter.event.wait()
+        now = trio.current_time()
+        self.core.handle_timer(now)
+        self.carry_out(self.core.take_actions(), now)
+
+    def carry_out(self, actions: list[Action], now: float) -> None:
+        """What the core asked for, without awaiting: a request's action goes to its caller (who sends, or
+        returns the answer, or raises), a validated address's held answers and a handler's answer to the outbox."""
+        for action in actions:
+            if isinstance(action, Deliver):
+                self._deliver(action.message, action.mtype, action.rid, action.source, now)
+            elif isinstance(action, AddressValidated):
+                self._outbox.append(("validated", action.addr))
+            else:
+                waiter = self._requests.get(action.rid)
+                if waiter is not None:  # (None: its caller left; the core forgets it at close)
+                    waiter.actions.append(action)
+                    waiter.event.set()
 
     async def _serve(self, pause_timer: Pause) -> None:
         sock, policy = self.sock, self.core.receiving
@@ -393,13 +458,7 @@ class Inbound:
         validated address, run a handler)."""
         core = self.core
         core.receive_message(mtype, incoming.body["rid"], source, incoming, now)
-        for action in core.take_actions():
-            if type(action) is AnswerArrived:
-                self._events[action.rid].set()
-            elif type(action) is AddressValidated:
-                self._outbox.append(("validated", action.addr))
-            else:
-                self._deliver(action.message, action.mtype, action.rid, action.source, now)
+        self.carry_out(core.take_actions(), now)
 
     def _deliver(self, incoming: Incoming, mtype: int, rid: int, source: Address, now: float) -> None:
         """A message for its registered handler; the handler's answer (or the ERROR it raised) goes to the outbox."""
