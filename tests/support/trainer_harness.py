@@ -45,6 +45,7 @@ class InProcessAverager:
         self.options: list[dict] = []  # the max_weight / robust keywords each call passed (only those set)
         self.readies: list[bool] = []  # whether each call came with ready= (a deferred bucket)
         self.part_rounds: list[tuple[str, int]] = []  # (run id, parts) of each average_parts call
+        self.timeouts: list[float] = []  # the timeout_s each call was given
         self.poison: float | None = None  # if set, every averaged result holds this value (e.g. NaN) at [0]
         self._ids = 0
 
@@ -56,6 +57,7 @@ class InProcessAverager:
                                 "rounding"}, options
         start = time.monotonic()
         self.readies.append(ready is not None)
+        self.timeouts.append(timeout_s)
         if ready is not None:  # as Moshpit with ready=: (the group would form here) then the vector is read
             await ready()
         self.options.append(options)
