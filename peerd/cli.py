@@ -13,6 +13,7 @@ from typing import Any
 
 from . import __version__
 from .addresses import parse_hostport
+from .deadlines import DEADLINE_MODES
 from .linkcap.args import add_cap_arguments, cap_config
 from .localsock.client import DaemonError, LocalClient, default_socket_path
 from .status.text import render
@@ -153,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a member of the swarm to join through (repeatable; default: none, which starts a new swarm)")
     p.add_argument("--bootstrap-timeout", type=_positive, default=300.0, metavar="S",
                    help="give up and exit non-zero if no bootstrap node answers for this long (default 300)")
+    p.add_argument("--deadlines", choices=DEADLINE_MODES, default="auto",
+                   help="auto: matchmaking, averaging, step and state-sync deadlines tune themselves from what the "
+                        "node measured, the flags and constants as upper bounds; fixed: those constants (default auto)")
     p.add_argument("--identity", metavar="PATH",
                    help="node identity from 'peerd keygen --identity' (default: a fresh one at every start)")
     key = p.add_mutually_exclusive_group()
@@ -284,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_step_parser(bench)
     from .tools.bench.caps import add_parser as add_caps_parser
     add_caps_parser(bench)
+    from .tools.bench.deadlines import add_parser as add_deadlines_parser
+    add_deadlines_parser(bench)
     b = bench.add_parser("soak", help="4 sealed daemons average while a member attacker and an outsider flood them")
     b.add_argument("--datagrams", type=int, default=1_000_000, metavar="N", help="attack datagrams (default 1M)")
     b.add_argument("--size", type=_size, default=1_000_000, metavar="S", help="float32 elements averaged (default 1M)")
@@ -477,6 +483,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         relay=not args.no_relay,
         group_factory=_fault_factory(args.fault_byzantine),
         caps=cap_config(args, args.identity),
+        deadlines=args.deadlines,
     )
     try:
         daemon = Daemon(config)
@@ -607,6 +614,9 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.bench_command == "caps":
         from .tools.bench.caps import cmd_bench_caps
         return cmd_bench_caps(args, parser)
+    if args.bench_command == "deadlines":
+        from .tools.bench.deadlines import cmd_bench_deadlines
+        return cmd_bench_deadlines(args, parser)
     if args.bench_command == "soak":
         from .tools.bench.soak import cmd_bench_soak
         return cmd_bench_soak(args, parser)

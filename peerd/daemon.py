@@ -20,7 +20,7 @@ from ._dataplane.heap import keep_freed_memory
 from .addresses import family_of, format_hostport, peer_address, resolve_ip
 from .allreduce.group import GroupAverage
 from .allreduce.service import AllreduceService
-from .deadlines import DeadlineTuner
+from .deadlines import DeadlineMode, DeadlineTuner
 from .dht import BootstrapError, DhtService
 from .dht.core import REPLICAS
 from .dht.reads import Agreed, AnyOf, Enough, Owners
@@ -81,6 +81,7 @@ class DaemonConfig:
     # lab only: what builds this node's averaging cores instead of GroupAverage (a fault injector: peerd.tools.faults)
     group_factory: Callable[..., GroupAverage] | None = None
     caps: CapConfig = field(default_factory=CapConfig)  # --max-upload, --max-download, --budget
+    deadlines: DeadlineMode = "auto"  # --deadlines: tuned from measurements, or "fixed" (today's constants)
 
 
 
@@ -183,7 +184,8 @@ class Daemon:
                               on_verdict=self._on_reachability)
         # per-peer network view (peerd status, peerd top, the status page): fed by the endpoint's traffic hooks
         self.peers = PeerFeed(self.endpoint, self.metrics, self.nat, on_tick=self._on_view_tick)
-        self.deadlines = DeadlineTuner()  # matchmaking, phase, step and state-sync deadlines from what it measures
+        # matchmaking, phase, step and state-sync deadlines from what it measures (--deadlines fixed: the constants)
+        self.deadlines = DeadlineTuner(config.deadlines)
         self.endpoint.traffic = self.peers
         self.allreduce = AllreduceService(self.endpoint, self.metrics, **allreduce_kwargs)
         paths = PathsFirst(self.allreduce, self.nat)
@@ -208,7 +210,7 @@ class Daemon:
             self.statesync.gate = CapGate(self.linkcap)
         self.trainer = TrainerService(self.metrics, self.moshpit.average, statesync=self.statesync,
                                       peer_id=self.identity.node_id.hex(), average_parts=self.moshpit.average_parts)
-        self.statesync.deadlines = self.trainer.deadlines = self.deadlines
+        self.statesync.deadlines = self.trainer.deadlines = self.trainer.outer.deadlines = self.deadlines
         self.trainer.register(local)
 
     def add_ops(self, ops: dict[str, Any]) -> None:
@@ -383,6 +385,7 @@ class Daemon:
                          for s in self.trainer.statistics().sessions],
             "peer_view": view_json(self.peers.statistics(), swarm_view(self.metrics)),  # peerd/peers/report.py
             "caps": None if self.linkcap is None else dataclasses.asdict(self.linkcap.statistics()),
+            "deadline_mode": self.deadlines.mode,
             "deadlines": deadlines_json(self.deadlines.statistics()),  # each with the measurement behind it
             **dataclasses.asdict(self.nat.statistics()),  # reachability, observed_addr, peers_known, paths, ...
         }

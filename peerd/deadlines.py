@@ -1,5 +1,6 @@
 """Deadlines that tune themselves (sans-I/O): the matchmaking window, the averaging phase deadline, the trainer's
-wait for a step reply and the state-sync timeout, each derived from what this node measured.
+waits for a step, a bucket and an outer average, and the state-sync timeout, each derived from what this node
+measured.
 
 Every deadline is ``max(floor, k * measured)`` capped by the constant or flag it replaces (the caller passes that
 cap with each question), so a flag stays an upper bound and a node with no measurements yet waits exactly as long
@@ -8,6 +9,9 @@ a round's matchmaking took to gather its group, the rates its averages and snaps
 seconds a step's round and its compute took. Samples are recent ones only (the last ``SAMPLES``, none older than
 ``MAX_AGE_S``), so a member that becomes slow stretches the deadlines within a few rounds and one that recovers
 releases them.
+
+``DeadlineTuner(mode="fixed")`` measures the same but answers every question with its cap: today's constants, for
+comparing a run with and without tuning (``peerd join --deadlines fixed``).
 
 A slow but live member is waited for: its late arrivals and its low rate are samples. A dead one is dropped fast:
 a round that ran to the end of its window while a member of the last group was missing grows the window only if
@@ -19,6 +23,10 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+DeadlineMode = Literal["auto", "fixed"]  # tuned from measurements, or today's constants (the caps)
+DEADLINE_MODES: tuple[str, ...] = get_args(DeadlineMode)
 
 SAMPLES = 32  # each measurement keeps its latest this many samples
 MIN_SAMPLES = 5  # ... and tunes nothing before it has this many (one quick round says little about the next)
@@ -40,6 +48,8 @@ PHASE_K = 10.0  # times a whole average's time at the slowest recent rate
 # the trainer's wait for a step's reply: k times the 90th percentile of recent rounds, at least a step's compute
 STEP_FLOOR_S = 5.0
 STEP_K = 3.0
+# an overlapped step's bucket and a DiLoCo outer average: k times the 90th percentile of their own recent rounds
+OUTER_FLOOR_S = 10.0
 # a state-sync download: k times the largest recent snapshot at the slowest recent download rate
 SYNC_FLOOR_S = 10.0
 SYNC_K = 4.0
@@ -48,6 +58,7 @@ SYNC_K = 4.0
 DEFAULT_WINDOW_S = 3.0
 DEFAULT_SILENCE_S = 1.0
 DEFAULT_STEP_WAIT_S = 30.0
+DEFAULT_OUTER_WAIT_S = 60.0
 DEFAULT_SYNC_TIMEOUT_S = 60.0
 
 
@@ -65,7 +76,8 @@ class Derived:
     """One deadline as it stands: its value, the measurement behind it and the bounds it was held within."""
 
     seconds: float
-    basis: str  # "measured", "floor", "cap" (the flag or constant won) or "default" (nothing measured yet)
+    # "measured", "floor", "cap" (the flag or constant won), "default" (nothing measured yet) or "fixed" (the mode)
+    basis: str
     measurement: str  # what was measured, with its unit
     measured: float | None  # its value (None: no samples yet)
     samples: int
@@ -76,13 +88,16 @@ class Derived:
 @dataclass(frozen=True, slots=True)
 class DeadlineStatistics:
     """Every derived deadline (``phase_silence``: the quiet after the last datagram that ends an averaging phase;
-    ``phase``: an averaging phase's longest, for this node's last vector size)."""
+    ``phase``: an averaging phase's longest, for this node's last vector size; ``bucket_wait``: an overlapped step's
+    bucket; ``outer_wait``: a DiLoCo outer average)."""
 
     window: Derived
     phase_silence: Derived
     phase: Derived
     step_wait: Derived
     state_sync: Derived
+    bucket_wait: Derived
+    outer_wait: Derived
 
 
 class _Series:
@@ -109,8 +124,11 @@ class _Series:
 
 
 def _derive(measured: float | None, samples: int, k: float, floor: float, cap: float, measurement: str,
-            least: int = MIN_SAMPLES) -> Derived:
-    """max(floor, k * measured) capped at ``cap``; ``cap`` itself while fewer than ``least`` samples were taken."""
+            least: int = MIN_SAMPLES, fixed: bool = False) -> Derived:
+    """max(floor, k * measured) capped at ``cap``; ``cap`` itself while fewer than ``least`` samples were taken, and
+    always when ``fixed``."""
+    if fixed:
+        return Derived(cap, "fixed", measurement, measured, samples, floor, cap)
     if measured is None or samples < least:
         return Derived(cap, "default", measurement, measured, samples, floor, cap)
     want = k * measured
@@ -126,25 +144,32 @@ class DeadlineTuner:
     caller's cap), ``get_timer``/``handle_timer`` to age samples out, ``statistics()`` for status and metrics.
 
     Inputs that are not finite or are negative are ignored: they come from peers' traffic and timers, and a NaN
-    must never become a deadline."""
+    must never become a deadline. ``mode="fixed"``: every deadline is its cap (the measurements still shown)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: DeadlineMode = "auto") -> None:
+        if mode not in DEADLINE_MODES:
+            raise ValueError(f"deadline mode must be one of {DEADLINE_MODES}")
+        self.mode: DeadlineMode = mode
         self._rtts: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer (hex) -> (when, its p99 RTT, s)
         self._gather = _Series()  # matchmaking: round start to group known, s
         self._rate = _Series()  # vector bytes per second an average achieved (both phases)
         self._round = _Series()  # a step's round as the trainer waits for it, s
         self._compute = _Series()  # a step's compute, s
+        self._bucket = _Series()  # an overlapped step's bucket round as the trainer waits for it, s
+        self._outer = _Series()  # a DiLoCo outer average's rounds, s
         self._sync_rate = _Series()  # bytes per second a snapshot download achieved
         self._sync_size = _Series()  # bytes of a snapshot
         self._heard: OrderedDict[str, float] = OrderedDict()  # peer (hex) -> when last heard
         self._last_group: tuple[str, ...] = ()
         self._caps = {"window": DEFAULT_WINDOW_S, "silence": DEFAULT_SILENCE_S, "phase": 60.0,
-                      "step": DEFAULT_STEP_WAIT_S, "sync": DEFAULT_SYNC_TIMEOUT_S}
+                      "step": DEFAULT_STEP_WAIT_S, "sync": DEFAULT_SYNC_TIMEOUT_S, "bucket": DEFAULT_STEP_WAIT_S,
+                      "outer": DEFAULT_OUTER_WAIT_S}
         self._phase_bytes = 0
         self._now = 0.0
 
     def _series(self) -> tuple[_Series, ...]:
-        return (self._gather, self._rate, self._round, self._compute, self._sync_rate, self._sync_size)
+        return (self._gather, self._rate, self._round, self._compute, self._sync_rate, self._sync_size, self._bucket,
+                self._outer)
 
     def _at(self, now: float) -> None:
         self._now = max(self._now, now)
@@ -212,6 +237,18 @@ class DeadlineTuner:
         if compute_s is not None and _finite(compute_s) and 0 <= compute_s <= MAX_AGE_S:
             self._compute.add(compute_s, now)
 
+    def receive_bucket(self, round_s: float, now: float) -> None:
+        """An overlapped step's bucket averaged in ``round_s`` (from its request: a deferred one's wait included)."""
+        self._at(now)
+        if _finite(round_s) and 0 <= round_s <= MAX_AGE_S:
+            self._bucket.add(round_s, now)
+
+    def receive_outer(self, round_s: float, now: float) -> None:
+        """A DiLoCo outer average's rounds took ``round_s``."""
+        self._at(now)
+        if _finite(round_s) and 0 <= round_s <= MAX_AGE_S:
+            self._outer.add(round_s, now)
+
     def receive_transfer(self, nbytes: int, seconds: float, now: float) -> None:
         """A snapshot of ``nbytes`` downloaded in ``seconds``."""
         self._at(now)
@@ -235,16 +272,20 @@ class DeadlineTuner:
             self._rtts.popitem(last=False)
 
     # -- the deadlines ---------------------------------------------------------------------------
+    def _derive(self, measured: float | None, samples: int, k: float, floor: float, cap: float, measurement: str,
+                least: int = MIN_SAMPLES) -> Derived:
+        return _derive(measured, samples, k, floor, cap, measurement, least, fixed=self.mode == "fixed")
+
     def window(self, cap_s: float = DEFAULT_WINDOW_S) -> Derived:
         self._caps["window"] = cap_s
-        return _derive(self._gather.quantile(0.9), len(self._gather), WINDOW_K, min(WINDOW_FLOOR_S, cap_s), cap_s,
+        return self._derive(self._gather.quantile(0.9), len(self._gather), WINDOW_K, min(WINDOW_FLOOR_S, cap_s), cap_s,
                        "gather_p90_s")
 
     def phase_silence(self, cap_s: float = DEFAULT_SILENCE_S) -> Derived:
         self._caps["silence"] = cap_s
         rtts = [rtt for _, rtt in self._rtts.values()]
         measured = _quantile(rtts, 0.9) if rtts else None
-        return _derive(measured, len(rtts), SILENCE_K, min(SILENCE_FLOOR_S, cap_s), cap_s, "peers_rtt_p99_p90_s",
+        return self._derive(measured, len(rtts), SILENCE_K, min(SILENCE_FLOOR_S, cap_s), cap_s, "peers_rtt_p99_p90_s",
                        least=1)
 
     def phase(self, nbytes: int, cap_s: float) -> Derived:
@@ -253,19 +294,30 @@ class DeadlineTuner:
         self._caps["phase"] = cap_s
         slow = self._rate.quantile(0.0)
         measured = None if slow is None or nbytes <= 0 else nbytes / slow
-        return _derive(measured, len(self._rate), PHASE_K, min(PHASE_FLOOR_S, cap_s), cap_s, "average_at_rate_min_s")
+        return self._derive(measured, len(self._rate), PHASE_K, min(PHASE_FLOOR_S, cap_s), cap_s,
+                            "average_at_rate_min_s")
 
     def step_wait(self, cap_s: float = DEFAULT_STEP_WAIT_S) -> Derived:
         self._caps["step"] = cap_s
         rounds, compute = self._round.quantile(0.9), self._compute.quantile(0.9)
         measured = None if rounds is None else max(rounds, (compute or 0.0) / STEP_K)
-        return _derive(measured, len(self._round), STEP_K, min(STEP_FLOOR_S, cap_s), cap_s, "round_p90_s")
+        return self._derive(measured, len(self._round), STEP_K, min(STEP_FLOOR_S, cap_s), cap_s, "round_p90_s")
+
+    def bucket_wait(self, cap_s: float = DEFAULT_STEP_WAIT_S) -> Derived:
+        self._caps["bucket"] = cap_s
+        return self._derive(self._bucket.quantile(0.9), len(self._bucket), STEP_K, min(STEP_FLOOR_S, cap_s), cap_s,
+                            "bucket_round_p90_s")
+
+    def outer_wait(self, cap_s: float = DEFAULT_OUTER_WAIT_S) -> Derived:
+        self._caps["outer"] = cap_s
+        return self._derive(self._outer.quantile(0.9), len(self._outer), STEP_K, min(OUTER_FLOOR_S, cap_s), cap_s,
+                            "outer_rounds_p90_s")
 
     def state_sync(self, cap_s: float = DEFAULT_SYNC_TIMEOUT_S) -> Derived:
         self._caps["sync"] = cap_s
         slow, size = self._sync_rate.quantile(0.1), self._sync_size.quantile(1.0)
         measured = None if slow is None or size is None else size / slow
-        return _derive(measured, len(self._sync_rate), SYNC_K, min(SYNC_FLOOR_S, cap_s), cap_s,
+        return self._derive(measured, len(self._sync_rate), SYNC_K, min(SYNC_FLOOR_S, cap_s), cap_s,
                        "snapshot_at_rate_p10_s", least=1)
 
     # -- output ----------------------------------------------------------------------------------
@@ -275,7 +327,8 @@ class DeadlineTuner:
         stats = DeadlineStatistics(
             window=self.window(caps["window"]), phase_silence=self.phase_silence(caps["silence"]),
             phase=self.phase(self._phase_bytes, caps["phase"]), step_wait=self.step_wait(caps["step"]),
-            state_sync=self.state_sync(caps["sync"]),
+            state_sync=self.state_sync(caps["sync"]), bucket_wait=self.bucket_wait(caps["bucket"]),
+            outer_wait=self.outer_wait(caps["outer"]),
         )
         self._caps = caps
         return stats

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
+import time
 
 import pytest
 
 from peerd.localsock.phases import PHASES
-from peerd.tools.bench.step import StepBenchConfig, add_parser, summarize, transfer_seconds
+from peerd.tools.bench.cpuwatch import CpuWatch, Sample
+from peerd.tools.bench.step import StepBenchConfig, add_parser, cpu_figures, cpu_window, summarize, transfer_seconds
 
 
 def test_transfer_is_the_butterflys_bytes_with_their_headers_at_the_link_rate() -> None:
@@ -45,3 +48,32 @@ def test_the_command_line_checks_its_arguments() -> None:
                 StepBenchConfig(steps=3, warmup=3), StepBenchConfig(compression="zip")):
         with pytest.raises(ValueError):
             bad.check()
+
+
+def test_cpu_figures_are_per_step_and_say_what_else_ran() -> None:
+    watch = CpuWatch({"daemon0": 1, "daemon1": 2, "trainer0": 3, "trainer1": 4})
+    watch.samples = [Sample(10.0, (100.0, 400.0), {"daemon0": 1.0, "daemon1": 1.0, "trainer0": 0.5, "trainer1": 0.5}),
+                     Sample(12.0, (103.0, 404.0), {"daemon0": 2.0, "daemon1": 2.4, "trainer0": 0.7, "trainer1": None})]
+    assert watch.window(9.0, 12.0) is None and watch.window(10.0, 13.0) is None  # (not covered)
+    cpu = watch.window(10.5, 11.5)
+    assert cpu is not None and cpu.seconds == 2.0 and cpu.procs["trainer1"] is None
+    out = cpu_figures(cpu, steps=4)
+    assert out["daemon_cpu_s"] == pytest.approx(1.2 / 4)  # the median of 1.0 and 1.4 CPU seconds, over 4 steps
+    assert out["trainer_cpu_s"] == pytest.approx(0.2 / 4)
+    assert out["cpu_floor_s"] == pytest.approx(2.6 / 4 / 2)  # all of the bench's CPU over 2 cores (4 s in 2 s)
+    assert out["machine_busy"] == pytest.approx(0.75) and out["others_busy"] == pytest.approx(0.4 / 4)
+    assert cpu_figures(None, 4) == dict.fromkeys(out)
+
+
+def test_the_cpu_window_runs_from_the_first_step_after_the_warmup_to_the_last() -> None:
+    me = CpuWatch({"trainer0": os.getpid()}, interval_s=0.01)
+    me.start()
+    t0 = time.monotonic()
+    while time.process_time() < 0.05 or time.monotonic() - t0 < 0.05:
+        pass
+    t1 = time.monotonic()
+    me.stop()
+    records = [[{"t0": 0.0, "t1": 0.0}, {"t0": t0, "t1": t1 - 0.01}], [{"t0": 0.0, "t1": 0.0}, {"t0": t0, "t1": t1}]]
+    cpu = cpu_window(me, records, warmup=1)
+    assert cpu is not None and cpu.procs["trainer0"] is not None and cpu.procs["trainer0"] > 0.0
+    assert cpu_window(me, [[{"t0": t0}]], warmup=1) is None

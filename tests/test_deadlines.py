@@ -234,3 +234,36 @@ def test_a_flood_of_peers_is_bounded_hostile() -> None:
     huge = tuple(f"{i:064x}" for i in range(10 * MAX_PEERS))
     _round(t, 1e5, members=huge)
     assert len(t._heard) == MAX_PEERS and len(t._last_group) == MAX_PEERS  # noqa: SLF001
+
+
+def test_fixed_mode_measures_but_answers_every_question_with_its_cap() -> None:
+    auto, fixed = DeadlineTuner(), DeadlineTuner("fixed")
+    for t in (auto, fixed):
+        for i in range(10):
+            _round(t, 100.0 + i, gather_s=0.2)
+            t.receive_rtt(A, 0.01, 0.0, 100.0 + i)
+            t.receive_step(round_s=0.5, compute_s=0.1, now=100.0 + i)
+    assert auto.window().seconds == WINDOW_FLOOR_S and auto.step_wait().seconds == STEP_FLOOR_S
+    assert fixed.mode == "fixed" and auto.mode == "auto"
+    w, s, p, st = fixed.window(), fixed.phase_silence(), fixed.phase(4 * MB, 9.0), fixed.step_wait()
+    assert (w.seconds, s.seconds, p.seconds, st.seconds) == (DEFAULT_WINDOW_S, 1.0, 9.0, DEFAULT_STEP_WAIT_S)
+    assert {w.basis, s.basis, p.basis, st.basis} == {"fixed"}
+    assert (w.measured, w.samples) == (0.2, 10)  # (what it would have tuned from, still shown)
+    with pytest.raises(ValueError):
+        DeadlineTuner("adaptive")  # type: ignore[arg-type]
+
+
+def test_bucket_and_outer_waits_follow_their_own_rounds() -> None:
+    t = DeadlineTuner()
+    for i in range(10):
+        t.receive_bucket(2.0, float(i))
+        t.receive_outer(8.0, float(i))
+        t.receive_step(round_s=0.5, compute_s=None, now=float(i))
+    b, o, s = t.bucket_wait(30.0), t.outer_wait(60.0), t.step_wait(30.0)
+    assert (b.seconds, b.basis, b.measured) == (6.0, "measured", 2.0)
+    assert (o.seconds, o.basis, o.measured) == (24.0, "measured", 8.0)
+    assert s.seconds == STEP_FLOOR_S  # (a step's own rounds, not its buckets')
+    assert t.outer_wait(12.0).seconds == 12.0  # the trainer's timeout_s stays the cap
+    t.receive_bucket(math.nan, 11.0)
+    t.receive_outer(-1.0, 11.0)
+    assert t.bucket_wait(30.0).samples == 10 and t.outer_wait(60.0).samples == 10

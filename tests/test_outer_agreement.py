@@ -178,13 +178,37 @@ def test_the_first_read_of_participants_raises_what_the_step_waits_for() -> None
     c.start(0.0)
     assert of(c.take_actions(), ReadParticipants)
     c.receive_records(1, [record(k, TRUTH) for k in range(3)], 0.01)
-    assert c.phase.value == "first"  # repaired; the participants' read is waited for
+    assert c.phase.value == "swarm"  # repaired: the final goes out while the participants' read is in flight
+    assert of(c.take_actions(), Publish)[-1].record.final == sha(TRUTH.tobytes())
     others = frozenset([bytes([5, i]) * 16 for i in range(3)])
     c.receive_participants(frozenset(IDS[:3]) | others, 0.3)
     assert c.phase.value == "swarm" and c.expect == 6
     c.receive_pushed([record(1, TRUTH, final=True)], 0.4)
     assert not c.done  # 2 of 6 is no majority
     assert c.statistics().phases["participants"] == 0.3 - 0.01
+
+
+def test_the_finals_agree_while_the_first_read_of_participants_is_in_flight() -> None:
+    """The group's finals are exchanged before the read of who took part returns; the step ends the moment
+    it returns (one read, not a read and then a round of finals), and not before: it can raise the count."""
+    c = core(0, TRUTH, refresh=True, refresh_first=True)
+    c.start(0.0)
+    c.receive_records(1, [record(k, TRUTH) for k in range(3)], 0.01)
+    c.receive_pushed([record(k, TRUTH, final=True) for k in (1, 2)], 0.05)
+    assert not c.done  # every member agrees, but the round may have more: the read is waited for
+    c.receive_participants(frozenset(IDS[:3]), 0.2)
+    assert c.done and c.statistics().phases["agree"] == 0.2 - 0.01
+
+
+def test_a_first_read_naming_more_members_keeps_the_group_from_ending_alone_hostile() -> None:
+    """A group of 3 whose finals all agree must not end when the round's first read names 8 participants: 3
+    of 8 is no majority, so it waits for the others' finals (or half the deadline)."""
+    c = core(0, TRUTH, refresh=True, refresh_first=True)
+    c.start(0.0)
+    c.receive_records(1, [record(k, TRUTH) for k in range(3)], 0.01)
+    c.receive_pushed([record(k, TRUTH, final=True) for k in (1, 2)], 0.05)
+    c.receive_participants(frozenset(IDS[:3]) | frozenset(bytes([6, i]) * 16 for i in range(5)), 0.2)
+    assert not c.done and c.expect == 8
 
 
 def test_without_agreement_the_step_fails_at_its_deadline() -> None:

@@ -235,6 +235,33 @@ def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
     assert refused and waits == [-1.0]  # a refusal is not asked again
 
 
+def test_a_repair_request_to_an_owner_without_a_round_trip_waits_the_swarms_not_the_default() -> None:
+    """Before the owner's first round-trip sample (its record arrives before this member's push is answered), a
+    lost repair request is asked again after a few of the round's peers' round trips, not FETCH_TIMEOUT_S."""
+    from peerd.trainer.outer import FETCH_TIMEOUT_S, fetch_timeout
+
+    owner, peer, me = b"\x02" * 32, b"\x03" * 32, b"\x01" * 32
+    where = {owner: ("10.0.0.2", 9), peer: ("10.0.0.3", 9)}
+    srtts: dict[object, float] = {}
+
+    class Rto:
+        def srtt(self, addr: object) -> float | None:
+            return srtts.get(addr)
+
+    class Sync:
+        node_id = me
+        advertise = None
+        endpoint = type("E", (), {"max_body": 1100, "rto": Rto(), "addr_of": staticmethod(where.get)})()
+
+    board = DhtBoard(Sync(), "run", 3, peers=[me, owner, peer])
+    assert board._srtt(where[owner]) is None  # nothing known: the default wait
+    assert fetch_timeout(board._srtt(where[owner])) == FETCH_TIMEOUT_S
+    srtts[where[peer]] = 0.01
+    assert board._srtt(where[owner]) == 0.01  # the round's known round trip stands in
+    srtts[where[owner]] = 0.002
+    assert board._srtt(where[owner]) == 0.002  # the owner's own, once sampled
+
+
 def test_the_winning_average_is_fetched_windowed_from_every_holder_and_verified_hostile() -> None:
     """Adopting the winner fetches its chunks spread over the holders with many requests in flight; a chunk that
     one holder refuses comes from the next, and bytes that do not hash to the winner are refused."""

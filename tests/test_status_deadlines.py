@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 SIZE = 50_000  # floats: 200 KB a vector
 WINDOW_S = 2.0  # the run's window: the tuned window's cap
 ROUNDS = MIN_SAMPLES  # the tuner's least: each deadline that rounds measure is tuned after these
-DEADLINES = ("window", "phase_silence", "phase", "step_wait", "state_sync")
+DEADLINES = ("window", "phase_silence", "phase", "step_wait", "state_sync", "bucket_wait", "outer_wait")
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,9 @@ def averaged(tmp_path_factory):
 
 def test_status_json_carries_each_deadline_with_its_measurement(averaged) -> None:
     swarm, _ = averaged
-    deadlines = peerd_json("status", "--socket", swarm.nodes[0].socket)["deadlines"]
-    assert set(deadlines) == set(DEADLINES)
+    status = peerd_json("status", "--socket", swarm.nodes[0].socket)
+    deadlines = status["deadlines"]
+    assert set(deadlines) == set(DEADLINES) and status["deadline_mode"] == "auto"
     for name, d in deadlines.items():
         assert set(d) == {"seconds", "basis", "measurement", "measured", "samples", "floor_s", "cap_s"}, name
         assert d["floor_s"] <= d["seconds"] <= d["cap_s"] or d["seconds"] == d["cap_s"], (name, d)
@@ -77,3 +78,17 @@ def test_status_text_and_metrics_show_the_deadlines(averaged) -> None:
             deadlines[name]["seconds"], rel=0.5), name
     assert metric_value(metrics, "peerd_deadline_measured", deadline="window",
                         measurement="gather_p90_s") == pytest.approx(deadlines["window"]["measured"])
+
+
+def test_a_daemon_with_fixed_deadlines_says_so_and_keeps_the_constants(tmp_path) -> None:
+    swarm = LocalSwarm(str(tmp_path))
+    try:
+        node = swarm.start(extra=("--deadlines", "fixed"))
+        swarm.wait_ready(node)
+        status = peerd_json("status", "--socket", node.socket)
+        assert status["deadline_mode"] == "fixed"
+        assert {d["basis"] for d in status["deadlines"].values()} == {"fixed"}, status["deadlines"]
+        assert all(d["seconds"] == d["cap_s"] for d in status["deadlines"].values()), status["deadlines"]
+        assert "deadlines  fixed" in peerd("status", "--socket", node.socket).stdout
+    finally:
+        swarm.cleanup()

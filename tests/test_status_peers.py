@@ -25,6 +25,7 @@ from .support.processes import metric_value, peerd, peerd_json, scrape, wait_unt
 pytestmark = pytest.mark.e2e
 
 SIZE = 100_000  # floats: 400 KB a vector
+BUDGET = "500TB/month"  # node 0's: its pace (some 800 Mbit/s each way) never binds here
 # A trainer that takes a few averaged steps, says so, and keeps its session open until its stdin closes.
 TRAINER = """
 import sys, torch, peerd.torch
@@ -44,12 +45,14 @@ sys.stdin.read()
 
 @pytest.fixture(scope="module")
 def averaged(tmp_path_factory):
-    """Three daemons that averaged two rounds, two of them with a trainer still attached; yields (swarm,
-    statuses)."""
+    """Three daemons that averaged two rounds, two of them with a trainer still attached, the first under a byte
+    budget too large to bind; yields (swarm, statuses)."""
     swarm = LocalSwarm(str(tmp_path_factory.mktemp("swarm")))
     trainers: list[subprocess.Popen] = []
     try:
-        nodes = swarm.start_many(3)
+        first = swarm.start(extra=("--budget", BUDGET))
+        swarm.wait_ready(first)
+        nodes = [first, *swarm.start_many(2)]
         wait_until(lambda: min(n.call("status")["peers"] for n in nodes) >= 2, 30, 0.2, what="peers to meet")
         for n in nodes:
             n.call("avg_open", run="view", window_s=2.0)
@@ -136,7 +139,11 @@ def test_status_page_json_has_every_section(averaged) -> None:
     swarm, statuses = averaged
     page = _page_json(statuses[0]["metrics"])
     assert page["node"]["peer_id"] == statuses[0]["peer_id"]
-    assert len(page["peer_view"]["peers"]) >= 2 and page["link"] == {"cap_upload_bps": None, "cap_download_bps": None}
+    assert len(page["peer_view"]["peers"]) >= 2
+    link = page["link"]  # the budget's pace is the limit in force each way
+    assert link["budget"]["budget_bytes"] == 500e12 and link["budget"]["on_track"], link
+    assert link["cap_upload_bps"] > 1e8 and link["cap_download_bps"] > 1e8, link
+    assert 0 < link["budget"]["used_bytes"] < 1e9 and link["budget"]["period"] == "month", link
     assert [r["outcome"] for r in page["rounds"] if r["run"] == "view"] == ["averaged", "averaged"]
     assert len(page["trainers"]) == 1 and page["trainers"][0]["steps"] == 4
     assert 0 < page["trainers"][0]["network_share"] < 1 and 0 < page["peer_view"]["step_network_share"] < 1
@@ -160,12 +167,15 @@ def test_status_page_in_a_real_browser_shows_every_section(averaged, tmp_path) -
              f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=4000"]
     dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
     assert 'data-updates="' in dom, dom[:2000]
-    for section in ("node-body", "link-body"):
+    for section in ("node-body", "link-body", "budget-body"):
         assert f'id="{section}" class="" data-filled="' in dom, section
     for body, least in (("peers-body", 2), ("rounds-body", 2), ("trainers-body", 1)):
         rows = int(dom.split(f'id="{body}" data-rows="', 1)[1].split('"', 1)[0])
         assert rows >= least, (body, rows)
-    assert statuses[1]["peer_id"][:16] in dom and "no cap" in dom and "reachable" in dom
+    assert statuses[1]["peer_id"][:16] in dom and "reachable" in dom
+    # the link against its limits, and the budget: used of total, what is left, and its outlook
+    assert "upload" in dom and " of " in dom and 'data-budget="on-track"' in dom, dom[:4000]
+    assert "of 500.0 TB this month" in dom and "on track: lasts the month" in dom and "pace " in dom
     shot = os.environ.get("PEERD_STATUS_SCREENSHOT")  # where a person wants the picture (docs/status-page.png)
     if shot:
         subprocess.run([*flags, "--window-size=1100,1080", "--hide-scrollbars", f"--screenshot={shot}", url],

@@ -1,12 +1,17 @@
 """peerd.torch.auto: the rule behind compression="auto" (codec, parameter-averaging period, bucket size)."""
 
+import re
+
 import pytest
 
 from peerd.torch.auto import (
+    AGREE_STEP,
     INT8_SHARE,
     MIN_INT8_PARAMS,
     PERIOD_LADDER,
     Measured,
+    agreed_period,
+    announced_periods,
     applied_period,
     choose,
     fp32_transfer_s,
@@ -93,9 +98,11 @@ def test_bad_sizes_refused():
 
 # -- wired into peerd.torch.Optimizer (an in-process daemon: real socket, arena and TrainerService) -------------
 
-def _replicas(tmp_path, delay_s: float, compute_s: float, steps: int = 8, every: int | str = 0):
+def _replicas(tmp_path, delay_s: float, compute_s: float | tuple[float, float], steps: int = 8,
+              every: int | str = 0):
     """Two replicas of a 262,656-parameter model with compression="auto" (the default) train ``steps`` steps
-    against rounds that take ``delay_s`` and compute that takes ``compute_s``; their replies and models."""
+    against rounds that take ``delay_s`` and compute that takes ``compute_s`` (one for both, or each its own);
+    their replies and models."""
     import threading
     import time
 
@@ -120,7 +127,7 @@ def _replicas(tmp_path, delay_s: float, compute_s: float, steps: int = 8, every:
                 g = torch.Generator().manual_seed(100 * i + s)
                 opts[i].zero_grad()
                 models[i](torch.randn(4, 512, generator=g)).pow(2).mean().backward()
-                time.sleep(compute_s)
+                time.sleep(compute_s[i] if isinstance(compute_s, tuple) else compute_s)
                 replies[i].append(opts[i].step(samples=4))
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
@@ -159,16 +166,42 @@ def test_optimizer_auto_keeps_fp32_when_compute_dominates(tmp_path) -> None:
 
 
 def test_optimizer_auto_applies_a_longer_period_after_clean_rounds(tmp_path) -> None:
-    """Slow rounds that all averaged every datagram: both replicas apply the same longer period at step 5, and
-    say so (reply, `peerd status`)."""
-    replies, _, opts, status = _replicas(tmp_path, delay_s=0.2, compute_s=0.0, every="auto")
+    """Slow rounds that all averaged every datagram: both replicas propose a longer period at step 5, apply it
+    from AGREE_STEP, and say so (reply, `peerd status`)."""
+    replies, _, opts, status = _replicas(tmp_path, delay_s=0.2, compute_s=0.0, every="auto", steps=AGREE_STEP + 1)
     for r in replies:
         assert all(x["outcome"] == "averaged" for x in r), r
-        assert r[4]["auto"]["average_every"] in (20, 40) and r[4]["auto"]["applied"] == "compression,average_every"
-        assert "costs no accuracy" in r[-1]["auto"]["reason"]
+        assert r[4]["auto"]["applied"] == "compression,average_every" and "costs no accuracy" in r[4]["auto"]["reason"]
+        assert r[-1]["auto"]["average_every"] in (20, 40) and "agreed" in r[-1]["auto"]["reason"]
     k = opts[0].average_params_every
     assert k in (20, 40) and [o.average_params_every for o in opts] == [k, k]
     assert all(t.auto["average_every"] == k for t in status), status
+
+
+def test_agreed_period_is_the_least_announced_and_ignores_odd_claims_hostile():
+    assert agreed_period(40, [40, 20, 40]) == (20, agreed_period(40, [40, 20, 40])[1])
+    assert "this member proposed 40" in agreed_period(40, [20])[1]
+    assert agreed_period(20, [])[0] == 20
+    # a member's announcement is a claim: only short decimals naming a rung count, and only so many are read
+    assert announced_periods([b"20", b"7", b"-1", b"1000000", "40", b"\xff", None, 5, b"10 "]) == [20, 40]
+    assert len(announced_periods([b"40"] * 10_000)) <= 64
+
+
+def test_replicas_measuring_differently_agree_on_one_period(tmp_path) -> None:
+    """One replica computes nothing (its rule asks for 40 steps), the other 0.1 s a step (10): each announces its
+    own, and from AGREE_STEP both apply the least, so their parameter averages meet."""
+    replies, models, opts, status = _replicas(tmp_path, delay_s=0.2, compute_s=(0.0, 0.1), steps=AGREE_STEP + 2,
+                                              every="auto")
+    proposed = [r[4]["auto"]["reason"] for r in replies]
+    assert "proposed" in proposed[0] and "proposed" in proposed[1], proposed
+    assert replies[0][4]["auto"]["average_every"] == replies[1][4]["auto"]["average_every"] == 10  # until agreed
+    own = [int(re.search(r"parameters every (\d+) steps[^;]*; proposed", p).group(1)) for p in proposed]
+    assert own[0] != own[1], proposed  # they measured differently and proposed different periods
+    ks = [o.average_params_every for o in opts]
+    assert ks[0] == ks[1] == min(own) and all(o.auto_proposed is None for o in opts), ks
+    assert all("agreed" in r[-1]["auto"]["reason"] for r in replies), replies[0][-1]["auto"]
+    assert {t.auto["average_every"] for t in status} == {ks[0]}, status
+    assert all(r[AGREE_STEP - 1]["params"]["outcome"] == "averaged" for r in replies)  # the step-10 average met
 
 
 def test_explicit_period_wins(tmp_path) -> None:

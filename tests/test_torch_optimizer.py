@@ -324,3 +324,65 @@ def test_all_finite_takes_the_sum_and_checks_elements_when_it_overflows() -> Non
     pair = torch.zeros(10)
     pair[2], pair[7] = float("inf"), float("-inf")
     assert not all_finite(pair)
+
+
+def test_a_joiner_counts_its_steps_as_the_swarm_does_after_its_first_round(daemon) -> None:
+    """A snapshot says which round its step was; the swarm takes more rounds while the joiner downloads, so the
+    joiner's first averaged round moves its step count to the donor's, and both end training together."""
+    daemon.averager.wait_s = 0.1
+    a, b = model(0), model(7)
+    oa = Optimizer(torch.optim.SGD(a.parameters(), lr=0.1), run="j", socket=daemon.path, sync_state=False,
+                   state_every=0, average_params_every=0)
+    for s in range(3):
+        assert train_step(a, oa, s)["outcome"] == "alone"
+    blob = oa.snapshot()  # step 3, taken in round 2
+    for s in range(3, 7):  # the swarm goes on while the joiner downloads
+        train_step(a, oa, s)
+    ob = Optimizer(torch.optim.SGD(b.parameters(), lr=0.1), run="j", socket=daemon.path, sync_state=False,
+                   state_every=0, average_params_every=0)
+    assert ob.load_snapshot(blob) == 3
+    daemon.averager.wait_s = 5.0
+    replies = {}
+    threads = [threading.Thread(target=lambda o=o, m=m, i=i: replies.__setitem__(i, train_step(m, o, 50 + i)))
+               for i, (m, o) in enumerate(((a, oa), (b, ob)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert replies[0]["outcome"] == replies[1]["outcome"] == "averaged", replies
+    assert oa.step_count == ob.step_count == 8 and ob.caught_up == 4 and oa.caught_up == 0
+    for o in (oa, ob):
+        o.close()
+
+
+def test_a_forged_round_moves_a_joiner_no_further_than_its_bound_hostile(daemon) -> None:
+    """A snapshot's round and a group's round number are members' claims: a snapshot round that is not a round is
+    ignored, and a group round that would move the joiner's count past MAX_CATCH_UP steps is not followed."""
+    import io
+
+    from peerd.torch.optimizer import MAX_CATCH_UP
+
+    daemon.averager.wait_s = 0.1
+    a, b = model(0), model(7)
+    oa = Optimizer(torch.optim.SGD(a.parameters(), lr=0.1), run="f", socket=daemon.path, sync_state=False,
+                   state_every=0, average_params_every=0)
+    train_step(a, oa, 0)
+    state = torch.load(io.BytesIO(oa.snapshot()), weights_only=True)
+    ob = Optimizer(torch.optim.SGD(b.parameters(), lr=0.1), run="f", socket=daemon.path, sync_state=False,
+                   state_every=0, average_params_every=0)
+    for forged in (-5, "x", 2**40, 0):
+        buf = io.BytesIO()
+        torch.save({**state, "round": forged}, buf)
+        ob.load_snapshot(buf.getvalue())
+        assert ob._joined == (None if forged != 0 else (1, 0)), forged
+    for run_id in daemon.averager.numbers:  # the next group claims a round far ahead
+        daemon.averager.numbers[run_id] = MAX_CATCH_UP + 10
+    daemon.averager.wait_s = 5.0
+    threads = [threading.Thread(target=train_step, args=(m, o, i)) for i, (m, o) in enumerate(((a, oa), (b, ob)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert ob.step_count == 2 and ob.caught_up == 0 and ob._joined is None
+    for o in (oa, ob):
+        o.close()

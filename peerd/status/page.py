@@ -98,6 +98,7 @@ th{font-weight:600;color:#555} td.n{text-align:right;font-variant-numeric:tabula
 <div class="muted">updated <span id="updated">never</span> (<span id="updates">0</span> updates)</div>
 <section id="node"><h2>This node</h2><div id="node-body" class="muted">waiting for data</div></section>
 <section id="link"><h2>Link use</h2><div id="link-body" class="muted">waiting for data</div></section>
+<section id="budget"><h2>Budget</h2><div id="budget-body" class="muted">waiting for data</div></section>
 <section id="peers"><h2>Peers</h2><table><thead><tr><th>peer</th><th>path</th><th>RTT ms</th><th>p99 ms</th>
 <th>loss out</th><th>loss in</th><th>send</th><th>recv</th><th>goodput out</th><th>goodput in</th><th>heard</th>
 <th>state</th></tr></thead><tbody id="peers-body"></tbody></table></section>
@@ -147,6 +148,28 @@ function kv(id, pairs) {
   }
   el.dataset.filled = pairs.length;
 }
+function bytes(n) {
+  if (n === null || n === undefined) return "-";
+  for (const [u, s] of [["TB", 1e12], ["GB", 1e9], ["MB", 1e6], ["kB", 1e3]]) {
+    if (n >= s) return (n / s).toFixed(1) + " " + u;
+  }
+  return n.toFixed(0) + " B";
+}
+function span(s) {
+  if (s === null || s === undefined) return "-";
+  for (const [u, d] of [["d", 86400], ["h", 3600], ["min", 60]]) if (s >= d) return (s / d).toFixed(1) + " " + u;
+  return s.toFixed(0) + " s";
+}
+function budget(b) {
+  if (!b) return [["budget", "none set (peerd join --budget 200GB/month paces the node to one)"]];
+  const used = b.budget_bytes > 0 ? b.used_bytes / b.budget_bytes : null;
+  return [["used", bytes(b.used_bytes) + " of " + bytes(b.budget_bytes) + " this " + b.period + " (" + pct(used) +
+           ")" + bar(used === null ? null : Math.min(1, used))],
+    ["left", bytes(b.remaining_bytes) + " for " + span(b.period_left_s) + " (pace " + rate(b.allowance) + ")"],
+    ["recent use", rate(b.recent_rate)],
+    ["outlook", b.on_track ? "on track: lasts the " + b.period
+      : "runs out in " + span(b.runs_out_in_s) + " at the recent rate"]];
+}
 function bar(frac) { return frac === null ? "" : " [" + "#".repeat(Math.round(20 * frac)).padEnd(20, ".") + "]"; }
 function render(s) {
   const node = s.node || {}, v = s.peer_view || {}, link = s.link || {};
@@ -162,6 +185,8 @@ function render(s) {
     ["averages received", pct(v.averages_received_fraction)],
     ["steps waiting on the network", pct(v.step_network_share)],
     ["sent", (text(v.sent_bytes / 1e6 | 0)) + " MB"], ["received", (text(v.received_bytes / 1e6 | 0)) + " MB"]]);
+  kv("budget-body", budget(link.budget));
+  $("budget-body").dataset.budget = link.budget ? (link.budget.on_track ? "on-track" : "runs-out") : "none";
   rows("peers-body", v.peers || [], (p) => [[text(p.peer).slice(0, 16)],
     [p.path === "relayed" && p.via ? "relay " + p.via.slice(0, 8) : text(p.path)], [num(p.rtt_ms, 1), "n"],
     [num(p.rtt_p99_ms, 1), "n"], [pct(p.loss_out), "n"], [pct(p.loss_in), "n"], [rate(p.send_bps), "n"],

@@ -159,6 +159,8 @@ def deadline_lines(deadlines: dict[str, Any]) -> list[str]:
 
 def render(reply: dict[str, Any]) -> str:
     out = summary(reply)
+    if reply.get("deadline_mode") == "fixed":
+        out.append("deadlines  fixed (--deadlines fixed: today's constants, nothing tuned)")
     if reply.get("deadlines"):
         out += deadline_lines(reply["deadlines"])
     cap = reply.get("caps")

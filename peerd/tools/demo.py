@@ -459,7 +459,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                           **{k: r.get(k) for k in ("round_s", "matchmaking_s", "overhead_s", "predicted_speedup")},
                           "start_accuracy": starts.get(r["peer"], {}).get("accuracy"),
                           "byzantine": r["peer"] in byzantine, "nonfinite_rounds": r.get("nonfinite_rounds", 0),
-                          "params_finite": r.get("params_finite"), "diverged": r.get("diverged", False)}
+                          "params_finite": r.get("params_finite"), "diverged": r.get("diverged", False),
+                          "caught_up": r.get("caught_up", 0)}
                          for r in results],
         }
         say(f"\ndone in {wall:.1f} s: held-out accuracy {summary['accuracy']:.4f}, loss {summary['final_loss']:.4f} "
@@ -476,6 +477,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             summary.update(extra_steps=extra_steps(cfg), val_loss_at_steps=at_steps[0] if at_steps else None)
             summary.update(val_loss=summary["final_loss"], val_accuracy=summary["accuracy"],
                            max_step_s=max(r.get("max_step_s", 0.0) for r in results),
+                           # the longest a step waited in step() (for its averages): the deadline bounds it
+                           max_wait_s=max(r.get("max_wait_s", 0.0) for r in results),
                            deadline_s=cfg.timeout_s, curve=[[s, round(v, 4), round(t, 2)] for s, v, t in curve])
             if cfg.mode == "diloco":
                 summary["state_sha_agree"] = len({r.get("state_sha") for r in results}) == 1

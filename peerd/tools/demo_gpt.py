@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
     compute_s = round_s = 0.0
     samples_total = 0
     step_times: list[float] = []
+    waits: list[float] = []  # seconds each step waited in the optimizer's step() (the deadline's part)
     outcomes: dict[str, int] = {}
     step = first
     while step < args.steps + args.extra_steps:
@@ -298,11 +299,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         round_s += reply.get("seconds", 0.0)
         samples_total += args.batch
         step_times.append(t2 - t0)
+        waits.append(t2 - t1)
         outcomes[reply["outcome"]] = outcomes.get(reply["outcome"], 0) + 1
         record = {"event": "step", "peer": args.index, "step": step, "loss": loss.item(), "samples": args.batch,
                   "outcome": reply["outcome"], "group_size": reply.get("group_size", 1),
                   "round_s": reply.get("seconds", 0.0), "received_fraction": reply.get("received_fraction", 0.0),
-                  "step_s": t2 - t0, "compute_s": t1 - t0, "kept": reply.get("kept", False),
+                  "step_s": t2 - t0, "wait_s": t2 - t1, "compute_s": t1 - t0, "kept": reply.get("kept", False),
                   "mm_s": reply.get("matchmaking_s", 0.0)}
         for key in ("auto", "phases"):
             if key in reply:
@@ -338,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         "local_steps": 0 if ddp else opt.local_steps, "synced": synced, "dropped_microbatches": 0, "tau": None,
         "final_average": final_rounds, "t_end": t_end, "t": t_end, "eval_s": eval_s, "mode": args.mode,
         "step_s": float(np.median(step_times)) if step_times else 0.0,
-        "max_step_s": max(step_times, default=0.0), "params_finite": bool(np.isfinite(flat).all()),
+        "max_step_s": max(step_times, default=0.0), "max_wait_s": max(waits, default=0.0),
+        "caught_up": 0 if ddp else getattr(opt, "caught_up", 0), "params_finite": bool(np.isfinite(flat).all()),
         "keep_rounds": None if ddp else getattr(opt, "keep_rounds", None),
         "kept_rounds": 0 if ddp else getattr(opt, "kept_rounds", 0), "tensor_bytes": 0,
     }

@@ -16,8 +16,12 @@ The period and bucket size are chosen by the same measurements. peerd.torch.Opti
 the period through ``applied_period``: parameter averages pull replicas back together after rounds that lost
 datagrams or found no group, so a period longer than the default is applied only when every measured round
 averaged all of its data (replicas then stay identical and the longer period costs no accuracy), and only on the
-ladder PERIOD_LADDER, whose steps divide each other: members that measured differently still average their
-parameters together at every multiple of the longer period. The bucket size is reported only: every member's
+ladder PERIOD_LADDER, whose steps divide each other. Members measure differently, so the period is agreed: each
+announces its own (``proposal_key``), and at ``AGREE_STEP`` every member applies the least announced
+(``agreed_period``): the same on every member that saw the same announcements, and never longer than any member's
+own choice. Members that still disagree (an announcement that did not arrive) average their parameters together
+at every multiple of the longer period, numbered alike (peerd.torch.Optimizer numbers them by the ladder's first
+rung). The bucket size is reported only: every member's
 buckets must match (each is a round of its own), and the round trip it is chosen on is the daemon's, not
 measured by the trainer.
 """
@@ -33,6 +37,9 @@ MIN_INT8_PARAMS = 262_144  # ... and the vector holds at least this many values 
 PARAM_COST_SHARE = 0.1  # parameter averages (float32) may take at most this share of the training time ...
 AVERAGE_EVERY = (10, 50)  # ... with the period in this range (10: the library's default)
 PERIOD_LADDER = (10, 20, 40)  # the periods applied (each divides the next)
+AGREE_STEP = 10  # the step at which members apply the agreed period (the ladder's first rung: every member
+# averages its parameters there whatever it proposed, and the proposals were announced at AUTO_STEP, 5 steps before)
+MAX_ANNOUNCED = 64  # announcements of a run's period read at most (each is a member's claim: bounded, validated)
 RUNG_SLACK = 0.1  # a rung within this share above the asked-for period is taken (see applied_period)
 BUCKET_MB = (1.0, 25.0)  # overlap buckets: at least 1 MB, at most the library's default
 BUCKET_RTTS = 12  # a bucket holds at least this many round trips of the link (its fixed cost <= 25 % at 3 RTTs)
@@ -132,3 +139,32 @@ def applied_period(choice: Choice, *, clean: bool) -> tuple[int, str]:
         return k, f"parameters every {k} steps"
     return k, (f"parameters every {k} steps: every measured round averaged all its data (replicas stay identical), "
                f"so a longer period costs no accuracy ({choice.average_every} rounded down onto {PERIOD_LADDER})")
+
+
+def proposal_key(run_key: str) -> str:
+    """The DHT key under which the members of ``run_key`` announce the period each proposes."""
+    return f"peerd-auto-period/{run_key}"
+
+
+def announced_periods(values: list[object]) -> list[int]:
+    """The periods in a run's announcements (DHT values: bytes): a member's claim, so only a rung of PERIOD_LADDER
+    written as a short decimal counts; anything else is ignored. At most MAX_ANNOUNCED are read."""
+    out = []
+    for v in values[:MAX_ANNOUNCED]:
+        if isinstance(v, bytes | str) and 0 < len(v) <= 4:
+            text = v.decode("ascii", "replace") if isinstance(v, bytes) else v
+            if text.isdigit() and int(text) in PERIOD_LADDER:
+                out.append(int(text))
+    return out
+
+
+def agreed_period(own: int, announced: list[int]) -> tuple[int, str]:
+    """The period to apply and why: the least of this member's own proposal and the ones announced. The least is
+    what every member can accept (a longer period costs a member that measured drift its accuracy), and a member
+    announcing a short one only asks for the default's averages."""
+    k = min([own, *announced])
+    others = len(announced)
+    if k == own:
+        return k, f"parameters every {k} steps: agreed, the least of this member's and {others} announced"
+    return k, (f"parameters every {k} steps: agreed, the least of {others} announced (this member proposed "
+               f"{own})")

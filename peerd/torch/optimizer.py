@@ -32,7 +32,8 @@ from ..compress import COMPRESSIONS as CODECS
 from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
 from ..localsock.phases import add_phases, empty_phases
-from .auto import AVERAGE_EVERY, PERIOD_LADDER, Choice, Measured, applied_period, choose, fp32_transfer_s
+from .auto import AVERAGE_EVERY, PERIOD_LADDER, Choice
+from .autostep import AutoSteps
 from .errors import NoGroupError
 from .founders import FOUNDER_WINDOW_S, SameData, reseed_peer
 from .overlap import DEFAULT_BUCKET_MB, Overlap
@@ -52,11 +53,14 @@ STATE_FORMAT = "peerd-state-v1"
 # of the median, so it needs no staging: in the 8-peer demo a sign-flipped member capped at 4 batches still cost
 # the honest peers 32 points of accuracy at step 40.
 MAX_SAMPLES_FACTOR = 2.0
+# A joiner counts forward to the swarm's step at most this many steps (its first round's number is the group's
+# claim: a forged one moves this replica's count, and the schedule keyed on it, by no more).
+MAX_CATCH_UP = 100_000
+MIN_ROUND_S = 1.0  # the least deadline a round is given (the daemon's floor): a parameter average needs it left
 SNAPSHOT_TRIES = 4  # snapshots a joiner refuses (non-finite, implausible step) before it gives up
-AUTO_STEP = 5  # compression="auto": steps measured in float32 before the codec is chosen (at this step count)
 
 
-class Optimizer(torch.optim.Optimizer):
+class Optimizer(AutoSteps, torch.optim.Optimizer):
     """A collaborative wrapper around ``optimizer`` (any ``torch.optim.Optimizer``).
 
     It is a ``torch.optim.Optimizer`` itself and shares ``param_groups``, ``state`` and ``defaults`` with the
@@ -72,7 +76,8 @@ class Optimizer(torch.optim.Optimizer):
     ``socket`` (the daemon's local socket; default $PEERD_SOCKET, ...), ``timeout_s`` (a round's
     deadline), ``average_params_every`` (K; 0 turns parameter averaging off; "auto", the default: 10 until
     AUTO_STEP, then what peerd.torch.auto.applied_period picks: longer, up to 40, only where every measured
-    round averaged all of its data, so replicas stay identical without the averages; with overlap, 10),
+    round averaged all of its data, so replicas stay identical without the averages; each member announces its
+    pick and from step AGREE_STEP all apply the least announced; with overlap, 10),
     ``no_group`` (what to do when no group forms or a round fails: "local" takes a local step and counts it,
     "skip" skips the step, "raise" raises NoGroupError), ``sync_state`` (download the swarm's state before the
     first step), ``state_every`` (publish a snapshot for joiners every this many steps; 0: never), ``nslots``,
@@ -124,6 +129,7 @@ class Optimizer(torch.optim.Optimizer):
         self.auto: Choice | None = None
         self._auto_probe: list[tuple[float, float, int, int]] | None = None  # compute s, round s, bytes, group
         self._auto_clean = True  # every step measured so far averaged all of its data (applied_period)
+        self.auto_proposed: int | None = None  # the period this member proposed, until it is agreed at AGREE_STEP
         self._auto_codec = compression == "auto"
         self._auto_every = average_params_every == "auto"
         if self._auto_every:
@@ -180,6 +186,9 @@ class Optimizer(torch.optim.Optimizer):
         self._staging = torch.empty(self.elems, dtype=torch.float32, pin_memory=True) if self._cuda else None
         self.ticket = 0  # slot/step id of averaging requests (one per request: grads or params)
         self.step_count = 0  # optimizer steps taken by this replica (taken over from donors on sync)
+        self._round: int | None = None  # the gradient round of the latest step (None: it had none)
+        self._joined: tuple[int, int] | None = None  # a joiner's snapshot: (its step, the round that step was)
+        self.caught_up = 0  # steps a joiner counted forward to the swarm's (the rounds its download took)
         self.outcomes: dict[str, int] = {}
         self.local_steps = 0  # steps taken on own gradients because no group formed
         self.kept_rounds = 0  # rounds (gradients or parameters) averaged in a kept group, without matchmaking
@@ -327,7 +336,8 @@ class Optimizer(torch.optim.Optimizer):
                 torch.cuda.synchronize()  # the staging buffer is reused by the next gather
 
     def _average(self, kind: str, tensors: list[torch.Tensor | None], weight: float,
-                 report: dict[str, Any], round_no: int | None = None) -> tuple[dict[str, Any], torch.Tensor]:
+                 report: dict[str, Any], round_no: int | None = None,
+                 timeout_s: float | None = None) -> tuple[dict[str, Any], torch.Tensor]:
         """One average through the daemon; the reply's ``phases`` hold the trainer's copy in, the daemon's
         phases and ``daemon`` (the socket's round trip beyond what the daemon accounts for)."""
         self.ticket += 1
@@ -343,7 +353,8 @@ class Optimizer(torch.optim.Optimizer):
             self._unreported = None
         t1 = time.monotonic()
         try:
-            reply = self._call("trainer_step", step=t, kind=kind, timeout_s=self.timeout_s, **report)
+            reply = self._call("trainer_step", step=t, kind=kind,
+                               timeout_s=self.timeout_s if timeout_s is None else timeout_s, **report)
         except DaemonError as e:
             raise DaemonError(f"averaging {kind} (step {self.step_count}) failed: {e}") from None
         reply["phases"] = self._trainer_phases(reply.get("phases"), copy_in=t1 - t0, call_s=time.monotonic() - t1)
@@ -459,92 +470,19 @@ class Optimizer(torch.optim.Optimizer):
                 return self._finish_step(reply, t0, phases)  # our own gradients are no better: skip the step
         phases["copy_out"] += time.monotonic() - t2
         self.opt.step()
+        self._follow_swarm(reply)
         self.step_count += 1
         self._auto_step(reply, compute_s)
         due = self._params_due(reply)
-        if due is not None:
-            reply["params"] = self.average_parameters(round_no=due)
+        left = self.timeout_s - (time.monotonic() - t0)  # the step's deadline covers both of its averages
+        if due is not None and left >= MIN_ROUND_S:
+            reply["params"] = self.average_parameters(round_no=due, timeout_s=left)
             add_phases(phases, reply["params"].get("phases", {}))
+        elif due is not None:
+            reply["params_skipped"] = f"the step's {self.timeout_s:g} s deadline is spent"
         if self.state_every and self.step_count % self.state_every == 0:
             self.publish_state()
         return self._finish_step(reply, t0, phases)
-
-    def _auto_step(self, reply: dict[str, Any], compute_s: float | None) -> None:
-        """compression or average_params_every "auto": measure this step; at AUTO_STEP choose (every member at the
-        same step count), and reopen the session in the chosen codec. The choice and its reason go in every reply
-        from then on."""
-        if self._auto_probe is not None:
-            if reply["outcome"] != "averaged" or float(reply.get("received_fraction", 0.0)) < 1.0:
-                self._auto_clean = False
-            if reply["outcome"] == "averaged" and compute_s is not None and reply.get("seconds", 0) > 0:
-                self._auto_probe.append((compute_s, float(reply["seconds"]), int(reply.get("bytes_sent", 0)),
-                                         int(reply["group_size"])))
-            if self.step_count >= AUTO_STEP:
-                self._auto_choose()
-        if self.auto is not None:
-            reply["auto"] = self._auto_fields()
-
-    def _auto_fields(self) -> dict[str, Any]:
-        """The auto choice as the step reply and `peerd status` show it (``applied``: what it set)."""
-        assert self.auto is not None
-        applied = [name for name, on in (("compression", self._auto_codec), ("average_every", self._auto_every))
-                   if on]
-        return {"compression": self.auto.compression, "average_every": self.auto.average_every,
-                "bucket_mb": self.auto.bucket_mb, "reason": self.auto.reason[:1000], "applied": ",".join(applied)}
-
-    def _auto_choose(self, codec: str | None = None, every: int | None = None) -> None:
-        """Choose (or take ``codec`` and ``every``, a donor's choice), apply what is "auto" (the codec: switch the
-        session's if it changed; the parameter-averaging period) and report it."""
-        probe, self._auto_probe = self._auto_probe or [], None
-
-        def median(xs: list[float]) -> float | None:
-            return sorted(xs)[len(xs) // 2] if xs else None
-
-        # the rate a round moved the vector at, its fixed costs included: what a step pays per byte
-        rates = [fp32_transfer_s(1.0, self.elems, g) / sec for _, sec, _, g in probe if g > 1]
-        measured = Measured(link_bps=median(rates), rtt_s=None, compute_s=median([c for c, *_ in probe]),
-                            params=self.elems, peers=max([g for *_, g in probe], default=1))
-        choice = choose(measured)
-        codec_why, every_why, bucket_why = choice.reasons
-        chosen = codec if codec is not None else choice.compression
-        if not self._auto_codec:
-            chosen, codec_why = self.compression or "fp32", f"{self.compression or 'fp32'}: set by the caller"
-        elif codec is not None and codec != choice.compression:
-            codec_why = f"{codec}: the swarm's choice, taken over with its state"
-        k = self.average_params_every
-        if not self._auto_every:
-            every_why = f"parameters every {k} steps: set by the caller"
-        elif every is not None:
-            k, every_why = every, f"parameters every {every} steps: the swarm's choice, taken over with its state"
-        else:
-            k, every_why = applied_period(choice, clean=self._auto_clean and bool(probe))
-        self.average_params_every = k
-        choice = Choice(chosen, k, choice.bucket_mb, "; ".join((codec_why, every_why, bucket_why)),
-                        choice.fp32_transfer_s, (codec_why, every_why, bucket_why))
-        self.auto = choice
-        log.info("auto: %s", choice.reason)
-        if not self._auto_codec or choice.compression == "fp32":
-            self._report_auto()
-        else:
-            self.compression = choice.compression
-            self.codec_options = {"compression": choice.compression}
-            for attempt in range(40):  # the daemon releases the old session when it sees the connection close
-                try:
-                    self.connect()
-                    break
-                except DaemonError as e:
-                    if "declare the same compression" not in str(e) or attempt == 39:
-                        raise
-                    time.sleep(0.05)
-            self._report_auto()
-
-    def _report_auto(self) -> None:
-        """Tell the daemon the auto choice, for `peerd status` (an older daemon ignores it)."""
-        assert self.auto is not None
-        try:
-            self._call("trainer_report", auto=self._auto_fields())
-        except DaemonError as e:
-            log.info("reporting the auto choice failed: %s", e)
 
     def _step_overlap(self, samples: int | float, loss: float | None) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -559,28 +497,47 @@ class Optimizer(torch.optim.Optimizer):
             self.publish_state()
         return self._finish_step(reply, t0, phases)
 
+    def _follow_swarm(self, reply: dict[str, Any]) -> None:
+        """Note the round of this step; a joiner's first averaged round also tells it how many rounds the swarm
+        took while it downloaded its snapshot: it counts its steps as its donor does from then on, so it ends
+        training with the swarm (its last rounds and final averages are the others', not alone)."""
+        r = reply.get("round")
+        has_round = reply.get("outcome") in ("averaged", "alone") and type(r) is int and r >= 0
+        self._round = r if has_round else None
+        if self._joined is None or not has_round or reply["outcome"] != "averaged" or reply.get("group_size", 1) < 2:
+            return
+        step, at = self._joined
+        self._joined = None
+        target = step + r - at - 1  # the donor's step count before this round's step
+        if self.step_count < target <= self.step_count + MAX_CATCH_UP:
+            self.caught_up = target - self.step_count
+            log.info("joined: counted %d steps forward to the swarm's step %d", self.caught_up, target + 1)
+            self.step_count = target
+
     def _params_due(self, reply: dict[str, Any]) -> int | None:
         """The Moshpit round to average parameters in after this step, or None (not due).
 
         Due after every K-th gradient round of the swarm, numbered by it: gradient rounds are numbered
         alike by every replica that averaged in them, so all replicas average parameters in the same round
         even when their step counts differ (a joiner that took a snapshot a few steps old). Without a round
-        number (the gradient round failed), by this replica's step count."""
+        number (the gradient round failed), by this replica's step count. With the auto period, rounds are
+        numbered by the ladder's first rung, so members on different rungs meet at the longer one's multiples."""
         k = self.average_params_every
         if not k:
             return None
+        base = PERIOD_LADDER[0] if self._auto_every else k  # rounds numbered alike whichever rung a member took
         r = reply.get("round")
-        if reply.get("outcome") in ("averaged", "alone") and type(r) is int and r >= 0:
-            return (r + 1) // k if (r + 1) % k == 0 else None
-        return self.step_count // k if self.step_count % k == 0 else None
+        n = r + 1 if reply.get("outcome") in ("averaged", "alone") and type(r) is int and r >= 0 else self.step_count
+        return n // base if n % k == 0 else None
 
-    def average_parameters(self, round_no: int | None = None) -> dict[str, Any]:
+    def average_parameters(self, round_no: int | None = None, *, timeout_s: float | None = None) -> dict[str, Any]:
         """Average the parameters themselves with a group (equal weights); returns the round's statistics.
 
         ``round_no``: the Moshpit round to average in (every replica must name the same one); None: the
-        run's next round (e.g. the extra averages after the last step, which every replica makes)."""
+        run's next round (e.g. the extra averages after the last step, which every replica makes).
+        ``timeout_s``: the round's deadline (None: the optimizer's ``timeout_s``)."""
         self.flush()
-        reply, result = self._average("params", list(self.params), 1.0, {}, round_no)
+        reply, result = self._average("params", list(self.params), 1.0, {}, round_no, timeout_s)
         if reply["outcome"] == "averaged":
             t0 = time.monotonic()
             if self._finite(result, "parameter"):
@@ -621,6 +578,7 @@ class Optimizer(torch.optim.Optimizer):
         self._gather_cpu(flat)
         buf = io.BytesIO()
         torch.save({"format": STATE_FORMAT, "layout": self.layout_hash, "step": self.step_count,
+                    "round": -1 if self._round is None else self._round,
                     "optimizer_class": type(self.opt).__name__, "params": flat,
                     "optimizer": self.opt.state_dict(),
                     **({"auto_codec": self.auto.compression, "auto_every": self.auto.average_every}
@@ -664,6 +622,8 @@ class Optimizer(torch.optim.Optimizer):
                 off += n
         self.opt.load_state_dict(state["optimizer"])
         self.step_count = step
+        at = state.get("round")  # the donor's round of that step: how far the swarm went since (_follow_swarm)
+        self._joined = (step, at) if type(at) is int and 0 <= at < 2**32 else None
         if self._auto_probe is not None and state.get("auto_codec") in ("fp32", "int8"):
             every = state.get("auto_every")  # the swarm chose before this trainer came: average as it does
             self._auto_choose(state["auto_codec"], every if every in PERIOD_LADDER else None)

@@ -90,8 +90,7 @@ Action = Keep | Publish | ReadRecords | ReadParticipants | FetchShard | StopShar
 
 class Phase(enum.Enum):
     REPAIR = "repair"  # every shard from its owner
-    FIRST = "first"  # repaired; waiting for the first read of the round's participants
-    SWARM = "swarm"  # one final across the swarm
+    SWARM = "swarm"  # one final across the swarm (it ends only once the first read of participants is in)
     DONE = "done"
     FAILED = "failed"
 
@@ -132,8 +131,9 @@ class OuterAgreement:
     ``members``: the group's node ids in its order (shard k is repaired only from ``members[k]``'s record; None:
     nothing is repaired); ``expect``: how many members the round has; ``participants``: the node ids whose
     records count (None: every record); ``refresh``: participants may be re-read (``ReadParticipants``) while
-    records of unknown nodes show up; ``refresh_first``: they are also read from the start, and the swarm
-    phase waits for that first read (what it reads joins ``participants`` and raises ``expect``)."""
+    records of unknown nodes show up; ``refresh_first``: they are also read from the start, and the step
+    ends only once that first read is in (what it reads joins ``participants`` and raises ``expect``); the
+    finals are exchanged meanwhile, so a read that returns last costs nothing beyond itself."""
 
     def __init__(self, node: bytes, data: bytes | bytearray, *, group: str, size: int, index: int, state: bytes,
                  repair_s: float, deadline_s: float, addr: Address | None = None,
@@ -157,7 +157,8 @@ class OuterAgreement:
         self.error = ""
         self.me: OuterRecord | None = None
         self._actions: list[Action] = []
-        self._t0 = self._t_repaired = self._t_swarm = self._t_end = 0.0
+        self._t0 = self._t_repaired = self._t_end = 0.0
+        self._t_first = 0.0  # when the first read of the participants returned
         # reads of the records: numbered as they start; a phase counts only reads that started after it began
         self._pushed: list[OuterRecord] = []
         self._read: list[OuterRecord] = []
@@ -233,8 +234,10 @@ class OuterAgreement:
         phases: dict[str, float] = {}
         if self.phase is not Phase.REPAIR:
             phases["repair"] = self._t_repaired - self._t0
-        if self._t_swarm and self._first_read:
-            phases["participants"] = self._t_swarm - self._t_repaired  # the first read of them, waited for
+        if self._first_read and not self._first_pending:
+            # how long the end waited for the first read of them beyond the repair (0: it came during the repair)
+            phases["participants"] = max(0.0, self._t_first - self._t_repaired) if self.phase is not Phase.REPAIR \
+                else 0.0
         if self.done:
             phases["agree"] = self._t_end - self._t_repaired
         return AgreementStatistics(
@@ -302,8 +305,11 @@ class OuterAgreement:
         self._refreshing = False
         if self._first_pending:
             self._first_pending = False
+            self._t_first = now
             self.participants = (self.participants or frozenset()) | (ids or frozenset())
             self.expect = max(self.expect, min(MAX_GROUP, len(ids or ())))
+            if self._known is not None:  # the swarm phase began before it: they count from now on
+                self._known = self._known | self.participants
         elif ids and self._known is not None:
             self._known = self._known | ids
         self._decide(now)
@@ -347,10 +353,6 @@ class OuterAgreement:
         self._now = max(self._now, now)
         if self.phase is Phase.REPAIR:
             self._repair(now)
-        if self.phase is Phase.FIRST and not self._first_pending:
-            self._enter_swarm(now)
-        elif self.phase is Phase.FIRST and now - self._t0 >= self.deadline_s:
-            self._fail(now, [])
         if self.phase is Phase.SWARM:
             self._swarm(now)
 
@@ -394,14 +396,14 @@ class OuterAgreement:
         if self._inflight:
             self._inflight.clear()
             self._actions.append(StopShardFetches())
-        self.phase = Phase.FIRST
+        self._enter_swarm(now)
 
     def _enter_swarm(self, now: float) -> None:
         """Publish this member's final (the hash of its repaired vector) and read afresh: what was read before
-        it is not what the others hold now."""
+        it is not what the others hold now. The first read of the participants may still be in flight: the
+        finals are exchanged meanwhile, and only the end waits for it (it can raise what the step waits for)."""
         assert self.me is not None
         self.phase = Phase.SWARM
-        self._t_swarm = now
         members = frozenset(self.members or ())
         self._known = None if self.participants is None else self.participants | members | {self.node}
         self._refreshed = now
@@ -434,7 +436,8 @@ class OuterAgreement:
         else:
             settled = bool(self.group) or now - self._t0 >= ALONE_SETTLE_S  # alone: give the others time
             patient = now - self._t0 < self.deadline_s / 2
-            if settled and agreed(self.me, records, patient=patient, expect=max(self.expect, self.size)):
+            if settled and not self._first_pending \
+                    and agreed(self.me, records, patient=patient, expect=max(self.expect, self.size)):
                 self.phase = Phase.DONE
                 self._t_end = now
                 return

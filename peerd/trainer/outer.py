@@ -550,13 +550,12 @@ class DhtBoard:
         read is idempotent: a late answer to an earlier request is dropped, never mistaken for another)."""
         from ..transport.endpoint import RpcError
 
-        endpoint = self.sync.endpoint  # type: ignore[attr-defined]
         scale = 1.0
         async with self.window:
             for attempt in range(FETCH_ATTEMPTS):
                 if attempt >= FETCH_FLAT:
                     scale *= 2.0
-                wait = fetch_timeout(endpoint.rto.srtt(addr)) * scale
+                wait = fetch_timeout(self._srtt(addr)) * scale
                 try:
                     return await self.sync.fetch_range(  # type: ignore[attr-defined]
                         addr, self.store, sha, offset, length, timeout=wait, attempts=1)
@@ -564,6 +563,18 @@ class DhtBoard:
                     if "refused" in str(e) or attempt == FETCH_ATTEMPTS - 1:
                         raise
         raise AssertionError("unreachable")
+
+    def _srtt(self, addr: Address) -> float | None:
+        """The smoothed round trip to ``addr``, or before its first sample the longest one known to this round's
+        peers: a repair's first requests then wait a few of the swarm's round trips when one is lost, not
+        FETCH_TIMEOUT_S. None: no round trip to any of them is known."""
+        endpoint = self.sync.endpoint  # type: ignore[attr-defined]
+        srtt = endpoint.rto.srtt(addr)
+        if srtt is not None:
+            return srtt
+        addrs = [endpoint.addr_of(p) for p in self.peers if p != self.node]
+        known = [endpoint.rto.srtt(a) for a in addrs if a is not None]
+        return max((k for k in known if k is not None), default=None)
 
     async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes:
         """The range in one request per chunk, up to FETCH_WINDOW of this board's requests in flight (one at a

@@ -19,6 +19,7 @@ import numpy as np
 import trio
 
 from ..allreduce.robust import MAX_C, Robust
+from ..deadlines import DeadlineTuner
 from ..localsock.arena import ArenaError
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
@@ -50,6 +51,7 @@ class OuterSteps:
         self.peer_id = peer_id
         self.report = report
         self.background: trio.Nursery | None = None  # where records are still put after a step answered (run)
+        self.deadlines: DeadlineTuner | None = None  # the average's wait tunes itself within the trainer's timeout_s
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the nursery that outer steps leave their last DHT put in (a trainer need not wait for it)."""
@@ -91,9 +93,11 @@ class OuterSteps:
         if not finite:
             raise OpError(f"step {step}: the pseudo-gradient holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
-        result, out, outcome, rounds, seen = await self._outer_rounds(session, vector, float(weight), round_no,
-                                                                      timeout)
+        wait = timeout if self.deadlines is None else self.deadlines.outer_wait(float(timeout)).seconds
+        result, out, outcome, rounds, seen = await self._outer_rounds(session, vector, float(weight), round_no, wait)
         average_s = time.monotonic() - start
+        if self.deadlines is not None and outcome == "averaged":
+            self.deadlines.receive_outer(average_s, time.time())
         phases = {k: v for k, v in round_phases(result, copy_in=0.0, round_s=average_s, copy_out=0.0).items()
                   if k in ("matchmaking", "members", "transfer")}  # the rounds' own split (the last round's)
         log.info("session %d outer round %d: averaged in %.3f s (matchmaking %.3f, transfer %.3f)", session.id,

@@ -412,6 +412,7 @@ class TrainerService:
             raise OpError(f"offset and length must pick a non-empty range of the {session.elems} elements")
         if not isinstance(timeout, int | float) or not 1 <= timeout <= 3600:
             raise OpError("timeout_s must be in [1, 3600]")
+        timeout = timeout if self.deadlines is None else self.deadlines.bucket_wait(float(timeout)).seconds
         if type(deferred) is not bool:
             raise OpError("deferred must be true or false")
         buckets, plan = req.get("buckets"), req.get("plan")
@@ -481,6 +482,8 @@ class TrainerService:
         seconds = time.monotonic() - start
         self.metrics.trainer_steps.labels(outcome).inc()
         self.metrics.trainer_step_seconds.observe(seconds)
+        if self.deadlines is not None and outcome == "averaged":
+            self.deadlines.receive_bucket(seconds, time.time())
         if session.closed or conn.closed:
             return {}
         if session.latest - step >= session.arena.nslots:

@@ -45,6 +45,7 @@ class InProcessAverager:
         self.options: list[dict] = []  # the max_weight / robust keywords each call passed (only those set)
         self.readies: list[bool] = []  # whether each call came with ready= (a deferred bucket)
         self.part_rounds: list[tuple[str, int]] = []  # (run id, parts) of each average_parts call
+        self.timeouts: list[float] = []  # the timeout_s each call was given
         self.poison: float | None = None  # if set, every averaged result holds this value (e.g. NaN) at [0]
         self._ids = 0
 
@@ -56,6 +57,7 @@ class InProcessAverager:
                                 "rounding"}, options
         start = time.monotonic()
         self.readies.append(ready is not None)
+        self.timeouts.append(timeout_s)
         if ready is not None:  # as Moshpit with ready=: (the group would form here) then the vector is read
             await ready()
         self.options.append(options)
@@ -134,6 +136,9 @@ class ThreadDaemon:
         self.service = TrainerService(self.metrics, averager.average, statesync=statesync, peer_id="test", ready=ready,
                                       average_parts=averager.average_parts if parts else None)
         self.service.register(self.server)
+        self.dht: dict[str, dict[str, bytes]] = {}  # the daemon's dht_put / dht_get, in memory
+        self.server.register("dht_put", self._dht_put)
+        self.server.register("dht_get", self._dht_get)
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None
         self._ready = threading.Event()
@@ -142,6 +147,15 @@ class ThreadDaemon:
         self.thread.start()
         if not self._ready.wait(10):
             raise RuntimeError("the in-process daemon did not start")
+
+    async def _dht_put(self, req: dict) -> dict:
+        value = req["value"].encode() if isinstance(req["value"], str) else req["value"]
+        self.dht.setdefault(req["key"], {})[req.get("subkey") or "test"] = value
+        return {"stored": 1, "refused": 0, "subkey": req.get("subkey") or "test"}
+
+    async def _dht_get(self, req: dict) -> dict:
+        return {"values": [{"subkey": k, "value": v, "expires_at": 0.0, "owner": "test"}
+                           for k, v in self.dht.get(req["key"], {}).items()]}
 
     def _main(self) -> None:
         async def run() -> None:

@@ -16,7 +16,12 @@ shaped link (``--link-loss P``: random loss on it); without, the daemons share 1
   2 (n - 1) / n of the vector in the run's codec, with each datagram's headers (0 on loopback);
 - ``fixed_s``: the median of step minus transfer: what a step costs beyond moving its bytes;
 - ``rtt_s``: the median round trip between two peers' daemons (their DHT pings), for the bound max(3 RTT, 30 ms);
-- ``phases``: median seconds by phase (peerd.localsock.phases).
+- ``phases``: median seconds by phase (peerd.localsock.phases);
+- ``daemon_cpu_s``, ``trainer_cpu_s``: the median daemon's and trainer's CPU seconds per step, over the steps
+  after the warm-up (bench.cpuwatch); ``cpu_floor_s``: every daemon's and trainer's CPU seconds per step over
+  the machine's cores, the least a step could take here if nothing else ran; ``machine_busy``: the share of
+  the cores busy meanwhile, ``others_busy`` the share busy with processes outside the bench. Where
+  ``cpu_floor_s`` comes near ``step_s``, the step waits for the cores, not for the link.
 The lab has no delay emulation: its RTT is the queue's and the hosts', not a WAN's.
 """
 
@@ -38,6 +43,7 @@ from typing import Any
 from ...localsock.phases import PHASES
 from ..lab.links import LinkLab, parse_rate
 from ..swarm import LocalSwarm
+from .cpuwatch import CpuWatch, CpuWindow
 from .runner import run_bench
 
 RUN = "bench-step"
@@ -90,9 +96,10 @@ def transfer_seconds(params: int, peers: int, codec: str, rate_bps: int | None) 
 
 
 def summarize(records: list[list[dict[str, Any]]], cfg: StepBenchConfig, transfer_s: float | Callable[[str], float],
-              rtt_s: float) -> dict[str, Any]:
+              rtt_s: float, cpu: CpuWindow | None = None) -> dict[str, Any]:
     """The figures from every trainer's step records (the warm-up steps of each left out). ``transfer_s``: the
-    bytes' time, or a function of the codec a step averaged in (its record's ``codec``; fp32 when it has none)."""
+    bytes' time, or a function of the codec a step averaged in (its record's ``codec``; fp32 when it has none).
+    ``cpu``: what the daemons (``daemon<i>``) and trainers (``trainer<i>``) spent over those steps (cpu_window)."""
     steps = [r for rs in records for r in rs[cfg.warmup:]]
     if not steps:
         raise RuntimeError("no step was recorded after the warm-up")
@@ -115,7 +122,39 @@ def summarize(records: list[list[dict[str, Any]]], cfg: StepBenchConfig, transfe
         "bound_s": round(statistics.median(transfers) + max(3 * rtt_s, 0.030), 6),
         "phases": {p: round(statistics.median(r["phases"].get(p, 0.0) for r in steps), 6) for p in PHASES},
         "kept": sum(bool(r.get("kept")) for r in steps), "outcomes": outcomes,
+        **cpu_figures(cpu, max(len(rs) - cfg.warmup for rs in records)),
     }
+
+
+def cpu_window(watch: CpuWatch, records: list[list[dict[str, Any]]], warmup: int) -> CpuWindow | None:
+    """What was spent from the first trainer's first step after the warm-up to the last trainer's last step (the
+    records' ``t0``/``t1``, time.monotonic()); None where the records do not say."""
+    try:
+        t0 = min(rs[warmup]["t0"] for rs in records)
+        t1 = max(rs[-1]["t1"] for rs in records)
+    except (IndexError, KeyError, ValueError):
+        return None
+    return watch.window(t0, t1)
+
+
+def cpu_figures(cpu: CpuWindow | None, steps: int) -> dict[str, float | None]:
+    """The CPU figures (module docstring) from ``cpu``, over ``steps`` steps a trainer took in it (None each where
+    it was not measured)."""
+    out: dict[str, float | None] = dict.fromkeys(
+        ("daemon_cpu_s", "trainer_cpu_s", "cpu_floor_s", "machine_busy", "others_busy"))
+    if cpu is None or steps <= 0:
+        return out
+    for kind in ("daemon", "trainer"):
+        spent = [v for k, v in cpu.procs.items() if k.startswith(kind) and v is not None]
+        if spent:
+            out[f"{kind}_cpu_s"] = round(statistics.median(spent) / steps, 6)
+    ours = sum(v for v in cpu.procs.values() if v is not None)
+    cores = cpu.total / cpu.seconds if cpu.total and cpu.seconds > 0 else float(os.cpu_count() or 1)
+    out["cpu_floor_s"] = round(ours / steps / cores, 6)
+    if cpu.busy is not None and cpu.total:
+        out["machine_busy"] = round(min(1.0, cpu.busy / cpu.total), 4)
+        out["others_busy"] = round(min(1.0, max(0.0, cpu.busy - ours) / cpu.total), 4)
+    return out
 
 
 def _ping_rtt(swarm: LocalSwarm, lab: LinkLab | None) -> float:
@@ -199,8 +238,14 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
                 swarm.wait_ready(swarm.start())
             time.sleep(1.0)  # the DHT settles (every daemon bootstrapped from node 0)
             start_workers(procs, swarm, workdir, cfg, lab.exec_prefix if lab is not None else lambda i: [])
+            watch = CpuWatch({**{f"daemon{i}": node.proc.pid for i, node in enumerate(swarm.nodes)},
+                              **{f"trainer{i}": proc.pid for i, (proc, _, _) in enumerate(procs)}})
+            watch.start()
             say(f"{cfg.peers} trainers: {cfg.steps} {cfg.mode} steps of {cfg.params} parameters ...")
-            records = wait_workers(procs, workdir, cfg)
+            try:
+                records = wait_workers(procs, workdir, cfg)
+            finally:
+                watch.stop()
             rtt = _ping_rtt(swarm, lab)
         finally:
             stop_workers(procs)
@@ -210,7 +255,8 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
             lab.close()
         shutil.rmtree(workdir, ignore_errors=True)
     rate = parse_rate(cfg.link) if cfg.link else None
-    return summarize(records, cfg, lambda codec: transfer_seconds(cfg.params, cfg.peers, codec, rate), rtt)
+    return summarize(records, cfg, lambda codec: transfer_seconds(cfg.params, cfg.peers, codec, rate), rtt,
+                     cpu_window(watch, records, cfg.warmup))
 
 
 # -- the trainer process ----------------------------------------------------------------------------------------
@@ -243,7 +289,9 @@ def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
     for i in range(steps):
         for p, g in zip(params, noise[i % NOISE_SETS], strict=True):
             p.grad = g.clone()  # (the wrapped optimizer writes the average into p.grad)
+        t0 = time.monotonic()
         reply = opt.step(samples=1)
+        t1 = time.monotonic()
         report = opt.last_step
         if report is None or (cfg.mode == "diloco" and "outer" not in reply):
             continue
@@ -251,7 +299,7 @@ def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
         if cfg.mode == "diloco" or codec not in CODEC_BYTES:
             codec = cfg.compression if cfg.compression in CODEC_BYTES else "fp32"
         records.append({"seconds": report.seconds, "phases": report.phases, "outcome": report.outcome,
-                        "group_size": report.group_size, "kept": report.kept, "codec": codec})
+                        "group_size": report.group_size, "kept": report.kept, "codec": codec, "t0": t0, "t1": t1})
     opt.close()
     with open(out, "w") as f:
         json.dump(records, f)
@@ -290,8 +338,10 @@ def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if result["link_loss"]:
         where += f", loss {result['link_loss']}"
     print(f"{result['mode']} steps, {result['peers']} peers, {result['params']} parameters, {where}")
-    for name in ("step_s", "step_p90_s", "transfer_s", "fixed_s", "rtt_s", "bound_s"):
-        print(f"  {name:>12}: {result[name]:.4f}")
+    for name in ("step_s", "step_p90_s", "transfer_s", "fixed_s", "rtt_s", "bound_s", "daemon_cpu_s",
+                 "trainer_cpu_s", "cpu_floor_s", "machine_busy", "others_busy"):
+        if result[name] is not None:
+            print(f"  {name:>12}: {result[name]:.4f}")
     for phase, seconds in result["phases"].items():
         print(f"  {phase:>12}: {seconds:.4f} (median)")
     print(f"  outcomes: {result['outcomes']}, kept-group steps: {result['kept']}")

@@ -1,0 +1,155 @@
+"""``compression="auto"`` and ``average_params_every="auto"`` inside peerd.torch.Optimizer: measure the first
+steps, choose (peerd.torch.auto), apply the choice, and agree on the period with the run's other members."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..localsock.client import DaemonError
+from .auto import (
+    AGREE_STEP,
+    Choice,
+    Measured,
+    agreed_period,
+    announced_periods,
+    applied_period,
+    choose,
+    fp32_transfer_s,
+    proposal_key,
+)
+
+log = logging.getLogger("peerd.torch")
+
+AUTO_STEP = 5  # compression="auto": steps measured in float32 before the codec is chosen (at this step count)
+
+
+class AutoSteps:
+    """The auto choice's part of peerd.torch.Optimizer (a mixin: it uses the optimizer's session and fields)."""
+
+    auto: Choice | None
+    auto_proposed: int | None
+    average_params_every: int
+    compression: str | None
+    codec_options: dict[str, Any]
+    elems: int
+    step_count: int
+    run_key: str
+    peer_id: str
+    session: int
+    _auto_probe: list[tuple[float, float, int, int]] | None
+    _auto_clean: bool
+    _auto_codec: bool
+    _auto_every: bool
+    _client: Any
+
+    def _auto_step(self, reply: dict[str, Any], compute_s: float | None) -> None:
+        """compression or average_params_every "auto": measure this step; at AUTO_STEP choose (every member at the
+        same step count), and reopen the session in the chosen codec. The choice and its reason go in every reply
+        from then on."""
+        if self._auto_probe is not None:
+            if reply["outcome"] != "averaged" or float(reply.get("received_fraction", 0.0)) < 1.0:
+                self._auto_clean = False
+            if reply["outcome"] == "averaged" and compute_s is not None and reply.get("seconds", 0) > 0:
+                self._auto_probe.append((compute_s, float(reply["seconds"]), int(reply.get("bytes_sent", 0)),
+                                         int(reply["group_size"])))
+            if self.step_count >= AUTO_STEP:
+                self._auto_choose()
+        if self.auto_proposed is not None and self.step_count >= AGREE_STEP:
+            self._agree_period()
+        if self.auto is not None:
+            reply["auto"] = self._auto_fields()
+
+    def _auto_fields(self) -> dict[str, Any]:
+        """The auto choice as the step reply and `peerd status` show it (``applied``: what it set)."""
+        assert self.auto is not None
+        applied = [name for name, on in (("compression", self._auto_codec), ("average_every", self._auto_every))
+                   if on]
+        return {"compression": self.auto.compression, "average_every": self.auto.average_every,
+                "bucket_mb": self.auto.bucket_mb, "reason": self.auto.reason[:1000], "applied": ",".join(applied)}
+
+    def _auto_choose(self, codec: str | None = None, every: int | None = None) -> None:
+        """Choose (or take ``codec`` and ``every``, a donor's choice), apply what is "auto" (the codec: switch the
+        session's if it changed; the parameter-averaging period) and report it."""
+        probe, self._auto_probe = self._auto_probe or [], None
+
+        def median(xs: list[float]) -> float | None:
+            return sorted(xs)[len(xs) // 2] if xs else None
+
+        # the rate a round moved the vector at, its fixed costs included: what a step pays per byte
+        rates = [fp32_transfer_s(1.0, self.elems, g) / sec for _, sec, _, g in probe if g > 1]
+        measured = Measured(link_bps=median(rates), rtt_s=None, compute_s=median([c for c, *_ in probe]),
+                            params=self.elems, peers=max([g for *_, g in probe], default=1))
+        choice = choose(measured)
+        codec_why, every_why, bucket_why = choice.reasons
+        chosen = codec if codec is not None else choice.compression
+        if not self._auto_codec:
+            chosen, codec_why = self.compression or "fp32", f"{self.compression or 'fp32'}: set by the caller"
+        elif codec is not None and codec != choice.compression:
+            codec_why = f"{codec}: the swarm's choice, taken over with its state"
+        k = self.average_params_every
+        if not self._auto_every:
+            every_why = f"parameters every {k} steps: set by the caller"
+        elif every is not None:
+            k, every_why = every, f"parameters every {every} steps: the swarm's choice, taken over with its state"
+        else:
+            own, why = applied_period(choice, clean=self._auto_clean and bool(probe))
+            self.auto_proposed = own  # announced now, agreed at AGREE_STEP; the default period until then
+            self._announce(own)
+            every_why = f"{why}; proposed, until the swarm agrees at step {AGREE_STEP}"
+        self.average_params_every = k
+        choice = Choice(chosen, k, choice.bucket_mb, "; ".join((codec_why, every_why, bucket_why)),
+                        choice.fp32_transfer_s, (codec_why, every_why, bucket_why))
+        self.auto = choice
+        log.info("auto: %s", choice.reason)
+        if not self._auto_codec or choice.compression == "fp32":
+            self._report_auto()
+        else:
+            self.compression = choice.compression
+            self.codec_options = {"compression": choice.compression}
+            for attempt in range(40):  # the daemon releases the old session when it sees the connection close
+                try:
+                    self.connect()
+                    break
+                except DaemonError as e:
+                    if "declare the same compression" not in str(e) or attempt == 39:
+                        raise
+                    time.sleep(0.05)
+            self._report_auto()
+
+    def _announce(self, period: int) -> None:
+        """Announce the period this member proposes to the run's other members (the daemon's DHT)."""
+        assert self._client is not None
+        try:
+            self._client.call("dht_put", key=proposal_key(self.run_key), value=str(period),
+                              subkey=f"{self.peer_id}/{self.session}", ttl=3600)
+        except DaemonError as e:  # a daemon without a swarm: the members that read the others still agree
+            log.info("announcing the proposed period failed: %s", e)
+
+    def _agree_period(self) -> None:
+        """Apply the period the run's members agree on: the least announced (peerd.torch.auto.agreed_period)."""
+        assert self.auto is not None and self.auto_proposed is not None and self._client is not None
+        own, self.auto_proposed = self.auto_proposed, None
+        try:
+            values = [r.get("value") for r in self._client.call("dht_get", key=proposal_key(self.run_key))["values"]
+                      if isinstance(r, dict)]
+        except DaemonError as e:
+            log.info("reading the run's proposed periods failed: %s", e)
+            values = []
+        k, why = agreed_period(own, announced_periods(values))
+        self.average_params_every = k
+        codec_why, _, bucket_why = self.auto.reasons
+        reasons = (codec_why, why, bucket_why)
+        self.auto = Choice(self.auto.compression, k, self.auto.bucket_mb, "; ".join(reasons),
+                           self.auto.fp32_transfer_s, reasons)
+        log.info("auto: %s", why)
+        self._report_auto()
+
+    def _report_auto(self) -> None:
+        """Tell the daemon the auto choice, for `peerd status` (an older daemon ignores it)."""
+        assert self.auto is not None
+        try:
+            self._call("trainer_report", auto=self._auto_fields())
+        except DaemonError as e:
+            log.info("reporting the auto choice failed: %s", e)
