@@ -62,6 +62,7 @@ def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
     assert out["speedup"] == (round(out["baseline_time_to_target_s"] / tt, 3) if tt else 0.0), out
     assert out["outcomes"].get("averaged", 0) >= 2 * 4 * 0.75, out["outcomes"]  # the peers did average
     assert out["max_param_divergence"] < 1e-3  # the final parameter averages brought them together
+    assert 0 < out["max_wait_s"] <= out["deadline_s"], out  # no step waited in step() past its deadline
     # every evaluation, the extra steps past --steps included, then the end of training
     assert [row[0] for row in out["curve"]] == [2, 4, 6, 7]
     assert out["extra_steps"] == 2 and round(out["val_loss_at_steps"], 4) == out["curve"][1][1]
