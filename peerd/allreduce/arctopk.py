@@ -31,7 +31,9 @@ selection it never learnt, u keeps the last average it had. The state resets whe
 changes (every averaged row is the group's mean again). A round in which a member did not learn every selection
 has rows that were never averaged: ``ArcTopKResult.complete`` is False and ``got_fraction`` counts them as not
 arrived. ``robust`` (clip; centered clips around zero here) applies to the sketch and dense phases, never to the
-selection phase, whose non-owners' NaN must be refused, not clipped. Dense values travel in fp32 or bf16 (the
+selection phase, whose non-owners' NaN must be refused, not clipped. An owner's sketch shard also leaves out its
+``suspects`` (robust.Suspects: the members its recent dense phases found opposed): a sketch shard holds tens of
+values, too few for the direction test to tell a sign flip from noise. Dense values travel in fp32 or bf16 (the
 canary needs the exponent range of float32: w_owner / sum w may be below fp16's smallest value).
 """
 

@@ -17,6 +17,9 @@ so they rarely point against the others' sum (on the 8-member demo's MLP, 600 va
 (owner, member) pair in 50 still does, and is left out). Members are left out one at a time, the most opposed
 first (``opposed_members``); they are counted as ``opposed`` in the statistics; the owner never leaves itself out.
 
+arc-topk's sketch shards hold too few values for that test; there an owner leaves out the members its own recent
+dense phases found opposed (``Suspects``, carried by identity from one average of a run to the next ones).
+
 ``centered[:C]``: the same, measured as the distance from a center (the previous round's average, passed
 by the caller), and the result is the center plus the weighted mean of the clipped differences. Without a
 center it is clip around zero.
