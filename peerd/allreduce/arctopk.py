@@ -31,7 +31,9 @@ selection it never learnt, u keeps the last average it had. The state resets whe
 changes (every averaged row is the group's mean again). A round in which a member did not learn every selection
 has rows that were never averaged: ``ArcTopKResult.complete`` is False and ``got_fraction`` counts them as not
 arrived. ``robust`` (clip; centered clips around zero here) applies to the sketch and dense phases, never to the
-selection phase, whose non-owners' NaN must be refused, not clipped. Dense values travel in fp32 or bf16 (the
+selection phase, whose non-owners' NaN must be refused, not clipped. An owner's sketch shard also leaves out its
+``suspects`` (robust.Suspects: the members its recent dense phases found opposed): a sketch shard holds tens of
+values, too few for the direction test to tell a sign flip from noise. Dense values travel in fp32 or bf16 (the
 canary needs the exponent range of float32: w_owner / sum w may be below fp16's smallest value).
 """
 
@@ -334,18 +336,22 @@ def phase_options(options: AverageOptions, phase: int) -> AverageOptions:
 
 async def service_arc_topk(service: Averager, group_id: int, members: list, index: int, vector: np.ndarray,
                            weight: float, plan: ArcTopKPlan, *, run: int, round: int, codec: Codec | None = None,
-                           ef: EF21M | None = None, options: AverageOptions = DEFAULT_OPTIONS) -> ArcTopKResult:
+                           ef: EF21M | None = None, options: AverageOptions = DEFAULT_OPTIONS,
+                           suspects: tuple[int, ...] = ()) -> ArcTopKResult:
     """arc_topk_average through an Averager (``service.average``): the three phases under derived group ids, with
     the same members, weight and ``options`` (deadlines, max_weight, robust); ``codec`` the dense rows' (the
     plan's). ``options.robust`` applies to the sketch and dense phases (a centered mode clips around zero: no
     center is kept for sketches or rows); the selection phase runs ``solo`` (each owner's segment is its bitmap
-    alone). ``result.phases`` holds the three AverageResults."""
+    alone). ``suspects``: members (indices) this member's own sketch shard leaves out (robust.Suspects: the
+    members its recent dense phases found opposed). ``result.phases`` holds the three AverageResults (the dense
+    phase's ``stats.opposed`` are the next suspects)."""
     base = replace(options, codec=None, run=0, solo=False)
     dense = replace(base, codec=codec, run=run) if codec is not None and codec.wire_id != 0 else base
+    sketch = replace(base, exclude=tuple(sorted(set(base.exclude) | set(suspects))))
 
     async def average(phase: int, gid: int, values: np.ndarray) -> tuple[np.ndarray, object, int]:
         res = await service.average(gid, members, index, values, weight,
-                                    phase_options(dense if phase == 2 else base, phase))
+                                    phase_options((sketch, base, dense)[phase], phase))
         return res.vector, res, res.bytes_sent
 
     offload = trio.to_thread.run_sync if plan.layout.length >= OFF_LOOP_ELEMS else _inline

@@ -256,7 +256,7 @@ class Finalize:
         would count (clipped and with its bounded weight), points against the sum of the others' (robust.py's
         opposed_members, from the Gram matrix): a sign-flipped gradient of normal size, which clipping lets
         through. The owner never leaves itself out."""
-        heard = [s for s in range(self.n) if self._elements[s] and
+        heard = [s for s in range(self.n) if self._elements[s] and s not in self._excluded and
                  (s == self.index or self._sender_weight[s] is not None)]
         if len(heard) < 3:
             return
@@ -270,7 +270,7 @@ class Finalize:
         opposed = opposed_members(g, heard, self.index, self._elements)
         if opposed:
             self._refused["opposed"] += len(opposed)
-            self._excluded = frozenset(opposed)
+            self._excluded = self._excluded | opposed
 
     def _measure(self, k0: int, k1: int, lo: int, width: int) -> None:
         """Add ranges [k0, k1) to each member's sum of squares: in float32 (one einsum per member), rows

@@ -244,7 +244,9 @@ class GroupAverage(Intake, Outbox, Finalize):
         self._sumsq = [0.0] * n
         self._elements = [0] * n
         self._gram = np.zeros((n, n))  # robust: every pair of members' dot product over the own shard
-        self._excluded: frozenset[int] = frozenset()  # robust: members left out for pointing against the others
+        # members left out of the own shard: the caller's ``exclude``, and (robust) those pointing against the others
+        self._preset = frozenset(a for a in options.exclude if a < n and a != index)
+        self._excluded: frozenset[int] = self._preset
         self._out_bytes = memoryview(out).cast("B")
         self._inplace = out is vec
         # Blocks carry headers and value views apart (OutBlock.values), for a driver that seals from them. Values
@@ -289,7 +291,8 @@ class GroupAverage(Intake, Outbox, Finalize):
         # rows whose float32 sum would overflow (summed in float64 when the range is finalized). On the Python data
         # path the staged reconstruction stays: in numpy, streaming takes a gather, two finiteness checks, a select
         # and a scatter per block where the stage takes one copy (its sums are vectorized later either way).
-        self._stream = not self._coded and robust is None and not options.solo and kernels.native is not None
+        self._stream = (not self._coded and robust is None and not options.solo and not options.exclude
+                        and kernels.native is not None)
         self._acc = self._stage_buffer[: self._hi - self._lo]
         self._acc_set = np.zeros(self._nranges, dtype=np.uint8)
         self._wsum_in = np.zeros(self._nranges, dtype=np.float64)
@@ -478,4 +481,5 @@ class GroupAverage(Intake, Outbox, Finalize):
             ends_ignored=self._ends_ignored,
             refused=dict(self._refused),
             weight_total=min(own, self._wcap) + sum(min(w, self._wcap) for w in heard),
+            opposed=tuple(sorted(self._excluded - self._preset)),
         )

@@ -61,7 +61,9 @@ class AverageOptions:
     after an END that overtook data. ``max_weight``: the most samples any member's weight counts for (None:
     2**24). ``robust``: norm clipping at the shard owner (robust.py). ``codec``: the run's body codec
     (peerd.compress; None: fp32), the same for every member; ``run``: the u64 key of its rounding draws.
-    ``absent``: members (indices) not waited for and sent nothing. ``solo``: each owner's result for its shard
+    ``absent``: members (indices) not waited for and sent nothing. ``exclude``: members (indices) whose
+    contributions this owner leaves out of its shard as it leaves out an opposed one (waited for and sent to as
+    usual; arc-topk's suspects). ``solo``: each owner's result for its shard
     is its own values alone (a broadcast per owner: arc-topk's selections). ``overlap``: each owner sends the
     averages of its shard's ranges as they become final, while the reduce-scatter still runs (protocol/allreduce.md,
     "Final ranges"), instead of after it; not with ``robust``, which needs every contribution first."""
@@ -74,6 +76,7 @@ class AverageOptions:
     codec: Codec | None = None
     run: int = 0
     absent: tuple[int, ...] = ()
+    exclude: tuple[int, ...] = ()
     solo: bool = False
     overlap: bool = False
 
@@ -87,6 +90,10 @@ class AverageOptions:
         if any(type(a) is not int or a < 0 for a in absent):
             raise ValueError(f"absent must be member indices (ints >= 0), got {self.absent!r}")
         object.__setattr__(self, "absent", absent)
+        exclude = tuple(self.exclude)
+        if any(type(a) is not int or a < 0 for a in exclude):
+            raise ValueError(f"exclude must be member indices (ints >= 0), got {self.exclude!r}")
+        object.__setattr__(self, "exclude", exclude)
         if type(self.solo) is not bool:
             raise ValueError(f"solo must be a bool, got {self.solo!r}")
         if type(self.overlap) is not bool:

@@ -115,6 +115,8 @@ class GroupStats:
     # max_weight, and with robust at the median bound): a later Moshpit round on another grid axis averages with
     # this weight
     weight_total: float = 0.0
+    # robust clip: the members (indices) this owner left out of its shard for pointing against the others
+    opposed: tuple[int, ...] = ()
 
 
 class Phase:

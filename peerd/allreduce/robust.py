@@ -17,6 +17,9 @@ so they rarely point against the others' sum (on the 8-member demo's MLP, 600 va
 (owner, member) pair in 50 still does, and is left out). Members are left out one at a time, the most opposed
 first (``opposed_members``); they are counted as ``opposed`` in the statistics; the owner never leaves itself out.
 
+arc-topk's sketch shards hold too few values for that test; there an owner leaves out the members its own recent
+dense phases found opposed (``Suspects``, carried by identity from one average of a run to the next ones).
+
 ``centered[:C]``: the same, measured as the distance from a center (the previous round's average, passed
 by the caller), and the result is the center plus the weighted mean of the clipped differences. Without a
 center it is clip around zero.
@@ -40,7 +43,7 @@ Cost: one more read of the shard's contributions, plus with ``clip`` one small m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,6 +61,11 @@ OPPOSED_COS = 0.05
 # 1 / sqrt(elements) around their agreement, so over arc-topk's sketches and rows (tens to hundreds of values a
 # shard) a fixed -0.05 left an honest member out of nearly every owner's average
 OPPOSED_Z = 2.0
+# arc-topk: a member this member's dense phase left out as opposed is left out of its sketch phases for the next
+# SUSPECT_ROUNDS averages of the run (a sketch shard holds tens of values, too few for its own direction test to
+# tell a sign flip from noise; the dense phase's verdict is fresh every round)
+SUSPECT_ROUNDS = 2
+MAX_SUSPECTS = 1024  # identities remembered at most (a group names at most a few hundred members)
 
 
 def opposed_cos(elements: int) -> float:
@@ -92,6 +100,29 @@ def opposed_members(gram: np.ndarray, heard: list[int], own: int, elements: list
         out.add(worst)
         inside.remove(worst)
     return frozenset(out)
+
+
+@dataclass
+class Suspects:
+    """Members (by identity) that this member, as an owner, recently left out of an arc-topk dense phase for
+    pointing against the others: a verdict carried from one average to the next ones of the same run, where one
+    phase alone holds too few values for it. Local: it changes only what this owner sums into its own shards."""
+
+    left: dict[bytes, int] = field(default_factory=dict)  # identity -> averages it is still left out of
+
+    def among(self, ids: list[bytes], own: int) -> tuple[int, ...]:
+        """The indices in ``ids`` (a group's members, in order) of the suspects, never ``own``."""
+        return tuple(k for k, i in enumerate(ids) if k != own and i in self.left)
+
+    def observe(self, ids: list[bytes], opposed: tuple[int, ...] | list[int]) -> None:
+        """One more average done: every suspicion ages by one, and the members ``opposed`` (indices in ``ids``)
+        left out of its dense phase are suspects for the next SUSPECT_ROUNDS."""
+        self.left = {i: r - 1 for i, r in self.left.items() if r > 1}
+        for k in opposed:
+            if 0 <= k < len(ids):
+                self.left[ids[k]] = SUSPECT_ROUNDS
+        while len(self.left) > MAX_SUSPECTS:
+            self.left.pop(next(iter(self.left)))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from ..allreduce.robust import Robust, parse_robust
+from ..allreduce.robust import Robust, Suspects, parse_robust
 from ..compress import Codec
 from ..compress import codec as make_codec
 from ..compress.topk import EF21M
@@ -116,6 +116,7 @@ class TopK:
     shapes: tuple[tuple[int, ...], ...]
     ratio: float
     ef: EF21M | None
+    suspects: Suspects = field(default_factory=Suspects)  # who this member's dense phases left out lately
 
     @property
     def length(self) -> int:
