@@ -28,8 +28,11 @@ def note_round(deadlines: DeadlineTuner | None, r: RoundResult, window_s: float,
     its pace (when every member was heard); a round alone once the window ran out, that nobody came in time."""
     if deadlines is None or r.outcome == "failed" or (r.outcome == "alone" and r.window_end <= 0):
         return
-    gathered = r.window_end > 0 and not r.kept  # (a kept group's round did not matchmake)
+    gathered = r.window_end > 0 and not r.kept
     at_end = gathered and t0 + r.matchmaking_s >= r.window_end - WINDOW_END_SLACK_S
+    # a kept group's round did not matchmake, but its renewal is how long the same members took to be there: the
+    # gathering a window must allow for when the group breaks (a member died) and the rest gather anew
+    gathered = gathered or (r.kept and r.outcome == "averaged" and not r.silent and not r.out)
     if r.outcome == "alone" and not at_end:  # (it moved to the run's round elsewhere: nothing about the window)
         return
     heard = tuple(m for i, m in enumerate(r.members) if i not in r.out)  # (not the members that stayed silent)
