@@ -282,8 +282,7 @@ def test_every_area_has_a_layer(peerd_imports) -> None:
 
 
 def test_no_import_runs_sideways_or_upward(peerd_imports) -> None:
-    _, imports = peerd_imports
-    found = upward(imports)
+    found = upward(peerd_imports[1])
     assert not found, "imports against the layer order (docs/architecture.md):\n" + "\n".join(found)
 
 
@@ -295,14 +294,12 @@ def test_the_declared_exceptions_are_still_needed(peerd_imports) -> None:
 
 
 def test_the_daemon_imports_no_tooling_and_no_trainer_library(peerd_imports) -> None:
-    _, imports = peerd_imports
-    found = off_daemon(imports)
+    found = off_daemon(peerd_imports[1])
     assert not found, "peerd/tools and peerd/torch are reached only from the command line:\n" + "\n".join(found)
 
 
 def test_no_import_cycle(peerd_imports) -> None:
-    sources, imports = peerd_imports
-    found = cycles(imports, sources)
+    found = cycles(peerd_imports[1], peerd_imports[0])
     assert not found, "modules that import each other (move the shared part below both):\n" + "\n".join(
         " <-> ".join(c) for c in found)
 

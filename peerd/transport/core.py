@@ -263,10 +263,7 @@ class TransportCore:
 
     def take_actions(self) -> list[Action]:
         """What the inputs since the last call asked the shell to do, in order (drained)."""
-        actions = self._actions
-        if not actions:
-            return []
-        self._actions = []
+        actions, self._actions = self._actions, []
         return actions
 
     def statistics(self) -> TransportStatistics:
