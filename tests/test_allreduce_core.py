@@ -30,6 +30,7 @@ from peerd.allreduce import (
     parse_header,
     peek_group,
 )
+from peerd.allreduce.frames import pack_nack, parse_nack
 from peerd.allreduce.group import GROUP_OPTIONS
 from peerd.allreduce.robust import Robust
 from peerd.wire.errors import WireError
@@ -421,7 +422,7 @@ def test_malformed_bodies_raise_wire_error_and_are_counted():
             a.receive(1, mtype, body, 0.0)
         assert e.value.reason == "malformed", (i, e.value)
     with pytest.raises(WireError) as e:
-        a.receive(1, 0x44, good, 0.0)
+        a.receive(1, 0x45, good, 0.0)
     assert e.value.reason == "type"
     with pytest.raises(WireError) as e:  # a known codec, not this group's (fp16 bytes would even fit the size)
         a.receive(1, RS_DATA, mutate(good, 4, "<B", 1), 0.0)
@@ -482,6 +483,34 @@ def test_golden_vectors_match_the_spec_byte_for_byte():
         m0.receive(1, o.type, o.body, 0.0)
     for o in m0.datagrams_to_send(0.0, 100):
         m1.receive(0, o.type, o.body, 0.0)
+    for core in (m0, m1):
+        np.testing.assert_array_equal(core.result(), [3.25, 6.5, 9.75, 13, 16.25])
+
+
+def test_golden_repair_vectors_match_the_spec_byte_for_byte():
+    """Member 0 of the golden group loses member 1's AG range [4, 5): it asks for it (AG_NACK), gets it, and is
+    done (AG_DONE); both end on the loss-free result."""
+    golden = golden_from_spec()
+    x0 = np.array([1, 2, 3, 4, 5], np.float32)
+    x1 = np.array([10, 20, 30, 40, 50], np.float32)
+    opts = replace(GROUP_OPTIONS, repair_rounds=2)
+    m0 = GroupAverage(0x01020304, 2, 0, x0, 3.0, 0.0, max_payload=27, options=opts)
+    m1 = GroupAverage(0x01020304, 2, 1, x1, 1.0, 0.0, max_payload=27, options=opts)
+    for o in m0.datagrams_to_send(0.0, 100):
+        m1.receive(0, o.type, o.body, 0.0)
+    for o in m1.datagrams_to_send(0.0, 100):
+        if not (o.type == AG_DATA and o.body[9:13] == b"\x04\x00\x00\x00"):
+            m0.receive(1, o.type, o.body, 0.0)
+    out0 = m0.datagrams_to_send(0.0, 100)
+    nacks = [o.body for o in out0 if o.type == 0x44]
+    assert nacks == [golden["AG_NACK"]] and pack_nack(0x01020304, 1, 2, 1, b"\x01") == golden["AG_NACK"]
+    assert parse_nack(golden["AG_NACK"], 2).missing.tolist() == [1]
+    for o in out0:
+        m1.receive(0, o.type, o.body, 0.0)
+    for o in m1.datagrams_to_send(0.0, 100):
+        m0.receive(1, o.type, o.body, 0.0)
+    done = [o.body for o in m0.datagrams_to_send(0.0, 100) if o.type == 0x44]
+    assert done == [golden["AG_DONE"]] == [pack_nack(0x01020304, 0, 2, 0)]
     for core in (m0, m1):
         np.testing.assert_array_equal(core.result(), [3.25, 6.5, 9.75, 13, 16.25])
 

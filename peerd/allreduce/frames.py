@@ -41,9 +41,11 @@ class BodyType(IntEnum):
     RS_END = 0x41
     AG_DATA = 0x42
     AG_END = 0x43
+    AG_NACK = 0x44  # member -> owner: the all-gather ranges it lacks (or, with none, that it needs nothing more)
 
 
-TYPES = frozenset(int(t) for t in BodyType)
+# the stream bodies (``check_header``); AG_NACK has its own layout (``parse_nack``)
+TYPES = frozenset(int(t) for t in (BodyType.RS_DATA, BodyType.RS_END, BodyType.AG_DATA, BodyType.AG_END))
 DATA_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.AG_DATA)})
 RS_TYPES = frozenset({int(BodyType.RS_DATA), int(BodyType.RS_END)})
 
@@ -112,6 +114,67 @@ def check_header(mtype: int, body: bytes | memoryview, codec: Codec | None = Non
     if not (w > 0.0 if mtype in RS_TYPES else w >= 0.0) or w == math.inf:  # NaN fails both comparisons
         raise WireError("malformed", f"weight {w!r} out of range")
     return h
+
+
+# AG_NACK: group id u32, repair round u8 (0: done, no ranges follow), the owner's stream length u32 (``total``), the
+# range index of the bitmap's first bit u32, then a bitmap of missing ranges (bit i of byte b: range first + 8b + i)
+NACK = struct.Struct("<IBII")
+NACK_SIZE = NACK.size  # 13
+NACK_DONE = 0  # the round byte of a member that needs nothing more of the owner's stream
+
+
+class Nack(NamedTuple):
+    group: int
+    round: int
+    total: int
+    first: int
+    missing: np.ndarray  # the range indices asked for, ascending (empty for a done message)
+
+
+def pack_nack(group: int, round_: int, total: int, first: int, bitmap: bytes | np.ndarray = b"") -> bytes:
+    """An AG_NACK body: ``bitmap`` (LSB first) marks the missing ranges from range ``first`` on."""
+    return NACK.pack(group, round_, total, first) + bytes(bitmap)
+
+
+def nack_bodies(group: int, round_: int, missing: np.ndarray, total: int, max_body: int) -> list[bytes]:
+    """AG_NACK bodies asking for ranges ``missing`` (ascending indices < total) of a stream of ``total``: one
+    bitmap per body of at most ``max_body`` bytes, as few bodies as the ranges' spread needs."""
+    span = 8 * max(1, max_body - NACK_SIZE)
+    out = []
+    i = 0
+    while i < len(missing):
+        first = int(missing[i])
+        j = int(np.searchsorted(missing, first + span))
+        bits = np.zeros(int(missing[j - 1]) - first + 1, dtype=bool)
+        bits[missing[i:j] - first] = True
+        out.append(pack_nack(group, round_, total, first, np.packbits(bits, bitorder="little").tobytes()))
+        i = j
+    return out
+
+
+def parse_nack(body: bytes | memoryview, max_rounds: int) -> Nack:
+    """Decode and check an AG_NACK body (protocol/allreduce.md, "Repair"): WireError("malformed") for a body
+    shorter than its header, a round above ``max_rounds``, a done message with a bitmap or a ``first`` other than
+    0, a request with no bit set, a ``first`` at or past ``total``, a last byte with no range of the stream, or a bit
+    set past the stream's end. The indices stay bounded by ``total`` and the body's size."""
+    size = len(body)
+    if size < NACK_SIZE:
+        raise WireError("malformed", f"nack of {size} bytes is shorter than its {NACK_SIZE}-byte header")
+    group, round_, total, first = NACK.unpack_from(body)
+    if round_ > max_rounds:
+        raise WireError("malformed", f"nack round {round_}; this owner repairs {max_rounds} rounds")
+    if round_ == NACK_DONE:
+        if size != NACK_SIZE or first != 0:
+            raise WireError("malformed", "a done nack is a bare header with first 0")
+        return Nack(group, round_, total, first, np.empty(0, dtype=np.int64))
+    nbytes = size - NACK_SIZE
+    if nbytes == 0 or first >= total or first + 8 * (nbytes - 1) >= total:
+        raise WireError("malformed", f"nack of {nbytes} bitmap bytes from range {first}; the stream has {total}")
+    bits = np.unpackbits(np.frombuffer(body, np.uint8, nbytes, NACK_SIZE), bitorder="little")
+    missing = np.flatnonzero(bits)
+    if not len(missing) or first + int(missing[-1]) >= total:
+        raise WireError("malformed", "nack asks for no range, or for one past the stream's end")
+    return Nack(group, round_, total, first, missing + first)
 
 
 def values(body: bytes | memoryview, count: int) -> np.ndarray:

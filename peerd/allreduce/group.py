@@ -87,6 +87,7 @@ from .phase import (
     State,
     advance,
 )
+from .repair import SERVE_S, Repair
 from .shards import Layout, elements_per_datagram
 
 __all__ = [  # the core's public names, wherever in the package they are defined
@@ -99,12 +100,13 @@ DEFAULT_MAX_PAYLOAD = 1200 - 37  # default datagram payload minus envelope (21) 
 DEFAULT_FLOOR_S = 1.0
 DEFAULT_SAFETY = 2.0
 FP32_CODEC = Float32Codec()  # the default body codec (values travel as their own float32 bytes)
-# The core's own defaults: no cap on a phase's deadline and no grace after an END that overtook data (a daemon's
+# The core's own defaults: no cap on a phase's deadline, no grace after an END that overtook data and no repair of
+# lost all-gather ranges (a daemon's
 # averages run with AverageOptions()'s).
-GROUP_OPTIONS = AverageOptions(floor_s=DEFAULT_FLOOR_S, max_phase_s=None, end_grace_s=0.0)
+GROUP_OPTIONS = AverageOptions(floor_s=DEFAULT_FLOOR_S, max_phase_s=None, end_grace_s=0.0, repair_rounds=0)
 
 
-class GroupAverage(Intake, Outbox, Finalize):
+class GroupAverage(Intake, Outbox, Finalize, Repair):
     """Member ``index`` of ``n`` averaging ``vector`` (weight = its sample count) in group ``group_id``.
 
     Reduce-scatter: shard j of the vector goes to member j; this member keeps, per datagram range of its
@@ -326,6 +328,7 @@ class GroupAverage(Intake, Outbox, Finalize):
         self._ag_woken = False  # a wake-up for final ranges is pending (``note_ready``)
         self._contig = [0] * n  # per sender: ranges below it all arrived or final (for a stream seen reordered)
         self._block_rows = DEFAULT_BLOCK_ROWS
+        self._init_repair(options.repair_rounds, max_payload)
         self._left: list[Outgoing] = []  # rows of a block ``datagrams_to_send`` has not handed out yet
         # Counts phase ends, deadlines brought forward (an END that overtook data starts a short grace) and ranges
         # of the own shard that became final while nothing else was left to send: a driver compares it before and
@@ -367,12 +370,14 @@ class GroupAverage(Intake, Outbox, Finalize):
         """``datagrams_to_send`` may have something: call it (in batches) until it returns short."""
         sending = self.sending
         return (sending is Sending.REDUCE_SCATTER or sending is Sending.ALL_GATHER or bool(self._left)
-                or (sending is Sending.HOLDING and (self.state is not State.REDUCE_SCATTER or self.ag_ready())))
+                or (sending is Sending.HOLDING and (self.state is not State.REDUCE_SCATTER or self.ag_ready()))
+                or self._repair_pending)
 
     @property
     def finished(self) -> bool:
-        """Result ready and every datagram produced: the driver can forget this group."""
-        return self.result_ready and not self.wants_to_send
+        """Result ready, every datagram produced, and no member this owner serves may still ask it for ranges: the
+        driver can forget this group."""
+        return self.result_ready and not self.wants_to_send and not self._serving
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` should next be called; None once both receive phases have ended.
@@ -380,10 +385,12 @@ class GroupAverage(Intake, Outbox, Finalize):
         It moves later whenever new data arrives, so re-read it after every ``receive``.
         """
         if self.state is State.REDUCE_SCATTER:
-            return self._rs_deadline()
+            d = self._rs_deadline()
+            repairing = self._ag.repairing  # (all-gather streams may end, and be repaired, while this runs)
+            return min(d, min(repairing.values())) if repairing else d
         if self.state is State.ALL_GATHER:
             return self._ag_deadline()
-        return None
+        return self._serve_until if self._serving else None
 
     def _rs_deadline(self) -> float:
         return self._rs.deadline(self.floor_s, self.safety, self.max_phase_s, None, 0.0)
@@ -394,7 +401,11 @@ class GroupAverage(Intake, Outbox, Finalize):
         return self._ag.deadline(self.floor_s, self.safety, self.max_phase_s, self._rs.rate(), self.floor_s)
 
     def handle_timer(self, now: float) -> None:
-        """End whichever phase's deadline has passed; what has not arrived by then is lost."""
+        """End whichever phase's deadline has passed; what has not arrived by then is lost (but for the all-gather's
+        repair rounds: at its deadline, the missing ranges of streams still open are asked for first)."""
+        ag = self._ag
+        if ag.repairing:
+            ag.expire_repairs(now)
         if self.state is State.REDUCE_SCATTER:
             self._rs.expire_ending(now)
             self._maybe_end(now)
@@ -405,10 +416,17 @@ class GroupAverage(Intake, Outbox, Finalize):
                     self.note_ready(None)
                     return
         if self.state is State.ALL_GATHER:
-            self._ag.expire_ending(now)
+            ag.expire_ending(now)
             self._maybe_end(now)
             if self.state is State.ALL_GATHER and now >= self._ag_deadline():
-                self._end_ag(now, DEADLINE)
+                if ag.repair_open(now):
+                    self._maybe_end(now)
+                else:
+                    self._end_ag(now, DEADLINE)
+        elif self.state is State.DONE:
+            self._serve_timer(now)
+        if ag.ask or ag.settled:
+            self.phase_changes += 1
 
     def remove_member(self, member: int, now: float) -> None:
         """Stop waiting for ``member`` (it left the swarm): its missing ranges are averaged out / kept own.
@@ -418,6 +436,7 @@ class GroupAverage(Intake, Outbox, Finalize):
         if not 0 <= member < self.n or member == self.index:
             raise ValueError(f"member {member} is not another member of this group")
         self._live[member] = False
+        self._awaiting.discard(member)
         self._rs.close(member)
         self._ag.close(member)
         self._maybe_end(now)
@@ -442,7 +461,9 @@ class GroupAverage(Intake, Outbox, Finalize):
         self.state = advance(TRANSITIONS, self.state, Event.ALL_GATHER_ENDED)
         self.phase_changes += 1
         self._ag.ended_at = now
-        self._ag.ended_by = by
+        self._ag.ended_by = DEADLINE if self._ag.passed else by
+        self._tell_all()
+        self._serve_until = now + SERVE_S
 
     # ---- statistics --------------------------------------------------------------------------------
 
@@ -482,4 +503,7 @@ class GroupAverage(Intake, Outbox, Finalize):
             refused=dict(self._refused),
             weight_total=min(own, self._wcap) + sum(min(w, self._wcap) for w in heard),
             opposed=tuple(sorted(self._excluded - self._preset)),
+            repair_asked=sum(self._asked_first),
+            repair_received=self._repaired(),
+            repair_resent=self._resent,
         )

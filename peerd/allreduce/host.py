@@ -44,7 +44,7 @@ import numpy as np
 from ..transport.pacing import Pacer, Report
 from ..wire.errors import WireError
 from .actions import Action, Bind, Completed, Dropped, HeldTimer, PacerVerdict, SendBlock, SendReport, Wake
-from .frames import DATA_TYPES, peek_group
+from .frames import DATA_TYPES, BodyType, peek_group
 from .group import GroupAverage, Outcome, stage_elements
 from .held import HeldData
 from .options import DEFAULT_OPTIONS, AverageOptions
@@ -72,6 +72,7 @@ MAX_SPARES = 16  # ... and at most this many of them (the smallest go first)
 # after the first, past a full 20 ms queue's drain (the link lab's tbf) and still far inside a phase's 1 s floor.
 END_SPACING_S = (0.008, 0.03)
 _NONE: tuple[()] = ()
+_AG_NACK = int(BodyType.AG_NACK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,6 +441,8 @@ class AveragingHost:
                             f" {self.max_body}")
         g = self._groups.get(group)
         if g is None:
+            if mtype == _AG_NACK:  # a request is for a running group's owner: never held (copies of one routinely
+                return _NONE if group in self._recent else (Dropped("nack"),)  # outlive the owner's serving)
             return self._hold(group, token, peer, mtype, body, now)
         return self._deliver(g, peer, token, mtype, body, now)
 
@@ -639,6 +642,8 @@ class AveragingHost:
                  ) -> Sequence[Action]:
         index = self._index(g, token, peer)
         if index is None:
+            if peer is None and mtype == _AG_NACK:  # a request is never held (its sender's data bound it first)
+                return (Dropped("unbound"),)
             if peer is None:  # its sender's PING has not arrived yet: keep it until it does
                 kept, dropped, timer = self._keep(g.core.group_id, token, None, mtype, body, now)
                 if kept and not dropped and timer is None:

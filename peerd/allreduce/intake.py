@@ -17,7 +17,7 @@ from .frames import F32_DTYPE, HEADER_SIZE, BodyType, check_header, view_block, 
 from .phase import COMPLETION, Phase
 
 _GROUP = struct.Struct("<I")
-_RS_DATA, _RS_END, _AG_DATA, _AG_END = (int(t) for t in BodyType)
+_RS_DATA, _RS_END, _AG_DATA, _AG_END, _AG_NACK = (int(t) for t in BodyType)
 
 
 class Outcome(enum.Enum):
@@ -28,6 +28,7 @@ class Outcome(enum.Enum):
     LATE = "late"  # the phase it belongs to has ended at this receiver
     OTHER_GROUP = "other_group"  # another group's body (a straggler from an earlier round)
     UNKNOWN_SENDER = "unknown_sender"  # sender index out of range, or this member itself
+    REFUSED = "nack"  # an AG_NACK to an owner that does not repair
 
     @property
     def reason(self) -> str:
@@ -58,6 +59,8 @@ class Intake:
         if len(body) >= 4 and _GROUP.unpack_from(body)[0] != self.group_id:
             self._drops[Outcome.OTHER_GROUP.reason] += 1
             return Outcome.OTHER_GROUP
+        if mtype == _AG_NACK:
+            return self._receive_nack(sender, body, now)
         _, _, total, offset, count, weight = check_header(mtype, body, self.codec)
         if type(sender) is not int or not 0 <= sender < self.n or sender == self.index:
             self._drops[Outcome.UNKNOWN_SENDER.reason] += 1
@@ -146,8 +149,8 @@ class Intake:
                 self._refused["nonfinite"] += 1
                 if not self._inplace:
                     self._out[offset : offset + count] = self._vec[offset : offset + count]
-            if ag.note_data(sender, k, now):
-                self.phase_changes += 1
+            if ag.note_data(sender, k, now) or ag.settled:
+                self.phase_changes += 1  # (a stream that ended: its owner is told, which the driver sends)
         else:
             start = self.layout.shard(sender)[0]
             if offset != start:
@@ -158,7 +161,7 @@ class Intake:
             if ag.ended_at is not None:
                 return self._late(mtype)
             ag.note_end(sender, now)
-            if ag.ending:
+            if ag.ending or ag.ask or ag.settled:
                 self.phase_changes += 1
         if ag.open == 0 and self._rs.ended_at is not None:
             self._end_ag(now, COMPLETION)
@@ -327,7 +330,7 @@ class Intake:
 
     def _noted_block(self, phase: Phase, sender: int, mtype: int, accepted: int, k_last: int, now: float) -> None:
         """A block's ``accepted`` new rows noted in their phase, which ends once every stream is complete."""
-        if phase.note_block(sender, accepted, k_last, now):
+        if phase.note_block(sender, accepted, k_last, now) or phase.settled:
             self.phase_changes += 1
         if phase.open == 0:
             if mtype == _RS_DATA:

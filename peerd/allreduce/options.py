@@ -15,6 +15,7 @@ from .robust import MODES as ROBUST_MODES
 from .robust import Robust
 
 DEFAULT_MAX_WEIGHT = float(2**24)  # samples: the cap on any member's weight unless the caller gives one
+MAX_REPAIR_ROUNDS = 3  # the most repair rounds a member asks for, and an owner serves, per all-gather stream
 _U64 = (1 << 64) - 1
 
 
@@ -66,7 +67,9 @@ class AverageOptions:
     usual; arc-topk's suspects). ``solo``: each owner's result for its shard
     is its own values alone (a broadcast per owner: arc-topk's selections). ``overlap``: each owner sends the
     averages of its shard's ranges as they become final, while the reduce-scatter still runs (protocol/allreduce.md,
-    "Final ranges"), instead of after it; not with ``robust``, which needs every contribution first."""
+    "Final ranges"), instead of after it; not with ``robust``, which needs every contribution first.
+    ``repair_rounds``: how many times a member asks an owner again for the all-gather ranges it lacks, and how many
+    rounds this node serves as an owner (protocol/allreduce.md, "Repair"; 0: none, as before)."""
 
     floor_s: float = 1.0
     max_phase_s: float | None = 60.0
@@ -79,6 +82,7 @@ class AverageOptions:
     exclude: tuple[int, ...] = ()
     solo: bool = False
     overlap: bool = False
+    repair_rounds: int = 2
 
     def __post_init__(self) -> None:
         check_timing(self.floor_s, self.max_phase_s, self.end_grace_s)
@@ -98,6 +102,8 @@ class AverageOptions:
             raise ValueError(f"solo must be a bool, got {self.solo!r}")
         if type(self.overlap) is not bool:
             raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
+        if type(self.repair_rounds) is not int or not 0 <= self.repair_rounds <= MAX_REPAIR_ROUNDS:
+            raise ValueError(f"repair_rounds must be an int in 0..{MAX_REPAIR_ROUNDS}, got {self.repair_rounds!r}")
 
 
 DEFAULT_OPTIONS = AverageOptions()

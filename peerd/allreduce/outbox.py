@@ -28,7 +28,7 @@ _WAIT = object()  # the all-gather's next ranges are not final yet
 # The all-gather hands out ranges that became final while the reduce-scatter runs in blocks of at least this many
 # (or the shard's rest): every block costs a pass through the driver per destination.
 AG_MIN_ROWS = 32
-_RS_DATA, _RS_END, _AG_DATA, _AG_END = (int(t) for t in BodyType)
+_RS_DATA, _RS_END, _AG_DATA, _AG_END, _AG_NACK = (int(t) for t in BodyType)
 
 
 class OutBlock(NamedTuple):
@@ -74,8 +74,8 @@ class Outbox:
             rows = min(rows, max(1, CODED_BLOCK_ELEMENTS // self._per))
             limit = min(limit, max(1, CODED_BATCH_ELEMENTS // self._per))
         self._block_rows = rows
-        batch: list[OutBlock] = []
-        count = 0
+        batch: list[OutBlock] = self._repair_blocks() if self._rounds else []
+        count = sum(len(b.bodies) for b in batch)
         while count < limit:
             block = self._next_ag()
             if block is None:  # a slice of work with nothing to send (robust norms): the driver's turn
@@ -304,7 +304,7 @@ class Outbox:
                         if live[j]:
                             ag.sent += len(heads)
                             yield OutBlock(j, _AG_DATA, heads, 1, values)
-                    k = k1
+                    k = self._ag_out = k1
                     continue
                 bodies = pack_block(group, total, off, weights, values)
             if len(bodies):
@@ -312,7 +312,7 @@ class Outbox:
                     if live[j]:
                         ag.sent += len(bodies)
                         yield OutBlock(j, _AG_DATA, bodies, 1)
-            k = k1
+            k = self._ag_out = k1
         end = kernels.one_row(pack_end(group, total, lo, 0.0, self._cid))
         for j in dests:
             if live[j]:

@@ -9,6 +9,9 @@ import math
 from dataclasses import dataclass, field
 
 IN_ORDER_GRACE_S = 0.005  # an END of a stream that came in order so far: the wait for the rest (Phase.note_end)
+# A repair round's wait (protocol/allreduce.md, "Repair"): at least this (a round trip on a loaded path, its queue
+# included), plus ``safety`` times the ranges asked for at the rate their owner's stream arrived.
+REPAIR_FLOOR_S = 0.03
 COMPLETION = "completion"
 DEADLINE = "deadline"
 
@@ -104,8 +107,8 @@ class GroupStats:
     reduce_scatter: PhaseStats
     all_gather: PhaseStats
     drops: dict[str, int]  # reason -> count: group, sender, duplicate, late, malformed, type
-    # END markers that arrived when no longer needed (a repeat, or after their phase ended): the driver
-    # sends each END 3 times, so these are routine and not counted as drops
+    # END markers that arrived when no longer needed (a repeat, or after their phase ended), and AG_NACK copies
+    # asking for nothing new: the driver sends each 3 times, so these are routine and not counted as drops
     ends_ignored: int
     # Contributions refused or limited (reason -> count): nonfinite (ranges, both phases), weight_capped
     # (members), clipped, weight_bounded and opposed (members, robust only), solo (ranges). The driver adds them to
@@ -117,6 +120,11 @@ class GroupStats:
     weight_total: float = 0.0
     # robust clip: the members (indices) this owner left out of its shard for pointing against the others
     opposed: tuple[int, ...] = ()
+    # Repair of lost all-gather ranges (protocol/allreduce.md, "Repair"): ranges this member asked its owners for in
+    # its first round, how many of them arrived after it asked, and ranges this member resent as an owner
+    repair_asked: int = 0
+    repair_received: int = 0
+    repair_resent: int = 0
 
 
 class Phase:
@@ -144,6 +152,14 @@ class Phase:
         "ended_by",
         "ending",
         "grace",
+        "rounds",
+        "round",
+        "repairing",
+        "want_last",
+        "ask",
+        "settled",
+        "passed",
+        "safety",
     )
 
     def __init__(self, expected: list[int], me: int, t0: float | None) -> None:
@@ -169,6 +185,18 @@ class Phase:
         # Streams whose END overtook some of their data: sender -> when to stop waiting for the rest.
         self.ending: dict[int, float] = {}
         self.grace = 0.0
+        # Repair (the all-gather only; ``rounds`` 0: off): per sender the rounds asked so far, the streams waiting for
+        # a round's ranges (sender -> when to stop waiting), the highest range the round asked for, the senders to ask
+        # now (the core sends their AG_NACK), the streams that ended since the core last looked (it tells their
+        # owners), and whether the phase deadline passed (then only the rounds it started still run).
+        self.rounds = 0
+        self.round = [0] * len(expected)
+        self.repairing: dict[int, float] = {}
+        self.want_last = [0] * len(expected)
+        self.ask: list[int] = []
+        self.settled: list[int] = []
+        self.passed = False
+        self.safety = 2.0
 
     def _progress(self, now: float) -> None:
         if self.t_first is None:
@@ -191,12 +219,79 @@ class Phase:
         if not self.done[s]:
             self.remaining -= 1
             if self.received[s] >= self.expected[s]:
-                self.done[s] = True
-                self.open -= 1
-                self.ending.pop(s, None)
+                self._complete(s)
+            elif s in self.repairing:
+                return self._repaired_through(s, k, now)
             elif k + 1 >= self.expected[s]:
                 return self.last_arrived(s, now)
         return False
+
+    def _complete(self, s: int) -> None:
+        self.done[s] = True
+        self.open -= 1
+        self.ending.pop(s, None)
+        if self.rounds:
+            self.repairing.pop(s, None)
+            self.settled.append(s)
+
+    def _repaired_through(self, s: int, k: int, now: float) -> bool:
+        """Range ``k`` of a stream in repair arrived: where it is the last one its round asked for, the owner has
+        sent the round (in index order), and what is still missing of it is lost: the round ends after the short
+        grace. True when the wait moved earlier."""
+        if k < self.want_last[s]:
+            return False
+        until = now + min(self.grace, IN_ORDER_GRACE_S)
+        if until < self.repairing[s]:
+            self.repairing[s] = until
+            return True
+        return False
+
+    def settle(self, s: int, now: float) -> None:
+        """Stream s is over as far as its sender goes (its END, or its last datagram, and the grace): with ranges
+        missing and repair rounds left, ask for them (``ask``) and wait for the round (``repair_wait``); else close
+        it."""
+        if self.done[s]:
+            return
+        missing = self.expected[s] - self.received[s]
+        if self.round[s] < self.rounds and missing > 0 and (self.received[s] > 0 or self.end_seen[s]):
+            self.ending.pop(s, None)
+            self.round[s] += 1
+            self.ask.append(s)
+            self.repairing[s] = now + self.repair_wait(s, missing)
+            return
+        self.close(s)
+
+    def repair_wait(self, s: int, missing: int) -> float:
+        """REPAIR_FLOOR_S plus ``safety`` times ``missing`` datagrams at the rate stream s arrived (the phase's rate
+        where the stream's own span is too short to tell)."""
+        span = self.last_at[s] - self.first_at[s]
+        rate = (self.received[s] - 1) / span if self.received[s] > 1 and span > 0 else self.rate()
+        return REPAIR_FLOOR_S + (self.safety * missing / rate if rate and math.isfinite(rate) else 0.0)
+
+    def expire_repairs(self, now: float) -> None:
+        """Rounds whose wait is over: the next round, or the stream closes with what it has."""
+        for s, until in list(self.repairing.items()):
+            if now >= until:
+                del self.repairing[s]
+                self.settle(s, now)
+
+    def repair_open(self, now: float) -> bool:
+        """The phase deadline passed: each open stream from a sender heard from, with a round left, is asked for its
+        missing ranges, the others close; False (nothing changed) when no stream can be asked."""
+        if not self.rounds or self.passed:
+            return False
+        can = [s for s in range(len(self.done)) if not self.done[s] and s not in self.repairing
+               and (self.received[s] > 0 or self.end_seen[s]) and self.round[s] < self.rounds]
+        if not can:
+            return False
+        self.passed = True
+        for s in range(len(self.done)):
+            if not self.done[s] and s not in self.repairing:
+                if s in can:
+                    self.settle(s, now)
+                else:
+                    self.close(s)
+        return True
 
     def last_arrived(self, s: int, now: float) -> bool:
         """The stream's last datagram arrived with some before it missing: it acts as the stream's END (the
@@ -204,7 +299,7 @@ class Phase:
         a stream whose three END copies were all lost waited out the phase floor (1 s) though its tail had come:
         seen in `bench allreduce --peers 4 --size 5000000 --link 100mbit --link-loss 0.05`, a slow path's stream
         whose last datagram arrived and no END after it. True when a grace started (the deadline moved)."""
-        if self.grace <= 0 or self.done[s] or s in self.ending:
+        if self.grace <= 0 or self.done[s] or s in self.ending or s in self.repairing:
             return False
         self.ending[s] = now + (self.grace if self.reordered[s] else min(self.grace, IN_ORDER_GRACE_S))
         return True
@@ -216,6 +311,9 @@ class Phase:
             self.remaining -= self.expected[s] - self.received[s]
             self.done[s] = True
             self.open -= 1
+            if self.rounds:
+                self.repairing.pop(s, None)
+                self.settled.append(s)
 
     def note_block(self, s: int, count: int, k_max: int, now: float) -> bool:
         """``note_data`` for ``count`` new datagrams of stream s at once, the highest index ``k_max``."""
@@ -232,9 +330,9 @@ class Phase:
         if not self.done[s]:
             self.remaining -= count
             if received >= self.expected[s]:
-                self.done[s] = True
-                self.open -= 1
-                self.ending.pop(s, None)
+                self._complete(s)
+            elif s in self.repairing:
+                return self._repaired_through(s, k_max, now)
             elif k_max + 1 >= self.expected[s]:
                 return self.last_arrived(s, now)
         return False
@@ -248,18 +346,18 @@ class Phase:
         with 3 ms of jitter). A stream seen reordered keeps the full grace."""
         self.end_seen[s] = True
         self._progress(now)
-        if self.done[s]:
+        if self.done[s] or s in self.repairing:
             return
         if self.grace > 0 and self.received[s] < self.expected[s]:
             self.ending[s] = now + (self.grace if self.reordered[s] else min(self.grace, IN_ORDER_GRACE_S))
         else:
-            self.close(s)
+            self.settle(s, now)
 
     def expire_ending(self, now: float) -> None:
         for s, until in list(self.ending.items()):
             if now >= until:
                 del self.ending[s]
-                self.close(s)
+                self.settle(s, now)
 
     def rate(self) -> float | None:
         """New data datagrams per second since the phase started (or since the first arrival, if earlier)."""
@@ -277,6 +375,8 @@ class Phase:
         It only moves later as data arrives, and fires once the flow has stopped for long enough that the
         rest, at the pace seen so far, would have come by now (times ``safety``)."""
         assert self.t0 is not None
+        if self.passed and self.repairing:  # the deadline passed: only the repair rounds it started are waited for
+            return min(self.repairing.values())
         rate = self.rate() or prior_rate
         wait = floor_s if rate is None else max(floor_s, safety * self.remaining / rate)
         base = self.t0 if self.t_last is None else max(self.t0, self.t_last)
@@ -285,6 +385,8 @@ class Phase:
             d = min(d, self.t0 + cap_s)
         if self.ending:
             d = min(d, min(self.ending.values()))
+        if self.repairing:
+            d = min(d, min(self.repairing.values()))
         return d
 
     def snapshot(self, weight_expected: float, weight_received: float, live: list[bool], me: int) -> PhaseStats:

@@ -18,7 +18,7 @@ from peerd.allreduce import (
 )
 from peerd.tools.sim.net import Link, Network
 
-RS_DATA, RS_END, AG_DATA, AG_END = (int(t) for t in BodyType)
+RS_DATA, RS_END, AG_DATA, AG_END, AG_NACK = (int(t) for t in BodyType)
 GROUP = 0xC0FFEE01
 
 

@@ -1,0 +1,214 @@
+"""Repair of lost all-gather ranges (protocol/allreduce.md, "Repair"): in virtual time, with exact loss patterns."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from peerd.allreduce import GroupAverage, Outcome
+from peerd.allreduce.frames import NACK_SIZE, nack_bodies, pack_nack, parse_nack
+from peerd.allreduce.group import GROUP_OPTIONS
+from peerd.allreduce.phase import REPAIR_FLOOR_S
+from peerd.allreduce.repair import NACK_REPEATS, SERVE_S
+from peerd.wire.errors import WireError
+
+from .support.groups import AG_DATA, AG_NACK, GROUP, GroupNet, inputs, payload_for
+
+PER = 50
+REPAIR = replace(GROUP_OPTIONS, repair_rounds=2)
+
+
+def cores(n: int, length: int, options=REPAIR, seed: int = 3) -> tuple[list[GroupAverage], list[np.ndarray]]:
+    xs, ws = inputs(n, length, seed=seed)
+    return [GroupAverage(GROUP, n, i, xs[i], ws[i], 0.0, options=options, max_payload=payload_for(PER))
+            for i in range(n)], xs
+
+
+def first_copies(pick):
+    """A drop rule that loses the first transmission of each body ``pick`` selects (a resend of it gets through)."""
+    seen: set[tuple[int, int, int, int]] = set()
+
+    def drop(w) -> bool:
+        key = (w.src, w.dst, w.mtype, w.offset)
+        if w.mtype != AG_DATA or w.copy or key in seen:
+            return False
+        seen.add(key)
+        return pick(w)
+    return drop
+
+
+def test_a_lost_all_gather_datagram_is_repaired_and_every_member_ends_bit_identical():
+    members, xs = cores(4, 4000)
+    net = GroupNet(members, drop=first_copies(lambda w: w.src == 1 and w.dst == 2 and w.offset == 1000 + 3 * PER))
+    net.run()
+    results = [m.result() for m in members]
+    for r in results[1:]:
+        assert np.array_equal(r, results[0])
+    s2, s1 = members[2].statistics(), members[1].statistics()
+    assert (s2.repair_asked, s2.repair_received) == (1, 1)
+    assert s1.repair_resent == 1
+    assert s2.all_gather.ended_by == "completion"
+    # without repair the range keeps member 2's own values
+    plain, _ = cores(4, 4000, options=GROUP_OPTIONS)
+    GroupNet(plain, drop=first_copies(lambda w: w.src == 1 and w.dst == 2 and w.offset == 1000 + 3 * PER)).run()
+    lo = 1000 + 3 * PER
+    assert np.array_equal(plain[2].result()[lo : lo + PER], xs[2][lo : lo + PER])
+    assert not np.array_equal(plain[2].result(), plain[0].result())
+
+
+def test_ten_percent_all_gather_loss_is_repaired_everywhere():
+    rng = np.random.default_rng(7)
+    members, _ = cores(4, 20000)
+    net = GroupNet(members, drop=first_copies(lambda w: rng.random() < 0.1))
+    net.run()
+    results = [m.result() for m in members]
+    for r in results[1:]:
+        assert np.array_equal(r, results[0])
+    asked = sum(m.statistics().repair_asked for m in members)
+    assert asked > 20 and asked == sum(m.statistics().repair_received for m in members)
+    assert asked == sum(m.statistics().repair_resent for m in members)
+
+
+def test_repair_is_bounded_when_the_owner_is_gone():
+    """The owner never hears the requests (nor the done messages): the member asks its rounds and gives up with its own
+    values; the owner stops serving after SERVE_S."""
+    members, xs = cores(3, 3000)
+    lo = 1000 + 2 * PER
+
+    def drop(w) -> bool:
+        if w.mtype == AG_NACK and w.dst == 1:
+            return True
+        return w.mtype == AG_DATA and w.src == 1 and w.dst == 2 and w.offset == lo
+
+    net = GroupNet(members, drop=drop)
+    net.run()
+    s2 = members[2].statistics()
+    assert s2.repair_asked == 1 and s2.repair_received == 0
+    assert np.array_equal(members[2].result()[lo : lo + PER], xs[2][lo : lo + PER])
+    asks = [w for w in net.sent_bodies if w.mtype == AG_NACK and w.src == 2 and w.dst == 1
+            and len(w.body) > NACK_SIZE]
+    assert len(asks) == REPAIR.repair_rounds * NACK_REPEATS
+    # each round waits its floor and a little more (the stream's rate): bounded, and far below the phase floor
+    ag = s2.all_gather
+    assert ag.ended_at - ag.started_at < REPAIR.repair_rounds * (REPAIR_FLOOR_S + 0.01) + 0.05
+    assert net.now < ag.ended_at + SERVE_S + 0.05
+
+
+def test_repair_when_the_all_gather_deadline_fires_without_an_end():
+    """Every END copy and each stream's last datagram are lost: at its deadline each member asks for what is missing
+    (its owner, itself waiting, still serves)."""
+    members, _ = cores(2, 2000)
+    seen = set()
+
+    def rule(w) -> bool:
+        if w.mtype == AG_DATA + 1:
+            return True  # every END copy
+        if w.mtype == AG_DATA and w.offset in (950, 1950) and w.offset not in seen:
+            seen.add(w.offset)
+            return True  # the last range's first transmission
+        return False
+
+    GroupNet(members, drop=rule).run()
+    assert np.array_equal(members[0].result(), members[1].result())
+    for m in members:
+        s = m.statistics()
+        assert s.repair_received == 1 and s.all_gather.ended_by == "deadline"
+
+
+# ---- the owner's bounds (members are hostile) ----------------------------------------------------------------
+
+
+def serving_owner(options=REPAIR) -> tuple[GroupAverage, GroupAverage]:
+    """Member 0 done with its phases and serving; member 1's messages to it are the test's to make."""
+    members, _ = cores(2, 2000, options=options)
+    m0, m1 = members
+    for _ in range(4):
+        for o in m0.datagrams_to_send(0.0, 1000):
+            m1.receive(0, o.type, o.body, 0.0)
+        for o in m1.datagrams_to_send(0.0, 1000):
+            if o.type != AG_NACK:
+                m0.receive(1, o.type, o.body, 0.0)
+    assert m0.result_ready and not m0.wants_to_send
+    return m0, m1
+
+
+def resent(core: GroupAverage) -> list[int]:
+    return [int.from_bytes(o.body[9:13], "little") for o in core.datagrams_to_send(0.1, 10_000) if o.type == AG_DATA]
+
+
+def test_an_owner_serves_until_its_members_are_done_or_serve_s_passes():
+    m0, _ = serving_owner()
+    assert not m0.finished and m0.get_timer() == pytest.approx(SERVE_S)
+    assert m0.receive(1, AG_NACK, pack_nack(GROUP, 0, 20, 0), 0.01) is Outcome.ACCEPTED
+    assert m0.finished and m0.get_timer() is None
+    m0, _ = serving_owner()
+    m0.handle_timer(SERVE_S)
+    assert m0.finished
+
+
+def test_forged_nacks_are_dropped_hostile():
+    m0, _ = serving_owner()
+    ask = pack_nack(GROUP, 1, 20, 3, b"\x01")
+    assert m0.receive(5, AG_NACK, ask, 0.01) is Outcome.UNKNOWN_SENDER
+    assert m0.receive(0, AG_NACK, ask, 0.01) is Outcome.UNKNOWN_SENDER
+    assert m0.receive(1, AG_NACK, pack_nack(GROUP + 1, 1, 20, 3, b"\x01"), 0.01) is Outcome.OTHER_GROUP
+    for bad in (ask[:12], pack_nack(GROUP, 3, 20, 3, b"\x01"), pack_nack(GROUP, 1, 21, 3, b"\x01"),
+                pack_nack(GROUP, 1, 20, 3, b"\x00"), pack_nack(GROUP, 1, 20, 19, b"\x02"),
+                pack_nack(GROUP, 1, 20, 20, b"\x01"), pack_nack(GROUP, 1, 20, 0, b"\xff\xff\xff\x01"),
+                pack_nack(GROUP, 0, 20, 0, b"\x01"), pack_nack(GROUP, 1, 20, 3)):
+        with pytest.raises(WireError) as e:
+            m0.receive(1, AG_NACK, bad, 0.01)
+        assert e.value.reason == "malformed"
+    assert not m0.wants_to_send
+    s = m0.statistics()
+    assert s.drops["malformed"] == 9 and s.drops["sender"] == 2 and s.drops["group"] == 1 and s.repair_resent == 0
+
+
+def test_oversized_nacks_are_bounded_by_the_stream_hostile():
+    m0, _ = serving_owner()
+    huge = pack_nack(GROUP, 1, 20, 0, b"\xff" * 1100)  # bits far past the stream's 20 ranges
+    with pytest.raises(WireError):
+        m0.receive(1, AG_NACK, huge, 0.01)
+    assert not m0.wants_to_send
+
+
+def test_a_nack_flood_does_not_amplify_hostile():
+    """Each range goes once per requester and round, for the owner's rounds only: never more than the shard a round."""
+    m0, _ = serving_owner()
+    everything = pack_nack(GROUP, 1, 20, 0, b"\xff\xff\x0f")
+    for _ in range(1000):
+        m0.receive(1, AG_NACK, everything, 0.01)
+    first = resent(m0)
+    assert sorted(first) == list(range(0, 1000, PER))
+    for _ in range(1000):
+        m0.receive(1, AG_NACK, everything, 0.02)
+    assert resent(m0) == []
+    again = pack_nack(GROUP, 2, 20, 0, b"\xff\xff\x0f")
+    for _ in range(1000):
+        m0.receive(1, AG_NACK, again, 0.03)
+        m0.receive(1, AG_NACK, everything, 0.03)  # an earlier round: ignored
+    assert sorted(resent(m0)) == list(range(0, 1000, PER))
+    with pytest.raises(WireError):
+        m0.receive(1, AG_NACK, pack_nack(GROUP, 3, 20, 0, b"\xff\xff\x0f"), 0.04)
+    assert resent(m0) == []
+    assert m0.statistics().repair_resent == 2 * 20
+    # a member that said it is done asks no more
+    m0.receive(1, AG_NACK, pack_nack(GROUP, 0, 20, 0), 0.05)
+    assert m0.receive(1, AG_NACK, again, 0.05) is Outcome.DUPLICATE and resent(m0) == []
+
+
+def test_an_owner_that_does_not_repair_refuses_nacks_hostile():
+    m0, _ = serving_owner(options=GROUP_OPTIONS)
+    assert m0.finished
+    assert m0.receive(1, AG_NACK, pack_nack(GROUP, 1, 20, 0, b"\x01"), 0.01) is Outcome.REFUSED
+    assert m0.statistics().drops["nack"] == 1 and not m0.wants_to_send
+
+
+def test_nack_bodies_split_a_wide_spread_and_parse_back():
+    missing = np.array([0, 5, 9000, 9001, 40000])
+    bodies = nack_bodies(GROUP, 1, missing, 50000, 1163)
+    assert all(len(b) <= 1163 for b in bodies) and len(bodies) == 2  # 9,200 ranges a body
+    got = np.concatenate([parse_nack(b, 2).missing for b in bodies])
+    assert got.tolist() == missing.tolist()
