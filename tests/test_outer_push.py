@@ -316,7 +316,7 @@ def test_the_winning_average_is_fetched_windowed_from_every_holder_and_verified_
 def test_a_shard_fetches_its_index_in_sections_and_only_the_differing_pieces_hostile() -> None:
     """The owner's piece index is read section by section, each section's differing pieces fetched as it arrives;
     an index that lies about its pieces still yields the owner's verified shard (fetched whole)."""
-    from peerd.trainer.outer import fetch_shard
+    from peerd.trainer.outer import INDEX_SECTION, fetch_shard
     from peerd.trainer.records import PIECE, PIECE_HASH, piece_hashes
 
     rng = np.random.default_rng(5)
@@ -325,7 +325,7 @@ def test_a_shard_fetches_its_index_in_sections_and_only_the_differing_pieces_hos
     a, b = shard_bounds(vector.size, 2, 1)
     shard = data[4 * a: 4 * b]
     mine = bytearray(shard)
-    for piece in (0, 3, 70, 71, 110):  # pieces in three sections of 55
+    for piece in (0, 3, 150, 151, 220):  # pieces in three sections of INDEX_SECTION
         mine[piece * PIECE + 7] ^= 0xFF
     blob = data + piece_hashes(shard)
     owner = OuterRecord(b"\x02" * 32, "g", 2, 1, hashlib.sha256(shard).digest(), hashlib.sha256(blob).digest(),
@@ -344,10 +344,10 @@ def test_a_shard_fetches_its_index_in_sections_and_only_the_differing_pieces_hos
     assert got is not None and got[0] == shard
     index_reads = [x for x in board.asked if x[0] >= len(data)]
     pieces = -(-len(shard) // PIECE)
-    assert len(index_reads) == -(-pieces // 55) > 1  # one read per section
+    assert len(index_reads) == -(-pieces // INDEX_SECTION) == 3  # one read per section
     assert sum(n for _, n in index_reads) == pieces * PIECE_HASH
     runs = [x for x in board.asked if x[0] < len(data)]
-    assert len(runs) == 4 and sum(n for _, n in runs) == 5 * PIECE  # pieces 70 and 71 are one run
+    assert len(runs) == 4 and sum(n for _, n in runs) == 5 * PIECE  # pieces 150 and 151 are one run
     liar = Board(data + piece_hashes(bytes(mine)))  # the index says my bytes are the owner's: nothing fetched
     got = trio.run(fetch_shard, liar, owner, bytes(mine), len(data))
     assert got is not None and got[0] == shard and (4 * a, 4 * (b - a)) in liar.asked  # fetched whole, verified

@@ -92,7 +92,7 @@ FETCH_RTTS = 4  # ... else this many smoothed round trips to the owner (its lear
 FETCH_ATTEMPTS = 10  # requests for one repair chunk: their waits then span seconds, as the default's do
 FETCH_FLAT = 3  # ... the first this many each wait the same few round trips (random loss is not congestion),
 # the later ones twice as long each (an owner that stopped answering is not asked ever faster)
-INDEX_SECTION = 55  # pieces of an owner's piece index asked at once: what one STATE_GET answer carries
+INDEX_SECTION = 100  # pieces of an owner's piece index asked at once: what one STATE_GET answer carries
 PUSH_TIMEOUT_S = 0.3  # a pushed record's first retransmission at most (the learned RTO usually comes first)
 PUSH_ATTEMPTS = 4  # sends of a pushed record before it is left to the DHT copy
 

@@ -17,9 +17,9 @@ MAX_GROUP = 64  # members of one group (Moshpit's MAX_GROUP)
 MAX_LENGTH = 2**32 - 1  # elements (allreduce offsets are u32)
 SHA = 32
 MAX_HOST = 45  # characters of an IP literal (IPv6 with an embedded IPv4 address)
-PIECE = 1024  # bytes of a shard one piece hash covers (a lost datagram's range is about as long)
+PIECE = 512  # bytes of a shard one piece hash covers (a lost datagram's range spans 3 or 4: little else is fetched)
 Address = tuple[str, int]  # a member's fetch address (an IP literal and a port)
-PIECE_HASH = 16  # bytes kept of each piece's SHA-256 (it only picks what to fetch; the shard hash checks)
+PIECE_HASH = 8  # bytes kept of each piece's SHA-256 (it only picks what to fetch; the shard hash checks)
 
 
 @dataclass(frozen=True)
