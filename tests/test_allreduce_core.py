@@ -148,6 +148,21 @@ def test_missing_all_gather_stream_keeps_own_values_and_ends_at_deadline():
     assert all(c.statistics().all_gather.ended_by == COMPLETION for c in m[1:])
 
 
+def test_an_owners_lag_is_waited_for_apart_from_the_network_silence():
+    # a short (tuned) floor is the network's silence; the all-gather still allows owner_lag_s for an owner whose
+    # reduce-scatter ends late (a loaded CPU), once, before giving up on its shard
+    n, per = 4, 25
+    xs, ws = inputs(n, 1000, seed=4)
+    m = make_group(xs, ws, per, floor_s=0.25, owner_lag_s=2.0)
+    net = GroupNet(m, drop=lambda w: w.src == 1 and w.dst == 0 and w.mtype in (AG_DATA, AG_END))
+    net.run()
+    ag = m[0].statistics().all_gather
+    assert ag.ended_by == DEADLINE and ag.silent == (1,)
+    assert ag.duration_s is not None and 2.0 + 0.25 <= ag.duration_s < 4.0
+    with pytest.raises(ValueError):
+        replace(GROUP_OPTIONS, owner_lag_s=float("nan"))
+
+
 def test_silent_member_is_averaged_out_at_a_finite_deadline_with_floor():
     n, per, floor = 4, 40, 0.75
     xs, ws = inputs(n, 3000, seed=5)

@@ -219,6 +219,7 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         self.layout = Layout(len(vec), n, elements_per_datagram(max_payload, codec))
         self.weight = float(w32)  # what travels, so every member uses the same value for it
         self.floor_s = float(floor_s)
+        self.owner_lag_s = self.floor_s if options.owner_lag_s is None else float(options.owner_lag_s)
         self.safety = float(safety)
         self.max_phase_s = max_phase_s
         self._vec = vec
@@ -396,9 +397,9 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         return self._rs.deadline(self.floor_s, self.safety, self.max_phase_s, None, 0.0)
 
     def _ag_deadline(self) -> float:
-        # One extra floor: an owner may end its reduce-scatter (by its own deadline) up to about a floor
-        # after this member ended its own, and only then starts sending its shard.
-        return self._ag.deadline(self.floor_s, self.safety, self.max_phase_s, self._rs.rate(), self.floor_s)
+        # An owner may end its reduce-scatter (by its own deadline, or late on a loaded CPU) after this member ended
+        # its own, and only then starts sending its shard: the phase allows for that lag once.
+        return self._ag.deadline(self.floor_s, self.safety, self.max_phase_s, self._rs.rate(), self.owner_lag_s)
 
     def handle_timer(self, now: float) -> None:
         """End whichever phase's deadline has passed; what has not arrived by then is lost (but for the all-gather's

@@ -69,7 +69,9 @@ class AverageOptions:
     averages of its shard's ranges as they become final, while the reduce-scatter still runs (protocol/allreduce.md,
     "Final ranges"), instead of after it; not with ``robust``, which needs every contribution first.
     ``repair_rounds``: how many times a member asks an owner again for the all-gather ranges it lacks, and how many
-    rounds this node serves as an owner (protocol/allreduce.md, "Repair"; 0: none, as before)."""
+    rounds this node serves as an owner (protocol/allreduce.md, "Repair"; 0: none, as before). ``owner_lag_s``: the
+    all-gather's extra wait for an owner that ends its reduce-scatter after this member did (None: ``floor_s``); a
+    tuned, short ``floor_s`` is the network's silence, while a loaded owner's lag is its CPU's, not its link's."""
 
     floor_s: float = 1.0
     max_phase_s: float | None = 60.0
@@ -83,9 +85,12 @@ class AverageOptions:
     solo: bool = False
     overlap: bool = False
     repair_rounds: int = 2
+    owner_lag_s: float | None = None
 
     def __post_init__(self) -> None:
         check_timing(self.floor_s, self.max_phase_s, self.end_grace_s)
+        if self.owner_lag_s is not None:
+            check_timing(self.owner_lag_s, self.max_phase_s)
         if self.max_weight is not None:
             check_max_weight(self.max_weight)
         check_robust(self.robust)

@@ -92,7 +92,7 @@ from .runstate import (
     part_group_id,
 )
 from .sticky import RENEW_KEY, StickyGroups
-from .tuning import note_round, phase_deadlines, tuned_window
+from .tuning import SILENCE_CAP_S, note_round, phase_deadlines, tuned_window
 
 __all__ = [
     "CONFIG_TTL_S", "DEFAULT_WINDOW_S", "KNOWN_PEERS", "MAX_AHEAD", "MAX_ROUND", "PROGRESS_FRESH_S", "PROGRESS_TTL_S",
@@ -540,8 +540,8 @@ class MoshpitService:
             capped = capped_phase_s(self.cap_ad, self.peer_caps, self.identity.node_id, group, vector.nbytes,
                                     self.endpoint.mtu)
             floor_s, longest = phase_deadlines(self.deadlines, vector.nbytes, max(1.0, budget_s / 2, capped), capped)
-            options = AverageOptions(floor_s=floor_s, max_phase_s=longest, max_weight=st.max_weight, robust=st.robust,
-                                     absent=absent, **coded)
+            options = AverageOptions(floor_s=floor_s, owner_lag_s=SILENCE_CAP_S, max_phase_s=longest,
+                                     max_weight=st.max_weight, robust=st.robust, absent=absent, **coded)
             res = await self.allreduce.average(group_id, members, group.index, vector, weight, options,
                                                center=around)
             finite = await self._finite(res.vector)
