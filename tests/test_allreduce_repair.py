@@ -212,3 +212,16 @@ def test_nack_bodies_split_a_wide_spread_and_parse_back():
     assert all(len(b) <= 1163 for b in bodies) and len(bodies) == 2  # 9,200 ranges a body
     got = np.concatenate([parse_nack(b, 2).missing for b in bodies])
     assert got.tolist() == missing.tolist()
+
+
+def test_a_host_never_holds_a_nack_hostile():
+    """A request for a group this node does not run is dropped at once (held data is for data that may come
+    before its group starts; a request for an average that is not running here has nothing to wait for)."""
+    from peerd.allreduce.actions import Dropped
+    from peerd.allreduce.host import AveragingHost
+
+    host = AveragingHost(max_body=1163, mtu=1200)
+    for i in range(100):
+        host.receive_data(b"\x01" * 32, 7, AG_NACK, pack_nack(GROUP + i, 1, 20, 0, b"\xff"), 0.0)
+    assert host.held.count == 0 and host.get_timer() is None
+    assert sum(a.count for a in host.take_actions() if isinstance(a, Dropped) and a.reason == "nack") == 100

@@ -211,7 +211,7 @@ class Phase:
         received = self.received[s] = self.received[s] + 1
         if k >= self.top[s]:
             self.top[s] = k + 1
-        else:
+        elif s not in self.repairing:  # (resent ranges come below the top, as asked)
             self.reordered[s] = True
         if received == 1:
             self.first_at[s] = now
@@ -237,10 +237,10 @@ class Phase:
     def _repaired_through(self, s: int, k: int, now: float) -> bool:
         """Range ``k`` of a stream in repair arrived: where it is the last one its round asked for, the owner has
         sent the round (in index order), and what is still missing of it is lost: the round ends after the short
-        grace. True when the wait moved earlier."""
+        grace (the full one on a path seen reordering). True when the wait moved earlier."""
         if k < self.want_last[s]:
             return False
-        until = now + min(self.grace, IN_ORDER_GRACE_S)
+        until = now + (self.grace if self.reordered[s] else min(self.grace, IN_ORDER_GRACE_S))
         if until < self.repairing[s]:
             self.repairing[s] = until
             return True
@@ -320,7 +320,8 @@ class Phase:
         self.data += count
         self._progress(now)
         received = self.received[s] = self.received[s] + count
-        if k_max - count + 1 < self.top[s]:  # (the block's lowest index is at most this: in order it is not)
+        if k_max - count + 1 < self.top[s] and s not in self.repairing:  # (the block's lowest index is at most this:
+            # in order it is not; resent ranges come below the top, as asked)
             self.reordered[s] = True
         if k_max >= self.top[s]:
             self.top[s] = k_max + 1
