@@ -57,3 +57,19 @@ def test_not_numbers_and_many_paths() -> None:
     for i in range(10):
         q.sample(i, 0.01, 0.0)
     assert len(q._paths) == 4 and q.base(0) is None and q.base(9) == pytest.approx(0.01)
+
+
+def test_rebase_raises_the_base_by_an_offset_and_a_lower_sample_still_lowers_it() -> None:
+    """A level every sample stood at whatever was sent is an offset in the base: raised by it, those samples
+    read unqueued; a later sample lower than the raised base is the path's and lowers it again."""
+    q = QueueDelay()
+    q.sample("a", 0.010, 0.0)  # the one sample that read low
+    assert q.sample("a", 0.0195, 0.5) == pytest.approx(0.0095)
+    q.rebase("a", 0.0095, 0.6)
+    assert q.base("a") == pytest.approx(0.0195)
+    assert q.sample("a", 0.0205, 0.7) == pytest.approx(0.001)
+    assert q.sample("a", 0.015, 0.8) == pytest.approx(0.0) and q.base("a") == pytest.approx(0.015)
+    for bad in (math.nan, -1.0, 0.0):
+        q.rebase("a", bad, 0.9)
+    q.rebase("unknown", 0.01, 0.9)
+    assert q.base("a") == pytest.approx(0.015) and q.base("unknown") is None

@@ -209,6 +209,7 @@ class Pacer(Judgement):
         self._queues = QueueDelay(max_paths)  # per destination: queueing delay from REPORTs' arrival times
         self._deep = 0  # judged phases in a row whose queue stood above Q_HIGH
         self._growth: tuple[float, float] | None = None  # (when, growth) the last phase that spanned enough measured
+        self._standing: tuple[float, float] | None = None  # (level, sent) at the last cut a non-growing queue caused
         self.queue_delay: float | None = None  # the last judged phase's uplink queue, seconds
         self.decreases = 0
         self.increases = 0

@@ -51,6 +51,7 @@ from .pacing_params import (
     Q_PROBE,
     Q_SPAN,
     RESTART_PROBES,
+    STANDING_KEEP,
     STARTUP_FILL,
     STARTUP_GROWTH,
     STARTUP_GROWTH_MIN,
@@ -381,11 +382,32 @@ class Judgement:
                 # drifted apart: in the lab, 4 peers at 50 Mbit/s, 29 of 71 queue cuts were on draining
                 # queues, each a cut and a drain phase under a rate the link carried.)
                 congested = False
+            if congested and growth <= 0.0 and self._offset(ph, level, sent, now):
+                congested = False
+        if level <= Q_HIGH:
+            self._standing = None
         if not congested:
             return None
+        self._standing = (level, sent) if growth <= 0.0 else None
         # The uplink's queue filled while the phase sent at ``sent``: no loss yet, and what the link carried is
         # known (a standing queue that did not grow: ``sent`` was at most that).
         return f"queue {1e3 * level:.1f} ms, growing {growth:.2f} s/s ({ph.kind} at {sent / 1e6:.2f} MB/s)", measured
+
+    def _offset(self, ph: _Phase, level: float, sent: float, now: float) -> bool:
+        """A queue that stood as deep as at the last cut it caused, neither growing nor draining, while this sender
+        sent less than then: a real queue drains under the link's rate, so this is an offset in the base delay
+        (one sample that read low, a receive timestamp taken before a descheduling). The base is raised by it on
+        every destination's path and nothing is cut: without that, each cut to what was sent lowered btl
+        again (the bench: 8.4 -> 1.7 MB/s on a 12 MB/s link, a 9.5 ms queue standing through six averages)."""
+        if self._standing is None:
+            return False
+        was_level, was_sent = self._standing
+        if level < STANDING_KEEP * was_level or sent >= was_sent:
+            return False
+        for dest in {d for _, _, d in ph.queue}:
+            self._queues.rebase(dest, level, now)
+        self._standing = None
+        return True
 
     def _congested(self, ph: _Phase, sent: float, loss: float, floor: float, reason: str, delay_cut: float | None,
                    signal: tuple[float, float | None, float, float] | None, now: float) -> Verdict:

@@ -76,6 +76,7 @@ FLAT_GROWTH = 0.02  # its rate doubles after it alone (an overshoot of x queues 
 CPU_HELD = 2  # startup phases in a row held back under HELD_BACK with the queue flat: the rate goes to twice their fill
 CPU_HELD_BYTES = 2 << 20  # ... or one such phase that sent this much (dozens of parts: its fill is no part's timing)
 DRAINING = 0.03  # a deep queue shrinking faster than this (s/s) is not cut for: it drains at the rate sent
+STANDING_KEEP = 0.7  # a queue still this deep after the cut its level caused, at a lower rate, did not drain: an offset
 DEEP_PHASES = 2  # judged phases in a row with a queue above Q_HIGH before a cruise phase's rate is cut
 Q_SPAN = 0.3  # a destination's queue growth is measured over samples this much of a phase apart at least
 BASE_PLACED = 0.001  # seconds into a burst a datagram's modelled send time may be and still set the base delay

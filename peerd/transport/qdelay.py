@@ -65,6 +65,16 @@ class QueueDelay:
             return 0.0
         return queued
 
+    def rebase(self, path: Hashable, by: float, now: float) -> None:
+        """Raise the path's base by ``by`` seconds from ``now`` on: a level every sample has stood at, whatever was
+        sent, is an offset in the base (one sample that read low), not a queue. A lower sample later lowers it."""
+        history = self._paths.get(path)
+        if not history or not math.isfinite(by) or by <= 0.0 or not math.isfinite(now):
+            return
+        raised = min(least for _, least in history) + by
+        history.clear()
+        history.append([math.floor(now / BASE_BUCKET_S), raised])
+
     def base(self, path: Hashable) -> float | None:
         history = self._paths.get(path)
         return None if not history else min(least for _, least in history)
