@@ -39,6 +39,19 @@ def first_copies(pick):
     return drop
 
 
+def assert_repaired(members: list[GroupAverage], drop) -> int:
+    """Run ``members`` under ``drop``: every member ends bit-identical and every range asked for arrived and was
+    resent once; returns how many were asked for."""
+    GroupNet(members, drop=drop).run()
+    results = [m.result() for m in members]
+    for r in results[1:]:
+        assert np.array_equal(r, results[0])
+    asked = sum(m.statistics().repair_asked for m in members)
+    assert asked == sum(m.statistics().repair_received for m in members)
+    assert asked == sum(m.statistics().repair_resent for m in members)
+    return asked
+
+
 def test_a_lost_all_gather_datagram_is_repaired_and_every_member_ends_bit_identical():
     members, xs = cores(4, 4000)
     net = GroupNet(members, drop=first_copies(lambda w: w.src == 1 and w.dst == 2 and w.offset == 1000 + 3 * PER))
@@ -61,14 +74,7 @@ def test_a_lost_all_gather_datagram_is_repaired_and_every_member_ends_bit_identi
 def test_ten_percent_all_gather_loss_is_repaired_everywhere():
     rng = np.random.default_rng(7)
     members, _ = cores(4, 20000)
-    net = GroupNet(members, drop=first_copies(lambda w: rng.random() < 0.1))
-    net.run()
-    results = [m.result() for m in members]
-    for r in results[1:]:
-        assert np.array_equal(r, results[0])
-    asked = sum(m.statistics().repair_asked for m in members)
-    assert asked > 20 and asked == sum(m.statistics().repair_received for m in members)
-    assert asked == sum(m.statistics().repair_resent for m in members)
+    assert assert_repaired(members, first_copies(lambda w: rng.random() < 0.1)) > 20
 
 
 def test_repair_is_bounded_when_the_owner_is_gone():
@@ -239,13 +245,7 @@ def test_lost_all_gather_ranges_of_a_compressed_codec_are_repaired(name):
     members = [GroupAverage(GROUP, 4, i, xs[i], ws[i], 0.0, options=options, max_payload=payload_for(PER))
                for i in range(4)]
     rng = np.random.default_rng(11)
-    net = GroupNet(members, drop=first_copies(lambda w: rng.random() < 0.1))
-    net.run()
-    results = [m.result() for m in members]
-    for r in results[1:]:
-        assert np.array_equal(r, results[0])
-    asked = sum(m.statistics().repair_asked for m in members)
-    assert asked > 0 and asked == sum(m.statistics().repair_received for m in members)
+    assert assert_repaired(members, first_copies(lambda w: rng.random() < 0.1)) > 0
     clean = [GroupAverage(GROUP, 4, i, xs[i], ws[i], 0.0, options=options, max_payload=payload_for(PER))
              for i in range(4)]
     GroupNet(clean).run()
