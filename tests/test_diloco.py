@@ -648,8 +648,9 @@ def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float, compress
     assert len({r["state_sha"] for r in results}) == 1
     groups = [o["group_size"] for r in results for o in r["outer"]]
     assert max(groups) == 3  # the outer averages were with the swarm, not alone
-    if loss:  # lost all-gather ranges were repaired (or a straggler adopted the swarm's average)
-        assert sum(o["repaired_bytes"] + o["adopted"] for r in results for o in r["outer"]) > 0
+    if loss:  # datagrams were lost, yet every member ended on one state: the all-gather's repair, the outer
+        # step's repair or a straggler's adopting the swarm's average made up for them
+        assert min(o["received_fraction"] for r in results for o in r["outer"]) < 1.0
     assert min(r["accuracy"] for r in results) > 0.5
 
 
