@@ -373,7 +373,8 @@ def test_a_non_finite_average_never_replaces_the_vector_and_options_reach_the_ow
 
         res = await avg(vec)
         assert res.outcome == "averaged" and fake.calls[-1] == {
-            "floor_s": 1.0, "max_phase_s": 5.0, "max_weight": 64.0, "robust": Robust("centered", 3.0)}
+            "floor_s": 1.0, "owner_lag_s": 1.0, "max_phase_s": 5.0, "max_weight": 64.0,
+            "robust": Robust("centered", 3.0)}
         res = await avg(vec)  # the previous averaged vector is the center
         assert np.array_equal(fake.calls[-1]["center"], np.full(6, 2, np.float32))
         own = np.full(6, 7, np.float32)  # a center the caller gives (its own parameters) wins for that round
@@ -398,7 +399,7 @@ def test_a_non_finite_average_never_replaces_the_vector_and_options_reach_the_ow
         await a.moshpit.open("run", robust="off", max_weight=math.inf)
         assert st.robust is None and st.max_weight is None
         await avg(vec)
-        assert fake.calls[-1] == {"floor_s": 1.0, "max_phase_s": 5.0}
+        assert fake.calls[-1] == {"floor_s": 1.0, "owner_lag_s": 1.0, "max_phase_s": 5.0}
         for kwargs, words in [({"max_weight": 0}, "max_weight"), ({"max_weight": float("nan")}, "max_weight"),
                               ({"robust": "median"}, "clip"), ({"robust": "clip:-1"}, "C")]:
             with pytest.raises(MoshpitError, match=words):

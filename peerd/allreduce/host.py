@@ -419,7 +419,8 @@ class AveragingHost:
         self._recent[group_id] = g
         while len(self._recent) > self.recent_groups:
             self._recent.popitem(last=False)
-        unbound = sum(_bodies(item[2]) for item in self.held.pop_group(group_id))
+        # (END copies from a token still unbound are repeats the finished group no longer needs: not data lost)
+        unbound = sum(_bodies(item[2]) for item in self.held.pop_group(group_id) if item[0] in DATA_TYPES)
         if unbound:
             actions.append(Dropped("unbound", unbound))
 
@@ -643,7 +644,7 @@ class AveragingHost:
         index = self._index(g, token, peer)
         if index is None:
             if peer is None and mtype == _AG_NACK:  # a request is never held (its sender's data bound it first)
-                return (Dropped("unbound"),)
+                return (Dropped("nack"),)
             if peer is None:  # its sender's PING has not arrived yet: keep it until it does
                 kept, dropped, timer = self._keep(g.core.group_id, token, None, mtype, body, now)
                 if kept and not dropped and timer is None:
