@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from peerd.allreduce import GroupAverage, Outcome
-from peerd.allreduce.frames import NACK_SIZE, nack_bodies, pack_nack, parse_nack
+from peerd.allreduce.frames import HEADER_SIZE, NACK_SIZE, nack_bodies, pack_nack, parse_nack
 from peerd.allreduce.group import GROUP_OPTIONS
 from peerd.allreduce.phase import REPAIR_FLOOR_S
 from peerd.allreduce.repair import NACK_REPEATS, SERVE_S
@@ -152,6 +152,23 @@ def test_an_owner_serves_until_its_members_are_done_or_serve_s_passes():
     m0, _ = serving_owner()
     m0.handle_timer(SERVE_S)
     assert m0.finished
+
+
+def test_an_owner_that_handed_its_result_on_resends_from_its_kept_shard():
+    """The driver hands the result on while the owner still serves (AveragingHost.release), and its caller may
+    reuse the buffer at once: resends carry the final values kept at hand-over, not what the buffer holds now."""
+    m0, _ = serving_owner()
+    final = m0.result().copy()
+    m0.keep_shard()
+    m0.result()[:] = np.nan
+    assert m0.receive(1, AG_NACK, pack_nack(GROUP, 1, 20, 0, b"\x05\x00\x08"), 0.01) is Outcome.ACCEPTED
+    bodies = [o.body for o in m0.datagrams_to_send(0.1, 10_000) if o.type == AG_DATA]
+    offsets = sorted(int.from_bytes(b[9:13], "little") for b in bodies)
+    assert offsets == [0, 2 * PER, 19 * PER]
+    for body in bodies:
+        off = int.from_bytes(body[9:13], "little")
+        values = np.frombuffer(bytes(body[HEADER_SIZE:]), np.float32)
+        np.testing.assert_array_equal(values, final[off : off + len(values)])
 
 
 def test_forged_nacks_are_dropped_hostile():

@@ -375,6 +375,12 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
                 or self._repair_pending)
 
     @property
+    def own_part_done(self) -> bool:
+        """Result ready and every datagram of this member's own sent: what may be left is serving other members'
+        repair requests, which a driver can do after handing the result on (``keep_shard`` first)."""
+        return self.result_ready and not self.wants_to_send
+
+    @property
     def finished(self) -> bool:
         """Result ready, every datagram produced, and no member this owner serves may still ask it for ranges: the
         driver can forget this group."""

@@ -193,7 +193,9 @@ class AveragingHost:
         ValueError: a group of that id is running here, the members are not distinct, or GroupAverage's own
         argument checks (weight, ``out``, ``center``)."""
         if group_id in self._groups:
-            raise ValueError(f"group {group_id:#x} is already averaging on this node")
+            if not self._groups[group_id].released:
+                raise ValueError(f"group {group_id:#x} is already averaging on this node")
+            self.finish(group_id, 0, now)  # (an id used again ends the old group's serving)
         peers = list(peers)
         if len(set(peers)) != len(peers):
             raise ValueError("a group's members must be distinct nodes")
@@ -253,6 +255,33 @@ class AveragingHost:
         from: it never ran the group, or its gate would have opened): call ``finish``."""
         g = self._groups[group_id]
         return g.core.finished and not releasable(g)
+
+    def can_release(self, group_id: int) -> bool:
+        """The group's result is final and this member's own data is all out: ``release`` may hand the result on
+        while the group goes on serving members' repair requests until ``finished``."""
+        g = self._groups[group_id]
+        return not g.released and g.core.own_part_done and not releasable(g)
+
+    def serving(self, group_id: int) -> bool:
+        """The group's result was handed on (``release``) and it is still here, serving repairs."""
+        g = self._groups.get(group_id)
+        return g is not None and g.released
+
+    def release(self, group_id: int, kernel_drops: int, now: float, *,
+                arrivals: Sequence[float] | None = None) -> None:
+        """Hand the result on before the group is finished (``can_release``): queues its last REPORTs and its
+        Completed now; the group stays, serving repairs from a copy of its own shard, until ``finish``. A step
+        then pays for its own missing ranges, not for its slowest member's."""
+        g = self._groups[group_id]
+        if not self.can_release(group_id):
+            raise RuntimeError(f"group {group_id:#x} has no result to hand on yet")
+        g.core.keep_shard()
+        g.released = True
+        # Blocks still gated for members never heard from are views of the caller's buffer, which it may reuse from
+        # now on: they are dropped, as ``finish`` drops them (such a member asks for what it lacks, from the copy).
+        g.waiting.clear()
+        self._actions.extend(self._reports(g, now, kernel_drops, final=True, arrivals=arrivals))
+        self._actions.append(Completed(group_id, g.core.result(), g.core.statistics()))
 
     def send_window(self, group_id: int) -> int:
         """A ``datagrams_to_send`` limit that yields about one block per destination, for a driver that sends their
@@ -411,7 +440,7 @@ class AveragingHost:
         self._woken.pop(group_id, None)
         self._protected = None
         actions = self._actions
-        if g.core.finished:
+        if g.core.finished and not g.released:
             actions.extend(self._reports(g, now, kernel_drops, final=True, arrivals=arrivals))
             actions.append(Completed(group_id, g.core.result(), g.core.statistics()))
         # Nothing reads the group's stage any more (its result is taken; data for it is late from now on).

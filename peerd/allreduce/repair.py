@@ -50,6 +50,7 @@ class Repair:
         self._serve_until: float | None = None
         self._serving_over = False
         self._ag_out = 0  # leading ranges of the own shard the all-gather has handed out
+        self._kept: np.ndarray | None = None  # the own shard's final values, once the result is handed on (keep_shard)
 
     # ---- member -------------------------------------------------------------------------------------
 
@@ -98,6 +99,12 @@ class Repair:
                    if first)
 
     # ---- owner --------------------------------------------------------------------------------------
+
+    def keep_shard(self) -> None:
+        """The driver hands the result on while this owner still serves: from now on resends read a copy of the own
+        shard, since the caller may reuse ``out`` at once (a member's step does not wait for others' repairs)."""
+        if self._kept is None and not self._coded:
+            self._kept = self._out[self._lo : self._hi].copy()
 
     def _receive_nack(self, sender: int, body: bytes | memoryview, now: float) -> Outcome:
         """An AG_NACK from member ``sender``: a done message, or ranges of the own shard to resend it."""
@@ -156,6 +163,7 @@ class Repair:
         full = (hi - lo) // per
         weights = np.minimum(self._wsum, F32_MAX)
         out = []
+        shard = self._out[lo:hi] if self._kept is None else self._kept
         kf = ks[ks < full]
         step = max(1, self._block_rows)
         for i in range(0, len(kf), step):
@@ -163,7 +171,7 @@ class Repair:
             if self._coded:
                 bodies = pack_coded(group, self._cid, total, lo, per, weights[kc], self._ag_full[kc])
             else:
-                rows = self._out[lo : lo + full * per].reshape(full, per)[kc]
+                rows = shard[: full * per].reshape(full, per)[kc]
                 bodies = pack_block(group, total, lo, weights[kc], rows)
             bodies[:, 9:13] = (lo + kc * per).astype("<u4").view(np.uint8).reshape(-1, 4)
             out.append(OutBlock(to, _AG_DATA, bodies, 1))
@@ -173,7 +181,7 @@ class Repair:
                 assert self._ag_tail is not None
                 bodies = pack_coded(group, self._cid, total, off, hi - off, weights[full:], self._ag_tail)
             else:
-                bodies = pack_block(group, total, off, weights[full:], self._out[off:hi].reshape(1, -1))
+                bodies = pack_block(group, total, off, weights[full:], shard[off - lo :].reshape(1, -1))
             out.append(OutBlock(to, _AG_DATA, bodies, 1))
         sent = sum(len(b.bodies) for b in out)
         self._ag.sent += sent

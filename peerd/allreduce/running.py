@@ -77,7 +77,7 @@ def release(g: RunningGroup, limit: int) -> list[SendBlock]:
 class RunningGroup:
     __slots__ = ("core", "peers", "by_peer", "by_token", "meters", "positions", "sent_to", "hold_until",
                  "floor_s", "report_at", "part", "rows", "copies", "heard", "given", "waiting", "gate_until",
-                 "gate_rows")
+                 "gate_rows", "released")
 
     def __init__(self, core: GroupAverage, peers: list[bytes], now: float, kernel_drops: int, floor_s: float,
                  part: int, rows: int, report_at: float) -> None:
@@ -103,3 +103,4 @@ class RunningGroup:
         self.waiting: dict[int, list[SendBlock]] = {}
         self.gate_until = now + GATE_S
         self.gate_rows = 0  # GATE_BYTES in datagrams (set by the host, which knows their size)
+        self.released = False  # its result was handed on (AveragingHost.release); it only serves repairs now

@@ -245,45 +245,81 @@ class AllreduceService:
         handshake = [0.0]
         sent = [0, 0]  # bytes, datagrams
         completed: Completed | None = None
+        serve = False
         try:
             async with trio.open_nursery() as nursery:
                 # Bind tokens while data already flows: data from a token not bound yet waits for it.
                 nursery.start_soon(self._handshake, [a for a in actions if type(a) is Bind], members, handshake)
                 nursery.start_soon(self._reporter, group_id, members)
                 self._run(a for a in actions if type(a) is not Bind)
-                while not host.finished(group_id):
-                    wake = self._wake[group_id] = trio.Event()  # (before the work: a Wake during it is kept)
-                    while host.wants_to_send(group_id):
-                        await self._send_blocks(host.datagrams_to_send(trio.current_time(), host.send_window(group_id),
-                                                                        group_id=group_id), members, sent,
-                                                group_id=group_id)
-                    copies = host.due_copies(group_id, trio.current_time())
-                    if copies:
-                        await self._send_blocks(copies, members, sent)
-                    if host.finished(group_id):
-                        break
-                    self._arm_timer()  # the host's timer wakes this loop at the group's deadlines, gates and copies
-                    with trio.move_on_after(IDLE_WAIT_S):
-                        await wake.wait()
+                await self._drive(group_id, members, sent, release=True)
                 nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
             # END copies not due yet: nothing here waits for them, and members may still (they go at once)
             await self._send_blocks(host.due_copies(group_id, math.inf), members, sent)
-            host.finish(group_id, self._kernel_drops(), trio.current_time(), arrivals=self._arrivals(members))
+            if host.finished(group_id):
+                host.finish(group_id, self._kernel_drops(), trio.current_time(), arrivals=self._arrivals(members))
+            else:  # only other members' repairs are left to serve: this member's step does not wait for them
+                host.release(group_id, self._kernel_drops(), trio.current_time(), arrivals=self._arrivals(members))
+                serve = True
             done = host.take_actions()
             # what arrived since the last report, and the lost tail
             await self._send_reports([a for a in done if type(a) is SendReport], members)
             self._run(a for a in done if type(a) is Dropped)
             completed = next(a for a in done if type(a) is Completed)
         finally:
-            self._wake.pop(group_id, None)
             self._floor_s.pop(group_id, None)
-            if host.running(group_id):  # cancelled or failed: nothing more to send for it
-                host.finish(group_id, self._kernel_drops(), trio.current_time())
-                self._run(a for a in host.take_actions() if type(a) is Dropped)
+            if serve and host.serving(group_id):
+                trio.lowlevel.spawn_system_task(self._serve, group_id, members, name="peerd.allreduce.serve")
+            else:
+                self._wake.pop(group_id, None)
+                if host.running(group_id):  # cancelled or failed: nothing more to send for it
+                    host.finish(group_id, self._kernel_drops(), trio.current_time())
+                    self._run(a for a in host.take_actions() if type(a) is Dropped)
         assert completed is not None  # (a finished group's finish always completes it)
         seconds = time.perf_counter() - wall0
         self._record(completed.stats, seconds, sent[0])
         return AverageResult(completed.vector, completed.stats, seconds, handshake[0], sent[0], sent[1])
+
+    async def _drive(self, group_id: int, members: list[Member], sent: list[int], *, release: bool) -> None:
+        """Send what the group has to send, when its pacing and timers say, until it is finished (``release``: or
+        until its result can be handed on while it goes on serving repairs)."""
+        host = self.host
+
+        def over() -> bool:
+            if release:
+                return host.finished(group_id) or host.can_release(group_id)
+            return not host.serving(group_id) or host.finished(group_id)  # (serving: an id used again ends it)
+
+        while not over():
+            wake = self._wake[group_id] = trio.Event()  # (before the work: a Wake during it is kept)
+            while host.wants_to_send(group_id):
+                await self._send_blocks(host.datagrams_to_send(trio.current_time(), host.send_window(group_id),
+                                                                group_id=group_id), members, sent, group_id=group_id)
+            copies = host.due_copies(group_id, trio.current_time())
+            if copies:
+                await self._send_blocks(copies, members, sent)
+            if over():
+                break
+            self._arm_timer()  # the host's timer wakes this loop at the group's deadlines, gates and copies
+            with trio.move_on_after(IDLE_WAIT_S):
+                await wake.wait()
+
+    async def _serve(self, group_id: int, members: list[Member]) -> None:
+        """A released group's last work, in the background: resend the ranges members ask for until every member
+        is done with this owner's stream or its serving time is over (repair.SERVE_S), then forget the group."""
+        host = self.host
+        sent = [0, 0]
+        try:
+            await self._drive(group_id, members, sent, release=False)
+        except Exception:  # never take the daemon down (a system task's error would end the whole run)
+            log.exception("allreduce: serving group %#x's repairs failed", group_id)
+            self.metrics.background_errors.labels("allreduce_serve").inc()
+        finally:
+            self.metrics.allreduce_bytes_sent.inc(sent[0])
+            if host.serving(group_id):  # (else an average of the same id has ended it: that one owns its entry)
+                self._wake.pop(group_id, None)
+                host.finish(group_id, self._kernel_drops(), trio.current_time())
+                self._run(a for a in host.take_actions() if type(a) is Dropped)
 
     async def _wait_caught_up(self, at: float, most_s: float) -> None:
         """Until the receive loop has handled what reached the socket before ``at`` (``Endpoint.caught_up``), at
