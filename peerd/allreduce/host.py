@@ -12,13 +12,15 @@ simulator and the tests run the same decisions; nothing here draws random number
 A driver's loop for one group, in outline (service.py is the real one)::
 
     host.start(group_id, peers, index, vector, weight, now)       # take_actions(): a Bind per member to PING
-    while not host.finished(group_id):
+    while not host.finished(group_id) and not host.can_release(group_id):
         while host.wants_to_send(group_id):
             for block in host.datagrams_to_send(now, group_id=group_id):
                 for each part of host.part_rows(block) rows:
                     sleep until host.pace(block, rows, nbytes, now); seal the part and send it
         sleep until a Wake(group_id) action
-    host.finish(group_id, kernel_drops, now); run(host.take_actions())   # final REPORTs, Completed
+    if finished: host.finish(group_id, kernel_drops, now)        # final REPORTs, Completed
+    else: host.release(group_id, kernel_drops, now)              # the same, then in the background: the loop above
+                                                                 # until finished (repairs served), host.finish
     # meanwhile: every REPORT_INTERVAL_S (host.next_report) send host.reports(...)
     # and one timer for the node: at host.get_timer(), host.handle_timer(now); run(host.take_actions())
 

@@ -3,7 +3,9 @@
 A member whose all-gather stream from an owner ended with ranges missing asks that owner for exactly those (AG_NACK),
 a bounded number of rounds, and tells every owner once it needs nothing more of its stream (a done AG_NACK). An owner
 resends the ranges asked for as ordinary AG_DATA while its group runs, and keeps its group running until every member
-it serves is done or SERVE_S has passed since its own phases ended (or since the latest request). A lost all-gather
+it serves is done or SERVE_S has passed since its own phases ended (or since the latest request); its driver hands the
+result on before that (``keep_shard``: resends then read a copy of the shard), so a member's step waits only for its
+own missing ranges. A lost all-gather
 range otherwise leaves a member on its own value for it (unbiased, but a replica that drifts); a lost reduce-scatter
 contribution only lowers the weight that reached its range, and is not repaired.
 

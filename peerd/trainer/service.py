@@ -374,7 +374,8 @@ class TrainerService:
                 raise ValueError(f"averaging returned {out.shape}, expected {vector.shape}")
             got, outcome = result, result.outcome
         except Exception as e:  # the round failed: the trainer decides what to do with its own vector
-            log.warning("session %d step %d: averaging failed: %s", session.id, step, e)
+            log.warning("session %d step %d: averaging failed: %s", session.id, step, e,
+                        exc_info=e if isinstance(e, BaseExceptionGroup) else None)  # (a task's error: say where)
             out, outcome, error = vector, "failed", f"{type(e).__name__}: {e}"
         if outcome != "failed" and not all_finite(out):  # non-finite numbers never reach a model
             self.metrics.contributions_refused.labels("nonfinite_result").inc()
