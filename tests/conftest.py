@@ -9,7 +9,7 @@ import pytest
 from peerd.dht import records as records_module
 from peerd.tools.swarm import LocalSwarm
 
-from .support.trainer_harness import InProcessAverager, ThreadDaemon
+from .support.trainer_harness import thread_daemon
 
 # A shell without job control starts background jobs (`cmd &`) with SIGINT ignored, and an ignored signal stays
 # ignored across exec: every `peerd swarm`, lab holder and daemon a test starts would then ignore the Ctrl-C the
@@ -48,6 +48,5 @@ def verify_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.fixture
 def daemon(tmp_path):
     """An in-process daemon (local socket, trainer service) whose averager groups two sessions."""
-    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0))
-    yield d
-    d.stop()
+    with thread_daemon(tmp_path, group_size=2, wait_s=5.0) as d:
+        yield d

@@ -25,7 +25,7 @@ from peerd.compress.quant import IntCodec
 from peerd.wire.errors import WireError
 
 from .support.codecs import BiasedInt
-from .support.groups import AG_DATA, AG_END, RS_DATA, RS_END, GroupNet  # noqa: E402
+from .support.groups import AG_DATA, AG_END, RS_DATA, RS_END, GroupNet, deliver  # noqa: E402
 
 GROUP = 0xC0DEC001
 RUN = 0x5EED
@@ -410,14 +410,11 @@ def test_fp16_golden_vectors_match_the_spec_byte_for_byte():
     out0 = m0.datagrams_to_send(0.0, 100)
     assert out0[0].type == RS_DATA and out0[0].body == golden["RS_DATA"]
     assert next(o for o in out0 if o.type == RS_END).body == golden["RS_END"]
-    for o in out0:
-        m1.receive(0, o.type, o.body, 0.0)
+    deliver(out0, m1, 0)
     out1 = m1.datagrams_to_send(0.0, 100)
     assert next(o for o in out1 if o.type == AG_DATA).body == golden["AG_DATA"]
     assert next(o for o in out1 if o.type == AG_END).body == golden["AG_END"]
-    for o in out1:
-        m0.receive(1, o.type, o.body, 0.0)
-    for o in m0.datagrams_to_send(0.0, 100):
-        m1.receive(0, o.type, o.body, 0.0)
+    deliver(out1, m0, 1)
+    deliver(m0.datagrams_to_send(0.0, 100), m1, 0)
     for core in (m0, m1):
         np.testing.assert_array_equal(core.result(), [3.25, 6.5, 9.75, 13, 16.25])

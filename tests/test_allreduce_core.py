@@ -43,6 +43,7 @@ from .support.groups import (  # noqa: E402
     RS_END,
     GroupNet,
     Wire,
+    deliver,
     expected_results,
     inputs,
     payload_for,
@@ -484,8 +485,7 @@ def test_golden_vectors_match_the_spec_byte_for_byte():
     assert out0[0].type == RS_DATA and out0[0].to == 1 and out0[0].body == golden["RS_DATA"]
     rs_end = next(o for o in out0 if o.type == RS_END)
     assert rs_end.body == golden["RS_END"] and rs_end.repeat == END_REPEATS == 3
-    for o in out0:
-        m1.receive(0, o.type, o.body, 0.0)
+    deliver(out0, m1, 0)
     out1 = m1.datagrams_to_send(0.0, 100)
     ag = [o for o in out1 if o.type == AG_DATA]
     assert ag[0].body == golden["AG_DATA"]
@@ -494,10 +494,8 @@ def test_golden_vectors_match_the_spec_byte_for_byte():
     assert pack_end(0x01020304, 2, 2, 3.0) == golden["RS_END"]
     h = parse_header(RS_DATA, golden["RS_DATA"])
     assert (h.group, h.codec, h.total, h.offset, h.count, h.weight) == (0x01020304, 0, 2, 2, 2, 3.0)
-    for o in out1:
-        m0.receive(1, o.type, o.body, 0.0)
-    for o in m0.datagrams_to_send(0.0, 100):
-        m1.receive(0, o.type, o.body, 0.0)
+    deliver(out1, m0, 1)
+    deliver(m0.datagrams_to_send(0.0, 100), m1, 0)
     for core in (m0, m1):
         np.testing.assert_array_equal(core.result(), [3.25, 6.5, 9.75, 13, 16.25])
 

@@ -13,7 +13,7 @@ import pytest
 
 from peerd.tools.swarm import LocalSwarm
 
-from .support.processes import metric_value, peerd, peerd_json, scrape, wait_until
+from .support.processes import lines_until, metric_value, peerd, peerd_json, peerd_process, scrape, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -147,19 +147,9 @@ def test_socket_is_private_and_metrics_bind_loopback(tmp_path) -> None:
 def test_peerd_swarm_starts_and_stops_on_ctrl_c(tmp_path) -> None:
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-m", "peerd", "swarm", "--peers", "3", "--dir", str(tmp_path / "s")],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = peerd_process("swarm", "--peers", "3", "--dir", str(tmp_path / "s"), stdout=subprocess.PIPE)
     try:
-        lines = []
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C" in line:
-                break
-        text = "".join(lines)
+        text = "".join(lines_until(proc.stdout, "Ctrl-C", timeout=90))
         assert "Ctrl-C stops them all" in text, text
         sockets = [str(tmp_path / "s" / f"peer{i}.sock") for i in range(3)]
         assert all(s in text for s in sockets)

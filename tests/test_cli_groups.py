@@ -10,7 +10,9 @@ import sys
 import pytest
 
 from peerd import cli
-from peerd.cli import COMMAND_GROUPS, LAB_GROUP, build_parser
+from peerd.cli import COMMAND_GROUPS, build_parser
+from peerd.cliargs import LAB_GROUP
+from peerd.tools import cli_tools
 
 from .support.processes import peerd
 
@@ -77,7 +79,7 @@ def test_old_names_work_with_one_deprecation_line(monkeypatch, capsys) -> None:
     assert capsys.readouterr().err == ("peerd: warning: 'peerd train' is deprecated and will be removed; "
                                        "use 'peerd demo-trainer'\n")
     assert seen[0].run == "r" and seen[0].steps == 3 and seen[0].timeout == 30.0
-    assert cli._COMMANDS["demo-trainer"] is cli.cmd_train
+    assert cli_tools.TOOL_COMMANDS["demo-trainer"] is cli_tools.TOOL_COMMANDS["train"] is cli_tools.cmd_train
     gloo = peerd("bench", "allreduce", "--compare-gloo", "--nat", "cone", check=False)
     assert gloo.returncode == 2
     assert "'peerd bench allreduce --compare-gloo' is deprecated" in gloo.stderr and "--baseline gloo" in gloo.stderr

@@ -2,7 +2,8 @@
 
 - inputs are methods named for what arrives, each taking ``now`` as its last positional parameter;
 - a core with timers has ``get_timer() -> float | None`` and ``handle_timer(now)``, and none of the older names;
-- a core that emits has ``take_actions()`` (a paced data core also ``datagrams_to_send(now, limit)``);
+- a core that emits has ``take_actions()`` (a paced data core also ``datagrams_to_send(now, limit)``), and emits
+  only there: none of its inputs hands an action (a frozen dataclass) back to its caller;
 - ``statistics()`` returns a frozen dataclass, never a dict.
 
 A core not converted yet is on NOT_YET with the branch of work that converts it; the list only shrinks."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import types
 import typing
 
 import pytest
@@ -49,12 +51,30 @@ def contract_violations(cls: type) -> list[str]:
         params = _params(getattr(cls, name))
         if "now" in params and params[-1] != "now" and name != "datagrams_to_send":
             found.append(f"{name}{tuple(params)}: now comes last")
+        if "now" in params and "take_actions" in own and name != "datagrams_to_send":
+            returned = _frozen_returned(getattr(cls, name))
+            if returned is not None:
+                found.append(f"{name} returns {returned.__name__}: a core with take_actions queues its decisions")
     if "statistics" in own:
         hints = typing.get_type_hints(cls.statistics)
         ret = hints.get("return")
-        if not (isinstance(ret, type) and dataclasses.is_dataclass(ret) and ret.__dataclass_params__.frozen):
+        if not _frozen(ret):
             found.append(f"statistics() returns {ret!r}, not a frozen dataclass")
     return found
+
+
+def _frozen(t: object) -> bool:
+    return isinstance(t, type) and dataclasses.is_dataclass(t) and t.__dataclass_params__.frozen
+
+
+def _frozen_returned(fn: typing.Any) -> type | None:
+    """The frozen dataclass ``fn`` returns (alone or in a union), or None: an action handed back, not queued."""
+    ret = typing.get_type_hints(fn).get("return")
+    union = typing.get_origin(ret) in (typing.Union, types.UnionType)
+    for t in (ret, *(typing.get_args(ret) if union else ())):
+        if _frozen(t):
+            return typing.cast(type, t)
+    return None
 
 
 def _params(fn: typing.Any) -> list[str]:
@@ -111,6 +131,11 @@ class _Bad:
     def statistics(self) -> dict: ...
 
 
+class _Handing:
+    def receive_pass(self, datagrams: int, now: float) -> _Frozen | None: ...
+    def take_actions(self) -> list: ...
+
+
 class _Unfrozen:
     def statistics(self) -> _Loose: ...
 
@@ -122,4 +147,6 @@ def test_the_checker_passes_a_core_in_shape_and_names_each_departure() -> None:
                      "get_timer takes no",
                      "receive('now', 'data'): now comes last", "not a frozen dataclass"):
         assert expected in found
+    assert contract_violations(_Handing) == [
+        "receive_pass returns _Frozen: a core with take_actions queues its decisions"]
     assert contract_violations(_Unfrozen) == [f"statistics() returns {_Loose!r}, not a frozen dataclass"]

@@ -42,6 +42,13 @@ RS_DATA = 0x40
 PREFIX_SIZE = 13
 FAST = settings(max_examples=200, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+# what a datagram is sealed under: sealed or not, a token, and a first sequence number (also near the end of the
+# sequence space)
+SEALING = {
+    "sealed": st.booleans(),
+    "token": st.integers(1, 2**64 - 1),
+    "seq": st.one_of(st.integers(0, 2**20), st.integers(2**64 - 200, 2**64 - 101)),
+}
 
 
 def test_native_is_built_where_required() -> None:
@@ -95,9 +102,7 @@ def test_dataplane_names() -> None:
 @needs_native
 @FAST
 @given(
-    sealed=st.booleans(),
-    token=st.integers(1, 2**64 - 1),
-    seq=st.one_of(st.integers(0, 2**20), st.integers(2**64 - 200, 2**64 - 101)),
+    **SEALING,
     rows=st.integers(0, 24),
     size=st.integers(0, 300),
     pad=st.integers(0, 7),
@@ -450,9 +455,7 @@ def test_native_bounds_are_checked() -> None:
 @needs_native
 @FAST
 @given(
-    sealed=st.booleans(),
-    token=st.integers(1, 2**64 - 1),
-    seq=st.one_of(st.integers(0, 2**20), st.integers(2**64 - 200, 2**64 - 101)),
+    **SEALING,
     rows=st.integers(0, 16),
     head_len=st.sampled_from([0, 1, 19, 31, 64, 65]),
     count=st.integers(0, 80),

@@ -114,10 +114,9 @@ def test_diloco_outer_averages_bound_claimed_weights_by_default_hostile(tmp_path
     from peerd.allreduce.robust import MAX_C
     from peerd.torch import DiLoCo
 
-    from .support.trainer_harness import InProcessAverager, ThreadDaemon
+    from .support.trainer_harness import thread_daemon
 
-    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.1))
-    try:
+    with thread_daemon(tmp_path, group_size=1, wait_s=0.1) as daemon:
         torch.manual_seed(0)
         m = torch.nn.Linear(4, 2)
         opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="wb", socket=daemon.path, sync_every=2,
@@ -128,10 +127,7 @@ def test_diloco_outer_averages_bound_claimed_weights_by_default_hostile(tmp_path
             opt.step(samples=3)
         cap = MAX_SAMPLES_FACTOR * 2 * 3.0  # the first outer step stands for 2 inner steps of 3 samples
         assert opt.outer_steps == 2 and opt.max_samples == cap
-        outer = [o for o, r in zip(daemon.averager.options, daemon.averager.round_numbers, strict=True)
-                 if r is not None]
+        outer = daemon.averager.outer_options()
         assert len(outer) == 2, outer
         assert all(o.get("robust") == Robust("clip", MAX_C) and o.get("max_weight") == cap for o in outer), outer
         opt.close()
-    finally:
-        daemon.stop()

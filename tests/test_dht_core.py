@@ -23,13 +23,9 @@ from peerd.wire import messages as m
 from peerd.wire.errors import WireError
 from peerd.wire.identity import Identity
 
-FAST = settings(
-    derandomize=True,
-    database=None,
-    deadline=None,
-    max_examples=60,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+from .support.properties import repeatable
+
+FAST = repeatable(60)
 
 node_ids = st.binary(min_size=32, max_size=32)
 

@@ -29,9 +29,10 @@ from peerd.trainer.outer import DhtBoard, OuterError, agree  # noqa: E402
 from peerd.trainer.outer_step import OUTER_ROUNDS  # noqa: E402
 from peerd.trainer.records import OuterRecord, winner  # noqa: E402
 
-from .support.diloco import _lossy_copies, _swarm, batch, flat, model, replay  # noqa: E402
+from .support.diloco import _lossy_copies, _swarm, batch, replay  # noqa: E402
 from .support.memnet import run_on_memnet  # noqa: E402
-from .support.trainer_harness import WINDOW_END, InProcessAverager, ThreadDaemon  # noqa: E402
+from .support.torch_models import flat, model  # noqa: E402
+from .support.trainer_harness import WINDOW_END, InProcessAverager, ThreadDaemon, thread_daemon  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -98,8 +99,7 @@ def train_in_threads(models: list, opts: list, steps: int) -> None:
 
 @pytest.mark.parametrize("fragments", [1, 2])
 def test_three_trainers_follow_a_replay_of_diloco(tmp_path, fragments: int) -> None:
-    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=3, wait_s=10.0))
-    try:
+    with thread_daemon(tmp_path, group_size=3, wait_s=10.0) as daemon:
         models = [model(0) for _ in range(3)]
         opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=4,
                        fragments=fragments, sync_state=False, state_every=0) for m in models]
@@ -122,8 +122,6 @@ def test_three_trainers_follow_a_replay_of_diloco(tmp_path, fragments: int) -> N
         assert sorted(set(outer_calls)) == sorted({OUTER_ROUNDS * h["step"] for h in opts[0].history})
         for o in opts:
             o.close()
-    finally:
-        daemon.stop()
 
 
 def test_an_outer_step_on_a_grid_chains_each_rounds_window_to_the_last(tmp_path) -> None:
@@ -220,8 +218,7 @@ def test_compressed_outer_averages_agree_and_follow_the_rule_on_the_dequantized_
 
 
 def test_a_joiner_takes_global_parameters_and_outer_momentum(tmp_path) -> None:
-    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=1.0))
-    try:
+    with thread_daemon(tmp_path, group_size=1, wait_s=1.0) as daemon:
         m = model(0)
         opt = DiLoCo(m, torch.optim.Adam(m.parameters(), lr=0.01), run="dl", socket=daemon.path, sync_every=3,
                      sync_state=False, state_every=0)
@@ -246,8 +243,6 @@ def test_a_joiner_takes_global_parameters_and_outer_momentum(tmp_path) -> None:
             other.load_snapshot(blob)
         for o in (opt, joiner, other):
             o.close()
-    finally:
-        daemon.stop()
 
 
 class MemorySync:

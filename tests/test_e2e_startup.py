@@ -8,13 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from peerd.wire.identity import write_identity, write_swarm_key
 
-from .support.processes import peerd, peerd_json, wait_until
+from .support.processes import lines_until, peerd, peerd_json, peerd_process, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -67,9 +66,7 @@ def test_announce_of_the_other_family_is_one_line(tmp_path) -> None:
 def test_live_socket_is_refused_and_kept(tmp_path) -> None:
     """The second node started with the first one's --socket: told to pick another, the first is untouched."""
     sock = str(tmp_path / "d.sock")
-    first = subprocess.Popen([sys.executable, "-m", "peerd", "join", "--insecure", "--listen", "127.0.0.1:0",
-                              "--socket", sock], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    first = peerd_process("join", "--insecure", "--listen", "127.0.0.1:0", "--socket", sock)
     try:
         wait_until(lambda: os.path.exists(sock) and peerd_json("status", "--socket", sock), timeout=30,
                    interval=0.2, what="the first daemon")
@@ -85,19 +82,9 @@ def test_live_socket_is_refused_and_kept(tmp_path) -> None:
 
 def test_port_zero_and_wildcard_log_the_real_port_and_a_usable_bootstrap_hint(tmp_path) -> None:
     sock = str(tmp_path / "d.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "peerd", "join", "--insecure", "--listen", "0.0.0.0:0",
-                             "--socket", sock], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = peerd_process("join", "--insecure", "--listen", "0.0.0.0:0", "--socket", sock)
     try:
-        lines = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "others join with" in line:
-                break
+        lines = lines_until(proc.stderr, "others join with", timeout=30)
         text = "".join(lines)
         hint = lines[-1]
         assert "others join with --bootstrap" in hint, text

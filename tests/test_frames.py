@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerd.localsock.frames import LENGTH, MAX_FRAME, FrameDecoder, FrameError, encode_frame
 
-FAST = settings(
-    derandomize=True,
-    database=None,
-    deadline=None,
-    max_examples=100,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+from .support.properties import repeatable
+
+FAST = repeatable(100)
 
 scalars = st.one_of(
     st.none(),

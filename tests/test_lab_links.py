@@ -23,7 +23,7 @@ from peerd.tools.lab import LabError, LinkLab, format_rate, parse_rate, tbf_para
 from peerd.tools.lab import links as links_mod
 from peerd.tools.swarm import LocalSwarm
 
-from .support.processes import peerd, peerd_json, wait_until
+from .support.processes import killed_lab, peerd, peerd_json, wait_until
 
 # Skipped only where this is not root. As root a missing tool (ip, tc, nft, ethtool) fails them, with the
 # lab's error saying what to install: CI runs as root and must install them.
@@ -264,11 +264,7 @@ def test_teardown_in_a_child_on_signals_and_errors(how: str, rc: int) -> None:
 @needs_lab
 def test_sweep_removes_what_a_killed_run_left() -> None:
     """SIGKILL cannot be handled: the namespaces stay, and sweep_stale (only names of dead pids) removes them."""
-    proc = subprocess.Popen([sys.executable, "-m", "peerd.tools.lab.links", "hold", "--peers", "1"],
-                            stdout=subprocess.PIPE, text=True)
-    info = json.loads(proc.stdout.readline())
-    proc.kill()
-    proc.wait()
+    info = killed_lab("peerd.tools.lab.links", "--peers", "1")
     assert info["bridge"] in links_mod._list_netns()
     with LinkLab(1, "10mbit") as alive:  # a live run's namespaces are never swept
         swept = links_mod.sweep_stale()

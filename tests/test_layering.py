@@ -24,8 +24,9 @@ PEERD = ROOT / "peerd"
 # the version). A module may import only from its own area and from areas in LOWER layers: never sideways within
 # a layer, never upward.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    # the C extension, rng, metrics; the deadline tuner (a pure core the rounds, the trainer and the status share)
-    ("foundation", frozenset({"peerd", "_dataplane", "entropy", "metrics", "deadlines"})),
+    # the C extension, rng, metrics; the deadline tuner (a pure core the rounds, the trainer and the status share);
+    # the argparse pieces the command line and the tooling's commands share
+    ("foundation", frozenset({"peerd", "_dataplane", "entropy", "metrics", "deadlines", "cliargs"})),
     ("wire", frozenset({"wire"})),  # envelope, sealing, messages: what a datagram is
     # moving bytes, coding arrays; the owner's views (status: the page's HTTP server, the terminal table)
     ("links", frozenset({"transport", "compress", "localsock", "addresses", "status"})),

@@ -15,7 +15,7 @@ from peerd.transport import Endpoint
 from peerd.wire import messages as m
 from peerd.wire.identity import Identity
 
-from .support.memnet import MemNet
+from .support.memnet import MemNet, run_all, started
 
 SECRET = bytes(range(32))
 
@@ -42,10 +42,7 @@ class SpiedNatNode:
         self.endpoint._send_datagram = spy  # type: ignore[method-assign]
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as n:
-            await n.start(self.endpoint.serve)
-            await n.start(self.nat.run)
-            task_status.started()
+        await run_all(self.endpoint.serve, self.nat.run, task_status=task_status)
 
 
 def test_members_cannot_steer_probes_connects_or_relays() -> None:
@@ -53,9 +50,7 @@ def test_members_cannot_steer_probes_connects_or_relays() -> None:
         net = MemNet(seed=1, latency=0.002)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            a, b, c = (SpiedNatNode(net, i) for i in range(3))
-            for n in (a, b, c):
-                await nursery.start(n.run)
+            a, b, c = await started(nursery, [SpiedNatNode(net, i) for i in range(3)])
             victim = ("198.51.100.77", 9)
             # b has not reached a: a's PROBE_ASK and CONNECT are refused, nothing goes to the victim
             await a.endpoint.request(b.addr, m.MsgType.PING, {})
@@ -119,11 +114,7 @@ class DhtNode(SpiedNatNode):
         return next((c.addr for c in self.dht.core.table.contacts() if c.node_id == node_id), None)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as n:
-            await n.start(self.endpoint.serve)
-            await n.start(self.dht.run)
-            await n.start(self.nat.run)
-            task_status.started()
+        await run_all(self.endpoint.serve, self.dht.run, self.nat.run, task_status=task_status)
 
 
 def fresh_ping(node: SpiedNatNode, to: bytes, rid: int = 77) -> bytes:
@@ -142,9 +133,7 @@ def test_an_unsolicited_relayed_naming_another_member_reroutes_nothing_hostile()
         net = MemNet(seed=2, latency=0.002)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            a, b, mal = (DhtNode(net, i) for i in range(3))
-            for n in (a, b, mal):
-                await nursery.start(n.run)
+            a, b, mal = await started(nursery, [DhtNode(net, i) for i in range(3)])
             await b.dht.bootstrap([a.addr], timeout=5)
             await mal.dht.bootstrap([a.addr], timeout=5)
             await a.endpoint.request(b.addr, m.MsgType.PING, {})
@@ -181,9 +170,7 @@ def test_connect_and_intro_do_not_make_a_node_a_reflector_hostile() -> None:
         net = MemNet(seed=3, latency=0.002)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            a, mal = SpiedNatNode(net, 0), SpiedNatNode(net, 1)
-            for n in (a, mal):
-                await nursery.start(n.run)
+            a, mal = await started(nursery, [SpiedNatNode(net, 0), SpiedNatNode(net, 1)])
             victim = ("198.51.100.77", 9)
             await a.endpoint.request(mal.addr, m.MsgType.PING, {})  # a reached the member: its CONNECTs count
             await mal.endpoint.request(a.addr, m.MsgType.PING, {})
@@ -305,9 +292,7 @@ def test_a_relay_becomes_a_path_after_a_ping_through_it_and_goes_on_a_direct_ans
         net = BlockingNet(seed=4, latency=0.002)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            a, b, r = (SpiedNatNode(net, i) for i in range(3))
-            for n in (a, b, r):
-                await nursery.start(n.run)
+            a, b, r = await started(nursery, [SpiedNatNode(net, i) for i in range(3)])
             r.nat.reach.verdict = "public"
             for x, y in ((a, r), (b, r), (r, a), (r, b)):
                 await x.endpoint.request(y.addr, m.MsgType.PING, {})

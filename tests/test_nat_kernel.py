@@ -20,6 +20,8 @@ import pytest
 from peerd.tools.lab import links as links_mod
 from peerd.tools.lab.nat import SYMMETRIC_PORTS, NatLab
 
+from .support.processes import killed_lab
+
 NOT_ROOT = os.geteuid() != 0
 pytestmark = pytest.mark.skipif(NOT_ROOT, reason="the NAT lab needs root: network namespaces and nftables")
 
@@ -33,25 +35,22 @@ def sock(port):
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind(("0.0.0.0", port))
     return s
-def drain(s, seconds, into):
+def arrivals(s, seconds):
     end = time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:
         s.settimeout(left)
         try:
-            data, src = s.recvfrom(2048)
+            got = s.recvfrom(2048)
         except socket.timeout:
             break
+        yield got
+def drain(s, seconds, into):
+    for data, src in arrivals(s, seconds):
         into.append([f"{src[0]}:{src[1]}", data.decode()])
 if mode == "echo":  # echo PORT SECONDS: answer each datagram with the source address seen
     s = sock(int(args[0]))
     print("ready", flush=True)
-    end = time.monotonic() + float(args[1])
-    while (left := end - time.monotonic()) > 0:
-        s.settimeout(left)
-        try:
-            data, src = s.recvfrom(2048)
-        except socket.timeout:
-            break
+    for data, src in arrivals(s, float(args[1])):
         s.sendto(f"{src[0]}:{src[1]}".encode(), src)
 elif mode == "probe":  # probe PORT LISTEN_S DEST...: what each DEST saw, then whatever else arrives
     s = sock(int(args[0]))
@@ -233,11 +232,7 @@ def test_nat_lab_leaves_nothing_behind() -> None:
 
 def test_sweep_removes_what_a_killed_nat_lab_left() -> None:
     """SIGKILL leaves the namespaces (routers included); sweep_stale removes them."""
-    proc = subprocess.Popen([sys.executable, "-m", "peerd.tools.lab.nat", "hold", "--kinds", "cone,public"],
-                            stdout=subprocess.PIPE, text=True)
-    info = json.loads(proc.stdout.readline())
-    proc.kill()
-    proc.wait()
+    info = killed_lab("peerd.tools.lab.nat", "--kinds", "cone,public")
     names = {info["bridge"], *info["namespaces"], *info["routers"]}
     assert names <= set(links_mod._list_netns())
     assert names <= set(links_mod.sweep_stale())

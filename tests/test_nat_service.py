@@ -14,6 +14,7 @@ from peerd.nat.service import NatService
 from peerd.transport.endpoint import RpcError
 from peerd.wire import messages as m
 
+from .support.memnet import started  # noqa: E402
 from .support.nat_nodes import KINDS, NatMemNet, NatNode  # noqa: E402
 
 EXPECT = {"p1": "public", "p2": "public", "c1": "cone-nat", "c2": "cone-nat", "s1": "symmetric-nat",
@@ -29,9 +30,8 @@ def test_six_nodes_behind_nats_verdicts_and_paths() -> None:
         net = NatMemNet(seed=7, latency=0.005)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            nodes = {name: NatNode(net, name, i) for i, name in enumerate(KINDS)}
-            for node in nodes.values():
-                await nursery.start(node.run)
+            nodes = {node.name: node for node in
+                     await started(nursery, [NatNode(net, name, i) for i, name in enumerate(KINDS)])}
             p1 = nodes["p1"]
             p1.dht.bootstrapped.set()
             for node in list(nodes.values())[1:]:
@@ -191,9 +191,7 @@ def test_connect_to_a_peer_nothing_can_reach_gives_up_before_its_timeout() -> No
         net = NatMemNet(latency=0.01)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            p1, p2 = NatNode(net, "p1", 0), NatNode(net, "p2", 1)
-            for n in (p1, p2):
-                await nursery.start(n.run)
+            p1, p2 = await started(nursery, [NatNode(net, "p1", 0), NatNode(net, "p2", 1)])
             await p1.endpoint.request(p2.addr, m.MsgType.PING, {}, node_id=p2.identity.node_id)
             p1.nat.reached[p2.identity.node_id] = p2.addr  # (an introducer and a relay to try)
             t0 = trio.current_time()
@@ -232,9 +230,8 @@ def test_a_failed_punch_to_a_peer_that_answers_directly_does_not_relay_it() -> N
         net = NatMemNet(latency=0.01)
         async with trio.open_nursery() as nursery:
             net.nursery = nursery
-            p1, relay, target = NatNode(net, "p1", 0), NatNode(net, "p2", 1), NatNode(net, "p1", 2)
-            for n in (p1, relay, target):
-                await nursery.start(n.run)
+            p1, relay, target = await started(nursery, [NatNode(net, "p1", 0), NatNode(net, "p2", 1),
+                                                        NatNode(net, "p1", 2)])
             tid = target.identity.node_id
             await p1.endpoint.request(relay.addr, m.MsgType.PING, {}, node_id=relay.identity.node_id)
             await relay.endpoint.request(target.addr, m.MsgType.PING, {}, node_id=tid)  # a relay both reached

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from peerd.nat.reach import CONE, PUBLIC, SYMMETRIC, UNKNOWN
+from peerd.nat.reach import CONE, PUBLIC, SYMMETRIC, UNKNOWN, Reach
 from peerd.tools.sim.natnode import DIRECT, PUNCHED, RELAYED, SimNatNode
 from peerd.tools.sim.net import NAT_UNREPLIED_S, Network
 
@@ -63,6 +63,16 @@ def _mapped(net: Network, node: SimNatNode, toward: tuple[str, int]) -> tuple[st
     return box.outbound(node.addr, toward, net.now)
 
 
+def settled_lab(seed: int) -> tuple[Network, dict[str, SimNatNode], dict[str, tuple[str, int]]]:
+    """``lab(seed)`` 30 s after every node started, with every node's address published to all."""
+    net, nodes, public = lab(seed)
+    for node in nodes.values():
+        node.start()
+    net.run(until=30.0)
+    publish(nodes)
+    return net, nodes, public
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reachability_verdicts_by_verification(seed: int) -> None:
     net, nodes, public = lab(seed)
@@ -84,6 +94,17 @@ def step(core, now: float) -> list:
     """Run a core's timer at ``now`` and take what it queued."""
     core.handle_timer(now)
     return core.take_actions()
+
+
+def asking_for_a_probe() -> tuple[Reach, list]:
+    """A Reach whose two observers saw one mapping, at 0.2 once it asks for a probe: the core, and what it queued."""
+    c = Reach(random.Random(3), observers=2, probes=1, probe_timeout=4.0)
+    for i in range(2):
+        c.add_peer(nid(f"o{i}"), (f"198.51.100.{i}", 7000))
+    c.start(0.0)
+    for a in step(c, 0.0):
+        c.receive_observed(a.node_id, ("203.0.113.9", 4000), 0.1)
+    return c, step(c, 0.2)
 
 
 def test_a_probe_from_a_peer_this_node_sent_to_proves_nothing() -> None:
@@ -122,13 +143,7 @@ def test_different_mappings_mean_symmetric_and_no_probe_means_cone() -> None:
     r.receive_observed(obs[0].node_id, ("203.0.113.9", 4000), 0.1)
     r.receive_observed(obs[1].node_id, ("203.0.113.9", 4001), 0.1)
     assert step(r, 0.2) == [] and (r.verdict, r.basis) == (SYMMETRIC, "mappings")
-    c = Reach(random.Random(3), observers=2, probes=1, probe_timeout=4.0)
-    for i in range(2):
-        c.add_peer(nid(f"o{i}"), (f"198.51.100.{i}", 7000))
-    c.start(0.0)
-    for a in step(c, 0.0):
-        c.receive_observed(a.node_id, ("203.0.113.9", 4000), 0.1)
-    ask = step(c, 0.2)
+    c, ask = asking_for_a_probe()
     assert isinstance(ask[0], AskProbe)
     c.receive_probe_asked(ask[0].node_id, True, 0.3)
     assert step(c, 1.0) == [] and c.verdict == UNKNOWN  # still waiting for the probe
@@ -155,11 +170,7 @@ def test_symmetric_nat_maps_per_destination_and_mappings_expire() -> None:
 
 
 def test_punch_cone_to_cone_and_relay_for_symmetric() -> None:
-    net, nodes, public = lab(4)
-    for node in nodes.values():
-        node.start()
-    net.run(until=30.0)
-    publish(nodes)
+    net, nodes, public = settled_lab(4)
     p1 = nodes["p1"]
     relays = [(p1.node_id, public["p1"])]
     introducer = (p1.node_id, public["p1"])
@@ -190,11 +201,7 @@ def test_punch_cone_to_cone_and_relay_for_symmetric() -> None:
 
 
 def test_punched_path_stays_open_with_keepalives() -> None:
-    net, nodes, public = lab(5)
-    for node in nodes.values():
-        node.start()
-    net.run(until=30.0)
-    publish(nodes)
+    net, nodes, public = settled_lab(5)
     c1, c2 = nodes["c1"], nodes["c2"]
     intro = (nodes["p1"].node_id, public["p1"])
     c1.connect(c2.node_id, c2.reach.observed_addr, intro, [])
@@ -238,15 +245,8 @@ def test_probe_limiter_bounds_unsolicited_probes() -> None:
 def test_a_late_probe_still_proves_reachability() -> None:
     """Under load a PROBE can arrive after its helper's time ran out: it proves reachability as well as a prompt
     one, even after the node settled on ``cone-nat``."""
-    from peerd.nat.reach import Reach
 
-    c = Reach(random.Random(3), observers=2, probes=1, probe_timeout=4.0)
-    for i in range(2):
-        c.add_peer(nid(f"o{i}"), (f"198.51.100.{i}", 7000))
-    c.start(0.0)
-    for a in step(c, 0.0):
-        c.receive_observed(a.node_id, ("203.0.113.9", 4000), 0.1)
-    ask = step(c, 0.2)
+    c, ask = asking_for_a_probe()
     c.receive_probe_asked(ask[0].node_id, True, 0.3)
     step(c, 4.2)
     assert (c.verdict, c.basis) == (CONE, "no-probe")

@@ -15,6 +15,7 @@ The board is in memory (outer.Board: records and blobs in dicts), and time is vi
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -93,8 +94,29 @@ def lossy(truth: np.ndarray, n: int, seed: int) -> list[np.ndarray]:
     return out
 
 
-def run(main) -> None:
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+def run(main) -> Any:
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+async def agree_each(shared: Shared, members: list[bytes], vectors: list[np.ndarray], running: int | None = None,
+                     **options: Any) -> tuple[dict[int, Any], dict[int, float]]:
+    """The first ``running`` members (default: all) agree at once on the outer step of group "g" (every one of
+    ``members``), each from a copy of its ``vectors[i]``: their results and the time each took, by index."""
+    results: dict[int, Any] = {}
+    took: dict[int, float] = {}
+    size = len(members)
+
+    async def one(i: int) -> None:
+        t0 = trio.current_time()
+        results[i] = await agree(MemBoard(shared, members[i]), members[i], vectors[i].copy(), group="g", size=size,
+                                 index=i, state=b"", repair_s=30, deadline_s=60, members=members, expect=size,
+                                 **options)
+        took[i] = trio.current_time() - t0
+
+    async with trio.open_nursery() as nursery:
+        for i in range(size if running is None else running):
+            nursery.start_soon(one, i)
+    return results, took
 
 
 async def forge(shared: Shared, node: bytes, group: str, size: int, index: int, vector: np.ndarray,
@@ -121,21 +143,13 @@ def test_a_non_member_cannot_repair_a_shard_hostile() -> None:
     attacker = ids(1, tag=9)[0]
     forged = truth.copy()
     forged[slice(*shard_bounds(truth.size, 3, 0))] = 1e6
-    results: dict[int, object] = {}
 
-    async def main() -> None:
+    async def main() -> tuple[dict[int, Any], dict[int, float]]:
         shared = Shared()
         await forge(shared, attacker, "g", 3, 0, forged)  # published first: read before the real owner's
+        return await agree_each(shared, members, held)
 
-        async def one(i: int) -> None:
-            results[i] = await agree(MemBoard(shared, members[i]), members[i], held[i].copy(), group="g", size=3,
-                                     index=i, state=b"", repair_s=30, deadline_s=60, members=members, expect=3)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(3):
-                nursery.start_soon(one, i)
-
-    run(main)
+    results, _ = run(main)
     for i in range(3):
         np.testing.assert_array_equal(results[i].vector, truth)
         assert results[i].final == sha(truth.tobytes())
@@ -147,23 +161,14 @@ def test_nodes_outside_the_round_cannot_outvote_it_hostile() -> None:
     truth = np.random.default_rng(3).standard_normal(3_000).astype(np.float32)
     members = ids(3)
     sybils = ids(5, tag=7)
-    results: dict[int, object] = {}
 
-    async def main() -> None:
+    async def main() -> tuple[dict[int, Any], dict[int, float]]:
         shared = Shared()
         for s in sybils:
             await forge(shared, s, "other", 1, 0, np.full(truth.size, 1e6, np.float32))
+        return await agree_each(shared, members, [truth] * 3, participants=frozenset(members))
 
-        async def one(i: int) -> None:
-            results[i] = await agree(MemBoard(shared, members[i]), members[i], truth.copy(), group="g", size=3,
-                                     index=i, state=b"", repair_s=30, deadline_s=60, members=members, expect=3,
-                                     participants=frozenset(members))
-
-        async with trio.open_nursery() as nursery:
-            for i in range(3):
-                nursery.start_soon(one, i)
-
-    run(main)
+    results, _ = run(main)
     for i in range(3):
         np.testing.assert_array_equal(results[i].vector, truth)
         assert not results[i].adopted and results[i].ignored == len(sybils)
@@ -174,25 +179,13 @@ def test_a_member_that_never_publishes_a_final_does_not_stall_the_step_hostile()
     (30 s of a 60 s deadline here); the three others agree, a majority of the round: they end at once."""
     truth = np.random.default_rng(4).standard_normal(4_000).astype(np.float32)
     members = ids(4)
-    took: dict[int, float] = {}
-    results: dict[int, object] = {}
 
-    async def main() -> None:
+    async def main() -> tuple[dict[int, Any], dict[int, float]]:
         shared = Shared()
         await forge(shared, members[3], "g", 4, 3, truth, final=False)  # its shard is right; no final, ever
+        return await agree_each(shared, members, [truth] * 4, running=3, participants=frozenset(members))
 
-        async def one(i: int) -> None:
-            t0 = trio.current_time()
-            results[i] = await agree(MemBoard(shared, members[i]), members[i], truth.copy(), group="g", size=4,
-                                     index=i, state=b"", repair_s=30, deadline_s=60, members=members, expect=4,
-                                     participants=frozenset(members))
-            took[i] = trio.current_time() - t0
-
-        async with trio.open_nursery() as nursery:
-            for i in range(3):
-                nursery.start_soon(one, i)
-
-    run(main)
+    results, took = run(main)
     assert {results[i].final for i in range(3)} == {sha(truth.tobytes())}
     assert max(took.values()) < 2.0, took
 
@@ -201,22 +194,11 @@ def test_an_owner_that_publishes_nothing_does_not_hold_the_repair_phase_hostile(
     """Before: an owner that never published a record held every member for the whole repair phase (30 s)."""
     truth = np.random.default_rng(5).standard_normal(4_000).astype(np.float32)
     members = ids(4)
-    took: dict[int, float] = {}
 
-    async def main() -> None:
-        shared = Shared()
+    async def main() -> tuple[dict[int, Any], dict[int, float]]:
+        return await agree_each(Shared(), members, [truth] * 4, running=3)
 
-        async def one(i: int) -> None:
-            t0 = trio.current_time()
-            await agree(MemBoard(shared, members[i]), members[i], truth.copy(), group="g", size=4, index=i,
-                        state=b"", repair_s=30, deadline_s=60, members=members, expect=4)
-            took[i] = trio.current_time() - t0
-
-        async with trio.open_nursery() as nursery:
-            for i in range(3):
-                nursery.start_soon(one, i)
-
-    run(main)
+    _, took = run(main)
     assert max(took.values()) < 5.0, took
 
 
@@ -226,27 +208,16 @@ def test_an_owner_serving_bytes_that_do_not_verify_is_given_up_on_hostile() -> N
     truth = np.random.default_rng(6).standard_normal(4_000).astype(np.float32)
     members = ids(4)
     held = lossy(truth, 4, 7)
-    took: dict[int, float] = {}
-    results: dict[int, object] = {}
 
-    async def main() -> None:
+    async def main() -> tuple[dict[int, Any], dict[int, float]]:
         shared = Shared()
         await forge(shared, members[3], "g", 4, 3, truth, final=False)
         rec = OuterRecord.decode(members[3], shared.records[members[3]])
         assert rec is not None
         shared.records[members[3]] = replace(rec, shard=bytes(32)).encode()  # no bytes hash to this
+        return await agree_each(shared, members, held, running=3)
 
-        async def one(i: int) -> None:
-            t0 = trio.current_time()
-            results[i] = await agree(MemBoard(shared, members[i]), members[i], held[i].copy(), group="g", size=4,
-                                     index=i, state=b"", repair_s=30, deadline_s=60, members=members, expect=4)
-            took[i] = trio.current_time() - t0
-
-        async with trio.open_nursery() as nursery:
-            for i in range(3):
-                nursery.start_soon(one, i)
-
-    run(main)
+    results, took = run(main)
     assert len({results[i].final for i in range(3)}) == 1
     assert max(took.values()) < 10.0, took
 
@@ -257,20 +228,11 @@ def test_repairs_fetch_only_the_pieces_that_differ() -> None:
     truth = np.random.default_rng(8).standard_normal(30_000).astype(np.float32)
     members = ids(3)
     held = lossy(truth, 3, 9)
-    results: dict[int, object] = {}
 
-    async def main() -> None:
-        shared = Shared()
+    async def main() -> tuple[dict[int, Any], dict[int, float]]:
+        return await agree_each(Shared(), members, held)
 
-        async def one(i: int) -> None:
-            results[i] = await agree(MemBoard(shared, members[i]), members[i], held[i].copy(), group="g", size=3,
-                                     index=i, state=b"", repair_s=30, deadline_s=60, members=members, expect=3)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(3):
-                nursery.start_soon(one, i)
-
-    run(main)
+    results, _ = run(main)
     for i in range(3):
         np.testing.assert_array_equal(results[i].vector, truth)
         lost = int(np.count_nonzero(held[i] != truth)) * 4
@@ -299,10 +261,9 @@ def test_robust_applies_to_diloco_outer_averages_hostile(tmp_path) -> None:
     from peerd.allreduce.robust import Robust
     from peerd.torch import DiLoCo
 
-    from .support.trainer_harness import InProcessAverager, ThreadDaemon
+    from .support.trainer_harness import thread_daemon
 
-    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.1))
-    try:
+    with thread_daemon(tmp_path, group_size=1, wait_s=0.1) as daemon:
         torch.manual_seed(0)
         m = torch.nn.Linear(4, 2)
         opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="rb", socket=daemon.path, sync_every=2,
@@ -312,9 +273,6 @@ def test_robust_applies_to_diloco_outer_averages_hostile(tmp_path) -> None:
             m(torch.randn(3, 4)).sum().backward()
             opt.step()
         assert opt.outer_steps == 1
-        outer = [o for o, r in zip(daemon.averager.options, daemon.averager.round_numbers, strict=True)
-                 if r is not None]
+        outer = daemon.averager.outer_options()
         assert outer and all(o.get("robust") == Robust("clip", 2.0) for o in outer), outer
         opt.close()
-    finally:
-        daemon.stop()

@@ -7,6 +7,7 @@ the members agree on came from pushed records (and state sync's fetches for the 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
@@ -18,6 +19,25 @@ from peerd.trainer.records import OuterRecord, shard_bounds
 from peerd.wire import messages as m
 
 RUN_KEY = "run/0123456789abcdef"
+
+
+class _Rto:
+    def __init__(self, srtt: Callable[[object], float | None]) -> None:
+        self.srtt = srtt
+
+
+class BoardSync:
+    """The state sync a DhtBoard fetches through, as these tests fake it: node 1, no advert, 1100-byte bodies and
+    the round trips ``srtt`` gives; a test's subclass answers ``fetch_range``."""
+
+    node_id = b"\x01" * 32
+    advertise = None
+
+    def __init__(self, srtt: Callable[[object], float | None]) -> None:
+        self.endpoint = type("E", (), {"max_body": 1100, "rto": _Rto(srtt)})()
+
+    async def resolve(self, node: bytes, addr: object) -> object:
+        return addr
 
 
 class _NoReadBoard(DhtBoard):
@@ -179,24 +199,16 @@ def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
 
     asked: list[tuple[int, int, float, int]] = []
 
-    class Rto:
-        def srtt(self, addr: object) -> float | None:
-            return 0.01 if addr == ("10.0.0.2", 9) else None
+    def srtt(addr: object) -> float | None:
+        return 0.01 if addr == ("10.0.0.2", 9) else None
 
-    class Sync:
-        node_id = b"\x01" * 32
-        advertise = None
-        endpoint = type("E", (), {"max_body": 1100, "rto": Rto()})()
-
-        async def resolve(self, node: bytes, addr: object) -> object:
-            return addr
-
+    class Sync(BoardSync):
         async def fetch_range(self, addr: object, store: str, sha: bytes, off: int, n: int, *, timeout: float,
                               attempts: int) -> bytes:
             asked.append((off, n, timeout, attempts))
             return bytes(n)
 
-    board = DhtBoard(Sync(), "run", 3)
+    board = DhtBoard(Sync(srtt), "run", 3)
     holder = OuterRecord(b"\x02" * 32, "g", 2, 1, b"\x00" * 32, b"\x00" * 32, b"", b"", 1000, ("10.0.0.2", 9))
     got = trio.run(board.fetch_range, holder, b"\x00" * 32, 100, 2000)
     assert got == bytes(2000)
@@ -217,7 +229,7 @@ def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
                 raise RpcError("no answer from 10.0.0.2:9 to state_get")
             return bytes(n)
 
-    got = trio.run(DhtBoard(Lossy(), "run", 3).fetch_range, holder, b"\x00" * 32, 0, 100)
+    got = trio.run(DhtBoard(Lossy(srtt), "run", 3).fetch_range, holder, b"\x00" * 32, 0, 100)
     assert got == bytes(100)
     assert waits == [0.04] * FETCH_FLAT + [0.04 * 2 ** k for k in range(1, 7 - FETCH_FLAT)]
 
@@ -229,7 +241,7 @@ def test_repair_requests_retransmit_after_a_few_round_trips() -> None:
     waits.clear()
     refused = False
     try:
-        trio.run(DhtBoard(Refusing(), "run", 3).fetch_range, holder, b"\x00" * 32, 0, 100)
+        trio.run(DhtBoard(Refusing(srtt), "run", 3).fetch_range, holder, b"\x00" * 32, 0, 100)
     except* RpcError:
         refused = True
     assert refused and waits == [-1.0]  # a refusal is not asked again
@@ -244,16 +256,10 @@ def test_a_repair_request_to_an_owner_without_a_round_trip_waits_the_swarms_not_
     where = {owner: ("10.0.0.2", 9), peer: ("10.0.0.3", 9)}
     srtts: dict[object, float] = {}
 
-    class Rto:
-        def srtt(self, addr: object) -> float | None:
-            return srtts.get(addr)
-
-    class Sync:
-        node_id = me
-        advertise = None
-        endpoint = type("E", (), {"max_body": 1100, "rto": Rto(), "addr_of": staticmethod(where.get)})()
-
-    board = DhtBoard(Sync(), "run", 3, peers=[me, owner, peer])
+    sync = BoardSync(srtts.get)
+    sync.endpoint.addr_of = where.get
+    assert sync.node_id == me
+    board = DhtBoard(sync, "run", 3, peers=[me, owner, peer])
     assert board._srtt(where[owner]) is None  # nothing known: the default wait
     assert fetch_timeout(board._srtt(where[owner])) == FETCH_TIMEOUT_S
     srtts[where[peer]] = 0.01
@@ -276,18 +282,7 @@ def test_the_winning_average_is_fetched_windowed_from_every_holder_and_verified_
     asked: list[tuple[object, int]] = []
     inflight = [0, 0]
 
-    class Rto:
-        def srtt(self, addr: object) -> float | None:
-            return 0.01
-
-    class Sync:
-        node_id = b"\x01" * 32
-        advertise = None
-        endpoint = type("E", (), {"max_body": 1100, "rto": Rto()})()
-
-        async def resolve(self, node: bytes, addr: object) -> object:
-            return addr
-
+    class Sync(BoardSync):
         async def fetch_range(self, addr: object, store: str, want: bytes, off: int, n: int, *, timeout: float,
                               attempts: int) -> bytes:
             asked.append((addr, off))
@@ -304,7 +299,7 @@ def test_the_winning_average_is_fetched_windowed_from_every_holder_and_verified_
     def holder(addr: tuple[str, int], k: int) -> OuterRecord:
         return OuterRecord(bytes([k]) * 32, "g", 2, 0, b"\x00" * 32, b"\x00" * 32, sha, b"", 5_000, addr)
 
-    board = DhtBoard(Sync(), "run", 3)
+    board = DhtBoard(Sync(lambda addr: 0.01), "run", 3)
     got = trio.run(board.fetch, sha, len(vector), [holder(good, 2), holder(mute, 3)])
     assert bytes(got) == vector
     assert {a for a, _ in asked} == {good, mute}  # spread over both; the mute one's chunks came from the other

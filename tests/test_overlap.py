@@ -17,7 +17,7 @@ from peerd.torch.overlap import Schedule, plan_buckets, summarize  # noqa: E402
 
 from .support.overlap import batch, mlp, run_pair  # noqa: E402
 from .support.torch_models import flat  # noqa: E402
-from .support.trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
+from .support.trainer_harness import InProcessAverager, ThreadDaemon, thread_daemon  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -127,8 +127,7 @@ def test_overlap_with_a_run_per_bucket_gives_the_parameters_of_synchronous_steps
 
 
 def test_overlap_hooks_apply_each_layers_update_before_its_forward_and_send_buckets_in_backward_order(tmp_path):
-    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.1))
-    try:
+    with thread_daemon(tmp_path, group_size=1, wait_s=0.1) as d:
         m = mlp(1)
         opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="h", socket=d.path, sync_state=False,
                         state_every=0, average_params_every=0, overlap=True, model=m, bucket_mb=0.0001)
@@ -171,14 +170,11 @@ def test_overlap_hooks_apply_each_layers_update_before_its_forward_and_send_buck
         assert all(not torch.equal(b, mod.weight) for b, mod in zip(before, linears, strict=True))
         assert opt.outcomes == {"alone": 3} and opt.local_steps == 3
         opt.close()
-    finally:
-        d.stop()
 
 
 def test_overlap_matches_sync_alone_including_the_last_step(tmp_path) -> None:
     """A lone trainer: overlap after flush() equals synchronous SGD steps exactly (own gradients back)."""
-    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.05))
-    try:
+    with thread_daemon(tmp_path, group_size=1, wait_s=0.05) as d:
         out = []
         for overlap in (False, True):
             m = mlp(3)
@@ -194,8 +190,6 @@ def test_overlap_matches_sync_alone_including_the_last_step(tmp_path) -> None:
             out.append(flat(m))
             opt.close()
         torch.testing.assert_close(out[0], out[1], rtol=1e-6, atol=1e-7)
-    finally:
-        d.stop()
 
 
 def test_overlap_daemon_death_is_a_clear_error(tmp_path) -> None:

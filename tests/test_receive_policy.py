@@ -33,7 +33,16 @@ def pause_after(policy: ReceivePolicy, now: float, junk: int, backlog: bool, hon
     policy.start_pass()
     if junk:
         policy.refused("auth_limited", junk)
-    return policy.receive_pass(junk + honest, backlog, now, now).pause
+    return decide(policy, junk + honest, backlog, now, now).pause
+
+
+def decide(core: ReceivePolicy | TransportCore, datagrams: int, backlog: bool, started: float,
+           now: float) -> PassDecision:
+    """End a pass and take the one action it queued: its decision."""
+    core.receive_pass(datagrams, backlog, started, now)
+    actions = core.take_actions()
+    assert len(actions) == 1 and isinstance(actions[0], PassDecision)
+    return actions[0]
 
 
 def datagram(mtype: int, size: int = 60, token: int = 1) -> bytes:
@@ -89,16 +98,16 @@ def test_a_trickle_of_tensor_data_waits_short_then_long_and_a_full_pass_never_wa
     for i in range(3):
         policy.start_pass()
         policy.data_blocks += 1
-        decisions.append(policy.receive_pass(10, False, i * 0.01, i * 0.01))
+        decisions.append(decide(policy, 10, False, i * 0.01, i * 0.01))
     assert decisions == [PassDecision(COALESCE_FIRST_S, "trickle"), PassDecision(COALESCE_S, "trickle"),
                          PassDecision(COALESCE_S, "trickle")]
     policy.data_blocks += 1  # a backlog, or a pass of many datagrams, is no trickle and ends the run
-    assert policy.receive_pass(10, True, 0.05, 0.05) == PassDecision(0.0, "")
+    assert decide(policy, 10, True, 0.05, 0.05) == PassDecision(0.0, "")
     policy.data_blocks += 1
-    assert policy.receive_pass(COALESCE_BELOW, False, 0.06, 0.06) == PassDecision(0.0, "")
+    assert decide(policy, COALESCE_BELOW, False, 0.06, 0.06) == PassDecision(0.0, "")
     policy.data_blocks += 1
-    assert policy.receive_pass(10, False, 0.07, 0.07).pause == COALESCE_FIRST_S  # a new run starts short
-    assert policy.receive_pass(10, False, 0.08, 0.08) == PassDecision(0.0, "")  # no tensor data: no wait
+    assert decide(policy, 10, False, 0.07, 0.07).pause == COALESCE_FIRST_S  # a new run starts short
+    assert decide(policy, 10, False, 0.08, 0.08) == PassDecision(0.0, "")  # no tensor data: no wait
     stats = policy.statistics()
     assert (stats.passes, stats.trickle_pauses, stats.junk_pauses) == (7, 4, 0)
 
@@ -107,14 +116,14 @@ def test_the_pause_is_the_core_timer_and_a_caught_up_pass_is_remembered() -> Non
     core = TransportCore(random.Random(1))
     policy = core.receiving
     policy.data_blocks += 1
-    decision = core.receive_pass(3, False, 1.0, 1.002)
+    decision = decide(core, 3, False, 1.0, 1.002)
     assert core.get_timer() == pytest.approx(1.002 + decision.pause)
     assert policy.statistics().caught_up_at == 1.0  # the pass began at 1.0 and emptied the socket
     core.handle_timer(1.0025)  # early: the pause still runs
     assert core.get_timer() is not None
     core.handle_timer(1.002 + decision.pause)
     assert core.get_timer() is None
-    core.receive_pass(RECV := 1024, True, 2.0, 2.01)  # a backlog: not caught up at 2.0
+    assert decide(core, RECV := 1024, True, 2.0, 2.01) == PassDecision(0.0, "")  # a backlog: not caught up at 2.0
     assert policy.caught_up_at == 1.0 and RECV
     stats = core.statistics()
     assert stats.receiving.passes == 2 and stats.open_requests == 0

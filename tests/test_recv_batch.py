@@ -26,16 +26,12 @@ from peerd.wire import messages as m
 from peerd.wire.envelope import FLAG_NO_RECEIVER, FLAG_SEALED, HEADER, MAGIC, VERSION
 from peerd.wire.native import native
 
-from .support.sockets import bind_loopback  # noqa: E402
+from .support.sockets import bind_loopback, loopback_pair, merge_prefix  # noqa: E402
 from .support.virtual import counter_value  # noqa: E402
 
 NOTHING_SCREENED = ([], 0, 0, 0, 0, 0)  # recv_batch's ``screened`` of a pass with nothing screened
 pytestmark = pytest.mark.skipif(NATIVE_RECV is None, reason="the native extension (recv_batch) is not built")
 RATION = getattr(native, "Ration", None)
-
-
-def _header(mtype: int, token: int) -> bytes:
-    return b"PD" + bytes([1, mtype, 0]) + token.to_bytes(8, "big")
 
 
 def _has_ipv6() -> bool:
@@ -53,7 +49,7 @@ def _traffic(rng: np.random.Generator) -> list[tuple[int, str, bytes | list[byte
     """(sender, kind, payload): GSO blocks of several streams (and a short last row), single datagrams of many sizes,
     tiny ones (shorter than the merge prefix) and empty ones, from two senders, interleaved."""
     plan: list[tuple[int, str, bytes | list[bytes]]] = []
-    a, b = _header(0x40, 1), _header(0x41, 7)
+    a, b = merge_prefix(0x40, 1), merge_prefix(0x41, 7)
     for step in range(40):
         sender = int(rng.integers(0, 2))
         kind = int(rng.integers(0, 6))
@@ -154,9 +150,7 @@ def test_native_and_python_passes_agree(family: int, limit: int, arena: int) -> 
 
 
 def test_a_pass_stops_at_its_limit_and_says_it_was_not_drained() -> None:
-    a, b = bind_loopback(socket.AF_INET), bind_loopback(socket.AF_INET)
-    b.setblocking(False)
-    try:
+    with loopback_pair() as (a, b):
         for i in range(30):
             a.sendto(bytes([i]) * (20 + i), b.getsockname())
         arena = memoryview(bytearray(4 * RECV_BUFFER))
@@ -168,16 +162,11 @@ def test_a_pass_stops_at_its_limit_and_says_it_was_not_drained() -> None:
         blocks, used, datagrams, receives, drained, drops, _ = NATIVE_RECV(b.fileno(), arena, 1024, RECV_BUFFER)
         assert (len(blocks), datagrams, drained) == (20, 20, True)
         assert NATIVE_RECV(b.fileno(), arena, 1024, RECV_BUFFER) == ([], 0, 0, 0, True, -1, NOTHING_SCREENED)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_slots_are_bounded_by_the_arena() -> None:
     """With room for only two slots, a pass takes two receives (even of tiny datagrams) and stops, not drained."""
-    a, b = bind_loopback(socket.AF_INET), bind_loopback(socket.AF_INET)
-    b.setblocking(False)
-    try:
+    with loopback_pair() as (a, b):
         for i in range(5):
             a.sendto(bytes([i]) * 100, b.getsockname())
         arena = memoryview(bytearray(2 * 1000 + 999))
@@ -190,23 +179,15 @@ def test_slots_are_bounded_by_the_arena() -> None:
         blocks, used, datagrams, receives, drained, _, _ = NATIVE_RECV(b.fileno(), arena, 1024, 1000)
         assert receives == 1 and used == 600 and not drained  # 400 bytes left: no room for another slot
         assert bytes(blocks[0][0]) == bytes([0]) * 600
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_datagram_longer_than_its_slot_is_cut_as_recvmsg_cuts_it() -> None:
-    a, b = bind_loopback(socket.AF_INET), bind_loopback(socket.AF_INET)
-    b.setblocking(False)
-    try:
+    with loopback_pair() as (a, b):
         a.sendto(b"x" * 3000, b.getsockname())
         a.sendto(b"y" * 10, b.getsockname())
         arena = memoryview(bytearray(8192))
         blocks, used, *_ = NATIVE_RECV(b.fileno(), arena, 16, 1024)
         assert [bytes(d) for d, _, _ in blocks] == [b"x" * 1024, b"y" * 10] and used == 1034
-    finally:
-        a.close()
-        b.close()
 
 
 def test_icmp_errors_end_a_pass_without_raising() -> None:
@@ -416,8 +397,6 @@ def test_the_screen_refuses_what_the_python_triage_refuses_and_answers_members(i
         member.sock.close()
 
     trio.run(main)
-
-
 
 
 # -- rationing in C (dataplane.c Ration, recv_batch's ``ration``) against guard.AuthLimiter and the Python loop -----
@@ -906,8 +885,8 @@ def test_arrivals_hold_the_kernels_receive_time_of_each_sources_latest_data(nati
                 pytest.skip("no SO_TIMESTAMPNS")
             import time
             before = time.time()
-            await tx1.sendto(_header(0x40, 1) + bytes(100), rx.getsockname())  # data
-            await tx2.sendto(_header(m.MsgType.PING, 2) + bytes(100), rx.getsockname())  # control
+            await tx1.sendto(merge_prefix(0x40, 1) + bytes(100), rx.getsockname())  # data
+            await tx2.sendto(merge_prefix(m.MsgType.PING, 2) + bytes(100), rx.getsockname())  # control
             await trio.sleep(0.05)
             after = time.time()
             with trio.fail_after(5):
@@ -918,11 +897,11 @@ def test_arrivals_hold_the_kernels_receive_time_of_each_sources_latest_data(nati
             stamp = rx.arrivals[tx1.getsockname()]
             assert before - 0.01 <= stamp <= after + 0.01
             await trio.sleep(0.02)
-            await tx1.sendto(_header(0x41, 1) + bytes(100), rx.getsockname())  # an END marker
+            await tx1.sendto(merge_prefix(0x41, 1) + bytes(100), rx.getsockname())  # an END marker
             with trio.fail_after(5):
                 await rx.recv_blocks(64)
             assert rx.arrivals[tx1.getsockname()] == stamp
-            await tx1.sendto(_header(0x42, 1) + bytes(100), rx.getsockname())  # all-gather data
+            await tx1.sendto(merge_prefix(0x42, 1) + bytes(100), rx.getsockname())  # all-gather data
             with trio.fail_after(5):
                 await rx.recv_blocks(64)
             assert rx.arrivals[tx1.getsockname()] >= stamp + 0.015  # the latest data's

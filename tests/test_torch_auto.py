@@ -110,10 +110,9 @@ def _replicas(tmp_path, delay_s: float, compute_s: float | tuple[float, float], 
 
     from peerd.torch import Optimizer
 
-    from .support.trainer_harness import InProcessAverager, ThreadDaemon
+    from .support.trainer_harness import thread_daemon
 
-    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0, delay_s=delay_s))
-    try:
+    with thread_daemon(tmp_path, group_size=2, wait_s=5.0, delay_s=delay_s) as d:
         models = []
         for _ in range(2):
             torch.manual_seed(0)
@@ -139,8 +138,6 @@ def _replicas(tmp_path, delay_s: float, compute_s: float | tuple[float, float], 
         for o in opts:
             o.close()
         return replies, models, opts, status
-    finally:
-        d.stop()
 
 
 def test_optimizer_auto_switches_both_replicas_to_int8_on_a_slow_link(tmp_path) -> None:
@@ -216,10 +213,9 @@ def test_explicit_compression_wins(tmp_path) -> None:
 
     from peerd.torch import Optimizer
 
-    from .support.trainer_harness import InProcessAverager, ThreadDaemon
+    from .support.trainer_harness import thread_daemon
 
-    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1))
-    try:
+    with thread_daemon(tmp_path, group_size=1) as d:
         m = torch.nn.Linear(512, 512)
         opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="x", socket=d.path, sync_state=False,
                         compression="fp32", state_every=0, average_params_every=10)
@@ -239,8 +235,6 @@ def test_explicit_compression_wins(tmp_path) -> None:
         with pytest.raises(ValueError, match="not with compression='auto'"):
             Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="y", socket=d.path, compression="auto",
                       quant_group=64)
-    finally:
-        d.stop()
 
 
 def test_trainer_report_auto_is_bounded_hostile(tmp_path) -> None:
@@ -250,10 +244,9 @@ def test_trainer_report_auto_is_bounded_hostile(tmp_path) -> None:
     from peerd.localsock.client import DaemonError
     from peerd.torch import Optimizer
 
-    from .support.trainer_harness import InProcessAverager, ThreadDaemon
+    from .support.trainer_harness import thread_daemon
 
-    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1))
-    try:
+    with thread_daemon(tmp_path, group_size=1) as d:
         opt = Optimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), run="h", socket=d.path,
                         sync_state=False, state_every=0)
         for bad in ({"reason": "x" * 10_000}, {"reason": {"nested": 1}}, {f"k{i}": 1 for i in range(9)},
@@ -264,5 +257,3 @@ def test_trainer_report_auto_is_bounded_hostile(tmp_path) -> None:
         opt._call("trainer_report", auto={"compression": "fp32", "reason": "ok"})
         assert [t.auto for t in d.service.statistics().sessions] == [{"compression": "fp32", "reason": "ok"}]
         opt.close()
-    finally:
-        d.stop()

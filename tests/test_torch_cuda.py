@@ -16,11 +16,11 @@ torch = pytest.importorskip("torch")
 from peerd.torch import DiLoCo, Optimizer  # noqa: E402
 
 from .support.diloco import batch, replay  # noqa: E402
-from .support.diloco import model as diloco_model  # noqa: E402
 from .support.overlap import mlp as overlap_mlp  # noqa: E402
 from .support.overlap import run_pair  # noqa: E402
 from .support.torch_models import flat  # noqa: E402
-from .support.trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
+from .support.torch_models import model as diloco_model  # noqa: E402
+from .support.trainer_harness import InProcessAverager, ThreadDaemon, thread_daemon  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -52,9 +52,8 @@ def run_threads(fns) -> None:
 
 @pytest.fixture
 def daemon(tmp_path):
-    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=30.0))
-    yield d
-    d.stop()
+    with thread_daemon(tmp_path, group_size=2, wait_s=30.0) as d:
+        yield d
 
 
 @pytest.mark.parametrize("devices", [("cuda", "cuda"), ("cuda", "cpu")])

@@ -4,7 +4,6 @@ exact in-process averager instead of Moshpit)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from peerd.torch import NoGroupError, Optimizer  # noqa: E402
 from peerd.torch.optimizer import DEFAULT_KEEP_ROUNDS, MAX_SAMPLES_FACTOR  # noqa: E402
 
 from .support.torch_models import flat, model  # noqa: E402
-from .support.trainer_harness import InProcessAverager, ThreadDaemon  # noqa: E402
+from .support.trainer_harness import InProcessAverager, ThreadDaemon, error_when_the_daemon_dies  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -197,22 +196,8 @@ def test_daemon_death_mid_round_is_a_clear_error_and_the_next_step_reconnects(tm
     m = model(0)
     opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="t", socket=path, sync_state=False,
                     state_every=0, timeout_s=30)
-    errors: list[str] = []
-
-    def step() -> None:
-        try:
-            train_step(m, opt, 0)
-        except DaemonError as e:
-            errors.append(str(e))
-
-    t = threading.Thread(target=step)
-    start = time.monotonic()
-    t.start()
-    time.sleep(0.5)
-    d.stop()  # dies while the round waits for a second member
-    t.join(15)
-    assert not t.is_alive() and time.monotonic() - start < 15
-    assert errors and "closed the connection" in errors[0]
+    # the daemon dies while the round waits for a second member
+    assert "closed the connection" in error_when_the_daemon_dies(lambda: train_step(m, opt, 0), d, within=15)
     with pytest.raises(DaemonError, match="no peerd daemon"):
         train_step(m, opt, 1)  # no daemon yet: a clear error, not a hang
     d2 = ThreadDaemon(path, InProcessAverager(group_size=1))

@@ -16,9 +16,8 @@ from peerd.torch import DiLoCo, Optimizer  # noqa: E402
 from peerd.torch.founders import SAME_STEPS, SameData  # noqa: E402
 from peerd.torch.report import StepReport  # noqa: E402
 
-from .support.diloco import model  # noqa: E402
-from .support.torch_models import flat  # noqa: E402
-from .support.trainer_harness import InProcessAverager, MemoryStateSync, ThreadDaemon  # noqa: E402
+from .support.torch_models import flat, model  # noqa: E402
+from .support.trainer_harness import InProcessAverager, MemoryStateSync, ThreadDaemon, thread_daemon  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -94,8 +93,7 @@ def test_grad_scaler_and_clipping_step_as_in_plain_pytorch(alone) -> None:
 
 
 def test_finish_leaves_every_replica_with_the_swarms_parameters(tmp_path) -> None:
-    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0))
-    try:
+    with thread_daemon(tmp_path, group_size=2, wait_s=5.0) as daemon:
         models = [model(0), model(7)]
         opts = [wrapped(m, daemon) for m in models]
         mean = (flat(models[0]) + flat(models[1])) / 2
@@ -112,8 +110,6 @@ def test_finish_leaves_every_replica_with_the_swarms_parameters(tmp_path) -> Non
             opts[0].finish(rounds=0)
         for o in opts:
             o.close()
-    finally:
-        daemon.stop()
 
 
 def test_every_step_reports_its_phases_to_the_trainer_the_daemon_and_its_metrics(alone) -> None:
@@ -274,8 +270,7 @@ def test_either_seeding_convention_trains_as_well_as_the_right_one(tmp_path, mod
 
 
 def test_replicas_that_draw_the_same_batches_get_the_warning_in_their_step_report(tmp_path) -> None:
-    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=5.0))
-    try:
+    with thread_daemon(tmp_path, group_size=2, wait_s=5.0) as daemon:
         models = [model(0), model(0)]
         opts = [wrapped(m, daemon) for m in models]
         warnings_seen: list[list[str]] = [[], []]
@@ -297,5 +292,3 @@ def test_replicas_that_draw_the_same_batches_get_the_warning_in_their_step_repor
             assert "same data in the same order" in seen[SAME_STEPS - 1]
         for o in opts:
             o.close()
-    finally:
-        daemon.stop()

@@ -16,14 +16,13 @@ from peerd.localsock.client import DaemonError, LocalClient
 from peerd.localsock.frames import encode_frame
 
 from .support.sessions import LAYOUT, open_session, step  # noqa: E402
-from .support.trainer_harness import InProcessAverager, ThreadDaemon
+from .support.trainer_harness import InProcessAverager, ThreadDaemon, error_when_the_daemon_dies, thread_daemon
 
 
 @pytest.fixture
 def daemon(tmp_path):
-    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=2, wait_s=3.0))
-    yield d
-    d.stop()
+    with thread_daemon(tmp_path, group_size=2, wait_s=3.0) as d:
+        yield d
 
 
 
@@ -162,22 +161,10 @@ def test_daemon_that_dies_mid_round_gives_a_clear_error_and_reconnect_works(tmp_
     client, arena, reply = open_session(path)
     arena.vector(1)[:] = 1
     arena.write_request(1, 1)
-    errors = []
-
-    def call():
-        try:
-            client.call("trainer_step", session=reply["session"], step=1, timeout_s=30)
-        except DaemonError as e:
-            errors.append(str(e))
-
-    t = threading.Thread(target=call)
-    start = time.monotonic()
-    t.start()
-    time.sleep(0.5)
-    d.stop()  # the daemon goes away while the round is open
-    t.join(10)
-    assert not t.is_alive() and time.monotonic() - start < 10
-    assert errors and "closed the connection" in errors[0]
+    # the daemon goes away while the round is open
+    error = error_when_the_daemon_dies(
+        lambda: client.call("trainer_step", session=reply["session"], step=1, timeout_s=30), d, within=10)
+    assert "closed the connection" in error
     with pytest.raises(DaemonError, match="broken"):
         client.call("status")
     with pytest.raises(DaemonError, match="no peerd daemon"):

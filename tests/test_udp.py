@@ -9,6 +9,8 @@ import trio
 
 from peerd.transport.udp import NATIVE_RECV, UdpSocket
 
+from .support.sockets import merge_prefix
+
 # The receive pass in C (dataplane.c recv_batch) where the extension has it, and the Python loop (the reference):
 # every receive test runs on both.
 RECEIVE_PATHS = [pytest.param(False, id="python"), pytest.param(True, id="native", marks=pytest.mark.skipif(
@@ -67,11 +69,6 @@ def test_receive_buffer_is_large() -> None:
         rx.close()
 
 
-def _header(mtype: int, token: int) -> bytes:
-    """The first bytes receives are merged on (magic, version, type, flags, token), then filler."""
-    return b"PD" + bytes([1, mtype, 0]) + token.to_bytes(8, "big")
-
-
 def test_receives_merge_into_blocks_of_one_stream_only(native_receive: bool) -> None:
     """Consecutive receives from one source whose datagrams have one size and start alike become one block;
     a different type, token, size or source starts a new one, and so does a datagram after a short one."""
@@ -80,10 +77,10 @@ def test_receives_merge_into_blocks_of_one_stream_only(native_receive: bool) -> 
         other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         other.bind(("127.0.0.1", 0))
         try:
-            a, b = _header(0x40, 1), _header(0x41, 1)
+            a, b = merge_prefix(0x40, 1), merge_prefix(0x41, 1)
             plan = [a + bytes([i]) * 987 for i in range(100)]  # one stream: 100 x 1000 bytes
             plan += [b + bytes([i]) * 987 for i in range(10)]  # another type
-            plan += [_header(0x41, 2) + bytes(987)] * 3  # another token
+            plan += [merge_prefix(0x41, 2) + bytes(987)] * 3  # another token
             plan += [b + bytes(108)]  # a short datagram of the second stream: a block of its own
             plan += [b + bytes(987)] * 2  # after a short one: a new block
             for d in plan:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bench.ddp_baseline import DDPConfig, run_ddp_baseline, time_to_accuracy
+from .bench.ddp_baseline import DDPConfig, read_events, run_ddp_baseline, tail, time_to_accuracy
 from .lab.links import LinkLab
 from .swarm import LocalSwarm
 
@@ -208,18 +208,6 @@ def divergence(vectors: list[list[float]]) -> float:
     return worst
 
 
-def _reader(index: int, stream, out: queue.Queue) -> None:
-    for line in stream:
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            out.put((index, json.loads(line)))
-        except json.JSONDecodeError:
-            out.put((index, {"event": "text", "text": line}))
-    out.put((index, {"event": "eof"}))
-
-
 def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - one linear script
     """Run the demo; returns the summary (the --json fields and more). Raises RuntimeError on failure."""
     say = (lambda *a, **k: print(*a, file=sys.stderr, flush=True, **k)) if cfg.json else log
@@ -293,7 +281,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
             procs[i] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
                                         text=True, env=env)
-            threading.Thread(target=_reader, args=(i, procs[i].stdout, events), daemon=True).start()
+            threading.Thread(target=read_events, args=(i, procs[i].stdout, events), daemon=True).start()
 
         def trainer_command(i: int) -> list[str]:
             cmd = [sys.executable, "-m", "peerd", "demo-trainer", "--run", RUN, "--socket", swarm.nodes[i].socket,
@@ -346,7 +334,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 for i, p in procs.items():
                     if p.poll() not in (None, 0) and i not in done and i not in killed:
                         raise RuntimeError(f"trainer {i} exited with {p.returncode}: "
-                                           f"{_tail(os.path.join(workdir, f'trainer{i}.log'))}") from None
+                                           f"{tail(os.path.join(workdir, f'trainer{i}.log'))}") from None
                 continue
             kind = ev.get("event")
             if kind == "start":
@@ -377,7 +365,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             elif kind == "eof" and i not in done and i not in killed:
                 code = procs[i].wait(10)
                 raise RuntimeError(f"trainer {i} exited with {code} before finishing: "
-                                   f"{_tail(os.path.join(workdir, f'trainer{i}.log'))}")
+                                   f"{tail(os.path.join(workdir, f'trainer{i}.log'))}")
             if victims and not killed and swarm_step >= kill_at:
                 for j in sorted(victims):  # a peer dies at once: its trainer and its daemon, SIGKILL
                     procs[j].kill()
@@ -549,11 +537,3 @@ def _sum_outcomes(results: list[dict]) -> dict[str, int]:
         for k, v in r["outcomes"].items():
             total[k] = total.get(k, 0) + v
     return total
-
-
-def _tail(path: str, lines: int = 15) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""

@@ -17,7 +17,8 @@
   challenges, and the rationing of authentication failures (``AuthLimiter``) live here, bounded.
 - **Receivers.** Which node id is at which address (an LRU), to seal each datagram for its receiver.
 - **Receiving.** What a receive pass accepts, refuses, handles first and counts, and the pause after it: the
-  ``ReceivePolicy`` (transport/receive.py) at ``receiving``, one ``PassDecision`` per pass.
+  ``ReceivePolicy`` (transport/receive.py) at ``receiving``; ``receive_pass`` queues one ``PassDecision`` per
+  pass among the actions.
 
 The trio endpoint (transport/endpoint.py) seals, sends, waits until ``get_timer`` and carries out the actions;
 the tests drive this class directly in virtual time.
@@ -111,7 +112,7 @@ class Deliver:
 
 
 RequestAction = Transmit | Answered | Expired  # what one request needs: its caller carries these out
-Action = Transmit | Answered | Expired | AddressValidated | Deliver
+Action = Transmit | Answered | Expired | AddressValidated | Deliver | PassDecision
 
 
 @dataclass(slots=True)
@@ -189,9 +190,12 @@ class TransportCore:
         raise PendingFull("no fresh request id found")  # only with a broken rng
 
     # -- the receive loop (the decisions are transport/receive.py's) ---------------------------------------------
-    def receive_pass(self, datagrams: int, backlog: bool, started: float, now: float) -> PassDecision:
-        """A receive pass ended (see ReceivePolicy.receive_pass): what the loop does before the next."""
-        return self.receiving.receive_pass(datagrams, backlog, started, now)
+    def receive_pass(self, datagrams: int, backlog: bool, started: float, now: float) -> None:
+        """A receive pass ended (see ReceivePolicy.receive_pass): queues what the loop does before the next (a
+        ``PassDecision``)."""
+        receiving = self.receiving
+        receiving.receive_pass(datagrams, backlog, started, now)
+        self._actions += receiving.take_actions()
 
     # -- requests --------------------------------------------------------------------------------------------
     def open_request(self, addr: Hashable, expect: int, *, timeout: float, attempts: int, now: float) -> int:

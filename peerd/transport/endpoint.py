@@ -153,6 +153,7 @@ class Endpoint(Inbound):
         self._tending = False
         self._timer_at = math.inf
         self._timer_moved = trio.Event()
+        self._pause_s = 0.0  # the last receive pass's decision: how long the loop waits before the next
         self._bind_hooks: list[Callable[[int, bytes], None]] = []
         # the tokens an overloaded receive pass never sheds (the averaging host's running groups' members)
         self.protected_tokens: Callable[[], dict[int, None]] | None = None

@@ -35,7 +35,7 @@ from ..wire.identity import node_id_of, verify_token_binding
 from ..wire.seal import TAG_SIZE, TokenState
 from .core import Action, AddressValidated, Deliver, RequestAction
 from .pause import Pause
-from .receive import DERIVE, OPEN, REFUSE, rows_share_head
+from .receive import DERIVE, OPEN, REFUSE, PassDecision, rows_share_head
 from .rpc import Address, Incoming, Peer, RpcError
 
 log = logging.getLogger("peerd.transport")
@@ -108,10 +108,13 @@ class Inbound:
 
     def carry_out(self, actions: list[Action], now: float) -> None:
         """What the core asked for, without awaiting: a request's action goes to its caller (who sends, or
-        returns the answer, or raises), a validated address's held answers and a handler's answer to the outbox."""
+        returns the answer, or raises), a validated address's held answers and a handler's answer to the outbox,
+        a pass's decision to the receive loop (``_pause_s``)."""
         for action in actions:
             if isinstance(action, Deliver):
                 self._deliver(action.message, action.mtype, action.rid, action.source, now)
+            elif isinstance(action, PassDecision):  # the receive loop waits this long before its next pass
+                self._pause_s = action.pause
             elif isinstance(action, AddressValidated):
                 self._outbox.append(("validated", action.addr))
             else:
@@ -165,10 +168,15 @@ class Inbound:
             datagrams += self._receive_rest(batch, now)
             await self.flush()
             backlog = not sock.drained if self.caps.drained_flag else datagrams >= limit
-            decision = self.core.receive_pass(datagrams, backlog, now, trio.current_time())
-            if decision.pause > 0:
-                await pause_timer.wait(decision.pause)
-                self.core.handle_timer(trio.current_time())
+            end = trio.current_time()
+            self.core.receive_pass(datagrams, backlog, now, end)
+            self.carry_out(self.core.take_actions(), end)  # the pass's PassDecision sets _pause_s
+            pause, self._pause_s = self._pause_s, 0.0
+            if pause > 0:
+                await pause_timer.wait(pause)
+                end = trio.current_time()
+                self.core.handle_timer(end)
+                self.carry_out(self.core.take_actions(), end)
             else:
                 await trio.lowlevel.checkpoint()
 

@@ -6,7 +6,8 @@ recv_batch, which rations in C with the same table) only carry these decisions o
   charged a key derivation for it) or is refused unopened, and why.
 - **Per pass**: ``urgent`` picks the small PINGs and PONGs that go before the rest of a batch; ``ration`` gives the
   per-source rationing of key derivations for datagrams under unknown tokens; ``receive_pass`` ends a pass and
-  returns its ``PassDecision`` (pause under a junk flood, a coalescing wait for a trickle of tensor data, or none).
+  queues its ``PassDecision`` (pause under a junk flood, a coalescing wait for a trickle of tensor data, or none)
+  for ``take_actions``.
 - **Counts**: drops and accepted datagrams are counted in plain ints while a pass runs and drained once per pass
   (``take_counts``); ``accepted`` is the one place where an accepted datagram's (type, source, bytes) is known.
 """
@@ -64,8 +65,8 @@ REFUSE = "auth_limited"  # refused unopened: its source may not derive a key now
 
 @dataclass(frozen=True, slots=True)
 class PassDecision:
-    """What the loop does after a pass: wait ``pause`` seconds (0: go on at once, after a checkpoint); ``why`` is
-    ``"junk"`` (interrupt moderation under a flood), ``"trickle"`` (let tensor data queue) or ``""``."""
+    """The action a pass ends with: the loop waits ``pause`` seconds (0: goes on at once, after a checkpoint);
+    ``why`` is ``"junk"`` (interrupt moderation under a flood), ``"trickle"`` (let tensor data queue) or ``""``."""
 
     pause: float
     why: str
@@ -169,6 +170,7 @@ class ReceivePolicy:
         self.caught_up_at = -math.inf  # when the last pass that emptied the socket began
         self._trickles = 0  # trickle passes in a row
         self._wake_at: float | None = None
+        self._actions: list[PassDecision] = []  # one decision per pass, until take_actions
         self._passes = self._junk_pauses = self._trickle_pauses = 0
 
     # -- per datagram ------------------------------------------------------------------------------------------
@@ -249,9 +251,10 @@ class ReceivePolicy:
     def start_pass(self) -> None:
         self.junk = self.answers = 0
 
-    def receive_pass(self, datagrams: int, backlog: bool, started: float, now: float) -> PassDecision:
+    def receive_pass(self, datagrams: int, backlog: bool, started: float, now: float) -> None:
         """A pass that began at ``started`` handled ``datagrams`` and ended at ``now``; ``backlog``: it stopped at
-        its limit (datagrams or arena), not because the socket was empty, so the next pass starts at once."""
+        its limit (datagrams or arena), not because the socket was empty, so the next pass starts at once. Queues
+        the pass's ``PassDecision``."""
         self._passes += 1
         if not backlog:
             self.caught_up_at = started
@@ -268,7 +271,12 @@ class ReceivePolicy:
         else:  # a busy socket always has data: go on (after a checkpoint, so senders and timers are not starved)
             decision = PassDecision(0.0, "")
         self._wake_at = now + decision.pause if decision.pause > 0 else None
-        return decision
+        self._actions.append(decision)
+
+    def take_actions(self) -> list[PassDecision]:
+        """The decisions of the passes since the last call, in order (drained)."""
+        actions, self._actions = self._actions, []
+        return actions
 
     def get_timer(self) -> float | None:
         """When the pause after the last pass ends (None: no pause runs)."""

@@ -9,12 +9,7 @@ torch = pytest.importorskip("torch")
 from peerd.torch.diloco import due_fragments, fragment_bounds  # noqa: E402
 from peerd.trainer.records import shard_bounds  # noqa: E402
 
-from .torch_models import flat  # noqa: E402
-
-
-def model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+from .torch_models import flat, model  # noqa: E402
 
 
 def batch(i: int, s: int):

@@ -128,3 +128,19 @@ def run_on_memnet(body: Callable[[Any, trio.Nursery], Awaitable[Any]], net: MemN
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
+
+
+async def run_all(*runs: Callable[..., Awaitable[Any]], task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """A node's ``run``: start each of ``runs`` (a service's ``run`` or an endpoint's ``serve``) in order, each up
+    before the next, report started, and run them until cancelled."""
+    async with trio.open_nursery() as nursery:
+        for run in runs:
+            await nursery.start(run)
+        task_status.started()
+
+
+async def started(nursery: trio.Nursery, nodes: list[Any]) -> list[Any]:
+    """Start each node's ``run`` in ``nursery``, each up before the next: the nodes."""
+    for node in nodes:
+        await nursery.start(node.run)
+    return nodes

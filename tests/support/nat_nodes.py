@@ -14,7 +14,7 @@ from peerd.tools.sim.net import NatBox
 from peerd.transport import Endpoint
 from peerd.wire.identity import Identity
 
-from .memnet import MemNet
+from .memnet import MemNet, run_all
 
 SECRET = bytes(range(32))
 
@@ -75,8 +75,4 @@ class NatNode:
         self.nat = NatService(self.endpoint, self.metrics, rng=random.Random(50 + index))
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.endpoint.serve)
-            await nursery.start(self.dht.run)
-            await nursery.start(self.nat.run)
-            task_status.started()
+        await run_all(self.endpoint.serve, self.dht.run, self.nat.run, task_status=task_status)

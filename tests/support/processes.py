@@ -52,3 +52,33 @@ def wait_until(predicate, timeout: float, interval: float = 1.0, what: str = "co
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+def peerd_process(*args: str, stdout: int = subprocess.DEVNULL) -> subprocess.Popen:
+    """Start the peerd CLI in the background (its stderr piped, as text, for the test to read)."""
+    return subprocess.Popen([sys.executable, "-m", "peerd", *args], stdin=subprocess.DEVNULL, stdout=stdout,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def lines_until(stream, marker: str, timeout: float) -> list[str]:
+    """Read ``stream``'s lines up to the first holding ``marker`` (included), its end, or ``timeout`` seconds."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            break
+        lines.append(line)
+        if marker in line:
+            break
+    return lines
+
+
+def killed_lab(module: str, *args: str) -> dict:
+    """Start ``python -m module hold ARGS`` (a lab that holds its namespaces), read the JSON line that names them,
+    then SIGKILL it, so that nothing it made is removed: that line."""
+    proc = subprocess.Popen([sys.executable, "-m", module, "hold", *args], stdout=subprocess.PIPE, text=True)
+    info = json.loads(proc.stdout.readline())
+    proc.kill()
+    proc.wait()
+    return info

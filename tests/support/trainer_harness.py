@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import trio
 
+from peerd.localsock.client import DaemonError
 from peerd.localsock.server import LocalServer
 from peerd.metrics import Metrics
 from peerd.moshpit.service import RoundResult
@@ -48,6 +52,10 @@ class InProcessAverager:
         self.timeouts: list[float] = []  # the timeout_s each call was given
         self.poison: float | None = None  # if set, every averaged result holds this value (e.g. NaN) at [0]
         self._ids = 0
+
+    def outer_options(self) -> list[dict]:
+        """The options of the calls that named their round (DiLoCo's outer averages)."""
+        return [o for o, r in zip(self.options, self.round_numbers, strict=True) if r is not None]
 
     async def average(self, run_id: str, vector: np.ndarray, weight: float, *, timeout_s: float = 30.0,
                       keep_rounds: int | None = None, round_no: int | None = None, ready=None,
@@ -186,6 +194,39 @@ class ThreadDaemon:
 
     def gauge(self, gauge) -> float:
         return next(s.value for m in gauge.collect() for s in m.samples)
+
+
+@contextmanager
+def thread_daemon(tmp_path: Path, group_size: int, wait_s: float = 5.0, delay_s: float = 0.0) -> Iterator[ThreadDaemon]:
+    """A ThreadDaemon at ``tmp_path``/d.sock over an InProcessAverager(group_size, wait_s, delay_s), stopped when
+    the block ends."""
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size, wait_s, delay_s))
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+def error_when_the_daemon_dies(call: Callable[[], object], daemon: ThreadDaemon, within: float) -> str:
+    """Run ``call`` in a thread and stop ``daemon`` half a second in, while the call waits on it: the call must
+    raise a DaemonError within ``within`` seconds, whose text this returns."""
+    errors: list[str] = []
+
+    def run() -> None:
+        try:
+            call()
+        except DaemonError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=run)
+    start = time.monotonic()
+    t.start()
+    time.sleep(0.5)
+    daemon.stop()
+    t.join(within)
+    assert not t.is_alive() and time.monotonic() - start < within
+    assert errors, "the call returned instead of raising DaemonError"
+    return errors[0]
 
 
 class MemoryStateSync:

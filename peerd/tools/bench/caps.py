@@ -160,7 +160,7 @@ def run_caps_bench(cfg: CapsBenchConfig, *, say: Any = print) -> dict[str, Any]:
 
 
 def add_parser(bench: Any) -> None:
-    """The `bench caps` sub-parser (cli.py carries one call and one dispatch line)."""
+    """The `bench caps` sub-parser (registered by name in tools/cli_tools.py's BENCH_MODULES)."""
     b = bench.add_parser("caps", help="4 daemons in the link lab average continuously, one capped: does it keep "
                                       "to its cap, and the group's round to what the cap allows? (root)")
     b.add_argument("--peers", type=int, default=4, metavar="N", help="daemons and trainers (default 4)")

@@ -169,7 +169,7 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
             kw: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": log, "stdin": subprocess.DEVNULL,
                                   "text": True, "env": env}
             procs.append(lab.popen(r, argv, **kw) if lab is not None else subprocess.Popen(argv, **kw))
-            threading.Thread(target=_reader, args=(r, procs[-1].stdout, events), daemon=True).start()
+            threading.Thread(target=read_events, args=(r, procs[-1].stdout, events), daemon=True).start()
         say(f"baseline: {cfg.world} torch DDP ranks over gloo ({cfg.model}, {cfg.steps} steps)")
         starts: dict[int, float] = {}
         evals: dict[int, dict[int, tuple[float, float]]] = {}
@@ -185,7 +185,7 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
                 for r, p in enumerate(procs):
                     if p.poll() not in (None, 0) and r not in done:
                         raise RuntimeError(f"DDP rank {r} exited with {p.returncode}: "
-                                           f"{_tail(os.path.join(workdir, f'ddp{r}.log'))}") from None
+                                           f"{tail(os.path.join(workdir, f'ddp{r}.log'))}") from None
                 continue
             kind = ev.get("event")
             if kind == "start":
@@ -202,7 +202,7 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
             elif kind == "eof" and r not in done:
                 code = procs[r].wait(10)
                 raise RuntimeError(f"DDP rank {r} exited with {code} before finishing: "
-                                   f"{_tail(os.path.join(workdir, f'ddp{r}.log'))}")
+                                   f"{tail(os.path.join(workdir, f'ddp{r}.log'))}")
         for p in procs:
             p.wait(30)
         start = min(starts.values())
@@ -229,7 +229,8 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
             log.close()
 
 
-def _reader(index: int, stream, out: queue.Queue) -> None:
+def read_events(index: int, stream, out: queue.Queue) -> None:
+    """Put each JSON line a child prints on ``out`` as (index, event) (other text as a "text" event), then "eof"."""
     for line in stream:
         line = line.strip()
         if not line:
@@ -241,7 +242,8 @@ def _reader(index: int, stream, out: queue.Queue) -> None:
     out.put((index, {"event": "eof"}))
 
 
-def _tail(path: str, lines: int = 15) -> str:
+def tail(path: str, lines: int = 15) -> str:
+    """The last ``lines`` lines of a log file (empty when it cannot be read), for an error message."""
     try:
         with open(path, errors="replace") as f:
             return "".join(f.readlines()[-lines:])

@@ -267,7 +267,7 @@ def run_dht_bench(cfg: DhtBenchConfig, *, quiet: bool = False) -> dict[str, Any]
 
 
 def add_parser(bench: Any) -> None:
-    """The `bench dht` sub-parser (kept here so cli.py carries one call and one dispatch line)."""
+    """The `bench dht` sub-parser (registered by name in tools/cli_tools.py's BENCH_MODULES)."""
     b = bench.add_parser("dht", help="N daemons put and get K keys through the local API; latency and RPCs per get")
     b.add_argument("--peers", type=int, default=32, metavar="N", help="daemons (default 32)")
     b.add_argument("--keys", type=int, default=200, metavar="K", help="keys written and read (default 200)")

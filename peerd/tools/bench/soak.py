@@ -609,7 +609,7 @@ def _round(x: float | None) -> float | None:
 
 
 def cmd_bench_soak(args: Any, parser: Any) -> int:
-    """`peerd bench soak` (argparse glue kept here, so cli.py carries only the parser and one dispatch line)."""
+    """`peerd bench soak` (argparse glue kept here, so tools/cli_tools.py carries only the parser and the dispatch)."""
     cfg = SoakConfig(datagrams=args.datagrams, size=args.size, rate=args.rate, burst_share=args.burst_share,
                      calm_s=args.calm, seed=args.seed, identities=getattr(args, "identities", 64),
                      outsider_s=getattr(args, "outsider_seconds", 3.0),

@@ -307,7 +307,7 @@ def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
 
 # -- the command line -------------------------------------------------------------------------------------------
 def add_parser(bench: Any) -> None:
-    """The `bench step` sub-parser (here, so cli.py carries one call and one dispatch line)."""
+    """The `bench step` sub-parser (registered by name in tools/cli_tools.py's BENCH_MODULES)."""
     b = bench.add_parser("step", help="N daemons and trainers take M steps of a P-parameter model; where a step's "
                                       "time goes (phases, fixed cost beyond the bytes' time)")
     b.add_argument("--peers", type=int, default=4, metavar="N", help="daemons and trainers (default 4)")

@@ -1,0 +1,43 @@
+"""The argparse pieces that the daemon's command line (cli.py) and the tooling's (tools/cli_tools.py) share: number
+types, the lab option group, the fault injector's modes, the deprecation line. Imports nothing of the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+LAB_GROUP = "fault injection and lab (testing only)"
+# the fault injector's modes (tools.faults.MODES, spelled here so that parsing imports no numpy)
+BYZANTINE_CHOICES = ("scale", "signflip", "nan", "random", "inflate-signflip")
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def positive(text: str) -> float:
+    if (value := number(text)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def fraction(text: str) -> float:
+    if not 0.0 < (value := number(text)) <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    return value
+
+
+def lab_group(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The parser's argument group for fault-injection and lab options, made on first use."""
+    for group in p._action_groups:
+        if group.title == LAB_GROUP:
+            return group
+    return p.add_argument_group(LAB_GROUP)
+
+
+def deprecated(old: str, new: str) -> None:
+    """One line on stderr for an old name that still works (for one release)."""
+    print(f"peerd: warning: {old} is deprecated and will be removed; use {new}", file=sys.stderr)
