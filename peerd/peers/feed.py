@@ -92,8 +92,14 @@ class PeerFeed:
             table.receive_received(peer or node_id_at(source), self._addr(source), mtype, nbytes, relayed, at)
 
     def statistics(self) -> TableStatistics:
-        """The table's statistics with every datagram counted."""
-        self.flush(self.table.now)
+        """The table's statistics with every datagram counted, as of now (so ``rates_age_s`` says how old the
+        rates' window is when someone reads it)."""
+        try:
+            now = max(self.table.now, trio.current_time())
+        except RuntimeError:  # outside trio (a test's snapshot): the latest input's time
+            now = self.table.now
+        self.flush(now)
+        self.table.handle_timer(now)
         return self.table.statistics()
 
     def _report(self, peer: bytes | None, fields: dict[str, Any], outgoing: bool, now: float) -> None:

@@ -56,6 +56,7 @@ class PeerStatistics:
     loss_in: float | None  # of what it sent this node (this node's REPORTs)
     send_bps: float
     recv_bps: float
+    rate_window_s: float  # the rates are over this many seconds, ending at the table's latest sample
     goodput_out_bps: float  # send rate times what arrived (1 - loss_out)
     goodput_in_bps: float  # what arrived from it
     sent_bytes: dict[str, int]  # by kind (KINDS)
@@ -80,6 +81,7 @@ class TableStatistics:
     unattributed_bytes: int  # bytes to or from no known node (a PING to a new address)
     send_bps: float  # all peers together
     recv_bps: float
+    rates_age_s: float | None  # how long before ``now`` the rates' window ended (the latest sample; None: none yet)
     sent_bytes: int
     received_bytes: int
     relayed_bytes: int  # of sent_bytes + received_bytes, over relayed paths
@@ -131,6 +133,7 @@ class PeerTable:
         self._unattributed = 0
         self._now = 0.0
         self._next_tick: float | None = None
+        self._sampled: float | None = None  # the latest tick's time
         self._totals = [0, 0, 0]  # sent, received, relayed
         self._sent_by_kind = dict.fromkeys(KINDS, 0)
         self._received_by_kind = dict.fromkeys(KINDS, 0)
@@ -255,6 +258,7 @@ class PeerTable:
             return
         for p in self._peers.values():
             p.samples.append((now, sum(p.sent.values()), sum(p.received.values())))
+        self._sampled = now
         self._next_tick = now + TICK_S
 
     # -- output ----------------------------------------------------------------------------------
@@ -262,11 +266,12 @@ class PeerTable:
         now = self._now
         peers = []
         for node, p in self._peers.items():
-            send_bps = recv_bps = 0.0
+            send_bps = recv_bps = window = 0.0
             if len(p.samples) >= 2:
                 (t0, s0, r0), (t1, s1, r1) = p.samples[0], p.samples[-1]
                 if t1 > t0:
-                    send_bps, recv_bps = (s1 - s0) / (t1 - t0), (r1 - r0) / (t1 - t0)
+                    window = t1 - t0
+                    send_bps, recv_bps = (s1 - s0) / window, (r1 - r0) / window
             loss_out = _loss(p.out_expected, p.out_received)
             if p.unanswered_at is not None and (p.heard is None or p.unanswered_at >= p.heard):
                 verdict = "unanswered"  # its latest request went unanswered
@@ -278,7 +283,7 @@ class PeerTable:
                 peer=node.hex(), addr=p.addr, path=p.path, via=p.via.hex() if p.via else None,
                 rtt_s=p.srtt, rtt_p99_s=_p99(p.rtts), rtt_samples=p.rtt_count,
                 loss_out=loss_out, loss_in=_loss(p.in_expected, p.in_received),
-                send_bps=send_bps, recv_bps=recv_bps,
+                send_bps=send_bps, recv_bps=recv_bps, rate_window_s=window,
                 goodput_out_bps=send_bps * (1.0 - (loss_out or 0.0)), goodput_in_bps=recv_bps,
                 sent_bytes=dict(p.sent), received_bytes=dict(p.received), verdict=verdict,
                 last_heard_s=None if p.heard is None else max(0.0, now - p.heard), unanswered=p.unanswered,
@@ -288,7 +293,8 @@ class PeerTable:
         return TableStatistics(
             peers=tuple(peers), tracked=len(peers), capacity=self.capacity, evicted=self._evicted,
             unattributed_bytes=self._unattributed, send_bps=sum(s.send_bps for s in peers),
-            recv_bps=sum(s.recv_bps for s in peers), sent_bytes=sent, received_bytes=received,
-            relayed_bytes=relayed, sent_by_kind=dict(self._sent_by_kind),
+            recv_bps=sum(s.recv_bps for s in peers),
+            rates_age_s=None if self._sampled is None else max(0.0, now - self._sampled), sent_bytes=sent,
+            received_bytes=received, relayed_bytes=relayed, sent_by_kind=dict(self._sent_by_kind),
             received_by_kind=dict(self._received_by_kind),
         )

@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .pairs import PairCounters, pair_rules, read_pairs
+
 log = logging.getLogger("peerd.tools.lab")
 
 NAME_PREFIX = "peerdlab"
@@ -413,18 +415,27 @@ class NetnsLab:
         _run(["ip", "-n", far_ns, "link", "set", far_if, "up"])
         _run(["ip", "-n", ns, "link", "set", PEER_IF, "up"])
 
+    def _pair_addrs(self) -> list[str]:
+        """Every peer's address when the lab keeps per-pair counters (pairs.py), else none."""
+        return []
+
     def _nft_script(self, peer: int, *, replace: bool) -> str:
         threshold = round(self.loss[peer] * 1_000_000)
         head = f"table inet {NFT_TABLE} {{ }}\ndelete table inet {NFT_TABLE}\n" if replace else ""
+        decls, before, after, output = pair_rules(peer, self._pair_addrs(), PEER_IF)
         return head + (
             f"table inet {NFT_TABLE} {{\n"
             "  counter seen { }\n"
             "  counter dropped { }\n"
+            f"{decls}"
             "  chain input {\n"
             "    type filter hook input priority 0; policy accept;\n"
             f'    iifname "{PEER_IF}" counter name "seen"\n'
+            f"{before}"
             f'    iifname "{PEER_IF}" numgen random mod 1000000 < {threshold} counter name "dropped" drop\n'
+            f"{after}"
             "  }\n"
+            f"{output}"
             "}\n")
 
     def _write_nft(self, peer: int, replace: bool = False) -> None:
@@ -593,15 +604,18 @@ class LinkLab(NetnsLab):
 
     Use as a context manager; ``addr(i)`` is peer i's address, ``popen(i, argv)`` / ``run(i, argv)`` start a
     process inside peer i's namespace, ``counters(i)`` reads its nftables counters. ``loss`` is one fraction for
-    every peer or one per peer (what peer i loses of what arrives at it)."""
+    every peer or one per peer (what peer i loses of what arrives at it). ``pair_counters``: each peer also counts
+    the UDP it sends to and receives from every other peer (``pairs(i)``; pairs.py)."""
 
     what = "link lab"
 
     def __init__(self, peers: int, rate: str | int, loss: float | Sequence[float] = 0.0, *,
-                 mtu: int = 1500, queue_ms: float = 20.0, subnet: str = "10.77.0.0/24") -> None:
+                 mtu: int = 1500, queue_ms: float = 20.0, subnet: str = "10.77.0.0/24",
+                 pair_counters: bool = False) -> None:
         if peers < 1:
             raise ValueError("a link lab needs at least one peer")
         super().__init__(peers, rate, loss, mtu=mtu, queue_ms=queue_ms)
+        self.pair_counters = pair_counters
         net = ipaddress.ip_network(subnet)
         if net.version != 4 or not net.is_private:
             raise ValueError(f"{subnet}: the lab needs a private IPv4 subnet")
@@ -615,6 +629,14 @@ class LinkLab(NetnsLab):
     def addr(self, peer: int) -> str:
         """Peer ``peer``'s IPv4 address on the lab's bridge."""
         return self._addrs[self._peer(peer)]
+
+    def _pair_addrs(self) -> list[str]:
+        return list(self._addrs) if self.pair_counters else []
+
+    def pairs(self, peer: int) -> dict[int, PairCounters]:
+        """Peer ``peer``'s per-pair counters (``pair_counters=True``), by the other peer: see pairs.py."""
+        self._require_open()
+        return read_pairs(self, peer)
 
     def bridge_port(self, peer: int) -> str:
         """The bridge-side end of peer ``peer``'s veth (inside the bridge namespace)."""
