@@ -369,16 +369,20 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
     @property
     def wants_to_send(self) -> bool:
         """``datagrams_to_send`` may have something: call it (in batches) until it returns short."""
+        return self._data_pending or self._repair_pending
+
+    @property
+    def _data_pending(self) -> bool:
         sending = self.sending
         return (sending is Sending.REDUCE_SCATTER or sending is Sending.ALL_GATHER or bool(self._left)
-                or (sending is Sending.HOLDING and (self.state is not State.REDUCE_SCATTER or self.ag_ready()))
-                or self._repair_pending)
+                or (sending is Sending.HOLDING and (self.state is not State.REDUCE_SCATTER or self.ag_ready())))
 
     @property
     def own_part_done(self) -> bool:
-        """Result ready and every datagram of this member's own sent: what may be left is serving other members'
-        repair requests, which a driver can do after handing the result on (``keep_shard`` first)."""
-        return self.result_ready and not self.wants_to_send
+        """Result ready and every datagram of this member's own data handed out: what may be left is repair (done
+        messages, other members' requests), which a driver can serve after handing the result on (``keep_shard``
+        first). Once true it stays true."""
+        return self.result_ready and not self._data_pending
 
     @property
     def finished(self) -> bool:

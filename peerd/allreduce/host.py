@@ -262,7 +262,7 @@ class AveragingHost:
         """The group's result is final and this member's own data is all out: ``release`` may hand the result on
         while the group goes on serving members' repair requests until ``finished``."""
         g = self._groups[group_id]
-        return not g.released and g.core.own_part_done and not releasable(g)
+        return not g.released and g.core.own_part_done
 
     def serving(self, group_id: int) -> bool:
         """The group's result was handed on (``release``) and it is still here, serving repairs."""
@@ -279,9 +279,10 @@ class AveragingHost:
             raise RuntimeError(f"group {group_id:#x} has no result to hand on yet")
         g.core.keep_shard()
         g.released = True
-        # Blocks still gated for members never heard from are views of the caller's buffer, which it may reuse from
-        # now on: they are dropped, as ``finish`` drops them (such a member asks for what it lacks, from the copy).
-        g.waiting.clear()
+        # Blocks still gated (for members not heard from yet) may be views of the caller's buffer, which it may
+        # reuse from now on: they keep copies.
+        for to, blocks in g.waiting.items():
+            g.waiting[to] = [b if b.values is None else replace(b, values=b.values.copy()) for b in blocks]
         self._actions.extend(self._reports(g, now, kernel_drops, final=True, arrivals=arrivals))
         self._actions.append(Completed(group_id, g.core.result(), g.core.statistics()))
 

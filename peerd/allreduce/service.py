@@ -252,16 +252,13 @@ class AllreduceService:
                 nursery.start_soon(self._handshake, [a for a in actions if type(a) is Bind], members, handshake)
                 nursery.start_soon(self._reporter, group_id, members)
                 self._run(a for a in actions if type(a) is not Bind)
-                while True:
-                    await self._drive(group_id, members, sent, release=True)
-                    # END copies not due yet: nothing here waits for them, and members may still (they go at once)
-                    await self._send_blocks(host.due_copies(group_id, math.inf), members, sent)
-                    if host.finished(group_id) or host.can_release(group_id):  # (a request may have come meanwhile)
-                        break
+                await self._drive(group_id, members, sent, release=True)
+                # END copies not due yet: nothing here waits for them, and members may still (they go at once)
+                await self._send_blocks(host.due_copies(group_id, math.inf), members, sent)
                 nursery.cancel_scope.cancel()  # pings to members that never answered; the reporter
             if host.finished(group_id):
                 host.finish(group_id, self._kernel_drops(), trio.current_time(), arrivals=self._arrivals(members))
-            else:  # only other members' repairs are left to serve: this member's step does not wait for them
+            else:  # only repair is left (requests may have come meanwhile): this member's step does not wait for it
                 host.release(group_id, self._kernel_drops(), trio.current_time(), arrivals=self._arrivals(members))
                 serve = True
             done = host.take_actions()
