@@ -163,6 +163,8 @@ class DiLoCo(Optimizer):
         self.outer_steps = 0
         self.history: list[dict[str, Any]] = []  # the last HISTORY outer steps: step, fragment, state sha after it
         self.outer_steps_of0 = 0
+        self._after: dict[int, bytes] = {}  # each fragment's state_sha after its last outer step: the next one's
+        # "before" without hashing the state again (cleared when a snapshot replaces the state)
         self.outer_bytes = 0  # encoded bytes of the pseudo-gradients this trainer averaged (in the run's codec)
         if sync_state:
             self.sync_state()
@@ -254,7 +256,7 @@ class DiLoCo(Optimizer):
         slot = self._slots[self.arena.slot_of(t)]
         slot[: b - a].copy_(delta)
         self.arena.write_request(t, max(weight, 1e-6))
-        before = self.state_sha(fragment)
+        before = self._after.pop(fragment, None) or self.state_sha(fragment)
         t0 = time.monotonic()
         report: dict[str, Any] = {}
         if self._unreported is not None:
@@ -282,12 +284,13 @@ class DiLoCo(Optimizer):
         else:
             self.nonfinite_rounds += 1
         self._load_local(a, b)
+        self._after[fragment] = after = self.state_sha(fragment)
         phases["copy_out"] += time.monotonic() - t2
         self.samples_since[fragment] = 0.0
         self.outer_steps += 1
         out = {"outcome": reply["outcome"], "fragment": fragment, "step": self.step_count,
                "group_size": reply.get("group_size", 1), "rounds": reply.get("rounds", 1),
-               "received_fraction": reply.get("received_fraction", 0.0), "sha": self.state_sha(fragment).hex(),
+               "received_fraction": reply.get("received_fraction", 0.0), "sha": after.hex(),
                "repaired_bytes": reply.get("repaired_bytes", 0),
                "adopted": reply.get("adopted", False), "adopted_bytes": reply.get("adopted_bytes", 0),
                "agreed_members": reply.get("agreed_members", 1), "pushed_records": reply.get("pushed_records", 0),
@@ -344,6 +347,7 @@ class DiLoCo(Optimizer):
         step = checked_step(state.get("step"), expected_step)
         self.global_params.copy_(g)
         self.momentum.copy_(mom)
+        self._after.clear()
         self._load_local(0, self.elems)
         if same_opt:
             self.opt.load_state_dict(state["optimizer"])

@@ -242,7 +242,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     waited for before it); what it reads joins ``participants`` and raises ``expect`` to its number (at most
     MAX_GROUP) before the swarm phase, which waits for that first read. ``background``: a nursery that outlives
     the call, where this member's last record is still put after agree returns (None: agree waits for it)."""
-    data = np.ascontiguousarray(vector, dtype=np.float32).tobytes()
+    data = bytearray(np.ascontiguousarray(vector, dtype=np.float32).data)  # one copy, which the core takes over
     core = OuterAgreement(node, data, group=group, size=size, index=index, state=state, repair_s=repair_s,
                           deadline_s=deadline_s, addr=addr, members=members, expect=expect,
                           participants=participants, refresh=refresh is not None,
@@ -259,7 +259,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     log.info("outer agreement: repaired in %.3f s (%d bytes fetched), participants read after %.3f s more, "
              "agreed in %.3f s (%d reads, %d pushed)", stats.phases["repair"], stats.repaired_bytes,
              stats.phases.get("participants", 0.0), stats.phases["agree"], stats.reads, stats.pushed)
-    return Agreement(np.frombuffer(bytes(core.data), dtype=np.float32).copy(), stats.final,
+    return Agreement(np.frombuffer(core.data, dtype=np.float32), stats.final,  # the core is done with its bytes
                      repaired_bytes=stats.repaired_bytes, adopted_bytes=stats.adopted_bytes, adopted=stats.adopted,
                      members=stats.members, dissent=stats.dissent, states=stats.states,
                      state_winner=stats.state_winner, ignored=stats.ignored, pushed=stats.pushed, reads=stats.reads,
