@@ -17,6 +17,11 @@ same state and the global parameters and momentum stay identical: ``state_sha`` 
 parameters and momentum) is published with every outer step, and a member whose state differs from the
 swarm's raises DiLoCoError instead of drifting apart.
 
+The defaults (``sync_every=500``, ``outer_lr=0.7``, ``outer_momentum=0.9``) are the paper's, for runs of many
+outer steps. A run of a few hundred inner steps has few of them, and there plain averaging of the members'
+progress does better: ``sync_every`` 10-20 with ``outer_lr=1.0, outer_momentum=0.0`` (what the GPT demo
+passes; docs/benchmarks.md has the losses each reaches).
+
 Streaming (``fragments=F``): the parameters are cut into F fragments of whole tensors of about equal size,
 and fragment f has its outer step at the steps where ``step % H == f * H // F``, so only 1/F of the model
 travels at a time. A late joiner takes global parameters, outer momentum, the step and the inner
