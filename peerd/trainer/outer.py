@@ -107,28 +107,6 @@ class Board(Protocol):
     def keep(self, blob: bytes) -> bytes: ...
     async def publish(self, record: OuterRecord) -> None: ...
     async def read(self) -> list[OuterRecord]: ...
-    async def _ask(self, addr: Address, sha: bytes, offset: int, length: int) -> bytes:
-        """One chunk of the blob ``sha`` from ``addr``, within this board's window: each request waits a few
-        round trips to ``addr`` (``fetch_timeout``, re-read each time) and is then asked afresh; after FETCH_FLAT
-        requests each waits twice as long as the last, FETCH_ATTEMPTS in all. A refusal ends it at once (a
-        read is idempotent: a late answer to an earlier request is dropped, never mistaken for another)."""
-        from ..transport.endpoint import RpcError
-
-        endpoint = self.sync.endpoint  # type: ignore[attr-defined]
-        scale = 1.0
-        async with self.window:
-            for attempt in range(FETCH_ATTEMPTS):
-                if attempt >= FETCH_FLAT:
-                    scale *= 2.0
-                wait = fetch_timeout(endpoint.rto.srtt(addr)) * scale
-                try:
-                    return await self.sync.fetch_range(  # type: ignore[attr-defined]
-                        addr, self.store, sha, offset, length, timeout=wait, attempts=1)
-                except RpcError as e:
-                    if "refused" in str(e) or attempt == FETCH_ATTEMPTS - 1:
-                        raise
-        raise AssertionError("unreachable")
-
     async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes: ...
     async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray: ...
 
@@ -143,7 +121,6 @@ class PushBoard(Board, Protocol):
     async def push(self, record: OuterRecord) -> None: ...
     def pushed(self) -> list[OuterRecord]: ...
     def listen(self, wake: Callable[[], None]) -> Callable[[], None]: ...
-
 
 
 @dataclass(frozen=True)
@@ -391,6 +368,8 @@ class _Shell:
         if self._unlisten is not None:
             self._unlisten()
         self.publisher.close()
+
+
 class _Publisher:
     """Puts this member's records on the board in the background, newest only and in order, so that reading
     and fetching do not wait for a DHT store (a put costs round trips, and more under loss). On a PushBoard
@@ -451,7 +430,6 @@ class _Publisher:
                 await self.board.publish(record)
             except Exception as e:  # the next record, or the others' reads, settle it
                 log.info("outer agreement: publishing this member's record failed: %s", e)
-
 
 
 class DhtBoard:
