@@ -116,6 +116,28 @@ def swarm(c: OuterAgreement, now: float = 0.0) -> None:
     c.take_actions()
 
 
+def test_without_repair_the_final_is_the_vector_kept_at_the_start_with_its_hash() -> None:
+    c = core(0, TRUTH)
+    c.start(0.0)
+    (avg_blob,) = [k.blob for k in of(c.take_actions(), Keep)]
+    c.receive_records(1, [record(k, TRUTH) for k in range(3)], 0.01)
+    acts = c.take_actions()
+    (final_blob,) = [k.blob for k in of(acts, Keep)]
+    (final,) = [p.record.final for p in of(acts, Publish)]
+    assert final_blob == TRUTH.tobytes() and avg_blob[: len(final_blob)] == final_blob
+    assert final == sha(TRUTH.tobytes())
+    mine = TRUTH.copy()
+    mine[0] = 5.0  # a lost range: repaired, so the final is the repaired vector's, hashed afresh
+    c = core(1, mine)
+    c.start(0.0)
+    c.take_actions()
+    c.receive_records(1, [record(k, TRUTH) for k in range(3)], 0.01)
+    c.receive_shard(0, TRUTH.tobytes()[:4 * shard_bounds(TRUTH.size, 3, 0)[1]], 10, 0.02)
+    acts = c.take_actions()
+    assert [k.blob for k in of(acts, Keep)] == [TRUTH.tobytes()]
+    assert [p.record.final for p in of(acts, Publish)] == [sha(TRUTH.tobytes())]
+
+
 def test_the_step_ends_once_a_strict_majority_of_the_round_holds_the_final() -> None:
     c = core(0, TRUTH)
     swarm(c)

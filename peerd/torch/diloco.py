@@ -17,6 +17,11 @@ same state and the global parameters and momentum stay identical: ``state_sha`` 
 parameters and momentum) is published with every outer step, and a member whose state differs from the
 swarm's raises DiLoCoError instead of drifting apart.
 
+The defaults (``sync_every=500``, ``outer_lr=0.7``, ``outer_momentum=0.9``) are the paper's, for runs of many
+outer steps. A run of a few hundred inner steps has few of them, and there plain averaging of the members'
+progress does better: ``sync_every`` 10-20 with ``outer_lr=1.0, outer_momentum=0.0`` (what the GPT demo
+passes; docs/benchmarks.md has the losses each reaches).
+
 Streaming (``fragments=F``): the parameters are cut into F fragments of whole tensors of about equal size,
 and fragment f has its outer step at the steps where ``step % H == f * H // F``, so only 1/F of the model
 travels at a time. A late joiner takes global parameters, outer momentum, the step and the inner
@@ -163,6 +168,8 @@ class DiLoCo(Optimizer):
         self.outer_steps = 0
         self.history: list[dict[str, Any]] = []  # the last HISTORY outer steps: step, fragment, state sha after it
         self.outer_steps_of0 = 0
+        self._after: dict[int, bytes] = {}  # each fragment's state_sha after its last outer step: the next one's
+        # "before" without hashing the state again (cleared when a snapshot replaces the state)
         self.outer_bytes = 0  # encoded bytes of the pseudo-gradients this trainer averaged (in the run's codec)
         if sync_state:
             self.sync_state()
@@ -254,7 +261,7 @@ class DiLoCo(Optimizer):
         slot = self._slots[self.arena.slot_of(t)]
         slot[: b - a].copy_(delta)
         self.arena.write_request(t, max(weight, 1e-6))
-        before = self.state_sha(fragment)
+        before = self._after.pop(fragment, None) or self.state_sha(fragment)
         t0 = time.monotonic()
         report: dict[str, Any] = {}
         if self._unreported is not None:
@@ -282,12 +289,13 @@ class DiLoCo(Optimizer):
         else:
             self.nonfinite_rounds += 1
         self._load_local(a, b)
+        self._after[fragment] = after = self.state_sha(fragment)
         phases["copy_out"] += time.monotonic() - t2
         self.samples_since[fragment] = 0.0
         self.outer_steps += 1
         out = {"outcome": reply["outcome"], "fragment": fragment, "step": self.step_count,
                "group_size": reply.get("group_size", 1), "rounds": reply.get("rounds", 1),
-               "received_fraction": reply.get("received_fraction", 0.0), "sha": self.state_sha(fragment).hex(),
+               "received_fraction": reply.get("received_fraction", 0.0), "sha": after.hex(),
                "repaired_bytes": reply.get("repaired_bytes", 0),
                "adopted": reply.get("adopted", False), "adopted_bytes": reply.get("adopted_bytes", 0),
                "agreed_members": reply.get("agreed_members", 1), "pushed_records": reply.get("pushed_records", 0),
@@ -344,6 +352,7 @@ class DiLoCo(Optimizer):
         step = checked_step(state.get("step"), expected_step)
         self.global_params.copy_(g)
         self.momentum.copy_(mom)
+        self._after.clear()
         self._load_local(0, self.elems)
         if same_opt:
             self.opt.load_state_dict(state["optimizer"])

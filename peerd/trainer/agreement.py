@@ -151,8 +151,10 @@ class OuterAgreement:
         self.expect = expect
         self.participants = participants
         self.refresh = refresh
-        self.data = bytearray(data)
+        self.data = data if isinstance(data, bytearray) else bytearray(data)  # a bytearray is taken over, not copied
         self.length = len(self.data) // 4
+        self._vector: bytes | None = None  # the averaged vector as kept at the start, and its hash: while no
+        self._vector_sha = b""  # repair has changed a byte, they are the final's blob and hash (no second pass)
         self.phase = Phase.REPAIR
         self.error = ""
         self.me: OuterRecord | None = None
@@ -251,8 +253,10 @@ class OuterAgreement:
     def start(self, now: float) -> None:
         """Keep the averaged vector (with the owned shard's piece index) and publish this member's record."""
         start, stop = shard_bounds(self.length, self.size, self.index)
-        shard = memoryview(self.data)[4 * start: 4 * stop]
-        blob = bytes(self.data) + piece_hashes(shard)
+        self._vector = vector = bytes(self.data)
+        self._vector_sha = _sha(vector)
+        shard = memoryview(vector)[4 * start: 4 * stop]
+        blob = vector + piece_hashes(shard)
         self._actions.append(Keep(blob))
         self.me = OuterRecord(self.node, self.group, self.size, self.index, _sha(shard), _sha(blob), b"",
                               self.state_hash, self.length, self.addr)
@@ -290,6 +294,7 @@ class OuterAgreement:
         a, b = shard_bounds(self.length, self.size, index)
         if got is not None and len(got) == 4 * (b - a) and _sha(got) == owner.shard:
             self.data[4 * a: 4 * b] = got
+            self._vector = None  # the vector changed: the final is hashed afresh
             self._repaired_bytes += fetched
             self._done.add(index)
         else:
@@ -324,7 +329,7 @@ class OuterAgreement:
             self.data = bytearray(got)
             self._adopted_bytes += len(got)
             self._adopted = True
-            self._actions.append(Keep(bytes(self.data)))
+            self._actions.append(Keep(got if isinstance(got, bytes) else bytes(got)))
             self.me = replace(self.me, final=sha)
             self._actions.append(Publish(self.me))
             self._fetch_again = 0.0
@@ -407,9 +412,14 @@ class OuterAgreement:
         members = frozenset(self.members or ())
         self._known = None if self.participants is None else self.participants | members | {self.node}
         self._refreshed = now
-        blob = bytes(self.data)
+        if self._vector is not None:  # nothing was repaired: the vector kept at the start is the final's
+            blob, final = self._vector, self._vector_sha
+        else:
+            blob = bytes(self.data)
+            final = _sha(blob)
+        self._vector = None
         self._actions.append(Keep(blob))
-        self.me = replace(self.me, final=_sha(blob))
+        self.me = replace(self.me, final=final)
         self._actions.append(Publish(self.me))
         self._poll = Backoff()
         self._read_now()

@@ -107,28 +107,6 @@ class Board(Protocol):
     def keep(self, blob: bytes) -> bytes: ...
     async def publish(self, record: OuterRecord) -> None: ...
     async def read(self) -> list[OuterRecord]: ...
-    async def _ask(self, addr: Address, sha: bytes, offset: int, length: int) -> bytes:
-        """One chunk of the blob ``sha`` from ``addr``, within this board's window: each request waits a few
-        round trips to ``addr`` (``fetch_timeout``, re-read each time) and is then asked afresh; after FETCH_FLAT
-        requests each waits twice as long as the last, FETCH_ATTEMPTS in all. A refusal ends it at once (a
-        read is idempotent: a late answer to an earlier request is dropped, never mistaken for another)."""
-        from ..transport.endpoint import RpcError
-
-        endpoint = self.sync.endpoint  # type: ignore[attr-defined]
-        scale = 1.0
-        async with self.window:
-            for attempt in range(FETCH_ATTEMPTS):
-                if attempt >= FETCH_FLAT:
-                    scale *= 2.0
-                wait = fetch_timeout(endpoint.rto.srtt(addr)) * scale
-                try:
-                    return await self.sync.fetch_range(  # type: ignore[attr-defined]
-                        addr, self.store, sha, offset, length, timeout=wait, attempts=1)
-                except RpcError as e:
-                    if "refused" in str(e) or attempt == FETCH_ATTEMPTS - 1:
-                        raise
-        raise AssertionError("unreachable")
-
     async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes: ...
     async def fetch(self, sha: bytes, size: int, holders: list[OuterRecord]) -> bytes | bytearray: ...
 
@@ -143,7 +121,6 @@ class PushBoard(Board, Protocol):
     async def push(self, record: OuterRecord) -> None: ...
     def pushed(self) -> list[OuterRecord]: ...
     def listen(self, wake: Callable[[], None]) -> Callable[[], None]: ...
-
 
 
 @dataclass(frozen=True)
@@ -242,7 +219,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     waited for before it); what it reads joins ``participants`` and raises ``expect`` to its number (at most
     MAX_GROUP) before the swarm phase, which waits for that first read. ``background``: a nursery that outlives
     the call, where this member's last record is still put after agree returns (None: agree waits for it)."""
-    data = np.ascontiguousarray(vector, dtype=np.float32).tobytes()
+    data = bytearray(np.ascontiguousarray(vector, dtype=np.float32).data)  # one copy, which the core takes over
     core = OuterAgreement(node, data, group=group, size=size, index=index, state=state, repair_s=repair_s,
                           deadline_s=deadline_s, addr=addr, members=members, expect=expect,
                           participants=participants, refresh=refresh is not None,
@@ -259,7 +236,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     log.info("outer agreement: repaired in %.3f s (%d bytes fetched), participants read after %.3f s more, "
              "agreed in %.3f s (%d reads, %d pushed)", stats.phases["repair"], stats.repaired_bytes,
              stats.phases.get("participants", 0.0), stats.phases["agree"], stats.reads, stats.pushed)
-    return Agreement(np.frombuffer(bytes(core.data), dtype=np.float32).copy(), stats.final,
+    return Agreement(np.frombuffer(core.data, dtype=np.float32), stats.final,  # the core is done with its bytes
                      repaired_bytes=stats.repaired_bytes, adopted_bytes=stats.adopted_bytes, adopted=stats.adopted,
                      members=stats.members, dissent=stats.dissent, states=stats.states,
                      state_winner=stats.state_winner, ignored=stats.ignored, pushed=stats.pushed, reads=stats.reads,
@@ -391,6 +368,8 @@ class _Shell:
         if self._unlisten is not None:
             self._unlisten()
         self.publisher.close()
+
+
 class _Publisher:
     """Puts this member's records on the board in the background, newest only and in order, so that reading
     and fetching do not wait for a DHT store (a put costs round trips, and more under loss). On a PushBoard
@@ -451,7 +430,6 @@ class _Publisher:
                 await self.board.publish(record)
             except Exception as e:  # the next record, or the others' reads, settle it
                 log.info("outer agreement: publishing this member's record failed: %s", e)
-
 
 
 class DhtBoard:

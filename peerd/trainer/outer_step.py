@@ -148,9 +148,9 @@ class OuterSteps:
             return {}
         if session.latest != step:
             raise OpError(f"step {step}'s result came after step {session.latest} was requested; dropped")
-        full = session.arena.vector(step).copy()
-        full[:length] = out
-        session.arena.write_result(step, full)
+        slot = session.arena.vector(step)  # a view of the slot: the fragment's result goes in place
+        slot[:length] = out
+        session.arena.write_result(step, slot)
         session.steps += 1
         session.last = reply
         return reply
