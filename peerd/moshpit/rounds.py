@@ -605,8 +605,8 @@ class RoundMachine:
 
     def _poll(self, now: float) -> None:
         """Read the key: a quick read now, and at every FULL_READ_EVERY-th one a read of all its holders beside it
-        (one at a time), which does not hold the quick ones up: it waits out a dead holder's query, which kept the
-        survivors of a death blind to each other's announcements past a short window."""
+        (one at a time). The full read waits out a dead holder's query; the quick ones go on meanwhile, so the
+        survivors of a death see each other's announcements within a short window."""
         self._poll_at = math.inf  # (until the quick read answers)
         if poll_read(self._poll_i) is None and not self._full_out:
             self._full_out = True
