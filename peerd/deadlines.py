@@ -13,9 +13,13 @@ releases them.
 ``DeadlineTuner(mode="fixed")`` measures the same but answers every question with its cap: today's constants, for
 comparing a run with and without tuning (``peerd join --deadlines fixed``).
 
-A slow but live member is waited for: its late arrivals and its low rate are samples. A dead one is dropped fast:
-a round that ran to the end of its window while a member of the last group was missing grows the window only if
-that member was heard from within a few round periods (``LIVE_ROUNDS``); a silent one leaves the window short.
+A slow but live member is waited for: its late arrivals and its low rate are samples, and a round that ran to the end
+of its window while a member of the last group was missing, and heard from within a few round periods
+(``LIVE_ROUNDS``), stretches the next window at once to twice the one it ran out (``STRETCH_K``; a percentile of
+recent samples would take several missed rounds to move). The stretch follows the members' arrivals down again, by
+half a round at most. A dead one is dropped fast: a silent missing member stretches nothing, and a member of this
+node's last group that did not publish finishing it is waited for only ``doubt`` (k times how long groups took to
+gather), not the whole window.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ WINDOW_FLOOR_S = 1.0
 WINDOW_K = 2.0
 WINDOW_END_SLACK_S = 0.05  # a group that closed within this of its window's end ran the window out
 LIVE_ROUNDS = 3.0  # a member missing from a group is live if heard within this many round periods
+STRETCH_K = 2.0  # a window a live member missed: the next one is this many times as long (up to its cap)
+# a member of the last group that did not finish it (dead, or just behind): k times the gather p90, at least this
+# (a DHT put and a read: the time its announcement takes to be seen)
+DOUBT_FLOOR_S = 0.6
 # the averaging phase: silence after the last datagram that ends it (RTT-derived), and its longest
 SILENCE_FLOOR_S = 0.5
 SILENCE_K = 4.0  # round trips (p99) of silence
@@ -76,7 +84,8 @@ class Derived:
     """One deadline as it stands: its value, the measurement behind it and the bounds it was held within."""
 
     seconds: float
-    # "measured", "floor", "cap" (the flag or constant won), "default" (nothing measured yet) or "fixed" (the mode)
+    # "measured", "floor", "cap" (the flag or constant won), "default" (nothing measured yet), "fixed" (the mode) or
+    # "stretched" (the window: a live member missed the last one)
     basis: str
     measurement: str  # what was measured, with its unit
     measured: float | None  # its value (None: no samples yet)
@@ -88,10 +97,12 @@ class Derived:
 @dataclass(frozen=True, slots=True)
 class DeadlineStatistics:
     """Every derived deadline (``phase_silence``: the quiet after the last datagram that ends an averaging phase;
-    ``phase``: an averaging phase's longest, for this node's last vector size; ``bucket_wait``: an overlapped step's
+    ``phase``: an averaging phase's longest, for this node's last vector size; ``doubt``: matchmaking's wait for a
+    member of this node's last group that did not finish it; ``bucket_wait``: an overlapped step's
     bucket; ``outer_wait``: a DiLoCo outer average)."""
 
     window: Derived
+    doubt: Derived
     phase_silence: Derived
     phase: Derived
     step_wait: Derived
@@ -161,6 +172,8 @@ class DeadlineTuner:
         self._sync_size = _Series()  # bytes of a snapshot
         self._heard: OrderedDict[str, float] = OrderedDict()  # peer (hex) -> when last heard
         self._last_group: tuple[str, ...] = ()
+        self._stretch = 0.0  # the next window's least: a live member missed the last one (0: none)
+        self._missed: set[str] = set()  # live members the last window ran out without (at most MAX_PEERS: a group)
         self._caps = {"window": DEFAULT_WINDOW_S, "silence": DEFAULT_SILENCE_S, "phase": 60.0,
                       "step": DEFAULT_STEP_WAIT_S, "sync": DEFAULT_SYNC_TIMEOUT_S, "bucket": DEFAULT_STEP_WAIT_S,
                       "outer": DEFAULT_OUTER_WAIT_S}
@@ -213,13 +226,22 @@ class DeadlineTuner:
             return
         if gather_s is not None and not at_window_end:
             self._gather.add(gather_s, now)
+            # the stretch follows the arrivals down: the members came within gather_s, so k times that will do
+            self._stretch = max(WINDOW_K * gather_s, self._stretch / 2)
+            if self._stretch <= WINDOW_FLOOR_S:
+                self._stretch = 0.0
+            self._missed -= set(members)
         elif gather_s is not None:
-            # the window ran out: if someone of the last group is missing but live, it is slow: let it in next time
-            missing = set(self._last_group) - set(members)
-            live = max((self._heard.get(p, -math.inf) for p in missing), default=-math.inf)
+            # the window ran out: if someone of the last group (or a live one that missed an earlier window) is
+            # missing but live, it is slow: let it in next time
+            missing = (set(self._last_group) | self._missed) - set(members)
             period = self._round.quantile(0.5) or window_s
-            if missing and live >= now - LIVE_ROUNDS * max(period, window_s):
+            since = now - LIVE_ROUNDS * max(period, window_s)
+            self._missed = {p for p in missing if self._heard.get(p, -math.inf) >= since}
+            if self._missed:
                 self._gather.add(window_s, now)  # (k * this: the window grows, up to its cap)
+                # ... and at once: the next window is twice this one (window() holds it within its cap)
+                self._stretch = min(max(self._stretch, STRETCH_K * window_s), MAX_AGE_S)
         for p in members:
             self._hear(p, now)
         if len(members) > 1:  # (a round alone keeps the group it missed as the one to compare with)
@@ -278,8 +300,19 @@ class DeadlineTuner:
 
     def window(self, cap_s: float = DEFAULT_WINDOW_S) -> Derived:
         self._caps["window"] = cap_s
-        return self._derive(self._gather.quantile(0.9), len(self._gather), WINDOW_K, min(WINDOW_FLOOR_S, cap_s), cap_s,
-                       "gather_p90_s")
+        d = self._derive(self._gather.quantile(0.9), len(self._gather), WINDOW_K, min(WINDOW_FLOOR_S, cap_s), cap_s,
+                         "gather_p90_s")
+        if d.basis == "fixed" or self._stretch <= d.seconds:
+            return d
+        if self._stretch >= cap_s:
+            return Derived(cap_s, "cap", d.measurement, d.measured, d.samples, d.floor_s, cap_s)
+        return Derived(self._stretch, "stretched", d.measurement, d.measured, d.samples, d.floor_s, cap_s)
+
+    def doubt(self, window_s: float) -> Derived:
+        """How long matchmaking waits for a member of this node's last group that did not publish finishing it
+        (dead, or a moment behind): k times how long recent groups took to gather, within the window in use."""
+        return self._derive(self._gather.quantile(0.9), len(self._gather), WINDOW_K, min(DOUBT_FLOOR_S, window_s),
+                            window_s, "gather_p90_s")
 
     def phase_silence(self, cap_s: float = DEFAULT_SILENCE_S) -> Derived:
         self._caps["silence"] = cap_s
@@ -325,7 +358,8 @@ class DeadlineTuner:
         """Each deadline against the cap it was last asked with (today's constant before any)."""
         caps = dict(self._caps)
         stats = DeadlineStatistics(
-            window=self.window(caps["window"]), phase_silence=self.phase_silence(caps["silence"]),
+            window=self.window(caps["window"]), doubt=self.doubt(self.window(caps["window"]).seconds),
+            phase_silence=self.phase_silence(caps["silence"]),
             phase=self.phase(self._phase_bytes, caps["phase"]), step_wait=self.step_wait(caps["step"]),
             state_sync=self.state_sync(caps["sync"]), bucket_wait=self.bucket_wait(caps["bucket"]),
             outer_wait=self.outer_wait(caps["outer"]),

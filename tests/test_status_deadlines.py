@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 SIZE = 50_000  # floats: 200 KB a vector
 WINDOW_S = 2.0  # the run's window: the tuned window's cap
 ROUNDS = MIN_SAMPLES  # the tuner's least: each deadline that rounds measure is tuned after these
-DEADLINES = ("window", "phase_silence", "phase", "step_wait", "state_sync", "bucket_wait", "outer_wait")
+DEADLINES = ("window", "doubt", "phase_silence", "phase", "step_wait", "state_sync", "bucket_wait", "outer_wait")
 
 
 @pytest.fixture(scope="module")

@@ -135,6 +135,8 @@ class Matchmaker:
         self._joined_at = now  # when a follower last joined
         self._now = now
         self.expected: frozenset[bytes] | None = None  # peers recently active in the run, if known
+        self._doubtful: frozenset[bytes] = frozenset()  # ... of them, waited for only until _doubt_until
+        self._doubt_until = math.inf
 
     # -- what the driver reads ------------------------------------------------------------------
     @property
@@ -317,14 +319,24 @@ class Matchmaker:
         self._now = max(self._now, now)
         self._close_if_all_in(now)
 
+    def receive_doubtful(self, node_ids: frozenset[bytes], until: float, now: float) -> None:
+        """Expected peers that may be gone (they were in this node's last group and did not publish finishing it):
+        once every other expected peer is in, a missing one of these is waited for only until ``until``."""
+        self._doubtful, self._doubt_until = node_ids, until
+        self._now = max(self._now, now)
+        self._close_if_all_in(now)
+
     def _settled_at(self) -> float:
         if self.expected is None:
             # nobody told us who to expect: a pause without newcomers will do, counting a follower's JOIN as one
             # (it often comes before the DHT shows its announcement: DiLoCo's first outer step closed 70 ms
             # after the second of three trainers joined, and the third, 0.3 s behind, averaged alone)
             return max(self._changed_at, self._joined_at) + UNEXPECTED_SETTLE_S
-        if self.expected <= {self.me.node_id, *(f.node_id for f in self.followers)}:
+        missing = self.expected - {self.me.node_id, *(f.node_id for f in self.followers)}
+        if not missing:
             return self._changed_at + (self.settle_s or 0.0)
+        if missing <= self._doubtful:  # only peers that may have died are missing: wait for them a little
+            return max(self._changed_at + (self.settle_s or 0.0), self._doubt_until)
         # a peer the run expects is missing (a slow step, usually): wait for it, up to the deadline
         return math.inf
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from ..dht.reads import Agreed
 from ..linkcap.advert import CapAdvert, PeerCaps
 from ..wire import messages as m
+from .expect import expected_peers
 from .keys import Grid, KeyManager
 from .matchmaking import (
     BUSY_RETRY_S,
@@ -52,7 +53,7 @@ from .records import (
     plausible_progress,
     progress_key,
 )
-from .sticky import RENEW_KEY, Kept, StickyGroups
+from .sticky import RENEW_KEY, Ask, Kept, StickyGroups, Watch
 
 # Reads that are polled (matchmaking, the kept group's watch) stop once three of the key's holders agree
 # on its records: a write racing the read shows up at the next poll. Every FULL_READ_EVERY-th poll reads
@@ -145,28 +146,6 @@ class Note:
 Action = Put | Get | Request | Notify | Average | Count | Note
 
 
-@dataclass(frozen=True)
-class _Watch:
-    """One of a kept group's leader's reads for peers outside it: ``purpose`` "progress" or "key"."""
-
-    kept: Kept
-    started: float
-    purpose: str
-    round_no: int
-
-
-@dataclass
-class _Ask:
-    """A kept group's follower asking its leader to renew round ``round_no``."""
-
-    kept: Kept
-    round_no: int
-    expiry: float
-    deadline: float
-    token: int | None = None  # the request in flight
-    retry_at: float = math.inf
-
-
 class RoundMachine:
     """One run on one node: its place on the grid, its round number, and the round under way."""
 
@@ -194,6 +173,7 @@ class RoundMachine:
         self.me = me
         self.min_size = min_size
         self.window_s = window_s
+        self.doubt_s = math.inf  # matchmaking's wait for a last-group member that did not finish (inf: the window)
         self.sticky = StickyGroups(me.node_id, keep_rounds)
         self.rng = rng
         self.resolve = resolve
@@ -221,11 +201,12 @@ class RoundMachine:
         self._mm_deadline = math.inf
         self._poll_i = 0
         self._poll_at = math.inf  # next poll of the key (inf while one is in flight)
+        self._full_out = False  # a full read of the key in flight
         self._renew_deadline = math.inf
         self._renew_kept: Kept | None = None
-        self._watch: dict[int, _Watch] = {}  # the leader's watch reads outstanding, by token (they outlive a round)
+        self._watch: dict[int, Watch] = {}  # the leader's watch reads outstanding, by token (they outlive a round)
         self._expect_at = math.inf  # next re-read of the run's progress while matchmaking alone
-        self._ask: _Ask | None = None
+        self._ask: Ask | None = None
         self._sync_deadline = math.inf
 
     # -- what the driver reads ------------------------------------------------------------------
@@ -309,10 +290,10 @@ class RoundMachine:
                                      ("key", group_dht_key(self.run_id, self.round, self.key)),
                                      ("key", group_dht_key(self.run_id, self.round + 1, self.key))):
                     token = self._get(key, "watch", enough, detached=True)
-                    self._watch[token] = _Watch(kept, now, purpose, self.round)
+                    self._watch[token] = Watch(kept, now, purpose, self.round)
         else:
             self._renew_deadline = now + max(0.0, min(self.window_s + FOLLOW_SLACK_S, timeout_s / 2))
-            self._ask = _Ask(kept, self.round, round(now + self.window_s, 3), now + self.window_s + FOLLOW_SLACK_S)
+            self._ask = Ask(kept, self.round, round(now + self.window_s, 3), now + self.window_s + FOLLOW_SLACK_S)
             self._send_ask(now)
         self._check_renewal(now)
 
@@ -363,9 +344,7 @@ class RoundMachine:
                 self._expect_at = math.inf
                 self._get(progress_key(self.run_id), "expect", None)
             if now >= self._poll_at:
-                self._poll_at = math.inf
-                self._get(self._mm_key, "poll", poll_read(self._poll_i))
-                self._poll_i += 1
+                self._poll(now)
             mm.handle_timer(now)
             self._pump(now)
         elif self.phase == "sync" and now >= self._sync_deadline:
@@ -377,11 +356,14 @@ class RoundMachine:
         if got is None:
             return  # a read this round no longer waits for
         purpose, round_no = got
-        if purpose == "poll" and self.phase == "match" and round_no == self.round:
+        if purpose in ("poll", "full") and self.phase == "match" and round_no == self.round:
             mm = self._mm
             assert mm is not None
             mm.on_entries(self._candidates(records), now)
-            self._poll_at = now + POLL_S[min(self._poll_i - 1, len(POLL_S) - 1)]
+            if purpose == "full":
+                self._full_out = False
+            else:
+                self._poll_at = now + POLL_S[min(self._poll_i - 1, len(POLL_S) - 1)]
             self._pump(now)
         elif purpose == "expect" and self.phase == "match" and round_no == self.round:
             self._expect(records, now)
@@ -530,7 +512,7 @@ class RoundMachine:
         ask.token = self._request(ask.kept.leader_candidate, m.MsgType.MM_JOIN, fields, ("ask", ask),
                                   BEGIN_TIMEOUT_S, BEGIN_ATTEMPTS, detached=True)
 
-    def _asked(self, ask: _Ask, sender: bytes | None, ok: bool, reason: str, now: float) -> None:
+    def _asked(self, ask: Ask, sender: bytes | None, ok: bool, reason: str, now: float) -> None:
         """The leader's answer to a renewal request (None: no answer). A refusal (it does not keep the
         group, or matchmakes this round) or no answer breaks the group at once."""
         sticky = self.sticky
@@ -606,13 +588,12 @@ class RoundMachine:
         self._mm_deadline = now + max(0.0, min(self._timeout_s - (now - self._started),
                                                window_s + MATCH_SLACK_S))
         self._poll_i = 0
-        self._poll_at = math.inf
+        self._full_out = False
         self._expect_at = math.inf
         self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1], me.reach,
                                                                  self.cap_ad),
                                  window_s + 10.0))
-        self._get(self._mm_key, "poll", poll_read(0))
-        self._poll_i = 1
+        self._poll(now)
         if self._one_key():  # one key: the whole run looks under it
             if self._last_round is None and self.round > 0 and not self._numbered:
                 # a joiner (its round taken from the swarm's progress): say so at once, as the progress the
@@ -621,6 +602,17 @@ class RoundMachine:
                                          PROGRESS_TTL_S))
             self._get(progress_key(self.run_id), "expect", None)
         self._pump(now)
+
+    def _poll(self, now: float) -> None:
+        """Read the key: a quick read now, and at every FULL_READ_EVERY-th one a read of all its holders beside it
+        (one at a time). The full read waits out a dead holder's query; the quick ones go on meanwhile, so the
+        survivors of a death see each other's announcements within a short window."""
+        self._poll_at = math.inf  # (until the quick read answers)
+        if poll_read(self._poll_i) is None and not self._full_out:
+            self._full_out = True
+            self._get(self._mm_key, "full", None)
+        self._get(self._mm_key, "poll", POLL_READ)
+        self._poll_i += 1
 
     def _one_key(self) -> bool:
         return self.grid.dims == 1 and self.keys.extra_bits == 0
@@ -679,22 +671,16 @@ class RoundMachine:
         would wait for each other at different round numbers, every round, forever."""
         mm = self._mm
         assert mm is not None
-        recent = set()
-        latest = -1
         # With kept groups, a peer whose progress lags (a joiner chasing a kept group: the group's rounds
         # take milliseconds, so the joiner's jump ahead always lands on a round the group already left) is
         # still expected while it keeps trying: its record was refreshed within two windows. The group,
         # broken by this outsider, then waits for it in this round, where the joiner's next jump lands.
         lagging_s = 2 * self.window_s if self.sticky.keep_rounds > 1 else None
-        # Rounds the caller numbers may be far apart (DiLoCo's outer steps: round 40, then 80): a peer that
-        # finished the last one this node ran is as recent as one three rounds back in a run of every round.
-        recent_from = self.round - 3 if self._last_round is None else min(self.round - 3, self._last_round)
-        for owner, value, stored in self._progress(records, now):
-            if value >= recent_from or (lagging_s is not None and stored > now - lagging_s):
-                recent.add(owner)
-            if value >= self.round and owner != self.me.node_id:
-                self.synced = False
-                latest = max(latest, value)
+        seen = expected_peers(self._progress(records, now), me=self.me.node_id, round_no=self.round,
+                              last_round=self._last_round, lagging_s=lagging_s, known=self.known, now=now)
+        recent, latest = seen.recent, seen.latest
+        if latest >= 0:
+            self.synced = False
         if latest >= 0 and not self._numbered and mm.alone:
             # the run is past this round (a joiner, or a node that fell behind a kept group's fast rounds):
             # nobody will look under this round's key, so look under the run's next round's now instead of
@@ -712,7 +698,9 @@ class RoundMachine:
             # leader waits for a pause without newcomers (1.5 s), not 0.3 s: peers whose first step took a
             # moment longer would otherwise find the others' round over and start out of step
             return
-        mm.set_expected(frozenset(recent), now)
+        mm.set_expected(recent, now)
+        if seen.doubtful:  # (dead, or a moment behind: waited for only doubt_s)
+            mm.receive_doubtful(seen.doubtful, mm.started + self.doubt_s, now)
         self._pump(now)
 
     def _candidates(self, records: list[RecordLike]) -> list[Candidate]:

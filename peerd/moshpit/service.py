@@ -92,7 +92,7 @@ from .runstate import (
     part_group_id,
 )
 from .sticky import RENEW_KEY, StickyGroups
-from .tuning import SILENCE_CAP_S, note_round, phase_deadlines, tuned_window
+from .tuning import SILENCE_CAP_S, note_round, phase_deadlines, tune_round
 
 __all__ = [
     "CONFIG_TTL_S", "DEFAULT_WINDOW_S", "KNOWN_PEERS", "MAX_AHEAD", "MAX_ROUND", "PROGRESS_FRESH_S", "PROGRESS_TTL_S",
@@ -394,7 +394,7 @@ class MoshpitService:
         st.state = "matchmaking"
         st.in_round = True
         window_cap = core.window_s  # the run's window: the tuned one's cap, back in place when the round ends
-        window_used = core.window_s = tuned_window(self.deadlines, window_cap)
+        window_used = tune_round(self.deadlines, core, window_cap)
         core.start_round(timeout_s=timeout_s, numbered=numbered, chain_from=chain_from, now=t0)
         round_no, key = core.round, core.key
         results: list[RoundResult | Exception] | None = None

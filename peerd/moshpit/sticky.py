@@ -27,6 +27,7 @@ round's deadlines and never hangs. This module holds the per-run decision state;
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -223,3 +224,25 @@ class StickyGroups:
                                                      kept.leader.hex(), self.broken),
             self.renewed, dict(self.dropped),
         )
+
+
+@dataclass(frozen=True)
+class Watch:
+    """One of a kept group's leader's reads for peers outside it: ``purpose`` "progress" or "key"."""
+
+    kept: Kept
+    started: float
+    purpose: str
+    round_no: int
+
+
+@dataclass
+class Ask:
+    """A kept group's follower asking its leader to renew round ``round_no``."""
+
+    kept: Kept
+    round_no: int
+    expiry: float
+    deadline: float
+    token: int | None = None  # the request in flight
+    retry_at: float = math.inf

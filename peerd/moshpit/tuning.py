@@ -4,6 +4,7 @@ tells it afterwards, so the service's round loop stays one call each."""
 from __future__ import annotations
 
 from ..deadlines import WINDOW_END_SLACK_S, DeadlineTuner
+from .rounds import RoundMachine
 from .runstate import RoundResult
 
 SILENCE_CAP_S = 1.0  # an averaging phase's floor before tuning: the silence that ends it
@@ -12,6 +13,15 @@ SILENCE_CAP_S = 1.0  # an averaging phase's floor before tuning: the silence tha
 def tuned_window(deadlines: DeadlineTuner | None, cap_s: float) -> float:
     """The matchmaking window of the next round: the run's ``cap_s`` unless measurements say it can be shorter."""
     return cap_s if deadlines is None else deadlines.window(cap_s).seconds
+
+
+def tune_round(deadlines: DeadlineTuner | None, core: RoundMachine, cap_s: float) -> float:
+    """Set the next round's deadlines on ``core``: its matchmaking window (returned) within the run's ``cap_s``, and
+    how long its matchmaking waits for a member of its last group that did not finish it (the whole window
+    without a tuner: today's)."""
+    window = core.window_s = tuned_window(deadlines, cap_s)
+    core.doubt_s = window if deadlines is None else deadlines.doubt(window).seconds
+    return window
 
 
 def phase_deadlines(deadlines: DeadlineTuner | None, nbytes: int, cap_s: float, capped_s: float) -> tuple[float, float]:
