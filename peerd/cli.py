@@ -290,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_caps_parser(bench)
     from .tools.bench.deadlines import add_parser as add_deadlines_parser
     add_deadlines_parser(bench)
+    from .tools.bench.peerview import add_parser as add_peerview_parser
+    add_peerview_parser(bench)  # (sets bench_func: newer benches dispatch through it)
     b = bench.add_parser("soak", help="4 sealed daemons average while a member attacker and an outsider flood them")
     b.add_argument("--datagrams", type=int, default=1_000_000, metavar="N", help="attack datagrams (default 1M)")
     b.add_argument("--size", type=_size, default=1_000_000, metavar="S", help="float32 elements averaged (default 1M)")
@@ -603,6 +605,8 @@ def _check_link_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if getattr(args, "bench_func", None) is not None:
+        return args.bench_func(args, parser)
     if args.bench_command == "moshpit":
         return cmd_bench_moshpit(args, parser)
     if args.bench_command == "dht":
