@@ -9,7 +9,9 @@ Each peer's nftables table (links.py) gets, for every other peer ``j``, three na
 - ``ok_j``: what of that the random drop let through to this peer's stack.
 
 So what peer ``a`` delivered to ``b`` is ``b``'s ``ok_a`` out of ``a``'s ``tx_b``, whatever dropped it on the way
-(either tbf queue, or the random drop). Bytes are the IP packet's; a datagram's UDP payload is 28 bytes less.
+(either tbf queue, or the random drop). Bytes are the IP packet's; a datagram's UDP payload is 28 bytes less. A GSO
+send (one sendmsg of many datagrams) is still one packet at the output hook (it is cut into datagrams further down),
+so ``tx`` packets undercount datagrams while its payload bytes stay exact: compare in bytes.
 """
 
 from __future__ import annotations
