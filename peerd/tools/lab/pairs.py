@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 UDP_IP_OVERHEAD = 28  # IPv4 + UDP headers: an IP packet's bytes beyond its datagram's payload
 KINDS = ("tx", "rx", "ok")
@@ -82,18 +81,4 @@ def parse_pairs(nft_json: str, table: str) -> dict[int, PairCounters]:
             if all((k, j) in found for k in KINDS)}
 
 
-def read_pairs(lab: Any, peer: int) -> dict[int, PairCounters]:
-    """Peer ``peer``'s per-pair counters in ``lab`` (a LinkLab built with ``pair_counters=True``)."""
-    from .links import NFT_TABLE, LabError
-
-    proc = lab.run(peer, ["nft", "-j", "list", "counters", "table", "inet", NFT_TABLE], capture_output=True,
-                   text=True, timeout=30)
-    if proc.returncode != 0:
-        raise LabError(f"peer {peer}: nft list counters failed: {proc.stderr.strip()}")
-    pairs = parse_pairs(proc.stdout, NFT_TABLE)
-    if len(pairs) != lab.peers - 1:
-        raise LabError(f"peer {peer}: per-pair counters missing (build the lab with pair_counters=True)")
-    return pairs
-
-
-__all__ = ["Count", "PairCounters", "pair_rules", "parse_pairs", "read_pairs"]
+__all__ = ["Count", "PairCounters", "pair_rules", "parse_pairs"]
