@@ -47,6 +47,23 @@ def test_bytes_by_kind_rates_and_goodput_over_the_last_seconds() -> None:
     assert t.statistics().peers[0].send_bps == 0.0
 
 
+def test_rates_say_the_window_they_cover_and_how_old_it_is() -> None:
+    t = PeerTable()
+    t.receive_sent(A, "h:1", DATA, 1000, None, 10.0)
+    stats = t.statistics()
+    assert stats.rates_age_s is None and stats.peers[0].rate_window_s == 0.0  # no sample yet: no window
+    for k in range(1, 9):
+        t.receive_sent(A, "h:1", DATA, 1000, None, 10.0 + k - 0.5)
+        t.handle_timer(10.0 + k)
+    t.receive_received(A, "h:1", DATA, 10, False, 18.4)  # an input after the latest tick moves "now"
+    stats = t.statistics()
+    p = stats.peers[0]
+    assert p.rate_window_s == pytest.approx(5.0) and p.send_bps == pytest.approx(1000.0)  # RATE_TICKS samples
+    assert stats.rates_age_s == pytest.approx(0.4)
+    view = view_json(stats, _swarm())
+    assert view["rates_age_s"] == 0.4 and view["peers"][0]["rate_window_s"] == 5.0
+
+
 def test_rtt_is_smoothed_with_a_p99_and_unanswered_requests_show() -> None:
     t = PeerTable()
     t.receive_sent(B, "h:1", PING, 60, None, 0.0)

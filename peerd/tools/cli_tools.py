@@ -17,7 +17,7 @@ from .linkargs import add_link_arguments, check_link_arguments
 # The benches whose module under tools/bench/ adds its own sub-parser (``add_parser(bench)``) and runs it
 # (``cmd_bench_<name>(args, parser)``), in the order `peerd bench --help` lists them, between moshpit and soak.
 # A new bench is one more name here.
-BENCH_MODULES: tuple[str, ...] = ("dht", "step", "caps", "deadlines")
+BENCH_MODULES: tuple[str, ...] = ("dht", "step", "caps", "deadlines", "peerview")
 
 
 def _layout(text: str) -> tuple[int, int]:

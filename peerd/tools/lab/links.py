@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .pairs import PairCounters, pair_rules, read_pairs
+from .pairs import PairCounters, pair_rules, parse_pairs
 
 log = logging.getLogger("peerd.tools.lab")
 
@@ -636,7 +636,11 @@ class LinkLab(NetnsLab):
     def pairs(self, peer: int) -> dict[int, PairCounters]:
         """Peer ``peer``'s per-pair counters (``pair_counters=True``), by the other peer: see pairs.py."""
         self._require_open()
-        return read_pairs(self, peer)
+        pairs = parse_pairs(_run([*self.exec_prefix(peer), "nft", "-j", "list", "counters", "table", "inet",
+                                  NFT_TABLE]), NFT_TABLE)
+        if len(pairs) != self.peers - 1:
+            raise LabError(f"peer {peer}: per-pair counters missing (build the lab with pair_counters=True)")
+        return pairs
 
     def bridge_port(self, peer: int) -> str:
         """The bridge-side end of peer ``peer``'s veth (inside the bridge namespace)."""

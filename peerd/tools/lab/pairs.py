@@ -9,7 +9,9 @@ Each peer's nftables table (links.py) gets, for every other peer ``j``, three na
 - ``ok_j``: what of that the random drop let through to this peer's stack.
 
 So what peer ``a`` delivered to ``b`` is ``b``'s ``ok_a`` out of ``a``'s ``tx_b``, whatever dropped it on the way
-(either tbf queue, or the random drop). Bytes are the IP packet's; a datagram's UDP payload is 28 bytes less.
+(either tbf queue, or the random drop). Bytes are the IP packet's; a datagram's UDP payload is 28 bytes less. A GSO
+send (one sendmsg of many datagrams) is still one packet at the output hook (it is cut into datagrams further down),
+so ``tx`` packets undercount datagrams while its payload bytes stay exact: compare in bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 UDP_IP_OVERHEAD = 28  # IPv4 + UDP headers: an IP packet's bytes beyond its datagram's payload
 KINDS = ("tx", "rx", "ok")
@@ -80,18 +81,4 @@ def parse_pairs(nft_json: str, table: str) -> dict[int, PairCounters]:
             if all((k, j) in found for k in KINDS)}
 
 
-def read_pairs(lab: Any, peer: int) -> dict[int, PairCounters]:
-    """Peer ``peer``'s per-pair counters in ``lab`` (a LinkLab built with ``pair_counters=True``)."""
-    from .links import NFT_TABLE, LabError
-
-    proc = lab.run(peer, ["nft", "-j", "list", "counters", "table", "inet", NFT_TABLE], capture_output=True,
-                   text=True, timeout=30)
-    if proc.returncode != 0:
-        raise LabError(f"peer {peer}: nft list counters failed: {proc.stderr.strip()}")
-    pairs = parse_pairs(proc.stdout, NFT_TABLE)
-    if len(pairs) != lab.peers - 1:
-        raise LabError(f"peer {peer}: per-pair counters missing (build the lab with pair_counters=True)")
-    return pairs
-
-
-__all__ = ["Count", "PairCounters", "pair_rules", "parse_pairs", "read_pairs"]
+__all__ = ["Count", "PairCounters", "pair_rules", "parse_pairs"]
