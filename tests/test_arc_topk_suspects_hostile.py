@@ -105,23 +105,20 @@ def test_a_member_found_opposed_repeatedly_stays_out_of_the_dense_rows_hostile()
     assert len(banning) >= 4
     weak = gradients(30, signal_rms=0.15)  # rows that barely agree: one round's test misses the attacker
     plain = average(weak, False)
-    assert all(BAD not in plain[2].m[k].statistics().opposed for k in banning)
+    # owners whose own test misses it: without the ban, its negated rows are in their dense averages
+    missed = [k for k in banning if BAD not in plain[2].m[k].statistics().opposed]
+    assert len(missed) >= 3
+    assert all(BAD not in plain[2].m[k].options.exclude for k in missed)
     nets = average(weak, True)
     dense_in = [plan.dense_vector(k, weak[k], [plan.read_selection(nets[1].m[k].result(), j) for j in range(N)])
                 for k in range(N)]
-    seg = plan.dense_segment
-    for k in banning:
+    for k in missed:
         core = nets[2].m[k]
         kept = [j for j in range(N) if j not in core.options.exclude and j not in core.statistics().opposed]
         assert BAD not in kept
-        lo, hi = k * seg, (k + 1) * seg
-        slots = plan._slots(k)
-        slots = slots[(slots >= lo) & (slots < hi)]
+        slots = plan._slots(k)  # owner k's dense values (its segment, canaries left out)
         honest = wmean([v[slots] for v in dense_in], ws, kept)
         np.testing.assert_allclose(core.result()[slots], honest, rtol=0, atol=1e-5)
-        flipped_in = wmean([v[slots] for v in dense_in], [*ws[:BAD], 2 * ws[BAD]], [*kept, BAD])
-        assert not np.allclose(plain[2].m[k].result()[slots], honest, rtol=0, atol=1e-5)
-        assert np.abs(flipped_in - honest).max() > 1e-3
     for k in banning:  # the ban is served, then the attacker is tested again
         for _ in range(BAN_ROUNDS):
             suspects[k].observe(ids, ())
