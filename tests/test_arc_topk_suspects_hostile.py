@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from peerd.allreduce.options import AverageOptions
-from peerd.allreduce.robust import MAX_C, MAX_SUSPECTS, SUSPECT_ROUNDS, Robust, Suspects
+from peerd.allreduce.robust import BAN_ROUNDS, MAX_C, MAX_SUSPECTS, STRIKES, SUSPECT_ROUNDS, Robust, Suspects
+from peerd.tools.faults import byzantine
 
 from .support.arctopk import plan_for, run_group, wmean
 
@@ -19,13 +20,13 @@ SHAPES = [(256, 32)]
 RATIO = 0.125
 
 
-def gradients(seed: int) -> list[np.ndarray]:
+def gradients(seed: int, signal_rms: float = 0.7) -> list[np.ndarray]:
     """Honest members' gradients as training makes them: a shared signal in an eighth of the rows (those the
     selection picks), noise everywhere. Over a whole row shard's sketch the members barely agree (a correlation
-    of about 0.06); over the selected rows they do (about 0.33)."""
+    of about 0.06); over the selected rows they do (about 0.33; less with a weaker ``signal_rms``)."""
     rng = np.random.default_rng(seed)
     signal = np.zeros(SHAPES[0])
-    signal[::8] = 0.7 * rng.standard_normal((SHAPES[0][0] // 8, SHAPES[0][1]))
+    signal[::8] = signal_rms * rng.standard_normal((SHAPES[0][0] // 8, SHAPES[0][1]))
     return [(signal + rng.standard_normal(SHAPES[0])).astype(np.float32).ravel() for _ in range(N)]
 
 
@@ -70,6 +71,58 @@ def test_a_sign_flipper_the_dense_phase_found_is_left_out_of_the_next_sketches_h
         np.testing.assert_allclose(got, honest[lo:hi], rtol=0, atol=1e-5)
         skewed += not np.allclose(plain_nets[0].m[k].result()[lo:hi], honest[lo:hi], rtol=0, atol=1e-5)
     assert skewed >= 3  # without the verdict the flipped sketches got in at most honest owners
+
+
+def _daemon_attacker(k: int):
+    """The cores as a daemon run with --fault-byzantine inflate-signflip has them: member BAD's negates every
+    sketch and row it sends another owner and claims 2**24 samples (its own shard and all-gather stay honest)."""
+    return byzantine("inflate-signflip" if k == BAD else None)
+
+
+def test_a_member_found_opposed_repeatedly_stays_out_of_the_dense_rows_hostile() -> None:
+    """The daemon's attacker (a --fault-byzantine core) flips its sketches and rows. A dense shard's direction
+    test finds it in rounds where the members' rows agree, and misses it where they barely do: there, with one
+    round's verdict alone, its negated rows got into every honest owner's dense average, and stayed in EF21M's
+    estimate. An owner that found it opposed in STRIKES rounds bans it: in the round its own test misses it, the
+    owner's dense shard is the mean of the honest members it kept, without the attacker's rows."""
+    plan = plan_for(N, ratio=RATIO, shapes=SHAPES)
+    ws = [8.0] * N
+    ids = [bytes([k]) * 32 for k in range(N)]
+    suspects = [Suspects() for _ in range(N)]
+
+    def average(xs: list[np.ndarray], banning: bool):
+        sketch = [s.among(ids, k) for k, s in enumerate(suspects)]
+        dense = [s.banned_among(ids, k) if banning else () for k, s in enumerate(suspects)]
+        _, nets = run_group(plan, xs, ws, robust=ROBUST, sketch_exclude=sketch, dense_exclude=dense,
+                            factory=_daemon_attacker)
+        return nets
+
+    for r in range(STRIKES):  # rows that agree: most honest owners find the attacker every round
+        nets = average(gradients(20 + r), True)
+        for k, core in enumerate(nets[2].m):
+            suspects[k].observe(ids, core.statistics().opposed)
+    banning = [k for k in range(N) if k != BAD and BAD in suspects[k].banned_among(ids, k)]
+    assert len(banning) >= 4
+    weak = gradients(30, signal_rms=0.15)  # rows that barely agree: one round's test misses the attacker
+    plain = average(weak, False)
+    # owners whose own test misses it: without the ban, its negated rows are in their dense averages
+    missed = [k for k in banning if BAD not in plain[2].m[k].statistics().opposed]
+    assert len(missed) >= 3
+    assert all(BAD not in plain[2].m[k].options.exclude for k in missed)
+    nets = average(weak, True)
+    dense_in = [plan.dense_vector(k, weak[k], [plan.read_selection(nets[1].m[k].result(), j) for j in range(N)])
+                for k in range(N)]
+    for k in missed:
+        core = nets[2].m[k]
+        kept = [j for j in range(N) if j not in core.options.exclude and j not in core.statistics().opposed]
+        assert BAD not in kept
+        slots = plan._slots(k)  # owner k's dense values (its segment, canaries left out)
+        honest = wmean([v[slots] for v in dense_in], ws, kept)
+        np.testing.assert_allclose(core.result()[slots], honest, rtol=0, atol=1e-5)
+    for k in banning:  # the ban is served, then the attacker is tested again
+        for _ in range(BAN_ROUNDS):
+            suspects[k].observe(ids, ())
+        assert BAD not in suspects[k].banned_among(ids, k)
 
 
 def test_honest_members_keep_their_sketches_in() -> None:

@@ -33,8 +33,10 @@ has rows that were never averaged: ``ArcTopKResult.complete`` is False and ``got
 arrived. ``robust`` (clip; centered clips around zero here) applies to the sketch and dense phases, never to the
 selection phase, whose non-owners' NaN must be refused, not clipped. An owner's sketch shard also leaves out its
 ``suspects`` (robust.Suspects: the members its recent dense phases found opposed): a sketch shard holds tens of
-values, too few for the direction test to tell a sign flip from noise. Dense values travel in fp32 or bf16 (the
-canary needs the exponent range of float32: w_owner / sum w may be below fp16's smallest value).
+values, too few for the direction test to tell a sign flip from noise. Its dense shard also leaves out the
+``banned`` (members those phases found opposed repeatedly): a dense shard's test misses a flipped member now and
+then, and the rows it lets in stay in EF21M's estimate until they are selected again. Dense values travel in fp32
+or bf16 (the canary needs the exponent range of float32: w_owner / sum w may be below fp16's smallest value).
 """
 
 from __future__ import annotations
@@ -337,17 +339,19 @@ def phase_options(options: AverageOptions, phase: int) -> AverageOptions:
 async def service_arc_topk(service: Averager, group_id: int, members: list, index: int, vector: np.ndarray,
                            weight: float, plan: ArcTopKPlan, *, run: int, round: int, codec: Codec | None = None,
                            ef: EF21M | None = None, options: AverageOptions = DEFAULT_OPTIONS,
-                           suspects: tuple[int, ...] = ()) -> ArcTopKResult:
+                           suspects: tuple[int, ...] = (), banned: tuple[int, ...] = ()) -> ArcTopKResult:
     """arc_topk_average through an Averager (``service.average``): the three phases under derived group ids, with
     the same members, weight and ``options`` (deadlines, max_weight, robust); ``codec`` the dense rows' (the
     plan's). ``options.robust`` applies to the sketch and dense phases (a centered mode clips around zero: no
     center is kept for sketches or rows); the selection phase runs ``solo`` (each owner's segment is its bitmap
     alone). ``suspects``: members (indices) this member's own sketch shard leaves out (robust.Suspects: the
-    members its recent dense phases found opposed). ``result.phases`` holds the three AverageResults (the dense
-    phase's ``stats.opposed`` are the next suspects)."""
+    members its recent dense phases found opposed); ``banned``: members its own sketch and dense shards both leave
+    out (found opposed repeatedly). ``result.phases`` holds the three AverageResults (the dense phase's
+    ``stats.opposed`` are the next verdicts: robust.Suspects.observe)."""
     base = replace(options, codec=None, run=0, solo=False)
     dense = replace(base, codec=codec, run=run) if codec is not None and codec.wire_id != 0 else base
-    sketch = replace(base, exclude=tuple(sorted(set(base.exclude) | set(suspects))))
+    dense = replace(dense, exclude=tuple(sorted(set(base.exclude) | set(banned))))
+    sketch = replace(base, exclude=tuple(sorted(set(base.exclude) | set(suspects) | set(banned))))
 
     async def average(phase: int, gid: int, values: np.ndarray) -> tuple[np.ndarray, object, int]:
         res = await service.average(gid, members, index, values, weight,

@@ -582,11 +582,11 @@ class MoshpitService:
             options = AverageOptions(floor_s=1.0, max_phase_s=max(1.0, budget_s / 6), max_weight=st.max_weight,
                                      robust=st.robust)
             plan = ArcTopKPlan.build(topk.shapes, len(members), topk.ratio, self.allreduce.max_body)
-            ids = [mb.node_id for mb in members]  # robust: the sketch and dense phases, and the dense's suspects
-            res = await service_arc_topk(self.allreduce, group.group_id, members, group.index, vector, weight, plan,
-                                         run=codec_run_key(st.run_id, round_no), round=round_no, ef=topk.ef,
-                                         options=options, suspects=topk.suspects.among(ids, group.index))
-            topk.suspects.observe(ids, getattr(res.phases[2].stats, "opposed", ()))
+            ids, sus, me = [mb.node_id for mb in members], topk.suspects, group.index  # robust: opposed lately
+            res = await service_arc_topk(self.allreduce, group.group_id, members, me, vector, weight, plan, ef=topk.ef,
+                                         run=codec_run_key(st.run_id, round_no), round=round_no, options=options,
+                                         suspects=sus.among(ids, me), banned=sus.banned_among(ids, me))
+            sus.observe(ids, getattr(res.phases[2].stats, "opposed", ()))
             finite = await self._finite(res.vector)
         except (ValueError, RpcError) as e:
             log.warning("run %s round %d: arc-topk in group %s failed: %s", st.run_id, round_no, gid, e)

@@ -36,12 +36,14 @@ def plan_for(n: int, ratio: float = 0.25, shapes=SHAPES, payload: int = PAYLOAD,
 
 def run_group(plan: ArcTopKPlan, xs: list[np.ndarray], ws: list[float], drop=lambda phase, w: False,
               efs: list[EF21M] | None = None, rnd: int = ROUND, dense=None, offload=None, robust=None,
-              tamper=None, sketch_exclude=None) -> tuple[list, list]:
+              tamper=None, sketch_exclude=None, dense_exclude=None, factory=None) -> tuple[list, list]:
     """Every member's arc_topk_average, phase by phase: a phase's GroupAverages run over one GroupNet once every
     member has handed in its vector, with the options the daemon gives each phase (``phase_options``).
     ``tamper(i, phase, vector)``: what member i sends instead (a hostile member). ``sketch_exclude[i]``: the
-    members member i's sketch shard leaves out (its suspects). Returns (results, per phase: the GroupNet that
-    carried it)."""
+    members member i's sketch shard leaves out (its suspects), ``dense_exclude[i]`` those its dense shard leaves
+    out. ``factory(i)``: the core class of member i (None: GroupAverage; peerd.tools.faults.byzantine for a member
+    that corrupts what its core sends, as a daemon run with --fault-byzantine does). Returns (results, per phase:
+    the GroupNet that carried it)."""
     n = len(xs)
     nets: list = []
     results: list = [None] * n
@@ -60,9 +62,11 @@ def run_group(plan: ArcTopKPlan, xs: list[np.ndarray], ws: list[float], drop=lam
                 c = dense if phase == 2 else None
                 options = phase_options(replace(GROUP_OPTIONS, codec=c, run=RUN, robust=robust), phase)
                 each = [options] * n
-                if phase == 0 and sketch_exclude is not None:
-                    each = [replace(options, exclude=tuple(sketch_exclude[k])) for k in range(n)]
-                cores = [GroupAverage(gid, n, k, pending[phase][k], ws[k], 0.0, options=each[k], max_payload=PAYLOAD)
+                leave_out = {0: sketch_exclude, 2: dense_exclude}.get(phase)
+                if leave_out is not None:
+                    each = [replace(options, exclude=tuple(leave_out[k])) for k in range(n)]
+                make = factory or (lambda k: GroupAverage)
+                cores = [make(k)(gid, n, k, pending[phase][k], ws[k], 0.0, options=each[k], max_payload=PAYLOAD)
                          for k in range(n)]
                 net = GroupNet(cores, drop=lambda w: drop(phase_of(w), w))
                 net.run(allow_late=True)
