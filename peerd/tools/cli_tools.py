@@ -195,8 +195,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                         "(default sync)")
     p.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
                    help="overlap: gradient bucket size in MB of float32 (default: demo-trainer's, 25)")
-    p.add_argument("--sync-every", type=int, default=50, metavar="H",
-                   help="diloco: inner steps per outer step (default 50)")
+    p.add_argument("--sync-every", type=int, default=20, metavar="H",
+                   help="diloco: inner steps per outer step (default 20: enough outer steps for a run of a few "
+                        "hundred steps)")
     p.add_argument("--fragments", type=int, default=1, metavar="F", help="diloco: streaming fragments (default 1)")
     p.add_argument("--model", choices=["mlp", "wide", "gpt"], default="mlp",
                    help="mlp: 4,810 parameters; wide: 64-2048-1024-10, 2.24 M parameters, so a 100 Mbit link "

@@ -60,7 +60,7 @@ class DemoConfig:
     link_queue_ms: float = 20.0  # ... each tbf queueing this many ms of the rate before it drops
     mode: str = "sync"  # sync | overlap | diloco (`peerd train --mode`)
     bucket_mb: float | None = None  # overlap: gradient bucket size (None: `peerd train`'s default)
-    sync_every: int = 50  # diloco: H
+    sync_every: int = 20  # diloco: H
     fragments: int = 1  # diloco: F (streaming)
     model: str = "mlp"  # mlp (4,810 parameters) | wide (2.24 M: communication matters at 100 Mbit) | gpt (0.84 M)
     baseline: str | None = None  # gloo (ddp): then train the same under torch DDP over gloo, on the same links
