@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,25 @@ def test_the_cpu_window_runs_from_the_first_step_after_the_warmup_to_the_last() 
     cpu = cpu_window(me, records, warmup=1)
     assert cpu is not None and cpu.procs["trainer0"] is not None and cpu.procs["trainer0"] > 0.0
     assert cpu_window(me, [[{"t0": t0}]], warmup=1) is None
+
+
+def test_trainers_start_together_and_a_missing_one_is_an_error(tmp_path: Path) -> None:
+    import threading
+
+    from peerd.tools.bench.step import start_together
+
+    outs = [str(tmp_path / f"steps{i}.json") for i in range(3)]
+    started: list[float] = []
+    threads = [threading.Thread(target=lambda o=o: (start_together(o, 3), started.append(time.monotonic())))
+               for o in outs[:2]]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    assert not started  # two of three ready: both wait
+    t0 = time.monotonic()
+    start_together(outs[2], 3)
+    for t in threads:
+        t.join()
+    assert len(started) == 2 and all(s >= t0 - 0.01 for s in started)
+    with pytest.raises(RuntimeError, match="not every one of the 4 trainers"):
+        start_together(outs[0], 4, timeout_s=0.2)

@@ -285,6 +285,7 @@ def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
         steps = cfg.steps
     gen = torch.Generator().manual_seed(1)
     noise = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(NOISE_SETS)]
+    start_together(out, cfg.peers)
     records = []
     for i in range(steps):
         for p, g in zip(params, noise[i % NOISE_SETS], strict=True):
@@ -303,6 +304,20 @@ def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
     opt.close()
     with open(out, "w") as f:
         json.dump(records, f)
+
+
+def start_together(out: str, peers: int, *, timeout_s: float = 300.0) -> None:
+    """Mark this trainer ready (``out`` + ".ready") and wait until all ``peers`` are: trainers that import torch
+    seconds apart on a loaded machine would otherwise take their first steps alone, and a short run's figures
+    would measure the start-up skew instead of the averaging."""
+    folder = os.path.dirname(os.path.abspath(out))
+    with open(out + ".ready", "w"):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while sum(name.endswith(".ready") for name in os.listdir(folder)) < peers:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every one of the {peers} trainers was ready within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 # -- the command line -------------------------------------------------------------------------------------------
