@@ -112,6 +112,38 @@ def test_finish_leaves_every_replica_with_the_swarms_parameters(tmp_path) -> Non
             o.close()
 
 
+def test_clip_grad_norm_clips_the_average_as_ddp_does(tmp_path) -> None:
+    """Two replicas whose gradients are long but point apart: each one clipped alone (clip_grad_norm_ before
+    step()) would give a short average; clip_grad_norm= clips the average, which is what DDP's clip sees."""
+    with thread_daemon(tmp_path, group_size=2, wait_s=5.0) as daemon:
+        models = [model(3), model(3)]
+        ref = model(3)
+        opts = [wrapped(m, daemon, clip_grad_norm=0.5) for m in models]
+        losses = [loss_of(models[0], 1, scale=40.0), loss_of(models[1], 2, scale=40.0)]
+        for loss in losses:
+            loss.backward()
+        grads = [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in models]
+        assert min(float(g.norm()) for g in grads) > 2.0  # each replica's own gradient is well past the bound
+        mean = (grads[0] + grads[1]) / 2
+        threads = [threading.Thread(target=lambda i=i: opts[i].step(samples=8)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        # DDP: the mean gradient, clipped to 0.5, one SGD step of 0.1
+        expected = flat(ref) - 0.1 * mean * min(1.0, 0.5 / (float(mean.norm()) + 1e-6))
+        for m in models:
+            torch.testing.assert_close(flat(m), expected)
+        for o in opts:
+            o.close()
+    for bad in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="clip_grad_norm"):
+            Optimizer(torch.optim.SGD(model().parameters(), lr=0.1), run="api", clip_grad_norm=bad)
+    with pytest.raises(ValueError, match="not with overlap"):
+        m = model()
+        Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="api", clip_grad_norm=1.0, overlap=True, model=m)
+
+
 def test_every_step_reports_its_phases_to_the_trainer_the_daemon_and_its_metrics(alone) -> None:
     m = model()
     opt = wrapped(m, alone)

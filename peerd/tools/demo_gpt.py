@@ -219,6 +219,8 @@ def wrap_peerd(model, opt, args: argparse.Namespace):
         if args.bucket_mb is not None:
             extra["bucket_mb"] = args.bucket_mb
         extra.update(overlap=True, model=model)
+    elif args.clip > 0:
+        extra["clip_grad_norm"] = args.clip  # the average's norm is clipped, as under DDP (not each replica's)
     return peerd.torch.Optimizer(opt, run=args.run, socket=args.socket, average_params_every=args.average_every,
                                  timeout_s=args.timeout, sync_state=not args.no_sync, **extra)
 
@@ -282,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
             opt.last_microbatch(1)  # the step's one micro-batch: its backward hands the buckets out
         _, loss = net(x, y)
         loss.backward()
-        if args.clip > 0 and args.mode != "overlap":  # overlap applies updates layer by layer: no global clip
+        if args.clip > 0 and (ddp or args.mode == "diloco"):
+            # DDP: the gradients are averaged by now; DiLoCo's inner steps are local. peerd's sync wrap clips the
+            # average itself (clip_grad_norm); overlap applies updates layer by layer: no global clip
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         t1 = time.monotonic()
         if args.slow > 1.0:

@@ -93,7 +93,10 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
     would take over a quarter of the compute, with the choice and its reason in every step's reply under "auto"
     and in `peerd status`; a joiner takes the swarm's choice with its state; with overlap, fp32),
     ``quant_group`` and ``rounding`` (int8/int4: values per scale and min, default 128; "stochastic", the
-    default, or "nearest").
+    default, or "nearest"), ``clip_grad_norm`` (clip the averaged gradient to this norm after averaging, just
+    before the wrapped optimizer steps: what ``clip_grad_norm_`` after ``backward()`` does under DDP, whose
+    gradients are averaged by then; a ``clip_grad_norm_`` call before ``step()`` clips this replica's own
+    gradients, which are longer than their average, so it shrinks every step more than under DDP).
     ``compression="arc-topk"`` averages the top ``topk_ratio`` (default 0.1) of each matrix's rows per shard
     with EF21M error feedback in the daemon (peerd.allreduce.arctopk): the gradients the step applies are
     EF21M's update direction; parameter averages stay fp32; not with ``overlap``.
@@ -118,8 +121,16 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
                  max_samples: float | None = None, overlap: bool = False, model: torch.nn.Module | None = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB, compression: str | None = "auto",
                  quant_group: int | None = None, rounding: str | None = None, topk_ratio: float | None = None,
-                 founder_window_s: float = FOUNDER_WINDOW_S, reseed: bool = True) -> None:
+                 founder_window_s: float = FOUNDER_WINDOW_S, reseed: bool = True,
+                 clip_grad_norm: float | None = None) -> None:
         self._torch_surface(optimizer)
+        if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(
+                clip_grad_norm, int | float) or not (math.isfinite(clip_grad_norm) and clip_grad_norm > 0)):
+            raise ValueError(f"clip_grad_norm must be a positive finite number or None, got {clip_grad_norm!r}")
+        if clip_grad_norm is not None and overlap:
+            raise ValueError("clip_grad_norm clips the whole averaged gradient: not with overlap (its buckets "
+                             "are applied layer by layer)")
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         if not (isinstance(founder_window_s, int | float) and 0 <= founder_window_s <= 600):
             raise ValueError(f"founder_window_s must be in [0, 600] seconds, got {founder_window_s!r}")
         self.founder_window_s = float(founder_window_s)
@@ -468,6 +479,8 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
                 self._scatter(result, [p.grad for p in self.params])
             elif not all(all_finite(p.grad) for p in self.params):
                 return self._finish_step(reply, t0, phases)  # our own gradients are no better: skip the step
+            if self.clip_grad_norm is not None:  # the average's norm, as DDP's clip after backward sees it
+                torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
         phases["copy_out"] += time.monotonic() - t2
         self.opt.step()
         self._follow_swarm(reply)
