@@ -68,7 +68,7 @@ SANS_IO: tuple[str, ...] = (
     "nat/punch.py", "nat/reach.py", "nat/relay.py", "nat/paths.py",
     "linkcap/core.py", "linkcap/budget.py", "linkcap/rates.py",
     "moshpit/keys.py", "moshpit/matchmaking.py", "moshpit/records.py", "moshpit/rounds.py", "moshpit/sticky.py",
-    "moshpit/expect.py",
+    "moshpit/expect.py", "moshpit/actions.py", "moshpit/liveness.py",
     "statesync/choice.py",
     "trainer/agreement.py", "trainer/records.py",
     "deadlines.py",

@@ -14,11 +14,12 @@ import pytest
 import trio
 import trio.testing
 
+from peerd.deadlines import WINDOW_FLOOR_S, DeadlineTuner
 from peerd.moshpit.keys import Grid
 from peerd.moshpit.service import RoundResult
 
 from .support.memnet import MemNet, run_on_memnet
-from .support.moshpit_swarm import MoshpitNode, swarm  # noqa: E402
+from .support.moshpit_swarm import BASE, MoshpitNode, swarm  # noqa: E402
 from .support.virtual import (
     counter_value,  # noqa: E402
 )
@@ -136,10 +137,11 @@ def test_a_complete_group_is_kept_and_re_forms_when_its_leader_dies() -> None:
         survivors = [n for n in nodes if n.alive]
         t0 = trio.current_time()
         after = await lockstep(survivors, "sticky", vectors[:2])
-        # each follower's renewal request went unanswered (1 s of retries), then they matchmade without it,
-        # the leader waiting its window for the dead peer the run still expects
-        assert trio.current_time() - t0 < 1.0 + 2 * 2.0 + 2.0
-        assert [n.moshpit.runs["sticky"].sticky.dropped for n in survivors] == [{"unreachable": 1}] * 2
+        # each follower PINGed the leader's daemon when no BEGIN came: three unanswered probes (0.35 s) and it
+        # gave up on the group, then they matchmade without it, waiting their window (2 s) for the dead peer the
+        # run still expects (with only its renewal request's retries to tell, the round took 5.8 s)
+        assert trio.current_time() - t0 < 0.5 + 2.0 + 0.5
+        assert [n.moshpit.runs["sticky"].sticky.dropped for n in survivors] == [{"dead": 1}] * 2
         after = [after] + [await lockstep(survivors, "sticky", vectors[:2]) for _ in range(3)]
         assert all(r.outcome == "averaged" and r.group_size == 2 for stats in after for r in stats), after
         ids = {n.identity.node_id.hex() for n in survivors}
@@ -170,6 +172,44 @@ def test_a_kept_group_waits_for_a_member_that_starts_its_round_late() -> None:
             assert n.moshpit.runs["late"].sticky.dropped == {"used_up": 1}
 
     run_on_memnet(main, seed=4)
+
+
+def test_a_kept_group_waits_past_its_tuned_window_for_a_live_member_and_drops_a_dead_one_fast() -> None:
+    """Four daemons whose window tuned itself down to 1 s (a 3 s cap). One member's trainer comes 2 s late (its
+    evaluation ran long): its daemon answers the PINGs the waiting side sends, so the kept group waits for it
+    and averages complete, whether the late one is a follower or the leader. Then a follower dies right after a
+    round: the leader's PINGs go unanswered and it re-forms the group at once instead of waiting its window."""
+
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm(nursery, net, 4)
+        for n in nodes:
+            n.moshpit.deadlines = DeadlineTuner()
+            await n.moshpit.open("late", window_s=3.0, keep_rounds=20)
+        vectors = [np.full(100, float(i), np.float32) for i in range(4)]
+        for _ in range(7):  # enough quick rounds for every tuner to bring the window to its floor
+            assert all(r is not None and r.group_size == 4 for r in await lockstep(nodes, "late", vectors))
+        assert all(n.moshpit.deadlines.window(3.0).seconds == WINDOW_FLOOR_S for n in nodes)
+        leader = nodes[0].moshpit.runs["late"].sticky.kept.leader
+        lead = next(i for i, n in enumerate(nodes) if n.identity.node_id == leader)
+        for late in ((lead + 1) % 4, lead):
+            t0 = trio.current_time()
+            results = await lockstep(nodes, "late", vectors, late=late, late_s=2 * WINDOW_FLOOR_S)
+            assert all(r is not None and r.outcome == "averaged" and r.kept and r.group_size == 4 for r in results)
+            assert all(r.received_fraction == 1.0 for r in results)  # nobody averaged out
+            assert 2.0 <= trio.current_time() - t0 < 2.3
+        assert all(n.moshpit.runs["late"].sticky.dropped == {} for n in nodes)
+        window = nodes[lead].moshpit.deadlines.window(3.0).seconds  # (the 2 s renewals stretched it)
+        nodes[(lead + 2) % 4].kill(net)
+        survivors = [n for n in nodes if n.alive]
+        t0 = trio.current_time()
+        results = await lockstep(survivors, "late", vectors[:3])
+        assert all(r is not None and r.outcome == "averaged" and r.group_size == 3 for r in results)
+        assert nodes[lead].moshpit.runs["late"].sticky.dropped == {"dead": 1}
+        # the leader gave up on the kept group after three unanswered PINGs (0.35 s), not at its window's end
+        gave_up = results[survivors.index(nodes[lead])].window_end - window - (BASE + t0)
+        assert 0.3 < gave_up < 0.4 < WINDOW_FLOOR_S <= window, (gave_up, window)
+
+    run_on_memnet(main, seed=5)
 
 
 async def _grid_run(nursery: trio.Nursery, net: MemNet, *, kill: int, rounds: int, seed: int, at_once: bool = False

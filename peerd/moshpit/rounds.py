@@ -23,13 +23,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..dht.reads import Agreed
 from ..linkcap.advert import CapAdvert, PeerCaps
 from ..wire import messages as m
+from .actions import Action, Average, Count, Get, Note, Notify, Put, Request
 from .expect import expected_peers
 from .keys import Grid, KeyManager
+from .liveness import LateMembers
 from .matchmaking import (
     BUSY_RETRY_S,
     FOLLOW_SLACK_S,
@@ -75,77 +76,6 @@ def poll_read(i: int) -> Agreed | None:
     return None if i % FULL_READ_EVERY == FULL_READ_EVERY - 1 else POLL_READ
 
 
-# -- actions ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Put:
-    """Store ``value`` under ``key`` in the DHT, subkey this node's id (fire and forget)."""
-
-    key: bytes
-    value: bytes
-    ttl: float
-
-
-@dataclass(frozen=True)
-class Get:
-    """Read every record under ``key``; answer with ``on_records(token, ...)`` (an empty list on failure).
-    ``detached``: the answer matters past this round (a kept group's watch): do not cancel it when the round ends."""
-
-    key: bytes
-    token: int
-    enough: Agreed | None = None
-    detached: bool = False
-
-
-@dataclass(frozen=True)
-class Request:
-    """Send an MM_JOIN or MM_BEGIN request; answer with ``on_reply(token, ...)`` or ``on_failed(token, ...)``.
-    ``detached``: the answer matters past this round (a BEGIN's ack): do not cancel it when the round ends."""
-
-    to: Candidate
-    mtype: m.MsgType
-    fields: dict
-    token: int
-    timeout: float
-    attempts: int
-    detached: bool = False
-
-
-@dataclass(frozen=True)
-class Notify:
-    """Send a one-way message (MM_DISBAND)."""
-
-    to: Candidate
-    mtype: m.MsgType
-    fields: dict
-
-
-@dataclass(frozen=True)
-class Average:
-    """Average in ``group`` now; report the result with ``on_averaged``."""
-
-    group: Group
-    kept: bool
-
-
-@dataclass(frozen=True)
-class Count:
-    """Count a refused input: ``metric`` is a Metrics counter name, ``labels`` its label values."""
-
-    metric: str
-    labels: tuple[str, ...]
-    n: int = 1
-
-
-@dataclass(frozen=True)
-class Note:
-    """Something an operator may want in the log (info level)."""
-
-    text: str
-
-
-Action = Put | Get | Request | Notify | Average | Count | Note
-
-
 class RoundMachine:
     """One run on one node: its place on the grid, its round number, and the round under way."""
 
@@ -173,6 +103,8 @@ class RoundMachine:
         self.me = me
         self.min_size = min_size
         self.window_s = window_s
+        self.window_cap_s: float | None = None  # the bound the driver tuned window_s within (None: window_s itself)
+        self.rtt: Callable[[tuple[str, int]], float | None] = lambda addr: None  # the driver's smoothed RTT to addr
         self.doubt_s = math.inf  # matchmaking's wait for a last-group member that did not finish (inf: the window)
         self.sticky = StickyGroups(me.node_id, keep_rounds)
         self.rng = rng
@@ -202,8 +134,8 @@ class RoundMachine:
         self._poll_i = 0
         self._poll_at = math.inf  # next poll of the key (inf while one is in flight)
         self._full_out = False  # a full read of the key in flight
-        self._renew_deadline = math.inf
         self._renew_kept: Kept | None = None
+        self._late: LateMembers | None = None  # a kept round's probes of the members it waits for
         self._watch: dict[int, Watch] = {}  # the leader's watch reads outstanding, by token (they outlive a round)
         self._expect_at = math.inf  # next re-read of the run's progress while matchmaking alone
         self._ask: Ask | None = None
@@ -223,8 +155,8 @@ class RoundMachine:
         t = math.inf
         if self._ask is not None:
             t = min(t, self._ask.retry_at, self._ask.deadline)
-        if self.phase == "renew":
-            t = min(t, self._renew_deadline)
+        if self.phase == "renew" and self._late is not None and self._renew_kept is not None:
+            t = min(t, self._late.get_timer(self._renewal_waits(self._renew_kept)))
         elif self.phase == "match":
             assert self._mm is not None
             t = min(t, self._mm.get_timer() or math.inf, self._poll_at, self._mm_deadline, self._expect_at)
@@ -245,7 +177,7 @@ class RoundMachine:
         the next round is this one again; what was pending is forgotten."""
         if self.phase not in ("idle", "done"):
             self.phase = "idle"
-        self._mm, self._ask = None, None
+        self._mm, self._ask, self._late = None, None, None
         self._forget_gets()
 
     def set_keep_rounds(self, keep_rounds: int) -> None:
@@ -271,7 +203,7 @@ class RoundMachine:
         self._started = now
         self._timeout_s = timeout_s
         self._forget_gets()
-        for token in [t for t, req in self._requests.items() if req[0] in ("join", "probe")]:
+        for token in [t for t, req in self._requests.items() if req[0] in ("join", "probe", "late")]:
             del self._requests[token]  # JOINs of an earlier round: their answers no longer matter
         sticky = self.sticky
         if sticky.kept is not None and sticky.broken:
@@ -282,8 +214,12 @@ class RoundMachine:
             return
         self.phase = "renew"
         self._renew_kept = kept
+        slack = 0.0 if sticky.leads(kept) else FOLLOW_SLACK_S  # (a follower's wait also covers its asks' retries)
+        self._late = LateMembers([c for c in kept.members if c.node_id in self._renewal_waits(kept)], started=now,
+                                 base=now + max(0.0, min(self.window_s + slack, timeout_s / 2)),
+                                 long=now + max(0.0, min((self.window_cap_s or self.window_s) + slack, timeout_s / 2)),
+                                 rtt=self.rtt)
         if sticky.leads(kept):
-            self._renew_deadline = now + max(0.0, min(self.window_s, timeout_s / 2))
             if not self._watch:  # one watch in flight at a time: a slow DHT must not pile reads up
                 enough = poll_read(self.round)
                 for purpose, key in (("progress", progress_key(self.run_id)),
@@ -292,7 +228,6 @@ class RoundMachine:
                     token = self._get(key, "watch", enough, detached=True)
                     self._watch[token] = Watch(kept, now, purpose, self.round)
         else:
-            self._renew_deadline = now + max(0.0, min(self.window_s + FOLLOW_SLACK_S, timeout_s / 2))
             self._ask = Ask(kept, self.round, round(now + self.window_s, 3), now + self.window_s + FOLLOW_SLACK_S)
             self._send_ask(now)
         self._check_renewal(now)
@@ -398,6 +333,9 @@ class RoundMachine:
                 self._pump(now)
         elif purpose == "ask":
             self._asked(req[1], sender, ok, reason, now)
+        elif purpose == "late":  # (a PING's answer: from the member itself, or from someone else at its address)
+            req[1].receive_answer(req[2], token, sender, now)
+            self._check_renewal(now)
         elif purpose == "renewal" and not ok:
             self.sticky.break_("refused", req[1])
 
@@ -419,6 +357,9 @@ class RoundMachine:
                 self._pump(now)
         elif purpose == "ask":
             self._asked(req[1], None, False, "unreachable", now)
+        elif purpose == "late":
+            req[1].receive_answer(req[2], token, None, now)
+            self._check_renewal(now)
         elif purpose == "renewal":
             self.sticky.break_("unacknowledged", req[1])
             self._actions.append(Note(f"run {self.run_id}: a kept group's member did not acknowledge its renewal"))
@@ -486,7 +427,15 @@ class RoundMachine:
             if group is not None:
                 self._start_average(group, kept=True)
                 return
-            if now < self._renew_deadline:
+            late, waits = self._late, self._renewal_waits(kept)
+            assert late is not None
+            if late.dead(waits):  # its daemon is gone too: no use waiting out the window
+                self._actions.append(Note(f"run {self.run_id} round {self.round}: a kept group's member does not "
+                                          f"answer; re-forming"))
+                sticky.break_("dead", kept)
+            elif now < late.deadline(waits):
+                for c, timeout in late.to_probe(waits, now):
+                    late.sent(c.node_id, self._request(c, m.MsgType.PING, {}, ("late", late, c.node_id), timeout, 1))
                 return
         # the wait ran out (a member is gone or slow) or the group broke: everyone looks through the DHT
         reason = sticky.broken or ("not_ready" if sticky.leads(kept) else "no_begin")
@@ -494,6 +443,10 @@ class RoundMachine:
             self._disband_kept(kept)
         sticky.drop(reason)
         self._start_match(now)
+
+    def _renewal_waits(self, kept: Kept) -> frozenset[bytes]:
+        """Whom the renewal waits for: the followers that have not asked (the leader), or the leader."""
+        return self.sticky.missing(self.round) if self.sticky.leads(kept) else frozenset([kept.leader])
 
     def _renewal(self, kept: Kept) -> Group:
         """As the leader, every follower having asked: the kept group under a fresh id, BEGIN to each."""
@@ -518,6 +471,8 @@ class RoundMachine:
         sticky = self.sticky
         if self._ask is not ask:
             return
+        if sender == ask.kept.leader and self._late is not None:
+            self._late.receive_heard(sender, now)  # its daemon lives (an answer to a renewal request of this round)
         self._ask = None
         if sticky.kept is not ask.kept or sticky.broken:
             return

@@ -218,7 +218,7 @@ class MoshpitService:
             me = Candidate(0.0, self.identity.node_id, self.identity.public_key, self.address, self.reach)
             core = RoundMachine(run_id, grid, keys, me, min_size=min_size, window_s=window_s,
                                 keep_rounds=keep_rounds, rng=self.rng, resolve=self._resolve)
-            core.cap_ad, core.peer_caps = self.cap_ad, self.peer_caps
+            core.cap_ad, core.peer_caps, core.rtt = self.cap_ad, self.peer_caps, self.endpoint.rto.srtt
             st = self.runs[run_id] = RunState(core)
         self._configure(st, max_weight, cap, robust, robust_mode, codec)
         if not st.synced:
@@ -683,8 +683,8 @@ class MoshpitService:
                 log.info("BEGIN not acknowledged by %s:%d: %s (it is averaged out)", a.to.addr[0], a.to.addr[1], e)
             st.core.on_failed(a.token, self.clock())
         else:
-            st.core.on_reply(a.token, reply.peer.node_id, bool(reply.body["ok"]), reply.body.get("reason", ""),
-                             self.clock())
+            st.core.on_reply(a.token, reply.peer.node_id, bool(reply.body.get("ok", True)),  # (a PONG: answered)
+                             reply.body.get("reason", ""), self.clock())
         self._drain(st)
 
     def _loopback(self) -> str:

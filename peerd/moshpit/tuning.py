@@ -16,10 +16,12 @@ def tuned_window(deadlines: DeadlineTuner | None, cap_s: float) -> float:
 
 
 def tune_round(deadlines: DeadlineTuner | None, core: RoundMachine, cap_s: float) -> float:
-    """Set the next round's deadlines on ``core``: its matchmaking window (returned) within the run's ``cap_s``, and
-    how long its matchmaking waits for a member of its last group that did not finish it (the whole window
-    without a tuner: today's)."""
+    """Set the next round's deadlines on ``core``: its matchmaking window (returned) within the run's ``cap_s`` (kept
+    as ``window_cap_s``: the longest a kept round waits for a late member that is alive), and how long its
+    matchmaking waits for a member of its last group that did not finish it (the whole window without a tuner:
+    today's)."""
     window = core.window_s = tuned_window(deadlines, cap_s)
+    core.window_cap_s = cap_s
     core.doubt_s = window if deadlines is None else deadlines.doubt(window).seconds
     return window
 

@@ -1,0 +1,115 @@
+"""Whether a kept group's late member lives (sans-I/O): its daemon is PINGed, and the renewal waits for it or not.
+
+A kept round's renewal waits for every follower's ask (the leader) or for the leader's BEGIN (a follower). A member
+that has not come within a few of its round trips (``grace_s``) and that this node has not heard from this round is
+sent a PING, one at a time, each with an RTT-derived timeout (``probe_timeout_s``; within it the transport resends
+at the member's retransmission timeout, so a lost datagram costs a resend, not a verdict). An answer from the
+member's own node id means its daemon lives and its trainer is busy (evaluating, checkpointing): the renewal may
+wait for it up to the longer bound the round machine gives (the window's cap), re-probing every ``REPROBE_S`` so that
+a death meanwhile is caught. ``PROBES`` probes in a row unanswered, or answered by another node id (someone else
+lives at that address), mean it is dead: the renewal gives up at once instead of waiting out its window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from .matchmaking import Candidate
+
+GRACE_FLOOR_S = 0.05  # a member is probed once it is this late (or GRACE_RTTS of its round trips, if longer)
+GRACE_RTTS = 3.0
+PROBE_FLOOR_S = 0.1  # a probe's timeout: PROBE_RTTS of the member's round trips, at least this ...
+PROBE_RTTS = 4.0
+PROBE_MAX_S = 1.0  # ... and at most this (an RTT estimate that grew under loss must not stretch the verdict)
+PROBES = 3  # unanswered probes in a row: the member is dead
+REPROBE_S = 0.5  # a member that answered is probed again this long after
+
+
+def grace_s(rtt: float | None) -> float:
+    """How late a member may be before its daemon is probed (``rtt``: its smoothed round trip, None: unknown)."""
+    return max(GRACE_FLOOR_S, GRACE_RTTS * rtt) if _usable(rtt) else GRACE_FLOOR_S
+
+
+def probe_timeout_s(rtt: float | None) -> float:
+    """One probe's timeout: a few round trips, within [PROBE_FLOOR_S, PROBE_MAX_S]."""
+    return min(PROBE_MAX_S, max(PROBE_FLOOR_S, PROBE_RTTS * rtt)) if _usable(rtt) else PROBE_FLOOR_S
+
+
+def _usable(rtt: float | None) -> bool:
+    return isinstance(rtt, int | float) and math.isfinite(rtt) and rtt > 0
+
+
+@dataclass
+class _Probed:
+    """One member's probes: when the next one goes (inf while one is in flight), their timeout, the one in flight,
+    how many in a row went unanswered, and whether it answered one (or otherwise spoke) this round."""
+
+    member: Candidate
+    next_at: float
+    timeout: float
+    token: int | None = None
+    failures: int = 0
+    alive: bool = False
+
+
+class LateMembers:
+    """One kept round's probes of the members its renewal may wait for (the followers, or the leader), and how long
+    it waits: until ``base`` (the window) while any member waited for is unproven, until ``long`` (the window's cap)
+    once every one of them answered, not at all once one of them is dead."""
+
+    def __init__(self, members: Iterable[Candidate], *, started: float, base: float, long: float,
+                 rtt: Callable[[tuple[str, int]], float | None]) -> None:
+        self.base, self.long = base, max(base, long)
+        self._members: dict[bytes, _Probed] = {}
+        for c in members:
+            r = rtt(c.addr)
+            self._members[c.node_id] = _Probed(c, started + grace_s(r), probe_timeout_s(r))
+        self.probes = 0  # probes sent (bounded: one in flight per member, each member's own schedule)
+
+    def _of(self, waiting: Iterable[bytes]) -> list[_Probed]:
+        return [p for n in waiting if (p := self._members.get(n)) is not None]
+
+    def dead(self, waiting: Iterable[bytes]) -> bool:
+        """Some member waited for is dead: give up now."""
+        return any(p.failures >= PROBES for p in self._of(waiting))
+
+    def deadline(self, waiting: Iterable[bytes]) -> float:
+        """When the wait for ``waiting`` ends: the cap once every one of them is known alive, else the window."""
+        probed = self._of(waiting)
+        return self.long if probed and all(p.alive for p in probed) else self.base
+
+    def get_timer(self, waiting: Iterable[bytes]) -> float:
+        """The next probe due for a member of ``waiting``, or the wait's end, whichever comes first."""
+        return min([self.deadline(waiting), *(p.next_at for p in self._of(waiting))])
+
+    def to_probe(self, waiting: Iterable[bytes], now: float) -> list[tuple[Candidate, float]]:
+        """The members of ``waiting`` to PING now, each with its probe's timeout (the caller reports ``sent``)."""
+        return [(p.member, p.timeout) for p in self._of(waiting) if p.token is None and now >= p.next_at]
+
+    def sent(self, node_id: bytes, token: int) -> None:
+        p = self._members[node_id]
+        p.token, p.next_at = token, math.inf
+        self.probes += 1
+
+    def receive_answer(self, node_id: bytes, token: int, sender: bytes | None, now: float) -> None:
+        """The probe ``token`` of ``node_id`` was answered by ``sender`` (None: not at all, after its timeout).
+        Only the member's own node id proves it alive (answers are sealed: the sender is authenticated)."""
+        p = self._members.get(node_id)
+        if p is None or p.token != token:
+            return
+        p.token = None
+        if sender == node_id:
+            p.alive, p.failures, p.next_at = True, 0, now + REPROBE_S
+        else:
+            p.failures += 1
+            p.next_at = now  # probe again at once (the next one goes with the round machine's next check)
+
+    def receive_heard(self, node_id: bytes, now: float) -> None:
+        """The member spoke to this node this round (the leader answered an ask): alive, probed later."""
+        p = self._members.get(node_id)
+        if p is not None:
+            p.alive, p.failures = True, 0
+            if p.token is None:
+                p.next_at = max(p.next_at, now + REPROBE_S)
