@@ -1,0 +1,300 @@
+"""A kept group's late member, in virtual time (moshpit/liveness.py, moshpit/rounds.py): real round machines, a
+transport modelled as the endpoint's (each request resent at the RTO with doubling waits until ``timeout * (2 **
+attempts - 1)``), datagrams lost at random where a test says so.
+
+The window is the tuned one (1 s) under its 3 s cap. A member whose daemon answers the PINGs of the side that waits
+for it is waited for up to the cap and the kept group averages complete; one whose daemon is silent is given up on
+after three probes, well inside the window (before: at the window's end)."""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import random
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+
+from peerd.moshpit.keys import Grid, KeyManager
+from peerd.moshpit.liveness import GRACE_FLOOR_S, PROBE_FLOOR_S, PROBES, REPROBE_S, grace_s, probe_timeout_s
+from peerd.moshpit.matchmaking import FOLLOW_SLACK_S, Candidate, Group
+from peerd.moshpit.rounds import Average, Get, Notify, Request, RoundMachine
+from peerd.wire import messages as m
+from peerd.wire.identity import node_id_of
+
+T0 = 1_800_000_000.0
+LINE = Grid(1, 4)
+WINDOW, CAP = 1.0, 3.0  # the tuned window and its cap
+MIN_RTO = 0.02  # the endpoint's floor under its retransmission timeout
+
+
+def peer(i: int) -> Candidate:
+    pk = hashlib.sha256(b"late%d" % i).digest()
+    return Candidate(0.0, node_id_of(pk), pk, (f"10.0.1.{i + 1}", 7411))
+
+
+class Swarm:
+    """A kept group of ``n`` (formed in round 0, renewed from round 1), its machines driven by one event queue."""
+
+    def __init__(self, n: int = 4, *, loss: float = 0.0, seed: int = 0, rtt: float = 0.002,
+                 rtt_known: bool = False) -> None:
+        self.members = tuple(sorted((peer(i) for i in range(n)), key=lambda c: c.node_id))
+        self.leader = self.members[0].node_id
+        self.loss, self.rtt, self.rng = loss, rtt, random.Random(seed)
+        self.now = T0
+        self._queue: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = itertools.count()
+        self.machines: dict[bytes, RoundMachine] = {}
+        self.up = {c.node_id for c in self.members}  # daemons alive (a late trainer's daemon is)
+        self.averaged: dict[bytes, tuple[float, Average]] = {}
+        self.matchmaking: dict[bytes, float] = {}  # when each node gave up on the kept group
+        self.pinged: Counter[bytes] = Counter()  # PINGs that reached each node
+        self._timers: dict[bytes, int] = {}
+        ids = frozenset(c.node_id for c in self.members)
+        for i, c in enumerate(self.members):
+            rng = random.Random(i)
+            mc = RoundMachine("run", LINE, KeyManager(LINE, c.node_id, rng=rng), c, rng=rng, window_s=WINDOW,
+                              keep_rounds=4)
+            mc.window_cap_s = CAP
+            if rtt_known:
+                mc.rtt = lambda addr: rtt
+            mc.sticky.after_matchmaking(Group(7, self.members, i, self.leader), 0, n, ids)
+            mc.round, mc.synced = 1, True
+            self.machines[c.node_id] = mc
+
+    def id_of(self, role: str) -> bytes:
+        return self.leader if role == "leader" else self.members[1].node_id
+
+    # -- the event queue -----------------------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[..., None], *args: object) -> None:
+        heapq.heappush(self._queue, (t, next(self._seq), fn, args))
+
+    def run(self, until: float) -> None:
+        while self._queue and self._queue[0][0] <= until:
+            t, _, fn, args = heapq.heappop(self._queue)
+            self.now = t
+            fn(*args)
+
+    def start(self, node_id: bytes, t: float, timeout_s: float = 30.0) -> None:
+        self.at(t, self._start, node_id, timeout_s)
+
+    def _start(self, node_id: bytes, timeout_s: float) -> None:
+        self.machines[node_id].start_round(timeout_s=timeout_s, now=self.now)
+        self.process(node_id)
+
+    def _timer(self, node_id: bytes, version: int) -> None:
+        if self._timers.get(node_id) == version:
+            self.machines[node_id].handle_timer(self.now)
+            self.process(node_id)
+
+    def process(self, node_id: bytes) -> None:
+        if node_id not in self.up:
+            return
+        mc = self.machines[node_id]
+        for a in mc.take_actions():
+            if isinstance(a, Request):
+                self._send(node_id, a)
+            elif isinstance(a, Notify) and a.to.node_id in self.up and not self._lost():
+                self.at(self.now + self.rtt / 2, self._disband, a.to.node_id, node_id, a.fields["round"])
+            elif isinstance(a, Get):  # nobody else under the run's keys
+                self.at(self.now + self.rtt, self._records, node_id, a.token)
+            elif isinstance(a, Average):
+                self.averaged[node_id] = (self.now, a)
+        if mc.phase == "match":
+            self.matchmaking.setdefault(node_id, self.now)
+        timer = mc.get_timer()
+        self._timers[node_id] = version = self._timers.get(node_id, 0) + 1
+        if timer is not None:
+            self.at(timer, self._timer, node_id, version)
+
+    def _records(self, node_id: bytes, token: int) -> None:
+        self.machines[node_id].on_records(token, [], self.now)
+        self.process(node_id)
+
+    def _disband(self, to: bytes, sender: bytes, round_no: int) -> None:
+        self.machines[to].on_disband(sender, round_no, self.now)
+        self.process(to)
+
+    # -- requests, as the endpoint sends them ----------------------------------------------------------------
+    def _lost(self) -> bool:
+        return self.loss > 0 and self.rng.random() < self.loss
+
+    def _send(self, sender: bytes, req: Request) -> None:
+        """Transmissions at 0, w, 3w, ... (w the RTO, doubling) until the request's deadline; the target handles
+        the first one that reaches it, the sender hears the first answer that comes back."""
+        deadline = req.timeout * (2**req.attempts - 1)
+        wait, t = min(req.timeout, max(MIN_RTO, 2 * self.rtt)), 0.0
+        reached = answered = None
+        while t < deadline:
+            if req.to.node_id in self.up and not self._lost():
+                reached = t if reached is None else reached
+                if not self._lost():
+                    answered = t
+                    break
+            t += wait
+            wait *= 2
+        if reached is None:
+            self.at(self.now + deadline, self._failed, sender, req.token)
+            return
+        self.at(self.now + reached + self.rtt / 2, self._serve, sender, req, self.now, answered, deadline)
+
+    def _serve(self, sender: bytes, req: Request, sent: float, answered: float | None, deadline: float) -> None:
+        target = self.machines[req.to.node_id]
+        f = req.fields
+        if req.mtype is m.MsgType.PING:
+            self.pinged[req.to.node_id] += 1
+            ok, reason = True, ""
+        elif req.mtype is m.MsgType.MM_JOIN:
+            me = self.machines[sender].me
+            ok, reason = target.on_join(Candidate(f["expiry"], me.node_id, me.public_key, me.addr), f["round"],
+                                        f["key"], self.now)
+        else:
+            ok, reason = target.on_begin(sender, f["round"], f["group"], list(f["members"]), self.now), ""
+        self.process(req.to.node_id)
+        if answered is None:
+            self.at(sent + deadline, self._failed, sender, req.token)
+        else:
+            self.at(max(self.now, sent + answered) + self.rtt / 2, self._reply, sender, req.to.node_id, req.token,
+                    ok, reason)
+
+    def _reply(self, sender: bytes, by: bytes, token: int, ok: bool, reason: str) -> None:
+        if sender in self.up:
+            self.machines[sender].on_reply(token, by, ok, reason, self.now)
+            self.process(sender)
+
+    def _failed(self, sender: bytes, token: int) -> None:
+        if sender in self.up:
+            self.machines[sender].on_failed(token, self.now)
+            self.process(sender)
+
+    # -- what the tests read ---------------------------------------------------------------------------------
+    def complete(self) -> bool:
+        """Every member averaged round 1 in the kept group, all of it."""
+        return len(self.averaged) == len(self.members) and all(
+            a.kept and a.group.members == self.members for _, a in self.averaged.values())
+
+    def dropped(self) -> dict[bytes, dict[str, int]]:
+        return {n: mc.sticky.dropped for n, mc in self.machines.items() if mc.sticky.dropped}
+
+
+@pytest.mark.parametrize(("late", "late_s"), [("follower", 2 * WINDOW), ("leader", 4 * WINDOW)])
+def test_a_live_member_late_past_the_window_is_waited_for_and_the_kept_group_averages_complete(late: str,
+                                                                                                late_s: float) -> None:
+    """A follower 2 s late (twice the window: its evaluation ran long) is PINGed, answers, and is waited for; a
+    leader 4 s late (past the followers' window plus slack) likewise. Before, the leader gave up at 1 s (the
+    follower's case: it then averaged alone) and the followers at 3.5 s (the leader's case)."""
+    s = Swarm()
+    slow = s.id_of(late)
+    for c in s.members:
+        s.start(c.node_id, T0 + (late_s if c.node_id == slow else 0.0))
+    s.run(T0 + 10.0)
+    assert s.complete() and not s.matchmaking and not s.dropped()
+    t, _ = s.averaged[s.leader]
+    assert T0 + late_s <= t < T0 + late_s + 0.01  # the BEGIN went as soon as the late one was there
+    if late == "follower":
+        assert 1 <= s.pinged[slow] <= late_s / REPROBE_S + 1  # found alive, then re-probed every REPROBE_S
+    else:
+        assert s.pinged[slow] >= len(s.members) - 1  # each follower re-probed its leader while it waited
+    assert sum(s.pinged.values()) <= 3 * (late_s / REPROBE_S + 2)
+
+
+@pytest.mark.parametrize("rtt", [None, 0.05])
+def test_a_dead_follower_is_dropped_after_its_probes_well_inside_the_window(rtt: float | None) -> None:
+    """A follower died right after round 0: the leader PINGs it once it is a grace late, three probes go
+    unanswered, and the leader re-forms at once (DISBAND to the others), not at its window's end."""
+    s = Swarm(rtt=rtt or 0.002, rtt_known=rtt is not None)
+    dead = s.members[2].node_id
+    s.up.discard(dead)
+    for c in s.members:
+        s.start(c.node_id, T0)
+    s.run(T0 + 0.99 * WINDOW)
+    gave_up = s.matchmaking[s.leader] - T0
+    assert gave_up == pytest.approx(grace_s(rtt) + PROBES * probe_timeout_s(rtt))
+    if rtt is None:
+        assert gave_up == pytest.approx(GRACE_FLOOR_S + PROBES * PROBE_FLOOR_S) == pytest.approx(0.35)
+    assert gave_up < 0.8 * WINDOW
+    assert s.dropped()[s.leader] == {"dead": 1}
+    followers = [c.node_id for c in s.members if c.node_id not in (s.leader, dead)]
+    for f in followers:  # told at once (DISBAND), not after their own window plus slack
+        assert s.matchmaking[f] - T0 == pytest.approx(gave_up + s.rtt / 2)
+        assert s.dropped()[f] == {"disbanded": 1}
+    assert not s.averaged
+
+
+def test_followers_whose_leader_died_give_up_after_their_probes() -> None:
+    """The leader died right after round 0: each follower's ask goes unanswered, so its PINGs do too; it gives
+    up after three (0.35 s), not when its renewal request's retries run out or its window plus slack (3.5 s)."""
+    s = Swarm()
+    s.up.discard(s.leader)
+    for c in s.members:
+        s.start(c.node_id, T0)
+    s.run(T0 + 1.0)
+    followers = [c.node_id for c in s.members[1:]]
+    assert [s.matchmaking[f] - T0 for f in followers] == pytest.approx([0.35] * 3)
+    assert all(s.dropped()[f] == {"dead": 1} for f in followers)
+
+
+@pytest.mark.parametrize("timeout_s", [30.0, 4.0])
+def test_a_member_that_answers_probes_but_never_asks_holds_the_group_only_until_the_cap_hostile(
+        timeout_s: float) -> None:
+    """A member whose daemon answers every PING but never asks for the renewal: the leader waits for it no longer
+    than the window's cap (or half the round's budget, if shorter), then re-forms without it."""
+    s = Swarm()
+    hostile = s.members[3].node_id
+    for c in s.members:
+        if c.node_id != hostile:
+            s.start(c.node_id, T0, timeout_s)
+    s.run(T0 + 10.0)
+    bound = min(CAP, timeout_s / 2)
+    assert s.matchmaking[s.leader] - T0 == pytest.approx(bound)
+    assert s.dropped()[s.leader] == {"not_ready": 1}
+    assert not s.averaged
+    assert s.pinged[hostile] <= bound / REPROBE_S + 1  # one probe at a time, every REPROBE_S
+
+
+def test_a_probe_answered_by_another_node_id_does_not_prove_the_member_alive_hostile() -> None:
+    """Answers are sealed, so the shell reports who answered; an answer from anyone but the member (someone else
+    at its address, or a peer answering for it) counts as no answer: three of them and it is dead."""
+    s = Swarm()
+    mc = s.machines[s.leader]
+    impostor = peer(9).node_id
+    mc.start_round(now=T0)
+    mc.take_actions()
+    now = mc.get_timer()
+    assert now == T0 + GRACE_FLOOR_S
+    mc.handle_timer(now)
+    for _ in range(PROBES):  # each wrong answer: the next probe goes at once
+        assert mc.phase == "renew"
+        pings = [a for a in mc.take_actions() if isinstance(a, Request) and a.mtype is m.MsgType.PING]
+        assert len(pings) == len(s.members) - 1 and all(p.attempts == 1 and p.timeout == PROBE_FLOOR_S for p in pings)
+        now += 0.001
+        for p in pings:
+            mc.on_reply(p.token, impostor, True, "", now)
+    assert mc.phase == "match" and mc.sticky.dropped == {"dead": 1}
+
+
+def test_at_five_percent_loss_a_live_late_member_is_never_taken_for_dead() -> None:
+    """Lost datagrams cost resends inside a probe (the endpoint resends at the RTO), never a verdict: a follower
+    2 s late at 5 % loss each way is averaged in, seed after seed."""
+    complete = 0
+    for seed in range(40):
+        s = Swarm(loss=0.05, seed=seed)
+        slow = s.id_of("follower")
+        for c in s.members:
+            s.start(c.node_id, T0 + (2 * WINDOW if c.node_id == slow else 0.0))
+        s.run(T0 + 10.0)
+        assert all("dead" not in d for d in s.dropped().values()), (seed, s.dropped())
+        complete += s.complete()
+    assert complete == 40
+
+
+def test_grace_and_probe_timeouts_follow_the_members_round_trip() -> None:
+    assert grace_s(None) == GRACE_FLOOR_S and probe_timeout_s(None) == PROBE_FLOOR_S
+    assert grace_s(0.001) == GRACE_FLOOR_S and probe_timeout_s(0.001) == PROBE_FLOOR_S
+    assert grace_s(0.1) == pytest.approx(0.3) and probe_timeout_s(0.1) == pytest.approx(0.4)
+    assert probe_timeout_s(5.0) == 1.0  # bounded: an inflated estimate does not stretch the verdict
+    for bad in (float("nan"), float("inf"), -1.0, 0.0):
+        assert grace_s(bad) == GRACE_FLOOR_S and probe_timeout_s(bad) == PROBE_FLOOR_S
+    assert FOLLOW_SLACK_S + WINDOW < 4 * WINDOW < FOLLOW_SLACK_S + CAP  # (the late leader's case above)
