@@ -237,21 +237,24 @@ def test_followers_whose_leader_died_give_up_after_their_probes() -> None:
 
 
 @pytest.mark.parametrize("timeout_s", [30.0, 4.0])
-def test_a_member_that_answers_probes_but_never_asks_holds_the_group_only_until_the_cap_hostile(
-        timeout_s: float) -> None:
-    """A member whose daemon answers every PING but never asks for the renewal: the leader waits for it no longer
-    than the window's cap (or half the round's budget, if shorter), then re-forms without it."""
+@pytest.mark.parametrize("role", ["follower", "leader"])
+def test_a_member_that_answers_probes_but_never_comes_holds_the_group_only_until_the_cap_hostile(
+        role: str, timeout_s: float) -> None:
+    """A member whose daemon answers every PING (and a leader every ask) but never asks for the renewal, or never
+    sends its BEGIN: the others wait for it no longer than the window's cap (a follower: plus its slack), or half
+    the round's budget if that is shorter, then re-form without it."""
     s = Swarm()
-    hostile = s.members[3].node_id
+    hostile = s.id_of(role)
     for c in s.members:
         if c.node_id != hostile:
             s.start(c.node_id, T0, timeout_s)
     s.run(T0 + 10.0)
-    bound = min(CAP, timeout_s / 2)
-    assert s.matchmaking[s.leader] - T0 == pytest.approx(bound)
-    assert s.dropped()[s.leader] == {"not_ready": 1}
+    waiting = [s.leader] if role == "follower" else [c.node_id for c in s.members if c.node_id != hostile]
+    bound = min(CAP + (FOLLOW_SLACK_S if role == "leader" else 0.0), timeout_s / 2)
+    assert [s.matchmaking[n] - T0 for n in waiting] == pytest.approx([bound] * len(waiting))
+    assert all(s.dropped()[n] == {"not_ready" if role == "follower" else "no_begin": 1} for n in waiting)
     assert not s.averaged
-    assert s.pinged[hostile] <= bound / REPROBE_S + 1  # one probe at a time, every REPROBE_S
+    assert s.pinged[hostile] <= len(waiting) * (bound / REPROBE_S + 1)  # one probe at a time, every REPROBE_S
 
 
 def test_a_probe_answered_by_another_node_id_does_not_prove_the_member_alive_hostile() -> None:

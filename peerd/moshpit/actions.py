@@ -31,7 +31,8 @@ class Get:
 
 @dataclass(frozen=True)
 class Request:
-    """Send an MM_JOIN or MM_BEGIN request; answer with ``on_reply(token, ...)`` or ``on_failed(token, ...)``.
+    """Send an MM_JOIN, MM_BEGIN or PING request; answer with ``on_reply(token, ...)`` (a PONG: ``ok`` true) or
+    ``on_failed(token, ...)``.
     ``detached``: the answer matters past this round (a BEGIN's ack): do not cancel it when the round ends."""
 
     to: Candidate

@@ -15,10 +15,24 @@ The group goes back to DHT matchmaking (so newcomers get in and a changed swarm 
 - a member did not acknowledge the renewal, or refused it,
 - anyone heard nothing from a member during the averaging (it died or stalled),
 - the leader saw a peer outside the group announce under the run's key (a newcomer) or publish
-  progress in the run lately (an outsider still training), or
+  progress in the run lately (an outsider still training),
 - a follower waited the renewal window without a BEGIN (the leader died), or the leader waited its
-  window for a follower's renewal request (the follower died or dropped the group),
-- a member did not keep the group at all (its view of who was looking differed): it tells the leader.
+  window for a follower's renewal request (the follower died or dropped the group), unless the member
+  waited for is alive (below),
+- the member waited for is dead: its daemon did not answer three PINGs (below),
+- or a member did not keep the group at all (its view of who was looking differed): it tells the leader.
+
+A late member is told apart from a dead one by asking its daemon, which answers while its trainer is busy
+(evaluating on the whole validation split, checkpointing). Once a member the renewal waits for (a follower
+that has not asked, or the leader whose BEGIN has not come) is a few round trips late and this node has not
+heard from it this round, the waiting side PINGs its daemon (``liveness.LateMembers``; each probe's timeout is
+a few of its round trips, resent inside at the transport's RTO, so loss costs a resend, not a verdict). A
+member whose own node id answers is alive: the renewal waits for it past the tuned window, up to the window's
+cap (never past half the round's budget), re-probing it every half second, so a trainer whose evaluation ran a
+second or two long is averaged in instead of averaging alone while the others re-form without it. A member
+whose daemon leaves three probes in a row unanswered (or answered by another node id) is dead: the group is
+dropped at once ("dead", about 0.35 s on a LAN) instead of at the window's end. A member that answers probes
+but never asks holds the group no longer than the cap.
 
 Every case ends in ordinary matchmaking, whose waits are bounded, so a failure costs at most one
 round's deadlines and never hangs. This module holds the per-run decision state; the trio driver
