@@ -15,12 +15,16 @@ import random
 from collections import Counter
 from collections.abc import Callable
 
+import msgpack
 import pytest
 
 from peerd.moshpit.keys import Grid, KeyManager
 from peerd.moshpit.liveness import GRACE_FLOOR_S, PROBE_FLOOR_S, PROBES, REPROBE_S, grace_s, probe_timeout_s
 from peerd.moshpit.matchmaking import FOLLOW_SLACK_S, Candidate, Group
+from peerd.moshpit.records import PROGRESS_TTL_S, encode_announce
 from peerd.moshpit.rounds import Average, Get, Notify, Request, RoundMachine
+from peerd.moshpit.sticky import RENEW_KEY
+from peerd.tools.sim.moshpit import SimRecord
 from peerd.wire import messages as m
 from peerd.wire.identity import node_id_of
 
@@ -255,6 +259,47 @@ def test_a_member_that_answers_probes_but_never_comes_holds_the_group_only_until
     assert all(s.dropped()[n] == {"not_ready" if role == "follower" else "no_begin": 1} for n in waiting)
     assert not s.averaged
     assert s.pinged[hostile] <= len(waiting) * (bound / REPROBE_S + 1)  # one probe at a time, every REPROBE_S
+
+
+def test_the_matchmaking_after_a_dead_member_waits_for_it_only_doubt_s() -> None:
+    """The follower the probes found dead finished round 0 (its progress record says so), so the matchmaking that
+    follows expects it: it is waited for only ``doubt_s``, as a member that did not finish its round is, not until
+    the window's end."""
+    s = Swarm()
+    mc = s.machines[s.leader]
+    mc.doubt_s = 0.6
+    live, dead = s.members[1:3], s.members[3]
+    mc.start_round(now=T0)
+    for c in live:
+        assert mc.on_join(c, 1, RENEW_KEY, T0 + 0.01) == (True, "ok")
+    mc.take_actions()
+    now = mc.get_timer()
+    mc.handle_timer(now)
+    while mc.phase == "renew":
+        (ping,) = [a for a in mc.take_actions() if isinstance(a, Request)]
+        assert ping.to.node_id == dead.node_id and ping.mtype is m.MsgType.PING
+        now += ping.timeout
+        mc.on_failed(ping.token, now)
+    started = now
+    assert started - T0 == pytest.approx(0.35) and mc.sticky.dropped == {"dead": 1}
+    shown = [SimRecord(c.node_id, encode_announce(e, *c.addr), e, c.public_key)
+             for c, e in ((mc.me, started + WINDOW), *((c, started + WINDOW + 0.1) for c in live))]
+    progress = [SimRecord(c.node_id, msgpack.packb(0), T0 - 1 + PROGRESS_TTL_S, c.public_key) for c in s.members]
+
+    def answer(acts: list, at: float) -> None:
+        for g in [a for a in acts if isinstance(a, Get)]:
+            mc.on_records(g.token, progress if g.key.endswith(b"progress") else shown, at)
+
+    answer(mc.take_actions(), now + 0.01)
+    for c in live:
+        follower = Candidate(started + WINDOW + 0.1, c.node_id, c.public_key, c.addr)
+        assert mc.on_join(follower, 1, mc.key, now + 0.02) == (True, "ok")
+    while mc.phase == "match":
+        now = mc.get_timer()
+        mc.handle_timer(now)
+        answer(mc.take_actions(), now)
+    assert mc.phase == "average" and len(mc.group.members) == 3
+    assert now - started == pytest.approx(0.6)  # (the window would have closed it at started + 1.0)
 
 
 def test_a_probe_answered_by_another_node_id_does_not_prove_the_member_alive_hostile() -> None:

@@ -66,14 +66,13 @@ class LateMembers:
         for c in members:
             r = rtt(c.addr)
             self._members[c.node_id] = _Probed(c, started + grace_s(r), probe_timeout_s(r))
-        self.probes = 0  # probes sent (bounded: one in flight per member, each member's own schedule)
 
     def _of(self, waiting: Iterable[bytes]) -> list[_Probed]:
         return [p for n in waiting if (p := self._members.get(n)) is not None]
 
-    def dead(self, waiting: Iterable[bytes]) -> bool:
-        """Some member waited for is dead: give up now."""
-        return any(p.failures >= PROBES for p in self._of(waiting))
+    def dead(self, waiting: Iterable[bytes]) -> frozenset[bytes]:
+        """The members waited for that are dead (any: give up now)."""
+        return frozenset(p.member.node_id for p in self._of(waiting) if p.failures >= PROBES)
 
     def deadline(self, waiting: Iterable[bytes]) -> float:
         """When the wait for ``waiting`` ends: the cap once every one of them is known alive, else the window."""
@@ -91,7 +90,6 @@ class LateMembers:
     def sent(self, node_id: bytes, token: int) -> None:
         p = self._members[node_id]
         p.token, p.next_at = token, math.inf
-        self.probes += 1
 
     def receive_answer(self, node_id: bytes, token: int, sender: bytes | None, now: float) -> None:
         """The probe ``token`` of ``node_id`` was answered by ``sender`` (None: not at all, after its timeout).

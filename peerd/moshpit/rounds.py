@@ -136,6 +136,7 @@ class RoundMachine:
         self._full_out = False  # a full read of the key in flight
         self._renew_kept: Kept | None = None
         self._late: LateMembers | None = None  # a kept round's probes of the members it waits for
+        self._dead: frozenset[bytes] = frozenset()  # members this round's renewal found dead (not waited for long)
         self._watch: dict[int, Watch] = {}  # the leader's watch reads outstanding, by token (they outlive a round)
         self._expect_at = math.inf  # next re-read of the run's progress while matchmaking alone
         self._ask: Ask | None = None
@@ -197,7 +198,7 @@ class RoundMachine:
         if self.phase not in ("idle", "done"):
             raise RuntimeError(f"round {self.round} is still {self.phase}")
         self.outcome, self.group, self.kept_round, self.seen = "", None, False, 1
-        self._chain_from, self.window_end = chain_from, 0.0
+        self._chain_from, self.window_end, self._dead = chain_from, 0.0, frozenset()
         self.key = self.keys.group_key(self.round)
         self._numbered = numbered
         self._started = now
@@ -429,7 +430,8 @@ class RoundMachine:
                 return
             late, waits = self._late, self._renewal_waits(kept)
             assert late is not None
-            if late.dead(waits):  # its daemon is gone too: no use waiting out the window
+            self._dead = late.dead(waits)
+            if self._dead:  # its daemon is gone too: no use waiting out the window
                 self._actions.append(Note(f"run {self.run_id} round {self.round}: a kept group's member does not "
                                           f"answer; re-forming"))
                 sticky.break_("dead", kept)
@@ -654,8 +656,9 @@ class RoundMachine:
             # moment longer would otherwise find the others' round over and start out of step
             return
         mm.set_expected(recent, now)
-        if seen.doubtful:  # (dead, or a moment behind: waited for only doubt_s)
-            mm.receive_doubtful(seen.doubtful, mm.started + self.doubt_s, now)
+        doubtful = seen.doubtful | (seen.recent & self._dead)  # (dead, or a moment behind: waited for only doubt_s)
+        if doubtful:
+            mm.receive_doubtful(doubtful, mm.started + self.doubt_s, now)
         self._pump(now)
 
     def _candidates(self, records: list[RecordLike]) -> list[Candidate]:
