@@ -31,8 +31,9 @@ member whose own node id answers is alive: the renewal waits for it past the tun
 cap (never past half the round's budget), re-probing it every half second, so a trainer whose evaluation ran a
 second or two long is averaged in instead of averaging alone while the others re-form without it. A member
 whose daemon leaves three probes in a row unanswered (or answered by another node id) is dead: the group is
-dropped at once ("dead", about 0.35 s on a LAN) instead of at the window's end. A member that answers probes
-but never asks holds the group no longer than the cap.
+dropped at once ("dead", about 0.35 s on a LAN) instead of at the window's end, and the matchmaking that
+follows waits for it only as briefly as for a member that did not finish its last round (``doubt_s``). A member
+that answers probes but never asks holds the group no longer than the cap.
 
 Every case ends in ordinary matchmaking, whose waits are bounded, so a failure costs at most one
 round's deadlines and never hangs. This module holds the per-run decision state; the trio driver
