@@ -215,14 +215,14 @@ def test_a_dead_follower_is_dropped_after_its_probes_well_inside_the_window(rtt:
         s.start(c.node_id, T0)
     s.run(T0 + 0.99 * WINDOW)
     gave_up = s.matchmaking[s.leader] - T0
-    assert gave_up == pytest.approx(grace_s(rtt) + PROBES * probe_timeout_s(rtt))
+    assert gave_up == pytest.approx(grace_s(rtt) + PROBES * probe_timeout_s(rtt), abs=1e-6)
     if rtt is None:
-        assert gave_up == pytest.approx(GRACE_FLOOR_S + PROBES * PROBE_FLOOR_S) == pytest.approx(0.35)
+        assert GRACE_FLOOR_S + PROBES * PROBE_FLOOR_S == pytest.approx(0.35) == pytest.approx(gave_up, abs=1e-6)
     assert gave_up < 0.8 * WINDOW
     assert s.dropped()[s.leader] == {"dead": 1}
     followers = [c.node_id for c in s.members if c.node_id not in (s.leader, dead)]
     for f in followers:  # told at once (DISBAND), not after their own window plus slack
-        assert s.matchmaking[f] - T0 == pytest.approx(gave_up + s.rtt / 2)
+        assert s.matchmaking[f] - T0 == pytest.approx(gave_up + s.rtt / 2, abs=1e-6)
         assert s.dropped()[f] == {"disbanded": 1}
     assert not s.averaged
 
@@ -236,7 +236,7 @@ def test_followers_whose_leader_died_give_up_after_their_probes() -> None:
         s.start(c.node_id, T0)
     s.run(T0 + 1.0)
     followers = [c.node_id for c in s.members[1:]]
-    assert [s.matchmaking[f] - T0 for f in followers] == pytest.approx([0.35] * 3)
+    assert [s.matchmaking[f] - T0 for f in followers] == pytest.approx([0.35] * 3, abs=1e-6)
     assert all(s.dropped()[f] == {"dead": 1} for f in followers)
 
 
@@ -255,7 +255,7 @@ def test_a_member_that_answers_probes_but_never_comes_holds_the_group_only_until
     s.run(T0 + 10.0)
     waiting = [s.leader] if role == "follower" else [c.node_id for c in s.members if c.node_id != hostile]
     bound = min(CAP + (FOLLOW_SLACK_S if role == "leader" else 0.0), timeout_s / 2)
-    assert [s.matchmaking[n] - T0 for n in waiting] == pytest.approx([bound] * len(waiting))
+    assert [s.matchmaking[n] - T0 for n in waiting] == pytest.approx([bound] * len(waiting), abs=1e-6)
     assert all(s.dropped()[n] == {"not_ready" if role == "follower" else "no_begin": 1} for n in waiting)
     assert not s.averaged
     assert s.pinged[hostile] <= len(waiting) * (bound / REPROBE_S + 1)  # one probe at a time, every REPROBE_S
@@ -281,7 +281,7 @@ def test_the_matchmaking_after_a_dead_member_waits_for_it_only_doubt_s() -> None
         now += ping.timeout
         mc.on_failed(ping.token, now)
     started = now
-    assert started - T0 == pytest.approx(0.35) and mc.sticky.dropped == {"dead": 1}
+    assert started - T0 == pytest.approx(0.35, abs=1e-6) and mc.sticky.dropped == {"dead": 1}
     shown = [SimRecord(c.node_id, encode_announce(e, *c.addr), e, c.public_key)
              for c, e in ((mc.me, started + WINDOW), *((c, started + WINDOW + 0.1) for c in live))]
     progress = [SimRecord(c.node_id, msgpack.packb(0), T0 - 1 + PROGRESS_TTL_S, c.public_key) for c in s.members]
@@ -299,7 +299,7 @@ def test_the_matchmaking_after_a_dead_member_waits_for_it_only_doubt_s() -> None
         mc.handle_timer(now)
         answer(mc.take_actions(), now)
     assert mc.phase == "average" and len(mc.group.members) == 3
-    assert now - started == pytest.approx(0.6)  # (the window would have closed it at started + 1.0)
+    assert now - started == pytest.approx(0.6, abs=1e-6)  # (the window would have closed it at started + 1.0)
 
 
 def test_a_probe_answered_by_another_node_id_does_not_prove_the_member_alive_hostile() -> None:
