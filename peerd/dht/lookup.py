@@ -10,8 +10,8 @@ from .routing import Contact, distance
 
 # A lookup passes over a query still unanswered after ``slow_after`` of it: SLOW_RTOS retransmission timeouts of
 # the contact (srtt + 4 rttvar: one lost datagram and its retransmission's round trip), at least SLOW_FLOOR_S and
-# at most SLOW_QUERY_S. The query keeps going, and a late answer still counts (the SLOW state), so a wait too
-# short for a live contact costs the lookup a query to the next closest, never the contact's answer.
+# at most SLOW_QUERY_S. The query keeps going and its late answer still counts while the lookup runs (the SLOW
+# state): a wait too short for a live contact costs the lookup a query to the next closest, not the answer.
 SLOW_QUERY_S = 0.6  # the most a lookup waits, and its wait before any round trip is measured (first retry: 0.5 s)
 SLOW_RTOS = 2.0
 # The RTO's own floor (20 ms) is a retransmission and its answer with 20 ms to spare: a daemon on a loaded 2-core
