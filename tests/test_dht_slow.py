@@ -201,3 +201,18 @@ def test_a_forged_address_does_not_evict_the_honest_contact_hostile() -> None:
         assert reader.dht.core.table.holds_at(Contact(honest.identity.node_id, *honest.addr))
 
     run_on_memnet(main, seed=6, latency=ONE_WAY_S)
+
+
+def test_loss_does_not_cost_live_contacts_their_place() -> None:
+    """At 5 % loss both ways, a lookup's query is sometimes passed over though its contact lives; a contact that
+    leaves the table for that is heard again when it answers, so after many lookups every live node is held."""
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        rng = random.Random(7)
+        nodes = await start_swarm(nursery, net, 16)
+        reader = nodes[1]
+        for _ in range(40):
+            await reader.dht.find_nodes(_id(rng))
+        await trio.sleep(5.0)  # late answers land, background retries end
+        assert {n.identity.node_id for n in nodes if n is not reader} <= reader.dht.core.table.ids
+
+    run_on_memnet(main, seed=7, drop=0.05, latency=ONE_WAY_S, jitter=0.002)
