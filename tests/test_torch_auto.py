@@ -15,6 +15,7 @@ from peerd.torch.auto import (
     applied_period,
     choose,
     fp32_transfer_s,
+    proposal_subkey,
 )
 from peerd.torch.autostep import clean_round
 
@@ -205,6 +206,17 @@ def test_optimizer_auto_keeps_the_default_period_when_all_gather_ranges_were_mis
                                     received_fraction=0.97, complete=False)
     assert [o.average_params_every for o in opts] == [10, 10]
     assert all("missed all-gather ranges" in r[4]["auto"]["reason"] and not r[4]["complete"] for r in replies)
+
+
+def test_the_announcement_fits_the_dhts_subkey_and_keeps_sessions_apart():
+    """A daemon's node id is 64 hex digits: the subkey must still fit the wire's bound, or every put is refused and
+    no member ever reads another's proposal."""
+    from peerd.wire.messages import MAX_SUBKEY
+
+    node = "ab" * 32
+    assert len(proposal_subkey(node, 2**31).encode()) <= MAX_SUBKEY
+    assert proposal_subkey(node, 1) != proposal_subkey(node, 2)
+    assert proposal_subkey(node, 1) != proposal_subkey("cd" * 32, 1)
 
 
 def test_agreed_period_is_the_least_announced_and_ignores_odd_claims_hostile():

@@ -148,6 +148,13 @@ def proposal_key(run_key: str) -> str:
     return f"peerd-auto-period/{run_key}"
 
 
+def proposal_subkey(peer_id: str, session: int) -> str:
+    """The DHT subkey under which one trainer session announces its period: its daemon's node id (64 hex digits)
+    shortened to 40, so that the subkey stays within the wire's 64 bytes (a longer one is refused, and the
+    announcement with it), and the session, so that trainers sharing a daemon announce apart."""
+    return f"{peer_id[:40]}/{session}"
+
+
 def announced_periods(values: list[object]) -> list[int]:
     """The periods in a run's announcements (DHT values: bytes): a member's claim, so only a rung of PERIOD_LADDER
     written as a short decimal counts; anything else is ignored. At most MAX_ANNOUNCED are read."""

@@ -18,6 +18,7 @@ from .auto import (
     choose,
     fp32_transfer_s,
     proposal_key,
+    proposal_subkey,
 )
 
 log = logging.getLogger("peerd.torch")
@@ -131,7 +132,7 @@ class AutoSteps:
         assert self._client is not None
         try:
             self._client.call("dht_put", key=proposal_key(self.run_key), value=str(period),
-                              subkey=f"{self.peer_id}/{self.session}", ttl=3600)
+                              subkey=proposal_subkey(self.peer_id, self.session), ttl=3600)
         except DaemonError as e:  # a daemon without a swarm: the members that read the others still agree
             log.info("announcing the proposed period failed: %s", e)
 

@@ -15,10 +15,11 @@ import numpy as np
 import trio
 
 from peerd.localsock.client import DaemonError
-from peerd.localsock.server import LocalServer
+from peerd.localsock.server import LocalServer, OpError
 from peerd.metrics import Metrics
 from peerd.moshpit.service import RoundResult
 from peerd.trainer import TrainerService
+from peerd.wire.messages import MAX_KEY, MAX_SUBKEY
 
 WINDOW_END = 1_900_000_000.0
 
@@ -162,6 +163,8 @@ class ThreadDaemon:
 
     async def _dht_put(self, req: dict) -> dict:
         value = req["value"].encode() if isinstance(req["value"], str) else req["value"]
+        if len(req["key"].encode()) > MAX_KEY or len((req.get("subkey") or "").encode()) > MAX_SUBKEY:
+            raise OpError(f"key must be 1..{MAX_KEY} bytes, subkey at most {MAX_SUBKEY}")  # as the daemon's DHT
         self.dht.setdefault(req["key"], {})[req.get("subkey") or "test"] = value
         return {"stored": 1, "refused": 0, "subkey": req.get("subkey") or "test"}
 
