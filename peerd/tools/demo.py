@@ -422,6 +422,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "micro": micro_batches(cfg) or 4,
             "keep_rounds": results[0].get("keep_rounds"),
             "kept_rounds": sum(r.get("kept_rounds", 0) for r in results),  # rounds that skipped matchmaking
+            # steps whose round left the peer on its group's common result (every all-gather range arrived)
+            **({"complete_rounds": sum(r.get("complete_rounds", 0) for r in results)} if gpt else {}),
             "samples_per_second": sum(r["samples"] for r in results) / max(r["wall_s"] for r in results),
             "overhead_s": sum(r.get("overhead_s", 0.0) for r in results) / len(results),
             "outcomes": _sum_outcomes(results),

@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
     step_times: list[float] = []
     waits: list[float] = []  # seconds each step waited in the optimizer's step() (the deadline's part)
     outcomes: dict[str, int] = {}
+    complete = 0  # steps whose round ended on the group's common result (the reply's ``complete``)
     step = first
     while step < args.steps + args.extra_steps:
         t0 = time.monotonic()
@@ -310,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         step_times.append(t2 - t0)
         waits.append(t2 - t1)
         outcomes[reply["outcome"]] = outcomes.get(reply["outcome"], 0) + 1
+        complete += bool(reply.get("complete"))
         record = {"event": "step", "peer": args.index, "step": step, "loss": loss.item(), "samples": args.batch,
                   "outcome": reply["outcome"], "group_size": reply.get("group_size", 1),
                   "round_s": reply.get("seconds", 0.0), "received_fraction": reply.get("received_fraction", 0.0),
+                  "complete": bool(reply.get("complete")),
                   "step_s": t2 - t0, "wait_s": t2 - t1, "compute_s": t1 - t0, "kept": reply.get("kept", False),
                   "mm_s": reply.get("matchmaking_s", 0.0)}
         for key in ("auto", "phases"):
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         "max_step_s": max(step_times, default=0.0), "max_wait_s": max(waits, default=0.0),
         "caught_up": 0 if ddp else getattr(opt, "caught_up", 0), "params_finite": bool(np.isfinite(flat).all()),
         "keep_rounds": None if ddp else getattr(opt, "keep_rounds", None),
-        "kept_rounds": 0 if ddp else getattr(opt, "kept_rounds", 0), "tensor_bytes": 0,
+        "kept_rounds": 0 if ddp else getattr(opt, "kept_rounds", 0), "tensor_bytes": 0, "complete_rounds": complete,
     }
     if not ddp and args.mode == "diloco":
         result.update(sync_every=args.sync_every, fragments=1, outer_steps=opt.outer_steps,
