@@ -30,6 +30,19 @@ def fraction(text: str) -> float:
     return value
 
 
+def period(text: str) -> int | str:
+    """--average-every's type: a step count >= 0, or ``auto`` (peerd.torch.Optimizer's default)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of steps or auto") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--average-every must be >= 0, not {value}")
+    return value
+
+
 def lab_group(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The parser's argument group for fault-injection and lab options, made on first use."""
     for group in p._action_groups:

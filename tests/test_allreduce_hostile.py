@@ -141,6 +141,7 @@ def test_a_non_finite_all_gather_range_keeps_own_values(as_block: bool) -> None:
         np.testing.assert_array_equal(r[8:12], avg[:4])
         np.testing.assert_array_equal(r[12:16], xs[0][12:16])
         assert core.statistics().refused == {"nonfinite": 1}
+        assert not core.statistics().complete  # a range kept the own values: not the group's common result
 
 
 def test_bad_max_weight_is_a_value_error() -> None:

@@ -14,7 +14,7 @@ from peerd.allreduce.phase import REPAIR_FLOOR_S
 from peerd.allreduce.repair import NACK_REPEATS, SERVE_S
 from peerd.wire.errors import WireError
 
-from .support.groups import AG_DATA, AG_NACK, GROUP, GroupNet, inputs, payload_for
+from .support.groups import AG_DATA, AG_NACK, GROUP, RS_DATA, GroupNet, inputs, payload_for
 
 PER = 50
 REPAIR = replace(GROUP_OPTIONS, repair_rounds=2)
@@ -63,18 +63,40 @@ def test_a_lost_all_gather_datagram_is_repaired_and_every_member_ends_bit_identi
     assert (s2.repair_asked, s2.repair_received) == (1, 1)
     assert s1.repair_resent == 1
     assert s2.all_gather.ended_by == "completion"
+    assert all(m.statistics().complete for m in members)  # repaired: every member holds the group's result
     # without repair the range keeps member 2's own values
     plain, _ = cores(4, 4000, options=GROUP_OPTIONS)
     GroupNet(plain, drop=first_copies(lambda w: w.src == 1 and w.dst == 2 and w.offset == 1000 + 3 * PER)).run()
     lo = 1000 + 3 * PER
     assert np.array_equal(plain[2].result()[lo : lo + PER], xs[2][lo : lo + PER])
     assert not np.array_equal(plain[2].result(), plain[0].result())
+    assert [m.statistics().complete for m in plain] == [True, True, False, True]
 
 
 def test_ten_percent_all_gather_loss_is_repaired_everywhere():
     rng = np.random.default_rng(7)
     members, _ = cores(4, 20000)
     assert assert_repaired(members, first_copies(lambda w: rng.random() < 0.1)) > 20
+
+
+def test_a_round_at_loss_is_complete_on_every_member_after_repair_and_bit_identical():
+    """5 % of every data datagram lost: reduce-scatter contributions are gone for good (the received share is below
+    1), all-gather ranges are asked for again; every member reports a complete result and all of them are equal."""
+    rng = np.random.default_rng(5)
+    members, _ = cores(4, 20000)
+    ag = first_copies(lambda w: rng.random() < 0.05)
+
+    def drop(w) -> bool:
+        return rng.random() < 0.05 if w.mtype == RS_DATA else ag(w)
+
+    GroupNet(members, drop=drop).run()
+    stats = [m.statistics() for m in members]
+    assert sum(s.reduce_scatter.datagrams_expected - s.reduce_scatter.datagrams_received for s in stats) > 0
+    assert sum(s.repair_asked for s in stats) > 0
+    assert [s.complete for s in stats] == [True] * 4
+    results = [m.result() for m in members]
+    for r in results[1:]:
+        assert np.array_equal(r, results[0])
 
 
 def test_repair_is_bounded_when_the_owner_is_gone():
@@ -91,7 +113,7 @@ def test_repair_is_bounded_when_the_owner_is_gone():
     net = GroupNet(members, drop=drop)
     net.run()
     s2 = members[2].statistics()
-    assert s2.repair_asked == 1 and s2.repair_received == 0
+    assert s2.repair_asked == 1 and s2.repair_received == 0 and not s2.complete
     assert np.array_equal(members[2].result()[lo : lo + PER], xs[2][lo : lo + PER])
     asks = [w for w in net.sent_bodies if w.mtype == AG_NACK and w.src == 2 and w.dst == 1
             and len(w.body) > NACK_SIZE]

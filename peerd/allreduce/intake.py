@@ -146,6 +146,7 @@ class Intake:
                 ag.weight_received += weight
             else:  # a broken or hostile owner: this range keeps the own values (counts as arrived)
                 seen[k] = True
+                self._ag_kept += 1
                 self._refused["nonfinite"] += 1
                 if not self._inplace:
                     self._out[offset : offset + count] = self._vec[offset : offset + count]

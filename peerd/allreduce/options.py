@@ -84,7 +84,7 @@ class AverageOptions:
     exclude: tuple[int, ...] = ()
     solo: bool = False
     overlap: bool = False
-    repair_rounds: int = 2
+    repair_rounds: int = MAX_REPAIR_ROUNDS  # a range lost in two rounds at 5 % loss left ~1 round in 10 incomplete
     owner_lag_s: float | None = None
 
     def __post_init__(self) -> None:

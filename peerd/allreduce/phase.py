@@ -125,6 +125,10 @@ class GroupStats:
     repair_asked: int = 0
     repair_received: int = 0
     repair_resent: int = 0
+    # every range of every other owner's shard arrived here (repairs included) with finite values: this member's
+    # result is the one every member that completed its all-gather holds (a lost reduce-scatter contribution only
+    # lowers a range's weight, alike for all); a range that never arrived keeps this member's own values
+    complete: bool = False
 
 
 class Phase:

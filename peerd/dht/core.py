@@ -156,9 +156,17 @@ class DhtCore:
             return
         self.table.ping_result(ping.contact, answer is not None)
 
-    def failed(self, node_id: bytes) -> None:
-        """A request to ``node_id`` went unanswered: it leaves the table (its freshest replacement enters)."""
-        self.table.remove(node_id)
+    def failed(self, contact: Contact) -> None:
+        """A request to ``contact`` went unanswered (or another node answered there): it leaves the table, its
+        freshest replacement enters (or it stops waiting as one). Only if the table holds it at that address: a
+        member that names an honest node at a dead address in its answers cannot have that node forgotten."""
+        if self.table.holds_at(contact) or self.table.waiting(contact):
+            self.table.remove(contact.node_id)
+
+    def missed(self, contact: Contact) -> bool:
+        """A lookup passed over its query to ``contact`` (unanswered past ``lookup.slow_after``): after
+        routing.MISSES such in a row, with no answer between, it leaves the table (True)."""
+        return self.table.missed(contact)
 
     # -- lookups ----------------------------------------------------------------------------------
     def start_lookup(self, target: bytes, now: float, *, alpha: int, early: bool = False,

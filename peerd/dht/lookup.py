@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from bisect import insort
 from enum import Enum
 
 from .routing import Contact, distance
 
-SLOW_QUERY_S = 0.6  # a lookup stops waiting for a query after this (the first retry is at 0.5 s)
+# A lookup passes over a query still unanswered after ``slow_after`` of it: SLOW_RTOS retransmission timeouts of
+# the contact (srtt + 4 rttvar: one lost datagram and its retransmission's round trip), at least SLOW_FLOOR_S and
+# at most SLOW_QUERY_S. The query keeps going and its late answer still counts while the lookup runs (the SLOW
+# state): a wait too short for a live contact costs the lookup a query to the next closest, not the answer.
+SLOW_QUERY_S = 0.6  # the most a lookup waits, and its wait before any round trip is measured (first retry: 0.5 s)
+SLOW_RTOS = 2.0
+# The RTO's own floor (20 ms) is a retransmission and its answer with 20 ms to spare: a daemon on a loaded 2-core
+# host may take 10-20 ms to answer, and on a LAN the measured RTO is that floor.
+SLOW_FLOOR_S = 0.05
+
+
+def slow_after(rto: float | None) -> float:
+    """How long a lookup waits for a query before passing over it, from the contact's retransmission timeout (or
+    the node's typical one; None: nothing measured yet)."""
+    if rto is None or not math.isfinite(rto):
+        return SLOW_QUERY_S
+    return min(SLOW_QUERY_S, max(SLOW_FLOOR_S, SLOW_RTOS * rto))
 
 
 class _State(Enum):

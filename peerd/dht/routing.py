@@ -13,6 +13,11 @@ ID_BITS = 256
 # buckets overflow, that was one more PING (a third daemon woken) for about every third DHT request. A dead
 # contact still leaves at once when a request to it fails (DhtService._forget).
 EVICT_CHECK_S = 10.0
+# A contact that let this many queries in a row go unanswered past a lookup's wait for them (DhtCore.missed) leaves
+# the table, as one whose request failed outright does: a dead peer then costs the lookups that meet it this many
+# waits, not one each until its first request's retries end (3.5 s). An answer, however late, starts the count
+# again, and a contact that answers later is heard and enters again like any other.
+MISSES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +104,7 @@ class RoutingTable:
         # bumped whenever a contact enters, leaves or changes address (with the buckets' views): what ``closest``
         # answers for a target can only change then, so its callers may keep an answer until this moves
         self.version = 0
+        self._misses: dict[bytes, int] = {}  # contact id -> queries unanswered in a row (contacts in the table only)
 
     def __len__(self) -> int:
         return self._count
@@ -141,6 +147,8 @@ class RoutingTable:
         contacts = bucket.contacts
         node_id = contact.node_id
         if node_id in self.ids:
+            if self._misses:
+                self._misses.pop(node_id, None)
             old = contacts[node_id]
             if old is not contact and old != contact:
                 contacts[node_id] = contact  # the address changed
@@ -183,10 +191,33 @@ class RoutingTable:
         else:
             self.remove(contact.node_id)
 
+    def holds_at(self, contact: Contact) -> bool:
+        """Whether the table holds ``contact``'s node at ``contact``'s address (not merely its id)."""
+        if contact.node_id not in self.ids:
+            return False
+        held = self._bucket(contact.node_id).contacts.get(contact.node_id)
+        return held is not None and held.addr == contact.addr
+
+    def missed(self, contact: Contact) -> bool:
+        """A query to ``contact`` went unanswered past its wait: after MISSES in a row the contact leaves (True).
+
+        Counted only for the address the table holds: a query to the id at another address (one a member named in
+        an answer) shows nothing about the contact here."""
+        if not self.holds_at(contact):
+            return False
+        node_id = contact.node_id
+        count = self._misses.get(node_id, 0) + 1
+        if count < MISSES:
+            self._misses[node_id] = count
+            return False
+        self.remove(node_id)
+        return True
+
     def remove(self, node_id: bytes) -> None:
         """Forget a contact that failed to answer; the freshest replacement takes its place."""
         bucket = self._bucket(node_id)
         bucket.replacements.pop(node_id, None)
+        self._misses.pop(node_id, None)
         if bucket.contacts.pop(node_id, None) is None:
             return
         bucket._view = None

@@ -27,7 +27,7 @@ from .core import (
     had,
     held_prefixes,
 )
-from .lookup import SLOW_QUERY_S, Lookup
+from .lookup import SLOW_QUERY_S, Lookup, slow_after
 from .reads import Enough, near_holders, read_page, signed_part
 from .records import MAX_SUBKEYS, Record, location, merge_newest, slot_allows
 from .routing import Contact
@@ -76,9 +76,10 @@ class PutResult:
             await self._done.wait()
 
 
-# A lookup's query: the (node id, host, port) of the contacts an answer names (the lookup makes Contacts of only
-# those it has not seen)
-Query = Callable[[Contact], Awaitable[list[tuple[bytes, str, int]]]]
+# A lookup's query of a contact: the (node id, host, port) of the contacts its answer names (the lookup makes Contacts
+# of only those it has not seen). A query that reads on after the contact's first answer (a read's pages) calls the
+# function it is given when that answer comes: from then on the lookup waits for it as for a live contact.
+Query = Callable[[Contact, Callable[[], None]], Awaitable[list[tuple[bytes, str, int]]]]
 
 
 class DhtService:
@@ -212,18 +213,30 @@ class DhtService:
         self._act()
         self.metrics.dht_peers.set(len(self.core.table))
 
-    def _forget(self, node_id: bytes) -> None:
-        self.core.failed(node_id)
+    def _forget(self, contact: Contact) -> None:
+        self.core.failed(contact)
         self.metrics.dht_peers.set(len(self.core.table))
+
+    def _slow_after(self, contact: Contact) -> float:
+        """How long a lookup waits for ``contact``'s answer before passing over it (lookup.slow_after): from the
+        endpoint's retransmission timeout for its address, else the node's typical one."""
+        rto = self.endpoint.rto
+        measured = rto.rto(contact.addr)
+        return slow_after(measured if measured is not None else rto.typical_rto())
+
+    def _missed(self, contact: Contact) -> None:
+        """A lookup passed over its query to ``contact``: the table counts it (DhtCore.missed)."""
+        if self.core.missed(contact):
+            self.metrics.dht_peers.set(len(self.core.table))
 
     async def _rpc(self, contact: Contact, mtype: m.MsgType, fields: dict) -> Incoming:
         try:
             reply = await self.endpoint.request(contact.addr, mtype, fields, node_id=contact.node_id)
         except RpcError:
-            self._forget(contact.node_id)
+            self._forget(contact)
             raise
         if reply.peer.node_id != contact.node_id:
-            self._forget(contact.node_id)
+            self._forget(contact)
             if not reply.relayed:  # a relayed answer shows nothing about who is at ``contact.addr``
                 self._heard(reply.peer, contact.addr)
             raise RpcError(f"{contact.host}:{contact.port} is now another node")
@@ -253,22 +266,29 @@ class DhtService:
         # this task wakes only when the lookup ends or a query turns slow, not once per answer (a channel, a
         # cancel scope and a task switch per RPC). Queries run in the service's nursery: a dead node's retries
         # (3.5 s) finish in the background and remove it from the table, while this lookup moves on once the
-        # query counts as slow. The slow deadlines are kept here, not as a timer task per query.
-        slow_at: dict[bytes, float] = {}
+        # query counts as slow (after ``_slow_after``: a few of the contact's round trips); a contact passed over by
+        # routing.MISSES queries in a row leaves the table sooner. A query whose contact answered and that reads on
+        # (pages) counts as slow only SLOW_QUERY_S after it began, and is no miss. The slow deadlines are kept here
+        # (node id -> when, the contact, whether it is still unanswered), not as a timer task per query.
+        slow_at: dict[bytes, tuple[float, Contact, bool]] = {}
         ended = trio.Event()
         failed: list[Exception] = []  # the lookup's own error in a query's task: raised here, to the caller
 
         def launch() -> None:
             now = trio.current_time()
             for contact in lookup.next_queries():
-                spawn(ask, contact)
-                slow_at[contact.node_id] = now + SLOW_QUERY_S
+                spawn(ask, contact, now)
+                slow_at[contact.node_id] = (now + self._slow_after(contact), contact, True)
             if lookup.finished or (settle and lookup.settled):
                 ended.set()
 
-        async def ask(contact: Contact) -> None:
+        async def ask(contact: Contact, sent: float) -> None:
+            def answered() -> None:
+                if contact.node_id in slow_at:
+                    slow_at[contact.node_id] = (sent + SLOW_QUERY_S, contact, False)
+
             try:
-                found: list[tuple[bytes, str, int]] | None = await query(contact)
+                found: list[tuple[bytes, str, int]] | None = await query(contact, answered)
             except RpcError:
                 found = None
             if ended.is_set():
@@ -292,14 +312,16 @@ class DhtService:
                 spawn = self._nursery.start_soon if self._nursery is not None else fallback.start_soon
                 launch()
                 while not ended.is_set():
-                    with trio.move_on_at(min(slow_at.values(), default=math.inf)):
+                    with trio.move_on_at(min((q[0] for q in slow_at.values()), default=math.inf)):
                         await ended.wait()
                     if ended.is_set():
                         break
                     now = trio.current_time()
-                    for node_id in [n for n, at in slow_at.items() if at <= now]:
+                    for node_id, (_, contact, unanswered) in [(n, q) for n, q in slow_at.items() if q[0] <= now]:
                         del slow_at[node_id]
                         lookup.on_slow(node_id)
+                        if unanswered:
+                            self._missed(contact)
                     launch()
                 fallback.cancel_scope.cancel()
         finally:
@@ -310,7 +332,7 @@ class DhtService:
 
     async def find_nodes(self, target: bytes, *, settle: bool = False, record: bool = False) -> list[Contact]:
         """The k closest live nodes to ``target``; with ``record``, the ``replicas`` closest (a writer's)."""
-        async def query(contact: Contact) -> list[tuple[bytes, str, int]]:
+        async def query(contact: Contact, answered: Callable[[], None]) -> list[tuple[bytes, str, int]]:
             reply = await self._rpc(contact, m.MsgType.FIND_NODE, {"target": target})
             return reply.body["nodes"]
 
@@ -335,7 +357,7 @@ class DhtService:
         paging: list[trio.CancelScope] = []
         over = False
 
-        async def query(contact: Contact) -> list[tuple[bytes, str, int]]:
+        async def query(contact: Contact, answered: Callable[[], None]) -> list[tuple[bytes, str, int]]:
             # what this read holds so far is not sent again (``held``, kept for every page of this responder);
             # the answer's ``have`` says which of it the responder holds
             fields: dict = {"key": key, "offset": 0}
@@ -347,6 +369,7 @@ class DhtService:
                     sigs.setdefault(r.signature[:HELD_PREFIX], r.signature)
                 fields["held"] = held
             reply = await self._rpc(contact, m.MsgType.FIND_VALUE, fields)
+            answered()
             body = reply.body
             nodes = body["nodes"]
             if over:

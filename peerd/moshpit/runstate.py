@@ -97,6 +97,9 @@ class RoundResult:
     window_end: float = 0.0  # wall clock: when this round's matchmaking window ended (0: a kept group's round)
     members_s: float = 0.0  # from the group being known to this part's vector being there (a deferred part waits)
     transfer_s: float = 0.0  # the group average itself (reduce-scatter and all-gather, handshake included)
+    # averaged, and every range of the others' shards arrived here: this node holds the group's common result
+    # (GroupStats.complete); an arc-topk round, or one that failed or found no group, is never complete
+    complete: bool = False
 
     def statistics(self) -> RoundStatistics:
         return RoundStatistics(

@@ -562,11 +562,11 @@ class MoshpitService:
         self.metrics.moshpit_bytes_sent.labels(st.compression).inc(sent)
         rs, ag = res.stats.reduce_scatter, res.stats.all_gather
         expected = rs.datagrams_expected + ag.datagrams_expected
-        received = rs.datagrams_received + ag.datagrams_received
-        fraction = received / expected if expected else 1.0
+        fraction = (rs.datagrams_received + ag.datagrams_received) / expected if expected else 1.0
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
                            silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent,
-                           weight_total=float(getattr(res.stats, "weight_total", 0.0)))
+                           weight_total=float(getattr(res.stats, "weight_total", 0.0)),
+                           complete=bool(getattr(res.stats, "complete", False)))
 
     async def _average_topk(self, st: RunState, group: Group, members: list[Member], hexes: list[str],
                             vector: np.ndarray, weight: float, budget_s: float, round_no: int, key: str, seen: int

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from ..cliargs import BYZANTINE_CHOICES, deprecated, fraction, lab_group
+from ..cliargs import BYZANTINE_CHOICES, deprecated, fraction, lab_group, period
 from .linkargs import add_link_arguments, check_link_arguments
 
 # The benches whose module under tools/bench/ adds its own sub-parser (``add_parser(bench)``) and runs it
@@ -172,8 +172,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="trainers' micro-batches take 10 ms * (1 + X * Exp(1)) more (for DropCompute; default 0)")
     p.add_argument("--dropcompute", default="off", metavar="off|auto|SECONDS",
                    help="DropCompute threshold per step (default off)")
-    p.add_argument("--average-every", type=int, default=10, metavar="K",
-                   help="average parameters every K steps (default 10)")
+    p.add_argument("--average-every", type=period, default=None, metavar="K|auto",
+                   help="average parameters every K steps (0: never; auto: peerd.torch's choice, 10 or longer once "
+                        "rounds end on the group's common result; default auto with --model gpt, else 10)")
     p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
                    help="keep a complete Moshpit group R rounds (1: a new group every round; default 10)")
     p.add_argument("--micro", type=int, default=None, metavar="M",

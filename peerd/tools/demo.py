@@ -43,7 +43,7 @@ class DemoConfig:
     compute_jitter: float = 0.0
     dropcompute: str = "off"
     seed: int = 0
-    average_every: int = 10
+    average_every: int | str | None = None  # K, "auto", or None: the model's default (averaging_period)
     final_average: int = 2  # parameter averages after the last step (replicas end together)
     keep_rounds: int | None = None  # Moshpit kept-group rounds (None: `peerd train`'s default)
     micro: int | None = None  # micro-batches per step (None: JITTER_MICRO with compute jitter, else the trainer's 4)
@@ -134,6 +134,14 @@ def extra_steps(cfg: DemoConfig) -> int:
     return cfg.steps // 5 if cfg.model == "gpt" and (cfg.baseline or cfg.target_loss is not None) else 0
 
 
+def averaging_period(cfg: DemoConfig) -> int | str:
+    """The trainers' --average-every: the one asked for, else "auto" for the GPT (the README's wrap leaves
+    peerd.torch's default) and 10 for the small models."""
+    if cfg.average_every is not None:
+        return cfg.average_every
+    return "auto" if cfg.model == "gpt" else 10
+
+
 def gpt_total(cfg: DemoConfig) -> int:
     """Peers the demo starts over the run: the founders and the joiners."""
     return cfg.peers + cfg.join
@@ -143,7 +151,7 @@ def gpt_command(cfg: DemoConfig, i: int, socket: str, out: str) -> list[str]:
     """`python -m peerd.tools.demo_gpt` for peer ``i``: the user's GPT script wrapped for peerd."""
     cmd = [sys.executable, "-m", "peerd.tools.demo_gpt", "--run", RUN, "--socket", socket, "--steps", str(cfg.steps),
            "--peers", str(cfg.peers), "--index", str(i), "--seed", str(cfg.seed), "--mode", cfg.mode,
-           "--average-every", str(cfg.average_every), "--sync-every", str(cfg.sync_every),
+           "--average-every", str(averaging_period(cfg)), "--sync-every", str(cfg.sync_every),
            "--timeout", str(cfg.timeout_s), "--eval-every", str(cfg.eval_every),
            "--final-average", str(cfg.final_average), "--out", out, "--extra-steps", str(extra_steps(cfg))]
     for flag, value in (("--compression", cfg.compression), ("--keep-rounds", cfg.keep_rounds),
@@ -286,7 +294,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
         def trainer_command(i: int) -> list[str]:
             cmd = [sys.executable, "-m", "peerd", "demo-trainer", "--run", RUN, "--socket", swarm.nodes[i].socket,
                    "--steps", str(cfg.steps), "--peers", str(cfg.peers), "--index", str(i), "--seed", str(cfg.seed),
-                   "--average-every", str(cfg.average_every),
+                   "--average-every", str(averaging_period(cfg)),
                    "--final-average", str(cfg.final_average), "--timeout", str(cfg.timeout_s),
                    "--compute-jitter", str(cfg.compute_jitter), "--dropcompute", cfg.dropcompute,
                    "--progress", "json", "--out", os.path.join(workdir, f"result{i}.json"), "--model", cfg.model]
@@ -414,6 +422,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "micro": micro_batches(cfg) or 4,
             "keep_rounds": results[0].get("keep_rounds"),
             "kept_rounds": sum(r.get("kept_rounds", 0) for r in results),  # rounds that skipped matchmaking
+            # steps whose round left the peer on its group's common result (every all-gather range arrived)
+            **({"complete_rounds": sum(r.get("complete_rounds", 0) for r in results)} if gpt else {}),
             "samples_per_second": sum(r["samples"] for r in results) / max(r["wall_s"] for r in results),
             "overhead_s": sum(r.get("overhead_s", 0.0) for r in results) / len(results),
             "outcomes": _sum_outcomes(results),
@@ -473,6 +483,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             auto = [r["auto"] for r in results if r.get("auto")]
             if auto:
                 summary["auto"] = auto[0]
+            if cfg.mode != "diloco":  # the parameter-averaging period applied: auto's agreed choice, else the given
+                summary["average_every"] = auto[0]["average_every"] if auto else averaging_period(cfg)
             if cfg.compression is None and cfg.mode != "diloco":
                 summary["compression"] = "auto"  # the Optimizer's default; what it chose is under "auto"
         if cfg.baseline in ("gloo", "ddp"):

@@ -4,7 +4,8 @@ The model (4 layers, 128 wide, 4 heads, 128 characters of context: 0.82 M parame
 standard library source (ASCII, the first ``TEXT_BYTES`` of the sorted ``*.py`` files under the running
 interpreter's stdlib directory: no download, the same bytes for the same Python build). The script is what a user
 writes: AdamW with weight-decay groups, a cosine schedule with warmup, gradient clipping; peerd's wrap is the one
-README shows (``peerd.torch.Optimizer(opt, run=..., average_params_every=10)``), DiLoCo's and overlap's likewise,
+README shows (``peerd.torch.Optimizer(opt, run=...)``, the parameter-averaging period left "auto"), DiLoCo's and
+overlap's likewise,
 and ``--launcher ddp`` runs the same loop under ``torch.distributed`` DDP over gloo (the demo's baseline).
 
 Every trainer prints JSON lines in `peerd train`'s shape (start, step, done), so ``peerd demo`` drives it as it
@@ -25,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..cliargs import period
 
 TEXT_BYTES = 2_000_000  # the corpus: this much of the stdlib's source
 VAL_CHARS = 32_768  # the validation split: the corpus's last 32 KiB (255 windows of BLOCK)
@@ -180,7 +183,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--mode", choices=("sync", "overlap", "diloco"), default="sync")
-    p.add_argument("--average-every", type=int, default=10)
+    p.add_argument("--average-every", type=period, default="auto")
     # diloco for a run of a few hundred inner steps: an outer step every 20, and plain averaging of the members'
     # progress as the outer rule. Measured in process on this model (4 members, exact averages, the cosine over
     # 600 steps; DDP's 300 steps of 4 x 8 sequences reach validation loss 1.831): H=20 with outer lr 1.0 and no
@@ -273,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
     step_times: list[float] = []
     waits: list[float] = []  # seconds each step waited in the optimizer's step() (the deadline's part)
     outcomes: dict[str, int] = {}
+    complete = 0  # steps whose round ended on the group's common result (the reply's ``complete``)
     step = first
     while step < args.steps + args.extra_steps:
         t0 = time.monotonic()
@@ -307,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         step_times.append(t2 - t0)
         waits.append(t2 - t1)
         outcomes[reply["outcome"]] = outcomes.get(reply["outcome"], 0) + 1
+        complete += bool(reply.get("complete"))
         record = {"event": "step", "peer": args.index, "step": step, "loss": loss.item(), "samples": args.batch,
                   "outcome": reply["outcome"], "group_size": reply.get("group_size", 1),
                   "round_s": reply.get("seconds", 0.0), "received_fraction": reply.get("received_fraction", 0.0),
+                  "complete": bool(reply.get("complete")),
                   "step_s": t2 - t0, "wait_s": t2 - t1, "compute_s": t1 - t0, "kept": reply.get("kept", False),
                   "mm_s": reply.get("matchmaking_s", 0.0)}
         for key in ("auto", "phases"):
@@ -349,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         "max_step_s": max(step_times, default=0.0), "max_wait_s": max(waits, default=0.0),
         "caught_up": 0 if ddp else getattr(opt, "caught_up", 0), "params_finite": bool(np.isfinite(flat).all()),
         "keep_rounds": None if ddp else getattr(opt, "keep_rounds", None),
-        "kept_rounds": 0 if ddp else getattr(opt, "kept_rounds", 0), "tensor_bytes": 0,
+        "kept_rounds": 0 if ddp else getattr(opt, "kept_rounds", 0), "tensor_bytes": 0, "complete_rounds": complete,
     }
     if not ddp and args.mode == "diloco":
         result.update(sync_every=args.sync_every, fragments=1, outer_steps=opt.outer_steps,

@@ -15,23 +15,12 @@ import sys
 import time
 from typing import Any
 
+from ..cliargs import period
+
 DIGITS_TEST_FRACTION = 0.2
 MAX_SKIPPED = 20  # consecutive steps with non-finite gradients after which a trainer stops as diverged
 SPLIT_SEED = 1234  # the train/test split is the same on every peer: the held-out set is shared
 
-
-
-def _every(text: str) -> int | str:
-    """--average-every's type: a step count >= 0, or ``auto`` (the Optimizer's default)."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of steps or auto") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--average-every must be >= 0, not {value}")
-    return value
 
 def load_digits_split() -> tuple[Any, Any, Any, Any]:
     """Digits (1797 8x8 images, 10 classes), scaled to [0, 1], split 80/20 the same way on every peer."""
@@ -184,9 +173,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "100 Mbit link matters); default mlp")
     p.add_argument("--hidden", type=int, default=64, help="hidden units of the mlp model (default 64)")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
-    p.add_argument("--average-every", type=_every, default="auto", metavar="K|auto",
-                   help="average parameters every K steps (0: never; default auto: 10, longer once rounds average "
-                        "all their data)")
+    p.add_argument("--average-every", type=period, default="auto", metavar="K|auto",
+                   help="average parameters every K steps (0: never; default auto: 10, longer once rounds end on "
+                        "the group's common result)")
     p.add_argument("--final-average", type=int, default=2, metavar="R",
                    help="after the last step, average parameters R more times so replicas end together (default 2)")
     p.add_argument("--keep-rounds", type=int, default=None, metavar="R",

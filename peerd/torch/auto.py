@@ -12,19 +12,19 @@ The codec rule: for a vector of at least ``MIN_INT8_PARAMS`` values, if moving t
 balanced, so that members who measure slightly differently still choose alike (every member of a run must
 average in the same codec).
 
-The period and bucket size are chosen by the same measurements. peerd.torch.Optimizer applies the codec, and
-the period through ``applied_period``: parameter averages pull replicas back together after rounds that lost
-datagrams or found no group, so a period longer than the default is applied only when every measured round
-averaged all of its data (replicas then stay identical and the longer period costs no accuracy), and only on the
-ladder PERIOD_LADDER, whose steps divide each other. Members measure differently, so the period is agreed: each
-announces its own (``proposal_key``), and at ``AGREE_STEP`` every member applies the least announced
-(``agreed_period``): the same on every member that saw the same announcements, and never longer than any member's
-own choice. Members that still disagree (an announcement that did not arrive) average their parameters together
-at every multiple of the longer period, numbered alike (peerd.torch.Optimizer numbers them by the ladder's first
-rung). The bucket size is reported only: every member's
-buckets must match (each is a round of its own), and the round trip it is chosen on is the daemon's, not
-measured by the trainer.
-"""
+The period and bucket size are chosen by the same measurements. peerd.torch.Optimizer applies the codec, and the
+period through ``applied_period``: parameter averages pull replicas back together after rounds that found no group
+or left a member on its own values for a range, so a period longer than the default is applied only when every
+measured round averaged and ended on the group's common result (``complete``: every all-gather range arrived,
+repairs included; a lost reduce-scatter contribution only lowers a range's weight, alike for every member). Replicas
+then stay identical and the longer period costs no accuracy. It is applied only on the ladder PERIOD_LADDER, whose
+steps divide each other. Members measure differently, so the period is agreed: each announces its own
+(``proposal_key``), and at ``AGREE_STEP`` every member applies the least announced (``agreed_period``): the same on
+every member that saw the same announcements, and never longer than any member's own choice. Members that still
+disagree (an announcement that did not arrive) average their parameters together at every multiple of the longer
+period, numbered alike (peerd.torch.Optimizer numbers them by the ladder's first rung). The bucket size is reported
+only: every member's buckets must match (each is a round of its own), and the round trip it is chosen on is the
+daemon's, not measured by the trainer."""
 
 from __future__ import annotations
 
@@ -127,23 +127,32 @@ def choose(m: Measured) -> Choice:
 
 def applied_period(choice: Choice, *, clean: bool) -> tuple[int, str]:
     """The parameter-averaging period to apply for ``choice`` and why: ``choice.average_every`` rounded down onto
-    PERIOD_LADDER when ``clean`` (every measured round averaged all of its data), else the default. A rung at most
+    PERIOD_LADDER when ``clean`` (every measured round averaged and ended on the group's common result), else the
+    default. A rung at most
     RUNG_SLACK above the asked-for period counts as reached: the rule's own ceiling (int8 steps of almost no compute
     ask for 39-40) sits on a rung, and replicas measuring a hair apart there would pick different periods."""
     lo = PERIOD_LADDER[0]
     if not clean:
-        return lo, (f"parameters every {lo} steps: measured rounds lost data or found no group, so replicas drift "
-                    f"and the default period pulls them back")
+        return lo, (f"parameters every {lo} steps: measured rounds found no group or missed all-gather ranges, so "
+                    f"replicas drift and the default period pulls them back")
     k = max(p for p in PERIOD_LADDER if p <= max(lo, choice.average_every) * (1 + RUNG_SLACK))
     if k == lo:
         return k, f"parameters every {k} steps"
-    return k, (f"parameters every {k} steps: every measured round averaged all its data (replicas stay identical), "
-               f"so a longer period costs no accuracy ({choice.average_every} rounded down onto {PERIOD_LADDER})")
+    return k, (f"parameters every {k} steps: every measured round ended on the group's common result (replicas "
+               f"stay identical), so a longer period costs no accuracy ({choice.average_every} rounded down onto "
+               f"{PERIOD_LADDER})")
 
 
 def proposal_key(run_key: str) -> str:
     """The DHT key under which the members of ``run_key`` announce the period each proposes."""
     return f"peerd-auto-period/{run_key}"
+
+
+def proposal_subkey(peer_id: str, session: int) -> str:
+    """The DHT subkey under which one trainer session announces its period: its daemon's node id (64 hex digits)
+    shortened to 40, so that the subkey stays within the wire's 64 bytes (a longer one is refused, and the
+    announcement with it), and the session, so that trainers sharing a daemon announce apart."""
+    return f"{peer_id[:40]}/{session}"
 
 
 def announced_periods(values: list[object]) -> list[int]:

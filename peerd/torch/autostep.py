@@ -18,11 +18,20 @@ from .auto import (
     choose,
     fp32_transfer_s,
     proposal_key,
+    proposal_subkey,
 )
 
 log = logging.getLogger("peerd.torch")
 
 AUTO_STEP = 5  # compression="auto": steps measured in float32 before the codec is chosen (at this step count)
+
+
+def clean_round(reply: dict[str, Any]) -> bool:
+    """Whether a step's round left this replica on the group's common result: it averaged, and every range of the
+    others' shards arrived (``complete``, repairs included). A round that lost reduce-scatter data still counts (the
+    lost contribution lowers a range's weight alike for every member), one that kept own values for a range does
+    not, nor one that failed or found no group."""
+    return reply.get("outcome") == "averaged" and reply.get("complete") is True
 
 
 class AutoSteps:
@@ -49,7 +58,7 @@ class AutoSteps:
         same step count), and reopen the session in the chosen codec. The choice and its reason go in every reply
         from then on."""
         if self._auto_probe is not None:
-            if reply["outcome"] != "averaged" or float(reply.get("received_fraction", 0.0)) < 1.0:
+            if not clean_round(reply):
                 self._auto_clean = False
             if reply["outcome"] == "averaged" and compute_s is not None and reply.get("seconds", 0) > 0:
                 self._auto_probe.append((compute_s, float(reply["seconds"]), int(reply.get("bytes_sent", 0)),
@@ -123,7 +132,7 @@ class AutoSteps:
         assert self._client is not None
         try:
             self._client.call("dht_put", key=proposal_key(self.run_key), value=str(period),
-                              subkey=f"{self.peer_id}/{self.session}", ttl=3600)
+                              subkey=proposal_subkey(self.peer_id, self.session), ttl=3600)
         except DaemonError as e:  # a daemon without a swarm: the members that read the others still agree
             log.info("announcing the proposed period failed: %s", e)
 

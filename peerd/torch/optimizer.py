@@ -76,7 +76,9 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
     ``socket`` (the daemon's local socket; default $PEERD_SOCKET, ...), ``timeout_s`` (a round's
     deadline), ``average_params_every`` (K; 0 turns parameter averaging off; "auto", the default: 10 until
     AUTO_STEP, then what peerd.torch.auto.applied_period picks: longer, up to 40, only where every measured
-    round averaged all of its data, so replicas stay identical without the averages; each member announces its
+    round averaged and left this replica on the group's common result (every all-gather range arrived, repairs
+    included; lost reduce-scatter data only lowers a range's weight alike for all), so replicas stay identical
+    without the averages; each member announces its
     pick and from step AGREE_STEP all apply the least announced; with overlap, 10),
     ``no_group`` (what to do when no group forms or a round fails: "local" takes a local step and counts it,
     "skip" skips the step, "raise" raises NoGroupError), ``sync_state`` (download the swarm's state before the
@@ -139,7 +141,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         # compression="auto": float32 until step AUTO_STEP, then what peerd.torch.auto picks from the steps measured
         self.auto: Choice | None = None
         self._auto_probe: list[tuple[float, float, int, int]] | None = None  # compute s, round s, bytes, group
-        self._auto_clean = True  # every step measured so far averaged all of its data (applied_period)
+        self._auto_clean = True  # every step measured so far ended on the group's common result (applied_period)
         self.auto_proposed: int | None = None  # the period this member proposed, until it is agreed at AGREE_STEP
         self._auto_codec = compression == "auto"
         self._auto_every = average_params_every == "auto"

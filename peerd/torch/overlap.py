@@ -191,7 +191,8 @@ def plan_hash(buckets: Sequence[Bucket]) -> str:
 
 def summarize(st: StepState) -> dict[str, Any]:
     """One reply for a step from its buckets' replies: averaged only if every bucket averaged (else the worst
-    outcome), the smallest group, the mean received fraction, the longest bucket's seconds."""
+    outcome), the smallest group, the mean received fraction, complete only if every bucket's result was, the longest
+    bucket's seconds."""
     replies = [st.replies[b] for b in sorted(st.replies)]
     if st.nonfinite:
         outcome = "nonfinite"
@@ -205,6 +206,7 @@ def summarize(st: StepState) -> dict[str, Any]:
         "group_size": min((int(r.get("group_size", 1)) for r in replies), default=1),
         "members": sorted({m for r in replies for m in r.get("members", [])}),
         "received_fraction": sum(float(r.get("received_fraction", 0.0)) for r in replies) / max(1, len(replies)),
+        "complete": bool(replies) and all(bool(r.get("complete")) for r in replies),
         "seconds": max((float(r.get("seconds", 0.0)) for r in replies), default=0.0),
         "matchmaking_s": max((float(r.get("matchmaking_s", 0.0)) for r in replies), default=0.0),
         "kept": all(bool(r.get("kept")) for r in replies) and bool(replies),

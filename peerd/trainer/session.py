@@ -147,6 +147,8 @@ def round_reply(step: int, outcome: str, result: RoundResult | None, seconds: fl
         "group_size": int(result.group_size),
         "members": list(result.members),
         "received_fraction": float(result.received_fraction),
+        # this node's result is its group's common one (every range of the others' shards arrived, repairs included)
+        "complete": outcome == "averaged" and bool(result.complete),
         "round": int(result.round),
         "seconds": round(seconds, 6),
         "matchmaking_s": round(float(result.matchmaking_s), 6),

@@ -10,7 +10,9 @@ the caller asked for. Until an address has a sample the caller's timeout is used
 
 A timed-out first transmission doubles the address's backoff (RFC 6298 5.5), which later requests
 keep until a fresh sample arrives: a peer that has become slow is not flooded with retransmissions.
-No clock is read here; callers pass the measured round-trip time.
+The same samples also feed one node-wide estimate (``typical_rto``): the retransmission timeout of a
+destination this node has not sampled yet, as its recent round trips to any suggest (a DHT lookup's new
+contacts). No clock is read here; callers pass the measured round-trip time.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class RtoEstimator:
         self.min_rto = min_rto
         self.capacity = capacity
         self._states: OrderedDict[Hashable, _State] = OrderedDict()
+        self._all: _State | None = None  # every destination's samples in one (typical_rto)
 
     def __len__(self) -> int:
         return len(self._states)
@@ -64,6 +67,12 @@ class RtoEstimator:
         """Record the round-trip time of a request answered on its first transmission."""
         if not 0 <= rtt < _INF:
             raise ValueError(f"rtt must be a finite number >= 0, got {rtt!r}")
+        every = self._all
+        if every is None:
+            self._all = _State(srtt=rtt, rttvar=rtt / 2)
+        else:
+            every.rttvar = _KEEP_VAR * every.rttvar + BETA * abs(every.srtt - rtt)
+            every.srtt = _KEEP_SRTT * every.srtt + ALPHA * rtt
         state = self._states.get(dest)
         if state is None:
             state = _State(srtt=rtt, rttvar=rtt / 2)
@@ -81,6 +90,20 @@ class RtoEstimator:
         state = self._states.get(dest)
         if state is not None:
             state.backoff = min(state.backoff * 2, MAX_BACKOFF)
+
+    def rto(self, dest: Hashable) -> float | None:
+        """``srtt + 4 * rttvar`` to ``dest`` (at least min_rto), without the backoff of its unanswered requests (a
+        dead peer's backoff grows, and a wait derived from it would grow back to the caller's cap); None before
+        its first sample."""
+        state = self._states.get(dest)
+        if state is None:
+            return None
+        return max(self.min_rto, state.srtt + K * state.rttvar)
+
+    def typical_rto(self) -> float | None:
+        """``rto`` over every destination's samples together: for a destination not sampled yet. None before any."""
+        every = self._all
+        return None if every is None else max(self.min_rto, every.srtt + K * every.rttvar)
 
     def timeout(self, dest: Hashable, cap: float) -> float:
         """How long to wait for an answer to a first transmission to ``dest``; never above ``cap``."""

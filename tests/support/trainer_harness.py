@@ -15,10 +15,11 @@ import numpy as np
 import trio
 
 from peerd.localsock.client import DaemonError
-from peerd.localsock.server import LocalServer
+from peerd.localsock.server import LocalServer, OpError
 from peerd.metrics import Metrics
 from peerd.moshpit.service import RoundResult
 from peerd.trainer import TrainerService
+from peerd.wire.messages import MAX_KEY, MAX_SUBKEY
 
 WINDOW_END = 1_900_000_000.0
 
@@ -51,6 +52,10 @@ class InProcessAverager:
         self.part_rounds: list[tuple[str, int]] = []  # (run id, parts) of each average_parts call
         self.timeouts: list[float] = []  # the timeout_s each call was given
         self.poison: float | None = None  # if set, every averaged result holds this value (e.g. NaN) at [0]
+        # what every averaged result reports: the share of datagrams that arrived, and whether the result is the
+        # group's common one (a lossy link whose all-gather was repaired: below 1.0, and still complete)
+        self.received_fraction = 1.0
+        self.complete = True
         self._ids = 0
 
     def outer_options(self) -> list[dict]:
@@ -97,7 +102,7 @@ class InProcessAverager:
         if self.poison is not None:
             mean[0] = self.poison
         return RoundResult(mean, "averaged", f"{rnd.number:08x}", n, [str(e[0]) for e in rnd.entries],
-                           1.0, rnd.number, time.monotonic() - start,
+                           self.received_fraction, rnd.number, time.monotonic() - start, complete=self.complete,
                            bytes_sent=2 * (n - 1) * vector.nbytes // n, **facts)  # (a butterfly's share)
 
     async def average_parts(self, run_id: str, parts: list, weight: float, *, timeout_s: float = 30.0,
@@ -158,6 +163,8 @@ class ThreadDaemon:
 
     async def _dht_put(self, req: dict) -> dict:
         value = req["value"].encode() if isinstance(req["value"], str) else req["value"]
+        if len(req["key"].encode()) > MAX_KEY or len((req.get("subkey") or "").encode()) > MAX_SUBKEY:
+            raise OpError(f"key must be 1..{MAX_KEY} bytes, subkey at most {MAX_SUBKEY}")  # as the daemon's DHT
         self.dht.setdefault(req["key"], {})[req.get("subkey") or "test"] = value
         return {"stored": 1, "refused": 0, "subkey": req.get("subkey") or "test"}
 

@@ -1,9 +1,10 @@
 """`peerd sim dht`: N nodes' real DHT cores over the one in-memory network, in virtual time, with churn.
 
 Each node is the daemon's DHT with its trio shell replaced by callbacks on the network's event heap: the
-routing table (k-buckets, ping-before-add for request senders, least-recently-seen eviction), the lookup
-state machine (alpha at a time, widening, slow queries passed over after SLOW_QUERY_S), request handling
-and the record store with its limits (DhtCore), reads that check every record (reads.read_page) and
+routing table (k-buckets, ping-before-add for request senders, least-recently-seen eviction, contacts that miss
+queries in a row evicted), the lookup state machine (alpha at a time, widening, slow queries passed over after a
+few RTOs: lookup.slow_after), request handling and the record store with its limits (DhtCore), reads that
+check every record (reads.read_page) and
 stop early where asked, writes that store on the r closest (``--replicas``), and the endpoint's request retransmission
 (first wait from the learned RTO, never above 0.5 s, doubling, given up after 3.5 s). Records are signed
 and checked with Ed25519 as in the daemon. What is not simulated, and says so in the output: datagrams
@@ -38,7 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...dht.core import FILL_ALPHA, REPLICAS, DhtCore
-from ...dht.lookup import SLOW_QUERY_S, Lookup
+from ...dht.lookup import SLOW_QUERY_S, Lookup, slow_after
 from ...dht.reads import Enough, Owners, near_holders, read_page, signed_part
 from ...dht.records import Record, location, merge_newest
 from ...dht.routing import Contact
@@ -85,7 +86,7 @@ class Config:
 
 
 DEADLINE_S = RPC_TIMEOUT_S * (2**RPC_ATTEMPTS - 1)
-# Node.request schedules a lookup's slow-query timer when the first wait ends, which must come first
+# Node.request schedules a lookup's slow-query timer when the first wait ends, or at once when it comes first
 assert RPC_TIMEOUT_S < SLOW_QUERY_S
 
 
@@ -134,8 +135,8 @@ class Node:
         """Endpoint.request: retransmit with doubling waits until an answer or the deadline.
 
         ``slow``: (at, seq, fn, args), a call reserved in the network's order (Walk.pump's slow-query timer)
-        that is scheduled only if this request is still unanswered when its first wait ends (at most 0.5 s,
-        before SLOW_QUERY_S): answered earlier, the call would do nothing, and most are."""
+        that is scheduled only if this request is still unanswered when its first wait ends (at most 0.5 s):
+        answered earlier, the call would do nothing, and most are. One due before that is scheduled now."""
         sim = self.sim
         sim.rid += 1
         rid = sim.rid
@@ -143,7 +144,11 @@ class Node:
         net = self.net
         now = net.now
         rpc = _Rpc(contact, mtype, body, done, arg, table, now, self.rto.timeout(addr, RPC_TIMEOUT_S))
-        rpc.slow = slow
+        if slow is not None and slow[0] <= now + rpc.wait:
+            at, seq, fn, args = slow
+            net.schedule(at, fn, args, self.addr, seq)
+        else:
+            rpc.slow = slow
         self.pending[rid] = rpc
         sim.rpcs += 1
         net.send(self.addr, addr, (True, rid, mtype, body, self.contact))
@@ -166,7 +171,7 @@ class Node:
         if now >= rpc.deadline:
             del self.pending[rid]
             if rpc.table:
-                self.core.failed(rpc.contact.node_id)
+                self.core.failed(rpc.contact)
             rpc.done(rpc, None, None)
             return
         rpc.wait *= 2
@@ -220,6 +225,11 @@ class Node:
     def _checked(self, rpc: _Rpc, reply: Any, sender: Contact | None) -> None:
         self.core.pinged(rpc.arg, sender, self.net.now)
         self.act()
+
+    def slow_after(self, contact: Contact) -> float:
+        """DhtService._slow_after: a lookup's wait for ``contact`` from the RTO of its address, or the typical one."""
+        measured = self.rto.rto(contact.addr)
+        return slow_after(measured if measured is not None else self.rto.typical_rto())
 
     def rpc(self, contact: Contact, mtype: m.MsgType, body: Any, done: Done, arg: Any = None) -> None:
         """DhtService._rpc: an answer is heard (it may enter the table); no answer removes the contact."""
@@ -398,16 +408,18 @@ class Walk:
             self.slow.add(node_id)
             # the slow-query timer keeps its place in the order (reserved now) but is scheduled only if the
             # request is unanswered after its first wait (Node.request): an answered one would do nothing here
-            slow = (node.net.now + SLOW_QUERY_S, node.net.reserve(), self.on_slow, (node_id,))
+            slow = (node.net.now + node.slow_after(contact), node.net.reserve(), self.on_slow, (contact,))
             node.request(contact, self.mtype, self.body, self.on_answer, hop, True, slow)
         if lookup.finished or (self.settle and lookup.settled):
             self.finish()
 
-    def on_slow(self, node_id: bytes) -> None:
+    def on_slow(self, contact: Contact) -> None:
+        node_id = contact.node_id
         if self.over or node_id not in self.slow:
             return
         self.slow.discard(node_id)
         self.lookup.on_slow(node_id)
+        self.node.core.missed(contact)
         self.pump()
 
     def on_answer(self, rpc: _Rpc, reply: Any, sender: Contact | None) -> None:
