@@ -30,17 +30,26 @@ def fraction(text: str) -> float:
     return value
 
 
+def count(text: str, least: int = 0) -> int:
+    """An integer argument of at least ``least`` (a step count, a number of fragments)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, not {text!r}")
+    return value
+
+
 def period(text: str) -> int | str:
     """--average-every's type: a step count >= 0, or ``auto`` (peerd.torch.Optimizer's default)."""
     if text == "auto":
         return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of steps or auto") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--average-every must be >= 0, not {value}")
-    return value
+    if not text.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of steps or auto")
+    if int(text) < 0:
+        raise argparse.ArgumentTypeError(f"--average-every must be >= 0, not {text}")
+    return int(text)
 
 
 def lab_group(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:

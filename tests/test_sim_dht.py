@@ -90,7 +90,7 @@ def test_text_output(capsys) -> None:
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["--peers", "1"], "--peers: must be at least 2"),
-    (["--peers", "ten"], "not a whole number"),
+    (["--peers", "ten"], "is not an integer"),
     (["--churn", "1.5"], "--churn: must be in [0, 1]"),
     (["--loss", "1"], "--loss: must be in [0, 1)"),
     (["--loss", "x"], "not a number"),

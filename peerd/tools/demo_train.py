@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from ..cliargs import period
+from ..cliargs import count, period
 
 DIGITS_TEST_FRACTION = 0.2
 MAX_SKIPPED = 20  # consecutive steps with non-finite gradients after which a trainer stops as diverged
@@ -223,13 +223,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
-    return value
+    return count(text, 1)
 
 
 def _progress_line(record: dict[str, Any]) -> str:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ...cliargs import count
 from ...dht.core import FILL_ALPHA, REPLICAS, DhtCore
 from ...dht.lookup import SLOW_QUERY_S, Lookup, slow_after
 from ...dht.reads import Enough, Owners, near_holders, read_page, signed_part
@@ -673,15 +674,7 @@ def _percentile_f(values: list[float], q: float) -> float:
 
 # -- the command line ------------------------------------------------------------------------------
 def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-    return parse
+    return lambda text: count(text, low)
 
 
 def _fraction(text: str, *, below_one: bool = False) -> float:
