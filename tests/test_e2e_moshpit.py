@@ -64,6 +64,7 @@ def test_weighted_round_and_joiners_are_absorbed(swarm) -> None:
         assert stats["outcome"] == "averaged" and stats["group_size"] == 4 and stats["round"] == 0
         assert np.abs(vec - exact).max() < 1e-5  # a sample-weighted mean
     assert len({s["group_id"] for _, s in results}) == 1
+    assert all(n.call("status")["moshpit"]["joiners"]["last"]["complete"] for n in nodes)  # a lossless round
     vectors = [v for v, _ in results]
 
     # the run grows: groups of up to 8 from now on (published in the run's DHT record)
@@ -97,7 +98,8 @@ def test_lonely_peer_keeps_its_vector_and_says_so(swarm) -> None:
     out, stats = _round(node, "alone", vec)
     assert stats["outcome"] == "alone" and stats["group_size"] == 1 and stats["group_id"] == ""
     assert np.array_equal(out, vec)
-    assert node.call("status")["moshpit"]["alone"]["last"]["outcome"] == "alone"
+    last = node.call("status")["moshpit"]["alone"]["last"]
+    assert last["outcome"] == "alone" and last["complete"] is False  # no group's common result
 
 
 def test_bad_requests_get_clear_errors(swarm) -> None:

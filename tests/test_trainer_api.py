@@ -135,6 +135,8 @@ def test_clip_grad_norm_clips_the_average_as_ddp_does(tmp_path) -> None:
         for m in models:
             torch.testing.assert_close(flat(m), expected)
         for o in opts:
+            assert o.last_step is not None and o.last_step.outcome == "averaged"
+            assert o.last_step.complete  # the harness averages exactly: every range arrived
             o.close()
     for bad in (0, -1.0, float("nan"), True, "1"):
         with pytest.raises(ValueError, match="clip_grad_norm"):

@@ -67,6 +67,7 @@ class RoundStatistics:
     led: bool
     members_s: float
     transfer_s: float
+    complete: bool  # every all-gather range arrived here (RoundResult.complete)
 
 
 @dataclass
@@ -105,7 +106,7 @@ class RoundResult:
         return RoundStatistics(
             self.round, self.outcome, self.group_id, self.group_size, list(self.members), self.received_fraction,
             self.seconds, self.matchmaking_s, self.key, self.seen, self.error, self.kept, self.compression,
-            self.bytes_sent, self.leader, self.led, self.members_s, self.transfer_s,
+            self.bytes_sent, self.leader, self.led, self.members_s, self.transfer_s, self.complete,
         )
 
 

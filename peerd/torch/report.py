@@ -24,6 +24,7 @@ class StepReport:
     group_size: int = 1
     kept: bool = False  # the group was kept from an earlier round (no matchmaking)
     received_fraction: float = 0.0
+    complete: bool = False  # every all-gather range arrived: this replica holds the group's common result
     error: str = ""
     warning: str = ""  # e.g. every member contributed the same numbers (peerd.torch.founders.SameData)
 
@@ -33,4 +34,5 @@ class StepReport:
                    phases={k: round(float(phases.get(k, 0.0)), 6) for k in PHASES},
                    group_size=int(reply.get("group_size", 1) or 1), kept=bool(reply.get("kept", False)),
                    received_fraction=float(reply.get("received_fraction", 0.0) or 0.0),
-                   error=str(reply.get("error", "") or ""), warning=str(reply.get("warning", "") or ""))
+                   complete=reply.get("complete") is True, error=str(reply.get("error", "") or ""),
+                   warning=str(reply.get("warning", "") or ""))
