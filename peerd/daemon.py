@@ -332,8 +332,14 @@ class Daemon:
         self._publish_page()
 
     def _publish_page(self) -> None:
-        """The status page's snapshot (peerd/status/page.py), once a second while it is served."""
+        """The status page's snapshot (peerd/status/page.py), once a second while someone reads it; otherwise only
+        each run's new last round, which the page lists among its recent rounds."""
         if self.http is None:
+            return
+        if not self.page.watched(time.monotonic()):
+            for run, state in self.moshpit.runs.items():
+                if state.last is not None and not self.page.seen(run, state.last.round):
+                    self.page.note_round(run, dataclasses.asdict(state.last.statistics()))
             return
         trainers = []
         for session in self.trainer.statistics().sessions:

@@ -1,15 +1,19 @@
 """The status page an owner opens: served on the metrics port next to ``/metrics`` (``/`` and ``/status``), filled
 from ``/status.json``, which the page fetches every 1.5 s. One self-contained HTML file: no external assets.
 
-The daemon's trio loop hands over a finished snapshot (``StatusPage.update``) once a second; the HTTP threads only
-read the latest bytes, so a slow or hostile browser never touches the daemon's state.
+The daemon's trio loop hands over a finished snapshot (``StatusPage.update``) once a second while someone reads the
+page (``watched``), and only notes each run's last round otherwise: building the snapshot costs a few milliseconds of
+the CPU a training step shares. The HTTP threads only read the latest bytes (a first read waits up to a second for a
+fresh snapshot), so a slow or hostile browser never touches the daemon's state.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
@@ -19,6 +23,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 RECENT_ROUNDS = 20
+WATCH_S = 10.0  # the page counts as read this long after its last fetch
+FRESH_WAIT_S = 1.2  # a fetch while unread waits this long for the next snapshot (the daemon ticks once a second)
 
 
 class StatusPage:
@@ -28,20 +34,46 @@ class StatusPage:
         self.rounds: deque[dict[str, Any]] = deque(maxlen=rounds)
         self._seen: set[tuple[str, int]] = set()
         self.latest = b"{}"
+        self._read_at = -math.inf  # (time.monotonic) the last fetch of the page or its JSON
+        self._fresh = threading.Event()
+
+    def watched(self, now: float) -> bool:
+        """Someone fetched the page within WATCH_S of ``now`` (time.monotonic): the daemon builds snapshots."""
+        return now - self._read_at < WATCH_S
+
+    def read(self) -> bytes:
+        """The latest snapshot for an HTTP thread; a fetch while unread waits up to FRESH_WAIT_S for a fresh one."""
+        now = time.monotonic()
+        if not self.watched(now):
+            self._fresh.clear()
+            self._read_at = now
+            self._fresh.wait(FRESH_WAIT_S)
+        self._read_at = time.monotonic()
+        return self.latest
+
+    def seen(self, run: str, round_number: int) -> bool:
+        """This run's round is among the recent rounds already (the caller need not build its record)."""
+        return (run, round_number) in self._seen
+
+    def note_round(self, run: str, last: dict[str, Any]) -> None:
+        """Add a run's last round (a RoundStatistics as a dict) to the recent rounds, once."""
+        if (run, last.get("round", -1)) in self._seen:
+            return
+        self._seen.add((run, last.get("round", -1)))
+        self.rounds.appendleft({"run": run, **{k: last.get(k) for k in (
+            "round", "outcome", "group_size", "received_fraction", "seconds", "matchmaking_s", "transfer_s",
+            "compression", "bytes_sent")}})
+        if len(self._seen) > 4 * (self.rounds.maxlen or 1):
+            self._seen = {(r["run"], r["round"]) for r in self.rounds}
 
     def update(self, snapshot: dict[str, Any], runs: dict[str, Any]) -> None:
         """Take ``snapshot`` (the page's sections) and each run's last round from ``runs`` (moshpit statistics)."""
         for run, st in runs.items():
             last = st.get("last") if isinstance(st, dict) else None
-            if not last or (run, last.get("round", -1)) in self._seen:
-                continue
-            self._seen.add((run, last.get("round", -1)))
-            self.rounds.appendleft({"run": run, **{k: last.get(k) for k in (
-                "round", "outcome", "group_size", "received_fraction", "seconds", "matchmaking_s", "transfer_s",
-                "compression", "bytes_sent")}})
-            if len(self._seen) > 4 * (self.rounds.maxlen or 1):
-                self._seen = {(r["run"], r["round"]) for r in self.rounds}
+            if last:
+                self.note_round(run, last)
         self.latest = json.dumps({**snapshot, "rounds": list(self.rounds)}).encode()
+        self._fresh.set()
 
 
 def _app(registry: CollectorRegistry, page: StatusPage) -> Callable[..., Iterable[bytes]]:
@@ -52,7 +84,7 @@ def _app(registry: CollectorRegistry, page: StatusPage) -> Callable[..., Iterabl
         if path in ("/", "/status"):
             body, kind = HTML.encode(), "text/html; charset=utf-8"
         elif path == "/status.json":
-            body, kind = page.latest, "application/json"
+            body, kind = page.read(), "application/json"
         else:
             return metrics(environ, start_response)
         start_response("200 OK", [("Content-Type", kind), ("Content-Length", str(len(body))),
