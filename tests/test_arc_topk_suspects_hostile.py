@@ -8,7 +8,17 @@ import numpy as np
 import pytest
 
 from peerd.allreduce.options import AverageOptions
-from peerd.allreduce.robust import BAN_ROUNDS, MAX_C, MAX_SUSPECTS, STRIKES, SUSPECT_ROUNDS, Robust, Suspects
+from peerd.allreduce.robust import (
+    BAN_ROUNDS,
+    MAX_BAN_ROUNDS,
+    MAX_C,
+    MAX_SUSPECTS,
+    STRIKE_WINDOW,
+    STRIKES,
+    SUSPECT_ROUNDS,
+    Robust,
+    Suspects,
+)
 from peerd.tools.faults import byzantine
 
 from .support.arctopk import plan_for, run_group, wmean
@@ -157,6 +167,48 @@ def test_suspicion_ages_out_and_is_bounded_hostile() -> None:
     many = [i.to_bytes(4, "little") for i in range(MAX_SUSPECTS + 50)]
     s.observe(many, tuple(range(len(many))))
     assert len(s.left) == MAX_SUSPECTS
+
+
+def _banned_for(s: Suspects, ids: list[bytes], k: int) -> int:
+    """Averages until member ``k`` is tested again (its ban's length), the owner (index 0) finding nobody opposed."""
+    n = 0
+    while k in s.banned_among(ids, 0):
+        s.observe(ids, ())
+        n += 1
+    return n
+
+
+def test_a_member_banned_again_is_banned_twice_as_long_hostile() -> None:
+    """A flipper caught again at each retest serves bans of BAN_ROUNDS, twice that, and so on up to MAX_BAN_ROUNDS:
+    the rounds its retests miss it (its rows then get in) come ever more rarely."""
+    s = Suspects()
+    ids = [b"own", b"bad", b"ok"]
+    for _ in range(STRIKES):
+        s.observe(ids, (1,))
+    lengths = [_banned_for(s, ids, 1)]
+    while lengths[-1] < MAX_BAN_ROUNDS:
+        s.observe(ids, (1,))  # tested again and found opposed once more: 3 of its last 4 tests
+        lengths.append(_banned_for(s, ids, 1))
+    assert lengths[:3] == [BAN_ROUNDS, 2 * BAN_ROUNDS, 4 * BAN_ROUNDS] and lengths[-1] == MAX_BAN_ROUNDS
+    s.observe(ids, (1,))
+    assert _banned_for(s, ids, 1) == MAX_BAN_ROUNDS  # capped
+    assert 2 not in s.banned_among(ids, 0) and 2 not in s.bans
+
+
+def test_a_clean_window_forgives_earlier_bans() -> None:
+    """An honest member banned once (a rare run of noisy verdicts) and then tested clean STRIKE_WINDOW times starts
+    over: its next ban, if one comes, is BAN_ROUNDS again."""
+    s = Suspects()
+    ids = [b"own", b"unlucky"]
+    for _ in range(STRIKES):
+        s.observe(ids, (1,))
+    assert _banned_for(s, ids, 1) == BAN_ROUNDS
+    for _ in range(STRIKE_WINDOW):
+        s.observe(ids, ())
+    assert not s.bans
+    for _ in range(STRIKES):
+        s.observe(ids, (1,))
+    assert _banned_for(s, ids, 1) == BAN_ROUNDS
 
 
 def test_exclude_takes_member_indices_only() -> None:

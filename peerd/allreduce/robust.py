@@ -76,6 +76,10 @@ SUSPECT_ROUNDS = 2
 STRIKES = 3
 STRIKE_WINDOW = 4
 BAN_ROUNDS = 8
+# A member banned again (opposed in STRIKES of its last STRIKE_WINDOW tests once more) is banned twice as long as the
+# time before, up to MAX_BAN_ROUNDS: a flipper pays a fixed ban's leak (the rounds its retests miss it) ever less
+# often, while an honest member's rare ban stays short. A window of clean tests forgives its earlier bans.
+MAX_BAN_ROUNDS = 128
 MAX_SUSPECTS = 1024  # identities remembered at most (a group names at most a few hundred members)
 
 
@@ -119,13 +123,15 @@ class Suspects:
     pointing against the others: a verdict carried from one average to the next ones of the same run, where one
     phase alone holds too few values for it, or misses a flipped member now and then. A member found opposed once
     is left out of the sketch phase for SUSPECT_ROUNDS averages; one found opposed in STRIKES of its last
-    STRIKE_WINDOW tests is banned: left out of both phases for BAN_ROUNDS averages, untested meanwhile, and
-    tested again after (its sketches still left out). Local: it changes only what this owner sums into its own
+    STRIKE_WINDOW tests is banned: left out of both phases for BAN_ROUNDS averages (twice as long at each ban
+    again, up to MAX_BAN_ROUNDS, until a window of clean tests), untested meanwhile, and tested again after (its
+    sketches still left out). Local: it changes only what this owner sums into its own
     shards."""
 
     left: dict[bytes, int] = field(default_factory=dict)  # identity -> averages its sketches are still left out of
     banned: dict[bytes, int] = field(default_factory=dict)  # identity -> averages it is still left out of entirely
     strikes: dict[bytes, int] = field(default_factory=dict)  # identity -> its last verdicts, newest in bit 0
+    bans: dict[bytes, int] = field(default_factory=dict)  # identity -> bans since its last clean window of tests
 
     def among(self, ids: list[bytes], own: int) -> tuple[int, ...]:
         """The indices in ``ids`` (a group's members, in order) that the sketch phase leaves out (suspects and
@@ -153,12 +159,17 @@ class Suspects:
             self.strikes.pop(i, None)
             if bits:
                 self.strikes[i] = bits  # (re-inserted: the dict keeps the most recently opposed last)
+            else:
+                self.bans.pop(i, None)  # a clean window forgives
             if i in against:
                 self.left[i] = SUSPECT_ROUNDS
                 if bits.bit_count() >= STRIKES:
-                    self.banned[i] = BAN_ROUNDS
-                    self.left[i] = BAN_ROUNDS + 1  # its sketches stay out of the round that tests it again
-        for record in (self.left, self.banned, self.strikes):
+                    n = self.bans.pop(i, 0) + 1
+                    self.bans[i] = n
+                    rounds = min(BAN_ROUNDS << min(n - 1, 16), MAX_BAN_ROUNDS)
+                    self.banned[i] = rounds
+                    self.left[i] = rounds + 1  # its sketches stay out of the round that tests it again
+        for record in (self.left, self.banned, self.strikes, self.bans):
             while len(record) > MAX_SUSPECTS:
                 record.pop(next(iter(record)))
 
