@@ -1169,3 +1169,39 @@ def test_a_record_lookup_looks_for_the_replicas_and_only_the_others_when_this_no
     assert core.table.closer_than_me(far, 5) == 5
     assert core.start_lookup(far, 0.0, alpha=3, record=True).k == 5
     assert core.start_lookup(OWN, 0.0, alpha=3, record=True).k == 4  # its own id: this node is the closest
+
+
+def _ids(n: int) -> list[bytes]:
+    """``n`` node ids at increasing distance from the all-zero target."""
+    return [(i + 1).to_bytes(32, "big") for i in range(n)]
+
+
+@pytest.mark.parametrize("retry_slow", [True, False])
+def test_a_record_lookup_asks_a_slow_close_contact_once_more_before_it_ends(retry_slow: bool) -> None:
+    """A record lives only at the few closest: a holder whose query (or answer) was lost once turns slow, and a
+    record's lookup asks it again before ending rather than end without it; a plain lookup passes over it."""
+    target = bytes(32)
+    ids = _ids(4)
+    lookup = Lookup(target, [contact(i) for i in ids], own_id=OWN, k=3, alpha=3, retry_slow=retry_slow)
+    first = lookup.next_queries()
+    assert [c.node_id for c in first] == ids[:3]
+    lookup.on_slow(ids[0])  # the closest holder's datagram was lost
+    assert [c.node_id for c in lookup.next_queries()] == [ids[3]]
+    for node_id in ids[1:]:
+        lookup.on_reply(node_id, [])
+    again = lookup.next_queries()
+    if not retry_slow:
+        assert again == [] and lookup.finished and ids[0] not in {c.node_id for c in lookup.result()}
+        return
+    assert [c.node_id for c in again] == [ids[0]] and not lookup.finished
+    lookup.on_slow(ids[0])  # slow again: asked once only, then the lookup ends without it
+    assert lookup.next_queries() == [] and lookup.finished
+    lookup2 = Lookup(target, [contact(i) for i in ids], own_id=OWN, k=3, alpha=3, retry_slow=True)
+    lookup2.next_queries()
+    lookup2.on_slow(ids[0])
+    lookup2.next_queries()
+    for node_id in ids[1:]:
+        lookup2.on_reply(node_id, [])
+    lookup2.next_queries()
+    lookup2.on_reply(ids[0], [])  # the second ask answered: the holder is among the result
+    assert lookup2.finished and ids[0] in {c.node_id for c in lookup2.result()}

@@ -188,7 +188,7 @@ class DhtCore:
         wide = full and (recent is not None or (self.wide_start and self.table.complete_near(target)))
         return Lookup(
             target, recent + seeds if recent else seeds, own_id=self.node_id, k=k, alpha=alpha,
-            wide=wide, widen=full,
+            wide=wide, widen=full, retry_slow=record,
         )
 
     def end_lookup(self, lookup: Lookup, now: float, *, settle: bool = False) -> list[Contact]:

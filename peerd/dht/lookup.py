@@ -66,8 +66,11 @@ class Lookup:
         alpha: int = 3,
         wide: bool = False,
         widen: bool = True,
+        retry_slow: bool = False,
     ):
         self.target = target
+        self._retry_slow = retry_slow
+        self._retried: set[bytes] = set()
         self.k = k
         self.alpha = alpha
         self.wide = wide
@@ -160,6 +163,29 @@ class Lookup:
             ranked += 1
             if ranked == k:
                 break
+        if not chosen and not self._flying and self._retry_slow:
+            chosen = self._retry()
+        return chosen
+
+    def _retry(self) -> list[Contact]:
+        """A record's lookup about to end asks once more each slow contact closer than its farthest ranked one:
+        a holder whose query or answer was lost once must not be passed over for good (the record lives only at
+        the few closest), where the transport's own retransmission to an unmeasured contact comes only after the
+        lookup has ended."""
+        state = self._state
+        ranked = self._ranked()
+        if not ranked:
+            return []
+        edge = self._contacts[ranked[-1]].num ^ self._t if len(ranked) == self.k else math.inf
+        chosen = []
+        for d, node_id in self._order:
+            if d > edge:
+                break
+            if state[node_id] is _SLOW and node_id not in self._retried:
+                self._retried.add(node_id)
+                state[node_id] = _IN_FLIGHT
+                self._flying += 1
+                chosen.append(self._contacts[node_id])
         return chosen
 
     def on_reply(self, node_id: bytes, nodes: list[Contact]) -> None:

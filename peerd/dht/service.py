@@ -391,6 +391,8 @@ class DhtService:
                         break
                     ok, last = self._collect(key, records, found, verified, last, mine)
                     offset += len(records)
+                    # a record written since the first page shifts the rest by one: read to the latest total
+                    total = max(total, min(reply.body["total"], MAX_READ))
             if ok and offset >= body["total"] and not scope.cancelled_caught:  # read in full: a holder
                 holders.append((contact.node_id, frozenset([*(r.signature for r in mine), *also])))
             return nodes
