@@ -10,7 +10,7 @@ import pytest
 from peerd.allreduce import GroupAverage, Outcome
 from peerd.allreduce.frames import HEADER_SIZE, NACK_SIZE, nack_bodies, pack_nack, parse_nack
 from peerd.allreduce.group import GROUP_OPTIONS
-from peerd.allreduce.phase import REPAIR_FLOOR_S
+from peerd.allreduce.phase import IN_ORDER_GRACE_S, REPAIR_FLOOR_S
 from peerd.allreduce.repair import NACK_REPEATS, SERVE_S
 from peerd.wire.errors import WireError
 
@@ -291,3 +291,57 @@ def test_lost_all_gather_ranges_of_a_compressed_codec_are_repaired(name):
     for m in clean:
         s = m.statistics()
         assert s.repair_asked == 0 and s.all_gather.ended_by == "completion"
+
+
+# ---- repair while the driver is still sending the group's data ------------------------------------------------
+
+
+def exchange(members: list[GroupAverage], keep) -> None:
+    """Pump the members' datagrams to each other at time 0, delivering only those ``keep(src, dst, type, body)``
+    allows, until nobody has anything more to send."""
+    for _ in range(20):
+        for i, core in enumerate(members):
+            for o in core.datagrams_to_send(0.0, 10_000):
+                if keep(i, o.to, o.type, o.body):
+                    members[o.to].receive(i, o.type, o.body, 0.0)
+
+
+def test_take_repair_asks_for_an_ended_stream_mid_send_and_leaves_the_phase_deadline_alone():
+    """A driver busy sending its blocks asks ``take_repair`` every few ms: an owner's stream that ended with a range
+    missing is asked for once the END's grace is over (not after the driver's whole block), the owner's resend
+    comes out of its own ``take_repair`` at once, and no phase ends by deadline there (that waits until the
+    member's own data is out)."""
+    members, _ = cores(3, 3000, options=replace(REPAIR, end_grace_s=0.05))  # (the driver's default grace)
+    m0, m1, _m2 = members
+    lost = 1000 + 3 * PER  # a range of member 1's shard, on its way to member 0
+
+    def keep(src: int, dst: int, mtype: int, body: bytes) -> bool:
+        if dst == 0 and src == 2 and mtype in (AG_DATA, AG_DATA + 1):
+            return False  # member 2's stream to member 0 stays open
+        if dst == 0 and src == 1 and mtype == AG_DATA and int.from_bytes(body[9:13], "little") == lost:
+            return False
+        return mtype != AG_NACK
+
+    exchange(members, keep)
+    assert m0.take_repair(0.0) == []  # the END's grace is not over
+    asks = m0.take_repair(IN_ORDER_GRACE_S + 1e-4)
+    assert [(b.to, b.type) for b in asks] == [(1, AG_NACK)]
+    nack = parse_nack(bytes(asks[0].bodies[0]), REPAIR.repair_rounds)
+    assert nack.round == 1 and nack.missing.tolist() == [3]
+    assert m0.take_repair(IN_ORDER_GRACE_S + 2e-4) == []  # asked once a round
+    assert m1.receive(0, AG_NACK, bytes(asks[0].bodies[0]), 0.01) is Outcome.ACCEPTED
+    resends = m1.take_repair(0.01)
+    assert [(b.to, b.type, int.from_bytes(bytes(b.bodies[0][9:13]), "little")) for b in resends] == [
+        (0, AG_DATA, lost)]
+    late = 1e3  # far past every phase deadline: take_repair still ends nothing by deadline
+    m0.take_repair(late)
+    assert m0.statistics().all_gather.ended_by is None
+    m0.handle_timer(late)
+    assert m0.statistics().all_gather.ended_by is not None
+
+
+def test_take_repair_is_empty_without_repair_rounds():
+    members, _ = cores(3, 3000, options=GROUP_OPTIONS)
+    exchange(members, lambda src, dst, mtype, body: not (dst == 0 and mtype == AG_DATA
+                                                         and int.from_bytes(body[9:13], "little") == 1150))
+    assert members[0].take_repair(1.0) == []

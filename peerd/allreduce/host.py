@@ -301,8 +301,23 @@ class AveragingHost:
         out = release(g, limit) if g.waiting else []
         if out and sum(len(b.bodies) for b in out) >= limit:
             return out
+        self._gated(group_id, g, g.core.blocks_to_send(g.rows, limit), out)
+        return out
+
+    def repair_to_send(self, group_id: int, now: float) -> list[SendBlock]:
+        """The group's repair requests, done messages and resends due by ``now`` (GroupAverage.take_repair), for a
+        driver in the middle of sending the group's data: they go to the front of their member's queue."""
+        g = self._groups.get(group_id)
+        out: list[SendBlock] = []
+        if g is not None:
+            self._gated(group_id, g, g.core.take_repair(now), out)
+        return out
+
+    def _gated(self, group_id: int, g: RunningGroup, blocks: list, out: list[SendBlock]) -> None:
+        """The core's blocks as SendBlocks (repeated bodies: the first copy now, the others spaced), those for
+        members not heard from yet held at their send gate, the rest appended to ``out``."""
         spacing = self.end_spacing_s
-        for b in g.core.blocks_to_send(g.rows, limit):
+        for b in blocks:
             if b.repeat == 1:
                 sb = SendBlock(group_id, b.to, g.peers[b.to], b.type, b.bodies, g.part, b.values)
             elif spacing is None:
@@ -317,7 +332,6 @@ class AveragingHost:
                 out.append(go)
             if wait is not None:
                 g.waiting.setdefault(sb.to, []).append(wait)
-        return out
 
     def due_copies(self, group_id: int, now: float) -> list[SendBlock]:
         """The spaced END copies due by ``now`` (``math.inf``: all of them, for a driver whose group is done:

@@ -408,15 +408,16 @@ class AllreduceService:
         await trio.lowlevel.checkpoint()  # let receives and DHT requests in between slices
 
     def _tend(self, group_id: int, queues: dict[int, list[list]], members: list[Member]) -> None:
-        """While ``_send_blocks`` sends the group's blocks: END copies now due go to the front of their member's
-        queue (their data went before them). The host's timer waits until the blocks are out: a phase deadline
+        """While ``_send_blocks`` sends the group's blocks: repair requests and resends now due, and END copies
+        now due, go to the front of their member's queue (an END's data went before it; a request or resend
+        concerns a stream that has ended). The host's timer waits until the blocks are out: a phase deadline
         handled while this member is still sending (a capped uplink) would end phases its own data has not
         reached yet (`peerd bench caps --cap-upload`: members then averaged without it)."""
         host = self.host
         if not host.running(group_id):
             return
         now = trio.current_time()
-        for b in host.due_copies(group_id, now):
+        for b in [*host.repair_to_send(group_id, now), *host.due_copies(group_id, now)]:
             body = b.bodies.shape[1] + (b.values.shape[1] * b.values.itemsize if b.values is not None else 0)
             queues.setdefault(b.to, []).insert(0, [b, members[b.to], body, 0])
 
