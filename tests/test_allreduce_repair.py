@@ -323,7 +323,10 @@ def test_take_repair_asks_for_an_ended_stream_mid_send_and_leaves_the_phase_dead
         return mtype != AG_NACK
 
     exchange(members, keep)
+    assert m0.repair_timer == pytest.approx(IN_ORDER_GRACE_S)
     assert m0.take_repair(0.0) == []  # the END's grace is not over
+    # a driver whose receive loop has not read its socket up to the grace's end does not end it
+    assert m0.take_repair(IN_ORDER_GRACE_S + 1e-4, expire=False) == []
     asks = m0.take_repair(IN_ORDER_GRACE_S + 1e-4)
     assert [(b.to, b.type) for b in asks] == [(1, AG_NACK)]
     nack = parse_nack(bytes(asks[0].bodies[0]), REPAIR.repair_rounds)

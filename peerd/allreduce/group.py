@@ -440,20 +440,31 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         if ag.ask or ag.settled:
             self.phase_changes += 1
 
-    def take_repair(self, now: float) -> list[OutBlock]:
-        """What repair has to send by ``now``, for a driver still busy sending the group's data: the all-gather
-        streams whose END grace or repair round is over are asked for their missing ranges (or close), and the
-        requests, done messages and resends due go ahead of the data (they wait for nothing it carries; behind
-        it, a block's time at the pacer's rate, tens of milliseconds, on every round). Phase deadlines are not
-        looked at: those wait until this member's own data is out (the driver's timer)."""
+    @property
+    def repair_timer(self) -> float | None:
+        """When an all-gather stream's END grace or repair round is next over (``take_repair`` acts on it then);
+        None: none is running."""
+        ag = self._ag
+        times = [*ag.repairing.values(), *(ag.ending.values() if self.state is State.ALL_GATHER else ())]
+        return min(times) if times and self._rounds else None
+
+    def take_repair(self, now: float, *, expire: bool = True) -> list[OutBlock]:
+        """What repair has to send by ``now``, for a driver still busy sending the group's data: with ``expire``,
+        the all-gather streams whose END grace or repair round is over (``repair_timer``) are asked for their
+        missing ranges (or close) first; the requests, done messages and resends due go ahead of the data (they
+        wait for nothing it carries; behind it, a block's time at the pacer's rate, tens of milliseconds, on every
+        round). Phase deadlines are not looked at: those wait until this member's own data is out (the driver's
+        timer). A driver passes ``expire`` only once it has read what reached its socket before the
+        ``repair_timer``: a resend waiting there is not lost."""
         if not self._rounds:
             return []
         ag = self._ag
-        if ag.repairing:
-            ag.expire_repairs(now)
-        if self.state is State.ALL_GATHER and ag.ending:
-            ag.expire_ending(now)
-            self._maybe_end(now)
+        if expire:
+            if ag.repairing:
+                ag.expire_repairs(now)
+            if self.state is State.ALL_GATHER and ag.ending:
+                ag.expire_ending(now)
+                self._maybe_end(now)
         return self._repair_blocks() if self._repair_pending else []
 
     def remove_member(self, member: int, now: float) -> None:

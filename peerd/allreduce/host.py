@@ -304,13 +304,17 @@ class AveragingHost:
         self._gated(group_id, g, g.core.blocks_to_send(g.rows, limit), out)
         return out
 
-    def repair_to_send(self, group_id: int, now: float) -> list[SendBlock]:
+    def repair_to_send(self, group_id: int, now: float, caught_up: Callable[[float], bool]) -> list[SendBlock]:
         """The group's repair requests, done messages and resends due by ``now`` (GroupAverage.take_repair), for a
-        driver in the middle of sending the group's data: they go to the front of their member's queue."""
+        driver in the middle of sending the group's data: they go to the front of their member's queue. A grace or
+        repair round that is over ends only where ``caught_up(at)`` says the receive loop has read what reached
+        the socket before it (as the host's timer waits for)."""
         g = self._groups.get(group_id)
         out: list[SendBlock] = []
         if g is not None:
-            self._gated(group_id, g, g.core.take_repair(now), out)
+            at = g.core.repair_timer
+            expire = at is not None and at <= now and caught_up(at)
+            self._gated(group_id, g, g.core.take_repair(now, expire=expire), out)
         return out
 
     def _gated(self, group_id: int, g: RunningGroup, blocks: list, out: list[SendBlock]) -> None:

@@ -417,7 +417,7 @@ class AllreduceService:
         if not host.running(group_id):
             return
         now = trio.current_time()
-        for b in [*host.repair_to_send(group_id, now), *host.due_copies(group_id, now)]:
+        for b in [*host.repair_to_send(group_id, now, self.endpoint.caught_up), *host.due_copies(group_id, now)]:
             body = b.bodies.shape[1] + (b.values.shape[1] * b.values.itemsize if b.values is not None else 0)
             queues.setdefault(b.to, []).insert(0, [b, members[b.to], body, 0])
 
