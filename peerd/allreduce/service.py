@@ -347,6 +347,7 @@ class AllreduceService:
             sender = None
         self.host.receive_probe(a.group_id, a.token, sender, trio.current_time())
         self._run(self.host.take_actions())
+        self._arm_timer()  # (an answer sets the member's next probe: the timer may sleep past it)
 
     async def _handshake(self, binds: list[Bind], members: list[Member], took: list[float]) -> None:
         start = trio.current_time()
@@ -460,6 +461,10 @@ class AllreduceService:
         mt.allreduce_bytes_sent.inc(sent_bytes)
         for reason, count in stats.refused.items():
             mt.contributions_refused.labels(reason).inc(count)
+        if stats.dead:
+            mt.allreduce_dead.inc(len(stats.dead))
+            log.info("group %#x: stopped waiting for member(s) %s: their daemons did not answer", stats.group_id,
+                     list(stats.dead))
         for phase, ph in (("reduce_scatter", stats.reduce_scatter), ("all_gather", stats.all_gather)):
             mt.allreduce_expected.labels(phase).inc(ph.datagrams_expected)
             mt.allreduce_received.labels(phase).inc(ph.datagrams_received)
