@@ -23,6 +23,8 @@ from peerd.allreduce.liveness import (
     PROBE_MAX_S,
     PROBES,
     REPROBE_S,
+    Dead,
+    Probe,
     SilenceWatch,
     grace_s,
     probe_timeout_s,
@@ -41,6 +43,19 @@ def watch(rtts: list[float | None] | None = None) -> SilenceWatch:
     return SilenceWatch(PEERS, 0, rtts)
 
 
+def timer(w: SilenceWatch, waiting: dict[int, float]) -> float | None:
+    w.note_waiting(waiting)
+    return w.get_timer()
+
+
+def tick(w: SilenceWatch, waiting: dict[int, float], now: float) -> tuple[list[Probe], list[int]]:
+    """The watch's look at ``now``: (the probes it sends, the members it found dead)."""
+    w.note_waiting(waiting)
+    w.handle_timer(now)
+    actions = w.take_actions()
+    return [a for a in actions if isinstance(a, Probe)], [a.member for a in actions if isinstance(a, Dead)]
+
+
 # ---- the watch alone ----------------------------------------------------------------------------------------------
 
 
@@ -57,24 +72,20 @@ def test_a_member_silent_for_its_grace_is_probed_and_three_failures_make_it_dead
     the third makes the verdict, given once."""
     w = watch()
     waiting = {1: 1.0}
-    assert w.get_timer(waiting) == pytest.approx(1.0 + GRACE_FLOOR_S)
-    w.handle_timer(waiting, 1.0 + GRACE_FLOOR_S / 2)
-    assert w.take_probes() == []  # not silent long enough yet
+    assert timer(w, waiting) == pytest.approx(1.0 + GRACE_FLOOR_S)
+    assert tick(w, waiting, 1.0 + GRACE_FLOOR_S / 2) == ([], [])  # not silent long enough yet
     now = 1.0 + GRACE_FLOOR_S
     for _ in range(PROBES):
-        w.handle_timer(waiting, now)
-        (p,) = w.take_probes()
-        assert p.member == 1 and p.timeout == PROBE_FLOOR_S
-        assert w.get_timer(waiting) is None  # one in flight at a time: the answer (or its timeout) comes back
+        (p,), dead = tick(w, waiting, now)
+        assert p.member == 1 and p.timeout == PROBE_FLOOR_S and dead == []
+        assert timer(w, waiting) is None  # one in flight at a time: the answer (or its timeout) comes back
         now += p.timeout
         w.receive_answer(p.token, None, now)
-        assert w.take_dead() == []  # (the verdict is the watch's next look, with what was heard meanwhile)
-        assert w.get_timer(waiting) == now
-    w.handle_timer(waiting, now)
-    assert w.take_dead() == [1] and w.take_probes() == []
-    w.handle_timer(waiting, now + 10)
-    assert w.take_dead() == [] and w.take_probes() == [] and w.get_timer(waiting) is None
-    assert w.probes_sent == PROBES
+        assert w.take_actions() == []  # (the verdict is the watch's next look, with what was heard meanwhile)
+        assert timer(w, waiting) == now
+    assert tick(w, waiting, now) == ([], [1])
+    assert tick(w, waiting, now + 10) == ([], []) and timer(w, waiting) is None
+    assert w.statistics().probes_sent == PROBES and w.statistics().dead == (1,)
 
 
 def test_a_member_whose_daemon_answers_is_probed_again_later_and_never_found_dead() -> None:
@@ -82,13 +93,11 @@ def test_a_member_whose_daemon_answers_is_probed_again_later_and_never_found_dea
     waiting = {2: 0.0}
     now = GRACE_FLOOR_S
     for _ in range(10):
-        w.handle_timer(waiting, now)
-        (p,) = w.take_probes()
+        (p,), _ = tick(w, waiting, now)
         w.receive_answer(p.token, PEERS[2], now + 0.01)
-        assert w.get_timer(waiting) == pytest.approx(now + 0.01 + REPROBE_S)
+        assert timer(w, waiting) == pytest.approx(now + 0.01 + REPROBE_S)
         now += 0.01 + REPROBE_S
-    w.handle_timer(waiting, now)
-    assert w.take_dead() == [] and 2 not in w.gone
+    assert tick(w, waiting, now)[1] == [] and w.statistics().dead == ()
 
 
 def test_another_nodes_pong_is_no_answer_hostile() -> None:
@@ -97,12 +106,10 @@ def test_another_nodes_pong_is_no_answer_hostile() -> None:
     waiting = {3: 0.0}
     now = GRACE_FLOOR_S
     for _ in range(PROBES):
-        w.handle_timer(waiting, now)
-        (p,) = w.take_probes()
+        (p,), _ = tick(w, waiting, now)
         w.receive_answer(p.token, OTHER, now + 0.002)
         now += 0.002
-    w.handle_timer(waiting, now)
-    assert w.take_dead() == [3]
+    assert tick(w, waiting, now) == ([], [3])
 
 
 def test_a_member_that_speaks_between_probes_has_its_failures_forgotten() -> None:
@@ -110,34 +117,28 @@ def test_a_member_that_speaks_between_probes_has_its_failures_forgotten() -> Non
     waiting = {1: 0.0}
     now = GRACE_FLOOR_S
     for _ in range(PROBES - 1):
-        w.handle_timer(waiting, now)
-        (p,) = w.take_probes()
+        (p,), _ = tick(w, waiting, now)
         now += p.timeout
         w.receive_answer(p.token, None, now)
     waiting[1] = now  # its data came
-    w.handle_timer(waiting, now)
-    assert w.take_probes() == [] and w.take_dead() == []
-    assert w.get_timer(waiting) == pytest.approx(now + GRACE_FLOOR_S)
+    assert tick(w, waiting, now) == ([], [])
+    assert timer(w, waiting) == pytest.approx(now + GRACE_FLOOR_S)
     for _ in range(PROBES - 1):  # a new silence: as many failures again before a verdict
-        now = w.get_timer(waiting)
-        w.handle_timer(waiting, now)
-        (p,) = w.take_probes()
+        now = timer(w, waiting)
+        (p,), _ = tick(w, waiting, now)
         w.receive_answer(p.token, None, now + p.timeout)
-    w.handle_timer(waiting, now + 1.0)
-    assert w.take_dead() == []
-    assert [p.member for p in w.take_probes()] == [1]  # (the third probe of this silence)
+    probes, dead = tick(w, waiting, now + 1.0)
+    assert dead == [] and [p.member for p in probes] == [1]  # (the third probe of this silence)
 
 
 def test_only_members_waited_for_are_probed_and_answers_to_unknown_tokens_change_nothing() -> None:
     w = watch(rtts=[None, 0.1, None, None])
-    assert w.get_timer({}) is None
-    w.handle_timer({}, 100.0)
-    assert w.take_probes() == []
+    assert timer(w, {}) is None
+    assert tick(w, {}, 100.0) == ([], [])
     w.receive_answer(12345, PEERS[1], 1.0)
     waiting = {1: 0.0}  # member 1's round trip is 100 ms: its grace 0.3 s, its PING's timeout 0.4 s
-    assert w.get_timer(waiting) == pytest.approx(0.3)
-    w.handle_timer(waiting, w.get_timer(waiting))
-    (p,) = w.take_probes()
+    assert timer(w, waiting) == pytest.approx(0.3)
+    (p,), _ = tick(w, waiting, timer(w, waiting))
     assert p.timeout == pytest.approx(0.4)
     with pytest.raises(ValueError):
         SilenceWatch(PEERS, 0, [None])

@@ -12,9 +12,9 @@ that address), mean it is dead: the phases stop waiting for it at once, its cont
 as a deadline would count it. Anything the member sends in between ends the silence being judged (its failures
 are forgotten). Nothing here moves a deadline later.
 
-The core contract: ``get_timer(waiting)`` / ``handle_timer(waiting, now)``, where ``waiting`` maps each member
-the phase waits for to when it was last heard from; ``take_probes()`` drains the PINGs to send, each reported back
-with ``receive_answer``; ``take_dead()`` drains the verdicts.
+The core contract: ``note_waiting(waiting)`` (each member the phase waits for, and when it was last heard
+from: arrivals move it, so the caller tells it before ``get_timer()`` or ``handle_timer(now)``); ``take_actions()``
+drains the PINGs to send (``Probe``, each reported back with ``receive_answer``) and the verdicts (``Dead``).
 """
 
 from __future__ import annotations
@@ -57,6 +57,22 @@ class Probe:
     timeout: float
 
 
+@dataclass(frozen=True, slots=True)
+class Dead:
+    """Member ``member`` is dead: stop waiting for it (given once per member)."""
+
+    member: int
+
+
+Action = Probe | Dead
+
+
+@dataclass(frozen=True, slots=True)
+class WatchStatistics:
+    probes_sent: int
+    dead: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class _Watched:
     """One member's probes: the last word of it the current judgement began from, when the next probe may go,
@@ -80,17 +96,22 @@ class SilenceWatch:
         self.peers = list(peers)
         self._members = {i: _Watched(grace_s(r), probe_timeout_s(r))
                          for i, r in enumerate(rtts if rtts is not None else [None] * len(peers)) if i != index}
+        self._waiting: dict[int, float] = {}
         self._next_token = 1
-        self._probes: list[Probe] = []
-        self._dead: list[int] = []
-        self.gone: set[int] = set()  # members found dead (never probed again)
+        self._actions: list[Action] = []
+        self.gone: list[int] = []  # members found dead, in order (never probed again)
         self.probes_sent = 0
 
-    def get_timer(self, waiting: Mapping[int, float]) -> float | None:
-        """When a member of ``waiting`` (member -> when it was last heard from) may next need a probe or a verdict;
-        None: never (nothing waited for, or every probe in flight)."""
+    def note_waiting(self, waiting: Mapping[int, float]) -> None:
+        """What the running phase waits for now: member -> when it was last heard from (the caller tells this before
+        it reads ``get_timer`` or calls ``handle_timer``: arrivals move it)."""
+        self._waiting = dict(waiting)
+
+    def get_timer(self) -> float | None:
+        """When a member waited for may next need a probe or a verdict; None: never (nothing waited for, or every
+        probe in flight)."""
         at = math.inf
-        for i, heard in waiting.items():
+        for i, heard in self._waiting.items():
             w = self._members.get(i)
             if w is None or i in self.gone or w.token is not None:
                 continue
@@ -99,11 +120,11 @@ class SilenceWatch:
                 at = due
         return None if at == math.inf else at
 
-    def handle_timer(self, waiting: Mapping[int, float], now: float) -> None:
-        """For each member of ``waiting``: one that spoke since its judgement began starts a new one (its failures
+    def handle_timer(self, now: float) -> None:
+        """For each member waited for: one that spoke since its judgement began starts a new one (its failures
         forgotten) once it is silent for its grace; ``PROBES`` failures make it dead; else its next probe goes when
         due (one in flight at most)."""
-        for i, heard in waiting.items():
+        for i, heard in self._waiting.items():
             w = self._members.get(i)
             if w is None or i in self.gone:
                 continue
@@ -113,15 +134,15 @@ class SilenceWatch:
                     continue
                 w.since, w.next_at = heard, now
             if w.failures >= PROBES:
-                self.gone.add(i)
-                self._dead.append(i)
+                self.gone.append(i)
+                self._actions.append(Dead(i))
                 continue
             if w.token is None and now >= w.next_at:
                 w.token = self._next_token
                 self._next_token += 1
                 w.next_at = math.inf
                 self.probes_sent += 1
-                self._probes.append(Probe(i, w.token, w.timeout))
+                self._actions.append(Probe(i, w.token, w.timeout))
 
     def receive_answer(self, token: int, sender: bytes | None, now: float) -> None:
         """The probe ``token`` was answered by ``sender`` (None: not at all, after its timeout). Only the member's
@@ -138,11 +159,10 @@ class SilenceWatch:
             w.failures += 1
             w.next_at = now
 
-    def take_probes(self) -> list[Probe]:
-        probes, self._probes = self._probes, []
-        return probes
+    def take_actions(self) -> list[Action]:
+        """The probes to send and the verdicts, in order (drained)."""
+        actions, self._actions = self._actions, []
+        return actions
 
-    def take_dead(self) -> list[int]:
-        """The members found dead since the last call (each once)."""
-        dead, self._dead = self._dead, []
-        return dead
+    def statistics(self) -> WatchStatistics:
+        return WatchStatistics(self.probes_sent, tuple(self.gone))

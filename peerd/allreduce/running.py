@@ -11,7 +11,7 @@ from .actions import Action, ProbeMember, SendBlock, Wake
 from .frames import DATA_TYPES
 from .group import GroupAverage
 from .held import MAX_TOKEN_BYTES
-from .liveness import SilenceWatch
+from .liveness import Dead, SilenceWatch
 
 # Until a member shows it runs the group (its data or a REPORT of this group came), it gets at most this much of
 # it: a member that starts the group after this node holds what comes before up to HeldData's MAX_TOKEN_BYTES per
@@ -84,7 +84,10 @@ def silences(g: RunningGroup) -> dict[int, float]:
 
 def watch_timer(g: RunningGroup) -> float | None:
     """When the group's silent members next need a probe or a verdict (None: no watch, or nothing due)."""
-    return None if g.watch is None else g.watch.get_timer(silences(g))
+    if g.watch is None:
+        return None
+    g.watch.note_waiting(silences(g))
+    return g.watch.get_timer()
 
 
 def watch(g: RunningGroup, now: float) -> list[Action]:
@@ -94,16 +97,16 @@ def watch(g: RunningGroup, now: float) -> list[Action]:
     w = g.watch
     if w is None:
         return []
-    w.handle_timer(silences(g), now)
+    w.note_waiting(silences(g))
+    w.handle_timer(now)
     out: list[Action] = []
-    dead = w.take_dead()
-    if dead:
-        for i in dead:
-            g.core.give_up(i, now)
-            g.waiting.pop(i, None)  # (blocks gated for it: it will never be heard)
-        out.append(Wake(g.core.group_id))
-    for p in w.take_probes():
-        out.append(ProbeMember(g.core.group_id, p.member, g.peers[p.member], p.token, p.timeout))
+    for a in w.take_actions():
+        if isinstance(a, Dead):
+            g.core.give_up(a.member, now)
+            g.waiting.pop(a.member, None)  # (blocks gated for it: it will never be heard)
+            out.append(Wake(g.core.group_id))
+        else:
+            out.append(ProbeMember(g.core.group_id, a.member, g.peers[a.member], a.token, a.timeout))
     return out
 
 
