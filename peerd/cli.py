@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give up and exit non-zero if no bootstrap node answers for this long (default 300)")
     p.add_argument("--deadlines", choices=DEADLINE_MODES, default="auto",
                    help="auto: matchmaking, averaging, step and state-sync deadlines tune themselves from what the "
-                        "node measured, the flags and constants as upper bounds; fixed: those constants (default auto)")
+                        "node measured, the flags and constants as upper bounds, and an average stops waiting for a "
+                        "member whose daemon stops answering PINGs; fixed: those constants (default auto)")
     p.add_argument("--identity", metavar="PATH",
                    help="node identity from 'peerd keygen --identity' (default: a fresh one at every start)")
     key = p.add_mutually_exclusive_group()

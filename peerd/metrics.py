@@ -70,6 +70,10 @@ class Metrics:
             "peerd_allreduce_datagrams_received_total", "Tensor datagrams this node received, by phase",
             ["phase"], registry=r,
         )
+        self.allreduce_dead = Counter(
+            "peerd_allreduce_members_dead_total",
+            "Members a group average stopped waiting for mid-average: their daemons did not answer PINGs", registry=r,
+        )
         self.moshpit_rounds = Counter(
             "peerd_moshpit_rounds_total",
             "Moshpit rounds this node took part in, by outcome (averaged, alone, failed) and the run's codec",

@@ -17,7 +17,7 @@ from .support.memnet import MemNet
 
 
 def run_group(n: int, size: int, *, drop: float = 0.0, dead: tuple[int, ...] = (), seed: int = 0,
-              captured: list | None = None):
+              captured: list | None = None, options: AverageOptions | None = None):
     rng = np.random.default_rng(seed)
     vectors = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
     weights = [float(w) for w in rng.integers(1, 50, n)]
@@ -37,7 +37,7 @@ def run_group(n: int, size: int, *, drop: float = 0.0, dead: tuple[int, ...] = (
 
             async def one(i: int) -> None:
                 results[i] = await nodes[i].service.average(7, members, i, vectors[i], weights[i],
-                                                            AverageOptions(floor_s=0.5))
+                                                            options or AverageOptions(floor_s=0.5))
 
             async with trio.open_nursery() as group:
                 for i in range(n):
@@ -87,6 +87,64 @@ def test_dead_member_is_averaged_out() -> None:
             np.testing.assert_allclose(r.vector[a:b], exact_live[a:b], atol=1e-5)
         a, b = layout.shard(2)  # the dead owner's shard keeps own values
         np.testing.assert_array_equal(r.vector[a:b], vectors[i][a:b])
+
+
+def test_a_dead_member_whose_daemon_does_not_answer_pings_is_given_up_on_before_the_deadline() -> None:
+    """probe_silent: the driver PINGs the silent member's daemon for the host (ProbeMember) and reports the silence;
+    after three, the phases stop waiting for it: the average ends by completion, well inside one 0.5 s silence,
+    where without probes it waited out the deadline."""
+    for probe in (True, False):
+        _, _, results = run_group(4, 8_000, dead=(2,), options=AverageOptions(floor_s=0.5, probe_silent=probe))
+        assert sorted(results) == [0, 1, 3]
+        for r in results.values():
+            st = r.stats
+            took = st.all_gather.ended_at - st.reduce_scatter.started_at
+            if probe:
+                assert st.dead == (2,) and st.reduce_scatter.ended_by == "completion", st
+                assert took < 0.5, took
+            else:
+                assert st.dead == () and st.reduce_scatter.ended_by == "deadline" and took > 0.5, st
+
+
+def test_a_member_whose_daemon_answers_is_waited_for_and_probed_again_until_it_dies() -> None:
+    """Member 2's daemon runs but never joins the average: it answers the first PINGs (alive: waited for, probed
+    again 0.5 s later), then dies at 0.8 s; the next probes go unanswered and the others stop waiting for it long
+    before their 3 s silence would end the reduce-scatter."""
+    rng = np.random.default_rng(0)
+    vectors = [rng.standard_normal(4_000).astype(np.float32) for _ in range(4)]
+    results: dict[int, object] = {}
+    nodes: list[AllreduceNode] = []
+
+    async def main() -> None:
+        net = MemNet(seed=0)
+        async with trio.open_nursery() as nursery:
+            net.nursery = nursery
+            nodes.extend(AllreduceNode(net, i) for i in range(4))
+            for node in nodes:
+                nursery.start_soon(node.endpoint.serve)
+            members = [node.member() for node in nodes]
+
+            async def one(i: int) -> None:
+                results[i] = await nodes[i].service.average(7, members, i, vectors[i], 1.0,
+                                                            AverageOptions(floor_s=3.0, probe_silent=True))
+
+            async def kill_later() -> None:
+                await trio.sleep(0.8)
+                net.partition(nodes[2].addr)
+
+            async with trio.open_nursery() as group:
+                group.start_soon(kill_later)
+                for i in (0, 1, 3):
+                    group.start_soon(one, i)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    for r in results.values():
+        st = r.stats
+        assert st.dead == (2,) and st.reduce_scatter.ended_by == "completion", st
+        assert 0.8 < st.reduce_scatter.ended_at - st.reduce_scatter.started_at < 0.8 + 0.5 + 0.5, st
+    for i in (0, 1, 3):
+        assert nodes[i].metrics.registry.get_sample_value("peerd_allreduce_members_dead_total") == 1
 
 
 def test_each_part_is_sealed_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,6 +65,7 @@ SANS_IO: tuple[str, ...] = (
     "allreduce/group.py", "allreduce/intake.py", "allreduce/outbox.py", "allreduce/finalize.py", "allreduce/phase.py",
     "allreduce/kernels.py", "allreduce/options.py", "allreduce/actions.py", "allreduce/running.py",
     "allreduce/host.py", "allreduce/held.py", "allreduce/robust.py", "allreduce/shards.py", "allreduce/frames.py",
+    "allreduce/liveness.py",
     "nat/punch.py", "nat/reach.py", "nat/relay.py", "nat/paths.py",
     "linkcap/core.py", "linkcap/budget.py", "linkcap/rates.py",
     "moshpit/keys.py", "moshpit/matchmaking.py", "moshpit/records.py", "moshpit/rounds.py", "moshpit/sticky.py",

@@ -15,6 +15,7 @@ from peerd.nat.paths import (
     Paths,
     SendPing,
     SetAlias,
+    SetPunched,
     SetRelay,
 )
 from peerd.nat.punch import PUNCH_DEADLINE, Intro
@@ -119,6 +120,105 @@ def test_a_peer_that_answered_before_is_never_punched_or_relayed() -> None:
     core.punch_failed(TARGET, True, 1.0)  # (even if a punch had been under way)
     assert pump(core, 1.0, network(core, direct=set())) == []
     assert core.statistics().relays_not_tried == {"answered_before": 1}
+
+
+def punching(core: Paths, now: float) -> list:
+    """TARGET's first request went unanswered at ``now``: the punch starts (its INTRO out, no answer yet)."""
+    core.request_unanswered(TARGET_AT, TARGET, now)
+    taken = core.take_actions()
+    assert any(isinstance(a, Intro) for a in taken) and TARGET in core.active
+    return taken
+
+
+def test_a_lost_first_request_answered_where_it_was_asked_leaves_the_path_direct() -> None:
+    """A flat link lost the first request: the punch it started is overtaken by the retry's answer at the very
+    address asked, with nothing from the peer first. No punched path: the kind stays direct, the endpoint is not
+    told ``set_punched``, and a late INTRO_OK starts no PINGs."""
+    core = core_with_relay()
+    punching(core, 1.0)
+    core.receive_answer(TARGET_AT, TARGET, [], 1.02)
+    taken = core.take_actions()
+    assert not any(isinstance(a, SetPunched) for a in taken)
+    assert TARGET not in core.kind and TARGET not in core.active
+    assert core.path_to(TARGET_AT, TARGET, 1.02) == "direct"
+    core.receive_intro(TARGET, TARGET_AT, 1.03)
+    assert core.take_actions() == []
+    stats = core.statistics()
+    assert stats.paths == {"direct": 2, "punched": 0, "relayed": 0} and stats.punched == 0
+    assert core.puncher.statistics().direct == 1
+
+
+def test_a_punch_ping_answered_before_the_peer_sent_anything_is_a_direct_path() -> None:
+    """The retry was lost too, the INTRO_OK came and the punch PINGs went: answered at the address asked, before
+    any PING of the peer's own arrived (a NAT in front of it would have passed none of them first)."""
+    core = core_with_relay()
+    punching(core, 1.0)
+    core.receive_intro(TARGET, TARGET_AT, 1.05)
+    taken = pump(core, 1.05, network(core, direct={TARGET, RELAY}))
+    assert any(isinstance(a, SendPing) and a.node_id == TARGET for a in taken)
+    assert not any(isinstance(a, SetPunched) for a in taken)
+    assert TARGET not in core.kind and core.path_to(TARGET_AT, TARGET, 1.1) == "direct"
+
+
+def test_a_peer_whose_own_punch_ping_came_first_is_punched() -> None:
+    """The peer's PING (its side of the punch) arrived before any answer: its NAT may have needed it, so the path
+    is a punched one, and an answer at the same address afterwards changes nothing."""
+    core = core_with_relay()
+    punching(core, 1.0)
+    core.receive_request(TARGET_AT, TARGET, 1.05)
+    taken = core.take_actions()
+    assert SetPunched(TARGET_AT) in taken and core.kind[TARGET] == "punched"
+    core.receive_answer(TARGET_AT, TARGET, [], 1.1)
+    assert core.take_actions() == [] and core.path_to(TARGET_AT, TARGET, 1.1) == "punched"
+
+
+def test_a_peer_that_wrote_from_the_address_asked_stays_direct_whatever_settles_the_punch() -> None:
+    """It sent this node a request from TARGET_AT lately (its flow here is open), then a request to it was lost:
+    even its own punch PING arriving first settles a direct path."""
+    core = core_with_relay()
+    core.receive_request(TARGET_AT, TARGET, 0.5)
+    core.take_actions()
+    punching(core, 1.0)
+    core.receive_request(TARGET_AT, TARGET, 1.05)
+    taken = core.take_actions()
+    assert not any(isinstance(a, SetPunched) for a in taken)
+    assert TARGET not in core.kind and TARGET not in core.active
+    assert core.path_to(TARGET_AT, TARGET, 1.05) == "direct"
+
+
+def test_a_connect_from_a_peer_that_answered_here_pings_for_its_sake_and_stays_direct() -> None:
+    """The peer lost a request to this node and punches; its CONNECT names where it answered this node: the PINGs
+    go (its NAT, if any, may need them), and whichever of its datagrams arrives first, the path is direct. A
+    CONNECT for a peer never reached ends punched."""
+    core = core_with_relay()
+    core.receive_answer(TARGET_AT, TARGET, [], 0.5)
+    core.take_actions()
+    core.receive_connect(TARGET, TARGET_AT, 1.0)
+    core.handle_timer(1.0)
+    taken = core.take_actions()
+    assert any(isinstance(a, SendPing) and a.addr == TARGET_AT for a in taken)
+    core.receive_request(TARGET_AT, TARGET, 1.01)  # its own PING came first
+    assert not any(isinstance(a, SetPunched) for a in core.take_actions()) and TARGET not in core.kind
+    other, other_at = b"o" * 32, ("198.51.100.20", 7000)
+    core.named_at[other] = other_at  # (the DHT named it there)
+    core.receive_connect(other, other_at, 2.0)
+    core.handle_timer(2.0)
+    core.take_actions()
+    core.receive_request(other_at, other, 2.01)
+    assert SetPunched(other_at) in core.take_actions() and core.kind[other] == "punched"
+
+
+def test_another_nodes_answer_at_the_address_asked_settles_nothing_hostile() -> None:
+    """A member answering at TARGET's address under its own identity (a NAT that moved the port to it, or an
+    attacker sitting there) proves nothing about TARGET's path: the punch runs on, and a PING of TARGET's own
+    that comes first still settles it punched."""
+    core = core_with_relay()
+    punching(core, 1.0)
+    core.receive_answer(TARGET_AT, b"x" * 32, [], 1.02)
+    core.take_actions()
+    assert TARGET in core.active and core.puncher.punching(TARGET)
+    core.receive_request(TARGET_AT, TARGET, 1.05)
+    assert SetPunched(TARGET_AT) in core.take_actions() and core.kind[TARGET] == "punched"
 
 
 def test_a_relayed_datagram_gets_a_standin_and_a_confirmed_relay_only_for_a_silent_peer() -> None:

@@ -1,8 +1,9 @@
 """What the averaging host asks its driver to do: frozen action dataclasses (counts, wake-ups, timers, pings,
-REPORTs, pacer verdicts, finished groups, blocks to send)."""
+liveness probes, REPORTs, pacer verdicts, finished groups, blocks to send)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,19 @@ class Bind:
     group_id: int
     to: int
     peer: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeMember:
+    """PING member ``to`` (node id ``peer``) of ``group_id``, whose stream went silent, ``timeout`` seconds (resent
+    within it); report the answering node id (None: no answer) to ``AveragingHost.receive_probe(group_id, token,
+    ...)``."""
+
+    group_id: int
+    to: int
+    peer: bytes
+    token: int
+    timeout: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,4 +106,27 @@ class SendBlock:
     later: int = 0  # END copies still to send after this one, spaced in time (AveragingHost ``end_spacing_s``)
 
 
-Action = Dropped | Wake | HeldTimer | Bind | SendReport | PacerVerdict | Completed
+Action = Dropped | Wake | HeldTimer | Bind | ProbeMember | SendReport | PacerVerdict | Completed
+
+
+def merged(actions: list[Action], drops: Counter[str] | None = None) -> list[Action]:
+    """``actions`` with a Dropped per reason counted in ``drops`` added, then one Dropped per reason and one Wake per
+    group (a block fed body by body makes many of each)."""
+    if drops:
+        actions.extend(Dropped(reason, count) for reason, count in drops.items())
+    if len(actions) < 2:
+        return actions
+    counts: Counter[str] = Counter()
+    out: list[Action] = []
+    woken: set[int] = set()
+    for a in actions:
+        if type(a) is Dropped:
+            counts[a.reason] += a.count
+        elif type(a) is Wake:
+            if a.group_id not in woken:
+                woken.add(a.group_id)
+                out.append(a)
+        else:
+            out.append(a)
+    out.extend(Dropped(reason, count) for reason, count in counts.items())
+    return out

@@ -310,6 +310,7 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
                       and self._acc.flags.aligned)
         self._take_status = np.empty(0, dtype=np.uint8)
         self._live = [True] * n
+        self._dead: set[int] = set()  # members given up on as dead (``give_up``)
         self._drops: Counter[str] = Counter()
         self._ends_ignored = 0
         self._finalized = 0  # ranges of the own shard already divided into their average
@@ -481,6 +482,21 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         self._maybe_end(now)
         self.note_ready(None)
 
+    def give_up(self, member: int, now: float) -> None:
+        """``member`` is dead (its daemon stopped answering: allreduce/liveness.py): ``remove_member``, and it is
+        listed in ``GroupStats.dead``."""
+        self.remove_member(member, now)
+        self._dead.add(member)
+
+    def waiting_for(self) -> list[int]:
+        """The members whose stream the receive phase now running still waits for (none once both ended)."""
+        ph = self._rs if self.state is State.REDUCE_SCATTER else self._ag if self.state is State.ALL_GATHER else None
+        return [] if ph is None else [s for s, done in enumerate(ph.done) if not done]
+
+    def heard_at(self, member: int) -> float:
+        """When the latest data of ``member`` arrived, in either phase (0.0: none yet)."""
+        return max(self._rs.last_at[member], self._ag.last_at[member])
+
     def _maybe_end(self, now: float) -> None:
         if self.state is State.REDUCE_SCATTER and self._rs.open == 0:
             self._end_rs(now, COMPLETION)
@@ -546,4 +562,5 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
             repair_received=self._repaired(),
             repair_resent=self._resent,
             complete=not self._ag_kept and all(seen.all() for seen in self._ag_seen),
+            dead=tuple(sorted(self._dead)),
         )

@@ -45,12 +45,13 @@ import numpy as np
 
 from ..transport.pacing import Pacer, Report
 from ..wire.errors import WireError
-from .actions import Action, Bind, Completed, Dropped, HeldTimer, PacerVerdict, SendBlock, SendReport, Wake
+from .actions import Action, Bind, Completed, Dropped, HeldTimer, PacerVerdict, SendBlock, SendReport, Wake, merged
 from .frames import DATA_TYPES, BodyType, peek_group
 from .group import GroupAverage, Outcome, stage_elements
 from .held import HeldData
+from .liveness import SilenceWatch
 from .options import DEFAULT_OPTIONS, AverageOptions
-from .running import GATE_BYTES, RunningGroup, gate, hear, releasable, release
+from .running import GATE_BYTES, RunningGroup, gate, hear, releasable, release, watch, watch_timer
 
 BATCH = 128  # datagrams per slice of sending work at least (a slice is one block or more)
 # A block is built in one pass, then sealed and sent in GSO parts. Each block costs the sender a
@@ -187,11 +188,13 @@ class AveragingHost:
         gso: bool = False,
         out: np.ndarray | None = None,
         center: np.ndarray | None = None,
+        rtts: Sequence[float | None] | None = None,
     ) -> None:
         """Start averaging ``vector`` (weight: its sample count) as member ``index`` of ``peers`` (node ids,
         in the group's order), as ``options`` say. Queues a Bind per other member, and what the data held for
         this group did. ``options.absent``: members (indices) this node neither waits for nor sends to
         (GroupAverage.remove_member), e.g. one silent in an earlier part of the same Moshpit round.
+        ``options.probe_silent``: members gone silent are probed (ProbeMember; ``rtts``: each one's round trip).
         ValueError: a group of that id is running here, the members are not distinct, or GroupAverage's own
         argument checks (weight, ``out``, ``center``)."""
         if group_id in self._groups:
@@ -213,6 +216,7 @@ class AveragingHost:
         part, rows = send_shape(self.mtu, gso)
         g = RunningGroup(core, peers, now, kernel_drops, options.floor_s, part, rows, now + self.report_interval_s)
         g.gate_rows = max(1, GATE_BYTES // self.mtu)
+        g.watch = SilenceWatch(peers, index, rtts) if options.probe_silent else None
         self._recent.pop(group_id, None)  # (a group id used again: its old REPORTs no longer count)
         self._groups[group_id] = g
         self._protected = None
@@ -222,8 +226,7 @@ class AveragingHost:
             if peer is None:
                 peer = self._bound.get(token)
             self._deliver_held(g, peer, token, mtype, body, now, drops, actions)
-        _flush(drops, actions)
-        self._actions.extend(_merge(actions))
+        self._actions.extend(merged(actions, drops))
 
     def protected_tokens(self) -> dict[int, None]:
         """The tokens bound to members of the groups running now: the receive pass never sheds their datagrams
@@ -304,11 +307,10 @@ class AveragingHost:
         self._gated(group_id, g, g.core.blocks_to_send(g.rows, limit), out)
         return out
 
-    def repair_to_send(self, group_id: int, now: float, caught_up: Callable[[float], bool]) -> list[SendBlock]:
+    def repair_to_send(self, group_id: int, caught_up: Callable[[float], bool], now: float) -> list[SendBlock]:
         """The group's repair requests, done messages and resends due by ``now`` (GroupAverage.take_repair), for a
-        driver in the middle of sending the group's data: they go to the front of their member's queue. A grace or
-        repair round that is over ends only where ``caught_up(at)`` says the receive loop has read what reached
-        the socket before it (as the host's timer waits for)."""
+        driver mid-send: they go to the front of their member's queue. A grace or repair round that is over ends
+        only where ``caught_up(at)`` says the receive loop has read what reached the socket before it."""
         g = self._groups.get(group_id)
         out: list[SendBlock] = []
         if g is not None:
@@ -438,6 +440,13 @@ class AveragingHost:
         g.core.handle_timer(now)
         self._actions.append(Wake(group_id))
 
+    def receive_probe(self, group_id: int, token: int, sender: bytes | None, now: float) -> None:
+        """A ProbeMember's PING was answered by ``sender`` (None: no answer within its timeout)."""
+        g = self._groups.get(group_id)
+        if g is not None and g.watch is not None:
+            g.watch.receive_answer(token, sender, now)
+            self._actions.extend(watch(g, now))
+
     def next_report(self, group_id: int) -> float:
         """When to call ``reports`` for the group next."""
         return self._groups[group_id].report_at
@@ -532,8 +541,7 @@ class AveragingHost:
                 actions.extend(self._data(peer, token, mtype, body, now))
             except WireError as e:
                 drops[e.reason] += 1
-        _flush(drops, actions)
-        return _merge(actions)
+        return merged(actions, drops)
 
     def _take_block(self, g: RunningGroup, index: int, mtype: int, bodies: np.ndarray, now: float
                     ) -> list[Action] | None:
@@ -584,8 +592,7 @@ class AveragingHost:
                 actions.append(Wake(g.core.group_id))
                 for mtype, tok, body, _ in held:
                     self._deliver_held(g, peer, tok, mtype, body, now, drops, actions)
-        _flush(drops, actions)
-        self._actions.extend(_merge(actions))
+        self._actions.extend(merged(actions, drops))
 
     def receive_report(self, peer: bytes, fields: dict[str, Any], now: float) -> None:
         """A REPORT (decoded, so its numbers are in range) from node ``peer``. Only a member of a running or
@@ -599,6 +606,7 @@ class AveragingHost:
         i = g.by_peer.get(peer) if g is not None else None
         if g is None or i is None or i == g.core.index:
             return [Dropped("report")]
+        g.said[i] = now
         report = Report(b["expected"], b["received"], b["bytes"], b["seconds"], b["kernel_drops"], b["position"],
                         b.get("arrived", 0.0))
         span = None
@@ -625,9 +633,9 @@ class AveragingHost:
         time (``_group_timer``); None: nothing scheduled."""
         at = self.held.next_expiry()
         for group_id, g in self._groups.items():
-            t = self._group_timer(group_id, g)
-            if t is not None and (at is None or t < at):
-                at = t
+            for t in (self._group_timer(group_id, g), watch_timer(g)):
+                if t is not None and (at is None or t < at):
+                    at = t
         return at
 
     def handle_timer(self, now: float) -> None:
@@ -637,6 +645,8 @@ class AveragingHost:
         if dropped:
             self._actions.append(Dropped("held", dropped))
         for group_id, g in list(self._groups.items()):
+            if g.watch is not None:  # silent members: probes, verdicts
+                self._actions.extend(watch(g, now))
             t = self._group_timer(group_id, g)
             if t is not None and now >= t:
                 self._handle_group_timer(group_id, g, now)
@@ -788,27 +798,3 @@ class AveragingHost:
 def _bodies(held: bytes | np.ndarray) -> int:
     """Bodies in a held item: one, or a held block's rows."""
     return len(held) if isinstance(held, np.ndarray) else 1
-
-
-def _flush(drops: Counter[str], actions: list[Action]) -> None:
-    actions.extend(Dropped(reason, count) for reason, count in drops.items())
-
-
-def _merge(actions: list[Action]) -> list[Action]:
-    """One Dropped per reason and one Wake per group (a block fed body by body makes many of each)."""
-    if len(actions) < 2:
-        return actions
-    drops: Counter[str] = Counter()
-    out: list[Action] = []
-    woken: set[int] = set()
-    for a in actions:
-        if type(a) is Dropped:
-            drops[a.reason] += a.count
-        elif type(a) is Wake:
-            if a.group_id not in woken:
-                woken.add(a.group_id)
-                out.append(a)
-        else:
-            out.append(a)
-    _flush(drops, out)
-    return out

@@ -71,7 +71,10 @@ class AverageOptions:
     ``repair_rounds``: how many times a member asks an owner again for the all-gather ranges it lacks, and how many
     rounds this node serves as an owner (protocol/allreduce.md, "Repair"; 0: none, as before). ``owner_lag_s``: the
     all-gather's extra wait for an owner that ends its reduce-scatter after this member did (None: ``floor_s``); a
-    tuned, short ``floor_s`` is the network's silence, while a loaded owner's lag is its CPU's, not its link's."""
+    tuned, short ``floor_s`` is the network's silence, while a loaded owner's lag is its CPU's, not its link's.
+    ``probe_silent``: a member whose stream a phase waits for and that went silent is asked, with PINGs to its daemon,
+    whether it lives; dead, the phases stop waiting for it at once (liveness.py; off: it is waited for until the
+    deadline, as before)."""
 
     floor_s: float = 1.0
     max_phase_s: float | None = 60.0
@@ -86,6 +89,7 @@ class AverageOptions:
     overlap: bool = False
     repair_rounds: int = MAX_REPAIR_ROUNDS  # a range lost in two rounds at 5 % loss left ~1 round in 10 incomplete
     owner_lag_s: float | None = None
+    probe_silent: bool = False
 
     def __post_init__(self) -> None:
         check_timing(self.floor_s, self.max_phase_s, self.end_grace_s)
@@ -105,6 +109,8 @@ class AverageOptions:
         object.__setattr__(self, "exclude", exclude)
         if type(self.solo) is not bool:
             raise ValueError(f"solo must be a bool, got {self.solo!r}")
+        if type(self.probe_silent) is not bool:
+            raise ValueError(f"probe_silent must be a bool, got {self.probe_silent!r}")
         if type(self.overlap) is not bool:
             raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
         if type(self.repair_rounds) is not int or not 0 <= self.repair_rounds <= MAX_REPAIR_ROUNDS:

@@ -129,6 +129,9 @@ class GroupStats:
     # result is the one every member that completed its all-gather holds (a lost reduce-scatter contribution only
     # lowers a range's weight, alike for all); a range that never arrived keeps this member's own values
     complete: bool = False
+    # members this node found dead mid-average (their daemons did not answer PINGs: allreduce/liveness.py) and stopped
+    # waiting for, as a deadline would have; what they delivered before counts
+    dead: tuple[int, ...] = ()
 
 
 class Phase:

@@ -7,10 +7,11 @@ import math
 from dataclasses import replace
 
 from ..transport.pacing import DeliveryMeter, SendPositions
-from .actions import SendBlock
+from .actions import Action, ProbeMember, SendBlock, Wake
 from .frames import DATA_TYPES
 from .group import GroupAverage
 from .held import MAX_TOKEN_BYTES
+from .liveness import Dead, SilenceWatch
 
 # Until a member shows it runs the group (its data or a REPORT of this group came), it gets at most this much of
 # it: a member that starts the group after this node holds what comes before up to HeldData's MAX_TOKEN_BYTES per
@@ -74,10 +75,45 @@ def release(g: RunningGroup, limit: int) -> list[SendBlock]:
     return out
 
 
+def silences(g: RunningGroup) -> dict[int, float]:
+    """The members whose stream the group's running phase waits for -> when each was last heard from (its data in
+    either phase, its REPORTs; the group's start if never)."""
+    core, said, started = g.core, g.said, g.started
+    return {i: max(started, said[i], core.heard_at(i)) for i in core.waiting_for()}
+
+
+def watch_timer(g: RunningGroup) -> float | None:
+    """When the group's silent members next need a probe or a verdict (None: no watch, or nothing due)."""
+    if g.watch is None:
+        return None
+    g.watch.note_waiting(silences(g))
+    return g.watch.get_timer()
+
+
+def watch(g: RunningGroup, now: float) -> list[Action]:
+    """Probe the group's silent members as its watch says (ProbeMember); a dead one is given up on at once
+    (GroupAverage.give_up: its streams close as a deadline would close them; nothing more goes to it), and the
+    group's driver is woken (Wake)."""
+    w = g.watch
+    if w is None:
+        return []
+    w.note_waiting(silences(g))
+    w.handle_timer(now)
+    out: list[Action] = []
+    for a in w.take_actions():
+        if isinstance(a, Dead):
+            g.core.give_up(a.member, now)
+            g.waiting.pop(a.member, None)  # (blocks gated for it: it will never be heard)
+            out.append(Wake(g.core.group_id))
+        else:
+            out.append(ProbeMember(g.core.group_id, a.member, g.peers[a.member], a.token, a.timeout))
+    return out
+
+
 class RunningGroup:
     __slots__ = ("core", "peers", "by_peer", "by_token", "meters", "positions", "sent_to", "hold_until",
                  "floor_s", "report_at", "part", "rows", "copies", "heard", "given", "waiting", "gate_until",
-                 "gate_rows", "released")
+                 "gate_rows", "released", "started", "said", "watch")
 
     def __init__(self, core: GroupAverage, peers: list[bytes], now: float, kernel_drops: int, floor_s: float,
                  part: int, rows: int, report_at: float) -> None:
@@ -104,3 +140,6 @@ class RunningGroup:
         self.gate_until = now + GATE_S
         self.gate_rows = 0  # GATE_BYTES in datagrams (set by the host, which knows their size)
         self.released = False  # its result was handed on (AveragingHost.release); it only serves repairs now
+        self.started = now
+        self.said = [now] * len(peers)  # per member: when its latest REPORT of this group came
+        self.watch: SilenceWatch | None = None  # (options.probe_silent) whether silent members live

@@ -25,6 +25,7 @@ from ..wire import messages as m
 from ..wire.envelope import Header
 from ..wire.identity import node_id_of
 from ..wire.seal import TokenState
+from .actions import ProbeMember
 from .frames import BodyType
 from .group import GroupAverage, GroupStats
 from .host import (
@@ -106,6 +107,7 @@ class AllreduceService:
                                   group_factory=group_factory, split_values=True, end_spacing_s=END_SPACING_S)
         self._wake: dict[int, trio.Event] = {}
         self._floor_s: dict[int, float] = {}  # running group -> its phase floor (how long a deadline waits to catch up)
+        self._probing: dict[int, tuple[trio.Nursery, list[Member]]] = {}  # running group -> where its probes run
         self._timer: trio.CancelScope | None = None  # the host's timer task's sleep, while it runs
         self._rate_shown: float | None = None  # the pacing rate the gauge shows
         for t in BodyType:
@@ -159,6 +161,10 @@ class AllreduceService:
                     event.set()
             elif type(a) is HeldTimer:
                 self._arm_timer()
+            elif type(a) is ProbeMember:
+                probing = self._probing.get(a.group_id)
+                if probing is not None:  # (else the group's average is over: nothing waits for the answer)
+                    probing[0].start_soon(self._probe, a, probing[1][a.to].addr)
             elif type(a) is PacerVerdict:
                 if a.rate != self._rate_shown:  # (a verdict per REPORT, the rate changes at a few: a lock each)
                     self._rate_shown = a.rate
@@ -238,6 +244,7 @@ class AllreduceService:
         host.start(
             group_id, [mb.node_id for mb in members], index, vector, weight, trio.current_time(), options=options,
             kernel_drops=self._kernel_drops(), gso=self._gso(), out=out, center=center,
+            rtts=[self.endpoint.rto.srtt(mb.addr) for mb in members] if options.probe_silent else None,
         )
         actions = host.take_actions()
         self._wake[group_id] = trio.Event()
@@ -248,6 +255,7 @@ class AllreduceService:
         serve = False
         try:
             async with trio.open_nursery() as nursery:
+                self._probing[group_id] = (nursery, members)
                 # Bind tokens while data already flows: data from a token not bound yet waits for it.
                 nursery.start_soon(self._handshake, [a for a in actions if type(a) is Bind], members, handshake)
                 nursery.start_soon(self._reporter, group_id, members)
@@ -268,6 +276,7 @@ class AllreduceService:
             completed = next(a for a in done if type(a) is Completed)
         finally:
             self._floor_s.pop(group_id, None)
+            self._probing.pop(group_id, None)
             if serve and host.serving(group_id):
                 trio.lowlevel.spawn_system_task(self._serve, group_id, members, name="peerd.allreduce.serve")
             else:
@@ -327,6 +336,18 @@ class AllreduceService:
         give_up = at + most_s
         while not self.endpoint.caught_up(at) and trio.current_time() < give_up:
             await trio.sleep(CATCH_UP_POLL_S)
+
+    async def _probe(self, a: ProbeMember, addr: Address) -> None:
+        """PING a member whose stream went silent (the host's ProbeMember) and tell the host who answered."""
+        try:
+            reply = await self.endpoint.request(addr, m.MsgType.PING, {}, node_id=a.peer, timeout=a.timeout,
+                                                attempts=1)
+            sender: bytes | None = reply.peer.node_id
+        except RpcError:
+            sender = None
+        self.host.receive_probe(a.group_id, a.token, sender, trio.current_time())
+        self._run(self.host.take_actions())
+        self._arm_timer()  # (an answer sets the member's next probe: the timer may sleep past it)
 
     async def _handshake(self, binds: list[Bind], members: list[Member], took: list[float]) -> None:
         start = trio.current_time()
@@ -417,7 +438,7 @@ class AllreduceService:
         if not host.running(group_id):
             return
         now = trio.current_time()
-        for b in [*host.repair_to_send(group_id, now, self.endpoint.caught_up), *host.due_copies(group_id, now)]:
+        for b in [*host.repair_to_send(group_id, self.endpoint.caught_up, now), *host.due_copies(group_id, now)]:
             body = b.bodies.shape[1] + (b.values.shape[1] * b.values.itemsize if b.values is not None else 0)
             queues.setdefault(b.to, []).insert(0, [b, members[b.to], body, 0])
 
@@ -441,6 +462,10 @@ class AllreduceService:
         mt.allreduce_bytes_sent.inc(sent_bytes)
         for reason, count in stats.refused.items():
             mt.contributions_refused.labels(reason).inc(count)
+        if stats.dead:
+            mt.allreduce_dead.inc(len(stats.dead))
+            log.info("group %#x: stopped waiting for member(s) %s: their daemons did not answer", stats.group_id,
+                     list(stats.dead))
         for phase, ph in (("reduce_scatter", stats.reduce_scatter), ("all_gather", stats.all_gather)):
             mt.allreduce_expected.labels(phase).inc(ph.datagrams_expected)
             mt.allreduce_received.labels(phase).inc(ph.datagrams_received)

@@ -16,29 +16,11 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+# the same rule tells a running average's dead member from a slow one (allreduce/liveness.py)
+from ..allreduce.liveness import GRACE_FLOOR_S, PROBE_FLOOR_S, PROBES, REPROBE_S, grace_s, probe_timeout_s
 from .matchmaking import Candidate
 
-GRACE_FLOOR_S = 0.05  # a member is probed once it is this late (or GRACE_RTTS of its round trips, if longer)
-GRACE_RTTS = 3.0
-PROBE_FLOOR_S = 0.1  # a probe's timeout: PROBE_RTTS of the member's round trips, at least this ...
-PROBE_RTTS = 4.0
-PROBE_MAX_S = 1.0  # ... and at most this (an RTT estimate that grew under loss must not stretch the verdict)
-PROBES = 3  # unanswered probes in a row: the member is dead
-REPROBE_S = 0.5  # a member that answered is probed again this long after
-
-
-def grace_s(rtt: float | None) -> float:
-    """How late a member may be before its daemon is probed (``rtt``: its smoothed round trip, None: unknown)."""
-    return max(GRACE_FLOOR_S, GRACE_RTTS * rtt) if _usable(rtt) else GRACE_FLOOR_S
-
-
-def probe_timeout_s(rtt: float | None) -> float:
-    """One probe's timeout: a few round trips, within [PROBE_FLOOR_S, PROBE_MAX_S]."""
-    return min(PROBE_MAX_S, max(PROBE_FLOOR_S, PROBE_RTTS * rtt)) if _usable(rtt) else PROBE_FLOOR_S
-
-
-def _usable(rtt: float | None) -> bool:
-    return isinstance(rtt, int | float) and math.isfinite(rtt) and rtt > 0
+__all__ = ["GRACE_FLOOR_S", "PROBES", "PROBE_FLOOR_S", "REPROBE_S", "LateMembers", "grace_s", "probe_timeout_s"]
 
 
 @dataclass

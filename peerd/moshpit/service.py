@@ -92,7 +92,7 @@ from .runstate import (
     part_group_id,
 )
 from .sticky import RENEW_KEY, StickyGroups
-from .tuning import SILENCE_CAP_S, note_round, phase_deadlines, tune_round
+from .tuning import SILENCE_CAP_S, note_round, phase_deadlines, probes_silent, tune_round
 
 __all__ = [
     "CONFIG_TTL_S", "DEFAULT_WINDOW_S", "KNOWN_PEERS", "MAX_AHEAD", "MAX_ROUND", "PROGRESS_FRESH_S", "PROGRESS_TTL_S",
@@ -541,9 +541,9 @@ class MoshpitService:
                                     self.endpoint.mtu)
             floor_s, longest = phase_deadlines(self.deadlines, vector.nbytes, max(1.0, budget_s / 2, capped), capped)
             options = AverageOptions(floor_s=floor_s, owner_lag_s=SILENCE_CAP_S, max_phase_s=longest,
-                                     max_weight=st.max_weight, robust=st.robust, absent=absent, **coded)
-            res = await self.allreduce.average(group_id, members, group.index, vector, weight, options,
-                                               center=around)
+                                     max_weight=st.max_weight, robust=st.robust, absent=absent,
+                                     probe_silent=probes_silent(self.deadlines), **coded)
+            res = await self.allreduce.average(group_id, members, group.index, vector, weight, options, center=around)
             finite = await self._finite(res.vector)
         except (ValueError, RpcError) as e:  # e.g. the same group id twice: keep my own vector
             log.warning("run %s round %d: averaging in group %s failed: %s", st.run_id, round_no, gid, e)
@@ -560,12 +560,12 @@ class MoshpitService:
             st.center = res.vector.copy()  # only an averaged, finite round becomes the next center
         sent = int(getattr(res, "bytes_sent", 0))  # (an averager without it, in tests, sent nothing we know of)
         self.metrics.moshpit_bytes_sent.labels(st.compression).inc(sent)
-        rs, ag = res.stats.reduce_scatter, res.stats.all_gather
+        rs, ag, dead = res.stats.reduce_scatter, res.stats.all_gather, tuple(getattr(res.stats, "dead", ()))
         expected = rs.datagrams_expected + ag.datagrams_expected
         fraction = (rs.datagrams_received + ag.datagrams_received) / expected if expected else 1.0
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
-                           silent=bool(rs.silent or ag.silent), bytes_sent=sent, out=tuple(rs.silent) + absent,
-                           weight_total=float(getattr(res.stats, "weight_total", 0.0)),
+                           silent=bool(rs.silent or ag.silent or dead), out=(*rs.silent, *absent, *dead),
+                           weight_total=float(getattr(res.stats, "weight_total", 0.0)), bytes_sent=sent,
                            complete=bool(getattr(res.stats, "complete", False)))
 
     async def _average_topk(self, st: RunState, group: Group, members: list[Member], hexes: list[str],
@@ -580,7 +580,7 @@ class MoshpitService:
                                f"the arc-topk layout holds {topk.length} elements, the vector {vector.size}")
         try:
             options = AverageOptions(floor_s=1.0, max_phase_s=max(1.0, budget_s / 6), max_weight=st.max_weight,
-                                     robust=st.robust)
+                                     robust=st.robust, probe_silent=probes_silent(self.deadlines))
             plan = ArcTopKPlan.build(topk.shapes, len(members), topk.ratio, self.allreduce.max_body)
             ids, sus, me = [mb.node_id for mb in members], topk.suspects, group.index  # robust: opposed lately
             res = await service_arc_topk(self.allreduce, group.group_id, members, me, vector, weight, plan, ef=topk.ef,
@@ -611,7 +611,7 @@ class MoshpitService:
                                f"{1 - res.got_fraction:.1%} of the round's rows were not averaged",
                                bytes_sent=res.bytes_sent)
         fraction = totals["datagrams_received"] / totals["datagrams_expected"] if totals["datagrams_expected"] else 1.0
-        silent = any(p.stats.reduce_scatter.silent or p.stats.all_gather.silent for p in res.phases)
+        silent = any(p.stats.reduce_scatter.silent or p.stats.all_gather.silent or p.stats.dead for p in res.phases)
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
                            silent=silent, bytes_sent=res.bytes_sent)
 

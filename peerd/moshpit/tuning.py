@@ -35,6 +35,12 @@ def phase_deadlines(deadlines: DeadlineTuner | None, nbytes: int, cap_s: float, 
     return deadlines.phase_silence(SILENCE_CAP_S).seconds, longest
 
 
+def probes_silent(deadlines: DeadlineTuner | None) -> bool:
+    """Whether an average asks a member gone silent whether its daemon lives (and stops waiting for a dead one at
+    once): with tuned deadlines; with today's constants (or no tuner) it waits out the phase deadline."""
+    return deadlines is not None and deadlines.mode == "auto"
+
+
 def note_round(deadlines: DeadlineTuner | None, r: RoundResult, window_s: float, t0: float, now: float) -> None:
     """Hand a round's facts to the tuner: how long its group took to gather (when it matchmade), who was in it, and
     its pace (when every member was heard); a round alone once the window ran out, that nobody came in time."""

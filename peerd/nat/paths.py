@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .punch import KEEPALIVE_S, Failed, Intro, Ping, Punched, Puncher
+from .punch import KEEPALIVE_S, Direct, Failed, Intro, Ping, Punched, Puncher
 from .reach import UNKNOWN, AskProbe, Observe, Reach
 
 Address = tuple[str, int]
@@ -283,7 +283,8 @@ class Paths:
         self.target_addr[node_id] = addr
         while len(self.target_addr) > MAX_INTRODUCERS:
             self.target_addr.popitem(last=False)
-        self.puncher.punch(node_id, intro_id, intro_addr, self.dht_named(node_id) | {addr}, now)
+        self.puncher.punch(node_id, intro_id, intro_addr, self.dht_named(node_id) | {addr}, now,
+                           direct_at=self._recent_source(node_id, now))
 
     def unreached(self, addr: Address, node_id: bytes, now: float) -> None:
         """Tensor data is about to go to ``addr`` with no path known there: set one up (``Connect``)."""
@@ -309,8 +310,10 @@ class Paths:
         self._set_alias(addr, to)
 
     def receive_connect(self, peer_id: bytes, addr: Address, now: float) -> None:
-        """CONNECT from a reached introducer: ``peer_id`` wants to talk, from ``addr``."""
-        self.puncher.receive_connect(peer_id, addr, self.dht_named(peer_id), now)
+        """CONNECT from a reached introducer: ``peer_id`` wants to talk, from ``addr`` (where it answered this
+        node lately: a direct path, whatever the punch for its sake finds)."""
+        answered = self.reached.get(peer_id) == addr and self._answers_recently(peer_id, now)
+        self.puncher.receive_connect(peer_id, addr, self.dht_named(peer_id), now, answered=answered)
 
     def receive_intro(self, target: bytes, addr: Address | None, now: float) -> None:
         self._now = now
@@ -447,6 +450,11 @@ class Paths:
                 if target is not None and target != a.addr:  # it answers elsewhere than where it was asked for
                     self._set_alias(target, a.addr)
                 self.active.discard(a.node_id)
+            elif isinstance(a, Direct):  # it answered where it was asked: the lost request was loss, not a NAT
+                target = self.target_addr.get(a.node_id)
+                if target is not None and target != a.addr:
+                    self._set_alias(target, a.addr)
+                self.active.discard(a.node_id)
             elif isinstance(a, Failed):
                 self.punch_failed(a.node_id, a.introduced, self._now)
             else:
@@ -575,7 +583,7 @@ class Paths:
         self.reach.add_peer(node_id, addr)
         if node_id in self._via:
             self._drop_relay(node_id, addr)
-        self.puncher.receive_pong(node_id, addr, now)
+        self.puncher.receive_answer(node_id, addr, now)
         if self.started and self.reach.verdict == UNKNOWN:
             self.reach.soon(2.0, now)  # undecided for want of peers: a new one may be enough
 

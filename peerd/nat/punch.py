@@ -7,12 +7,18 @@ opens its own NAT's filter for the other, and the next ones get through. A PONG 
 remembered per peer and held open by keepalives (under the 30 s a NAT keeps an unreplied UDP flow) while the
 path is used. A punch that gets no PONG by ``deadline`` fails: the caller falls back to a relay.
 
+A punch is started by silence, and silence is also loss: a punch ends ``Direct`` (a direct path, kept open all
+the same) when the peer answers this node's request at the punch's address before anything the peer sent arrived
+(a NAT in front of it would have passed nothing before its own PINGs went out, and those come first), or when it
+settles where the peer had answered or written to this node lately (its flow there was open before any punch). A
+flat link that lost one request is no punched path.
+
 A punch is PINGs at an address someone else named (the introducer, or the INTRO_OK of one), so a member could
 point it at any host: a punch goes only to the address the DHT named that peer at (``named``), and each target
 address gets at most ``TARGET_PUNCHES`` punches per ``TARGET_WINDOW_S``, however many CONNECTs name it.
 
 The core contract: inputs take ``now`` last; ``get_timer``/``handle_timer``; ``take_actions`` drains the
-actions (``Intro``, ``Ping``, ``Punched``, ``Failed``); ``statistics()``.
+actions (``Intro``, ``Ping``, ``Punched``, ``Direct``, ``Failed``); ``statistics()``.
 """
 
 from __future__ import annotations
@@ -60,6 +66,14 @@ class Punched:
 
 
 @dataclass(frozen=True, slots=True)
+class Direct:
+    """The punch to ``node_id`` ended in a direct path at ``addr``: nothing on the peer's side needed opening."""
+
+    node_id: bytes
+    addr: Address
+
+
+@dataclass(frozen=True, slots=True)
 class Failed:
     """The punch got no PONG. ``introduced``: an introducer vouched for the target (its INTRO_OK named it, or
     its CONNECT came on the target's behalf), the only evidence that a relay could reach it at all."""
@@ -68,7 +82,7 @@ class Failed:
     introduced: bool = False
 
 
-Action = Intro | Ping | Punched | Failed
+Action = Intro | Ping | Punched | Direct | Failed
 
 
 @dataclass(slots=True)
@@ -79,6 +93,7 @@ class _Punch:
     pings_left: int = PUNCH_PINGS
     next_ping: float = 0.0
     introduced: bool = False  # an introducer has reached the target (see ``Failed``)
+    direct_at: Address | None = None  # where the peer answered or wrote to this node before: settled there, ``Direct``
 
 
 @dataclass(slots=True)
@@ -95,6 +110,7 @@ class PunchStatistics:
     punched: int
     failures: int
     refused: dict[str, int]
+    direct: int = 0  # punches that ended ``Direct``
 
 
 @dataclass(slots=True)
@@ -107,6 +123,7 @@ class Puncher:
     _targets: dict[Address, tuple[float, int]] = field(default_factory=dict)  # address -> (window start, punches)
     punched: int = 0
     failures: int = 0
+    direct: int = 0
     refused: dict[str, int] = field(default_factory=dict)  # punches not started, by reason (unnamed, target_budget)
     _actions: list[Action] = field(default_factory=list)
 
@@ -115,7 +132,8 @@ class Puncher:
         return actions
 
     def statistics(self) -> PunchStatistics:
-        return PunchStatistics(len(self._punches), len(self.paths), self.punched, self.failures, dict(self.refused))
+        return PunchStatistics(len(self._punches), len(self.paths), self.punched, self.failures, dict(self.refused),
+                               self.direct)
 
     def _refuse(self, why: str) -> None:
         self.refused[why] = self.refused.get(why, 0) + 1
@@ -143,16 +161,18 @@ class Puncher:
         return node_id in self._punches
 
     def punch(self, target: bytes, introducer_id: bytes, introducer: Address, named: Collection[Address],
-              now: float) -> None:
+              now: float, *, direct_at: Address | None = None) -> None:
         """Start a punch to ``target`` through ``introducer`` (unless one runs, a path exists, or it failed
-        recently). ``named``: the addresses the DHT named ``target`` at; the introducer's answer must be one."""
+        recently). ``named``: the addresses the DHT named ``target`` at; the introducer's answer must be one.
+        ``direct_at``: where ``target`` wrote to this node lately (its flow here is open: a path that settles
+        there is direct)."""
         if target in self._punches or target in self.paths or len(self._punches) >= MAX_PUNCHES:
             return
         failed = self._failed.get(target)
         if failed is not None and now - failed[0] < RETRY_FAILED_S:
             self._actions.append(Failed(target, failed[1]))
             return
-        self._punches[target] = _Punch(None, now, tuple(named))
+        self._punches[target] = _Punch(None, now, tuple(named), direct_at=direct_at)
         self._actions.append(Intro(introducer, introducer_id, target))
 
     def receive_intro(self, target: bytes, addr: Address | None, now: float) -> None:
@@ -175,9 +195,11 @@ class Puncher:
         punch.next_ping = now
         self.handle_timer(now)
 
-    def receive_connect(self, peer: bytes, addr: Address, named: Collection[Address], now: float) -> None:
+    def receive_connect(self, peer: bytes, addr: Address, named: Collection[Address], now: float, *,
+                        answered: bool = False) -> None:
         """CONNECT from an introducer: ``peer`` wants to talk, from ``addr``; punch towards it at once, if the DHT
-        named ``peer`` at ``addr`` (``named``) and ``addr``'s budget allows."""
+        named ``peer`` at ``addr`` (``named``) and ``addr``'s budget allows. ``answered``: ``peer`` answered this
+        node at ``addr`` before (the PINGs still go, for its sake; the path settles ``Direct``)."""
         if peer in self.paths and self.paths[peer].addr == addr:
             self._actions.append(Ping(peer, addr))
             return
@@ -188,11 +210,25 @@ class Puncher:
             return
         if not self._allow(addr, now):
             return
-        self._punches[peer] = _Punch(addr, now, (addr,), next_ping=now, introduced=True)
+        self._punches[peer] = _Punch(addr, now, (addr,), next_ping=now, introduced=True,
+                                     direct_at=addr if answered else None)
         self.handle_timer(now)
 
+    def receive_answer(self, peer: bytes, addr: Address, now: float) -> None:
+        """``peer`` answered a request this node sent to ``addr``. At the address a punch under way is aimed at
+        (before its INTRO_OK: one the DHT named), and with nothing from ``peer`` here first (that settles the
+        punch), the answer came through no NAT the punch opened: ``Direct``. Else as ``receive_pong``."""
+        punch = self._punches.get(peer)
+        direct = punch is not None and (addr == punch.addr or (punch.addr is None and addr in punch.named))
+        self._settle(peer, addr, now, direct)
+
     def receive_pong(self, peer: bytes, addr: Address, now: float) -> None:
-        """A PONG (or any authenticated answer) came from ``peer`` at ``addr``: the path works."""
+        """A PONG (or any authenticated datagram) came from ``peer`` at ``addr``: the path works."""
+        self._settle(peer, addr, now, False)
+
+    def _settle(self, peer: bytes, addr: Address, now: float, direct: bool) -> None:
+        """The path to ``peer`` at ``addr`` works: remember it (kept open by keepalives whatever its kind: a
+        ``Direct`` verdict that loss of the peer's own PINGs misled still keeps a NAT's mapping open)."""
         punch = self._punches.pop(peer, None)
         known = self.paths.get(peer)
         if known is not None and known.addr == addr:
@@ -200,13 +236,18 @@ class Puncher:
             return
         if punch is None and known is None:
             return
+        direct = direct or (punch is not None and addr == punch.direct_at)
         if len(self.paths) >= MAX_PATHS:
             oldest = min(self.paths, key=lambda n: self.paths[n].used)
             del self.paths[oldest]
         self.paths[peer] = _Path(addr, now, now)
         self._failed.pop(peer, None)
-        self.punched += 1
-        self._actions.append(Punched(peer, addr))
+        if direct:
+            self.direct += 1
+            self._actions.append(Direct(peer, addr))
+        else:
+            self.punched += 1
+            self._actions.append(Punched(peer, addr))
 
     def used(self, peer: bytes, now: float) -> None:
         """The path to ``peer`` carried something: keep it open."""

@@ -19,6 +19,7 @@ CORES: tuple[tuple[str, str], ...] = (
     ("peerd.allreduce.group", "GroupAverage"),
     ("peerd.allreduce.host", "AveragingHost"),
     ("peerd.allreduce.held", "HeldData"),
+    ("peerd.allreduce.liveness", "SilenceWatch"),
     ("peerd.nat.punch", "Puncher"),
     ("peerd.nat.reach", "Reach"),
     ("peerd.nat.relay", "RelayServer"),

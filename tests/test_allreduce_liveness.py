@@ -1,0 +1,246 @@
+"""A running average's silent member, in virtual time (allreduce/liveness.py, and the host that acts on it): the
+watch alone with the test playing the PINGs, then several nodes' AveragingHosts over the in-memory network of
+test_allreduce_host, whose harness also answers the host's ProbeMember PINGs as the network would.
+
+A member that crashed mid-average is found dead after three unanswered PINGs and the phases stop waiting for it at
+once (before: a phase silence each, or more); one whose daemon answers is waited for exactly as long as before, and an
+answer from another node id is no answer."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from peerd.allreduce.actions import ProbeMember
+from peerd.allreduce.liveness import (
+    GRACE_FLOOR_S,
+    PROBE_FLOOR_S,
+    PROBE_MAX_S,
+    PROBES,
+    REPROBE_S,
+    Dead,
+    Probe,
+    SilenceWatch,
+    grace_s,
+    probe_timeout_s,
+)
+from peerd.allreduce.options import AverageOptions
+from peerd.tools.sim.net import Link
+
+from .support.groups import AG_DATA, RS_DATA, inputs
+from .support.host_lab import PER, HostNode, Lab
+
+PEERS = [bytes([i + 1]) * 32 for i in range(4)]
+OTHER = b"\xee" * 32
+
+
+def watch(rtts: list[float | None] | None = None) -> SilenceWatch:
+    return SilenceWatch(PEERS, 0, rtts)
+
+
+def timer(w: SilenceWatch, waiting: dict[int, float]) -> float | None:
+    w.note_waiting(waiting)
+    return w.get_timer()
+
+
+def tick(w: SilenceWatch, waiting: dict[int, float], now: float) -> tuple[list[Probe], list[int]]:
+    """The watch's look at ``now``: (the probes it sends, the members it found dead)."""
+    w.note_waiting(waiting)
+    w.handle_timer(now)
+    actions = w.take_actions()
+    return [a for a in actions if isinstance(a, Probe)], [a.member for a in actions if isinstance(a, Dead)]
+
+
+# ---- the watch alone ----------------------------------------------------------------------------------------------
+
+
+def test_grace_and_probe_timeout_follow_the_round_trip_within_their_bounds() -> None:
+    assert grace_s(None) == GRACE_FLOOR_S and probe_timeout_s(None) == PROBE_FLOOR_S
+    assert grace_s(0.001) == GRACE_FLOOR_S and probe_timeout_s(0.001) == PROBE_FLOOR_S
+    assert grace_s(0.1) == pytest.approx(0.3) and probe_timeout_s(0.1) == pytest.approx(0.4)
+    assert probe_timeout_s(5.0) == PROBE_MAX_S
+    assert grace_s(math.nan) == GRACE_FLOOR_S and probe_timeout_s(-1.0) == PROBE_FLOOR_S
+
+
+def test_a_member_silent_for_its_grace_is_probed_and_three_failures_make_it_dead() -> None:
+    """Heard at 1.0 and then nothing: probed at 1.0 + grace; each unanswered PING is followed by the next at once;
+    the third makes the verdict, given once."""
+    w = watch()
+    waiting = {1: 1.0}
+    assert timer(w, waiting) == pytest.approx(1.0 + GRACE_FLOOR_S)
+    assert tick(w, waiting, 1.0 + GRACE_FLOOR_S / 2) == ([], [])  # not silent long enough yet
+    now = 1.0 + GRACE_FLOOR_S
+    for _ in range(PROBES):
+        (p,), dead = tick(w, waiting, now)
+        assert p.member == 1 and p.timeout == PROBE_FLOOR_S and dead == []
+        assert timer(w, waiting) is None  # one in flight at a time: the answer (or its timeout) comes back
+        now += p.timeout
+        w.receive_answer(p.token, None, now)
+        assert w.take_actions() == []  # (the verdict is the watch's next look, with what was heard meanwhile)
+        assert timer(w, waiting) == now
+    assert tick(w, waiting, now) == ([], [1])
+    assert tick(w, waiting, now + 10) == ([], []) and timer(w, waiting) is None
+    assert w.statistics().probes_sent == PROBES and w.statistics().dead == (1,)
+
+
+def test_a_member_whose_daemon_answers_is_probed_again_later_and_never_found_dead() -> None:
+    w = watch()
+    waiting = {2: 0.0}
+    now = GRACE_FLOOR_S
+    for _ in range(10):
+        (p,), _ = tick(w, waiting, now)
+        w.receive_answer(p.token, PEERS[2], now + 0.01)
+        assert timer(w, waiting) == pytest.approx(now + 0.01 + REPROBE_S)
+        now += 0.01 + REPROBE_S
+    assert tick(w, waiting, now)[1] == [] and w.statistics().dead == ()
+
+
+def test_another_nodes_pong_is_no_answer_hostile() -> None:
+    """Someone else lives at the member's address (or answers in its stead): its PONGs count as silence."""
+    w = watch()
+    waiting = {3: 0.0}
+    now = GRACE_FLOOR_S
+    for _ in range(PROBES):
+        (p,), _ = tick(w, waiting, now)
+        w.receive_answer(p.token, OTHER, now + 0.002)
+        now += 0.002
+    assert tick(w, waiting, now) == ([], [3])
+
+
+def test_a_member_that_speaks_between_probes_has_its_failures_forgotten() -> None:
+    w = watch()
+    waiting = {1: 0.0}
+    now = GRACE_FLOOR_S
+    for _ in range(PROBES - 1):
+        (p,), _ = tick(w, waiting, now)
+        now += p.timeout
+        w.receive_answer(p.token, None, now)
+    waiting[1] = now  # its data came
+    assert tick(w, waiting, now) == ([], [])
+    assert timer(w, waiting) == pytest.approx(now + GRACE_FLOOR_S)
+    for _ in range(PROBES - 1):  # a new silence: as many failures again before a verdict
+        now = timer(w, waiting)
+        (p,), _ = tick(w, waiting, now)
+        w.receive_answer(p.token, None, now + p.timeout)
+    probes, dead = tick(w, waiting, now + 1.0)
+    assert dead == [] and [p.member for p in probes] == [1]  # (the third probe of this silence)
+
+
+def test_only_members_waited_for_are_probed_and_answers_to_unknown_tokens_change_nothing() -> None:
+    w = watch(rtts=[None, 0.1, None, None])
+    assert timer(w, {}) is None
+    assert tick(w, {}, 100.0) == ([], [])
+    w.receive_answer(12345, PEERS[1], 1.0)
+    waiting = {1: 0.0}  # member 1's round trip is 100 ms: its grace 0.3 s, its PING's timeout 0.4 s
+    assert timer(w, waiting) == pytest.approx(0.3)
+    (p,), _ = tick(w, waiting, timer(w, waiting))
+    assert p.timeout == pytest.approx(0.4)
+    with pytest.raises(ValueError):
+        SilenceWatch(PEERS, 0, [None])
+
+
+# ---- the host acting on it, over the in-memory network -----------------------------------------------------------
+
+
+class ProbeLab(Lab):
+    """test_allreduce_host's Lab, also carrying out the hosts' ProbeMember PINGs: answered one round trip later by
+    whatever ``answer(node)`` says lives at that node's address (default: the node itself while it is up), else
+    reported unanswered at the PING's timeout."""
+
+    def __init__(self, n: int, *, answer: Callable[[int], bytes | None] | None = None, rtt: float = 0.02,
+                 **kw: Any) -> None:
+        super().__init__(n, **kw)
+        self.answer = answer or (lambda node: self.nodes[node].peer if self.net.alive(node) else None)
+        self.rtt = rtt
+        self.probes: Counter[tuple[int, int]] = Counter()  # (prober, probed) -> PINGs
+
+    def apply(self, node: HostNode, actions: Any = None) -> None:
+        rest = []
+        for a in node.host.take_actions() if actions is None else actions:
+            if isinstance(a, ProbeMember):
+                dst = self.members[a.group_id][a.to]
+                assert self.nodes[dst].peer == a.peer
+                self.probes[(node.i, dst)] += 1
+                who = self.answer(dst)
+                self.at(self.now + (self.rtt if who is not None else a.timeout), self._probed, node.i, a, who,
+                        owner=node.i)
+            else:
+                rest.append(a)
+        super().apply(node, rest)
+
+    def _probed(self, i: int, a: ProbeMember, who: bytes | None) -> None:
+        self.nodes[i].host.receive_probe(a.group_id, a.token, who, self.now)
+        self.apply(self.nodes[i])
+        self._arm(i)
+
+
+def crashed_run(probe: bool, **lab_kw: Any) -> tuple[ProbeLab, list[np.ndarray], list[float]]:
+    """Node 3 dies 5 ms in, its reduce-scatter on the wire and its all-gather not sent yet (floor 1 s)."""
+    xs, ws = inputs(4, 60 * PER, seed=5)
+    lab = ProbeLab(4, link=Link(latency=0.01), **lab_kw)
+    lab.start(0.0, 95, [0, 1, 2, 3], xs, ws, floor_s=1.0, probe_silent=probe)
+    lab.at(0.005, lab.net.crash, 3)
+    lab.run()
+    return lab, xs, ws
+
+
+def test_a_member_that_dies_mid_average_is_given_up_on_after_three_probes_not_a_deadline() -> None:
+    """With probes the survivors' phases stop waiting for the dead member about grace + 3 PING timeouts after it
+    fell silent, and finish by completion; without, they wait out the all-gather's deadline (its floor and the owner
+    lag). Either way the results are what arrived, and its contributions that did arrive count."""
+    lab, xs, ws = crashed_run(True)
+    lab.check(95, xs, ws, skip=(3,))
+    before, _, _ = crashed_run(False)
+    for i in range(3):
+        st, old = lab.nodes[i].done[95].stats, before.nodes[i].done[95].stats
+        assert st.dead == (3,) and old.dead == ()
+        assert st.all_gather.ended_by == "completion" and old.all_gather.ended_by == "deadline"
+        # silent from ~0.02 s (its last data): probed at +0.05, found dead after three 0.1 s PINGs
+        assert st.all_gather.ended_at < 0.02 + GRACE_FLOOR_S + PROBES * PROBE_FLOOR_S + 0.1
+        assert old.all_gather.ended_at > 1.0
+        assert lab.probes[(i, 3)] == PROBES
+        assert not any(lab.probes[(i, j)] for j in range(3))  # the live members never fell silent
+    assert any(s == 3 for s, _, t, _ in lab.delivered(95) if t == RS_DATA)  # (what it sent before dying counts)
+    assert not any(s == 3 for s, _, t, _ in lab.delivered(95) if t == AG_DATA)
+
+
+def test_a_member_that_answers_pings_but_sends_nothing_is_held_only_to_the_existing_deadline_hostile() -> None:
+    """Node 2's daemon runs (it answers every PING) but it never starts the group: it is probed again and again and
+    never given up on as dead, and the others wait for it exactly as long as without probes, not a moment more."""
+    xs, ws = inputs(4, 24 * PER)
+    ended = {}
+    for probe in (True, False):
+        lab = ProbeLab(4)
+        lab.start({0: 0.0, 1: 0.0, 2: None, 3: 0.0}, 71, [0, 1, 2, 3], xs, ws, floor_s=0.3, max_phase_s=5.0,
+                  probe_silent=probe)
+        lab.run()
+        for i in (0, 1, 3):
+            st = lab.nodes[i].done[71].stats
+            assert st.dead == () and 2 in st.reduce_scatter.silent and st.reduce_scatter.ended_by == "deadline"
+            ended[(probe, i)] = (st.reduce_scatter.ended_at, st.all_gather.ended_at)
+            assert (lab.probes[(i, 2)] >= 2) == probe  # probed while silent (answered: again after REPROBE_S)
+    for i in (0, 1, 3):
+        assert ended[(True, i)] == pytest.approx(ended[(False, i)])
+
+
+def test_pongs_from_another_node_at_a_dead_members_address_do_not_keep_it_alive_hostile() -> None:
+    """Node 3 crashed and another node now answers at its address: three PINGs answered by the wrong node id are
+    three failures, and the survivors give up on node 3 as fast as on silence."""
+    lab, xs, ws = crashed_run(True, answer=lambda node: OTHER if node == 3 else None)
+    lab.check(95, xs, ws, skip=(3,))
+    for i in range(3):
+        st = lab.nodes[i].done[95].stats
+        assert st.dead == (3,) and st.all_gather.ended_by == "completion"
+        assert st.all_gather.ended_at < 0.02 + GRACE_FLOOR_S + PROBES * 0.02 + 0.1
+
+
+def test_without_probe_silent_the_host_sends_no_probes() -> None:
+    lab, _, _ = crashed_run(False)
+    assert not lab.probes
+    with pytest.raises(ValueError):
+        AverageOptions(probe_silent=1)  # type: ignore[arg-type]
