@@ -99,6 +99,7 @@ __all__ = [  # the core's public names, wherever in the package they are defined
 DEFAULT_MAX_PAYLOAD = 1200 - 37  # default datagram payload minus envelope (21) and AEAD tag (16)
 DEFAULT_FLOOR_S = 1.0
 DEFAULT_SAFETY = 2.0
+LATE_START_FLOORS = 3.0  # a live member not heard from yet holds a phase at most this many floors past its start
 FP32_CODEC = Float32Codec()  # the default body codec (values travel as their own float32 bytes)
 # The core's own defaults: no cap on a phase's deadline, no grace after an END that overtook data and no repair of
 # lost all-gather ranges (a daemon's
@@ -487,6 +488,16 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         listed in ``GroupStats.dead``."""
         self.remove_member(member, now)
         self._dead.add(member)
+
+    def note_alive(self, member: int, now: float) -> None:
+        """``member``'s daemon answered a PING at ``now`` (liveness.py): a receive phase that has had nothing of it
+        yet counts its silence from there, as from an arrival, within ``LATE_START_FLOORS`` floors of the phase's
+        start. A member late to start (opening its paths on a loaded CPU) is then not taken for lost while it
+        answers; one that answers and never sends holds the phase that much longer, no more."""
+        ph = self._rs if self.state is State.REDUCE_SCATTER else self._ag if self.state is State.ALL_GATHER else None
+        if ph is None or ph.t0 is None or ph.done[member] or ph.received[member] or ph.end_seen[member]:
+            return
+        ph.alive_at = max(ph.alive_at, min(now, ph.t0 + LATE_START_FLOORS * self.floor_s))
 
     def waiting_for(self) -> list[int]:
         """The members whose stream the receive phase now running still waits for (none once both ended)."""

@@ -6,15 +6,17 @@ core tells a dead member from a slow one the way a kept group's renewal does (PR
 a member whose stream the phase still waits for has sent nothing for ``grace_s`` of its round trips, its daemon is
 sent a PING, one at a time, each with an RTT-derived timeout (the transport resends within it at the member's
 retransmission timeout, so a lost datagram costs a resend, not a verdict). A PONG from the member's own node id
-means it lives: it is waited for as before, up to the phase's own deadline, and PINGed again every ``REPROBE_S``
-while it stays silent. ``PROBES`` PINGs in a row unanswered, or answered by another node id (someone else lives at
+means it lives (``Alive``: a phase that has had nothing of it yet counts its silence from the answer, within a few
+floors of its start; a member late to start is not taken for lost), and it is PINGed again every ``REPROBE_S`` while
+it stays silent. ``PROBES`` PINGs in a row unanswered, or answered by another node id (someone else lives at
 that address), mean it is dead: the phases stop waiting for it at once, its contribution counted as lost exactly
 as a deadline would count it. Anything the member sends in between ends the silence being judged (its failures
-are forgotten). Nothing here moves a deadline later.
+are forgotten).
 
 The core contract: ``note_waiting(waiting)`` (each member the phase waits for, and when it was last heard
 from: arrivals move it, so the caller tells it before ``get_timer()`` or ``handle_timer(now)``); ``take_actions()``
-drains the PINGs to send (``Probe``, each reported back with ``receive_answer``) and the verdicts (``Dead``).
+drains the PINGs to send (``Probe``, each reported back with ``receive_answer``) and the verdicts (``Alive``,
+``Dead``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ PROBE_FLOOR_S = 0.1  # a probe's timeout: PROBE_RTTS of the member's round trips
 PROBE_RTTS = 4.0
 PROBE_MAX_S = 1.0  # ... and at most this (an RTT estimate that grew under loss must not stretch the verdict)
 PROBES = 3  # unanswered probes in a row: the member is dead
-REPROBE_S = 0.5  # a member that answered is probed again this long after
+REPROBE_S = 0.2  # a member that answered is probed again this long after (within a phase's silence, 0.5 s or more)
 
 
 def grace_s(rtt: float | None) -> float:
@@ -58,13 +60,22 @@ class Probe:
 
 
 @dataclass(frozen=True, slots=True)
+class Alive:
+    """Member ``member``'s own daemon answered at ``at`` while the phase waited for its stream (GroupAverage.note_alive:
+    a phase that had nothing of it yet counts its silence from there)."""
+
+    member: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class Dead:
     """Member ``member`` is dead: stop waiting for it (given once per member)."""
 
     member: int
 
 
-Action = Probe | Dead
+Action = Probe | Alive | Dead
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +166,7 @@ class SilenceWatch:
         w.token = None
         if sender == self.peers[i]:
             w.failures, w.next_at = 0, now + REPROBE_S
+            self._actions.append(Alive(i, now))
         else:
             w.failures += 1
             w.next_at = now

@@ -167,6 +167,7 @@ class Phase:
         "settled",
         "passed",
         "safety",
+        "alive_at",
     )
 
     def __init__(self, expected: list[int], me: int, t0: float | None) -> None:
@@ -204,6 +205,9 @@ class Phase:
         self.settled: list[int] = []
         self.passed = False
         self.safety = 2.0
+        # when a member this phase has had nothing of yet last proved alive (GroupAverage.note_alive): the silence
+        # that ends the phase counts from it as from an arrival
+        self.alive_at = -math.inf
 
     def _progress(self, now: float) -> None:
         if self.t_first is None:
@@ -378,7 +382,7 @@ class Phase:
     def deadline(
         self, floor_s: float, safety: float, cap_s: float | None, prior_rate: float | None, slack_s: float
     ) -> float:
-        """max(t0, t_last) + slack_s + max(floor_s, safety * remaining / rate), capped at t0 + cap_s.
+        """max(t0, t_last, alive_at) + slack_s + max(floor_s, safety * remaining / rate), capped at t0 + cap_s.
 
         It only moves later as data arrives, and fires once the flow has stopped for long enough that the
         rest, at the pace seen so far, would have come by now (times ``safety``)."""
@@ -387,7 +391,7 @@ class Phase:
             return min(self.repairing.values())
         rate = self.rate() or prior_rate
         wait = floor_s if rate is None else max(floor_s, safety * self.remaining / rate)
-        base = self.t0 if self.t_last is None else max(self.t0, self.t_last)
+        base = max(self.t0 if self.t_last is None else max(self.t0, self.t_last), self.alive_at)
         d = base + slack_s + wait
         if cap_s is not None:
             d = min(d, self.t0 + cap_s)

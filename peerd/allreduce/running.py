@@ -11,7 +11,7 @@ from .actions import Action, ProbeMember, SendBlock, Wake
 from .frames import DATA_TYPES
 from .group import GroupAverage
 from .held import MAX_TOKEN_BYTES
-from .liveness import Dead, SilenceWatch
+from .liveness import Alive, Dead, SilenceWatch
 
 # Until a member shows it runs the group (its data or a REPORT of this group came), it gets at most this much of
 # it: a member that starts the group after this node holds what comes before up to HeldData's MAX_TOKEN_BYTES per
@@ -105,6 +105,9 @@ def watch(g: RunningGroup, now: float) -> list[Action]:
             g.core.give_up(a.member, now)
             g.waiting.pop(a.member, None)  # (blocks gated for it: it will never be heard)
             out.append(Wake(g.core.group_id))
+        elif isinstance(a, Alive):
+            g.core.note_alive(a.member, a.at)
+            out.append(Wake(g.core.group_id))  # (the phase deadline may have moved)
         else:
             out.append(ProbeMember(g.core.group_id, a.member, g.peers[a.member], a.token, a.timeout))
     return out

@@ -338,13 +338,28 @@ class AllreduceService:
             await trio.sleep(CATCH_UP_POLL_S)
 
     async def _probe(self, a: ProbeMember, addr: Address) -> None:
-        """PING a member whose stream went silent (the host's ProbeMember) and tell the host who answered."""
-        try:
-            reply = await self.endpoint.request(addr, m.MsgType.PING, {}, node_id=a.peer, timeout=a.timeout,
-                                                attempts=1)
-            sender: bytes | None = reply.peer.node_id
-        except RpcError:
-            sender = None
+        """PING a member whose stream went silent (the host's ProbeMember) and tell the host who answered. The PING
+        stays open past its timeout until the receive loop has read what reached the socket before it: on a node
+        short of CPU, a PONG still queued there is an answer, not a failure (three failures make a member dead)."""
+        at = trio.current_time() + a.timeout
+        most = a.timeout + max(self._floor_s.values(), default=a.timeout)
+        sender: bytes | None = None
+        async with trio.open_nursery() as nursery:
+
+            async def ask() -> None:
+                nonlocal sender
+                try:
+                    reply = await self.endpoint.request(addr, m.MsgType.PING, {}, node_id=a.peer, timeout=most,
+                                                        attempts=1)
+                    sender = reply.peer.node_id
+                except RpcError:
+                    pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(ask)
+            await trio.sleep_until(at)
+            await self._wait_caught_up(at, most - a.timeout)
+            nursery.cancel_scope.cancel()
         self.host.receive_probe(a.group_id, a.token, sender, trio.current_time())
         self._run(self.host.take_actions())
         self._arm_timer()  # (an answer sets the member's next probe: the timer may sleep past it)
