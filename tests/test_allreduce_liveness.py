@@ -20,10 +20,10 @@ from peerd.allreduce.actions import ProbeMember
 from peerd.allreduce.group import LATE_START_FLOORS
 from peerd.allreduce.liveness import (
     GRACE_FLOOR_S,
+    PHASE_REPROBE_S,
     PROBE_FLOOR_S,
     PROBE_MAX_S,
     PROBES,
-    REPROBE_S,
     Alive,
     Dead,
     Probe,
@@ -98,8 +98,8 @@ def test_a_member_whose_daemon_answers_is_probed_again_later_and_never_found_dea
         (p,), _ = tick(w, waiting, now)
         w.receive_answer(p.token, PEERS[2], now + 0.01)
         assert w.take_actions() == [Alive(2, now + 0.01)]  # (the phase counts its silence from the answer)
-        assert timer(w, waiting) == pytest.approx(now + 0.01 + REPROBE_S)
-        now += 0.01 + REPROBE_S
+        assert timer(w, waiting) == pytest.approx(now + 0.01 + PHASE_REPROBE_S)
+        now += 0.01 + PHASE_REPROBE_S
     assert tick(w, waiting, now)[1] == [] and w.statistics().dead == ()
 
 
@@ -227,7 +227,7 @@ def test_a_member_that_answers_pings_but_sends_nothing_holds_a_phase_only_a_few_
             st = lab.nodes[i].done[71].stats
             assert st.dead == () and 2 in st.reduce_scatter.silent and st.reduce_scatter.ended_by == "deadline"
             ended[(probe, i)] = st.reduce_scatter, st.all_gather
-            assert (lab.probes[(i, 2)] >= 2) == probe  # probed while silent (answered: again after REPROBE_S)
+            assert (lab.probes[(i, 2)] >= 2) == probe  # probed while silent (answered: again after PHASE_REPROBE_S)
     for i in (0, 1, 3):
         (rs, ag), (rs0, ag0) = ended[(True, i)], ended[(False, i)]
         for ph, before in ((rs, rs0), (ag, ag0)):

@@ -1,17 +1,17 @@
 """Whether a silent member of a running average lives (sans-I/O; protocol/allreduce.md, "Phases at a receiver").
 
-A phase that waits for a member's stream waits until its deadline, a silence of ``floor_s`` after the last
-arrival, also for a member whose daemon died: the kill's round then costs a silence per phase and then some. This
-core tells a dead member from a slow one the way a kept group's renewal does (PROTOCOL.md section 16, step 7): once
-a member whose stream the phase still waits for has sent nothing for ``grace_s`` of its round trips, its daemon is
-sent a PING, one at a time, each with an RTT-derived timeout (the transport resends within it at the member's
+A phase that waits for a member's stream waits until its deadline, a silence of ``floor_s`` after the last arrival,
+also for a member whose daemon died: the kill's round then costs a silence per phase and then some. This core tells
+a dead member from a slow one the way a kept group's renewal does (PROTOCOL.md section 16, step 7): once a member
+whose stream the phase still waits for has sent nothing for ``grace_s`` of its round trips, its daemon is sent a
+PING, one at a time, each with an RTT-derived timeout (the transport resends within it at the member's
 retransmission timeout, so a lost datagram costs a resend, not a verdict). A PONG from the member's own node id
 means it lives (``Alive``: a phase that has had nothing of it yet counts its silence from the answer, within a few
-floors of its start; a member late to start is not taken for lost), and it is PINGed again every ``REPROBE_S`` while
-it stays silent. ``PROBES`` PINGs in a row unanswered, or answered by another node id (someone else lives at
-that address), mean it is dead: the phases stop waiting for it at once, its contribution counted as lost exactly
-as a deadline would count it. Anything the member sends in between ends the silence being judged (its failures
-are forgotten).
+floors of its start; a member late to start is not taken for lost), and it is PINGed again every ``PHASE_REPROBE_S``
+while it stays silent. ``PROBES`` PINGs in a row unanswered, or answered by another node id (someone else lives at
+that address), mean it is dead: the phases stop waiting for it at once, its contribution counted as lost exactly as
+a deadline would count it. Anything the member sends in between ends the silence being judged (its failures are
+forgotten).
 
 The core contract: ``note_waiting(waiting)`` (each member the phase waits for, and when it was last heard
 from: arrivals move it, so the caller tells it before ``get_timer()`` or ``handle_timer(now)``); ``take_actions()``
@@ -31,7 +31,8 @@ PROBE_FLOOR_S = 0.1  # a probe's timeout: PROBE_RTTS of the member's round trips
 PROBE_RTTS = 4.0
 PROBE_MAX_S = 1.0  # ... and at most this (an RTT estimate that grew under loss must not stretch the verdict)
 PROBES = 3  # unanswered probes in a row: the member is dead
-REPROBE_S = 0.2  # a member that answered is probed again this long after (within a phase's silence, 0.5 s or more)
+REPROBE_S = 0.5  # a late member that answered is probed again this long after (a kept group's renewal)
+PHASE_REPROBE_S = 0.2  # ... a silent one a phase waits for: within the phase's silence (0.5 s or more), see Alive
 
 
 def grace_s(rtt: float | None) -> float:
@@ -165,7 +166,7 @@ class SilenceWatch:
         w = self._members[i]
         w.token = None
         if sender == self.peers[i]:
-            w.failures, w.next_at = 0, now + REPROBE_S
+            w.failures, w.next_at = 0, now + PHASE_REPROBE_S
             self._actions.append(Alive(i, now))
         else:
             w.failures += 1
