@@ -20,7 +20,6 @@ from peerd.allreduce.actions import ProbeMember
 from peerd.allreduce.group import LATE_START_FLOORS
 from peerd.allreduce.liveness import (
     GRACE_FLOOR_S,
-    PHASE_PROBE_FLOOR_S,
     PHASE_REPROBE_S,
     PROBE_FLOOR_S,
     PROBE_MAX_S,
@@ -80,7 +79,7 @@ def test_a_member_silent_for_its_grace_is_probed_and_three_failures_make_it_dead
     now = 1.0 + GRACE_FLOOR_S
     for _ in range(PROBES):
         (p,), dead = tick(w, waiting, now)
-        assert p.member == 1 and p.timeout == PHASE_PROBE_FLOOR_S and dead == []
+        assert p.member == 1 and p.timeout == PROBE_FLOOR_S and dead == []
         assert timer(w, waiting) is None  # one in flight at a time: the answer (or its timeout) comes back
         now += p.timeout
         w.receive_answer(p.token, None, now)
@@ -205,7 +204,7 @@ def test_a_member_that_dies_mid_average_is_given_up_on_after_three_probes_not_a_
         assert st.dead == (3,) and old.dead == ()
         assert st.all_gather.ended_by == "completion" and old.all_gather.ended_by == "deadline"
         # silent from ~0.02 s (its last data): probed at +0.05, found dead after three 0.1 s PINGs
-        assert st.all_gather.ended_at < 0.02 + GRACE_FLOOR_S + PROBES * PHASE_PROBE_FLOOR_S + 0.1
+        assert st.all_gather.ended_at < 0.02 + GRACE_FLOOR_S + PROBES * PROBE_FLOOR_S + 0.1
         assert old.all_gather.ended_at > 1.0
         assert lab.probes[(i, 3)] == PROBES
         assert not any(lab.probes[(i, j)] for j in range(3))  # the live members never fell silent

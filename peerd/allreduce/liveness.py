@@ -32,7 +32,6 @@ PROBE_RTTS = 4.0
 PROBE_MAX_S = 1.0  # ... and at most this (an RTT estimate that grew under loss must not stretch the verdict)
 PROBES = 3  # unanswered probes in a row: the member is dead
 REPROBE_S = 0.5  # a late member that answered is probed again this long after (a kept group's renewal)
-PHASE_PROBE_FLOOR_S = 0.3  # a probe's least timeout mid-average: its PING may queue behind the data (a thin link)
 PHASE_REPROBE_S = 0.2  # ... a silent one a phase waits for: within the phase's silence (0.5 s or more), see Alive
 
 
@@ -107,7 +106,7 @@ class SilenceWatch:
         if rtts is not None and len(rtts) != len(peers):
             raise ValueError(f"rtts must have one entry per member ({len(peers)}), got {len(rtts)}")
         self.peers = list(peers)
-        self._members = {i: _Watched(grace_s(r), max(PHASE_PROBE_FLOOR_S, probe_timeout_s(r)))
+        self._members = {i: _Watched(grace_s(r), probe_timeout_s(r))
                          for i, r in enumerate(rtts if rtts is not None else [None] * len(peers)) if i != index}
         self._waiting: dict[int, float] = {}
         self._next_token = 1
