@@ -40,9 +40,11 @@ def test_lossy_swarm_puts_and_gets(seed: int) -> None:
 def test_newest_version_wins_and_only_owner_writes() -> None:
     async def main(net: MemNet, nursery: trio.Nursery) -> None:
         nodes = await start_swarm(nursery, net, 12)
-        await nodes[2].dht.put(b"k", b"shared", b"v1", ttl=100)
+        # The owner's writes have reached every replica it found (a put returns at a majority: a replica a STORE
+        # had not reached yet would take the intruder's as the first writer's).
+        await (await nodes[2].dht.put(b"k", b"shared", b"v1", ttl=100)).finished()
         await trio.sleep(1)
-        await nodes[2].dht.put(b"k", b"shared", b"v2", ttl=100)
+        await (await nodes[2].dht.put(b"k", b"shared", b"v2", ttl=100)).finished()
         intruder = await nodes[5].dht.put(b"k", b"shared", b"evil", ttl=100)
         assert intruder.stored == 0 and intruder.refused, intruder
         records = await nodes[9].dht.get(b"k")

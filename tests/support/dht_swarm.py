@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import trio
@@ -22,8 +23,9 @@ class DhtNode:
         self.addr = ("127.0.0.1", 20000 + index)
         self.sock = net.socket(*self.addr)
         self.metrics = Metrics()
-        self.identity = Identity.generate()
-        self.endpoint = Endpoint(self.sock, self.identity, secret, self.metrics)
+        # Node ids (and so who is close to whom) follow the network's seed, as its losses do: a run repeats.
+        self.identity = Identity.from_seed(hashlib.sha256(b"dht node %d %d" % (net.seed, index)).digest())
+        self.endpoint = Endpoint(self.sock, self.identity, secret, self.metrics, rng=random.Random(index))
         self.dht = DhtService(self.endpoint, self.metrics, rng=random.Random(index), refresh_interval=30.0,
                               **({} if replicas is None else {"replicas": replicas}))
         self.scope = trio.CancelScope()
@@ -41,8 +43,8 @@ class DhtNode:
 
 
 async def start_swarm(nursery: trio.Nursery, net: MemNet, count: int, *, replicas: int | None = None) -> list[DhtNode]:
-    """``count`` nodes bootstrapped from the first. Node ids are random: which nodes hold a key differs per run,
-    unless ``replicas`` is the swarm's size (every node then holds every key)."""
+    """``count`` nodes bootstrapped from the first. Node ids follow the network's seed: which nodes hold a key
+    differs per seed, unless ``replicas`` is the swarm's size (every node then holds every key)."""
     nodes = [DhtNode(net, i, replicas=replicas) for i in range(count)]
     for node in nodes:
         await nursery.start(node.run)

@@ -24,6 +24,7 @@ from .virtual import run_virtual
 class MemNet:
     def __init__(self, *, seed: int = 0, drop: float = 0.0, duplicate: float = 0.0, jitter: float = 0.0,
                  latency: float = 0.002) -> None:
+        self.seed = seed
         self.rng = random.Random(seed)
         self.link = Link(loss=drop, duplicate=duplicate, latency=latency, jitter=jitter)
         self.sockets: dict[tuple[str, int], MemSocket] = {}
