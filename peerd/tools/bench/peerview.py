@@ -245,6 +245,7 @@ class _Averaging:
         self.nodes, self.params = swarm.nodes, params
         self.rounds = [0] * len(swarm.nodes)
         self.outcomes: dict[str, int] = {}
+        self.stopping: dict[str, int] = {}  # outcomes of rounds that ended once the averaging was told to stop
         self.errors: list[str] = []
         self.first_round_at: float | None = None
         self._stop = threading.Event()
@@ -262,8 +263,11 @@ class _Averaging:
                 return
             vector = np.frombuffer(reply["vector"], dtype="<f4").copy()
             with self._lock:
-                self.rounds[i] += 1
                 outcome = reply["stats"]["outcome"]
+                if self._stop.is_set():  # a round that began as the others stopped has nobody to average with
+                    self.stopping[outcome] = self.stopping.get(outcome, 0) + 1
+                    continue
+                self.rounds[i] += 1
                 self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
     def __enter__(self) -> _Averaging:
@@ -344,7 +348,8 @@ def run_peerview_bench(cfg: PeerviewBenchConfig, *, say: Any = print) -> dict[st
         shutil.rmtree(workdir, ignore_errors=True)
     return {
         "peers": cfg.peers, "link": cfg.link, "link_loss": cfg.link_loss, "params": cfg.params,
-        "rounds": avg.rounds, "outcomes": avg.outcomes, "pings_sent": pinger.sent, "reads": reads,
+        "rounds": avg.rounds, "outcomes": avg.outcomes,
+        "outcomes_stopping": avg.stopping, "pings_sent": pinger.sent, "reads": reads,
         "status_table_lines": table_lines(text, [i for j, i in enumerate(ids) if j != VIEWER]),
         "settled_loss": settled,
         "within_10pct": all(row.get("within_10pct", False) for rd in reads for row in rd["peers"])
