@@ -280,7 +280,7 @@ class AveragingHost:
         g = self._groups[group_id]
         if not self.can_release(group_id):
             raise RuntimeError(f"group {group_id:#x} has no result to hand on yet")
-        g.core.keep_shard()
+        g.core.keep_shard(self._take_spare)
         g.released = True
         # Blocks still gated (for members not heard from yet) may be views of the caller's buffer, which it may
         # reuse from now on: they keep copies.
@@ -356,12 +356,11 @@ class AveragingHost:
             return None
         return self._spares.pop(min(fits, key=lambda i: self._spares[i].size))
 
-    def _keep_spare(self, stage: np.ndarray) -> None:
-        """Keep a finished group's stage for later groups; past SPARE_STAGE_BYTES or MAX_SPARES in all, the
-        smallest go (a larger stage serves every group a smaller one would)."""
-        if stage.nbytes > self.spare_stage_bytes or any(s is stage for s in self._spares):
-            return
-        self._spares.append(stage)
+    def _keep_spare(self, *stages: np.ndarray | None) -> None:
+        """Keep a finished group's stage (and its kept shard's buffer) for later groups; past SPARE_STAGE_BYTES or
+        MAX_SPARES in all, the smallest go (a larger stage serves every group a smaller one would)."""
+        self._spares += [s for s in stages if s is not None and s.nbytes <= self.spare_stage_bytes
+                         and not any(k is s for k in self._spares)]
         self._spares.sort(key=lambda s: s.nbytes, reverse=True)
         while self._spares and (len(self._spares) > MAX_SPARES
                                 or sum(s.nbytes for s in self._spares) > self.spare_stage_bytes):
@@ -474,7 +473,7 @@ class AveragingHost:
             actions.extend(self._reports(g, now, kernel_drops, final=True, arrivals=arrivals))
             actions.append(Completed(group_id, g.core.result(), g.core.statistics()))
         # Nothing reads the group's stage any more (its result is taken; data for it is late from now on).
-        self._keep_spare(g.core.stage_buffer)
+        self._keep_spare(g.core.stage_buffer, g.core.kept_buffer)
         self._recent[group_id] = g
         while len(self._recent) > self.recent_groups:
             self._recent.popitem(last=False)

@@ -16,10 +16,22 @@ its shard per round, however many it sends.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..wire.errors import WireError
-from .frames import END_REPEATS, NACK_DONE, BodyType, nack_bodies, pack_block, pack_coded, pack_nack, parse_nack
+from .frames import (
+    END_REPEATS,
+    F32_DTYPE,
+    NACK_DONE,
+    BodyType,
+    nack_bodies,
+    pack_block,
+    pack_coded,
+    pack_nack,
+    parse_nack,
+)
 from .intake import Outcome
 from .kernels import F32_MAX, one_row
 from .outbox import OutBlock
@@ -53,6 +65,7 @@ class Repair:
         self._serving_over = False
         self._ag_out = 0  # leading ranges of the own shard the all-gather has handed out
         self._kept: np.ndarray | None = None  # the own shard's final values, once the result is handed on (keep_shard)
+        self._kept_base: np.ndarray | None = None  # the host's spare buffer that _kept is a view of
 
     # ---- member -------------------------------------------------------------------------------------
 
@@ -102,11 +115,24 @@ class Repair:
 
     # ---- owner --------------------------------------------------------------------------------------
 
-    def keep_shard(self) -> None:
+    def keep_shard(self, spare: Callable[[int], np.ndarray | None] | None = None) -> None:
         """The driver hands the result on while this owner still serves: from now on resends read a copy of the own
-        shard, since the caller may reuse ``out`` at once (a member's step does not wait for others' repairs)."""
+        shard, since the caller may reuse ``out`` at once (a member's step does not wait for others' repairs).
+        ``spare(elements)``: a float32 buffer the host kept from a finished group, or None; a fresh one costs its
+        page faults on every release, most of the copy's time for a shard of megabytes (``kept_buffer``: hand it
+        back once the group is done)."""
         if self._kept is None and not self._coded:
-            self._kept = self._out[self._lo : self._hi].copy()
+            own = self._out[self._lo : self._hi]
+            buf = spare(own.size) if spare is not None and own.dtype == F32_DTYPE else None
+            self._kept = own.copy() if buf is None else buf[: own.size]
+            if buf is not None:
+                np.copyto(self._kept, own)
+                self._kept_base = buf
+
+    @property
+    def kept_buffer(self) -> np.ndarray | None:
+        """The spare buffer ``keep_shard`` copied into, for the host to keep again once the group is done."""
+        return self._kept_base
 
     def _receive_nack(self, sender: int, body: bytes | memoryview, now: float) -> Outcome:
         """An AG_NACK from member ``sender``: a done message, or ranges of the own shard to resend it."""
