@@ -17,7 +17,10 @@ def test_status_lists_each_peer_with_rates_and_loss_the_lab_counted_within_10pct
     cfg = PeerviewBenchConfig(peers=4, link="20mbit", link_loss=0.05, params=200_000, warmup_s=8.0, reads=2,
                               every_s=3.0)
     out = run_peerview_bench(cfg, say=lambda *a: None)
-    assert set(out["outcomes"]) == {"averaged"} and min(out["rounds"]) >= 4, out["outcomes"]
+    # Every round after the warmup averaged with all four. (In the warmup a member's first round on the fresh swarm
+    # may take seconds longer than the others', whose next round then goes alone: counted, not judged here.)
+    after = {k: n - out["outcomes_warmup"].get(k, 0) for k, n in out["outcomes"].items()}
+    assert {k for k, n in after.items() if n} == {"averaged"} and min(out["rounds"]) >= 4, out
     assert all(n == 1 for n in out["status_table_lines"].values()), out["status_table_lines"]  # one line a peer
     for read in out["reads"]:
         assert len(read["peers"]) == cfg.peers - 1

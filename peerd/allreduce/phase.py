@@ -12,9 +12,6 @@ IN_ORDER_GRACE_S = 0.005  # an END of a stream that came in order so far: the wa
 # A repair round's wait (protocol/allreduce.md, "Repair"): at least this (a round trip on a loaded path, its queue
 # included), plus ``safety`` times the ranges asked for at the rate their owner's stream arrived.
 REPAIR_FLOOR_S = 0.03
-# Once the last range a repair round asked for arrived, the round waits this long for the others' second copies
-# (repair.py RESEND_COPIES, spaced 8 ms by the daemon) before it asks again.
-RESEND_GRACE_S = 0.012
 COMPLETION = "completion"
 DEADLINE = "deadline"
 
@@ -254,7 +251,7 @@ class Phase:
         grace (the full one on a path seen reordering). True when the wait moved earlier."""
         if k < self.want_last[s]:
             return False
-        until = now + (self.grace if self.reordered[s] else min(self.grace, RESEND_GRACE_S))
+        until = now + (self.grace if self.reordered[s] else min(self.grace, IN_ORDER_GRACE_S))
         if until < self.repairing[s]:
             self.repairing[s] = until
             return True

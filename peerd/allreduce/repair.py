@@ -9,9 +9,9 @@ own missing ranges. A lost all-gather
 range otherwise leaves a member on its own value for it (unbiased, but a replica that drifts); a lost reduce-scatter
 contribution only lowers the weight that reached its range, and is not repaired.
 
-Members are not trusted: an owner resends each range at most once (in RESEND_COPIES copies) per requester and round,
-for at most its ``repair_rounds`` rounds, and only ranges it has already sent; so a member's requests never make it
-send more than twice its shard per round, however many it sends.
+Members are not trusted: an owner resends each range at most once per requester and round, for at most its
+``repair_rounds`` rounds, and only ranges it has already sent; so a member's requests never make it send more than
+its shard per round, however many it sends.
 """
 
 from __future__ import annotations
@@ -39,11 +39,6 @@ from .outbox import OutBlock
 # An owner serves requests this long after its own phases ended, or after the latest request, for members it has not
 # heard are done: a member's rounds wait REPAIR_FLOOR_S and more each, and start once its stream's END arrived.
 SERVE_S = 0.25
-# Each resent range goes twice, the second copy spaced as an END's (the host's end_spacing_s): at 10 % loss a stream
-# of 170 ranges misses about 17, and one of those resends lost again costs the member a whole repair round (phase.py
-# RESEND_GRACE_S waits out the spacing). `peerd bench step --link-loss 0.1 --compression int8`: an all-gather that
-# needed 2-3 repair rounds needs 1-2.
-RESEND_COPIES = 2
 NACK_REPEATS = END_REPEATS  # AG_NACK bodies go as END markers do: three copies, spaced (a copy asks for nothing new)
 _AG_DATA, _AG_NACK = int(BodyType.AG_DATA), int(BodyType.AG_NACK)
 
@@ -207,7 +202,7 @@ class Repair:
                 rows = shard[: full * per].reshape(full, per)[kc]
                 bodies = pack_block(group, total, lo, weights[kc], rows)
             bodies[:, 9:13] = (lo + kc * per).astype("<u4").view(np.uint8).reshape(-1, 4)
-            out.append(OutBlock(to, _AG_DATA, bodies, RESEND_COPIES))
+            out.append(OutBlock(to, _AG_DATA, bodies, 1))
         if len(ks) and int(ks[-1]) == full < total:  # the shard's short last range
             off = lo + full * per
             if self._coded:
@@ -215,7 +210,7 @@ class Repair:
                 bodies = pack_coded(group, self._cid, total, off, hi - off, weights[full:], self._ag_tail)
             else:
                 bodies = pack_block(group, total, off, weights[full:], shard[off - lo :].reshape(1, -1))
-            out.append(OutBlock(to, _AG_DATA, bodies, RESEND_COPIES))
+            out.append(OutBlock(to, _AG_DATA, bodies, 1))
         sent = sum(len(b.bodies) for b in out)
         self._ag.sent += sent
         self._resent += sent

@@ -246,6 +246,8 @@ class _Averaging:
         self.rounds = [0] * len(swarm.nodes)
         self.outcomes: dict[str, int] = {}
         self.stopping: dict[str, int] = {}  # outcomes of rounds that ended once the averaging was told to stop
+        self.warmup: dict[str, int] = {}  # of rounds that ended in the warmup (also in ``outcomes``)
+        self.measuring = threading.Event()  # set once the warmup is over
         self.errors: list[str] = []
         self.first_round_at: float | None = None
         self._stop = threading.Event()
@@ -267,6 +269,8 @@ class _Averaging:
                 if self._stop.is_set():  # a round that began as the others stopped has nobody to average with
                     self.stopping[outcome] = self.stopping.get(outcome, 0) + 1
                     continue
+                if not self.measuring.is_set():  # the swarm's first rounds, before the reads: counted apart
+                    self.warmup[outcome] = self.warmup.get(outcome, 0) + 1
                 self.rounds[i] += 1
                 self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
@@ -323,6 +327,7 @@ def run_peerview_bench(cfg: PeerviewBenchConfig, *, say: Any = print) -> dict[st
                 say(f"{cfg.peers} daemons average {cfg.params} float32 values round after round ...")
                 with _Averaging(swarm, cfg.params) as avg:
                     time.sleep(cfg.warmup_s)
+                    avg.measuring.set()
                     for r in range(cfg.reads):
                         if r:
                             time.sleep(cfg.every_s)
@@ -349,7 +354,7 @@ def run_peerview_bench(cfg: PeerviewBenchConfig, *, say: Any = print) -> dict[st
     return {
         "peers": cfg.peers, "link": cfg.link, "link_loss": cfg.link_loss, "params": cfg.params,
         "rounds": avg.rounds, "outcomes": avg.outcomes,
-        "outcomes_stopping": avg.stopping, "pings_sent": pinger.sent, "reads": reads,
+        "outcomes_stopping": avg.stopping, "outcomes_warmup": avg.warmup, "pings_sent": pinger.sent, "reads": reads,
         "status_table_lines": table_lines(text, [i for j, i in enumerate(ids) if j != VIEWER]),
         "settled_loss": settled,
         "within_10pct": all(row.get("within_10pct", False) for rd in reads for row in rd["peers"])
