@@ -53,7 +53,9 @@ def test_small_soak_no_crash_and_exact_averages() -> None:
     assert out["honest_relayed_datagrams"] <= 20, out["honest_relayed_datagrams"]
     # the outsider-only phase: its daemon CPU per datagram (the <= 5 us goal is not asserted: a shared machine)
     cpu = out["outsider_cpu_us_per_datagram"]
-    assert isinstance(cpu, float) and cpu > 0, out.get("outsider_cpu_us_per_datagram_by_daemon")
+    # (measured: a float; its sign is not asserted: it is the window's CPU less the idle window's, and an idle
+    # window busier than the attack's, on a shared 2-core machine, left all four daemons at -0.1 to -1 us in CI)
+    assert isinstance(cpu, float), out.get("outsider_cpu_us_per_datagram_by_daemon")
     assert out["outsider_datagrams"] > 0
     outsider_dropped = out["outsider_drops"]["peerd_datagrams_dropped_total"]
     assert outsider_dropped.get("auth", 0) + outsider_dropped.get("auth_limited", 0) > 0, outsider_dropped
