@@ -47,6 +47,18 @@ def test_time_to_target_reads_the_first_eval_at_or_below() -> None:
     assert time_to_target(curve, 1.0) is None and time_to_target(curve, None) is None
 
 
+def test_evaluations_come_five_times_as_often_past_steps() -> None:
+    """Past --steps the curve is finer: a run close to its target crosses it there, and a coarse curve would report
+    the crossing up to --eval-every steps late."""
+    from types import SimpleNamespace
+
+    from peerd.tools.demo_gpt import evaluates
+
+    args = SimpleNamespace(eval_every=25, steps=300)
+    assert [s for s in range(1, 361) if evaluates(s, args)] == [*range(25, 301, 25), *range(305, 361, 5)]
+    assert not any(evaluates(s, SimpleNamespace(eval_every=0, steps=300)) for s in range(1, 400))
+
+
 @pytest.mark.timeout(240)
 def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
     """A few steps, 2 peers on loopback, then DDP: the headline fields are there and make sense."""
@@ -63,8 +75,8 @@ def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
     assert out["outcomes"].get("averaged", 0) >= 2 * 4 * 0.75, out["outcomes"]  # the peers did average
     assert out["max_param_divergence"] < 1e-3  # the final parameter averages brought them together
     assert 0 < out["max_wait_s"] <= out["deadline_s"], out  # no step waited in step() past its deadline
-    # every evaluation, the extra steps past --steps included, then the end of training
-    assert [row[0] for row in out["curve"]] == [2, 4, 6, 7]
+    # every evaluation (past --steps five times as often: here every step), then the end of training
+    assert [row[0] for row in out["curve"]] == [2, 4, 5, 6, 7]
     assert out["extra_steps"] == 2 and round(out["val_loss_at_steps"], 4) == out["curve"][1][1]
     assert [row[0] for row in out["baseline"]["curve"]][-2] == 4  # DDP trains --steps only
 

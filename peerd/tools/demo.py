@@ -109,7 +109,8 @@ def add_gpt_arguments(p: Any) -> None:
                    help="gpt: time_to_target_s's target without --baseline (with it: the baseline's final loss)")
     p.add_argument("--extra-steps", type=int, default=None, metavar="E",
                    help="gpt: peerd's peers train E steps past --steps at the schedule's final learning rate, so "
-                        "time_to_target_s can show a run that ends just short of the target (default: a fifth of "
+                        "time_to_target_s can show a run that ends just short of the target, evaluated five times as "
+                        "often there (default: a fifth of "
                         "--steps with --baseline or --target-loss, else 0)")
 
 
