@@ -46,6 +46,7 @@ from .pacing_params import (
     PHASE_BYTES,
     PROBE_FAIL_CUT,
     PROBE_STEP,
+    Q_EXCUSE,
     Q_FLAT,
     Q_HIGH,
     Q_PROBE,
@@ -245,11 +246,12 @@ class Judgement:
         signal = self._queue_signal(ph)
         if signal is not None:
             self.queue_delay = signal[0]
-            if reason.startswith("loss") and signal[3] < Q_HIGH and self._carried(sent * (1.0 - floor)):
+            if reason.startswith("loss") and signal[3] < Q_EXCUSE and self._carried(sent * (1.0 - floor)):
                 # A queue overflows only once full, and the datagrams that got through then waited in it: loss
-                # above the floor with the queue shallow toward every destination, at a rate the path has carried
-                # lately, is the link's (its random loss's noise, a lossy patch). (Every destination: a member
-                # that lies about its arrival times must not hide an overflow.) Not at a rate it has not carried:
+                # above the floor with the queue shallow toward most destinations, at a rate the path has carried
+                # lately, is the link's (its random loss's noise, a lossy patch, a receiver's downlink). (Most: one
+                # member that lies about its arrival times must not hide an overflow, nor one read late excuse
+                # none.) Not at a rate it has not carried:
                 # a bottleneck with little or no queue (a policer, a shallow switch buffer) drops above its rate
                 # with the queue empty, and excused so, startup ran on to the maximum rate, 98 % lost (virtual
                 # time: 100 Mbit/s with 1-2.5 ms of queue, 1 Gbit/s with 2 ms).
@@ -589,8 +591,11 @@ class Judgement:
     def _queue_signal(self, ph: _Phase) -> tuple[float, float | None, float, float] | None:
         """The uplink's queue over a phase from its REPORTs' queueing delays: (seconds queued at its end, growth
         in seconds per second or None where no destination's samples span enough of it, when that level was
-        sent, the deepest destination's level), or None without samples. Every destination's datagrams cross the
-        uplink's queue, only one destination's its own downlink: so the uplink's is the least over destinations."""
+        sent, the destinations' upper median level), or None without samples. Every destination's datagrams cross
+        the uplink's queue, only one destination's its own downlink: so the uplink's is the least over
+        destinations. The upper median (of three: the middle one) is what no single destination sets: not one that
+        lies low about its arrival times, nor one whose receiver read its samples late on a loaded CPU (10-50 ms
+        seen in the lab where the others read under 3 ms)."""
         if not ph.queue:
             return None
         by_dest: dict[Hashable, list[tuple[float, float]]] = {}
@@ -600,18 +605,18 @@ class Judgement:
         # Each sample may sit up to a burst's length late (the receiver reports wherever its top falls in a
         # batch, placed at the pacer's guess of the link rate): the least samples of each half of the phase.
         mid = (ph.start + (ph.end if ph.end is not None else ph.start)) / 2
-        level, at, growths, deepest = math.inf, ph.start, [], 0.0
+        level, at, growths, levels = math.inf, ph.start, [], []
         for samples in by_dest.values():
             samples.sort()
             early = [s for s in samples if s[0] < mid] or samples[:1]
             late = [s for s in samples if s[0] >= mid] or samples[-1:]
             (t0, q0), (t1, q1) = min(early, key=lambda s: s[1]), min(late, key=lambda s: s[1])
-            deepest = max(deepest, q1)
+            levels.append(q1)
             if q1 < level:
                 level, at = q1, t1
             if t1 - t0 > max(span, 1e-6):
                 growths.append((q1 - q0) / (t1 - t0))
-        return level, min(growths) if growths else None, at, deepest
+        return level, min(growths) if growths else None, at, sorted(levels)[len(levels) // 2]
 
     def _path_congested(self, dest: Hashable, expected: int, lost: int, drops: int, sent: float, margin: float,
                         z: float) -> tuple[float, float] | None:
