@@ -176,8 +176,15 @@ class Swarm:
                  pacer_rate: float | None = None, report_jitter: float = 0.0,
                  stall: tuple[float, float] | None = None, volume: float | None = None, idle: float = 0.0,
                  timestamps: bool = True, send_stall: tuple[float, float] | None = None,
-                 driver_parts: bool = False) -> None:
+                 driver_parts: bool = False, late_reader: tuple[int, float] | None = None,
+                 patches: tuple[float, float, float] | None = None) -> None:
         self.n = n
+        # (receiver, mean seconds): that receiver's arrival times read late by an exponential delay of that mean,
+        # as a daemon's on a loaded machine did in the lab (6-50 ms where the others read under 3 ms)
+        self.late_reader = late_reader
+        # (every, length, extra): the random loss is ``extra`` higher for ``length`` seconds every ``every`` (a
+        # lossy patch: the lab's random drop read 6.5-7.7 % over a phase where it was set to 5 %)
+        self.patches = patches
         self.driver_parts = driver_parts
         self.loss = loss
         self.rng = random.Random(seed)
@@ -284,7 +291,10 @@ class Swarm:
 
     def _down(self, t: float, i: int, d: int, k: int, b: int) -> None:
         at = self.down[d].admit(t, DATAGRAM)
-        if at is None or (self.loss and self.rng.random() < self.loss):
+        loss = self.loss
+        if self.patches is not None and t % self.patches[0] < self.patches[1]:
+            loss += self.patches[2]
+        if at is None or (loss and self.rng.random() < loss):
             return
         if self.rx_capacity is not None:  # the receiver's socket buffer, emptied at its CPU's pace
             q = self.rx_queue[d]
@@ -319,6 +329,8 @@ class Swarm:
             received, top, first, last, top_at = self.rx[d][i]
             if first is None:
                 continue
+            if self.late_reader is not None and self.late_reader[0] == d and top_at:
+                top_at += self.jitter_rng.expovariate(1.0 / self.late_reader[1])
             rep = self.meters[d][i].sample(received, top, received * DATAGRAM, first, last,
                                            self.kernel_drops[d], t, top_at if self.timestamps else 0.0)
             if rep is not None:
@@ -942,3 +954,22 @@ def test_a_standing_queue_that_does_not_drain_after_a_cut_is_an_offset_not_conge
     feed(pacer, 4.0, lambda d, t: 0.0, t0=0.3, queue_of=lambda d, t: 0.0095)
     # (no link in this model: past the offset, clean probes in a row take the pacer back to startup, btl unknown)
     assert pacer.decreases <= 1 and pacer.rate >= 0.8 * 10e6, (pacer.decreases, pacer.rate, pacer.btl)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_one_receiver_reading_its_arrivals_late_cuts_nobody_under_random_loss(seed: int) -> None:
+    """The GPT demo's shape: 4 nodes on 100 Mbit/s links losing 5 % at random (10 % in a patch of 0.1 s every
+    0.5 s), averaging in rounds (0.6 MB per sender, then 0.13 s of compute), and one receiver whose arrival times
+    read 10 ms late on average (a daemon on a loaded machine). That one receiver's deep-looking queue must not
+    make the others' lossy patches read as congestion: excused only where every destination's queue read under
+    Q_HIGH, two of the senders were cut to 66-75 % of the link here (seeds 1 and 2), and in the lab, cut after
+    cut, to 1-3 MB/s for seconds while every average waited for them. Now nobody is cut (every rate >= 85 % of
+    the link from 2 s on), and nothing overflows for it: the loss beyond the random loss stays about 1 %, the
+    patches' own share."""
+    rate = 100 * MBIT
+    sw = Swarm(4, rate, 0.05, seed=seed, volume=0.6e6, idle=0.13, driver_parts=True, late_reader=(3, 0.010),
+               patches=(0.5, 0.1, 0.05))
+    sw.run(8.0)
+    lowest = [min((r for t, r in sw.rates[i] if t >= 2.0), default=0.0) for i in range(sw.n)]
+    assert min(lowest) >= 0.8 * rate, [round(x / MBIT, 1) for x in lowest]
+    assert sw.excess_loss(2.0, 7.8) <= 0.015
