@@ -31,9 +31,11 @@ plus a constant clock offset; above the least of recent samples (transport.qdela
 A phase's uplink queue is the least over its destinations (every destination's datagrams cross the uplink's
 queue, only one its own downlink) of the least late sample (a sample may sit a burst late). So:
 
-* loss above the floor with the queue under ``Q_HIGH`` at a rate the path delivered lately is random (a queue
-  overflows only once full, and what got through then waited in it): nothing is cut; at a rate it has not
-  delivered, it is a bottleneck with no queue to speak of (a policer, a shallow switch buffer), congestion;
+* loss above the floor with the destinations' typical queue (their upper median: no one destination sets it,
+  neither one lying low nor one whose receiver reads late on a loaded CPU) under ``Q_EXCUSE`` at a rate the path
+  delivered lately is random (a queue overflows only once full, and what got through then waited in it):
+  nothing is cut; at a rate it has not delivered, it is a bottleneck with no queue to speak of (a policer, a
+  shallow switch buffer), congestion;
 * a queue above ``Q_HIGH`` in ``DEEP_PHASES`` judged phases in a row is congestion before any overflow: btl
   goes to what the link carried (the phase's rate / (1 + the queue's growth), less what it lost beyond the
   floor), ``DELAY_MARGIN`` under; unless it is draining (``DRAINING``): the path then carries more than was sent;
