@@ -17,7 +17,8 @@ peer's figures beside the lab's:
   the daemon began; the lab's are the datagrams lost between the two stacks since the first round (either queue
   or the random drop), with ``loss_stderr`` the binomial standard error of that count, and ``loss_configured``;
 - ``rtt_ms``: the view's smoothed RTT of answered requests; the lab's is the median ICMP round trip over the last
-  ``RTT_WINDOW_S`` seconds (``rtt_lab_p99_ms`` its p99), which has no daemon in the loop.
+  ``RTT_WINDOW_S`` seconds (``lab_p99_ms`` its p99, ``lab_min_ms`` its least: the path with no queue), which has
+  no daemon in the loop.
 
 Each figure carries its relative error (``err``: |view - lab| / lab) and ``within_10pct``. The lab has no delay
 emulation (no netem): its RTT is the tbf queues' and the hosts'.
@@ -199,7 +200,8 @@ def compare_read(view: dict[str, Any], at: float, clock: _LabClock, pinger: Ping
                         "queue_drops": round(q[("up", j)] + q[("down", VIEWER)], 5)},
             "rtt_ms": {**_compare(p["rtt_ms"], rtt_lab), "view_samples": p["rtt_samples"], "pings": len(rtts),
                        "view_p99_ms": p["rtt_p99_ms"],
-                       "lab_p99_ms": round(rtts[min(len(rtts) - 1, int(0.99 * len(rtts)))] * 1e3, 3) if rtts else None},
+                       "lab_p99_ms": round(rtts[min(len(rtts) - 1, int(0.99 * len(rtts)))] * 1e3, 3) if rtts else None,
+                       "lab_min_ms": round(rtts[0] * 1e3, 3) if rtts else None},
         }
         row["within_10pct"] = all(row[k]["within_10pct"] for k in (*RATES, "rtt_ms"))  # (loss: settled_loss)
         out.append(row)
