@@ -16,7 +16,7 @@ import trio.testing
 
 from peerd.deadlines import WINDOW_FLOOR_S, DeadlineTuner
 from peerd.moshpit.keys import Grid
-from peerd.moshpit.service import RoundResult
+from peerd.moshpit.service import MoshpitError, RoundResult
 
 from .support.memnet import MemNet, run_on_memnet
 from .support.moshpit_swarm import BASE, MoshpitNode, swarm  # noqa: E402
@@ -96,6 +96,19 @@ def test_a_round_forms_weighted_and_joiners_land_in_the_runs_group() -> None:
         assert counter_value(nodes[0].metrics.moshpit_rounds, outcome="averaged") == 2
 
     run_on_memnet(main, seed=1)
+
+
+def test_a_run_opened_before_the_dht_found_every_peer_is_sized_for_its_min_size() -> None:
+    """A trainer that asks for groups of 4 as soon as its daemon is up (its DHT knows 1 other peer) gets a grid that
+    holds groups of 4, not an error about a grid sized from the peers it happened to know."""
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        (node,) = await swarm(nursery, net, 1)
+        st = await node.moshpit.open("early", min_size=4, window_s=0.5)
+        assert st.grid.size >= 4 and st.core.min_size == 4
+        with pytest.raises(MoshpitError, match="min_size must be in"):
+            await node.moshpit.open("fixed", grid=Grid(1, 3), min_size=4, window_s=0.5)
+
+    run_on_memnet(main, seed=2)
 
 
 def test_a_lonely_peer_waits_its_window_and_keeps_its_vector() -> None:

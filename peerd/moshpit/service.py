@@ -188,7 +188,8 @@ class MoshpitService:
         elif grid is None:
             grid = await self._published_grid(run_id)
             if grid is None:
-                grid = Grid.for_swarm(self.dht.peer_count() + 1, self.max_group)
+                # (at least min_size: a run opened before the DHT has found every peer still groups as asked)
+                grid = Grid.for_swarm(max(self.dht.peer_count() + 1, min_size), self.max_group)
         else:
             self._spawn(self._publish_grid, run_id, grid)
         if not 2 <= min_size <= grid.size:
