@@ -169,8 +169,8 @@ class MoshpitService:
         topk_ratio: float = 0.1,
         ef_eta: float | None = 0.1,
     ) -> RunState:
-        """Start (or reconfigure) a run. Without ``grid``, take the run's published grid or size one
-        from the swarm the DHT sees. ``keep_rounds``: keep a complete group this many rounds (1: never).
+        """Start (or reconfigure) a run. Without ``grid``, take the run's published grid or size one from the
+        swarm the DHT sees (for ``min_size`` at least). ``keep_rounds``: keep a full group so many rounds (1: never).
         ``max_weight``: shard owners count no member's weight above this (math.inf: no cap); ``robust``:
         how owners clip contributions (a Robust or ``off``/``clip[:C]``/``centered[:C]``). ``compression``,
         ``quant_group``, ``rounding``: the body codec of every average of the run (check_compression). All are
@@ -188,7 +188,6 @@ class MoshpitService:
         elif grid is None:
             grid = await self._published_grid(run_id)
             if grid is None:
-                # (at least min_size: a run opened before the DHT has found every peer still groups as asked)
                 grid = Grid.for_swarm(max(self.dht.peer_count() + 1, min_size), self.max_group)
         else:
             self._spawn(self._publish_grid, run_id, grid)
