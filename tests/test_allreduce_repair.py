@@ -73,6 +73,23 @@ def test_a_lost_all_gather_datagram_is_repaired_and_every_member_ends_bit_identi
     assert [m.statistics().complete for m in plain] == [True, True, False, True]
 
 
+def test_a_resend_that_arrived_last_leaves_the_reports_arrival_time_unknown():
+    """The socket's time for a sender's latest datagram dates the stream's top in a REPORT (the sender's queue
+    estimate): not where that datagram was a resend, sent after the top and arriving after it."""
+    members, _ = cores(4, 4 * 200 * PER)
+    m = members[2]
+    ag = m._ag
+    for k in (0, 2, 3):
+        ag.note_data(1, k, 0.01 * k)
+    assert not m.latest_behind(1)
+    ag.note_data(1, 1, 0.05)  # the resend of range 1
+    assert m.latest_behind(1)
+    ag.note_block(1, 2, 5, 0.06)  # ranges 4 and 5
+    assert not m.latest_behind(1)
+    ag.note_block(1, 1, 1, 0.07)  # range 1 again, as a block
+    assert m.latest_behind(1)
+
+
 def test_ten_percent_all_gather_loss_is_repaired_everywhere():
     rng = np.random.default_rng(7)
     members, _ = cores(4, 20000)

@@ -546,6 +546,12 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         ph = self._rs if phase == 0 else self._ag
         return ph.expected, ph.received, ph.top, ph.first_at, ph.last_at
 
+    def latest_behind(self, s: int) -> bool:
+        """Whether the latest data from sender s lay below its stream's top (a resend or reordered datagram): the
+        socket's time for it is then not when the stream's top arrived."""
+        rs, ag = self._rs, self._ag
+        return ag.behind[s] if ag.last_at[s] >= rs.last_at[s] else rs.behind[s]
+
     def phase_state(self, phase: int) -> tuple[float | None, float | None]:
         """(started_at, ended_at) of receive phase 0 or 1 (None: not yet)."""
         ph = self._rs if phase == 0 else self._ag

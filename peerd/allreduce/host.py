@@ -773,9 +773,9 @@ class AveragingHost:
             first_at = rs_first[i] if rs_received[i] else ag_first[i]
             meter = g.meters[i]
             # The latest data from the member arrived then: its top position's datagram, in order (a later one
-            # lost after the socket, or a reordered one, only makes the sender's queue look deeper)
-            # (0, unknown, where the sender's latest data was another group's: the time is not this stream's)
-            arrived = arrivals[i] if (arrivals is not None and i < len(arrivals)
+            # lost after the socket only makes the sender's queue look deeper). 0, unknown, where that data was
+            # another group's, or a resend or reordered datagram (below the top): the time is not the top's
+            arrived = arrivals[i] if (arrivals is not None and i < len(arrivals) and not core.latest_behind(i)
                                       and self._latest.get(peer) == core.group_id) else 0.0
             if final:
                 total = rs_expected[i] + ag_expected[i]

@@ -168,6 +168,7 @@ class Phase:
         "passed",
         "safety",
         "alive_at",
+        "behind",
     )
 
     def __init__(self, expected: list[int], me: int, t0: float | None) -> None:
@@ -208,6 +209,9 @@ class Phase:
         # when a member this phase has had nothing of yet last proved alive (GroupAverage.note_alive): the silence
         # that ends the phase counts from it as from an arrival
         self.alive_at = -math.inf
+        # per sender: its latest datagram here lay below the stream's top (a resend, or reordered), so the time the
+        # socket last heard from it is not when its top arrived (the REPORT then leaves ``arrived`` unknown)
+        self.behind = [False] * len(expected)
 
     def _progress(self, now: float) -> None:
         if self.t_first is None:
@@ -220,6 +224,7 @@ class Phase:
         self.data += 1
         self._progress(now)
         received = self.received[s] = self.received[s] + 1
+        self.behind[s] = k < self.top[s]
         if k >= self.top[s]:
             self.top[s] = k + 1
         elif s not in self.repairing:  # (resent ranges come below the top, as asked)
@@ -331,6 +336,7 @@ class Phase:
         self.data += count
         self._progress(now)
         received = self.received[s] = self.received[s] + count
+        self.behind[s] = k_max < self.top[s]
         if k_max - count + 1 < self.top[s] and s not in self.repairing:  # (the block's lowest index is at most this:
             # in order it is not; resent ranges come below the top, as asked)
             self.reordered[s] = True
