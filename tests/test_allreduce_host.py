@@ -641,3 +641,14 @@ def test_a_report_carries_the_arrival_time_only_while_the_senders_latest_data_is
 
     assert reported(moved_on=False) == 1234.5
     assert reported(moved_on=True) == 0.0
+
+
+def test_a_finished_groups_stage_and_kept_shard_serve_the_next_group_of_the_same_size() -> None:
+    """Averages of one size back to back: the next group's stage and its owner's kept shard (Repair.keep_shard) both
+    come from the spares the last group handed back, so neither faults in fresh pages."""
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
+    stage, kept = np.empty(4000, np.float32), np.empty(1000, np.float32)  # a group of 4: the stage and one shard
+    host._keep_spare(stage, kept)
+    assert host._take_spare(4000) is stage
+    assert host._take_spare(1000) is kept
+    assert host._take_spare(1000) is None

@@ -197,14 +197,18 @@ def test_an_owner_serves_until_its_members_are_done_or_serve_s_passes():
 def test_an_owner_that_handed_its_result_on_resends_from_its_kept_shard(spare):
     """The driver hands the result on while the owner still serves (AveragingHost.release), and its caller may
     reuse the buffer at once: resends carry the final values kept at hand-over, not what the buffer holds now. The
-    copy may go into a spare buffer of the host's (larger, holding an earlier group's values), which the group
-    hands back as ``kept_buffer``."""
+    copy may go into a spare buffer of the host's (larger, holding an earlier group's values); the group hands back
+    what it copied into as ``kept_buffer`` (the spare, or its fresh copy: the next group's spare)."""
     m0, _ = serving_owner()
     final = m0.result().copy()
     buffer = np.full(10_000, 7.0, np.float32)
     asked: list[int] = []
     m0.keep_shard((lambda n: asked.append(n) or buffer) if spare else None)
-    assert m0.kept_buffer is (buffer if spare else None)
+    if spare:
+        assert m0.kept_buffer is buffer
+    else:
+        assert m0.kept_buffer is not None and m0.kept_buffer.size == 1000
+        assert not np.shares_memory(m0.kept_buffer, m0.result())
     assert asked == ([1000] if spare else [])  # the own shard's elements
     m0.result()[:] = np.nan
     assert m0.receive(1, AG_NACK, pack_nack(GROUP, 1, 20, 0, b"\x05\x00\x08"), 0.01) is Outcome.ACCEPTED

@@ -124,14 +124,16 @@ class Repair:
         if self._kept is None and not self._coded:
             own = self._out[self._lo : self._hi]
             buf = spare(own.size) if spare is not None and own.dtype == F32_DTYPE else None
-            self._kept = own.copy() if buf is None else buf[: own.size]
-            if buf is not None:
+            if buf is None:  # (the fresh copy goes to the host's spares afterwards too: the next group's)
+                self._kept = self._kept_base = own.copy()
+            else:
+                self._kept, self._kept_base = buf[: own.size], buf
                 np.copyto(self._kept, own)
-                self._kept_base = buf
 
     @property
     def kept_buffer(self) -> np.ndarray | None:
-        """The spare buffer ``keep_shard`` copied into, for the host to keep again once the group is done."""
+        """The buffer ``keep_shard`` copied into (a spare, or its fresh copy), for the host to keep once the group is
+        done."""
         return self._kept_base
 
     def _receive_nack(self, sender: int, body: bytes | memoryview, now: float) -> Outcome:
