@@ -378,3 +378,42 @@ def test_parts_of_a_round_share_one_matchmaking_and_average_apart() -> None:
         assert np.abs(out[0][1].vector - vectors[0][1]).max() < 1e-6  # nobody sent node 0 anything of it
 
     run_on_memnet(main, seed=7)
+
+
+@pytest.mark.parametrize("wait", [None, 10.0])
+@pytest.mark.parametrize("keep", [1, 20])
+def test_a_round_told_to_wait_gathers_a_member_late_past_the_runs_window_cap(keep: int, wait: float | None) -> None:
+    """The final average of training: four daemons whose window tuned itself down to 1 s (a 3 s cap); one trainer
+    comes 4 s late (its last evaluation ran long). A step's round leaves it alone; a round with ``wait_s`` (what
+    ``Optimizer.finish`` asks) gathers all four, and starts as the late one arrives, not at the wait's end."""
+
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm(nursery, net, 4)
+        for n in nodes:
+            n.moshpit.deadlines = DeadlineTuner()
+            await n.moshpit.open("final", window_s=3.0, keep_rounds=keep)
+        vectors = [np.full(100, float(i), np.float32) for i in range(4)]
+        for _ in range(7):  # enough quick rounds for every tuner to bring the window to its floor
+            assert all(r is not None and r.group_size == 4 for r in await lockstep(nodes, "final", vectors))
+        out: list[RoundResult | None] = [None] * 4
+        extra = {} if wait is None else {"wait_s": wait}
+
+        async def one(i: int) -> None:
+            await trio.sleep(4.0 if i == 2 else 0.0)
+            out[i] = await nodes[i].moshpit.average("final", vectors[i], 1.0, timeout_s=30.0, **extra)
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as inner:
+            for i in range(4):
+                inner.start_soon(one, i)
+        if wait is None:
+            assert [(r.outcome, r.group_size) for r in out if r is not None] == [("averaged", 3)] * 2 + [
+                ("alone", 1), ("averaged", 3)]
+            return
+        assert all(r is not None and r.outcome == "averaged" and r.group_size == 4 for r in out)
+        assert all(np.allclose(r.vector, 1.5) for r in out if r is not None)
+        assert trio.current_time() - t0 < 4.5
+        with pytest.raises(MoshpitError, match="wait_s"):
+            await nodes[0].moshpit.average("final", vectors[0], 1.0, timeout_s=10.0, wait_s=6.0)
+
+    run_on_memnet(main, seed=6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import warnings
 
 import pytest
@@ -108,6 +109,41 @@ def test_finish_leaves_every_replica_with_the_swarms_parameters(tmp_path) -> Non
         torch.testing.assert_close(flat(models[0]), mean)
         with pytest.raises(ValueError, match="rounds"):
             opts[0].finish(rounds=0)
+        for o in opts:
+            o.close()
+
+
+def test_finish_waits_for_a_trainer_that_ends_training_after_a_steps_window(tmp_path) -> None:
+    """A step's round waits its (tuned) window, 0.5 s here; one trainer reaches the end 2 s after the other (its
+    last evaluation ran long). A plain parameter average leaves the first one alone; finish() waits for it."""
+    with thread_daemon(tmp_path, group_size=2, wait_s=0.5) as daemon:
+        models = [model(0), model(7)]
+        opts = [wrapped(m, daemon) for m in models]
+
+        def late_pair(call) -> list:
+            replies: list = [None, None]
+
+            def one(i: int) -> None:
+                if i == 1:
+                    time.sleep(2.0)
+                replies[i] = call(opts[i])
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            return replies
+
+        assert [r["outcome"] for r in late_pair(lambda o: o.average_parameters())] == ["alone", "alone"]
+        assert not torch.equal(flat(models[0]), flat(models[1]))
+        mean = (flat(models[0]) + flat(models[1])) / 2
+        t0 = time.monotonic()
+        assert [r["outcome"] for r in late_pair(lambda o: o.finish())] == ["averaged", "averaged"]
+        assert time.monotonic() - t0 < 5.0  # the average began as the late one came, not at the wait's end
+        torch.testing.assert_close(flat(models[0]), mean)
+        assert torch.equal(flat(models[0]), flat(models[1]))
+        with pytest.raises(ValueError, match="wait_s"):
+            opts[0].finish(wait_s=0.0)
         for o in opts:
             o.close()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -223,3 +224,28 @@ def test_arc_topk_sessions_take_robust_clip_and_refuse_centered(synced) -> None:
     assert open_with(synced.path, compression="arc-topk", robust="clip:2")["session"] > 0
     with pytest.raises(DaemonError, match="does not go with arc-topk"):
         open_with(synced.path, compression="arc-topk", robust="centered:2")
+
+
+def test_a_steps_wait_is_bounded_before_it_reaches_the_averager_hostile(synced) -> None:
+    """``wait_s`` (finish()'s longer wait for late trainers) is a number within half the step's deadline, or the
+    step is refused before it waits on anything; a valid one reaches the averaging call as it was asked."""
+    client, arena, reply = open_session(synced.path)
+    synced.averager.wait_s = 0.1
+    for t, bad in enumerate((0.0, 0.1, 2.6, math.inf, math.nan, "1", True, []), start=1):
+        with pytest.raises(DaemonError, match="wait_s"):
+            step(client, arena, reply, t, np.ones(16), 1, kind="params", wait_s=bad)
+    assert synced.averager.calls == []
+
+    class ShortRounds:  # a tuner that measured quick rounds: a step's deadline comes down to 1 s
+        def step_wait(self, cap_s: float) -> SimpleNamespace:
+            return SimpleNamespace(seconds=1.0)
+
+        def receive_step(self, **facts) -> None:
+            pass
+
+    synced.service.deadlines = ShortRounds()
+    r, _ = step(client, arena, reply, 20, np.ones(16), 1, kind="params")
+    r, _ = step(client, arena, reply, 21, np.ones(16), 1, kind="params", wait_s=0.3)
+    assert r["outcome"] == "alone" and synced.averager.timeouts == [1.0, 5.0]  # (told to wait: the whole deadline)
+    client.close()
+    arena.close()

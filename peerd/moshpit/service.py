@@ -122,10 +122,7 @@ class MoshpitService:
         if type(max_group) is not int or not 2 <= max_group <= m.MAX_GROUP:
             raise MoshpitError(f"max_group must be an integer in [2, {m.MAX_GROUP}], got {max_group!r}")
         self.max_group = max_group
-        self.dht = dht
-        self.allreduce = allreduce
-        self.metrics = metrics
-        self.address = address
+        self.dht, self.allreduce, self.metrics, self.address = dht, allreduce, metrics, address
         self.reach = REACH_UNKNOWN  # this node's reachability rank (the daemon sets it): who leads first
         self.cap_ad: CapAdvert | None = None  # this node's bandwidth caps, announced (the daemon sets it)
         self.peer_caps = PeerCaps()  # the caps of peers seen in matchmaking records, every run's
@@ -279,7 +276,7 @@ class MoshpitService:
                       quant_group: int | None = None, rounding: str | None = None, topk_layout: list | None = None,
                       topk_ratio: float = 0.1, ef_eta: float | None = 0.1,
                       ready: Callable[[], Awaitable[None]] | None = None,
-                      chain_from: float | None = None) -> RoundResult:
+                      chain_from: float | None = None, wait_s: float | None = None) -> RoundResult:
         """One Moshpit round for ``run_id``: find a group, average in it. Never raises for churn.
 
         ``ready``: awaited once the group is known (or none formed), before ``vector`` is read: the caller fills
@@ -306,7 +303,8 @@ class MoshpitService:
 
         ``chain_from``: the ``window_end`` of the round before this one in the same step (a DiLoCo outer step's
         rounds, one per grid axis): this round's matchmaking window ends one window after it (RoundMachine
-        .start_round), so members that spent that round alone still meet the ones that averaged at once."""
+        .start_round), so members that spent that round alone still meet the ones that averaged at once.
+        ``wait_s``: this round waits at least this long for its members (tuning.tune_round), below timeout_s / 2."""
         if chain_from is not None and not (isinstance(chain_from, int | float) and math.isfinite(chain_from)):
             raise MoshpitError(f"chain_from must be a wall-clock time (a RoundResult's window_end), got {chain_from!r}")
         if vector.dtype != np.float32 or vector.ndim != 1:
@@ -323,8 +321,10 @@ class MoshpitService:
                 await ready()
             return vector
 
+        if wait_s is not None and not (isinstance(wait_s, int | float) and 0.2 <= wait_s <= timeout_s / 2):
+            raise MoshpitError(f"wait_s must be in [0.2, timeout_s / 2 = {timeout_s / 2}] seconds, got {wait_s!r}")
         results = await self._run_round(run_id, [Part(fetch)], weight, timeout_s, keep_rounds, round_no,
-                                        max_weight, robust, codec, center=center, chain_from=chain_from)
+                                        max_weight, robust, codec, center=center, chain_from=chain_from, wait_s=wait_s)
         outcome = results[0]
         if isinstance(outcome, BaseException):
             raise outcome
@@ -354,8 +354,8 @@ class MoshpitService:
     async def _run_round(self, run_id: str, parts: list[Part], weight: float, timeout_s: float,
                          keep_rounds: int | None, round_no: int | None, max_weight: float | None,
                          robust: Robust | str | None, codec: tuple[Codec | TopK | None] | None, *,
-                         center: np.ndarray | None = None, split: bool = False,
-                         chain_from: float | None = None) -> list[RoundResult | Exception]:
+                         center: np.ndarray | None = None, split: bool = False, chain_from: float | None = None,
+                         wait_s: float | None = None) -> list[RoundResult | Exception]:
         """Check the options both forms share, configure the run and drive one round under its lock."""
         check_run_id(run_id)
         if round_no is not None and (type(round_no) is not int or not 0 <= round_no <= MAX_ROUND):
@@ -382,11 +382,11 @@ class MoshpitService:
                 raise MoshpitError(f"run {run_id!r} has averaged its last round ({MAX_ROUND}): round numbers are "
                                    f"uint32 and do not wrap; continue under a new run id")
             return await self._round(st, parts, float(weight), timeout_s, numbered=round_no is not None,
-                                     center=center, split=split, chain_from=chain_from)
+                                     center=center, split=split, chain_from=chain_from, wait_s=wait_s)
 
     async def _round(self, st: RunState, parts: list[Part], weight: float, timeout_s: float,
                      numbered: bool = False, center: np.ndarray | None = None, split: bool = False,
-                     chain_from: float | None = None) -> list[RoundResult | Exception]:
+                     chain_from: float | None = None, wait_s: float | None = None) -> list[RoundResult | Exception]:
         """Drive the machine through one round: execute its actions, wait for an input or its deadline. Once
         a group is known, average each part in it (``split``: each under its own group id, concurrently)."""
         core = st.core
@@ -394,7 +394,7 @@ class MoshpitService:
         st.state = "matchmaking"
         st.in_round = True
         window_cap = core.window_s  # the run's window: the tuned one's cap, back in place when the round ends
-        window_used = tune_round(self.deadlines, core, window_cap)
+        window_used = tune_round(self.deadlines, core, window_cap, wait_s)
         core.start_round(timeout_s=timeout_s, numbered=numbered, chain_from=chain_from, now=t0)
         round_no, key = core.round, core.key
         results: list[RoundResult | Exception] | None = None

@@ -15,13 +15,14 @@ def tuned_window(deadlines: DeadlineTuner | None, cap_s: float) -> float:
     return cap_s if deadlines is None else deadlines.window(cap_s).seconds
 
 
-def tune_round(deadlines: DeadlineTuner | None, core: RoundMachine, cap_s: float) -> float:
+def tune_round(deadlines: DeadlineTuner | None, core: RoundMachine, cap_s: float, wait_s: float | None = None) -> float:
     """Set the next round's deadlines on ``core``: its matchmaking window (returned) within the run's ``cap_s`` (kept
     as ``window_cap_s``: the longest a kept round waits for a late member that is alive), and how long its
     matchmaking waits for a member of its last group that did not finish it (the whole window without a tuner:
-    today's)."""
-    window = core.window_s = tuned_window(deadlines, cap_s)
-    core.window_cap_s = cap_s
+    today's). ``wait_s``: a round that should gather everyone (the final average of training, which trainers
+    reach seconds apart) waits at least this long, whatever the tuner or the run's cap say."""
+    window = core.window_s = tuned_window(deadlines, cap_s) if wait_s is None else max(wait_s, cap_s)
+    core.window_cap_s = cap_s if wait_s is None else window
     core.doubt_s = window if deadlines is None else deadlines.doubt(window).seconds
     return window
 

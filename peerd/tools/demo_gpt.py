@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         opt.flush()
         if args.mode != "diloco":
             for _ in range(max(0, args.final_average)):
-                r = opt.average_parameters()
+                r = opt.finish()  # (one average each: it waits for trainers that end later, not a step's window)
                 final_rounds.append({"outcome": r["outcome"], "group_size": r["group_size"]})
         else:
             opt._load_local(0, opt.elems)  # the swarm's model: the global parameters, identical on every member

@@ -389,7 +389,7 @@ def run_train(args: argparse.Namespace) -> int:
         # Lost datagrams and rounds without a group leave replicas slightly apart: end on a common point.
         final_rounds = []
         for _ in range(0 if diverged or diloco else max(0, args.final_average)):
-            reply = opt.average_parameters()
+            reply = opt.finish()  # (one average each: it waits for trainers that end later, not a step's window)
             tensor_bytes += averaged_bytes(args, opt.elems, reply, "params") if reply["outcome"] == "averaged" else 0
             final_rounds.append({"outcome": reply["outcome"], "group_size": reply["group_size"],
                                  "received_fraction": reply["received_fraction"]})

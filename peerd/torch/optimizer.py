@@ -56,6 +56,7 @@ MAX_SAMPLES_FACTOR = 2.0
 # A joiner counts forward to the swarm's step at most this many steps (its first round's number is the group's
 # claim: a forged one moves this replica's count, and the schedule keyed on it, by no more).
 MAX_CATCH_UP = 100_000
+FINISH_WAIT_S = 10.0  # finish()'s averages wait this long for trainers that end training later (capped by timeout_s)
 MIN_ROUND_S = 1.0  # the least deadline a round is given (the daemon's floor): a parameter average needs it left
 SNAPSHOT_TRIES = 4  # snapshots a joiner refuses (non-finite, implausible step) before it gives up
 
@@ -545,14 +546,18 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         n = r + 1 if reply.get("outcome") in ("averaged", "alone") and type(r) is int and r >= 0 else self.step_count
         return n // base if n % k == 0 else None
 
-    def average_parameters(self, round_no: int | None = None, *, timeout_s: float | None = None) -> dict[str, Any]:
+    def average_parameters(self, round_no: int | None = None, *, timeout_s: float | None = None,
+                           wait_s: float | None = None) -> dict[str, Any]:
         """Average the parameters themselves with a group (equal weights); returns the round's statistics.
 
         ``round_no``: the Moshpit round to average in (every replica must name the same one); None: the
         run's next round (e.g. the extra averages after the last step, which every replica makes).
-        ``timeout_s``: the round's deadline (None: the optimizer's ``timeout_s``)."""
+        ``timeout_s``: the round's deadline (None: the optimizer's ``timeout_s``). ``wait_s``: how long the
+        round waits for its members at least (None: as long as a step's round, tuned to the swarm's pace);
+        at most half the deadline."""
         self.flush()
-        reply, result = self._average("params", list(self.params), 1.0, {}, round_no, timeout_s)
+        report = {} if wait_s is None else {"wait_s": wait_s}
+        reply, result = self._average("params", list(self.params), 1.0, report, round_no, timeout_s)
         if reply["outcome"] == "averaged":
             t0 = time.monotonic()
             if self._finite(result, "parameter"):
@@ -562,17 +567,23 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
             reply["phases"]["copy_out"] += time.monotonic() - t0
         return reply
 
-    def finish(self, rounds: int = 1) -> dict[str, Any]:
+    def finish(self, rounds: int = 1, *, wait_s: float = FINISH_WAIT_S) -> dict[str, Any]:
         """The end of training: apply every update still due, then average the parameters with the swarm
         ``rounds`` times (on a grid of d dimensions, d rounds reach every member: the swarm's exact mean),
         so every replica leaves with the swarm's model. Returns the last average's statistics. Every trainer
-        of the run calls it after its last step; the wrapper stays usable (e.g. to save the model)."""
+        of the run calls it after its last step; the wrapper stays usable (e.g. to save the model).
+
+        Each of these averages waits up to ``wait_s`` (at most half the optimizer's ``timeout_s``) for the
+        swarm's other trainers, not a step's tuned window: trainers end training seconds apart (a last
+        evaluation, a slower machine), and one that came after the others' window would keep its own model."""
         if type(rounds) is not int or not 1 <= rounds <= 16:
             raise ValueError(f"rounds must be an integer in [1, 16], got {rounds!r}")
+        if not (isinstance(wait_s, int | float) and wait_s >= 0.2):
+            raise ValueError(f"wait_s must be a number of seconds >= 0.2, got {wait_s!r}")
         self.flush()
         reply: dict[str, Any] = {}
         for _ in range(rounds):
-            reply = self.average_parameters()
+            reply = self.average_parameters(wait_s=min(float(wait_s), self.timeout_s / 2))
         return reply
 
     def _finite(self, result: torch.Tensor, what: str) -> bool:

@@ -272,9 +272,12 @@ class TrainerService:
             raise OpError(f"kind must be one of {KINDS}")
         if not isinstance(timeout, int | float) or not 1 <= timeout <= 3600:
             raise OpError("timeout_s must be in [1, 3600]")
-        round_no = req.get("round")
+        round_no, wait = req.get("round"), req.get("wait_s")
         if round_no is not None and (type(round_no) is not int or not 0 <= round_no < 2**32 - 1):
             raise OpError("round must be an integer in [0, 2**32 - 1) (e.g. the step // K of a parameter average)")
+        if wait is not None and (not isinstance(wait, int | float) or isinstance(wait, bool)
+                                 or not 0.2 <= wait <= timeout / 2):
+            raise OpError(f"wait_s must be in [0.2, timeout_s / 2 = {timeout / 2}] seconds")
         session.latest = step
         self._report(req, session)
         try:
@@ -282,13 +285,15 @@ class TrainerService:
         except ArenaError as e:
             raise OpError(str(e)) from None
         entered = time.monotonic()
-        timeout = timeout if self.deadlines is None else self.deadlines.step_wait(float(timeout)).seconds
+        if self.deadlines is not None and wait is None:  # (a round told to wait keeps the timeout that holds it)
+            timeout = self.deadlines.step_wait(float(timeout)).seconds
         vector, finite = await take_slot(session.arena.vector(step))  # averaging must not see the slot change
         if not finite:  # a NaN would poison every peer's average
             raise OpError(f"step {step}: the vector holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
-        result, out, outcome, error = await self._average_vector(session, session.average_id(kind), kind, vector,
-                                                                 float(weight), timeout, round_no, step)
+        result, out, outcome, error = await self._average_vector(
+            session, session.average_id(kind), kind, vector, float(weight), timeout, round_no, step,
+            **({} if wait is None else {"wait_s": float(wait)}))
         seconds = time.monotonic() - start
         self.metrics.trainer_steps.labels(outcome).inc()
         self.metrics.trainer_step_seconds.observe(seconds)

@@ -67,7 +67,8 @@ class InProcessAverager:
                       **options) -> RoundResult:
         # codec keywords are taken and recorded (the average stays exact)
         assert set(options) <= {"max_weight", "robust", "center", "chain_from", "compression", "quant_group",
-                                "rounding"}, options
+                                "rounding", "wait_s"}, options
+        wait_s = max(self.wait_s, options.pop("wait_s", 0.0))  # (a round told to wait does, as Moshpit's)
         start = time.monotonic()
         self.readies.append(ready is not None)
         self.timeouts.append(timeout_s)
@@ -86,7 +87,7 @@ class InProcessAverager:
         rnd.entries.append((me, vector.astype(np.float32), weight))
         if len(rnd.entries) >= self.group_size:
             self._close(rnd)
-        with trio.move_on_after(min(self.wait_s, timeout_s)):
+        with trio.move_on_after(min(wait_s, timeout_s)):
             await rnd.done.wait()
         if not rnd.closed:
             self._close(rnd)
