@@ -777,7 +777,7 @@ def test_robust_averages_wait_for_the_whole_reduce_scatter():
 
 def test_without_overlap_the_all_gather_waits_for_the_reduce_scatter():
     xs, ws = inputs(2, 2 * 40 * 2, seed=7, weights=[3.0, 1.0])
-    a, b = make_group(xs, ws, per=2)
+    a, b = make_group(xs, ws, per=2, overlap=False)
     bodies = [o.body for o in b.datagrams_to_send(0.0, 10_000) if o.type == RS_DATA and o.to == 0]
     for body in bodies[1:36]:
         a.receive(1, RS_DATA, body, 0.1)

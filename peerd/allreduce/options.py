@@ -67,7 +67,8 @@ class AverageOptions:
     usual; arc-topk's suspects). ``solo``: each owner's result for its shard
     is its own values alone (a broadcast per owner: arc-topk's selections). ``overlap``: each owner sends the
     averages of its shard's ranges as they become final, while the reduce-scatter still runs (protocol/allreduce.md,
-    "Final ranges"), instead of after it; not with ``robust``, which needs every contribution first.
+    "Final ranges"), instead of after it (the default: the same time on a lossy link, less on a fast one); not
+    with ``robust``, which needs every contribution first.
     ``repair_rounds``: how many times a member asks an owner again for the all-gather ranges it lacks, and how many
     rounds this node serves as an owner (protocol/allreduce.md, "Repair"; 0: none, as before). ``owner_lag_s``: the
     all-gather's extra wait for an owner that ends its reduce-scatter after this member did (None: ``floor_s``); a
@@ -86,7 +87,7 @@ class AverageOptions:
     absent: tuple[int, ...] = ()
     exclude: tuple[int, ...] = ()
     solo: bool = False
-    overlap: bool = False
+    overlap: bool = True
     repair_rounds: int = MAX_REPAIR_ROUNDS  # a range lost in two rounds at 5 % loss left ~1 round in 10 incomplete
     owner_lag_s: float | None = None
     probe_silent: bool = False
