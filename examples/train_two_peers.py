@@ -63,7 +63,7 @@ def train(peer: int, socket: str | None, steps: int, batch: int) -> dict:
         if opt.step_count % 20 == 0:
             print(f"peer {peer}  step {opt.step_count:3d}  loss {loss.item():.3f}  "
                   f"group {reply['group_size']}  {reply['outcome']}", flush=True)
-    opt.average_parameters()  # end on a common point: one last average of the parameters themselves
+    opt.finish()  # end on a common point: one last average of the parameters, waiting for a peer that ends later
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         checksum = sum(p.double().sum().item() for p in model.parameters())
