@@ -169,6 +169,27 @@ def test_suspicion_ages_out_and_is_bounded_hostile() -> None:
     assert len(s.left) == MAX_SUSPECTS
 
 
+def test_an_owners_verdicts_are_counted_for_its_status_and_bounded_hostile() -> None:
+    """``statistics()`` (``peerd status``'s ``suspects``): the dense phases that tested each member, its bans ever,
+    and who is banned now; a member out on a ban is not tested meanwhile, and many identities cannot grow the
+    record past MAX_SUSPECTS."""
+    s = Suspects()
+    ids = [b"\x01", b"\x02", b"\x03"]
+    for _ in range(STRIKES):
+        s.observe(ids, (2,))
+    st = s.statistics()
+    assert st.tests == {"01": STRIKES, "02": STRIKES, "03": STRIKES} and st.bans == {"03": 1}
+    assert st.banned_now == ["03"]
+    for _ in range(BAN_ROUNDS + 1):
+        s.observe(ids, ())
+    st = s.statistics()
+    assert st.tests["03"] == STRIKES + 1 and st.tests["01"] == STRIKES + BAN_ROUNDS + 1  # untested while banned
+    assert st.bans == {"03": 1} and st.banned_now == []
+    many = [i.to_bytes(4, "little") for i in range(MAX_SUSPECTS + 50)]
+    s.observe(many, ())
+    assert len(s.tested) == MAX_SUSPECTS and len(s.banned_total) <= MAX_SUSPECTS
+
+
 def _banned_for(s: Suspects, ids: list[bytes], k: int) -> int:
     """Averages until member ``k`` is tested again (its ban's length), the owner (index 0) finding nobody opposed."""
     n = 0

@@ -131,3 +131,17 @@ def test_diloco_outer_averages_bound_claimed_weights_by_default_hostile(tmp_path
         assert len(outer) == 2, outer
         assert all(o.get("robust") == Robust("clip", MAX_C) and o.get("max_weight") == cap for o in outer), outer
         opt.close()
+
+
+def test_the_demo_sums_the_direction_tests_verdicts_by_honest_and_byzantine_member() -> None:
+    """`peerd demo --byzantine K --compression arc-topk` reports ``direction_test``: the honest daemons' verdicts
+    (``peerd status``: moshpit.<run>.suspects) summed apart for honest and byzantine members."""
+    from peerd.tools.demo import direction_bans
+
+    statuses = [{"moshpit": {"r": {"suspects": {"tests": {"aa": 10, "bb": 10, "ff": 6}, "bans": {"ff": 2},
+                                                 "banned_now": ["ff"]}},
+                             "other": {"suspects": None}}},
+                {"moshpit": {"r": {"suspects": {"tests": {"aa": 9, "ff": 5}, "bans": {"aa": 1, "ff": 1}}}}},
+                {"moshpit": {}}]
+    assert direction_bans(statuses, {"ff"}) == {"honest_tests": 29, "honest_bans": 1, "byzantine_tests": 11,
+                                                "byzantine_bans": 3}

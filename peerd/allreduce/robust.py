@@ -117,6 +117,17 @@ def opposed_members(gram: np.ndarray, heard: list[int], own: int, elements: list
     return frozenset(out)
 
 
+@dataclass(frozen=True)
+class SuspectStatistics:
+    """An owner's direction-test verdicts on an arc-topk run, by member (hex node id): ``tests``, the dense phases
+    that tested it; ``bans``, the times it was banned; ``banned_now``, those left out of this owner's shards now.
+    An honest member's bans against its tests is the rule's false-ban rate (what it costs honest members)."""
+
+    tests: dict[str, int]
+    bans: dict[str, int]
+    banned_now: list[str]
+
+
 @dataclass
 class Suspects:
     """Members (by identity) that this member, as an owner, recently left out of an arc-topk dense phase for
@@ -132,6 +143,14 @@ class Suspects:
     banned: dict[bytes, int] = field(default_factory=dict)  # identity -> averages it is still left out of entirely
     strikes: dict[bytes, int] = field(default_factory=dict)  # identity -> its last verdicts, newest in bit 0
     bans: dict[bytes, int] = field(default_factory=dict)  # identity -> bans since its last clean window of tests
+    tested: dict[bytes, int] = field(default_factory=dict)  # identity -> dense phases that tested it (ever)
+    banned_total: dict[bytes, int] = field(default_factory=dict)  # identity -> times it was banned (ever)
+
+    def statistics(self) -> SuspectStatistics:
+        """What an owner can read of its verdicts (``peerd status``): whom it tested, banned, and leaves out now."""
+        return SuspectStatistics(tests={i.hex(): n for i, n in self.tested.items()},
+                                 bans={i.hex(): n for i, n in self.banned_total.items()},
+                                 banned_now=sorted(i.hex() for i in self.banned))
 
     def among(self, ids: list[bytes], own: int) -> tuple[int, ...]:
         """The indices in ``ids`` (a group's members, in order) that the sketch phase leaves out (suspects and
@@ -155,6 +174,7 @@ class Suspects:
         for i in ids:
             if i in untested:
                 continue
+            self.tested[i] = self.tested.pop(i, 0) + 1  # (re-inserted: the least recently tested go first)
             bits = ((self.strikes.get(i, 0) << 1) | (i in against)) & window
             self.strikes.pop(i, None)
             if bits:
@@ -166,10 +186,11 @@ class Suspects:
                 if bits.bit_count() >= STRIKES:
                     n = self.bans.pop(i, 0) + 1
                     self.bans[i] = n
+                    self.banned_total[i] = self.banned_total.pop(i, 0) + 1
                     rounds = min(BAN_ROUNDS << min(n - 1, 16), MAX_BAN_ROUNDS)
                     self.banned[i] = rounds
                     self.left[i] = rounds + 1  # its sketches stay out of the round that tests it again
-        for record in (self.left, self.banned, self.strikes, self.bans):
+        for record in (self.left, self.banned, self.strikes, self.bans, self.tested, self.banned_total):
             while len(record) > MAX_SUSPECTS:
                 record.pop(next(iter(record)))
 

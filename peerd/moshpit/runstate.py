@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from ..allreduce.robust import Robust, Suspects, parse_robust
+from ..allreduce.robust import Robust, Suspects, SuspectStatistics, parse_robust
 from ..compress import Codec
 from ..compress import codec as make_codec
 from ..compress.topk import EF21M
@@ -164,6 +164,7 @@ class RunStatistics:
     quant_group: int | None
     rounding: str | None
     last: RoundStatistics | None
+    suspects: SuspectStatistics | None = None  # arc-topk runs: the direction test's verdicts (robust.Suspects)
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,7 @@ class RunState:
             quant_group=self.codec.group if int_codec else None,  # type: ignore[union-attr]
             rounding=self.codec.rounding if int_codec else None,  # type: ignore[union-attr]
             last=self.last.statistics() if self.last else None,
+            suspects=self.topk.suspects.statistics() if self.topk is not None else None,
         )
 
 

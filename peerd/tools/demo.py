@@ -217,6 +217,21 @@ def divergence(vectors: list[list[float]]) -> float:
     return worst
 
 
+def direction_bans(statuses: list[dict[str, Any]], byzantine_ids: set[str]) -> dict[str, int]:
+    """The arc-topk direction test's verdicts summed over the honest daemons' ``peerd status`` (``moshpit.<run>
+    .suspects``): dense-phase tests and bans of honest members and of the byzantine ones (hex node ids). Honest
+    bans against honest tests is the rule's false-ban rate; byzantine bans against their tests, how often it
+    catches them."""
+    out = {"honest_tests": 0, "honest_bans": 0, "byzantine_tests": 0, "byzantine_bans": 0}
+    for status in statuses:
+        for run in (status.get("moshpit") or {}).values():
+            verdicts = run.get("suspects") or {}
+            for kind, key in (("tests", "tests"), ("bans", "bans")):
+                for member, n in (verdicts.get(key) or {}).items():
+                    out[f"{'byzantine' if member in byzantine_ids else 'honest'}_{kind}"] += int(n)
+    return out
+
+
 def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - one linear script
     """Run the demo; returns the summary (the --json fields and more). Raises RuntimeError on failure."""
     say = (lambda *a, **k: print(*a, file=sys.stderr, flush=True, **k)) if cfg.json else log
@@ -395,6 +410,11 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             # after "done" a trainer still writes its result with every parameter as JSON: 2.24 M numbers for
             # --model wide, which takes tens of seconds on a busy 2-core machine
             p.wait(300)
+        verdicts = None
+        if byzantine and cfg.compression == "arc-topk":  # the direction test's record, read before the daemons go
+            honest_nodes = [n for n in swarm.nodes if n.index not in byzantine and n.index not in killed]
+            verdicts = direction_bans([n.call("status") for n in honest_nodes if n.alive()],
+                                      {swarm.nodes[j].status.get("peer_id", "") for j in byzantine})
         wall = time.monotonic() - start
         results = []
         for i in range(total):
@@ -430,6 +450,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "outcomes": _sum_outcomes(results),
             "byzantine": cfg.byzantine,
             "byzantine_mode": cfg.byzantine_mode if cfg.byzantine else None,
+            **({"direction_test": verdicts} if verdicts is not None else {}),
             "robust": cfg.robust,
             "compression": cfg.compression or "fp32",
             **({"quant_group": cfg.quant_group or 128, "rounding": cfg.rounding or "stochastic"}
