@@ -234,11 +234,12 @@ class RoundMachine:
         self._check_renewal(now)
 
     def on_averaged(self, *, averaged: bool, silent: bool = False, members: list[bytes] | None = None,
-                    now: float) -> None:
+                    dead: frozenset[bytes] = frozenset(), now: float) -> None:
         """The ``Average`` is over. ``averaged``: this node got the group's mean (False: it kept its own
         vector: the average failed or was refused); ``silent``: some member was never heard from;
-        ``members``: the node ids averaged with (they are believed further in progress records)."""
-        self.after_average(averaged=averaged, silent=silent, members=members)
+        ``members``: the node ids averaged with (they are believed further in progress records); ``dead``:
+        members given up on mid-average, their daemons silent to PINGs (a kept group goes on without them)."""
+        self.after_average(averaged=averaged, silent=silent, members=members, dead=dead, now=now)
         if self.phase != "average":
             return
         group = self.group
@@ -253,12 +254,14 @@ class RoundMachine:
             self.keys.after_group(group.index, len(group.members), self.seen)
         self._finish(now)
 
-    def after_average(self, *, averaged: bool, silent: bool = False, members: list[bytes] | None = None) -> None:
+    def after_average(self, *, averaged: bool, silent: bool = False, members: list[bytes] | None = None,
+                      dead: frozenset[bytes] = frozenset(), now: float = 0.0) -> None:
         """What an average teaches about the group, also outside a round: a group with a silent member
-        (or one whose average failed) is not kept; peers averaged with are believed further ahead."""
-        self.sticky.after_round(silent or not averaged)
+        (or one whose average failed) is not kept, one with dead members is kept without them; peers averaged
+        with are believed further ahead."""
+        self.sticky.after_round(silent or not averaged, dead, now)
         if averaged and members:
-            self.note_members([n for n in members if n != self.me.node_id], self.round)
+            self.note_members([n for n in members if n != self.me.node_id and n not in dead], self.round)
 
     def handle_timer(self, now: float) -> None:
         ask = self._ask
@@ -507,8 +510,10 @@ class RoundMachine:
             return
         ids, t0 = watch.kept.node_ids(), watch.started
         if watch.purpose == "progress":
+            gone = self.sticky.gone
             for owner, _, stored in decode_progress(records)[0]:
-                if owner not in ids and stored > t0 - OUTSIDER_S:
+                # (a member the group went on without wrote its last record before it died: not an outsider)
+                if owner not in ids and stored > max(t0 - OUTSIDER_S, gone.get(owner, -math.inf)):
                     self._actions.append(Note(f"run {self.run_id} round {watch.round_no}: a peer outside the kept "
                                               f"group trains; re-forming"))
                     self.sticky.break_("outsider", watch.kept)

@@ -93,6 +93,7 @@ class RoundResult:
     # members (indices in the group's order) this node heard nothing from in the reduce-scatter, or did
     # not wait for (absent): a split round's later parts leave them out
     out: tuple[int, ...] = field(default=(), repr=False)
+    dead: tuple[int, ...] = field(default=(), repr=False)  # members given up on mid-average (daemons silent to PINGs)
     dims: int = 1  # the run's grid dimensions: rounds until every member's value reached every other's
     weight_total: float = 0.0  # the weight the group's average stands for (its members' weights; 0: unknown)
     window_end: float = 0.0  # wall clock: when this round's matchmaking window ended (0: a kept group's round)

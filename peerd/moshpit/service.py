@@ -410,17 +410,17 @@ class MoshpitService:
                     if mm_s is None and core.phase not in ("renew", "match"):
                         mm_s = self.clock() - t0
                     if average is not None:
-                        st.state = "averaging"
+                        st.state, group = "averaging", average.group
                         assert mm_s is not None
-                        group = average.group
                         results = await self._average_parts(st, group, parts, weight, timeout_s - mm_s, round_no,
                                                             key, core.seen, center, split, mm_s, t0, average.kept)
                         done = [r for r in results if isinstance(r, RoundResult)]
                         if not done:  # no part's vector came: the round ends unfinished (abandoned below)
                             break
                         core.on_averaged(averaged=any(r.outcome == "averaged" for r in done),
-                                         silent=any(r.silent for r in done),
-                                         members=[c.node_id for c in group.members], now=self.clock())
+                                         silent=any(r.silent for r in done), members=[c.node_id for c in group.members],
+                                         dead=frozenset(group.members[i].node_id for r in done for i in r.dead),
+                                         now=self.clock())
                         continue
                     if core.done:
                         break
@@ -564,7 +564,7 @@ class MoshpitService:
         expected = rs.datagrams_expected + ag.datagrams_expected
         fraction = (rs.datagrams_received + ag.datagrams_received) / expected if expected else 1.0
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
-                           silent=bool(rs.silent or ag.silent or dead), out=(*rs.silent, *absent, *dead),
+                           silent=bool(rs.silent or ag.silent), dead=dead, out=(*rs.silent, *absent, *dead),
                            weight_total=float(getattr(res.stats, "weight_total", 0.0)), bytes_sent=sent,
                            complete=bool(getattr(res.stats, "complete", False)))
 

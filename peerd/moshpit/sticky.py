@@ -13,7 +13,8 @@ The group goes back to DHT matchmaking (so newcomers get in and a changed swarm 
 
 - its rounds are used up,
 - a member did not acknowledge the renewal, or refused it,
-- anyone heard nothing from a member during the averaging (it died or stalled),
+- anyone heard nothing from a member during the averaging (it stalled; a member whose daemon stopped answering
+  PINGs mid-average is dead, and the others keep the group without it: below),
 - the leader saw a peer outside the group announce under the run's key (a newcomer) or publish
   progress in the run lately (an outsider still training),
 - a follower waited the renewal window without a BEGIN (the leader died), or the leader waited its
@@ -33,7 +34,10 @@ second or two long is averaged in instead of averaging alone while the others re
 whose daemon leaves three probes in a row unanswered (or answered by another node id) is dead: the group is
 dropped at once ("dead", about 0.35 s on a LAN) instead of at the window's end, and the matchmaking that
 follows waits for it only as briefly as for a member that did not finish its last round (``doubt_s``). A member
-that answers probes but never asks holds the group no longer than the cap.
+that answers probes but never asks holds the group no longer than the cap. A member that dies mid-average is found
+the same way (the averaging PINGs a member whose stream went silent, ``allreduce/liveness.py``): each survivor
+that gave up on it keeps the group without it, and the next round renews the smaller group at once instead of
+matchmaking through the DHT; its old progress record does not count as an outsider still training.
 
 Every case ends in ordinary matchmaking, whose waits are bounded, so a failure costs at most one
 round's deadlines and never hangs. This module holds the per-run decision state; the trio driver
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 from .matchmaking import Candidate, Group
 
 MAX_EARLY = 64  # renewal BEGINs held for rounds this node has not started yet (bounded)
+MAX_GONE = 64  # members a kept group went on without, remembered (bounded)
 RENEW_KEY = "kept"  # the key a renewal MM_JOIN carries: no group key looks like it, so a leader that is
 # matchmaking through the DHT this round refuses it ("key") instead of taking the follower in by mistake
 
@@ -67,13 +72,14 @@ class KeptStatistics:
 
 @dataclass(frozen=True)
 class StickyStatistics:
-    """A run's kept groups: ``keep_rounds``, the group kept now (None: none), kept rounds renewed so far, and
-    groups dropped by reason."""
+    """A run's kept groups: ``keep_rounds``, the group kept now (None: none), kept rounds renewed so far,
+    groups dropped by reason, and members found dead that a kept group went on without."""
 
     keep_rounds: int
     kept: KeptStatistics | None
     renewed: int
     dropped: dict[str, int]
+    shrunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,8 @@ class StickyGroups:
         self.renewed = 0  # rounds averaged in a kept group
         self.begun = -1  # the latest round whose renewal BEGIN this node (a follower) took
         self.dropped: dict[str, int] = {}  # why kept groups ended, counted
+        self.shrunk = 0  # members found dead that a kept group went on without
+        self.gone: OrderedDict[bytes, float] = OrderedDict()  # those members -> when (their old records are stale)
 
     # -- decisions ------------------------------------------------------------------------------
     def usable(self, round_no: int) -> Kept | None:
@@ -150,10 +158,39 @@ class StickyGroups:
         self.kept = Kept(group.members, group.index, group.leader, round_no, self.keep_rounds - 1)
         self.broken = ""
 
-    def after_round(self, silent: bool) -> None:
-        """An averaging (kept or fresh) ended; ``silent``: some member was never heard from."""
-        if silent and self.kept is not None:
+    def after_round(self, silent: bool, dead: frozenset[bytes] = frozenset(), now: float = 0.0) -> None:
+        """An averaging (kept or fresh) ended; ``silent``: some member was never heard from (or the average
+        failed); ``dead``: members this node gave up on mid-average because their daemons stopped answering its
+        PINGs. The group is kept without the dead (``shrink``) unless something else went wrong."""
+        if self.kept is None:
+            return
+        if silent:
             self.broken = self.broken or "silent"
+        elif dead & self.kept.node_ids():
+            self.shrink(dead, now)
+
+    def shrink(self, dead: frozenset[bytes], now: float) -> None:
+        """Keep the group without members found dead: the survivors renew it at their next round instead of
+        matchmaking through the DHT (a window, most of the time from a member's death to the next average). Each
+        member decides from its own PINGs; a renewal BEGIN names exactly the kept members, so a leader and a
+        follower that disagree on who died fall back to matchmaking (the follower refuses the BEGIN). A dead
+        leader, this node itself, or fewer than two left: the group is not kept."""
+        kept = self.kept
+        if kept is None or self.broken:
+            return
+        gone = dead & kept.node_ids()
+        members = tuple(c for c in kept.members if c.node_id not in gone)
+        if kept.leader in gone or self.me in gone or len(members) < 2:
+            self.broken = "dead"
+            return
+        index = next(i for i, c in enumerate(members) if c.node_id == self.me)
+        self.kept = Kept(members, index, kept.leader, kept.formed, kept.rounds)
+        self.shrunk += 1
+        for node_id in gone:
+            self.gone[node_id] = now
+            self.gone.move_to_end(node_id)
+        while len(self.gone) > MAX_GONE:
+            self.gone.popitem(last=False)
 
     def break_(self, reason: str, kept: Kept | None = None) -> None:
         """Do not renew the kept group again (a refused or unacknowledged renewal, a newcomer); with
@@ -237,7 +274,7 @@ class StickyGroups:
             self.keep_rounds,
             None if kept is None else KeptStatistics(len(kept.members), kept.formed, kept.formed + kept.rounds,
                                                      kept.leader.hex(), self.broken),
-            self.renewed, dict(self.dropped),
+            self.renewed, dict(self.dropped), self.shrunk,
         )
 
 
