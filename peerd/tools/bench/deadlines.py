@@ -19,8 +19,10 @@ figures per variant (``--json``):
   longer than a round while slow (``slow_round_s``) it took, the wait for the dead member; against ``silence_s``
   in ``in_flight_extra_over_silence`` (each of an average's two phases ends one silence after its last datagram);
 - ``kill_to_round_s``: seconds from the kill to the end of the first average without the dead member, the latest
-  over the survivors; ``next_matchmaking_s``: that round's matchmaking (a group kept from earlier rounds broke:
-  the survivors gather anew, in a window that kept groups never measured);
+  over the survivors; ``next_matchmaking_s``: that round's matchmaking (none where the survivors found the member
+  dead mid-average and renewed their kept group without it; a group that broke gathers anew);
+- ``kill_to_start_s``: seconds from the kill to when that average began to move data (its step's start plus
+  the phases before the transfer), the latest over the survivors: the issue's "next round starts";
 - ``round_s`` / ``slow_round_s``: the median survivor step before the slowdown and while slow.
 """
 
@@ -122,7 +124,14 @@ def summarize(records: list[list[dict[str, Any]]], cfg: DeadlinesBenchConfig, mo
         "in_flight_extra_over_silence": None if extra is None or not silence_s else round(extra / silence_s, 3),
         "next_matchmaking_s": _round4(max((r["phases"].get("matchmaking", 0.0) for r in following), default=None)),
         "kill_to_round_s": _round4(kill_to_round),
+        "kill_to_start_s": _round4(max(_transfer_start(r) for r in following) - t_kill) if complete else None,
     }
+
+
+def _transfer_start(r: dict[str, Any]) -> float:
+    """When a step's average began to move data: its start plus what came before the transfer."""
+    ph = r["phases"]
+    return r["t0"] + sum(ph.get(k, 0.0) for k in ("copy_in", "daemon", "matchmaking", "members"))
 
 
 def _round4(x: float | None) -> float | None:
@@ -275,7 +284,7 @@ def cmd_bench_deadlines(args: argparse.Namespace, parser: argparse.ArgumentParse
         print(f"  {mode:>5}: failed while slow {r['failed_while_slow']}/{r['steps_while_slow']}; the round the kill "
               f"caught {r['in_flight_round_s']} s ({r['in_flight_extra_s']} s over a slow round, "
               f"{r['in_flight_extra_over_silence']} x the phase silence {r['silence_s']} s); kill to the next "
-              f"average {r['kill_to_round_s']} s (its matchmaking {r['next_matchmaking_s']} s, window "
+              f"average {r['kill_to_round_s']} s (it began {r['kill_to_start_s']} s after; its matchmaking {r['next_matchmaking_s']} s, window "
               f"{r['window_s']} s); round {r['round_s']} s, slow round {r['slow_round_s']} s")
     return 0
 
