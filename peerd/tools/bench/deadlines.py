@@ -284,8 +284,9 @@ def cmd_bench_deadlines(args: argparse.Namespace, parser: argparse.ArgumentParse
         print(f"  {mode:>5}: failed while slow {r['failed_while_slow']}/{r['steps_while_slow']}; the round the kill "
               f"caught {r['in_flight_round_s']} s ({r['in_flight_extra_s']} s over a slow round, "
               f"{r['in_flight_extra_over_silence']} x the phase silence {r['silence_s']} s); kill to the next "
-              f"average {r['kill_to_round_s']} s (it began {r['kill_to_start_s']} s after; its matchmaking {r['next_matchmaking_s']} s, window "
-              f"{r['window_s']} s); round {r['round_s']} s, slow round {r['slow_round_s']} s")
+              f"average {r['kill_to_round_s']} s (it began {r['kill_to_start_s']} s after; its matchmaking "
+              f"{r['next_matchmaking_s']} s, window {r['window_s']} s); round {r['round_s']} s, slow round "
+              f"{r['slow_round_s']} s")
     return 0
 
 
