@@ -259,7 +259,11 @@ class RoundMachine:
         """What an average teaches about the group, also outside a round: a group with a silent member
         (or one whose average failed) is not kept, one with dead members is kept without them; peers averaged
         with are believed further ahead."""
+        shrunk = self.sticky.shrunk
         self.sticky.after_round(silent or not averaged, dead, now)
+        if self.sticky.shrunk > shrunk:
+            self._actions.append(Note(f"run {self.run_id} round {self.round}: {len(dead)} member(s) died mid-average; "
+                                      f"the kept group goes on without them"))
         if averaged and members:
             self.note_members([n for n in members if n != self.me.node_id and n not in dead], self.round)
 
