@@ -20,7 +20,7 @@ import pytest
 
 from peerd.moshpit.keys import Grid, KeyManager
 from peerd.moshpit.liveness import GRACE_FLOOR_S, PROBE_FLOOR_S, PROBES, REPROBE_S, grace_s, probe_timeout_s
-from peerd.moshpit.matchmaking import FOLLOW_SLACK_S, Candidate, Group
+from peerd.moshpit.matchmaking import FOLLOW_SLACK_S, SETTLE_S, Candidate, Group
 from peerd.moshpit.records import PROGRESS_TTL_S, encode_announce
 from peerd.moshpit.rounds import Average, Get, Notify, Request, RoundMachine
 from peerd.moshpit.sticky import RENEW_KEY
@@ -261,10 +261,12 @@ def test_a_member_that_answers_probes_but_never_comes_holds_the_group_only_until
     assert s.pinged[hostile] <= len(waiting) * (bound / REPROBE_S + 1)  # one probe at a time, every REPROBE_S
 
 
-def test_the_matchmaking_after_a_dead_member_waits_for_it_only_doubt_s() -> None:
-    """The follower the probes found dead finished round 0 (its progress record says so), so the matchmaking that
-    follows expects it: it is waited for only ``doubt_s``, as a member that did not finish its round is, not until
-    the window's end."""
+@pytest.mark.parametrize("refreshed", [False, True])
+def test_the_matchmaking_after_a_dead_member_does_not_wait_for_it(refreshed: bool) -> None:
+    """The follower the probes found dead finished round 0 (its progress record says so), yet the matchmaking that
+    follows does not expect it: its record predates its death, and the group closes once the live ones are in
+    (before: the doubt_s wait for it, 0.6 s, and the rounds after waited out their window for it while its record
+    was recent). A record it stores after it was found dead (it came back) makes it expected again: the window."""
     s = Swarm()
     mc = s.machines[s.leader]
     mc.doubt_s = 0.6
@@ -282,9 +284,14 @@ def test_the_matchmaking_after_a_dead_member_waits_for_it_only_doubt_s() -> None
         mc.on_failed(ping.token, now)
     started = now
     assert started - T0 == pytest.approx(0.35, abs=1e-6) and mc.sticky.dropped == {"dead": 1}
+    assert set(mc.gone) == {dead.node_id}
     shown = [SimRecord(c.node_id, encode_announce(e, *c.addr), e, c.public_key)
              for c, e in ((mc.me, started + WINDOW), *((c, started + WINDOW + 0.1) for c in live))]
-    progress = [SimRecord(c.node_id, msgpack.packb(0), T0 - 1 + PROGRESS_TTL_S, c.public_key) for c in s.members]
+    stored = {c.node_id: T0 - 1 for c in s.members}
+    if refreshed:
+        stored[dead.node_id] = started + 0.005
+    progress = [SimRecord(c.node_id, msgpack.packb(0), stored[c.node_id] + PROGRESS_TTL_S, c.public_key)
+                for c in s.members]
 
     def answer(acts: list, at: float) -> None:
         for g in [a for a in acts if isinstance(a, Get)]:
@@ -299,7 +306,10 @@ def test_the_matchmaking_after_a_dead_member_waits_for_it_only_doubt_s() -> None
         mc.handle_timer(now)
         answer(mc.take_actions(), now)
     assert mc.phase == "average" and len(mc.group.members) == 3
-    assert now - started == pytest.approx(0.6, abs=1e-6)  # (the window would have closed it at started + 1.0)
+    if refreshed:
+        assert now - started == pytest.approx(WINDOW, abs=1e-6)  # expected again: waited for to the window
+    else:
+        assert now - started == pytest.approx(0.02 + SETTLE_S, abs=0.02)  # the live ones in, a settle: closed
 
 
 def test_a_probe_answered_by_another_node_id_does_not_prove_the_member_alive_hostile() -> None:
@@ -442,7 +452,7 @@ def test_a_dead_members_old_progress_record_is_not_an_outsider() -> None:
     dead = s.members[3].node_id
     ended = _average_round_1(s, dead)
     mc = s.machines[s.leader]
-    assert mc.sticky.gone == {dead: ended}
+    assert mc.gone == {dead: ended}
     dead_c = s.members[3]
     for stored, breaks in ((ended - 0.5, False), (ended + 5.0, True)):
         record = SimRecord(dead, msgpack.packb(1), stored + PROGRESS_TTL_S, dead_c.public_key)

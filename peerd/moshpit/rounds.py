@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Callable
 
 from ..dht.reads import Agreed
@@ -64,6 +65,7 @@ FULL_READ_EVERY = 4
 POLL_S = (0.05, 0.1, 0.2, 0.3)  # DHT reads of the key: fast at first, then every 0.3 s
 DEFAULT_WINDOW_S = 3.0
 EXPECT_POLL_S = 0.5  # a lone matchmaker on a run's one key re-reads the run's progress this often (catching up)
+MAX_GONE = 256  # members found dead, remembered (bounded)
 OUTSIDER_S = 15.0  # a peer outside a kept group that published progress this recently is still training
 SYNC_S = 5.0  # a read of the run's progress (to catch up with the swarm) waits this long at most
 MATCH_SLACK_S = 10.0  # matchmaking gives up this long past the window (the matchmaker's own waits end first)
@@ -137,6 +139,9 @@ class RoundMachine:
         self._renew_kept: Kept | None = None
         self._late: LateMembers | None = None  # a kept round's probes of the members it waits for
         self._dead: frozenset[bytes] = frozenset()  # members this round's renewal found dead (not waited for long)
+        # members found dead (a renewal's or an average's PINGs unanswered) -> when: a progress record stored before
+        # then is the dead member's last, so it is neither expected by matchmaking nor an outsider (bounded)
+        self.gone: OrderedDict[bytes, float] = OrderedDict()
         self._watch: dict[int, Watch] = {}  # the leader's watch reads outstanding, by token (they outlive a round)
         self._expect_at = math.inf  # next re-read of the run's progress while matchmaking alone
         self._ask: Ask | None = None
@@ -260,7 +265,8 @@ class RoundMachine:
         (or one whose average failed) is not kept, one with dead members is kept without them; peers averaged
         with are believed further ahead."""
         shrunk = self.sticky.shrunk
-        self.sticky.after_round(silent or not averaged, dead, now)
+        self.sticky.after_round(silent or not averaged, dead)
+        self._note_gone(dead, now)
         if self.sticky.shrunk > shrunk:
             self._actions.append(Note(f"run {self.run_id} round {self.round}: {len(dead)} member(s) died mid-average; "
                                       f"the kept group goes on without them"))
@@ -438,6 +444,7 @@ class RoundMachine:
             late, waits = self._late, self._renewal_waits(kept)
             assert late is not None
             self._dead = late.dead(waits)
+            self._note_gone(self._dead, now)
             if self._dead:  # its daemon is gone too: no use waiting out the window
                 self._actions.append(Note(f"run {self.run_id} round {self.round}: a kept group's member does not "
                                           f"answer; re-forming"))
@@ -514,7 +521,7 @@ class RoundMachine:
             return
         ids, t0 = watch.kept.node_ids(), watch.started
         if watch.purpose == "progress":
-            gone = self.sticky.gone
+            gone = self.gone
             for owner, _, stored in decode_progress(records)[0]:
                 # (a member the group went on without wrote its last record before it died: not an outsider)
                 if owner not in ids and stored > max(t0 - OUTSIDER_S, gone.get(owner, -math.inf)):
@@ -529,6 +536,13 @@ class RoundMachine:
                                               f"group; re-forming"))
                     self.sticky.break_("newcomer", watch.kept)
                     return
+
+    def _note_gone(self, dead: frozenset[bytes], now: float) -> None:
+        for node_id in dead:
+            self.gone[node_id] = now
+            self.gone.move_to_end(node_id)
+        while len(self.gone) > MAX_GONE:
+            self.gone.popitem(last=False)
 
     def _disband_kept(self, kept: Kept) -> None:
         """Tell the kept group's other members that this node will not renew it (twice: it is one-way)."""
@@ -642,7 +656,8 @@ class RoundMachine:
         # still expected while it keeps trying: its record was refreshed within two windows. The group,
         # broken by this outsider, then waits for it in this round, where the joiner's next jump lands.
         lagging_s = 2 * self.window_s if self.sticky.keep_rounds > 1 else None
-        seen = expected_peers(self._progress(records, now), me=self.me.node_id, round_no=self.round,
+        progress = self._progress(records, now)
+        seen = expected_peers(progress, me=self.me.node_id, round_no=self.round,
                               last_round=self._last_round, lagging_s=lagging_s, known=self.known, now=now)
         recent, latest = seen.recent, seen.latest
         if latest >= 0:
@@ -664,8 +679,13 @@ class RoundMachine:
             # leader waits for a pause without newcomers (1.5 s), not 0.3 s: peers whose first step took a
             # moment longer would otherwise find the others' round over and start out of step
             return
+        stored: dict[bytes, float] = {}
+        for owner, _, at in progress:
+            stored[owner] = max(stored.get(owner, -math.inf), at)
+        dead = frozenset(p for p in recent if p in self.gone and stored.get(p, -math.inf) <= self.gone[p])
+        recent -= dead  # (found dead since its last record: a record it writes later makes it expected again)
         mm.set_expected(recent, now)
-        doubtful = seen.doubtful | (seen.recent & self._dead)  # (dead, or a moment behind: waited for only doubt_s)
+        doubtful = seen.doubtful - dead  # (a moment behind, or dead: waited for only doubt_s)
         if doubtful:
             mm.receive_doubtful(doubtful, mm.started + self.doubt_s, now)
         self._pump(now)

@@ -32,12 +32,13 @@ member whose own node id answers is alive: the renewal waits for it past the tun
 cap (never past half the round's budget), re-probing it every half second, so a trainer whose evaluation ran a
 second or two long is averaged in instead of averaging alone while the others re-form without it. A member
 whose daemon leaves three probes in a row unanswered (or answered by another node id) is dead: the group is
-dropped at once ("dead", about 0.35 s on a LAN) instead of at the window's end, and the matchmaking that
-follows waits for it only as briefly as for a member that did not finish its last round (``doubt_s``). A member
+dropped at once ("dead", about 0.35 s on a LAN) instead of at the window's end, and the matchmakings that
+follow do not expect it while its latest progress record predates that verdict (``RoundMachine.gone``). A member
 that answers probes but never asks holds the group no longer than the cap. A member that dies mid-average is found
 the same way (the averaging PINGs a member whose stream went silent, ``allreduce/liveness.py``): each survivor
 that gave up on it keeps the group without it, and the next round renews the smaller group at once instead of
-matchmaking through the DHT; its old progress record does not count as an outsider still training.
+matchmaking through the DHT; its old progress record does not count as an outsider still training
+(``RoundMachine.gone``).
 
 Every case ends in ordinary matchmaking, whose waits are bounded, so a failure costs at most one
 round's deadlines and never hangs. This module holds the per-run decision state; the trio driver
@@ -53,7 +54,6 @@ from dataclasses import dataclass
 from .matchmaking import Candidate, Group
 
 MAX_EARLY = 64  # renewal BEGINs held for rounds this node has not started yet (bounded)
-MAX_GONE = 64  # members a kept group went on without, remembered (bounded)
 RENEW_KEY = "kept"  # the key a renewal MM_JOIN carries: no group key looks like it, so a leader that is
 # matchmaking through the DHT this round refuses it ("key") instead of taking the follower in by mistake
 
@@ -127,8 +127,7 @@ class StickyGroups:
         self.renewed = 0  # rounds averaged in a kept group
         self.begun = -1  # the latest round whose renewal BEGIN this node (a follower) took
         self.dropped: dict[str, int] = {}  # why kept groups ended, counted
-        self.shrunk = 0  # members found dead that a kept group went on without
-        self.gone: OrderedDict[bytes, float] = OrderedDict()  # those members -> when (their old records are stale)
+        self.shrunk = 0  # times a kept group went on without members found dead
 
     # -- decisions ------------------------------------------------------------------------------
     def usable(self, round_no: int) -> Kept | None:
@@ -158,7 +157,7 @@ class StickyGroups:
         self.kept = Kept(group.members, group.index, group.leader, round_no, self.keep_rounds - 1)
         self.broken = ""
 
-    def after_round(self, silent: bool, dead: frozenset[bytes] = frozenset(), now: float = 0.0) -> None:
+    def after_round(self, silent: bool, dead: frozenset[bytes] = frozenset()) -> None:
         """An averaging (kept or fresh) ended; ``silent``: some member was never heard from (or the average
         failed); ``dead``: members this node gave up on mid-average because their daemons stopped answering its
         PINGs. The group is kept without the dead (``shrink``) unless something else went wrong."""
@@ -167,9 +166,9 @@ class StickyGroups:
         if silent:
             self.broken = self.broken or "silent"
         elif dead & self.kept.node_ids():
-            self.shrink(dead, now)
+            self.shrink(dead)
 
-    def shrink(self, dead: frozenset[bytes], now: float) -> None:
+    def shrink(self, dead: frozenset[bytes]) -> None:
         """Keep the group without members found dead: the survivors renew it at their next round instead of
         matchmaking through the DHT (a window, most of the time from a member's death to the next average). Each
         member decides from its own PINGs; a renewal BEGIN names exactly the kept members, so a leader and a
@@ -186,11 +185,6 @@ class StickyGroups:
         index = next(i for i, c in enumerate(members) if c.node_id == self.me)
         self.kept = Kept(members, index, kept.leader, kept.formed, kept.rounds)
         self.shrunk += 1
-        for node_id in gone:
-            self.gone[node_id] = now
-            self.gone.move_to_end(node_id)
-        while len(self.gone) > MAX_GONE:
-            self.gone.popitem(last=False)
 
     def break_(self, reason: str, kept: Kept | None = None) -> None:
         """Do not renew the kept group again (a refused or unacknowledged renewal, a newcomer); with
