@@ -463,3 +463,26 @@ def test_a_dead_members_old_progress_record_is_not_an_outsider() -> None:
         broke = mc.sticky.broken == "outsider" or mc.sticky.dropped.get("outsider", 0) == 1
         assert broke is breaks, (stored, mc.sticky.broken, mc.sticky.dropped)
         mc.abandon()
+
+
+def test_a_record_stored_before_the_group_formed_is_not_an_outsider() -> None:
+    """A group the survivors formed through the DHT after a member died, led by one that never PINGed it (it had
+    no entry in ``gone``): the dead member's last record, stored before that matchmaking began, was accounted for
+    when the group formed (it was not expected, or the group would not have been kept), so the leader's watch does
+    not re-form the group for it at every round for OUTSIDER_S; a peer that stores a record after the group formed
+    is training outside it, and does."""
+    s = Swarm(n=3)
+    mc = s.machines[s.leader]
+    ids = frozenset(c.node_id for c in s.members)
+    formed_at = T0 - 1.0
+    mc.sticky.after_matchmaking(Group(7, s.members, 0, s.leader), 0, 3, ids, formed_at)
+    other = peer(7)
+    for stored, breaks in ((formed_at - 0.5, False), (formed_at + 0.5, True)):
+        record = SimRecord(other.node_id, msgpack.packb(0), stored + PROGRESS_TTL_S, other.public_key)
+        mc.start_round(now=T0)
+        for a in mc.take_actions():
+            if isinstance(a, Get):
+                mc.on_records(a.token, [record] if a.key.endswith(b"progress") else [], T0 + 0.01)
+        broke = mc.sticky.broken == "outsider" or mc.sticky.dropped.get("outsider", 0) == 1
+        assert broke is breaks, (stored, mc.sticky.broken, mc.sticky.dropped)
+        mc.abandon()

@@ -521,10 +521,12 @@ class RoundMachine:
             return
         ids, t0 = watch.kept.node_ids(), watch.started
         if watch.purpose == "progress":
-            gone = self.gone
+            # A record stored before the group formed was accounted for then (a group that formed without a
+            # peer whose record is recent is not complete, so not kept), and one a member the group went on
+            # without stored before it died is its last: only a record stored since is an outsider training.
+            since, gone = max(t0 - OUTSIDER_S, watch.kept.formed_at), self.gone
             for owner, _, stored in decode_progress(records)[0]:
-                # (a member the group went on without wrote its last record before it died: not an outsider)
-                if owner not in ids and stored > max(t0 - OUTSIDER_S, gone.get(owner, -math.inf)):
+                if owner not in ids and stored > max(since, gone.get(owner, -math.inf)):
                     self._actions.append(Note(f"run {self.run_id} round {watch.round_no}: a peer outside the kept "
                                               f"group trains; re-forming"))
                     self.sticky.break_("outsider", watch.kept)
@@ -628,7 +630,7 @@ class RoundMachine:
         self._poll_at = math.inf
         self.seen = seen
         sticky = self.sticky
-        sticky.after_matchmaking(group, self.round, seen, mm.expected)
+        sticky.after_matchmaking(group, self.round, seen, mm.expected, mm.started)
         if group is not None and sticky.keep_rounds > 1 and sticky.kept is None and group.leader != self.me.node_id:
             # the leader may think the group complete: tell it now, or it would wait out a window next
             # round for this node's renewal request

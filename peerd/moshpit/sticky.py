@@ -91,6 +91,7 @@ class Kept:
     leader: bytes  # node id
     formed: int  # the round it formed in (through the DHT)
     rounds: int  # how many further rounds it may be renewed for
+    formed_at: float = 0.0  # when (wall clock): a progress record stored before it was accounted for in forming it
 
     @property
     def leader_candidate(self) -> Candidate:
@@ -147,14 +148,15 @@ class StickyGroups:
         return kept.leader == self.me
 
     def after_matchmaking(self, group: Group | None, round_no: int, seen: int,
-                          expected: frozenset[bytes] | None) -> None:
-        """A round matchmade through the DHT: keep its group if it is complete."""
+                          expected: frozenset[bytes] | None, now: float = 0.0) -> None:
+        """A round matchmade through the DHT (its matchmaking started at ``now``): keep its group if it is
+        complete."""
         self._forget_before(round_no + 1)
         self._ready.clear()  # asks were for the group this matchmaking replaces
         if self.keep_rounds <= 1 or group is None or not is_complete(group, seen, expected):
             self.kept, self.broken = None, ""
             return
-        self.kept = Kept(group.members, group.index, group.leader, round_no, self.keep_rounds - 1)
+        self.kept = Kept(group.members, group.index, group.leader, round_no, self.keep_rounds - 1, now)
         self.broken = ""
 
     def after_round(self, silent: bool, dead: frozenset[bytes] = frozenset()) -> None:
@@ -183,7 +185,7 @@ class StickyGroups:
             self.broken = "dead"
             return
         index = next(i for i, c in enumerate(members) if c.node_id == self.me)
-        self.kept = Kept(members, index, kept.leader, kept.formed, kept.rounds)
+        self.kept = Kept(members, index, kept.leader, kept.formed, kept.rounds, kept.formed_at)
         self.shrunk += 1
 
     def break_(self, reason: str, kept: Kept | None = None) -> None:
