@@ -23,6 +23,7 @@ from peerd.moshpit.liveness import GRACE_FLOOR_S, PROBE_FLOOR_S, PROBES, REPROBE
 from peerd.moshpit.matchmaking import FOLLOW_SLACK_S, SETTLE_S, Candidate, Group
 from peerd.moshpit.records import PROGRESS_TTL_S, encode_announce
 from peerd.moshpit.rounds import Average, Get, Notify, Request, RoundMachine
+from peerd.moshpit.sticky import RENEW_KEY
 from peerd.tools.sim.moshpit import SimRecord
 from peerd.wire import messages as m
 from peerd.wire.identity import node_id_of
@@ -206,27 +207,24 @@ def test_a_live_member_late_past_the_window_is_waited_for_and_the_kept_group_ave
 @pytest.mark.parametrize("rtt", [None, 0.05])
 def test_a_dead_follower_is_dropped_after_its_probes_well_inside_the_window(rtt: float | None) -> None:
     """A follower died right after round 0: the leader PINGs it once it is a grace late, three probes go
-    unanswered, and the leader renews the group without it at once (before: it re-formed through the DHT), not at
-    its window's end. Each follower takes the smaller BEGIN and PINGs the member left out itself."""
+    unanswered, and the leader re-forms at once (DISBAND to the others), not at its window's end."""
     s = Swarm(rtt=rtt or 0.002, rtt_known=rtt is not None)
     dead = s.members[2].node_id
     s.up.discard(dead)
     for c in s.members:
         s.start(c.node_id, T0)
     s.run(T0 + 0.99 * WINDOW)
-    gave_up = s.averaged[s.leader][0] - T0
+    gave_up = s.matchmaking[s.leader] - T0
     assert gave_up == pytest.approx(grace_s(rtt) + PROBES * probe_timeout_s(rtt), abs=1e-6)
     if rtt is None:
         assert GRACE_FLOOR_S + PROBES * PROBE_FLOOR_S == pytest.approx(0.35) == pytest.approx(gave_up, abs=1e-6)
     assert gave_up < 0.8 * WINDOW
-    survivors = tuple(c for c in s.members if c.node_id != dead)
-    assert not s.matchmaking and set(s.averaged) == {c.node_id for c in survivors}
-    for t, a in s.averaged.values():
-        assert a.kept and a.group.members == survivors and t - T0 < gave_up + 2 * s.rtt + 1e-6
-    assert all(s.machines[c.node_id].sticky.shrunk == 1 for c in survivors)
-    s.run(T0 + 3.0)
-    assert all(dead in s.machines[c.node_id].gone for c in survivors)  # each follower's own PINGs went unanswered
-    assert not s.dropped()
+    assert s.dropped()[s.leader] == {"dead": 1}
+    followers = [c.node_id for c in s.members if c.node_id not in (s.leader, dead)]
+    for f in followers:  # told at once (DISBAND), not after their own window plus slack
+        assert s.matchmaking[f] - T0 == pytest.approx(gave_up + s.rtt / 2, abs=1e-6)
+        assert s.dropped()[f] == {"disbanded": 1}
+    assert not s.averaged
 
 
 def test_followers_whose_leader_died_give_up_after_their_probes() -> None:
@@ -265,22 +263,23 @@ def test_a_member_that_answers_probes_but_never_comes_holds_the_group_only_until
 
 @pytest.mark.parametrize("refreshed", [False, True])
 def test_the_matchmaking_after_a_dead_member_does_not_wait_for_it(refreshed: bool) -> None:
-    """The leader the probes of a follower found dead finished round 0 (its progress record says so), yet the
-    matchmaking that follows does not expect it: its record predates its death, and the group closes once the live
-    ones are in (before: the doubt_s wait for it, 0.6 s, and the rounds after waited out their window for it while
-    its record was recent). A record it stores after it was found dead (it came back) makes it expected again:
-    the window."""
+    """The follower the probes found dead finished round 0 (its progress record says so), yet the matchmaking that
+    follows does not expect it: its record predates its death, and the group closes once the live ones are in
+    (before: the doubt_s wait for it, 0.6 s, and the rounds after waited out their window for it while its record
+    was recent). A record it stores after it was found dead (it came back) makes it expected again: the window."""
     s = Swarm()
-    mc = s.machines[s.members[1].node_id]
+    mc = s.machines[s.leader]
     mc.doubt_s = 0.6
-    dead, live = s.members[0], s.members[2:4]
+    live, dead = s.members[1:3], s.members[3]
     mc.start_round(now=T0)
-    mc.take_actions()  # (its renewal request to the leader: never answered)
+    for c in live:
+        assert mc.on_join(c, 1, RENEW_KEY, T0 + 0.01) == (True, "ok")
+    mc.take_actions()
     now = mc.get_timer()
     mc.handle_timer(now)
     while mc.phase == "renew":
-        (ping,) = [a for a in mc.take_actions() if isinstance(a, Request) and a.mtype is m.MsgType.PING]
-        assert ping.to.node_id == dead.node_id
+        (ping,) = [a for a in mc.take_actions() if isinstance(a, Request)]
+        assert ping.to.node_id == dead.node_id and ping.mtype is m.MsgType.PING
         now += ping.timeout
         mc.on_failed(ping.token, now)
     started = now
@@ -487,42 +486,3 @@ def test_a_record_stored_before_the_group_formed_is_not_an_outsider() -> None:
         broke = mc.sticky.broken == "outsider" or mc.sticky.dropped.get("outsider", 0) == 1
         assert broke is breaks, (stored, mc.sticky.broken, mc.sticky.dropped)
         mc.abandon()
-
-
-def test_a_leader_that_leaves_out_a_live_member_costs_it_one_round_hostile() -> None:
-    """A hostile leader renews the kept group without a live follower, saying nothing but the shorter BEGIN. Each
-    follower that takes it PINGs the member left out itself; it answers, so the group re-forms through the DHT at
-    the next round: the victim is shut out of one round, not of every round the group had left."""
-    s = Swarm()
-    follower, victim = s.members[1].node_id, s.members[3].node_id
-    mc = s.machines[follower]
-    s.start(follower, T0)
-    s.run(T0 + 0.005)
-    shorter = [c for c in s.members if c.node_id != victim]
-    assert mc.on_begin(s.leader, 1, 99, shorter, T0 + 0.01)
-    s.process(follower)
-    s.run(T0 + 0.5)
-    _, avg = s.averaged[follower]
-    assert avg.kept and avg.group.members == tuple(shorter)
-    assert s.pinged[victim] >= 1 and victim not in mc.gone
-    assert mc.sticky.broken == "left_out"
-    mc.on_averaged(averaged=True, members=[c.node_id for c in shorter], now=T0 + 0.6)
-    mc.start_round(now=T0 + 0.7)
-    assert mc.phase == "match" and mc.sticky.dropped == {"left_out": 1}
-
-
-def test_a_follower_that_went_on_without_a_member_refuses_a_begin_naming_it_and_matchmakes_at_once() -> None:
-    """A follower found a member dead mid-average (its own PINGs) and keeps the smaller group; its leader did not,
-    and the member came back and asked: the leader's BEGIN names it. The follower refuses it and matchmakes at once,
-    not after its window plus slack waiting for a BEGIN that matches."""
-    s = Swarm()
-    follower, back = s.members[1].node_id, s.members[3].node_id
-    mc = s.machines[follower]
-    mc.sticky.after_round(False, frozenset([back]))
-    assert mc.sticky.shrunk == 1
-    s.start(follower, T0)
-    s.run(T0 + 0.005)
-    assert not mc.on_begin(s.leader, 1, 99, list(s.members), T0 + 0.01)
-    s.process(follower)
-    assert mc.phase == "match" and mc.sticky.dropped == {"members": 1}
-    assert s.matchmaking[follower] < T0 + 0.02  # (not at its window plus slack, 3.5 s)

@@ -66,7 +66,6 @@ POLL_S = (0.05, 0.1, 0.2, 0.3)  # DHT reads of the key: fast at first, then ever
 DEFAULT_WINDOW_S = 3.0
 EXPECT_POLL_S = 0.5  # a lone matchmaker on a run's one key re-reads the run's progress this often (catching up)
 MAX_GONE = 256  # members found dead, remembered (bounded)
-VERIFY_TIMEOUT_S, VERIFY_ATTEMPTS = 0.2, 3  # a follower's PING of a member its leader left out as dead
 OUTSIDER_S = 15.0  # a peer outside a kept group that published progress this recently is still training
 SYNC_S = 5.0  # a read of the run's progress (to catch up with the swarm) waits this long at most
 MATCH_SLACK_S = 10.0  # matchmaking gives up this long past the window (the matchmaker's own waits end first)
@@ -353,10 +352,6 @@ class RoundMachine:
             self._check_renewal(now)
         elif purpose == "renewal" and not ok:
             self.sticky.break_("refused", req[1])
-        elif purpose == "verify" and sender == req[1]:  # a member the leader left out as dead lives
-            self._actions.append(Note(f"run {self.run_id}: the kept group's leader left out a member that answers; "
-                                      f"re-forming"))
-            self.sticky.break_("left_out", req[2])
 
     def on_failed(self, token: int, now: float) -> None:
         """A ``Request`` got no answer after its retries."""
@@ -379,8 +374,6 @@ class RoundMachine:
         elif purpose == "late":
             req[1].receive_answer(req[2], token, None, now)
             self._check_renewal(now)
-        elif purpose == "verify":
-            self._note_gone(frozenset([req[1]]), now)
         elif purpose == "renewal":
             self.sticky.break_("unacknowledged", req[1])
             self._actions.append(Note(f"run {self.run_id}: a kept group's member did not acknowledge its renewal"))
@@ -413,7 +406,8 @@ class RoundMachine:
             self._pump(now)
             return ok
         ok = self.sticky.offer_begin(sender, round_no, self.round, group_id, members)
-        self._check_renewal(now)  # (taken; or refused as another group than ours: matchmake now, not at the window)
+        if ok:
+            self._check_renewal(now)
         return ok
 
     def on_disband(self, sender: bytes, round_no: int, now: float) -> None:
@@ -443,10 +437,7 @@ class RoundMachine:
                 if not sticky.missing(self.round):
                     group = self._renewal(kept)
             else:
-                old = kept.members
                 group = sticky.take_begin(self.round)
-                if sticky.unverified:
-                    self._verify(old, now)
             if group is not None:
                 self._start_average(group, kept=True)
                 return
@@ -454,15 +445,7 @@ class RoundMachine:
             assert late is not None
             self._dead = late.dead(waits)
             self._note_gone(self._dead, now)
-            if self._dead and sticky.leads(kept):  # followers that are gone: renew without them
-                sticky.shrink(self._dead)
-                if sticky.kept is not None and not sticky.broken:
-                    self._actions.append(Note(f"run {self.run_id} round {self.round}: {len(self._dead)} member(s) "
-                                              f"of the kept group do not answer; renewing without them"))
-                    self._renew_kept = sticky.kept
-                    self._check_renewal(now)
-                    return
-            elif self._dead:  # its daemon is gone too: no use waiting out the window
+            if self._dead:  # its daemon is gone too: no use waiting out the window
                 self._actions.append(Note(f"run {self.run_id} round {self.round}: a kept group's member does not "
                                           f"answer; re-forming"))
                 sticky.break_("dead", kept)
@@ -555,15 +538,6 @@ class RoundMachine:
                                               f"group; re-forming"))
                     self.sticky.break_("newcomer", watch.kept)
                     return
-
-    def _verify(self, members: tuple[Candidate, ...], now: float) -> None:
-        """The kept group's leader renewed it without members it found dead: PING each of them too (a leader must
-        not shut a live member out on its word); one that answers breaks the group for the next round."""
-        for c in members:
-            if c.node_id in self.sticky.unverified:
-                self._request(c, m.MsgType.PING, {}, ("verify", c.node_id, self.sticky.kept), VERIFY_TIMEOUT_S,
-                              VERIFY_ATTEMPTS, detached=True)
-        self.sticky.unverified = frozenset()
 
     def _note_gone(self, dead: frozenset[bytes], now: float) -> None:
         for node_id in dead:

@@ -133,7 +133,6 @@ class StickyGroups:
         self.begun = -1  # the latest round whose renewal BEGIN this node (a follower) took
         self.dropped: dict[str, int] = {}  # why kept groups ended, counted
         self.shrunk = 0  # times a kept group went on without members found dead
-        self.unverified: frozenset[bytes] = frozenset()  # members a renewal left out that this node has not PINGed
 
     # -- decisions ------------------------------------------------------------------------------
     def usable(self, round_no: int) -> Kept | None:
@@ -236,22 +235,15 @@ class StickyGroups:
         """A BEGIN that no matchmaking of mine is waiting for: a renewal of my kept group?
 
         Accepted (and held until the round starts) only from the kept group's leader, for the round
-        this node is in or about to start, with the kept member list, or that list less members the leader
-        found dead (same order, this node and the leader in it): the round machine PINGs those itself once it
-        takes the BEGIN, and one that answers breaks the group for the next round (a leader that lied about a
-        death costs its victim one round)."""
+        this node is in or about to start, with exactly the kept member list."""
         kept = self.kept
         if kept is None or self.broken or sender != kept.leader:
             return False
         if not current <= round_no <= current + 1 or round_no > kept.formed + kept.rounds:
             return False
-        named = {c.node_id for c in members}
-        ours = tuple(c for c in kept.members if c.node_id in named)
-        if tuple(c.node_id for c in members) != tuple(c.node_id for c in ours) or self.me not in named \
-                or len(ours) < 2:
-            self.broken = "members"  # the leader's group is not ours (it names a member this node went on without)
+        if tuple(c.node_id for c in members) != tuple(c.node_id for c in kept.members):
             return False
-        self._early[round_no] = (group_id, ours)
+        self._early[round_no] = (group_id, kept.members)
         while len(self._early) > MAX_EARLY:
             self._early.popitem(last=False)
         return True
@@ -264,13 +256,7 @@ class StickyGroups:
             return None
         group_id, members = begin
         self.begun = max(self.begun, round_no)
-        if members != kept.members:  # the leader found members dead: go on without them, and check
-            self.unverified = kept.node_ids() - {c.node_id for c in members}
-            self.shrink(self.unverified)
-            if self.kept is None or self.broken:
-                return None
-            kept = self.kept
-        return Group(group_id, kept.members, kept.index, kept.leader)
+        return Group(group_id, members, kept.index, kept.leader)
 
     def renewal(self, group_id: int, round_no: int) -> Group:
         """As the leader: the kept group under a fresh group id for ``round_no``."""
