@@ -243,7 +243,7 @@ class RoundMachine:
         """The ``Average`` is over. ``averaged``: this node got the group's mean (False: it kept its own
         vector: the average failed or was refused); ``silent``: some member was never heard from;
         ``members``: the node ids averaged with (they are believed further in progress records); ``dead``:
-        members given up on mid-average, their daemons silent to PINGs (a kept group goes on without them)."""
+        members given up on mid-average, their daemons silent to PINGs (not expected by later matchmakings)."""
         self.after_average(averaged=averaged, silent=silent, members=members, dead=dead, now=now)
         if self.phase != "average":
             return
@@ -262,14 +262,10 @@ class RoundMachine:
     def after_average(self, *, averaged: bool, silent: bool = False, members: list[bytes] | None = None,
                       dead: frozenset[bytes] = frozenset(), now: float = 0.0) -> None:
         """What an average teaches about the group, also outside a round: a group with a silent member
-        (or one whose average failed) is not kept, one with dead members is kept without them; peers averaged
-        with are believed further ahead."""
-        shrunk = self.sticky.shrunk
+        (or one whose average failed, or a member found dead) is not kept; peers averaged with are believed
+        further ahead, members found dead are not expected until they store a newer progress record."""
         self.sticky.after_round(silent or not averaged, dead)
         self._note_gone(dead, now)
-        if self.sticky.shrunk > shrunk:
-            self._actions.append(Note(f"run {self.run_id} round {self.round}: {len(dead)} member(s) died mid-average; "
-                                      f"the kept group goes on without them"))
         if averaged and members:
             self.note_members([n for n in members if n != self.me.node_id and n not in dead], self.round)
 

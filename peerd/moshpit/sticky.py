@@ -13,8 +13,8 @@ The group goes back to DHT matchmaking (so newcomers get in and a changed swarm 
 
 - its rounds are used up,
 - a member did not acknowledge the renewal, or refused it,
-- anyone heard nothing from a member during the averaging (it stalled; a member whose daemon stopped answering
-  PINGs mid-average is dead, and the others keep the group without it: below),
+- anyone heard nothing from a member during the averaging, or gave up on it as dead (its daemon stopped
+  answering PINGs),
 - the leader saw a peer outside the group announce under the run's key (a newcomer) or publish
   progress in the run lately (an outsider still training),
 - a follower waited the renewal window without a BEGIN (the leader died), or the leader waited its
@@ -39,10 +39,8 @@ is left out and the leader renews the group without it; a dead leader's group is
 0.35 s on a LAN) instead of at the window's end, and the matchmakings that
 follow do not expect it while its latest progress record predates that verdict (``RoundMachine.gone``). A member
 that answers probes but never asks holds the group no longer than the cap. A member that dies mid-average is found
-the same way (the averaging PINGs a member whose stream went silent, ``allreduce/liveness.py``): each survivor
-that gave up on it keeps the group without it, and the next round renews the smaller group at once instead of
-matchmaking through the DHT; its old progress record does not count as an outsider still training
-(``RoundMachine.gone``).
+the same way (the averaging PINGs a member whose stream went silent, ``allreduce/liveness.py``) and is not waited
+for in the matchmaking that follows either.
 
 Every case ends in ordinary matchmaking, whose waits are bounded, so a failure costs at most one
 round's deadlines and never hangs. This module holds the per-run decision state; the trio driver
@@ -76,14 +74,13 @@ class KeptStatistics:
 
 @dataclass(frozen=True)
 class StickyStatistics:
-    """A run's kept groups: ``keep_rounds``, the group kept now (None: none), kept rounds renewed so far,
-    groups dropped by reason, and members found dead that a kept group went on without."""
+    """A run's kept groups: ``keep_rounds``, the group kept now (None: none), kept rounds renewed so far, and
+    groups dropped by reason."""
 
     keep_rounds: int
     kept: KeptStatistics | None
     renewed: int
     dropped: dict[str, int]
-    shrunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,6 @@ class StickyGroups:
         self.renewed = 0  # rounds averaged in a kept group
         self.begun = -1  # the latest round whose renewal BEGIN this node (a follower) took
         self.dropped: dict[str, int] = {}  # why kept groups ended, counted
-        self.shrunk = 0  # times a kept group went on without members found dead
 
     # -- decisions ------------------------------------------------------------------------------
     def usable(self, round_no: int) -> Kept | None:
@@ -166,31 +162,10 @@ class StickyGroups:
     def after_round(self, silent: bool, dead: frozenset[bytes] = frozenset()) -> None:
         """An averaging (kept or fresh) ended; ``silent``: some member was never heard from (or the average
         failed); ``dead``: members this node gave up on mid-average because their daemons stopped answering its
-        PINGs. The group is kept without the dead (``shrink``) unless something else went wrong."""
-        if self.kept is None:
-            return
-        if silent:
-            self.broken = self.broken or "silent"
-        elif dead & self.kept.node_ids():
-            self.shrink(dead)
-
-    def shrink(self, dead: frozenset[bytes]) -> None:
-        """Keep the group without members found dead: the survivors renew it at their next round instead of
-        matchmaking through the DHT (a window, most of the time from a member's death to the next average). Each
-        member decides from its own PINGs; a renewal BEGIN names exactly the kept members, so a leader and a
-        follower that disagree on who died fall back to matchmaking (the follower refuses the BEGIN). A dead
-        leader, this node itself, or fewer than two left: the group is not kept."""
-        kept = self.kept
-        if kept is None or self.broken:
-            return
-        gone = dead & kept.node_ids()
-        members = tuple(c for c in kept.members if c.node_id not in gone)
-        if kept.leader in gone or self.me in gone or len(members) < 2:
-            self.broken = "dead"
-            return
-        index = next(i for i, c in enumerate(members) if c.node_id == self.me)
-        self.kept = Kept(members, index, kept.leader, kept.formed, kept.rounds, kept.formed_at)
-        self.shrunk += 1
+        PINGs. Either way the group is not kept: it re-forms through the DHT, where a member found dead is not
+        waited for (``RoundMachine.gone``)."""
+        if self.kept is not None and (silent or dead & self.kept.node_ids()):
+            self.broken = self.broken or ("silent" if silent else "dead")
 
     def break_(self, reason: str, kept: Kept | None = None) -> None:
         """Do not renew the kept group again (a refused or unacknowledged renewal, a newcomer); with
@@ -274,7 +249,7 @@ class StickyGroups:
             self.keep_rounds,
             None if kept is None else KeptStatistics(len(kept.members), kept.formed, kept.formed + kept.rounds,
                                                      kept.leader.hex(), self.broken),
-            self.renewed, dict(self.dropped), self.shrunk,
+            self.renewed, dict(self.dropped),
         )
 
 
