@@ -20,10 +20,7 @@ The group goes back to DHT matchmaking (so newcomers get in and a changed swarm 
 - a follower waited the renewal window without a BEGIN (the leader died), or the leader waited its
   window for a follower's renewal request (the follower died or dropped the group), unless the member
   waited for is alive (below),
-- the member waited for is the leader and is dead: its daemon did not answer three PINGs (below; dead followers
-  are left out of the renewal instead),
-- a follower's leader sent a BEGIN naming a member the follower went on without, or left out as dead a member
-  that answers the follower's own PING,
+- the member waited for is dead: its daemon did not answer three PINGs (below),
 - or a member did not keep the group at all (its view of who was looking differed): it tells the leader.
 
 A late member is told apart from a dead one by asking its daemon, which answers while its trainer is busy
@@ -34,9 +31,8 @@ a few of its round trips, resent inside at the transport's RTO, so loss costs a 
 member whose own node id answers is alive: the renewal waits for it past the tuned window, up to the window's
 cap (never past half the round's budget), re-probing it every half second, so a trainer whose evaluation ran a
 second or two long is averaged in instead of averaging alone while the others re-form without it. A member
-whose daemon leaves three probes in a row unanswered (or answered by another node id) is dead: a dead follower
-is left out and the leader renews the group without it; a dead leader's group is dropped at once ("dead", about
-0.35 s on a LAN) instead of at the window's end, and the matchmakings that
+whose daemon leaves three probes in a row unanswered (or answered by another node id) is dead: the group is
+dropped at once ("dead", about 0.35 s on a LAN) instead of at the window's end, and the matchmakings that
 follow do not expect it while its latest progress record predates that verdict (``RoundMachine.gone``). A member
 that answers probes but never asks holds the group no longer than the cap. A member that dies mid-average is found
 the same way (the averaging PINGs a member whose stream went silent, ``allreduce/liveness.py``) and is not waited
