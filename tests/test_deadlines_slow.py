@@ -123,6 +123,16 @@ def test_a_member_of_the_last_group_without_its_progress_is_doubtful_one_that_mi
                               now=2.0).doubtful
 
 
+def test_a_member_of_the_last_group_with_no_progress_yet_is_expected_and_doubtful() -> None:
+    """In a run's second round a member that has not finished its first (a capped member, a moment behind) has no
+    record yet: the others must not expect only each other."""
+    me, a, slow, stranger = (_peer(i).node_id for i in range(4))
+    known = {a: 0, slow: 0, stranger: -5}
+    progress = [(me, 0, 1.0), (a, 0, 1.0)]
+    seen = expected_peers(progress, me=me, round_no=1, last_round=0, lagging_s=None, known=known, now=2.0)
+    assert seen.recent == {me, a, slow} and seen.doubtful == {slow}
+
+
 def test_a_stale_copy_of_a_members_progress_does_not_make_it_doubtful_hostile() -> None:
     """A holder that also serves an older signed record of an honest member cannot get it waited for less: the
     newest round each owner finished counts."""

@@ -26,8 +26,8 @@ def expected_peers(progress: Iterable[tuple[bytes, int, float]], *, me: bytes, r
     """From believable progress records ``(owner, round finished, stored at)``: who finished a recent round (or,
     with ``lagging_s``, refreshed its record that recently: a joiner chasing a kept group), and who of those this
     node averaged with in its last round (``known``: node id -> last round averaged with it) without the record
-    of finishing it. Each owner's own signed record is the only input about it, so a member can make only
-    itself doubtful."""
+    of finishing it, or with no record at all (expected and doubtful too). Each owner's own signed record is the
+    only input about it, so a member can make only itself doubtful."""
     # Rounds the caller numbers may be far apart (DiLoCo's outer steps: round 40, then 80): a peer that finished
     # the last one this node ran is as recent as one three rounds back in a run of every round.
     recent_from = round_no - RECENT_ROUNDS if last_round is None else min(round_no - RECENT_ROUNDS, last_round)
@@ -40,6 +40,12 @@ def expected_peers(progress: Iterable[tuple[bytes, int, float]], *, me: bytes, r
             recent.add(owner)
         if value >= round_no and owner != me:
             latest = max(latest, value)
-    doubtful = frozenset() if last_round is None else frozenset(
-        p for p in recent if p != me and known.get(p) == last_round and finished[p] < last_round)
-    return Expected(frozenset(recent), doubtful, latest)
+    if last_round is None:
+        return Expected(frozenset(recent), frozenset(), latest)
+    # A member of my last group with no record at all (in a run's second round, one that has not finished its
+    # first yet: a capped member, say) is as doubtful as one whose record is older; else the others would expect
+    # only each other and close the group a moment before it comes.
+    unrecorded = {p for p, r in known.items() if r == last_round and p != me and p not in finished}
+    doubtful = frozenset(p for p in recent | unrecorded if p != me and known.get(p) == last_round
+                         and finished.get(p, -1) < last_round)
+    return Expected(frozenset(recent | unrecorded), doubtful, latest)
