@@ -707,12 +707,8 @@ def test_pipelined_average_under_loss_is_exactly_what_arrived():
     xs, ws = inputs(4, 4 * 80 * 8, seed=3)
     m = make_group(xs, ws, per=8, overlap=True)
     net = GroupNet(m, gap=1e-3, drop=lambda w: w.mtype in (RS_DATA, AG_DATA) and (w.src, w.dst, w.offset) in lost)
-    first: dict[int, float] = {}
-    for core in m:
-        _note_first_all_gather(core, first)
     net.run()
     check_results(m, xs, ws, 8, net)
-    assert all(first[core.index] < core.phase_state(0)[1] - 0.1 for core in m)
 
 
 def _owner_and_bodies(per: int = 2, ranges: int = 40):
@@ -724,30 +720,30 @@ def _owner_and_bodies(per: int = 2, ranges: int = 40):
     return xs, a, bodies
 
 
-def test_a_range_passed_over_in_order_is_final_and_its_late_data_is_not_summed():
+def test_a_range_missing_below_later_ones_is_waited_for_and_summed_when_it_comes():
+    """A datagram missing below later ones of its stream may be only late (a path that reorders): the all-gather
+    goes no further than the ranges that arrived, and the late one, once in, is summed like the rest."""
     xs, a, bodies = _owner_and_bodies()
-    for body in bodies[1:36]:  # range 0 lost: what came after it says so
+    for body in bodies[1:36]:  # range 0 overtaken by the ones after it
         assert a.receive(1, RS_DATA, body, 0.1) is Outcome.ACCEPTED
-    assert a.wants_to_send
-    ag = [o for o in a.datagrams_to_send(0.2, 10_000) if o.type == AG_DATA]
+    assert not [o for o in a.datagrams_to_send(0.2, 10_000) if o.type == AG_DATA]
+    assert a.receive(1, RS_DATA, bodies[0], 0.3) is Outcome.ACCEPTED
+    ag = [o for o in a.datagrams_to_send(0.3, 10_000) if o.type == AG_DATA]
     assert ag and not a.reduce_scatter_done
     first = parse_header(AG_DATA, ag[0].body)
-    assert first.offset == 0 and first.weight == 3.0  # only the owner's own weight reached range 0
-    assert np.frombuffer(ag[0].body, np.float32, 2, HEADER_SIZE).tolist() == xs[0][:2].tolist()
+    assert first.offset == 0 and first.weight == 4.0  # both members' weights reached range 0
     assert max(parse_header(AG_DATA, o.body).offset for o in ag) == 31 * 2  # a block (AG_MIN_ROWS more: not yet)
-    assert a.receive(1, RS_DATA, bodies[0], 0.3) is Outcome.LATE
     for body in bodies[36:]:
         a.receive(1, RS_DATA, body, 0.4)
     assert a.reduce_scatter_done and a.statistics().reduce_scatter.ended_by == COMPLETION
-    assert a.statistics().drops == {"late": 1}
+    assert a.statistics().drops == {}
     a.handle_timer(100.0)  # (nothing of the other shard comes)
-    np.testing.assert_array_equal(a.result()[:2], xs[0][:2])
-    np.testing.assert_allclose(a.result()[2:80], (3 * xs[0][2:80].astype(np.float64) + xs[1][2:80]) / 4, atol=1e-6)
+    np.testing.assert_allclose(a.result()[:80], (3 * xs[0][:80].astype(np.float64) + xs[1][:80]) / 4, atol=1e-6)
 
 
-def test_rows_for_final_ranges_in_a_block_are_late_hostile():
+def test_rows_for_final_ranges_in_a_block_are_not_summed_again_hostile():
     xs, a, bodies = _owner_and_bodies()
-    for body in bodies[1:36]:
+    for body in bodies[:36]:
         a.receive(1, RS_DATA, body, 0.1)
     before = [o for o in a.datagrams_to_send(0.2, 10_000) if o.type == AG_DATA]
     assert before
@@ -756,14 +752,14 @@ def test_rows_for_final_ranges_in_a_block_are_late_hostile():
     block = np.frombuffer(b"".join(forged), np.uint8).reshape(3, -1)
     assert a.receive_block(1, RS_DATA, block, 0.3) is None  # body by body, then
     outcomes = [a.receive(1, RS_DATA, row.tobytes(), 0.3) for row in block]
-    assert outcomes == [Outcome.LATE, Outcome.DUPLICATE, Outcome.ACCEPTED]
+    assert outcomes == [Outcome.DUPLICATE, Outcome.DUPLICATE, Outcome.ACCEPTED]
     for body in bodies[37:]:
         a.receive(1, RS_DATA, body, 0.4)
     assert a.reduce_scatter_done
     a.handle_timer(100.0)
     res = a.result()
     assert np.isfinite(res).all()
-    np.testing.assert_array_equal(res[:2], xs[0][:2])
+    np.testing.assert_allclose(res[:80], (3 * xs[0][:80].astype(np.float64) + xs[1][:80]) / 4, atol=1e-6)
 
 
 def test_robust_averages_wait_for_the_whole_reduce_scatter():

@@ -330,7 +330,7 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         self._early = options.overlap and robust is None
         self._ag_next = 0  # the first range of the own shard the all-gather has not handed out
         self._ag_woken = False  # a wake-up for final ranges is pending (``note_ready``)
-        self._contig = [0] * n  # per sender: ranges below it all arrived or final (for a stream seen reordered)
+        self._contig = [0] * n  # per sender: ranges below it all arrived or final (where its stream has a gap)
         self._block_rows = DEFAULT_BLOCK_ROWS
         self._init_repair(options.repair_rounds, max_payload)
         self._left: list[Outgoing] = []  # rows of a block ``datagrams_to_send`` has not handed out yet

@@ -123,16 +123,19 @@ class Outbox:
         return min(k + AG_MIN_ROWS, full) if k < full else total
 
     def sender_frontier(self, s: int) -> int:
-        """How many leading ranges of the own shard sender ``s`` has settled: all of them once its stream is closed;
-        else, while its stream came in index order, every range below its highest one that arrived (what is
-        missing there was sent before that one, so it is lost); else the ranges below the first one missing."""
+        """How many leading ranges of the own shard sender ``s`` has settled: all of them once its stream is closed
+        (its END and grace, or the phase's deadline: what is missing then is lost); else the ranges below the first
+        one that has not arrived. A datagram missing below the stream's top may be lost or only late (a path that
+        reorders, jitter): it is waited for until the stream closes, so an early all-gather never leaves out a
+        contribution that was merely late."""
         rs, total = self._rs, self._nranges
         if rs.done[s]:
             return total
-        if not rs.reordered[s]:
-            return rs.top[s]
+        top = rs.top[s]
+        if rs.received[s] >= top:  # every datagram below the top arrived (the usual case: no scan)
+            return top
         c = max(self._contig[s], self._finalized)
-        if c < total:
+        if c < total and self._rs_seen[s, c]:  # the first gap filled since: find the next one
             rest = self._rs_seen[s, c:]
             gap = int(np.argmin(rest))
             c = total if rest[gap] else c + gap
