@@ -462,3 +462,65 @@ def test_a_member_of_the_first_group_that_finishes_later_is_waited_for_in_the_se
         mc.handle_timer(now)
         answer(mc.take_actions(), now)
     assert mc.phase == "average" and {c.node_id for c in mc.group.members} == {c.node_id for c in members}
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_a_doubtful_member_is_pinged_waited_for_while_it_lives_dropped_once_dead(answers: bool) -> None:
+    """A member of the last group with no record of finishing it is PINGed once it is a few round trips late: a
+    daemon that answers is slow, not gone, and is waited for past ``doubt_s`` (up to the window); one silent to
+    its probes is dropped as soon as they fail (well inside ``doubt_s``) and remembered as gone."""
+    members = sorted((peer(i) for i in range(4)), key=lambda c: c.node_id)
+    me, live, slow = members[0], members[1:3], members[3]
+    rng = random.Random(0)
+    mc = RoundMachine("run", LINE, KeyManager(LINE, me.node_id, rng=rng), me, rng=rng, window_s=WINDOW,
+                      keep_rounds=4)
+    mc.round, mc.synced, mc.doubt_s = 1, True, 0.6
+    mc._last_round = 0
+    mc._last_group = {c.node_id: c for c in members[1:]}
+    mc.note_members([c.node_id for c in members[1:]], 0)
+    mc.start_round(now=T0)
+    shown = [SimRecord(c.node_id, encode_announce(T0 + WINDOW + 0.1, *c.addr), T0 + WINDOW + 0.1, c.public_key)
+             for c in (me, *live)]
+    progress = [SimRecord(c.node_id, msgpack.packb(0), T0 - 0.1 + PROGRESS_TTL_S, c.public_key) for c in (me, *live)]
+    pinged = 0
+
+    def drive(now: float, until: float) -> float:
+        nonlocal pinged
+        for _ in range(1000):  # (a timer that never moves on fails the test, not hangs it)
+            if mc.phase != "match":
+                break
+            acts = mc.take_actions()
+            for g in [a for a in acts if isinstance(a, Get)]:
+                mc.on_records(g.token, progress if g.key.endswith(b"progress") else shown, now)
+            pings = [a for a in acts if isinstance(a, Request) and a.mtype is m.MsgType.PING]
+            for p in pings:
+                assert p.to.node_id == slow.node_id
+                pinged += 1
+                if answers:
+                    mc.on_reply(p.token, slow.node_id, True, "", now + 0.002)
+                else:
+                    now += p.timeout
+                    mc.on_failed(p.token, now)
+            if pings:
+                continue
+            t = mc.get_timer()
+            if t is None or t > until:
+                return now
+            now = t
+            mc.handle_timer(now)
+        else:
+            raise AssertionError("the round machine's timer does not move on")
+        return now
+
+    now = drive(T0 + 0.01, T0 + 0.01)
+    for c in live:
+        assert mc.on_join(Candidate(T0 + WINDOW + 0.1, c.node_id, c.public_key, c.addr), 1, mc.key, T0 + 0.02)[0]
+    now = drive(T0 + 0.02, T0 + 0.8)
+    if not answers:
+        assert pinged == PROBES and mc.phase == "average" and len(mc.group.members) == 3
+        assert now - T0 < 0.6 and slow.node_id in mc.gone
+        return
+    assert pinged == 1 and mc.phase == "match"  # past doubt_s: it lives
+    assert mc.on_join(Candidate(T0 + 0.8 + WINDOW, slow.node_id, slow.public_key, slow.addr), 1, mc.key, T0 + 0.8)[0]
+    drive(T0 + 0.8, T0 + 2 * WINDOW)
+    assert mc.phase == "average" and len(mc.group.members) == 4 and not mc.gone

@@ -65,6 +65,14 @@ class LateMembers:
         """The next probe due for a member of ``waiting``, or the wait's end, whichever comes first."""
         return min([self.deadline(waiting), *(p.next_at for p in self._of(waiting))])
 
+    def alive(self, waiting: Iterable[bytes]) -> frozenset[bytes]:
+        """The members of ``waiting`` whose daemons answered (or otherwise spoke) this round."""
+        return frozenset(p.member.node_id for p in self._of(waiting) if p.alive)
+
+    def next_probe(self, waiting: Iterable[bytes]) -> float:
+        """When the next probe of a member of ``waiting`` not yet found dead is due (inf: none is)."""
+        return min((p.next_at for p in self._of(waiting) if p.failures < PROBES), default=math.inf)
+
     def to_probe(self, waiting: Iterable[bytes], now: float) -> list[tuple[Candidate, float]]:
         """The members of ``waiting`` to PING now, each with its probe's timeout (the caller reports ``sent``)."""
         return [(p.member, p.timeout) for p in self._of(waiting) if p.token is None and now >= p.next_at]

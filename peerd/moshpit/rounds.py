@@ -138,6 +138,9 @@ class RoundMachine:
         self._full_out = False  # a full read of the key in flight
         self._renew_kept: Kept | None = None
         self._late: LateMembers | None = None  # a kept round's probes of the members it waits for
+        self._last_group: dict[bytes, Candidate] = {}  # the members of the group this node last averaged with
+        self._doubt: LateMembers | None = None  # this matchmaking's probes of its doubtful members ...
+        self._doubtful: frozenset[bytes] = frozenset()  # ... those not yet found alive or dead
         self._dead: frozenset[bytes] = frozenset()  # members this round's renewal found dead (not waited for long)
         # members found dead (a renewal's or an average's PINGs unanswered) -> when: a progress record stored before
         # then is the dead member's last, so it is neither expected by matchmaking nor an outsider (bounded)
@@ -166,6 +169,8 @@ class RoundMachine:
         elif self.phase == "match":
             assert self._mm is not None
             t = min(t, self._mm.get_timer() or math.inf, self._poll_at, self._mm_deadline, self._expect_at)
+            if self._doubt is not None:
+                t = min(t, self._doubt.next_probe(self._doubt_waits()))
         elif self.phase == "sync":
             t = min(t, self._sync_deadline)
         return None if t == math.inf else t
@@ -209,7 +214,7 @@ class RoundMachine:
         self._started = now
         self._timeout_s = timeout_s
         self._forget_gets()
-        for token in [t for t, req in self._requests.items() if req[0] in ("join", "probe", "late")]:
+        for token in [t for t, req in self._requests.items() if req[0] in ("join", "probe", "late", "doubt")]:
             del self._requests[token]  # JOINs of an earlier round: their answers no longer matter
         sticky = self.sticky
         if sticky.kept is not None and sticky.broken:
@@ -249,6 +254,7 @@ class RoundMachine:
             return
         group = self.group
         assert group is not None
+        self._last_group = {c.node_id: c for c in group.members if c.node_id != self.me.node_id}
         if averaged:
             self.outcome = "averaged"
         else:
@@ -290,6 +296,7 @@ class RoundMachine:
                 self._get(progress_key(self.run_id), "expect", None)
             if now >= self._poll_at:
                 self._poll(now)
+            self._check_doubtful(now)
             mm.handle_timer(now)
             self._pump(now)
         elif self.phase == "sync" and now >= self._sync_deadline:
@@ -346,6 +353,10 @@ class RoundMachine:
         elif purpose == "late":  # (a PING's answer: from the member itself, or from someone else at its address)
             req[1].receive_answer(req[2], token, sender, now)
             self._check_renewal(now)
+        elif purpose == "doubt":
+            req[1].receive_answer(req[2], token, sender, now)
+            self._check_doubtful(now)
+            self._pump(now)
         elif purpose == "renewal" and not ok:
             self.sticky.break_("refused", req[1])
 
@@ -370,6 +381,10 @@ class RoundMachine:
         elif purpose == "late":
             req[1].receive_answer(req[2], token, None, now)
             self._check_renewal(now)
+        elif purpose == "doubt":
+            req[1].receive_answer(req[2], token, None, now)
+            self._check_doubtful(now)
+            self._pump(now)
         elif purpose == "renewal":
             self.sticky.break_("unacknowledged", req[1])
             self._actions.append(Note(f"run {self.run_id}: a kept group's member did not acknowledge its renewal"))
@@ -568,6 +583,7 @@ class RoundMachine:
         self._poll_i = 0
         self._full_out = False
         self._expect_at = math.inf
+        self._doubt, self._doubtful = None, frozenset()
         self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1], me.reach,
                                                                  self.cap_ad),
                                  window_s + 10.0))
@@ -683,10 +699,38 @@ class RoundMachine:
         dead = frozenset(p for p in recent if p in self.gone and stored.get(p, -math.inf) <= self.gone[p])
         recent -= dead  # (found dead since its last record: a record it writes later makes it expected again)
         mm.set_expected(recent, now)
-        doubtful = seen.doubtful - dead  # (a moment behind, or dead: waited for only doubt_s)
+        doubtful = seen.doubtful - dead  # (a moment behind, or dead: waited for only doubt_s, and PINGed)
         if doubtful:
+            if self._doubt is None:
+                self._doubt = LateMembers([self._last_group[n] for n in doubtful if n in self._last_group],
+                                          started=now, base=mm.started + self.doubt_s, long=self._mm_deadline,
+                                          rtt=self.rtt)
+            self._doubtful = doubtful
             mm.receive_doubtful(doubtful, mm.started + self.doubt_s, now)
+            self._check_doubtful(now)
         self._pump(now)
+
+    def _doubt_waits(self) -> frozenset[bytes]:
+        """The doubtful members still to come (one that joined this node needs no probe)."""
+        mm = self._mm
+        return self._doubtful if mm is None else self._doubtful - {f.node_id for f in mm.followers}
+
+    def _check_doubtful(self, now: float) -> None:
+        """Matchmaking's doubtful members, PINGed as a kept group's late ones are: one whose daemon answers is
+        waited for as any expected peer (the window: it is slow, not gone); one found dead is not waited for at all
+        and is remembered (``gone``); until then they are waited for ``doubt_s``."""
+        late, mm = self._doubt, self._mm
+        if late is None or mm is None or self.phase != "match":
+            return
+        dead, alive = late.dead(self._doubtful), late.alive(self._doubtful)
+        if dead or alive:
+            self._note_gone(dead, now)
+            self._doubtful -= dead | alive
+            if mm.expected is not None and dead:
+                mm.set_expected(mm.expected - dead, now)
+            mm.receive_doubtful(self._doubtful, mm.started + self.doubt_s, now)
+        for c, timeout in late.to_probe(self._doubt_waits(), now):
+            late.sent(c.node_id, self._request(c, m.MsgType.PING, {}, ("doubt", late, c.node_id), timeout, 1))
 
     def _candidates(self, records: list[RecordLike]) -> list[Candidate]:
         out = []
