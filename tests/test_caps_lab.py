@@ -16,9 +16,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the link lab needs ro
 
 @pytest.mark.parametrize("direction", ["upload", "download"])
 def test_a_capped_member_keeps_to_its_cap_and_the_group_plans_for_it(direction: str) -> None:
-    # the bench's own steps and warmup: a capped member's first rounds can run under its cap while its pacer finds
-    # the rate, and round_s is the steady round
-    cfg = CapsBenchConfig(link="100mbit", params=2_000_000, steps=8, warmup=2,
+    # round_s is the steady round: a capped member's first two or three rounds can run under its cap while its
+    # pacer finds the rate, so three steps of warmup and six measured
+    cfg = CapsBenchConfig(link="100mbit", params=2_000_000, steps=9, warmup=3,
                           **{f"cap_{direction}": "20mbit"})  # type: ignore[arg-type]
     full = run_caps_bench(cfg, say=lambda *a: None)
     # (the figures a failure needs first: pytest cuts a long dict short)
