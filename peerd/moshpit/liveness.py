@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from ..allreduce.liveness import GRACE_FLOOR_S, PROBE_FLOOR_S, PROBES, REPROBE_S, grace_s, probe_timeout_s
 from .matchmaking import Candidate
 
-__all__ = ["GRACE_FLOOR_S", "PROBES", "PROBE_FLOOR_S", "REPROBE_S", "LateMembers", "grace_s", "probe_timeout_s"]
+__all__ = ["GRACE_FLOOR_S", "PROBES", "PROBE_FLOOR_S", "REPROBE_S", "DoubtfulMembers", "LateMembers", "grace_s",
+           "probe_timeout_s"]
 
 
 @dataclass
@@ -101,3 +102,24 @@ class LateMembers:
             p.alive, p.failures = True, 0
             if p.token is None:
                 p.next_at = max(p.next_at, now + REPROBE_S)
+
+
+class DoubtfulMembers:
+    """One matchmaking's doubtful members (of this node's last group, with no record of finishing that round),
+    PINGed as a kept round's late members are: ``settle`` takes out those found alive (waited for as any expected
+    peer: slow, not gone) and those found dead (not waited for at all); the rest are waited for only briefly."""
+
+    def __init__(self, members: Iterable[Candidate], *, started: float,
+                 rtt: Callable[[tuple[str, int]], float | None]) -> None:
+        self.probes = LateMembers(members, started=started, base=math.inf, long=math.inf, rtt=rtt)
+        self.doubtful: frozenset[bytes] = frozenset()
+
+    def waits(self, joined: Iterable[bytes]) -> frozenset[bytes]:
+        """The doubtful members still to come (one that joined needs no probe)."""
+        return self.doubtful - set(joined)
+
+    def settle(self) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        """(dead, alive) among the doubtful members; both leave the doubtful set."""
+        dead, alive = self.probes.dead(self.doubtful), self.probes.alive(self.doubtful)
+        self.doubtful -= dead | alive
+        return dead, alive

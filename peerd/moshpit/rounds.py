@@ -31,7 +31,7 @@ from ..wire import messages as m
 from .actions import Action, Average, Count, Get, Note, Notify, Put, Request
 from .expect import expected_peers
 from .keys import Grid, KeyManager
-from .liveness import LateMembers
+from .liveness import DoubtfulMembers, LateMembers
 from .matchmaking import (
     BUSY_RETRY_S,
     FOLLOW_SLACK_S,
@@ -139,8 +139,7 @@ class RoundMachine:
         self._renew_kept: Kept | None = None
         self._late: LateMembers | None = None  # a kept round's probes of the members it waits for
         self._last_group: dict[bytes, Candidate] = {}  # the members of the group this node last averaged with
-        self._doubt: LateMembers | None = None  # this matchmaking's probes of its doubtful members ...
-        self._doubtful: frozenset[bytes] = frozenset()  # ... those not yet found alive or dead
+        self._doubt: DoubtfulMembers | None = None  # this matchmaking's probes of its doubtful members
         self._dead: frozenset[bytes] = frozenset()  # members this round's renewal found dead (not waited for long)
         # members found dead (a renewal's or an average's PINGs unanswered) -> when: a progress record stored before
         # then is the dead member's last, so it is neither expected by matchmaking nor an outsider (bounded)
@@ -170,7 +169,7 @@ class RoundMachine:
             assert self._mm is not None
             t = min(t, self._mm.get_timer() or math.inf, self._poll_at, self._mm_deadline, self._expect_at)
             if self._doubt is not None:
-                t = min(t, self._doubt.next_probe(self._doubt_waits()))
+                t = min(t, self._doubt.probes.next_probe(self._doubt.waits(f.node_id for f in self._mm.followers)))
         elif self.phase == "sync":
             t = min(t, self._sync_deadline)
         return None if t == math.inf else t
@@ -297,6 +296,8 @@ class RoundMachine:
             if now >= self._poll_at:
                 self._poll(now)
             self._check_doubtful(now)
+            if self._mm is not mm:  # (a doubtful member found dead: the group closed)
+                return
             mm.handle_timer(now)
             self._pump(now)
         elif self.phase == "sync" and now >= self._sync_deadline:
@@ -350,13 +351,9 @@ class RoundMachine:
                 self._pump(now)
         elif purpose == "ask":
             self._asked(req[1], sender, ok, reason, now)
-        elif purpose == "late":  # (a PING's answer: from the member itself, or from someone else at its address)
+        elif purpose in ("late", "doubt"):  # (a PING's answer: from the member itself, or someone else at its address)
             req[1].receive_answer(req[2], token, sender, now)
-            self._check_renewal(now)
-        elif purpose == "doubt":
-            req[1].receive_answer(req[2], token, sender, now)
-            self._check_doubtful(now)
-            self._pump(now)
+            self._check_renewal(now) if purpose == "late" else self._check_doubtful(now)
         elif purpose == "renewal" and not ok:
             self.sticky.break_("refused", req[1])
 
@@ -378,13 +375,9 @@ class RoundMachine:
                 self._pump(now)
         elif purpose == "ask":
             self._asked(req[1], None, False, "unreachable", now)
-        elif purpose == "late":
+        elif purpose in ("late", "doubt"):
             req[1].receive_answer(req[2], token, None, now)
-            self._check_renewal(now)
-        elif purpose == "doubt":
-            req[1].receive_answer(req[2], token, None, now)
-            self._check_doubtful(now)
-            self._pump(now)
+            self._check_renewal(now) if purpose == "late" else self._check_doubtful(now)
         elif purpose == "renewal":
             self.sticky.break_("unacknowledged", req[1])
             self._actions.append(Note(f"run {self.run_id}: a kept group's member did not acknowledge its renewal"))
@@ -583,7 +576,7 @@ class RoundMachine:
         self._poll_i = 0
         self._full_out = False
         self._expect_at = math.inf
-        self._doubt, self._doubtful = None, frozenset()
+        self._doubt = None
         self._actions.append(Put(self._mm_key, encode_announce(me.expiry, me.addr[0], me.addr[1], me.reach,
                                                                  self.cap_ad),
                                  window_s + 10.0))
@@ -702,35 +695,29 @@ class RoundMachine:
         doubtful = seen.doubtful - dead  # (a moment behind, or dead: waited for only doubt_s, and PINGed)
         if doubtful:
             if self._doubt is None:
-                self._doubt = LateMembers([self._last_group[n] for n in doubtful if n in self._last_group],
-                                          started=now, base=mm.started + self.doubt_s, long=self._mm_deadline,
-                                          rtt=self.rtt)
-            self._doubtful = doubtful
+                self._doubt = DoubtfulMembers([self._last_group[n] for n in doubtful if n in self._last_group],
+                                              started=now, rtt=self.rtt)
+            self._doubt.doubtful = doubtful
             mm.receive_doubtful(doubtful, mm.started + self.doubt_s, now)
             self._check_doubtful(now)
         self._pump(now)
 
-    def _doubt_waits(self) -> frozenset[bytes]:
-        """The doubtful members still to come (one that joined this node needs no probe)."""
-        mm = self._mm
-        return self._doubtful if mm is None else self._doubtful - {f.node_id for f in mm.followers}
-
     def _check_doubtful(self, now: float) -> None:
-        """Matchmaking's doubtful members, PINGed as a kept group's late ones are: one whose daemon answers is
-        waited for as any expected peer (the window: it is slow, not gone); one found dead is not waited for at all
-        and is remembered (``gone``); until then they are waited for ``doubt_s``."""
-        late, mm = self._doubt, self._mm
-        if late is None or mm is None or self.phase != "match":
+        """Matchmaking's doubtful members (``DoubtfulMembers``): one whose daemon answers is waited for as any expected
+        peer; one found dead is not waited for at all and is remembered (``gone``)."""
+        doubt, mm = self._doubt, self._mm
+        if doubt is None or mm is None or self.phase != "match":
             return
-        dead, alive = late.dead(self._doubtful), late.alive(self._doubtful)
+        dead, alive = doubt.settle()
         if dead or alive:
             self._note_gone(dead, now)
-            self._doubtful -= dead | alive
             if mm.expected is not None and dead:
                 mm.set_expected(mm.expected - dead, now)
-            mm.receive_doubtful(self._doubtful, mm.started + self.doubt_s, now)
-        for c, timeout in late.to_probe(self._doubt_waits(), now):
-            late.sent(c.node_id, self._request(c, m.MsgType.PING, {}, ("doubt", late, c.node_id), timeout, 1))
+            mm.receive_doubtful(doubt.doubtful, mm.started + self.doubt_s, now)
+        for c, timeout in doubt.probes.to_probe(doubt.waits(f.node_id for f in mm.followers), now):
+            doubt.probes.sent(c.node_id, self._request(c, m.MsgType.PING, {}, ("doubt", doubt.probes, c.node_id),
+                                                       timeout, 1))
+        self._pump(now)
 
     def _candidates(self, records: list[RecordLike]) -> list[Candidate]:
         out = []
