@@ -15,7 +15,7 @@ from .robust import MODES as ROBUST_MODES
 from .robust import Robust
 
 DEFAULT_MAX_WEIGHT = float(2**24)  # samples: the cap on any member's weight unless the caller gives one
-MAX_REPAIR_ROUNDS = 3  # the most repair rounds a member asks for, and an owner serves, per all-gather stream
+MAX_REPAIR_ROUNDS = 6  # the most repair rounds a member asks for, and an owner serves, per all-gather stream
 _U64 = (1 << 64) - 1
 
 
@@ -88,7 +88,12 @@ class AverageOptions:
     exclude: tuple[int, ...] = ()
     solo: bool = False
     overlap: bool = True
-    repair_rounds: int = MAX_REPAIR_ROUNDS  # a range lost in two rounds at 5 % loss left ~1 round in 10 incomplete
+    # A range a member still lacks after r rounds at loss p: about p^(r + 1) (each resend lost again; a request goes
+    # three times). At 5 % loss and ~500 ranges a member's all-gather, 3 rounds left about 1 member-round in 300
+    # incomplete (the GPT demo saw 2 to 10 of its 1,440): a replica on its own values there, and its optimizer state
+    # (Adam's moments) apart from the others' for hundreds of steps, so no later parameter check finds the replicas
+    # identical (trainer/paramcheck.py). 6 rounds: about 1 in 10^6.
+    repair_rounds: int = MAX_REPAIR_ROUNDS
     owner_lag_s: float | None = None
     probe_silent: bool = False
 
