@@ -107,6 +107,11 @@ class Metrics:
             "peerd_trainer_steps_total", "Averaging requests of local trainers, by outcome (averaged, alone, failed)",
             ["outcome"], registry=r,
         )
+        self.trainer_params_identical = Counter(
+            "peerd_trainer_params_identical_total",
+            "Parameter averages skipped because the check round found every member's parameters the same",
+            registry=r,
+        )
         self.trainer_sessions = Gauge("peerd_trainer_sessions", "Trainer sessions open on this daemon", registry=r)
         self.trainer_step_seconds = Histogram(
             "peerd_trainer_step_seconds", "Time the daemon spent on one averaging request of a trainer",

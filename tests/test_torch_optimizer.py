@@ -76,12 +76,14 @@ def test_two_replicas_stay_identical_and_follow_the_weighted_mean(daemon) -> Non
     torch.testing.assert_close(flat(models[0]), flat(ref), rtol=1e-5, atol=1e-6)
     assert all(r["outcome"] == "averaged" and r["group_size"] == 2 for rs in replies for r in rs)
     assert "params" in replies[0][1] and replies[0][1]["params"]["outcome"] == "averaged"  # K = 2
+    # the replicas are identical: each parameter average's check round says so, and the average is skipped
+    assert all(r["params"]["identical"] for rs in replies for r in rs[1::2])
     assert opts[0].step_count == 4 and opts[0].outcomes == {"averaged": 4}
     kinds = [run_id.rsplit(".", 1)[1] for run_id, _ in daemon.averager.calls]
-    assert kinds.count("g") == 8 and kinds.count("p") == 4
-    # parameter averages are numbered by the step (step // K), gradient rounds by the daemon
+    assert kinds.count("g") == 8 and kinds.count("c") == 4 and kinds.count("p") == 0
+    # parameter averages (and their checks) are numbered by the step (step // K), gradient rounds by the daemon
     numbers = [(k, r) for k, r in zip(kinds, daemon.averager.round_numbers, strict=True)]
-    assert sorted(r for k, r in numbers if k == "p") == [1, 1, 2, 2]
+    assert sorted(r for k, r in numbers if k == "c") == [1, 1, 2, 2]
     assert all(r is None for k, r in numbers if k == "g")
     for o in opts:
         o.close()
@@ -120,7 +122,7 @@ def test_keep_rounds_reaches_every_round_of_the_session(daemon) -> None:
     opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="k", socket=daemon.path, sync_state=False,
                     state_every=0, average_params_every=1, keep_rounds=8)
     train_step(m, opt, 0)
-    assert daemon.averager.keep_rounds == [8, 8]  # gradients and parameters
+    assert daemon.averager.keep_rounds == [8, 8, 8]  # gradients, the parameter check and parameters
     opt.close()
     plain = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="k", socket=daemon.path, sync_state=False,
                       state_every=0, average_params_every=0, keep_rounds=None)

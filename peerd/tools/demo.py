@@ -481,7 +481,10 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                           "start_accuracy": starts.get(r["peer"], {}).get("accuracy"),
                           "byzantine": r["peer"] in byzantine, "nonfinite_rounds": r.get("nonfinite_rounds", 0),
                           "params_finite": r.get("params_finite"), "diverged": r.get("diverged", False),
-                          "caught_up": r.get("caught_up", 0)}
+                          "caught_up": r.get("caught_up", 0),
+                          # parameter averages, and those a check round found would change nothing (skipped)
+                          "params_averages": r.get("params_averages", 0),
+                          "params_identical": r.get("params_identical", 0)}
                          for r in results],
         }
         say(f"\ndone in {wall:.1f} s: held-out accuracy {summary['accuracy']:.4f}, loss {summary['final_loss']:.4f} "

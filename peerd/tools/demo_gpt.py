@@ -363,7 +363,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         "final_average": final_rounds, "t_end": t_end, "t": t_end, "eval_s": eval_s, "mode": args.mode,
         "step_s": float(np.median(step_times)) if step_times else 0.0,
         "max_step_s": max(step_times, default=0.0), "max_wait_s": max(waits, default=0.0),
-        "caught_up": 0 if ddp else getattr(opt, "caught_up", 0), "params_finite": bool(np.isfinite(flat).all()),
+        "caught_up": 0 if ddp else getattr(opt, "caught_up", 0),
+        "params_averages": 0 if ddp else getattr(opt, "params_averages", 0),
+        "params_identical": 0 if ddp else getattr(opt, "params_identical", 0),
+        "params_finite": bool(np.isfinite(flat).all()),
         "keep_rounds": None if ddp else getattr(opt, "keep_rounds", None),
         "kept_rounds": 0 if ddp else getattr(opt, "kept_rounds", 0), "tensor_bytes": 0, "complete_rounds": complete,
     }

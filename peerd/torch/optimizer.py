@@ -207,6 +207,8 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         self.local_steps = 0  # steps taken on own gradients because no group formed
         self.kept_rounds = 0  # rounds (gradients or parameters) averaged in a kept group, without matchmaking
         self.nonfinite_rounds = 0  # averaged results refused because they held NaN or infinity
+        self.params_averages = 0  # parameter averages asked for (finish()'s included) ...
+        self.params_identical = 0  # ... and those the check round skipped: every member held these parameters
         self.last: dict[str, Any] = {}
         self.last_step: StepReport | None = None  # the latest step's report: outcome, seconds, phases
         self._unreported: dict[str, float] | None = None  # the latest step's phases, sent with the next request
@@ -558,7 +560,9 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         self.flush()
         report = {} if wait_s is None else {"wait_s": wait_s}
         reply, result = self._average("params", list(self.params), 1.0, report, round_no, timeout_s)
-        if reply["outcome"] == "averaged":
+        self.params_averages += 1
+        self.params_identical += bool(reply.get("identical"))
+        if reply["outcome"] == "averaged" and not reply.get("identical"):  # (identical: ours are the swarm's)
             t0 = time.monotonic()
             if self._finite(result, "parameter"):
                 self._scatter(result, [p.data for p in self.params])

@@ -28,7 +28,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,7 @@ from .options import (
     snapshot_bound,
 )
 from .outer_step import OuterSteps
+from .paramcheck import CHECK_SHARE, check_vector, identical
 from .session import Average, Session, StepRound, codec_keywords, round_phases, round_reply, take_slot
 
 log = logging.getLogger("peerd.trainer")
@@ -291,9 +292,17 @@ class TrainerService:
         if not finite:  # a NaN would poison every peer's average
             raise OpError(f"step {step}: the vector holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
-        result, out, outcome, error = await self._average_vector(
-            session, session.average_id(kind), kind, vector, float(weight), timeout, round_no, step,
-            **({} if wait is None else {"wait_s": float(wait)}))
+        checked, left = None, timeout
+        check = kind == "params" and round_no is not None and wait is None
+        if check:
+            checked = await self._check_identical(session, vector, float(timeout), round_no)
+            left = max(1.0, float(timeout) - (time.monotonic() - start))
+        if checked is not None:  # every member holds these parameters: the average would change nothing
+            result, out, outcome, error = checked, vector, "averaged", ""
+        else:
+            result, out, outcome, error = await self._average_vector(
+                session, session.average_id(kind), kind, vector, float(weight), left, round_no, step,
+                **({} if wait is None else {"wait_s": float(wait)}))
         seconds = time.monotonic() - start
         self.metrics.trainer_steps.labels(outcome).inc()
         self.metrics.trainer_step_seconds.observe(seconds)
@@ -309,6 +318,10 @@ class TrainerService:
         reply = round_reply(step, outcome, result, seconds, error)
         reply["phases"] = round_phases(result, copy_in=start - entered, round_s=seconds,
                                        copy_out=time.monotonic() - written)
+        if check:
+            reply["identical"] = checked is not None  # the check round found every member's parameters the same
+        if outcome == "averaged" and kind == "grad" and result is not None:
+            session.grad_group = int(result.group_size)
         if outcome == "averaged":
             self.metrics.trainer_group_size.set(reply["group_size"])
             self.metrics.trainer_received_fraction.set(reply["received_fraction"])
@@ -350,6 +363,26 @@ class TrainerService:
             # out, and honest averages keep their members' norms
             extra["robust"] = session.robust if session.robust is not None else Robust("clip", MAX_C)
         return extra
+
+    async def _check_identical(self, session: Session, vector: np.ndarray, timeout: float,
+                               round_no: int) -> RoundResult | None:
+        """The check round before a parameter average (paramcheck.py): its result with this member's own
+        ``vector`` where every member of the group holds the same parameters, else None (average as before). A
+        check that fails costs at most CHECK_SHARE of the step's timeout."""
+        probe = check_vector(vector)
+        budget = max(1.0, CHECK_SHARE * timeout)
+        try:
+            with trio.fail_after(budget + 10.0):  # (the averaging API's own deadline is ``budget``)
+                got = await self.average(session.average_id("check"), probe, PARAMS_WEIGHT, timeout_s=budget,
+                                         keep_rounds=session.keep_rounds, round_no=round_no,
+                                         max_weight=PARAMS_WEIGHT, compression="fp32")
+        except Exception as e:  # a failed check is no verdict: the parameter average runs as before
+            log.debug("session %d: parameter check of round %d failed: %s", session.id, round_no, e)
+            return None
+        if not identical(got, probe, session.grad_group):
+            return None
+        self.metrics.trainer_params_identical.inc()
+        return replace(got, vector=vector)
 
     async def _average_vector(self, session: Session, run_id: str, kind: str, vector: np.ndarray, weight: float,
                               timeout: float, round_no: int | None, step: int,

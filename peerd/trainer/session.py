@@ -50,6 +50,7 @@ class Session:
     closed: bool = False
     last: dict[str, Any] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # the trainer's latest reported step, by phase
+    grad_group: int = 0  # the group size of the latest averaged gradient round (a parameter check needs as many)
     keep_rounds: int | None = None  # Moshpit kept-group rounds for this session's runs (None: the daemon's)
     max_samples: float | None = None  # the most samples one member's contribution may claim (None: the default)
     robust: Robust | None = None  # robust aggregation asked for by the trainer (None: off)
@@ -108,8 +109,13 @@ class StepRound:
 
 def codec_keywords(session: Session, kind: str, size: int) -> dict[str, Any]:
     """What an average of ``kind`` over ``size`` elements passes to Moshpit for the session's codec: arc-topk only
-    for whole gradient vectors (the layout's shapes fit nothing else; parameter and outer averages of such a
-    session go in fp32, under their own run ids), the body codecs for every average."""
+    for whole gradient vectors (the layout's shapes fit nothing else; outer averages of such a session go in fp32,
+    under their own run id), the body codecs for gradients and outer steps. Parameter averages always go in fp32:
+    a codec's rounding would move every parameter of every replica by up to a quantization step (int8: a 255th
+    of its group's range, about one AdamW step of the GPT demo) at each average, and the check round before them
+    (paramcheck.py) skips them wherever the replicas are identical, so their bytes are rarely paid."""
+    if kind == "params":
+        return {"compression": "fp32"}
     opts = session.compression
     if opts.get("compression") != "arc-topk":
         return dict(opts)
