@@ -109,13 +109,8 @@ class StepRound:
 
 def codec_keywords(session: Session, kind: str, size: int) -> dict[str, Any]:
     """What an average of ``kind`` over ``size`` elements passes to Moshpit for the session's codec: arc-topk only
-    for whole gradient vectors (the layout's shapes fit nothing else; outer averages of such a session go in fp32,
-    under their own run id), the body codecs for gradients and outer steps. Parameter averages always go in fp32:
-    a codec's rounding would move every parameter of every replica by up to a quantization step (int8: a 255th
-    of its group's range, about one AdamW step of the GPT demo) at each average, and the check round before them
-    (paramcheck.py) skips them wherever the replicas are identical, so their bytes are rarely paid."""
-    if kind == "params":
-        return {"compression": "fp32"}
+    for whole gradient vectors (the layout's shapes fit nothing else; parameter and outer averages of such a
+    session go in fp32, under their own run ids), the body codecs for every average."""
     opts = session.compression
     if opts.get("compression") != "arc-topk":
         return dict(opts)
