@@ -14,7 +14,7 @@ from peerd.moshpit.service import RoundResult
 from peerd.trainer.paramcheck import BITS, CHECK_ELEMENTS, check_vector, identical
 from peerd.trainer.records import MAX_GROUP
 
-from .support.sessions import open_session, step
+from .support.sessions import open_session, run_sessions, step
 from .support.trainer_harness import InProcessAverager, ThreadDaemon
 
 
@@ -59,23 +59,9 @@ def test_only_a_complete_exact_echo_of_a_full_group_counts_as_identical() -> Non
     assert not identical(averaged(probe[:-1].copy()), probe, 0)
 
 
-def params_round(d: ThreadDaemon, vectors: list[np.ndarray], t: int = 1, round_no: int = 1) -> list[tuple]:
-    """Each vector as one session's parameter average of ``round_no`` (the step's request), at once."""
-    sessions = [open_session(d.path) for _ in vectors]
-    out: dict[int, tuple] = {}
-
-    def go(i: int) -> None:
-        out[i] = step(*sessions[i], t, vectors[i], 1, kind="params", round=round_no)
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(vectors))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(30)
-    for c, a, _ in sessions:
-        c.close()
-        a.close()
-    return [out[i] for i in range(len(vectors))]
+def params_round(d: ThreadDaemon, vectors: list[np.ndarray]) -> list[tuple]:
+    """Each vector as one session's parameter average of round 1, at once."""
+    return run_sessions(d, vectors, kind="params", round=1)
 
 
 @pytest.fixture

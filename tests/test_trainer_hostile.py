@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,7 +17,7 @@ from peerd.localsock.client import DaemonError, LocalClient
 from peerd.statesync.advert import Advert
 from peerd.trainer.options import MAX_BLOB, parse_layout, snapshot_bound
 
-from .support.sessions import LAYOUT, open_session, step
+from .support.sessions import LAYOUT, open_session, run_sessions, step
 from .support.trainer_harness import InProcessAverager, ThreadDaemon
 
 OTHER_LAYOUT = "f" * 64
@@ -75,29 +74,11 @@ def test_swarm_adverts_of_another_layout_never_refuse_trainer_open(synced) -> No
         a.close()
 
 
-def run_pair(d: ThreadDaemon, vectors, **extra):
-    sessions = [open_session(d.path) for _ in vectors]
-    out: dict[int, tuple] = {}
-
-    def go(i: int) -> None:
-        out[i] = step(*sessions[i], 1, vectors[i], 1, **extra)
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(vectors))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    for c, a, _ in sessions:
-        c.close()
-        a.close()
-    return [out[i] for i in range(len(vectors))]
-
-
 @pytest.mark.parametrize("poison,kind", [(math.nan, "grad"), (math.inf, "params")])
 def test_a_non_finite_average_is_never_written(synced, poison: float, kind: str) -> None:
     synced.averager.poison = poison  # the group's average holds NaN or inf (a member slipped it through)
     va, vb = np.arange(16, dtype=np.float32), np.full(16, 3, np.float32)
-    for (reply, result), own in zip(run_pair(synced, [va, vb], kind=kind), (va, vb), strict=True):
+    for (reply, result), own in zip(run_sessions(synced, [va, vb], kind=kind), (va, vb), strict=True):
         assert reply["outcome"] == "failed" and "NaN or infinity" in reply["error"], reply
         np.testing.assert_array_equal(result, own)  # the trainer's own vector, not the poisoned average
     assert synced.counter(synced.metrics.contributions_refused, reason="nonfinite_result") == 2
@@ -106,7 +87,7 @@ def test_a_non_finite_average_is_never_written(synced, poison: float, kind: str)
 
 
 def test_averaged_rounds_name_known_donors(synced) -> None:
-    run_pair(synced, [np.ones(16, np.float32), np.zeros(16, np.float32)])
+    run_sessions(synced, [np.ones(16, np.float32), np.zeros(16, np.float32)])
     assert len(synced.sync.noted) == 2 and all(len(m) == 2 for m in synced.sync.noted)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from peerd.localsock.arena import Arena
@@ -23,3 +25,23 @@ def step(client, arena, reply, t, vec, samples, **extra):
     arena.write_request(t, samples)
     r = client.call("trainer_step", session=reply["session"], step=t, timeout_s=5.0, **extra)
     return r, arena.result(t).copy()
+
+
+def run_sessions(d, vectors, **extra):
+    """Each vector as one new session's step 1 on daemon ``d``, all at once (threads): [(reply, result), ...].
+    ``extra``: the step request's other fields (kind, round, ...)."""
+    sessions = [open_session(d.path) for _ in vectors]
+    out: dict[int, tuple] = {}
+
+    def go(i: int) -> None:
+        out[i] = step(*sessions[i], 1, vectors[i], 1, **extra)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(vectors))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c, a, _ in sessions:
+        c.close()
+        a.close()
+    return [out[i] for i in range(len(vectors))]
