@@ -25,9 +25,11 @@ def test_a_capped_member_keeps_to_its_cap_and_the_group_plans_for_it(direction: 
     keys = ("max_1s_over_cap", "round_over_bound", "averages_complete", "outcomes", "windows_mbit")
     out = {k: full[k] for k in keys} | full
     assert out["averages_complete"], out
-    # the largest 1 s window on the lab's counters: at the cap, within 5 % (a window above it would be a bug;
-    # one well under it, a cap that leaves its link idle). Measured 0.98-0.99 x both ways.
-    assert 0.95 <= out["max_1s_over_cap"] <= 1.05, out
+    # the largest 1 s window on the lab's counters: never above the cap (+5 % for the counters' sampling: a window
+    # above it would be a bug), and not well under it (a cap that leaves its link idle). `peerd bench caps` reads
+    # 0.98-0.99 x both ways on a quiet machine; the floor here leaves room for a loaded one (0.947 seen once in a
+    # full suite on 2 cores).
+    assert 0.90 <= out["max_1s_over_cap"] <= 1.05, out
     # the round: the capped member's share at its cap (round_bound_s, 5.2 s), plus a step's fixed cost. Measured
     # 1.07-1.09 x. (With 1M parameters a round is shorter than 3 s and its idle ends leave no whole second at the
     # cap: the 1 s windows then read under it.)
