@@ -112,6 +112,12 @@ class Metrics:
             "Parameter averages skipped because the check round found every member's parameters the same",
             registry=r,
         )
+        self.trainer_params_close = Counter(
+            "peerd_trainer_params_close_total",
+            "Parameter averages skipped because the check round found this member's parameters nearer the group's "
+            "average than the codec's rounding would move them",
+            registry=r,
+        )
         self.trainer_sessions = Gauge("peerd_trainer_sessions", "Trainer sessions open on this daemon", registry=r)
         self.trainer_step_seconds = Histogram(
             "peerd_trainer_step_seconds", "Time the daemon spent on one averaging request of a trainer",

@@ -484,7 +484,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                           "caught_up": r.get("caught_up", 0),
                           # parameter averages, and those a check round found would change nothing (skipped)
                           "params_averages": r.get("params_averages", 0),
-                          "params_identical": r.get("params_identical", 0)}
+                          "params_identical": r.get("params_identical", 0),
+                          "params_close": r.get("params_close", 0)}
                          for r in results],
         }
         say(f"\ndone in {wall:.1f} s: held-out accuracy {summary['accuracy']:.4f}, loss {summary['final_loss']:.4f} "

@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         "caught_up": 0 if ddp else getattr(opt, "caught_up", 0),
         "params_averages": 0 if ddp else getattr(opt, "params_averages", 0),
         "params_identical": 0 if ddp else getattr(opt, "params_identical", 0),
+        "params_close": 0 if ddp else getattr(opt, "params_close", 0),
         "params_finite": bool(np.isfinite(flat).all()),
         "keep_rounds": None if ddp else getattr(opt, "keep_rounds", None),
         "kept_rounds": 0 if ddp else getattr(opt, "kept_rounds", 0), "tensor_bytes": 0, "complete_rounds": complete,

@@ -209,6 +209,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         self.nonfinite_rounds = 0  # averaged results refused because they held NaN or infinity
         self.params_averages = 0  # parameter averages asked for (finish()'s included) ...
         self.params_identical = 0  # ... and those the check round skipped: every member held these parameters
+        self.params_close = 0  # ... and those it skipped as nearer the group's average than the codec's rounding
         self.last: dict[str, Any] = {}
         self.last_step: StepReport | None = None  # the latest step's report: outcome, seconds, phases
         self._unreported: dict[str, float] | None = None  # the latest step's phases, sent with the next request
@@ -562,7 +563,8 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         reply, result = self._average("params", list(self.params), 1.0, report, round_no, timeout_s)
         self.params_averages += 1
         self.params_identical += bool(reply.get("identical"))
-        if reply["outcome"] == "averaged" and not reply.get("identical"):  # (identical: ours are the swarm's)
+        self.params_close += bool(reply.get("close"))
+        if reply["outcome"] == "averaged" and not (reply.get("identical") or reply.get("close")):  # (else: ours)
             t0 = time.monotonic()
             if self._finite(result, "parameter"):
                 self._scatter(result, [p.data for p in self.params])

@@ -54,7 +54,7 @@ from .options import (
     snapshot_bound,
 )
 from .outer_step import OuterSteps
-from .paramcheck import CHECK_SHARE, check_vector, identical
+from .paramcheck import CHECK_SHARE, GROUP, check_vector, close, identical, rounding_noise
 from .session import Average, Session, StepRound, codec_keywords, round_phases, round_reply, take_slot
 
 log = logging.getLogger("peerd.trainer")
@@ -292,12 +292,12 @@ class TrainerService:
         if not finite:  # a NaN would poison every peer's average
             raise OpError(f"step {step}: the vector holds NaN or infinity; not averaging it with the swarm")
         start = time.monotonic()
-        checked, left = None, timeout
+        checked, verdict, left = None, None, timeout
         check = kind == "params" and round_no is not None and wait is None
         if check:
-            checked = await self._check_identical(session, vector, float(timeout), round_no)
+            checked, verdict = await self._check_params(session, vector, float(timeout), round_no)
             left = max(1.0, float(timeout) - (time.monotonic() - start))
-        if checked is not None:  # every member holds these parameters: the average would change nothing
+        if checked is not None:  # the average would change nothing, or less than its rounding would
             result, out, outcome, error = checked, vector, "averaged", ""
         else:
             result, out, outcome, error = await self._average_vector(
@@ -319,7 +319,8 @@ class TrainerService:
         reply["phases"] = round_phases(result, copy_in=start - entered, round_s=seconds,
                                        copy_out=time.monotonic() - written)
         if check:
-            reply["identical"] = checked is not None  # the check round found every member's parameters the same
+            reply["identical"] = verdict == "identical"  # the check round found every member's parameters the same
+            reply["close"] = verdict == "close"  # ... or this member's nearer their average than the codec's rounding
         if outcome == "averaged" and kind == "grad" and result is not None:
             session.grad_group = int(result.group_size)
         if outcome == "averaged":
@@ -364,12 +365,15 @@ class TrainerService:
             extra["robust"] = session.robust if session.robust is not None else Robust("clip", MAX_C)
         return extra
 
-    async def _check_identical(self, session: Session, vector: np.ndarray, timeout: float,
-                               round_no: int) -> RoundResult | None:
+    async def _check_params(self, session: Session, vector: np.ndarray, timeout: float,
+                            round_no: int) -> tuple[RoundResult | None, str | None]:
         """The check round before a parameter average (paramcheck.py): its result with this member's own
-        ``vector`` where every member of the group holds the same parameters, else None (average as before). A
-        check that fails costs at most CHECK_SHARE of the step's timeout."""
-        probe = check_vector(vector)
+        ``vector`` and the verdict, "identical" (every member of the group holds these parameters) or "close" (they
+        lie nearer the group's average than the session's codec would round them), else (None, None): average as
+        before. A check that fails costs at most CHECK_SHARE of the step's timeout."""
+        codec = codec_keywords(session, "params", vector.size)
+        noise = rounding_noise(vector, codec.get("compression"), int(codec.get("quant_group") or GROUP))
+        probe = check_vector(vector, noise)
         budget = max(1.0, CHECK_SHARE * timeout)
         try:
             with trio.fail_after(budget + 10.0):  # (the averaging API's own deadline is ``budget``)
@@ -378,11 +382,14 @@ class TrainerService:
                                          max_weight=PARAMS_WEIGHT, compression="fp32")
         except Exception as e:  # a failed check is no verdict: the parameter average runs as before
             log.debug("session %d: parameter check of round %d failed: %s", session.id, round_no, e)
-            return None
-        if not identical(got, probe, session.grad_group):
-            return None
-        self.metrics.trainer_params_identical.inc()
-        return replace(got, vector=vector)
+            return None, None
+        if identical(got, probe, session.grad_group):
+            self.metrics.trainer_params_identical.inc()
+            return replace(got, vector=vector), "identical"
+        if close(got, probe, session.grad_group):
+            self.metrics.trainer_params_close.inc()
+            return replace(got, vector=vector), "close"
+        return None, None
 
     async def _average_vector(self, session: Session, run_id: str, kind: str, vector: np.ndarray, weight: float,
                               timeout: float, round_no: int | None, step: int,

@@ -12,11 +12,12 @@ from peerd.localsock.client import LocalClient
 LAYOUT = [["w", [3, 4], "float32"], ["b", [4], "float32"]]  # 16 elements
 
 
-def open_session(path: str, layout=LAYOUT, run="r1", nslots=4):
+def open_session(path: str, layout=LAYOUT, run="r1", nslots=4, **extra):
+    """``extra``: trainer_open's other fields (compression, ...)."""
     elems = sum(int(np.prod(s)) for _, s, _ in layout)
     arena = Arena.create(nslots, elems)
     client = LocalClient(path, timeout=30)
-    reply = client.call("trainer_open", fds=[arena.fd], run=run, layout=layout, nslots=nslots)
+    reply = client.call("trainer_open", fds=[arena.fd], run=run, layout=layout, nslots=nslots, **extra)
     return client, arena, reply
 
 
@@ -27,10 +28,10 @@ def step(client, arena, reply, t, vec, samples, **extra):
     return r, arena.result(t).copy()
 
 
-def run_sessions(d, vectors, **extra):
+def run_sessions(d, vectors, *, opened: dict | None = None, **extra):
     """Each vector as one new session's step 1 on daemon ``d``, all at once (threads): [(reply, result), ...].
-    ``extra``: the step request's other fields (kind, round, ...)."""
-    sessions = [open_session(d.path) for _ in vectors]
+    ``opened``: trainer_open's other fields; ``extra``: the step request's (kind, round, ...)."""
+    sessions = [open_session(d.path, **(opened or {})) for _ in vectors]
     out: dict[int, tuple] = {}
 
     def go(i: int) -> None:
