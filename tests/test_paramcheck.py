@@ -73,6 +73,18 @@ def test_only_a_complete_exact_echo_of_a_full_group_counts_as_identical() -> Non
     assert not identical(averaged(probe[:-1].copy()), probe, 0)
 
 
+def test_an_owners_float32_mean_of_equal_probes_still_reads_identical() -> None:
+    """An owner sums in float32: three equal values can round, so the mean of equal sketches may differ from them
+    in the last place. Identity is read from the hash's bits alone (0.0 and 1.0 average exactly)."""
+    probe = check_vector(np.random.default_rng(4).standard_normal(5000).astype(np.float32), 0.01)
+    total = np.zeros_like(probe)
+    for _ in range(3):
+        total = (total + probe).astype(np.float32)
+    mean = (total / np.float32(3)).astype(np.float32)
+    assert not np.array_equal(mean, probe)  # (the case this guards against happens with these values)
+    assert identical(averaged(mean, size=3), probe, 3)
+
+
 def test_the_sketch_estimates_the_distance_between_two_replicas() -> None:
     rng = np.random.default_rng(1)
     p = (0.05 * rng.standard_normal(200_000)).astype(np.float32)

@@ -106,8 +106,11 @@ def _agreed(result: RoundResult, probe: np.ndarray, last_group: int) -> bool:
 
 def identical(result: RoundResult, probe: np.ndarray, last_group: int) -> bool:
     """Whether the check round shows every member of its group holding this member's parameters: a result that
-    can say (``_agreed``) and equal to ``probe`` in every element."""
-    return _agreed(result, probe, last_group) and bool(np.array_equal(result.vector, probe))
+    can say (``_agreed``) and equal to ``probe`` in every bit of every copy of the hash. (Only the bits: a float32
+    mean of equal sketch values can differ from them in the last place.)"""
+    if not _agreed(result, probe, last_group):
+        return False
+    return bool(np.array_equal(result.vector.reshape(-1, UNIT)[:, :BITS], probe.reshape(-1, UNIT)[:, :BITS]))
 
 
 def spread(result: RoundResult) -> tuple[float, float]:
