@@ -258,27 +258,12 @@ def test_a_member_lying_in_the_check_only_makes_an_honest_member_keep_its_own_pa
     try:
         honest = np.linspace(-1, 1, 16).astype(np.float32)
         liar = np.full(16, 1e6, dtype=np.float32)  # parameters an average with it would pull toward
-        sessions = [open_session(d.path) for _ in range(2)]
-        out: dict[int, tuple] = {}
-        vectors = [honest, liar]
-
-        def go(i: int) -> None:
-            if i:  # the liar's check comes second
-                while d.averager.first is None:
-                    threading.Event().wait(0.01)
-            out[i] = step(*sessions[i], 1, vectors[i], 1, kind="params", round=1)
-
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
+        # the liar's check comes second
+        out = run_sessions(d, [honest, liar], may_go=lambda i: not i or d.averager.first is not None,
+                           kind="params", round=1)
         reply, result = out[0]
         assert reply["outcome"] == "averaged" and reply["identical"]
         assert np.array_equal(result, honest)  # its own parameters: nothing of the liar's
-        for c, a, _ in sessions:
-            c.close()
-            a.close()
     finally:
         d.stop()
 
@@ -309,26 +294,13 @@ def test_a_member_claiming_a_large_rounding_only_makes_honest_members_keep_their
         a = np.linspace(-1, 1, 16).astype(np.float32)
         b = a + 0.3  # honest replicas far apart: they would average
         liar = np.full(16, 1e6, dtype=np.float32)
-        sessions = [open_session(d.path, compression="int8") for _ in range(3)]
-        out: dict[int, tuple] = {}
         vectors = [a, b, liar]
-
-        def go(i: int) -> None:
-            while d.averager.seen < i:  # in order: the liar's check is the third
-                threading.Event().wait(0.01)
-            out[i] = step(*sessions[i], 1, vectors[i], 1, kind="params", round=1)
-
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
+        # in order: the liar's check is the third
+        out = run_sessions(d, vectors, opened={"compression": "int8"}, may_go=lambda i: d.averager.seen >= i,
+                           kind="params", round=1)
         for i in range(2):
             reply, result = out[i]
             assert reply["close"] and np.array_equal(result, vectors[i])  # its own, exactly
         assert kinds(d) == ["c", "c", "c"]
-        for c, ar, _ in sessions:
-            c.close()
-            ar.close()
     finally:
         d.stop()

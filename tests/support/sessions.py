@@ -28,13 +28,16 @@ def step(client, arena, reply, t, vec, samples, **extra):
     return r, arena.result(t).copy()
 
 
-def run_sessions(d, vectors, *, opened: dict | None = None, **extra):
+def run_sessions(d, vectors, *, opened: dict | None = None, may_go=None, **extra):
     """Each vector as one new session's step 1 on daemon ``d``, all at once (threads): [(reply, result), ...].
-    ``opened``: trainer_open's other fields; ``extra``: the step request's (kind, round, ...)."""
+    ``opened``: trainer_open's other fields; ``may_go(i)``: session i starts once it says so (None: at once);
+    ``extra``: the step request's (kind, round, ...)."""
     sessions = [open_session(d.path, **(opened or {})) for _ in vectors]
     out: dict[int, tuple] = {}
 
     def go(i: int) -> None:
+        while may_go is not None and not may_go(i):
+            threading.Event().wait(0.01)
         out[i] = step(*sessions[i], 1, vectors[i], 1, **extra)
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(len(vectors))]
