@@ -384,7 +384,8 @@ def test_parts_of_a_round_share_one_matchmaking_and_average_apart() -> None:
 @pytest.mark.parametrize("keep", [1, 20])
 def test_a_round_told_to_wait_gathers_a_member_late_past_the_runs_window_cap(keep: int, wait: float | None) -> None:
     """The final average of training: four daemons whose window tuned itself down to 1 s (a 3 s cap); one trainer
-    comes 4 s late (its last evaluation ran long). A step's round leaves it alone; a round with ``wait_s`` (what
+    comes 4 s late (its last evaluation ran long). A step's round through the DHT leaves it alone; a kept group's
+    renewal waits for it (its daemon answers PINGs: up to half the round's budget); a round with ``wait_s`` (what
     ``Optimizer.finish`` asks) gathers all four, and starts as the late one arrives, not at the wait's end."""
 
     async def main(net: MemNet, nursery: trio.Nursery) -> None:
@@ -406,7 +407,7 @@ def test_a_round_told_to_wait_gathers_a_member_late_past_the_runs_window_cap(kee
         async with trio.open_nursery() as inner:
             for i in range(4):
                 inner.start_soon(one, i)
-        if wait is None:
+        if wait is None and keep == 1:
             assert [(r.outcome, r.group_size) for r in out if r is not None] == [("averaged", 3)] * 2 + [
                 ("alone", 1), ("averaged", 3)]
             return

@@ -5,7 +5,8 @@ that has not come within a few of its round trips (``grace_s``) and that this no
 sent a PING, one at a time, each with an RTT-derived timeout (``probe_timeout_s``; within it the transport resends
 at the member's retransmission timeout, so a lost datagram costs a resend, not a verdict). An answer from the
 member's own node id means its daemon lives and its trainer is busy (evaluating, checkpointing): the renewal may
-wait for it up to the longer bound the round machine gives (the window's cap), re-probing every ``REPROBE_S`` so that
+wait for it up to the longer bound the round machine gives (half the round's budget, or the window's cap for a member
+that lately held a group so in vain), re-probing every ``REPROBE_S`` so that
 a death meanwhile is caught. ``PROBES`` probes in a row unanswered, or answered by another node id (someone else
 lives at that address), mean it is dead: the renewal gives up at once instead of waiting out its window.
 """
@@ -39,8 +40,8 @@ class _Probed:
 
 class LateMembers:
     """One kept round's probes of the members its renewal may wait for (the followers, or the leader), and how long
-    it waits: until ``base`` (the window) while any member waited for is unproven, until ``long`` (the window's cap)
-    once every one of them answered, not at all once one of them is dead."""
+    it waits: until ``base`` (the window) while any member waited for is unproven, until ``long`` (the round
+    machine's longer bound) once every one of them answered, not at all once one of them is dead."""
 
     def __init__(self, members: Iterable[Candidate], *, started: float, base: float, long: float,
                  rtt: Callable[[tuple[str, int]], float | None]) -> None:

@@ -28,13 +28,15 @@ A late member is told apart from a dead one by asking its daemon, which answers 
 that has not asked, or the leader whose BEGIN has not come) is a few round trips late and this node has not
 heard from it this round, the waiting side PINGs its daemon (``liveness.LateMembers``; each probe's timeout is
 a few of its round trips, resent inside at the transport's RTO, so loss costs a resend, not a verdict). A
-member whose own node id answers is alive: the renewal waits for it past the tuned window, up to the window's
-cap (never past half the round's budget), re-probing it every half second, so a trainer whose evaluation ran a
-second or two long is averaged in instead of averaging alone while the others re-form without it. A member
+member whose own node id answers is alive: the renewal waits for it past the tuned window and the window's cap, up
+to half the round's budget, re-probing it every half second, so a trainer whose evaluation ran seconds long (four
+evaluations on two shared cores end seconds apart) is averaged in instead of averaging alone while the others
+re-form without it. A member waited for so long in vain is waited for only up to the window's cap in the next
+``rounds.OVERSTAY_ROUNDS`` rounds. A member
 whose daemon leaves three probes in a row unanswered (or answered by another node id) is dead: the group is
 dropped at once ("dead", about 0.35 s on a LAN) instead of at the window's end, and the matchmakings that
 follow do not expect it while its latest progress record predates that verdict (``RoundMachine.gone``). A member
-that answers probes but never asks holds the group no longer than the cap. A member that dies mid-average is found
+that answers probes but never asks holds the group no longer than half the budget once, then the cap. A member that dies mid-average is found
 the same way (the averaging PINGs a member whose stream went silent, ``allreduce/liveness.py``) and is not waited
 for in the matchmaking that follows either.
 
