@@ -36,9 +36,9 @@ re-form without it. A member waited for so long in vain is waited for only up to
 whose daemon leaves three probes in a row unanswered (or answered by another node id) is dead: the group is
 dropped at once ("dead", about 0.35 s on a LAN) instead of at the window's end, and the matchmakings that
 follow do not expect it while its latest progress record predates that verdict (``RoundMachine.gone``). A member
-that answers probes but never asks holds the group no longer than half the budget once, then the cap. A member that dies mid-average is found
-the same way (the averaging PINGs a member whose stream went silent, ``allreduce/liveness.py``) and is not waited
-for in the matchmaking that follows either.
+that answers probes but never asks holds the group no longer than half the budget once, then the cap. A member
+that dies mid-average is found the same way (the averaging PINGs a member whose stream went silent,
+``allreduce/liveness.py``) and is not waited for in the matchmaking that follows either.
 
 Every case ends in ordinary matchmaking, whose waits are bounded, so a failure costs at most one
 round's deadlines and never hangs. This module holds the per-run decision state; the trio driver
