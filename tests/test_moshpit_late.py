@@ -20,10 +20,18 @@ import msgpack
 import pytest
 
 from peerd.moshpit.keys import Grid, KeyManager
-from peerd.moshpit.liveness import GRACE_FLOOR_S, PROBE_FLOOR_S, PROBES, REPROBE_S, grace_s, probe_timeout_s
+from peerd.moshpit.liveness import (
+    GRACE_FLOOR_S,
+    OVERSTAY_ROUNDS,
+    PROBE_FLOOR_S,
+    PROBES,
+    REPROBE_S,
+    grace_s,
+    probe_timeout_s,
+)
 from peerd.moshpit.matchmaking import FOLLOW_SLACK_S, SETTLE_S, Candidate, Group
 from peerd.moshpit.records import PROGRESS_TTL_S, encode_announce
-from peerd.moshpit.rounds import OVERSTAY_ROUNDS, Average, Get, Notify, Request, RoundMachine
+from peerd.moshpit.rounds import Average, Get, Notify, Request, RoundMachine
 from peerd.moshpit.sticky import RENEW_KEY
 from peerd.tools.sim.moshpit import SimRecord
 from peerd.wire import messages as m
@@ -267,7 +275,7 @@ def test_a_member_that_answers_probes_but_never_comes_holds_the_group_only_once_
     waiting = [s.leader] if role == "follower" else [c.node_id for c in s.members if c.node_id != hostile]
     if overstayed:
         for n in waiting:
-            s.machines[n]._overstayed[hostile] = s.machines[n].round - OVERSTAY_ROUNDS + 1
+            s.machines[n]._overstays.note(frozenset([hostile]), s.machines[n].round - OVERSTAY_ROUNDS + 1)
     for c in s.members:
         if c.node_id != hostile:
             s.start(c.node_id, T0, timeout_s)
@@ -279,7 +287,7 @@ def test_a_member_that_answers_probes_but_never_comes_holds_the_group_only_once_
     assert not s.averaged
     assert s.pinged[hostile] <= len(waiting) * (bound / REPROBE_S + 1)  # one probe at a time, every REPROBE_S
     if not overstayed and bound > WINDOW + FOLLOW_SLACK_S:  # waited for past the window in vain: remembered
-        assert all(hostile in s.machines[n]._overstayed for n in waiting)
+        assert all(hostile in s.machines[n]._overstays for n in waiting)
 
 
 @pytest.mark.parametrize("refreshed", [False, True])

@@ -21,8 +21,15 @@ from dataclasses import dataclass
 from ..allreduce.liveness import GRACE_FLOOR_S, PROBE_FLOOR_S, PROBES, REPROBE_S, grace_s, probe_timeout_s
 from .matchmaking import Candidate
 
-__all__ = ["GRACE_FLOOR_S", "PROBES", "PROBE_FLOOR_S", "REPROBE_S", "DoubtfulMembers", "LateMembers", "grace_s",
-           "probe_timeout_s"]
+__all__ = ["GRACE_FLOOR_S", "OVERSTAY_ROUNDS", "PROBES", "PROBE_FLOOR_S", "REPROBE_S", "DoubtfulMembers",
+           "LateMembers", "Overstays", "grace_s", "probe_timeout_s"]
+
+# A kept round waits for a late member whose daemon answers (its trainer evaluating, checkpointing) up to half the
+# round's budget, past the window's cap: four evaluations on two cores end seconds apart. A member that was waited
+# for so long and still did not come is waited for only up to the cap in the next OVERSTAY_ROUNDS rounds, so one that
+# answers probes and never comes cannot hold every round.
+OVERSTAY_ROUNDS = 10
+MAX_OVERSTAYS = 256  # members remembered so (bounded)
 
 
 @dataclass
@@ -103,6 +110,27 @@ class LateMembers:
             p.alive, p.failures = True, 0
             if p.token is None:
                 p.next_at = max(p.next_at, now + REPROBE_S)
+
+
+class Overstays:
+    """The members a kept round's renewal waited for to its longer bound in vain, with that round."""
+
+    def __init__(self) -> None:
+        self._at: dict[bytes, int] = {}
+
+    def __contains__(self, node_id: bytes) -> bool:
+        return node_id in self._at
+
+    def bound(self, waiting: frozenset[bytes], round_no: int, long_s: float, cap_s: float) -> float:
+        """How long round ``round_no`` may wait for ``waiting`` once they answer: ``long_s``, or at most ``cap_s``
+        where one of them overstayed in the last OVERSTAY_ROUNDS rounds."""
+        self._at = {n: r for n, r in self._at.items() if round_no - r < OVERSTAY_ROUNDS}
+        return long_s if waiting.isdisjoint(self._at) else min(cap_s, long_s)
+
+    def note(self, members: frozenset[bytes], round_no: int) -> None:
+        for n in members:
+            if n in self._at or len(self._at) < MAX_OVERSTAYS:
+                self._at[n] = round_no
 
 
 class DoubtfulMembers:

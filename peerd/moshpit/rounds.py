@@ -31,7 +31,7 @@ from ..wire import messages as m
 from .actions import Action, Average, Count, Get, Note, Notify, Put, Request
 from .expect import expected_peers
 from .keys import Grid, KeyManager
-from .liveness import DoubtfulMembers, LateMembers
+from .liveness import DoubtfulMembers, LateMembers, Overstays
 from .matchmaking import (
     BUSY_RETRY_S,
     FOLLOW_SLACK_S,
@@ -70,11 +70,6 @@ OUTSIDER_S = 15.0  # a peer outside a kept group that published progress this re
 SYNC_S = 5.0  # a read of the run's progress (to catch up with the swarm) waits this long at most
 MATCH_SLACK_S = 10.0  # matchmaking gives up this long past the window (the matchmaker's own waits end first)
 KNOWN_PEERS = 256  # the last peers this node averaged with, per run
-# A kept round waits for a late member whose daemon answers (its trainer evaluating, checkpointing) up to half the
-# round's budget, past the window's cap: four evaluations on two cores end seconds apart. A member that was waited
-# for so long and still did not come is waited for only up to the cap in the next OVERSTAY_ROUNDS rounds, so one that
-# answers probes and never comes cannot hold every round.
-OVERSTAY_ROUNDS = 10
 JOIN_TIMEOUT_S, JOIN_ATTEMPTS = 0.25, 3
 BEGIN_TIMEOUT_S, BEGIN_ATTEMPTS = 0.25, 4
 
@@ -146,7 +141,7 @@ class RoundMachine:
         self._last_group: dict[bytes, Candidate] = {}  # the members of the group this node last averaged with
         self._doubt: DoubtfulMembers | None = None  # this matchmaking's probes of its doubtful members
         self._dead: frozenset[bytes] = frozenset()  # members this round's renewal found dead (not waited for long)
-        self._overstayed: dict[bytes, int] = {}  # members a renewal waited for to its end in vain, and that round
+        self._overstays = Overstays()  # members a renewal waited for to half its budget in vain
         # members found dead (a renewal's or an average's PINGs unanswered) -> when: a progress record stored before
         # then is the dead member's last, so it is neither expected by matchmaking nor an outsider (bounded)
         self.gone: OrderedDict[bytes, float] = OrderedDict()
@@ -232,11 +227,9 @@ class RoundMachine:
         self._renew_kept = kept
         slack = 0.0 if sticky.leads(kept) else FOLLOW_SLACK_S  # (a follower's wait also covers its asks' retries)
         waits = self._renewal_waits(kept)
-        self._overstayed = {n: r for n, r in self._overstayed.items() if self.round - r < OVERSTAY_ROUNDS}
-        live = timeout_s / 2 if waits.isdisjoint(self._overstayed) else (self.window_cap_s or self.window_s) + slack
-        self._late = LateMembers([c for c in kept.members if c.node_id in waits], started=now,
-                                 base=now + max(0.0, min(self.window_s + slack, timeout_s / 2)),
-                                 long=now + max(0.0, min(live, timeout_s / 2)), rtt=self.rtt)
+        live = self._overstays.bound(waits, self.round, timeout_s / 2, (self.window_cap_s or self.window_s) + slack)
+        self._late = LateMembers([c for c in kept.members if c.node_id in waits], started=now, rtt=self.rtt,
+                                 base=now + max(0.0, min(self.window_s + slack, timeout_s / 2)), long=now + live)
         if sticky.leads(kept):
             if not self._watch:  # one watch in flight at a time: a slow DHT must not pile reads up
                 enough = poll_read(self.round)
@@ -466,9 +459,7 @@ class RoundMachine:
                     late.sent(c.node_id, self._request(c, m.MsgType.PING, {}, ("late", late, c.node_id), timeout, 1))
                 return
             elif late.deadline(waits) == late.long > late.base:  # live members waited for to the end in vain
-                for n in late.alive(waits):
-                    if len(self._overstayed) < KNOWN_PEERS:
-                        self._overstayed[n] = self.round
+                self._overstays.note(late.alive(waits), self.round)
         # the wait ran out (a member is gone or slow) or the group broke: everyone looks through the DHT
         reason = sticky.broken or ("not_ready" if sticky.leads(kept) else "no_begin")
         if sticky.kept is kept:

@@ -32,7 +32,7 @@ member whose own node id answers is alive: the renewal waits for it past the tun
 to half the round's budget, re-probing it every half second, so a trainer whose evaluation ran seconds long (four
 evaluations on two shared cores end seconds apart) is averaged in instead of averaging alone while the others
 re-form without it. A member waited for so long in vain is waited for only up to the window's cap in the next
-``rounds.OVERSTAY_ROUNDS`` rounds. A member
+``liveness.OVERSTAY_ROUNDS`` rounds. A member
 whose daemon leaves three probes in a row unanswered (or answered by another node id) is dead: the group is
 dropped at once ("dead", about 0.35 s on a LAN) instead of at the window's end, and the matchmakings that
 follow do not expect it while its latest progress record predates that verdict (``RoundMachine.gone``). A member
