@@ -39,6 +39,7 @@ from .step import StepBenchConfig, start_workers, stop_workers, transfer_seconds
 
 CAPPED = 1  # the capped member (not node 0, which the others bootstrap from)
 SAMPLE_S = 1.0
+READ_SLACK_S = 0.05  # a counter read slower than this is left out (see _Sampler)
 
 
 @dataclass
@@ -73,18 +74,26 @@ class CapsBenchConfig:
 
 
 class _Sampler:
-    """Reads the capped member's tbf byte counters every SAMPLE_S (a thread: the trainers run meanwhile)."""
+    """Reads the capped member's tbf byte counters every SAMPLE_S (a thread: the trainers run meanwhile).
+
+    Each counter read is one ``tc`` process, which a loaded machine can hold for a good part of a second: a read is
+    stamped at its midpoint, and one that took over READ_SLACK_S is left out, since its bytes could belong to any
+    instant of that span (a slow read followed by a fast one would otherwise show a window over the link's rate)."""
 
     def __init__(self, lab: LinkLab, peer: int) -> None:
         self.lab, self.peer = lab, peer
-        self.samples: list[tuple[float, int, int]] = []
+        self.samples: dict[str, list[tuple[float, int]]] = {"up": [], "down": []}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            q = self.lab.qdisc_stats(self.peer)
-            self.samples.append((time.monotonic(), q["up"].bytes, q["down"].bytes))
+            for side, samples in self.samples.items():
+                t0 = time.monotonic()
+                got = self.lab.tbf_side(self.peer, side).bytes
+                t1 = time.monotonic()
+                if t1 - t0 <= READ_SLACK_S:
+                    samples.append(((t0 + t1) / 2, got))
             self._stop.wait(SAMPLE_S)
 
     def __enter__(self) -> _Sampler:
@@ -96,13 +105,20 @@ class _Sampler:
         self._thread.join()
 
     def windows_mbit(self) -> list[tuple[float, float]]:
-        """(upload, download) over each window between consecutive samples, Mbit/s."""
-        out = []
-        for (t0, u0, d0), (t1, u1, d1) in zip(self.samples, self.samples[1:], strict=False):
-            dt = t1 - t0
-            if dt > 0.5 * SAMPLE_S:
-                out.append(((u1 - u0) * 8 / dt / 1e6, (d1 - d0) * 8 / dt / 1e6))
-        return out
+        """(upload, download) over each window between consecutive samples, Mbit/s (a side's windows in order; the
+        two lists are cut to the shorter, since a slow read drops a sample on one side only)."""
+        sides = [_windows(self.samples[side]) for side in ("up", "down")]
+        return list(zip(*sides, strict=False))
+
+
+def _windows(samples: list[tuple[float, int]]) -> list[float]:
+    """Mbit/s between consecutive (time, bytes) samples at least half a SAMPLE_S apart."""
+    out = []
+    for (t0, b0), (t1, b1) in zip(samples, samples[1:], strict=False):
+        dt = t1 - t0
+        if dt > 0.5 * SAMPLE_S:
+            out.append((b1 - b0) * 8 / dt / 1e6)
+    return out
 
 
 def summarize(records: list[list[dict[str, Any]]], cfg: CapsBenchConfig, windows: list[tuple[float, float]],

@@ -574,11 +574,20 @@ class NetnsLab:
 
     def qdisc_stats(self, peer: int) -> dict[str, QdiscStats]:
         """Peer ``peer``'s two token buckets: ``up`` (its lab0) and ``down`` (the far end's, toward it)."""
+        return {side: self.tbf_side(peer, side) for side in ("up", "down")}
+
+    def tbf_side(self, peer: int, side: str) -> QdiscStats:
+        """One of peer ``peer``'s token buckets (``up`` or ``down``, as qdisc_stats): one ``tc`` read, so a caller
+        timing a counter can bracket just that read."""
         self._require_open()
         if self.tbf is None:
             raise LabError(f"this {self.what} has no shaped links (no rate): no token buckets to read")
+        if side == "up":
+            return _tbf_stats(self.netns(peer), PEER_IF)
+        if side != "down":
+            raise ValueError(f"side must be 'up' or 'down', not {side!r}")
         far_ns, far_if = self._far_end(peer)
-        return {"up": _tbf_stats(self.netns(peer), PEER_IF), "down": _tbf_stats(far_ns, far_if)}
+        return _tbf_stats(far_ns, far_if)
 
     def tbf_sides(self) -> dict[str, list[QdiscStats]]:
         """Every peer's two token buckets by side (``up``, ``down``, as qdisc_stats); {} without shaped links."""
