@@ -168,6 +168,16 @@ def gpt_command(cfg: DemoConfig, i: int, socket: str, out: str) -> list[str]:
     return cmd
 
 
+def go(proc: subprocess.Popen) -> None:
+    """Release a trainer waiting at the start barrier (``--wait-go``); one that already exited is left be."""
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.close()
+    except (BrokenPipeError, OSError):
+        pass
+
+
 def loss_curve(evals: dict[int, dict[int, tuple[float, float]]], start_t: float,
                members: int) -> list[tuple[int, float, float]]:
     """(step, mean held-out loss, seconds from ``start_t``) of every evaluation step that at least ``members``
@@ -300,11 +310,14 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 cmd = gpt_command(cfg, i, swarm.nodes[i].socket, os.path.join(workdir, f"result{i}.json"))
             else:
                 cmd = trainer_command(i)
+            founder = i not in join_late
+            if founder:  # founders start together, as DDP's ranks do after their rendezvous (see "ready" below)
+                cmd += ["--wait-go"]
             if lab is not None:  # the trainer lives with its daemon (it reaches it over the shared file system)
                 cmd = [*lab.exec_prefix(i), *cmd]
             err = open(os.path.join(workdir, f"trainer{i}.log"), "w")  # noqa: SIM115 - lives with the process
-            procs[i] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-                                        text=True, env=env)
+            procs[i] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err,
+                                        stdin=subprocess.PIPE if founder else subprocess.DEVNULL, text=True, env=env)
             threading.Thread(target=read_events, args=(i, procs[i].stdout, events), daemon=True).start()
 
         def trainer_command(i: int) -> list[str]:
@@ -342,6 +355,9 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
         say(f"started {len(procs)} trainers (run {RUN!r}, {cfg.steps} steps, one torch thread each)")
         # with a workdir of its own choosing, the caller gets every step record (all peers) in steps.jsonl
         trace = open(os.path.join(workdir, "steps.jsonl"), "w") if cfg.workdir else None  # noqa: SIM115
+        founders = {i for i in range(total) if i not in join_late}
+        ready: set[int] = set()
+        received: list[float] = []
         done: dict[int, dict] = {}
         starts: dict[int, dict] = {}
         latest: dict[int, dict] = {}
@@ -361,7 +377,12 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                                            f"{tail(os.path.join(workdir, f'trainer{i}.log'))}") from None
                 continue
             kind = ev.get("event")
-            if kind == "start":
+            if kind == "ready":
+                ready.add(i)
+                if ready >= founders:  # every founder loaded and connected: go, all at once
+                    for j in sorted(founders):
+                        go(procs[j])
+            elif kind == "start":
                 starts[i] = ev
                 if ev.get("synced"):
                     say(f"peer {i} joined at step {ev['step']}: downloaded {ev['synced']['size']} bytes of state "
@@ -369,6 +390,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                         f"held-out accuracy {ev['accuracy']:.3f} before its first step")
             elif kind == "step":
                 latest[i] = ev
+                if ev.get("received_fraction") is not None:
+                    received.append(ev["received_fraction"])
                 if ev.get("accuracy") is not None and "t" in ev:
                     evals.setdefault(ev["step"], {})[i] = (ev["accuracy"], ev["t"])
                     loss_evals.setdefault(ev["step"], {})[i] = (ev["held_out_loss"], ev["t"])
@@ -448,6 +471,9 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             "samples_per_second": sum(r["samples"] for r in results) / max(r["wall_s"] for r in results),
             "overhead_s": sum(r.get("overhead_s", 0.0) for r in results) / len(results),
             "outcomes": _sum_outcomes(results),
+            # the smallest share of its round's data any peer received in a step (under 1: that step's replicas
+            # may hold different averages; None: no step reported one)
+            "min_received_fraction": min(received, default=None),
             "byzantine": cfg.byzantine,
             "byzantine_mode": cfg.byzantine_mode if cfg.byzantine else None,
             **({"direction_test": verdicts} if verdicts is not None else {}),

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cliargs import period
+from .demo_train import wait_for_go
 
 TEXT_BYTES = 2_000_000  # the corpus: this much of the stdlib's source
 VAL_CHARS = 32_768  # the validation split: the corpus's last 32 KiB (255 windows of BLOCK)
@@ -208,6 +209,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-rounds", type=int, default=None)
     p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--no-sync", action="store_true")
+    p.add_argument("--wait-go", action="store_true", help="a start barrier: print ready, wait for a line on stdin")
     p.add_argument("--slow", type=float, default=1.0, help="compute takes this many times as long (a straggler)")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--extra-steps", type=int, default=0, help="steps past --steps at the schedule's final rate")
@@ -272,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
     def emit(record: dict[str, Any]) -> None:
         print(json.dumps(record), flush=True)
 
+    if args.wait_go:
+        wait_for_go(args.index, emit)
     first = 0 if ddp else opt.step_count
     t_eval = time.monotonic()
     loss0, acc0 = evaluate(model, val)

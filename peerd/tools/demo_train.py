@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..cliargs import count, period
@@ -20,6 +21,14 @@ from ..cliargs import count, period
 DIGITS_TEST_FRACTION = 0.2
 MAX_SKIPPED = 20  # consecutive steps with non-finite gradients after which a trainer stops as diverged
 SPLIT_SEED = 1234  # the train/test split is the same on every peer: the held-out set is shared
+
+
+def wait_for_go(index: int, emit: Callable[[dict[str, Any]], None]) -> None:
+    """A launcher's start barrier: say this trainer is ready, then block until the launcher writes a line (or
+    closes stdin), so that founders launched together take their first step together instead of the first one
+    averaging alone while another still loads."""
+    emit({"event": "ready", "peer": index})
+    sys.stdin.readline()
 
 
 def load_digits_split() -> tuple[Any, Any, Any, Any]:
@@ -198,6 +207,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-at", type=float, default=None, metavar="UNIX_S",
                    help="take the first step at this wall-clock time (unix seconds), once loaded and connected: "
                         "trainers launched one after another then train in step (default: at once)")
+    p.add_argument("--wait-go", action="store_true",
+                   help="once loaded and connected, print a ready event and wait for a line on stdin before the "
+                        "first step: a launcher's start barrier, as DDP's rendezvous is (default: start at once)")
     p.add_argument("--state-every", type=int, default=10, metavar="S",
                    help="publish a snapshot for joiners every S steps (default 10)")
     p.add_argument("--eval-every", type=int, default=10, metavar="S",
@@ -302,6 +314,8 @@ def run_train(args: argparse.Namespace) -> int:
     start_at = getattr(args, "start_at", None)
     if start_at is not None and start_at > time.time():
         time.sleep(start_at - time.time())
+    if args.wait_go:
+        wait_for_go(args.index, emit)
     loss0, acc0 = evaluate(model, x_test, y_test)
     # "t": this host's monotonic clock (shared by every process and namespace here), for time-to-accuracy
     emit({"event": "start", "peer": args.index, "step": first_step, "synced": opt.synced_from,
