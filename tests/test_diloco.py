@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,8 +26,9 @@ torch = pytest.importorskip("torch")
 
 from peerd.torch import DiLoCo  # noqa: E402
 from peerd.torch.diloco import due_fragments, fragment_bounds, nesterov_outer  # noqa: E402
+from peerd.trainer import outer_step  # noqa: E402
 from peerd.trainer.outer import DhtBoard, OuterError, agree  # noqa: E402
-from peerd.trainer.outer_step import OUTER_ROUNDS  # noqa: E402
+from peerd.trainer.outer_step import OUTER_ROUNDS, outer_wait_s  # noqa: E402
 from peerd.trainer.records import OuterRecord, winner  # noqa: E402
 
 from .support.diloco import _lossy_copies, _swarm, batch, replay  # noqa: E402
@@ -75,13 +77,17 @@ def test_fragments_cut_whole_tensors_and_stagger_their_steps() -> None:
 
 
 
-def train_in_threads(models: list, opts: list, steps: int) -> None:
-    """Each trainer takes ``steps`` inner steps on its own batches in its own thread; errors are raised here."""
+def train_in_threads(models: list, opts: list, steps: int,
+                     pause: Callable[[int, int], float] | None = None) -> None:
+    """Each trainer takes ``steps`` inner steps on its own batches in its own thread; errors are raised here.
+    ``pause(i, s)``: seconds trainer i spends before step s (its compute, an evaluation)."""
     errors: list[BaseException] = []
 
     def worker(i: int) -> None:
         try:
             for s in range(1, steps + 1):
+                if pause is not None:
+                    time.sleep(pause(i, s))
                 x, y = batch(i, s)
                 opts[i].zero_grad()
                 torch.nn.functional.cross_entropy(models[i](x), y).backward()
@@ -151,6 +157,36 @@ def test_an_outer_step_on_a_grid_chains_each_rounds_window_to_the_last(tmp_path)
             o.close()
     finally:
         daemon.stop()
+
+
+def test_the_outer_wait_is_a_share_of_the_period_within_half_the_timeout() -> None:
+    assert outer_wait_s(None, 60.0) is None  # a session's first outer step: the run's window
+    assert outer_wait_s(8.0, 60.0) is None  # a quarter of 8 s is within the run's 3 s window
+    assert outer_wait_s(26.0, 60.0) == pytest.approx(6.5)
+    assert outer_wait_s(400.0, 60.0) == 30.0  # at most half the timeout (Moshpit's bound)
+    assert outer_wait_s(float("nan"), 60.0) is None and outer_wait_s(-1.0, 60.0) is None
+
+
+def test_an_outer_step_waits_for_a_member_a_moment_behind(tmp_path, monkeypatch) -> None:
+    """Trainers that take H local steps reach an outer step seconds apart (one evaluated, the CPU is shared). The
+    outer step's matchmaking waits for the run's members up to a share of the time between outer steps
+    (outer_wait_s), beyond the run's own window: a member 0.4 s behind still averages with the others. With the
+    window alone the other two closed without it, and the swarm stayed split at the outer steps after (the same lag
+    each time): each part averaged a part of the pseudo-gradients."""
+    monkeypatch.setattr(outer_step, "RUN_WINDOW_S", 0.2)  # the run's window here (Moshpit's 3 s in a daemon)
+    with thread_daemon(tmp_path, group_size=3, wait_s=0.2) as daemon:
+        models = [model(0) for _ in range(3)]
+        opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=6,
+                       sync_state=False, state_every=0) for m in models]
+        # 0.5 s a step (0.75 s of wait at an outer step 3 s after the last); trainer 2 evaluates 0.4 s at step 8
+        train_in_threads(models, opts, steps=12, pause=lambda i, s: 0.5 + (0.4 if (i, s) == (2, 8) else 0.0))
+        for o in opts:
+            assert [h["group_size"] for h in o.history] == [3, 3], o.history
+        glob, mom = replay(3, 12, 6, 1)
+        for o in opts:
+            torch.testing.assert_close(o.global_params, glob, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(o.momentum, mom, rtol=1e-5, atol=1e-6)
+            o.close()
 
 
 class CodecAverager(InProcessAverager):

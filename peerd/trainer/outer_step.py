@@ -19,7 +19,7 @@ import numpy as np
 import trio
 
 from ..allreduce.robust import MAX_C, Robust
-from ..deadlines import DeadlineTuner
+from ..deadlines import DEFAULT_WINDOW_S, DeadlineTuner
 from ..localsock.arena import ArenaError
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
@@ -36,6 +36,22 @@ OUTER_ROUNDS = 4  # Moshpit rounds an outer step may take (grid dimensions: 16**
 OUTER_ROUND_LIMIT = (MAX_ROUND + 1) // OUTER_ROUNDS  # outer rounds numbered below this fit Moshpit's rounds
 OUTER_KEPT_ROUNDS = 3  # outer rounds whose blobs a daemon keeps (up to 3 vectors each) for members still repairing
 STEP_PEERS_READ_S = 2.0  # the read of who took part in an outer step waits this long at most
+# An outer step's matchmaking waits for the run's members up to this share of the time between outer steps: trainers
+# that took H local steps each arrive seconds apart (an evaluation, a shared CPU), and a window shorter than that
+# splits the swarm into groups that each average a part of the pseudo-gradients and, offset by the same lag at the
+# next outer step, stay split. A group closes as soon as every expected member is in, so the wait costs nothing then.
+OUTER_WAIT_SHARE = 0.25
+RUN_WINDOW_S = DEFAULT_WINDOW_S  # below this the run's own (tuned) window stands
+
+
+def outer_wait_s(period_s: float | None, timeout_s: float) -> float | None:
+    """How long an outer step's matchmaking waits at least for the run's members, given the seconds since this
+    session's last outer step (None: its first) and the trainer's timeout: OUTER_WAIT_SHARE of the period, at most
+    half the timeout (Moshpit's bound); None where that is no longer than the run's own window."""
+    if period_s is None or not math.isfinite(period_s) or period_s <= 0:
+        return None
+    wait = min(OUTER_WAIT_SHARE * period_s, timeout_s / 2)
+    return wait if wait > RUN_WINDOW_S else None
 
 
 class OuterSteps:
@@ -43,7 +59,9 @@ class OuterSteps:
     and ``inbox`` carry the agreement's blobs and pushed records, ``report`` takes what a request reports."""
 
     def __init__(self, metrics: Metrics, average: Average, statesync: Any, inbox: OuterInbox, peer_id: str,
-                 report: Callable[[dict[str, Any], Session], None]) -> None:
+                 report: Callable[[dict[str, Any], Session], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.metrics = metrics
         self.average = average
         self.statesync = statesync
@@ -92,10 +110,13 @@ class OuterSteps:
         vector, finite = await take_slot(session.arena.vector(step)[:length])
         if not finite:
             raise OpError(f"step {step}: the pseudo-gradient holds NaN or infinity; not averaging it with the swarm")
-        start = time.monotonic()
+        start = self.clock()
         wait = timeout if self.deadlines is None else self.deadlines.outer_wait(float(timeout)).seconds
-        result, out, outcome, rounds, seen = await self._outer_rounds(session, vector, float(weight), round_no, wait)
-        average_s = time.monotonic() - start
+        gather = outer_wait_s(None if session.outer_at is None else start - session.outer_at, wait)
+        session.outer_at = start
+        result, out, outcome, rounds, seen = await self._outer_rounds(session, vector, float(weight), round_no, wait,
+                                                                      gather)
+        average_s = self.clock() - start
         if self.deadlines is not None and outcome == "averaged":
             self.deadlines.receive_outer(average_s, time.time())
         phases = {k: v for k, v in round_phases(result, copy_in=0.0, round_s=average_s, copy_out=0.0).items()
@@ -141,7 +162,7 @@ class OuterSteps:
                          adopted=False, agreed_members=1, state_agreed=1, state_winner=state)
         if not all_finite(out):
             raise OpError(f"outer round {round_no}: the agreed average holds NaN or infinity; not applied")
-        reply["seconds"] = round(time.monotonic() - start, 6)
+        reply["seconds"] = round(self.clock() - start, 6)
         reply["phases"] = phases
         self.metrics.trainer_steps.labels("outer_" + outcome).inc()
         if session.closed or conn.closed:
@@ -156,7 +177,8 @@ class OuterSteps:
         return reply
 
     async def _outer_rounds(self, session: Session, vector: np.ndarray, weight: float, round_no: int,
-                            timeout: float) -> tuple[RoundResult | None, np.ndarray, str, int, frozenset[bytes]]:
+                            timeout: float, gather_s: float | None = None
+                            ) -> tuple[RoundResult | None, np.ndarray, str, int, frozenset[bytes]]:
         """The outer step's Moshpit rounds: as many as the run's grid has dimensions (the first round says),
         so that on a full grid every member's pseudo-gradient reaches every other's (more than one group:
         a swarm larger than the largest group). Round d of outer round r is Moshpit round
@@ -166,7 +188,8 @@ class OuterSteps:
         Returns (the last round's result or None, the vector, its outcome, rounds run, the node ids of every
         group this member averaged with: the agreement's known participants). A round that fails leaves the
         vector as it was; the agreement gives this member the swarm's. The session's ``robust`` applies to every
-        round as ``clip`` around zero (a pseudo-gradient, like a gradient, has no center of its own)."""
+        round as ``clip`` around zero (a pseudo-gradient, like a gradient, has no center of its own). ``gather_s``:
+        the first round's matchmaking waits at least this long for the run's members (outer_wait_s)."""
         codec = codec_keywords(session, "outer", vector.size)
         # without the session's robust, the weight bound alone (clipping only past MAX_C times the median): a
         # member's claimed weight counts for at most WEIGHT_BOUND typical ones, and equal honest weights are
@@ -183,6 +206,8 @@ class OuterSteps:
             extra["robust"] = robust
             if window_end > 0:
                 extra["chain_from"] = window_end
+            elif gather_s is not None:
+                extra["wait_s"] = gather_s
             try:
                 with trio.fail_after(timeout + 10.0):
                     got = await self.average(session.average_id("outer"), out, weight, timeout_s=timeout, **extra)
