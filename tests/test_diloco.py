@@ -160,7 +160,7 @@ def test_an_outer_step_on_a_grid_chains_each_rounds_window_to_the_last(tmp_path)
 
 
 def test_the_outer_wait_is_a_share_of_the_period_within_half_the_timeout() -> None:
-    assert outer_wait_s(None, 60.0) is None  # a session's first outer step: the run's window
+    assert outer_wait_s(None, 60.0) is None  # no period known: the run's window
     assert outer_wait_s(8.0, 60.0) is None  # a quarter of 8 s is within the run's 3 s window
     assert outer_wait_s(26.0, 60.0) == pytest.approx(6.5)
     assert outer_wait_s(400.0, 60.0) == 30.0  # at most half the timeout (Moshpit's bound)

@@ -260,3 +260,46 @@ def test_a_late_or_dropped_read_is_ignored() -> None:
     c.receive_records(c._started + 5, [record(1, TRUTH, final=True)], 0.1)
     assert c.statistics().reads == before and not c.done
     assert replace(record(1, TRUTH), final=b"").final == b""
+
+
+def _pair_read_before_the_other_pair() -> tuple[OuterAgreement, np.ndarray]:
+    """Member 0 of group "a" (a pair) whose first read of the participants names only its pair, and then reads
+    the finals of a second pair of the same step (group "b") whose progress was not yet written."""
+    other = TRUTH.copy()
+    other[:10] = 3.0
+    c = core(0, TRUTH, size=2, members=IDS[:2], expect=2, participants=frozenset(IDS[:2]), refresh=True,
+             refresh_first=True)
+    c.start(0.0)
+    c.receive_records(1, [record(k, TRUTH, size=2, group="a") for k in (0, 1)], 0.01)
+    assert c.phase.value == "swarm"
+    c.receive_participants(frozenset(IDS[:2]), 0.02)
+    c.take_actions()
+    b = [record(k, other, final=True, size=2, group="b", node=IDS[2 + k]) for k in (0, 1)]
+    c.receive_records(c._started, [record(0, TRUTH, size=2, group="a", final=True), *b], 0.03)
+    return c, other
+
+
+def test_a_final_of_an_unknown_node_holds_the_end_until_the_participants_are_read_again() -> None:
+    """Two pairs of one outer step: pair a read who took part before pair b's progress was written. Ending on
+    its own pair's majority would leave pair b tied two to two against members that had gone, waiting out the
+    deadline; pair a reads the participants again first, and once they name pair b, all four settle on one."""
+    c, other = _pair_read_before_the_other_pair()
+    c.receive_pushed([record(1, TRUTH, final=True, size=2, group="a")], 0.04)
+    assert not c.done and of(c.take_actions(), ReadParticipants)
+    c.receive_participants(frozenset(IDS[:4]), 0.3)
+    assert c.statistics().members == 2 and c.statistics().dissent == 2
+    fetches = of(c.take_actions(), FetchFinal)
+    if sha(other.tobytes()) < sha(TRUTH.tobytes()):  # pair b's final wins the tie: pair a adopts it
+        assert fetches and fetches[0].sha == sha(other.tobytes())
+    else:  # pair a's wins: it waits for pair b to adopt it
+        assert not fetches and not c.done
+
+
+def test_records_of_nodes_outside_the_round_cost_one_read_of_the_participants_hostile() -> None:
+    """Minted ids publishing finals hold a group's end for one more read of who took part, no longer: once
+    that read does not name them, they are ignored and the group ends on its own majority."""
+    c, _ = _pair_read_before_the_other_pair()
+    c.receive_pushed([record(1, TRUTH, final=True, size=2, group="a")], 0.04)
+    assert not c.done and of(c.take_actions(), ReadParticipants)
+    c.receive_participants(frozenset(IDS[:2]), 0.3)
+    assert c.done and c.statistics().ignored == 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
+import math
 from dataclasses import dataclass, field, replace
 
 from .records import MAX_GROUP, Address, OuterRecord, agreed, merged, owner_record, piece_hashes, shard_bounds, winner
@@ -183,6 +184,9 @@ class OuterAgreement:
         self._refreshed = 0.0
         self._known: frozenset[bytes] | None = None
         self._unknown_seen = False
+        self._unknown_at: dict[bytes, float] = {}  # node -> when a final of a node outside ``_known`` was first read
+        self._refresh_started = 0.0  # when the read of the participants in flight started
+        self._checked_at = -math.inf  # when the latest read of the participants that returned started
         # swarm
         self._fetching: bytes | None = None
         self._fetch_again = 0.0
@@ -263,6 +267,7 @@ class OuterAgreement:
         self._t0 = now
         self._actions.append(Publish(self.me))
         if self._first_pending:
+            self._refresh_started = now
             self._actions.append(ReadParticipants())
         self._read_now()
         self._decide(now)
@@ -308,6 +313,7 @@ class OuterAgreement:
         if self.done:
             return
         self._refreshing = False
+        self._checked_at = self._refresh_started
         if self._first_pending:
             self._first_pending = False
             self._t_first = now
@@ -431,8 +437,17 @@ class OuterAgreement:
         read = [r for r in self._records(self._fresh) if r.length == self.length and r.node != self.node]
         known = self._known
         self._unknown_seen = known is not None and self.refresh and any(r.node not in known for r in read)
-        if self._unknown_seen and not self._refreshing and now - self._refreshed >= REFRESH_S:
-            self._refreshed = now
+        if self._unknown_seen:
+            for r in read:
+                if r.final and r.node not in known:
+                    self._unknown_at.setdefault(r.node, now)
+        # a final of a node this member does not know as a participant, read after the latest read of them
+        # started: it may be a member of another group of this step whose progress was not written yet, and
+        # ending on a majority that leaves it out could leave its group waiting on a tie it cannot win
+        unchecked = self.refresh and any(t > self._checked_at for n, t in self._unknown_at.items()
+                                         if known is None or n not in known)
+        if self._unknown_seen and not self._refreshing and (now - self._refreshed >= REFRESH_S or unchecked):
+            self._refreshed = self._refresh_started = now
             self._refreshing = True
             self._actions.append(ReadParticipants())
         records = read if known is None else [r for r in read if r.node in known]
@@ -446,7 +461,7 @@ class OuterAgreement:
         else:
             settled = bool(self.group) or now - self._t0 >= ALONE_SETTLE_S  # alone: give the others time
             patient = now - self._t0 < self.deadline_s / 2
-            if settled and not self._first_pending \
+            if settled and not self._first_pending and not (patient and unchecked) \
                     and agreed(self.me, records, patient=patient, expect=max(self.expect, self.size)):
                 self.phase = Phase.DONE
                 self._t_end = now

@@ -177,6 +177,7 @@ class TrainerService:
         session = Session(sid, run, run_key, digest, elems, arena, conn, keep_rounds=keep_rounds,
                           max_samples=max_samples, robust=robust, snapshot_max=snapshot_bound(layout),
                           compression=compression, shapes=[list(shape) for _, shape, _ in layout])
+        session.outer_at = self.outer.clock()  # a first outer step gathers the run's members as the later ones do
         self.sessions[sid] = session
         conn.on_close(lambda: self._close(session))
         self.metrics.trainer_sessions.set(len(self.sessions))
