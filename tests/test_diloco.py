@@ -205,12 +205,16 @@ class CodecAverager(InProcessAverager):
 
         self.codecs.append({"compression": compression, "quant_group": quant_group, "rounding": rounding})
         c = codec(compression, **({"group": quant_group, "rounding": "nearest"} if quant_group else {}))
-        n = vector.size
-        sent = c.decode(c.encode(vector), n)  # the reduce-scatter's bodies
+        def bodies(v: np.ndarray) -> np.ndarray:  # encoded and decoded in ranges of whole quantization groups
+            step = 16_384
+            return np.concatenate([c.decode(c.encode(v[a: a + step]), v[a: a + step].size)
+                                   for a in range(0, v.size, step)])
+
+        sent = bodies(vector)  # the reduce-scatter's bodies
         res = await super().average(run_id, sent, weight, **kw)
         if res.outcome != "averaged":
             return res
-        got = c.decode(c.encode(res.vector), n)  # the all-gather's, the owners' own shard included
+        got = bodies(res.vector)  # the all-gather's, the owners' own shard included
         self.results[kw.get("round_no")] = got
         return dataclasses.replace(res, vector=got)
 
@@ -251,6 +255,64 @@ def test_compressed_outer_averages_agree_and_follow_the_rule_on_the_dequantized_
             o.close()
     finally:
         daemon.stop()
+
+
+def test_compression_auto_averages_large_fragments_in_int8_and_says_why(tmp_path) -> None:
+    """DiLoCo's default codec is "auto": int8 for fragments of at least MIN_INT8_PARAMS values (a quarter of the
+    bytes, as deployed DiLoCo runs average), fp32 below; every outer step's result and ``peerd status`` say which
+    and why, and an explicit codec wins."""
+    from peerd.torch.auto import MIN_INT8_PARAMS
+
+    def run(make, **kw) -> tuple[list[DiLoCo], CodecAverager, ThreadDaemon]:
+        averager = CodecAverager(group_size=2, wait_s=10.0)
+        daemon = ThreadDaemon(str(tmp_path / f"a{len(kw)}{make().weight.numel()}.sock"), averager)
+        models = [make() for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())  # the founders' one initial state
+        opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="auto", socket=daemon.path, sync_every=2,
+                       sync_state=False, state_every=0, **kw) for m in models]
+        errors: list[BaseException] = []
+
+        def worker(i: int) -> None:
+            try:
+                for s in range(2):
+                    x = torch.randn(4, models[i].in_features, generator=torch.Generator().manual_seed(10 * i + s))
+                    opts[i].zero_grad()
+                    models[i](x).pow(2).mean().backward()
+                    opts[i].step(samples=4)
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        return opts, averager, daemon
+
+    def big() -> torch.nn.Linear:
+        return torch.nn.Linear(512, 512, bias=False)  # 262,144 values: MIN_INT8_PARAMS
+
+    assert big().weight.numel() == MIN_INT8_PARAMS
+    for make, kw, want in ((big, {}, "int8"), (lambda: torch.nn.Linear(64, 64, bias=False), {}, "fp32"),
+                           (big, {"compression": "fp32"}, "fp32")):
+        opts, averager, daemon = run(make, **kw)
+        try:
+            assert {c["compression"] for c in averager.codecs} == {want}
+            assert len({o.state_sha() for o in opts}) == 1
+            for o in opts:
+                if kw:  # an explicit codec: nothing was chosen
+                    assert "auto" not in o.history[-1] and not o.auto_outer
+                    continue
+                auto = o.history[-1]["auto"]
+                assert auto["compression"] == want and auto["reason"].startswith(want + ":")
+                assert f"{make().weight.numel():,} values" in auto["reason"]
+            shown = [s.auto for s in daemon.service.sessions.values()]
+            assert shown == ([] if kw else [opts[0].auto_outer] * 2) or kw
+            for o in opts:
+                o.close()
+        finally:
+            daemon.stop()
 
 
 def test_a_joiner_takes_global_parameters_and_outer_momentum(tmp_path) -> None:

@@ -301,3 +301,11 @@ def test_trainer_report_auto_is_bounded_hostile(tmp_path) -> None:
         opt._call("trainer_report", auto={"compression": "fp32", "reason": "ok"})
         assert [t.auto for t in d.service.statistics().sessions] == [{"compression": "fp32", "reason": "ok"}]
         opt.close()
+
+
+def test_diloco_outer_codec_is_int8_from_min_int8_params_values_a_fragment() -> None:
+    from peerd.torch.auto import MIN_INT8_PARAMS, outer_codec
+
+    assert outer_codec(MIN_INT8_PARAMS)[0] == "int8" and outer_codec(842_496)[0] == "int8"
+    codec, why = outer_codec(MIN_INT8_PARAMS - 1)
+    assert codec == "fp32" and why.startswith("fp32: a fragment of 262,143 values")

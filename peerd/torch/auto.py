@@ -177,3 +177,18 @@ def agreed_period(own: int, announced: list[int]) -> tuple[int, str]:
         return k, f"parameters every {k} steps: agreed, the least of this member's and {others} announced"
     return k, (f"parameters every {k} steps: agreed, the least of {others} announced (this member proposed "
                f"{own})")
+
+
+def outer_codec(fragment_elems: int) -> tuple[str, str]:
+    """DiLoCo's ``compression="auto"``: the codec of its outer averages, with why. A rule of size alone, so that
+    every member picks alike before anything is measured (an outer step comes once every H steps: there is no
+    probe to measure): int8 for a fragment of at least MIN_INT8_PARAMS values (a quarter of the bytes; its
+    stochastic rounding is unbiased and its error per value at most one quantization step, and quantized
+    pseudo-gradients are what deployed DiLoCo runs average: 8 bits in INTELLECT-1, 4 in Streaming DiLoCo),
+    float32 below (a round's fixed costs dominate there)."""
+    if fragment_elems >= MIN_INT8_PARAMS:
+        return "int8", (f"int8: a fragment of {fragment_elems:,} values (at least {MIN_INT8_PARAMS:,}) moves in a "
+                        f"quarter of float32's bytes; pseudo-gradients are averaged unbiased (stochastic rounding)")
+    return "fp32", (f"fp32: a fragment of {fragment_elems:,} values (under {MIN_INT8_PARAMS:,}): an outer round's "
+                    f"fixed costs dominate its time")
+

@@ -42,6 +42,7 @@ import torch
 from ..compress import NAMES, codec
 from ..localsock.client import DaemonError
 from ..localsock.phases import add_phases, empty_phases
+from .auto import outer_codec
 from .founders import FOUNDER_WINDOW_S
 from .optimizer import Optimizer
 from .snapcheck import SnapshotError, check_finite, checked_step
@@ -111,8 +112,10 @@ class DiLoCo(Optimizer):
     (``run``, ``socket``, ``timeout_s``, ``sync_state``, ``state_every``: publish the outer state every this
     many outer steps of fragment 0, ...) plus ``outer_lr``, ``outer_momentum``, ``sync_every`` (H),
     ``fragments`` (F), ``compression`` (the codec of the pseudo-gradient averages: "fp32", "fp16", "bf16",
-    "int8" or "int4", with ``quant_group`` and ``rounding`` for the int codecs; None: fp32; every member of the
-    run must pass the same). A compressed average still ends identical on every member: each shard owner's
+    "int8" or "int4", with ``quant_group`` and ``rounding`` for the int codecs; None: fp32; "auto", the default:
+    int8 for fragments of at least peerd.torch.auto.MIN_INT8_PARAMS values, else fp32, with the choice and its
+    reason in every outer step's result under "auto" and in ``peerd status``; every member of the run must pass
+    the same). A compressed average still ends identical on every member: each shard owner's
     own result is the dequantized value the others receive, and repairs and adoption copy those bytes, so the
     outer rule applies to the same (dequantized) average everywhere. ``robust`` ("clip[:C]" or "centered[:C]")
     makes shard owners clip every member's pseudo-gradient as they clip gradients: around zero, with the same
@@ -124,7 +127,7 @@ class DiLoCo(Optimizer):
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, run: str,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, sync_every: int = 500, fragments: int = 1,
-                 compression: str | None = None, quant_group: int | None = None, rounding: str | None = None,
+                 compression: str | None = "auto", quant_group: int | None = None, rounding: str | None = None,
                  socket: str | None = None, timeout_s: float = 60.0,
                  sync_state: bool = True, state_every: int = 1, state_timeout_s: float = 60.0,
                  max_samples: float | None = None, robust: str | None = None, nslots: int = 4,
@@ -133,8 +136,8 @@ class DiLoCo(Optimizer):
             raise ValueError("DiLoCo does not take compression='arc-topk': its top-k row selection and EF21M error "
                              "feedback are built for whole gradient vectors, not pseudo-gradient fragments; use "
                              "fp16, bf16, int8 or int4")
-        if compression is not None and compression not in NAMES:
-            raise ValueError(f"compression must be one of {NAMES} or None, got {compression!r}")
+        if compression is not None and compression != "auto" and compression not in NAMES:
+            raise ValueError(f"compression must be one of {NAMES}, 'auto' or None, got {compression!r}")
         if type(sync_every) is not int or sync_every < 1:
             raise ValueError(f"sync_every must be a positive integer (H inner steps), got {sync_every!r}")
         if not (math.isfinite(outer_lr) and outer_lr > 0 and math.isfinite(outer_momentum)
@@ -144,6 +147,13 @@ class DiLoCo(Optimizer):
         inner = [p for g in inner_optimizer.param_groups for p in g["params"]]
         if not inner or any(id(p) not in model_params for p in inner):
             raise ValueError("the inner optimizer must optimize the model's parameters")
+        self.auto_outer: dict[str, Any] = {}  # compression="auto": what it chose and why (reported, in results)
+        if compression == "auto":
+            if quant_group is not None or rounding is not None:
+                raise ValueError("quant_group and rounding name a codec: not with compression='auto'")
+            total = sum(p.numel() for p in inner)
+            compression, why = outer_codec(total // fragments if type(fragments) is int and fragments > 0 else total)
+            self.auto_outer = {"compression": compression, "reason": why, "applied": "compression"}
         self.model = model
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
@@ -171,8 +181,13 @@ class DiLoCo(Optimizer):
         self._after: dict[int, bytes] = {}  # each fragment's state_sha after its last outer step: the next one's
         # "before" without hashing the state again (cleared when a snapshot replaces the state)
         self.outer_bytes = 0  # encoded bytes of the pseudo-gradients this trainer averaged (in the run's codec)
+        if self.auto_outer:
+            log.info("auto: %s", self.auto_outer["reason"])
         if sync_state:
             self.sync_state()
+
+    def _auto_report(self) -> dict[str, Any] | None:
+        return getattr(self, "auto_outer", None) or None
 
     # -- the outer state ----------------------------------------------------------------------------------
     def state_sha(self, fragment: int | None = None) -> bytes:
@@ -301,7 +316,7 @@ class DiLoCo(Optimizer):
                "agreed_members": reply.get("agreed_members", 1), "pushed_records": reply.get("pushed_records", 0),
                "record_reads": reply.get("record_reads", 0), "payload_bytes": payload,
                "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": phases["matchmaking"],
-               "phases": phases}
+               "phases": phases, **({"auto": self.auto_outer} if self.auto_outer else {})}
         self.history.append(out)
         del self.history[:-HISTORY]
         self.outer_steps_of0 += fragment == 0

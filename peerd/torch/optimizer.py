@@ -257,6 +257,16 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         self.layout_hash = reply["layout_hash"]
         self.run_key = reply["run_key"]
         self.peer_id = str(reply.get("peer_id", ""))
+        auto = self._auto_report()
+        if auto:  # a new session shows the choice made so far in `peerd status` too
+            try:
+                client.call("trainer_report", session=self.session, auto=auto)
+            except DaemonError as e:
+                log.info("reporting the auto choice failed: %s", e)
+
+    def _auto_report(self) -> dict[str, Any] | None:
+        """What compression="auto" chose so far, as `peerd status` shows it (None: nothing yet)."""
+        return self._auto_fields() if getattr(self, "auto", None) is not None else None
 
     def _call(self, op: str, **args: Any) -> dict[str, Any]:
         if self._client is None or self._client.broken:
