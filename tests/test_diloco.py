@@ -189,6 +189,60 @@ def test_an_outer_step_waits_for_a_member_a_moment_behind(tmp_path, monkeypatch)
             o.close()
 
 
+def test_an_overlapped_outer_step_lands_later_with_the_same_global_step_and_keeps_the_inner_progress(tmp_path
+                                                                                                    ) -> None:
+    """overlap_outer=True: the outer average travels while inner steps go on, and is applied at a later step.
+    On a loss whose gradients do not depend on the parameters (each inner step moves a replica by the same amount
+    wherever it stands), applying an outer step late changes nothing: the global parameters, the momentum and each
+    replica end exactly where the same run without overlap ends them, and every member agrees on the state."""
+
+    def run(overlap: bool, tag: str) -> tuple[list[DiLoCo], list[torch.Tensor]]:
+        daemon = ThreadDaemon(str(tmp_path / f"{tag}.sock"), InProcessAverager(group_size=3, wait_s=10.0))
+        try:
+            torch.manual_seed(0)
+            models = [torch.nn.Linear(6, 2, bias=False) for _ in range(3)]
+            for m in models[1:]:
+                m.load_state_dict(models[0].state_dict())
+            opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run=tag, socket=daemon.path, sync_every=4,
+                           sync_state=False, state_every=0, overlap_outer=overlap) for m in models]
+            errors: list[BaseException] = []
+
+            def worker(i: int) -> None:
+                try:
+                    for s in range(1, 13):
+                        x = torch.full((2, 6), float(i + 1)) * (1.0 + 0.1 * s)  # a linear loss: grad = sum of x
+                        opts[i].zero_grad()
+                        models[i](x).sum().backward()
+                        opts[i].step(samples=2 + i)
+                    opts[i].flush()
+                except BaseException as e:  # surfaced below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not errors, errors
+            return opts, [flat(m.parameters()).clone() for m in models]
+        finally:
+            daemon.stop()
+
+    plain, plain_params = run(False, "plain")
+    over, over_params = run(True, "over")
+    assert len({o.state_sha() for o in over}) == 1
+    for a, b in zip(plain, over, strict=True):
+        torch.testing.assert_close(b.global_params, a.global_params, rtol=1e-6, atol=1e-5)  # float rounding
+        torch.testing.assert_close(b.momentum, a.momentum, rtol=1e-6, atol=1e-5)
+        assert [h["step"] for h in b.history] == [4, 8, 12] and b.outer_steps == 3
+        assert all(h["applied_at"] > h["step"] for h in b.history[:-1])  # applied at a later inner step
+        assert all(h["applied_at"] == h["step"] for h in a.history)
+    for p, q in zip(plain_params, over_params, strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-5)
+    for o in plain + over:
+        o.close()
+
+
 class CodecAverager(InProcessAverager):
     """InProcessAverager through a body codec, as Moshpit averages a compressed run: each member's vector is
     encoded for the reduce, and every member (the shard owners too) gets the dequantized encoding of the mean

@@ -200,6 +200,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="diloco: inner steps per outer step (default 20: enough outer steps for a run of a few "
                         "hundred steps)")
     p.add_argument("--fragments", type=int, default=1, metavar="F", help="diloco: streaming fragments (default 1)")
+    p.add_argument("--overlap-outer", action="store_true",
+                   help="diloco (--model gpt): each outer step's average travels while the next inner steps run "
+                        "(DiLoCo(overlap_outer=True))")
     p.add_argument("--model", choices=["mlp", "wide", "gpt"], default="mlp",
                    help="mlp: 4,810 parameters; wide: 64-2048-1024-10, 2.24 M parameters, so a 100 Mbit link "
                         "matters; gpt: a character-level transformer (0.84 M) on Python's own source, AdamW, "
@@ -380,7 +383,7 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      keep_rounds=args.keep_rounds, micro=args.micro, byzantine=args.byzantine,
                      byzantine_mode=args.byzantine_mode, robust=args.robust, link=args.link,
                      link_loss=args.link_loss, link_queue_ms=args.link_queue_ms, mode=args.mode,
-                     sync_every=args.sync_every, fragments=args.fragments,
+                     sync_every=args.sync_every, fragments=args.fragments, overlap_outer=args.overlap_outer,
                      model=args.model, baseline=args.baseline, target_accuracy=args.target_accuracy,
                      compression=args.compression, quant_group=args.quant_group, rounding=args.rounding,
                      bucket_mb=args.bucket_mb, topk_ratio=args.topk_ratio, **gpt_options(args, parser))

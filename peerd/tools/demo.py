@@ -62,6 +62,7 @@ class DemoConfig:
     bucket_mb: float | None = None  # overlap: gradient bucket size (None: `peerd train`'s default)
     sync_every: int = 20  # diloco: H
     fragments: int = 1  # diloco: F (streaming)
+    overlap_outer: bool = False  # diloco: outer averages travel while the next inner steps run (gpt)
     model: str = "mlp"  # mlp (4,810 parameters) | wide (2.24 M: communication matters at 100 Mbit) | gpt (0.84 M)
     baseline: str | None = None  # gloo (ddp): then train the same under torch DDP over gloo, on the same links
     target_accuracy: float = 0.93  # time_to_accuracy_s: until the peers' mean held-out accuracy reaches this
@@ -159,6 +160,8 @@ def gpt_command(cfg: DemoConfig, i: int, socket: str, out: str) -> list[str]:
                         ("--bucket-mb", cfg.bucket_mb), ("--batch", cfg.batch)):
         if value is not None:
             cmd += [flag, str(value)]
+    if cfg.overlap_outer:
+        cmd += ["--overlap-outer"]
     if i >= cfg.peers:
         cmd += ["--init-seed", str(cfg.seed + 1000 + i)]  # different weights: it must take the swarm's
     else:

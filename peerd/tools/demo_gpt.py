@@ -206,6 +206,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-momentum", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=15.0)
     p.add_argument("--compression", default=None)
+    p.add_argument("--overlap-outer", action="store_true", help="diloco: outer averages overlap the next inner steps")
     p.add_argument("--keep-rounds", type=int, default=None)
     p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--no-sync", action="store_true")
@@ -229,7 +230,7 @@ def wrap_peerd(model, opt, args: argparse.Namespace):
         # the outer step's deadline is DiLoCo's own default (60 s), as a user leaves it
         return peerd.torch.DiLoCo(model, opt, run=args.run, socket=args.socket, sync_every=args.sync_every,
                                   outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                                  sync_state=not args.no_sync, **extra)
+                                  sync_state=not args.no_sync, overlap_outer=args.overlap_outer, **extra)
     if args.mode == "overlap":
         if args.bucket_mb is not None:
             extra["bucket_mb"] = args.bucket_mb

@@ -35,6 +35,7 @@ import io
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,6 +52,22 @@ log = logging.getLogger("peerd.torch.diloco")
 
 DILOCO_FORMAT = "peerd-diloco-v1"
 HISTORY = 10_000  # outer steps remembered in DiLoCo.history
+
+
+@dataclass
+class _Outer:
+    """An outer step handed to the daemon: its fragment, arena ticket, request id, the inner step it was taken
+    at, the state hash before it, where the replica stood when it went out (overlapped; None: it restarts from
+    the global parameters), the trainer's copy-in seconds and when the request went out."""
+
+    fragment: int
+    ticket: int
+    rid: int
+    step: int
+    before: bytes
+    sent: torch.Tensor | None
+    copy_in: float
+    t0: float
 
 
 class DiLoCoError(RuntimeError):
@@ -123,6 +140,14 @@ class DiLoCo(Optimizer):
     and error feedback are built for gradient vectors of the layout's matrices, not for pseudo-gradient
     fragments (the daemon would average these in fp32).
 
+    ``overlap_outer=True`` (Streaming DiLoCo's overlap of communication with computation): an outer step's
+    average travels while the next inner steps run; it is applied at the first step after it arrives (and at the
+    latest before the next outer step, ``flush()``, ``finish()`` or a snapshot). The global parameters and
+    momentum take exactly the step they would have taken; the replica keeps the inner steps it took meanwhile,
+    moved by the same correction (global parameters after the step minus where the replica stood when it sent
+    its pseudo-gradient), so the outer step's time is hidden behind compute at the cost of applying it a few
+    inner steps late.
+
     Gradients are never averaged (each inner step is local); sync mode's per-K parameter averages are off."""
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, run: str,
@@ -131,7 +156,10 @@ class DiLoCo(Optimizer):
                  socket: str | None = None, timeout_s: float = 60.0,
                  sync_state: bool = True, state_every: int = 1, state_timeout_s: float = 60.0,
                  max_samples: float | None = None, robust: str | None = None, nslots: int = 4,
-                 founder_window_s: float = FOUNDER_WINDOW_S, reseed: bool = True) -> None:
+                 founder_window_s: float = FOUNDER_WINDOW_S, reseed: bool = True,
+                 overlap_outer: bool = False) -> None:
+        self.overlap_outer = bool(overlap_outer)
+        self._pending: _Outer | None = None  # the overlapped outer step in flight (at most one)
         if compression == "arc-topk":
             raise ValueError("DiLoCo does not take compression='arc-topk': its top-k row selection and EF21M error "
                              "feedback are built for whole gradient vectors, not pseudo-gradient fragments; use "
@@ -204,14 +232,15 @@ class DiLoCo(Optimizer):
         self._gather_cpu(flat)
         return flat
 
-    def _load_local(self, a: int, b: int) -> None:
-        """Restart the model's parameters in [a, b) from the global parameters."""
+    def _load_local(self, a: int, b: int, src: torch.Tensor | None = None) -> None:
+        """Restart the model's parameters in [a, b) from the global parameters (or from ``src``, [a, b)'s values)."""
         off = 0
         with torch.no_grad():
             for p, n in zip(self.params, self.numels, strict=True):
                 lo, hi = max(a, off), min(b, off + n)
                 if lo < hi:
-                    p.view(-1)[lo - off: hi - off].copy_(self.global_params[lo:hi])
+                    p.view(-1)[lo - off: hi - off].copy_(self.global_params[lo:hi] if src is None
+                                                         else src[lo - a: hi - a])
                 off += n
 
     # -- stepping -------------------------------------------------------------------------------------
@@ -240,7 +269,16 @@ class DiLoCo(Optimizer):
             self.samples_since[f] += float(samples)
         reply: dict[str, Any] = {"outcome": "local", "group_size": 1, "members": [], "received_fraction": 1.0,
                                  "seconds": 0.0, "matchmaking_s": 0.0, "error": ""}
-        outer = [self.outer_step(f) for f in due_fragments(self.step_count, self.sync_every, self.fragments)]
+        outer: list[dict[str, Any]] = []
+        if self._pending is not None and self._ready(self._pending):
+            outer.append(self._complete(self._pending))  # an overlapped outer step whose average came meanwhile
+        for f in due_fragments(self.step_count, self.sync_every, self.fragments):
+            if self.overlap_outer:
+                if self._pending is not None:  # one outer step in flight at a time: the last one lands first
+                    outer.append(self._complete(self._pending))
+                self._pending = self._start(f)
+            else:
+                outer.append(self.outer_step(f))
         phases = empty_phases()
         if outer:
             reply = {**outer[-1], "outer": outer}
@@ -254,7 +292,14 @@ class DiLoCo(Optimizer):
         return self._finish_step(reply, t0, phases)
 
     def outer_step(self, fragment: int) -> dict[str, Any]:
-        """Average fragment ``fragment``'s pseudo-gradient with the swarm and apply the outer rule to it."""
+        """Average fragment ``fragment``'s pseudo-gradient with the swarm and apply the outer rule to it (any
+        overlapped outer step still in flight lands first)."""
+        if self._pending is not None:
+            self._complete(self._pending)
+        return self._complete(self._start(fragment, overlapped=False))
+
+    def _start(self, fragment: int, *, overlapped: bool = True) -> _Outer:
+        """Hand fragment ``fragment``'s pseudo-gradient to the daemon; its average is collected by _complete."""
         a, b = self.bounds[fragment]
         local = self._local_flat()[a:b]
         t1 = time.monotonic()
@@ -267,6 +312,7 @@ class DiLoCo(Optimizer):
                         self.step_count)
             delta = torch.zeros_like(delta)
             weight = 1e-6
+            local = None  # it restarts from the global parameters
         else:
             # no max_samples given: a few of this first outer step's samples, so that no member's claimed
             # weight outweighs a few honest pseudo-gradients on this trainer's shards
@@ -276,39 +322,63 @@ class DiLoCo(Optimizer):
         slot = self._slots[self.arena.slot_of(t)]
         slot[: b - a].copy_(delta)
         self.arena.write_request(t, max(weight, 1e-6))
+        self.samples_since[fragment] = 0.0
         before = self._after.pop(fragment, None) or self.state_sha(fragment)
         t0 = time.monotonic()
         report: dict[str, Any] = {}
         if self._unreported is not None:
             report["phases"], self._unreported = self._unreported, None
+        if self._client is None or self._client.broken:
+            log.warning("reconnecting to the daemon (the previous connection broke)")
+            self.connect()
+        assert self._client is not None
         try:
-            reply = self._call("trainer_outer", step=t, round=self.step_count, length=b - a, state=before,
-                               timeout_s=self.timeout_s, reply_timeout=3 * self.timeout_s + 30, **report)
+            rid = self._client.submit("trainer_outer", session=self.session, step=t, round=self.step_count,
+                                      length=b - a, state=before, timeout_s=self.timeout_s, **report)
         except DaemonError as e:
             raise DaemonError(f"outer step of fragment {fragment} at step {self.step_count} failed: {e}") from None
-        phases = self._trainer_phases(outer_phases(reply), copy_in=t0 - t1, call_s=time.monotonic() - t0)
+        return _Outer(fragment, t, rid, self.step_count, before, local if overlapped else None, t0 - t1, t0)
+
+    def _ready(self, pending: _Outer) -> bool:
+        """Whether an overlapped outer step's average is here (reads the socket without waiting)."""
+        return self._client is not None and self._client.ready(pending.rid)
+
+    def _complete(self, p: _Outer) -> dict[str, Any]:
+        """Wait for outer step ``p``'s agreed average and apply the outer rule with it. An overlapped step (one
+        that went on with inner steps while it averaged) keeps the progress made since: the replica moves by the
+        same correction the global parameters did, relative to where it stood when it sent its pseudo-gradient."""
+        self._pending = None if self._pending is p else self._pending
+        a, b = self.bounds[p.fragment]
+        assert self._client is not None
+        try:
+            reply = self._client.collect(p.rid, timeout=3 * self.timeout_s + 30)
+        except DaemonError as e:
+            raise DaemonError(f"outer step of fragment {p.fragment} at step {p.step} failed: {e}") from None
+        phases = self._trainer_phases(outer_phases(reply), copy_in=p.copy_in, call_s=time.monotonic() - p.t0)
         t2 = time.monotonic()
         payload = self.outer_codec.body_size(b - a)  # one encoded copy of the fragment (fp32: 4 bytes a value)
         self.outer_bytes += payload
-        if reply.get("state_winner") and reply["state_winner"] != before:
+        if reply.get("state_winner") and reply["state_winner"] != p.before:
             raise DiLoCoError(
-                f"outer step at step {self.step_count}: this replica's outer state (sha {before.hex()[:12]}) "
+                f"outer step at step {p.step}: this replica's outer state (sha {p.before.hex()[:12]}) "
                 f"differs from the swarm's ({reply['state_winner'].hex()[:12]}); resync the state (sync_state)")
-        avg = torch.from_numpy(self.arena.result(t)[: b - a].copy())
+        avg = torch.from_numpy(self.arena.result(p.ticket)[: b - a].copy())
         if hashlib.sha256(avg.numpy().tobytes()).digest() != reply["sha"]:
-            raise DiLoCoError(f"outer step at step {self.step_count}: the daemon's result does not match the "
-                              f"agreed hash")
+            raise DiLoCoError(f"outer step at step {p.step}: the daemon's result does not match the agreed hash")
         applied = bool(torch.isfinite(avg).all())  # the daemon refuses non-finite results; never into the model
         if applied:
             nesterov_outer(self.global_params[a:b], self.momentum[a:b], avg, self.outer_lr, self.outer_momentum)
         else:
             self.nonfinite_rounds += 1
-        self._load_local(a, b)
-        self._after[fragment] = after = self.state_sha(fragment)
+        if p.sent is None or self.step_count == p.step:
+            self._load_local(a, b)
+        else:  # the inner steps taken since the pseudo-gradient went out stay: moved by the global step's correction
+            now = self._local_flat()[a:b]
+            self._load_local(a, b, now + (self.global_params[a:b] - p.sent))
+        self._after[p.fragment] = after = self.state_sha(p.fragment)
         phases["copy_out"] += time.monotonic() - t2
-        self.samples_since[fragment] = 0.0
         self.outer_steps += 1
-        out = {"outcome": reply["outcome"], "fragment": fragment, "step": self.step_count,
+        out = {"outcome": reply["outcome"], "fragment": p.fragment, "step": p.step,
                "group_size": reply.get("group_size", 1), "rounds": reply.get("rounds", 1),
                "received_fraction": reply.get("received_fraction", 0.0), "sha": after.hex(),
                "repaired_bytes": reply.get("repaired_bytes", 0),
@@ -316,16 +386,25 @@ class DiLoCo(Optimizer):
                "agreed_members": reply.get("agreed_members", 1), "pushed_records": reply.get("pushed_records", 0),
                "record_reads": reply.get("record_reads", 0), "payload_bytes": payload,
                "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": phases["matchmaking"],
-               "phases": phases, **({"auto": self.auto_outer} if self.auto_outer else {})}
+               "phases": phases, "applied_at": self.step_count,
+               **({"auto": self.auto_outer} if self.auto_outer else {})}
         self.history.append(out)
         del self.history[:-HISTORY]
-        self.outer_steps_of0 += fragment == 0
+        self.outer_steps_of0 += p.fragment == 0
         return out
+
+    def flush(self) -> None:
+        """Wait for an overlapped outer step still in flight and apply it."""
+        if self._pending is not None:
+            self._complete(self._pending)
+        super().flush()
 
     # -- state sync -------------------------------------------------------------------------------------
     def snapshot(self) -> bytes:
         """The outer state (global parameters, outer momentum), the step, each fragment's samples and the
-        inner optimizer's state, serialized as tensors (loadable weights_only)."""
+        inner optimizer's state, serialized as tensors (loadable weights_only); an outer step in flight lands
+        first, so the state is one every member reaches."""
+        self.flush()
         buf = io.BytesIO()
         torch.save({"format": DILOCO_FORMAT, "layout": self.layout_hash, "step": self.step_count,
                     "optimizer_class": type(self.opt).__name__, "global": self.global_params.clone(),
@@ -365,6 +444,7 @@ class DiLoCo(Optimizer):
         if same_opt:
             check_finite(state.get("optimizer"), "optimizer state")
         step = checked_step(state.get("step"), expected_step)
+        self.flush()  # (an outer step in flight would apply to the state this one replaces)
         self.global_params.copy_(g)
         self.momentum.copy_(mom)
         self._after.clear()
