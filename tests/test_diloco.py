@@ -191,7 +191,7 @@ def test_an_outer_step_waits_for_a_member_a_moment_behind(tmp_path, monkeypatch)
 
 def test_an_overlapped_outer_step_lands_later_with_the_same_global_step_and_keeps_the_inner_progress(tmp_path
                                                                                                     ) -> None:
-    """overlap_outer=True: the outer average travels while inner steps go on, and is applied at a later step.
+    """overlap_outer=True: the outer average travels while the next inner step runs, and is applied after it.
     On a loss whose gradients do not depend on the parameters (each inner step moves a replica by the same amount
     wherever it stands), applying an outer step late changes nothing: the global parameters, the momentum and each
     replica end exactly where the same run without overlap ends them, and every member agrees on the state."""
@@ -235,7 +235,7 @@ def test_an_overlapped_outer_step_lands_later_with_the_same_global_step_and_keep
         torch.testing.assert_close(b.global_params, a.global_params, rtol=1e-6, atol=1e-5)  # float rounding
         torch.testing.assert_close(b.momentum, a.momentum, rtol=1e-6, atol=1e-5)
         assert [h["step"] for h in b.history] == [4, 8, 12] and b.outer_steps == 3
-        assert all(h["applied_at"] > h["step"] for h in b.history[:-1])  # applied at a later inner step
+        assert all(h["applied_at"] == h["step"] + 1 for h in b.history[:-1])  # applied at the next inner step
         assert all(h["applied_at"] == h["step"] for h in a.history)
     for p, q in zip(plain_params, over_params, strict=True):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-5)

@@ -140,13 +140,14 @@ class DiLoCo(Optimizer):
     and error feedback are built for gradient vectors of the layout's matrices, not for pseudo-gradient
     fragments (the daemon would average these in fp32).
 
-    ``overlap_outer=True`` (Streaming DiLoCo's overlap of communication with computation): an outer step's
-    average travels while the next inner steps run; it is applied at the first step after it arrives (and at the
-    latest before the next outer step, ``flush()``, ``finish()`` or a snapshot). The global parameters and
-    momentum take exactly the step they would have taken; the replica keeps the inner steps it took meanwhile,
-    moved by the same correction (global parameters after the step minus where the replica stood when it sent
-    its pseudo-gradient), so the outer step's time is hidden behind compute at the cost of applying it a few
-    inner steps late.
+    ``overlap_outer=True`` (Streaming DiLoCo's overlap of communication with computation, one step deep): an outer
+    step's average travels while the next inner step runs, and is applied at the end of that step (``flush()``,
+    ``finish()`` and a snapshot also wait for it). The global parameters and momentum take exactly the step they
+    would have taken; the replica keeps the inner step it took meanwhile, moved by the same correction (global
+    parameters after the step minus where the replica stood when it sent its pseudo-gradient). One step, not
+    more: waiting for the average there keeps the members meeting at every outer step, where a deeper overlap
+    lets a member that fell behind (an evaluation, a slower CPU) fall further behind at every outer step until it
+    misses its group.
 
     Gradients are never averaged (each inner step is local); sync mode's per-K parameter averages are off."""
 
@@ -270,8 +271,8 @@ class DiLoCo(Optimizer):
         reply: dict[str, Any] = {"outcome": "local", "group_size": 1, "members": [], "received_fraction": 1.0,
                                  "seconds": 0.0, "matchmaking_s": 0.0, "error": ""}
         outer: list[dict[str, Any]] = []
-        if self._pending is not None and self._ready(self._pending):
-            outer.append(self._complete(self._pending))  # an overlapped outer step whose average came meanwhile
+        if self._pending is not None:  # the step after an overlapped outer step: its average lands here, so the
+            outer.append(self._complete(self._pending))  # members meet again at every outer step (no lag builds up)
         for f in due_fragments(self.step_count, self.sync_every, self.fragments):
             if self.overlap_outer:
                 if self._pending is not None:  # one outer step in flight at a time: the last one lands first
@@ -338,10 +339,6 @@ class DiLoCo(Optimizer):
         except DaemonError as e:
             raise DaemonError(f"outer step of fragment {fragment} at step {self.step_count} failed: {e}") from None
         return _Outer(fragment, t, rid, self.step_count, before, local if overlapped else None, t0 - t1, t0)
-
-    def _ready(self, pending: _Outer) -> bool:
-        """Whether an overlapped outer step's average is here (reads the socket without waiting)."""
-        return self._client is not None and self._client.ready(pending.rid)
 
     def _complete(self, p: _Outer) -> dict[str, Any]:
         """Wait for outer step ``p``'s agreed average and apply the outer rule with it. An overlapped step (one
