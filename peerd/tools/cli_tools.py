@@ -201,7 +201,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                         "hundred steps)")
     p.add_argument("--fragments", type=int, default=1, metavar="F", help="diloco: streaming fragments (default 1)")
     p.add_argument("--overlap-outer", action="store_true",
-                   help="diloco (--model gpt): each outer step's average travels while the next inner steps run "
+                   help="diloco (--model gpt): each outer step's average travels while the next inner step runs "
                         "(DiLoCo(overlap_outer=True))")
     p.add_argument("--model", choices=["mlp", "wide", "gpt"], default="mlp",
                    help="mlp: 4,810 parameters; wide: 64-2048-1024-10, 2.24 M parameters, so a 100 Mbit link "
@@ -371,6 +371,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.baseline and args.model != "gpt" and (args.mode == "diloco" or args.byzantine
                                                   or args.dropcompute != "off"):
         parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")
+    if args.overlap_outer and (args.mode != "diloco" or args.model != "gpt"):
+        parser.error("--overlap-outer is DiLoCo's (--mode diloco --model gpt)")
     if args.mode == "diloco" and args.compression == "arc-topk":
         parser.error("--mode diloco takes --compression fp16, bf16, int8 or int4 (arc-topk's row selection and "
                      "error feedback are built for gradient vectors, not pseudo-gradients)")
