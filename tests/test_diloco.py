@@ -34,7 +34,13 @@ from peerd.trainer.records import OuterRecord, winner  # noqa: E402
 from .support.diloco import _lossy_copies, _swarm, batch, replay  # noqa: E402
 from .support.memnet import run_on_memnet  # noqa: E402
 from .support.torch_models import flat, model  # noqa: E402
-from .support.trainer_harness import WINDOW_END, InProcessAverager, ThreadDaemon, thread_daemon  # noqa: E402
+from .support.trainer_harness import (  # noqa: E402
+    WINDOW_END,
+    InProcessAverager,
+    ThreadDaemon,
+    in_threads,
+    thread_daemon,
+)
 
 torch.set_num_threads(1)
 
@@ -81,26 +87,17 @@ def train_in_threads(models: list, opts: list, steps: int,
                      pause: Callable[[int, int], float] | None = None) -> None:
     """Each trainer takes ``steps`` inner steps on its own batches in its own thread; errors are raised here.
     ``pause(i, s)``: seconds trainer i spends before step s (its compute, an evaluation)."""
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            for s in range(1, steps + 1):
-                if pause is not None:
-                    time.sleep(pause(i, s))
-                x, y = batch(i, s)
-                opts[i].zero_grad()
-                torch.nn.functional.cross_entropy(models[i](x), y).backward()
-                opts[i].step(samples=len(x))
-        except BaseException as e:  # surfaced below
-            errors.append(e)
+        for s in range(1, steps + 1):
+            if pause is not None:
+                time.sleep(pause(i, s))
+            x, y = batch(i, s)
+            opts[i].zero_grad()
+            torch.nn.functional.cross_entropy(models[i](x), y).backward()
+            opts[i].step(samples=len(x))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(opts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    in_threads(len(opts), worker)
 
 
 @pytest.mark.parametrize("fragments", [1, 2])
@@ -205,25 +202,16 @@ def test_an_overlapped_outer_step_lands_later_with_the_same_global_step_and_keep
                 m.load_state_dict(models[0].state_dict())
             opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run=tag, socket=daemon.path, sync_every=4,
                            sync_state=False, state_every=0, overlap_outer=overlap) for m in models]
-            errors: list[BaseException] = []
 
             def worker(i: int) -> None:
-                try:
-                    for s in range(1, 13):
-                        x = torch.full((2, 6), float(i + 1)) * (1.0 + 0.1 * s)  # a linear loss: grad = sum of x
-                        opts[i].zero_grad()
-                        models[i](x).sum().backward()
-                        opts[i].step(samples=2 + i)
-                    opts[i].flush()
-                except BaseException as e:  # surfaced below
-                    errors.append(e)
+                for s in range(1, 13):
+                    x = torch.full((2, 6), float(i + 1)) * (1.0 + 0.1 * s)  # a linear loss: grad = sum of x
+                    opts[i].zero_grad()
+                    models[i](x).sum().backward()
+                    opts[i].step(samples=2 + i)
+                opts[i].flush()
 
-            threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
-            assert not errors, errors
+            in_threads(3, worker)
             return opts, [flat(m.parameters()).clone() for m in models]
         finally:
             daemon.stop()
@@ -324,24 +312,15 @@ def test_compression_auto_averages_large_fragments_in_int8_and_says_why(tmp_path
         models[1].load_state_dict(models[0].state_dict())  # the founders' one initial state
         opts = [DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="auto", socket=daemon.path, sync_every=2,
                        sync_state=False, state_every=0, **kw) for m in models]
-        errors: list[BaseException] = []
 
         def worker(i: int) -> None:
-            try:
-                for s in range(2):
-                    x = torch.randn(4, models[i].in_features, generator=torch.Generator().manual_seed(10 * i + s))
-                    opts[i].zero_grad()
-                    models[i](x).pow(2).mean().backward()
-                    opts[i].step(samples=4)
-            except BaseException as e:  # surfaced below
-                errors.append(e)
+            for s in range(2):
+                x = torch.randn(4, models[i].in_features, generator=torch.Generator().manual_seed(10 * i + s))
+                opts[i].zero_grad()
+                models[i](x).pow(2).mean().backward()
+                opts[i].step(samples=4)
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        in_threads(2, worker)
         return opts, averager, daemon
 
     def big() -> torch.nn.Linear:

@@ -3,12 +3,12 @@ trainers."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 torch = pytest.importorskip("torch")
 from peerd.torch import Optimizer  # noqa: E402
+
+from .trainer_harness import in_threads  # noqa: E402
 
 
 def mlp(seed: int = 0) -> torch.nn.Module:
@@ -36,35 +36,26 @@ def run_pair(daemon, *, overlap: bool, steps: int, micro: int = 1, run: str = "o
             kw["model"] = m
         opts.append(Optimizer(opt_cls(m.parameters(), lr=0.01), run=run, socket=daemon.path, sync_state=False,
                               state_every=0, average_params_every=average_every, **kw))
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            m, opt = models[i], opts[i]
-            for s in range(steps):
-                opt.zero_grad()
-                n = 4 * (i + 1)
-                for k in range(micro):
-                    if overlap and k == micro - 1:
-                        opt.last_microbatch(n * micro)
-                    x, y = batch(1000 * i + 10 * s + k, n)
-                    torch.nn.functional.cross_entropy(m(x.to(device)), y.to(device), reduction="sum").backward()
-                if not overlap:
-                    for p in m.parameters():
-                        p.grad.div_(n * micro)
-                reply = opt.step(samples=n * micro)
-                if log is not None:
-                    log.append((i, s, reply))
-            opt.flush()
-        except BaseException as e:
-            errors.append(e)
+        m, opt = models[i], opts[i]
+        for s in range(steps):
+            opt.zero_grad()
+            n = 4 * (i + 1)
+            for k in range(micro):
+                if overlap and k == micro - 1:
+                    opt.last_microbatch(n * micro)
+                x, y = batch(1000 * i + 10 * s + k, n)
+                torch.nn.functional.cross_entropy(m(x.to(device)), y.to(device), reduction="sum").backward()
+            if not overlap:
+                for p in m.parameters():
+                    p.grad.div_(n * micro)
+            reply = opt.step(samples=n * micro)
+            if log is not None:
+                log.append((i, s, reply))
+        opt.flush()
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    in_threads(2, worker)
     for o in opts:
         assert o.outcomes.get("averaged", 0) == steps, o.outcomes
         o.close()

@@ -271,3 +271,23 @@ class MemoryStateSync:
             return None
         step, sha = min(ads, key=lambda a: (-a[0], a[1]))
         return Fetched(step, held[sha][1], sha, 1, 1, 0)
+
+
+def in_threads(n: int, work: Callable[[int], None], timeout: float = 60.0) -> None:
+    """Run ``work(i)`` for i in range(n), each in its own thread (trainers beside one daemon); the first error any
+    raised is raised here."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+
