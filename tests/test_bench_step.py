@@ -100,3 +100,14 @@ def test_trainers_start_together_and_a_missing_one_is_an_error(tmp_path: Path) -
     assert len(started) == 2 and all(s >= t0 - 0.01 for s in started)
     with pytest.raises(RuntimeError, match="not every one of the 4 trainers"):
         start_together(outs[0], 4, timeout_s=0.2)
+
+
+def test_a_steps_codec_is_the_one_its_auto_choice_applied() -> None:
+    """DiLoCo's compression="auto" picks its outer codec itself: the bench counts the bytes in that codec (int8 for
+    the bench's model), not in float32."""
+    from peerd.tools.bench.step import step_codec
+
+    assert step_codec({"auto": {"compression": "int8"}, "outer": [{}]}, "auto") == "int8"
+    assert step_codec({}, "auto") == "fp32" and step_codec({}, "fp16") == "fp16" and step_codec({}, None) == "fp32"
+    assert step_codec({"auto": {"compression": "nonsense"}}, "int4") == "int4"
+

@@ -259,6 +259,13 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
                      cpu_window(watch, records, cfg.warmup))
 
 
+def step_codec(reply: dict[str, Any], compression: str | None) -> str:
+    """The codec a step averaged in: what the trainer's auto choice says it applied (sync mode's, or DiLoCo's outer
+    codec), else the one the run asked for, else float32."""
+    codec = (reply.get("auto") or {}).get("compression") or compression or "fp32"
+    return codec if codec in CODEC_BYTES else compression if compression in CODEC_BYTES else "fp32"
+
+
 # -- the trainer process ----------------------------------------------------------------------------------------
 def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
     """One trainer: ``cfg.steps`` steps on seeded noise gradients; writes each step's record to ``out``."""
@@ -296,9 +303,7 @@ def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
         report = opt.last_step
         if report is None or (cfg.mode == "diloco" and "outer" not in reply):
             continue
-        codec = (reply.get("auto") or {}).get("compression") or cfg.compression or "fp32"
-        if cfg.mode == "diloco" or codec not in CODEC_BYTES:
-            codec = cfg.compression if cfg.compression in CODEC_BYTES else "fp32"
+        codec = step_codec(reply, cfg.compression)
         records.append({"seconds": report.seconds, "phases": report.phases, "outcome": report.outcome,
                         "group_size": report.group_size, "kept": report.kept, "codec": codec, "t0": t0, "t1": t1})
     opt.close()
