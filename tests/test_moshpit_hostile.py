@@ -24,6 +24,7 @@ from peerd.moshpit import service as svc_mod
 from peerd.moshpit.keys import Grid
 from peerd.moshpit.matchmaking import Candidate, Group
 from peerd.moshpit.ops import MoshpitOps, _averaging_options
+from peerd.moshpit.records import pack_members
 from peerd.moshpit.service import (
     MAX_AHEAD,
     MAX_ROUND,
@@ -240,7 +241,7 @@ def test_begin_members_other_family_refused_and_the_leader_is_reached_where_it_s
         a.moshpit.address = ("0.0.0.0", 20000)
         cands = [Candidate(1.0, me.node_id, me.public_key, ("0.0.0.0", 20000)),
                  Candidate(1.0, other.node_id, other.public_key, ("10.0.0.2", 7411))]
-        packed = a.moshpit._pack_members(cands)
+        packed = pack_members(cands, me.node_id, a.moshpit._loopback())
         assert [p[1] for p in packed] == [bytes([127, 0, 0, 1]), bytes([10, 0, 0, 2])]
         m.encode(m.MsgType.MM_BEGIN, {"rid": 1, "from": a.endpoint._from, "run": "r", "round": 0, "group": 1,
                                       "members": packed})

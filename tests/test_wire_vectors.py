@@ -101,8 +101,8 @@ def body_from_fields(fields: dict) -> dict:
             out[k] = h(v)
         elif k == "key":  # binary in FIND_VALUE, text (a group key) in MM_JOIN
             out[k] = v if "run" in fields else h(v)
-        elif k in ("nodes", "members"):  # contacts, and MM_BEGIN's [pk, ip, port] (same shape)
-            out[k] = [m.pack_contact(h(i), host, port) for i, host, port in v]
+        elif k in ("nodes", "members"):  # contacts, and MM_BEGIN's [pk, ip, port, capped?] (the same, a flag after)
+            out[k] = [[*m.pack_contact(h(i), host, port), *rest] for i, host, port, *rest in v]
         elif k == "records":
             out[k] = [[h(a), h(b), h(c), float(e), float(t), h(pk), h(sig)] for a, b, c, e, t, pk, sig in v]
         else:  # rid, offset, total, ok, code, detail

@@ -217,7 +217,9 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         self.n = n
         self.index = index
         self.codec = codec
-        self.layout = Layout(len(vec), n, elements_per_datagram(max_payload, codec))
+        if options.shares is not None and len(options.shares) != n:
+            raise ValueError(f"shares must hold one int per member ({n}), got {len(options.shares)}")
+        self.layout = Layout(len(vec), n, elements_per_datagram(max_payload, codec), options.shares)
         self.weight = float(w32)  # what travels, so every member uses the same value for it
         self.floor_s = float(floor_s)
         self.owner_lag_s = self.floor_s if options.owner_lag_s is None else float(options.owner_lag_s)

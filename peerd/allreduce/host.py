@@ -209,7 +209,7 @@ class AveragingHost:
         absent = set(options.absent)
         if any(not 0 <= a < len(peers) or a == index for a in absent):
             raise ValueError(f"absent members must be other members' indices in 0..{len(peers) - 1}")
-        spare = self._take_spare(stage_elements(len(vector), len(peers)))
+        spare = self._take_spare(stage_elements(len(vector), len(peers), options.shares))
         core = self.group_factory(group_id, len(peers), index, vector, weight, now, options=options,
                                   max_payload=self.max_body, out=out, center=center, stage=spare)
         core.split_values = self.split_values

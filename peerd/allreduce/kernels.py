@@ -139,10 +139,15 @@ def accumulate_numpy(values: np.ndarray, acc: np.ndarray, per: int, ks: np.ndarr
     return status.astype(np.uint8)
 
 
-def stage_elements(length: int, n: int) -> int:
+def stage_elements(length: int, n: int, shares: tuple[int, ...] | None = None) -> int:
     """float32 elements of the stage a member of an ``n``-member group averaging ``length`` elements needs (its
-    largest shard, once per member): what a ``stage`` buffer passed to ``GroupAverage`` must hold at least."""
-    return n * (-(-length // n)) if n > 0 else 0
+    largest shard, once per member; ``shares``: the group's, shards.Layout): what a ``stage`` buffer passed to
+    ``GroupAverage`` must hold at least."""
+    if n <= 0:
+        return 0
+    if shares:
+        return n * (-(-max(shares) * length // max(1, sum(shares))) + 1)
+    return n * (-(-length // n))
 
 
 def stage_rows(stage: np.ndarray | None, n: int, width: int) -> np.ndarray:

@@ -75,7 +75,8 @@ class AverageOptions:
     tuned, short ``floor_s`` is the network's silence, while a loaded owner's lag is its CPU's, not its link's.
     ``probe_silent``: a member whose stream a phase waits for and that went silent is asked, with PINGs to its daemon,
     whether it lives; dead, the phases stop waiting for it at once (liveness.py; off: it is waited for until the
-    deadline, as before)."""
+    deadline, as before). ``shares``: one int per member, the sizes of their shards relative to each other (None:
+    equal; shards.Layout, capped_shares): every member of the group must pass the same."""
 
     floor_s: float = 1.0
     max_phase_s: float | None = 60.0
@@ -96,6 +97,7 @@ class AverageOptions:
     repair_rounds: int = MAX_REPAIR_ROUNDS
     owner_lag_s: float | None = None
     probe_silent: bool = False
+    shares: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check_timing(self.floor_s, self.max_phase_s, self.end_grace_s)
@@ -121,6 +123,11 @@ class AverageOptions:
             raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
         if type(self.repair_rounds) is not int or not 0 <= self.repair_rounds <= MAX_REPAIR_ROUNDS:
             raise ValueError(f"repair_rounds must be an int in 0..{MAX_REPAIR_ROUNDS}, got {self.repair_rounds!r}")
+        if self.shares is not None:
+            shares = tuple(self.shares)
+            if any(type(x) is not int or x < 0 for x in shares) or not 0 < sum(shares) < 2**32:
+                raise ValueError(f"shares must be non-negative ints, not all 0 (shards.capped_shares), got {shares!r}")
+            object.__setattr__(self, "shares", shares)
 
 
 DEFAULT_OPTIONS = AverageOptions()

@@ -7,7 +7,8 @@ accounts for it by its datagram index. That is what makes the per-range bookkeep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from ..compress import Codec
 from ..wire.errors import WireError
@@ -30,14 +31,37 @@ def elements_per_datagram(max_payload: int, codec: Codec | None = None) -> int:
     return per
 
 
+MAX_SHARE = 2  # a member's shard is at most this many times the equal share (n members: 1/n of the vector each)
+
+
+def capped_shares(capped: Sequence[bool]) -> tuple[int, ...] | None:
+    """The shares of a group whose members ``capped`` advertised bandwidth caps (PROTOCOL.md 16, Begin): a capped
+    member sends and receives the vector plus (n - 2) times its shard in a round, so the least it can carry is
+    the vector, with no shard. The uncapped members take the capped ones' shards, each up to MAX_SHARE equal
+    shares, and the capped members split what is left equally. None (equal shares) when all or none are capped.
+    The bound is what a leader that marks members capped can win: at most MAX_SHARE equal shares for any member."""
+    n, u = len(capped), sum(not c for c in capped)
+    c = n - u
+    if u == 0 or c == 0:
+        return None
+    # in units of 1/(n*u*c) of the vector: an uncapped member min(MAX_SHARE, n/u) equal shares, a capped one the rest
+    free = min(MAX_SHARE * u, n) * c
+    rest = n * u - u * min(MAX_SHARE * u, n)
+    return tuple(rest if cap else free for cap in capped)
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Shard j is elements [j*L//n, (j+1)*L//n); its datagram k covers per elements from the shard start
-    (the last one fewer). Shards differ in size by at most one element; some are empty when L < n."""
+    """Shard j is elements [j*L//n, (j+1)*L//n): shards differ in size by at most one element, some empty when
+    L < n. With ``shares`` (one non-negative int per member, not all 0) shard j is elements [S_j*L//T,
+    S_{j+1}*L//T) instead, S_j the sum of the shares before j and T their total (a capped member's smaller shard:
+    ``capped_shares``). Datagram k of a shard covers ``per`` elements from the shard start (the last one fewer)."""
 
     length: int
     n: int
     per: int
+    shares: tuple[int, ...] | None = None
+    _cuts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -46,10 +70,27 @@ class Layout:
             raise ValueError(f"vector length {self.length} does not fit the u32 element offsets")
         if not 1 <= self.per <= MAX_COUNT:
             raise ValueError(f"elements per datagram must be 1..{MAX_COUNT}, got {self.per}")
+        shares = self.shares
+        if shares is None:
+            cuts = tuple((j * self.length) // self.n for j in range(self.n + 1))
+        else:
+            if (len(shares) != self.n or any(type(s) is not int or s < 0 for s in shares)
+                    or not 0 < sum(shares) < 2**32):
+                raise ValueError(f"shares must be {self.n} non-negative ints, not all 0, got {shares!r}")
+            total, acc, cuts_l = sum(shares), 0, [0]
+            for s in shares:
+                acc += s
+                cuts_l.append((acc * self.length) // total)
+            cuts = tuple(cuts_l)
+        object.__setattr__(self, "_cuts", cuts)
 
     def shard(self, j: int) -> tuple[int, int]:
         """(start, stop) element bounds of member j's shard."""
-        return (j * self.length) // self.n, ((j + 1) * self.length) // self.n
+        return self._cuts[j], self._cuts[j + 1]
+
+    def largest(self) -> int:
+        """Elements of the largest shard."""
+        return max(b - a for a, b in zip(self._cuts, self._cuts[1:], strict=False))
 
     def datagrams(self, j: int) -> int:
         """Data datagrams in a stream carrying shard j (the END marker not counted)."""

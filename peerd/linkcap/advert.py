@@ -69,18 +69,23 @@ def wire_bytes(payload_bytes: float, datagram: int) -> float:
     return payload_bytes * (1.0 + WIRE_OVERHEAD / datagram)
 
 
-def share_seconds(vector_bytes: float, adverts: list[CapAdvert | None], datagram: int = 1200) -> float:
-    """The longest time any member's share of one butterfly phase takes at its cap: in each phase (reduce-scatter,
-    all-gather) a member of n sends (n - 1)/n of the vector (in the run's codec: ``vector_bytes``) and receives as
-    much, in datagrams of ``datagram`` bytes with their headers. 0 when no member is capped. A round is two phases."""
+def share_seconds(vector_bytes: float, adverts: list[CapAdvert | None], datagram: int = 1200,
+                  shares: tuple[int, ...] | None = None) -> float:
+    """The longest time any capped member's part of one butterfly phase takes at its cap: member j with a shard of
+    s_j of the vector (in the run's codec: ``vector_bytes``) sends the rest of the vector (1 - s_j) in the
+    reduce-scatter and its shard to the n - 1 others in the all-gather, and receives as much the other way round,
+    in datagrams of ``datagram`` bytes with their headers. Equal shares (None): (n - 1)/n of the vector each way in
+    each phase. 0 when no member is capped. A round is two phases."""
     n = len(adverts)
     if n < 2:
         return 0.0
-    share = wire_bytes(vector_bytes * (n - 1) / n, datagram)
+    total = sum(shares) if shares else n
     worst = 0.0
-    for a in adverts:
+    for j, a in enumerate(adverts):
         if a is None:
             continue
+        part = (shares[j] if shares else 1) / total
+        share = wire_bytes(vector_bytes * max(1 - part, (n - 1) * part), datagram)
         for rate in (a.up, a.down):
             if rate:
                 worst = max(worst, share / rate)

@@ -39,8 +39,8 @@ async def learn_caps(dht: Any, peer_caps: PeerCaps, allreduce: Any, me: bytes, g
 
 
 def capped_phase_s(own: CapAdvert | None, peer_caps: PeerCaps, me: bytes, group: Group, nbytes: int,
-                   mtu: int) -> float:
-    """A phase's deadline is at least PLAN_MARGIN x what its slowest capped member's share takes at its cap
-    (linkcap.share_seconds), so a capped member is not cut off as every round's straggler."""
+                   mtu: int, shares: tuple[int, ...] | None = None) -> float:
+    """A phase's deadline is at least PLAN_MARGIN x what its slowest capped member's part takes at its cap
+    (linkcap.share_seconds, over the group's ``shares``), so a capped member is not cut off as a straggler."""
     adverts = [own if c.node_id == me else peer_caps.get(c.node_id) for c in group.members]
-    return PLAN_MARGIN * share_seconds(nbytes, adverts, mtu)
+    return PLAN_MARGIN * share_seconds(nbytes, adverts, mtu, shares)

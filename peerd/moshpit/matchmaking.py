@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..entropy import default_rng
 
@@ -42,6 +42,7 @@ class Candidate:
     public_key: bytes = field(compare=False)
     addr: tuple[str, int] = field(compare=False)
     reach: int = field(default=2, compare=False)  # REACH_*, as announced: who may lead first
+    capped: bool = field(default=False, compare=False)  # it announced bandwidth caps: a smaller shard (Begin)
 
 
 REACH_PUBLIC, REACH_CONE, REACH_UNKNOWN, REACH_SYMMETRIC = 0, 1, 2, 3
@@ -241,8 +242,8 @@ class Matchmaker:
         if self.leader.node_id != leader:
             return False
         index = next((i for i, c in enumerate(members) if c.node_id == self.me.node_id), None)
-        if index is None:
-            return False
+        if index is None or (members[index].capped and not self.me.capped):
+            return False  # (a leader that calls me capped would give my shard to others: it is not my leader)
         self.group = Group(group_id, tuple(members), index, leader)
         self.state = State.DONE
         return True
@@ -349,7 +350,10 @@ class Matchmaker:
             self._close()
 
     def _close(self) -> None:
-        members = tuple(sorted([self.me, *self.followers], key=lambda c: c.node_id))
+        # a follower's caps are what its record said (a JOIN carries none): capped members own smaller shards
+        capped = {c.node_id for c in self._candidates if c.capped}
+        followers = [replace(f, capped=f.node_id in capped) for f in self.followers]
+        members = tuple(sorted([self.me, *followers], key=lambda c: c.node_id))
         index = members.index(self.me)
         group_id = self.rng.randrange(1, 2**32)
         self.group = Group(group_id, members, index, self.me.node_id)

@@ -25,7 +25,7 @@ from ..linkcap.advert import CapAdvert
 from ..wire import messages as m
 from ..wire.identity import node_id_of
 from .keys import Grid
-from .matchmaking import REACH_PUBLIC, REACH_SYMMETRIC, REACH_UNKNOWN
+from .matchmaking import REACH_PUBLIC, REACH_SYMMETRIC, REACH_UNKNOWN, Candidate
 
 PROGRESS_TTL_S = 600.0
 CONFIG_TTL_S = 3600.0
@@ -110,10 +110,24 @@ def _decode_announce(owner: bytes, subkey: bytes, value: bytes) -> Announce | No
         if type(reach) is not int or not REACH_PUBLIC <= reach <= REACH_SYMMETRIC:
             raise ValueError("reach")
         cap = CapAdvert.decode(rest[1]) if len(rest) == 2 else None
+        cap = cap if cap is not None and cap.capped else None  # (all zero: no cap)
         host = str(ipaddress.ip_address(ip))
     except (ValueError, TypeError, msgpack.UnpackException):
         return None
     return Announce(expiry, node_id, owner, host, port, reach, cap)
+
+
+def pack_members(members: Iterable[Candidate], me: bytes, loopback: str) -> list[list]:
+    """MM_BEGIN's member list: ``[pk, ip, port]``, and ``true`` after them for a capped member. This node's own
+    entry (``me``) may hold the wildcard it listens on (no --announce), which no decoder accepts: it travels as
+    ``loopback``, and receivers reach the sender of a BEGIN where the BEGIN came from anyway."""
+    out = []
+    for c in members:
+        host = c.addr[0]
+        if c.node_id == me and ipaddress.ip_address(host).is_unspecified:
+            host = loopback
+        out.append([c.public_key, ipaddress.ip_address(host).packed, c.addr[1], *([True] if c.capped else [])])
+    return out
 
 
 # -- run/progress -------------------------------------------------------------------------------------

@@ -567,7 +567,7 @@ class RoundMachine:
         if self._chain_from is not None and math.isfinite(self._chain_from):
             window_s = min(max(window_s, self._chain_from + self.window_s - now), 2 * self.window_s)
         me = Candidate(round(now + window_s, 3), self.me.node_id, self.me.public_key, self.me.addr,
-                       self.me.reach)
+                       self.me.reach, self.cap_ad is not None and self.cap_ad.capped)
         self.window_end = me.expiry
         # min_size == M is Moshpit's exact grid: groups close at exactly M, never early
         settle = None if self.min_size >= self.grid.size else SETTLE_S
@@ -732,7 +732,7 @@ class RoundMachine:
             self.peer_caps.note(a.node_id, a.cap)
             host = self.resolve(a.node_id, a.host)
             if host is not None:
-                out.append(Candidate(a.expiry, a.node_id, a.public_key, (host, a.port), a.reach))
+                out.append(Candidate(a.expiry, a.node_id, a.public_key, (host, a.port), a.reach, a.cap is not None))
         return out
 
     # -- the end of a round ---------------------------------------------------------------------

@@ -191,6 +191,7 @@ class RunState:
     center: np.ndarray | None = None  # the last averaged vector: the center of robust "centered" mode
     codec: Codec | None = None  # the body codec every average of the run uses (None: fp32, the zero-copy path)
     topk: TopK | None = None  # arc-topk instead of a body codec (then ``codec`` is None)
+    shares: str = "caps"  # "caps": capped members own smaller shards (allreduce.shards.capped_shares); "equal"
 
     @property
     def compression(self) -> str:

@@ -29,6 +29,7 @@ from ..allreduce.arctopk import ArcTopKPlan, phase_totals, service_arc_topk
 from ..allreduce.options import AverageOptions
 from ..allreduce.robust import Robust
 from ..allreduce.service import Averager, Member
+from ..allreduce.shards import capped_shares
 from ..compress import Codec
 from ..deadlines import DeadlineTuner
 from ..dht.records import Record
@@ -54,6 +55,7 @@ from .records import (
     config_key,
     encode_grid,
     group_dht_key,
+    pack_members,
     plausible_progress,
     progress_key,
     published_grid,
@@ -260,7 +262,7 @@ class MoshpitService:
             st.robust = robust_mode
 
     def _check_fits(self, size: int) -> None:
-        members = [[bytes(32), ipaddress.ip_address(self._loopback()).packed, 65535]] * size
+        members = [[bytes(32), ipaddress.ip_address(self._loopback()).packed, 65535, True]] * size
         body = m.encode(m.MsgType.MM_BEGIN, {"rid": 2**64 - 1, "from": self.endpoint._from, "run": "r" * m.MAX_RUN,
                                              "round": 2**32 - 1, "group": 2**32 - 1, "members": members})
         if size > m.MAX_GROUP or len(body) > self.endpoint.max_body:
@@ -276,7 +278,8 @@ class MoshpitService:
                       quant_group: int | None = None, rounding: str | None = None, topk_layout: list | None = None,
                       topk_ratio: float = 0.1, ef_eta: float | None = 0.1,
                       ready: Callable[[], Awaitable[None]] | None = None,
-                      chain_from: float | None = None, wait_s: float | None = None) -> RoundResult:
+                      chain_from: float | None = None, wait_s: float | None = None,
+                      shares: str | None = None) -> RoundResult:
         """One Moshpit round for ``run_id``: find a group, average in it. Never raises for churn.
 
         ``ready``: awaited once the group is known (or none formed), before ``vector`` is read: the caller fills
@@ -304,7 +307,9 @@ class MoshpitService:
         ``chain_from``: the ``window_end`` of the round before this one in the same step (a DiLoCo outer step's
         rounds, one per grid axis): this round's matchmaking window ends one window after it (RoundMachine
         .start_round), so members that spent that round alone still meet the ones that averaged at once.
-        ``wait_s``: this round waits at least this long for its members (tuning.tune_round), below timeout_s / 2."""
+        ``wait_s``: this round waits at least this long for its members (tuning.tune_round), below timeout_s / 2.
+        ``shares``: ``"caps"`` (a run's default: members that announced bandwidth caps own smaller shards) or
+        ``"equal"`` (every member an equal shard, as DiLoCo's outer agreement expects); None leaves the run's."""
         if chain_from is not None and not (isinstance(chain_from, int | float) and math.isfinite(chain_from)):
             raise MoshpitError(f"chain_from must be a wall-clock time (a RoundResult's window_end), got {chain_from!r}")
         if vector.dtype != np.float32 or vector.ndim != 1:
@@ -324,7 +329,8 @@ class MoshpitService:
         if wait_s is not None and not (isinstance(wait_s, int | float) and 0.2 <= wait_s <= timeout_s / 2):
             raise MoshpitError(f"wait_s must be in [0.2, timeout_s / 2 = {timeout_s / 2}] seconds, got {wait_s!r}")
         results = await self._run_round(run_id, [Part(fetch)], weight, timeout_s, keep_rounds, round_no,
-                                        max_weight, robust, codec, center=center, chain_from=chain_from, wait_s=wait_s)
+                                        max_weight, robust, codec, center=center, chain_from=chain_from, wait_s=wait_s,
+                                        shares=shares)
         outcome = results[0]
         if isinstance(outcome, BaseException):
             raise outcome
@@ -355,7 +361,7 @@ class MoshpitService:
                          keep_rounds: int | None, round_no: int | None, max_weight: float | None,
                          robust: Robust | str | None, codec: tuple[Codec | TopK | None] | None, *,
                          center: np.ndarray | None = None, split: bool = False, chain_from: float | None = None,
-                         wait_s: float | None = None) -> list[RoundResult | Exception]:
+                         wait_s: float | None = None, shares: str | None = None) -> list[RoundResult | Exception]:
         """Check the options both forms share, configure the run and drive one round under its lock."""
         check_run_id(run_id)
         if round_no is not None and (type(round_no) is not int or not 0 <= round_no <= MAX_ROUND):
@@ -368,11 +374,14 @@ class MoshpitService:
             raise MoshpitError(f"weight must be a positive number (a sample count), got {weight}")
         if not 1.0 <= timeout_s <= 3600:
             raise MoshpitError(f"timeout_s must be in [1, 3600], got {timeout_s}")
+        if shares not in (None, "caps", "equal"):
+            raise MoshpitError(f"shares must be 'caps' or 'equal', got {shares!r}")
         st = self.runs.get(run_id) or await self.open(run_id, keep_rounds=keep_rounds)
         async with st.lock:
             if keep_rounds is not None:
                 st.core.set_keep_rounds(keep_rounds)
             self._configure(st, max_weight, cap, robust, robust_mode, codec)
+            st.shares = shares or st.shares
             if split and st.topk is not None:
                 raise MoshpitError(f"run {run_id!r} averages in arc-topk, which needs the whole layout: "
                                    f"not in parts (use a body codec)")
@@ -537,12 +546,13 @@ class MoshpitService:
             self._nursery.start_soon(learn_caps, self.dht, self.peer_caps, self.allreduce, self.identity.node_id, group,
                                      members, group_dht_key(st.run_id, round_no, key))
         try:
+            shares = capped_shares([c.capped for c in group.members]) if st.shares == "caps" else None
             capped = capped_phase_s(self.cap_ad, self.peer_caps, self.identity.node_id, group, vector.nbytes,
-                                    self.endpoint.mtu)
+                                    self.endpoint.mtu, shares)
             floor_s, longest = phase_deadlines(self.deadlines, vector.nbytes, max(1.0, budget_s / 2, capped), capped)
             options = AverageOptions(floor_s=floor_s, owner_lag_s=SILENCE_CAP_S, max_phase_s=longest,
                                      max_weight=st.max_weight, robust=st.robust, absent=absent,
-                                     probe_silent=probes_silent(self.deadlines), **coded)
+                                     probe_silent=probes_silent(self.deadlines), shares=shares, **coded)
             res = await self.allreduce.average(group_id, members, group.index, vector, weight, options, center=around)
             finite = await self._finite(res.vector)
         except (ValueError, RpcError) as e:  # e.g. the same group id twice: keep my own vector
@@ -675,7 +685,7 @@ class MoshpitService:
     async def _send_request(self, st: RunState, a: Request) -> None:
         fields = dict(a.fields)
         if "members" in fields:
-            fields["members"] = self._pack_members(fields["members"])
+            fields["members"] = pack_members(fields["members"], self.identity.node_id, self._loopback())
         try:
             reply = await self.endpoint.request(a.to.addr, a.mtype, fields, timeout=a.timeout, attempts=a.attempts)
         except RpcError as e:
@@ -689,18 +699,6 @@ class MoshpitService:
 
     def _loopback(self) -> str:
         return "::1" if self.endpoint.family == socket.AF_INET6 else "127.0.0.1"
-
-    def _pack_members(self, members: tuple[Candidate, ...] | list[Candidate]) -> list[list]:
-        """MM_BEGIN's member list. This node's own entry may hold the wildcard it listens on (no --announce),
-        which no decoder accepts: it travels as loopback, and receivers reach the sender of a BEGIN where
-        the BEGIN came from anyway (``_on_begin``)."""
-        out = []
-        for c in members:
-            host = c.addr[0]
-            if c.node_id == self.identity.node_id and ipaddress.ip_address(host).is_unspecified:
-                host = self._loopback()
-            out.append([c.public_key, ipaddress.ip_address(host).packed, c.addr[1]])
-        return out
 
     def _resolve(self, node_id: bytes, host: str) -> str | None:
         """Where to reach a peer that announced ``host`` (the machine's ``resolve``): a wildcard means the
@@ -733,13 +731,13 @@ class MoshpitService:
         b = incoming.body
         peer = incoming.peer
         members = []
-        for pk, host, port in b["members"]:
+        for pk, host, port, *capped in b["members"]:
             if pk == peer.public_key:  # the leader: reach it where its BEGIN came from (it may list a wildcard)
                 host, port = peer.host, peer.port
             elif self.endpoint.unreachable(host):  # (the decoder refused the rest; this is the other family)
                 self.metrics.datagrams_dropped.labels("address").inc()
                 return {"ok": False}
-            members.append(Candidate(0.0, node_id_of(pk), pk, (host, port)))
+            members.append(Candidate(0.0, node_id_of(pk), pk, (host, port), capped=bool(capped and capped[0])))
         st = self.runs.get(b["run"])
         if st is None:
             return {"ok": False}

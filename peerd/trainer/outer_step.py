@@ -204,6 +204,7 @@ class OuterSteps:
             if cap is not None:
                 extra["max_weight"] = cap
             extra["robust"] = robust
+            extra["shares"] = "equal"  # (the agreement's repairs cut shards as equal ones: records.shard_bounds)
             if window_end > 0:
                 extra["chain_from"] = window_end
             elif gather_s is not None:

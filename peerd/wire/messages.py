@@ -268,7 +268,9 @@ SCHEMAS.update({
         "run": s.text(MAX_RUN),
         "round": s.uint(32),
         "group": s.uint(32),
-        "members": s.array_of(s.tuple_of(s.binary(PUBLIC_KEY_SIZE, PUBLIC_KEY_SIZE), _ip, _port), MAX_GROUP),
+        # [pk, ip, port, capped?]: capped true for a member whose record advertised caps (PROTOCOL.md 16, Begin)
+        "members": s.array_of(s.tuple_of(s.binary(PUBLIC_KEY_SIZE, PUBLIC_KEY_SIZE), _ip, _port, s.boolean,
+                                         optional=1), MAX_GROUP),
     },
     MsgType.MM_BEGUN: {**_COMMON, "ok": s.boolean},
     MsgType.MM_DISBAND: {**_COMMON, "run": s.text(MAX_RUN), "round": s.uint(32)},

@@ -75,11 +75,16 @@ def array_of(item: Validator, hi: int) -> Validator:
     return check
 
 
-def tuple_of(*items: Validator) -> Validator:
+def tuple_of(*items: Validator, optional: int = 0) -> Validator:
+    """An array of exactly ``items`` (the last ``optional`` of them may be left off: the result is as long as the
+    array)."""
+    lo = len(items) - optional
+
     def check(v: Any) -> tuple:
-        if type(v) is not list or len(v) != len(items):
-            raise _bad(f"expected an array of {len(items)} items")
-        return tuple(f(x) for f, x in zip(items, v, strict=True))
+        if type(v) is not list or not lo <= len(v) <= len(items):
+            want = f"{len(items)}" if not optional else f"{lo} to {len(items)}"
+            raise _bad(f"expected an array of {want} items")
+        return tuple(f(x) for f, x in zip(items, v, strict=False))
 
     return check
 

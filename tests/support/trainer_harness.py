@@ -67,7 +67,7 @@ class InProcessAverager:
                       **options) -> RoundResult:
         # codec keywords are taken and recorded (the average stays exact)
         assert set(options) <= {"max_weight", "robust", "center", "chain_from", "compression", "quant_group",
-                                "rounding", "wait_s"}, options
+                                "rounding", "wait_s", "shares"}, options
         wait_s = max(self.wait_s, options.pop("wait_s", 0.0))  # (a round told to wait does, as Moshpit's)
         start = time.monotonic()
         self.readies.append(ready is not None)

@@ -12,9 +12,15 @@ tbf's byte count (``tc -s``, payload plus IP, UDP and Ethernet headers) every se
 - ``windows_mbit``: every window's rate in the capped direction, in order;
 - ``averages_complete``: every step of every trainer averaged with all members;
 - ``round_s``: the median step of the capped member's trainer (after ``--warmup`` steps);
-- ``round_bound_s``: the time the capped member's share needs at its cap: in a butterfly all-reduce each of n
-  members sends and receives 2 (n - 1)/n of the vector (reduce-scatter, then all-gather), in datagrams of 1200
-  bytes each with 98 bytes of headers (bench step's ``transfer_seconds`` at the cap's rate).
+- ``round_bound_s``: the least a round can take with the group's shards (the capped member's smaller one:
+  allreduce.shards.capped_shares): each of the two phases lasts at least as long as its slowest member's part at
+  its rate, the capped member at its cap and the others at the link's. In the reduce-scatter member j, with a
+  shard of s_j of the vector, sends 1 - s_j and receives (n - 1) s_j of it; in the all-gather the other way
+  round. The sum of the two phases' longest parts, in datagrams of 1200 bytes each with 98 bytes of headers.
+  With n = 4 and an upload cap the capped member owns no shard: its part is the vector once in the
+  reduce-scatter, and the all-gather is the others' (a third of the vector to each of three peers at the link's
+  rate). ``round_bound_equal_s``: the same with equal shards, 2 (n - 1)/n of the vector at the cap, what a round
+  took before capped members had smaller shards.
 The lab has no delay emulation: its RTT is the queue's and the hosts'.
 """
 
@@ -31,11 +37,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ...allreduce.shards import capped_shares
 from ...linkcap.rates import parse_rate as parse_cap
 from ..lab.links import LinkLab, parse_rate
 from ..swarm import LocalSwarm
 from .runner import run_bench
-from .step import StepBenchConfig, start_workers, stop_workers, transfer_seconds, wait_workers
+from .step import (
+    CODEC_BYTES,
+    DATAGRAM_OVERHEAD,
+    DATAGRAM_PAYLOAD,
+    StepBenchConfig,
+    start_workers,
+    stop_workers,
+    transfer_seconds,
+    wait_workers,
+)
 
 CAPPED = 1  # the capped member (not node 0, which the others bootstrap from)
 SAMPLE_S = 1.0
@@ -121,12 +137,31 @@ def _windows(samples: list[tuple[float, int]]) -> list[float]:
     return out
 
 
+def round_bound_seconds(cfg: CapsBenchConfig) -> float:
+    """The sum over the two phases of the slowest member's part at its rate, with the group's shards (the module's
+    ``round_bound_s``)."""
+    n, vector = cfg.peers, cfg.params * CODEC_BYTES["fp32"]
+    shares = capped_shares([j == CAPPED for j in range(n)]) or (1,) * n
+    link, cap = parse_rate(cfg.link), cfg.cap_bps()
+    up = [cap if j == CAPPED and cfg.direction == "upload" else link for j in range(n)]
+    down = [cap if j == CAPPED and cfg.direction == "download" else link for j in range(n)]
+
+    def seconds(payload: float, rate: int) -> float:
+        return (payload + payload / DATAGRAM_PAYLOAD * DATAGRAM_OVERHEAD) * 8 / rate
+
+    parts = [s / sum(shares) * vector for s in shares]
+    scatter = max(max(seconds(vector - p, up[j]), seconds((n - 1) * p, down[j])) for j, p in enumerate(parts))
+    gather = max(max(seconds((n - 1) * p, up[j]), seconds(vector - p, down[j])) for j, p in enumerate(parts))
+    return scatter + gather
+
+
 def summarize(records: list[list[dict[str, Any]]], cfg: CapsBenchConfig, windows: list[tuple[float, float]],
               node_caps: Any) -> dict[str, Any]:
     up = max((w[0] for w in windows), default=0.0)
     down = max((w[1] for w in windows), default=0.0)
     cap_mbit = cfg.cap_bps() / 1e6
-    bound = transfer_seconds(cfg.params, cfg.peers, "fp32", cfg.cap_bps())
+    bound = round_bound_seconds(cfg)
+    bound_equal = transfer_seconds(cfg.params, cfg.peers, "fp32", cfg.cap_bps())
     mine = [r["seconds"] for r in records[CAPPED][cfg.warmup:]]
     complete = all(r["outcome"] == "averaged" and r["group_size"] == cfg.peers for rs in records for r in rs) and all(
         len(rs) == cfg.steps for rs in records)
@@ -139,6 +174,7 @@ def summarize(records: list[list[dict[str, Any]]], cfg: CapsBenchConfig, windows
         "windows_mbit": [round(w[0 if cfg.direction == "upload" else 1], 2) for w in windows],
         "averages_complete": complete,
         "round_s": round(round_s, 4), "round_bound_s": round(bound, 4), "round_over_bound": round(round_s / bound, 4),
+        "round_bound_equal_s": round(bound_equal, 4),
         "outcomes": sorted({r["outcome"] for rs in records for r in rs}),
         "node_caps": node_caps,
     }
