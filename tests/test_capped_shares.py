@@ -196,3 +196,17 @@ def test_a_capped_member_carries_the_vector_once_and_the_average_stays_exact() -
             assert r.outcome == "averaged" and 1.4 * vector_bytes < r.bytes_sent < 1.6 * vector_bytes
 
     run_on_memnet(main, seed=2)
+
+
+def test_a_follower_whose_record_this_matchmaking_did_not_show_is_marked_from_earlier_records():
+    from peerd.moshpit.matchmaking import Matchmaker
+
+    from .support.matchmaking import cand
+
+    leader, f1, f2 = cand(1, 5.0), cand(2, 5.1), cand(3, 5.2)
+    lead = Matchmaker(leader, target=3, now=0.0, capped_of=lambda n: n == f2.node_id)
+    lead.on_entries([leader], 0.0)  # (its read showed nobody else yet)
+    lead.on_join_request(f1, 0.01)
+    lead.on_join_request(f2, 0.02)
+    (begin,) = lead.take_actions()
+    assert [c.capped for c in begin.group.members] == [False, False, True]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..entropy import default_rng
@@ -109,9 +110,12 @@ class Matchmaker:
         now: float,
         rng: random.Random | None = None,
         settle_s: float | None = SETTLE_S,
+        capped_of: Callable[[bytes], bool] | None = None,
     ) -> None:
         """``settle_s``: close below the target once every peer looking under the key has joined and the DHT
-        showed nobody new for that long (None: wait for the target or the deadline, as on an exact grid)."""
+        showed nobody new for that long (None: wait for the target or the deadline, as on an exact grid).
+        ``capped_of``: whether a node's latest matchmaking record, of any round, carried caps (a follower's JOIN
+        carries none; this matchmaking's reads may not have shown its record yet)."""
         if not 2 <= min_size <= target:
             raise ValueError(f"need 2 <= min_size <= target, got min_size={min_size} target={target}")
         self.me = me
@@ -131,6 +135,7 @@ class Matchmaker:
         self._refused: dict[bytes, float] = {}  # node id -> until when not to ask it again
         self._actions: list[Action] = []
         self.settle_s = settle_s
+        self.capped_of = capped_of
         self._looking: frozenset[bytes] = frozenset([me.node_id])  # live peers the DHT shows under the key
         self._changed_at = now  # when the set of peers looking last changed
         self._joined_at = now  # when a follower last joined
@@ -352,7 +357,8 @@ class Matchmaker:
     def _close(self) -> None:
         # a follower's caps are what its record said (a JOIN carries none): capped members own smaller shards
         capped = {c.node_id for c in self._candidates if c.capped}
-        followers = [replace(f, capped=f.node_id in capped) for f in self.followers]
+        followers = [replace(f, capped=f.node_id in capped or bool(self.capped_of and self.capped_of(f.node_id)))
+                     for f in self.followers]
         members = tuple(sorted([self.me, *followers], key=lambda c: c.node_id))
         index = members.index(self.me)
         group_id = self.rng.randrange(1, 2**32)

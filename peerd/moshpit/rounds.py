@@ -572,7 +572,7 @@ class RoundMachine:
         # min_size == M is Moshpit's exact grid: groups close at exactly M, never early
         settle = None if self.min_size >= self.grid.size else SETTLE_S
         self._mm = Matchmaker(me, target=self.grid.size, min_size=self.min_size, now=now, rng=self.rng,
-                              settle_s=settle)
+                              settle_s=settle, capped_of=lambda n: self.peer_caps.get(n) is not None)
         self._mm_key = group_dht_key(self.run_id, self.round, self.key)
         self._mm_deadline = now + max(0.0, min(self._timeout_s - (now - self._started),
                                                window_s + MATCH_SLACK_S))
