@@ -54,4 +54,5 @@ def test_the_bench_counts_rounds_without_the_slow_member_and_times_the_move_past
     assert r["in_flight_extra_over_silence"] == 2.2 and r["kill_to_round_s"] == 6.0, r
     assert r["next_matchmaking_s"] == 1.5, r
     assert r["kill_to_start_s"] == 4.5, r  # the first round without it began to move data at 23.0 + 1.5
+    assert r["kill_to_start_over_silence"] == 9.0, r
     assert summarize([[]] * 4, cfg, "fixed", slow, kill, None, None)["kill_to_round_s"] is None

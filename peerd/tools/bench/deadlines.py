@@ -22,7 +22,8 @@ figures per variant (``--json``):
   over the survivors; ``next_matchmaking_s``: that round's matchmaking (none where the survivors found the member
   dead mid-average and renewed their kept group without it; a group that broke gathers anew);
 - ``kill_to_start_s``: seconds from the kill to when that average began to move data (its step's start plus
-  the phases before the transfer), the latest over the survivors: the issue's "next round starts";
+  the phases before the transfer), the latest over the survivors: when the next round starts;
+  ``kill_to_start_over_silence``: that against ``silence_s`` (how many RTT-derived deadlines the death cost);
 - ``round_s`` / ``slow_round_s``: the median survivor step before the slowdown and while slow.
 """
 
@@ -111,6 +112,7 @@ def summarize(records: list[list[dict[str, Any]]], cfg: DeadlinesBenchConfig, mo
     slow_round = statistics.median([r["t1"] - r["t0"] for r in slow]) if slow else None
     flight = max(r["t1"] - r["t0"] for r in in_flight) if complete else None
     extra = None if flight is None or slow_round is None else flight - slow_round
+    start = max(_transfer_start(r) for r in following) - t_kill if complete else None
     return {
         "mode": mode, "peers": cfg.peers, "link": cfg.link, "params": cfg.params, "slowdown": SLOWDOWN,
         "round_s": round(statistics.median(before), 4) if before else None,
@@ -124,7 +126,8 @@ def summarize(records: list[list[dict[str, Any]]], cfg: DeadlinesBenchConfig, mo
         "in_flight_extra_over_silence": None if extra is None or not silence_s else round(extra / silence_s, 3),
         "next_matchmaking_s": _round4(max((r["phases"].get("matchmaking", 0.0) for r in following), default=None)),
         "kill_to_round_s": _round4(kill_to_round),
-        "kill_to_start_s": _round4(max(_transfer_start(r) for r in following) - t_kill) if complete else None,
+        "kill_to_start_s": _round4(start),
+        "kill_to_start_over_silence": None if start is None or not silence_s else round(start / silence_s, 3),
     }
 
 
