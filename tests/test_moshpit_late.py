@@ -407,22 +407,51 @@ def _average_round_1(s: Swarm, dead: bytes | None, *, silent: bool = False) -> f
 
 
 @pytest.mark.parametrize("silent", [False, True])
-def test_a_member_found_dead_mid_average_breaks_the_kept_group_and_is_not_waited_for(silent: bool) -> None:
+def test_a_member_found_dead_mid_average_leaves_the_kept_group_and_the_others_go_on_at_once(silent: bool) -> None:
     """A follower whose daemon died during round 1's average (the survivors gave up on it after its PINGs): the
-    group re-forms through the DHT at the next round, and each survivor remembers it as gone, so that matchmaking
-    does not expect it. A member silent but not found dead (it may be stalled) breaks the group too, and stays
-    expected."""
+    others keep the group without it, and round 2 is a renewal of the three, with no matchmaking through the DHT;
+    each survivor remembers it as gone. A member silent but not found dead (it may be stalled) breaks the group
+    instead, and stays expected: the group re-forms through the DHT."""
     s = Swarm()
     dead = s.members[2].node_id
     ended = _average_round_1(s, dead, silent=silent)
     survivors = [c.node_id for c in s.members if c.node_id != dead]
     for n in survivors:
         mc = s.machines[n]
-        assert mc.sticky.broken == ("silent" if silent else "dead")
+        assert mc.sticky.broken == ("silent" if silent else "")
         assert (dead in mc.gone) is not silent and mc.gone.get(dead, ended) == ended
         s.start(n, ended + 0.01)
     s.run(ended + 0.5)
-    assert not s.averaged and set(s.matchmaking) == set(survivors)
+    if silent:
+        assert not s.averaged and set(s.matchmaking) == set(survivors)
+        return
+    assert set(s.averaged) == set(survivors) and not s.matchmaking
+    for n in survivors:
+        _, avg = s.averaged[n]
+        assert avg.kept and [c.node_id for c in avg.group.members] == survivors
+        assert s.machines[n].sticky.statistics().shrunk == 1
+
+
+def test_a_follower_that_did_not_see_the_death_takes_the_shorter_list_and_no_other() -> None:
+    """Only the leader found the member dead: its renewal BEGIN lists the formation without it, which a follower
+    takes; a list with a stranger, another order, or without the follower or the leader is refused."""
+    s = Swarm()
+    leader = s.leader
+    f = next(c.node_id for c in s.members if c.node_id != leader)
+    mc = s.machines[f]
+    mc.sticky.after_matchmaking(Group(7, s.members, [c.node_id for c in s.members].index(f), leader), 0, 4,
+                                frozenset(c.node_id for c in s.members))
+    gone = next(c for c in s.members if c.node_id not in (leader, f))
+    short = [c for c in s.members if c is not gone]
+    assert not mc.sticky.offer_begin(leader, 1, 1, 9, [*short, peer(9)])
+    assert not mc.sticky.offer_begin(leader, 1, 1, 9, short[::-1])
+    assert not mc.sticky.offer_begin(leader, 1, 1, 9, [c for c in short if c.node_id != f])
+    assert not mc.sticky.offer_begin(leader, 1, 1, 9, [c for c in short if c.node_id != leader])
+    assert not mc.sticky.offer_begin(f, 1, 1, 9, short)  # (not from the leader)
+    assert mc.sticky.offer_begin(leader, 1, 1, 9, short)
+    group = mc.sticky.take_begin(1)
+    assert group is not None and group.members == tuple(short) and group.members[group.index].node_id == f
+    assert mc.sticky.kept is not None and mc.sticky.kept.members == tuple(short)
 
 
 def test_a_record_stored_before_the_group_formed_is_not_an_outsider() -> None:

@@ -574,7 +574,7 @@ class MoshpitService:
         expected = rs.datagrams_expected + ag.datagrams_expected
         fraction = (rs.datagrams_received + ag.datagrams_received) / expected if expected else 1.0
         return RoundResult(res.vector, "averaged", gid, len(members), hexes, fraction, round_no, 0.0, 0.0, key, seen,
-                           silent=bool(rs.silent or ag.silent), dead=dead, out=(*rs.silent, *absent, *dead),
+                           silent=bool({*rs.silent, *ag.silent} - {*dead}), dead=dead, out=(*rs.silent, *absent, *dead),
                            weight_total=float(getattr(res.stats, "weight_total", 0.0)), bytes_sent=sent,
                            complete=bool(getattr(res.stats, "complete", False)))
 

@@ -13,8 +13,8 @@ The group goes back to DHT matchmaking (so newcomers get in and a changed swarm 
 
 - its rounds are used up,
 - a member did not acknowledge the renewal, or refused it,
-- anyone heard nothing from a member during the averaging, or gave up on it as dead (its daemon stopped
-  answering PINGs),
+- anyone heard nothing from a member during the averaging (unless it gave up on that member as dead), or the
+  leader was found dead,
 - the leader saw a peer outside the group announce under the run's key (a newcomer) or publish
   progress in the run lately (an outsider still training),
 - a follower waited the renewal window without a BEGIN (the leader died), or the leader waited its
@@ -40,6 +40,13 @@ that answers probes but never asks holds the group no longer than half the budge
 that dies mid-average is found the same way (the averaging PINGs a member whose stream went silent,
 ``allreduce/liveness.py``) and is not waited for in the matchmaking that follows either.
 
+A member found dead mid-average (its daemon stopped answering the PINGs the averaging sends a member whose stream
+went silent) leaves the kept group instead: the others keep it without that member, so the round after a death
+starts at once, without a matchmaking through the DHT (a member that was alive after all announces under the key
+and the leader re-forms the group with it). The leader's renewal BEGIN then lists the formation's members without
+those it found dead, in the same order; a follower takes any such list that holds it and the leader. Two members
+at least must remain, and the leader must be alive, else the group re-forms through the DHT.
+
 Every case ends in ordinary matchmaking, whose waits are bounded, so a failure costs at most one
 round's deadlines and never hangs. This module holds the per-run decision state; the trio driver
 (``service.MoshpitService``) does the sending and waiting.
@@ -49,7 +56,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .matchmaking import Candidate, Group
 
@@ -72,13 +79,14 @@ class KeptStatistics:
 
 @dataclass(frozen=True)
 class StickyStatistics:
-    """A run's kept groups: ``keep_rounds``, the group kept now (None: none), kept rounds renewed so far, and
-    groups dropped by reason."""
+    """A run's kept groups: ``keep_rounds``, the group kept now (None: none), kept rounds renewed so far, groups
+    dropped by reason, and groups that went on without members found dead."""
 
     keep_rounds: int
     kept: KeptStatistics | None
     renewed: int
     dropped: dict[str, int]
+    shrunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,7 @@ class Kept:
     formed: int  # the round it formed in (through the DHT)
     rounds: int  # how many further rounds it may be renewed for
     formed_at: float = 0.0  # when (wall clock): a progress record stored before it was accounted for in forming it
+    formation: tuple[Candidate, ...] = ()  # the members it formed with (a renewal may list fewer: some found dead)
 
     @property
     def leader_candidate(self) -> Candidate:
@@ -127,6 +136,7 @@ class StickyGroups:
         self.renewed = 0  # rounds averaged in a kept group
         self.begun = -1  # the latest round whose renewal BEGIN this node (a follower) took
         self.dropped: dict[str, int] = {}  # why kept groups ended, counted
+        self.shrunk = 0  # kept groups that went on without members found dead
 
     # -- decisions ------------------------------------------------------------------------------
     def usable(self, round_no: int) -> Kept | None:
@@ -154,16 +164,35 @@ class StickyGroups:
         if self.keep_rounds <= 1 or group is None or not is_complete(group, seen, expected):
             self.kept, self.broken = None, ""
             return
-        self.kept = Kept(group.members, group.index, group.leader, round_no, self.keep_rounds - 1, now)
+        self.kept = Kept(group.members, group.index, group.leader, round_no, self.keep_rounds - 1, now,
+                         group.members)
         self.broken = ""
 
     def after_round(self, silent: bool, dead: frozenset[bytes] = frozenset()) -> None:
-        """An averaging (kept or fresh) ended; ``silent``: some member was never heard from (or the average
-        failed); ``dead``: members this node gave up on mid-average because their daemons stopped answering its
-        PINGs. Either way the group is not kept: it re-forms through the DHT, where a member found dead is not
-        waited for (``RoundMachine.gone``)."""
-        if self.kept is not None and (silent or dead & self.kept.node_ids()):
+        """An averaging (kept or fresh) ended; ``silent``: some member not found dead was never heard from (or the
+        average failed): the group is not kept, it re-forms through the DHT. ``dead``: members this node gave up
+        on mid-average because their daemons stopped answering its PINGs: the group is kept without them while
+        its leader lives and two members remain (else it re-forms, where a member found dead is not waited for:
+        ``RoundMachine.gone``)."""
+        kept = self.kept
+        if kept is None:
+            return
+        gone = dead & kept.node_ids()
+        if silent or kept.leader in gone:
             self.broken = self.broken or ("silent" if silent else "dead")
+        elif gone:
+            self._shrink(tuple(c for c in kept.members if c.node_id not in gone))
+
+    def _shrink(self, members: tuple[Candidate, ...]) -> None:
+        """Keep the group with ``members`` (a part of its formation, in its order); too few left: not kept."""
+        kept = self.kept
+        assert kept is not None
+        me = next((i for i, c in enumerate(members) if c.node_id == self.me), None)
+        if len(members) < 2 or me is None:
+            self.broken = self.broken or "dead"
+            return
+        self.kept = replace(kept, members=members, index=me)
+        self.shrunk += 1
 
     def break_(self, reason: str, kept: Kept | None = None) -> None:
         """Do not renew the kept group again (a refused or unacknowledged renewal, a newcomer); with
@@ -208,15 +237,19 @@ class StickyGroups:
         """A BEGIN that no matchmaking of mine is waiting for: a renewal of my kept group?
 
         Accepted (and held until the round starts) only from the kept group's leader, for the round
-        this node is in or about to start, with exactly the kept member list."""
+        this node is in or about to start, with the kept group's formation list, or that list without members the
+        leader found dead (the same order, this node and the leader in it: the group goes on without them)."""
         kept = self.kept
         if kept is None or self.broken or sender != kept.leader:
             return False
         if not current <= round_no <= current + 1 or round_no > kept.formed + kept.rounds:
             return False
-        if tuple(c.node_id for c in members) != tuple(c.node_id for c in kept.members):
+        listed = [c.node_id for c in members]
+        part = tuple(c for c in kept.formation if c.node_id in set(listed))
+        if (tuple(c.node_id for c in part) != tuple(listed) or len(part) < 2 or self.me not in listed
+                or kept.leader not in listed):
             return False
-        self._early[round_no] = (group_id, kept.members)
+        self._early[round_no] = (group_id, part)
         while len(self._early) > MAX_EARLY:
             self._early.popitem(last=False)
         return True
@@ -229,6 +262,9 @@ class StickyGroups:
             return None
         group_id, members = begin
         self.begun = max(self.begun, round_no)
+        if members != kept.members:  # the leader went on without members it found dead
+            self.kept = kept = replace(kept, members=members,
+                                       index=next(i for i, c in enumerate(members) if c.node_id == self.me))
         return Group(group_id, members, kept.index, kept.leader)
 
     def renewal(self, group_id: int, round_no: int) -> Group:
@@ -247,7 +283,7 @@ class StickyGroups:
             self.keep_rounds,
             None if kept is None else KeptStatistics(len(kept.members), kept.formed, kept.formed + kept.rounds,
                                                      kept.leader.hex(), self.broken),
-            self.renewed, dict(self.dropped),
+            self.renewed, dict(self.dropped), self.shrunk,
         )
 
 

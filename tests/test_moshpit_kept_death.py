@@ -1,0 +1,53 @@
+"""A kept group whose member dies mid-average goes on without it (moshpit/sticky.py): real services in virtual time
+(tests/support/memnet.py), the daemons' self-tuned deadlines on, so the averaging PINGs a member gone silent."""
+
+from __future__ import annotations
+
+import numpy as np
+import trio
+
+from peerd.deadlines import DeadlineTuner
+
+from .support.memnet import MemNet, run_on_memnet
+from .support.moshpit_swarm import swarm
+from .test_moshpit_service import lockstep
+
+
+def test_the_round_after_a_death_mid_average_is_the_kept_group_without_it() -> None:
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await swarm(nursery, net, 4)
+        for n in nodes:
+            n.moshpit.deadlines = DeadlineTuner()
+            await n.moshpit.open("k", window_s=3.0, keep_rounds=20)
+        vectors = [np.full(20000, float(i), np.float32) for i in range(4)]
+        for _ in range(3):
+            assert all(r is not None and r.group_size == 4 for r in await lockstep(nodes, "k", vectors))
+        leader = nodes[0].moshpit.runs["k"].sticky.kept.leader
+        victim = next(n for n in nodes if n.identity.node_id != leader)
+        inner = victim.allreduce.average
+
+        async def dying(*args, **kwargs):
+            async def kill() -> None:
+                await trio.sleep(0.002)  # mid-average: its reduce-scatter has started
+                victim.kill(net)
+            nursery.start_soon(kill)
+            return await inner(*args, **kwargs)
+
+        victim.allreduce.average = dying  # type: ignore[method-assign]
+        caught = await lockstep(nodes, "k", vectors)
+        survivors = [n for n in nodes if n.alive]
+        assert len(survivors) == 3 and all(caught[nodes.index(n)].outcome == "averaged" for n in survivors)
+        t0 = trio.current_time()
+        after = [r for r in await lockstep(nodes, "k", vectors) if r is not None]
+        took = trio.current_time() - t0
+        assert len(after) == 3
+        for r in after:  # a renewal of the three: no matchmaking through the DHT, no window waited out
+            assert r.outcome == "averaged" and r.kept and r.group_size == 3 and r.received_fraction == 1.0
+        assert took < 0.3, took
+        for n in survivors:
+            st = n.moshpit.runs["k"].sticky.statistics()
+            assert st.shrunk == 1 and st.dropped == {}, st
+        exact = np.mean(np.stack([vectors[nodes.index(n)] for n in survivors]), axis=0)
+        assert all(np.allclose(r.vector, exact, atol=1e-5) for r in after)
+
+    run_on_memnet(main, seed=4)
