@@ -87,9 +87,10 @@ def check_results(members: list[GroupAverage], xs, ws, per, net: GroupNet) -> No
 # ---- exact averages, deterministic loss patterns ---------------------------------------------------------
 
 
-def test_no_loss_exact_weighted_mean():
+@pytest.mark.parametrize("shares", [None, (4, 4, 4, 0), (0, 8, 0, 8), (2, 2, 2, 6)])  # (capped members: shards.py)
+def test_no_loss_exact_weighted_mean(shares):
     xs, ws = inputs(4, 10007, weights=[1.0, 7.0, 32.0, 3.5])
-    m = make_group(xs, ws, per=97)
+    m = make_group(xs, ws, per=97, shares=shares)
     net = GroupNet(m)
     net.run()
     mean = sum(w * x.astype(np.float64) for w, x in zip(ws, xs, strict=True)) / sum(ws)

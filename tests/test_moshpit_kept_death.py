@@ -6,19 +6,14 @@ from __future__ import annotations
 import numpy as np
 import trio
 
-from peerd.deadlines import DeadlineTuner
-
 from .support.memnet import MemNet, run_on_memnet
-from .support.moshpit_swarm import swarm
+from .support.moshpit_swarm import tuned_swarm
 from .test_moshpit_service import lockstep
 
 
 def test_the_round_after_a_death_mid_average_is_the_kept_group_without_it() -> None:
     async def main(net: MemNet, nursery: trio.Nursery) -> None:
-        nodes = await swarm(nursery, net, 4)
-        for n in nodes:
-            n.moshpit.deadlines = DeadlineTuner()
-            await n.moshpit.open("k", window_s=3.0, keep_rounds=20)
+        nodes = await tuned_swarm(nursery, net, 4, "k", window_s=3.0, keep_rounds=20)
         vectors = [np.full(20000, float(i), np.float32) for i in range(4)]
         for _ in range(3):
             assert all(r is not None and r.group_size == 4 for r in await lockstep(nodes, "k", vectors))

@@ -19,7 +19,7 @@ from peerd.moshpit.keys import Grid
 from peerd.moshpit.service import MoshpitError, RoundResult
 
 from .support.memnet import MemNet, run_on_memnet
-from .support.moshpit_swarm import BASE, MoshpitNode, swarm  # noqa: E402
+from .support.moshpit_swarm import BASE, MoshpitNode, swarm, tuned_swarm  # noqa: E402
 from .support.virtual import (
     counter_value,  # noqa: E402
 )
@@ -194,10 +194,7 @@ def test_a_kept_group_waits_past_its_tuned_window_for_a_live_member_and_drops_a_
     round: the leader's PINGs go unanswered and it re-forms the group at once instead of waiting its window."""
 
     async def main(net: MemNet, nursery: trio.Nursery) -> None:
-        nodes = await swarm(nursery, net, 4)
-        for n in nodes:
-            n.moshpit.deadlines = DeadlineTuner()
-            await n.moshpit.open("late", window_s=3.0, keep_rounds=20)
+        nodes = await tuned_swarm(nursery, net, 4, "late", window_s=3.0, keep_rounds=20)
         vectors = [np.full(100, float(i), np.float32) for i in range(4)]
         for _ in range(7):  # enough quick rounds for every tuner to bring the window to its floor
             assert all(r is not None and r.group_size == 4 for r in await lockstep(nodes, "late", vectors))

@@ -86,7 +86,7 @@ class PhaseStats:
     weight_expected: float
     weight_received: float
     ends_received: int  # streams whose END marker arrived
-    silent: tuple[int, ...]  # live senders from which nothing at all arrived in this phase
+    silent: tuple[int, ...]  # live senders from which nothing at all arrived in this phase (of those with data for it)
     datagrams_sent: int  # data datagrams this member produced for this phase
     started_at: float | None
     ended_at: float | None
@@ -411,7 +411,7 @@ class Phase:
         silent = tuple(
             s
             for s in range(len(self.expected))
-            if s != me and live[s] and self.received[s] == 0 and not self.end_seen[s]
+            if s != me and live[s] and self.expected[s] and self.received[s] == 0 and not self.end_seen[s]
         )
         return PhaseStats(
             datagrams_expected=sum(self.expected),

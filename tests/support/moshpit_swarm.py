@@ -70,3 +70,16 @@ async def swarm(nursery: trio.Nursery, net: MemNet, count: int, first: int = 0, 
         if n is not bootstrap:
             await n.dht.bootstrap([bootstrap.addr], timeout=60)
     return nodes
+
+
+async def tuned_swarm(nursery: trio.Nursery, net: MemNet, count: int, run: str, **open_kw: object
+                      ) -> list[MoshpitNode]:
+    """``count`` nodes with self-tuned deadlines (``peerd join --deadlines auto``: a silent member is PINGed), each
+    with ``run`` open as ``open_kw`` say."""
+    from peerd.deadlines import DeadlineTuner
+
+    nodes = await swarm(nursery, net, count)
+    for n in nodes:
+        n.moshpit.deadlines = DeadlineTuner()
+        await n.moshpit.open(run, **open_kw)
+    return nodes
