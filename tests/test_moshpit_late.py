@@ -214,26 +214,37 @@ def test_a_live_member_late_past_the_window_is_waited_for_and_the_kept_group_ave
 
 
 @pytest.mark.parametrize("rtt", [None, 0.05])
-def test_a_dead_follower_is_dropped_after_its_probes_well_inside_the_window(rtt: float | None) -> None:
+def test_a_dead_follower_is_left_out_after_its_probes_well_inside_the_window(rtt: float | None) -> None:
     """A follower died right after round 0: the leader PINGs it once it is a grace late, three probes go
-    unanswered, and the leader re-forms at once (DISBAND to the others), not at its window's end."""
+    unanswered, and the leader renews the group without it at once (the others had asked), not at its window's
+    end and not through the DHT; the followers take the shorter list."""
     s = Swarm(rtt=rtt or 0.002, rtt_known=rtt is not None)
     dead = s.members[2].node_id
     s.up.discard(dead)
     for c in s.members:
         s.start(c.node_id, T0)
     s.run(T0 + 0.99 * WINDOW)
-    gave_up = s.matchmaking[s.leader] - T0
-    assert gave_up == pytest.approx(grace_s(rtt) + PROBES * probe_timeout_s(rtt), abs=1e-6)
+    assert not s.matchmaking and set(s.averaged) == {c.node_id for c in s.members if c.node_id != dead}
+    began = s.averaged[s.leader][0] - T0
+    assert began == pytest.approx(grace_s(rtt) + PROBES * probe_timeout_s(rtt), abs=1e-6)
     if rtt is None:
-        assert GRACE_FLOOR_S + PROBES * PROBE_FLOOR_S == pytest.approx(0.35) == pytest.approx(gave_up, abs=1e-6)
-    assert gave_up < 0.8 * WINDOW
-    assert s.dropped()[s.leader] == {"dead": 1}
-    followers = [c.node_id for c in s.members if c.node_id not in (s.leader, dead)]
-    for f in followers:  # told at once (DISBAND), not after their own window plus slack
-        assert s.matchmaking[f] - T0 == pytest.approx(gave_up + s.rtt / 2, abs=1e-6)
-        assert s.dropped()[f] == {"disbanded": 1}
-    assert not s.averaged
+        assert GRACE_FLOOR_S + PROBES * PROBE_FLOOR_S == pytest.approx(0.35) == pytest.approx(began, abs=1e-6)
+    assert began < 0.8 * WINDOW
+    for n, (_, avg) in s.averaged.items():
+        assert avg.kept and dead not in {c.node_id for c in avg.group.members} and len(avg.group.members) == 3
+        assert s.dropped().get(n, {}) == {} and s.machines[n].sticky.statistics().shrunk == 1
+        assert dead in s.machines[n].gone or n != s.leader
+
+
+def test_a_dead_follower_of_a_pair_breaks_the_kept_group() -> None:
+    """Of a kept pair, the leader alone would remain: it re-forms through the DHT instead."""
+    s = Swarm(n=2)
+    dead = next(c.node_id for c in s.members if c.node_id != s.leader)
+    s.up.discard(dead)
+    for c in s.members:
+        s.start(c.node_id, T0)
+    s.run(T0 + 0.99 * WINDOW)
+    assert s.leader in s.matchmaking and not s.averaged and s.dropped()[s.leader] == {"dead": 1}
 
 
 def test_followers_whose_leader_died_give_up_after_their_probes() -> None:
@@ -293,7 +304,8 @@ def test_a_member_that_answers_probes_but_never_comes_holds_the_group_only_once_
 @pytest.mark.parametrize("refreshed", [False, True])
 def test_the_matchmaking_after_a_dead_member_does_not_wait_for_it(refreshed: bool) -> None:
     """The follower the probes found dead finished round 0 (its progress record says so), yet the matchmaking that
-    follows does not expect it: its record predates its death, and the group closes once the live ones are in
+    follows (here the kept group's next round re-forms through the DHT for a newcomer) does not expect it: its
+    record predates its death, and the group closes once the live ones are in
     (before: the doubt_s wait for it, 0.6 s, and the rounds after waited out their window for it while its record
     was recent). A record it stores after it was found dead (it came back) makes it expected again: the window."""
     s = Swarm()
@@ -311,9 +323,13 @@ def test_the_matchmaking_after_a_dead_member_does_not_wait_for_it(refreshed: boo
         assert ping.to.node_id == dead.node_id and ping.mtype is m.MsgType.PING
         now += ping.timeout
         mc.on_failed(ping.token, now)
+    assert now - T0 == pytest.approx(0.35, abs=1e-6) and mc.phase == "average" and len(mc.group.members) == 3
+    assert set(mc.gone) == {dead.node_id}  # (the renewal went on without it)
+    mc.on_averaged(averaged=True, members=[c.node_id for c in mc.group.members], now=now + 0.1)
+    mc.sticky.break_("outsider")  # the next round matchmakes through the DHT
+    now += 0.2
+    mc.start_round(now=now)
     started = now
-    assert started - T0 == pytest.approx(0.35, abs=1e-6) and mc.sticky.dropped == {"dead": 1}
-    assert set(mc.gone) == {dead.node_id}
     shown = [SimRecord(c.node_id, encode_announce(e, *c.addr), e, c.public_key)
              for c, e in ((mc.me, started + WINDOW), *((c, started + WINDOW + 0.1) for c in live))]
     stored = {c.node_id: T0 - 1 for c in s.members}
@@ -329,7 +345,7 @@ def test_the_matchmaking_after_a_dead_member_does_not_wait_for_it(refreshed: boo
     answer(mc.take_actions(), now + 0.01)
     for c in live:
         follower = Candidate(started + WINDOW + 0.1, c.node_id, c.public_key, c.addr)
-        assert mc.on_join(follower, 1, mc.key, now + 0.02) == (True, "ok")
+        assert mc.on_join(follower, mc.round, mc.key, now + 0.02) == (True, "ok")
     while mc.phase == "match":
         now = mc.get_timer()
         mc.handle_timer(now)

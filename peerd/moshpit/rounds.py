@@ -81,19 +81,9 @@ def poll_read(i: int) -> Agreed | None:
 class RoundMachine:
     """One run on one node: its place on the grid, its round number, and the round under way."""
 
-    def __init__(
-        self,
-        run_id: str,
-        grid: Grid,
-        keys: KeyManager,
-        me: Candidate,
-        *,
-        min_size: int = 2,
-        window_s: float = DEFAULT_WINDOW_S,
-        keep_rounds: int = 1,
-        rng: random.Random,
-        resolve: Callable[[bytes, str], str | None] = lambda node_id, host: host,
-    ) -> None:
+    def __init__(self, run_id: str, grid: Grid, keys: KeyManager, me: Candidate, *, min_size: int = 2,
+                 window_s: float = DEFAULT_WINDOW_S, keep_rounds: int = 1, rng: random.Random,
+                 resolve: Callable[[bytes, str], str | None] = lambda node_id, host: host) -> None:
         """``me``: this node (its expiry is ignored); ``resolve(node_id, host)``: the host to reach a peer
         that announced ``host`` at, or None when it cannot be reached from here (the driver knows its
         sockets; it counts what it refuses)."""
@@ -450,9 +440,11 @@ class RoundMachine:
             assert late is not None
             self._dead = late.dead(waits)
             self._note_gone(self._dead, now)
+            if self._dead and sticky.leads(kept) and sticky.without(self._dead):
+                self._renew_kept = sticky.kept  # the others go on: begin once each of them asked
+                return self._check_renewal(now)
             if self._dead:  # its daemon is gone too: no use waiting out the window
-                self._actions.append(Note(f"run {self.run_id} round {self.round}: a kept group's member does not "
-                                          f"answer; re-forming"))
+                self._actions.append(Note(f"run {self.run_id} round {self.round}: a kept member is dead; re-forming"))
                 sticky.break_("dead", kept)
             elif now < late.deadline(waits):
                 for c, timeout in late.to_probe(waits, now):

@@ -20,7 +20,8 @@ The group goes back to DHT matchmaking (so newcomers get in and a changed swarm 
 - a follower waited the renewal window without a BEGIN (the leader died), or the leader waited its
   window for a follower's renewal request (the follower died or dropped the group), unless the member
   waited for is alive (below),
-- the member waited for is dead: its daemon did not answer three PINGs (below),
+- the leader waited for is dead: its daemon did not answer three PINGs (below; a dead follower is left out
+  instead, as one found dead mid-average),
 - or a member did not keep the group at all (its view of who was looking differed): it tells the leader.
 
 A late member is told apart from a dead one by asking its daemon, which answers while its trainer is busy
@@ -33,8 +34,9 @@ to half the round's budget, re-probing it every half second, so a trainer whose 
 evaluations on two shared cores end seconds apart) is averaged in instead of averaging alone while the others
 re-form without it. A member waited for so long in vain is waited for only up to the window's cap in the next
 ``liveness.OVERSTAY_ROUNDS`` rounds. A member
-whose daemon leaves three probes in a row unanswered (or answered by another node id) is dead: the group is
-dropped at once ("dead", about 0.35 s on a LAN) instead of at the window's end, and the matchmakings that
+whose daemon leaves three probes in a row unanswered (or answered by another node id) is dead: a dead follower
+is left out and the others renewed at once, a dead leader makes its followers drop the group ("dead", about
+0.35 s on a LAN), instead of at the window's end; the matchmakings that
 follow do not expect it while its latest progress record predates that verdict (``RoundMachine.gone``). A member
 that answers probes but never asks holds the group no longer than half the budget once, then the cap. A member
 that dies mid-average is found the same way (the averaging PINGs a member whose stream went silent,
@@ -183,6 +185,15 @@ class StickyGroups:
         elif gone:
             self._shrink(tuple(c for c in kept.members if c.node_id not in gone))
 
+    def without(self, dead: frozenset[bytes]) -> bool:
+        """As the leader whose renewal found followers ``dead`` (their daemons did not answer its PINGs): go on
+        without them (see ``after_round``). Whether the group is still kept."""
+        kept = self.kept
+        if kept is None or self.broken or kept.leader in dead or not dead & kept.node_ids():
+            return False
+        self._shrink(tuple(c for c in kept.members if c.node_id not in dead))
+        return not self.broken
+
     def _shrink(self, members: tuple[Candidate, ...]) -> None:
         """Keep the group with ``members`` (a part of its formation, in its order); too few left: not kept."""
         kept = self.kept
@@ -265,6 +276,7 @@ class StickyGroups:
         if members != kept.members:  # the leader went on without members it found dead
             self.kept = kept = replace(kept, members=members,
                                        index=next(i for i, c in enumerate(members) if c.node_id == self.me))
+            self.shrunk += 1
         return Group(group_id, members, kept.index, kept.leader)
 
     def renewal(self, group_id: int, round_no: int) -> Group:
