@@ -579,21 +579,21 @@ def test_protected_tokens_are_those_of_the_running_groups_members() -> None:
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU, recent_groups=1)
     host.receive_bind(11, b, 0.0)
     host.receive_bind(99, outsider, 0.0)
-    assert host.protected_tokens() == {}
+    assert host.protected_tokens(0.0) == {}
     host.start(3, [a, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
-    assert host.protected_tokens() == {11: None}
-    assert host.protected_tokens() is host.protected_tokens()  # the pass may keep it until something changes
+    assert host.protected_tokens(0.0) == {11: None}
+    assert host.protected_tokens(0.0) is host.protected_tokens(0.0)  # the pass may keep it until something changes
     host.receive_bind(12, b, 0.1)  # b's next token
     host.start(4, [a, c], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
     host.receive_bind(13, c, 0.2)
-    assert host.protected_tokens() == {11: None, 12: None, 13: None}
+    assert host.protected_tokens(0.2) == {11: None, 12: None, 13: None}
     host.finish(3, 0, 1.0)
-    assert host.protected_tokens() == {11: None, 12: None, 13: None}  # 3 is recent, 4 runs
+    assert host.protected_tokens(1.0) == {11: None, 12: None, 13: None}  # 3 is recent, 4 runs
     host.finish(4, 0, 1.0)
-    assert host.protected_tokens() == {13: None}  # 4 is the one recent group now: a and c
+    assert host.protected_tokens(1.0) == {13: None}  # 4 is the one recent group now: a and c
     host.start(5, [a, outsider], 0, np.zeros(4 * PER, np.float32), 1.0, 2.0)
     host.finish(5, 0, 3.0)
-    assert host.protected_tokens() == {99: None}
+    assert host.protected_tokens(3.0) == {99: None}
 
 
 def test_tokens_holding_data_for_a_group_not_started_here_are_protected() -> None:
@@ -603,21 +603,74 @@ def test_tokens_holding_data_for_a_group_not_started_here_are_protected() -> Non
     a, b = b"a" * 32, b"b" * 32
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
     host.receive_bind(11, b, 0.0)
-    assert host.protected_tokens() == {}
+    assert host.protected_tokens(0.0) == {}
     body = pack_data(7, 2, 0, 1.0, np.ones(PER, np.float32))  # member 1's first range of shard 0
     host.receive_data(b, 11, RS_DATA, body, 0.0)
     host.receive_data(None, 12, RS_DATA, body, 0.0)  # a token not bound yet
-    assert host.protected_tokens() == {11: None, 12: None}
+    assert host.protected_tokens(0.0) == {11: None, 12: None}
     host.start(7, [a, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.1)  # 11's data delivered; 12's still waits
-    assert host.protected_tokens() == {11: None, 12: None}
+    assert host.protected_tokens(0.1) == {11: None, 12: None}
     host.receive_bind(12, b, 0.2)
-    assert host.protected_tokens() == {11: None, 12: None}  # both bound to a running group's member now
+    assert host.protected_tokens(0.2) == {11: None, 12: None}  # both bound to a running group's member now
     host.finish(7, 0, 1.0)
-    assert host.protected_tokens() == {11: None, 12: None}  # (7 is a recent group)
+    assert host.protected_tokens(1.0) == {11: None, 12: None}  # (7 is a recent group)
     host.receive_data(None, 13, RS_DATA, pack_data(8, 2, 0, 1.0, np.ones(PER, np.float32)), 2.0)
-    assert host.protected_tokens() == {11: None, 12: None, 13: None}
+    assert host.protected_tokens(2.0) == {11: None, 12: None, 13: None}
     host.handle_timer(2.0 + host.held.max_age_s + 1)
-    assert host.protected_tokens() == {11: None, 12: None}
+    assert host.protected_tokens(2.0 + host.held.max_age_s + 1) == {11: None, 12: None}
+
+
+def test_held_data_protects_its_tokens_only_while_none_of_it_goes_unused_hostile() -> None:
+    """A member floods data for groups that never start here, under tokens of its own (bound to minted ids). Were
+    its tokens protected for holding that data, none of its datagrams would ever be shed, and the receive queue
+    filled behind them to the full shedding depth (`peerd bench soak`: a 36 MB queue, an honest round's data past
+    its deadline). Its first bucket to expire unused ends the protection of held data; a running group's members
+    keep theirs; held data is trusted again once none has gone unused for ``max_age_s``."""
+    me, b, c, minted = (bytes([i]) * 32 for i in b"abcz")
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
+    age = host.held.max_age_s
+    host.receive_bind(11, b, 0.0)
+    host.receive_bind(12, c, 0.0)
+    host.receive_bind(50, minted, 0.0)
+    host.start(3, [me, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
+
+    def flood(at: float) -> None:
+        host.receive_data(minted, 50, RS_DATA, pack_data(1000 + int(at * 10), 2, 0, 1.0, np.ones(PER, np.float32)),
+                          at)
+
+    flood(0.0)
+    assert host.protected_tokens(0.0) == {11: None, 50: None}  # nothing held has gone unused yet
+    t = 0.0
+    while t < age + 2:  # the flood goes on; its first bucket expires at ``age``
+        t = round(t + 0.5, 1)
+        flood(t)
+        host.handle_timer(t)
+    assert 50 in host.held.tokens()
+    assert host.protected_tokens(t) == {11: None}  # the running group's member only
+    host.receive_data(c, 12, RS_DATA, pack_data(9, 2, 0, 1.0, np.ones(PER, np.float32)), t)
+    assert host.protected_tokens(t) == {11: None}  # (a member of no recent group: not trusted during the flood)
+    quiet = t + age  # the flood stopped at t: its last bucket expires at quiet, unused
+    host.handle_timer(quiet)
+    assert host.held.tokens() == {}
+    host.receive_data(c, 12, RS_DATA, pack_data(10, 2, 0, 1.0, np.ones(PER, np.float32)), quiet + 0.1)
+    assert host.protected_tokens(quiet + 0.1) == {11: None}
+    assert host.protected_tokens(quiet + age) == {11: None, 12: None}  # nothing went unused for max_age_s
+
+
+def test_held_data_dropped_to_make_room_counts_as_unused() -> None:
+    """A flood that fills the held data's bound pushes out the oldest buckets before any expires: that too ends the
+    protection of held tokens."""
+    size = MAX_BODY + ENTRY_OVERHEAD
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU, held=HeldData(max_bytes=4 * size))
+    minted = b"z" * 32
+    host.receive_bind(50, minted, 0.0)
+    body = np.ones((MAX_BODY - HEADER_SIZE) // 4, np.float32)
+    for k in range(4):
+        host.receive_data(minted, 50, RS_DATA, pack_data(100 + k, 2, 0, 1.0, body), 0.01 * k)
+    assert host.protected_tokens(0.05) == {50: None}
+    host.receive_data(minted, 50, RS_DATA, pack_data(200, 2, 0, 1.0, body), 0.05)  # pushes group 100's out
+    assert host.held.count == 4
+    assert host.protected_tokens(0.05) == {}
 
 
 def test_a_report_carries_the_arrival_time_only_while_the_senders_latest_data_is_its_groups() -> None:

@@ -9,6 +9,7 @@ dropped ``max_age_s`` after its first body arrived, on a timer (``expire``) as w
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -46,6 +47,9 @@ class HeldData:
         self._token_bytes: dict[int, int] = {}
         self.nbytes = 0
         self.count = 0
+        # when a bucket last went unused (expired, or dropped to make room for another): honest data is taken when
+        # its group starts, so this is when someone last sent data for a group that never started here
+        self.wasted_at = -math.inf
 
     def add(self, group: int, token: int, item: Any, nbytes: int, now: float, *, count: int = 1) -> tuple[bool, int]:
         """Hold ``item``: a body of ``nbytes``, or a block of ``count`` bodies of ``nbytes`` together (charged
@@ -56,6 +60,7 @@ class HeldData:
             return False, dropped
         while self.nbytes + size > self.max_bytes and self._buckets:
             dropped += self._drop(next(iter(self._buckets)))
+            self.wasted_at = now
         key = (group, token)
         bucket = self._buckets.get(key)
         if bucket is None:
@@ -103,6 +108,7 @@ class HeldData:
             if bucket.first_at + self.max_age_s > now:
                 break
             dropped += self._drop(key)
+            self.wasted_at = now
         return dropped
 
     def next_expiry(self) -> float | None:

@@ -228,22 +228,27 @@ class AveragingHost:
             self._deliver_held(g, peer, token, mtype, body, now, drops, actions)
         self._actions.extend(merged(actions, drops))
 
-    def protected_tokens(self) -> dict[int, None]:
+    def protected_tokens(self, now: float) -> dict[int, None]:
         """The tokens bound to members of the groups running now: the receive pass never sheds their datagrams
         (UdpSocket.recv_screened's ``protected``), so a flood from others does not cost the groups their data.
-        The same dict until a group starts or ends or a token is bound (the pass reads it each time). Tokens
-        with held data are protected too: a group that started elsewhere first sends its data before it starts
-        here, and with no group running here that data would be shed. Held data is bounded per token
-        (HeldData), so this protection is too.
+        The same dict until a group starts or ends or a token is bound (the pass reads it each time).
         So are the members of the last RECENT_GROUPS finished groups: between two averages no group runs here,
         and a member that starts the next one first sends its data before anything of it is held; the first
         overloaded pass would shed it (most of a stream: a pass reads up to 16,384 datagrams), and an honest
-        average would fail (`peerd bench soak`)."""
+        average would fail (`peerd bench soak`).
+        Tokens with held data are protected too, while no held data has gone unused (expired, or dropped to make
+        room) for the held data's ``max_age_s`` before ``now``: a group that started elsewhere first sends its data
+        before it starts here, and with no group running here that data would be shed. Honest held data is taken
+        when its group starts; data for groups that never start here is a member's flood (every member may send
+        it, under as many tokens as it likes), and protecting its tokens would keep every datagram of theirs from
+        being shed: the queue would fill behind them to the full shedding depth, seconds of backlog on a loaded
+        node, and the running groups' data would wait there past their phase deadlines (`peerd bench soak`:
+        kernel_by_phase's deepest_queue_kb, averages_failed)."""
         if self._protected is None:
             members = {p for g in (*self._groups.values(), *self._recent.values()) for p in g.peers}
             self._protected = {t: None for t, p in self._bound.items() if p in members}
         held = self.held.tokens()
-        if not held:
+        if not held or now < self.held.wasted_at + self.held.max_age_s:
             return self._protected
         return {**self._protected, **dict.fromkeys(held)}
 

@@ -146,7 +146,8 @@ class Inbound:
                 # the pass's junk under unknown tokens is rationed in C where the limiter is the C table, at the
                 # time the pass began (``now``: the rest of the pass is decided at it too); an overloaded pass sheds
                 # the excess of the sources that fill the kernel queue, max-min fairly, PINGs and PONGs kept
-                protected = self.protected_tokens() if self.protected_tokens is not None else None
+                protected = (self.protected_tokens(trio.current_time()) if self.protected_tokens is not None
+                             else None)
                 batch, unknown, malformed, version, nbytes, limited, rationed, now, shed = await sock.recv_screened(
                     limit, screen, self.core.auth_limiter, shedding=True, protected=protected)
                 if shed:
