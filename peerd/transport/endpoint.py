@@ -154,6 +154,7 @@ class Endpoint(Inbound):
         self._timer_at = math.inf
         self._timer_moved = trio.Event()
         self._pause_s = 0.0  # the last receive pass's decision: how long the loop waits before the next
+        self._in_hand = False  # the receive loop holds a pass it has read off the socket and not handled yet
         self._bind_hooks: list[Callable[[int, bytes], None]] = []
         # the tokens an overloaded receive pass never sheds, asked at the pass's time (the averaging host's groups'
         # members)
