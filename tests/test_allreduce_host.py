@@ -620,59 +620,6 @@ def test_tokens_holding_data_for_a_group_not_started_here_are_protected() -> Non
     assert host.protected_tokens(2.0 + host.held.max_age_s + 1) == {11: None, 12: None}
 
 
-def test_held_data_protects_its_tokens_only_while_none_of_it_goes_unused_hostile() -> None:
-    """A member floods data for groups that never start here, under tokens of its own (bound to minted ids). Were
-    its tokens protected for holding that data, none of its datagrams would ever be shed, and the receive queue
-    filled behind them to the full shedding depth (`peerd bench soak`: a 36 MB queue, an honest round's data past
-    its deadline). Its first bucket to expire unused ends the protection of held data; a running group's members
-    keep theirs; held data is trusted again once none has gone unused for ``max_age_s``."""
-    me, b, c, minted = (bytes([i]) * 32 for i in b"abcz")
-    host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
-    age = host.held.max_age_s
-    host.receive_bind(11, b, 0.0)
-    host.receive_bind(12, c, 0.0)
-    host.receive_bind(50, minted, 0.0)
-    host.start(3, [me, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
-
-    def flood(at: float) -> None:
-        host.receive_data(minted, 50, RS_DATA, pack_data(1000 + int(at * 10), 2, 0, 1.0, np.ones(PER, np.float32)),
-                          at)
-
-    flood(0.0)
-    assert host.protected_tokens(0.0) == {11: None, 50: None}  # nothing held has gone unused yet
-    t = 0.0
-    while t < age + 2:  # the flood goes on; its first bucket expires at ``age``
-        t = round(t + 0.5, 1)
-        flood(t)
-        host.handle_timer(t)
-    assert 50 in host.held.tokens()
-    assert host.protected_tokens(t) == {11: None}  # the running group's member only
-    host.receive_data(c, 12, RS_DATA, pack_data(9, 2, 0, 1.0, np.ones(PER, np.float32)), t)
-    assert host.protected_tokens(t) == {11: None}  # (a member of no recent group: not trusted during the flood)
-    quiet = t + age  # the flood stopped at t: its last bucket expires at quiet, unused
-    host.handle_timer(quiet)
-    assert host.held.tokens() == {}
-    host.receive_data(c, 12, RS_DATA, pack_data(10, 2, 0, 1.0, np.ones(PER, np.float32)), quiet + 0.1)
-    assert host.protected_tokens(quiet + 0.1) == {11: None}
-    assert host.protected_tokens(quiet + age) == {11: None, 12: None}  # nothing went unused for max_age_s
-
-
-def test_held_data_dropped_to_make_room_counts_as_unused() -> None:
-    """A flood that fills the held data's bound pushes out the oldest buckets before any expires: that too ends the
-    protection of held tokens."""
-    size = MAX_BODY + ENTRY_OVERHEAD
-    host = AveragingHost(max_body=MAX_BODY, mtu=MTU, held=HeldData(max_bytes=4 * size))
-    minted = b"z" * 32
-    host.receive_bind(50, minted, 0.0)
-    body = np.ones((MAX_BODY - HEADER_SIZE) // 4, np.float32)
-    for k in range(4):
-        host.receive_data(minted, 50, RS_DATA, pack_data(100 + k, 2, 0, 1.0, body), 0.01 * k)
-    assert host.protected_tokens(0.05) == {50: None}
-    host.receive_data(minted, 50, RS_DATA, pack_data(200, 2, 0, 1.0, body), 0.05)  # pushes group 100's out
-    assert host.held.count == 4
-    assert host.protected_tokens(0.05) == {}
-
-
 def test_a_report_carries_the_arrival_time_only_while_the_senders_latest_data_is_its_groups() -> None:
     """The socket stamps each source's latest data, whatever its group. Once the sender has moved on to another
     group (arc-topk's next phase, the next average), that stamp is a later datagram's: a REPORT of the earlier
