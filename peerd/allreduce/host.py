@@ -236,21 +236,26 @@ class AveragingHost:
         and a member that starts the next one first sends its data before anything of it is held; the first
         overloaded pass would shed it (most of a stream: a pass reads up to 16,384 datagrams), and an honest
         average would fail (`peerd bench soak`).
-        Tokens with held data are protected too, while no held data has gone unused (expired, or dropped to make
-        room) for the held data's ``max_age_s`` before ``now``: a group that started elsewhere first sends its data
-        before it starts here, and with no group running here that data would be shed. Honest held data is taken
-        when its group starts; data for groups that never start here is a member's flood (every member may send
-        it, under as many tokens as it likes), and protecting its tokens would keep every datagram of theirs from
-        being shed: the queue would fill behind them to the full shedding depth, seconds of backlog on a loaded
-        node, and the running groups' data would wait there past their phase deadlines (`peerd bench soak`:
-        kernel_by_phase's deepest_queue_kb, averages_failed)."""
+        Tokens with held data are protected too, unless data they held went unused (expired, or dropped to make
+        room) within the held data's ``max_age_s`` before ``now`` (HeldData.wasting): a group that started elsewhere
+        first sends its data before it starts here, and with no group running here that data would be shed. Honest
+        held data is taken when its group starts; data for groups that never start here is a member's flood, and
+        protecting its tokens would keep every datagram of theirs from being shed: the queue would fill behind them
+        to the full shedding depth, seconds of backlog on a loaded node, and the running groups' data would wait
+        there past their phase deadlines (`peerd bench soak`: kernel_by_phase's deepest_queue_kb, averages_failed).
+        A flooding member's new token is protected until its first held data expires (at most ``max_age_s``), and
+        it gets new tokens only as fast as the transport derives their keys (AuthLimiter)."""
         if self._protected is None:
             members = {p for g in (*self._groups.values(), *self._recent.values()) for p in g.peers}
             self._protected = {t: None for t, p in self._bound.items() if p in members}
         held = self.held.tokens()
-        if not held or now < self.held.wasted_at + self.held.max_age_s:
+        if not held:
             return self._protected
-        return {**self._protected, **dict.fromkeys(held)}
+        wasting = self.held.wasting
+        trusted = [t for t in held if not wasting(t, now)]
+        if not trusted:
+            return self._protected
+        return {**self._protected, **dict.fromkeys(trusted)}
 
     def running(self, group_id: int) -> bool:
         return group_id in self._groups

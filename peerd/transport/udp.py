@@ -67,8 +67,8 @@ OVERLOAD_FRACTION = 0.875
 # far lower: those datagrams are never shed, so the 4 MiB that cost honest data above costs only the others'
 # (a member attack drains in a pass or two instead of seconds). Past OVERLOAD_FRACTION everything is shed as
 # without them (a member inside a running group could fill the queue itself). Protected too: the members of recent
-# groups, and tokens holding data for a group not started here yet while no held data goes unused (a member's
-# flood of data for groups that never start: AveragingHost.protected_tokens). At 4 MiB
+# groups, and tokens holding data for a group not started here yet, unless data they held went unused lately (a
+# member's flood of data for groups that never start: AveragingHost.protected_tokens). At 4 MiB
 # PINGs stay answered within 50 ms under attack, and no honest average fails (`peerd bench soak --datagrams 200000`:
 # ping_p99_ms, averages_failed). PEERD_PROTECTED_OVERLOAD_BYTES sets it (a value >= the receive limit turns it off).
 PROTECTED_OVERLOAD_BYTES = int(os.environ.get("PEERD_PROTECTED_OVERLOAD_BYTES", str(4 * 1024 * 1024)))
