@@ -23,7 +23,6 @@ from peerd.allreduce import HEADER_SIZE, Layout, pack_data, parse_header
 from peerd.allreduce.held import ENTRY_OVERHEAD, HeldData
 from peerd.allreduce.host import (
     RECENT_GROUPS,
-    RECENT_MEMBER_S,
     AveragingHost,
     Dropped,
     HeldTimer,
@@ -33,6 +32,7 @@ from peerd.allreduce.host import (
     send_shape,
 )
 from peerd.allreduce.options import AverageOptions
+from peerd.allreduce.recent import RECENT_MEMBER_S
 from peerd.tools.sim.net import Link
 from peerd.transport.pacing import Pacer, Report
 

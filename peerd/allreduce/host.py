@@ -51,6 +51,7 @@ from .group import GroupAverage, Outcome, stage_elements
 from .held import HeldData
 from .liveness import SilenceWatch
 from .options import DEFAULT_OPTIONS, AverageOptions
+from .recent import RecentMembers
 from .running import GATE_BYTES, RunningGroup, gate, hear, releasable, release, watch, watch_timer
 
 BATCH = 128  # datagrams per slice of sending work at least (a slice is one block or more)
@@ -63,11 +64,6 @@ PART_S = 0.001  # ... and a paced part about this long at the pacer's rate (as L
 MIN_PART = 2  # ... but at least this many datagrams
 REPORT_INTERVAL_S = 0.025  # a receiver reports delivery to each sender about this often while data flows
 RECENT_GROUPS = 4  # finished groups whose members' last REPORTs still count
-# A member of a group that finished here this recently keeps its datagrams from being shed (protected_tokens): by
-# time, not by a count of groups, so that a node averaging in several runs at once (a small side run's groups every
-# second) does not forget the members of its main run between two of their averages
-RECENT_MEMBER_S = 60.0
-MAX_RECENT_MEMBERS = 4096  # members remembered so (the oldest go first)
 MAX_BINDINGS = 4096  # token -> node id bindings remembered for data held before its group started
 MAX_LATEST = 4096  # senders whose latest data's group is remembered (for REPORT's ``arrived``)
 IDLE_WAIT_S = 1.0  # a group's driver looks again this often unwoken (a safety net: Wake actions wake it)
@@ -162,8 +158,8 @@ class AveragingHost:
         # sender's pacer read it as a queue that grew by the gap: a startup cut to 1 MB/s on loopback).
         self._latest: OrderedDict[bytes, int] = OrderedDict()
         self._protected: dict[int, None] | None = None  # protected_tokens' answer, until a group or binding changes
-        self._protected_until = math.inf  # ... or until then (a recent member's RECENT_MEMBER_S run out)
-        self._recent_members: OrderedDict[bytes, float] = OrderedDict()  # member -> when its latest group ended here
+        self._protected_until = math.inf  # ... or until then (a recent member drops out)
+        self._recent_members = RecentMembers()
         self._actions: list[Action] = []  # what the inputs asked for, until take_actions
         self._woken: dict[int, float] = {}  # running group -> when the timer last woke its driver
 
@@ -236,39 +232,20 @@ class AveragingHost:
         self._actions.extend(merged(actions, drops))
 
     def protected_tokens(self, now: float) -> dict[int, None]:
-        """The tokens bound to members of the groups running now: the receive pass never sheds their datagrams
-        (UdpSocket.recv_screened's ``protected``), so a flood from others does not cost the groups their data.
-        The same dict until a group starts or ends or a token is bound (the pass reads it each time).
-        So are the members of groups that finished here within RECENT_MEMBER_S before ``now``: between two averages
-        no group runs here, and a member that starts the next one first sends its data before anything of it is
-        held; the first overloaded pass would shed it (most of a stream: a pass reads up to 16,384 datagrams), and
-        an honest average would fail (`peerd bench soak`, whose daemon 3 also averages a side run every second).
-        Tokens with held data are protected too, unless data they held went unused (expired, or dropped to make
-        room) within the held data's ``max_age_s`` before ``now`` (HeldData.wasting): a group that started elsewhere
-        first sends its data before it starts here, and with no group running here that data would be shed. Honest
-        held data is taken when its group starts; data for groups that never start here is a member's flood, and
-        protecting its tokens would keep every datagram of theirs from being shed: the queue would fill behind them
-        to the full shedding depth, seconds of backlog on a loaded node, and the running groups' data would wait
-        there past their phase deadlines (`peerd bench soak`: kernel_by_phase's deepest_queue_kb, averages_failed).
-        A flooding member's new token is protected until its first held data expires (at most ``max_age_s``), and
-        it gets new tokens only as fast as the transport derives their keys (AuthLimiter)."""
+        """The tokens an overloaded receive pass never sheds (UdpSocket.recv_screened's ``protected``), so that a
+        flood does not cost this node's averages their data: those bound to members of the groups running here or
+        ended here within RECENT_MEMBER_S (RecentMembers: the next average's data comes before it starts here), and
+        tokens holding data for a group not started here yet, unless data they held went unused lately
+        (HeldData.wasting: else a member's flood of data for groups that never start keeps all its tokens' datagrams
+        from being shed, and the queue fills behind them past the groups' phase deadlines; `peerd bench soak`:
+        deepest_queue_kb, averages_failed). Without held data, the same dict until the members change."""
         if self._protected is None or now >= self._protected_until:
-            members = {p for g in self._groups.values() for p in g.peers}
-            until = math.inf
-            for p, at in self._recent_members.items():
-                if at + RECENT_MEMBER_S > now:
-                    members.add(p)
-                    until = min(until, at + RECENT_MEMBER_S)
-            self._protected = {t: None for t, p in self._bound.items() if p in members}
-            self._protected_until = until
+            members, until = self._recent_members.within(now)
+            members.update(p for g in self._groups.values() for p in g.peers)
+            self._protected, self._protected_until = {t: None for t, p in self._bound.items() if p in members}, until
         held = self.held.tokens()
-        if not held:
-            return self._protected
-        wasting = self.held.wasting
-        trusted = [t for t in held if not wasting(t, now)]
-        if not trusted:
-            return self._protected
-        return {**self._protected, **dict.fromkeys(trusted)}
+        trusted = [t for t in held if not self.held.wasting(t, now)] if held else None
+        return {**self._protected, **dict.fromkeys(trusted)} if trusted else self._protected
 
     def running(self, group_id: int) -> bool:
         return group_id in self._groups
@@ -500,11 +477,7 @@ class AveragingHost:
         self._recent[group_id] = g
         while len(self._recent) > self.recent_groups:
             self._recent.popitem(last=False)
-        for p in g.peers:
-            self._recent_members[p] = now
-            self._recent_members.move_to_end(p)
-        while len(self._recent_members) > MAX_RECENT_MEMBERS:
-            self._recent_members.popitem(last=False)
+        self._recent_members.ended(g.peers, now)
         # (END copies from a token still unbound are repeats the finished group no longer needs: not data lost)
         unbound = sum(_bodies(item[2]) for item in self.held.pop_group(group_id) if item[0] in DATA_TYPES)
         if unbound:
