@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from peerd.allreduce import HEADER_SIZE, Layout, pack_data, parse_header
 from peerd.allreduce.held import ENTRY_OVERHEAD, HeldData
 from peerd.allreduce.host import (
+    RECENT_GROUPS,
     AveragingHost,
     Dropped,
     HeldTimer,
@@ -31,6 +32,7 @@ from peerd.allreduce.host import (
     send_shape,
 )
 from peerd.allreduce.options import AverageOptions
+from peerd.allreduce.recent import RECENT_MEMBER_S
 from peerd.tools.sim.net import Link
 from peerd.transport.pacing import Pacer, Report
 
@@ -573,27 +575,44 @@ def test_a_report_counts_only_what_was_sent() -> None:
 
 def test_protected_tokens_are_those_of_the_running_groups_members() -> None:
     """The receive pass never sheds these (issue 11): the tokens bound to a member of a running group, not an
-    outsider's (an attacker's session is as known as a member's); a finished group's members stay protected
-    while it is among the ``recent_groups`` latest (the next average's data comes before it starts here)."""
+    outsider's (an attacker's session is as known as a member's); a finished group's members stay protected for
+    RECENT_MEMBER_S (the next average's data comes before it starts here)."""
     a, b, c, outsider = (bytes([i]) * 32 for i in b"abcz")
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU, recent_groups=1)
     host.receive_bind(11, b, 0.0)
     host.receive_bind(99, outsider, 0.0)
-    assert host.protected_tokens() == {}
+    assert host.protected_tokens(0.0) == {}
     host.start(3, [a, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
-    assert host.protected_tokens() == {11: None}
-    assert host.protected_tokens() is host.protected_tokens()  # the pass may keep it until something changes
+    assert host.protected_tokens(0.0) == {11: None}
+    assert host.protected_tokens(0.0) is host.protected_tokens(0.0)  # the pass may keep it until something changes
     host.receive_bind(12, b, 0.1)  # b's next token
     host.start(4, [a, c], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
     host.receive_bind(13, c, 0.2)
-    assert host.protected_tokens() == {11: None, 12: None, 13: None}
+    assert host.protected_tokens(0.2) == {11: None, 12: None, 13: None}
     host.finish(3, 0, 1.0)
-    assert host.protected_tokens() == {11: None, 12: None, 13: None}  # 3 is recent, 4 runs
-    host.finish(4, 0, 1.0)
-    assert host.protected_tokens() == {13: None}  # 4 is the one recent group now: a and c
-    host.start(5, [a, outsider], 0, np.zeros(4 * PER, np.float32), 1.0, 2.0)
-    host.finish(5, 0, 3.0)
-    assert host.protected_tokens() == {99: None}
+    assert host.protected_tokens(1.0) == {11: None, 12: None, 13: None}  # 3 is recent, 4 runs
+    host.finish(4, 0, 2.0)
+    assert host.protected_tokens(2.0) == {11: None, 12: None, 13: None}
+    assert host.protected_tokens(1.0 + RECENT_MEMBER_S) == {13: None}  # b's group ended RECENT_MEMBER_S ago
+    host.start(5, [a, outsider], 0, np.zeros(4 * PER, np.float32), 1.0, 70.0)
+    host.finish(5, 0, 71.0)
+    assert host.protected_tokens(71.0) == {99: None}
+
+
+def test_a_member_stays_protected_however_many_other_groups_end_between_its_averages() -> None:
+    """A node that averages in a side run too (the soak's daemon 3: a 2-member group every second) ends several
+    groups between two of its main run's; counted by groups, the main run's members fell out of the protected set
+    before their next average, whose first data was then shed under a flood (an honest round inexact)."""
+    a, b, side = (bytes([i]) * 32 for i in b"abs")
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
+    host.receive_bind(11, b, 0.0)
+    host.receive_bind(21, side, 0.0)
+    host.start(1, [a, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
+    host.finish(1, 0, 0.5)
+    for k in range(2 * RECENT_GROUPS):  # the side run's groups, one a second
+        host.start(100 + k, [a, side], 0, np.zeros(4 * PER, np.float32), 1.0, 1.0 + k)
+        host.finish(100 + k, 0, 1.5 + k)
+    assert host.protected_tokens(2.0 + 2 * RECENT_GROUPS) == {11: None, 21: None}
 
 
 def test_tokens_holding_data_for_a_group_not_started_here_are_protected() -> None:
@@ -603,21 +622,21 @@ def test_tokens_holding_data_for_a_group_not_started_here_are_protected() -> Non
     a, b = b"a" * 32, b"b" * 32
     host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
     host.receive_bind(11, b, 0.0)
-    assert host.protected_tokens() == {}
+    assert host.protected_tokens(0.0) == {}
     body = pack_data(7, 2, 0, 1.0, np.ones(PER, np.float32))  # member 1's first range of shard 0
     host.receive_data(b, 11, RS_DATA, body, 0.0)
     host.receive_data(None, 12, RS_DATA, body, 0.0)  # a token not bound yet
-    assert host.protected_tokens() == {11: None, 12: None}
+    assert host.protected_tokens(0.0) == {11: None, 12: None}
     host.start(7, [a, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.1)  # 11's data delivered; 12's still waits
-    assert host.protected_tokens() == {11: None, 12: None}
+    assert host.protected_tokens(0.1) == {11: None, 12: None}
     host.receive_bind(12, b, 0.2)
-    assert host.protected_tokens() == {11: None, 12: None}  # both bound to a running group's member now
+    assert host.protected_tokens(0.2) == {11: None, 12: None}  # both bound to a running group's member now
     host.finish(7, 0, 1.0)
-    assert host.protected_tokens() == {11: None, 12: None}  # (7 is a recent group)
+    assert host.protected_tokens(1.0) == {11: None, 12: None}  # (7 is a recent group)
     host.receive_data(None, 13, RS_DATA, pack_data(8, 2, 0, 1.0, np.ones(PER, np.float32)), 2.0)
-    assert host.protected_tokens() == {11: None, 12: None, 13: None}
+    assert host.protected_tokens(2.0) == {11: None, 12: None, 13: None}
     host.handle_timer(2.0 + host.held.max_age_s + 1)
-    assert host.protected_tokens() == {11: None, 12: None}
+    assert host.protected_tokens(2.0 + host.held.max_age_s + 1) == {11: None, 12: None}
 
 
 def test_a_report_carries_the_arrival_time_only_while_the_senders_latest_data_is_its_groups() -> None:

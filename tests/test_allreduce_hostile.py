@@ -25,6 +25,7 @@ from peerd.wire.errors import WireError
 
 from .support.allreduce_nodes import AllreduceNode
 from .support.groups import AG_DATA, GROUP, RS_DATA, GroupNet, payload_for
+from .support.host_lab import MAX_BODY, MTU, PER
 from .support.memnet import MemNet
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -194,6 +195,61 @@ def test_held_data_refuses_a_body_larger_than_the_caps() -> None:
     h = HeldData(max_bytes=1000, max_token_bytes=1000)
     assert h.add(1, 1, "x", 2000, 0.0) == (False, 0)
     assert h.count == 0
+
+
+def test_a_token_whose_held_data_goes_unused_is_no_longer_protected_hostile() -> None:
+    """A member floods data for groups that never start here, under tokens of its own (bound to minted ids). Were
+    its tokens protected for holding that data, none of its datagrams would ever be shed, and the receive queue
+    filled behind them to the full shedding depth (`peerd bench soak`: a 36 MB queue, an honest round's data past
+    its deadline). Its first bucket to expire unused ends its token's protection, for as long as its held data keeps
+    going unused and ``max_age_s`` after; a running group's members, and an honest member's data held for a group
+    about to start here, keep theirs meanwhile."""
+    me, b, c, minted = (bytes([i]) * 32 for i in b"abcz")
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU)
+    age = host.held.max_age_s
+    host.receive_bind(11, b, 0.0)
+    host.receive_bind(12, c, 0.0)
+    host.receive_bind(50, minted, 0.0)
+    host.start(3, [me, b], 0, np.zeros(4 * PER, np.float32), 1.0, 0.0)
+
+    def flood(at: float) -> None:
+        host.receive_data(minted, 50, RS_DATA, pack_data(1000 + int(at * 10), 2, 0, 1.0, np.ones(PER, np.float32)),
+                          at)
+
+    flood(0.0)
+    assert host.protected_tokens(0.0) == {11: None, 50: None}  # nothing of it has gone unused yet
+    t = 0.0
+    while t < age + 2:  # the flood goes on; its first bucket expires at ``age``
+        t = round(t + 0.5, 1)
+        flood(t)
+        host.handle_timer(t)
+    assert 50 in host.held.tokens()
+    assert host.protected_tokens(t) == {11: None}  # the running group's member only
+    host.receive_data(c, 12, RS_DATA, pack_data(9, 2, 0, 1.0, np.ones(PER, np.float32)), t)  # c's next group
+    assert host.protected_tokens(t) == {11: None, 12: None}  # (its held data has not gone unused)
+    host.start(9, [me, c], 0, np.zeros(4 * PER, np.float32), 1.0, t + 0.1)  # and it is taken
+    assert not host.held.wasting(12, t + 0.1)
+    quiet = t + age  # the flood stopped at t: its last bucket expires at quiet, unused
+    host.handle_timer(quiet)
+    flood(quiet + 1)
+    assert host.protected_tokens(quiet + 1) == {11: None, 12: None}
+    assert host.protected_tokens(quiet + age + 0.1) == {11: None, 12: None, 50: None}  # forgiven after max_age_s
+
+
+def test_held_data_pushed_out_by_a_flood_ends_its_tokens_protection_hostile() -> None:
+    """A flood that fills the held data's bound pushes out the oldest buckets before any expires: that too ends the
+    protection of the token whose data went unused."""
+    size = MAX_BODY + ENTRY_OVERHEAD
+    host = AveragingHost(max_body=MAX_BODY, mtu=MTU, held=HeldData(max_bytes=4 * size))
+    minted = b"z" * 32
+    host.receive_bind(50, minted, 0.0)
+    body = np.ones((MAX_BODY - HEADER_SIZE) // 4, np.float32)
+    for k in range(4):
+        host.receive_data(minted, 50, RS_DATA, pack_data(100 + k, 2, 0, 1.0, body), 0.01 * k)
+    assert host.protected_tokens(0.05) == {50: None}
+    host.receive_data(minted, 50, RS_DATA, pack_data(200, 2, 0, 1.0, body), 0.05)  # pushes group 100's out
+    assert host.held.count == 4
+    assert host.protected_tokens(0.05) == {}
 
 
 # ---- the driver ----------------------------------------------------------------------------------------

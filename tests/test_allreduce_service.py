@@ -296,3 +296,25 @@ def test_a_member_returns_before_serving_others_repairs_and_serves_them_from_its
     done = [got[i] for i in range(n) if complete[i]]
     assert len(done) >= n - 1 and all(np.array_equal(v, done[0]) for v in done)
     assert left == [0] * n, "a released group was never forgotten"
+
+
+def test_a_deadline_that_runs_late_still_gives_the_receive_loop_its_floor_to_catch_up() -> None:
+    """On a node starved of CPU the host's timer can run well past a phase deadline: its receive loop was not
+    scheduled either, and the data that came in time is still in the socket. Counted from the deadline, the wait for
+    the loop to catch up was over before it began, and the phase ended without that data; counted from when the
+    wait begins, it lasts until the loop has caught up, or at most the floor."""
+
+    async def main() -> None:
+        node = AllreduceNode(MemNet(seed=0), 0)
+        at = trio.current_time()
+        await trio.sleep(5.0)  # the timer runs 5 s after the deadline
+        read_at = trio.current_time() + 0.1  # the receive loop catches up 0.1 s after that
+        node.endpoint.caught_up = lambda t: t <= at and trio.current_time() >= read_at  # type: ignore[method-assign]
+        await node.service._wait_caught_up(at, 1.0)
+        assert trio.current_time() == pytest.approx(read_at, abs=0.01)
+        node.endpoint.caught_up = lambda t: False  # type: ignore[method-assign]
+        began = trio.current_time()
+        await node.service._wait_caught_up(at, 1.0)  # never caught up: the floor, counted from now
+        assert trio.current_time() == pytest.approx(began + 1.0, abs=0.01)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -780,6 +780,37 @@ def test_a_socket_with_protected_tokens_sheds_the_others_from_a_low_depth(monkey
     trio.run(main)
 
 
+def test_a_flood_of_a_thousand_datagrams_is_shed_at_the_default_protected_depth() -> None:
+    """Under a member attack each datagram the loop keeps costs tens of microseconds of Python, and a PING waits
+    behind all of them: a queue of 1,000 MTU-sized datagrams from a flooder (about 2.3 MB of kernel memory, under
+    the full shedding depth) is shed at the default protected depth, while a protected member's datagrams all
+    arrive. A depth of 4 MiB sheds none of it (`peerd bench soak`: PINGs in the burst wait hundreds of ms)."""
+
+    async def main() -> None:
+        sock = UdpSocket(bind_loopback(socket.AF_INET), buffer_bytes=32 << 20, native_receive=True)
+        flooder, member = bind_loopback(socket.AF_INET), bind_loopback(socket.AF_INET)
+        for k in range(1000):
+            flooder.sendto(HEADER.pack(MAGIC, VERSION, 0x40, FLAG_SEALED, 5, k) + b"x" * 1100, sock.sock.getsockname())
+            if k < 100:
+                member.sendto(HEADER.pack(MAGIC, VERSION, 0x40, FLAG_SEALED, 7, k) + b"y" * 1100,
+                              sock.sock.getsockname())
+        assert sock.queued() < sock.overload_bytes
+        screen = (MAGIC + bytes([VERSION]), 3, 2, 1, 1, 37, {5: None, 7: None})
+        got: dict[int, int] = {}
+        shed = 0
+        while sum(got.values()) + shed < 1100:
+            blocks, *_, shed_now = await sock.recv_screened(1024, screen, AuthLimiter(), shedding=True,
+                                                            protected={7: None})
+            shed += shed_now
+            for port, n in _kept(blocks).items():
+                got[port] = got.get(port, 0) + n
+        assert shed > 500 and got[member.getsockname()[1]] == 100
+        for s in (sock.sock, flooder, member):
+            s.close()
+
+    trio.run(main)
+
+
 @needs_ration
 def test_a_source_gets_one_key_derivation_a_receive_pass() -> None:
     """A burst under 100 unknown tokens from one source, queued before a pass: one key derivation (it fails:

@@ -205,3 +205,40 @@ def test_an_endpoint_is_caught_up_once_a_pass_has_emptied_its_socket() -> None:
             rx.close()
 
     trio.run(main)
+
+
+def test_an_endpoint_holding_a_pass_it_has_not_handled_is_not_caught_up() -> None:
+    """A pass reads the socket empty, then awaits (sending its PINGs' answers) before it handles the rest: a phase
+    deadline's wait that looked then saw an empty socket and ended the phase, and the data of the pass in hand came
+    late (`peerd bench soak`: an honest round inexact, 11 datagrams dropped as ``late`` at one member). Until the
+    loop has handled its pass, the endpoint is not caught up to a time before it."""
+    from peerd.metrics import Metrics
+    from peerd.transport.endpoint import Endpoint
+    from peerd.wire.identity import Identity
+
+    async def main() -> None:
+        tx, rx = _pair(False)
+        ep = Endpoint(rx, Identity.generate(), b"s" * 32, Metrics())
+        seen: list[tuple[int, bool]] = []
+        rest = ep._receive_rest
+
+        def look_then_handle(batch: list, now: float) -> int:
+            seen.append((rx.queued(), ep.caught_up(at)))
+            return rest(batch, now)
+
+        ep._receive_rest = look_then_handle  # type: ignore[method-assign]
+        try:
+            await tx.send_many([b"junk" * 10] * 50, rx.getsockname())
+            await trio.sleep(0.01)
+            at = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(ep.serve)
+                await trio.sleep(0.05)
+                assert seen and seen[0] == (0, False)  # the socket read empty, the pass not handled yet
+                assert ep.caught_up(at)  # once it is
+                nursery.cancel_scope.cancel()
+        finally:
+            tx.close()
+            rx.close()
+
+    trio.run(main)

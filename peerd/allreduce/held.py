@@ -16,6 +16,7 @@ MAX_BYTES = 64 << 20  # all held bodies together
 MAX_TOKEN_BYTES = 16 << 20  # held bodies of one sealing token
 MAX_AGE_S = 10.0
 ENTRY_OVERHEAD = 128  # bytes charged per body for its bookkeeping (tuple, list slot, bytes header)
+MAX_WASTING = 4096  # tokens whose held data went unused, remembered (as many as the transport keeps tokens)
 
 
 class _Bucket:
@@ -46,6 +47,9 @@ class HeldData:
         self._token_bytes: dict[int, int] = {}
         self.nbytes = 0
         self.count = 0
+        # token -> when a bucket of it last went unused (expired, or dropped to make room for another), oldest
+        # first: honest data is taken when its group starts, so these sent data for groups that never started here
+        self._wasted: OrderedDict[int, float] = OrderedDict()
 
     def add(self, group: int, token: int, item: Any, nbytes: int, now: float, *, count: int = 1) -> tuple[bool, int]:
         """Hold ``item``: a body of ``nbytes``, or a block of ``count`` bodies of ``nbytes`` together (charged
@@ -55,7 +59,7 @@ class HeldData:
         if self._token_bytes.get(token, 0) + size > self.max_token_bytes or size > self.max_bytes:
             return False, dropped
         while self.nbytes + size > self.max_bytes and self._buckets:
-            dropped += self._drop(next(iter(self._buckets)))
+            dropped += self._drop(next(iter(self._buckets)), now)
         key = (group, token)
         bucket = self._buckets.get(key)
         if bucket is None:
@@ -102,7 +106,7 @@ class HeldData:
             # may round below first_at, and a timer loop would spin at that instant)
             if bucket.first_at + self.max_age_s > now:
                 break
-            dropped += self._drop(key)
+            dropped += self._drop(key, now)
         return dropped
 
     def next_expiry(self) -> float | None:
@@ -111,9 +115,23 @@ class HeldData:
             return bucket.first_at + self.max_age_s
         return None
 
-    def _drop(self, key: tuple[int, int]) -> int:
+    def wasting(self, token: int, now: float) -> bool:
+        """Whether data held from ``token`` went unused (expired, or dropped to make room) within ``max_age_s``
+        before ``now``."""
+        at = self._wasted.get(token)
+        return at is not None and now < at + self.max_age_s
+
+    def _drop(self, key: tuple[int, int], now: float) -> int:
+        """Drop a bucket unused; its token is remembered as wasting (``wasting``)."""
         bucket = self._take(key)
-        return bucket.count if bucket is not None else 0
+        if bucket is None:
+            return 0
+        token = key[1]
+        self._wasted[token] = now
+        self._wasted.move_to_end(token)
+        if len(self._wasted) > MAX_WASTING:
+            self._wasted.popitem(last=False)
+        return bucket.count
 
     def _take(self, key: tuple[int, int]) -> _Bucket | None:
         bucket = self._buckets.pop(key, None)

@@ -51,6 +51,7 @@ from .group import GroupAverage, Outcome, stage_elements
 from .held import HeldData
 from .liveness import SilenceWatch
 from .options import DEFAULT_OPTIONS, AverageOptions
+from .recent import RecentMembers
 from .running import GATE_BYTES, RunningGroup, gate, hear, releasable, release, watch, watch_timer
 
 BATCH = 128  # datagrams per slice of sending work at least (a slice is one block or more)
@@ -157,6 +158,8 @@ class AveragingHost:
         # sender's pacer read it as a queue that grew by the gap: a startup cut to 1 MB/s on loopback).
         self._latest: OrderedDict[bytes, int] = OrderedDict()
         self._protected: dict[int, None] | None = None  # protected_tokens' answer, until a group or binding changes
+        self._protected_until = math.inf  # ... or until then (a recent member drops out)
+        self._recent_members = RecentMembers()
         self._actions: list[Action] = []  # what the inputs asked for, until take_actions
         self._woken: dict[int, float] = {}  # running group -> when the timer last woke its driver
 
@@ -228,24 +231,21 @@ class AveragingHost:
             self._deliver_held(g, peer, token, mtype, body, now, drops, actions)
         self._actions.extend(merged(actions, drops))
 
-    def protected_tokens(self) -> dict[int, None]:
-        """The tokens bound to members of the groups running now: the receive pass never sheds their datagrams
-        (UdpSocket.recv_screened's ``protected``), so a flood from others does not cost the groups their data.
-        The same dict until a group starts or ends or a token is bound (the pass reads it each time). Tokens
-        with held data are protected too: a group that started elsewhere first sends its data before it starts
-        here, and with no group running here that data would be shed. Held data is bounded per token
-        (HeldData), so this protection is too.
-        So are the members of the last RECENT_GROUPS finished groups: between two averages no group runs here,
-        and a member that starts the next one first sends its data before anything of it is held; the first
-        overloaded pass would shed it (most of a stream: a pass reads up to 16,384 datagrams), and an honest
-        average would fail (`peerd bench soak`)."""
-        if self._protected is None:
-            members = {p for g in (*self._groups.values(), *self._recent.values()) for p in g.peers}
-            self._protected = {t: None for t, p in self._bound.items() if p in members}
+    def protected_tokens(self, now: float) -> dict[int, None]:
+        """The tokens an overloaded receive pass never sheds (UdpSocket.recv_screened's ``protected``), so that a
+        flood does not cost this node's averages their data: those bound to members of the groups running here or
+        ended here within RECENT_MEMBER_S (RecentMembers: the next average's data comes before it starts here), and
+        tokens holding data for a group not started here yet, unless data they held went unused lately
+        (HeldData.wasting: else a member's flood of data for groups that never start keeps all its tokens' datagrams
+        from being shed, and the queue fills behind them past the groups' phase deadlines; `peerd bench soak`:
+        deepest_queue_kb, averages_failed). Without held data, the same dict until the members change."""
+        if self._protected is None or now >= self._protected_until:
+            members, until = self._recent_members.within(now)
+            members.update(p for g in self._groups.values() for p in g.peers)
+            self._protected, self._protected_until = {t: None for t, p in self._bound.items() if p in members}, until
         held = self.held.tokens()
-        if not held:
-            return self._protected
-        return {**self._protected, **dict.fromkeys(held)}
+        trusted = [t for t in held if not self.held.wasting(t, now)] if held else None
+        return {**self._protected, **dict.fromkeys(trusted)} if trusted else self._protected
 
     def running(self, group_id: int) -> bool:
         return group_id in self._groups
@@ -477,6 +477,7 @@ class AveragingHost:
         self._recent[group_id] = g
         while len(self._recent) > self.recent_groups:
             self._recent.popitem(last=False)
+        self._recent_members.ended(g.peers, now)
         # (END copies from a token still unbound are repeats the finished group no longer needs: not data lost)
         unbound = sum(_bodies(item[2]) for item in self.held.pop_group(group_id) if item[0] in DATA_TYPES)
         if unbound:

@@ -332,8 +332,10 @@ class AllreduceService:
 
     async def _wait_caught_up(self, at: float, most_s: float) -> None:
         """Until the receive loop has handled what reached the socket before ``at`` (``Endpoint.caught_up``), at
-        most ``most_s`` longer: a node behind on its own queue must not call its members' data late."""
-        give_up = at + most_s
+        most ``most_s`` longer than ``at`` or than now, whichever is later: a node behind on its own queue must not
+        call its members' data late, and a node whose process was not scheduled until well past ``at`` (starved of
+        CPU) has had no time to read what came before it."""
+        give_up = max(at, trio.current_time()) + most_s
         while not self.endpoint.caught_up(at) and trio.current_time() < give_up:
             await trio.sleep(CATCH_UP_POLL_S)
 

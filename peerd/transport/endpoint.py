@@ -154,9 +154,11 @@ class Endpoint(Inbound):
         self._timer_at = math.inf
         self._timer_moved = trio.Event()
         self._pause_s = 0.0  # the last receive pass's decision: how long the loop waits before the next
+        self._in_hand = False  # the receive loop holds a pass it has read off the socket and not handled yet
         self._bind_hooks: list[Callable[[int, bytes], None]] = []
-        # the tokens an overloaded receive pass never sheds (the averaging host's running groups' members)
-        self.protected_tokens: Callable[[], dict[int, None]] | None = None
+        # the tokens an overloaded receive pass never sheds, asked at the pass's time (the averaging host's groups'
+        # members)
+        self.protected_tokens: Callable[[float], dict[int, None]] | None = None
         self._type_names = {t.value: t.name.lower() for t in m.MsgType}
         self._handler_errors = 0
         # Prometheus children of the receive policy's counts, looked up once (a ``labels`` lookup costs about a

@@ -69,6 +69,7 @@ class Inbound:
                 await self._serve(pause)
         finally:
             self._tending = False
+            self._in_hand = False
             pause.close()
 
     async def _tend_timer(self) -> None:
@@ -146,9 +147,11 @@ class Inbound:
                 # the pass's junk under unknown tokens is rationed in C where the limiter is the C table, at the
                 # time the pass began (``now``: the rest of the pass is decided at it too); an overloaded pass sheds
                 # the excess of the sources that fill the kernel queue, max-min fairly, PINGs and PONGs kept
-                protected = self.protected_tokens() if self.protected_tokens is not None else None
+                protected = (self.protected_tokens(trio.current_time()) if self.protected_tokens is not None
+                             else None)
                 batch, unknown, malformed, version, nbytes, limited, rationed, now, shed = await sock.recv_screened(
                     limit, screen, self.core.auth_limiter, shedding=True, protected=protected)
+                self._in_hand = True
                 if shed:
                     policy.dropped("overload", shed)
                 policy.start_pass()
@@ -158,6 +161,7 @@ class Inbound:
                     batch = await receive(limit)
                 else:
                     batch = [(data, source, 0) for data, source in await sock.recv_batch(limit)]
+                self._in_hand = True
                 policy.start_pass()
                 now = trio.current_time()
             batch, datagrams = self._receive_urgent(batch, now)
@@ -170,6 +174,7 @@ class Inbound:
             backlog = not sock.drained if self.caps.drained_flag else datagrams >= limit
             end = trio.current_time()
             self.core.receive_pass(datagrams, backlog, now, end)
+            self._in_hand = False
             self.carry_out(self.core.take_actions(), end)  # the pass's PassDecision sets _pause_s
             pause, self._pause_s = self._pause_s, 0.0
             if pause > 0:
@@ -188,11 +193,15 @@ class Inbound:
 
     def caught_up(self, at: float) -> bool:
         """Whatever reached this socket before ``at`` has been handled: a receive pass that began at or after it
-        emptied the socket, or the socket is empty now. A phase deadline waits for this (AllreduceService): on a
-        node starved of CPU by a flood, data that came in time can sit in the queue past the deadline, and ending
-        the phase then lost it as ``late``."""
+        emptied the socket, or the socket is empty now and the receive loop holds no pass it has read and not
+        handled yet (it awaits between a pass's PINGs and the rest: a pass that emptied the socket may still hold
+        data that came in time). A phase deadline waits for this (AllreduceService): on a node starved of CPU by a
+        flood, data that came in time can sit in the queue past the deadline, and ending the phase then lost it as
+        ``late``."""
         if self.core.receiving.caught_up_at >= at:
             return True
+        if self._in_hand:
+            return False
         queued = getattr(self.sock, "queued", None)
         return queued is None or queued() == 0
 

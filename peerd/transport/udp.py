@@ -64,13 +64,17 @@ MERGE_PREFIX = SEQ_OFFSET  # envelope bytes before the sequence number: magic, v
 # allreduce --peers 4 --size 25000000`, received_fraction); a member attack fills the queue to 55-64 MB.
 OVERLOAD_FRACTION = 0.875
 # With ``protected`` tokens (the sessions of the members of running groups, from the endpoint), shedding starts
-# far lower: those datagrams are never shed, so the 4 MiB that cost honest data above costs only the others'
-# (a member attack drains in a pass or two instead of seconds). Past OVERLOAD_FRACTION everything is shed as
-# without them (a member inside a running group could fill the queue itself). Protected too: tokens holding data
-# for a group not started here yet, and the members of recent groups (AveragingHost.protected_tokens). At 4 MiB
-# PINGs stay answered within 50 ms under attack, and no honest average fails (`peerd bench soak --datagrams 200000`:
-# ping_p99_ms, averages_failed). PEERD_PROTECTED_OVERLOAD_BYTES sets it (a value >= the receive limit turns it off).
-PROTECTED_OVERLOAD_BYTES = int(os.environ.get("PEERD_PROTECTED_OVERLOAD_BYTES", str(4 * 1024 * 1024)))
+# far lower: those datagrams are never shed, so a low depth costs only the others' (a member attack drains in a pass
+# or two instead of seconds). Past OVERLOAD_FRACTION everything is shed as without them (a member inside a running
+# group could fill the queue itself). Protected too: the members of recent groups, and tokens holding data for a
+# group not started here yet, unless data they held went unused lately (a member's flood of data for groups that
+# never start: AveragingHost.protected_tokens). The depth is what a PING waits behind: the kernel charges about
+# 2.3 KB for a 1200-byte datagram on loopback, so 1 MiB is about 450 datagrams, some 20 ms of the receive loop's
+# Python under a member attack (STOREs' signatures, answers), where 4 MiB kept PINGs of the soak's burst waiting
+# hundreds of ms (`peerd bench soak`: ping_p99_ms, averages_failed); an average without attack sheds nothing at it
+# (`peerd bench allreduce --peers 4 --size 25000000`: received_fraction). PEERD_PROTECTED_OVERLOAD_BYTES sets it (a
+# value >= the receive limit turns it off).
+PROTECTED_OVERLOAD_BYTES = int(os.environ.get("PEERD_PROTECTED_OVERLOAD_BYTES", str(1024 * 1024)))
 OVERLOAD_AUTO = -1  # overload_bytes: OVERLOAD_FRACTION of this socket's receive limit
 OVERLOAD_KEEP = 256
 OVERLOAD_DATAGRAMS = 16384
