@@ -144,8 +144,7 @@ def test_a_capped_member_carries_the_vector_once_and_the_average_stays_exact() -
     from peerd.linkcap.advert import CapAdvert
 
     from .support.memnet import MemNet, run_on_memnet
-    from .support.moshpit_swarm import swarm
-    from .test_moshpit_service import lockstep
+    from .support.moshpit_swarm import lockstep, swarm
 
     length = 30000
 

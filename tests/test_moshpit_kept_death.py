@@ -7,8 +7,7 @@ import numpy as np
 import trio
 
 from .support.memnet import MemNet, run_on_memnet
-from .support.moshpit_swarm import tuned_swarm
-from .test_moshpit_service import lockstep
+from .support.moshpit_swarm import lockstep, tuned_swarm
 
 
 def test_the_round_after_a_death_mid_average_is_the_kept_group_without_it() -> None:

@@ -19,33 +19,10 @@ from peerd.moshpit.keys import Grid
 from peerd.moshpit.service import MoshpitError, RoundResult
 
 from .support.memnet import MemNet, run_on_memnet
-from .support.moshpit_swarm import MoshpitNode, swarm, tuned_swarm  # noqa: E402
+from .support.moshpit_swarm import MoshpitNode, lockstep, swarm, tuned_swarm  # noqa: E402
 from .support.virtual import (
     counter_value,  # noqa: E402
 )
-
-
-async def lockstep(nodes: list[MoshpitNode], run: str, vectors: list[np.ndarray], *, weights: list[float] | None = None,
-                   late: int | None = None, late_s: float = 1.5) -> list[RoundResult | None]:
-    """Every node averages one round at the same moment (``late``: that one starts ``late_s`` later).
-    A node killed during the round gives None."""
-    out: list[RoundResult | None] = [None] * len(nodes)
-
-    async def one(i: int) -> None:
-        with trio.CancelScope() as scope:
-            nodes[i].calls.add(scope)
-            if i == late:
-                await trio.sleep(late_s)
-            out[i] = await nodes[i].moshpit.average(run, vectors[i], weights[i] if weights else 1.0, timeout_s=30.0)
-        nodes[i].calls.discard(scope)
-
-    async with trio.open_nursery() as nursery:
-        for i, n in enumerate(nodes):
-            if n.alive:
-                nursery.start_soon(one, i)
-    return out
-
-
 
 
 def deviation(vectors: list[np.ndarray]) -> float:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import trio
 import trio.testing
 
 from peerd.allreduce.service import AllreduceService
 from peerd.dht.service import DhtService
 from peerd.metrics import Metrics
-from peerd.moshpit.service import MoshpitService
+from peerd.moshpit.service import MoshpitService, RoundResult
 from peerd.transport.endpoint import Endpoint
 from peerd.wire.identity import Identity
 
@@ -83,3 +84,24 @@ async def tuned_swarm(nursery: trio.Nursery, net: MemNet, count: int, run: str, 
         n.moshpit.deadlines = DeadlineTuner()
         await n.moshpit.open(run, **open_kw)
     return nodes
+
+
+async def lockstep(nodes: list[MoshpitNode], run: str, vectors: list[np.ndarray], *, weights: list[float] | None = None,
+                   late: int | None = None, late_s: float = 1.5) -> list[RoundResult | None]:
+    """Every node averages one round at the same moment (``late``: that one starts ``late_s`` later).
+    A node killed during the round gives None."""
+    out: list[RoundResult | None] = [None] * len(nodes)
+
+    async def one(i: int) -> None:
+        with trio.CancelScope() as scope:
+            nodes[i].calls.add(scope)
+            if i == late:
+                await trio.sleep(late_s)
+            out[i] = await nodes[i].moshpit.average(run, vectors[i], weights[i] if weights else 1.0, timeout_s=30.0)
+        nodes[i].calls.discard(scope)
+
+    async with trio.open_nursery() as nursery:
+        for i, n in enumerate(nodes):
+            if n.alive:
+                nursery.start_soon(one, i)
+    return out
