@@ -20,6 +20,7 @@ from peerd.allreduce.actions import ProbeMember
 from peerd.allreduce.group import LATE_START_FLOORS
 from peerd.allreduce.liveness import (
     GRACE_FLOOR_S,
+    MAX_PROBES,
     PHASE_REPROBE_S,
     PROBE_FLOOR_S,
     PROBE_MAX_S,
@@ -30,6 +31,7 @@ from peerd.allreduce.liveness import (
     SilenceWatch,
     grace_s,
     probe_timeout_s,
+    probes_needed,
 )
 from peerd.allreduce.options import AverageOptions
 from peerd.tools.sim.net import Link
@@ -50,9 +52,10 @@ def timer(w: SilenceWatch, waiting: dict[int, float]) -> float | None:
     return w.get_timer()
 
 
-def tick(w: SilenceWatch, waiting: dict[int, float], now: float) -> tuple[list[Probe], list[int]]:
+def tick(w: SilenceWatch, waiting: dict[int, float], now: float,
+         delivered: dict[int, float] | None = None) -> tuple[list[Probe], list[int]]:
     """The watch's look at ``now``: (the probes it sends, the members it found dead)."""
-    w.note_waiting(waiting)
+    w.note_waiting(waiting, delivered)
     w.handle_timer(now)
     actions = w.take_actions()
     return [a for a in actions if isinstance(a, Probe)], [a.member for a in actions if isinstance(a, Dead)]
@@ -88,6 +91,32 @@ def test_a_member_silent_for_its_grace_is_probed_and_three_failures_make_it_dead
     assert tick(w, waiting, now) == ([], [1])
     assert tick(w, waiting, now + 10) == ([], []) and timer(w, waiting) is None
     assert w.statistics().probes_sent == PROBES and w.statistics().dead == (1,)
+
+
+def test_more_probes_must_go_unanswered_where_the_members_data_arrived_with_loss() -> None:
+    """A probe and its answer take the member's path: on a clean one (or unknown) three failures decide; the more
+    of its data was lost, the more failures, up to MAX_PROBES."""
+    assert probes_needed(None) == probes_needed(1.0) == probes_needed(0.97) == PROBES
+    assert probes_needed(0.9) == 5  # (0.81 of probes answered: 0.19**5 < 1e-3 <= 0.19**4)
+    assert probes_needed(0.2) == probes_needed(0.0) == probes_needed(-1.0) == MAX_PROBES
+    assert probes_needed(math.nan) == PROBES
+    needs = [probes_needed(d / 20) for d in range(21)]
+    assert needs == sorted(needs, reverse=True)
+
+
+def test_a_member_whose_data_arrived_with_heavy_loss_is_not_found_dead_after_three_probes() -> None:
+    """Member 1's stream lost 70 % on the way (a link it overruns: its queue drops PINGs as it drops data): three
+    unanswered PINGs are no verdict; MAX_PROBES are."""
+    w = watch()
+    waiting, delivered = {1: 0.0}, {1: 0.3}
+    now = GRACE_FLOOR_S
+    for _ in range(MAX_PROBES):
+        (p,), dead = tick(w, waiting, now, delivered)
+        assert dead == []
+        now += p.timeout
+        w.receive_answer(p.token, None, now)
+    assert tick(w, waiting, now, delivered) == ([], [1])
+    assert w.statistics().probes_sent == MAX_PROBES
 
 
 def test_a_member_whose_daemon_answers_is_probed_again_later_and_never_found_dead() -> None:
@@ -210,6 +239,27 @@ def test_a_member_that_dies_mid_average_is_given_up_on_after_three_probes_not_a_
         assert not any(lab.probes[(i, j)] for j in range(3))  # the live members never fell silent
     assert any(s == 3 for s, _, t, _ in lab.delivered(95) if t == RS_DATA)  # (what it sent before dying counts)
     assert not any(s == 3 for s, _, t, _ in lab.delivered(95) if t == AG_DATA)
+
+
+def test_a_member_behind_an_overrun_link_is_waited_for_not_found_dead() -> None:
+    """Node 3's link drops 70 % both ways and for its first second its daemon's PINGs go unanswered (the full queue a
+    member meets when its link slows under it): the others do not take it for dead, they wait for it, and what
+    arrived of it counts. (Before: three unanswered PINGs made it dead, and it left the group.)"""
+    xs, ws = inputs(4, 60 * PER, seed=5)
+    lab = ProbeLab(4, link=Link(latency=0.01),
+                   answer=lambda node: None if node == 3 and lab.now < 1.0 else lab.nodes[node].peer)
+    lossy = Link(latency=0.01, loss=0.7)
+    for i in range(3):
+        lab.net.set_link(i, 3, lossy)
+        lab.net.set_link(3, i, lossy)
+    lab.start(0.0, 96, [0, 1, 2, 3], xs, ws, floor_s=0.5, probe_silent=True)
+    lab.run()
+    for i in range(4):
+        st = lab.nodes[i].done[96].stats
+        assert st.dead == (), (i, st.dead)
+    for i in range(3):
+        assert lab.probes[(i, 3)] >= PROBES  # (it was probed, and the probes went unanswered)
+    assert any(s == 3 for s, _, t, _ in lab.delivered(96) if t == RS_DATA)
 
 
 def test_a_member_that_answers_pings_but_sends_nothing_holds_a_phase_only_a_few_floors_hostile() -> None:

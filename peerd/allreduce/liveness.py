@@ -11,10 +11,13 @@ floors of its start; a member late to start is not taken for lost), and it is PI
 while it stays silent. ``PROBES`` PINGs in a row unanswered, or answered by another node id (someone else lives at
 that address), mean it is dead: the phases stop waiting for it at once, its contribution counted as lost exactly as
 a deadline would count it. Anything the member sends in between ends the silence being judged (its failures are
-forgotten).
+forgotten). A probe and its answer take the member's path, so where its data arrived with loss (a link it overruns
+the moment it slows: a full queue drops PINGs as it drops data) more probes must go unanswered
+(``probes_needed``): a member slowed by its own congested link is waited for, not taken for dead.
 
-The core contract: ``note_waiting(waiting)`` (each member the phase waits for, and when it was last heard
-from: arrivals move it, so the caller tells it before ``get_timer()`` or ``handle_timer(now)``); ``take_actions()``
+The core contract: ``note_waiting(waiting, delivered)`` (each member the phase waits for, and when it was last heard
+from: arrivals move it, so the caller tells it before ``get_timer()`` or ``handle_timer(now)``; the part of each
+one's data that arrived, where known); ``take_actions()``
 drains the PINGs to send (``Probe``, each reported back with ``receive_answer``) and the verdicts (``Alive``,
 ``Dead``).
 """
@@ -30,7 +33,9 @@ GRACE_RTTS = 3.0
 PROBE_FLOOR_S = 0.1  # a probe's timeout: PROBE_RTTS of the member's round trips, at least this ...
 PROBE_RTTS = 4.0
 PROBE_MAX_S = 1.0  # ... and at most this (an RTT estimate that grew under loss must not stretch the verdict)
-PROBES = 3  # unanswered probes in a row: the member is dead
+PROBES = 3  # unanswered probes in a row: the member is dead (on a path that lost none of its data; see probes_needed)
+FALSE_VERDICT = 1e-3  # on a lossy path, enough probes that a live member leaves them all unanswered this rarely ...
+MAX_PROBES = 32  # ... up to this many (a path that lossy is left to the phase's own deadline)
 REPROBE_S = 0.5  # a late member that answered is probed again this long after (a kept group's renewal)
 PHASE_REPROBE_S = 0.2  # ... a silent one a phase waits for: within the phase's silence (0.5 s or more), see Alive
 
@@ -44,6 +49,20 @@ def grace_s(rtt: float | None) -> float:
 def probe_timeout_s(rtt: float | None) -> float:
     """One probe's timeout: a few round trips, within [PROBE_FLOOR_S, PROBE_MAX_S]."""
     return min(PROBE_MAX_S, max(PROBE_FLOOR_S, PROBE_RTTS * rtt)) if _usable(rtt) else PROBE_FLOOR_S
+
+
+def probes_needed(delivered: float | None) -> int:
+    """Unanswered probes in a row that make a member dead, given the part of its data that arrived (``delivered``,
+    None: nothing yet): ``PROBES`` on a clean path; on a lossy one, with a probe or its answer lost as often as the
+    data, enough that a live member leaves every one unanswered with at most ``FALSE_VERDICT`` chance, up to
+    ``MAX_PROBES``."""
+    if delivered is None or not math.isfinite(delivered) or delivered >= 1.0:
+        return PROBES
+    answered = max(0.0, delivered) ** 2  # the probe there and its answer back
+    if answered <= 0.0:
+        return MAX_PROBES
+    need = math.ceil(math.log(FALSE_VERDICT) / math.log1p(-answered)) if answered < 1.0 else PROBES
+    return min(MAX_PROBES, max(PROBES, need))
 
 
 def _usable(rtt: float | None) -> bool:
@@ -109,15 +128,18 @@ class SilenceWatch:
         self._members = {i: _Watched(grace_s(r), probe_timeout_s(r))
                          for i, r in enumerate(rtts if rtts is not None else [None] * len(peers)) if i != index}
         self._waiting: dict[int, float] = {}
+        self._delivered: dict[int, float] = {}
         self._next_token = 1
         self._actions: list[Action] = []
         self.gone: list[int] = []  # members found dead, in order (never probed again)
         self.probes_sent = 0
 
-    def note_waiting(self, waiting: Mapping[int, float]) -> None:
+    def note_waiting(self, waiting: Mapping[int, float], delivered: Mapping[int, float] | None = None) -> None:
         """What the running phase waits for now: member -> when it was last heard from (the caller tells this before
-        it reads ``get_timer`` or calls ``handle_timer``: arrivals move it)."""
+        it reads ``get_timer`` or calls ``handle_timer``: arrivals move it); ``delivered``: member -> the part of its
+        data sent here that arrived so far (absent: unknown, a clean path assumed)."""
         self._waiting = dict(waiting)
+        self._delivered = dict(delivered) if delivered else {}
 
     def get_timer(self) -> float | None:
         """When a member waited for may next need a probe or a verdict; None: never (nothing waited for, or every
@@ -134,8 +156,8 @@ class SilenceWatch:
 
     def handle_timer(self, now: float) -> None:
         """For each member waited for: one that spoke since its judgement began starts a new one (its failures
-        forgotten) once it is silent for its grace; ``PROBES`` failures make it dead; else its next probe goes when
-        due (one in flight at most)."""
+        forgotten) once it is silent for its grace; ``probes_needed`` failures make it dead; else its next probe goes
+        when due (one in flight at most)."""
         for i, heard in self._waiting.items():
             w = self._members.get(i)
             if w is None or i in self.gone:
@@ -145,7 +167,7 @@ class SilenceWatch:
                 if now < heard + w.grace:
                     continue
                 w.since, w.next_at = heard, now
-            if w.failures >= PROBES:
+            if w.failures >= probes_needed(self._delivered.get(i)):
                 self.gone.append(i)
                 self._actions.append(Dead(i))
                 continue
