@@ -4,20 +4,24 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import trio
 
 from .support.memnet import MemNet, run_on_memnet
 from .support.moshpit_swarm import lockstep, tuned_swarm
 
 
-def test_the_round_after_a_death_mid_average_is_the_kept_group_without_it() -> None:
+@pytest.mark.parametrize("leader_dies", [False, True])
+def test_the_round_after_a_death_mid_average_is_the_kept_group_without_it(leader_dies: bool) -> None:
+    """A follower or the leader dies mid-average: the next round is a renewal of the other three (the leader's
+    successor, the first member left, leading it where the leader died)."""
     async def main(net: MemNet, nursery: trio.Nursery) -> None:
         nodes = await tuned_swarm(nursery, net, 4, "k", window_s=3.0, keep_rounds=20)
         vectors = [np.full(20000, float(i), np.float32) for i in range(4)]
         for _ in range(3):
             assert all(r is not None and r.group_size == 4 for r in await lockstep(nodes, "k", vectors))
         leader = nodes[0].moshpit.runs["k"].sticky.kept.leader
-        victim = next(n for n in nodes if n.identity.node_id != leader)
+        victim = next(n for n in nodes if (n.identity.node_id == leader) == leader_dies)
         inner = victim.allreduce.average
 
         async def dying(*args, **kwargs):
@@ -40,7 +44,8 @@ def test_the_round_after_a_death_mid_average_is_the_kept_group_without_it() -> N
         assert took < 0.3, took
         for n in survivors:
             st = n.moshpit.runs["k"].sticky.statistics()
-            assert st.shrunk == 1 and st.dropped == {}, st
+            assert st.shrunk == 1 and st.succeeded == int(leader_dies) and st.dropped == {}, st
+            assert st.kept is not None and st.kept.size == 3 and (st.kept.leader != leader.hex()) == leader_dies
         exact = np.mean(np.stack([vectors[nodes.index(n)] for n in survivors]), axis=0)
         assert all(np.allclose(r.vector, exact, atol=1e-5) for r in after)
 

@@ -13,8 +13,7 @@ The group goes back to DHT matchmaking (so newcomers get in and a changed swarm 
 
 - its rounds are used up,
 - a member did not acknowledge the renewal, or refused it,
-- anyone heard nothing from a member during the averaging (unless it gave up on that member as dead), or the
-  leader was found dead,
+- anyone heard nothing from a member during the averaging (unless it gave up on that member as dead),
 - the leader saw a peer outside the group announce under the run's key (a newcomer) or publish
   progress in the run lately (an outsider still training),
 - a follower waited the renewal window without a BEGIN (the leader died), or the leader waited its
@@ -46,8 +45,11 @@ A member found dead mid-average (its daemon stopped answering the PINGs the aver
 went silent) leaves the kept group instead: the others keep it without that member, so the round after a death
 starts at once, without a matchmaking through the DHT (a member that was alive after all announces under the key
 and the leader re-forms the group with it). The leader's renewal BEGIN then lists the formation's members without
-those it found dead, in the same order; a follower takes any such list that holds it and the leader. Two members
-at least must remain, and the leader must be alive, else the group re-forms through the DHT.
+those it found dead, in the same order; a follower takes any such list that holds it and the leader. Where the
+leader is the one found dead, the first member left (in the group's order) leads the renewals from then on: every
+survivor that found it dead names the same successor, and one that did not yet asks the dead leader, finds it dead
+by its PINGs, and re-forms through the DHT as before. Two members at least must remain, else the group re-forms
+through the DHT.
 
 Every case ends in ordinary matchmaking, whose waits are bounded, so a failure costs at most one
 round's deadlines and never hangs. This module holds the per-run decision state; the trio driver
@@ -82,13 +84,14 @@ class KeptStatistics:
 @dataclass(frozen=True)
 class StickyStatistics:
     """A run's kept groups: ``keep_rounds``, the group kept now (None: none), kept rounds renewed so far, groups
-    dropped by reason, and groups that went on without members found dead."""
+    dropped by reason, groups that went on without members found dead, and of those, without their leader."""
 
     keep_rounds: int
     kept: KeptStatistics | None
     renewed: int
     dropped: dict[str, int]
     shrunk: int = 0
+    succeeded: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,7 @@ class StickyGroups:
         self.begun = -1  # the latest round whose renewal BEGIN this node (a follower) took
         self.dropped: dict[str, int] = {}  # why kept groups ended, counted
         self.shrunk = 0  # kept groups that went on without members found dead
+        self.succeeded = 0  # ... of which their leader (the first member left leads)
 
     # -- decisions ------------------------------------------------------------------------------
     def usable(self, round_no: int) -> Kept | None:
@@ -173,17 +177,17 @@ class StickyGroups:
     def after_round(self, silent: bool, dead: frozenset[bytes] = frozenset()) -> None:
         """An averaging (kept or fresh) ended; ``silent``: some member not found dead was never heard from (or the
         average failed): the group is not kept, it re-forms through the DHT. ``dead``: members this node gave up
-        on mid-average because their daemons stopped answering its PINGs: the group is kept without them while
-        its leader lives and two members remain (else it re-forms, where a member found dead is not waited for:
-        ``RoundMachine.gone``)."""
+        on mid-average because their daemons stopped answering its PINGs: the group is kept without them while two
+        members remain, the first of them leading where the leader is among them (else it re-forms, where a member
+        found dead is not waited for: ``RoundMachine.gone``)."""
         kept = self.kept
         if kept is None:
             return
         gone = dead & kept.node_ids()
-        if silent or kept.leader in gone:
-            self.broken = self.broken or ("silent" if silent else "dead")
+        if silent:
+            self.broken = self.broken or "silent"
         elif gone:
-            self._shrink(tuple(c for c in kept.members if c.node_id not in gone))
+            self._shrink(tuple(c for c in kept.members if c.node_id not in gone), succeed=kept.leader in gone)
 
     def without(self, dead: frozenset[bytes]) -> bool:
         """As the leader whose renewal found followers ``dead`` (their daemons did not answer its PINGs): go on
@@ -194,16 +198,19 @@ class StickyGroups:
         self._shrink(tuple(c for c in kept.members if c.node_id not in dead))
         return not self.broken
 
-    def _shrink(self, members: tuple[Candidate, ...]) -> None:
-        """Keep the group with ``members`` (a part of its formation, in its order); too few left: not kept."""
+    def _shrink(self, members: tuple[Candidate, ...], succeed: bool = False) -> None:
+        """Keep the group with ``members`` (a part of its formation, in its order); too few left: not kept.
+        ``succeed``: the leader was found dead, and the first of ``members`` leads the renewals from now on."""
         kept = self.kept
         assert kept is not None
         me = next((i for i, c in enumerate(members) if c.node_id == self.me), None)
         if len(members) < 2 or me is None:
             self.broken = self.broken or "dead"
             return
-        self.kept = replace(kept, members=members, index=me)
+        self.kept = replace(kept, members=members, index=me,
+                            leader=members[0].node_id if succeed else kept.leader)
         self.shrunk += 1
+        self.succeeded += succeed
 
     def break_(self, reason: str, kept: Kept | None = None) -> None:
         """Do not renew the kept group again (a refused or unacknowledged renewal, a newcomer); with
@@ -295,7 +302,7 @@ class StickyGroups:
             self.keep_rounds,
             None if kept is None else KeptStatistics(len(kept.members), kept.formed, kept.formed + kept.rounds,
                                                      kept.leader.hex(), self.broken),
-            self.renewed, dict(self.dropped), self.shrunk,
+            self.renewed, dict(self.dropped), self.shrunk, self.succeeded,
         )
 
 
