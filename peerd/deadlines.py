@@ -17,7 +17,9 @@ A slow but live member is waited for: its late arrivals and its low rate are sam
 of its window while a member of the last group was missing, and heard from within a few round periods
 (``LIVE_ROUNDS``), stretches the next window at once to twice the one it ran out (``STRETCH_K``; a percentile of
 recent samples would take several missed rounds to move). The stretch follows the members' arrivals down again, by
-half a round at most. A dead one is dropped fast: a silent missing member stretches nothing, and a member of this
+half a round at most. The window is also at least twice the latest average's length (``SPREAD_K``): a member that
+just slowed ends its average that much after the others, and its first late round must not leave it out.
+A dead one is dropped fast: a silent missing member stretches nothing, and a member of this
 node's last group that did not publish finishing it is waited for only ``doubt`` (k times how long groups took to
 gather), not the whole window.
 """
@@ -42,6 +44,10 @@ WINDOW_FLOOR_S = 1.0
 WINDOW_K = 2.0
 WINDOW_END_SLACK_S = 0.05  # a group that closed within this of its window's end ran the window out
 LIVE_ROUNDS = 3.0  # a member missing from a group is live if heard within this many round periods
+# the next window is at least this many times the latest average's length: the member behind the group's slowest
+# path ends an average last, up to about an average's length after the others (it receives every owner's part over
+# its own link), so a member that just slowed is not left out of the next group while the stretch has yet to learn
+SPREAD_K = 2.0
 STRETCH_K = 2.0  # a window a live member missed: the next one is this many times as long (up to its cap)
 # a member of the last group that did not finish it (dead, or just behind): k times the gather p90, at least this
 # (a DHT put and a read: the time its announcement takes to be seen)
@@ -173,6 +179,7 @@ class DeadlineTuner:
         self._heard: OrderedDict[str, float] = OrderedDict()  # peer (hex) -> when last heard
         self._last_group: tuple[str, ...] = ()
         self._stretch = 0.0  # the next window's least: a live member missed the last one (0: none)
+        self._spread = 0.0  # ... and SPREAD_K times the latest group average's length
         self._missed: set[str] = set()  # live members the last window ran out without (at most MAX_PEERS: a group)
         self._caps = {"window": DEFAULT_WINDOW_S, "silence": DEFAULT_SILENCE_S, "phase": 60.0,
                       "step": DEFAULT_STEP_WAIT_S, "sync": DEFAULT_SYNC_TIMEOUT_S, "bucket": DEFAULT_STEP_WAIT_S,
@@ -246,6 +253,7 @@ class DeadlineTuner:
             self._hear(p, now)
         if len(members) > 1:  # (a round alone keeps the group it missed as the one to compare with)
             self._last_group = tuple(members)[:MAX_PEERS]
+            self._spread = min(SPREAD_K * transfer_s, MAX_AGE_S)
         if clean and nbytes > 0 and transfer_s > 0:
             self._rate.add(nbytes / transfer_s, now)
             self._phase_bytes = int(nbytes)
@@ -302,11 +310,12 @@ class DeadlineTuner:
         self._caps["window"] = cap_s
         d = self._derive(self._gather.quantile(0.9), len(self._gather), WINDOW_K, min(WINDOW_FLOOR_S, cap_s), cap_s,
                          "gather_p90_s")
-        if d.basis == "fixed" or self._stretch <= d.seconds:
+        least = max(self._stretch, self._spread)
+        if d.basis == "fixed" or least <= d.seconds:
             return d
-        if self._stretch >= cap_s:
+        if least >= cap_s:
             return Derived(cap_s, "cap", d.measurement, d.measured, d.samples, d.floor_s, cap_s)
-        return Derived(self._stretch, "stretched", d.measurement, d.measured, d.samples, d.floor_s, cap_s)
+        return Derived(least, "stretched", d.measurement, d.measured, d.samples, d.floor_s, cap_s)
 
     def doubt(self, window_s: float) -> Derived:
         """How long matchmaking waits for a member of this node's last group that did not publish finishing it

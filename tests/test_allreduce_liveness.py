@@ -53,9 +53,9 @@ def timer(w: SilenceWatch, waiting: dict[int, float]) -> float | None:
 
 
 def tick(w: SilenceWatch, waiting: dict[int, float], now: float,
-         delivered: dict[int, float] | None = None) -> tuple[list[Probe], list[int]]:
+         counts: dict[int, tuple[int, int]] | None = None) -> tuple[list[Probe], list[int]]:
     """The watch's look at ``now``: (the probes it sends, the members it found dead)."""
-    w.note_waiting(waiting, delivered)
+    w.note_waiting(waiting, counts)
     w.handle_timer(now)
     actions = w.take_actions()
     return [a for a in actions if isinstance(a, Probe)], [a.member for a in actions if isinstance(a, Dead)]
@@ -108,15 +108,42 @@ def test_a_member_whose_data_arrived_with_heavy_loss_is_not_found_dead_after_thr
     """Member 1's stream lost 70 % on the way (a link it overruns: its queue drops PINGs as it drops data): three
     unanswered PINGs are no verdict; MAX_PROBES are."""
     w = watch()
-    waiting, delivered = {1: 0.0}, {1: 0.3}
+    waiting, counts = {1: 0.0}, {1: (30, 100)}
     now = GRACE_FLOOR_S
     for _ in range(MAX_PROBES):
-        (p,), dead = tick(w, waiting, now, delivered)
+        (p,), dead = tick(w, waiting, now, counts)
         assert dead == []
         now += p.timeout
         w.receive_answer(p.token, None, now)
-    assert tick(w, waiting, now, delivered) == ([], [1])
+    assert tick(w, waiting, now, counts) == ([], [1])
     assert w.statistics().probes_sent == MAX_PROBES
+
+
+def test_the_loss_that_counts_is_the_latest_of_the_stream() -> None:
+    """A stream that lost half its first 400 datagrams and none of its last 100 (its sender found the path's rate):
+    it stopped on a clean path, so three unanswered probes decide; a new phase's stream starts its own reading, the
+    phase before's in force until it has MIN_RECENT datagrams."""
+    w = watch()
+    waiting = {1: 0.0}
+    for top in range(2, 401, 2):
+        w.note_waiting(waiting, {1: (top // 2, top)})
+    assert probes_needed(w._members[1].delivered) > PROBES  # (lossy so far)
+    for top in range(401, 501):
+        w.note_waiting(waiting, {1: (200 + top - 400, top)})
+    assert w._members[1].delivered == 1.0
+    w.note_waiting(waiting, {1: (3, 6)})  # the all-gather: 6 datagrams in, half lost: too few to tell yet
+    assert w._members[1].delivered == 1.0
+    w.note_waiting(waiting, {1: (10, 20)})
+    assert w._members[1].delivered == 0.5
+    now = GRACE_FLOOR_S
+    w2 = watch()
+    for top in range(1, 101):
+        w2.note_waiting(waiting, {1: (top, top)})
+    for _ in range(PROBES):
+        (p,), dead = tick(w2, waiting, now)
+        now += p.timeout
+        w2.receive_answer(p.token, None, now)
+    assert tick(w2, waiting, now) == ([], [1])
 
 
 def test_a_member_whose_daemon_answers_is_probed_again_later_and_never_found_dead() -> None:

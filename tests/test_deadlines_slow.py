@@ -11,7 +11,7 @@ import random
 import msgpack
 import pytest
 
-from peerd.deadlines import DOUBT_FLOOR_S, MIN_SAMPLES, STRETCH_K, WINDOW_FLOOR_S, DeadlineTuner
+from peerd.deadlines import DOUBT_FLOOR_S, MIN_SAMPLES, SPREAD_K, STRETCH_K, WINDOW_FLOOR_S, DeadlineTuner
 from peerd.moshpit.expect import expected_peers
 from peerd.moshpit.keys import Grid, KeyManager
 from peerd.moshpit.matchmaking import Candidate, Matchmaker
@@ -50,13 +50,36 @@ def test_a_window_a_live_member_missed_is_twice_as_long_next_round_then_follows_
     assert t.doubt(w.seconds).seconds == DOUBT_FLOOR_S  # (gathering was quick: a doubtful member waits little)
     # in the stretched window the slow member came after 0.8 s: the next window is k times that
     t.receive_round(gather_s=0.8, window_s=w.seconds, at_window_end=False, members=MEMBERS, nbytes=4000,
-                    transfer_s=2.0, clean=True, now=now + 3.0)
+                    transfer_s=0.6, clean=True, now=now + 3.0)
     assert t.window(3.0).seconds == pytest.approx(1.6)
     # it recovered: quick gatherings halve the stretch away, back to the floor
     for i in range(2):
         t.receive_round(gather_s=0.05, window_s=1.6, at_window_end=False, members=MEMBERS, nbytes=4000,
                         transfer_s=0.4, clean=True, now=now + 4.0 + i)
     assert (t.window(3.0).seconds, t.window(3.0).basis) == (WINDOW_FLOOR_S, "floor")
+
+
+def test_the_window_after_a_long_average_is_at_least_twice_its_length() -> None:
+    """A member's link slowed mid-run: the group's average took 1.2 s instead of 0.4, and the member behind the slow
+    link ends it up to that much after the others. The next window waits twice the average (within the cap), before
+    any window ran out without it; once averages are quick again the window is back at its floor."""
+    t = DeadlineTuner()
+    now = _warm(t)
+    t.receive_round(gather_s=0.05, window_s=WINDOW_FLOOR_S, at_window_end=False, members=MEMBERS, nbytes=4000,
+                    transfer_s=1.2, clean=True, now=now + 1.0)
+    w = t.window(3.0)
+    assert (w.seconds, w.basis) == (pytest.approx(SPREAD_K * 1.2), "stretched"), w
+    t.receive_round(gather_s=0.05, window_s=w.seconds, at_window_end=False, members=MEMBERS, nbytes=4000,
+                    transfer_s=2.0, clean=True, now=now + 3.0)
+    assert (t.window(3.0).seconds, t.window(3.0).basis) == (3.0, "cap")  # (the run's window stays the bound)
+    t.receive_round(gather_s=0.05, window_s=3.0, at_window_end=False, members=MEMBERS, nbytes=4000,
+                    transfer_s=0.3, clean=True, now=now + 6.0)
+    assert (t.window(3.0).seconds, t.window(3.0).basis) == (WINDOW_FLOOR_S, "floor")
+    alone = DeadlineTuner()  # (a round alone says nothing about how far apart a group's members end)
+    now = _warm(alone)
+    alone.receive_round(gather_s=WINDOW_FLOOR_S, window_s=WINDOW_FLOOR_S, at_window_end=True, members=MEMBERS[:1],
+                        nbytes=4000, transfer_s=1.5, clean=True, now=now + 1.0)
+    assert alone.window(3.0).seconds == STRETCH_K * WINDOW_FLOOR_S  # (the live group it missed: not 2 x 1.5 s)
 
 
 def test_a_window_run_out_alone_while_the_last_group_lives_is_stretched() -> None:

@@ -506,11 +506,12 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         ph = self._rs if self.state is State.REDUCE_SCATTER else self._ag if self.state is State.ALL_GATHER else None
         return [] if ph is None else [s for s, done in enumerate(ph.done) if not done]
 
-    def delivered(self, member: int) -> float | None:
-        """The part of ``member``'s data that arrived, over both phases so far (None: none yet): what a probe of its
-        daemon over the same path may expect (liveness.probes_needed)."""
-        top = self._rs.top[member] + self._ag.top[member]
-        return None if top <= 0 else min(1.0, (self._rs.received[member] + self._ag.received[member]) / top)
+    def stream_counts(self, member: int) -> tuple[int, int]:
+        """(datagrams received, one past the highest index arrived) of ``member``'s stream in the receive phase now
+        running ((0, 0) when none runs): the loss on its path, which a probe of its daemon meets too
+        (liveness.SilenceWatch)."""
+        ph = self._rs if self.state is State.REDUCE_SCATTER else self._ag if self.state is State.ALL_GATHER else None
+        return (0, 0) if ph is None else (ph.received[member], ph.top[member])
 
     def heard_at(self, member: int) -> float:
         """When the latest data of ``member`` arrived, in either phase (0.0: none yet)."""

@@ -11,13 +11,14 @@ floors of its start; a member late to start is not taken for lost), and it is PI
 while it stays silent. ``PROBES`` PINGs in a row unanswered, or answered by another node id (someone else lives at
 that address), mean it is dead: the phases stop waiting for it at once, its contribution counted as lost exactly as
 a deadline would count it. Anything the member sends in between ends the silence being judged (its failures are
-forgotten). A probe and its answer take the member's path, so where its data arrived with loss (a link it overruns
-the moment it slows: a full queue drops PINGs as it drops data) more probes must go unanswered
-(``probes_needed``): a member slowed by its own congested link is waited for, not taken for dead.
+forgotten). A probe and its answer take the member's path, so where its latest data arrived with loss (over the
+last ``RECENT_DATAGRAMS`` of its stream: a link it overruns the moment it slows, whose full queue drops PINGs as
+it drops data) more probes must go unanswered (``probes_needed``): a member slowed by its own congested link is
+waited for, not taken for dead, while one whose stream stopped on a clean path is given up on after three.
 
-The core contract: ``note_waiting(waiting, delivered)`` (each member the phase waits for, and when it was last heard
-from: arrivals move it, so the caller tells it before ``get_timer()`` or ``handle_timer(now)``; the part of each
-one's data that arrived, where known); ``take_actions()``
+The core contract: ``note_waiting(waiting, counts)`` (each member the phase waits for, and when it was last heard
+from: arrivals move it, so the caller tells it before ``get_timer()`` or ``handle_timer(now)``; the counts of each
+one's stream in the phase, where known); ``take_actions()``
 drains the PINGs to send (``Probe``, each reported back with ``receive_answer``) and the verdicts (``Alive``,
 ``Dead``).
 """
@@ -25,8 +26,9 @@ drains the PINGs to send (``Probe``, each reported back with ``receive_answer``)
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GRACE_FLOOR_S = 0.05  # a member is probed once it is this silent (or GRACE_RTTS of its round trips, if longer)
 GRACE_RTTS = 3.0
@@ -36,6 +38,8 @@ PROBE_MAX_S = 1.0  # ... and at most this (an RTT estimate that grew under loss 
 PROBES = 3  # unanswered probes in a row: the member is dead (on a path that lost none of its data; see probes_needed)
 FALSE_VERDICT = 1e-3  # on a lossy path, enough probes that a live member leaves them all unanswered this rarely ...
 MAX_PROBES = 32  # ... up to this many (a path that lossy is left to the phase's own deadline)
+RECENT_DATAGRAMS = 64  # a member's path loss is read over about the last this many datagrams of its stream ...
+MIN_RECENT = 8  # ... and from this many on (fewer: the stream so far, or the phase before's reading)
 REPROBE_S = 0.5  # a late member that answered is probed again this long after (a kept group's renewal)
 PHASE_REPROBE_S = 0.2  # ... a silent one a phase waits for: within the phase's silence (0.5 s or more), see Alive
 
@@ -107,7 +111,8 @@ class WatchStatistics:
 @dataclass(slots=True)
 class _Watched:
     """One member's probes: the last word of it the current judgement began from, when the next probe may go,
-    the probe in flight, and how many in a row went unanswered."""
+    the probe in flight, and how many in a row went unanswered; and the counts of its stream that tell its path's
+    recent loss."""
 
     grace: float
     timeout: float
@@ -115,6 +120,23 @@ class _Watched:
     next_at: float = 0.0
     token: int | None = None
     failures: int = 0
+    samples: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=RECENT_DATAGRAMS))
+    delivered: float | None = None  # the part of its recent datagrams that arrived (None: not known yet)
+
+    def count(self, received: int, top: int) -> None:
+        """Its stream now: ``received`` datagrams, the highest index ``top - 1`` (a lower top: a new phase's)."""
+        s = self.samples
+        if s and top < s[-1][1]:
+            s.clear()  # (the phase before's reading stays in ``delivered`` until this one has enough)
+        if s and top == s[-1][1]:
+            s[-1] = (received, top)
+            return
+        s.append((received, top))
+        while len(s) > 2 and top - s[1][1] >= RECENT_DATAGRAMS:
+            s.popleft()
+        r0, t0 = s[0] if top - s[0][1] >= MIN_RECENT else (0, 0)
+        if top - t0 >= MIN_RECENT:
+            self.delivered = min(1.0, max(0.0, (received - r0) / (top - t0)))
 
 
 class SilenceWatch:
@@ -128,18 +150,21 @@ class SilenceWatch:
         self._members = {i: _Watched(grace_s(r), probe_timeout_s(r))
                          for i, r in enumerate(rtts if rtts is not None else [None] * len(peers)) if i != index}
         self._waiting: dict[int, float] = {}
-        self._delivered: dict[int, float] = {}
         self._next_token = 1
         self._actions: list[Action] = []
         self.gone: list[int] = []  # members found dead, in order (never probed again)
         self.probes_sent = 0
 
-    def note_waiting(self, waiting: Mapping[int, float], delivered: Mapping[int, float] | None = None) -> None:
+    def note_waiting(self, waiting: Mapping[int, float],
+                     counts: Mapping[int, tuple[int, int]] | None = None) -> None:
         """What the running phase waits for now: member -> when it was last heard from (the caller tells this before
-        it reads ``get_timer`` or calls ``handle_timer``: arrivals move it); ``delivered``: member -> the part of its
-        data sent here that arrived so far (absent: unknown, a clean path assumed)."""
+        it reads ``get_timer`` or calls ``handle_timer``: arrivals move it); ``counts``: member -> its stream's
+        (datagrams received, one past the highest index arrived) in the phase (absent: a clean path assumed)."""
         self._waiting = dict(waiting)
-        self._delivered = dict(delivered) if delivered else {}
+        for i, (received, top) in (counts or {}).items():
+            w = self._members.get(i)
+            if w is not None and top > 0:
+                w.count(received, top)
 
     def get_timer(self) -> float | None:
         """When a member waited for may next need a probe or a verdict; None: never (nothing waited for, or every
@@ -167,7 +192,7 @@ class SilenceWatch:
                 if now < heard + w.grace:
                     continue
                 w.since, w.next_at = heard, now
-            if w.failures >= probes_needed(self._delivered.get(i)):
+            if w.failures >= probes_needed(w.delivered):
                 self.gone.append(i)
                 self._actions.append(Dead(i))
                 continue

@@ -82,21 +82,16 @@ def silences(g: RunningGroup) -> dict[int, float]:
     return {i: max(started, said[i], core.heard_at(i)) for i in core.waiting_for()}
 
 
-def deliveries(g: RunningGroup) -> dict[int, float]:
-    """The members the running phase waits for -> the part of their data that arrived (those with any)."""
-    out = {}
-    for i in g.core.waiting_for():
-        d = g.core.delivered(i)
-        if d is not None:
-            out[i] = d
-    return out
+def stream_counts(g: RunningGroup) -> dict[int, tuple[int, int]]:
+    """The members the running phase waits for -> (datagrams of theirs received, one past the highest index)."""
+    return {i: g.core.stream_counts(i) for i in g.core.waiting_for()}
 
 
 def watch_timer(g: RunningGroup) -> float | None:
     """When the group's silent members next need a probe or a verdict (None: no watch, or nothing due)."""
     if g.watch is None:
         return None
-    g.watch.note_waiting(silences(g), deliveries(g))
+    g.watch.note_waiting(silences(g), stream_counts(g))
     return g.watch.get_timer()
 
 
@@ -107,7 +102,7 @@ def watch(g: RunningGroup, now: float) -> list[Action]:
     w = g.watch
     if w is None:
         return []
-    w.note_waiting(silences(g), deliveries(g))
+    w.note_waiting(silences(g), stream_counts(g))
     w.handle_timer(now)
     out: list[Action] = []
     for a in w.take_actions():
