@@ -228,3 +228,30 @@ def test_own_id_lookups_stop_once_the_table_stops_growing() -> None:
         assert all(lookups[i] > settled[i] for i in range(6)), (settled, lookups)  # the newcomer restarted them
 
     run_on_memnet(main, seed=3, drop=0.0, jitter=0.002)
+
+
+@pytest.mark.parametrize("bootstrap", [False, True])
+def test_a_node_whose_table_emptied_joins_again_once_its_link_is_back(bootstrap: bool) -> None:
+    """Node 5's link goes down for a minute: its requests fail and its table empties, and the others forget it as
+    they find it silent. Once the link is back it fills its table again from the bootstrap node or (the bootstrap
+    node itself) from the contacts it last held, and reads what was stored meanwhile; without that nobody would
+    ever ask it again."""
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await start_swarm(nursery, net, 8, replicas=8)
+        lone = nodes[5] if bootstrap else nodes[0]
+        await trio.sleep(5)
+        net.cut_off(lone.addr)
+        for node in nodes:  # (what failed requests do, each side; faster than waiting for every one of them)
+            others = [lone] if node is not lone else [n for n in nodes if n is not lone]
+            for other in others:
+                node.dht.core.table.remove(other.identity.node_id)
+        assert lone.dht.peer_count() == 0
+        await (await nodes[2].dht.put(b"while-away", b"k", b"v", ttl=600)).finished()
+        await trio.sleep(60)
+        assert lone.dht.peer_count() == 0 and lone.dht.rejoins == 0
+        net.cut_off(lone.addr, cut=False)
+        await trio.sleep(service.REJOIN_MAX_S + 5)
+        assert lone.dht.rejoins == 1 and lone.dht.peer_count() >= 5
+        assert [r.value for r in await lone.dht.get(b"while-away")] == [b"v"]
+
+    run_on_memnet(main, seed=6, drop=0.02)

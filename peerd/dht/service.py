@@ -6,6 +6,7 @@ import logging
 import math
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -58,6 +59,12 @@ PUT_QUORUM = 0.5
 # k nodes never fills the table, and its members must not keep asking all the others every few seconds.
 SETTLE_S = 5.0
 SETTLE_QUIET = 3
+# A table that emptied (every contact failed at once: this node's own link went down, or a queue it overran dropped
+# every request for a while) is filled again from the bootstrap nodes and the contacts it last held: first after
+# REJOIN_S, then backing off to REJOIN_MAX_S. Nobody else would: the others forgot this node as it forgot them.
+REJOIN_S = 1.0
+REJOIN_MAX_S = 30.0
+REMEMBERED = 32  # contacts' addresses remembered for that (the most recently held)
 
 
 @dataclass
@@ -108,6 +115,9 @@ class DhtService:
         self._nursery: trio.Nursery | None = None
         self._verifying = self.core.verifying  # request senders being PINGed before they may enter the table
         self.lookups = 0  # lookups run (statistics; the bench reads RPC counts from the metrics)
+        self._seeds: list[Address] = []  # the bootstrap addresses this node joined through
+        self._remembered: OrderedDict[bytes, Address] = OrderedDict()  # contacts lately held: node id -> address
+        self.rejoins = 0  # times an emptied table was filled again
         for t in (m.MsgType.PING, m.MsgType.FIND_NODE, m.MsgType.FIND_VALUE, m.MsgType.STORE):
             endpoint.on_request(t, self._on_request)
 
@@ -131,11 +141,17 @@ class DhtService:
     async def _maintain(self) -> None:
         next_refresh = next_settle = math.inf
         quiet, known = 0, frozenset[bytes]()  # settle checks in a row that found the table as it was
+        rejoin_wait, next_rejoin = REJOIN_S, -math.inf
         while True:
             await trio.sleep(1.0)
             now = trio.current_time()
             self.core.store.expire(now)
             self.metrics.dht_records.set(len(self.core.store))
+            self._remember()
+            if self.bootstrapped.is_set() and not len(self.core.table) and now >= next_rejoin:
+                ok = await self._rejoin()
+                rejoin_wait = REJOIN_S if ok else min(REJOIN_MAX_S, 2 * rejoin_wait)
+                next_rejoin = trio.current_time() + rejoin_wait
             if self.bootstrapped.is_set() and next_refresh == math.inf:
                 next_refresh = now + self.refresh_interval * self._rng.uniform(0.25, 0.5)
                 next_settle = now + SETTLE_S * self._rng.uniform(0.5, 1.5)
@@ -154,6 +170,32 @@ class DhtService:
                 if len(ids) < self.k and quiet < SETTLE_QUIET:
                     await self.find_nodes(self.node_id)
                 next_settle = now + SETTLE_S * self._rng.uniform(0.5, 1.5)
+
+    def _remember(self) -> None:
+        """Keep the addresses of the contacts held now (the most recent REMEMBERED) for ``_rejoin``."""
+        for c in self.core.table.contacts():
+            self._remembered.pop(c.node_id, None)
+            self._remembered[c.node_id] = (c.host, c.port)
+        while len(self._remembered) > REMEMBERED:
+            self._remembered.popitem(last=False)
+
+    async def _rejoin(self) -> bool:
+        """The table is empty: PING the bootstrap nodes and the contacts last held until one answers, then look up
+        this node's own id through it. Whether the table holds anyone again."""
+        addrs = list(dict.fromkeys([*self._seeds, *reversed(self._remembered.values())]))
+        for addr in addrs:
+            for resolved in await _resolve(addr, self.endpoint):
+                try:
+                    reply = await self.endpoint.request(resolved, m.MsgType.PING, {})
+                except RpcError:
+                    continue
+                self._heard(reply.peer, resolved)
+                await self.find_nodes(self.node_id)
+                self.rejoins += 1
+                log.info("the routing table had emptied: %d peers again, through %s:%d", self.peer_count(),
+                         resolved[0], resolved[1])
+                return True
+        return bool(len(self.core.table))
 
     async def refresh(self, interval: float) -> None:
         """Look up a random id in every bucket that no lookup touched for ``interval`` seconds."""
@@ -503,6 +545,7 @@ class DhtService:
     # -- joining --------------------------------------------------------------------------------
     async def bootstrap(self, addrs: list[Address], *, timeout: float) -> None:
         """Ping bootstrap nodes with backoff until one answers, then fill the routing table."""
+        self._seeds = list(addrs)
         deadline = trio.current_time() + timeout
         delay = retry_delays(1.0, 30.0, self._rng)
         attempt = 0

@@ -28,6 +28,7 @@ class MemNet:
         self.rng = random.Random(seed)
         self.link = Link(loss=drop, duplicate=duplicate, latency=latency, jitter=jitter)
         self.sockets: dict[tuple[str, int], MemSocket] = {}
+        self.cut: set[tuple[str, int]] = set()  # hosts whose link is down for now (cut_off)
         self.sent = self.dropped = self.duplicated = 0
         self.nursery: trio.Nursery | None = None
         # (source, destination, datagram) of every datagram sent, when a test wants to replay or measure them
@@ -54,6 +55,11 @@ class MemNet:
         self.sockets[(host, port)] = sock
         return sock
 
+    def cut_off(self, addr: tuple[str, int], cut: bool = True) -> None:
+        """The host at ``addr`` loses its link (``cut``) or gets it back: while cut nothing reaches it or leaves it,
+        and it keeps running."""
+        (self.cut.add if cut else self.cut.discard)(addr)
+
     def partition(self, addr: tuple[str, int]) -> None:
         """The host at ``addr`` dies: nothing reaches it and it sends nothing."""
         sock = self.sockets.pop(addr, None)
@@ -63,6 +69,9 @@ class MemNet:
     def deliver(self, src: tuple[str, int], dst: tuple[str, int], data: bytes) -> None:
         """Send ``data`` from ``src`` to ``dst`` (a test may call it with any ``src``: a spoofed source)."""
         self.sent += 1
+        if src in self.cut or dst in self.cut:
+            self.dropped += 1
+            return
         if self.captured is not None:
             self.captured.append((src, dst, data))
         delays = self.link.fate(self.rng)  # jitter reorders datagrams
