@@ -55,4 +55,5 @@ def test_the_bench_counts_rounds_without_the_slow_member_and_times_the_move_past
     assert r["next_matchmaking_s"] == 1.5, r
     assert r["kill_to_start_s"] == 4.5, r  # the first round without it began to move data at 23.0 + 1.5
     assert r["kill_to_start_over_silence"] == 9.0, r
+    assert r["death_cost_s"] == 2.6 and r["death_cost_over_silence"] == 5.2, r  # 1.1 over a slow round + 1.5
     assert summarize([[]] * 4, cfg, "fixed", slow, kill, None, None)["kill_to_round_s"] is None

@@ -23,7 +23,11 @@ figures per variant (``--json``):
   dead mid-average and renewed their kept group without it; a group that broke gathers anew);
 - ``kill_to_start_s``: seconds from the kill to when that average began to move data (its step's start plus
   the phases before the transfer), the latest over the survivors: when the next round starts;
-  ``kill_to_start_over_silence``: that against ``silence_s`` (how many RTT-derived deadlines the death cost);
+  ``kill_to_start_over_silence``: that against ``silence_s`` (the caught round's own data included: a kill early in
+  a long round waits for the rest of its data however fast the death is found);
+- ``death_cost_s``: what the death itself added: the caught round's time over a slow round (none where it was
+  quicker) plus the next round's matchmaking; ``death_cost_over_silence``: that against ``silence_s`` (how many
+  RTT-derived deadlines the death cost);
 - ``round_s`` / ``slow_round_s``: the median survivor step before the slowdown and while slow.
 """
 
@@ -113,6 +117,8 @@ def summarize(records: list[list[dict[str, Any]]], cfg: DeadlinesBenchConfig, mo
     flight = max(r["t1"] - r["t0"] for r in in_flight) if complete else None
     extra = None if flight is None or slow_round is None else flight - slow_round
     start = max(_transfer_start(r) for r in following) - t_kill if complete else None
+    mm = max((r["phases"].get("matchmaking", 0.0) for r in following), default=None)
+    cost = None if extra is None or mm is None else max(0.0, extra) + mm
     return {
         "mode": mode, "peers": cfg.peers, "link": cfg.link, "params": cfg.params, "slowdown": SLOWDOWN,
         "round_s": round(statistics.median(before), 4) if before else None,
@@ -124,10 +130,12 @@ def summarize(records: list[list[dict[str, Any]]], cfg: DeadlinesBenchConfig, mo
         "silence_s": silence_s, "window_s": window_s,
         "in_flight_round_s": _round4(flight), "in_flight_extra_s": _round4(extra),
         "in_flight_extra_over_silence": None if extra is None or not silence_s else round(extra / silence_s, 3),
-        "next_matchmaking_s": _round4(max((r["phases"].get("matchmaking", 0.0) for r in following), default=None)),
+        "next_matchmaking_s": _round4(mm),
         "kill_to_round_s": _round4(kill_to_round),
         "kill_to_start_s": _round4(start),
         "kill_to_start_over_silence": None if start is None or not silence_s else round(start / silence_s, 3),
+        "death_cost_s": _round4(cost),
+        "death_cost_over_silence": None if cost is None or not silence_s else round(cost / silence_s, 3),
     }
 
 
@@ -288,8 +296,8 @@ def cmd_bench_deadlines(args: argparse.Namespace, parser: argparse.ArgumentParse
               f"caught {r['in_flight_round_s']} s ({r['in_flight_extra_s']} s over a slow round, "
               f"{r['in_flight_extra_over_silence']} x the phase silence {r['silence_s']} s); kill to the next "
               f"average {r['kill_to_round_s']} s (it began {r['kill_to_start_s']} s after; its matchmaking "
-              f"{r['next_matchmaking_s']} s, window {r['window_s']} s); round {r['round_s']} s, slow round "
-              f"{r['slow_round_s']} s")
+              f"{r['next_matchmaking_s']} s, window {r['window_s']} s; the death cost {r['death_cost_s']} s, "
+              f"{r['death_cost_over_silence']} silences); round {r['round_s']} s, slow round {r['slow_round_s']} s")
     return 0
 
 
