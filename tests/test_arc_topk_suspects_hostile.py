@@ -13,11 +13,14 @@ from peerd.allreduce.robust import (
     MAX_BAN_ROUNDS,
     MAX_C,
     MAX_SUSPECTS,
+    PRIOR_TESTS,
     STRIKE_WINDOW,
     STRIKES,
     SUSPECT_ROUNDS,
     Robust,
     Suspects,
+    member_cosines,
+    opposed_members,
 )
 from peerd.tools.faults import byzantine
 
@@ -236,3 +239,57 @@ def test_exclude_takes_member_indices_only() -> None:
     assert AverageOptions(exclude=[2, 3]).exclude == (2, 3)
     with pytest.raises(ValueError, match="exclude"):
         AverageOptions(exclude=(-1,))
+
+
+def _shard_round(rng: np.random.Generator, elements: int, agreement: float) -> np.ndarray:
+    """One dense shard's contributions as an owner sees them: 8 members whose values share a signal (cosine about
+    ``agreement`` between two of them), member BAD's negated, at equal weights; their Gram matrix."""
+    signal = rng.standard_normal(elements)
+    a = np.sqrt(agreement / (1 - agreement))
+    x = np.stack([a * signal + rng.standard_normal(elements) for _ in range(N)])
+    x[BAD] = -x[BAD]
+    return x @ x.T
+
+
+def test_pooling_a_members_last_tests_finds_a_flipped_one_a_single_round_misses_hostile() -> None:
+    """A dense shard of 150 values where honest members barely agree (cosine 0.08 between two): one round's test
+    alone misses the flipped member in about 2 rounds of 5; pooled with its last PRIOR_TESTS tests (what
+    Suspects.prior hands the next one) it misses it rarely, and leaves honest members out no more often."""
+    rng = np.random.default_rng(3)
+    elements, heard, own = [150] * N, list(range(N)), N - 1
+    single = {"bad": 0, "honest": 0}
+    pooled = {"bad": 0, "honest": 0}
+    ids = [bytes([i + 1]) * 32 for i in range(N)]
+    sus = Suspects()
+    trials = 300
+    for _ in range(trials):
+        g = _shard_round(rng, 150, 0.08)
+        alone = opposed_members(g, heard, own, elements)
+        prior = {k: (w, n) for k, w, n in sus.prior(ids, own)}
+        out = opposed_members(g, heard, own, elements, prior)
+        for verdict, tally in ((alone, single), (out, pooled)):
+            tally["bad"] += BAD in verdict
+            tally["honest"] += len(verdict - {BAD})
+        cos = member_cosines(g, heard, own)
+        sus.cosines = {}  # (each trial's record of earlier tests: three fresh rounds before it)
+        for _ in range(PRIOR_TESTS):
+            g0 = _shard_round(rng, 150, 0.08)
+            sus.observe(ids, (), tuple((k, c, 150) for k, c in member_cosines(g0, heard, own).items()))
+        assert set(cos) == set(range(N)) - {own}
+    assert single["bad"] < 0.75 * trials, single  # (one round alone misses it often)
+    assert pooled["bad"] > 0.95 * trials, pooled
+    assert pooled["honest"] <= single["honest"] + 3, (single, pooled)
+
+
+def test_suspects_keep_each_members_last_tests_for_the_next_one() -> None:
+    ids = [bytes([i + 1]) * 32 for i in range(3)]
+    sus = Suspects()
+    assert sus.prior(ids, 0) == ()
+    for c in (-0.1, 0.2, 0.3, 0.4):
+        sus.observe(ids, (), ((1, c, 100), (2, 0.5, 50), (7, -1.0, 10), (0, float("nan"), 10)))
+    assert sus.cosines[ids[1]] == ((0.2, 100), (0.3, 100), (0.4, 100))  # the last PRIOR_TESTS, oldest first
+    prior = dict((k, (w, n)) for k, w, n in sus.prior(ids, 0))
+    assert prior[1] == (pytest.approx(90.0), 300) and prior[2] == (pytest.approx(75.0), 150) and 0 not in prior
+    assert ids[0] not in sus.cosines  # (a NaN cosine is never kept)
+    with pytest.raises(ValueError):
+        AverageOptions(prior=((0, float("inf"), 3),))

@@ -339,18 +339,20 @@ def phase_options(options: AverageOptions, phase: int) -> AverageOptions:
 async def service_arc_topk(service: Averager, group_id: int, members: list, index: int, vector: np.ndarray,
                            weight: float, plan: ArcTopKPlan, *, run: int, round: int, codec: Codec | None = None,
                            ef: EF21M | None = None, options: AverageOptions = DEFAULT_OPTIONS,
-                           suspects: tuple[int, ...] = (), banned: tuple[int, ...] = ()) -> ArcTopKResult:
+                           suspects: tuple[int, ...] = (), banned: tuple[int, ...] = (),
+                           prior: tuple[tuple[int, float, int], ...] = ()) -> ArcTopKResult:
     """arc_topk_average through an Averager (``service.average``): the three phases under derived group ids, with
     the same members, weight and ``options`` (deadlines, max_weight, robust); ``codec`` the dense rows' (the
     plan's). ``options.robust`` applies to the sketch and dense phases (a centered mode clips around zero: no
     center is kept for sketches or rows); the selection phase runs ``solo`` (each owner's segment is its bitmap
     alone). ``suspects``: members (indices) this member's own sketch shard leaves out (robust.Suspects: the
     members its recent dense phases found opposed); ``banned``: members its own sketch and dense shards both leave
-    out (found opposed repeatedly). ``result.phases`` holds the three AverageResults (the dense phase's
-    ``stats.opposed`` are the next verdicts: robust.Suspects.observe)."""
+    out (found opposed repeatedly); ``prior``: the dense phase's test pools each member's cosine with these of its
+    earlier tests (robust.Suspects.prior). ``result.phases`` holds the three AverageResults (the dense phase's
+    ``stats.opposed`` and ``stats.cosines`` are the next verdicts: robust.Suspects.observe)."""
     base = replace(options, codec=None, run=0, solo=False)
     dense = replace(base, codec=codec, run=run) if codec is not None and codec.wire_id != 0 else base
-    dense = replace(dense, exclude=tuple(sorted(set(base.exclude) | set(banned))))
+    dense = replace(dense, exclude=tuple(sorted(set(base.exclude) | set(banned))), prior=prior)
     sketch = replace(base, exclude=tuple(sorted(set(base.exclude) | set(suspects) | set(banned))))
 
     async def average(phase: int, gid: int, values: np.ndarray) -> tuple[np.ndarray, object, int]:

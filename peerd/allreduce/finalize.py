@@ -13,7 +13,7 @@ import numpy as np
 from . import kernels
 from .frames import F32_DTYPE
 from .kernels import FINALIZE_BLOCK_ELEMENTS
-from .robust import WEIGHT_BOUND, opposed_members
+from .robust import WEIGHT_BOUND, member_cosines, opposed_members
 
 
 class Finalize:
@@ -267,7 +267,9 @@ class Finalize:
         g = self._gram * np.outer(eff, eff)
         if not np.isfinite(g).all():
             return
-        opposed = opposed_members(g, heard, self.index, self._elements)
+        self._cosines = member_cosines(g, heard, self.index)
+        prior = {k: (w, n) for k, w, n in self.options.prior if k < self.n}
+        opposed = opposed_members(g, heard, self.index, self._elements, prior)
         if opposed:
             self._refused["opposed"] += len(opposed)
             self._excluded = self._excluded | opposed

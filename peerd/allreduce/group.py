@@ -253,6 +253,7 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         # members left out of the own shard: the caller's ``exclude``, and (robust) those pointing against the others
         self._preset = frozenset(a for a in options.exclude if a < n and a != index)
         self._excluded: frozenset[int] = self._preset
+        self._cosines: dict[int, float] = {}  # (robust clip) each member's cosine with the others, as tested
         self._out_bytes = memoryview(out).cast("B")
         self._inplace = out is vec
         # Blocks carry headers and value views apart (OutBlock.values), for a driver that seals from them. Values
@@ -584,6 +585,7 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
             refused=dict(self._refused),
             weight_total=min(own, self._wcap) + sum(min(w, self._wcap) for w in heard),
             opposed=tuple(sorted(self._excluded - self._preset)),
+            cosines=tuple((k, c, self._elements[k]) for k, c in sorted(self._cosines.items())),
             repair_asked=sum(self._asked_first),
             repair_received=self._repaired(),
             repair_resent=self._resent,

@@ -76,7 +76,9 @@ class AverageOptions:
     ``probe_silent``: a member whose stream a phase waits for and that went silent is asked, with PINGs to its daemon,
     whether it lives; dead, the phases stop waiting for it at once (liveness.py; off: it is waited for until the
     deadline, as before). ``shares``: one int per member, the sizes of their shards relative to each other (None:
-    equal; shards.Layout, capped_shares): every member of the group must pass the same."""
+    equal; shards.Layout, capped_shares): every member of the group must pass the same. ``prior``: (member index,
+    its earlier direction tests' cosines times their elements summed, those elements) that this owner's test pools
+    with this one's (robust clip only; arc-topk's dense phase: robust.Suspects.prior)."""
 
     floor_s: float = 1.0
     max_phase_s: float | None = 60.0
@@ -98,6 +100,7 @@ class AverageOptions:
     owner_lag_s: float | None = None
     probe_silent: bool = False
     shares: tuple[int, ...] | None = None
+    prior: tuple[tuple[int, float, int], ...] = ()
 
     def __post_init__(self) -> None:
         check_timing(self.floor_s, self.max_phase_s, self.end_grace_s)
@@ -115,6 +118,11 @@ class AverageOptions:
         if any(type(a) is not int or a < 0 for a in exclude):
             raise ValueError(f"exclude must be member indices (ints >= 0), got {self.exclude!r}")
         object.__setattr__(self, "exclude", exclude)
+        prior = tuple(tuple(p) for p in self.prior)
+        if any(len(p) != 3 or type(p[0]) is not int or p[0] < 0 or type(p[2]) is not int or p[2] < 0
+               or not isinstance(p[1], int | float) or not math.isfinite(p[1]) for p in prior):
+            raise ValueError("prior must be (member index, finite float, elements >= 0) triples")
+        object.__setattr__(self, "prior", prior)
         if type(self.solo) is not bool:
             raise ValueError(f"solo must be a bool, got {self.solo!r}")
         if type(self.probe_silent) is not bool:

@@ -120,6 +120,8 @@ class GroupStats:
     weight_total: float = 0.0
     # robust clip: the members (indices) this owner left out of its shard for pointing against the others
     opposed: tuple[int, ...] = ()
+    # (robust clip, 3 or more heard) per member tested: (index, cosine with the others' sum, elements)
+    cosines: tuple[tuple[int, float, int], ...] = ()
     # Repair of lost all-gather ranges (protocol/allreduce.md, "Repair"): ranges this member asked its owners for in
     # its first round, how many of them arrived after it asked, and ranges this member resent as an owner
     repair_asked: int = 0

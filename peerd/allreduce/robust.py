@@ -20,7 +20,10 @@ first (``opposed_members``); they are counted as ``opposed`` in the statistics; 
 arc-topk's sketch shards hold too few values for that test; there an owner leaves out the members its own recent
 dense phases found opposed (``Suspects``, carried by identity from one average of a run to the next ones), and a
 member they found opposed again is left out of its dense phases too for a few averages: one dense phase alone
-misses a flipped member now and then.
+misses a flipped member now and then. An owner's dense test also pools each member's cosine with its last
+PRIOR_TESTS tests at this owner (``Suspects.prior``: elements-weighted, the threshold that of all their elements),
+so a member that points against the others round after round is found in nearly every round, while one round's
+chance dip of an honest member is outweighed by its earlier agreement.
 
 ``centered[:C]``: the same, measured as the distance from a center (the previous round's average, passed
 by the caller), and the result is the center plus the weighted mean of the clipped differences. Without a
@@ -45,6 +48,7 @@ Cost: one more read of the shard's contributions, plus with ``clip`` one small m
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,6 +85,11 @@ BAN_ROUNDS = 8
 # often, while an honest member's rare ban stays short. A window of clean tests forgives its earlier bans.
 MAX_BAN_ROUNDS = 128
 MAX_SUSPECTS = 1024  # identities remembered at most (a group names at most a few hundred members)
+# arc-topk: an owner's direction test pools a member's cosine with its last PRIOR_TESTS tests at this owner (each
+# weighted by its elements, the threshold by all of them): a dense shard of ~150 values lets honest cosines scatter
+# by ~0.08, as far as a flipped member's sits below zero, so one round alone missed it about 1 in 5; four rounds'
+# evidence halves the scatter
+PRIOR_TESTS = 3
 
 
 def opposed_cos(elements: int) -> float:
@@ -88,28 +97,47 @@ def opposed_cos(elements: int) -> float:
     return max(OPPOSED_COS, OPPOSED_Z / math.sqrt(max(1, elements)))
 
 
-def opposed_members(gram: np.ndarray, heard: list[int], own: int, elements: list[int]) -> frozenset[int]:
+def _cosines(gram: np.ndarray, inside: list[int], own: int) -> dict[int, float]:
+    """Each member of ``inside`` but ``own``: its cosine with the sum of the others inside. Member s's dot product
+    with the others is its row sum less its own square; the others' squared norm the whole sum less twice the row
+    sum plus the square."""
+    g = gram[np.ix_(inside, inside)]
+    row = g.sum(axis=1)
+    total = float(row.sum())
+    out = {}
+    for k, s in enumerate(inside):
+        own_sq = float(g[k, k])
+        others = total - 2 * float(row[k]) + own_sq
+        if s != own and own_sq > 0 and others > 0:
+            out[s] = (float(row[k]) - own_sq) / math.sqrt(own_sq * others)
+    return out
+
+
+def member_cosines(gram: np.ndarray, heard: list[int], own: int) -> dict[int, float]:
+    """Each heard member's cosine with the sum of all the other heard members' (never ``own``'s): what an owner's
+    test of it records for the next ones (``Suspects.observe``)."""
+    return _cosines(gram, list(heard), own) if len(heard) >= 3 else {}
+
+
+def opposed_members(gram: np.ndarray, heard: list[int], own: int, elements: list[int],
+                    prior: Mapping[int, tuple[float, int]] | None = None) -> frozenset[int]:
     """The members (never ``own``) to leave out for pointing against the others, from ``gram`` (every pair's dot
     product, as the contributions count) over the ``heard`` members: one at a time, the one with the lowest
     cosine with the sum of those still in, while that is below -opposed_cos of its ``elements`` and 3 or more are
     in. One at a time, because a sign-flipped member in the others' sum pulls honest members' cosines down with
-    it. Member s's dot product with the others is its row sum less its own square; the others' squared norm the
-    whole sum less twice the row sum plus the square."""
+    it. ``prior``: member -> (its earlier tests' cosines times their elements, summed; those elements): pooled with
+    this one, the cosine is their elements-weighted mean and the threshold that of all their elements."""
     inside = list(heard)
     out: set[int] = set()
     while len(inside) >= 3:
-        g = gram[np.ix_(inside, inside)]
-        row = g.sum(axis=1)
-        total = float(row.sum())
-        worst, worst_cos = -1, 0.0
-        for k, s in enumerate(inside):
-            own_sq = float(g[k, k])
-            others = total - 2 * float(row[k]) + own_sq
-            if s == own or own_sq <= 0 or others <= 0:
-                continue
-            c = (float(row[k]) - own_sq) / math.sqrt(own_sq * others)
-            if c < -opposed_cos(elements[s]) and c < worst_cos:
-                worst, worst_cos = s, c
+        worst, worst_score = -1, 0.0
+        for s, c in _cosines(gram, inside, own).items():
+            n, score = elements[s], c
+            if prior and s in prior:
+                weighted, seen = prior[s]
+                score, n = (c * elements[s] + weighted) / (elements[s] + seen), elements[s] + seen
+            if score < -opposed_cos(n) and score < worst_score:
+                worst, worst_score = s, score
         if worst < 0:
             break
         out.add(worst)
@@ -145,6 +173,8 @@ class Suspects:
     bans: dict[bytes, int] = field(default_factory=dict)  # identity -> bans since its last clean window of tests
     tested: dict[bytes, int] = field(default_factory=dict)  # identity -> dense phases that tested it (ever)
     banned_total: dict[bytes, int] = field(default_factory=dict)  # identity -> times it was banned (ever)
+    # identity -> its last PRIOR_TESTS tests here: (cosine with the others, elements), oldest first
+    cosines: dict[bytes, tuple[tuple[float, int], ...]] = field(default_factory=dict)
 
     def statistics(self) -> SuspectStatistics:
         """What an owner can read of its verdicts (``peerd status``): whom it tested, banned, and leaves out now."""
@@ -161,12 +191,28 @@ class Suspects:
         """The indices in ``ids`` that the dense phase leaves out too (banned members), never ``own``."""
         return tuple(k for k, i in enumerate(ids) if k != own and i in self.banned)
 
-    def observe(self, ids: list[bytes], opposed: tuple[int, ...] | list[int]) -> None:
+    def prior(self, ids: list[bytes], own: int) -> tuple[tuple[int, float, int], ...]:
+        """For the dense phase's test (``AverageOptions.prior``): (index in ``ids``, its last tests' cosines times
+        their elements summed, those elements) for each member with tests here, never ``own``."""
+        out = []
+        for k, i in enumerate(ids):
+            past = self.cosines.get(i)
+            if k != own and past:
+                out.append((k, sum(c * n for c, n in past), sum(n for _, n in past)))
+        return tuple(out)
+
+    def observe(self, ids: list[bytes], opposed: tuple[int, ...] | list[int],
+                cosines: tuple[tuple[int, float, int], ...] = ()) -> None:
         """One more average done, with ``opposed`` (indices in ``ids``) the members its dense phase left out for
         pointing against the others: every suspicion and ban ages by one; each member the dense phase tested
         (every one not banned during it) adds a verdict; the opposed are suspects for the next SUSPECT_ROUNDS,
-        and banned for the next BAN_ROUNDS if that makes STRIKES of their last STRIKE_WINDOW verdicts."""
+        and banned for the next BAN_ROUNDS if that makes STRIKES of their last STRIKE_WINDOW verdicts. ``cosines``:
+        (index, cosine with the others, elements) of each member the test measured, kept for the next tests."""
         untested = {i for i in ids if i in self.banned}
+        for k, c, n in cosines:
+            if 0 <= k < len(ids) and math.isfinite(c) and n > 0:
+                i = ids[k]
+                self.cosines[i] = (*self.cosines.pop(i, ())[-(PRIOR_TESTS - 1):], (float(c), int(n)))
         self.left = {i: r - 1 for i, r in self.left.items() if r > 1}
         self.banned = {i: r - 1 for i, r in self.banned.items() if r > 1}
         against = {ids[k] for k in opposed if 0 <= k < len(ids)}
@@ -190,7 +236,8 @@ class Suspects:
                     rounds = min(BAN_ROUNDS << min(n - 1, 16), MAX_BAN_ROUNDS)
                     self.banned[i] = rounds
                     self.left[i] = rounds + 1  # its sketches stay out of the round that tests it again
-        for record in (self.left, self.banned, self.strikes, self.bans, self.tested, self.banned_total):
+        for record in (self.left, self.banned, self.strikes, self.bans, self.tested, self.banned_total,
+                       self.cosines):
             while len(record) > MAX_SUSPECTS:
                 record.pop(next(iter(record)))
 

@@ -595,8 +595,10 @@ class MoshpitService:
             ids, sus, me = [mb.node_id for mb in members], topk.suspects, group.index  # robust: opposed lately
             res = await service_arc_topk(self.allreduce, group.group_id, members, me, vector, weight, plan, ef=topk.ef,
                                          run=codec_run_key(st.run_id, round_no), round=round_no, options=options,
-                                         suspects=sus.among(ids, me), banned=sus.banned_among(ids, me))
-            sus.observe(ids, getattr(res.phases[2].stats, "opposed", ()))
+                                         suspects=sus.among(ids, me), banned=sus.banned_among(ids, me),
+                                         prior=sus.prior(ids, me))
+            dense = res.phases[2].stats
+            sus.observe(ids, getattr(dense, "opposed", ()), getattr(dense, "cosines", ()))
             finite = await self._finite(res.vector)
         except (ValueError, RpcError) as e:
             log.warning("run %s round %d: arc-topk in group %s failed: %s", st.run_id, round_no, gid, e)
