@@ -127,6 +127,21 @@ class LocalSwarm:
                     raise DaemonError(f"peer {node.index} did not answer within {timeout:.0f} s") from None
                 time.sleep(0.1)
 
+    def wait_settled(self, timeout: float = 10.0) -> bool:
+        """Poll (gently) until every daemon's routing table holds all the others (a swarm that bootstrapped from
+        node 0 learns of each other within a few lookups), at most ``timeout`` s; whether they all did."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                counts = [node.call("status", timeout=5.0).get("peers", 0) for node in self.nodes]
+            except DaemonError:
+                counts = []
+            if counts and min(counts) >= len(self.nodes) - 1:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
     def start_lossy(self, count: int, extra: tuple[str, ...], loss: float, seed: int) -> list[Node]:
         """``count`` daemons, each ready before the next starts; with ``loss``, each drops that share of what it
         receives (``--loss``, its own seed)."""

@@ -10,7 +10,8 @@ tbf's byte count (``tc -s``, payload plus IP, UDP and Ethernet headers) every se
 - ``upload_max_1s_mbit`` / ``download_max_1s_mbit``: the capped member's largest 1 s window in the capped direction,
   against ``cap_mbit``;
 - ``windows_mbit``: every window's rate in the capped direction, in order;
-- ``averages_complete``: every step of every trainer averaged with all members;
+- ``averages_complete``: every step of every trainer averaged with all members (``incomplete``: the first steps
+  that did not, as (trainer, step, outcome, group size));
 - ``round_s``: the median step of the capped member's trainer (after ``--warmup`` steps);
 - ``round_bound_s``: the least a round can take with the group's shards (the capped member's smaller one:
   allreduce.shards.capped_shares): each of the two phases lasts at least as long as its slowest member's part at
@@ -176,6 +177,9 @@ def summarize(records: list[list[dict[str, Any]]], cfg: CapsBenchConfig, windows
         "round_s": round(round_s, 4), "round_bound_s": round(bound, 4), "round_over_bound": round(round_s / bound, 4),
         "round_bound_equal_s": round(bound_equal, 4),
         "outcomes": sorted({r["outcome"] for rs in records for r in rs}),
+        # (trainer, step, outcome, group size) of the first steps that did not average with every member
+        "incomplete": [(i, k, r["outcome"], r["group_size"]) for i, rs in enumerate(records) for k, r in enumerate(rs)
+                       if r["outcome"] != "averaged" or r["group_size"] != cfg.peers][:8],
         "node_caps": node_caps,
     }
 
@@ -194,7 +198,7 @@ def run_caps_bench(cfg: CapsBenchConfig, *, say: Any = print) -> dict[str, Any]:
         try:
             for i in range(cfg.peers):
                 swarm.wait_ready(swarm.start(extra=(flag, cap_text) if i == CAPPED else ()))
-            time.sleep(1.0)  # the DHT settles
+            swarm.wait_settled()  # every daemon's routing table holds the others
             step_cfg = StepBenchConfig(peers=cfg.peers, steps=cfg.steps, params=cfg.params, link=cfg.link,
                                        warmup=cfg.warmup, timeout_s=cfg.timeout_s)
             with _Sampler(lab, CAPPED) as sampler:

@@ -182,7 +182,7 @@ def run_variant(cfg: DeadlinesBenchConfig, mode: str, say: Any) -> dict[str, Any
         try:
             for _ in range(cfg.peers):
                 swarm.wait_ready(swarm.start(extra=("--deadlines", mode)))
-            time.sleep(1.0)  # the DHT settles
+            swarm.wait_settled()  # every daemon's routing table holds the others
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
             stop = os.path.join(workdir, "stop")
             for i in range(cfg.peers):

@@ -236,7 +236,7 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
             say(f"starting {cfg.peers} daemons ...")
             for _ in range(cfg.peers):
                 swarm.wait_ready(swarm.start())
-            time.sleep(1.0)  # the DHT settles (every daemon bootstrapped from node 0)
+            swarm.wait_settled()  # the DHT settles (every daemon bootstrapped from node 0)
             start_workers(procs, swarm, workdir, cfg, lab.exec_prefix if lab is not None else lambda i: [])
             watch = CpuWatch({**{f"daemon{i}": node.proc.pid for i, node in enumerate(swarm.nodes)},
                               **{f"trainer{i}": proc.pid for i, (proc, _, _) in enumerate(procs)}})
