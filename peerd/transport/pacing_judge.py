@@ -386,8 +386,8 @@ class Judgement:
                 congested = False
             if congested and growth <= 0.0 and self._offset(ph, level, sent, now):
                 congested = False
-        if level <= Q_HIGH:
-            self._standing = None
+        if self._standing is not None and level < STANDING_KEEP * self._standing[0]:
+            self._standing = None  # it drained: a real queue (one that only dipped under Q_HIGH did not)
         if not congested:
             return None
         self._standing = (level, sent) if growth <= 0.0 else None
