@@ -59,6 +59,22 @@ def test_evaluations_come_five_times_as_often_past_steps() -> None:
     assert not any(evaluates(s, SimpleNamespace(eval_every=0, steps=300)) for s in range(1, 400))
 
 
+def test_diloco_evaluates_where_an_outer_average_landed() -> None:
+    """DiLoCo's replicas hold the swarm's model only right after an outer average lands: its curve is read there
+    (a reading mid-cycle measures replicas apart, and one every 25 steps missed most outer steps); DDP's ranks
+    of the same run keep their cadence."""
+    from types import SimpleNamespace
+
+    from peerd.tools.demo_gpt import evaluates
+
+    args = SimpleNamespace(eval_every=25, steps=300, mode="diloco", launcher="peerd")
+    assert evaluates(20, args, landed=True) and evaluates(23, args, landed=True)
+    assert not evaluates(25, args, landed=False) and not evaluates(50, args)
+    ddp = SimpleNamespace(eval_every=25, steps=300, mode="diloco", launcher="ddp")
+    assert evaluates(25, ddp) and not evaluates(20, ddp, landed=True)
+    assert not evaluates(20, SimpleNamespace(eval_every=0, steps=300, mode="diloco", launcher="peerd"), landed=True)
+
+
 @pytest.mark.timeout(240)
 def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
     """A few steps, 2 peers on loopback, then DDP: the headline fields are there and make sense."""

@@ -528,6 +528,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                                                                                        r["t_end"])
             curve = loss_curve(loss_evals, t_start, founders) if t_start is not None else []
             at_steps = [v for s, v, _ in curve if s == cfg.steps]
+            if not at_steps and not extra_steps(cfg) and curve:  # (no reading at --steps itself: DiLoCo's
+                at_steps = [curve[-1][1]]  # land after outer steps) the end of training is the model at --steps
             summary.update(extra_steps=extra_steps(cfg), val_loss_at_steps=at_steps[0] if at_steps else None)
             summary.update(val_loss=summary["final_loss"], val_accuracy=summary["accuracy"],
                            max_step_s=max(r.get("max_step_s", 0.0) for r in results),

@@ -68,12 +68,15 @@ def load_corpus(limit: int = TEXT_BYTES) -> Any:
     return text
 
 
-def evaluates(step: int, args: Any) -> bool:
+def evaluates(step: int, args: Any, landed: bool = False) -> bool:
     """Whether the whole validation split is evaluated after ``step``: every ``eval_every`` steps, and five times
     as often past ``steps`` (the extra steps are where a run close to its target crosses it: a coarse curve would
-    report the crossing up to ``eval_every`` steps late)."""
+    report the crossing up to ``eval_every`` steps late). DiLoCo's replicas hold the swarm's model only where an
+    outer average has just landed (``landed``): there, and only there, after every outer step."""
     if not args.eval_every:
         return False
+    if getattr(args, "mode", "sync") == "diloco" and getattr(args, "launcher", "peerd") == "peerd":
+        return landed
     every = args.eval_every if step <= args.steps else max(1, args.eval_every // 5)
     return step % every == 0
 
@@ -336,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         for key in ("auto", "phases"):
             if key in reply:
                 record[key] = reply[key]
-        if evaluates(step, args):
+        if evaluates(step, args, landed="outer" in reply):
             t_eval = time.monotonic()
             record["held_out_loss"], record["accuracy"] = evaluate(model, val)
             eval_s += time.monotonic() - t_eval
