@@ -19,7 +19,6 @@ import pytest
 
 from peerd.allreduce.host import MIN_PART, PART_S
 from peerd.transport import pacing, pacing_judge
-from peerd.transport.pacing_params import PHASE_S, Q_HIGH
 from peerd.transport.pacing import (
     BURST_S,
     CYCLE,
@@ -31,6 +30,7 @@ from peerd.transport.pacing import (
     SendPositions,
     Verdict,
 )
+from peerd.transport.pacing_params import PHASE_S, Q_HIGH
 
 
 def test_token_bucket_spaces_sends_at_the_rate() -> None:

@@ -105,7 +105,8 @@ def add_gpt_arguments(p: Any) -> None:
     p.add_argument("--batch", type=int, default=None, metavar="B",
                    help="gpt: sequences of 128 characters per step and peer (default 8)")
     p.add_argument("--eval-every", type=int, default=25, metavar="S",
-                   help="gpt: validation loss on the whole split every S steps (default 25)")
+                   help="gpt: validation loss on the whole split every S steps (default 25; --mode diloco: "
+                        "where each outer average lands instead; 0: never)")
     p.add_argument("--target-loss", type=float, default=None, metavar="L",
                    help="gpt: time_to_target_s's target without --baseline (with it: the baseline's final loss)")
     p.add_argument("--extra-steps", type=int, default=None, metavar="E",
