@@ -742,6 +742,26 @@ def test_a_range_missing_below_later_ones_is_waited_for_and_summed_when_it_comes
     np.testing.assert_allclose(a.result()[:80], (3 * xs[0][:80].astype(np.float64) + xs[1][:80]) / 4, atol=1e-6)
 
 
+def test_an_early_all_gather_block_is_as_large_as_the_reduce_scatters():
+    """Members send a block per destination in turn; blocks of one size keep the turns in step across members, so
+    an all-gather block going out while the reduce-scatter runs waits for a whole block of final ranges."""
+    xs, a, bodies = _owner_and_bodies(ranges=140)
+    for body in bodies[:50]:
+        a.receive(1, RS_DATA, body, 0.1)
+    first = a.blocks_to_send(64, 10_000)
+    assert [len(b.bodies) for b in first if b.type == RS_DATA] == [64, 64, 12]  # its own contribution
+    assert not [b for b in first if b.type == AG_DATA]  # 50 ranges final: AG_MIN_ROWS, not a block of 64
+    for body in bodies[50:70]:
+        a.receive(1, RS_DATA, body, 0.2)
+    ag = [b for b in a.blocks_to_send(64, 10_000) if b.type == AG_DATA]
+    assert [len(b.bodies) for b in ag] == [64] and not a.reduce_scatter_done
+    for body in bodies[70:]:
+        a.receive(1, RS_DATA, body, 0.3)
+    assert a.reduce_scatter_done
+    rest = [len(b.bodies) for b in a.blocks_to_send(64, 10_000) if b.type == AG_DATA]
+    assert sum(rest) == 140 - 64 and max(rest) == 64  # once the phase ended, the rest whatever is final
+
+
 def test_rows_for_final_ranges_in_a_block_are_not_summed_again_hostile():
     xs, a, bodies = _owner_and_bodies()
     for body in bodies[:36]:
