@@ -11,7 +11,8 @@ tbf's byte count (``tc -s``, payload plus IP, UDP and Ethernet headers) every se
   against ``cap_mbit``;
 - ``windows_mbit``: every window's rate in the capped direction, in order;
 - ``averages_complete``: every step of every trainer averaged with all members (``incomplete``: the first steps
-  that did not, as (trainer, step, outcome, group size));
+  that did not, as (trainer, step, outcome, group size); ``timeline``: every trainer's steps as (start, end,
+  outcome, group size), seconds from the first step's start);
 - ``round_s``: the median step of the capped member's trainer (after ``--warmup`` steps);
 - ``round_bound_s``: the least a round can take with the group's shards (the capped member's smaller one:
   allreduce.shards.capped_shares): each of the two phases lasts at least as long as its slowest member's part at
@@ -167,6 +168,7 @@ def summarize(records: list[list[dict[str, Any]]], cfg: CapsBenchConfig, windows
     complete = all(r["outcome"] == "averaged" and r["group_size"] == cfg.peers for rs in records for r in rs) and all(
         len(rs) == cfg.steps for rs in records)
     round_s = statistics.median(mine) if mine else float("nan")
+    t_first = min((rs[0]["t0"] for rs in records if rs), default=0.0)
     return {
         "peers": cfg.peers, "link": cfg.link, "direction": cfg.direction, "params": cfg.params, "steps": cfg.steps,
         "cap_mbit": round(cap_mbit, 3),
@@ -181,6 +183,10 @@ def summarize(records: list[list[dict[str, Any]]], cfg: CapsBenchConfig, windows
         "incomplete": [(i, k, r["outcome"], r["group_size"]) for i, rs in enumerate(records) for k, r in enumerate(rs)
                        if r["outcome"] != "averaged" or r["group_size"] != cfg.peers][:8],
         "node_caps": node_caps,
+        # every trainer's steps as (start, end, outcome, group size), seconds from the first step's start: which
+        # member left a group, and whether its rounds ended before or after the others'
+        "timeline": [[(round(r["t0"] - t_first, 3), round(r["t1"] - t_first, 3), r["outcome"], r["group_size"])
+                      for r in rs] for rs in records],
     }
 
 
