@@ -93,6 +93,30 @@ def test_a_capped_member_without_a_shard_sends_its_vector_once_and_nothing_in_th
             sent(equal, j, RS_DATA) + sent(equal, j, AG_DATA))
 
 
+def test_a_member_without_a_shard_waits_for_the_all_gather_after_its_own_slow_contributions():
+    """An upload-capped member owns no shard, so its all-gather starts at once; the owners answer only once its
+    contributions, slow at its cap, have reached them. Its all-gather's silence counts from when its driver says
+    they are out, so it gets the average, not its own vector back."""
+    length, per = 12000, 100
+    xs, ws = inputs(4, length, seed=5)
+    m = _group(xs, ws, per, capped_shares((False, False, False, True)))
+    capped = m[3]
+    outgoing = {i: core.datagrams_to_send(0.0, 10**6) for i, core in enumerate(m)}  # all handed out at once
+    capped.note_sent(5.0)  # ... and 5 s on the capped uplink
+    capped.handle_timer(5.0)
+    assert not capped.result_ready  # without note_sent: ended at once, nothing received
+    now = 5.0
+    while any(outgoing.values()):
+        for i, out in outgoing.items():
+            for o in out:
+                m[o.to].receive(i, o.type, o.body, now)
+        now += 0.01
+        outgoing = {i: core.datagrams_to_send(now, 10**6) for i, core in enumerate(m)}
+    exact = sum(w * x.astype(np.float64) for x, w in zip(xs, ws, strict=True)) / sum(ws)
+    assert capped.result_ready and capped.statistics().all_gather.datagrams_received == length // per
+    np.testing.assert_allclose(capped.result(), exact, rtol=0, atol=1e-5 * float(np.abs(exact).max()))
+
+
 # ---- matchmaking: who is marked capped, and who refuses ---------------------------------------------------------
 
 

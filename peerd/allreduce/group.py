@@ -335,6 +335,7 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         self._ag_woken = False  # a wake-up for final ranges is pending (``note_ready``)
         self._contig = [0] * n  # per sender: ranges below it all arrived or final (where its stream has a gap)
         self._block_rows = DEFAULT_BLOCK_ROWS
+        self._contributed = False  # the driver said its reduce-scatter blocks are all on the wire (``note_sent``)
         self._init_repair(options.repair_rounds, max_payload)
         self._left: list[Outgoing] = []  # rows of a block ``datagrams_to_send`` has not handed out yet
         # Counts phase ends, deadlines brought forward (an END that overtook data starts a short grace) and ranges
@@ -491,6 +492,19 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         listed in ``GroupStats.dead``."""
         self.remove_member(member, now)
         self._dead.add(member)
+
+    def note_sent(self, now: float) -> None:
+        """The driver has put every block it was handed on the wire by ``now``. Owners average a shard only once
+        this member's contributions have reached them, so an all-gather that began before those were out (no shard
+        of its own: its reduce-scatter had nothing to wait for) counts its silence from when they were, not from its
+        start. (An upload-capped member without a shard, whose vector took 3.5 s to leave at its cap, otherwise
+        found its all-gather long silent the moment its sending ended, closed it with nothing in and kept its own
+        vector as the average.)"""
+        if self._contributed or self.sending is Sending.REDUCE_SCATTER:
+            return
+        self._contributed = True
+        if self.state is State.ALL_GATHER:
+            self._ag.alive_at = max(self._ag.alive_at, now)
 
     def note_alive(self, member: int, now: float) -> None:
         """``member``'s daemon answered a PING at ``now`` (liveness.py): a receive phase that has had nothing of it

@@ -307,6 +307,12 @@ class AveragingHost:
         self._gated(group_id, g, g.core.blocks_to_send(g.rows, limit), out)
         return out
 
+    def note_sent(self, group_id: int, now: float) -> None:
+        """The driver has sent every block of the group it was handed, by ``now`` (GroupAverage.note_sent)."""
+        g = self._groups.get(group_id)
+        if g is not None:
+            g.core.note_sent(now)
+
     def repair_to_send(self, group_id: int, caught_up: Callable[[float], bool], now: float) -> list[SendBlock]:
         """The group's repair requests, done messages and resends due by ``now`` (GroupAverage.take_repair), for a
         driver mid-send: they go to the front of their member's queue. A grace or repair round that is over ends

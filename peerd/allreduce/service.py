@@ -304,6 +304,7 @@ class AllreduceService:
             while host.wants_to_send(group_id):
                 await self._send_blocks(host.datagrams_to_send(trio.current_time(), host.send_window(group_id),
                                                                 group_id=group_id), members, sent, group_id=group_id)
+                host.note_sent(group_id, trio.current_time())
             copies = host.due_copies(group_id, trio.current_time())
             if copies:
                 await self._send_blocks(copies, members, sent)
