@@ -23,7 +23,7 @@ def test_a_capped_member_keeps_to_its_cap_and_the_group_plans_for_it(direction: 
                           **{f"cap_{direction}": "20mbit"})  # type: ignore[arg-type]
     full = run_caps_bench(cfg, say=lambda *a: None)
     # (the figures a failure needs first: pytest cuts a long dict short)
-    keys = ("incomplete", "timeline", "max_1s_over_cap", "round_over_bound", "averages_complete", "outcomes")
+    keys = ("incomplete", "capped_received_min", "timeline", "max_1s_over_cap", "round_over_bound", "outcomes")
     out = {k: full[k] for k in keys} | full
     # Every average should hold all four members, and on a quiet machine every one does (`peerd bench caps`). In
     # some full-suite runs, though, members fell out of a round or two at once: one ran a step ahead and averaged
@@ -31,6 +31,9 @@ def test_a_capped_member_keeps_to_its_cap_and_the_group_plans_for_it(direction: 
     # and ``timeline`` show which and when; not yet explained, and not seen outside the suite). What this test holds
     # the cap to: no average failed, and most of every trainer's steps averaged with all four.
     assert "failed" not in out["outcomes"], out
+    # the capped member trains on the group's average: its all-gather arrived (it read 0.0 when an upload-capped
+    # member, slow to send its own vector, closed its all-gather before the owners could answer)
+    assert out["capped_received_min"] is not None and out["capped_received_min"] > 0.9, out
     assert all(sum(o == "averaged" and g == cfg.peers for _, _, o, g in steps) >= cfg.steps - 3
                for steps in out["timeline"]), out
     # the largest 1 s window on the lab's counters: never above the cap (+5 % for the counters' sampling: a window

@@ -19,6 +19,11 @@ ENTRY_OVERHEAD = 128  # bytes charged per body for its bookkeeping (tuple, list 
 MAX_WASTING = 4096  # tokens whose held data went unused, remembered (as many as the transport keeps tokens)
 
 
+def bodies_in(item: Any) -> int:
+    """Bodies in a held item: one (a body's bytes), or a held block's rows (an array of them)."""
+    return 1 if isinstance(item, bytes | bytearray | memoryview) else len(item)
+
+
 class _Bucket:
     __slots__ = ("first_at", "nbytes", "count", "items")
 

@@ -48,7 +48,7 @@ from ..wire.errors import WireError
 from .actions import Action, Bind, Completed, Dropped, HeldTimer, PacerVerdict, SendBlock, SendReport, Wake, merged
 from .frames import DATA_TYPES, BodyType, peek_group
 from .group import GroupAverage, Outcome, stage_elements
-from .held import HeldData
+from .held import HeldData, bodies_in
 from .liveness import SilenceWatch
 from .options import DEFAULT_OPTIONS, AverageOptions
 from .recent import RecentMembers
@@ -309,9 +309,7 @@ class AveragingHost:
 
     def note_sent(self, group_id: int, now: float) -> None:
         """The driver has sent every block of the group it was handed, by ``now`` (GroupAverage.note_sent)."""
-        g = self._groups.get(group_id)
-        if g is not None:
-            g.core.note_sent(now)
+        self._groups[group_id].core.note_sent(now)
 
     def repair_to_send(self, group_id: int, caught_up: Callable[[float], bool], now: float) -> list[SendBlock]:
         """The group's repair requests, done messages and resends due by ``now`` (GroupAverage.take_repair), for a
@@ -485,7 +483,7 @@ class AveragingHost:
             self._recent.popitem(last=False)
         self._recent_members.ended(g.peers, now)
         # (END copies from a token still unbound are repeats the finished group no longer needs: not data lost)
-        unbound = sum(_bodies(item[2]) for item in self.held.pop_group(group_id) if item[0] in DATA_TYPES)
+        unbound = sum(bodies_in(item[2]) for item in self.held.pop_group(group_id) if item[0] in DATA_TYPES)
         if unbound:
             actions.append(Dropped("unbound", unbound))
 
@@ -799,8 +797,3 @@ class AveragingHost:
                       "position": min(rep.position, 2**32 - 1), "arrived": rep.arrived}
             out.append(SendReport(core.group_id, i, peer, fields))
         return out
-
-
-def _bodies(held: bytes | np.ndarray) -> int:
-    """Bodies in a held item: one, or a held block's rows."""
-    return len(held) if isinstance(held, np.ndarray) else 1

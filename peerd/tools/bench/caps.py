@@ -13,6 +13,8 @@ tbf's byte count (``tc -s``, payload plus IP, UDP and Ethernet headers) every se
 - ``averages_complete``: every step of every trainer averaged with all members (``incomplete``: the first steps
   that did not, as (trainer, step, outcome, group size); ``timeline``: every trainer's steps as (start, end,
   outcome, group size), seconds from the first step's start);
+- ``capped_received_min``: the least share of an average's data that reached the capped member (its
+  all-gather; 1.0 on a lossless link);
 - ``round_s``: the median step of the capped member's trainer (after ``--warmup`` steps);
 - ``round_bound_s``: the least a round can take with the group's shards (the capped member's smaller one:
   allreduce.shards.capped_shares): each of the two phases lasts at least as long as its slowest member's part at
@@ -178,6 +180,10 @@ def summarize(records: list[list[dict[str, Any]]], cfg: CapsBenchConfig, windows
         "averages_complete": complete,
         "round_s": round(round_s, 4), "round_bound_s": round(bound, 4), "round_over_bound": round(round_s / bound, 4),
         "round_bound_equal_s": round(bound_equal, 4),
+        # the least of the capped member's averages that reached it (its all-gather; 1.0 on a lossless link): the
+        # average it trains on is the group's, not its own vector kept for want of the owners' shards
+        "capped_received_min": min((float(r["received_fraction"]) for r in records[CAPPED]
+                                    if r.get("received_fraction") is not None), default=None),
         "outcomes": sorted({r["outcome"] for rs in records for r in rs}),
         # (trainer, step, outcome, group size) of the first steps that did not average with every member
         "incomplete": [(i, k, r["outcome"], r["group_size"]) for i, rs in enumerate(records) for k, r in enumerate(rs)
@@ -251,5 +257,6 @@ def cmd_bench_caps(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     print(f"  {d}_max_1s_mbit: {result[f'{d}_max_1s_mbit']} ({result['max_1s_over_cap']:.3f} x cap)")
     print(f"  round_s: {result['round_s']}  round_bound_s: {result['round_bound_s']} "
           f"({result['round_over_bound']:.3f} x)")
-    print(f"  averages_complete: {result['averages_complete']}  outcomes: {result['outcomes']}")
+    print(f"  averages_complete: {result['averages_complete']}  outcomes: {result['outcomes']}  "
+          f"capped_received_min: {result['capped_received_min']}")
     return 0

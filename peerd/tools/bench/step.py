@@ -305,7 +305,8 @@ def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
             continue
         codec = step_codec(reply, cfg.compression)
         records.append({"seconds": report.seconds, "phases": report.phases, "outcome": report.outcome,
-                        "group_size": report.group_size, "kept": report.kept, "codec": codec, "t0": t0, "t1": t1})
+                        "group_size": report.group_size, "kept": report.kept, "codec": codec, "t0": t0, "t1": t1,
+                        "received_fraction": reply.get("received_fraction")})
     opt.close()
     with open(out, "w") as f:
         json.dump(records, f)
