@@ -11,6 +11,7 @@ import pytest
 from peerd.allreduce import GroupAverage, Layout
 from peerd.allreduce.group import GROUP_OPTIONS
 from peerd.allreduce.options import AverageOptions
+from peerd.allreduce.phase import Sending, State
 from peerd.allreduce.shards import MAX_SHARE, capped_shares
 
 from .support.groups import AG_DATA, GROUP, RS_DATA, GroupNet, inputs, payload_for
@@ -115,6 +116,40 @@ def test_a_member_without_a_shard_waits_for_the_all_gather_after_its_own_slow_co
     exact = sum(w * x.astype(np.float64) for x, w in zip(xs, ws, strict=True)) / sum(ws)
     assert capped.result_ready and capped.statistics().all_gather.datagrams_received == length // per
     np.testing.assert_allclose(capped.result(), exact, rtol=0, atol=1e-5 * float(np.abs(exact).max()))
+
+
+def test_a_member_without_a_shard_keeps_its_all_gather_open_while_its_contributions_are_handed_out():
+    """The driver hands a capped member's contributions out a batch at a time over seconds (its pacer at the cap);
+    its all-gather, running since the round began, must not end by silence meanwhile (no owner can answer before
+    they arrive), however often the timer fires, and counts its silence from the last batch on: a round with the
+    phase cap far off, as a daemon's, where a probe's answer once moved the deadline to 3 s into a 3.5 s send."""
+    length, per = 12000, 100
+    xs, ws = inputs(4, length, seed=5)
+    m = [GroupAverage(GROUP, 4, i, xs[i], ws[i], 0.0, max_payload=payload_for(per), options=replace(
+        GROUP_OPTIONS, shares=capped_shares((False, False, False, True)), floor_s=0.5, owner_lag_s=1.0,
+        max_phase_s=8.5)) for i in range(4)]
+    capped = m[3]
+    outgoing = {i: m[i].blocks_to_send(16, 10**6, 0.0) for i in range(3)}
+    now, mine = 0.0, []
+    while capped.sending is Sending.REDUCE_SCATTER:  # 4 rows each 0.1 s: 3 s of sending
+        mine += capped.blocks_to_send(4, 4, now)
+        capped.handle_timer(now)
+        assert capped.state is State.ALL_GATHER and not capped.result_ready, now
+        now += 0.1
+    assert 2.5 < now < 3.5 and capped.get_timer() >= now - 0.1 + 1.5  # (lag + floor from the last batch)
+    outgoing[3] = mine
+    while any(outgoing.values()):
+        for i, out in outgoing.items():
+            for b in out:
+                for row in b.whole():
+                    for _ in range(b.repeat):
+                        m[b.to].receive(i, b.type, bytes(row), now)
+        outgoing = {i: m[i].blocks_to_send(16, 10**6, now) for i in range(4)}
+        now += 0.01
+    exact = sum(w * x.astype(np.float64) for x, w in zip(xs, ws, strict=True)) / sum(ws)
+    assert capped.result_ready and capped.statistics().all_gather.datagrams_received == length // per
+    np.testing.assert_allclose(capped.result(), exact, rtol=0, atol=1e-5 * float(np.abs(exact).max()))
+    assert capped.get_timer() is None or capped.get_timer() > now  # (serving: nothing ended it early)
 
 
 # ---- matchmaking: who is marked capped, and who refuses ---------------------------------------------------------

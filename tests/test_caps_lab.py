@@ -31,9 +31,9 @@ def test_a_capped_member_keeps_to_its_cap_and_the_group_plans_for_it(direction: 
     # and ``timeline`` show which and when; not yet explained, and not seen outside the suite). What this test holds
     # the cap to: no average failed, and most of every trainer's steps averaged with all four.
     assert "failed" not in out["outcomes"], out
-    # (``capped_received_min``, the least of the capped member's all-gathers that arrived, is reported but not held
-    # here yet: an upload-capped member can still close an all-gather before the owners answer, in some rounds)
-    assert out["capped_received_min"] is not None, out
+    # the capped member got the group's average every round, not its own vector back (an upload-capped member owns
+    # no shard: its all-gather runs from the round's start while its vector leaves at the cap)
+    assert out["capped_received_min"] > 0.9, out
     assert all(sum(o == "averaged" and g == cfg.peers for _, _, o, g in steps) >= cfg.steps - 3
                for steps in out["timeline"]), out
     # the largest 1 s window on the lab's counters: never above the cap (+5 % for the counters' sampling: a window

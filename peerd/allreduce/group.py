@@ -414,6 +414,11 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         return self._rs.deadline(self.floor_s, self.safety, self.max_phase_s, None, 0.0)
 
     def _ag_deadline(self) -> float:
+        # While this member's own contributions are still being handed out, no owner can have finished its shard:
+        # the all-gather's silence means nothing yet and only its cap applies (a member without a shard, whose
+        # all-gather starts with the round, sends its whole vector first: 3.5 s at an upload cap of 20 Mbit/s).
+        if self.sending is Sending.REDUCE_SCATTER:
+            return math.inf if self.max_phase_s is None else self._ag.t0 + self.max_phase_s
         # An owner may end its reduce-scatter (by its own deadline, or late on a loaded CPU) after this member ended
         # its own, and only then starts sending its shard: the phase allows for that lag once.
         return self._ag.deadline(self.floor_s, self.safety, self.max_phase_s, self._rs.rate(), self.owner_lag_s)
@@ -503,6 +508,11 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         if self._contributed or self.sending is Sending.REDUCE_SCATTER:
             return
         self._contributed = True
+        self._contributions_out(now)
+
+    def _contributions_out(self, now: float) -> None:
+        """This member's contributions went out by ``now``: an all-gather running since before counts its silence
+        from there (one that starts later counts from its own start)."""
         if self.state is State.ALL_GATHER:
             self._ag.alive_at = max(self._ag.alive_at, now)
 

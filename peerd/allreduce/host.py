@@ -304,12 +304,13 @@ class AveragingHost:
         out = release(g, limit) if g.waiting else []
         if out and sum(len(b.bodies) for b in out) >= limit:
             return out
-        self._gated(group_id, g, g.core.blocks_to_send(g.rows, limit), out)
+        self._gated(group_id, g, g.core.blocks_to_send(g.rows, limit, now), out)
         return out
 
     def note_sent(self, group_id: int, now: float) -> None:
-        """The driver has sent every block of the group it was handed, by ``now`` (GroupAverage.note_sent)."""
-        self._groups[group_id].core.note_sent(now)
+        """The driver has sent every block it was handed by ``now`` (GroupAverage.note_sent; gated ones go later)."""
+        if not (g := self._groups[group_id]).waiting:
+            g.core.note_sent(now)
 
     def repair_to_send(self, group_id: int, caught_up: Callable[[float], bool], now: float) -> list[SendBlock]:
         """The group's repair requests, done messages and resends due by ``now`` (GroupAverage.take_repair), for a

@@ -64,10 +64,12 @@ class Outbox:
     """GroupAverage's sending: its reduce-scatter contributions, and its averaged shard as its ranges become final,
     a block at a time."""
 
-    def blocks_to_send(self, rows: int, limit: int) -> list[OutBlock]:
+    def blocks_to_send(self, rows: int, limit: int, now: float | None = None) -> list[OutBlock]:
         """Blocks of at most ``rows`` bodies each, about ``limit`` bodies in all: the all-gather of ranges of the own
         shard that are final (``ag_frontier``) first, then the reduce-scatter; once the own reduce-scatter phase has
-        ended, the rest of the all-gather. An empty list means nothing to send until something changes."""
+        ended, the rest of the all-gather. An empty list means nothing to send until something changes. ``now``
+        (the time they go): the call that hands out the last contribution starts the all-gather's silence there
+        (``note_sent``)."""
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
         if self._coded:
@@ -87,6 +89,8 @@ class Outbox:
                 if block is _DONE:
                     self._rs_gen = None
                     self.sending = advance(SEND_TRANSITIONS, self.sending, SendEvent.EXHAUSTED)
+                    if now is not None:
+                        self._contributions_out(now)
                     if self._ag_gen is _DONE:
                         self.sending = advance(SEND_TRANSITIONS, self.sending, SendEvent.EXHAUSTED)
                     continue
@@ -187,7 +191,7 @@ class Outbox:
         batch: list[Outgoing] = []
         while len(batch) < limit:
             if not self._left:
-                blocks = self.blocks_to_send(self._block_rows, 1)
+                blocks = self.blocks_to_send(self._block_rows, 1, now)
                 if not blocks:
                     break
                 for b in blocks:

@@ -60,9 +60,9 @@ class ByzantineGroupAverage(GroupAverage):
         log.warning("BYZANTINE FAULT INJECTION: this node corrupts its own reduce-scatter contributions (%s)"
                     " in group %#x; for demos and benchmarks only", mode, self.group_id)
 
-    def blocks_to_send(self, rows: int, limit: int) -> list[OutBlock]:
+    def blocks_to_send(self, rows: int, limit: int, now: float | None = None) -> list[OutBlock]:
         out = []
-        for block in super().blocks_to_send(rows, limit):
+        for block in super().blocks_to_send(rows, limit, now):
             if block.type == _RS_DATA:
                 block = self._corrupt_block(block)
             elif block.type == _RS_END and self.mode == "inflate-signflip":
