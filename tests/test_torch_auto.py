@@ -101,10 +101,11 @@ def test_bad_sizes_refused():
 # -- wired into peerd.torch.Optimizer (an in-process daemon: real socket, arena and TrainerService) -------------
 
 def _replicas(tmp_path, delay_s: float, compute_s: float | tuple[float, float], steps: int = 8,
-              every: int | str = 0, received_fraction: float = 1.0, complete: bool = True):
+              every: int | str = 0, received_fraction: float = 1.0, complete: bool = True, overlap: bool = False):
     """Two replicas of a 262,656-parameter model with compression="auto" (the default) train ``steps`` steps
     against rounds that take ``delay_s`` and compute that takes ``compute_s`` (one for both, or each its own), each
-    round reporting ``received_fraction`` and ``complete``; their replies and models."""
+    round reporting ``received_fraction`` and ``complete`` (``overlap``: DeAR buckets); their replies and
+    models."""
     import threading
     import time
 
@@ -120,19 +121,26 @@ def _replicas(tmp_path, delay_s: float, compute_s: float | tuple[float, float], 
         for _ in range(2):
             torch.manual_seed(0)
             models.append(torch.nn.Linear(512, 512))
+        more = [{"overlap": True, "model": m, "bucket_mb": 0.5} if overlap else {} for m in models]
         opts = [Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="auto", socket=d.path, sync_state=False,
-                          average_params_every=every, state_every=0) for m in models]
+                          average_params_every=every, state_every=0, **kw) for m, kw in zip(models, more, strict=True)]
         replies: list[list[dict]] = [[], []]
 
         def worker(i: int) -> None:
             for s in range(steps):
                 g = torch.Generator().manual_seed(100 * i + s)
                 opts[i].zero_grad()
+                opts[i].last_microbatch(4)  # (overlap: its buckets go out during backward; else nothing)
                 models[i](torch.randn(4, 512, generator=g)).pow(2).mean().backward()
                 time.sleep(compute_s[i] if isinstance(compute_s, tuple) else compute_s)
                 replies[i].append(opts[i].step(samples=4))
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        threads = [threading.Thread(target=o.flush) for o in opts]  # (overlap: the last step's updates)
         for t in threads:
             t.start()
         for t in threads:
@@ -156,6 +164,33 @@ def test_optimizer_auto_switches_both_replicas_to_int8_on_a_slow_link(tmp_path) 
     # `peerd status` (the daemon's trainer sessions): the codec and the choice with its reason
     assert len(status) == 2 and all(t.compression == "int8" and t.auto["compression"] == "int8"
                                     and "int8" in t.auto["reason"] for t in status), status
+
+
+def test_optimizer_auto_switches_overlapping_replicas_to_int8_on_a_slow_link(tmp_path) -> None:
+    """With overlap=True too: the buckets of the choosing step come back first, then both replicas average in
+    int8 (a step's reply reports the step before it: overlap's buckets come back during the next forward)."""
+    import torch
+
+    replies, models, opts, status = _replicas(tmp_path, delay_s=0.2, compute_s=0.0, overlap=True)
+    for r in replies:
+        assert len(r) == 8 and all(x["outcome"] == "averaged" for x in r[1:]), r
+        assert "auto" not in r[3] and r[4]["auto"]["compression"] == "int8", r
+        assert r[-1]["auto"]["compression"] == "int8" and "unbiased" in r[-1]["auto"]["reason"]
+    assert all(o.compression == "int8" and o.overlap for o in opts)
+    assert bool(torch.equal(models[0].weight, models[1].weight))  # the replicas averaged alike after the switch
+    assert len(status) == 2 and all(t.compression == "int8" for t in status), status
+
+
+def test_overlap_auto_measures_compute_without_the_waits_for_buckets(tmp_path) -> None:
+    """Overlap's forward waits for the last step's buckets (rounds of 0.3 s here): that wait is communication, so
+    the compute the choice weighs is the replica's own (50 ms), not 0.3 s."""
+    import re
+
+    replies, _, opts, _ = _replicas(tmp_path, delay_s=0.3, compute_s=0.05, steps=6, overlap=True)
+    for r, o in zip(replies, opts, strict=True):
+        why = r[-1]["auto"]["reason"]
+        compute_ms = float(re.search(r"against (\d+) ms of compute", why).group(1))
+        assert 40 <= compute_ms < 150 and o._overlap.waited_s > 0.5, why
 
 
 def test_optimizer_auto_keeps_fp32_when_compute_dominates(tmp_path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..localsock.client import DaemonError
@@ -52,6 +53,9 @@ class AutoSteps:
     _auto_codec: bool
     _auto_every: bool
     _client: Any
+
+    connect: Callable[[], None]
+    flush: Callable[[], None]  # overlap: every bucket still out comes back (else nothing)
 
     def _auto_step(self, reply: dict[str, Any], compute_s: float | None) -> None:
         """compression or average_params_every "auto": measure this step; at AUTO_STEP choose (every member at the
@@ -117,6 +121,7 @@ class AutoSteps:
         else:
             self.compression = choice.compression
             self.codec_options = {"compression": choice.compression}
+            self.flush()  # overlap: this step's buckets come back in the old session first (else nothing)
             for attempt in range(40):  # the daemon releases the old session when it sees the connection close
                 try:
                     self.connect()

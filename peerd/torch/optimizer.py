@@ -80,7 +80,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
     round averaged and left this replica on the group's common result (every all-gather range arrived, repairs
     included; lost reduce-scatter data only lowers a range's weight alike for all), so replicas stay identical
     without the averages; each member announces its
-    pick and from step AGREE_STEP all apply the least announced; with overlap, 10),
+    pick and from step AGREE_STEP all apply the least announced),
     ``no_group`` (what to do when no group forms or a round fails: "local" takes a local step and counts it,
     "skip" skips the step, "raise" raises NoGroupError), ``sync_state`` (download the swarm's state before the
     first step), ``state_every`` (publish a snapshot for joiners every this many steps; 0: never), ``nslots``,
@@ -94,7 +94,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
     pass the same; None: the run's, fp32 unless set; "auto", the default: float32 for the first AUTO_STEP steps,
     then what peerd.torch.auto picks from the link rate and compute time measured, int8 where float32's transfer
     would take over a quarter of the compute, with the choice and its reason in every step's reply under "auto"
-    and in `peerd status`; a joiner takes the swarm's choice with its state; with overlap, fp32),
+    and in `peerd status`; a joiner takes the swarm's choice with its state),
     ``quant_group`` and ``rounding`` (int8/int4: values per scale and min, default 128; "stochastic", the
     default, or "nearest"), ``clip_grad_norm`` (clip the averaged gradient to this norm after averaging, just
     before the wrapped optimizer steps: what ``clip_grad_norm_`` after ``backward()`` does under DDP, whose
@@ -155,8 +155,8 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
             if quant_group is not None or rounding is not None or topk_ratio is not None:
                 raise ValueError("quant_group, rounding and topk_ratio name a codec: not with compression='auto'")
             compression = None
-        if (self._auto_codec or self._auto_every) and not overlap:
-            self._auto_probe = []  # (overlap's buckets are in flight across steps: fp32, the default period)
+        if self._auto_codec or self._auto_every:
+            self._auto_probe = []
         if compression is not None and compression not in CODECS:
             raise ValueError(f"compression must be one of {CODECS} or None, got {compression!r}")
         if (quant_group is not None or rounding is not None) and compression not in ("int8", "int4"):
@@ -217,6 +217,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         self.founder: dict[str, Any] | None = None  # how this founder agreed on the initial state (sync_state)
         self.synced_from: dict[str, Any] | None = None
         self._last_end: float | None = None
+        self._waited_mark = 0.0  # overlap: its waits for buckets as of the last step's end
         self._last_call: float | None = None
         self._client: LocalClient | None = None
         self.session = 0
@@ -514,17 +515,25 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         return self._finish_step(reply, t0, phases)
 
     def _step_overlap(self, samples: int | float, loss: float | None) -> dict[str, Any]:
+        overlap = self._overlap
+        assert overlap is not None
         t0 = time.monotonic()
-        reply = self._overlap.step(samples, loss)  # type: ignore[union-attr]
+        # the caller's compute since the last step, without the waits for averaged buckets in its forward
+        compute_s = None if self._last_end is None else t0 - self._last_end - (overlap.waited_s - self._waited_mark)
+        reply = overlap.step(samples, loss)  # (the statistics of the last step whose buckets all came back)
         phases = empty_phases()
         add_phases(phases, reply.get("phases") or {})
+        self._auto_step(reply, compute_s)  # at AUTO_STEP: the codec, the period (a codec switch flushes first)
         k = self.average_params_every
         if k and self.step_count % k == 0:  # numbered by step count: replicas in step name the same round
-            reply["params"] = self.average_parameters(round_no=self.step_count // k)
+            base = PERIOD_LADDER[0] if self._auto_every else k  # (members on other rungs meet at the longer one's)
+            reply["params"] = self.average_parameters(round_no=self.step_count // base)
             add_phases(phases, reply["params"].get("phases", {}))
         if self.state_every and self.step_count % self.state_every == 0:
             self.publish_state()
-        return self._finish_step(reply, t0, phases)
+        out = self._finish_step(reply, t0, phases)
+        self._waited_mark = overlap.waited_s
+        return out
 
     def _follow_swarm(self, reply: dict[str, Any]) -> None:
         """Note the round of this step; a joiner's first averaged round also tells it how many rounds the swarm

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -251,6 +252,7 @@ class Overlap:
         for i, p in enumerate(owner.params):
             if p.requires_grad:
                 self.handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i)))
+        self.waited_s = 0.0  # seconds spent waiting for averaged buckets (communication, not compute: auto)
         self.covered: set[int] = set()
         for m in model.modules():
             own = tuple(index[id(p)] for p in m.parameters(recurse=False) if id(p) in index)
@@ -407,11 +409,14 @@ class Overlap:
             reply: dict[str, Any] = {"outcome": "nonfinite", "group_size": 1, "received_fraction": 0.0,
                                      "error": "this replica's gradients are not finite"}
         else:
+            t0 = time.monotonic()
             try:
                 reply = o._client.collect(rid, timeout=o.timeout_s + 30.0)
             except Exception as e:
                 self._lost(str(e))
                 raise _daemon_error(f"averaging gradient bucket {b} of step {o.step_count - 1} failed: {e}") from None
+            finally:
+                self.waited_s += time.monotonic() - t0
             if reply.get("outcome") == "averaged":
                 bucket = self.schedule.buckets[b]
                 result = o._slots[o.arena.slot_of(st.step)][bucket.offset: bucket.offset + bucket.length]
