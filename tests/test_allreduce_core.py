@@ -799,3 +799,46 @@ def test_without_overlap_the_all_gather_waits_for_the_reduce_scatter():
     for body in bodies[1:36]:
         a.receive(1, RS_DATA, body, 0.1)
     assert not [o for o in a.datagrams_to_send(0.2, 10_000) if o.type == AG_DATA]
+
+
+def test_a_phase_awaits_its_tail_once_at_most_tail_datagrams_are_left():
+    """awaits_tail (the receive loop then reads at once, not letting data queue): true while at most
+    TAIL_DATAGRAMS of the current receive phase are still to come, false mid-stream and once both phases ended."""
+    from peerd.allreduce.phase import TAIL_DATAGRAMS
+
+    per, stream = 10, TAIL_DATAGRAMS + 50
+    xs, ws = inputs(2, 2 * per * stream, seed=3)
+    a, b = make_group(xs, ws, per)
+    rs = [o for o in b.datagrams_to_send(0.0, 10**6) if o.type == RS_DATA]
+    assert len(rs) == stream and not a.awaits_tail
+    tail_at = []
+    for k, o in enumerate(rs):
+        a.receive(1, o.type, o.body, 0.0)
+        if a.awaits_tail and not tail_at:
+            tail_at.append(k + 1)
+    assert tail_at == [stream - TAIL_DATAGRAMS]
+    net = GroupNet([a, b])
+    net.run()
+    assert a.finished and not a.awaits_tail and not b.awaits_tail
+
+
+@pytest.mark.parametrize(("n", "c", "early"), [(2, 1e6, True), (2, 2.0, True), (2, 1.5, False), (3, 1e6, False)])
+def test_of_two_members_robust_clip_that_cannot_bind_lets_the_all_gather_overlap(n, c, early):
+    """Of two members a median is their mean: clipping at C >= 2 times it and the weight bound (2x) cannot bind,
+    and the direction test needs three, so the owner averages as without robust and sends final ranges while its
+    reduce-scatter runs; a C below 2, or a third member, keeps the wait for every contribution."""
+    per, stream = 10, 200  # (an owner's all-gather goes a block of ranges at a time: more than one block)
+    xs, ws = inputs(n, n * per * stream, seed=4)
+    m = make_group(xs, ws, per, robust=Robust("clip", c))
+    rs = [o for o in m[1].datagrams_to_send(0.0, 10**6) if o.type == RS_DATA and o.to == 0]
+    for o in rs[: 3 * stream // 4]:
+        m[0].receive(1, o.type, o.body, 0.0)
+    sent = [o.type for o in m[0].datagrams_to_send(0.0, 10**6)]
+    assert (AG_DATA in sent) is early
+    if not early:
+        return
+    fresh = make_group(xs, ws, per, robust=Robust("clip", c))  # (the average of both, as without robust)
+    GroupNet(fresh).run()
+    mean = sum(w * x.astype(np.float64) for w, x in zip(ws, xs, strict=True)) / sum(ws)
+    for core in fresh:
+        np.testing.assert_allclose(core.result(), mean, rtol=0, atol=1e-6 * np.abs(mean).max())

@@ -78,6 +78,7 @@ from .phase import (
     COMPLETION,
     DEADLINE,
     IN_ORDER_GRACE_S,
+    TAIL_DATAGRAMS,
     TRANSITIONS,
     Event,
     GroupStats,
@@ -88,6 +89,7 @@ from .phase import (
     advance,
 )
 from .repair import SERVE_S, Repair
+from .robust import WEIGHT_BOUND
 from .shards import Layout, elements_per_datagram
 
 __all__ = [  # the core's public names, wherever in the package they are defined
@@ -165,6 +167,11 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
             raise ValueError(f"options must be an AverageOptions, got {options!r}")
         self.options = options
         floor_s, max_phase_s, robust, codec = options.floor_s, options.max_phase_s, options.robust, options.codec
+        if robust is not None and robust.mode == "clip" and min(robust.c, WEIGHT_BOUND) >= 2 and n == 2:
+            # Of two members the median is their mean, so each norm and weight is at most twice it: neither bound
+            # can bind, and the direction test needs three. Without the step the all-gather overlaps the
+            # reduce-scatter instead of waiting for every contribution (the same result, sooner).
+            robust = None
         if type(group_id) is not int or not 0 <= group_id <= 0xFFFFFFFF:
             raise ValueError(f"group_id must be a u32, got {group_id!r}")
         if type(n) is not int or n < 1:
@@ -396,6 +403,16 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         """Result ready, every datagram produced, and no member this owner serves may still ask it for ranges: the
         driver can forget this group."""
         return self.result_ready and not self.wants_to_send and not self._serving
+
+    @property
+    def awaits_tail(self) -> bool:
+        """What arrives next ends one of this group's waits: a receive phase's last TAIL_DATAGRAMS, an END's grace, a
+        repair round, or (an owner serving) a member's request. The receive loop reads such data at once instead of
+        letting it queue to save passes (``Inbound.reads_now``): a phase's end waits for it."""
+        if self._serving:
+            return True
+        phase = self._rs if self.state is State.REDUCE_SCATTER else self._ag if self.state is State.ALL_GATHER else None
+        return phase is not None and bool(phase.remaining <= TAIL_DATAGRAMS or phase.ending or phase.repairing)
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` should next be called; None once both receive phases have ended.

@@ -250,6 +250,10 @@ class AveragingHost:
     def running(self, group_id: int) -> bool:
         return group_id in self._groups
 
+    def awaits_tail(self) -> bool:
+        """A group here waits on what arrives next (GroupAverage.awaits_tail): the receive loop reads it at once."""
+        return any(g.core.awaits_tail for g in self._groups.values())
+
     def wants_to_send(self, group_id: int) -> bool:
         """``datagrams_to_send`` may have something (it may still return nothing for a slice: call it again)."""
         g = self._groups[group_id]
@@ -272,8 +276,7 @@ class AveragingHost:
         g = self._groups.get(group_id)
         return g is not None and g.released
 
-    def release(self, group_id: int, kernel_drops: int, now: float, *,
-                arrivals: Sequence[float] | None = None) -> None:
+    def release(self, group_id: int, kernel_drops: int, now: float, *, arrivals: Sequence[float] | None = None) -> None:
         """Hand the result on before the group is finished (``can_release``): queues its last REPORTs and its
         Completed now; the group stays, serving repairs from a copy of its own shard, until ``finish``. A step
         then pays for its own missing ranges, not for its slowest member's."""
@@ -282,8 +285,7 @@ class AveragingHost:
             raise RuntimeError(f"group {group_id:#x} has no result to hand on yet")
         g.core.keep_shard(self._take_spare)
         g.released = True
-        # Blocks still gated (for members not heard from yet) may be views of the caller's buffer, which it may
-        # reuse from now on: they keep copies.
+        # gated blocks (members not heard from yet) may be views of the caller's buffer, which it may reuse: copies
         for to, blocks in g.waiting.items():
             g.waiting[to] = [b if b.values is None else replace(b, values=b.values.copy()) for b in blocks]
         self._actions.extend(self._reports(g, now, kernel_drops, final=True, arrivals=arrivals))
@@ -291,9 +293,8 @@ class AveragingHost:
 
     def send_window(self, group_id: int) -> int:
         """A ``datagrams_to_send`` limit that yields about one block per destination, for a driver that sends their
-        parts in turn: then every member's downlink gets an even share of each sender's uplink all the time,
-        not one sender's whole uplink for a block (~40 ms at 100 Mbit/s: over the 20 ms a link's queue holds
-        when two senders pick the same member at once)."""
+        parts in turn: every member's downlink gets an even share of each sender's uplink all the time, not one
+        sender's whole uplink for a block (~40 ms at 100 Mbit/s: over the 20 ms a link's queue holds)."""
         g = self._groups[group_id]
         return max(BATCH, g.rows * (len(g.peers) - 1))
 
@@ -464,8 +465,7 @@ class AveragingHost:
         g.report_at = now + self.report_interval_s
         return self._reports(g, now, kernel_drops, final=False, arrivals=arrivals)
 
-    def finish(self, group_id: int, kernel_drops: int, now: float, *,
-               arrivals: Sequence[float] | None = None) -> None:
+    def finish(self, group_id: int, kernel_drops: int, now: float, *, arrivals: Sequence[float] | None = None) -> None:
         """The group's driver is done with it (finished, or cancelled: then nothing to send). Queues a finished
         group's last REPORTs (what arrived since the last one, and the lost tail) and its Completed; the
         group's REPORTs keep counting while it is among the ``recent_groups`` latest, and what is still held

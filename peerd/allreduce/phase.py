@@ -9,6 +9,9 @@ import math
 from dataclasses import dataclass, field
 
 IN_ORDER_GRACE_S = 0.005  # an END of a stream that came in order so far: the wait for the rest (Phase.note_end)
+# a receive phase's last datagrams (over all its streams) are read as they come, not let queue
+# (GroupAverage.awaits_tail): about what one coalescing pause lets in from three senders at 100 Mbit/s
+TAIL_DATAGRAMS = 128
 # A repair round's wait (protocol/allreduce.md, "Repair"): at least this (a round trip on a loaded path, its queue
 # included), plus ``safety`` times the ranges asked for at the rate their owner's stream arrived.
 REPAIR_FLOOR_S = 0.03

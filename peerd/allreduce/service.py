@@ -46,7 +46,6 @@ from .host import (
 from .options import DEFAULT_OPTIONS, AverageOptions
 
 log = logging.getLogger("peerd.allreduce")
-CATCH_UP_POLL_S = 0.002  # how often a phase deadline re-checks that the receive loop has caught up to it
 # A send loop that never waits for its pacer lets other tasks in (the receive loop, the DHT) once its socket holds
 # SEND_YIELD_QUEUED bytes (about one receive pass: the receive loop takes an arena of 1 MB a pass) or SEND_YIELD_S
 # passed. Each yield is a receive pass: yielding after every part (about 1 MB) makes more, smaller passes and costs
@@ -117,6 +116,7 @@ class AllreduceService:
         endpoint.on_message(m.MsgType.REPORT, self._on_report)
         endpoint.on_bind(self._on_bind)
         endpoint.protected_tokens = self.host.protected_tokens  # running groups' data is never shed
+        endpoint.reads_now = self.host.awaits_tail  # a phase's tail is read as it comes
 
     @property
     def pacer(self) -> Pacer:
@@ -336,9 +336,7 @@ class AllreduceService:
         most ``most_s`` longer than ``at`` or than now, whichever is later: a node behind on its own queue must not
         call its members' data late, and a node whose process was not scheduled until well past ``at`` (starved of
         CPU) has had no time to read what came before it."""
-        give_up = max(at, trio.current_time()) + most_s
-        while not self.endpoint.caught_up(at) and trio.current_time() < give_up:
-            await trio.sleep(CATCH_UP_POLL_S)
+        await self.endpoint.wait_caught_up(at, max(at, trio.current_time()) + most_s)
 
     async def _probe(self, a: ProbeMember, addr: Address) -> None:
         """PING a member whose stream went silent (the host's ProbeMember) and tell the host who answered. The PING

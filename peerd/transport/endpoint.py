@@ -155,10 +155,15 @@ class Endpoint(Inbound):
         self._timer_moved = trio.Event()
         self._pause_s = 0.0  # the last receive pass's decision: how long the loop waits before the next
         self._in_hand = False  # the receive loop holds a pass it has read off the socket and not handled yet
+        self._pass_ended = trio.Event()  # set (and replaced) as each receive pass ends: ``caught_up``'s waiters wake
         self._bind_hooks: list[Callable[[int, bytes], None]] = []
         # the tokens an overloaded receive pass never sheds, asked at the pass's time (the averaging host's groups'
         # members)
         self.protected_tokens: Callable[[float], dict[int, None]] | None = None
+        # whether a reader waits on what arrives next (the averaging host's groups at a phase's tail): the receive
+        # loop then skips a pass's trickle pause, which would hold that data queued for up to COALESCE_S
+        self.reads_now: Callable[[], bool] | None = None
+        self._pause_why = ""  # the last receive pass's decision: why it pauses (PassDecision.why)
         self._type_names = {t.value: t.name.lower() for t in m.MsgType}
         self._handler_errors = 0
         # Prometheus children of the receive policy's counts, looked up once (a ``labels`` lookup costs about a

@@ -41,6 +41,7 @@ from .rpc import Address, Incoming, Peer, RpcError
 log = logging.getLogger("peerd.transport")
 
 RECV_DATAGRAMS = 1024  # per receive pass (the socket's arena caps it near 1 MB: ~1 ms of opening when sealed)
+CATCH_UP_CHECK_S = 0.02  # wait_caught_up looks again this often even when no receive pass ends
 
 
 def _yes() -> bool:
@@ -115,7 +116,7 @@ class Inbound:
             if isinstance(action, Deliver):
                 self._deliver(action.message, action.mtype, action.rid, action.source, now)
             elif isinstance(action, PassDecision):  # the receive loop waits this long before its next pass
-                self._pause_s = action.pause
+                self._pause_s, self._pause_why = action.pause, action.why
             elif isinstance(action, AddressValidated):
                 self._outbox.append(("validated", action.addr))
             else:
@@ -175,8 +176,12 @@ class Inbound:
             end = trio.current_time()
             self.core.receive_pass(datagrams, backlog, now, end)
             self._in_hand = False
+            self._pass_ended.set()
+            self._pass_ended = trio.Event()
             self.carry_out(self.core.take_actions(), end)  # the pass's PassDecision sets _pause_s
             pause, self._pause_s = self._pause_s, 0.0
+            if pause > 0 and self._pause_why == "trickle" and self.reads_now is not None and self.reads_now():
+                pause = 0.0
             if pause > 0:
                 await pause_timer.wait(pause)
                 end = trio.current_time()
@@ -204,6 +209,13 @@ class Inbound:
             return False
         queued = getattr(self.sock, "queued", None)
         return queued is None or queued() == 0
+
+    async def wait_caught_up(self, at: float, give_up: float) -> None:
+        """Until ``caught_up(at)``, or ``give_up`` (trio time): it is checked as each receive pass ends, and every
+        CATCH_UP_CHECK_S besides (a socket emptied by another reader)."""
+        while not self.caught_up(at) and (now := trio.current_time()) < give_up:
+            with trio.move_on_at(min(give_up, now + CATCH_UP_CHECK_S)):
+                await self._pass_ended.wait()
 
     def receive_batch(self, batch: list[tuple[Any, Address, int]], now: float) -> int:
         """Handle one receive's datagrams and GRO blocks (data, source, segment) without awaiting: what to
