@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from peerd.allreduce import HEADER_SIZE, GroupAverage
 from peerd.allreduce.frames import pack_block, pack_data, view_block
 from peerd.allreduce.group import GROUP_OPTIONS, IN_ORDER_GRACE_S
+from peerd.allreduce.phase import REORDER_SAFETY
 from peerd.compress import codec
 from peerd.wire import Opener, Sealer
 
@@ -258,16 +259,28 @@ def test_end_after_an_in_order_streams_last_datagram_waits_only_briefly() -> Non
     assert cores[0].reduce_scatter_done
 
 
-def test_end_of_a_reordered_stream_keeps_the_full_grace() -> None:
+def test_end_of_a_reordered_stream_waits_by_how_late_its_data_came() -> None:
+    """A stream seen reordered waits IN_ORDER_GRACE_S plus REORDER_SAFETY times the longest one of its datagrams
+    came after a later one (here 10 ms: 35 ms in all, within the 50 ms grace); data in that wait still counts."""
     cores, data, end = _two_cores()
     cores[0].receive(1, RS_DATA, data[-1].body, 0.0)
-    cores[0].receive(1, RS_DATA, data[0].body, 0.0)  # came after a later one: this path reorders
-    cores[0].receive(1, RS_END, end.body, 0.01)
-    assert cores[0].get_timer() == pytest.approx(0.06)
+    cores[0].receive(1, RS_DATA, data[0].body, 0.01)  # came 10 ms after a later one: this path reorders
+    cores[0].receive(1, RS_END, end.body, 0.02)
+    assert cores[0].get_timer() == pytest.approx(0.02 + IN_ORDER_GRACE_S + REORDER_SAFETY * 0.01)
     cores[0].receive(1, RS_DATA, data[1].body, 0.05)  # late, still in time
     assert not cores[0].reduce_scatter_done and cores[0]._rs.received[1] == 3
-    cores[0].handle_timer(0.061)
+    cores[0].handle_timer(0.056)
     assert cores[0].reduce_scatter_done
+
+
+def test_end_of_a_stream_reordered_within_one_receive_waits_the_short_grace() -> None:
+    """Reordered by no measurable time (two datagrams of one receive pass, out of order): the in-order wait."""
+    cores, data, end = _two_cores()
+    cores[0].receive(1, RS_DATA, data[-1].body, 0.0)
+    cores[0].receive(1, RS_DATA, data[0].body, 0.0)
+    cores[0].receive(1, RS_END, end.body, 0.01)
+    assert cores[0]._rs.reordered[1]
+    assert cores[0].get_timer() == pytest.approx(0.01 + IN_ORDER_GRACE_S)
 
 
 # groups of 2-4 members averaging up to 200 values, a few per datagram, with or without loss

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 IN_ORDER_GRACE_S = 0.005  # an END of a stream that came in order so far: the wait for the rest (Phase.note_end)
+REORDER_SAFETY = 3.0  # ... and of one seen reordered, this many times more its latest datagram's lateness (grace_s)
 # a receive phase's last datagrams (over all its streams) are read as they come, not let queue
 # (GroupAverage.awaits_tail): about what one coalescing pause lets in from three senders at 100 Mbit/s
 TAIL_DATAGRAMS = 128
@@ -148,6 +149,8 @@ class Phase:
         "received",
         "top",
         "reordered",
+        "top_at",
+        "late_s",
         "first_at",
         "last_at",
         "done",
@@ -181,6 +184,9 @@ class Phase:
         self.received = [0] * len(expected)
         self.top = [0] * len(expected)  # per sender: one past the highest datagram index that arrived
         self.reordered = [False] * len(expected)  # per sender: a datagram arrived after one sent later
+        self.top_at = [0.0] * len(expected)  # per sender: when its top last rose
+        # per sender: the longest a datagram was seen to arrive after one sent later (now - top_at: at least that)
+        self.late_s = [0.0] * len(expected)
         self.first_at = [0.0] * len(expected)  # per sender: when its first data arrived
         self.last_at = [0.0] * len(expected)  # per sender: when its latest data arrived
         # a stream with nothing to carry (empty shard, or this member itself) is complete from the start
@@ -232,8 +238,9 @@ class Phase:
         self.behind[s] = k < self.top[s]
         if k >= self.top[s]:
             self.top[s] = k + 1
+            self.top_at[s] = now
         elif s not in self.repairing:  # (resent ranges come below the top, as asked)
-            self.reordered[s] = True
+            self._reordered(s, now)
         if received == 1:
             self.first_at[s] = now
         self.last_at[s] = now
@@ -247,6 +254,17 @@ class Phase:
                 return self.last_arrived(s, now)
         return False
 
+    def _reordered(self, s: int, now: float) -> None:
+        self.reordered[s] = True
+        self.late_s[s] = max(self.late_s[s], now - self.top_at[s])
+
+    def grace_s(self, s: int) -> float:
+        """How long stream s's END (or last datagram) waits for data still missing: IN_ORDER_GRACE_S for a stream
+        that came in index order (what is missing was sent before it: lost, not late), plus REORDER_SAFETY times
+        the longest a datagram of it arrived after one sent later where it reordered; at most ``grace``: a path
+        that reorders by microseconds (a host's per-CPU queues) need not wait the full grace every phase."""
+        return min(self.grace, IN_ORDER_GRACE_S + REORDER_SAFETY * self.late_s[s])
+
     def _complete(self, s: int) -> None:
         self.done[s] = True
         self.open -= 1
@@ -258,10 +276,10 @@ class Phase:
     def _repaired_through(self, s: int, k: int, now: float) -> bool:
         """Range ``k`` of a stream in repair arrived: where it is the last one its round asked for, the owner has
         sent the round (in index order), and what is still missing of it is lost: the round ends after the short
-        grace (the full one on a path seen reordering). True when the wait moved earlier."""
+        grace (``grace_s``). True when the wait moved earlier."""
         if k < self.want_last[s]:
             return False
-        until = now + (self.grace if self.reordered[s] else min(self.grace, IN_ORDER_GRACE_S))
+        until = now + self.grace_s(s)
         if until < self.repairing[s]:
             self.repairing[s] = until
             return True
@@ -322,7 +340,7 @@ class Phase:
         whose last datagram arrived and no END after it. True when a grace started (the deadline moved)."""
         if self.grace <= 0 or self.done[s] or s in self.ending or s in self.repairing:
             return False
-        self.ending[s] = now + (self.grace if self.reordered[s] else min(self.grace, IN_ORDER_GRACE_S))
+        self.ending[s] = now + self.grace_s(s)
         return True
 
     def close(self, s: int) -> None:
@@ -344,9 +362,10 @@ class Phase:
         self.behind[s] = k_max < self.top[s]
         if k_max - count + 1 < self.top[s] and s not in self.repairing:  # (the block's lowest index is at most this:
             # in order it is not; resent ranges come below the top, as asked)
-            self.reordered[s] = True
+            self._reordered(s, now)
         if k_max >= self.top[s]:
             self.top[s] = k_max + 1
+            self.top_at[s] = now
         if received == count:
             self.first_at[s] = now
         self.last_at[s] = now
@@ -366,13 +385,13 @@ class Phase:
         order so far, what is missing was sent before the END that arrived, so it is nearly surely lost, not
         late: the wait is IN_ORDER_GRACE_S at most (under random loss nearly every stream misses some, and the
         full grace would cost every phase its length; not waiting at all loses reordered data in the host tests
-        with 3 ms of jitter). A stream seen reordered keeps the full grace."""
+        with 3 ms of jitter). A stream seen reordered waits longer, by how late its data came (``grace_s``)."""
         self.end_seen[s] = True
         self._progress(now)
         if self.done[s] or s in self.repairing:
             return
         if self.grace > 0 and self.received[s] < self.expected[s]:
-            self.ending[s] = now + (self.grace if self.reordered[s] else min(self.grace, IN_ORDER_GRACE_S))
+            self.ending[s] = now + self.grace_s(s)
         else:
             self.settle(s, now)
 
