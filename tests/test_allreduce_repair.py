@@ -376,3 +376,27 @@ def test_take_repair_is_empty_without_repair_rounds():
     exchange(members, lambda src, dst, mtype, body: not (dst == 0 and mtype == AG_DATA
                                                          and int.from_bytes(body[9:13], "little") == 1150))
     assert members[0].take_repair(1.0) == []
+
+
+def test_a_round_whose_last_resend_is_lost_ends_soon_after_the_others_arrive():
+    """The owner resends a round in index order: once one of its ranges arrived, the rest come within the safety
+    margin at the stream's rate. Where the last one asked for is lost, the round ends after that and the grace,
+    not after REPAIR_FLOOR_S (a round of which nothing came still waits that)."""
+    members, _ = cores(4, 4 * 200 * PER, options=replace(REPAIR, end_grace_s=0.05))
+    ag = members[2]._ag
+    rate = 10_000.0  # datagrams a second
+    for k in range(200):
+        if k not in (10, 20):
+            ag.note_data(1, k, k / rate)
+    end = 199 / rate
+    ag.note_end(1, end)
+    ag.expire_ending(end + IN_ORDER_GRACE_S)
+    asked_at = end + IN_ORDER_GRACE_S
+    assert ag.round[1] == 1 and ag.repairing[1] > asked_at + REPAIR_FLOOR_S
+    ag.want_last[1] = 20  # (what the core's request asked for: ranges 10 and 20)
+    arrived = asked_at + 0.003
+    assert ag.note_data(1, 10, arrived)  # the wait moved earlier
+    stream_rate = 198 / (arrived - 0.0)
+    assert ag.repairing[1] == pytest.approx(arrived + IN_ORDER_GRACE_S + ag.safety * 1 / stream_rate)
+    ag.expire_repairs(ag.repairing[1])
+    assert ag.round[1] == 2  # range 20 asked for again, well before the first round's floor

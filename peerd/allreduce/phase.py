@@ -274,12 +274,15 @@ class Phase:
             self.settled.append(s)
 
     def _repaired_through(self, s: int, k: int, now: float) -> bool:
-        """Range ``k`` of a stream in repair arrived: where it is the last one its round asked for, the owner has
-        sent the round (in index order), and what is still missing of it is lost: the round ends after the short
-        grace (``grace_s``). True when the wait moved earlier."""
-        if k < self.want_last[s]:
-            return False
+        """Range ``k`` of a stream in repair arrived: the owner is sending the round, in index order, so the rest of
+        what it asked for (what the stream still misses: a round asks for all of it) comes within ``safety`` times
+        that many datagrams at the stream's rate; where ``k`` is the last one the round asked for, what is still
+        missing is lost. The round ends after that and the grace (``grace_s``), not after its own wait, whose
+        floor is for a round of which nothing came. True when the wait moved earlier."""
         until = now + self.grace_s(s)
+        if k < self.want_last[s]:
+            rate = self._stream_rate(s)
+            until += self.safety * (self.expected[s] - self.received[s]) / rate if rate else math.inf
         if until < self.repairing[s]:
             self.repairing[s] = until
             return True
@@ -303,9 +306,14 @@ class Phase:
     def repair_wait(self, s: int, missing: int) -> float:
         """REPAIR_FLOOR_S plus ``safety`` times ``missing`` datagrams at the rate stream s arrived (the phase's rate
         where the stream's own span is too short to tell)."""
+        rate = self._stream_rate(s)
+        return REPAIR_FLOOR_S + (self.safety * missing / rate if rate else 0.0)
+
+    def _stream_rate(self, s: int) -> float | None:
+        """Datagrams per second stream s arrived at (the phase's rate where its own span is too short to tell)."""
         span = self.last_at[s] - self.first_at[s]
         rate = (self.received[s] - 1) / span if self.received[s] > 1 and span > 0 else self.rate()
-        return REPAIR_FLOOR_S + (self.safety * missing / rate if rate and math.isfinite(rate) else 0.0)
+        return rate if rate and math.isfinite(rate) else None
 
     def expire_repairs(self, now: float) -> None:
         """Rounds whose wait is over: the next round, or the stream closes with what it has."""
