@@ -842,3 +842,24 @@ def test_of_two_members_robust_clip_that_cannot_bind_lets_the_all_gather_overlap
     mean = sum(w * x.astype(np.float64) for w, x in zip(ws, xs, strict=True)) / sum(ws)
     for core in fresh:
         np.testing.assert_allclose(core.result(), mean, rtol=0, atol=1e-6 * np.abs(mean).max())
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_an_early_all_gather_passes_a_gap_that_later_data_has_outlived_by_the_grace(spread):
+    """Overlapping owners send a range's average once every sender's datagram for it arrived or is lost. A datagram
+    missing below later ones is taken for lost once the stream's later data has been arriving for the grace its
+    END would get (5 ms on a path that keeps order): the ranges after it need not wait for the phase's end. Within
+    the grace (everything at one instant) the gap holds them; a contribution for a range already sent is late."""
+    per, stream = 10, 200
+    xs, ws = inputs(2, 2 * per * stream, seed=6)
+    m = make_group(xs, ws, per, end_grace_s=0.05)
+    own = m[0].datagrams_to_send(0.0, 10**6)  # member 0's contributions all out: it only waits for final ranges
+    assert AG_DATA not in {o.type for o in own}
+    rs = [o for o in m[1].datagrams_to_send(0.0, 10**6) if o.type == RS_DATA]
+    for k, o in enumerate(rs[:120]):
+        if k != 5:
+            m[0].receive(1, o.type, o.body, k * 1e-4 if spread else 0.0)
+    sent = m[0].datagrams_to_send(0.012, 10**6)
+    assert (AG_DATA in {o.type for o in sent}) is spread
+    if spread:
+        assert m[0].receive(1, RS_DATA, rs[5].body, 0.013) is Outcome.LATE

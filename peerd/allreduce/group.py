@@ -341,6 +341,7 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         self._ag_next = 0  # the first range of the own shard the all-gather has not handed out
         self._ag_woken = False  # a wake-up for final ranges is pending (``note_ready``)
         self._contig = [0] * n  # per sender: ranges below it all arrived or final (where its stream has a gap)
+        self._gap_at: list[tuple[int, float] | None] = [None] * n  # per sender: its first gap, when first seen
         self._block_rows = DEFAULT_BLOCK_ROWS
         self._contributed = False  # the driver said its reduce-scatter blocks are all on the wire (``note_sent``)
         self._init_repair(options.repair_rounds, max_payload)

@@ -135,9 +135,11 @@ class Outbox:
     def sender_frontier(self, s: int) -> int:
         """How many leading ranges of the own shard sender ``s`` has settled: all of them once its stream is closed
         (its END and grace, or the phase's deadline: what is missing then is lost); else the ranges below the first
-        one that has not arrived. A datagram missing below the stream's top may be lost or only late (a path that
-        reorders, jitter): it is waited for until the stream closes, so an early all-gather never leaves out a
-        contribution that was merely late."""
+        one that has not arrived and is not lost. A datagram missing below the stream's top may be lost or only
+        late (a path that reorders, jitter): it is taken for lost once the stream's later data has been arriving
+        for the grace its END would get (``Phase.grace_s``: short on a path that keeps order, longer by how late
+        its data came where it reorders), else waited for until the stream closes. Under loss, waiting for the
+        close held every range after a stream's first lost datagram (one in twenty at 5 %) to the phase's end."""
         rs, total = self._rs, self._nranges
         if rs.done[s]:
             return total
@@ -146,11 +148,25 @@ class Outbox:
             return top
         c = max(self._contig[s], self._finalized)
         if c < total and self._rs_seen[s, c]:  # the first gap filled since: find the next one
-            rest = self._rs_seen[s, c:]
-            gap = int(np.argmin(rest))
-            c = total if rest[gap] else c + gap
+            c = self._next_gap(s, c)
+        while c < top and rs.grace > 0:  # a gap the stream's later data passed its grace ago is lost
+            at = self._gap_at[s]
+            if at is None or at[0] != c:
+                self._gap_at[s] = (c, rs.t_last)  # (the latest arrival: no earlier than the one above the gap)
+                break
+            if rs.t_last - at[1] < rs.grace_s(s):
+                break
+            c = self._next_gap(s, c + 1)
         self._contig[s] = c
         return c
+
+    def _next_gap(self, s: int, c: int) -> int:
+        """The first range from ``c`` on that sender ``s``'s datagram has not reached (the shard's end: none)."""
+        rest = self._rs_seen[s, c:]
+        if not len(rest):
+            return self._nranges
+        gap = int(np.argmin(rest))
+        return self._nranges if rest[gap] else c + gap
 
     def ag_frontier(self) -> int:
         """How many leading ranges of the own shard are final, or may be made final now: every other member's
