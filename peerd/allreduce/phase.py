@@ -8,7 +8,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-IN_ORDER_GRACE_S = 0.005  # an END of a stream that came in order so far: the wait for the rest (Phase.note_end)
+IN_ORDER_GRACE_S = 0.002  # an END of a stream that came in order so far: the wait for the rest (Phase.note_end)
 REORDER_SAFETY = 3.0  # ... and of one seen reordered, this many times more its latest datagram's lateness (grace_s)
 # a receive phase's last datagrams (over all its streams) are read as they come, not let queue
 # (GroupAverage.awaits_tail): about what one coalescing pause lets in from three senders at 100 Mbit/s
