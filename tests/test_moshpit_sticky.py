@@ -170,3 +170,41 @@ def test_a_new_group_forgets_asks_for_the_old_one() -> None:
     s.drop("silent")
     s.after_matchmaking(group(), 1, 3, IDS)
     assert s.missing(2) == {B.node_id, C.node_id}
+
+
+def test_a_numbered_run_renews_its_kept_group_at_rounds_whose_numbers_skip() -> None:
+    """A DiLoCo outer step is numbered by the trainer's step (rounds 80, 160, 240, ...): its kept group is
+    renewed for the next keep_rounds - 1 rounds whatever their numbers, and asks and BEGINs for a later round
+    are held while this node is still past the last one (its next round is the caller's to number)."""
+    leader, follower = StickyGroups(A.node_id, keep_rounds=3), StickyGroups(B.node_id, keep_rounds=3)
+    for s, me in ((leader, A), (follower, B)):
+        s.numbered = True
+        s.after_matchmaking(group(me=me), 80, 3, IDS)
+    # the leader finished round 80 (its current round is 81); the follower asks for round 160 already
+    assert leader.offer_join(B.node_id, 160, 81) and leader.offer_join(C.node_id, 160, 81)
+    assert leader.usable(160) is not None and not leader.missing(160)
+    assert leader.renewal(5, 160).members == (A, B, C)
+    assert follower.offer_begin(A.node_id, 160, 81, 5, [A, B, C])
+    assert follower.usable(160) is not None and follower.take_begin(160).group_id == 5
+    # a round already done is still refused; the renewals run out after keep_rounds - 1 of them
+    assert not leader.offer_join(B.node_id, 160, 161) and not follower.offer_begin(A.node_id, 80, 161, 6, [A, B, C])
+    assert leader.offer_join(B.node_id, 400, 161)
+    assert leader.usable(400) is not None
+    leader.renewal(6, 400)
+    assert not leader.offer_join(B.node_id, 480, 401)  # used up
+    assert leader.usable(480) is None and leader.dropped == {"used_up": 1}
+    # the same skip in a run whose rounds the daemon numbers is refused: there the next round is current + 1
+    plain = StickyGroups(A.node_id, keep_rounds=1000)
+    plain.after_matchmaking(group(), 80, 3, IDS)
+    assert not plain.offer_join(B.node_id, 160, 81)
+
+
+def test_a_numbered_runs_asks_for_later_rounds_are_bounded() -> None:
+    """A member may name any later round in a numbered run: what the leader holds stays bounded, the nearest
+    rounds kept."""
+    s = StickyGroups(A.node_id, keep_rounds=1000)
+    s.numbered = True
+    s.after_matchmaking(group(), 10, 3, IDS)
+    for r in range(11, 11 + 5 * MAX_EARLY):
+        s.offer_join(B.node_id, r * 7, 11)
+    assert len(s._ready) <= MAX_EARLY and min(s._ready) == 77

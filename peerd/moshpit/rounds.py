@@ -200,7 +200,7 @@ class RoundMachine:
         self.outcome, self.group, self.kept_round, self.seen = "", None, False, 1
         self._chain_from, self.window_end, self._dead = chain_from, 0.0, frozenset()
         self.key = self.keys.group_key(self.round)
-        self._numbered = numbered
+        self._numbered = self.sticky.numbered = numbered
         self._started = now
         self._timeout_s = timeout_s
         self._forget_gets()

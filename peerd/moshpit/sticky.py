@@ -135,6 +135,11 @@ class StickyGroups:
         self.me = me
         self.keep_rounds = keep_rounds
         self.kept: Kept | None = None
+        # the caller numbers the run's rounds and may skip numbers (a DiLoCo outer step is numbered by the trainer's
+        # step): a kept group is renewed for its next ``keep_rounds - 1`` rounds, whatever their numbers, and a
+        # member may ask for (or be sent) any later round, not only the next one (set by each round's start)
+        self.numbered = False
+        self._renewals = 0  # renewals of the kept group (what a numbered run's limit counts)
         self.broken: str = ""  # why the kept group will not be renewed next round ("" while it may be)
         self._early: OrderedDict[int, tuple[int, tuple[Candidate, ...]]] = OrderedDict()  # round -> begin
         self._ready: dict[int, set[bytes]] = {}  # as the leader: round -> followers that asked for it
@@ -153,10 +158,22 @@ class StickyGroups:
         if self.broken:
             self.drop(self.broken)
             return None
-        if round_no <= kept.formed or round_no > kept.formed + kept.rounds:
+        if not self._in_reach(kept, round_no):
             self.drop("used_up" if round_no > kept.formed else "round")
             return None
         return kept
+
+    def _in_reach(self, kept: Kept, round_no: int) -> bool:
+        """Whether round ``round_no`` may renew ``kept``: one of the ``rounds`` after its formation (a numbered
+        run: any later round while renewals are left)."""
+        if round_no <= kept.formed:
+            return False
+        return self._renewals < kept.rounds if self.numbered else round_no <= kept.formed + kept.rounds
+
+    def _soon(self, round_no: int, current: int) -> bool:
+        """Whether ``round_no`` is the round this node is in or about to start (its ``current`` one or the next;
+        in a numbered run, any later one: its number is the caller's)."""
+        return current <= round_no and (self.numbered or round_no <= current + 1)
 
     def leads(self, kept: Kept) -> bool:
         return kept.leader == self.me
@@ -172,7 +189,7 @@ class StickyGroups:
             return
         self.kept = Kept(group.members, group.index, group.leader, round_no, self.keep_rounds - 1, now,
                          group.members)
-        self.broken = ""
+        self.broken, self._renewals = "", 0
 
     def after_round(self, silent: bool, dead: frozenset[bytes] = frozenset()) -> None:
         """An averaging (kept or fresh) ended; ``silent``: some member not found dead was never heard from (or the
@@ -233,13 +250,13 @@ class StickyGroups:
         kept = self.kept
         if kept is None or self.broken or kept.leader != self.me or sender == self.me:
             return False
-        if sender not in kept.node_ids() or not current <= round_no <= current + 1:
-            return False
-        if round_no <= kept.formed or round_no > kept.formed + kept.rounds:
+        if sender not in kept.node_ids() or not self._soon(round_no, current) or not self._in_reach(kept, round_no):
             return False
         self._ready.setdefault(round_no, set()).add(sender)
         for r in [r for r in self._ready if r < current]:
             del self._ready[r]
+        while len(self._ready) > MAX_EARLY:  # (a numbered run's members may name any later round: bounded)
+            del self._ready[max(self._ready)]
         return True
 
     def missing(self, round_no: int) -> frozenset[bytes]:
@@ -260,7 +277,7 @@ class StickyGroups:
         kept = self.kept
         if kept is None or self.broken or sender != kept.leader:
             return False
-        if not current <= round_no <= current + 1 or round_no > kept.formed + kept.rounds:
+        if not self._soon(round_no, current) or not self._in_reach(kept, round_no):
             return False
         listed = [c.node_id for c in members]
         part = tuple(c for c in kept.formation if c.node_id in set(listed))
@@ -280,6 +297,7 @@ class StickyGroups:
             return None
         group_id, members = begin
         self.begun = max(self.begun, round_no)
+        self._renewals += 1
         if members != kept.members:  # the leader went on without members it found dead
             self.kept = kept = replace(kept, members=members,
                                        index=next(i for i, c in enumerate(members) if c.node_id == self.me))
@@ -290,6 +308,7 @@ class StickyGroups:
         """As the leader: the kept group under a fresh group id for ``round_no``."""
         kept = self.kept
         assert kept is not None and kept.leader == self.me
+        self._renewals += 1
         return Group(group_id, kept.members, kept.index, self.me)
 
     def _forget_before(self, round_no: int) -> None:

@@ -205,6 +205,8 @@ class OuterSteps:
                 extra["max_weight"] = cap
             extra["robust"] = robust
             extra["shares"] = "equal"  # (the agreement's repairs cut shards as equal ones: records.shard_bounds)
+            if session.keep_rounds is not None:  # a group that formed complete renews for the next outer steps
+                extra["keep_rounds"] = session.keep_rounds
             if window_end > 0:
                 extra["chain_from"] = window_end
             elif gather_s is not None:
