@@ -774,6 +774,8 @@ def test_three_daemons_agree_on_every_outer_step(tmp_path, loss: float, compress
     assert len({r["state_sha"] for r in results}) == 1
     groups = [o["group_size"] for r in results for o in r["outer"]]
     assert max(groups) == 3  # the outer averages were with the swarm, not alone
+    if not loss:  # the second step's group formed complete (the first's knew nobody to expect): the third renewed it
+        assert any(o["kept"] for r in results for o in r["outer"]), [r["outer"] for r in results]
     if loss:  # datagrams were lost, yet every member ended on one state: the all-gather's repair, the outer
         # step's repair or a straggler's adopting the swarm's average made up for them
         assert min(o["received_fraction"] for r in results for o in r["outer"]) < 1.0

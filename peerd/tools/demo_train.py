@@ -367,7 +367,7 @@ def run_train(args: argparse.Namespace) -> int:
                 tensor_bytes += o["repaired_bytes"] + o.get("adopted_bytes", 0)
                 outer_log.append({k: o[k] for k in ("step", "fragment", "sha", "outcome", "group_size", "rounds",
                                                     "agreed_members", "repaired_bytes", "adopted",
-                                                    "received_fraction")})
+                                                    "received_fraction", "kept")})
             step_times.append(time.monotonic() - t0)
             skipped = skipped + 1 if reply["outcome"] == "nonfinite" and opt.step_count == step_before else 0
             if skipped >= MAX_SKIPPED:

@@ -375,6 +375,7 @@ class DiLoCo(Optimizer):
         self._after[p.fragment] = after = self.state_sha(p.fragment)
         phases["copy_out"] += time.monotonic() - t2
         self.outer_steps += 1
+        self.kept_rounds += bool(reply.get("kept"))
         out = {"outcome": reply["outcome"], "fragment": p.fragment, "step": p.step,
                "group_size": reply.get("group_size", 1), "rounds": reply.get("rounds", 1),
                "received_fraction": reply.get("received_fraction", 0.0), "sha": after.hex(),
@@ -383,6 +384,7 @@ class DiLoCo(Optimizer):
                "agreed_members": reply.get("agreed_members", 1), "pushed_records": reply.get("pushed_records", 0),
                "record_reads": reply.get("record_reads", 0), "payload_bytes": payload,
                "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": phases["matchmaking"],
+               "kept": bool(reply.get("kept", False)),
                "phases": phases, "applied_at": self.step_count,
                **({"auto": self.auto_outer} if self.auto_outer else {})}
         self.history.append(out)

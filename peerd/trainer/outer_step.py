@@ -130,7 +130,7 @@ class OuterSteps:
         if group and me not in members:
             group = ""  # (an averager that names members otherwise, e.g. in tests): treat as alone
         reply: dict[str, Any] = {"step": step, "outcome": outcome, "group_size": len(members) or 1,
-                                 "round": round_no, "rounds": rounds,
+                                 "round": round_no, "rounds": rounds, "kept": bool(result is not None and result.kept),
                                  "received_fraction": float(result.received_fraction) if result else 0.0}
         if self.statesync is not None and getattr(self.statesync, "dht", None) is not None:  # a swarm to agree with
             board = DhtBoard(self.statesync, session.run_key, round_no, inbox=self.inbox, peers=seen)
