@@ -303,3 +303,48 @@ def test_records_of_nodes_outside_the_round_cost_one_read_of_the_participants_ho
     assert not c.done and of(c.take_actions(), ReadParticipants)
     c.receive_participants(frozenset(IDS[:2]), 0.3)
     assert c.done and c.statistics().ignored == 2
+
+
+def test_a_member_that_got_the_whole_average_publishes_its_final_at_once_and_ends_on_a_majority() -> None:
+    """``complete``: the all-gather brought every owner's shard whole, so nothing is repaired: the first record
+    already holds the final (and the shard hash the others repair from), and the step ends as soon as a strict
+    majority holds that final, before the slowest member has published anything."""
+    c = core(0, TRUTH, complete=True)
+    c.start(0.0)
+    acts = c.take_actions()
+    (pub,) = of(acts, Publish)
+    assert pub.record.final == sha(TRUTH.tobytes()) and pub.record.shard == record(0, TRUTH).shard
+    assert not of(acts, FetchShard) and c.statistics().phases["repair"] == 0.0
+    assert TRUTH.tobytes() in [k.blob for k in of(acts, Keep)]  # the final's bytes, for a member adopting them
+    c.receive_pushed([record(1, TRUTH, final=True)], 0.01)  # member 2 has not even published its record
+    assert c.done and c.statistics().members == 2
+
+
+def test_a_complete_member_still_waits_for_a_majority_and_adopts_the_winner_hostile() -> None:
+    """An owner that sent this member other bytes than it sent the rest: this member's final is outvoted by the
+    finals the others hold (they repaired to the owner's published shard) and it adopts theirs, verified."""
+    mine = TRUTH.copy()
+    mine[-1] = 7.0  # owner 2's range as owner 2 sent it here, not as it published it
+    c = core(0, mine, complete=True)
+    c.start(0.0)
+    c.take_actions()
+    c.receive_pushed([record(1, TRUTH, final=True)], 0.01)
+    assert not c.done  # one other final, not this one: no majority
+    c.receive_pushed([record(1, TRUTH, final=True), record(2, TRUTH, final=True)], 0.02)
+    (fetch,) = of(c.take_actions(), FetchFinal)
+    assert fetch.sha == sha(TRUTH.tobytes()) and not c.done
+    c.receive_final(fetch.sha, mine.tobytes(), 0.03)  # bytes that do not hash to the winner: refused
+    assert not c.done
+    c.handle_timer(1.0)
+    (fetch,) = of(c.take_actions(), FetchFinal)
+    c.receive_final(fetch.sha, TRUTH.tobytes(), 1.01)
+    assert c.done and bytes(c.data) == TRUTH.tobytes()
+
+
+def test_complete_without_the_groups_order_repairs_as_before() -> None:
+    """``complete`` counts only where the group's order (``members``) is known: otherwise no owner is known and
+    the step runs as without it."""
+    c = core(0, TRUTH, complete=True, members=None)
+    c.start(0.0)
+    assert [type(a) for a in c.take_actions()][:3] == [Keep, Publish, ReadRecords]  # the repair phase's record first
+    assert not c.complete

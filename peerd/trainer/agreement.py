@@ -134,18 +134,24 @@ class OuterAgreement:
     records count (None: every record); ``refresh``: participants may be re-read (``ReadParticipants``) while
     records of unknown nodes show up; ``refresh_first``: they are also read from the start, and the step
     ends only once that first read is in (what it reads joins ``participants`` and raises ``expect``); the
-    finals are exchanged meanwhile, so a read that returns last costs nothing beyond itself."""
+    finals are exchanged meanwhile, so a read that returns last costs nothing beyond itself. ``complete``: the
+    group average's all-gather brought every owner's shard here whole (RoundResult.complete), so this vector is
+    the owners' concatenation as they sent it and there is nothing to repair: its final is published at the start
+    (with its owner record, which the others still repair from) and the step may end as soon as a strict majority
+    holds it, without waiting for the slowest member's record. An owner that sent this member other bytes than it
+    published is outvoted or adopted over in the swarm phase, as one that does not serve its repair is."""
 
     def __init__(self, node: bytes, data: bytes | bytearray, *, group: str, size: int, index: int, state: bytes,
                  repair_s: float, deadline_s: float, addr: Address | None = None,
                  members: list[bytes] | None = None, expect: int = 1, participants: frozenset[bytes] | None = None,
-                 refresh: bool = False, refresh_first: bool = False) -> None:
+                 refresh: bool = False, refresh_first: bool = False, complete: bool = False) -> None:
         if not group:  # alone: a group of one owns every shard
             size, index, members = 1, 0, None
         if members is not None and (len(members) != size or not 0 <= index < size or members[index] != node):
             members = None  # not this group's order: no owner is known
         self.node, self.group, self.size, self.index = node, group, size, index
         self.members = members
+        self.complete = complete and members is not None
         self.state_hash = state
         self.repair_s, self.deadline_s = repair_s, deadline_s
         self.addr = addr
@@ -265,11 +271,14 @@ class OuterAgreement:
         self.me = OuterRecord(self.node, self.group, self.size, self.index, _sha(shard), _sha(blob), b"",
                               self.state_hash, self.length, self.addr)
         self._t0 = now
-        self._actions.append(Publish(self.me))
         if self._first_pending:
             self._refresh_started = now
             self._actions.append(ReadParticipants())
-        self._read_now()
+        if self.complete:  # nothing to repair: straight to the swarm phase, whose record holds the shard hash too
+            self._end_repair(now)
+        else:
+            self._actions.append(Publish(self.me))
+            self._read_now()
         self._decide(now)
 
     def receive_records(self, number: int, records: list[OuterRecord] | None, now: float) -> None:

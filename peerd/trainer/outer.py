@@ -206,7 +206,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                 state: bytes, repair_s: float, deadline_s: float, addr: Address | None = None,
                 members: list[bytes] | None = None, expect: int = 1,
                 participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
-                refresh_first: bool = False, clock: Callable[[], float] = trio.current_time,
+                refresh_first: bool = False, complete: bool = False, clock: Callable[[], float] = trio.current_time,
                 background: trio.Nursery | None = None) -> Agreement:
     """Run both phases (module docstring) for this member's averaged ``vector``; raises OuterError.
     ``members``: the group's node ids in its order: shard k is repaired only from ``members[k]``'s record
@@ -217,13 +217,14 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     record counts); ``refresh`` re-reads them (at most every REFRESH_S) while records of others show up.
     ``refresh_first``: ``refresh`` also runs once from the start, while the repair runs (a DHT read is not
     waited for before it); what it reads joins ``participants`` and raises ``expect`` to its number (at most
-    MAX_GROUP) before the swarm phase, which waits for that first read. ``background``: a nursery that outlives
+    MAX_GROUP) before the swarm phase, which waits for that first read. ``complete``: the group average reached
+    this member whole (nothing to repair; OuterAgreement). ``background``: a nursery that outlives
     the call, where this member's last record is still put after agree returns (None: agree waits for it)."""
     data = bytearray(np.ascontiguousarray(vector, dtype=np.float32).data)  # one copy, which the core takes over
     core = OuterAgreement(node, data, group=group, size=size, index=index, state=state, repair_s=repair_s,
                           deadline_s=deadline_s, addr=addr, members=members, expect=expect,
                           participants=participants, refresh=refresh is not None,
-                          refresh_first=refresh_first)
+                          refresh_first=refresh_first, complete=complete)
     async with trio.open_nursery() as nursery:
         shell = _Shell(board, core, nursery, refresh, clock, background or nursery)
         try:

@@ -145,6 +145,7 @@ class OuterSteps:
                                         state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
                                         addr=board.addr, members=[bytes.fromhex(h) for h in members] if group else None,
                                         expect=expect, participants=seen, refresh=refresh, refresh_first=True,
+                                        complete=bool(group and result is not None and result.complete),
                                         background=self.background)
             except OuterError as e:
                 raise OpError(f"outer round {round_no}: {e}") from None
