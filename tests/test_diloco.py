@@ -28,7 +28,7 @@ from peerd.torch import DiLoCo  # noqa: E402
 from peerd.torch.diloco import due_fragments, fragment_bounds, nesterov_outer  # noqa: E402
 from peerd.trainer import outer_step  # noqa: E402
 from peerd.trainer.outer import DhtBoard, OuterError, agree  # noqa: E402
-from peerd.trainer.outer_step import OUTER_ROUNDS, outer_wait_s  # noqa: E402
+from peerd.trainer.outer_step import OUTER_ROUNDS, outer_wait_s, waits_for_participants  # noqa: E402
 from peerd.trainer.records import OuterRecord, winner  # noqa: E402
 
 from .support.diloco import _lossy_copies, _swarm, batch, replay  # noqa: E402
@@ -162,6 +162,20 @@ def test_the_outer_wait_is_a_share_of_the_period_within_half_the_timeout() -> No
     assert outer_wait_s(26.0, 60.0) == pytest.approx(6.5)
     assert outer_wait_s(400.0, 60.0) == 30.0  # at most half the timeout (Moshpit's bound)
     assert outer_wait_s(float("nan"), 60.0) is None and outer_wait_s(-1.0, 60.0) is None
+
+
+def test_only_a_kept_groups_outer_step_ends_without_reading_who_took_part() -> None:
+    """The read of the run's progress finds other groups of the step that finished first: a step matchmade through
+    the DHT (or alone, or failed) waits for it; a kept group's renewal, which finished first, does not."""
+    from peerd.moshpit.runstate import RoundResult
+
+    def result(outcome: str, kept: bool) -> RoundResult:
+        return RoundResult(np.zeros(2, np.float32), outcome, "ab" if outcome == "averaged" else "", 3, [], 1.0, 8,
+                           0.1, kept=kept)
+
+    assert not waits_for_participants(result("averaged", kept=True))
+    assert waits_for_participants(result("averaged", kept=False))
+    assert waits_for_participants(result("failed", kept=True)) and waits_for_participants(None)
 
 
 def test_an_outer_step_waits_for_a_member_a_moment_behind(tmp_path, monkeypatch) -> None:

@@ -54,6 +54,14 @@ def outer_wait_s(period_s: float | None, timeout_s: float) -> float | None:
     return wait if wait > RUN_WINDOW_S else None
 
 
+def waits_for_participants(result: RoundResult | None) -> bool:
+    """Whether the agreement waits for its first read of who took part (the run's progress) before it ends. That
+    read finds the groups of this step that finished before this member's. A kept group's renewal does not wait: it
+    holds every member the run expected and skips matchmaking, so a group of newcomers (still matchmaking through
+    the DHT) finishes after it, where the read could not see it anyway."""
+    return not (result is not None and result.outcome == "averaged" and result.kept)
+
+
 class OuterSteps:
     """The ``trainer_outer`` op for the sessions of a TrainerService: ``average`` is Moshpit's, ``statesync``
     and ``inbox`` carry the agreement's blobs and pushed records, ``report`` takes what a request reports."""
@@ -139,12 +147,13 @@ class OuterSteps:
             async def refresh() -> frozenset[bytes]:
                 return await self._step_peers(run_id, first)
 
-            try:  # the run's progress (who took part) is read while the repair runs: refresh_first
+            try:
                 expect = min(MAX_GROUP, max(1, int(result.seen) if result is not None else 1))
                 agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
                                         state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
                                         addr=board.addr, members=[bytes.fromhex(h) for h in members] if group else None,
-                                        expect=expect, participants=seen, refresh=refresh, refresh_first=True,
+                                        expect=expect, participants=seen, refresh=refresh,
+                                        refresh_first=waits_for_participants(result),
                                         complete=bool(group and result is not None and result.complete),
                                         background=self.background)
             except OuterError as e:
