@@ -17,7 +17,9 @@ so any difference would stay for good. After the group average every member ther
    requests outstanding, each asked afresh after a few round trips when its answer is late. An owner that has
    published nothing once every other shard is settled is waited for OWNER_GRACE_S more, not the whole
    repair phase; one whose bytes do not verify is asked REPAIR_TRIES times.
-   Without loss nothing is fetched; after repair every member of a group holds the owners' concatenation.
+   Without loss nothing is fetched; after repair every member of a group holds the owners' concatenation. A
+   member whose group average reached it whole (every owner's shard arrived) holds it already: it publishes its
+   final with its first record and goes straight to step 2, without waiting for the others' records.
    With a codec (the run's compression), an owner keeps the dequantized encoding of its shard, the value the
    all-gather hands the others, so the hashes and the repaired bytes are those dequantized values too.
 2. **Agrees across the swarm.** Each member publishes the SHA-256 of its repaired vector (``final``). The
@@ -29,8 +31,10 @@ so any difference would stay for good. After the group average every member ther
    protects does not rest on this count). The step ends as soon as this
    member holds the winner and either a strict majority of the round's members hold it (no other final can
    then win, so the rest adopt it) or every member it has read has published it; after half the deadline,
-   members that never publish a final are no longer waited for. A member that cannot get the winner by the
-   deadline raises OuterError, never diverges silently.
+   members that never publish a final are no longer waited for. The step also waits for a first read of who
+   took part (the run's progress), which finds groups of the step that finished first, except in a kept group
+   (every member the run expected is in it, and it skips matchmaking: it finishes first). A member that cannot
+   get the winner by the deadline raises OuterError, never diverges silently.
 
 A member's records go out in the background (newest only, in order), so reading and fetching never wait
 for a DHT store, nor does the step wait for its last put (given a ``background`` nursery); the step's phases
