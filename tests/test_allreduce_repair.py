@@ -193,6 +193,26 @@ def test_an_owner_serves_until_its_members_are_done_or_serve_s_passes():
     assert m0.finished
 
 
+def test_an_owner_reads_at_once_for_requests_only_once_its_own_phases_ended():
+    """A member's repair request comes only after the owner's stream ended: while the owner's own phases run, only
+    their tails make the receive loop read at once (awaits_tail), not the serving it will do; once its phases ended
+    it serves at once until its members are done."""
+    from peerd.allreduce.phase import TAIL_DATAGRAMS
+
+    stream = TAIL_DATAGRAMS + 60
+    members, _ = cores(2, 2 * PER * stream)
+    m0, m1 = members
+    rs = [o for o in m1.datagrams_to_send(0.0, 10**6) if o.type == RS_DATA]
+    assert len(rs) == stream
+    for o in rs[:20]:  # mid-stream: data from the member it will serve has arrived
+        m0.receive(1, o.type, o.body, 0.0)
+    assert not m0.awaits_tail
+    m0, _ = serving_owner()
+    assert m0.awaits_tail  # its phases ended, member 1 not done: a request may come
+    assert m0.receive(1, AG_NACK, pack_nack(GROUP, 0, 20, 0), 0.01) is Outcome.ACCEPTED
+    assert not m0.awaits_tail
+
+
 @pytest.mark.parametrize("spare", [False, True])
 def test_an_owner_that_handed_its_result_on_resends_from_its_kept_shard(spare):
     """The driver hands the result on while the owner still serves (AveragingHost.release), and its caller may
