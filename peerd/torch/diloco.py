@@ -289,7 +289,7 @@ class DiLoCo(Optimizer):
         reply["seconds"] = time.monotonic() - t0
         if any(o["fragment"] == 0 for o in outer) and self.outer_state_every \
                 and self.outer_steps_of0 % self.outer_state_every == 0:
-            self.publish_state()  # after fragment 0's step: a joiner starts a new cycle with the swarm
+            self.publish_state(wait=False)  # after fragment 0's step: a joiner starts a new cycle with the swarm
         return self._finish_step(reply, t0, phases)
 
     def outer_step(self, fragment: int) -> dict[str, Any]:

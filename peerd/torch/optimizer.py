@@ -511,7 +511,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         elif due is not None:
             reply["params_skipped"] = f"the step's {self.timeout_s:g} s deadline is spent"
         if self.state_every and self.step_count % self.state_every == 0:
-            self.publish_state()
+            self.publish_state(wait=False)
         return self._finish_step(reply, t0, phases)
 
     def _step_overlap(self, samples: int | float, loss: float | None) -> dict[str, Any]:
@@ -530,7 +530,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
             reply["params"] = self.average_parameters(round_no=self.step_count // base)
             add_phases(phases, reply["params"].get("phases", {}))
         if self.state_every and self.step_count % self.state_every == 0:
-            self.publish_state()
+            self.publish_state(wait=False)
         out = self._finish_step(reply, t0, phases)
         self._waited_mark = overlap.waited_s
         return out
@@ -680,11 +680,13 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
             self._auto_choose(state["auto_codec"], every if every in PERIOD_LADDER else None)
         return self.step_count
 
-    def publish_state(self) -> dict[str, Any]:
+    def publish_state(self, *, wait: bool = True) -> dict[str, Any]:
+        """Hand this trainer's snapshot to the daemon for joiners. ``wait`` False (the periodic publishes): the
+        daemon advertises it in the background, so the step does not wait for a DHT store (``advertised`` None)."""
         blob = self.snapshot()
         fd = write_blob(blob, name="peerd-state")
         try:
-            return self._call("state_publish", fds=[fd], step=self.step_count, size=len(blob))
+            return self._call("state_publish", fds=[fd], step=self.step_count, size=len(blob), wait=wait)
         finally:
             os.close(fd)
 

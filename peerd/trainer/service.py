@@ -41,6 +41,7 @@ from ..localsock.phases import parse_phases
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
 from ..moshpit.service import Part, RoundResult, all_finite
+from .adverts import LaterAdverts, PendingAdvert
 from .inbox import OuterInbox
 from .options import (
     MAX_AUTO_REASON,
@@ -118,10 +119,17 @@ class TrainerService:
         if endpoint is not None:
             self.inbox.register(endpoint)
         self.outer = OuterSteps(metrics, average, statesync, self.inbox, peer_id, self._report)
+        put = getattr(statesync, "advertise_state", None)
+        self.adverts = LaterAdverts(put) if put is not None else None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The service's background work (outer steps' last record puts); a daemon starts it in its nursery."""
-        await self.outer.run(task_status=task_status)
+        """The service's background work (outer steps' last record puts, state advertisements a trainer did not
+        wait for); a daemon starts it in its nursery."""
+        async with trio.open_nursery() as nursery:
+            if self.adverts is not None:
+                nursery.start_soon(self.adverts.run)
+            await nursery.start(self.outer.run)
+            task_status.started()
 
     def ops(self) -> dict[str, Callable[[dict[str, Any], Connection], Awaitable[dict[str, Any]]]]:
         return {
@@ -658,11 +666,14 @@ class TrainerService:
 
     # -- state sync -----------------------------------------------------------------------------
     async def _op_state_publish(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        """The trainer hands over a snapshot (a memfd): keep it for joiners and advertise it."""
+        """The trainer hands over a snapshot (a memfd): keep it for joiners and advertise it (``wait`` false: in
+        the background, the reply's ``advertised`` None)."""
         session = self._session(req, conn)
-        step, size = req.get("step"), req.get("size")
+        step, size, wait = req.get("step"), req.get("size"), req.get("wait", True)
         if type(step) is not int or step < 0 or type(size) is not int or not 0 < size <= MAX_BLOB:
             raise OpError("state_publish needs step (int >= 0) and size (bytes > 0)")
+        if type(wait) is not bool:
+            raise OpError(f"wait must be true or false (false: advertise in the background), got {wait!r:.40}")
         fd = conn.take_fd()
         try:
             blob = read_blob(fd, size)
@@ -673,6 +684,9 @@ class TrainerService:
         if self.statesync is None:
             return {"advertised": False, "sha": hashlib.sha256(blob).hexdigest()}
         sha = self.statesync.keep(session.run_key, blob)
+        if not wait and self.adverts is not None and self.adverts.running:
+            self.adverts.submit(PendingAdvert(session.run, session.run_key, session.layout, step, size, sha))
+            return {"advertised": None, "sha": sha.hex()}
         ok = await self.statesync.advertise_state(session.run, session.run_key, session.layout, step=step,
                                                   size=size, sha=sha)
         return {"advertised": ok, "sha": sha.hex()}
