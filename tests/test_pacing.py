@@ -989,3 +989,20 @@ def test_one_receiver_reading_its_arrivals_late_cuts_nobody_under_random_loss(se
     lowest = [min((r for t, r in sw.rates[i] if t >= 2.0), default=0.0) for i in range(sw.n)]
     assert min(lowest) >= 0.8 * rate, [round(x / MBIT, 1) for x in lowest]
     assert sw.excess_loss(2.0, 7.8) <= 0.015
+
+
+def test_sporadic_short_averages_keep_the_rate_the_path_carries() -> None:
+    """Short averages seconds apart (DiLoCo's outer steps: ~1 MB per sender every few seconds, too short for a
+    probe cycle): each starts from what the last one carried. The memory's aging must not compound from one
+    average to the next, each re-confirming only the aged rate, until the rate sinks toward START_RATE."""
+    rate = 100 * MBIT
+    sw = Swarm(4, rate, 0.05, seed=5, volume=1.2e6, idle=4.0)
+    for p in sw.pacers:  # (in its cycle, near the link: what the first averages of a run leave)
+        p.btl = p.rate = 0.95 * rate
+    sw.run(60.0)
+    for i, avgs in enumerate(sw.averages):
+        assert len(avgs) >= 12, avgs
+        took = [(b - a) / (1.2e6 / rate) for a, b in avgs]
+        assert max(took[len(took) // 2:]) <= 1.2, took  # (aging compounded: 1.0x the link's time, then 1.68x)
+        btl = sw.pacers[i].btl
+        assert btl is not None and btl >= 0.85 * rate, btl  # (compounded: 0.58x the link after 15 averages)

@@ -96,7 +96,10 @@ the others too; an average needs all its destinations' data anyway.
 **Between averages** the pacer keeps what it learnt: ``btl`` (or the rate startup proved) and each
 destination's cap. A send after ``IDLE_S`` without one starts a new average from them, aged by the idle
 time (``MEMORY_HALF_LIFE_S``: a rate's excess over START_RATE halves, a cap loosens as much), with a cruise
-phase; only a sender's first average starts at START_RATE.
+phase; only a sender's first average starts at START_RATE. The aging is caution, not evidence: the new
+average's first clean phase (sent at its rate) brings ``btl`` back toward the rate before the gap, at most
+doubling it per phase. Otherwise short averages seconds apart (DiLoCo's outer steps, too short for a probe)
+would each confirm only the aged rate, and the aging compounded them down toward START_RATE.
 
 tests/test_pacing.py holds it to its goals in virtual time (4 nodes on 100 Mbit/s tbf links with a 20 ms queue,
 random loss 0-10 %, late and jittery REPORTs, receivers stalled 60 ms in every 200 ms): the uplinks over 90 %
@@ -216,6 +219,7 @@ class Pacer(Judgement):
         self.decreases = 0
         self.increases = 0
         self.resumes = 0  # averages started from memory after an idle gap
+        self._recall: float | None = None  # btl before the last idle gap aged it, until a clean phase brings it back
 
     @property
     def mode(self) -> str:
@@ -234,6 +238,7 @@ class Pacer(Judgement):
     def btl(self, value: float | None) -> None:
         """Set from outside (a test placing the pacer in its cycle): the state follows."""
         self._btl = value
+        self._recall = None
         self.state = State.STARTUP if value is None else State.CYCLE
 
     def cap(self, dest: Hashable) -> float | None:
@@ -391,7 +396,10 @@ class Pacer(Judgement):
             return rate if rate <= start else start + (rate - start) * decay
 
         if self.btl is not None:
-            self.btl = max(self.min_rate, aged(self.btl))
+            # (what a clean phase of this average brings btl back to: aged too, so an average with none to show
+            # recalls less, but not compounded with what the path has carried since)
+            self._recall = self.btl if self._recall is None else max(self.btl, aged(self._recall))
+            self._btl = max(self.min_rate, aged(self.btl))
             self._cycle_at = DRAIN + 1
         else:
             # (startup's last doubling was not judged clean yet: an average that ended first, its phases short of

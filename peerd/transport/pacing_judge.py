@@ -117,6 +117,7 @@ class Judgement:
     _clean_probes: int
     _clean_at_level: int
     _proven: float
+    _recall: float | None
     increases: int
     _restart: Any  # Pacer._restart(now): the current phase ends, a new one starts at the rate
 
@@ -124,6 +125,8 @@ class Judgement:
         """Take ``event``: the new state (TRANSITIONS) and the bookkeeping it brings. ``btl`` (``_btl``) and, for
         STEP_UP, the new rate are set by the caller first."""
         state = next_state(self.state, event)
+        if event is Event.CUT or event is Event.RESTART:
+            self._recall = None  # (the path has spoken since the gap)
         if event is Event.CUT or event is Event.PROBE_QUEUED:
             self._cycle_at = DRAIN
             self._step = PROBE_STEP
@@ -501,9 +504,24 @@ class Judgement:
             return Verdict("hold", f"too little sent to prove a rate ({ph.nbytes} bytes)", self.rate)
         if startup:
             return self._clean_startup(ph, sent, signal, now)
+        if self._recall is not None and ph.kind != "drain" and sent >= HELD_BACK * ph.rate:
+            return self._recalled(sent, now)
         if ph.kind == "probe":
             return self._clean_probe(sent, now)
         return Verdict("hold", "clean", self.rate)
+
+    def _recalled(self, sent: float, now: float) -> Verdict:
+        """A clean phase sent at its rate after an idle gap aged btl: the path carries what it did, so btl goes back
+        toward its value before the gap (``_recall``), at most doubling what the phase sent, never above it."""
+        assert self._btl is not None and self._recall is not None
+        btl = min(self._recall, max(self._btl, 2.0 * sent))
+        if btl >= self._recall:
+            self._recall = None
+        if btl <= self._btl:
+            return Verdict("hold", "clean", self.rate)
+        self._btl = btl
+        self._restart(now)
+        return Verdict("increase", f"clean after an idle gap: btl back to {btl / 1e6:.2f} MB/s", self.rate)
 
     def _clean_startup(self, ph: _Phase, sent: float, signal: tuple[float, float | None, float, float] | None,
                        now: float) -> Verdict:
