@@ -1006,3 +1006,15 @@ def test_sporadic_short_averages_keep_the_rate_the_path_carries() -> None:
         assert max(took[len(took) // 2:]) <= 1.2, took  # (aging compounded: 1.0x the link's time, then 1.68x)
         btl = sw.pacers[i].btl
         assert btl is not None and btl >= 0.85 * rate, btl  # (compounded: 0.58x the link after 15 averages)
+
+
+def test_averages_shorter_than_a_cycle_still_take_their_turn_at_a_probe() -> None:
+    """Each short average starts from a cruise phase, but the probe cycle goes on where the last one left it: a
+    btl under the link rises over sporadic averages (each only 4 phases long, a cycle being 6), where restarting
+    the cycle at every average never reached a probe (one raise per sender in 15 averages, btl stuck)."""
+    rate = 100 * MBIT
+    sw = Swarm(4, rate, 0.05, seed=5, volume=1.2e6, idle=4.0)
+    for p in sw.pacers:
+        p.btl = p.rate = 0.65 * rate
+    sw.run(60.0)
+    assert sum(p.increases for p in sw.pacers) >= 10, [p.increases for p in sw.pacers]

@@ -400,7 +400,10 @@ class Pacer(Judgement):
             # recalls less, but not compounded with what the path has carried since)
             self._recall = self.btl if self._recall is None else max(self.btl, aged(self._recall))
             self._btl = max(self.min_rate, aged(self.btl))
-            self._cycle_at = DRAIN + 1
+            # The cycle goes on where the last average left it, but from a cruise phase (an idle gap drained the
+            # queue: no drain is due, and no probe before the first phase is judged): averages shorter than a
+            # cycle each still take their turn at a probe, and btl can rise.
+            self._cycle_at = len(CYCLE) - 1 if self._cycle_at == PROBE else max(self._cycle_at, DRAIN + 1)
         else:
             # (startup's last doubling was not judged clean yet: an average that ended first, its phases short of
             # data, proved nothing at it. Resumed there, a backlogged sender overran the queue at once: 16
