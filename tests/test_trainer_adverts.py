@@ -72,28 +72,10 @@ class SlowAdverts(MemoryStateSync):
         return await super().advertise_state(run, run_key, layout, step=step, size=size, sha=sha)
 
 
-class ServiceDaemon(ThreadDaemon):
-    """A ThreadDaemon whose TrainerService runs its background work, as the daemon's does."""
-
-    def _main(self) -> None:
-        async def run() -> None:
-            self._token = trio.lowlevel.current_trio_token()
-            with trio.CancelScope() as scope:
-                self._scope = scope
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(self.service.run)
-                    await nursery.start(self.server.serve)
-                    self._ready.set()
-        try:
-            trio.run(run)
-        except BaseException as e:
-            self.error = e
-            self._ready.set()
-
-
 def test_a_periodic_publish_does_not_wait_for_the_advert_and_it_still_lands(tmp_path) -> None:
     sync = SlowAdverts(delay=1.5)
-    daemon = ServiceDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=1.0), statesync=sync)
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=1.0), statesync=sync,
+                          background=True)
     try:
         m = model(0)
         opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="p", socket=daemon.path, sync_state=False,
@@ -114,8 +96,8 @@ def test_a_periodic_publish_does_not_wait_for_the_advert_and_it_still_lands(tmp_
 
 
 def test_wait_must_be_a_bool_hostile(tmp_path) -> None:
-    daemon = ServiceDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=1.0),
-                           statesync=SlowAdverts(delay=0.0))
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=1.0),
+                          statesync=SlowAdverts(delay=0.0), background=True)
     try:
         opt = Optimizer(torch.optim.SGD(model(0).parameters(), lr=0.1), run="p", socket=daemon.path,
                         sync_state=False, state_every=0)

@@ -142,8 +142,9 @@ class ThreadDaemon:
     """LocalServer + TrainerService in a trio loop on a thread; ``stop()`` ends it like SIGTERM would."""
 
     def __init__(self, path: str, averager: InProcessAverager, *, statesync=None, ready: bool = True,
-                 parts: bool = True) -> None:
+                 parts: bool = True, background: bool = False) -> None:
         self.path = path
+        self.background = background  # run the service's background work too, as the daemon does
         self.metrics = Metrics()
         self.averager = averager
         self.server = LocalServer(path, self.metrics)
@@ -179,6 +180,8 @@ class ThreadDaemon:
             with trio.CancelScope() as scope:
                 self._scope = scope
                 async with trio.open_nursery() as nursery:
+                    if self.background:
+                        await nursery.start(self.service.run)
                     await nursery.start(self.server.serve)
                     self._ready.set()
         try:
