@@ -313,6 +313,23 @@ def test_all_finite_takes_the_sum_and_checks_elements_when_it_overflows() -> Non
     assert not all_finite(pair)
 
 
+def test_all_finite_each_checks_a_model_s_gradients_with_one_sum() -> None:
+    """Every gradient of a model at once: None and empty entries skipped, finite values whose sums overflow still
+    finite, a NaN or infinity in any one tensor (of one dtype or of several) found."""
+    from peerd.torch.snapcheck import all_finite_each
+
+    grads = [torch.randn(64, 32), None, torch.randn(32), torch.empty(0), torch.full((100,), 3e38)]
+    assert all_finite_each(grads) and all_finite_each([]) and all_finite_each([None])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for i in (0, 2, 4):
+            ts = [g.clone() if g is not None else None for g in grads]
+            ts[i].view(-1)[3] = bad
+            assert not all_finite_each(ts)
+            mixed = [t.to(torch.float16) if j == 2 and t is not None else t for j, t in enumerate(ts)]
+            assert not all_finite_each(mixed)
+    assert all_finite_each([torch.randn(8).to(torch.float16), torch.randn(8), torch.randn(8, dtype=torch.float64)])
+
+
 def test_a_joiner_counts_its_steps_as_the_swarm_does_after_its_first_round(daemon) -> None:
     """A snapshot says which round its step was; the swarm takes more rounds while the joiner downloads, so the
     joiner's first averaged round moves its step count to the donor's, and both end training together."""

@@ -46,7 +46,7 @@ from ..localsock.phases import add_phases, empty_phases
 from .auto import outer_codec
 from .founders import FOUNDER_WINDOW_S
 from .optimizer import Optimizer
-from .snapcheck import SnapshotError, check_finite, checked_step
+from .snapcheck import SnapshotError, all_finite_each, check_finite, checked_step
 
 log = logging.getLogger("peerd.torch.diloco")
 
@@ -257,7 +257,7 @@ class DiLoCo(Optimizer):
             raise ValueError("samples must be positive (it is the averaging weight)")
         t0 = time.monotonic()
         grads = [p.grad for p in self.params]
-        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+        if not all_finite_each(grads):
             self.nonfinite_rounds += 1
             self.outcomes["nonfinite"] = self.outcomes.get("nonfinite", 0) + 1
             log.warning("step %d: this replica's gradients hold NaN or infinity; step skipped", self.step_count)

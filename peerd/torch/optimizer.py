@@ -38,7 +38,7 @@ from .errors import NoGroupError
 from .founders import FOUNDER_WINDOW_S, SameData, reseed_peer
 from .overlap import DEFAULT_BUCKET_MB, Overlap
 from .report import StepReport
-from .snapcheck import SnapshotError, all_finite, check_finite, checked_step
+from .snapcheck import SnapshotError, all_finite, all_finite_each, check_finite, checked_step
 
 log = logging.getLogger("peerd.torch")
 
@@ -461,7 +461,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
             report["samples_per_second"] = float(samples) / (now - self._last_call)
         self._last_call = now
         grads = [p.grad for p in self.params]
-        if not all(g is None or all_finite(g) for g in grads):
+        if not all_finite_each(grads):
             # as torch.amp.GradScaler does: skip the step (the daemons would refuse the vector anyway)
             self.nonfinite_rounds += 1
             self.outcomes["nonfinite"] = self.outcomes.get("nonfinite", 0) + 1
@@ -494,7 +494,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
                     p.grad = torch.zeros_like(p)
             if outcome != "nonfinite":  # else the slot holds the refused result; p.grad is still our own
                 self._scatter(result, [p.grad for p in self.params])
-            elif not all(all_finite(p.grad) for p in self.params):
+            elif not all_finite_each(p.grad for p in self.params):
                 return self._finish_step(reply, t0, phases)  # our own gradients are no better: skip the step
             if self.clip_grad_norm is not None:  # the average's norm, as DDP's clip after backward sees it
                 torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)

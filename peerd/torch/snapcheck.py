@@ -3,6 +3,7 @@ claim (any member can advertise one), so non-finite tensors and implausible step
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -34,6 +35,19 @@ def all_finite(t: torch.Tensor) -> bool:
     if bool(torch.isfinite(t.sum())):
         return True
     return bool(torch.isfinite(t).all())
+
+
+def all_finite_each(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """Whether no tensor in ``tensors`` (None entries skipped) holds NaN or infinity: one finite sum of every
+    tensor's sum proves it for all of them, where a check per tensor costs a sync each (a model's ~50 gradients:
+    0.4 ms against 4-5 ms a step); a sum that is not finite, or tensors of several dtypes, are checked tensor by
+    tensor, as ``all_finite``."""
+    ts = [t for t in tensors if t is not None and t.numel()]
+    if not ts:
+        return True
+    if len({t.dtype for t in ts}) == 1 and bool(torch.isfinite(torch.stack([t.sum() for t in ts]).sum())):
+        return True
+    return all(all_finite(t) for t in ts)
 
 
 def check_finite(value: Any, what: str, depth: int = 0) -> None:
