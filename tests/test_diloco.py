@@ -479,6 +479,34 @@ def test_a_non_finite_outer_average_never_reaches_the_model(tmp_path) -> None:
         daemon.stop()
 
 
+def test_an_inner_step_on_non_finite_gradients_is_skipped(tmp_path) -> None:
+    """A NaN or infinity in any one gradient skips the inner step: the model, the step count and the samples
+    toward the next outer step stay as they were."""
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=1.0))
+    try:
+        m = model(0)
+        o = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=4,
+                   sync_state=False, state_every=0)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            x, y = batch(0, 1)
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            params = list(m.parameters())
+            params[-1].grad.view(-1)[0] = bad
+            before = flat(params).clone()
+            r = o.step(samples=len(x))
+            assert r["outcome"] == "nonfinite" and o.step_count == 0 and o.samples_since == [0.0]
+            assert torch.equal(flat(m.parameters()), before)
+        assert o.nonfinite_rounds == 3
+        x, y = batch(0, 2)
+        o.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        assert o.step(samples=len(x))["outcome"] == "local" and o.step_count == 1
+        o.close()
+    finally:
+        daemon.stop()
+
+
 def test_a_replica_whose_outer_state_differs_from_the_swarms_raises(tmp_path) -> None:
     """The daemon reports the pre-step state hash most members named; a replica that started the outer step
     from another state must not apply the swarm's average to it and drift on: it raises DiLoCoError."""
