@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -38,3 +39,30 @@ def test_the_gpt_scripts_outer_rule_and_period_are_the_ones_benchmarks_measures(
     add_arguments(p)
     args = p.parse_args([])
     assert (args.sync_every, args.outer_lr, args.outer_momentum) == (int(m[1]), float(m[2]), float(m[3]))
+
+
+def _outer_rule():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "outer_rule.py"
+    spec = importlib.util.spec_from_file_location("outer_rule", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_outer_rule_replay_is_ddp_where_one_replica_averages_every_step(capsys) -> None:
+    """scripts/outer_rule.py (the replay benchmarks.md measures the outer rule with): one replica whose progress is
+    averaged every step under plain averaging trains exactly as the DDP loop on its batch; a second replica and
+    momentum move the curve."""
+    rule = _outer_rule()
+    common = ["--steps", "6", "--sync-every", "2", "--peers", "1", "--warmup", "2"]
+    assert rule.main([*common, "--ddp"]) == 0
+    ddp = json.loads(capsys.readouterr().out)
+    assert rule.main([*common, "--outer-momentum", "0", "--sync-every", "1"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert [s for s, _ in ddp["curve"]] == [2, 4, 6] and len(one["curve"]) == 6
+    assert dict(map(tuple, one["curve"]))[6] == pytest.approx(dict(map(tuple, ddp["curve"]))[6], abs=2e-4)
+    assert rule.main([*common, "--peers", "2", "--target", "9.9"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["reached_at"] == 2 and len(two["curve"]) == 1 and two["curve"][0][1] != ddp["curve"][0][1]

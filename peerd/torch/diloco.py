@@ -46,7 +46,7 @@ from ..localsock.phases import add_phases, empty_phases
 from .auto import outer_codec
 from .founders import FOUNDER_WINDOW_S
 from .optimizer import Optimizer
-from .snapcheck import SnapshotError, all_finite_each, check_finite, checked_step
+from .snapcheck import SnapshotError, all_finite, all_finite_each, check_finite, checked_step
 
 log = logging.getLogger("peerd.torch.diloco")
 
@@ -224,8 +224,8 @@ class DiLoCo(Optimizer):
         after every outer step."""
         a, b = (0, self.elems) if fragment is None else self.bounds[fragment]
         h = hashlib.sha256()
-        h.update(self.global_params[a:b].numpy().tobytes())
-        h.update(self.momentum[a:b].numpy().tobytes())
+        h.update(self.global_params[a:b].numpy())  # (the buffer itself: no copy)
+        h.update(self.momentum[a:b].numpy())
         return h.digest()
 
     def _local_flat(self) -> torch.Tensor:
@@ -306,7 +306,7 @@ class DiLoCo(Optimizer):
         t1 = time.monotonic()
         delta = self.global_params[a:b] - local
         weight = self.samples_since[fragment]
-        if not bool(torch.isfinite(delta).all()):
+        if not all_finite(delta):
             # a diverged replica contributes nothing (a zero delta at a negligible weight) but still takes
             # the swarm's step, so it stays in agreement
             log.warning("outer step at %d: this replica's parameters are not finite; contributing nothing",
@@ -360,9 +360,9 @@ class DiLoCo(Optimizer):
                 f"outer step at step {p.step}: this replica's outer state (sha {p.before.hex()[:12]}) "
                 f"differs from the swarm's ({reply['state_winner'].hex()[:12]}); resync the state (sync_state)")
         avg = torch.from_numpy(self.arena.result(p.ticket)[: b - a].copy())
-        if hashlib.sha256(avg.numpy().tobytes()).digest() != reply["sha"]:
+        if hashlib.sha256(avg.numpy()).digest() != reply["sha"]:
             raise DiLoCoError(f"outer step at step {p.step}: the daemon's result does not match the agreed hash")
-        applied = bool(torch.isfinite(avg).all())  # the daemon refuses non-finite results; never into the model
+        applied = all_finite(avg)  # the daemon refuses non-finite results; never into the model
         if applied:
             nesterov_outer(self.global_params[a:b], self.momentum[a:b], avg, self.outer_lr, self.outer_momentum)
         else:
