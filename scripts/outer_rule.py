@@ -28,7 +28,12 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def load(model: torch.nn.Module, vector: torch.Tensor) -> None:
-    torch.nn.utils.vector_to_parameters(vector, model.parameters())
+    """Copy ``vector`` into the parameters (a copy: each replica keeps its own storage)."""
+    off = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(vector[off: off + p.numel()].view_as(p))
+            off += p.numel()
 
 
 def replay(args: argparse.Namespace) -> dict:

@@ -66,3 +66,8 @@ def test_the_outer_rule_replay_is_ddp_where_one_replica_averages_every_step(caps
     assert rule.main([*common, "--peers", "2", "--target", "9.9"]) == 0
     two = json.loads(capsys.readouterr().out)
     assert two["reached_at"] == 2 and len(two["curve"]) == 1 and two["curve"][0][1] != ddp["curve"][0][1]
+    # an outer learning rate of 0 keeps the global parameters where they started: every replica restarts there
+    # at each outer step (and none trains another's parameters), so every point of the curve is the first one's
+    assert rule.main([*common, "--peers", "2", "--outer-lr", "0", "--outer-momentum", "0"]) == 0
+    still = json.loads(capsys.readouterr().out)
+    assert len({loss for _, loss in still["curve"]}) == 1 and still["curve"][0][1] > ddp["curve"][-1][1]
