@@ -38,13 +38,16 @@ def test_model_size_groups_and_schedule() -> None:
 
 
 def test_time_to_target_reads_the_first_eval_at_or_below() -> None:
-    from peerd.tools.demo import loss_curve, time_to_target
+    from peerd.tools.demo import loss_by, loss_curve, time_to_target
 
     evals = {10: {0: (3.0, 105.0), 1: (3.2, 107.0)}, 20: {0: (2.0, 120.0)}, 30: {0: (2.1, 130.0), 1: (1.9, 131.0)}}
     curve = loss_curve(evals, 100.0, members=2)  # step 20 lacks a member: not a row
     assert curve == [(10, 3.1, 7.0), (30, 2.0, 31.0)]
     assert time_to_target(curve, 2.0) == 31.0 and time_to_target(curve, 3.1) == 7.0
     assert time_to_target(curve, 1.0) is None and time_to_target(curve, None) is None
+    # the best loss evaluated by a time (what the run reaches in a third of the baseline's)
+    assert loss_by(curve, 30.0) == 3.1 and loss_by(curve, 31.0) == 2.0 and loss_by(curve, 6.9) is None
+    assert loss_by(curve, None) is None
 
 
 def test_evaluations_come_five_times_as_often_past_steps() -> None:
@@ -88,6 +91,8 @@ def test_gpt_demo_two_peers_with_ddp_baseline_json() -> None:
     assert out["baseline_time_to_target_s"] > 0  # DDP reaches its own final loss, at its last evaluation at latest
     tt = out["time_to_target_s"]
     assert out["speedup"] == (round(out["baseline_time_to_target_s"] / tt, 3) if tt else 0.0), out
+    third = [row[1] for row in out["curve"] if row[2] <= out["baseline_time_to_target_s"] / 3]
+    assert out["val_loss_at_baseline_third"] == (min(third) if third else None), out
     assert out["outcomes"].get("averaged", 0) >= 2 * 4 * 0.75, out["outcomes"]  # the peers did average
     assert out["max_param_divergence"] < 1e-3  # the final parameter averages brought them together
     assert 0 < out["max_wait_s"] <= out["deadline_s"], out  # no step waited in step() past its deadline

@@ -204,6 +204,15 @@ def time_to_target(curve: list[tuple[int, float, float]], target: float | None) 
     return None
 
 
+def loss_by(curve: list[tuple[int, float, float]], seconds: float | None) -> float | None:
+    """The held-out loss the curve had reached ``seconds`` after the trainers' start (its last evaluation by
+    then; None: none by then, or no time): what a run that is not N times faster reaches in 1/N of the time."""
+    if seconds is None:
+        return None
+    reached = [loss for _, loss, t in curve if t <= seconds]
+    return min(reached) if reached else None
+
+
 def byzantine_peers(cfg: DemoConfig) -> set[int]:
     """The peers whose daemons run with --fault-byzantine: the last K (peer 0, the bootstrap node, stays honest)."""
     return set(range(cfg.peers - cfg.byzantine, cfg.peers)) if cfg.byzantine > 0 else set()
@@ -570,6 +579,8 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 btt = time_to_target(summary["baseline"]["curve"], target)
                 summary["baseline_time_to_target_s"] = btt
                 summary["speedup"] = round(btt / tt, 3) if tt and btt else 0.0
+                # where the run stands at a third of the baseline's time (DiLoCo's aim: the target 3x sooner)
+                summary["val_loss_at_baseline_third"] = loss_by(curve, btt / 3 if btt else None)
             say(f"validation loss {summary['val_loss']:.4f}"
                 + (f", DDP's {summary['baseline_val_loss']:.4f}" if "baseline" in summary else "")
                 + (f"; time to {target:.4f}: peerd {_secs(tt)}" if target is not None else "")
