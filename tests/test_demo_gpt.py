@@ -50,6 +50,27 @@ def test_time_to_target_reads_the_first_eval_at_or_below() -> None:
     assert loss_by(curve, None) is None
 
 
+def test_target_fields_against_a_baseline_of_this_run_or_of_another(capsys) -> None:
+    from peerd.cli import main
+    from peerd.tools.demo import target_fields
+
+    curve = [(20, 2.5, 10.0), (40, 2.2, 20.0), (60, 2.0, 30.0)]
+    ddp = [(25, 2.6, 20.0), (50, 2.3, 45.0), (75, 2.1, 66.0)]
+    assert target_fields(curve, 2.1) == {"target_loss": 2.1, "time_to_target_s": 30.0}  # no baseline: no ratio
+    here = target_fields(curve, 2.1, baseline_curve=ddp)
+    assert here["baseline_time_to_target_s"] == 66.0 and here["speedup"] == 2.2
+    assert here["val_loss_at_baseline_third"] == 2.2  # by 22 s: the evaluation at 20 s
+    other = target_fields(curve, 2.1, baseline_seconds=90.0)  # --target-seconds: DDP's time from another run
+    assert other["speedup"] == 3.0 and other["val_loss_at_baseline_third"] == 2.0
+    never = target_fields(curve, 1.5, baseline_seconds=90.0)
+    assert never["time_to_target_s"] is None and never["speedup"] == 0.0 and never["val_loss_at_baseline_third"] == 2.0
+    for argv in (["--target-seconds", "90"], ["--target-loss", "2.1", "--target-seconds", "-1"],
+                 ["--target-loss", "2.1", "--target-seconds", "90", "--baseline", "ddp"]):
+        with pytest.raises(SystemExit):
+            main(["demo", "--model", "gpt", *argv])
+        assert "--target-seconds goes with" in capsys.readouterr().err
+
+
 def test_evaluations_come_five_times_as_often_past_steps() -> None:
     """Past --steps the curve is finer: a run close to its target crosses it there, and a coarse curve would report
     the crossing up to --eval-every steps late."""

@@ -76,6 +76,7 @@ class DemoConfig:
     batch: int | None = None  # gpt: sequences of 128 characters per step and peer (None: peerd.tools.demo_gpt's 8)
     eval_every: int = 25  # gpt: validation (the whole split) every this many steps
     target_loss: float | None = None  # gpt: time_to_target_s's target without a baseline
+    target_seconds: float | None = None  # gpt: with target_loss, a baseline's time to it measured in another run
     # gpt: steps the peers train past ``steps`` at the schedule's final rate, so that a run ending just short of the
     # target still shows when it gets there (None: a fifth of ``steps`` with a baseline or a target, else 0)
     extra_steps: int | None = None
@@ -109,6 +110,9 @@ def add_gpt_arguments(p: Any) -> None:
                         "where each outer average lands instead; 0: never)")
     p.add_argument("--target-loss", type=float, default=None, metavar="L",
                    help="gpt: time_to_target_s's target without --baseline (with it: the baseline's final loss)")
+    p.add_argument("--target-seconds", type=float, default=None, metavar="S",
+                   help="gpt: with --target-loss, the baseline's time to that loss from another run (its "
+                        "baseline_time_to_target_s): speedup and val_loss_at_baseline_third are then given against it")
     p.add_argument("--extra-steps", type=int, default=None, metavar="E",
                    help="gpt: peerd's peers train E steps past --steps at the schedule's final learning rate, so "
                         "time_to_target_s can show a run that ends just short of the target, evaluated five times as "
@@ -126,8 +130,13 @@ def gpt_options(args: Any, parser: Any) -> dict[str, Any]:
         parser.error("--batch must be in [1, 1024] and --eval-every in [1, 10000]")
     if args.extra_steps is not None and not 0 <= args.extra_steps <= 1_000_000:
         parser.error("--extra-steps must be in [0, 1000000]")
+    if args.target_seconds is not None and (args.target_loss is None or args.baseline or args.model != "gpt"
+                                            or not 0.0 < args.target_seconds < 1e7):
+        parser.error("--target-seconds goes with --model gpt and --target-loss, without --baseline, and is a "
+                     "positive number of seconds (a baseline's baseline_time_to_target_s)")
     return {"kill": args.kill, "join": args.join, "straggler": args.straggler, "batch": args.batch,
-            "eval_every": args.eval_every, "target_loss": args.target_loss, "extra_steps": args.extra_steps}
+            "eval_every": args.eval_every, "target_loss": args.target_loss, "target_seconds": args.target_seconds,
+            "extra_steps": args.extra_steps}
 
 
 def extra_steps(cfg: DemoConfig) -> int:
@@ -211,6 +220,23 @@ def loss_by(curve: list[tuple[int, float, float]], seconds: float | None) -> flo
         return None
     reached = [loss for _, loss, t in curve if t <= seconds]
     return min(reached) if reached else None
+
+
+def target_fields(curve: list[tuple[int, float, float]], target: float | None, *,
+                  baseline_curve: list | None = None, baseline_seconds: float | None = None) -> dict[str, Any]:
+    """The gpt summary's target fields: ``time_to_target_s``, and against a baseline (its curve from this run, else
+    its time to the target from another run, ``--target-seconds``) ``baseline_time_to_target_s``, ``speedup`` (0:
+    never reached) and ``val_loss_at_baseline_third`` (where the run stood at a third of the baseline's time: the
+    loss it reaches where it is not 3x sooner)."""
+    tt = time_to_target(curve, target)
+    out: dict[str, Any] = {"target_loss": target, "time_to_target_s": tt}
+    btt = time_to_target(baseline_curve, target) if baseline_curve is not None else baseline_seconds
+    if baseline_curve is not None or btt is not None:
+        out["baseline_time_to_target_s"] = btt
+        out["speedup"] = round(btt / tt, 3) if tt and btt else 0.0
+        third = loss_by(curve, btt / 3 if btt else None)
+        out["val_loss_at_baseline_third"] = None if third is None else round(third, 4)
+    return out
 
 
 def byzantine_peers(cfg: DemoConfig) -> set[int]:
@@ -572,20 +598,14 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 f"peerd {_secs(tta)}, gloo {_secs(base['time_to_accuracy_s'])}")
         if gpt:
             target = summary.get("baseline_val_loss", cfg.target_loss)
-            tt = time_to_target(curve, target)
-            summary["target_loss"] = target
-            summary["time_to_target_s"] = tt
-            if "baseline" in summary:
-                btt = time_to_target(summary["baseline"]["curve"], target)
-                summary["baseline_time_to_target_s"] = btt
-                summary["speedup"] = round(btt / tt, 3) if tt and btt else 0.0
-                # where the run stands at a third of the baseline's time (DiLoCo's aim: the target 3x sooner)
-                summary["val_loss_at_baseline_third"] = loss_by(curve, btt / 3 if btt else None)
+            summary.update(target_fields(curve, target, baseline_curve=summary.get("baseline", {}).get("curve"),
+                                         baseline_seconds=cfg.target_seconds))
+            tt = summary["time_to_target_s"]
             say(f"validation loss {summary['val_loss']:.4f}"
                 + (f", DDP's {summary['baseline_val_loss']:.4f}" if "baseline" in summary else "")
                 + (f"; time to {target:.4f}: peerd {_secs(tt)}" if target is not None else "")
                 + (f", DDP {_secs(summary['baseline_time_to_target_s'])} (speedup {summary['speedup']})"
-                   if "baseline" in summary else ""))
+                   if "speedup" in summary else ""))
         return summary
     finally:
         for p in procs.values():
