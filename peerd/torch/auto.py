@@ -8,11 +8,9 @@ The codec rule: for a vector of at least ``MIN_INT8_PARAMS`` values, if moving t
 (2 (n - 1) / n of 4 bytes a parameter through the link, as an all-reduce must) would take more than
 ``INT8_SHARE`` of the step's compute, averages go in int8: a quarter of the bytes, with stochastic rounding
 (unbiased) and an error per value of at most one quantization step, the group's (max - min) / 255
-(protocol/codecs.md). If even int8's transfer (a quarter of float32's) would take more than ``INT4_SHARE`` of the
-compute, they go in int4: an eighth of the bytes, unbiased too, at most (max - min) / 15 per value; the rounding's
-noise is zero-mean and, averaged over the group's members, far below a minibatch gradient's own. Else float32,
-which costs nothing in accuracy. Each rung's threshold sits far from where a step is balanced, so that members who
-measure slightly differently still choose alike (every member of a run must average in the same codec).
+(protocol/codecs.md). Else float32, which costs nothing in accuracy. The threshold sits far from where a step is
+balanced, so that members who measure slightly differently still choose alike (every member of a run must
+average in the same codec).
 
 The period and bucket size are chosen by the same measurements. peerd.torch.Optimizer applies the codec, and the
 period through ``applied_period``: parameter averages pull replicas back together after rounds that found no group
@@ -34,8 +32,6 @@ import math
 from dataclasses import dataclass
 
 INT8_SHARE = 0.25  # int8 when the fp32 transfer would take more than this share of the step's compute ...
-INT4_SHARE = 0.25  # ... int4 when int8's transfer (a quarter of fp32's) would still take more than this share ...
-CODEC_SHARE = {"fp32": 1.0, "int8": 1 / 4, "int4": 1 / 8}  # the bytes each codec sends, float32's being 1
 MIN_INT8_PARAMS = 262_144  # ... and the vector holds at least this many values (1 MiB of float32): below, a
 # round's fixed costs (matchmaking, round trips) dominate its time, and a quarter of the bytes saves nothing
 PARAM_COST_SHARE = 0.1  # parameter averages (float32) may take at most this share of the training time ...
@@ -64,7 +60,7 @@ class Measured:
 
 @dataclass(frozen=True)
 class Choice:
-    """The pick: ``compression`` ("fp32", "int8" or "int4"), ``average_every`` (steps between parameter averages),
+    """The pick: ``compression`` ("fp32" or "int8"), ``average_every`` (steps between parameter averages),
     ``bucket_mb`` (overlap), ``reason`` (one sentence per choice, for the step result and `peerd status`)."""
 
     compression: str
@@ -99,11 +95,6 @@ def choose(m: Measured) -> Choice:
         codec = "fp32"
         reasons.append(f"fp32: {m.params} values ({4 * m.params / 2**10:.0f} KiB) are too few for their bytes to "
                        f"set a round's time")
-    elif transfer / 4 > INT4_SHARE * m.compute_s:  # type: ignore[operator]
-        codec = "int4"
-        reasons.append(f"int4: even int8 would take {transfer / 4 * 1e3:.0f} ms a step at {m.link_bps / 1e6:.0f} "  # type: ignore[operator]
-                       f"Mbit/s against {m.compute_s * 1e3:.0f} ms of compute (> {INT4_SHARE:.0%}); int4 sends an "  # type: ignore[operator]
-                       f"eighth of fp32, unbiased, error <= (max - min) / 15 per group")
     elif transfer > INT8_SHARE * m.compute_s:  # type: ignore[operator]
         codec = "int8"
         reasons.append(f"int8: fp32 would take {transfer * 1e3:.0f} ms a step at {m.link_bps / 1e6:.0f} Mbit/s "
@@ -116,7 +107,7 @@ def choose(m: Measured) -> Choice:
     lo, hi = AVERAGE_EVERY
     every = lo
     if transfer is not None and _positive(m.compute_s):
-        step = m.compute_s + transfer * CODEC_SHARE[codec]  # type: ignore[operator]
+        step = m.compute_s + (transfer / 4 if codec == "int8" else transfer)  # type: ignore[operator]
         every = min(hi, max(lo, math.ceil(transfer / (PARAM_COST_SHARE * step))))
         reasons.append(f"parameters every {every} steps: a float32 average costs {transfer / step:.1f} steps, "
                        f"kept under {PARAM_COST_SHARE:.0%} of training")

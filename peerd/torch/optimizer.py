@@ -93,9 +93,8 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
     codec of every average of the run: "fp32", "fp16", "bf16", "int8" or "int4"; every trainer of the run must
     pass the same; None: the run's, fp32 unless set; "auto", the default: float32 for the first AUTO_STEP steps,
     then what peerd.torch.auto picks from the link rate and compute time measured, int8 where float32's transfer
-    would take over a quarter of the compute, int4 where even int8's would (its parameter averages in int8), with
-    the choice and its reason in every step's reply under "auto" and in `peerd status`; a joiner takes the swarm's
-    choice with its state),
+    would take over a quarter of the compute, with the choice and its reason in every step's reply under "auto"
+    and in `peerd status`; a joiner takes the swarm's choice with its state),
     ``quant_group`` and ``rounding`` (int8/int4: values per scale and min, default 128; "stochastic", the
     default, or "nearest"), ``clip_grad_norm`` (clip the averaged gradient to this norm after averaging, just
     before the wrapped optimizer steps: what ``clip_grad_norm_`` after ``backward()`` does under DDP, whose
@@ -676,7 +675,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         self.step_count = step
         at = state.get("round")  # the donor's round of that step: how far the swarm went since (_follow_swarm)
         self._joined = (step, at) if type(at) is int and 0 <= at < 2**32 else None
-        if self._auto_probe is not None and state.get("auto_codec") in ("fp32", "int8", "int4"):
+        if self._auto_probe is not None and state.get("auto_codec") in ("fp32", "int8"):
             every = state.get("auto_every")  # the swarm chose before this trainer came: average as it does
             self._auto_choose(state["auto_codec"], every if every in PERIOD_LADDER else None)
         return self.step_count

@@ -111,12 +111,8 @@ class StepRound:
 def codec_keywords(session: Session, kind: str, size: int) -> dict[str, Any]:
     """What an average of ``kind`` over ``size`` elements passes to Moshpit for the session's codec: arc-topk only
     for whole gradient vectors (the layout's shapes fit nothing else; parameter and outer averages of such a
-    session go in fp32, under their own run ids), the body codecs for every average, except that an int4 session's
-    parameter averages go in int8 (a parameter's rounding stays in every replica, where a gradient's is averaged
-    away over the steps: int4's grid, 17 times coarser, would move the weights themselves)."""
+    session go in fp32, under their own run ids), the body codecs for every average."""
     opts = session.compression
-    if opts.get("compression") == "int4" and kind == "params":
-        return {**opts, "compression": "int8"}
     if opts.get("compression") != "arc-topk":
         return dict(opts)
     if kind != "grad":
