@@ -12,6 +12,7 @@ import pytest
 from peerd.localsock.phases import PHASES
 from peerd.tools.bench.cpuwatch import CpuWatch, Sample
 from peerd.tools.bench.step import StepBenchConfig, add_parser, cpu_figures, cpu_window, summarize, transfer_seconds
+from peerd.tools.lab.links import LinkLab, QdiscStats
 
 
 def test_transfer_is_the_butterflys_bytes_with_their_headers_at_the_link_rate() -> None:
@@ -45,8 +46,13 @@ def test_the_command_line_checks_its_arguments() -> None:
                            "--link-loss", "0.05", "--json"])
     assert (args.peers, int(args.params), args.mode, args.link, args.link_loss) == (4, 1_000_000, "diloco",
                                                                                      "100mbit", 0.05)
+    args = top.parse_args(["step", "--link", "10mbit", "--link-queue-ms", "60"])
+    assert (args.link, args.link_queue_ms) == ("10mbit", 60.0)
+    with pytest.raises(SystemExit):
+        top.parse_args(["step", "--link", "10 furlongs"])
     for bad in (StepBenchConfig(peers=1), StepBenchConfig(mode="ring"), StepBenchConfig(link_loss=0.1),
-                StepBenchConfig(steps=3, warmup=3), StepBenchConfig(compression="zip")):
+                StepBenchConfig(steps=3, warmup=3), StepBenchConfig(compression="zip"),
+                StepBenchConfig(link_queue_ms=60.0), StepBenchConfig(link="10mbit", link_queue_ms=0.0)):
         with pytest.raises(ValueError):
             bad.check()
 
@@ -111,3 +117,13 @@ def test_a_steps_codec_is_the_one_its_auto_choice_applied() -> None:
     assert step_codec({}, "auto") == "fp32" and step_codec({}, "fp16") == "fp16" and step_codec({}, None) == "fp32"
     assert step_codec({"auto": {"compression": "nonsense"}}, "int4") == "int4"
 
+
+
+def test_queue_drop_fractions_are_each_sides_drops_over_what_it_was_offered() -> None:
+    def q(packets: int, drops: int) -> QdiscStats:
+        return QdiscStats(bytes=0, packets=packets, drops=drops, overlimits=0, backlog_bytes=0)
+
+    before = {"up": [q(100, 1), q(50, 0)], "down": [q(10, 0), q(0, 0)]}
+    after = {"up": [q(190, 11), q(140, 0)], "down": [q(10, 0), q(0, 0)]}
+    # up: 10 dropped of 90 + 90 sent and those 10 offered; down: nothing offered
+    assert LinkLab.queue_drop_fractions(before, after) == {"up": pytest.approx(10 / 190), "down": 0.0}

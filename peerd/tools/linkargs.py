@@ -16,14 +16,16 @@ def _link_rate(text: str) -> str:
     return text
 
 
-def add_link_arguments(lab: argparse._ArgumentGroup) -> None:
-    """--link / --link-loss / --link-queue-ms into ``lab`` (a parser's lab option group)."""
+def add_link_arguments(lab: argparse._ArgumentGroup, *, daemon_loss: bool = True) -> None:
+    """--link / --link-loss / --link-queue-ms into ``lab`` (a parser's lab option group); ``daemon_loss``: the
+    command also has --loss (drops in the daemon), which the help then mentions."""
     lab.add_argument("--link", type=_link_rate, metavar="RATE",
                      help="run each peer in its own network namespace on a link shaped at RATE both ways "
                           "(tc tbf; 100mbit, 1gbit, 500kbit); needs root, ip, tc, nft and ethtool")
     lab.add_argument("--link-loss", type=float, default=0.0, metavar="P",
                      help="with --link: the kernel drops P of each peer's incoming packets at random, every "
-                          "protocol (nftables); --loss then drops in the daemon on top, independently (default 0)")
+                          "protocol (nftables)" + ("; --loss then drops in the daemon on top, independently"
+                                                   if daemon_loss else "") + " (default 0)")
     lab.add_argument("--link-queue-ms", type=float, default=20.0, metavar="MS",
                      help="with --link: each tbf queues MS milliseconds of the rate before it drops (default 20; "
                           "1-5 is a shallow switch buffer or a policer)")

@@ -184,8 +184,7 @@ def run_moshpit_bench(cfg: MoshpitBenchConfig, *, quiet: bool = False) -> dict[s
             replies = list(pool.map(call, order))
             stop.set()
             if lab is not None:
-                queue_drops.append({side: d / offered if offered else 0.0 for side, (d, offered)
-                                    in lab.queue_drop_shares(tbf_before, lab.tbf_sides()).items()})
+                queue_drops.append(lab.queue_drop_fractions(tbf_before, lab.tbf_sides()))
             if killer is not None:
                 killer.result()
                 live -= set(victims)

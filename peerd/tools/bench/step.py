@@ -9,7 +9,8 @@ choice (peerd.torch.auto): each step's bytes are counted in the codec that step 
 ``StepReport`` (seconds and phases) is collected.
 
 With ``--link RATE`` (root) each peer lives in its own namespace of the link lab (peerd.tools.lab.links) behind a
-shaped link (``--link-loss P``: random loss on it); without, the daemons share 127.0.0.1. The figures (``--json``):
+shaped link (``--link-loss P``: random loss on it; ``--link-queue-ms``: its queue); without, the daemons share
+127.0.0.1. The figures (``--json``):
 
 - ``step_s``: median seconds of a step (``step()`` in the trainer, after ``--warmup`` steps);
 - ``transfer_s``: the bytes' time at the link rate: a butterfly all-reduce sends and receives
@@ -21,7 +22,9 @@ shaped link (``--link-loss P``: random loss on it); without, the daemons share 1
   after the warm-up (bench.cpuwatch); ``cpu_floor_s``: every daemon's and trainer's CPU seconds per step over
   the machine's cores, the least a step could take here if nothing else ran; ``machine_busy``: the share of
   the cores busy meanwhile, ``others_busy`` the share busy with processes outside the bench. Where
-  ``cpu_floor_s`` comes near ``step_s``, the step waits for the cores, not for the link.
+  ``cpu_floor_s`` comes near ``step_s``, the step waits for the cores, not for the link;
+- ``link_queue_drops`` (with ``--link``): the share of the packets offered to the links' queues that they dropped
+  over the whole run, ``up`` and ``down`` apart: the daemons' own overrun, beyond the random loss.
 The lab has no delay emulation: its RTT is the queue's and the hosts', not a WAN's.
 """
 
@@ -42,6 +45,7 @@ from typing import Any
 
 from ...localsock.phases import PHASES
 from ..lab.links import LinkLab, parse_rate
+from ..linkargs import add_link_arguments
 from ..swarm import LocalSwarm
 from .cpuwatch import CpuWatch, CpuWindow
 from .runner import run_bench
@@ -62,6 +66,7 @@ class StepBenchConfig:
     mode: str = "sync"
     link: str | None = None
     link_loss: float = 0.0
+    link_queue_ms: float = 20.0
     warmup: int = 3
     keep_rounds: int | None = None  # None: the trainer's default
     compression: str | None = None
@@ -81,6 +86,10 @@ class StepBenchConfig:
             raise ValueError("--link-loss needs --link RATE")
         if not 0.0 <= self.link_loss < 1.0:
             raise ValueError("--link-loss must be in [0, 1)")
+        if not 0.0 < self.link_queue_ms <= 10_000:
+            raise ValueError("--link-queue-ms must be in (0, 10000]")
+        if self.link_queue_ms != 20.0 and not self.link:
+            raise ValueError("--link-queue-ms needs --link RATE")
         if self.compression is not None and self.compression not in (*CODEC_BYTES, "auto"):
             raise ValueError(f"--compression must be one of {sorted(CODEC_BYTES)} or auto")
 
@@ -227,8 +236,9 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
     lab: LinkLab | None = None
     try:
         if cfg.link:
-            lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss)
-            say(f"link lab: {cfg.peers} namespaces, {cfg.link} links, loss {cfg.link_loss} (no delay emulation)")
+            lab = LinkLab(cfg.peers, cfg.link, cfg.link_loss, queue_ms=cfg.link_queue_ms)
+            say(f"link lab: {cfg.peers} namespaces, {cfg.link} links, loss {cfg.link_loss}, "
+                f"{cfg.link_queue_ms:g} ms of queue (no delay emulation)")
             lab.start()
         swarm = LocalSwarm(os.path.join(workdir, "swarm"), lab=lab)
         procs: list[tuple[subprocess.Popen, str, Any]] = []
@@ -237,6 +247,7 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
             for _ in range(cfg.peers):
                 swarm.wait_ready(swarm.start())
             swarm.wait_settled()  # the DHT settles (every daemon bootstrapped from node 0)
+            tbf_before = lab.tbf_sides() if lab is not None else {}
             start_workers(procs, swarm, workdir, cfg, lab.exec_prefix if lab is not None else lambda i: [])
             watch = CpuWatch({**{f"daemon{i}": node.proc.pid for i, node in enumerate(swarm.nodes)},
                               **{f"trainer{i}": proc.pid for i, (proc, _, _) in enumerate(procs)}})
@@ -246,6 +257,7 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
                 records = wait_workers(procs, workdir, cfg)
             finally:
                 watch.stop()
+            queue_drops = lab.queue_drop_fractions(tbf_before, lab.tbf_sides()) if lab is not None else {}
             rtt = _ping_rtt(swarm, lab)
         finally:
             stop_workers(procs)
@@ -255,8 +267,12 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
             lab.close()
         shutil.rmtree(workdir, ignore_errors=True)
     rate = parse_rate(cfg.link) if cfg.link else None
-    return summarize(records, cfg, lambda codec: transfer_seconds(cfg.params, cfg.peers, codec, rate), rtt,
-                     cpu_window(watch, records, cfg.warmup))
+    result = summarize(records, cfg, lambda codec: transfer_seconds(cfg.params, cfg.peers, codec, rate), rtt,
+                       cpu_window(watch, records, cfg.warmup))
+    # what the links' token-bucket queues dropped of the packets offered to them over the whole run, uplinks and
+    # downlinks apart: the daemons' own overrun (a sender above its uplink, senders converging on one downlink)
+    result["link_queue_drops"] = {side: round(f, 6) for side, f in queue_drops.items()}
+    return result
 
 
 def step_codec(reply: dict[str, Any], compression: str | None) -> str:
@@ -337,8 +353,7 @@ def add_parser(bench: Any) -> None:
     b.add_argument("--params", type=float, default=800_000, metavar="P",
                    help="float32 parameters of the model (default 800000; 1e6 works)")
     b.add_argument("--mode", choices=MODES, default="sync", help="sync, overlap or diloco (default sync)")
-    b.add_argument("--link", metavar="RATE", help="each peer in a link-lab namespace behind RATE (e.g. 100mbit; root)")
-    b.add_argument("--link-loss", type=float, default=0.0, metavar="P", help="random loss on each link (with --link)")
+    add_link_arguments(b.add_argument_group("link lab (root)"), daemon_loss=False)
     b.add_argument("--warmup", type=int, default=3, metavar="W", help="first steps left out (default 3)")
     b.add_argument("--keep-rounds", type=int, metavar="K", help="kept-group rounds (default: the trainer's)")
     b.add_argument("--compression", choices=[*sorted(CODEC_BYTES), "auto"],
@@ -349,7 +364,8 @@ def add_parser(bench: Any) -> None:
 
 def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cfg = StepBenchConfig(peers=args.peers, steps=args.steps, params=int(args.params), mode=args.mode,
-                          link=args.link, link_loss=args.link_loss, warmup=min(args.warmup, args.steps - 1),
+                          link=args.link, link_loss=args.link_loss, link_queue_ms=args.link_queue_ms,
+                          warmup=min(args.warmup, args.steps - 1),
                           keep_rounds=args.keep_rounds, compression=args.compression, sync_every=args.sync_every)
     result = run_bench(cfg, parser, lambda say: run_step_bench(cfg, say=say), print_json=args.json,
                        left="every daemon, namespace and temp dir")
@@ -366,6 +382,9 @@ def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     for phase, seconds in result["phases"].items():
         print(f"  {phase:>12}: {seconds:.4f} (median)")
     print(f"  outcomes: {result['outcomes']}, kept-group steps: {result['kept']}")
+    if result["link_queue_drops"]:
+        print("  link queues dropped: " + ", ".join(f"{side} {100 * f:.2f} %"
+                                                    for side, f in result["link_queue_drops"].items()))
     return 0
 
 

@@ -607,6 +607,13 @@ class NetnsLab:
             out[side] = (drops, sum(a.packets - b.packets for a, b in zip(after[side], old, strict=True)) + drops)
         return out
 
+    @staticmethod
+    def queue_drop_fractions(before: dict[str, list[QdiscStats]], after: dict[str, list[QdiscStats]]
+                             ) -> dict[str, float]:
+        """Per side, the share of the packets offered to the queues between two readings that they dropped."""
+        return {side: d / offered if offered else 0.0
+                for side, (d, offered) in NetnsLab.queue_drop_shares(before, after).items()}
+
 
 class LinkLab(NetnsLab):
     """``peers`` namespaces on one bridge, each link shaped at ``rate`` both ways and losing ``loss`` on arrival.
