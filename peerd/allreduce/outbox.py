@@ -74,7 +74,11 @@ class Outbox:
             raise ValueError(f"rows must be >= 1, got {rows}")
         if self._coded:
             rows = min(rows, max(1, CODED_BLOCK_ELEMENTS // self._per))
-            limit = min(limit, max(1, CODED_BATCH_ELEMENTS // self._per))
+            # (in whole turns of a block per destination: a slice that held one more block for one of them left
+            # that destination alone on the uplink for a third of the slice, and several senders alone toward one
+            # receiver at a time overflowed its downlink: `peerd bench step --link 10mbit`)
+            turn = rows * max(1, self.n - 1)
+            limit = min(limit, max(turn, CODED_BATCH_ELEMENTS // self._per // turn * turn))
         self._block_rows = rows
         batch: list[OutBlock] = self._repair_blocks() if self._rounds else []
         count = sum(len(b.bodies) for b in batch)
