@@ -43,10 +43,10 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 
 
 class Sending(enum.Enum):
-    """Where a member's own sending stands: its contributions (with the average's ranges that are final between
-    them), then the rest of the average once its own shard's reduce-scatter has ended."""
+    """Where a member's own sending stands: its contributions first, then the average (its ranges as they become
+    final; the rest once its own shard's reduce-scatter has ended)."""
 
-    REDUCE_SCATTER = "reduce_scatter"  # the own contributions go out to their owners (and final averages)
+    REDUCE_SCATTER = "reduce_scatter"  # the own contributions go out to their owners
     HOLDING = "holding"  # every contribution is out; the own shard's reduce-scatter has not ended yet
     ALL_GATHER = "all_gather"  # the own shard's average goes out to every other member
     SENT = "sent"  # nothing more to send
