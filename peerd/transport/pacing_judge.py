@@ -31,6 +31,7 @@ from .pacing_params import (
     FLAT_GROWTH,
     FLOOR_PHASES,
     FLOOR_RATE,
+    FLOOR_SAMPLE,
     HELD_BACK,
     KERNEL_DROPS,
     LOSS_MARGIN,
@@ -44,6 +45,7 @@ from .pacing_params import (
     PATH_PERSIST,
     PATH_Z,
     PHASE_BYTES,
+    PHASE_FILL,
     PROBE_FAIL_CUT,
     PROBE_STEP,
     Q_EXCUSE,
@@ -53,15 +55,15 @@ from .pacing_params import (
     Q_SPAN,
     RESTART_PROBES,
     STANDING_KEEP,
-    STARTUP_FILL,
     STARTUP_GROWTH,
     STARTUP_GROWTH_MIN,
     STARTUP_MARGIN,
     STARTUP_PHASES,
     STARTUP_Z,
+    THIN_Z,
     Z,
 )
-from .pacing_records import Verdict, _Cap, _Phase, _Record, _var
+from .pacing_records import Floor, Verdict, _Cap, _Phase, _Record, _var, above_floor
 
 
 class State(enum.Enum):
@@ -161,10 +163,12 @@ class Judgement:
         recent = list(self._history)[-CARRIED_PHASES:]
         return any(rec.sent * (1.0 - rec.lost / rec.expected) >= need for rec in recent if rec.expected > 0)
 
-    def _floor(self, sent: float, dest: Hashable = None) -> tuple[float, float, int]:
-        """(random-loss floor, its sampling variance, datagrams behind it) for a phase sent at ``sent``
-        bytes/s (to ``dest``; None: all destinations): the pooled loss of recent clean phases sent at
-        most FLOOR_RATE of that. (0, 0, 0) when there are none."""
+    def _floor(self, sent: float, dest: Hashable = None) -> Floor:
+        """The random-loss floor for a phase sent at ``sent`` bytes/s (to ``dest``; None: all destinations): the
+        pooled loss of recent clean phases sent at most FLOOR_RATE of that, judged at THIN_Z in the cycle where they
+        hold under FLOOR_SAMPLE datagrams. (In the cycle the phases under FLOOR_RATE of a cruise are few, an
+        average's tail or a drain after a cut: at 10 Mbit/s such floors read 0.000-0.014 under 5 % random loss,
+        and at Z they cut cruise after cruise that lost only the link's 5 %.) Empty without any."""
         limit = FLOOR_RATE * sent
         expected = lost = used = 0
         for rec in reversed(self._history):
@@ -182,9 +186,9 @@ class Judgement:
                 if used >= FLOOR_PHASES:
                     break
         if not expected:
-            return 0.0, 0.0, 0
-        f = lost / expected
-        return f, _var(f, expected), expected
+            return Floor()
+        thin = self.btl is not None and expected < FLOOR_SAMPLE  # (startup's floors are all thin: STARTUP_MARGIN)
+        return Floor(lost / expected, expected, THIN_Z if thin else 0.0)
 
     def _judge_due(self, now: float) -> Verdict | None:
         out: Verdict | None = None
@@ -221,10 +225,8 @@ class Judgement:
         if ph.drops > KERNEL_DROPS * ph.expected:
             return True
         sent = min(ph.rate, self.sent_rate(ph.start, ph.stop()))
-        floor, floor_var, floor_n = self._floor(sent)
-        loss = ph.lost / ph.expected
         margin = STARTUP_MARGIN if self.btl is None else LOSS_MARGIN
-        return floor_n > 0 and loss > floor + margin + EARLY_Z * math.sqrt(floor_var + _var(floor, ph.expected))
+        return above_floor(ph.lost / ph.expected, ph.expected, self._floor(sent), margin, EARLY_Z)
 
     # -- one phase's judgement ---------------------------------------------------------------------------------
     def _judge(self, ph: _Phase, now: float) -> Verdict | None:
@@ -239,11 +241,12 @@ class Judgement:
         margin, z = (STARTUP_MARGIN, STARTUP_Z) if self.btl is None else (LOSS_MARGIN, Z)
         paths, hot, (expected, lost, drops) = self._judge_paths(ph, margin, z)
         loss = lost / expected
-        floor, floor_var, floor_n = self._floor(sent)
+        floors = self._floor(sent)
+        floor = floors.loss
         reason = ""
         if drops > KERNEL_DROPS * expected:
             reason = f"{drops} datagrams dropped by receivers' kernels"
-        elif floor_n and loss > floor + margin + z * math.sqrt(floor_var + _var(floor, expected)):
+        elif above_floor(loss, expected, floors, margin, z):
             reason = f"loss {loss:.3f} above the floor {floor:.3f} ({ph.kind} at {sent / 1e6:.2f} MB/s)"
         delay_cut = None
         signal = self._queue_signal(ph)
@@ -358,10 +361,12 @@ class Judgement:
         # used little of its rate, the tail of an average, shows the queue of the bursts before it)
         fresh = ph.start >= self._quiet_until and sent >= APP_LIMITED * ph.rate
         self._deep = self._deep + 1 if level > Q_HIGH else 0
-        if fresh and ph.kind == "probe" and level > Q_PROBE:
+        if fresh and ph.kind == "probe" and level > Q_PROBE * max(1.0, (signal[2] - ph.start) / self.phase_s):
             # A probe above the link filled the queue: no raise, and a drain empties what it left. (Taken as a
             # measurement of the link, sent / (1 + growth), it read low in the lab: a sender woken late on
-            # loaded cores bursts, and its bursts queue below the link's rate.)
+            # loaded cores bursts, and its bursts queue below the link's rate.) Q_PROBE is what a phase_s of
+            # probing queues: a longer phase (a thin link's, which must hold PHASE_BYTES) queues in proportion,
+            # and judged against Q_PROBE alone, probes at 10 Mbit/s failed from 0.94 of the link on.
             self._transition(Event.PROBE_QUEUED, now)
             return Verdict("hold", f"probe at {sent / 1e6:.2f} MB/s: queue {1e3 * level:.1f} ms", self.rate)
         if ph.kind == "startup":
@@ -496,11 +501,12 @@ class Judgement:
             # (also a bursty sender held back by the rate in its bursts: raising its rate on that lets its bursts
             # overrun a 20 ms queue, and its btl grow past the link on clean probes)
             return Verdict("hold", f"sender used {sent / ph.rate:.2f} of its rate", self.rate)
-        if (startup or ph.kind == "probe") and ph.nbytes < PHASE_BYTES * (STARTUP_FILL if startup else 1.0):
+        if (startup or ph.kind == "probe") and ph.nbytes < PHASE_BYTES * PHASE_FILL:
             # A part or two, measured up to its last send, is sent at a rate only for a moment a queue absorbs: it
-            # proves no headroom: doubling on single 64 KB parts takes 16 daemons on 2 cores to 5x the link. (In
-            # startup, where a phase at START_RATE holds PHASE_BYTES only if sent to the full, STARTUP_FILL of it:
-            # the first phases go out a few ms late and fall a little short.)
+            # proves no headroom: doubling on single 64 KB parts takes 16 daemons on 2 cores to 5x the link. (Where
+            # a phase at its rate holds PHASE_BYTES only if sent to the full, at START_RATE or a thin link's rate,
+            # PHASE_FILL of it: a phase's parts go out a few ms late and fall a little short. Asked for all of
+            # it, one probe in two at 10 Mbit/s raised nothing, and btl took seconds back up after a cut.)
             return Verdict("hold", f"too little sent to prove a rate ({ph.nbytes} bytes)", self.rate)
         if startup:
             return self._clean_startup(ph, sent, signal, now)
@@ -641,8 +647,8 @@ class Judgement:
         """One destination's share of a phase: (its loss, what its path delivered, a little under) when it
         is lossier than that destination's own floor or its receiver's kernel dropped; else None."""
         loss = lost / expected
-        floor, floor_var, floor_n = self._floor(sent, dest)
-        if drops > KERNEL_DROPS * expected or (
-                floor_n > 0 and loss > floor + margin + z * math.sqrt(floor_var + _var(floor, expected))):
+        floors = self._floor(sent, dest)
+        floor = floors.loss
+        if drops > KERNEL_DROPS * expected or above_floor(loss, expected, floors, margin, z):
             return loss, max(self.min_rate, sent * (1.0 - loss) / max(1e-9, 1.0 - floor) * CUT_MARGIN)
         return None

@@ -46,6 +46,8 @@ PATH_MARGIN = 0.02  # one destination's share of a phase is a third of the sampl
 PATH_Z = 3.0  # there are as many chances of a false alarm as destinations: a cap needs clearer evidence
 FLOOR_RATE = 0.85  # clean phases sent at most this fraction of a judged phase's rate give its floor
 FLOOR_PHASES = 8  # pooled over at most this many
+FLOOR_SAMPLE = 400  # datagrams: in the cycle a loss must stand THIN_Z sigma above a floor pooled from fewer
+THIN_Z = 4.0
 HISTORY = 32  # clean phases remembered (1.6 s)
 MAX_PENDING = 64  # phases waiting for their judgement (more: the oldest go unjudged)
 MIN_SAMPLE = 32  # datagrams: a phase (or a destination's share of one) with fewer says too little
@@ -75,7 +77,7 @@ Q_PROBE = 0.0035
 # waited for it (`peerd demo --model gpt --peers 4 --link 100mbit --link-loss 0.05`).
 Q_EXCUSE = 2 * Q_HIGH
 STARTUP_GROWTH_MIN = 0.2  # startup ends on a queue above Q_HIGH that grew this many seconds per second of the phase
-STARTUP_FILL = 0.75  # of PHASE_BYTES: what a startup phase must hold to prove its rate (a phase that sent
+PHASE_FILL = 0.75  # of PHASE_BYTES: what a startup phase or a probe must hold to prove its rate (a phase that sent
 # under HELD_BACK of its rate proves nothing either)
 Q_FLAT = 0.001  # a startup phase whose queue ended under this (and grew no faster than FLAT_GROWTH) had headroom:
 FLAT_GROWTH = 0.02  # its rate doubles after it alone (an overshoot of x queues (x - 1) x 50 ms in one phase)

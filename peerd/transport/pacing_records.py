@@ -7,6 +7,7 @@ import bisect
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .pacing_params import FIRST_REPORT, LOG_HISTORY_S, MAX_PENDING_REPORTS, MIN_SAMPLE
 
@@ -39,6 +40,27 @@ class Verdict:
 def _var(p: float, n: int) -> float:
     """Sampling variance of a loss fraction measured over n datagrams (at least that of 1 in n)."""
     return max(p, 1.0 / n) * (1.0 - min(p, 0.999)) / n
+
+
+class Floor(NamedTuple):
+    """A random-loss floor: the pooled loss of recent clean phases, the datagrams behind it, and the least sigma a
+    phase's loss must stand above it by (a floor from few datagrams asks more)."""
+
+    loss: float = 0.0
+    n: int = 0
+    z: float = 0.0
+
+
+def above_floor(loss: float, n: int, floor: Floor, margin: float, z: float) -> bool:
+    """Loss over ``n`` datagrams is above ``floor`` by ``margin`` plus ``z`` (at least ``floor.z``) sigma of their
+    difference, the sigma of two samples of one loss rate (their pooled loss): a floor that read low by chance would
+    otherwise make the noise look small too, and cut a phase for the link's own loss. False without a floor."""
+    if floor.n <= 0 or n <= 0:
+        return False
+    total = n + floor.n
+    pooled = (loss * n + floor.loss * floor.n) / total
+    sigma = math.sqrt(max(pooled, 1.0 / total) * (1.0 - min(pooled, 0.999)) * (1.0 / n + 1.0 / floor.n))
+    return loss > floor.loss + margin + max(z, floor.z) * sigma
 
 
 class _Phase:
