@@ -30,7 +30,8 @@ from peerd.transport.pacing import (
     SendPositions,
     Verdict,
 )
-from peerd.transport.pacing_params import PHASE_S, Q_HIGH
+from peerd.transport.pacing_params import LOSS_MARGIN, PHASE_S, Q_HIGH, THIN_Z, Z
+from peerd.transport.pacing_records import Floor, _Record, above_floor
 
 
 def test_token_bucket_spaces_sends_at_the_rate() -> None:
@@ -365,15 +366,16 @@ def lossy_swarm(loss: float, seed: int, seconds: float = 3.0) -> Swarm:
 
 def feed(pacer: Pacer, seconds: float, loss_of, *, t0: float = 0.0, dests=("a", "b", "c"), drops_of=None,
          lag: float = 0.01, seed: int = 0, burst: int = 0, gap: float = 0.0, queue_of=None,
-         datagram: int = DATAGRAM) -> float:
+         datagram: int = DATAGRAM, part: int | None = None) -> float:
     """Drive one Pacer with no link model: it sends all the time, destinations in turn, a part at a time when
     its bucket says; every 25 ms each destination reports what was sent to it up to ``lag`` ago, of which
     ``loss_of(dest, t)`` was lost at random (and ``drops_of(dest, t)`` kernel drops). ``burst``/``gap``: after
     every ``burst`` parts the sender waits ``gap`` seconds for data. ``queue_of(dest, t)``: the seconds the
     interval's last datagram (sent at t) waited in queues; its arrival time is in each REPORT (None: REPORTs
-    without arrival times). Returns the end time."""
+    without arrival times). ``part``: datagrams per send (default: one GSO send's). Returns the end time."""
     rng = random.Random(seed)
-    part = PART if datagram == DATAGRAM else max(2, 65000 // datagram)  # (one GSO send's datagrams)
+    if part is None:
+        part = PART if datagram == DATAGRAM else max(2, 65000 // datagram)  # (one GSO send's datagrams)
     t, tick = t0, t0 + 0.025
     sent = {d: [] for d in dests}  # per destination: send time of every datagram
     reported = dict.fromkeys(dests, 0)
@@ -453,6 +455,58 @@ def test_random_loss_alone_does_not_slow_the_sender() -> None:
     feed(pacer, 2.0, lambda d, t: 0.10)
     assert pacer.decreases == 0
     assert pacer.rate == pytest.approx(200e6)
+
+
+def test_a_thin_floor_that_read_low_does_not_cut_a_cruise_for_random_loss() -> None:
+    """In the cycle the clean phases under FLOOR_RATE of a cruise are few (an average's tail, a drain after a
+    cut): in the lab at 10 Mbit/s under 5 % random loss one such tail of 103 datagrams lost none, and judged at Z
+    it cut a cruise that lost 7 of 109 (1.0 -> 0.77 MB/s). A floor of under FLOOR_SAMPLE datagrams asks THIN_Z
+    sigma, of the two samples' pooled loss; an overflow above a floor of many datagrams is still congestion."""
+    assert not above_floor(7 / 109, 109, Floor(0.0, 103, THIN_Z), LOSS_MARGIN, Z)
+    assert above_floor(7 / 109, 109, Floor(0.0, 103), LOSS_MARGIN, Z)  # (the same floor at Z)
+    assert above_floor(0.15, 100, Floor(0.04, 800), LOSS_MARGIN, Z)  # (a probe's overflow)
+    assert not above_floor(0.06, 100, Floor(), LOSS_MARGIN, Z)  # (no floor: nothing to judge by)
+    pacer = Pacer(max_rate=1.25e6)  # (a cap: no link model; every loss below is random)
+    pacer.btl = 1.2e6
+    pacer.rate = 0.98 * pacer.btl
+    t = feed(pacer, 0.5, lambda d, t: 0.05, t0=1.0, part=2)
+    assert pacer._floor(pacer.rate).n == 0  # (sending all the time, a cruise has no floor of its own)
+    pacer._history.append(_Record(0.3e6, 110, 0, {}))  # an average's tail that lost nothing by chance
+    assert pacer._floor(pacer.rate) == Floor(0.0, 110, THIN_Z)
+    feed(pacer, 1.0, lambda d, t: 0.05, t0=t, seed=1, part=2)
+    assert pacer.decreases == 0
+
+
+def test_a_probe_at_a_thin_links_rate_proves_it_a_little_short_of_its_phase() -> None:
+    """At 10 Mbit/s a phase lasts PHASE_BYTES at its rate, and a sender a little behind its rate (waiting for data
+    now and then) holds 97-109 KB of its 115 in the lab: asked for all of it, probe after probe raised nothing,
+    and btl took seconds back up after a cut. PHASE_FILL of it proves the probe's rate."""
+    pacer = Pacer(max_rate=2e6)
+    pacer.btl = 1.0e6
+    pacer.rate = 0.98 * pacer.btl
+    # two-datagram parts (the driver's at this rate), a 15 ms wait for data after every 40 (96 KB)
+    feed(pacer, 6.0, lambda d, t: 0.0, t0=1.0, part=2, burst=40, gap=0.015, queue_of=lambda d, t: 0.0)
+    assert pacer.decreases == 0
+    assert pacer.increases >= 2 and pacer.btl is not None and pacer.btl >= 1.05e6, (pacer.increases, pacer.btl)
+
+
+def test_a_probe_in_a_long_phase_is_judged_by_its_queues_growth() -> None:
+    """Q_PROBE is what a probe's phase_s of overshoot queues: a probe 6.5 % over the link (btl 0.97 of it) queues
+    3.25 ms in a 50 ms phase, clean. At 10 Mbit/s a phase lasts PHASE_BYTES (0.1 s): the same overshoot queues
+    twice that by its end, and judged against Q_PROBE alone, probes failed from 0.94 of the link on."""
+    pacer = Pacer(max_rate=2e6)
+    pacer.btl = 1.0e6
+    pacer.rate = 0.98 * pacer.btl
+
+    def queue_of(dest, t: float) -> float:  # only a probe queues, 6.5 % of the time it has run
+        for ph in pacer._phases:
+            if ph.start <= t and (ph.end is None or t < ph.end):
+                return 0.065 * (t - ph.start) if ph.kind == "probe" else 0.0
+        return 0.0
+
+    feed(pacer, 3.0, lambda d, t: 0.0, t0=1.0, part=2, queue_of=queue_of)
+    assert pacer.decreases == 0
+    assert pacer.btl is not None and pacer.btl >= 1.05e6, pacer.btl
 
 
 def test_loss_that_grows_with_the_rate_is_congestion() -> None:
