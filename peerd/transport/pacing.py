@@ -20,7 +20,9 @@ in it without a gap (``_Frontier``), or else once the **judging lag** has passed
 REPORTs so far already show an overflow beyond doubt (``EARLY_Z`` sigma) is judged at once, and no probe
 goes out while the last one is unjudged: late REPORTs must not leave an overflow running. A phase is judged
 by its loss, over all destinations, against the **random-loss floor**, which is the pooled loss of recent
-clean phases sent at a clearly lower rate (``FLOOR_RATE``).
+clean phases sent at a clearly lower rate (``FLOOR_RATE``); the sampling noise is that of both samples' pooled
+loss (a floor that read low by chance does not make the noise look small too), and in the cycle, where such
+phases are few (an average's tail, a drain), a floor of under ``FLOOR_SAMPLE`` datagrams asks ``THIN_Z`` sigma.
 That is the first distinction between random loss and congestion: random loss is the same at every rate,
 overflow at the bottleneck appears only above its rate. A phase lossier than its floor (beyond its sampling
 noise) is congestion; a phase no lossier is clean, whatever its loss. Random loss alone never slows it.
@@ -39,8 +41,9 @@ queue, only one its own downlink) of the least late sample (a sample may sit a b
 * a queue above ``Q_HIGH`` in ``DEEP_PHASES`` judged phases in a row is congestion before any overflow: btl
   goes to what the link carried (the phase's rate / (1 + the queue's growth), less what it lost beyond the
   floor), ``DELAY_MARGIN`` under; unless it is draining (``DRAINING``): the path then carries more than was sent;
-* a probe that takes the queue above ``Q_PROBE`` is not clean (no raise; a drain follows), and startup ends on
-  a queue that is deep and growing, before it overflows.
+* a probe that takes the queue above ``Q_PROBE`` per ``PHASE_S`` it has run (a thin link's phases, which must
+  hold ``PHASE_BYTES``, are longer) is not clean (no raise; a drain follows), and startup ends on a queue that
+  is deep and growing, before it overflows.
 
 A burst (one GSO send) crosses the bottleneck datagram by datagram: SendPositions places each at btl's rate
 after the burst's time (a sample deep in a burst never sets the base: the rate may be wrong), and a batch
