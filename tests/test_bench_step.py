@@ -11,7 +11,15 @@ import pytest
 
 from peerd.localsock.phases import PHASES
 from peerd.tools.bench.cpuwatch import CpuWatch, Sample
-from peerd.tools.bench.step import StepBenchConfig, add_parser, cpu_figures, cpu_window, summarize, transfer_seconds
+from peerd.tools.bench.step import (
+    StepBenchConfig,
+    add_parser,
+    cpu_figures,
+    cpu_window,
+    step_bound,
+    summarize,
+    transfer_seconds,
+)
 from peerd.tools.lab.links import LinkLab, QdiscStats
 
 
@@ -37,6 +45,17 @@ def test_summary_leaves_out_the_warmup_and_takes_medians() -> None:
     assert out["fixed_s"] == pytest.approx(0.2) and out["bound_s"] == pytest.approx(0.43)
     assert out["phases"]["transfer"] == pytest.approx(0.5) and set(out["phases"]) == set(PHASES)
     assert out["outcomes"] == {"averaged": 6}
+
+
+def test_the_bound_is_the_issues_for_each_mode() -> None:
+    """A step: its bytes' time plus max(3 RTT, 30 ms); a DiLoCo outer step: 1.3x its bytes' time plus 3 RTT (its
+    figures describe the outer step)."""
+    assert step_bound("sync", 1.0, 0.001) == pytest.approx(1.03)
+    assert step_bound("overlap", 1.0, 0.02) == pytest.approx(1.06)
+    assert step_bound("diloco", 1.0, 0.001) == pytest.approx(1.303)
+    cfg = StepBenchConfig(peers=2, steps=2, warmup=0, mode="diloco")
+    rec = {"seconds": 1.2, "outcome": "averaged", "kept": False, "phases": dict.fromkeys(PHASES, 0.0)}
+    assert summarize([[rec, rec]], cfg, transfer_s=1.0, rtt_s=0.01)["bound_s"] == pytest.approx(1.33)
 
 
 def test_the_command_line_checks_its_arguments() -> None:
