@@ -236,3 +236,20 @@ def test_a_member_with_thousands_of_identities_cannot_grow_the_view_hostile() ->
     assert stats.tracked == 64 and stats.evicted == 20_000 - 64 and stats.received_bytes == 20_000 * 1200
     feed.tick(30.0)
     assert len(_samples(feed.metrics, "peerd_peer_receive_bytes_per_second")) <= TOP_PEERS + 1
+
+
+def test_the_counts_behind_the_loss_give_the_loss_between_two_reads() -> None:
+    t = PeerTable()
+    t.receive_sent(A, "10.0.0.1:7411", DATA, 1000, None, 0.0)
+    t.receive_report(A, 1000, 700, False, 0.0)  # a bad first average: 30 % of this node's data lost
+    t.receive_report(A, 1000, 1000, True, 0.0)
+    first = t.statistics().peers[0]
+    assert first.loss_out_counts == (1000, 700) and first.loss_in_counts == (1000, 1000)
+    t.receive_report(A, 3000, 2850, False, 1.0)  # then 5 %
+    t.receive_report(A, 3000, 2940, True, 1.0)
+    p = t.statistics().peers[0]
+    assert p.loss_out == pytest.approx(450 / 4000)  # the fraction keeps the first average's loss ...
+    (e1, a1), (e0, a0) = p.loss_out_counts, first.loss_out_counts
+    assert 1 - (a1 - a0) / (e1 - e0) == pytest.approx(0.05)  # ... the counts' difference is the loss since
+    (e1, a1), (e0, a0) = p.loss_in_counts, first.loss_in_counts
+    assert 1 - (a1 - a0) / (e1 - e0) == pytest.approx(0.02)

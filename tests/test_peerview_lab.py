@@ -42,9 +42,9 @@ def test_status_lists_each_peer_with_rates_and_loss_the_lab_counted_within_10pct
     assert len(out["settled_loss"]) == cfg.peers - 1
     for row in out["settled_loss"]:
         for key in ("loss_out", "loss_in"):
-            # once the rounds stopped: the view's REPORT counts (the averages' data datagrams) against what the lab
-            # counted between the pair's stacks (its random drop and its queues, every UDP byte); measured 0-6 %,
-            # once 10.01 % (0.071 against 0.0645, 1.9 standard errors). Each is a sample of the same random drop:
-            # +-0.35 points over these ~5,000 datagrams (loss_stderr), so within 10 % or within that noise.
+            # once the rounds stopped, both from the warm-up's end: the view's REPORT counts (the averages' data
+            # datagrams) against what the lab counted between the pair's stacks (its random drop and its queues,
+            # every UDP byte); measured within 0.2-7.3 %. Each is a sample of the same random drop: +-0.4 points
+            # over these ~2,800 datagrams (loss_stderr), so within 10 % or within that noise.
             assert row[key]["within_10pct"] or row[key]["within_noise"], (key, row)
             assert abs(row[key]["lab"] - cfg.link_loss) < 5 * row[key]["loss_stderr"] + 0.02, (key, row)

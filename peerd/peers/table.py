@@ -54,6 +54,10 @@ class PeerStatistics:
     rtt_samples: int
     loss_out: float | None  # of what this node sent it (its REPORTs)
     loss_in: float | None  # of what it sent this node (this node's REPORTs)
+    # the datagram counts behind them, (expected, arrived): the difference of two reads is the loss between them,
+    # where expected did not drop meanwhile (both are halved together past LOSS_HALF expected)
+    loss_out_counts: tuple[int, int]
+    loss_in_counts: tuple[int, int]
     send_bps: float
     recv_bps: float
     rate_window_s: float  # the rates are over this many seconds, ending at the table's latest sample
@@ -283,6 +287,8 @@ class PeerTable:
                 peer=node.hex(), addr=p.addr, path=p.path, via=p.via.hex() if p.via else None,
                 rtt_s=p.srtt, rtt_p99_s=_p99(p.rtts), rtt_samples=p.rtt_count,
                 loss_out=loss_out, loss_in=_loss(p.in_expected, p.in_received),
+                loss_out_counts=(round(p.out_expected), round(p.out_received)),
+                loss_in_counts=(round(p.in_expected), round(p.in_received)),
                 send_bps=send_bps, recv_bps=recv_bps, rate_window_s=window,
                 goodput_out_bps=send_bps * (1.0 - (loss_out or 0.0)), goodput_in_bps=recv_bps,
                 sent_bytes=dict(p.sent), received_bytes=dict(p.received), verdict=verdict,

@@ -15,9 +15,10 @@ peer's figures beside the lab's:
   from it, what arrived at the peer from node 0, what arrived at node 0 from it;
 - ``loss_out``, ``loss_in``: the view's are the averages' REPORTs (data datagrams counted by the receivers) since
   the daemon began; the lab's are the datagrams lost between the two stacks since the first round (either queue
-  or the random drop), with ``loss_stderr`` the binomial standard error of that count, ``loss_configured``, and
-  ``within_noise``: the two differ by at most NOISE_SE standard errors (the view counts the averages' datagrams,
-  the lab every UDP byte between the pair: two samples of one random drop);
+  or the random drop). ``settled_loss`` compares the two once the rounds stopped, both from the warm-up's end on
+  (the view's ``loss_*_counts`` then and at the end), with ``loss_stderr`` the binomial standard error of the
+  lab's count, ``loss_configured``, and ``within_noise``: the two differ by at most NOISE_SE standard errors (the
+  view counts the averages' datagrams, the lab every UDP byte between the pair: two samples of one random drop);
 - ``rtt_ms``: the view's smoothed RTT of answered requests; the lab's is the median ICMP round trip over the last
   ``RTT_WINDOW_S`` seconds (``lab_p99_ms`` its p99, ``lab_min_ms`` its least: the path with no queue), which has
   no daemon in the loop.
@@ -217,13 +218,17 @@ def _stderr(p: float | None, n: int) -> float | None:
     return None if p is None or n <= 0 else round(math.sqrt(p * (1 - p) / n), 5)
 
 
-def settled_loss(view: dict[str, Any], lab: LinkLab, clock: _LabClock, ids: list[str], since: float
-                 ) -> list[dict[str, Any]]:
-    """Loss both ways once the averaging stopped, so the lab's counters and the view's REPORTs are both final:
-    what each pair's receiver delivered to its stack of what its sender's stack sent, in UDP payload bytes (a GSO
-    send is one packet where it is counted, pairs.py; the random drop takes a datagram whatever its size)."""
+def settled_loss(view: dict[str, Any], lab: LinkLab, clock: _LabClock, ids: list[str], since: float,
+                 before: dict[str, Any]) -> list[dict[str, Any]]:
+    """Loss both ways once the averaging stopped, so the lab's counters and the view's REPORTs are both final,
+    from ``since`` (the warm-up's end) on, where the view's counts (``loss_*_counts``) are taken from ``before``,
+    its read then: the warm-up's rounds are left out of both (a member's first round on a fresh swarm may run on
+    after the others left it, its datagrams delivered but never REPORTed). The lab's is what each pair's receiver
+    delivered to its stack of what its sender's stack sent, in UDP payload bytes (a GSO send is one packet where
+    it is counted, pairs.py; the random drop takes a datagram whatever its size)."""
     now = {i: lab.pairs(i) for i in range(lab.peers)}
     peers = {p["peer"]: p for p in view["peers"]}
+    earlier = {p["peer"]: p for p in before["peers"]}
 
     def lost(src: int, dst: int) -> tuple[float | None, int]:
         sent = now[src][dst].sent.payload - clock.at(src, dst, "sent", since)
@@ -240,14 +245,24 @@ def settled_loss(view: dict[str, Any], lab: LinkLab, clock: _LabClock, ids: list
         for key, (src, dst) in (("loss_out", (VIEWER, j)), ("loss_in", (j, VIEWER))):
             lab_loss, n = lost(src, dst)
             se = _stderr(lab_loss, n)
-            row[key] = {**_compare(p[key], lab_loss), "datagrams": n, "loss_stderr": se,
+            seen = _view_loss(p[f"{key}_counts"], earlier.get(peer_id, {}).get(f"{key}_counts"))
+            row[key] = {**_compare(seen, lab_loss), "datagrams": n, "loss_stderr": se,
                         "loss_configured": lab.loss[dst]}
             # the view counts the averages' data datagrams, the lab every UDP byte between the pair: two samples of
             # one random drop, so they may differ by the sampling's noise as well as by 10 %
-            row[key]["within_noise"] = (p[key] is not None and se is not None
-                                        and abs(p[key] - lab_loss) <= NOISE_SE * se)
+            row[key]["within_noise"] = (seen is not None and se is not None
+                                        and abs(seen - lab_loss) <= NOISE_SE * se)
         out.append(row)
     return out
+
+
+def _view_loss(now: dict[str, int], before: dict[str, int] | None) -> float | None:
+    """The view's loss between two reads of a peer's ``loss_*_counts`` (None: nothing expected between them)."""
+    expected = now["expected"] - (before or {}).get("expected", 0)
+    arrived = now["arrived"] - (before or {}).get("arrived", 0)
+    if expected <= 0:
+        return None
+    return max(0.0, 1.0 - arrived / expected)
 
 
 class _Averaging:
@@ -340,6 +355,9 @@ def run_peerview_bench(cfg: PeerviewBenchConfig, *, say: Any = print) -> dict[st
                 with _Averaging(swarm, cfg.params) as avg:
                     time.sleep(cfg.warmup_s)
                     avg.measuring.set()
+                    t0 = time.monotonic()
+                    view0 = swarm.nodes[VIEWER].call("status")["peer_view"]  # the view's counts at the warm-up's end
+                    measured_from = (t0 + time.monotonic()) / 2
                     for r in range(cfg.reads):
                         if r:
                             time.sleep(cfg.every_s)
@@ -357,7 +375,8 @@ def run_peerview_bench(cfg: PeerviewBenchConfig, *, say: Any = print) -> dict[st
                 if avg.errors:
                     raise RuntimeError("; ".join(avg.errors))
                 time.sleep(1.0)  # the last rounds' REPORTs and datagrams arrive
-                settled = settled_loss(swarm.nodes[VIEWER].call("status")["peer_view"], lab, clock, ids, since)
+                settled = settled_loss(swarm.nodes[VIEWER].call("status")["peer_view"], lab, clock, ids,
+                                       measured_from, view0)
         finally:
             swarm.cleanup()
     finally:
