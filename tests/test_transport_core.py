@@ -666,3 +666,59 @@ def test_an_unanswered_request_follows_the_cores_schedule_through_the_endpoint(s
         assert ep.core.open_requests() == 0 and ep.core.get_timer() is None
 
     run_on_memnet(body)
+
+
+def test_a_request_sent_in_copies_drops_the_other_copies_answers_unseen() -> None:
+    core = TransportCore(random.Random(6))
+    with pytest.raises(ValueError, match="copies"):
+        core.open_request(A, PONG, timeout=0.5, attempts=2, now=0.0, copies=0)
+    rid = core.open_request(A, PONG, timeout=0.5, attempts=2, now=0.0, copies=2)
+    assert core.take_actions() == [Transmit(rid, 0)]  # (the shell sends each transmission twice)
+    assert receive(core, PONG, rid, A, "first copy", 0.01) == answered(rid, "first copy", pytest.approx(0.01))
+    core.close(rid)
+    assert receive(core, PONG, rid, A, "second copy", 0.011) == []
+    assert receive(core, ERROR, rid, A, "second copy refused", 0.012) == []
+    assert core.receiving.drops == {}  # another copy's answer is not a stray
+    # a request sent once: its late answer is still counted
+    once = core.open_request(A, PONG, timeout=0.5, attempts=2, now=1.0)
+    core.take_actions()
+    core.close(once)
+    assert receive(core, PONG, once, A, "late", 1.1) == [] and core.receiving.drops == {"unexpected": 1}
+
+
+def test_a_request_in_two_copies_is_answered_without_a_retransmission_wait_when_one_is_lost() -> None:
+    """Through the endpoint: both copies reach the handler (it takes a repeat as a retransmission), the first
+    datagram lost costs nothing, and the second answer is not counted as a stray."""
+    handled: list[float] = []
+    sent: list[float] = []
+    b_addr = ("10.0.0.2", 1)
+
+    async def body(net: MemNet, nursery: trio.Nursery) -> None:
+        a = Endpoint(net.socket("10.0.0.1", 1), Identity.generate(), SECRET, Metrics())
+        b = Endpoint(net.socket("10.0.0.2", 1), Identity.generate(), SECRET, Metrics())
+        b.on_request(m.MsgType.PING, lambda incoming: handled.append(trio.current_time()) or {})
+        await nursery.start(a.serve)
+        await nursery.start(b.serve)
+        await a.request(b_addr, m.MsgType.PING, {}, timeout=0.5, attempts=3)  # (learn who is there)
+        handled.clear()
+        deliver = net.deliver
+        lose = [True]
+
+        def lossy(src: tuple[str, int], dst: tuple[str, int], data: bytes) -> None:
+            if src == ("10.0.0.1", 1):
+                sent.append(trio.current_time())
+                if lose and lose.pop():
+                    return  # the first copy is lost
+            deliver(src, dst, data)
+
+        net.deliver = lossy
+        start = trio.current_time()
+        await a.request(b_addr, m.MsgType.PING, {}, timeout=0.5, attempts=3, copies=2)
+        assert trio.current_time() - start < 0.01  # one one-way trip each way (2 ms), no retransmission
+        assert [t - start for t in sent] == pytest.approx([0.0, 0.0]) and len(handled) == 1
+        net.deliver = deliver
+        await a.request(b_addr, m.MsgType.PING, {}, timeout=0.5, attempts=3, copies=2)
+        await trio.sleep(0.05)  # the second copy's answer arrives after the request closed
+        assert len(handled) == 3 and a.core.receiving.drops.get("unexpected", 0) == 0
+
+    run_on_memnet(body)

@@ -33,7 +33,8 @@ class Get:
 class Request:
     """Send an MM_JOIN, MM_BEGIN or PING request; answer with ``on_reply(token, ...)`` (a PONG: ``ok`` true) or
     ``on_failed(token, ...)``.
-    ``detached``: the answer matters past this round (a BEGIN's ack): do not cancel it when the round ends."""
+    ``detached``: the answer matters past this round (a BEGIN's ack): do not cancel it when the round ends.
+    ``copies``: datagrams each transmission sends (Endpoint.request)."""
 
     to: Candidate
     mtype: m.MsgType
@@ -42,6 +43,7 @@ class Request:
     timeout: float
     attempts: int
     detached: bool = False
+    copies: int = 1
 
 
 @dataclass(frozen=True)
