@@ -42,6 +42,7 @@ def test_summary_leaves_out_the_warmup_and_takes_medians() -> None:
                [rec(9.0, 9.0), rec(0.5, 0.4), rec(0.6, 0.5), rec(0.8, 0.6)]]
     out = summarize(records, cfg, transfer_s=0.4, rtt_s=0.001)
     assert out["steps"] == 6 and out["step_s"] == pytest.approx(0.6)
+    assert out["step_mean_s"] == pytest.approx(3.7 / 6)  # (the mean has the rare slow step in it)
     assert out["fixed_s"] == pytest.approx(0.2) and out["bound_s"] == pytest.approx(0.43)
     assert out["phases"]["transfer"] == pytest.approx(0.5) and set(out["phases"]) == set(PHASES)
     assert out["outcomes"] == {"averaged": 6}

@@ -13,6 +13,8 @@ shaped link (``--link-loss P``: random loss on it; ``--link-queue-ms``: its queu
 127.0.0.1. The figures (``--json``):
 
 - ``step_s``: median seconds of a step (``step()`` in the trainer, after ``--warmup`` steps);
+- ``step_p90_s``, ``step_mean_s``: the 90th percentile and the mean (what a run of many steps takes per step, the
+  rare slow step included);
 - ``transfer_s``: the bytes' time at the link rate: a butterfly all-reduce sends and receives
   2 (n - 1) / n of the vector in the run's codec, with each datagram's headers (0 on loopback);
 - ``fixed_s``: the median of step minus transfer: what a step costs beyond moving its bytes;
@@ -135,6 +137,7 @@ def summarize(records: list[list[dict[str, Any]]], cfg: StepBenchConfig, transfe
         "link": cfg.link, "link_loss": cfg.link_loss, "compression": compression,
         "step_s": round(statistics.median(seconds), 6),
         "step_p90_s": round(sorted(seconds)[int(0.9 * (len(seconds) - 1))], 6),
+        "step_mean_s": round(statistics.fmean(seconds), 6),
         "transfer_s": round(statistics.median(transfers), 6),
         "fixed_s": round(statistics.median(s - t for s, t in zip(seconds, transfers, strict=True)), 6),
         "rtt_s": round(rtt_s, 6),
@@ -385,7 +388,7 @@ def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if result["link_loss"]:
         where += f", loss {result['link_loss']}"
     print(f"{result['mode']} steps, {result['peers']} peers, {result['params']} parameters, {where}")
-    for name in ("step_s", "step_p90_s", "transfer_s", "fixed_s", "rtt_s", "bound_s", "daemon_cpu_s",
+    for name in ("step_s", "step_p90_s", "step_mean_s", "transfer_s", "fixed_s", "rtt_s", "bound_s", "daemon_cpu_s",
                  "trainer_cpu_s", "cpu_floor_s", "machine_busy", "others_busy"):
         if result[name] is not None:
             print(f"  {name:>12}: {result[name]:.4f}")
