@@ -11,7 +11,7 @@ import pytest
 from peerd.moshpit.keys import Grid, KeyManager
 from peerd.moshpit.matchmaking import Candidate, Group
 from peerd.moshpit.records import PROGRESS_TTL_S, STRANGER_AHEAD, encode_announce
-from peerd.moshpit.rounds import POLL_S, RENEW_COPIES, Average, Count, Get, Notify, Put, Request, RoundMachine
+from peerd.moshpit.rounds import POLL_S, Average, Count, Get, Notify, Put, Request, RoundMachine
 from peerd.moshpit.sticky import RENEW_KEY
 from peerd.tools.sim.moshpit import SimRecord
 from peerd.wire import messages as m
@@ -137,7 +137,6 @@ def test_a_kept_groups_leader_re_forms_it_when_a_newcomer_looks_under_its_key() 
     assert mc.on_join(follower, 1, RENEW_KEY, T0 + 0.01) == (True, "ok")
     acts = mc.take_actions()  # every follower asked: BEGIN at once, the reads still out
     assert mc.phase == "average" and [r.to.node_id for r in of(acts, Request)] == [follower.node_id]
-    assert [r.copies for r in of(acts, Request)] == [RENEW_COPIES]  # a lost BEGIN must not hold the round
     (avg,) = of(acts, Average)
     assert avg.kept
     mc.on_records(watch[0].token, [progress(follower, 0, T0 - 1)], T0 + 0.02)
@@ -197,7 +196,7 @@ def test_a_follower_whose_leader_does_not_answer_matchmakes_at_once() -> None:
     _kept(mc, [a, b], leader.node_id)
     mc.start_round(now=T0)
     (ask,) = of(mc.take_actions(), Request)
-    assert ask.to.node_id == leader.node_id and ask.fields["key"] == RENEW_KEY and ask.copies == RENEW_COPIES == 2
+    assert ask.to.node_id == leader.node_id and ask.fields["key"] == RENEW_KEY
     mc.on_reply(ask.token, leader.node_id, False, "busy", T0 + 0.1)  # busy: asked again 0.3 s later
     assert mc.get_timer() - T0 == pytest.approx(0.4, abs=1e-6)
     mc.handle_timer(T0 + 0.4)

@@ -33,8 +33,7 @@ class Get:
 class Request:
     """Send an MM_JOIN, MM_BEGIN or PING request; answer with ``on_reply(token, ...)`` (a PONG: ``ok`` true) or
     ``on_failed(token, ...)``.
-    ``detached``: the answer matters past this round (a BEGIN's ack): do not cancel it when the round ends.
-    ``copies``: datagrams each transmission sends (Endpoint.request)."""
+    ``detached``: the answer matters past this round (a BEGIN's ack): do not cancel it when the round ends."""
 
     to: Candidate
     mtype: m.MsgType
@@ -43,7 +42,6 @@ class Request:
     timeout: float
     attempts: int
     detached: bool = False
-    copies: int = 1
 
 
 @dataclass(frozen=True)

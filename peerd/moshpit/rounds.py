@@ -72,10 +72,6 @@ MATCH_SLACK_S = 10.0  # matchmaking gives up this long past the window (the matc
 KNOWN_PEERS = 256  # the last peers this node averaged with, per run
 JOIN_TIMEOUT_S, JOIN_ATTEMPTS = 0.25, 3
 BEGIN_TIMEOUT_S, BEGIN_ATTEMPTS = 0.25, 4
-# A kept round starts once every follower's renewal request reached the leader and its BEGIN reached every
-# follower: six small datagrams for four members, so at 5 % loss one round in four lost one and waited out a
-# retransmission (20-60 ms, a tenth of a step at 100 Mbit/s). Each goes out twice: one in 400 rounds waits.
-RENEW_COPIES = 2
 
 
 def poll_read(i: int) -> Agreed | None:
@@ -474,7 +470,7 @@ class RoundMachine:
         for c in kept.members:
             if c.node_id != self.me.node_id:
                 self._request(c, m.MsgType.MM_BEGIN, fields, ("renewal", kept), BEGIN_TIMEOUT_S, BEGIN_ATTEMPTS,
-                              detached=True, copies=RENEW_COPIES)
+                              detached=True)
         return group
 
     def _send_ask(self, now: float) -> None:
@@ -482,7 +478,7 @@ class RoundMachine:
         assert ask is not None
         fields = {"run": self.run_id, "round": ask.round_no, "key": RENEW_KEY, "expiry": ask.expiry}
         ask.token = self._request(ask.kept.leader_candidate, m.MsgType.MM_JOIN, fields, ("ask", ask),
-                                  BEGIN_TIMEOUT_S, BEGIN_ATTEMPTS, detached=True, copies=RENEW_COPIES)
+                                  BEGIN_TIMEOUT_S, BEGIN_ATTEMPTS, detached=True)
 
     def _asked(self, ask: Ask, sender: bytes | None, ok: bool, reason: str, now: float) -> None:
         """The leader's answer to a renewal request (None: no answer). A refusal (it does not keep the
@@ -787,10 +783,10 @@ class RoundMachine:
         self._watch = {t: w for t, w in self._watch.items() if t in self._gets}
 
     def _request(self, to: Candidate, mtype: m.MsgType, fields: dict, context: tuple, timeout: float,
-                 attempts: int, *, detached: bool = False, copies: int = 1) -> int:
+                 attempts: int, *, detached: bool = False) -> int:
         self._token += 1
         self._requests[self._token] = context
         if len(self._requests) > 4096:  # answers that never came (a driver that dropped them): forget the oldest
             del self._requests[next(iter(self._requests))]
-        self._actions.append(Request(to, mtype, fields, self._token, timeout, attempts, detached, copies))
+        self._actions.append(Request(to, mtype, fields, self._token, timeout, attempts, detached))
         return self._token

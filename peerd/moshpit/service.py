@@ -689,8 +689,7 @@ class MoshpitService:
         if "members" in fields:
             fields["members"] = pack_members(fields["members"], self.identity.node_id, self._loopback())
         try:
-            reply = await self.endpoint.request(a.to.addr, a.mtype, fields, timeout=a.timeout, attempts=a.attempts,
-                                                copies=a.copies)
+            reply = await self.endpoint.request(a.to.addr, a.mtype, fields, timeout=a.timeout, attempts=a.attempts)
         except RpcError as e:
             if a.mtype is m.MsgType.MM_BEGIN:
                 log.info("BEGIN not acknowledged by %s:%d: %s (it is averaged out)", a.to.addr[0], a.to.addr[1], e)

@@ -8,9 +8,7 @@
   fixed schedule ``timeout, 2*timeout, ...`` (``attempts`` waits) would have ended. Karn's rule: only an answer to
   a request sent once is a round-trip sample; a first wait that runs out backs the destination off (RFC 6298 5.5).
   At most ``max_pending`` requests are open at once; an expired one is closed by the core, an answered one keeps
-  its id (a second answer is dropped unseen) until its caller ``close``s it. A request sent in ``copies`` at once
-  (a lost copy then costs no retransmission wait) may be answered once per copy: the last ``MAX_COPIED`` such ids
-  are remembered once closed, so their later answers are dropped unseen too.
+  its id (a second answer is dropped unseen) until its caller ``close``s it.
 - **Demultiplexing.** ``receive_message`` takes an authenticated control message and queues what it asks of the
   shell: the answer to a pending request (``Answered``), the PONG to this node's address-validation PING
   (``AddressValidated``), a message for a registered handler (``Deliver``), or nothing for one this node does not
@@ -42,8 +40,6 @@ from .paths import Paths
 from .receive import JUNK_IDLE_PAUSE_S, JUNK_PAUSE_S, PassDecision, ReceivePolicy, ReceiveStatistics
 from .rto import RtoEstimator
 
-MAX_COPIES = 4  # the most datagrams one transmission of a request may send
-MAX_COPIED = 256  # closed requests sent in copies whose other answers are still expected (and dropped unseen)
 MAX_PENDING = 16384  # requests open at once (a DHT lookup has alpha=3 in flight; thousands mean a bug or a flood)
 MAX_KNOWN_IDS = 4096  # addresses whose node id this node remembers (LRU), to seal for their receiver
 MAX_HELD_ADDRESSES = 256  # unvalidated addresses with answers held until their address validation completes
@@ -135,7 +131,6 @@ class Pending:
     reply: Any = None
     karn: bool = True  # no wait has run out yet: an answer now is an unambiguous round trip
     done: bool = False
-    copies: int = 1  # datagrams each transmission sends (copies beyond the first may be answered too)
 
 
 class TransportCore:
@@ -174,7 +169,6 @@ class TransportCore:
         self.receiving = ReceivePolicy(self.auth_limiter, junk_pause_s=junk_pause_s,
                                        junk_idle_pause_s=junk_idle_pause_s)
         self._pending: dict[int, Pending] = {}
-        self._copied: OrderedDict[int, int] = OrderedDict()  # closed requests sent in copies: rid -> response type
         self._handled: dict[int, int] = {}  # registered message type -> its response type (itself: one-way)
         self._ids: OrderedDict[Hashable, bytes] = OrderedDict()
         self._held: OrderedDict[Hashable, list[Any]] = OrderedDict()
@@ -204,19 +198,16 @@ class TransportCore:
         self._actions += receiving.take_actions()
 
     # -- requests --------------------------------------------------------------------------------------------
-    def open_request(self, addr: Hashable, expect: int, *, timeout: float, attempts: int, now: float,
-                     copies: int = 1) -> int:
+    def open_request(self, addr: Hashable, expect: int, *, timeout: float, attempts: int, now: float) -> int:
         """Open a request to ``addr`` answered by type ``expect``; returns its id, and its first ``Transmit`` is
-        queued. ``copies``: the shell sends each transmission that many times (1 to MAX_COPIES)."""
+        queued."""
         if not timeout > 0 or attempts < 1:
             raise ValueError(f"request needs timeout > 0 and attempts >= 1, got {timeout!r}, {attempts!r}")
-        if type(copies) is not int or not 1 <= copies <= MAX_COPIES:
-            raise ValueError(f"copies must be an integer from 1 to {MAX_COPIES}, got {copies!r}")
         if len(self._pending) >= self.max_pending:
             raise PendingFull(f"{len(self._pending)} requests already open")
         rid = self._fresh_rid()
         p = self._pending[rid] = Pending(rid, addr, expect, deadline=now + timeout * (2**attempts - 1),
-                                         wait=self.rto.timeout(addr, timeout), start=now, copies=copies)
+                                         wait=self.rto.timeout(addr, timeout), start=now)
         self._transmit(p, now)
         return rid
 
@@ -288,10 +279,6 @@ class TransportCore:
         p = self._pending.pop(rid, None)
         if p is not None:
             p.done = True
-            if p.copies > 1:
-                self._copied[rid] = p.expect
-                while len(self._copied) > MAX_COPIED:
-                    self._copied.popitem(last=False)
 
     # -- demultiplexing --------------------------------------------------------------------------------------
     def register(self, mtype: int, response: int) -> None:
@@ -330,9 +317,6 @@ class TransportCore:
         if mtype in self._handled:
             self._actions.append(Deliver(mtype, rid, source, message))
             return
-        copied = self._copied.get(rid) if p is None else None
-        if copied is not None and mtype in (copied, ERROR):
-            return  # another copy's answer
         self.receiving.dropped("unexpected")
 
     # -- answers to addresses not yet validated -----------------------------------------------------------------

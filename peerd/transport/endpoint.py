@@ -541,7 +541,6 @@ class Endpoint(Inbound):
         timeout: float = 0.5,
         attempts: int = 3,
         node_id: bytes | None = None,
-        copies: int = 1,
     ) -> Incoming:
         """Send a request and wait for its response, retransmitting with doubling waits. Raises RpcError.
 
@@ -553,10 +552,6 @@ class Endpoint(Inbound):
         The request is sealed for ``node_id`` (default: the node this endpoint knows at ``addr``). A PING to
         an address whose node is unknown is sealed for no receiver; any other request first PINGs such an
         address to learn who is there (one more round trip, once).
-
-        ``copies``: each transmission goes out that many times at once (each sealed apart), so that under random loss
-        a lost datagram rarely costs a retransmission wait: for a small request on a round's critical path (a kept
-        group's renewal). The handler must take a repeat as it takes a retransmission.
         """
         if not timeout > 0 or attempts < 1:
             raise ValueError(f"request needs timeout > 0 and attempts >= 1, got {timeout!r}, {attempts!r}")
@@ -567,8 +562,7 @@ class Endpoint(Inbound):
         core = self.core
         start = trio.current_time()
         try:
-            rid = core.open_request(addr, int(m.REQUESTS[mtype]), timeout=timeout, attempts=attempts, now=start,
-                                    copies=copies)
+            rid = core.open_request(addr, int(m.REQUESTS[mtype]), timeout=timeout, attempts=attempts, now=start)
         except PendingFull as e:
             self.metrics.rpc_failures.labels(name).inc()
             raise RpcError(f"not sending {name} to {addr[0]}:{addr[1]}: {e}") from None
@@ -591,8 +585,7 @@ class Endpoint(Inbound):
                             and receiver is not None):
                         told = True
                         self.nat.silent(addr, receiver, now)  # maybe a NAT: punch, or relay
-                    for _ in range(copies):
-                        await self._send_control(addr, mtype, rid, fields, receiver)
+                    await self._send_control(addr, mtype, rid, fields, receiver)
                 elif isinstance(action, Answered):
                     reply: Incoming = action.reply
                     self.rotation.answered(sealed_by, reply.peer.node_id)  # it opened, so bound, that token
