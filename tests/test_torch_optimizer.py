@@ -132,7 +132,7 @@ def test_keep_rounds_reaches_every_round_of_the_session(daemon) -> None:
     default = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="k", socket=daemon.path, sync_state=False,
                         state_every=0, average_params_every=0)
     train_step(m, default, 2)
-    assert daemon.averager.keep_rounds[-1] == DEFAULT_KEEP_ROUNDS == 10  # kept groups by default
+    assert daemon.averager.keep_rounds[-1] == DEFAULT_KEEP_ROUNDS == 100  # kept groups by default
     default.close()
     for bad in (0, 1001, 2.0):
         with pytest.raises(ValueError, match="keep_rounds"):
