@@ -176,7 +176,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="average parameters every K steps (0: never; auto: peerd.torch's choice, 10 or longer once "
                         "rounds end on the group's common result; default auto with --model gpt, else 10)")
     p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
-                   help="keep a complete Moshpit group R rounds (1: a new group every round; default 10)")
+                   help="keep a complete Moshpit group R rounds (1: a new group every round; default 100)")
     p.add_argument("--micro", type=int, default=None, metavar="M",
                    help="micro-batches per step of 32 samples (default 8 with --compute-jitter, else 4)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of weights, data order and loss (default 0)")

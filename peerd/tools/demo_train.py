@@ -189,7 +189,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="after the last step, average parameters R more times so replicas end together (default 2)")
     p.add_argument("--keep-rounds", type=int, default=None, metavar="R",
                    help="keep a Moshpit group that formed complete for R rounds, renewed without the DHT "
-                        "(1: a new group every round; default: peerd.torch.Optimizer's, 10)")
+                        "(1: a new group every round; default: peerd.torch.Optimizer's, 100)")
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S",
                    help=f"seconds an average may take before the step goes on without it (default {TIMEOUT_S:g}, "
                         f"as peerd.torch.Optimizer)")
