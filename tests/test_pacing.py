@@ -764,7 +764,9 @@ def test_startup_doubles_after_one_phase_that_left_the_queue_empty() -> None:
     show the queue empty at a phase's end, that one phase proved the rate (lab: 1 Gbit/s ... 16 Mbit/s in 0.45 s)."""
     empty, _ = _time_to_reach(16e6, lambda d, t: 0.0)
     blind, _ = _time_to_reach(16e6, None)  # REPORTs without arrival times: two phases a rate, as before
-    assert empty < 0.8 * blind, (empty, blind)  # 0.56 s against 0.75 (64 KB parts)
+    # 0.62 s against 0.75 (64 KB parts): the first phase holds only each path's first sample, which sets its base
+    # and so reads an empty queue whatever it holds: it proves nothing (Judgement._seen_empty)
+    assert empty < 0.85 * blind, (empty, blind)
 
 
 def test_startup_above_a_fast_rate_runs_shorter_phases(monkeypatch) -> None:
@@ -865,16 +867,20 @@ def test_several_reports_of_one_congested_phase_cut_once() -> None:
 def test_converges_after_the_link_rate_changes() -> None:
     """The links drop from 100 to 50 Mbit/s at 2.5 s and come back at 5 s: the pacer follows both ways, down
     at once (a deep queue sets btl to what the link carried), up by probes (+2 %, +4 %, +8 %, then +10 % a cycle
-    of 0.3 s): at half the rate 0.94 full, and back to 0.88 of the full rate in 7-8 s, 0.97 in 8-8.9 s (seed 2;
-    the loss-only pacer: 0.90, and 0.82-0.87 after 8 s)."""
+    of 0.3 s): at half the rate 0.93-0.96 full, and 0.92-0.96 of the full rate in 8-8.9 s (seeds 1-3; the loss-only
+    pacer: 0.90, and 0.82-0.87 after 8 s). Seeds 1-3: where the probes restart startup (after 5 s) is chance, and the
+    loss after 6 s is mostly that startup's overshoot (0.017-0.023 a seed)."""
     rate = 100 * MBIT
-    sw = Swarm(4, rate, 0.01, seed=2)
-    sw.changes = [(2.5, rate / 2), (5.0, rate)]
-    sw.run(9.0)
-    assert sw.utilization(3.0, 5.0, rate / 2) >= 0.9
-    assert sw.excess_loss(3.0, 4.9) <= 0.025
-    assert sw.utilization(8.0, 8.9, rate) >= 0.8
-    assert sw.excess_loss(6.0, 8.7) <= 0.02
+    late_loss = []
+    for seed in (1, 2, 3):
+        sw = Swarm(4, rate, 0.01, seed=seed)
+        sw.changes = [(2.5, rate / 2), (5.0, rate)]
+        sw.run(9.0)
+        assert sw.utilization(3.0, 5.0, rate / 2) >= 0.9
+        assert sw.excess_loss(3.0, 4.9) <= 0.025
+        assert sw.utilization(8.0, 8.9, rate) >= 0.8
+        late_loss.append(sw.excess_loss(6.0, 8.7))
+    assert max(late_loss) <= 0.025 and sum(late_loss) / 3 <= 0.02, late_loss
 
 
 def test_the_same_inputs_give_the_same_run() -> None:
@@ -1072,3 +1078,20 @@ def test_averages_shorter_than_a_cycle_still_take_their_turn_at_a_probe() -> Non
         p.btl = p.rate = 0.65 * rate
     sw.run(60.0)
     assert sum(p.increases for p in sw.pacers) >= 10, [p.increases for p in sw.pacers]
+
+
+@pytest.mark.parametrize(("mbit", "loss", "most_lost"), [(10, 0.0, 0.12), (10, 0.05, 0.12), (8, 0.0, 0.3)])
+def test_a_thin_links_first_average_leaves_startup_at_its_second_phase(mbit: int, loss: float,
+                                                                        most_lost: float) -> None:
+    """A link under START_RATE reports once or twice a phase per destination: the first phase holds only each path's
+    first sample (its base: it reads 0 whatever the queue), so it proves no empty queue and the rate is not doubled
+    on it; the second sees the queue that rose from empty and ends startup at what the link carried (its own share
+    of a growth measured from the first phase). Beyond the random loss, 0.08-0.09 of the first second's datagrams
+    are lost at 10 Mbit/s and 0.20 at 8 (0.28-0.30 and 0.42 where the first phase passed for empty and the rate
+    doubled into a 70 % loss), and the links carry 0.90-0.97 of their rate over the first 2.3 s."""
+    rate = mbit * MBIT
+    sw = Swarm(4, rate, loss, seed=1, queue=rate * 0.02, driver_parts=True)
+    sw.run(2.5)
+    assert all(v.rate <= START_RATE for p in sw.verdicts for _, v in p), "startup doubled above the link"
+    assert sw.excess_loss(0.0, 1.0) <= most_lost, sw.excess_loss(0.0, 1.0)
+    assert sw.utilization(0.0, 2.3, rate) >= 0.87, sw.utilization(0.0, 2.3, rate)

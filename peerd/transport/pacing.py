@@ -53,8 +53,11 @@ The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
 
 * **Startup** at ``START_RATE`` (low: 16 Mbit/s): two clean phases at the current rate double it (a queue
   absorbs a first phase's overshoot: it looks clean; the second shows it), or one whose queue was seen empty at
-  its end (``Q_FLAT``: nothing absorbed). Only a phase that sent at least ``HELD_BACK`` of its rate counts: one
-  held back proved what it sent, not the rate. The first congested phase ends it.
+  its end (``Q_FLAT``: nothing absorbed; a path's first sample, which sets its base, proves nothing). Only a phase
+  that sent at least ``HELD_BACK`` of its rate counts: one held back proved what it sent, not the rate. The first
+  congested phase ends it. On a link under START_RATE a destination reports once or twice a phase: a phase's queue
+  growth then runs from the destination's last sample before it, a queue that rose from empty to deep since then
+  ends startup, and so does one that stood deep two phases while they lost beyond ``STARTUP_MARGIN``.
   An average that ends in startup leaves the next one the highest rate it proved so (not a doubling that no
   clean phase has carried yet). Above ``FAST_STARTUP_RATE`` (320 Mbit/s: faster than any thin link) its phases
   and their least judging lag shrink with the rate, to a fifth: a phase there holds megabytes, and each doubling
@@ -215,6 +218,7 @@ class Pacer(Judgement):
         self._delay: float | None = None  # smoothed REPORT delay: from a report's last send to its arrival
         self._delay_dev = 0.0
         self._queues = QueueDelay(max_paths)  # per destination: queueing delay from REPORTs' arrival times
+        self._last_q: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # dest -> its last (sent, queue)
         self._deep = 0  # judged phases in a row whose queue stood above Q_HIGH
         self._growth: tuple[float, float] | None = None  # (when, growth) the last phase that spanned enough measured
         self._standing: tuple[float, float] | None = None  # (level, sent) at the last cut a non-growing queue caused
@@ -474,8 +478,17 @@ class Pacer(Judgement):
                 # the datagram at the top of the interval: sent at sent_span[1], arrived at r.arrived
                 q = self._queues.sample(dest, r.arrived - sent_span[1], sent_span[1], base=placed <= BASE_PLACED)
                 at = self._phase_at(sent_span[1])
-                if q is not None and at is not None:
-                    at.queue.append((sent_span[1], q, dest))
+                if q is not None:
+                    if at is not None:
+                        if at.kind == "startup" and dest not in at.lead:
+                            at.lead[dest] = self._last_q.get(dest)
+                        at.queue.append((sent_span[1], q, dest))
+                    last = self._last_q.get(dest)
+                    if last is None or last[0] <= sent_span[1]:
+                        self._last_q[dest] = (sent_span[1], q)
+                    self._last_q.move_to_end(dest)
+                    while len(self._last_q) > self.max_paths:
+                        self._last_q.popitem(last=False)
         if r.expected <= 0:
             verdict = Verdict("small", "no datagrams", self.rate)
         else:

@@ -63,7 +63,7 @@ from .pacing_params import (
     THIN_Z,
     Z,
 )
-from .pacing_records import Floor, Verdict, _Cap, _Phase, _Record, _var, above_floor
+from .pacing_records import Floor, QueueSignal, Verdict, _Cap, _Phase, _Record, _var, above_floor
 
 
 class State(enum.Enum):
@@ -251,8 +251,8 @@ class Judgement:
         delay_cut = None
         signal = self._queue_signal(ph)
         if signal is not None:
-            self.queue_delay = signal[0]
-            if reason.startswith("loss") and signal[3] < Q_EXCUSE and self._carried(sent * (1.0 - floor)):
+            self.queue_delay = signal.level
+            if reason.startswith("loss") and signal.typical < Q_EXCUSE and self._carried(sent * (1.0 - floor)):
                 # A queue overflows only once full, and the datagrams that got through then waited in it: loss
                 # above the floor with the queue shallow toward most destinations, at a rate the path has carried
                 # lately, is the link's (its random loss's noise, a lossy patch, a receiver's downlink). (Most: one
@@ -331,11 +331,11 @@ class Judgement:
                 del self._hot[d]
         return paths, hot, (expected, lost, drops)
 
-    def _queue_growth(self, ph: _Phase, signal: tuple[float, float | None, float, float]) -> float:
+    def _queue_growth(self, ph: _Phase, signal: QueueSignal) -> float:
         """The uplink queue's growth over the phase, seconds per second: measured, or where no destination's
         samples spanned enough of the phase, where a probe's queue stood late in it tells its growth (the cruise
         before a probe left the queue empty), or a drain the phase before it measured."""
-        level, growth, at, _ = signal
+        level, growth, at = signal.level, signal.growth, signal.at
         assert ph.end is not None
         if growth is not None:
             self._growth = (at, growth)
@@ -348,20 +348,22 @@ class Judgement:
         return 0.0
 
     def _judge_queue(self, ph: _Phase, sent: float, loss: float, floor: float,
-                     signal: tuple[float, float | None, float, float], now: float
+                     signal: QueueSignal, now: float
                      ) -> Verdict | tuple[str, float] | None:
         """A phase clean by its loss, judged by its queue: a probe that filled it (a Verdict: no raise, a drain
         next), congestion before any overflow (its reason, and what the link carried: btl's new value before the
         margin), or None."""
-        level = signal[0]
+        level = signal.level
         growth = self._queue_growth(ph, signal)
-        # what the link carried while the queue grew (a full queue grows no more: its overflow is the rest)
-        measured = sent / (1.0 + max(0.0, growth)) * min(1.0, (1.0 - loss) / max(1e-9, 1.0 - floor))
+        # what the link carried while the queue grew (a full queue grows no more: its overflow is the rest); of a
+        # growth measured from a sample before the phase, the phase's own share
+        added = signal.added if signal.added is not None and signal.growth is not None else growth
+        measured = sent / (1.0 + max(0.0, added)) * min(1.0, (1.0 - loss) / max(1e-9, 1.0 - floor))
         # (a phase sent before the last cut drained shows that overshoot's queue, acted on already; one that
         # used little of its rate, the tail of an average, shows the queue of the bursts before it)
         fresh = ph.start >= self._quiet_until and sent >= APP_LIMITED * ph.rate
         self._deep = self._deep + 1 if level > Q_HIGH else 0
-        if fresh and ph.kind == "probe" and level > Q_PROBE * max(1.0, (signal[2] - ph.start) / self.phase_s):
+        if fresh and ph.kind == "probe" and level > Q_PROBE * max(1.0, (signal.at - ph.start) / self.phase_s):
             # A probe above the link filled the queue: no raise, and a drain empties what it left. (Taken as a
             # measurement of the link, sent / (1 + growth), it read low in the lab: a sender woken late on
             # loaded cores bursts, and its bursts queue below the link's rate.) Q_PROBE is what a phase_s of
@@ -377,7 +379,14 @@ class Judgement:
             # under the link. The deep queue alone would end startup early on 64 KB bursts with late REPORTs
             # (tests/test_pacing.py).)
             pushed_back = self._deep >= DEEP_PHASES and sent < HELD_BACK * ph.rate
-            congested = fresh and level > Q_HIGH and (growth > STARTUP_GROWTH_MIN or pushed_back)
+            # (A thin link's phases hold a REPORT or two per destination, too few to see the queue grow in:
+            # one that rose from empty since the last phase filled it, and one that stood deep DEEP_PHASES
+            # phases in a row while they lost beyond STARTUP_MARGIN is full and overflowing. Held there, a
+            # first average at 1.6x a 10 Mbit/s link lost 35-40 % until it ended.)
+            overflowing = self._deep >= DEEP_PHASES and loss > STARTUP_MARGIN + STARTUP_Z * math.sqrt(
+                _var(loss, max(1, ph.expected)))
+            congested = fresh and level > Q_HIGH and (growth > STARTUP_GROWTH_MIN or pushed_back or overflowing
+                                                      or self._rose_from_empty(ph))
         else:  # (a deep queue in two judged phases in a row: one may be a burst's, or a receiver's stall)
             congested = fresh and self._deep >= DEEP_PHASES
             if congested and growth <= 0.0 and sent < HELD_BACK * ph.rate:
@@ -403,6 +412,41 @@ class Judgement:
         # known (a standing queue that did not grow: ``sent`` was at most that).
         return f"queue {1e3 * level:.1f} ms, growing {growth:.2f} s/s ({ph.kind} at {sent / 1e6:.2f} MB/s)", measured
 
+    @staticmethod
+    def _seen_empty(ph: _Phase) -> bool:
+        """A sample of the phase, not a path's first (which sets its base: it reads 0 whatever the queue), read the
+        queue empty (``Q_FLAT``). A thin link's first phase may hold only the first REPORTs: at 1.6x a 10 Mbit/s
+        link it filled the queue unseen, passed for flat, and startup doubled into a 70 % loss."""
+        first: set[Hashable] = {d for d, lead in ph.lead.items() if lead is None}
+        for _, q, dest in sorted(ph.queue, key=lambda s: s[0]):
+            if dest in first:
+                first.discard(dest)
+            elif q <= Q_FLAT:
+                return True
+        return False
+
+    @staticmethod
+    def _rose_from_empty(ph: _Phase) -> bool:
+        """Toward every destination the queue stood empty (``Q_FLAT``) at its last sample before the phase, no more
+        than a phase before it, and deep (``Q_HIGH``) in the phase's second half: a thin link's startup phase
+        filled it. (Its growth, measured from that sample, is capped by the queue's size: 16 ms over 83 ms read
+        0.19 s/s at 1.6x a 10 Mbit/s link with 20 ms of queue.)"""
+        assert ph.end is not None
+        length = ph.end - ph.start
+        mid = ph.start + length / 2
+        by_dest: dict[Hashable, list[tuple[float, float]]] = {}
+        for t, q, dest in ph.queue:
+            by_dest.setdefault(dest, []).append((t, q))
+        for dest, samples in by_dest.items():
+            samples.sort()
+            lead = ph.lead.get(dest)
+            if lead is None or not (ph.start - length <= lead[0] < samples[0][0]) or lead[1] > Q_FLAT:
+                return False
+            late = [q for t, q in samples if t >= mid] or [samples[-1][1]]
+            if min(late) <= Q_HIGH:
+                return False
+        return bool(by_dest)
+
     def _offset(self, ph: _Phase, level: float, sent: float, now: float) -> bool:
         """A queue that stood as deep as at the last cut it caused, neither growing nor draining, while this sender
         sent less than then: a real queue drains under the link's rate, so this is an offset in the base delay
@@ -420,7 +464,7 @@ class Judgement:
         return True
 
     def _congested(self, ph: _Phase, sent: float, loss: float, floor: float, reason: str, delay_cut: float | None,
-                   signal: tuple[float, float | None, float, float] | None, now: float) -> Verdict:
+                   signal: QueueSignal | None, now: float) -> Verdict:
         """A congested phase: nothing for a drain or a phase of an overshoot already cut for; else btl goes to what
         the path delivered beyond its random loss (the CUT transition)."""
         if ph.kind == "drain":
@@ -462,7 +506,7 @@ class Judgement:
             # (the queue it found drains at the drain phase's margin under the link: no phase before it has
             # had the time to is held against the new rate; also after an overflow, whose full queue a
             # phase sent at 0.7 of the link still met and cut for, 0.6 of the link after it halved)
-            self._quiet_until += min(MAX_JUDGE_LAG_S, signal[0] / (1.0 - CYCLE[DRAIN]))
+            self._quiet_until += min(MAX_JUDGE_LAG_S, signal.level / (1.0 - CYCLE[DRAIN]))
         self.decreases += 1
         return Verdict("decrease", reason, self.rate)
 
@@ -493,7 +537,7 @@ class Judgement:
                     del self._caps[dest]
         return path_verdict
 
-    def _clean(self, ph: _Phase, sent: float, signal: tuple[float, float | None, float, float] | None,
+    def _clean(self, ph: _Phase, sent: float, signal: QueueSignal | None,
                now: float) -> Verdict:
         """A clean phase: it raises the rate only where it used its rate and sent enough to prove it."""
         startup = self.btl is None
@@ -529,22 +573,26 @@ class Judgement:
         self._restart(now)
         return Verdict("increase", f"clean after an idle gap: btl back to {btl / 1e6:.2f} MB/s", self.rate)
 
-    def _clean_startup(self, ph: _Phase, sent: float, signal: tuple[float, float | None, float, float] | None,
+    def _clean_startup(self, ph: _Phase, sent: float, signal: QueueSignal | None,
                        now: float) -> Verdict:
         """A clean startup phase: two at one rate (or one with its queue seen empty) double it (STEP_UP)."""
         if ph.rate < self.rate:  # an older level: the current one has not been judged yet
             return Verdict("hold", "startup: an older rate", self.rate)
-        if signal is not None and signal[0] > Q_HIGH:
+        if signal is not None and signal.level > Q_HIGH:
             # (a deep queue that is not seen growing does not end startup, since a sample may sit a burst late,
-            # but it is no proof of headroom either: doubling on it took 16 daemons' rates to 5x the link)
-            return Verdict("hold", f"startup: queue {1e3 * signal[0]:.1f} ms at this rate", self.rate)
+            # but it is no proof of headroom either: doubling on it took 16 daemons' rates to 5x the link; nor do
+            # the clean phases before it count toward a doubling: at 8 Mbit/s a later phase with no sample of the
+            # queue doubled the rate on them)
+            self._clean_at_level = 0
+            return Verdict("hold", f"startup: queue {1e3 * signal.level:.1f} ms at this rate", self.rate)
         # (measured from its first part: the part before the doubling, reserved at half the rate, may take
         # the phase's first ms; a 64 KB part at 2 MB/s is 32 ms)
         began = max(ph.start, ph.first_at)
         fill = min(ph.rate, self.sent_rate(began, ph.stop())) if ph.stop() - began > 0.5 * (ph.stop() - ph.start) \
             else sent
-        # The queue may have hidden the first clean phase's overshoot, unless it was seen empty at its end.
-        flat = signal is not None and signal[0] <= Q_FLAT and (signal[1] is None or signal[1] <= FLAT_GROWTH)
+        # The queue may have hidden the first clean phase's overshoot, unless it was seen empty at its end
+        flat = signal is not None and signal.level <= Q_FLAT and self._seen_empty(ph) and (
+            signal.growth is None or signal.growth <= FLAT_GROWTH)
         if fill < HELD_BACK * ph.rate:
             # It proved what it sent, not its rate (its CPU, or a socket the link pushed back on, held it):
             # doubling on phases at 16 MB/s that sent 12 would take the lab's senders to 2.6x the link. Where
@@ -612,25 +660,32 @@ class Judgement:
         self._transition(Event.STEP_UP, now)
         return Verdict("increase", reason, self.rate)
 
-    def _queue_signal(self, ph: _Phase) -> tuple[float, float | None, float, float] | None:
+    def _queue_signal(self, ph: _Phase) -> QueueSignal | None:
         """The uplink's queue over a phase from its REPORTs' queueing delays: (seconds queued at its end, growth
         in seconds per second or None where no destination's samples span enough of it, when that level was
         sent, the destinations' upper median level), or None without samples. Every destination's datagrams cross
         the uplink's queue, only one destination's its own downlink: so the uplink's is the least over
         destinations. The upper median (of three: the middle one) is what no single destination sets: not one that
         lies low about its arrival times, nor one whose receiver read its samples late on a loaded CPU (10-50 ms
-        seen in the lab where the others read under 3 ms)."""
+        seen in the lab where the others read under 3 ms).
+
+        In startup on a thin link a destination reports once or twice a phase (every MIN_SAMPLE datagrams): where its
+        samples in the phase span too little, its growth runs from its last sample before the phase (``lead``, if
+        it is no older than a phase). Otherwise a first phase far above a 10 Mbit/s link filled the queue unseen
+        (its only samples were the first REPORTs' base) and the next one overflowed it without a growth to end
+        startup on."""
         if not ph.queue:
             return None
         by_dest: dict[Hashable, list[tuple[float, float]]] = {}
         for t, q, dest in ph.queue:
             by_dest.setdefault(dest, []).append((t, q))
-        span = Q_SPAN * ((ph.end if ph.end is not None else ph.start) - ph.start)
+        length = (ph.end if ph.end is not None else ph.start) - ph.start
+        span = Q_SPAN * length
         # Each sample may sit up to a burst's length late (the receiver reports wherever its top falls in a
         # batch, placed at the pacer's guess of the link rate): the least samples of each half of the phase.
         mid = (ph.start + (ph.end if ph.end is not None else ph.start)) / 2
-        level, at, growths, levels = math.inf, ph.start, [], []
-        for samples in by_dest.values():
+        level, at, growths, levels, added = math.inf, ph.start, [], [], []
+        for dest, samples in by_dest.items():
             samples.sort()
             early = [s for s in samples if s[0] < mid] or samples[:1]
             late = [s for s in samples if s[0] >= mid] or samples[-1:]
@@ -638,9 +693,16 @@ class Judgement:
             levels.append(q1)
             if q1 < level:
                 level, at = q1, t1
+            lead = ph.lead.get(dest)
+            if t1 - t0 <= max(span, 1e-6) and lead is not None and ph.start - length <= lead[0] < t0:
+                t0, q0 = lead
             if t1 - t0 > max(span, 1e-6):
                 growths.append((q1 - q0) / (t1 - t0))
-        return level, min(growths) if growths else None, at, sorted(levels)[len(levels) // 2]
+                # (spread evenly over its span: what of it fell in the phase, per second of the phase)
+                added.append(growths[-1] * max(0.0, t1 - max(t0, ph.start)) / max(length, 1e-6)
+                             if t0 < ph.start else growths[-1])
+        return QueueSignal(level, min(growths) if growths else None, at, sorted(levels)[len(levels) // 2],
+                           min(added) if added else None)
 
     def _path_congested(self, dest: Hashable, expected: int, lost: int, drops: int, sent: float, margin: float,
                         z: float) -> tuple[float, float] | None:

@@ -63,11 +63,24 @@ def above_floor(loss: float, n: int, floor: Floor, margin: float, z: float) -> b
     return loss > floor.loss + margin + max(z, floor.z) * sigma
 
 
+class QueueSignal(NamedTuple):
+    """The uplink's queue over a phase (Judgement._queue_signal): seconds queued at its end (``level``), its growth
+    in seconds per second (None where no destination's samples span enough), when that level was sent, the
+    destinations' upper median level (``typical``), and of a growth measured from a sample before the phase, the
+    phase's own share per second of it (``added``; the growth itself where measured within the phase)."""
+
+    level: float
+    growth: float | None
+    at: float
+    typical: float
+    added: float | None = None
+
+
 class _Phase:
     """An interval sent at one rate, and what the REPORTs about its datagrams said."""
 
     __slots__ = ("start", "end", "rate", "kind", "expected", "lost", "drops", "paths", "last_sent", "nbytes",
-                 "busy_until", "pause_from", "queue", "first_at")
+                 "busy_until", "pause_from", "queue", "first_at", "lead")
 
     def __init__(self, start: float, rate: float, kind: str) -> None:
         self.start = start
@@ -84,6 +97,9 @@ class _Phase:
         self.pause_from = start  # when the phase before ended, if nothing ran in between (a pause)
         self.first_at = math.inf  # when its first part goes out (a part reserved before it may still be going)
         self.queue: list[tuple[float, float, Hashable]] = []  # (sent at, queueing delay, dest) of its datagrams
+        # startup: per destination, its last sample before its first in this phase, (sent at, queueing delay) or
+        # None (see Judgement._queue_signal)
+        self.lead: dict[Hashable, tuple[float, float] | None] = {}
 
     def stop(self) -> float:
         """Where the phase's send rate is measured to: its end, or its last send if the sender ran out of data
