@@ -1095,3 +1095,35 @@ def test_a_thin_links_first_average_leaves_startup_at_its_second_phase(mbit: int
     assert all(v.rate <= START_RATE for p in sw.verdicts for _, v in p), "startup doubled above the link"
     assert sw.excess_loss(0.0, 1.0) <= most_lost, sw.excess_loss(0.0, 1.0)
     assert sw.utilization(0.0, 2.3, rate) >= 0.87, sw.utilization(0.0, 2.3, rate)
+
+
+def test_a_cut_far_under_what_the_path_carried_is_won_back_by_recovery_probes() -> None:
+    """The links drop to 0.4 of 100 Mbit/s for 0.4 s and come back: the pacers cut far under what their paths carried
+    just before, and the history still holds those phases, so their probes go at RECOVER_PROBE and a clean one raises
+    btl to what it sent (up to RECOVER_TO of that rate) instead of 2-10 % a cycle: the uplinks carry 0.87-0.92 of the
+    link 1.6-3.4 s after it came back (0.71-0.73 with the cycle's probes alone), for 0.013-0.029 lost beyond the
+    random loss."""
+    rate = 100 * MBIT
+    for seed in (1, 2):
+        sw = Swarm(4, rate, 0.01, seed=seed)
+        sw.changes = [(2.0, rate * 0.4), (2.4, rate)]
+        sw.run(6.0)
+        assert sw.utilization(4.0, 5.8, rate) >= 0.85, sw.utilization(4.0, 5.8, rate)
+        assert sw.excess_loss(2.5, 5.7) <= 0.035, sw.excess_loss(2.5, 5.7)
+        assert any("recovery probe" in v.reason for p in sw.verdicts for _, v in p)
+
+
+def test_a_recovery_probe_that_overruns_the_path_ends_the_recovery() -> None:
+    """A path that did drop (to half, and stays there): the cut leaves btl far under what the history says the path
+    carried, so the pacers probe at RECOVER_PROBE; the first such probe overruns the halved link, and the phases
+    before it stop counting (``_recover_after``): by 2.4 s after the drop no pacer is recovering, and each one's btl is
+    within 0.92-1.08 of the new rate (seeds 1 and 2)."""
+    rate = 100 * MBIT
+    for seed in (1, 2):
+        sw = Swarm(4, rate, 0.01, seed=seed)
+        sw.changes = [(2.5, rate / 2)]
+        sw.run(4.9)
+        assert any("recovery probe" in v.reason for p in sw.verdicts for _, v in p)
+        assert all(p._recover_after > 2.5 and not p.recovering() for p in sw.pacers), [
+            p._recover_after for p in sw.pacers]
+        assert all(0.85 * rate / 2 <= p.btl <= 1.1 * rate / 2 for p in sw.pacers), [p.btl / rate for p in sw.pacers]

@@ -79,6 +79,11 @@ The rate follows a bottleneck estimate ``btl`` (bytes/s the uplink carries):
   it at 2 %. A probe raises ``btl`` no higher than the rate it actually sent, and one that sent no more than
   1 % above ``btl`` (a sender held back by its CPU) raises nothing and is not counted. After ``RESTART_PROBES`` clean
   probes in a row btl is far under the path (startup ended on a false signal): startup runs again from btl.
+  Where a cut left btl under ``RECOVER_BELOW`` of what a clean phase of the cycle delivered lately (the history),
+  probes go at ``RECOVER_PROBE`` and a clean one raises btl to what it sent (up to ``RECOVER_TO`` of that rate): a
+  lossy burst or a downlink several senders met at once cuts deep, and at 10 % a cycle a thin link's member took
+  20-30 s back. A recovery probe that overruns the path (it did drop) ends that: the phases before it stop counting.
+  So does a cut for receivers' kernel drops (their CPU sets what they take).
 * A phase in which the sender used under ``APP_LIMITED`` of its rate (CPU-bound, or out of data) raises
   nothing: an unused rate says nothing about the path. (Also a bursty sender's, held back by the rate in
   its bursts: raising it on that overran the lab's queues.) A phase's send rate is measured up to its last
@@ -146,6 +151,7 @@ from .pacing_params import (
     PHASE_S,
     PROBE,
     PROBE_STEP,
+    RECOVER_PROBE,
     START_DATAGRAM,
     START_RATE,
     start_rate,
@@ -227,6 +233,7 @@ class Pacer(Judgement):
         self.increases = 0
         self.resumes = 0  # averages started from memory after an idle gap
         self._recall: float | None = None  # btl before the last idle gap aged it, until a clean phase brings it back
+        self._recover_after = -math.inf  # clean phases before this say nothing of what the path carries now
 
     @property
     def mode(self) -> str:
@@ -360,6 +367,7 @@ class Pacer(Judgement):
         return max(seconds, PHASE_BYTES / rate)
 
     def _open(self, now: float) -> None:
+        recovery = False
         if self.btl is None:
             kind = "startup"
         else:
@@ -371,8 +379,10 @@ class Pacer(Judgement):
             else:
                 self._cycle_at = (i + 1) % len(CYCLE)
             kind = "probe" if i == PROBE else "drain" if i == DRAIN else "cruise"
-            self.rate = min(self.max_rate, max(self.min_rate, CYCLE[i] * self.btl))
+            recovery = i == PROBE and self.recovering()
+            self.rate = min(self.max_rate, max(self.min_rate, (RECOVER_PROBE if recovery else CYCLE[i]) * self.btl))
         self._phases.append(_Phase(now, self.rate, kind))
+        self._phases[-1].recovery = kind == "probe" and recovery
         while len(self._phases) > MAX_PENDING:
             self._phases.popleft()
 
@@ -420,6 +430,7 @@ class Pacer(Judgement):
             cap.rate /= decay
             if cap.rate >= (self.btl if self.btl is not None else self.rate):
                 del self._caps[dest]
+        self._recover_after = now  # (the phases before the gap are the recall's business, not recovery's)
         self.resumes += 1
         self._restart(now)
 

@@ -53,6 +53,8 @@ from .pacing_params import (
     Q_HIGH,
     Q_PROBE,
     Q_SPAN,
+    RECOVER_BELOW,
+    RECOVER_TO,
     RESTART_PROBES,
     STANDING_KEEP,
     STARTUP_GROWTH,
@@ -120,6 +122,7 @@ class Judgement:
     _clean_at_level: int
     _proven: float
     _recall: float | None
+    _recover_after: float
     increases: int
     _restart: Any  # Pacer._restart(now): the current phase ends, a new one starts at the rate
 
@@ -276,7 +279,7 @@ class Judgement:
             # it would hide the next overrun; after a cut on a link that had halved, such phases at a third of
             # their data lost would pass for clean, no floor being known at their rate yet)
             self._history.append(_Record(sent, ph.expected, ph.lost,
-                                         {d: v for d, v in paths.items() if d not in hot}))
+                                         {d: v for d, v in paths.items() if d not in hot}, ph.kind, ph.start))
         if hot:  # (the aggregate floor keeps them: their loss is part of what this uplink's phases see)
             return path_verdict
         return self._clean(ph, sent, signal, now)
@@ -369,6 +372,7 @@ class Judgement:
             # loaded cores bursts, and its bursts queue below the link's rate.) Q_PROBE is what a phase_s of
             # probing queues: a longer phase (a thin link's, which must hold PHASE_BYTES) queues in proportion,
             # and judged against Q_PROBE alone, probes at 10 Mbit/s failed from 0.94 of the link on.
+            self._recovery_failed(ph, now)
             self._transition(Event.PROBE_QUEUED, now)
             return Verdict("hold", f"probe at {sent / 1e6:.2f} MB/s: queue {1e3 * level:.1f} ms", self.rate)
         if ph.kind == "startup":
@@ -500,6 +504,10 @@ class Judgement:
             # high as well (what it delivered is no bound on that: a probe's gain is on top).
             btl = max(self.min_rate, btl * PROBE_FAIL_CUT)
         self._btl = btl
+        self._recovery_failed(ph, now)
+        if ph.drops > KERNEL_DROPS * max(1, ph.expected):
+            # (receivers' sockets overflowed: their CPU, not the path, set what they take; no fast way back)
+            self._recover_after = now
         self._transition(Event.CUT, now)
         self._quiet_until = now + self._span(self.rate, self.phase_s)
         if signal is not None:
@@ -557,7 +565,7 @@ class Judgement:
         if self._recall is not None and ph.kind != "drain" and sent >= HELD_BACK * ph.rate:
             return self._recalled(sent, now)
         if ph.kind == "probe":
-            return self._clean_probe(sent, now)
+            return self._clean_probe(sent, now, ph.recovery)
         return Verdict("hold", "clean", self.rate)
 
     def _recalled(self, sent: float, now: float) -> Verdict:
@@ -613,9 +621,35 @@ class Judgement:
             return Verdict("hold", "startup: one clean phase at this rate", self.rate)
         return self._startup_raise(self.rate * STARTUP_GROWTH, now, "startup: clean")
 
-    def _clean_probe(self, sent: float, now: float) -> Verdict:
+    def recovering(self) -> bool:
+        """Probes go at RECOVER_PROBE (``_recover_to``)."""
+        return self._recover_to() is not None
+
+    def _recover_to(self) -> float | None:
+        """What the path delivered in a clean phase of the cycle lately (the history: 1.6 s at 100 Mbit/s, several
+        seconds on a thin link), times RECOVER_TO, where btl stands under RECOVER_BELOW of it (else None): a cut went
+        far under a rate the path carried (a lossy burst, downlinks that several senders' overshoots met at once).
+        Probes then go at RECOVER_PROBE and a clean one raises btl to what it sent, up to that: at the usual 10 % a
+        cycle, and a thin link's cycle is 0.6-1.4 s, one member cut to 0.4-0.5 of a 10 Mbit/s link held 8 peers'
+        rounds at 2-3x for 20-30 s. Where the path did drop, the first recovery probe overruns it and the phases
+        before it stop counting (``_recovery_failed``)."""
+        if self._btl is None:
+            return None
+        since = self._recover_after
+        carried = max((r.delivered() for r in self._history if r.kind != "startup" and r.at >= since), default=0.0)
+        # (up to a little under it: a clean phase's delivered rate reads high by what a queue absorbed of it)
+        return RECOVER_TO * carried if self._btl < RECOVER_BELOW * carried else None
+
+    def _recovery_failed(self, ph: _Phase, now: float) -> None:
+        """A recovery probe overran the path: it no longer carries what it did before the cut, so the phases
+        before now no longer say what it carries (probes go back to CYCLE's gain)."""
+        if ph.recovery:
+            self._recover_after = now
+
+    def _clean_probe(self, sent: float, now: float, recovery: bool = False) -> Verdict:
         """A clean probe raises btl by a step that grows with clean probes in a row (CLEAN_PROBE); RESTART_PROBES in
-        a row run startup again from btl (RESTART)."""
+        a row run startup again from btl (RESTART). A clean recovery probe (``recovering``) raises it to what it
+        sent."""
         assert self.btl is not None
         # A clean probe proved the rate it sent, no more: one that a loaded CPU held at or under btl raises
         # nothing and does not count toward a restart (in the lab, 4 daemons on 2 cores, probes that sent
@@ -624,7 +658,9 @@ class Judgement:
             # (nor one that sent a hair above it: a sender its CPU holds at some rate would creep up to it
             # probe by probe, each counted clean, until startup restarted)
             return Verdict("hold", f"probe sent {sent / 1e6:.2f} MB/s, not above btl", self.rate)
-        self._btl = min(self.max_rate, self.btl * (1.0 + self._step), sent)
+        carried = self._recover_to()
+        raised = min(sent, carried) if carried is not None else self.btl * (1.0 + self._step)
+        self._btl = min(self.max_rate, raised, sent)
         self._transition(Event.CLEAN_PROBE, now)
         if self._clean_probes >= RESTART_PROBES:
             # Clean probe after clean probe: btl is far under the path (a false queue signal, such as a
@@ -633,6 +669,8 @@ class Judgement:
             # queue and loss signals.
             self._transition(Event.RESTART, now)
             return Verdict("increase", f"{RESTART_PROBES} clean probes in a row: startup again", self.rate)
+        if recovery and carried is not None:
+            return Verdict("increase", f"clean recovery probe: btl {self.btl / 1e6:.2f} MB/s", self.rate)
         return Verdict("increase", f"clean probe: btl {self.btl / 1e6:.2f} MB/s", self.rate)
 
     @staticmethod

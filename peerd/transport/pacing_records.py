@@ -80,7 +80,7 @@ class _Phase:
     """An interval sent at one rate, and what the REPORTs about its datagrams said."""
 
     __slots__ = ("start", "end", "rate", "kind", "expected", "lost", "drops", "paths", "last_sent", "nbytes",
-                 "busy_until", "pause_from", "queue", "first_at", "lead")
+                 "busy_until", "pause_from", "queue", "first_at", "lead", "recovery")
 
     def __init__(self, start: float, rate: float, kind: str) -> None:
         self.start = start
@@ -100,6 +100,7 @@ class _Phase:
         # startup: per destination, its last sample before its first in this phase, (sent at, queueing delay) or
         # None (see Judgement._queue_signal)
         self.lead: dict[Hashable, tuple[float, float] | None] = {}
+        self.recovery = False  # a probe at RECOVER_PROBE (Judgement.recovering)
 
     def stop(self) -> float:
         """Where the phase's send rate is measured to: its end, or its last send if the sender ran out of data
@@ -111,13 +112,20 @@ class _Phase:
 class _Record:
     """A clean, judged phase: what floors are pooled from."""
 
-    __slots__ = ("sent", "expected", "lost", "paths")
+    __slots__ = ("sent", "expected", "lost", "paths", "kind", "at")
 
-    def __init__(self, sent: float, expected: int, lost: int, paths: dict[Hashable, tuple[int, int, float]]) -> None:
+    def __init__(self, sent: float, expected: int, lost: int, paths: dict[Hashable, tuple[int, int, float]],
+                 kind: str = "cruise", at: float = 0.0) -> None:
         self.sent = sent  # bytes/s actually sent, all destinations
         self.expected = expected
         self.lost = lost
         self.paths = paths  # dest -> (expected, lost, bytes/s actually sent to it)
+        self.kind = kind  # the phase's: startup, probe, drain, cruise
+        self.at = at  # when the phase started
+
+    def delivered(self) -> float:
+        """What the path delivered of it, bytes/s."""
+        return self.sent * (1.0 - self.lost / self.expected) if self.expected > 0 else 0.0
 
 
 class _Cap:
