@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from peerd.localsock.phases import PHASES
-from peerd.tools.bench.cpuwatch import CpuWatch, Sample
+from peerd.tools.bench.cpuwatch import CpuWatch, CpuWindow, Sample
 from peerd.tools.bench.step import (
+    CORES_BIND,
     StepBenchConfig,
     add_parser,
     cpu_figures,
@@ -19,6 +20,7 @@ from peerd.tools.bench.step import (
     step_bound,
     summarize,
     transfer_seconds,
+    verdict,
 )
 from peerd.tools.lab.links import LinkLab, QdiscStats
 
@@ -57,6 +59,29 @@ def test_the_bound_is_the_issues_for_each_mode() -> None:
     cfg = StepBenchConfig(peers=2, steps=2, warmup=0, mode="diloco")
     rec = {"seconds": 1.2, "outcome": "averaged", "kept": False, "phases": dict.fromkeys(PHASES, 0.0)}
     assert summarize([[rec, rec]], cfg, transfer_s=1.0, rtt_s=0.01)["bound_s"] == pytest.approx(1.33)
+
+
+def test_the_verdict_says_whether_the_bound_held_and_whether_the_cores_could_tell() -> None:
+    """Within the bound; over it where the cores do not bind (the figure is the averaging's); over it where the
+    bench's own CPU a step over the cores is CORES_BIND of the bound or more (the machine's); unmeasured CPU says
+    nothing either way."""
+    cfg = StepBenchConfig(peers=2, steps=2, warmup=0)
+    rec = {"seconds": 1.2, "outcome": "averaged", "kept": False, "phases": dict.fromkeys(PHASES, 0.0)}
+
+    def out(transfer: float, cpu_s: float | None) -> dict:
+        """Two steps of 1.2 s, the bound 0.03 s over ``transfer``; the bench's processes spent ``cpu_s`` over
+        them on 2 cores (cpu_floor_s = cpu_s / 2 steps / 2 cores)."""
+        cpu = None if cpu_s is None else CpuWindow(2.4, {"daemon0": cpu_s / 2, "daemon1": cpu_s / 2}, None, 4.8)
+        return summarize([[rec, rec]], cfg, transfer_s=transfer, rtt_s=0.001, cpu=cpu)
+
+    ok = out(1.18, None)
+    assert ok["within_bound"] and ok["cores_bind"] is None and verdict(ok).startswith("within the bound")
+    link = out(1.0, 2.0)  # cpu_floor_s 0.5 of a 1.03 s bound
+    assert not link["within_bound"] and link["cores_bind"] is False
+    assert verdict(link).startswith("over the bound by 17 %") and "cores" not in verdict(link)
+    cores = out(1.0, 3.6)  # cpu_floor_s 0.9: 0.87 of the bound
+    assert cores["cpu_floor_s"] == pytest.approx(0.9) and CORES_BIND <= 0.9 / 1.03
+    assert cores["cores_bind"] and "the cores bind" in verdict(cores) and "0.87 of the bound" in verdict(cores)
 
 
 def test_the_command_line_checks_its_arguments() -> None:

@@ -27,6 +27,9 @@ shaped link (``--link-loss P``: random loss on it; ``--link-queue-ms``: its queu
   the machine's cores, the least a step could take here if nothing else ran; ``machine_busy``: the share of
   the cores busy meanwhile, ``others_busy`` the share busy with processes outside the bench. Where
   ``cpu_floor_s`` comes near ``step_s``, the step waits for the cores, not for the link;
+- ``within_bound``: ``step_s`` is at most ``bound_s``; ``cores_bind``: ``cpu_floor_s`` is at least CORES_BIND of
+  ``bound_s`` (None where the CPU was not measured): the bench's own CPU nearly fills the goal's time on these
+  cores, so a step over the bound says more about the machine than about the link (run fewer peers per core);
 - ``link_queue_drops`` (with ``--link``): the share of the packets offered to the links' queues that they dropped
   over the whole run, ``up`` and ``down`` apart: the daemons' own overrun, beyond the random loss.
 The lab has no delay emulation: its RTT is the queue's and the hosts', not a WAN's.
@@ -60,6 +63,7 @@ DATAGRAM_OVERHEAD = 56 + 28 + 14  # peerd's header and tag, IPv4 + UDP, Ethernet
 CODEC_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 8 / 128, "int4": 0.5 + 8 / 128}
 MODES = ("sync", "overlap", "diloco")
 NOISE_SETS = 4  # gradient draws a trainer takes in turn
+CORES_BIND = 0.8  # cpu_floor_s at this fraction of bound_s or more: the cores, not the link, bind (``cores_bind``)
 
 
 @dataclass
@@ -132,7 +136,7 @@ def summarize(records: list[list[dict[str, Any]]], cfg: StepBenchConfig, transfe
     outcomes: dict[str, int] = {}
     for r in steps:
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
-    return {
+    out: dict[str, Any] = {
         "mode": cfg.mode, "peers": cfg.peers, "params": cfg.params, "steps": len(steps),
         "link": cfg.link, "link_loss": cfg.link_loss, "compression": compression,
         "step_s": round(statistics.median(seconds), 6),
@@ -146,6 +150,23 @@ def summarize(records: list[list[dict[str, Any]]], cfg: StepBenchConfig, transfe
         "kept": sum(bool(r.get("kept")) for r in steps), "outcomes": outcomes,
         **cpu_figures(cpu, max(len(rs) - cfg.warmup for rs in records)),
     }
+    out["within_bound"] = out["step_s"] <= out["bound_s"]
+    out["cores_bind"] = None if out["cpu_floor_s"] is None else out["cpu_floor_s"] >= CORES_BIND * out["bound_s"]
+    return out
+
+
+def verdict(result: dict[str, Any]) -> str:
+    """One sentence on ``summarize``'s figures: whether the step met its bound and, if not, whether these cores
+    could have told."""
+    step, bound = result["step_s"], result["bound_s"]
+    if result["within_bound"]:
+        return f"within the bound ({step:.4f} s <= {bound:.4f} s)"
+    said = f"over the bound by {100 * (step / bound - 1):.0f} % ({step:.4f} s > {bound:.4f} s)"
+    if result["cores_bind"]:
+        said += (f"; the cores bind: the bench's own CPU a step over the cores (cpu_floor_s {result['cpu_floor_s']:.4f}"
+                 f" s) is {result['cpu_floor_s'] / bound:.2f} of the bound, so this says more about the machine than "
+                 "the link (run fewer peers per core)")
+    return said
 
 
 def cpu_window(watch: CpuWatch, records: list[list[dict[str, Any]]], warmup: int) -> CpuWindow | None:
@@ -395,6 +416,7 @@ def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     for phase, seconds in result["phases"].items():
         print(f"  {phase:>12}: {seconds:.4f} (median)")
     print(f"  outcomes: {result['outcomes']}, kept-group steps: {result['kept']}")
+    print(f"  verdict: {verdict(result)}")
     if result["link_queue_drops"]:
         print("  link queues dropped: " + ", ".join(f"{side} {100 * f:.2f} %"
                                                     for side, f in result["link_queue_drops"].items()))
