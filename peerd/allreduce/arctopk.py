@@ -327,13 +327,14 @@ async def arc_topk_average(average: Average, plan: ArcTopKPlan, group_id: int, i
 def phase_options(options: AverageOptions, phase: int) -> AverageOptions:
     """``options`` as ``phase`` of an arc-topk average runs them: the selection phase runs ``solo`` (each owner's
     segment is its bitmap alone) with no clipping; the sketch and dense phases clip when ``options.robust`` is set
-    (a centered mode clips around zero: no center is kept for sketches or rows)."""
+    (a centered mode clips around zero: no center is kept for sketches or rows), one test per shard (its verdicts
+    are the suspects' evidence)."""
     robust = options.robust
     if phase == 1:
         return replace(options, robust=None, solo=True)
     if robust is None or robust.mode == "clip":
-        return replace(options, solo=False)
-    return replace(options, robust=Robust("clip", robust.c), solo=False)
+        return replace(options, solo=False, segments=False)
+    return replace(options, robust=Robust("clip", robust.c), solo=False, segments=False)
 
 
 async def service_arc_topk(service: Averager, group_id: int, members: list, index: int, vector: np.ndarray,

@@ -37,12 +37,16 @@ class Finalize:
             k0 = k1
 
     def _finalize_through(self, k_end: int) -> None:
-        """Turn ranges [finalized, k_end) of the own shard from weighted sums into averages."""
-        while self._robust is not None and not self._robust_step():
-            pass
+        """Turn ranges [finalized, k_end) of the own shard from weighted sums into averages (with ``robust``, each
+        segment's ranges with that segment's decision: every range of a segment must be final)."""
         step = max(1, FINALIZE_BLOCK_ELEMENTS // self.layout.per)
         while self._finalized < k_end:
-            k1 = min(k_end, self._finalized + step)
+            stop = k_end
+            if self._robust is not None:
+                while not self._robust_ready():
+                    pass
+                stop = min(k_end, self._seg_ends[self._seg])
+            k1 = min(stop, self._finalized + step)
             for piece in self._pieces(self._finalized, k1):
                 self._finalize_rows(*piece)
                 if self._coded:
@@ -207,8 +211,35 @@ class Finalize:
             result[~arrived] = own[~arrived]
         out2d[...] = result
 
+    def _robust_ready(self) -> bool:
+        """One slice of robust work for the segment that holds the next range to finalize (robust.segment_ends:
+        the whole shard, or the segment after one whose ranges are all finalized); True once its factors are known.
+        The segment's ranges must all be final (``ag_frontier`` stops at segment ends)."""
+        if (self._scale is not None and self._finalized >= self._seg_ends[self._seg]
+                and self._seg + 1 < len(self._seg_ends)):
+            self._next_segment()
+        return self._robust_step()
+
+    def _next_segment(self) -> None:
+        """The next segment's decision starts from nothing: its own norms, weights, Gram matrix and test."""
+        n = self.n
+        self._opposed_all = self._opposed_all | (self._excluded - self._preset)
+        self._seg += 1
+        self._scale = None
+        self._sumsq = [0.0] * n
+        self._elements = [0] * n
+        self._gram = np.zeros((n, n))
+        self._excluded = self._preset
+        self._wcap = self._max_weight
+
+    def _count_once(self, reason: str, member: int) -> None:
+        """Count ``member`` under ``reason`` in the statistics once a round, however many segments it held for."""
+        if (reason, member) not in self._counted:
+            self._counted.add((reason, member))
+            self._refused[reason] += 1
+
     def _robust_step(self) -> bool:
-        """Measure the next slice of the contributions' norms (robust); True once the factors are known.
+        """Measure the next slice of the segment's contributions' norms (robust); True once the factors are known.
 
         Per member (the own contribution included): the sum of squares of its finite ranges (minus the
         center, if any) and how many elements they hold; a range holding NaN or inf is refused here. Then
@@ -219,8 +250,9 @@ class Finalize:
         assert self._robust is not None
         if self._scale is not None:
             return True
-        if self._norm_pos < self._nranges:
-            k_end = min(self._nranges, self._norm_pos + max(1, FINALIZE_BLOCK_ELEMENTS // self.layout.per))
+        end = self._seg_ends[self._seg]
+        if self._norm_pos < end:
+            k_end = min(end, self._norm_pos + max(1, FINALIZE_BLOCK_ELEMENTS // self.layout.per))
             for k0, k1, lo, _hi, width in self._pieces(self._norm_pos, k_end):
                 self._measure(k0, k1, lo, width)
             self._norm_pos = k_end
@@ -228,16 +260,16 @@ class Finalize:
         rms = [math.sqrt(self._sumsq[s] / self._elements[s]) if self._elements[s] else math.nan
                for s in range(self.n)]
         heard = [r for r in rms if math.isfinite(r)]
-        weights = sorted(min(self.weight if s == self.index else self._sender_weight[s], self._max_weight)
-                         for s in range(self.n) if self._elements[s] and (s == self.index or
-                                                                          self._sender_weight[s] is not None))
+        weights = {s: min(self.weight if s == self.index else self._sender_weight[s], self._max_weight)
+                   for s in range(self.n) if self._elements[s] and (s == self.index or
+                                                                    self._sender_weight[s] is not None)}
         if weights:
-            bound = WEIGHT_BOUND * float(np.median(weights))
+            bound = WEIGHT_BOUND * float(np.median(list(weights.values())))
             if bound < self._wcap:
                 self._wcap = bound
-                over = sum(w > bound for w in weights)
-                if over:
-                    self._refused["weight_bounded"] += over
+                for s, w in weights.items():
+                    if w > bound:
+                        self._count_once("weight_bounded", s)
         scale = [1.0] * self.n
         if heard:
             med = float(np.median(heard))
@@ -245,7 +277,7 @@ class Finalize:
             for s, r in enumerate(rms):
                 if math.isfinite(r) and r > limit:
                     scale[s] = limit / r
-                    self._refused["clipped"] += 1
+                    self._count_once("clipped", s)
         if self._robust.mode == "clip":  # differences from a center are not expected to agree in direction
             self._exclude_opposed(scale)
         self._scale = scale
@@ -270,8 +302,9 @@ class Finalize:
         self._cosines = member_cosines(g, heard, self.index)
         prior = {k: (w, n) for k, w, n in self.options.prior if k < self.n}
         opposed = opposed_members(g, heard, self.index, self._elements, prior)
+        for s in opposed:
+            self._count_once("opposed", s)
         if opposed:
-            self._refused["opposed"] += len(opposed)
             self._excluded = self._excluded | opposed
 
     def _measure(self, k0: int, k1: int, lo: int, width: int) -> None:

@@ -89,7 +89,7 @@ from .phase import (
     advance,
 )
 from .repair import SERVE_S, Repair
-from .robust import WEIGHT_BOUND
+from .robust import WEIGHT_BOUND, segment_ends
 from .shards import Layout, elements_per_datagram
 
 __all__ = [  # the core's public names, wherever in the package they are defined
@@ -250,8 +250,9 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
             if not np.isfinite(own_center).all():
                 raise ValueError("center must be finite (the previous round's average); pass None for none")
             self._center = own_center
-        # robust: per member, the factor (<= 1) its contribution is scaled by; None until computed, after
-        # the reduce-scatter (it needs every contribution), by ``_robust_step`` a slice at a time
+        # robust: per member, the factor (<= 1) its contribution is scaled by in the segment being finalized
+        # (``segment_ends``; the whole shard by default); None until computed, once every contribution to the
+        # segment is in, by ``_robust_step`` a slice at a time
         self._scale: list[float] | None = None
         self._norm_pos = 0  # ranges of the own shard whose norms are summed so far
         self._sumsq = [0.0] * n
@@ -261,6 +262,8 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         self._preset = frozenset(a for a in options.exclude if a < n and a != index)
         self._excluded: frozenset[int] = self._preset
         self._cosines: dict[int, float] = {}  # (robust clip) each member's cosine with the others, as tested
+        self._opposed_all: frozenset[int] = frozenset()  # (robust) members left out of an earlier segment
+        self._counted: set[tuple[str, int]] = set()  # (robust) (reason, member) already counted in ``refused``
         self._out_bytes = memoryview(out).cast("B")
         self._inplace = out is vec
         # Blocks carry headers and value views apart (OutBlock.values), for a driver that seals from them. Values
@@ -334,10 +337,15 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         self._rs_gen: Iterator[OutBlock] | None = self._rs_blocks()  # the contributions' blocks (None: all out)
         # the average's blocks: started once a range of the own shard is final (None: not yet; EXHAUSTED: all out)
         self._ag_gen: Iterator[OutBlock | None] | object | None = None
-        # With ``overlap`` (and without robust aggregation, which needs every contribution first) a range of the own
-        # shard is final, and its average goes out, as soon as every other member's datagram for it arrived or is
-        # known lost (``ag_frontier``): the all-gather overlaps the reduce-scatter instead of waiting for its end.
-        self._early = options.overlap and robust is None
+        # With ``overlap`` a range of the own shard is final, and its average goes out, as soon as every other
+        # member's datagram for it arrived or is known lost (``ag_frontier``): the all-gather overlaps the
+        # reduce-scatter instead of waiting for its end. Robust aggregation needs every contribution to what it
+        # decides: the whole shard (no overlap), or segment by segment where ``segment_ends`` allows.
+        self._seg_ends = [self._nranges]
+        if robust is not None and options.segments and self._center is None and not (options.solo or options.prior):
+            self._seg_ends = segment_ends(self._nranges, self._hi - self._lo, robust)
+        self._seg = 0  # the segment whose robust decision is measured or in force
+        self._early = options.overlap and (robust is None or len(self._seg_ends) > 1)
         self._ag_next = 0  # the first range of the own shard the all-gather has not handed out
         self._ag_woken = False  # a wake-up for final ranges is pending (``note_ready``)
         self._contig = [0] * n  # per sender: ranges below it all arrived or final (where its stream has a gap)
@@ -614,8 +622,9 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
 
     def statistics(self) -> GroupStats:
         own = self.weight
+        left_out = self._excluded | self._opposed_all
         heard = [w for s, w in enumerate(self._sender_weight) if w is not None and s != self.index
-                 and s not in self._excluded]
+                 and s not in left_out]
         rs_expected = self._nranges * (own + sum(heard))
         rs_received = self._nranges * own + self._rs.weight_received
         ag_expected = sum(self._ag.expected) * (own + sum(heard))
@@ -629,7 +638,7 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
             ends_ignored=self._ends_ignored,
             refused=dict(self._refused),
             weight_total=min(own, self._wcap) + sum(min(w, self._wcap) for w in heard),
-            opposed=tuple(sorted(self._excluded - self._preset)),
+            opposed=tuple(sorted(left_out - self._preset)),
             cosines=tuple((k, c, self._elements[k]) for k, c in sorted(self._cosines.items())),
             repair_asked=sum(self._asked_first),
             repair_received=self._repaired(),

@@ -67,8 +67,9 @@ class AverageOptions:
     usual; arc-topk's suspects). ``solo``: each owner's result for its shard
     is its own values alone (a broadcast per owner: arc-topk's selections). ``overlap``: each owner sends the
     averages of its shard's ranges as they become final, while the reduce-scatter still runs (protocol/allreduce.md,
-    "Final ranges"), instead of after it (the default: the same time on a lossy link, less on a fast one); not
-    with ``robust``, which needs every contribution first.
+    "Final ranges"), instead of after it (the default: the same time on a lossy link, less on a fast one); with
+    ``robust``, which needs every contribution of what it decides, only where ``segments`` lets it decide a large
+    shard a segment at a time (robust.segment_ends: the default gradient robust), a segment as soon as it is final.
     ``repair_rounds``: how many times a member asks an owner again for the all-gather ranges it lacks, and how many
     rounds this node serves as an owner (protocol/allreduce.md, "Repair"; 0: none, as before). ``owner_lag_s``: the
     all-gather's extra wait for an owner that ends its reduce-scatter after this member did (None: ``floor_s``); a
@@ -78,7 +79,8 @@ class AverageOptions:
     deadline, as before). ``shares``: one int per member, the sizes of their shards relative to each other (None:
     equal; shards.Layout, capped_shares): every member of the group must pass the same. ``prior``: (member index,
     its earlier direction tests' cosines times their elements summed, those elements) that this owner's test pools
-    with this one's (robust clip only; arc-topk's dense phase: robust.Suspects.prior)."""
+    with this one's (robust clip only; arc-topk's dense phase: robust.Suspects.prior). ``segments``: robust may
+    decide a large shard in segments (off where the caller needs one test per shard: arc-topk's suspects)."""
 
     floor_s: float = 1.0
     max_phase_s: float | None = 60.0
@@ -101,6 +103,7 @@ class AverageOptions:
     probe_silent: bool = False
     shares: tuple[int, ...] | None = None
     prior: tuple[tuple[int, float, int], ...] = ()
+    segments: bool = True
 
     def __post_init__(self) -> None:
         check_timing(self.floor_s, self.max_phase_s, self.end_grace_s)
@@ -129,6 +132,8 @@ class AverageOptions:
             raise ValueError(f"probe_silent must be a bool, got {self.probe_silent!r}")
         if type(self.overlap) is not bool:
             raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
+        if type(self.segments) is not bool:
+            raise ValueError(f"segments must be a bool, got {self.segments!r}")
         if type(self.repair_rounds) is not int or not 0 <= self.repair_rounds <= MAX_REPAIR_ROUNDS:
             raise ValueError(f"repair_rounds must be an int in 0..{MAX_REPAIR_ROUNDS}, got {self.repair_rounds!r}")
         if self.shares is not None:

@@ -6,6 +6,7 @@ Blocks are built lazily, about ``limit`` datagrams of work a call, so a driver c
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -190,6 +191,8 @@ class Outbox:
         for s in range(self.n):
             if not done[s]:
                 f = min(f, self.sender_frontier(s))
+        if self._robust is not None:  # a segment is decided, and its ranges averaged, once all of it is final
+            f = self._seg_ends[bisect.bisect_right(self._seg_ends, f) - 1] if f >= self._seg_ends[0] else 0
         return f
 
     def ag_ready(self) -> bool:
@@ -304,10 +307,9 @@ class Outbox:
 
     def _ag_blocks(self) -> Iterator[OutBlock | None | object]:
         """The averaged own shard to every other member, its ranges as they become final (_WAIT: the next ones are
-        not yet); each block is built once and sent to all. With ``robust``, once the reduce-scatter has ended, the
-        contributions' norms are measured first, a slice per step (None: no block yet)."""
-        while self._robust is not None and not self._robust_step():
-            yield None
+        not yet); each block is built once and sent to all. With ``robust``, once a segment (robust.segment_ends: the
+        whole shard, or a part of a large one) is final, its contributions' norms are measured first, a slice per
+        step (None: no block yet)."""
         per, group, total = self.layout.per, self.group_id, self._nranges
         lo, hi = self._lo, self._hi
         full = (hi - lo) // per
@@ -324,6 +326,9 @@ class Outbox:
                 continue
             k1 = min(k + self._block_rows, full, ready) if k < full else total
             if self._finalized < k1:
+                if self._robust is not None and not self._robust_ready():
+                    yield None
+                    continue
                 self._finalize_through(min(ready, max(k1, k + ahead)))
             weights = np.minimum(self._wsum[k:k1], F32_MAX)
             off = lo + k * per

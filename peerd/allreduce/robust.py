@@ -1,8 +1,9 @@
 """Robust aggregation options: how a shard owner limits each member's contribution (GroupAverage(robust=)).
 
-``clip[:C]``: once its reduce-scatter has ended (it needs every contribution before any range is final),
-the owner measures each member's contribution to its shard (its own included) as the RMS per element over
-the ranges that member delivered (so a member that lost datagrams is neither favoured nor penalized),
+``clip[:C]``: once its reduce-scatter has ended (it needs every contribution before any range is final;
+under the default gradient robust, a large shard segment by segment: ``segment_ends``), the owner measures
+each member's contribution to its shard (its own included) as the RMS per element over the ranges that member
+delivered (so a member that lost datagrams is neither favoured nor penalized),
 takes the median over the members that delivered anything, and scales every contribution whose RMS
 exceeds C times that median down to it. Then it averages by weight as without ``robust``: a range that
 lost a sender is averaged over the senders that arrived (with their factors), and a range only the owner
@@ -90,6 +91,11 @@ MAX_SUSPECTS = 1024  # identities remembered at most (a group names at most a fe
 # by ~0.08, as far as a flipped member's sits below zero, so one round alone missed it about 1 in 5; four rounds'
 # evidence halves the scatter
 PRIOR_TESTS = 3
+# The default gradient robust decides a large shard in segments (``segment_ends``) of at least this many values,
+# and at most this many segments: the first segment's average can go out while the rest arrives, and each test sees
+# enough values that honest cosines (spread about 1 / sqrt(elements), 0.006 here) stay far from -OPPOSED_COS.
+SEGMENT_ELEMENTS = 1 << 15
+MAX_SEGMENTS = 8
 
 
 def opposed_cos(elements: int) -> float:
@@ -240,6 +246,22 @@ class Suspects:
                        self.cosines):
             while len(record) > MAX_SUSPECTS:
                 record.pop(next(iter(record)))
+
+
+def segment_ends(nranges: int, elements: int, robust: Robust | None) -> list[int]:
+    """Where an owner's robust decisions end, in ranges of its shard: one decision for the whole shard, except
+    under the default gradient robust (``clip`` at MAX_C: the weight bound and the direction test, clipping only
+    far past the median), where a shard of 2 * SEGMENT_ELEMENTS or more is decided a segment at a time. Each
+    segment's weight bound, norms and direction test are its own, taken once its ranges are final, so the owner
+    averages and sends it while the rest of its shard still arrives instead of waiting for the last contribution
+    (the all-gather overlaps the reduce-scatter as without robust). Every segment holds about SEGMENT_ELEMENTS
+    values or more, where an honest member's cosine with the others scatters by under a tenth of OPPOSED_COS."""
+    if robust is None or robust.mode != "clip" or robust.c < MAX_C:
+        return [nranges]
+    count = min(MAX_SEGMENTS, elements // SEGMENT_ELEMENTS, nranges)
+    if count < 2:
+        return [nranges]
+    return [nranges * (i + 1) // count for i in range(count)]
 
 
 @dataclass(frozen=True)
