@@ -1,9 +1,10 @@
-"""The default gradient robust (``clip`` at MAX_C: the weight bound and the direction test) decides a large shard a
-segment at a time (robust.segment_ends), so an owner sends each segment's average while the rest of its shard still
-arrives. Each segment is decided on its own: a member left out of one is left out there, counted once a round.
+"""The default gradient robust (``clip`` at MAX_C: the weight bound and the direction test) decides a large shard's
+head as soon as it is final, over the head alone, and its tail at the end over the whole shard (robust.segment_ends),
+so an owner sends its head's average while the tail's last contributions still arrive; the tail holds what one
+decision over the shard gives. A member is counted once a round, however many decisions left it out.
 
-Whole groups of the sans-I/O core over the in-test network (virtual time), with the segment size lowered so that
-small vectors hold several segments.
+Whole groups of the sans-I/O core over the in-test network (virtual time), with the tail's least size lowered so
+that small vectors hold a head and a tail.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from peerd.allreduce.robust import MAX_C, WEIGHT_BOUND, Robust, segment_ends
 
 from .support.groups import AG_DATA, GROUP, RS_DATA, GroupNet, Wire, payload_for
 
-N, SHARD, PER, SEGMENT = 4, 3200, 50, 400  # 64 ranges a shard, eight segments of eight ranges each
+N, SHARD, PER, TAIL = 4, 3200, 50, 400  # 64 ranges a shard: a head of 56, a tail of 8
+HEAD = SHARD - TAIL  # values
 LENGTH = N * SHARD
 DEFAULT = Robust("clip", MAX_C)  # what a gradient average runs with when the trainer sets no robust
 
 
 @pytest.fixture(autouse=True)
-def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(robust_module, "SEGMENT_ELEMENTS", SEGMENT)
+def small_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(robust_module, "TAIL_ELEMENTS", TAIL)
 
 
 def honest(seed: int = 0) -> tuple[list[np.ndarray], list[float]]:
@@ -63,17 +65,17 @@ def mean(xs: list[np.ndarray], ws: list[float], members: list[int]) -> np.ndarra
     return sum(ws[i] * xs[i].astype(np.float64) for i in members) / sum(ws[i] for i in members)
 
 
-def test_only_the_default_gradient_robust_on_a_large_shard_is_decided_in_segments() -> None:
-    assert segment_ends(64, SHARD, DEFAULT) == [8, 16, 24, 32, 40, 48, 56, 64]
-    assert segment_ends(64, SHARD, Robust("clip", 1.0)) == [64]  # a clipping the user chose: one per shard
+def test_only_the_default_gradient_robust_on_a_large_shard_decides_its_head_early() -> None:
+    assert segment_ends(64, SHARD, DEFAULT) == [56, 64]
+    assert segment_ends(64, SHARD, Robust("clip", 1.0)) == [64]  # a clipping the user chose: one decision
     assert segment_ends(64, SHARD, Robust("centered", MAX_C)) == [64]
     assert segment_ends(64, SHARD, None) == [64]
-    assert segment_ends(64, 2 * SEGMENT - 1, DEFAULT) == [64]  # too few values for two tests
-    assert segment_ends(3, SHARD, DEFAULT) == [1, 2, 3]  # never more segments than ranges
-    assert len(segment_ends(10_000, 10**9, DEFAULT)) == robust_module.MAX_SEGMENTS
+    assert segment_ends(64, 2 * TAIL - 1, DEFAULT) == [64]  # too few values for a head as large as the tail
+    assert segment_ends(1, SHARD, DEFAULT) == [1]
+    assert segment_ends(1000, 1000 * TAIL, DEFAULT) == [875, 1000]  # the tail an eighth of a large shard
 
 
-def test_segments_send_the_average_before_the_reduce_scatter_ends_and_change_no_honest_value() -> None:
+def test_the_head_goes_before_the_reduce_scatter_ends_and_no_honest_value_changes() -> None:
     """Honest members: the owner's first all-gather data goes out while its reduce-scatter still runs (a whole-
     shard decision waits for the last contribution), and the result is the plain weighted mean either way."""
     xs, ws = honest()
@@ -89,7 +91,7 @@ def test_segments_send_the_average_before_the_reduce_scatter_ends_and_change_no_
         assert segmented[i].overlaps and not whole[i].overlaps
 
 
-def test_segments_under_loss_average_what_arrived_as_one_decision_would() -> None:
+def test_under_loss_head_and_tail_average_what_arrived_as_one_decision_would() -> None:
     """Every seventh reduce-scatter datagram lost: each range is averaged over what arrived, exactly as a decision
     over the whole shard averages it (honest members: no factor, no one left out)."""
     xs, ws = honest(3)
@@ -105,39 +107,37 @@ def test_segments_under_loss_average_what_arrived_as_one_decision_would() -> Non
         assert rs.datagrams_received < rs.datagrams_expected
 
 
-def test_a_member_flipped_in_one_segment_is_left_out_of_that_segment_hostile() -> None:
-    """A member that sends honest values everywhere but one segment of every shard, sign-flipped there: a single
-    test over the whole shard finds it agreeing (seven segments in eight point the honest way) and lets the flip in;
-    decided segment by segment, it is left out where it flipped and counted once."""
+def test_a_flip_in_the_head_is_left_out_and_one_in_the_tail_meets_the_whole_shard_test_hostile() -> None:
+    """A member sign-flipped in its contributions' heads only is left out of the head (tested there alone) and of
+    the tail (its flip is most of the shard), counted once; one flipped in the tails only meets the test one
+    decision over the whole shard gives: the owner's result is that decision's, value for value."""
     xs, ws = honest(1)
     bad = 2
-    lo, hi = 2 * SEGMENT, 3 * SEGMENT  # the third segment of each shard
-    flipped = xs[bad].copy()
+    heads, tails = xs[bad].copy(), xs[bad].copy()
     for j in range(N):
-        flipped[j * SHARD + lo : j * SHARD + hi] *= -1
-    attacked = [flipped if i == bad else x for i, x in enumerate(xs)]
+        heads[j * SHARD : j * SHARD + HEAD] *= -1
+        tails[j * SHARD + HEAD : (j + 1) * SHARD] *= -1
+    attacked = [heads if i == bad else x for i, x in enumerate(xs)]
     cores, _ = run(attacked, ws, DEFAULT)
-    everyone = mean(attacked, ws, list(range(N)))
     without = mean(attacked, ws, [i for i in range(N) if i != bad])
-    for owner in range(N):
-        if owner == bad:
-            continue
-        got = cores[owner].result()
+    for owner in (0, 1, 3):
         base = owner * SHARD
-        np.testing.assert_allclose(got[base + lo : base + hi], without[base + lo : base + hi], rtol=0, atol=2e-5)
-        np.testing.assert_allclose(got[base : base + lo], everyone[base : base + lo], rtol=0, atol=2e-5)
-        np.testing.assert_allclose(got[base + hi : base + SHARD], everyone[base + hi : base + SHARD], rtol=0,
-                                   atol=2e-5)
+        got = cores[owner].result()[base : base + SHARD]
+        np.testing.assert_allclose(got, without[base : base + SHARD], rtol=0, atol=2e-5)
         assert cores[owner].statistics().refused.get("opposed") == 1
         assert cores[owner].statistics().opposed == (bad,)
+    attacked = [tails if i == bad else x for i, x in enumerate(xs)]
+    cores, _ = run(attacked, ws, DEFAULT)
     whole, _ = run(attacked, ws, Robust("clip", 1e5))  # one decision a shard, clipping as far off as MAX_C's
-    assert not whole[0].statistics().opposed
-    np.testing.assert_allclose(whole[0].result()[lo:hi], everyone[lo:hi], rtol=0, atol=2e-5)
+    for owner in (0, 1, 3):
+        base = owner * SHARD
+        np.testing.assert_array_equal(cores[owner].result()[base + HEAD : base + SHARD],
+                                      whole[owner].result()[base + HEAD : base + SHARD])
 
 
-def test_a_whole_flip_is_left_out_of_every_segment_and_a_huge_weight_bounded_in_each_hostile() -> None:
-    """One member sign-flips everything, another claims 10^6 samples: every segment of every honest owner's shard
-    leaves the first out and bounds the second at WEIGHT_BOUND times the median weight, each counted once."""
+def test_a_whole_flip_is_left_out_of_head_and_tail_and_a_huge_weight_bounded_in_both_hostile() -> None:
+    """One member sign-flips everything, another claims 10^6 samples: the head and the tail of every honest owner's
+    shard leave the first out and bound the second at WEIGHT_BOUND times the median weight, each counted once."""
     xs, ws = honest(2)
     flip, heavy = 1, 3
     attacked = [-x if i == flip else x for i, x in enumerate(xs)]

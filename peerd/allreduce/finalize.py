@@ -221,14 +221,11 @@ class Finalize:
         return self._robust_step()
 
     def _next_segment(self) -> None:
-        """The next segment's decision starts from nothing: its own norms, weights, Gram matrix and test."""
-        n = self.n
+        """The next segment's decision is taken anew over every range up to its end (robust.segment_ends): the
+        norms and dot products measured so far count again, the factors, weight bound and exclusions are its own."""
         self._opposed_all = self._opposed_all | (self._excluded - self._preset)
         self._seg += 1
         self._scale = None
-        self._sumsq = [0.0] * n
-        self._elements = [0] * n
-        self._gram = np.zeros((n, n))
         self._excluded = self._preset
         self._wcap = self._max_weight
 
@@ -239,7 +236,8 @@ class Finalize:
             self._refused[reason] += 1
 
     def _robust_step(self) -> bool:
-        """Measure the next slice of the segment's contributions' norms (robust); True once the factors are known.
+        """Measure the next slice of the contributions' norms up to the segment's end (robust); True once the
+        factors are known.
 
         Per member (the own contribution included): the sum of squares of its finite ranges (minus the
         center, if any) and how many elements they hold; a range holding NaN or inf is refused here. Then

@@ -340,7 +340,7 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         # With ``overlap`` a range of the own shard is final, and its average goes out, as soon as every other
         # member's datagram for it arrived or is known lost (``ag_frontier``): the all-gather overlaps the
         # reduce-scatter instead of waiting for its end. Robust aggregation needs every contribution to what it
-        # decides: the whole shard (no overlap), or segment by segment where ``segment_ends`` allows.
+        # decides: the whole shard (no overlap), or its head earlier where ``segment_ends`` allows.
         self._seg_ends = [self._nranges]
         if robust is not None and options.segments and self._center is None and not (options.solo or options.prior):
             self._seg_ends = segment_ends(self._nranges, self._hi - self._lo, robust)

@@ -69,7 +69,7 @@ class AverageOptions:
     averages of its shard's ranges as they become final, while the reduce-scatter still runs (protocol/allreduce.md,
     "Final ranges"), instead of after it (the default: the same time on a lossy link, less on a fast one); with
     ``robust``, which needs every contribution of what it decides, only where ``segments`` lets it decide a large
-    shard a segment at a time (robust.segment_ends: the default gradient robust), a segment as soon as it is final.
+    shard's head early (robust.segment_ends: the default gradient robust), the head as soon as it is final.
     ``repair_rounds``: how many times a member asks an owner again for the all-gather ranges it lacks, and how many
     rounds this node serves as an owner (protocol/allreduce.md, "Repair"; 0: none, as before). ``owner_lag_s``: the
     all-gather's extra wait for an owner that ends its reduce-scatter after this member did (None: ``floor_s``); a
@@ -80,7 +80,7 @@ class AverageOptions:
     equal; shards.Layout, capped_shares): every member of the group must pass the same. ``prior``: (member index,
     its earlier direction tests' cosines times their elements summed, those elements) that this owner's test pools
     with this one's (robust clip only; arc-topk's dense phase: robust.Suspects.prior). ``segments``: robust may
-    decide a large shard in segments (off where the caller needs one test per shard: arc-topk's suspects)."""
+    decide a large shard's head early (off where the caller needs one test per shard: arc-topk's suspects)."""
 
     floor_s: float = 1.0
     max_phase_s: float | None = 60.0

@@ -202,7 +202,11 @@ class Outbox:
     def note_ready(self, sender: int | None) -> None:
         """After new reduce-scatter data from ``sender`` (None: a stream closed): when this member has nothing
         else to send and the all-gather's next block has become final, count a phase change, so the driver wakes
-        up and sends it. Only a sender that reached the block can complete it: the others are not looked at."""
+        up and sends it. Only a sender that reached the block can complete it: the others are not looked at.
+        With ``robust`` deciding the shard's head early, the contributions' norms are measured meanwhile over the
+        ranges already final, so that the decision waits for nothing but its last ranges."""
+        if self._robust is not None and self._early and self.state is State.REDUCE_SCATTER:
+            self._measure_ahead(sender)
         if (self.sending is not Sending.HOLDING or self._ag_woken or not self._early
                 or self.state is not State.REDUCE_SCATTER):
             return
@@ -212,6 +216,18 @@ class Outbox:
         if self._ag_gen is not _DONE and self.ag_frontier() >= need:
             self._ag_woken = True
             self.phase_changes += 1
+
+    def _measure_ahead(self, sender: int | None) -> None:
+        """Robust, while the reduce-scatter runs: measure the next whole slice of the undecided segment's ranges
+        once every sender has settled it (a slice at a time, as ``_robust_step`` would at the decision)."""
+        if self._scale is not None:
+            return
+        step = max(1, FINALIZE_BLOCK_ELEMENTS // self._per)
+        end = min(self._seg_ends[self._seg], self._norm_pos + step)
+        if end >= self._nranges or (sender is not None and self.sender_frontier(sender) < end):
+            return  # (the last slice waits for the decision: the shard's end may be a short range)
+        if all(self._rs.done[s] or self.sender_frontier(s) >= end for s in range(self.n) if s != self.index):
+            self._robust_step()
 
     def datagrams_to_send(self, now: float, limit: int) -> list[Outgoing]:
         """``blocks_to_send`` one body at a time, for drivers (and tests) that send datagram by datagram (``now``:

@@ -1,7 +1,7 @@
 """Robust aggregation options: how a shard owner limits each member's contribution (GroupAverage(robust=)).
 
 ``clip[:C]``: once its reduce-scatter has ended (it needs every contribution before any range is final;
-under the default gradient robust, a large shard segment by segment: ``segment_ends``), the owner measures
+under the default gradient robust, a large shard's head earlier: ``segment_ends``), the owner measures
 each member's contribution to its shard (its own included) as the RMS per element over the ranges that member
 delivered (so a member that lost datagrams is neither favoured nor penalized),
 takes the median over the members that delivered anything, and scales every contribution whose RMS
@@ -91,11 +91,12 @@ MAX_SUSPECTS = 1024  # identities remembered at most (a group names at most a fe
 # by ~0.08, as far as a flipped member's sits below zero, so one round alone missed it about 1 in 5; four rounds'
 # evidence halves the scatter
 PRIOR_TESTS = 3
-# The default gradient robust decides a large shard in segments (``segment_ends``) of at least this many values,
-# and at most this many segments: the first segment's average can go out while the rest arrives, and each test sees
-# enough values that honest cosines (spread about 1 / sqrt(elements), 0.006 here) stay far from -OPPOSED_COS.
-SEGMENT_ELEMENTS = 1 << 15
-MAX_SEGMENTS = 8
+# The default gradient robust decides a large shard's head early and its tail with the whole shard
+# (``segment_ends``): the tail is this share of the shard, and at least this many values. The head is final before
+# the owner's own contributions are out (a sender's ranges arrive in order): its average fills the uplink while the
+# tail's last contributions arrive.
+TAIL_SHARE = 1 / 8
+TAIL_ELEMENTS = 1 << 15
 
 
 def opposed_cos(elements: int) -> float:
@@ -251,17 +252,20 @@ class Suspects:
 def segment_ends(nranges: int, elements: int, robust: Robust | None) -> list[int]:
     """Where an owner's robust decisions end, in ranges of its shard: one decision for the whole shard, except
     under the default gradient robust (``clip`` at MAX_C: the weight bound and the direction test, clipping only
-    far past the median), where a shard of 2 * SEGMENT_ELEMENTS or more is decided a segment at a time. Each
-    segment's weight bound, norms and direction test are its own, taken once its ranges are final, so the owner
-    averages and sends it while the rest of its shard still arrives instead of waiting for the last contribution
-    (the all-gather overlaps the reduce-scatter as without robust). Every segment holds about SEGMENT_ELEMENTS
-    values or more, where an honest member's cosine with the others scatters by under a tenth of OPPOSED_COS."""
-    if robust is None or robust.mode != "clip" or robust.c < MAX_C:
+    far past the median), where a shard of 2 * TAIL_ELEMENTS or more is decided twice: its head (all but a tail of
+    TAIL_SHARE, at least TAIL_ELEMENTS) once the head's ranges are final, over the head alone, and its tail at the
+    end, over the whole shard, as one decision would. The owner averages and sends the head while the tail's last
+    contributions still arrive (the all-gather overlaps the reduce-scatter as without robust), and the tail holds
+    the values a whole-shard decision would give. Tests over small parts of a real gradient find honest members
+    against the others far more often than 1 / sqrt(elements) suggests (a few directions carry most of a segment's
+    norm): the head is most of the shard, so its test sees almost what the whole-shard test sees."""
+    if robust is None or robust.mode != "clip" or robust.c < MAX_C or elements < 2 * TAIL_ELEMENTS or nranges < 2:
         return [nranges]
-    count = min(MAX_SEGMENTS, elements // SEGMENT_ELEMENTS, nranges)
-    if count < 2:
+    per = elements / nranges
+    tail = max(1, math.ceil(max(TAIL_ELEMENTS, elements * TAIL_SHARE) / per))
+    if tail >= nranges - tail + 1:
         return [nranges]
-    return [nranges * (i + 1) // count for i in range(count)]
+    return [nranges - tail, nranges]
 
 
 @dataclass(frozen=True)
