@@ -12,6 +12,7 @@ from typing import Any
 
 from . import __version__
 from .addresses import parse_hostport
+from .blas import one_blas_thread
 from .cliargs import BYZANTINE_CHOICES, deprecated, lab_group, positive
 from .deadlines import DEADLINE_MODES
 from .linkcap.args import add_cap_arguments, cap_config
@@ -255,6 +256,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--dht-replicas must be between 1 and 20 (the DHT's bucket size k)")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     _log_format(args.listen[1] or "?")  # port 0: the bound port, once known
+    one_blas_thread()  # the daemon's products are small; the trainer keeps the other cores
     if not 0.0 <= args.loss < 1.0:
         parser.error("--loss must be in [0, 1)")
     config = DaemonConfig(
