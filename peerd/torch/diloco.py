@@ -136,7 +136,8 @@ class DiLoCo(Optimizer):
     own result is the dequantized value the others receive, and repairs and adoption copy those bytes, so the
     outer rule applies to the same (dequantized) average everywhere. ``robust`` ("clip[:C]" or "centered[:C]")
     makes shard owners clip every member's pseudo-gradient as they clip gradients: around zero, with the same
-    C (a pseudo-gradient has no center of its own). "arc-topk" is refused: its row selection
+    C (a pseudo-gradient has no center of its own); "off" turns off the weight bound and the direction test
+    that outer steps otherwise run (members you trust). "arc-topk" is refused: its row selection
     and error feedback are built for gradient vectors of the layout's matrices, not for pseudo-gradient
     fragments (the daemon would average these in fp32).
 

@@ -204,7 +204,7 @@ class OuterSteps:
         # without the session's robust, the weight bound alone (clipping only past MAX_C times the median): a
         # member's claimed weight counts for at most WEIGHT_BOUND typical ones, and equal honest weights are
         # never bounded; outer steps are rare (every H inner steps), so the owner's staging costs little here
-        robust = Robust("clip", MAX_C if session.robust is None else session.robust.c)
+        robust = None if session.robust_off else Robust("clip", MAX_C if session.robust is None else session.robust.c)
         seen: set[bytes] = set()
         cap = session.max_samples
         out, outcome, result, dims, rounds = vector, "failed", None, 1, 0
@@ -213,7 +213,8 @@ class OuterSteps:
             extra: dict[str, Any] = {"round_no": round_no * OUTER_ROUNDS + rounds, **codec}
             if cap is not None:
                 extra["max_weight"] = cap
-            extra["robust"] = robust
+            if robust is not None:
+                extra["robust"] = robust
             extra["shares"] = "equal"  # (the agreement's repairs cut shards as equal ones: records.shard_bounds)
             if session.keep_rounds is not None:  # a group that formed complete renews for the next outer steps
                 extra["keep_rounds"] = session.keep_rounds

@@ -183,7 +183,8 @@ class TrainerService:
         sid = self._next
         self._next += 1
         session = Session(sid, run, run_key, digest, elems, arena, conn, keep_rounds=keep_rounds,
-                          max_samples=max_samples, robust=robust, snapshot_max=snapshot_bound(layout),
+                          max_samples=max_samples, robust=robust, robust_off=req.get("robust") == "off",
+                          snapshot_max=snapshot_bound(layout),
                           compression=compression, shapes=[list(shape) for _, shape, _ in layout])
         session.outer_at = self.outer.clock()  # a first outer step gathers the run's members as the later ones do
         self.sessions[sid] = session
@@ -370,8 +371,10 @@ class TrainerService:
         else:
             # without the session's robust, the weight bound and the direction test alone (clipping only past
             # MAX_C times the median), as on outer steps: a sign-flipped member claiming a large weight is left
-            # out, and honest averages keep their members' norms
-            extra["robust"] = session.robust if session.robust is not None else Robust("clip", MAX_C)
+            # out, and honest averages keep their members' norms; "off" (a swarm whose members the owner trusts):
+            # none of it, the owner streams the contributions as they come
+            if not session.robust_off:
+                extra["robust"] = session.robust if session.robust is not None else Robust("clip", MAX_C)
         return extra
 
     async def _check_params(self, session: Session, vector: np.ndarray, timeout: float,

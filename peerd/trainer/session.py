@@ -53,7 +53,8 @@ class Session:
     grad_group: int = 0  # the group size of the latest averaged gradient round (a parameter check needs as many)
     keep_rounds: int | None = None  # Moshpit kept-group rounds for this session's runs (None: the daemon's)
     max_samples: float | None = None  # the most samples one member's contribution may claim (None: the default)
-    robust: Robust | None = None  # robust aggregation asked for by the trainer (None: off)
+    robust: Robust | None = None  # robust aggregation asked for by the trainer (None: the defaults)
+    robust_off: bool = False  # the trainer asked for robust "off": its gradient and outer averages run none of it
     snapshot_max: int = MAX_BLOB  # the most bytes a snapshot of this model can hold (a download's bound)
     outer_rounds: list[int] = field(default_factory=list)  # outer rounds whose blobs this daemon still keeps
     outer_at: float | None = None  # when this session's last outer step was asked for, or it opened (OuterSteps' clock)
