@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ...allreduce.robust import parse_robust
 from ...localsock.phases import PHASES
 from ..lab.links import LinkLab, parse_rate
 from ..linkargs import add_link_arguments
@@ -80,6 +81,7 @@ class StepBenchConfig:
     compression: str | None = None
     sync_every: int = 5  # diloco: inner steps per outer step
     timeout_s: float = 30.0
+    robust: str | None = None  # the trainers' robust= (None: the default)
 
     def check(self) -> None:
         if self.peers < 2:
@@ -100,6 +102,11 @@ class StepBenchConfig:
             raise ValueError("--link-queue-ms needs --link RATE")
         if self.compression is not None and self.compression not in (*CODEC_BYTES, "auto"):
             raise ValueError(f"--compression must be one of {sorted(CODEC_BYTES)} or auto")
+        if self.robust is not None:
+            try:
+                parse_robust(self.robust)
+            except ValueError as e:
+                raise ValueError(f"--robust: {e}") from None
 
 
 def transfer_seconds(params: int, peers: int, codec: str, rate_bps: int | None) -> float:
@@ -138,7 +145,7 @@ def summarize(records: list[list[dict[str, Any]]], cfg: StepBenchConfig, transfe
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
     out: dict[str, Any] = {
         "mode": cfg.mode, "peers": cfg.peers, "params": cfg.params, "steps": len(steps),
-        "link": cfg.link, "link_loss": cfg.link_loss, "compression": compression,
+        "link": cfg.link, "link_loss": cfg.link_loss, "compression": compression, "robust": cfg.robust,
         "step_s": round(statistics.median(seconds), 6),
         "step_p90_s": round(sorted(seconds)[int(0.9 * (len(seconds) - 1))], 6),
         "step_mean_s": round(statistics.fmean(seconds), 6),
@@ -330,7 +337,7 @@ def worker(socket: str, out: str, cfg: StepBenchConfig) -> None:
     model = torch.nn.ParameterList(params)
     inner = torch.optim.SGD(params, lr=0.01)
     common: dict[str, Any] = {"run": RUN, "socket": socket, "timeout_s": cfg.timeout_s, "sync_state": False,
-                              "state_every": 0, "compression": cfg.compression}
+                              "state_every": 0, "compression": cfg.compression, "robust": cfg.robust}
     if cfg.mode == "diloco":
         opt: Any = DiLoCo(model, inner, sync_every=cfg.sync_every, **common)
         steps = cfg.steps * cfg.sync_every  # cfg.steps outer steps
@@ -393,6 +400,8 @@ def add_parser(bench: Any) -> None:
     b.add_argument("--compression", choices=[*sorted(CODEC_BYTES), "auto"],
                    help="the run's codec (default fp32; auto: the trainers' default choice)")
     b.add_argument("--sync-every", type=int, default=5, metavar="H", help="diloco: inner steps per outer (default 5)")
+    b.add_argument("--robust", metavar="R", help="the trainers' robust= (off, clip[:C], centered[:C]; default: the "
+                   "weight bound and the direction test)")
     b.add_argument("--json", action="store_true", help="print JSON only")
 
 
@@ -400,7 +409,8 @@ def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     cfg = StepBenchConfig(peers=args.peers, steps=args.steps, params=int(args.params), mode=args.mode,
                           link=args.link, link_loss=args.link_loss, link_queue_ms=args.link_queue_ms,
                           warmup=min(args.warmup, args.steps - 1),
-                          keep_rounds=args.keep_rounds, compression=args.compression, sync_every=args.sync_every)
+                          keep_rounds=args.keep_rounds, compression=args.compression, sync_every=args.sync_every,
+                          robust=args.robust)
     result = run_bench(cfg, parser, lambda say: run_step_bench(cfg, say=say), print_json=args.json,
                        left="every daemon, namespace and temp dir")
     if isinstance(result, int):
