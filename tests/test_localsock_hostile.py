@@ -14,6 +14,7 @@ import time
 
 import pytest
 import trio
+import trio.testing
 
 from peerd.localsock import access
 from peerd.localsock.arena import HEADER, MAGIC, VERSION, Arena, ArenaError, arena_size, read_blob, write_blob
@@ -312,3 +313,30 @@ def test_the_client_refuses_a_daemon_of_another_uid() -> None:
             os.close(ready_r)
             assert _wait(pid) == 0
 
+
+
+def test_a_free_reply_lock_is_taken_without_a_schedule_point() -> None:
+    """A reply goes out as soon as its handler returns (the event loop's other tasks, a receive pass or a sender's
+    slice, run after it, not before); a lock another reply holds is still waited for."""
+    from peerd.localsock.server import acquire_now
+
+    async def main() -> None:
+        lock = trio.Lock()
+        with trio.testing.assert_no_checkpoints():
+            await acquire_now(lock)
+        assert lock.locked()
+        order: list[str] = []
+
+        async def second() -> None:
+            await acquire_now(lock)
+            order.append("second")
+            lock.release()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(second)
+            await trio.testing.wait_all_tasks_blocked()
+            order.append("first")
+            lock.release()
+        assert order == ["first", "second"]
+
+    trio.run(main)

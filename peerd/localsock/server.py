@@ -38,6 +38,15 @@ MAX_REQUEST_ID = 2**32
 _RECV = 65536
 
 
+async def acquire_now(lock: trio.Lock) -> None:
+    """Acquire ``lock`` without a schedule point when it is free: a reply the trainer waits for goes out before
+    the event loop runs its other tasks (a receive pass, a sender's slice), not after them."""
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
+
+
 class Connection:
     """One client of the local socket, as seen by handlers registered with ``connection=True``.
 
@@ -298,8 +307,11 @@ class LocalServer:
         if rid is not None:
             reply = {**reply, "id": rid}
         try:
-            async with lock:
+            await acquire_now(lock)
+            try:
                 await stream.send_all(self._encode_reply(request, reply))
+            finally:
+                lock.release()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             conn._close()  # the client went away mid-request
 
