@@ -38,9 +38,17 @@ extern const char finalize_rows_doc[];
 unsigned char dp_add_row(const unsigned char *s, float *d, Py_ssize_t m, int set, float factor);
 PyObject *finalize_rows(PyObject *module, PyObject *args);
 
-/* take.c: a group's intake of a block of fp32 DATA bodies */
+/* quant.c's int8/int4 rows for take.c: the body size of ``count`` values (-1: bits, group or count out of range),
+ * whether a body decodes (its scales and mins finite, scales positive, int4's padding clear), and the decode */
+Py_ssize_t dp_coded_body(Py_ssize_t count, int bits, Py_ssize_t group);
+int dp_row_valid(const unsigned char *body, Py_ssize_t count, int bits, Py_ssize_t group);
+int dp_decode_row(const unsigned char *body, Py_ssize_t count, int bits, Py_ssize_t group, float *v);
+
+/* take.c: a group's intake of a block of fp32 (take_rows) or int8/int4 (take_coded) DATA bodies */
 extern const char take_rows_doc[];
 PyObject *take_rows(PyObject *module, PyObject *args, PyObject *kwds);
+extern const char take_coded_doc[];
+PyObject *take_coded(PyObject *module, PyObject *args, PyObject *kwds);
 
 /* send.c: a paced part's rows onto the wire (sendmmsg, GSO) */
 #ifdef __linux__

@@ -2165,6 +2165,7 @@ static PyMethodDef module_methods[] = {
     {"accumulate_rows", accumulate_rows, METH_VARARGS, accumulate_rows_doc},
     {"finalize_rows", finalize_rows, METH_VARARGS, finalize_rows_doc},
     {"take_rows", (PyCFunction)(void (*)(void))take_rows, METH_VARARGS | METH_KEYWORDS, take_rows_doc},
+    {"take_coded", (PyCFunction)(void (*)(void))take_coded, METH_VARARGS | METH_KEYWORDS, take_coded_doc},
     {"replay_check", replay_check, METH_VARARGS, replay_check_doc},
     {"replay_accept", replay_accept, METH_VARARGS, replay_accept_doc},
     {"quant_encode", quant_encode, METH_VARARGS, quant_encode_doc},

@@ -298,6 +298,29 @@ done:
 
 /* One body into ``count`` float32 values; 0 (and zeros) where a scale or min is not finite, a scale is not
  * positive, or int4's padding nibble is set. */
+static int decode_row(const unsigned char *body, Py_ssize_t count, int bits, Py_ssize_t group, float *v);
+
+int dp_decode_row(const unsigned char *body, Py_ssize_t count, int bits, Py_ssize_t group, float *v) {
+    return decode_row(body, count, bits, group, v);
+}
+
+int dp_row_valid(const unsigned char *body, Py_ssize_t count, int bits, Py_ssize_t group) {
+    Py_ssize_t groups = (count + group - 1) / group;
+    const unsigned char *codes = body + 4 * groups;
+    if (bits == 4 && (count & 1) && (codes[count >> 1] >> 4)) return 0;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        uint16_t s = get16(body + 4 * g), m = get16(body + 4 * g + 2);
+        if (!half_finite(s) || !half_finite(m) || !(half_to_float(s) > 0.0f)) return 0;
+    }
+    return 1;
+}
+
+Py_ssize_t dp_coded_body(Py_ssize_t count, int bits, Py_ssize_t group) {
+    if ((bits != 8 && bits != 4) || group < 1 || group > MAX_GROUP || count < 1 || count > MAX_COUNT) return -1;
+    Py_ssize_t groups = (count + group - 1) / group;
+    return 4 * groups + (bits == 8 ? count : (count + 1) / 2);
+}
+
 static int decode_row(const unsigned char *body, Py_ssize_t count, int bits, Py_ssize_t group, float *v) {
     Py_ssize_t groups = (count + group - 1) / group;
     const unsigned char *codes = body + 4 * groups;

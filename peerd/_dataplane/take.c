@@ -1,7 +1,8 @@
-/* A group's intake of one block of plain fp32 DATA bodies (group.GroupAverage.receive_block's native path): the
- * checks that the block is a run of this group's ranges, the seen bitmap, and the values added into the owner's
- * sums (reduce-scatter) or copied into the result (all-gather), in one call instead of a dozen numpy operations a
- * block. receive_block's numpy path is the reference: tests/test_take_native.py holds the two to the same state.
+/* A group's intake of one block of DATA bodies (group.GroupAverage.receive_block's native path): the checks that
+ * the block is a run of this group's ranges, the seen bitmap, and the values added into the owner's sums
+ * (reduce-scatter, fp32: take_rows) or decoded into the sender's stage row (reduce-scatter, int8 and int4:
+ * take_coded), or copied or decoded into the result (all-gather), in one call instead of a dozen numpy operations
+ * a block. receive_block's numpy path is the reference: tests/test_take_native.py holds the two to the same state.
  *
  * Everything is read and checked before anything is written. A block this path does not take (a header unlike its
  * first row's, ranges out of order or outside the phase, a weight that is not the sender's, a NaN in the
@@ -70,7 +71,8 @@ const char take_rows_doc[] =
 typedef struct {
     Py_buffer src, seen, dst, filled, wsum, status;
     Py_ssize_t stride, rows, full, span;
-    int mode;
+    Py_ssize_t qgroup, body;  /* take_coded: values per scale, and a body's bytes (0: fp32, 4 * per) */
+    int mode, bits;           /* bits: 8 or 4 for take_coded, 0 for take_rows */
     unsigned int group, codec, per, total;
     unsigned long long start, dst_base;
     double known, max_weight;
@@ -92,7 +94,7 @@ static int take_overlap(const TakeArgs *t) {
     if (spans_meet(dst, src) || spans_meet(dst, seen) || spans_meet(dst, status) || spans_meet(seen, src)
         || spans_meet(status, src) || spans_meet(seen, status))
         return 1;
-    return t->mode == MODE_RS
+    return t->mode == MODE_RS && !t->bits
            && (spans_meet(dst, filled) || spans_meet(dst, wsum) || spans_meet(filled, src) || spans_meet(wsum, src)
                || spans_meet(filled, seen) || spans_meet(wsum, seen) || spans_meet(filled, wsum)
                || spans_meet(filled, status) || spans_meet(wsum, status));
@@ -107,14 +109,21 @@ static int take_check(TakeArgs *t) {
                      full);
         return -1;
     }
-    Py_ssize_t width = BODY_HEADER + 4 * (Py_ssize_t)per, length = 4 * (Py_ssize_t)per;
+    Py_ssize_t length = 4 * (Py_ssize_t)per;
+    Py_ssize_t width = BODY_HEADER + (t->bits ? t->body : length);
     if (!rows_fit("bodies", t->span, 0, t->stride, width, t->rows)) return -1;
     if (t->seen.len < full || t->status.len < t->rows || (uintptr_t)t->dst.buf % 4 || (uintptr_t)t->wsum.buf % 8) {
         PyErr_Format(PyExc_ValueError, "seen (%zd bytes) must cover %zd ranges and status (%zd) %zd rows, dst and "
                      "wsum aligned", t->seen.len, full, t->status.len, t->rows);
         return -1;
     }
-    if (t->mode == MODE_RS) {
+    if (t->mode == MODE_RS && t->bits) {
+        if (t->dst_base != 0 || t->dst.len / length < full) {
+            PyErr_Format(PyExc_ValueError, "%zd ranges of %u float32 do not fit dst (%zd bytes), or dst_base %llu is "
+                         "not 0", full, per, t->dst.len, t->dst_base);
+            return -1;
+        }
+    } else if (t->mode == MODE_RS) {
         if (t->dst_base != 0 || t->filled.len < full || t->wsum.len / 8 < full || t->dst.len / length < full) {
             PyErr_Format(PyExc_ValueError, "%zd ranges of %u float32 do not fit dst (%zd bytes), filled (%zd) or "
                          "wsum (%zd), or dst_base %llu is not 0", full, per, t->dst.len, t->filled.len, t->wsum.len,
@@ -156,7 +165,7 @@ static int take_run_ok(const TakeArgs *t) {
         prev = k;
         if (t->mode == MODE_AG) {
             float w = f32_at(r + WEIGHT_AT);
-            ok = w >= 0.0f && w < INFINITY && values_finite(r + BODY_HEADER, per);
+            ok = w >= 0.0f && w < INFINITY && (t->bits || values_finite(r + BODY_HEADER, per));
         }
     }
     return ok;
@@ -222,6 +231,84 @@ PyObject *take_rows(PyObject *module, PyObject *args, PyObject *kwds) {
     Taken taken = {0, 0, 0, -1, 0.0};
     Py_BEGIN_ALLOW_THREADS
     take_write(&t, ws, &taken);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("nnLddn", taken.accepted, taken.duplicates, (long long)taken.k_last, (double)w0,
+                           taken.weights, taken.odd);
+done:
+    take_release(&t);
+    return result;
+}
+
+const char take_coded_doc[] =
+"take_coded(bodies, stride, rows, *, mode, group, codec, per, total, start, full, known, bits, qgroup, seen, dst,\n"
+"           dst_base, status)\n"
+"--\n\n"
+"take_rows for int8 (``bits`` 8) or int4 (4) bodies of 19 + body bytes (protocol/codecs.md: an fp16 scale and min\n"
+"per ``qgroup`` values, then the codes): the same checks of the run, then every body not yet in ``seen`` must\n"
+"decode (finite scales and mins, positive scales, int4's padding clear), else nothing changes and the result is\n"
+"None. Each new row is marked in ``seen`` and decoded to float32 at element dst_base + k * per of ``dst``: the\n"
+"sender's stage row for the reduce-scatter (mode 0, dst_base 0), the result for the all-gather (mode 1).\n"
+"``status[i]``: 0 taken, 3 a duplicate. Returns (accepted, duplicates, k_last, weight, weights, 0) as take_rows.\n"
+"Every span is checked before anything is read; the GIL is released while rows are decoded.";
+
+/* Read-only: does every body that is new to seen decode? */
+static int coded_rows_valid(const TakeArgs *t) {
+    const unsigned char *base = (const unsigned char *)t->src.buf, *sn = (const unsigned char *)t->seen.buf;
+    for (Py_ssize_t i = 0; i < t->rows; i++) {
+        const unsigned char *r = base + i * t->stride;
+        int64_t k = ((int64_t)u32_at(r + OFFSET_AT) - (int64_t)t->start) / t->per;
+        if (!sn[k] && !dp_row_valid(r + BODY_HEADER, t->per, t->bits, t->qgroup)) return 0;
+    }
+    return 1;
+}
+
+/* Write: every span was checked, every k is in [0, full), every new body decodes. Called with the GIL released. */
+static void coded_write(const TakeArgs *t, Taken *out) {
+    const unsigned char *base = (const unsigned char *)t->src.buf;
+    unsigned char *sn = (unsigned char *)t->seen.buf, *st = (unsigned char *)t->status.buf;
+    float *d = (float *)t->dst.buf;
+    unsigned int per = t->per;
+    for (Py_ssize_t i = 0; i < t->rows; i++) {
+        const unsigned char *r = base + i * t->stride;
+        int64_t k = ((int64_t)u32_at(r + OFFSET_AT) - (int64_t)t->start) / per;
+        if (sn[k]) {
+            st[i] = 3;
+            out->duplicates++;
+            continue;
+        }
+        sn[k] = 1;
+        out->accepted++;
+        out->k_last = k;
+        dp_decode_row(r + BODY_HEADER, per, t->bits, t->qgroup, d + t->dst_base + (uint64_t)k * per);
+        st[i] = 0;
+        if (t->mode == MODE_AG) out->weights += (double)f32_at(r + WEIGHT_AT);
+    }
+}
+
+PyObject *take_coded(PyObject *module, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"bodies", "stride", "rows", "mode", "group", "codec", "per", "total", "start", "full",
+                             "known", "bits", "qgroup", "seen", "dst", "dst_base", "status", NULL};
+    TakeArgs t;
+    memset(&t, 0, sizeof(t));
+    PyObject *src_obj, *result = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onn$iIIIIKndinw*w*Kw*:take_coded", kwlist, &src_obj, &t.stride,
+                                     &t.rows, &t.mode, &t.group, &t.codec, &t.per, &t.total, &t.start, &t.full,
+                                     &t.known, &t.bits, &t.qgroup, &t.seen, &t.dst, &t.dst_base, &t.status))
+        return NULL;
+    t.body = dp_coded_body((Py_ssize_t)t.per, t.bits, t.qgroup);
+    if (t.body < 0) {
+        PyErr_Format(PyExc_ValueError, "bits %d, qgroup %zd or per %u out of range", t.bits, t.qgroup, t.per);
+        goto done;
+    }
+    if (!get_rows(src_obj, &t.src, &t.span) || take_check(&t) < 0) goto done;
+    if (!take_run_ok(&t) || !coded_rows_valid(&t)) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    float w0 = f32_at((const unsigned char *)t.src.buf + WEIGHT_AT);
+    Taken taken = {0, 0, 0, -1, 0.0};
+    Py_BEGIN_ALLOW_THREADS
+    coded_write(&t, &taken);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("nnLddn", taken.accepted, taken.duplicates, (long long)taken.k_last, (double)w0,
                            taken.weights, taken.odd);

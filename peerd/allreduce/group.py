@@ -323,6 +323,13 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
                       and self._out.flags.c_contiguous and self._out.flags.writeable and self._out.flags.aligned
                       and self._acc.flags.aligned)
         self._take_status = np.empty(0, dtype=np.uint8)
+        # take.c take_coded takes int8 and int4 blocks in one call: decoded into the sender's stage row (the
+        # reduce-scatter) or the result (the all-gather), where those are aligned float32
+        bits = getattr(codec, "bits", None)
+        self._take_bits = (bits if kernels.native is not None and self._coded and bits in (8, 4)
+                           and self._out.dtype == F32_DTYPE and self._out.flags.c_contiguous
+                           and self._out.flags.writeable and self._out.flags.aligned and self._stage.flags.aligned
+                           else 0)
         self._live = [True] * n
         self._dead: set[int] = set()  # members given up on as dead (``give_up``)
         self._drops: Counter[str] = Counter()

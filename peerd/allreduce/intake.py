@@ -184,6 +184,10 @@ class Intake:
             taken = self._take_native(sender, mtype, bodies, now)
             if taken is not None:
                 return taken
+        if self._take_bits and bodies.shape[1] == HEADER_SIZE + self._body_per and kernels.native_rows(bodies):
+            taken = self._take_coded(sender, mtype, bodies, now)
+            if taken is not None:
+                return taken
         if coded:
             rec = view_coded(bodies) if bodies.shape[1] == HEADER_SIZE + self._body_per else None
         else:
@@ -323,6 +327,52 @@ class Intake:
                 self._check_weight(sender, w0)
             if odd:
                 self._take_odd(sender, bodies, status[:rows])
+            phase.weight_received += w0 * accepted
+        else:
+            phase.weight_received += weights
+        self._noted_block(phase, sender, mtype, accepted, k_last, now)
+        return accepted, duplicates, 0
+
+    def _take_coded(self, sender: int, mtype: int, bodies: np.ndarray, now: float) -> tuple[int, int, int] | None:
+        """receive_block for an int8 or int4 block in one native call (take.c take_coded): the run's checks, the
+        seen bitmap, and the decoded values into the sender's stage row or the result. None, with nothing changed,
+        for a block it does not take (a late phase, a block that is not a clean run, a body that does not
+        decode): receive_block's numpy path, the reference, then does, and counts what is wrong."""
+        per, rows = self._per, len(bodies)
+        status = self._take_status
+        if len(status) < rows:
+            status = self._take_status = np.empty(max(rows, 1024), dtype=np.uint8)
+        bits, qgroup = self._take_bits, self.codec.group  # type: ignore[attr-defined]
+        if mtype == _RS_DATA:
+            phase, known = self._rs, self._sender_weight[sender]
+            if phase.ended_at is not None:
+                return None
+            lo = self._lo
+            taken = kernels.native.take_coded(bodies, bodies.strides[0], rows, mode=0, group=self.group_id,
+                                              codec=self._cid, per=per, total=self._nranges, start=lo,
+                                              full=(self._hi - lo) // per, known=math.nan if known is None else known,
+                                              bits=bits, qgroup=qgroup, seen=self._rs_seen[sender],
+                                              dst=self._stage[sender], dst_base=0, status=status)
+        else:
+            phase = self._ag
+            if phase.ended_at is not None:
+                return None
+            start, stop = self.layout.shard(sender)
+            taken = kernels.native.take_coded(bodies, bodies.strides[0], rows, mode=1, group=self.group_id,
+                                              codec=self._cid, per=per, total=phase.expected[sender], start=start,
+                                              full=(stop - start) // per, known=math.nan, bits=bits, qgroup=qgroup,
+                                              seen=self._ag_seen[sender], dst=self._out, dst_base=start,
+                                              status=status)
+        if taken is None:
+            return None
+        accepted, duplicates, k_last, w0, weights, _ = taken
+        if duplicates:
+            self._drops["duplicate"] += duplicates
+        if not accepted:
+            return 0, duplicates, 0
+        if mtype == _RS_DATA:
+            if known is None:
+                self._check_weight(sender, w0)
             phase.weight_received += w0 * accepted
         else:
             phase.weight_received += weights

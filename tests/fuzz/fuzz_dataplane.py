@@ -35,7 +35,7 @@ ALLOWED = (ValueError, OverflowError, TypeError)
 ENTRIES = ("Aead", "seal_block", "open_block", "frame_block", "place_rows", "first_nonfinite", "recv_batch", "Ration",
            "seal_split", "recv_batch interleaved", "quant_encode", "quant_decode",
            "half_encode", "half_decode", "replay_check", "replay_accept", "accumulate_rows", "send_rows",
-           "finalize_rows", "same_lead", "take_rows")
+           "finalize_rows", "same_lead", "take_rows", "take_coded")
 # gcc's ASan runtime provides the coverage hooks in place of atheris's libFuzzer, so there is no coverage
 # feedback and libFuzzer keeps mutating one tiny input: each input is therefore stretched into 4 KB of
 # pseudo-random bytes (SHAKE-256 of it), steered only by the layouts below. What the inputs reached is counted
@@ -147,8 +147,8 @@ def call(fdp: atheris.FuzzedDataProvider, which: int) -> None:
     if which == 19:
         lead(fdp)
         return
-    if which == 20:
-        take(fdp)
+    if which in (20, 21):
+        take(fdp, coded=which == 21)
         return
     if which >= 4:
         rows_only(fdp, which)
@@ -849,15 +849,18 @@ def lead(fdp: atheris.FuzzedDataProvider) -> None:
         seen["same_lead compared"] += 1
 
 
-def take(fdp: atheris.FuzzedDataProvider) -> None:
-    """take_rows over a block of DATA bodies that is mostly a clean run (so the writing half runs), with a header
-    byte, a weight, a value or an offset now and then wrong, and the buffers it writes (seen, sums or result,
-    filled, wsum, status) of exact, short or wild sizes. Where it takes the block: every row is counted once, as
-    new or a duplicate, and every status is one it may give."""
+def take(fdp: atheris.FuzzedDataProvider, coded: bool = False) -> None:
+    """take_rows (fp32) or take_coded (int8, int4: ``coded``) over a block of DATA bodies that is mostly a clean run
+    (so the writing half runs), with a header byte, a weight, a value, a scale or an offset now and then wrong, and
+    the buffers it writes (seen, sums or result, filled, wsum, status) of exact, short or wild sizes. Where it takes
+    the block: every row is counted once, as new or a duplicate, and every status is one it may give."""
     rows, per = fdp.ConsumeIntInRange(0, 30), fdp.ConsumeIntInRange(0, 40)
     full, mode = fdp.ConsumeIntInRange(0, 80), fdp.ConsumeIntInRange(0, 2) % 2 if fdp.ConsumeIntInRange(0, 15) else 5
     start = fdp.ConsumeIntInRange(0, 100)
-    width = 19 + 4 * per
+    bits = (8, 4)[fdp.ConsumeIntInRange(0, 1)] if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeIntInRange(0, 9)
+    qgroup = fdp.ConsumeIntInRange(1, 40) if fdp.ConsumeIntInRange(0, 15) else number(fdp, 1 << 16)
+    body = _body_size(bits, max(1, qgroup), per) if coded and bits in (8, 4) and per else 4 * per
+    width = 19 + body
     exact = fdp.ConsumeIntInRange(0, 3) != 0  # (else each count and size below may be off: where bounds go wrong)
 
     def num(right: int) -> int:
@@ -878,6 +881,9 @@ def take(fdp: atheris.FuzzedDataProvider) -> None:
         if at >= 0 and at + 19 <= s_size:
             head = struct.pack("<IBIIHf", 7, 0, full, (start + k * per) & 0xFFFFFFFF, per & 0xFFFF, weight)
             ctypes.memmove(ctypes.addressof(src) + at, head, 19)
+            if coded and qgroup > 0 and at + width <= s_size:  # every group's scale 1.0 and min 0: a body that decodes
+                for g in range(-(-per // qgroup)):
+                    ctypes.memmove(ctypes.addressof(src) + at + 19 + 4 * g, b"\x00\x3c\x00\x00", 4)
     if rows and fdp.ConsumeIntInRange(0, 3) == 0 and s_size:  # one byte wrong somewhere
         src[fdp.ConsumeIntInRange(0, s_size - 1)] = bytes([fdp.ConsumeIntInRange(0, 255)])
     rows_of = src
@@ -893,6 +899,20 @@ def take(fdp: atheris.FuzzedDataProvider) -> None:
     status = buffer(fdp, max(0, min(num(rows), 1 << 16)))
     known = float("nan") if fdp.ConsumeBool() else [1.0, 2.5][fdp.ConsumeIntInRange(0, 1)]
     n_rows = num(rows)
+    if coded:
+        got = native.take_coded(rows_of, num(s_stride), n_rows, mode=mode, group=7, codec=0, per=num(per), total=full,
+                                start=start, full=num(full), known=known, bits=bits, qgroup=qgroup, seen=seen_buf,
+                                dst=dst, dst_base=num(base), status=status)
+        if got is None:
+            seen["take_coded declined"] += 1
+            return
+        accepted, duplicates, k_last, _, _, odd = got
+        if accepted + duplicates != n_rows or not -1 <= k_last < full or odd:
+            raise AssertionError(f"take_coded: {got} for {n_rows} rows, {full} ranges")
+        if any(status[i][0] not in (0, 3) for i in range(n_rows)):
+            raise AssertionError("take_coded: a status it may not give")
+        seen["take_coded took"] += 1
+        return
     got = native.take_rows(rows_of, num(s_stride), n_rows, mode=mode, group=7, codec=0, per=num(per), total=full,
                            start=start, full=num(full), known=known, max_weight=1e9, seen=seen_buf, dst=dst,
                            dst_base=num(base), filled=filled, wsum=wsum, status=status)
