@@ -20,12 +20,11 @@ from peerd.allreduce import HEADER_SIZE, GroupAverage
 from peerd.allreduce.group import GROUP_OPTIONS
 from peerd.allreduce.robust import MAX_C, Robust
 from peerd.compress import codec
-from peerd.wire.errors import WireError
 from peerd.wire.native import native as _native
 
 pytestmark = pytest.mark.skipif(_native is None, reason="the native data plane is not built (PEERD_DATAPLANE=python)")
 
-from .support.groups import AG_DATA, RS_DATA  # noqa: E402
+from .support.lockstep import lockstep  # noqa: E402
 
 GROUP = 0x7A4E0002
 
@@ -96,61 +95,12 @@ def _damage(rows: np.ndarray, rnd: random.Random, bits: int, per: int, qgroup: i
 )
 def test_native_coded_take_matches_numpy(n, length, per, rows, seed, loss, dup, shuffle, name, qgroup, robust,
                                          wide) -> None:
-    a = _group(n, length, per, seed, True, name, qgroup, robust)
-    b = _group(n, length, per, seed, False, name, qgroup, robust)
-    bits = int(name[3:])
-    body = HEADER_SIZE + codec(name, group=qgroup).body_size(per)
     rnd = random.Random(seed)
-    now = 0.0
-    for _ in range(1000):
-        if all(c.finished for c in a + b):
-            break
-        now += 0.3
-        for i in range(n):
-            for blk_a, blk_b in zip(a[i].blocks_to_send(rows, 10**9), b[i].blocks_to_send(rows, 10**9), strict=True):
-                assert blk_a.bodies.tobytes() == blk_b.bodies.tobytes()
-                kept = [r for r in blk_a.bodies if rnd.random() >= loss]
-                if not kept:
-                    continue
-                if shuffle and rnd.random() < 0.3:
-                    rnd.shuffle(kept)
-                if rnd.random() < dup:
-                    kept += kept[: rnd.randint(1, len(kept))]
-                block = np.array(kept, dtype=np.uint8)
-                if blk_a.type in (RS_DATA, AG_DATA) and block.shape[1] == body:
-                    block = _damage(block, rnd, bits, per, qgroup)
-                if wide:  # rows inside whole datagrams, as a sealed block is opened in place
-                    w = np.zeros((len(block), 37 + block.shape[1]), dtype=np.uint8)
-                    w[:, 37:] = block
-                    block = w[:, 37:]
-                if rnd.random() < 0.2:  # every other row first: the whole block then mixes new rows and duplicates
-                    got = [c.receive_block(i, blk_a.type, block[::2], now) for c in (a[blk_a.to], b[blk_b.to])]
-                    assert got[0] == got[1]
-                got = [c.receive_block(i, blk_a.type, block, now) for c in (a[blk_a.to], b[blk_b.to])]
-                assert got[0] == got[1]
-                if got[0] is not None and rnd.random() < 0.2:  # the block again (part of it new when cut short)
-                    again = block[rnd.randrange(len(block)) :] if rnd.random() < 0.5 else block
-                    got = [c.receive_block(i, blk_a.type, again, now) for c in (a[blk_a.to], b[blk_b.to])]
-                    assert got[0] == got[1]
-                if got[0] is None:  # as the driver does: body by body, each fault counted there
-                    errors = []
-                    for core in (a[blk_a.to], b[blk_b.to]):
-                        for row in block:
-                            try:
-                                core.receive(i, blk_a.type, row.tobytes(), now)
-                            except WireError as e:
-                                errors.append(e.reason)
-                    assert errors[: len(errors) // 2] == errors[len(errors) // 2 :]
-                assert _state(a[blk_a.to]) == _state(b[blk_b.to])
-        for core in a + b:
-            core.handle_timer(now)
-    for x, y in zip(a, b, strict=True):
-        assert x.finished == y.finished
-        if x.finished:
-            assert np.array_equal(x.result(), y.result(), equal_nan=True)
-        sx, sy = x.statistics(), y.statistics()
-        assert sx.refused == sy.refused and sx.drops == sy.drops
-        assert sx.all_gather.weight_received == pytest.approx(sy.all_gather.weight_received, rel=1e-12)
+    bits = int(name[3:])
+    lockstep(_group(n, length, per, seed, True, name, qgroup, robust),
+             _group(n, length, per, seed, False, name, qgroup, robust), rows=rows, rnd=rnd, loss=loss, dup=dup,
+             shuffle=shuffle, wide=wide, body=HEADER_SIZE + codec(name, group=qgroup).body_size(per),
+             damage=lambda block: _damage(block, rnd, bits, per, qgroup), state=_state)
 
 
 def _coded_block(rows: int, per: int, full: int, bits: int = 8, qgroup: int = 2) -> tuple[np.ndarray, int, np.ndarray]:

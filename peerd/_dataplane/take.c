@@ -177,26 +177,34 @@ typedef struct {
     double weights;
 } Taken;
 
+/* Row i (at r) of a checked run: its range k, marked in seen and counted as accepted (the last so far), or -1 for a
+ * duplicate (status 3). */
+static int64_t take_mark(const TakeArgs *t, const unsigned char *r, Py_ssize_t i, Taken *out) {
+    unsigned char *sn = (unsigned char *)t->seen.buf;
+    int64_t k = ((int64_t)u32_at(r + OFFSET_AT) - (int64_t)t->start) / t->per;
+    if (sn[k]) {
+        ((unsigned char *)t->status.buf)[i] = 3;
+        out->duplicates++;
+        return -1;
+    }
+    sn[k] = 1;
+    out->accepted++;
+    out->k_last = k;
+    return k;
+}
+
 /* Write: every span was checked, every k is in [0, full). Called with the GIL released. */
 static void take_write(const TakeArgs *t, double ws, Taken *out) {
     const unsigned char *base = (const unsigned char *)t->src.buf;
-    unsigned char *sn = (unsigned char *)t->seen.buf, *st = (unsigned char *)t->status.buf;
-    unsigned char *fl = (unsigned char *)t->filled.buf;
+    unsigned char *st = (unsigned char *)t->status.buf, *fl = (unsigned char *)t->filled.buf;
     double *wk = (double *)t->wsum.buf;
     float *d = (float *)t->dst.buf;
     float factor = (float)ws;
     unsigned int per = t->per;
     for (Py_ssize_t i = 0; i < t->rows; i++) {
         const unsigned char *r = base + i * t->stride;
-        int64_t k = ((int64_t)u32_at(r + OFFSET_AT) - (int64_t)t->start) / per;
-        if (sn[k]) {
-            st[i] = 3;
-            out->duplicates++;
-            continue;
-        }
-        sn[k] = 1;
-        out->accepted++;
-        out->k_last = k;
+        int64_t k = take_mark(t, r, i, out);
+        if (k < 0) continue;
         if (t->mode == MODE_RS) {
             st[i] = dp_add_row(r + BODY_HEADER, d + k * per, per, fl[k] != 0, factor);
             if (st[i] == 0) fl[k] = 1;
@@ -208,6 +216,12 @@ static void take_write(const TakeArgs *t, double ws, Taken *out) {
             out->weights += (double)f32_at(r + WEIGHT_AT);
         }
     }
+}
+
+/* (accepted, duplicates, k_last, row 0's weight, the new rows' weights, odd): what take_rows and take_coded return */
+static PyObject *taken_result(const Taken *taken, float w0) {
+    return Py_BuildValue("nnLddn", taken->accepted, taken->duplicates, (long long)taken->k_last, (double)w0,
+                         taken->weights, taken->odd);
 }
 
 PyObject *take_rows(PyObject *module, PyObject *args, PyObject *kwds) {
@@ -232,8 +246,7 @@ PyObject *take_rows(PyObject *module, PyObject *args, PyObject *kwds) {
     Py_BEGIN_ALLOW_THREADS
     take_write(&t, ws, &taken);
     Py_END_ALLOW_THREADS
-    result = Py_BuildValue("nnLddn", taken.accepted, taken.duplicates, (long long)taken.k_last, (double)w0,
-                           taken.weights, taken.odd);
+    result = taken_result(&taken, w0);
 done:
     take_release(&t);
     return result;
@@ -265,20 +278,13 @@ static int coded_rows_valid(const TakeArgs *t) {
 /* Write: every span was checked, every k is in [0, full), every new body decodes. Called with the GIL released. */
 static void coded_write(const TakeArgs *t, Taken *out) {
     const unsigned char *base = (const unsigned char *)t->src.buf;
-    unsigned char *sn = (unsigned char *)t->seen.buf, *st = (unsigned char *)t->status.buf;
+    unsigned char *st = (unsigned char *)t->status.buf;
     float *d = (float *)t->dst.buf;
     unsigned int per = t->per;
     for (Py_ssize_t i = 0; i < t->rows; i++) {
         const unsigned char *r = base + i * t->stride;
-        int64_t k = ((int64_t)u32_at(r + OFFSET_AT) - (int64_t)t->start) / per;
-        if (sn[k]) {
-            st[i] = 3;
-            out->duplicates++;
-            continue;
-        }
-        sn[k] = 1;
-        out->accepted++;
-        out->k_last = k;
+        int64_t k = take_mark(t, r, i, out);
+        if (k < 0) continue;
         dp_decode_row(r + BODY_HEADER, per, t->bits, t->qgroup, d + t->dst_base + (uint64_t)k * per);
         st[i] = 0;
         if (t->mode == MODE_AG) out->weights += (double)f32_at(r + WEIGHT_AT);
@@ -310,8 +316,7 @@ PyObject *take_coded(PyObject *module, PyObject *args, PyObject *kwds) {
     Py_BEGIN_ALLOW_THREADS
     coded_write(&t, &taken);
     Py_END_ALLOW_THREADS
-    result = Py_BuildValue("nnLddn", taken.accepted, taken.duplicates, (long long)taken.k_last, (double)w0,
-                           taken.weights, taken.odd);
+    result = taken_result(&taken, w0);
 done:
     take_release(&t);
     return result;

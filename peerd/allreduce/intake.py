@@ -185,7 +185,7 @@ class Intake:
             if taken is not None:
                 return taken
         if self._take_bits and bodies.shape[1] == HEADER_SIZE + self._body_per and kernels.native_rows(bodies):
-            taken = self._take_coded(sender, mtype, bodies, now)
+            taken = self._take_native(sender, mtype, bodies, now, coded=True)
             if taken is not None:
                 return taken
         if coded:
@@ -286,35 +286,42 @@ class Intake:
         self._noted_block(phase, sender, mtype, accepted, k_last, now)
         return accepted, duplicates, 0
 
-    def _take_native(self, sender: int, mtype: int, bodies: np.ndarray, now: float) -> tuple[int, int, int] | None:
-        """receive_block for a plain fp32 block in one native call (take.c take_rows): the run's checks, the seen
-        bitmap, and the values into the sums or the result. None, with nothing changed, for a block it does not
-        take (a late phase, a block that is not a clean run): receive_block's numpy path, the reference, then
-        does, and counts what is wrong."""
+    def _take_native(self, sender: int, mtype: int, bodies: np.ndarray, now: float,
+                     coded: bool = False) -> tuple[int, int, int] | None:
+        """receive_block in one native call: a plain fp32 block (take.c take_rows: the values into the sums or the
+        result) or, ``coded``, an int8 or int4 block (take_coded: decoded into the sender's stage row or the
+        result), with the run's checks and the seen bitmap. None, with nothing changed, for a block it does not
+        take (a late phase, a block that is not a clean run, a body that does not decode): receive_block's numpy
+        path, the reference, then does, and counts what is wrong."""
         per, rows = self._per, len(bodies)
         status = self._take_status
         if len(status) < rows:
             status = self._take_status = np.empty(max(rows, 1024), dtype=np.uint8)
+        if coded:
+            take, extra = kernels.native.take_coded, {"bits": self._take_bits, "qgroup": self.codec.group}  # type: ignore[attr-defined]
+        else:
+            take, extra = kernels.native.take_rows, {"filled": self._acc_set, "wsum": self._wsum_in}
         if mtype == _RS_DATA:
             phase, known = self._rs, self._sender_weight[sender]
-            if not self._stream or phase.ended_at is not None:
+            if (not coded and not self._stream) or phase.ended_at is not None:
                 return None
             lo = self._lo
-            taken = kernels.native.take_rows(bodies, bodies.strides[0], rows, mode=0, group=self.group_id,
-                                             codec=self._cid, per=per, total=self._nranges, start=lo,
-                                             full=(self._hi - lo) // per, known=math.nan if known is None else known,
-                                             max_weight=self._max_weight, seen=self._rs_seen[sender], dst=self._acc,
-                                             dst_base=0, filled=self._acc_set, wsum=self._wsum_in, status=status)
+            if not coded:
+                extra["max_weight"] = self._max_weight
+            taken = take(bodies, bodies.strides[0], rows, mode=0, group=self.group_id, codec=self._cid, per=per,
+                         total=self._nranges, start=lo, full=(self._hi - lo) // per,
+                         known=math.nan if known is None else known, seen=self._rs_seen[sender],
+                         dst=self._stage[sender] if coded else self._acc, dst_base=0, status=status, **extra)
         else:
             phase = self._ag
             if phase.ended_at is not None:
                 return None
             start, stop = self.layout.shard(sender)
-            taken = kernels.native.take_rows(bodies, bodies.strides[0], rows, mode=1, group=self.group_id,
-                                             codec=self._cid, per=per, total=phase.expected[sender], start=start,
-                                             full=(stop - start) // per, known=math.nan, max_weight=0.0,
-                                             seen=self._ag_seen[sender], dst=self._out, dst_base=start,
-                                             filled=self._acc_set, wsum=self._wsum_in, status=status)
+            if not coded:
+                extra["max_weight"] = 0.0
+            taken = take(bodies, bodies.strides[0], rows, mode=1, group=self.group_id, codec=self._cid, per=per,
+                         total=phase.expected[sender], start=start, full=(stop - start) // per, known=math.nan,
+                         seen=self._ag_seen[sender], dst=self._out, dst_base=start, status=status, **extra)
         if taken is None:
             return None
         accepted, duplicates, k_last, w0, weights, odd = taken
@@ -325,54 +332,8 @@ class Intake:
         if mtype == _RS_DATA:
             if known is None:
                 self._check_weight(sender, w0)
-            if odd:
+            if odd:  # (fp32 only: a decoded body is finite and never overflows)
                 self._take_odd(sender, bodies, status[:rows])
-            phase.weight_received += w0 * accepted
-        else:
-            phase.weight_received += weights
-        self._noted_block(phase, sender, mtype, accepted, k_last, now)
-        return accepted, duplicates, 0
-
-    def _take_coded(self, sender: int, mtype: int, bodies: np.ndarray, now: float) -> tuple[int, int, int] | None:
-        """receive_block for an int8 or int4 block in one native call (take.c take_coded): the run's checks, the
-        seen bitmap, and the decoded values into the sender's stage row or the result. None, with nothing changed,
-        for a block it does not take (a late phase, a block that is not a clean run, a body that does not
-        decode): receive_block's numpy path, the reference, then does, and counts what is wrong."""
-        per, rows = self._per, len(bodies)
-        status = self._take_status
-        if len(status) < rows:
-            status = self._take_status = np.empty(max(rows, 1024), dtype=np.uint8)
-        bits, qgroup = self._take_bits, self.codec.group  # type: ignore[attr-defined]
-        if mtype == _RS_DATA:
-            phase, known = self._rs, self._sender_weight[sender]
-            if phase.ended_at is not None:
-                return None
-            lo = self._lo
-            taken = kernels.native.take_coded(bodies, bodies.strides[0], rows, mode=0, group=self.group_id,
-                                              codec=self._cid, per=per, total=self._nranges, start=lo,
-                                              full=(self._hi - lo) // per, known=math.nan if known is None else known,
-                                              bits=bits, qgroup=qgroup, seen=self._rs_seen[sender],
-                                              dst=self._stage[sender], dst_base=0, status=status)
-        else:
-            phase = self._ag
-            if phase.ended_at is not None:
-                return None
-            start, stop = self.layout.shard(sender)
-            taken = kernels.native.take_coded(bodies, bodies.strides[0], rows, mode=1, group=self.group_id,
-                                              codec=self._cid, per=per, total=phase.expected[sender], start=start,
-                                              full=(stop - start) // per, known=math.nan, bits=bits, qgroup=qgroup,
-                                              seen=self._ag_seen[sender], dst=self._out, dst_base=start,
-                                              status=status)
-        if taken is None:
-            return None
-        accepted, duplicates, k_last, w0, weights, _ = taken
-        if duplicates:
-            self._drops["duplicate"] += duplicates
-        if not accepted:
-            return 0, duplicates, 0
-        if mtype == _RS_DATA:
-            if known is None:
-                self._check_weight(sender, w0)
             phase.weight_received += w0 * accepted
         else:
             phase.weight_received += weights
