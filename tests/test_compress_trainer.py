@@ -4,54 +4,21 @@ connection, MoshpitService, AllreduceService, endpoints, DHT) over tests/memnet.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import trio
 
 from peerd.allreduce.robust import MAX_C, Robust
-from peerd.localsock.arena import Arena
-from peerd.localsock.server import Connection, OpError
+from peerd.localsock.server import OpError
 from peerd.moshpit.service import MoshpitError, check_compression, codec_run_key
 from peerd.trainer import TrainerService
 
 from .support.memnet import MemNet, run_on_memnet
 from .support.moshpit_swarm import swarm
+from .support.sessions import ELEMS, Trainer
 from .support.virtual import counter_value
 
-LAYOUT = [["w", [40, 50], "float32"], ["b", [50], "float32"]]  # 2,050 elements
-ELEMS = 40 * 50 + 50
 WEIGHTS = [1.0, 2.0, 3.0]
-
-
-class Trainer:
-    """One trainer's session on one daemon: its arena and connection, as the local socket server hands them over."""
-
-    def __init__(self, service: TrainerService) -> None:
-        self.service = service
-        self.arena = Arena.create(4, ELEMS)
-        self.conn = Connection()
-        self.session = 0
-        self.step_no = 0
-
-    async def open(self, **options: object) -> dict:
-        self.conn.fds = [os.dup(self.arena.fd)]
-        reply = await self.service._op_open({"run": "c", "layout": LAYOUT, "nslots": 4, **options}, self.conn)
-        self.session = reply["session"]
-        return reply
-
-    async def step(self, vector: np.ndarray, samples: float) -> tuple[dict, np.ndarray]:
-        self.step_no += 1
-        self.arena.vector(self.step_no)[:] = vector
-        self.arena.write_request(self.step_no, samples)
-        reply = await self.service._op_step({"session": self.session, "step": self.step_no, "timeout_s": 30.0},
-                                            self.conn)
-        return reply, self.arena.result(self.step_no).copy()
-
-    def close(self) -> None:
-        self.conn._close()
-        self.arena.close()
 
 
 async def _steps(trainers: list[Trainer], vectors: list[np.ndarray], weights: list[float]) -> list[tuple]:

@@ -14,7 +14,7 @@ from peerd.metrics import Metrics
 from peerd.trainer import TrainerService
 from peerd.trainer.session import Session
 
-from .test_compress_trainer import ELEMS, Trainer
+from .support.sessions import ELEMS, Trainer
 
 
 def _grad_options(**open_options: object) -> dict:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import threading
+from typing import Any
 
 import numpy as np
 
 from peerd.localsock.arena import Arena
 from peerd.localsock.client import LocalClient
+from peerd.localsock.server import Connection
 
 LAYOUT = [["w", [3, 4], "float32"], ["b", [4], "float32"]]  # 16 elements
+SERVICE_LAYOUT = [["w", [40, 50], "float32"], ["b", [50], "float32"]]  # 2,050 elements: Trainer's
+ELEMS = 40 * 50 + 50
 
 
 def open_session(path: str, layout=LAYOUT, run="r1", nslots=4, **extra):
@@ -49,3 +54,33 @@ def run_sessions(d, vectors, *, opened: dict | None = None, may_go=None, **extra
         c.close()
         a.close()
     return [out[i] for i in range(len(vectors))]
+
+
+class Trainer:
+    """One trainer's session on one daemon: its arena and connection, as the local socket server hands them over."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self.arena = Arena.create(4, ELEMS)
+        self.conn = Connection()
+        self.session = 0
+        self.step_no = 0
+
+    async def open(self, **options: object) -> dict:
+        self.conn.fds = [os.dup(self.arena.fd)]
+        reply = await self.service._op_open({"run": "c", "layout": SERVICE_LAYOUT, "nslots": 4, **options},
+                                            self.conn)
+        self.session = reply["session"]
+        return reply
+
+    async def step(self, vector: np.ndarray, samples: float) -> tuple[dict, np.ndarray]:
+        self.step_no += 1
+        self.arena.vector(self.step_no)[:] = vector
+        self.arena.write_request(self.step_no, samples)
+        reply = await self.service._op_step({"session": self.session, "step": self.step_no, "timeout_s": 30.0},
+                                            self.conn)
+        return reply, self.arena.result(self.step_no).copy()
+
+    def close(self) -> None:
+        self.conn._close()
+        self.arena.close()
