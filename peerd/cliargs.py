@@ -52,6 +52,19 @@ def period(text: str) -> int | str:
     return int(text)
 
 
+def bucket_mb(text: str) -> float | str:
+    """--bucket-mb's type: megabytes of float32 in (0, 1024], or ``auto`` (peerd.torch.Optimizer's default)."""
+    if text == "auto":
+        return text
+    try:
+        mb = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected megabytes or auto") from None
+    if not 0 < mb <= 1024:  # (NaN fails this too)
+        raise argparse.ArgumentTypeError(f"--bucket-mb must be in (0, 1024] or auto, not {text}")
+    return mb
+
+
 def lab_group(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The parser's argument group for fault-injection and lab options, made on first use."""
     for group in p._action_groups:

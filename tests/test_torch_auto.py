@@ -1,4 +1,4 @@
-"""peerd.torch.auto: the rule behind compression="auto" (codec, parameter-averaging period, bucket size)."""
+"""peerd.torch.auto: the rule behind compression="auto" (codec, parameter-averaging period)."""
 
 import re
 
@@ -30,7 +30,7 @@ def test_transfer_estimate_is_an_all_reduce():
 
 def test_slow_link_picks_int8_with_its_reason():
     # the GPT at 100 Mbit among 4: fp32 takes 0.40 s a step against 0.3 s of compute
-    c = choose(Measured(link_bps=100e6, rtt_s=None, compute_s=0.3, params=GPT, peers=4))
+    c = choose(Measured(link_bps=100e6, compute_s=0.3, params=GPT, peers=4))
     assert c.compression == "int8"
     assert c.fp32_transfer_s == pytest.approx(0.404, abs=0.001)
     assert "int8" in c.reason and "unbiased" in c.reason and "(max - min) / 255" in c.reason
@@ -38,26 +38,26 @@ def test_slow_link_picks_int8_with_its_reason():
 
 def test_fast_link_keeps_fp32():
     # loopback-like rates: the transfer is a few ms against 300 ms of compute
-    c = choose(Measured(link_bps=20e9, rtt_s=50e-6, compute_s=0.3, params=GPT, peers=4))
+    c = choose(Measured(link_bps=20e9, compute_s=0.3, params=GPT, peers=4))
     assert c.compression == "fp32" and c.reason.startswith("fp32: its transfer")
 
 
 def test_threshold_is_a_share_of_compute():
     params, peers, bps = 1_000_000, 4, 100e6
     t = fp32_transfer_s(bps, params, peers)
-    just_over = choose(Measured(bps, None, t / INT8_SHARE * 0.99, params, peers))
-    just_under = choose(Measured(bps, None, t / INT8_SHARE * 1.01, params, peers))
+    just_over = choose(Measured(bps, t / INT8_SHARE * 0.99, params, peers))
+    just_under = choose(Measured(bps, t / INT8_SHARE * 1.01, params, peers))
     assert (just_over.compression, just_under.compression) == ("int8", "fp32")
 
 
 def test_small_model_keeps_fp32_whatever_the_link():
-    c = choose(Measured(link_bps=1e6, rtt_s=None, compute_s=0.001, params=MIN_INT8_PARAMS - 1, peers=4))
+    c = choose(Measured(link_bps=1e6, compute_s=0.001, params=MIN_INT8_PARAMS - 1, peers=4))
     assert c.compression == "fp32" and "too few" in c.reason
 
 
 def test_unmeasured_keeps_the_defaults():
-    for m in (Measured(None, None, 0.3, GPT, 4), Measured(100e6, None, None, GPT, 4),
-              Measured(float("nan"), None, 0.3, GPT, 4), Measured(100e6, None, 0.0, GPT, 4)):
+    for m in (Measured(None, 0.3, GPT, 4), Measured(100e6, None, GPT, 4),
+              Measured(float("nan"), 0.3, GPT, 4), Measured(100e6, 0.0, GPT, 4)):
         c = choose(m)
         assert (c.compression, c.average_every, c.bucket_mb) == ("fp32", 10, 25.0), m
         assert "not measured" in c.reason
@@ -65,29 +65,21 @@ def test_unmeasured_keeps_the_defaults():
 
 def test_average_period_keeps_parameter_averages_cheap():
     # a float32 parameter average costs one fp32 transfer; the period keeps that under 10 % of training
-    cheap = choose(Measured(100e6, None, 3.0, GPT, 4))
+    cheap = choose(Measured(100e6, 3.0, GPT, 4))
     assert cheap.average_every == 10
-    dear = choose(Measured(10e6, None, 0.05, GPT, 4))  # 4 s fp32 transfers against 1 s int8 steps: ~40
+    dear = choose(Measured(10e6, 0.05, GPT, 4))  # 4 s fp32 transfers against 1 s int8 steps: ~40
     assert dear.compression == "int8" and 30 <= dear.average_every <= 50
-    mid = choose(Measured(100e6, None, 0.3, GPT, 4))
+    mid = choose(Measured(100e6, 0.3, GPT, 4))
     assert 10 <= mid.average_every <= 50
 
 
-def test_bucket_follows_the_round_trip():
-    assert choose(Measured(100e6, 0.0005, 0.3, GPT, 4)).bucket_mb == 1.0  # a quarter of 3.2 MB, raised to 1 MB
-    near = choose(Measured(100e6, 0.0005, 0.3, 8_000_000, 4))
-    assert near.bucket_mb == pytest.approx(8_000_000 / 2**20, abs=0.01)  # a quarter of the model
-    far = choose(Measured(1e9, 0.1, 0.3, GPT, 4))  # 12 round trips of 100 ms at 1 Gbit/s: 143 MB, capped
-    assert far.bucket_mb == 25.0
-
-
 def test_applied_period_is_on_the_ladder_and_only_when_rounds_were_clean():
-    dear = choose(Measured(10e6, None, 1e-4, GPT, 4))  # int8 steps of almost no compute: the rule asks for 40
+    dear = choose(Measured(10e6, 1e-4, GPT, 4))  # int8 steps of almost no compute: the rule asks for 40
     assert applied_period(dear, clean=True)[0] == 40 and "costs no accuracy" in applied_period(dear, clean=True)[1]
     assert applied_period(dear, clean=False) == (10, applied_period(dear, clean=False)[1])
     assert "drift" in applied_period(dear, clean=False)[1]
     for every, k in ((10, 10), (18, 10), (19, 20), (20, 20), (36, 20), (37, 40), (39, 40), (40, 40), (50, 40)):
-        c = choose(Measured(100e6, None, 0.3, GPT, 4))
+        c = choose(Measured(100e6, 0.3, GPT, 4))
         c = type(c)(c.compression, every, c.bucket_mb, c.reason, c.fp32_transfer_s, c.reasons)
         assert applied_period(c, clean=True)[0] == k
     assert all(b % a == 0 for a, b in zip(PERIOD_LADDER[:-1], PERIOD_LADDER[1:], strict=True))  # they still meet
@@ -95,7 +87,7 @@ def test_applied_period_is_on_the_ladder_and_only_when_rounds_were_clean():
 
 def test_bad_sizes_refused():
     with pytest.raises(ValueError):
-        choose(Measured(100e6, None, 0.3, 0, 4))
+        choose(Measured(100e6, 0.3, 0, 4))
 
 
 # -- wired into peerd.torch.Optimizer (an in-process daemon: real socket, arena and TrainerService) -------------

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from ..cliargs import BYZANTINE_CHOICES, deprecated, fraction, lab_group, period
+from ..cliargs import BYZANTINE_CHOICES, bucket_mb, deprecated, fraction, lab_group, period
 from .linkargs import add_link_arguments, check_link_arguments
 
 # The benches whose module under tools/bench/ adds its own sub-parser (``add_parser(bench)``) and runs it
@@ -194,8 +194,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="sync: average gradients every step; overlap: the same, each bucket's average overlapping "
                         "backward and the next forward (DeAR); diloco: H local steps, then an outer step "
                         "(default sync)")
-    p.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
-                   help="overlap: gradient bucket size in MB of float32 (default: demo-trainer's, 25)")
+    p.add_argument("--bucket-mb", type=bucket_mb, default=None, metavar="MB",
+                   help="overlap: gradient bucket size in MB of float32, or auto (the default: 25 MB, and half the "
+                        "model tried at steps 10-14; the run keeps the faster)")
     p.add_argument("--sync-every", type=int, default=20, metavar="H",
                    help="diloco: inner steps per outer step (default 20: enough outer steps for a run of a few "
                         "hundred steps)")
@@ -366,8 +367,6 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     check_link_arguments(args, parser)
     if args.sync_every < 1 or not 1 <= args.fragments <= args.sync_every:
         parser.error("--sync-every must be at least 1 and --fragments in [1, --sync-every]")
-    if args.bucket_mb is not None and not 0 < args.bucket_mb <= 1024:
-        parser.error("--bucket-mb must be in (0, 1024]")
     if args.baseline and args.model != "gpt" and (args.mode == "diloco" or args.byzantine
                                                   or args.dropcompute != "off"):
         parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")

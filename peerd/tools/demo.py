@@ -59,7 +59,7 @@ class DemoConfig:
     link_loss: float = 0.0  # ... dropping this fraction of each peer's incoming packets (nftables, all protocols)
     link_queue_ms: float = 20.0  # ... each tbf queueing this many ms of the rate before it drops
     mode: str = "sync"  # sync | overlap | diloco (`peerd train --mode`)
-    bucket_mb: float | None = None  # overlap: gradient bucket size (None: `peerd train`'s default)
+    bucket_mb: float | str | None = None  # overlap: gradient bucket size, or "auto" (None: the trainers' default)
     sync_every: int = 20  # diloco: H
     fragments: int = 1  # diloco: F (streaming)
     overlap_outer: bool = False  # diloco: outer averages travel while the next inner steps run (gpt)

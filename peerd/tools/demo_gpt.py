@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cliargs import period
+from ..cliargs import bucket_mb, period
 from .demo_train import wait_for_go
 
 TEXT_BYTES = 2_000_000  # the corpus: this much of the stdlib's source
@@ -213,7 +213,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression", default=None)
     p.add_argument("--overlap-outer", action="store_true", help="diloco: outer averages overlap the next inner steps")
     p.add_argument("--keep-rounds", type=int, default=None)
-    p.add_argument("--bucket-mb", type=float, default=None)
+    p.add_argument("--bucket-mb", type=bucket_mb, default=None)
     p.add_argument("--no-sync", action="store_true")
     p.add_argument("--wait-go", action="store_true", help="a start barrier: print ready, wait for a line on stdin")
     p.add_argument("--slow", type=float, default=1.0, help="compute takes this many times as long (a straggler)")

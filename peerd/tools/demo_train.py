@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..cliargs import count, period
+from ..cliargs import bucket_mb, count, period
 
 DIGITS_TEST_FRACTION = 0.2
 MAX_SKIPPED = 20  # consecutive steps with non-finite gradients after which a trainer stops as diverged
@@ -47,7 +47,6 @@ def load_digits_split() -> tuple[Any, Any, Any, Any]:
 
 MODELS = ("mlp", "wide")
 TIMEOUT_S = 30.0  # --timeout's default: peerd.torch.Optimizer's timeout_s (not imported: no torch here)
-BUCKET_MB = 25.0  # --bucket-mb's default: peerd.torch.overlap.DEFAULT_BUCKET_MB (not imported: no torch here)
 WIDE_HIDDEN = (2048, 1024)  # the wide model's hidden layers: 2,241,546 parameters (9 MB of float32)
 
 
@@ -224,8 +223,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="sync: average gradients every step (and parameters every K); overlap: the same, each "
                         "bucket's average overlapping backward and the next forward (DeAR); diloco: H local Adam "
                         "steps, then an outer Nesterov step on the swarm's averaged pseudo-gradient (default sync)")
-    p.add_argument("--bucket-mb", type=float, default=BUCKET_MB, metavar="MB",
-                   help=f"overlap: gradient bucket size in MB of float32 (default {BUCKET_MB:g})")
+    p.add_argument("--bucket-mb", type=bucket_mb, default="auto", metavar="MB",
+                   help="overlap: gradient bucket size in MB of float32, or auto (the default: 25 MB, and half the "
+                        "model tried at steps 10-14; the run keeps the faster)")
     p.add_argument("--sync-every", type=_positive_int, default=50, metavar="H",
                    help="diloco: inner steps between a fragment's outer steps (default 50)")
     p.add_argument("--fragments", type=_positive_int, default=1, metavar="F",
@@ -305,7 +305,7 @@ def run_train(args: argparse.Namespace) -> int:
                             sync_state=not args.no_sync, state_every=args.state_every,
                             robust=args.robust, max_samples=args.max_samples, overlap=overlap, model=model,
                             **compression_options(args),
-                            bucket_mb=getattr(args, "bucket_mb", BUCKET_MB),
+                            bucket_mb=getattr(args, "bucket_mb", "auto"),
                             **({} if args.keep_rounds is None else {"keep_rounds": args.keep_rounds}))
     except (DaemonError, ValueError, NotImplementedError) as e:
         print(f"peerd: error: {e}", file=sys.stderr)

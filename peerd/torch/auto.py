@@ -1,8 +1,8 @@
 """What ``compression="auto"`` picks: a pure function of what the node measured, with the reason in words.
 
-Inputs are measurements (the link rate, the round trip, the trainer's compute per step) and the model's size;
-the output is the codec, the parameter-averaging period and the overlap bucket size, each with why. No clock, no
-I/O: the optimizer measures, this module decides, and tests pin the rule.
+Inputs are measurements (the link rate, the trainer's compute per step) and the model's size; the output is the
+codec and the parameter-averaging period, each with why. No clock, no I/O: the optimizer measures, this module
+decides, and tests pin the rule.
 
 The codec rule: for a vector of at least ``MIN_INT8_PARAMS`` values, if moving the gradient in float32
 (2 (n - 1) / n of 4 bytes a parameter through the link, as an all-reduce must) would take more than
@@ -12,7 +12,7 @@ The codec rule: for a vector of at least ``MIN_INT8_PARAMS`` values, if moving t
 balanced, so that members who measure slightly differently still choose alike (every member of a run must
 average in the same codec).
 
-The period and bucket size are chosen by the same measurements. peerd.torch.Optimizer applies the codec, and the
+The period is chosen by the same measurements. peerd.torch.Optimizer applies the codec, and the
 period through ``applied_period``: parameter averages pull replicas back together after rounds that found no group
 or left a member on its own values for a range, so a period longer than the default is applied only when every
 measured round averaged and ended on the group's common result (``complete``: every all-gather range arrived,
@@ -22,9 +22,8 @@ steps divide each other. Members measure differently, so the period is agreed: e
 (``proposal_key``), and at ``AGREE_STEP`` every member applies the least announced (``agreed_period``): the same on
 every member that saw the same announcements, and never longer than any member's own choice. Members that still
 disagree (an announcement that did not arrive) average their parameters together at every multiple of the longer
-period, numbered alike (peerd.torch.Optimizer numbers them by the ladder's first rung). The bucket size is reported
-only: every member's buckets must match (each is a round of its own), and the round trip it is chosen on is the
-daemon's, not measured by the trainer."""
+period, numbered alike (peerd.torch.Optimizer numbers them by the ladder's first rung). The overlap bucket size is
+not a rule of these measurements: peerd.torch.autobucket times a split in the run itself."""
 
 from __future__ import annotations
 
@@ -41,18 +40,16 @@ AGREE_STEP = 10  # the step at which members apply the agreed period (the ladder
 # averages its parameters there whatever it proposed, and the proposals were announced at AUTO_STEP, 5 steps before)
 MAX_ANNOUNCED = 64  # announcements of a run's period read at most (each is a member's claim: bounded, validated)
 RUNG_SLACK = 0.1  # a rung within this share above the asked-for period is taken (see applied_period)
-BUCKET_MB = (1.0, 25.0)  # overlap buckets: at least 1 MB, at most the library's default
-BUCKET_RTTS = 12  # a bucket holds at least this many round trips of the link (its fixed cost <= 25 % at 3 RTTs)
+BUCKET_MB = 25.0  # overlap buckets until bucket_mb="auto"'s trial decides (peerd.torch.autobucket)
 
 
 @dataclass(frozen=True)
 class Measured:
-    """What the node measured: ``link_bps`` (bits/s the averages move at; None: not measured yet), ``rtt_s``
-    (None: not measured), ``compute_s`` (the trainer's seconds per step outside ``step()``), ``params`` (float32
-    values a step averages) and ``peers`` (the group's size)."""
+    """What the node measured: ``link_bps`` (bits/s the averages move at; None: not measured yet), ``compute_s``
+    (the trainer's seconds per step outside ``step()``), ``params`` (float32 values a step averages) and ``peers``
+    (the group's size)."""
 
     link_bps: float | None
-    rtt_s: float | None
     compute_s: float | None
     params: int
     peers: int
@@ -113,16 +110,9 @@ def choose(m: Measured) -> Choice:
                        f"kept under {PARAM_COST_SHARE:.0%} of training")
     else:
         reasons.append(f"parameters every {every} steps (the default until measured)")
-    blo, bhi = BUCKET_MB
-    bucket = bhi
-    if _positive(m.link_bps) and _positive(m.rtt_s):
-        floor_mb = BUCKET_RTTS * m.rtt_s * m.link_bps / 8 / 2**20  # type: ignore[operator]
-        bucket = min(bhi, max(blo, floor_mb, 4 * m.params / 4 / 2**20))  # a quarter of the model, or the RTT floor
-        reasons.append(f"buckets of {bucket:.1f} MB: {BUCKET_RTTS} round trips of {m.rtt_s * 1e3:.1f} ms hold "  # type: ignore[operator]
-                       f"{floor_mb:.2f} MB, a quarter of the model {m.params / 2**20:.2f} MB")
-    else:
-        reasons.append(f"buckets of {bucket:g} MB (the default until the round trip is measured)")
-    return Choice(codec, every, round(bucket, 2), "; ".join(reasons), transfer, tuple(reasons))
+    bucket = BUCKET_MB
+    reasons.append(f"buckets of {bucket:g} MB (overlap: the library's default; bucket_mb='auto' times a split)")
+    return Choice(codec, every, bucket, "; ".join(reasons), transfer, tuple(reasons))
 
 
 def applied_period(choice: Choice, *, clean: bool) -> tuple[int, str]:

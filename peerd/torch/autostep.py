@@ -1,5 +1,6 @@
-"""``compression="auto"`` and ``average_params_every="auto"`` inside peerd.torch.Optimizer: measure the first
-steps, choose (peerd.torch.auto), apply the choice, and agree on the period with the run's other members."""
+"""``compression``, ``average_params_every`` and ``bucket_mb`` "auto" inside peerd.torch.Optimizer: measure the
+first steps, choose (peerd.torch.auto, peerd.torch.autobucket), apply the choice, and agree on the period and the
+buckets with the run's other members."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..localsock.client import DaemonError
+from . import autobucket
 from .auto import (
     AGREE_STEP,
     Choice,
@@ -53,6 +55,9 @@ class AutoSteps:
     _auto_codec: bool
     _auto_every: bool
     _client: Any
+    _overlap: Any  # peerd.torch.overlap.Overlap, or None
+    _bucket_trial: autobucket.BucketTrial | None  # bucket_mb="auto" with overlap
+    _bucket_t0: float | None  # when the last step() began (the trial times steps from one to the next)
 
     connect: Callable[[], None]
     flush: Callable[[], None]  # overlap: every bucket still out comes back (else nothing)
@@ -76,11 +81,21 @@ class AutoSteps:
 
     def _auto_fields(self) -> dict[str, Any]:
         """The auto choice as the step reply and `peerd status` show it (``applied``: what it set)."""
-        assert self.auto is not None
-        applied = [name for name, on in (("compression", self._auto_codec), ("average_every", self._auto_every))
-                   if on]
-        return {"compression": self.auto.compression, "average_every": self.auto.average_every,
-                "bucket_mb": self.auto.bucket_mb, "reason": self.auto.reason[:1000], "applied": ",".join(applied)}
+        trial = self._bucket_trial
+        applied = [name for name, on in (("compression", self._auto_codec), ("average_every", self._auto_every),
+                                         ("bucket_mb", trial is not None)) if on]
+        if self.auto is not None:
+            codec, every, reasons = self.auto.compression, self.auto.average_every, list(self.auto.reasons[:2])
+        else:  # only the buckets are auto
+            codec, every = self.compression or "fp32", self.average_params_every
+            reasons = [f"{codec}: set by the caller", f"parameters every {every} steps: set by the caller"]
+        if self._overlap is None:
+            bucket_mb, why = 0.0, "no buckets: a synchronous step averages the whole gradient"
+        else:
+            bucket_mb = autobucket.mb_of(self._overlap.bucket_elems)
+            why = trial.reason if trial is not None else f"buckets of {bucket_mb:g} MB: set by the caller"
+        return {"compression": codec, "average_every": every, "bucket_mb": bucket_mb,
+                "reason": "; ".join((*reasons, why))[:1000], "applied": ",".join(applied)}
 
     def _auto_choose(self, codec: str | None = None, every: int | None = None) -> None:
         """Choose (or take ``codec`` and ``every``, a donor's choice), apply what is "auto" (the codec: switch the
@@ -92,7 +107,7 @@ class AutoSteps:
 
         # the rate a round moved the vector at, its fixed costs included: what a step pays per byte
         rates = [fp32_transfer_s(1.0, self.elems, g) / sec for _, sec, _, g in probe if g > 1]
-        measured = Measured(link_bps=median(rates), rtt_s=None, compute_s=median([c for c, *_ in probe]),
+        measured = Measured(link_bps=median(rates), compute_s=median([c for c, *_ in probe]),
                             params=self.elems, peers=max([g for *_, g in probe], default=1))
         choice = choose(measured)
         codec_why, every_why, bucket_why = choice.reasons
@@ -162,8 +177,56 @@ class AutoSteps:
 
     def _report_auto(self) -> None:
         """Tell the daemon the auto choice, for `peerd status` (an older daemon ignores it)."""
-        assert self.auto is not None
+        if self.auto is None and self._bucket_trial is None:
+            return
         try:
             self._call("trainer_report", auto=self._auto_fields())
         except DaemonError as e:
             log.info("reporting the auto choice failed: %s", e)
+
+    def _bucket_time(self, t0: float) -> None:
+        """bucket_mb="auto": the step about to finish took from the last ``step()`` to this one (``t0``)."""
+        if self._bucket_trial is not None and self._bucket_trial.agreed is None and self._bucket_t0 is not None:
+            self._bucket_trial.record(self.step_count, t0 - self._bucket_t0)
+        self._bucket_t0 = t0
+
+    def _bucket_step(self, reply: dict[str, Any]) -> None:
+        """bucket_mb="auto", after a step: propose at DECIDE_AT, agree at AGREE_AT, and cut the next step as every
+        member of the run does (peerd.torch.autobucket); the choice and why go in the reply."""
+        trial = self._bucket_trial
+        if trial is None:
+            return
+        step = self.step_count  # the next step's number
+        if trial.agreed is None and step >= autobucket.AGREE_AT:
+            trial.agree(self._announced_sizes(trial))
+            log.info("auto: %s", trial.reason)
+            self._report_auto()
+        elif trial.agreed is None and step >= autobucket.DECIDE_AT and not trial.decided:
+            proposal = trial.propose()
+            log.info("auto: %s", trial.reason)
+            if proposal is not None:
+                self._announce_size(proposal)
+        elems = trial.plan_at(step)
+        if elems != self._overlap.bucket_elems:
+            self._overlap.replan(elems)  # (the buckets still out come back first)
+        reply["auto"] = self._auto_fields()
+
+    def _announce_size(self, elems: int) -> None:
+        """Announce the bucket size this member proposes to the run's other members (the daemon's DHT)."""
+        assert self._client is not None
+        try:
+            self._client.call("dht_put", key=autobucket.proposal_key(self.run_key), value=str(elems),
+                              subkey=proposal_subkey(self.peer_id, self.session), ttl=3600)
+        except DaemonError as e:  # a daemon without a swarm: the members that read the others still agree
+            log.info("announcing the proposed bucket size failed: %s", e)
+
+    def _announced_sizes(self, trial: autobucket.BucketTrial) -> list[int]:
+        """The bucket sizes the run's members announced (a failed read: none; this member's own counts anyway)."""
+        assert self._client is not None
+        try:
+            got = self._client.call("dht_get", key=autobucket.proposal_key(self.run_key))["values"]
+        except DaemonError as e:
+            log.info("reading the run's proposed bucket sizes failed: %s", e)
+            return []
+        return autobucket.announced_sizes([r.get("value") for r in got if isinstance(r, dict)],
+                                          (trial.large, trial.small))

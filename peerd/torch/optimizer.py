@@ -33,10 +33,11 @@ from ..localsock.arena import Arena, read_blob, write_blob
 from ..localsock.client import DaemonError, LocalClient
 from ..localsock.phases import add_phases, empty_phases
 from .auto import AVERAGE_EVERY, PERIOD_LADDER, Choice
+from .autobucket import BucketTrial, elems_of
 from .autostep import AutoSteps
 from .errors import NoGroupError
 from .founders import FOUNDER_WINDOW_S, SameData, reseed_peer
-from .overlap import DEFAULT_BUCKET_MB, Overlap
+from .overlap import Overlap
 from .report import StepReport
 from .snapcheck import SnapshotError, all_finite, all_finite_each, check_finite, checked_step
 
@@ -107,11 +108,12 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
     EF21M's update direction; parameter averages stay fp32; not with ``overlap``.
 
     ``overlap=True`` (with ``model``; CPU or CUDA parameters): DeAR-style overlap (peerd.torch.overlap). Gradients go to
-    the daemon in buckets of about ``bucket_mb`` MB as backward produces them, and each layer's update is applied just
-    before its next forward, so averaging overlaps computation. Call ``last_microbatch(samples)`` before the forward of
-    the step's last micro-batch (without it, ``step()`` sends every bucket after backward); ``step()`` then returns the
-    statistics of the last step whose updates are all applied, and ``flush()`` applies what is still due
-    (``average_parameters``, ``snapshot`` and ``state_dict`` call it). The update of a step is applied at the next
+    the daemon in buckets of about ``bucket_mb`` MB as backward produces them ("auto", the default: 25 MB, and half
+    the model tried at steps 10-14; the run keeps the faster, peerd.torch.autobucket), and each layer's update is
+    applied just before its next forward, so averaging overlaps computation. Call ``last_microbatch(samples)`` before
+    the forward of the step's last micro-batch (without it, ``step()`` sends every bucket after backward); ``step()``
+    then returns the statistics of the last step whose updates are all applied, and ``flush()`` applies what is still
+    due (``average_parameters``, ``snapshot`` and ``state_dict`` call it). The update of a step is applied at the next
     forward, so a learning-rate scheduler stepped after ``step()`` is one step early.
 
     A round whose result holds a non-finite number is never applied: the step goes on with this replica's
@@ -124,7 +126,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
                  sync_state: bool = True, state_every: int = 10, state_timeout_s: float = 60.0,
                  nslots: int = 4, keep_rounds: int | None = DEFAULT_KEEP_ROUNDS, robust: str | None = None,
                  max_samples: float | None = None, overlap: bool = False, model: torch.nn.Module | None = None,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, compression: str | None = "auto",
+                 bucket_mb: float | str = "auto", compression: str | None = "auto",
                  quant_group: int | None = None, rounding: str | None = None, topk_ratio: float | None = None,
                  founder_window_s: float = FOUNDER_WINDOW_S, reseed: bool = True,
                  clip_grad_norm: float | None = None) -> None:
@@ -225,12 +227,19 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         self.session = 0
         self.layout_hash = ""
         self._overlap: Overlap | None = None
+        self._bucket_trial: BucketTrial | None = None  # bucket_mb="auto" (overlap): peerd.torch.autobucket
+        self._bucket_t0: float | None = None
         if overlap:
             if model is None:
                 raise ValueError("overlap=True needs model= (its forward pre-hooks apply each layer's update)")
-            if not (isinstance(bucket_mb, int | float) and 0 < bucket_mb <= 1024):
-                raise ValueError(f"bucket_mb must be in (0, 1024], got {bucket_mb!r}")
-            self._overlap = Overlap(self, model, max(1, int(bucket_mb * 2**20 / 4)))
+            if bucket_mb == "auto":
+                self._bucket_trial = BucketTrial(self.elems)
+                bucket_elems = self._bucket_trial.plan_at(0)
+            elif isinstance(bucket_mb, int | float) and not isinstance(bucket_mb, bool) and 0 < bucket_mb <= 1024:
+                bucket_elems = elems_of(bucket_mb)
+            else:
+                raise ValueError(f"bucket_mb must be 'auto' or in (0, 1024], got {bucket_mb!r}")
+            self._overlap = Overlap(self, model, bucket_elems)
         self.connect()
         if sync_state:
             self.sync_state()
@@ -269,7 +278,8 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
 
     def _auto_report(self) -> dict[str, Any] | None:
         """What compression="auto" chose so far, as `peerd status` shows it (None: nothing yet)."""
-        return self._auto_fields() if getattr(self, "auto", None) is not None else None
+        on = getattr(self, "auto", None) is not None or getattr(self, "_bucket_trial", None) is not None
+        return self._auto_fields() if on else None
 
     def _call(self, op: str, **args: Any) -> dict[str, Any]:
         if self._client is None or self._client.broken:
@@ -522,10 +532,12 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         t0 = time.monotonic()
         # the caller's compute since the last step, without the waits for averaged buckets in its forward
         compute_s = None if self._last_end is None else t0 - self._last_end - (overlap.waited_s - self._waited_mark)
+        self._bucket_time(t0)
         reply = overlap.step(samples, loss)  # (the statistics of the last step whose buckets all came back)
         phases = empty_phases()
         add_phases(phases, reply.get("phases") or {})
         self._auto_step(reply, compute_s)  # at AUTO_STEP: the codec, the period (a codec switch flushes first)
+        self._bucket_step(reply)  # bucket_mb="auto": the trial's plan for the next step
         k = self.average_params_every
         if k and self.step_count % k == 0:  # numbered by step count: replicas in step name the same round
             base = PERIOD_LADDER[0] if self._auto_every else k  # (members on other rungs meet at the longer one's)
@@ -635,7 +647,9 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
                     "optimizer_class": type(self.opt).__name__, "params": flat,
                     "optimizer": self.opt.state_dict(),
                     **({"auto_codec": self.auto.compression, "auto_every": self.auto.average_every}
-                       if self.auto is not None else {})}, buf)
+                       if self.auto is not None else {}),
+                    **({"auto_buckets": self._bucket_trial.agreed}
+                       if self._bucket_trial is not None and self._bucket_trial.agreed is not None else {})}, buf)
         return buf.getvalue()
 
     def _gather_cpu(self, flat: torch.Tensor) -> None:
@@ -680,6 +694,9 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         if self._auto_probe is not None and state.get("auto_codec") in ("fp32", "int8"):
             every = state.get("auto_every")  # the swarm chose before this trainer came: average as it does
             self._auto_choose(state["auto_codec"], every if every in PERIOD_LADDER else None)
+        buckets = state.get("auto_buckets")  # the swarm agreed on its buckets before this trainer came
+        if self._bucket_trial is not None and type(buckets) is int and self._bucket_trial.take(buckets):
+            self._overlap.replan(buckets)
         return self.step_count
 
     def publish_state(self, *, wait: bool = True) -> dict[str, Any]:

@@ -239,6 +239,7 @@ class Overlap:
         # deferred: every bucket's request goes out when the step is armed, so the daemon matchmakes while
         # backward runs, and the hook only says "ready"; else a bucket's request goes out when it is complete
         self.deferred = deferred
+        self.bucket_elems = bucket_elems
         self.schedule = Schedule(owner.numels, bucket_elems)
         self.plan = plan_hash(self.schedule.buckets)  # the daemon runs one round per step for buckets that name it
         self.offsets = [0]
@@ -261,6 +262,16 @@ class Overlap:
                 self.handles.append(m.register_forward_pre_hook(lambda _m, _a, own=own: self.before_forward(own)))
         if not self.covered:
             raise ValueError("overlap: none of the model's modules holds the optimizer's parameters")
+
+    def replan(self, bucket_elems: int) -> None:
+        """Cut the next steps' gradients into buckets of ``bucket_elems`` (bucket_mb="auto": every member of the
+        run changes at the same step). The buckets still out come back, and their updates are applied, first."""
+        if self.schedule.current is not None:
+            raise RuntimeError("overlap: the buckets can only change between steps")
+        self.flush()
+        self.bucket_elems = bucket_elems
+        self.schedule = Schedule(self.o.numels, bucket_elems)
+        self.plan = plan_hash(self.schedule.buckets)
 
     def remove(self) -> None:
         for h in self.handles:
