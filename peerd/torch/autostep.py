@@ -160,13 +160,7 @@ class AutoSteps:
         """Apply the period the run's members agree on: the least announced (peerd.torch.auto.agreed_period)."""
         assert self.auto is not None and self.auto_proposed is not None and self._client is not None
         own, self.auto_proposed = self.auto_proposed, None
-        try:
-            values = [r.get("value") for r in self._client.call("dht_get", key=proposal_key(self.run_key))["values"]
-                      if isinstance(r, dict)]
-        except DaemonError as e:
-            log.info("reading the run's proposed periods failed: %s", e)
-            values = []
-        k, why = agreed_period(own, announced_periods(values))
+        k, why = agreed_period(own, announced_periods(self._others_announced(proposal_key(self.run_key))))
         self.average_params_every = k
         codec_why, _, bucket_why = self.auto.reasons
         reasons = (codec_why, why, bucket_why)
@@ -222,11 +216,17 @@ class AutoSteps:
 
     def _announced_sizes(self, trial: autobucket.BucketTrial) -> list[int]:
         """The bucket sizes the run's members announced (a failed read: none; this member's own counts anyway)."""
-        assert self._client is not None
-        try:
-            got = self._client.call("dht_get", key=autobucket.proposal_key(self.run_key))["values"]
-        except DaemonError as e:
-            log.info("reading the run's proposed bucket sizes failed: %s", e)
-            return []
-        return autobucket.announced_sizes([r.get("value") for r in got if isinstance(r, dict)],
+        return autobucket.announced_sizes(self._others_announced(autobucket.proposal_key(self.run_key)),
                                           (trial.large, trial.small))
+
+    def _others_announced(self, key: str) -> list[object]:
+        """The values the run's other members announced under ``key`` (this session's own left out: it counts
+        its own proposal itself); none where the read fails (a daemon without a swarm)."""
+        assert self._client is not None
+        own = proposal_subkey(self.peer_id, self.session)
+        try:
+            got = self._client.call("dht_get", key=key)["values"]
+        except DaemonError as e:
+            log.info("reading the run's proposals under %s failed: %s", key, e)
+            return []
+        return [r.get("value") for r in got if isinstance(r, dict) and r.get("subkey") != own]
