@@ -1,13 +1,11 @@
 """bucket_mb="auto" (overlap): the trial of a split plan, its decision, the run's agreement, and its wiring."""
 
-import threading
-
 import pytest
 
+from peerd.torch.auto import MAX_ANNOUNCED
 from peerd.torch.autobucket import (
     AGREE_AT,
     DECIDE_AT,
-    MAX_ANNOUNCED,
     SPLIT_AT,
     TIMED_LARGE,
     TIMED_SMALL,
@@ -101,7 +99,7 @@ def _run(tmp_path, steps: int, announce: list[bytes] = ()):
 
     from peerd.torch import Optimizer
 
-    from .support.trainer_harness import thread_daemon
+    from .support.trainer_harness import in_threads, thread_daemon
 
     with thread_daemon(tmp_path, group_size=2, wait_s=5.0) as d:
         models = []
@@ -125,11 +123,7 @@ def _run(tmp_path, steps: int, announce: list[bytes] = ()):
                 plans[i].append(len(opts[i]._overlap.schedule.buckets))
                 replies[i].append(opts[i].step(samples=4))
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        in_threads(2, worker)
         for o in opts:
             o.flush()
         status = d.service.statistics().sessions

@@ -28,6 +28,7 @@ not a rule of these measurements: peerd.torch.autobucket times a split in the ru
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 INT8_SHARE = 0.25  # int8 when the fp32 transfer would take more than this share of the step's compute ...
@@ -148,11 +149,17 @@ def proposal_subkey(peer_id: str, session: int) -> str:
 def announced_periods(values: list[object]) -> list[int]:
     """The periods in a run's announcements (DHT values: bytes): a member's claim, so only a rung of PERIOD_LADDER
     written as a short decimal counts; anything else is ignored. At most MAX_ANNOUNCED are read."""
+    return announced_numbers(values, PERIOD_LADDER, 4)
+
+
+def announced_numbers(values: list[object], allowed: Collection[int], max_chars: int) -> list[int]:
+    """The numbers among announced DHT values (members' claims): a decimal of at most ``max_chars`` digits that
+    is one of ``allowed``; anything else is ignored. At most MAX_ANNOUNCED values are read."""
     out = []
     for v in values[:MAX_ANNOUNCED]:
-        if isinstance(v, bytes | str) and 0 < len(v) <= 4:
+        if isinstance(v, bytes | str) and 0 < len(v) <= max_chars:
             text = v.decode("ascii", "replace") if isinstance(v, bytes) else v
-            if text.isdigit() and int(text) in PERIOD_LADDER:
+            if text.isdigit() and int(text) in allowed:
                 out.append(int(text))
     return out
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .auto import announced_numbers
+
 LARGE_MB = 25.0  # the large plan: torch DDP's bucket_cap_mb (peerd.torch.overlap.DEFAULT_BUCKET_MB)
 MIN_BUCKET_MB = 1.0  # the small plan's buckets are at least this large (else there is nothing to try)
 SPLIT_AT = 10  # the first step cut by the small plan (after the codec's choice at step 5 settled)
@@ -31,7 +33,6 @@ AGREE_AT = 20  # the first step cut by the agreed plan (the announcements had fi
 TIMED_LARGE = range(6, 10)  # the steps timed under the large plan (step 5 follows the codec's switch)
 TIMED_SMALL = range(SPLIT_AT + 1, DECIDE_AT)  # ... under the small one (step 10 follows the flush at the change)
 SPLIT_GAIN = 0.05  # the small plan must make a step at least this much faster
-MAX_ANNOUNCED = 64  # announcements read at most (each is a member's claim: bounded, validated)
 
 
 def elems_of(mb: float) -> int:
@@ -56,13 +57,7 @@ def candidates(total_elems: int) -> tuple[int, int]:
 def announced_sizes(values: list[object], allowed: tuple[int, int]) -> list[int]:
     """The bucket sizes in a run's announcements (DHT values): only a decimal of one of this model's two
     candidates counts (a member of the run trains the same model); anything else is ignored."""
-    out = []
-    for v in values[:MAX_ANNOUNCED]:
-        if isinstance(v, bytes | str) and 0 < len(v) <= 12:
-            text = v.decode("ascii", "replace") if isinstance(v, bytes) else v
-            if text.isdigit() and int(text) in allowed:
-                out.append(int(text))
-    return out
+    return announced_numbers(values, allowed, 12)
 
 
 def proposal_key(run_key: str) -> str:
