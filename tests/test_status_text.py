@@ -43,3 +43,23 @@ def test_status_says_how_much_of_the_budget_is_left_and_when_it_would_run_out() 
     assert "3.0 GB of 10.0 GB used this day (30.0 %), 7.0 GB left for 11 h 59 min" in lines[budget], lines[budget]
     assert "runs out in 2 min (2026-12-02 12:03 UTC)" in lines[budget + 1], lines[budget + 1]
     assert "(budget)" in next(x for x in lines if x.startswith("caps"))  # the budget, not the flag, binds
+
+
+def test_status_shows_each_trainer_and_what_auto_chose() -> None:
+    trainer = {"session": 3, "run": "gpt", "layout": "x", "steps": 120, "compression": "int8", "outcome": "averaged",
+               "seconds": 0.362, "kept": True,
+               "phases": {"copy_in": 0.002, "daemon": 0.004, "matchmaking": 0.0, "members": 0.02, "transfer": 0.17,
+                          "agree": 0.0, "copy_out": 0.006},
+               "auto": {"compression": "int8", "average_every": 10, "bucket_mb": 25.0, "applied": "compression",
+                        "reason": "int8: fp32 would take 404 ms a step; parameters every 10 steps: agreed; buckets of "
+                                  "25 MB: agreed, the largest of 4 proposals"}}
+    text = render({**BASE, "trainers": [trainer], "peer_view": {"peers": []}})
+    lines = text.splitlines()
+    head = next(x for x in lines if x.startswith("trainer"))
+    assert "session 3" in head and "run gpt" in head and "int8" in head and "120 steps" in head, head
+    assert "averaged in 0.362 s, kept group" in head
+    assert any(x.strip() == "phases: transfer 170 ms, members 20 ms, copy_out 6 ms, daemon 4 ms" for x in lines), lines
+    autos = [x.strip() for x in lines if x.strip().startswith("auto:")]
+    assert autos == ["auto: int8: fp32 would take 404 ms a step", "auto: parameters every 10 steps: agreed",
+                     "auto: buckets of 25 MB: agreed, the largest of 4 proposals"], autos
+    assert not any(x.startswith("trainer") for x in render({**BASE, "peer_view": {"peers": []}}).splitlines())

@@ -1,8 +1,9 @@
-"""``peerd status`` as text: the node's summary, its caps and budget, and its per-peer table, one line a peer
-(stdlib only: the CLI imports it without numpy)."""
+"""``peerd status`` as text: the node's summary, its trainers, its caps and budget, and its per-peer table, one line
+a peer (stdlib only: the CLI imports it without numpy)."""
 
 from __future__ import annotations
 
+import textwrap
 import time
 from typing import Any
 
@@ -157,8 +158,31 @@ def deadline_lines(deadlines: dict[str, Any]) -> list[str]:
     return lines
 
 
+def trainer_lines(trainers: list[dict[str, Any]], width: int = 118) -> list[str]:
+    """Each trainer session: its run, codec and steps, its latest step (outcome, seconds, its longest phases), and
+    what its "auto" options chose, with why (the reason wrapped, one choice a line)."""
+    out = []
+    for t in trainers:
+        seconds = t.get("seconds") or 0.0
+        kept = ", kept group" if t.get("kept") else ""
+        out.append(f"trainer    session {t.get('session')}  run {t.get('run', '?')}  {t.get('compression') or 'fp32'}  "
+                   f"{t.get('steps', 0)} steps  last: {t.get('outcome') or '-'} in {seconds:.3f} s{kept}")
+        phases = sorted(((v, k) for k, v in (t.get("phases") or {}).items()
+                         if isinstance(v, int | float) and v >= 0.0005), reverse=True)
+        if phases:
+            out.append("           phases: " + ", ".join(f"{k} {1e3 * v:.0f} ms" for v, k in phases[:4]))
+        reason = (t.get("auto") or {}).get("reason")
+        if isinstance(reason, str) and reason:
+            for part in reason.split("; "):
+                out += textwrap.wrap(part, width, initial_indent="           auto: ",
+                                     subsequent_indent="                 ")
+    return out
+
+
 def render(reply: dict[str, Any]) -> str:
     out = summary(reply)
+    if reply.get("trainers"):
+        out += trainer_lines(reply["trainers"])
     if reply.get("deadline_mode") == "fixed":
         out.append("deadlines  fixed (--deadlines fixed: today's constants, nothing tuned)")
     if reply.get("deadlines"):

@@ -81,6 +81,7 @@ class BucketTrial:
     walls: dict[int, float] = field(default_factory=dict)
     decided: bool = False  # this member proposed (or abstained) at DECIDE_AT
     proposed: int | None = None  # this member's proposal (None: it abstained)
+    measured: str = ""  # what this member's trial measured, in words
     agreed: int | None = None  # the run's plan, from AGREE_AT (or a donor's, taken over with its state)
     reason: str = ""
 
@@ -117,9 +118,9 @@ class BucketTrial:
         a, b = _median(large), _median(small)
         self.proposed = self.small if b <= a * (1 - SPLIT_GAIN) else self.large
         verdict = "faster" if self.proposed == self.small else f"not {SPLIT_GAIN:.0%} faster"
-        self.reason = (f"buckets of {mb_of(self.proposed)} MB proposed: a step took {b * 1e3:.0f} ms in "
-                       f"{mb_of(self.small)} MB buckets against {a * 1e3:.0f} ms in {LARGE_MB:g} MB ({verdict}); "
-                       f"agreed at step {AGREE_AT}")
+        self.measured = (f"a step took {b * 1e3:.0f} ms in {mb_of(self.small)} MB buckets against {a * 1e3:.0f} ms "
+                         f"in {LARGE_MB:g} MB ({verdict})")
+        self.reason = f"buckets of {mb_of(self.proposed)} MB proposed, until agreed at step {AGREE_AT}: {self.measured}"
         return self.proposed
 
     def agree(self, announced: list[int]) -> int:
@@ -128,8 +129,9 @@ class BucketTrial:
         sizes = [*announced, *([] if self.proposed is None else [self.proposed])]
         self.agreed = max(sizes, default=self.large)
         mine = "" if self.proposed is None else f"this member proposed {mb_of(self.proposed)} MB, "
+        trial = f"; this member's trial: {self.measured}" if self.measured else ""
         self.reason = (f"buckets of {mb_of(self.agreed)} MB: agreed, the largest of {len(sizes)} proposals "
-                       f"({mine}{len(announced)} announced); {self.reason}")[:600]
+                       f"({mine}{len(announced)} from the others){trial}")
         return self.agreed
 
     def take(self, elems: int) -> bool:
