@@ -398,8 +398,9 @@ class MemorySync:
         self.blob: bytes | None = None
         self.step = -1
 
-    def keep(self, run_key: str, blob: bytes) -> bytes:
+    def keep(self, run_key: str, blob: bytes, *, sha: bytes | None = None) -> bytes:
         self.blob = blob
+        assert sha is None or sha == hashlib.sha256(blob).digest()  # the caller's hash is the blob's
         return hashlib.sha256(blob).digest()
 
     async def advertise_state(self, run, run_key, layout, *, step: int = -1, **kwargs) -> bool:
@@ -742,8 +743,9 @@ class _DeafBoard:
         self.other = OuterRecord(b"o" * 32, "g", 2, 1, b"x" * 32, b"y" * 32, b"\x00" * 32, b"", 100)
         self.mine: OuterRecord | None = None
 
-    def keep(self, blob: bytes) -> bytes:
-        return hashlib.sha256(blob).digest()
+    def keep(self, blob: bytes, sha: bytes) -> bytes:
+        assert sha == hashlib.sha256(blob).digest()  # the core's hash is the blob's
+        return sha
 
     async def publish(self, record: OuterRecord) -> None:
         self.mine = record

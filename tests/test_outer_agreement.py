@@ -348,3 +348,20 @@ def test_complete_without_the_groups_order_repairs_as_before() -> None:
     c.start(0.0)
     assert [type(a) for a in c.take_actions()][:3] == [Keep, Publish, ReadRecords]  # the repair phase's record first
     assert not c.complete
+
+
+def test_every_kept_blob_is_named_by_its_own_hash() -> None:
+    """The core hands the board each blob's SHA-256 (so the board does not hash megabytes again): the vector with
+    its piece index at the start, the repaired final, an adopted winner."""
+    mine = TRUTH.copy()
+    a, b = shard_bounds(TRUTH.size, 3, 1)
+    mine[a: a + 50] = 7.0
+    c = core(0, mine)
+    c.start(0.0)
+    kept = of(c.take_actions(), Keep)
+    c.receive_records(1, [record(1, TRUTH), record(2, TRUTH)], 0.1)
+    c.take_actions()
+    c.receive_shard(1, TRUTH.tobytes()[4 * a: 4 * b], 400, 0.2)
+    kept += of(c.take_actions(), Keep)
+    assert len(kept) == 2 and kept[1].blob == TRUTH.tobytes()  # the start's blob, then the repaired final
+    assert all(k.sha == sha(k.blob) for k in kept)

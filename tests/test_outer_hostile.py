@@ -43,8 +43,9 @@ class MemBoard:
     def __init__(self, shared: Shared, node: bytes) -> None:
         self.shared, self.node = shared, node
 
-    def keep(self, blob: bytes) -> bytes:
+    def keep(self, blob: bytes, given: bytes) -> bytes:
         h = sha(blob)
+        assert given == h  # the core names every blob it keeps by its own hash
         self.shared.blobs.setdefault(self.node, {})[h] = blob
         return h
 
@@ -126,8 +127,9 @@ async def forge(shared: Shared, node: bytes, group: str, size: int, index: int, 
     board = MemBoard(shared, node)
     data = vector.astype(np.float32).tobytes()
     a, b = shard_bounds(vector.size, size, index)
-    avg = board.keep(data + piece_hashes(data[4 * a: 4 * b]))
-    fin = board.keep(data)
+    blob = data + piece_hashes(data[4 * a: 4 * b])
+    avg = board.keep(blob, sha(blob))
+    fin = board.keep(data, sha(data))
     rec = OuterRecord(node, group, size, index, sha(data[4 * a: 4 * b]), avg, fin if final else b"", b"",
                       vector.size, ("127.0.0.1", 9))
     await board.publish(rec)

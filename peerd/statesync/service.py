@@ -148,9 +148,12 @@ class StateSync:
         return self.endpoint.identity.node_id
 
     # -- donor side -----------------------------------------------------------------------------
-    def keep(self, run_key: str, blob: bytes) -> bytes:
-        """Hold ``blob`` for joiners (the newest KEEP per run); returns its SHA-256."""
-        sha = hashlib.sha256(blob).digest()
+    def keep(self, run_key: str, blob: bytes, *, sha: bytes | None = None) -> bytes:
+        """Hold ``blob`` for joiners (the newest KEEP per run); returns its SHA-256. ``sha``: that hash where this
+        daemon's own code computed it already (an outer step's vectors: megabytes not hashed twice); a fetcher
+        checks what it gets against the hash it asked for either way."""
+        if sha is None:
+            sha = hashlib.sha256(blob).digest()
         held = self._snapshots.setdefault(run_key, OrderedDict())
         held[sha] = blob
         held.move_to_end(sha)

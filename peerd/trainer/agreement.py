@@ -37,9 +37,11 @@ def _sha(data: bytes | bytearray | memoryview) -> bytes:
 # -- actions (the shell carries them out in order) -----------------------------------------------------------
 @dataclass(frozen=True)
 class Keep:
-    """Hold ``blob`` where the round's members can fetch it (its SHA-256 names it)."""
+    """Hold ``blob`` where the round's members can fetch it (``sha``, its SHA-256, names it: the core hashed it
+    already, so the board does not hash megabytes again on the outer step's path)."""
 
     blob: bytes
+    sha: bytes
 
 
 @dataclass(frozen=True)
@@ -264,11 +266,14 @@ class OuterAgreement:
         """Keep the averaged vector (with the owned shard's piece index) and publish this member's record."""
         start, stop = shard_bounds(self.length, self.size, self.index)
         self._vector = vector = bytes(self.data)
-        self._vector_sha = _sha(vector)
+        h = hashlib.sha256(vector)  # the vector's hash, then on through the piece index: the blob's (one pass)
+        self._vector_sha = h.digest()
         shard = memoryview(vector)[4 * start: 4 * stop]
-        blob = vector + piece_hashes(shard)
-        self._actions.append(Keep(blob))
-        self.me = OuterRecord(self.node, self.group, self.size, self.index, _sha(shard), _sha(blob), b"",
+        pieces = piece_hashes(shard)
+        h.update(pieces)
+        blob, blob_sha = vector + pieces, h.digest()
+        self._actions.append(Keep(blob, blob_sha))
+        self.me = OuterRecord(self.node, self.group, self.size, self.index, _sha(shard), blob_sha, b"",
                               self.state_hash, self.length, self.addr)
         self._t0 = now
         if self._first_pending:
@@ -344,7 +349,7 @@ class OuterAgreement:
             self.data = bytearray(got)
             self._adopted_bytes += len(got)
             self._adopted = True
-            self._actions.append(Keep(got if isinstance(got, bytes) else bytes(got)))
+            self._actions.append(Keep(got if isinstance(got, bytes) else bytes(got), sha))
             self.me = replace(self.me, final=sha)
             self._actions.append(Publish(self.me))
             self._fetch_again = 0.0
@@ -433,7 +438,7 @@ class OuterAgreement:
             blob = bytes(self.data)
             final = _sha(blob)
         self._vector = None
-        self._actions.append(Keep(blob))
+        self._actions.append(Keep(blob, final))
         self.me = replace(self.me, final=final)
         self._actions.append(Publish(self.me))
         self._poll = Backoff()

@@ -108,7 +108,7 @@ class OuterError(Exception):
 class Board(Protocol):
     """Where a round's records are published and read, and blobs kept and fetched (DHT + state sync)."""
 
-    def keep(self, blob: bytes) -> bytes: ...
+    def keep(self, blob: bytes, sha: bytes) -> bytes: ...
     async def publish(self, record: OuterRecord) -> None: ...
     async def read(self) -> list[OuterRecord]: ...
     async def fetch_range(self, holder: OuterRecord, sha: bytes, offset: int, length: int) -> bytes: ...
@@ -299,7 +299,7 @@ class _Shell:
     def _carry_out(self) -> None:
         for action in self.core.take_actions():
             if isinstance(action, Keep):
-                self.board.keep(action.blob)
+                self.board.keep(action.blob, action.sha)
             elif isinstance(action, Publish):
                 self.publisher.put(action.record)
             elif isinstance(action, ReadRecords):
@@ -462,8 +462,8 @@ class DhtBoard:
     def addr(self) -> Address | None:
         return self.sync.advertise  # type: ignore[attr-defined]
 
-    def keep(self, blob: bytes) -> bytes:
-        return self.sync.keep(self.store, blob)  # type: ignore[attr-defined]
+    def keep(self, blob: bytes, sha: bytes) -> bytes:
+        return self.sync.keep(self.store, blob, sha=sha)  # type: ignore[attr-defined]
 
     async def publish(self, record: OuterRecord) -> None:
         dht = self.sync.dht  # type: ignore[attr-defined]

@@ -249,9 +249,10 @@ class MemoryStateSync:
         self.blobs: dict[str, dict[bytes, tuple[int, bytes]]] = {}  # run key -> sha -> (step, blob)
         self._kept: dict[str, bytes] = {}
 
-    def keep(self, run_key: str, blob: bytes) -> bytes:
+    def keep(self, run_key: str, blob: bytes, *, sha: bytes | None = None) -> bytes:
         import hashlib
 
+        assert sha is None or sha == hashlib.sha256(blob).digest()  # a caller's hash is the blob's
         sha = hashlib.sha256(blob).digest()
         self._kept[run_key] = blob
         return sha
