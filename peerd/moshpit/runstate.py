@@ -4,6 +4,7 @@ statistics, and the checks of a run's averaging options (the shell in service.py
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import numbers
 from collections.abc import Awaitable, Callable
@@ -18,8 +19,11 @@ from ..compress import codec as make_codec
 from ..compress.topk import EF21M
 from .keys import Grid, KeyManager
 from .records import MoshpitError
+from .roundlog import RoundLog
 from .rounds import RoundMachine
 from .sticky import StickyGroups, StickyStatistics
+
+log = logging.getLogger("peerd.moshpit")
 
 FINITE_SLICE = 1 << 20  # elements per isfinite pass (a 4 MB slice: no 100 MB temporary)
 MOSHPIT_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")  # body codecs a run may average in (protocol/codecs.md)
@@ -192,6 +196,14 @@ class RunState:
     codec: Codec | None = None  # the body codec every average of the run uses (None: fp32, the zero-copy path)
     topk: TopK | None = None  # arc-topk instead of a body codec (then ``codec`` is None)
     shares: str = "caps"  # "caps": capped members own smaller shards (allreduce.shards.capped_shares); "equal"
+    round_log: RoundLog = field(default_factory=RoundLog)  # what the log says of the run's rounds
+
+    def log_round(self, round_no: int, outcome: str, group_size: int, seconds: float, now: float) -> None:
+        """Each round at DEBUG; at INFO the run's first and, every roundlog.SUMMARY_S, a summary (RoundLog)."""
+        log.debug("run %s round %d: %s, group of %d, %.3f s", self.run_id, round_no, outcome, group_size, seconds)
+        line = self.round_log.note(self.run_id, outcome, group_size, seconds, now)
+        if line is not None:
+            log.info("%s", line)
 
     @property
     def compression(self) -> str:

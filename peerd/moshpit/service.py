@@ -469,8 +469,7 @@ class MoshpitService:
                 self.metrics.moshpit_led.inc()
             self.metrics.moshpit_round_seconds.observe(self.clock() - t0)
             note_round(self.deadlines, first, window_used, t0, self.clock())
-            log.info("run %s round %d: %s, group of %d, %.3f s", st.run_id, round_no, outcome, first.group_size,
-                     self.clock() - t0)
+            st.log_round(round_no, outcome, first.group_size, self.clock() - t0, self.clock())
         return results
 
     def _finished(self, st: RunState, result: RoundResult, mm_s: float, t0: float, kept: bool,
