@@ -63,3 +63,5 @@ def test_status_shows_each_trainer_and_what_auto_chose() -> None:
     assert autos == ["auto: int8: fp32 would take 404 ms a step", "auto: parameters every 10 steps: agreed",
                      "auto: buckets of 25 MB: agreed, the largest of 4 proposals"], autos
     assert not any(x.startswith("trainer") for x in render({**BASE, "peer_view": {"peers": []}}).splitlines())
+    brief = render({**BASE, "trainers": [trainer], "peer_view": {"peers": []}}, brief=True).splitlines()
+    assert head in brief and not any("auto:" in x or "phases:" in x for x in brief)  # `peerd top`: one line each

@@ -158,15 +158,18 @@ def deadline_lines(deadlines: dict[str, Any]) -> list[str]:
     return lines
 
 
-def trainer_lines(trainers: list[dict[str, Any]], width: int = 118) -> list[str]:
+def trainer_lines(trainers: list[dict[str, Any]], width: int = 118, *, brief: bool = False) -> list[str]:
     """Each trainer session: its run, codec and steps, its latest step (outcome, seconds, its longest phases), and
-    what its "auto" options chose, with why (the reason wrapped, one choice a line)."""
+    what its "auto" options chose, with why (the reason wrapped, one choice a line). ``brief``: the first line
+    only (`peerd top`, whose screen is the peer table's)."""
     out = []
     for t in trainers:
         seconds = t.get("seconds") or 0.0
         kept = ", kept group" if t.get("kept") else ""
         out.append(f"trainer    session {t.get('session')}  run {t.get('run', '?')}  {t.get('compression') or 'fp32'}  "
                    f"{t.get('steps', 0)} steps  last: {t.get('outcome') or '-'} in {seconds:.3f} s{kept}")
+        if brief:
+            continue
         phases = sorted(((v, k) for k, v in (t.get("phases") or {}).items()
                          if isinstance(v, int | float) and v >= 0.0005), reverse=True)
         if phases:
@@ -179,10 +182,11 @@ def trainer_lines(trainers: list[dict[str, Any]], width: int = 118) -> list[str]
     return out
 
 
-def render(reply: dict[str, Any]) -> str:
+def render(reply: dict[str, Any], *, brief: bool = False) -> str:
+    """The status reply as text; ``brief``: each trainer in one line (`peerd top`)."""
     out = summary(reply)
     if reply.get("trainers"):
-        out += trainer_lines(reply["trainers"])
+        out += trainer_lines(reply["trainers"], brief=brief)
     if reply.get("deadline_mode") == "fixed":
         out.append("deadlines  fixed (--deadlines fixed: today's constants, nothing tuned)")
     if reply.get("deadlines"):

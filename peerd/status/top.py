@@ -21,7 +21,7 @@ HIDE, SHOW = "\x1b[?25l", "\x1b[?25h"
 def _screen(reply: dict[str, Any], interval: float) -> str:
     width, height = shutil.get_terminal_size((120, 40))
     head = f"peerd top: every {interval:g} s, q to quit    {time.strftime('%H:%M:%S')}"
-    lines = [head, *render(reply).splitlines()]
+    lines = [head, *render(reply, brief=True).splitlines()]
     return "\n".join(line[:width] for line in lines[:height - 1])
 
 
