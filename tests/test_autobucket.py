@@ -144,6 +144,7 @@ def test_overlap_auto_tries_the_split_and_the_run_agrees(tmp_path) -> None:
     for r in replies:
         assert all(x["outcome"] == "averaged" for x in r[1:]), r
         assert "bucket_mb" in r[-1]["auto"]["applied"] and "agreed" in r[-1]["auto"]["reason"]
+        assert "1 from the others" in r[-1]["auto"]["reason"]  # this session's own announcement counted once
         assert r[SPLIT_AT]["auto"]["bucket_mb"] in (1.91, 2.0)  # the next step cut in half of 4 MB, as reported
     assert opts[0]._overlap.bucket_elems == opts[1]._overlap.bucket_elems
     assert bool(torch.equal(models[0][0].weight, models[1][0].weight))  # every step averaged alike

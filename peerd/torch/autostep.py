@@ -229,4 +229,4 @@ class AutoSteps:
         except DaemonError as e:
             log.info("reading the run's proposals under %s failed: %s", key, e)
             return []
-        return [r.get("value") for r in got if isinstance(r, dict) and r.get("subkey") != own]
+        return [r.get("value") for r in got if isinstance(r, dict) and r.get("subkey") not in (own, own.encode())]

@@ -171,7 +171,8 @@ class ThreadDaemon:
         return {"stored": 1, "refused": 0, "subkey": req.get("subkey") or "test"}
 
     async def _dht_get(self, req: dict) -> dict:
-        return {"values": [{"subkey": k, "value": v, "expires_at": 0.0, "owner": "test"}
+        # subkeys come back as bytes, as the daemon's
+        return {"values": [{"subkey": k.encode(), "value": v, "expires_at": 0.0, "owner": "test"}
                            for k, v in self.dht.get(req["key"], {}).items()]}
 
     def _main(self) -> None:
