@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="drop received datagrams with probability P, to see how training copes (default 0)")
     lab.add_argument("--loss-seed", type=int, default=None, metavar="K",
                      help="seed of --loss's drops, to repeat a run exactly (default: random)")
+    lab.add_argument("--delay", type=float, default=0.0, metavar="MS",
+                     help="hold what this daemon receives MS milliseconds before handling it: a one-way propagation "
+                          "delay (each round trip between two such daemons grows by twice it; default 0)")
     # hidden: this daemon corrupts its own contributions, to test robust averaging
     lab.add_argument("--fault-byzantine", default=None, choices=BYZANTINE_CHOICES,
                      help=argparse.SUPPRESS)
@@ -259,6 +262,8 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     one_blas_thread()  # the daemon's products are small; the trainer keeps the other cores
     if not 0.0 <= args.loss < 1.0:
         parser.error("--loss must be in [0, 1)")
+    if not 0.0 <= args.delay <= 1000.0:
+        parser.error("--delay must be in [0, 1000] milliseconds")
     config = DaemonConfig(
         listen=args.listen,
         announce=args.announce,
@@ -276,6 +281,7 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         **({} if args.dht_replicas is None else {"dht_replicas": args.dht_replicas}),
         loss=args.loss,
         loss_seed=args.loss_seed,
+        delay_s=args.delay / 1000.0,
         relay=not args.no_relay,
         group_factory=_fault_factory(args.fault_byzantine),
         caps=cap_config(args, args.identity),

@@ -75,6 +75,7 @@ class DaemonConfig:
     no_gso: bool = False
     loss: float = 0.0
     loss_seed: int | None = None
+    delay_s: float = 0.0  # a propagation delay on what this node receives (benchmarks: the link lab has none)
     relay: bool = True  # relay for NATed peers when this node is public (PROTOCOL.md 18.4)
     max_group: int = MAX_GROUP_DEFAULT  # Moshpit groups of at most this many (a run's grid: Grid.for_swarm)
     dht_replicas: int = REPLICAS  # nodes closest to a key that this node's puts store on and full reads ask
@@ -175,6 +176,7 @@ class Daemon:
                 mtu=config.mtu,
                 loss=config.loss,
                 loss_seed=config.loss_seed,
+                delay_s=config.delay_s,
             )
         except ValueError as e:
             raise StartupError(f"--announce: {e}") from None

@@ -91,15 +91,15 @@ def test_the_command_line_checks_its_arguments() -> None:
                            "--link-loss", "0.05", "--json"])
     assert (args.peers, int(args.params), args.mode, args.link, args.link_loss) == (4, 1_000_000, "diloco",
                                                                                      "100mbit", 0.05)
-    args = top.parse_args(["step", "--link", "10mbit", "--link-queue-ms", "60", "--robust", "off"])
-    assert (args.link, args.link_queue_ms, args.robust) == ("10mbit", 60.0, "off")
+    args = top.parse_args(["step", "--link", "10mbit", "--link-queue-ms", "60", "--robust", "off", "--delay", "25"])
+    assert (args.link, args.link_queue_ms, args.robust, args.delay) == ("10mbit", 60.0, "off", 25.0)
     StepBenchConfig(robust="clip:2").check()
     with pytest.raises(SystemExit):
         top.parse_args(["step", "--link", "10 furlongs"])
     for bad in (StepBenchConfig(peers=1), StepBenchConfig(mode="ring"), StepBenchConfig(link_loss=0.1),
                 StepBenchConfig(steps=3, warmup=3), StepBenchConfig(compression="zip"),
                 StepBenchConfig(link_queue_ms=60.0), StepBenchConfig(link="10mbit", link_queue_ms=0.0),
-                StepBenchConfig(robust="median")):
+                StepBenchConfig(robust="median"), StepBenchConfig(delay_ms=-1.0), StepBenchConfig(delay_ms=1500.0)):
         with pytest.raises(ValueError):
             bad.check()
 

@@ -89,12 +89,14 @@ def test_fault_injection_and_lab_flags_are_in_their_own_group() -> None:
     sub = _sub(build_parser())
     join = sub.choices["join"]
     groups = {g.title: {o for a in g._group_actions for o in a.option_strings} for g in join._action_groups}
-    assert {"--loss", "--loss-seed", "--fault-byzantine"} <= groups[LAB_GROUP]
+    assert {"--loss", "--loss-seed", "--delay", "--fault-byzantine"} <= groups[LAB_GROUP]
     main = groups.get("options", set()) | groups.get("optional arguments", set())
     assert not {"--loss", "--loss-seed"} & main and {"--listen", "--socket-group"} <= main
     text = peerd("join", "--help").stdout
     lab = text[text.index(f"{LAB_GROUP}:"):]
-    assert "--loss P" in lab and "--loss-seed" in lab and "--listen" not in lab
+    assert "--loss P" in lab and "--loss-seed" in lab and "--delay MS" in lab and "--listen" not in lab
+    late = peerd("join", "--insecure", "--delay", "5000", check=False)
+    assert late.returncode == 2 and "--delay must be in [0, 1000] milliseconds" in late.stderr
     assert "--link RATE" in peerd("demo", "--help").stdout.split(f"{LAB_GROUP}:")[1]
 
 

@@ -53,7 +53,8 @@ def test_injected_loss_is_unbiased() -> None:
 
 def test_bad_bench_arguments() -> None:
     for args, needle in ((["--peers", "1"], "at least 2"), (["--size", "lots"], "expected a count"),
-                         (["--loss", "1.5"], "[0, 1)")):
+                         (["--loss", "1.5"], "[0, 1)"), (["--delay", "2000"], "[0, 1000]"),
+                         (["--delay", "10", "--baseline", "gloo"], "would not see it")):
         proc = peerd("bench", "allreduce", *args, check=False)
         assert proc.returncode == 2 and needle in proc.stderr
 

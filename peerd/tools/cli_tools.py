@@ -76,6 +76,9 @@ def _add_bench_allreduce(bench: argparse._SubParsersAction) -> None:
                         "with R >= 20 (below that they are close to the slowest run)")
     b.add_argument("--loss", type=float, default=0.0, metavar="P",
                    help="each daemon drops received datagrams with probability P (default 0)")
+    b.add_argument("--delay", type=float, default=0.0, metavar="MS",
+                   help="each daemon holds what it receives MS milliseconds (peerd join --delay): round trips 2 MS "
+                        "longer, as on a WAN (default 0; not with --baseline, whose TCP would not see it)")
     b.add_argument("--mtu", type=int, default=1200, metavar="B", help="UDP payload bytes (default 1200)")
     b.add_argument("--insecure", action="store_true", help="no AEAD sealing")
     b.add_argument("--no-gso", action="store_true", help="one syscall per datagram")
@@ -289,8 +292,12 @@ def cmd_bench_allreduce(args: argparse.Namespace, parser: argparse.ArgumentParse
         parser.error("--compression arc-topk needs --layout RxC")
     if not 0.0 < args.topk_ratio <= 1.0:
         parser.error("--topk-ratio must be in (0, 1]")
+    if not 0.0 <= args.delay <= 1000.0:
+        parser.error("--delay must be in [0, 1000] milliseconds")
+    if args.delay and args.baseline:
+        parser.error("--delay holds what peerd's daemons receive; the baseline's TCP would not see it: drop one")
     cfg = AllreduceBenchConfig(
-        peers=args.peers, size=args.size, repeat=args.repeat, loss=args.loss, mtu=args.mtu,
+        peers=args.peers, size=args.size, repeat=args.repeat, loss=args.loss, mtu=args.mtu, delay_ms=args.delay,
         insecure=args.insecure, no_gso=args.no_gso, compare_gloo=args.baseline == "gloo", seed=args.seed,
         robust=args.robust, link=args.link, link_loss=args.link_loss, link_queue_ms=args.link_queue_ms,
         profile=args.profile,

@@ -43,6 +43,7 @@ from .core import (
     Transmit,
     TransportCore,
 )
+from .delay import DelaySocket
 from .faults import LossySocket
 from .guard import AmplificationGuard, AuthLimiter
 from .inbound import Inbound, RequestWaiter
@@ -111,14 +112,18 @@ class Endpoint(Inbound):
         mtu: int = DEFAULT_MTU,
         loss: float = 0.0,
         loss_seed: int | None = None,
+        delay_s: float = 0.0,
         rotate_after: int = ROTATE_AFTER,
         rng: random.Random | None = None,
         core: TransportCore | None = None,
     ) -> None:
         """``rng`` draws sealing tokens, request ids and jitter (default: os entropy; a seeded one only for tests
         and simulations, since two processes that draw the same token under one swarm key reuse AEAD nonces).
-        ``loss``/``loss_seed``: fault injection, by a ``LossySocket`` wrapped around ``sock``."""
+        ``loss``/``loss_seed``: fault injection, by a ``LossySocket`` wrapped around ``sock``; ``delay_s``: a
+        propagation delay, by a ``DelaySocket`` (what arrives is held that long, then lost as ``loss`` says)."""
         self.rng = default_token_rng(rng)
+        if delay_s:
+            sock = DelaySocket(sock, delay_s)  # type: ignore[assignment]
         if loss:
             injected = metrics.datagrams_dropped.labels("injected")  # (a label lookup per block is not free)
             sock = LossySocket(sock, loss, np.random.default_rng(loss_seed),  # type: ignore[assignment]

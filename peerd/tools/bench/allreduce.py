@@ -42,6 +42,7 @@ class AllreduceBenchConfig:
     size: int = 1_000_000
     repeat: int = 5
     loss: float = 0.0
+    delay_ms: float = 0.0  # each daemon's --delay: a one-way propagation delay on what it receives
     mtu: int = 1200
     insecure: bool = False
     no_gso: bool = False
@@ -288,6 +289,8 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
     weights = [float(rng.randint(1, 64)) for _ in range(cfg.peers)]
     workdir = tempfile.mkdtemp(prefix="peerd-bench-")
     extra: list[str] = ["--mtu", str(cfg.mtu), "--log-level", os.environ.get("PEERD_BENCH_LOG", "warning")]
+    if cfg.delay_ms:
+        extra += ["--delay", f"{cfg.delay_ms:g}"]
     if cfg.no_gso:
         extra.append("--no-gso")
     profile = cfg.profile or os.environ.get("PEERD_BENCH_PROFILE", "") == "1"
@@ -395,6 +398,7 @@ def run_allreduce_bench(cfg: AllreduceBenchConfig, *, quiet: bool = False) -> di
             "size": cfg.size,
             "mtu": cfg.mtu,
             "loss": cfg.loss,
+            "delay_ms": cfg.delay_ms,
             "repeat": cfg.repeat,
             "insecure": cfg.insecure,
             "robust": cfg.robust,

@@ -10,7 +10,8 @@ choice (peerd.torch.auto): each step's bytes are counted in the codec that step 
 
 With ``--link RATE`` (root) each peer lives in its own namespace of the link lab (peerd.tools.lab.links) behind a
 shaped link (``--link-loss P``: random loss on it; ``--link-queue-ms``: its queue); without, the daemons share
-127.0.0.1. The figures (``--json``):
+127.0.0.1. ``--delay MS`` has each daemon hold what it receives MS milliseconds (peerd.transport.delay; the lab has
+no netem), so every round trip costs 2 MS more, as on a WAN. The figures (``--json``):
 
 - ``step_s``: median seconds of a step (``step()`` in the trainer, after ``--warmup`` steps);
 - ``step_p90_s``, ``step_mean_s``: the 90th percentile and the mean (what a run of many steps takes per step, the
@@ -32,7 +33,7 @@ shaped link (``--link-loss P``: random loss on it; ``--link-queue-ms``: its queu
   cores, so a step over the bound says more about the machine than about the link (run fewer peers per core);
 - ``link_queue_drops`` (with ``--link``): the share of the packets offered to the links' queues that they dropped
   over the whole run, ``up`` and ``down`` apart: the daemons' own overrun, beyond the random loss.
-The lab has no delay emulation: its RTT is the queue's and the hosts', not a WAN's.
+Without ``--delay`` the RTT is the links' queues' and the hosts', not a WAN's.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class StepBenchConfig:
     link: str | None = None
     link_loss: float = 0.0
     link_queue_ms: float = 20.0
+    delay_ms: float = 0.0  # each daemon's --delay: a one-way propagation delay on what it receives
     warmup: int = 3
     keep_rounds: int | None = None  # None: the trainer's default
     compression: str | None = None
@@ -100,6 +102,8 @@ class StepBenchConfig:
             raise ValueError("--link-queue-ms must be in (0, 10000]")
         if self.link_queue_ms != 20.0 and not self.link:
             raise ValueError("--link-queue-ms needs --link RATE")
+        if not 0.0 <= self.delay_ms <= 1000.0:
+            raise ValueError("--delay must be in [0, 1000] milliseconds")
         if self.compression is not None and self.compression not in (*CODEC_BYTES, "auto"):
             raise ValueError(f"--compression must be one of {sorted(CODEC_BYTES)} or auto")
         if self.robust is not None:
@@ -145,7 +149,8 @@ def summarize(records: list[list[dict[str, Any]]], cfg: StepBenchConfig, transfe
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
     out: dict[str, Any] = {
         "mode": cfg.mode, "peers": cfg.peers, "params": cfg.params, "steps": len(steps),
-        "link": cfg.link, "link_loss": cfg.link_loss, "compression": compression, "robust": cfg.robust,
+        "link": cfg.link, "link_loss": cfg.link_loss, "delay_ms": cfg.delay_ms, "compression": compression,
+        "robust": cfg.robust,
         "step_s": round(statistics.median(seconds), 6),
         "step_p90_s": round(sorted(seconds)[int(0.9 * (len(seconds) - 1))], 6),
         "step_mean_s": round(statistics.fmean(seconds), 6),
@@ -281,7 +286,10 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
             say(f"link lab: {cfg.peers} namespaces, {cfg.link} links, loss {cfg.link_loss}, "
                 f"{cfg.link_queue_ms:g} ms of queue (no delay emulation)")
             lab.start()
-        swarm = LocalSwarm(os.path.join(workdir, "swarm"), lab=lab)
+        delay = ("--delay", f"{cfg.delay_ms:g}") if cfg.delay_ms else ()
+        if cfg.delay_ms:
+            say(f"each daemon holds what it receives {cfg.delay_ms:g} ms (round trips {2 * cfg.delay_ms:g} ms longer)")
+        swarm = LocalSwarm(os.path.join(workdir, "swarm"), lab=lab, extra_args=delay)
         procs: list[tuple[subprocess.Popen, str, Any]] = []
         try:
             say(f"starting {cfg.peers} daemons ...")
@@ -395,6 +403,9 @@ def add_parser(bench: Any) -> None:
                    help="float32 parameters of the model (default 800000; 1e6 works)")
     b.add_argument("--mode", choices=MODES, default="sync", help="sync, overlap or diloco (default sync)")
     add_link_arguments(b.add_argument_group("link lab (root)"), daemon_loss=False)
+    b.add_argument("--delay", type=float, default=0.0, metavar="MS",
+                   help="each daemon holds what it receives MS milliseconds (peerd join --delay): a one-way "
+                        "propagation delay, so round trips cost what they would on a WAN (default 0)")
     b.add_argument("--warmup", type=int, default=3, metavar="W", help="first steps left out (default 3)")
     b.add_argument("--keep-rounds", type=int, metavar="K", help="kept-group rounds (default: the trainer's)")
     b.add_argument("--compression", choices=[*sorted(CODEC_BYTES), "auto"],
@@ -408,6 +419,7 @@ def add_parser(bench: Any) -> None:
 def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cfg = StepBenchConfig(peers=args.peers, steps=args.steps, params=int(args.params), mode=args.mode,
                           link=args.link, link_loss=args.link_loss, link_queue_ms=args.link_queue_ms,
+                          delay_ms=args.delay,
                           warmup=min(args.warmup, args.steps - 1),
                           keep_rounds=args.keep_rounds, compression=args.compression, sync_every=args.sync_every,
                           robust=args.robust)
@@ -418,6 +430,8 @@ def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     where = result["link"] or "loopback"
     if result["link_loss"]:
         where += f", loss {result['link_loss']}"
+    if result["delay_ms"]:
+        where += f", {result['delay_ms']:g} ms one-way delay"
     print(f"{result['mode']} steps, {result['peers']} peers, {result['params']} parameters, {where}")
     for name in ("step_s", "step_p90_s", "step_mean_s", "transfer_s", "fixed_s", "rtt_s", "bound_s", "daemon_cpu_s",
                  "trainer_cpu_s", "cpu_floor_s", "machine_busy", "others_busy"):
