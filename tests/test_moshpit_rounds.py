@@ -391,3 +391,43 @@ def test_a_begin_ahead_from_anyone_but_the_leader_or_for_a_later_round_is_refuse
     assert not follower.on_begin(peer(5).node_id, 2, 99, members, T0 + 0.02)  # a stranger
     assert not follower.on_begin(leader.me.node_id, 4, 99, members, T0 + 0.02)  # past the one after the next
     assert not follower.sticky.holds_begin(2) and not follower.sticky.holds_begin(4)
+
+
+def test_a_begin_that_went_ahead_is_honoured_by_members_that_stopped_keeping_the_group() -> None:
+    """A follower whose round ended silent stops keeping the group after its leader's BEGIN for the next round went
+    ahead: the others start that round as they come and would wait for it, so it averages that round in the group
+    all the same (and says MM_DISBAND), as does the leader told so; the round after, both matchmake."""
+    leader, follower = _pair(True)
+    leader.start_round(now=T0)
+    lead = leader.take_actions()
+    follower.start_round(now=T0)
+    follower.take_actions()
+    assert leader.on_join(follower.me, 1, RENEW_KEY, T0 + 0.001) == (True, "ok")
+    lead += leader.take_actions()
+    (begin,) = [r for r in of(lead, Request) if r.mtype is m.MsgType.MM_BEGIN]
+    assert follower.on_begin(leader.me.node_id, 1, begin.fields["group"], list(begin.fields["members"]), T0 + 0.002)
+    follower.take_actions()
+    for g in of(lead, Get):
+        leader.on_records(g.token, [], T0 + 0.003)
+    members = [c.node_id for c in leader.group.members]
+    leader.on_averaged(averaged=True, members=members, now=T0 + 0.01)
+    (ahead,) = [r for r in of(leader.take_actions(), Request) if r.mtype is m.MsgType.MM_BEGIN]
+    assert follower.on_begin(leader.me.node_id, 2, ahead.fields["group"], list(ahead.fields["members"]), T0 + 0.011)
+    follower.on_averaged(averaged=True, silent=True, members=members, now=T0 + 0.012)
+    assert follower.sticky.broken == "silent"
+    follower.take_actions()
+    follower.start_round(now=T0 + 0.1)
+    acts = follower.take_actions()
+    assert follower.phase == "average" and follower.begun_ahead
+    assert of(acts, Average)[0].group.group_id == ahead.fields["group"]
+    disband = [a for a in of(acts, Notify) if a.mtype is m.MsgType.MM_DISBAND]
+    assert len(disband) == 2 and all(a.fields["round"] == 2 for a in disband)
+    leader.on_disband(follower.me.node_id, 2, T0 + 0.101)
+    assert leader.sticky.broken == "disbanded"
+    leader.start_round(now=T0 + 0.102)
+    assert leader.phase == "average" and of(leader.take_actions(), Average)[0].group.group_id == ahead.fields["group"]
+    for mc, t in ((leader, T0 + 0.2), (follower, T0 + 0.201)):
+        mc.on_averaged(averaged=True, members=members, now=t)
+        assert [r for r in of(mc.take_actions(), Request) if r.mtype is m.MsgType.MM_BEGIN] == []  # nothing ahead
+        mc.start_round(now=t + 0.1)
+        assert mc.phase == "match" and not mc.begun_ahead
