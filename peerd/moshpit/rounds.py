@@ -55,7 +55,7 @@ from .records import (
     plausible_progress,
     progress_key,
 )
-from .sticky import RENEW_KEY, Ask, Kept, StickyGroups, Watch, disband_notices
+from .sticky import RENEW_KEY, Ask, Kept, StickyGroups, Watch
 
 # Reads that are polled (matchmaking, the kept group's watch) stop once three of the key's holders agree
 # on its records: a write racing the read shows up at the next poll. Every FULL_READ_EVERY-th poll reads
@@ -209,14 +209,10 @@ class RoundMachine:
         self._forget_gets()
         for token in [t for t, req in self._requests.items() if req[0] in ("join", "probe", "late", "doubt")]:
             del self._requests[token]  # JOINs of an earlier round: their answers no longer matter
-        sticky, kept = self.sticky, self.sticky.kept
-        ahead = self._ahead is not None and self._ahead[0] == self.round
-        if kept is not None and sticky.broken:  # the others need not wait for a renewal that will not come
-            self._actions += disband_notices(self.me.node_id, self.run_id, self.round, kept)
-        # a round whose BEGIN went ahead (sent, or held) is averaged in that group even where this node stopped
-        # keeping it since: the others start it as they come and would wait for this node (it re-forms after)
-        self.begun_ahead = kept is not None and (ahead if sticky.leads(kept) else sticky.holds_begin(self.round))
-        kept = kept if self.begun_ahead else sticky.usable(self.round)
+        sticky = self.sticky
+        if sticky.kept is not None and sticky.broken:
+            self._disband_kept(sticky.kept)  # the others need not wait for a renewal that will not come
+        kept = sticky.usable(self.round)
         if kept is None:
             self._start_match(now)
             return
@@ -227,6 +223,7 @@ class RoundMachine:
         live = self._overstays.bound(waits, self.round, timeout_s / 2, (self.window_cap_s or self.window_s) + slack)
         self._late = LateMembers([c for c in kept.members if c.node_id in waits], started=now, rtt=self.rtt,
                                  base=now + max(0.0, min(self.window_s + slack, timeout_s / 2)), long=now + live)
+        self.begun_ahead = not sticky.leads(kept) and sticky.holds_begin(self.round)
         if sticky.leads(kept):
             if not self._watch:  # one watch in flight at a time: a slow DHT must not pile reads up
                 enough = poll_read(self.round)
@@ -434,7 +431,7 @@ class RoundMachine:
         sticky, kept = self.sticky, self._renew_kept
         assert kept is not None
         group = None
-        if (not sticky.broken or self.begun_ahead) and sticky.kept is kept:
+        if not sticky.broken and sticky.kept is kept:
             ahead, self._ahead = self._ahead, None
             if sticky.leads(kept):
                 if ahead is not None and ahead[0] == self.round and ahead[1].members == kept.members:
@@ -465,7 +462,7 @@ class RoundMachine:
         # the wait ran out (a member is gone or slow) or the group broke: everyone looks through the DHT
         reason = sticky.broken or ("not_ready" if sticky.leads(kept) else "no_begin")
         if sticky.kept is kept:
-            self._actions += disband_notices(self.me.node_id, self.run_id, self.round, kept)
+            self._disband_kept(kept)
         sticky.drop(reason)
         self._start_match(now)
 
@@ -554,6 +551,13 @@ class RoundMachine:
             self.gone.move_to_end(node_id)
         while len(self.gone) > MAX_GONE:
             self.gone.popitem(last=False)
+
+    def _disband_kept(self, kept: Kept) -> None:
+        """Tell the kept group's other members that this node will not renew it (twice: it is one-way)."""
+        for c in kept.members:
+            if c.node_id != self.me.node_id:
+                for _ in range(2):
+                    self._actions.append(Notify(c, m.MsgType.MM_DISBAND, {"run": self.run_id, "round": self.round}))
 
     # -- matchmaking ----------------------------------------------------------------------------
     def _start_match(self, now: float) -> None:

@@ -7,12 +7,7 @@ round the leader sends the same member list in a fresh MM_BEGIN and nobody touch
 A kept round synchronises like matchmaking: every follower, once it starts the round, asks the leader
 (MM_JOIN with key ``RENEW_KEY``), and the leader sends the renewal BEGIN only when all of them have asked.
 Without that, a leader that started averaging at once found a follower still busy elsewhere (its other
-run's round, a slow step) and averaged it out as silent, which broke the group every few rounds. Where the
-averages themselves wait for a late member whose daemon answers PINGs (the driver's ``begin_ahead``), the
-leader instead sends the next round's BEGIN as a round ends (``may_begin_ahead``): each member starts that
-round as its trainer comes, with no round trip to the leader first, and its average waits for the others as
-the renewal would have; a BEGIN that went ahead is honoured even by a member that stopped keeping the group
-since (the group re-forms the round after).
+run's round, a slow step) and averaged it out as silent, which broke the group every few rounds.
 
 The group goes back to DHT matchmaking (so newcomers get in and a changed swarm re-forms) when
 
@@ -67,8 +62,6 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-from ..wire import messages as m
-from .actions import Notify
 from .matchmaking import Candidate, Group
 
 MAX_EARLY = 64  # renewal BEGINs held for rounds this node has not started yet (bounded)
@@ -346,12 +339,6 @@ class StickyGroups:
                                                      kept.leader.hex(), self.broken),
             self.renewed, dict(self.dropped), self.shrunk, self.succeeded,
         )
-
-
-def disband_notices(me: bytes, run_id: str, round_no: int, kept: Kept) -> list[Notify]:
-    """MM_DISBANDs telling the kept group's other members that this node will not renew it (twice: one-way)."""
-    fields = {"run": run_id, "round": round_no}
-    return [Notify(c, m.MsgType.MM_DISBAND, fields) for c in kept.members if c.node_id != me for _ in range(2)]
 
 
 @dataclass(frozen=True)
