@@ -34,7 +34,6 @@ from peerd.allreduce.liveness import (
     probes_needed,
 )
 from peerd.allreduce.options import AverageOptions
-from peerd.allreduce.running import GATE_S
 from peerd.tools.sim.net import Link
 
 from .support.groups import AG_DATA, RS_DATA, inputs
@@ -356,45 +355,3 @@ def test_without_probe_silent_the_host_sends_no_probes() -> None:
     assert not lab.probes
     with pytest.raises(ValueError):
         AverageOptions(probe_silent=1)  # type: ignore[arg-type]
-
-
-def test_a_group_begun_ahead_waits_for_a_live_member_as_long_as_its_options_say() -> None:
-    """A kept group's round begun ahead (PROTOCOL.md 16, step 7: its members start it as each comes): node 2's
-    trainer comes 2 s late, far past LATE_START_FLOORS silences of 0.3 s. With ``late_start_s`` 3 s the others wait
-    for it while its daemon answers and the result is the exact average; with the default they average it out."""
-    xs, ws = inputs(4, 24 * PER, seed=5)
-    for late in (3.0, None):
-        lab = ProbeLab(4)
-        lab.start({0: 0.0, 1: 0.0, 2: 2.0, 3: 0.0}, 73, [0, 1, 2, 3], xs, ws, floor_s=0.3, max_phase_s=6.0,
-                  probe_silent=True, late_start_s=late)
-        lab.run()
-        for i in (0, 1, 3):
-            st = lab.nodes[i].done[73].stats
-            if late is not None:
-                assert st.complete and st.reduce_scatter.silent == () and st.dead == ()
-                assert st.reduce_scatter.ended_at >= 2.0  # (it came, and was in)
-            else:
-                assert 2 in st.reduce_scatter.silent and st.reduce_scatter.ended_at < 2.0
-        if late is not None:
-            exact = sum(w * x.astype(np.float64) for w, x in zip(ws, xs, strict=True)) / sum(ws)
-            for i in range(4):
-                np.testing.assert_allclose(lab.nodes[i].done[73].vector, exact, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("bad", [-0.1, math.inf, math.nan])
-def test_late_start_must_be_a_finite_duration(bad: float) -> None:
-    with pytest.raises(ValueError, match="late_start_s"):
-        AverageOptions(late_start_s=bad)
-
-
-def test_a_group_begun_ahead_holds_a_late_members_data_back_as_long_as_it_waits_for_it() -> None:
-    """The gate (running.py): a member not heard from yet gets GATE_BYTES of data, the rest waits for it. In a group
-    whose members start as each comes, the rest waits as long as the phases wait for the member's start: sent after
-    GATE_S, it would be dropped where it outgrows what the late member holds for a group it has not started."""
-    xs, ws = inputs(4, 24 * PER, seed=6)
-    for late, opens in ((3.0, 3.0), (None, GATE_S)):
-        lab = ProbeLab(4)
-        lab.start({0: 0.0, 1: 0.0, 2: None, 3: 0.0}, 74, [0, 1, 2, 3], xs, ws, floor_s=0.3, max_phase_s=6.0,
-                  probe_silent=True, late_start_s=late)
-        lab.run(until=0.01)
-        assert lab.nodes[0].host._groups[74].gate_until == pytest.approx(opens)

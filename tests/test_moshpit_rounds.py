@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import replace
 
 import msgpack
 import pytest
@@ -300,94 +299,3 @@ def test_the_members_of_a_step_are_those_whose_progress_reached_its_first_round(
                SimRecord(ps[3].node_id, b"\xc1", T0 + PROGRESS_TTL_S, ps[3].public_key)]  # malformed
     assert finished_since(records, 40) == {ps[0].node_id, ps[1].node_id}
     assert finished_since(records, 0) == {ps[0].node_id, ps[1].node_id, ps[2].node_id}
-
-
-def _renew_round(leader: RoundMachine, follower: RoundMachine, now: float) -> tuple[list, list]:
-    """One kept round of a two-member group: each starts it, the follower asks unless a BEGIN came ahead, the
-    leader begins; the leader's watch reads come back empty; both average. What each took after the average."""
-    leader.start_round(now=now)
-    lead = leader.take_actions()
-    follower.start_round(now=now + 0.001)
-    follow = follower.take_actions()
-    if leader.phase == "renew":
-        (ask,) = [r for r in of(follow, Request) if r.mtype is m.MsgType.MM_JOIN]
-        assert ask.fields["key"] == RENEW_KEY
-        assert leader.on_join(follower.me, leader.round, RENEW_KEY, now + 0.002) == (True, "ok")
-        lead += leader.take_actions()
-    else:
-        assert of(follow, Request) == []  # (its BEGIN came ahead: nothing to ask)
-    (begin,) = [r for r in of(lead, Request) if r.mtype is m.MsgType.MM_BEGIN] or [None]
-    if follower.phase == "renew":
-        assert begin is not None and begin.fields["round"] == follower.round
-        assert follower.on_begin(leader.me.node_id, begin.fields["round"], begin.fields["group"],
-                                 list(begin.fields["members"]), now + 0.003)
-        follow += follower.take_actions()
-    (avg_l,), (avg_f,) = of(lead, Average), of(follow, Average)
-    assert avg_l.kept and avg_f.kept and avg_l.group.group_id == avg_f.group.group_id
-    for g in of(lead, Get):
-        leader.on_records(g.token, [], now + 0.004)
-    members = [c.node_id for c in avg_l.group.members]
-    leader.on_averaged(averaged=True, members=members, now=now + 0.01)
-    follower.on_averaged(averaged=True, members=members, now=now + 0.011)
-    return leader.take_actions(), follower.take_actions()
-
-
-def _pair(begin_ahead: bool, keep_rounds: int = 4) -> tuple[RoundMachine, RoundMachine]:
-    a, b = peer(0), peer(1)
-    leader_id = min(a.node_id, b.node_id)
-    machines = [machine(0), machine(1)]
-    for mc in machines:
-        _kept(mc, [a, b], leader_id)
-        mc.sticky.keep_rounds = keep_rounds
-        mc.sticky.kept = replace(mc.sticky.kept, rounds=keep_rounds - 1)
-        mc.begin_ahead = begin_ahead
-    leader = next(mc for mc in machines if mc.me.node_id == leader_id)
-    return leader, next(mc for mc in machines if mc is not leader)
-
-
-def test_a_kept_groups_leader_begins_the_next_round_as_this_one_ends() -> None:
-    """PROTOCOL.md 16, step 7 (Begin ahead): where averages PING silent members (the driver's ``begin_ahead``), the
-    leader of a round that averaged sends the next round's BEGIN as it ends; the follower holds it, starts that
-    round without asking, and both average under the same group id at once (the renewal's round trip is gone)."""
-    leader, follower = _pair(True)
-    after_l, after_f = _renew_round(leader, follower, T0)  # round 1: the follower asks (nothing came ahead)
-    assert not leader.begun_ahead and not follower.begun_ahead
-    (ahead,) = [r for r in of(after_l, Request) if r.mtype is m.MsgType.MM_BEGIN]
-    assert ahead.fields["round"] == 2 and ahead.to.node_id == follower.me.node_id and ahead.detached
-    assert follower.on_begin(leader.me.node_id, 2, ahead.fields["group"], list(ahead.fields["members"]), T0 + 0.02)
-    after_l, _ = _renew_round(leader, follower, T0 + 0.1)  # round 2: begun ahead on both sides
-    assert leader.begun_ahead and follower.begun_ahead
-    assert leader.group.group_id == follower.group.group_id == ahead.fields["group"]
-    (again,) = [r for r in of(after_l, Request) if r.mtype is m.MsgType.MM_BEGIN]
-    assert again.fields["round"] == 3 and again.fields["group"] != ahead.fields["group"]  # a fresh id each round
-
-
-@pytest.mark.parametrize("case", ["off", "watching", "used_up", "alone", "silent"])
-def test_no_begin_goes_ahead_where_the_next_round_might_not_renew_the_group(case: str) -> None:
-    """No BEGIN ahead without the driver's ``begin_ahead`` (averages that do not PING a silent member would average
-    a late one out), while a read for outsiders is still out (what it finds must be able to stop the round), after
-    the group's last kept round, or after a round that did not average with every member."""
-    leader, follower = _pair(case != "off", keep_rounds=2 if case == "used_up" else 4)
-    leader.start_round(now=T0)
-    watch = of(leader.take_actions(), Get)
-    follower.start_round(now=T0)
-    assert leader.on_join(follower.me, 1, RENEW_KEY, T0 + 0.001) == (True, "ok")
-    (avg,) = of(leader.take_actions(), Average)
-    if case != "watching":
-        for g in watch:
-            leader.on_records(g.token, [], T0 + 0.002)
-    members = [c.node_id for c in avg.group.members]
-    leader.on_averaged(averaged=case != "alone", silent=case == "silent", members=members, now=T0 + 0.01)
-    assert [r for r in of(leader.take_actions(), Request) if r.mtype is m.MsgType.MM_BEGIN] == []
-
-
-def test_a_begin_ahead_from_anyone_but_the_leader_or_for_a_later_round_is_refused_hostile() -> None:
-    """A member of the kept group that is not its leader, a stranger, or the leader naming a round past the one
-    after the follower's next, cannot start a follower's round: the follower refuses it and asks its leader as usual."""
-    leader, follower = _pair(True)
-    _renew_round(leader, follower, T0)
-    members = list(leader.sticky.kept.members)
-    assert not follower.on_begin(follower.me.node_id, 2, 99, members, T0 + 0.02)  # (itself: not the leader)
-    assert not follower.on_begin(peer(5).node_id, 2, 99, members, T0 + 0.02)  # a stranger
-    assert not follower.on_begin(leader.me.node_id, 4, 99, members, T0 + 0.02)  # past the one after the next
-    assert not follower.sticky.holds_begin(2) and not follower.sticky.holds_begin(4)

@@ -167,10 +167,9 @@ def test_a_kept_group_waits_for_a_member_that_starts_its_round_late() -> None:
 def test_a_kept_group_waits_past_its_tuned_window_for_a_live_member_and_drops_a_dead_one_fast() -> None:
     """Four daemons whose window tuned itself down to 1 s (a 3 s cap). One member's trainer comes 2 s late (its
     evaluation ran long): its daemon answers the PINGs the waiting side sends, so the kept group waits for it
-    and averages complete, whether the late one is a follower or the leader (the leader begins each round as the
-    last one ends; the members start it as each comes, and the average waits for a late one whose daemon answers).
-    Then a follower dies right after a round: the average's PINGs go unanswered and the others go on without it at
-    once, keeping the group of the rest, instead of waiting a window."""
+    and averages complete, whether the late one is a follower or the leader. Then a follower dies right after a
+    round: the leader's PINGs go unanswered and it renews the group without it at once instead of waiting its
+    window."""
 
     async def main(net: MemNet, nursery: trio.Nursery) -> None:
         nodes = await tuned_swarm(nursery, net, 4, "late", window_s=3.0, keep_rounds=20)
@@ -192,13 +191,10 @@ def test_a_kept_group_waits_past_its_tuned_window_for_a_live_member_and_drops_a_
         survivors = [n for n in nodes if n.alive]
         t0 = trio.current_time()
         results = await lockstep(survivors, "late", vectors[:3])
-        # the leader began this round as the last one ended (its BEGIN went ahead, before the follower died): the
-        # others averaged without it once three PINGs went unanswered (0.35 s), not at a window's end, and keep the
-        # group of the three instead of matchmaking through the DHT
-        assert all(r is not None and r.outcome == "averaged" and r.kept and r.group_size - len(r.dead) == 3
-                   and r.received_fraction == pytest.approx(2 / 3) for r in results)
-        assert all(n.moshpit.runs["late"].sticky.statistics().kept.size == 3 for n in survivors)
+        assert all(r is not None and r.outcome == "averaged" and r.group_size == 3 and r.kept for r in results)
         assert nodes[lead].moshpit.runs["late"].sticky.statistics().shrunk == 1
+        # the leader went on without it after three unanswered PINGs (0.35 s), not at its window's end, and
+        # renewed the group of the others instead of matchmaking through the DHT
         took = trio.current_time() - t0
         assert 0.3 < took < 0.45 < WINDOW_FLOOR_S <= window, (took, window)
 

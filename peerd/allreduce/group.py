@@ -230,9 +230,6 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
         self.weight = float(w32)  # what travels, so every member uses the same value for it
         self.floor_s = float(floor_s)
         self.owner_lag_s = self.floor_s if options.owner_lag_s is None else float(options.owner_lag_s)
-        late = options.late_start_s
-        self.late_start_s = LATE_START_FLOORS * self.floor_s if late is None else float(late)
-        self.started_apart = late is not None  # (its members start it as each comes: running.py's gate waits as long)
         self.safety = float(safety)
         self.max_phase_s = max_phase_s
         self._vec = vec
@@ -557,14 +554,13 @@ class GroupAverage(Intake, Outbox, Finalize, Repair):
 
     def note_alive(self, member: int, now: float) -> None:
         """``member``'s daemon answered a PING at ``now`` (liveness.py): a receive phase that has had nothing of it
-        yet counts its silence from there, as from an arrival, within ``late_start_s`` (LATE_START_FLOORS floors
-        unless the options say) of the phase's start. A member late to start (opening its paths on a loaded CPU) is
-        then not taken for lost while it answers; one that answers and never sends holds the phase that much longer,
-        no more."""
+        yet counts its silence from there, as from an arrival, within ``LATE_START_FLOORS`` floors of the phase's
+        start. A member late to start (opening its paths on a loaded CPU) is then not taken for lost while it
+        answers; one that answers and never sends holds the phase that much longer, no more."""
         ph = self._rs if self.state is State.REDUCE_SCATTER else self._ag if self.state is State.ALL_GATHER else None
         if ph is None or ph.t0 is None or ph.done[member] or ph.received[member] or ph.end_seen[member]:
             return
-        ph.alive_at = max(ph.alive_at, min(now, ph.t0 + self.late_start_s))
+        ph.alive_at = max(ph.alive_at, min(now, ph.t0 + LATE_START_FLOORS * self.floor_s))
 
     def waiting_for(self) -> list[int]:
         """The members whose stream the receive phase now running still waits for (none once both ended)."""

@@ -80,10 +80,7 @@ class AverageOptions:
     equal; shards.Layout, capped_shares): every member of the group must pass the same. ``prior``: (member index,
     its earlier direction tests' cosines times their elements summed, those elements) that this owner's test pools
     with this one's (robust clip only; arc-topk's dense phase: robust.Suspects.prior). ``segments``: robust may
-    decide a large shard's head early (off where the caller needs one test per shard: arc-topk's suspects).
-    ``late_start_s``: with ``probe_silent``, how long past a phase's start a member not heard from yet is waited for
-    while its daemon answers (None: a few ``floor_s``; a group whose members start as each comes, not together, waits
-    for a late one as long as their gathering would have)."""
+    decide a large shard's head early (off where the caller needs one test per shard: arc-topk's suspects)."""
 
     floor_s: float = 1.0
     max_phase_s: float | None = 60.0
@@ -107,12 +104,9 @@ class AverageOptions:
     shares: tuple[int, ...] | None = None
     prior: tuple[tuple[int, float, int], ...] = ()
     segments: bool = True
-    late_start_s: float | None = None
 
     def __post_init__(self) -> None:
         check_timing(self.floor_s, self.max_phase_s, self.end_grace_s)
-        if self.late_start_s is not None and not (math.isfinite(self.late_start_s) and self.late_start_s >= 0):
-            raise ValueError(f"late_start_s must be finite and >= 0, or None, got {self.late_start_s!r}")
         if self.owner_lag_s is not None:
             check_timing(self.owner_lag_s, self.max_phase_s)
         if self.max_weight is not None:

@@ -145,9 +145,7 @@ class RunningGroup:
         self.heard = [i == core.index for i in range(len(peers))]
         self.given = [0] * len(peers)
         self.waiting: dict[int, list[SendBlock]] = {}
-        # (a group whose members start it as each comes waits for a late one's start as long as its phases do: the
-        # data past the gate would otherwise be dropped where it outgrows what the late member holds for it)
-        self.gate_until = now + (max(GATE_S, core.late_start_s) if core.started_apart else GATE_S)
+        self.gate_until = now + GATE_S
         self.gate_rows = 0  # GATE_BYTES in datagrams (set by the host, which knows their size)
         self.released = False  # its result was handed on (AveragingHost.release); it only serves repairs now
         self.started = now

@@ -108,9 +108,6 @@ class RoundMachine:
         self.outcome = ""  # "averaged" | "alone" (set when the round is over)
         self.group: Group | None = None
         self.kept_round = False
-        self.begin_ahead = False  # (the driver's) as a kept group's leader, BEGIN the next round as this one ends
-        self.begun_ahead = False  # this round's kept group began from a BEGIN its leader sent before it started
-        self._ahead: tuple[int, Group] | None = None  # as a kept group's leader: (round, group) whose BEGIN went ahead
         self.seen = 1
         self.key = ""
         self._actions: list[Action] = []
@@ -200,7 +197,7 @@ class RoundMachine:
         ``now`` theirs ended as it arrived, it was alone again, and one window behind at every round after."""
         if self.phase not in ("idle", "done"):
             raise RuntimeError(f"round {self.round} is still {self.phase}")
-        self.outcome, self.group, self.kept_round, self.begun_ahead, self.seen = "", None, False, False, 1
+        self.outcome, self.group, self.kept_round, self.seen = "", None, False, 1
         self._chain_from, self.window_end, self._dead = chain_from, 0.0, frozenset()
         self.key = self.keys.group_key(self.round)
         self._numbered = self.sticky.numbered = numbered
@@ -223,7 +220,6 @@ class RoundMachine:
         live = self._overstays.bound(waits, self.round, timeout_s / 2, (self.window_cap_s or self.window_s) + slack)
         self._late = LateMembers([c for c in kept.members if c.node_id in waits], started=now, rtt=self.rtt,
                                  base=now + max(0.0, min(self.window_s + slack, timeout_s / 2)), long=now + live)
-        self.begun_ahead = not sticky.leads(kept) and sticky.holds_begin(self.round)
         if sticky.leads(kept):
             if not self._watch:  # one watch in flight at a time: a slow DHT must not pile reads up
                 enough = poll_read(self.round)
@@ -232,7 +228,7 @@ class RoundMachine:
                                      ("key", group_dht_key(self.run_id, self.round + 1, self.key))):
                     token = self._get(key, "watch", enough, detached=True)
                     self._watch[token] = Watch(kept, now, purpose, self.round)
-        elif not self.begun_ahead:  # (its BEGIN came ahead: nothing to ask)
+        else:
             self._ask = Ask(kept, self.round, round(now + self.window_s, 3), now + self.window_s + FOLLOW_SLACK_S)
             self._send_ask(now)
         self._check_renewal(now)
@@ -432,12 +428,9 @@ class RoundMachine:
         assert kept is not None
         group = None
         if not sticky.broken and sticky.kept is kept:
-            ahead, self._ahead = self._ahead, None
             if sticky.leads(kept):
-                if ahead is not None and ahead[0] == self.round and ahead[1].members == kept.members:
-                    group, self.begun_ahead = ahead[1], True
-                elif not sticky.missing(self.round):
-                    group = self._renewal(kept, self.round)
+                if not sticky.missing(self.round):
+                    group = self._renewal(kept)
             else:
                 group = sticky.take_begin(self.round)
             if group is not None:
@@ -470,10 +463,10 @@ class RoundMachine:
         """Whom the renewal waits for: the followers that have not asked (the leader), or the leader."""
         return self.sticky.missing(self.round) if self.sticky.leads(kept) else frozenset([kept.leader])
 
-    def _renewal(self, kept: Kept, round_no: int) -> Group:
-        """As the leader (every follower asked for ``round_no``, or ahead: _finish): the group, a fresh id, BEGINs."""
-        group = self.sticky.renewal(self.rng.randrange(1, 2**32), round_no)
-        fields = {"run": self.run_id, "round": round_no, "group": group.group_id, "members": list(kept.members)}
+    def _renewal(self, kept: Kept) -> Group:
+        """As the leader, every follower having asked: the kept group under a fresh id, BEGIN to each."""
+        group = self.sticky.renewal(self.rng.randrange(1, 2**32), self.round)
+        fields = {"run": self.run_id, "round": self.round, "group": group.group_id, "members": list(kept.members)}
         for c in kept.members:
             if c.node_id != self.me.node_id:
                 self._request(c, m.MsgType.MM_BEGIN, fields, ("renewal", kept), BEGIN_TIMEOUT_S, BEGIN_ATTEMPTS,
@@ -746,9 +739,6 @@ class RoundMachine:
         self.round = round_no + 1
         self._last_round = round_no
         self._actions.append(Put(progress_key(self.run_id), encode_progress(round_no), PROGRESS_TTL_S))
-        kept = self.sticky.may_begin_ahead(round_no + 1, watching=bool(self._watch)) if self.begin_ahead else None
-        if kept is not None and self.synced and self.outcome == "averaged":  # the next round's BEGIN now: no asks
-            self._ahead = (round_no + 1, self._renewal(kept, round_no + 1))
         if not self.synced and not self._numbered:  # the caller numbers this run's rounds: nothing to catch up
             self.sync(now)
         else:
@@ -762,7 +752,9 @@ class RoundMachine:
 
     def apply_sync(self, records: list[RecordLike], now: float) -> None:
         """Start at the round after the latest one any (believable) peer of the run finished."""
-        latest = max((value for _, value, _ in self._progress(records, now)), default=-1)
+        latest = -1
+        for _, value, _ in self._progress(records, now):
+            latest = max(latest, value)
         self.round = max(self.round, latest + 1)
         self.synced = True
 

@@ -548,9 +548,8 @@ class MoshpitService:
             shares = capped_shares([c.capped for c in group.members]) if st.shares == "caps" else None
             capped = capped_phase_s(self.cap_ad, self.peer_caps, self.identity.node_id, group, vector.nbytes,
                                     self.endpoint.mtu, shares)
-            floor_s, longest, late = phase_deadlines(self.deadlines, vector.nbytes, max(1.0, budget_s / 2, capped),
-                                                     capped, st.core)
-            options = AverageOptions(floor_s=floor_s, owner_lag_s=SILENCE_CAP_S, max_phase_s=longest, late_start_s=late,
+            floor_s, longest = phase_deadlines(self.deadlines, vector.nbytes, max(1.0, budget_s / 2, capped), capped)
+            options = AverageOptions(floor_s=floor_s, owner_lag_s=SILENCE_CAP_S, max_phase_s=longest,
                                      max_weight=st.max_weight, robust=st.robust, absent=absent,
                                      probe_silent=probes_silent(self.deadlines), shares=shares, **coded)
             res = await self.allreduce.average(group_id, members, group.index, vector, weight, options, center=around)

@@ -259,22 +259,6 @@ class StickyGroups:
             del self._ready[max(self._ready)]
         return True
 
-    def may_begin_ahead(self, round_no: int, *, watching: bool) -> Kept | None:
-        """As the leader, a round of my kept group having averaged: the group, where its next round ``round_no`` may
-        be begun now, before any follower asks (PROTOCOL.md 16, step 7: its round trip is then off every member's
-        step). Only where that round is known to be the next (an unnumbered run), nothing broke the group, the
-        round is one it is kept for, and no read for peers outside it is in flight (``watching``: what it finds
-        must be able to stop the round before it begins)."""
-        kept = self.kept
-        if (kept is None or self.broken or self.numbered or watching or kept.leader != self.me
-                or not self._in_reach(kept, round_no)):
-            return None
-        return kept
-
-    def holds_begin(self, round_no: int) -> bool:
-        """As a follower: a renewal BEGIN for ``round_no`` arrived before the round started."""
-        return round_no in self._early
-
     def missing(self, round_no: int) -> frozenset[bytes]:
         """As the leader: the kept group's followers that have not asked for round ``round_no`` yet."""
         kept = self.kept

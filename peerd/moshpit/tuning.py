@@ -24,24 +24,16 @@ def tune_round(deadlines: DeadlineTuner | None, core: RoundMachine, cap_s: float
     window = core.window_s = tuned_window(deadlines, cap_s) if wait_s is None else max(wait_s, cap_s)
     core.window_cap_s = cap_s if wait_s is None else window
     core.doubt_s = window if deadlines is None else deadlines.doubt(window).seconds
-    # a kept group's next round may begin before its followers ask where averages PING a silent member (one late to
-    # start is waited for, a dead one given up on at once), and not for a round that must gather everyone
-    core.begin_ahead = probes_silent(deadlines) and wait_s is None
     return window
 
 
-def phase_deadlines(deadlines: DeadlineTuner | None, nbytes: int, cap_s: float, capped_s: float,
-                    core: RoundMachine | None = None) -> tuple[float, float, float | None]:
-    """(the silence that ends an averaging phase, its longest, how long a member not heard from yet is waited for:
-    None, the average's own few silences) for a vector of ``nbytes``: tuned within today's 1 s and ``cap_s``, never
-    below what a capped member's share needs (``capped_s``). A round of ``core`` begun ahead (its members start it
-    as each comes, not together) waits for a late member whose daemon lives, and its phases last, ``cap_s`` more:
-    what its renewal would have waited for it (half the round's budget)."""
-    late = cap_s if core is not None and core.begun_ahead else None
+def phase_deadlines(deadlines: DeadlineTuner | None, nbytes: int, cap_s: float, capped_s: float) -> tuple[float, float]:
+    """(the silence that ends an averaging phase, its longest) for a vector of ``nbytes``: tuned within today's
+    1 s and ``cap_s``, never below what a capped member's share needs (``capped_s``)."""
     if deadlines is None:
-        return SILENCE_CAP_S, cap_s + (late or 0.0), late
+        return SILENCE_CAP_S, cap_s
     longest = max(min(capped_s, cap_s), deadlines.phase(nbytes, cap_s).seconds)
-    return deadlines.phase_silence(SILENCE_CAP_S).seconds, longest + (late or 0.0), late
+    return deadlines.phase_silence(SILENCE_CAP_S).seconds, longest
 
 
 def probes_silent(deadlines: DeadlineTuner | None) -> bool:
