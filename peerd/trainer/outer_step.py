@@ -230,7 +230,8 @@ class OuterSteps:
                     self.metrics.contributions_refused.labels("nonfinite_result").inc()
                     raise ValueError("the average is not a finite vector of the pseudo-gradient's shape")
             except Exception as e:  # this member keeps what it holds; the agreement gives it the swarm's
-                log.warning("session %d outer round %d.%d: averaging failed: %s", session.id, round_no, rounds, e)
+                log.warning("session %d outer round %d.%d: averaging failed: %s: %s", session.id, round_no, rounds,
+                            type(e).__name__, e)
                 result, outcome = None, "failed"
             else:
                 result, outcome, out = got, got.outcome, averaged

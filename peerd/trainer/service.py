@@ -431,7 +431,7 @@ class TrainerService:
                 raise ValueError(f"averaging returned {out.shape}, expected {vector.shape}")
             got, outcome = result, result.outcome
         except Exception as e:  # the round failed: the trainer decides what to do with its own vector
-            log.warning("session %d step %d: averaging failed: %s", session.id, step, e,
+            log.warning("session %d step %d: averaging failed: %s: %s", session.id, step, type(e).__name__, e,
                         exc_info=e if isinstance(e, BaseExceptionGroup) else None)  # (a task's error: say where)
             out, outcome, error = vector, "failed", f"{type(e).__name__}: {e}"
         if outcome != "failed" and not all_finite(out):  # non-finite numbers never reach a model
@@ -615,7 +615,7 @@ class TrainerService:
             for b, result in enumerate(results):
                 sr.settle(b, result)
         except Exception as e:
-            log.warning("session %d step %d: the step's round failed: %s", session.id, step, e)
+            log.warning("session %d step %d: the step's round failed: %s: %s", session.id, step, type(e).__name__, e)
             for b in range(sr.count):
                 sr.settle(b, e)
 
