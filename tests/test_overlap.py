@@ -297,3 +297,90 @@ def test_deferred_buckets_wait_for_their_gradients_without_an_averager_that_take
         assert d.averager.readies and not any(d.averager.readies)
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("ready,parts", [(True, True), (True, False), (False, False)])
+def test_a_bucket_ready_that_runs_before_its_bucket_request_is_kept(tmp_path, ready, parts) -> None:
+    """Requests with ids run concurrently, in no set order: a trainer_bucket_ready that runs before its
+    trainer_bucket must not be lost (the bucket's average would wait for it until its deadline)."""
+    d = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2), ready=ready, parts=parts)
+    try:
+        m = mlp(0)
+        opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="e", socket=d.path, sync_state=False,
+                        state_every=0)
+        c, n = opt._client, opt.elems
+        args = {"session": opt.session, "offset": 0, "length": n, "timeout_s": 20, "deferred": True,
+                "buckets": 1, "plan": "0" * 16}
+        for step, skip in [(1, False), (2, True)]:
+            opt.arena.write_request(step, 1.0)
+            opt.arena.vector(step)[:] = 0.5
+            assert not c.call("trainer_bucket_ready", session=opt.session, step=step, bucket=0, skip=skip)["waiting"]
+            t0 = time.monotonic()
+            if skip:  # the bucket drops out (a failed round's reply, or an error where no averager took ready=)
+                try:
+                    text = c.call("trainer_bucket", step=step, bucket=0, **args)["error"]
+                except DaemonError as e:
+                    text = str(e)
+                assert "skipped" in text
+            else:
+                reply = c.call("trainer_bucket", step=step, bucket=0, **args)
+                assert reply["outcome"] == "alone" and not reply.get("error")
+            assert time.monotonic() - t0 < 5.0  # not the bucket's 20 s deadline
+        # a ready far ahead of the latest step is not kept; malformed ones are refused
+        c.call("trainer_bucket_ready", session=opt.session, step=9, bucket=0)
+        assert not d.service.sessions[opt.session].early_ready
+        for bad in [{"step": "1"}, {"bucket": 1000}, {"skip": 1}]:
+            with pytest.raises(DaemonError, match="trainer_bucket_ready needs"):
+                c.call("trainer_bucket_ready", **{"session": opt.session, "step": 3, "bucket": 0, **bad})
+        opt.close()
+    finally:
+        d.stop()
+
+
+class _SlowOpening(InProcessAverager):
+    """As Moshpit: a run's first rounds look its grid up (the first caller's lookup slower than the second's),
+    then every round of the run takes the run's lock in turn."""
+
+    def __init__(self) -> None:
+        super().__init__(group_size=1, wait_s=0.2)
+        self.lookups = [0.4, 0.05]
+        self.opened: set[str] = set()
+        self.locks: dict = {}
+        self.order: list[str] = []
+
+    async def average_parts(self, run_id: str, parts: list, weight: float, **options) -> list:
+        import trio
+
+        if run_id not in self.opened:
+            await trio.sleep(self.lookups.pop(0) if self.lookups else 0.0)
+            self.opened.add(run_id)
+        async with self.locks.setdefault(run_id, trio.Lock()):
+            self.order.append(run_id)
+            return await super().average_parts(run_id, parts, weight, **options)
+
+
+def test_a_steps_round_starts_after_the_previous_steps_round(tmp_path) -> None:
+    """Step 2's request comes while step 1's round is still opening its run: step 2's round must not take the
+    run first (its group would wait for gradients the trainer sends only once step 1's average is back)."""
+    d = ThreadDaemon(str(tmp_path / "d.sock"), _SlowOpening())
+    try:
+        m = mlp(0)
+        opt = Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), run="o", socket=d.path, sync_state=False,
+                        state_every=0)
+        c, n = opt._client, opt.elems
+        args = {"session": opt.session, "bucket": 0, "offset": 0, "length": n, "timeout_s": 20,
+                "deferred": True, "buckets": 1, "plan": "0" * 16}
+        t0 = time.monotonic()
+        for step in (1, 2):
+            opt.arena.write_request(step, 1.0)
+        first = c.submit("trainer_bucket", step=1, **args)
+        c.call("trainer_bucket_ready", session=opt.session, step=1, bucket=0)
+        second = c.submit("trainer_bucket", step=2, **args)  # its gradients come after step 1's average
+        assert c.collect(first, timeout=60)["outcome"] == "alone"
+        assert time.monotonic() - t0 < 5.0  # not the round's 20 s deadline
+        c.call("trainer_bucket_ready", session=opt.session, step=2, bucket=0)
+        assert c.collect(second, timeout=60)["outcome"] == "alone"
+        assert len(d.averager.order) == 2
+        opt.close()
+    finally:
+        d.stop()

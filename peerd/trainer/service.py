@@ -491,11 +491,17 @@ class TrainerService:
                               f"deferred buckets already")
         shared_round = self._step_round(session, step, buckets, plan) if shared else None
         session.latest = step
+        for key in [k for k in session.early_ready if k[0] < step]:  # readies of steps no request will name now
+            del session.early_ready[key]
         self._report(req, session)
         start = entered = time.monotonic()
         extra: dict[str, Any] = {}
         if deferred:
             event, skipped = session.deferred[(step, bucket)] = (trio.Event(), [])
+            if (step, bucket) in session.early_ready:  # its trainer_bucket_ready ran first
+                if session.early_ready.pop((step, bucket)):
+                    skipped.append(True)
+                event.set()
             vector = np.empty(length, dtype=np.float32)
 
             async def ready() -> None:
@@ -569,9 +575,11 @@ class TrainerService:
                 raise OpError(f"step {step}: buckets={buckets} plan={plan} differ from the step's first bucket "
                               f"(buckets={sr.count} plan={sr.plan})")
             return sr, False
-        for older in [s for s in session.rounds if s < step]:  # their buckets are refused now (step < latest)
-            del session.rounds[older]
-        sr = session.rounds[step] = StepRound.new(buckets, plan)
+        older = sorted(s for s in session.rounds if s < step)
+        after = session.rounds[older[-1]] if older else None
+        for s in older:  # their buckets are refused now (step < latest)
+            del session.rounds[s]
+        sr = session.rounds[step] = StepRound.new(buckets, plan, after if after and not after.ended.is_set() else None)
         return sr, True
 
     async def _share_round(self, session: Session, step: int, bucket: int, opened: tuple[StepRound, bool],
@@ -608,6 +616,10 @@ class TrainerService:
             return Part(fetch, lambda result: sr.settle(b, result))
 
         try:
+            if sr.after is not None:  # the previous step's round first (it ends within its own limit)
+                with trio.move_on_after(timeout + 20.0):
+                    await sr.after.ended.wait()
+                sr.after = None
             with trio.fail_after(timeout + 10.0):
                 results = await self.average_parts(session.step_id(sr.plan), [part(b) for b in range(sr.count)],
                                                    weight, timeout_s=timeout,
@@ -618,15 +630,24 @@ class TrainerService:
             log.warning("session %d step %d: the step's round failed: %s: %s", session.id, step, type(e).__name__, e)
             for b in range(sr.count):
                 sr.settle(b, e)
+        finally:
+            sr.ended.set()
 
     async def _op_bucket_ready(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
         """A deferred bucket's gradients are in the slot (``skip``: they are not finite; the bucket drops out)."""
         session = self._session(req, conn)
-        key = (req.get("step"), req.get("bucket"))
-        entry = session.deferred.get(key)  # type: ignore[arg-type]
-        if entry is None:  # its average ended already (failed before the group formed): nothing waits
+        step, bucket, skip = req.get("step"), req.get("bucket"), req.get("skip", False)
+        if type(step) is not int or type(bucket) is not int or not 0 <= bucket < MAX_BUCKETS or type(skip) is not bool:
+            raise OpError(f"trainer_bucket_ready needs step (int), bucket (int in [0, {MAX_BUCKETS})) and skip (bool)")
+        entry = session.deferred.get((step, bucket))
+        if entry is None:
+            # requests run concurrently: the bucket's own request may not have run yet (then it takes this), or
+            # its average ended already (failed before the group formed: nothing waits)
+            if (session.latest <= step <= session.latest + MAX_DEFERRED_STEPS
+                    and len(session.early_ready) < MAX_BUCKETS * (MAX_DEFERRED_STEPS + 1)):
+                session.early_ready[(step, bucket)] = skip
             return {"waiting": False}
-        if req.get("skip", False):
+        if skip:
             entry[1].append(True)
         entry[0].set()
         return {"waiting": True}

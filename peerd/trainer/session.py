@@ -61,6 +61,9 @@ class Session:
     # overlap: (step, bucket) -> the event a deferred bucket waits on and whether it was skipped (bounded by
     # MAX_BUCKETS per step and MAX_DEFERRED_STEPS steps)
     deferred: dict[tuple[int, int], tuple[trio.Event, list[bool]]] = field(default_factory=dict)
+    # overlap: (step, bucket) -> skip, for a trainer_bucket_ready that ran before its trainer_bucket (requests with
+    # ids run concurrently, in no set order); the bucket's request takes it (steps from latest on, bounded)
+    early_ready: dict[tuple[int, int], bool] = field(default_factory=dict)
     # overlap with one matchmaking per step: step -> the round its deferred buckets share (at most
     # MAX_DEFERRED_STEPS unfinished ones)
     rounds: dict[int, StepRound] = field(default_factory=dict)
@@ -88,7 +91,9 @@ class Session:
 class StepRound:
     """The deferred buckets of one step that share one Moshpit round (``average_parts``: one matchmaking).
     Bucket b's request fills ``fetches[b]`` and sets ``arrived[b]``; the round sets ``results[b]`` and
-    ``done[b]`` the moment b's average ends."""
+    ``done[b]`` the moment b's average ends. ``after``: the session's previous step's round, which must end
+    before this one starts (both are Moshpit rounds of one run; taken out of order, this step's group would wait
+    for gradients the trainer sends only once the previous step's average is back)."""
 
     count: int
     plan: str
@@ -96,11 +101,13 @@ class StepRound:
     fetches: list[Callable[[], Awaitable[np.ndarray]] | None]
     results: list[Any]
     done: list[trio.Event]
+    after: StepRound | None = None
+    ended: trio.Event = field(default_factory=trio.Event)
 
     @classmethod
-    def new(cls, count: int, plan: str) -> StepRound:
+    def new(cls, count: int, plan: str, after: StepRound | None = None) -> StepRound:
         return cls(count, plan, [trio.Event() for _ in range(count)], [None] * count, [None] * count,
-                   [trio.Event() for _ in range(count)])
+                   [trio.Event() for _ in range(count)], after)
 
     def settle(self, bucket: int, result: Any) -> None:
         if not self.done[bucket].is_set():
