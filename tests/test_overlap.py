@@ -384,3 +384,43 @@ def test_a_steps_round_starts_after_the_previous_steps_round(tmp_path) -> None:
         opt.close()
     finally:
         d.stop()
+
+
+def test_an_overlap_joiner_counts_its_steps_as_the_swarm_does(daemon) -> None:
+    """As in sync mode: a joiner's first averaged round moves its step count to its donor's, though overlap's
+    reply of that round comes a step later; the snapshot names the round of its own last step."""
+    daemon.averager.wait_s = 0.1
+    a, b = mlp(0), mlp(7)
+    kw = {"run": "j", "socket": daemon.path, "sync_state": False, "state_every": 0, "average_params_every": 0,
+          "overlap": True, "bucket_mb": 25.0}
+    oa = Optimizer(torch.optim.SGD(a.parameters(), lr=0.1), model=a, **kw)
+
+    def step(m, o, seed: int) -> dict:
+        x, y = batch(seed, 8)
+        o.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        return o.step(samples=8)
+
+    for s in range(3):
+        step(a, oa, s)
+    blob = oa.snapshot()  # step 3, whose last step averaged (alone) in round 2
+    for s in range(3, 7):  # the swarm goes on while the joiner downloads (rounds 3-6)
+        step(a, oa, s)
+    oa.flush()  # (round 6 over before the joiner's first step)
+    ob = Optimizer(torch.optim.SGD(b.parameters(), lr=0.1), model=b, **kw)
+    assert ob.load_snapshot(blob) == 3 and ob._joined == (3, 2)
+    daemon.averager.wait_s = 5.0
+    replies: dict = {}
+
+    def two(i: int, m, o) -> None:
+        replies[i] = [step(m, o, 50 + 10 * i + k) for k in range(2)]
+
+    threads = [threading.Thread(target=two, args=(i, m, o)) for i, (m, o) in enumerate(((a, oa), (b, ob)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [r[1]["outcome"] for r in replies.values()] == ["averaged", "averaged"], replies
+    assert oa.step_count == ob.step_count == 9 and ob.caught_up == 4 and oa.caught_up == 0
+    for o in (oa, ob):
+        o.close()

@@ -534,6 +534,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         compute_s = None if self._last_end is None else t0 - self._last_end - (overlap.waited_s - self._waited_mark)
         self._bucket_time(t0)
         reply = overlap.step(samples, loss)  # (the statistics of the last step whose buckets all came back)
+        self._follow_swarm(reply, lag=2)  # (the reply is of the step before this one, and the count moved on)
         phases = empty_phases()
         add_phases(phases, reply.get("phases") or {})
         self._auto_step(reply, compute_s)  # at AUTO_STEP: the codec, the period (a codec switch flushes first)
@@ -549,10 +550,12 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         self._waited_mark = overlap.waited_s
         return out
 
-    def _follow_swarm(self, reply: dict[str, Any]) -> None:
+    def _follow_swarm(self, reply: dict[str, Any], lag: int = 0) -> None:
         """Note the round of this step; a joiner's first averaged round also tells it how many rounds the swarm
         took while it downloaded its snapshot: it counts its steps as its donor does from then on, so it ends
-        training with the swarm (its last rounds and final averages are the others', not alone)."""
+        training with the swarm (its last rounds and final averages are the others', not alone; with overlap, its
+        parameter averages, numbered by step count, the others' too). ``lag``: steps this replica counted since the
+        step ``reply`` is of (overlap's replies come a step late, after the count moved on)."""
         r = reply.get("round")
         has_round = reply.get("outcome") in ("averaged", "alone") and type(r) is int and r >= 0
         self._round = r if has_round else None
@@ -560,10 +563,10 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
             return
         step, at = self._joined
         self._joined = None
-        target = step + r - at - 1  # the donor's step count before this round's step
+        target = step + r - at - 1 + lag  # the donor's step count before this round's step, plus what came since
         if self.step_count < target <= self.step_count + MAX_CATCH_UP:
             self.caught_up = target - self.step_count
-            log.info("joined: counted %d steps forward to the swarm's step %d", self.caught_up, target + 1)
+            log.info("joined: counted %d steps forward to the swarm's step %d", self.caught_up, target + 1 - lag)
             self.step_count = target
 
     def _params_due(self, reply: dict[str, Any]) -> int | None:
@@ -641,9 +644,14 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         self.flush()
         flat = torch.empty(self.elems, dtype=torch.float32)
         self._gather_cpu(flat)
+        rnd = self._round
+        if self._overlap is not None:  # the flush settled the last step: its round, not the one before
+            last = self._overlap.last
+            r = last.get("round")
+            rnd = r if last.get("outcome") in ("averaged", "alone") and type(r) is int and r >= 0 else None
         buf = io.BytesIO()
         torch.save({"format": STATE_FORMAT, "layout": self.layout_hash, "step": self.step_count,
-                    "round": -1 if self._round is None else self._round,
+                    "round": -1 if rnd is None else rnd,
                     "optimizer_class": type(self.opt).__name__, "params": flat,
                     "optimizer": self.opt.state_dict(),
                     **({"auto_codec": self.auto.compression, "auto_every": self.auto.average_every}
