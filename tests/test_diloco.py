@@ -860,3 +860,67 @@ def test_a_swarm_larger_than_a_group_averages_each_outer_step_over_the_grid(tmp_
     # member alone in its last round holds a partial mix, and adopts the winner (the final most members hold)
     assert sum(o["group_size"] == 2 for o in outers) >= len(outers) // 2, outers
     assert len({r["state_sha"] for r in results}) == 1 and min(r["accuracy"] for r in results) > 0.5
+
+
+def test_a_member_behind_takes_the_rounds_the_swarm_finished_and_stops_at_the_current_one(tmp_path,
+                                                                                           monkeypatch) -> None:
+    """An outer step that averaged alone and adopted the swarm's average (the swarm had finished its round)
+    finds the replica behind: it takes the next rounds at once with behind=True, without inner steps between,
+    until the daemon answers "current" (nothing applied for that one); its step moves with them."""
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2))
+    original = daemon.service._op_outer
+    finished = 3  # the swarm has finished outer rounds up to 3
+    asked: list[tuple[int, bool]] = []
+
+    async def swarm_ahead(req, conn):
+        asked.append((req["round"], bool(req.get("behind"))))
+        if req.get("behind") and req["round"] <= finished:  # (no DHT in-process: what a swarm's daemon does)
+            req = {**req, "behind": False}
+        reply = await original(req, conn)
+        return {**reply, "adopted": True} if req["round"] <= finished and reply["outcome"] == "alone" else reply
+
+    daemon.server.register("trainer_outer", swarm_ahead, connection=True)
+    try:
+        m = model(0)
+        opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=1,
+                     sync_state=False, state_every=0)
+        x, y = batch(0, 4)
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        reply = opt.step(samples=len(x))
+        assert asked == [(1, False), (2, True), (3, True), (4, True)], asked
+        assert opt.step_count == 3 and opt.caught_up == 2 and len(reply["outer"]) == 3
+        assert [o["step"] for o in reply["outer"]] == [1, 2, 3] and opt.outer_steps == 3
+        opt.close()
+    finally:
+        daemon.stop()
+
+
+def test_the_daemon_averages_a_behind_round_only_where_the_swarm_has_not_finished_it(tmp_path, monkeypatch) -> None:
+    """behind=True: where progress records say others finished a later outer round, the round is not averaged
+    (no group of it is left; the agreement gives the swarm's); else the reply is "current" and nothing ran."""
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2))
+    past: list[frozenset[bytes]] = [frozenset()]
+    firsts: list[int] = []
+
+    async def step_peers(run_id: str, first: int) -> frozenset[bytes]:
+        firsts.append(first)
+        return past[0]
+
+    monkeypatch.setattr(daemon.service.outer, "_step_peers", step_peers)
+    try:
+        m = model(0)
+        opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=1,
+                     sync_state=False, state_every=0)
+        opt.step_count = 5
+        calls = len(daemon.averager.calls)
+        assert opt.outer_step(0, behind=True)["outcome"] == "current"
+        assert len(daemon.averager.calls) == calls and firsts == [6 * OUTER_ROUNDS]
+        past[0] = frozenset({b"\x07" * 32})
+        got = opt.outer_step(0, behind=True)
+        assert got["outcome"] == "alone" and len(daemon.averager.calls) == calls  # not averaged
+        with pytest.raises(Exception, match="behind must be"):
+            opt._client.call("trainer_outer", session=opt.session, step=opt.ticket + 1, round=6, length=4,
+                             behind="yes")
+        opt.close()
+    finally:
+        daemon.stop()

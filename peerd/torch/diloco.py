@@ -52,6 +52,7 @@ log = logging.getLogger("peerd.torch.diloco")
 
 DILOCO_FORMAT = "peerd-diloco-v1"
 HISTORY = 10_000  # outer steps remembered in DiLoCo.history
+MAX_CATCH_UP_OUTER = 16  # outer steps a replica found behind takes from the swarm at once (DiLoCo._catch_up)
 
 
 @dataclass
@@ -281,6 +282,8 @@ class DiLoCo(Optimizer):
                 self._pending = self._start(f)
             else:
                 outer.append(self.outer_step(f))
+        if any(o["outcome"] == "alone" and o.get("adopted") for o in outer):
+            outer.extend(self._catch_up())
         phases = empty_phases()
         if outer:
             reply = {**outer[-1], "outer": outer}
@@ -293,14 +296,37 @@ class DiLoCo(Optimizer):
             self.publish_state(wait=False)  # after fragment 0's step: a joiner starts a new cycle with the swarm
         return self._finish_step(reply, t0, phases)
 
-    def outer_step(self, fragment: int) -> dict[str, Any]:
+    def outer_step(self, fragment: int, *, behind: bool = False) -> dict[str, Any]:
         """Average fragment ``fragment``'s pseudo-gradient with the swarm and apply the outer rule to it (any
-        overlapped outer step still in flight lands first)."""
+        overlapped outer step still in flight lands first). ``behind``: the daemon takes the swarm's agreed average
+        of a round the swarm finished, and answers outcome "current" (nothing applied) for one it has not."""
         if self._pending is not None:
             self._complete(self._pending)
-        return self._complete(self._start(fragment, overlapped=False))
+        return self._complete(self._start(fragment, overlapped=False, behind=behind))
 
-    def _start(self, fragment: int, *, overlapped: bool = True) -> _Outer:
+    def _catch_up(self) -> list[dict[str, Any]]:
+        """After an outer step that found the swarm past its round (this replica averaged alone and adopted the
+        swarm's average: a joiner whose snapshot was an outer step old, a trainer that stalled), take the outer steps
+        the swarm finished since, one agreed average each, without inner steps between (they contribute nothing,
+        at a negligible weight), until the daemon says the next round is still to come; this replica then holds the
+        swarm's outer state and step, and a joiner does not fall further behind with every outer step."""
+        done: list[dict[str, Any]] = []
+        for _ in range(MAX_CATCH_UP_OUTER):
+            start, nxt = self.step_count, self.step_count + 1
+            while not due_fragments(nxt, self.sync_every, self.fragments):
+                nxt += 1
+            self.step_count = nxt
+            results = [self.outer_step(f, behind=True) for f in due_fragments(nxt, self.sync_every, self.fragments)]
+            if any(r["outcome"] == "current" for r in results):
+                self.step_count = start
+                break
+            done.extend(results)
+            self.caught_up += nxt - start
+        if done:
+            log.info("caught up with the swarm: %d outer steps taken from it, at step %d", len(done), self.step_count)
+        return done
+
+    def _start(self, fragment: int, *, overlapped: bool = True, behind: bool = False) -> _Outer:
         """Hand fragment ``fragment``'s pseudo-gradient to the daemon; its average is collected by _complete."""
         a, b = self.bounds[fragment]
         local = self._local_flat()[a:b]
@@ -336,7 +362,8 @@ class DiLoCo(Optimizer):
         assert self._client is not None
         try:
             rid = self._client.submit("trainer_outer", session=self.session, step=t, round=self.step_count,
-                                      length=b - a, state=before, timeout_s=self.timeout_s, **report)
+                                      length=b - a, state=before, timeout_s=self.timeout_s,
+                                      **({"behind": True} if behind else {}), **report)
         except DaemonError as e:
             raise DaemonError(f"outer step of fragment {fragment} at step {self.step_count} failed: {e}") from None
         return _Outer(fragment, t, rid, self.step_count, before, local if overlapped else None, t0 - t1, t0)
@@ -352,6 +379,8 @@ class DiLoCo(Optimizer):
             reply = self._client.collect(p.rid, timeout=3 * self.timeout_s + 30)
         except DaemonError as e:
             raise DaemonError(f"outer step of fragment {p.fragment} at step {p.step} failed: {e}") from None
+        if reply.get("outcome") == "current":  # (behind=True) the swarm has not finished this round: nothing applied
+            return {"outcome": "current", "fragment": p.fragment, "step": p.step}
         phases = self._trainer_phases(outer_phases(reply), copy_in=p.copy_in, call_s=time.monotonic() - p.t0)
         t2 = time.monotonic()
         payload = self.outer_codec.body_size(b - a)  # one encoded copy of the fragment (fp32: 4 bytes a value)

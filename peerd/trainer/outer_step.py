@@ -54,6 +54,14 @@ def outer_wait_s(period_s: float | None, timeout_s: float) -> float | None:
     return wait if wait > RUN_WINDOW_S else None
 
 
+def _node_id(peer_id: str) -> bytes:
+    """This daemon's node id from its hex form (b"" where it is not hex: an in-process daemon in tests)."""
+    try:
+        return bytes.fromhex(peer_id)
+    except ValueError:
+        return b""
+
+
 def waits_for_participants(result: RoundResult | None) -> bool:
     """Whether the agreement waits for its first read of who took part (the run's progress) before it ends. That
     read finds the groups of this step that finished before this member's. A kept group's renewal does not wait: it
@@ -109,6 +117,9 @@ class OuterSteps:
             raise OpError("timeout_s must be in [1, 3600]")
         if not isinstance(state, bytes) or len(state) not in (0, 32):
             raise OpError("state must be the 32-byte SHA-256 of the trainer's outer state (or empty)")
+        behind = req.get("behind", False)
+        if type(behind) is not bool:
+            raise OpError("behind must be true or false (a member catching up with outer rounds the swarm finished)")
         session.latest = step
         self.report(req, session)
         try:
@@ -121,9 +132,17 @@ class OuterSteps:
         start = self.clock()
         wait = timeout if self.deadlines is None else self.deadlines.outer_wait(float(timeout)).seconds
         gather = outer_wait_s(None if session.outer_at is None else start - session.outer_at, wait)
-        session.outer_at = start
-        result, out, outcome, rounds, seen = await self._outer_rounds(session, vector, float(weight), round_no, wait,
-                                                                      gather)
+        if behind:  # a member behind the swarm: a round the swarm finished has no group left, only its average
+            past = await self._step_peers(session.average_id("outer"), (round_no + 1) * OUTER_ROUNDS)
+            if not past - {_node_id(self.peer_id)}:
+                return {"step": step, "outcome": "current", "round": round_no}  # not finished: average it as usual
+            log.info("session %d outer round %d: the swarm finished it; taking its agreed average", session.id,
+                     round_no)
+            result, out, outcome, rounds, seen = None, vector, "alone", 0, frozenset()
+        else:
+            session.outer_at = start
+            result, out, outcome, rounds, seen = await self._outer_rounds(session, vector, float(weight), round_no,
+                                                                          wait, gather)
         average_s = self.clock() - start
         if self.deadlines is not None and outcome == "averaged":
             self.deadlines.receive_outer(average_s, time.time())
