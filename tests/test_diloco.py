@@ -924,3 +924,38 @@ def test_the_daemon_averages_a_behind_round_only_where_the_swarm_has_not_finishe
         opt.close()
     finally:
         daemon.stop()
+
+
+def test_progress_claims_of_a_swarm_always_ahead_move_a_replica_a_bounded_number_of_rounds_hostile(
+        tmp_path, monkeypatch) -> None:
+    """Progress records are their writers' claims: members (or minted ids) that claim every later round finished
+    make a replica behind take at most MAX_CATCH_UP_OUTER rounds in one step, each an agreed average (here
+    alone, in-process), never an endless loop."""
+    from peerd.torch.diloco import MAX_CATCH_UP_OUTER
+
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2))
+    original = daemon.service._op_outer
+
+    async def claims_ahead(run_id: str, first: int) -> frozenset[bytes]:
+        return frozenset({b"\x66" * 32})
+
+    async def adopted(req, conn):
+        reply = await original(req, conn)
+        return {**reply, "adopted": True} if reply.get("outcome") == "alone" else reply
+
+    monkeypatch.setattr(daemon.service.outer, "_step_peers", claims_ahead)
+    daemon.server.register("trainer_outer", adopted, connection=True)
+    try:
+        m = model(0)
+        opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=2,
+                     sync_state=False, state_every=0)
+        x, y = batch(0, 4)
+        for _ in range(2):
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            reply = opt.step(samples=len(x))
+        assert len(reply["outer"]) == 1 + MAX_CATCH_UP_OUTER
+        assert opt.step_count == 2 + 2 * MAX_CATCH_UP_OUTER and opt.caught_up == 2 * MAX_CATCH_UP_OUTER
+        assert all(torch.isfinite(p).all() for p in m.parameters())
+        opt.close()
+    finally:
+        daemon.stop()
