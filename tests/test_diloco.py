@@ -862,24 +862,29 @@ def test_a_swarm_larger_than_a_group_averages_each_outer_step_over_the_grid(tmp_
     assert len({r["state_sha"] for r in results}) == 1 and min(r["accuracy"] for r in results) > 0.5
 
 
-def test_a_member_behind_takes_the_rounds_the_swarm_finished_and_stops_at_the_current_one(tmp_path,
-                                                                                           monkeypatch) -> None:
-    """An outer step that averaged alone and adopted the swarm's average (the swarm had finished its round)
-    finds the replica behind: it takes the next rounds at once with behind=True, without inner steps between,
-    until the daemon answers "current" (nothing applied for that one); its step moves with them."""
-    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2))
+def _swarm_finished(daemon: ThreadDaemon, finished: int, asked: list[tuple[int, bool]]) -> None:
+    """``daemon``'s outer steps as a swarm's daemon answers them where the swarm has finished the outer rounds up
+    to ``finished`` (no DHT in-process): those average alone and adopt the swarm's average, a later one asked with
+    behind=True is "current"; each request's (round, behind) goes to ``asked``."""
     original = daemon.service._op_outer
-    finished = 3  # the swarm has finished outer rounds up to 3
-    asked: list[tuple[int, bool]] = []
 
     async def swarm_ahead(req, conn):
         asked.append((req["round"], bool(req.get("behind"))))
-        if req.get("behind") and req["round"] <= finished:  # (no DHT in-process: what a swarm's daemon does)
+        if req.get("behind") and req["round"] <= finished:
             req = {**req, "behind": False}
         reply = await original(req, conn)
         return {**reply, "adopted": True} if req["round"] <= finished and reply["outcome"] == "alone" else reply
 
     daemon.server.register("trainer_outer", swarm_ahead, connection=True)
+
+
+def test_a_member_behind_takes_the_rounds_the_swarm_finished_and_stops_at_the_current_one(tmp_path) -> None:
+    """An outer step that averaged alone and adopted the swarm's average (the swarm had finished its round)
+    finds the replica behind: it takes the next rounds at once with behind=True, without inner steps between,
+    until the daemon answers "current" (nothing applied for that one); its step moves with them."""
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2))
+    asked: list[tuple[int, bool]] = []
+    _swarm_finished(daemon, 3, asked)
     try:
         m = model(0)
         opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=1,
@@ -890,6 +895,26 @@ def test_a_member_behind_takes_the_rounds_the_swarm_finished_and_stops_at_the_cu
         assert asked == [(1, False), (2, True), (3, True), (4, True)], asked
         assert opt.step_count == 3 and opt.caught_up == 2 and len(reply["outer"]) == 3
         assert [o["step"] for o in reply["outer"]] == [1, 2, 3] and opt.outer_steps == 3
+        opt.close()
+    finally:
+        daemon.stop()
+
+
+def test_a_fragment_whose_catch_up_round_is_current_keeps_its_samples(tmp_path) -> None:
+    """Streaming (two fragments): the catch-up round that comes back "current" is another fragment's, whose inner
+    steps since its last outer step still count in its next outer step's weight."""
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2))
+    asked: list[tuple[int, bool]] = []
+    _swarm_finished(daemon, 1, asked)
+    try:
+        m = model(0)
+        opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=2,
+                     fragments=2, sync_state=False, state_every=0)
+        x, y = batch(0, 4)
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step(samples=len(x))  # step 1: fragment 1's outer step (round 1, finished by the swarm), then round 2
+        assert asked == [(1, False), (2, True)], asked
+        assert opt.step_count == 1 and opt.samples_since == [4.0, 0.0]
         opt.close()
     finally:
         daemon.stop()

@@ -312,12 +312,15 @@ class DiLoCo(Optimizer):
         swarm's outer state and step, and a joiner does not fall further behind with every outer step."""
         done: list[dict[str, Any]] = []
         for _ in range(MAX_CATCH_UP_OUTER):
-            start, nxt = self.step_count, self.step_count + 1
+            start, nxt, samples = self.step_count, self.step_count + 1, list(self.samples_since)
             while not due_fragments(nxt, self.sync_every, self.fragments):
                 nxt += 1
             self.step_count = nxt
             results = [self.outer_step(f, behind=True) for f in due_fragments(nxt, self.sync_every, self.fragments)]
-            if any(r["outcome"] == "current" for r in results):
+            current = [r["fragment"] for r in results if r["outcome"] == "current"]
+            if current:  # nothing was applied there: the fragment's inner steps since its last outer step still count
+                for f in current:
+                    self.samples_since[f] = samples[f]
                 self.step_count = start
                 break
             done.extend(results)
