@@ -24,6 +24,7 @@ import trio
 
 torch = pytest.importorskip("torch")
 
+from peerd.moshpit.records import MAX_ROUND  # noqa: E402
 from peerd.torch import DiLoCo  # noqa: E402
 from peerd.torch.diloco import due_fragments, fragment_bounds, nesterov_outer  # noqa: E402
 from peerd.trainer import outer_step  # noqa: E402
@@ -921,31 +922,118 @@ def test_a_fragment_whose_catch_up_round_is_current_keeps_its_samples(tmp_path) 
 
 
 def test_the_daemon_averages_a_behind_round_only_where_the_swarm_has_not_finished_it(tmp_path, monkeypatch) -> None:
-    """behind=True: where progress records say others finished a later outer round, the round is not averaged
-    (no group of it is left; the agreement gives the swarm's); else the reply is "current" and nothing ran."""
+    """behind=True: where progress records say others finished the outer round, it is not averaged (no group of it
+    is left; the agreement gives the swarm's); else the reply is "current", nothing ran, and it says how long ago the
+    others finished their last outer round (``swarm_lag_s``: the replica counts forward by it)."""
     daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2))
-    past: list[frozenset[bytes]] = [frozenset()]
-    firsts: list[int] = []
+    other = b"\x07" * 32
+    progress: list[list[tuple[bytes, int, float]]] = [[]]
 
-    async def step_peers(run_id: str, first: int) -> frozenset[bytes]:
-        firsts.append(first)
-        return past[0]
+    async def read_progress(run_id: str) -> list[tuple[bytes, int, float]]:
+        return progress[0]
 
-    monkeypatch.setattr(daemon.service.outer, "_step_peers", step_peers)
+    monkeypatch.setattr(daemon.service.outer, "_progress", read_progress)
     try:
         m = model(0)
         opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=1,
                      sync_state=False, state_every=0)
         opt.step_count = 5
         calls = len(daemon.averager.calls)
-        assert opt.outer_step(0, behind=True)["outcome"] == "current"
-        assert len(daemon.averager.calls) == calls and firsts == [6 * OUTER_ROUNDS]
-        past[0] = frozenset({b"\x07" * 32})
+        got = opt.outer_step(0, behind=True)
+        assert got["outcome"] == "current" and "swarm_lag_s" not in got  # nobody else known: no lag either
+        # the others finished round 4 (its last Moshpit round: 4 * OUTER_ROUNDS + 3) 2.5 s ago, not round 5
+        progress[0] = [(other, 4 * OUTER_ROUNDS + 3, time.time() - 2.5), (b"\x08" * 32, 3 * OUTER_ROUNDS, 0.0)]
+        got = opt.outer_step(0, behind=True)
+        assert got["outcome"] == "current" and 2.4 <= got["swarm_lag_s"] <= 3.5, got
+        assert len(daemon.averager.calls) == calls
+        progress[0] = [(other, 5 * OUTER_ROUNDS, time.time())]
         got = opt.outer_step(0, behind=True)
         assert got["outcome"] == "alone" and len(daemon.averager.calls) == calls  # not averaged
         with pytest.raises(Exception, match="behind must be"):
             opt._client.call("trainer_outer", session=opt.session, step=opt.ticket + 1, round=6, length=4,
                              behind="yes")
+        opt.close()
+    finally:
+        daemon.stop()
+
+
+def test_a_member_that_adopted_late_counts_forward_by_the_swarms_lead(tmp_path, monkeypatch) -> None:
+    """A member that reached an outer step after the swarm had averaged it (a joiner, a trainer whose evaluation ran
+    long) adopts the swarm's average and starts its inner steps the swarm's lead behind: it counts forward the steps
+    the swarm takes in that lead (``swarm_lag_s`` over its median inner step), never past the next outer step, so that
+    it reaches that step with the swarm; its next outer step weighs the samples it took, not the steps counted."""
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2))
+    asked: list[tuple[int, bool]] = []
+    _swarm_finished(daemon, 10, asked)
+    lead = [0.3]
+
+    async def read_progress(run_id: str) -> list[tuple[bytes, int, float]]:
+        return [(b"\x07" * 32, 10 * OUTER_ROUNDS, time.time() - lead[0])]
+
+    monkeypatch.setattr(daemon.service.outer, "_progress", read_progress)
+    try:
+        m = model(0)
+        opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=10,
+                     sync_state=False, state_every=0)
+        x, y = batch(0, 4)
+
+        def inner_step() -> dict:
+            time.sleep(0.05)  # the caller's compute
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            return opt.step(samples=len(x))
+
+        for _ in range(10):
+            reply = inner_step()
+        assert asked == [(10, False), (20, True)], asked  # round 10 adopted late; round 20 is the swarm's current
+        counted = opt.caught_up
+        assert 3 <= counted <= 7 and opt.step_count == 10 + counted, (counted, opt.step_count)
+        while opt.step_count < 20:
+            reply = inner_step()
+        assert asked[-1] == (20, False) and reply["outer"][0]["step"] == 20
+        av = daemon.averager
+        weights = [w for (_, w), r in zip(av.calls, av.round_numbers, strict=True) if r is not None]
+        assert weights[-1] == pytest.approx(len(x) * (10 - counted)), weights
+        # a lead longer than the steps left before the next outer step counts forward to just short of it
+        lead[0] = 60.0
+        assert opt._count_forward(60.0) == 9 and opt.step_count == 29
+        opt.close()
+    finally:
+        daemon.stop()
+
+
+def test_an_outer_step_alone_waits_for_as_many_finals_as_its_last_step_agreed_with(tmp_path, monkeypatch) -> None:
+    """The daemon tells the agreement of an outer step it averaged alone how many members held its final at the
+    session's last outer step: alone because it came before its swarm, it then waits for the swarm's finals instead
+    of ending with its own vector after ALONE_SETTLE_S (the agreement core's tests show the wait)."""
+    import types
+
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2))
+    told: list[int] = []
+
+    async def fake_agree(board, node, out, **kw):
+        told.append(kw["expect"])
+        return types.SimpleNamespace(vector=out, final=hashlib.sha256(out.tobytes()).digest(), repaired_bytes=0,
+                                     adopted_bytes=0, adopted=False, members=3, dissent=0, states=3,
+                                     state_winner=b"", ignored=0, pushed=0, reads=1, phases={})
+
+    outer = daemon.service.outer
+    monkeypatch.setattr(outer, "statesync", types.SimpleNamespace(dht=object(), forget=lambda key: None))
+    monkeypatch.setattr(outer_step, "DhtBoard", lambda *a, **kw: types.SimpleNamespace(node=b"", addr=None))
+    monkeypatch.setattr(outer_step, "agree", fake_agree)
+
+    async def no_progress(run_id: str) -> list[tuple[bytes, int, float]]:
+        return []
+
+    monkeypatch.setattr(outer, "_progress", no_progress)
+    try:
+        m = model(0)
+        opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=1,
+                     sync_state=False, state_every=0)
+        x, y = batch(0, 4)
+        for _ in range(2):
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            assert opt.step(samples=len(x))["outcome"] == "alone"
+        assert told == [1, 3], told  # its first step knew no swarm; the second, the 3 its first agreed with
         opt.close()
     finally:
         daemon.stop()
@@ -961,14 +1049,14 @@ def test_progress_claims_of_a_swarm_always_ahead_move_a_replica_a_bounded_number
     daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2))
     original = daemon.service._op_outer
 
-    async def claims_ahead(run_id: str, first: int) -> frozenset[bytes]:
-        return frozenset({b"\x66" * 32})
+    async def claims_ahead(run_id: str) -> list[tuple[bytes, int, float]]:
+        return [(b"\x66" * 32, MAX_ROUND, time.time())]
 
     async def adopted(req, conn):
         reply = await original(req, conn)
         return {**reply, "adopted": True} if reply.get("outcome") == "alone" else reply
 
-    monkeypatch.setattr(daemon.service.outer, "_step_peers", claims_ahead)
+    monkeypatch.setattr(daemon.service.outer, "_progress", claims_ahead)
     daemon.server.register("trainer_outer", adopted, connection=True)
     try:
         m = model(0)

@@ -365,3 +365,48 @@ def test_every_kept_blob_is_named_by_its_own_hash() -> None:
     kept += of(c.take_actions(), Keep)
     assert len(kept) == 2 and kept[1].blob == TRUTH.tobytes()  # the start's blob, then the repaired final
     assert all(k.sha == sha(k.blob) for k in kept)
+
+
+def _alone(expect: int) -> OuterAgreement:
+    """A member that averaged alone (its round's group had closed, or had not formed yet) and whose swarm had
+    ``expect`` members at its last outer step; its first read of who took part finds nobody else yet."""
+    c = OuterAgreement(IDS[0], TRUTH.tobytes(), group="", size=1, index=0, state=b"", repair_s=30.0, deadline_s=60.0,
+                       expect=expect, participants=frozenset(), refresh=True, refresh_first=True)
+    c.start(0.0)
+    c.receive_participants(frozenset(), 0.02)
+    c.receive_records(c._started, [], 0.03)
+    return c
+
+
+def test_a_member_alone_before_its_swarm_waits_for_the_swarms_finals_and_adopts_them() -> None:
+    """A member that reached the outer step before its swarm (a joiner counting forward, a trainer whose others
+    were slow) and averaged alone must not end with its own vector: the swarm, averaging the round after it,
+    would hold another state from then on. Told the swarm's size (``expect``), it waits past ALONE_SETTLE_S for
+    the swarm's finals and takes the one they hold; told nothing (1), it ends alone as before."""
+    told_nothing = _alone(1)
+    told_nothing.handle_timer(1.0)
+    assert told_nothing.done and not told_nothing.statistics().adopted
+    c = _alone(4)
+    for t in (1.0, 2.0, 5.0):
+        c.handle_timer(t)
+        assert not c.done, t
+    swarm_avg = TRUTH + 1.0
+    finals = [record(k, swarm_avg, final=True, size=3, group="s", node=IDS[k + 1]) for k in range(3)]
+    c.take_actions()
+    c.receive_records(c._started, finals, 6.0)  # nodes it does not know yet: who took part is read again
+    assert not c.done and of(c.take_actions(), ReadParticipants)
+    c.receive_participants(frozenset(IDS[1:4]), 6.1)
+    fetch = of(c.take_actions(), FetchFinal)
+    assert fetch and fetch[0].sha == sha(swarm_avg.tobytes())
+    c.receive_final(fetch[0].sha, swarm_avg.tobytes(), 6.4)
+    assert c.done and c.statistics().adopted and c.statistics().members == 4
+
+
+def test_a_member_alone_whose_swarm_never_comes_ends_at_half_the_deadline_hostile() -> None:
+    """The swarm it last agreed with is gone (or a member lied about its size): the wait ends at half the
+    deadline, with this member's own vector, not at the deadline's failure."""
+    c = _alone(4)
+    c.handle_timer(29.9)
+    assert not c.done
+    c.handle_timer(30.0)
+    assert c.done and c.phase.value == "done" and not c.statistics().adopted

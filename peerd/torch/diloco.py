@@ -34,7 +34,9 @@ import hashlib
 import io
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +55,8 @@ log = logging.getLogger("peerd.torch.diloco")
 DILOCO_FORMAT = "peerd-diloco-v1"
 HISTORY = 10_000  # outer steps remembered in DiLoCo.history
 MAX_CATCH_UP_OUTER = 16  # outer steps a replica found behind takes from the swarm at once (DiLoCo._catch_up)
+INNER_TIMES = 32  # inner steps whose wall time (the caller's compute and the inner optimizer's) the median is of
+MIN_INNER_TIMES = 3  # a replica that timed fewer inner steps does not count forward (DiLoCo._count_forward)
 
 
 @dataclass
@@ -212,6 +216,7 @@ class DiLoCo(Optimizer):
         self._after: dict[int, bytes] = {}  # each fragment's state_sha after its last outer step: the next one's
         # "before" without hashing the state again (cleared when a snapshot replaces the state)
         self.outer_bytes = 0  # encoded bytes of the pseudo-gradients this trainer averaged (in the run's codec)
+        self._inner_times: deque[float] = deque(maxlen=INNER_TIMES)  # wall seconds of recent inner steps
         if self.auto_outer:
             log.info("auto: %s", self.auto_outer["reason"])
         if sync_state:
@@ -258,6 +263,7 @@ class DiLoCo(Optimizer):
         if samples <= 0:
             raise ValueError("samples must be positive (it is the averaging weight)")
         t0 = time.monotonic()
+        prev_end = self._last_end
         grads = [p.grad for p in self.params]
         if not all_finite_each(grads):
             self.nonfinite_rounds += 1
@@ -284,6 +290,8 @@ class DiLoCo(Optimizer):
                 outer.append(self.outer_step(f))
         if any(o["outcome"] == "alone" and o.get("adopted") for o in outer):
             outer.extend(self._catch_up())
+        elif not outer and prev_end is not None:
+            self._inner_times.append(time.monotonic() - prev_end)
         phases = empty_phases()
         if outer:
             reply = {**outer[-1], "outer": outer}
@@ -311,6 +319,7 @@ class DiLoCo(Optimizer):
         at a negligible weight), until the daemon says the next round is still to come; this replica then holds the
         swarm's outer state and step, and a joiner does not fall further behind with every outer step."""
         done: list[dict[str, Any]] = []
+        lag = None
         for _ in range(MAX_CATCH_UP_OUTER):
             start, nxt, samples = self.step_count, self.step_count + 1, list(self.samples_since)
             while not due_fragments(nxt, self.sync_every, self.fragments):
@@ -322,12 +331,36 @@ class DiLoCo(Optimizer):
                 for f in current:
                     self.samples_since[f] = samples[f]
                 self.step_count = start
+                lags = [r["swarm_lag_s"] for r in results if r["outcome"] == "current" and "swarm_lag_s" in r]
+                lag = max(lags) if lags else None
                 break
             done.extend(results)
             self.caught_up += nxt - start
         if done:
             log.info("caught up with the swarm: %d outer steps taken from it, at step %d", len(done), self.step_count)
+        if lag is not None:
+            self._count_forward(lag)
         return done
+
+    def _count_forward(self, lag_s: float) -> int:
+        """This replica starts its inner steps ``lag_s`` seconds after the swarm did (it adopted the swarm's average
+        after the swarm had moved on): count forward as many steps as the swarm takes in that time (the median of
+        this replica's recent inner steps), short of the next outer step, so that it reaches that outer step with
+        the swarm and its inner steps go into the average instead of being replaced by it. Its weight is the samples
+        it took. Returns the steps counted."""
+        if len(self._inner_times) < MIN_INNER_TIMES or not (math.isfinite(lag_s) and lag_s > 0):
+            return 0
+        inner = statistics.median(self._inner_times)
+        nxt = self.step_count + 1
+        while not due_fragments(nxt, self.sync_every, self.fragments):
+            nxt += 1
+        k = min(nxt - 1 - self.step_count, math.ceil(lag_s / inner)) if inner > 0 else 0
+        if k > 0:
+            self.step_count += k
+            self.caught_up += k
+            log.info("%.2f s behind the swarm: counted %d inner steps forward to step %d (outer step at %d)",
+                     lag_s, k, self.step_count, nxt)
+        return max(k, 0)
 
     def _start(self, fragment: int, *, overlapped: bool = True, behind: bool = False) -> _Outer:
         """Hand fragment ``fragment``'s pseudo-gradient to the daemon; its average is collected by _complete."""
@@ -383,7 +416,10 @@ class DiLoCo(Optimizer):
         except DaemonError as e:
             raise DaemonError(f"outer step of fragment {p.fragment} at step {p.step} failed: {e}") from None
         if reply.get("outcome") == "current":  # (behind=True) the swarm has not finished this round: nothing applied
-            return {"outcome": "current", "fragment": p.fragment, "step": p.step}
+            lag = reply.get("swarm_lag_s")
+            return {"outcome": "current", "fragment": p.fragment, "step": p.step,
+                    **({"swarm_lag_s": float(lag)} if isinstance(lag, int | float) and not isinstance(lag, bool)
+                       else {})}
         phases = self._trainer_phases(outer_phases(reply), copy_in=p.copy_in, call_s=time.monotonic() - p.t0)
         t2 = time.monotonic()
         payload = self.outer_codec.body_size(b - a)  # one encoded copy of the fragment (fp32: 4 bytes a value)

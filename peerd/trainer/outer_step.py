@@ -23,7 +23,7 @@ from ..deadlines import DEFAULT_WINDOW_S, DeadlineTuner
 from ..localsock.arena import ArenaError
 from ..localsock.server import Connection, OpError
 from ..metrics import Metrics
-from ..moshpit.records import MAX_ROUND, finished_since, progress_key
+from ..moshpit.records import MAX_ROUND, decode_progress, progress_key
 from ..moshpit.service import RoundResult, all_finite
 from .inbox import OuterInbox
 from .outer import DhtBoard, OuterError, agree
@@ -60,6 +60,26 @@ def _node_id(peer_id: str) -> bytes:
         return bytes.fromhex(peer_id)
     except ValueError:
         return b""
+
+
+def finished_by(progress: list[tuple[bytes, int, float]], first_round: int) -> frozenset[bytes]:
+    """The node ids whose progress says they finished Moshpit round ``first_round`` or a later one."""
+    return frozenset(node for node, value, _ in progress if value >= first_round)
+
+
+MAX_LAG_S = 3600.0  # a lag claimed beyond this is taken as this (a record's time is its writer's claim)
+
+
+def swarm_lag_s(progress: list[tuple[bytes, int, float]], me: bytes, below: int, wall: float) -> float | None:
+    """Seconds since the others finished their latest outer round before Moshpit round ``below`` (the last of them
+    to store its progress there, by the wall clock ``wall``): how far behind them a member that adopted their
+    average starts its next inner steps. None where no other member's progress is known."""
+    others = [(value // OUTER_ROUNDS, at) for node, value, at in progress if node != me and value < below]
+    if not others:
+        return None
+    top = max(r for r, _ in others)
+    latest = max(at for r, at in others if r == top)
+    return min(MAX_LAG_S, max(0.0, wall - latest)) if math.isfinite(latest) else None
 
 
 def waits_for_participants(result: RoundResult | None) -> bool:
@@ -133,9 +153,12 @@ class OuterSteps:
         wait = timeout if self.deadlines is None else self.deadlines.outer_wait(float(timeout)).seconds
         gather = outer_wait_s(None if session.outer_at is None else start - session.outer_at, wait)
         if behind:  # a member behind the swarm: a round the swarm finished has no group left, only its average
-            past = await self._step_peers(session.average_id("outer"), (round_no + 1) * OUTER_ROUNDS)
-            if not past - {_node_id(self.peer_id)}:
-                return {"step": step, "outcome": "current", "round": round_no}  # not finished: average it as usual
+            progress = await self._progress(session.average_id("outer"))
+            me_id = _node_id(self.peer_id)
+            if not finished_by(progress, round_no * OUTER_ROUNDS) - {me_id}:  # not finished: average it as usual
+                lag = swarm_lag_s(progress, me_id, round_no * OUTER_ROUNDS, time.time())
+                return {"step": step, "outcome": "current", "round": round_no,
+                        **({} if lag is None else {"swarm_lag_s": round(lag, 3)})}
             log.info("session %d outer round %d: the swarm finished it; taking its agreed average", session.id,
                      round_no)
             result, out, outcome, rounds, seen = None, vector, "alone", 0, frozenset()
@@ -168,6 +191,8 @@ class OuterSteps:
 
             try:
                 expect = min(MAX_GROUP, max(1, int(result.seen) if result is not None else 1))
+                if not group:  # alone: the swarm it agreed with last time may average this round after it
+                    expect = max(expect, min(MAX_GROUP, session.outer_swarm))
                 agreement = await agree(board, board.node, out, group=group, size=len(members) or 1, index=index,
                                         state=state, repair_s=min(timeout / 2, 30.0), deadline_s=timeout,
                                         addr=board.addr, members=[bytes.fromhex(h) for h in members] if group else None,
@@ -180,6 +205,7 @@ class OuterSteps:
             finally:
                 self._forget_outer(session, round_no)
             out = agreement.vector
+            session.outer_swarm = agreement.members
             reply.update(sha=agreement.final, repaired_bytes=agreement.repaired_bytes,
                          adopted_bytes=agreement.adopted_bytes, adopted=agreement.adopted,
                          agreed_members=agreement.members, dissent=agreement.dissent, state_agreed=agreement.states,
@@ -272,16 +298,21 @@ class OuterSteps:
         agreement, and it waits for that many finals (until half its deadline):
         with only the last group's size, a group that finished first agreed within itself and left, and the
         other group, tied two finals to two, waited out its deadline for a majority that could not come."""
+        return finished_by(await self._progress(run_id), first_round)
+
+    async def _progress(self, run_id: str) -> list[tuple[bytes, int, float]]:
+        """The run's progress records as (node id, last finished Moshpit round, when stored); [] where the
+        read fails or takes longer than STEP_PEERS_READ_S (the caller goes on with what it knows)."""
         dht = getattr(self.statesync, "dht", None)
         if dht is None:
-            return frozenset()
+            return []
         records: list = []
         try:
             with trio.move_on_after(STEP_PEERS_READ_S):
                 records = await dht.get(progress_key(run_id))
         except Exception as e:  # the agreement still runs on what it reads
             log.info("outer step: reading the run's progress failed: %s", e)
-        return finished_since(records, first_round)
+        return decode_progress(records)[0]
 
     def _forget_outer(self, session: Session, round_no: int) -> None:
         """Keep the blobs of the last OUTER_KEPT_ROUNDS outer rounds (others may still repair from them)."""
