@@ -410,3 +410,17 @@ def test_a_member_alone_whose_swarm_never_comes_ends_at_half_the_deadline_hostil
     assert not c.done
     c.handle_timer(30.0)
     assert c.done and c.phase.value == "done" and not c.statistics().adopted
+
+
+def test_a_member_alone_that_adopted_the_swarms_final_ends_without_the_settle_wait() -> None:
+    """ALONE_SETTLE_S gives the others time before a member alone ends with its own vector; one that adopted a
+    final the swarm's majority holds (a member behind, taking rounds the swarm finished) ends at once."""
+    c = _alone(1)
+    swarm_avg = TRUTH - 1.0
+    c.receive_records(c._started, [record(k, swarm_avg, final=True, size=3, group="s", node=IDS[k + 1])
+                                   for k in range(3)], 0.1)
+    c.take_actions()
+    c.receive_participants(frozenset(IDS[1:4]), 0.15)
+    fetch = of(c.take_actions(), FetchFinal)
+    c.receive_final(fetch[0].sha, swarm_avg.tobytes(), 0.3)
+    assert c.done and c.statistics().adopted and c.statistics().phases["agree"] < 0.31

@@ -473,7 +473,9 @@ class OuterAgreement:
                 self._fetching = win
                 self._actions.append(FetchFinal(win, len(self.data), tuple(r for r in records if r.final == win)))
         else:
-            settled = bool(self.group) or now - self._t0 >= ALONE_SETTLE_S  # alone: give the others time
+            # alone: give the others time to publish, unless another member holds this final already (adopted)
+            settled = bool(self.group) or now - self._t0 >= ALONE_SETTLE_S \
+                or any(r.final == self.me.final for r in records)
             patient = now - self._t0 < self.deadline_s / 2
             if settled and not self._first_pending and not (patient and unchecked) \
                     and agreed(self.me, records, patient=patient, expect=max(self.expect, self.size)):
