@@ -993,12 +993,35 @@ def test_a_member_that_adopted_late_counts_forward_by_the_swarms_lead(tmp_path, 
         av = daemon.averager
         weights = [w for (_, w), r in zip(av.calls, av.round_numbers, strict=True) if r is not None]
         assert weights[-1] == pytest.approx(len(x) * (10 - counted)), weights
-        # a lead longer than the steps left before the next outer step counts forward to just short of it
-        lead[0] = 60.0
-        assert opt._count_forward(60.0) == 9 and opt.step_count == 29
         opt.close()
     finally:
         daemon.stop()
+
+
+def test_a_forged_lead_moves_a_replica_at_most_to_just_short_of_its_next_outer_step_hostile(tmp_path) -> None:
+    """``swarm_lag_s`` rests on progress records' times, their writers' claims: a record claiming the swarm finished
+    an hour ago (MAX_LAG_S) makes a replica that adopted late count forward at most to the step before its next
+    outer step (it still takes one inner step, and its weight stays the samples it took); a record from the future
+    counts for no lead; records of this member itself or of rounds it has not reached count for nothing."""
+    from peerd.torch.diloco import MIN_INNER_TIMES
+    from peerd.trainer.outer_step import MAX_LAG_S, swarm_lag_s
+
+    me, other = b"\x01" * 32, b"\x02" * 32
+    assert swarm_lag_s([(other, 8, -1e12)], me, 12, 1000.0) == MAX_LAG_S
+    assert swarm_lag_s([(other, 8, 2000.0)], me, 12, 1000.0) == 0.0
+    assert swarm_lag_s([(me, 8, 0.0), (other, 12, 0.0)], me, 12, 1000.0) is None
+    # the latest round's last writer counts, not an older round's
+    assert swarm_lag_s([(other, 8, 990.0), (b"\x03" * 32, 4, 0.0)], me, 12, 1000.0) == 10.0
+    with thread_daemon(tmp_path, 1, wait_s=0.2) as daemon:
+        m = model(0)
+        opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=10,
+                     fragments=2, sync_state=False, state_every=0)
+        opt._inner_times.extend([0.05] * MIN_INNER_TIMES)
+        opt.step_count = 10  # fragment 0's outer step just landed; fragment 1's comes after step 15
+        assert opt._count_forward(MAX_LAG_S) == 4 and opt.step_count == 14 and opt.caught_up == 4
+        assert opt._count_forward(MAX_LAG_S) == 0 and opt.step_count == 14
+        assert opt._count_forward(float("nan")) == 0 and opt._count_forward(-5.0) == 0
+        opt.close()
 
 
 def test_an_outer_step_alone_waits_for_as_many_finals_as_its_last_step_agreed_with(tmp_path, monkeypatch) -> None:
