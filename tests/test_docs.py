@@ -273,3 +273,15 @@ def test_commands_are_found_where_peerd_runs_not_where_it_is_an_argument():
     assert [command for _, command in command_lines(text)] == [
         "peerd status --json", "peerd status", "peerd join --listen 0.0.0.0:7411 --metrics 9100",
         "peerd demo --peers 4"]
+
+
+def test_every_local_socket_op_of_the_daemon_is_in_the_local_protocol():
+    """protocol/LOCAL.md is what other trainer implementations build on: every op a daemon serves has its row."""
+    from peerd.moshpit.ops import MoshpitOps
+    from peerd.trainer.service import TrainerService
+
+    spec = (ROOT / "protocol" / "LOCAL.md").read_text()
+    ops = {"status", "dht_put", "dht_get", *MoshpitOps(None).ops(),  # type: ignore[arg-type]
+           *TrainerService.ops(object.__new__(TrainerService))}
+    missing = sorted(op for op in ops if f"`{op}`" not in spec)
+    assert not missing, f"ops the daemon serves that protocol/LOCAL.md does not describe: {missing}"
