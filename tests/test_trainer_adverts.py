@@ -107,3 +107,84 @@ def test_wait_must_be_a_bool_hostile(tmp_path) -> None:
         opt.close()
     finally:
         daemon.stop()
+
+
+def test_a_periodic_snapshot_is_the_state_at_its_step_though_training_goes_on_while_it_is_written(tmp_path) -> None:
+    """The periodic snapshot is copied at its step, written beside the next steps and handed over at the next one:
+    what joiners get is the parameters and optimizer state of that step, not of the step it was handed over at."""
+    import io
+
+    sync = SlowAdverts(delay=0.0)
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2), statesync=sync,
+                          background=True)
+    try:
+        m = model(0)
+        opt = Optimizer(torch.optim.Adam(m.parameters(), lr=0.1), run="p", socket=daemon.path, sync_state=False,
+                        state_every=3)
+        x = torch.randn(8, 4)
+        for _ in range(3):
+            m(x).square().mean().backward()
+            opt.step()
+        assert not sync.blobs  # step 3's snapshot is being written; the next step hands it over
+        at3 = [p.detach().clone() for p in m.parameters()]
+        moments = [s["exp_avg"].clone() for s in opt.opt.state.values()]
+        m(x).square().mean().backward()
+        opt.step()  # step 4: hands step 3's snapshot over if it is written by now, and moves the state on
+        opt._hand_over(wait=True)  # (else the next step would: here, at once)
+        deadline = time.monotonic() + 10
+        while not sync.blobs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [(step, blob)] = sync.blobs[opt.run_key].values()
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        assert step == 3 and state["step"] == 3
+        assert torch.equal(state["params"], torch.cat([p.reshape(-1) for p in at3]))
+        assert not torch.equal(state["params"], torch.cat([p.detach().reshape(-1) for p in m.parameters()]))
+        saved = [s["exp_avg"] for s in state["optimizer"]["state"].values()]
+        assert all(torch.equal(a, b) for a, b in zip(saved, moments, strict=True))
+        opt.close()
+    finally:
+        daemon.stop()
+
+
+def test_a_periodic_publish_is_answered_before_the_daemon_reads_it_one_at_a_time(tmp_path) -> None:
+    """The daemon answers a periodic publish once it holds the memfd (``sha`` null) and reads, hashes and keeps it
+    beside the training; a session's next publish waits for the last one to be kept (one snapshot in memory)."""
+    sync = SlowAdverts(delay=0.0)
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2), statesync=sync,
+                          background=True)
+    try:
+        opt = Optimizer(torch.optim.SGD(model(0).parameters(), lr=0.1), run="p", socket=daemon.path,
+                        sync_state=False, state_every=0)
+        for step, size in ((1, 5_000_000), (2, 10)):
+            fd = write_blob(bytes([step]) * size, name="t")
+            reply = opt._call("state_publish", fds=[fd], step=step, size=size, wait=False)
+            assert reply["advertised"] is None and reply["sha"] is None
+        deadline = time.monotonic() + 10
+        while len(sync.blobs.get(opt.run_key, {})) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(step for step, _ in sync.blobs[opt.run_key].values()) == [1, 2]
+        opt.close()
+    finally:
+        daemon.stop()
+
+
+def test_a_snapshot_being_written_skips_the_next_and_close_drops_it() -> None:
+    from peerd.torch.snapshots import LaterSnapshots
+
+    later = LaterSnapshots()
+    big = {"t": torch.zeros(4_000_000)}
+    assert later.start(big, 1)
+    started = later.start({"t": torch.ones(1)}, 2)  # the first is (most likely) still being written
+    written = later.take(wait=True)
+    assert written is not None and written.step in (1, 2) and (started or later.skipped == 1)
+    os_close(written.fd)
+    assert later.take() is None
+    later.start(big, 3)
+    later.close()  # its descriptor is closed once written
+    assert later.take() is None
+
+
+def os_close(fd: int) -> None:
+    import os
+
+    os.close(fd)
