@@ -42,10 +42,9 @@ def serialize(state: dict[str, Any]) -> bytes:
 
 
 def tensors_copied(obj: Any) -> Any:
-    """``obj`` (an optimizer's state_dict: dicts, lists and tuples of tensors and numbers) with every tensor copied
-    to host memory (a GPU's optimizer state is not doubled on the GPU; loading moves it back to the parameters')."""
+    """``obj`` (an optimizer's state_dict: dicts, lists and tuples of tensors and numbers) with every tensor copied."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().clone()
     if isinstance(obj, dict):
         return {k: tensors_copied(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
