@@ -49,7 +49,6 @@ from .auto import outer_codec
 from .founders import FOUNDER_WINDOW_S
 from .optimizer import Optimizer
 from .snapcheck import SnapshotError, all_finite, all_finite_each, check_finite, checked_step
-from .snapshots import serialize, tensors_copied
 
 log = logging.getLogger("peerd.torch.diloco")
 
@@ -263,7 +262,6 @@ class DiLoCo(Optimizer):
             raise ValueError("peerd.torch.DiLoCo does not take a closure: compute the loss before step()")
         if samples <= 0:
             raise ValueError("samples must be positive (it is the averaging weight)")
-        self._hand_over()  # the snapshot written since the last outer step (peerd.torch.snapshots)
         t0 = time.monotonic()
         prev_end = self._last_end
         grads = [p.grad for p in self.params]
@@ -303,7 +301,7 @@ class DiLoCo(Optimizer):
         reply["seconds"] = time.monotonic() - t0
         if any(o["fragment"] == 0 for o in outer) and self.outer_state_every \
                 and self.outer_steps_of0 % self.outer_state_every == 0:
-            self._publish_later()  # after fragment 0's step: a joiner starts a new cycle with the swarm
+            self.publish_state(wait=False)  # after fragment 0's step: a joiner starts a new cycle with the swarm
         return self._finish_step(reply, t0, phases)
 
     def outer_step(self, fragment: int, *, behind: bool = False) -> dict[str, Any]:
@@ -474,16 +472,14 @@ class DiLoCo(Optimizer):
         """The outer state (global parameters, outer momentum), the step, each fragment's samples and the
         inner optimizer's state, serialized as tensors (loadable weights_only); an outer step in flight lands
         first, so the state is one every member reaches."""
-        return serialize(self._snapshot_state())
-
-    def _snapshot_state(self, *, copy: bool = False) -> dict[str, Any]:
-        """The snapshot's contents (``copy``: the inner optimizer's tensors copied, so training may change its own)."""
         self.flush()
-        return {"format": DILOCO_FORMAT, "layout": self.layout_hash, "step": self.step_count,
-                "optimizer_class": type(self.opt).__name__, "global": self.global_params.clone(),
-                "momentum": self.momentum.clone(), "samples": torch.tensor(self.samples_since, dtype=torch.float64),
-                "fragments": self.fragments, "sync_every": self.sync_every,
-                "optimizer": tensors_copied(self.opt.state_dict()) if copy else self.opt.state_dict()}
+        buf = io.BytesIO()
+        torch.save({"format": DILOCO_FORMAT, "layout": self.layout_hash, "step": self.step_count,
+                    "optimizer_class": type(self.opt).__name__, "global": self.global_params.clone(),
+                    "momentum": self.momentum.clone(), "samples": torch.tensor(self.samples_since, dtype=torch.float64),
+                    "fragments": self.fragments, "sync_every": self.sync_every, "optimizer": self.opt.state_dict()},
+                   buf)
+        return buf.getvalue()
 
     def load_snapshot(self, blob: bytes, *, expected_step: int | None = None) -> int:
         """Take over a member's outer state; the model restarts from its global parameters. Returns the step.

@@ -40,7 +40,6 @@ from .founders import FOUNDER_WINDOW_S, SameData, reseed_peer
 from .overlap import Overlap
 from .report import StepReport
 from .snapcheck import SnapshotError, all_finite, all_finite_each, check_finite, checked_step
-from .snapshots import LaterSnapshots, serialize, tensors_copied
 
 log = logging.getLogger("peerd.torch")
 
@@ -223,7 +222,6 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         self.synced_from: dict[str, Any] | None = None
         self._last_end: float | None = None
         self._waited_mark = 0.0  # overlap: its waits for buckets as of the last step's end
-        self._later = LaterSnapshots()  # the periodic snapshots for joiners, written beside the steps
         self._last_call: float | None = None
         self._client: LocalClient | None = None
         self.session = 0
@@ -291,7 +289,6 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         return self._client.call(op, session=self.session, **args)
 
     def close(self) -> None:
-        self._later.close()
         if self._overlap is not None:
             self._overlap.remove()
         if self._client is not None:
@@ -465,7 +462,6 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         if samples <= 0:
             raise ValueError("samples must be positive (it is the averaging weight)")
         self._default_max_samples(samples)
-        self._hand_over()
         if self._overlap is not None:
             return self._step_overlap(samples, loss)
         now = t0 = time.monotonic()
@@ -527,7 +523,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
         elif due is not None:
             reply["params_skipped"] = f"the step's {self.timeout_s:g} s deadline is spent"
         if self.state_every and self.step_count % self.state_every == 0:
-            self._publish_later()
+            self.publish_state(wait=False)
         return self._finish_step(reply, t0, phases)
 
     def _step_overlap(self, samples: int | float, loss: float | None) -> dict[str, Any]:
@@ -549,7 +545,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
             reply["params"] = self.average_parameters(round_no=self.step_count // base)
             add_phases(phases, reply["params"].get("phases", {}))
         if self.state_every and self.step_count % self.state_every == 0:
-            self._publish_later()
+            self.publish_state(wait=False)
         out = self._finish_step(reply, t0, phases)
         self._waited_mark = overlap.waited_s
         return out
@@ -645,10 +641,6 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
     # -- state sync -------------------------------------------------------------------------------
     def snapshot(self) -> bytes:
         """Parameters, optimizer state and step number, serialized (tensors only: loadable weights_only)."""
-        return serialize(self._snapshot_state())
-
-    def _snapshot_state(self, *, copy: bool = False) -> dict[str, Any]:
-        """The snapshot's contents (``copy``: the optimizer's tensors copied, so training may change its own)."""
         self.flush()
         flat = torch.empty(self.elems, dtype=torch.float32)
         self._gather_cpu(flat)
@@ -657,24 +649,16 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
             last = self._overlap.last
             r = last.get("round")
             rnd = r if last.get("outcome") in ("averaged", "alone") and type(r) is int and r >= 0 else None
-        return {"format": STATE_FORMAT, "layout": self.layout_hash, "step": self.step_count,
-                "round": -1 if rnd is None else rnd,
-                "optimizer_class": type(self.opt).__name__, "params": flat,
-                "optimizer": tensors_copied(self.opt.state_dict()) if copy else self.opt.state_dict(),
-                **({"auto_codec": self.auto.compression, "auto_every": self.auto.average_every}
-                   if self.auto is not None else {}),
-                **({"auto_buckets": self._bucket_trial.agreed}
-                   if self._bucket_trial is not None and self._bucket_trial.agreed is not None else {})}
-
-    def _publish_later(self) -> None:
-        """The periodic snapshot for joiners: copied now, written beside the next steps, handed over at the next."""
-        self._hand_over()
-        self._later.start(self._snapshot_state(copy=True), self.step_count)
-
-    def _hand_over(self, *, wait: bool = False) -> None:
-        """Hand the daemon the periodic snapshot written since the last step (if any; ``wait``: for it)."""
-        self._later.hand_over(lambda w: self._call("state_publish", fds=[w.fd], step=w.step, size=w.size,
-                                                   wait=False), wait=wait)
+        buf = io.BytesIO()
+        torch.save({"format": STATE_FORMAT, "layout": self.layout_hash, "step": self.step_count,
+                    "round": -1 if rnd is None else rnd,
+                    "optimizer_class": type(self.opt).__name__, "params": flat,
+                    "optimizer": self.opt.state_dict(),
+                    **({"auto_codec": self.auto.compression, "auto_every": self.auto.average_every}
+                       if self.auto is not None else {}),
+                    **({"auto_buckets": self._bucket_trial.agreed}
+                       if self._bucket_trial is not None and self._bucket_trial.agreed is not None else {})}, buf)
+        return buf.getvalue()
 
     def _gather_cpu(self, flat: torch.Tensor) -> None:
         off = 0
