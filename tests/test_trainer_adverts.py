@@ -107,3 +107,25 @@ def test_wait_must_be_a_bool_hostile(tmp_path) -> None:
         opt.close()
     finally:
         daemon.stop()
+
+
+def test_a_periodic_publish_is_answered_before_the_daemon_reads_it_one_at_a_time(tmp_path) -> None:
+    """The daemon answers a periodic publish once it holds the memfd (``sha`` null) and reads, hashes and keeps it
+    beside the training; a session's next publish waits for the last one to be kept (one snapshot in memory)."""
+    sync = SlowAdverts(delay=0.0)
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=0.2), statesync=sync,
+                          background=True)
+    try:
+        opt = Optimizer(torch.optim.SGD(model(0).parameters(), lr=0.1), run="p", socket=daemon.path,
+                        sync_state=False, state_every=0)
+        for step, size in ((1, 5_000_000), (2, 10)):
+            fd = write_blob(bytes([step]) * size, name="t")
+            reply = opt._call("state_publish", fds=[fd], step=step, size=size, wait=False)
+            assert reply["advertised"] is None and reply["sha"] is None
+        deadline = time.monotonic() + 10
+        while len(sync.blobs.get(opt.run_key, {})) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(step for step, _ in sync.blobs[opt.run_key].values()) == [1, 2]
+        opt.close()
+    finally:
+        daemon.stop()

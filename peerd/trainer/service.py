@@ -121,6 +121,7 @@ class TrainerService:
         self.outer = OuterSteps(metrics, average, statesync, self.inbox, peer_id, self._report)
         put = getattr(statesync, "advertise_state", None)
         self.adverts = LaterAdverts(put) if put is not None else None
+        self._background: trio.Nursery | None = None  # where periodic snapshots are kept after their answer (run)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The service's background work (outer steps' last record puts, state advertisements a trainer did not
@@ -129,6 +130,7 @@ class TrainerService:
             if self.adverts is not None:
                 nursery.start_soon(self.adverts.run)
             await nursery.start(self.outer.run)
+            self._background = nursery
             task_status.started()
 
     def ops(self) -> dict[str, Callable[[dict[str, Any], Connection], Awaitable[dict[str, Any]]]]:
@@ -699,6 +701,13 @@ class TrainerService:
         if type(wait) is not bool:
             raise OpError(f"wait must be true or false (false: advertise in the background), got {wait!r:.40}")
         fd = conn.take_fd()
+        if session.keeping is not None:  # one snapshot kept at a time per session (its memory stays bounded)
+            await session.keeping.wait()
+        if not wait and self.statesync is not None and self._background is not None and self.adverts is not None \
+                and self.adverts.running:  # periodic: answered now, read, hashed and kept beside the training
+            session.keeping = trio.Event()
+            self._background.start_soon(self._keep_later, session, fd, size, step, session.keeping)
+            return {"advertised": None, "sha": None}
         try:
             blob = read_blob(fd, size)
         except (ArenaError, OSError) as e:
@@ -714,6 +723,24 @@ class TrainerService:
         ok = await self.statesync.advertise_state(session.run, session.run_key, session.layout, step=step,
                                                   size=size, sha=sha)
         return {"advertised": ok, "sha": sha.hex()}
+
+    async def _keep_later(self, session: Session, fd: int, size: int, step: int, done: trio.Event) -> None:
+        """A periodic snapshot, after its publish was answered: read and hash it off the event loop, keep it for
+        joiners and advertise it. A failure is logged (the next period publishes again), never raised."""
+        try:
+            blob = await trio.to_thread.run_sync(read_blob, fd, size)
+            sha = await trio.to_thread.run_sync(lambda: hashlib.sha256(blob).digest())
+            if not session.closed and self.statesync is not None and self.adverts is not None:
+                self.statesync.keep(session.run_key, blob, sha=sha)
+                self.adverts.submit(PendingAdvert(session.run, session.run_key, session.layout, step, size, sha))
+        except Exception as e:  # a snapshot that cannot be read, or no memory: this one is not offered
+            log.warning("session %d: keeping the snapshot of step %d failed: %s: %s", session.id, step,
+                        type(e).__name__, e)
+        finally:
+            os.close(fd)
+            done.set()
+            if session.keeping is done:
+                session.keeping = None
 
     async def _op_state_fetch(self, req: dict[str, Any], conn: Connection) -> dict[str, Any]:
         """Download the run's newest snapshot from donors into the memfd the trainer sent."""

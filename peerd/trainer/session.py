@@ -58,6 +58,7 @@ class Session:
     snapshot_max: int = MAX_BLOB  # the most bytes a snapshot of this model can hold (a download's bound)
     outer_rounds: list[int] = field(default_factory=list)  # outer rounds whose blobs this daemon still keeps
     outer_at: float | None = None  # when this session's last outer step was asked for, or it opened (OuterSteps' clock)
+    keeping: trio.Event | None = None  # set once the periodic snapshot being kept in the background is kept
     outer_swarm: int = 0  # the members that held this session's final at its last outer step (its swarm's size)
     # overlap: (step, bucket) -> the event a deferred bucket waits on and whether it was skipped (bounded by
     # MAX_BUCKETS per step and MAX_DEFERRED_STEPS steps)
