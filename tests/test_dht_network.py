@@ -10,6 +10,7 @@ import trio.testing
 
 from peerd.dht import service
 from peerd.dht.reads import Agreed, Enough
+from peerd.dht.routing import Contact
 
 from .support.dht_swarm import DhtNode, start_swarm  # noqa: E402
 from .support.memnet import MemNet, run_on_memnet
@@ -171,6 +172,29 @@ def test_a_cancelled_read_sends_no_more_queries() -> None:
         assert [r.value for r in await reader.dht.get(b"k")] == [b"v"]  # and it still reads
 
     run_on_memnet(main, seed=5, latency=0.01)
+
+
+def test_a_lookup_after_the_service_stopped_is_cancelled_not_broken() -> None:
+    """A daemon told to stop (SIGTERM while it bootstraps): the service's nursery closes while the bootstrap's
+    lookup, in the daemon's own task, still starts queries. They start in the lookup's own nursery, so the stop is a
+    cancellation, not a RuntimeError that makes the daemon exit 1."""
+
+    async def main(net: MemNet, nursery: trio.Nursery) -> None:
+        nodes = await start_swarm(nursery, net, 3)
+        node = DhtNode(net, 9)
+        for other in nodes:
+            node.dht.core.heard(Contact(other.identity.node_id, *other.addr), 0.0)
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as inner:
+                await inner.start(node.endpoint.serve)
+                await inner.start(node.dht.run)
+                scope.cancel()
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(0.1)  # the service's tasks end; this task has not reached a checkpoint
+                await node.dht.find_nodes(bytes(32))
+        assert scope.cancelled_caught
+
+    run_on_memnet(main, seed=6)
 
 
 @pytest.mark.parametrize("seed", range(12))

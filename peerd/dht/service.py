@@ -14,6 +14,7 @@ import trio
 
 from ..entropy import default_rng
 from ..metrics import Metrics
+from ..nurseries import service_nursery
 from ..transport.endpoint import Address, Endpoint, Incoming, Peer, RpcError, retry_delays
 from ..wire import messages as m
 from .core import (
@@ -133,8 +134,7 @@ class DhtService:
 
     # -- background work ------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+        async with service_nursery(self):
             task_status.started()
             await self._maintain()
 

@@ -37,6 +37,7 @@ from ..dht.service import DhtService
 from ..entropy import default_rng
 from ..linkcap.advert import CapAdvert, PeerCaps
 from ..metrics import Metrics
+from ..nurseries import service_nursery
 from ..transport.endpoint import Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
 from ..wire.identity import node_id_of
@@ -140,8 +141,7 @@ class MoshpitService:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the nursery for work that outlives a round (BEGIN retries, progress records)."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+        async with service_nursery(self):
             task_status.started()
             await trio.sleep_forever()
 

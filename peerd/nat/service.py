@@ -21,6 +21,7 @@ from prometheus_client import Counter, Gauge
 
 from ..entropy import default_rng
 from ..metrics import Metrics
+from ..nurseries import service_nursery
 from ..transport.endpoint import PATH_KINDS, Address, Endpoint, Incoming, RpcError
 from ..wire import messages as m
 from ..wire.errors import WireError
@@ -427,8 +428,7 @@ class NatService:
         self._wake.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+        async with service_nursery(self) as nursery:
             nursery.start_soon(self._pass_on_all)
             task_status.started()
             while True:
