@@ -19,6 +19,7 @@ from peerd.localsock.arena import (
     read_blob,
     slot_stride,
     write_blob,
+    write_blob_from,
 )
 
 
@@ -115,3 +116,25 @@ def test_blobs_round_trip_and_short_blobs_are_refused() -> None:
         assert os.fstat(fd).st_size == 5
     finally:
         os.close(fd)
+
+
+def test_a_blob_written_as_a_file_is_sealed_and_sized() -> None:
+    """A snapshot serialized straight into the memfd: the size it reports is what was written, and the blob is
+    sealed as ``write_blob``'s (the daemon refuses one that is not); an error while saving leaves no fd open."""
+    parts = [os.urandom(70_000), os.urandom(5)]
+    fd, size = write_blob_from(lambda f: [f.write(p) for p in parts], name="peerd-test")
+    try:
+        assert size == 70_005 and stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+        assert read_blob(fd, size) == b"".join(parts)
+        with pytest.raises(ArenaError, match="empty"):
+            fill_blob(fd, b"x")
+    finally:
+        os.close(fd)
+    before = len(os.listdir("/proc/self/fd"))
+
+    def broken(f: object) -> None:
+        raise RuntimeError("serializer failed")
+
+    with pytest.raises(RuntimeError, match="serializer"):
+        write_blob_from(broken)
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -33,6 +33,8 @@ import fcntl
 import mmap
 import os
 import struct
+from collections.abc import Callable
+from typing import BinaryIO
 
 import numpy as np
 
@@ -211,18 +213,23 @@ def _check_shape(nslots: int, elems: int) -> None:
 def write_blob(data: bytes, *, name: str = "peerd-blob") -> int:
     """A fresh memfd (mode 0600, sealed against shrinking) holding ``data``; for state snapshots, which are
     too rare to need slots. It can still grow: the daemon fills an empty one on a state fetch."""
+    return write_blob_from(lambda f: f.write(data), name=name)[0]
+
+
+def write_blob_from(save: Callable[[BinaryIO], object], *, name: str = "peerd-blob") -> tuple[int, int]:
+    """A fresh memfd, as ``write_blob``, that ``save`` writes into as a file (a snapshot serialized straight into
+    it, without a copy in memory first); returns the fd and the bytes written."""
     fd = _sealed_memfd(name)
     try:
         os.fchmod(fd, 0o600)
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        with open(fd, "wb", closefd=False) as f:
+            save(f)
+        size = os.fstat(fd).st_size
         _seal(fd)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, size
 
 
 def read_blob(fd: int, size: int) -> bytes:

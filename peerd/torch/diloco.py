@@ -38,7 +38,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -468,18 +468,17 @@ class DiLoCo(Optimizer):
         super().flush()
 
     # -- state sync -------------------------------------------------------------------------------------
-    def snapshot(self) -> bytes:
+    def save_snapshot(self, f: BinaryIO) -> None:
         """The outer state (global parameters, outer momentum), the step, each fragment's samples and the
-        inner optimizer's state, serialized as tensors (loadable weights_only); an outer step in flight lands
-        first, so the state is one every member reaches."""
+        inner optimizer's state, serialized as tensors (loadable weights_only) into ``f``; an outer step in flight
+        lands first, so the state is one every member reaches. (The tensors are whole storages of their own, so
+        they are saved as they are, without copies.)"""
         self.flush()
-        buf = io.BytesIO()
         torch.save({"format": DILOCO_FORMAT, "layout": self.layout_hash, "step": self.step_count,
-                    "optimizer_class": type(self.opt).__name__, "global": self.global_params.clone(),
-                    "momentum": self.momentum.clone(), "samples": torch.tensor(self.samples_since, dtype=torch.float64),
+                    "optimizer_class": type(self.opt).__name__, "global": self.global_params,
+                    "momentum": self.momentum, "samples": torch.tensor(self.samples_since, dtype=torch.float64),
                     "fragments": self.fragments, "sync_every": self.sync_every, "optimizer": self.opt.state_dict()},
-                   buf)
-        return buf.getvalue()
+                   f)
 
     def load_snapshot(self, blob: bytes, *, expected_step: int | None = None) -> int:
         """Take over a member's outer state; the model restarts from its global parameters. Returns the step.

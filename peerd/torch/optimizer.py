@@ -23,13 +23,13 @@ import math
 import os
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from ..allreduce.robust import parse_robust
 from ..compress import COMPRESSIONS as CODECS
-from ..localsock.arena import Arena, read_blob, write_blob
+from ..localsock.arena import Arena, read_blob, write_blob, write_blob_from
 from ..localsock.client import DaemonError, LocalClient
 from ..localsock.phases import add_phases, empty_phases
 from .auto import AVERAGE_EVERY, PERIOD_LADDER, Choice
@@ -641,6 +641,12 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
     # -- state sync -------------------------------------------------------------------------------
     def snapshot(self) -> bytes:
         """Parameters, optimizer state and step number, serialized (tensors only: loadable weights_only)."""
+        buf = io.BytesIO()
+        self.save_snapshot(buf)
+        return buf.getvalue()
+
+    def save_snapshot(self, f: BinaryIO) -> None:
+        """``snapshot()``, written into ``f`` (publish_state: straight into the memfd the daemon reads)."""
         self.flush()
         flat = torch.empty(self.elems, dtype=torch.float32)
         self._gather_cpu(flat)
@@ -649,7 +655,6 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
             last = self._overlap.last
             r = last.get("round")
             rnd = r if last.get("outcome") in ("averaged", "alone") and type(r) is int and r >= 0 else None
-        buf = io.BytesIO()
         torch.save({"format": STATE_FORMAT, "layout": self.layout_hash, "step": self.step_count,
                     "round": -1 if rnd is None else rnd,
                     "optimizer_class": type(self.opt).__name__, "params": flat,
@@ -657,8 +662,7 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
                     **({"auto_codec": self.auto.compression, "auto_every": self.auto.average_every}
                        if self.auto is not None else {}),
                     **({"auto_buckets": self._bucket_trial.agreed}
-                       if self._bucket_trial is not None and self._bucket_trial.agreed is not None else {})}, buf)
-        return buf.getvalue()
+                       if self._bucket_trial is not None and self._bucket_trial.agreed is not None else {})}, f)
 
     def _gather_cpu(self, flat: torch.Tensor) -> None:
         off = 0
@@ -710,10 +714,9 @@ class Optimizer(AutoSteps, torch.optim.Optimizer):
     def publish_state(self, *, wait: bool = True) -> dict[str, Any]:
         """Hand this trainer's snapshot to the daemon for joiners. ``wait`` False (the periodic publishes): the
         daemon advertises it in the background, so the step does not wait for a DHT store (``advertised`` None)."""
-        blob = self.snapshot()
-        fd = write_blob(blob, name="peerd-state")
+        fd, size = write_blob_from(self.save_snapshot, name="peerd-state")
         try:
-            return self._call("state_publish", fds=[fd], step=self.step_count, size=len(blob), wait=wait)
+            return self._call("state_publish", fds=[fd], step=self.step_count, size=size, wait=wait)
         finally:
             os.close(fd)
 
