@@ -1,4 +1,5 @@
-"""Replay the GPT demo script's DiLoCo in one process with exact averages, to choose its outer rule and period.
+"""Replay the GPT demo script's DiLoCo in one process with exact (or encoded) averages, to choose its outer rule,
+period and codec.
 
 N replicas of peerd/tools/demo_gpt.py's model, seeds, batches and schedule take H inner steps each, then their
 progress is averaged exactly and the outer rule (peerd.torch.diloco.nesterov_outer) applied; the whole validation
@@ -19,8 +20,13 @@ import time
 import numpy as np
 import torch
 
+from peerd.compress import Codec
+from peerd.compress import codec as make_codec
+from peerd.compress.rounding import PHASE_AG, PHASE_RS, RoundingKey
 from peerd.tools.demo_gpt import VAL_CHARS, build_gpt, cosine_lr, evaluate, get_batch, load_corpus, param_groups
 from peerd.torch.diloco import nesterov_outer
+
+RANGE = 4096  # values a range of the all-reduce's layout (a codec's groups never straddle one)
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -36,6 +42,20 @@ def load(model: torch.nn.Module, vector: torch.Tensor) -> None:
             off += p.numel()
 
 
+def _average(deltas: list[torch.Tensor], codec: Codec | None, step: int) -> torch.Tensor:
+    """The members' mean pseudo-gradient as the all-reduce delivers it: with a codec, each member's contribution is
+    encoded (stochastic rounding, its own draw) before the mean, and the mean again for the all-gather."""
+    if codec is None:
+        return torch.stack(deltas).mean(0)
+    per = RANGE
+
+    def through(v: np.ndarray, sender: int, phase: int) -> np.ndarray:
+        return codec.roundtrip(v, per, key=RoundingKey(run=1, round=step, sender=sender, phase=phase))
+
+    mean = np.mean([through(d.numpy(), i, PHASE_RS) for i, d in enumerate(deltas)], axis=0, dtype=np.float32)
+    return torch.from_numpy(through(mean, len(deltas), PHASE_AG))
+
+
 def replay(args: argparse.Namespace) -> dict:
     """The curve of one configuration, stopping at the first outer step at or below ``args.target``."""
     torch.set_num_threads(1)
@@ -47,6 +67,7 @@ def replay(args: argparse.Namespace) -> dict:
     global_ = flat(models[0]).clone()
     momentum = torch.zeros_like(global_)
     every = 1 if args.ddp else args.sync_every
+    codec = None if args.compression == "fp32" else make_codec(args.compression)
     curve: list[tuple[int, float]] = []
     reached = None
     for step in range(args.max_steps or args.steps):
@@ -65,7 +86,7 @@ def replay(args: argparse.Namespace) -> dict:
         if (step + 1) % every:
             continue
         if not args.ddp:
-            delta = global_ - torch.stack([flat(m) for m in models]).mean(0)
+            delta = _average([global_ - flat(m) for m in models], codec, step)
             nesterov_outer(global_, momentum, delta, args.outer_lr, args.outer_momentum)
             for m in models:
                 load(m, global_)
@@ -77,7 +98,8 @@ def replay(args: argparse.Namespace) -> dict:
             if not args.to_end:
                 break
     return {"seed": args.seed, "peers": args.peers, "sync_every": args.sync_every, "outer_lr": args.outer_lr,
-            "outer_momentum": args.outer_momentum, "ddp": args.ddp, "steps": args.steps, "target": args.target,
+            "outer_momentum": args.outer_momentum, "compression": args.compression,
+            "ddp": args.ddp, "steps": args.steps, "target": args.target,
             "reached_at": reached, "curve": curve}
 
 
@@ -96,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--ddp", action="store_true", help="one model on every replica's batch, as DDP trains")
     p.add_argument("--target", type=float, default=None, help="stop at the first outer step at or below this loss")
+    p.add_argument("--compression", choices=("fp32", "int8", "int4"), default="fp32",
+                   help="how the pseudo-gradients travel (int8/int4: 128 values a scale, stochastic rounding)")
     p.add_argument("--to-end", action="store_true", help="go on past the target")
     args = p.parse_args(argv)
     t0 = time.monotonic()
