@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import threading
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -446,6 +447,47 @@ def test_a_joiner_gets_the_outer_state_by_state_sync(tmp_path) -> None:
         assert torch.equal(flat(late.parameters()), founder.global_params)
         for o in (founder, joiner):
             o.close()
+    finally:
+        daemon.stop()
+
+
+def test_by_default_a_snapshot_follows_an_outer_step_at_most_once_in_state_min_s(tmp_path, monkeypatch) -> None:
+    """state_every=None: the first outer step publishes (a joiner finds the state at once); outer steps that follow
+    within STATE_MIN_S (up to 1.5x, the member's draw) publish nothing; the first one after publishes again. An
+    explicit state_every keeps its count of outer steps; a negative or fractional one is refused."""
+    import peerd.torch.diloco as diloco_module
+
+    clock = [1000.0]  # the module's clock, moved by hand: the test does not depend on how fast steps run
+    monkeypatch.setattr(diloco_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time,
+                                                                     sleep=time.sleep))
+    daemon = ThreadDaemon(str(tmp_path / "d.sock"), InProcessAverager(group_size=1, wait_s=1.0),
+                          statesync=MemorySync())
+    try:
+        m = model(0)
+        opt = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=2)
+        published: list[int] = []
+        real = opt.publish_state
+
+        def counted(**kw):
+            published.append(opt.step_count)
+            return real(**kw)
+
+        opt.publish_state = counted
+        for s in range(1, 9):
+            x, y = batch(0, s)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            opt.step(samples=len(x))
+            clock[0] += 1.0
+            if s == 6:
+                clock[0] += 1.5 * diloco_module.STATE_MIN_S  # past the longest draw
+        assert opt.outer_steps == 4
+        assert published == [2, 8]
+        opt.close()
+        for bad in (-1, 1.5):
+            with pytest.raises(ValueError, match="state_every"):
+                DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), run="dl", socket=daemon.path, sync_every=2,
+                       state_every=bad)
     finally:
         daemon.stop()
 

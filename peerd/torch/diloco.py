@@ -34,6 +34,7 @@ import hashlib
 import io
 import logging
 import math
+import random
 import statistics
 import time
 from collections import deque
@@ -55,6 +56,9 @@ log = logging.getLogger("peerd.torch.diloco")
 DILOCO_FORMAT = "peerd-diloco-v1"
 HISTORY = 10_000  # outer steps remembered in DiLoCo.history
 MAX_CATCH_UP_OUTER = 16  # outer steps a replica found behind takes from the swarm at once (DiLoCo._catch_up)
+# state_every=None: a snapshot for joiners after fragment 0's outer step, at most once in this many seconds (each
+# member its own draw up to 1.5x, so the members' snapshots fall on different outer steps)
+STATE_MIN_S = 10.0
 INNER_TIMES = 32  # inner steps whose wall time (the caller's compute and the inner optimizer's) the median is of
 MIN_INNER_TIMES = 3  # a replica that timed fewer inner steps does not count forward (DiLoCo._count_forward)
 
@@ -132,7 +136,10 @@ def outer_phases(reply: dict[str, Any]) -> dict[str, float]:
 class DiLoCo(Optimizer):
     """DiLoCo around ``inner_optimizer`` (over ``model``'s parameters). Options as peerd.torch.Optimizer's
     (``run``, ``socket``, ``timeout_s``, ``sync_state``, ``state_every``: publish the outer state every this
-    many outer steps of fragment 0, ...) plus ``outer_lr``, ``outer_momentum``, ``sync_every`` (H),
+    many outer steps of fragment 0; None, the default: after fragment 0's outer step, at most once every
+    STATE_MIN_S-1.5 x STATE_MIN_S seconds, so that outer steps a few seconds apart do not each serialize, hand
+    over and hash a snapshot that a joiner rarely needs (a joiner takes the outer steps since from the swarm); 0:
+    never, ...) plus ``outer_lr``, ``outer_momentum``, ``sync_every`` (H),
     ``fragments`` (F), ``compression`` (the codec of the pseudo-gradient averages: "fp32", "fp16", "bf16",
     "int8" or "int4", with ``quant_group`` and ``rounding`` for the int codecs; None: fp32; "auto", the default:
     int8 for fragments of at least peerd.torch.auto.MIN_INT8_PARAMS values, else fp32, with the choice and its
@@ -161,7 +168,7 @@ class DiLoCo(Optimizer):
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, sync_every: int = 500, fragments: int = 1,
                  compression: str | None = "auto", quant_group: int | None = None, rounding: str | None = None,
                  socket: str | None = None, timeout_s: float = 60.0,
-                 sync_state: bool = True, state_every: int = 1, state_timeout_s: float = 60.0,
+                 sync_state: bool = True, state_every: int | None = None, state_timeout_s: float = 60.0,
                  max_samples: float | None = None, robust: str | None = None, nslots: int = 4,
                  founder_window_s: float = FOUNDER_WINDOW_S, reseed: bool = True,
                  overlap_outer: bool = False) -> None:
@@ -193,7 +200,10 @@ class DiLoCo(Optimizer):
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.sync_every = sync_every
+        if state_every is not None and (type(state_every) is not int or state_every < 0):
+            raise ValueError(f"state_every must be a whole number of outer steps or None, got {state_every!r}")
         self.outer_state_every = state_every
+        self._state_next = -math.inf  # state_every=None: the earliest time.monotonic() of the next snapshot
         super().__init__(inner_optimizer, run=run, socket=socket, timeout_s=timeout_s, average_params_every=0,
                          sync_state=False, state_every=0, state_timeout_s=state_timeout_s, nslots=nslots,
                          max_samples=max_samples, robust=robust, compression=compression,
@@ -299,10 +309,19 @@ class DiLoCo(Optimizer):
                 add_phases(phases, o["phases"])
         self.outcomes[reply["outcome"]] = self.outcomes.get(reply["outcome"], 0) + 1
         reply["seconds"] = time.monotonic() - t0
-        if any(o["fragment"] == 0 for o in outer) and self.outer_state_every \
-                and self.outer_steps_of0 % self.outer_state_every == 0:
+        if any(o["fragment"] == 0 for o in outer) and self._state_due():
             self.publish_state(wait=False)  # after fragment 0's step: a joiner starts a new cycle with the swarm
         return self._finish_step(reply, t0, phases)
+
+    def _state_due(self) -> bool:
+        """Whether fragment 0's outer step just taken publishes a snapshot (``state_every``)."""
+        if self.outer_state_every is not None:
+            return bool(self.outer_state_every) and self.outer_steps_of0 % self.outer_state_every == 0
+        now = time.monotonic()
+        if now < self._state_next:
+            return False
+        self._state_next = now + STATE_MIN_S * (1.0 + 0.5 * random.random())
+        return True
 
     def outer_step(self, fragment: int, *, behind: bool = False) -> dict[str, Any]:
         """Average fragment ``fragment``'s pseudo-gradient with the swarm and apply the outer rule to it (any
