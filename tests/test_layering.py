@@ -25,8 +25,10 @@ PEERD = ROOT / "peerd"
 # a layer, never upward.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     # the C extension, rng, metrics; the deadline tuner (a pure core the rounds, the trainer and the status share);
-    # the argparse pieces the command line and the tooling's commands share; the daemon's BLAS threads
-    ("foundation", frozenset({"peerd", "_dataplane", "entropy", "metrics", "deadlines", "nurseries", "cliargs", "blas"})),
+    # the argparse pieces the command line and the tooling's commands share; the daemon's BLAS threads; a
+    # service's own nursery
+    ("foundation", frozenset({"peerd", "_dataplane", "entropy", "metrics", "deadlines", "nurseries", "cliargs",
+                              "blas"})),
     ("wire", frozenset({"wire"})),  # envelope, sealing, messages: what a datagram is
     # moving bytes, coding arrays; the owner's views (status: the page's HTTP server, the terminal table)
     ("links", frozenset({"transport", "compress", "localsock", "addresses", "status"})),
