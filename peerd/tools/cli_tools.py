@@ -214,9 +214,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     from .demo import add_gpt_arguments
 
     add_gpt_arguments(p)
-    p.add_argument("--baseline", choices=["gloo", "ddp"], default=None,
+    p.add_argument("--baseline", choices=["gloo", "ddp", "hivemind"], default=None,
                    help="then train the same model on the same data, seeds and links with torch DDP over gloo "
-                        "(in the same namespaces with --link) and report both times to --target-accuracy")
+                        "(in the same namespaces with --link) and report both times to --target-accuracy; "
+                        "hivemind (--model gpt): under hivemind.Optimizer as its quickstart wraps an optimizer, "
+                        "local updates averaged every --sync-every steps (needs pip install hivemind==1.1.12), "
+                        "timed to --target-loss where given")
     p.add_argument("--target-accuracy", type=fraction, default=0.93, metavar="A",
                    help="time_to_accuracy_s: until the peers' mean held-out accuracy (every 10 steps) reaches A "
                         "(default 0.93)")
@@ -374,6 +377,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     check_link_arguments(args, parser)
     if args.sync_every < 1 or not 1 <= args.fragments <= args.sync_every:
         parser.error("--sync-every must be at least 1 and --fragments in [1, --sync-every]")
+    if args.baseline == "hivemind" and args.model != "gpt":
+        parser.error("--baseline hivemind trains the GPT script: --model gpt")
     if args.baseline and args.model != "gpt" and (args.mode == "diloco" or args.byzantine
                                                   or args.dropcompute != "off"):
         parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")

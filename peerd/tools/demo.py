@@ -64,7 +64,8 @@ class DemoConfig:
     fragments: int = 1  # diloco: F (streaming)
     overlap_outer: bool = False  # diloco: outer averages travel while the next inner steps run (gpt)
     model: str = "mlp"  # mlp (4,810 parameters) | wide (2.24 M: communication matters at 100 Mbit) | gpt (0.84 M)
-    baseline: str | None = None  # gloo (ddp): then train the same under torch DDP over gloo, on the same links
+    baseline: str | None = None  # gloo (ddp): then train the same under torch DDP over gloo, on the same links;
+    # hivemind (gpt): under hivemind.Optimizer (peerd.tools.demo_hivemind)
     target_accuracy: float = 0.93  # time_to_accuracy_s: until the peers' mean held-out accuracy reaches this
     compression: str | None = None  # every trainer's codec (`peerd train --compression`; None: fp32)
     quant_group: int | None = None  # int8/int4: values per scale and min (None: 128)
@@ -317,8 +318,10 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
     byzantine = byzantine_peers(cfg)
     if not 0 <= cfg.byzantine < cfg.peers:
         raise RuntimeError(f"byzantine must be in [0, {cfg.peers}): at least one peer must be honest")
-    if cfg.baseline not in (None, "gloo", "ddp"):
-        raise RuntimeError(f"baseline {cfg.baseline!r}: expected gloo (or its name ddp)")
+    if cfg.baseline not in (None, "gloo", "ddp", "hivemind"):
+        raise RuntimeError(f"baseline {cfg.baseline!r}: expected gloo (or its name ddp) or hivemind")
+    if cfg.baseline == "hivemind" and not gpt:
+        raise RuntimeError("baseline hivemind trains the GPT script: model gpt")
     if cfg.mode not in ("sync", "overlap", "diloco"):
         raise RuntimeError(f"mode {cfg.mode!r}: expected sync, overlap or diloco")
     if cfg.baseline and not gpt and (cfg.mode == "diloco" or cfg.byzantine or cfg.join_late
@@ -581,10 +584,12 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                 summary["average_every"] = auto[0]["average_every"] if auto else averaging_period(cfg)
             if cfg.compression is None and cfg.mode != "diloco":
                 summary["compression"] = "auto"  # the Optimizer's default; what it chose is under "auto"
-        if cfg.baseline in ("gloo", "ddp"):
+        if cfg.baseline:
             swarm.stop()  # the baseline gets the CPU and the links to itself, as peerd had them
+            kind = "hivemind" if cfg.baseline == "hivemind" else "gloo"
             ddp = (DDPConfig(world=cfg.peers, steps=cfg.steps, seed=cfg.seed, model="gpt", batch=cfg.batch or 0,
-                             eval_every=cfg.eval_every, straggler=cfg.straggler) if gpt else
+                             eval_every=cfg.eval_every, straggler=cfg.straggler, kind=kind,
+                             sync_every=cfg.sync_every) if gpt else
                    DDPConfig(world=cfg.peers, steps=cfg.steps, seed=cfg.seed, model=cfg.model,
                              micro=micro_batches(cfg) or 4, compute_jitter=cfg.compute_jitter))
             base = run_ddp_baseline(ddp,
@@ -593,18 +598,20 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
             if gpt:
                 summary["baseline_val_loss"] = base["final_loss"]
             tta = summary["time_to_accuracy_s"]
-            say(f"baseline (torch DDP over gloo): held-out accuracy {base['accuracy']:.4f}, loss "
-                f"{base['final_loss']:.4f}, {base['wall_s']:.1f} s of training; time to {cfg.target_accuracy:.0%}: "
-                f"peerd {_secs(tta)}, gloo {_secs(base['time_to_accuracy_s'])}")
+            say(f"baseline ({'torch DDP over gloo' if kind == 'gloo' else 'hivemind'}): held-out accuracy "
+                f"{base['accuracy']:.4f}, loss {base['final_loss']:.4f}, {base['wall_s']:.1f} s of training; time to "
+                f"{cfg.target_accuracy:.0%}: peerd {_secs(tta)}, {kind} {_secs(base['time_to_accuracy_s'])}")
         if gpt:
-            target = summary.get("baseline_val_loss", cfg.target_loss)
+            # the target: DDP's final loss; against hivemind, --target-loss (DDP's from another run) where given
+            target = (cfg.target_loss if cfg.baseline == "hivemind" and cfg.target_loss is not None
+                      else summary.get("baseline_val_loss", cfg.target_loss))
             summary.update(target_fields(curve, target, baseline_curve=summary.get("baseline", {}).get("curve"),
                                          baseline_seconds=cfg.target_seconds))
             tt = summary["time_to_target_s"]
             say(f"validation loss {summary['val_loss']:.4f}"
-                + (f", DDP's {summary['baseline_val_loss']:.4f}" if "baseline" in summary else "")
+                + (f", the baseline's {summary['baseline_val_loss']:.4f}" if "baseline" in summary else "")
                 + (f"; time to {target:.4f}: peerd {_secs(tt)}" if target is not None else "")
-                + (f", DDP {_secs(summary['baseline_time_to_target_s'])} (speedup {summary['speedup']})"
+                + (f", baseline {_secs(summary['baseline_time_to_target_s'])} (speedup {summary['speedup']})"
                    if "speedup" in summary else ""))
         return summary
     finally:

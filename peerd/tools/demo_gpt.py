@@ -183,7 +183,7 @@ def evaluate(model, val) -> tuple[float, float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--launcher", choices=("peerd", "ddp"), default="peerd")
+    p.add_argument("--launcher", choices=("peerd", "ddp", "hivemind"), default="peerd")
     p.add_argument("--run", default="gpt")
     p.add_argument("--socket", default=None)
     p.add_argument("--steps", type=int, default=300)
@@ -221,7 +221,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra-steps", type=int, default=0, help="steps past --steps at the schedule's final rate")
     p.add_argument("--final-average", type=int, default=2)
     p.add_argument("--out", default=None)
-    p.add_argument("--world", type=int, default=1, help="ddp: ranks")
+    p.add_argument("--world", type=int, default=1, help="ddp, hivemind: ranks")
+    p.add_argument("--hivemind-mode", choices=("local", "grad"), default="local",
+                   help="hivemind: local updates with parameter averages every --sync-every steps, or gradient "
+                        "averages every step (peerd.tools.demo_hivemind)")
+    p.add_argument("--rendezvous", default=None, help="hivemind: a folder where the first peer leaves its addresses")
 
 
 def wrap_peerd(model, opt, args: argparse.Namespace):
@@ -259,8 +263,14 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
     model = build_gpt(args.seed if args.init_seed is None else args.init_seed)
     opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     ddp = args.launcher == "ddp"
+    hm = args.launcher == "hivemind"
+    base = ddp or hm  # a baseline: no peerd optimizer in the loop
     net = model
-    if ddp:
+    if hm:
+        from . import demo_hivemind
+
+        opt = demo_hivemind.wrap_hivemind(opt, args)
+    elif ddp:
         import datetime
 
         import torch.distributed as dist
@@ -282,11 +292,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
 
     if args.wait_go:
         wait_for_go(args.index, emit)
-    first = 0 if ddp else opt.step_count
+    first = 0 if base else opt.step_count
     t_eval = time.monotonic()
     loss0, acc0 = evaluate(model, val)
     eval_s += time.monotonic() - t_eval
-    synced = None if ddp else opt.synced_from
+    synced = None if base else opt.synced_from
     emit({"event": "start", "peer": args.index, "rank": args.index, "step": first, "synced": synced,
           "held_out_loss": loss0, "accuracy": acc0, "params": sum(q.numel() for q in model.parameters()),
           "t": clock()})
@@ -300,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
     step = first
     while step < args.steps + args.extra_steps:
         t0 = time.monotonic()
-        for group in opt.param_groups:
+        for group in (demo_hivemind.inner_groups(opt) if hm else opt.param_groups):
             group["lr"] = cosine_lr(step, args.steps, args.lr, args.warmup)
         x, y = get_batch(train, rng, args.batch)
         opt.zero_grad()
@@ -308,15 +318,16 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
             opt.last_microbatch(1)  # the step's one micro-batch: its backward hands the buckets out
         _, loss = net(x, y)
         loss.backward()
-        if args.clip > 0 and (ddp or args.mode == "diloco"):
-            # DDP: the gradients are averaged by now; DiLoCo's inner steps are local. peerd's sync wrap clips the
-            # average itself (clip_grad_norm); overlap applies updates layer by layer: no global clip
+        if args.clip > 0 and (base or args.mode == "diloco"):
+            # DDP: the gradients are averaged by now; DiLoCo's and hivemind's are each peer's own (hivemind has no
+            # hook between its average and the step). peerd's sync wrap clips the average itself (clip_grad_norm);
+            # overlap applies updates layer by layer: no global clip
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         t1 = time.monotonic()
         if args.slow > 1.0:
             time.sleep((args.slow - 1.0) * (t1 - t0))  # a straggler: its compute takes ``slow`` times as long
             t1 = time.monotonic()
-        if ddp:
+        if base:
             opt.step()
             reply: dict[str, Any] = {"outcome": "averaged", "group_size": args.world, "seconds": 0.0,
                                      "received_fraction": 1.0}
@@ -346,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
             record["held_out_loss"], record["accuracy"] = evaluate(model, val)
             eval_s += time.monotonic() - t_eval
             record["t"] = clock()
-        if ddp:
+        if base:
             if "t" in record:
                 emit({"event": "eval", "rank": args.index, "step": step, "accuracy": record["accuracy"],
                       "held_out_loss": record["held_out_loss"], "loss": record["loss"], "t": record["t"]})
@@ -354,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
             emit(record)
     wall = clock() - start
     final_rounds = []
-    if not ddp:
+    if not base:
         opt.flush()
         if args.mode != "diloco":
             for _ in range(max(0, args.final_average)):
@@ -369,22 +380,22 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         "event": "done", "peer": args.index, "rank": args.index, "steps": step, "first_step": first,
         "held_out_loss": held, "accuracy": acc, "samples": samples_total, "wall_s": wall, "compute_s": compute_s,
         "round_s": round_s, "samples_per_second": samples_total / wall if wall > 0 else 0.0, "outcomes": outcomes,
-        "local_steps": 0 if ddp else opt.local_steps, "synced": synced, "dropped_microbatches": 0, "tau": None,
+        "local_steps": 0 if base else opt.local_steps, "synced": synced, "dropped_microbatches": 0, "tau": None,
         "final_average": final_rounds, "t_end": t_end, "t": t_end, "eval_s": eval_s, "mode": args.mode,
         "step_s": float(np.median(step_times)) if step_times else 0.0,
         "max_step_s": max(step_times, default=0.0), "max_wait_s": max(waits, default=0.0),
-        "caught_up": 0 if ddp else getattr(opt, "caught_up", 0),
-        "params_averages": 0 if ddp else getattr(opt, "params_averages", 0),
-        "params_identical": 0 if ddp else getattr(opt, "params_identical", 0),
-        "params_close": 0 if ddp else getattr(opt, "params_close", 0),
+        "caught_up": 0 if base else getattr(opt, "caught_up", 0),
+        "params_averages": 0 if base else getattr(opt, "params_averages", 0),
+        "params_identical": 0 if base else getattr(opt, "params_identical", 0),
+        "params_close": 0 if base else getattr(opt, "params_close", 0),
         "params_finite": bool(np.isfinite(flat).all()),
-        "keep_rounds": None if ddp else getattr(opt, "keep_rounds", None),
-        "kept_rounds": 0 if ddp else getattr(opt, "kept_rounds", 0), "tensor_bytes": 0, "complete_rounds": complete,
+        "keep_rounds": None if base else getattr(opt, "keep_rounds", None),
+        "kept_rounds": 0 if base else getattr(opt, "kept_rounds", 0), "tensor_bytes": 0, "complete_rounds": complete,
     }
-    if not ddp and args.mode == "diloco":
+    if not base and args.mode == "diloco":
         result.update(sync_every=args.sync_every, fragments=1, outer_steps=opt.outer_steps,
                       state_sha=opt.state_sha().hex())
-    if not ddp and "auto" in getattr(opt, "last", {}):
+    if not base and "auto" in getattr(opt, "last", {}):
         result["auto"] = opt.last["auto"]
     emit(result)
     if args.out:
@@ -394,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         os.replace(tmp, args.out)
     if ddp:
         dist.destroy_process_group()
+    elif hm:
+        demo_hivemind.close(opt)
     else:
         opt.close()
     return 0

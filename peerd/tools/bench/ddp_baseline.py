@@ -43,6 +43,10 @@ class DDPConfig:
     port: int = 29500
     timeout_s: float = 600.0  # gloo's own timeout for one collective (a lossy link must not hang the demo)
     straggler: float = 1.0  # gpt: the last rank's compute takes this many times as long (`peerd demo --straggler`)
+    kind: str = "gloo"  # gpt: "hivemind" trains the ranks under hivemind.Optimizer instead (peerd.tools.demo_hivemind)
+    sync_every: int = 20  # hivemind "local": steps of every rank between parameter averages
+    hivemind_mode: str = "local"  # hivemind: "local" (parameter averages) or "grad" (gradient averages every step)
+    rendezvous: str = ""  # hivemind: the folder where rank 0 leaves its addresses
 
 
 def _free_port() -> int:
@@ -130,8 +134,12 @@ def _gpt_worker(cfg: DDPConfig, rank: int) -> int:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(cfg.port)
-    argv = ["--launcher", "ddp", "--world", str(cfg.world), "--index", str(rank), "--peers", str(cfg.world),
-            "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--eval-every", str(cfg.eval_every)]
+    argv = ["--launcher", "ddp" if cfg.kind == "gloo" else cfg.kind, "--world", str(cfg.world), "--index", str(rank),
+            "--peers", str(cfg.world), "--steps", str(cfg.steps), "--seed", str(cfg.seed),
+            "--eval-every", str(cfg.eval_every)]
+    if cfg.kind == "hivemind":
+        argv += ["--sync-every", str(cfg.sync_every), "--hivemind-mode", cfg.hivemind_mode,
+                 "--rendezvous", cfg.rendezvous]
     if cfg.batch > 0:
         argv += ["--batch", str(cfg.batch)]
     if cfg.straggler > 1.0 and rank == cfg.world - 1:
@@ -141,12 +149,23 @@ def _gpt_worker(cfg: DDPConfig, rank: int) -> int:
 
 def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = None, workdir: str,
                      wall_limit_s: float = 1200.0, say=print) -> dict[str, Any]:
-    """Train with DDP over gloo, one rank per peer (in the lab's namespaces when given); the demo's baseline
-    fields: accuracy, final_loss (held-out, mean over ranks), time_to_accuracy_s, wall_s, step_s."""
+    """Train with DDP over gloo (``cfg.kind`` "hivemind": under hivemind.Optimizer), one rank per peer (in the lab's
+    namespaces when given); the demo's baseline fields: accuracy, final_loss (held-out, mean over ranks),
+    time_to_accuracy_s, wall_s, step_s, curve."""
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise RuntimeError("--baseline gloo needs torch: pip install 'peerd[torch]' (torch==2.13.0)") from None
+        raise RuntimeError(f"--baseline {cfg.kind} needs torch: pip install 'peerd[torch]' (torch==2.13.0)") from None
+    if cfg.kind == "hivemind":
+        if cfg.model != "gpt":
+            raise RuntimeError("--baseline hivemind trains the GPT script: --model gpt")
+        from ..demo_hivemind import need_hivemind
+
+        try:
+            need_hivemind()
+        except SystemExit as e:
+            raise RuntimeError(str(e)) from None
+        cfg.rendezvous = workdir
     from ..lab.links import PEER_IF
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -170,7 +189,8 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
                                   "text": True, "env": env}
             procs.append(lab.popen(r, argv, **kw) if lab is not None else subprocess.Popen(argv, **kw))
             threading.Thread(target=read_events, args=(r, procs[-1].stdout, events), daemon=True).start()
-        say(f"baseline: {cfg.world} torch DDP ranks over gloo ({cfg.model}, {cfg.steps} steps)")
+        say(f"baseline: {cfg.world} {'torch DDP ranks over gloo' if cfg.kind == 'gloo' else 'hivemind peers'} "
+            f"({cfg.model}, {cfg.steps} steps)")
         starts: dict[int, float] = {}
         evals: dict[int, dict[int, tuple[float, float]]] = {}
         losses: dict[int, list[tuple[float, float]]] = {}  # step -> [(held-out loss, time)] of the ranks
@@ -178,13 +198,13 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
         last_say = 0.0
         while len(done) < cfg.world:
             if time.monotonic() - t_launch > wall_limit_s:
-                raise RuntimeError(f"the gloo baseline did not finish within {wall_limit_s:.0f} s")
+                raise RuntimeError(f"the {cfg.kind} baseline did not finish within {wall_limit_s:.0f} s")
             try:
                 r, ev = events.get(timeout=1.0)
             except queue.Empty:
                 for r, p in enumerate(procs):
                     if p.poll() not in (None, 0) and r not in done:
-                        raise RuntimeError(f"DDP rank {r} exited with {p.returncode}: "
+                        raise RuntimeError(f"{cfg.kind} rank {r} exited with {p.returncode}: "
                                            f"{tail(os.path.join(workdir, f'ddp{r}.log'))}") from None
                 continue
             kind = ev.get("event")
@@ -201,7 +221,7 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
                 done[r] = ev
             elif kind == "eof" and r not in done:
                 code = procs[r].wait(10)
-                raise RuntimeError(f"DDP rank {r} exited with {code} before finishing: "
+                raise RuntimeError(f"{cfg.kind} rank {r} exited with {code} before finishing: "
                                    f"{tail(os.path.join(workdir, f'ddp{r}.log'))}")
         for p in procs:
             p.wait(30)
@@ -211,7 +231,7 @@ def run_ddp_baseline(cfg: DDPConfig, *, target: float, lab: LinkLab | None = Non
         curve = [(step, sum(v for v, _ in row) / len(row), max(t for _, t in row) - start)
                  for step, row in sorted(losses.items()) if len(row) == cfg.world]
         return {
-            "kind": "gloo",
+            "kind": cfg.kind,
             "accuracy": sum(d["accuracy"] for d in results) / len(results),
             "final_loss": sum(d["held_out_loss"] for d in results) / len(results),
             "time_to_accuracy_s": time_to_accuracy(evals, start, target, cfg.world),
