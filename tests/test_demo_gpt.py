@@ -62,6 +62,8 @@ def test_target_fields_against_a_baseline_of_this_run_or_of_another(capsys) -> N
     assert here["val_loss_at_baseline_third"] == 2.2  # by 22 s: the evaluation at 20 s
     other = target_fields(curve, 2.1, baseline_seconds=90.0)  # --target-seconds: DDP's time from another run
     assert other["speedup"] == 3.0 and other["val_loss_at_baseline_third"] == 2.0
+    slow = target_fields(curve, 2.05, baseline_curve=ddp)  # the baseline never got there: no ratio, a bound
+    assert slow["speedup"] is None and slow["speedup_at_least"] == 2.2 and slow["baseline_time_to_target_s"] is None
     never = target_fields(curve, 1.5, baseline_seconds=90.0)
     assert never["time_to_target_s"] is None and never["speedup"] == 0.0 and never["val_loss_at_baseline_third"] == 2.0
     for argv in (["--target-seconds", "90"], ["--target-loss", "2.1", "--target-seconds", "-1"],

@@ -69,6 +69,8 @@ def test_the_wrap_uses_the_quickstart_settings_and_the_first_peer_as_bootstrap(t
     local, grad = rec.optimizers
     assert local["use_local_updates"] is True and local["target_batch_size"] == 8 * 4 * 20
     assert grad["use_local_updates"] is False and grad["target_batch_size"] == 8 * 4  # DDP's global batch
+    dh.wrap_hivemind(inner, _args(tmp_path, index=1, matchmaking_s=1.0))
+    assert rec.optimizers[2]["matchmaking_time"] == 1.0  # --hivemind-matchmaking
     for o in (local, grad):
         assert o["optimizer"] is inner and o["batch_size_per_step"] == 8 and o["run_id"] == "gpt"
         assert o["matchmaking_time"] == dh.MATCHMAKING_S == 3.0 and o["averaging_timeout"] == 10.0
@@ -127,9 +129,11 @@ def test_the_hivemind_rank_runs_the_script_with_its_period_and_rendezvous(monkey
     argv = seen[0]
     assert argv[argv.index("--launcher") + 1] == "hivemind" and argv[argv.index("--index") + 1] == "3"
     assert argv[argv.index("--sync-every") + 1] == "50" and argv[argv.index("--hivemind-mode") + 1] == "grad"
-    assert argv[argv.index("--rendezvous") + 1] == "/tmp/r"
+    assert argv[argv.index("--rendezvous") + 1] == "/tmp/r" and "--matchmaking-s" not in argv
+    ddp_baseline.worker(ddp_baseline.DDPConfig(world=4, steps=6, model="gpt", kind="hivemind", matchmaking_s=1.5), 0)
+    assert seen[-1][seen[-1].index("--matchmaking-s") + 1] == "1.5"
     ddp_baseline.worker(ddp_baseline.DDPConfig(world=4, steps=600, model="gpt"), 0)
-    assert seen[1][seen[1].index("--launcher") + 1] == "ddp" and "--rendezvous" not in seen[1]
+    assert seen[-1][seen[-1].index("--launcher") + 1] == "ddp" and "--rendezvous" not in seen[-1]
 
 
 def test_the_cli_refuses_hivemind_for_the_small_models(capsys) -> None:
@@ -138,3 +142,7 @@ def test_the_cli_refuses_hivemind_for_the_small_models(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["demo", "--model", "mlp", "--baseline", "hivemind"])
     assert "--baseline hivemind trains the GPT script" in capsys.readouterr().err
+    for argv in (["--hivemind-matchmaking", "1"], ["--baseline", "hivemind", "--hivemind-matchmaking", "0"]):
+        with pytest.raises(SystemExit):
+            main(["demo", "--model", "gpt", *argv])
+        assert "--hivemind-matchmaking goes with --baseline hivemind" in capsys.readouterr().err

@@ -220,6 +220,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                         "hivemind (--model gpt): under hivemind.Optimizer as its quickstart wraps an optimizer, "
                         "local updates averaged every --sync-every steps (needs pip install hivemind==1.1.12), "
                         "timed to --target-loss where given")
+    p.add_argument("--hivemind-matchmaking", type=float, default=None, metavar="S",
+                   help="with --baseline hivemind: hivemind.Optimizer's matchmaking_time (default: its quickstart's "
+                        "3.0 s)")
     p.add_argument("--target-accuracy", type=fraction, default=0.93, metavar="A",
                    help="time_to_accuracy_s: until the peers' mean held-out accuracy (every 10 steps) reaches A "
                         "(default 0.93)")
@@ -379,6 +382,9 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--sync-every must be at least 1 and --fragments in [1, --sync-every]")
     if args.baseline == "hivemind" and args.model != "gpt":
         parser.error("--baseline hivemind trains the GPT script: --model gpt")
+    if args.hivemind_matchmaking is not None and (args.baseline != "hivemind"
+                                                  or not 0.1 <= args.hivemind_matchmaking <= 60):
+        parser.error("--hivemind-matchmaking goes with --baseline hivemind and is in [0.1, 60] seconds")
     if args.baseline and args.model != "gpt" and (args.mode == "diloco" or args.byzantine
                                                   or args.dropcompute != "off"):
         parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")
@@ -398,6 +404,7 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      link_loss=args.link_loss, link_queue_ms=args.link_queue_ms, mode=args.mode,
                      sync_every=args.sync_every, fragments=args.fragments, overlap_outer=args.overlap_outer,
                      model=args.model, baseline=args.baseline, target_accuracy=args.target_accuracy,
+                     hivemind_matchmaking_s=args.hivemind_matchmaking,
                      compression=args.compression, quant_group=args.quant_group, rounding=args.rounding,
                      bucket_mb=args.bucket_mb, topk_ratio=args.topk_ratio, **gpt_options(args, parser))
     try:

@@ -1,4 +1,4 @@
-"""`peerd demo --model gpt`: a user's own character-level GPT training script, wrapped for peerd or for DDP.
+"""`peerd demo --model gpt`: a user's own character-level GPT training script, wrapped for peerd, DDP or hivemind.
 
 The model (4 layers, 128 wide, 4 heads, 128 characters of context: 0.82 M parameters) learns Python's own
 standard library source (ASCII, the first ``TEXT_BYTES`` of the sorted ``*.py`` files under the running
@@ -6,7 +6,8 @@ interpreter's stdlib directory: no download, the same bytes for the same Python 
 writes: AdamW with weight-decay groups, a cosine schedule with warmup, gradient clipping; peerd's wrap is the one
 README shows (``peerd.torch.Optimizer(opt, run=...)``, the parameter-averaging period left "auto"), DiLoCo's and
 overlap's likewise,
-and ``--launcher ddp`` runs the same loop under ``torch.distributed`` DDP over gloo (the demo's baseline).
+``--launcher ddp`` runs the same loop under ``torch.distributed`` DDP over gloo (the demo's baseline), and
+``--launcher hivemind`` under ``hivemind.Optimizer`` (peerd.tools.demo_hivemind: the second baseline).
 
 Every trainer prints JSON lines in `peerd train`'s shape (start, step, done), so ``peerd demo`` drives it as it
 drives the digits trainer. Held-out figures are on the whole validation split; ``accuracy`` is next-character
@@ -225,6 +226,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hivemind-mode", choices=("local", "grad"), default="local",
                    help="hivemind: local updates with parameter averages every --sync-every steps, or gradient "
                         "averages every step (peerd.tools.demo_hivemind)")
+    p.add_argument("--matchmaking-s", type=float, default=None,
+                   help="hivemind: matchmaking_time (default: the quickstart's 3.0)")
     p.add_argument("--rendezvous", default=None, help="hivemind: a folder where the first peer leaves its addresses")
 
 

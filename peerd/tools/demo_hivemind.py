@@ -74,9 +74,10 @@ def wrap_hivemind(opt: Any, args: argparse.Namespace) -> Any:
         dht = hivemind.DHT(start=True, host_maddrs=listen, initial_peers=_await_peers(path))
     local = args.hivemind_mode == "local"
     per_epoch = args.batch * args.world * (args.sync_every if local else 1)
+    matchmaking = getattr(args, "matchmaking_s", None) or MATCHMAKING_S
     return hivemind.Optimizer(dht=dht, run_id=args.run, optimizer=opt, batch_size_per_step=args.batch,
-                              target_batch_size=per_epoch, use_local_updates=local,
-                              matchmaking_time=MATCHMAKING_S, averaging_timeout=AVERAGING_TIMEOUT_S, verbose=False)
+                              target_batch_size=per_epoch, use_local_updates=local, matchmaking_time=matchmaking,
+                              averaging_timeout=AVERAGING_TIMEOUT_S, verbose=False)
 
 
 def inner_groups(hm: Any) -> list[dict[str, Any]]:

@@ -47,6 +47,7 @@ class DDPConfig:
     sync_every: int = 20  # hivemind "local": steps of every rank between parameter averages
     hivemind_mode: str = "local"  # hivemind: "local" (parameter averages) or "grad" (gradient averages every step)
     rendezvous: str = ""  # hivemind: the folder where rank 0 leaves its addresses
+    matchmaking_s: float | None = None  # hivemind: matchmaking_time (None: the quickstart's)
 
 
 def _free_port() -> int:
@@ -140,6 +141,8 @@ def _gpt_worker(cfg: DDPConfig, rank: int) -> int:
     if cfg.kind == "hivemind":
         argv += ["--sync-every", str(cfg.sync_every), "--hivemind-mode", cfg.hivemind_mode,
                  "--rendezvous", cfg.rendezvous]
+        if cfg.matchmaking_s is not None:
+            argv += ["--matchmaking-s", str(cfg.matchmaking_s)]
     if cfg.batch > 0:
         argv += ["--batch", str(cfg.batch)]
     if cfg.straggler > 1.0 and rank == cfg.world - 1:
