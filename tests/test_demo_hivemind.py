@@ -49,7 +49,7 @@ class _Recorder:
 
 
 def _args(tmp_path, **kw) -> SimpleNamespace:
-    base = {"index": 0, "world": 4, "batch": 8, "sync_every": 20, "hivemind_mode": "local", "run": "gpt",
+    base = {"index": 0, "world": 4, "batch": 8, "sync_every": 20, "run": "gpt",
             "rendezvous": str(tmp_path)}
     return SimpleNamespace(**{**base, **kw})
 
@@ -64,15 +64,16 @@ def test_the_wrap_uses_the_quickstart_settings_and_the_first_peer_as_bootstrap(t
     assert rec.dhts[0]["initial_peers"] is None and rec.dhts[0]["start"] is True
     # the first peer leaves the addresses others can reach (not its loopback) where the others look
     assert (tmp_path / dh.PEERS_FILE).read_text().split() == ["/ip4/10.77.0.1/tcp/4001/p2p/Qm"]
-    other = dh.wrap_hivemind(inner, _args(tmp_path, index=2, hivemind_mode="grad"))
+    other = dh.wrap_hivemind(inner, _args(tmp_path, index=2, sync_every=50))
     assert rec.dhts[1]["initial_peers"] == ["/ip4/10.77.0.1/tcp/4001/p2p/Qm"]
-    local, grad = rec.optimizers
-    assert local["use_local_updates"] is True and local["target_batch_size"] == 8 * 4 * 20
-    assert grad["use_local_updates"] is False and grad["target_batch_size"] == 8 * 4  # DDP's global batch
+    h20, h50 = rec.optimizers
+    # an average whenever all peers together have trained sync_every steps' samples
+    assert h20["target_batch_size"] == 8 * 4 * 20 and h50["target_batch_size"] == 8 * 4 * 50
     dh.wrap_hivemind(inner, _args(tmp_path, index=1, matchmaking_s=1.0))
     assert rec.optimizers[2]["matchmaking_time"] == 1.0  # --hivemind-matchmaking
-    for o in (local, grad):
-        assert o["optimizer"] is inner and o["batch_size_per_step"] == 8 and o["run_id"] == "gpt"
+    for o in (h20, h50):
+        assert o["use_local_updates"] is True and o["optimizer"] is inner
+        assert o["batch_size_per_step"] == 8 and o["run_id"] == "gpt"
         assert o["matchmaking_time"] == dh.MATCHMAKING_S == 3.0 and o["averaging_timeout"] == 10.0
     # the learning rate goes to the optimizer's own groups (hivemind's param_groups are copies)
     assert dh.inner_groups(first) is inner.param_groups
@@ -124,11 +125,11 @@ def test_the_hivemind_rank_runs_the_script_with_its_period_and_rendezvous(monkey
     fake.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "peerd.tools.demo_gpt", fake)
     cfg = ddp_baseline.DDPConfig(world=4, steps=600, model="gpt", kind="hivemind", sync_every=50,
-                                 hivemind_mode="grad", rendezvous="/tmp/r")
+                                 rendezvous="/tmp/r")
     assert ddp_baseline.worker(cfg, 3) == 0
     argv = seen[0]
     assert argv[argv.index("--launcher") + 1] == "hivemind" and argv[argv.index("--index") + 1] == "3"
-    assert argv[argv.index("--sync-every") + 1] == "50" and argv[argv.index("--hivemind-mode") + 1] == "grad"
+    assert argv[argv.index("--sync-every") + 1] == "50"
     assert argv[argv.index("--rendezvous") + 1] == "/tmp/r" and "--matchmaking-s" not in argv
     ddp_baseline.worker(ddp_baseline.DDPConfig(world=4, steps=6, model="gpt", kind="hivemind", matchmaking_s=1.5), 0)
     assert seen[-1][seen[-1].index("--matchmaking-s") + 1] == "1.5"

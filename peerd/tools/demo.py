@@ -111,7 +111,8 @@ def add_gpt_arguments(p: Any) -> None:
                    help="gpt: validation loss on the whole split every S steps (default 25; --mode diloco: "
                         "where each outer average lands instead; 0: never)")
     p.add_argument("--target-loss", type=float, default=None, metavar="L",
-                   help="gpt: time_to_target_s's target without --baseline (with it: the baseline's final loss)")
+                   help="gpt: time_to_target_s's target without --baseline (with --baseline ddp: the baseline's "
+                        "final loss; with --baseline hivemind: L where given, e.g. DDP's final loss from another run)")
     p.add_argument("--target-seconds", type=float, default=None, metavar="S",
                    help="gpt: with --target-loss, the baseline's time to that loss from another run (its "
                         "baseline_time_to_target_s): speedup and val_loss_at_baseline_third are then given against it")

@@ -223,9 +223,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--final-average", type=int, default=2)
     p.add_argument("--out", default=None)
     p.add_argument("--world", type=int, default=1, help="ddp, hivemind: ranks")
-    p.add_argument("--hivemind-mode", choices=("local", "grad"), default="local",
-                   help="hivemind: local updates with parameter averages every --sync-every steps, or gradient "
-                        "averages every step (peerd.tools.demo_hivemind)")
     p.add_argument("--matchmaking-s", type=float, default=None,
                    help="hivemind: matchmaking_time (default: the quickstart's 3.0)")
     p.add_argument("--rendezvous", default=None, help="hivemind: a folder where the first peer leaves its addresses")

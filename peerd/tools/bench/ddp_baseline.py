@@ -44,8 +44,7 @@ class DDPConfig:
     timeout_s: float = 600.0  # gloo's own timeout for one collective (a lossy link must not hang the demo)
     straggler: float = 1.0  # gpt: the last rank's compute takes this many times as long (`peerd demo --straggler`)
     kind: str = "gloo"  # gpt: "hivemind" trains the ranks under hivemind.Optimizer instead (peerd.tools.demo_hivemind)
-    sync_every: int = 20  # hivemind "local": steps of every rank between parameter averages
-    hivemind_mode: str = "local"  # hivemind: "local" (parameter averages) or "grad" (gradient averages every step)
+    sync_every: int = 20  # hivemind: steps of every rank between parameter averages
     rendezvous: str = ""  # hivemind: the folder where rank 0 leaves its addresses
     matchmaking_s: float | None = None  # hivemind: matchmaking_time (None: the quickstart's)
 
@@ -139,8 +138,7 @@ def _gpt_worker(cfg: DDPConfig, rank: int) -> int:
             "--peers", str(cfg.world), "--steps", str(cfg.steps), "--seed", str(cfg.seed),
             "--eval-every", str(cfg.eval_every)]
     if cfg.kind == "hivemind":
-        argv += ["--sync-every", str(cfg.sync_every), "--hivemind-mode", cfg.hivemind_mode,
-                 "--rendezvous", cfg.rendezvous]
+        argv += ["--sync-every", str(cfg.sync_every), "--rendezvous", cfg.rendezvous]
         if cfg.matchmaking_s is not None:
             argv += ["--matchmaking-s", str(cfg.matchmaking_s)]
     if cfg.batch > 0:
