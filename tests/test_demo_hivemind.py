@@ -137,6 +137,15 @@ def test_the_hivemind_rank_runs_the_script_with_its_period_and_rendezvous(monkey
     assert seen[-1][seen[-1].index("--launcher") + 1] == "ddp" and "--rendezvous" not in seen[-1]
 
 
+def test_the_cli_says_at_once_when_hivemind_is_missing(capsys, monkeypatch) -> None:
+    from peerd.cli import main
+
+    monkeypatch.setitem(sys.modules, "hivemind", None)  # not importable: refused before peerd's own run starts
+    with pytest.raises(SystemExit):
+        main(["demo", "--model", "gpt", "--baseline", "hivemind"])
+    assert "pip install hivemind==1.1.12" in capsys.readouterr().err
+
+
 def test_the_cli_refuses_hivemind_for_the_small_models(capsys) -> None:
     from peerd.cli import main
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
@@ -385,6 +386,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.hivemind_matchmaking is not None and (args.baseline != "hivemind"
                                                   or not 0.1 <= args.hivemind_matchmaking <= 60):
         parser.error("--hivemind-matchmaking goes with --baseline hivemind and is in [0.1, 60] seconds")
+    if args.baseline == "hivemind" and importlib.util.find_spec("hivemind") is None:  # before peerd's run, not after
+        parser.error("--baseline hivemind needs hivemind in this environment: pip install hivemind==1.1.12")
     if args.baseline and args.model != "gpt" and (args.mode == "diloco" or args.byzantine
                                                   or args.dropcompute != "off"):
         parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")
