@@ -331,6 +331,21 @@ def control_messages() -> list[tuple[str, m.MsgType, dict]]:
             },
         ),
         ("outer_recorded", m.MsgType.OUTER_RECORDED, {"rid": 308, "from": from_field(IDENT_A, TOKEN, a4), "ok": True}),
+        # a record that tells its member's wait for the group (section 15.1, ``w``)
+        (
+            "outer_record_waited",
+            m.MsgType.OUTER_RECORD,
+            {
+                "rid": 309,
+                "from": from_field(IDENT_A, TOKEN, a4),
+                "run": b"demo/3f2a9c0d11e4b7a5",
+                "round": 12,
+                "seq": 3,
+                "record": msgpack.packb({"g": "1a2b3c4d", "n": 2, "i": 1, "s": bytes(32), "a": bytes(range(32)),
+                                         "f": bytes(range(32)), "t": b"", "l": 1000, "d": ["192.0.2.2", 7411],
+                                         "w": 2.875}, use_bin_type=True),
+            },
+        ),
     ]
 
 

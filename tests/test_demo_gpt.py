@@ -157,6 +157,24 @@ def test_overlap_outer_reaches_every_diloco_trainer_and_is_refused_elsewhere(cap
     assert "--overlap-outer is DiLoCo's" in capsys.readouterr().err
 
 
+def test_no_keep_pace_reaches_every_diloco_trainer_and_is_refused_elsewhere(capsys) -> None:
+    import argparse
+
+    from peerd.cli import main
+    from peerd.tools.demo import DemoConfig, gpt_command
+    from peerd.tools.demo_gpt import add_arguments
+
+    cmd = gpt_command(DemoConfig(model="gpt", mode="diloco", keep_pace=False), 0, "/s0", "/o0")
+    assert "--no-keep-pace" in cmd
+    assert "--no-keep-pace" not in gpt_command(DemoConfig(model="gpt", mode="diloco"), 0, "/s", "/o")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["--no-keep-pace"]).no_keep_pace and not p.parse_args([]).no_keep_pace
+    with pytest.raises(SystemExit):
+        main(["demo", "--model", "gpt", "--no-keep-pace"])
+    assert "--no-keep-pace is DiLoCo's" in capsys.readouterr().err
+
+
 def test_extra_steps_default_to_a_fifth_where_a_target_is_known() -> None:
     from peerd.tools.demo import DemoConfig, extra_steps
 

@@ -208,6 +208,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overlap-outer", action="store_true",
                    help="diloco (--model gpt): each outer step's average travels while the next inner step runs "
                         "(DiLoCo(overlap_outer=True))")
+    p.add_argument("--no-keep-pace", action="store_true",
+                   help="diloco (--model gpt): a replica the others wait for at outer steps does not count inner "
+                        "steps forward to keep their pace (DiLoCo(keep_pace=False))")
     p.add_argument("--model", choices=["mlp", "wide", "gpt"], default="mlp",
                    help="mlp: 4,810 parameters; wide: 64-2048-1024-10, 2.24 M parameters, so a 100 Mbit link "
                         "matters; gpt: a character-level transformer (0.84 M) on Python's own source, AdamW, "
@@ -393,6 +396,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--baseline gloo compares plain training: not with --mode diloco, --byzantine or --dropcompute")
     if args.overlap_outer and (args.mode != "diloco" or args.model != "gpt"):
         parser.error("--overlap-outer is DiLoCo's (--mode diloco --model gpt)")
+    if args.no_keep_pace and (args.mode != "diloco" or args.model != "gpt"):
+        parser.error("--no-keep-pace is DiLoCo's (--mode diloco --model gpt)")
     if args.mode == "diloco" and args.compression == "arc-topk":
         parser.error("--mode diloco takes --compression fp16, bf16, int8 or int4 (arc-topk's row selection and "
                      "error feedback are built for gradient vectors, not pseudo-gradients)")
@@ -406,7 +411,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      byzantine_mode=args.byzantine_mode, robust=args.robust, link=args.link,
                      link_loss=args.link_loss, link_queue_ms=args.link_queue_ms, mode=args.mode,
                      sync_every=args.sync_every, fragments=args.fragments, overlap_outer=args.overlap_outer,
-                     model=args.model, baseline=args.baseline, target_accuracy=args.target_accuracy,
+                     keep_pace=not args.no_keep_pace, model=args.model, baseline=args.baseline,
+                     target_accuracy=args.target_accuracy,
                      hivemind_matchmaking_s=args.hivemind_matchmaking,
                      compression=args.compression, quant_group=args.quant_group, rounding=args.rounding,
                      bucket_mb=args.bucket_mb, topk_ratio=args.topk_ratio, **gpt_options(args, parser))

@@ -63,6 +63,7 @@ class DemoConfig:
     sync_every: int = 20  # diloco: H
     fragments: int = 1  # diloco: F (streaming)
     overlap_outer: bool = False  # diloco: outer averages travel while the next inner steps run (gpt)
+    keep_pace: bool = True  # diloco (gpt): a replica the others wait for counts inner steps forward (DiLoCo's)
     model: str = "mlp"  # mlp (4,810 parameters) | wide (2.24 M: communication matters at 100 Mbit) | gpt (0.84 M)
     baseline: str | None = None  # gloo (ddp): then train the same under torch DDP over gloo, on the same links;
     # hivemind (gpt): under hivemind.Optimizer (peerd.tools.demo_hivemind)
@@ -175,6 +176,8 @@ def gpt_command(cfg: DemoConfig, i: int, socket: str, out: str) -> list[str]:
             cmd += [flag, str(value)]
     if cfg.overlap_outer:
         cmd += ["--overlap-outer"]
+    if not cfg.keep_pace:
+        cmd += ["--no-keep-pace"]
     if i >= cfg.peers:
         cmd += ["--init-seed", str(cfg.seed + 1000 + i)]  # different weights: it must take the swarm's
     else:
@@ -556,6 +559,7 @@ def run_demo(cfg: DemoConfig, *, log=print) -> dict[str, Any]:  # noqa: C901 - o
                           "byzantine": r["peer"] in byzantine, "nonfinite_rounds": r.get("nonfinite_rounds", 0),
                           "params_finite": r.get("params_finite"), "diverged": r.get("diverged", False),
                           "caught_up": r.get("caught_up", 0),
+                          "paced_steps": r.get("paced_steps", 0),  # DiLoCo's keep_pace: counted forward
                           # parameter averages, and those a check round found would change nothing (skipped)
                           "params_averages": r.get("params_averages", 0),
                           "params_identical": r.get("params_identical", 0),

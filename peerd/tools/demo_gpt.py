@@ -213,6 +213,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=15.0)
     p.add_argument("--compression", default=None)
     p.add_argument("--overlap-outer", action="store_true", help="diloco: outer averages overlap the next inner steps")
+    p.add_argument("--no-keep-pace", action="store_true", help="diloco: DiLoCo(keep_pace=False)")
     p.add_argument("--keep-rounds", type=int, default=None)
     p.add_argument("--bucket-mb", type=bucket_mb, default=None)
     p.add_argument("--no-sync", action="store_true")
@@ -239,7 +240,8 @@ def wrap_peerd(model, opt, args: argparse.Namespace):
         # the outer step's deadline is DiLoCo's own default (60 s), as a user leaves it
         return peerd.torch.DiLoCo(model, opt, run=args.run, socket=args.socket, sync_every=args.sync_every,
                                   outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                                  sync_state=not args.no_sync, overlap_outer=args.overlap_outer, **extra)
+                                  sync_state=not args.no_sync, overlap_outer=args.overlap_outer,
+                                  keep_pace=not args.no_keep_pace, **extra)
     if args.mode == "overlap":
         if args.bucket_mb is not None:
             extra["bucket_mb"] = args.bucket_mb
@@ -385,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the user's scrip
         "step_s": float(np.median(step_times)) if step_times else 0.0,
         "max_step_s": max(step_times, default=0.0), "max_wait_s": max(waits, default=0.0),
         "caught_up": 0 if base else getattr(opt, "caught_up", 0),
+        "paced_steps": 0 if base else getattr(opt, "paced_steps", 0),
         "params_averages": 0 if base else getattr(opt, "params_averages", 0),
         "params_identical": 0 if base else getattr(opt, "params_identical", 0),
         "params_close": 0 if base else getattr(opt, "params_close", 0),

@@ -111,6 +111,19 @@ def due_fragments(step: int, sync_every: int, fragments: int) -> list[int]:
     return [f for f in range(fragments) if phase == f * sync_every // fragments]
 
 
+def pace_skip(skip: int, wait_s: float, group_wait_s: float, inner_s: float, sync_every: int) -> int:
+    """``keep_pace``: the inner steps a replica counts forward at the start of each outer period, after an outer
+    step at which it waited ``wait_s`` for its group to start while the group's other members waited
+    ``group_wait_s`` (their median). Where the others waited longer, it came that much behind them: it counts
+    forward as many more of its inner steps (``inner_s`` each), at most half a period more at a time; where it
+    waited longer itself, fewer. Always at least one real inner step a period (``sync_every`` - 1 at most)."""
+    if not all(math.isfinite(x) for x in (wait_s, group_wait_s, inner_s)) or inner_s <= 0:
+        return skip
+    change = math.trunc((group_wait_s - wait_s) / inner_s)
+    change = max(-sync_every, min(sync_every // 2, change))
+    return max(0, min(sync_every - 1, skip + change))
+
+
 def nesterov_outer(global_: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float,
                    mu: float) -> None:
     """The outer rule in place (torch.optim.SGD with nesterov=True, dampening 0): m = mu*m + d;
@@ -162,6 +175,13 @@ class DiLoCo(Optimizer):
     lets a member that fell behind (an evaluation, a slower CPU) fall further behind at every outer step until it
     misses its group.
 
+    ``keep_pace=True`` (the default, with one fragment): a replica the others wait for at its outer steps (a slower
+    CPU, a straggler) counts forward some of its inner steps at the start of each outer period, as many as the
+    others waited for it (its group's members tell their waits in their outer records), so that it reaches the next
+    outer step with them and the swarm's outer steps go at its faster members' pace. Its pseudo-gradient then holds
+    fewer inner steps, weighted by the samples it took; its step (and a schedule read from ``step_count``) stays
+    the swarm's. ``paced_steps`` counts the steps counted forward so.
+
     Gradients are never averaged (each inner step is local); sync mode's per-K parameter averages are off."""
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, run: str,
@@ -171,8 +191,12 @@ class DiLoCo(Optimizer):
                  sync_state: bool = True, state_every: int | None = None, state_timeout_s: float = 60.0,
                  max_samples: float | None = None, robust: str | None = None, nslots: int = 4,
                  founder_window_s: float = FOUNDER_WINDOW_S, reseed: bool = True,
-                 overlap_outer: bool = False) -> None:
+                 overlap_outer: bool = False, keep_pace: bool = True) -> None:
         self.overlap_outer = bool(overlap_outer)
+        self.keep_pace = bool(keep_pace)
+        self._skip = 0  # keep_pace: inner steps counted forward at the start of each outer period (pace_skip)
+        self._pace_due = 0  # ... and those due at the next inner step (the outer step's own step stays its round's)
+        self.paced_steps = 0
         self._pending: _Outer | None = None  # the overlapped outer step in flight (at most one)
         if compression == "arc-topk":
             raise ValueError("DiLoCo does not take compression='arc-topk': its top-k row selection and EF21M error "
@@ -283,6 +307,10 @@ class DiLoCo(Optimizer):
                      "seconds": 0.0, "error": "this replica's gradients are not finite"}
             return self._finish_step(reply, t0, None)
         self.opt.step()
+        if self._pace_due:  # keep_pace: this outer period's first inner step counts forward (_keep_pace)
+            self.step_count += self._pace_due
+            self.paced_steps += self._pace_due
+            self._pace_due = 0
         self.step_count += 1
         for f in range(self.fragments):
             self.samples_since[f] += float(samples)
@@ -300,7 +328,9 @@ class DiLoCo(Optimizer):
                 outer.append(self.outer_step(f))
         if any(o["outcome"] == "alone" and o.get("adopted") for o in outer):
             outer.extend(self._catch_up())
-        elif not outer and prev_end is not None:
+        elif outer:
+            self._keep_pace(outer[-1])
+        elif prev_end is not None:
             self._inner_times.append(time.monotonic() - prev_end)
         phases = empty_phases()
         if outer:
@@ -360,6 +390,26 @@ class DiLoCo(Optimizer):
         if lag is not None:
             self._count_forward(lag)
         return done
+
+    def _keep_pace(self, last: dict[str, Any]) -> int:
+        """After an outer step that averaged with a group: the inner steps this period counts forward, as
+        ``pace_skip`` says (``keep_pace``), short of the next outer step; its first inner step counts them (the
+        outer step itself stays at its round's step, where every member evaluates alike). Returns them."""
+        wait, group = last.get("wait_s"), last.get("group_wait_s")
+        if (not self.keep_pace or self.fragments != 1 or last.get("outcome") != "averaged"
+                or len(self._inner_times) < MIN_INNER_TIMES or not isinstance(wait, float)
+                or not isinstance(group, float)):
+            return 0
+        self._skip = pace_skip(self._skip, wait, group, statistics.median(self._inner_times), self.sync_every)
+        nxt = self.step_count + 1
+        while not due_fragments(nxt, self.sync_every, self.fragments):
+            nxt += 1
+        k = max(0, min(self._skip, nxt - 1 - self.step_count))
+        self._pace_due = k
+        if k > 0:
+            log.debug("keep_pace: the group waited %.2f s against this replica's %.2f s: %d inner steps to count "
+                      "forward after step %d", group, wait, k, self.step_count)
+        return k
 
     def _count_forward(self, lag_s: float) -> int:
         """This replica starts its inner steps ``lag_s`` seconds after the swarm did (it adopted the swarm's average
@@ -474,6 +524,8 @@ class DiLoCo(Optimizer):
                "applied": applied, "seconds": reply.get("seconds", 0.0), "matchmaking_s": phases["matchmaking"],
                "kept": bool(reply.get("kept", False)),
                "phases": phases, "applied_at": self.step_count,
+               **{k: float(reply[k]) for k in ("wait_s", "group_wait_s")
+                  if isinstance(reply.get(k), int | float) and not isinstance(reply.get(k), bool)},
                **({"auto": self.auto_outer} if self.auto_outer else {})}
         self.history.append(out)
         del self.history[:-HISTORY]

@@ -16,9 +16,21 @@ import enum
 import hashlib
 import logging
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 
-from .records import MAX_GROUP, Address, OuterRecord, agreed, merged, owner_record, piece_hashes, shard_bounds, winner
+from .records import (
+    MAX_GROUP,
+    MAX_WAIT_S,
+    Address,
+    OuterRecord,
+    agreed,
+    merged,
+    owner_record,
+    piece_hashes,
+    shard_bounds,
+    winner,
+)
 
 log = logging.getLogger("peerd.trainer.outer")
 
@@ -115,6 +127,9 @@ class AgreementStatistics:
     pushed: int  # members whose records were pushed to this node when the step ended
     reads: int  # reads of the board that had returned
     phases: dict[str, float] = field(default_factory=dict)  # seconds: "repair", "participants", "agree"
+    # the median of the waits (OuterRecord.wait) the group's other members' records told, None where none did: how
+    # long the others waited for their group to start, beside this member's own wait
+    group_wait_s: float | None = None
 
 
 class Backoff:
@@ -146,7 +161,8 @@ class OuterAgreement:
     def __init__(self, node: bytes, data: bytes | bytearray, *, group: str, size: int, index: int, state: bytes,
                  repair_s: float, deadline_s: float, addr: Address | None = None,
                  members: list[bytes] | None = None, expect: int = 1, participants: frozenset[bytes] | None = None,
-                 refresh: bool = False, refresh_first: bool = False, complete: bool = False) -> None:
+                 refresh: bool = False, refresh_first: bool = False, complete: bool = False,
+                 wait_s: float | None = None) -> None:
         if not group:  # alone: a group of one owns every shard
             size, index, members = 1, 0, None
         if members is not None and (len(members) != size or not 0 <= index < size or members[index] != node):
@@ -157,6 +173,7 @@ class OuterAgreement:
         self.state_hash = state
         self.repair_s, self.deadline_s = repair_s, deadline_s
         self.addr = addr
+        self.wait_s = wait_s if wait_s is not None and 0.0 <= wait_s <= MAX_WAIT_S else None
         self.expect = expect
         self.participants = participants
         self.refresh = refresh
@@ -259,7 +276,17 @@ class OuterAgreement:
             adopted_bytes=self._adopted_bytes, adopted=self._adopted, members=1 + len(same),
             dissent=sum(1 for r in self._view if r.final != final), states=counts.get(self.state_hash, 0) if counts
             else 1, state_winner=winner_state, ignored=self._ignored,
-            pushed=len({r.node for r in self._pushed}), reads=self._reads, phases=phases)
+            pushed=len({r.node for r in self._pushed}), reads=self._reads, phases=phases,
+            group_wait_s=self._group_wait())
+
+    def _group_wait(self) -> float | None:
+        """The median wait the group's other members' records tell (one record per member: the latest known)."""
+        if not self.members or not self.group:
+            return None
+        others = set(self.members) - {self.node}
+        waits = sorted(r.wait for r in self._records() if r.node in others and r.group == self.group
+                       and r.wait is not None)
+        return statistics.median(waits) if waits else None
 
     # -- inputs -------------------------------------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -274,7 +301,7 @@ class OuterAgreement:
         blob, blob_sha = vector + pieces, h.digest()
         self._actions.append(Keep(blob, blob_sha))
         self.me = OuterRecord(self.node, self.group, self.size, self.index, _sha(shard), blob_sha, b"",
-                              self.state_hash, self.length, self.addr)
+                              self.state_hash, self.length, self.addr, self.wait_s)
         self._t0 = now
         if self._first_pending:
             self._refresh_started = now

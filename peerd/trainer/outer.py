@@ -144,6 +144,7 @@ class Agreement:
     pushed: int = 0  # members whose records were pushed to this node (PushBoard) when the step ended
     reads: int = 0  # reads of the board that had returned when the step ended
     phases: dict[str, float] = field(default_factory=dict)  # seconds: "repair", "agree"
+    group_wait_s: float | None = None  # the median wait the group's other members' records told (None: none did)
 
 
 async def fetch_shard(board: Board, owner: OuterRecord, mine: bytes | bytearray | memoryview,
@@ -211,7 +212,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                 members: list[bytes] | None = None, expect: int = 1,
                 participants: frozenset[bytes] | None = None, refresh: Participants | None = None,
                 refresh_first: bool = False, complete: bool = False, clock: Callable[[], float] = trio.current_time,
-                background: trio.Nursery | None = None) -> Agreement:
+                background: trio.Nursery | None = None, wait_s: float | None = None) -> Agreement:
     """Run both phases (module docstring) for this member's averaged ``vector``; raises OuterError.
     ``members``: the group's node ids in its order: shard k is repaired only from ``members[k]``'s record
     (without them nothing is repaired), and an owner whose record names another group (it left the group, or
@@ -223,12 +224,13 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
     waited for before it); what it reads joins ``participants`` and raises ``expect`` to its number (at most
     MAX_GROUP) before the swarm phase, which waits for that first read. ``complete``: the group average reached
     this member whole (nothing to repair; OuterAgreement). ``background``: a nursery that outlives
-    the call, where this member's last record is still put after agree returns (None: agree waits for it)."""
+    the call, where this member's last record is still put after agree returns (None: agree waits for it).
+    ``wait_s``: how long this member waited for its group to start, told in its record (OuterRecord.wait)."""
     data = bytearray(np.ascontiguousarray(vector, dtype=np.float32).data)  # one copy, which the core takes over
     core = OuterAgreement(node, data, group=group, size=size, index=index, state=state, repair_s=repair_s,
                           deadline_s=deadline_s, addr=addr, members=members, expect=expect,
                           participants=participants, refresh=refresh is not None,
-                          refresh_first=refresh_first, complete=complete)
+                          refresh_first=refresh_first, complete=complete, wait_s=wait_s)
     async with trio.open_nursery() as nursery:
         shell = _Shell(board, core, nursery, refresh, clock, background or nursery)
         try:
@@ -245,7 +247,7 @@ async def agree(board: Board, node: bytes, vector: np.ndarray, *, group: str, si
                      repaired_bytes=stats.repaired_bytes, adopted_bytes=stats.adopted_bytes, adopted=stats.adopted,
                      members=stats.members, dissent=stats.dissent, states=stats.states,
                      state_winner=stats.state_winner, ignored=stats.ignored, pushed=stats.pushed, reads=stats.reads,
-                     phases=dict(stats.phases))
+                     phases=dict(stats.phases), group_wait_s=stats.group_wait_s)
 
 
 class _Shell:

@@ -182,6 +182,11 @@ class OuterSteps:
         reply: dict[str, Any] = {"step": step, "outcome": outcome, "group_size": len(members) or 1,
                                  "round": round_no, "rounds": rounds, "kept": bool(result is not None and result.kept),
                                  "received_fraction": float(result.received_fraction) if result else 0.0}
+        # how long this member waited for its group to start (its matchmaking and the wait for the last member),
+        # told the group in its record: a member the others waited for learns how far behind them it came
+        waited = round(phases.get("matchmaking", 0.0) + phases.get("members", 0.0), 4)
+        if group:
+            reply["wait_s"] = waited
         if self.statesync is not None and getattr(self.statesync, "dht", None) is not None:  # a swarm to agree with
             board = DhtBoard(self.statesync, session.run_key, round_no, inbox=self.inbox, peers=seen)
             run_id, first = session.average_id("outer"), round_no * OUTER_ROUNDS
@@ -199,13 +204,15 @@ class OuterSteps:
                                         expect=expect, participants=seen, refresh=refresh,
                                         refresh_first=waits_for_participants(result),
                                         complete=bool(group and result is not None and result.complete),
-                                        background=self.background)
+                                        background=self.background, wait_s=waited if group else None)
             except OuterError as e:
                 raise OpError(f"outer round {round_no}: {e}") from None
             finally:
                 self._forget_outer(session, round_no)
             out = agreement.vector
             session.outer_swarm = agreement.members
+            if group and agreement.group_wait_s is not None:
+                reply["group_wait_s"] = round(agreement.group_wait_s, 4)
             reply.update(sha=agreement.final, repaired_bytes=agreement.repaired_bytes,
                          adopted_bytes=agreement.adopted_bytes, adopted=agreement.adopted,
                          agreed_members=agreement.members, dissent=agreement.dissent, state_agreed=agreement.states,

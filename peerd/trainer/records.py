@@ -20,6 +20,7 @@ MAX_HOST = 45  # characters of an IP literal (IPv6 with an embedded IPv4 address
 PIECE = 512  # bytes of a shard one piece hash covers (a lost datagram's range spans 3 or 4: little else is fetched)
 Address = tuple[str, int]  # a member's fetch address (an IP literal and a port)
 PIECE_HASH = 8  # bytes kept of each piece's SHA-256 (it only picks what to fetch; the shard hash checks)
+MAX_WAIT_S = 3600.0  # a record's ``wait`` past this (or not a finite number) is not read
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,14 @@ class OuterRecord:
     state: bytes
     length: int
     addr: Address | None = None
+    wait: float | None = None
 
     def encode(self) -> bytes:
-        return msgpack.packb({"g": self.group, "n": self.size, "i": self.index, "s": self.shard, "a": self.avg,
-                              "f": self.final, "t": self.state, "l": self.length,
-                              "d": list(self.addr) if self.addr else None}, use_bin_type=True)
+        fields = {"g": self.group, "n": self.size, "i": self.index, "s": self.shard, "a": self.avg,
+                  "f": self.final, "t": self.state, "l": self.length, "d": list(self.addr) if self.addr else None}
+        if self.wait is not None:
+            fields["w"] = round(float(self.wait), 4)
+        return msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
     def decode(cls, node: bytes, value: bytes) -> OuterRecord | None:
@@ -56,7 +60,11 @@ class OuterRecord:
                 if not valid_addr(host, port):
                     return None
                 addr = (host, port)
-            rec = cls(node, v["g"], v["n"], v["i"], v["s"], v["a"], v["f"], v["t"], v["l"], addr)
+            wait = v.get("w")
+            if not (type(wait) in (int, float) and 0.0 <= wait <= MAX_WAIT_S):  # (NaN fails the comparison)
+                wait = None  # an optional field: a bad one is not read, the record still counts
+            rec = cls(node, v["g"], v["n"], v["i"], v["s"], v["a"], v["f"], v["t"], v["l"], addr,
+                      None if wait is None else float(wait))
         except Exception:
             return None
         ok = (isinstance(rec.group, str) and len(rec.group) <= 16 and type(rec.size) is int
