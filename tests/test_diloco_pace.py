@@ -137,6 +137,8 @@ def _paced(step: int, sync_every: int = 10, fragments: int = 1, keep: bool = Tru
     d = DiLoCo.__new__(DiLoCo)
     d.keep_pace, d.fragments, d.sync_every, d.step_count = keep, fragments, sync_every, step
     d._skip, d._pace_due, d.paced_steps, d._inner_times = 0, 0, 0, deque([0.1] * 5)
+    d.auto_outer, d.pace_report, d.reports = {"compression": "int8"}, {}, []
+    d._call = lambda op, **args: d.reports.append((op, args)) or {}
     return d
 
 
@@ -149,6 +151,21 @@ def test_keep_pace_counts_forward_short_of_the_next_outer_step() -> None:
     d._skip = 8
     assert d._keep_pace({"outcome": "averaged", "wait_s": 0.0, "group_wait_s": 0.0}) == 0
     assert (d.step_count, d._pace_due) == (19, 0)
+
+
+def test_the_pace_and_why_reach_peerd_status_when_it_changes() -> None:
+    from peerd.status.text import trainer_lines
+
+    d = _paced(10)
+    d._keep_pace({"outcome": "averaged", "wait_s": 0.01, "group_wait_s": 0.45})
+    assert [op for op, _ in d.reports] == ["trainer_report"]
+    auto = d.reports[0][1]["auto"]
+    assert auto["compression"] == "int8" and auto["pace_skip"] == 4 and "waited 0.45 s" in auto["pace"]
+    d.step_count = 20
+    d._keep_pace({"outcome": "averaged", "wait_s": 0.02, "group_wait_s": 0.03})  # the same pace: nothing to say
+    assert len(d.reports) == 1
+    lines = trainer_lines([{"session": 1, "run": "r", "steps": 20, "auto": auto}])
+    assert any(line.strip().startswith("pace: 4 of each outer period's 10 inner steps") for line in lines), lines
 
 
 @pytest.mark.parametrize("last", [{"outcome": "alone", "wait_s": 0.0, "group_wait_s": 5.0},

@@ -179,6 +179,9 @@ def trainer_lines(trainers: list[dict[str, Any]], width: int = 118, *, brief: bo
             for part in reason.split("; "):
                 out += textwrap.wrap(part, width, initial_indent="           auto: ",
                                      subsequent_indent="                 ")
+        pace = (t.get("auto") or {}).get("pace")  # DiLoCo's keep_pace
+        if isinstance(pace, str) and pace:
+            out += textwrap.wrap(pace, width, initial_indent="           pace: ", subsequent_indent="                 ")
     return out
 
 

@@ -196,6 +196,7 @@ class DiLoCo(Optimizer):
         self.keep_pace = bool(keep_pace)
         self._skip = 0  # keep_pace: inner steps counted forward at the start of each outer period (pace_skip)
         self._pace_due = 0  # ... and those due at the next inner step (the outer step's own step stays its round's)
+        self.pace_report: dict[str, Any] = {}  # what keep_pace does now, and why (`peerd status`, outer results)
         self.paced_steps = 0
         self._pending: _Outer | None = None  # the overlapped outer step in flight (at most one)
         if compression == "arc-topk":
@@ -400,7 +401,10 @@ class DiLoCo(Optimizer):
                 or len(self._inner_times) < MIN_INNER_TIMES or not isinstance(wait, float)
                 or not isinstance(group, float)):
             return 0
-        self._skip = pace_skip(self._skip, wait, group, statistics.median(self._inner_times), self.sync_every)
+        skip = pace_skip(self._skip, wait, group, statistics.median(self._inner_times), self.sync_every)
+        if skip != self._skip:
+            self._skip = skip
+            self._report_pace(wait, group)
         nxt = self.step_count + 1
         while not due_fragments(nxt, self.sync_every, self.fragments):
             nxt += 1
@@ -410,6 +414,18 @@ class DiLoCo(Optimizer):
             log.debug("keep_pace: the group waited %.2f s against this replica's %.2f s: %d inner steps to count "
                       "forward after step %d", group, wait, k, self.step_count)
         return k
+
+    def _report_pace(self, wait: float, group: float) -> None:
+        """``peerd status`` shows the pace this replica keeps, and why (beside the codec's auto choice)."""
+        why = (f"{self._skip} of each outer period's {self.sync_every} inner steps counted forward: its group waited "
+               f"{group:.2f} s for it at its last outer step, against its own {wait:.2f} s" if self._skip else
+               f"no inner steps counted forward: its group waited {group:.2f} s at its last outer step, against its "
+               f"own {wait:.2f} s")
+        self.pace_report = {"pace": why, "pace_skip": self._skip}
+        try:
+            self._call("trainer_report", auto={**self.auto_outer, **self.pace_report})
+        except DaemonError as e:
+            log.info("reporting the pace failed: %s", e)
 
     def _count_forward(self, lag_s: float) -> int:
         """This replica starts its inner steps ``lag_s`` seconds after the swarm did (it adopted the swarm's average
@@ -526,7 +542,8 @@ class DiLoCo(Optimizer):
                "phases": phases, "applied_at": self.step_count,
                **{k: float(reply[k]) for k in ("wait_s", "group_wait_s")
                   if isinstance(reply.get(k), int | float) and not isinstance(reply.get(k), bool)},
-               **({"auto": self.auto_outer} if self.auto_outer else {})}
+               **({"auto": self.auto_outer} if self.auto_outer else {}),
+               **({"pace": self.pace_report} if self.pace_report else {})}
         self.history.append(out)
         del self.history[:-HISTORY]
         self.outer_steps_of0 += p.fragment == 0
