@@ -176,9 +176,17 @@ def test_keep_pace_needs_a_group_and_both_waits(last) -> None:
     assert d._keep_pace(last) == 0 and d.step_count == 10
 
 
-def test_keep_pace_off_or_with_fragments_counts_nothing() -> None:
-    for d in (_paced(10, keep=False), _paced(10, fragments=2)):
+def test_keep_pace_off_or_with_periods_of_one_step_counts_nothing() -> None:
+    for d in (_paced(10, keep=False), _paced(10, sync_every=6, fragments=6)):
         assert d._keep_pace({"outcome": "averaged", "wait_s": 0.0, "group_wait_s": 5.0}) == 0
+
+
+def test_with_fragments_a_period_is_the_steps_between_two_fragments_outer_steps() -> None:
+    d = _paced(10, sync_every=10, fragments=2)  # fragment 1's outer step comes at step 15
+    assert d._keep_pace({"outcome": "averaged", "wait_s": 0.0, "group_wait_s": 5.0}) == 2  # half of 5, at most
+    d._skip = 4
+    d.step_count = 15
+    assert d._keep_pace({"outcome": "averaged", "wait_s": 0.0, "group_wait_s": 5.0}) == 4  # 4 of 5: up to step 19
 
 
 # -- end to end: real daemons, a straggler ------------------------------------------------------------------

@@ -175,12 +175,13 @@ class DiLoCo(Optimizer):
     lets a member that fell behind (an evaluation, a slower CPU) fall further behind at every outer step until it
     misses its group.
 
-    ``keep_pace=True`` (the default, with one fragment): a replica the others wait for at its outer steps (a slower
+    ``keep_pace=True`` (the default): a replica the others wait for at its outer steps (a slower
     CPU, a straggler) counts forward some of its inner steps at the start of each outer period, as many as the
     others waited for it (its group's members tell their waits in their outer records), so that it reaches the next
     outer step with them and the swarm's outer steps go at its faster members' pace. Its pseudo-gradient then holds
     fewer inner steps, weighted by the samples it took; its step (and a schedule read from ``step_count``) stays
-    the swarm's. ``paced_steps`` counts the steps counted forward so.
+    the swarm's. With fragments, a period is the inner steps between two fragments' outer steps (H // F, at least 2
+    for any pacing). ``paced_steps`` counts the steps counted forward so.
 
     Gradients are never averaged (each inner step is local); sync mode's per-K parameter averages are off."""
 
@@ -397,14 +398,15 @@ class DiLoCo(Optimizer):
         ``pace_skip`` says (``keep_pace``), short of the next outer step; its first inner step counts them (the
         outer step itself stays at its round's step, where every member evaluates alike). Returns them."""
         wait, group = last.get("wait_s"), last.get("group_wait_s")
-        if (not self.keep_pace or self.fragments != 1 or last.get("outcome") != "averaged"
+        period = self.sync_every // self.fragments  # inner steps between outer steps (of successive fragments)
+        if (not self.keep_pace or period < 2 or last.get("outcome") != "averaged"
                 or len(self._inner_times) < MIN_INNER_TIMES or not isinstance(wait, float)
                 or not isinstance(group, float)):
             return 0
-        skip = pace_skip(self._skip, wait, group, statistics.median(self._inner_times), self.sync_every)
+        skip = pace_skip(self._skip, wait, group, statistics.median(self._inner_times), period)
         if skip != self._skip:
             self._skip = skip
-            self._report_pace(wait, group)
+            self._report_pace(wait, group, period)
         nxt = self.step_count + 1
         while not due_fragments(nxt, self.sync_every, self.fragments):
             nxt += 1
@@ -415,9 +417,9 @@ class DiLoCo(Optimizer):
                       "forward after step %d", group, wait, k, self.step_count)
         return k
 
-    def _report_pace(self, wait: float, group: float) -> None:
+    def _report_pace(self, wait: float, group: float, period: int) -> None:
         """``peerd status`` shows the pace this replica keeps, and why (beside the codec's auto choice)."""
-        why = (f"{self._skip} of each outer period's {self.sync_every} inner steps counted forward: its group waited "
+        why = (f"{self._skip} of each outer period's {period} inner steps counted forward: its group waited "
                f"{group:.2f} s for it at its last outer step, against its own {wait:.2f} s" if self._skip else
                f"no inner steps counted forward: its group waited {group:.2f} s at its last outer step, against its "
                f"own {wait:.2f} s")
