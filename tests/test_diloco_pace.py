@@ -37,32 +37,37 @@ def agreement(index: int, wait: float | None, size: int = 4) -> OuterAgreement:
 
 
 # -- pace_skip ------------------------------------------------------------------------------------------------
-def test_a_replica_the_others_waited_for_counts_forward_what_they_waited() -> None:
-    # the others waited 2.9 s for this replica (0.29 s an inner step): 9 steps forward from the next period on
-    assert pace_skip(0, 0.01, 2.9, 0.29, 20) == 9
+def test_a_replica_behind_its_group_twice_in_a_row_counts_forward_what_they_waited() -> None:
+    # the others waited 2.9 s for this replica (0.29 s an inner step), once: it may have been a busy moment
+    assert pace_skip(0, 2.89, None, 0.29, 20) == 0
+    assert pace_skip(0, 2.89, -0.1, 0.29, 20) == 0
+    # behind by 2.9 s and 3.2 s at two outer steps in a row: it counts forward the lesser, 9 steps, from now on
+    assert pace_skip(0, 3.2, 2.89, 0.29, 20) == 9
     # it came with them since: it keeps counting forward as many
-    assert pace_skip(9, 0.01, 0.02, 0.29, 20) == 9
-    # it waited for them now (0.6 s, two of its steps): two fewer
-    assert pace_skip(9, 0.62, 0.02, 0.29, 20) == 7
+    assert pace_skip(9, 0.01, 0.05, 0.29, 20) == 9
+    # it waited for them now (0.6 s, two of its steps): two fewer at once
+    assert pace_skip(9, -0.6, 0.01, 0.29, 20) == 7
 
 
 def test_a_fast_replica_never_counts_forward_and_noise_under_a_step_moves_nothing() -> None:
-    assert pace_skip(0, 2.9, 0.0, 0.145, 20) == 0  # it waited for a straggler: nothing to count
-    assert pace_skip(0, 2.9, 2.95, 0.145, 20) == 0  # the others waited about as long as it did
-    assert pace_skip(3, 0.05, 0.15, 0.145, 20) == 3
+    assert pace_skip(0, -2.9, -2.9, 0.145, 20) == 0  # it waited for a straggler: nothing to count
+    assert pace_skip(0, 0.05, 0.1, 0.145, 20) == 0  # behind by less than a step: nothing
+    assert pace_skip(3, 0.1, 0.1, 0.145, 20) == 3
+    assert pace_skip(3, -0.1, 0.1, 0.145, 20) == 3
 
 
 def test_pace_skip_is_bounded_whatever_the_waits_say_hostile() -> None:
     """A group's told waits are another member's claims: at most half a period more at a time, never the whole
     period (a replica always takes one real inner step), and non-finite numbers change nothing."""
-    assert pace_skip(0, 0.0, 1e9, 0.1, 20) == 10
-    assert pace_skip(10, 0.0, 1e9, 0.1, 20) == 19
-    assert pace_skip(19, 0.0, 1e9, 0.1, 20) == 19
-    assert pace_skip(5, 0.0, float("nan"), 0.1, 20) == 5
-    assert pace_skip(5, float("inf"), 0.0, 0.1, 20) == 5
-    assert pace_skip(5, 0.0, 1.0, 0.0, 20) == 5
-    assert pace_skip(5, 1e9, 0.0, 0.1, 20) == 0
-    assert pace_skip(0, 0.0, 1e9, 0.1, 1) == 0  # an outer step every step: nothing to count
+    assert pace_skip(0, 1e9, 1e9, 0.1, 20) == 10
+    assert pace_skip(10, 1e9, 1e9, 0.1, 20) == 19
+    assert pace_skip(19, 1e9, 1e9, 0.1, 20) == 19
+    assert pace_skip(5, float("nan"), 1.0, 0.1, 20) == 5
+    assert pace_skip(5, 1.0, float("nan"), 0.1, 20) == 5
+    assert pace_skip(5, float("inf"), 1.0, 0.1, 20) == 5
+    assert pace_skip(5, 1.0, 1.0, 0.0, 20) == 5
+    assert pace_skip(5, -1e9, None, 0.1, 20) == 0
+    assert pace_skip(0, 1e9, 1e9, 0.1, 1) == 0  # an outer step every step: nothing to count
 
 
 # -- the record's wait ----------------------------------------------------------------------------------------
@@ -136,14 +141,21 @@ def _paced(step: int, sync_every: int = 10, fragments: int = 1, keep: bool = Tru
     """A DiLoCo's pacing state alone (``_keep_pace`` reads nothing else): no daemon needed."""
     d = DiLoCo.__new__(DiLoCo)
     d.keep_pace, d.fragments, d.sync_every, d.step_count = keep, fragments, sync_every, step
-    d._skip, d._pace_due, d.paced_steps, d._inner_times = 0, 0, 0, deque([0.1] * 5)
+    d._skip, d._pace_due, d.paced_steps, d._inner_times, d._late_prev = 0, 0, 0, deque([0.1] * 5), None
     d.auto_outer, d.pace_report, d.reports = {"compression": "int8"}, {}, []
     d._call = lambda op, **args: d.reports.append((op, args)) or {}
     return d
 
 
+def _twice(d: DiLoCo, wait: float, group: float) -> int:
+    """Two outer steps in a row behind the group alike (pace_skip counts forward only then)."""
+    d._keep_pace({"outcome": "averaged", "wait_s": wait, "group_wait_s": group})
+    return d._keep_pace({"outcome": "averaged", "wait_s": wait, "group_wait_s": group})
+
+
 def test_keep_pace_counts_forward_short_of_the_next_outer_step() -> None:
     d = _paced(10)
+    assert d._keep_pace({"outcome": "averaged", "wait_s": 0.0, "group_wait_s": 0.45}) == 0  # once: not yet
     assert d._keep_pace({"outcome": "averaged", "wait_s": 0.0, "group_wait_s": 0.45}) == 4
     assert (d.step_count, d._pace_due) == (10, 4)  # counted at the period's first inner step
     # an overlapped outer step lands a step later: the count still stops before the next outer step (step 20)
@@ -157,13 +169,15 @@ def test_the_pace_and_why_reach_peerd_status_when_it_changes() -> None:
     from peerd.status.text import trainer_lines
 
     d = _paced(10)
-    d._keep_pace({"outcome": "averaged", "wait_s": 0.01, "group_wait_s": 0.45})
+    _twice(d, 0.01, 0.45)
     assert [op for op, _ in d.reports] == ["trainer_report"]
     auto = d.reports[0][1]["auto"]
     assert auto["compression"] == "int8" and auto["pace_skip"] == 4 and "waited 0.45 s" in auto["pace"]
     d.step_count = 20
     d._keep_pace({"outcome": "averaged", "wait_s": 0.02, "group_wait_s": 0.03})  # the same pace: nothing to say
     assert len(d.reports) == 1
+    d._keep_pace({"outcome": "averaged", "wait_s": 0.35, "group_wait_s": 0.03})  # it waited: fewer at once
+    assert len(d.reports) == 2 and d.reports[1][1]["auto"]["pace_skip"] == 1
     lines = trainer_lines([{"session": 1, "run": "r", "steps": 20, "auto": auto}])
     assert any(line.strip().startswith("pace: 4 of each outer period's 10 inner steps") for line in lines), lines
 
@@ -173,17 +187,20 @@ def test_the_pace_and_why_reach_peerd_status_when_it_changes() -> None:
                                   {"outcome": "averaged", "wait_s": 0.0, "group_wait_s": "5"}])
 def test_keep_pace_needs_a_group_and_both_waits(last) -> None:
     d = _paced(10)
+    d._keep_pace({"outcome": "averaged", "wait_s": 0.0, "group_wait_s": 5.0})
     assert d._keep_pace(last) == 0 and d.step_count == 10
+    # the lateness before it does not count toward the next: two averaged outer steps in a row again
+    assert d._keep_pace({"outcome": "averaged", "wait_s": 0.0, "group_wait_s": 5.0}) == 0
 
 
 def test_keep_pace_off_or_with_periods_of_one_step_counts_nothing() -> None:
     for d in (_paced(10, keep=False), _paced(10, sync_every=6, fragments=6)):
-        assert d._keep_pace({"outcome": "averaged", "wait_s": 0.0, "group_wait_s": 5.0}) == 0
+        assert _twice(d, 0.0, 5.0) == 0
 
 
 def test_with_fragments_a_period_is_the_steps_between_two_fragments_outer_steps() -> None:
     d = _paced(10, sync_every=10, fragments=2)  # fragment 1's outer step comes at step 15
-    assert d._keep_pace({"outcome": "averaged", "wait_s": 0.0, "group_wait_s": 5.0}) == 2  # half of 5, at most
+    assert _twice(d, 0.0, 5.0) == 2  # half of 5, at most
     d._skip = 4
     d.step_count = 15
     assert d._keep_pace({"outcome": "averaged", "wait_s": 0.0, "group_wait_s": 5.0}) == 4  # 4 of 5: up to step 19

@@ -111,17 +111,23 @@ def due_fragments(step: int, sync_every: int, fragments: int) -> list[int]:
     return [f for f in range(fragments) if phase == f * sync_every // fragments]
 
 
-def pace_skip(skip: int, wait_s: float, group_wait_s: float, inner_s: float, sync_every: int) -> int:
-    """``keep_pace``: the inner steps a replica counts forward at the start of each outer period, after an outer
-    step at which it waited ``wait_s`` for its group to start while the group's other members waited
-    ``group_wait_s`` (their median). Where the others waited longer, it came that much behind them: it counts
-    forward as many more of its inner steps (``inner_s`` each), at most half a period more at a time; where it
-    waited longer itself, fewer. Always at least one real inner step a period (``sync_every`` - 1 at most)."""
-    if not all(math.isfinite(x) for x in (wait_s, group_wait_s, inner_s)) or inner_s <= 0:
+def pace_skip(skip: int, late_s: float, prev_late_s: float | None, inner_s: float, period: int) -> int:
+    """``keep_pace``: the inner steps a replica counts forward at the start of each outer period of ``period`` inner
+    steps, from how far behind its group it came at its last outer step (``late_s``: the median of the other
+    members' waits for the group minus its own; negative: it waited for them) and at the one before
+    (``prev_late_s``; None: not known). It counts more only where it came behind at both (a slower replica comes
+    behind every period; an evaluation or a busy moment that ran long, once), by the lesser lateness in its own inner
+    steps (``inner_s``), at most half a period more at a time; it counts fewer as soon as it waits itself. Always at
+    least one real inner step a period (``period`` - 1 at most)."""
+    if not (math.isfinite(late_s) and math.isfinite(inner_s) and inner_s > 0):
         return skip
-    change = math.trunc((group_wait_s - wait_s) / inner_s)
-    change = max(-sync_every, min(sync_every // 2, change))
-    return max(0, min(sync_every - 1, skip + change))
+    if late_s > 0:
+        if prev_late_s is None or not math.isfinite(prev_late_s) or prev_late_s <= 0:
+            return skip
+        change = min(period // 2, math.trunc(min(late_s, prev_late_s) / inner_s))
+    else:
+        change = max(-period, math.trunc(late_s / inner_s))
+    return max(0, min(period - 1, skip + change))
 
 
 def nesterov_outer(global_: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float,
@@ -197,6 +203,7 @@ class DiLoCo(Optimizer):
         self.keep_pace = bool(keep_pace)
         self._skip = 0  # keep_pace: inner steps counted forward at the start of each outer period (pace_skip)
         self._pace_due = 0  # ... and those due at the next inner step (the outer step's own step stays its round's)
+        self._late_prev: float | None = None  # how far behind its group it came at its last outer step (pace_skip)
         self.pace_report: dict[str, Any] = {}  # what keep_pace does now, and why (`peerd status`, outer results)
         self.paced_steps = 0
         self._pending: _Outer | None = None  # the overlapped outer step in flight (at most one)
@@ -402,8 +409,11 @@ class DiLoCo(Optimizer):
         if (not self.keep_pace or period < 2 or last.get("outcome") != "averaged"
                 or len(self._inner_times) < MIN_INNER_TIMES or not isinstance(wait, float)
                 or not isinstance(group, float)):
+            self._late_prev = None  # (lateness counts over outer steps in a row with a group)
             return 0
-        skip = pace_skip(self._skip, wait, group, statistics.median(self._inner_times), period)
+        late = group - wait
+        skip = pace_skip(self._skip, late, self._late_prev, statistics.median(self._inner_times), period)
+        self._late_prev = late
         if skip != self._skip:
             self._skip = skip
             self._report_pace(wait, group, period)
