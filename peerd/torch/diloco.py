@@ -183,7 +183,8 @@ class DiLoCo(Optimizer):
 
     ``keep_pace=True`` (the default): a replica the others wait for at its outer steps (a slower
     CPU, a straggler) counts forward some of its inner steps at the start of each outer period, as many as the
-    others waited for it (its group's members tell their waits in their outer records), so that it reaches the next
+    others waited for it at two outer steps in a row (its group's members tell their waits in their outer records;
+    pace_skip), so that it reaches the next
     outer step with them and the swarm's outer steps go at its faster members' pace. Its pseudo-gradient then holds
     fewer inner steps, weighted by the samples it took; its step (and a schedule read from ``step_count``) stays
     the swarm's. With fragments, a period is the inner steps between two fragments' outer steps (H // F, at least 2
