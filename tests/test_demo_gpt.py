@@ -140,39 +140,23 @@ def test_churn_and_straggler_commands() -> None:
     assert all(c[c.index("--extra-steps") + 1] == "0" for c in cmds.values())  # no target: no steps past --steps
 
 
-def test_overlap_outer_reaches_every_diloco_trainer_and_is_refused_elsewhere(capsys) -> None:
+@pytest.mark.parametrize(("flag", "option", "attr"), [("--overlap-outer", {"overlap_outer": True}, "overlap_outer"),
+                                                     ("--no-keep-pace", {"keep_pace": False}, "no_keep_pace")])
+def test_diloco_flags_reach_every_diloco_trainer_and_are_refused_elsewhere(capsys, flag, option, attr) -> None:
     import argparse
 
     from peerd.cli import main
     from peerd.tools.demo import DemoConfig, gpt_command
     from peerd.tools.demo_gpt import add_arguments
 
-    cmd = gpt_command(DemoConfig(model="gpt", mode="diloco", overlap_outer=True), 0, "/s0", "/o0")
-    assert "--overlap-outer" in cmd and "--overlap-outer" not in gpt_command(DemoConfig(model="gpt"), 0, "/s", "/o")
+    assert flag in gpt_command(DemoConfig(model="gpt", mode="diloco", **option), 0, "/s0", "/o0")
+    assert flag not in gpt_command(DemoConfig(model="gpt", mode="diloco"), 0, "/s", "/o")
     p = argparse.ArgumentParser()
     add_arguments(p)
-    assert p.parse_args(["--overlap-outer"]).overlap_outer and not p.parse_args([]).overlap_outer
+    assert getattr(p.parse_args([flag]), attr) and not getattr(p.parse_args([]), attr)
     with pytest.raises(SystemExit):
-        main(["demo", "--model", "gpt", "--overlap-outer"])
-    assert "--overlap-outer is DiLoCo's" in capsys.readouterr().err
-
-
-def test_no_keep_pace_reaches_every_diloco_trainer_and_is_refused_elsewhere(capsys) -> None:
-    import argparse
-
-    from peerd.cli import main
-    from peerd.tools.demo import DemoConfig, gpt_command
-    from peerd.tools.demo_gpt import add_arguments
-
-    cmd = gpt_command(DemoConfig(model="gpt", mode="diloco", keep_pace=False), 0, "/s0", "/o0")
-    assert "--no-keep-pace" in cmd
-    assert "--no-keep-pace" not in gpt_command(DemoConfig(model="gpt", mode="diloco"), 0, "/s", "/o")
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    assert p.parse_args(["--no-keep-pace"]).no_keep_pace and not p.parse_args([]).no_keep_pace
-    with pytest.raises(SystemExit):
-        main(["demo", "--model", "gpt", "--no-keep-pace"])
-    assert "--no-keep-pace is DiLoCo's" in capsys.readouterr().err
+        main(["demo", "--model", "gpt", flag])
+    assert f"{flag} is DiLoCo's" in capsys.readouterr().err
 
 
 def test_extra_steps_default_to_a_fifth_where_a_target_is_known() -> None:
