@@ -393,6 +393,7 @@ class Daemon:
                          for s in self.trainer.statistics().sessions],
             "peer_view": view_json(self.peers.statistics(), swarm_view(self.metrics)),  # peerd/peers/report.py
             "caps": None if self.linkcap is None else dataclasses.asdict(self.linkcap.statistics()),
+            "pacer": dataclasses.asdict(self.allreduce.pacer.statistics()),  # the uplink's rate, as it judges it
             "deadline_mode": self.deadlines.mode,
             "deadlines": deadlines_json(self.deadlines.statistics()),  # each with the measurement behind it
             **dataclasses.asdict(self.nat.statistics()),  # reachability, observed_addr, peers_known, paths, ...

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from peerd.localsock.client import DaemonError
 from peerd.localsock.phases import PHASES
 from peerd.tools.bench.cpuwatch import CpuWatch, CpuWindow, Sample
 from peerd.tools.bench.step import (
@@ -17,6 +18,7 @@ from peerd.tools.bench.step import (
     add_parser,
     cpu_figures,
     cpu_window,
+    pacer_figures,
     step_bound,
     summarize,
     transfer_seconds,
@@ -174,3 +176,22 @@ def test_queue_drop_fractions_are_each_sides_drops_over_what_it_was_offered() ->
     after = {"up": [q(190, 11), q(140, 0)], "down": [q(10, 0), q(0, 0)]}
     # up: 10 dropped of 90 + 90 sent and those 10 offered; down: nothing offered
     assert LinkLab.queue_drop_fractions(before, after) == {"up": pytest.approx(10 / 190), "down": 0.0}
+
+
+def test_the_pacers_are_each_daemons_rate_and_bottleneck_in_bits_and_none_where_it_did_not_answer() -> None:
+    class FakeNode:
+        def __init__(self, reply: dict | None) -> None:
+            self.reply = reply
+
+        def call(self, op: str, timeout: float = 10.0) -> dict:
+            assert op == "status"
+            if self.reply is None:
+                raise DaemonError("the daemon went away")
+            return self.reply
+
+    pacer = {"rate": 12.5e6, "btl": 11e6, "state": "cycle", "queue_delay": 0.002, "decreases": 3, "increases": 7,
+             "resumes": 1}
+    assert pacer_figures(FakeNode({"pacer": pacer})) == {"rate_bps": 100_000_000, "btl_bps": 88_000_000,
+                                                         "state": "cycle", "cuts": 3, "raises": 7}
+    assert pacer_figures(FakeNode({"pacer": {**pacer, "btl": None}}))["btl_bps"] is None  # (startup)
+    assert pacer_figures(FakeNode(None)) is None and pacer_figures(FakeNode({})) is None

@@ -36,6 +36,7 @@ def test_sixteen_daemons(swarm: LocalSwarm, tmp_path, capsys) -> None:
     assert status["peers"] >= 15 and len(status["peer_id"]) == 64 and status["listen"].startswith("127.0.0.1:")
     assert status["uptime_s"] > 0
     assert status["dataplane"] in ("native", "python")
+    assert status["pacer"]["state"] in ("startup", "cycle") and status["pacer"]["rate"] > 0  # nothing averaged yet
     if os.environ.get("PEERD_REQUIRE_NATIVE") == "1":  # CI builds the extension and asks for it
         assert status["dataplane"] == "native"
     peerd("dht", "put", "run/alpha", "hello swarm", "--ttl", "600", "--socket", nodes[5].socket)

@@ -65,3 +65,17 @@ def test_status_shows_each_trainer_and_what_auto_chose() -> None:
     assert not any(x.startswith("trainer") for x in render({**BASE, "peer_view": {"peers": []}}).splitlines())
     brief = render({**BASE, "trainers": [trainer], "peer_view": {"peers": []}}, brief=True).splitlines()
     assert head in brief and not any("auto:" in x or "phases:" in x for x in brief)  # `peerd top`: one line each
+
+
+def test_status_shows_the_pacers_rate_and_what_it_takes_the_bottleneck_for() -> None:
+    from peerd.transport.pacing import Pacer
+
+    pacer = Pacer(rate=12.5e6)  # 100 Mbit/s, in startup: no bottleneck measured yet
+    line = next(x for x in render({**BASE, "pacer": dataclasses.asdict(pacer.statistics())}).splitlines()
+                if x.startswith("pacer"))
+    assert "sends at 100.0Mbit/s (startup)" in line and "not yet measured" in line and "0 cuts" in line, line
+    pacer.btl = 10e6  # 80 Mbit/s measured
+    line = next(x for x in render({**BASE, "pacer": dataclasses.asdict(pacer.statistics())}).splitlines()
+                if x.startswith("pacer"))
+    assert "(cycle)" in line and "bottleneck 80.0Mbit/s" in line, line
+    assert "pacer" not in render(BASE)

@@ -133,6 +133,15 @@ def caps(c: dict[str, Any]) -> list[str]:
     return lines
 
 
+def pacer_line(p: dict[str, Any]) -> str:
+    """The sender's pacer: the rate it sends averages at, what it takes the uplink's bottleneck for, and how often it
+    cut and raised them (a rate far under the link's, with many cuts, is a lossy or congested uplink)."""
+    btl = "not yet measured (startup)" if p.get("btl") is None else f"{rate(p['btl'])}bit/s"
+    queue = "" if p.get("queue_delay") is None else f", uplink queue {1000 * p['queue_delay']:.0f} ms"
+    return (f"pacer      sends at {rate(p.get('rate'))}bit/s ({p.get('state', '-')}); bottleneck {btl}{queue}; "
+            f"{p.get('decreases', 0)} cuts, {p.get('increases', 0)} raises, {p.get('resumes', 0)} resumes")
+
+
 def network(view: dict[str, Any], capped: bool = False) -> list[str]:
     """This node's link use, the swarm-level fractions, and the per-peer table."""
     lines = [f"link       up {rate(view.get('send_bps'))}bit/s, down {rate(view.get('recv_bps'))}bit/s"
@@ -197,6 +206,8 @@ def render(reply: dict[str, Any], *, brief: bool = False) -> str:
     cap = reply.get("caps")
     if cap:
         out += caps(cap)
+    if reply.get("pacer"):
+        out.append(pacer_line(reply["pacer"]))
     view = reply.get("peer_view")
     if view:
         out += network(view, capped=bool(cap))

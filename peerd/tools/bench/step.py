@@ -31,6 +31,9 @@ no netem), so every round trip costs 2 MS more, as on a WAN. The figures (``--js
 - ``within_bound``: ``step_s`` is at most ``bound_s``; ``cores_bind``: ``cpu_floor_s`` is at least CORES_BIND of
   ``bound_s`` (None where the CPU was not measured): the bench's own CPU nearly fills the goal's time on these
   cores, so a step over the bound says more about the machine than about the link (run fewer peers per core);
+- ``pacers``: each daemon's pacer at the end (``rate_bps``, ``btl_bps``: the rate it sent at and the bottleneck it
+  measured, bits/s; ``state``; ``cuts``, ``raises``): a step far over its bound with one rate far under the link's
+  is that member's pacer, one with every rate near it is not;
 - ``link_queue_drops`` (with ``--link``): the share of the packets offered to the links' queues that they dropped
   over the whole run, ``up`` and ``down`` apart: the daemons' own overrun, beyond the random loss.
 Without ``--delay`` the RTT is the links' queues' and the hosts', not a WAN's.
@@ -52,10 +55,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...allreduce.robust import parse_robust
+from ...localsock.client import DaemonError
 from ...localsock.phases import PHASES
 from ..lab.links import LinkLab, parse_rate
 from ..linkargs import add_link_arguments
-from ..swarm import LocalSwarm
+from ..swarm import LocalSwarm, Node
 from .cpuwatch import CpuWatch, CpuWindow
 from .runner import run_bench
 
@@ -308,6 +312,7 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
                 watch.stop()
             queue_drops = lab.queue_drop_fractions(tbf_before, lab.tbf_sides()) if lab is not None else {}
             rtt = _ping_rtt(swarm, lab)
+            pacers = [pacer_figures(node) for node in swarm.nodes]
         finally:
             stop_workers(procs)
             swarm.cleanup()
@@ -321,7 +326,22 @@ def run_step_bench(cfg: StepBenchConfig, *, say: Any = print) -> dict[str, Any]:
     # what the links' token-bucket queues dropped of the packets offered to them over the whole run, uplinks and
     # downlinks apart: the daemons' own overrun (a sender above its uplink, senders converging on one downlink)
     result["link_queue_drops"] = {side: round(f, 6) for side, f in queue_drops.items()}
+    result["pacers"] = pacers
     return result
+
+
+def pacer_figures(node: Node) -> dict[str, Any] | None:
+    """A daemon's pacer at the end of the run (``pacers``; None where the daemon did not answer): the rate it sent
+    at and the bottleneck it measured, bits/s, its state, and how often it cut and raised them."""
+    try:
+        p = node.call("status", timeout=5.0).get("pacer")
+    except DaemonError:
+        return None
+    if not isinstance(p, dict):
+        return None
+    btl = p.get("btl")
+    return {"rate_bps": round(8 * p["rate"]), "btl_bps": None if btl is None else round(8 * btl),
+            "state": p.get("state"), "cuts": p.get("decreases"), "raises": p.get("increases")}
 
 
 def step_codec(reply: dict[str, Any], compression: str | None) -> str:
@@ -444,6 +464,8 @@ def cmd_bench_step(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if result["link_queue_drops"]:
         print("  link queues dropped: " + ", ".join(f"{side} {100 * f:.2f} %"
                                                     for side, f in result["link_queue_drops"].items()))
+    rates = [f"{p['rate_bps'] / 1e6:.1f}" if p else "-" for p in result["pacers"]]
+    print(f"  pacers' rates at the end (Mbit/s, each daemon): {', '.join(rates)}")
     return 0
 
 
