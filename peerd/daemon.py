@@ -354,7 +354,8 @@ class Daemon:
                 "peers": self.dht.peer_count(), "uptime_s": round(time.monotonic() - self.started, 1),
                 "reachability": nat_view(self.nat).reachability, "version": __version__}
         self.page.update({"node": node, "peer_view": view_json(self.peers.statistics(), swarm_view(self.metrics)),
-                          "link": self._link_view(), "trainers": trainers},
+                          "link": self._link_view(), "trainers": trainers,
+                          "pacer": dataclasses.asdict(self.allreduce.pacer.statistics())},
                          dataclasses.asdict(self.moshpit.statistics())["runs"])
 
     def _link_view(self) -> dict[str, Any]:

@@ -147,6 +147,7 @@ def test_status_page_json_has_every_section(averaged) -> None:
     assert [r["outcome"] for r in page["rounds"] if r["run"] == "view"] == ["averaged", "averaged"]
     assert len(page["trainers"]) == 1 and page["trainers"][0]["steps"] == 4
     assert 0 < page["trainers"][0]["network_share"] < 1 and 0 < page["peer_view"]["step_network_share"] < 1
+    assert page["pacer"]["rate"] > 0 and page["pacer"]["state"] in ("startup", "cycle"), page["pacer"]
     with urllib.request.urlopen(f"http://{statuses[0]['metrics']}/", timeout=10) as r:
         html = r.read().decode()
         assert r.headers["Content-Type"].startswith("text/html")
@@ -175,6 +176,7 @@ def test_status_page_in_a_real_browser_shows_every_section(averaged, tmp_path) -
     assert statuses[1]["peer_id"][:16] in dom and "reachable" in dom
     # the link against its limits, and the budget: used of total, what is left, and its outlook
     assert "upload" in dom and " of " in dom and 'data-budget="on-track"' in dom, dom[:4000]
+    assert "sends at " in dom and " raises" in dom, dom[:4000]  # the pacer
     assert "of 500.0 TB this month" in dom and "on track: lasts the month" in dom and "pace " in dom
     shot = os.environ.get("PEERD_STATUS_SCREENSHOT")  # where a person wants the picture (docs/status-page.png)
     if shot:

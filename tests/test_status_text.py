@@ -79,3 +79,12 @@ def test_status_shows_the_pacers_rate_and_what_it_takes_the_bottleneck_for() -> 
                 if x.startswith("pacer"))
     assert "(cycle)" in line and "bottleneck 80.0Mbit/s" in line, line
     assert "pacer" not in render(BASE)
+
+
+def test_top_leaves_out_the_deadlines_so_the_peer_table_stays_on_the_screen() -> None:
+    deadline = {"seconds": 1.0, "basis": "floor", "measured": None, "floor_s": 1.0, "cap_s": 3.0}
+    reply = {**BASE, "deadlines": {"window": deadline}, "pacer": {"rate": 1e6, "btl": None, "state": "startup"},
+             "peer_view": {"peers": []}}
+    assert any(x.startswith("deadline   window") for x in render(reply).splitlines())
+    brief = render(reply, brief=True).splitlines()
+    assert not any(x.startswith("deadline") for x in brief) and any(x.startswith("pacer") for x in brief)

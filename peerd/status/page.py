@@ -202,6 +202,11 @@ function budget(b) {
     ["outlook", b.on_track ? "on track: lasts the " + b.period
       : "runs out in " + span(b.runs_out_in_s) + " at the recent rate"]];
 }
+function pacer(p) {
+  if (!p) return "-";
+  return "sends at " + rate(p.rate) + " (" + text(p.state) + "), bottleneck " +
+    (p.btl === null ? "not yet measured" : rate(p.btl)) + "; " + p.decreases + " cuts, " + p.increases + " raises";
+}
 function bar(frac) { return frac === null ? "" : " [" + "#".repeat(Math.round(20 * frac)).padEnd(20, ".") + "]"; }
 function render(s) {
   const node = s.node || {}, v = s.peer_view || {}, link = s.link || {};
@@ -216,6 +221,7 @@ function render(s) {
     ["relayed", pct(v.relayed_fraction) + " of bytes"],
     ["averages received", pct(v.averages_received_fraction)],
     ["steps waiting on the network", pct(v.step_network_share)],
+    ["pacer", pacer(s.pacer)],
     ["sent", (text(v.sent_bytes / 1e6 | 0)) + " MB"], ["received", (text(v.received_bytes / 1e6 | 0)) + " MB"]]);
   kv("budget-body", budget(link.budget));
   $("budget-body").dataset.budget = link.budget ? (link.budget.on_track ? "on-track" : "runs-out") : "none";

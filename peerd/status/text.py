@@ -195,13 +195,14 @@ def trainer_lines(trainers: list[dict[str, Any]], width: int = 118, *, brief: bo
 
 
 def render(reply: dict[str, Any], *, brief: bool = False) -> str:
-    """The status reply as text; ``brief``: each trainer in one line (`peerd top`)."""
+    """The status reply as text; ``brief`` (`peerd top`, a screen of live figures): each trainer in one line, and
+    no deadline lines (they move slowly, and would push the per-peer table off the screen)."""
     out = summary(reply)
     if reply.get("trainers"):
         out += trainer_lines(reply["trainers"], brief=brief)
     if reply.get("deadline_mode") == "fixed":
         out.append("deadlines  fixed (--deadlines fixed: today's constants, nothing tuned)")
-    if reply.get("deadlines"):
+    if reply.get("deadlines") and not brief:
         out += deadline_lines(reply["deadlines"])
     cap = reply.get("caps")
     if cap:
