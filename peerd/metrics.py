@@ -169,6 +169,10 @@ class Metrics:
             "peerd_pacing_rate_bytes", "The sender pacer's current rate, bytes per second (0 until the first REPORT)",
             registry=r,
         )
+        self.pacing_changes = Counter(
+            "peerd_pacing_changes_total", "The sender pacer's rate changes, by action (decrease: a cut for congestion; "
+            "increase: a clean probe or startup step)", ["action"], registry=r,
+        )
         self.trainer_state_fetches = Counter(
             "peerd_trainer_state_fetches_total", "State downloads for joining trainers, by outcome", ["outcome"],
             registry=r,

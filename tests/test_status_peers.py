@@ -127,6 +127,7 @@ def test_metrics_keep_per_peer_series_bounded(averaged) -> None:
     assert metric_value(text, "peerd_traffic_bytes_total", direction="out", kind="averaging") > 50_000
     assert metric_value(text, "peerd_peers_tracked") >= 2
     assert metric_value(text, "peerd_averages_received_fraction") > 0.95
+    assert metric_value(text, "peerd_pacing_changes_total", action="increase") >= 1  # startup's steps up, at least
     assert f'peer="{statuses[1]["peer_id"][:16]}",stat="smoothed"' in text
 
 

@@ -171,6 +171,8 @@ class AllreduceService:
                     self.metrics.pacing_rate.set(a.rate)
                 if a.verdict.action == "decrease":
                     log.debug("pacing: %.1f MB/s (%s)", a.rate / 1e6, a.verdict.reason)
+                if a.verdict.action in ("decrease", "increase"):
+                    self.metrics.pacing_changes.labels(a.verdict.action).inc()
             else:
                 raise TypeError(f"the allreduce host asked for {a!r} where only counts and wake-ups are expected")
 
