@@ -84,6 +84,12 @@ def test_the_verdict_says_whether_the_bound_held_and_whether_the_cores_could_tel
     cores = out(1.0, 3.6)  # cpu_floor_s 0.9: 0.87 of the bound
     assert cores["cpu_floor_s"] == pytest.approx(0.9) and CORES_BIND <= 0.9 / 1.03
     assert cores["cores_bind"] and "the cores bind" in verdict(cores) and "0.87 of the bound" in verdict(cores)
+    # a pacer that ended far under the link's rate is named; one near it, or a run without a link, is not
+    pacers = [{"rate_bps": 96_000_000}, None, {"rate_bps": 12_700_000}]
+    slow = verdict({**link, "link": "100mbit", "pacers": pacers})
+    assert "daemon 2's pacer ended at 12.7 Mbit/s, under 70% of the link" in slow and "daemon 0" not in slow, slow
+    assert "pacer" not in verdict({**link, "pacers": pacers}) and "pacer" not in verdict({**ok, "link": "100mbit",
+                                                                                            "pacers": pacers})
 
 
 def test_the_command_line_checks_its_arguments() -> None:

@@ -33,7 +33,7 @@ no netem), so every round trip costs 2 MS more, as on a WAN. The figures (``--js
   cores, so a step over the bound says more about the machine than about the link (run fewer peers per core);
 - ``pacers``: each daemon's pacer at the end (``rate_bps``, ``btl_bps``: the rate it sent at and the bottleneck it
   measured, bits/s; ``state``; ``cuts``, ``raises``): a step far over its bound with one rate far under the link's
-  is that member's pacer, one with every rate near it is not;
+  is that member's pacer, one with every rate near it is not (the verdict names a pacer under PACER_LOW of the link);
 - ``link_queue_drops`` (with ``--link``): the share of the packets offered to the links' queues that they dropped
   over the whole run, ``up`` and ``down`` apart: the daemons' own overrun, beyond the random loss.
 Without ``--delay`` the RTT is the links' queues' and the hosts', not a WAN's.
@@ -70,6 +70,7 @@ CODEC_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 8 / 128, "in
 MODES = ("sync", "overlap", "diloco")
 NOISE_SETS = 4  # gradient draws a trainer takes in turn
 CORES_BIND = 0.8  # cpu_floor_s at this fraction of bound_s or more: the cores, not the link, bind (``cores_bind``)
+PACER_LOW = 0.7  # a pacer that ended under this fraction of the link's rate was cut and had not climbed back
 
 
 @dataclass
@@ -182,7 +183,19 @@ def verdict(result: dict[str, Any]) -> str:
         said += (f"; the cores bind: the bench's own CPU a step over the cores (cpu_floor_s {result['cpu_floor_s']:.4f}"
                  f" s) is {result['cpu_floor_s'] / bound:.2f} of the bound, so this says more about the machine than "
                  "the link (run fewer peers per core)")
+    for i, bps in low_pacers(result):
+        said += (f"; daemon {i}'s pacer ended at {bps / 1e6:.1f} Mbit/s, under {PACER_LOW:.0%} of the link: a cut it "
+                 "had not climbed back from, which every round waited for")
     return said
+
+
+def low_pacers(result: dict[str, Any]) -> list[tuple[int, int]]:
+    """(daemon, bits/s) of each pacer that ended the run under PACER_LOW of the link's rate (``--link`` runs)."""
+    if not result.get("link"):
+        return []
+    link = parse_rate(result["link"])
+    return [(i, p["rate_bps"]) for i, p in enumerate(result.get("pacers") or [])
+            if p and p["rate_bps"] < PACER_LOW * link]
 
 
 def cpu_window(watch: CpuWatch, records: list[list[dict[str, Any]]], warmup: int) -> CpuWindow | None:
